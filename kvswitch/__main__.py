@@ -1,0 +1,5 @@
+import sys
+
+from kvswitch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""The one `kvswitch` command. Each subcommand lives in its own package's `cli` module, which
+exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only when chosen, so
+`kvswitch sim` does not pay for the router's imports."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvswitch import __version__
+
+__all__ = ["main"]
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("kvswitch.up", "run a local cluster: nats, etcd, simulated engines, shims and routers"),
+    "sim": ("engine_sim.cli", "a simulated engine that speaks vLLM's wire protocols"),
+    "shim": ("worker_shim.cli", "the sidecar beside an engine: events, load, requests"),
+    "router": ("router.cli", "a router replica: the OpenAI front door and the prefix index"),
+    "bench": ("bench.cli", "trace replay, comparisons and micro-benchmarks"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvswitch",
+        description="KV-cache-aware router with conditional disaggregation.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="subcommands:\n" + "\n".join(f"  {n:<8} {h}" for n, (_, h) in SUBCOMMANDS.items()),
+    )
+    parser.add_argument("--version", action="version", version=f"kvswitch {__version__}")
+    parser.add_argument("command", choices=list(SUBCOMMANDS), metavar="COMMAND", help="one of: " + ", ".join(SUBCOMMANDS))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not args or args[0].startswith("-"):
+        top.parse_args(args or ["--help"])
+        return 2
+    name = args[0]
+    if name not in SUBCOMMANDS:
+        top.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
+    module_name, help_text = SUBCOMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            print(f"kvswitch {name}: not available in this build ({module_name} is missing)", file=sys.stderr)
+            return 2
+        raise
+    parser = argparse.ArgumentParser(prog=f"kvswitch {name}", description=help_text)
+    module.add_arguments(parser)
+    ns = parser.parse_args(args[1:])
+    return int(module.run(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""How every long-running kvswitch process runs: uvloop when installed, structured logging, and a
+stop event set by SIGTERM or SIGINT so services drain instead of dying mid-request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["JsonFormatter", "configure_logging", "run_service"]
+
+_STD_ATTRS = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, plus any `extra=` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STD_ATTRS and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
+    """`KVSWITCH_LOG_LEVEL` (info) and `KVSWITCH_LOG_FORMAT` (`text` or `json`) unless given."""
+    level = (level or os.environ.get("KVSWITCH_LOG_LEVEL", "info")).upper()
+    fmt = fmt or os.environ.get("KVSWITCH_LOG_FORMAT", "text")
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.Formatter.converter = time.gmtime
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
+    """Run `main(stop)` on uvloop (when installed) until it returns; SIGTERM/SIGINT set `stop`.
+
+    A second signal while draining exits at once with status 130.
+    """
+    configure_logging()
+
+    async def runner() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int) -> None:
+            if stop.is_set():
+                logging.getLogger("kvswitch").warning("second %s: exiting now", signal.Signals(signum).name)
+                os._exit(130)
+            logging.getLogger("kvswitch").info("%s: draining", signal.Signals(signum).name)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        return int(await main(stop) or 0)
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(runner())
+    return uvloop.run(runner())  # type: ignore[no-any-return]

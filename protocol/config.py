@@ -1,0 +1,294 @@
+"""Config schemas and their validation, shared by every process.
+
+Layering for every setting: CLI flag > environment variable (`KVSWITCH_<NAME>`) > config file (YAML
+or TOML) > default. `resolve()` applies that order to one schema; `validate()` on each schema
+raises ConfigError naming the setting and what it allows.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args
+
+import msgspec
+import yaml
+
+from protocol.errors import ConfigError
+
+__all__ = [
+    "DISAGG_MODES",
+    "POLICY_NAMES",
+    "ROUTING_MODES",
+    "ConditionalDisaggConfig",
+    "EtcdSettings",
+    "NatsSettings",
+    "RouterSettings",
+    "load_file",
+    "resolve",
+]
+
+PolicyName = Literal["isl_bounding", "prefill_load", "isl_or_load", "ttft_model"]
+POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
+LOAD_POLICIES = frozenset({"prefill_load", "isl_or_load"})
+RoutingMode = Literal["kv", "round_robin", "random", "least_loaded"]
+ROUTING_MODES: tuple[str, ...] = get_args(RoutingMode)
+DisaggMode = Literal["conditional", "always", "never"]
+DISAGG_MODES: tuple[str, ...] = get_args(DisaggMode)
+
+
+class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Conditional disaggregation, exactly as DESIGN.md defines it. Field names are the flags'.
+
+    conditional_disagg: decide per request; off, every request prefills remotely when a prefill
+        pool exists.
+    conditional_disagg_policy: isl_bounding | prefill_load | isl_or_load | ttft_model.
+    eff_isl_threshold: isl_bounding bypasses only below this many uncached prompt tokens (strict).
+    eff_isl_ratio_threshold: ... and only below this uncached fraction of the prompt (strict).
+    prefill_busy_threshold: prefill_load calls a prefill worker busy above this multiple of its
+        max_num_batched_tokens in queued prefill tokens (strict); None inherits queue_threshold.
+    decode_busy_threshold: a bypass is vetoed while the decode worker's KV use, this request
+        included, is above this fraction of its blocks (strict); None disables the guard.
+    queue_threshold: the router's queue threshold: a worker whose queued prefill tokens exceed this
+        multiple of its max_num_batched_tokens takes no new request while another is below it.
+    """
+
+    conditional_disagg: bool = False
+    conditional_disagg_policy: PolicyName = "isl_bounding"
+    eff_isl_threshold: int = 2048
+    eff_isl_ratio_threshold: float = 0.7
+    prefill_busy_threshold: float | None = None
+    decode_busy_threshold: float | None = None
+    queue_threshold: float | None = None
+
+    def validate(self) -> ConditionalDisaggConfig:
+        if self.conditional_disagg_policy not in POLICY_NAMES:
+            raise ConfigError.one_of("conditional_disagg_policy", self.conditional_disagg_policy, POLICY_NAMES)
+        if self.eff_isl_threshold < 0:
+            raise ConfigError("eff_isl_threshold", self.eff_isl_threshold, "must be >= 0")
+        if not 0.0 <= self.eff_isl_ratio_threshold <= 1.0:
+            raise ConfigError("eff_isl_ratio_threshold", self.eff_isl_ratio_threshold, "must be in [0, 1]")
+        for name in ("prefill_busy_threshold", "decode_busy_threshold", "queue_threshold"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(name, value, "must be >= 0")
+        if self.conditional_disagg_policy in LOAD_POLICIES and self.effective_prefill_busy_threshold is None:
+            raise ConfigError(
+                "prefill_busy_threshold",
+                None,
+                f"policy {self.conditional_disagg_policy} needs prefill_busy_threshold or queue_threshold",
+            )
+        return self
+
+    @property
+    def effective_prefill_busy_threshold(self) -> float | None:
+        return self.prefill_busy_threshold if self.prefill_busy_threshold is not None else self.queue_threshold
+
+
+class RouterSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """The router's live-tunable settings (also the value of /{ns}/config/router).
+
+    routing: how the decode/agg worker is picked (kv: prefix overlap and load).
+    disagg: never (aggregated), always (every request prefills remotely) or conditional (per
+        request, when `conditional.conditional_disagg` is on). Without a prefill pool every request
+        is aggregated.
+    conditional: the conditional disaggregation settings; flat names in flags, env and files.
+    temperature: softmax temperature over negated costs for near-tie breaking; 0 is argmin.
+    overlap_weight: weight of prefill work against decode load in the worker cost.
+    """
+
+    routing: RoutingMode = "kv"
+    disagg: DisaggMode = "conditional"
+    conditional: ConditionalDisaggConfig = msgspec.field(default_factory=ConditionalDisaggConfig)
+    temperature: float = 0.0
+    overlap_weight: float = 1.0
+    max_queue: int = 1024
+    prefill_timeout_s: float = 30.0
+
+    def validate(self) -> RouterSettings:
+        if self.routing not in ROUTING_MODES:
+            raise ConfigError.one_of("routing", self.routing, ROUTING_MODES)
+        if self.disagg not in DISAGG_MODES:
+            raise ConfigError.one_of("disagg", self.disagg, DISAGG_MODES)
+        if self.temperature < 0:
+            raise ConfigError("temperature", self.temperature, "must be >= 0")
+        if self.overlap_weight < 0:
+            raise ConfigError("overlap_weight", self.overlap_weight, "must be >= 0")
+        if self.max_queue < 0:
+            raise ConfigError("max_queue", self.max_queue, "must be >= 0")
+        if self.prefill_timeout_s <= 0:
+            raise ConfigError("prefill_timeout_s", self.prefill_timeout_s, "must be > 0")
+        self.conditional.validate()
+        return self
+
+
+class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
+    servers: list[str] = msgspec.field(default_factory=lambda: ["nats://127.0.0.1:4222"])
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    nkey_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def validate(self) -> NatsSettings:
+        if not self.servers:
+            raise ConfigError("nats_servers", self.servers, "at least one nats:// or tls:// URL")
+        for url in self.servers:
+            if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ConfigError("nats_servers", url, "URLs must start with nats://, tls://, ws:// or wss://")
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("nats_user", self.user, "nats_user and nats_password go together")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("nats_tls_cert", self.tls_cert, "nats_tls_cert and nats_tls_key go together")
+        _check_files(
+            nats_creds_file=self.creds_file,
+            nats_nkey_file=self.nkey_file,
+            nats_tls_ca=self.tls_ca,
+            nats_tls_cert=self.tls_cert,
+            nats_tls_key=self.tls_key,
+        )
+        return self
+
+
+class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
+    endpoints: list[str] = msgspec.field(default_factory=lambda: ["http://127.0.0.1:2379"])
+    user: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def validate(self) -> EtcdSettings:
+        if not self.endpoints:
+            raise ConfigError("etcd_endpoints", self.endpoints, "at least one http:// or https:// URL")
+        for url in self.endpoints:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError("etcd_endpoints", url, "URLs must start with http:// or https://")
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("etcd_user", self.user, "etcd_user and etcd_password go together")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("etcd_tls_cert", self.tls_cert, "etcd_tls_cert and etcd_tls_key go together")
+        _check_files(etcd_tls_ca=self.tls_ca, etcd_tls_cert=self.tls_cert, etcd_tls_key=self.tls_key)
+        return self
+
+
+def _check_files(**paths: str | None) -> None:
+    for setting, path in paths.items():
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(setting, path, "must name a readable file")
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (.yaml/.yml) or TOML (.toml) config file into a mapping."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError("config", str(p), f"cannot read: {exc.strerror}") from exc
+    if p.suffix == ".toml":
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", str(p), f"not valid TOML: {exc}") from exc
+    elif p.suffix in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError("config", str(p), f"not valid YAML: {exc}") from exc
+    else:
+        raise ConfigError("config", str(p), "the file name must end in .yaml, .yml or .toml")
+    if not isinstance(data, dict):
+        raise ConfigError("config", str(p), "the top level must be a mapping")
+    return data
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def resolve(
+    schema: type[S],
+    *,
+    cli: Mapping[str, Any] | None = None,
+    file: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    env_prefix: str = "KVSWITCH_",
+    setting_prefix: str = "",
+) -> S:
+    """Build `schema` from its layers: CLI flag > env > file > default, then validate it.
+
+    Field `x` is flag/file key `{setting_prefix}x` and env var `{env_prefix}{SETTING_PREFIX}X`. CLI
+    values that are None count as not given. Fields of a nested Struct share their parent's flat
+    names (a file may also nest them under the field's name). List fields take comma-separated
+    strings from the environment.
+    """
+    env = os.environ if env is None else env
+    merged = _layer(schema, cli or {}, file or {}, env, env_prefix, setting_prefix)
+    try:
+        value = msgspec.convert(merged, schema, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _named_error(schema, merged, exc, setting_prefix) from exc
+    validate = getattr(value, "validate", None)
+    return validate() if validate is not None else value  # type: ignore[no-any-return]
+
+
+def _layer(
+    schema: type[msgspec.Struct],
+    cli: Mapping[str, Any],
+    file: Mapping[str, Any],
+    env: Mapping[str, str],
+    env_prefix: str,
+    prefix: str,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in msgspec.structs.fields(schema):
+        sub = _struct_type(field.type)
+        if sub is not None:
+            nested = file.get(field.name)
+            sub_file = {**file, **nested} if isinstance(nested, Mapping) else file
+            out[field.name] = _layer(sub, cli, sub_file, env, env_prefix, prefix)
+            continue
+        name = prefix + field.name
+        env_name = env_prefix + name.upper()
+        if cli.get(name) is not None:
+            out[field.name] = cli[name]
+        elif env_name in env:
+            raw = env[env_name]
+            out[field.name] = [s.strip() for s in raw.split(",") if s.strip()] if _is_list(field.type) else raw
+        elif name in file:
+            out[field.name] = file[name]
+        elif field.name in file:
+            out[field.name] = file[field.name]
+    return out
+
+
+def _named_error(
+    schema: type[msgspec.Struct], merged: Mapping[str, Any], exc: msgspec.ValidationError, prefix: str
+) -> ConfigError:
+    """Turn msgspec's `... - at `$.a.b`` into a ConfigError naming the flat setting."""
+    message = str(exc)
+    path = message.rsplit("at `$.", 1)[-1].rstrip("`").split(".") if "at `$." in message else []
+    tp: Any = schema
+    value: Any = merged
+    for part in path:
+        field = next((f for f in msgspec.structs.fields(tp) if f.name == part), None) if _struct_type(tp) else None
+        if field is None:
+            break
+        tp, value = field.type, value.get(part) if isinstance(value, Mapping) else None
+    setting = prefix + path[-1] if path else schema.__name__
+    choices = get_args(tp) if getattr(tp, "__origin__", None) is Literal else ()
+    if choices:
+        return ConfigError.one_of(setting, value, [str(c) for c in choices])
+    return ConfigError(setting, value, message.split(" - at ")[0])
+
+
+def _struct_type(tp: Any) -> type[msgspec.Struct] | None:
+    return tp if isinstance(tp, type) and issubclass(tp, msgspec.Struct) else None
+
+
+def _is_list(tp: Any) -> bool:
+    return getattr(tp, "__origin__", None) is list

@@ -1,0 +1,88 @@
+"""The canonical block hash (DESIGN.md, "The canonical block hash").
+
+    h[-1] = xxh3_64(salt bytes, seed=SEED)
+    h[i]  = xxh3_64(u64le(h[i-1]) + u32le(tokens[i*B:(i+1)*B]), seed=SEED)
+
+Only full blocks are hashed: a trailing partial block has no hash, as no engine caches it. The shim
+computes this for every block an engine reports cached and the router for every prompt, so equal
+prefixes meet in the index whatever engine holds them. Engine hashes stay opaque.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+__all__ = ["ROOT_SALT", "SEED", "BlockHasher", "block_hashes", "root_hash"]
+
+SEED = 0x6B76_7377_6974_6368  # "kvswitch" in ASCII; fixed forever, the hash is a wire format.
+ROOT_SALT = b""
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_u64 = struct.Struct("<Q")
+_MAX_TOKEN = 0xFFFF_FFFF
+
+
+def root_hash(salt: str | bytes = ROOT_SALT) -> int:
+    """The chain's starting value for `salt` (empty by default; a LoRA name or cache salt else)."""
+    raw = salt.encode() if isinstance(salt, str) else salt
+    return _xxh3(raw, seed=SEED)
+
+
+def _pack_tokens(tokens: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as exc:
+        bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t <= _MAX_TOKEN), None)
+        raise ValueError(f"token ids must be integers in [0, 2**32): got {bad!r}") from exc
+
+
+def block_hashes(
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    salt: str | bytes = ROOT_SALT,
+    parent: int | None = None,
+) -> list[int]:
+    """Canonical hashes of every full block of `tokens`.
+
+    `parent` continues a chain (the hash of the block before `tokens[0]`); by default the chain
+    starts at the root for `salt`.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_full = len(tokens) // block_size
+    if n_full == 0:
+        return []
+    raw = _pack_tokens(tokens[: n_full * block_size])
+    stride = 4 * block_size
+    prev = root_hash(salt) if parent is None else parent
+    out: list[int] = []
+    append = out.append
+    pack = _u64.pack
+    for off in range(0, n_full * stride, stride):
+        prev = _xxh3(pack(prev) + raw[off : off + stride], seed=SEED)
+        append(prev)
+    return out
+
+
+class BlockHasher:
+    """Hashes prompts for one block size and salt; keeps the root so it is computed once."""
+
+    __slots__ = ("block_size", "root", "salt")
+
+    def __init__(self, block_size: int, salt: str | bytes = ROOT_SALT) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.salt = salt
+        self.root = root_hash(salt)
+
+    def __call__(self, tokens: Sequence[int]) -> list[int]:
+        return block_hashes(tokens, self.block_size, parent=self.root)
+
+    def extend(self, parent: int | None, block_tokens: Sequence[int]) -> list[int]:
+        """Hashes of full blocks in `block_tokens`, chained after `parent` (None: the root)."""
+        return block_hashes(block_tokens, self.block_size, parent=self.root if parent is None else parent)

@@ -1,0 +1,307 @@
+"""Every message that crosses a process boundary (DESIGN.md, "NATS subjects" and "etcd keys").
+
+All are msgspec Structs encoded as maps: unknown fields are ignored on decode, so a newer peer can
+add fields without breaking an older one, and each carries the schema version `v` it was written
+with. NATS payloads are msgpack (`encode_msg`/`decode_msg`); etcd values are JSON
+(`encode_json`/`decode_json`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NewType, TypeVar
+
+import msgspec
+
+from protocol.errors import ProtocolError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BlockHash",
+    "CancelRequest",
+    "Cleared",
+    "ErrorInfo",
+    "GenerateRequest",
+    "KvEvent",
+    "KvEventBatch",
+    "KvStateChunk",
+    "KvStateRequest",
+    "LoadReport",
+    "Removed",
+    "ResponseChunk",
+    "Role",
+    "RouterInfo",
+    "RouterSync",
+    "SamplingParams",
+    "Stored",
+    "SyncEntry",
+    "SyncKind",
+    "TransferHandle",
+    "Usage",
+    "WorkerId",
+    "WorkerInfo",
+    "decode_json",
+    "decode_msg",
+    "encode_json",
+    "encode_msg",
+]
+
+SCHEMA_VERSION = 1
+
+WorkerId = NewType("WorkerId", str)
+"""The shim's etcd lease id, lowercase hex."""
+BlockHash = NewType("BlockHash", int)
+"""A canonical block hash (protocol.hashing): an unsigned 64-bit integer."""
+
+Role = Literal["prefill", "decode", "agg"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "agg")
+SyncKind = Literal["add", "prefill_done", "free"]
+
+
+class _Msg(msgspec.Struct, kw_only=True):
+    v: int = SCHEMA_VERSION
+
+
+# --- KV events: shim -> routers on {ns}.kv.{worker} -------------------------------------------
+
+
+class Stored(msgspec.Struct, tag="stored", tag_field="type", kw_only=True):
+    """Blocks newly cached on the worker, in chain order; `parent` precedes `hashes[0]` (None: root)."""
+
+    hashes: list[int]
+    parent: int | None = None
+    medium: str | None = None
+
+
+class Removed(msgspec.Struct, tag="removed", tag_field="type", kw_only=True):
+    """Blocks no longer cached on the worker."""
+
+    hashes: list[int]
+    medium: str | None = None
+
+
+class Cleared(msgspec.Struct, tag="cleared", tag_field="type", kw_only=True):
+    """The worker holds nothing any more (engine reset or restart, or a gap that replay cannot fill)."""
+
+
+KvEvent = Stored | Removed | Cleared
+
+
+class KvEventBatch(_Msg, kw_only=True):
+    """One batch of a shim's events. (worker, epoch, seq) orders them; seq starts at 1 per epoch."""
+
+    worker: str
+    epoch: int
+    seq: int
+    ts: float
+    events: list[KvEvent]
+
+
+class KvStateRequest(_Msg, kw_only=True):
+    """Router -> shim on {ns}.kvstate.{worker}: everything after `since_seq` of `epoch`.
+
+    `epoch` None (or not the shim's current one) asks for a full dump. Replies stream to the reply
+    subject as KvStateChunks until one has `final` set.
+    """
+
+    since_seq: int = 0
+    epoch: int | None = None
+
+
+class KvStateChunk(_Msg, kw_only=True):
+    """One reply chunk: either missed `batches`, or part of a full dump `hashes` (parent-first).
+
+    A dump describes the state as of (`epoch`, `seq`): the receiver replaces what it held for the
+    worker with the union of all dump chunks and then applies live batches with seq > `seq`.
+    """
+
+    worker: str
+    epoch: int
+    seq: int
+    batches: list[KvEventBatch] = []
+    dump: bool = False
+    hashes: list[int] = []
+    chunk: int = 0
+    final: bool = True
+
+
+# --- Load: shim -> routers on {ns}.load.{worker} --------------------------------------------------
+
+
+class LoadReport(_Msg, kw_only=True):
+    worker: str
+    ts: float
+    running: int = 0
+    waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int | None = None
+    prefill_tokens_queued: int = 0
+    kv_usage: float | None = None
+    num_preemptions: int = 0
+    healthy: bool = True
+
+
+# --- Requests: router -> shim on {ns}.gen.{role}.{worker} ----------------------------------------
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class TransferHandle(msgspec.Struct, kw_only=True):
+    """What a prefill leg hands to its decode leg, opaque to the router.
+
+    `engine` names the adapter that produced it; `params` is engine-specific: vLLM's
+    `kv_transfer_params`, TensorRT-LLM's `disaggregated_params`, SGLang's bootstrap triple.
+    """
+
+    engine: str
+    params: dict[str, Any]
+    prefill_worker: str = ""
+
+
+class GenerateRequest(_Msg, kw_only=True):
+    """One leg of a request. The subject's role says which: prefill (one token, returns a
+    TransferHandle), decode (with `disagg` from the prefill leg, or the bypass annotation to prefill
+    locally) or agg.
+
+    `annotations` are the router's alone: values a client sent are stripped at the front door.
+    `deadline` is a Unix time; past it the shim aborts the request. `trace` carries W3C trace
+    context (traceparent, tracestate).
+    """
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = True
+    annotations: list[str] = []
+    disagg: TransferHandle | None = None
+    deadline: float | None = None
+    trace: dict[str, str] = {}
+
+
+ANNOTATION_BYPASS = "bypass_remote_prefill"
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    """Why a stream ended badly. `code` is an HTTP-like status; `kind` a short machine word."""
+
+    code: int
+    kind: str
+    message: str
+
+
+class ResponseChunk(_Msg, kw_only=True):
+    """Shim -> router on the request's reply subject. `seq` counts chunks from 0 per leg; the last
+    chunk has `final` set and carries `finish_reason`, `usage` and, for a prefill leg, `transfer`;
+    or `error` when the leg failed."""
+
+    request_id: str
+    seq: int
+    token_ids: list[int] = []
+    final: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    transfer: TransferHandle | None = None
+    error: ErrorInfo | None = None
+    worker: str = ""
+
+
+class CancelRequest(_Msg, kw_only=True):
+    request_id: str
+
+
+# --- Router replica sync on {ns}.router.sync -------------------------------------------------------
+
+
+class SyncEntry(msgspec.Struct, kw_only=True):
+    request_id: str
+    worker: str
+    kind: SyncKind
+    tokens: int = 0
+    blocks: int = 0
+
+
+class RouterSync(_Msg, kw_only=True):
+    router: str
+    entries: list[SyncEntry]
+
+
+# --- etcd values ------------------------------------------------------------------------------------
+
+
+class WorkerInfo(_Msg, kw_only=True):
+    """/{ns}/workers/{worker}: one engine behind its shim, alive exactly as long as the key."""
+
+    worker: str
+    model: str
+    role: Role
+    engine: str
+    block_size: int
+    kv_total_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_bytes_per_token: int | None = None
+    timing_profile: str | None = None
+    epoch: int = 0
+    version: str = ""
+    engine_url: str = ""
+
+
+class RouterInfo(_Msg, kw_only=True):
+    """/{ns}/routers/{router}."""
+
+    router: str
+    http_url: str
+    started_at: float
+    version: str = ""
+
+
+# --- Codecs -------------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+_msg_encoder = msgspec.msgpack.Encoder()
+_json_encoder = msgspec.json.Encoder()
+_msg_decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}
+_json_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+
+def encode_msg(msg: msgspec.Struct) -> bytes:
+    return _msg_encoder.encode(msg)
+
+
+def decode_msg(data: bytes, kind: type[T]) -> T:
+    """Decode a NATS payload; raises ProtocolError naming the type for anything malformed."""
+    dec = _msg_decoders.get(kind)
+    if dec is None:
+        dec = _msg_decoders[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        return dec.decode(data)  # type: ignore[no-any-return]
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(kind.__name__, str(exc)) from exc
+
+
+def encode_json(msg: msgspec.Struct) -> bytes:
+    return _json_encoder.encode(msg)
+
+
+def decode_json(data: bytes | str, kind: type[T]) -> T:
+    dec = _json_decoders.get(kind)
+    if dec is None:
+        dec = _json_decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return dec.decode(data)  # type: ignore[no-any-return]
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(kind.__name__, str(exc)) from exc
