@@ -30,7 +30,9 @@ def _top_parser() -> argparse.ArgumentParser:
         epilog="subcommands:\n" + "\n".join(f"  {n:<8} {h}" for n, (_, h) in SUBCOMMANDS.items()),
     )
     parser.add_argument("--version", action="version", version=f"kvswitch {__version__}")
-    parser.add_argument("command", choices=list(SUBCOMMANDS), metavar="COMMAND", help="one of: " + ", ".join(SUBCOMMANDS))
+    parser.add_argument(
+        "command", choices=list(SUBCOMMANDS), metavar="COMMAND", help="one of: " + ", ".join(SUBCOMMANDS)
+    )
     return parser
 
 

@@ -77,4 +77,4 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
         import uvloop
     except ImportError:
         return asyncio.run(runner())
-    return uvloop.run(runner())  # type: ignore[no-any-return]
+    return uvloop.run(runner())

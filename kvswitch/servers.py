@@ -68,7 +68,7 @@ def _die_with_parent() -> None:
 
 def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback only)
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read()
@@ -96,7 +96,10 @@ class _Server:
         log = self._log_path.open("ab")
         try:
             self.proc = subprocess.Popen(
-                self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self._argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 (async-signal-safe: one prctl call)
             )
         finally:
@@ -162,8 +165,18 @@ class NatsServer(_Server):
 
     def _argv(self) -> list[str]:
         return [
-            self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port),
-            "-js", "-sd", str(self.workdir / "jetstream"), "--server_name", f"kvswitch-{self.port}",
+            self.binary,
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-m",
+            str(self.monitor_port),
+            "-js",
+            "-sd",
+            str(self.workdir / "jetstream"),
+            "--server_name",
+            f"kvswitch-{self.port}",
         ]
 
     def healthy(self) -> bool:
@@ -192,10 +205,25 @@ class EtcdServer(_Server):
     def _argv(self) -> list[str]:
         peer = f"http://127.0.0.1:{self.peer_port}"
         return [
-            self.binary, "--name", "kvswitch", "--data-dir", str(self.workdir / "data"),
-            "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"kvswitch={peer}", "--log-level", "warn", "--logger", "zap",
+            self.binary,
+            "--name",
+            "kvswitch",
+            "--data-dir",
+            str(self.workdir / "data"),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"kvswitch={peer}",
+            "--log-level",
+            "warn",
+            "--logger",
+            "zap",
         ]
 
     def healthy(self) -> bool:

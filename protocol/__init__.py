@@ -5,11 +5,13 @@ config schemas with their validation, and the built-in deterministic tokenizer. 
 else of kvswitch's.
 """
 
+from protocol import subjects
 from protocol.errors import ConfigError, ProtocolError
 from protocol.hashing import ROOT_SALT, SEED, BlockHasher, block_hashes, root_hash
 from protocol.messages import (
     SCHEMA_VERSION,
     BlockHash,
+    CancelRequest,
     Cleared,
     ErrorInfo,
     GenerateRequest,
@@ -22,12 +24,11 @@ from protocol.messages import (
     ResponseChunk,
     Role,
     RouterInfo,
+    RouterSync,
     SamplingParams,
     Stored,
     SyncEntry,
     SyncKind,
-    CancelRequest,
-    RouterSync,
     TransferHandle,
     Usage,
     WorkerId,
@@ -37,7 +38,6 @@ from protocol.messages import (
     encode_json,
     encode_msg,
 )
-from protocol import subjects
 
 __all__ = [
     "ROOT_SALT",

@@ -233,7 +233,7 @@ def resolve(
     except msgspec.ValidationError as exc:
         raise _named_error(schema, merged, exc, setting_prefix) from exc
     validate = getattr(value, "validate", None)
-    return validate() if validate is not None else value  # type: ignore[no-any-return]
+    return validate() if validate is not None else value
 
 
 def _layer(
@@ -283,7 +283,7 @@ def _named_error(
     choices = get_args(tp) if getattr(tp, "__origin__", None) is Literal else ()
     if choices:
         return ConfigError.one_of(setting, value, [str(c) for c in choices])
-    return ConfigError(setting, value, message.split(" - at ")[0])
+    return ConfigError(setting, value, message.split(" - at ", maxsplit=1)[0])
 
 
 def _struct_type(tp: Any) -> type[msgspec.Struct] | None:

@@ -1,0 +1,167 @@
+"""`Discovery`: one etcd connection per process, and what kvswitch does with it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Self, TypeVar
+
+import msgspec
+from etcd3aio import Etcd3Client, EtcdError
+
+from discovery.lease import Lease
+from discovery.watch import WatchEvent, watch_prefix
+from protocol import ProtocolError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
+from protocol.config import EtcdSettings
+
+__all__ = ["DEFAULT_TTL", "Discovery", "DiscoveryError"]
+
+log = logging.getLogger(__name__)
+DEFAULT_TTL = 10
+M = TypeVar("M", bound=msgspec.Struct)
+
+
+class DiscoveryError(RuntimeError):
+    """etcd could not be reached or refused an operation."""
+
+
+def _endpoint(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+class Discovery:
+    """Registration under leases and watches under one namespace.
+
+    Usage: `async with Discovery(settings, ns) as d: lease = await d.register_worker(make_info)`.
+    `close()` revokes every lease this object granted that is still held, then closes the channel;
+    it is safe to call twice.
+    """
+
+    def __init__(self, settings: EtcdSettings, ns: str = subjects.DEFAULT_NAMESPACE) -> None:
+        self.settings = settings
+        self.ns = subjects.validate_namespace(ns)
+        self._client: Etcd3Client | None = None
+        self._leases: list[Lease] = []
+
+    @property
+    def client(self) -> Etcd3Client:
+        if self._client is None:
+            raise DiscoveryError("not connected: call connect() or use `async with`")
+        return self._client
+
+    async def connect(self, timeout: float = 10.0) -> Self:
+        s = self.settings
+        endpoints = [_endpoint(u) for u in s.endpoints]
+        if s.tls_ca:
+            client = Etcd3Client(
+                endpoints, ca_cert=_read(s.tls_ca), cert_key=_read(s.tls_key), cert_chain=_read(s.tls_cert)
+            )
+        else:
+            client = Etcd3Client(endpoints)
+        await client.connect()
+        try:
+            if s.user is not None and s.password is not None:
+                assert client.auth is not None
+                resp = await client.auth.authenticate(s.user, s.password)
+                client.set_token(resp.token)
+            await client.ping(write_check=False, timeout=timeout)
+        except (EtcdError, TimeoutError) as exc:
+            await client.close()
+            raise DiscoveryError(f"etcd at {', '.join(s.endpoints)} is not reachable: {exc}") from exc
+        self._client = client
+        return self
+
+    async def close(self) -> None:
+        leases, self._leases = self._leases, []
+        for lease in leases:
+            await lease.revoke()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+    async def __aenter__(self) -> Self:
+        return await self.connect()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # --- registration ---------------------------------------------------------------------------
+
+    async def grant(self, ttl: int = DEFAULT_TTL) -> Lease:
+        assert self.client.lease is not None
+        try:
+            resp = await self.client.lease.grant(ttl, timeout=5.0)
+        except (EtcdError, TimeoutError) as exc:
+            raise DiscoveryError(f"lease grant failed: {exc}") from exc
+        lease = Lease(self.client, resp.ID, resp.TTL)
+        lease.start()
+        self._leases.append(lease)
+        return lease
+
+    async def _put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
+        assert self.client.kv is not None
+        try:
+            await self.client.kv.put(key, value, lease=lease.id if lease else 0, timeout=5.0)
+        except (EtcdError, TimeoutError) as exc:
+            raise DiscoveryError(f"put {key} failed: {exc}") from exc
+
+    async def register_worker(self, make_info: Callable[[str], WorkerInfo], ttl: int = DEFAULT_TTL) -> Lease:
+        """Grant a lease, then put `make_info(worker_id)` under /{ns}/workers/{worker_id}."""
+        lease = await self.grant(ttl)
+        info = make_info(lease.hex_id)
+        if info.worker != lease.hex_id:
+            raise ValueError(f"WorkerInfo.worker must be the lease id {lease.hex_id}, got {info.worker}")
+        await self._put(subjects.worker_key(self.ns, info.worker), encode_json(info), lease)
+        return lease
+
+    async def update_worker(self, lease: Lease, info: WorkerInfo) -> None:
+        await self._put(subjects.worker_key(self.ns, info.worker), encode_json(info), lease)
+
+    async def register_router(self, make_info: Callable[[str], RouterInfo], ttl: int = DEFAULT_TTL) -> Lease:
+        lease = await self.grant(ttl)
+        info = make_info(lease.hex_id)
+        await self._put(subjects.router_key(self.ns, info.router), encode_json(info), lease)
+        return lease
+
+    async def release(self, lease: Lease) -> None:
+        """Revoke `lease` now: its keys disappear for every watcher at once."""
+        if lease in self._leases:
+            self._leases.remove(lease)
+        await lease.revoke()
+
+    # --- watches --------------------------------------------------------------------------------
+
+    def _parser(self, kind: type[M]) -> Callable[[bytes], M | None]:
+        def parse(raw: bytes) -> M | None:
+            try:
+                return decode_json(raw, kind)
+            except ProtocolError as exc:
+                log.warning("ignoring malformed %s in etcd: %s", kind.__name__, exc)
+                return None
+
+        return parse
+
+    def watch_workers(self) -> AsyncIterator[WatchEvent[WorkerInfo]]:
+        """A Snapshot of /{ns}/workers/, then each change; names are worker ids."""
+        return watch_prefix(self.client, subjects.workers_prefix(self.ns), self._parser(WorkerInfo))
+
+    def watch_routers(self) -> AsyncIterator[WatchEvent[RouterInfo]]:
+        return watch_prefix(self.client, subjects.routers_prefix(self.ns), self._parser(RouterInfo))
+
+    def watch_raw(self, prefix: str) -> AsyncIterator[WatchEvent[bytes]]:
+        return watch_prefix(self.client, prefix, lambda raw: raw)
+
+    async def put_raw(self, key: str, value: bytes) -> None:
+        await self._put(key, value)
+
+    async def delete(self, key: str) -> None:
+        assert self.client.kv is not None
+        await self.client.kv.delete(key, timeout=5.0)
