@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
@@ -149,14 +149,14 @@ class Discovery:
 
         return parse
 
-    def watch_workers(self) -> AsyncIterator[WatchEvent[WorkerInfo]]:
+    def watch_workers(self) -> AsyncGenerator[WatchEvent[WorkerInfo], None]:
         """A Snapshot of /{ns}/workers/, then each change; names are worker ids."""
         return watch_prefix(self.client, subjects.workers_prefix(self.ns), self._parser(WorkerInfo))
 
-    def watch_routers(self) -> AsyncIterator[WatchEvent[RouterInfo]]:
+    def watch_routers(self) -> AsyncGenerator[WatchEvent[RouterInfo], None]:
         return watch_prefix(self.client, subjects.routers_prefix(self.ns), self._parser(RouterInfo))
 
-    def watch_raw(self, prefix: str) -> AsyncIterator[WatchEvent[bytes]]:
+    def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:
         return watch_prefix(self.client, prefix, lambda raw: raw)
 
     async def put_raw(self, key: str, value: bytes) -> None:

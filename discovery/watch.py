@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -48,7 +48,7 @@ async def watch_prefix(
     parse: Callable[[bytes], V | None],
     *,
     retry_s: float = 0.5,
-) -> AsyncIterator[WatchEvent[V]]:
+) -> AsyncGenerator[WatchEvent[V], None]:
     """Names are keys with the prefix cut off. `parse` returns None for a value to skip (it logs
     why); a skipped Put is reported as Deleted, so a consumer never keeps a stale value.
 
@@ -84,7 +84,7 @@ async def _changes(
     next_rev: int,
     parse: Callable[[bytes], V | None],
     retry_s: float,
-) -> AsyncIterator[WatchEvent[V]]:
+) -> AsyncGenerator[WatchEvent[V], None]:
     while True:
         try:
             assert client.watch is not None

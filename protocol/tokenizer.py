@@ -7,9 +7,9 @@ engine always agree on token ids.
 Vocabulary (VOCAB_SIZE ids, fixed forever since ids are cached and hashed):
 - 0..255: raw UTF-8 bytes, so any text encodes;
 - 256..259: the specials <|bos|>, <|eos|>, <|im_start|>, <|im_end|>;
-- then common English words, each with and without a leading space;
-- then procedural pseudo-words (" ka", " kabe", ...) filling the rest, so any id decodes to text and
-  re-encodes to itself.
+- then common English words, each with a leading space;
+- then procedural pseudo-words (" ka", " kabe", ...) filling the rest, so any sequence of ids from
+  260 up decodes to text that re-encodes to the same ids.
 
 Encoding splits text like GPT-2 (an optional space and a run of word characters, runs of spaces, or
 one other character), emits a piece's id when the piece is in the vocabulary and its UTF-8 bytes
@@ -54,7 +54,8 @@ def _pieces() -> tuple[bytes, ...]:
     out: list[bytes] = [bytes([b]) for b in range(256)]
     out += [s.encode() for s in _SPECIALS]
     seen = set(out)
-    words = [w.encode() for word in _COMMON for w in (word, " " + word)]
+    # Only space-led words: then any sequence of word ids decodes to text that re-encodes to it.
+    words = [(" " + word).encode() for word in _COMMON]
     syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
     i = 0
     while len(out) < VOCAB_SIZE:

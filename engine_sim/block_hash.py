@@ -1,0 +1,64 @@
+"""Block hashes the way vLLM computes them (prefix_caching_hash_algo `sha256_cbor`).
+
+    root     = sha256(cbor(PYTHONHASHSEED))   when PYTHONHASHSEED is set (and not "random"),
+               32 random bytes                 otherwise, chosen once per engine start;
+    block[i] = sha256(cbor((block[i-1] or root, tuple(block tokens), extra_keys)))
+
+KV events carry the low 64 bits (the digest's last 8 bytes, big-endian) as an unsigned integer.
+Like a real engine's, these hashes are opaque: a consumer cannot reproduce them without the seed,
+which is why kvswitch hashes canonically from token ids (protocol.hashing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+
+import cbor2
+
+__all__ = ["HashedBlock", "external_hash", "hash_block", "root_hash"]
+
+
+def root_hash(seed: str | None = None) -> bytes:
+    """The chain's parent for the first block. `seed` defaults to PYTHONHASHSEED."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None or seed == "random":
+        return os.urandom(32)
+    return hashlib.sha256(cbor2.dumps(seed, canonical=True)).digest()
+
+
+def hash_block(parent: bytes, tokens: Sequence[int], extra_keys: object = None) -> bytes:
+    return hashlib.sha256(cbor2.dumps((parent, tuple(tokens), extra_keys), canonical=True)).digest()
+
+
+def external_hash(digest: bytes) -> int:
+    """What KV events carry: the low 64 bits as an unsigned integer."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+class HashedBlock:
+    """One full block's identity: its digest, the 64-bit hash events carry, its tokens and the
+    block before it. Immutable once made; a chain of these is a prefix, so a cached block can name
+    every token before it even after its parent block was evicted."""
+
+    __slots__ = ("digest", "ext", "parent", "tokens")
+
+    def __init__(self, parent: HashedBlock | None, tokens: tuple[int, ...], root: bytes) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.digest = hash_block(parent.digest if parent is not None else root, tokens)
+        self.ext = external_hash(self.digest)
+
+    def prefix(self) -> list[int]:
+        """All token ids from the start of the sequence through this block."""
+        chain: list[tuple[int, ...]] = []
+        node: HashedBlock | None = self
+        while node is not None:
+            chain.append(node.tokens)
+            node = node.parent
+        out: list[int] = []
+        for toks in reversed(chain):
+            out.extend(toks)
+        return out

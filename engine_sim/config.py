@@ -1,0 +1,152 @@
+"""Settings of one simulated engine. Field names are vLLM's flag names (`max_num_seqs` is
+`--max-num-seqs`), so a sim can stand in for `vllm serve` without renaming anything.
+
+Two defaults differ between the CLI and the Python API, on purpose:
+- KV events: the CLI follows vLLM (off unless `--kv-events-config` is given); `SimConfig()` turns
+  them on with PUB and replay sockets bound on free ports (`tcp://*:0`), which is what tests want.
+- port: the CLI listens on 8000 like vLLM; `SimConfig()` picks a free port (0).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal, get_args
+
+import msgspec
+
+from engine_sim.errors import SimConfigError
+from engine_sim.timing import PROFILES, load_profile
+
+__all__ = ["EVENT_FORMS", "ROLES", "KVEventsConfig", "SimConfig"]
+
+EventForm = Literal["map", "array"]
+EVENT_FORMS: tuple[str, ...] = get_args(EventForm)
+Role = Literal["prefill", "decode", "agg"]
+ROLES: tuple[str, ...] = get_args(Role)
+
+# Memory the default KV pool is sized from: an H200's 141 GB at vLLM's default
+# gpu_memory_utilization 0.9, less bf16 weights and ~4 GiB of activations and CUDA graphs.
+_H200_BYTES = 141e9
+_GPU_UTIL = 0.9
+_RUNTIME_OVERHEAD = 4 * 2**30
+
+
+class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's KVEventsConfig, same keys and defaults (`--kv-events-config` takes it as JSON).
+
+    endpoint: the PUB socket binds when it contains `*` or `::` (or is ipc:// / inproc://) and
+        connects otherwise (the subscriber then binds), exactly as vLLM decides.
+    replay_endpoint: the ROUTER socket for replay, always bound; None disables replay.
+    buffer_steps: how many batches the replay buffer keeps. hwm: the PUB send high-water mark.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @property
+    def active(self) -> bool:
+        """vLLM publishes when events are enabled and the publisher is not `null`."""
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SimConfigError("kv_events_config", text, f"not JSON ({exc.msg})") from exc
+        try:
+            return msgspec.convert(raw, cls)
+        except msgspec.ValidationError as exc:
+            raise SimConfigError("kv_events_config", text, str(exc)) from exc
+
+    @classmethod
+    def ephemeral(cls, topic: str = "") -> KVEventsConfig:
+        """Events on, PUB and replay bound on free loopback-reachable ports (the Python API default)."""
+        return cls(
+            enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic=topic
+        )
+
+
+class SimConfig(msgspec.Struct, kw_only=True):
+    """One simulated engine. `validate()` raises SimConfigError naming the flag and what it allows.
+
+    num_gpu_blocks: None sizes the pool as vLLM would on one H200 for the profile's model.
+    speedup: divides every modelled duration (steps, KV transfers); metrics stay in simulated time.
+    role: informational, as in a real deployment: a `decode` sim still prefills locally when a
+        request carries no kv_transfer_params (the bypass path).
+    kv_transfer_gbps: the link a decode sim pulls KV over, GB/s.
+    kv_pin_timeout_s: a prefill sim frees blocks held for a decode sim after this many wall seconds
+        if nobody pulls them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    event_form: `map` (vLLM 0.26+, tagged maps) or `array` (the older positional form).
+    crash_after / hang_after: fault knobs, see engine_sim/faults.py.
+    restart_after_crash_s: come back this long after a crash (a supervisor restarting vLLM); None
+        stays down.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str = "sim-llama"
+    max_model_len: int = 32768
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_events: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig.ephemeral)
+    profile: str = "h200:llama-3.1-8b"
+    speedup: float = 1.0
+    role: Role = "agg"
+    kv_transfer_gbps: float = 50.0
+    kv_pin_timeout_s: float = 480.0
+    event_form: EventForm = "map"
+    crash_after: int | None = None
+    hang_after: int | None = None
+    slowdown: float = 1.0
+    drop_event_fraction: float = 0.0
+    restart_after_crash_s: float | None = None
+    data_parallel_rank: int = 0
+
+    def validate(self) -> SimConfig:
+        if self.profile not in PROFILES:
+            raise SimConfigError("profile", self.profile, "allowed values: " + ", ".join(PROFILES))
+        if self.role not in ROLES:
+            raise SimConfigError("role", self.role, "allowed values: " + ", ".join(ROLES))
+        if self.event_form not in EVENT_FORMS:
+            raise SimConfigError("event_form", self.event_form, "allowed values: " + ", ".join(EVENT_FORMS))
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise SimConfigError(name, getattr(self, name), "must be a positive integer")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks <= 0:
+            raise SimConfigError("num_gpu_blocks", self.num_gpu_blocks, "must be a positive integer")
+        for name in ("speedup", "kv_transfer_gbps", "slowdown", "kv_pin_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise SimConfigError(name, getattr(self, name), "must be > 0")
+        if not 0.0 <= self.drop_event_fraction <= 1.0:
+            raise SimConfigError("drop_event_fraction", self.drop_event_fraction, "must be in [0, 1]")
+        for name in ("crash_after", "hang_after"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise SimConfigError(name, value, "must be >= 0")
+        if not 0 <= self.port <= 65535:
+            raise SimConfigError("port", self.port, "must be in [0, 65535]")
+        return self
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return load_profile(self.profile).kv_bytes_per_token
+
+    @property
+    def resolved_num_gpu_blocks(self) -> int:
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        prof = load_profile(self.profile)
+        free = _H200_BYTES * _GPU_UTIL - 2 * prof.params - _RUNTIME_OVERHEAD
+        return max(1, int(free // (prof.kv_bytes_per_token * self.block_size)))
+
+    def replace(self, **changes: object) -> SimConfig:
+        return msgspec.structs.replace(self, **changes)

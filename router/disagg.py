@@ -1,0 +1,117 @@
+"""The decision framework: pick the decode worker, the prefill worker it would pair with, then ask
+the configured policy and the decode guard whether to bypass the remote prefill.
+
+Modes (RouterSettings.disagg):
+- `never`: every request is aggregated: its decode worker prefills locally (`aggregated`).
+- `always`: every request prefills remotely when the model has a prefill pool (`remote_prefill`).
+- `conditional`: with `conditional_disagg` on, the policy decides per request (`bypass_*`,
+  `declined_policy`, `vetoed_decode_busy`); with it off, this behaves as `always`, the seed's
+  behaviour for a disaggregated deployment whose operator has not switched the policy on.
+Without a prefill pool a request is aggregated whatever the mode (`no_prefill_pool`; `aggregated`
+when disagg is `never`), and an `agg`-role worker always serves aggregated (`aggregated`).
+
+`plan()` decides without side effects (it backs the dry run at /debug/route); `record()` counts an
+outcome once a request is really routed. Settings swap atomically with `configure()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.config import RouterSettings
+from router.policies import DecodeGuard, Outcome, Path, Policy, make_policy
+from router.request_context import Candidate, RequestContext
+from router.selection import Selector
+
+__all__ = ["Disaggregator", "RoutePlan"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    """Where a request goes and why. `decode_ranked`/`prefill_ranked` are the pools, best first
+    (the first is the choice; the rest are retry candidates)."""
+
+    decode: Candidate
+    prefill: Candidate | None
+    path: Path
+    outcome: Outcome
+    reason: str
+    decode_ranked: list[Candidate] = field(default_factory=list)
+    prefill_ranked: list[Candidate] = field(default_factory=list)
+
+    def explain(self) -> dict[str, Any]:
+        return {
+            "decode_worker": self.decode.worker,
+            "prefill_worker": self.prefill.worker if self.prefill is not None and self.path is Path.REMOTE else None,
+            "path": str(self.path),
+            "outcome": str(self.outcome),
+            "bypass": self.path is Path.BYPASS,
+            "reason": self.reason,
+            "decode_candidates": [c.explain() for c in self.decode_ranked],
+            "prefill_candidates": [c.explain() for c in self.prefill_ranked],
+        }
+
+
+class Disaggregator:
+    """Owns the current settings, policy and guard, and the outcome counts."""
+
+    def __init__(self, settings: RouterSettings, selector: Selector | None = None) -> None:
+        self.selector = selector or Selector()
+        self.counts: Counter[Outcome] = Counter()
+        self.settings = settings
+        self.policy: Policy = make_policy(settings.conditional)
+        self.guard = DecodeGuard.from_settings(settings.conditional)
+
+    def configure(self, settings: RouterSettings) -> None:
+        """Swap in new (already validated) settings; a policy that cannot be built raises and
+        leaves the old settings in place."""
+        policy = make_policy(settings.conditional)
+        guard = DecodeGuard.from_settings(settings.conditional)
+        self.settings, self.policy, self.guard = settings, policy, guard
+
+    def record(self, outcome: Outcome) -> None:
+        self.counts[outcome] += 1
+
+    def plan(self, ctx: RequestContext, exclude: frozenset[str] = frozenset()) -> RoutePlan | None:
+        """None when no decode/agg worker (outside `exclude`) can take the request."""
+        s = self.settings
+        decode_ranked = self.selector.rank(ctx, [c for c in ctx.decode_pool if c.worker not in exclude], s)
+        if not decode_ranked:
+            return None
+        prefill_ranked = self.selector.rank(ctx, [c for c in ctx.prefill_pool if c.worker not in exclude], s)
+        ctx.decode = d = decode_ranked[0]
+        ctx.prefill = p = prefill_ranked[0] if prefill_ranked else None
+
+        def done(path: Path, outcome: Outcome, reason: str) -> RoutePlan:
+            return RoutePlan(d, p, path, outcome, reason, decode_ranked, prefill_ranked)
+
+        if d.info.role == "agg":
+            return done(Path.AGG, Outcome.AGGREGATED, f"{d.worker} is an aggregated worker")
+        if s.disagg == "never":
+            return done(Path.AGG, Outcome.AGGREGATED, "disagg=never")
+        if p is None:
+            return done(Path.AGG, Outcome.NO_PREFILL_POOL, f"no prefill worker for model {ctx.model}")
+        if s.disagg == "always" or not s.conditional.conditional_disagg:
+            return done(Path.REMOTE, Outcome.REMOTE_PREFILL, f"disagg={s.disagg}, conditional_disagg off")
+        start = time.perf_counter()
+        decision = self.policy.decide(ctx)
+        log.debug(
+            "policy %s: %s (%s) in %.1f us",
+            self.policy.name,
+            decision.outcome,
+            decision.reason,
+            (time.perf_counter() - start) * 1e6,
+            extra={"request_id": ctx.request_id},
+        )
+        if not decision.bypass:
+            return done(Path.REMOTE, decision.outcome, decision.reason)
+        veto = self.guard.veto(ctx)
+        if veto is not None:
+            return done(Path.REMOTE, Outcome.VETOED_DECODE_BUSY, f"{decision.reason}; vetoed: {veto}")
+        return done(Path.BYPASS, decision.outcome, decision.reason)

@@ -1,0 +1,44 @@
+"""Counters and per-worker sync state of the KV event ingest (router.kv_ingest), for /metrics and
+/debug. Plain data: the ingest mutates it, readers only read."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = ["IngestStats", "SyncState", "WorkerSync"]
+
+
+class SyncState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"  # added; waiting for the first full state from the shim
+    SYNCED = "synced"  # every batch up to last_seq applied, no gap open
+    REPAIRING = "repairing"  # a gap or epoch change is being repaired through kvstate
+
+
+@dataclass
+class WorkerSync:
+    """Where the index stands for one worker: the shim's (epoch, last_seq) applied so far."""
+
+    state: SyncState = SyncState.BOOTSTRAPPING
+    epoch: int | None = None
+    last_seq: int = 0
+    buffered: int = 0  # live batches held back while repairing
+    repairs: int = 0
+
+
+@dataclass
+class IngestStats:
+    batches_applied: int = 0
+    events_applied: int = 0
+    malformed: int = 0  # payloads that did not decode, or named another worker than the subject
+    duplicates: int = 0  # seq <= last_seq: already applied
+    gaps: int = 0  # seq > last_seq + 1 seen live: a repair was started
+    epoch_changes: int = 0
+    repairs_batches: int = 0  # repairs answered with the missed batches
+    repairs_dumps: int = 0  # repairs (and bootstraps) answered with a full dump
+    repair_timeouts: int = 0  # kvstate requests that got no (complete) answer in time
+    dropped_stale: int = 0  # batches of an epoch that is no longer the shim's
+    dropped_unknown: int = 0  # batches of a worker that never registered (or already left)
+    dropped_overflow: int = 0  # buffered batches dropped because a buffer was full
+    last_lag_s: float = 0.0  # receive time - batch.ts of the last live batch applied
+    workers: dict[str, WorkerSync] = field(default_factory=dict)

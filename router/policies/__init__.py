@@ -1,0 +1,32 @@
+"""Conditional disaggregation policies: the single registry (STYLE.md #4).
+
+Each module holds one policy: its rule and parameters in the docstring, a NAME, a frozen config
+that validates itself, and the class. `make_policy` builds the one the settings name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from protocol import ConfigError
+from protocol.config import POLICY_NAMES, ConditionalDisaggConfig
+from router.policies import isl_bounding, isl_or_load, prefill_load, ttft_model
+from router.policies.decision import Decision, Outcome, Path, Policy
+from router.policies.decode_guard import DecodeGuard
+
+__all__ = ["POLICIES", "Decision", "DecodeGuard", "Outcome", "Path", "Policy", "make_policy"]
+
+POLICIES: dict[str, Callable[[ConditionalDisaggConfig], Policy]] = {
+    isl_bounding.NAME: lambda cfg: isl_bounding.IslBounding(isl_bounding.IslBoundingConfig.from_settings(cfg)),
+    prefill_load.NAME: lambda cfg: prefill_load.PrefillLoad(prefill_load.PrefillLoadConfig.from_settings(cfg)),
+    isl_or_load.NAME: lambda cfg: isl_or_load.IslOrLoad(isl_or_load.IslOrLoadConfig.from_settings(cfg)),
+    ttft_model.NAME: lambda cfg: ttft_model.TtftModel(ttft_model.TtftModelConfig.from_settings(cfg)),
+}
+assert set(POLICIES) == set(POLICY_NAMES), "the registry and protocol.config must list the same policies"
+
+
+def make_policy(cfg: ConditionalDisaggConfig) -> Policy:
+    factory = POLICIES.get(cfg.conditional_disagg_policy)
+    if factory is None:
+        raise ConfigError.one_of("conditional_disagg_policy", cfg.conditional_disagg_policy, POLICIES)
+    return factory(cfg)

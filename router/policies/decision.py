@@ -1,0 +1,49 @@
+"""What a policy answers (STYLE.md #5): bypass or not, and why, as one counted outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from router.request_context import RequestContext
+
+__all__ = ["Decision", "Outcome", "Path", "Policy"]
+
+
+class Outcome(StrEnum):
+    """Every way a routing decision can end; each is a label of the decisions counter."""
+
+    BYPASS_ISL = "bypass_isl"  # isl_bounding: short uncached prompt, prefilled on the decode worker
+    BYPASS_LOAD = "bypass_load"  # prefill_load: the prefill worker it would use is busy
+    BYPASS_TTFT = "bypass_ttft"  # ttft_model: local prefill predicted faster
+    DECLINED_POLICY = "declined_policy"  # the policy kept the remote prefill
+    VETOED_DECODE_BUSY = "vetoed_decode_busy"  # the decode guard refused a bypass
+    REMOTE_PREFILL = "remote_prefill"  # disagg=always (or conditional switched off): remote, no policy
+    FALLBACK_PREFILL_FAILED = "fallback_prefill_failed"  # remote prefill failed or timed out -> bypass
+    AGGREGATED = "aggregated"  # disagg=never, or the chosen worker is an agg worker
+    NO_PREFILL_POOL = "no_prefill_pool"  # disaggregation wanted but the model has no prefill worker
+
+
+class Path(StrEnum):
+    """How the prompt is prefilled; the `x-kvswitch-prefill` header's value."""
+
+    BYPASS = "bypass"
+    REMOTE = "remote"
+    AGG = "agg"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    bypass: bool
+    outcome: Outcome
+    reason: str
+
+
+class Policy(Protocol):
+    """One question: should this request skip the remote prefill? `ctx.decode` and `ctx.prefill`
+    (the workers the router would use) are set before `decide` is called."""
+
+    name: str
+
+    def decide(self, ctx: RequestContext) -> Decision: ...

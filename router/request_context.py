@@ -1,0 +1,120 @@
+"""The one object a routing decision reads (STYLE.md #6): the prompt, its block hashes, and every
+candidate worker with its prefix overlap and load as of the moment the request arrived.
+
+Producers fill it (the index computes overlap, the load view the numbers); selection and the
+policies only read it, except that selection records its choice in `decode` and `prefill`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from protocol import WorkerInfo
+
+__all__ = ["Candidate", "LoadLike", "RequestContext"]
+
+
+class LoadLike(Protocol):
+    """What the load view reports per worker (router.load_view.WorkerLoad satisfies it)."""
+
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def kv_used_blocks(self) -> int: ...
+    @property
+    def kv_total_blocks(self) -> int | None: ...
+    @property
+    def prefill_tokens_queued(self) -> int: ...
+    @property
+    def active_blocks(self) -> int: ...
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One worker that could serve the request, with a snapshot of its state.
+
+    `queued_prefill_tokens` and `active_blocks` include every router's bookings (the load view
+    merges them); `kv_total_blocks` falls back to the worker record when no report gave it.
+    `cost` is written by selection.
+    """
+
+    info: WorkerInfo
+    overlap_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    active_blocks: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int | None = None
+    cost: float = 0.0
+
+    @property
+    def worker(self) -> str:
+        return self.info.worker
+
+    @classmethod
+    def of(cls, info: WorkerInfo, overlap_blocks: int, load: LoadLike | None) -> Candidate:
+        if load is None:
+            return cls(info=info, overlap_blocks=overlap_blocks, kv_total_blocks=info.kv_total_blocks)
+        return cls(
+            info=info,
+            overlap_blocks=overlap_blocks,
+            running=load.running,
+            waiting=load.waiting,
+            queued_prefill_tokens=load.prefill_tokens_queued,
+            active_blocks=load.active_blocks,
+            kv_used_blocks=load.kv_used_blocks,
+            kv_total_blocks=load.kv_total_blocks or info.kv_total_blocks,
+        )
+
+    def explain(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "role": self.info.role,
+            "overlap_blocks": self.overlap_blocks,
+            "queued_prefill_tokens": self.queued_prefill_tokens,
+            "active_blocks": self.active_blocks,
+            "kv_used_blocks": self.kv_used_blocks,
+            "kv_total_blocks": self.kv_total_blocks,
+            "running": self.running,
+            "cost": round(self.cost, 4),
+        }
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """A request as routing sees it. `decode_pool` holds decode and agg workers of the model,
+    `prefill_pool` its prefill workers; both may be empty."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    block_size: int
+    hashes: list[int]
+    decode_pool: list[Candidate] = field(default_factory=list)
+    prefill_pool: list[Candidate] = field(default_factory=list)
+    max_tokens: int = 16
+    decode: Candidate | None = None
+    prefill: Candidate | None = None
+
+    @property
+    def isl(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def request_blocks(self) -> int:
+        """Blocks the prompt occupies, a partial last block included."""
+        return -(-self.isl // self.block_size)
+
+    def cached_tokens(self, candidate: Candidate) -> int:
+        return min(candidate.overlap_blocks * self.block_size, self.isl)
+
+    def uncached_tokens(self, candidate: Candidate) -> int:
+        return self.isl - self.cached_tokens(candidate)
+
+    def new_blocks(self, candidate: Candidate) -> int:
+        """Blocks this request would allocate on `candidate` beyond the ones it already caches."""
+        return max(self.request_blocks - candidate.overlap_blocks, 0)

@@ -1,0 +1,99 @@
+"""Worker selection: the cost function and the comparison modes.
+
+Cost of serving the request on worker w (lower is better), in KV blocks:
+
+    prefill_blocks(w) = (uncached_tokens(w) + queued_prefill_tokens(w)) / block_size
+    decode_blocks(w)  = active_blocks(w) + request_blocks
+    cost(w)           = overlap_weight * prefill_blocks(w) + decode_blocks(w)
+
+`uncached_tokens(w) = isl - min(overlap_blocks(w) * block_size, isl)`: the prompt tokens w would
+have to prefill; `queued_prefill_tokens` and `active_blocks` are the load view's figures (the
+worker's last report plus every router's bookings); `request_blocks = ceil(isl / block_size)`.
+`overlap_weight` (RouterSettings, default 1) trades cache affinity against decode load.
+
+Near-ties: with temperature T = 0 the lowest cost wins and exact ties are broken uniformly at
+random. With T > 0 a worker is drawn with probability proportional to
+`exp(-(cost(w) - min_cost) / (T * scale))`, `scale = max(mean_cost, 1)`: a worker whose cost is
+within a few T of the mean above the best still gets picked now and then, so replicas that see the
+same state do not all herd onto one worker.
+
+Comparison modes (`routing`): `kv` (the cost above), `round_robin` (rotates over the pool sorted
+by worker id), `random` (uniform), `least_loaded` (fewest running + waiting requests, then fewest
+active blocks; ignores the cache).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from protocol.config import RouterSettings
+from router.request_context import Candidate, RequestContext
+
+__all__ = ["Selector", "over_queue_threshold", "worker_cost"]
+
+
+def worker_cost(ctx: RequestContext, c: Candidate, overlap_weight: float) -> float:
+    prefill_blocks = (ctx.uncached_tokens(c) + c.queued_prefill_tokens) / ctx.block_size
+    decode_blocks = c.active_blocks + ctx.request_blocks
+    return overlap_weight * prefill_blocks + decode_blocks
+
+
+def over_queue_threshold(c: Candidate, queue_threshold: float | None) -> bool:
+    """A worker whose queued prefill tokens exceed `queue_threshold` x its max_num_batched_tokens.
+
+    Unknown max_num_batched_tokens or no threshold: never over.
+    """
+    mnbt = c.info.max_num_batched_tokens
+    if queue_threshold is None or not mnbt:
+        return False
+    return c.queued_prefill_tokens > queue_threshold * mnbt
+
+
+class Selector:
+    """Ranks a pool for one request. Holds the round-robin cursor and the random source."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+        self._rr = 0
+
+    def rank(self, ctx: RequestContext, pool: Sequence[Candidate], settings: RouterSettings) -> list[Candidate]:
+        """The pool, best first (the first is the choice). Workers over the queue threshold go
+        last while any other is below it. Costs are written onto every candidate."""
+        if not pool:
+            return []
+        for c in pool:
+            c.cost = worker_cost(ctx, c, settings.overlap_weight)
+        qt = settings.conditional.queue_threshold
+        open_ = [c for c in pool if not over_queue_threshold(c, qt)]
+        busy = [c for c in pool if over_queue_threshold(c, qt)]
+        return self._order(open_, settings) + self._order(busy, settings)
+
+    def _order(self, pool: list[Candidate], settings: RouterSettings) -> list[Candidate]:
+        if len(pool) <= 1:
+            return list(pool)
+        mode = settings.routing
+        if mode == "round_robin":
+            ordered = sorted(pool, key=lambda c: c.worker)
+            start = self._rr % len(ordered)
+            self._rr += 1
+            return ordered[start:] + ordered[:start]
+        if mode == "random":
+            shuffled = list(pool)
+            self._rng.shuffle(shuffled)
+            return shuffled
+        if mode == "least_loaded":
+            return sorted(pool, key=lambda c: (c.running + c.waiting, c.active_blocks, self._rng.random()))
+        by_cost = sorted(pool, key=lambda c: (c.cost, self._rng.random()))
+        if settings.temperature > 0:
+            chosen = self._sample(by_cost, settings.temperature)
+            by_cost.remove(chosen)
+            by_cost.insert(0, chosen)
+        return by_cost
+
+    def _sample(self, by_cost: list[Candidate], temperature: float) -> Candidate:
+        best = by_cost[0].cost
+        scale = max(sum(c.cost for c in by_cost) / len(by_cost), 1.0)
+        weights = [math.exp(-(c.cost - best) / (temperature * scale)) for c in by_cost]
+        return self._rng.choices(by_cost, weights=weights, k=1)[0]

@@ -1,0 +1,96 @@
+"""`kvswitch up` as a real process: servers come up healthy and nothing is left after SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_up_serves_healthy_servers_and_leaves_nothing_after_sigterm() -> None:
+    nats_port, etcd_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch", "up", "--nats-port", str(nats_port), "--etcd-port", str(etcd_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("health:") or not line:
+                break
+        out = "".join(lines)
+        assert f"nats://127.0.0.1:{nats_port}" in out
+        assert f"http://127.0.0.1:{etcd_port}" in out
+        assert "health: nats=ok etcd=ok" in out
+        monitor = int(re.search(r"monitor http://127.0.0.1:(\d+)", out).group(1))  # type: ignore[union-attr]
+        with urllib.request.urlopen(f"http://127.0.0.1:{etcd_port}/health", timeout=2) as r:
+            assert json.loads(r.read())["health"] == "true"
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz", timeout=2) as r:
+            assert json.loads(r.read())["status"] == "ok"
+        servers = _children(proc.pid)
+        assert len(servers) == 2
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert "stopped" in proc.stderr.read()  # type: ignore[union-attr]
+        time.sleep(0.2)
+        assert not [p for p in servers if _alive(p)], "servers left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_demo_exits_zero_when_healthy() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvswitch", "up", "--demo"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "health: nats=ok etcd=ok" in out.stdout
+
+
+def test_servers_stop_by_pid_and_remove_their_store() -> None:
+    nats, etcd = NatsServer().start(), EtcdServer().start()
+    pids, dirs = [nats.pid, etcd.pid], [nats.workdir, etcd.workdir]
+    assert nats.healthy() and etcd.healthy()
+    nats.close()
+    etcd.close()
+    nats.close()  # twice is fine
+    assert not any(_alive(p) for p in pids if p is not None)
+    assert not any(d.exists() for d in dirs)
+
+
+def test_port_in_use_is_reported_with_the_log() -> None:
+    with NatsServer() as first:
+        second = NatsServer(port=first.port)
+        with pytest.raises(ServerError, match="nats exited"):
+            second.start(timeout=10)
+        second.close()

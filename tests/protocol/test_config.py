@@ -1,0 +1,176 @@
+"""Config validation: every error names the setting (flag and env var) and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from protocol import ConfigError
+from protocol.config import (
+    POLICY_NAMES,
+    ConditionalDisaggConfig,
+    EtcdSettings,
+    NatsSettings,
+    RouterSettings,
+    load_file,
+    resolve,
+)
+
+
+def test_defaults_match_design() -> None:
+    c = ConditionalDisaggConfig().validate()
+    assert (c.conditional_disagg_policy, c.eff_isl_threshold, c.eff_isl_ratio_threshold) == ("isl_bounding", 2048, 0.7)
+    assert c.prefill_busy_threshold is None and c.decode_busy_threshold is None
+    assert set(POLICY_NAMES) == {"isl_bounding", "prefill_load", "isl_or_load", "ttft_model"}
+
+
+@pytest.mark.parametrize(
+    ("cli", "match"),
+    [
+        (
+            {"conditional_disagg_policy": "fastest"},
+            r"conditional_disagg_policy \(--conditional-disagg-policy, KVSWITCH_CONDITIONAL_DISAGG_POLICY\) = "
+            r"'fastest': "
+            r"allowed values: isl_bounding, prefill_load, isl_or_load, ttft_model",
+        ),
+        ({"eff_isl_threshold": -1}, r"eff_isl_threshold .* = -1: must be >= 0"),
+        ({"eff_isl_ratio_threshold": 1.01}, r"eff_isl_ratio_threshold .* = 1.01: must be in \[0, 1\]"),
+        ({"eff_isl_ratio_threshold": -0.1}, r"eff_isl_ratio_threshold .* = -0.1: must be in \[0, 1\]"),
+        ({"prefill_busy_threshold": -2.0}, r"prefill_busy_threshold .* = -2.0: must be >= 0"),
+        ({"decode_busy_threshold": -0.5}, r"decode_busy_threshold .* = -0.5: must be >= 0"),
+        ({"queue_threshold": -1.0}, r"queue_threshold .* = -1.0: must be >= 0"),
+        (
+            {"conditional_disagg_policy": "prefill_load"},
+            r"prefill_busy_threshold .*: policy prefill_load needs prefill_busy_threshold or queue_threshold",
+        ),
+        (
+            {"conditional_disagg_policy": "isl_or_load"},
+            r"prefill_busy_threshold .*: policy isl_or_load needs prefill_busy_threshold or queue_threshold",
+        ),
+        ({"routing": "fastest"}, r"routing \(--routing, KVSWITCH_ROUTING\) = 'fastest': allowed values: kv, "),
+        ({"disagg": "sometimes"}, r"disagg .* = 'sometimes': allowed values: conditional, always, never"),
+        ({"temperature": -1.0}, r"temperature .* must be >= 0"),
+        ({"eff_isl_threshold": "many"}, r"eff_isl_threshold .* = 'many': Expected `int`, got `str`"),
+    ],
+)
+def test_invalid_router_settings_name_the_setting(cli: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        resolve(RouterSettings, cli=cli, env={})
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_ratio_bounds_are_inclusive(ratio: float) -> None:
+    assert (
+        resolve(RouterSettings, cli={"eff_isl_ratio_threshold": ratio}, env={}).conditional.eff_isl_ratio_threshold
+        == ratio
+    )
+
+
+@pytest.mark.parametrize(
+    ("cli", "busy"),
+    [
+        ({"prefill_busy_threshold": 2.0}, 2.0),
+        ({"queue_threshold": 1.5}, 1.5),
+        ({"prefill_busy_threshold": 0.5, "queue_threshold": 3.0}, 0.5),
+    ],
+)
+def test_load_policy_threshold_inherits_queue_threshold(cli: dict[str, object], busy: float) -> None:
+    s = resolve(RouterSettings, cli={"conditional_disagg_policy": "prefill_load", **cli}, env={})
+    assert s.conditional.effective_prefill_busy_threshold == busy
+
+
+def test_precedence_cli_over_env_over_file_over_default() -> None:
+    file = {"eff_isl_threshold": 100, "eff_isl_ratio_threshold": 0.5, "temperature": 0.3}
+    env = {"KVSWITCH_EFF_ISL_THRESHOLD": "200", "KVSWITCH_EFF_ISL_RATIO_THRESHOLD": "0.6"}
+    s = resolve(RouterSettings, cli={"eff_isl_threshold": 300, "temperature": None}, env=env, file=file)
+    assert s.conditional.eff_isl_threshold == 300  # CLI
+    assert s.conditional.eff_isl_ratio_threshold == 0.6  # env
+    assert s.temperature == 0.3  # file
+    assert s.routing == "kv"  # default
+
+
+def test_file_may_nest_the_conditional_section(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("routing: least_loaded\nconditional:\n  conditional_disagg: true\n  eff_isl_threshold: 512\n")
+    s = resolve(RouterSettings, file=load_file(path), env={})
+    assert s.routing == "least_loaded"
+    assert s.conditional.conditional_disagg and s.conditional.eff_isl_threshold == 512
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text('routing = "random"\nqueue_threshold = 2.5\n')
+    s = resolve(RouterSettings, file=load_file(path), env={})
+    assert s.routing == "random" and s.conditional.queue_threshold == 2.5
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "match"),
+    [
+        ("x.json", "{}", "must end in .yaml"),
+        ("x.yaml", "a: [", "not valid YAML"),
+        ("x.toml", "a = ", "not valid TOML"),
+        ("x.yaml", "- 1\n- 2\n", "top level must be a mapping"),
+    ],
+)
+def test_bad_config_file_is_refused(tmp_path: Path, name: str, text: str, match: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_file(path)
+
+
+def test_missing_config_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_file(tmp_path / "nope.yaml")
+
+
+def test_nats_settings_from_env_list() -> None:
+    s = resolve(NatsSettings, env={"KVSWITCH_NATS_SERVERS": "nats://a:1, nats://b:2"}, setting_prefix="nats_")
+    assert s.servers == ["nats://a:1", "nats://b:2"]
+
+
+@pytest.mark.parametrize(
+    ("cli", "match"),
+    [
+        ({"nats_servers": ["http://x:1"]}, r"nats_servers .* must start with nats://"),
+        ({"nats_user": "u"}, "nats_user and nats_password go together"),
+        ({"nats_tls_cert": "/c"}, "nats_tls_cert and nats_tls_key go together"),
+        ({"nats_creds_file": "/definitely/missing.creds"}, r"nats_creds_file .* must name a readable file"),
+    ],
+)
+def test_invalid_nats_settings(cli: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        resolve(NatsSettings, cli=cli, env={}, setting_prefix="nats_")
+
+
+@pytest.mark.parametrize(
+    ("cli", "match"),
+    [
+        ({"etcd_endpoints": ["127.0.0.1:2379"]}, "must start with http:// or https://"),
+        ({"etcd_password": "p"}, "etcd_user and etcd_password go together"),
+        ({"etcd_tls_ca": "/definitely/missing.pem"}, "must name a readable file"),
+    ],
+)
+def test_invalid_etcd_settings(cli: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        resolve(EtcdSettings, cli=cli, env={}, setting_prefix="etcd_")
+
+
+def test_etcd_settings_with_auth_and_tls_files(tmp_path: Path) -> None:
+    for n in ("ca", "cert", "key"):
+        (tmp_path / f"{n}.pem").write_text("x")
+    s = resolve(
+        EtcdSettings,
+        cli={
+            "etcd_user": "u",
+            "etcd_password": "p",
+            "etcd_tls_ca": str(tmp_path / "ca.pem"),
+            "etcd_tls_cert": str(tmp_path / "cert.pem"),
+            "etcd_tls_key": str(tmp_path / "key.pem"),
+        },
+        env={},
+        setting_prefix="etcd_",
+    )
+    assert (s.user, s.tls_ca) == ("u", str(tmp_path / "ca.pem"))

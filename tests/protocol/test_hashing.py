@@ -1,0 +1,101 @@
+"""The canonical block hash is a wire format: pinned vectors guard it against any drift."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol.hashing import SEED, BlockHasher, block_hashes, root_hash
+
+# Pinned once from the definition in DESIGN.md; a change here breaks every deployed router/shim pair.
+VECTORS = [
+    (list(range(32)), 16, "", [78276156063472216, 2009592880489177518]),
+    ([7] * 64, 64, "", [15948335117098599849]),
+    (list(range(16)), 16, "lora-a", [1920244791673950196]),
+    ([0xFFFFFFFF] * 16, 16, "", [9021102377750242502]),
+]
+
+
+@pytest.mark.parametrize(("tokens", "block_size", "salt", "expected"), VECTORS)
+def test_block_hashes_match_pinned_vectors(tokens: list[int], block_size: int, salt: str, expected: list[int]) -> None:
+    assert block_hashes(tokens, block_size, salt=salt) == expected
+
+
+def test_seed_and_root_are_pinned() -> None:
+    assert SEED == 0x6B76737769746368
+    assert root_hash() == 6753943950481272353
+    assert root_hash("lora-a") == 14678177813281646100
+
+
+def test_matches_the_design_formula_computed_independently() -> None:
+    tokens = [5, 1, 99, 128000] * 8  # two blocks of 16
+    h = xxhash.xxh3_64_intdigest(b"", seed=SEED)
+    expected = []
+    for i in range(2):
+        block = tokens[i * 16 : (i + 1) * 16]
+        h = xxhash.xxh3_64_intdigest(struct.pack("<Q", h) + struct.pack("<16I", *block), seed=SEED)
+        expected.append(h)
+    assert block_hashes(tokens, 16) == expected
+
+
+def test_empty_prompt_has_no_blocks() -> None:
+    assert block_hashes([], 16) == []
+
+
+def test_partial_trailing_block_is_not_hashed() -> None:
+    assert block_hashes(list(range(31)), 16) == block_hashes(list(range(16)), 16)
+    assert block_hashes(list(range(15)), 16) == []
+
+
+def test_salt_changes_every_hash() -> None:
+    plain = block_hashes(list(range(48)), 16)
+    salted = block_hashes(list(range(48)), 16, salt="tenant-a")
+    assert len(plain) == len(salted) == 3
+    assert not set(plain) & set(salted)
+
+
+def test_bytes_and_str_salt_agree() -> None:
+    assert block_hashes(list(range(16)), 16, salt=b"x") == block_hashes(list(range(16)), 16, salt="x")
+
+
+def test_chain_continues_from_parent() -> None:
+    tokens = list(range(64))
+    whole = block_hashes(tokens, 16)
+    tail = block_hashes(tokens[32:], 16, parent=whole[1])
+    assert tail == whole[2:]
+
+
+def test_hasher_extend_matches_whole_prompt() -> None:
+    hasher = BlockHasher(16)
+    tokens = list(range(100, 164))
+    whole = hasher(tokens)
+    assert hasher.extend(None, tokens[:16]) == whole[:1]
+    assert hasher.extend(whole[0], tokens[16:]) == whole[1:]
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5]])
+def test_out_of_range_token_is_a_clear_error(bad: list[object]) -> None:
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 2\*\*32\)"):
+        block_hashes(bad * 16, 16)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("block_size", [0, -16])
+def test_non_positive_block_size_is_refused(block_size: int) -> None:
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        block_hashes([1] * 16, block_size)
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        BlockHasher(block_size)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.sampled_from([1, 4, 16, 32]))
+def test_prefix_property(tokens: list[int], block_size: int) -> None:
+    """Equal prefixes give equal leading hashes: what the router's prefix match relies on."""
+    full = block_hashes(tokens, block_size)
+    assert len(full) == len(tokens) // block_size
+    cut = len(tokens) // 2
+    assert block_hashes(tokens[:cut], block_size) == full[: cut // block_size]
+    assert all(0 <= h < 2**64 for h in full)

@@ -1,0 +1,173 @@
+"""Round trips of every wire message, unknown-field tolerance and malformed-input errors."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol import (
+    SCHEMA_VERSION,
+    CancelRequest,
+    Cleared,
+    ErrorInfo,
+    GenerateRequest,
+    KvEventBatch,
+    KvStateChunk,
+    KvStateRequest,
+    LoadReport,
+    ProtocolError,
+    Removed,
+    ResponseChunk,
+    RouterInfo,
+    RouterSync,
+    SamplingParams,
+    Stored,
+    SyncEntry,
+    TransferHandle,
+    Usage,
+    WorkerInfo,
+    decode_json,
+    decode_msg,
+    encode_json,
+    encode_msg,
+)
+from protocol.messages import ANNOTATION_BYPASS
+
+BATCH = KvEventBatch(
+    worker="1a2b",
+    epoch=2**63 + 5,
+    seq=7,
+    ts=1.5,
+    events=[Stored(hashes=[2**64 - 1, 3], parent=11, medium="GPU"), Removed(hashes=[4]), Cleared()],
+)
+
+EXAMPLES: list[msgspec.Struct] = [
+    BATCH,
+    KvStateRequest(since_seq=6, epoch=2),
+    KvStateChunk(worker="1a2b", epoch=2, seq=9, batches=[BATCH], final=False),
+    KvStateChunk(worker="1a2b", epoch=2, seq=9, dump=True, hashes=[1, 2, 3], chunk=3),
+    LoadReport(
+        worker="1a2b",
+        ts=2.0,
+        running=3,
+        waiting=1,
+        kv_used_blocks=10,
+        kv_total_blocks=100,
+        prefill_tokens_queued=4096,
+        kv_usage=0.1,
+        num_preemptions=2,
+        healthy=False,
+    ),
+    GenerateRequest(
+        request_id="r1",
+        model="m",
+        token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=5, temperature=0.0, stop=["x"], stop_token_ids=[9], ignore_eos=True),
+        stream=False,
+        annotations=[ANNOTATION_BYPASS],
+        disagg=TransferHandle(
+            engine="vllm", params={"do_remote_prefill": True, "remote_block_ids": [1, 2]}, prefill_worker="ff"
+        ),
+        deadline=123.5,
+        trace={"traceparent": "00-abc-def-01"},
+    ),
+    ResponseChunk(
+        request_id="r1",
+        seq=3,
+        token_ids=[5, 6],
+        final=True,
+        finish_reason="length",
+        usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
+        worker="1a2b",
+    ),
+    ResponseChunk(request_id="r1", seq=0, final=True, error=ErrorInfo(code=503, kind="engine_down", message="x")),
+    CancelRequest(request_id="r1"),
+    RouterSync(router="rr", entries=[SyncEntry(request_id="r1", worker="1a2b", kind="add", tokens=10, blocks=2)]),
+    WorkerInfo(
+        worker="1a2b",
+        model="m",
+        role="decode",
+        engine="vllm",
+        block_size=16,
+        kv_total_blocks=1000,
+        max_num_batched_tokens=8192,
+        kv_bytes_per_token=131072,
+        timing_profile="h200:llama-3.1-8b",
+        epoch=9,
+        version="0.1.0",
+        engine_url="http://127.0.0.1:8000",
+    ),
+    RouterInfo(router="rr", http_url="http://127.0.0.1:8080", started_at=1.0, version="0.1.0"),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_msgpack_round_trip(msg: msgspec.Struct) -> None:
+    assert decode_msg(encode_msg(msg), type(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_json_round_trip(msg: msgspec.Struct) -> None:
+    assert decode_json(encode_json(msg), type(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_map_encoding_with_schema_version(msg: msgspec.Struct) -> None:
+    raw = msgspec.msgpack.decode(encode_msg(msg))
+    assert isinstance(raw, dict)
+    assert raw["v"] == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_unknown_fields_are_ignored(msg: msgspec.Struct) -> None:
+    raw = msgspec.msgpack.decode(encode_msg(msg))
+    raw["added_in_v2"] = {"nested": [1, 2]}
+    assert decode_msg(msgspec.msgpack.encode(raw), type(msg)) == msg
+
+
+def test_unknown_fields_inside_events_are_ignored() -> None:
+    raw = msgspec.msgpack.decode(encode_msg(BATCH))
+    raw["events"][0]["lora_name"] = "x"
+    assert decode_msg(msgspec.msgpack.encode(raw), KvEventBatch) == BATCH
+
+
+def test_events_are_tagged_maps() -> None:
+    raw = msgspec.msgpack.decode(encode_msg(BATCH))
+    assert [e["type"] for e in raw["events"]] == ["stored", "removed", "cleared"]
+
+
+def test_older_message_without_version_still_decodes() -> None:
+    raw = msgspec.msgpack.decode(encode_msg(CancelRequest(request_id="r9")))
+    del raw["v"]
+    assert decode_msg(msgspec.msgpack.encode(raw), CancelRequest).request_id == "r9"
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [
+        (b"\xc1", "malformed KvEventBatch"),
+        (msgspec.msgpack.encode({"worker": "w", "epoch": 1, "seq": "x", "ts": 0, "events": []}), r"\$\.seq"),
+        (
+            msgspec.msgpack.encode({"worker": "w", "epoch": 1, "seq": 1, "ts": 0, "events": [{"type": "bogus"}]}),
+            "Invalid value 'bogus'",
+        ),
+        (msgspec.msgpack.encode({"worker": "w", "epoch": 1, "seq": 1, "ts": 0}), "missing required field `events`"),
+    ],
+)
+def test_malformed_batch_raises_protocol_error(payload: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode_msg(payload, KvEventBatch)
+
+
+def test_role_outside_the_contract_is_refused() -> None:
+    raw = msgspec.json.decode(encode_json(EXAMPLES[-2]))
+    raw["role"] = "both"
+    with pytest.raises(ProtocolError, match="WorkerInfo"):
+        decode_json(msgspec.json.encode(raw), WorkerInfo)
+
+
+def test_generate_request_defaults_are_independent() -> None:
+    a = GenerateRequest(request_id="a", model="m", token_ids=[1])
+    b = GenerateRequest(request_id="b", model="m", token_ids=[2])
+    assert a.sampling == b.sampling and a.sampling is not b.sampling
+    assert a.annotations == [] and a.disagg is None and a.stream

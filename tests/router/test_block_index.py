@@ -1,0 +1,206 @@
+"""BlockIndex: exact cases, then hypothesis sequences against a naive dict-of-sets reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import block_hashes
+from protocol.messages import Cleared, Removed, Stored
+from router.block_index import BlockIndex
+
+
+class NaiveIndex:
+    """The reference: worker -> set of hashes, matches by walking the prompt per worker."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[int]] = {}
+
+    def store(self, worker: str, hashes: Sequence[int]) -> None:
+        if hashes:
+            self.held.setdefault(worker, set()).update(hashes)
+
+    def remove(self, worker: str, hashes: Sequence[int]) -> None:
+        if worker in self.held:
+            self.held[worker].difference_update(hashes)
+            if not self.held[worker]:
+                del self.held[worker]
+
+    def clear(self, worker: str) -> None:
+        self.held.pop(worker, None)
+
+    def find_matches(self, hashes: Sequence[int]) -> dict[str, int]:
+        out = {}
+        for worker, held in self.held.items():
+            n = 0
+            while n < len(hashes) and hashes[n] in held:
+                n += 1
+            if n:
+                out[worker] = n
+        return out
+
+
+def chain(n: int, start: int = 0) -> list[int]:
+    return block_hashes(list(range(start, start + 4 * n)), 4)
+
+
+def test_find_matches_counts_leading_blocks_per_worker() -> None:
+    idx = BlockIndex()
+    prompt = chain(6)
+    idx.store("a", prompt[:2])
+    idx.store("b", prompt)
+    idx.store("c", prompt[:4])
+    assert idx.find_matches(prompt) == {"a": 2, "b": 6, "c": 4}
+    assert idx.find_matches(prompt[:3]) == {"a": 2, "b": 3, "c": 3}
+
+
+def test_block_held_without_its_predecessor_does_not_count() -> None:
+    idx = BlockIndex()
+    prompt = chain(4)
+    idx.store("a", [prompt[0], prompt[2], prompt[3]])
+    assert idx.find_matches(prompt) == {"a": 1}
+    idx.store("b", prompt[1:])
+    assert idx.find_matches(prompt) == {"a": 1}
+
+
+def test_unknown_prompt_and_empty_prompt_match_nothing() -> None:
+    idx = BlockIndex()
+    idx.store("a", chain(3))
+    assert idx.find_matches(chain(3, start=1000)) == {}
+    assert idx.find_matches([]) == {}
+
+
+def test_remove_drops_only_that_workers_bits() -> None:
+    idx = BlockIndex()
+    prompt = chain(3)
+    idx.store("a", prompt)
+    idx.store("b", prompt)
+    idx.remove("a", prompt[1:])
+    assert idx.find_matches(prompt) == {"a": 1, "b": 3}
+    assert len(idx) == 3
+    assert idx.entries == 4
+    assert idx.worker_hashes("a") == {prompt[0]}
+
+
+def test_remove_of_unheld_hashes_and_unknown_worker_is_harmless() -> None:
+    idx = BlockIndex()
+    idx.store("a", [1, 2])
+    idx.remove("a", [3])
+    idx.remove("zz", [1])
+    assert idx.dump() == {"a": [1, 2]}
+
+
+def test_clear_removes_every_entry_and_frees_the_slot_for_reuse() -> None:
+    idx = BlockIndex()
+    idx.store("a", [1, 2, 3])
+    idx.store("b", [1, 2])
+    idx.clear("a")
+    assert idx.workers() == ["b"]
+    assert idx.entries == 2
+    assert len(idx) == 2
+    idx.store("c", [3])
+    assert idx.slots == 2  # "c" took the slot "a" left
+    assert idx.find_matches([1, 2]) == {"b": 2}
+    assert idx.find_matches([3]) == {"c": 1}
+
+
+def test_storing_twice_counts_once() -> None:
+    idx = BlockIndex()
+    idx.store("a", [5, 6])
+    idx.store("a", [6, 7, 7])
+    assert idx.entries == 3
+    assert idx.worker_hashes("a") == {5, 6, 7}
+
+
+def test_apply_runs_a_batch_of_events_in_order() -> None:
+    idx = BlockIndex()
+    idx.apply("a", [Stored(hashes=[1, 2, 3]), Removed(hashes=[3]), Cleared(), Stored(hashes=[9])])
+    assert idx.dump() == {"a": [9]}
+
+
+def test_dump_rebuilds_an_identical_index() -> None:
+    idx = BlockIndex()
+    idx.store("b", [3, 1, 2])
+    idx.store("a", [2, 9])
+    idx.remove("b", [1])
+    copy = BlockIndex()
+    for worker, hashes in idx.dump().items():
+        copy.store(worker, hashes)
+    assert copy.dump() == idx.dump() == {"a": [2, 9], "b": [2, 3]}
+    assert copy.find_matches([2, 3]) == idx.find_matches([2, 3])
+
+
+@pytest.mark.parametrize("workers", [3, 17, 40, 300])
+def test_many_workers_dropping_at_one_depth_are_all_named(workers: int) -> None:
+    # Exercises both ways of naming bits (few set bits, and the bulk path).
+    idx = BlockIndex()
+    prompt = chain(5)
+    names = [f"w{i}" for i in range(workers)]
+    for i, name in enumerate(names):
+        idx.store(name, prompt[: 2 + i % 3])
+    expected = {name: 2 + i % 3 for i, name in enumerate(names)}
+    assert idx.find_matches(prompt) == expected
+
+
+# --- property tests ------------------------------------------------------------------------------
+
+WORKERS = [f"w{i}" for i in range(6)]
+HASHES = st.lists(st.integers(min_value=0, max_value=12), max_size=8)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("store"), st.sampled_from(WORKERS), HASHES),
+        st.tuples(st.just("remove"), st.sampled_from(WORKERS), HASHES),
+        st.tuples(st.just("clear"), st.sampled_from(WORKERS), st.just([])),
+        st.tuples(st.just("leave_and_rejoin"), st.sampled_from(WORKERS), HASHES),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, prompts=st.lists(st.lists(st.integers(min_value=0, max_value=12), max_size=10), max_size=6))
+def test_index_agrees_with_naive_reference(ops: list[tuple[str, str, list[int]]], prompts: list[list[int]]) -> None:
+    idx, ref = BlockIndex(), NaiveIndex()
+    for op, worker, hashes in ops:
+        if op == "store":
+            idx.store(worker, hashes)
+            ref.store(worker, hashes)
+        elif op == "remove":
+            idx.remove(worker, hashes)
+            ref.remove(worker, hashes)
+        elif op == "clear":
+            idx.clear(worker)
+            ref.clear(worker)
+        else:  # the worker leaves (its slot is recycled) and comes back holding `hashes`
+            idx.clear(worker)
+            ref.clear(worker)
+            idx.store(worker, hashes)
+            ref.store(worker, hashes)
+        for prompt in prompts:
+            assert idx.find_matches(prompt) == ref.find_matches(prompt)
+    assert idx.dump() == {w: sorted(h) for w, h in sorted(ref.held.items())}
+    assert idx.workers() == sorted(ref.held)
+    assert len(idx) == len(set().union(*ref.held.values()))
+    assert idx.entries == sum(len(h) for h in ref.held.values())
+    assert idx.slots <= len(WORKERS)
+    for worker in WORKERS:
+        assert idx.worker_hashes(worker) == ref.held.get(worker, set())
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    depths=st.lists(st.integers(min_value=0, max_value=12), min_size=1, max_size=80),
+    gaps=st.lists(st.integers(min_value=0, max_value=11), max_size=20),
+)
+def test_wide_masks_agree_with_reference(depths: list[int], gaps: list[int]) -> None:
+    # Many workers along one chain, some with holes: the masks span several machine words.
+    prompt = chain(12)
+    idx, ref = BlockIndex(), NaiveIndex()
+    for i, depth in enumerate(depths):
+        held = [h for j, h in enumerate(prompt[:depth]) if not (gaps and j == gaps[i % len(gaps)])]
+        idx.store(f"w{i}", held)
+        ref.store(f"w{i}", held)
+    assert idx.find_matches(prompt) == ref.find_matches(prompt)

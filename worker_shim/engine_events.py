@@ -1,0 +1,61 @@
+"""What every adapter turns its engine's KV events into, before normalisation.
+
+Engine hashes are opaque keys (vLLM's uint64 or bytes, SGLang's signed int64, TensorRT-LLM's
+size_t): only equality matters. `EngineBatch.reset` says the adapter lost track of the engine (it
+restarted, or a gap could not be filled): everything known so far is void, and `complete` says
+whether the events that follow rebuild the engine's whole state (a replay from its first batch) or
+only what happens from now on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["EngineBatch", "EngineCleared", "EngineEvent", "EngineRemoved", "EngineStored", "EventDecodeError"]
+
+
+class EventDecodeError(ValueError):
+    """An engine event payload that does not have the engine's documented shape."""
+
+    def __init__(self, engine: str, detail: str) -> None:
+        self.engine = engine
+        self.detail = detail
+        super().__init__(f"malformed {engine} KV event: {detail}")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStored:
+    """Blocks cached in chain order; `parent` is the engine hash before hashes[0] (None: root).
+
+    `token_ids` holds every block's tokens back to back; `salt` separates chains that share tokens
+    but not KV (a LoRA adapter name).
+    """
+
+    hashes: Sequence[int]
+    parent: int | None
+    token_ids: Sequence[int]
+    block_size: int
+    salt: str = ""
+    medium: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class EngineRemoved:
+    hashes: Sequence[int]
+    medium: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class EngineCleared:
+    """The engine dropped every cached block (vLLM's AllBlocksCleared)."""
+
+
+EngineEvent = EngineStored | EngineRemoved | EngineCleared
+
+
+@dataclass(slots=True)
+class EngineBatch:
+    events: list[EngineEvent] = field(default_factory=list)
+    reset: bool = False
+    complete: bool = True

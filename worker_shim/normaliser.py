@@ -1,0 +1,211 @@
+"""Engine hashes to canonical hashes, with reference counts (DESIGN.md, "The canonical block hash").
+
+Rules:
+- A stored block's canonical hash is `protocol.block_hashes(its tokens, B, parent=canonical parent)`;
+  the canonical parent comes from the engine parent's mapping (None: the root for the event's salt).
+- References are counted per engine hash and per canonical hash: an engine may store one block twice
+  (two physical copies), and two engine hashes may name one canonical block (extra keys the canonical
+  hash does not see). `Stored` is emitted only when a canonical hash goes 0 -> 1, `Removed` only on
+  1 -> 0, so a subscriber holding a plain set stays exact.
+- An unknown parent never yields a hash: the chain is dropped and counted. In exact mode that means
+  the shim lost events, so `needs_rebuild` is raised for the owner to resync; after a reset that could
+  not replay the engine's whole history (`exact` False) such drops are expected and only counted.
+- Mappings of removed blocks are remembered (bounded) so a parent evicted before its child still
+  resolves: an engine hash names fixed content, so the mapping cannot go stale.
+- Malformed events (token count not blocks x B, wrong block size) are counted, logged once, dropped.
+
+Synchronous and single-owner: the shim's event pump calls `apply`; nothing here awaits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from protocol import Cleared, KvEvent, Removed, Stored
+from protocol.hashing import block_hashes, root_hash
+from worker_shim.engine_events import EngineCleared, EngineEvent, EngineRemoved, EngineStored
+
+__all__ = ["Normaliser", "NormaliserStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class NormaliserStats:
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    malformed: int = 0
+    unknown_parent: int = 0
+    unknown_removed: int = 0
+    resets: int = 0
+
+
+class Normaliser:
+    """Folds engine events into the canonical set and says what changed, as protocol events."""
+
+    def __init__(self, block_size: int, memo_size: int = 1 << 16) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.memo_size = memo_size
+        self.stats = NormaliserStats()
+        self.exact = True
+        self.needs_rebuild = False
+        # engine hash -> [canonical hash, references]
+        self._engine: dict[int, list[int]] = {}
+        # canonical hash -> references (over all engine hashes naming it)
+        self._canon: dict[int, int] = {}
+        # canonical hash -> canonical parent (None: root), for the parent-first dump
+        self._canon_parent: dict[int, int | None] = {}
+        self._retired: OrderedDict[int, int] = OrderedDict()
+        self._roots: dict[str, int] = {"": root_hash("")}
+        self._logged: set[str] = set()
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def canonical_hashes(self) -> set[int]:
+        return set(self._canon)
+
+    def __len__(self) -> int:
+        return len(self._canon)
+
+    def dump(self) -> list[int]:
+        """Every canonical hash held, each parent before its children."""
+        out: list[int] = []
+        done: set[int] = set()
+        canon, parents = self._canon, self._canon_parent
+        for h in canon:
+            if h in done:
+                continue
+            chain = [h]
+            p = parents.get(h)
+            while p is not None and p in canon and p not in done:
+                chain.append(p)
+                p = parents.get(p)
+            for x in reversed(chain):
+                done.add(x)
+                out.append(x)
+        return out
+
+    # --- folding ------------------------------------------------------------------------------
+
+    def reset(self, *, exact: bool) -> list[KvEvent]:
+        """Forget everything (the engine restarted or events were lost): emits Cleared."""
+        self._engine.clear()
+        self._canon.clear()
+        self._canon_parent.clear()
+        self._retired.clear()
+        self.exact = exact
+        self.needs_rebuild = False
+        self.stats.resets += 1
+        return [Cleared()]
+
+    def apply(self, events: Iterable[EngineEvent]) -> list[KvEvent]:
+        out: list[KvEvent] = []
+        for ev in events:
+            if isinstance(ev, EngineStored):
+                self._stored(ev, out)
+            elif isinstance(ev, EngineRemoved):
+                self._removed(ev, out)
+            elif isinstance(ev, EngineCleared):
+                out.extend(self.reset(exact=True))
+        return out
+
+    def _malformed(self, why: str) -> None:
+        self.stats.malformed += 1
+        if why not in self._logged:
+            self._logged.add(why)
+            log.warning("dropping malformed KV event (logged once per kind): %s", why)
+
+    def _canonical_of(self, engine_hash: int) -> int | None:
+        entry = self._engine.get(engine_hash)
+        if entry is not None:
+            return entry[0]
+        return self._retired.get(engine_hash)
+
+    def _stored(self, ev: EngineStored, out: list[KvEvent]) -> None:
+        bs = self.block_size
+        n = len(ev.hashes)
+        if ev.block_size != bs:
+            self._malformed(f"block_size {ev.block_size} differs from the worker's {bs}")
+            return
+        if len(ev.token_ids) != n * bs:
+            self._malformed(f"{len(ev.token_ids)} token ids for {n} blocks of {bs}")
+            return
+        if ev.parent is None:
+            parent: int | None = None
+            start = self._roots.get(ev.salt)
+            if start is None:
+                start = self._roots[ev.salt] = root_hash(ev.salt)
+        else:
+            parent = self._canonical_of(ev.parent)
+            if parent is None:
+                self.stats.unknown_parent += 1
+                if self.exact:
+                    self.needs_rebuild = True
+                return
+            start = parent
+        canon = block_hashes(ev.token_ids, bs, parent=start)
+        self._link(ev.hashes, canon, parent, ev.medium, out)
+
+    def _link(
+        self, hashes: Iterable[int], canon: list[int], parent: int | None, medium: str | None, out: list[KvEvent]
+    ) -> None:
+        engine, counts, parents = self._engine, self._canon, self._canon_parent
+        run: list[int] = []
+        run_parent = parent
+        prev = parent
+        for eh, ch in zip(hashes, canon, strict=True):
+            entry = engine.get(eh)
+            if entry is None:
+                engine[eh] = [ch, 1]
+                self._retired.pop(eh, None)
+            else:
+                entry[1] += 1
+            c = counts.get(ch, 0)
+            counts[ch] = c + 1
+            if c == 0:
+                parents[ch] = prev
+                if not run:
+                    run_parent = prev
+                run.append(ch)
+            elif run:
+                out.append(Stored(hashes=run, parent=run_parent, medium=medium))
+                run = []
+            prev = ch
+        if run:
+            out.append(Stored(hashes=run, parent=run_parent, medium=medium))
+        self.stats.stored_blocks += len(canon)
+
+    def _removed(self, ev: EngineRemoved, out: list[KvEvent]) -> None:
+        engine, counts = self._engine, self._canon
+        gone: list[int] = []
+        for eh in ev.hashes:
+            entry = engine.get(eh)
+            if entry is None:
+                self.stats.unknown_removed += 1
+                continue
+            ch = entry[0]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del engine[eh]
+                self._retire(eh, ch)
+            c = counts[ch] - 1
+            if c == 0:
+                del counts[ch]
+                self._canon_parent.pop(ch, None)
+                gone.append(ch)
+            else:
+                counts[ch] = c
+            self.stats.removed_blocks += 1
+        if gone:
+            out.append(Removed(hashes=gone, medium=ev.medium))
+
+    def _retire(self, engine_hash: int, canonical: int) -> None:
+        retired = self._retired
+        retired[engine_hash] = canonical
+        if len(retired) > self.memo_size:
+            retired.popitem(last=False)
