@@ -55,7 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     parser = argparse.ArgumentParser(prog=f"kvswitch {name}", description=help_text)
     module.add_arguments(parser)
-    ns = parser.parse_args(args[1:])
+    if getattr(module, "PASSES_UNKNOWN_ARGS", False):
+        # `kvswitch up` hands flags it does not know to its routers, which validate them.
+        ns, extra = parser.parse_known_args(args[1:])
+        ns.extra = extra
+    else:
+        ns = parser.parse_args(args[1:])
     return int(module.run(ns))
 
 

@@ -1,35 +1,91 @@
-"""`kvswitch up`: the embedded default, a whole cluster on one machine."""
+"""`kvswitch up`: the embedded default, a whole cluster on one machine.
+
+Flags it does not know itself are router flags (e.g. `--conditional-disagg`,
+`--conditional-disagg-policy ttft_model`): they are checked against the router's own parser at
+once and passed to every replica.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
 
 from kvswitch.cluster import ClusterSpec, LocalCluster
+from kvswitch.servers import ServerError
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["PASSES_UNKNOWN_ARGS", "add_arguments", "run"]
 
+PASSES_UNKNOWN_ARGS = True
 log = logging.getLogger("kvswitch.up")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-port", type=int, default=0, help="NATS client port (0: a free one)")
     parser.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: a free one)")
-    parser.add_argument(
-        "--demo", action="store_true", help="bring the cluster up, show it healthy, and take it down again"
-    )
+    parser.add_argument("--namespace", default="kvswitch", help="prefix of every subject and key")
+    parser.add_argument("--prefill", type=int, default=0, metavar="P", help="simulated prefill workers")
+    parser.add_argument("--decode", type=int, default=0, metavar="D", help="simulated decode workers")
+    parser.add_argument("--agg", type=int, default=0, metavar="A", help="simulated aggregated workers")
+    parser.add_argument("--routers", type=int, default=None, metavar="R",
+                        help="router replicas (default 1 when there are workers, else 0)")  # fmt: skip
+    parser.add_argument("--http-port", type=int, default=8080, help="first router's port; the next ones follow")
+    parser.add_argument("--speedup", type=float, default=1.0, help="simulated engines run this many times faster")
+    parser.add_argument("--model", default="sim-llama", help="served model name")
+    parser.add_argument("--profile", default="h200:llama-3.1-8b", help="engine timing profile")
+    parser.add_argument("--log-dir", default=None, help="write each child's output to DIR/<name>.log")
+    parser.add_argument("--demo", action="store_true", help="bring the cluster up, show it healthy, take it down")
+
+
+def _spec(args: argparse.Namespace) -> ClusterSpec:
+    from pathlib import Path
+
+    for name in ("prefill", "decode", "agg"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"kvswitch up: --{name} must be >= 0, got {getattr(args, name)}")
+    workers = args.prefill + args.decode + args.agg
+    routers = args.routers if args.routers is not None else (1 if workers else 0)
+    if routers < 0:
+        raise SystemExit(f"kvswitch up: --routers must be >= 0, got {routers}")
+    if args.speedup <= 0:
+        raise SystemExit(f"kvswitch up: --speedup must be > 0, got {args.speedup}")
+    extra: list[str] = list(getattr(args, "extra", []))
+    if extra:
+        _check_router_args(extra)
+    return ClusterSpec(
+        nats_port=args.nats_port, etcd_port=args.etcd_port, namespace=args.namespace,
+        prefill=args.prefill, decode=args.decode, agg=args.agg, routers=routers,
+        http_port=args.http_port if routers else 0, speedup=args.speedup, model=args.model,
+        profile=args.profile, router_args=extra, log_dir=Path(args.log_dir) if args.log_dir else None,
+    )  # fmt: skip
+
+
+def _check_router_args(extra: list[str]) -> None:
+    try:
+        router_cli = importlib.import_module("router.cli")
+    except ImportError as exc:
+        raise SystemExit(f"kvswitch up: unknown arguments {extra} (the router is not installed)") from exc
+    parser = argparse.ArgumentParser(prog="kvswitch up (router flags)")
+    router_cli.add_arguments(parser)
+    parser.parse_args(extra)
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = ClusterSpec(nats_port=args.nats_port, etcd_port=args.etcd_port)
+    spec = _spec(args)
     from kvswitch.runtime import run_service
 
     async def main(stop: asyncio.Event) -> int:
         cluster = LocalCluster(spec)
         try:
-            cluster.start()
+            try:
+                cluster.start()
+                if spec.routers:
+                    cluster.wait_ready(timeout=120)
+            except ServerError as exc:
+                print(f"kvswitch up: {exc}", file=sys.stderr, flush=True)
+                return 1
             print(cluster.describe(), flush=True)
             print(cluster.health_line(), flush=True)
             if args.demo:
