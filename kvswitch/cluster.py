@@ -132,8 +132,8 @@ class LocalCluster:
         ]  # fmt: skip
         self.spawn(f"sim-{role}", argv)
         for i in range(count):
-            engine = _Engine(role, f"http://127.0.0.1:{http + i}", f"tcp://127.0.0.1:{events + i}",
-                             f"tcp://127.0.0.1:{replay + i}")  # fmt: skip
+            # The shim takes the endpoints as the engine was given them and connects to a bound `*`.
+            engine = _Engine(role, f"http://127.0.0.1:{http + i}", f"tcp://*:{events + i}", f"tcp://*:{replay + i}")
             self.engines.append(engine)
         for engine in self.engines[-count:]:
             self._wait_http(engine.url + "/health", what=f"sim {engine.url}")
@@ -185,10 +185,24 @@ class LocalCluster:
         raise ServerError(f"{what} not ready after {timeout:.0f}s ({url})")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Every router answers /ready (it has seen every worker and synced its index)."""
+        """Every router answers /ready and sees every engine as a registered worker."""
         deadline = time.monotonic() + timeout
         for url in self.router_urls:
-            self._wait_http(url + "/ready", what=f"router {url}", timeout=max(1.0, deadline - time.monotonic()))
+            while True:
+                self._wait_http(url + "/ready", what=f"router {url}", timeout=max(1.0, deadline - time.monotonic()))
+                if self._router_workers(url) >= len(self.engines):
+                    break
+                if time.monotonic() > deadline:
+                    raise ServerError(f"router {url} sees fewer than {len(self.engines)} workers after {timeout:.0f}s")
+                time.sleep(0.2)
+
+    @staticmethod
+    def _router_workers(url: str) -> int:
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=2.0) as resp:
+                return int(json.loads(resp.read()).get("workers", 0))
+        except (urllib.error.URLError, OSError, ValueError):
+            return -1
 
     def stop(self, grace_s: float = 15.0) -> None:
         children, self.children = self.children, []

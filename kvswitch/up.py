@@ -72,7 +72,22 @@ def _check_router_args(extra: list[str]) -> None:
     parser.parse_args(extra)
 
 
+def _demo(cluster: LocalCluster, spec: ClusterSpec) -> int:
+    if not cluster.router_urls:
+        return 0 if cluster.healthy() else 1
+    from kvswitch.demo import decision_counts, format_results, run_demo_requests
+
+    results = run_demo_requests(cluster.router_urls[0], spec.model)
+    print(format_results(results, decision_counts(cluster.router_urls[0])), flush=True)
+    return 0 if cluster.healthy() else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.demo and not (args.prefill or args.decode or args.agg):
+        args.prefill, args.decode = 1, 2
+        args.speedup = args.speedup if args.speedup != 1.0 else 10.0
+        if not getattr(args, "extra", []):
+            args.extra = ["--conditional-disagg"]
     spec = _spec(args)
     from kvswitch.runtime import run_service
 
@@ -89,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             print(cluster.describe(), flush=True)
             print(cluster.health_line(), flush=True)
             if args.demo:
-                return 0 if cluster.healthy() else 1
+                return await asyncio.to_thread(_demo, cluster, spec)
             print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)
             while not stop.is_set():
                 try:
