@@ -29,6 +29,7 @@ install: $(STAMP) etcd
 
 demo: install
 	$(BIN)/kvswitch up --demo
+	$(BIN)/kvswitch bench compare --demo
 
 test: install
 	$(BIN)/ruff check .

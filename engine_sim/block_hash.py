@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from collections.abc import Sequence
 
 import cbor2
 
-__all__ = ["HashedBlock", "external_hash", "hash_block", "root_hash"]
+__all__ = ["HashChains", "HashedBlock", "external_hash", "hash_block", "root_hash"]
 
 
 def root_hash(seed: str | None = None) -> bytes:
@@ -43,11 +44,17 @@ class HashedBlock:
     block before it. Immutable once made; a chain of these is a prefix, so a cached block can name
     every token before it even after its parent block was evicted."""
 
-    __slots__ = ("digest", "ext", "parent", "tokens")
+    __slots__ = ("__weakref__", "children", "digest", "ext", "parent", "tokens")
+    children: weakref.WeakValueDictionary[tuple[int, ...], HashedBlock] | None
+    digest: bytes
+    ext: int
+    parent: HashedBlock | None
+    tokens: tuple[int, ...]
 
     def __init__(self, parent: HashedBlock | None, tokens: tuple[int, ...], root: bytes) -> None:
         self.parent = parent
         self.tokens = tokens
+        self.children = None
         self.digest = hash_block(parent.digest if parent is not None else root, tokens)
         self.ext = external_hash(self.digest)
 
@@ -62,3 +69,26 @@ class HashedBlock:
         for toks in reversed(chain):
             out.extend(toks)
         return out
+
+
+class HashChains:
+    """Memoises HashedBlocks as a trie keyed by block tokens, so requests sharing a prefix share
+    its hash chain instead of rehashing it (SHA-256 over CBOR costs microseconds per block, which
+    adds up at thousands of requests per second). Nodes are weakly held: one lives exactly as long
+    as a request or a cached block refers to it. Hashes are identical to computing them afresh."""
+
+    def __init__(self, root: bytes) -> None:
+        self.root = root
+        self._first: weakref.WeakValueDictionary[tuple[int, ...], HashedBlock] = weakref.WeakValueDictionary()
+
+    def child(self, parent: HashedBlock | None, tokens: tuple[int, ...]) -> HashedBlock:
+        if parent is None:
+            table = self._first
+        else:
+            if parent.children is None:
+                parent.children = weakref.WeakValueDictionary()
+            table = parent.children
+        node = table.get(tokens)
+        if node is None:
+            node = table[tokens] = HashedBlock(parent, tokens, self.root)
+        return node

@@ -1,7 +1,9 @@
 """The KV block pool with prefix caching, as vLLM v1's BlockPool behaves.
 
 Invariants:
-- A block is either in use (ref_cnt > 0) or in the free queue (ref_cnt == 0), never both.
+- A block is either in use (ref_cnt > 0) or free (ref_cnt == 0), never both. Free blocks that
+  were never used are not materialised (a pool of 50k blocks costs nothing until used); they sit,
+  as in vLLM's initial free queue, ahead of every block freed since.
 - A free block keeps its hash and stays findable in the prefix cache until it is handed out again
   (eviction); only then does it leave the cache, and a `BlockRemoved` event names its hash.
 - The free queue is least-recently-used first: allocation pops the head; freeing appends at the
@@ -40,8 +42,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.emit_events = emit_events
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.blocks: list[Block] = []  # materialised so far, by block id
+        self._free: OrderedDict[int, Block] = OrderedDict()  # freed at least once, LRU first
         # digest -> {block_id: block}: every physical block holding that hash.
         self._cached: dict[bytes, dict[int, Block]] = {}
         self.events: list[KVEvent] = []
@@ -50,11 +52,11 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self.blocks)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return len(self.blocks) - len(self._free)
 
     @property
     def usage(self) -> float:
@@ -86,13 +88,18 @@ class BlockPool:
     def allocate(self, n: int) -> list[Block]:
         """`n` blocks from the head of the free queue, evicting whatever they cached. The caller
         checks `num_free` first; running out is a bug."""
-        if n > len(self._free):
-            raise RuntimeError(f"allocate({n}) with only {len(self._free)} free blocks")
+        if n > self.num_free:
+            raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
         out: list[Block] = []
+        blocks = self.blocks
         for _ in range(n):
-            _, b = self._free.popitem(last=False)
-            if b.hashed is not None:
-                self._evict(b)
+            if len(blocks) < self.num_blocks:
+                b = Block(len(blocks))
+                blocks.append(b)
+            else:
+                _, b = self._free.popitem(last=False)
+                if b.hashed is not None:
+                    self._evict(b)
             b.ref_cnt = 1
             out.append(b)
         return out

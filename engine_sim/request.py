@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from engine_sim.block_hash import HashedBlock
+from engine_sim.block_hash import HashChains, HashedBlock
 from engine_sim.block_pool import Block
 from engine_sim.sampler import Sampler
 
@@ -87,13 +87,13 @@ class SimRequest:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    def extend_chain(self, block_size: int, root: bytes) -> None:
+    def extend_chain(self, block_size: int, chains: HashChains) -> None:
         """Hash every newly full block of known tokens (once each)."""
         chain = self.chain
         toks = self.token_ids
         while (len(chain) + 1) * block_size <= len(toks):
             start = len(chain) * block_size
-            chain.append(HashedBlock(chain[-1] if chain else None, tuple(toks[start : start + block_size]), root))
+            chain.append(chains.child(chain[-1] if chain else None, tuple(toks[start : start + block_size])))
 
     def append_output(self, token_id: int) -> None:
         self.token_ids.append(token_id)

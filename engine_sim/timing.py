@@ -79,6 +79,7 @@ class _Grid:
         self._rows = [sorted(rows[y]) for y in self._ys]
         self._xs = [[p[0] for p in r] for r in self._rows]
         self._vs = [[p[1] for p in r] for r in self._rows]
+        self._cols: dict[float, list[float]] = {}  # x -> each row's value at x (x repeats a lot)
 
     @staticmethod
     def _lerp(xs: Sequence[float], vs: Sequence[float], x: float, floor: bool) -> float:
@@ -94,7 +95,11 @@ class _Grid:
         return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
 
     def __call__(self, x: float, y: float) -> float:
-        col = [self._lerp(xs, vs, x, floor=True) for xs, vs in zip(self._xs, self._vs, strict=True)]
+        col = self._cols.get(x)
+        if col is None:
+            if len(self._cols) > 65536:
+                self._cols.clear()
+            col = self._cols[x] = [self._lerp(xs, vs, x, floor=True) for xs, vs in zip(self._xs, self._vs, strict=True)]
         if len(col) == 1:
             return col[0]
         # Along y (context) the cost is close to linear, so extrapolate both ways but never below 0.
@@ -155,7 +160,9 @@ class TimingModel:
         self._prefill = _Grid(profile.prefill)
         self._decode = _Grid(profile.decode)
         self._fit = fit_marginal()
-        self._ref = None if profile.model == _REFERENCE_MODEL else _Grid(load_profile(f"h200:{_REFERENCE_MODEL}").prefill)
+        self._ref = (
+            None if profile.model == _REFERENCE_MODEL else _Grid(load_profile(f"h200:{_REFERENCE_MODEL}").prefill)
+        )
 
     @classmethod
     def for_profile(cls, name: str) -> TimingModel:

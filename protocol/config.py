@@ -8,6 +8,7 @@ raises ConfigError naming the setting and what it allows.
 from __future__ import annotations
 
 import os
+import ssl
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -153,6 +154,30 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
             nats_tls_key=self.tls_key,
         )
         return self
+
+
+    def connect_options(self, name: str) -> dict[str, Any]:
+        """Keyword arguments for `nats.connect()`: every setting, reconnecting forever."""
+        opts: dict[str, Any] = {
+            "servers": self.servers,
+            "name": name,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.5,
+        }
+        if self.user is not None:
+            opts["user"], opts["password"] = self.user, self.password
+        if self.token is not None:
+            opts["token"] = self.token
+        if self.creds_file is not None:
+            opts["user_credentials"] = self.creds_file
+        if self.nkey_file is not None:
+            opts["nkeys_seed"] = self.nkey_file
+        if self.tls_ca or self.tls_cert:
+            ctx = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert and self.tls_key:
+                ctx.load_cert_chain(self.tls_cert, self.tls_key)
+            opts["tls"] = ctx
+        return opts
 
 
 class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):

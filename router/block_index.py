@@ -23,18 +23,20 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Sequence
-from itertools import accumulate, compress, islice, repeat
-from operator import and_, ne, not_, or_
+from collections.abc import Callable, Iterable, Sequence
+from itertools import compress, islice, repeat
+from operator import and_, itemgetter, ne, not_, or_
+
+import numpy as np
 
 from protocol.messages import Cleared, KvEvent, Removed, Stored
 
 __all__ = ["BlockIndex"]
 
-# Bits to worker names: below this many set bits a find() loop wins, above it the all-C path does.
+# Bits to worker names: below this many set bits a find() loop wins, above it numpy does.
 _FEW_BITS = 16
-_BIN_TO_FLAGS = bytes.maketrans(b"01", b"\x00\x01")
-_consume = deque(maxlen=0).extend  # runs an iterator to its end in C
+_LOOKUP_CHUNK = 16
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # runs an iterator to its end in C
 
 
 class BlockIndex:
@@ -74,7 +76,7 @@ class BlockIndex:
         fresh = new.difference(masks)
         if len(fresh) != len(new):
             held = new - fresh
-            masks.update(zip(held, map(or_, map(masks.__getitem__, held), repeat(bit))))
+            masks.update(zip(held, map(or_, map(masks.__getitem__, held), repeat(bit)), strict=False))
         masks.update(dict.fromkeys(fresh, bit))
         self._entries += len(new)
 
@@ -133,7 +135,7 @@ class BlockIndex:
         if not all(sole):
             shared = list(compress(order, map(not_, sole)))
             keep = ~bit
-            masks.update(zip(shared, map(and_, compress(current, map(not_, sole)), repeat(keep))))
+            masks.update(zip(shared, map(and_, compress(current, map(not_, sole)), repeat(keep)), strict=False))
         self._entries -= len(order)
 
     # --- queries -------------------------------------------------------------------------------
@@ -143,34 +145,50 @@ class BlockIndex:
         masks = self._masks
         if not hashes or not masks.get(hashes[0]):
             return {}
-        # Running AND over the prompt: it only loses bits, and where it loses some, those workers'
-        # prefixes end. accumulate/map keep the per-block work in C.
-        running = list(accumulate(map(masks.get, hashes, repeat(0)), and_))
+        # The running AND of the masks only loses bits, and where it loses some, those workers'
+        # prefixes end. It can only change where a block's mask differs from the one before, and a
+        # prompt's masks come in long equal runs (a conversation held by the same workers), so
+        # compare neighbours in C and AND only at the few places they differ.
+        got = self._leading_masks(hashes)
+        running: int = got[0]
         out: dict[str, int] = {}
-        last = running[-1]
-        if last != running[0]:
-            # Depths where the running AND changes: workers in running[d - 1] but not running[d]
-            # hold exactly d leading blocks.
-            for depth in compress(range(1, len(running)), map(ne, running, islice(running, 1, None))):
-                cur = running[depth]
-                self._name_bits(running[depth - 1] ^ cur, depth, out)
-                if not cur:
+        for depth in compress(range(1, len(got)), map(ne, got, islice(got, 1, None))):
+            cut = running & got[depth]
+            if cut != running:
+                self._name_bits(running ^ cut, depth, out)
+                if not cut:
                     return out
-        self._name_bits(last, len(hashes), out)
+                running = cut
+        self._name_bits(running, len(got), out)
         return out
+
+    def _leading_masks(self, hashes: Sequence[int]) -> list[int]:
+        """The masks of the prompt's blocks up to the first one nobody holds, looked up in chunks
+        so a prompt that leaves every cached prefix early costs few lookups."""
+        get = self._masks.get
+        got: list[int] = []
+        for start in range(0, len(hashes), _LOOKUP_CHUNK):
+            part = list(map(get, hashes[start : start + _LOOKUP_CHUNK], repeat(0)))
+            if 0 in part:
+                got += part[: part.index(0)]
+                break
+            got += part
+        return got
 
     def _name_bits(self, bits: int, depth: int, out: dict[str, int]) -> None:
         names = self._names
-        # The binary string, least significant bit first: position i is slot i.
-        flags = bin(bits)[:1:-1]
-        if bits.bit_count() <= _FEW_BITS:
+        if not bits & (bits - 1):  # one worker: the usual case for a conversation's own tail
+            out[names[bits.bit_length() - 1]] = depth  # type: ignore[index]  # set bits name workers
+        elif bits.bit_count() <= _FEW_BITS:
+            flags = bin(bits)[:1:-1]  # least significant bit first: position i is slot i
             i = flags.find("1")
             while i >= 0:
-                out[names[i]] = depth  # type: ignore[index]  # a set bit always names a worker
+                out[names[i]] = depth  # type: ignore[index]
                 i = flags.find("1", i + 1)
-        else:
-            chosen = compress(names, flags.encode().translate(_BIN_TO_FLAGS))
-            out.update(zip(chosen, repeat(depth)))  # type: ignore[arg-type]
+        else:  # many workers (a shared system prompt): find the set bits in numpy, name them in C
+            raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
+            slots = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+            out.update(dict.fromkeys(itemgetter(*slots)(names), depth))
 
     def worker_hashes(self, worker: str) -> set[int]:
         """A copy of the hashes `worker` holds (empty for an unknown worker)."""

@@ -39,6 +39,7 @@ class IngestStats:
     repair_timeouts: int = 0  # kvstate requests that got no (complete) answer in time
     dropped_stale: int = 0  # batches of an epoch that is no longer the shim's
     dropped_unknown: int = 0  # batches of a worker that never registered (or already left)
+    unknown_held: int = 0  # batches waiting for their worker to register
     dropped_overflow: int = 0  # buffered batches dropped because a buffer was full
     last_lag_s: float = 0.0  # receive time - batch.ts of the last live batch applied
     workers: dict[str, WorkerSync] = field(default_factory=dict)

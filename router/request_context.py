@@ -7,12 +7,13 @@ policies only read it, except that selection records its choice in `decode` and 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from protocol import WorkerInfo
+from protocol import BlockHasher, WorkerInfo
 
-__all__ = ["Candidate", "LoadLike", "RequestContext"]
+__all__ = ["Candidate", "ContextBuilder", "LoadLike", "RequestContext"]
 
 
 class LoadLike(Protocol):
@@ -49,6 +50,7 @@ class Candidate:
     active_blocks: int = 0
     kv_used_blocks: int = 0
     kv_total_blocks: int | None = None
+    healthy: bool = True
     cost: float = 0.0
 
     @property
@@ -118,3 +120,56 @@ class RequestContext:
     def new_blocks(self, candidate: Candidate) -> int:
         """Blocks this request would allocate on `candidate` beyond the ones it already caches."""
         return max(self.request_blocks - candidate.overlap_blocks, 0)
+
+
+class ContextBuilder:
+    """Builds a RequestContext from the producers: the worker set, the index and the load view.
+
+    Unhealthy workers (by their last report) are left out while a healthy one of the same pool
+    remains.
+    """
+
+    def __init__(
+        self,
+        workers: Callable[[str], Sequence[WorkerInfo]],
+        find_matches: Callable[[Sequence[int]], Mapping[str, int]],
+        load: Callable[[str], LoadLike],
+    ) -> None:
+        self._workers = workers
+        self._find_matches = find_matches
+        self._load = load
+        self._hashers: dict[int, BlockHasher] = {}
+
+    def build(self, request_id: str, model: str, token_ids: list[int], max_tokens: int = 16) -> RequestContext | None:
+        """None when the model has no worker at all."""
+        infos = self._workers(model)
+        if not infos:
+            return None
+        block_size = infos[0].block_size
+        hasher = self._hashers.get(block_size)
+        if hasher is None:
+            hasher = self._hashers[block_size] = BlockHasher(block_size)
+        hashes = hasher(token_ids)
+        matches = self._find_matches(hashes) if hashes else {}
+        decode: list[Candidate] = []
+        prefill: list[Candidate] = []
+        for info in infos:
+            load = self._load(info.worker)
+            c = Candidate.of(info, matches.get(info.worker, 0), load)
+            c.healthy = getattr(load, "healthy", True)
+            (prefill if info.role == "prefill" else decode).append(c)
+        return RequestContext(
+            request_id=request_id,
+            model=model,
+            token_ids=token_ids,
+            block_size=block_size,
+            hashes=hashes,
+            decode_pool=_healthy_first(decode),
+            prefill_pool=_healthy_first(prefill),
+            max_tokens=max_tokens,
+        )
+
+
+def _healthy_first(pool: list[Candidate]) -> list[Candidate]:
+    healthy = [c for c in pool if c.healthy]
+    return healthy or pool

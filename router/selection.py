@@ -13,9 +13,9 @@ worker's last report plus every router's bookings); `request_blocks = ceil(isl /
 
 Near-ties: with temperature T = 0 the lowest cost wins and exact ties are broken uniformly at
 random. With T > 0 a worker is drawn with probability proportional to
-`exp(-(cost(w) - min_cost) / (T * scale))`, `scale = max(mean_cost, 1)`: a worker whose cost is
-within a few T of the mean above the best still gets picked now and then, so replicas that see the
-same state do not all herd onto one worker.
+`exp(-(cost(w) - min_cost) / (T * max(min_cost, 1)))`, i.e. by its relative excess over the best:
+with T = 0.1 a worker 10% costlier than the best is picked e^-1 as often, one 50% costlier
+e^-5 as often. Replicas that see the same state thus spread near-ties instead of herding.
 
 Comparison modes (`routing`): `kv` (the cost above), `round_robin` (rotates over the pool sorted
 by worker id), `random` (uniform), `least_loaded` (fewest running + waiting requests, then fewest
@@ -94,6 +94,6 @@ class Selector:
 
     def _sample(self, by_cost: list[Candidate], temperature: float) -> Candidate:
         best = by_cost[0].cost
-        scale = max(sum(c.cost for c in by_cost) / len(by_cost), 1.0)
-        weights = [math.exp(-(c.cost - best) / (temperature * scale)) for c in by_cost]
+        scale = temperature * max(best, 1.0)
+        weights = [math.exp(-(c.cost - best) / scale) for c in by_cost]
         return self._rng.choices(by_cost, weights=weights, k=1)[0]

@@ -87,7 +87,9 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             if value is not None and not value.startswith(_ZMQ_SCHEMES):
                 raise ConfigError(name, value, "a ZMQ endpoint: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
         if self.engine in ("vllm", "sglang") and self.kv_events is None:
-            raise ConfigError("kv_events", None, f"engine {self.engine} publishes KV events over ZMQ: give its endpoint")
+            raise ConfigError(
+                "kv_events", None, f"engine {self.engine} publishes KV events over ZMQ: give its endpoint"
+            )
         for name in ("block_size", "kv_total_blocks", "max_num_batched_tokens", "kv_bytes_per_token"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from protocol import KvEvent, KvEventBatch, KvStateChunk, KvStateRequest, Removed, Stored
 
@@ -51,12 +51,12 @@ class EventLog:
         first = self._ring[0].seq
         return list(self._ring)[since_seq + 1 - first :]
 
-    def reply(self, req: KvStateRequest, dump: Sequence[int]) -> list[KvStateChunk]:
-        """The chunks answering `req`; `dump` is the canonical set parent-first (used only if needed)."""
+    def reply(self, req: KvStateRequest, dump: Callable[[], Sequence[int]]) -> list[KvStateChunk]:
+        """The chunks answering `req`; `dump()` gives the canonical set parent-first (called only if needed)."""
         missed = self.since(req.since_seq) if req.epoch == self.epoch and req.since_seq >= 0 else None
         if missed is not None:
             return self._batch_chunks(missed)
-        return self._dump_chunks(dump)
+        return self._dump_chunks(dump())
 
     def _batch_chunks(self, batches: list[KvEventBatch]) -> list[KvStateChunk]:
         chunks: list[KvStateChunk] = []

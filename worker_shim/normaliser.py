@@ -90,6 +90,11 @@ class Normaliser:
                 out.append(x)
         return out
 
+    def snapshot(self) -> list[KvEvent]:
+        """Events that rebuild the current set from nothing: one Stored per block, parent-first."""
+        parents = self._canon_parent
+        return [Stored(hashes=[h], parent=parents.get(h)) for h in self.dump()]
+
     # --- folding ------------------------------------------------------------------------------
 
     def reset(self, *, exact: bool) -> list[KvEvent]:
@@ -148,7 +153,11 @@ class Normaliser:
                     self.needs_rebuild = True
                 return
             start = parent
-        canon = block_hashes(ev.token_ids, bs, parent=start)
+        try:
+            canon = block_hashes(ev.token_ids, bs, parent=start)
+        except ValueError as exc:
+            self._malformed(str(exc))
+            return
         self._link(ev.hashes, canon, parent, ev.medium, out)
 
     def _link(

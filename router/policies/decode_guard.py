@@ -4,9 +4,9 @@ Rule (DESIGN.md): with decode_busy_threshold set, a bypass is vetoed while
 
     (kv_used_blocks(d) + new_blocks) / kv_total_blocks(d) > decode_busy_threshold   (strict)
 
-where `kv_used_blocks` is d's KV use as the load view knows it (its report, or the blocks routers
-booked on it when that is larger, since reports lag bookings), `new_blocks` the blocks this
-prompt adds beyond the prefix d already caches. Unknown capacity (no kv_total_blocks in the
+where `kv_used_blocks` is d's KV use as the load view knows it (its last report plus the decode
+blocks routers booked on it that no report covers yet, i.e. `active_blocks`), `new_blocks` the
+blocks this prompt adds beyond the prefix d already caches. Unknown capacity (no kv_total_blocks in the
 report or the worker record) vetoes. Unset threshold: the guard is off. Applies to every policy.
 """
 

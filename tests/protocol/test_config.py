@@ -174,3 +174,20 @@ def test_etcd_settings_with_auth_and_tls_files(tmp_path: Path) -> None:
         setting_prefix="etcd_",
     )
     assert (s.user, s.tls_ca) == ("u", str(tmp_path / "ca.pem"))
+
+
+def test_nats_connect_options_carry_every_setting(tmp_path: Path) -> None:
+    creds = tmp_path / "u.creds"
+    creds.write_text("x")
+    s = resolve(
+        NatsSettings,
+        cli={"nats_servers": ["nats://h:1"], "nats_user": "u", "nats_password": "p", "nats_token": "t",
+             "nats_creds_file": str(creds)},
+        env={}, setting_prefix="nats_",
+    )  # fmt: skip
+    opts = s.connect_options("me")
+    assert opts["servers"] == ["nats://h:1"] and opts["name"] == "me"
+    assert (opts["user"], opts["password"], opts["token"]) == ("u", "p", "t")
+    assert opts["user_credentials"] == str(creds)
+    assert opts["max_reconnect_attempts"] == -1
+    assert "tls" not in opts

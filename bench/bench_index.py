@@ -1,0 +1,231 @@
+"""Prefix index micro-benchmark: ingest (blocks/s) and find_matches latency, at 32, 256 and 1,000
+workers (issue 5's index benchmark; figures in docs/router_index.md).
+
+    .venv/bin/python -m bench.bench_index [--blocks 262144] [--queries 200] [--rounds 5] [--workers 32 256 1000]
+
+Workload: every worker stores sequences of 64 blocks, about `--blocks` in all; half of them start
+with one of 16 shared 8-block "system prompts". Ingest is timed three ways: our BlockIndex.store on
+decoded hash lists (index only), our full wire path (msgpack KvEventBatch decode + BlockIndex.apply),
+and, when `ai-dynamo-runtime` is installed, Dynamo's RadixTree.apply_event on the JSON event bytes
+its Python API takes, in the same process. The ratio compares the two wire paths (bytes in, index
+updated). find_matches is timed on 64-block prompts of four kinds: `unique` (one worker holds all
+of it), `shared` (a shared system prompt, then one worker's tail; many workers match 8 blocks),
+`diverge` (a shared system prompt, then a new question nobody holds) and `miss` (nobody holds
+it). Dynamo's time excludes converting its result to a dict (ours includes it).
+Rounds alternate ours and Dynamo's so both see the same machine noise; medians are printed.
+Targets: ingest >= 2 M blocks/s and >= 3x Dynamo; find_matches <= 10 us at 1,000 workers and
+<= 0.5x Dynamo's latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.messages import KvEventBatch, Stored, decode_msg, encode_msg
+from router.block_index import BlockIndex
+
+SEQ_BLOCKS = 64
+PREFIX_BLOCKS = 8
+N_PREFIXES = 16
+
+
+@dataclass
+class Workload:
+    workers: int
+    seqs: list[tuple[int, list[int]]]  # (worker, hashes), in ingest order
+    queries: dict[str, list[list[int]]]
+
+
+def make_workload(workers: int, total_blocks: int, n_queries: int, rng: random.Random) -> Workload:
+    prefixes = [[rng.getrandbits(64) for _ in range(PREFIX_BLOCKS)] for _ in range(N_PREFIXES)]
+    per_worker = max(1, total_blocks // (workers * SEQ_BLOCKS))
+    seqs: list[tuple[int, list[int]]] = []
+    unique: list[list[int]] = []
+    shared: list[list[int]] = []
+    for w in range(workers):
+        for _ in range(per_worker):
+            if rng.random() < 0.5:
+                seq = rng.choice(prefixes) + [rng.getrandbits(64) for _ in range(SEQ_BLOCKS - PREFIX_BLOCKS)]
+                shared.append(seq)
+            else:
+                seq = [rng.getrandbits(64) for _ in range(SEQ_BLOCKS)]
+                unique.append(seq)
+            seqs.append((w, seq))
+    rng.shuffle(seqs)
+    miss = [[rng.getrandbits(64) for _ in range(SEQ_BLOCKS)] for _ in range(n_queries)]
+    queries = {
+        "unique": rng.sample(unique, min(n_queries, len(unique))),
+        "shared": rng.sample(shared, min(n_queries, len(shared))),
+        "diverge": [rng.choice(prefixes) + q[PREFIX_BLOCKS:] for q in miss],
+        "miss": miss,
+    }
+    # A router hashes each prompt afresh: its hashes are new int objects, not the stored keys.
+    queries = {
+        kind: [[int.from_bytes(h.to_bytes(8, "little"), "little") for h in q] for q in qs]
+        for kind, qs in queries.items()
+    }
+    return Workload(workers, seqs, queries)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+# --- ours ------------------------------------------------------------------------------------------
+
+
+def ingest_index_only(wl: Workload) -> tuple[float, BlockIndex]:
+    """Seconds to store every sequence into a fresh index, and that index."""
+    names = [f"{w:x}" for w in range(wl.workers)]
+    idx = BlockIndex()
+    start = time.perf_counter()
+    for w, seq in wl.seqs:
+        idx.store(names[w], seq)
+    return time.perf_counter() - start, idx
+
+
+def wire_payloads(wl: Workload) -> list[bytes]:
+    return [
+        encode_msg(KvEventBatch(worker=f"{w:x}", epoch=1, seq=i + 1, ts=0.0, events=[Stored(hashes=seq)]))
+        for i, (w, seq) in enumerate(wl.seqs)
+    ]
+
+
+def ingest_wire(payloads: list[bytes]) -> float:
+    """Seconds to decode every payload and apply it to a fresh index."""
+    idx = BlockIndex()
+    start = time.perf_counter()
+    for data in payloads:
+        batch = decode_msg(data, KvEventBatch)
+        idx.apply(batch.worker, batch.events)
+    return time.perf_counter() - start
+
+
+def match_us(find: Callable[[list[int]], object], queries: list[list[int]]) -> float:
+    """Mean microseconds per call over the query set, for at least 0.2 s."""
+    n = 0
+    start = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < 0.2:
+        for q in queries:
+            find(q)
+        n += len(queries)
+    return elapsed / n * 1e6
+
+
+# --- Dynamo --------------------------------------------------------------------------------------
+
+
+def dynamo_tree() -> Callable[[], Any] | None:
+    try:
+        from dynamo._core import RadixTree
+    except ImportError:
+        return None
+    return RadixTree
+
+
+def dynamo_events(wl: Workload) -> list[tuple[int, bytes]]:
+    return [
+        (
+            w,
+            json.dumps(
+                {
+                    "event_id": i,
+                    "data": {
+                        "stored": {"parent_hash": None, "blocks": [{"block_hash": h, "tokens_hash": h} for h in seq]}
+                    },
+                }
+            ).encode(),
+        )
+        for i, (w, seq) in enumerate(wl.seqs)
+    ]
+
+
+def dynamo_ingest(make: Callable[[], Any], events: list[tuple[int, bytes]]) -> tuple[float, Any]:
+    """Seconds to apply every event to a fresh RadixTree (apply_event is synchronous), and the tree."""
+    tree = make()
+    start = time.perf_counter()
+    for w, data in events:
+        tree.apply_event(w, data)
+    return time.perf_counter() - start, tree
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def run_workers(workers: int, args: argparse.Namespace, make_tree: Callable[[], Any] | None) -> tuple[str, list[str]]:
+    """One worker count: ingest and match rounds, ours and Dynamo's interleaved so both see the same
+    machine noise; medians over rounds, and the median of per-round ratios."""
+    wl = make_workload(workers, args.blocks, args.queries, random.Random(workers))
+    blocks = len(wl.seqs) * SEQ_BLOCKS
+    payloads = wire_payloads(wl)
+    events = dynamo_events(wl) if make_tree is not None else []
+    index_s: list[float] = []
+    wire_s: list[float] = []
+    dyn_s: list[float] = []
+    idx, tree = BlockIndex(), None
+    for _ in range(args.rounds):
+        elapsed, idx = ingest_index_only(wl)
+        index_s.append(elapsed)
+        wire_s.append(ingest_wire(payloads))
+        if make_tree is not None:
+            elapsed, tree = dynamo_ingest(make_tree, events)
+            dyn_s.append(elapsed)
+    line = f"{workers:>7} {blocks / _median(index_s) / 1e6:>7.2f} {blocks / _median(wire_s) / 1e6:>7.2f}"
+    if dyn_s:
+        ratios = [d / w for w, d in zip(wire_s, dyn_s, strict=True)]
+        line += f" {blocks / _median(dyn_s) / 1e6:>7.2f} {_median(ratios):>11.2f}x"
+    rows = []
+    for kind, qs in wl.queries.items():
+        ours_us: list[float] = []
+        theirs_us: list[float] = []
+        for _ in range(args.rounds):
+            ours_us.append(match_us(idx.find_matches, qs))
+            if tree is not None:
+                theirs_us.append(match_us(tree.find_matches, qs))
+        hits = sum(len(idx.find_matches(q)) for q in qs) / len(qs)
+        row = f"{workers:>7} {kind:>7} {hits:>9.1f} {_median(ours_us):>8.2f}"
+        if theirs_us:
+            ratio = _median([o / t for o, t in zip(ours_us, theirs_us, strict=True)])
+            row += f" {_median(theirs_us):>8.2f} {ratio:>11.2f}x"
+        rows.append(row)
+    return line, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=262_144, help="blocks stored in all, per worker count")
+    ap.add_argument("--queries", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workers", type=int, nargs="+", default=[32, 256, 1000])
+    args = ap.parse_args()
+    make_tree = dynamo_tree()
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}  python {platform.python_version()}  {os.cpu_count()} CPUs  "
+        f"{platform.processor() or platform.machine()}"
+    )
+    if make_tree is None:
+        print("ai-dynamo-runtime not installed: no Dynamo baseline (pip install ai-dynamo-runtime==1.6.1)")
+    print(f"~{args.blocks} blocks per run, sequences of {SEQ_BLOCKS}; medians of {args.rounds} interleaved rounds\n")
+    print("ingest, M blocks/s:  index = BlockIndex.store; wire = msgpack decode + apply; dynamo = apply_event(json)")
+    print(f"{'workers':>7} {'index':>7} {'wire':>7} {'dynamo':>7} {'wire/dynamo':>12}")
+    matches: list[str] = []
+    for workers in args.workers:
+        line, rows = run_workers(workers, args, make_tree)
+        print(line, flush=True)
+        matches.extend(rows)
+    print("\nfind_matches of 64 blocks, us per call (lower is better):")
+    print(f"{'workers':>7} {'prompt':>7} {'matched':>9} {'ours':>8} {'dynamo':>8} {'ours/dynamo':>12}")
+    print("\n".join(matches))
+
+
+if __name__ == "__main__":
+    main()

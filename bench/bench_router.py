@@ -1,0 +1,257 @@
+"""Router benchmarks (docs/router.md, "Figures").
+
+1. Routing decision latency: tokenise + hash + index match + select + policy, in-process, for
+   2k- and 8k-token text prompts against an index of `--workers` workers, each holding prefixes.
+2. Router overhead: streaming TTFT through a router replica minus TTFT sent straight to the same
+   simulated engines, p50 and p99, at open-loop rates (default 50, 200, 500 req/s). The cluster
+   (nats, etcd, sims, shims, one router) runs as subprocesses via kvswitch.cluster, so the
+   router does not share this process's CPU; both sides are measured in the same run.
+
+    .venv/bin/python -m bench.bench_router decision
+    .venv/bin/python -m bench.bench_router overhead --rates 50,200,500 --seconds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+
+from protocol import LoadReport, WorkerInfo, block_hashes
+from protocol.config import RouterSettings, resolve
+from protocol.tokenizer import BuiltinTokenizer
+from router.block_index import BlockIndex
+from router.disagg import Disaggregator
+from router.load_view import LoadView
+from router.request_context import ContextBuilder
+from router.tokenization import BuiltinPromptTokenizer
+
+BLOCK = 16
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _text(n_tokens: int, rng: random.Random) -> str:
+    words = "the cache prefix request router worker decode prefill latency memory block".split()
+    tok = BuiltinTokenizer()
+    out: list[str] = []
+    while len(tok.encode(" ".join(out))) < n_tokens:
+        out.extend(rng.choice(words) for _ in range(64))
+    return " ".join(out)
+
+
+def bench_decision(workers: int, iterations: int, policy: str) -> dict[str, Any]:
+    rng = random.Random(0)
+    tokenizer = BuiltinPromptTokenizer()
+    index, view = BlockIndex(), LoadView()
+    infos = [
+        WorkerInfo(worker=f"w{i:04x}", model="m", role="prefill" if i % 4 == 0 else "decode", engine="vllm",
+                   block_size=BLOCK, kv_total_blocks=100_000, max_num_batched_tokens=8192,
+                   timing_profile="h200:llama-3.1-8b")
+        for i in range(workers)
+    ]  # fmt: skip
+    for info in infos:
+        view.update(LoadReport(worker=info.worker, ts=time.time(), running=rng.randint(0, 30),
+                               kv_used_blocks=rng.randint(0, 50_000), kv_total_blocks=100_000,
+                               prefill_tokens_queued=rng.randint(0, 9000)))  # fmt: skip
+    settings = resolve(RouterSettings, cli={"conditional_disagg": True, "conditional_disagg_policy": policy,
+                                            "queue_threshold": 1.0}, env={})  # fmt: skip
+    disagg = Disaggregator(settings)
+    builder = ContextBuilder(lambda m: infos, index.find_matches, view.load)
+    out: dict[str, Any] = {"workers": workers, "policy": policy}
+    for isl in (2048, 8192):
+        texts = [_text(isl, rng) for _ in range(8)]
+        for t in texts:  # each prompt's first half cached on a few workers
+            ids = tokenizer.encode(t)
+            half = block_hashes(ids[: len(ids) // 2], BLOCK)
+            for info in rng.sample(infos, 3):
+                index.store(info.worker, half)
+        times: list[float] = []
+        for n in range(iterations):
+            text = texts[n % len(texts)]
+            start = time.perf_counter()
+            ids = tokenizer.encode(text)
+            ctx = builder.build(f"r{n}", "m", ids)
+            assert ctx is not None
+            plan = disagg.plan(ctx)
+            times.append(time.perf_counter() - start)
+            assert plan is not None
+        out[f"isl_{isl}"] = {
+            "tokens": len(tokenizer.encode(texts[0])),
+            "p50_ms": round(_pct(times, 0.5) * 1e3, 3),
+            "p99_ms": round(_pct(times, 0.99) * 1e3, 3),
+        }
+    return out
+
+
+async def _ttft(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> float | None:
+    body = {"model": "sim-llama", "prompt": prompt, "max_tokens": 2, "stream": True}
+    start = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return None
+            async for line in resp.content:
+                if line.startswith(b"data: {") and b'"text":""' not in line:
+                    ttft = time.perf_counter() - start
+                    await resp.read()
+                    return ttft
+    except aiohttp.ClientError:
+        return None
+    return None
+
+
+async def _phase(urls: list[str], rate: float, seconds: float) -> tuple[list[float], int]:
+    rng = random.Random(1)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        tasks = []
+        start = time.perf_counter()
+        n = 0
+        while time.perf_counter() - start < seconds:
+            prompt = [rng.randrange(300, 30000) for _ in range(128)]
+            tasks.append(asyncio.create_task(_ttft(session, urls[n % len(urls)], prompt)))
+            n += 1
+            await asyncio.sleep(max(0.0, n / rate - (time.perf_counter() - start)))
+        results = await asyncio.gather(*tasks)
+    ok = [r for r in results if r is not None]
+    return ok, len(results) - len(ok)
+
+
+def _wait_workers(router_url: str, n: int, timeout: float = 60.0) -> None:
+    """/ready answers once the registry has its first snapshot; the shims may register later."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(router_url + "/ready", timeout=2) as resp:
+                if json.loads(resp.read()).get("workers", 0) >= n:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"router {router_url} did not see {n} workers in {timeout:.0f}s")
+
+
+async def _serve_workers(nats_url: str, etcd_url: str, ns: str, agg: int, speedup: float) -> None:
+    """Child process: `agg` simulated engines with their shims, until SIGTERM; prints sim URLs."""
+    import signal
+
+    from engine_sim.config import SimConfig
+    from engine_sim.server import SimServer
+    from protocol.config import EtcdSettings, NatsSettings
+    from worker_shim import ShimConfig, WorkerShim
+
+    parts: list[Any] = []
+    for _ in range(agg):
+        sim = SimServer(SimConfig(speedup=speedup, block_size=BLOCK, role="agg"))
+        await sim.start()
+        assert sim.events_endpoint is not None
+        shim = WorkerShim(
+            ShimConfig(engine="vllm", engine_url=sim.url, role="agg", model=sim.config.model,
+                       kv_events=sim.events_endpoint, kv_events_mode="connect", kv_replay=sim.replay_endpoint,
+                       namespace=ns),
+            NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url]),
+        )  # fmt: skip
+        await shim.start()
+        await asyncio.wait_for(shim.registered.wait(), 30)
+        parts += [shim, sim]
+    print(json.dumps([p.url for p in parts if isinstance(p, SimServer)]), flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    for part in parts:
+        await part.stop()
+
+
+def bench_overhead(rates: list[float], seconds: float, agg: int, speedup: float) -> dict[str, Any]:
+    import subprocess
+    import sys
+
+    from kvswitch.servers import EtcdServer, NatsServer, free_port
+
+    ns = "b" + uuid.uuid4().hex[:8]
+    with NatsServer() as nats_srv, EtcdServer() as etcd_srv:
+        conn = [nats_srv.url, etcd_srv.url, ns]
+        argv = [sys.executable, "-m", "bench.bench_router", "workers", *conn, "--agg", str(agg)]
+        workers = subprocess.Popen([*argv, "--speedup", str(speedup)], stdout=subprocess.PIPE)
+        port = free_port()
+        router = subprocess.Popen(
+            [sys.executable, "-m", "kvswitch", "router", "--http-host", "127.0.0.1", "--http-port", str(port),
+             "--nats-servers", nats_srv.url, "--etcd-endpoints", etcd_srv.url, "--namespace", ns, "--disagg", "never"],
+            env={**__import__("os").environ, "KVSWITCH_LOG_LEVEL": "warning"},
+        )  # fmt: skip
+        try:
+            assert workers.stdout is not None
+            sim_urls = json.loads(workers.stdout.readline())
+            router_url = f"http://127.0.0.1:{port}"
+            _wait_workers(router_url, agg)
+            out: dict[str, Any] = {"agg_sims": agg, "speedup": speedup, "seconds": seconds, "rates": {}}
+            for rate in rates:
+                direct, direct_err = asyncio.run(_phase(sim_urls, rate, seconds))
+                routed, routed_err = asyncio.run(_phase([router_url], rate, seconds))
+                row = {
+                    "direct_p50_ms": round(statistics.median(direct) * 1e3, 3),
+                    "direct_p99_ms": round(_pct(direct, 0.99) * 1e3, 3),
+                    "router_p50_ms": round(statistics.median(routed) * 1e3, 3),
+                    "router_p99_ms": round(_pct(routed, 0.99) * 1e3, 3),
+                    "errors": direct_err + routed_err,
+                    "requests": len(direct) + len(routed),
+                }
+                row["overhead_p50_ms"] = round(row["router_p50_ms"] - row["direct_p50_ms"], 3)
+                row["overhead_p99_ms"] = round(row["router_p99_ms"] - row["direct_p99_ms"], 3)
+                out["rates"][str(int(rate))] = row
+                print(json.dumps({str(int(rate)): row}), flush=True)
+            return out
+        finally:
+            for proc in (router, workers):
+                proc.terminate()
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    d = sub.add_parser("decision")
+    d.add_argument("--workers", type=int, default=32)
+    d.add_argument("--iterations", type=int, default=2000)
+    d.add_argument("--policy", default="isl_bounding")
+    o = sub.add_parser("overhead")
+    o.add_argument("--rates", default="50,200,500")
+    o.add_argument("--seconds", type=float, default=5.0)
+    o.add_argument("--agg", type=int, default=2)
+    o.add_argument("--speedup", type=float, default=1000.0)
+    w = sub.add_parser("workers", help="(internal) sims and shims for the overhead benchmark")
+    w.add_argument("nats")
+    w.add_argument("etcd")
+    w.add_argument("ns")
+    w.add_argument("--agg", type=int, default=2)
+    w.add_argument("--speedup", type=float, default=1000.0)
+    args = parser.parse_args()
+    if args.what == "workers":
+        asyncio.run(_serve_workers(args.nats, args.etcd, args.ns, args.agg, args.speedup))
+        return
+    if args.what == "decision":
+        result = bench_decision(args.workers, args.iterations, args.policy)
+    else:
+        result = bench_overhead([float(r) for r in args.rates.split(",")], args.seconds, args.agg, args.speedup)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""`kvswitch bench replay | summary | compare`.
+
+kvswitch bench replay --url http://127.0.0.1:8080 --speed 10 --limit 200 --latency-scale 10
+kvswitch bench replay --url URL --workload shared-prefix --groups 8 --prompts-per-group 16
+kvswitch bench summary bench/out/replay-....jsonl --latency-scale 10
+kvswitch bench compare --prefill 2 --decode 2 --rates 0.5,1,2 --runs 3
+kvswitch bench compare --demo          # what `make demo` runs: <= 3 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from bench.summary import PrefixCounters, Slo, format_summary, scrape_prefix_counters, summarize
+from bench.trace import TraceError, load_trace, shipped_trace
+from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
+
+__all__ = ["DEMO", "add_arguments", "run"]
+
+OUT_DIR = Path("bench/out")
+
+# `compare --demo`: the last 40 s of the shipped trace (125 requests; 66% of their blocks repeat an
+# earlier block of the slice) at 1/4 token scale, at the trace's rate and twice it, five
+# configurations, one run each, 1 prefill + 1 decode engine at 5x speed (at 10x this 2-core box is
+# CPU-bound and queues that the model would not). About 90 s on a 2-core machine; docs/benchmarks.md
+# says what it does and does not show.
+DEMO: dict[str, Any] = {
+    "start": 980.0,
+    "duration": 40.0,
+    "scale_tokens": 0.25,
+    "prefill": 1,
+    "decode": 1,
+    "speedup": 5.0,
+    "rates": "1,2",
+    "runs": 1,
+    "configs": "round_robin,kv,kv_disagg,isl_bounding,ttft_model",
+}
+# The full comparison: the trace's last 120 s (513 requests, 67% block reuse within the slice).
+COMPARE_DEFAULTS: dict[str, Any] = {
+    "start": 900.0,
+    "duration": 120.0,
+    "scale_tokens": 0.25,
+    "prefill": 2,
+    "decode": 2,
+    "speedup": 10.0,
+    "rates": "0.5,1,2",
+    "runs": 3,
+    "configs": "all",
+}
+
+
+def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL trace (default: the shipped one)")
+    g.add_argument("--start", type=float, default=None, help="skip the trace's first S seconds")
+    g.add_argument("--duration", type=float, default=None, help="only requests arriving in the first S trace seconds")
+    g.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    g.add_argument(
+        "--scale-tokens", type=float, default=None, help="expand each 512-token trace block to 512*F tokens (F <= 1)"
+    )
+    g.add_argument("--max-input-len", type=int, default=None, help="cut prompts to at most N tokens")
+    g.add_argument("--seed", type=int, default=0, help="token synthesis and synthetic workload seed")
+    if compare:
+        return
+    g.add_argument("--workload", choices=["trace", "shared-prefix", "multi-turn"], default="trace")
+    g.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
+    g.add_argument("--prompts-per-group", type=int, default=16)
+    g.add_argument("--system-len", type=int, default=2048, help="shared-prefix / multi-turn system prompt tokens")
+    g.add_argument("--question-len", type=int, default=128, help="shared-prefix question / multi-turn user tokens")
+    g.add_argument("--output-len", type=int, default=64, help="synthetic workloads: tokens generated per request")
+    g.add_argument("--rate", type=float, default=4.0, help="synthetic workloads: requests (or sessions) per second")
+    g.add_argument("--sessions", type=int, default=16, help="multi-turn: sessions")
+    g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
+    g.add_argument("--turn-gap", type=float, default=5.0, help="multi-turn: seconds between a session's turns")
+
+
+def _add_slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds (default 2)")
+    p.add_argument("--slo-itl", type=float, default=0.025, help="goodput SLO on mean ITL, seconds (default 0.025)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{replay,summary,compare}")
+
+    rp = sub.add_parser("replay", help="replay a trace or synthetic workload against router URLs")
+    rp.add_argument("--url", action="append", required=True, help="router (or engine) base URL; repeat for replicas")
+    rp.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    rp.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this factor")
+    rp.add_argument("--latency-scale", type=float, default=1.0, help="multiply latencies by this (the sims' --speedup)")
+    rp.add_argument("--metrics-url", action="append", default=[], help="engine URL whose /metrics has prefix counters")
+    rp.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    rp.add_argument(
+        "--prompt-format",
+        choices=["ids", "text"],
+        default="ids",
+        help="send token ids, or their text in the built-in tokenizer (for routers that take text only)",
+    )
+    rp.add_argument("--out", type=Path, default=None, help="JSONL of per-request results (default bench/out/...)")
+    rp.add_argument("--no-progress", action="store_true")
+    _add_workload_args(rp, compare=False)
+    _add_slo_args(rp)
+
+    sp = sub.add_parser("summary", help="summarise a replay's JSONL again (other SLO or scale)")
+    sp.add_argument("results", type=Path)
+    sp.add_argument("--latency-scale", type=float, default=1.0)
+    _add_slo_args(sp)
+
+    cp = sub.add_parser("compare", help="one local cluster per configuration; table and PNG")
+    cp.add_argument("--demo", action="store_true", help="the short preset `make demo` runs")
+    cp.add_argument("--prefill", type=int, default=None, help="prefill engines (disagg configurations)")
+    cp.add_argument("--decode", type=int, default=None, help="decode engines (agg ones get prefill+decode agg engines)")
+    cp.add_argument("--routers", type=int, default=1)
+    cp.add_argument("--speedup", type=float, default=None, help="engine speed-up; replay runs at speedup x rate")
+    cp.add_argument("--rates", default=None, help="comma-separated rate factors (1 = the trace's own rate)")
+    cp.add_argument("--runs", type=int, default=None, help="runs per configuration and rate")
+    cp.add_argument("--configs", default=None, help="comma-separated configurations, or `all`")
+    cp.add_argument("--profile", default="h200:llama-3.1-8b")
+    cp.add_argument("--sim-arg", action="append", default=[], help="extra `kvswitch sim` argument (repeat)")
+    cp.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    cp.add_argument("--no-progress", action="store_true")
+    cp.add_argument("--keep-logs", action="store_true", help="keep every child's log under --out-dir")
+    _add_workload_args(cp, compare=True)
+    _add_slo_args(cp)
+
+
+def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
+    records = load_trace(
+        args.trace or shipped_trace(), limit=args.limit, duration_s=args.duration, start_s=args.start or 0.0
+    )
+    if not records:
+        raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
+    return from_trace(records, scale_tokens=args.scale_tokens or 1.0, max_input_len=args.max_input_len)
+
+
+def _replay_items(args: argparse.Namespace) -> list[WorkItem]:
+    if args.workload == "trace":
+        return _trace_items(args)
+    if args.workload == "shared-prefix":
+        items = shared_prefix(
+            groups=args.groups,
+            prompts_per_group=args.prompts_per_group,
+            system_len=args.system_len,
+            question_len=args.question_len,
+            output_len=args.output_len,
+            rate=args.rate,
+            seed=args.seed,
+        )
+    else:
+        items = multi_turn(
+            sessions=args.sessions,
+            turns=args.turns,
+            system_len=args.system_len,
+            user_len=args.question_len,
+            answer_len=args.output_len,
+            session_rate=args.rate,
+            turn_gap_s=args.turn_gap,
+            seed=args.seed,
+        )
+    if args.duration is not None:
+        items = [i for i in items if i.arrival_s < args.duration]
+    return items[: args.limit] if args.limit is not None else items
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+async def _replay(args: argparse.Namespace, items: list[WorkItem]) -> int:
+    from bench.replay import replay, write_results
+    from bench.trace import TokenSynth
+
+    async with aiohttp.ClientSession() as session:
+        before = await scrape_prefix_counters(session, args.metrics_url) if args.metrics_url else None
+        run = await replay(
+            items,
+            args.url,
+            speed=args.speed,
+            model=args.model,
+            synth=TokenSynth(args.seed),
+            timeout_s=args.timeout,
+            progress=not args.no_progress,
+            text_prompts=args.prompt_format == "text",
+        )
+        after = await scrape_prefix_counters(session, args.metrics_url) if args.metrics_url else None
+    prefix: PrefixCounters | None = after - before if after is not None and before is not None else None
+    out = args.out or OUT_DIR / f"replay-{_stamp()}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_results(out, run.results)
+    summary = summarize(
+        run.results, slo=Slo(args.slo_ttft, args.slo_itl), latency_scale=args.latency_scale, prefix=prefix
+    )
+    print(format_summary(summary))
+    print(f"per-request results: {out}")
+    return 0 if summary.ok else 1
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from bench.compare import (
+        CONFIGURATIONS,
+        PEER_CONFIGURATIONS,
+        CompareSpec,
+        format_table,
+        headline_ratios,
+        run_compare,
+    )
+    from bench.peers import missing_binaries
+    from bench.plot import plot_compare
+
+    preset = DEMO if args.demo else COMPARE_DEFAULTS
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    known = {**CONFIGURATIONS, **PEER_CONFIGURATIONS}
+    names = [*CONFIGURATIONS, *PEER_CONFIGURATIONS] if args.configs == "all" else args.configs.split(",")
+    names = [n.strip() for n in names]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(known)}, all")
+    configurations = []
+    for name in names:
+        peer = known[name].peer
+        if peer is not None and missing_binaries([peer]):
+            print(f"skipping {name}: {peer.binary} is not installed (pip install kvswitch[peers])", file=sys.stderr)
+            continue
+        configurations.append(known[name])
+    items = _trace_items(args)
+    # The sims' default max_model_len (32k) is shorter than the longest Mooncake prompts.
+    longest = max(item.input_len + item.output_len for item in items)
+    sim_args = list(args.sim_arg)
+    if "--max-model-len" not in sim_args and longest > 32768:
+        sim_args += ["--max-model-len", str(longest)]
+    spec = CompareSpec(
+        items=items,
+        configurations=configurations,
+        prefill=args.prefill,
+        decode=args.decode,
+        routers=args.routers,
+        speedup=args.speedup,
+        rates=[float(r) for r in args.rates.split(",")],
+        runs=args.runs,
+        profile=args.profile,
+        sim_args=sim_args,
+        slo=Slo(args.slo_ttft, args.slo_itl),
+        synth_seed=args.seed,
+        progress=not args.no_progress,
+        log_dir=args.out_dir / f"logs-{_stamp()}" if args.keep_logs else None,
+    )
+    started = time.monotonic()
+    measurements = run_compare(spec)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = _stamp()
+    json_path = args.out_dir / f"compare-{stamp}.json"
+    json_path.write_bytes(msgspec.json.encode(measurements))
+    title = (
+        f"{len(spec.items)} trace requests, scale {args.scale_tokens}, {args.prefill}P+{args.decode}D "
+        f"{args.profile} sims at {args.speedup:g}x"
+    )
+    png = plot_compare(measurements, args.out_dir / f"compare-{stamp}.png", title=title)
+    print()
+    print(title)
+    print(format_table(measurements))
+    for line in headline_ratios(measurements):
+        print(line)
+    print(f"results: {json_path}\nfigure:  {png}\ntotal {time.monotonic() - started:.0f} s wall")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.bench_command == "replay":
+            return asyncio.run(_replay(args, _replay_items(args)))
+        if args.bench_command == "summary":
+            from bench.replay import read_results
+
+            results = read_results(args.results)
+            print(
+                format_summary(
+                    summarize(results, slo=Slo(args.slo_ttft, args.slo_itl), latency_scale=args.latency_scale)
+                )
+            )
+            return 0
+        return _compare(args)
+    except (TraceError, ValueError, OSError, RuntimeError, aiohttp.ClientError, msgspec.DecodeError) as exc:
+        print(f"kvswitch bench {args.bench_command}: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,156 @@
+"""A streaming OpenAI `/v1/completions` client that times each request.
+
+It sends the prompt as token ids (or, with `text_prompts`, as the built-in tokenizer's text for
+those ids, which encodes back to the same ids: for routers that only take text, such as
+sglang-router) with `ignore_eos` and `max_tokens` = the wanted output length, so output lengths are
+exact, and records, on the client's monotonic clock:
+- `ttft_s`: from sending the request to the first chunk carrying text;
+- `itl_s`: the gap before each later chunk carrying text (servers stream one token per chunk; a
+  chunk carrying several tokens counts as one gap);
+- `e2e_s`: until the stream ends;
+- `output_tokens`: `usage.completion_tokens` when the server sends usage, else the chunks counted;
+- `decode_worker` / `prefill` / `outcome`: the router's `x-kvswitch-decode-worker`,
+  `x-kvswitch-prefill` (`bypass`, `remote` or `agg`) and `x-kvswitch-outcome` (the conditional
+  disaggregation decision, e.g. `bypass_isl`) response headers; None when absent (a bare engine, a
+  peer router).
+A failed request is a result with `ok=False` and the reason, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from protocol.tokenizer import BuiltinTokenizer
+
+__all__ = [
+    "DECODE_WORKER_HEADER",
+    "OUTCOME_HEADER",
+    "PREFILL_HEADER",
+    "Completion",
+    "CompletionClient",
+    "discover_model",
+]
+
+DECODE_WORKER_HEADER = "x-kvswitch-decode-worker"
+PREFILL_HEADER = "x-kvswitch-prefill"
+OUTCOME_HEADER = "x-kvswitch-outcome"
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    ok: bool
+    status: int = 0
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    itl_s: list[float] = msgspec.field(default_factory=list)
+    e2e_s: float | None = None
+    decode_worker: str | None = None
+    prefill: str | None = None
+    outcome: str | None = None
+
+
+async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
+    """The first model `GET {url}/v1/models` lists."""
+    async with session.get(f"{url.rstrip('/')}/v1/models") as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"GET {url}/v1/models: HTTP {resp.status}: {(await resp.text())[:200]}")
+        body = json.loads(await resp.text())  # some routers answer JSON as text/plain
+    models = body.get("data") or []
+    if not models:
+        raise RuntimeError(f"{url}/v1/models lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+def _has_token(chunk: dict[str, Any]) -> bool:
+    return any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or ())
+
+
+class CompletionClient:
+    """Sends one completion at a time per call; share one instance (and its aiohttp session) across
+    the concurrent requests of a replay."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, model: str, *, timeout_s: float = 600.0, text_prompts: bool = False
+    ) -> None:
+        self.session = session
+        self.model = model
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._tokenizer = BuiltinTokenizer() if text_prompts else None
+
+    async def complete(self, url: str, prompt: list[int], max_tokens: int, *, request_id: str) -> Completion:
+        body = {
+            "model": self.model,
+            "prompt": self._tokenizer.decode(prompt) if self._tokenizer is not None else prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        start = time.monotonic()
+        try:
+            async with self.session.post(
+                f"{url.rstrip('/')}/v1/completions",
+                json=body,
+                headers={"X-Request-Id": request_id},
+                timeout=self.timeout,
+            ) as resp:
+                result = Completion(
+                    ok=False,
+                    status=resp.status,
+                    prompt_tokens=len(prompt),
+                    decode_worker=resp.headers.get(DECODE_WORKER_HEADER),
+                    prefill=resp.headers.get(PREFILL_HEADER),
+                    outcome=resp.headers.get(OUTCOME_HEADER),
+                )
+                if resp.status != 200:
+                    result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                    return result
+                await self._read_stream(resp, result, start)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return Completion(ok=False, prompt_tokens=len(prompt), error=f"{type(exc).__name__}: {exc}")
+        return result
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, result: Completion, start: float) -> None:
+        last: float | None = None
+        chunks = 0
+        usage_tokens: int | None = None
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError:
+                result.error = f"malformed SSE chunk: {data[:100]!r}"
+                return
+            if "error" in chunk:
+                result.error = f"stream error: {chunk['error']}"
+                return
+            now = time.monotonic()
+            if _has_token(chunk):
+                chunks += 1
+                if last is None:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+            usage = chunk.get("usage")
+            if usage and usage.get("completion_tokens") is not None:
+                usage_tokens = int(usage["completion_tokens"])
+                result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
+        result.e2e_s = time.monotonic() - start
+        result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+        if result.ttft_s is None:
+            result.error = "stream ended without a token"
+            return
+        result.ok = True

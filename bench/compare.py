@@ -1,0 +1,292 @@
+"""`kvswitch bench compare`: the same trace slice against one fresh local cluster per configuration.
+
+For every rate factor, configuration and run, a `LocalCluster` comes up (same fleet size, profile,
+speed-up and engine settings; a fresh namespace and empty caches), the engines' prefix counters are
+scraped, the workload is replayed at `speedup * rate` (so `rate` 1 is the trace's own arrival rate
+in simulated time), the counters are scraped again, and the cluster is torn down. Latencies are
+reported in simulated time (`latency_scale = speedup`). Every run replays the same items with the
+same synthesis seed, so runs differ only by timing noise; the table reports the median of the runs
+and half their range (`±`).
+
+Fleets: disaggregated configurations run `prefill` prefill and `decode` decode engines. Aggregated
+ones (`round_robin`, `kv`) run `prefill + decode` engines in the `agg` role, so every configuration
+has the same number of GPUs and the agg baselines are not handicapped by idle prefill engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+import msgspec
+
+from bench.peers import PEERS, Peer, PeerProcess
+from bench.replay import replay
+from bench.summary import PrefixCounters, Slo, Summary, scrape_prefix_counters, summarize
+from bench.trace import TokenSynth
+from bench.workloads import WorkItem
+from kvswitch.cluster import ClusterSpec, LocalCluster
+
+__all__ = [
+    "CONFIGURATIONS",
+    "PEER_CONFIGURATIONS",
+    "CompareSpec",
+    "Configuration",
+    "Measurement",
+    "format_table",
+    "headline_ratios",
+    "run_compare",
+]
+
+Fleet = Literal["agg", "pd"]
+_CONDITIONAL = ("--routing", "kv", "--disagg", "conditional", "--conditional-disagg", "--conditional-disagg-policy")
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """kvswitch's router with `router_args`, or (with `peer`) a peer router, on the given fleet."""
+
+    name: str
+    router_args: tuple[str, ...]
+    fleet: Fleet
+    peer: Peer | None = None
+
+
+# prefill_load and isl_or_load need a busy threshold: 1.0 * max_num_batched_tokens queued.
+CONFIGURATIONS: dict[str, Configuration] = {
+    c.name: c
+    for c in (
+        Configuration("round_robin", ("--routing", "round_robin", "--disagg", "never"), "agg"),
+        Configuration("kv", ("--routing", "kv", "--disagg", "never"), "agg"),
+        Configuration("kv_disagg", ("--routing", "kv", "--disagg", "always"), "pd"),
+        Configuration("isl_bounding", (*_CONDITIONAL, "isl_bounding"), "pd"),
+        Configuration("prefill_load", (*_CONDITIONAL, "prefill_load", "--prefill-busy-threshold", "1.0"), "pd"),
+        Configuration("isl_or_load", (*_CONDITIONAL, "isl_or_load", "--prefill-busy-threshold", "1.0"), "pd"),
+        Configuration("ttft_model", (*_CONDITIONAL, "ttft_model"), "pd"),
+    )
+}
+PEER_CONFIGURATIONS: dict[str, Configuration] = {
+    name: Configuration(name, (), peer.fleet, peer) for name, peer in PEERS.items()
+}
+
+
+@dataclass
+class CompareSpec:
+    items: list[WorkItem]
+    configurations: list[Configuration]
+    prefill: int = 2
+    decode: int = 2
+    routers: int = 1
+    speedup: float = 10.0
+    rates: list[float] = field(default_factory=lambda: [1.0])
+    runs: int = 3
+    profile: str = "h200:llama-3.1-8b"
+    sim_args: list[str] = field(default_factory=list)
+    slo: Slo = field(default_factory=Slo)
+    synth_seed: int = 0
+    ready_timeout_s: float = 90.0
+    progress: bool = True
+    log_dir: Path | None = None  # each child's output under log_dir/<configuration>/
+
+
+class Measurement(msgspec.Struct, kw_only=True):
+    configuration: str
+    rate: float
+    run: int
+    summary: Summary
+    ttft_s: list[float]  # simulated seconds, successful requests, for the CDF
+    setup_s: float  # wall seconds to bring the cluster up
+
+
+def _cluster_spec(spec: CompareSpec, config: Configuration) -> ClusterSpec:
+    agg = config.fleet == "agg"
+    return ClusterSpec(
+        prefill=0 if agg else spec.prefill,
+        decode=0 if agg else spec.decode,
+        agg=spec.prefill + spec.decode if agg else 0,
+        routers=0 if config.peer is not None else spec.routers,
+        speedup=spec.speedup,
+        profile=spec.profile,
+        router_args=list(config.router_args),
+        sim_args=list(spec.sim_args),
+        namespace="bench" + uuid.uuid4().hex[:8],
+        log_dir=spec.log_dir / config.name if spec.log_dir is not None else None,
+    )
+
+
+async def _wait_fleet(session: aiohttp.ClientSession, router_urls: Sequence[str], workers: int, timeout: float) -> None:
+    """Until every router's /ready counts the whole fleet: a router may be ready before the last
+    shim has registered, and a run must not start on part of the fleet."""
+    deadline = time.monotonic() + timeout
+    for url in router_urls:
+        seen: object = None
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, ValueError):
+                async with session.get(f"{url}/ready") as resp:
+                    body = await resp.json()
+                    seen = body.get("workers")
+                    if resp.status == 200 and body.get("ready") and seen == workers:
+                        break
+            await asyncio.sleep(0.1)
+        else:
+            raise TimeoutError(f"router {url} sees {seen} workers after {timeout:.0f} s, expected {workers}")
+
+
+async def _measure(
+    spec: CompareSpec, rate: float, cluster: LocalCluster, urls: Sequence[str], *, peer: bool
+) -> tuple[Summary, list[float]]:
+    async with aiohttp.ClientSession() as session:
+        if not peer:
+            await _wait_fleet(session, urls, len(cluster.sim_urls), spec.ready_timeout_s)
+        before = await scrape_prefix_counters(session, cluster.sim_urls)
+        run = await replay(
+            spec.items,
+            urls,
+            speed=spec.speedup * rate,
+            model=cluster.spec.model,
+            synth=TokenSynth(spec.synth_seed),
+            progress=spec.progress,
+            text_prompts=peer,
+        )
+        after = await scrape_prefix_counters(session, cluster.sim_urls)
+    prefix: PrefixCounters = after - before
+    summary = summarize(run.results, slo=spec.slo, latency_scale=spec.speedup, prefix=prefix)
+    ttfts = sorted(r.ttft_s * spec.speedup for r in run.results if r.ok and r.ttft_s is not None)
+    return summary, ttfts
+
+
+def run_one(spec: CompareSpec, config: Configuration, rate: float, run: int) -> Measurement:
+    started = time.monotonic()
+    cluster = LocalCluster(_cluster_spec(spec, config))
+    peer: PeerProcess | None = None
+    try:
+        cluster.start()
+        if config.peer is not None:
+            log = spec.log_dir / config.name / "peer.log" if spec.log_dir is not None else None
+            peer = PeerProcess(
+                config.peer, cluster.engines, block_size=cluster.spec.block_size, model=cluster.spec.model, log=log
+            )
+            peer.start(timeout=spec.ready_timeout_s)
+            urls = [peer.url]
+        else:
+            cluster.wait_ready(timeout=spec.ready_timeout_s)
+            urls = cluster.router_urls
+        setup = time.monotonic() - started
+        summary, ttfts = asyncio.run(_measure(spec, rate, cluster, urls, peer=peer is not None))
+    finally:
+        if peer is not None:
+            peer.stop()
+        cluster.stop()
+    return Measurement(configuration=config.name, rate=rate, run=run, summary=summary, ttft_s=ttfts, setup_s=setup)
+
+
+def run_compare(spec: CompareSpec, *, on_measurement: Callable[[Measurement], None] | None = None) -> list[Measurement]:
+    """Every (rate, configuration, run), in that nesting, so a partial result still compares
+    every configuration at the first rate."""
+    if spec.runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {spec.runs}")
+    out = []
+    for rate in spec.rates:
+        for run in range(spec.runs):
+            for config in spec.configurations:
+                print(f"[{config.name} rate x{rate:g} run {run + 1}/{spec.runs}]", file=sys.stderr, flush=True)
+                m = run_one(spec, config, rate, run)
+                out.append(m)
+                if on_measurement is not None:
+                    on_measurement(m)
+    return out
+
+
+@dataclass
+class _Cell:
+    values: list[float]
+
+    def __str__(self) -> str:
+        if not self.values:
+            return "-"
+        mid = statistics.median(self.values)
+        spread = (max(self.values) - min(self.values)) / 2
+        return f"{mid:.3g}" if len(self.values) == 1 else f"{mid:.3g}±{spread:.2g}"
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.values) if self.values else None
+
+
+_Metric = Callable[[Summary], float | None]
+COLUMNS: list[tuple[str, _Metric]] = [
+    ("TTFT p50 s", lambda s: s.ttft_s.p50 if s.ttft_s else None),
+    ("TTFT p90 s", lambda s: s.ttft_s.p90 if s.ttft_s else None),
+    ("TPOT p90 ms", lambda s: s.tpot_s.p90 * 1e3 if s.tpot_s else None),
+    ("tok/s", lambda s: s.output_tokens_per_s),
+    ("goodput r/s", lambda s: s.goodput_rps),
+    ("in SLO", lambda s: s.goodput_fraction),
+    ("hit rate", lambda s: s.prefix_hit_rate),
+    ("bypass", lambda s: s.prefill_mix.get("bypass")),
+    ("errors", lambda s: float(s.errors)),
+]
+
+
+def _cells(ms: Sequence[Measurement]) -> dict[tuple[float, str], dict[str, _Cell]]:
+    table: dict[tuple[float, str], dict[str, _Cell]] = {}
+    for m in ms:
+        row = table.setdefault((m.rate, m.configuration), {name: _Cell([]) for name, _ in COLUMNS})
+        for name, metric in COLUMNS:
+            value = metric(m.summary)
+            if value is not None:
+                row[name].values.append(value)
+    return table
+
+
+def format_table(ms: Sequence[Measurement]) -> str:
+    table = _cells(ms)
+    header = ["rate", "configuration", *(name for name, _ in COLUMNS)]
+    rows = [
+        [f"x{rate:g}", config, *(str(cells[name]) for name, _ in COLUMNS)] for (rate, config), cells in table.items()
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True)))
+        for r in [header, *rows]
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def headline_ratios(ms: Sequence[Measurement]) -> list[str]:
+    """The issue's targets as measured ratios, per rate (medians over runs)."""
+    table = _cells(ms)
+    out = []
+    for rate in sorted({rate for rate, _ in table}):
+
+        def med(config: str, column: str, rate: float = rate) -> float | None:
+            cells = table.get((rate, config))
+            return cells[column].median if cells else None
+
+        rr, kv = med("round_robin", "TTFT p90 s"), med("kv", "TTFT p90 s")
+        if rr is not None and kv:
+            out.append(f"x{rate:g}: round_robin / kv TTFT p90 = {rr / kv:.2f}x (target >= 3x)")
+        ttft_model = med("ttft_model", "goodput r/s")
+        fixed = [g for g in (med("kv", "goodput r/s"), med("kv_disagg", "goodput r/s")) if g is not None]
+        if ttft_model is not None and fixed and max(fixed) > 0:
+            out.append(
+                f"x{rate:g}: ttft_model goodput / best fixed mode = {ttft_model / max(fixed):.2f}x (target >= 1.15x)"
+            )
+        for name, peer in PEERS.items():
+            ours, theirs = med(peer.same_mode_as, "TTFT p90 s"), med(name, "TTFT p90 s")
+            ours_tps, theirs_tps = med(peer.same_mode_as, "tok/s"), med(name, "tok/s")
+            if ours and theirs and ours_tps and theirs_tps:
+                out.append(
+                    f"x{rate:g}: {name} / {peer.same_mode_as} TTFT p90 = {theirs / ours:.2f}x, "
+                    f"{peer.same_mode_as} / {name} throughput = {ours_tps / theirs_tps:.2f}x"
+                )
+    return out

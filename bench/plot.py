@@ -1,0 +1,66 @@
+"""The comparison figure: TTFT CDF per configuration (one panel per rate factor, first run) and
+goodput bars (median over runs, with the min-max range as error bars). Agg backend: no display."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from bench.compare import Measurement
+
+__all__ = ["plot_compare"]
+
+
+def plot_compare(ms: Sequence[Measurement], path: str | Path, *, title: str = "") -> Path:
+    if not ms:
+        raise ValueError("nothing to plot: no measurements")
+    rates = sorted({m.rate for m in ms})
+    configs = list(dict.fromkeys(m.configuration for m in ms))
+    fig, axes = plt.subplots(1, len(rates) + 1, figsize=(5.5 * (len(rates) + 1), 4.5), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=False):
+        for config in configs:
+            first = min(
+                (m for m in ms if m.rate == rate and m.configuration == config), key=lambda m: m.run, default=None
+            )
+            if first is None or not first.ttft_s:
+                continue
+            ttfts = np.sort(np.asarray(first.ttft_s))
+            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=config)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s, simulated)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"TTFT CDF, rate x{rate:g}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    bars = axes[0][-1]
+    width = 0.8 / len(configs)
+    for i, config in enumerate(configs):
+        mids, lows, highs = [], [], []
+        for rate in rates:
+            values = [m.summary.goodput_rps for m in ms if m.rate == rate and m.configuration == config]
+            mid = statistics.median(values) if values else 0.0
+            mids.append(mid)
+            lows.append(mid - min(values, default=0.0))
+            highs.append(max(values, default=0.0) - mid)
+        x = np.arange(len(rates)) + (i - (len(configs) - 1) / 2) * width
+        bars.bar(x, mids, width, yerr=[lows, highs], capsize=2, label=config)
+    bars.set_xticks(np.arange(len(rates)), [f"x{r:g}" for r in rates])
+    bars.set_xlabel("rate factor")
+    bars.set_ylabel("goodput (req/s within SLO, simulated)")
+    bars.set_title("goodput")
+    bars.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

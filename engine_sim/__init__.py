@@ -1,0 +1,53 @@
+"""A simulated engine that speaks vLLM 0.32's wire protocols (OpenAI HTTP API, ZMQ KV events,
+Prometheus metrics, NixlConnector-style kv_transfer_params) with step times calibrated to an H200.
+
+In-process API (tests, benchmarks, the local cluster):
+
+    from engine_sim import SimConfig, SimServer, SimFleet, KVEventsConfig
+
+See docs/engine_sim.md for the behaviour, the timing model and its error against the profiles.
+"""
+
+from engine_sim.config import EVENT_FORMS, ROLES, KVEventsConfig, SimConfig
+from engine_sim.errors import PromptTooLongError, SimConfigError, SimRequestError
+from engine_sim.faults import Faults
+from engine_sim.fleet import SimFleet, fleet_config
+from engine_sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from engine_sim.runner import EngineRunner, RequestStream, tune_gc
+from engine_sim.scheduler import Scheduler, StepOutput, StepResult
+from engine_sim.server import ServerStatus, SimServer
+from engine_sim.timing import PROFILES, TimingModel, load_profile
+
+Engine = Scheduler
+"""The synchronous engine core (`SimServer.engine`)."""
+
+__all__ = [
+    "EVENT_FORMS",
+    "PROFILES",
+    "ROLES",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Engine",
+    "EngineRunner",
+    "EventBatch",
+    "Faults",
+    "KVEventsConfig",
+    "PromptTooLongError",
+    "RequestStream",
+    "Scheduler",
+    "ServerStatus",
+    "SimConfig",
+    "SimConfigError",
+    "SimFleet",
+    "SimRequestError",
+    "SimServer",
+    "StepOutput",
+    "StepResult",
+    "TimingModel",
+    "decode_batch",
+    "encode_batch",
+    "fleet_config",
+    "load_profile",
+    "tune_gc",
+]

@@ -1,0 +1,177 @@
+"""`kvswitch sim`: one simulated vLLM engine, or a fleet of them (`--count N`), until SIGTERM.
+
+Flags carry vLLM's names where vLLM has them. Once up, it prints one JSON line per engine to
+stdout: {"index", "url", "events_endpoint", "replay_endpoint", "engine_id"}, so a supervisor can
+read where everything listens (handy with port 0). SIGHUP restarts every engine (empty cache,
+event seq from 0). Fleet port assignment: engine_sim/fleet.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Callable
+
+from engine_sim.config import EVENT_FORMS, ROLES, KVEventsConfig, SimConfig
+from engine_sim.errors import SimConfigError
+from engine_sim.fleet import SimFleet
+from engine_sim.runner import tune_gc
+from engine_sim.server import ServerStatus
+from engine_sim.timing import PROFILES
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1]")
+    return value
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{value} must be > 0")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except SimConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pos_int, pos_float = _positive(int), _positive(float)
+    g = parser.add_argument_group("server (as vllm serve)")
+    g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default 8000)")
+    g.add_argument("--model", "--served-model-name", dest="model", default="sim-llama", help="served model name")
+    g.add_argument("--max-model-len", type=pos_int, default=32768)
+    g.add_argument("--block-size", type=pos_int, default=16)
+    g.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=pos_int,
+                   default=None, help="KV blocks (default: what one H200 holds for the profile's model)")  # fmt: skip
+    g.add_argument("--max-num-seqs", type=pos_int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=pos_int, default=8192)
+    g.add_argument(
+        "--kv-events-config",
+        type=_events_config,
+        default=None,
+        help='vLLM KVEventsConfig as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: events off, as vLLM)',
+    )
+    s = parser.add_argument_group("simulation")
+    s.add_argument("--profile", choices=PROFILES, default=PROFILES[0], help="timing profile")
+    s.add_argument("--speedup", type=pos_float, default=1.0, help="divide all modelled times by this")
+    s.add_argument("--role", choices=ROLES, default="agg", help="informational; decode still prefills without params")
+    s.add_argument("--kv-transfer-gbps", type=pos_float, default=50.0, help="KV pull bandwidth, GB/s")
+    s.add_argument("--kv-pin-timeout", dest="kv_pin_timeout_s", type=pos_float, default=480.0,
+                   help="seconds a prefill sim holds unpulled KV")  # fmt: skip
+    s.add_argument("--event-form", choices=EVENT_FORMS, default="map", help="map (vLLM 0.26+) or array (older)")
+    s.add_argument("--count", type=pos_int, default=1, help="engines in this process (consecutive ports)")
+    f = parser.add_argument_group("faults")
+    f.add_argument("--crash-after", type=_non_negative_int, default=None, help="crash on request N+1")
+    f.add_argument("--hang-after", type=_non_negative_int, default=None, help="stop stepping from request N+1")
+    f.add_argument("--slowdown", type=pos_float, default=1.0, help="multiply step times by F")
+    f.add_argument("--drop-event-fraction", type=_fraction, default=0.0, help="skip sending this fraction of batches")
+    f.add_argument("--restart-after-crash", dest="restart_after_crash_s", type=pos_float, default=None,
+                   help="restart a crashed engine after this many seconds (default: stay down)")  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    events = args.kv_events_config if args.kv_events_config is not None else KVEventsConfig()
+    return SimConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_events=events,
+        profile=args.profile,
+        speedup=args.speedup,
+        role=args.role,
+        kv_transfer_gbps=args.kv_transfer_gbps,
+        kv_pin_timeout_s=args.kv_pin_timeout_s,
+        event_form=args.event_form,
+        crash_after=args.crash_after,
+        hang_after=args.hang_after,
+        slowdown=args.slowdown,
+        drop_event_fraction=args.drop_event_fraction,
+        restart_after_crash_s=args.restart_after_crash_s,
+    ).validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvswitch.runtime import run_service
+
+    try:
+        config = config_from_args(args)
+    except SimConfigError as exc:
+        print(f"kvswitch sim: error: {exc}", file=sys.stderr)
+        return 2
+    count = int(args.count)
+
+    async def main(stop: asyncio.Event) -> int:
+        fleet = SimFleet(config, count)
+        try:
+            await fleet.start()
+        except OSError as exc:
+            print(f"kvswitch sim: error: cannot listen: {exc}", file=sys.stderr)
+            return 1
+        if count > 1:
+            tune_gc()
+        loop = asyncio.get_running_loop()
+        restarts: set[asyncio.Task[None]] = set()
+
+        def on_hup() -> None:
+            for s in fleet.servers:
+                t = loop.create_task(s.restart())
+                restarts.add(t)
+                t.add_done_callback(restarts.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+        for line in fleet.describe():
+            print(json.dumps(line), flush=True)
+        single = fleet.servers[0] if count == 1 and config.restart_after_crash_s is None else None
+        crashed = asyncio.ensure_future(single.crashed.wait()) if single is not None else None
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([t for t in (stopping, crashed) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (stopping, crashed):
+                if t is not None:
+                    t.cancel()
+            loop.remove_signal_handler(signal.SIGHUP)
+            died = single is not None and single.status is ServerStatus.CRASHED
+            await fleet.stop()
+        return 1 if died else 0
+
+    return run_service(main)

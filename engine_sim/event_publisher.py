@@ -1,0 +1,194 @@
+"""The ZMQ side of KV events, as vLLM's ZmqEventPublisher behaves on the wire.
+
+- PUB socket: each batch is a multipart message `[topic, seq as 8-byte big-endian, payload]`; seq
+  starts at 0 per engine start and grows by one per batch. The socket binds when the endpoint has
+  a `*` or `::` (or is ipc:// / inproc://) and connects otherwise, as vLLM's does. Messages sent
+  before a subscriber connects are lost (ZMQ PUB semantics), which is what replay is for.
+- ROUTER replay socket (always bound): a DEALER sends `["", start_seq]` (8-byte big-endian); the
+  reply is every buffered batch with seq >= start_seq as `["", topic, seq, payload]` (the payload
+  bytes identical to the live ones), then the end marker `["", "", 0xFFFFFFFFFFFFFFFF, ""]`.
+  Requests of any other shape are ignored, as vLLM ignores them.
+- `drop_event_fraction` (a fault knob) skips the PUB send of that fraction of batches; they still
+  take a seq and stay in the replay buffer, like batches lost on the network.
+
+`NullEventPublisher` accepts and discards, for engines with events off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import deque
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from engine_sim.config import KVEventsConfig
+from engine_sim.kv_events import KVEvent, encode_batch
+
+__all__ = ["END_SEQ", "EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "should_bind"]
+
+log = logging.getLogger("engine_sim.events")
+
+END_SEQ = b"\xff" * 8
+
+
+def should_bind(endpoint: str) -> bool:
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _subscriber_address(last_endpoint: str) -> str:
+    """What a subscriber on this machine connects to for a socket bound at `last_endpoint`."""
+    return last_endpoint.replace("0.0.0.0", "127.0.0.1").replace("[::]", "127.0.0.1")
+
+
+class EventPublisher(Protocol):
+    seq: int
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def publish(self, events: list[KVEvent]) -> None: ...
+
+    @property
+    def endpoint(self) -> str | None: ...
+
+    @property
+    def replay_endpoint(self) -> str | None: ...
+
+
+class NullEventPublisher:
+    def __init__(self) -> None:
+        self.seq = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def publish(self, events: list[KVEvent]) -> None:
+        self.seq += 1
+
+    @property
+    def endpoint(self) -> str | None:
+        return None
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return None
+
+
+class ZmqEventPublisher:
+    """Owns its PUB and ROUTER sockets and the replay task; `stop()` closes all of them."""
+
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        *,
+        form: str = "map",
+        data_parallel_rank: int = 0,
+        drop_fraction: float = 0.0,
+    ) -> None:
+        self.config = config
+        self.form = form
+        self.data_parallel_rank = data_parallel_rank
+        self.drop_fraction = drop_fraction
+        self.seq = 0
+        self.sent = 0
+        self.dropped = 0
+        self._topic = config.topic.encode()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(1, config.buffer_steps))
+        self._pub: zmq.Socket[bytes] | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task[None] | None = None
+        self._endpoint: str | None = None
+        self._replay_endpoint: str | None = None
+        self._rng = random.Random()
+
+    @property
+    def endpoint(self) -> str | None:
+        """Where a subscriber goes: connect here if the PUB bound, bind here if it connected."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self._replay_endpoint
+
+    async def start(self) -> None:
+        actx = zmq.asyncio.Context.instance()
+        # PUB sends never block (ZMQ drops at the high-water mark), so a plain socket on the same
+        # context serves it from the step loop without a future per send.
+        pub: zmq.Socket[bytes] = zmq.Context.shadow(actx.underlying).socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, self.config.hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        ep = self.config.endpoint
+        if should_bind(ep):
+            await _bind_retrying(pub, ep)
+            self._endpoint = _subscriber_address(pub.getsockopt_string(zmq.LAST_ENDPOINT))
+        else:
+            pub.connect(ep)
+            self._endpoint = ep
+        self._pub = pub
+        if self.config.replay_endpoint:
+            router = actx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            await _bind_retrying(router, self.config.replay_endpoint)
+            self._replay_endpoint = _subscriber_address(router.getsockopt_string(zmq.LAST_ENDPOINT))
+            self._router = router
+            self._replay_task = asyncio.create_task(self._serve_replay(router), name="kv-replay")
+
+    async def stop(self) -> None:
+        task, self._replay_task = self._replay_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._router = None
+
+    def publish(self, events: list[KVEvent]) -> None:
+        seq = self.seq
+        self.seq += 1
+        payload = encode_batch(time.time(), events, form=self.form, data_parallel_rank=self.data_parallel_rank)
+        self._buffer.append((seq, payload))
+        if self._pub is None:
+            return
+        if self.drop_fraction and self._rng.random() < self.drop_fraction:
+            self.dropped += 1
+            return
+        try:
+            self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:
+            self.dropped += 1
+
+    async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.debug("ignoring malformed replay request with %d frames", len(frames))
+                continue
+            identity, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    await router.send_multipart([identity, b"", self._topic, seq.to_bytes(8, "big"), payload])
+            await router.send_multipart([identity, b"", b"", END_SEQ, b""])
+
+
+async def _bind_retrying(sock: zmq.Socket[bytes] | zmq.asyncio.Socket, endpoint: str) -> None:
+    """Bind, retrying briefly: after a restart the port a closed socket held frees asynchronously."""
+    for attempt in range(40):
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or attempt == 39:
+                raise
+            await asyncio.sleep(0.05)

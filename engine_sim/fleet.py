@@ -1,0 +1,87 @@
+"""SimFleet: N independent simulated engines in one process (`kvswitch sim --count N`).
+
+Port assignment, engine i of N (i from 0):
+- HTTP: `port + i` (consecutive); port 0 gives each engine its own free port.
+- KV events: when the events endpoint ends in a port P other than 0, engine i uses `P + i`; the
+  replay endpoint likewise `Q + i`. Port 0 gives each its own free port. An endpoint without a
+  port (ipc://path, inproc://name) gets `-{i}` appended.
+Every engine is a full SimServer (own engine id, cache, sockets, faults); idle ones cost nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import msgspec
+
+from engine_sim.config import SimConfig
+from engine_sim.server import SimServer
+
+__all__ = ["SimFleet", "fleet_config"]
+
+
+def _offset_endpoint(endpoint: str | None, i: int) -> str | None:
+    if endpoint is None or i == 0:
+        return endpoint
+    m = re.search(r":(\d+)$", endpoint)
+    if m is None:
+        return f"{endpoint}-{i}"
+    port = int(m.group(1))
+    return endpoint if port == 0 else f"{endpoint[: m.start()]}:{port + i}"
+
+
+def fleet_config(config: SimConfig, i: int) -> SimConfig:
+    """The config of engine i of a fleet built from `config` (see the module docstring)."""
+    ev = config.kv_events
+    ev = msgspec.structs.replace(
+        ev,
+        endpoint=_offset_endpoint(ev.endpoint, i) or ev.endpoint,
+        replay_endpoint=_offset_endpoint(ev.replay_endpoint, i),
+    )
+    return config.replace(port=config.port + i if config.port else 0, kv_events=ev)
+
+
+class SimFleet:
+    def __init__(self, config: SimConfig | None = None, count: int = 1, **overrides: Any) -> None:
+        if count < 1:
+            raise ValueError(f"a fleet needs at least one engine, got count={count}")
+        base = (config or SimConfig()).replace(**overrides) if overrides else (config or SimConfig())
+        self.servers = [SimServer(fleet_config(base, i)) for i in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def __getitem__(self, i: int) -> SimServer:
+        return self.servers[i]
+
+    async def start(self) -> None:
+        try:
+            for s in self.servers:  # one at a time: consecutive ports, clear errors
+                await s.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self.servers), return_exceptions=True)
+
+    async def __aenter__(self) -> SimFleet:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "index": i,
+                "url": s.url,
+                "events_endpoint": s.events_endpoint,
+                "replay_endpoint": s.replay_endpoint,
+                "engine_id": s.engine.engine_id,
+            }
+            for i, s in enumerate(self.servers)
+        ]

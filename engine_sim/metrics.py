@@ -1,0 +1,124 @@
+"""GET /metrics in vLLM's names, label sets and types (compare tests/fixtures/vllm-0.32/metrics_after.txt).
+
+Every series has the labels `engine` (the engine index inside its server: "0", as vLLM with one
+engine) and `model_name`; counters come with vLLM's `_created` samples. Values are read from the
+engine at scrape time, so stepping costs nothing for metrics. Latency histograms are in simulated
+seconds (engine_sim/stats.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from engine_sim.server import SimServer
+
+__all__ = ["CONTENT_TYPE", "render_metrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LABELS = ["model_name", "engine"]
+_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
+class _Collector:
+    def __init__(self, server: SimServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        srv = self._server
+        cfg = srv.config
+        sched = srv.engine
+        st = sched.stats
+        lv = [cfg.model, "0"]
+        created = st.created
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=_LABELS)
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=_LABELS)
+            c.add_metric(lv, value, created=created)
+            return c
+
+        waiting = len(sched.waiting)
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", len(sched.running))
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", sched.pool.usage)
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            st.prefix_cache_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits
+        )
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.preemptions)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", labels=[*_LABELS, "source"]
+        )
+        local = max(0, st.prompt_tokens - st.prompt_tokens_cache_hit - st.external_kv_tokens)
+        for source, value in (
+            ("local_compute", local),
+            ("local_cache_hit", st.prompt_tokens_cache_hit),
+            ("external_kv_transfer", st.external_kv_tokens),
+        ):
+            by_source.add_metric([*lv, source], value, created=created)
+        yield by_source
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*_LABELS, "finished_reason"],
+        )
+        for reason in _FINISH_REASONS:
+            success.add_metric([*lv, reason], st.finished[reason], created=created)
+        yield success
+        for name, doc, hist in (
+            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", st.ttft),
+            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", st.itl),
+            ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", st.e2e),
+        ):
+            h = HistogramMetricFamily(name, doc, labels=_LABELS)
+            h.add_metric(lv, hist.cumulative(), hist.sum)
+            yield h
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=[
+                "block_size",
+                "cache_dtype",
+                "enable_prefix_caching",
+                "engine",
+                "gpu_memory_utilization",
+                "kv_cache_size_tokens",
+                "num_gpu_blocks",
+                "prefix_caching_hash_algo",
+            ],
+        )
+        info.add_metric(
+            [
+                str(cfg.block_size),
+                "auto",
+                "True",
+                "0",
+                "0.9",
+                str(sched.pool.num_blocks * cfg.block_size),
+                str(sched.pool.num_blocks),
+                "sha256_cbor",
+            ],
+            1.0,
+        )
+        yield info
+
+
+def render_metrics(server: SimServer) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(server))
+    return bytes(generate_latest(registry))

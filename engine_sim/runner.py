@@ -1,0 +1,322 @@
+"""The async driver of one engine: steps the synchronous scheduler in modelled time, delivers
+tokens to request streams, publishes KV events, runs KV transfers and pin timeouts.
+
+Time keeping: each step's end is scheduled at an absolute deadline (`previous deadline + modelled
+duration / speedup`), not "now + duration", so timer granularity (the event loop wakes ~1 ms late)
+does not accumulate: a late wake-up is absorbed by the next step. Steps due within QUANTUM are
+run without sleeping (their tokens go out up to QUANTUM early), which bounds the wake-ups per
+wall second of a fast-forwarded engine. A stall shorter than MAX_LAG (the
+process descheduled, a GC pause) is caught up by running the late steps back to back, keeping
+every token's modelled time; beyond it (a saturated CPU) the clock restarts from now and
+`lag_resets` counts it. Tokens are
+stamped with the step's deadline, which is what the latency histograms use.
+
+An idle engine awaits an event and costs nothing; `_wake` is set by every change that could make
+work schedulable (a new request, an abort, a finished transfer, a freed pin, un-hanging).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from engine_sim import disagg
+from engine_sim.faults import Faults
+from engine_sim.request import SimRequest
+from engine_sim.scheduler import Scheduler, StepResult
+
+__all__ = ["MAX_LAG", "QUANTUM", "EngineRunner", "RequestStream", "StreamClosed", "tune_gc"]
+
+log = logging.getLogger("engine_sim.runner")
+
+MAX_LAG = 0.25
+QUANTUM = 0.001
+"""Steps ending within this many wall seconds of now are not slept for: their outputs go out at
+once and the next step is computed. The event loop's timers are only ~1 ms precise anyway, and a
+fleet at 10x speed would otherwise pay a sleep and a wake-up per 0.5 ms step. Latency stamps
+(and so the histograms) still use each step's exact modelled end."""
+_BURST = 16  # back-to-back steps before yielding to the event loop
+
+
+class StreamClosed(Exception):
+    """The engine went away (stop, crash, restart) before the request finished."""
+
+
+class RequestStream:
+    """What one request has produced so far. The driver pushes, an HTTP handler reads."""
+
+    __slots__ = (
+        "_event",
+        "_read",
+        "arrival",
+        "closed",
+        "finish_reason",
+        "first_at",
+        "kv_transfer_params",
+        "last_at",
+        "num_cached_tokens",
+        "prompt_len",
+        "request_id",
+        "token_ids",
+    )
+
+    def __init__(self, request_id: str, prompt_len: int, arrival: float) -> None:
+        self.request_id = request_id
+        self.prompt_len = prompt_len
+        self.arrival = arrival
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
+        self.num_cached_tokens = 0
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.closed = False
+        self._event = asyncio.Event()
+        self._read = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    async def next_tokens(self) -> list[int]:
+        """Tokens not read yet, waiting for at least one; [] once finished and drained.
+        Raises StreamClosed if the engine went away first."""
+        while self._read == len(self.token_ids):
+            if self.finished:
+                return []
+            if self.closed:
+                raise StreamClosed(self.request_id)
+            self._event.clear()
+            await self._event.wait()
+        new = self.token_ids[self._read :]
+        self._read = len(self.token_ids)
+        return new
+
+    async def result(self) -> list[int]:
+        while await self.next_tokens():
+            pass
+        return self.token_ids
+
+    def _close(self) -> None:
+        self.closed = True
+        self._event.set()
+
+
+class EngineRunner:
+    """Owns the step-loop task, transfer tasks and pin timers of one Scheduler; `stop()` ends them
+    all and closes every open stream."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        publisher: Any,
+        faults: Faults,
+        *,
+        speedup: float = 1.0,
+        kv_transfer_gbps: float = 50.0,
+        kv_pin_timeout_s: float = 480.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.publisher = publisher
+        self.faults = faults
+        self.speedup = speedup
+        self.kv_transfer_gbps = kv_transfer_gbps
+        self.kv_pin_timeout_s = kv_pin_timeout_s
+        self.streams: dict[str, RequestStream] = {}
+        self.cpu_s = 0.0
+        self.sim_s = 0.0
+        self.lag_resets = 0
+        self._wake = asyncio.Event()
+        self._poked_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pin_timers: dict[str, asyncio.TimerHandle] = {}
+        self._session: aiohttp.ClientSession | None = None
+        faults._on_change = self._poke
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            disagg.register(self.scheduler.engine_id, self)
+            self._task = asyncio.create_task(self._run(), name=f"engine-{self.scheduler.engine_id[:8]}")
+
+    async def stop(self) -> None:
+        disagg.unregister(self.scheduler.engine_id)
+        tasks = [t for t in (self._task, *self._tasks) if t is not None]
+        self._task = None
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        for h in self._pin_timers.values():
+            h.cancel()
+        self._pin_timers.clear()
+        for s in self.streams.values():
+            s._close()
+        self.streams.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def submit(self, req: SimRequest) -> RequestStream:
+        self.scheduler.add_request(req)
+        # Arrival is stamped after admission so the simulator's own bookkeeping (hashing a long
+        # prompt takes milliseconds of Python) does not show up as modelled latency.
+        stream = RequestStream(req.request_id, req.num_prompt_tokens, asyncio.get_running_loop().time())
+        self.streams[req.request_id] = stream
+        self._poke()
+        return stream
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        stream = self.streams.pop(request_id, None)
+        found = self.scheduler.abort(request_id, reason)
+        if stream is not None and not stream.finished:
+            stream.finish_reason = reason
+            stream._event.set()
+        self._poke()
+        return found
+
+    def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
+        """Called by a decode sim's pull (disagg.PinHolder)."""
+        if request_id is not None and (h := self._pin_timers.pop(request_id, None)) is not None:
+            h.cancel()
+        ok = self.scheduler.release_pin(request_id, block_ids)
+        if ok:
+            self._poke()
+        return ok
+
+    def reset_prefix_cache(self) -> bool:
+        # The AllBlocksCleared event goes out with the engine's next step, as vLLM's does.
+        return self.scheduler.reset_prefix_cache()
+
+    # --- the step loop ---------------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        """Wake the step loop. The first poke after idling stamps when work appeared, and the
+        engine's clock restarts from that instant rather than from whenever the loop got to run
+        (on a busy machine that can be many milliseconds later)."""
+        if not self._wake.is_set():
+            self._poked_at = asyncio.get_running_loop().time()
+            self._wake.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        sched = self.scheduler
+        next_at = loop.time()
+        burst = 0
+        while True:
+            self._wake.clear()
+            if self.faults.hang:
+                await self._wake.wait()
+                next_at = self._poked_at
+                continue
+            t0 = time.perf_counter()
+            result = sched.step()
+            for rid, tokens in result.transfers:
+                self._start_transfer(rid, tokens)
+            if not result.num_scheduled_tokens:
+                self.cpu_s += time.perf_counter() - t0
+                await self._wake.wait()
+                next_at = self._poked_at
+                continue
+            sim = result.duration * self.faults.slowdown
+            self.sim_s += sim
+            now = loop.time()
+            if next_at < now - MAX_LAG:
+                next_at = now
+                self.lag_resets += 1
+            next_at += sim / self.speedup
+            self.cpu_s += time.perf_counter() - t0
+            delay = next_at - loop.time()
+            if delay > QUANTUM:
+                burst = 0
+                await asyncio.sleep(delay)
+            else:
+                burst += 1
+                if burst >= _BURST:
+                    burst = 0
+                    await asyncio.sleep(0)
+            t1 = time.perf_counter()
+            self._deliver(result, next_at)
+            events = sched.take_events()
+            if events:
+                self.publisher.drop_fraction = self.faults.drop_event_fraction
+                self.publisher.publish(events)
+            self.cpu_s += time.perf_counter() - t1
+
+    def _deliver(self, result: StepResult, at: float) -> None:
+        stats = self.scheduler.stats
+        speedup = self.speedup
+        for out in result.outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if stream.first_at is None:
+                stream.first_at = at
+                stream.num_cached_tokens = out.num_cached_tokens
+                stats.ttft.observe((at - stream.arrival) * speedup)
+            elif stream.last_at is not None:
+                stats.itl.observe((at - stream.last_at) * speedup)
+            stream.last_at = at
+            stream.token_ids.extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                stream.finish_reason = out.finish_reason
+                stream.kv_transfer_params = out.kv_transfer_params
+                stats.e2e.observe((at - stream.arrival) * speedup)
+                del self.streams[out.request_id]
+                if out.kv_transfer_params is not None:
+                    self._pin_timers[out.request_id] = asyncio.get_running_loop().call_later(
+                        self.kv_pin_timeout_s, self._expire_pin, out.request_id
+                    )
+            stream._event.set()
+
+    def _expire_pin(self, request_id: str) -> None:
+        self._pin_timers.pop(request_id, None)
+        if self.scheduler.release_pin(request_id):
+            log.info("kv pin of %s timed out unpulled; blocks freed", request_id)
+            self._poke()
+
+    # --- remote KV (decode side) -------------------------------------------------------------------
+
+    def _start_transfer(self, request_id: str, tokens: int) -> None:
+        req = self.scheduler.requests.get(request_id)
+        params = (req.remote_prefill if req is not None else None) or {}
+        seconds = self.scheduler.timing.transfer(tokens, self.kv_transfer_gbps) / self.speedup
+        task = asyncio.create_task(self._transfer(request_id, params, seconds), name=f"kv-pull-{request_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _transfer(self, request_id: str, params: dict[str, Any], seconds: float) -> None:
+        # The pull (which also tells the prefill side to unpin) runs alongside the modelled
+        # transfer, so an HTTP round trip to another process hides under the transfer time as a
+        # real RDMA read's control messages do; the request resumes when both are done.
+        if self._session is None and disagg._registry.get(str(params.get("remote_engine_id"))) is None:
+            self._session = aiohttp.ClientSession()
+        ok, _ = await asyncio.gather(disagg.pull(params, self._session), asyncio.sleep(seconds))
+        if not ok:
+            log.warning("remote KV for %s unavailable; prefilling locally", request_id)
+        self.scheduler.finish_remote_load(request_id, ok)
+        self._poke()
+
+
+def tune_gc() -> None:
+    """For processes running many engines: move what exists now out of the collector's view and
+    collect young objects less often. A fleet allocates a steady stream of short-lived objects
+    (outputs, events) beside a large, long-lived heap (blocks, hash chains); with the default
+    thresholds, collections scanning that heap show up as multi-millisecond stalls in the step
+    loops. Called by `kvswitch sim --count N` (N > 1) and the benchmark."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)

@@ -1,0 +1,375 @@
+"""The synchronous core of a simulated engine: vLLM v1's scheduler over a prefix-caching block pool.
+
+`step()` schedules one iteration, "executes" it (advances every scheduled request and samples a
+token for each that has computed all it knows) and returns what happened with the modelled
+duration; it never awaits. The async driver (engine_sim/runner.py) sleeps that duration, delivers
+the outputs and publishes `take_events()`.
+
+Scheduling, as vLLM v1 does it:
+- one token budget per step (`max_num_batched_tokens`); running requests first, in admission order,
+  each getting everything it has not computed (a decode gets 1 token, a long prompt a chunk:
+  chunked prefill), then waiting requests in FIFO order while `max_num_seqs` allows;
+- a waiting request first takes its longest prefix-cache hit, at most `(num_tokens - 1) // B`
+  blocks, because the last token must be computed to produce logits;
+- when the pool cannot hold a running request's next tokens, the most recently admitted running
+  request is preempted by recompute (blocks freed, progress reset, back to the front of the
+  waiting queue) until it fits; no waiting request is admitted in a step that preempted;
+- remote KV (NixlConnector): a request with `do_remote_prefill` takes its local hit, allocates the
+  rest of its prompt, waits in WAITING_FOR_REMOTE_KVS for the driver to finish the transfer, then
+  recomputes only its last prompt token; a request with `do_remote_decode` finishes after one token
+  and its blocks stay pinned until `release_pin` (the decode side pulled them) or a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_sim.block_hash import HashChains, root_hash
+from engine_sim.block_pool import BlockPool
+from engine_sim.request import RequestStatus, SimRequest
+from engine_sim.stats import EngineStats
+from engine_sim.timing import TimingModel
+
+__all__ = ["Scheduler", "StepOutput", "StepResult"]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """New tokens for one request from one step; `finish_reason` set on its last."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepResult:
+    duration: float = 0.0
+    """Modelled seconds of H200 time for this step (before speedup)."""
+    outputs: list[StepOutput] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    num_decode: int = 0
+    num_prefill_tokens: int = 0
+    transfers: list[tuple[str, int]] = field(default_factory=list)
+    """(request_id, tokens to pull) for remote-KV loads that start now."""
+
+
+class Scheduler:
+    """One engine. Ownership: it owns its requests, pool and pins; the driver owns time."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int = 16,
+        num_gpu_blocks: int = 8192,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int = 32768,
+        timing: TimingModel | None = None,
+        emit_events: bool = True,
+        engine_id: str = "sim",
+        hash_seed: str | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.timing = timing or TimingModel.for_profile("h200:llama-3.1-8b")
+        self.engine_id = engine_id
+        self.pool = BlockPool(num_gpu_blocks, block_size, emit_events=emit_events)
+        self.root = root_hash(hash_seed)
+        self.chains = HashChains(self.root)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self.pins: dict[str, SimRequest] = {}
+        self.stats = EngineStats()
+        # Filled in by the driver so kv_transfer_params can say where to pull from.
+        self.remote_host = "127.0.0.1"
+        self.remote_port = 0
+
+    # --- requests in and out ---------------------------------------------------------------------
+
+    def add_request(self, req: SimRequest) -> None:
+        if req.request_id in self.requests or req.request_id in self.pins:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        req.extend_chain(self.block_size, self.chains)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Drop a request wherever it is and free its blocks (client gone, stop string, deadline)."""
+        if self.release_pin(request_id):
+            return True
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(req)
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.stats.finished[reason] += 1
+        return True
+
+    def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
+        """The decode side pulled (or gave up on) a prefilled request's KV: free its blocks.
+        Found by request id, or by its exact block ids when the params carry no request id."""
+        req = self.pins.pop(request_id, None) if request_id is not None else None
+        if req is None and request_id is None and block_ids:
+            rid = next((k for k, r in self.pins.items() if [b.block_id for b in r.blocks] == block_ids), None)
+            req = self.pins.pop(rid, None) if rid is not None else None
+        if req is None:
+            return False
+        self.pool.free(req.blocks)
+        req.blocks = []
+        return True
+
+    def finish_remote_load(self, request_id: str, ok: bool) -> None:
+        """A remote-KV transfer ended: on success only the last prompt token remains to compute;
+        on failure the request prefills locally from its own cache hit (vLLM's recompute policy)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return
+        req.status = RequestStatus.WAITING
+        if ok:
+            self.stats.external_kv_tokens += req.num_external_tokens
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            req.remote_loaded = True
+            self._cache_full(req, req.num_computed_tokens)
+        else:
+            req.num_external_tokens = 0
+            req.remote_prefill = None
+
+    def has_waiting_work(self) -> bool:
+        return bool(self.running) or any(r.status is not RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)
+
+    # --- prefix cache ----------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset()
+
+    def take_events(self) -> list[Any]:
+        return self.pool.take_events()
+
+    def cached_block_prefixes(self) -> list[list[int]]:
+        """For every block now in the prefix cache, the token ids from the start through that
+        block (duplicates appear once per physical block)."""
+        return [b.hashed.prefix() for b in self.pool.cached_blocks() if b.hashed is not None]
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def prefill_tokens_computed(self) -> int:
+        return self.stats.prefill_tokens_computed
+
+    # --- one step --------------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        result = StepResult()
+        scheduled = self._schedule(result)
+        if not scheduled:
+            return result
+        self._execute(scheduled, result)
+        return result
+
+    def _schedule(self, result: StepResult) -> list[tuple[SimRequest, int]]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        preempted = False
+        running = self.running
+        pool = self.pool
+        bs = self.block_size
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            c = req.num_computed_tokens
+            n = len(req.token_ids) - c
+            if n == 1 and (c < len(req.blocks) * bs or pool.num_free):
+                # The common case, a decode, inlined: a new block only at a block boundary, and
+                # a block to cache only when this token completes it. Same effect as _allocate.
+                if c >= len(req.blocks) * bs:
+                    req.blocks.extend(pool.allocate(1))
+                if (c + 1) % bs == 0:
+                    self._cache_full(req, c + 1)
+                scheduled.append((req, 1))
+                budget -= 1
+                i += 1
+                continue
+            n = min(n, budget)
+            while not self._allocate(req, n):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+        if preempted:
+            return scheduled
+        skipped: list[SimRequest] = []
+        waiting = self.waiting
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = waiting[0]
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(waiting.popleft())
+                continue
+            if req.remote_prefill is not None and not req.remote_loaded and req.num_external_tokens == 0:
+                if not self._start_remote_load(req, result):
+                    break
+                skipped.append(waiting.popleft())
+                continue
+            fresh = req.num_computed_tokens == 0
+            hits = self.pool.longest_hit(req.chain, (req.num_tokens - 1) // self.block_size) if fresh else []
+            hit_tokens = len(hits) * self.block_size
+            n = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
+            if not self._allocate(req, n, hits):
+                break
+            if fresh and req.num_preemptions == 0:
+                self._count_admission(req, hit_tokens)
+            waiting.popleft()
+            running.append(req)
+            req.status = RequestStatus.RUNNING
+            scheduled.append((req, n))
+            budget -= n
+        waiting.extendleft(reversed(skipped))
+        return scheduled
+
+    def _count_admission(self, req: SimRequest, hit_tokens: int) -> None:
+        st = self.stats
+        st.prefix_cache_queries += req.num_tokens
+        st.prefix_cache_hits += hit_tokens
+        st.prompt_tokens += req.num_prompt_tokens
+        st.prompt_tokens_cache_hit += min(hit_tokens, req.num_prompt_tokens)
+        req.num_hit_tokens = hit_tokens
+
+    def _start_remote_load(self, req: SimRequest, result: StepResult) -> bool:
+        bs = self.block_size
+        hits = self.pool.longest_hit(req.chain, (req.num_prompt_tokens - 1) // bs)
+        hit_tokens = len(hits) * bs
+        if not self._allocate(req, req.num_prompt_tokens - hit_tokens, hits, cache=False):
+            return False
+        self._count_admission(req, hit_tokens)
+        req.num_computed_tokens = hit_tokens
+        req.num_external_tokens = req.num_prompt_tokens - hit_tokens
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        result.transfers.append((req.request_id, req.num_external_tokens))
+        return True
+
+    def _allocate(self, req: SimRequest, n: int, hits: list[Any] | None = None, *, cache: bool = True) -> bool:
+        """Room for `n` more tokens after `hits` (cache-hit blocks, for a request with no blocks
+        yet). False, changing nothing, when the pool cannot provide it."""
+        bs = self.block_size
+        hits = hits or []
+        total = req.num_computed_tokens + len(hits) * bs + n
+        need = -(-total // bs) - len(req.blocks) - len(hits)
+        if need > 0 and self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0) < need:
+            return False
+        if hits:
+            self.pool.touch(hits)
+            req.blocks.extend(hits)
+            req.num_computed_tokens += len(hits) * bs
+            req.num_cached_blocks = len(req.blocks)
+        if need > 0:
+            req.blocks.extend(self.pool.allocate(need))
+        if cache:
+            self._cache_full(req, total)
+        return True
+
+    def _cache_full(self, req: SimRequest, num_tokens: int) -> None:
+        req.extend_chain(self.block_size, self.chains)
+        full = min(num_tokens // self.block_size, len(req.chain), len(req.blocks))
+        if full > req.num_cached_blocks:
+            self.pool.cache(req.blocks, req.chain, req.num_cached_blocks, full)
+            req.num_cached_blocks = full
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
+        req.remote_loaded = False
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.stats.preemptions += 1
+
+    def _execute(self, scheduled: list[tuple[SimRequest, int]], result: StepResult) -> None:
+        decode_ctx = 0
+        chunks: list[tuple[int, int]] = []
+        outputs = result.outputs
+        st = self.stats
+        num_decode = num_prefill = num_scheduled = 0
+        max_model_len = self.max_model_len
+        for req, n in scheduled:
+            before = req.num_computed_tokens
+            if n == 1 and (req.output_token_ids or req.remote_loaded):
+                num_decode += 1
+                decode_ctx += before + 1
+            else:
+                chunks.append((n, before))
+                num_prefill += n
+            num_scheduled += n
+            req.num_computed_tokens = before + n
+            if before + n < len(req.token_ids):
+                continue  # a prefill chunk that is not the last: nothing to sample yet
+            out_ids = req.output_token_ids
+            tok = req.sampler.token(len(out_ids))
+            out_ids.append(tok)
+            req.token_ids.append(tok)
+            req.remote_loaded = False
+            finish = None
+            if req.stop_token_ids and tok in req.stop_token_ids:
+                finish = "stop"
+            elif len(out_ids) >= req.max_tokens or len(req.token_ids) >= max_model_len:
+                finish = "length"
+            out = StepOutput(req.request_id, [tok], finish, num_cached_tokens=req.num_hit_tokens)
+            if finish is not None:
+                self._finish(req, finish, out)
+            outputs.append(out)
+        result.num_decode, result.num_prefill_tokens, result.num_scheduled_tokens = (
+            num_decode,
+            num_prefill,
+            num_scheduled,
+        )
+        st.prefill_tokens_computed += num_prefill
+        st.generation_tokens += len(outputs)
+        st.steps += 1
+        mean_ctx = decode_ctx / num_decode if num_decode else 0.0
+        result.duration = self.timing.step(num_decode, mean_ctx, chunks)
+
+    def _finish(self, req: SimRequest, reason: str, out: StepOutput) -> None:
+        self.running.remove(req)
+        del self.requests[req.request_id]
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.stats.finished[reason] += 1
+        if req.remote_decode:
+            # NixlConnector: the blocks stay allocated for the decode engine to read.
+            self.pins[req.request_id] = req
+            out.kv_transfer_params = req.kv_transfer_params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [b.block_id for b in req.blocks],
+                "remote_engine_id": self.engine_id,
+                "remote_request_id": req.request_id,
+                "remote_host": self.remote_host,
+                "remote_port": self.remote_port,
+                "tp_size": 1,
+            }
+        else:
+            self.pool.free(req.blocks)
+            req.blocks = []

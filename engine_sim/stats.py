@@ -1,0 +1,65 @@
+"""Counters and histograms of one engine, read by /metrics (engine_sim/metrics.py) and by tests.
+
+Histograms are cumulative bucket counts with vLLM's bucket bounds; latencies are in simulated
+seconds (wall seconds times the speedup), i.e. what the modelled H200 engine would report.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+__all__ = ["E2E_BUCKETS", "ITL_BUCKETS", "TTFT_BUCKETS", "EngineStats", "Histogram"]
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class Histogram:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # last: +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, acc = [], 0
+        for bound, c in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            acc += c
+            out.append(("+Inf" if bound == float("inf") else str(float(bound)), float(acc)))
+        return out
+
+
+class EngineStats:
+    """Plain counters; the scheduler and driver bump them, nothing else writes."""
+
+    def __init__(self) -> None:
+        self.created = time.time()
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prompt_tokens = 0
+        self.prompt_tokens_cache_hit = 0
+        self.external_kv_tokens = 0
+        self.prefill_tokens_computed = 0
+        self.generation_tokens = 0
+        self.preemptions = 0
+        self.steps = 0
+        self.finished: Counter[str] = Counter()
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)

@@ -1,0 +1,331 @@
+"""Dispatch: a routed request's legs over NATS, streamed back.
+
+A leg is one GenerateRequest on `{ns}.gen.{role}.{worker}`; its ResponseChunks come back on a
+reply subject under one wildcard inbox this dispatcher subscribes once (a subscription per request
+would cost a SUB/UNSUB round per request). Chunks must arrive in `seq` order from 0; the leg ends
+with a `final` chunk or an `error` one.
+
+`Dispatcher.run()` drives a whole request:
+- remote path: a prefill leg (max_tokens 1) on the prefill worker; its TransferHandle goes to the
+  decode leg in `disagg`. A prefill leg that fails, finds no responder, loses its worker or takes
+  longer than `prefill_timeout_s` falls back to the bypass path (outcome fallback_prefill_failed).
+- bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
+- a decode/agg leg whose worker dies (no responder, its etcd key gone, a 5xx error chunk) before
+  the first token is retried once on the next-best worker; after the first token the error goes
+  to the client.
+- leaving early (client gone, deadline) cancels the leg on its worker (`{ns}.cancel.{worker}`).
+Every booking made for an attempt is released when it ends, whichever way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Protocol
+
+import msgspec
+import nats.js.api
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from protocol import (
+    CancelRequest,
+    GenerateRequest,
+    ProtocolError,
+    ResponseChunk,
+    TransferHandle,
+    decode_msg,
+    encode_msg,
+    subjects,
+)
+from protocol.messages import ANNOTATION_BYPASS
+from router.disagg import RoutePlan
+from router.policies import Outcome, Path
+
+__all__ = ["Booker", "Dispatcher", "Job", "LegError"]
+
+log = logging.getLogger(__name__)
+_NO_RESPONDERS = "503"
+
+
+class LegError(Exception):
+    """A leg ended without a final chunk. `retryable`: the worker failed before doing any work a
+    client saw, so another worker may take the request."""
+
+    def __init__(self, worker: str, code: int, kind: str, message: str, *, retryable: bool) -> None:
+        self.worker = worker
+        self.code = code
+        self.kind = kind
+        self.retryable = retryable
+        super().__init__(f"worker {worker}: {kind}: {message}")
+
+
+class Booker(Protocol):
+    """Books an attempt's load in the load view (and shares it with the other replicas)."""
+
+    def book(self, request_id: str, plan: RoutePlan, job: Job) -> None: ...
+    def rebook_bypass(self, request_id: str, plan: RoutePlan, job: Job) -> None: ...  # after a fallback
+    def prefill_done(self, request_id: str) -> None: ...  # idempotent: the first call counts
+    def free(self, request_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Job:
+    """A request being dispatched. `plan`, `path` and `outcome` follow retries and fallbacks, so
+    whoever reads them after the first chunk sees where the request really went."""
+
+    request: GenerateRequest
+    plan: RoutePlan
+    replan: Callable[[frozenset[str]], RoutePlan | None]
+    deadline: float  # Unix time
+    path: Path = Path.AGG
+    outcome: Outcome = Outcome.AGGREGATED
+    attempts: int = 0
+    fallback: bool = False
+    transfer: TransferHandle | None = None
+    first_token_at: float | None = None
+    tried: set[str] = field(default_factory=set)
+
+
+class _Leg:
+    """One leg's reply stream; use as `async with`, iterate chunks; leaving early cancels it."""
+
+    def __init__(self, owner: Dispatcher, token: str, worker: str, request_id: str) -> None:
+        self.owner = owner
+        self.token = token
+        self.worker = worker
+        self.request_id = request_id
+        self.queue: asyncio.Queue[ResponseChunk | LegError] = asyncio.Queue()
+        self.next_seq = 0
+        self.done = False
+        self.tokens_seen = False
+
+    async def __aenter__(self) -> _Leg:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.owner._legs.pop(self.token, None)
+        if not self.done:
+            await self.owner._cancel(self.worker, self.request_id)
+
+    async def next(self, timeout_s: float) -> ResponseChunk:
+        try:
+            item = await asyncio.wait_for(self.queue.get(), max(timeout_s, 0.0))
+        except TimeoutError:
+            raise LegError(self.worker, 504, "timeout", f"no answer within {timeout_s:.2f}s", retryable=False) from None
+        if isinstance(item, LegError):
+            raise item
+        if item.seq != self.next_seq:
+            raise LegError(
+                self.worker, 502, "stream_gap", f"chunk {item.seq}, expected {self.next_seq}", retryable=False
+            )
+        self.next_seq += 1
+        if item.error is not None:
+            self.done = True  # the worker ended it itself: nothing to cancel
+            err = item.error
+            raise LegError(self.worker, err.code, err.kind, err.message, retryable=err.code >= 500 and err.code != 504)
+        if item.final:
+            self.done = True
+        return item
+
+
+class Dispatcher:
+    """Owns the reply inbox subscription; not the NATS connection. `stop()` is idempotent."""
+
+    def __init__(
+        self,
+        nc: Client,
+        ns: str,
+        booker: Booker,
+        *,
+        prefill_timeout_s: float = 30.0,
+        on_fallback: Callable[[Job], None] = lambda job: None,
+    ) -> None:
+        self._nc = nc
+        self._on_fallback = on_fallback
+        self._ns = ns
+        self._booker = booker
+        self.prefill_timeout_s = prefill_timeout_s
+        self._prefix = ""
+        self._sub: Subscription | None = None
+        self._legs: dict[str, _Leg] = {}
+        self._ids = itertools.count()
+        self.retries = 0
+        self.fallbacks = 0
+
+    async def start(self) -> None:
+        self._prefix = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._prefix + ".*", cb=self._on_reply, pending_msgs_limit=-1)
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        for leg in list(self._legs.values()):
+            leg.queue.put_nowait(
+                LegError(leg.worker, 503, "router_stopping", "the router is stopping", retryable=False)
+            )
+        if sub is not None and not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    @property
+    def inflight_legs(self) -> int:
+        return len(self._legs)
+
+    def worker_gone(self, worker: str) -> None:
+        """The worker's etcd key is gone: every leg waiting on it fails now (retryable when no
+        token came yet)."""
+        for leg in list(self._legs.values()):
+            if leg.worker == worker:
+                leg.queue.put_nowait(
+                    LegError(worker, 503, "worker_gone", "the worker left", retryable=not leg.tokens_seen)
+                )
+
+    async def _on_reply(self, msg: Msg) -> None:
+        leg = self._legs.get(msg.subject.rpartition(".")[2])
+        if leg is None:
+            return  # a leg already finished or cancelled: late chunks are expected then
+        if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+            leg.queue.put_nowait(LegError(leg.worker, 503, "no_responders", "nobody serves it", retryable=True))
+            return
+        try:
+            chunk = decode_msg(msg.data, ResponseChunk)
+        except ProtocolError as exc:
+            leg.queue.put_nowait(LegError(leg.worker, 502, "malformed_chunk", str(exc), retryable=False))
+            return
+        if chunk.token_ids:
+            leg.tokens_seen = True
+        leg.queue.put_nowait(chunk)
+
+    async def _open(self, worker: str, role: str, req: GenerateRequest) -> _Leg:
+        token = str(next(self._ids))
+        leg = _Leg(self, token, worker, req.request_id)
+        self._legs[token] = leg
+        try:
+            await self._nc.publish(
+                subjects.gen(self._ns, role, worker), encode_msg(req), reply=f"{self._prefix}.{token}"
+            )
+        except Exception:
+            self._legs.pop(token, None)
+            raise
+        return leg
+
+    async def _cancel(self, worker: str, request_id: str) -> None:
+        if self._nc.is_closed:
+            return
+        with contextlib.suppress(Exception):  # best effort: the worker may be gone already
+            await self._nc.publish(subjects.cancel(self._ns, worker), encode_msg(CancelRequest(request_id=request_id)))
+
+    # --- a whole request ------------------------------------------------------------------------
+
+    async def run(self, job: Job) -> AsyncGenerator[ResponseChunk, None]:
+        """The decode leg's chunks, after the prefill leg (if any); retries and falls back as the
+        module docstring says. Raises LegError when the request cannot be served."""
+        while True:
+            plan = job.plan
+            job.attempts += 1
+            job.tried.add(plan.decode.worker)
+            job.path, job.outcome, job.fallback, job.transfer = plan.path, plan.outcome, False, None
+            booking = f"{job.request.request_id}#{job.attempts}"
+            self._booker.book(booking, plan, job)
+            try:
+                async for chunk in self._attempt(job, plan, booking):
+                    yield chunk
+                return
+            except LegError as exc:
+                if job.first_token_at is not None or not exc.retryable or job.attempts > 1:
+                    raise
+                nxt = job.replan(frozenset(job.tried))
+                if nxt is None:
+                    raise
+                log.warning(
+                    "request %s: %s before the first token; retrying on %s",
+                    job.request.request_id,
+                    exc,
+                    nxt.decode.worker,
+                    extra={"request_id": job.request.request_id},
+                )
+                self.retries += 1
+                job.plan = nxt
+            finally:
+                self._booker.free(booking)
+
+    async def _attempt(self, job: Job, plan: RoutePlan, booking: str) -> AsyncGenerator[ResponseChunk, None]:
+        req = job.request
+        annotations = [a for a in req.annotations if a != ANNOTATION_BYPASS]
+        if plan.path is Path.REMOTE and plan.prefill is not None:
+            job.transfer = await self._prefill(job, plan)
+            if job.transfer is None:
+                job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_PREFILL_FAILED, True
+                self.fallbacks += 1
+                self._booker.rebook_bypass(booking, plan, job)
+                self._on_fallback(job)
+            else:
+                self._booker.prefill_done(booking)
+        role = "agg" if plan.decode.info.role == "agg" else "decode"
+        if role == "decode" and job.transfer is None:
+            annotations.append(ANNOTATION_BYPASS)
+        leg_req = GenerateRequest(
+            request_id=req.request_id,
+            model=req.model,
+            token_ids=req.token_ids,
+            sampling=req.sampling,
+            stream=True,
+            annotations=annotations,
+            disagg=job.transfer,
+            deadline=job.deadline,
+            trace=req.trace,
+        )
+        async with await self._open(plan.decode.worker, role, leg_req) as leg:
+            while True:
+                chunk = await leg.next(job.deadline - time.time())
+                if chunk.token_ids and job.first_token_at is None:
+                    job.first_token_at = time.monotonic()
+                    self._booker.prefill_done(booking)
+                yield chunk
+                if chunk.final:
+                    return
+
+    async def _prefill(self, job: Job, plan: RoutePlan) -> TransferHandle | None:
+        """The prefill leg's transfer handle, or None when the bypass must take over."""
+        assert plan.prefill is not None
+        worker = plan.prefill.worker
+        req = job.request
+        leg_req = GenerateRequest(
+            request_id=req.request_id,
+            model=req.model,
+            token_ids=req.token_ids,
+            sampling=msgspec.structs.replace(req.sampling, max_tokens=1),
+            stream=False,
+            annotations=[a for a in req.annotations if a != ANNOTATION_BYPASS],
+            deadline=min(job.deadline, time.time() + self.prefill_timeout_s),
+            trace=req.trace,
+        )
+        timeout = min(self.prefill_timeout_s, job.deadline - time.time())
+        try:
+            async with await self._open(worker, "prefill", leg_req) as leg:
+                while True:
+                    chunk = await leg.next(timeout)
+                    if chunk.final:
+                        if chunk.transfer is None:
+                            raise LegError(
+                                worker, 502, "no_transfer", "final chunk without a transfer", retryable=False
+                            )
+                        return chunk.transfer
+        except LegError as exc:
+            log.warning(
+                "request %s: remote prefill failed (%s); falling back to local prefill on %s",
+                req.request_id,
+                exc,
+                plan.decode.worker,
+                extra={"request_id": req.request_id},
+            )
+            return None

@@ -1,0 +1,93 @@
+"""Prometheus metrics of one router replica, on a registry of its own (several replicas can live in
+one process, as in the tests).
+
+Request-path figures are observed as they happen (requests, TTFT, ITL, routing time); state
+figures (decisions by outcome, index size, event lag, repairs, queue) are read from their owners
+at scrape time, so each has exactly one source of truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["CONTENT_TYPE", "RouterMetrics", "StateFigures"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+@dataclass(frozen=True, slots=True)
+class StateFigures:
+    decisions: Mapping[str, int] = field(default_factory=dict)
+    index_blocks: int = 0
+    index_entries: int = 0
+    event_lag_s: float = 0.0
+    kv_batches: int = 0
+    kv_malformed: int = 0
+    kv_gaps: int = 0
+    kv_repairs: int = 0
+    queue_depth: int = 0
+    inflight: int = 0
+    workers: int = 0
+
+
+class _StateCollector(Collector):
+    def __init__(self, source: Callable[[], StateFigures]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._source()
+        decisions = CounterMetricFamily("kvswitch_router_decisions", "Routing decisions by outcome", labels=["outcome"])
+        for outcome, n in sorted(s.decisions.items()):
+            decisions.add_metric([outcome], n)
+        yield decisions
+        yield GaugeMetricFamily("kvswitch_router_index_blocks", "Distinct block hashes in the index", s.index_blocks)
+        yield GaugeMetricFamily("kvswitch_router_index_entries", "(block, worker) pairs in the index", s.index_entries)
+        yield GaugeMetricFamily(
+            "kvswitch_router_kv_event_lag_seconds", "Receive time minus send time of the last KV batch", s.event_lag_s
+        )
+        yield CounterMetricFamily("kvswitch_router_kv_batches", "KV event batches applied", s.kv_batches)
+        yield CounterMetricFamily("kvswitch_router_kv_malformed", "KV payloads dropped as malformed", s.kv_malformed)
+        yield CounterMetricFamily("kvswitch_router_kv_gaps", "KV sequence gaps detected", s.kv_gaps)
+        yield CounterMetricFamily("kvswitch_router_kv_repairs", "KV state repairs (replays and dumps)", s.kv_repairs)
+        yield GaugeMetricFamily("kvswitch_router_queue_depth", "Requests waiting for admission", s.queue_depth)
+        yield GaugeMetricFamily("kvswitch_router_inflight_requests", "Requests being served", s.inflight)
+        yield GaugeMetricFamily("kvswitch_router_workers", "Registered workers", s.workers)
+
+
+class RouterMetrics:
+    def __init__(self, state: Callable[[], StateFigures]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(
+            "kvswitch_router_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "code"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kvswitch_router_ttft_seconds",
+            "Time to first token through the router, by prefill path",
+            ["path"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvswitch_router_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
+        self.route = Histogram(
+            "kvswitch_router_route_seconds",
+            "Routing decision time: tokenise, hash, match, select, policy",
+            buckets=_ROUTE_BUCKETS,
+            registry=self.registry,
+        )
+        self.retries = Counter("kvswitch_router_retries", "Requests retried on another worker", registry=self.registry)
+        self.registry.register(_StateCollector(state))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

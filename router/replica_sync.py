@@ -1,0 +1,220 @@
+"""Router replicas share their bookings on {ns}.router.sync so they do not herd onto one worker.
+
+Each replica books its own requests in its LoadView at once and queues the same facts (add,
+prefill_done, free) for its peers; the queue goes out as one `RouterSync` message `flush_ms` after
+its first entry. Entries from peers are booked under the peer's id; our own messages, which NATS
+echoes back to us, are ignored.
+
+A peer's bookings go when the peer goes: when its etcd key disappears (with `discovery`, this
+watches /{ns}/routers/; without it, the owner calls `forget_router`). Messages from a peer already
+gone are ignored. As a safety net against a lost `free` (NATS core is at-most-once), a peer's
+bookings older than `peer_ttl_s` expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from discovery import Deleted, Discovery, Put, Snapshot
+from protocol import subjects
+from protocol.errors import ProtocolError
+from protocol.messages import RouterSync, SyncEntry, decode_msg, encode_msg
+from router.load_view import LoadView
+
+__all__ = ["ReplicaSync", "SyncStats", "SyncStatus"]
+
+log = logging.getLogger(__name__)
+
+_MAX_ENTRIES_PER_MESSAGE = 2000  # ~100 KB of msgpack, well under NATS's 1 MB default payload limit
+_DEPARTED_MEMORY = 1024
+
+
+class SyncStatus(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+@dataclass
+class SyncStats:
+    messages_sent: int = 0
+    entries_sent: int = 0
+    entries_received: int = 0
+    send_failures: int = 0
+    malformed: int = 0  # messages that did not decode, and entries the view refused
+    routers_forgotten: int = 0
+    bookings_expired: int = 0
+
+
+class ReplicaSync:
+    def __init__(
+        self,
+        nc: Client,
+        ns: str,
+        router_id: str,
+        view: LoadView,
+        *,
+        flush_ms: float = 2.0,
+        peer_ttl_s: float = 600.0,
+        discovery: Discovery | None = None,
+    ) -> None:
+        self._nc = nc
+        self._subject = subjects.sync(subjects.validate_namespace(ns))
+        self.router_id = router_id
+        self.view = view
+        self.stats = SyncStats()
+        self.status = SyncStatus.NEW
+        self._flush_s = flush_ms / 1000.0
+        self._peer_ttl_s = peer_ttl_s
+        self._discovery = discovery
+        self._pending: list[SyncEntry] = []
+        self._wake = asyncio.Event()
+        self._peers: set[str] = set()
+        self._departed: deque[str] = deque(maxlen=_DEPARTED_MEMORY)
+        self._malformed_logged = False
+        self._sub: Subscription | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.status is not SyncStatus.NEW:
+            raise RuntimeError(f"ReplicaSync.start() called while {self.status.value}")
+        self._sub = await self._nc.subscribe(self._subject, cb=self._on_msg)
+        self._tasks.append(asyncio.create_task(self._flusher(), name="sync-flush"))
+        self._tasks.append(asyncio.create_task(self._expirer(), name="sync-expire"))
+        if self._discovery is not None:
+            self._tasks.append(asyncio.create_task(self._watch_routers(self._discovery), name="sync-routers"))
+        self.status = SyncStatus.RUNNING
+
+    async def stop(self) -> None:
+        """Send what is queued, then stop listening. Idempotent."""
+        if self.status is SyncStatus.STOPPED:
+            return
+        was_running = self.status is SyncStatus.RUNNING
+        self.status = SyncStatus.STOPPED
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if was_running and not self._nc.is_closed:
+            await self._send()  # best effort: peers also forget us when our key goes
+        sub, self._sub = self._sub, None
+        if sub is not None and not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # --- our bookings --------------------------------------------------------------------------
+
+    def add(self, request_id: str, worker: str, tokens: int, blocks: int) -> None:
+        """Book `tokens` of prefill and `blocks` of decode on `worker`, here and on every peer."""
+        self.view.book(request_id, worker, tokens, blocks)
+        self._queue(SyncEntry(request_id=request_id, worker=worker, kind="add", tokens=tokens, blocks=blocks))
+
+    def prefill_done(self, request_id: str) -> None:
+        self.view.prefill_done(request_id)
+        self._queue(SyncEntry(request_id=request_id, worker="", kind="prefill_done"))
+
+    def free(self, request_id: str) -> None:
+        self.view.free(request_id)
+        self._queue(SyncEntry(request_id=request_id, worker="", kind="free"))
+
+    def forget_router(self, router: str) -> None:
+        """`router` is gone: drop its bookings and ignore anything it still sends."""
+        if router == self.router_id:
+            return
+        if router not in self._departed:
+            self._departed.append(router)
+        self._peers.discard(router)
+        dropped = self.view.forget_router(router)
+        self.stats.routers_forgotten += 1
+        if dropped:
+            log.info("peer router %s is gone: dropped its %d bookings", router, dropped)
+
+    def _queue(self, entry: SyncEntry) -> None:
+        if self.status is SyncStatus.STOPPED:
+            return
+        self._pending.append(entry)
+        self._wake.set()
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self._flush_s)  # gather what else arrives within the window
+            self._wake.clear()
+            await self._send()
+
+    async def _send(self) -> None:
+        entries, self._pending = self._pending, []
+        for i in range(0, len(entries), _MAX_ENTRIES_PER_MESSAGE):
+            part = entries[i : i + _MAX_ENTRIES_PER_MESSAGE]
+            try:
+                await self._nc.publish(self._subject, encode_msg(RouterSync(router=self.router_id, entries=part)))
+            except nats.errors.Error as exc:
+                # Peers then miss these entries; their TTL and our key's lease bound the damage.
+                self.stats.send_failures += 1
+                log.warning("router sync: %d entries not sent (%s)", len(entries) - i, exc)
+                return
+            self.stats.messages_sent += 1
+            self.stats.entries_sent += len(part)
+
+    # --- peers' bookings -----------------------------------------------------------------------
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._on_payload(msg.data)
+
+    def _on_payload(self, data: bytes) -> None:
+        try:
+            sync = decode_msg(data, RouterSync)
+        except ProtocolError as exc:
+            self._malformed(exc)
+            return
+        peer = sync.router
+        if peer == self.router_id or peer in self._departed:
+            return
+        self._peers.add(peer)
+        view = self.view
+        for e in sync.entries:
+            self.stats.entries_received += 1
+            if e.kind == "add":
+                try:
+                    view.book(e.request_id, e.worker, e.tokens, e.blocks, router=peer)
+                except ValueError as exc:
+                    self._malformed(exc)
+            elif e.kind == "prefill_done":
+                view.prefill_done(e.request_id, router=peer)
+            else:
+                view.free(e.request_id, router=peer)
+
+    def _malformed(self, exc: Exception) -> None:
+        self.stats.malformed += 1
+        if not self._malformed_logged:
+            self._malformed_logged = True
+            log.warning("dropping malformed router sync (logged once): %s", exc)
+
+    async def _expirer(self) -> None:
+        period = max(self._peer_ttl_s / 10.0, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            self.stats.bookings_expired += self.view.expire(self._peer_ttl_s)
+
+    async def _watch_routers(self, discovery: Discovery) -> None:
+        async for event in discovery.watch_routers():
+            match event:
+                case Snapshot(items=items):
+                    for peer in self._peers - items.keys():
+                        self.forget_router(peer)
+                case Put(name=name):
+                    with contextlib.suppress(ValueError):
+                        self._departed.remove(name)
+                case Deleted(name=name):
+                    self.forget_router(name)

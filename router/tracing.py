@@ -1,0 +1,62 @@
+"""OpenTelemetry: one span per request carrying the routing decision, and its W3C context handed
+to the shim in GenerateRequest.trace so the worker's spans join the same trace.
+
+The tracer comes from the provider given (tests pass one with an in-memory exporter) or the
+global one, which an operator configures with the standard OTEL_* environment and an SDK
+bootstrap; without either, spans are no-ops and `carrier()` is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from router.disagg import RoutePlan
+
+__all__ = ["RequestTracer"]
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class RequestTracer:
+    def __init__(self, provider: TracerProvider | None = None) -> None:
+        self._tracer = (provider or trace.get_tracer_provider()).get_tracer("kvswitch.router")
+
+    @contextmanager
+    def request(self, name: str, headers: dict[str, str], **attrs: Any) -> Iterator[Span]:
+        """A server span, child of the client's traceparent header when it sent one."""
+        parent = _PROPAGATOR.extract(headers)
+        with self._tracer.start_as_current_span(
+            name, context=parent, kind=SpanKind.SERVER, attributes=attrs, record_exception=True
+        ) as span:
+            yield span
+
+    @staticmethod
+    def decision(span: Span, plan: RoutePlan, isl: int, cached_tokens: int) -> None:
+        span.set_attributes(
+            {
+                "kvswitch.decode_worker": plan.decode.worker,
+                "kvswitch.prefill_worker": plan.prefill.worker if plan.prefill is not None else "",
+                "kvswitch.path": str(plan.path),
+                "kvswitch.outcome": str(plan.outcome),
+                "kvswitch.reason": plan.reason,
+                "kvswitch.isl": isl,
+                "kvswitch.cached_tokens": cached_tokens,
+                "kvswitch.decode_cost": plan.decode.cost,
+            }
+        )
+
+    @staticmethod
+    def failed(span: Span, message: str) -> None:
+        span.set_status(Status(StatusCode.ERROR, message))
+
+    @staticmethod
+    def carrier(span: Span) -> dict[str, str]:
+        out: dict[str, str] = {}
+        _PROPAGATOR.inject(out, context=trace.set_span_in_context(span))
+        return out

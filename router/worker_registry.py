@@ -1,0 +1,158 @@
+"""The workers a router may route to: exactly those with a key under /{ns}/workers/ right now.
+
+Consumes `discovery.watch_workers()`: a Snapshot replaces the whole set (workers missing from it
+are removed), a Put adds or updates one, a Deleted removes one. `on_add(info)` runs for every new
+or changed record and `on_remove(worker)` the moment a key goes, so routing stops at once and the
+index drops the worker's entries. Callbacks run on the event loop, in watch order; one that raises
+is logged and does not stop the watch.
+
+Workers of one model that disagree on block size are a configuration error (DESIGN.md): the
+registry logs it as an error on every change of the conflict and exposes it in
+`block_size_conflicts`, model -> the block sizes seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from discovery import Deleted, Discovery, Put, Snapshot
+from protocol.messages import WorkerInfo
+
+__all__ = ["RegistryStatus", "WorkerRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+class RegistryStatus(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        discovery: Discovery,
+        on_add: Callable[[WorkerInfo], None],
+        on_remove: Callable[[str], None],
+    ) -> None:
+        self._discovery = discovery
+        self._on_add = on_add
+        self._on_remove = on_remove
+        self._workers: dict[str, WorkerInfo] = {}
+        self.block_size_conflicts: dict[str, set[int]] = {}
+        self.status = RegistryStatus.NEW
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.status is not RegistryStatus.NEW:
+            raise RuntimeError(f"WorkerRegistry.start() called while {self.status.value}")
+        self._task = asyncio.create_task(self._watch(), name="worker-registry")
+        self.status = RegistryStatus.RUNNING
+
+    async def stop(self) -> None:
+        """Stop watching (idempotent). The workers known stay readable; no callback runs any more."""
+        if self.status is RegistryStatus.STOPPED:
+            return
+        self.status = RegistryStatus.STOPPED
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """True once the first snapshot of the workers has been applied."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def workers(self, model: str | None = None, role: str | None = None) -> list[WorkerInfo]:
+        """Registered workers, optionally of one model and/or role, sorted by id."""
+        return [
+            info
+            for _, info in sorted(self._workers.items())
+            if (model is None or info.model == model) and (role is None or info.role == role)
+        ]
+
+    def get(self, worker: str) -> WorkerInfo | None:
+        return self._workers.get(worker)
+
+    def models(self) -> list[str]:
+        return sorted({info.model for info in self._workers.values()})
+
+    # --- the watch -----------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        events = self._discovery.watch_workers()
+        try:
+            async for event in events:
+                match event:
+                    case Snapshot(items=items):
+                        self._replace(items)
+                        self._ready.set()
+                    case Put(name=name, value=info):
+                        self._put(name, info)
+                    case Deleted(name=name):
+                        self._delete(name)
+                self._check_block_sizes()
+        finally:
+            if isinstance(events, AsyncGenerator):
+                with contextlib.suppress(Exception):
+                    await events.aclose()
+
+    def _replace(self, items: dict[str, WorkerInfo]) -> None:
+        for name in [n for n in self._workers if n not in items]:
+            self._delete(name)
+        for name, info in items.items():
+            self._put(name, info)
+
+    def _put(self, name: str, info: WorkerInfo) -> None:
+        if info.worker != name:
+            log.error("worker record under key %s names worker %s: ignored", name, info.worker)
+            self._delete(name)
+            return
+        if self._workers.get(name) == info:
+            return
+        self._workers[name] = info
+        self._call(self._on_add, info)
+
+    def _delete(self, name: str) -> None:
+        if self._workers.pop(name, None) is not None:
+            self._call(self._on_remove, name)
+
+    def _call(self, callback: Callable[[Any], None], arg: WorkerInfo | str) -> None:
+        try:
+            callback(arg)
+        except Exception:
+            log.exception("worker registry callback %s(%r) failed", getattr(callback, "__name__", callback), arg)
+
+    def _check_block_sizes(self) -> None:
+        sizes: dict[str, set[int]] = {}
+        for info in self._workers.values():
+            sizes.setdefault(info.model, set()).add(info.block_size)
+        conflicts = {model: s for model, s in sizes.items() if len(s) > 1}
+        if conflicts != self.block_size_conflicts:
+            for model, seen in sorted(conflicts.items()):
+                holders = {
+                    size: sorted(i.worker for i in self._workers.values() if i.model == model and i.block_size == size)
+                    for size in sorted(seen)
+                }
+                log.error(
+                    "configuration error: workers of model %s disagree on block size %s; prefix matches "
+                    "across them are meaningless. Workers by block size: %s",
+                    model, sorted(seen), holders,
+                )
+            for model in self.block_size_conflicts.keys() - conflicts.keys():
+                log.warning("workers of model %s agree on block size again", model)
+            self.block_size_conflicts = conflicts

@@ -1,0 +1,36 @@
+"""`kvswitch bench ...`: argument handling and clear errors (the runs themselves are covered by
+test_replay, test_summary and test_compare)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvswitch.cli import main
+
+DATA = Path(__file__).with_name("data") / "small_results.jsonl"
+
+
+def test_summary_subcommand_prints_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "summary", str(DATA), "--latency-scale", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "5 (4 ok, 1 errors)" in out and "simulated time" in out and "TTFT       p50 7500.0" in out
+
+
+def test_unknown_configuration_is_refused_with_the_allowed_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "compare", "--configs", "kv,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown nope" in err and "ttft_model" in err and "sglang_cache_aware" in err
+
+
+def test_a_bad_trace_names_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 9999, "output_length": 1, "hash_ids": [1]}\n')
+    assert main(["bench", "replay", "--url", "http://127.0.0.1:1", "--trace", str(trace)]) == 2
+    assert f"{trace}:1: input_length 9999" in capsys.readouterr().err
+
+
+def test_an_empty_selection_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "replay", "--url", "http://127.0.0.1:1", "--start", "5000"]) == 2
+    assert "selection is empty" in capsys.readouterr().err

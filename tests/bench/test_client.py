@@ -1,0 +1,68 @@
+"""The streaming client and the metrics scrape against a real in-process engine_sim."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from bench.client import CompletionClient, discover_model
+from bench.summary import scrape_prefix_counters
+from bench.trace import TokenSynth
+from engine_sim import SimServer
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimServer]:
+    async with SimServer(speedup=50.0, num_gpu_blocks=1024, max_model_len=2048) as server:
+        yield server
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_streaming_completion_records_ttft_gaps_and_exact_tokens(
+    sim: SimServer, session: aiohttp.ClientSession
+) -> None:
+    client = CompletionClient(session, await discover_model(session, sim.url))
+    prompt = TokenSynth().expand([(1, 300)])
+    result = await client.complete(sim.url, prompt, 12, request_id="t-1")
+    assert result.ok, result.error
+    assert (result.status, result.prompt_tokens, result.output_tokens) == (200, 300, 12)
+    assert result.ttft_s is not None and result.e2e_s is not None
+    assert 0 < result.ttft_s <= result.e2e_s
+    assert len(result.itl_s) == 11  # one gap per token after the first
+    assert result.decode_worker is None and result.prefill is None  # a bare engine sets no router headers
+
+
+async def test_a_refused_request_is_a_failed_result_not_an_exception(
+    sim: SimServer, session: aiohttp.ClientSession
+) -> None:
+    client = CompletionClient(session, await discover_model(session, sim.url))
+    result = await client.complete(sim.url, TokenSynth().expand([(1, 4000)]), 4, request_id="t-2")
+    assert not result.ok and result.status == 400
+    assert result.error is not None and "HTTP 400" in result.error
+
+
+async def test_an_unreachable_server_is_a_failed_result(session: aiohttp.ClientSession) -> None:
+    from kvswitch.servers import free_port
+
+    client = CompletionClient(session, "m")
+    result = await client.complete(f"http://127.0.0.1:{free_port()}", [300, 301], 2, request_id="t-3")
+    assert not result.ok and result.error is not None and "Connect" in result.error
+
+
+async def test_prefix_counters_count_a_repeated_prompt_as_hits(sim: SimServer, session: aiohttp.ClientSession) -> None:
+    client = CompletionClient(session, await discover_model(session, sim.url))
+    prompt = TokenSynth().expand([(5, 512)])
+    before = await scrape_prefix_counters(session, [sim.url])
+    for i in range(2):
+        assert (await client.complete(sim.url, prompt, 2, request_id=f"t-4-{i}")).ok
+    delta = await scrape_prefix_counters(session, [sim.url + "/metrics"]) - before
+    assert delta.queries >= 1024  # both lookups counted, in tokens
+    assert delta.hits >= 496  # the second finds the first's full blocks (the last token is always recomputed)
+    assert delta.hit_rate is not None and 0 < delta.hit_rate < 1

@@ -1,0 +1,84 @@
+"""The summary math on a fixed five-request JSONL, against values computed by hand:
+
+ok TTFTs sorted [0.2, 0.5, 1.0, 3.0] -> p50 0.75, p90 1.0 + 0.7*2.0 = 2.4, p99 1.0 + 0.97*2.0 = 2.94;
+pooled gaps [0.01, 0.01, 0.02, 0.02, 0.03, 0.04] -> p50 0.02, p90 0.035, p99 0.0395;
+per-request mean gaps (TPOT) [0.02, 0.03, 0.01] (#3 has one token) -> p50 0.02, p90 0.028, p99 0.0298;
+duration: first sent 0.0 to last end 2.0 + 3.01 = 5.01 s; 10 output tokens from 4 ok requests;
+SLO (2 s, 25 ms): #0 (TPOT 0.02) and #3 (one token, TTFT 0.2) meet it, #1 (TPOT 0.03), #2 (TTFT 3)
+and the error do not -> goodput 2 / 5.01, fraction 2/5; send lags [0, 0, 0.1, 0, 0] -> p99 0.096.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.replay import RequestResult, read_results, write_results
+from bench.summary import PrefixCounters, Slo, format_summary, summarize
+
+DATA = Path(__file__).with_name("data") / "small_results.jsonl"
+
+
+@pytest.fixture
+def results() -> list[RequestResult]:
+    return read_results(DATA)
+
+
+def test_percentiles_interpolate_between_order_statistics(results: list[RequestResult]) -> None:
+    s = summarize(results)
+    assert s.ttft_s is not None and s.itl_s is not None and s.e2e_s is not None
+    assert (s.ttft_s.p50, s.ttft_s.p90, s.ttft_s.p99) == pytest.approx((0.75, 2.4, 2.94))
+    assert (s.itl_s.p50, s.itl_s.p90, s.itl_s.p99) == pytest.approx((0.02, 0.035, 0.0395))
+    assert s.tpot_s is not None
+    assert (s.tpot_s.p50, s.tpot_s.p90, s.tpot_s.p99) == pytest.approx((0.02, 0.028, 0.0298))
+    assert s.e2e_s.p50 == pytest.approx((0.56 + 1.06) / 2)
+
+
+def test_counts_throughput_and_goodput(results: list[RequestResult]) -> None:
+    s = summarize(results, slo=Slo(ttft_s=2.0, itl_s=0.025))
+    assert (s.requests, s.ok, s.errors) == (5, 4, 1)
+    assert s.duration_s == pytest.approx(5.01)
+    assert s.output_tokens_per_s == pytest.approx(10 / 5.01)
+    assert s.requests_per_s == pytest.approx(4 / 5.01)
+    assert s.goodput_rps == pytest.approx(2 / 5.01)
+    assert s.goodput_fraction == pytest.approx(0.4)
+    assert s.send_lag_p99_s == pytest.approx(0.096)
+    assert s.prefill_mix == {"bypass": 0.5, "remote": 0.5}
+
+
+def test_a_looser_slo_admits_more(results: list[RequestResult]) -> None:
+    assert summarize(results, slo=Slo(ttft_s=5.0, itl_s=0.05)).goodput_fraction == pytest.approx(0.8)
+
+
+def test_latency_scale_reports_simulated_time(results: list[RequestResult]) -> None:
+    s = summarize(results, latency_scale=10.0)
+    assert s.ttft_s is not None and s.ttft_s.p50 == pytest.approx(7.5)
+    assert s.duration_s == pytest.approx(50.1)
+    assert s.output_tokens_per_s == pytest.approx(10 / 50.1)
+    # Scaled TTFTs 5, 10, 30, 2: only the one-token request (TTFT exactly 2 s) is within the SLO.
+    assert s.goodput_fraction == pytest.approx(0.2)
+    assert s.send_lag_p99_s == pytest.approx(0.096)  # the client's own lag stays in wall time
+
+
+def test_prefix_hit_rate_is_the_counter_delta() -> None:
+    delta = PrefixCounters(queries=220.0, hits=80.0) - PrefixCounters(queries=100.0, hits=50.0)
+    assert delta.hit_rate == pytest.approx(0.25)
+    assert PrefixCounters().hit_rate is None
+    assert summarize([], prefix=delta).prefix_hit_rate == pytest.approx(0.25)
+
+
+def test_empty_results_summarise_without_dividing_by_zero() -> None:
+    s = summarize([])
+    assert (s.requests, s.duration_s, s.goodput_rps, s.ttft_s, s.send_lag_p99_s) == (0, 0.0, 0.0, None, None)
+
+
+def test_results_round_trip_through_jsonl(results: list[RequestResult], tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    write_results(path, results)
+    assert read_results(path) == results
+
+
+def test_format_names_the_clock_and_the_slo(results: list[RequestResult]) -> None:
+    text = format_summary(summarize(results, latency_scale=10.0, prefix=PrefixCounters(4.0, 1.0)))
+    assert "simulated time" in text and "TTFT <= 2.0 s" in text and "25.0% of prompt tokens" in text

@@ -1,0 +1,137 @@
+"""`kvswitch sim`: flags, errors, fleet mode, clean SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine_sim import KVEventsConfig, SimConfig, SimFleet, fleet_config
+from engine_sim.cli import add_arguments, config_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvswitch sim")
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_build_the_config() -> None:
+    events = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:6000", "topic": "t"}'
+    cfg = config_from_args(
+        parse("--port", "9000", "--model", "m", "--block-size", "32", "--num-gpu-blocks", "100",
+              "--kv-events-config", events, "--profile", "h200:qwen2.5-32b", "--speedup", "10",
+              "--role", "decode", "--event-form", "array", "--crash-after", "3", "--slowdown", "2")
+    )  # fmt: skip
+    assert (cfg.port, cfg.model, cfg.block_size, cfg.num_gpu_blocks) == (9000, "m", 32, 100)
+    assert cfg.kv_events.active and cfg.kv_events.endpoint == "tcp://*:6000" and cfg.kv_events.topic == "t"
+    assert (cfg.profile, cfg.speedup, cfg.role, cfg.event_form) == ("h200:qwen2.5-32b", 10.0, "decode", "array")
+    assert (cfg.crash_after, cfg.slowdown) == (3, 2.0)
+    assert not config_from_args(parse()).kv_events.active  # events off by default, as vLLM
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--profile", "h100:llama"], "--profile"),
+        (["--role", "router"], "--role"),
+        (["--event-form", "json"], "--event-form"),
+        (["--speedup", "0"], "--speedup"),
+        (["--drop-event-fraction", "2"], "--drop-event-fraction"),
+        (["--kv-events-config", "{nope"], "--kv-events-config"),
+        (["--kv-events-config", '{"enable_kv_cache_events": true, "bogus": 1}'], "bogus"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(*argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    if argv[0] in ("--profile", "--role", "--event-form"):
+        assert "choose from" in err
+
+
+def test_fleet_ports_are_consecutive() -> None:
+    base = SimConfig(port=8100, kv_events=KVEventsConfig(enable_kv_cache_events=True,
+                     endpoint="tcp://*:5557", replay_endpoint="tcp://*:6557"))  # fmt: skip
+    cfgs = [fleet_config(base, i) for i in range(3)]
+    assert [c.port for c in cfgs] == [8100, 8101, 8102]
+    assert [c.kv_events.endpoint for c in cfgs] == ["tcp://*:5557", "tcp://*:5558", "tcp://*:5559"]
+    assert [c.kv_events.replay_endpoint for c in cfgs] == ["tcp://*:6557", "tcp://*:6558", "tcp://*:6559"]
+    zero = SimConfig()
+    assert {fleet_config(zero, i).port for i in range(3)} == {0}
+    assert fleet_config(zero, 2).kv_events.endpoint == "tcp://*:0"
+
+
+async def test_fleet_in_process_runs_independent_engines() -> None:
+    async with SimFleet(SimConfig(speedup=100, num_gpu_blocks=64), count=3) as fleet:
+        info = fleet.describe()
+        assert len({i["url"] for i in info}) == 3 and len({i["events_endpoint"] for i in info}) == 3
+        assert len({s.engine.engine_id for s in fleet.servers}) == 3
+
+
+def test_cli_fleet_serves_and_stops_on_sigterm() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    events = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch", "sim", "--count", "2", "--port", "0", "--speedup", "100",
+         "--num-gpu-blocks", "64", "--kv-events-config", events],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = [json.loads(proc.stdout.readline()) for _ in range(2)]
+        assert [line["index"] for line in lines] == [0, 1]
+        for line in lines:
+            assert line["events_endpoint"].startswith("tcp://127.0.0.1:")
+            req = urllib.request.Request(
+                line["url"] + "/v1/completions",
+                data=json.dumps({"prompt": "hello", "max_tokens": 2}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert json.loads(r.read())["usage"]["completion_tokens"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_rejects_bad_flag_with_exit_2() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "kvswitch", "sim", "--role", "nope"], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=60)  # fmt: skip
+    assert res.returncode == 2 and "--role" in res.stderr and "prefill" in res.stderr
+
+
+def test_single_engine_exits_1_when_it_crashes() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch", "sim", "--port", "0", "--speedup", "100", "--num-gpu-blocks", "64",
+         "--crash-after", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = json.loads(proc.stdout.readline())["url"]
+        req = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}',
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises(OSError):
+            urllib.request.urlopen(req, timeout=10)
+        assert proc.wait(timeout=15) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

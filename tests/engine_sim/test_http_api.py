@@ -1,0 +1,219 @@
+"""The OpenAI HTTP API against the captured vLLM 0.32 responses: shapes, status codes, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from engine_sim import SimServer
+from tests.engine_sim.conftest import fixture_json, fixture_path, sim_config
+
+
+def shape(obj: Any) -> Any:
+    """Keys (in order) and nesting, with values reduced to their JSON kind (null stays null)."""
+    if isinstance(obj, dict):
+        return {k: shape(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [shape(obj[0])] if obj else []
+    if obj is None:
+        return None
+    return type(obj).__name__.replace("int", "number").replace("float", "number")
+
+
+def sse_events(text: str) -> list[Any]:
+    out = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def post(sim: SimServer, path: str, body: Any, **kw: Any) -> tuple[int, Any, aiohttp.typedefs.LooseHeaders]:
+    data = body if isinstance(body, str) else json.dumps(body)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(sim.url + path, data=data, headers={"Content-Type": "application/json", **kw}) as r,
+    ):
+        text = await r.text()
+        ctype = r.headers.get("Content-Type", "")
+        return r.status, (json.loads(text) if "json" in ctype else text), r.headers
+
+
+async def get(sim: SimServer, path: str) -> tuple[int, str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(sim.url + path) as r:
+        return r.status, await r.text(), r.headers
+
+
+@pytest.mark.parametrize("fixture", ["completion_nonstream_tokenids.json", "completion_nonstream_text.json"])
+async def test_completion_matches_vllm_shape(sim: SimServer, fixture: str) -> None:
+    prompt: Any = list(range(300, 385)) if "tokenids" in fixture else "hello world this is a tiny test " * 8
+    status, body, _ = await post(sim, "/v1/completions", {"model": "sim-llama", "prompt": prompt, "max_tokens": 8})
+    assert status == 200
+    assert shape(body) == shape(fixture_json(fixture))
+    assert body["id"].startswith("cmpl-") and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 8
+
+
+async def test_chat_matches_vllm_shape(sim: SimServer) -> None:
+    body_in = {"model": "sim-llama", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+    status, body, _ = await post(sim, "/v1/chat/completions", body_in)
+    assert status == 200 and shape(body) == shape(fixture_json("chat_completion.json"))
+    assert body["id"].startswith("chatcmpl-") and body["usage"]["completion_tokens"] == 8
+
+
+async def test_completion_stream_matches_vllm_shape(sim: SimServer) -> None:
+    captured = sse_events(fixture_path("completion_stream.sse").read_text())
+    req = {"prompt": list(range(300, 368)), "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+    status, text, headers = await post(sim, "/v1/completions", req)
+    assert status == 200 and headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    ours = sse_events(text)
+    assert len(ours) == len(captured) == 14  # 12 tokens, usage, [DONE]
+    assert [shape(e) for e in ours] == [shape(e) for e in captured]
+    assert ours[-2]["usage"] == {"prompt_tokens": 68, "total_tokens": 80, "completion_tokens": 12}
+    assert ours[-3]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chat_stream_matches_vllm_shape(sim: SimServer) -> None:
+    captured = sse_events(fixture_path("chat_completion_stream.sse").read_text())
+    req = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+    _, text, _ = await post(sim, "/v1/chat/completions", req)
+    ours = sse_events(text)
+    assert [shape(e) for e in ours] == [shape(e) for e in captured]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "path", "body"),
+    [
+        ("error_prompt_too_long_tokenids.json", "/v1/completions", {"prompt": [7] * 2100, "max_tokens": 4}),
+        ("error_prompt_too_long_text.json", "/v1/completions", {"prompt": "hello world " * 2000, "max_tokens": 4}),
+        ("error_unknown_model.json", "/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}),
+        ("error_unknown_model_chat.json", "/v1/chat/completions",
+         {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}),
+        ("error_malformed_json.json", "/v1/completions", '{"model": "x", "prompt": [1,2,'),
+    ],
+)  # fmt: skip
+async def test_errors_match_vllm(fixture: str, path: str, body: Any) -> None:
+    captured = fixture_json(fixture)
+    async with SimServer(sim_config(max_model_len=2048, model="tiny-llama")) as sim:
+        status, ours, _ = await post(sim, path, body)
+    assert status == captured["error"]["code"]
+    assert shape(ours) == shape(captured)
+    for key in ("type", "param", "code"):
+        assert ours["error"][key] == captured["error"][key]
+    if "unknown_model" not in fixture:  # the alias list names a path in the capture
+        assert ours["error"]["message"] == captured["error"]["message"]
+
+
+async def test_prompt_plus_max_tokens_over_limit_is_length_not_error() -> None:
+    captured = fixture_json("error_prompt_plus_max_tokens_too_long.json")
+    async with SimServer(sim_config(max_model_len=2048, num_gpu_blocks=256)) as sim:
+        status, ours, _ = await post(sim, "/v1/completions", {"prompt": [7] * 2040, "max_tokens": 100})
+    assert status == 200 and shape(ours) == shape(captured)
+    assert ours["usage"] == captured["usage"] and ours["choices"][0]["finish_reason"] == "length"
+
+
+async def test_models_health_version_reset(sim: SimServer) -> None:
+    status, text, _ = await get(sim, "/v1/models")
+    assert status == 200 and shape(json.loads(text)) == shape(fixture_json("v1_models.json"))
+    assert json.loads(text)["data"][0]["max_model_len"] == sim.config.max_model_len
+    assert (await get(sim, "/health"))[:2] == (200, "")
+    assert json.loads((await get(sim, "/version"))[1]) == fixture_json("version_endpoint.json")
+    status, body, _ = await post(sim, "/reset_prefix_cache", "")
+    assert (status, body) == (200, json.loads(fixture_path("reset_prefix_cache_response.txt").read_text()))
+
+
+async def test_token_ids_in_and_out(sim: SimServer) -> None:
+    prompt = list(range(400, 440))
+    _, body, _ = await post(sim, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "return_token_ids": True})
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 5
+    assert all(t >= 300 for t in choice["token_ids"])
+    # Deterministic: the same prompt gives the same tokens, and the text is their decoding.
+    _, again, _ = await post(sim, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "return_token_ids": True})
+    assert again["choices"][0]["token_ids"] == choice["token_ids"]
+    from protocol.tokenizer import BuiltinTokenizer
+
+    assert choice["text"] == BuiltinTokenizer().decode(choice["token_ids"])
+
+
+async def test_batch_of_prompts(sim: SimServer) -> None:
+    _, body, _ = await post(sim, "/v1/completions", {"prompt": ["one two", [500, 501, 502]], "max_tokens": 3})
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["completion_tokens"] == 6
+
+
+async def test_stop_string_ends_with_stop_reason(sim: SimServer) -> None:
+    prompt = list(range(600, 640))
+    _, full, _ = await post(sim, "/v1/completions", {"prompt": prompt, "max_tokens": 6})
+    words = full["choices"][0]["text"].split(" ")
+    stop = " " + words[3]  # the 3rd generated word
+    _, body, _ = await post(sim, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "stop": [stop]})
+    choice = body["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert choice["text"] == full["choices"][0]["text"].split(stop)[0]
+    _, text, _ = await post(sim, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "stop": stop, "stream": True})
+    chunks = [e for e in sse_events(text) if e != "[DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert sim.engine.num_blocks_in_use == 0
+
+
+async def test_request_id_header_is_used_and_echoed(sim: SimServer) -> None:
+    _, body, headers = await post(
+        sim, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, **{"X-Request-Id": "abc123"}
+    )
+    assert body["id"] == "cmpl-abc123" and headers["X-Request-Id"] == "abc123"
+
+
+async def test_client_disconnect_aborts_and_frees_blocks() -> None:
+    async with SimServer(sim_config(speedup=1.0)) as sim:
+        async with aiohttp.ClientSession() as s:
+            req = {"prompt": list(range(1000, 1200)), "max_tokens": 10_000, "stream": True}
+            async with s.post(sim.url + "/v1/completions", json=req) as r:
+                await r.content.readline()  # the first token arrived: the request is running
+                assert sim.engine.num_blocks_in_use > 0
+        for _ in range(200):  # the server notices the closed socket asynchronously
+            if not sim.engine.running:
+                break
+            await asyncio.sleep(0.01)
+        assert not sim.engine.running and sim.engine.num_blocks_in_use == 0
+        assert sim.engine.stats.finished["abort"] == 1
+
+
+async def test_openai_client_non_streaming_and_streaming(sim: SimServer) -> None:
+    client = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="none")
+    try:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["sim-llama"]
+        done = await client.completions.create(model="sim-llama", prompt="hello world", max_tokens=5)
+        assert done.choices[0].finish_reason == "length" and done.usage and done.usage.completion_tokens == 5
+        parts = []
+        stream = await client.completions.create(
+            model="sim-llama", prompt="hello world", max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+        async for chunk in stream:
+            parts.extend(c.text for c in chunk.choices)
+        assert "".join(parts) == done.choices[0].text
+        chat = await client.chat.completions.create(
+            model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
+        pieces = []
+        chat_stream = await client.chat.completions.create(
+            model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
+        async for chunk in chat_stream:
+            pieces.extend(c.delta.content or "" for c in chunk.choices)
+        assert "".join(pieces) == chat.choices[0].message.content
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="nope", prompt="x", max_tokens=1)
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model="sim-llama", prompt=[5] * 40000, max_tokens=1)
+    finally:
+        await client.close()

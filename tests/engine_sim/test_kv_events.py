@@ -1,0 +1,214 @@
+"""Golden tests: what the sim publishes decodes exactly like the real vLLM 0.32 captures."""
+
+from __future__ import annotations
+
+import aiohttp
+import msgspec
+import pytest
+
+from engine_sim import SimServer
+from engine_sim.block_pool import BlockPool
+from engine_sim.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    encode_batch,
+)
+from engine_sim.request import SimRequest
+from engine_sim.scheduler import Scheduler
+from tests.engine_sim.conftest import (
+    connected_subscriber,
+    decode_payload,
+    fixture_lines,
+    replay,
+    sim_config,
+)
+
+END_MARKER = [b"", b"", b"\xff" * 8, b""]
+
+
+def _captured_events() -> dict[str, dict]:
+    """First captured event of each type, decoded without a schema."""
+    out: dict[str, dict] = {}
+    for rec in fixture_lines("zmq_events_decoded.jsonl"):
+        for ev in rec["payload"][1]:
+            out.setdefault(ev["type"], ev)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["bs16_patched", "bs32"])
+def test_captured_payloads_reencode_byte_identical(variant: str) -> None:
+    """Our map-form types are vLLM's: decoding a real payload and encoding it gives the same bytes."""
+    lines = fixture_lines("zmq_events_raw.jsonl", variant)
+    assert lines
+    for rec in lines:
+        raw = bytes.fromhex(rec["frames_hex"][2])
+        batch = decode_batch(raw)
+        assert msgspec.msgpack.encode(batch) == raw
+
+
+def _emitted_events() -> list:
+    """Events from a real scheduler run: stores, an eviction, and a reset."""
+    sched = Scheduler(num_gpu_blocks=4, block_size=16, hash_seed="0")
+    for i, base in enumerate((1000, 2000)):
+        sched.add_request(SimRequest(f"r{i}", list(range(base, base + 48)), max_tokens=1))
+        while sched.step().num_scheduled_tokens:
+            pass
+    sched.reset_prefix_cache()
+    return sched.take_events()
+
+
+def test_block_stored_matches_vllm_map_form() -> None:
+    captured = _captured_events()["BlockStored"]
+    ours = next(e for e in _emitted_events() if isinstance(e, BlockStored))
+    decoded = decode_payload(encode_batch(1.0, [ours]))[1][0]
+    assert list(decoded) == list(captured)  # same fields, same order, nothing omitted
+    assert decoded["medium"] == captured["medium"] == "GPU"
+    assert decoded["extra_keys"] == [None] * len(decoded["block_hashes"])
+    assert (decoded["group_idx"], decoded["kv_cache_spec_kind"]) == (
+        captured["group_idx"],
+        captured["kv_cache_spec_kind"],
+    )
+    assert len(decoded["token_ids"]) == decoded["block_size"] * len(decoded["block_hashes"])
+
+
+def test_block_removed_matches_vllm_map_form() -> None:
+    captured = _captured_events()["BlockRemoved"]
+    ours = next(e for e in _emitted_events() if isinstance(e, BlockRemoved))
+    decoded = decode_payload(encode_batch(1.0, [ours]))[1][0]
+    assert list(decoded) == list(captured)
+    assert len(decoded["block_hashes"]) == 1  # one hash per removal, as captured
+
+
+def test_all_blocks_cleared_matches_vllm_map_form() -> None:
+    captured = _captured_events()["AllBlocksCleared"]
+    ours = [e for e in _emitted_events() if isinstance(e, AllBlocksCleared)]
+    assert len(ours) == 1
+    assert decode_payload(encode_batch(1.0, ours))[1] == [captured]
+
+
+def test_batch_matches_vllm_layout() -> None:
+    raw = bytes.fromhex(fixture_lines("zmq_events_raw.jsonl")[0]["frames_hex"][2])
+    ours = encode_batch(1795990426.28, _emitted_events()[:1])
+    # fixarray(3), then a float64 timestamp: the same leading bytes as the capture.
+    assert ours[:2] == raw[:2] == b"\x93\xcb"
+    ts, events, rank = decode_payload(ours)
+    assert isinstance(ts, float) and rank == 0 and events[0]["type"] == "BlockStored"
+
+
+def test_block_stored_matches_vllm_array_form() -> None:
+    stored = BlockStored(block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=list(range(32)), block_size=16)
+    ts, events, rank = decode_payload(encode_batch(2.5, [stored], form="array"))
+    assert (ts, rank) == (2.5, 0)
+    assert events == [["BlockStored", [2**64 - 1, 7], None, list(range(32)), 16, None, "GPU"]]
+
+
+def test_block_removed_and_cleared_match_vllm_array_form() -> None:
+    _, events, _ = decode_payload(encode_batch(0.0, [BlockRemoved(block_hashes=[9]), AllBlocksCleared()], form="array"))
+    assert events == [["BlockRemoved", [9], "GPU"], ["AllBlocksCleared"]]
+
+
+def test_hashes_above_2_63_are_msgpack_uint64() -> None:
+    big = BlockStored(block_hashes=[2**63 + 5], parent_block_hash=2**64 - 2, token_ids=[1] * 16, block_size=16)
+    raw = encode_batch(0.0, [big])
+    assert b"\xcf" + (2**63 + 5).to_bytes(8, "big") in raw  # uint64, never a negative int64
+    assert decode_payload(raw)[1][0]["block_hashes"] == [2**63 + 5]
+
+
+def test_block_pool_emits_no_events_when_disabled() -> None:
+    pool = BlockPool(4, 16, emit_events=False)
+    pool.allocate(2)
+    assert pool.take_events() == []
+
+
+async def _complete(sim: SimServer, prompt: list[int], max_tokens: int = 2) -> dict:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(sim.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}) as r,
+    ):
+        assert r.status == 200
+        return await r.json()
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+async def test_live_frames_match_vllm_frame_layout(form: str) -> None:
+    captured = fixture_lines("zmq_events_raw.jsonl")[0]["frames_hex"]
+    async with SimServer(sim_config(event_form=form)) as sim:
+        sub = await connected_subscriber(sim)
+        try:
+            await _complete(sim, list(range(500, 580)))
+            (msg,) = await sub.wait_for(1)
+        finally:
+            sub.close()
+    assert len(msg) == len(captured) == 3
+    assert msg[0] == bytes.fromhex(captured[0]) == b"kv-events"
+    assert msg[1] == (0).to_bytes(8, "big")  # seq starts at 0, 8-byte big-endian
+    ts, events, rank = decode_payload(msg[2])
+    assert rank == 0 and isinstance(ts, float)
+    if form == "map":
+        assert events[0]["type"] == "BlockStored" and len(events[0]["block_hashes"]) == 5
+    else:
+        assert events[0][0] == "BlockStored" and len(events[0][1]) == 5 and events[0][6] == "GPU"
+
+
+async def test_replay_replies_match_vllm() -> None:
+    captured = fixture_lines("replay_from_8_excerpt.jsonl")
+    assert captured[0]["request_frames_hex"] == ["", (8).to_bytes(8, "big").hex()]
+    cap_reply, cap_end = captured[1]["frames_hex"], captured[-1]["frames_hex"]
+    async with SimServer(sim_config()) as sim:
+        sub = await connected_subscriber(sim)
+        try:
+            for i in range(4):
+                await _complete(sim, list(range(1000 * (i + 1), 1000 * (i + 1) + 40)))
+            live = await sub.wait_for(4)
+        finally:
+            sub.close()
+        assert sim.replay_endpoint is not None
+        from_0 = await replay(sim.replay_endpoint, 0)
+        from_2 = await replay(sim.replay_endpoint, 2)
+        future = await replay(sim.replay_endpoint, 1_000_000)
+    assert len(from_0[0]) == len(cap_reply) == 4
+    assert from_0[0][0] == b"" and from_0[0][1] == b"kv-events"
+    assert [int.from_bytes(f[2], "big") for f in from_0[:-1]] == [0, 1, 2, 3]
+    assert [f[3] for f in from_0[:-1]] == [m[2] for m in live]  # replayed payloads are byte-identical
+    assert [int.from_bytes(f[2], "big") for f in from_2[:-1]] == [2, 3]
+    assert from_0[-1] == from_2[-1] == [bytes.fromhex(h) for h in cap_end] == END_MARKER
+    assert (
+        future
+        == [END_MARKER]
+        == [[bytes.fromhex(h) for h in fixture_lines("replay_from_future.jsonl")[1]["frames_hex"]]]
+    )
+
+
+async def test_pub_connects_when_endpoint_has_no_wildcard() -> None:
+    import socket
+
+    from tests.engine_sim.conftest import Subscriber
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    sub = Subscriber(endpoint, bind=True)  # vLLM's rule: no `*` → the PUB connects, the subscriber binds
+    try:
+        cfg = sim_config()
+        cfg = cfg.replace(kv_events=msgspec.structs.replace(cfg.kv_events, endpoint=endpoint))
+        async with SimServer(cfg) as sim:
+            assert sim.events_endpoint == endpoint
+            # Connect is asynchronous: publish until the first batch arrives, then check the seq.
+            for i in range(50):
+                await _complete(sim, list(range(3000 + 100 * i, 3000 + 100 * i + 32)), 1)
+                if sub.messages or await _got_one(sub):
+                    break
+        assert sub.messages and int.from_bytes(sub.messages[0][1], "big") >= 0
+    finally:
+        sub.close()
+
+
+async def _got_one(sub) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        await sub.wait_for(1, timeout=0.1)
+        return True
+    except TimeoutError:
+        return False

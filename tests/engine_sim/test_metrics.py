@@ -1,0 +1,95 @@
+"""/metrics: vLLM's names, types and labels, and values that follow the workload."""
+
+from __future__ import annotations
+
+import re
+
+import aiohttp
+
+from engine_sim import SimServer
+from tests.engine_sim.conftest import fixture_path, sim_config
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$")
+
+
+def parse(text: str) -> dict[str, dict[str, float]]:
+    """name -> {label string -> value}."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            out.setdefault(m.group(1), {})[m.group(2) or ""] = float(m.group(3))
+    return out
+
+
+def types(text: str) -> dict[str, str]:
+    return {p[2]: p[3] for p in (line.split() for line in text.splitlines() if line.startswith("# TYPE"))}
+
+
+async def scrape(sim: SimServer) -> str:
+    async with aiohttp.ClientSession() as s, s.get(sim.url + "/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
+def one(samples: dict[str, dict[str, float]], name: str) -> float:
+    (value,) = samples[name].values()
+    return value
+
+
+async def test_metric_names_types_and_labels_match_vllm(sim: SimServer) -> None:
+    captured = fixture_path("metrics_after.txt").read_text()
+    ours = await scrape(sim)
+    cap_types, our_types = types(captured), types(ours)
+    wanted = [
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds", "vllm:cache_config_info", "vllm:prefix_cache_queries_created",
+    ]  # fmt: skip
+    for name in wanted:
+        assert our_types.get(name) == cap_types[name], name
+    cap, mine = parse(captured), parse(ours)
+    label_keys = lambda s: {tuple(sorted(re.findall(r"(\w+)=", k))) for k in s}  # noqa: E731
+    for name in ("vllm:num_requests_running", "vllm:prefix_cache_hits_total", "vllm:request_success_total"):
+        assert label_keys(mine[name]) == label_keys(cap[name]), name
+    assert set(mine["vllm:time_to_first_token_seconds_bucket"]) == {
+        k.replace("tiny-llama", "sim-llama") for k in cap["vllm:time_to_first_token_seconds_bucket"]
+    }
+    (info,) = mine["vllm:cache_config_info"]
+    assert f'num_gpu_blocks="{sim.config.num_gpu_blocks}"' in info and 'block_size="16"' in info
+
+
+async def test_shared_prefix_workload_reports_hit_counts(sim: SimServer) -> None:
+    shared = list(range(2000, 2064))  # 4 blocks
+    async with aiohttp.ClientSession() as s:
+        for i in range(3):
+            body = {"prompt": shared + list(range(5000 + 100 * i, 5000 + 100 * i + 20)), "max_tokens": 2}
+            async with s.post(sim.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+    m = parse(await scrape(sim))
+    assert one(m, "vllm:prefix_cache_queries_total") == 3 * 84
+    assert one(m, "vllm:prefix_cache_hits_total") == 2 * 64  # the 2nd and 3rd hit the 4 shared blocks
+    assert one(m, "vllm:prompt_tokens_total") == 3 * 84
+    assert one(m, "vllm:generation_tokens_total") == 6
+    assert m["vllm:request_success_total"]['{engine="0",finished_reason="length",model_name="sim-llama"}'] == 3
+    assert one(m, "vllm:time_to_first_token_seconds_count") == 3
+    assert one(m, "vllm:inter_token_latency_seconds_count") == 3
+    assert one(m, "vllm:num_requests_running") == 0 and one(m, "vllm:kv_cache_usage_perc") == 0.0
+
+
+async def test_preemptions_and_usage_are_reported() -> None:
+    async with SimServer(sim_config(num_gpu_blocks=6, max_num_batched_tokens=512)) as sim:
+        async with aiohttp.ClientSession() as s:
+
+            async def go(base: int) -> None:
+                body = {"prompt": list(range(base, base + 40)), "max_tokens": 30}
+                async with s.post(sim.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+
+            import asyncio
+
+            await asyncio.gather(go(1000), go(3000))
+        m = parse(await scrape(sim))
+    assert one(m, "vllm:num_preemptions_total") >= 1

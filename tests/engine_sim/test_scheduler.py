@@ -1,0 +1,145 @@
+"""The synchronous core: vLLM v1 scheduling, prefix hits, preemption, remote KV, stats."""
+
+from __future__ import annotations
+
+from engine_sim.kv_events import BlockRemoved, BlockStored
+from engine_sim.request import RequestStatus, SimRequest
+from engine_sim.scheduler import Scheduler, StepResult
+from protocol.hashing import block_hashes
+
+
+def make(**kw: int) -> Scheduler:
+    args = {"num_gpu_blocks": 64, "block_size": 16, "max_num_batched_tokens": 256, "max_num_seqs": 8}
+    args.update(kw)
+    return Scheduler(hash_seed="0", **args)
+
+
+def run(s: Scheduler) -> list[StepResult]:
+    steps = []
+    while (r := s.step()).num_scheduled_tokens:
+        steps.append(r)
+    return steps
+
+
+def req(rid: str, n: int, base: int = 1000, max_tokens: int = 4) -> SimRequest:
+    return SimRequest(rid, list(range(base, base + n)), max_tokens=max_tokens)
+
+
+def test_long_prompt_is_chunked_under_the_token_budget() -> None:
+    s = make()
+    s.add_request(req("a", 600, max_tokens=2))
+    steps = run(s)
+    assert [r.num_prefill_tokens for r in steps[:3]] == [256, 256, 88]
+    assert [len(r.outputs) for r in steps] == [0, 0, 1, 1]  # first token with the last chunk
+    assert steps[-1].outputs[0].finish_reason == "length"
+    assert s.prefill_tokens_computed == 600 and s.num_blocks_in_use == 0
+
+
+def test_decodes_batch_with_a_prefill_chunk() -> None:
+    s = make(max_num_batched_tokens=100)
+    s.add_request(req("a", 50, max_tokens=10))
+    s.step()
+    s.add_request(req("b", 500, base=5000))
+    r = s.step()
+    assert r.num_decode == 1 and r.num_prefill_tokens == 99
+    assert r.duration > s.timing.decode(1, 51)  # the chunk's marginal cost is added
+
+
+def test_max_num_seqs_caps_running() -> None:
+    s = make(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 20, base=1000 * (i + 1)))
+    s.step()
+    assert len(s.running) == 2 and len(s.waiting) == 1
+
+
+def test_prefix_hit_leaves_the_last_token_to_compute() -> None:
+    s = make()
+    s.add_request(req("a", 64, max_tokens=1))
+    run(s)
+    s.add_request(req("b", 64, max_tokens=1))
+    steps = run(s)
+    assert steps[0].num_prefill_tokens == 16  # 3 of 4 blocks hit: (64 - 1) // 16
+    assert s.stats.prefix_cache_hits == 48 and s.stats.prefix_cache_queries == 128
+
+
+def test_cached_block_prefixes_match_canonical_chain() -> None:
+    s = make()
+    s.add_request(req("a", 40, max_tokens=10))
+    run(s)
+    prefixes = sorted(s.cached_block_prefixes(), key=len)
+    assert [len(p) for p in prefixes] == [16, 32, 48]  # 40 prompt + 9 computed outputs: 3 full blocks
+    assert prefixes[1] == list(range(1000, 1032))
+    # What another package does with them: canonical hashes of each prefix's last block.
+    assert len({block_hashes(p, 16)[-1] for p in prefixes}) == 3
+
+
+def test_preemption_by_recompute_when_blocks_run_out() -> None:
+    s = make(num_gpu_blocks=6, max_num_batched_tokens=512)
+    s.add_request(req("a", 40, max_tokens=30))
+    s.add_request(req("b", 40, base=3000, max_tokens=30))
+    steps = run(s)
+    assert s.stats.preemptions >= 1
+    finished = [o.request_id for r in steps for o in r.outputs if o.finish_reason]
+    assert sorted(finished) == ["a", "b"]
+    assert s.num_blocks_in_use == 0
+
+
+def test_eviction_emits_removed_for_exactly_the_evicted_hashes() -> None:
+    s = make(num_gpu_blocks=8)
+    s.add_request(req("a", 64, max_tokens=1))
+    run(s)
+    stored_a = [h for e in s.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    s.add_request(req("b", 112, base=9000, max_tokens=1))  # 7 of 8 blocks: evicts a's LRU ones
+    run(s)
+    events = s.take_events()
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    survivors = {p[-1] for p in s.cached_block_prefixes() if p[0] == 1000}
+    assert len(stored_a) == 4 and len(removed) == 3
+    assert set(removed) < set(stored_a)
+    assert removed == stored_a[::-1][:3]  # tails first
+    assert survivors == {1015}  # only a's first block is still cached
+
+
+def test_remote_prefill_skips_local_prefill() -> None:
+    s = make()
+    r = SimRequest("d", list(range(100)), max_tokens=3, remote_prefill={"do_remote_prefill": True})
+    s.add_request(r)
+    first = s.step()
+    assert first.transfers == [("d", 100)] and first.num_scheduled_tokens == 0
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert s.step().num_scheduled_tokens == 0  # still waiting
+    s.finish_remote_load("d", ok=True)
+    steps = run(s)
+    assert [st.num_decode for st in steps] == [1, 1, 1]
+    assert s.prefill_tokens_computed == 0 and s.stats.external_kv_tokens == 100
+
+
+def test_remote_prefill_failure_falls_back_to_local() -> None:
+    s = make()
+    s.add_request(SimRequest("d", list(range(100)), max_tokens=1, remote_prefill={"do_remote_prefill": True}))
+    s.step()
+    s.finish_remote_load("d", ok=False)
+    run(s)
+    assert s.prefill_tokens_computed == 100
+
+
+def test_remote_decode_pins_blocks_until_released() -> None:
+    s = make()
+    r = SimRequest("p", list(range(100)), max_tokens=1, remote_decode=True)
+    s.add_request(r)
+    (step,) = run(s)
+    params = step.outputs[0].kv_transfer_params
+    assert params is not None and params["do_remote_prefill"] is True
+    assert params["remote_block_ids"] and s.num_blocks_in_use == len(params["remote_block_ids"])
+    assert s.release_pin(None, params["remote_block_ids"]) is True
+    assert s.num_blocks_in_use == 0 and s.release_pin("p") is False
+
+
+def test_abort_frees_blocks() -> None:
+    s = make()
+    s.add_request(req("a", 300))
+    s.step()
+    assert s.num_blocks_in_use > 0
+    assert s.abort("a") and s.num_blocks_in_use == 0 and not s.running
+    assert s.abort("a") is False

@@ -1,0 +1,133 @@
+"""Cluster fixtures for the router's end-to-end tests: simulated engines at high speedup, a shim
+beside each, and RouterServices, all in-process against the session's real nats-server and etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+
+from engine_sim.config import SimConfig
+from engine_sim.server import SimServer
+from protocol.config import EtcdSettings, NatsSettings
+from router.service import RouterConfig, RouterService
+from worker_shim import ShimConfig, WorkerShim
+
+BLOCK = 16
+MODEL = "sim-llama"
+
+
+@dataclass
+class Worker:
+    role: str
+    sim: SimServer
+    shim: WorkerShim
+
+    @property
+    def id(self) -> str:
+        assert self.shim.worker_id is not None
+        return self.shim.worker_id
+
+
+async def eventually(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class Cluster:
+    ns: str
+    nats_url: str
+    etcd_url: str
+    workers: list[Worker] = field(default_factory=list)
+    routers: list[RouterService] = field(default_factory=list)
+
+    async def add_worker(self, role: str = "decode", **sim_kw: Any) -> Worker:
+        cfg: dict[str, Any] = {"speedup": 200.0, "num_gpu_blocks": 512, "block_size": BLOCK, "role": role}
+        cfg.update(sim_kw)
+        sim = SimServer(SimConfig(**cfg))
+        await sim.start()
+        assert sim.events_endpoint is not None
+        shim = WorkerShim(
+            ShimConfig(
+                engine="vllm",
+                engine_url=sim.url,
+                role=role,  # type: ignore[arg-type]
+                model=sim.config.model,
+                kv_events=sim.events_endpoint,
+                kv_events_mode="connect",
+                kv_replay=sim.replay_endpoint,
+                namespace=self.ns,
+                lease_ttl=2,
+                health_interval_s=0.1,
+                drain_grace_s=1.0,
+            ),
+            NatsSettings(servers=[self.nats_url]),
+            EtcdSettings(endpoints=[self.etcd_url]),
+        )
+        await shim.start()
+        await asyncio.wait_for(shim.registered.wait(), 20)
+        worker = Worker(role, sim, shim)
+        self.workers.append(worker)
+        return worker
+
+    async def add_router(self, **overrides: Any) -> RouterService:
+        router = RouterService(
+            RouterConfig(
+                ns=self.ns,
+                nats=NatsSettings(servers=[self.nats_url]),
+                etcd=EtcdSettings(endpoints=[self.etcd_url]),
+                overrides=overrides,
+                lease_ttl_s=2,
+                seed=len(self.routers),
+            )
+        )
+        await router.start()
+        self.routers.append(router)
+        return router
+
+    async def ready(self, router: RouterService, workers: int | None = None) -> None:
+        """The router sees `workers` workers (default: all) and its index is synced."""
+        n = len(self.workers) if workers is None else workers
+        await eventually(lambda: router.ready and len(router.registry.workers()) == n, what="router ready")
+
+    def by_id(self, worker_id: str) -> Worker:
+        return next(w for w in self.workers if w.id == worker_id)
+
+    async def close(self) -> None:
+        for router in self.routers:
+            await router.stop()
+        for w in self.workers:
+            await w.shim.stop()
+            await w.sim.stop()
+
+
+@pytest.fixture
+async def cluster(nats_url: str, etcd_url: str, ns: str) -> AsyncIterator[Cluster]:
+    c = Cluster(ns, nats_url, etcd_url)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def complete(
+    http: aiohttp.ClientSession, router: RouterService, prompt: list[int] | str, **body: Any
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    payload = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}
+    async with http.post(router.url + "/v1/completions", json=payload) as resp:
+        return resp.status, await resp.json(), dict(resp.headers)

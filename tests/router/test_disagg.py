@@ -1,0 +1,89 @@
+"""The decision framework: modes, policy, guard, outcomes; planning is a dry run."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.disagg import Disaggregator
+from router.policies import Outcome, Path
+from tests.router.builders import cand, ctx, settings
+
+
+@pytest.mark.parametrize(
+    ("flags", "with_prefill", "path", "outcome"),
+    [
+        ({"disagg": "never"}, True, Path.AGG, Outcome.AGGREGATED),
+        ({"disagg": "always"}, False, Path.AGG, Outcome.NO_PREFILL_POOL),
+        ({"disagg": "always"}, True, Path.REMOTE, Outcome.REMOTE_PREFILL),
+        ({"disagg": "conditional"}, True, Path.REMOTE, Outcome.REMOTE_PREFILL),  # conditional_disagg off
+        ({"conditional_disagg": True}, True, Path.BYPASS, Outcome.BYPASS_ISL),
+        ({"conditional_disagg": True, "eff_isl_threshold": 10}, True, Path.REMOTE, Outcome.DECLINED_POLICY),
+        ({"conditional_disagg": True, "decode_busy_threshold": 0.001}, True, Path.REMOTE, Outcome.VETOED_DECODE_BUSY),
+        ({"conditional_disagg": True, "disagg": "always"}, True, Path.REMOTE, Outcome.REMOTE_PREFILL),
+    ],
+)
+def test_modes_and_outcomes(flags: dict[str, object], with_prefill: bool, path: Path, outcome: Outcome) -> None:
+    r = ctx(100, [cand("d1", overlap=4)], [cand("p1", "prefill")] if with_prefill else [])
+    plan = Disaggregator(settings(**flags)).plan(r)
+    assert plan is not None
+    assert (plan.path, plan.outcome) == (path, outcome)
+    assert plan.decode.worker == "d1"
+    assert plan.reason
+
+
+def test_an_agg_worker_serves_aggregated_even_with_a_prefill_pool() -> None:
+    plan = Disaggregator(settings(disagg="always")).plan(ctx(100, [cand("a1", "agg")], [cand("p1", "prefill")]))
+    assert plan is not None and plan.outcome is Outcome.AGGREGATED
+
+
+def test_plan_counts_nothing_and_record_counts_once() -> None:
+    dis = Disaggregator(settings(conditional_disagg=True))
+    plan = dis.plan(ctx(100, [cand(overlap=4)]))
+    assert plan is not None
+    assert not dis.counts
+    dis.record(plan.outcome)
+    assert dis.counts == {Outcome.BYPASS_ISL: 1}
+
+
+def test_the_policy_sees_the_prefill_worker_selection_would_pick() -> None:
+    busy = cand("p_busy", "prefill", overlap=100, queued_prefill_tokens=10_000)
+    dis = Disaggregator(
+        settings(conditional_disagg=True, conditional_disagg_policy="prefill_load", queue_threshold=1.0)
+    )
+    # p_busy holds the prefix but is over the queue threshold, so p_idle is picked: not busy, no bypass.
+    plan = dis.plan(ctx(3000, [cand()], [busy, cand("p_idle", "prefill")]))
+    assert plan is not None
+    assert plan.prefill is not None and plan.prefill.worker == "p_idle"
+    assert plan.outcome is Outcome.DECLINED_POLICY
+    plan = dis.plan(ctx(3000, [cand()], [busy]))
+    assert plan is not None and plan.outcome is Outcome.BYPASS_LOAD
+
+
+def test_exclude_and_empty_pool() -> None:
+    dis = Disaggregator(settings())
+    r = ctx(100, [cand("d1"), cand("d2")])
+    plan = dis.plan(r, exclude=frozenset({"d1"}))
+    assert plan is not None and plan.decode.worker == "d2"
+    assert dis.plan(r, exclude=frozenset({"d1", "d2"})) is None
+
+
+def test_configure_swaps_policy_and_keeps_old_one_on_error() -> None:
+    from protocol import ConfigError
+    from protocol.config import ConditionalDisaggConfig, RouterSettings
+
+    dis = Disaggregator(settings(conditional_disagg=True))
+    dis.configure(settings(conditional_disagg=True, conditional_disagg_policy="ttft_model"))
+    assert dis.policy.name == "ttft_model"
+    bad = RouterSettings(conditional=ConditionalDisaggConfig(conditional_disagg_policy="prefill_load"))
+    with pytest.raises(ConfigError):
+        dis.configure(bad)
+    assert dis.policy.name == "ttft_model"
+
+
+def test_explain_lists_every_candidate_with_overlap_and_cost() -> None:
+    plan = Disaggregator(settings(conditional_disagg=True)).plan(ctx(100, [cand("d1", overlap=3), cand("d2")]))
+    assert plan is not None
+    info = plan.explain()
+    assert info["outcome"] == "bypass_isl" and info["bypass"] is True
+    assert {c["worker"]: c["overlap_blocks"] for c in info["decode_candidates"]} == {"d1": 3, "d2": 0}
+    assert all(c["cost"] > 0 for c in info["decode_candidates"])

@@ -1,0 +1,124 @@
+"""End to end through real NATS, etcd, shims and simulated engines: where requests go, and that
+both prefill paths produce the right output."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import aiohttp
+import nats
+
+from protocol import GenerateRequest, block_hashes, decode_msg, subjects
+from router.service import RouterService
+from tests.router.conftest import BLOCK, MODEL, Cluster, complete, eventually
+
+
+async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> tuple[str, str]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 3}
+    async with http.post(url + "/v1/chat/completions", json=body) as resp:
+        data = await resp.json()
+        assert resp.status == 200, data
+        return data["choices"][0]["message"]["content"], resp.headers["x-kvswitch-decode-worker"]
+
+
+async def test_multi_turn_conversations_return_to_the_worker_holding_their_prefix(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    for _ in range(3):
+        await cluster.add_worker("agg")
+    router = await cluster.add_router(disagg="never")
+    await cluster.ready(router)
+    homes: dict[int, str] = {}
+    history: dict[int, list[dict[str, str]]] = {}
+    for turn in range(3):
+        for conv in range(6):
+            # a long system prompt of its own per conversation, distinct from its first block on
+            system = {"role": "system", "content": f"{conv} conversation " + "the cache " * 150}
+            msgs = history.setdefault(conv, [system])
+            msgs.append({"role": "user", "content": f"question {turn} about the router please explain"})
+            reply, worker = await _chat(http, router.url, msgs)
+            hashes = block_hashes(router.tokenizer.encode_chat(msgs), BLOCK)
+            msgs.append({"role": "assistant", "content": reply})
+            # the next turn is routed on what the index knows: wait until it holds this prompt
+            await eventually(functools.partial(_holds, router, worker, hashes), what="kv events")
+            if turn == 0:
+                homes[conv] = worker
+            else:
+                assert worker == homes[conv], f"conversation {conv} turn {turn} left its prefix"
+    assert len(set(homes.values())) > 1, "with equal load, new conversations should spread"
+
+
+async def test_bypass_and_remote_prefill_produce_the_same_output_as_the_engine(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    reference = await cluster.add_worker("agg")  # the same engine, no router in between
+    prompt = list(range(2000, 2200))
+    params = {"max_tokens": 6, "temperature": 0.0, "seed": 11}
+    async with http.post(reference.sim.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, **params}) as r:
+        expected = (await r.json())["choices"][0]["text"]
+    await reference.shim.stop()
+    cluster.workers.remove(reference)
+    await reference.sim.stop()
+
+    remote = await cluster.add_router(disagg="always")
+    await cluster.ready(remote)
+    status, body, headers = await complete(http, remote, prompt, **params)
+    assert status == 200, body
+    assert headers["x-kvswitch-prefill"] == "remote" and body["kvswitch"]["prefill_worker"] == p.id
+    assert body["choices"][0]["text"] == expected
+    transferred = d.sim.engine.stats.external_kv_tokens
+    assert transferred > 0, "the remote path must hand kv_transfer_params to the decode engine"
+
+    bypass = await cluster.add_router(disagg="never")
+    await cluster.ready(bypass)
+    status, body, headers = await complete(http, bypass, prompt, **params)
+    assert status == 200, body
+    assert headers["x-kvswitch-prefill"] == "agg" and headers["x-kvswitch-decode-worker"] == d.id
+    assert body["choices"][0]["text"] == expected
+    assert d.sim.engine.stats.external_kv_tokens == transferred, "no kv_transfer_params on the bypass path"
+
+
+async def test_conditional_bypass_prefills_on_the_decode_worker(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_router(conditional_disagg=True, eff_isl_threshold=4096)
+    await cluster.ready(router)
+    prompt = list(range(5000, 5640))  # 40 blocks
+    status, body, headers = await complete(http, router, prompt)
+    assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (200, "remote", "declined_policy")
+    await eventually(lambda: len(router.index.worker_hashes(d.id)) >= 40, what="decode blocks indexed")
+    prefilled = p.sim.engine.stats.prompt_tokens
+    transferred = d.sim.engine.stats.external_kv_tokens
+    status, body, headers = await complete(http, router, [*prompt, 7, 8, 9])
+    assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (200, "bypass", "bypass_isl")
+    assert p.sim.engine.stats.prompt_tokens == prefilled, "a bypassed prompt must not reach the prefill worker"
+    assert d.sim.engine.stats.external_kv_tokens == transferred
+    assert router.disagg.counts == Counter({"declined_policy": 1, "bypass_isl": 1})
+
+
+async def test_client_bypass_annotation_is_stripped(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_router(disagg="always")
+    await cluster.ready(router)
+    nc = await nats.connect(cluster.nats_url)
+    seen: list[GenerateRequest] = []
+    await nc.subscribe(subjects.gen(router.ns, "decode", d.id), cb=functools.partial(_collect, out=seen))
+    await nc.flush()
+    status, _, headers = await complete(http, router, list(range(300)), annotations=["bypass_remote_prefill", "x"])
+    await nc.close()
+    assert status == 200 and headers["x-kvswitch-prefill"] == "remote"
+    assert seen and seen[0].disagg is not None
+    assert seen[0].annotations == ["x"]
+    assert d.sim.engine.stats.external_kv_tokens > 0
+
+
+def _holds(router: RouterService, worker: str, hashes: list[int]) -> bool:
+    return router.index.find_matches(hashes).get(worker, 0) == len(hashes)
+
+
+async def _collect(msg: object, out: list[GenerateRequest]) -> None:
+    out.append(decode_msg(msg.data, GenerateRequest))  # type: ignore[attr-defined]

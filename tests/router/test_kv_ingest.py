@@ -1,0 +1,322 @@
+"""KvIngest against a small shim played by the test over a real nats-server.
+
+FakeShim publishes KvEventBatches on {ns}.kv.{worker} and answers {ns}.kvstate.{worker} the way the
+real shim does: the missed batches when its ring still has them all and the epoch matches, else a
+full dump in chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import deque
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from protocol import subjects
+from protocol.messages import (
+    Cleared,
+    KvEvent,
+    KvEventBatch,
+    KvStateChunk,
+    KvStateRequest,
+    Removed,
+    Stored,
+    decode_msg,
+    encode_msg,
+)
+from router.block_index import BlockIndex
+from router.ingest_stats import SyncState
+from router.kv_ingest import IngestStatus, KvIngest
+from tests.router.polling import until
+
+
+class FakeShim:
+    def __init__(self, nc: Client, ns: str, worker: str, *, ring: int = 64, dump_chunk: int = 3) -> None:
+        self.nc, self.ns, self.worker = nc, ns, worker
+        self.epoch = random.getrandbits(63)
+        self.seq = 0
+        self.ring: deque[KvEventBatch] = deque(maxlen=ring)
+        self.held: dict[int, None] = {}  # insertion-ordered: parent-first, like the real shim's dump
+        self.dump_chunk = dump_chunk
+        self.requests: list[KvStateRequest] = []
+        self.answering = True
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.kvstate(self.ns, self.worker), cb=self._on_state)
+        await self.nc.flush()
+
+    async def publish(self, *events: KvEvent, drop: bool = False) -> KvEventBatch:
+        """Make the next batch; `drop` loses it on the way (it stays in the ring)."""
+        self.seq += 1
+        for ev in events:
+            match ev:
+                case Stored(hashes=hs):
+                    self.held.update(dict.fromkeys(hs))
+                case Removed(hashes=hs):
+                    for h in hs:
+                        self.held.pop(h, None)
+                case Cleared():
+                    self.held.clear()
+        batch = KvEventBatch(worker=self.worker, epoch=self.epoch, seq=self.seq, ts=0.0, events=list(events))
+        self.ring.append(batch)
+        if not drop:
+            await self.nc.publish(subjects.kv(self.ns, self.worker), encode_msg(batch))
+        return batch
+
+    def restart(self) -> None:
+        """A new epoch: numbering starts again and the engine holds nothing."""
+        self.epoch = random.getrandbits(63)
+        self.seq = 0
+        self.ring.clear()
+        self.held.clear()
+
+    def expected(self) -> dict[str, list[int]]:
+        return {self.worker: sorted(self.held)} if self.held else {}
+
+    async def _on_state(self, msg: Msg) -> None:
+        req = decode_msg(msg.data, KvStateRequest)
+        self.requests.append(req)
+        if not self.answering:
+            return
+        missed = [b for b in self.ring if b.seq > req.since_seq]
+        covered = req.since_seq == self.seq or (bool(missed) and missed[0].seq == req.since_seq + 1)
+        if req.epoch == self.epoch and covered:
+            for i in range(0, max(len(missed), 1), 2):  # two batches per chunk
+                last = i + 2 >= len(missed)
+                chunk = KvStateChunk(worker=self.worker, epoch=self.epoch, seq=self.seq,
+                                     batches=missed[i:i + 2], chunk=i // 2, final=last)
+                await self.nc.publish(msg.reply, encode_msg(chunk))
+            return
+        hashes = list(self.held)
+        parts = [hashes[i:i + self.dump_chunk] for i in range(0, len(hashes), self.dump_chunk)] or [[]]
+        for i, part in enumerate(parts):
+            chunk = KvStateChunk(worker=self.worker, epoch=self.epoch, seq=self.seq, dump=True, hashes=part,
+                                 chunk=i, final=i == len(parts) - 1)
+            await self.nc.publish(msg.reply, encode_msg(chunk))
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+async def shim(nc: Client, ns: str) -> FakeShim:
+    s = FakeShim(nc, ns, "a1")
+    await s.start()
+    return s
+
+
+@pytest.fixture
+async def ingest(nc: Client, ns: str) -> AsyncIterator[KvIngest]:
+    ing = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2)
+    await ing.start()
+    yield ing
+    await ing.stop()
+
+
+async def synced_with(ingest: KvIngest, shim: FakeShim) -> None:
+    ingest.add_worker(shim.worker, shim.epoch)
+    assert await ingest.wait_synced(10.0)
+
+
+async def test_batches_in_order_are_applied(ingest: KvIngest, shim: FakeShim) -> None:
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1, 2, 3]))
+    await shim.publish(Stored(hashes=[4], parent=3), Removed(hashes=[1]))
+    await until(lambda: ingest.stats.batches_applied == 2)
+    assert ingest.index.dump() == shim.expected() == {"a1": [2, 3, 4]}
+    assert ingest.stats.events_applied == 3
+    assert ingest.stats.workers["a1"].last_seq == 2
+    assert ingest.stats.gaps == ingest.stats.duplicates == 0
+
+
+async def test_duplicate_batch_is_dropped(nc: Client, ns: str, ingest: KvIngest, shim: FakeShim) -> None:
+    await synced_with(ingest, shim)
+    first = await shim.publish(Stored(hashes=[1, 2]))
+    latest = await shim.publish(Removed(hashes=[2]))
+    await nc.publish(subjects.kv(ns, "a1"), encode_msg(first))  # seq < last_seq
+    await nc.publish(subjects.kv(ns, "a1"), encode_msg(latest))  # seq == last_seq
+    await until(lambda: ingest.stats.duplicates == 2)
+    assert ingest.index.dump() == {"a1": [1]}
+    assert ingest.stats.batches_applied == 2
+
+
+async def test_gap_is_repaired_with_the_missed_batches(ingest: KvIngest, shim: FakeShim) -> None:
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1]))
+    await shim.publish(Stored(hashes=[2], parent=1), drop=True)
+    await shim.publish(Stored(hashes=[3], parent=2), drop=True)
+    await shim.publish(Removed(hashes=[1]))
+    await until(lambda: ingest.stats.gaps == 1 and ingest.synced)
+    assert ingest.index.dump() == shim.expected() == {"a1": [2, 3]}
+    assert shim.requests[-1] == KvStateRequest(since_seq=1, epoch=shim.epoch)
+    assert ingest.stats.repairs_batches == 1
+    assert ingest.stats.repairs_dumps == 1  # the bootstrap only
+    assert ingest.stats.workers["a1"].last_seq == 4
+
+
+async def test_gap_older_than_the_ring_is_repaired_with_a_dump(nc: Client, ns: str, ingest: KvIngest) -> None:
+    shim = FakeShim(nc, ns, "b2", ring=2)
+    await shim.start()
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[10, 11]))
+    for h in range(12, 20):
+        await shim.publish(Stored(hashes=[h], parent=h - 1), Removed(hashes=[h - 2]), drop=True)
+    await shim.publish(Stored(hashes=[20], parent=19))
+    await until(lambda: ingest.stats.gaps == 1 and ingest.synced)
+    assert ingest.index.dump() == shim.expected() == {"b2": [18, 19, 20]}
+    assert ingest.stats.repairs_dumps == 2  # bootstrap, then the repair
+    assert ingest.stats.workers["b2"].last_seq == shim.seq
+
+
+async def test_epoch_change_resyncs_from_a_dump(ingest: KvIngest, shim: FakeShim) -> None:
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1, 2, 3]))
+    await until(lambda: ingest.stats.batches_applied == 1)
+    shim.restart()
+    await shim.publish(Stored(hashes=[7, 8]))
+    await until(lambda: ingest.stats.epoch_changes == 1 and ingest.synced)
+    assert ingest.index.dump() == shim.expected() == {"a1": [7, 8]}
+    assert ingest.stats.workers["a1"].epoch == shim.epoch
+    await shim.publish(Stored(hashes=[9], parent=8))
+    await until(lambda: ingest.stats.workers["a1"].last_seq == 2)
+    assert ingest.index.dump() == {"a1": [7, 8, 9]}
+
+
+async def test_cleared_drops_every_entry_of_the_worker(ingest: KvIngest, shim: FakeShim, nc: Client, ns: str) -> None:
+    other = FakeShim(nc, ns, "c3")
+    await other.start()
+    await synced_with(ingest, shim)
+    await synced_with(ingest, other)
+    await shim.publish(Stored(hashes=[1, 2, 3]))
+    await other.publish(Stored(hashes=[1, 2]))
+    await shim.publish(Cleared())
+    await until(lambda: ingest.stats.batches_applied == 3)
+    assert ingest.index.dump() == {"c3": [1, 2]}
+    assert ingest.index.find_matches([1, 2, 3]) == {"c3": 2}
+
+
+async def test_malformed_payloads_are_counted_logged_once_and_dropped(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    await synced_with(ingest, shim)
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    await nc.publish(subjects.kv(ns, "a1"), b"\xc1 not msgpack")
+    await nc.publish(subjects.kv(ns, "a1"), encode_msg(Stored(hashes=[1])))  # not a batch
+    wrong = KvEventBatch(worker="zz", epoch=shim.epoch, seq=1, ts=0.0, events=[Stored(hashes=[5])])
+    await nc.publish(subjects.kv(ns, "a1"), encode_msg(wrong))  # names another worker
+    await shim.publish(Stored(hashes=[1]))
+    await until(lambda: ingest.stats.batches_applied == 1)
+    assert ingest.stats.malformed == 3
+    assert ingest.index.dump() == {"a1": [1]}
+    warnings = [r for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "a1" in warnings[0].getMessage()
+
+
+async def test_late_replica_bootstraps_to_an_identical_index(nc: Client, ns: str, ingest: KvIngest) -> None:
+    shims = [FakeShim(nc, ns, name, dump_chunk=2) for name in ("d1", "d2", "d3")]
+    for s in shims:
+        await s.start()
+        await synced_with(ingest, s)
+    rnd = random.Random(7)
+    for step in range(60):
+        s = shims[step % 3]
+        if rnd.random() < 0.25 and s.held:
+            await s.publish(Removed(hashes=rnd.sample(list(s.held), 1)))
+        else:
+            await s.publish(Stored(hashes=[rnd.randrange(1000) for _ in range(3)]))
+    await until(lambda: ingest.stats.batches_applied == 60)
+    late = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2)
+    await late.start()
+    try:
+        for s in shims:
+            late.add_worker(s.worker, s.epoch)
+        assert not late.synced
+        assert await late.wait_synced(10.0)
+        expected = {w: hs for s in shims for w, hs in s.expected().items()}
+        assert late.index.dump() == ingest.index.dump() == expected
+        await shims[0].publish(Stored(hashes=[5000]))
+        await until(lambda: late.stats.batches_applied == 1 and ingest.stats.batches_applied == 61)
+        assert late.index.dump() == ingest.index.dump()
+    finally:
+        await late.stop()
+
+
+async def test_unanswered_kvstate_is_retried_until_the_shim_answers(ingest: KvIngest, shim: FakeShim) -> None:
+    shim.answering = False
+    await shim.publish(Stored(hashes=[1, 2]), drop=True)
+    ingest.add_worker(shim.worker, shim.epoch)
+    await until(lambda: len(shim.requests) >= 2)
+    assert not ingest.synced
+    assert ingest.stats.workers["a1"].state is SyncState.BOOTSTRAPPING
+    assert ingest.stats.repair_timeouts >= 1
+    shim.answering = True
+    assert await ingest.wait_synced(10.0)
+    assert ingest.index.dump() == {"a1": [1, 2]}
+
+
+async def test_batches_racing_ahead_of_registration_are_kept(ingest: KvIngest, shim: FakeShim) -> None:
+    shim.answering = False  # so the bootstrap cannot cover for the early batches by itself
+    await shim.publish(Stored(hashes=[1]))
+    await shim.publish(Stored(hashes=[2], parent=1))
+    await until(lambda: ingest.stats.unknown_held == 2)
+    assert ingest.stats.workers == {}
+    assert ingest.index.dump() == {}
+    ingest.add_worker(shim.worker, shim.epoch)
+    assert ingest.stats.workers["a1"].buffered == 2
+    assert ingest.stats.unknown_held == 0
+    shim.answering = True
+    assert await ingest.wait_synced(10.0)
+    assert ingest.index.dump() == {"a1": [1, 2]}
+
+
+async def test_batches_of_a_worker_that_never_registers_expire(nc: Client, ns: str) -> None:
+    ingest = KvIngest(nc, ns, BlockIndex(), unknown_ttl_s=0.0)
+    await ingest.start()
+    try:
+        ghost = FakeShim(nc, ns, "ghost")
+        await ghost.publish(Stored(hashes=[1]))
+        await ghost.publish(Stored(hashes=[2]))
+        await until(lambda: ingest.stats.dropped_unknown == 1)
+        assert ingest.stats.unknown_held == 1
+        assert ingest.index.dump() == {}
+        assert ingest.synced
+    finally:
+        await ingest.stop()
+
+
+async def test_removed_worker_loses_its_entries_and_late_batches_do_not_revive_it(
+    ingest: KvIngest, shim: FakeShim
+) -> None:
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1, 2]))
+    await until(lambda: ingest.stats.batches_applied == 1)
+    ingest.remove_worker("a1")
+    assert ingest.index.dump() == {}
+    assert ingest.synced
+    await shim.publish(Stored(hashes=[3]))
+    await until(lambda: ingest.stats.unknown_held == 1)
+    assert ingest.index.dump() == {}
+    assert "a1" not in ingest.stats.workers
+
+
+async def test_stop_is_idempotent_and_cancels_repairs(nc: Client, ns: str, shim: FakeShim) -> None:
+    shim.answering = False
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.1)
+    await ingest.start()
+    ingest.add_worker("a1", shim.epoch)
+    await until(lambda: len(shim.requests) >= 1)
+    await ingest.stop()
+    await ingest.stop()
+    assert ingest.status is IngestStatus.STOPPED
+    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kv-repair")] == []

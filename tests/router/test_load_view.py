@@ -1,0 +1,162 @@
+"""LoadView: reports, bookings, and the rule that a booking stops counting once a report covers it."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.messages import LoadReport
+from router.load_view import LoadView, WorkerLoad
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(worker: str = "w1", ts: float = 0.0, **kw: int) -> LoadReport:
+    return LoadReport(worker=worker, ts=ts, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def view(clock: Clock) -> LoadView:
+    return LoadView(clock=clock)
+
+
+def test_unknown_worker_reads_as_idle_with_unknown_capacity(view: LoadView) -> None:
+    assert view.load("nobody") == WorkerLoad("nobody", 0, 0, 0, None, 0, 0, None)
+
+
+def test_report_fields_pass_through_with_their_age(view: LoadView, clock: Clock) -> None:
+    view.update(report(ts=999.0, running=3, waiting=2, kv_used_blocks=40, kv_total_blocks=100,
+                       prefill_tokens_queued=512))
+    clock.now += 1.5
+    load = view.load("w1")
+    assert (load.running, load.waiting, load.kv_used_blocks, load.kv_total_blocks) == (3, 2, 40, 100)
+    assert load.prefill_tokens_queued == 512
+    assert load.active_blocks == 40
+    assert load.report_age_s == pytest.approx(1.5)
+
+
+def test_an_older_report_does_not_replace_a_newer_one(view: LoadView) -> None:
+    view.update(report(ts=10.0, running=5))
+    view.update(report(ts=9.0, running=1))
+    assert view.load("w1").running == 5
+
+
+def test_booking_counts_at_once_on_top_of_an_older_report(view: LoadView, clock: Clock) -> None:
+    view.update(report(ts=clock.now - 1, prefill_tokens_queued=100, kv_used_blocks=10))
+    view.book("r1", "w1", 2000, 130)
+    load = view.load("w1")
+    assert load.prefill_tokens_queued == 2100
+    assert load.active_blocks == 140
+    assert view.bookings("w1") == 1
+
+
+def test_a_report_newer_than_the_booking_covers_its_prefill_tokens(view: LoadView, clock: Clock) -> None:
+    view.book("r1", "w1", 2000, 130)
+    clock.now += 0.01
+    view.update(report(ts=clock.now, prefill_tokens_queued=2000, kv_used_blocks=0))
+    load = view.load("w1")
+    assert load.prefill_tokens_queued == 2000  # the shim's count, not 4000
+    assert load.active_blocks == 130  # not allocated yet: still booked
+
+
+def test_a_report_as_old_as_the_booking_covers_it(view: LoadView, clock: Clock) -> None:
+    view.book("r1", "w1", 2000, 0)
+    view.update(report(ts=clock.now, prefill_tokens_queued=2000))
+    assert view.load("w1").prefill_tokens_queued == 2000
+
+
+def test_prefill_done_removes_booked_prefill_tokens(view: LoadView, clock: Clock) -> None:
+    view.book("r1", "w1", 2000, 130)
+    clock.now += 0.1
+    view.prefill_done("r1")
+    load = view.load("w1")
+    assert load.prefill_tokens_queued == 0
+    assert load.active_blocks == 130
+
+
+def test_decode_blocks_count_until_a_report_after_the_first_token(view: LoadView, clock: Clock) -> None:
+    view.book("r1", "w1", 2000, 130)
+    clock.now += 0.1
+    view.prefill_done("r1")
+    view.update(report(ts=clock.now - 0.05, kv_used_blocks=64))  # generated before the first token
+    assert view.load("w1").active_blocks == 64 + 130
+    clock.now += 0.1
+    view.update(report(ts=clock.now, kv_used_blocks=129))
+    assert view.load("w1").active_blocks == 129
+    assert view.bookings("w1") == 1  # still in flight, just covered
+
+
+def test_free_drops_every_booking_of_the_request(view: LoadView) -> None:
+    view.book("r1", "prefill1", 3000, 0)
+    view.book("r1", "decode1", 0, 200)
+    view.book("r2", "decode1", 10, 20)
+    view.free("r1")
+    assert view.bookings("prefill1") == 0
+    assert view.bookings("decode1") == 1
+    assert view.load("decode1").active_blocks == 20
+    view.free("r1")  # twice is harmless
+    view.free("never-booked")
+
+
+def test_booking_again_on_the_same_worker_replaces_the_claim(view: LoadView) -> None:
+    view.book("r1", "w1", 100, 10)
+    view.book("r1", "w1", 300, 30)
+    assert view.bookings("w1") == 1
+    assert view.load("w1").prefill_tokens_queued == 300
+
+
+def test_peer_bookings_are_kept_apart_from_ours(view: LoadView) -> None:
+    view.book("r1", "w1", 100, 10)
+    view.book("r1", "w1", 50, 5, router="peer")
+    assert view.load("w1").prefill_tokens_queued == 150
+    view.free("r1")
+    assert view.load("w1").prefill_tokens_queued == 50
+    view.prefill_done("r1", router="peer")
+    assert view.load("w1").prefill_tokens_queued == 0
+
+
+def test_forget_router_drops_only_that_routers_bookings(view: LoadView) -> None:
+    view.book("a", "w1", 1, 1, router="p1")
+    view.book("b", "w2", 1, 1, router="p1")
+    view.book("c", "w1", 1, 1, router="p2")
+    view.book("d", "w1", 1, 1)
+    assert view.forget_router("p1") == 2
+    assert (view.bookings("w1"), view.bookings("w2")) == (2, 0)
+
+
+def test_expire_drops_old_peer_bookings_and_keeps_ours(view: LoadView, clock: Clock) -> None:
+    view.book("old", "w1", 1, 1, router="p1")
+    view.book("mine", "w1", 1, 1)
+    clock.now += 100
+    view.book("new", "w1", 1, 1, router="p1")
+    assert view.expire(50) == 1
+    assert view.bookings("w1") == 2
+    assert view.expire(50, peers_only=False) == 1
+    assert view.bookings("w1") == 1
+
+
+def test_remove_worker_drops_its_report_and_bookings(view: LoadView) -> None:
+    view.update(report(running=4))
+    view.book("r1", "w1", 10, 1)
+    view.book("r1", "w2", 10, 1)
+    view.remove_worker("w1")
+    assert view.load("w1").report_age_s is None
+    assert view.bookings("w1") == 0
+    assert view.workers() == ["w2"]
+    view.free("r1")
+    assert view.workers() == []
+
+
+def test_negative_booking_is_refused_with_the_values(view: LoadView) -> None:
+    with pytest.raises(ValueError, match="-5"):
+        view.book("r1", "w1", -5, 0)

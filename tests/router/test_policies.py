@@ -1,0 +1,257 @@
+"""Every boundary of every policy: equal to a threshold never bypasses; the decode guard; config errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol import ConfigError
+from protocol.config import ConditionalDisaggConfig, RouterSettings, resolve
+from protocol.timing import load_profile
+from router.policies import POLICIES, DecodeGuard, Outcome, make_policy
+from router.policies.isl_bounding import IslBounding, IslBoundingConfig
+from router.policies.isl_or_load import IslOrLoad, IslOrLoadConfig
+from router.policies.prefill_load import PrefillLoad, PrefillLoadConfig
+from router.policies.ttft_model import Prediction, TtftModel, TtftModelConfig
+from router.request_context import Candidate, RequestContext
+from tests.router.builders import cand, ctx
+
+
+def decided(isl: int, d: Candidate, p: Candidate | None = None) -> RequestContext:
+    c = ctx(isl, [d], [p] if p is not None else [])
+    c.decode, c.prefill = d, p
+    return c
+
+
+# --- isl_bounding ------------------------------------------------------------------------------
+
+# (isl, cached blocks of 16, eff_isl_threshold, ratio threshold, bypass)
+ISL_TABLE = [
+    (4096, 128, 2048, 0.7, False),  # eff_isl 2048 == threshold
+    (4095, 128, 2048, 0.7, True),  # eff_isl 2047, ratio 0.4998
+    (160, 3, 2048, 0.7, False),  # eff_isl 112: ratio 112/160 == 0.7
+    (160, 4, 2048, 0.7, True),  # ratio 0.6
+    (3000, 0, 4096, 1.0, False),  # nothing cached: ratio 1.0 is never < 1.0
+    (100, 7, 2048, 0.7, True),  # cache longer than the prompt: eff_isl 0
+    (0, 0, 2048, 0.7, True),  # empty prompt: eff_isl 0, ratio 0 / max(0, 1)
+    (500, 0, 0, 0.7, False),  # threshold 0: never
+    (500, 30, 20, 0.7, False),  # eff_isl 20 == 20
+    (500, 30, 21, 0.7, True),
+]
+
+
+@pytest.mark.parametrize(("isl", "cached_blocks", "threshold", "ratio", "bypass"), ISL_TABLE)
+def test_isl_bounding_boundaries(isl: int, cached_blocks: int, threshold: int, ratio: float, bypass: bool) -> None:
+    policy = IslBounding(IslBoundingConfig(eff_isl_threshold=threshold, eff_isl_ratio_threshold=ratio))
+    decision = policy.decide(decided(isl, cand(overlap=cached_blocks)))
+    assert decision.bypass is bypass
+    assert decision.outcome is (Outcome.BYPASS_ISL if bypass else Outcome.DECLINED_POLICY)
+
+
+def test_isl_bounding_uses_the_decode_workers_cache_not_the_prefill_workers() -> None:
+    policy = IslBounding(IslBoundingConfig())
+    c = decided(4096, cand("d1", overlap=0), cand("p1", "prefill", overlap=256))
+    assert not policy.decide(c).bypass
+    c = decided(4096, cand("d1", overlap=200), cand("p1", "prefill", overlap=0))
+    assert policy.decide(c).bypass
+
+
+# --- prefill_load ------------------------------------------------------------------------------
+
+# (queued tokens on the prefill worker, max_num_batched_tokens, threshold, bypass)
+LOAD_TABLE = [
+    (2048, 2048, 1.0, False),  # equal to threshold x mnbt
+    (2049, 2048, 1.0, True),
+    (0, 2048, 0.0, False),  # threshold 0: an empty queue is not busy
+    (1, 2048, 0.0, True),
+    (3072, 2048, 1.5, False),
+    (3073, 2048, 1.5, True),
+    (10**6, None, 1.0, False),  # capacity unknown: cannot be judged busy
+]
+
+
+@pytest.mark.parametrize(("queued", "mnbt", "threshold", "bypass"), LOAD_TABLE)
+def test_prefill_load_boundaries(queued: int, mnbt: int | None, threshold: float, bypass: bool) -> None:
+    policy = PrefillLoad(PrefillLoadConfig(prefill_busy_threshold=threshold))
+    p = cand("p1", "prefill", queued_prefill_tokens=queued, max_num_batched_tokens=mnbt)
+    decision = policy.decide(decided(8000, cand(), p))
+    assert decision.bypass is bypass
+    assert decision.outcome is (Outcome.BYPASS_LOAD if bypass else Outcome.DECLINED_POLICY)
+
+
+@pytest.mark.parametrize(
+    ("prefill_busy", "queue", "queued", "bypass"),
+    [
+        (None, 0.5, 1024, False),  # inherits queue_threshold: 0.5 x 2048 == 1024
+        (None, 0.5, 1025, True),
+        (2.0, 0.5, 1025, False),  # its own threshold wins over queue_threshold
+        (2.0, 0.5, 4097, True),
+    ],
+)
+def test_prefill_busy_threshold_inherits_queue_threshold(
+    prefill_busy: float | None, queue: float, queued: int, bypass: bool
+) -> None:
+    cfg = ConditionalDisaggConfig(
+        conditional_disagg_policy="prefill_load", prefill_busy_threshold=prefill_busy, queue_threshold=queue
+    ).validate()
+    policy = make_policy(cfg)
+    p = cand("p1", "prefill", queued_prefill_tokens=queued)
+    assert policy.decide(decided(100, cand(), p)).bypass is bypass
+
+
+@pytest.mark.parametrize("name", ["prefill_load", "isl_or_load"])
+def test_load_policy_without_any_threshold_is_a_startup_error(name: str) -> None:
+    cfg = ConditionalDisaggConfig(conditional_disagg_policy=name)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="prefill_busy_threshold"):
+        cfg.validate()
+    with pytest.raises(ConfigError, match="prefill_busy_threshold"):
+        make_policy(cfg)
+
+
+# --- isl_or_load -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cached_blocks", "queued", "outcome"),
+    [
+        (0, 2048, Outcome.DECLINED_POLICY),  # neither: eff_isl 4096 and queue == 1.0 x 2048
+        (200, 2048, Outcome.BYPASS_ISL),
+        (0, 2049, Outcome.BYPASS_LOAD),
+        (200, 2049, Outcome.BYPASS_ISL),  # both: isl is asked first
+    ],
+)
+def test_isl_or_load_bypasses_when_either_would(cached_blocks: int, queued: int, outcome: Outcome) -> None:
+    policy = IslOrLoad(IslOrLoadConfig(isl=IslBoundingConfig(), load=PrefillLoadConfig(prefill_busy_threshold=1.0)))
+    c = decided(4096, cand(overlap=cached_blocks), cand("p1", "prefill", queued_prefill_tokens=queued))
+    decision = policy.decide(c)
+    assert decision.outcome is outcome
+    assert decision.bypass is (outcome is not Outcome.DECLINED_POLICY)
+
+
+# --- ttft_model --------------------------------------------------------------------------------
+
+
+def test_ttft_prediction_follows_the_documented_formula() -> None:
+    prof = load_profile("h200:llama-3.1-8b")
+    d = cand("d1", overlap=64, running=12, queued_prefill_tokens=700)
+    p = cand("p1", "prefill", overlap=16, queued_prefill_tokens=3000)
+    c = decided(4000, d, p)
+    pred = TtftModel(TtftModelConfig(link_gbps=25.0, stall_weight=0.3)).predict(c, d, p)
+    remote = (
+        prof.prefill_s(3000)
+        + prof.prefill_s(4000 - 256, 256)
+        + prof.transfer_s(4000 - 1024, 25.0)
+        + prof.decode_s(13, 4000)
+    )
+    local = prof.prefill_s(700) + prof.prefill_s(4000 - 1024, 1024) + 0.3 * prof.decode_stall_s(4000 - 1024, 1024) * 12
+    assert pred.remote_s == pytest.approx(remote)
+    assert pred.local_s == pytest.approx(local)
+
+
+def test_ttft_model_bypasses_a_cached_prompt_and_keeps_a_long_one_remote_on_a_busy_decoder() -> None:
+    policy = TtftModel(TtftModelConfig())
+    cached = decided(2048, cand("d1", overlap=127), cand("p1", "prefill"))
+    assert policy.decide(cached).outcome is Outcome.BYPASS_TTFT
+    long_busy = decided(16000, cand("d1", running=200, queued_prefill_tokens=30000), cand("p1", "prefill"))
+    assert policy.decide(long_busy).outcome is Outcome.DECLINED_POLICY
+
+
+def test_ttft_model_bypasses_when_the_prefill_queue_is_long() -> None:
+    policy = TtftModel(TtftModelConfig())
+    idle = decided(3000, cand("d1", running=4), cand("p1", "prefill"))
+    swamped = decided(3000, cand("d1", running=4), cand("p1", "prefill", queued_prefill_tokens=200_000))
+    assert not policy.decide(idle).bypass
+    assert policy.decide(swamped).bypass
+
+
+class _FixedPrediction(TtftModel):
+    def __init__(self, local_s: float, remote_s: float) -> None:
+        super().__init__(TtftModelConfig())
+        self._pred = Prediction(remote_s=remote_s, local_s=local_s)
+
+    def predict(self, ctx: RequestContext, d: Candidate, p: Candidate) -> Prediction:
+        return self._pred
+
+
+@pytest.mark.parametrize(("local", "remote", "bypass"), [(0.1, 0.1, False), (0.0999, 0.1, True), (0.1001, 0.1, False)])
+def test_ttft_equal_predictions_do_not_bypass(local: float, remote: float, bypass: bool) -> None:
+    assert _FixedPrediction(local, remote).decide(decided(100, cand(), cand("p1", "prefill"))).bypass is bypass
+
+
+def test_ttft_unknown_profile_keeps_remote_prefill() -> None:
+    d = cand()
+    d.info = d.info.__class__(
+        **{**{f: getattr(d.info, f) for f in d.info.__struct_fields__}, "timing_profile": "nope:x"}
+    )
+    decision = TtftModel(TtftModelConfig()).decide(decided(100, d, cand("p1", "prefill")))
+    assert not decision.bypass
+    assert "timing profile" in decision.reason
+
+
+# --- decode guard ------------------------------------------------------------------------------
+
+# (threshold, kv_used, active_blocks, isl, overlap, kv_total, vetoed)
+GUARD_TABLE = [
+    (0.5, 400, 0, 1600, 0, 1000, False),  # 400 + 100 new blocks == 0.5 x 1000
+    (0.5, 400, 0, 1616, 0, 1000, True),  # 501
+    (0.5, 400, 0, 1616, 1, 1000, False),  # one block already cached: 500
+    (0.5, 0, 450, 800, 0, 1000, False),  # bookings count: 450 + 50
+    (0.5, 0, 451, 800, 0, 1000, True),
+    (0.9, 0, 0, 16, 0, None, True),  # unknown capacity vetoes
+    (None, 999, 999, 16000, 0, 1000, False),  # guard off
+]
+
+
+@pytest.mark.parametrize(("threshold", "used", "active", "isl", "overlap", "total", "vetoed"), GUARD_TABLE)
+def test_decode_guard_boundaries(
+    threshold: float | None, used: int, active: int, isl: int, overlap: int, total: int | None, vetoed: bool
+) -> None:
+    d = cand(overlap=overlap, kv_used_blocks=used, active_blocks=active, kv_total_blocks=total)
+    assert (DecodeGuard(threshold).veto(decided(isl, d)) is not None) is vetoed
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+def test_registry_lists_every_policy_of_the_config_schema() -> None:
+    assert set(POLICIES) == {"isl_bounding", "prefill_load", "isl_or_load", "ttft_model"}
+    for name in POLICIES:
+        cfg = ConditionalDisaggConfig(conditional_disagg_policy=name, queue_threshold=1.0)  # type: ignore[arg-type]
+        assert make_policy(cfg.validate()).name == name
+
+
+@pytest.mark.parametrize(
+    ("flags", "names"),
+    [
+        ({"conditional_disagg_policy": "bogus"}, "--conditional-disagg-policy"),
+        ({"eff_isl_threshold": -1}, "--eff-isl-threshold"),
+        ({"eff_isl_ratio_threshold": 1.5}, "--eff-isl-ratio-threshold"),
+        ({"eff_isl_ratio_threshold": -0.1}, "--eff-isl-ratio-threshold"),
+        ({"prefill_busy_threshold": -2}, "--prefill-busy-threshold"),
+        ({"decode_busy_threshold": -0.5}, "--decode-busy-threshold"),
+        ({"queue_threshold": -1}, "--queue-threshold"),
+        ({"conditional_disagg_policy": "prefill_load"}, "--prefill-busy-threshold"),
+        ({"routing": "fastest"}, "--routing"),
+        ({"disagg": "sometimes"}, "--disagg"),
+        ({"temperature": -1}, "--temperature"),
+    ],
+)
+def test_invalid_settings_name_the_flag(flags: dict[str, object], names: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve(RouterSettings, cli=flags, env={})
+    assert names in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (IslBoundingConfig, {"eff_isl_threshold": -1}),
+        (IslBoundingConfig, {"eff_isl_ratio_threshold": 2.0}),
+        (PrefillLoadConfig, {"prefill_busy_threshold": -0.1}),
+        (TtftModelConfig, {"link_gbps": 0.0}),
+        (TtftModelConfig, {"stall_weight": -1.0}),
+        (DecodeGuard, {"decode_busy_threshold": -1.0}),
+    ],
+)
+def test_policy_configs_validate_themselves(cls: type, kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        cls(**kwargs)

@@ -1,0 +1,145 @@
+"""ReplicaSync: two replicas over a real nats-server (and etcd for the router watch)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from discovery import Discovery
+from protocol import RouterInfo, subjects
+from protocol.config import EtcdSettings
+from protocol.messages import RouterSync, SyncEntry, encode_msg
+from router.load_view import LoadView
+from router.replica_sync import ReplicaSync, SyncStatus
+from tests.router.polling import until
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+async def pair(nc: Client, ns: str) -> AsyncIterator[tuple[ReplicaSync, ReplicaSync]]:
+    a = ReplicaSync(nc, ns, "ra", LoadView(), flush_ms=1.0)
+    b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0)
+    await a.start()
+    await b.start()
+    await nc.flush()
+    yield a, b
+    await a.stop()
+    await b.stop()
+
+
+async def test_a_booking_reaches_the_peer_and_its_release_follows(pair: tuple[ReplicaSync, ReplicaSync]) -> None:
+    a, b = pair
+    a.add("req1", "w1", 2000, 130)
+    assert a.view.load("w1").prefill_tokens_queued == 2000  # booked here at once
+    await until(lambda: b.view.bookings("w1") == 1)
+    assert b.view.load("w1").prefill_tokens_queued == 2000
+    assert b.view.load("w1").active_blocks == 130
+    a.prefill_done("req1")
+    await until(lambda: b.view.load("w1").prefill_tokens_queued == 0)
+    assert b.view.load("w1").active_blocks == 130
+    a.free("req1")
+    await until(lambda: b.view.bookings("w1") == 0)
+    assert a.view.bookings("w1") == 0
+
+
+async def test_own_messages_are_not_booked_twice(pair: tuple[ReplicaSync, ReplicaSync]) -> None:
+    a, b = pair
+    a.add("req1", "w1", 100, 1)
+    b.add("req2", "w1", 10, 1)
+    await until(lambda: a.view.bookings("w1") == 2 and b.view.bookings("w1") == 2)
+    await until(lambda: a.stats.entries_received == 1 and b.stats.entries_received == 1)
+    assert a.view.load("w1").prefill_tokens_queued == b.view.load("w1").prefill_tokens_queued == 110
+
+
+async def test_same_request_id_on_two_replicas_stays_two_bookings(pair: tuple[ReplicaSync, ReplicaSync]) -> None:
+    a, b = pair
+    a.add("same", "w1", 100, 0)
+    b.add("same", "w1", 50, 0)
+    await until(lambda: a.view.bookings("w1") == 2 and b.view.bookings("w1") == 2)
+    a.free("same")
+    await until(lambda: b.view.bookings("w1") == 1)
+    assert b.view.load("w1").prefill_tokens_queued == 50
+
+
+async def test_entries_queued_together_go_in_one_message(pair: tuple[ReplicaSync, ReplicaSync]) -> None:
+    a, b = pair
+    for i in range(50):
+        a.add(f"r{i}", f"w{i % 4}", 10, 1)
+    await until(lambda: b.stats.entries_received == 50)
+    assert a.stats.messages_sent == 1
+    assert sum(b.view.bookings(f"w{i}") for i in range(4)) == 50
+
+
+async def test_malformed_sync_is_counted_and_dropped(
+    pair: tuple[ReplicaSync, ReplicaSync], nc: Client, ns: str
+) -> None:
+    a, b = pair
+    await nc.publish(subjects.sync(ns), b"\x00garbage")
+    bad = RouterSync(router="rx", entries=[SyncEntry(request_id="q", worker="w1", kind="add", tokens=-1)])
+    await nc.publish(subjects.sync(ns), encode_msg(bad))
+    a.add("req1", "w1", 5, 0)
+    await until(lambda: b.view.bookings("w1") == 1 and b.stats.malformed == 2)
+    assert b.view.load("w1").prefill_tokens_queued == 5
+
+
+async def test_peer_bookings_expire_after_the_ttl(nc: Client, ns: str) -> None:
+    a = ReplicaSync(nc, ns, "ra", LoadView(), flush_ms=1.0)
+    b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0, peer_ttl_s=0.2)
+    await a.start()
+    await b.start()
+    try:
+        a.add("req1", "w1", 5, 1)
+        await until(lambda: b.view.bookings("w1") == 1)
+        await until(lambda: b.view.bookings("w1") == 0)
+        assert b.stats.bookings_expired == 1
+        assert a.view.bookings("w1") == 1  # our own bookings never expire by age
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_stop_sends_what_is_queued_and_is_idempotent(pair: tuple[ReplicaSync, ReplicaSync]) -> None:
+    a, b = pair
+    a.add("req1", "w1", 5, 1)
+    await a.stop()
+    await a.stop()
+    assert a.status is SyncStatus.STOPPED
+    await until(lambda: b.view.bookings("w1") == 1)
+
+
+async def test_a_peer_whose_key_goes_loses_its_bookings(nc: Client, ns: str, etcd_url: str) -> None:
+    settings = EtcdSettings(endpoints=[etcd_url])
+    async with Discovery(settings, ns) as disc_a, Discovery(settings, ns) as disc_b:
+        lease = await disc_a.register_router(
+            lambda rid: RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=time.time()), ttl=5
+        )
+        a = ReplicaSync(nc, ns, lease.hex_id, LoadView(), flush_ms=1.0)
+        b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0, discovery=disc_b)
+        await a.start()
+        await b.start()
+        try:
+            a.add("req1", "w1", 100, 10)
+            await until(lambda: b.view.bookings("w1") == 1)
+            await disc_a.release(lease)
+            await until(lambda: b.view.bookings("w1") == 0)
+            assert b.stats.routers_forgotten == 1
+            a.add("req2", "w1", 100, 10)  # a late message from the departed peer
+            await until(lambda: a.stats.messages_sent == 2)
+            # A third router's message sent after it: once b has that, b has seen the late one.
+            probe = RouterSync(router="rc", entries=[SyncEntry(request_id="p", worker="w2", kind="add")])
+            await nc.publish(subjects.sync(ns), encode_msg(probe))
+            await until(lambda: b.view.bookings("w2") == 1)
+            assert b.view.bookings("w1") == 0
+        finally:
+            await a.stop()
+            await b.stop()

@@ -1,0 +1,88 @@
+"""The cost function, temperature sampling and the comparison modes."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from router.selection import Selector, over_queue_threshold, worker_cost
+from tests.router.builders import BLOCK, cand, ctx, settings
+
+
+def test_cost_is_weighted_prefill_blocks_plus_decode_blocks() -> None:
+    c = cand(overlap=10, queued_prefill_tokens=320, active_blocks=7)
+    r = ctx(1000, [c])
+    uncached = 1000 - 10 * BLOCK
+    expected = 2.5 * (uncached + 320) / BLOCK + 7 + (-(-1000 // BLOCK))
+    assert worker_cost(r, c, 2.5) == pytest.approx(expected)
+
+
+def test_kv_picks_the_worker_holding_the_prefix() -> None:
+    pool = [cand("a"), cand("b", overlap=50), cand("c", overlap=10)]
+    ranked = Selector(random.Random(1)).rank(ctx(1000, pool), pool, settings())
+    assert [c.worker for c in ranked] == ["b", "c", "a"]
+
+
+def test_kv_trades_prefix_against_decode_load() -> None:
+    held = cand("held", overlap=50, active_blocks=2000)
+    idle = cand("idle")
+    ranked = Selector().rank(ctx(1000, [held, idle]), [held, idle], settings())
+    assert ranked[0].worker == "idle"
+    # With the prefill term weighted up, the cached prefix wins again.
+    ranked = Selector().rank(ctx(1000, [held, idle]), [held, idle], settings(overlap_weight=50.0))
+    assert ranked[0].worker == "held"
+
+
+def test_zero_temperature_breaks_exact_ties_at_random_and_never_picks_a_worse_one() -> None:
+    sel = Selector(random.Random(7))
+    picks: Counter[str] = Counter()
+    for _ in range(200):
+        pool = [cand("a"), cand("b"), cand("worse", active_blocks=1)]
+        picks[sel.rank(ctx(100, pool), pool, settings())[0].worker] += 1
+    assert picks["worse"] == 0
+    assert picks["a"] > 40 and picks["b"] > 40
+
+
+def test_temperature_spreads_near_ties_but_not_clear_losers() -> None:
+    sel = Selector(random.Random(3))
+    picks: Counter[str] = Counter()
+    for _ in range(400):
+        pool = [cand("a"), cand("near", active_blocks=1), cand("far", active_blocks=500)]
+        picks[sel.rank(ctx(1600, pool), pool, settings(temperature=0.1))[0].worker] += 1
+    assert picks["near"] > 100
+    assert picks["a"] > picks["near"]
+    assert picks["far"] == 0
+
+
+def test_round_robin_rotates_over_the_pool() -> None:
+    sel = Selector()
+    pool = [cand("c"), cand("a", overlap=60), cand("b")]
+    firsts = [sel.rank(ctx(1000, pool), pool, settings(routing="round_robin"))[0].worker for _ in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_random_ignores_the_cache() -> None:
+    sel = Selector(random.Random(5))
+    pool = [cand("a", overlap=60), cand("b")]
+    picks = Counter(sel.rank(ctx(1000, pool), pool, settings(routing="random"))[0].worker for _ in range(200))
+    assert picks["b"] > 50
+
+
+def test_least_loaded_counts_requests_then_blocks() -> None:
+    pool = [cand("a", overlap=60, running=3), cand("b", running=1, waiting=1, active_blocks=9), cand("c", running=2)]
+    ranked = Selector().rank(ctx(1000, pool), pool, settings(routing="least_loaded"))
+    assert [c.worker for c in ranked] == ["c", "b", "a"]
+
+
+@pytest.mark.parametrize(("queued", "over"), [(2048, False), (2049, True)])
+def test_queue_threshold_is_strict(queued: int, over: bool) -> None:
+    assert over_queue_threshold(cand(queued_prefill_tokens=queued, max_num_batched_tokens=2048), 1.0) is over
+
+
+def test_workers_over_the_queue_threshold_rank_last() -> None:
+    pool = [cand("cached_but_busy", overlap=60, queued_prefill_tokens=5000), cand("free")]
+    ranked = Selector().rank(ctx(1000, pool), pool, settings(queue_threshold=2.0))
+    assert [c.worker for c in ranked] == ["free", "cached_but_busy"]
+    assert not over_queue_threshold(cand(queued_prefill_tokens=10**9, max_num_batched_tokens=None), 0.0)

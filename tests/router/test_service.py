@@ -1,0 +1,138 @@
+"""RouterService wiring: live config, tracing, admission, and the CLI's settings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import aiohttp
+import nats
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from discovery import Discovery, put_config
+from protocol import ConfigError, GenerateRequest, decode_msg, subjects
+from protocol.config import EtcdSettings
+from router import cli
+from router.admission import Admission, QueueFull, QueueTimeout
+from router.http_api import ApiError
+from tests.router.conftest import Cluster, complete, eventually
+
+
+async def test_live_config_valid_is_applied_and_invalid_is_refused(cluster: Cluster, etcd_url: str) -> None:
+    router = await cluster.add_router(conditional_disagg=True)
+    await eventually(lambda: router.ready, what="ready")
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        await put_config(d, {"eff_isl_threshold": 1024, "conditional_disagg_policy": "ttft_model"})
+        await eventually(lambda: router.settings.conditional.eff_isl_threshold == 1024, what="applied")
+        assert router.disagg.policy.name == "ttft_model"
+        await put_config(d, {"eff_isl_ratio_threshold": 5.0})
+        await eventually(lambda: router.config_rejected == 1, what="refused")
+        assert router.settings.conditional.eff_isl_threshold == 1024
+        assert router.disagg.policy.name == "ttft_model"
+        await put_config(d, {"conditional_disagg_policy": "prefill_load"})  # needs a threshold: refused
+        await eventually(lambda: router.config_rejected == 2, what="refused again")
+        assert router.disagg.policy.name == "ttft_model"
+
+
+async def test_span_per_request_with_decision_and_context_to_the_shim(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    worker = await cluster.add_worker("agg")
+    router = await cluster.add_router(disagg="never")
+    router.tracer = type(router.tracer)(provider)
+    await cluster.ready(router)
+    nc = await nats.connect(cluster.nats_url)
+    seen: list[GenerateRequest] = []
+
+    async def collect(msg: object) -> None:
+        seen.append(decode_msg(msg.data, GenerateRequest))  # type: ignore[attr-defined]
+
+    await nc.subscribe(subjects.gen(router.ns, "agg", worker.id), cb=collect)
+    await nc.flush()
+    status, _, _ = await complete(http, router, list(range(64)))
+    await nc.close()
+    assert status == 200
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes is not None
+    assert span.attributes["kvswitch.decode_worker"] == worker.id
+    assert span.attributes["kvswitch.outcome"] == "aggregated"
+    trace_id = f"{span.context.trace_id:032x}"
+    assert seen and seen[0].trace["traceparent"].split("-")[1] == trace_id
+
+
+async def test_admission_queues_then_refuses_when_full() -> None:
+    admission = Admission(max_queue=1, poll_s=10.0)
+    is_open = False
+    waiter = asyncio.create_task(admission.admit(lambda: is_open, timeout_s=5.0))
+    await asyncio.sleep(0)
+    assert admission.depth == 1
+    with pytest.raises(QueueFull) as full:
+        await admission.admit(lambda: False, timeout_s=5.0)
+    assert full.value.retry_after_s >= 1
+    is_open = True
+    admission.notify()
+    await asyncio.wait_for(waiter, 1.0)
+    assert admission.depth == 0
+    with pytest.raises(QueueTimeout):
+        await Admission(max_queue=4, poll_s=0.01).admit(lambda: False, timeout_s=0.05)
+
+
+def test_queue_full_maps_to_429_with_retry_after() -> None:
+    resp = ApiError(429, "busy", retry_after_s=2).response()
+    assert resp.status == 429 and resp.headers["Retry-After"] == "2"
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_flags_become_settings_overrides() -> None:
+    config = cli.build_config(
+        _args(
+            "--conditional-disagg",
+            "--conditional-disagg-policy",
+            "isl_or_load",
+            "--queue-threshold",
+            "1.5",
+            "--eff-isl-threshold",
+            "512",
+            "--nats-servers",
+            "nats://a:1,nats://b:2",
+            "--etcd-endpoints",
+            "http://e:3",
+            "--namespace",
+            "prod",
+        )
+    )
+    assert config.overrides == {
+        "conditional_disagg": True,
+        "conditional_disagg_policy": "isl_or_load",
+        "queue_threshold": 1.5,
+        "eff_isl_threshold": 512,
+    }
+    assert config.nats.servers == ["nats://a:1", "nats://b:2"] and config.etcd.endpoints == ["http://e:3"]
+    assert config.ns == "prod"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--eff-isl-ratio-threshold", "1.5"], "--eff-isl-ratio-threshold"),
+        (["--conditional-disagg-policy", "prefill_load"], "--prefill-busy-threshold"),
+        (["--nats-servers", "http://x"], "--nats-servers"),
+        (["--namespace", "a.b"], "--namespace"),
+    ],
+)
+def test_cli_rejects_bad_settings_at_startup(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        cli.build_config(_args(*argv))
+    assert cli.run(_args(*argv)) == 2
+    assert flag in capsys.readouterr().err

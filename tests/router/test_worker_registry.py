@@ -1,0 +1,152 @@
+"""WorkerRegistry against a real etcd: workers appear and vanish with their leased keys."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from discovery import Discovery, Lease
+from protocol import WorkerInfo
+from protocol.config import EtcdSettings
+from router.worker_registry import RegistryStatus, WorkerRegistry
+from tests.router.polling import until
+
+
+def info(worker: str, model: str = "m", role: str = "decode", block_size: int = 16, **kw: object) -> WorkerInfo:
+    return WorkerInfo(worker=worker, model=model, role=role, engine="sim", block_size=block_size, **kw)  # type: ignore[arg-type]
+
+
+@dataclass
+class Calls:
+    added: list[WorkerInfo] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+    def on_add(self, i: WorkerInfo) -> None:
+        self.added.append(i)
+
+    def on_remove(self, worker: str) -> None:
+        self.removed.append(worker)
+
+
+@pytest.fixture
+async def disc(etcd_url: str, ns: str) -> AsyncIterator[Discovery]:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        yield d
+
+
+async def register(disc: Discovery, **kw: object) -> Lease:
+    return await disc.register_worker(lambda wid: info(wid, **kw), ttl=5)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def registry(disc: Discovery) -> AsyncIterator[tuple[WorkerRegistry, Calls]]:
+    calls = Calls()
+    reg = WorkerRegistry(disc, calls.on_add, calls.on_remove)
+    yield reg, calls
+    await reg.stop()
+
+
+async def test_workers_present_at_start_come_in_the_first_snapshot(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls]
+) -> None:
+    reg, calls = registry
+    a = await register(disc)
+    b = await register(disc, role="prefill")
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    assert sorted(i.worker for i in calls.added) == sorted([a.hex_id, b.hex_id])
+    assert [i.worker for i in reg.workers(role="prefill")] == [b.hex_id]
+    assert reg.get(a.hex_id) == info(a.hex_id)
+
+
+async def test_new_changed_and_deleted_workers_drive_the_callbacks(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls]
+) -> None:
+    reg, calls = registry
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    lease = await register(disc)
+    w = lease.hex_id
+    await until(lambda: reg.get(w) is not None)
+    assert calls.added == [info(w)]
+    await disc.update_worker(lease, info(w, kv_total_blocks=900))
+    await until(lambda: len(calls.added) == 2)
+    assert reg.get(w) == info(w, kv_total_blocks=900)
+    await disc.update_worker(lease, info(w, kv_total_blocks=900))  # same record again: no callback
+    await disc.release(lease)
+    await until(lambda: reg.get(w) is None)
+    assert calls.removed == [w]
+    assert len(calls.added) == 2
+
+
+async def test_filters_by_model_and_role(disc: Discovery, registry: tuple[WorkerRegistry, Calls]) -> None:
+    reg, _ = registry
+    d1 = await register(disc, model="llama", role="decode")
+    p1 = await register(disc, model="llama", role="prefill")
+    q1 = await register(disc, model="qwen", role="agg")
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    assert reg.models() == ["llama", "qwen"]
+    assert [i.worker for i in reg.workers(model="llama")] == sorted([d1.hex_id, p1.hex_id])
+    assert [i.worker for i in reg.workers(model="llama", role="decode")] == [d1.hex_id]
+    assert [i.worker for i in reg.workers(role="agg")] == [q1.hex_id]
+    assert reg.workers(model="nope") == []
+
+
+async def test_block_size_disagreement_is_reported_until_resolved(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls], caplog: pytest.LogCaptureFixture
+) -> None:
+    reg, _ = registry
+    caplog.set_level(logging.ERROR, logger="router.worker_registry")
+    await register(disc, model="llama", block_size=16)
+    await register(disc, model="qwen", block_size=32)
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    assert reg.block_size_conflicts == {}
+    odd = await register(disc, model="llama", block_size=32)
+    await until(lambda: reg.block_size_conflicts == {"llama": {16, 32}})
+    assert any("disagree on block size" in r.getMessage() and odd.hex_id in r.getMessage() for r in caplog.records)
+    await disc.release(odd)
+    await until(lambda: reg.block_size_conflicts == {})
+
+
+async def test_a_failing_callback_does_not_stop_the_watch(disc: Discovery) -> None:
+    removed: list[str] = []
+
+    def boom(_: WorkerInfo) -> None:
+        raise RuntimeError("callback bug")
+
+    reg = WorkerRegistry(disc, boom, removed.append)
+    await reg.start()
+    try:
+        assert await reg.wait_ready(10.0)
+        lease = await register(disc)
+        await until(lambda: reg.get(lease.hex_id) is not None)
+        await disc.release(lease)
+        await until(lambda: removed == [lease.hex_id])
+    finally:
+        await reg.stop()
+
+
+async def test_stop_is_idempotent_and_stops_the_callbacks(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls]
+) -> None:
+    reg, calls = registry
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    await reg.stop()
+    await reg.stop()
+    assert reg.status is RegistryStatus.STOPPED
+    lease = await register(disc)
+    sentinel = await register(disc)
+    await disc.release(sentinel)
+    assert calls.added == [] and calls.removed == []
+    assert reg.get(lease.hex_id) is None
+
+
+async def test_wait_ready_times_out_before_start(registry: tuple[WorkerRegistry, Calls]) -> None:
+    reg, _ = registry
+    assert not await reg.wait_ready(0.05)

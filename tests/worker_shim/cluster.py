@@ -1,0 +1,152 @@
+"""Builders shared by the shim's integration tests: a sim, a shim beside it, NATS helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+from nats.aio.client import Client as Nats
+
+from engine_sim.config import SimConfig
+from engine_sim.server import SimServer
+from protocol import (
+    Cleared,
+    KvEventBatch,
+    KvStateChunk,
+    KvStateRequest,
+    Removed,
+    Stored,
+    block_hashes,
+    decode_msg,
+    encode_msg,
+    subjects,
+)
+from protocol.config import EtcdSettings, NatsSettings
+from worker_shim import ShimConfig, WorkerShim
+
+BLOCK = 16
+
+
+def sim_config(**kw: Any) -> SimConfig:
+    base: dict[str, Any] = {"speedup": 100.0, "num_gpu_blocks": 256, "block_size": BLOCK}
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def shim_for(sim: SimServer, ns: str, nats_url: str, etcd_url: str, **kw: Any) -> WorkerShim:
+    assert sim.events_endpoint is not None
+    cfg = ShimConfig(
+        engine="vllm",
+        engine_url=sim.url,
+        model=sim.config.model,
+        kv_events=sim.events_endpoint,
+        kv_events_mode="connect",
+        kv_replay=kw.pop("kv_replay", sim.replay_endpoint),
+        namespace=ns,
+        lease_ttl=kw.pop("lease_ttl", 3),
+        health_interval_s=kw.pop("health_interval_s", 0.1),
+        drain_grace_s=kw.pop("drain_grace_s", 2.0),
+        **kw,
+    )
+    return WorkerShim(cfg, NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url]))
+
+
+def engine_set(sim: SimServer) -> set[int]:
+    """The canonical hashes of every block in the sim's own pool."""
+    out: set[int] = set()
+    for prefix in sim.engine.cached_block_prefixes():
+        out.add(block_hashes(prefix, BLOCK)[-1])
+    return out
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Follower:
+    """A router-like subscriber: applies every batch; on a seq gap, repairs through kvstate."""
+
+    def __init__(self, nc: Nats, ns: str, worker: str) -> None:
+        self.nc, self.ns, self.worker = nc, ns, worker
+        self.hashes: set[int] = set()
+        self.epoch: int | None = None
+        self.seq = 0
+        self.batches: list[KvEventBatch] = []
+        self.cleared = 0
+        self.repairs = 0
+        self._buf: list[KvEventBatch] = []
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self.sub = await self.nc.subscribe(subjects.kv(self.ns, self.worker), cb=self._on)
+
+    def _apply(self, b: KvEventBatch) -> None:
+        for e in b.events:
+            if isinstance(e, Stored):
+                self.hashes.update(e.hashes)
+            elif isinstance(e, Removed):
+                self.hashes.difference_update(e.hashes)
+            elif isinstance(e, Cleared):
+                self.cleared += 1
+                self.hashes.clear()
+        self.seq = b.seq
+
+    async def _on(self, msg: Any) -> None:
+        b = decode_msg(msg.data, KvEventBatch)
+        self.batches.append(b)
+        async with self._lock:
+            if self.epoch == b.epoch and b.seq == self.seq + 1:
+                self._apply(b)
+            elif self.epoch == b.epoch and b.seq <= self.seq:
+                pass
+            else:
+                await self.repair(b.epoch if self.epoch == b.epoch else None)
+
+    async def repair(self, epoch: int | None) -> None:
+        self.repairs += 1
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        await self.nc.publish(
+            subjects.kvstate(self.ns, self.worker),
+            encode_msg(KvStateRequest(since_seq=self.seq, epoch=epoch)),
+            reply=inbox,
+        )
+        chunks: list[KvStateChunk] = []
+        while True:
+            m = await sub.next_msg(timeout=5)
+            c = decode_msg(m.data, KvStateChunk)
+            chunks.append(c)
+            if c.final:
+                break
+        await sub.unsubscribe()
+        if chunks[0].dump:
+            self.hashes = {h for c in chunks for h in c.hashes}
+            self.epoch, self.seq = chunks[0].epoch, chunks[0].seq
+        else:
+            for c in chunks:
+                for b in c.batches:
+                    if b.seq == self.seq + 1:
+                        self._apply(b)
+
+
+async def connect(url: str) -> Nats:
+    return await nats.connect(url)
+
+
+async def complete(url: str, tokens: list[int], max_tokens: int = 2) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "sim-llama", "prompt": tokens, "max_tokens": max_tokens}
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+
+
+AsyncFn = Callable[[], Awaitable[None]]

@@ -1,0 +1,66 @@
+"""Sequence numbers, the ring buffer and kvstate replies."""
+
+from __future__ import annotations
+
+from protocol import KvStateChunk, KvStateRequest, Stored, decode_msg, encode_msg
+from worker_shim.event_log import DUMP_CHUNK_HASHES, RING_SIZE, EventLog
+
+
+def filled(n: int, ring: int = RING_SIZE) -> EventLog:
+    log = EventLog("w1", epoch=7, ring_size=ring)
+    for i in range(n):
+        log.seal([Stored(hashes=[i])])
+    return log
+
+
+def test_seq_starts_at_one_and_increments_by_one() -> None:
+    log = filled(3)
+    assert [b.seq for b in log.since(0) or []] == [1, 2, 3]
+
+
+def test_reply_within_the_ring_sends_the_missed_batches_in_order() -> None:
+    chunks = filled(10).reply(KvStateRequest(since_seq=6, epoch=7), lambda: [999])
+    assert len(chunks) == 1 and chunks[0].final and not chunks[0].dump
+    assert [b.seq for b in chunks[0].batches] == [7, 8, 9, 10] and chunks[0].seq == 10
+
+
+def test_reply_when_up_to_date_is_one_empty_final_chunk() -> None:
+    chunks = filled(4).reply(KvStateRequest(since_seq=4, epoch=7), lambda: [])
+    assert len(chunks) == 1 and chunks[0].final and chunks[0].batches == [] and not chunks[0].dump
+
+
+def test_a_gap_older_than_the_ring_gets_a_dump_as_of_the_last_seq() -> None:
+    log = filled(RING_SIZE + 5)
+    chunks = log.reply(KvStateRequest(since_seq=2, epoch=7), lambda: [1, 2, 3])
+    assert [(c.dump, c.seq, c.hashes, c.final) for c in chunks] == [(True, RING_SIZE + 5, [1, 2, 3], True)]
+    assert log.reply(KvStateRequest(since_seq=5, epoch=7), lambda: [])[0].batches[0].seq == 6
+
+
+def test_another_epoch_or_none_gets_a_dump() -> None:
+    log = filled(3)
+    assert log.reply(KvStateRequest(since_seq=1, epoch=8), lambda: [5])[0].dump
+    assert log.reply(KvStateRequest(since_seq=1), lambda: [5])[0].dump
+
+
+def test_an_empty_dump_is_still_one_final_chunk() -> None:
+    (chunk,) = filled(0).reply(KvStateRequest(), lambda: [])
+    assert chunk.dump and chunk.final and chunk.hashes == [] and chunk.seq == 0 and chunk.chunk == 0
+
+
+def test_large_dumps_are_chunked_in_order_and_fit_a_nats_payload() -> None:
+    hashes = [2**64 - 1 - i for i in range(2 * DUMP_CHUNK_HASHES + 3)]
+    chunks = filled(1).reply(KvStateRequest(), lambda: hashes)
+    assert [c.chunk for c in chunks] == [0, 1, 2] and [c.final for c in chunks] == [False, False, True]
+    assert [h for c in chunks for h in c.hashes] == hashes
+    for c in chunks:
+        raw = encode_msg(c)
+        assert len(raw) < 1_000_000 and decode_msg(raw, KvStateChunk) == c
+
+
+def test_large_batch_replies_are_chunked() -> None:
+    log = EventLog("w1", 7)
+    for i in range(5):
+        log.seal([Stored(hashes=list(range(i * 10_000, (i + 1) * 10_000)))])
+    chunks = log.reply(KvStateRequest(since_seq=0, epoch=7), lambda: [])
+    assert len(chunks) > 1 and chunks[-1].final and not any(c.final for c in chunks[:-1])
+    assert [b.seq for c in chunks for b in c.batches] == [1, 2, 3, 4, 5]

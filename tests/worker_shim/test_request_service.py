@@ -1,0 +1,212 @@
+"""The request service through NATS against a sim: streaming, cancel, deadline, P/D, bypass."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+from nats.aio.client import Client as Nats
+
+from engine_sim.server import SimServer
+from protocol import (
+    CancelRequest,
+    GenerateRequest,
+    ResponseChunk,
+    SamplingParams,
+    TransferHandle,
+    decode_msg,
+    encode_msg,
+    subjects,
+)
+from protocol.messages import ANNOTATION_BYPASS
+from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
+from worker_shim import WorkerShim
+
+
+class Collector:
+    """Every chunk of every request, by request id, through one wildcard inbox."""
+
+    def __init__(self, nc: Nats) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox()
+        self.chunks: dict[str, list[ResponseChunk]] = defaultdict(list)
+        self.finals: dict[str, ResponseChunk] = {}
+        self.events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.prefix + ".*", cb=self._on)
+
+    async def _on(self, msg: Any) -> None:
+        c = decode_msg(msg.data, ResponseChunk)
+        rid = msg.subject.rsplit(".", 1)[1]
+        self.chunks[rid].append(c)
+        if c.final:
+            self.finals[rid] = c
+        self.events[rid].set()
+
+    async def send(self, subject: str, req: GenerateRequest) -> None:
+        await self.nc.publish(subject, encode_msg(req), reply=f"{self.prefix}.{req.request_id}")
+
+    async def final(self, rid: str, timeout: float = 20.0) -> ResponseChunk:
+        await wait_for(lambda: rid in self.finals, timeout, what=f"final chunk of {rid}")
+        return self.finals[rid]
+
+
+def gen(rid: str, tokens: list[int], max_tokens: int = 8, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        model="sim-llama",
+        token_ids=tokens,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        **kw,
+    )
+
+
+async def _agg(sim: SimServer, ns: str, nats_url: str, etcd_url: str) -> tuple[WorkerShim, Nats, Collector]:
+    shim = shim_for(sim, ns, nats_url, etcd_url)
+    await shim.start()
+    await shim.registered.wait()
+    nc = await connect(nats_url)
+    col = Collector(nc)
+    await col.start()
+    return shim, nc, col
+
+
+async def test_1000_streamed_requests_lose_duplicate_and_reorder_nothing(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config(num_gpu_blocks=2048)) as sim:
+        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
+        try:
+            assert shim.worker_id is not None
+            subject = subjects.gen(ns, "agg", shim.worker_id)
+            n = 1000
+            sem = asyncio.Semaphore(128)
+
+            async def one(i: int) -> None:
+                async with sem:
+                    rid = f"r{i}"
+                    await col.send(subject, gen(rid, [1 + i % 97] * (20 + i % 50), max_tokens=4 + i % 9))
+                    await col.final(rid, timeout=60)
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+            for i in range(n):
+                chunks = col.chunks[f"r{i}"]
+                assert [c.seq for c in chunks] == list(range(len(chunks))), f"r{i} out of order"
+                assert [c.final for c in chunks].count(True) == 1 and chunks[-1].final
+                final = chunks[-1]
+                assert final.error is None and final.finish_reason == "length"
+                assert final.usage is not None and final.usage.completion_tokens == 4 + i % 9
+                assert sum(len(c.token_ids) for c in chunks) == 4 + i % 9
+                assert {c.worker for c in chunks} == {shim.worker_id}
+            assert shim.requests is not None and not shim.requests.inflight
+            assert shim.requests.prefill_tokens_queued == 0
+        finally:
+            await nc.close()
+            await shim.stop()
+
+
+async def test_cancel_aborts_the_engine_request_and_frees_its_blocks(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config(speedup=5.0)) as sim:
+        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
+        try:
+            assert shim.worker_id is not None
+            await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("long", list(range(1, 200)), max_tokens=5000))
+            await wait_for(lambda: len(col.chunks["long"]) >= 2, what="streaming started")
+            assert sim.engine.num_blocks_in_use > 0
+            await nc.publish(subjects.cancel(ns, shim.worker_id), encode_msg(CancelRequest(request_id="long")))
+            final = await col.final("long")
+            assert final.finish_reason == "abort" and final.error is None
+            await wait_for(lambda: sim.engine.num_blocks_in_use == 0, what="engine freed the blocks")
+        finally:
+            await nc.close()
+            await shim.stop()
+
+
+async def test_deadline_aborts_with_a_deadline_error(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config(speedup=5.0)) as sim:
+        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
+        try:
+            assert shim.worker_id is not None
+            req = gen("late", list(range(1, 100)), max_tokens=5000, deadline=time.time() + 0.3)
+            await col.send(subjects.gen(ns, "agg", shim.worker_id), req)
+            final = await col.final("late")
+            assert final.error is not None and final.error.kind == "deadline" and final.error.code == 504
+            await wait_for(lambda: sim.engine.num_blocks_in_use == 0, what="engine freed the blocks")
+        finally:
+            await nc.close()
+            await shim.stop()
+
+
+async def test_non_stream_request_gets_one_final_chunk_with_every_token(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim:
+        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
+        try:
+            assert shim.worker_id is not None
+            await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("ns", [5] * 40, max_tokens=7, stream=False))
+            final = await col.final("ns")
+            assert len(col.chunks["ns"]) == 1 and final.seq == 0
+            assert len(final.token_ids) == 7 and final.usage is not None and final.usage.prompt_tokens == 40
+        finally:
+            await nc.close()
+            await shim.stop()
+
+
+async def test_bad_requests_end_with_an_error_chunk(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim:
+        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
+        try:
+            assert shim.worker_id is not None
+            foreign = TransferHandle(engine="trtllm", params={})
+            await col.send(subjects.gen(ns, "decode", shim.worker_id), gen("foreign", [1] * 20, disagg=foreign))
+            await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("huge", [1] * 40_000))
+            await nc.publish(subjects.gen(ns, "agg", shim.worker_id), b"\x93junk", reply=f"{col.prefix}.junk")
+            assert (await col.final("foreign")).error.kind == "bad_request"  # type: ignore[union-attr]
+            huge = await col.final("huge")
+            assert huge.error is not None and huge.error.code == 400 and "context length" in huge.error.message
+            junk = await col.final("junk")
+            assert junk.error is not None and junk.error.kind == "bad_request"
+        finally:
+            await nc.close()
+            await shim.stop()
+
+
+async def test_prefill_decode_through_two_shims_and_the_bypass(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config(role="prefill")) as psim, SimServer(sim_config(role="decode")) as dsim:
+        pshim = shim_for(psim, ns, nats_url, etcd_url, role="prefill")
+        dshim = shim_for(dsim, ns, nats_url, etcd_url, role="decode")
+        async with pshim, dshim:
+            await pshim.registered.wait()
+            await dshim.registered.wait()
+            assert pshim.worker_id is not None and dshim.worker_id is not None
+            nc = await connect(nats_url)
+            col = Collector(nc)
+            await col.start()
+            prompt = list(range(1, 161))
+            await col.send(subjects.gen(ns, "prefill", pshim.worker_id), gen("pd", prompt, max_tokens=1))
+            pre = await col.final("pd")
+            assert pre.error is None and pre.transfer is not None
+            assert pre.transfer.engine == "vllm" and pre.transfer.prefill_worker == pshim.worker_id
+            assert pre.transfer.params.get("do_remote_prefill") is True
+            assert psim.engine.prefill_tokens_computed >= len(prompt)
+
+            before = dsim.engine.prefill_tokens_computed
+            await col.send(
+                subjects.gen(ns, "decode", dshim.worker_id), gen("pd", prompt, max_tokens=6, disagg=pre.transfer)
+            )
+            col.finals.pop("pd")
+            dec = await col.final("pd")
+            assert dec.error is None and dec.usage is not None and dec.usage.completion_tokens == 6
+            assert dsim.engine.prefill_tokens_computed == before, "the decode leg prefilled: params were not carried"
+
+            # A fresh prompt (the first one is now cached on the decode sim): the bypass ignores the
+            # handle it is given and prefills locally.
+            fresh = list(range(1000, 1160))
+            await col.send(
+                subjects.gen(ns, "decode", dshim.worker_id),
+                gen("bp", fresh, max_tokens=6, disagg=pre.transfer, annotations=[ANNOTATION_BYPASS]),
+            )
+            bp = await col.final("bp")
+            assert bp.error is None and bp.usage is not None and bp.usage.completion_tokens == 6
+            assert dsim.engine.prefill_tokens_computed >= before + len(fresh), "bypass must prefill locally"
+            await nc.close()

@@ -1,0 +1,63 @@
+"""The SGLang adapter against payloads written from SGLang's formats (fixtures README)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+from protocol import SamplingParams, block_hashes
+from tests.worker_shim.vllm_captures import frames
+from worker_shim import Normaliser
+from worker_shim.adapters.base import LegRequest
+from worker_shim.adapters.sglang import StreamFolder, generate_body, limits_from_server_info, load_from_metrics
+from worker_shim.adapters.vllm_events import decode_payload, decode_pub_frames
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "sglang"
+
+
+def test_signed_page_hashes_normalise_to_the_canonical_chain() -> None:
+    norm = Normaliser(4)
+    states = []
+    for f in frames(FIX / "zmq_events_raw.jsonl"):
+        _, _, payload = decode_pub_frames(f)
+        norm.apply(decode_payload(payload, "sglang"))
+        states.append(norm.canonical_hashes())
+    system = list(range(10, 18))
+    q1 = block_hashes(system + list(range(50, 58)), 4)
+    q2 = block_hashes(system + list(range(60, 64)), 4)
+    assert states[1] == set(q1) | set(q2)  # both continuations hang off the shared system prompt
+    assert states[2] == set(q1[:-1]) | set(q2)
+    assert states[3] == set()
+    assert states[4] == set(block_hashes([9, 9, 9, 9], 4))
+    assert norm.stats.unknown_parent == norm.stats.malformed == 0
+
+
+def test_limits_and_load() -> None:
+    info = json.loads((FIX / "get_server_info.json").read_text())
+    lim = limits_from_server_info(info)
+    assert (lim.block_size, lim.kv_total_blocks, lim.max_num_batched_tokens) == (16, 401408 // 16, 8192)
+    got = load_from_metrics((FIX / "metrics.txt").read_text(), lim.kv_total_blocks)
+    assert (got.running, got.waiting, got.kv_usage) == (5, 3, 0.25)
+
+
+def test_stream_folding_is_right_for_cumulative_and_incremental_output() -> None:
+    for name in ("generate_stream_cumulative.sse", "generate_stream_incremental.sse"):
+        folder = StreamFolder()
+        pieces = []
+        for line in (FIX / name).read_text().splitlines():
+            if line.startswith("data: {"):
+                pieces.append(folder.fold(msgspec.json.decode(line[6:])))
+        assert pieces == [[11], [12], [13, 14]], name
+        assert folder.finish_reason == "length" and folder.usage.completion_tokens == 4
+        assert folder.usage.cached_tokens == 8
+
+
+def test_bootstrap_triple_rides_on_both_legs() -> None:
+    triple = {"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
+    leg = LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=9), prefill_only=True)
+    pre = generate_body(leg, triple)
+    assert pre["sampling_params"]["max_new_tokens"] == 1 and pre["stream"] is False
+    dec = generate_body(LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=9), transfer=triple), triple)
+    assert {k: dec[k] for k in triple} == triple and dec["stream"] is True and dec["rid"] == "r"

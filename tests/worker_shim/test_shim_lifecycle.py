@@ -1,0 +1,74 @@
+"""Registration follows engine health; restarts clear and converge (real nats, etcd, sim)."""
+
+from __future__ import annotations
+
+from discovery import Discovery, Snapshot
+from engine_sim.server import SimServer
+from protocol.config import EtcdSettings
+from tests.worker_shim.cluster import Follower, complete, connect, engine_set, shim_for, sim_config, wait_for
+from tests.worker_shim.test_shim_events import shared_prefix_prompts
+from worker_shim import ShimStatus
+
+
+async def registered_workers(etcd_url: str, ns: str) -> set[str]:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        async for ev in d.watch_workers():
+            assert isinstance(ev, Snapshot)
+            return set(ev.items)
+    raise AssertionError("no snapshot")
+
+
+async def test_sim_crash_deregisters_and_restart_reregisters(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url)
+        async with shim:
+            await shim.registered.wait()
+            first = shim.worker_id
+            assert first is not None and await registered_workers(etcd_url, ns) == {first}
+            nc = await connect(nats_url)
+            follower = Follower(nc, ns, first)
+            await follower.start()
+            for p in shared_prefix_prompts(20):
+                await complete(sim.url, p)
+            await wait_for(lambda: follower.hashes == engine_set(sim) != set(), what="converged before crash")
+
+            await sim.crash()
+            await wait_for(lambda: not shim.registered.is_set(), what="deregistered after the crash")
+            assert await registered_workers(etcd_url, ns) == set()
+            await wait_for(lambda: follower.cleared >= 1 and not follower.hashes, what="Cleared published")
+
+            await sim.restart()
+            await wait_for(shim.registered.is_set, what="registered again")
+            second = shim.worker_id
+            assert second is not None and second != first
+            assert await registered_workers(etcd_url, ns) == {second}
+            for p in shared_prefix_prompts(20, seed=3):
+                await complete(sim.url, p)
+            await wait_for(lambda: shim.canonical_hashes() == engine_set(sim) != set(), what="converged after restart")
+            await nc.close()
+        assert shim.status is ShimStatus.STOPPED
+        assert await registered_workers(etcd_url, ns) == set()
+
+
+async def test_fast_restart_publishes_cleared_and_converges(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim:
+        # Health is checked rarely, so only the event sequence going back can reveal the restart.
+        shim = shim_for(sim, ns, nats_url, etcd_url, health_interval_s=5.0, health_failures=3)
+        async with shim:
+            await shim.registered.wait()
+            assert shim.worker_id is not None
+            nc = await connect(nats_url)
+            follower = Follower(nc, ns, shim.worker_id)
+            await follower.start()
+            for p in shared_prefix_prompts(10):
+                await complete(sim.url, p)
+            await wait_for(lambda: follower.hashes == engine_set(sim) != set(), what="converged")
+            await sim.restart()
+            await wait_for(lambda: sim.status.value == "running", what="sim back")
+            for p in shared_prefix_prompts(10, seed=5):
+                await complete(sim.url, p)
+            await wait_for(lambda: follower.cleared >= 1, what="Cleared after the restart")
+            await wait_for(lambda: shim.canonical_hashes() == engine_set(sim), what="shim == new pool")
+            await wait_for(lambda: follower.hashes == shim.canonical_hashes(), what="subscriber == shim")
+            assert shim.registered.is_set()
+            await nc.close()

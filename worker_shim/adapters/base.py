@@ -1,0 +1,111 @@
+"""The one interface every engine adapter implements, and the values that cross it.
+
+An adapter owns everything engine-specific: its event transport and wire format, its metrics, its
+HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS, etcd).
+
+- `health()`: does the engine answer right now.
+- `limits()`: block size, KV capacity and batch budget, as far as the engine tells them.
+- `load()`: running/waiting requests and KV use.
+- `run_events(sink, live)`: deliver `EngineBatch`es to the synchronous `sink` until cancelled; set
+  `live` once the event stream is known to work. `request_rebuild()` asks for the engine's whole
+  state again (the normaliser met an unknown parent).
+- `generate(leg, on_tokens)`: run one leg, awaiting `on_tokens` with each piece of output as it
+  arrives (streaming legs only); returns how it ended. A leg with `prefill_only` is the
+  remote-prefill leg and returns the engine's transfer parameters; a leg with `transfer` is a
+  decode leg continuing from them.
+- Abort: cancel the task running `generate`. Adapters close the engine request on cancellation
+  (vLLM and TensorRT-LLM abort on disconnect; SGLang gets an explicit abort as well).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from protocol import SamplingParams, Usage
+from worker_shim.config import ShimConfig
+from worker_shim.engine_events import EngineBatch
+
+__all__ = ["EngineAdapter", "EngineError", "EngineLimits", "EngineLoad", "LegOutcome", "LegRequest"]
+
+
+class EngineError(Exception):
+    """An engine leg failed. `code` is HTTP-like, `kind` a short machine word for ErrorInfo."""
+
+    def __init__(self, code: int, kind: str, message: str) -> None:
+        self.code = code
+        self.kind = kind
+        self.message = message
+        super().__init__(f"{kind} ({code}): {message}")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineLimits:
+    block_size: int | None = None
+    kv_total_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float | None = None
+    kv_total_blocks: int | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class LegRequest:
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = True
+    prefill_only: bool = False
+    transfer: dict[str, Any] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LegOutcome:
+    finish_reason: str | None
+    usage: Usage
+    transfer_params: dict[str, Any] | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+class EngineAdapter(ABC):
+    kind: ClassVar[str]
+
+    def __init__(self, config: ShimConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Create clients (HTTP sessions); called once before anything else."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release everything `open` and `run_events` made; safe to call twice."""
+
+    @abstractmethod
+    async def health(self) -> bool: ...
+
+    @abstractmethod
+    async def limits(self) -> EngineLimits: ...
+
+    @abstractmethod
+    async def load(self) -> EngineLoad: ...
+
+    @abstractmethod
+    async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None: ...
+
+    @abstractmethod
+    def request_rebuild(self) -> None: ...
+
+    @abstractmethod
+    async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome: ...

@@ -1,0 +1,248 @@
+"""SGLang: ZMQ KV events (vLLM's transport and format), `sglang:` metrics, native /generate.
+
+- Events (python/sglang/srt/disaggregation/kv_events.py, mem_cache/kv_cache_event_mixin.py): one
+  `BlockStored` per page with `block_size` = page size, hashes a chained SHA-256 cut to a *signed*
+  int64 (`hash_str_to_int64`), the first page's parent is the last page of the parent radix node
+  (None under the root). Events use msgspec's positional array form. The vLLM decoder reads them;
+  signed hashes are just other opaque keys. Page size 1 (SGLang's default) makes every token a
+  block: register with the engine's page size, and expect a router to match per token.
+- Limits from `GET /get_server_info`: `page_size`, `max_total_num_tokens` (capacity in tokens),
+  `chunked_prefill_size` (the per-step prefill budget). Load from /metrics:
+  `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`.
+- P/D (sgl-model-gateway's protocol): both legs carry the same `bootstrap_host`,
+  `bootstrap_port`, `bootstrap_room` and must run concurrently, as the prefill server waits for its
+  decode peer. So the prefill leg starts the prefill request in the background and returns the
+  triple at once; the decode leg sends it with its own request.
+- Output: `/generate` streams `output_ids` with `meta_info.completion_tokens`; the new tokens are
+  the last (completion_tokens - sent) ids, which holds whether the engine streams incrementally or
+  cumulatively. Abort: closing the stream and `POST /abort_request {"rid"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import aiohttp
+import msgspec
+
+from protocol import Usage
+from worker_shim.adapters.base import EngineAdapter, EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
+from worker_shim.adapters.zmq_events import ZmqEventSource
+from worker_shim.config import ShimConfig
+from worker_shim.engine_events import EngineBatch
+from worker_shim.prom_text import parse_samples, sum_samples
+
+__all__ = ["SglangAdapter", "StreamFolder", "generate_body", "limits_from_server_info", "load_from_metrics"]
+
+log = logging.getLogger(__name__)
+_METRICS = frozenset({"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"})
+_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0)
+_PROBE = aiohttp.ClientTimeout(total=2.0)
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
+    page = info.get("page_size")
+    tokens = info.get("max_total_num_tokens")
+    budget = info.get("chunked_prefill_size")
+    return EngineLimits(
+        block_size=page if isinstance(page, int) else None,
+        kv_total_blocks=tokens // page if isinstance(tokens, int) and isinstance(page, int) and page > 0 else None,
+        max_num_batched_tokens=budget if isinstance(budget, int) and budget > 0 else None,
+    )
+
+
+def load_from_metrics(text: str, kv_total_blocks: int | None) -> EngineLoad:
+    samples = list(parse_samples(text, _METRICS))
+    usage = [v for n, _, v in samples if n == "sglang:token_usage"]
+    return EngineLoad(
+        running=int(sum_samples(samples, "sglang:num_running_reqs") or 0),
+        waiting=int(sum_samples(samples, "sglang:num_queue_reqs") or 0),
+        kv_usage=sum(usage) / len(usage) if usage else None,
+        kv_total_blocks=kv_total_blocks,
+    )
+
+
+def generate_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, Any]:
+    s = leg.sampling
+    params: dict[str, Any] = {
+        "max_new_tokens": 1 if leg.prefill_only else s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "ignore_eos": s.ignore_eos,
+    }
+    if s.stop:
+        params["stop"] = s.stop
+    if s.stop_token_ids:
+        params["stop_token_ids"] = s.stop_token_ids
+    if s.seed is not None:
+        params["sampling_seed"] = s.seed
+    body: dict[str, Any] = {
+        "input_ids": leg.token_ids,
+        "sampling_params": params,
+        "stream": leg.stream and not leg.prefill_only,
+        "rid": leg.request_id,
+    }
+    if bootstrap:
+        body.update(bootstrap)
+    return body
+
+
+class StreamFolder:
+    """Folds /generate responses (streamed or not) into new token ids and the final outcome."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.usage = Usage()
+
+    def fold(self, data: dict[str, Any]) -> list[int]:
+        if "error" in data:
+            err = data["error"]
+            message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            raise EngineError(500, "engine_error", message)
+        meta = data.get("meta_info") or {}
+        ids = data.get("output_ids") or []
+        done = int(meta.get("completion_tokens") or len(ids))
+        new = list(ids[len(ids) - (done - self.sent) :]) if done > self.sent else []
+        self.sent = done
+        self.token_ids.extend(new)
+        fr = meta.get("finish_reason")
+        if isinstance(fr, dict):
+            self.finish_reason = str(fr.get("type"))
+        self.usage = Usage(
+            prompt_tokens=int(meta.get("prompt_tokens") or 0),
+            completion_tokens=done,
+            cached_tokens=int(meta.get("cached_tokens") or 0),
+        )
+        return new
+
+
+class SglangAdapter(EngineAdapter):
+    kind: ClassVar[str] = "sglang"
+
+    def __init__(self, config: ShimConfig) -> None:
+        super().__init__(config)
+        self.base = config.engine_url.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+        self._events: ZmqEventSource | None = None
+        self._kv_total: int | None = None
+        self._bootstrap_port = DEFAULT_BOOTSTRAP_PORT
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("adapter not open")
+        return self._session
+
+    async def open(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=_TIMEOUT, connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def health(self) -> bool:
+        try:
+            async with self.session.get(self.base + "/health", timeout=_PROBE) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def _get(self, path: str) -> bytes:
+        try:
+            async with self.session.get(self.base + path, timeout=_PROBE) as resp:
+                if resp.status != 200:
+                    raise EngineError(resp.status, "engine_error", f"{path} answered {resp.status}")
+                return await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise EngineError(503, "engine_unavailable", f"{self.base}{path}: {exc!r}") from exc
+
+    async def limits(self) -> EngineLimits:
+        info = msgspec.json.decode(await self._get("/get_server_info"))
+        if not isinstance(info, dict):
+            return EngineLimits()
+        self._bootstrap_port = int(info.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT)
+        limits = limits_from_server_info(info)
+        self._kv_total = limits.kv_total_blocks
+        return limits
+
+    async def load(self) -> EngineLoad:
+        return load_from_metrics((await self._get("/metrics")).decode(), self._kv_total)
+
+    async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
+        c = self.config
+        assert c.kv_events is not None
+        self._events = ZmqEventSource(
+            self.kind, c.kv_events, c.kv_events_mode, c.kv_events_topic, c.kv_replay, c.engine_host
+        )
+        await self._events.run(sink, live)
+
+    def request_rebuild(self) -> None:
+        if self._events is not None:
+            self._events.request_rebuild()
+
+    async def _post(
+        self, leg: LegRequest, body: dict[str, Any], on_tokens: Callable[[list[int]], Awaitable[None]] | None
+    ) -> StreamFolder:
+        folder = StreamFolder()
+        headers = {"Content-Type": "application/json", **leg.headers}
+        try:
+            async with self.session.post(self.base + "/generate", data=msgspec.json.encode(body), headers=headers) as r:
+                if r.status != 200:
+                    kind = "engine_rejected" if r.status < 500 else "engine_error"
+                    raise EngineError(r.status, kind, (await r.read()).decode(errors="replace")[:500])
+                if not body["stream"]:
+                    folder.fold(msgspec.json.decode(await r.read()))
+                    return folder
+                async for line in r.content:
+                    if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                        new = folder.fold(msgspec.json.decode(line[5:].strip()))
+                        if new and on_tokens is not None:
+                            await on_tokens(new)
+                return folder
+        except asyncio.CancelledError:
+            await self._abort(leg.request_id)
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise EngineError(503, "engine_unavailable", f"{self.base}/generate: {exc!r}") from exc
+        except msgspec.DecodeError as exc:
+            raise EngineError(502, "engine_protocol", f"malformed /generate response: {exc}") from exc
+
+    async def _abort(self, rid: str) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+            async with self.session.post(self.base + "/abort_request", json={"rid": rid}, timeout=_PROBE):
+                pass
+
+    async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome:
+        if leg.prefill_only:
+            bootstrap = {
+                "bootstrap_host": self.config.engine_host,
+                "bootstrap_port": self._bootstrap_port,
+                "bootstrap_room": secrets.randbits(63),
+            }
+            task = asyncio.create_task(self._prefill(leg, bootstrap))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return LegOutcome(
+                finish_reason=None, usage=Usage(prompt_tokens=len(leg.token_ids)), transfer_params=bootstrap
+            )
+        folder = await self._post(leg, generate_body(leg, leg.transfer), on_tokens)
+        return LegOutcome(folder.finish_reason, folder.usage, None, folder.token_ids)
+
+    async def _prefill(self, leg: LegRequest, bootstrap: dict[str, Any]) -> None:
+        try:
+            await self._post(leg, generate_body(leg, bootstrap), None)
+        except EngineError as exc:
+            log.warning("SGLang prefill leg %s failed: %s", leg.request_id, exc)

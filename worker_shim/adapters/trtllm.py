@@ -1,0 +1,159 @@
+"""TensorRT-LLM (`trtllm-serve`): HTTP-polled KV events and iteration stats, OpenAI completions.
+
+- Events: `POST /kv_cache_events` every `POLL_S` (trtllm_events.py). Live after the first answer.
+- Limits and load: `GET /metrics` returns JSON iteration stats (tensorrt_llm/serve/openai_server.py
+  `get_iteration_stats`); the newest entry's `kvCacheStats` gives maxNumBlocks, usedNumBlocks and
+  tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains
+  the engine's stats queue (an empty list means no iteration since the last read: the last load
+  stands). Both endpoints drain what they return: the shim must be their only reader.
+- P/D via `disaggregated_params` (DisaggregatedParams in tensorrt_llm/serve/openai_protocol.py):
+  the prefill leg sends `request_type: context_only` with max_tokens 1, non-streaming, and returns
+  the choice's `disaggregated_params`; the decode leg sends them back with `request_type:
+  generation_only`; the bypass and agg legs send `context_and_generation`.
+- Abort: closing the HTTP connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import aiohttp
+import msgspec
+
+from worker_shim.adapters.base import EngineAdapter, EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
+from worker_shim.adapters.openai_http import post_completion
+from worker_shim.adapters.trtllm_events import TrtllmEventTracker
+from worker_shim.adapters.vllm import completion_body
+from worker_shim.config import ShimConfig
+from worker_shim.engine_events import EngineBatch, EventDecodeError
+
+__all__ = ["POLL_S", "TrtllmAdapter", "disagg_body", "limits_from_stats", "load_from_stats"]
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05
+_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0)
+_PROBE = aiohttp.ClientTimeout(total=2.0)
+
+
+def _newest(stats: Any) -> dict[str, Any] | None:
+    if isinstance(stats, list) and stats and isinstance(stats[-1], dict):
+        return stats[-1]
+    return None
+
+
+def limits_from_stats(stats: Any) -> EngineLimits:
+    s = _newest(stats)
+    kv = s.get("kvCacheStats") if s else None
+    if not isinstance(kv, dict):
+        return EngineLimits()
+    return EngineLimits(block_size=kv.get("tokensPerBlock"), kv_total_blocks=kv.get("maxNumBlocks"))
+
+
+def load_from_stats(stats: Any, previous: EngineLoad) -> EngineLoad:
+    s = _newest(stats)
+    if s is None:
+        return previous
+    kv = s.get("kvCacheStats") or {}
+    total, used = kv.get("maxNumBlocks"), kv.get("usedNumBlocks")
+    return EngineLoad(
+        running=int(s.get("numActiveRequests") or 0),
+        waiting=int(s.get("numQueuedRequests") or 0),
+        kv_usage=used / total if total and used is not None else None,
+        kv_total_blocks=total,
+    )
+
+
+def disagg_body(leg: LegRequest) -> dict[str, Any]:
+    body = completion_body(leg)
+    body.pop("kv_transfer_params", None)
+    body.pop("return_token_ids", None)
+    if leg.prefill_only:
+        body["disaggregated_params"] = {"request_type": "context_only"}
+    elif leg.transfer is not None:
+        body["disaggregated_params"] = {**leg.transfer, "request_type": "generation_only"}
+    else:
+        body["disaggregated_params"] = {"request_type": "context_and_generation"}
+    return body
+
+
+class TrtllmAdapter(EngineAdapter):
+    kind: ClassVar[str] = "trtllm"
+
+    def __init__(self, config: ShimConfig) -> None:
+        super().__init__(config)
+        self.base = config.engine_url.rstrip("/")
+        self.tracker = TrtllmEventTracker()
+        self._session: aiohttp.ClientSession | None = None
+        self._load = EngineLoad()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("adapter not open")
+        return self._session
+
+    async def open(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=_TIMEOUT, connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def _json(self, method: str, path: str) -> Any:
+        try:
+            async with self.session.request(method, self.base + path, timeout=_PROBE) as resp:
+                if resp.status != 200:
+                    raise EngineError(resp.status, "engine_error", f"{path} answered {resp.status}")
+                return msgspec.json.decode(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as exc:
+            raise EngineError(503, "engine_unavailable", f"{self.base}{path}: {exc!r}") from exc
+
+    async def health(self) -> bool:
+        try:
+            async with self.session.get(self.base + "/health", timeout=_PROBE) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def limits(self) -> EngineLimits:
+        return limits_from_stats(await self._json("GET", "/metrics"))
+
+    async def load(self) -> EngineLoad:
+        self._load = load_from_stats(await self._json("GET", "/metrics"), self._load)
+        return self._load
+
+    async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
+        sink(EngineBatch(reset=True, complete=False))  # what the engine cached before this reader is unknown
+        while True:
+            events = await self._json("POST", "/kv_cache_events")
+            live.set()
+            try:
+                batch = self.tracker.fold(events)
+            except EventDecodeError as exc:
+                log.warning("%s: dropped one poll", exc)
+                sink(EngineBatch(reset=True, complete=False))
+                continue
+            if batch.events or batch.reset:
+                sink(batch)
+            await asyncio.sleep(POLL_S)
+
+    def request_rebuild(self) -> None:
+        """TensorRT-LLM cannot replay: the state stays partial until the engine restarts."""
+
+    async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome:
+        headers = {"Content-Type": "application/json", "X-Request-Id": leg.request_id, **leg.headers}
+        result, last = await post_completion(
+            self.session, self.base + "/v1/completions", disagg_body(leg), headers, on_tokens
+        )
+        transfer = None
+        if leg.prefill_only:
+            choices = last.get("choices") or [{}]
+            transfer = choices[0].get("disaggregated_params")
+            if not isinstance(transfer, dict):
+                raise EngineError(502, "engine_protocol", "the context-only leg returned no disaggregated_params")
+        return LegOutcome(result.finish_reason, result.usage, transfer, result.token_ids)

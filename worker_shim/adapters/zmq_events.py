@@ -1,0 +1,261 @@
+"""KV events over ZMQ with replay (vLLM's transport; SGLang uses the same one).
+
+Sockets: a SUB on the event endpoint, subscribed to the topic and checking it exactly (ZMQ filters
+by prefix); a DEALER to the replay endpoint. Which side binds: `auto` reads the engine's own rule
+backwards: an endpoint with `*` or `::` (or ipc://, inproc://) means the engine's PUB binds, so the
+shim connects (to the engine host, for `*`); otherwise the engine's PUB connects, so the shim binds
+that address.
+
+Sequence handling (seq is the engine's, per engine run, from 0):
+- at start, and whenever the whole state is wanted again (`request_rebuild`), replay from 0: a replay
+  that starts at 0 rebuilds exactly; one that starts later (the engine's buffer wrapped) or no
+  replay at all leaves a partial state (`complete=False`);
+- the next seq is delivered; a gap is filled by replay from the first missing seq; a replay that
+  cannot fill it (it starts later than asked, or times out) resets with `complete=False`;
+- a seq at or below the last one outside the window right after a replay means the engine restarted:
+  reset, then rebuild from its new run;
+- the SUB socket reconnecting (ZMQ monitor) also rebuilds: a restarted engine's first batches may
+  have gone out before the link was back, and nothing else would reveal them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from worker_shim.adapters.vllm_events import (
+    END_SEQ,
+    decode_payload,
+    decode_pub_frames,
+    decode_replay_frames,
+    replay_request,
+)
+from worker_shim.config import KvEventsMode
+from worker_shim.engine_events import EngineBatch, EngineEvent, EventDecodeError
+
+__all__ = ["ZmqEventSource", "ZmqEventStats", "resolve_endpoint"]
+
+log = logging.getLogger(__name__)
+REPLAY_TIMEOUT_S = 2.0
+
+
+def resolve_endpoint(endpoint: str, mode: KvEventsMode, engine_host: str) -> tuple[str, bool]:
+    """(address, bind) for the shim's SUB socket from the engine's endpoint string."""
+    # vLLM's PUB binds for `*`, `::` and ipc:// or inproc:// endpoints and connects otherwise.
+    engine_binds = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    bind = mode == "bind" or (mode == "auto" and not engine_binds)
+    if bind:
+        return endpoint, True
+    return endpoint.replace("*", engine_host), False
+
+
+@dataclass(slots=True)
+class ZmqEventStats:
+    messages: int = 0
+    malformed: int = 0
+    other_topic: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    restarts: int = 0
+    duplicates: int = 0
+    reconnects: int = 0
+
+
+class ZmqEventSource:
+    def __init__(
+        self,
+        engine: str,
+        endpoint: str,
+        mode: KvEventsMode,
+        topic: str,
+        replay: str | None,
+        engine_host: str,
+    ) -> None:
+        self.engine = engine
+        self.address, self.bind = resolve_endpoint(endpoint, mode, engine_host)
+        self.topic = topic.encode()
+        self.replay_address = replay.replace("*", engine_host) if replay else None
+        self.stats = ZmqEventStats()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._last: int | None = None
+        self._replayed_until = -1
+        self._rebuild = False
+        self._connections = 0
+        self._logged: set[str] = set()
+
+    def request_rebuild(self) -> None:
+        self._rebuild = True
+
+    async def run(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
+        ctx = self._ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # Connection events: a peer that reconnects may be a restarted engine whose first batches
+        # went out before the link was back, so every reconnection rebuilds from a replay.
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
+        try:
+            if self.bind:
+                sub.bind(self.address)
+            else:
+                sub.connect(self.address)
+            if self.replay_address is not None:
+                replayed = await self._replay(0)
+                if replayed is None:
+                    raise EventDecodeError(self.engine, f"replay endpoint {self.replay_address} does not answer")
+                self._deliver_rebuild(replayed, sink)
+            else:
+                sink(EngineBatch(reset=True, complete=False))
+            live.set()
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    parse_monitor_message(await monitor.recv_multipart())  # validates the frames
+                    self._on_reconnect()
+                if sub in ready:
+                    while True:
+                        try:
+                            frames = await sub.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                        except zmq.Again:
+                            break
+                        await self._on_message(frames, sink)
+                if self._rebuild:
+                    self._rebuild = False
+                    self._deliver_rebuild(await self._replay(0), sink)
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+            ctx.term()
+            self._ctx = None
+
+    def _on_reconnect(self) -> None:
+        self._connections += 1
+        if self._connections > 1:
+            self.stats.reconnects += 1
+            log.info("%s KV events: peer reconnected: rebuilding from replay", self.engine)
+            self._rebuild = True
+
+    def _malformed(self, exc: EventDecodeError) -> None:
+        self.stats.malformed += 1
+        if exc.detail not in self._logged:
+            self._logged.add(exc.detail)
+            log.warning("%s (logged once per kind)", exc)
+
+    async def _on_message(self, frames: list[bytes], sink: Callable[[EngineBatch], None]) -> None:
+        self.stats.messages += 1
+        try:
+            topic, seq, payload = decode_pub_frames(frames, self.engine)
+        except EventDecodeError as exc:
+            self._malformed(exc)
+            return
+        if self.topic and topic != self.topic:
+            self.stats.other_topic += 1
+            return
+        last = self._last
+        if last is not None and seq <= last:
+            if seq <= self._replayed_until:
+                self.stats.duplicates += 1  # already delivered by the replay just before
+                return
+            self.stats.restarts += 1
+            log.warning("%s KV events: seq went back from %d to %d: engine restarted", self.engine, last, seq)
+            self._replayed_until = -1
+            if seq == 0:
+                self._deliver(seq, payload, sink, reset=True, complete=True)
+            else:  # missed the start of the new run
+                self._deliver_rebuild(await self._replay(0), sink)
+                if self._last is None or seq > self._last:
+                    self._deliver(seq, payload, sink)
+            return
+        if last is not None and seq > last + 1:
+            self.stats.gaps += 1
+            await self._fill_gap(last + 1, seq, payload, sink)
+            return
+        self._deliver(seq, payload, sink)
+
+    async def _fill_gap(
+        self, first_missing: int, seq: int, payload: bytes, sink: Callable[[EngineBatch], None]
+    ) -> None:
+        # The SUB socket queues what arrives meanwhile; replayed seqs are then skipped as duplicates.
+        replayed = await self._replay(first_missing)
+        if replayed and replayed[0][0] == first_missing:
+            for s, p in replayed:
+                self._deliver(s, p, sink)
+            self._replayed_until = replayed[-1][0]
+            if seq > self._replayed_until:
+                self._deliver(seq, payload, sink)
+            return
+        self.stats.replay_failures += 1
+        log.warning("%s KV events: gap %d..%d cannot be replayed: resetting", self.engine, first_missing, seq - 1)
+        self._deliver(seq, payload, sink, reset=True, complete=False)
+
+    def _deliver(
+        self,
+        seq: int,
+        payload: bytes,
+        sink: Callable[[EngineBatch], None],
+        *,
+        reset: bool = False,
+        complete: bool = True,
+    ) -> None:
+        self._last = seq
+        events: list[EngineEvent] = []
+        try:
+            events = decode_payload(payload, self.engine)
+        except EventDecodeError as exc:
+            self._malformed(exc)
+        if events or reset:
+            sink(EngineBatch(events=events, reset=reset, complete=complete))
+
+    def _deliver_rebuild(self, replayed: list[tuple[int, bytes]] | None, sink: Callable[[EngineBatch], None]) -> None:
+        # An empty replay means the engine has published nothing yet: nothing is missing.
+        complete = replayed is not None and (not replayed or replayed[0][0] == 0)
+        # With replay, the next live seq must follow what it returned (-1: expect seq 0).
+        self._last = None if replayed is None else -1
+        sink(EngineBatch(reset=True, complete=complete))
+        for s, p in replayed or []:
+            self._deliver(s, p, sink)
+        if replayed:
+            self._replayed_until = replayed[-1][0]
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Everything the engine still buffers from `start` on; None when replay is unavailable."""
+        if self.replay_address is None or self._ctx is None:
+            return None
+        self.stats.replays += 1
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(self.replay_address)
+            await dealer.send_multipart(replay_request(start))
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    try:
+                        seq, payload = decode_replay_frames(frames, self.engine)
+                    except EventDecodeError as exc:
+                        self._malformed(exc)
+                        continue
+                    if seq == END_SEQ:
+                        return out
+                    if seq >= start:
+                        out.append((seq, payload))
+        except TimeoutError:
+            self.stats.replay_failures += 1
+            log.warning("%s KV replay from %d: no end marker within %.0fs", self.engine, start, REPLAY_TIMEOUT_S)
+            return None
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                dealer.close(linger=0)

@@ -1,0 +1,108 @@
+"""`kvswitch shim`: run one worker shim beside one engine until SIGTERM/SIGINT.
+
+Every setting layers CLI flag > env `KVSWITCH_<NAME>` > `--config` file (YAML/TOML) > default;
+NATS and etcd settings use the `nats_` / `etcd_` prefixes (`--nats-servers`, `KVSWITCH_NATS_SERVERS`).
+Exit status: 0 after a clean drain, 2 for a configuration error (including a flag that disagrees
+with what the engine reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from protocol import ConfigError
+from protocol.config import EtcdSettings, NatsSettings, load_file, resolve
+from worker_shim.config import ENGINES, KV_EVENTS_MODES, ROLES, ShimConfig
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger("kvswitch.shim")
+_SHIM_FLAGS: list[tuple[str, type, str]] = [
+    ("engine_url", str, "the engine's HTTP base URL, e.g. http://127.0.0.1:8000"),
+    ("model", str, "the served model name"),
+    ("kv_events", str, "the engine's KV event endpoint as the engine was given it, e.g. tcp://*:5557"),
+    ("kv_events_topic", str, "the engine's KV event topic ('' accepts all)"),
+    ("kv_replay", str, "the engine's KV replay endpoint, e.g. tcp://*:5558"),
+    ("block_size", int, "tokens per KV block, when the engine does not report it"),
+    ("kv_total_blocks", int, "KV capacity in blocks, when the engine does not report it"),
+    ("max_num_batched_tokens", int, "the engine's per-step token budget"),
+    ("kv_bytes_per_token", int, "KV bytes per token (default: the timing profile's)"),
+    ("timing_profile", str, "the latency table the router uses for this worker (default h200:llama-3.1-8b)"),
+    ("lease_ttl", int, "etcd lease TTL in seconds (default 10)"),
+    ("drain_grace_s", float, "seconds in-flight requests may finish after SIGTERM (default 30)"),
+    ("health_interval_s", float, "seconds between engine health checks (default 1)"),
+    ("health_failures", int, "failed health checks in a row that deregister the worker (default 2)"),
+    ("namespace", str, "cluster namespace for subjects and keys (default kvswitch)"),
+]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML or TOML file with any of the settings below")
+    parser.add_argument("--engine", choices=ENGINES, help="engine kind (default vllm; engine_sim is vllm)")
+    parser.add_argument("--role", choices=ROLES, help="prefill, decode or agg (default agg)")
+    parser.add_argument(
+        "--kv-events-mode",
+        choices=KV_EVENTS_MODES,
+        help="auto (default): bind when the engine's endpoint has no `*`, connect when it has; or force one",
+    )
+    for name, kind, text in _SHIM_FLAGS:
+        parser.add_argument(_flag(name), type=kind, help=text)
+    nats = parser.add_argument_group("NATS")
+    nats.add_argument("--nats-servers", help="comma-separated nats:// or tls:// URLs")
+    for name in ("user", "password", "token", "creds_file", "nkey_file", "tls_ca", "tls_cert", "tls_key"):
+        nats.add_argument(_flag("nats_" + name))
+    etcd = parser.add_argument_group("etcd")
+    etcd.add_argument("--etcd-endpoints", help="comma-separated http:// or https:// URLs")
+    for name in ("user", "password", "tls_ca", "tls_cert", "tls_key"):
+        etcd.add_argument(_flag("etcd_" + name))
+
+
+def _split(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings, EtcdSettings]:
+    cli: dict[str, Any] = dict(vars(args))
+    cli["nats_servers"] = _split(cli.get("nats_servers"))
+    cli["etcd_endpoints"] = _split(cli.get("etcd_endpoints"))
+    file = load_file(args.config) if args.config else {}
+    shim = resolve(ShimConfig, cli=cli, file=file)
+    nats = resolve(NatsSettings, cli=cli, file=file, setting_prefix="nats_")
+    etcd = resolve(EtcdSettings, cli=cli, file=file, setting_prefix="etcd_")
+    return shim, nats, etcd
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        shim_cfg, nats, etcd = resolve_settings(args)
+    except ConfigError as exc:
+        print(f"kvswitch shim: {exc}", file=sys.stderr)
+        return 2
+    from kvswitch.runtime import run_service
+    from worker_shim.shim import WorkerShim
+
+    async def main(stop: asyncio.Event) -> int:
+        shim = WorkerShim(shim_cfg, nats, etcd)
+        await shim.start()
+        try:
+            stopped = asyncio.create_task(stop.wait())
+            done = asyncio.create_task(shim.done.wait())
+            await asyncio.wait([stopped, done], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            done.cancel()
+        finally:
+            await shim.stop()
+        if isinstance(shim.failure, ConfigError):
+            print(f"kvswitch shim: {shim.failure}", file=sys.stderr)
+            return 2
+        return 0
+
+    return run_service(main)

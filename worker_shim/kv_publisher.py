@@ -1,0 +1,111 @@
+"""Publishes canonical KV events on `{ns}.kv.{worker}` and answers `{ns}.kvstate.{worker}`.
+
+Coalescing: events wait at most `COALESCE_S` (5 ms) or until `MAX_EVENTS` (256) events or
+`MAX_HASHES` hashes are pending, then become one KvEventBatch with the next seq. Batches leave in
+seq order from one task. A kvstate request first seals what is pending, then builds its reply from
+the ring or the normaliser's dump without awaiting, so the dump is exactly the state as of its seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+
+from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
+
+from protocol import (
+    KvEvent,
+    KvEventBatch,
+    KvStateRequest,
+    ProtocolError,
+    Removed,
+    Stored,
+    decode_msg,
+    encode_msg,
+    subjects,
+)
+from worker_shim.event_log import EventLog
+from worker_shim.normaliser import Normaliser
+
+__all__ = ["COALESCE_S", "MAX_EVENTS", "KvPublisher"]
+
+log = logging.getLogger(__name__)
+COALESCE_S = 0.005
+MAX_EVENTS = 256
+MAX_HASHES = 20_000
+
+
+class KvPublisher:
+    """Owns the EventLog of one (worker, epoch). `add()` is synchronous; `start()`/`stop()` own the task."""
+
+    def __init__(self, nc: Nats, ns: str, worker: str, epoch: int, normaliser: Normaliser) -> None:
+        self.nc = nc
+        self.subject = subjects.kv(ns, worker)
+        self.log = EventLog(worker, epoch)
+        self.normaliser = normaliser
+        self.malformed_requests = 0
+        self._pending: list[KvEvent] = []
+        self._pending_hashes = 0
+        self._outbox: deque[KvEventBatch] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kv-publisher-{self.log.worker}")
+
+    async def stop(self) -> None:
+        """Seal and send what is pending, then stop; safe to call twice."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self.seal()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await self._send_outbox()
+
+    def add(self, events: list[KvEvent]) -> None:
+        if not events:
+            return
+        self._pending.extend(events)
+        self._pending_hashes += sum(len(e.hashes) if isinstance(e, Stored | Removed) else 1 for e in events)
+        if len(self._pending) >= MAX_EVENTS or self._pending_hashes >= MAX_HASHES:
+            self.seal()
+        self._wake.set()
+
+    def seal(self) -> None:
+        if self._pending:
+            self._outbox.append(self.log.seal(self._pending))
+            self._pending = []
+            self._pending_hashes = 0
+
+    async def _send_outbox(self) -> None:
+        while self._outbox:
+            await self.nc.publish(self.subject, encode_msg(self._outbox.popleft()))
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._pending and not self._outbox:
+                await asyncio.sleep(COALESCE_S)
+            self.seal()
+            await self._send_outbox()
+
+    async def on_kvstate(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        try:
+            req = decode_msg(msg.data, KvStateRequest)
+        except ProtocolError as exc:
+            self.malformed_requests += 1
+            log.warning("ignoring malformed kvstate request: %s", exc)
+            return
+        self.seal()
+        chunks = self.log.reply(req, self.normaliser.dump)
+        for chunk in chunks:
+            await self.nc.publish(msg.reply, encode_msg(chunk))
