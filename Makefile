@@ -34,7 +34,8 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -n $(JOBS) -q
+	$(BIN)/pytest -n $(JOBS) -q -m "not timing"
+	$(BIN)/pytest -q -m timing
 
 lint: install
 	$(BIN)/ruff check .

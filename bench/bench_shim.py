@@ -45,8 +45,15 @@ def payloads(n_blocks: int) -> list[bytes]:
     for i in range(n_blocks // BLOCKS_PER_EVENT):
         hashes = list(range(h, h + BLOCKS_PER_EVENT))
         tokens = [(i * 7 + j) % 32000 for j in range(BLOCKS_PER_EVENT * BS)]
-        ev: dict[str, Any] = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
-                              "token_ids": tokens, "block_size": BS, "lora_id": None, "medium": "GPU"}
+        ev: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": BS,
+            "lora_id": None,
+            "medium": "GPU",
+        }
         rm = {"type": "BlockRemoved", "block_hashes": hashes[:], "medium": "GPU"}
         out.append(msgspec.msgpack.encode([time.time(), [ev, rm], 0]))
         h += BLOCKS_PER_EVENT
@@ -136,7 +143,9 @@ async def bench_latency(url: str, chunks: int) -> dict[str, float]:
             done.set()
 
     await nc.subscribe("bench.reply", cb=on_chunk)
-    req = GenerateRequest(request_id="b1", model="m", token_ids=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=chunks))
+    req = GenerateRequest(
+        request_id="b1", model="m", token_ids=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=chunks)
+    )
     await nc.publish(subjects.gen("bench", "agg", "w1"), encode_msg(req), reply="bench.reply")
     await asyncio.wait_for(done.wait(), chunks * 0.1 + 10)
     await adapter.close()
@@ -162,7 +171,8 @@ async def main(args: argparse.Namespace) -> None:
         print(
             f"events: {ev['blocks']:.0f} blocks; shim {ev['shim_blocks_per_s']:,.0f} blocks/s; "
             f"relay baseline {ev['relay_blocks_per_s']:,.0f} blocks/s; "
-            f"ratio {ev['shim_blocks_per_s'] / ev['relay_blocks_per_s']:.2f}"
+            f"ratio {ev['shim_blocks_per_s'] / ev['relay_blocks_per_s']:.2f}",
+            flush=True,
         )
         lat = await bench_latency(server.url, args.chunks)
         print(

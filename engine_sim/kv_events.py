@@ -18,6 +18,7 @@ Block hashes are unsigned 64-bit integers (engine_sim/block_hash.py), opaque to 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -115,10 +116,10 @@ _map_decoder = msgspec.msgpack.Decoder(EventBatch)
 _array_decoder = msgspec.msgpack.Decoder(ArrayEventBatch)
 
 
-def encode_batch(ts: float, events: list[KVEvent], *, form: str = "map", data_parallel_rank: int = 0) -> bytes:
+def encode_batch(ts: float, events: Sequence[KVEvent], *, form: str = "map", data_parallel_rank: int = 0) -> bytes:
     if form == "array":
         return _encoder.encode(ArrayEventBatch(ts, [to_array_form(e) for e in events], data_parallel_rank))
-    return _encoder.encode(EventBatch(ts, events, data_parallel_rank))
+    return _encoder.encode(EventBatch(ts, list(events), data_parallel_rank))
 
 
 def decode_batch(payload: bytes, *, form: str = "map") -> EventBatch | ArrayEventBatch:

@@ -44,6 +44,7 @@ class ClusterSpec:
     model: str = "sim-llama"
     profile: str = "h200:llama-3.1-8b"
     block_size: int = 16
+    max_num_batched_tokens: int = 8192
     router_args: list[str] = field(default_factory=list)
     sim_args: list[str] = field(default_factory=list)
     shim_args: list[str] = field(default_factory=list)
@@ -128,7 +129,7 @@ class LocalCluster:
             "sim", "--count", str(count), "--host", "127.0.0.1", "--port", str(http), "--role", role,
             "--model", self.spec.model, "--profile", self.spec.profile, "--speedup", str(self.spec.speedup),
             "--block-size", str(self.spec.block_size), "--kv-events-config", json.dumps(kv_config),
-            *self.spec.sim_args,
+            "--max-num-batched-tokens", str(self.spec.max_num_batched_tokens), *self.spec.sim_args,
         ]  # fmt: skip
         self.spawn(f"sim-{role}", argv)
         for i in range(count):
@@ -143,6 +144,8 @@ class LocalCluster:
             "shim", "--engine", "vllm", "--engine-url", engine.url, "--role", engine.role,
             "--model", self.spec.model, "--kv-events", engine.events, "--kv-replay", engine.replay,
             "--timing-profile", self.spec.profile, *self._connection_args(), *self.spec.shim_args,
+            # vLLM does not report it; the router's prefill_load policy needs it.
+            "--max-num-batched-tokens", str(self.spec.max_num_batched_tokens),
         ]  # fmt: skip
         self.spawn(f"shim-{engine.role}-{engine.url.rsplit(':', 1)[-1]}", argv)
 

@@ -155,7 +155,6 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
         )
         return self
 
-
     def connect_options(self, name: str) -> dict[str, Any]:
         """Keyword arguments for `nats.connect()`: every setting, reconnecting forever."""
         opts: dict[str, Any] = {

@@ -89,6 +89,9 @@ class BuiltinTokenizer:
     bos_id = BOS_ID
     eos_id = EOS_ID
 
+    def __init__(self) -> None:
+        _index()  # build the vocabulary now (~50 ms), not inside a server's first request
+
     def encode(self, text: str) -> list[int]:
         index = _index()
         ids: list[int] = []

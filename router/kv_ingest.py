@@ -317,8 +317,7 @@ class KvIngest:
                     return chunks
         except TimeoutError:  # nats.errors.TimeoutError is one
             self.stats.repair_timeouts += 1
-            log.info("kvstate of worker %s: no complete answer within %.1fs; retrying",
-                     worker, self._request_timeout_s)
+            log.info("kvstate of worker %s: no complete answer within %.1fs; retrying", worker, self._request_timeout_s)
         except ProtocolError as exc:
             self.stats.malformed += 1
             log.warning("kvstate of worker %s: bad reply (%s); retrying", worker, exc)

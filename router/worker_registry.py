@@ -151,7 +151,9 @@ class WorkerRegistry:
                 log.error(
                     "configuration error: workers of model %s disagree on block size %s; prefix matches "
                     "across them are meaningless. Workers by block size: %s",
-                    model, sorted(seen), holders,
+                    model,
+                    sorted(seen),
+                    holders,
                 )
             for model in self.block_size_conflicts.keys() - conflicts.keys():
                 log.warning("workers of model %s agree on block size again", model)

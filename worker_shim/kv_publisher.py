@@ -15,6 +15,7 @@ from collections import deque
 
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from protocol import (
     KvEvent,
@@ -47,26 +48,36 @@ class KvPublisher:
         self.log = EventLog(worker, epoch)
         self.normaliser = normaliser
         self.malformed_requests = 0
+        self.send_failures = 0
         self._pending: list[KvEvent] = []
         self._pending_hashes = 0
         self._outbox: deque[KvEventBatch] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"kv-publisher-{self.log.worker}")
 
-    async def stop(self) -> None:
-        """Seal and send what is pending, then stop; safe to call twice."""
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Seal and send what is pending, then stop; safe to call twice.
+
+        The task is asked to finish rather than cancelled: a publish cancelled mid-flush can leave
+        nats-py waiting on a flush that never comes. Cancel only if it does not finish in time.
+        """
         task, self._task = self._task, None
         if task is None:
             return
         self.seal()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await self._send_outbox()
+        self._closing = True
+        self._wake.set()
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            log.warning("KV publisher did not drain within %.0fs: %d batches unsent", timeout, len(self._outbox))
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def add(self, events: list[KvEvent]) -> None:
         if not events:
@@ -85,13 +96,19 @@ class KvPublisher:
 
     async def _send_outbox(self) -> None:
         while self._outbox:
-            await self.nc.publish(self.subject, encode_msg(self._outbox.popleft()))
+            batch = self._outbox.popleft()
+            try:
+                await self.nc.publish(self.subject, encode_msg(batch))
+            except NatsError as exc:
+                # The batch stays in the ring: subscribers see the seq gap and repair via kvstate.
+                self.send_failures += 1
+                log.warning("publishing KV batch %d failed (%s); subscribers will repair", batch.seq, exc)
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            if self._pending and not self._outbox:
+            if self._pending and not self._outbox and not self._closing:
                 await asyncio.sleep(COALESCE_S)
             self.seal()
             await self._send_outbox()

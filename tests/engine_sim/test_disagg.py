@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import aiohttp
@@ -10,6 +11,9 @@ import pytest
 
 from engine_sim import SimServer, disagg
 from tests.engine_sim.conftest import sim_config
+
+# Wall-clock latencies: run serially, away from the parallel suite's CPU load (see Makefile).
+pytestmark = pytest.mark.timing
 
 PROMPT = list(range(3000, 3000 + 16384))
 
@@ -42,7 +46,7 @@ async def test_prefill_then_decode_on_another_sim(cross_process: bool, monkeypat
         SimServer(sim_config(role="decode", num_gpu_blocks=2048, speedup=1, kv_transfer_gbps=10.0)) as d,
     ):
         if cross_process:  # force the HTTP pull path a separate process would take
-            monkeypatch.setattr(disagg, "_registry", disagg.weakref.WeakValueDictionary())
+            monkeypatch.setattr(disagg, "_registry", weakref.WeakValueDictionary())
         pre, _ = await complete(
             p.url, {"prompt": PROMPT, "max_tokens": 50, "kv_transfer_params": {"do_remote_decode": True}}
         )

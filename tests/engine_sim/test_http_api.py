@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from multidict import CIMultiDict
 
 from engine_sim import SimServer
 from tests.engine_sim.conftest import fixture_json, fixture_path, sim_config
@@ -34,7 +36,7 @@ def sse_events(text: str) -> list[Any]:
     return out
 
 
-async def post(sim: SimServer, path: str, body: Any, **kw: Any) -> tuple[int, Any, aiohttp.typedefs.LooseHeaders]:
+async def post(sim: SimServer, path: str, body: Any, **kw: str) -> tuple[int, Any, Mapping[str, str]]:
     data = body if isinstance(body, str) else json.dumps(body)
     async with (
         aiohttp.ClientSession() as s,
@@ -42,7 +44,7 @@ async def post(sim: SimServer, path: str, body: Any, **kw: Any) -> tuple[int, An
     ):
         text = await r.text()
         ctype = r.headers.get("Content-Type", "")
-        return r.status, (json.loads(text) if "json" in ctype else text), r.headers
+        return r.status, (json.loads(text) if "json" in ctype else text), CIMultiDict(r.headers)
 
 
 async def get(sim: SimServer, path: str) -> tuple[int, str, Any]:
@@ -193,7 +195,7 @@ async def test_openai_client_non_streaming_and_streaming(sim: SimServer) -> None
         assert [m.id for m in models.data] == ["sim-llama"]
         done = await client.completions.create(model="sim-llama", prompt="hello world", max_tokens=5)
         assert done.choices[0].finish_reason == "length" and done.usage and done.usage.completion_tokens == 5
-        parts = []
+        parts: list[str] = []
         stream = await client.completions.create(
             model="sim-llama", prompt="hello world", max_tokens=5, stream=True, stream_options={"include_usage": True}
         )
@@ -204,12 +206,12 @@ async def test_openai_client_non_streaming_and_streaming(sim: SimServer) -> None
             model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
-        pieces = []
+        pieces: list[str] = []
         chat_stream = await client.chat.completions.create(
             model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
         )
-        async for chunk in chat_stream:
-            pieces.extend(c.delta.content or "" for c in chunk.choices)
+        async for chat_chunk in chat_stream:
+            pieces.extend(c.delta.content or "" for c in chat_chunk.choices)
         assert "".join(pieces) == chat.choices[0].message.content
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="nope", prompt="x", max_tokens=1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 import msgspec
 import pytest
@@ -12,12 +14,14 @@ from engine_sim.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     decode_batch,
     encode_batch,
 )
 from engine_sim.request import SimRequest
 from engine_sim.scheduler import Scheduler
 from tests.engine_sim.conftest import (
+    Subscriber,
     connected_subscriber,
     decode_payload,
     fixture_lines,
@@ -28,9 +32,9 @@ from tests.engine_sim.conftest import (
 END_MARKER = [b"", b"", b"\xff" * 8, b""]
 
 
-def _captured_events() -> dict[str, dict]:
+def _captured_events() -> dict[str, dict[str, Any]]:
     """First captured event of each type, decoded without a schema."""
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     for rec in fixture_lines("zmq_events_decoded.jsonl"):
         for ev in rec["payload"][1]:
             out.setdefault(ev["type"], ev)
@@ -48,7 +52,7 @@ def test_captured_payloads_reencode_byte_identical(variant: str) -> None:
         assert msgspec.msgpack.encode(batch) == raw
 
 
-def _emitted_events() -> list:
+def _emitted_events() -> list[KVEvent]:
     """Events from a real scheduler run: stores, an eviction, and a reset."""
     sched = Scheduler(num_gpu_blocks=4, block_size=16, hash_seed="0")
     for i, base in enumerate((1000, 2000)):
@@ -122,13 +126,14 @@ def test_block_pool_emits_no_events_when_disabled() -> None:
     assert pool.take_events() == []
 
 
-async def _complete(sim: SimServer, prompt: list[int], max_tokens: int = 2) -> dict:
+async def _complete(sim: SimServer, prompt: list[int], max_tokens: int = 2) -> dict[str, Any]:
     async with (
         aiohttp.ClientSession() as s,
         s.post(sim.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}) as r,
     ):
         assert r.status == 200
-        return await r.json()
+        body: dict[str, Any] = await r.json()
+        return body
 
 
 @pytest.mark.parametrize("form", ["map", "array"])
@@ -206,7 +211,7 @@ async def test_pub_connects_when_endpoint_has_no_wildcard() -> None:
         sub.close()
 
 
-async def _got_one(sub) -> bool:  # type: ignore[no-untyped-def]
+async def _got_one(sub: Subscriber) -> bool:
     try:
         await sub.wait_for(1, timeout=0.1)
         return True

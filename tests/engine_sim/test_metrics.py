@@ -22,6 +22,10 @@ def parse(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def label_keys(series: dict[str, float]) -> set[tuple[str, ...]]:
+    return {tuple(sorted(re.findall(r"(\w+)=", k))) for k in series}
+
+
 def types(text: str) -> dict[str, str]:
     return {p[2]: p[3] for p in (line.split() for line in text.splitlines() if line.startswith("# TYPE"))}
 
@@ -51,7 +55,6 @@ async def test_metric_names_types_and_labels_match_vllm(sim: SimServer) -> None:
     for name in wanted:
         assert our_types.get(name) == cap_types[name], name
     cap, mine = parse(captured), parse(ours)
-    label_keys = lambda s: {tuple(sorted(re.findall(r"(\w+)=", k))) for k in s}  # noqa: E731
     for name in ("vllm:num_requests_running", "vllm:prefix_cache_hits_total", "vllm:request_success_total"):
         assert label_keys(mine[name]) == label_keys(cap[name]), name
     assert set(mine["vllm:time_to_first_token_seconds_bucket"]) == {

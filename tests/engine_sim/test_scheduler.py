@@ -8,10 +8,14 @@ from engine_sim.scheduler import Scheduler, StepResult
 from protocol.hashing import block_hashes
 
 
-def make(**kw: int) -> Scheduler:
-    args = {"num_gpu_blocks": 64, "block_size": 16, "max_num_batched_tokens": 256, "max_num_seqs": 8}
-    args.update(kw)
-    return Scheduler(hash_seed="0", **args)
+def make(*, num_gpu_blocks: int = 64, max_num_batched_tokens: int = 256, max_num_seqs: int = 8) -> Scheduler:
+    return Scheduler(
+        hash_seed="0",
+        block_size=16,
+        num_gpu_blocks=num_gpu_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+    )
 
 
 def run(s: Scheduler) -> list[StepResult]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 
@@ -11,6 +12,9 @@ import pytest
 from engine_sim import SimServer, TimingModel, load_profile
 from engine_sim.timing import fit_marginal, mixed_marginals
 from tests.engine_sim.conftest import sim_config
+
+# Wall-clock latencies: run serially, away from the parallel suite's CPU load (see Makefile).
+pytestmark = pytest.mark.timing
 
 LLAMA = "h200:llama-3.1-8b"
 
@@ -65,6 +69,7 @@ async def _isolated(sim: SimServer, prompt_len: int, max_tokens: int) -> tuple[f
     """Client-side TTFT and the gaps between streamed tokens."""
     body = {"prompt": list(range(1000, 1000 + prompt_len)), "max_tokens": max_tokens, "stream": True}
     arrivals: list[float] = []
+    gc.collect()  # garbage left by earlier tests must not be collected inside the measured request
     async with aiohttp.ClientSession() as s:
         t0 = time.perf_counter()
         async with s.post(sim.url + "/v1/completions", json=body) as r:

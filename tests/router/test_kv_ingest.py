@@ -89,15 +89,28 @@ class FakeShim:
         if req.epoch == self.epoch and covered:
             for i in range(0, max(len(missed), 1), 2):  # two batches per chunk
                 last = i + 2 >= len(missed)
-                chunk = KvStateChunk(worker=self.worker, epoch=self.epoch, seq=self.seq,
-                                     batches=missed[i:i + 2], chunk=i // 2, final=last)
+                chunk = KvStateChunk(
+                    worker=self.worker,
+                    epoch=self.epoch,
+                    seq=self.seq,
+                    batches=missed[i : i + 2],
+                    chunk=i // 2,
+                    final=last,
+                )
                 await self.nc.publish(msg.reply, encode_msg(chunk))
             return
         hashes = list(self.held)
-        parts = [hashes[i:i + self.dump_chunk] for i in range(0, len(hashes), self.dump_chunk)] or [[]]
+        parts = [hashes[i : i + self.dump_chunk] for i in range(0, len(hashes), self.dump_chunk)] or [[]]
         for i, part in enumerate(parts):
-            chunk = KvStateChunk(worker=self.worker, epoch=self.epoch, seq=self.seq, dump=True, hashes=part,
-                                 chunk=i, final=i == len(parts) - 1)
+            chunk = KvStateChunk(
+                worker=self.worker,
+                epoch=self.epoch,
+                seq=self.seq,
+                dump=True,
+                hashes=part,
+                chunk=i,
+                final=i == len(parts) - 1,
+            )
             await self.nc.publish(msg.reply, encode_msg(chunk))
 
 

@@ -35,8 +35,9 @@ def test_unknown_worker_reads_as_idle_with_unknown_capacity(view: LoadView) -> N
 
 
 def test_report_fields_pass_through_with_their_age(view: LoadView, clock: Clock) -> None:
-    view.update(report(ts=999.0, running=3, waiting=2, kv_used_blocks=40, kv_total_blocks=100,
-                       prefill_tokens_queued=512))
+    view.update(
+        report(ts=999.0, running=3, waiting=2, kv_used_blocks=40, kv_total_blocks=100, prefill_tokens_queued=512)
+    )
     clock.now += 1.5
     load = view.load("w1")
     assert (load.running, load.waiting, load.kv_used_blocks, load.kv_total_blocks) == (3, 2, 40, 100)
