@@ -129,7 +129,8 @@ def dynamo_tree() -> Callable[[], Any] | None:
         from dynamo._core import RadixTree
     except ImportError:
         return None
-    return RadixTree
+    tree: Callable[[], Any] = RadixTree
+    return tree
 
 
 def dynamo_events(wl: Workload) -> list[tuple[int, bytes]]:
