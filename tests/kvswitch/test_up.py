@@ -94,3 +94,51 @@ def test_port_in_use_is_reported_with_the_log() -> None:
         with pytest.raises(ServerError, match="nats exited"):
             second.start(timeout=10)
         second.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for child in _children(pid):
+        out += [child, *_descendants(child)]
+    return out
+
+
+def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
+    http = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch", "up", "--prefill", "1", "--decode", "2", "--routers", "2",
+         "--speedup", "20", "--http-port", str(http), "--conditional-disagg", "--eff-isl-threshold", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        out = ""
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and "health:" not in out:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out += line
+        assert "children=7/7 up" in out, out  # 2 sim fleets, 3 shims, 2 routers (servers counted apart)
+        assert out.count("sim      ") == 3
+        routers = re.findall(r"router   (http://127.0.0.1:\d+)/v1", out)
+        assert routers == [f"http://127.0.0.1:{http}", f"http://127.0.0.1:{http + 1}"]
+        for url in routers:
+            body = json.dumps({"model": "sim-llama", "prompt": list(range(300, 400)), "max_tokens": 3}).encode()
+            req = urllib.request.Request(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=30) as r:
+                reply = json.loads(r.read())
+                assert reply["usage"]["completion_tokens"] == 3
+                assert r.headers["x-kvswitch-prefill"] in ("bypass", "remote")
+        everything = _descendants(proc.pid)
+        assert len(everything) >= 9  # nats, etcd, 2 sim fleets, 3 shims, 2 routers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        time.sleep(0.3)
+        assert not [p for p in everything if _alive(p)], "children left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
