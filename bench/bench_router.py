@@ -4,8 +4,9 @@
    2k- and 8k-token text prompts against an index of `--workers` workers, each holding prefixes.
 2. Router overhead: streaming TTFT through a router replica minus TTFT sent straight to the same
    simulated engines, p50 and p99, at open-loop rates (default 50, 200, 500 req/s). The cluster
-   (nats, etcd, sims, shims, one router) runs as subprocesses via kvswitch.cluster, so the
-   router does not share this process's CPU; both sides are measured in the same run.
+   (nats, etcd, sims with their shims, one router) runs in subprocesses, so the router does not
+   share this process's CPU; both sides are measured in the same run. Every process runs uvloop,
+   as `kvswitch` services do.
 
     .venv/bin/python -m bench.bench_router decision
     .venv/bin/python -m bench.bench_router overhead --rates 50,200,500 --seconds 5
@@ -23,6 +24,7 @@ import uuid
 from typing import Any
 
 import aiohttp
+import uvloop
 
 from protocol import LoadReport, WorkerInfo, block_hashes
 from protocol.config import RouterSettings, resolve
@@ -67,7 +69,7 @@ def bench_decision(workers: int, iterations: int, policy: str) -> dict[str, Any]
     settings = resolve(RouterSettings, cli={"conditional_disagg": True, "conditional_disagg_policy": policy,
                                             "queue_threshold": 1.0}, env={})  # fmt: skip
     disagg = Disaggregator(settings)
-    builder = ContextBuilder(lambda m: infos, index.find_matches, view.load)
+    builder = ContextBuilder(lambda m: infos, index.match, view.load)
     out: dict[str, Any] = {"workers": workers, "policy": policy}
     for isl in (2048, 8192):
         texts = [_text(isl, rng) for _ in range(8)]
@@ -126,6 +128,28 @@ async def _phase(urls: list[str], rate: float, seconds: float) -> tuple[list[flo
         results = await asyncio.gather(*tasks)
     ok = [r for r in results if r is not None]
     return ok, len(results) - len(ok)
+
+
+def _scrape(router_url: str) -> dict[str, float]:
+    """The router's own sums and counts: TTFT as it sees it (dispatch to the first token back from
+    the shim) and routing time, so a phase's delta splits the overhead into router and upstream."""
+    import urllib.request
+
+    with urllib.request.urlopen(router_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for metric in ("kvswitch_router_ttft_seconds", "kvswitch_router_route_seconds"):
+            if name.startswith(metric + "_sum") or name.startswith(metric + "_count"):
+                key = metric + name[len(metric) :].split("{")[0]
+                out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _mean_ms(before: dict[str, float], after: dict[str, float], metric: str) -> float:
+    n = after.get(metric + "_count", 0.0) - before.get(metric + "_count", 0.0)
+    return round((after.get(metric + "_sum", 0.0) - before.get(metric + "_sum", 0.0)) / max(n, 1.0) * 1e3, 3)
 
 
 def _wait_workers(router_url: str, n: int, timeout: float = 60.0) -> None:
@@ -200,8 +224,10 @@ def bench_overhead(rates: list[float], seconds: float, agg: int, speedup: float)
             _wait_workers(router_url, agg)
             out: dict[str, Any] = {"agg_sims": agg, "speedup": speedup, "seconds": seconds, "rates": {}}
             for rate in rates:
-                direct, direct_err = asyncio.run(_phase(sim_urls, rate, seconds))
-                routed, routed_err = asyncio.run(_phase([router_url], rate, seconds))
+                direct, direct_err = uvloop.run(_phase(sim_urls, rate, seconds))
+                before = _scrape(router_url)
+                routed, routed_err = uvloop.run(_phase([router_url], rate, seconds))
+                after = _scrape(router_url)
                 row = {
                     "direct_p50_ms": round(statistics.median(direct) * 1e3, 3),
                     "direct_p99_ms": round(_pct(direct, 0.99) * 1e3, 3),
@@ -212,6 +238,12 @@ def bench_overhead(rates: list[float], seconds: float, agg: int, speedup: float)
                 }
                 row["overhead_p50_ms"] = round(row["router_p50_ms"] - row["direct_p50_ms"], 3)
                 row["overhead_p99_ms"] = round(row["router_p99_ms"] - row["direct_p99_ms"], 3)
+                # Means, to split the overhead: `upstream` is what the router waits for (NATS, shim,
+                # engine), the rest of the client's TTFT is the router's own work and queueing.
+                row["router_mean_ms"] = round(statistics.mean(routed) * 1e3, 3)
+                row["upstream_mean_ms"] = _mean_ms(before, after, "kvswitch_router_ttft_seconds")
+                row["route_mean_ms"] = _mean_ms(before, after, "kvswitch_router_route_seconds")
+                row["router_own_mean_ms"] = round(row["router_mean_ms"] - row["upstream_mean_ms"], 3)
                 out["rates"][str(int(rate))] = row
                 print(json.dumps({str(int(rate)): row}), flush=True)
             return out
@@ -244,7 +276,7 @@ def main() -> None:
     w.add_argument("--speedup", type=float, default=1000.0)
     args = parser.parse_args()
     if args.what == "workers":
-        asyncio.run(_serve_workers(args.nats, args.etcd, args.ns, args.agg, args.speedup))
+        uvloop.run(_serve_workers(args.nats, args.etcd, args.ns, args.agg, args.speedup))
         return
     if args.what == "decision":
         result = bench_decision(args.workers, args.iterations, args.policy)

@@ -131,6 +131,8 @@ class CompletionClient:
             try:
                 chunk = json.loads(data)
             except json.JSONDecodeError:
+                chunk = None
+            if not isinstance(chunk, dict):  # valid JSON that is not an object is as malformed
                 result.error = f"malformed SSE chunk: {data[:100]!r}"
                 return
             if "error" in chunk:

@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 
 from kvswitch.servers import free_port
 
-__all__ = ["PEERS", "Engine", "Peer", "PeerProcess", "missing_binaries"]
+__all__ = ["PEERS", "Engine", "Peer", "PeerProcess", "connect_endpoint", "missing_binaries"]
 
 Fleet = Literal["agg", "pd"]
 
@@ -42,8 +42,18 @@ def _sglang_cache_aware(engines: Sequence[Engine], block_size: int, model: str) 
     return ["--worker-urls", *(e.url for e in engines), "--policy", "cache_aware"]
 
 
+def connect_endpoint(bind: str) -> str:
+    """The address a subscriber connects to for an engine's ZMQ bind endpoint: engines bind
+    `tcp://*:PORT`, and vllm-router refuses a wildcard host to connect to."""
+    scheme, sep, rest = bind.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if sep and colon and host in ("*", "0.0.0.0"):
+        return f"{scheme}://127.0.0.1:{port}"
+    return bind
+
+
 def _vllm_kv_aware(engines: Sequence[Engine], block_size: int, model: str) -> list[str]:
-    sources = [arg for e in engines for arg in ("--kv-event-source", f"{e.url}={e.events}")]
+    sources = [arg for e in engines for arg in ("--kv-event-source", f"{e.url}={connect_endpoint(e.events)}")]
     return [
         "--worker-urls", *(e.url for e in engines), "--policy", "kv_aware", *sources,
         "--kv-event-block-size", str(block_size), "--kv-event-model", model,

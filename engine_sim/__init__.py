@@ -12,7 +12,6 @@ from engine_sim.config import EVENT_FORMS, ROLES, KVEventsConfig, SimConfig
 from engine_sim.errors import PromptTooLongError, SimConfigError, SimRequestError
 from engine_sim.faults import Faults
 from engine_sim.fleet import SimFleet, fleet_config
-from engine_sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from engine_sim.runner import EngineRunner, RequestStream, tune_gc
 from engine_sim.scheduler import Scheduler, StepOutput, StepResult
 from engine_sim.server import ServerStatus, SimServer
@@ -25,12 +24,8 @@ __all__ = [
     "EVENT_FORMS",
     "PROFILES",
     "ROLES",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
     "Engine",
     "EngineRunner",
-    "EventBatch",
     "Faults",
     "KVEventsConfig",
     "PromptTooLongError",
@@ -45,8 +40,6 @@ __all__ = [
     "StepOutput",
     "StepResult",
     "TimingModel",
-    "decode_batch",
-    "encode_batch",
     "fleet_config",
     "load_profile",
     "tune_gc",

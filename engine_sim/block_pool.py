@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from engine_sim.block_hash import HashedBlock
-from engine_sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from protocol.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["Block", "BlockPool"]
 

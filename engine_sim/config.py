@@ -16,11 +16,10 @@ import msgspec
 
 from engine_sim.errors import SimConfigError
 from engine_sim.timing import PROFILES, load_profile
+from protocol.vllm_events import EVENT_FORMS, EventForm
 
 __all__ = ["EVENT_FORMS", "ROLES", "KVEventsConfig", "SimConfig"]
 
-EventForm = Literal["map", "array"]
-EVENT_FORMS: tuple[str, ...] = get_args(EventForm)
 Role = Literal["prefill", "decode", "agg"]
 ROLES: tuple[str, ...] = get_args(Role)
 

@@ -1,13 +1,11 @@
-"""The ZMQ side of KV events, as vLLM's ZmqEventPublisher behaves on the wire.
+"""The ZMQ side of KV events, as vLLM's ZmqEventPublisher behaves (frames: protocol/vllm_events.py).
 
-- PUB socket: each batch is a multipart message `[topic, seq as 8-byte big-endian, payload]`; seq
-  starts at 0 per engine start and grows by one per batch. The socket binds when the endpoint has
-  a `*` or `::` (or is ipc:// / inproc://) and connects otherwise, as vLLM's does. Messages sent
+- PUB socket: each batch is one multipart message; seq starts at 0 per engine start and grows by
+  one per batch. The socket binds or connects by vLLM's rule (`publisher_binds`). Messages sent
   before a subscriber connects are lost (ZMQ PUB semantics), which is what replay is for.
-- ROUTER replay socket (always bound): a DEALER sends `["", start_seq]` (8-byte big-endian); the
-  reply is every buffered batch with seq >= start_seq as `["", topic, seq, payload]` (the payload
-  bytes identical to the live ones), then the end marker `["", "", 0xFFFFFFFFFFFFFFFF, ""]`.
-  Requests of any other shape are ignored, as vLLM ignores them.
+- ROUTER replay socket (always bound): answers a replay request with every buffered batch from
+  its start seq on (payload bytes identical to the live ones), then the end marker. Requests of
+  any other shape are ignored, as vLLM ignores them.
 - `drop_event_fraction` (a fault knob) skips the PUB send of that fraction of batches; they still
   take a seq and stay in the replay buffer, like batches lost on the network.
 
@@ -28,17 +26,20 @@ import zmq
 import zmq.asyncio
 
 from engine_sim.config import KVEventsConfig
-from engine_sim.kv_events import KVEvent, encode_batch
+from protocol.errors import ProtocolError
+from protocol.vllm_events import (
+    REPLAY_END,
+    KVEvent,
+    decode_replay_request,
+    encode_batch,
+    encode_seq,
+    publisher_binds,
+    replay_reply,
+)
 
-__all__ = ["END_SEQ", "EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "should_bind"]
+__all__ = ["EventPublisher", "NullEventPublisher", "ZmqEventPublisher"]
 
 log = logging.getLogger("engine_sim.events")
-
-END_SEQ = b"\xff" * 8
-
-
-def should_bind(endpoint: str) -> bool:
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def _subscriber_address(last_endpoint: str) -> str:
@@ -48,6 +49,7 @@ def _subscriber_address(last_endpoint: str) -> str:
 
 class EventPublisher(Protocol):
     seq: int
+    drop_fraction: float
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -63,6 +65,7 @@ class EventPublisher(Protocol):
 class NullEventPublisher:
     def __init__(self) -> None:
         self.seq = 0
+        self.drop_fraction = 0.0
 
     async def start(self) -> None:
         return None
@@ -126,7 +129,7 @@ class ZmqEventPublisher:
         pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         pub.setsockopt(zmq.LINGER, 0)
         ep = self.config.endpoint
-        if should_bind(ep):
+        if publisher_binds(ep):
             await _bind_retrying(pub, ep)
             self._endpoint = _subscriber_address(pub.getsockopt_string(zmq.LAST_ENDPOINT))
         else:
@@ -163,23 +166,23 @@ class ZmqEventPublisher:
             self.dropped += 1
             return
         try:
-            self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+            self._pub.send_multipart([self._topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
             self.sent += 1
         except zmq.Again:
             self.dropped += 1
 
     async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await router.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                log.debug("ignoring malformed replay request with %d frames", len(frames))
+            identity, *request = await router.recv_multipart()
+            try:
+                start_seq = decode_replay_request(request)
+            except ProtocolError as exc:
+                log.debug("ignoring replay request: %s", exc)
                 continue
-            identity, _, start = frames
-            start_seq = int.from_bytes(start, "big")
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
-                    await router.send_multipart([identity, b"", self._topic, seq.to_bytes(8, "big"), payload])
-            await router.send_multipart([identity, b"", b"", END_SEQ, b""])
+                    await router.send_multipart([identity, *replay_reply(self._topic, seq, payload)])
+            await router.send_multipart([identity, *REPLAY_END])
 
 
 async def _bind_retrying(sock: zmq.Socket[bytes] | zmq.asyncio.Socket, endpoint: str) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -30,7 +30,7 @@ from aiohttp import web
 from engine_sim import openai_format as fmt
 from engine_sim.errors import PromptTooLongError, SimRequestError
 from engine_sim.metrics import CONTENT_TYPE, render_metrics
-from engine_sim.openai_format import SSE_DONE, ChatBody, CompletionBody, StopText, sse
+from engine_sim.openai_format import SSE_DONE, ChatBody, CompletionBody, Output, StopText, sse
 from engine_sim.request import SimRequest
 from engine_sim.runner import RequestStream, StreamClosed
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
@@ -67,7 +67,7 @@ class _Job:
         self.body = body
         self.prompts = prompts
         self.base_id = base_id
-        self.created = int(time.time())
+        self.head = fmt.Head(base_id, int(time.time()), srv.config.model, srv.fingerprint)
         self.stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         self.want_ids = bool(body.return_token_ids)
         self.streams: list[RequestStream] = []
@@ -182,25 +182,40 @@ def _fault_gate(srv: SimServer, request: web.Request) -> bool:
     return False
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
+async def _serve(
+    request: web.Request,
+    kind: type[CompletionBody] | type[ChatBody],
+    id_prefix: str,
+    prompts_of: Callable[[Any], list[_Prompt]],
+    respond: Callable[[web.Request, _Job], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """Admit and submit one generate call, then `respond`; the engine requests end with the call."""
     try:
-        srv, body = await _admit(request, CompletionBody)
-        prompts = _parse_prompts(body.prompt)
+        srv, body = await _admit(request, kind)
+        prompts = prompts_of(body)
         _check_ids(srv, prompts)
         if _fault_gate(srv, request):
             return web.Response(status=500)
-        job = _Job(srv, body, prompts, f"cmpl-{_request_id(request)}")
+        job = _Job(srv, body, prompts, f"{id_prefix}-{_request_id(request)}")
         job.submit()
     except SimRequestError as exc:
         return _error(exc)
     try:
-        if body.stream:
-            return await _stream_completion(request, job)
-        return await _complete(request, job)
+        return await respond(request, job)
     except StreamClosed:
         return _engine_gone(request)
     finally:
         job.abort_unfinished()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, CompletionBody, "cmpl", lambda body: _parse_prompts(body.prompt), _respond_completion)
+
+
+async def _respond_completion(request: web.Request, job: _Job) -> web.StreamResponse:
+    if job.body.stream:
+        return await _stream_completion(request, job)
+    return await _complete(request, job)
 
 
 def _engine_gone(request: web.Request) -> web.Response:
@@ -209,48 +224,55 @@ def _engine_gone(request: web.Request) -> web.Response:
     return web.Response(status=500)
 
 
-async def _collect(job: _Job, i: int) -> tuple[list[int], str, str | None, str | None]:
-    """Run prompt i to the end: (token ids, text, finish_reason, stop_reason)."""
+class _Piece(msgspec.Struct, gc=False):
+    """One generated token and what its chunk carries (text possibly ""); `last` ends the choice."""
+
+    token: int
+    out: Output
+    last: bool
+
+
+async def _steps(job: _Job, i: int, stop: StopText) -> AsyncIterator[list[_Piece]]:
+    """Prompt i's tokens, one list per engine step, detokenised through `stop`. A stop string
+    ends the choice there and aborts the engine request (vLLM stops generating at once)."""
     stream = job.streams[i]
-    stop = StopText(job.stops)
-    ids: list[int] = []
-    while (new := await stream.next_tokens()) and stop.stop_reason is None:
-        for t in new:
-            ids.append(t)
-            stop.add(_tokenizer.decode([t]))
+    while new := await stream.next_tokens():
+        pieces = []
+        for k, t in enumerate(new):
+            text = stop.add(_tokenizer.decode([t]))
+            last = stop.stop_reason is not None or (stream.finished and k == len(new) - 1)
+            finish = "stop" if stop.stop_reason is not None else (stream.finish_reason if last else None)
+            if last:
+                text += stop.finish()
+            out = Output(text, finish, stop.stop_reason, [t] if job.want_ids else None)
+            pieces.append(_Piece(t, out, last))
             if stop.stop_reason is not None:
                 job.srv.runner.abort(stream.request_id, "stop")
-                return ids, stop.text, "stop", stop.stop_reason
-    return ids, stop.text, stream.finish_reason, None
+                break
+        yield pieces
+        if stop.stop_reason is not None:
+            return
+
+
+async def _collect(job: _Job, i: int) -> tuple[int, Output]:
+    """Run prompt i to the end: how many tokens it generated and the whole choice."""
+    stop = StopText(job.stops)
+    ids: list[int] = []
+    async for pieces in _steps(job, i, stop):
+        ids.extend(p.token for p in pieces)
+    finish = "stop" if stop.stop_reason is not None else job.streams[i].finish_reason
+    return len(ids), Output(stop.text, finish, stop.stop_reason, ids if job.want_ids else None)
 
 
 async def _complete(request: web.Request, job: _Job) -> web.StreamResponse:
     results = await asyncio.gather(*(_collect(job, i) for i in range(len(job.prompts))))
-    choices = []
-    n_out = 0
-    for i, (ids, text, finish, stop_reason) in enumerate(results):
-        n_out += len(ids)
-        choices.append(
-            fmt.completion_choice(
-                i,
-                text,
-                finish,
-                stop_reason,
-                ids if job.want_ids else None,
-                job.prompts[i].token_ids if job.want_ids else None,
-            )
-        )
+    choices = [
+        fmt.completion_choice(i, out, job.prompts[i].token_ids if job.want_ids else None)
+        for i, (_, out) in enumerate(results)
+    ]
     n_in = sum(len(p.token_ids) for p in job.prompts)
-    srv = job.srv
-    body = fmt.completion_response(
-        job.base_id,
-        job.created,
-        srv.config.model,
-        choices,
-        srv.fingerprint,
-        fmt.usage(n_in, n_out),
-        job.streams[0].kv_transfer_params,
-    )
+    n_out = sum(n for n, _ in results)
+    body = fmt.completion_response(job.head, choices, fmt.usage(n_in, n_out), job.streams[0].kv_transfer_params)
     return _with_id(_json_response(body), request)
 
 
@@ -269,143 +291,78 @@ async def _open_sse(request: web.Request) -> web.StreamResponse:
 
 async def _stream_completion(request: web.Request, job: _Job) -> web.StreamResponse:
     resp = await _open_sse(request)
-    srv = job.srv
-    model = srv.config.model
     counts = [0] * len(job.prompts)
 
     async def pump(i: int) -> None:
-        stream = job.streams[i]
         stop = StopText(job.stops)
         first = True
-        while new := await stream.next_tokens():
+        async for pieces in _steps(job, i, stop):
+            counts[i] += len(pieces)
             buf = bytearray()
-            for k, t in enumerate(new):
-                counts[i] += 1
-                text = stop.add(_tokenizer.decode([t]))
-                last = stop.stop_reason is not None or (stream.finished and k == len(new) - 1)
-                finish = "stop" if stop.stop_reason is not None else (stream.finish_reason if last else None)
-                if last:
-                    text += stop.finish()
-                if text or last or job.want_ids:
-                    buf += sse(
-                        fmt.completion_chunk(
-                            job.base_id,
-                            job.created,
-                            model,
-                            i,
-                            text,
-                            finish,
-                            stop.stop_reason,
-                            job.prompts[i].token_ids if job.want_ids and first else None,
-                            [t] if job.want_ids else None,
-                        )
-                    )
+            for p in pieces:
+                if p.out.text or p.last or job.want_ids:
+                    prompt_ids = job.prompts[i].token_ids if job.want_ids and first else None
+                    buf += sse(fmt.completion_chunk(job.head, i, p.out, prompt_ids))
                     first = False
-                if stop.stop_reason is not None:
-                    srv.runner.abort(stream.request_id, "stop")
-                    break
             await resp.write(bytes(buf))
-            if stop.stop_reason is not None:
-                return
 
     await asyncio.gather(*(pump(i) for i in range(len(job.prompts))))
+    n_in = sum(len(p.token_ids) for p in job.prompts)
+    return await _end_sse(resp, job, "text_completion", fmt.usage(n_in, sum(counts), details=False))
+
+
+async def _end_sse(resp: web.StreamResponse, job: _Job, obj: str, usage: dict[str, Any]) -> web.StreamResponse:
+    """The usage chunk when the client asked for it, then [DONE]."""
     opts = job.body.stream_options
     if opts is not None and opts.include_usage:
-        n_in = sum(len(p.token_ids) for p in job.prompts)
-        u = fmt.usage(n_in, sum(counts), details=False)
-        await resp.write(sse(fmt.usage_chunk(job.base_id, "text_completion", job.created, model, u, srv.fingerprint)))
+        await resp.write(sse(fmt.usage_chunk(job.head, obj, usage)))
     await resp.write(SSE_DONE)
     await resp.write_eof()
     return resp
 
 
+def _chat_prompts(body: ChatBody) -> list[_Prompt]:
+    if not isinstance(body.messages, list) or not body.messages:
+        raise SimRequestError("messages must be a non-empty list", param="messages")
+    try:
+        text = apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt)
+    except (ValueError, AttributeError) as exc:
+        raise SimRequestError(str(exc), param="messages") from exc
+    return [_Prompt(_tokenizer.encode(text), True)]
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    try:
-        srv, body = await _admit(request, ChatBody)
-        if not isinstance(body.messages, list) or not body.messages:
-            raise SimRequestError("messages must be a non-empty list", param="messages")
-        try:
-            text = apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt)
-        except (ValueError, AttributeError) as exc:
-            raise SimRequestError(str(exc), param="messages") from exc
-        prompts = [_Prompt(_tokenizer.encode(text), True)]
-        _check_ids(srv, prompts)
-        if _fault_gate(srv, request):
-            return web.Response(status=500)
-        job = _Job(srv, body, prompts, f"chatcmpl-{_request_id(request)}")
-        job.submit()
-    except SimRequestError as exc:
-        return _error(exc)
-    try:
-        if body.stream:
-            return await _stream_chat(request, job)
-        ids, out_text, finish, stop_reason = await _collect(job, 0)
-        resp = fmt.chat_response(
-            job.base_id,
-            job.created,
-            srv.config.model,
-            out_text,
-            finish,
-            stop_reason,
-            ids if job.want_ids else None,
-            prompts[0].token_ids if job.want_ids else None,
-            srv.fingerprint,
-            fmt.usage(len(prompts[0].token_ids), len(ids)),
-            job.streams[0].kv_transfer_params,
-        )
-        return _with_id(_json_response(resp), request)
-    except StreamClosed:
-        return _engine_gone(request)
-    finally:
-        job.abort_unfinished()
+    return await _serve(request, ChatBody, "chatcmpl", _chat_prompts, _respond_chat)
+
+
+async def _respond_chat(request: web.Request, job: _Job) -> web.StreamResponse:
+    if job.body.stream:
+        return await _stream_chat(request, job)
+    n_out, out = await _collect(job, 0)
+    prompt_ids = job.prompts[0].token_ids
+    body = fmt.chat_response(
+        job.head,
+        out,
+        prompt_ids if job.want_ids else None,
+        fmt.usage(len(prompt_ids), n_out),
+        job.streams[0].kv_transfer_params,
+    )
+    return _with_id(_json_response(body), request)
 
 
 async def _stream_chat(request: web.Request, job: _Job) -> web.StreamResponse:
     resp = await _open_sse(request)
-    srv = job.srv
-    model = srv.config.model
-    stream = job.streams[0]
-    stop = StopText(job.stops)
     n_out = 0
     prompt_ids = job.prompts[0].token_ids
-    await resp.write(sse(fmt.chat_first_chunk(job.base_id, job.created, model, prompt_ids if job.want_ids else None)))
-    while new := await stream.next_tokens():
+    await resp.write(sse(fmt.chat_first_chunk(job.head, prompt_ids if job.want_ids else None)))
+    async for pieces in _steps(job, 0, StopText(job.stops)):
+        n_out += len(pieces)
         buf = bytearray()
-        for k, t in enumerate(new):
-            n_out += 1
-            text = stop.add(_tokenizer.decode([t]))
-            last = stop.stop_reason is not None or (stream.finished and k == len(new) - 1)
-            finish = "stop" if stop.stop_reason is not None else (stream.finish_reason if last else None)
-            if last:
-                text += stop.finish()
-            if text or last:
-                buf += sse(
-                    fmt.chat_chunk(
-                        job.base_id,
-                        job.created,
-                        model,
-                        text,
-                        finish,
-                        stop.stop_reason,
-                        [t] if job.want_ids else None,
-                        srv.fingerprint,
-                    )
-                )
-            if stop.stop_reason is not None:
-                srv.runner.abort(stream.request_id, "stop")
-                break
+        for p in pieces:
+            if p.out.text or p.last:
+                buf += sse(fmt.chat_chunk(job.head, p.out))
         await resp.write(bytes(buf))
-        if stop.stop_reason is not None:
-            break
-    opts = job.body.stream_options
-    if opts is not None and opts.include_usage:
-        u = fmt.usage(len(prompt_ids), n_out, details=False)
-        await resp.write(
-            sse(fmt.usage_chunk(job.base_id, "chat.completion.chunk", job.created, model, u, srv.fingerprint))
-        )
-    await resp.write(SSE_DONE)
-    await resp.write_eof()
-    return resp
+    return await _end_sse(resp, job, "chat.completion.chunk", fmt.usage(len(prompt_ids), n_out, details=False))
 
 
 async def models(request: web.Request) -> web.Response:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from protocol import vllm_metrics as vm
+
 if TYPE_CHECKING:
     from engine_sim.server import SimServer
 
@@ -47,9 +49,9 @@ class _Collector:
             return c
 
         waiting = len(sched.waiting)
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", len(sched.running))
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", sched.pool.usage)
+        yield gauge(vm.NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.", len(sched.running))
+        yield gauge(vm.NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.", waiting)
+        yield gauge(vm.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.", sched.pool.usage)
         yield counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
@@ -58,7 +60,7 @@ class _Collector:
         yield counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits
         )
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.preemptions)
+        yield counter(vm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", st.preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
         by_source = CounterMetricFamily(
             "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", labels=[*_LABELS, "source"]
@@ -88,34 +90,25 @@ class _Collector:
             h = HistogramMetricFamily(name, doc, labels=_LABELS)
             h.add_metric(lv, hist.cumulative(), hist.sum)
             yield h
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            labels=[
-                "block_size",
-                "cache_dtype",
-                "enable_prefix_caching",
-                "engine",
-                "gpu_memory_utilization",
-                "kv_cache_size_tokens",
-                "num_gpu_blocks",
-                "prefix_caching_hash_algo",
-            ],
-        )
-        info.add_metric(
-            [
-                str(cfg.block_size),
-                "auto",
-                "True",
-                "0",
-                "0.9",
-                str(sched.pool.num_blocks * cfg.block_size),
-                str(sched.pool.num_blocks),
-                "sha256_cbor",
-            ],
-            1.0,
-        )
-        yield info
+        yield _cache_config_info(srv)
+
+
+def _cache_config_info(srv: SimServer) -> GaugeMetricFamily:
+    cfg, pool = srv.config, srv.engine.pool
+    # Label names in vLLM's (sorted) order; the values a default vLLM on one engine reports.
+    labels = {
+        vm.LABEL_BLOCK_SIZE: str(cfg.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": "True",
+        "engine": "0",
+        "gpu_memory_utilization": "0.9",
+        "kv_cache_size_tokens": str(pool.num_blocks * cfg.block_size),
+        vm.LABEL_NUM_GPU_BLOCKS: str(pool.num_blocks),
+        "prefix_caching_hash_algo": "sha256_cbor",
+    }
+    info = GaugeMetricFamily(vm.CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", labels=list(labels))
+    info.add_metric(list(labels.values()), 1.0)
+    return info
 
 
 def render_metrics(server: SimServer) -> bytes:

@@ -15,10 +15,13 @@ __all__ = [
     "VLLM_VERSION",
     "ChatBody",
     "CompletionBody",
+    "Head",
+    "Output",
     "StopText",
     "chat_chunk",
     "chat_first_chunk",
     "chat_response",
+    "completion_choice",
     "completion_chunk",
     "completion_response",
     "error_body",
@@ -103,23 +106,35 @@ def usage(prompt: int, completion: int, *, details: bool = True) -> dict[str, An
     return out
 
 
+class Head(msgspec.Struct, frozen=True, gc=False):
+    """What every response object of one call names: its id, creation time, model and fingerprint."""
+
+    rid: str
+    created: int
+    model: str
+    fingerprint: str
+
+    def envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+
+class Output(msgspec.Struct, gc=False):
+    """What one choice (or one chunk of it) carries; `token_ids` only when the client asked."""
+
+    text: str
+    finish_reason: str | None
+    stop_reason: str | None
+    token_ids: list[int] | None
+
+
 def completion_response(
-    rid: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    fingerprint: str,
-    usage_: dict[str, Any],
-    kv_transfer_params: dict[str, Any] | None,
+    head: Head, choices: list[dict[str, Any]], usage_: dict[str, Any], kv_transfer_params: dict[str, Any] | None
 ) -> dict[str, Any]:
     return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
+        **head.envelope("text_completion"),
         "choices": choices,
         "service_tier": None,
-        "system_fingerprint": fingerprint,
+        "system_fingerprint": head.fingerprint,
         "usage": usage_,
         "kv_transfer_params": kv_transfer_params,
         "ec_transfer_params": None,
@@ -127,80 +142,45 @@ def completion_response(
     }
 
 
-def completion_choice(
-    index: int,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: str | None,
-    token_ids: list[int] | None,
-    prompt_token_ids: list[int] | None,
-) -> dict[str, Any]:
+def _text_choice(index: int, out: Output) -> dict[str, Any]:
     return {
         "index": index,
-        "text": text,
+        "text": out.text,
         "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-        "token_ids": token_ids,
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+    }
+
+
+def completion_choice(index: int, out: Output, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+    return {
+        **_text_choice(index, out),
+        "token_ids": out.token_ids,
         "prompt_logprobs": None,
         "prompt_token_ids": prompt_token_ids,
         "routed_experts": None,
     }
 
 
-def completion_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    index: int,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: str | None,
-    prompt_token_ids: list[int] | None,
-    token_ids: list[int] | None,
-) -> dict[str, Any]:
-    choice = {
-        "index": index,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-        "prompt_token_ids": prompt_token_ids,
-        "token_ids": token_ids,
-    }
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+def completion_chunk(head: Head, index: int, out: Output, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+    choice = {**_text_choice(index, out), "prompt_token_ids": prompt_token_ids, "token_ids": out.token_ids}
+    return {**head.envelope("text_completion"), "choices": [choice]}
 
 
-def usage_chunk(
-    rid: str, obj: str, created: int, model: str, usage_: dict[str, Any], fingerprint: str
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_,
-        "system_fingerprint": fingerprint,
-    }
+def usage_chunk(head: Head, obj: str, usage_: dict[str, Any]) -> dict[str, Any]:
+    return {**head.envelope(obj), "choices": [], "usage": usage_, "system_fingerprint": head.fingerprint}
 
 
 def chat_response(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: str | None,
-    token_ids: list[int] | None,
+    head: Head,
+    out: Output,
     prompt_token_ids: list[int] | None,
-    fingerprint: str,
     usage_: dict[str, Any],
     kv_transfer_params: dict[str, Any] | None,
 ) -> dict[str, Any]:
     message = {
         "role": "assistant",
-        "content": text,
+        "content": out.text,
         "refusal": None,
         "annotations": None,
         "audio": None,
@@ -211,19 +191,16 @@ def chat_response(
         "index": 0,
         "message": message,
         "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-        "token_ids": token_ids,
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+        "token_ids": out.token_ids,
         "routed_experts": None,
     }
     return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
+        **head.envelope("chat.completion"),
         "choices": [choice],
         "service_tier": None,
-        "system_fingerprint": fingerprint,
+        "system_fingerprint": head.fingerprint,
         "usage": usage_,
         "prompt_logprobs": None,
         "prompt_token_ids": prompt_token_ids,
@@ -234,38 +211,23 @@ def chat_response(
     }
 
 
-def chat_first_chunk(rid: str, created: int, model: str, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+def chat_first_chunk(head: Head, prompt_token_ids: list[int] | None) -> dict[str, Any]:
     choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "prompt_token_ids": prompt_token_ids,
-        "prompt_text": None,
-    }
+    return {**head.envelope("chat.completion.chunk"), "choices": [choice], "prompt_token_ids": prompt_token_ids,
+            "prompt_text": None}  # fmt: skip
 
 
-def chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: str | None,
-    token_ids: list[int] | None,
-    fingerprint: str,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-    choice["token_ids"] = token_ids
-    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [choice]}  # fmt: skip
-    if finish_reason is not None:
-        out["system_fingerprint"] = fingerprint
-    return out
+def chat_chunk(head: Head, out: Output) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": {"content": out.text}, "logprobs": None,
+                              "finish_reason": out.finish_reason}  # fmt: skip
+    # vLLM adds stop_reason and the fingerprint only to the chunk that ends the choice.
+    if out.finish_reason is not None:
+        choice["stop_reason"] = out.stop_reason
+    choice["token_ids"] = out.token_ids
+    chunk = {**head.envelope("chat.completion.chunk"), "choices": [choice]}
+    if out.finish_reason is not None:
+        chunk["system_fingerprint"] = head.fingerprint
+    return chunk
 
 
 def models_response(model: str, created: int, max_model_len: int, perm_id: str) -> dict[str, Any]:

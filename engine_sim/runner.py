@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from engine_sim import disagg
+from engine_sim.event_publisher import EventPublisher
 from engine_sim.faults import Faults
 from engine_sim.request import SimRequest
 from engine_sim.scheduler import Scheduler, StepResult
@@ -114,7 +115,7 @@ class EngineRunner:
     def __init__(
         self,
         scheduler: Scheduler,
-        publisher: Any,
+        publisher: EventPublisher,
         faults: Faults,
         *,
         speedup: float = 1.0,

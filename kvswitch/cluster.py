@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port
+from kvswitch.servers import EtcdServer, NatsServer, ServerError, die_with_parent, free_port
 
 __all__ = ["ClusterSpec", "LocalCluster"]
 
@@ -167,6 +167,8 @@ class LocalCluster:
             [sys.executable, "-m", "kvswitch", *argv],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,  # type: ignore[arg-type]
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # A supervisor killed outright must not orphan its children: they drain on SIGTERM.
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509
         )  # fmt: skip
         child = _Child(name, proc)
         self.children.append(child)

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-__all__ = ["EtcdServer", "NatsServer", "ServerError", "find_etcd", "find_nats_server", "free_port"]
+__all__ = ["EtcdServer", "NatsServer", "ServerError", "die_with_parent", "find_etcd", "find_nats_server", "free_port"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -61,9 +61,10 @@ def find_etcd() -> str:
     raise ServerError("etcd not found: run `sudo apt-get install -y etcd-server` (make install does this as root)")
 
 
-def _die_with_parent() -> None:
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a child before exec: have the kernel send `sig` when the parent thread dies (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
@@ -100,7 +101,7 @@ class _Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 (async-signal-safe: one prctl call)
+                preexec_fn=die_with_parent,  # noqa: PLW1509 (async-signal-safe: one prctl call)
             )
         finally:
             log.close()

@@ -1,8 +1,9 @@
 """The one vocabulary every kvswitch process speaks.
 
 Wire messages (msgspec Structs), NATS subject and etcd key builders, the canonical block hash,
-config schemas with their validation, and the built-in deterministic tokenizer. Imports nothing
-else of kvswitch's.
+config schemas with their validation, and the built-in deterministic tokenizer. The engine wire
+formats kvswitch speaks to (vLLM's ZMQ KV events, its metric names) are the submodules
+`protocol.vllm_events` and `protocol.vllm_metrics`. Imports nothing else of kvswitch's.
 """
 
 from protocol import subjects

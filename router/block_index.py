@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat
 from operator import and_, itemgetter, ne, not_, or_
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from protocol.messages import Cleared, KvEvent, Removed, Stored
 
-__all__ = ["BlockIndex"]
+__all__ = ["BlockIndex", "Overlap"]
 
 # Bits to worker names: below this many set bits a find() loop wins, above it numpy does.
 _FEW_BITS = 16
@@ -140,27 +140,33 @@ class BlockIndex:
 
     # --- queries -------------------------------------------------------------------------------
 
-    def find_matches(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Per worker, the number of leading `hashes` it holds; workers with none are left out."""
+    def match(self, hashes: Sequence[int]) -> Overlap:
+        """Per worker, the number of leading `hashes` it holds, as a lazy mapping (what routing
+        reads); valid until the index next changes, so read it in the same synchronous step."""
         masks = self._masks
         if not hashes or not masks.get(hashes[0]):
-            return {}
+            return Overlap((), 0, self._slot_of, self._bits, self._names)
         # The running AND of the masks only loses bits, and where it loses some, those workers'
         # prefixes end. It can only change where a block's mask differs from the one before, and a
         # prompt's masks come in long equal runs (a conversation held by the same workers), so
         # compare neighbours in C and AND only at the few places they differ.
         got = self._leading_masks(hashes)
         running: int = got[0]
-        out: dict[str, int] = {}
+        matched = running
+        cuts: list[tuple[int, int]] = []
         for depth in compress(range(1, len(got)), map(ne, got, islice(got, 1, None))):
             cut = running & got[depth]
             if cut != running:
-                self._name_bits(running ^ cut, depth, out)
+                cuts.append((running ^ cut, depth))
                 if not cut:
-                    return out
+                    return Overlap(cuts, matched, self._slot_of, self._bits, self._names)
                 running = cut
-        self._name_bits(running, len(got), out)
-        return out
+        cuts.append((running, len(got)))
+        return Overlap(cuts, matched, self._slot_of, self._bits, self._names)
+
+    def find_matches(self, hashes: Sequence[int]) -> dict[str, int]:
+        """`match` as a plain dict; workers with no leading block are left out."""
+        return self.match(hashes).to_dict()
 
     def _leading_masks(self, hashes: Sequence[int]) -> list[int]:
         """The masks of the prompt's blocks up to the first one nobody holds, looked up in chunks
@@ -174,21 +180,6 @@ class BlockIndex:
                 break
             got += part
         return got
-
-    def _name_bits(self, bits: int, depth: int, out: dict[str, int]) -> None:
-        names = self._names
-        if not bits & (bits - 1):  # one worker: the usual case for a conversation's own tail
-            out[names[bits.bit_length() - 1]] = depth  # type: ignore[index]  # set bits name workers
-        elif bits.bit_count() <= _FEW_BITS:
-            flags = bin(bits)[:1:-1]  # least significant bit first: position i is slot i
-            i = flags.find("1")
-            while i >= 0:
-                out[names[i]] = depth  # type: ignore[index]
-                i = flags.find("1", i + 1)
-        else:  # many workers (a shared system prompt): find the set bits in numpy, name them in C
-            raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
-            slots = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
-            out.update(dict.fromkeys(itemgetter(*slots)(names), depth))
 
     def worker_hashes(self, worker: str) -> set[int]:
         """A copy of the hashes `worker` holds (empty for an unknown worker)."""
@@ -216,3 +207,76 @@ class BlockIndex:
     def slots(self) -> int:
         """Slots allocated (live workers plus freed slots awaiting reuse): the mask width in bits."""
         return len(self._names)
+
+
+class Overlap(Mapping[str, int]):
+    """`BlockIndex.match`'s answer: worker -> leading prompt blocks it holds (absent: none).
+
+    Kept as the few `(workers' bits, depth)` cuts where the prompt's running mask lost bits, so
+    answering costs nothing per matching worker until someone asks: `get(worker)` is a slot lookup
+    and an AND per cut, which is what routing does for each candidate. A prompt that many workers
+    share (a system prompt held by hundreds) thus costs no dict of hundreds of names. It reads the
+    index's slot tables, so it is valid only until the index next changes.
+    """
+
+    __slots__ = ("_bits", "_cuts", "_matched", "_names", "_slot_of")
+
+    def __init__(
+        self,
+        cuts: Sequence[tuple[int, int]],
+        matched: int,
+        slot_of: Mapping[str, int],
+        bits: Sequence[int],
+        names: Sequence[str | None],
+    ) -> None:
+        self._cuts = cuts
+        self._matched = matched  # the union of the cuts: workers holding at least the first block
+        self._slot_of = slot_of
+        self._bits = bits
+        self._names = names
+
+    def get(self, worker: str, default: int = 0) -> int:  # type: ignore[override]  # int default only
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return default
+        bit = self._bits[slot]
+        if not self._matched & bit:
+            return default
+        for bits, depth in self._cuts:
+            if bits & bit:
+                return depth
+        return default
+
+    def __getitem__(self, worker: str) -> int:
+        depth = self.get(worker, 0)
+        if not depth:
+            raise KeyError(worker)
+        return depth
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return self._matched.bit_count()
+
+    def to_dict(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for bits, depth in self._cuts:
+            _name_bits(self._names, bits, depth, out)
+        return out
+
+
+def _name_bits(names: Sequence[str | None], bits: int, depth: int, out: dict[str, int]) -> None:
+    """out[worker] = depth for every worker whose slot bit is set in `bits`."""
+    if not bits & (bits - 1):  # one worker: the usual case for a conversation's own tail
+        out[names[bits.bit_length() - 1]] = depth  # type: ignore[index]  # set bits name workers
+    elif bits.bit_count() <= _FEW_BITS:
+        flags = bin(bits)[:1:-1]  # least significant bit first: position i is slot i
+        i = flags.find("1")
+        while i >= 0:
+            out[names[i]] = depth  # type: ignore[index]
+            i = flags.find("1", i + 1)
+    else:  # many workers (a shared system prompt): find the set bits in numpy, name them in C
+        raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
+        slots = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+        out.update(dict.fromkeys(itemgetter(*slots)(names), depth))

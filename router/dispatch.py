@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -95,17 +96,27 @@ class Job:
 
 
 class _Leg:
-    """One leg's reply stream; use as `async with`, iterate chunks; leaving early cancels it."""
+    """One leg's reply stream; use as `async with`, iterate chunks; leaving early cancels it.
+
+    Chunks wait in a deque and wake the reader through one future, not an asyncio.Queue read under
+    `wait_for`, which would cost a task per chunk."""
 
     def __init__(self, owner: Dispatcher, token: str, worker: str, request_id: str) -> None:
         self.owner = owner
         self.token = token
         self.worker = worker
         self.request_id = request_id
-        self.queue: asyncio.Queue[ResponseChunk | LegError] = asyncio.Queue()
+        self._items: deque[ResponseChunk | LegError] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.next_seq = 0
         self.done = False
         self.tokens_seen = False
+
+    def push(self, item: ResponseChunk | LegError) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def __aenter__(self) -> _Leg:
         return self
@@ -117,11 +128,22 @@ class _Leg:
         if not self.done:
             await self.owner._cancel(self.worker, self.request_id)
 
-    async def next(self, timeout_s: float) -> ResponseChunk:
+    async def _wait(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(max(timeout_s, 0.0), _wake, waiter)
         try:
-            item = await asyncio.wait_for(self.queue.get(), max(timeout_s, 0.0))
-        except TimeoutError:
-            raise LegError(self.worker, 504, "timeout", f"no answer within {timeout_s:.2f}s", retryable=False) from None
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    async def next(self, timeout_s: float) -> ResponseChunk:
+        if not self._items:
+            await self._wait(timeout_s)
+            if not self._items:
+                raise LegError(self.worker, 504, "timeout", f"no answer within {timeout_s:.2f}s", retryable=False)
+        item = self._items.popleft()
         if isinstance(item, LegError):
             raise item
         if item.seq != self.next_seq:
@@ -136,6 +158,11 @@ class _Leg:
         if item.final:
             self.done = True
         return item
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Dispatcher:
@@ -169,9 +196,7 @@ class Dispatcher:
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
         for leg in list(self._legs.values()):
-            leg.queue.put_nowait(
-                LegError(leg.worker, 503, "router_stopping", "the router is stopping", retryable=False)
-            )
+            leg.push(LegError(leg.worker, 503, "router_stopping", "the router is stopping", retryable=False))
         if sub is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -185,25 +210,23 @@ class Dispatcher:
         token came yet)."""
         for leg in list(self._legs.values()):
             if leg.worker == worker:
-                leg.queue.put_nowait(
-                    LegError(worker, 503, "worker_gone", "the worker left", retryable=not leg.tokens_seen)
-                )
+                leg.push(LegError(worker, 503, "worker_gone", "the worker left", retryable=not leg.tokens_seen))
 
     async def _on_reply(self, msg: Msg) -> None:
         leg = self._legs.get(msg.subject.rpartition(".")[2])
         if leg is None:
             return  # a leg already finished or cancelled: late chunks are expected then
         if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
-            leg.queue.put_nowait(LegError(leg.worker, 503, "no_responders", "nobody serves it", retryable=True))
+            leg.push(LegError(leg.worker, 503, "no_responders", "nobody serves it", retryable=True))
             return
         try:
             chunk = decode_msg(msg.data, ResponseChunk)
         except ProtocolError as exc:
-            leg.queue.put_nowait(LegError(leg.worker, 502, "malformed_chunk", str(exc), retryable=False))
+            leg.push(LegError(leg.worker, 502, "malformed_chunk", str(exc), retryable=False))
             return
         if chunk.token_ids:
             leg.tokens_seen = True
-        leg.queue.put_nowait(chunk)
+        leg.push(chunk)
 
     async def _open(self, worker: str, role: str, req: GenerateRequest) -> _Leg:
         token = str(next(self._ids))
@@ -273,16 +296,8 @@ class Dispatcher:
         role = "agg" if plan.decode.info.role == "agg" else "decode"
         if role == "decode" and job.transfer is None:
             annotations.append(ANNOTATION_BYPASS)
-        leg_req = GenerateRequest(
-            request_id=req.request_id,
-            model=req.model,
-            token_ids=req.token_ids,
-            sampling=req.sampling,
-            stream=True,
-            annotations=annotations,
-            disagg=job.transfer,
-            deadline=job.deadline,
-            trace=req.trace,
+        leg_req = msgspec.structs.replace(
+            req, stream=True, annotations=annotations, disagg=job.transfer, deadline=job.deadline
         )
         async with await self._open(plan.decode.worker, role, leg_req) as leg:
             while True:
@@ -299,15 +314,13 @@ class Dispatcher:
         assert plan.prefill is not None
         worker = plan.prefill.worker
         req = job.request
-        leg_req = GenerateRequest(
-            request_id=req.request_id,
-            model=req.model,
-            token_ids=req.token_ids,
+        leg_req = msgspec.structs.replace(
+            req,
             sampling=msgspec.structs.replace(req.sampling, max_tokens=1),
             stream=False,
             annotations=[a for a in req.annotations if a != ANNOTATION_BYPASS],
+            disagg=None,
             deadline=min(job.deadline, time.time() + self.prefill_timeout_s),
-            trace=req.trace,
         )
         timeout = min(self.prefill_timeout_s, job.deadline - time.time())
         try:

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import nats.errors
+import nats.js.api
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -43,16 +43,12 @@ from protocol.errors import ProtocolError
 from protocol.messages import KvEventBatch, KvStateChunk, KvStateRequest, decode_msg, encode_msg
 from router.block_index import BlockIndex
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
+from router.lifecycle import PartStatus
 
-__all__ = ["IngestStatus", "KvIngest"]
+__all__ = ["KvIngest"]
 
 log = logging.getLogger(__name__)
-
-
-class IngestStatus(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPED = "stopped"
+_NO_RESPONDERS = "503"  # the status header of the empty reply NATS sends when nobody subscribes
 
 
 @dataclass(eq=False)
@@ -86,7 +82,7 @@ class KvIngest:
         self._ns = subjects.validate_namespace(ns)
         self.index = index
         self.stats = IngestStats()
-        self.status = IngestStatus.NEW
+        self.status = PartStatus.NEW
         self._request_timeout_s = request_timeout_s
         self._retry_max_s = retry_max_s
         self._unknown_ttl_s = unknown_ttl_s
@@ -102,17 +98,17 @@ class KvIngest:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.status is not IngestStatus.NEW:
+        if self.status is not PartStatus.NEW:
             raise RuntimeError(f"KvIngest.start() called while {self.status.value}")
         self._sub = await self._nc.subscribe(subjects.kv_all(self._ns), cb=self._on_msg)
-        self.status = IngestStatus.RUNNING
+        self.status = PartStatus.RUNNING
         for worker in self._workers.values():
             self._start_repair(worker)
 
     async def stop(self) -> None:
-        if self.status is IngestStatus.STOPPED:
+        if self.status is PartStatus.STOPPED:
             return
-        self.status = IngestStatus.STOPPED
+        self.status = PartStatus.STOPPED
         sub, self._sub = self._sub, None
         if sub is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):  # the connection may be draining or closed under us
@@ -143,7 +139,7 @@ class KvIngest:
         self.stats.unknown_held -= len(state.held)
         sync.buffered = len(state.held)
         self._synced.clear()
-        if self.status is IngestStatus.RUNNING:
+        if self.status is PartStatus.RUNNING:
             self._start_repair(state)
 
     def remove_worker(self, worker: str) -> None:
@@ -263,7 +259,7 @@ class KvIngest:
         state.sync.state = SyncState.REPAIRING
         state.want_dump = state.want_dump or dump
         self._synced.clear()
-        if self.status is IngestStatus.RUNNING:
+        if self.status is PartStatus.RUNNING:
             self._start_repair(state)
 
     def _start_repair(self, state: _Worker) -> None:
@@ -309,6 +305,11 @@ class KvIngest:
             await self._nc.publish(subjects.kvstate(self._ns, worker), encode_msg(request), reply=inbox)
             while True:
                 msg = await sub.next_msg(timeout=self._request_timeout_s)
+                if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+                    # The shim registered but has not subscribed yet (it starts up): not a bad reply.
+                    self.stats.repair_timeouts += 1
+                    log.info("kvstate of worker %s: nobody answers yet; retrying", worker)
+                    return None
                 chunk = decode_msg(msg.data, KvStateChunk)
                 if chunk.chunk != len(chunks) or (chunks and chunk.epoch != chunks[0].epoch):
                     raise ProtocolError("KvStateChunk", f"chunk {chunk.chunk} out of order after {len(chunks)}")

@@ -22,10 +22,16 @@ errs on the side of counting it.
 
 Bookings are keyed by (router, request_id): None is this router. One request may hold bookings on
 several workers (its prefill and decode legs); `free` drops them all. Synchronous; one event loop.
+
+Cost. Each worker keeps the sums of what no report covers yet, updated as bookings come, finish
+and get covered (a worker's reports only get newer, so coverage never reverts), so `load()` costs
+the same with 5 or 5,000 requests in flight: a router that falls behind does not slow down with it.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,13 +65,72 @@ class _Booking:
     decode_blocks: int
     booked_at: float
     prefill_done_at: float | None = None
+    prefill_counted: bool = True  # in its worker's `prefill` sum: not done, no report covers it
+    blocks_counted: bool = True  # in its worker's `blocks` sum
 
-    def pending_prefill(self, report_ts: float) -> int:
-        return self.prefill_tokens if self.prefill_done_at is None and self.booked_at > report_ts else 0
 
-    def pending_blocks(self, report_ts: float) -> int:
-        covered = self.prefill_done_at is not None and report_ts >= self.prefill_done_at
-        return 0 if covered else self.decode_blocks
+class _WorkerBookings:
+    """One worker's live bookings and the sums of what no report covers yet.
+
+    A booking's prefill tokens stop counting when its prefill is done or a report with
+    `ts >= booked_at` arrives; its blocks when a report with `ts >= prefill_done_at` arrives. Two
+    heaps order the bookings by those times so `cover(report_ts)` pops exactly the ones a report
+    covers; entries of bookings that stopped counting otherwise are skipped when popped, and the
+    heaps are rebuilt when such entries outnumber the live ones (a worker that never reports).
+    """
+
+    __slots__ = ("_by_booked", "_by_done", "_order", "blocks", "bookings", "prefill")
+
+    def __init__(self) -> None:
+        self.bookings: set[_Booking] = set()
+        self.prefill = 0
+        self.blocks = 0
+        self._by_booked: list[tuple[float, int, _Booking]] = []  # prefill counted, by booked_at
+        self._by_done: list[tuple[float, int, _Booking]] = []  # prefill done, blocks counted, by prefill_done_at
+        self._order = itertools.count()  # heap tie-break: bookings themselves do not compare
+
+    def add(self, booking: _Booking) -> None:
+        self.bookings.add(booking)
+        self.prefill += booking.prefill_tokens
+        self.blocks += booking.decode_blocks
+        heapq.heappush(self._by_booked, (booking.booked_at, next(self._order), booking))
+        self._compact()
+
+    def prefill_done(self, booking: _Booking, at: float) -> None:
+        booking.prefill_done_at = at
+        self._uncount_prefill(booking)
+        if booking.blocks_counted:
+            heapq.heappush(self._by_done, (at, next(self._order), booking))
+
+    def discard(self, booking: _Booking) -> None:
+        self.bookings.discard(booking)
+        self._uncount_prefill(booking)
+        self._uncount_blocks(booking)
+
+    def cover(self, report_ts: float) -> None:
+        """Stop counting what a report generated at `report_ts` includes."""
+        by_booked, by_done = self._by_booked, self._by_done
+        while by_booked and by_booked[0][0] <= report_ts:
+            self._uncount_prefill(heapq.heappop(by_booked)[2])
+        while by_done and by_done[0][0] <= report_ts:
+            self._uncount_blocks(heapq.heappop(by_done)[2])
+
+    def _uncount_prefill(self, booking: _Booking) -> None:
+        if booking.prefill_counted:
+            booking.prefill_counted = False
+            self.prefill -= booking.prefill_tokens
+
+    def _uncount_blocks(self, booking: _Booking) -> None:
+        if booking.blocks_counted:
+            booking.blocks_counted = False
+            self.blocks -= booking.decode_blocks
+
+    def _compact(self) -> None:
+        if len(self._by_booked) + len(self._by_done) > 4 * len(self.bookings) + 64:
+            self._by_booked = [e for e in self._by_booked if e[2].prefill_counted]
+            self._by_done = [e for e in self._by_done if e[2].blocks_counted]
+            heapq.heapify(self._by_booked)
+            heapq.heapify(self._by_done)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +147,7 @@ class LoadView:
         self._clock = clock
         self._reports: dict[str, _Report] = {}
         self._by_request: dict[tuple[str | None, str], list[_Booking]] = {}
-        self._by_worker: dict[str, set[_Booking]] = {}
+        self._by_worker: dict[str, _WorkerBookings] = {}
 
     # --- reports -------------------------------------------------------------------------------
 
@@ -95,7 +160,8 @@ class LoadView:
     def remove_worker(self, worker: str) -> None:
         """`worker` left: its report and every booking on it go."""
         self._reports.pop(worker, None)
-        for booking in self._by_worker.pop(worker, set()):
+        held = self._by_worker.pop(worker, None)
+        for booking in held.bookings if held is not None else ():
             self._unlink(booking)
 
     # --- bookings ------------------------------------------------------------------------------
@@ -116,14 +182,17 @@ class LoadView:
             self._by_worker[worker].discard(old)
         booking = _Booking(router, request_id, worker, prefill_tokens, decode_blocks, self._clock())
         bookings.append(booking)
-        self._by_worker.setdefault(worker, set()).add(booking)
+        on_worker = self._by_worker.get(worker)
+        if on_worker is None:
+            on_worker = self._by_worker[worker] = _WorkerBookings()
+        on_worker.add(booking)
 
     def prefill_done(self, request_id: str, *, router: str | None = None) -> None:
         """The request's first token came: its prefill tokens leave every queue it was booked on."""
         now = self._clock()
         for booking in self._by_request.get((router, request_id), ()):
             if booking.prefill_done_at is None:
-                booking.prefill_done_at = now
+                self._by_worker[booking.worker].prefill_done(booking, now)
 
     def free(self, request_id: str, *, router: str | None = None) -> None:
         """The request ended, whichever way: all its bookings go."""
@@ -156,7 +225,7 @@ class LoadView:
         on_worker = self._by_worker.get(booking.worker)
         if on_worker is not None:
             on_worker.discard(booking)
-            if not on_worker:
+            if not on_worker.bookings:
                 del self._by_worker[booking.worker]
 
     def _unlink(self, booking: _Booking) -> None:
@@ -172,11 +241,11 @@ class LoadView:
     def load(self, worker: str) -> WorkerLoad:
         """Report plus uncovered bookings; zeros (and `kv_total_blocks` None) before any report."""
         held = self._reports.get(worker)
-        report_ts = held.report.ts if held is not None else _NO_REPORT
         prefill = blocks = 0
-        for booking in self._by_worker.get(worker, ()):
-            prefill += booking.pending_prefill(report_ts)
-            blocks += booking.pending_blocks(report_ts)
+        on_worker = self._by_worker.get(worker)
+        if on_worker is not None:
+            on_worker.cover(held.report.ts if held is not None else _NO_REPORT)
+            prefill, blocks = on_worker.prefill, on_worker.blocks
         if held is None:
             return WorkerLoad(worker, 0, 0, 0, None, prefill, blocks, None)
         r = held.report
@@ -194,7 +263,8 @@ class LoadView:
 
     def bookings(self, worker: str) -> int:
         """Live bookings (any router's) on `worker`, covered by a report or not."""
-        return len(self._by_worker.get(worker, ()))
+        on_worker = self._by_worker.get(worker)
+        return len(on_worker.bookings) if on_worker is not None else 0
 
     def workers(self) -> list[str]:
         """Workers with a report or a booking, sorted."""

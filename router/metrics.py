@@ -88,6 +88,26 @@ class RouterMetrics:
         )
         self.retries = Counter("kvswitch_router_retries", "Requests retried on another worker", registry=self.registry)
         self.registry.register(_StateCollector(state))
+        # Labelled children bound once: `labels()` validates and locks on every call (~3 us).
+        self._requests: dict[tuple[str, int], Counter] = {}
+        self._ttft: dict[str, Histogram] = {}
+
+    def count_request(self, endpoint: str, code: int) -> None:
+        child = self._requests.get((endpoint, code))
+        if child is None:
+            child = self._requests[endpoint, code] = self.requests.labels(endpoint, str(code))
+        child.inc()
+
+    def observe_ttft(self, path: str, seconds: float) -> None:
+        child = self._ttft.get(path)
+        if child is None:
+            child = self._ttft[path] = self.ttft.labels(str(path))
+        child.observe(seconds)
+
+    def observe_itl(self, seconds: float, tokens: int = 1) -> None:
+        """`tokens` inter-token gaps of `seconds` each (a chunk carrying several tokens)."""
+        for _ in range(tokens):
+            self.itl.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -29,20 +28,15 @@ from discovery import Deleted, Discovery, Put, Snapshot
 from protocol import subjects
 from protocol.errors import ProtocolError
 from protocol.messages import RouterSync, SyncEntry, decode_msg, encode_msg
+from router.lifecycle import PartStatus
 from router.load_view import LoadView
 
-__all__ = ["ReplicaSync", "SyncStats", "SyncStatus"]
+__all__ = ["ReplicaSync", "SyncStats"]
 
 log = logging.getLogger(__name__)
 
 _MAX_ENTRIES_PER_MESSAGE = 2000  # ~100 KB of msgpack, well under NATS's 1 MB default payload limit
 _DEPARTED_MEMORY = 1024
-
-
-class SyncStatus(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPED = "stopped"
 
 
 @dataclass
@@ -73,7 +67,7 @@ class ReplicaSync:
         self.router_id = router_id
         self.view = view
         self.stats = SyncStats()
-        self.status = SyncStatus.NEW
+        self.status = PartStatus.NEW
         self._flush_s = flush_ms / 1000.0
         self._peer_ttl_s = peer_ttl_s
         self._discovery = discovery
@@ -88,21 +82,21 @@ class ReplicaSync:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.status is not SyncStatus.NEW:
+        if self.status is not PartStatus.NEW:
             raise RuntimeError(f"ReplicaSync.start() called while {self.status.value}")
         self._sub = await self._nc.subscribe(self._subject, cb=self._on_msg)
         self._tasks.append(asyncio.create_task(self._flusher(), name="sync-flush"))
         self._tasks.append(asyncio.create_task(self._expirer(), name="sync-expire"))
         if self._discovery is not None:
             self._tasks.append(asyncio.create_task(self._watch_routers(self._discovery), name="sync-routers"))
-        self.status = SyncStatus.RUNNING
+        self.status = PartStatus.RUNNING
 
     async def stop(self) -> None:
         """Send what is queued, then stop listening. Idempotent."""
-        if self.status is SyncStatus.STOPPED:
+        if self.status is PartStatus.STOPPED:
             return
-        was_running = self.status is SyncStatus.RUNNING
-        self.status = SyncStatus.STOPPED
+        was_running = self.status is PartStatus.RUNNING
+        self.status = PartStatus.STOPPED
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -141,7 +135,7 @@ class ReplicaSync:
             log.info("peer router %s is gone: dropped its %d bookings", router, dropped)
 
     def _queue(self, entry: SyncEntry) -> None:
-        if self.status is SyncStatus.STOPPED:
+        if self.status is PartStatus.STOPPED:
             return
         self._pending.append(entry)
         self._wake.set()

@@ -135,7 +135,7 @@ class RouterService:
         self._tasks: list[asyncio.Task[None]] = []
         self._registry_ready = False
         self._watcher: ConfigWatcher | None = None
-        self._contexts = ContextBuilder(self._model_workers, self.index.find_matches, self.view.load)
+        self._contexts = ContextBuilder(self._model_workers, self.index.match, self.view.load)
 
     # --- parts, once started -------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ bootstrap; without either, spans are no-ops and `carrier()` is empty.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,8 +28,9 @@ class RequestTracer:
         self._tracer = (provider or trace.get_tracer_provider()).get_tracer("kvswitch.router")
 
     @contextmanager
-    def request(self, name: str, headers: dict[str, str], **attrs: Any) -> Iterator[Span]:
-        """A server span, child of the client's traceparent header when it sent one."""
+    def request(self, name: str, headers: Mapping[str, str], **attrs: Any) -> Iterator[Span]:
+        """A server span, child of the client's traceparent header when it sent one (`headers` may
+        be aiohttp's case-insensitive mapping as it is: no copy per request)."""
         parent = _PROPAGATOR.extract(headers)
         with self._tracer.start_as_current_span(
             name, context=parent, kind=SpanKind.SERVER, attributes=attrs, record_exception=True

@@ -15,23 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from discovery import Deleted, Discovery, Put, Snapshot
 from protocol.messages import WorkerInfo
+from router.lifecycle import PartStatus
 
-__all__ = ["RegistryStatus", "WorkerRegistry"]
+__all__ = ["WorkerRegistry"]
 
 log = logging.getLogger(__name__)
-
-
-class RegistryStatus(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPED = "stopped"
 
 
 class WorkerRegistry:
@@ -46,21 +40,21 @@ class WorkerRegistry:
         self._on_remove = on_remove
         self._workers: dict[str, WorkerInfo] = {}
         self.block_size_conflicts: dict[str, set[int]] = {}
-        self.status = RegistryStatus.NEW
+        self.status = PartStatus.NEW
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        if self.status is not RegistryStatus.NEW:
+        if self.status is not PartStatus.NEW:
             raise RuntimeError(f"WorkerRegistry.start() called while {self.status.value}")
         self._task = asyncio.create_task(self._watch(), name="worker-registry")
-        self.status = RegistryStatus.RUNNING
+        self.status = PartStatus.RUNNING
 
     async def stop(self) -> None:
         """Stop watching (idempotent). The workers known stay readable; no callback runs any more."""
-        if self.status is RegistryStatus.STOPPED:
+        if self.status is PartStatus.STOPPED:
             return
-        self.status = RegistryStatus.STOPPED
+        self.status = PartStatus.STOPPED
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

@@ -12,16 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from protocol.errors import ProtocolError
+
 __all__ = ["EngineBatch", "EngineCleared", "EngineEvent", "EngineRemoved", "EngineStored", "EventDecodeError"]
 
 
-class EventDecodeError(ValueError):
+class EventDecodeError(ProtocolError):
     """An engine event payload that does not have the engine's documented shape."""
 
     def __init__(self, engine: str, detail: str) -> None:
         self.engine = engine
-        self.detail = detail
-        super().__init__(f"malformed {engine} KV event: {detail}")
+        super().__init__(f"{engine} KV event", detail)
 
 
 @dataclass(slots=True, frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-__all__ = ["Sample", "parse_samples", "sum_samples"]
+__all__ = ["Sample", "mean_samples", "parse_samples", "sum_samples"]
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -38,3 +38,9 @@ def sum_samples(samples: list[Sample], name: str) -> float | None:
     """The sum over label sets (one per engine/DP rank), None when the metric is absent."""
     values = [v for n, _, v in samples if n == name]
     return sum(values) if values else None
+
+
+def mean_samples(samples: list[Sample], name: str) -> float | None:
+    """The mean over label sets (a ratio per engine/DP rank), None when the metric is absent."""
+    values = [v for n, _, v in samples if n == name]
+    return sum(values) / len(values) if values else None

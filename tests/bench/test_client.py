@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from bench.client import CompletionClient, discover_model
 from bench.summary import scrape_prefix_counters
@@ -66,3 +67,27 @@ async def test_prefix_counters_count_a_repeated_prompt_as_hits(sim: SimServer, s
     assert delta.queries >= 1024  # both lookups counted, in tokens
     assert delta.hits >= 496  # the second finds the first's full blocks (the last token is always recomputed)
     assert delta.hit_rate is not None and 0 < delta.hit_rate < 1
+
+
+@pytest.mark.parametrize("payload", [b'"a string"', b"[1, 2]", b"{not json"])
+async def test_a_chunk_that_is_not_a_json_object_is_a_failed_result(
+    payload: bytes, session: aiohttp.ClientSession
+) -> None:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + payload + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        result = await CompletionClient(session, "m").complete(f"http://127.0.0.1:{port}", [300], 2, request_id="t-5")
+    finally:
+        await runner.cleanup()
+    assert not result.ok and result.error is not None and "malformed SSE chunk" in result.error

@@ -1,11 +1,12 @@
-"""Builders for engine_sim tests: sims on free ports, ZMQ subscribers, fixture loading."""
+"""Builders for engine_sim tests: sims on free ports, ZMQ subscribers, replay requests.
+
+The vLLM captures are loaded by tests/protocol/vllm_captures.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -14,20 +15,6 @@ import zmq
 import zmq.asyncio
 
 from engine_sim import KVEventsConfig, SimConfig, SimServer
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32"
-
-
-def fixture_path(name: str, variant: str = "bs16_patched") -> Path:
-    return FIXTURES / variant / name
-
-
-def fixture_json(name: str, variant: str = "bs16_patched") -> Any:
-    return json.loads(fixture_path(name, variant).read_text())
-
-
-def fixture_lines(name: str, variant: str = "bs16_patched") -> list[dict[str, Any]]:
-    return [json.loads(line) for line in fixture_path(name, variant).read_text().splitlines() if line.strip()]
 
 
 def sim_config(**changes: Any) -> SimConfig:
@@ -99,6 +86,7 @@ async def replay(endpoint: str, start_seq: int, timeout: float = 5.0) -> list[li
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
     try:
+        # Raw frames, not protocol's helpers: these tests check the sim's bytes independently.
         await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
         out: list[list[bytes]] = []
         while True:

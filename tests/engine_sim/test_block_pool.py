@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_sim.block_hash import HashedBlock, root_hash
 from engine_sim.block_pool import BlockPool
-from engine_sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from protocol.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 ROOT = root_hash("0")
 
@@ -103,3 +103,9 @@ def test_hash_chain_is_seeded_like_vllm() -> None:
 def test_prefix_of_block_survives_parent_eviction() -> None:
     c = chain(list(range(12)))
     assert c[2].prefix() == list(range(12))
+
+
+def test_block_pool_emits_no_events_when_disabled() -> None:
+    pool = BlockPool(4, 16, emit_events=False)
+    pool.allocate(2)
+    assert pool.take_events() == []

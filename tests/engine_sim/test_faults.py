@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from engine_sim import ServerStatus, SimServer
-from tests.engine_sim.conftest import connected_subscriber, replay, sim_config
+from tests.engine_sim.conftest import connected_subscriber, decode_payload, replay, sim_config
 
 
 async def complete(sim: SimServer, base: int, max_tokens: int = 2, timeout: float = 5.0) -> int:
@@ -107,8 +107,6 @@ async def test_reset_prefix_cache_event_arrives_with_next_step() -> None:
         await complete(sim, 1000)
         assert sim.replay_endpoint is not None
         replies = await replay(sim.replay_endpoint, 1)
-    from tests.engine_sim.conftest import decode_payload
-
     types = [e["type"] for e in decode_payload(replies[0][3])[1]]
     assert types[0] == "AllBlocksCleared" and "BlockStored" in types
 

@@ -13,7 +13,8 @@ import pytest
 from multidict import CIMultiDict
 
 from engine_sim import SimServer
-from tests.engine_sim.conftest import fixture_json, fixture_path, sim_config
+from tests.engine_sim.conftest import sim_config
+from tests.protocol.vllm_captures import fixture_json, fixture_path
 
 
 def shape(obj: Any) -> Any:

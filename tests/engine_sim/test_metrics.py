@@ -7,7 +7,8 @@ import re
 import aiohttp
 
 from engine_sim import SimServer
-from tests.engine_sim.conftest import fixture_path, sim_config
+from tests.engine_sim.conftest import sim_config
+from tests.protocol.vllm_captures import fixture_path
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$")
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine_sim.kv_events import BlockRemoved, BlockStored
 from engine_sim.request import RequestStatus, SimRequest
 from engine_sim.scheduler import Scheduler, StepResult
 from protocol.hashing import block_hashes
+from protocol.vllm_events import BlockRemoved, BlockStored
 
 
 def make(*, num_gpu_blocks: int = 64, max_num_batched_tokens: int = 256, max_num_seqs: int = 8) -> Scheduler:

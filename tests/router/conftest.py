@@ -1,21 +1,24 @@
-"""Cluster fixtures for the router's end-to-end tests: simulated engines at high speedup, a shim
-beside each, and RouterServices, all in-process against the session's real nats-server and etcd."""
+"""Fixtures for the router's tests: a plain NATS connection; for the end-to-end tests, simulated
+engines at high speedup with a shim beside each, and RouterServices, all in-process against the
+session's real nats-server and etcd."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import nats
 import pytest
+from nats.aio.client import Client
 
 from engine_sim.config import SimConfig
 from engine_sim.server import SimServer
 from protocol.config import EtcdSettings, NatsSettings
 from router.service import RouterConfig, RouterService
+from tests.router.polling import until
 from worker_shim import ShimConfig, WorkerShim
 
 BLOCK = 16
@@ -32,14 +35,6 @@ class Worker:
     def id(self) -> str:
         assert self.shim.worker_id is not None
         return self.shim.worker_id
-
-
-async def eventually(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @dataclass
@@ -97,7 +92,19 @@ class Cluster:
     async def ready(self, router: RouterService, workers: int | None = None) -> None:
         """The router sees `workers` workers (default: all) and its index is synced."""
         n = len(self.workers) if workers is None else workers
-        await eventually(lambda: router.ready and len(router.registry.workers()) == n, what="router ready")
+        await until(lambda: router.ready and len(router.registry.workers()) == n, what="router ready")
+
+    async def add_ready_router(self, **overrides: Any) -> RouterService:
+        """A router that sees every worker added so far, its index synced."""
+        router = await self.add_router(**overrides)
+        await self.ready(router)
+        return router
+
+    async def agg_router(self, workers: int, **overrides: Any) -> RouterService:
+        """`workers` aggregated workers and a ready router in front of them."""
+        for _ in range(workers):
+            await self.add_worker("agg")
+        return await self.add_ready_router(**overrides)
 
     def by_id(self, worker_id: str) -> Worker:
         return next(w for w in self.workers if w.id == worker_id)
@@ -117,6 +124,14 @@ async def cluster(nats_url: str, etcd_url: str, ns: str) -> AsyncIterator[Cluste
         yield c
     finally:
         await c.close()
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    """A plain NATS connection, for tests that play a shim or a peer replica."""
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
 
 
 @pytest.fixture

@@ -6,9 +6,12 @@ import asyncio
 from collections.abc import Callable
 
 
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Return once `cond()` holds; fail with TimeoutError after `timeout`. Polled: the counters and
+async def until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    """Return once `cond()` holds; fail naming `what` after `timeout`. Polled: the counters and
     views it reads have no event to wait on, and adding one only for tests is not worth it."""
-    async with asyncio.timeout(timeout):
-        while not cond():  # noqa: ASYNC110
-            await asyncio.sleep(0.005)
+    try:
+        async with asyncio.timeout(timeout):
+            while not cond():  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}") from None

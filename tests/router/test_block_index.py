@@ -43,6 +43,18 @@ class NaiveIndex:
         return out
 
 
+def assert_matches(idx: BlockIndex, ref: NaiveIndex, prompt: Sequence[int], workers: Sequence[str]) -> None:
+    """find_matches, and the lazy `match` read the ways routing and tests read it, agree with `ref`."""
+    expected = ref.find_matches(prompt)
+    assert idx.find_matches(prompt) == expected
+    overlap = idx.match(prompt)
+    assert {w: overlap.get(w, 0) for w in workers} == {w: expected.get(w, 0) for w in workers}
+    assert dict(overlap) == expected
+    assert len(overlap) == len(expected)
+    for worker in workers:
+        assert (worker in overlap) == (worker in expected)
+
+
 def chain(n: int, start: int = 0) -> list[int]:
     return block_hashes(list(range(start, start + 4 * n)), 4)
 
@@ -180,7 +192,7 @@ def test_index_agrees_with_naive_reference(ops: list[tuple[str, str, list[int]]]
             idx.store(worker, hashes)
             ref.store(worker, hashes)
         for prompt in prompts:
-            assert idx.find_matches(prompt) == ref.find_matches(prompt)
+            assert_matches(idx, ref, prompt, WORKERS)
     assert idx.dump() == {w: sorted(h) for w, h in sorted(ref.held.items())}
     assert idx.workers() == sorted(ref.held)
     assert len(idx) == len(set().union(*ref.held.values()))
@@ -203,4 +215,4 @@ def test_wide_masks_agree_with_reference(depths: list[int], gaps: list[int]) -> 
         held = [h for j, h in enumerate(prompt[:depth]) if not (gaps and j == gaps[i % len(gaps)])]
         idx.store(f"w{i}", held)
         ref.store(f"w{i}", held)
-    assert idx.find_matches(prompt) == ref.find_matches(prompt)
+    assert_matches(idx, ref, prompt, [f"w{i}" for i in range(len(depths) + 1)])

@@ -8,7 +8,8 @@ import aiohttp
 
 from protocol import block_hashes
 from router.policies import Outcome
-from tests.router.conftest import BLOCK, MODEL, Cluster, complete, eventually
+from tests.router.conftest import BLOCK, MODEL, Cluster, complete
+from tests.router.polling import until
 
 
 async def test_prefill_worker_killed_mid_request_falls_back_without_client_error(
@@ -16,10 +17,9 @@ async def test_prefill_worker_killed_mid_request_falls_back_without_client_error
 ) -> None:
     p = await cluster.add_worker("prefill", hang_after=0)  # accepts the prefill leg, never answers
     d = await cluster.add_worker("decode")
-    router = await cluster.add_router(disagg="always", prefill_timeout_s=20.0)
-    await cluster.ready(router)
+    router = await cluster.add_ready_router(disagg="always", prefill_timeout_s=20.0)
     request = asyncio.create_task(complete(http, router, list(range(400)), max_tokens=5))
-    await eventually(lambda: p.sim.faults.requests_seen == 1, what="the prefill leg to reach the engine")
+    await until(lambda: p.sim.faults.requests_seen == 1, what="the prefill leg to reach the engine")
     await p.sim.crash()  # the engine dies under the in-flight prefill
     status, body, headers = await request
     assert status == 200, body
@@ -33,8 +33,7 @@ async def test_prefill_worker_killed_mid_request_falls_back_without_client_error
 async def test_prefill_timeout_falls_back_to_bypass(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     await cluster.add_worker("prefill", hang_after=0)
     await cluster.add_worker("decode")
-    router = await cluster.add_router(disagg="always", prefill_timeout_s=0.3)
-    await cluster.ready(router)
+    router = await cluster.add_ready_router(disagg="always", prefill_timeout_s=0.3)
     status, body, headers = await complete(http, router, list(range(200)))
     assert status == 200, body
     assert (headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == ("bypass", "fallback_prefill_failed")
@@ -45,23 +44,22 @@ async def test_decode_worker_gone_gets_no_new_requests_and_unstarted_ones_are_re
 ) -> None:
     dead = await cluster.add_worker("agg", hang_after=1)  # serves one request, then never a token
     alive = await cluster.add_worker("agg")
-    router = await cluster.add_router(disagg="never")
-    await cluster.ready(router)
+    router = await cluster.add_ready_router(disagg="never")
     # Warm the doomed worker's cache directly, so the router prefers it for this prompt.
     prompt = list(range(800))
     async with http.post(dead.sim.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}):
         pass
     hashes = block_hashes(prompt, BLOCK)
-    await eventually(lambda: router.index.find_matches(hashes).get(dead.id, 0) == len(hashes), what="kv events")
+    await until(lambda: router.index.find_matches(hashes).get(dead.id, 0) == len(hashes), what="kv events")
     pending = asyncio.create_task(complete(http, router, prompt, max_tokens=3))
-    await eventually(lambda: dead.sim.faults.requests_seen == 2, what="dispatch to the hung worker")
+    await until(lambda: dead.sim.faults.requests_seen == 2, what="dispatch to the hung worker")
     dead_id = dead.id
     await dead.shim.stop()  # revokes its lease: the key goes
     status, body, headers = await pending
     assert status == 200, body
     assert headers["x-kvswitch-decode-worker"] == alive.id
     assert body["kvswitch"]["attempts"] == 2
-    await eventually(lambda: router.registry.get(dead_id) is None, what="the key to go")
+    await until(lambda: router.registry.get(dead_id) is None, what="the key to go")
     results = await asyncio.gather(*(complete(http, router, list(range(i, i + 300))) for i in range(0, 3000, 300)))
     assert all(status == 200 for status, _, _ in results)
     assert {h["x-kvswitch-decode-worker"] for _, _, h in results} == {alive.id}

@@ -7,21 +7,18 @@ from collections import Counter
 
 import aiohttp
 
-from tests.router.conftest import Cluster, complete, eventually
+from tests.router.conftest import Cluster, complete
+from tests.router.polling import until
 
 
 async def test_a_replica_started_late_serves_with_an_identical_index(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
-    for _ in range(2):
-        await cluster.add_worker("agg")
-    first = await cluster.add_router(disagg="never")
-    await cluster.ready(first)
+    first = await cluster.agg_router(2, disagg="never")
     await asyncio.gather(*(complete(http, first, list(range(i, i + 400))) for i in range(0, 4000, 400)))
-    await eventually(lambda: len(first.index) >= 10 * 25, what="the first replica to index every prompt")
-    late = await cluster.add_router(disagg="never")
-    await cluster.ready(late)
-    await eventually(lambda: late.index.dump() == first.index.dump(), what="identical indexes")
+    await until(lambda: len(first.index) >= 10 * 25, what="the first replica to index every prompt")
+    late = await cluster.add_ready_router(disagg="never")
+    await until(lambda: late.index.dump() == first.index.dump(), what="identical indexes")
     assert len(late.index) >= 250
     status, _, headers = await complete(http, late, [*list(range(400, 800)), 1, 2, 3])
     assert status == 200

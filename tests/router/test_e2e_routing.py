@@ -11,7 +11,8 @@ import nats
 
 from protocol import GenerateRequest, block_hashes, decode_msg, subjects
 from router.service import RouterService
-from tests.router.conftest import BLOCK, MODEL, Cluster, complete, eventually
+from tests.router.conftest import BLOCK, MODEL, Cluster, complete
+from tests.router.polling import until
 
 
 async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> tuple[str, str]:
@@ -25,10 +26,7 @@ async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, 
 async def test_multi_turn_conversations_return_to_the_worker_holding_their_prefix(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
-    for _ in range(3):
-        await cluster.add_worker("agg")
-    router = await cluster.add_router(disagg="never")
-    await cluster.ready(router)
+    router = await cluster.agg_router(3, disagg="never")
     homes: dict[int, str] = {}
     history: dict[int, list[dict[str, str]]] = {}
     for turn in range(3):
@@ -41,7 +39,7 @@ async def test_multi_turn_conversations_return_to_the_worker_holding_their_prefi
             hashes = block_hashes(router.tokenizer.encode_chat(msgs), BLOCK)
             msgs.append({"role": "assistant", "content": reply})
             # the next turn is routed on what the index knows: wait until it holds this prompt
-            await eventually(functools.partial(_holds, router, worker, hashes), what="kv events")
+            await until(functools.partial(_holds, router, worker, hashes), what="kv events")
             if turn == 0:
                 homes[conv] = worker
             else:
@@ -63,8 +61,7 @@ async def test_bypass_and_remote_prefill_produce_the_same_output_as_the_engine(
     cluster.workers.remove(reference)
     await reference.sim.stop()
 
-    remote = await cluster.add_router(disagg="always")
-    await cluster.ready(remote)
+    remote = await cluster.add_ready_router(disagg="always")
     status, body, headers = await complete(http, remote, prompt, **params)
     assert status == 200, body
     assert headers["x-kvswitch-prefill"] == "remote" and body["kvswitch"]["prefill_worker"] == p.id
@@ -72,8 +69,7 @@ async def test_bypass_and_remote_prefill_produce_the_same_output_as_the_engine(
     transferred = d.sim.engine.stats.external_kv_tokens
     assert transferred > 0, "the remote path must hand kv_transfer_params to the decode engine"
 
-    bypass = await cluster.add_router(disagg="never")
-    await cluster.ready(bypass)
+    bypass = await cluster.add_ready_router(disagg="never")
     status, body, headers = await complete(http, bypass, prompt, **params)
     assert status == 200, body
     assert headers["x-kvswitch-prefill"] == "agg" and headers["x-kvswitch-decode-worker"] == d.id
@@ -84,12 +80,11 @@ async def test_bypass_and_remote_prefill_produce_the_same_output_as_the_engine(
 async def test_conditional_bypass_prefills_on_the_decode_worker(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     p = await cluster.add_worker("prefill")
     d = await cluster.add_worker("decode")
-    router = await cluster.add_router(conditional_disagg=True, eff_isl_threshold=4096)
-    await cluster.ready(router)
+    router = await cluster.add_ready_router(conditional_disagg=True, eff_isl_threshold=4096)
     prompt = list(range(5000, 5640))  # 40 blocks
     status, body, headers = await complete(http, router, prompt)
     assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (200, "remote", "declined_policy")
-    await eventually(lambda: len(router.index.worker_hashes(d.id)) >= 40, what="decode blocks indexed")
+    await until(lambda: len(router.index.worker_hashes(d.id)) >= 40, what="decode blocks indexed")
     prefilled = p.sim.engine.stats.prompt_tokens
     transferred = d.sim.engine.stats.external_kv_tokens
     status, body, headers = await complete(http, router, [*prompt, 7, 8, 9])
@@ -102,8 +97,7 @@ async def test_conditional_bypass_prefills_on_the_decode_worker(cluster: Cluster
 async def test_client_bypass_annotation_is_stripped(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     await cluster.add_worker("prefill")
     d = await cluster.add_worker("decode")
-    router = await cluster.add_router(disagg="always")
-    await cluster.ready(router)
+    router = await cluster.add_ready_router(disagg="always")
     nc = await nats.connect(cluster.nats_url)
     seen: list[GenerateRequest] = []
     await nc.subscribe(subjects.gen(router.ns, "decode", d.id), cb=functools.partial(_collect, out=seen))

@@ -10,14 +10,13 @@ import aiohttp
 import openai
 import pytest
 
-from tests.router.conftest import MODEL, Cluster, complete, eventually
+from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.polling import until
 
 
 @pytest.fixture
 async def agg(cluster: Cluster) -> Cluster:
-    await cluster.add_worker("agg")
-    router = await cluster.add_router(disagg="never")
-    await cluster.ready(router)
+    await cluster.agg_router(1, disagg="never")
     return cluster
 
 
@@ -99,13 +98,13 @@ async def test_bad_requests_get_openai_errors(
 
 async def test_no_worker_is_503_and_ready_follows_the_registry(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     router = await cluster.add_router()
-    await eventually(lambda: router.ready, what="ready with no workers")
+    await until(lambda: router.ready, what="ready with no workers")
     async with http.get(router.url + "/ready") as r:
         assert r.status == 200
     worker = await cluster.add_worker("agg")
     await cluster.ready(router)
     await worker.shim.stop()
-    await eventually(lambda: not router.registry.workers(), what="the worker to leave")
+    await until(lambda: not router.registry.workers(), what="the worker to leave")
     async with http.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
         assert r.status in (404, 503)  # the model is gone with its only worker
     async with http.get(router.url + "/health") as r:
@@ -116,11 +115,10 @@ async def test_debug_route_explains_without_booking(cluster: Cluster, http: aioh
     await cluster.add_worker("prefill")
     d1 = await cluster.add_worker("decode")
     await cluster.add_worker("decode")
-    router = await cluster.add_router(conditional_disagg=True)
-    await cluster.ready(router)
+    router = await cluster.add_ready_router(conditional_disagg=True)
     prompt = list(range(3000, 3320))  # 20 blocks
     await complete(http, router, prompt)
-    await eventually(lambda: len(router.index) >= 20, what="indexed")
+    await until(lambda: len(router.index) >= 20, what="indexed")
     counts = dict(router.disagg.counts)
     async with http.post(router.url + "/debug/route", json={"model": MODEL, "prompt": [*prompt, 1, 2]}) as r:
         assert r.status == 200
@@ -139,7 +137,7 @@ async def test_debug_route_explains_without_booking(cluster: Cluster, http: aioh
 async def test_metrics_report_requests_decisions_and_index(agg: Cluster, http: aiohttp.ClientSession) -> None:
     router = agg.routers[0]
     await complete(http, router, list(range(100)))
-    await eventually(lambda: len(router.index) >= 6, what="indexed")
+    await until(lambda: len(router.index) >= 6, what="indexed")
     async with http.get(router.url + "/metrics") as r:
         text = await r.text()
     assert 'kvswitch_router_requests_total{code="200",endpoint="completions"} 1.0' in text
@@ -154,7 +152,7 @@ async def test_client_disconnect_cancels_on_the_worker(agg: Cluster, http: aioht
     body = {"model": MODEL, "prompt": "the cache", "max_tokens": 100000, "stream": True, "ignore_eos": True}
     resp = await http.post(router.url + "/v1/completions", json=body)
     await resp.content.readline()
-    await eventually(lambda: bool(worker.sim.engine.running), what="the request to run")
+    await until(lambda: bool(worker.sim.engine.running), what="the request to run")
     resp.close()
-    await eventually(lambda: not worker.sim.engine.running and not worker.sim.engine.waiting, what="the cancel")
+    await until(lambda: not worker.sim.engine.running and not worker.sim.engine.waiting, what="the cancel")
     await asyncio.sleep(0)

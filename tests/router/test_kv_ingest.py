@@ -13,7 +13,6 @@ import random
 from collections import deque
 from collections.abc import AsyncIterator
 
-import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -32,7 +31,8 @@ from protocol.messages import (
 )
 from router.block_index import BlockIndex
 from router.ingest_stats import SyncState
-from router.kv_ingest import IngestStatus, KvIngest
+from router.kv_ingest import KvIngest
+from router.lifecycle import PartStatus
 from tests.router.polling import until
 
 
@@ -112,13 +112,6 @@ class FakeShim:
                 final=i == len(parts) - 1,
             )
             await self.nc.publish(msg.reply, encode_msg(chunk))
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
 
 
 @pytest.fixture
@@ -331,5 +324,5 @@ async def test_stop_is_idempotent_and_cancels_repairs(nc: Client, ns: str, shim:
     await until(lambda: len(shim.requests) >= 1)
     await ingest.stop()
     await ingest.stop()
-    assert ingest.status is IngestStatus.STOPPED
+    assert ingest.status is PartStatus.STOPPED
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kv-repair")] == []

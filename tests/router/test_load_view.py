@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.messages import LoadReport
 from router.load_view import LoadView, WorkerLoad
@@ -161,3 +166,121 @@ def test_remove_worker_drops_its_report_and_bookings(view: LoadView) -> None:
 def test_negative_booking_is_refused_with_the_values(view: LoadView) -> None:
     with pytest.raises(ValueError, match="-5"):
         view.book("r1", "w1", -5, 0)
+
+
+# --- property test: the incremental sums against a scan of every booking --------------------------
+
+
+class NaiveView:
+    """The reference: every booking in a list, the coverage rule evaluated by a scan on each read."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.report_ts: dict[str, float] = {}
+        self.live: list[dict[str, Any]] = []
+
+    def book(self, key: tuple[str | None, str], worker: str, tokens: int, blocks: int) -> None:
+        self.live = [b for b in self.live if (b["key"], b["worker"]) != (key, worker)]
+        self.live.append({"key": key, "worker": worker, "tokens": tokens, "blocks": blocks,
+                          "at": self.clock.now, "done": None})  # fmt: skip
+
+    def prefill_done(self, key: tuple[str | None, str]) -> None:
+        for b in self.live:
+            if b["key"] == key and b["done"] is None:
+                b["done"] = self.clock.now
+
+    def drop(
+        self, keys: Collection[tuple[str | None, str]] = (), worker: str | None = None, router: str | None = None
+    ) -> None:
+        self.live = [
+            b
+            for b in self.live
+            if b["key"] not in keys and b["worker"] != worker and (router is None or b["key"][0] != router)
+        ]
+
+    def sums(self, worker: str) -> tuple[int, int]:
+        ts = self.report_ts.get(worker, float("-inf"))
+        mine = [b for b in self.live if b["worker"] == worker]
+        prefill = sum(b["tokens"] for b in mine if b["done"] is None and b["at"] > ts)
+        blocks = sum(b["blocks"] for b in mine if not (b["done"] is not None and ts >= b["done"]))
+        return prefill, blocks
+
+
+LV_WORKERS = ["w1", "w2", "w3"]
+LV_ROUTERS = [None, "p1"]
+LV_REQUESTS = ["r1", "r2", "r3", "r4"]
+LV_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("book"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS),
+                  st.sampled_from(LV_WORKERS), st.integers(0, 500), st.integers(0, 50)),
+        st.tuples(st.just("done"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS)),
+        st.tuples(st.just("free"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS)),
+        st.tuples(st.just("report"), st.sampled_from(LV_WORKERS), st.integers(-3, 3)),
+        st.tuples(st.just("tick"), st.integers(0, 2)),
+        st.tuples(st.just("remove"), st.sampled_from(LV_WORKERS)),
+        st.tuples(st.just("forget"), st.just("p1")),
+        st.tuples(st.just("expire"), st.integers(0, 6), st.booleans()),
+    ),
+    max_size=80,
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=LV_OPS)
+def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> None:
+    clock = Clock(0.0)
+    view, ref = LoadView(clock=clock), NaiveView(clock)
+    for op, *args in ops:
+        if op == "book":
+            router, request, worker, tokens, blocks = args
+            view.book(request, worker, tokens, blocks, router=router)
+            ref.book((router, request), worker, tokens, blocks)
+        elif op == "done":
+            view.prefill_done(args[1], router=args[0])
+            ref.prefill_done((args[0], args[1]))
+        elif op == "free":
+            view.free(args[1], router=args[0])
+            ref.drop(keys={(args[0], args[1])})
+        elif op == "report":  # reports may arrive out of order: an older one is ignored
+            worker, ts = args[0], clock.now + args[1]
+            view.update(LoadReport(worker=worker, ts=ts))
+            ref.report_ts[worker] = max(ts, ref.report_ts.get(worker, float("-inf")))
+        elif op == "tick":
+            clock.now += args[0]
+        elif op == "remove":
+            view.remove_worker(args[0])
+            ref.report_ts.pop(args[0], None)
+            ref.drop(worker=args[0])
+        elif op == "forget":
+            view.forget_router(args[0])
+            ref.drop(router=args[0])
+        else:  # expire: a request goes when all its bookings are older than the cutoff
+            max_age, peers_only = args
+            view.expire(max_age, peers_only=peers_only)
+            cutoff = clock.now - max_age
+            stale = {
+                b["key"] for b in ref.live
+                if (b["key"][0] is not None or not peers_only)
+                and all(o["at"] < cutoff for o in ref.live if o["key"] == b["key"])
+            }  # fmt: skip
+            ref.drop(keys=stale)
+        for worker in LV_WORKERS:
+            load = view.load(worker)
+            assert (load.prefill_tokens_queued, load.active_blocks) == ref.sums(worker), (op, worker)
+            assert view.bookings(worker) == sum(b["worker"] == worker for b in ref.live)
+
+
+def test_many_short_requests_on_a_silent_worker_keep_the_sums_right(view: LoadView, clock: Clock) -> None:
+    # No report ever covers them, so only `free` retires them (and the heaps get compacted).
+    view.book("long", "w1", 7, 3)
+    for i in range(1000):
+        view.book(f"r{i}", "w1", 100, 10)
+        if i % 2:
+            view.prefill_done(f"r{i}")
+        view.free(f"r{i}")
+        clock.now += 0.001
+    view.book("last", "w1", 5, 1)
+    assert view.bookings("w1") == 2
+    assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (12, 4)
+    view.update(report(ts=clock.now))
+    assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (0, 4)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-import nats
 import pytest
 from nats.aio.client import Client
 
@@ -13,16 +12,10 @@ from discovery import Discovery
 from protocol import RouterInfo, subjects
 from protocol.config import EtcdSettings
 from protocol.messages import RouterSync, SyncEntry, encode_msg
+from router.lifecycle import PartStatus
 from router.load_view import LoadView
-from router.replica_sync import ReplicaSync, SyncStatus
+from router.replica_sync import ReplicaSync
 from tests.router.polling import until
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
 
 
 @pytest.fixture
@@ -113,7 +106,7 @@ async def test_stop_sends_what_is_queued_and_is_idempotent(pair: tuple[ReplicaSy
     a.add("req1", "w1", 5, 1)
     await a.stop()
     await a.stop()
-    assert a.status is SyncStatus.STOPPED
+    assert a.status is PartStatus.STOPPED
     await until(lambda: b.view.bookings("w1") == 1)
 
 

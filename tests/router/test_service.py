@@ -18,22 +18,23 @@ from protocol.config import EtcdSettings
 from router import cli
 from router.admission import Admission, QueueFull, QueueTimeout
 from router.http_api import ApiError
-from tests.router.conftest import Cluster, complete, eventually
+from tests.router.conftest import Cluster, complete
+from tests.router.polling import until
 
 
 async def test_live_config_valid_is_applied_and_invalid_is_refused(cluster: Cluster, etcd_url: str) -> None:
     router = await cluster.add_router(conditional_disagg=True)
-    await eventually(lambda: router.ready, what="ready")
+    await until(lambda: router.ready, what="ready")
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
         await put_config(d, {"eff_isl_threshold": 1024, "conditional_disagg_policy": "ttft_model"})
-        await eventually(lambda: router.settings.conditional.eff_isl_threshold == 1024, what="applied")
+        await until(lambda: router.settings.conditional.eff_isl_threshold == 1024, what="applied")
         assert router.disagg.policy.name == "ttft_model"
         await put_config(d, {"eff_isl_ratio_threshold": 5.0})
-        await eventually(lambda: router.config_rejected == 1, what="refused")
+        await until(lambda: router.config_rejected == 1, what="refused")
         assert router.settings.conditional.eff_isl_threshold == 1024
         assert router.disagg.policy.name == "ttft_model"
         await put_config(d, {"conditional_disagg_policy": "prefill_load"})  # needs a threshold: refused
-        await eventually(lambda: router.config_rejected == 2, what="refused again")
+        await until(lambda: router.config_rejected == 2, what="refused again")
         assert router.disagg.policy.name == "ttft_model"
 
 

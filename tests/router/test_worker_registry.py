@@ -11,7 +11,8 @@ import pytest
 from discovery import Discovery, Lease
 from protocol import WorkerInfo
 from protocol.config import EtcdSettings
-from router.worker_registry import RegistryStatus, WorkerRegistry
+from router.lifecycle import PartStatus
+from router.worker_registry import WorkerRegistry
 from tests.router.polling import until
 
 
@@ -139,7 +140,7 @@ async def test_stop_is_idempotent_and_stops_the_callbacks(
     assert await reg.wait_ready(10.0)
     await reg.stop()
     await reg.stop()
-    assert reg.status is RegistryStatus.STOPPED
+    assert reg.status is PartStatus.STOPPED
     lease = await register(disc)
     sentinel = await register(disc)
     await disc.release(sentinel)

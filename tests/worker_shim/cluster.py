@@ -1,12 +1,15 @@
-"""Builders shared by the shim's integration tests: a sim, a shim beside it, NATS helpers."""
+"""Builders shared by the shim's integration tests: a sim, a shim beside it, a router-like follower."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import nats
 from nats.aio.client import Client as Nats
 
@@ -140,13 +143,29 @@ async def connect(url: str) -> Nats:
     return await nats.connect(url)
 
 
-async def complete(url: str, tokens: list[int], max_tokens: int = 2) -> None:
-    import aiohttp
+@asynccontextmanager
+async def follower_of(shim: WorkerShim, ns: str, nats_url: str) -> AsyncIterator[Follower]:
+    """A Follower on the registered shim's KV subject, on its own NATS connection (closed on exit)."""
+    await shim.registered.wait()
+    assert shim.worker_id is not None
+    nc = await connect(nats_url)
+    try:
+        follower = Follower(nc, ns, shim.worker_id)
+        await follower.start()
+        yield follower
+    finally:
+        await nc.close()
 
+
+def shared_prefix_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """n prompts, each one of four 64-token system prompts plus a random tail."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 4000) for _ in range(64)] for _ in range(4)]
+    return [rng.choice(systems) + [rng.randrange(1, 4000) for _ in range(rng.randrange(8, 120))] for _ in range(n)]
+
+
+async def complete(url: str, tokens: list[int], max_tokens: int = 2) -> None:
     async with aiohttp.ClientSession() as s:
         body = {"model": "sim-llama", "prompt": tokens, "max_tokens": max_tokens}
         async with s.post(url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
-
-
-AsyncFn = Callable[[], Awaitable[None]]

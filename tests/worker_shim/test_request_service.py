@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from nats.aio.client import Client as Nats
@@ -64,111 +66,96 @@ def gen(rid: str, tokens: list[int], max_tokens: int = 8, **kw: Any) -> Generate
     )
 
 
-async def _agg(sim: SimServer, ns: str, nats_url: str, etcd_url: str) -> tuple[WorkerShim, Nats, Collector]:
-    shim = shim_for(sim, ns, nats_url, etcd_url)
-    await shim.start()
-    await shim.registered.wait()
-    nc = await connect(nats_url)
-    col = Collector(nc)
-    await col.start()
-    return shim, nc, col
+@asynccontextmanager
+async def agg_shim(
+    sim: SimServer, ns: str, nats_url: str, etcd_url: str
+) -> AsyncIterator[tuple[WorkerShim, Collector]]:
+    """A registered agg shim beside `sim` and a Collector on its own NATS connection; both closed on exit."""
+    async with shim_for(sim, ns, nats_url, etcd_url) as shim:
+        await shim.registered.wait()
+        assert shim.worker_id is not None
+        nc = await connect(nats_url)
+        try:
+            col = Collector(nc)
+            await col.start()
+            yield shim, col
+        finally:
+            await nc.close()
 
 
 async def test_1000_streamed_requests_lose_duplicate_and_reorder_nothing(ns: str, nats_url: str, etcd_url: str) -> None:
-    async with SimServer(sim_config(num_gpu_blocks=2048)) as sim:
-        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
-        try:
-            assert shim.worker_id is not None
-            subject = subjects.gen(ns, "agg", shim.worker_id)
-            n = 1000
-            sem = asyncio.Semaphore(128)
+    async with (
+        SimServer(sim_config(num_gpu_blocks=2048)) as sim,
+        agg_shim(sim, ns, nats_url, etcd_url) as (shim, col),
+    ):
+        assert shim.worker_id is not None
+        subject = subjects.gen(ns, "agg", shim.worker_id)
+        n = 1000
+        sem = asyncio.Semaphore(128)
 
-            async def one(i: int) -> None:
-                async with sem:
-                    rid = f"r{i}"
-                    await col.send(subject, gen(rid, [1 + i % 97] * (20 + i % 50), max_tokens=4 + i % 9))
-                    await col.final(rid, timeout=60)
+        async def one(i: int) -> None:
+            async with sem:
+                rid = f"r{i}"
+                await col.send(subject, gen(rid, [1 + i % 97] * (20 + i % 50), max_tokens=4 + i % 9))
+                await col.final(rid, timeout=60)
 
-            await asyncio.gather(*(one(i) for i in range(n)))
-            for i in range(n):
-                chunks = col.chunks[f"r{i}"]
-                assert [c.seq for c in chunks] == list(range(len(chunks))), f"r{i} out of order"
-                assert [c.final for c in chunks].count(True) == 1 and chunks[-1].final
-                final = chunks[-1]
-                assert final.error is None and final.finish_reason == "length"
-                assert final.usage is not None and final.usage.completion_tokens == 4 + i % 9
-                assert sum(len(c.token_ids) for c in chunks) == 4 + i % 9
-                assert {c.worker for c in chunks} == {shim.worker_id}
-            assert shim.requests is not None and not shim.requests.inflight
-            assert shim.requests.prefill_tokens_queued == 0
-        finally:
-            await nc.close()
-            await shim.stop()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        for i in range(n):
+            chunks = col.chunks[f"r{i}"]
+            assert [c.seq for c in chunks] == list(range(len(chunks))), f"r{i} out of order"
+            assert [c.final for c in chunks].count(True) == 1 and chunks[-1].final
+            final = chunks[-1]
+            assert final.error is None and final.finish_reason == "length"
+            assert final.usage is not None and final.usage.completion_tokens == 4 + i % 9
+            assert sum(len(c.token_ids) for c in chunks) == 4 + i % 9
+            assert {c.worker for c in chunks} == {shim.worker_id}
+        assert shim.requests is not None and not shim.requests.inflight
+        assert shim.requests.prefill_tokens_queued == 0
 
 
 async def test_cancel_aborts_the_engine_request_and_frees_its_blocks(ns: str, nats_url: str, etcd_url: str) -> None:
-    async with SimServer(sim_config(speedup=5.0)) as sim:
-        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
-        try:
-            assert shim.worker_id is not None
-            await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("long", list(range(1, 200)), max_tokens=5000))
-            await wait_for(lambda: len(col.chunks["long"]) >= 2, what="streaming started")
-            assert sim.engine.num_blocks_in_use > 0
-            await nc.publish(subjects.cancel(ns, shim.worker_id), encode_msg(CancelRequest(request_id="long")))
-            final = await col.final("long")
-            assert final.finish_reason == "abort" and final.error is None
-            await wait_for(lambda: sim.engine.num_blocks_in_use == 0, what="engine freed the blocks")
-        finally:
-            await nc.close()
-            await shim.stop()
+    async with SimServer(sim_config(speedup=5.0)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("long", list(range(1, 200)), max_tokens=5000))
+        await wait_for(lambda: len(col.chunks["long"]) >= 2, what="streaming started")
+        assert sim.engine.num_blocks_in_use > 0
+        await col.nc.publish(subjects.cancel(ns, shim.worker_id), encode_msg(CancelRequest(request_id="long")))
+        final = await col.final("long")
+        assert final.finish_reason == "abort" and final.error is None
+        await wait_for(lambda: sim.engine.num_blocks_in_use == 0, what="engine freed the blocks")
 
 
 async def test_deadline_aborts_with_a_deadline_error(ns: str, nats_url: str, etcd_url: str) -> None:
-    async with SimServer(sim_config(speedup=5.0)) as sim:
-        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
-        try:
-            assert shim.worker_id is not None
-            req = gen("late", list(range(1, 100)), max_tokens=5000, deadline=time.time() + 0.3)
-            await col.send(subjects.gen(ns, "agg", shim.worker_id), req)
-            final = await col.final("late")
-            assert final.error is not None and final.error.kind == "deadline" and final.error.code == 504
-            await wait_for(lambda: sim.engine.num_blocks_in_use == 0, what="engine freed the blocks")
-        finally:
-            await nc.close()
-            await shim.stop()
+    async with SimServer(sim_config(speedup=5.0)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        req = gen("late", list(range(1, 100)), max_tokens=5000, deadline=time.time() + 0.3)
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), req)
+        final = await col.final("late")
+        assert final.error is not None and final.error.kind == "deadline" and final.error.code == 504
+        await wait_for(lambda: sim.engine.num_blocks_in_use == 0, what="engine freed the blocks")
 
 
 async def test_non_stream_request_gets_one_final_chunk_with_every_token(ns: str, nats_url: str, etcd_url: str) -> None:
-    async with SimServer(sim_config()) as sim:
-        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
-        try:
-            assert shim.worker_id is not None
-            await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("ns", [5] * 40, max_tokens=7, stream=False))
-            final = await col.final("ns")
-            assert len(col.chunks["ns"]) == 1 and final.seq == 0
-            assert len(final.token_ids) == 7 and final.usage is not None and final.usage.prompt_tokens == 40
-        finally:
-            await nc.close()
-            await shim.stop()
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("ns", [5] * 40, max_tokens=7, stream=False))
+        final = await col.final("ns")
+        assert len(col.chunks["ns"]) == 1 and final.seq == 0
+        assert len(final.token_ids) == 7 and final.usage is not None and final.usage.prompt_tokens == 40
 
 
 async def test_bad_requests_end_with_an_error_chunk(ns: str, nats_url: str, etcd_url: str) -> None:
-    async with SimServer(sim_config()) as sim:
-        shim, nc, col = await _agg(sim, ns, nats_url, etcd_url)
-        try:
-            assert shim.worker_id is not None
-            foreign = TransferHandle(engine="trtllm", params={})
-            await col.send(subjects.gen(ns, "decode", shim.worker_id), gen("foreign", [1] * 20, disagg=foreign))
-            await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("huge", [1] * 40_000))
-            await nc.publish(subjects.gen(ns, "agg", shim.worker_id), b"\x93junk", reply=f"{col.prefix}.junk")
-            assert (await col.final("foreign")).error.kind == "bad_request"  # type: ignore[union-attr]
-            huge = await col.final("huge")
-            assert huge.error is not None and huge.error.code == 400 and "context length" in huge.error.message
-            junk = await col.final("junk")
-            assert junk.error is not None and junk.error.kind == "bad_request"
-        finally:
-            await nc.close()
-            await shim.stop()
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        foreign = TransferHandle(engine="trtllm", params={})
+        await col.send(subjects.gen(ns, "decode", shim.worker_id), gen("foreign", [1] * 20, disagg=foreign))
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("huge", [1] * 40_000))
+        await col.nc.publish(subjects.gen(ns, "agg", shim.worker_id), b"\x93junk", reply=f"{col.prefix}.junk")
+        assert (await col.final("foreign")).error.kind == "bad_request"  # type: ignore[union-attr]
+        huge = await col.final("huge")
+        assert huge.error is not None and huge.error.code == 400 and "context length" in huge.error.message
+        junk = await col.final("junk")
+        assert junk.error is not None and junk.error.kind == "bad_request"
 
 
 async def test_prefill_decode_through_two_shims_and_the_bypass(ns: str, nats_url: str, etcd_url: str) -> None:

@@ -8,11 +8,12 @@ from pathlib import Path
 import msgspec
 
 from protocol import SamplingParams, block_hashes
-from tests.worker_shim.vllm_captures import frames
+from protocol.vllm_events import decode_pub_frames
+from tests.protocol.vllm_captures import frames
 from worker_shim import Normaliser
 from worker_shim.adapters.base import LegRequest
 from worker_shim.adapters.sglang import StreamFolder, generate_body, limits_from_server_info, load_from_metrics
-from worker_shim.adapters.vllm_events import decode_payload, decode_pub_frames
+from worker_shim.adapters.vllm_events import decode_payload
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "sglang"
 

@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import random
+import asyncio
 
 from engine_sim.server import SimServer
-from tests.worker_shim.cluster import Follower, complete, connect, engine_set, shim_for, sim_config, wait_for
-
-
-def shared_prefix_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    systems = [[rng.randrange(1, 4000) for _ in range(64)] for _ in range(4)]
-    return [rng.choice(systems) + [rng.randrange(1, 4000) for _ in range(rng.randrange(8, 120))] for _ in range(n)]
+from tests.worker_shim.cluster import (
+    complete,
+    engine_set,
+    follower_of,
+    shared_prefix_prompts,
+    shim_for,
+    sim_config,
+    wait_for,
+)
 
 
 async def test_canonical_set_equals_sim_pool_and_subscriber(ns: str, nats_url: str, etcd_url: str) -> None:
     async with SimServer(sim_config(num_gpu_blocks=96)) as sim:
         shim = shim_for(sim, ns, nats_url, etcd_url)
-        async with shim:
-            await shim.registered.wait()
-            assert shim.worker_id is not None
-            nc = await connect(nats_url)
-            follower = Follower(nc, ns, shim.worker_id)
-            await follower.start()
+        async with shim, follower_of(shim, ns, nats_url) as follower:
             for p in shared_prefix_prompts(60):
                 await complete(sim.url, p)
             # The pool is small, so blocks were evicted (Removed) as well as stored.
@@ -31,12 +28,9 @@ async def test_canonical_set_equals_sim_pool_and_subscriber(ns: str, nats_url: s
             assert any(b for b in follower.batches if any(type(e).__name__ == "Removed" for e in b.events))
             seqs = [b.seq for b in follower.batches]
             assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-            await nc.close()
 
 
 async def _drive(sim: SimServer, prompts: list[list[int]], concurrency: int = 1) -> None:
-    import asyncio
-
     sem = asyncio.Semaphore(concurrency)
 
     async def one(p: list[int]) -> None:
@@ -51,25 +45,21 @@ async def _dropped_run(ns: str, nats_url: str, etcd_url: str, replay: bool) -> N
         shim = shim_for(sim, ns, nats_url, etcd_url, **({} if replay else {"kv_replay": None}))
         async with shim:
             await shim.registered.wait()
-            assert shim.worker_id is not None
             # One request at a time: each step is its own event batch, so ~1% of ~1,000 are dropped.
             prompts = shared_prefix_prompts(500, seed=7)
             await _drive(sim, prompts[:100])
-            nc = await connect(nats_url)
             # Joins late: its first batch is not seq 1, so it bootstraps from a kvstate dump.
-            follower = Follower(nc, ns, shim.worker_id)
-            await follower.start()
-            await _drive(sim, prompts[100:])
-            events = shim.adapter._events  # type: ignore[attr-defined]
-            assert events is not None and events.stats.gaps >= 1, "no batch was dropped: the test proved nothing"
-            if replay:
-                assert events.stats.replay_failures == 0
-                await wait_for(lambda: shim.canonical_hashes() == engine_set(sim), what="shim == sim pool")
-            else:
-                assert shim.normaliser is not None and shim.normaliser.stats.resets >= 2
-            await wait_for(lambda: follower.hashes == shim.canonical_hashes(), what="subscriber == shim")
-            assert follower.repairs >= 1
-            await nc.close()
+            async with follower_of(shim, ns, nats_url) as follower:
+                await _drive(sim, prompts[100:])
+                events = shim.adapter._events  # type: ignore[attr-defined]
+                assert events is not None and events.stats.gaps >= 1, "no batch was dropped: the test proved nothing"
+                if replay:
+                    assert events.stats.replay_failures == 0
+                    await wait_for(lambda: shim.canonical_hashes() == engine_set(sim), what="shim == sim pool")
+                else:
+                    assert shim.normaliser is not None and shim.normaliser.stats.resets >= 2
+                await wait_for(lambda: follower.hashes == shim.canonical_hashes(), what="subscriber == shim")
+                assert follower.repairs >= 1
 
 
 async def test_dropped_batches_repaired_by_replay(ns: str, nats_url: str, etcd_url: str) -> None:

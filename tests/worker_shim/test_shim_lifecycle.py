@@ -5,8 +5,15 @@ from __future__ import annotations
 from discovery import Discovery, Snapshot
 from engine_sim.server import SimServer
 from protocol.config import EtcdSettings
-from tests.worker_shim.cluster import Follower, complete, connect, engine_set, shim_for, sim_config, wait_for
-from tests.worker_shim.test_shim_events import shared_prefix_prompts
+from tests.worker_shim.cluster import (
+    complete,
+    engine_set,
+    follower_of,
+    shared_prefix_prompts,
+    shim_for,
+    sim_config,
+    wait_for,
+)
 from worker_shim import ShimStatus
 
 
@@ -25,18 +32,16 @@ async def test_sim_crash_deregisters_and_restart_reregisters(ns: str, nats_url: 
             await shim.registered.wait()
             first = shim.worker_id
             assert first is not None and await registered_workers(etcd_url, ns) == {first}
-            nc = await connect(nats_url)
-            follower = Follower(nc, ns, first)
-            await follower.start()
-            for p in shared_prefix_prompts(20):
-                await complete(sim.url, p)
-            await wait_for(lambda: follower.hashes == engine_set(sim) != set(), what="converged before crash")
+            async with follower_of(shim, ns, nats_url) as follower:
+                for p in shared_prefix_prompts(20):
+                    await complete(sim.url, p)
+                await wait_for(lambda: follower.hashes == engine_set(sim) != set(), what="converged before crash")
 
-            await sim.crash()
-            # worker_id is dropped once the lease is revoked, at the end of the session.
-            await wait_for(lambda: not shim.registered.is_set() and shim.worker_id is None, what="deregistered")
-            assert await registered_workers(etcd_url, ns) == set()
-            await wait_for(lambda: follower.cleared >= 1 and not follower.hashes, what="Cleared published")
+                await sim.crash()
+                # worker_id is dropped once the lease is revoked, at the end of the session.
+                await wait_for(lambda: not shim.registered.is_set() and shim.worker_id is None, what="deregistered")
+                assert await registered_workers(etcd_url, ns) == set()
+                await wait_for(lambda: follower.cleared >= 1 and not follower.hashes, what="Cleared published")
 
             await sim.restart()
             await wait_for(shim.registered.is_set, what="registered again")
@@ -46,7 +51,6 @@ async def test_sim_crash_deregisters_and_restart_reregisters(ns: str, nats_url: 
             for p in shared_prefix_prompts(20, seed=3):
                 await complete(sim.url, p)
             await wait_for(lambda: shim.canonical_hashes() == engine_set(sim) != set(), what="converged after restart")
-            await nc.close()
         assert shim.status is ShimStatus.STOPPED
         assert await registered_workers(etcd_url, ns) == set()
 
@@ -55,12 +59,7 @@ async def test_fast_restart_publishes_cleared_and_converges(ns: str, nats_url: s
     async with SimServer(sim_config()) as sim:
         # Health is checked rarely, so only the event sequence going back can reveal the restart.
         shim = shim_for(sim, ns, nats_url, etcd_url, health_interval_s=5.0, health_failures=3)
-        async with shim:
-            await shim.registered.wait()
-            assert shim.worker_id is not None
-            nc = await connect(nats_url)
-            follower = Follower(nc, ns, shim.worker_id)
-            await follower.start()
+        async with shim, follower_of(shim, ns, nats_url) as follower:
             for p in shared_prefix_prompts(10):
                 await complete(sim.url, p)
             await wait_for(lambda: follower.hashes == engine_set(sim) != set(), what="converged")
@@ -72,4 +71,3 @@ async def test_fast_restart_publishes_cleared_and_converges(ns: str, nats_url: s
             await wait_for(lambda: shim.canonical_hashes() == engine_set(sim), what="shim == new pool")
             await wait_for(lambda: follower.hashes == shim.canonical_hashes(), what="subscriber == shim")
             assert shim.registered.is_set()
-            await nc.close()

@@ -1,43 +1,19 @@
-"""vLLM 0.32's KV event wire format, from the real captures, in both event forms."""
+"""The vLLM adapter on the real vLLM 0.32 captures: events to EngineEvents to canonical hashes, in both
+event forms, plus its metrics and request bodies (the wire format itself: tests/protocol/test_vllm_events.py)."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from protocol import Removed, SamplingParams, Stored, block_hashes
-from tests.worker_shim.vllm_captures import CAPTURES, FIXTURES, pub_frames, replay_frames
+from protocol import Removed, SamplingParams, Stored
+from protocol.vllm_events import decode_pub_frames
+from tests.protocol.vllm_captures import CAPTURES, FIXTURES, expected_set, pub_frames
 from worker_shim import EngineCleared, EngineRemoved, EngineStored, Normaliser
 from worker_shim.adapters.base import LegRequest
 from worker_shim.adapters.vllm import completion_body, limits_from_metrics, load_from_metrics
-from worker_shim.adapters.vllm_events import (
-    END_SEQ,
-    decode_payload,
-    decode_pub_frames,
-    decode_replay_frames,
-    replay_request,
-)
+from worker_shim.adapters.vllm_events import decode_payload
 from worker_shim.engine_events import EventDecodeError
-
-
-def expected_set(frames: list[list[bytes]], bs: int) -> set[int]:
-    """Independent of the normaliser: whole token prefixes per engine hash, references counted."""
-    prefix: dict[int, list[int]] = {}
-    refs: dict[int, int] = {}
-    dec = msgspec.msgpack.Decoder()
-    for f in frames:
-        for ev in dec.decode(f[2])[1]:
-            if ev["type"] == "BlockStored":
-                base = prefix[ev["parent_block_hash"]] if ev["parent_block_hash"] is not None else []
-                for i, h in enumerate(ev["block_hashes"]):
-                    prefix[h] = base + ev["token_ids"][: (i + 1) * bs]
-                    refs[h] = refs.get(h, 0) + 1
-            elif ev["type"] == "BlockRemoved":
-                for h in ev["block_hashes"]:
-                    refs[h] -= 1
-            else:
-                refs.clear()
-    return {block_hashes(prefix[h], bs)[-1] for h, r in refs.items() if r > 0}
 
 
 @pytest.mark.parametrize("capture", list(CAPTURES))
@@ -131,31 +107,21 @@ def test_unknown_fields_and_event_types_are_ignored() -> None:
     assert decode_payload(msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}]])) == [EngineCleared()]
 
 
+def test_a_malformed_payload_raises_a_decode_error_naming_the_engine() -> None:
+    payload = msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]])
+    with pytest.raises(EventDecodeError, match="malformed sglang KV event: BlockStored needs") as info:
+        decode_payload(payload, "sglang")
+    assert info.value.engine == "sglang"
+
+
 @pytest.mark.parametrize(
-    "payload",
-    [
-        b"\xc1",
-        msgspec.msgpack.encode(5),
-        msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]]),
-        msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": ["x"]}]]),
-    ],
+    ("lora", "salt"), [({}, ""), ({"lora_id": 3}, "3"), ({"lora_id": 3, "lora_name": "sql-adapter"}, "sql-adapter")]
 )
-def test_malformed_payloads_raise_a_decode_error(payload: bytes) -> None:
-    with pytest.raises(EventDecodeError):
-        decode_payload(payload)
-
-
-def test_captured_replay_replies_decode_with_and_without_the_topic_frame() -> None:
-    replies = replay_frames("bs32", "8")
-    seqs = [decode_replay_frames(r)[0] for r in replies]
-    assert seqs[0] == 8 and seqs[-1] == END_SEQ and seqs[:-1] == list(range(8, 8 + len(seqs) - 1))
-    live = {decode_pub_frames(f)[1]: f[2] for f in pub_frames("bs32")}
-    for r in replies[:-1]:
-        seq, payload = decode_replay_frames(r)
-        assert payload == live[seq]  # replayed payloads are byte-identical
-        assert decode_replay_frames([r[0], r[2], r[3]]) == (seq, payload)  # older layout, no topic
-    assert [decode_replay_frames(r)[0] for r in replay_frames("bs32", "future")] == [END_SEQ]
-    assert replay_request(8) == [b"", bytes.fromhex("0000000000000008")]
+def test_a_stored_chain_is_salted_by_its_lora_adapter(lora: dict[str, object], salt: str) -> None:
+    stored = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": [1] * 16}
+    payload = msgspec.msgpack.encode([1.0, [{**stored, "block_size": 16, **lora}]])
+    expected = EngineStored(hashes=[5], parent=None, token_ids=[1] * 16, block_size=16, salt=salt)
+    assert decode_payload(payload) == [expected]
 
 
 def test_limits_and_load_from_captured_metrics() -> None:

@@ -15,11 +15,10 @@ import zmq
 import zmq.asyncio
 
 from kvswitch.servers import free_port
+from protocol.vllm_events import END_SEQ, decode_pub_frames
+from tests.protocol.vllm_captures import expected_set, pub_frames, replay_frames
 from tests.worker_shim.cluster import wait_for
-from tests.worker_shim.test_vllm_events import expected_set
-from tests.worker_shim.vllm_captures import pub_frames, replay_frames
 from worker_shim import EngineBatch, Normaliser
-from worker_shim.adapters.vllm_events import END_SEQ, decode_pub_frames
 from worker_shim.adapters.zmq_events import ZmqEventSource, resolve_endpoint
 
 

@@ -31,18 +31,16 @@ import aiohttp
 import msgspec
 
 from protocol import Usage
-from worker_shim.adapters.base import EngineAdapter, EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
-from worker_shim.adapters.zmq_events import ZmqEventSource
+from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
+from worker_shim.adapters.http_engine import PROBE_TIMEOUT
+from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
-from worker_shim.engine_events import EngineBatch
-from worker_shim.prom_text import parse_samples, sum_samples
+from worker_shim.prom_text import mean_samples, parse_samples, sum_samples
 
 __all__ = ["SglangAdapter", "StreamFolder", "generate_body", "limits_from_server_info", "load_from_metrics"]
 
 log = logging.getLogger(__name__)
 _METRICS = frozenset({"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"})
-_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0)
-_PROBE = aiohttp.ClientTimeout(total=2.0)
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 
@@ -59,11 +57,10 @@ def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
 
 def load_from_metrics(text: str, kv_total_blocks: int | None) -> EngineLoad:
     samples = list(parse_samples(text, _METRICS))
-    usage = [v for n, _, v in samples if n == "sglang:token_usage"]
     return EngineLoad(
         running=int(sum_samples(samples, "sglang:num_running_reqs") or 0),
         waiting=int(sum_samples(samples, "sglang:num_queue_reqs") or 0),
-        kv_usage=sum(usage) / len(usage) if usage else None,
+        kv_usage=mean_samples(samples, "sglang:token_usage"),
         kv_total_blocks=kv_total_blocks,
     )
 
@@ -124,53 +121,22 @@ class StreamFolder:
         return new
 
 
-class SglangAdapter(EngineAdapter):
+class SglangAdapter(ZmqEventsAdapter):
     kind: ClassVar[str] = "sglang"
 
     def __init__(self, config: ShimConfig) -> None:
         super().__init__(config)
-        self.base = config.engine_url.rstrip("/")
-        self._session: aiohttp.ClientSession | None = None
-        self._events: ZmqEventSource | None = None
         self._kv_total: int | None = None
         self._bootstrap_port = DEFAULT_BOOTSTRAP_PORT
         self._background: set[asyncio.Task[None]] = set()
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("adapter not open")
-        return self._session
-
-    async def open(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=_TIMEOUT, connector=aiohttp.TCPConnector(limit=0))
-
     async def close(self) -> None:
         for t in list(self._background):
             t.cancel()
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    async def health(self) -> bool:
-        try:
-            async with self.session.get(self.base + "/health", timeout=_PROBE) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
-
-    async def _get(self, path: str) -> bytes:
-        try:
-            async with self.session.get(self.base + path, timeout=_PROBE) as resp:
-                if resp.status != 200:
-                    raise EngineError(resp.status, "engine_error", f"{path} answered {resp.status}")
-                return await resp.read()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise EngineError(503, "engine_unavailable", f"{self.base}{path}: {exc!r}") from exc
+        await super().close()
 
     async def limits(self) -> EngineLimits:
-        info = msgspec.json.decode(await self._get("/get_server_info"))
+        info = msgspec.json.decode(await self.fetch("/get_server_info"))
         if not isinstance(info, dict):
             return EngineLimits()
         self._bootstrap_port = int(info.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT)
@@ -179,19 +145,7 @@ class SglangAdapter(EngineAdapter):
         return limits
 
     async def load(self) -> EngineLoad:
-        return load_from_metrics((await self._get("/metrics")).decode(), self._kv_total)
-
-    async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
-        c = self.config
-        assert c.kv_events is not None
-        self._events = ZmqEventSource(
-            self.kind, c.kv_events, c.kv_events_mode, c.kv_events_topic, c.kv_replay, c.engine_host
-        )
-        await self._events.run(sink, live)
-
-    def request_rebuild(self) -> None:
-        if self._events is not None:
-            self._events.request_rebuild()
+        return load_from_metrics((await self.fetch("/metrics")).decode(), self._kv_total)
 
     async def _post(
         self, leg: LegRequest, body: dict[str, Any], on_tokens: Callable[[list[int]], Awaitable[None]] | None
@@ -222,7 +176,7 @@ class SglangAdapter(EngineAdapter):
 
     async def _abort(self, rid: str) -> None:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-            async with self.session.post(self.base + "/abort_request", json={"rid": rid}, timeout=_PROBE):
+            async with self.session.post(self.base + "/abort_request", json={"rid": rid}, timeout=PROBE_TIMEOUT):
                 pass
 
     async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome:

@@ -20,10 +20,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-import aiohttp
 import msgspec
 
-from worker_shim.adapters.base import EngineAdapter, EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
+from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
+from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.openai_http import post_completion
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker
 from worker_shim.adapters.vllm import completion_body
@@ -34,8 +34,6 @@ __all__ = ["POLL_S", "TrtllmAdapter", "disagg_body", "limits_from_stats", "load_
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
-_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0)
-_PROBE = aiohttp.ClientTimeout(total=2.0)
 
 
 def _newest(stats: Any) -> dict[str, Any] | None:
@@ -79,46 +77,20 @@ def disagg_body(leg: LegRequest) -> dict[str, Any]:
     return body
 
 
-class TrtllmAdapter(EngineAdapter):
+class TrtllmAdapter(HttpEngineAdapter):
     kind: ClassVar[str] = "trtllm"
 
     def __init__(self, config: ShimConfig) -> None:
         super().__init__(config)
-        self.base = config.engine_url.rstrip("/")
         self.tracker = TrtllmEventTracker()
-        self._session: aiohttp.ClientSession | None = None
         self._load = EngineLoad()
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("adapter not open")
-        return self._session
-
-    async def open(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=_TIMEOUT, connector=aiohttp.TCPConnector(limit=0))
-
-    async def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
     async def _json(self, method: str, path: str) -> Any:
+        body = await self.fetch(path, method)
         try:
-            async with self.session.request(method, self.base + path, timeout=_PROBE) as resp:
-                if resp.status != 200:
-                    raise EngineError(resp.status, "engine_error", f"{path} answered {resp.status}")
-                return msgspec.json.decode(await resp.read())
-        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as exc:
+            return msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
             raise EngineError(503, "engine_unavailable", f"{self.base}{path}: {exc!r}") from exc
-
-    async def health(self) -> bool:
-        try:
-            async with self.session.get(self.base + "/health", timeout=_PROBE) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
 
     async def limits(self) -> EngineLimits:
         return limits_from_stats(await self._json("GET", "/metrics"))

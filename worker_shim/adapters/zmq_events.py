@@ -1,4 +1,5 @@
-"""KV events over ZMQ with replay (vLLM's transport; SGLang uses the same one).
+"""KV events over ZMQ with replay (vLLM's transport; SGLang uses the same one; frames and payloads:
+protocol/vllm_events.py).
 
 Sockets: a SUB on the event endpoint, subscribed to the topic and checking it exactly (ZMQ filters
 by prefix); a DEALER to the replay endpoint. Which side binds: `auto` reads the engine's own rule
@@ -30,17 +31,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from worker_shim.adapters.vllm_events import (
-    END_SEQ,
-    decode_payload,
-    decode_pub_frames,
-    decode_replay_frames,
-    replay_request,
-)
-from worker_shim.config import KvEventsMode
-from worker_shim.engine_events import EngineBatch, EngineEvent, EventDecodeError
+from protocol.errors import ProtocolError
+from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_frames, publisher_binds, replay_request
+from worker_shim.adapters.http_engine import HttpEngineAdapter
+from worker_shim.adapters.vllm_events import decode_payload
+from worker_shim.config import KvEventsMode, ShimConfig
+from worker_shim.engine_events import EngineBatch, EngineEvent
 
-__all__ = ["ZmqEventSource", "ZmqEventStats", "resolve_endpoint"]
+__all__ = ["ZmqEventSource", "ZmqEventStats", "ZmqEventsAdapter", "resolve_endpoint"]
 
 log = logging.getLogger(__name__)
 REPLAY_TIMEOUT_S = 2.0
@@ -48,9 +46,7 @@ REPLAY_TIMEOUT_S = 2.0
 
 def resolve_endpoint(endpoint: str, mode: KvEventsMode, engine_host: str) -> tuple[str, bool]:
     """(address, bind) for the shim's SUB socket from the engine's endpoint string."""
-    # vLLM's PUB binds for `*`, `::` and ipc:// or inproc:// endpoints and connects otherwise.
-    engine_binds = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-    bind = mode == "bind" or (mode == "auto" and not engine_binds)
+    bind = mode == "bind" or (mode == "auto" and not publisher_binds(endpoint))
     if bind:
         return endpoint, True
     return endpoint.replace("*", engine_host), False
@@ -110,7 +106,7 @@ class ZmqEventSource:
             if self.replay_address is not None:
                 replayed = await self._replay(0)
                 if replayed is None:
-                    raise EventDecodeError(self.engine, f"replay endpoint {self.replay_address} does not answer")
+                    raise ConnectionError(f"{self.engine} replay endpoint {self.replay_address} does not answer")
                 self._deliver_rebuild(replayed, sink)
             else:
                 sink(EngineBatch(reset=True, complete=False))
@@ -147,17 +143,17 @@ class ZmqEventSource:
             log.info("%s KV events: peer reconnected: rebuilding from replay", self.engine)
             self._rebuild = True
 
-    def _malformed(self, exc: EventDecodeError) -> None:
+    def _malformed(self, exc: ProtocolError) -> None:
         self.stats.malformed += 1
         if exc.detail not in self._logged:
             self._logged.add(exc.detail)
-            log.warning("%s (logged once per kind)", exc)
+            log.warning("%s KV events: %s (logged once per kind)", self.engine, exc)
 
     async def _on_message(self, frames: list[bytes], sink: Callable[[EngineBatch], None]) -> None:
         self.stats.messages += 1
         try:
-            topic, seq, payload = decode_pub_frames(frames, self.engine)
-        except EventDecodeError as exc:
+            topic, seq, payload = decode_pub_frames(frames)
+        except ProtocolError as exc:
             self._malformed(exc)
             return
         if self.topic and topic != self.topic:
@@ -213,7 +209,7 @@ class ZmqEventSource:
         events: list[EngineEvent] = []
         try:
             events = decode_payload(payload, self.engine)
-        except EventDecodeError as exc:
+        except ProtocolError as exc:
             self._malformed(exc)
         if events or reset:
             sink(EngineBatch(events=events, reset=reset, complete=complete))
@@ -244,8 +240,8 @@ class ZmqEventSource:
                 while True:
                     frames = await dealer.recv_multipart()
                     try:
-                        seq, payload = decode_replay_frames(frames, self.engine)
-                    except EventDecodeError as exc:
+                        seq, payload = decode_replay_frames(frames)
+                    except ProtocolError as exc:
                         self._malformed(exc)
                         continue
                     if seq == END_SEQ:
@@ -259,3 +255,24 @@ class ZmqEventSource:
         finally:
             with contextlib.suppress(zmq.ZMQError):
                 dealer.close(linger=0)
+
+
+class ZmqEventsAdapter(HttpEngineAdapter):
+    """An HTTP-served engine whose KV events come over ZMQ (vLLM, SGLang): one ZmqEventSource per
+    `run_events` call, on the endpoints the shim was given (validated by ShimConfig)."""
+
+    def __init__(self, config: ShimConfig) -> None:
+        super().__init__(config)
+        self._events: ZmqEventSource | None = None
+
+    async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
+        c = self.config
+        assert c.kv_events is not None  # ShimConfig requires it for these engines
+        self._events = ZmqEventSource(
+            self.kind, c.kv_events, c.kv_events_mode, c.kv_events_topic, c.kv_replay, c.engine_host
+        )
+        await self._events.run(sink, live)
+
+    def request_rebuild(self) -> None:
+        if self._events is not None:
+            self._events.request_rebuild()

@@ -1,4 +1,8 @@
-"""Golden tests: what the sim publishes decodes exactly like the real vLLM 0.32 captures."""
+"""Golden tests: what the sim publishes (events, frames, replay) matches the real vLLM 0.32 captures.
+
+The wire format itself is pinned in tests/protocol/test_vllm_events.py; these check that the sim's
+block pool and publisher produce it.
+"""
 
 from __future__ import annotations
 
@@ -9,27 +13,11 @@ import msgspec
 import pytest
 
 from engine_sim import SimServer
-from engine_sim.block_pool import BlockPool
-from engine_sim.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    decode_batch,
-    encode_batch,
-)
 from engine_sim.request import SimRequest
 from engine_sim.scheduler import Scheduler
-from tests.engine_sim.conftest import (
-    Subscriber,
-    connected_subscriber,
-    decode_payload,
-    fixture_lines,
-    replay,
-    sim_config,
-)
-
-END_MARKER = [b"", b"", b"\xff" * 8, b""]
+from protocol.vllm_events import REPLAY_END, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, encode_batch
+from tests.engine_sim.conftest import Subscriber, connected_subscriber, decode_payload, replay, sim_config
+from tests.protocol.vllm_captures import fixture_lines
 
 
 def _captured_events() -> dict[str, dict[str, Any]]:
@@ -39,17 +27,6 @@ def _captured_events() -> dict[str, dict[str, Any]]:
         for ev in rec["payload"][1]:
             out.setdefault(ev["type"], ev)
     return out
-
-
-@pytest.mark.parametrize("variant", ["bs16_patched", "bs32"])
-def test_captured_payloads_reencode_byte_identical(variant: str) -> None:
-    """Our map-form types are vLLM's: decoding a real payload and encoding it gives the same bytes."""
-    lines = fixture_lines("zmq_events_raw.jsonl", variant)
-    assert lines
-    for rec in lines:
-        raw = bytes.fromhex(rec["frames_hex"][2])
-        batch = decode_batch(raw)
-        assert msgspec.msgpack.encode(batch) == raw
 
 
 def _emitted_events() -> list[KVEvent]:
@@ -99,31 +76,6 @@ def test_batch_matches_vllm_layout() -> None:
     assert ours[:2] == raw[:2] == b"\x93\xcb"
     ts, events, rank = decode_payload(ours)
     assert isinstance(ts, float) and rank == 0 and events[0]["type"] == "BlockStored"
-
-
-def test_block_stored_matches_vllm_array_form() -> None:
-    stored = BlockStored(block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=list(range(32)), block_size=16)
-    ts, events, rank = decode_payload(encode_batch(2.5, [stored], form="array"))
-    assert (ts, rank) == (2.5, 0)
-    assert events == [["BlockStored", [2**64 - 1, 7], None, list(range(32)), 16, None, "GPU"]]
-
-
-def test_block_removed_and_cleared_match_vllm_array_form() -> None:
-    _, events, _ = decode_payload(encode_batch(0.0, [BlockRemoved(block_hashes=[9]), AllBlocksCleared()], form="array"))
-    assert events == [["BlockRemoved", [9], "GPU"], ["AllBlocksCleared"]]
-
-
-def test_hashes_above_2_63_are_msgpack_uint64() -> None:
-    big = BlockStored(block_hashes=[2**63 + 5], parent_block_hash=2**64 - 2, token_ids=[1] * 16, block_size=16)
-    raw = encode_batch(0.0, [big])
-    assert b"\xcf" + (2**63 + 5).to_bytes(8, "big") in raw  # uint64, never a negative int64
-    assert decode_payload(raw)[1][0]["block_hashes"] == [2**63 + 5]
-
-
-def test_block_pool_emits_no_events_when_disabled() -> None:
-    pool = BlockPool(4, 16, emit_events=False)
-    pool.allocate(2)
-    assert pool.take_events() == []
 
 
 async def _complete(sim: SimServer, prompt: list[int], max_tokens: int = 2) -> dict[str, Any]:
@@ -178,18 +130,16 @@ async def test_replay_replies_match_vllm() -> None:
     assert [int.from_bytes(f[2], "big") for f in from_0[:-1]] == [0, 1, 2, 3]
     assert [f[3] for f in from_0[:-1]] == [m[2] for m in live]  # replayed payloads are byte-identical
     assert [int.from_bytes(f[2], "big") for f in from_2[:-1]] == [2, 3]
-    assert from_0[-1] == from_2[-1] == [bytes.fromhex(h) for h in cap_end] == END_MARKER
+    assert from_0[-1] == from_2[-1] == [bytes.fromhex(h) for h in cap_end] == REPLAY_END
     assert (
         future
-        == [END_MARKER]
+        == [REPLAY_END]
         == [[bytes.fromhex(h) for h in fixture_lines("replay_from_future.jsonl")[1]["frames_hex"]]]
     )
 
 
 async def test_pub_connects_when_endpoint_has_no_wildcard() -> None:
     import socket
-
-    from tests.engine_sim.conftest import Subscriber
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

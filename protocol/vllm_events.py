@@ -1,0 +1,278 @@
+"""vLLM's KV-cache events on the wire (vllm/distributed/kv_events.py, 0.32), for both ends.
+
+engine_sim encodes with this module and the worker shim decodes with it, so the shapes are
+written once. tests/fixtures/vllm-0.32 holds real captures; tests/protocol/test_vllm_events.py
+pins them.
+
+Payload: a msgpack batch `[ts, events, data_parallel_rank]` (older vLLM: `[ts, events]`; a map
+`{ts, events, ...}` decodes too). Events are msgpack maps tagged by `"type"` with every field
+present, as vLLM 0.32 sends them:
+
+    BlockStored:      type, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+                      lora_name, extra_keys, group_idx, kv_cache_spec_kind
+    BlockRemoved:     type, block_hashes, medium, group_idx
+    AllBlocksCleared: type
+
+or, in the older positional form (vLLM before the tagged maps, and SGLang), arrays led by the tag:
+`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium(,
+lora_name)]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+
+Block hashes are opaque keys: uint64 from vLLM 0.32, bytes from older vLLM (read big-endian),
+signed int64 from SGLang. Decoding ignores unknown fields and unknown event types.
+
+ZMQ framing: a PUB message is `[topic, seq as u64 big-endian, payload]`, seq from 0 per engine
+start. Replay (DEALER to the engine's ROUTER): request `[b"", start_seq]`; replies `[b"", topic,
+seq, payload]` (older vLLM: no topic frame) for every buffered batch from start_seq on, then the
+end marker `[b"", b"", END_SEQ, b""]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+import msgspec
+
+from protocol.errors import ProtocolError
+
+__all__ = [
+    "END_SEQ",
+    "EVENT_FORMS",
+    "MEDIUM_GPU",
+    "REPLAY_END",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "EventForm",
+    "KVEvent",
+    "decode_batch",
+    "decode_pub_frames",
+    "decode_replay_frames",
+    "decode_replay_request",
+    "decode_seq",
+    "encode_batch",
+    "encode_seq",
+    "publisher_binds",
+    "replay_reply",
+    "replay_request",
+]
+
+EventForm = Literal["map", "array"]
+EVENT_FORMS: tuple[str, ...] = get_args(EventForm)
+MEDIUM_GPU = "GPU"
+SPEC_KIND = "full_attention"
+END_SEQ = 0xFFFF_FFFF_FFFF_FFFF
+_WHAT = "vLLM KV event"
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, gc=False):
+    """`token_ids` holds every block's tokens back to back; `parent_block_hash` precedes block 0."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int = 0
+    kv_cache_spec_kind: str = SPEC_KIND
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, gc=False):
+    block_hashes: list[int]
+    medium: str | None = MEDIUM_GPU
+    group_idx: int = 0
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = 0
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _array_form(event: KVEvent) -> list[Any]:
+    # The older positional form ends at `medium` (lora_name and later fields came with the maps).
+    if isinstance(event, BlockStored):
+        e = event
+        return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", event.block_hashes, event.medium]
+    return ["AllBlocksCleared"]
+
+
+def encode_batch(ts: float, events: Sequence[KVEvent], *, form: str = "map", data_parallel_rank: int = 0) -> bytes:
+    """One batch payload; `form` is `map` (vLLM 0.32) or `array` (the older positional form)."""
+    if form == "array":
+        return _encoder.encode([ts, [_array_form(e) for e in events], data_parallel_rank])
+    return _encoder.encode(EventBatch(ts, list(events), data_parallel_rank))
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+_decoder = msgspec.msgpack.Decoder()
+# Positional field names of the array form, after the tag.
+_ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def _hash(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, bytes | bytearray):
+        return int.from_bytes(value, "big")
+    raise ProtocolError(_WHAT, f"block hash {value!r} is neither an integer nor bytes")
+
+
+def _optional(fields: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    value = fields.get(name, default)
+    if value is None or isinstance(value, kind):
+        return value
+    raise ProtocolError(_WHAT, f"{name} {value!r} is not a {kind.__name__}")
+
+
+def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
+    """(event type, fields by name) for either event form; type "" when the map names none."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        return (kind if isinstance(kind, str) else ""), raw
+    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        return raw[0], dict(zip(_ARRAY_FIELDS.get(raw[0], ()), raw[1:], strict=False))
+    raise ProtocolError(_WHAT, f"an event must be a map or a tagged array, got {type(raw).__name__}")
+
+
+def _stored(f: dict[str, Any]) -> BlockStored:
+    hashes, tokens, bs = f.get("block_hashes"), f.get("token_ids"), f.get("block_size")
+    if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(bs, int):
+        raise ProtocolError(_WHAT, "BlockStored needs block_hashes, token_ids and block_size")
+    parent = f.get("parent_block_hash")
+    return BlockStored(
+        block_hashes=[_hash(h) for h in hashes],
+        parent_block_hash=None if parent is None else _hash(parent),
+        token_ids=tokens,
+        block_size=bs,
+        lora_id=_optional(f, "lora_id", int),
+        medium=_optional(f, "medium", str),
+        lora_name=_optional(f, "lora_name", str),
+        extra_keys=_optional(f, "extra_keys", list),
+        group_idx=_optional(f, "group_idx", int, 0),
+        kv_cache_spec_kind=_optional(f, "kv_cache_spec_kind", str, SPEC_KIND),
+    )
+
+
+def _event(raw: Any) -> KVEvent | None:
+    kind, f = _fields(raw)
+    if kind == "BlockStored":
+        return _stored(f)
+    if kind == "BlockRemoved":
+        hashes = f.get("block_hashes")
+        if not isinstance(hashes, list):
+            raise ProtocolError(_WHAT, "BlockRemoved needs block_hashes")
+        return BlockRemoved(
+            block_hashes=[_hash(h) for h in hashes],
+            medium=_optional(f, "medium", str),
+            group_idx=_optional(f, "group_idx", int, 0),
+        )
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None  # an event type this version does not know: ignored, like unknown fields
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Any form of batch and event to typed events; raises ProtocolError for anything malformed.
+
+    Hashes come back as ints whatever their wire type; fields an older form lacks take the
+    defaults, except `medium`, which stays None when not sent.
+    """
+    try:
+        raw = _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(_WHAT, f"not msgpack: {exc}") from exc
+    if isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list | tuple) and len(raw) >= 2:
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    else:
+        raise ProtocolError(_WHAT, "a batch must be [ts, events, ...] or a map with events")
+    if not isinstance(events, list):
+        raise ProtocolError(_WHAT, "the batch's events are not a list")
+    decoded = [e for e in map(_event, events) if e is not None]
+    # Nothing downstream reads ts or the rank, so odd values there do not void the events.
+    return EventBatch(
+        float(ts) if isinstance(ts, int | float) else 0.0, decoded, rank if isinstance(rank, int) else None
+    )
+
+
+# --- ZMQ frames -------------------------------------------------------------------------------
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise ProtocolError(_WHAT, f"sequence frame has {len(frame)} bytes, not 8")
+    return int.from_bytes(frame, "big")
+
+
+REPLAY_END: list[bytes] = [b"", b"", encode_seq(END_SEQ), b""]
+
+
+def decode_pub_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
+    """A PUB message to (topic, seq, payload)."""
+    if len(frames) != 3:
+        raise ProtocolError(_WHAT, f"a PUB message has 3 frames (topic, seq, payload), got {len(frames)}")
+    return bytes(frames[0]), decode_seq(frames[1]), bytes(frames[2])
+
+
+def replay_request(start_seq: int) -> list[bytes]:
+    return [b"", encode_seq(start_seq)]
+
+
+def decode_replay_request(frames: Sequence[bytes]) -> int:
+    """The start seq of a replay request as the ROUTER sees it, after the peer identity.
+
+    Like vLLM, only the frame count and the seq frame are checked, not the empty delimiter.
+    """
+    if len(frames) != 2:
+        raise ProtocolError(_WHAT, f"a replay request has 2 frames (b'', seq), got {len(frames)}")
+    return decode_seq(frames[1])
+
+
+def replay_reply(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    return [b"", topic, encode_seq(seq), payload]
+
+
+def decode_replay_frames(frames: Sequence[bytes]) -> tuple[int, bytes]:
+    """A replay reply to (seq, payload), with or without the topic frame; seq END_SEQ ends the replay."""
+    parts = list(frames)
+    if parts and parts[0] == b"":
+        parts = parts[1:]
+    if len(parts) == 3:
+        parts = parts[1:]
+    if len(parts) != 2:
+        raise ProtocolError(_WHAT, f"a replay reply has [b'', (topic,) seq, payload], got {len(frames)} frames")
+    return decode_seq(parts[0]), bytes(parts[1])
+
+
+def publisher_binds(endpoint: str) -> bool:
+    """vLLM's rule: the PUB binds for `*`, `::`, ipc:// and inproc:// endpoints and connects otherwise."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

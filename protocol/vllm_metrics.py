@@ -1,0 +1,32 @@
+"""The vLLM Prometheus series that cross a process boundary: engine_sim exports them on /metrics and
+the worker shim reads them back for limits and load (tests/fixtures/vllm-0.32/*/metrics_after.txt).
+
+Counters are named here without the `_total` that text exposition appends to their samples.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CACHE_CONFIG_INFO",
+    "KV_CACHE_USAGE_PERC",
+    "LABEL_BLOCK_SIZE",
+    "LABEL_NUM_GPU_BLOCKS",
+    "NUM_PREEMPTIONS",
+    "NUM_REQUESTS_RUNNING",
+    "NUM_REQUESTS_WAITING",
+    "total",
+]
+
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
+NUM_PREEMPTIONS = "vllm:num_preemptions"
+# An info gauge (value 1) whose labels carry the cache config; the shim reads these two labels.
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+LABEL_BLOCK_SIZE = "block_size"
+LABEL_NUM_GPU_BLOCKS = "num_gpu_blocks"
+
+
+def total(counter: str) -> str:
+    """The sample name of a counter in text exposition."""
+    return counter + "_total"

@@ -1,0 +1,177 @@
+"""vLLM 0.32's KV event wire format, pinned by the real captures (tests/fixtures/vllm-0.32)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from protocol import ProtocolError
+from protocol.vllm_events import (
+    END_SEQ,
+    REPLAY_END,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    decode_pub_frames,
+    decode_replay_frames,
+    decode_replay_request,
+    encode_batch,
+    publisher_binds,
+    replay_request,
+)
+from tests.protocol.vllm_captures import CAPTURES, fixture_lines, pub_frames, replay_frames
+
+
+@pytest.mark.parametrize("variant", ["bs16_patched", "bs32"])
+def test_captured_payloads_reencode_byte_identical(variant: str) -> None:
+    """Our map-form types are vLLM's: decoding a real payload and encoding it gives the same bytes."""
+    lines = fixture_lines("zmq_events_raw.jsonl", variant)
+    assert lines
+    for rec in lines:
+        raw = bytes.fromhex(rec["frames_hex"][2])
+        batch = decode_batch(raw)
+        assert msgspec.msgpack.encode(batch) == raw
+
+
+@pytest.mark.parametrize("capture", list(CAPTURES))
+def test_every_captured_message_decodes_to_the_events_it_carries(capture: str) -> None:
+    seqs = []
+    for f in pub_frames(capture, extra=capture == "bs16_patched"):
+        topic, seq, payload = decode_pub_frames(f)
+        assert topic == b"kv-events"
+        seqs.append(seq)
+        raw_events = msgspec.msgpack.decode(payload)[1]
+        events = decode_batch(payload).events
+        assert [type(e).__name__ for e in events] == [e["type"] for e in raw_events]
+        for ours, raw in zip(events, raw_events, strict=True):
+            if not isinstance(ours, AllBlocksCleared):
+                assert ours.block_hashes == raw["block_hashes"]
+    assert seqs == list(range(len(seqs)))
+
+
+def test_block_stored_matches_vllm_array_form() -> None:
+    stored = BlockStored(block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=list(range(32)), block_size=16)
+    ts, events, rank = msgspec.msgpack.decode(encode_batch(2.5, [stored], form="array"))
+    assert (ts, rank) == (2.5, 0)
+    assert events == [["BlockStored", [2**64 - 1, 7], None, list(range(32)), 16, None, "GPU"]]
+
+
+def test_block_removed_and_cleared_match_vllm_array_form() -> None:
+    payload = encode_batch(0.0, [BlockRemoved(block_hashes=[9]), AllBlocksCleared()], form="array")
+    assert msgspec.msgpack.decode(payload)[1] == [["BlockRemoved", [9], "GPU"], ["AllBlocksCleared"]]
+
+
+def test_hashes_above_2_63_are_msgpack_uint64() -> None:
+    big = BlockStored(block_hashes=[2**63 + 5], parent_block_hash=2**64 - 2, token_ids=[1] * 16, block_size=16)
+    raw = encode_batch(0.0, [big])
+    assert b"\xcf" + (2**63 + 5).to_bytes(8, "big") in raw  # uint64, never a negative int64
+    assert msgspec.msgpack.decode(raw)[1][0]["block_hashes"] == [2**63 + 5]
+    assert decode_batch(raw).events == [big]
+
+
+def _as_older_array_form(payload: bytes) -> bytes:
+    """The captured batch as older vLLM sent it: positional events, bytes hashes, no rank."""
+    ts, events, _rank = msgspec.msgpack.decode(payload)
+
+    def h(x: int | None) -> bytes | None:
+        return None if x is None else x.to_bytes(8, "big")
+
+    arr: list[list[Any]] = []
+    for e in events:
+        if e["type"] == "BlockStored":
+            arr.append(
+                ["BlockStored", [h(x) for x in e["block_hashes"]], h(e["parent_block_hash"]), e["token_ids"],
+                 e["block_size"], e["lora_id"], e["medium"]]
+            )  # fmt: skip
+        elif e["type"] == "BlockRemoved":
+            arr.append(["BlockRemoved", [h(x) for x in e["block_hashes"]], e["medium"]])
+        else:
+            arr.append(["AllBlocksCleared"])
+    return msgspec.msgpack.encode([ts, arr])
+
+
+def test_the_older_array_form_with_bytes_hashes_decodes_to_the_same_events() -> None:
+    for f in pub_frames("bs32"):
+        new, old = decode_batch(f[2]), decode_batch(_as_older_array_form(f[2]))
+        assert old.ts == new.ts and old.data_parallel_rank is None
+        # The positional form has no extra_keys: everything else is the same event.
+        replace = msgspec.structs.replace
+        assert [replace(e, extra_keys=None) if isinstance(e, BlockStored) else e for e in new.events] == old.events
+
+
+def test_unknown_fields_and_event_types_are_ignored() -> None:
+    payload = msgspec.msgpack.encode(
+        [1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "new_field": 3}, {"type": "Future"}], 0]
+    )
+    assert decode_batch(payload).events == [BlockRemoved(block_hashes=[1], medium="GPU")]
+    only_cleared = decode_batch(msgspec.msgpack.encode({"ts": 2.0, "events": [{"type": "AllBlocksCleared"}]}))
+    assert only_cleared.events == [AllBlocksCleared()] and only_cleared.ts == 2.0
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",
+        msgspec.msgpack.encode(5),
+        msgspec.msgpack.encode([1.0, {"type": "AllBlocksCleared"}]),
+        msgspec.msgpack.encode([1.0, [7]]),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]]),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": ["x"]}]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [0] * 16, 16, "not-an-id"]]]),
+    ],
+)
+def test_malformed_payloads_raise_a_protocol_error(payload: bytes) -> None:
+    with pytest.raises(ProtocolError, match="malformed vLLM KV event"):
+        decode_batch(payload)
+
+
+def test_captured_replay_replies_decode_with_and_without_the_topic_frame() -> None:
+    replies = replay_frames("bs32", "8")
+    seqs = [decode_replay_frames(r)[0] for r in replies]
+    assert seqs[0] == 8 and seqs[-1] == END_SEQ and seqs[:-1] == list(range(8, 8 + len(seqs) - 1))
+    live = {decode_pub_frames(f)[1]: f[2] for f in pub_frames("bs32")}
+    for r in replies[:-1]:
+        seq, payload = decode_replay_frames(r)
+        assert payload == live[seq]  # replayed payloads are byte-identical
+        assert decode_replay_frames([r[0], r[2], r[3]]) == (seq, payload)  # older layout, no topic
+    assert [decode_replay_frames(r)[0] for r in replay_frames("bs32", "future")] == [END_SEQ]
+
+
+def test_replay_request_and_end_marker_match_the_captures() -> None:
+    request = fixture_lines("replay_from_8_excerpt.jsonl")[0]["request_frames_hex"]
+    assert replay_request(8) == [bytes.fromhex(h) for h in request] == [b"", bytes.fromhex("0000000000000008")]
+    assert decode_replay_request(replay_request(8)) == 8
+    assert REPLAY_END == replay_frames("bs32", "future")[0] == replay_frames("bs32", "8")[-1]
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [[b"kv-events", b"\x00" * 8], [b"kv-events", b"\x00" * 7, b"payload"], [b"t", b"\x00" * 8, b"p", b"extra"]],
+)
+def test_pub_messages_of_the_wrong_shape_raise_a_protocol_error(frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        decode_pub_frames(frames)
+
+
+@pytest.mark.parametrize("frames", [[b"", b"\x00" * 4], [b"\x00" * 8], [b"", b"\x00" * 8, b"x"]])
+def test_replay_requests_of_the_wrong_shape_raise_a_protocol_error(frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        decode_replay_request(frames)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "binds"),
+    [
+        ("tcp://*:5557", True),
+        ("tcp://[::]:5557", True),
+        ("ipc:///tmp/kv", True),
+        ("inproc://kv", True),
+        ("tcp://127.0.0.1:5557", False),
+        ("tcp://router-0:5557", False),
+    ],
+)
+def test_publisher_binds_by_vllms_rule(endpoint: str, binds: bool) -> None:
+    assert publisher_binds(endpoint) is binds
