@@ -10,7 +10,8 @@ import aiohttp
 import openai
 import pytest
 
-from tests.router.conftest import MODEL, Cluster, complete
+from protocol import block_hashes
+from tests.router.conftest import BLOCK, MODEL, Cluster, complete
 from tests.router.polling import until
 
 
@@ -114,11 +115,13 @@ async def test_no_worker_is_503_and_ready_follows_the_registry(cluster: Cluster,
 async def test_debug_route_explains_without_booking(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     await cluster.add_worker("prefill")
     d1 = await cluster.add_worker("decode")
-    await cluster.add_worker("decode")
+    d2 = await cluster.add_worker("decode")
     router = await cluster.add_ready_router(conditional_disagg=True)
     prompt = list(range(3000, 3320))  # 20 blocks
     await complete(http, router, prompt)
-    await until(lambda: len(router.index) >= 20, what="indexed")
+    hashes = block_hashes(prompt, BLOCK)
+    # The prefill worker's events alone would fill the index; wait for the decode worker's.
+    await until(lambda: 20 in (router.index.match(hashes).get(d.id) for d in (d1, d2)), what="indexed on decode")
     counts = dict(router.disagg.counts)
     async with http.post(router.url + "/debug/route", json={"model": MODEL, "prompt": [*prompt, 1, 2]}) as r:
         assert r.status == 200
