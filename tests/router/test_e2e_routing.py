@@ -4,6 +4,7 @@ both prefill paths produce the right output."""
 from __future__ import annotations
 
 import functools
+import time
 from collections import Counter
 
 import aiohttp
@@ -35,11 +36,15 @@ async def test_multi_turn_conversations_return_to_the_worker_holding_their_prefi
             system = {"role": "system", "content": f"{conv} conversation " + "the cache " * 150}
             msgs = history.setdefault(conv, [system])
             msgs.append({"role": "user", "content": f"question {turn} about the router please explain"})
+            sent_at = time.time()
             reply, worker = await _chat(http, router.url, msgs)
             hashes = block_hashes(router.tokenizer.encode_chat(msgs), BLOCK)
             msgs.append({"role": "assistant", "content": reply})
             # the next turn is routed on what the index knows: wait until it holds this prompt
             await until(functools.partial(_holds, router, worker, hashes), what="kv events")
+            # ... and, since the premise is equal load, until every worker shows idle, the serving one in a
+            # report received after the request was sent (one made while it ran can arrive after it ended)
+            await until(functools.partial(_idle, router, worker, sent_at), what="idle load reports")
             if turn == 0:
                 homes[conv] = worker
             else:
@@ -112,6 +117,14 @@ async def test_client_bypass_annotation_is_stripped(cluster: Cluster, http: aioh
 
 def _holds(router: RouterService, worker: str, hashes: list[int]) -> bool:
     return router.index.find_matches(hashes).get(worker, 0) == len(hashes)
+
+
+def _idle(router: RouterService, served_by: str, since: float) -> bool:
+    loads = [router.view.load(w.worker) for w in router.registry.workers()]
+    fresh = all(
+        x.report_age_s is not None and time.time() - x.report_age_s > since for x in loads if x.worker == served_by
+    )
+    return fresh and all(x.running == x.waiting == x.active_blocks == 0 for x in loads)
 
 
 async def _collect(msg: object, out: list[GenerateRequest]) -> None:
