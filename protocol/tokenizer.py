@@ -77,8 +77,9 @@ def _pieces() -> tuple[bytes, ...]:
 
 
 @cache
-def _index() -> Mapping[bytes, int]:
-    return {piece: i for i, piece in enumerate(_pieces()) if i >= 256}
+def _index() -> Mapping[str, int]:
+    # Keyed by str: every piece from 256 up is ASCII, so no per-piece UTF-8 encode on the hot path.
+    return {piece.decode(): i for i, piece in enumerate(_pieces()) if i >= 256}
 
 
 class BuiltinTokenizer:
@@ -93,15 +94,15 @@ class BuiltinTokenizer:
         _index()  # build the vocabulary now (~50 ms), not inside a server's first request
 
     def encode(self, text: str) -> list[int]:
-        index = _index()
+        get = _index().get
         ids: list[int] = []
+        append = ids.append
         for piece in _SPLIT.findall(text):
-            raw = piece.encode()
-            tid = index.get(raw)
+            tid = get(piece)
             if tid is not None:
-                ids.append(tid)
+                append(tid)
             else:
-                ids.extend(raw)
+                ids.extend(piece.encode())
         return ids
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:

@@ -53,3 +53,10 @@ def test_chat_template_accepts_text_parts_and_refuses_bad_messages() -> None:
         apply_chat_template([{"content": "x"}])
     with pytest.raises(ValueError, match="content"):
         apply_chat_template([{"role": "user", "content": 5}])
+
+
+def test_every_piece_above_the_bytes_is_ascii_and_unique() -> None:
+    """The encoder looks pieces up as str; that is only exact if they are ASCII and distinct."""
+    pieces = [tok.piece(i) for i in range(256, VOCAB_SIZE)]
+    assert all(p.isascii() for p in pieces)
+    assert len(set(pieces)) == len(pieces)
