@@ -1,18 +1,19 @@
 """The global prefix index: canonical block hash -> the workers that hold it.
 
-Layout (docs/router_index.md gives the memory per entry):
+Two layers (docs/router_index.md gives the memory per entry):
 
-- `_masks`: hash -> int bitmask over worker slots. A hash is present iff some worker holds it, so
-  the mask is never 0.
-- `_owned`: worker -> set of the hashes it holds, so a worker's entries go in one step (`clear`).
-- slots: each worker holding at least one block owns one bit. A slot is freed when its worker holds
-  nothing any more and is reused lowest-first, which keeps the masks as short as the live worker
-  count allows.
+- `BlockIndex` names workers: each worker holding at least one block owns a slot. A slot is freed
+  when its worker holds nothing any more and is reused lowest-first, which keeps the bitsets as
+  short as the live worker count allows.
+- A core keeps hash -> bitset over slots, and per slot what it holds. `router._blockindex.Core`
+  (C: an open-addressed table of u64 keys and fixed-width bitset rows) when it was built,
+  `PyCore` (dicts of int masks and a set per slot: the reference) otherwise. `NATIVE` says which
+  a default `BlockIndex()` uses; both give identical answers (the tests run both).
 
-Invariant: bit `s` is set in `_masks[h]` iff `h in _owned[_names[s]]`.
+Invariant: bit `s` is set in hash h's bitset iff the worker in slot `s` holds h.
 
-`find_matches` walks the prompt's hashes AND-ing masks: a worker's count is the depth at which its
-bit drops out of the running AND, i.e. the number of LEADING prompt blocks it holds. A block held
+`match` walks the prompt's hashes AND-ing bitsets: a worker's count is the depth at which its bit
+drops out of the running AND, i.e. the number of LEADING prompt blocks it holds. A block held
 without its predecessors (possible after an out-of-order eviction) does not count, as no engine can
 reuse it without them.
 
@@ -26,83 +27,114 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat
 from operator import and_, itemgetter, ne, not_, or_
+from typing import Protocol
 
 import numpy as np
 
 from protocol.messages import Cleared, KvEvent, Removed, Stored
 
-__all__ = ["BlockIndex", "Overlap"]
+__all__ = ["NATIVE", "BlockIndex", "Overlap", "PyCore"]
 
 # Bits to worker names: below this many set bits a find() loop wins, above it numpy does.
 _FEW_BITS = 16
 _LOOKUP_CHUNK = 16
+_MAX_HASH = 2**64 - 1
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # runs an iterator to its end in C
+
+Cuts = list[tuple[int, int]]
+
+
+class Core(Protocol):
+    """What `BlockIndex` needs of a core; slots are small ints handed out by the index."""
+
+    def store(self, slot: int, hashes: Iterable[int], /) -> int: ...  # newly held
+    def remove(self, slot: int, hashes: Iterable[int], /) -> int: ...  # no longer held
+    def clear(self, slot: int, /) -> int: ...  # all of the slot's; how many
+    def count(self, slot: int, /) -> int: ...
+    def dump(self, nslots: int, /) -> list[list[int]]: ...  # per slot, its hashes
+    def hashes(self, slot: int, /) -> list[int]: ...
+    def match(self, hashes: Sequence[int], /) -> tuple[int, Cuts] | None: ...
+    def __len__(self) -> int: ...
+
+
+NameBits = Callable[[list[str | None], int, int, dict[str, int]], None]
+
+_Native: Callable[[], Core] | None
+_native_name_bits: NameBits | None
+try:
+    from router._blockindex import Core as _Native
+    from router._blockindex import name_bits as _native_name_bits
+except ImportError:  # built only where a C compiler was present; see setup.py
+    _Native = _native_name_bits = None
+
+NATIVE = _Native is not None
+"""Whether `BlockIndex()` keeps its table in the C extension (same answers, faster) or in Python."""
 
 
 class BlockIndex:
-    """Which worker holds which canonical block. Not thread-safe; one event loop owns it."""
+    """Which worker holds which canonical block. Not thread-safe; one event loop owns it.
 
-    __slots__ = ("_bits", "_entries", "_free_slots", "_masks", "_names", "_owned", "_slot_of")
+    `native`: None (default) uses the C core where it was built; False forces the Python reference.
+    """
 
-    def __init__(self) -> None:
-        self._masks: dict[int, int] = {}
-        self._owned: dict[str, set[int]] = {}
+    __slots__ = ("_bits", "_core", "_entries", "_free_slots", "_name_bits", "_names", "_slot_of")
+
+    def __init__(self, *, native: bool | None = None) -> None:
+        self._core: Core
+        self._name_bits: NameBits
+        if native is False or _Native is None or _native_name_bits is None:
+            if native:
+                raise RuntimeError("router._blockindex was not built (no C compiler at install time)")
+            self._core, self._name_bits = PyCore(), _name_bits
+        else:
+            self._core, self._name_bits = _Native(), _native_name_bits
         self._slot_of: dict[str, int] = {}
         self._names: list[str | None] = []  # slot -> worker; None while free
         self._free_slots: list[int] = []  # heap of freed slots below len(_names)
         self._bits: list[int] = []  # slot -> 1 << slot, one shared object per slot
         self._entries = 0
 
+    @property
+    def native(self) -> bool:
+        """Whether this index runs the C core."""
+        return not isinstance(self._core, PyCore)
+
     # --- mutation ------------------------------------------------------------------------------
 
     def store(self, worker: str, hashes: Iterable[int]) -> None:
-        """`worker` now holds `hashes` (storing a held hash again changes nothing)."""
-        owned = self._owned.get(worker)
-        new = set(hashes)
-        if owned is None:
-            if not new:
-                return
-            owned = self._owned[worker] = set()
-            self._slot_of[worker] = self._take_slot(worker)
-        else:
-            new -= owned
-            if not new:
-                return
-        owned |= new
-        masks = self._masks
-        bit = self._bits[self._slot_of[worker]]
-        # A block nobody held gets the slot's own bit object (shared, no allocation); a block others
-        # hold gets its mask OR-ed. Both run in C.
-        fresh = new.difference(masks)
-        if len(fresh) != len(new):
-            held = new - fresh
-            masks.update(zip(held, map(or_, map(masks.__getitem__, held), repeat(bit)), strict=False))
-        masks.update(dict.fromkeys(fresh, bit))
-        self._entries += len(new)
+        """`worker` now holds `hashes` (storing a held hash again changes nothing).
+
+        Raises ValueError, changing nothing, if a hash is not an int in [0, 2**64)."""
+        slot = self._slot_of.get(worker)
+        if slot is not None:
+            self._entries += self._core.store(slot, hashes)
+            return
+        slot = self._take_slot(worker)
+        try:
+            added = self._core.store(slot, hashes)
+        finally:
+            if not self._core.count(slot):  # nothing stored (empty, or refused): no slot
+                self._free_slot(worker)
+        self._entries += added
 
     def remove(self, worker: str, hashes: Iterable[int]) -> None:
-        """`worker` no longer holds `hashes` (hashes it does not hold are ignored)."""
-        owned = self._owned.get(worker)
-        if owned is None:
+        """`worker` no longer holds `hashes` (hashes it does not hold are ignored).
+
+        Raises ValueError, changing nothing, if a hash is not an int in [0, 2**64)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
             return
-        gone = owned.intersection(hashes)
-        if not gone:
-            return
-        if len(gone) == len(owned):
-            self.clear(worker)
-            return
-        owned -= gone
-        self._drop_bits(worker, gone)
+        self._entries -= self._core.remove(slot, hashes)
+        if not self._core.count(slot):
+            self._free_slot(worker)
 
     def clear(self, worker: str) -> None:
         """Every entry of `worker` goes at once (a `Cleared` event, or the worker left)."""
-        owned = self._owned.pop(worker, None)
-        if owned is None:
+        slot = self._slot_of.get(worker)
+        if slot is None:
             return
-        self._drop_bits(worker, owned)
-        slot = self._slot_of.pop(worker)
-        self._names[slot] = None
-        heapq.heappush(self._free_slots, slot)
+        self._entries -= self._core.clear(slot)
+        self._free_slot(worker)
 
     def apply(self, worker: str, events: Iterable[KvEvent]) -> None:
         """Apply one batch's events in order."""
@@ -123,29 +155,151 @@ class BlockIndex:
             slot = len(self._names)
             self._names.append(worker)
             self._bits.append(1 << slot)
+        self._slot_of[worker] = slot
         return slot
 
-    def _drop_bits(self, worker: str, hashes: set[int]) -> None:
-        masks = self._masks
-        bit = self._bits[self._slot_of[worker]]
-        order = list(hashes)
-        current = list(map(masks.__getitem__, order))
-        sole = list(map(bit.__eq__, current))  # blocks only this worker held: they go entirely
-        _consume(map(masks.__delitem__, compress(order, sole)))
-        if not all(sole):
-            shared = list(compress(order, map(not_, sole)))
-            keep = ~bit
-            masks.update(zip(shared, map(and_, compress(current, map(not_, sole)), repeat(keep)), strict=False))
-        self._entries -= len(order)
+    def _free_slot(self, worker: str) -> None:
+        slot = self._slot_of.pop(worker)
+        self._names[slot] = None
+        heapq.heappush(self._free_slots, slot)
 
     # --- queries -------------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[int]) -> Overlap:
         """Per worker, the number of leading `hashes` it holds, as a lazy mapping (what routing
-        reads); valid until the index next changes, so read it in the same synchronous step."""
+        reads); valid until the index next changes, so read it in the same synchronous step.
+        A hash that is not an int in [0, 2**64) is held by nobody: the walk ends there."""
+        got = self._core.match(hashes) if hashes else None
+        if got is None:
+            return Overlap((), 0, self._slot_of, self._bits, self._names, self._name_bits)
+        return Overlap(got[1], got[0], self._slot_of, self._bits, self._names, self._name_bits)
+
+    def find_matches(self, hashes: Sequence[int]) -> dict[str, int]:
+        """`match` as a plain dict; workers with no leading block are left out."""
+        return self.match(hashes).to_dict()
+
+    def worker_hashes(self, worker: str) -> set[int]:
+        """A copy of the hashes `worker` holds (empty for an unknown worker)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return set()
+        return set(self._core.hashes(slot))
+
+    def workers(self) -> list[str]:
+        """Workers holding at least one block, sorted."""
+        return sorted(self._slot_of)
+
+    def dump(self) -> dict[str, list[int]]:
+        """worker -> its hashes, sorted: storing each rebuilds an identical index, and two replicas
+        that agree compare equal."""
+        per_slot = self._core.dump(len(self._names))
+        return {w: sorted(per_slot[s]) for w, s in sorted(self._slot_of.items())}
+
+    def __len__(self) -> int:
+        """Distinct hashes held by anyone."""
+        return len(self._core)
+
+    @property
+    def entries(self) -> int:
+        """(hash, worker) pairs."""
+        return self._entries
+
+    @property
+    def slots(self) -> int:
+        """Slots allocated (live workers plus freed slots awaiting reuse): the bitset width in bits."""
+        return len(self._names)
+
+
+def _checked(hashes: Iterable[int]) -> set[int]:
+    """`hashes` as a set, or ValueError naming the first that is not an int in [0, 2**64)."""
+    items = hashes if isinstance(hashes, Sequence) else list(hashes)  # read twice on error
+    try:
+        out = set(map(int.__index__, items))  # TypeError for anything but an int
+        if not out or (min(out) >= 0 and max(out) <= _MAX_HASH):
+            return out
+    except TypeError:
+        pass
+    bad = next(h for h in items if not isinstance(h, int) or not 0 <= h <= _MAX_HASH)
+    raise ValueError(f"block hashes must be integers in [0, 2**64): got {bad!r}")
+
+
+class PyCore:
+    """The pure-Python core and the reference for the C one: hash -> int mask over slots, and per
+    slot the set of its hashes. A block nobody else holds gets the slot's own bit object (shared,
+    no allocation); the per-block loops run in C through map/zip/dict.update."""
+
+    __slots__ = ("_bits", "_masks", "_owned")
+
+    def __init__(self) -> None:
+        self._masks: dict[int, int] = {}
+        self._owned: list[set[int]] = []
+        self._bits: list[int] = []
+
+    def store(self, slot: int, hashes: Iterable[int], /) -> int:
+        new = _checked(hashes)
+        while len(self._owned) <= slot:
+            self._bits.append(1 << len(self._owned))
+            self._owned.append(set())
+        owned = self._owned[slot]
+        new -= owned
+        if not new:
+            return 0
+        owned |= new
+        masks = self._masks
+        bit = self._bits[slot]
+        fresh = new.difference(masks)
+        if len(fresh) != len(new):
+            held = new - fresh
+            masks.update(zip(held, map(or_, map(masks.__getitem__, held), repeat(bit)), strict=False))
+        masks.update(dict.fromkeys(fresh, bit))
+        return len(new)
+
+    def remove(self, slot: int, hashes: Iterable[int], /) -> int:
+        gone = _checked(hashes)
+        if slot >= len(self._owned):
+            return 0
+        gone &= self._owned[slot]
+        self._owned[slot] -= gone
+        self._drop_bits(slot, gone)
+        return len(gone)
+
+    def clear(self, slot: int, /) -> int:
+        if slot >= len(self._owned):
+            return 0
+        gone, self._owned[slot] = self._owned[slot], set()
+        self._drop_bits(slot, gone)
+        return len(gone)
+
+    def count(self, slot: int, /) -> int:
+        return len(self._owned[slot]) if slot < len(self._owned) else 0
+
+    def dump(self, nslots: int, /) -> list[list[int]]:
+        return [self.hashes(s) for s in range(nslots)]
+
+    def hashes(self, slot: int, /) -> list[int]:
+        return list(self._owned[slot]) if slot < len(self._owned) else []
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def _drop_bits(self, slot: int, hashes: set[int]) -> None:
+        if not hashes:
+            return
+        masks = self._masks
+        bit = self._bits[slot]
+        order = list(hashes)
+        current = list(map(masks.__getitem__, order))
+        sole = list(map(bit.__eq__, current))  # blocks only this slot held: they go entirely
+        _consume(map(masks.__delitem__, compress(order, sole)))
+        if not all(sole):
+            shared = list(compress(order, map(not_, sole)))
+            keep = ~bit
+            masks.update(zip(shared, map(and_, compress(current, map(not_, sole)), repeat(keep)), strict=False))
+
+    def match(self, hashes: Sequence[int], /) -> tuple[int, Cuts] | None:
         masks = self._masks
         if not hashes or not masks.get(hashes[0]):
-            return Overlap((), 0, self._slot_of, self._bits, self._names)
+            return None
         # The running AND of the masks only loses bits, and where it loses some, those workers'
         # prefixes end. It can only change where a block's mask differs from the one before, and a
         # prompt's masks come in long equal runs (a conversation held by the same workers), so
@@ -153,20 +307,16 @@ class BlockIndex:
         got = self._leading_masks(hashes)
         running: int = got[0]
         matched = running
-        cuts: list[tuple[int, int]] = []
+        cuts: Cuts = []
         for depth in compress(range(1, len(got)), map(ne, got, islice(got, 1, None))):
             cut = running & got[depth]
             if cut != running:
                 cuts.append((running ^ cut, depth))
                 if not cut:
-                    return Overlap(cuts, matched, self._slot_of, self._bits, self._names)
+                    return matched, cuts
                 running = cut
         cuts.append((running, len(got)))
-        return Overlap(cuts, matched, self._slot_of, self._bits, self._names)
-
-    def find_matches(self, hashes: Sequence[int]) -> dict[str, int]:
-        """`match` as a plain dict; workers with no leading block are left out."""
-        return self.match(hashes).to_dict()
+        return matched, cuts
 
     def _leading_masks(self, hashes: Sequence[int]) -> list[int]:
         """The masks of the prompt's blocks up to the first one nobody holds, looked up in chunks
@@ -181,33 +331,6 @@ class BlockIndex:
             got += part
         return got
 
-    def worker_hashes(self, worker: str) -> set[int]:
-        """A copy of the hashes `worker` holds (empty for an unknown worker)."""
-        return set(self._owned.get(worker, ()))
-
-    def workers(self) -> list[str]:
-        """Workers holding at least one block, sorted."""
-        return sorted(self._owned)
-
-    def dump(self) -> dict[str, list[int]]:
-        """worker -> its hashes, sorted: storing each rebuilds an identical index, and two replicas
-        that agree compare equal."""
-        return {w: sorted(hs) for w, hs in sorted(self._owned.items())}
-
-    def __len__(self) -> int:
-        """Distinct hashes held by anyone."""
-        return len(self._masks)
-
-    @property
-    def entries(self) -> int:
-        """(hash, worker) pairs."""
-        return self._entries
-
-    @property
-    def slots(self) -> int:
-        """Slots allocated (live workers plus freed slots awaiting reuse): the mask width in bits."""
-        return len(self._names)
-
 
 class Overlap(Mapping[str, int]):
     """`BlockIndex.match`'s answer: worker -> leading prompt blocks it holds (absent: none).
@@ -219,7 +342,7 @@ class Overlap(Mapping[str, int]):
     index's slot tables, so it is valid only until the index next changes.
     """
 
-    __slots__ = ("_bits", "_cuts", "_matched", "_names", "_slot_of")
+    __slots__ = ("_bits", "_cuts", "_matched", "_name_bits", "_names", "_slot_of")
 
     def __init__(
         self,
@@ -227,13 +350,15 @@ class Overlap(Mapping[str, int]):
         matched: int,
         slot_of: Mapping[str, int],
         bits: Sequence[int],
-        names: Sequence[str | None],
+        names: list[str | None],
+        name_bits: NameBits,
     ) -> None:
         self._cuts = cuts
         self._matched = matched  # the union of the cuts: workers holding at least the first block
         self._slot_of = slot_of
         self._bits = bits
         self._names = names
+        self._name_bits = name_bits  # the C extension's where built, else _name_bits
 
     def get(self, worker: str, default: int = 0) -> int:  # type: ignore[override]  # int default only
         slot = self._slot_of.get(worker)
@@ -262,11 +387,11 @@ class Overlap(Mapping[str, int]):
     def to_dict(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for bits, depth in self._cuts:
-            _name_bits(self._names, bits, depth, out)
+            self._name_bits(self._names, bits, depth, out)
         return out
 
 
-def _name_bits(names: Sequence[str | None], bits: int, depth: int, out: dict[str, int]) -> None:
+def _name_bits(names: list[str | None], bits: int, depth: int, out: dict[str, int]) -> None:
     """out[worker] = depth for every worker whose slot bit is set in `bits`."""
     if not bits & (bits - 1):  # one worker: the usual case for a conversation's own tail
         out[names[bits.bit_length() - 1]] = depth  # type: ignore[index]  # set bits name workers
