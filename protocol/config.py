@@ -54,6 +54,10 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True):
         included, is above this fraction of its blocks (strict); None disables the guard.
     queue_threshold: the router's queue threshold: a worker whose queued prefill tokens exceed this
         multiple of its max_num_batched_tokens takes no new request while another is below it.
+    ttft_link_gbps: ttft_model's KV transfer bandwidth between prefill and decode workers, GB/s.
+    ttft_stall_weight: ttft_model's weight of the delay a local prefill adds to each running decode
+        on the worker, against the request's own TTFT (1: a second of everyone's stall weighs as
+        much as a second of this request's first-token wait).
     """
 
     conditional_disagg: bool = False
@@ -63,6 +67,8 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True):
     prefill_busy_threshold: float | None = None
     decode_busy_threshold: float | None = None
     queue_threshold: float | None = None
+    ttft_link_gbps: float = 50.0
+    ttft_stall_weight: float = 0.1
 
     def validate(self) -> ConditionalDisaggConfig:
         if self.conditional_disagg_policy not in POLICY_NAMES:
@@ -75,6 +81,10 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(name, value, "must be >= 0")
+        if self.ttft_link_gbps <= 0:
+            raise ConfigError("ttft_link_gbps", self.ttft_link_gbps, "must be > 0")
+        if self.ttft_stall_weight < 0:
+            raise ConfigError("ttft_stall_weight", self.ttft_stall_weight, "must be >= 0")
         if self.conditional_disagg_policy in LOAD_POLICIES and self.effective_prefill_busy_threshold is None:
             raise ConfigError(
                 "prefill_busy_threshold",

@@ -18,8 +18,9 @@ The last term is what a local prefill costs everyone else: each of d's running d
 by `stall_weight` (default 0.1: ten requests each delayed by x weigh as much as this request's
 own TTFT growing by x, since an inter-token hiccup hurts less than a first-token wait).
 
-Parameters: link_gbps (KV transfer link in GB/s, default 50, about one 400 Gb/s NIC per GPU),
-stall_weight (>= 0, default 0.1). An unknown profile keeps the remote prefill and says why.
+Parameters (flags `--ttft-link-gbps`, `--ttft-stall-weight`, live-tunable like the others):
+link_gbps (KV transfer link in GB/s, default 50, about one 400 Gb/s NIC per GPU), stall_weight
+(>= 0, default 0.1). An unknown profile keeps the remote prefill and says why.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class TtftModelConfig:
 
     @classmethod
     def from_settings(cls, cfg: ConditionalDisaggConfig) -> TtftModelConfig:
-        return cls()
+        return cls(link_gbps=cfg.ttft_link_gbps, stall_weight=cfg.ttft_stall_weight)
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,3 +255,9 @@ def test_invalid_settings_name_the_flag(flags: dict[str, object], names: str) ->
 def test_policy_configs_validate_themselves(cls: type, kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         cls(**kwargs)
+
+
+def test_ttft_model_takes_its_parameters_from_the_settings() -> None:
+    cfg = ConditionalDisaggConfig(ttft_link_gbps=12.5, ttft_stall_weight=2.0).validate()
+    assert TtftModelConfig.from_settings(cfg) == TtftModelConfig(link_gbps=12.5, stall_weight=2.0)
+    assert TtftModelConfig.from_settings(ConditionalDisaggConfig()) == TtftModelConfig()
