@@ -6,8 +6,9 @@
 - ROUTER replay socket (always bound): answers a replay request with every buffered batch from
   its start seq on (payload bytes identical to the live ones), then the end marker. Requests of
   any other shape are ignored, as vLLM ignores them.
-- `drop_event_fraction` (a fault knob) skips the PUB send of that fraction of batches; they still
-  take a seq and stay in the replay buffer, like batches lost on the network.
+- `drop_event_fraction` (a fault knob) skips the PUB send of that fraction of batches, evenly
+  spaced (F = 0.01: every 100th batch) so tests that need drops always get them; the dropped
+  batches still take a seq and stay in the replay buffer, like batches lost on the network.
 
 `NullEventPublisher` accepts and discards, for engines with events off.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections import deque
 from typing import Protocol
@@ -110,7 +110,7 @@ class ZmqEventPublisher:
         self._replay_task: asyncio.Task[None] | None = None
         self._endpoint: str | None = None
         self._replay_endpoint: str | None = None
-        self._rng = random.Random()
+        self._drop_credit = 0.0  # accumulates drop_fraction per batch; a whole unit drops one
 
     @property
     def endpoint(self) -> str | None:
@@ -162,9 +162,12 @@ class ZmqEventPublisher:
         self._buffer.append((seq, payload))
         if self._pub is None:
             return
-        if self.drop_fraction and self._rng.random() < self.drop_fraction:
-            self.dropped += 1
-            return
+        if self.drop_fraction:
+            self._drop_credit += self.drop_fraction
+            if self._drop_credit >= 1.0:
+                self._drop_credit -= 1.0
+                self.dropped += 1
+                return
         try:
             self._pub.send_multipart([self._topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
             self.sent += 1

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvswitch.servers import EtcdServer, NatsServer, ServerError, die_with_parent, free_port
+from kvswitch.servers import EtcdServer, NatsServer, ServerError, die_with_parent, free_ports
 
 __all__ = ["ClusterSpec", "LocalCluster"]
 
@@ -65,23 +64,6 @@ class _Engine:
     replay: str
 
 
-def _free_block(n: int) -> int:
-    """A base port with `n` consecutive free ports (best effort: checked now, used a moment later)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        ports = [base + i for i in range(n)]
-        try:
-            for p in ports[1:]:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return base
-    raise ServerError(f"no {n} consecutive free ports found")
-
-
 class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
@@ -109,7 +91,7 @@ class LocalCluster:
                     self._start_pool(role, count)
             for engine in self.engines:
                 self._start_shim(engine)
-            base = self.spec.http_port or (_free_block(self.spec.routers) if self.spec.routers else 0)
+            base = self.spec.http_port or (free_ports(self.spec.routers) if self.spec.routers else 0)
             for i in range(self.spec.routers):
                 self._start_router(i, base + i)
         except BaseException:
@@ -117,7 +99,7 @@ class LocalCluster:
             raise
 
     def _start_pool(self, role: str, count: int) -> None:
-        http, events, replay = _free_block(count), _free_block(count), _free_block(count)
+        http, events, replay = free_ports(count), free_ports(count), free_ports(count)
         kv_config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",

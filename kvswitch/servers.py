@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,7 +28,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-__all__ = ["EtcdServer", "NatsServer", "ServerError", "die_with_parent", "find_etcd", "find_nats_server", "free_port"]
+__all__ = [
+    "EtcdServer",
+    "NatsServer",
+    "ServerError",
+    "die_with_parent",
+    "find_etcd",
+    "find_nats_server",
+    "free_port",
+    "free_ports",
+]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -36,10 +46,40 @@ class ServerError(RuntimeError):
     """A server could not be found, started or made healthy."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int, host: str) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of `count` consecutive free ports, for a server to bind a moment later.
+
+    Drawn below the kernel's ephemeral range: a port from bind(0) sits among those the kernel hands
+    to outgoing connections, so with many processes connecting (shims to NATS, etcd and engines)
+    one of them often takes it, or its neighbour, before the server binds.
+    """
+    rng = random.Random()
+    high = _ephemeral_low() - count
+    for _ in range(200):
+        base = rng.randrange(10000, max(high, 10001))
+        if all(_bindable(base + i, host) for i in range(count)):
+            return base
+    raise ServerError(f"no {count} consecutive free ports on {host}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(1, host)
 
 
 def find_nats_server() -> str:

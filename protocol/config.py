@@ -107,14 +107,16 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True):
         is aggregated.
     conditional: the conditional disaggregation settings; flat names in flags, env and files.
     temperature: softmax temperature over negated costs for near-tie breaking; 0 is argmin.
-    overlap_weight: weight of prefill work against decode load in the worker cost.
+    overlap_weight: weight of prefill work against decode load in the worker cost (default 4: on the
+        H200 profiles a block of prefill costs about 3-4x the decode time a block of KV in use adds
+        over a request's life; docs/router.md has the derivation and the measurement).
     """
 
     routing: RoutingMode = "kv"
     disagg: DisaggMode = "conditional"
     conditional: ConditionalDisaggConfig = msgspec.field(default_factory=ConditionalDisaggConfig)
     temperature: float = 0.0
-    overlap_weight: float = 1.0
+    overlap_weight: float = 4.0
     max_queue: int = 1024
     prefill_timeout_s: float = 30.0
 

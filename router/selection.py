@@ -9,7 +9,7 @@ Cost of serving the request on worker w (lower is better), in KV blocks:
 `uncached_tokens(w) = isl - min(overlap_blocks(w) * block_size, isl)`: the prompt tokens w would
 have to prefill; `queued_prefill_tokens` and `active_blocks` are the load view's figures (the
 worker's last report plus every router's bookings); `request_blocks = ceil(isl / block_size)`.
-`overlap_weight` (RouterSettings, default 1) trades cache affinity against decode load.
+`overlap_weight` (RouterSettings, default 4) trades cache affinity against decode load.
 
 Near-ties: with temperature T = 0 the lowest cost wins and exact ties are broken uniformly at
 random. With T > 0 a worker is drawn with probability proportional to

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port
+from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port, free_ports
 
 
 def _alive(pid: int) -> bool:
@@ -104,11 +104,11 @@ def _descendants(pid: int) -> list[int]:
 
 
 def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
-    http = free_port()
+    http = free_ports(2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvswitch", "up", "--prefill", "1", "--decode", "2", "--routers", "2",
          "--speedup", "20", "--http-port", str(http), "--conditional-disagg", "--eff-isl-threshold", "512"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
@@ -119,6 +119,9 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
             if not line:
                 break
             out += line
+        if "health:" not in out:
+            proc.wait(30)
+            pytest.fail(f"kvswitch up exited {proc.returncode}: {out}{proc.stderr.read()}")  # type: ignore[union-attr]
         assert "children=7/7 up" in out, out  # 2 sim fleets, 3 shims, 2 routers (servers counted apart)
         assert out.count("sim      ") == 3
         routers = re.findall(r"router   (http://127.0.0.1:\d+)/v1", out)
