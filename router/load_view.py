@@ -77,9 +77,14 @@ class _WorkerBookings:
     heaps order the bookings by those times so `cover(report_ts)` pops exactly the ones a report
     covers; entries of bookings that stopped counting otherwise are skipped when popped, and the
     heaps are rebuilt when such entries outnumber the live ones (a worker that never reports).
+
+    The mirror image: a report made while a request waited (`booked_at <= ts < prefill_done_at`)
+    includes its prompt tokens as queued, and may arrive after the router saw the first token.
+    `released(report_ts)` is what such a report still holds of requests whose prefill is done; the
+    entries go once a report with `ts >= prefill_done_at` arrives.
     """
 
-    __slots__ = ("_by_booked", "_by_done", "_order", "blocks", "bookings", "prefill")
+    __slots__ = ("_by_booked", "_by_done", "_by_released", "_order", "blocks", "bookings", "prefill")
 
     def __init__(self) -> None:
         self.bookings: set[_Booking] = set()
@@ -87,6 +92,7 @@ class _WorkerBookings:
         self.blocks = 0
         self._by_booked: list[tuple[float, int, _Booking]] = []  # prefill counted, by booked_at
         self._by_done: list[tuple[float, int, _Booking]] = []  # prefill done, blocks counted, by prefill_done_at
+        self._by_released: list[tuple[float, int, float, int]] = []  # (prefill_done_at, order, booked_at, tokens)
         self._order = itertools.count()  # heap tie-break: bookings themselves do not compare
 
     def add(self, booking: _Booking) -> None:
@@ -98,6 +104,9 @@ class _WorkerBookings:
 
     def prefill_done(self, booking: _Booking, at: float) -> None:
         booking.prefill_done_at = at
+        if booking.prefill_tokens:
+            entry = (at, next(self._order), booking.booked_at, booking.prefill_tokens)
+            heapq.heappush(self._by_released, entry)
         self._uncount_prefill(booking)
         if booking.blocks_counted:
             heapq.heappush(self._by_done, (at, next(self._order), booking))
@@ -114,6 +123,17 @@ class _WorkerBookings:
             self._uncount_prefill(heapq.heappop(by_booked)[2])
         while by_done and by_done[0][0] <= report_ts:
             self._uncount_blocks(heapq.heappop(by_done)[2])
+        by_released = self._by_released
+        while by_released and by_released[0][0] <= report_ts:
+            heapq.heappop(by_released)
+
+    def released(self, report_ts: float) -> int:
+        """Prompt tokens a report made at `report_ts` counts as queued whose prefill is done since."""
+        return sum(tokens for _, _, booked_at, tokens in self._by_released if booked_at <= report_ts)
+
+    @property
+    def holds_releases(self) -> bool:
+        return bool(self._by_released)
 
     def _uncount_prefill(self, booking: _Booking) -> None:
         if booking.prefill_counted:
@@ -225,7 +245,7 @@ class LoadView:
         on_worker = self._by_worker.get(booking.worker)
         if on_worker is not None:
             on_worker.discard(booking)
-            if not on_worker.bookings:
+            if not on_worker.bookings and not on_worker.holds_releases:
                 del self._by_worker[booking.worker]
 
     def _unlink(self, booking: _Booking) -> None:
@@ -241,11 +261,14 @@ class LoadView:
     def load(self, worker: str) -> WorkerLoad:
         """Report plus uncovered bookings; zeros (and `kv_total_blocks` None) before any report."""
         held = self._reports.get(worker)
-        prefill = blocks = 0
+        prefill = blocks = released = 0
         on_worker = self._by_worker.get(worker)
         if on_worker is not None:
-            on_worker.cover(held.report.ts if held is not None else _NO_REPORT)
-            prefill, blocks = on_worker.prefill, on_worker.blocks
+            report_ts = held.report.ts if held is not None else _NO_REPORT
+            on_worker.cover(report_ts)
+            prefill, blocks, released = on_worker.prefill, on_worker.blocks, on_worker.released(report_ts)
+            if not on_worker.bookings and not on_worker.holds_releases:
+                del self._by_worker[worker]
         if held is None:
             return WorkerLoad(worker, 0, 0, 0, None, prefill, blocks, None)
         r = held.report
@@ -255,7 +278,7 @@ class LoadView:
             waiting=r.waiting,
             kv_used_blocks=r.kv_used_blocks,
             kv_total_blocks=r.kv_total_blocks,
-            prefill_tokens_queued=r.prefill_tokens_queued + prefill,
+            prefill_tokens_queued=max(0, r.prefill_tokens_queued - released) + prefill,
             active_blocks=r.kv_used_blocks + blocks,
             report_age_s=max(0.0, self._clock() - held.received_at),
             healthy=r.healthy,

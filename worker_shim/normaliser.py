@@ -72,6 +72,14 @@ class Normaliser:
     def __len__(self) -> int:
         return len(self._canon)
 
+    def cached_prefix_blocks(self, hashes: list[int]) -> int:
+        """How many leading blocks of a prompt (its canonical hashes) the engine holds."""
+        canon = self._canon
+        for i, h in enumerate(hashes):
+            if h not in canon:
+                return i
+        return len(hashes)
+
     def dump(self) -> list[int]:
         """Every canonical hash held, each parent before its children."""
         out: list[int] = []

@@ -121,9 +121,16 @@ class RequestService:
     """Runs legs against one adapter. `worker` is read per request (it changes on re-registration)."""
 
     def __init__(
-        self, nc: Nats, adapter: EngineAdapter, worker: Callable[[], str], on_change: Callable[[], None]
+        self,
+        nc: Nats,
+        adapter: EngineAdapter,
+        worker: Callable[[], str],
+        on_change: Callable[[], None],
+        cached_tokens: Callable[[list[int]], int] = lambda _ids: 0,
     ) -> None:
         self.nc = nc
+        # Prompt tokens the engine already caches: they cost no prefill, so they are not "queued".
+        self.cached_tokens = cached_tokens
         self.adapter = adapter
         self.worker = worker
         self.on_change = on_change
@@ -167,7 +174,8 @@ class RequestService:
         if isinstance(leg, ErrorInfo):
             await writer.final(error=leg)
             return
-        state = _Leg(req.request_id, 0 if leg.transfer is not None else len(req.token_ids))
+        queued = 0 if leg.transfer is not None else len(req.token_ids) - self.cached_tokens(req.token_ids)
+        state = _Leg(req.request_id, max(queued, 0))
         self.inflight[req.request_id] = state
         self._queued += state.queued_tokens
         self.on_change()

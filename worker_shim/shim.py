@@ -27,6 +27,7 @@ from discovery import Discovery, DiscoveryError, Lease
 from kvswitch import __version__
 from protocol import Cleared, ConfigError, WorkerInfo, subjects
 from protocol.config import EtcdSettings, NatsSettings
+from protocol.hashing import block_hashes
 from protocol.timing import load_profile
 from worker_shim.adapters import EngineAdapter, EngineError, EngineLimits, make_adapter
 from worker_shim.config import ShimConfig
@@ -90,6 +91,13 @@ class WorkerShim:
 
     # --- public ---------------------------------------------------------------------------------
 
+    def _cached_prompt_tokens(self, token_ids: list[int]) -> int:
+        norm, limits = self.normaliser, self.limits
+        if norm is None or not limits.block_size:
+            return 0
+        hashes = block_hashes(token_ids, limits.block_size)
+        return norm.cached_prefix_blocks(hashes) * limits.block_size
+
     def canonical_hashes(self) -> set[int]:
         """What the shim believes the engine caches, as canonical hashes."""
         return self.normaliser.canonical_hashes() if self.normaliser is not None else set()
@@ -110,7 +118,9 @@ class WorkerShim:
         except BaseException:
             await self._close_clients()
             raise
-        self.requests = RequestService(self._nc, self.adapter, lambda: self.worker_id or "", self._poke_load)
+        self.requests = RequestService(
+            self._nc, self.adapter, lambda: self.worker_id or "", self._poke_load, self._cached_prompt_tokens
+        )
         self.status = ShimStatus.WAITING_ENGINE
         self._main = asyncio.create_task(self._supervise(), name="shim-supervisor")
 

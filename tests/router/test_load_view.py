@@ -90,6 +90,47 @@ def test_prefill_done_removes_booked_prefill_tokens(view: LoadView, clock: Clock
     assert load.active_blocks == 130
 
 
+def test_a_report_made_while_the_request_waited_stops_counting_it_once_its_prefill_is_done(
+    view: LoadView, clock: Clock
+) -> None:
+    """The README demo's fourth request: a report from before the first token must not keep the
+    finished request's prompt queued until the next report."""
+    view.book("r1", "w1", prefill_tokens=4256, decode_blocks=266)
+    clock.now += 0.01
+    view.update(report(ts=clock.now, prefill_tokens_queued=4256 + 100))  # covers r1, plus 100 of others
+    assert view.load("w1").prefill_tokens_queued == 4356
+    clock.now += 0.01
+    view.prefill_done("r1")
+    view.free("r1")
+    assert view.load("w1").prefill_tokens_queued == 100
+    view.update(report(ts=clock.now - 0.005, prefill_tokens_queued=4256))  # still made before the first token
+    assert view.load("w1").prefill_tokens_queued == 0
+    view.update(report(ts=clock.now, prefill_tokens_queued=50))  # made after: counts as it is
+    assert view.load("w1").prefill_tokens_queued == 50
+
+
+def test_a_report_made_while_waiting_that_arrives_after_the_first_token_does_not_count_it(
+    view: LoadView, clock: Clock
+) -> None:
+    view.book("r1", "w1", prefill_tokens=4256, decode_blocks=266)
+    booked = clock.now
+    clock.now += 0.02
+    view.prefill_done("r1")
+    view.free("r1")
+    view.update(report(ts=booked + 0.01, prefill_tokens_queued=4256 + 7))  # in flight until now
+    assert view.load("w1").prefill_tokens_queued == 7
+    view.update(report(ts=clock.now + 0.01, prefill_tokens_queued=9))
+    assert view.load("w1").prefill_tokens_queued == 9
+
+
+def test_prefill_done_before_any_covering_report_releases_nothing(view: LoadView, clock: Clock) -> None:
+    view.update(report(ts=clock.now - 1, prefill_tokens_queued=300))
+    view.book("r1", "w1", prefill_tokens=1000, decode_blocks=10)
+    assert view.load("w1").prefill_tokens_queued == 1300
+    view.prefill_done("r1")
+    assert view.load("w1").prefill_tokens_queued == 300  # the old report never held r1's tokens
+
+
 def test_decode_blocks_count_until_a_report_after_the_first_token(view: LoadView, clock: Clock) -> None:
     view.book("r1", "w1", 2000, 130)
     clock.now += 0.1

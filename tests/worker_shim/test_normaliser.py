@@ -186,3 +186,12 @@ def test_random_streams_match_an_independent_prefix_model(seed: int) -> None:
         assert n.canonical_hashes() == model.canonical() == subscriber
     assert not n.needs_rebuild and n.stats.malformed == 0
     assert root_hash() not in n.canonical_hashes()
+
+
+def test_cached_prefix_blocks_counts_leading_held_blocks_only() -> None:
+    n = Normaliser(B)
+    n.apply([stored([101, 102], list(range(1, 9)))])  # the engine holds the first two blocks
+    prompt = list(range(1, 13))  # ... of this three-block prompt
+    assert n.cached_prefix_blocks(block_hashes(prompt, B)) == 2
+    assert n.cached_prefix_blocks(block_hashes(list(range(50, 62)), B)) == 0
+    assert n.cached_prefix_blocks([]) == 0
