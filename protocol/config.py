@@ -7,12 +7,14 @@ raises ConfigError naming the setting and what it allows.
 
 from __future__ import annotations
 
+import argparse
 import os
 import ssl
 import tomllib
+import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
 import yaml
@@ -27,6 +29,7 @@ __all__ = [
     "EtcdSettings",
     "NatsSettings",
     "RouterSettings",
+    "add_flags",
     "load_file",
     "resolve",
 ]
@@ -217,6 +220,38 @@ def _check_files(**paths: str | None) -> None:
     for setting, path in paths.items():
         if path is not None and not Path(path).is_file():
             raise ConfigError(setting, path, "must name a readable file")
+
+
+def add_flags(parser: argparse._ActionsContainer, schema: type[msgspec.Struct], prefix: str = "") -> None:
+    """One flag per field of `schema` (nested Structs flattened), named as `resolve()` reads them:
+    `--{prefix}{field}` with dashes. Every default is None, so an absent flag falls through to the
+    environment, the file and the schema's own default."""
+    for f in msgspec.structs.fields(schema):
+        tp = _base_type(f.type)
+        if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+            add_flags(parser, tp, prefix)
+            continue
+        dest = prefix + f.name
+        flag = "--" + dest.replace("_", "-")
+        if tp is bool:
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
+        elif get_origin(tp) is Literal:
+            parser.add_argument(flag, dest=dest, choices=[str(c) for c in get_args(tp)], default=None)
+        elif get_origin(tp) is list:
+            parser.add_argument(flag, dest=dest, type=_csv, default=None, metavar="A,B")
+        else:
+            parser.add_argument(flag, dest=dest, type=tp if tp in (int, float) else str, default=None)
+
+
+def _base_type(tp: Any) -> Any:
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

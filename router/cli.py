@@ -12,47 +12,25 @@ import argparse
 import asyncio
 import logging
 import sys
-import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any
 
 import msgspec
 
 from kvswitch.runtime import run_service
 from protocol import ConfigError, subjects
-from protocol.config import ConditionalDisaggConfig, EtcdSettings, NatsSettings, RouterSettings, load_file, resolve
+from protocol.config import (
+    ConditionalDisaggConfig,
+    EtcdSettings,
+    NatsSettings,
+    RouterSettings,
+    add_flags,
+    load_file,
+    resolve,
+)
 
 __all__ = ["add_arguments", "build_config", "run"]
 
 log = logging.getLogger("kvswitch.router")
-
-
-def _base_type(tp: Any) -> Any:
-    if get_origin(tp) in (Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else str
-    return tp
-
-
-def _add_struct(parser: argparse._ActionsContainer, schema: type[msgspec.Struct], prefix: str = "") -> None:
-    for f in msgspec.structs.fields(schema):
-        tp = _base_type(f.type)
-        if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-            _add_struct(parser, tp, prefix)
-            continue
-        flag = "--" + (prefix + f.name).replace("_", "-")
-        dest = prefix + f.name
-        if tp is bool:
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
-        elif get_origin(tp) is Literal:
-            parser.add_argument(flag, dest=dest, choices=[str(c) for c in get_args(tp)], default=None)
-        elif get_origin(tp) is list:
-            parser.add_argument(flag, dest=dest, type=_csv, default=None, metavar="A,B")
-        else:
-            parser.add_argument(flag, dest=dest, type=tp if tp in (int, float) else str, default=None)
-
-
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,10 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML or TOML settings file")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a request, seconds")
     routing = parser.add_argument_group("routing (live-tunable at /{ns}/config/router)")
-    _add_struct(routing, RouterSettings)
+    add_flags(routing, RouterSettings)
     conn = parser.add_argument_group("NATS and etcd")
-    _add_struct(conn, NatsSettings, "nats_")
-    _add_struct(conn, EtcdSettings, "etcd_")
+    add_flags(conn, NatsSettings, "nats_")
+    add_flags(conn, EtcdSettings, "etcd_")
 
 
 _ROUTER_FIELDS = {f.name for f in msgspec.structs.fields(RouterSettings)} | {

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from protocol import ConfigError
-from protocol.config import EtcdSettings, NatsSettings, load_file, resolve
+from protocol.config import EtcdSettings, NatsSettings, add_flags, load_file, resolve
 from worker_shim.config import ENGINES, KV_EVENTS_MODES, ROLES, ShimConfig
 
 __all__ = ["add_arguments", "run"]
@@ -55,24 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for name, kind, text in _SHIM_FLAGS:
         parser.add_argument(_flag(name), type=kind, help=text)
-    nats = parser.add_argument_group("NATS")
-    nats.add_argument("--nats-servers", help="comma-separated nats:// or tls:// URLs")
-    for name in ("user", "password", "token", "creds_file", "nkey_file", "tls_ca", "tls_cert", "tls_key"):
-        nats.add_argument(_flag("nats_" + name))
-    etcd = parser.add_argument_group("etcd")
-    etcd.add_argument("--etcd-endpoints", help="comma-separated http:// or https:// URLs")
-    for name in ("user", "password", "tls_ca", "tls_cert", "tls_key"):
-        etcd.add_argument(_flag("etcd_" + name))
-
-
-def _split(value: str | None) -> list[str] | None:
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+    add_flags(parser.add_argument_group("NATS"), NatsSettings, "nats_")
+    add_flags(parser.add_argument_group("etcd"), EtcdSettings, "etcd_")
 
 
 def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings, EtcdSettings]:
     cli: dict[str, Any] = dict(vars(args))
-    cli["nats_servers"] = _split(cli.get("nats_servers"))
-    cli["etcd_endpoints"] = _split(cli.get("etcd_endpoints"))
     file = load_file(args.config) if args.config else {}
     shim = resolve(ShimConfig, cli=cli, file=file)
     nats = resolve(NatsSettings, cli=cli, file=file, setting_prefix="nats_")

@@ -193,3 +193,31 @@ def test_nats_connect_options_carry_every_setting(tmp_path: Path) -> None:
     assert opts["user_credentials"] == str(creds)
     assert opts["max_reconnect_attempts"] == -1
     assert "tls" not in opts
+
+
+def test_add_flags_gives_every_setting_a_flag_that_resolve_reads() -> None:
+    import argparse
+
+    from protocol.config import add_flags
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, RouterSettings)
+    add_flags(parser, NatsSettings, "nats_")
+    args = parser.parse_args(
+        [
+            "--nats-servers",
+            "nats://a:1, nats://b:2",
+            "--conditional-disagg",
+            "--routing",
+            "random",
+            "--eff-isl-threshold",
+            "9",
+        ]
+    )
+    given = vars(args)
+    assert resolve(NatsSettings, cli=given, env={}, setting_prefix="nats_").servers == ["nats://a:1", "nats://b:2"]
+    s = resolve(RouterSettings, cli=given, env={})
+    assert (s.routing, s.conditional.conditional_disagg, s.conditional.eff_isl_threshold) == ("random", True, 9)
+    assert given["temperature"] is None  # absent flags fall through to env, file and default
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--routing", "fastest"])
