@@ -358,6 +358,16 @@ static PyObject *core_count(Core *c, PyObject *arg) {
 }
 
 /* dump(nslots) -> list[list[int]]: per slot below nslots, the hashes it holds (row order). */
+
+/* list.append(int(key)); -1 with an exception set on failure. */
+static int append_key(PyObject *list, uint64_t key) {
+    PyObject *h = PyLong_FromUnsignedLongLong(key);
+    if (h == NULL) return -1;
+    int err = PyList_Append(list, h);
+    Py_DECREF(h);
+    return err;
+}
+
 static PyObject *core_dump(Core *c, PyObject *arg) {
     Py_ssize_t nslots;
     if (parse_slot(arg, &nslots) < 0) return NULL;
@@ -374,11 +384,7 @@ static PyObject *core_dump(Core *c, PyObject *arg) {
             for (uint64_t bits = row[w]; bits; bits &= bits - 1) {
                 Py_ssize_t s = w * 64 + __builtin_ctzll(bits);
                 if (s >= nslots) break;
-                PyObject *h = PyLong_FromUnsignedLongLong(c->row_key[r]);
-                if (h == NULL) goto fail;
-                int err = PyList_Append(PyList_GET_ITEM(out, s), h);
-                Py_DECREF(h);
-                if (err < 0) goto fail;
+                if (append_key(PyList_GET_ITEM(out, s), c->row_key[r]) < 0) goto fail;
             }
         }
     }
@@ -398,11 +404,7 @@ static PyObject *core_hashes(Core *c, PyObject *arg) {
     uint64_t bit = 1ULL << (slot & 63);
     for (Py_ssize_t r = 0; r < c->nrows; r++) {
         if (!(c->rows[r * c->words + w] & bit)) continue;
-        PyObject *h = PyLong_FromUnsignedLongLong(c->row_key[r]);
-        if (h == NULL) goto fail;
-        int err = PyList_Append(out, h);
-        Py_DECREF(h);
-        if (err < 0) goto fail;
+        if (append_key(out, c->row_key[r]) < 0) goto fail;
     }
     return out;
 fail:
