@@ -72,14 +72,15 @@ def _check_router_args(extra: list[str]) -> None:
     parser.parse_args(extra)
 
 
-def _demo(cluster: LocalCluster, spec: ClusterSpec) -> int:
+async def _demo(cluster: LocalCluster, spec: ClusterSpec) -> int:
     if not cluster.router_urls:
         return 0 if cluster.healthy() else 1
     from kvswitch.demo import decision_counts, format_results, run_demo_requests
 
-    results = run_demo_requests(cluster.router_urls[0], spec.model)
-    print(format_results(results, decision_counts(cluster.router_urls[0])), flush=True)
-    return 0 if cluster.healthy() else 1
+    url = cluster.router_urls[0]
+    results = await run_demo_requests(url, spec.model)
+    print(format_results(results, await decision_counts(url)), flush=True)
+    return 0 if cluster.healthy() and all(r.ok for _, r in results) else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             print(cluster.describe(), flush=True)
             print(cluster.health_line(), flush=True)
             if args.demo:
-                return await asyncio.to_thread(_demo, cluster, spec)
+                return await _demo(cluster, spec)
             print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)
             while not stop.is_set():
                 try:
