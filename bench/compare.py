@@ -16,7 +16,6 @@ has the same number of GPUs and the agg baselines are not handicapped by idle pr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import sys
 import time
@@ -123,30 +122,10 @@ def _cluster_spec(spec: CompareSpec, config: Configuration) -> ClusterSpec:
     )
 
 
-async def _wait_fleet(session: aiohttp.ClientSession, router_urls: Sequence[str], workers: int, timeout: float) -> None:
-    """Until every router's /ready counts the whole fleet: a router may be ready before the last
-    shim has registered, and a run must not start on part of the fleet."""
-    deadline = time.monotonic() + timeout
-    for url in router_urls:
-        seen: object = None
-        while time.monotonic() < deadline:
-            with contextlib.suppress(aiohttp.ClientError, ValueError):
-                async with session.get(f"{url}/ready") as resp:
-                    body = await resp.json()
-                    seen = body.get("workers")
-                    if resp.status == 200 and body.get("ready") and seen == workers:
-                        break
-            await asyncio.sleep(0.1)
-        else:
-            raise TimeoutError(f"router {url} sees {seen} workers after {timeout:.0f} s, expected {workers}")
-
-
 async def _measure(
     spec: CompareSpec, rate: float, cluster: LocalCluster, urls: Sequence[str], *, peer: bool
 ) -> tuple[Summary, list[float]]:
     async with aiohttp.ClientSession() as session:
-        if not peer:
-            await _wait_fleet(session, urls, len(cluster.sim_urls), spec.ready_timeout_s)
         before = await scrape_prefix_counters(session, cluster.sim_urls)
         run = await replay(
             spec.items,

@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,7 +157,10 @@ class LocalCluster:
         self.children.append(child)
         return child
 
-    def _wait_http(self, url: str, what: str, timeout: float = 60.0) -> None:
+    def _wait_http(
+        self, url: str, what: str, timeout: float = 60.0, ok: Callable[[bytes], bool] = lambda _body: True
+    ) -> None:
+        """Poll `url` until it answers 200 with a body `ok` accepts; fail early if a child died."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             dead = [c.name for c in self.children if c.proc.poll() is not None]
@@ -164,9 +168,9 @@ class LocalCluster:
                 raise ServerError(f"{', '.join(dead)} exited while waiting for {what}")
             try:
                 with urllib.request.urlopen(url, timeout=2.0) as resp:
-                    if resp.status == 200:
+                    if resp.status == 200 and ok(resp.read()):
                         return
-            except (urllib.error.URLError, OSError):
+            except (urllib.error.URLError, OSError, ValueError):
                 pass
             time.sleep(0.2)
         raise ServerError(f"{what} not ready after {timeout:.0f}s ({url})")
@@ -174,22 +178,14 @@ class LocalCluster:
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Every router answers /ready and sees every engine as a registered worker."""
         deadline = time.monotonic() + timeout
+        n = len(self.engines)
         for url in self.router_urls:
-            while True:
-                self._wait_http(url + "/ready", what=f"router {url}", timeout=max(1.0, deadline - time.monotonic()))
-                if self._router_workers(url) >= len(self.engines):
-                    break
-                if time.monotonic() > deadline:
-                    raise ServerError(f"router {url} sees fewer than {len(self.engines)} workers after {timeout:.0f}s")
-                time.sleep(0.2)
-
-    @staticmethod
-    def _router_workers(url: str) -> int:
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=2.0) as resp:
-                return int(json.loads(resp.read()).get("workers", 0))
-        except (urllib.error.URLError, OSError, ValueError):
-            return -1
+            self._wait_http(
+                url + "/ready",
+                what=f"router {url} with {n} workers",
+                timeout=max(1.0, deadline - time.monotonic()),
+                ok=lambda body: int(json.loads(body).get("workers", 0)) >= n,
+            )
 
     def stop(self, grace_s: float = 15.0) -> None:
         children, self.children = self.children, []
