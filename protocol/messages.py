@@ -138,6 +138,20 @@ class LoadReport(_Msg, kw_only=True):
     kv_usage: float | None = None
     num_preemptions: int = 0
     healthy: bool = True
+    # Liveness: the shim publishes at least every `period_s`; a router treats a worker silent for
+    # three periods as gone, long before its lease expires.
+    period_s: float = 1.0
+    # False while the shim sees no KV events it should see (wrong endpoint or topic, silent engine):
+    # routers then stop trusting this worker's index entries.
+    events_ok: bool = True
+    # Digest of the KV state the shim has published, as of (kv_epoch, kv_seq): the number of
+    # distinct canonical hashes and their XOR. A router whose index for the worker is at the same
+    # (epoch, seq) but differs has lost a batch; one at an older seq that stays there has lost the
+    # last batch. kv_epoch 0: no digest.
+    kv_epoch: int = 0
+    kv_seq: int = 0
+    kv_blocks: int = 0
+    kv_xor: int = 0
 
 
 # --- Requests: router -> shim on {ns}.gen.{role}.{worker} ----------------------------------------
@@ -184,6 +198,9 @@ class GenerateRequest(_Msg, kw_only=True):
     disagg: TransferHandle | None = None
     deadline: float | None = None
     trace: dict[str, str] = {}
+    # The shim sends an empty (token-less, non-final) chunk whenever it has sent nothing for this
+    # many seconds, so a router can tell a dead worker from a long prefill; 0 asks for none.
+    heartbeat_s: float = 0.0
 
 
 ANNOTATION_BYPASS = "bypass_remote_prefill"
@@ -206,7 +223,8 @@ class ErrorInfo(msgspec.Struct, kw_only=True):
 class ResponseChunk(_Msg, kw_only=True):
     """Shim -> router on the request's reply subject. `seq` counts chunks from 0 per leg; the last
     chunk has `final` set and carries `finish_reason`, `usage` and, for a prefill leg, `transfer`;
-    or `error` when the leg failed."""
+    or `error` when the leg failed. A chunk with no tokens that is not final is a heartbeat
+    (GenerateRequest.heartbeat_s)."""
 
     request_id: str
     seq: int
@@ -257,6 +275,14 @@ class WorkerInfo(_Msg, kw_only=True):
     epoch: int = 0
     version: str = ""
     engine_url: str = ""
+    # Fingerprint of the served model's tokenizer (protocol.tokenizer_fingerprint), `builtin` for
+    # engine_sim's built-in vocabulary, "" when the shim could not tell: a router refuses text
+    # requests for workers whose tokenizer differs from its own.
+    tokenizer: str = ""
+    # False while the shim sees no KV events it should see (see LoadReport.events_ok).
+    events_ok: bool = True
+    # The shim's own HTTP address (/health, /metrics), "" when it serves none.
+    shim_url: str = ""
 
 
 class RouterInfo(_Msg, kw_only=True):
