@@ -30,9 +30,8 @@ from protocol import LoadReport, WorkerInfo, block_hashes
 from protocol.config import RouterSettings, resolve
 from protocol.tokenizer import BuiltinTokenizer
 from router.block_index import BlockIndex
-from router.disagg import Disaggregator
 from router.load_view import LoadView
-from router.request_context import ContextBuilder
+from router.planner import standalone_planner
 from router.tokenization import BuiltinPromptTokenizer
 
 BLOCK = 16
@@ -68,8 +67,7 @@ def bench_decision(workers: int, iterations: int, policy: str) -> dict[str, Any]
                                prefill_tokens_queued=rng.randint(0, 9000)))  # fmt: skip
     settings = resolve(RouterSettings, cli={"conditional_disagg": True, "conditional_disagg_policy": policy,
                                             "queue_threshold": 1.0}, env={})  # fmt: skip
-    disagg = Disaggregator(settings)
-    builder = ContextBuilder(lambda m: infos, index.match, view.load)
+    planner = standalone_planner(settings, lambda: infos, index=index, view=view)
     out: dict[str, Any] = {"workers": workers, "policy": policy}
     for isl in (2048, 8192):
         texts = [_text(isl, rng) for _ in range(8)]
@@ -83,9 +81,9 @@ def bench_decision(workers: int, iterations: int, policy: str) -> dict[str, Any]
             text = texts[n % len(texts)]
             start = time.perf_counter()
             ids = tokenizer.encode(text)
-            ctx = builder.build(f"r{n}", "m", ids)
-            assert ctx is not None
-            plan = disagg.plan(ctx)
+            ctx = planner.context(f"r{n}", "m", ids)
+            planner.refresh(ctx)
+            plan = planner.disagg.plan(ctx)
             times.append(time.perf_counter() - start)
             assert plan is not None
         out[f"isl_{isl}"] = {

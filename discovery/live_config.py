@@ -1,8 +1,11 @@
 """Live router settings at /{ns}/config/router.
 
 A change is validated like a startup flag; a valid one replaces the current settings at once, an
-invalid one is refused, logged with the reason, and the last valid settings stay. Deleting the key
-returns to the settings the process started with.
+invalid one is refused, logged with the reason, and the last valid settings stay. Refused: a value
+that is not a JSON object, a key that is no setting (a typo must not pass for applied), a value
+of the wrong type or range, NaN and infinities. Deleting the key returns to the settings the
+process started with. Exactly that key: `/{ns}/config/router-canary` and the like are other keys,
+and ignored here.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from collections.abc import AsyncIterator
 from discovery.session import Discovery
 from discovery.watch import Deleted, Put, Snapshot
 from protocol import ConfigError, subjects
-from protocol.config import RouterSettings, resolve
+from protocol.config import RouterSettings, flat_names, resolve
 
 __all__ = ["ConfigWatcher", "put_config"]
 
 log = logging.getLogger(__name__)
+_SETTINGS = frozenset(flat_names(RouterSettings))
 
 
 async def put_config(discovery: Discovery, overrides: dict[str, object]) -> None:
@@ -41,6 +45,12 @@ class ConfigWatcher:
         self.rejected = 0
         self.last_error = ""
 
+    def refuse(self, why: str) -> None:
+        """The owner could not apply the last settings yielded: count and log it like our own refusals."""
+        self.rejected += 1
+        self.last_error = why
+        log.error("live config refused, keeping the previous one: %s", why)
+
     def _apply(self, raw: bytes | None) -> bool:
         overrides: dict[str, object] = {}
         try:
@@ -48,12 +58,17 @@ class ConfigWatcher:
                 parsed = json.loads(raw)
                 if not isinstance(parsed, dict):
                     raise ConfigError("config", parsed, "the live config must be a JSON object")
+                unknown = sorted(set(parsed) - _SETTINGS)
+                if unknown:
+                    raise ConfigError(
+                        unknown[0],
+                        parsed[unknown[0]],
+                        f"not a router setting; settings: {', '.join(sorted(_SETTINGS))}",
+                    )
                 overrides = parsed
             settings = resolve(RouterSettings, cli={**self._base_cli, **overrides}, file=self._base_file)
         except (ConfigError, ValueError) as exc:
-            self.rejected += 1
-            self.last_error = str(exc)
-            log.error("live config refused, keeping the previous one: %s", exc)
+            self.refuse(str(exc))
             return False
         changed = settings != self.current
         self.current = settings
@@ -68,9 +83,9 @@ class ConfigWatcher:
                 case Snapshot(items=items):
                     self._apply(items.get(""))
                     yield self.current
-                case Put(value=value):
+                case Put(name="", value=value):
                     if self._apply(value):
                         yield self.current
-                case Deleted():
+                case Deleted(name=""):
                     if self._apply(None):
                         yield self.current

@@ -8,6 +8,7 @@ raises ConfigError naming the setting and what it allows.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import ssl
 import tomllib
@@ -30,6 +31,7 @@ __all__ = [
     "NatsSettings",
     "RouterSettings",
     "add_flags",
+    "flat_names",
     "load_file",
     "resolve",
 ]
@@ -43,7 +45,7 @@ DisaggMode = Literal["conditional", "always", "never"]
 DISAGG_MODES: tuple[str, ...] = get_args(DisaggMode)
 
 
-class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True):
+class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Conditional disaggregation, exactly as DESIGN.md defines it. Field names are the flags'.
 
     conditional_disagg: decide per request; off, every request prefills remotely when a prefill
@@ -74,6 +76,7 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True):
     ttft_stall_weight: float = 0.1
 
     def validate(self) -> ConditionalDisaggConfig:
+        _check_finite(self)
         if self.conditional_disagg_policy not in POLICY_NAMES:
             raise ConfigError.one_of("conditional_disagg_policy", self.conditional_disagg_policy, POLICY_NAMES)
         if self.eff_isl_threshold < 0:
@@ -101,7 +104,7 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True):
         return self.prefill_busy_threshold if self.prefill_busy_threshold is not None else self.queue_threshold
 
 
-class RouterSettings(msgspec.Struct, kw_only=True, frozen=True):
+class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """The router's live-tunable settings (also the value of /{ns}/config/router).
 
     routing: how the decode/agg worker is picked (kv: prefix overlap and load).
@@ -113,6 +116,16 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True):
     overlap_weight: weight of prefill work against decode load in the worker cost (default 4: on the
         H200 profiles a block of prefill costs about 3-4x the decode time a block of KV in use adds
         over a request's life; docs/router.md has the derivation and the measurement).
+    max_queue: requests that may wait at the router while no worker has room; beyond it a request
+        gets 429 with Retry-After. None derives it from the fleet's measured throughput: as many as
+        drain in half the TTFT SLO.
+    prefill_timeout_s: a remote prefill leg slower than this falls back to a local prefill.
+    pending_ttl_s: how long a routed request's prompt blocks count as cached on its workers before
+        their KV events confirm them (0: off).
+    stream_heartbeat_s: workers send a heartbeat on a silent leg this often; three missed ones end
+        the leg (a dead worker is noticed within 3x this).
+    slo_ttft_s, slo_itl_s: the service level the router protects: a worker takes new requests while
+        its predicted prefill backlog is under half slo_ttft_s; the SLO-aware policy weighs both.
     """
 
     routing: RoutingMode = "kv"
@@ -120,10 +133,15 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True):
     conditional: ConditionalDisaggConfig = msgspec.field(default_factory=ConditionalDisaggConfig)
     temperature: float = 0.0
     overlap_weight: float = 4.0
-    max_queue: int = 1024
+    max_queue: int | None = None
     prefill_timeout_s: float = 30.0
+    pending_ttl_s: float = 20.0
+    stream_heartbeat_s: float = 0.4
+    slo_ttft_s: float = 2.0
+    slo_itl_s: float = 0.025
 
     def validate(self) -> RouterSettings:
+        _check_finite(self)
         if self.routing not in ROUTING_MODES:
             raise ConfigError.one_of("routing", self.routing, ROUTING_MODES)
         if self.disagg not in DISAGG_MODES:
@@ -132,12 +150,23 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("temperature", self.temperature, "must be >= 0")
         if self.overlap_weight < 0:
             raise ConfigError("overlap_weight", self.overlap_weight, "must be >= 0")
-        if self.max_queue < 0:
-            raise ConfigError("max_queue", self.max_queue, "must be >= 0")
-        if self.prefill_timeout_s <= 0:
-            raise ConfigError("prefill_timeout_s", self.prefill_timeout_s, "must be > 0")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ConfigError("max_queue", self.max_queue, "must be >= 0 (or unset: derived from throughput)")
+        for name in ("prefill_timeout_s", "stream_heartbeat_s", "slo_ttft_s", "slo_itl_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, getattr(self, name), "must be > 0")
+        if self.pending_ttl_s < 0:
+            raise ConfigError("pending_ttl_s", self.pending_ttl_s, "must be >= 0 (0: off)")
         self.conditional.validate()
         return self
+
+
+def _check_finite(settings: msgspec.Struct) -> None:
+    """NaN and infinities are refused: one NaN threshold makes every routing cost NaN."""
+    for f in msgspec.structs.fields(settings):
+        value = getattr(settings, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f.name, value, "must be a finite number")
 
 
 class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -241,6 +270,15 @@ def add_flags(parser: argparse._ActionsContainer, schema: type[msgspec.Struct], 
             parser.add_argument(flag, dest=dest, type=_csv, default=None, metavar="A,B")
         else:
             parser.add_argument(flag, dest=dest, type=tp if tp in (int, float) else str, default=None)
+
+
+def flat_names(schema: type[msgspec.Struct]) -> list[str]:
+    """The flat setting names of `schema` (nested Structs flattened), as flags and files name them."""
+    out: list[str] = []
+    for f in msgspec.structs.fields(schema):
+        sub = _struct_type(_base_type(f.type))
+        out += flat_names(sub) if sub is not None else [f.name]
+    return out
 
 
 def _base_type(tp: Any) -> Any:

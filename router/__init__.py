@@ -8,9 +8,10 @@ from router.block_index import BlockIndex
 from router.disagg import Disaggregator, RoutePlan
 from router.kv_ingest import KvIngest
 from router.load_view import LoadView, WorkerLoad
+from router.planner import PlanError, Planner
 from router.policies import POLICIES, Decision, DecodeGuard, Outcome, Path, Policy, make_policy
 from router.replica_sync import ReplicaSync
-from router.request_context import Candidate, ContextBuilder, RequestContext
+from router.request_context import Candidate, RequestContext
 from router.selection import Selector, worker_cost
 from router.service import RouterConfig, RouterService, RouterStatus
 from router.worker_registry import WorkerRegistry
@@ -19,7 +20,6 @@ __all__ = [
     "POLICIES",
     "BlockIndex",
     "Candidate",
-    "ContextBuilder",
     "Decision",
     "DecodeGuard",
     "Disaggregator",
@@ -27,6 +27,8 @@ __all__ = [
     "LoadView",
     "Outcome",
     "Path",
+    "PlanError",
+    "Planner",
     "Policy",
     "ReplicaSync",
     "RequestContext",

@@ -1,66 +1,167 @@
-"""Admission: while every worker that could take a request is over the queue threshold, requests
-wait here, first come first served; when `max_queue` are already waiting, a new one is refused
-(HTTP 429 with Retry-After).
+"""Admission: requests wait at the router, first come first served, while no worker has room.
 
-A waiter re-checks on `notify()` (a request finished, a worker appeared) and at least every
-`poll_s`, since load reports from shims and other replicas arrive without a hook into this queue.
+A request is taken at once when nobody is waiting and the planner finds a worker with room (its
+predicted prefill backlog under half the TTFT SLO: router.planner); the plan it gets is booked in
+the same synchronous step, so the next request sees it. Otherwise it queues. Waiters are served in
+arrival order, and only as capacity frees: `notify()` (a load report arrived, a request ended, a
+worker appeared) offers the head waiter to the planner, again and again while plans come back.
+A waiter keeps its request context, so nothing is hashed twice.
+
+The queue is bounded so that what waits here drains within half the TTFT SLO: `max_queue` when
+set, else the fleet's measured completion rate times that time (at least `min_queue`). A request
+beyond the bound gets 429 with Retry-After (the seconds the queue ahead needs to drain), and so
+does one that waits longer than the timeout: at 5x overload the admitted requests keep their TTFT
+near the SLO instead of all of them waiting minutes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["Admission", "QueueFull", "QueueTimeout"]
+from router.disagg import RoutePlan
+from router.request_context import RequestContext
+
+__all__ = ["Admission", "Overloaded", "Throughput"]
 
 
-class QueueFull(Exception):
-    def __init__(self, depth: int, retry_after_s: int) -> None:
-        self.depth = depth
+class Overloaded(Exception):
+    """Answered with 429; `retry_after_s` goes in the Retry-After header."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
         self.retry_after_s = retry_after_s
-        super().__init__(f"all workers are busy and {depth} requests are already queued")
+        super().__init__(message)
 
 
-class QueueTimeout(Exception):
-    def __init__(self, waited_s: float) -> None:
-        self.waited_s = waited_s
-        super().__init__(f"no worker became free within {waited_s:.1f}s")
+class Throughput:
+    """Requests completed per second, an exponentially weighted rate over about `window_s`."""
+
+    def __init__(self, clock: Callable[[], float], window_s: float = 10.0) -> None:
+        self._clock = clock
+        self._window_s = window_s
+        self._rate = 0.0
+        self._last = clock()
+
+    def completed(self, n: int = 1) -> None:
+        self._decay()
+        self._rate += n / self._window_s
+
+    def rate(self) -> float:
+        self._decay()
+        return self._rate
+
+    def _decay(self) -> None:
+        now = self._clock()
+        dt = max(0.0, now - self._last)
+        self._last = now
+        self._rate *= math.exp(-dt / self._window_s)
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    ctx: RequestContext
+    take: Callable[[RequestContext], RoutePlan | None]
+    future: asyncio.Future[RoutePlan]
+    since: float
 
 
 class Admission:
-    def __init__(self, max_queue: int, *, poll_s: float = 0.05, retry_after_s: int = 1) -> None:
-        self.max_queue = max_queue
-        self.retry_after_s = retry_after_s
-        self._poll_s = poll_s
-        self._waiting = 0
-        self._tick: asyncio.Future[None] | None = None
+    def __init__(
+        self,
+        *,
+        max_wait_s: Callable[[], float],
+        max_queue: Callable[[], int | None],
+        throughput: Throughput,
+        on_abandon: Callable[[RoutePlan], None],
+        min_queue: int = 8,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`max_wait_s()`: how long a request may wait here (half the TTFT SLO); `max_queue()`:
+        the configured bound, None to derive it; `on_abandon(plan)`: release a plan whose waiter
+        left (timed out or disconnected) in the instant it was granted."""
+        self._max_wait_s = max_wait_s
+        self._max_queue = max_queue
+        self.throughput = throughput
+        self._on_abandon = on_abandon
+        self.min_queue = min_queue
+        self._clock = clock
+        self._waiters: deque[_Waiter] = deque()
+        self.refused = 0
+        self.timed_out = 0
 
     @property
     def depth(self) -> int:
-        return self._waiting
+        return len(self._waiters)
+
+    def bound(self) -> int:
+        configured = self._max_queue()
+        if configured is not None:
+            return configured
+        return max(self.min_queue, math.ceil(self.throughput.rate() * self._max_wait_s()))
+
+    def _retry_after(self) -> int:
+        rate = self.throughput.rate()
+        if rate <= 0:
+            return max(1, math.ceil(self._max_wait_s()))
+        return min(60, max(1, math.ceil((len(self._waiters) + 1) / rate)))
+
+    async def admit(self, ctx: RequestContext, take: Callable[[RequestContext], RoutePlan | None]) -> RoutePlan:
+        """A booked plan for `ctx`; Overloaded when the queue is full or the wait too long.
+        `take(ctx)` plans and books when a worker has room, else returns None (router.planner)."""
+        if not self._waiters:
+            plan = take(ctx)
+            if plan is not None:
+                return plan
+        if len(self._waiters) >= self.bound():
+            self.refused += 1
+            raise Overloaded(
+                f"every worker is at capacity and {len(self._waiters)} requests are already waiting",
+                self._retry_after(),
+            )
+        waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), self._clock())
+        self._waiters.append(waiter)
+        wait_s = self._max_wait_s()
+        try:
+            async with asyncio.timeout(wait_s):
+                return await asyncio.shield(waiter.future)
+        except TimeoutError:
+            self._abandon(waiter)
+            self.timed_out += 1
+            raise Overloaded(f"no worker had room within {wait_s:.1f}s", self._retry_after()) from None
+        except BaseException:  # the client left
+            self._abandon(waiter)
+            raise
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        fut = waiter.future
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            self._on_abandon(fut.result())  # granted in the very instant it gave up
+        else:
+            fut.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+        self.notify()
 
     def notify(self) -> None:
-        tick, self._tick = self._tick, None
-        if tick is not None and not tick.done():
-            tick.set_result(None)
-
-    async def admit(self, is_open: Callable[[], bool], timeout_s: float) -> None:
-        """Return once `is_open()`; raise QueueFull at once if the queue is full, QueueTimeout
-        when `timeout_s` passes first."""
-        if is_open():
-            return
-        if self._waiting >= self.max_queue:
-            raise QueueFull(self._waiting, self.retry_after_s)
-        start = time.monotonic()
-        self._waiting += 1
-        try:
-            while not is_open():
-                remaining = timeout_s - (time.monotonic() - start)
-                if remaining <= 0:
-                    raise QueueTimeout(timeout_s)
-                if self._tick is None:
-                    self._tick = asyncio.get_running_loop().create_future()
-                await asyncio.wait([self._tick], timeout=min(remaining, self._poll_s))
-        finally:
-            self._waiting -= 1
+        """Capacity may have freed: grant plans to waiters in arrival order while they come."""
+        waiters = self._waiters
+        while waiters:
+            head = waiters[0]
+            if head.future.done():
+                waiters.popleft()
+                continue
+            try:
+                plan = head.take(head.ctx)
+            except Exception as exc:  # no worker at all any more: the waiter answers with it
+                waiters.popleft()
+                head.future.set_exception(exc)
+                continue
+            if plan is None:
+                return
+            waiters.popleft()
+            head.future.set_result(plan)

@@ -37,6 +37,7 @@ class RoutePlan:
     """Where a request goes and why. `decode_ranked`/`prefill_ranked` are the pools, best first
     (the first is the choice; the rest are retry candidates)."""
 
+    ctx: RequestContext
     decode: Candidate
     prefill: Candidate | None
     path: Path
@@ -44,6 +45,13 @@ class RoutePlan:
     reason: str
     decode_ranked: list[Candidate] = field(default_factory=list)
     prefill_ranked: list[Candidate] = field(default_factory=list)
+    key: str = ""  # its booking in the ledger, once booked
+
+    def as_bypass(self) -> RoutePlan:
+        """This plan with the prompt prefilled on its decode worker (a failed remote prefill)."""
+        return RoutePlan(
+            self.ctx, self.decode, None, Path.BYPASS, self.outcome, self.reason, self.decode_ranked, [], self.key
+        )
 
     def explain(self) -> dict[str, Any]:
         return {
@@ -89,7 +97,7 @@ class Disaggregator:
         ctx.prefill = p = prefill_ranked[0] if prefill_ranked else None
 
         def done(path: Path, outcome: Outcome, reason: str) -> RoutePlan:
-            return RoutePlan(d, p, path, outcome, reason, decode_ranked, prefill_ranked)
+            return RoutePlan(ctx, d, p, path, outcome, reason, decode_ranked, prefill_ranked)
 
         if d.info.role == "agg":
             return done(Path.AGG, Outcome.AGGREGATED, f"{d.worker} is an aggregated worker")

@@ -5,16 +5,21 @@ reply subject under one wildcard inbox this dispatcher subscribes once (a subscr
 would cost a SUB/UNSUB round per request). Chunks must arrive in `seq` order from 0; the leg ends
 with a `final` chunk or an `error` one.
 
-`Dispatcher.run()` drives a whole request:
+`Dispatcher.run()` drives a whole request from its first plan, which the planner has booked:
 - remote path: a prefill leg (max_tokens 1) on the prefill worker; its TransferHandle goes to the
-  decode leg in `disagg`. A prefill leg that fails, finds no responder, loses its worker or takes
-  longer than `prefill_timeout_s` falls back to the bypass path (outcome fallback_prefill_failed).
+  decode leg in `disagg`. A prefill leg that fails, finds no responder, loses its worker, goes
+  silent or takes longer than `prefill_timeout_s` falls back to the bypass path (outcome
+  fallback_prefill_failed). An engine that refuses the request (a 4xx error chunk) refuses it for
+  the decode leg too: that error goes to the client, with no needless local retry.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
-- a decode/agg leg whose worker dies (no responder, its etcd key gone, a 5xx error chunk) before
-  the first token is retried once on the next-best worker; after the first token the error goes
-  to the client.
+- a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
+  before the first token is retried once on the next-best worker (a new plan, booked by the
+  planner); after the first token the error goes to the client.
+- liveness: every leg asks for a heartbeat every `stream_heartbeat_s`; a leg silent for three of them
+  ends (its worker is reported unreachable), so a killed worker costs a stream at most 3x that.
+  A leg that finds no responder reports its worker unreachable at once.
 - leaving early (client gone, deadline) cancels the leg on its worker (`{ns}.cancel.{worker}`).
-Every booking made for an attempt is released when it ends, whichever way.
+Every attempt's booking is released when the attempt ends, whichever way.
 """
 
 from __future__ import annotations
@@ -46,11 +51,12 @@ from protocol import (
     encode_msg,
     subjects,
 )
+from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS
 from router.disagg import RoutePlan
 from router.policies import Outcome, Path
 
-__all__ = ["Booker", "Dispatcher", "Job", "LegError"]
+__all__ = ["Bookings", "Dispatcher", "Job", "LegError"]
 
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"
@@ -64,23 +70,34 @@ class LegError(Exception):
         self.worker = worker
         self.code = code
         self.kind = kind
+        self.message = message
         self.retryable = retryable
         super().__init__(f"worker {worker}: {kind}: {message}")
 
+    @property
+    def refused(self) -> bool:
+        """The engine refused the request itself (bad input, too long): no other worker would
+        take it either."""
+        return 400 <= self.code < 500 and self.code not in (408, 409, 429)
 
-class Booker(Protocol):
-    """Books an attempt's load in the load view (and shares it with the other replicas)."""
+    @property
+    def worker_silent(self) -> bool:
+        return self.kind == "worker_silent"
 
-    def book(self, request_id: str, plan: RoutePlan, job: Job) -> None: ...
-    def rebook_bypass(self, request_id: str, plan: RoutePlan, job: Job) -> None: ...  # after a fallback
-    def prefill_done(self, request_id: str) -> None: ...  # idempotent: the first call counts
-    def free(self, request_id: str) -> None: ...
+
+class Bookings(Protocol):
+    """The ledger's side the dispatcher needs (router.ledger.Ledger): plans arrive booked."""
+
+    def rebook_bypass(self, key: str, plan: RoutePlan) -> None: ...  # after a fallback
+    def prefill_done(self, key: str) -> None: ...  # idempotent: the first call counts
+    def free(self, key: str) -> None: ...
 
 
 @dataclass(slots=True)
 class Job:
     """A request being dispatched. `plan`, `path` and `outcome` follow retries and fallbacks, so
-    whoever reads them after the first chunk sees where the request really went."""
+    whoever reads them after the first chunk sees where the request really went. `replan` returns
+    a booked plan avoiding the given workers (router.planner.Planner.plan_again)."""
 
     request: GenerateRequest
     plan: RoutePlan
@@ -93,6 +110,7 @@ class Job:
     transfer: TransferHandle | None = None
     first_token_at: float | None = None
     tried: set[str] = field(default_factory=set)
+    released: bool = False  # its bookkeeping ended (router.request_path)
 
 
 class _Leg:
@@ -138,11 +156,21 @@ class _Leg:
             timer.cancel()
             self._waiter = None
 
-    async def next(self, timeout_s: float) -> ResponseChunk:
+    async def next(self, deadline_s: float, silence_s: float) -> ResponseChunk:
+        """The next chunk; LegError 504 once `deadline_s` (seconds from now) passes, 503 (the worker
+        went silent, retryable before the first token) after `silence_s` without any chunk."""
         if not self._items:
-            await self._wait(timeout_s)
+            await self._wait(min(deadline_s, silence_s))
             if not self._items:
-                raise LegError(self.worker, 504, "timeout", f"no answer within {timeout_s:.2f}s", retryable=False)
+                if deadline_s <= silence_s:
+                    raise LegError(self.worker, 504, "timeout", f"no answer within {deadline_s:.2f}s", retryable=False)
+                raise LegError(
+                    self.worker,
+                    503,
+                    "worker_silent",
+                    f"no chunk or heartbeat for {silence_s:.2f}s",
+                    retryable=not self.tokens_seen,
+                )
         item = self._items.popleft()
         if isinstance(item, LegError):
             raise item
@@ -172,16 +200,18 @@ class Dispatcher:
         self,
         nc: Client,
         ns: str,
-        booker: Booker,
+        bookings: Bookings,
         *,
-        prefill_timeout_s: float = 30.0,
+        settings: Callable[[], RouterSettings] = RouterSettings,
         on_fallback: Callable[[Job], None] = lambda job: None,
+        on_unreachable: Callable[[str, str], None] = lambda worker, why: None,
     ) -> None:
         self._nc = nc
         self._on_fallback = on_fallback
+        self._on_unreachable = on_unreachable
         self._ns = ns
-        self._booker = booker
-        self.prefill_timeout_s = prefill_timeout_s
+        self._bookings = bookings
+        self._settings = settings  # read per leg: live config changes apply to the next one
         self._prefix = ""
         self._sub: Subscription | None = None
         self._legs: dict[str, _Leg] = {}
@@ -217,6 +247,7 @@ class Dispatcher:
         if leg is None:
             return  # a leg already finished or cancelled: late chunks are expected then
         if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+            self._on_unreachable(leg.worker, "no responder on its subject")
             leg.push(LegError(leg.worker, 503, "no_responders", "nobody serves it", retryable=True))
             return
         try:
@@ -252,36 +283,36 @@ class Dispatcher:
     async def run(self, job: Job) -> AsyncGenerator[ResponseChunk, None]:
         """The decode leg's chunks, after the prefill leg (if any); retries and falls back as the
         module docstring says. Raises LegError when the request cannot be served."""
-        while True:
-            plan = job.plan
+        plan: RoutePlan | None = job.plan
+        while plan is not None:
+            job.plan = plan
             job.attempts += 1
             job.tried.add(plan.decode.worker)
             job.path, job.outcome, job.fallback, job.transfer = plan.path, plan.outcome, False, None
-            booking = f"{job.request.request_id}#{job.attempts}"
-            self._booker.book(booking, plan, job)
             try:
-                async for chunk in self._attempt(job, plan, booking):
+                async for chunk in self._attempt(job, plan):
                     yield chunk
                 return
             except LegError as exc:
+                if exc.worker_silent:
+                    self._on_unreachable(exc.worker, str(exc))
                 if job.first_token_at is not None or not exc.retryable or job.attempts > 1:
                     raise
-                nxt = job.replan(frozenset(job.tried))
-                if nxt is None:
+                plan = job.replan(frozenset(job.tried))
+                if plan is None:
                     raise
                 log.warning(
                     "request %s: %s before the first token; retrying on %s",
                     job.request.request_id,
                     exc,
-                    nxt.decode.worker,
+                    plan.decode.worker,
                     extra={"request_id": job.request.request_id},
                 )
                 self.retries += 1
-                job.plan = nxt
             finally:
-                self._booker.free(booking)
+                self._bookings.free(job.plan.key)
 
-    async def _attempt(self, job: Job, plan: RoutePlan, booking: str) -> AsyncGenerator[ResponseChunk, None]:
+    async def _attempt(self, job: Job, plan: RoutePlan) -> AsyncGenerator[ResponseChunk, None]:
         req = job.request
         annotations = [a for a in req.annotations if a != ANNOTATION_BYPASS]
         if plan.path is Path.REMOTE and plan.prefill is not None:
@@ -289,44 +320,55 @@ class Dispatcher:
             if job.transfer is None:
                 job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_PREFILL_FAILED, True
                 self.fallbacks += 1
-                self._booker.rebook_bypass(booking, plan, job)
+                self._bookings.rebook_bypass(plan.key, plan)
                 self._on_fallback(job)
             else:
-                self._booker.prefill_done(booking)
+                self._bookings.prefill_done(plan.key)
         role = "agg" if plan.decode.info.role == "agg" else "decode"
         if role == "decode" and job.transfer is None:
             annotations.append(ANNOTATION_BYPASS)
         leg_req = msgspec.structs.replace(
-            req, stream=True, annotations=annotations, disagg=job.transfer, deadline=job.deadline
+            req,
+            stream=True,
+            annotations=annotations,
+            disagg=job.transfer,
+            deadline=job.deadline,
+            heartbeat_s=self._settings().stream_heartbeat_s,
         )
+        silence = 3 * self._settings().stream_heartbeat_s
         async with await self._open(plan.decode.worker, role, leg_req) as leg:
             while True:
-                chunk = await leg.next(job.deadline - time.time())
+                chunk = await leg.next(job.deadline - time.time(), silence)
                 if chunk.token_ids and job.first_token_at is None:
                     job.first_token_at = time.monotonic()
-                    self._booker.prefill_done(booking)
+                    self._bookings.prefill_done(plan.key)
+                if not chunk.token_ids and not chunk.final:
+                    continue  # a heartbeat
                 yield chunk
                 if chunk.final:
                     return
 
     async def _prefill(self, job: Job, plan: RoutePlan) -> TransferHandle | None:
-        """The prefill leg's transfer handle, or None when the bypass must take over."""
+        """The prefill leg's transfer handle, or None when the bypass must take over. An engine's
+        refusal (4xx) is raised: the decode worker's engine would refuse the same prompt."""
         assert plan.prefill is not None
         worker = plan.prefill.worker
         req = job.request
+        settings = self._settings()
         leg_req = msgspec.structs.replace(
             req,
             sampling=msgspec.structs.replace(req.sampling, max_tokens=1),
             stream=False,
             annotations=[a for a in req.annotations if a != ANNOTATION_BYPASS],
             disagg=None,
-            deadline=min(job.deadline, time.time() + self.prefill_timeout_s),
+            deadline=min(job.deadline, time.time() + settings.prefill_timeout_s),
+            heartbeat_s=settings.stream_heartbeat_s,
         )
-        timeout = min(self.prefill_timeout_s, job.deadline - time.time())
+        until = time.time() + min(settings.prefill_timeout_s, job.deadline - time.time())
         try:
             async with await self._open(worker, "prefill", leg_req) as leg:
                 while True:
-                    chunk = await leg.next(timeout)
+                    chunk = await leg.next(until - time.time(), 3 * settings.stream_heartbeat_s)
                     if chunk.final:
                         if chunk.transfer is None:
                             raise LegError(
@@ -334,6 +376,10 @@ class Dispatcher:
                             )
                         return chunk.transfer
         except LegError as exc:
+            if exc.refused:
+                raise
+            if exc.worker_silent:
+                self._on_unreachable(worker, str(exc))
             log.warning(
                 "request %s: remote prefill failed (%s); falling back to local prefill on %s",
                 req.request_id,

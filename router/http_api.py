@@ -15,22 +15,23 @@ leaving the dispatch stream cancels the leg).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from protocol import ResponseChunk, SamplingParams
+from router.admission import Overloaded
 from router.dispatch import Job, LegError
 from router.metrics import CONTENT_TYPE
-from router.tokenization import IncrementalDetokenizer, TokenizerError
-
-if TYPE_CHECKING:
-    from router.service import RouterService
+from router.planner import PlanError
+from router.request_path import RequestPath, Unknown
+from router.tokenization import IncrementalDetokenizer, PromptTokenizer, TokenizerError
 
 __all__ = ["ApiError", "ParsedRequest", "make_app", "parse_request"]
 
@@ -40,6 +41,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     429: "RateLimitError",
+    499: "ClientClosedRequest",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "TimeoutError",
@@ -247,29 +249,54 @@ def _route_headers(job: Job, request_id: str) -> dict[str, str]:
 
 
 def _leg_error(exc: LegError) -> ApiError:
-    code = exc.code if exc.code in (400, 404, 429, 503, 504) else 502
-    return ApiError(code, str(exc))
+    """The client's view of a failed leg: the engine's own words for a request it refused, a
+    generic one for the rest (worker ids and internal errors stay in the router's log)."""
+    if exc.refused:
+        return ApiError(exc.code, exc.message)
+    code = exc.code if exc.code in (503, 504) else 502
+    what = {503: "no worker could serve the request", 504: "the request's deadline passed"}
+    return ApiError(code, what.get(code, "the worker failed while serving the request"))
+
+
+def _is_text(parsed: ParsedRequest) -> bool:
+    """The prompt needs the router's tokenizer (chat always; completions unless token ids)."""
+    return parsed.chat or not isinstance(parsed.prompt, list)
+
+
+CLIENT_CLOSED = 499  # nginx's code for a client that left before the answer: counted, never sent
 
 
 class _Handlers:
-    def __init__(self, service: RouterService) -> None:
-        self.svc = service
+    def __init__(
+        self,
+        path: RequestPath,
+        tokenizer: PromptTokenizer,
+        *,
+        health: Callable[[], dict[str, Any]],
+        readiness: Callable[[], tuple[bool, dict[str, Any]]],
+        started_at: float,
+    ) -> None:
+        self.path = path
+        self.tokenizer = tokenizer
+        self._health = health
+        self._readiness = readiness
+        self.started_at = started_at
 
     async def health(self, request: web.Request) -> web.Response:
-        return _json_response({"status": self.svc.status.value})
+        return _json_response(self._health())
 
     async def ready(self, request: web.Request) -> web.Response:
-        ready = self.svc.ready
-        return _json_response({"ready": ready, **self.svc.readiness()}, status=200 if ready else 503)
+        ready, body = self._readiness()
+        return _json_response({"ready": ready, **body}, status=200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.svc.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=self.path.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
-        created = int(self.svc.started_at)
+        created = int(self.started_at)
         data = [
             {"id": m, "object": "model", "created": created, "owned_by": "kvswitch", "root": m, "parent": None}
-            for m in self.svc.models()
+            for m in self.path.models()
         ]
         return _json_response({"object": "list", "data": data})
 
@@ -284,19 +311,25 @@ class _Handlers:
             body = await _json_body(request)
             parsed = parse_request(body, chat=isinstance(body, dict) and "messages" in body)
             model, tokens = self._tokens(parsed)
-            return _json_response(self.svc.explain(model, tokens))
+            try:
+                return _json_response(self.path.explain(model, tokens, text=_is_text(parsed)))
+            except PlanError as exc:
+                raise ApiError(exc.code, exc.message) from exc
         except ApiError as exc:
             return exc.response()
 
     def _tokens(self, parsed: ParsedRequest) -> tuple[str, list[int]]:
-        model = self.svc.resolve_model(parsed.model)
+        try:
+            model = self.path.resolve_model(parsed.model)
+        except Unknown as exc:
+            raise ApiError(exc.code, str(exc), "model") from exc
         try:
             if parsed.chat:
                 assert parsed.messages is not None
-                return model, self.svc.tokenizer.encode_chat(parsed.messages)
+                return model, self.tokenizer.encode_chat(parsed.messages)
             assert parsed.prompt is not None
             prompt = parsed.prompt
-            return model, prompt if isinstance(prompt, list) else self.svc.tokenizer.encode(prompt)
+            return model, prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages" if parsed.chat else "prompt") from exc
 
@@ -308,49 +341,47 @@ class _Handlers:
             parsed = parse_request(body, chat=chat)
             model, tokens = self._tokens(parsed)
             request_id = uuid.uuid4().hex
-            with self.svc.tracer.request(
+            with self.path.tracer.request(
                 f"POST /v1/{'chat/' if chat else ''}completions", request.headers, **{"kvswitch.model": model}
             ) as span:
-                job = await self.svc.prepare(request_id, model, tokens, parsed.sampling, parsed.annotations, span)
-                fmt = _Formatter(parsed, model, request_id)
-                if parsed.stream:
-                    resp = await self._stream(request, job, fmt, parsed, len(tokens))
-                else:
-                    resp = await self._whole(job, fmt, len(tokens))
+                try:
+                    job = await self.path.open(
+                        request_id, model, tokens, parsed.sampling, parsed.annotations, span, text=_is_text(parsed)
+                    )
+                except PlanError as exc:
+                    raise ApiError(exc.code, exc.message) from exc
+                except Overloaded as exc:
+                    raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
+                try:
+                    fmt = _Formatter(parsed, model, request_id)
+                    if parsed.stream:
+                        resp = await self._stream(request, job, fmt, parsed, len(tokens))
+                    else:
+                        resp = await self._whole(job, fmt, len(tokens))
+                finally:
+                    self.path.release(job)  # a no-op once its stream ended
                 status = resp.status
                 return resp
         except ApiError as exc:
             status = exc.code
             return exc.response()
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
         finally:
-            self.svc.metrics.count_request(endpoint, status)
-
-    async def _chunks(self, job: Job) -> AsyncGenerator[ResponseChunk, None]:
-        metrics = self.svc.metrics
-        start = time.monotonic()
-        last: float | None = None
-        async for chunk in self.svc.dispatcher.run(job):
-            if chunk.token_ids:
-                now = time.monotonic()
-                if last is None:
-                    metrics.observe_ttft(job.path, now - start)
-                else:
-                    metrics.observe_itl((now - last) / len(chunk.token_ids), len(chunk.token_ids))
-                last = now
-            yield chunk
+            self.path.metrics.count_request(endpoint, status)
 
     async def _whole(self, job: Job, fmt: _Formatter, isl: int) -> web.Response:
-        detok = IncrementalDetokenizer(self.svc.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer)
         parts: list[str] = []
         final: ResponseChunk | None = None
         n = 0
         try:
-            async with self.svc.serving(job):
-                async for chunk in self._chunks(job):
-                    n += len(chunk.token_ids)
-                    parts.append(detok.push(chunk.token_ids, final=chunk.final))
-                    if chunk.final:
-                        final = chunk
+            async for chunk in self.path.stream(job):
+                n += len(chunk.token_ids)
+                parts.append(detok.push(chunk.token_ids, final=chunk.final))
+                if chunk.final:
+                    final = chunk
         except LegError as exc:
             raise _leg_error(exc) from exc
         finish = final.finish_reason if final is not None else None
@@ -360,50 +391,60 @@ class _Handlers:
     async def _stream(
         self, request: web.Request, job: Job, fmt: _Formatter, parsed: ParsedRequest, isl: int
     ) -> web.StreamResponse:
-        detok = IncrementalDetokenizer(self.svc.tokenizer)
-        async with self.svc.serving(job):
-            chunks = self._chunks(job)
-            try:
-                first = await anext(chunks)
-            except LegError as exc:
-                raise _leg_error(exc) from exc
-            except StopAsyncIteration:
-                raise ApiError(502, "the worker ended the stream without a chunk") from None
-            headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_route_headers(job, fmt.id)}
-            resp = web.StreamResponse(status=200, headers=headers)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        chunks = self.path.stream(job)
+        try:
+            first = await anext(chunks)
+        except LegError as exc:
+            raise _leg_error(exc) from exc
+        except StopAsyncIteration:
+            raise ApiError(502, "the worker ended the stream without a chunk") from None
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_route_headers(job, fmt.id)}
+        resp = web.StreamResponse(status=200, headers=headers)
+        try:
             await resp.prepare(request)
-            n, final = 0, None
-            chunk: ResponseChunk | None = first
-            # The events one worker chunk produces go out in one write (one send, one drain).
-            out: list[bytes] = [_sse(fmt.delta("", None, first=True))] if fmt.chat else []  # vLLM opens with the role
-            try:
-                while chunk is not None:
-                    n += len(chunk.token_ids)
-                    text = detok.push(chunk.token_ids, final=chunk.final)
-                    finish = chunk.finish_reason if chunk.final else None
-                    if chunk.final:
-                        final = chunk
-                    if text or finish is not None:
-                        out.append(_sse(fmt.delta(text, finish)))
-                    if chunk.final:
-                        break
-                    if out:
-                        await resp.write(b"".join(out))
-                        out.clear()
-                    chunk = await anext(chunks, None)
-                if parsed.include_usage:
-                    out.append(_sse(fmt.usage_chunk(_usage(isl, n, final))))
-            except LegError as exc:
-                out.append(_sse(_leg_error(exc).body()))
-            finally:
-                await chunks.aclose()
-            out.append(_SSE_DONE)
-            await resp.write_eof(b"".join(out))
-            return resp
+        except BaseException:
+            await chunks.aclose()
+            raise
+        n, final = 0, None
+        chunk: ResponseChunk | None = first
+        # The events one worker chunk produces go out in one write (one send, one drain).
+        out: list[bytes] = [_sse(fmt.delta("", None, first=True))] if fmt.chat else []  # vLLM opens with the role
+        try:
+            while chunk is not None:
+                n += len(chunk.token_ids)
+                text = detok.push(chunk.token_ids, final=chunk.final)
+                finish = chunk.finish_reason if chunk.final else None
+                if chunk.final:
+                    final = chunk
+                if text or finish is not None:
+                    out.append(_sse(fmt.delta(text, finish)))
+                if chunk.final:
+                    break
+                if out:
+                    await resp.write(b"".join(out))
+                    out.clear()
+                chunk = await anext(chunks, None)
+            if parsed.include_usage:
+                out.append(_sse(fmt.usage_chunk(_usage(isl, n, final))))
+        except LegError as exc:
+            out.append(_sse(_leg_error(exc).body()))
+        finally:
+            await chunks.aclose()
+        out.append(_SSE_DONE)
+        await resp.write_eof(b"".join(out))
+        return resp
 
 
-def make_app(service: RouterService) -> web.Application:
-    h = _Handlers(service)
+def make_app(
+    path: RequestPath,
+    tokenizer: PromptTokenizer,
+    *,
+    health: Callable[[], dict[str, Any]],
+    readiness: Callable[[], tuple[bool, dict[str, Any]]],
+    started_at: float,
+) -> web.Application:
+    h = _Handlers(path, tokenizer, health=health, readiness=readiness, started_at=started_at)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)

@@ -41,5 +41,8 @@ class IngestStats:
     dropped_unknown: int = 0  # batches of a worker that never registered (or already left)
     unknown_held: int = 0  # batches waiting for their worker to register
     dropped_overflow: int = 0  # buffered batches dropped because a buffer was full
+    dropped_impossible: int = 0  # held batches a repair reply showed the shim never sent
+    digest_mismatches: int = 0  # load-report digests that disagreed with the index at the same seq
+    digest_lags: int = 0  # load-report digests that stayed ahead of the index: lost last batches
     last_lag_s: float = 0.0  # receive time - batch.ts of the last live batch applied
     workers: dict[str, WorkerSync] = field(default_factory=dict)

@@ -4,23 +4,25 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
 
 - The index holds a worker's state as of (epoch, last_seq). A live batch with seq == last_seq + 1
   of that epoch is applied; seq <= last_seq is a duplicate and dropped; seq > last_seq + 1 opens a
-  gap: live batches are held back and the missing ones are asked for on {ns}.kvstate.{worker}
-  (`KvStateRequest{since_seq=last_seq, epoch}`). Another epoch means the shim restarted its
-  numbering: that is repaired with a full dump.
-- A reply carries either the missed batches (applied in order) or a full dump: the union of its
-  chunks' hashes replaces the worker's entries and (epoch, last_seq) := (chunk.epoch, chunk.seq).
-  Held-back batches after last_seq are then applied; if a gap remains, the repair repeats.
-- A worker is bootstrapped (a full dump) when the registry adds it; until then, and while it
-  repairs, its existing entries keep serving and every other worker routes as usual.
+  gap: live batches are held back and a repair starts (router.gap_repair). Another epoch is
+  repaired with a full dump.
+- The worker is the authority on its own state. A repair reply says where the shim stands,
+  (epoch, seq), and carries the missed batches or a full dump; once it is applied, every held
+  batch that arrived before the request went out and contradicts it (another epoch, or a seq
+  beyond the shim's own) is impossible: forged, or from a shim that no longer exists. It is
+  dropped, counted and logged as an ERROR naming the worker, so one forged batch costs one repair,
+  never a repair loop. Held batches after the reply's seq are then applied in order; if a gap
+  remains, the repair goes on.
+- A worker is bootstrapped (a full dump) when the registry adds it. While it bootstraps or repairs,
+  only it is out of routing (router.eligibility); every other worker routes as usual.
+- The digest check: each load report carries the shim's (kv_epoch, kv_seq, kv_blocks, kv_xor). At
+  the same (epoch, seq) the index's digest of that worker must match; a report ahead of the index
+  that stays ahead for `behind_grace_s` means the last batches were lost. Either starts a repair.
 - Batches may race ahead of the etcd watch: a batch of a worker not (yet) added waits up to
-  `unknown_ttl_s` for `add_worker`; a worker that never registers (or already left) has them
-  dropped and counted. Workers are only ever added by the registry, never by a batch, so a
-  worker whose key is gone cannot be resurrected by its last events in flight.
-- A kvstate request that gets no answer (the shim is gone or slow) is retried with backoff while
-  the worker stays registered.
+  `unknown_ttl_s` for `add_worker`; at most `unknown_limit` such batches are held in all (invented
+  worker ids cannot grow a router's memory). Workers are only ever added by the registry, never by
+  a batch, so a worker whose key is gone cannot be resurrected by its last events in flight.
 - Malformed payloads are counted, logged once per worker and dropped; they never reach the index.
-
-One task per repairing worker; the NATS subscription callback never awaits anything but itself.
 """
 
 from __future__ import annotations
@@ -30,25 +32,33 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import nats.errors
-import nats.js.api
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from protocol import subjects
 from protocol.errors import ProtocolError
-from protocol.messages import KvEventBatch, KvStateChunk, KvStateRequest, decode_msg, encode_msg
+from protocol.messages import (
+    Cleared,
+    KvEvent,
+    KvEventBatch,
+    KvStateChunk,
+    KvStateRequest,
+    LoadReport,
+    Stored,
+    decode_msg,
+)
 from router.block_index import BlockIndex
+from router.gap_repair import FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
 
 __all__ = ["KvIngest"]
 
 log = logging.getLogger(__name__)
-_NO_RESPONDERS = "503"  # the status header of the empty reply NATS sends when nobody subscribes
 
 
 @dataclass(eq=False)
@@ -56,15 +66,19 @@ class _Worker:
     name: str
     sync: WorkerSync
     registered_epoch: int
-    held: list[KvEventBatch] = field(default_factory=list)  # live batches awaiting a repair, arrival order
+    held: list[tuple[int, KvEventBatch]] = field(default_factory=list)  # (arrival no., batch), awaiting a repair
     want_dump: bool = True
-    repair: asyncio.Task[None] | None = None
+    why: str = "waiting for the shim's first full state"
+    asked_at: int = 0  # arrival no. of the last batch received before the current request went out
+    behind: tuple[int, float] | None = None  # (seq a digest showed, since when) while the index lags it
 
 
 class KvIngest:
     """Keeps `index` equal to what every registered worker's shim holds.
 
-    Owns its subscription and repair tasks, not the NATS connection. `stop()` is idempotent.
+    Owns its subscription and the repair loops (router.gap_repair), not the NATS connection.
+    `stop()` is idempotent. `on_events(worker, events)` sees every applied event (the pending
+    prefixes confirm against it).
     """
 
     def __init__(
@@ -76,22 +90,29 @@ class KvIngest:
         request_timeout_s: float = 2.0,
         retry_max_s: float = 2.0,
         unknown_ttl_s: float = 5.0,
+        unknown_limit: int = 10_000,
         held_limit: int = 10_000,
+        behind_grace_s: float = 1.0,
+        on_events: Callable[[str, list[KvEvent]], None] = lambda worker, events: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nc = nc
         self._ns = subjects.validate_namespace(ns)
         self.index = index
         self.stats = IngestStats()
         self.status = PartStatus.NEW
-        self._request_timeout_s = request_timeout_s
-        self._retry_max_s = retry_max_s
+        self.repairs = GapRepair(nc, self._ns, self, request_timeout_s=request_timeout_s, retry_max_s=retry_max_s)
         self._unknown_ttl_s = unknown_ttl_s
+        self._unknown_limit = unknown_limit
         self._held_limit = held_limit
+        self._behind_grace_s = behind_grace_s
+        self._on_events = on_events
+        self._clock = clock
         self._workers: dict[str, _Worker] = {}
         self._unknown: dict[str, deque[tuple[float, KvEventBatch]]] = {}
         self._malformed_logged: set[str] = set()
+        self._arrivals = 0
         self._sub: Subscription | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._synced = asyncio.Event()
         self._synced.set()
 
@@ -103,7 +124,7 @@ class KvIngest:
         self._sub = await self._nc.subscribe(subjects.kv_all(self._ns), cb=self._on_msg)
         self.status = PartStatus.RUNNING
         for worker in self._workers.values():
-            self._start_repair(worker)
+            self.repairs.ensure(worker.name)
 
     async def stop(self) -> None:
         if self.status is PartStatus.STOPPED:
@@ -113,10 +134,7 @@ class KvIngest:
         if sub is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):  # the connection may be draining or closed under us
                 await sub.unsubscribe()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.repairs.stop()
 
     # --- the worker set (driven by the registry) -------------------------------------------------
 
@@ -128,34 +146,46 @@ class KvIngest:
                 known.registered_epoch = epoch
                 if known.sync.epoch != epoch and known.sync.state is SyncState.SYNCED:
                     self.stats.epoch_changes += 1
-                    self._open_repair(known, dump=True)
+                    self._open_repair(known, dump=True, why=f"its record names a new epoch {epoch:x}")
             return
         sync = WorkerSync()
         state = _Worker(name=worker, sync=sync, registered_epoch=epoch)
         self._workers[worker] = state
         self.stats.workers[worker] = sync
         for _, batch in self._unknown.pop(worker, ()):
-            state.held.append(batch)
-        self.stats.unknown_held -= len(state.held)
-        sync.buffered = len(state.held)
+            self._hold(state, batch)
+            self.stats.unknown_held -= 1
         self._synced.clear()
         if self.status is PartStatus.RUNNING:
-            self._start_repair(state)
+            self.repairs.ensure(worker)
 
     def remove_worker(self, worker: str) -> None:
         """`worker` left: its entries go at once and its repair, if any, stops."""
-        state = self._workers.pop(worker, None)
+        self._workers.pop(worker, None)
         self.stats.unknown_held -= len(self._unknown.pop(worker, ()))
         self.stats.workers.pop(worker, None)
         self.index.clear(worker)
-        if state is not None and state.repair is not None:
-            state.repair.cancel()
+        self._on_events(worker, [Cleared()])
+        self.repairs.cancel(worker)
         self._refresh_synced()
+
+    # --- readiness -------------------------------------------------------------------------------
 
     @property
     def synced(self) -> bool:
         """Every added worker bootstrapped, with no gap open."""
         return all(w.sync.state is SyncState.SYNCED for w in self._workers.values())
+
+    def sync_state(self, worker: str) -> tuple[str, str] | None:
+        """None when the index is synced with `worker`, else (state, why)."""
+        state = self._workers.get(worker)
+        if state is None:
+            return ("bootstrapping", "not yet known to the KV ingest")
+        if state.sync.state is SyncState.SYNCED:
+            return None
+        failures = self.repairs.failures(worker)
+        why = state.why + (f"; {failures} failed kvstate requests in a row" if failures else "")
+        return (state.sync.state.value, why)
 
     async def wait_synced(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -188,7 +218,7 @@ class KvIngest:
                 raise ProtocolError("KvEventBatch", f"names worker {batch.worker!r} on {subject_worker!r}'s subject")
         except ProtocolError as exc:
             self.stats.malformed += 1
-            if subject_worker not in self._malformed_logged:
+            if subject_worker not in self._malformed_logged and len(self._malformed_logged) < 1024:
                 self._malformed_logged.add(subject_worker)
                 log.warning(
                     "dropping malformed KV events from worker %s (logged once per worker): %s", subject_worker, exc
@@ -204,20 +234,21 @@ class KvIngest:
         elif batch.epoch != sync.epoch:
             self.stats.epoch_changes += 1
             self._hold(state, batch)
-            self._open_repair(state, dump=True)
+            self._open_repair(state, dump=True, why=f"a batch of unknown epoch {batch.epoch:x}")
         elif batch.seq <= sync.last_seq:
             self.stats.duplicates += 1
         elif batch.seq > sync.last_seq + 1:
             self.stats.gaps += 1
             self._hold(state, batch)
-            self._open_repair(state, dump=False)
+            self._open_repair(state, dump=False, why=f"gap: seq {batch.seq} after {sync.last_seq}")
         else:
-            self._apply(batch, sync)
+            self._apply(batch, state)
             self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
 
-    def _apply(self, batch: KvEventBatch, sync: WorkerSync) -> None:
+    def _apply(self, batch: KvEventBatch, state: _Worker) -> None:
         self.index.apply(batch.worker, batch.events)
-        sync.last_seq = batch.seq
+        self._on_events(batch.worker, batch.events)
+        state.sync.last_seq = batch.seq
         self.stats.batches_applied += 1
         self.stats.events_applied += len(batch.events)
 
@@ -227,19 +258,19 @@ class KvIngest:
             self.stats.dropped_overflow += len(state.held)
             state.held.clear()
             state.want_dump = True
-        state.held.append(batch)
+        self._arrivals += 1
+        state.held.append((self._arrivals, batch))
         state.sync.buffered = len(state.held)
 
     def _hold_unknown(self, batch: KvEventBatch) -> None:
         now = time.monotonic()
         self._expire_unknown(now)
+        if self.stats.unknown_held >= self._unknown_limit:
+            self.stats.dropped_unknown += 1
+            return
         queue = self._unknown.get(batch.worker)
         if queue is None:
             queue = self._unknown[batch.worker] = deque()
-        elif len(queue) >= self._held_limit:
-            queue.popleft()
-            self.stats.dropped_unknown += 1
-            self.stats.unknown_held -= 1
         queue.append((now, batch))
         self.stats.unknown_held += 1
 
@@ -253,126 +284,152 @@ class KvIngest:
             if not queue:
                 del self._unknown[worker]
 
-    # --- repair ------------------------------------------------------------------------------------
+    # --- digest check ------------------------------------------------------------------------------
 
-    def _open_repair(self, state: _Worker, *, dump: bool) -> None:
-        state.sync.state = SyncState.REPAIRING
+    def check_digest(self, report: LoadReport) -> None:
+        """Compare a load report's KV digest with the index (see the module docstring)."""
+        state = self._workers.get(report.worker)
+        if state is None or not report.kv_epoch or state.sync.state is not SyncState.SYNCED:
+            return
+        sync = state.sync
+        if report.kv_epoch != sync.epoch or report.kv_seq > sync.last_seq:
+            now = self._clock()
+            if state.behind is None or state.behind[0] != report.kv_seq:
+                state.behind = (report.kv_seq, state.behind[1] if state.behind is not None else now)
+            if now - state.behind[1] >= self._behind_grace_s:
+                self.stats.digest_lags += 1
+                why = f"its shim is at epoch {report.kv_epoch:x} seq {report.kv_seq}, the index at seq {sync.last_seq}"
+                self._open_repair(state, dump=report.kv_epoch != sync.epoch, why=f"lost batches: {why}")
+            return
+        state.behind = None
+        if report.kv_seq < sync.last_seq:
+            return  # the report is older than what the index holds
+        count, xor = self.index.digest(report.worker)
+        if (count, xor) != (report.kv_blocks, report.kv_xor):
+            self.stats.digest_mismatches += 1
+            log.warning(
+                "KV digest of worker %s disagrees at seq %d: index %d blocks xor %x, shim %d xor %x; resyncing",
+                report.worker,
+                sync.last_seq,
+                count,
+                xor,
+                report.kv_blocks,
+                report.kv_xor,
+            )
+            self._open_repair(state, dump=True, why="its KV digest disagrees with the index")
+
+    # --- repair (router.gap_repair drives these) --------------------------------------------------
+
+    def _open_repair(self, state: _Worker, *, dump: bool, why: str) -> None:
+        if state.sync.state is SyncState.SYNCED:
+            state.sync.state = SyncState.REPAIRING
+            state.why = why
         state.want_dump = state.want_dump or dump
+        state.behind = None
         self._synced.clear()
         if self.status is PartStatus.RUNNING:
-            self._start_repair(state)
+            self.repairs.ensure(state.name)
 
-    def _start_repair(self, state: _Worker) -> None:
-        if state.repair is not None and not state.repair.done():
+    def needs_repair(self, worker: str) -> bool:
+        state = self._workers.get(worker)
+        return state is not None and state.sync.state is not SyncState.SYNCED and self.status is PartStatus.RUNNING
+
+    def repair_request(self, worker: str) -> KvStateRequest:
+        state = self._workers[worker]
+        state.asked_at = self._arrivals
+        if state.want_dump:
+            return KvStateRequest(since_seq=0, epoch=None)
+        return KvStateRequest(since_seq=state.sync.last_seq, epoch=state.sync.epoch)
+
+    def repair_failed(self, worker: str, failure: FetchFailure) -> None:
+        state = self._workers.get(worker)
+        if state is None:
             return
-        task = asyncio.create_task(self._repair(state.name, state), name=f"kv-repair-{state.name}")
-        state.repair = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _repair(self, worker: str, state: _Worker) -> None:
-        delay = 0.05
-        while self._workers.get(worker) is state:
-            before = (state.sync.epoch, state.sync.last_seq)
-            dump = state.want_dump
-            request = KvStateRequest(
-                since_seq=0 if dump else state.sync.last_seq, epoch=None if dump else state.sync.epoch
-            )
-            chunks = await self._request_state(worker, request)
-            if self._workers.get(worker) is not state:
-                return  # removed while we waited
-            if chunks is not None:
-                self._apply_state(worker, state, chunks)
-                if self._drain_held(state):
-                    state.sync.state = SyncState.SYNCED
-                    state.sync.repairs += 1
-                    self._refresh_synced()
-                    return
-                if (state.sync.epoch, state.sync.last_seq) != before:
-                    delay = 0.05
-                    continue  # progress: ask again at once for what is still missing
-                state.want_dump = True  # the shim's replay did not move us on: take its full state
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._retry_max_s)
-
-    async def _request_state(self, worker: str, request: KvStateRequest) -> list[KvStateChunk] | None:
-        """Every chunk of one kvstate reply, or None (counted, logged) if it did not complete."""
-        inbox = self._nc.new_inbox()
-        chunks: list[KvStateChunk] = []
-        sub: Subscription | None = None
-        try:
-            sub = await self._nc.subscribe(inbox)
-            await self._nc.publish(subjects.kvstate(self._ns, worker), encode_msg(request), reply=inbox)
-            while True:
-                msg = await sub.next_msg(timeout=self._request_timeout_s)
-                if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
-                    # The shim registered but has not subscribed yet (it starts up): not a bad reply.
-                    self.stats.repair_timeouts += 1
-                    log.info("kvstate of worker %s: nobody answers yet; retrying", worker)
-                    return None
-                chunk = decode_msg(msg.data, KvStateChunk)
-                if chunk.chunk != len(chunks) or (chunks and chunk.epoch != chunks[0].epoch):
-                    raise ProtocolError("KvStateChunk", f"chunk {chunk.chunk} out of order after {len(chunks)}")
-                chunks.append(chunk)
-                if chunk.final:
-                    return chunks
-        except TimeoutError:  # nats.errors.TimeoutError is one
-            self.stats.repair_timeouts += 1
-            log.info("kvstate of worker %s: no complete answer within %.1fs; retrying", worker, self._request_timeout_s)
-        except ProtocolError as exc:
+        if failure.malformed:
             self.stats.malformed += 1
-            log.warning("kvstate of worker %s: bad reply (%s); retrying", worker, exc)
-        except nats.errors.Error as exc:  # reconnecting, draining: try again later
+            state.want_dump = True  # never the same since_seq again
+        else:
             self.stats.repair_timeouts += 1
-            log.warning("kvstate of worker %s: NATS error (%s); retrying", worker, exc)
-        finally:
-            if sub is not None:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-        return None
 
-    def _apply_state(self, worker: str, state: _Worker, chunks: list[KvStateChunk]) -> None:
-        sync = state.sync
-        first = chunks[0]
+    def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None:
+        state = self._workers.get(worker)
+        if state is None:
+            return
+        sync, first = state.sync, chunks[0]
         if first.dump:
             hashes: set[int] = set()
             for chunk in chunks:
                 hashes.update(chunk.hashes)
             self.index.clear(worker)
             self.index.store(worker, hashes)
+            self._on_events(worker, [Cleared(), Stored(hashes=list(hashes))])
             sync.epoch, sync.last_seq = first.epoch, first.seq
             state.want_dump = False
             self.stats.repairs_dumps += 1
+        elif first.epoch != sync.epoch:
+            state.want_dump = True  # asked for batches of an epoch the shim no longer has
             return
-        self.stats.repairs_batches += 1
-        for chunk in chunks:
-            for batch in chunk.batches:
-                if batch.epoch != sync.epoch or batch.seq != sync.last_seq + 1:
-                    continue  # not the next one: _drain_held sees the gap and the repair goes on
-                self._apply(batch, sync)
+        else:
+            self.stats.repairs_batches += 1
+            for chunk in chunks:
+                for batch in chunk.batches:
+                    if batch.epoch == sync.epoch and batch.seq == sync.last_seq + 1:
+                        self._apply(batch, state)
+            if sync.last_seq < first.seq:
+                state.want_dump = True  # the replay did not reach the shim's own seq: take its full state
+        self._drop_contradicted(state, first.epoch, first.seq)
+        if self._drain_held(state):
+            if sync.state is not SyncState.SYNCED:
+                sync.repairs += 1
+            sync.state = SyncState.SYNCED
+            state.why = ""
+            self._refresh_synced()
+
+    def _drop_contradicted(self, state: _Worker, epoch: int, seq: int) -> None:
+        """Held batches that arrived before the request and contradict the shim's answer."""
+        kept: list[tuple[int, KvEventBatch]] = []
+        impossible: list[KvEventBatch] = []
+        for arrival, batch in state.held:
+            if arrival <= state.asked_at and (batch.epoch != epoch or batch.seq > seq):
+                impossible.append(batch)
+            else:
+                kept.append((arrival, batch))
+        if impossible:
+            state.held = kept
+            state.sync.buffered = len(kept)
+            self.stats.dropped_impossible += len(impossible)
+            shown = ", ".join(f"epoch {b.epoch:x} seq {b.seq}" for b in impossible[:3])
+            log.error(
+                "worker %s: dropped %d KV batches its shim never sent (it is at epoch %x seq %d; dropped: %s): "
+                "forged, or from a process that no longer holds this worker id",
+                state.name,
+                len(impossible),
+                epoch,
+                seq,
+                shown,
+            )
 
     def _drain_held(self, state: _Worker) -> bool:
-        """Apply held-back batches that follow last_seq. True when none is left waiting on a gap."""
+        """Apply held batches that follow last_seq. True when none is left waiting on a gap."""
         sync = state.sync
         held, state.held = state.held, []
-        if held and held[-1].epoch != sync.epoch:
-            # The latest batch is of another epoch than the state we hold: the shim restarted its
-            # numbering meanwhile. Keep that epoch's batches and take a fresh dump.
-            state.held = [b for b in held if b.epoch == held[-1].epoch]
-            self.stats.dropped_stale += len(held) - len(state.held)
-            sync.buffered = len(state.held)
-            state.want_dump = True
-            return False
-        current = sorted((b for b in held if b.epoch == sync.epoch), key=lambda b: b.seq)
-        self.stats.dropped_stale += len(held) - len(current)
-        for i, batch in enumerate(current):
+        current = sorted((hb for hb in held if hb[1].epoch == sync.epoch), key=lambda hb: hb[1].seq)
+        later = [hb for hb in held if hb[1].epoch != sync.epoch]  # arrived after the request: a newer epoch
+        for i, (_, batch) in enumerate(current):
             if batch.seq <= sync.last_seq:
                 self.stats.duplicates += 1
             elif batch.seq == sync.last_seq + 1:
-                self._apply(batch, sync)
+                self._apply(batch, state)
             else:
-                state.held = current[i:]
+                state.held = current[i:] + later
                 sync.buffered = len(state.held)
+                state.why = f"gap: seq {batch.seq} after {sync.last_seq}"
                 return False
+        if later:
+            state.held = later
+            sync.buffered = len(later)
+            state.want_dump = True
+            state.why = f"a batch of a newer epoch {later[-1][1].epoch:x}"
+            return False
         sync.buffered = 0
         return True

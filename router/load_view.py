@@ -36,9 +36,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from protocol.messages import LoadReport
 
-__all__ = ["LoadView", "WorkerLoad"]
+__all__ = ["MAX_CLOCK_SKEW_S", "Liveness", "LoadView", "WorkerLoad"]
+
+MAX_CLOCK_SKEW_S = 1.0
+"""A report stamped further ahead of this router's clock is taken as stamped now (plus this): one
+bad clock or a forged stamp must not hide every later report from that worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,18 @@ class WorkerLoad:
     active_blocks: int  # kv_used_blocks + booked decode blocks no report covers yet
     report_age_s: float | None  # None: no report yet
     healthy: bool = True
+    period_s: float = 1.0  # the shim reports at least this often
+    events_ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """What a worker's latest load report says about it being alive and trusted."""
+
+    age_s: float  # since it arrived here
+    period_s: float
+    events_ok: bool
+    healthy: bool
 
 
 @dataclass(eq=False, slots=True)
@@ -173,9 +191,21 @@ class LoadView:
 
     def update(self, report: LoadReport) -> None:
         """The latest report of `report.worker`; an older one than held (reordered) is ignored."""
+        now = self._clock()
+        if not report.ts <= now + MAX_CLOCK_SKEW_S:  # also NaN
+            report = msgspec.structs.replace(report, ts=now + MAX_CLOCK_SKEW_S)
         held = self._reports.get(report.worker)
         if held is None or report.ts >= held.report.ts:
-            self._reports[report.worker] = _Report(report, self._clock())
+            self._reports[report.worker] = _Report(report, now)
+
+    def liveness(self, worker: str) -> Liveness | None:
+        """None before the worker's first report."""
+        held = self._reports.get(worker)
+        if held is None:
+            return None
+        r = held.report
+        period = min(max(r.period_s, 0.05), 60.0) if r.period_s == r.period_s else 1.0  # NaN: the default
+        return Liveness(max(0.0, self._clock() - held.received_at), period, r.events_ok, r.healthy)
 
     def remove_worker(self, worker: str) -> None:
         """`worker` left: its report and every booking on it go."""
@@ -282,6 +312,8 @@ class LoadView:
             active_blocks=r.kv_used_blocks + blocks,
             report_age_s=max(0.0, self._clock() - held.received_at),
             healthy=r.healthy,
+            period_s=r.period_s,
+            events_ok=r.events_ok,
         )
 
     def bookings(self, worker: str) -> int:

@@ -5,10 +5,14 @@ prefill_done, free) for its peers; the queue goes out as one `RouterSync` messag
 its first entry. Entries from peers are booked under the peer's id; our own messages, which NATS
 echoes back to us, are ignored.
 
-A peer's bookings go when the peer goes: when its etcd key disappears (with `discovery`, this
-watches /{ns}/routers/; without it, the owner calls `forget_router`). Messages from a peer already
-gone are ignored. As a safety net against a lost `free` (NATS core is at-most-once), a peer's
-bookings older than `peer_ttl_s` expire.
+Only registered routers' bookings count: with `discovery`, this watches /{ns}/routers/ and accepts
+entries only from routers whose key is there (a forged or departed sender's are dropped and
+counted); a peer's bookings go when its key disappears. Without discovery (tests, the virtual
+clock) every sender counts and the owner calls `forget_router`. As a safety net against a lost
+`free` (NATS core is at-most-once), a peer's bookings older than `peer_ttl_s` expire.
+
+A router whose lease was lost registers anew under a new id (`rename`): peers dropped the old id's
+bookings with its key, and count the new id's from its registration on.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class SyncStats:
     malformed: int = 0  # messages that did not decode, and entries the view refused
     routers_forgotten: int = 0
     bookings_expired: int = 0
+    unregistered: int = 0  # messages from routers with no key in etcd: dropped
 
 
 class ReplicaSync:
@@ -74,6 +79,7 @@ class ReplicaSync:
         self._pending: list[SyncEntry] = []
         self._wake = asyncio.Event()
         self._peers: set[str] = set()
+        self._registered: set[str] | None = None  # None: not watching (no discovery), or no snapshot yet
         self._departed: deque[str] = deque(maxlen=_DEPARTED_MEMORY)
         self._malformed_logged = False
         self._sub: Subscription | None = None
@@ -106,6 +112,15 @@ class ReplicaSync:
         if sub is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    def registered(self, router: str) -> bool | None:
+        """Whether `router` has a key in etcd now; None before the first snapshot (or without
+        discovery)."""
+        return None if self._registered is None else router in self._registered
+
+    def rename(self, router_id: str) -> None:
+        """Our id changed (a new registration): later messages go out under it."""
+        self.router_id = router_id
 
     # --- our bookings --------------------------------------------------------------------------
 
@@ -175,6 +190,9 @@ class ReplicaSync:
         peer = sync.router
         if peer == self.router_id or peer in self._departed:
             return
+        if self._discovery is not None and (self._registered is None or peer not in self._registered):
+            self.stats.unregistered += 1
+            return
         self._peers.add(peer)
         view = self.view
         for e in sync.entries:
@@ -205,10 +223,15 @@ class ReplicaSync:
         async for event in discovery.watch_routers():
             match event:
                 case Snapshot(items=items):
+                    self._registered = set(items)
                     for peer in self._peers - items.keys():
                         self.forget_router(peer)
                 case Put(name=name):
+                    if self._registered is not None:
+                        self._registered.add(name)
                     with contextlib.suppress(ValueError):
                         self._departed.remove(name)
                 case Deleted(name=name):
+                    if self._registered is not None:
+                        self._registered.discard(name)
                     self.forget_router(name)

@@ -1,19 +1,19 @@
 """The one object a routing decision reads (STYLE.md #6): the prompt, its block hashes, and every
-candidate worker with its prefix overlap and load as of the moment the request arrived.
+candidate worker with its prefix overlap and load as of the moment the request was planned.
 
-Producers fill it (the index computes overlap, the load view the numbers); selection and the
-policies only read it, except that selection records its choice in `decode` and `prefill`.
+The planner fills it (router.planner: hashes once per request, candidates at every (re)plan from
+the index, the pending prefixes and the load view); selection and the policies only read it,
+except that selection records its choice in `decode` and `prefill`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from protocol import BlockHasher, WorkerInfo
+from protocol import WorkerInfo
 
-__all__ = ["Candidate", "ContextBuilder", "LoadLike", "RequestContext"]
+__all__ = ["Candidate", "LoadLike", "RequestContext"]
 
 
 class LoadLike(Protocol):
@@ -101,6 +101,8 @@ class RequestContext:
     max_tokens: int = 16
     decode: Candidate | None = None
     prefill: Candidate | None = None
+    text: bool = False  # the prompt came as text: only workers sharing the router's tokenizer
+    excluded: list[dict[str, Any]] = field(default_factory=list)  # workers left out, and why
 
     @property
     def isl(self) -> int:
@@ -120,56 +122,3 @@ class RequestContext:
     def new_blocks(self, candidate: Candidate) -> int:
         """Blocks this request would allocate on `candidate` beyond the ones it already caches."""
         return max(self.request_blocks - candidate.overlap_blocks, 0)
-
-
-class ContextBuilder:
-    """Builds a RequestContext from the producers: the worker set, the index and the load view.
-
-    Unhealthy workers (by their last report) are left out while a healthy one of the same pool
-    remains.
-    """
-
-    def __init__(
-        self,
-        workers: Callable[[str], Sequence[WorkerInfo]],
-        find_matches: Callable[[Sequence[int]], Mapping[str, int]],
-        load: Callable[[str], LoadLike],
-    ) -> None:
-        self._workers = workers
-        self._find_matches = find_matches
-        self._load = load
-        self._hashers: dict[int, BlockHasher] = {}
-
-    def build(self, request_id: str, model: str, token_ids: list[int], max_tokens: int = 16) -> RequestContext | None:
-        """None when the model has no worker at all."""
-        infos = self._workers(model)
-        if not infos:
-            return None
-        block_size = infos[0].block_size
-        hasher = self._hashers.get(block_size)
-        if hasher is None:
-            hasher = self._hashers[block_size] = BlockHasher(block_size)
-        hashes = hasher(token_ids)
-        matches = self._find_matches(hashes) if hashes else {}
-        decode: list[Candidate] = []
-        prefill: list[Candidate] = []
-        for info in infos:
-            load = self._load(info.worker)
-            c = Candidate.of(info, matches.get(info.worker, 0), load)
-            c.healthy = getattr(load, "healthy", True)
-            (prefill if info.role == "prefill" else decode).append(c)
-        return RequestContext(
-            request_id=request_id,
-            model=model,
-            token_ids=token_ids,
-            block_size=block_size,
-            hashes=hashes,
-            decode_pool=_healthy_first(decode),
-            prefill_pool=_healthy_first(prefill),
-            max_tokens=max_tokens,
-        )
-
-
-def _healthy_first(pool: list[Candidate]) -> list[Candidate]:
-    healthy = [c for c in pool if c.healthy]
-    return healthy or pool

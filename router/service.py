@@ -1,16 +1,18 @@
-"""RouterService: one router replica, wired (docs/router.md, "Architecture").
+"""RouterService: one router replica, wired (docs/router.md, "Architecture"). It only wires.
 
-    NATS ── {ns}.kv.*   ─▶ KvIngest ─▶ BlockIndex ─┐
-         ── {ns}.load.* ─▶ LoadView ◀─ ReplicaSync ◀─▶ {ns}.router.sync
-    etcd ── /{ns}/workers/ ─▶ WorkerRegistry ─▶ (ingest add/remove, load view, dispatch)
-         ── /{ns}/config/router ─▶ ConfigWatcher ─▶ Disaggregator, Dispatcher, Admission
-    HTTP ─▶ tokenise ─▶ ContextBuilder ─▶ Disaggregator.plan ─▶ book ─▶ Dispatcher ─▶ {ns}.gen.*
+    NATS ── {ns}.kv.*   ─▶ KvIngest (+ GapRepair) ─▶ BlockIndex, PendingPrefixes
+         ── {ns}.load.* ─▶ LoadView, Eligibility, KvIngest.check_digest, Admission.notify
+         ◀▶ {ns}.router.sync ── ReplicaSync (the Ledger's sink)
+    etcd ── /{ns}/workers/ ─▶ WorkerRegistry ─▶ (ingest, eligibility, view, dispatcher)
+         ── /{ns}/config/router ─▶ ConfigWatcher ─▶ Planner.configure
+    HTTP ─▶ http_api ─▶ RequestPath: Planner (context, candidates, choice, booking) ─▶ Admission
+                                     ─▶ Dispatcher ─▶ {ns}.gen.*
 
 Start order: settings (a bad one fails here), NATS, etcd, HTTP (to know its URL), the RouterInfo
-lease (its id is the router id), replica sync, ingest, registry, live config. `/ready` answers 200
-once the registry has its first snapshot and the index is synced with every worker. `stop()` is
+lease (its id is the router id), replica sync, ingest, registry, live config. `stop()` is
 idempotent and drains in reverse: HTTP first (in-flight requests get `drain_s`), then the
-subscriptions and tasks, the lease, etcd and NATS.
+subscriptions and tasks, the lease, etcd and NATS. A lost lease (etcd said it expired, e.g. after
+this process stalled past its TTL) is replaced by a new registration under a new router id.
 """
 
 from __future__ import annotations
@@ -19,10 +21,8 @@ import asyncio
 import contextlib
 import enum
 import logging
-import math
 import random
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -33,35 +33,29 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from opentelemetry.trace import Span, TracerProvider
+from opentelemetry.trace import TracerProvider
 
-from discovery import ConfigWatcher, Discovery, Lease
+from discovery import ConfigWatcher, Discovery, DiscoveryError, Lease
 from kvswitch import __version__
-from protocol import (
-    GenerateRequest,
-    LoadReport,
-    ProtocolError,
-    RouterInfo,
-    SamplingParams,
-    WorkerInfo,
-    decode_msg,
-    subjects,
-)
+from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
-from protocol.messages import ANNOTATION_BYPASS
-from router.admission import Admission, QueueFull, QueueTimeout
+from protocol.messages import Cleared, KvEvent, Removed, Stored
+from router.admission import Admission, Throughput
 from router.block_index import BlockIndex
-from router.disagg import Disaggregator, RoutePlan
-from router.dispatch import Dispatcher, Job
-from router.http_api import ApiError, make_app
+from router.disagg import Disaggregator
+from router.dispatch import Dispatcher
+from router.eligibility import Eligibility
+from router.http_api import make_app
 from router.kv_ingest import KvIngest
+from router.ledger import Ledger
 from router.load_view import LoadView
 from router.metrics import RouterMetrics, StateFigures
-from router.policies import Outcome, Path
+from router.pending_prefixes import PendingPrefixes
+from router.planner import Planner
+from router.policies import Outcome
 from router.replica_sync import ReplicaSync
-from router.request_context import ContextBuilder, RequestContext
-from router.selection import Selector, over_queue_threshold
-from router.tokenization import PromptTokenizer, load_tokenizer
+from router.request_path import RequestPath
+from router.tokenization import PromptTokenizer, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
 
@@ -97,7 +91,6 @@ class RouterConfig:
     overrides: dict[str, Any] = field(default_factory=dict)
     file_settings: dict[str, Any] = field(default_factory=dict)
     request_timeout_s: float = 600.0
-    queue_timeout_s: float = 30.0
     drain_s: float = 10.0
     lease_ttl_s: int = 10
     seed: int | None = None
@@ -116,48 +109,63 @@ class RouterService:
         self.url = ""
         self.index = BlockIndex()
         self.view = LoadView()
-        self.disagg = Disaggregator(self.settings, Selector(random.Random(config.seed)))
-        self.admission = Admission(self.settings.max_queue)
+        self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.time)
         self.metrics = RouterMetrics(self._figures)
         self.tracer = RequestTracer(config.tracer_provider)
-        self._refused_live = 0  # live configs the watcher accepted but no policy could be built from
-        self._inflight = 0
+        self.load_malformed = 0
+        self.load_unknown = 0
+        self.reregistrations = 0
         self._nc: Client | None = None
         self._discovery: Discovery | None = None
         self._lease: Lease | None = None
         self._runner: web.AppRunner | None = None
         self._load_sub: Subscription | None = None
-        self._load_malformed = 0
         self._ingest: KvIngest | None = None
         self._sync: ReplicaSync | None = None
         self._registry: WorkerRegistry | None = None
         self._dispatcher: Dispatcher | None = None
+        self._planner: Planner | None = None
+        self._path: RequestPath | None = None
+        self._watcher: ConfigWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._registry_ready = False
-        self._watcher: ConfigWatcher | None = None
-        self._contexts = ContextBuilder(self._model_workers, self.index.match, self.view.load)
+        self.eligibility = Eligibility(
+            clock=time.time,
+            sync_state=self._sync_state,
+            liveness=self.view.liveness,
+            tokenizer=tokenizer_fingerprint(self.tokenizer),
+        )
 
     # --- parts, once started -------------------------------------------------------------------
 
+    def _part(self, part: Any, name: str) -> Any:
+        if part is None:
+            raise RuntimeError(f"RouterService not started ({name})")
+        return part
+
     @property
     def ingest(self) -> KvIngest:
-        assert self._ingest is not None, "RouterService not started"
-        return self._ingest
+        return self._part(self._ingest, "ingest")  # type: ignore[no-any-return]
 
     @property
     def registry(self) -> WorkerRegistry:
-        assert self._registry is not None, "RouterService not started"
-        return self._registry
+        return self._part(self._registry, "registry")  # type: ignore[no-any-return]
 
     @property
     def dispatcher(self) -> Dispatcher:
-        assert self._dispatcher is not None, "RouterService not started"
-        return self._dispatcher
+        return self._part(self._dispatcher, "dispatcher")  # type: ignore[no-any-return]
 
     @property
     def sync(self) -> ReplicaSync:
-        assert self._sync is not None, "RouterService not started"
-        return self._sync
+        return self._part(self._sync, "sync")  # type: ignore[no-any-return]
+
+    @property
+    def planner(self) -> Planner:
+        return self._part(self._planner, "planner")  # type: ignore[no-any-return]
+
+    @property
+    def path(self) -> RequestPath:
+        return self._part(self._path, "request path")  # type: ignore[no-any-return]
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -177,37 +185,66 @@ class RouterService:
     async def _start(self) -> None:
         self._nc = nc = await nats.connect(**self.config.nats.connect_options(f"kvswitch-router-{self.ns}"))
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
+        # Replica sync learns its router id at registration, below; until then nothing is routed.
+        self._sync = ReplicaSync(nc, self.ns, "", self.view, discovery=self._discovery)
+        ledger = Ledger(self._sync, self.pending)
+        self._planner = planner = Planner(
+            self.settings,
+            workers=lambda: self._registry.workers() if self._registry is not None else [],
+            index=self.index,
+            pending=self.pending,
+            view=self.view,
+            eligibility=self.eligibility,
+            ledger=ledger,
+            rng=random.Random(self.config.seed),
+        )
+        self._ingest = KvIngest(nc, self.ns, self.index, on_events=self._on_kv_events)
         self._dispatcher = Dispatcher(
             nc,
             self.ns,
-            self,
-            prefill_timeout_s=self.settings.prefill_timeout_s,
-            on_fallback=lambda job: self.disagg.record(Outcome.FALLBACK_PREFILL_FAILED),
+            ledger,
+            settings=lambda: self.settings,
+            on_fallback=lambda job: planner.record(Outcome.FALLBACK_PREFILL_FAILED),
+            on_unreachable=self.eligibility.mark_unreachable,
         )
         await self._dispatcher.start()
+        admission = Admission(
+            max_wait_s=lambda: self.settings.slo_ttft_s / 2,
+            max_queue=lambda: self.settings.max_queue,
+            throughput=Throughput(time.monotonic),
+            on_abandon=lambda plan: ledger.free(plan.key),
+        )
+        self._path = path = RequestPath(
+            planner=planner,
+            admission=admission,
+            dispatcher=self._dispatcher,
+            metrics=self.metrics,
+            tracer=self.tracer,
+            models=self.models,
+            default_model=self.config.model,
+            request_timeout_s=self.config.request_timeout_s,
+        )
         self._load_sub = await nc.subscribe(subjects.load_all(self.ns), cb=self._on_load)
         # No per-request access log: /metrics counts requests, and a log line per request costs more
         # than routing it.
+        app = make_app(path, self.tokenizer, health=self.health, readiness=self.readiness, started_at=self.started_at)
         self._runner = web.AppRunner(
-            make_app(self), handler_cancellation=True, shutdown_timeout=self.config.drain_s, access_log=None
+            app, handler_cancellation=True, shutdown_timeout=self.config.drain_s, access_log=None
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port)
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
-        self._lease = await self._discovery.register_router(
-            lambda rid: RouterInfo(router=rid, http_url=self.url, started_at=self.started_at, version=__version__),
-            ttl=self.config.lease_ttl_s,
-        )
+        self._lease = await self._register()
         self.router_id = self._lease.hex_id
-        self._sync = ReplicaSync(nc, self.ns, self.router_id, self.view, discovery=self._discovery)
+        self._sync.rename(self.router_id)
         await self._sync.start()
-        self._ingest = KvIngest(nc, self.ns, self.index)
         await self._ingest.start()
         self._registry = WorkerRegistry(self._discovery, self._on_worker_add, self._on_worker_remove)
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
+        self._tasks.append(asyncio.create_task(self._keep_registered(), name="router-lease"))
         self._watcher = ConfigWatcher(self._discovery, dict(self.config.overrides), dict(self.config.file_settings))
         self._tasks.append(asyncio.create_task(self._follow_config(self._watcher), name="router-config"))
 
@@ -247,20 +284,76 @@ class RouterService:
     ) -> None:
         await self.stop()
 
+    # --- registration ----------------------------------------------------------------------------
+
+    async def _register(self) -> Lease:
+        assert self._discovery is not None
+        return await self._discovery.register_router(
+            lambda rid: RouterInfo(router=rid, http_url=self.url, started_at=self.started_at, version=__version__),
+            ttl=self.config.lease_ttl_s,
+        )
+
+    async def _keep_registered(self) -> None:
+        """Register anew when etcd says our lease is gone; peers then count our bookings again."""
+        delay = 0.5
+        while True:
+            lease = self._lease
+            assert lease is not None
+            await lease.lost.wait()
+            try:
+                self._lease = await self._register()
+            except DiscoveryError as exc:
+                log.warning("router %s: re-registration failed (%s); retrying in %.1fs", self.router_id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            delay = 0.5
+            old, self.router_id = self.router_id, self._lease.hex_id
+            self.sync.rename(self.router_id)
+            self.reregistrations += 1
+            log.warning("router lease %s was lost (%s): registered anew as %s", old, lease.lost_reason, self.router_id)
+
     # --- readiness -----------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return {"status": self.status.value}
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready while NATS is up, the worker set is known and some model has a routable decode or
+        agg worker; the body says, per worker, whether it is routable and why not."""
+        running = self.status is RouterStatus.RUNNING and self._registry is not None and self._ingest is not None
+        nats_up = self._nc is not None and self._nc.is_connected
+        statuses = self.eligibility.statuses(self._registry.workers()) if self._registry is not None else []
+        models: dict[str, dict[str, int]] = {}
+        for st in statuses:
+            m = models.setdefault(st.model, {"routable_decode": 0, "routable_prefill": 0, "workers": 0})
+            m["workers"] += 1
+            if st.routable:
+                m["routable_prefill" if st.role == "prefill" else "routable_decode"] += 1
+        problems = []
+        if not running:
+            problems.append(f"the router is {self.status.value}")
+        if not nats_up:
+            problems.append("NATS is not connected: requests cannot reach any worker")
+        if running and not self._registry_ready:
+            problems.append("the worker set has not been read from etcd yet")
+        if not any(m["routable_decode"] for m in models.values()):
+            problems.append("no decode or agg worker can take requests")
+        body = {
+            "status": self.status.value,
+            "router": self.router_id,
+            "workers": len(statuses),
+            "routable": sum(st.routable for st in statuses),
+            "models": models,
+            "problems": problems,
+            "worker_status": [st.explain() for st in statuses],
+            "index_synced": self._ingest.synced if self._ingest is not None else False,
+        }
+        return not problems, body
 
     @property
     def ready(self) -> bool:
-        if self.status is not RouterStatus.RUNNING or self._registry is None or self._ingest is None:
-            return False
-        return self._registry_ready and self._ingest.synced
-
-    def readiness(self) -> dict[str, Any]:
-        return {
-            "status": self.status.value,
-            "workers": len(self._registry.workers()) if self._registry is not None else 0,
-            "index_synced": self._ingest.synced if self._ingest is not None else False,
-        }
+        return self.readiness()[0]
 
     async def wait_ready(self, timeout: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -271,9 +364,14 @@ class RouterService:
     @property
     def config_rejected(self) -> int:
         """Live config changes refused so far (the old settings were kept each time)."""
-        return (self._watcher.rejected if self._watcher is not None else 0) + self._refused_live
+        return self._watcher.rejected if self._watcher is not None else 0
 
     # --- events from the parts -----------------------------------------------------------------
+
+    def _sync_state(self, worker: str) -> tuple[str, str] | None:
+        if self._ingest is None:
+            return ("bootstrapping", "the KV ingest is not started")
+        return self._ingest.sync_state(worker)
 
     async def _await_registry(self) -> None:
         while not await self.registry.wait_ready(3600.0):
@@ -282,176 +380,67 @@ class RouterService:
 
     def _on_worker_add(self, info: WorkerInfo) -> None:
         self.ingest.add_worker(info.worker, info.epoch)
-        self.admission.notify()
+        self.eligibility.added(info.worker)
+        self.path.admission.notify()
 
     def _on_worker_remove(self, worker: str) -> None:
         self.ingest.remove_worker(worker)
         self.view.remove_worker(worker)
+        self.eligibility.removed(worker)
         self.dispatcher.worker_gone(worker)
+
+    def _on_kv_events(self, worker: str, events: list[KvEvent]) -> None:
+        pending = self.pending
+        for ev in events:
+            if isinstance(ev, Stored | Removed):
+                pending.confirm(worker, ev.hashes)
+            elif isinstance(ev, Cleared):
+                pending.forget_worker(worker)
 
     async def _on_load(self, msg: Msg) -> None:
         try:
-            self.view.update(decode_msg(msg.data, LoadReport))
+            report = decode_msg(msg.data, LoadReport)
         except ProtocolError as exc:
-            self._load_malformed += 1
-            if self._load_malformed == 1:
+            self.load_malformed += 1
+            if self.load_malformed == 1:
                 log.warning("malformed load report on %s dropped (later ones only counted): %s", msg.subject, exc)
             return
-        self.admission.notify()
+        if self._registry is None or self._registry.get(report.worker) is None:
+            self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
+            return
+        self.view.update(report)
+        self.eligibility.reported(report.worker)
+        self.ingest.check_digest(report)
+        self.path.admission.notify()
 
     async def _follow_config(self, watcher: ConfigWatcher) -> None:
         async for settings in watcher:
             if settings == self.settings:
                 continue
             try:
-                self.disagg.configure(settings)
+                self.planner.configure(settings)
             except ValueError as exc:
-                self._refused_live += 1
-                log.error("live config refused, keeping the previous one: %s", exc)
+                watcher.refuse(str(exc))
                 continue
             self.settings = settings
-            self.dispatcher.prefill_timeout_s = settings.prefill_timeout_s
-            self.admission.max_queue = settings.max_queue
             log.info("live config applied: %s", msgspec.to_builtins(settings))
 
-    # --- routing -------------------------------------------------------------------------------
-
-    def _model_workers(self, model: str) -> list[WorkerInfo]:
-        return self.registry.workers(model=model)
+    # --- routing, for callers in-process (tests, bench) ----------------------------------------------
 
     def models(self) -> list[str]:
         return self.registry.models() if self._registry is not None else []
 
-    def resolve_model(self, model: str | None) -> str:
-        """The model a request names (the router's --model when it names none); 404 if unknown."""
-        name = model or self.config.model
-        if name is None:
-            raise ApiError(400, "'model' is required", "model")
-        if self.config.model is not None and name != self.config.model:
-            raise ApiError(404, f"The model `{name}` does not exist. This router serves `{self.config.model}`", "model")
-        known = self.models()
-        if name not in known:
-            raise ApiError(404, f"The model `{name}` does not exist. Registered: {', '.join(known) or 'none'}", "model")
-        return name
-
-    def context(self, request_id: str, model: str, tokens: list[int], max_tokens: int = 16) -> RequestContext:
-        if self.registry.block_size_conflicts.get(model):
-            sizes = sorted(self.registry.block_size_conflicts[model])
-            raise ApiError(503, f"workers of model {model} disagree on block size {sizes}: a configuration error")
-        ctx = self._contexts.build(request_id, model, tokens, max_tokens)
-        if ctx is None or not ctx.decode_pool:
-            raise ApiError(503, f"no decode or agg worker is registered for model {model}")
-        return ctx
-
-    def explain(self, model: str, tokens: list[int]) -> dict[str, Any]:
-        """/debug/route: the decision a request would get now; books and counts nothing."""
-        ctx = self.context("debug", model, tokens)
-        plan = self.disagg.plan(ctx)
-        assert plan is not None
-        return {
-            "model": model,
-            "isl": ctx.isl,
-            "block_size": ctx.block_size,
-            "prompt_blocks": len(ctx.hashes),
-            "settings": msgspec.to_builtins(self.settings),
-            "policy": self.disagg.policy.name,
-            **plan.explain(),
-        }
-
-    async def prepare(
-        self,
-        request_id: str,
-        model: str,
-        tokens: list[int],
-        sampling: SamplingParams,
-        annotations: list[str],
-        span: Span,
-    ) -> Job:
-        """Admit, plan and count one request; the Job is ready for `dispatcher.run`."""
-        if not self.ready:
-            raise ApiError(503, "the router is not ready: its index is still syncing with the workers")
-        started = time.perf_counter()
-        ctx = self.context(request_id, model, tokens, sampling.max_tokens)
-        if not self._pool_open(ctx):
-            try:
-                await self.admission.admit(lambda: self._pool_open(self.context(request_id, model, tokens)),
-                                           self.config.queue_timeout_s)  # fmt: skip
-            except QueueFull as exc:
-                raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
-            except QueueTimeout as exc:
-                raise ApiError(503, str(exc)) from exc
-            ctx = self.context(request_id, model, tokens, sampling.max_tokens)
-            started = time.perf_counter()
-        plan = self.disagg.plan(ctx)
-        if plan is None:
-            raise ApiError(503, f"no worker can take a request for model {model}")
-        self.metrics.route.observe(time.perf_counter() - started)
-        self.disagg.record(plan.outcome)
-        self.tracer.decision(span, plan, ctx.isl, ctx.cached_tokens(plan.decode))
-        req = GenerateRequest(
-            request_id=request_id,
-            model=model,
-            token_ids=tokens,
-            sampling=sampling,
-            annotations=[a for a in annotations if a != ANNOTATION_BYPASS],  # the router's alone
-            deadline=time.time() + self.config.request_timeout_s,
-            trace=self.tracer.carrier(span),
-        )
-
-        def replan(exclude: frozenset[str]) -> RoutePlan | None:
-            again = self.disagg.plan(self.context(request_id, model, tokens, sampling.max_tokens), exclude)
-            if again is not None:
-                self.disagg.record(again.outcome)
-            return again
-
-        return Job(request=req, plan=plan, replan=replan, deadline=req.deadline or math.inf)
-
-    def _pool_open(self, ctx: RequestContext) -> bool:
-        qt = self.settings.conditional.queue_threshold
-        return any(not over_queue_threshold(c, qt) for c in ctx.decode_pool)
-
-    @contextlib.asynccontextmanager
-    async def serving(self, job: Job) -> AsyncIterator[None]:
-        self._inflight += 1
-        try:
-            yield
-        finally:
-            self._inflight -= 1
-            self.admission.notify()
-
-    # --- Booker (router.dispatch) --------------------------------------------------------------
-
-    def book(self, request_id: str, plan: RoutePlan, job: Job) -> None:
-        tokens = job.request.token_ids
-        bs = plan.decode.info.block_size
-        isl = len(tokens)
-        d = plan.decode
-        new_blocks = max(-(-isl // bs) - d.overlap_blocks, 0)
-        if plan.path is Path.REMOTE and plan.prefill is not None:
-            p = plan.prefill
-            self.sync.add(request_id, p.worker, isl - min(p.overlap_blocks * bs, isl), 0)
-            self.sync.add(request_id, d.worker, 0, new_blocks)
-        else:
-            self.sync.add(request_id, d.worker, isl - min(d.overlap_blocks * bs, isl), new_blocks)
-
-    def rebook_bypass(self, request_id: str, plan: RoutePlan, job: Job) -> None:
-        """A remote prefill fell back: the prompt's prefill moves to the decode worker."""
-        if plan.prefill is not None:
-            self.sync.add(request_id, plan.prefill.worker, 0, 0)
-        self.book(request_id, _as_bypass(plan), job)
-
-    def prefill_done(self, request_id: str) -> None:
-        self.sync.prefill_done(request_id)
-
-    def free(self, request_id: str) -> None:
-        self.sync.free(request_id)
+    @property
+    def disagg(self) -> Disaggregator:
+        """The policy, guard and outcome counts in use (read-only: live config changes them)."""
+        return self.planner.disagg
 
     # --- metrics -------------------------------------------------------------------------------
 
     def _figures(self) -> StateFigures:
         stats = self._ingest.stats if self._ingest is not None else None
         return StateFigures(
-            decisions={str(k): v for k, v in self.disagg.counts.items()},
+            decisions={str(k): v for k, v in self._planner.disagg.counts.items()} if self._planner else {},
             index_blocks=len(self.index),
             index_entries=self.index.entries,
             event_lag_s=stats.last_lag_s if stats else 0.0,
@@ -459,11 +448,7 @@ class RouterService:
             kv_malformed=stats.malformed if stats else 0,
             kv_gaps=stats.gaps if stats else 0,
             kv_repairs=(stats.repairs_batches + stats.repairs_dumps) if stats else 0,
-            queue_depth=self.admission.depth,
-            inflight=self._inflight,
+            queue_depth=self._path.admission.depth if self._path is not None else 0,
+            inflight=self._path.inflight if self._path is not None else 0,
             workers=len(self._registry.workers()) if self._registry is not None else 0,
         )
-
-
-def _as_bypass(plan: RoutePlan) -> RoutePlan:
-    return RoutePlan(plan.decode, None, Path.BYPASS, plan.outcome, plan.reason, plan.decode_ranked, [])

@@ -18,6 +18,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfRawTokenizer
 
+from protocol.fingerprint import BUILTIN, PROBE_MESSAGES, PROBE_TEXT, fingerprint
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "PromptTokenizer",
     "TokenizerError",
     "load_tokenizer",
+    "tokenizer_fingerprint",
 ]
 
 Messages = Sequence[Mapping[str, Any]]
@@ -133,6 +135,18 @@ def _read_config(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise TokenizerError(str(path), f"unreadable: {exc}") from exc
     return data if isinstance(data, dict) else {}
+
+
+def tokenizer_fingerprint(tok: PromptTokenizer) -> str:
+    """What the router's tokenizer must equal in a worker's record for text prompts to go there
+    (protocol.fingerprint): `builtin` for the built-in vocabulary, else the probes' fingerprint."""
+    if isinstance(tok, BuiltinPromptTokenizer):
+        return BUILTIN
+    try:
+        chat: list[int] | None = tok.encode_chat(PROBE_MESSAGES)
+    except TokenizerError:
+        chat = None
+    return fingerprint(tok.encode(PROBE_TEXT), chat)
 
 
 def load_tokenizer(path: str | Path | None) -> PromptTokenizer:

@@ -13,6 +13,7 @@ import aiohttp
 import nats
 import pytest
 from nats.aio.client import Client
+from opentelemetry.trace import TracerProvider
 
 from engine_sim.config import SimConfig
 from engine_sim.server import SimServer
@@ -74,7 +75,7 @@ class Cluster:
         self.workers.append(worker)
         return worker
 
-    async def add_router(self, **overrides: Any) -> RouterService:
+    async def add_router(self, tracer_provider: TracerProvider | None = None, **overrides: Any) -> RouterService:
         router = RouterService(
             RouterConfig(
                 ns=self.ns,
@@ -83,6 +84,7 @@ class Cluster:
                 overrides=overrides,
                 lease_ttl_s=2,
                 seed=len(self.routers),
+                tracer_provider=tracer_provider,
             )
         )
         await router.start()

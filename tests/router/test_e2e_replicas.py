@@ -24,7 +24,7 @@ async def test_a_replica_started_late_serves_with_an_identical_index(
     assert status == 200
     # the prompt's prefix lives where the first replica sent it; the late one knows that too
     assert (
-        first.index.find_matches(late.context("x", "sim-llama", list(range(400, 800))).hashes)[
+        first.index.find_matches(late.planner.context("x", "sim-llama", list(range(400, 800))).hashes)[
             headers["x-kvswitch-decode-worker"]
         ]
         == 25

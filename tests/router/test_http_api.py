@@ -99,11 +99,16 @@ async def test_bad_requests_get_openai_errors(
 
 async def test_no_worker_is_503_and_ready_follows_the_registry(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     router = await cluster.add_router()
-    await until(lambda: router.ready, what="ready with no workers")
+    await until(lambda: router.registry.models() == [] and router.readiness()[1]["problems"], what="registry read")
     async with http.get(router.url + "/ready") as r:
-        assert r.status == 200
+        assert r.status == 503  # nothing could serve a request
+        assert "no decode or agg worker can take requests" in (await r.json())["problems"]
     worker = await cluster.add_worker("agg")
     await cluster.ready(router)
+    async with http.get(router.url + "/ready") as r:
+        assert r.status == 200
+        body = await r.json()
+    assert [w["worker"] for w in body["worker_status"] if w["routable"]] == [worker.id]
     await worker.shim.stop()
     await until(lambda: not router.registry.workers(), what="the worker to leave")
     async with http.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:

@@ -128,11 +128,30 @@ async def test_a_peer_whose_key_goes_loses_its_bookings(nc: Client, ns: str, etc
             assert b.stats.routers_forgotten == 1
             a.add("req2", "w1", 100, 10)  # a late message from the departed peer
             await until(lambda: a.stats.messages_sent == 2)
-            # A third router's message sent after it: once b has that, b has seen the late one.
-            probe = RouterSync(router="rc", entries=[SyncEntry(request_id="p", worker="w2", kind="add")])
+            # A third, registered router's message sent after it: once b has that, b has seen the late one.
+            rc = await disc_a.register_router(
+                lambda rid: RouterInfo(router=rid, http_url="http://127.0.0.1:2", started_at=time.time()), ttl=5
+            )
+            probe = RouterSync(router=rc.hex_id, entries=[SyncEntry(request_id="p", worker="w2", kind="add")])
+            await until(lambda: b.registered(rc.hex_id) is True, what="rc registered")
             await nc.publish(subjects.sync(ns), encode_msg(probe))
             await until(lambda: b.view.bookings("w2") == 1)
             assert b.view.bookings("w1") == 0
         finally:
             await a.stop()
+            await b.stop()
+
+
+async def test_bookings_of_an_unregistered_router_do_not_count(nc: Client, ns: str, etcd_url: str) -> None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as disc:
+        b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0, discovery=disc)
+        await b.start()
+        try:
+            await until(lambda: b.registered("rb") is False, what="the routers' snapshot")
+            entry = SyncEntry(request_id="x", worker="w1", kind="add", blocks=10**7)
+            forged = RouterSync(router="forger", entries=[entry])
+            await nc.publish(subjects.sync(ns), encode_msg(forged))
+            await until(lambda: b.stats.unregistered == 1, what="the forged message dropped")
+            assert b.view.bookings("w1") == 0 and b.view.load("w1").active_blocks == 0
+        finally:
             await b.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 import aiohttp
 import nats
@@ -16,15 +15,14 @@ from discovery import Discovery, put_config
 from protocol import ConfigError, GenerateRequest, decode_msg, subjects
 from protocol.config import EtcdSettings
 from router import cli
-from router.admission import Admission, QueueFull, QueueTimeout
 from router.http_api import ApiError
 from tests.router.conftest import Cluster, complete
 from tests.router.polling import until
 
 
 async def test_live_config_valid_is_applied_and_invalid_is_refused(cluster: Cluster, etcd_url: str) -> None:
-    router = await cluster.add_router(conditional_disagg=True)
-    await until(lambda: router.ready, what="ready")
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(conditional_disagg=True)
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
         await put_config(d, {"eff_isl_threshold": 1024, "conditional_disagg_policy": "ttft_model"})
         await until(lambda: router.settings.conditional.eff_isl_threshold == 1024, what="applied")
@@ -45,8 +43,7 @@ async def test_span_per_request_with_decision_and_context_to_the_shim(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     worker = await cluster.add_worker("agg")
-    router = await cluster.add_router(disagg="never")
-    router.tracer = type(router.tracer)(provider)
+    router = await cluster.add_router(tracer_provider=provider, disagg="never")
     await cluster.ready(router)
     nc = await nats.connect(cluster.nats_url)
     seen: list[GenerateRequest] = []
@@ -66,23 +63,6 @@ async def test_span_per_request_with_decision_and_context_to_the_shim(
     assert span.attributes["kvswitch.outcome"] == "aggregated"
     trace_id = f"{span.context.trace_id:032x}"
     assert seen and seen[0].trace["traceparent"].split("-")[1] == trace_id
-
-
-async def test_admission_queues_then_refuses_when_full() -> None:
-    admission = Admission(max_queue=1, poll_s=10.0)
-    is_open = False
-    waiter = asyncio.create_task(admission.admit(lambda: is_open, timeout_s=5.0))
-    await asyncio.sleep(0)
-    assert admission.depth == 1
-    with pytest.raises(QueueFull) as full:
-        await admission.admit(lambda: False, timeout_s=5.0)
-    assert full.value.retry_after_s >= 1
-    is_open = True
-    admission.notify()
-    await asyncio.wait_for(waiter, 1.0)
-    assert admission.depth == 0
-    with pytest.raises(QueueTimeout):
-        await Admission(max_queue=4, poll_s=0.01).admit(lambda: False, timeout_s=0.05)
 
 
 def test_queue_full_maps_to_429_with_retry_after() -> None:

@@ -1,0 +1,170 @@
+"""Which registered workers may take a request now, and why each other one may not.
+
+One worker's fault never stops the fleet: a worker that cannot be trusted is left out of the
+candidates, its reason is shown on `/ready` and `/debug/route`, and every other worker routes as
+usual. A worker is excluded while (first reason wins):
+
+- `bootstrapping`: the index has not yet received its first state from the shim;
+- `repairing`: a gap, an unknown epoch, an impossible seq or a digest mismatch is being repaired;
+- `events_down`: its shim sees no KV events it should (wrong endpoint or topic, silent engine), so
+  its index entries say nothing about its cache (WorkerInfo.events_ok or LoadReport.events_ok);
+- `block_size`: its block size is not its model's (the size most of the model's workers have; ties
+  go to the worker registered first): prefix hashes of two block sizes never match;
+- `silent`: no load report for 3 of its report periods (reports double as heartbeats), or none
+  within 3 default periods of registering;
+- `unreachable`: a request to it found no responder or its stream stopped; it ends with the next
+  load report received after the mark;
+- `engine_unhealthy`: its shim reports the engine failing.
+
+`tokenizer` is not an exclusion but a per-request check: a text prompt needs the router's tokenizer
+to be the worker's (fingerprints equal); a token-id prompt needs no tokenizer.
+
+Synchronous, with an injected clock; the service feeds it registrations, reports and marks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.messages import WorkerInfo
+from router.load_view import Liveness
+
+__all__ = ["DEFAULT_PERIOD_S", "SILENT_PERIODS", "Eligibility", "Exclusion", "WorkerStatus"]
+
+DEFAULT_PERIOD_S = 1.0
+SILENT_PERIODS = 3
+
+
+class Exclusion(enum.StrEnum):
+    BOOTSTRAPPING = "bootstrapping"
+    REPAIRING = "repairing"
+    EVENTS_DOWN = "events_down"
+    BLOCK_SIZE = "block_size"
+    SILENT = "silent"
+    UNREACHABLE = "unreachable"
+    ENGINE_UNHEALTHY = "engine_unhealthy"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    worker: str
+    model: str
+    role: str
+    exclusion: Exclusion | None
+    detail: str
+    tokenizer_ok: bool
+
+    @property
+    def routable(self) -> bool:
+        return self.exclusion is None
+
+    def explain(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "model": self.model,
+            "role": self.role,
+            "routable": self.routable,
+            "excluded": str(self.exclusion) if self.exclusion is not None else None,
+            "why": self.detail,
+            "text_prompts": self.tokenizer_ok,
+        }
+
+
+class Eligibility:
+    """Holds what is not derivable from the parts: registration times, unreachable marks and the
+    router's tokenizer fingerprint. Everything else is read when asked."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        sync_state: Callable[[str], tuple[str, str] | None],
+        liveness: Callable[[str], Liveness | None],
+        tokenizer: str | None,
+    ) -> None:
+        """`sync_state(worker)`: None when the index is synced with it, else (state, why).
+        `liveness(worker)`: None before its first report. `tokenizer`: the router's fingerprint,
+        None when it has no tokenizer (text prompts are then refused for every worker)."""
+        self._clock = clock
+        self._sync_state = sync_state
+        self._liveness = liveness
+        self.tokenizer = tokenizer
+        self._added: dict[str, float] = {}
+        self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
+
+    # --- what the service tells it ---------------------------------------------------------------
+
+    def added(self, worker: str) -> None:
+        self._added.setdefault(worker, self._clock())
+
+    def removed(self, worker: str) -> None:
+        self._added.pop(worker, None)
+        self._unreachable.pop(worker, None)
+
+    def mark_unreachable(self, worker: str, why: str) -> None:
+        self._unreachable[worker] = (self._clock(), why)
+
+    def reported(self, worker: str) -> None:
+        """A load report from `worker` arrived: it is alive, whatever was marked before."""
+        self._unreachable.pop(worker, None)
+
+    # --- reads ------------------------------------------------------------------------------------
+
+    def statuses(self, infos: Iterable[WorkerInfo]) -> list[WorkerStatus]:
+        infos = list(infos)
+        sizes = model_block_sizes(infos, self._added)
+        return [self.status(info, sizes.get(info.model, info.block_size)) for info in infos]
+
+    def status(self, info: WorkerInfo, model_block_size: int) -> WorkerStatus:
+        w = info.worker
+        tok_ok = self.tokenizer is not None and info.tokenizer == self.tokenizer
+
+        def out(exclusion: Exclusion | None, detail: str = "") -> WorkerStatus:
+            return WorkerStatus(w, info.model, info.role, exclusion, detail, tok_ok)
+
+        sync = self._sync_state(w)
+        if sync is not None:
+            state, why = sync
+            return out(Exclusion.BOOTSTRAPPING if state == "bootstrapping" else Exclusion.REPAIRING, why)
+        live = self._liveness(w)
+        if not info.events_ok or (live is not None and not live.events_ok):
+            return out(Exclusion.EVENTS_DOWN, "its shim sees no KV events (see the shim's log and /health)")
+        if info.block_size != model_block_size:
+            return out(
+                Exclusion.BLOCK_SIZE,
+                f"block size {info.block_size}, but model {info.model} is served with {model_block_size}: "
+                "a configuration error",
+            )
+        now = self._clock()
+        if live is None:
+            since = now - self._added.get(w, now)
+            if since > SILENT_PERIODS * DEFAULT_PERIOD_S:
+                return out(Exclusion.SILENT, f"no load report in {since:.1f}s since it registered")
+        elif live.age_s > SILENT_PERIODS * live.period_s:
+            return out(Exclusion.SILENT, f"last load report {live.age_s:.1f}s ago (period {live.period_s:g}s)")
+        mark = self._unreachable.get(w)
+        if mark is not None:
+            return out(Exclusion.UNREACHABLE, f"{mark[1]} ({now - mark[0]:.1f}s ago)")
+        if live is not None and not live.healthy:
+            return out(Exclusion.ENGINE_UNHEALTHY, "its shim reports the engine failing")
+        return out(None)
+
+
+def model_block_sizes(infos: Iterable[WorkerInfo], added: dict[str, float]) -> dict[str, int]:
+    """Each model's block size: the one most of its workers have; a tie goes to the size of the
+    worker registered first."""
+    by_model: dict[str, list[WorkerInfo]] = {}
+    for info in infos:
+        by_model.setdefault(info.model, []).append(info)
+    out: dict[str, int] = {}
+    for model, group in by_model.items():
+        counts = Counter(i.block_size for i in group)
+        top = max(counts.values())
+        tied = {size for size, n in counts.items() if n == top}
+        first = min((i for i in group if i.block_size in tied), key=lambda i: (added.get(i.worker, 0.0), i.worker))
+        out[model] = first.block_size
+    return out

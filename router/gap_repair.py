@@ -1,0 +1,190 @@
+"""Gap repair: asking a worker's shim for its KV state until the index agrees with it again.
+
+The worker is the authority on its own state (DESIGN.md amendments): whatever the router saw (a
+gap, an unknown epoch, an impossible seq, a digest that disagrees), one `{ns}.kvstate.{worker}`
+request settles it. The reply says where the shim stands, (epoch, seq), and carries either the
+missed batches or a full dump; the ingest applies it and drops whatever contradicts it.
+
+One loop per worker that needs repair, owned here:
+
+    while the ingest says the worker needs repair:
+        request = ingest.repair_request(worker)      # since_seq, or a full dump
+        chunks = fetch(request)                      # every chunk, or None on failure
+        ingest.repair_reply(...) or ingest.repair_failed(...)
+
+Failures (no responder yet, timeout, a reply that does not decode, NATS errors) back off
+exponentially from `retry_min_s` to `retry_max_s`. A failed decode asks for a full dump next,
+never the same `since_seq` again. The third consecutive failure of a worker is logged as an ERROR
+naming it, and then at most every `error_every_s` while it keeps failing; success after an ERROR is
+logged too. Meanwhile only that worker is out of routing (router.eligibility), never the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import nats.errors
+import nats.js.api
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+
+from protocol import subjects
+from protocol.errors import ProtocolError
+from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
+
+__all__ = ["FetchFailure", "GapRepair", "RepairTarget"]
+
+log = logging.getLogger(__name__)
+_NO_RESPONDERS = "503"  # the status header of the empty reply NATS sends when nobody subscribes
+ERROR_AFTER = 3
+
+
+class FetchFailure(Exception):
+    """A kvstate request that got no complete, valid answer. `malformed`: the reply did not decode."""
+
+    def __init__(self, why: str, *, malformed: bool = False) -> None:
+        self.malformed = malformed
+        super().__init__(why)
+
+
+class RepairTarget(Protocol):
+    """What the loop drives (router.kv_ingest.KvIngest)."""
+
+    def needs_repair(self, worker: str) -> bool: ...
+    def repair_request(self, worker: str) -> KvStateRequest: ...
+    def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None: ...
+    def repair_failed(self, worker: str, failure: FetchFailure) -> None: ...
+
+
+@dataclass
+class _Loop:
+    task: asyncio.Task[None]
+    failures: int = 0
+    last_error_log: float = field(default=-1e18)
+
+
+class GapRepair:
+    def __init__(
+        self,
+        nc: Client,
+        ns: str,
+        target: RepairTarget,
+        *,
+        request_timeout_s: float = 2.0,
+        retry_min_s: float = 0.05,
+        retry_max_s: float = 2.0,
+        error_every_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._nc = nc
+        self._ns = ns
+        self._target = target
+        self.request_timeout_s = request_timeout_s
+        self.retry_min_s = retry_min_s
+        self.retry_max_s = retry_max_s
+        self.error_every_s = error_every_s
+        self._clock = clock
+        self._loops: dict[str, _Loop] = {}
+
+    def ensure(self, worker: str) -> None:
+        """Run the worker's repair loop unless it runs already."""
+        loop = self._loops.get(worker)
+        if loop is not None and not loop.task.done():
+            return
+        task = asyncio.create_task(self._run(worker), name=f"kv-repair-{worker}")
+        self._loops[worker] = _Loop(task)
+        task.add_done_callback(functools.partial(self._done, worker))
+
+    def cancel(self, worker: str) -> None:
+        loop = self._loops.pop(worker, None)
+        if loop is not None:
+            loop.task.cancel()
+
+    def failures(self, worker: str) -> int:
+        loop = self._loops.get(worker)
+        return loop.failures if loop is not None else 0
+
+    async def stop(self) -> None:
+        loops, self._loops = list(self._loops.values()), {}
+        for loop in loops:
+            loop.task.cancel()
+        await asyncio.gather(*(loop.task for loop in loops), return_exceptions=True)
+
+    def _done(self, worker: str, task: asyncio.Task[None]) -> None:
+        loop = self._loops.get(worker)
+        if loop is not None and loop.task is task:
+            del self._loops[worker]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("KV repair of worker %s crashed: %r", worker, task.exception())
+
+    async def _run(self, worker: str) -> None:
+        delay = self.retry_min_s
+        while self._target.needs_repair(worker):
+            loop = self._loops[worker]
+            try:
+                chunks = await self.fetch(worker, self._target.repair_request(worker))
+            except FetchFailure as failure:
+                loop.failures += 1
+                self._target.repair_failed(worker, failure)
+                self._log_failure(worker, loop, failure)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)
+                continue
+            if loop.failures >= ERROR_AFTER:
+                log.warning("KV repair of worker %s succeeded after %d failures", worker, loop.failures)
+            loop.failures = 0
+            delay = self.retry_min_s
+            self._target.repair_reply(worker, chunks)
+
+    def _log_failure(self, worker: str, loop: _Loop, failure: FetchFailure) -> None:
+        now = self._clock()
+        if loop.failures >= ERROR_AFTER and now - loop.last_error_log >= self.error_every_s:
+            loop.last_error_log = now
+            log.error(
+                "KV state of worker %s cannot be repaired (%d failures in a row, last: %s); it stays out of "
+                "routing until its shim answers %s",
+                worker,
+                loop.failures,
+                failure,
+                subjects.kvstate(self._ns, worker),
+            )
+        else:
+            log.info("kvstate of worker %s: %s; retrying", worker, failure)
+
+    async def fetch(self, worker: str, request: KvStateRequest) -> list[KvStateChunk]:
+        """Every chunk of one kvstate reply, in order; FetchFailure otherwise."""
+        inbox = self._nc.new_inbox()
+        chunks: list[KvStateChunk] = []
+        sub: Subscription | None = None
+        try:
+            sub = await self._nc.subscribe(inbox)
+            await self._nc.publish(subjects.kvstate(self._ns, worker), encode_msg(request), reply=inbox)
+            while True:
+                msg = await sub.next_msg(timeout=self.request_timeout_s)
+                if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+                    raise FetchFailure("nobody answers (the shim may be starting)")
+                chunk = decode_msg(msg.data, KvStateChunk)
+                if chunk.worker != worker:
+                    raise ProtocolError("KvStateChunk", f"names worker {chunk.worker!r}, asked {worker!r}")
+                if chunk.chunk != len(chunks) or (chunks and chunk.epoch != chunks[0].epoch):
+                    raise ProtocolError("KvStateChunk", f"chunk {chunk.chunk} out of order after {len(chunks)}")
+                chunks.append(chunk)
+                if chunk.final:
+                    return chunks
+        except TimeoutError:  # nats.errors.TimeoutError is one
+            raise FetchFailure(f"no complete answer within {self.request_timeout_s:.1f}s") from None
+        except ProtocolError as exc:
+            raise FetchFailure(f"bad reply: {exc}", malformed=True) from None
+        except nats.errors.Error as exc:  # reconnecting, draining: try again later
+            raise FetchFailure(f"NATS error: {exc}") from None
+        finally:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()

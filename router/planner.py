@@ -1,0 +1,278 @@
+"""The request planner: synchronous, no I/O, with an injected clock.
+
+A request goes through four steps, each reading only what the producers made:
+
+1. context: the prompt's canonical block hashes, once per request (a waiter at admission or a
+   retry never re-hashes);
+2. candidates: the model's workers, filtered (router.eligibility: bootstrapping, repairing,
+   events down, block size, silent, unreachable, unhealthy; for a text prompt, the tokenizer), each
+   with its prefix overlap (the index and the pending prefixes) and load (the load view);
+3. choice: selection ranks the decode and prefill pools by cost and the disaggregation framework
+   (policy and decode guard) picks the path (router.disagg);
+4. booking: the plan is booked in the ledger at once, so the next request sees it.
+
+`take()` runs all four when some worker has room (admission: its predicted prefill backlog is
+under half the TTFT SLO) and returns None otherwise; `plan_again()` serves a retry that must avoid
+the workers already tried. The HTTP service, the dispatcher and the virtual-clock replay all drive
+this same object.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from protocol import BlockHasher, WorkerInfo
+from protocol.config import RouterSettings
+from protocol.timing import load_profile
+from router.disagg import Disaggregator, RoutePlan
+from router.eligibility import Eligibility, model_block_sizes
+from router.ledger import BookingSink, Ledger, LocalSink
+from router.load_view import LoadView
+from router.pending_prefixes import PendingPrefixes
+from router.policies import Outcome
+from router.request_context import Candidate, RequestContext
+from router.selection import Selector, over_queue_threshold
+
+__all__ = ["PlanError", "Planner", "PrefixIndex", "standalone_planner"]
+
+
+class PrefixIndex(Protocol):
+    def match(self, hashes: Sequence[int], /) -> Mapping[str, int]: ...
+
+
+class PlanError(Exception):
+    """No worker can take the request; `code` is the HTTP status to answer with."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(message)
+
+
+class Planner:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        workers: Callable[[], Sequence[WorkerInfo]],
+        index: PrefixIndex,
+        pending: PendingPrefixes,
+        view: LoadView,
+        eligibility: Eligibility,
+        ledger: Ledger,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.disagg = Disaggregator(settings, Selector(rng or random.Random()))
+        self._workers = workers
+        self.index = index
+        self.pending = pending
+        self.view = view
+        self.eligibility = eligibility
+        self.ledger = ledger
+        self.clock = clock
+        self._hashers: dict[int, BlockHasher] = {}
+        self._attempts: dict[str, int] = {}
+
+    @property
+    def settings(self) -> RouterSettings:
+        return self.disagg.settings
+
+    def configure(self, settings: RouterSettings) -> None:
+        """Swap in validated settings; raises (keeping the old ones) if no policy can be built."""
+        self.disagg.configure(settings)
+        self.pending.ttl_s = settings.pending_ttl_s
+
+    # --- 1. context ----------------------------------------------------------------------------
+
+    def context(
+        self, request_id: str, model: str, token_ids: list[int], max_tokens: int = 16, *, text: bool = False
+    ) -> RequestContext:
+        infos = [i for i in self._workers() if i.model == model]
+        if not infos:
+            raise PlanError(503, f"no worker is registered for model {model}")
+        block_size = model_block_sizes(infos, {}).get(model, infos[0].block_size)
+        hasher = self._hashers.get(block_size)
+        if hasher is None:
+            hasher = self._hashers[block_size] = BlockHasher(block_size)
+        return RequestContext(
+            request_id=request_id,
+            model=model,
+            token_ids=token_ids,
+            block_size=block_size,
+            hashes=hasher(token_ids),
+            max_tokens=max_tokens,
+            text=text,
+        )
+
+    # --- 2. candidates -------------------------------------------------------------------------
+
+    def refresh(self, ctx: RequestContext, exclude: frozenset[str] = frozenset()) -> None:
+        """Fill the context's pools with the workers that may take it now."""
+        infos = [i for i in self._workers() if i.model == ctx.model]
+        statuses = self.eligibility.statuses(infos)
+        overlap = self.index.match(ctx.hashes) if ctx.hashes else {}
+        pending = self.pending.match(ctx.hashes) if ctx.hashes else {}
+        decode: list[Candidate] = []
+        prefill: list[Candidate] = []
+        excluded: list[dict[str, Any]] = []
+        for info, status in zip(infos, statuses, strict=True):
+            w = info.worker
+            if w in exclude:
+                excluded.append({**status.explain(), "routable": False, "excluded": "tried", "why": "tried already"})
+                continue
+            if not status.routable:
+                excluded.append(status.explain())
+                continue
+            if ctx.text and not status.tokenizer_ok:
+                excluded.append(
+                    {**status.explain(), "routable": False, "excluded": "tokenizer", "why": self._tokenizer_why(info)}
+                )
+                continue
+            blocks = max(overlap.get(w, 0), pending.get(w, 0))
+            c = Candidate.of(info, blocks, self.view.load(w))
+            (prefill if info.role == "prefill" else decode).append(c)
+        ctx.decode_pool, ctx.prefill_pool, ctx.excluded = decode, prefill, excluded
+        if not decode:
+            raise self._no_decode_worker(ctx)
+
+    def _tokenizer_why(self, info: WorkerInfo) -> str:
+        mine = self.eligibility.tokenizer
+        theirs = info.tokenizer or "unknown (its shim could not read it from the engine)"
+        if mine is None:
+            return f"text prompts need the served model's tokenizer (the worker's is {theirs}): give --tokenizer"
+        return f"its tokenizer is {theirs}, the router's is {mine}: give the router the served model's tokenizer"
+
+    def _no_decode_worker(self, ctx: RequestContext) -> PlanError:
+        if not ctx.excluded:
+            return PlanError(503, f"no decode or agg worker is registered for model {ctx.model}")
+        reasons = "; ".join(
+            f"{e['worker']}: {e['excluded']} ({e['why']})" for e in ctx.excluded if e["role"] != "prefill"
+        )
+        return PlanError(503, f"no decode or agg worker of model {ctx.model} can take the request now: {reasons}")
+
+    # --- admission ------------------------------------------------------------------------------
+
+    def admissible(self, ctx: RequestContext) -> bool:
+        """Some worker on some path has room: its predicted prefill backlog is under half the TTFT
+        SLO (with `queue_threshold` set, its queue under that multiple of max_num_batched_tokens)."""
+        return any(self._has_room(c) for c in ctx.decode_pool) or any(self._has_room(c) for c in ctx.prefill_pool)
+
+    def _has_room(self, c: Candidate) -> bool:
+        s = self.settings
+        qt = s.conditional.queue_threshold
+        if qt is not None:
+            return not over_queue_threshold(c, qt)
+        rate = prefill_rate(c.info)
+        return rate is None or c.queued_prefill_tokens / rate <= s.slo_ttft_s / 2
+
+    # --- 3 and 4: choose and book -------------------------------------------------------------------
+
+    def take(self, ctx: RequestContext) -> RoutePlan | None:
+        """The booked plan for the request's first attempt, or None while no worker has room."""
+        self.refresh(ctx)
+        if not self.admissible(ctx):
+            return None
+        return self._book(ctx, self._choose(ctx))
+
+    def plan_again(self, ctx: RequestContext, exclude: frozenset[str]) -> RoutePlan | None:
+        """A booked plan avoiding `exclude` (workers already tried), or None when none is left."""
+        try:
+            self.refresh(ctx, exclude)
+        except PlanError:
+            return None
+        return self._book(ctx, self._choose(ctx))
+
+    def _choose(self, ctx: RequestContext) -> RoutePlan:
+        plan = self.disagg.plan(ctx)
+        assert plan is not None  # refresh() guarantees a decode candidate
+        self.disagg.record(plan.outcome)
+        return plan
+
+    def _book(self, ctx: RequestContext, plan: RoutePlan) -> RoutePlan:
+        attempt = self._attempts.get(ctx.request_id, 0) + 1
+        self._attempts[ctx.request_id] = attempt
+        plan.key = f"{ctx.request_id}#{attempt}"
+        self.ledger.book(plan.key, plan)
+        return plan
+
+    def finished(self, ctx: RequestContext) -> None:
+        """The request is over: forget its attempt count (its bookings are freed by their owner)."""
+        self._attempts.pop(ctx.request_id, None)
+
+    def record(self, outcome: Outcome) -> None:
+        self.disagg.record(outcome)
+
+    # --- explain -------------------------------------------------------------------------------------
+
+    def explain(self, ctx: RequestContext) -> dict[str, Any]:
+        """/debug/route: the decision the request would get now; books and counts nothing."""
+        self.refresh(ctx)
+        plan = self.disagg.plan(ctx)
+        assert plan is not None
+        return {
+            "model": ctx.model,
+            "isl": ctx.isl,
+            "block_size": ctx.block_size,
+            "prompt_blocks": len(ctx.hashes),
+            "settings": msgspec.to_builtins(self.settings),
+            "policy": self.disagg.policy.name,
+            "admissible": self.admissible(ctx),
+            **plan.explain(),
+            "excluded": ctx.excluded,
+        }
+
+
+def standalone_planner(
+    settings: RouterSettings,
+    workers: Callable[[], Sequence[WorkerInfo]],
+    *,
+    index: PrefixIndex,
+    view: LoadView,
+    sink: BookingSink | None = None,
+    clock: Callable[[], float] = time.time,
+    rng: random.Random | None = None,
+    sync_state: Callable[[str], tuple[str, str] | None] = lambda worker: None,
+    tokenizer: str | None = None,
+) -> Planner:
+    """A planner with its own pending prefixes, eligibility and ledger, for callers without a
+    replica around it (benchmarks, the virtual-clock replay, tests). By default every worker is
+    taken as synced and bookings go to `view` alone."""
+    pending = PendingPrefixes(settings.pending_ttl_s, clock)
+    eligibility = Eligibility(clock=clock, sync_state=sync_state, liveness=view.liveness, tokenizer=tokenizer)
+    for info in workers():
+        eligibility.added(info.worker)
+    return Planner(
+        settings,
+        workers=workers,
+        index=index,
+        pending=pending,
+        view=view,
+        eligibility=eligibility,
+        ledger=Ledger(sink or LocalSink(view), pending),
+        rng=rng,
+        clock=clock,
+    )
+
+
+def prefill_rate(info: WorkerInfo) -> float | None:
+    """Prompt tokens per second the worker prefills at full batches, from its timing profile; None
+    when it registered none (the worker is then never judged full by its backlog)."""
+    if not info.timing_profile:
+        return None
+    return _profile_rate(info.timing_profile, info.max_num_batched_tokens or 8192)
+
+
+@functools.cache
+def _profile_rate(profile: str, batch: int) -> float | None:
+    try:
+        seconds = load_profile(profile).prefill_s(batch)
+    except ValueError:
+        return None
+    return batch / seconds if seconds > 0 else None

@@ -1,0 +1,136 @@
+"""A request's way through one replica, from token ids to the engine's chunks.
+
+    tokens -> Planner.context (hash once) -> Admission.admit (Planner.take: candidates, choice,
+    booking; or wait in line) -> Dispatcher.run (legs over NATS, retries, fallback) -> chunks
+
+The HTTP front door (router.http_api) parses and formats around it and knows nothing else of the
+replica; the parts it drives are given, not looked up, so each can be tested alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.trace import Span
+
+from protocol import GenerateRequest, SamplingParams
+from protocol.messages import ANNOTATION_BYPASS, ResponseChunk
+from router.admission import Admission
+from router.dispatch import Dispatcher, Job
+from router.metrics import RouterMetrics
+from router.planner import Planner
+from router.tracing import RequestTracer
+
+__all__ = ["RequestPath", "Unknown"]
+
+log = logging.getLogger(__name__)
+
+
+class Unknown(LookupError):
+    """The request names a model this router does not serve; `code` is 400 or 404."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass
+class RequestPath:
+    planner: Planner
+    admission: Admission
+    dispatcher: Dispatcher
+    metrics: RouterMetrics
+    tracer: RequestTracer
+    models: Callable[[], Sequence[str]]
+    default_model: str | None = None
+    request_timeout_s: float = 600.0
+    inflight: int = 0
+
+    def resolve_model(self, model: str | None) -> str:
+        """The model a request names (the router's --model when it names none)."""
+        name = model or self.default_model
+        if name is None:
+            raise Unknown(400, "'model' is required")
+        if self.default_model is not None and name != self.default_model:
+            raise Unknown(404, f"The model `{name}` does not exist. This router serves `{self.default_model}`")
+        known = self.models()
+        if name not in known:
+            raise Unknown(404, f"The model `{name}` does not exist. Registered: {', '.join(known) or 'none'}")
+        return name
+
+    def explain(self, model: str, tokens: list[int], *, text: bool) -> dict[str, Any]:
+        return self.planner.explain(self.planner.context("debug", model, tokens, text=text))
+
+    async def open(
+        self,
+        request_id: str,
+        model: str,
+        tokens: list[int],
+        sampling: SamplingParams,
+        annotations: list[str],
+        span: Span,
+        *,
+        text: bool,
+    ) -> Job:
+        """Admit and plan one request (its first attempt booked); PlanError or Overloaded if not."""
+        started = time.perf_counter()
+        ctx = self.planner.context(request_id, model, tokens, sampling.max_tokens, text=text)
+        try:
+            plan = await self.admission.admit(ctx, self.planner.take)
+        except BaseException:
+            self.planner.finished(ctx)
+            raise
+        self.metrics.route.observe(time.perf_counter() - started)
+        self.tracer.decision(span, plan, ctx.isl, ctx.cached_tokens(plan.decode))
+        req = GenerateRequest(
+            request_id=request_id,
+            model=model,
+            token_ids=tokens,
+            sampling=sampling,
+            annotations=[a for a in annotations if a != ANNOTATION_BYPASS],  # the router's alone
+            deadline=time.time() + self.request_timeout_s,
+            trace=self.tracer.carrier(span),
+        )
+        return Job(
+            request=req,
+            plan=plan,
+            replan=lambda exclude: self.planner.plan_again(ctx, exclude),
+            deadline=req.deadline or math.inf,
+        )
+
+    def release(self, job: Job) -> None:
+        """End the job's bookkeeping unless its stream did: the handler calls it whatever happened
+        after `open` (a failure before streaming would otherwise leak the booking)."""
+        if job.released:
+            return
+        job.released = True
+        if job.attempts == 0:  # the dispatcher never ran, so it freed nothing
+            self.planner.ledger.free(job.plan.key)
+        self.planner.finished(job.plan.ctx)
+        self.admission.throughput.completed()
+        self.admission.notify()
+
+    async def stream(self, job: Job) -> AsyncGenerator[ResponseChunk, None]:
+        """The request's chunks; whatever way it ends, its bookkeeping ends with it."""
+        metrics = self.metrics
+        start = time.monotonic()
+        last: float | None = None
+        self.inflight += 1
+        try:
+            async for chunk in self.dispatcher.run(job):
+                if chunk.token_ids:
+                    now = time.monotonic()
+                    if last is None:
+                        metrics.observe_ttft(job.path, now - start)
+                    else:
+                        metrics.observe_itl((now - last) / len(chunk.token_ids), len(chunk.token_ids))
+                    last = now
+                yield chunk
+        finally:
+            self.inflight -= 1
+            self.release(job)

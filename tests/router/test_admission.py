@@ -1,0 +1,169 @@
+"""Admission: FIFO at the router while no worker has room, bounded, woken only as capacity frees."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.admission import Admission, Overloaded, Throughput
+from router.disagg import RoutePlan
+from router.request_context import RequestContext
+from tests.router.builders import cand, ctx
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Fleet:
+    """Plays the planner: `room` requests may be taken; each take books one of them."""
+
+    def __init__(self, room: int = 0) -> None:
+        self.room = room
+        self.taken: list[str] = []
+        self.abandoned: list[str] = []
+        self.checked = 0
+
+    def take(self, c: RequestContext) -> RoutePlan | None:
+        self.checked += 1
+        if self.room <= 0:
+            return None
+        self.room -= 1
+        self.taken.append(c.request_id)
+        d = cand()
+        return RoutePlan(c, d, None, "agg", "aggregated", "", key=f"{c.request_id}#1")  # type: ignore[arg-type]
+
+
+def admission(fleet: Fleet, *, max_queue: int | None = None, wait_s: float = 5.0, rate: float = 0.0) -> Admission:
+    clock = Clock()
+    throughput = Throughput(clock, window_s=10.0)
+    throughput.completed(round(rate * 10))
+    return Admission(
+        max_wait_s=lambda: wait_s,
+        max_queue=lambda: max_queue,
+        throughput=throughput,
+        on_abandon=lambda plan: fleet.abandoned.append(plan.key),
+        min_queue=2,
+        clock=clock,
+    )
+
+
+def req(i: int) -> RequestContext:
+    return ctx(16, request_id=f"r{i}")
+
+
+async def test_taken_at_once_when_a_worker_has_room() -> None:
+    fleet = Fleet(room=1)
+    plan = await admission(fleet).admit(req(0), fleet.take)
+    assert plan.key == "r0#1" and fleet.taken == ["r0"]
+
+
+async def test_waiters_are_granted_in_arrival_order_as_capacity_frees() -> None:
+    fleet = Fleet(room=0)
+    adm = admission(fleet, max_queue=10)
+    tasks = [asyncio.create_task(adm.admit(req(i), fleet.take)) for i in range(3)]
+    await asyncio.sleep(0)
+    assert adm.depth == 3
+    fleet.room = 2
+    adm.notify()
+    await asyncio.sleep(0)
+    assert fleet.taken == ["r0", "r1"] and adm.depth == 1
+    # only the head is offered when there is no room: waiters behind it are not re-planned
+    checked = fleet.checked
+    adm.notify()
+    assert fleet.checked == checked + 1
+    fleet.room = 1
+    adm.notify()
+    plans = await asyncio.gather(*tasks)
+    assert [p.key for p in plans] == ["r0#1", "r1#1", "r2#1"]
+
+
+async def test_a_new_request_does_not_overtake_waiters() -> None:
+    fleet = Fleet(room=0)
+    adm = admission(fleet, max_queue=10)
+    first = asyncio.create_task(adm.admit(req(0), fleet.take))
+    await asyncio.sleep(0)
+    fleet.room = 1  # room appears, but nobody told admission: the newcomer must still queue
+    second = asyncio.create_task(adm.admit(req(1), fleet.take))
+    await asyncio.sleep(0)
+    assert fleet.taken == [] and adm.depth == 2
+    adm.notify()
+    assert (await first).key == "r0#1"
+    fleet.room = 1
+    adm.notify()
+    assert (await second).key == "r1#1"
+
+
+async def test_a_full_queue_answers_429_with_retry_after_from_the_drain_rate() -> None:
+    fleet = Fleet(room=0)
+    adm = admission(fleet, rate=2.0, wait_s=1.5)  # derived bound: 2/s x 1.5 s = 3 waiters
+    assert adm.bound() == 3
+    tasks = [asyncio.create_task(adm.admit(req(i), fleet.take)) for i in range(3)]
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded) as full:
+        await adm.admit(req(9), fleet.take)
+    assert full.value.retry_after_s == 2  # (3 waiting + 1) / 2 per second
+    assert adm.refused == 1
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert adm.depth == 0
+
+
+async def test_configured_bound_wins_and_zero_refuses_every_waiter() -> None:
+    fleet = Fleet(room=0)
+    with pytest.raises(Overloaded):
+        await admission(fleet, max_queue=0, rate=100.0).admit(req(0), fleet.take)
+
+
+async def test_a_waiter_gives_up_after_the_wait_with_429() -> None:
+    fleet = Fleet(room=0)
+    adm = admission(fleet, wait_s=0.02)
+    with pytest.raises(Overloaded, match="no worker had room"):
+        await adm.admit(req(0), fleet.take)
+    assert adm.timed_out == 1 and adm.depth == 0
+
+
+async def test_a_plan_granted_to_a_waiter_that_left_is_released() -> None:
+    fleet = Fleet(room=0)
+    adm = admission(fleet)
+    waiter = asyncio.create_task(adm.admit(req(0), fleet.take))
+    await asyncio.sleep(0)
+    fleet.room = 1
+    adm.notify()  # granted ...
+    waiter.cancel()  # ... as the client leaves, before the waiter ran again
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert fleet.abandoned == ["r0#1"]
+
+
+async def test_a_planning_error_reaches_the_waiter() -> None:
+    adm = admission(Fleet())
+    calls = 0
+
+    def take(c: RequestContext) -> RoutePlan | None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return None
+        raise LookupError("the model's last worker left")
+
+    waiter = asyncio.create_task(adm.admit(req(0), take))
+    await asyncio.sleep(0)
+    adm.notify()
+    with pytest.raises(LookupError):
+        await waiter
+
+
+def test_throughput_decays_without_completions() -> None:
+    clock = Clock()
+    t = Throughput(clock, window_s=10.0)
+    t.completed(50)
+    assert t.rate() == pytest.approx(5.0)
+    clock.now = 10.0
+    assert t.rate() == pytest.approx(5.0 / 2.718281828, rel=1e-6)
