@@ -24,6 +24,7 @@ from protocol.messages import (
     KvEventBatch,
     KvStateChunk,
     KvStateRequest,
+    LoadReport,
     Removed,
     Stored,
     decode_msg,
@@ -46,6 +47,7 @@ class FakeShim:
         self.dump_chunk = dump_chunk
         self.requests: list[KvStateRequest] = []
         self.answering = True
+        self.garbage = 0  # answer this many requests with bytes that are no KvStateChunk
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.kvstate(self.ns, self.worker), cb=self._on_state)
@@ -83,6 +85,10 @@ class FakeShim:
         req = decode_msg(msg.data, KvStateRequest)
         self.requests.append(req)
         if not self.answering:
+            return
+        if self.garbage:
+            self.garbage -= 1
+            await self.nc.publish(msg.reply, b"\x01not msgpack of a chunk")
             return
         missed = [b for b in self.ring if b.seq > req.since_seq]
         covered = req.since_seq == self.seq or (bool(missed) and missed[0].seq == req.since_seq + 1)
@@ -326,3 +332,120 @@ async def test_stop_is_idempotent_and_cancels_repairs(nc: Client, ns: str, shim:
     await ingest.stop()
     assert ingest.status is PartStatus.STOPPED
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kv-repair")] == []
+
+
+async def test_a_forged_far_ahead_seq_costs_one_repair_and_is_dropped(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1, 2]))
+    await until(lambda: ingest.stats.batches_applied == 1)
+    asked = len(shim.requests)
+    forged = KvEventBatch(worker="a1", epoch=shim.epoch, seq=shim.seq + 1000, ts=0.0, events=[Stored(hashes=[999])])
+    with caplog.at_level(logging.ERROR, logger="router.kv_ingest"):
+        await nc.publish(subjects.kv(ns, "a1"), encode_msg(forged))
+        await until(lambda: ingest.stats.dropped_impossible == 1 and ingest.synced)
+    assert len(shim.requests) == asked + 1  # one request settled it
+    assert "a1" in caplog.text and "never sent" in caplog.text
+    await shim.publish(Stored(hashes=[3], parent=2))  # the real next batch is applied as usual
+    await until(lambda: ingest.stats.workers["a1"].last_seq == 2)
+    assert ingest.index.dump() == shim.expected() == {"a1": [1, 2, 3]}
+
+
+async def test_a_forged_epoch_is_settled_by_one_dump(nc: Client, ns: str, ingest: KvIngest, shim: FakeShim) -> None:
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1]))
+    await until(lambda: ingest.stats.batches_applied == 1)
+    forged = KvEventBatch(worker="a1", epoch=shim.epoch ^ 1, seq=1, ts=0.0, events=[Cleared(), Stored(hashes=[66])])
+    await nc.publish(subjects.kv(ns, "a1"), encode_msg(forged))
+    await until(lambda: ingest.stats.dropped_impossible == 1 and ingest.synced)
+    assert shim.requests[-1] == KvStateRequest(since_seq=0, epoch=None)
+    assert ingest.index.dump() == shim.expected() == {"a1": [1]}
+    assert ingest.stats.workers["a1"].epoch == shim.epoch
+
+
+async def test_a_reply_that_does_not_decode_is_followed_by_a_dump_not_the_same_request(
+    ingest: KvIngest, shim: FakeShim
+) -> None:
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1]))
+    await shim.publish(Stored(hashes=[2], parent=1), drop=True)
+    shim.garbage = 1
+    await shim.publish(Stored(hashes=[3], parent=2))
+    await until(lambda: ingest.stats.gaps == 1 and ingest.synced)
+    since, dump = shim.requests[-2:]
+    assert since == KvStateRequest(since_seq=1, epoch=shim.epoch)  # answered with garbage
+    assert dump == KvStateRequest(since_seq=0, epoch=None)
+    assert ingest.index.dump() == shim.expected()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def digest(hashes: list[int]) -> tuple[int, int]:
+    xor = 0
+    for h in hashes:
+        xor ^= h
+    return len(hashes), xor
+
+
+async def test_a_lost_last_batch_is_caught_by_the_digest_within_the_grace(nc: Client, ns: str, shim: FakeShim) -> None:
+    clock = Clock()
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, behind_grace_s=1.0, clock=clock)
+    await ingest.start()
+    try:
+        await synced_with(ingest, shim)
+        await shim.publish(Stored(hashes=[1]))
+        await shim.publish(Stored(hashes=[2], parent=1), drop=True)  # the last batch: no later one reveals the gap
+        await until(lambda: ingest.stats.batches_applied == 1)
+
+        def report() -> LoadReport:
+            n, x = digest(shim.expected()["a1"])
+            return LoadReport(worker="a1", ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=n, kv_xor=x)
+
+        ingest.check_digest(report())
+        assert ingest.synced  # one report ahead may just be ahead of its batch
+        clock.now = 1.0
+        ingest.check_digest(report())
+        await until(lambda: ingest.stats.digest_lags == 1 and ingest.synced)
+        assert ingest.index.dump() == shim.expected() == {"a1": [1, 2]}
+        ingest.check_digest(report())  # now equal: nothing to do
+        assert ingest.stats.digest_mismatches == 0 and ingest.synced
+    finally:
+        await ingest.stop()
+
+
+async def test_a_digest_that_disagrees_at_the_same_seq_resyncs_from_a_dump(ingest: KvIngest, shim: FakeShim) -> None:
+    await synced_with(ingest, shim)
+    await shim.publish(Stored(hashes=[1, 2]))
+    await until(lambda: ingest.stats.batches_applied == 1)
+    ingest.index.remove("a1", [2])  # the index lost something behind the ingest's back
+    n, x = digest([1, 2])
+    ingest.check_digest(LoadReport(worker="a1", ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=n, kv_xor=x))
+    await until(lambda: ingest.stats.digest_mismatches == 1 and ingest.synced)
+    assert ingest.index.dump() == {"a1": [1, 2]}
+    assert ingest.stats.repairs_dumps == 2
+
+
+async def test_repairing_worker_is_reported_with_its_reason_and_others_stay_synced(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim
+) -> None:
+    other = FakeShim(nc, ns, "b2")
+    await other.start()
+    await synced_with(ingest, shim)
+    await synced_with(ingest, other)
+    shim.answering = False
+    await shim.publish(Stored(hashes=[1]), drop=True)
+    await shim.publish(Stored(hashes=[2], parent=1))
+    await until(lambda: ingest.sync_state("a1") is not None)
+    state, why = ingest.sync_state("a1")  # type: ignore[misc]
+    assert state == "repairing" and "gap: seq 2 after 0" in why
+    assert ingest.sync_state("b2") is None
+    await until(lambda: "failed kvstate requests" in (ingest.sync_state("a1") or ("", ""))[1], what="failures")
+    shim.answering = True
+    await until(lambda: ingest.sync_state("a1") is None, what="repaired")

@@ -1,0 +1,209 @@
+"""The dispatcher against workers played by the test over a real nats-server: heartbeats, silence,
+no responders, an engine's refusal on the prefill leg, and the bookings each attempt holds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from protocol import GenerateRequest, ResponseChunk, TransferHandle, decode_msg, encode_msg, subjects
+from protocol.config import RouterSettings
+from protocol.messages import ErrorInfo
+from router.disagg import RoutePlan
+from router.dispatch import Dispatcher, Job, LegError
+from router.policies import Outcome, Path
+from tests.router.builders import cand, ctx
+
+HB = 0.1  # heartbeat period asked of workers; a leg silent for 3 of them ends
+
+
+class Books:
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+
+    def rebook_bypass(self, key: str, plan: RoutePlan) -> None:
+        self.log.append(("rebook_bypass", key))
+
+    def prefill_done(self, key: str) -> None:
+        self.log.append(("prefill_done", key))
+
+    def free(self, key: str) -> None:
+        self.log.append(("free", key))
+
+
+Behaviour = Callable[[Client, Msg, GenerateRequest], Coroutine[Any, Any, None]]
+
+
+async def chunk(nc: Client, msg: Msg, req: GenerateRequest, seq: int, **fields: object) -> None:
+    await nc.publish(msg.reply, encode_msg(ResponseChunk(request_id=req.request_id, seq=seq, **fields)))  # type: ignore[arg-type]
+
+
+class Worker:
+    """Serves {ns}.gen.{role}.{name} with a behaviour; records what it was asked."""
+
+    def __init__(self, nc: Client, ns: str, name: str) -> None:
+        self.nc, self.ns, self.name = nc, ns, name
+        self.requests: list[GenerateRequest] = []
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def serve(self, role: str, behaviour: Behaviour) -> None:
+        async def on(msg: Msg) -> None:
+            req = decode_msg(msg.data, GenerateRequest)
+            self.requests.append(req)
+            self.tasks.append(asyncio.create_task(behaviour(self.nc, msg, req)))
+
+        await self.nc.subscribe(subjects.gen(self.ns, role, self.name), cb=on)
+        await self.nc.flush()
+
+
+async def answer(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    await chunk(nc, msg, req, 0, token_ids=[5])
+    await chunk(nc, msg, req, 1, token_ids=[6], final=True, finish_reason="length")
+
+
+def heartbeats_then_answer(seconds: float) -> Behaviour:
+    async def run(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        seq, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            await asyncio.sleep(req.heartbeat_s)
+            await chunk(nc, msg, req, seq)
+            seq += 1
+        await chunk(nc, msg, req, seq, token_ids=[5], final=True, finish_reason="length")
+
+    return run
+
+
+async def one_token_then_die(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    await chunk(nc, msg, req, 0, token_ids=[5])
+
+
+async def refuse(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    error = ErrorInfo(code=400, kind="BadRequestError", message="This model's maximum context length is 2048 tokens")
+    await chunk(nc, msg, req, 0, final=True, error=error)
+
+
+async def transfer(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    handle = TransferHandle(engine="vllm", params={"remote_block_ids": [1]})
+    await chunk(nc, msg, req, 0, final=True, finish_reason="length", transfer=handle)
+
+
+World = tuple[Dispatcher, Books, list[tuple[str, str]]]
+
+
+@pytest.fixture
+async def world(nc: Client, ns: str) -> AsyncIterator[World]:
+    books = Books()
+    unreachable: list[tuple[str, str]] = []
+    d = Dispatcher(
+        nc, ns, books, settings=lambda: RouterSettings(stream_heartbeat_s=HB),
+        on_unreachable=lambda w, why: unreachable.append((w, why)),
+    )  # fmt: skip
+    await d.start()
+    yield d, books, unreachable
+    await d.stop()
+
+
+def job(*decode: str, prefill: str | None = None, replans: list[RoutePlan] | None = None) -> Job:
+    c = ctx(64, [cand(w) for w in decode], [cand(prefill, "prefill")] if prefill else [])
+    d = c.decode_pool[0]
+    p = c.prefill_pool[0] if prefill else None
+    path = Path.REMOTE if prefill else Path.BYPASS
+    plan = RoutePlan(c, d, p, path, Outcome.DECLINED_POLICY, "", c.decode_pool, c.prefill_pool, key="r1#1")
+    queue = list(replans or [])
+    req = GenerateRequest(request_id="r1", model="m", token_ids=list(range(64)))
+    return Job(request=req, plan=plan, replan=lambda ex: queue.pop(0) if queue else None, deadline=time.time() + 30)
+
+
+async def collect(d: Dispatcher, j: Job) -> list[ResponseChunk]:
+    return [c async for c in d.run(j)]
+
+
+async def test_heartbeats_keep_a_long_prefill_alive_and_are_not_passed_on(nc: Client, ns: str, world: World) -> None:
+    d, books, unreachable = world
+    w = Worker(nc, ns, "w1")
+    await w.serve("decode", heartbeats_then_answer(6 * HB))  # twice the silence limit, in heartbeats
+    chunks = await collect(d, job("w1"))
+    assert [c.token_ids for c in chunks] == [[5]] and chunks[-1].final
+    assert w.requests[0].heartbeat_s == HB
+    assert unreachable == [] and books.log[-1] == ("free", "r1#1")
+
+
+async def test_a_worker_dead_mid_stream_ends_the_stream_within_three_heartbeats(
+    nc: Client, ns: str, world: World
+) -> None:
+    d, books, unreachable = world
+    await Worker(nc, ns, "w1").serve("decode", one_token_then_die)
+    j = job("w1")
+    seen: list[ResponseChunk] = []
+    with pytest.raises(LegError) as err:
+        async for c in d.run(j):
+            seen.append(c)
+            last = time.monotonic()
+    waited = time.monotonic() - last
+    assert [c.token_ids for c in seen] == [[5]]
+    assert err.value.kind == "worker_silent" and not err.value.retryable  # a token went out already
+    assert 3 * HB <= waited < 3 * HB + 1.0
+    assert unreachable and unreachable[0][0] == "w1"
+    assert books.log == [("prefill_done", "r1#1"), ("free", "r1#1")]
+
+
+async def test_no_responder_marks_the_worker_and_retries_on_the_next_plan(nc: Client, ns: str, world: World) -> None:
+    d, books, unreachable = world
+    await Worker(nc, ns, "w2").serve("decode", answer)
+    retry = job("w2").plan
+    retry.key = "r1#2"
+    chunks = await collect(d, job("dead", replans=[retry]))
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert unreachable == [("dead", "no responder on its subject")]
+    assert ("free", "r1#1") in books.log and books.log[-1] == ("free", "r1#2")
+
+
+async def test_an_engine_refusal_on_the_prefill_leg_is_the_clients_error_not_a_fallback(
+    nc: Client, ns: str, world: World
+) -> None:
+    d, books, _ = world
+    await Worker(nc, ns, "p1").serve("prefill", refuse)
+    decode = Worker(nc, ns, "d1")
+    await decode.serve("decode", answer)
+    with pytest.raises(LegError) as err:
+        await collect(d, job("d1", prefill="p1"))
+    assert err.value.code == 400 and err.value.refused and "maximum context length" in err.value.message
+    assert decode.requests == [] and d.fallbacks == 0
+    assert ("rebook_bypass", "r1#1") not in books.log
+
+
+async def test_a_silent_prefill_worker_falls_back_to_local_prefill_within_three_heartbeats(
+    nc: Client, ns: str, world: World
+) -> None:
+    d, books, unreachable = world
+
+    async def hang(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await asyncio.sleep(60)
+
+    await Worker(nc, ns, "p1").serve("prefill", hang)
+    decode = Worker(nc, ns, "d1")
+    await decode.serve("decode", answer)
+    j = job("d1", prefill="p1")
+    start = time.monotonic()
+    chunks = await collect(d, j)
+    assert time.monotonic() - start < 3 * HB + 1.0
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert j.outcome is Outcome.FALLBACK_PREFILL_FAILED and j.path is Path.BYPASS
+    assert decode.requests[0].disagg is None and "bypass_remote_prefill" in decode.requests[0].annotations
+    assert ("rebook_bypass", "r1#1") in books.log and unreachable[0][0] == "p1"
+
+
+async def test_the_transfer_handle_reaches_the_decode_leg(nc: Client, ns: str, world: World) -> None:
+    d, books, _ = world
+    await Worker(nc, ns, "p1").serve("prefill", transfer)
+    decode = Worker(nc, ns, "d1")
+    await decode.serve("decode", answer)
+    await collect(d, job("d1", prefill="p1"))
+    assert decode.requests[0].disagg is not None and decode.requests[0].disagg.params == {"remote_block_ids": [1]}
+    assert books.log[0] == ("prefill_done", "r1#1")

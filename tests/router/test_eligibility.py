@@ -1,0 +1,116 @@
+"""Eligibility: each reason a worker is left out, and the one that wins when several apply."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.messages import WorkerInfo
+from router.eligibility import Eligibility, Exclusion, model_block_sizes
+from router.load_view import Liveness
+
+MODEL = "m"
+
+
+def info(name: str, block_size: int = 16, *, tokenizer: str = "builtin", events_ok: bool = True) -> WorkerInfo:
+    return WorkerInfo(
+        worker=name, model=MODEL, role="decode", engine="vllm", block_size=block_size,
+        tokenizer=tokenizer, events_ok=events_ok,
+    )  # fmt: skip
+
+
+class World:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sync: dict[str, tuple[str, str]] = {}
+        self.live: dict[str, Liveness] = {}
+        self.elig = Eligibility(
+            clock=lambda: self.now, sync_state=self.sync.get, liveness=self.live.get, tokenizer="builtin"
+        )
+
+    def report(
+        self, worker: str, *, age: float = 0.0, period: float = 0.5, events_ok: bool = True, healthy: bool = True
+    ) -> None:
+        self.live[worker] = Liveness(age, period, events_ok, healthy)
+
+    def status(self, i: WorkerInfo) -> tuple[Exclusion | None, str]:
+        st = self.elig.statuses([i])[0]
+        return st.exclusion, st.detail
+
+
+@pytest.fixture
+def world() -> World:
+    w = World()
+    w.elig.added("w1")
+    w.report("w1")
+    return w
+
+
+def test_a_synced_live_worker_is_routable(world: World) -> None:
+    assert world.status(info("w1")) == (None, "")
+
+
+def test_bootstrapping_and_repairing_exclude_with_their_reason(world: World) -> None:
+    world.sync["w1"] = ("repairing", "gap: seq 9 after 7")
+    assert world.status(info("w1")) == (Exclusion.REPAIRING, "gap: seq 9 after 7")
+    world.sync["w1"] = ("bootstrapping", "waiting")
+    assert world.status(info("w1"))[0] is Exclusion.BOOTSTRAPPING
+
+
+def test_events_down_in_the_record_or_the_report(world: World) -> None:
+    assert world.status(info("w1", events_ok=False))[0] is Exclusion.EVENTS_DOWN
+    world.report("w1", events_ok=False)
+    assert world.status(info("w1"))[0] is Exclusion.EVENTS_DOWN
+
+
+@pytest.mark.parametrize(("age", "silent"), [(1.49, False), (1.5, False), (1.51, True)])
+def test_silent_after_three_report_periods(world: World, age: float, silent: bool) -> None:
+    world.report("w1", age=age, period=0.5)
+    assert (world.status(info("w1"))[0] is Exclusion.SILENT) is silent
+
+
+def test_a_worker_that_never_reports_is_silent_three_default_periods_after_registering(world: World) -> None:
+    world.elig.added("w2")
+    assert world.status(info("w2"))[0] is None
+    world.now += 3.01
+    exclusion, why = world.status(info("w2"))
+    assert exclusion is Exclusion.SILENT and "since it registered" in why
+
+
+def test_unreachable_until_the_next_report(world: World) -> None:
+    world.elig.mark_unreachable("w1", "no responder on its subject")
+    exclusion, why = world.status(info("w1"))
+    assert exclusion is Exclusion.UNREACHABLE and "no responder" in why
+    world.elig.reported("w1")
+    assert world.status(info("w1"))[0] is None
+
+
+def test_engine_unhealthy(world: World) -> None:
+    world.report("w1", healthy=False)
+    assert world.status(info("w1"))[0] is Exclusion.ENGINE_UNHEALTHY
+
+
+def test_the_minority_block_size_is_excluded_not_the_fleet(world: World) -> None:
+    for w in ("w2", "w3"):
+        world.elig.added(w)
+        world.report(w)
+    statuses = world.elig.statuses([info("w1", 32), info("w2"), info("w3")])
+    assert [s.exclusion for s in statuses] == [Exclusion.BLOCK_SIZE, None, None]
+    assert "block size 32, but model m is served with 16" in statuses[0].detail
+
+
+def test_a_block_size_tie_goes_to_the_worker_registered_first() -> None:
+    infos = [info("late", 32), info("early", 16)]
+    assert model_block_sizes(infos, {"early": 1.0, "late": 2.0}) == {MODEL: 16}
+    assert model_block_sizes(infos, {"early": 3.0, "late": 2.0}) == {MODEL: 32}
+
+
+def test_the_tokenizer_is_a_per_request_check_not_an_exclusion(world: World) -> None:
+    st = world.elig.statuses([info("w1", tokenizer="tok-0123456789abcdef")])[0]
+    assert st.routable and not st.tokenizer_ok
+    assert world.elig.statuses([info("w1")])[0].tokenizer_ok
+
+
+def test_sync_state_outranks_liveness(world: World) -> None:
+    world.sync["w1"] = ("repairing", "digest")
+    world.report("w1", age=100.0)
+    assert world.status(info("w1"))[0] is Exclusion.REPAIRING

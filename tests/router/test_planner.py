@@ -1,0 +1,195 @@
+"""The planner end to end, synchronously: filters, choice, booking, admission, pending prefixes."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from protocol import block_hashes
+from protocol.messages import LoadReport, Role, Stored, WorkerInfo
+from router.block_index import BlockIndex
+from router.load_view import LoadView
+from router.planner import PlanError, Planner, standalone_planner
+from tests.router.builders import settings
+
+BLOCK = 16
+MODEL = "m"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def winfo(name: str, role: Role = "decode", **kw: object) -> WorkerInfo:
+    fields: dict[str, object] = {
+        "model": MODEL, "engine": "vllm", "block_size": BLOCK, "kv_total_blocks": 10_000,
+        "max_num_batched_tokens": 8192, "timing_profile": "h200:llama-3.1-8b", "tokenizer": "builtin",
+    }  # fmt: skip
+    fields.update(kw)
+    return WorkerInfo(worker=name, role=role, **fields)  # type: ignore[arg-type]
+
+
+class Fleet:
+    def __init__(self, *infos: WorkerInfo, sync: dict[str, tuple[str, str]] | None = None, **flat: object) -> None:
+        self.clock = Clock()
+        self.infos = list(infos)
+        self.index = BlockIndex()
+        self.view = LoadView(clock=self.clock)
+        self.sync = sync if sync is not None else {}
+        self.planner: Planner = standalone_planner(
+            settings(**flat),
+            lambda: self.infos,
+            index=self.index,
+            view=self.view,
+            clock=self.clock,
+            rng=random.Random(0),
+            sync_state=self.sync.get,
+            tokenizer="builtin",
+        )
+        for i in infos:
+            self.report(i.worker)
+        self.clock.now += 0.001  # bookings come after the reports (a report as new covers them)
+
+    def report(self, worker: str, **load: Any) -> None:
+        self.view.update(LoadReport(worker=worker, ts=self.clock(), kv_total_blocks=10_000, period_s=0.5, **load))
+
+    def ctx(self, tokens: list[int], request_id: str = "r", *, text: bool = False):  # type: ignore[no-untyped-def]
+        return self.planner.context(request_id, MODEL, tokens, text=text)
+
+
+def test_excluded_workers_are_left_out_with_their_reason_and_the_rest_route() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"), sync={"d1": ("repairing", "gap: seq 9 after 7")})
+    plan = f.planner.take(f.ctx(list(range(64))))
+    assert plan is not None and plan.decode.worker == "d2"
+    (excluded,) = plan.ctx.excluded
+    assert excluded["worker"] == "d1" and excluded["excluded"] == "repairing" and "gap" in excluded["why"]
+
+
+def test_no_routable_decode_worker_is_a_503_naming_each_reason() -> None:
+    f = Fleet(winfo("d1"), sync={"d1": ("bootstrapping", "waiting for the shim's first full state")})
+    with pytest.raises(PlanError) as err:
+        f.planner.take(f.ctx(list(range(64))))
+    assert err.value.code == 503 and "d1: bootstrapping (waiting for the shim's first full state)" in err.value.message
+
+
+def test_unknown_model_is_a_503() -> None:
+    f = Fleet(winfo("d1"))
+    with pytest.raises(PlanError, match="no worker is registered for model other"):
+        f.planner.context("r", "other", [1, 2, 3])
+
+
+def test_text_prompts_go_only_to_workers_sharing_the_routers_tokenizer() -> None:
+    f = Fleet(winfo("d1", tokenizer="tok-aaaaaaaaaaaaaaaa"), winfo("d2"))
+    for i in range(4):
+        plan = f.planner.take(f.ctx(list(range(i, i + 64)), f"r{i}", text=True))
+        assert plan is not None and plan.decode.worker == "d2"
+    only_other = Fleet(winfo("d1", tokenizer="tok-aaaaaaaaaaaaaaaa"))
+    with pytest.raises(PlanError, match="tokenizer"):
+        only_other.planner.take(only_other.ctx([1, 2, 3], text=True))
+    assert only_other.planner.take(only_other.ctx([1, 2, 3])) is not None  # token ids need no tokenizer
+
+
+def test_a_silent_worker_leaves_and_returns_with_its_next_report() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"))
+    f.clock.now += 2.0  # 4 periods of 0.5 s without a word from either ...
+    f.report("d2")  # ... but d2 speaks
+    plans = [f.planner.take(f.ctx(list(range(i, i + 64)), f"r{i}")) for i in range(5)]
+    assert {p.decode.worker for p in plans if p is not None} == {"d2"}
+    f.report("d1")
+    assert "d1" in {c.worker for c in (f.planner.take(f.ctx([9] * 64, "x")) or plans[0]).ctx.decode_pool}  # type: ignore[union-attr]
+
+
+def test_a_booking_is_seen_by_the_next_request_at_once() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"))
+    first = f.planner.take(f.ctx(list(range(4096)), "r1"))
+    assert first is not None
+    loads = {c.worker: c for c in f.planner.take(f.ctx(list(range(5000, 9096)), "r2")).ctx.decode_pool}  # type: ignore[union-attr]
+    assert loads[first.decode.worker].queued_prefill_tokens == 4096
+    assert loads[first.decode.worker].active_blocks == 4096 // BLOCK
+
+
+def _follow_ups(f: Fleet, n: int) -> Counter[str]:
+    """`n` requests on one new 4,096-token prefix, each prefilled (first token seen) before the next
+    arrives, and no KV event yet: only the pending prefixes know where the prefix went."""
+    shared = list(range(100_000, 100_000 + 4096))
+    chosen: Counter[str] = Counter()
+    for i in range(n):
+        plan = f.planner.take(f.ctx([*shared, *range(i * 100, i * 100 + 64)], f"r{i}"))
+        assert plan is not None
+        f.planner.ledger.prefill_done(plan.key)
+        chosen[plan.decode.worker] += 1
+    return chosen
+
+
+def test_follow_ups_on_one_new_prefix_stick_to_one_worker() -> None:
+    chosen = _follow_ups(Fleet(*(winfo(f"d{i}") for i in range(4))), 8)
+    assert len(chosen) == 1, chosen
+
+
+def test_without_pending_prefixes_the_same_follow_ups_spread() -> None:
+    chosen = _follow_ups(Fleet(*(winfo(f"d{i}") for i in range(4)), pending_ttl_s=0.0), 8)
+    assert len(chosen) == 4, chosen
+
+
+def test_an_unconfirmed_pending_prefix_expires() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"), pending_ttl_s=5.0)
+    prompt = list(range(2048))
+    f.planner.take(f.ctx(prompt, "r1"))
+    assert max(c.overlap_blocks for c in f.planner.take(f.ctx(prompt, "r2")).ctx.decode_pool) == 128  # type: ignore[union-attr]
+    f.clock.now += 5.0
+    for w in ("d1", "d2"):
+        f.report(w)
+    assert max(c.overlap_blocks for c in f.planner.take(f.ctx(prompt, "r3")).ctx.decode_pool) == 0  # type: ignore[union-attr]
+
+
+def test_the_index_overlap_counts_like_a_pending_one() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"))
+    prompt = list(range(2048))
+    f.index.apply("d2", [Stored(hashes=block_hashes(prompt, BLOCK))])
+    plan = f.planner.take(f.ctx(prompt))
+    assert plan is not None and plan.decode.worker == "d2" and plan.decode.overlap_blocks == 128
+
+
+def test_no_room_anywhere_returns_none_and_room_on_a_prefill_worker_admits() -> None:
+    # h200 llama-8b prefills ~8k tokens in well under a second: 100k queued is several seconds
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True)
+    f.report("d1", prefill_tokens_queued=200_000)
+    f.report("p1", prefill_tokens_queued=200_000)
+    assert f.planner.take(f.ctx(list(range(64)))) is None
+    f.report("p1", prefill_tokens_queued=0)
+    assert f.planner.take(f.ctx(list(range(64)))) is not None
+
+
+def test_queue_threshold_replaces_the_slo_rule_when_set() -> None:
+    f = Fleet(winfo("d1"), queue_threshold=1.0)
+    f.report("d1", prefill_tokens_queued=8193)
+    assert f.planner.take(f.ctx(list(range(64)))) is None
+    f.report("d1", prefill_tokens_queued=8192)
+    assert f.planner.take(f.ctx(list(range(64)))) is not None
+
+
+def test_a_retry_avoids_the_workers_tried_and_books_a_new_attempt() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"))
+    ctx = f.ctx(list(range(256)))
+    first = f.planner.take(ctx)
+    assert first is not None and first.key == "r#1"
+    again = f.planner.plan_again(ctx, frozenset({first.decode.worker}))
+    assert again is not None and again.key == "r#2" and again.decode.worker != first.decode.worker
+    assert f.planner.plan_again(ctx, frozenset({"d1", "d2"})) is None
+    f.planner.finished(ctx)
+    assert f.planner.take(f.ctx(list(range(256)))).key == "r#1"  # type: ignore[union-attr]
+
+
+def test_explain_books_and_counts_nothing() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"), sync={"d2": ("repairing", "digest")})
+    before = dict(f.planner.disagg.counts)
+    info = f.planner.explain(f.ctx(list(range(64))))
+    assert info["decode_worker"] == "d1" and info["excluded"][0]["worker"] == "d2" and info["admissible"]
+    assert f.view.bookings("d1") == 0 and dict(f.planner.disagg.counts) == before
