@@ -3,6 +3,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import pytest
+
 from discovery import ConfigWatcher, Discovery, put_config
 from protocol.config import EtcdSettings, RouterSettings
 
@@ -43,3 +45,38 @@ async def test_invalid_config_at_start_keeps_the_base(etcd_url: str, ns: str) ->
         first = await _next(aiter(watcher))
         assert first == RouterSettings().validate()
         assert watcher.rejected == 1 and "JSON object" in watcher.last_error
+
+
+async def test_only_the_exact_key_counts_not_a_key_that_starts_with_it(etcd_url: str, ns: str) -> None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        watcher = ConfigWatcher(d, base_cli={}, base_file={})
+        it = aiter(watcher)
+        await _next(it)
+        await put_config(d, {"eff_isl_threshold": 512})
+        assert (await _next(it)).conditional.eff_isl_threshold == 512
+        await d.put_raw(f"/{ns}/config/router-canary", b'{"eff_isl_threshold": 7}')
+        await d.delete(f"/{ns}/config/router-canary")
+        await put_config(d, {"eff_isl_threshold": 256})
+        after = await _next(it)  # the canary's put and delete yielded nothing
+        assert after.conditional.eff_isl_threshold == 256 and watcher.rejected == 0
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        (b'{"overlap_weight": NaN}', "overlap_weight"),
+        (b'{"temperature": Infinity}', "temperature"),
+        (b'{"eff_isl_ratio_threshold": -Infinity}', "eff_isl_ratio_threshold"),
+        (b'{"eff_isl_treshold": 100}', "eff_isl_treshold"),  # a typo must not pass for applied
+    ],
+)
+async def test_nan_infinity_and_unknown_keys_are_refused(etcd_url: str, ns: str, raw: bytes, named: str) -> None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        watcher = ConfigWatcher(d, base_cli={}, base_file={})
+        it = aiter(watcher)
+        await _next(it)
+        await d.put_raw(f"/{ns}/config/router", raw)
+        await put_config(d, {"eff_isl_threshold": 300})
+        assert (await _next(it)).conditional.eff_isl_threshold == 300
+        assert watcher.rejected == 1 and named in watcher.last_error
+        assert watcher.current.overlap_weight == 4.0 and watcher.current.temperature == 0.0

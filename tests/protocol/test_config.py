@@ -221,3 +221,11 @@ def test_add_flags_gives_every_setting_a_flag_that_resolve_reads() -> None:
     assert given["temperature"] is None  # absent flags fall through to env, file and default
     with pytest.raises(SystemExit):
         parser.parse_args(["--routing", "fastest"])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused_naming_the_setting(value: str) -> None:
+    with pytest.raises(ConfigError, match="overlap_weight.*finite"):
+        resolve(RouterSettings, cli={"overlap_weight": float(value)}, env={})
+    with pytest.raises(ConfigError, match="decode_busy_threshold.*finite"):
+        resolve(RouterSettings, cli={"decode_busy_threshold": float(value)}, env={})

@@ -65,6 +65,7 @@ class Cluster:
                 lease_ttl=2,
                 health_interval_s=0.1,
                 drain_grace_s=1.0,
+                timing_profile="h200:llama-3.1-8b",  # what the sims are timed from
             ),
             NatsSettings(servers=[self.nats_url]),
             EtcdSettings(endpoints=[self.etcd_url]),

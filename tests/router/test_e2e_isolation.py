@@ -1,0 +1,117 @@
+"""One worker's fault never stops the fleet: a hanging new worker, forged KV batches, a router's
+lost lease, overload. Real nats-server, etcd, sims and shims; token-id prompts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import grpc
+
+from discovery import Discovery
+from protocol import KvEventBatch, Stored, WorkerInfo, encode_msg, subjects
+from protocol.config import EtcdSettings
+from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.polling import until
+
+
+async def test_a_registered_worker_that_never_answers_is_left_out_and_the_rest_serve(
+    cluster: Cluster, http: aiohttp.ClientSession, etcd_url: str
+) -> None:
+    alive = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        lease = await d.register_worker(
+            lambda wid: WorkerInfo(
+                worker=wid, model=MODEL, role="agg", engine="vllm", block_size=16, tokenizer="builtin"
+            )
+        )
+        await until(lambda: router.registry.get(lease.hex_id) is not None, what="the hanging worker registered")
+        results = await asyncio.gather(*(complete(http, router, list(range(i, i + 200))) for i in range(0, 4000, 200)))
+        assert [s for s, _, _ in results] == [200] * 20
+        assert {h["x-kvswitch-decode-worker"] for _, _, h in results} == {alive.id}
+        async with http.get(router.url + "/ready") as r:
+            assert r.status == 200
+            body = await r.json()
+        (hung,) = [w for w in body["worker_status"] if w["worker"] == lease.hex_id]
+        assert hung["routable"] is False and hung["excluded"] == "bootstrapping"
+        assert "failed kvstate requests" in hung["why"] or "first full state" in hung["why"]
+
+
+async def test_forged_batches_leave_the_others_routable_and_the_worker_recovers(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    target = await cluster.add_worker("agg")
+    other = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    status, _, _ = await complete(http, router, list(range(300)))
+    assert status == 200
+    stats = router.ingest.stats
+    synced = router.ingest.stats.workers[target.id]
+    await until(lambda: synced.last_seq >= 1, what="a first batch")
+    ahead = KvEventBatch(
+        worker=target.id,
+        epoch=synced.epoch or 0,
+        seq=synced.last_seq + 1000,
+        ts=time.time(),
+        events=[Stored(hashes=[7])],
+    )
+    new_epoch = KvEventBatch(worker=target.id, epoch=(synced.epoch or 0) ^ 1, seq=1, ts=time.time(), events=[])
+    nc = router.dispatcher._nc
+    for forged in (ahead, new_epoch):
+        await nc.publish(subjects.kv(cluster.ns, target.id), encode_msg(forged))
+        results = await asyncio.gather(*(complete(http, router, list(range(i, i + 100))) for i in range(0, 1000, 100)))
+        assert [s for s, _, _ in results] == [200] * 10  # served throughout, by whichever is routable
+        await until(lambda: router.ingest.sync_state(target.id) is None, what="the forged worker repaired")
+    assert stats.dropped_impossible == 2
+    assert 7 not in router.index.worker_hashes(target.id)
+    assert router.ingest.sync_state(other.id) is None
+    assert sorted(router.index.worker_hashes(target.id)) == sorted(target.shim.canonical_hashes())
+
+
+async def test_a_router_that_lost_its_lease_registers_anew_and_peers_count_its_bookings(
+    cluster: Cluster, http: aiohttp.ClientSession, etcd_url: str
+) -> None:
+    worker = await cluster.add_worker("agg")
+    a = await cluster.add_ready_router(disagg="never")
+    b = await cluster.add_ready_router(disagg="never")
+    old = a.router_id
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        assert d.client.lease is not None
+        try:
+            await d.client.lease.revoke(int(old, 16), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            pass
+    await until(lambda: a.reregistrations == 1 and a.router_id != old, what="a new registration")
+    await until(lambda: b.sync.registered(a.router_id) is True, what="the peer to see the new key")
+    request = asyncio.create_task(complete(http, a, list(range(500)), max_tokens=2000, ignore_eos=True))
+    await until(lambda: b.view.bookings(worker.id) == 1, what="a's booking at b")
+    request.cancel()
+    await asyncio.gather(request, return_exceptions=True)
+
+
+async def test_overload_gets_429_with_retry_after_and_admitted_requests_keep_their_ttft(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    await cluster.add_worker("agg", speedup=1.0)  # H200 time: 4,096 tokens prefill in about 0.25 s
+    router = await cluster.add_ready_router(disagg="never", slo_ttft_s=1.0)
+
+    async def one(i: int) -> tuple[int, float, str | None]:
+        prompt = [(i * 7919 + k) % 30_000 + 1 for k in range(4096)]  # ids inside the sim's vocabulary
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True}
+        start = time.monotonic()
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            async for _ in resp.content:
+                break
+            ttft = time.monotonic() - start
+            await resp.read()
+            return resp.status, ttft, resp.headers.get("Retry-After")
+
+    results = await asyncio.gather(*(one(i) for i in range(40)))  # ~10 s of prefill at once: 5x what 2 s allows
+    refused = [r for r in results if r[0] == 429]
+    admitted = [r for r in results if r[0] == 200]
+    assert refused and admitted and len(refused) + len(admitted) == 40, sorted({r[0] for r in results})
+    assert all(r[2] is not None and int(r[2]) >= 1 for r in refused)
+    assert max(t for _, t, _ in admitted) <= 2 * 1.0 + 0.5  # within 2x the SLO (plus this machine's slack)
+    assert router.path.admission.refused + router.path.admission.timed_out == len(refused)
