@@ -225,7 +225,7 @@ def test_add_flags_gives_every_setting_a_flag_that_resolve_reads() -> None:
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_non_finite_numbers_are_refused_naming_the_setting(value: str) -> None:
-    with pytest.raises(ConfigError, match="overlap_weight.*finite"):
+    with pytest.raises(ConfigError, match=r"overlap_weight.*finite"):
         resolve(RouterSettings, cli={"overlap_weight": float(value)}, env={})
-    with pytest.raises(ConfigError, match="decode_busy_threshold.*finite"):
+    with pytest.raises(ConfigError, match=r"decode_busy_threshold.*finite"):
         resolve(RouterSettings, cli={"decode_busy_threshold": float(value)}, env={})

@@ -4,6 +4,7 @@ lost lease, overload. Real nats-server, etcd, sims and shims; token-id prompts."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aiohttp
@@ -57,7 +58,7 @@ async def test_forged_batches_leave_the_others_routable_and_the_worker_recovers(
         ts=time.time(),
         events=[Stored(hashes=[7])],
     )
-    new_epoch = KvEventBatch(worker=target.id, epoch=(synced.epoch or 0) ^ 1, seq=1, ts=time.time(), events=[])
+    new_epoch = KvEventBatch(worker=target.id, epoch=epoch ^ 1, seq=1, ts=time.time(), events=[])
     nc = router.dispatcher._nc
     for forged in (ahead, new_epoch):
         await nc.publish(subjects.kv(cluster.ns, target.id), encode_msg(forged))
@@ -79,10 +80,8 @@ async def test_a_router_that_lost_its_lease_registers_anew_and_peers_count_its_b
     old = a.router_id
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
         assert d.client.lease is not None
-        try:
+        with contextlib.suppress(grpc.aio.AioRpcError):
             await d.client.lease.revoke(int(old, 16), timeout=5.0)
-        except grpc.aio.AioRpcError:
-            pass
     await until(lambda: a.reregistrations == 1 and a.router_id != old, what="a new registration")
     await until(lambda: b.sync.registered(a.router_id) is True, what="the peer to see the new key")
     request = asyncio.create_task(complete(http, a, list(range(500)), max_tokens=2000, ignore_eos=True))
