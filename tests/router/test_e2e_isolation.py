@@ -9,6 +9,7 @@ import time
 
 import aiohttp
 import grpc
+from nats.aio.client import Client
 
 from discovery import Discovery
 from protocol import KvEventBatch, Stored, WorkerInfo, encode_msg, subjects
@@ -41,7 +42,7 @@ async def test_a_registered_worker_that_never_answers_is_left_out_and_the_rest_s
 
 
 async def test_forged_batches_leave_the_others_routable_and_the_worker_recovers(
-    cluster: Cluster, http: aiohttp.ClientSession
+    cluster: Cluster, http: aiohttp.ClientSession, nc: Client
 ) -> None:
     target = await cluster.add_worker("agg")
     other = await cluster.add_worker("agg")
@@ -51,15 +52,11 @@ async def test_forged_batches_leave_the_others_routable_and_the_worker_recovers(
     stats = router.ingest.stats
     synced = router.ingest.stats.workers[target.id]
     await until(lambda: synced.last_seq >= 1, what="a first batch")
+    epoch = synced.epoch or 0
     ahead = KvEventBatch(
-        worker=target.id,
-        epoch=synced.epoch or 0,
-        seq=synced.last_seq + 1000,
-        ts=time.time(),
-        events=[Stored(hashes=[7])],
+        worker=target.id, epoch=epoch, seq=synced.last_seq + 1000, ts=time.time(), events=[Stored(hashes=[7])]
     )
     new_epoch = KvEventBatch(worker=target.id, epoch=epoch ^ 1, seq=1, ts=time.time(), events=[])
-    nc = router.dispatcher._nc
     for forged in (ahead, new_epoch):
         await nc.publish(subjects.kv(cluster.ns, target.id), encode_msg(forged))
         results = await asyncio.gather(*(complete(http, router, list(range(i, i + 100))) for i in range(0, 1000, 100)))
