@@ -1,5 +1,6 @@
 """The OpenAI-compatible front door (aiohttp): /v1/completions, /v1/chat/completions (stream and
-not), /v1/models, /health, /ready, /metrics and /debug/route.
+not), /v1/models, /health, /ready, /metrics, /debug/route (the decision a request would get) and
+/debug/index (per worker: sync state, (epoch, seq) and the digest of what the index holds).
 
 Response bodies and SSE follow vLLM 0.32 byte for byte where it matters to clients (see
 /work/shared/fixtures/vllm-0.32): `data: {json}\\n\\n` events, a usage-only chunk when
@@ -274,13 +275,18 @@ class _Handlers:
         *,
         health: Callable[[], dict[str, Any]],
         readiness: Callable[[], tuple[bool, dict[str, Any]]],
+        index_state: Callable[[], dict[str, Any]],
         started_at: float,
     ) -> None:
         self.path = path
         self.tokenizer = tokenizer
         self._health = health
         self._readiness = readiness
+        self._index_state = index_state
         self.started_at = started_at
+
+    async def debug_index(self, request: web.Request) -> web.Response:
+        return _json_response(self._index_state())
 
     async def health(self, request: web.Request) -> web.Response:
         return _json_response(self._health())
@@ -442,9 +448,10 @@ def make_app(
     *,
     health: Callable[[], dict[str, Any]],
     readiness: Callable[[], tuple[bool, dict[str, Any]]],
+    index_state: Callable[[], dict[str, Any]],
     started_at: float,
 ) -> web.Application:
-    h = _Handlers(path, tokenizer, health=health, readiness=readiness, started_at=started_at)
+    h = _Handlers(path, tokenizer, health=health, readiness=readiness, index_state=index_state, started_at=started_at)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)
@@ -453,4 +460,5 @@ def make_app(
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_post("/v1/chat/completions", h.chat)
     app.router.add_post("/debug/route", h.debug_route)
+    app.router.add_get("/debug/index", h.debug_index)
     return app

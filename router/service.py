@@ -227,7 +227,14 @@ class RouterService:
         self._load_sub = await nc.subscribe(subjects.load_all(self.ns), cb=self._on_load)
         # No per-request access log: /metrics counts requests, and a log line per request costs more
         # than routing it.
-        app = make_app(path, self.tokenizer, health=self.health, readiness=self.readiness, started_at=self.started_at)
+        app = make_app(
+            path,
+            self.tokenizer,
+            health=self.health,
+            readiness=self.readiness,
+            index_state=self.index_state,
+            started_at=self.started_at,
+        )
         self._runner = web.AppRunner(
             app, handler_cancellation=True, shutdown_timeout=self.config.drain_s, access_log=None
         )
@@ -350,6 +357,24 @@ class RouterService:
             "index_synced": self._ingest.synced if self._ingest is not None else False,
         }
         return not problems, body
+
+    def index_state(self) -> dict[str, Any]:
+        """Per registered worker: what the index holds of it (the chaos bench compares this with the
+        engines' own caches)."""
+        out: dict[str, Any] = {}
+        for info in self._registry.workers() if self._registry is not None else []:
+            sync = self.ingest.stats.workers.get(info.worker)
+            blocks, xor = self.index.digest(info.worker)
+            out[info.worker] = {
+                "engine_url": info.engine_url,
+                "role": info.role,
+                "state": sync.state.value if sync is not None else "unknown",
+                "epoch": sync.epoch if sync is not None else None,
+                "seq": sync.last_seq if sync is not None else 0,
+                "blocks": blocks,
+                "xor": f"{xor:016x}",
+            }
+        return out
 
     @property
     def ready(self) -> bool:
