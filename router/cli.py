@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
+import os
 import sys
 from typing import Any
 
@@ -27,6 +29,7 @@ from protocol.config import (
     load_file,
     resolve,
 )
+from router.api_keys import ApiKeys, ApiKeysError
 
 __all__ = ["add_arguments", "build_config", "run"]
 
@@ -35,7 +38,17 @@ log = logging.getLogger("kvswitch.router")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help=f"subject/key prefix (default {subjects.DEFAULT_NAMESPACE})")
-    parser.add_argument("--http-host", default="0.0.0.0", help="address of the OpenAI front door")
+    parser.add_argument(
+        "--http-host", default="127.0.0.1", help="address of the OpenAI front door (another needs --api-keys-file)"
+    )
+    parser.add_argument(
+        "--api-keys-file", default=None, metavar="FILE",
+        help="clients must send `Authorization: Bearer <key>` with a key from FILE (one per line; reloaded on change)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-api-keys", action="store_true",
+        help="serve a non-loopback --http-host without API keys (behind a gateway that authenticates)",
+    )  # fmt: skip
     parser.add_argument("--http-port", type=int, default=8080, help="port of the OpenAI front door (0: a free one)")
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer.json or its directory (default: built-in)")
     parser.add_argument("--model", default=None, help="serve only this model; also the default for requests")
@@ -63,6 +76,19 @@ def build_config(args: argparse.Namespace) -> Any:
     nats = resolve(NatsSettings, cli=given, file=file, setting_prefix="nats_")
     etcd = resolve(EtcdSettings, cli=given, file=file, setting_prefix="etcd_")
     resolve(RouterSettings, cli=overrides, file=file)  # fail at startup, naming the flag
+    keys_file = args.api_keys_file or os.environ.get("KVSWITCH_API_KEYS_FILE") or file.get("api_keys_file")
+    if keys_file is None and not args.no_api_keys and not _loopback(args.http_host):
+        raise ConfigError(
+            "api_keys_file",
+            None,
+            f"--http-host {args.http_host} serves beyond this machine: give --api-keys-file FILE, or --no-api-keys "
+            "behind a gateway that authenticates",
+        )
+    if keys_file is not None:
+        try:
+            ApiKeys(keys_file)
+        except ApiKeysError as exc:
+            raise ConfigError("api_keys_file", keys_file, str(exc)) from exc
     ns = args.namespace or file.get("namespace") or subjects.DEFAULT_NAMESPACE
     try:
         subjects.validate_namespace(ns)
@@ -79,7 +105,15 @@ def build_config(args: argparse.Namespace) -> Any:
         overrides=overrides,
         file_settings=file,
         request_timeout_s=args.request_timeout,
+        api_keys_file=keys_file,
     )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def run(args: argparse.Namespace) -> int:

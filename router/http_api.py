@@ -28,6 +28,7 @@ from aiohttp import web
 
 from protocol import ResponseChunk, SamplingParams
 from router.admission import Overloaded
+from router.api_keys import ApiKeys
 from router.dispatch import Job, LegError
 from router.metrics import CONTENT_TYPE
 from router.planner import PlanError
@@ -40,6 +41,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions; chat get
 CHAT_MAX_TOKENS = 256
 _ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     429: "RateLimitError",
     499: "ClientClosedRequest",
@@ -442,17 +444,33 @@ class _Handlers:
         return resp
 
 
+_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
+
+
+def _auth_middleware(keys: ApiKeys) -> Callable[..., Any]:
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        if request.path not in _OPEN_PATHS and not keys.allows(request.headers.get("Authorization")):
+            return ApiError(401, "a valid API key is required: send `Authorization: Bearer <key>`").response()
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return check
+
+
 def make_app(
     path: RequestPath,
     tokenizer: PromptTokenizer,
     *,
+    api_keys: ApiKeys | None = None,
     health: Callable[[], dict[str, Any]],
     readiness: Callable[[], tuple[bool, dict[str, Any]]],
     index_state: Callable[[], dict[str, Any]],
     started_at: float,
 ) -> web.Application:
     h = _Handlers(path, tokenizer, health=health, readiness=readiness, index_state=index_state, started_at=started_at)
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    middlewares = [_auth_middleware(api_keys)] if api_keys is not None else []
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)
     app.router.add_get("/metrics", h.metrics)

@@ -41,6 +41,7 @@ from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_m
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
 from protocol.messages import Cleared, KvEvent, Removed, Stored
 from router.admission import Admission, Throughput
+from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
@@ -95,6 +96,7 @@ class RouterConfig:
     lease_ttl_s: int = 10
     seed: int | None = None
     tracer_provider: TracerProvider | None = None
+    api_keys_file: str | None = None
 
 
 class RouterService:
@@ -103,6 +105,7 @@ class RouterService:
         self.ns = subjects.validate_namespace(config.ns)
         self.settings: RouterSettings = resolve(RouterSettings, cli=config.overrides, file=config.file_settings)
         self.tokenizer: PromptTokenizer = load_tokenizer(config.tokenizer)
+        self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.status = RouterStatus.NEW
         self.started_at = time.time()
         self.router_id = ""
@@ -230,6 +233,7 @@ class RouterService:
         app = make_app(
             path,
             self.tokenizer,
+            api_keys=self.api_keys,
             health=self.health,
             readiness=self.readiness,
             index_state=self.index_state,

@@ -76,7 +76,9 @@ class Cluster:
         self.workers.append(worker)
         return worker
 
-    async def add_router(self, tracer_provider: TracerProvider | None = None, **overrides: Any) -> RouterService:
+    async def add_router(
+        self, tracer_provider: TracerProvider | None = None, api_keys_file: str | None = None, **overrides: Any
+    ) -> RouterService:
         router = RouterService(
             RouterConfig(
                 ns=self.ns,
@@ -86,6 +88,7 @@ class Cluster:
                 lease_ttl_s=2,
                 seed=len(self.routers),
                 tracer_provider=tracer_provider,
+                api_keys_file=api_keys_file,
             )
         )
         await router.start()
@@ -97,9 +100,9 @@ class Cluster:
         n = len(self.workers) if workers is None else workers
         await until(lambda: router.ready and len(router.registry.workers()) == n, what="router ready")
 
-    async def add_ready_router(self, **overrides: Any) -> RouterService:
+    async def add_ready_router(self, api_keys_file: str | None = None, **overrides: Any) -> RouterService:
         """A router that sees every worker added so far, its index synced."""
-        router = await self.add_router(**overrides)
+        router = await self.add_router(api_keys_file=api_keys_file, **overrides)
         await self.ready(router)
         return router
 

@@ -1,0 +1,91 @@
+"""API keys for the router's front door: `Authorization: Bearer <key>`.
+
+Keys live in a file, one per line (blank lines and `#` comments ignored), so they rotate without a
+restart: the file is re-read when its modification time or size changes, checked at most once a
+second. A file that becomes unreadable or empty keeps the last good keys and logs an ERROR (a
+rotation half-done must not lock every client out, nor let everyone in).
+
+Comparison is constant-time per key (hmac.compare_digest), and every key is compared, so neither
+timing nor position tells a caller how close a guess was. Keys are never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["ApiKeys", "ApiKeysError"]
+
+log = logging.getLogger(__name__)
+
+
+class ApiKeysError(ValueError):
+    pass
+
+
+class ApiKeys:
+    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.monotonic, check_every_s: float = 1.0):
+        self.path = Path(path)
+        self._clock = clock
+        self._check_every_s = check_every_s
+        self._checked_at = clock()
+        self._stamp = self._stat()
+        keys = self._read()
+        if not keys:
+            raise ApiKeysError(f"{self.path}: no API key in it (one key per line)")
+        self._keys = keys
+        self.reloads = 0
+
+    def _stat(self) -> tuple[float, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime, st.st_size)
+
+    def _read(self) -> list[bytes]:
+        try:
+            text = self.path.read_text()
+        except OSError as exc:
+            raise ApiKeysError(f"{self.path}: cannot read the API keys file: {exc.strerror}") from exc
+        keys = [line.strip() for line in text.splitlines()]
+        return [k.encode() for k in keys if k and not k.startswith("#")]
+
+    def _maybe_reload(self) -> None:
+        now = self._clock()
+        if now - self._checked_at < self._check_every_s:
+            return
+        self._checked_at = now
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            keys = self._read()
+        except ApiKeysError as exc:
+            log.error("%s; keeping the %d keys read before", exc, len(self._keys))
+            return
+        if not keys:
+            log.error("%s is empty now; keeping the %d keys read before", self.path, len(self._keys))
+            return
+        self._keys = keys
+        self.reloads += 1
+        log.info("API keys reloaded from %s: %d keys", self.path, len(keys))
+
+    def allows(self, authorization: str | None) -> bool:
+        """Whether an `Authorization` header value carries one of the keys."""
+        self._maybe_reload()
+        if authorization is None:
+            return False
+        scheme, _, presented = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not presented:
+            return False
+        candidate = presented.strip().encode()
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(candidate, key)
+        return ok
