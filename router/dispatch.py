@@ -40,6 +40,7 @@ import nats.js.api
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.trace import Span
 
 from protocol import (
     CancelRequest,
@@ -55,6 +56,7 @@ from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS
 from router.disagg import RoutePlan
 from router.policies import Outcome, Path
+from router.tracing import RequestTracer
 
 __all__ = ["Bookings", "Dispatcher", "Job", "LegError"]
 
@@ -119,11 +121,12 @@ class _Leg:
     Chunks wait in a deque and wake the reader through one future, not an asyncio.Queue read under
     `wait_for`, which would cost a task per chunk."""
 
-    def __init__(self, owner: Dispatcher, token: str, worker: str, request_id: str) -> None:
+    def __init__(self, owner: Dispatcher, token: str, worker: str, request_id: str, span: Span) -> None:
         self.owner = owner
         self.token = token
         self.worker = worker
         self.request_id = request_id
+        self.span = span
         self._items: deque[ResponseChunk | LegError] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self.next_seq = 0
@@ -143,6 +146,9 @@ class _Leg:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.owner._legs.pop(self.token, None)
+        if e is not None:
+            RequestTracer.failed(self.span, str(e) or type(e).__name__)
+        self.span.end()
         if not self.done:
             await self.owner._cancel(self.worker, self.request_id)
 
@@ -205,6 +211,7 @@ class Dispatcher:
         settings: Callable[[], RouterSettings] = RouterSettings,
         on_fallback: Callable[[Job], None] = lambda job: None,
         on_unreachable: Callable[[str, str], None] = lambda worker, why: None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self._nc = nc
         self._on_fallback = on_fallback
@@ -212,6 +219,7 @@ class Dispatcher:
         self._ns = ns
         self._bookings = bookings
         self._settings = settings  # read per leg: live config changes apply to the next one
+        self._tracer = tracer or RequestTracer()
         self._prefix = ""
         self._sub: Subscription | None = None
         self._legs: dict[str, _Leg] = {}
@@ -261,14 +269,18 @@ class Dispatcher:
 
     async def _open(self, worker: str, role: str, req: GenerateRequest) -> _Leg:
         token = str(next(self._ids))
-        leg = _Leg(self, token, worker, req.request_id)
+        span = self._tracer.leg(role, worker, req.request_id)
+        leg = _Leg(self, token, worker, req.request_id, span)
+        req = msgspec.structs.replace(req, trace=self._tracer.carrier(span))
         self._legs[token] = leg
         try:
             await self._nc.publish(
                 subjects.gen(self._ns, role, worker), encode_msg(req), reply=f"{self._prefix}.{token}"
             )
-        except Exception:
+        except Exception as exc:
             self._legs.pop(token, None)
+            self._tracer.failed(span, str(exc))
+            span.end()
             raise
         return leg
 

@@ -209,6 +209,7 @@ class RouterService:
             settings=lambda: self.settings,
             on_fallback=lambda job: planner.record(Outcome.FALLBACK_PREFILL_FAILED),
             on_unreachable=self.eligibility.mark_unreachable,
+            tracer=self.tracer,
         )
         await self._dispatcher.start()
         admission = Admission(

@@ -1,5 +1,6 @@
-"""OpenTelemetry: one span per request carrying the routing decision, and its W3C context handed
-to the shim in GenerateRequest.trace so the worker's spans join the same trace.
+"""OpenTelemetry: one server span per request carrying the routing decision, a client span per leg
+(prefill, decode, agg) as its child, and each leg's W3C context handed to the shim in
+GenerateRequest.trace so the worker's spans join the same trace under that leg.
 
 The tracer comes from the provider given (tests pass one with an in-memory exporter) or the
 global one, which an operator configures with the standard OTEL_* environment and an SDK
@@ -50,6 +51,15 @@ class RequestTracer:
                 "kvswitch.cached_tokens": cached_tokens,
                 "kvswitch.decode_cost": plan.decode.cost,
             }
+        )
+
+    def leg(self, role: str, worker: str, request_id: str) -> Span:
+        """A leg's span, a child of the current (request) span; the caller ends it. Not made current:
+        a leg lives in an async generator that may resume in another context."""
+        return self._tracer.start_span(
+            f"kvswitch leg {role}",
+            kind=SpanKind.CLIENT,
+            attributes={"kvswitch.role": role, "kvswitch.worker": worker, "kvswitch.request_id": request_id},
         )
 
     @staticmethod

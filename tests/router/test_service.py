@@ -57,12 +57,16 @@ async def test_span_per_request_with_decision_and_context_to_the_shim(
     assert status == 200
     await until(lambda: bool(seen), what="the leg on NATS")  # our copy may trail the shim's answer
     await nc.close()
-    (span,) = exporter.get_finished_spans()
-    assert span.attributes is not None
+    spans = exporter.get_finished_spans()
+    (span,) = [s for s in spans if s.name.startswith("POST")]
+    (leg,) = [s for s in spans if s.name == "kvswitch leg agg"]
+    assert span.attributes is not None and leg.attributes is not None
     assert span.attributes["kvswitch.decode_worker"] == worker.id
     assert span.attributes["kvswitch.outcome"] == "aggregated"
-    trace_id = f"{span.context.trace_id:032x}"
-    assert seen and seen[0].trace["traceparent"].split("-")[1] == trace_id
+    assert leg.parent is not None and leg.parent.span_id == span.context.span_id
+    assert leg.attributes["kvswitch.worker"] == worker.id and leg.attributes["kvswitch.role"] == "agg"
+    _, trace_id, parent_id, _ = seen[0].trace["traceparent"].split("-")
+    assert trace_id == f"{span.context.trace_id:032x}" and parent_id == f"{leg.context.span_id:016x}"
 
 
 def test_queue_full_maps_to_429_with_retry_after() -> None:
