@@ -23,7 +23,8 @@ Loss: only etcd's own answer is loss (the lease expired or is unknown, e.g. the 
 its TTL or someone revoked it). Then the owner hears `on_lost(old_id)`, a new lease is granted and
 the key created again (a new id, or the same `name`), retrying with backoff while etcd does not
 answer, and the owner hears `on_registered(new_id)`; `reg.id` is the new id from then on. If a
-named key was taken meanwhile, `failed` is set and `failure` says by whom: the owner must stop.
+named key was taken meanwhile (`failure` is KeyTaken, naming the holder), or an owner's hook raised,
+`failed` is set: the owner must act (stop, or start over with a new Registration).
 etcd merely not answering changes nothing (`state` is "unknown"): the key keeps its lease, and once
 etcd answers again the value is put once more, so an `update()` made during the outage lands.
 
@@ -180,8 +181,8 @@ class Registration:
         self._phase = RegistrationState.REREGISTERING
         log.warning("lease %s of %s lost (%s): registering anew", lost.hex_id, self._key(old), lost.lost_reason)
         await self._discovery.release(lost)
-        if self._on_lost is not None:
-            await self._on_lost(old)
+        if self._on_lost is not None and not await self._tell(self._on_lost, old):
+            return False
         retry = RETRY_MIN_S
         while True:
             try:
@@ -199,5 +200,17 @@ class Registration:
                 retry = min(retry * 2, RETRY_MAX_S)
         self._dirty = False
         if self._on_registered is not None:
-            await self._on_registered(self.id)
+            return await self._tell(self._on_registered, self.id)
+        return True
+
+    async def _tell(self, hook: Callable[[str], Awaitable[None]], rid: str) -> bool:
+        """Run an owner's hook; one that raises fails the registration (the owner must act)."""
+        try:
+            await hook(rid)
+        except Exception as exc:
+            log.exception("the owner's hook for %s failed", self._key(rid))
+            self.failure = DiscoveryError(f"the owner's hook failed: {exc!r}")
+            self._phase = RegistrationState.FAILED
+            self.failed.set()
+            return False
         return True
