@@ -129,7 +129,7 @@ async def bench_latency(url: str, chunks: int) -> dict[str, float]:
     nc = await nats.connect(url)
     adapter = VllmAdapter(ShimConfig(engine_url=base, model="m", kv_events="tcp://*:1"))
     await adapter.open()
-    svc = RequestService(nc, adapter, lambda: "w1", lambda: None)
+    svc = RequestService(nc, adapter, lambda: None)
     await nc.subscribe(subjects.gen("bench", "agg", "w1"), cb=svc.on_generate)
     via: list[float] = []
     done = asyncio.Event()

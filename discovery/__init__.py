@@ -3,9 +3,10 @@
 The only package that imports the etcd client. Everything it hands out is a protocol type.
 """
 
-from discovery.lease import Lease, LeaseLost
+from discovery.lease import Lease, LeaseLost, LeaseState
 from discovery.live_config import ConfigWatcher, put_config
-from discovery.session import Discovery, DiscoveryError
+from discovery.registration import Registration, RegistrationState
+from discovery.session import Discovery, DiscoveryError, KeyTaken
 from discovery.watch import Deleted, Put, Snapshot, WatchEvent
 
 __all__ = [
@@ -13,9 +14,13 @@ __all__ = [
     "Deleted",
     "Discovery",
     "DiscoveryError",
+    "KeyTaken",
     "Lease",
     "LeaseLost",
+    "LeaseState",
     "Put",
+    "Registration",
+    "RegistrationState",
     "Snapshot",
     "WatchEvent",
     "put_config",

@@ -1,9 +1,16 @@
-"""A lease kept alive in the background. Its id, in lowercase hex, is the worker's identity."""
+"""A lease kept alive in the background. Its id, in lowercase hex, is the holder's default identity.
+
+Only etcd's own answer ends a lease: a keep-alive reply with TTL <= 0, or NOT_FOUND. etcd being
+unreachable is not loss: the lease may well still exist (etcd keeps leases across its own restart
+and extends each by its TTL when a leader is elected), so the state is `unknown`, the holder keeps
+serving, and renewals resume as soon as etcd answers again.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,9 +19,11 @@ import grpc
 from etcd3aio import Etcd3Client, EtcdError
 from etcd3aio._protobuf import LeaseKeepAliveRequest
 
-__all__ = ["Lease", "LeaseLost"]
+__all__ = ["Lease", "LeaseLost", "LeaseState"]
 
 log = logging.getLogger(__name__)
+RETRY_MIN_S = 0.1
+RETRY_MAX_S = 1.0
 
 
 class LeaseLost(RuntimeError):
@@ -23,12 +32,18 @@ class LeaseLost(RuntimeError):
         super().__init__(f"lease {lease_id:x} lost: {why}")
 
 
+class LeaseState(enum.Enum):
+    ALIVE = "alive"  # etcd renewed it on the last try
+    UNKNOWN = "unknown"  # etcd does not answer: it may still exist; keep serving
+    LOST = "lost"  # etcd said it is gone: every key attached to it is gone too
+    REVOKED = "revoked"  # revoked by its holder
+
+
 class Lease:
     """Renews every ttl/3 s over one keep-alive stream, reopening it when etcd goes away.
 
-    `lost` is set once the lease is gone for good: etcd answered TTL <= 0, or no renewal succeeded
-    for a whole TTL. Then every key attached to it is gone too, and the owner must register anew
-    (with a new id). `revoke()` deletes the attached keys at once; it is safe to call twice.
+    `lost` is set once etcd says the lease is gone (then the owner must register anew); `state`
+    says where renewal stands. `revoke()` deletes the attached keys at once; it is safe to call twice.
     """
 
     def __init__(self, client: Etcd3Client, lease_id: int, ttl: int) -> None:
@@ -37,9 +52,18 @@ class Lease:
         self.ttl = ttl
         self.lost = asyncio.Event()
         self.lost_reason = ""
+        self.outages = 0
+        self._state = LeaseState.ALIVE
         self._renewed_at = time.monotonic()
+        self._retry = RETRY_MIN_S
         self._task: asyncio.Task[None] | None = None
-        self._revoked = False
+
+    @property
+    def state(self) -> LeaseState:
+        # A stream that hangs without failing (etcd stopped, not closed) renews nothing either.
+        if self._state is LeaseState.ALIVE and time.monotonic() - self._renewed_at > self.ttl:
+            return LeaseState.UNKNOWN
+        return self._state
 
     @property
     def hex_id(self) -> str:
@@ -52,14 +76,25 @@ class Lease:
     async def _keep_alive(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
         while not self.lost.is_set():
-            if time.monotonic() - self._renewed_at > self.ttl:
-                self._mark_lost("no renewal succeeded for a whole TTL")
-                return
             try:
                 await self._stream(interval)
-            except (grpc.aio.AioRpcError, EtcdError, OSError) as exc:
-                log.warning("lease %s: keep-alive failed (%s); retrying", self.hex_id, exc)
-            await asyncio.sleep(min(interval, 0.5))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    self._mark_lost("etcd does not know it")
+                    return
+                self._unreachable(exc.code().name)
+            except (EtcdError, OSError) as exc:
+                self._unreachable(repr(exc))
+            await asyncio.sleep(self._retry)
+            self._retry = min(self._retry * 2, RETRY_MAX_S, interval)
+
+    def _unreachable(self, why: str) -> None:
+        if self._state is LeaseState.ALIVE:
+            self.outages += 1
+            log.warning(
+                "lease %s: etcd does not answer (%s): lease state unknown, keeping on and retrying", self.hex_id, why
+            )
+        self._state = LeaseState.UNKNOWN
 
     async def _stream(self, interval: float) -> None:
         async def requests() -> AsyncIterator[LeaseKeepAliveRequest]:
@@ -77,21 +112,26 @@ class Lease:
                 if resp.TTL <= 0:
                     self._mark_lost("etcd reports it expired")
                     return
+                if self._state is LeaseState.UNKNOWN:
+                    log.info("lease %s: etcd answers again; the lease survived", self.hex_id)
+                self._state = LeaseState.ALIVE
                 self._renewed_at = time.monotonic()
+                self._retry = RETRY_MIN_S
         finally:
             call.cancel()
 
     def _mark_lost(self, why: str) -> None:
         if not self.lost.is_set():
             self.lost_reason = why
+            self._state = LeaseState.LOST
             log.warning("lease %s lost: %s", self.hex_id, why)
             self.lost.set()
 
     async def revoke(self, timeout: float = 3.0) -> None:
         await self.stop_keep_alive()
-        if self._revoked or self.lost.is_set():
+        if self._state in (LeaseState.REVOKED, LeaseState.LOST):
             return
-        self._revoked = True
+        self._state = LeaseState.REVOKED
         assert self._client.lease is not None
         try:
             await self._client.lease.revoke(self.id, timeout=timeout, max_attempts=2)

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
 
+import grpc
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError
 
@@ -16,15 +17,31 @@ from discovery.watch import WatchEvent, watch_prefix
 from protocol import ProtocolError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
 from protocol.config import EtcdSettings
 
-__all__ = ["DEFAULT_TTL", "Discovery", "DiscoveryError"]
+__all__ = ["DEFAULT_TTL", "Discovery", "DiscoveryError", "KeyTaken"]
 
 log = logging.getLogger(__name__)
 DEFAULT_TTL = 10
 M = TypeVar("M", bound=msgspec.Struct)
+# gRPC's default reconnect backoff grows to two minutes: after an etcd outage longer than a lease
+# TTL, the first renewal would come too late for the lease etcd kept. Retry at least every second.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class DiscoveryError(RuntimeError):
     """etcd could not be reached or refused an operation."""
+
+
+class KeyTaken(DiscoveryError):
+    """A create-if-absent put found the key held by another lease (a stable name used twice)."""
+
+    def __init__(self, key: str, holder: int) -> None:
+        self.key = key
+        self.holder = holder
+        super().__init__(f"{key} is already registered by lease {holder:x}")
 
 
 def _endpoint(url: str) -> str:
@@ -64,6 +81,7 @@ class Discovery:
             )
         else:
             client = Etcd3Client(endpoints)
+        client._manager.grpc_options.extend(_RECONNECT_OPTIONS)
         await client.connect()
         try:
             if s.user is not None and s.password is not None:
@@ -99,7 +117,7 @@ class Discovery:
         assert self.client.lease is not None
         try:
             resp = await self.client.lease.grant(ttl, timeout=5.0)
-        except (EtcdError, TimeoutError) as exc:
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             raise DiscoveryError(f"lease grant failed: {exc}") from exc
         lease = Lease(self.client, resp.ID, resp.TTL)
         lease.start()
@@ -110,8 +128,33 @@ class Discovery:
         assert self.client.kv is not None
         try:
             await self.client.kv.put(key, value, lease=lease.id if lease else 0, timeout=5.0)
-        except (EtcdError, TimeoutError) as exc:
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             raise DiscoveryError(f"put {key} failed: {exc}") from exc
+
+    async def create(self, key: str, value: bytes, lease: Lease) -> None:
+        """Put `key` under `lease` only if it does not exist (or is already ours); KeyTaken otherwise."""
+        kv = self.client.kv
+        assert kv is not None
+        try:
+            resp = await kv.txn(
+                [kv.txn_compare_create_revision(key, 0)],
+                [kv.txn_op_put(key, value, lease=lease.id)],
+                [kv.txn_op_get(key)],
+                timeout=5.0,
+            )
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            raise DiscoveryError(f"create {key} failed: {exc}") from exc
+        if resp.succeeded:
+            return
+        found = resp.responses[0].response_range.kvs
+        holder = found[0].lease if found else 0
+        if holder != lease.id:
+            raise KeyTaken(key, holder)
+        # Ours already (an earlier attempt whose answer was lost): write the current value.
+        await self._put(key, value, lease)
+
+    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
+        await self._put(key, value, lease)
 
     async def register_worker(self, make_info: Callable[[str], WorkerInfo], ttl: int = DEFAULT_TTL) -> Lease:
         """Grant a lease, then put `make_info(worker_id)` under /{ns}/workers/{worker_id}."""

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from functools import cache
 
 import xxhash
 
-__all__ = ["BUILTIN", "PROBE_MESSAGES", "PROBE_TEXT", "fingerprint"]
+from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
+
+__all__ = ["BUILTIN", "PROBE_MESSAGES", "PROBE_TEXT", "builtin_fingerprint", "fingerprint"]
 
 BUILTIN = "builtin"
 PROBE_TEXT = (
@@ -38,3 +41,13 @@ def fingerprint(text_ids: Sequence[int], chat_ids: Sequence[int] | None) -> str:
     if chat_ids is not None:
         h.update(struct.pack(f"<I{len(chat_ids)}I", len(chat_ids), *chat_ids))
     return f"tok-{h.hexdigest()}"
+
+
+@cache
+def builtin_fingerprint() -> str:
+    """The fingerprint of protocol.tokenizer's built-in vocabulary, computed the way an engine's
+    `/tokenize` is probed: the probe text as a prompt, the probe messages through its chat template
+    with the generation prompt. A worker whose engine yields this advertises `BUILTIN` instead."""
+    tok = BuiltinTokenizer()
+    chat = apply_chat_template(PROBE_MESSAGES, add_generation_prompt=True)
+    return fingerprint(tok.encode(PROBE_TEXT), tok.encode(chat))

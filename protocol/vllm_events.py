@@ -49,6 +49,7 @@ __all__ = [
     "decode_batch",
     "decode_pub_frames",
     "decode_replay_frames",
+    "decode_replay_reply",
     "decode_replay_request",
     "decode_seq",
     "encode_batch",
@@ -271,6 +272,18 @@ def decode_replay_frames(frames: Sequence[bytes]) -> tuple[int, bytes]:
     if len(parts) != 2:
         raise ProtocolError(_WHAT, f"a replay reply has [b'', (topic,) seq, payload], got {len(frames)} frames")
     return decode_seq(parts[0]), bytes(parts[1])
+
+
+def decode_replay_reply(frames: Sequence[bytes]) -> tuple[bytes | None, int, bytes]:
+    """A replay reply to (topic, seq, payload); topic None when the engine sends no topic frame
+    (older vLLM, SGLang). The replay socket reveals the topic a subscriber filtering by another
+    one never sees."""
+    parts = list(frames)
+    if parts and parts[0] == b"":
+        parts = parts[1:]
+    topic = bytes(parts[0]) if len(parts) == 3 else None
+    seq, payload = decode_replay_frames(frames)
+    return topic, seq, payload
 
 
 def publisher_binds(endpoint: str) -> bool:

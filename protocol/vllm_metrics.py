@@ -10,6 +10,7 @@ __all__ = [
     "CACHE_CONFIG_INFO",
     "KV_CACHE_USAGE_PERC",
     "LABEL_BLOCK_SIZE",
+    "LABEL_CACHE_DTYPE",
     "LABEL_NUM_GPU_BLOCKS",
     "NUM_PREEMPTIONS",
     "NUM_REQUESTS_RUNNING",
@@ -21,10 +22,12 @@ NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
 NUM_PREEMPTIONS = "vllm:num_preemptions"
-# An info gauge (value 1) whose labels carry the cache config; the shim reads these two labels.
+# An info gauge (value 1) whose labels carry the cache config; the shim reads these labels.
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 LABEL_BLOCK_SIZE = "block_size"
 LABEL_NUM_GPU_BLOCKS = "num_gpu_blocks"
+# The KV cache's element type: "auto" (the model's dtype) or e.g. "fp8", "fp8_e4m3", "bfloat16".
+LABEL_CACHE_DTYPE = "cache_dtype"
 
 
 def total(counter: str) -> str:

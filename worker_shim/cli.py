@@ -27,12 +27,25 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
     ("kv_events", str, "the engine's KV event endpoint as the engine was given it, e.g. tcp://*:5557"),
     ("kv_events_topic", str, "the engine's KV event topic ('' accepts all)"),
     ("kv_replay", str, "the engine's KV replay endpoint, e.g. tcp://*:5558"),
+    (
+        "kv_events_config",
+        str,
+        "the engine's own --kv-events-config JSON (vLLM or SGLang), verbatim; sets --kv-events, --kv-replay "
+        "and --kv-events-topic",
+    ),
     ("block_size", int, "tokens per KV block, when the engine does not report it"),
     ("kv_total_blocks", int, "KV capacity in blocks, when the engine does not report it"),
-    ("max_num_batched_tokens", int, "the engine's per-step token budget"),
-    ("kv_bytes_per_token", int, "KV bytes per token (default: the timing profile's)"),
-    ("timing_profile", str, "the latency table the router uses for this worker (default h200:llama-3.1-8b)"),
+    ("max_num_batched_tokens", int, "the engine's per-step token budget (vLLM does not report it)"),
+    ("kv_bytes_per_token", int, "KV bytes per token (default: from the model's config.json)"),
+    ("model_path", str, "the model's directory, whose config.json gives kv_bytes_per_token"),
+    ("timing_profile", str, "the latency table the router uses for this worker (default: none; the router calibrates)"),
+    ("worker_name", str, "a stable worker id instead of the lease id (one subject token); must be unique"),
     ("lease_ttl", int, "etcd lease TTL in seconds (default 10)"),
+    ("reregister_grace_s", float, "seconds the old worker id is still served after a lost lease (default 2 x TTL)"),
+    ("load_period_s", float, "load reports go out on change and at least this often (default 0.5)"),
+    ("events_timeout_s", float, "seconds of missing KV events before events_ok turns false (default 5)"),
+    ("http_host", str, "the shim's /health and /metrics listen here (default 127.0.0.1)"),
+    ("http_port", int, "... on this port (default 0: a free port, registered as shim_url)"),
     ("drain_grace_s", float, "seconds in-flight requests may finish after SIGTERM (default 30)"),
     ("health_interval_s", float, "seconds between engine health checks (default 1)"),
     ("health_failures", int, "failed health checks in a row that deregister the worker (default 2)"),
@@ -79,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
 
     async def main(stop: asyncio.Event) -> int:
         shim = WorkerShim(shim_cfg, nats, etcd)
-        await shim.start()
+        try:
+            await shim.start()
+        except ConfigError as exc:
+            print(f"kvswitch shim: {exc}", file=sys.stderr)
+            return 2
         try:
             stopped = asyncio.create_task(stop.wait())
             done = asyncio.create_task(shim.done.wait())

@@ -7,12 +7,13 @@ the setting and what it allows.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import msgspec
 
 from protocol import ConfigError, subjects
+from worker_shim.kv_events_config import parse_kv_events_config
 
 __all__ = ["ENGINES", "KV_EVENTS_MODES", "ROLES", "EngineKind", "KvEventsMode", "ShimConfig"]
 
@@ -39,12 +40,24 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         shim binds that address. bind/connect force one side.
     kv_events_topic: the ZMQ topic; frames with any other topic are ignored ("" accepts all).
     kv_replay: the engine's replay endpoint (vLLM's `replay_endpoint`), None disables replay.
+    kv_events_config: the engine's own `--kv-events-config` JSON (vLLM or SGLang), verbatim; it sets
+        kv_events, kv_replay and kv_events_topic (an explicit flag that disagrees is an error).
     block_size, kv_total_blocks, max_num_batched_tokens: from the engine when it says; a flag that
         disagrees with the engine is a startup error.
-    kv_bytes_per_token: registered for the router's transfer-time estimate; None takes the timing
-        profile's.
-    timing_profile: the latency table the router's cost model uses for this worker.
+    kv_bytes_per_token: registered for the router's transfer-time estimate; None computes it from the
+        model's config.json (model_path, or the served model id when it is a local directory).
+    model_path: the model's directory (its config.json gives kv_bytes_per_token).
+    timing_profile: the latency table the router's cost model uses for this worker; None: the router
+        calibrates from what the engine reports.
+    worker_name: a stable worker id (a subject token) instead of the lease id, so NATS permissions
+        can name it in advance; the key is still leased, and a second shim with the name fails.
     lease_ttl: etcd lease TTL in seconds.
+    reregister_grace_s: after a lost lease, how long the old worker id's subjects are still served
+        (None: 2 x lease_ttl).
+    load_period_s: a LoadReport goes out on every change and at least this often.
+    events_timeout_s: seconds without a connection on the event socket, or without a Stored event
+        after a served request with a full block, before the shim reports events_ok false.
+    http_host, http_port: the shim's own HTTP server (/health, /metrics); port 0 picks a free one.
     drain_grace_s: on SIGTERM, how long in-flight requests may run before they are aborted.
     health_interval_s: how often the engine's /health and load are polled.
     health_failures: consecutive failed health checks that mean the engine is gone.
@@ -59,18 +72,49 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_events_mode: KvEventsMode = "auto"
     kv_events_topic: str = ""
     kv_replay: str | None = None
+    kv_events_config: str | dict[str, Any] | None = None
     block_size: int | None = None
     kv_total_blocks: int | None = None
     max_num_batched_tokens: int | None = None
     kv_bytes_per_token: int | None = None
-    timing_profile: str = "h200:llama-3.1-8b"
+    model_path: str | None = None
+    timing_profile: str | None = None
+    worker_name: str | None = None
     lease_ttl: int = 10
+    reregister_grace_s: float | None = None
+    load_period_s: float = 0.5
+    events_timeout_s: float = 5.0
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
     drain_grace_s: float = 30.0
     health_interval_s: float = 1.0
     health_failures: int = 2
     namespace: str = subjects.DEFAULT_NAMESPACE
 
     def validate(self) -> ShimConfig:
+        if self.kv_events_config is not None:
+            return self._with_kv_events_config()._validate()
+        return self._validate()
+
+    def _with_kv_events_config(self) -> ShimConfig:
+        assert self.kv_events_config is not None
+        if self.engine not in ("vllm", "sglang"):
+            raise ConfigError(
+                "kv_events_config", self.kv_events_config, f"engine {self.engine} takes no ZMQ events config"
+            )
+        ev = parse_kv_events_config(self.engine, self.kv_events_config)
+        pairs = (("kv_events", ev.endpoint, "endpoint"), ("kv_replay", ev.replay_endpoint, "replay_endpoint"))
+        for flag, value, key in (*pairs, ("kv_events_topic", ev.topic, "topic")):
+            given = getattr(self, flag)
+            if given not in (None, "") and given != value:
+                raise ConfigError(
+                    flag, given, f"conflicts with --kv-events-config {key} {value!r}: drop one or make them agree"
+                )
+        return msgspec.structs.replace(
+            self, kv_events=ev.endpoint, kv_replay=ev.replay_endpoint, kv_events_topic=ev.topic
+        )
+
+    def _validate(self) -> ShimConfig:
         if self.engine not in ENGINES:
             raise ConfigError.one_of("engine", self.engine, ENGINES)
         if self.role not in ROLES:
@@ -96,6 +140,18 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(name, value, "must be > 0")
         if self.lease_ttl < 1:
             raise ConfigError("lease_ttl", self.lease_ttl, "must be >= 1 (seconds)")
+        if self.reregister_grace_s is not None and self.reregister_grace_s < 0:
+            raise ConfigError("reregister_grace_s", self.reregister_grace_s, "must be >= 0 (seconds)")
+        for name in ("load_period_s", "events_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "must be > 0 (seconds)")
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError("http_port", self.http_port, "must be in [0, 65535] (0 picks a free port)")
+        if self.worker_name is not None:
+            try:
+                subjects.kv(self.namespace, self.worker_name)
+            except ValueError as exc:
+                raise ConfigError("worker_name", self.worker_name, "one subject token: [A-Za-z0-9_-]+") from exc
         if self.drain_grace_s < 0:
             raise ConfigError("drain_grace_s", self.drain_grace_s, "must be >= 0")
         if self.health_interval_s <= 0:
@@ -107,6 +163,10 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         except ValueError as exc:
             raise ConfigError("namespace", self.namespace, str(exc)) from exc
         return self
+
+    @property
+    def grace_s(self) -> float:
+        return 2.0 * self.lease_ttl if self.reregister_grace_s is None else self.reregister_grace_s
 
     @property
     def engine_host(self) -> str:

@@ -4,7 +4,8 @@ Engine hashes are opaque keys (vLLM's uint64 or bytes, SGLang's signed int64, Te
 size_t): only equality matters. `EngineBatch.reset` says the adapter lost track of the engine (it
 restarted, or a gap could not be filled): everything known so far is void, and `complete` says
 whether the events that follow rebuild the engine's whole state (a replay from its first batch) or
-only what happens from now on.
+only what happens from now on. `live` is false for batches the adapter fetched again (a replay):
+they say nothing about whether the live stream works.
 """
 
 from __future__ import annotations
@@ -60,3 +61,4 @@ class EngineBatch:
     events: list[EngineEvent] = field(default_factory=list)
     reset: bool = False
     complete: bool = True
+    live: bool = True

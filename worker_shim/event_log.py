@@ -1,9 +1,10 @@
 """Sequence numbers, the ring buffer of published batches, and `{ns}.kvstate` replies.
 
-One `EventLog` per (worker, epoch): `seal()` stamps the next seq (1, 2, ...) on a batch and keeps it
-in a ring of `ring_size` batches. `reply()` answers a KvStateRequest: the missed batches when the
-request names this epoch and the ring still holds everything after `since_seq`, else a full dump of
-the canonical set as of the last sealed seq, parent-first, in chunks that fit a NATS payload.
+One `EventLog` per (worker, epoch): `seal()` stamps the next seq (1, 2, ...) on a batch, keeps it
+in a ring of `ring_size` batches and folds it into `digest` (so the digest is always as of `seq`).
+`reply()` answers a KvStateRequest: the missed batches when the request names this epoch and the
+ring still holds everything after `since_seq`, else a full dump of the canonical set as of the
+last sealed seq, parent-first, in chunks that fit a NATS payload.
 Synchronous: the caller seals pending events and builds the reply without awaiting in between, so a
 dump and its seq always agree.
 """
@@ -15,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from protocol import KvEvent, KvEventBatch, KvStateChunk, KvStateRequest, Removed, Stored
+from worker_shim.kv_digest import KvDigest
 
 __all__ = ["DUMP_CHUNK_HASHES", "RING_SIZE", "EventLog"]
 
@@ -32,6 +34,7 @@ class EventLog:
         self.worker = worker
         self.epoch = epoch
         self.seq = 0
+        self.digest = KvDigest()
         self._ring: deque[KvEventBatch] = deque(maxlen=ring_size)
 
     def seal(self, events: list[KvEvent], ts: float | None = None) -> KvEventBatch:
@@ -40,6 +43,7 @@ class EventLog:
             worker=self.worker, epoch=self.epoch, seq=self.seq, ts=time.time() if ts is None else ts, events=events
         )
         self._ring.append(batch)
+        self.digest.apply(events)
         return batch
 
     def since(self, since_seq: int) -> list[KvEventBatch] | None:

@@ -4,6 +4,10 @@ Coalescing: events wait at most `COALESCE_S` (5 ms) or until `MAX_EVENTS` (256) 
 `MAX_HASHES` hashes are pending, then become one KvEventBatch with the next seq. Batches leave in
 seq order from one task. A kvstate request first seals what is pending, then builds its reply from
 the ring or the normaliser's dump without awaiting, so the dump is exactly the state as of its seq.
+
+Digest: each batch carries, from its seal, the KvDigest as of its seq; once the batch has been
+handed to NATS, `digest()` returns that one. NATS keeps one connection's messages in order, so a
+LoadReport carrying it reaches a router after the batch it names.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from dataclasses import dataclass
 
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
@@ -31,7 +36,7 @@ from protocol import (
 from worker_shim.event_log import EventLog
 from worker_shim.normaliser import Normaliser
 
-__all__ = ["COALESCE_S", "MAX_EVENTS", "KvPublisher"]
+__all__ = ["COALESCE_S", "MAX_EVENTS", "KvDigestAt", "KvPublisher", "PublisherCounters"]
 
 log = logging.getLogger(__name__)
 COALESCE_S = 0.005
@@ -39,19 +44,48 @@ MAX_EVENTS = 256
 MAX_HASHES = 20_000
 
 
+@dataclass(slots=True, frozen=True)
+class KvDigestAt:
+    """The digest of (epoch, seq): `blocks` distinct hashes held, XOR `xor` (LoadReport's kv_* fields)."""
+
+    epoch: int
+    seq: int
+    blocks: int
+    xor: int
+
+
+@dataclass(slots=True)
+class PublisherCounters:
+    """Counts over every KvPublisher of a shim (one per registration), for /metrics."""
+
+    batches: int = 0
+    send_failures: int = 0
+    kvstate_batches: int = 0
+    kvstate_dumps: int = 0
+    malformed_requests: int = 0
+
+
 class KvPublisher:
     """Owns the EventLog of one (worker, epoch). `add()` is synchronous; `start()`/`stop()` own the task."""
 
-    def __init__(self, nc: Nats, ns: str, worker: str, epoch: int, normaliser: Normaliser) -> None:
+    def __init__(
+        self,
+        nc: Nats,
+        ns: str,
+        worker: str,
+        epoch: int,
+        normaliser: Normaliser,
+        counters: PublisherCounters | None = None,
+    ) -> None:
         self.nc = nc
         self.subject = subjects.kv(ns, worker)
         self.log = EventLog(worker, epoch)
         self.normaliser = normaliser
-        self.malformed_requests = 0
-        self.send_failures = 0
+        self.counters = counters or PublisherCounters()
+        self._published = KvDigestAt(epoch, 0, 0, 0)
         self._pending: list[KvEvent] = []
         self._pending_hashes = 0
-        self._outbox: deque[KvEventBatch] = deque()
+        self._outbox: deque[tuple[KvEventBatch, KvDigestAt]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -88,21 +122,29 @@ class KvPublisher:
             self.seal()
         self._wake.set()
 
+    def digest(self) -> KvDigestAt:
+        """The digest as of the last batch handed to NATS."""
+        return self._published
+
     def seal(self) -> None:
         if self._pending:
-            self._outbox.append(self.log.seal(self._pending))
+            log_ = self.log
+            batch = log_.seal(self._pending)
+            self._outbox.append((batch, KvDigestAt(log_.epoch, batch.seq, log_.digest.blocks, log_.digest.xor)))
             self._pending = []
             self._pending_hashes = 0
 
     async def _send_outbox(self) -> None:
         while self._outbox:
-            batch = self._outbox.popleft()
+            batch, digest = self._outbox.popleft()
             try:
                 await self.nc.publish(self.subject, encode_msg(batch))
+                self.counters.batches += 1
             except NatsError as exc:
-                # The batch stays in the ring: subscribers see the seq gap and repair via kvstate.
-                self.send_failures += 1
+                # The batch stays in the ring: subscribers see the seq gap (or the digest) and repair.
+                self.counters.send_failures += 1
                 log.warning("publishing KV batch %d failed (%s); subscribers will repair", batch.seq, exc)
+            self._published = digest
 
     async def _run(self) -> None:
         while not self._closing:
@@ -119,10 +161,14 @@ class KvPublisher:
         try:
             req = decode_msg(msg.data, KvStateRequest)
         except ProtocolError as exc:
-            self.malformed_requests += 1
+            self.counters.malformed_requests += 1
             log.warning("ignoring malformed kvstate request: %s", exc)
             return
         self.seal()
         chunks = self.log.reply(req, self.normaliser.dump)
+        if chunks[0].dump:
+            self.counters.kvstate_dumps += 1
+        else:
+            self.counters.kvstate_batches += 1
         for chunk in chunks:
             await self.nc.publish(msg.reply, encode_msg(chunk))

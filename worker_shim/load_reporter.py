@@ -1,8 +1,11 @@
-"""`LoadReport`s on `{ns}.load.{worker}`: on every change and at least once a second.
+"""`LoadReport`s on `{ns}.load.{worker}`: on every change and at least every `period_s`.
 
-The engine's numbers (running, waiting, KV use) are polled every `poll_s`; the shim's own number
-(prompt tokens of its requests not yet at first token) changes with every request and `poke()`
-publishes it at once, at most every `MIN_GAP_S`.
+A router treats a worker silent for three periods as gone, so the reports are the shim's liveness
+signal: they leave on time whatever the engine does. The engine's numbers (running, waiting, KV
+use) are polled every `poll_s` by a task of their own, so a slow `/metrics` delays only those; the
+shim's own numbers (prompt tokens not yet at first token, events_ok) change with every request and
+`poke()` publishes them at once, at most every `MIN_GAP_S`. Every report carries `period_s` and the
+KV digest as of the last batch handed to NATS (kv_epoch 0 when there is none yet).
 """
 
 from __future__ import annotations
@@ -14,18 +17,21 @@ import time
 from collections.abc import Callable
 
 from nats.aio.client import Client as Nats
+from nats.errors import Error as NatsError
 
 from protocol import LoadReport, encode_msg, subjects
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineLoad
+from worker_shim.kv_publisher import KvDigestAt
 
-__all__ = ["HEARTBEAT_S", "LoadReporter"]
+__all__ = ["MIN_GAP_S", "LoadReporter"]
 
 log = logging.getLogger(__name__)
-HEARTBEAT_S = 1.0
 MIN_GAP_S = 0.02
 
 
 class LoadReporter:
+    """Owns two tasks (poll, publish); `start()`/`stop()` (safe twice) own them."""
+
     def __init__(
         self,
         nc: Nats,
@@ -34,7 +40,11 @@ class LoadReporter:
         adapter: EngineAdapter,
         queued_tokens: Callable[[], int],
         kv_total_blocks: int | None,
+        *,
+        period_s: float = 0.5,
         poll_s: float = 0.25,
+        digest: Callable[[], KvDigestAt | None] = lambda: None,
+        events_ok: Callable[[], bool] = lambda: True,
     ) -> None:
         self.nc = nc
         self.subject = subjects.load(ns, worker)
@@ -42,23 +52,30 @@ class LoadReporter:
         self.adapter = adapter
         self.queued_tokens = queued_tokens
         self.kv_total_blocks = kv_total_blocks
-        self.poll_s = min(poll_s, HEARTBEAT_S)
+        self.period_s = period_s
+        self.poll_s = min(poll_s, period_s)
+        self.digest = digest
+        self.events_ok = events_ok
         self.published = 0
         self._engine = EngineLoad()
         self._healthy = True
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = 0.0
         self._poke = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"load-{self.worker}")
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self._poll_loop(), name=f"load-poll-{self.worker}"),
+                asyncio.create_task(self._publish_loop(), name=f"load-{self.worker}"),
+            ]
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
@@ -69,6 +86,7 @@ class LoadReporter:
         e = self._engine
         total = e.kv_total_blocks or self.kv_total_blocks
         used = round(e.kv_usage * total) if e.kv_usage is not None and total else 0
+        d = self.digest()
         return LoadReport(
             worker=self.worker,
             ts=time.time(),
@@ -80,16 +98,25 @@ class LoadReporter:
             kv_usage=e.kv_usage,
             num_preemptions=e.num_preemptions,
             healthy=self._healthy,
+            period_s=self.period_s,
+            events_ok=self.events_ok(),
+            kv_epoch=d.epoch if d else 0,
+            kv_seq=d.seq if d else 0,
+            kv_blocks=d.blocks if d else 0,
+            kv_xor=d.xor if d else 0,
         )
 
-    async def _poll(self) -> None:
-        try:
-            self._engine = await self.adapter.load()
-            self._healthy = True
-        except EngineError as exc:
-            if self._healthy:
-                log.warning("load poll failed: %s", exc)
-            self._healthy = False
+    async def _poll_loop(self) -> None:
+        while True:
+            try:
+                self._engine = await self.adapter.load()
+                self._healthy = True
+            except EngineError as exc:
+                if self._healthy:
+                    log.warning("load poll failed: %s", exc)
+                self._healthy = False
+            self._poke.set()
+            await asyncio.sleep(self.poll_s)
 
     async def _publish_if_due(self) -> None:
         rep = self.report()
@@ -100,23 +127,23 @@ class LoadReporter:
             rep.prefill_tokens_queued,
             rep.healthy,
             rep.kv_total_blocks,
+            rep.events_ok,
         )
         now = time.monotonic()
-        if key != self._last_key or now - self._last_sent >= HEARTBEAT_S:
+        if key != self._last_key or now - self._last_sent >= self.period_s:
             self._last_key, self._last_sent = key, now
-            await self.nc.publish(self.subject, encode_msg(rep))
-            self.published += 1
+            try:
+                await self.nc.publish(self.subject, encode_msg(rep))
+                self.published += 1
+            except NatsError as exc:
+                log.warning("publishing the load report failed: %s", exc)
 
-    async def _run(self) -> None:
-        next_poll = 0.0
+    async def _publish_loop(self) -> None:
         while True:
-            now = time.monotonic()
-            if now >= next_poll:
-                await self._poll()
-                next_poll = time.monotonic() + self.poll_s
             await self._publish_if_due()
+            wait = self._last_sent + self.period_s - time.monotonic()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, next_poll - time.monotonic())):
+                async with asyncio.timeout(max(0.0, wait)):
                     await self._poke.wait()
                     await asyncio.sleep(MIN_GAP_S)
             self._poke.clear()

@@ -46,12 +46,12 @@ class NormaliserStats:
 class Normaliser:
     """Folds engine events into the canonical set and says what changed, as protocol events."""
 
-    def __init__(self, block_size: int, memo_size: int = 1 << 16) -> None:
+    def __init__(self, block_size: int, memo_size: int = 1 << 16, stats: NormaliserStats | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.memo_size = memo_size
-        self.stats = NormaliserStats()
+        self.stats = stats or NormaliserStats()  # shared by the shim's successive normalisers
         self.exact = True
         self.needs_rebuild = False
         # engine hash -> [canonical hash, references]
@@ -71,6 +71,9 @@ class Normaliser:
 
     def __len__(self) -> int:
         return len(self._canon)
+
+    def holds(self, canonical: int) -> bool:
+        return canonical in self._canon
 
     def cached_prefix_blocks(self, hashes: list[int]) -> int:
         """How many leading blocks of a prompt (its canonical hashes) the engine holds."""

@@ -6,10 +6,19 @@ says what the leg is:
 - decode: with `disagg` (and no bypass annotation) continue from the prefill leg's handle; with the
   bypass annotation or no handle, prefill locally and decode;
 - agg: prefill and decode locally.
-Responses go to the message's reply subject as ResponseChunks, `seq` from 0. Tokens go out at once
-unless the previous chunk left less than `COALESCE_S` ago; then they wait for that 5 ms mark, so no
-token is held longer than 5 ms. Every leg ends with exactly one final chunk: finish_reason and usage,
-or `error` (engine failure, deadline, draining, bad request), or finish_reason "abort" on cancel.
+Responses go to the message's reply subject as ResponseChunks, `seq` from 0, stamped with the worker
+id of the subject the request came on (during a re-registration's grace period that is the old id).
+Every leg ends with exactly one final chunk: finish_reason and usage, or `error` (engine failure,
+deadline, draining, bad request), or finish_reason "abort" on cancel.
+
+Coalescing adapts to load: while the service is idle (fewer than `busy_legs` legs in flight and
+NATS's outbound buffer under `BEHIND_BYTES`), every token goes out the moment it arrives. Under
+load, a token that comes less than `COALESCE_S` (5 ms) after the leg's previous chunk waits for that
+mark with whatever else arrives meanwhile, so frames carry several tokens and no token waits longer.
+
+Heartbeats: a leg whose request asks for them (`heartbeat_s` > 0) sends an empty, non-final chunk
+with the next seq whenever it has sent nothing for `heartbeat_s`, prefill and non-streaming legs
+included, so a router tells a long prefill from a dead worker.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,25 +48,40 @@ from protocol import (
 from protocol.messages import ANNOTATION_BYPASS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 
-__all__ = ["COALESCE_S", "RequestService"]
+__all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "RequestService"]
 
 log = logging.getLogger(__name__)
 COALESCE_S = 0.005
+BUSY_LEGS = 32
+BEHIND_BYTES = 256 * 1024
 
 
 class _ChunkWriter:
-    """Numbers and coalesces one leg's chunks to its reply subject."""
+    """Numbers, coalesces and heartbeats one leg's chunks to its reply subject."""
 
-    def __init__(self, nc: Nats, reply: str, request_id: str, worker: str) -> None:
-        self.nc = nc
+    def __init__(
+        self,
+        service: RequestService,
+        reply: str,
+        request_id: str,
+        worker: str,
+        role: str,
+        heartbeat_s: float = 0.0,
+    ) -> None:
+        self.service = service
+        self.nc = service.nc
         self.reply = reply
         self.request_id = request_id
         self.worker = worker
+        self.role = role
         self.seq = 0
         self.sent_tokens = 0
         self._pending: list[int] = []
-        self._last_sent = 0.0
+        self._last_sent = time.monotonic()
         self._timer: asyncio.Task[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        if heartbeat_s > 0:
+            self._heartbeat = asyncio.create_task(self._beat(heartbeat_s), name=f"heartbeat-{request_id}")
 
     async def _send(self, chunk: ResponseChunk) -> None:
         self.seq += 1
@@ -67,11 +92,18 @@ class _ChunkWriter:
         self.sent_tokens += len(tokens)
         return ResponseChunk(request_id=self.request_id, seq=self.seq, token_ids=tokens, worker=self.worker, **final)  # type: ignore[arg-type]
 
+    async def _beat(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(max(0.0, self._last_sent + period - time.monotonic()))
+            if time.monotonic() - self._last_sent >= period:
+                self.service.heartbeats += 1
+                await self._send(self._chunk([]))
+
     async def tokens(self, toks: list[int]) -> None:
         self._pending.extend(toks)
         if self._timer is not None:
             return
-        wait = self._last_sent + COALESCE_S - time.monotonic()
+        wait = self._last_sent + COALESCE_S - time.monotonic() if self.service.busy() else 0.0
         if wait <= 0:
             await self._flush()
         else:
@@ -96,11 +128,14 @@ class _ChunkWriter:
         error: ErrorInfo | None = None,
         tokens: list[int] | None = None,
     ) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await timer
+        for task in (self._timer, self._heartbeat):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._timer = self._heartbeat = None
+        outcome = error.kind if error is not None else ("abort" if finish_reason == "abort" else "ok")
+        self.service.outcomes[(self.role, outcome)] += 1
         toks, self._pending = self._pending + (tokens or []), []
         await self._send(
             self._chunk(toks, final=True, finish_reason=finish_reason, usage=usage, transfer=transfer, error=error)
@@ -118,50 +153,62 @@ class _Leg:
 
 
 class RequestService:
-    """Runs legs against one adapter. `worker` is read per request (it changes on re-registration)."""
+    """Runs legs against one adapter; serves every worker id it is subscribed under.
+
+    `on_served(token_ids, usage)` is called after each leg that prefilled its prompt locally and
+    ended well (the shim checks that the engine's KV events followed).
+    """
 
     def __init__(
         self,
         nc: Nats,
         adapter: EngineAdapter,
-        worker: Callable[[], str],
         on_change: Callable[[], None],
         cached_tokens: Callable[[list[int]], int] = lambda _ids: 0,
+        *,
+        on_served: Callable[[str, list[int], Usage], None] = lambda _rid, _ids, _usage: None,
+        busy_legs: int = BUSY_LEGS,
     ) -> None:
         self.nc = nc
         # Prompt tokens the engine already caches: they cost no prefill, so they are not "queued".
         self.cached_tokens = cached_tokens
         self.adapter = adapter
-        self.worker = worker
         self.on_change = on_change
+        self.on_served = on_served
+        self.busy_legs = busy_legs
         self.accepting = True
         self.inflight: dict[str, _Leg] = {}
         self.completed = 0
         self.failed = 0
         self.malformed = 0
+        self.heartbeats = 0
+        self.outcomes: Counter[tuple[str, str]] = Counter()
         self._queued = 0
 
     @property
     def prefill_tokens_queued(self) -> int:
         return self._queued
 
+    def busy(self) -> bool:
+        """Coalesce only under load: many legs in flight, or NATS not keeping up with the output."""
+        return len(self.inflight) >= self.busy_legs or self.nc.pending_data_size >= BEHIND_BYTES
+
     # --- NATS handlers --------------------------------------------------------------------------
 
     async def on_generate(self, msg: Msg) -> None:
-        role = msg.subject.split(".")[-2]
+        *_, role, worker = msg.subject.split(".")
         if not msg.reply:
             self.malformed += 1
             log.warning("generate request on %s has no reply subject: dropped", msg.subject)
             return
-        writer_worker = self.worker()
         try:
             req = decode_msg(msg.data, GenerateRequest)
         except ProtocolError as exc:
             self.malformed += 1
-            writer = _ChunkWriter(self.nc, msg.reply, "", writer_worker)
+            writer = _ChunkWriter(self, msg.reply, "", worker, role)
             await writer.final(error=ErrorInfo(code=400, kind="bad_request", message=str(exc)))
             return
-        writer = _ChunkWriter(self.nc, msg.reply, req.request_id, writer_worker)
+        writer = _ChunkWriter(self, msg.reply, req.request_id, worker, role, req.heartbeat_s)
         if not self.accepting:
             await writer.final(error=ErrorInfo(code=503, kind="draining", message="the worker is shutting down"))
             return
@@ -262,6 +309,8 @@ class RequestService:
                 return
             self.completed += 1
             await self._finish(writer, outcome, role, leg)
+            if leg.transfer is None:
+                self.on_served(req.request_id, req.token_ids, outcome.usage)
         finally:
             self._first_token(state)
             self.inflight.pop(req.request_id, None)

@@ -1,13 +1,21 @@
 """`WorkerShim`: the sidecar's lifecycle around one engine.
 
-A session is one registration: the shim waits until the engine answers health, checks its limits
-against the flags, starts the engine's event stream and waits until it is live, then registers
-(lease id = worker id, a fresh random epoch), publishes its state so far, subscribes its subjects and
-serves. A session ends when the engine fails `health_failures` checks in a row (deregister, publish
-Cleared, wait for it to come back), when the lease is lost (register anew: new worker id, new epoch)
-or when the shim stops (stop taking requests, finish in-flight within `drain_grace_s`, revoke the
-lease, close). Everything the shim starts is kept on `self` and ended by `stop()`, which is safe to
-call twice.
+A session lasts while the engine is healthy: the shim waits until the engine answers health, checks
+its limits against the flags, starts the engine's event stream and waits until it is live, asks the
+engine for its tokenizer fingerprint, then registers (a `discovery.Registration`: worker id = the
+lease id, or `worker_name`; a fresh random epoch), publishes its state so far, subscribes its
+subjects and serves. A session ends when the engine fails `health_failures` checks in a row
+(Cleared, deregister, wait for it to come back) or when the shim stops (stop taking requests,
+finish in-flight within `drain_grace_s`, revoke the lease, close).
+
+A lost lease does not end the session. etcd merely unreachable changes nothing at all. When etcd
+says the lease is gone, the Registration registers anew and the shim takes a new epoch and
+publishes Cleared plus its state on the new id's subjects; the old id's subscriptions (gen, cancel,
+kvstate) and its KV stream stay for `grace_s` so routers still routing there are served, then they
+end with Cleared. In-flight requests are never touched. With a stable `worker_name` the subjects
+stay the same and only the epoch changes.
+
+Everything the shim starts is kept on `self` and ended by `stop()`, which is safe to call twice.
 """
 
 from __future__ import annotations
@@ -17,25 +25,30 @@ import contextlib
 import enum
 import logging
 import secrets
+from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from discovery import Discovery, DiscoveryError, Lease
+from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
 from kvswitch import __version__
-from protocol import Cleared, ConfigError, WorkerInfo, subjects
+from protocol import Cleared, ConfigError, Usage, WorkerInfo, subjects
 from protocol.config import EtcdSettings, NatsSettings
+from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
-from protocol.timing import load_profile
 from worker_shim.adapters import EngineAdapter, EngineError, EngineLimits, make_adapter
 from worker_shim.config import ShimConfig
-from worker_shim.engine_events import EngineBatch
-from worker_shim.kv_publisher import KvPublisher
+from worker_shim.engine_events import EngineBatch, EngineStored
+from worker_shim.http_server import ShimHttpServer
+from worker_shim.kv_publisher import KvPublisher, PublisherCounters
 from worker_shim.load_reporter import LoadReporter
+from worker_shim.metrics import render_metrics
+from worker_shim.model_config import kv_bytes_per_token
 from worker_shim.nats_connect import connect_nats
-from worker_shim.normaliser import Normaliser
+from worker_shim.normaliser import Normaliser, NormaliserStats
 from worker_shim.request_service import RequestService
 
 __all__ = ["ShimStatus", "WorkerShim"]
@@ -59,6 +72,20 @@ def _checked(setting: str, flag: int | None, engine: int | None) -> int | None:
     return engine if engine is not None else flag
 
 
+class _Presence:
+    """One worker id on NATS: its subscriptions, and the KV stream and load reports of one epoch."""
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        self.subs: list[Subscription] = []
+        self.publisher: KvPublisher | None = None
+        self.reporter: LoadReporter | None = None
+
+    async def on_kvstate(self, msg: Msg) -> None:
+        if self.publisher is not None:
+            await self.publisher.on_kvstate(msg)
+
+
 class WorkerShim:
     def __init__(
         self, config: ShimConfig, nats: NatsSettings, etcd: EtcdSettings, adapter: EngineAdapter | None = None
@@ -66,8 +93,11 @@ class WorkerShim:
         self.config = config.validate()
         self.nats_settings = nats
         self.etcd_settings = etcd
-        self.ns = config.namespace
-        self.adapter = adapter or make_adapter(config)
+        self.ns = self.config.namespace
+        self.adapter = adapter or make_adapter(self.config)
+        self.events = self.adapter.event_health
+        self.events.on_change = self._on_events_change
+        self.events.holds = self._holds
         self.status = ShimStatus.NEW
         self.worker_id: str | None = None
         self.epoch = 0
@@ -75,32 +105,42 @@ class WorkerShim:
         self.failure: BaseException | None = None
         self.done = asyncio.Event()
         self.limits = EngineLimits()
+        self.kv_bytes_per_token: int | None = None
+        self.tokenizer = ""
         self.normaliser: Normaliser | None = None
-        self.publisher: KvPublisher | None = None
-        self.load_reporter: LoadReporter | None = None
         self.requests: RequestService | None = None
+        self.registration: Registration | None = None
         self.sessions = 0
+        self.registration_count = 0
+        self.norm_stats = NormaliserStats()
+        self.kv_counters = PublisherCounters()
+        self.engine_events = 0
+        self.engine_batches = {True: 0, False: 0}
+        self.http = ShimHttpServer(self.config.http_host, self.config.http_port, self.health_report, self.metrics_text)
         self._nc: Nats | None = None
         self._discovery: Discovery | None = None
-        self._lease: Lease | None = None
-        self._subs: list[Subscription] = []
+        self._presence: _Presence | None = None
+        self._retired: dict[str, tuple[_Presence, asyncio.Task[None]]] = {}
         self._events_task: asyncio.Task[None] | None = None
         self._main: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._stop_task: asyncio.Task[None] | None = None
+        self._said: set[str] = set()
 
     # --- public ---------------------------------------------------------------------------------
-
-    def _cached_prompt_tokens(self, token_ids: list[int]) -> int:
-        norm, limits = self.normaliser, self.limits
-        if norm is None or not limits.block_size:
-            return 0
-        hashes = block_hashes(token_ids, limits.block_size)
-        return norm.cached_prefix_blocks(hashes) * limits.block_size
 
     def canonical_hashes(self) -> set[int]:
         """What the shim believes the engine caches, as canonical hashes."""
         return self.normaliser.canonical_hashes() if self.normaliser is not None else set()
+
+    @property
+    def publisher(self) -> KvPublisher | None:
+        """The KV stream of the current worker id and epoch."""
+        return self._presence.publisher if self._presence is not None else None
+
+    @property
+    def load_reporter(self) -> LoadReporter | None:
+        return self._presence.reporter if self._presence is not None else None
 
     @property
     def nc(self) -> Nats:
@@ -108,18 +148,38 @@ class WorkerShim:
             raise RuntimeError("the shim is not started")
         return self._nc
 
+    @property
+    def nats_state(self) -> str:
+        nc = self._nc
+        return "closed" if nc is None or nc.is_closed else "connected" if nc.is_connected else "reconnecting"
+
+    @property
+    def serving(self) -> bool:
+        reg = self.registration
+        return (
+            self.status is ShimStatus.REGISTERED
+            and reg is not None
+            and reg.state in (RegistrationState.REGISTERED, RegistrationState.UNKNOWN)
+        )
+
     async def start(self) -> None:
         if self._main is not None:
             return
-        self._nc = await connect_nats(self.nats_settings, f"kvswitch-shim-{self.config.model}")
         try:
+            await self.http.start()
+        except OSError as exc:
+            raise ConfigError(
+                "http_port", self.config.http_port, f"cannot listen on {self.config.http_host}: {exc}"
+            ) from exc
+        try:
+            self._nc = await connect_nats(self.nats_settings, f"kvswitch-shim-{self.config.model}")
             self._discovery = await Discovery(self.etcd_settings, self.ns).connect()
             await self.adapter.open()
         except BaseException:
             await self._close_clients()
             raise
         self.requests = RequestService(
-            self._nc, self.adapter, lambda: self.worker_id or "", self._poke_load, self._cached_prompt_tokens
+            self._nc, self.adapter, self._poke_load, self._cached_prompt_tokens, on_served=self._on_served
         )
         self.status = ShimStatus.WAITING_ENGINE
         self._main = asyncio.create_task(self._supervise(), name="shim-supervisor")
@@ -138,6 +198,28 @@ class WorkerShim:
     ) -> None:
         await self.stop()
 
+    # --- reports ----------------------------------------------------------------------------------
+
+    def health_report(self) -> tuple[bool, dict[str, Any]]:
+        """(serving, the body of GET /health)."""
+        reg = self.registration
+        lease = reg.lease if reg is not None else None
+        return self.serving, {
+            "status": "serving" if self.serving else self.status.value,
+            "registration": reg.state.value if reg is not None else "none",
+            "worker": self.worker_id or "",
+            "epoch": f"{self.epoch:x}",
+            "events_ok": self.events.ok,
+            "events_why": self.events.why,
+            "nats": self.nats_state,
+            "etcd": lease.state.value if lease is not None else "none",
+            "engine_url": self.config.engine_url,
+            "retired_workers": sorted(self._retired),
+        }
+
+    def metrics_text(self) -> bytes:
+        return render_metrics(self)
+
     # --- supervision ----------------------------------------------------------------------------
 
     async def _supervise(self) -> None:
@@ -146,6 +228,7 @@ class WorkerShim:
                 if not await self._wait_healthy():
                     return
                 self.limits = await self._check_limits()
+                self.kv_bytes_per_token = self._kv_bytes_per_token()
                 await self._session()
         except ConfigError as exc:
             log.error("shim cannot serve this engine: %s", exc)
@@ -153,6 +236,12 @@ class WorkerShim:
             self.status = ShimStatus.FAILED
         finally:
             self.done.set()
+
+    def _say_once(self, level: int, message: str, *args: object) -> None:
+        text = message % args
+        if text not in self._said:
+            self._said.add(text)
+            log.log(level, "%s", text)
 
     async def _wait_healthy(self) -> bool:
         self.status = ShimStatus.WAITING_ENGINE
@@ -177,18 +266,55 @@ class WorkerShim:
             max_num_batched_tokens=_checked(
                 "max_num_batched_tokens", c.max_num_batched_tokens, eng.max_num_batched_tokens
             ),
+            cache_dtype=eng.cache_dtype,
         )
         if limits.block_size is None:
             raise ConfigError("block_size", None, f"the {c.engine} engine does not report it: give --block-size")
+        for name, flag in (
+            ("kv_total_blocks", "--kv-total-blocks"),
+            ("max_num_batched_tokens", "--max-num-batched-tokens"),
+        ):
+            if getattr(eng, name) is None:
+                value = getattr(limits, name)
+                self._say_once(
+                    logging.INFO,
+                    "the %s engine does not report %s: %s",
+                    c.engine,
+                    name,
+                    f"registering {flag} {value}" if value is not None else f"not registered (give {flag})",
+                )
         return limits
 
     def _kv_bytes_per_token(self) -> int | None:
-        if self.config.kv_bytes_per_token is not None:
-            return self.config.kv_bytes_per_token
-        try:
-            return load_profile(self.config.timing_profile).kv_bytes_per_token
-        except (ValueError, KeyError, OSError):
+        c = self.config
+        if c.kv_bytes_per_token is not None:
+            return c.kv_bytes_per_token
+        model_dir = c.model_path or (c.model if Path(c.model).is_dir() else None)
+        if model_dir is None:
+            self._say_once(
+                logging.INFO,
+                "kv_bytes_per_token not registered: the served model %r is not a local directory; give "
+                "--model-path DIR (its config.json) or --kv-bytes-per-token",
+                c.model,
+            )
             return None
+        value, why = kv_bytes_per_token(model_dir, self.limits.cache_dtype)
+        if value is None:
+            self._say_once(logging.WARNING, "kv_bytes_per_token not registered: %s", why)
+        return value
+
+    async def _tokenizer(self) -> str:
+        why = f"the {self.config.engine} adapter cannot ask the engine to tokenize"
+        try:
+            fp = await self.adapter.tokenizer_fingerprint()
+        except EngineError as exc:
+            fp, why = None, f"the engine's tokenizer could not be probed ({exc})"
+        if fp is None:
+            self._say_once(
+                logging.WARNING, "%s: tokenizer unknown, so routers refuse text requests for this worker", why
+            )
+            return ""
+        return BUILTIN if fp == builtin_fingerprint() else fp
 
     def _info(self, worker: str) -> WorkerInfo:
         c, lim = self.config, self.limits
@@ -201,47 +327,108 @@ class WorkerShim:
             block_size=lim.block_size,
             kv_total_blocks=lim.kv_total_blocks,
             max_num_batched_tokens=lim.max_num_batched_tokens,
-            kv_bytes_per_token=self._kv_bytes_per_token(),
+            kv_bytes_per_token=self.kv_bytes_per_token,
             timing_profile=c.timing_profile,
             epoch=self.epoch,
             version=__version__,
             engine_url=c.engine_url,
+            tokenizer=self.tokenizer,
+            events_ok=self.events.ok,
+            shim_url=self.http.url,
         )
+
+    # --- engine events ------------------------------------------------------------------------------
 
     def _sink(self, batch: EngineBatch) -> None:
         norm = self.normaliser
         if norm is None:
             return
+        self.engine_events += len(batch.events)
+        self.engine_batches[batch.live] += 1
+        if batch.live and batch.events:
+            self.events.live(any(isinstance(e, EngineStored) for e in batch.events))
         out = norm.reset(exact=batch.complete) if batch.reset else []
         out += norm.apply(batch.events)
         if norm.needs_rebuild:
             norm.needs_rebuild = False
             log.warning("KV event with an unknown parent: asking the engine for its whole state")
             self.adapter.request_rebuild()
-        if self.publisher is not None:
-            self.publisher.add(out)
+        if out:
+            for presence in self._presences():
+                if presence.publisher is not None:
+                    presence.publisher.add(out)
+
+    def _holds(self, canonical: int) -> bool:
+        return self.normaliser is not None and self.normaliser.holds(canonical)
+
+    def _on_served(self, request_id: str, token_ids: list[int], usage: Usage) -> None:
+        bs = self.limits.block_size
+        if not bs:
+            return
+        full = len(token_ids) // bs
+        uncached = full - usage.cached_tokens // bs
+        if uncached > 0:
+            last = block_hashes(token_ids[: full * bs], bs)[-1]
+            self.events.expect_stored(last, request_id, uncached)
+
+    def _on_events_change(self) -> None:
+        if self.registration is not None and self.registration.state is not RegistrationState.STOPPED:
+            self.registration.update()
+        self._poke_load()
+
+    def _cached_prompt_tokens(self, token_ids: list[int]) -> int:
+        norm, limits = self.normaliser, self.limits
+        if norm is None or not limits.block_size:
+            return 0
+        hashes = block_hashes(token_ids, limits.block_size)
+        return norm.cached_prefix_blocks(hashes) * limits.block_size
 
     def _poke_load(self) -> None:
-        if self.load_reporter is not None:
-            self.load_reporter.poke()
+        for presence in self._presences():
+            if presence.reporter is not None:
+                presence.reporter.poke()
+
+    def _presences(self) -> list[_Presence]:
+        current = [self._presence] if self._presence is not None else []
+        return current + [p for p, _ in self._retired.values()]
+
+    # --- one session ------------------------------------------------------------------------------
 
     async def _session(self) -> None:
         assert self.limits.block_size is not None and self._discovery is not None
         self.sessions += 1
-        self.normaliser = Normaliser(self.limits.block_size)
+        self.normaliser = Normaliser(self.limits.block_size, stats=self.norm_stats)
         live = asyncio.Event()
         self._events_task = asyncio.create_task(self.adapter.run_events(self._sink, live), name="engine-events")
         try:
             if not await self._wait_live(live):
                 return
-            self.epoch = secrets.randbits(64)
+            self.tokenizer = await self._tokenizer()
+            self.epoch = secrets.randbits(64) | 1
+            self.registration = Registration(
+                self._discovery,
+                key=lambda wid: subjects.worker_key(self.ns, wid),
+                value=self._info,
+                ttl=self.config.lease_ttl,
+                name=self.config.worker_name,
+                on_lost=self._on_lease_lost,
+                on_registered=self._on_registered,
+            )
             try:
-                self._lease = await self._discovery.register_worker(self._info, ttl=self.config.lease_ttl)
+                worker = await self.registration.start()
+            except KeyTaken as exc:
+                raise ConfigError(
+                    "worker_name",
+                    self.config.worker_name,
+                    f"{exc}: another shim serves under this name (a crashed one's lease expires within "
+                    f"{self.config.lease_ttl}s)",
+                ) from exc
             except DiscoveryError as exc:
                 log.warning("registration failed (%s); retrying", exc)
                 await asyncio.sleep(self.config.health_interval_s)
                 return
-            await self._serve(self._lease)
+            await self._on_registered(worker)
+            await self._monitor()
         finally:
             await self._end_session()
 
@@ -261,45 +448,107 @@ class WorkerShim:
             await asyncio.sleep(self.config.health_interval_s)
         return live.is_set() and not self._stopping.is_set() and not self._events_task.done()
 
-    async def _serve(self, lease: Lease) -> None:
-        worker = self.worker_id = lease.hex_id
+    async def _start_epoch(self, presence: _Presence) -> None:
         assert self.normaliser is not None and self.requests is not None
-        nc = self.nc
-        self.publisher = KvPublisher(nc, self.ns, worker, self.epoch, self.normaliser)
-        self.publisher.start()
+        requests = self.requests
+        publisher = KvPublisher(self.nc, self.ns, presence.worker, self.epoch, self.normaliser, self.kv_counters)
+        publisher.start()
         # Routers that follow from seq 1 must see what the engine held before registration.
-        self.publisher.add([Cleared(), *self.normaliser.snapshot()])
-        self.load_reporter = LoadReporter(
-            nc,
+        publisher.add([Cleared(), *self.normaliser.snapshot()])
+        presence.publisher = publisher
+        presence.reporter = LoadReporter(
+            self.nc,
             self.ns,
-            worker,
+            presence.worker,
             self.adapter,
-            lambda: self.requests.prefill_tokens_queued if self.requests else 0,
+            lambda: requests.prefill_tokens_queued,
             self.limits.kv_total_blocks,
+            period_s=self.config.load_period_s,
             poll_s=min(0.25, self.config.health_interval_s),
+            digest=publisher.digest,
+            events_ok=lambda: self.events.ok,
         )
-        self.load_reporter.start()
+        presence.reporter.start()
+
+    async def _end_epoch(self, presence: _Presence, *, cleared: bool) -> None:
+        reporter, presence.reporter = presence.reporter, None
+        if reporter is not None:
+            await reporter.stop()
+        publisher, presence.publisher = presence.publisher, None
+        if publisher is not None:
+            if cleared:
+                publisher.add([Cleared()])
+            await publisher.stop()
+
+    async def _open_presence(self, worker: str) -> _Presence:
+        assert self.requests is not None
+        presence = _Presence(worker)
+        nc = self.nc
         for role in ("prefill", "decode", "agg"):
-            self._subs.append(await nc.subscribe(subjects.gen(self.ns, role, worker), cb=self.requests.on_generate))
-        self._subs.append(await nc.subscribe(subjects.cancel(self.ns, worker), cb=self.requests.on_cancel))
-        self._subs.append(await nc.subscribe(subjects.kvstate(self.ns, worker), cb=self.publisher.on_kvstate))
+            presence.subs.append(await nc.subscribe(subjects.gen(self.ns, role, worker), cb=self.requests.on_generate))
+        presence.subs.append(await nc.subscribe(subjects.cancel(self.ns, worker), cb=self.requests.on_cancel))
+        presence.subs.append(await nc.subscribe(subjects.kvstate(self.ns, worker), cb=presence.on_kvstate))
         await nc.flush()
+        return presence
+
+    async def _close_presence(self, presence: _Presence) -> None:
+        await self._end_epoch(presence, cleared=True)
+        subs, presence.subs = presence.subs, []
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_registered(self, worker: str) -> None:
+        presence = self._presence
+        if presence is None or presence.worker != worker:
+            presence = self._presence = await self._open_presence(worker)
+        await self._start_epoch(presence)
+        self.worker_id = worker
+        self.registration_count += 1
         self.status = ShimStatus.REGISTERED
         self.registered.set()
         log.info("registered worker %s (epoch %x, block size %s)", worker, self.epoch, self.limits.block_size)
-        await self._monitor(lease)
 
-    async def _monitor(self, lease: Lease) -> None:
+    async def _on_lease_lost(self, old: str) -> None:
+        self.registered.clear()
+        self.epoch = secrets.randbits(64) | 1
+        presence, self._presence = self._presence, None
+        if presence is None:
+            return
+        if self.config.worker_name is not None:
+            # Same subjects under the same name: the old epoch's stream ends; the new one starts
+            # with Cleared and the whole state once registered again.
+            await self._end_epoch(presence, cleared=False)
+            self._presence = presence
+            return
+        # Retired first, so the old stream misses no event while its load reports stop.
+        grace = self.config.grace_s
+        self._retired[old] = (presence, asyncio.create_task(self._retire_later(presence, grace), name=f"retire-{old}"))
+        log.warning("serving the old worker id %s for %.1fs more while registering anew", old, grace)
+        reporter, presence.reporter = presence.reporter, None
+        if reporter is not None:
+            await reporter.stop()
+
+    async def _retire_later(self, presence: _Presence, grace: float) -> None:
+        await asyncio.sleep(grace)
+        self._retired.pop(presence.worker, None)
+        await self._close_presence(presence)
+        log.info("stopped serving the old worker id %s", presence.worker)
+
+    async def _monitor(self) -> None:
         failures = 0
-        assert self._events_task is not None
+        assert self._events_task is not None and self.registration is not None
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.health_interval_s):
                     await self._stopping.wait()
             if self._stopping.is_set():
                 return
-            if lease.lost.is_set():
-                log.warning("lease %s lost (%s): registering anew", lease.hex_id, lease.lost_reason)
+            if self.registration.failed.is_set():
+                failure = self.registration.failure
+                if isinstance(failure, KeyTaken):
+                    raise ConfigError("worker_name", self.config.worker_name, str(failure))
+                log.error("re-registration failed (%s): starting a new session", failure)
                 return
             if self._events_task.done():
                 log.warning("engine event stream ended: %s", self._events_task.exception())
@@ -310,29 +559,30 @@ class WorkerShim:
                 return
 
     async def _end_session(self) -> None:
+        if self.status is ShimStatus.REGISTERED:
+            self.status = ShimStatus.DRAINING if self._stopping.is_set() else ShimStatus.WAITING_ENGINE
         self.registered.clear()
         if self._stopping.is_set() and self.requests is not None:
-            self.status = ShimStatus.DRAINING
             await self.requests.drain(self.config.drain_grace_s)
-        subs, self._subs = self._subs, []
-        for sub in subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        if self.load_reporter is not None:
-            await self.load_reporter.stop()
-            self.load_reporter = None
-        if self.publisher is not None:
-            self.publisher.add([Cleared()])
-            await self.publisher.stop()
-            self.publisher = None
-        lease, self._lease = self._lease, None
-        if lease is not None and self._discovery is not None:
-            await self._discovery.release(lease)
+        # First the registration (its task may be re-registering), then what it opened.
+        registration, self.registration = self.registration, None
+        if registration is not None:
+            await registration.stop()
+        retired, self._retired = self._retired, {}
+        for old, grace in retired.values():
+            grace.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await grace
+            await self._close_presence(old)
+        presence, self._presence = self._presence, None
+        if presence is not None:
+            await self._close_presence(presence)
         task, self._events_task = self._events_task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self.events.close()
         self.worker_id = None
 
     # --- stop -----------------------------------------------------------------------------------
@@ -353,6 +603,7 @@ class WorkerShim:
         self.done.set()
 
     async def _close_clients(self) -> None:
+        await self.http.stop()
         await self.adapter.close()
         discovery, self._discovery = self._discovery, None
         if discovery is not None:

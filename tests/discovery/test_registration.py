@@ -1,145 +1,151 @@
-"""Registration under leases against a real etcd."""
+"""`Registration` keeps one leased key registered: through etcd outages, after loss, under a name."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
-import sys
-import textwrap
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 
+import msgspec
 import pytest
 
-from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
-from protocol import RouterInfo, WorkerInfo
+from discovery import Discovery, KeyTaken, Registration, RegistrationState
+from kvswitch.servers import EtcdServer
+from protocol import RouterInfo, WorkerInfo, decode_json, subjects
 from protocol.config import EtcdSettings
 
 
-def _worker(wid: str, **kw: object) -> WorkerInfo:
-    return WorkerInfo(worker=wid, model="m", role="decode", engine="vllm", block_size=16, **kw)  # type: ignore[arg-type]
+async def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
 
 
-async def _next(it: AsyncIterator[WatchEvent[WorkerInfo]], timeout: float = 10.0) -> WatchEvent[WorkerInfo]:
-    return await asyncio.wait_for(anext(it), timeout)
+async def _get(d: Discovery, key: str) -> bytes | None:
+    assert d.client.kv is not None
+    resp = await d.client.kv.get(key, timeout=5)
+    return resp.kvs[0].value if resp.kvs else None
 
 
-async def test_registered_worker_is_seen_by_a_watcher(etcd_url: str, ns: str) -> None:
+def _worker_reg(d: Discovery, ns: str, **kw: object) -> Registration:
+    return Registration(
+        d,
+        key=lambda wid: subjects.worker_key(ns, wid),
+        value=lambda wid: WorkerInfo(worker=wid, model="m", role="agg", engine="vllm", block_size=16),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def test_etcd_outage_keeps_the_id_and_the_key(ns: str) -> None:
+    etcd = EtcdServer().start()
+    try:
+        settings = EtcdSettings(endpoints=[etcd.url])
+        async with Discovery(settings, ns) as d:
+            healthy = [True]
+            reg = Registration(
+                d,
+                key=lambda wid: subjects.worker_key(ns, wid),
+                value=lambda wid: WorkerInfo(
+                    worker=wid, model="m", role="agg", engine="vllm", block_size=16, events_ok=healthy[0]
+                ),
+                ttl=2,
+            )
+            wid = await reg.start()
+            await asyncio.to_thread(etcd.stop)
+            await _until(lambda: reg.state is RegistrationState.UNKNOWN, 5, "state unknown")
+            healthy[0] = False
+            reg.update()  # made during the outage: must land once etcd is back
+            await asyncio.sleep(3.5)  # past the TTL
+            await asyncio.to_thread(etcd.start)
+            await _until(lambda: reg.state is RegistrationState.REGISTERED, 5, "registered again")
+            async with Discovery(settings, ns) as obs:
+
+                async def value() -> WorkerInfo | None:
+                    raw = await _get(obs, subjects.worker_key(ns, wid))
+                    return decode_json(raw, WorkerInfo) if raw is not None else None
+
+                deadline = time.monotonic() + 5
+                while (info := await value()) is None or info.events_ok:
+                    assert time.monotonic() < deadline, f"the update made during the outage never landed: {info}"
+                    await asyncio.sleep(0.05)
+            assert reg.id == wid and reg.registrations == 1
+            await reg.stop()
+    finally:
+        etcd.close()
+
+
+@pytest.mark.parametrize("kind", ["worker", "router"])
+async def test_lost_lease_registers_anew_and_tells_the_owner(etcd_url: str, ns: str, kind: str) -> None:
+    key: Callable[[str], str]
+    value: Callable[[str], msgspec.Struct]
+    if kind == "worker":
+        key = lambda wid: subjects.worker_key(ns, wid)  # noqa: E731
+        value = lambda wid: WorkerInfo(worker=wid, model="m", role="agg", engine="vllm", block_size=16)  # noqa: E731
+    else:
+        key = lambda rid: subjects.router_key(ns, rid)  # noqa: E731
+        value = lambda rid: RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=1.0)  # noqa: E731
+    heard: list[tuple[str, str]] = []
+
+    async def on_lost(old: str) -> None:
+        heard.append(("lost", old))
+
+    async def on_registered(new: str) -> None:
+        heard.append(("registered", new))
+
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = Registration(d, key=key, value=value, ttl=5, on_lost=on_lost, on_registered=on_registered)
+        first = await reg.start()
+        assert reg.lease is not None and d.client.lease is not None
+        await d.client.lease.revoke(reg.lease.id)  # behind its back: etcd now says the lease is gone
+        await _until(lambda: len(heard) == 2, 10, "re-registration")
+        second = reg.id
+        assert heard == [("lost", first), ("registered", second)] and second != first
+        assert reg.state is RegistrationState.REGISTERED and reg.registrations == 2
+        raw = await _get(d, key(second))
+        assert raw is not None and second in raw.decode()
+        assert await _get(d, key(first)) is None
+        await reg.stop()
+        await reg.stop()  # safe twice
+        assert await _get(d, key(second)) is None, "stop must revoke at once"
+
+
+async def test_a_name_is_the_id_and_a_second_holder_fails_loudly(etcd_url: str, ns: str) -> None:
     async with (
-        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as reg,
-        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as obs,
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d,
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as other,
     ):
-        watch = obs.watch_workers()
-        first = await _next(watch)
-        assert isinstance(first, Snapshot) and first.items == {}
-        lease = await reg.register_worker(lambda wid: _worker(wid, kv_total_blocks=99))
-        event = await _next(watch)
-        assert isinstance(event, Put)
-        assert event.name == lease.hex_id == event.value.worker
-        assert event.value.kv_total_blocks == 99
-        # A new watcher gets it in its snapshot.
-        snap = await _next(obs.watch_workers())
-        assert isinstance(snap, Snapshot) and set(snap.items) == {lease.hex_id}
-        await watch.aclose()
+        reg = _worker_reg(d, ns, ttl=5, name="gpu-07")
+        assert await reg.start() == "gpu-07"
+        rival = _worker_reg(other, ns, ttl=5, name="gpu-07")
+        with pytest.raises(KeyTaken, match="gpu-07"):
+            await rival.start()
+        # The rival's lease was revoked on failure; the first holder's record is untouched.
+        assert d.client.lease is not None and reg.lease is not None
+        first_lease = reg.lease.id
+        await d.client.lease.revoke(first_lease)
+        await _until(lambda: reg.registrations == 2, 10, "re-registration under the name")
+        assert reg.id == "gpu-07" and reg.lease.id != first_lease
+        raw = await _get(d, subjects.worker_key(ns, "gpu-07"))
+        assert raw is not None
+        await reg.stop()
 
 
-async def test_clean_shutdown_revokes_the_lease_at_once(etcd_url: str, ns: str) -> None:
-    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as obs:
-        watch = obs.watch_workers()
-        await _next(watch)
-        reg = await Discovery(EtcdSettings(endpoints=[etcd_url]), ns).connect()
-        lease = await reg.register_worker(_worker, ttl=30)
-        assert isinstance(await _next(watch), Put)
-        started = time.monotonic()
-        await reg.close()
-        await reg.close()  # safe twice
-        event = await _next(watch, timeout=5.0)
-        assert isinstance(event, Deleted) and event.name == lease.hex_id
-        assert time.monotonic() - started < 2.0, "revoke must not wait for the TTL"
-        await watch.aclose()
+async def test_a_name_taken_while_lost_fails_the_registration(etcd_url: str, ns: str) -> None:
+    async with (
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d,
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as other,
+    ):
+        rival = _worker_reg(other, ns, ttl=5, name="gpu-08")
 
+        async def on_lost(_old: str) -> None:
+            await rival.start()  # someone else takes the name before we register again
 
-_HOLDER = textwrap.dedent(
-    """
-    import asyncio, sys
-    from discovery import Discovery
-    from protocol import WorkerInfo
-    from protocol.config import EtcdSettings
-
-    async def main():
-        d = await Discovery(EtcdSettings(endpoints=[sys.argv[1]]), sys.argv[2]).connect()
-        lease = await d.register_worker(
-            lambda w: WorkerInfo(worker=w, model="m", role="agg", engine="vllm", block_size=16), ttl=2)
-        print(lease.hex_id, flush=True)
-        await asyncio.sleep(3600)
-
-    asyncio.run(main())
-    """
-)
-
-
-async def test_worker_whose_process_dies_disappears_within_ttl_plus_one_second(etcd_url: str, ns: str) -> None:
-    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as obs:
-        watch = obs.watch_workers()
-        await _next(watch)
-        proc = subprocess.Popen([sys.executable, "-c", _HOLDER, etcd_url, ns], stdout=subprocess.PIPE)
-        try:
-            assert proc.stdout is not None
-            wid = (await asyncio.to_thread(proc.stdout.readline)).decode().strip()
-            put = await _next(watch)
-            assert isinstance(put, Put) and put.name == wid
-            await asyncio.sleep(3.0)  # longer than the TTL: renewals must have kept it
-            proc.kill()
-            proc.wait()
-            killed = time.monotonic()
-            event = await _next(watch, timeout=6.0)
-            assert isinstance(event, Deleted) and event.name == wid
-            assert time.monotonic() - killed <= 2 + 1.0
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait()
-        await watch.aclose()
-
-
-async def test_lease_lost_when_etcd_revokes_it(etcd_url: str, ns: str) -> None:
-    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-        lease = await d.register_worker(_worker, ttl=5)
-        assert d.client.lease is not None
-        await d.client.lease.revoke(lease.id)
-        await asyncio.wait_for(lease.lost.wait(), timeout=5.0)
-        assert "expired" in lease.lost_reason
-
-
-async def test_router_registration_and_watch(etcd_url: str, ns: str) -> None:
-    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-        lease = await d.register_router(
-            lambda rid: RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=1.0)
-        )
-        snap = await asyncio.wait_for(anext(d.watch_routers()), 5.0)
-        assert isinstance(snap, Snapshot)
-        assert snap.items[lease.hex_id].http_url == "http://127.0.0.1:1"
-
-
-async def test_worker_id_must_be_the_lease_id(etcd_url: str, ns: str) -> None:
-    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-        with pytest.raises(ValueError, match="must be the lease id"):
-            await d.register_worker(lambda _wid: _worker("not-the-lease"))
-
-
-async def test_malformed_value_is_skipped_not_fatal(etcd_url: str, ns: str) -> None:
-    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-        await d.put_raw(f"/{ns}/workers/bogus", b"{not json")
-        lease = await d.register_worker(_worker)
-        snap = await asyncio.wait_for(anext(d.watch_workers()), 5.0)
-        assert isinstance(snap, Snapshot) and set(snap.items) == {lease.hex_id}
-        await d.delete(f"/{ns}/workers/bogus")
-
-
-async def test_unreachable_etcd_is_a_clear_error(ns: str) -> None:
-    from discovery import DiscoveryError
-    from kvswitch.servers import free_port
-
-    with pytest.raises(DiscoveryError, match="is not reachable"):
-        await Discovery(EtcdSettings(endpoints=[f"http://127.0.0.1:{free_port()}"]), ns).connect(timeout=1.0)
+        reg = _worker_reg(d, ns, ttl=5, name="gpu-08", on_lost=on_lost)
+        await reg.start()
+        assert reg.lease is not None and d.client.lease is not None
+        await d.client.lease.revoke(reg.lease.id)
+        await asyncio.wait_for(reg.failed.wait(), 10)
+        assert reg.state is RegistrationState.FAILED and isinstance(reg.failure, KeyTaken)
+        await reg.stop()
+        await rival.stop()

@@ -73,3 +73,87 @@ async def test_a_flag_that_disagrees_with_the_engine_is_a_startup_error(ns: str,
             await shim.done.wait()
             assert shim.status is ShimStatus.FAILED and not shim.registered.is_set()
             assert isinstance(shim.failure, ConfigError) and "16" in str(shim.failure) and "32" in str(shim.failure)
+
+
+VLLM_EVENTS = (
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+    '"replay_endpoint": "tcp://*:5558", "topic": "kv-events", "buffer_steps": 10000, "hwm": 100000, '
+    '"max_queue_size": 100000}'
+)
+
+
+def test_vllms_kv_events_config_sets_the_endpoints_and_topic() -> None:
+    cfg = ShimConfig(model="m", kv_events_config=VLLM_EVENTS).validate()
+    assert (cfg.kv_events, cfg.kv_replay, cfg.kv_events_topic) == ("tcp://*:5557", "tcp://*:5558", "kv-events")
+    # vLLM's defaults for what the JSON leaves out; an explicit flag that agrees is fine.
+    cfg = ShimConfig(model="m", kv_events="tcp://*:5557", kv_events_config='{"enable_kv_cache_events": true}')
+    assert cfg.validate().kv_events == "tcp://*:5557" and cfg.validate().kv_replay is None
+
+
+def test_sglangs_kv_events_config_needs_the_zmq_publisher() -> None:
+    raw = '{"publisher": "zmq", "endpoint": "tcp://10.0.0.7:6000", "topic": "t"}'
+    cfg = ShimConfig(engine="sglang", model="m", kv_events_config=raw).validate()
+    assert (cfg.kv_events, cfg.kv_events_topic) == ("tcp://10.0.0.7:6000", "t")
+    with pytest.raises(ConfigError, match="publisher 'null'"):
+        ShimConfig(engine="sglang", model="m", kv_events_config='{"endpoint": "tcp://*:1"}').validate()
+
+
+@pytest.mark.parametrize(
+    ("kw", "setting", "words"),
+    [
+        ({"kv_events_config": '{"publisher": "zmq"}'}, "kv_events_config", "enable_kv_cache_events"),
+        ({"kv_events_config": '{"enable_kv_cache_events": true, "publisher": "null"}'}, "kv_events_config", "null"),
+        ({"kv_events_config": '{"enable_kv_cache_events": true, "endpont": "x"}'}, "kv_events_config", "endpont"),
+        ({"kv_events_config": "{not json"}, "kv_events_config", "not JSON"),
+        ({"kv_events_config": '{"enable_kv_cache_events": true, "hwm": "big"}'}, "kv_events_config", "hwm"),
+        ({"kv_events_config": VLLM_EVENTS, "kv_events": "tcp://*:6000"}, "kv_events", "tcp://*:5557"),
+        ({"kv_events_config": VLLM_EVENTS, "kv_replay": "tcp://*:6001"}, "kv_replay", "replay_endpoint"),
+        ({"kv_events_config": VLLM_EVENTS, "kv_events_topic": "other"}, "kv_events_topic", "kv-events"),
+        ({"kv_events_config": VLLM_EVENTS, "engine": "trtllm"}, "kv_events_config", "trtllm"),
+        ({"kv_events": "tcp://*:1", "worker_name": "a.b"}, "worker_name", "subject token"),
+        ({"kv_events": "tcp://*:1", "load_period_s": 0}, "load_period_s", "> 0"),
+        ({"kv_events": "tcp://*:1", "http_port": 70000}, "http_port", "65535"),
+    ],
+)
+def test_events_config_errors_name_the_setting(kw: dict[str, object], setting: str, words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(model="m", **kw).validate()  # type: ignore[arg-type]
+    assert err.value.setting == setting and words in str(err.value)
+
+
+def test_new_flags_reach_the_config() -> None:
+    args = parse(
+        "--model",
+        "llama",
+        "--kv-events-config",
+        VLLM_EVENTS,
+        "--load-period-s",
+        "0.25",
+        "--worker-name",
+        "gpu-3",
+        "--http-port",
+        "9100",
+        "--http-host",
+        "0.0.0.0",
+        "--model-path",
+        "/models/llama",
+        "--events-timeout-s",
+        "3",
+        "--reregister-grace-s",
+        "4",
+    )
+    shim, _, _ = resolve_settings(args)
+    assert (shim.kv_events, shim.kv_events_topic, shim.load_period_s, shim.worker_name) == (
+        "tcp://*:5557",
+        "kv-events",
+        0.25,
+        "gpu-3",
+    )
+    assert (shim.http_host, shim.http_port, shim.model_path, shim.events_timeout_s, shim.grace_s) == (
+        "0.0.0.0",
+        9100,
+        "/models/llama",
+        3.0,
+        4.0,
+    )
+    assert shim.timing_profile is None and ShimConfig(model="m", kv_events="tcp://*:1", lease_ttl=7).grace_s == 14.0

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 from nats.aio.client import Client as Nats
 
 from engine_sim.server import SimServer
@@ -36,6 +37,7 @@ class Collector:
         self.chunks: dict[str, list[ResponseChunk]] = defaultdict(list)
         self.finals: dict[str, ResponseChunk] = {}
         self.events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.on_chunk: Callable[[ResponseChunk], None] = lambda _c: None
 
     async def start(self) -> None:
         await self.nc.subscribe(self.prefix + ".*", cb=self._on)
@@ -43,6 +45,7 @@ class Collector:
     async def _on(self, msg: Any) -> None:
         c = decode_msg(msg.data, ResponseChunk)
         rid = msg.subject.rsplit(".", 1)[1]
+        self.on_chunk(c)
         self.chunks[rid].append(c)
         if c.final:
             self.finals[rid] = c
@@ -197,3 +200,68 @@ async def test_prefill_decode_through_two_shims_and_the_bypass(ns: str, nats_url
             assert bp.error is None and bp.usage is not None and bp.usage.completion_tokens == 6
             assert dsim.engine.prefill_tokens_computed >= before + len(fresh), "bypass must prefill locally"
             await nc.close()
+
+
+@pytest.mark.timing
+async def test_a_long_prefill_sends_heartbeats_at_the_asked_period(ns: str, nats_url: str, etcd_url: str) -> None:
+    # ~1.3 s of prefill: a 4,000-token prompt on a sim slowed twelvefold.
+    async with (
+        SimServer(sim_config(role="prefill", speedup=1.0, slowdown=12.0)) as sim,
+        agg_shim(sim, ns, nats_url, etcd_url) as (shim, col),
+    ):
+        assert shim.worker_id is not None
+        arrived: list[float] = []
+        col.on_chunk = lambda _c: arrived.append(time.monotonic())
+        started = time.monotonic()
+        req = gen("slow", list(range(1, 4001)), max_tokens=1, heartbeat_s=0.2)
+        await col.send(subjects.gen(ns, "prefill", shim.worker_id), req)
+        final = await col.final("slow")
+        chunks = col.chunks["slow"]
+        beats = chunks[:-1]
+        assert final.error is None and final.transfer is not None
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        assert all(not c.token_ids and not c.final for c in beats)
+        assert len(beats) >= 4, f"{len(beats)} heartbeats in {arrived[-1] - started:.2f}s"
+        gaps = [b - a for a, b in zip([started, *arrived[:-2]], arrived[:-1], strict=True)]
+        assert all(0.18 <= g <= 0.45 for g in gaps), [round(g, 3) for g in gaps]
+        assert shim.requests is not None and shim.requests.heartbeats == len(beats)
+
+
+async def test_no_heartbeat_unless_asked(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with (
+        SimServer(sim_config(role="prefill", speedup=1.0, slowdown=6.0)) as sim,
+        agg_shim(sim, ns, nats_url, etcd_url) as (shim, col),
+    ):
+        assert shim.worker_id is not None
+        await col.send(subjects.gen(ns, "prefill", shim.worker_id), gen("quiet", list(range(1, 4001)), max_tokens=1))
+        final = await col.final("quiet")
+        assert final.error is None and len(col.chunks["quiet"]) == 1 and final.seq == 0
+
+
+async def test_a_lone_stream_sends_each_token_the_moment_it_comes(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("lone", [7] * 40, max_tokens=60))
+        final = await col.final("lone")
+        chunks = col.chunks["lone"]
+        assert final.error is None and final.usage is not None and final.usage.completion_tokens == 60
+        # The sim steps far faster than 5 ms, yet no token waited for another.
+        assert [len(c.token_ids) for c in chunks[:-1]] == [1] * 60 and not final.token_ids
+
+
+async def test_under_load_frames_carry_several_tokens(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with (
+        SimServer(sim_config(num_gpu_blocks=4096)) as sim,
+        agg_shim(sim, ns, nats_url, etcd_url) as (shim, col),
+    ):
+        assert shim.worker_id is not None and shim.requests is not None
+        n = shim.requests.busy_legs * 2
+        subject = subjects.gen(ns, "agg", shim.worker_id)
+        for i in range(n):
+            await col.send(subject, gen(f"l{i}", [1 + i] * 40, max_tokens=64))
+        for i in range(n):
+            assert (await col.final(f"l{i}", timeout=60)).error is None
+        frames = [c for i in range(n) for c in col.chunks[f"l{i}"] if c.token_ids]
+        tokens = sum(len(c.token_ids) for c in frames)
+        assert tokens == n * 64
+        assert tokens / len(frames) >= 1.5, f"{tokens} tokens in {len(frames)} frames"

@@ -127,7 +127,8 @@ def test_a_stored_chain_is_salted_by_its_lora_adapter(lora: dict[str, object], s
 def test_limits_and_load_from_captured_metrics() -> None:
     text = (FIXTURES / "bs32" / "metrics_after.txt").read_text()
     lim = limits_from_metrics(text)
-    assert (lim.block_size, lim.kv_total_blocks) == (32, 80)
+    assert (lim.block_size, lim.kv_total_blocks, lim.cache_dtype) == (32, 80, "auto")
+    assert lim.max_num_batched_tokens is None, "vLLM does not report it: it must come from the flag"
     load = load_from_metrics(text)
     assert (load.running, load.waiting, load.kv_total_blocks, load.kv_usage) == (0, 0, 80, 0.0)
 

@@ -8,7 +8,11 @@ HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS,
 - `load()`: running/waiting requests and KV use.
 - `run_events(sink, live)`: deliver `EngineBatch`es to the synchronous `sink` until cancelled; set
   `live` once the event stream is known to work. `request_rebuild()` asks for the engine's whole
-  state again (the normaliser met an unknown parent).
+  state again (the normaliser met an unknown parent). Transport faults the adapter can see (no
+  peer on the event socket, frames under another topic) go to `event_health`, which the shim also
+  feeds; `event_stats()` names the transport's counters for /metrics.
+- `tokenizer_fingerprint()`: protocol.fingerprint over the engine's own tokenization of the
+  probes, None when the engine cannot tokenize for us.
 - `generate(leg, on_tokens)`: run one leg, awaiting `on_tokens` with each piece of output as it
   arrives (streaming legs only); returns how it ended. A leg with `prefill_only` is the
   remote-prefill leg and returns the engine's transfer parameters; a leg with `transfer` is a
@@ -28,6 +32,7 @@ from typing import Any, ClassVar
 from protocol import SamplingParams, Usage
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineBatch
+from worker_shim.event_health import EventHealth
 
 __all__ = ["EngineAdapter", "EngineError", "EngineLimits", "EngineLoad", "LegOutcome", "LegRequest"]
 
@@ -47,6 +52,7 @@ class EngineLimits:
     block_size: int | None = None
     kv_total_blocks: int | None = None
     max_num_batched_tokens: int | None = None
+    cache_dtype: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +89,7 @@ class EngineAdapter(ABC):
 
     def __init__(self, config: ShimConfig) -> None:
         self.config = config
+        self.event_health = EventHealth(config.events_timeout_s)
 
     @abstractmethod
     async def open(self) -> None:
@@ -106,6 +113,13 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     def request_rebuild(self) -> None: ...
+
+    def event_stats(self) -> dict[str, int]:
+        """The event transport's counters since the adapter was made, by name (for /metrics)."""
+        return {}
+
+    async def tokenizer_fingerprint(self) -> str | None:
+        return None
 
     @abstractmethod
     async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome: ...

@@ -117,6 +117,10 @@ class TrtllmAdapter(HttpEngineAdapter):
     def request_rebuild(self) -> None:
         """TensorRT-LLM cannot replay: the state stays partial until the engine restarts."""
 
+    def event_stats(self) -> dict[str, int]:
+        t = self.tracker
+        return {"gaps": t.gaps, "restarts": t.restarts, "ignored": t.ignored}
+
     async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.request_id, **leg.headers}
         result, last = await post_completion(

@@ -10,6 +10,8 @@
   and returns the response's `kv_transfer_params`; the decode leg sends those params back unchanged.
   X-Request-Id is the router's request id on both legs, so the engines' logs line up.
 - Abort: closing the HTTP connection (vLLM aborts a request whose client went away).
+- Tokenizer fingerprint: `POST /tokenize` with the probe text (`add_special_tokens: true`) and the
+  probe messages (`add_generation_prompt: true`; an error there means no chat template).
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
+import aiohttp
+import msgspec
+
 from protocol import SamplingParams
 from protocol import vllm_metrics as vm
+from protocol.fingerprint import PROBE_MESSAGES, PROBE_TEXT, fingerprint
 from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
 from worker_shim.adapters.openai_http import post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
@@ -40,6 +46,9 @@ _METRICS = frozenset(
 )
 
 
+_TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+
+
 def _cache_config(samples: list[Sample], label: str) -> int | None:
     for n, labels, _ in samples:
         if n == vm.CACHE_CONFIG_INFO and labels.get(label, "").isdigit():
@@ -47,11 +56,21 @@ def _cache_config(samples: list[Sample], label: str) -> int | None:
     return None
 
 
+def _cache_label(samples: list[Sample], label: str) -> str | None:
+    for n, labels, _ in samples:
+        if n == vm.CACHE_CONFIG_INFO and labels.get(label):
+            return labels[label]
+    return None
+
+
 def limits_from_metrics(text: str) -> EngineLimits:
+    """What vLLM reports of its limits: block size, KV blocks and the cache dtype; it does not
+    report max_num_batched_tokens."""
     samples = list(parse_samples(text, _METRICS))
     return EngineLimits(
         block_size=_cache_config(samples, vm.LABEL_BLOCK_SIZE),
         kv_total_blocks=_cache_config(samples, vm.LABEL_NUM_GPU_BLOCKS),
+        cache_dtype=_cache_label(samples, vm.LABEL_CACHE_DTYPE),
     )
 
 
@@ -102,6 +121,34 @@ class VllmAdapter(ZmqEventsAdapter):
 
     async def load(self) -> EngineLoad:
         return load_from_metrics((await self.fetch("/metrics")).decode())
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        url = self.base + "/tokenize"
+        try:
+            async with self.session.post(url, data=msgspec.json.encode(body), timeout=_TOKENIZE_TIMEOUT) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise EngineError(resp.status, "engine_error", f"{url} answered {resp.status}")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
+        try:
+            tokens = msgspec.json.decode(raw, type=dict[str, Any])["tokens"]
+            return msgspec.convert(tokens, list[int])
+        except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
+            raise EngineError(502, "engine_protocol", f"{url} sent no token list: {exc}") from exc
+
+    async def tokenizer_fingerprint(self) -> str | None:
+        model = self.config.model
+        text = await self._tokenize({"model": model, "prompt": PROBE_TEXT, "add_special_tokens": True})
+        try:
+            chat: list[int] | None = await self._tokenize(
+                {"model": model, "messages": list(PROBE_MESSAGES), "add_generation_prompt": True}
+            )
+        except EngineError as exc:
+            if exc.code >= 500:
+                raise
+            chat = None  # vLLM refuses chat without a template: the tokenizer has none
+        return fingerprint(text, chat)
 
     async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.request_id, **leg.headers}

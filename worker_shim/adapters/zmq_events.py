@@ -24,24 +24,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol.errors import ProtocolError
-from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_frames, publisher_binds, replay_request
+from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply, publisher_binds, replay_request
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_payload
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineEvent
+from worker_shim.event_health import EventHealth, EventProblem
 
 __all__ = ["ZmqEventSource", "ZmqEventStats", "ZmqEventsAdapter", "resolve_endpoint"]
 
 log = logging.getLogger(__name__)
 REPLAY_TIMEOUT_S = 2.0
+POLL_MS = 250
+_RULE = (
+    "vLLM's rule (SGLang's too): an endpoint with `*` (or `::`, ipc://, inproc://) makes the engine BIND "
+    "it and the shim connect to the engine host; any other endpoint makes the engine CONNECT to it and "
+    "the shim must bind that address"
+)
 
 
 def resolve_endpoint(endpoint: str, mode: KvEventsMode, engine_host: str) -> tuple[str, bool]:
@@ -66,6 +74,8 @@ class ZmqEventStats:
 
 
 class ZmqEventSource:
+    """One run of the engine's event stream; `stats` and `health` may outlive it (the adapter's)."""
+
     def __init__(
         self,
         engine: str,
@@ -74,17 +84,26 @@ class ZmqEventSource:
         topic: str,
         replay: str | None,
         engine_host: str,
+        *,
+        health: EventHealth | None = None,
+        stats: ZmqEventStats | None = None,
     ) -> None:
         self.engine = engine
+        self.endpoint = endpoint
+        self.mode = mode
         self.address, self.bind = resolve_endpoint(endpoint, mode, engine_host)
         self.topic = topic.encode()
         self.replay_address = replay.replace("*", engine_host) if replay else None
-        self.stats = ZmqEventStats()
+        self.health = health or EventHealth()
+        self.stats = stats or ZmqEventStats()
         self._ctx: zmq.asyncio.Context | None = None
         self._last: int | None = None
         self._replayed_until = -1
         self._rebuild = False
         self._connections = 0
+        self._peers = 0
+        self._alone_since: float | None = None
+        self._probed = False
         self._logged: set[str] = set()
 
     def request_rebuild(self) -> None:
@@ -96,8 +115,10 @@ class ZmqEventSource:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         # Connection events: a peer that reconnects may be a restarted engine whose first batches
-        # went out before the link was back, so every reconnection rebuilds from a replay.
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
+        # went out before the link was back, so every reconnection rebuilds from a replay; no peer
+        # for long is a wrong endpoint or side.
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._alone_since = time.monotonic()
         try:
             if self.bind:
                 sub.bind(self.address)
@@ -115,10 +136,10 @@ class ZmqEventSource:
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             while True:
-                ready = dict(await poller.poll())
+                ready = dict(await poller.poll(POLL_MS))
                 if monitor in ready:
-                    parse_monitor_message(await monitor.recv_multipart())  # validates the frames
-                    self._on_reconnect()
+                    self._on_monitor(parse_monitor_message(await monitor.recv_multipart())["event"])
+                self._check_peer()
                 if sub in ready:
                     while True:
                         try:
@@ -129,6 +150,10 @@ class ZmqEventSource:
                 if self._rebuild:
                     self._rebuild = False
                     self._deliver_rebuild(await self._replay(0), sink)
+                if self.health.silent.is_set() != self._probed:
+                    self._probed = self.health.silent.is_set()
+                    if self._probed:
+                        await self._probe(sink)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
@@ -136,12 +161,59 @@ class ZmqEventSource:
             ctx.term()
             self._ctx = None
 
-    def _on_reconnect(self) -> None:
+    def _on_monitor(self, event: int) -> None:
+        if event == zmq.EVENT_DISCONNECTED:
+            self._peers = max(0, self._peers - 1)
+            if self._peers == 0:
+                self._alone_since = time.monotonic()
+            return
+        self._peers += 1
+        self._alone_since = None
+        self.health.resolved(EventProblem.NO_CONNECTION)
         self._connections += 1
         if self._connections > 1:
             self.stats.reconnects += 1
             log.info("%s KV events: peer reconnected: rebuilding from replay", self.engine)
             self._rebuild = True
+
+    def _check_peer(self) -> None:
+        since = self._alone_since
+        timeout = self.health.timeout_s
+        if since is None or time.monotonic() - since < timeout:
+            return
+        if self.bind:
+            what = f"no engine connected to the KV event socket the shim bound at {self.address} within {timeout:g}s"
+        else:
+            what = f"the shim's KV event socket found no engine at {self.address} within {timeout:g}s"
+        side = (
+            f"--kv-events-mode {self.mode} forces the shim to {'bind' if self.bind else 'connect'}"
+            if self.mode != "auto"
+            else f"the endpoint {self.endpoint!r} makes the shim {'bind' if self.bind else 'connect'}"
+        )
+        self.health.problem(
+            EventProblem.NO_CONNECTION,
+            f"{what}. {_RULE}; {side}. Give --kv-events the endpoint exactly as the engine was given it "
+            "(or the engine's whole JSON with --kv-events-config) and check that the engine host in "
+            "--engine-url is where its PUB socket is",
+        )
+
+    async def _probe(self, sink: Callable[[EngineBatch], None]) -> None:
+        """The engine looked silent after a served request: ask its replay socket what it sent."""
+        start = self._last + 1 if self._last is not None and self._last >= 0 else 0
+        replayed = await self._replay(start)
+        missed = [(s, p) for s, p in replayed or [] if self._last is None or s > self._last]
+        if not missed:
+            return
+        log.warning(
+            "%s KV events: the replay socket holds seq %d..%d that the live socket at %s never delivered",
+            self.engine,
+            missed[0][0],
+            missed[-1][0],
+            self.address,
+        )
+        for s, p in missed:
+            self._deliver(s, p, sink, live=False)
+        self._replayed_until = missed[-1][0]
 
     def _malformed(self, exc: ProtocolError) -> None:
         self.stats.malformed += 1
@@ -187,7 +259,7 @@ class ZmqEventSource:
         replayed = await self._replay(first_missing)
         if replayed and replayed[0][0] == first_missing:
             for s, p in replayed:
-                self._deliver(s, p, sink)
+                self._deliver(s, p, sink, live=False)
             self._replayed_until = replayed[-1][0]
             if seq > self._replayed_until:
                 self._deliver(seq, payload, sink)
@@ -204,6 +276,7 @@ class ZmqEventSource:
         *,
         reset: bool = False,
         complete: bool = True,
+        live: bool = True,
     ) -> None:
         self._last = seq
         events: list[EngineEvent] = []
@@ -212,18 +285,28 @@ class ZmqEventSource:
         except ProtocolError as exc:
             self._malformed(exc)
         if events or reset:
-            sink(EngineBatch(events=events, reset=reset, complete=complete))
+            sink(EngineBatch(events=events, reset=reset, complete=complete, live=live))
 
     def _deliver_rebuild(self, replayed: list[tuple[int, bytes]] | None, sink: Callable[[EngineBatch], None]) -> None:
         # An empty replay means the engine has published nothing yet: nothing is missing.
         complete = replayed is not None and (not replayed or replayed[0][0] == 0)
         # With replay, the next live seq must follow what it returned (-1: expect seq 0).
         self._last = None if replayed is None else -1
-        sink(EngineBatch(reset=True, complete=complete))
+        sink(EngineBatch(reset=True, complete=complete, live=False))
         for s, p in replayed or []:
-            self._deliver(s, p, sink)
+            self._deliver(s, p, sink, live=False)
         if replayed:
             self._replayed_until = replayed[-1][0]
+
+    def _wrong_topic(self, topic: bytes) -> None:
+        self.stats.other_topic += 1
+        real, ours = topic.decode(errors="replace"), self.topic.decode(errors="replace")
+        self.health.problem(
+            EventProblem.WRONG_TOPIC,
+            f"the engine publishes KV events under topic {real!r} (its replay socket shows it) but the shim "
+            f"subscribes to {ours!r}, and the live socket filters by topic, so it delivers nothing: set "
+            f"--kv-events-topic {real} (the topic of the engine's --kv-events-config)",
+        )
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Everything the engine still buffers from `start` on; None when replay is unavailable."""
@@ -240,12 +323,15 @@ class ZmqEventSource:
                 while True:
                     frames = await dealer.recv_multipart()
                     try:
-                        seq, payload = decode_replay_frames(frames)
+                        topic, seq, payload = decode_replay_reply(frames)
                     except ProtocolError as exc:
                         self._malformed(exc)
                         continue
                     if seq == END_SEQ:
                         return out
+                    if topic is not None and self.topic and topic != self.topic:
+                        self._wrong_topic(topic)
+                        continue
                     if seq >= start:
                         out.append((seq, payload))
         except TimeoutError:
@@ -264,14 +350,25 @@ class ZmqEventsAdapter(HttpEngineAdapter):
     def __init__(self, config: ShimConfig) -> None:
         super().__init__(config)
         self._events: ZmqEventSource | None = None
+        self.stats = ZmqEventStats()
 
     async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
         c = self.config
         assert c.kv_events is not None  # ShimConfig requires it for these engines
         self._events = ZmqEventSource(
-            self.kind, c.kv_events, c.kv_events_mode, c.kv_events_topic, c.kv_replay, c.engine_host
+            self.kind,
+            c.kv_events,
+            c.kv_events_mode,
+            c.kv_events_topic,
+            c.kv_replay,
+            c.engine_host,
+            health=self.event_health,
+            stats=self.stats,
         )
         await self._events.run(sink, live)
+
+    def event_stats(self) -> dict[str, int]:
+        return asdict(self.stats)
 
     def request_rebuild(self) -> None:
         if self._events is not None:

@@ -1,0 +1,216 @@
+"""`Registration`: one leased etcd key kept registered for as long as its owner runs.
+
+Usage (a worker shim; a router registers its RouterInfo the same way)::
+
+    reg = Registration(
+        discovery,
+        key=lambda rid: subjects.worker_key(ns, rid),   # the id -> the etcd key
+        value=make_info,                                # the id -> the msgspec Struct to store (JSON)
+        ttl=10,
+        name=None,                  # or a stable id (a subject token); the key is still leased
+        on_lost=on_lost,            # async (old_id) -> None, awaited before registering anew
+        on_registered=on_new,       # async (new_id) -> None, awaited after each re-registration
+    )
+    my_id = await reg.start()       # registers once: KeyTaken if `name` is held, DiscoveryError if etcd is down
+    reg.update()                    # value(id) changed (a field flipped): re-put it, in the background
+    await reg.stop()                # revoke: the key disappears for every watcher at once (safe twice)
+
+Identity: `reg.id` is the lease id in lowercase hex, or `name` when one is given. A named key is
+created with a create-if-absent transaction, so a second holder of the same name fails loudly
+(KeyTaken) instead of overwriting the first.
+
+Loss: only etcd's own answer is loss (the lease expired or is unknown, e.g. the process stalled past
+its TTL or someone revoked it). Then the owner hears `on_lost(old_id)`, a new lease is granted and
+the key created again (a new id, or the same `name`), retrying with backoff while etcd does not
+answer, and the owner hears `on_registered(new_id)`; `reg.id` is the new id from then on. If a
+named key was taken meanwhile (`failure` is KeyTaken, naming the holder), or an owner's hook raised,
+`failed` is set: the owner must act (stop, or start over with a new Registration).
+etcd merely not answering changes nothing (`state` is "unknown"): the key keeps its lease, and once
+etcd answers again the value is put once more, so an `update()` made during the outage lands.
+
+`value(id)` is called for every put, so it always stores the owner's current state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from discovery.lease import Lease, LeaseState
+from discovery.session import DEFAULT_TTL, Discovery, DiscoveryError, KeyTaken
+from protocol import encode_json
+
+__all__ = ["Registration", "RegistrationState"]
+
+log = logging.getLogger(__name__)
+RETRY_MIN_S = 0.2
+RETRY_MAX_S = 5.0
+
+
+class RegistrationState(enum.Enum):
+    NEW = "new"
+    REGISTERED = "registered"  # etcd renewed the lease on its last try
+    UNKNOWN = "unknown"  # etcd does not answer; the key is presumed held
+    REREGISTERING = "reregistering"  # the lease was lost; registering anew
+    FAILED = "failed"  # a named key was taken by someone else while re-registering
+    STOPPED = "stopped"
+
+
+class Registration:
+    """Owns one lease at a time and the key under it; its supervisor task re-puts and re-registers."""
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        *,
+        key: Callable[[str], str],
+        value: Callable[[str], msgspec.Struct],
+        ttl: int = DEFAULT_TTL,
+        name: str | None = None,
+        on_lost: Callable[[str], Awaitable[None]] | None = None,
+        on_registered: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
+        self._discovery = discovery
+        self._key = key
+        self._value = value
+        self.ttl = ttl
+        self.name = name
+        self._on_lost = on_lost
+        self._on_registered = on_registered
+        self.id = ""
+        self.lease: Lease | None = None
+        self.registrations = 0
+        self.failed = asyncio.Event()
+        self.failure: DiscoveryError | None = None
+        self._phase = RegistrationState.NEW
+        self._dirty = False
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def state(self) -> RegistrationState:
+        lease = self.lease
+        if self._phase is RegistrationState.REGISTERED and lease is not None and lease.state is LeaseState.UNKNOWN:
+            return RegistrationState.UNKNOWN
+        return self._phase
+
+    @property
+    def key(self) -> str:
+        return self._key(self.id)
+
+    async def start(self) -> str:
+        """Register once and start supervising; returns the id."""
+        if self._task is None:
+            await self._register()
+            self._task = asyncio.create_task(self._supervise(), name=f"registration-{self.id}")
+        return self.id
+
+    def update(self) -> None:
+        """Put value(id) again soon (retried until etcd takes it)."""
+        self._dirty = True
+        self._wake.set()
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await self._discovery.release(lease)
+        self._phase = RegistrationState.STOPPED
+
+    # --- internals ------------------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        lease = await self._discovery.grant(self.ttl)
+        rid = self.name or lease.hex_id
+        try:
+            await self._discovery.create(self._key(rid), encode_json(self._value(rid)), lease)
+        except BaseException:
+            await self._discovery.release(lease)
+            raise
+        self.lease, self.id = lease, rid
+        self.registrations += 1
+        self._phase = RegistrationState.REGISTERED
+        log.info("registered %s under lease %s", self._key(rid), lease.hex_id)
+
+    async def _supervise(self) -> None:
+        outages = 0
+        while True:
+            lease = self.lease
+            assert lease is not None
+            lost = asyncio.create_task(lease.lost.wait())
+            woken = asyncio.create_task(self._wake.wait())
+            try:
+                await asyncio.wait(
+                    {lost, woken}, timeout=max(lease.ttl / 3.0, 0.2), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                lost.cancel()
+                woken.cancel()
+            self._wake.clear()
+            if lease.lost.is_set():
+                if not await self._reregister(lease):
+                    return
+                outages = 0
+                continue
+            if lease.outages != outages and lease.state is LeaseState.ALIVE:
+                outages = lease.outages  # etcd is back: make sure the key holds the current value
+                self._dirty = True
+            if self._dirty:
+                await self._put()
+
+    async def _put(self) -> None:
+        assert self.lease is not None
+        self._dirty = False
+        try:
+            await self._discovery.put(self.key, encode_json(self._value(self.id)), self.lease)
+        except DiscoveryError as exc:
+            self._dirty = True
+            log.warning("re-putting %s failed (%s); retrying", self.key, exc)
+
+    async def _reregister(self, lost: Lease) -> bool:
+        old = self.id
+        self._phase = RegistrationState.REREGISTERING
+        log.warning("lease %s of %s lost (%s): registering anew", lost.hex_id, self._key(old), lost.lost_reason)
+        await self._discovery.release(lost)
+        if self._on_lost is not None and not await self._tell(self._on_lost, old):
+            return False
+        retry = RETRY_MIN_S
+        while True:
+            try:
+                await self._register()
+                break
+            except KeyTaken as exc:
+                self.failure = exc
+                self._phase = RegistrationState.FAILED
+                log.error("cannot register %s again: %s; is another process using the same name?", exc.key, exc)
+                self.failed.set()
+                return False
+            except DiscoveryError as exc:
+                log.warning("registering %s again failed (%s); retrying in %.1fs", self._key(old), exc, retry)
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, RETRY_MAX_S)
+        self._dirty = False
+        if self._on_registered is not None:
+            return await self._tell(self._on_registered, self.id)
+        return True
+
+    async def _tell(self, hook: Callable[[str], Awaitable[None]], rid: str) -> bool:
+        """Run an owner's hook; one that raises fails the registration (the owner must act)."""
+        try:
+            await hook(rid)
+        except Exception as exc:
+            log.exception("the owner's hook for %s failed", self._key(rid))
+            self.failure = DiscoveryError(f"the owner's hook failed: {exc!r}")
+            self._phase = RegistrationState.FAILED
+            self.failed.set()
+            return False
+        return True

@@ -1,0 +1,49 @@
+"""A lease survives etcd being unreachable; only etcd's own answer loses it (real etcd)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from discovery import Discovery, LeaseState
+from kvswitch.servers import EtcdServer
+from protocol.config import EtcdSettings
+
+
+async def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_etcd_outage_longer_than_the_ttl_is_not_loss(ns: str) -> None:
+    etcd = EtcdServer().start()
+    try:
+        async with Discovery(EtcdSettings(endpoints=[etcd.url]), ns) as d:
+            lease = await d.grant(ttl=2)
+            await asyncio.to_thread(etcd.stop)
+            await _until(lambda: lease.state is LeaseState.UNKNOWN, 5, "state unknown")
+            await asyncio.sleep(3.5)  # well past the TTL with no renewal
+            assert not lease.lost.is_set()
+            assert lease.state.value == "unknown"
+            await asyncio.to_thread(etcd.start)
+            await _until(lambda: lease.state is LeaseState.ALIVE, 5, "renewed after the restart")
+            await asyncio.sleep(2.5)  # longer than the TTL again: renewals really resumed
+            assert lease.state.value == "alive" and not lease.lost.is_set()
+            assert d.client.lease is not None
+            ttl = await d.client.lease.time_to_live(lease.id, timeout=5)
+            assert ttl.TTL > 0, "etcd no longer holds the lease"
+            assert lease.outages == 1
+    finally:
+        etcd.close()
+
+
+async def test_revoked_lease_is_lost_with_etcd_reason(etcd_url: str, ns: str) -> None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        lease = await d.grant(ttl=5)
+        assert d.client.lease is not None
+        await d.client.lease.revoke(lease.id)
+        await asyncio.wait_for(lease.lost.wait(), timeout=5.0)
+        assert lease.state is LeaseState.LOST and "expired" in lease.lost_reason

@@ -1,0 +1,83 @@
+"""The shim's own /health and /metrics, scraped over HTTP (real nats, etcd, sim)."""
+
+from __future__ import annotations
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from discovery import Discovery
+from engine_sim.server import SimServer
+from protocol import WorkerInfo, decode_json, subjects
+from protocol.config import EtcdSettings
+from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
+from tests.worker_shim.test_request_service import Collector, gen
+
+
+async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def health(url: str) -> tuple[int, dict[str, object]]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+        return r.status, await r.json()
+
+
+async def test_health_and_metrics_of_a_serving_shim(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+        await shim.registered.wait()
+        assert shim.worker_id is not None
+        url = shim.http.url
+        assert url.startswith("http://127.0.0.1:") and shim.http.port > 0
+        async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+            assert d.client.kv is not None
+            resp = await d.client.kv.get(subjects.worker_key(ns, shim.worker_id), timeout=5)
+            assert decode_json(resp.kvs[0].value, WorkerInfo).shim_url == url
+
+        status, body = await health(url)
+        assert status == 200
+        assert body["status"] == "serving" and body["registration"] == "registered" and body["etcd"] == "alive"
+        assert body["worker"] == shim.worker_id and body["events_ok"] is True and body["nats"] == "connected"
+
+        nc = await connect(nats_url)
+        col = Collector(nc)
+        await col.start()
+        subject = subjects.gen(ns, "agg", shim.worker_id)
+        for i in range(3):
+            await col.send(subject, gen(f"ok{i}", [3] * 40, max_tokens=3, heartbeat_s=0.05))
+        await col.send(subject, gen("bad", [], max_tokens=3))
+        for rid in ("ok0", "ok1", "ok2", "bad"):
+            await col.final(rid)
+        await nc.close()
+        await wait_for(lambda: shim.kv_counters.batches >= 2, what="KV batches published")
+
+        m = await scrape(url)
+        assert m[("kvswitch_shim_requests_total", (("outcome", "ok"), ("role", "agg")))] == 3
+        assert m[("kvswitch_shim_requests_total", (("outcome", "bad_request"), ("role", "agg")))] == 1
+        assert m[("kvswitch_shim_kv_batches_published_total", ())] >= 2
+        assert m[("kvswitch_shim_kv_events_received_total", ())] > 0
+        assert m[("kvswitch_shim_nats_connected", ())] == 1
+        assert m[("kvswitch_shim_etcd_lease_state", (("state", "alive"),))] == 1
+        assert m[("kvswitch_shim_etcd_lease_state", (("state", "unknown"),))] == 0
+        assert m[("kvswitch_shim_events_ok", ())] == 1 and m[("kvswitch_shim_serving", ())] == 1
+        assert m[("kvswitch_shim_heartbeats_total", ())] == shim.requests.heartbeats  # type: ignore[union-attr]
+        assert m[("kvswitch_shim_kv_transport_replays_total", ())] >= 1  # the startup replay
+        assert ("kvswitch_shim_kv_transport_gaps_total", ()) in m
+        assert m[("kvswitch_shim_registrations_total", ())] == 1
+
+
+async def test_health_is_503_while_the_engine_is_down(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+        await shim.registered.wait()
+        await sim.crash()
+        await wait_for(lambda: not shim.registered.is_set(), what="deregistered")
+        status, body = await health(shim.http.url)
+        assert status == 503 and body["status"] == "waiting_engine"
+        m = await scrape(shim.http.url)
+        assert m[("kvswitch_shim_serving", ())] == 0

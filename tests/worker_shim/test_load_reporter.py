@@ -1,0 +1,93 @@
+"""LoadReports: liveness at the configured period, and a KV digest exactly as of the seq it names."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from engine_sim.server import SimServer
+from protocol import Cleared, KvEventBatch, LoadReport, decode_msg, subjects
+from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
+from tests.worker_shim.test_kv_digest import replayed, xor_of
+from worker_shim import ShimConfig
+
+
+def test_the_default_period_is_half_a_second() -> None:
+    assert ShimConfig(model="m", kv_events="tcp://*:1").load_period_s == 0.5
+
+
+@pytest.mark.timing
+async def test_an_idle_worker_reports_at_least_every_period(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, load_period_s=0.2) as shim:
+        await shim.registered.wait()
+        assert shim.worker_id is not None
+        nc = await connect(nats_url)
+        arrivals: list[tuple[float, LoadReport]] = []
+
+        async def on(msg: Any) -> None:
+            arrivals.append((time.monotonic(), decode_msg(msg.data, LoadReport)))
+
+        await nc.subscribe(subjects.load(ns, shim.worker_id), cb=on)
+        await asyncio.sleep(1.5)
+        await nc.close()
+        gaps = [b[0] - a[0] for a, b in itertools.pairwise(arrivals)]
+        assert len(arrivals) >= 6 and max(gaps) <= 0.2 + 0.12, [round(g, 3) for g in gaps]
+        assert {r.period_s for _, r in arrivals} == {0.2}
+        assert all(r.events_ok for _, r in arrivals)
+
+
+async def test_every_reports_digest_equals_the_batches_up_to_its_seq(ns: str, nats_url: str, etcd_url: str) -> None:
+    nc = await connect(nats_url)
+    batches: list[KvEventBatch] = []
+    reports: list[LoadReport] = []
+
+    async def on_kv(msg: Any) -> None:
+        batches.append(decode_msg(msg.data, KvEventBatch))
+
+    async def on_load(msg: Any) -> None:
+        reports.append(decode_msg(msg.data, LoadReport))
+
+    # Subscribed before the shim registers, so the first batch (Cleared + snapshot) is seen too.
+    await nc.subscribe(subjects.kv_all(ns), cb=on_kv)
+    await nc.subscribe(subjects.load_all(ns), cb=on_load)
+    try:
+        async with (
+            SimServer(sim_config(num_gpu_blocks=96)) as sim,
+            shim_for(sim, ns, nats_url, etcd_url, load_period_s=0.1) as shim,
+        ):
+            await shim.registered.wait()
+            prompts = shared_prefix_prompts(60, seed=11)
+            for i, p in enumerate(prompts):
+                if i == 30:
+                    async with aiohttp.ClientSession() as s, s.post(sim.url + "/reset_prefix_cache") as r:
+                        assert r.status == 200
+                await complete(sim.url, p)
+                await asyncio.sleep(0.02)  # spread over many report periods
+            assert shim.publisher is not None
+            last = shim.publisher.log
+            await wait_for(lambda: bool(batches) and batches[-1].seq == last.seq, what="every batch received")
+            await wait_for(
+                lambda: any(r.kv_seq == last.seq for r in reports[-3:]), what="a report as of the last batch"
+            )
+            assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+            assert {b.epoch for b in batches} == {shim.epoch}
+            assert sum(isinstance(e, Cleared) for b in batches for e in b.events) >= 2, "no reset was exercised"
+            checked: set[int] = set()
+            for rep in reports:
+                if rep.kv_epoch == 0:
+                    continue
+                assert rep.kv_epoch == shim.epoch
+                held = replayed(batches[: rep.kv_seq])
+                assert (rep.kv_blocks, rep.kv_xor) == (len(held), xor_of(held)), f"report as of seq {rep.kv_seq}"
+                checked.add(rep.kv_seq)
+            assert len(checked) >= 10, f"only seqs {sorted(checked)} were checked"
+            final = next(r for r in reversed(reports) if r.kv_seq == last.seq)
+            assert final.kv_blocks == len(shim.canonical_hashes())
+            assert final.kv_xor == xor_of(shim.canonical_hashes())
+    finally:
+        await nc.close()

@@ -1,0 +1,103 @@
+"""KV bytes per token from config.json, and the shim registering it (or None, never a guess)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from discovery import Discovery, Snapshot
+from engine_sim.server import SimServer
+from protocol import WorkerInfo
+from protocol.config import EtcdSettings
+from tests.worker_shim.cluster import shim_for, sim_config
+from worker_shim.model_config import kv_bytes_per_token, kv_bytes_per_token_of
+
+# The tiny Llama of tests/fixtures/vllm-0.32 (its README): hidden 128, 2 layers, 4 heads, 2 KV heads.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 4096,
+}
+
+
+def test_the_fixtures_tiny_llama_has_512_bytes_per_token(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert kv_bytes_per_token(tmp_path) == (512, "")
+    # The captured engine agrees: kv_cache_memory_bytes 1310720 / kv_cache_size_tokens 2560.
+    assert 1310720 // 2560 == 512
+
+
+@pytest.mark.parametrize(
+    ("cfg", "cache_dtype", "expected"),
+    [
+        ({**TINY_LLAMA, "head_dim": 64}, None, 1024),
+        (TINY_LLAMA, "fp8", 256),
+        (TINY_LLAMA, "auto", 512),
+        ({**TINY_LLAMA, "torch_dtype": "float32"}, None, 1024),
+        ({k: v for k, v in TINY_LLAMA.items() if k != "num_key_value_heads"}, None, 1024),
+        ({"text_config": {**TINY_LLAMA}, "torch_dtype": "bfloat16"}, None, 512),
+        (
+            {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"},
+            None,
+            70272,
+        ),
+    ],
+    ids=["head_dim", "fp8-cache", "auto-cache", "fp32", "no-gqa", "text_config", "mla"],
+)
+def test_kv_bytes_per_token_follows_the_config(cfg: dict[str, Any], cache_dtype: str | None, expected: int) -> None:
+    assert kv_bytes_per_token_of(cfg, cache_dtype) == (expected, "")
+
+
+@pytest.mark.parametrize(
+    ("cfg", "why"),
+    [
+        ({k: v for k, v in TINY_LLAMA.items() if k != "torch_dtype"}, "torch_dtype"),
+        ({**TINY_LLAMA, "torch_dtype": "int4"}, "int4"),
+        ({k: v for k, v in TINY_LLAMA.items() if k != "num_hidden_layers"}, "num_hidden_layers"),
+        ({k: v for k, v in TINY_LLAMA.items() if k != "hidden_size"}, "head_dim"),
+    ],
+)
+def test_an_incomplete_config_gives_none_and_says_why(cfg: dict[str, Any], why: str) -> None:
+    value, reason = kv_bytes_per_token_of(cfg)
+    assert value is None and why in reason
+
+
+def test_a_missing_config_json_says_so(tmp_path: Path) -> None:
+    value, reason = kv_bytes_per_token(tmp_path)
+    assert value is None and "config.json does not exist" in reason
+
+
+async def registered(etcd_url: str, ns: str) -> WorkerInfo:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        async for ev in d.watch_workers():
+            assert isinstance(ev, Snapshot) and len(ev.items) == 1
+            return next(iter(ev.items.values()))
+    raise AssertionError("no snapshot")
+
+
+async def test_the_shim_registers_kv_bytes_from_model_path_and_never_from_the_profile(
+    ns: str, nats_url: str, etcd_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    async with SimServer(sim_config()) as sim:
+        async with shim_for(sim, ns, nats_url, etcd_url, model_path=str(tmp_path)) as shim:
+            await shim.registered.wait()
+            info = await registered(etcd_url, ns)
+            assert info.kv_bytes_per_token == 512 and info.timing_profile is None
+        caplog.set_level(logging.INFO, logger="worker_shim")
+        async with shim_for(sim, ns, nats_url, etcd_url, timing_profile="h200:llama-3.1-8b") as shim:
+            await shim.registered.wait()
+            info = await registered(etcd_url, ns)
+            # The profile names the latency table only; its KV size is not this model's.
+            assert info.kv_bytes_per_token is None and info.timing_profile == "h200:llama-3.1-8b"
+            assert info.max_num_batched_tokens is None
+        said = caplog.text
+        assert "--model-path" in said and "max_num_batched_tokens" in said and "--max-num-batched-tokens" in said

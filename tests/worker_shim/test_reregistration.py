@@ -1,0 +1,166 @@
+"""Lease loss is survivable: an etcd outage changes nothing, a lost lease registers anew while the old
+id is still served for a grace period, and a stable --worker-name keeps its id (real nats, etcd, sim)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats.errors
+import pytest
+
+from discovery import Discovery, RegistrationState
+from engine_sim.server import SimServer
+from kvswitch.servers import EtcdServer
+from protocol import (
+    Cleared,
+    ConfigError,
+    KvEventBatch,
+    Stored,
+    WorkerInfo,
+    decode_json,
+    decode_msg,
+    encode_msg,
+    subjects,
+)
+from protocol.config import EtcdSettings
+from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
+from tests.worker_shim.test_http_server import health
+from tests.worker_shim.test_request_service import Collector, gen
+from worker_shim import ShimStatus, WorkerShim
+
+
+async def _info(etcd_url: str, ns: str, worker: str) -> WorkerInfo | None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        assert d.client.kv is not None
+        resp = await d.client.kv.get(subjects.worker_key(ns, worker), timeout=5)
+        return decode_json(resp.kvs[0].value, WorkerInfo) if resp.kvs else None
+
+
+async def _revoke_behind_its_back(shim: WorkerShim, etcd_url: str, ns: str) -> None:
+    assert shim.registration is not None and shim.registration.lease is not None
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        assert d.client.lease is not None
+        await d.client.lease.revoke(shim.registration.lease.id)
+
+
+async def test_an_etcd_outage_longer_than_the_ttl_changes_nothing(ns: str, nats_url: str) -> None:
+    etcd = EtcdServer().start()
+    try:
+        async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd.url, lease_ttl=2) as shim:
+            await shim.registered.wait()
+            worker, epoch = shim.worker_id, shim.epoch
+            assert worker is not None and shim.registration is not None
+            nc = await connect(nats_url)
+            col = Collector(nc)
+            await col.start()
+            await asyncio.to_thread(etcd.stop)
+            await wait_for(lambda: shim.registration.state is RegistrationState.UNKNOWN, 5, "lease state unknown")  # type: ignore[union-attr]
+            # Still serving, and /health says so.
+            await col.send(subjects.gen(ns, "agg", worker), gen("during", [4] * 40, max_tokens=3))
+            assert (await col.final("during")).error is None
+            status, body = await health(shim.http.url)
+            assert status == 200 and body["etcd"] == "unknown" and body["registration"] == "unknown"
+            await asyncio.sleep(3.0)  # past the 2 s TTL
+            await asyncio.to_thread(etcd.start)
+            await wait_for(lambda: shim.registration.state is RegistrationState.REGISTERED, 10, "renewed")  # type: ignore[union-attr]
+            assert (shim.worker_id, shim.epoch, shim.registration_count) == (worker, epoch, 1)
+            info = await _info(etcd.url, ns, worker)
+            assert info is not None and info.epoch == epoch
+            await nc.close()
+    finally:
+        etcd.close()
+
+
+async def test_a_lost_lease_registers_anew_and_the_old_id_is_served_for_the_grace(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    nc = await connect(nats_url)
+    kv: dict[str, list[KvEventBatch]] = {}
+
+    async def on_kv(msg: Any) -> None:
+        kv.setdefault(msg.subject.rsplit(".", 1)[1], []).append(decode_msg(msg.data, KvEventBatch))
+
+    await nc.subscribe(subjects.kv_all(ns), cb=on_kv)
+    col = Collector(nc)
+    await col.start()
+    try:
+        async with (
+            SimServer(sim_config(speedup=20.0)) as sim,
+            shim_for(sim, ns, nats_url, etcd_url, reregister_grace_s=2.0) as shim,
+        ):
+            await shim.registered.wait()
+            old, old_epoch = shim.worker_id, shim.epoch
+            assert old is not None and shim.requests is not None
+            for p in shared_prefix_prompts(10):
+                await complete(sim.url, p)
+            await wait_for(lambda: bool(shim.canonical_hashes()), what="something cached")
+            await col.send(subjects.gen(ns, "agg", old), gen("inflight", [9] * 40, max_tokens=2000))
+            await wait_for(lambda: len(col.chunks["inflight"]) >= 2, what="streaming")
+
+            assert "inflight" in shim.requests.inflight
+            await _revoke_behind_its_back(shim, etcd_url, ns)
+            await wait_for(lambda: shim.registered.is_set() and shim.worker_id != old, 10, "registered anew")
+            new = shim.worker_id
+            assert new is not None and shim.epoch != old_epoch and shim.registration_count == 2
+            info = await _info(etcd_url, ns, new)
+            assert info is not None and info.epoch == shim.epoch and await _info(etcd_url, ns, old) is None
+
+            # The new id's stream starts over: Cleared plus the whole state, under the new epoch.
+            await wait_for(lambda: bool(kv.get(new)), what="the new id's first batch")
+            first = kv[new][0]
+            assert first.seq == 1 and first.epoch == shim.epoch and isinstance(first.events[0], Cleared)
+            assert {h for e in first.events if isinstance(e, Stored) for h in e.hashes} == shim.canonical_hashes()
+
+            # Routers that still route to the old id are served during the grace period.
+            await col.send(subjects.gen(ns, "agg", old), gen("late", [5] * 40, max_tokens=3))
+            late = await col.final("late")
+            assert late.error is None and {c.worker for c in col.chunks["late"]} == {old}
+            inflight = await col.final("inflight", timeout=30)
+            assert inflight.error is None and inflight.usage is not None and inflight.usage.completion_tokens == 2000
+
+            # Then the old id ends with Cleared and stops answering.
+            await wait_for(lambda: old not in shim.health_report()[1]["retired_workers"], 10, "grace over")
+            assert isinstance(kv[old][-1].events[-1], Cleared)
+            with pytest.raises(nats.errors.NoRespondersError):
+                await nc.request(subjects.gen(ns, "agg", old), encode_msg(gen("gone", [5] * 40)), timeout=2)
+            await col.send(subjects.gen(ns, "agg", new), gen("new", [5] * 40, max_tokens=3))
+            assert (await col.final("new")).error is None
+    finally:
+        await nc.close()
+
+
+async def test_a_worker_name_is_the_id_unique_and_kept_across_a_lost_lease(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    nc = await connect(nats_url)
+    batches: list[KvEventBatch] = []
+
+    async def on_kv(msg: Any) -> None:
+        batches.append(decode_msg(msg.data, KvEventBatch))
+
+    await nc.subscribe(subjects.kv(ns, "gpu-07"), cb=on_kv)
+    col = Collector(nc)
+    await col.start()
+    try:
+        async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, worker_name="gpu-07") as shim:
+            await shim.registered.wait()
+            assert shim.worker_id == "gpu-07"
+            first_epoch = shim.epoch
+            async with shim_for(sim, ns, nats_url, etcd_url, worker_name="gpu-07") as twin:
+                await asyncio.wait_for(twin.done.wait(), 20)
+                assert twin.status is ShimStatus.FAILED and isinstance(twin.failure, ConfigError)
+                assert twin.failure.setting == "worker_name" and "already registered" in str(twin.failure)
+
+            await _revoke_behind_its_back(shim, etcd_url, ns)
+            await wait_for(lambda: shim.registration_count == 2 and shim.registered.is_set(), 10, "re-registered")
+            assert shim.worker_id == "gpu-07" and shim.epoch != first_epoch
+            info = await _info(etcd_url, ns, "gpu-07")
+            assert info is not None and info.epoch == shim.epoch
+            await wait_for(lambda: any(b.epoch == shim.epoch for b in batches), what="the new epoch's stream")
+            restart = next(b for b in batches if b.epoch == shim.epoch)
+            assert restart.seq == 1 and isinstance(restart.events[0], Cleared)
+            await col.send(subjects.gen(ns, "agg", "gpu-07"), gen("named", [5] * 40, max_tokens=3))
+            assert (await col.final("named")).error is None
+    finally:
+        await nc.close()

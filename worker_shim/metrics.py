@@ -1,0 +1,110 @@
+"""The shim's Prometheus metrics, read from the shim's own counters at scrape time (own registry).
+
+Names, kinds and meanings: docs/worker_shim.md, "Health and metrics".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from discovery import LeaseState
+from worker_shim.event_health import EventProblem
+
+if TYPE_CHECKING:
+    from worker_shim.shim import WorkerShim
+
+__all__ = ["render_metrics"]
+
+P = "kvswitch_shim_"
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(P + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(P + name, doc, value=value)
+
+
+class _ShimCollector(Collector):
+    def __init__(self, shim: WorkerShim) -> None:
+        self.shim = shim
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._identity()
+        yield from self._events()
+        yield from self._publishing()
+        yield from self._requests()
+
+    def _identity(self) -> Iterator[Metric]:
+        s, c = self.shim, self.shim.config
+        info = GaugeMetricFamily(
+            P + "info", "The shim's identity", labels=["worker", "epoch", "engine", "role", "model"]
+        )
+        info.add_metric([s.worker_id or "", f"{s.epoch:x}", c.engine, c.role, c.model], 1)
+        yield info
+        yield _gauge("serving", "1 while registered and serving", float(s.serving))
+        reg = s.registration
+        yield _counter("registrations", "Registrations, re-registrations included", float(s.registration_count))
+        lease_state = reg.lease.state if reg is not None and reg.lease is not None else None
+        states = GaugeMetricFamily(P + "etcd_lease_state", "1 for the lease's current state", labels=["state"])
+        for state in LeaseState:
+            states.add_metric([state.value], float(state is lease_state))
+        yield states
+        yield _gauge("nats_connected", "1 while connected to NATS", float(s.nats_state == "connected"))
+
+    def _events(self) -> Iterator[Metric]:
+        s = self.shim
+        yield _gauge("events_ok", "1 while the engine's KV events flow as they should", float(s.events.ok))
+        problems = GaugeMetricFamily(P + "events_problem", "1 per active KV event problem", labels=["problem"])
+        for p in EventProblem:
+            problems.add_metric([p.value], float(p in s.events.problems))
+        yield problems
+        yield _counter("kv_events_received", "Engine KV events received", float(s.engine_events))
+        batches = CounterMetricFamily(P + "kv_batches_received", "Engine event batches", labels=["live"])
+        for live, n in s.engine_batches.items():
+            batches.add_metric([str(live).lower()], float(n))
+        yield batches
+        transport = dict(s.adapter.event_stats())
+        malformed = transport.pop("malformed", 0) + s.norm_stats.malformed
+        yield _counter("kv_events_malformed", "Malformed engine events or frames, dropped", float(malformed))
+        yield _counter(
+            "kv_unknown_parent", "Stored chains dropped for an unknown parent", float(s.norm_stats.unknown_parent)
+        )
+        yield _counter("kv_resets", "State resets (restart, unrepairable gap, rebuild)", float(s.norm_stats.resets))
+        for name, value in sorted(transport.items()):
+            yield _counter(f"kv_transport_{name}", f"The event transport's {name} counter", float(value))
+
+    def _publishing(self) -> Iterator[Metric]:
+        k = self.shim.kv_counters
+        yield _counter("kv_batches_published", "KvEventBatches published", float(k.batches))
+        yield _counter("kv_publish_failures", "KvEventBatches NATS refused", float(k.send_failures))
+        kvstate = CounterMetricFamily(P + "kvstate_requests", "kvstate requests answered", labels=["reply"])
+        kvstate.add_metric(["batches"], float(k.kvstate_batches))
+        kvstate.add_metric(["dump"], float(k.kvstate_dumps))
+        kvstate.add_metric(["malformed"], float(k.malformed_requests))
+        yield kvstate
+        reporter = self.shim.load_reporter
+        yield _counter(
+            "load_reports", "LoadReports by the current worker id", float(reporter.published if reporter else 0)
+        )
+
+    def _requests(self) -> Iterator[Metric]:
+        svc = self.shim.requests
+        by = CounterMetricFamily(P + "requests", "Legs ended, by role and outcome", labels=["role", "outcome"])
+        for (role, outcome), n in sorted(svc.outcomes.items() if svc else []):
+            by.add_metric([role, outcome], float(n))
+        yield by
+        yield _gauge("requests_inflight", "Legs running", float(len(svc.inflight) if svc else 0))
+        yield _counter("heartbeats", "Heartbeat chunks sent", float(svc.heartbeats if svc else 0))
+
+
+def render_metrics(shim: WorkerShim) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ShimCollector(shim))
+    return generate_latest(registry)
