@@ -1,7 +1,16 @@
 """etcd: registration under a lease, watches of workers and routers, and live router config.
 
 The only package that imports the etcd client. Everything it hands out is a protocol type.
+
+gRPC's fork support is turned off before the client is imported: a process that used etcd and then
+starts children (the local cluster, the benchmarks) would otherwise crash them between fork and
+exec in gRPC's fork handlers (SIGABRT, "epoll_wait error: Bad file descriptor"). Every child here
+execs at once, so nothing needs gRPC to survive a fork.
 """
+
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from discovery.lease import Lease, LeaseLost, LeaseState
 from discovery.live_config import ConfigWatcher, put_config

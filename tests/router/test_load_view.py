@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.messages import LoadReport
-from router.load_view import LoadView, WorkerLoad
+from router.load_view import MAX_CLOCK_SKEW_S, LoadView, WorkerLoad
 
 
 class Clock:
@@ -204,6 +204,15 @@ def test_remove_worker_drops_its_report_and_bookings(view: LoadView) -> None:
     assert view.workers() == []
 
 
+def test_a_report_stamped_far_in_the_future_does_not_hide_later_ones() -> None:
+    clock = Clock(1000.0)
+    view = LoadView(clock=clock)
+    view.update(LoadReport(worker="w1", ts=1000.0 + 1e7, running=9))  # a forged or broken clock
+    clock.now += 2.0
+    view.update(LoadReport(worker="w1", ts=clock.now, running=1))
+    assert view.load("w1").running == 1
+
+
 def test_negative_booking_is_refused_with_the_values(view: LoadView) -> None:
     with pytest.raises(ValueError, match="-5"):
         view.book("r1", "w1", -5, 0)
@@ -283,7 +292,7 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
             view.free(args[1], router=args[0])
             ref.drop(keys={(args[0], args[1])})
         elif op == "report":  # reports may arrive out of order: an older one is ignored
-            worker, ts = args[0], clock.now + args[1]
+            worker, ts = args[0], min(clock.now + args[1], clock.now + MAX_CLOCK_SKEW_S)  # future stamps clamped
             view.update(LoadReport(worker=worker, ts=ts))
             ref.report_ts[worker] = max(ts, ref.report_ts.get(worker, float("-inf")))
         elif op == "tick":
