@@ -12,7 +12,8 @@ Start order: settings (a bad one fails here), NATS, etcd, HTTP (to know its URL)
 lease (its id is the router id), replica sync, ingest, registry, live config. `stop()` is
 idempotent and drains in reverse: HTTP first (in-flight requests get `drain_s`), then the
 subscriptions and tasks, the lease, etcd and NATS. A lost lease (etcd said it expired, e.g. after
-this process stalled past its TTL) is replaced by a new registration under a new router id.
+this process stalled past its TTL) is replaced by a new registration under a new router id
+(discovery.Registration); etcd merely unreachable changes nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.trace import TracerProvider
 
-from discovery import ConfigWatcher, Discovery, DiscoveryError, Lease
+from discovery import ConfigWatcher, Discovery, Registration
 from kvswitch import __version__
 from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
@@ -120,7 +121,7 @@ class RouterService:
         self.reregistrations = 0
         self._nc: Client | None = None
         self._discovery: Discovery | None = None
-        self._lease: Lease | None = None
+        self._registration: Registration | None = None
         self._runner: web.AppRunner | None = None
         self._load_sub: Subscription | None = None
         self._ingest: KvIngest | None = None
@@ -248,15 +249,22 @@ class RouterService:
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
-        self._lease = await self._register()
-        self.router_id = self._lease.hex_id
+        self._registration = Registration(
+            self._discovery,
+            key=lambda rid: subjects.router_key(self.ns, rid),
+            value=lambda rid: RouterInfo(
+                router=rid, http_url=self.url, started_at=self.started_at, version=__version__
+            ),
+            ttl=self.config.lease_ttl_s,
+            on_registered=self._registered_anew,
+        )
+        self.router_id = await self._registration.start()
         self._sync.rename(self.router_id)
         await self._sync.start()
         await self._ingest.start()
         self._registry = WorkerRegistry(self._discovery, self._on_worker_add, self._on_worker_remove)
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
-        self._tasks.append(asyncio.create_task(self._keep_registered(), name="router-lease"))
         self._watcher = ConfigWatcher(self._discovery, dict(self.config.overrides), dict(self.config.file_settings))
         self._tasks.append(asyncio.create_task(self._follow_config(self._watcher), name="router-config"))
 
@@ -278,10 +286,14 @@ class RouterService:
         if sub is not None and self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            with contextlib.suppress(Exception):
+                await registration.stop()  # revokes the RouterInfo lease: peers forget our bookings
         discovery, self._discovery = self._discovery, None
         if discovery is not None:
             with contextlib.suppress(Exception):
-                await discovery.close()  # revokes the RouterInfo lease: peers forget our bookings
+                await discovery.close()
         nc, self._nc = self._nc, None
         if nc is not None and not nc.is_closed:
             with contextlib.suppress(Exception):
@@ -298,32 +310,13 @@ class RouterService:
 
     # --- registration ----------------------------------------------------------------------------
 
-    async def _register(self) -> Lease:
-        assert self._discovery is not None
-        return await self._discovery.register_router(
-            lambda rid: RouterInfo(router=rid, http_url=self.url, started_at=self.started_at, version=__version__),
-            ttl=self.config.lease_ttl_s,
-        )
-
-    async def _keep_registered(self) -> None:
-        """Register anew when etcd says our lease is gone; peers then count our bookings again."""
-        delay = 0.5
-        while True:
-            lease = self._lease
-            assert lease is not None
-            await lease.lost.wait()
-            try:
-                self._lease = await self._register()
-            except DiscoveryError as exc:
-                log.warning("router %s: re-registration failed (%s); retrying in %.1fs", self.router_id, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
-                continue
-            delay = 0.5
-            old, self.router_id = self.router_id, self._lease.hex_id
-            self.sync.rename(self.router_id)
-            self.reregistrations += 1
-            log.warning("router lease %s was lost (%s): registered anew as %s", old, lease.lost_reason, self.router_id)
+    async def _registered_anew(self, router_id: str) -> None:
+        """etcd said our lease was gone (a stall past its TTL, a revocation): peers dropped our old
+        id's bookings with its key and count the new id's from now on."""
+        old, self.router_id = self.router_id, router_id
+        self.sync.rename(router_id)
+        self.reregistrations += 1
+        log.warning("router %s lost its lease: registered anew as %s", old, router_id)
 
     # --- readiness -----------------------------------------------------------------------------
 
