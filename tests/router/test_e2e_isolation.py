@@ -12,6 +12,7 @@ import grpc
 from nats.aio.client import Client
 
 from discovery import Discovery
+from kvswitch.servers import EtcdServer
 from protocol import KvEventBatch, Stored, WorkerInfo, encode_msg, subjects
 from protocol.config import EtcdSettings
 from tests.router.conftest import MODEL, Cluster, complete
@@ -111,3 +112,32 @@ async def test_overload_gets_429_with_retry_after_and_admitted_requests_keep_the
     assert all(r[2] is not None and int(r[2]) >= 1 for r in refused)
     assert max(t for _, t, _ in admitted) <= 2 * 1.0 + 0.5  # within 2x the SLO (plus this machine's slack)
     assert router.path.admission.refused + router.path.admission.timed_out == len(refused)
+
+
+async def test_an_etcd_outage_of_15_s_costs_no_request_and_no_worker_id(
+    nats_url: str, ns: str, http: aiohttp.ClientSession
+) -> None:
+    with EtcdServer() as etcd:
+        c = Cluster(ns, nats_url, etcd.url)
+        try:
+            workers = [await c.add_worker("agg") for _ in range(2)]
+            ids = {w.id for w in workers}
+            router = await c.add_ready_router(disagg="never")
+            etcd.stop()
+            statuses = []
+            until_t = time.monotonic() + 15.0
+            i = 0
+            while time.monotonic() < until_t:
+                status, _, headers = await complete(http, router, list(range(i, i + 100)))
+                statuses.append((status, headers.get("x-kvswitch-decode-worker")))
+                i += 100
+                await asyncio.sleep(0.1)
+            await asyncio.get_running_loop().run_in_executor(None, etcd.restart)
+            await until(lambda: router.registry.workers() and len(router.registry.workers()) == 2, what="workers")
+            assert [s for s, _ in statuses if s != 200] == []
+            assert {w for _, w in statuses} <= ids and {w.id for w in workers} == ids  # nobody re-registered
+            assert {i.worker for i in router.registry.workers()} == ids
+            status, _, _ = await complete(http, router, list(range(5)))
+            assert status == 200
+        finally:
+            await c.close()
