@@ -20,7 +20,7 @@ from engine_sim.errors import SimConfigError
 from engine_sim.fleet import SimFleet
 from engine_sim.runner import tune_gc
 from engine_sim.server import ServerStatus
-from engine_sim.timing import PROFILES
+from protocol.timing import DEFAULT_PROFILE, profile_names
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: events off, as vLLM)',
     )
     s = parser.add_argument_group("simulation")
-    s.add_argument("--profile", choices=PROFILES, default=PROFILES[0], help="timing profile")
+    s.add_argument("--profile", choices=profile_names(), default=DEFAULT_PROFILE, help="timing profile")
     s.add_argument("--speedup", type=pos_float, default=1.0, help="divide all modelled times by this")
     s.add_argument("--role", choices=ROLES, default="agg", help="informational; decode still prefills without params")
     s.add_argument("--kv-transfer-gbps", type=pos_float, default=50.0, help="KV pull bandwidth, GB/s")

@@ -15,7 +15,7 @@ from typing import Literal, get_args
 import msgspec
 
 from engine_sim.errors import SimConfigError
-from engine_sim.timing import PROFILES, load_profile
+from protocol.timing import DEFAULT_PROFILE, load_profile, profile_names
 from protocol.vllm_events import EVENT_FORMS, EventForm
 
 __all__ = ["EVENT_FORMS", "ROLES", "KVEventsConfig", "SimConfig"]
@@ -97,7 +97,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_events: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig.ephemeral)
-    profile: str = "h200:llama-3.1-8b"
+    profile: str = DEFAULT_PROFILE
     speedup: float = 1.0
     role: Role = "agg"
     kv_transfer_gbps: float = 50.0
@@ -111,8 +111,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
     data_parallel_rank: int = 0
 
     def validate(self) -> SimConfig:
-        if self.profile not in PROFILES:
-            raise SimConfigError("profile", self.profile, "allowed values: " + ", ".join(PROFILES))
+        try:
+            load_profile(self.profile)
+        except ValueError:
+            raise SimConfigError("profile", self.profile, "allowed values: " + ", ".join(profile_names())) from None
         if self.role not in ROLES:
             raise SimConfigError("role", self.role, "allowed values: " + ", ".join(ROLES))
         if self.event_form not in EVENT_FORMS:

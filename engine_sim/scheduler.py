@@ -31,7 +31,7 @@ from engine_sim.block_hash import HashChains, root_hash
 from engine_sim.block_pool import BlockPool
 from engine_sim.request import RequestStatus, SimRequest
 from engine_sim.stats import EngineStats
-from engine_sim.timing import TimingModel
+from protocol.timing import TimingModel
 
 __all__ = ["Scheduler", "StepOutput", "StepResult"]
 
@@ -79,7 +79,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.timing = timing or TimingModel.for_profile("h200:llama-3.1-8b")
+        self.timing = timing or TimingModel.for_profile()
         self.engine_id = engine_id
         self.pool = BlockPool(num_gpu_blocks, block_size, emit_events=emit_events)
         self.root = root_hash(hash_seed)
