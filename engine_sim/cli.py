@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    default=None, help="KV blocks (default: what one H200 holds for the profile's model)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=pos_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=pos_int, default=8192)
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens on a prefix-cache hit (as vLLM)")  # fmt: skip
     g.add_argument(
         "--kv-events-config",
         type=_events_config,
@@ -126,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         slowdown=args.slowdown,
         drop_event_fraction=args.drop_event_fraction,
         restart_after_crash_s=args.restart_after_crash_s,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     ).validate()
 
 

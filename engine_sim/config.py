@@ -99,6 +99,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     crash_after / hang_after: fault knobs, see engine_sim/faults.py.
     restart_after_crash_s: come back this long after a crash (a supervisor restarting vLLM); None
         stays down.
+    enable_prompt_tokens_details: vLLM's flag: usage.prompt_tokens_details.cached_tokens on a hit.
     """
 
     host: str = "127.0.0.1"
@@ -122,6 +123,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     drop_event_fraction: float = 0.0
     restart_after_crash_s: float | None = None
     data_parallel_rank: int = 0
+    enable_prompt_tokens_details: bool = False
 
     def validate(self) -> SimConfig:
         try:

@@ -233,7 +233,8 @@ class Scheduler:
                 skipped.append(waiting.popleft())
                 continue
             fresh = req.num_computed_tokens == 0
-            hits = self.pool.longest_hit(req.chain, (req.num_tokens - 1) // self.block_size) if fresh else []
+            use_cache = fresh and not req.skip_prefix_cache
+            hits = self.pool.longest_hit(req.chain, (req.num_tokens - 1) // self.block_size) if use_cache else []
             hit_tokens = len(hits) * self.block_size
             n = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
             if not self._allocate(req, n, hits):
@@ -328,13 +329,16 @@ class Scheduler:
                 continue  # a prefill chunk that is not the last: nothing to sample yet
             out_ids = req.output_token_ids
             tok = req.sampler.token(len(out_ids))
+            finish = None
+            if req.stop_token_ids and tok in req.stop_token_ids:
+                if len(out_ids) < req.min_tokens:  # masked until min_tokens: the next best token
+                    tok = req.sampler.token_avoiding(len(out_ids), req.stop_token_ids)
+                else:
+                    finish = "stop"
             out_ids.append(tok)
             req.token_ids.append(tok)
             req.remote_loaded = False
-            finish = None
-            if req.stop_token_ids and tok in req.stop_token_ids:
-                finish = "stop"
-            elif len(out_ids) >= req.max_tokens or len(req.token_ids) >= max_model_len:
+            if finish is None and (len(out_ids) >= req.max_tokens or len(req.token_ids) >= max_model_len):
                 finish = "length"
             out = StepOutput(req.request_id, [tok], finish, num_cached_tokens=req.num_hit_tokens)
             if finish is not None:
