@@ -15,14 +15,13 @@ from engine_sim.fleet import SimFleet, fleet_config
 from engine_sim.runner import EngineRunner, RequestStream, tune_gc
 from engine_sim.scheduler import Scheduler, StepOutput, StepResult
 from engine_sim.server import ServerStatus, SimServer
-from engine_sim.timing import PROFILES, TimingModel, load_profile
+from protocol.timing import TimingModel, load_profile
 
 Engine = Scheduler
 """The synchronous engine core (`SimServer.engine`)."""
 
 __all__ = [
     "EVENT_FORMS",
-    "PROFILES",
     "ROLES",
     "Engine",
     "EngineRunner",

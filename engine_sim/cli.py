@@ -20,7 +20,7 @@ from engine_sim.errors import SimConfigError
 from engine_sim.fleet import SimFleet
 from engine_sim.runner import tune_gc
 from engine_sim.server import ServerStatus
-from engine_sim.timing import PROFILES
+from protocol.timing import DEFAULT_PROFILE, profile_names
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    default=None, help="KV blocks (default: what one H200 holds for the profile's model)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=pos_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=pos_int, default=8192)
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens on a prefix-cache hit (as vLLM)")  # fmt: skip
     g.add_argument(
         "--kv-events-config",
         type=_events_config,
@@ -86,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: events off, as vLLM)',
     )
     s = parser.add_argument_group("simulation")
-    s.add_argument("--profile", choices=PROFILES, default=PROFILES[0], help="timing profile")
+    s.add_argument("--profile", choices=profile_names(), default=DEFAULT_PROFILE, help="timing profile")
     s.add_argument("--speedup", type=pos_float, default=1.0, help="divide all modelled times by this")
     s.add_argument("--role", choices=ROLES, default="agg", help="informational; decode still prefills without params")
     s.add_argument("--kv-transfer-gbps", type=pos_float, default=50.0, help="KV pull bandwidth, GB/s")
@@ -126,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         slowdown=args.slowdown,
         drop_event_fraction=args.drop_event_fraction,
         restart_after_crash_s=args.restart_after_crash_s,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     ).validate()
 
 

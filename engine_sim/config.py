@@ -3,8 +3,11 @@
 
 Two defaults differ between the CLI and the Python API, on purpose:
 - KV events: the CLI follows vLLM (off unless `--kv-events-config` is given); `SimConfig()` turns
-  them on with PUB and replay sockets bound on free ports (`tcp://*:0`), which is what tests want.
+  them on with PUB and replay sockets bound on free loopback ports, which is what tests want.
 - port: the CLI listens on 8000 like vLLM; `SimConfig()` picks a free port (0).
+
+Nothing binds beyond 127.0.0.1 unless told to: the HTTP host defaults to 127.0.0.1 (vLLM's to
+0.0.0.0) and the events endpoint to LOOPBACK_PUB_ENDPOINT (vLLM's to `tcp://*:5557`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ from typing import Literal, get_args
 import msgspec
 
 from engine_sim.errors import SimConfigError
-from engine_sim.timing import PROFILES, load_profile
+from protocol.timing import DEFAULT_PROFILE, load_profile, profile_names
 from protocol.vllm_events import EVENT_FORMS, EventForm
 
-__all__ = ["EVENT_FORMS", "ROLES", "KVEventsConfig", "SimConfig"]
+__all__ = ["EVENT_FORMS", "LOOPBACK_PUB_ENDPOINT", "ROLES", "KVEventsConfig", "SimConfig"]
 
 Role = Literal["prefill", "decode", "agg"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -29,19 +32,25 @@ _H200_BYTES = 141e9
 _GPU_UTIL = 0.9
 _RUNTIME_OVERHEAD = 4 * 2**30
 
+LOOPBACK_PUB_ENDPOINT = "tcp://[::ffff:127.0.0.1]:5557"
+"""The default events endpoint: by vLLM's rule it binds (it contains `::`), and ZMQ binds the
+IPv4-mapped address on 127.0.0.1 alone. vLLM given the same string does the same."""
+
 
 class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's KVEventsConfig, same keys and defaults (`--kv-events-config` takes it as JSON).
 
     endpoint: the PUB socket binds when it contains `*` or `::` (or is ipc:// / inproc://) and
-        connects otherwise (the subscriber then binds), exactly as vLLM decides.
-    replay_endpoint: the ROUTER socket for replay, always bound; None disables replay.
+        connects otherwise (the subscriber then binds), exactly as vLLM decides. The default is
+        LOOPBACK_PUB_ENDPOINT, not vLLM's `tcp://*:5557`, so that nothing listens beyond loopback.
+    replay_endpoint: the ROUTER socket for replay, always bound (as vLLM binds it, whatever the
+        endpoint); None disables replay.
     buffer_steps: how many batches the replay buffer keeps. hwm: the PUB send high-water mark.
     """
 
     enable_kv_cache_events: bool = False
     publisher: Literal["null", "zmq"] | None = None
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = LOOPBACK_PUB_ENDPOINT
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
@@ -66,9 +75,13 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @classmethod
     def ephemeral(cls, topic: str = "") -> KVEventsConfig:
-        """Events on, PUB and replay bound on free loopback-reachable ports (the Python API default)."""
+        """Events on, PUB and replay bound on free loopback ports (the Python API default)."""
         return cls(
-            enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic=topic
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=LOOPBACK_PUB_ENDPOINT.rsplit(":", 1)[0] + ":0",
+            replay_endpoint="tcp://127.0.0.1:0",
+            topic=topic,
         )
 
 
@@ -86,6 +99,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     crash_after / hang_after: fault knobs, see engine_sim/faults.py.
     restart_after_crash_s: come back this long after a crash (a supervisor restarting vLLM); None
         stays down.
+    enable_prompt_tokens_details: vLLM's flag: usage.prompt_tokens_details.cached_tokens on a hit.
     """
 
     host: str = "127.0.0.1"
@@ -97,7 +111,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_events: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig.ephemeral)
-    profile: str = "h200:llama-3.1-8b"
+    profile: str = DEFAULT_PROFILE
     speedup: float = 1.0
     role: Role = "agg"
     kv_transfer_gbps: float = 50.0
@@ -109,10 +123,13 @@ class SimConfig(msgspec.Struct, kw_only=True):
     drop_event_fraction: float = 0.0
     restart_after_crash_s: float | None = None
     data_parallel_rank: int = 0
+    enable_prompt_tokens_details: bool = False
 
     def validate(self) -> SimConfig:
-        if self.profile not in PROFILES:
-            raise SimConfigError("profile", self.profile, "allowed values: " + ", ".join(PROFILES))
+        try:
+            load_profile(self.profile)
+        except ValueError:
+            raise SimConfigError("profile", self.profile, "allowed values: " + ", ".join(profile_names())) from None
         if self.role not in ROLES:
             raise SimConfigError("role", self.role, "allowed values: " + ", ".join(ROLES))
         if self.event_form not in EVENT_FORMS:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PromptTooLongError", "SimConfigError", "SimRequestError"]
+__all__ = ["PromptTooLongError", "SimConfigError", "SimRequestError", "VllmValidationError"]
 
 
 class SimConfigError(ValueError):
@@ -26,7 +26,16 @@ class SimRequestError(ValueError):
         super().__init__(message)
 
 
-class PromptTooLongError(SimRequestError):
+class VllmValidationError(SimRequestError):
+    """vLLM's VLLMValidationError as its API reports it: 400 BadRequestError, the message followed by
+    `(parameter=..., value=...)` for whichever is set, `param` the parameter."""
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: object = None) -> None:
+        extras = [f"{k}={v}" for k, v in (("parameter", parameter), ("value", value)) if v is not None]
+        super().__init__(f"{message} ({', '.join(extras)})" if extras else message, param=parameter)
+
+
+class PromptTooLongError(VllmValidationError):
     """vLLM's 400 for a prompt that does not fit the model's context even with no output."""
 
     def __init__(self, max_model_len: int, prompt_tokens: int, *, at_least: bool) -> None:
@@ -36,6 +45,7 @@ class PromptTooLongError(SimRequestError):
         super().__init__(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
             f"{count} input tokens, which exceeds this limit even without any output tokens. Please reduce "
-            f"the length of the input prompt. (parameter=input_tokens, value={prompt_tokens})",
-            param="input_tokens",
+            f"the length of the input prompt.",
+            parameter="input_tokens",
+            value=prompt_tokens,
         )

@@ -1,33 +1,30 @@
 """vLLM 0.32's OpenAI response and error bodies, field for field as captured in
-tests/fixtures/vllm-0.32 (key order included): plain functions from values to JSON-ready dicts,
-plus the request bodies as msgspec Structs (unknown fields ignored, as vLLM ignores them)."""
+tests/fixtures/vllm-0.32 (key order included): plain functions from values to JSON-ready dicts.
+Request bodies and their validation: engine_sim/openai_request.py."""
 
 from __future__ import annotations
 
-import json
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
-from engine_sim.errors import SimRequestError
-
 __all__ = [
+    "SSE_DONE",
     "VLLM_VERSION",
-    "ChatBody",
-    "CompletionBody",
     "Head",
     "Output",
-    "StopText",
+    "chat_choice",
     "chat_chunk",
+    "chat_echo_chunk",
     "chat_first_chunk",
     "chat_response",
     "completion_choice",
     "completion_chunk",
     "completion_response",
     "error_body",
-    "malformed_json_error",
     "models_response",
-    "parse_body",
+    "sse",
+    "tokenize_response",
     "usage",
     "usage_chunk",
 ]
@@ -35,75 +32,26 @@ __all__ = [
 VLLM_VERSION = "0.32.0"
 
 _json = msgspec.json.Encoder()
-T = TypeVar("T")
-
-
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class _GenerateBody(msgspec.Struct, kw_only=True):
-    model: str | None = None
-    max_tokens: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    n: int = 1
-    return_token_ids: bool | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class CompletionBody(_GenerateBody, kw_only=True):
-    prompt: Any = None
-
-
-class ChatBody(_GenerateBody, kw_only=True):
-    messages: Any = None
-    max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
 
 
 def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def malformed_json_error(exc: json.JSONDecodeError) -> SimRequestError:
-    """vLLM (FastAPI + pydantic) reports the decode error with its character offset."""
-    loc = f"body.{exc.pos}"
-    detail = {"type": "json_invalid", "loc": loc, "msg": "JSON decode error", "input": "<dict of 0 items>",
-              "ctx": {"error": exc.msg}}  # fmt: skip
-    return SimRequestError(f"1 validation error:\n  {detail}", kind="Bad Request", param=loc)
-
-
-def parse_body(raw: bytes, kind: type[T]) -> T:
-    try:
-        obj = json.loads(raw or b"null")
-    except json.JSONDecodeError as exc:
-        raise malformed_json_error(exc) from exc
-    except UnicodeDecodeError as exc:
-        raise SimRequestError(f"request body is not UTF-8: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise SimRequestError("request body must be a JSON object")
-    try:
-        return msgspec.convert(obj, kind)
-    except msgspec.ValidationError as exc:
-        raise SimRequestError(str(exc), param=str(exc).rsplit("`$.", 1)[-1].rstrip("`") or None) from exc
-
-
-def usage(prompt: int, completion: int, *, details: bool = True) -> dict[str, Any]:
-    out: dict[str, Any] = {
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    """vLLM's UsageInfo; prompt_tokens_details only with --enable-prompt-tokens-details and a
+    cache hit (the caller passes `cached` then), as vLLM fills it."""
+    return {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
+        "completion_tokens_details": None,
     }
-    if details:
-        out["prompt_tokens_details"] = None
-        out["completion_tokens_details"] = None
-    return out
+
+
+def _without_none(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in obj.items() if v is not None}
 
 
 class Head(msgspec.Struct, frozen=True, gc=False):
@@ -119,12 +67,14 @@ class Head(msgspec.Struct, frozen=True, gc=False):
 
 
 class Output(msgspec.Struct, gc=False):
-    """What one choice (or one chunk of it) carries; `token_ids` only when the client asked."""
+    """What one choice (or one chunk of it) carries. `token_ids` only when the client asked;
+    `logprobs` already in the endpoint's shape (engine_sim/logprobs.py) or None."""
 
     text: str
     finish_reason: str | None
-    stop_reason: str | None
+    stop_reason: str | int | None
     token_ids: list[int] | None
+    logprobs: dict[str, Any] | None = None
 
 
 def completion_response(
@@ -146,17 +96,19 @@ def _text_choice(index: int, out: Output) -> dict[str, Any]:
     return {
         "index": index,
         "text": out.text,
-        "logprobs": None,
+        "logprobs": out.logprobs,
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
     }
 
 
-def completion_choice(index: int, out: Output, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+def completion_choice(
+    index: int, out: Output, prompt_token_ids: list[int] | None, prompt_logprobs: list[Any] | None = None
+) -> dict[str, Any]:
     return {
         **_text_choice(index, out),
         "token_ids": out.token_ids,
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs,
         "prompt_token_ids": prompt_token_ids,
         "routed_experts": None,
     }
@@ -168,16 +120,11 @@ def completion_chunk(head: Head, index: int, out: Output, prompt_token_ids: list
 
 
 def usage_chunk(head: Head, obj: str, usage_: dict[str, Any]) -> dict[str, Any]:
-    return {**head.envelope(obj), "choices": [], "usage": usage_, "system_fingerprint": head.fingerprint}
+    """The final stream chunk; vLLM serialises it without its null fields."""
+    return {**head.envelope(obj), "choices": [], "usage": _without_none(usage_), "system_fingerprint": head.fingerprint}
 
 
-def chat_response(
-    head: Head,
-    out: Output,
-    prompt_token_ids: list[int] | None,
-    usage_: dict[str, Any],
-    kv_transfer_params: dict[str, Any] | None,
-) -> dict[str, Any]:
+def chat_choice(index: int, out: Output) -> dict[str, Any]:
     message = {
         "role": "assistant",
         "content": out.text,
@@ -187,22 +134,32 @@ def chat_response(
         "function_call": None,
         "reasoning": None,
     }
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
-        "logprobs": None,
+        "logprobs": out.logprobs,
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
         "token_ids": out.token_ids,
         "routed_experts": None,
     }
+
+
+def chat_response(
+    head: Head,
+    choices: list[dict[str, Any]],
+    prompt_token_ids: list[int] | None,
+    usage_: dict[str, Any],
+    kv_transfer_params: dict[str, Any] | None,
+    prompt_logprobs: list[Any] | None = None,
+) -> dict[str, Any]:
     return {
         **head.envelope("chat.completion"),
-        "choices": [choice],
+        "choices": choices,
         "service_tier": None,
         "system_fingerprint": head.fingerprint,
         "usage": usage_,
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs,
         "prompt_token_ids": prompt_token_ids,
         "prompt_text": None,
         "kv_transfer_params": kv_transfer_params,
@@ -211,14 +168,19 @@ def chat_response(
     }
 
 
-def chat_first_chunk(head: Head, prompt_token_ids: list[int] | None) -> dict[str, Any]:
-    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+def chat_first_chunk(head: Head, index: int, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+    choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     return {**head.envelope("chat.completion.chunk"), "choices": [choice], "prompt_token_ids": prompt_token_ids,
             "prompt_text": None}  # fmt: skip
 
 
-def chat_chunk(head: Head, out: Output) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": {"content": out.text}, "logprobs": None,
+def chat_echo_chunk(head: Head, index: int, content: str) -> dict[str, Any]:
+    choice = {"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
+    return {**head.envelope("chat.completion.chunk"), "choices": [choice]}
+
+
+def chat_chunk(head: Head, index: int, out: Output) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "delta": {"content": out.text}, "logprobs": out.logprobs,
                               "finish_reason": out.finish_reason}  # fmt: skip
     # vLLM adds stop_reason and the fingerprint only to the chunk that ends the choice.
     if out.finish_reason is not None:
@@ -228,6 +190,10 @@ def chat_chunk(head: Head, out: Output) -> dict[str, Any]:
     if out.finish_reason is not None:
         chunk["system_fingerprint"] = head.fingerprint
     return chunk
+
+
+def tokenize_response(tokens: list[int], max_model_len: int, token_strs: list[str] | None) -> dict[str, Any]:
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": token_strs}
 
 
 def models_response(model: str, created: int, max_model_len: int, perm_id: str) -> dict[str, Any]:
@@ -263,39 +229,3 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-class StopText:
-    """Incremental detokenisation with stop strings, as vLLM's output processor does it: text that
-    could still turn out to begin a stop string is held back; on a match the text ends before it."""
-
-    __slots__ = ("_hold", "_sent", "stop_reason", "stops", "text")
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self._sent = 0
-        self.stop_reason: str | None = None
-
-    def add(self, piece: str) -> str:
-        """Append decoded text; return what may be emitted now (possibly "")."""
-        start = max(0, len(self.text) - self._hold)
-        self.text += piece
-        for s in self.stops:
-            i = self.text.find(s, start)
-            if i >= 0:
-                self.stop_reason = s
-                self.text = self.text[:i]
-                return self._flush(len(self.text))
-        return self._flush(len(self.text) - self._hold)
-
-    def finish(self) -> str:
-        return self._flush(len(self.text))
-
-    def _flush(self, upto: int) -> str:
-        if upto <= self._sent:
-            return ""
-        out = self.text[self._sent : upto]
-        self._sent = upto
-        return out

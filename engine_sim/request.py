@@ -23,7 +23,11 @@ class RequestStatus(enum.Enum):
 class SimRequest:
     """Progress is `num_computed_tokens` out of `num_tokens` (prompt plus output so far); a new
     token is sampled whenever everything known has been computed. `chain` holds the hash of every
-    full block of known tokens; `blocks[:num_cached_blocks]` are marked cached in the pool."""
+    full block of known tokens; `blocks[:num_cached_blocks]` are marked cached in the pool.
+
+    `choice` tells apart the `n` samples of one prompt; `min_tokens` keeps stop token ids from being
+    emitted before that many tokens; `skip_prefix_cache` (vLLM sets it for prompt logprobs) makes
+    the request compute its whole prompt."""
 
     __slots__ = (
         "arrival",
@@ -32,6 +36,7 @@ class SimRequest:
         "finish_reason",
         "kv_transfer_params",
         "max_tokens",
+        "min_tokens",
         "num_cached_blocks",
         "num_computed_tokens",
         "num_external_tokens",
@@ -44,6 +49,7 @@ class SimRequest:
         "remote_prefill",
         "request_id",
         "sampler",
+        "skip_prefix_cache",
         "status",
         "stop_token_ids",
         "token_ids",
@@ -57,6 +63,9 @@ class SimRequest:
         max_tokens: int,
         stop_token_ids: frozenset[int] = frozenset(),
         seed: int | None = None,
+        choice: int = 0,
+        min_tokens: int = 0,
+        skip_prefix_cache: bool = False,
         remote_decode: bool = False,
         remote_prefill: dict[str, Any] | None = None,
         arrival: float = 0.0,
@@ -67,7 +76,9 @@ class SimRequest:
         self.output_token_ids: list[int] = []
         self.max_tokens = max_tokens
         self.stop_token_ids = stop_token_ids
-        self.sampler = Sampler(prompt_token_ids, seed)
+        self.min_tokens = min_tokens
+        self.skip_prefix_cache = skip_prefix_cache
+        self.sampler = Sampler(prompt_token_ids, seed, choice)
         self.remote_decode = remote_decode
         self.remote_prefill = remote_prefill
         self.remote_loaded = False

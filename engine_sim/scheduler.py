@@ -31,7 +31,7 @@ from engine_sim.block_hash import HashChains, root_hash
 from engine_sim.block_pool import BlockPool
 from engine_sim.request import RequestStatus, SimRequest
 from engine_sim.stats import EngineStats
-from engine_sim.timing import TimingModel
+from protocol.timing import TimingModel
 
 __all__ = ["Scheduler", "StepOutput", "StepResult"]
 
@@ -79,7 +79,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.timing = timing or TimingModel.for_profile("h200:llama-3.1-8b")
+        self.timing = timing or TimingModel.for_profile()
         self.engine_id = engine_id
         self.pool = BlockPool(num_gpu_blocks, block_size, emit_events=emit_events)
         self.root = root_hash(hash_seed)
@@ -233,7 +233,8 @@ class Scheduler:
                 skipped.append(waiting.popleft())
                 continue
             fresh = req.num_computed_tokens == 0
-            hits = self.pool.longest_hit(req.chain, (req.num_tokens - 1) // self.block_size) if fresh else []
+            use_cache = fresh and not req.skip_prefix_cache
+            hits = self.pool.longest_hit(req.chain, (req.num_tokens - 1) // self.block_size) if use_cache else []
             hit_tokens = len(hits) * self.block_size
             n = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
             if not self._allocate(req, n, hits):
@@ -328,13 +329,16 @@ class Scheduler:
                 continue  # a prefill chunk that is not the last: nothing to sample yet
             out_ids = req.output_token_ids
             tok = req.sampler.token(len(out_ids))
+            finish = None
+            if req.stop_token_ids and tok in req.stop_token_ids:
+                if len(out_ids) < req.min_tokens:  # masked until min_tokens: the next best token
+                    tok = req.sampler.token_avoiding(len(out_ids), req.stop_token_ids)
+                else:
+                    finish = "stop"
             out_ids.append(tok)
             req.token_ids.append(tok)
             req.remote_loaded = False
-            finish = None
-            if req.stop_token_ids and tok in req.stop_token_ids:
-                finish = "stop"
-            elif len(out_ids) >= req.max_tokens or len(req.token_ids) >= max_model_len:
+            if finish is None and (len(out_ids) >= req.max_tokens or len(req.token_ids) >= max_model_len):
                 finish = "length"
             out = StepOutput(req.request_id, [tok], finish, num_cached_tokens=req.num_hit_tokens)
             if finish is not None:

@@ -39,7 +39,7 @@ from engine_sim.openai_format import VLLM_VERSION
 from engine_sim.runner import EngineRunner
 from engine_sim.sampler import word_ids
 from engine_sim.scheduler import Scheduler
-from engine_sim.timing import TimingModel
+from protocol.timing import TimingModel
 
 __all__ = ["ServerStatus", "SimServer"]
 

@@ -1,17 +1,17 @@
-"""Print the timing model's error against the measured profiles (docs/engine_sim.md quotes it).
+"""Print the timing model's error against the measured profiles (protocol/timing.py's docstring quotes it).
 
 .venv/bin/python -m engine_sim.timing_report
 """
 
 from __future__ import annotations
 
-from engine_sim.timing import PROFILES, TimingModel, fit_marginal, load_profile, mixed_marginals
+from protocol.timing import DEFAULT_PROFILE, TimingModel, fit_marginal, load_profile, mixed_marginals, profile_names
 
 __all__ = ["main"]
 
 
 def main() -> None:
-    for name in PROFILES:
+    for name in profile_names():
         tm, prof = TimingModel.for_profile(name), load_profile(name)
         worst_p = max(abs(tm.prefill(n, c) - s) / s for n, c, s in prof.prefill)
         worst_d = max(abs(tm.decode(b, x) - s) / s for b, x, s in prof.decode)
@@ -35,7 +35,7 @@ def main() -> None:
         f"\nmean absolute error {mae * 1e3:.2f} ms over {len(errs)} points; max {max(e[0] for e in errs) * 1e3:.2f} ms"
     )
     print(f"chunks of 2048 tokens: mean relative error {sum(big) / len(big):.1%}, max {max(big):.1%}")
-    tm = TimingModel.for_profile(PROFILES[0])
+    tm = TimingModel.for_profile(DEFAULT_PROFILE)
     print("\nexample: the stall a local prefill adds to running decodes (B=128, context 4096):")
     for n in (256, 1024, 2048):
         print(f"  +{n} tokens: model +{tm.marginal(n, 0, 128) * 1e3:.1f} ms")

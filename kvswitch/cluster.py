@@ -104,8 +104,8 @@ class LocalCluster:
         kv_config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{events}",
-            "replay_endpoint": f"tcp://*:{replay}",
+            "endpoint": f"tcp://127.0.0.1:{events}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
             "topic": "kv-events",
         }
         argv = [
@@ -116,8 +116,11 @@ class LocalCluster:
         ]  # fmt: skip
         self.spawn(f"sim-{role}", argv)
         for i in range(count):
-            # The shim takes the endpoints as the engine was given them and connects to a bound `*`.
-            engine = _Engine(role, f"http://127.0.0.1:{http + i}", f"tcp://*:{events + i}", f"tcp://*:{replay + i}")
+            # The shim takes the endpoints as the engine was given them: by vLLM's rule the sim's PUB
+            # connects to 127.0.0.1 and the shim binds it; the sim binds replay there, the shim connects.
+            engine = _Engine(
+                role, f"http://127.0.0.1:{http + i}", f"tcp://127.0.0.1:{events + i}", f"tcp://127.0.0.1:{replay + i}"
+            )
             self.engines.append(engine)
         for engine in self.engines[-count:]:
             self._wait_http(engine.url + "/health", what=f"sim {engine.url}")

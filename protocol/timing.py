@@ -1,27 +1,78 @@
-"""Engine timing profiles: measured latency tables named by WorkerInfo.timing_profile.
+"""The engine timing model: how long one engine step takes. One model, two users: engine_sim charges
+it for every step it runs, and the router's ttft_model policy predicts with the same functions.
 
-A profile name is `{table}:{model}`, e.g. `h200:llama-3.1-8b`: the table is
-protocol/profiles/{table}.json (measured on an NVIDIA H200; see profiles/README.md for the
-method), the model one of its `models`. Operators of real engines can point
-`KVSWITCH_PROFILE_DIR` at a directory of their own tables in the same format.
+Profiles. A name `{table}:{model}` (WorkerInfo.timing_profile, `--profile`) names the table
+`protocol/profiles/{table}.json` and one of its `models`; `KVSWITCH_PROFILE_DIR` adds a directory
+searched first, for operators' own tables in the same format. `h200.json` was measured on one
+NVIDIA H200 (profiles/README.md has the method): batch-1 prefill by new x cached tokens, decode by
+batch x context. `{table}_mixed.json` (h200_mixed.json: Llama-3.1-8B) measures mixed steps.
 
-Interpolation is piecewise linear on the measured grid and linear beyond its edges (prefill time
-grows about linearly in new tokens at large sizes; decode in batch x context).
+The model (seconds of engine time; every function is a pure function of the step's shape):
+- prefill(n, c): one chunk of n new tokens over c cached ones, alone in a step: bilinear
+  interpolation of the prefill table in (n, c), linear extrapolation past its edges, clamped below
+  at the table's smallest n (launch overhead is a floor).
+- decode(B, ctx): one step of B decodes at mean context ctx: bilinear interpolation of the decode
+  table (attention cost is linear in context, so the batch mean is what matters).
+- marginal(n, c, B) = a*n + b*n*(c + n/2) + e*B*n: what a prefill chunk adds to a step that already
+  holds B decode tokens (vLLM's chunked prefill flattens both into one batch): one GEMM pass per
+  token (a), causal attention over the cached and the chunk's own tokens (b), and widening a batch
+  of B (e). a, b, e are least-squares fitted to the mixed table of the profile's model: each mixed
+  step minus the decode-only step of the same batch and context, which cancels the eager-mode
+  floor. For Llama-3.1-8B: a = 18.66 us/token, b = 1.881 ns/token^2, e = 43.99 ns/(token*seq). A
+  model without its own mixed table scales that fit by its prefill-table ratio to the reference
+  model (h200:llama-3.1-8b) at the same (n, c).
+- step(B, ctx, chunks): decode(B, ctx) plus each chunk's marginal; with no decodes, the first
+  chunk as a prefill step and the others as marginals.
+- transfer(tokens, gbps): tokens x kv_bytes_per_token / link bandwidth.
+
+What a scheduler with a token budget of max_num_batched_tokens makes of one prompt (vLLM v1: the
+running decodes take one token each first, the prompt gets the rest of the budget, chunk by chunk):
+- prefill_time(n, c, budget, B, ctx): the sum of those steps, ending with the one that samples the
+  first token; this is exactly what engine_sim charges.
+- stall(n, c, B, budget): the sum of those chunks' marginals: what the prompt delays each of the B
+  running decodes by.
+- scaled(f): the same model with every coefficient multiplied by f (a deliberately wrong profile).
+
+Error against the measurements (`python -m engine_sim.timing_report` prints the whole table):
+- prefill and decode tables: 0.00% at every measured point (they are the interpolation nodes); in
+  between, piecewise linear. A 16,384-token prompt chunked at 8,192 costs 608 ms against the
+  table's 605 ms for one pass.
+- mixed-step marginal: mean absolute error 2.05 ms over 48 points, max 7.7 ms; for 2,048-token
+  chunks mean 4.2%, max 12.0%. Small chunks at B = 16-64, context 1,024 are off by up to 59% (a few
+  ms): the eager profile's decode-only baselines there are noisy (its B = 16 baseline is slower than
+  B = 64). The README's worked example (B = 128, context 4,096: +256 -> +6.5 ms, +1,024 -> +24.4,
+  +2,048 -> +54.9) comes out at +6.3, +25.9, +53.7 ms.
+- end to end (tests/engine_sim/test_timing.py): an isolated request's TTFT and inter-token latency
+  as the simulator reports them match the profile within 10% at 1,024-16,384 prompt tokens.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 import json
+import math
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PROFILE", "TimingProfile", "load_profile", "profile_names"]
+__all__ = [
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_PROFILE",
+    "MarginalFit",
+    "ModelProfile",
+    "TimingModel",
+    "fit_marginal",
+    "load_profile",
+    "mixed_marginals",
+    "profile_names",
+]
 
 DEFAULT_PROFILE = "h200:llama-3.1-8b"
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's default for the API server on an H100/H200
 _BUILTIN_DIR = Path(__file__).with_name("profiles")
 
 
@@ -30,97 +81,271 @@ def _profile_dirs() -> list[Path]:
     return ([Path(extra)] if extra else []) + [_BUILTIN_DIR]
 
 
-def _interp(xs: list[float], ys: list[float], x: float) -> float:
-    if len(xs) == 1:
-        return ys[0]
-    i = bisect.bisect_left(xs, x)
-    i = min(max(i, 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+def _table_path(name: str) -> Path | None:
+    for d in _profile_dirs():
+        path = d / name
+        if path.is_file():
+            return path
+    return None
 
 
-@dataclass(frozen=True)
-class _Grid:
-    """seconds[row][col] measured at (rows[i], cols[j]); rows and cols ascending."""
-
-    rows: list[float]
-    cols: list[float]
-    seconds: dict[float, tuple[list[float], list[float]]]  # row -> (cols, seconds) actually measured
-
-    def at(self, row: float, col: float) -> float:
-        per_row = [_interp(*self.seconds[r], col) for r in self.rows]
-        return _interp(self.rows, per_row, row)
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text())
 
 
-def _grid(points: list[dict[str, Any]], row_key: str, col_key: str) -> _Grid:
-    by_row: dict[float, list[tuple[float, float]]] = {}
-    for p in points:
-        by_row.setdefault(float(p[row_key]), []).append((float(p[col_key]), float(p["seconds"])))
-    seconds = {}
-    for r, pts in by_row.items():
-        pts.sort()
-        seconds[r] = ([c for c, _ in pts], [s for _, s in pts])
-    rows = sorted(seconds)
-    cols = sorted({c for cs, _ in seconds.values() for c in cs})
-    return _Grid(rows, cols, seconds)
-
-
-@dataclass(frozen=True)
-class TimingProfile:
-    """Latencies of one model on one GPU. All times in seconds, for one engine, unscaled."""
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """One model's measured tables. Points are (new_tokens, cached_tokens, seconds) for prefill and
+    (batch, context_tokens, seconds) for decode."""
 
     name: str
+    table: str
+    model: str
     kv_bytes_per_token: int
-    _prefill: _Grid
-    _decode: _Grid
-
-    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """One prefill of `new_tokens` on top of `cached_tokens` already in the cache (batch 1)."""
-        if new_tokens <= 0:
-            return 0.0
-        return self._prefill.at(cached_tokens, new_tokens)
-
-    def decode_s(self, batch: int, context_tokens: int) -> float:
-        """One decode step of `batch` sequences, each over `context_tokens` of cache."""
-        if batch <= 0:
-            return 0.0
-        return self._decode.at(context_tokens, batch)
-
-    def decode_stall_s(self, chunk_tokens: int, cached_tokens: int = 0) -> float:
-        """What a prefill chunk adds to a step of running decodes (h200_mixed.json: the standalone
-        prefill time minus the weight pass both already share, i.e. minus a 1-token step)."""
-        if chunk_tokens <= 0:
-            return 0.0
-        return max(0.0, self.prefill_s(chunk_tokens, cached_tokens) - self.decode_s(1, cached_tokens or 1))
-
-    def transfer_s(self, tokens: int, gbps: float) -> float:
-        """KV of `tokens` moved over a link of `gbps` gigabytes per second."""
-        return tokens * self.kv_bytes_per_token / (gbps * 1e9)
-
-
-@cache
-def load_profile(name: str = DEFAULT_PROFILE) -> TimingProfile:
-    """`h200:llama-3.1-8b` -> its TimingProfile; ValueError naming the choices for an unknown one."""
-    table, _, model = name.partition(":")
-    for d in _profile_dirs():
-        path = d / f"{table}.json"
-        if path.is_file():
-            data = json.loads(path.read_text())
-            for m in data.get("models", []):
-                if m.get("model") == model:
-                    return TimingProfile(
-                        name=name,
-                        kv_bytes_per_token=int(m["kv_bytes_per_token_bf16"]),
-                        _prefill=_grid(m["prefill"], "cached_tokens", "new_tokens"),
-                        _decode=_grid(m["decode"], "context_tokens", "batch"),
-                    )
-    raise ValueError(f"unknown timing profile {name!r}; known: {', '.join(profile_names())}")
+    params: int
+    prefill: tuple[tuple[int, int, float], ...]
+    decode: tuple[tuple[int, int, float], ...]
 
 
 def profile_names() -> list[str]:
     names: list[str] = []
     for d in _profile_dirs():
         for path in sorted(d.glob("*.json")):
-            data = json.loads(path.read_text())
-            names += [f"{path.stem}:{m['model']}" for m in data.get("models", []) if "model" in m]
-    return names
+            names += [f"{path.stem}:{m['model']}" for m in _read(path).get("models", []) if "model" in m]
+    return list(dict.fromkeys(names))
+
+
+@cache
+def load_profile(name: str = DEFAULT_PROFILE) -> ModelProfile:
+    """`h200:llama-3.1-8b` -> its tables; ValueError naming the known profiles for an unknown one."""
+    table, _, model = name.partition(":")
+    path = _table_path(f"{table}.json") if table else None
+    if path is not None:
+        for m in _read(path).get("models", []):
+            if m.get("model") == model:
+                return ModelProfile(
+                    name=name,
+                    table=table,
+                    model=model,
+                    kv_bytes_per_token=int(m["kv_bytes_per_token_bf16"]),
+                    params=int(m.get("params", 0)),
+                    prefill=tuple((p["new_tokens"], p["cached_tokens"], p["seconds"]) for p in m["prefill"]),
+                    decode=tuple((p["batch"], p["context_tokens"], p["seconds"]) for p in m["decode"]),
+                )
+    raise ValueError(f"unknown timing profile {name!r}; known: {', '.join(profile_names())}")
+
+
+@dataclass(frozen=True, slots=True)
+class MarginalFit:
+    """marginal(n, c, B) = a*n + b*n*(c + n/2) + e*B*n, seconds."""
+
+    a: float
+    b: float
+    e: float
+
+    def __call__(self, n: int, c: int, batch: int) -> float:
+        return n * (self.a + self.b * (c + n / 2) + self.e * batch)
+
+
+def mixed_marginals(table: str = "h200") -> list[tuple[int, int, int, int, float]]:
+    """(batch, context, chunk, cached, measured marginal seconds) from `{table}_mixed.json`: each
+    mixed step minus the decode-only step of the same batch and context; [] without such a file."""
+    path = _table_path(f"{table}_mixed.json")
+    if path is None:
+        return []
+    steps = _read(path)["steps"]
+    base = {(s["batch"], s["context_tokens"]): s["seconds"] for s in steps if s["chunk_tokens"] == 0}
+    out = []
+    for s in steps:
+        key = (s["batch"], s["context_tokens"])
+        if s["chunk_tokens"] and key in base:
+            out.append((*key, s["chunk_tokens"], s["cached_tokens"], s["seconds"] - base[key]))
+    return out
+
+
+def _mixed_model(table: str) -> str | None:
+    path = _table_path(f"{table}_mixed.json")
+    return str(_read(path).get("model")) if path is not None else None
+
+
+def _least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """min |X w - y| for a few columns: normal equations on unit-norm columns, Gaussian elimination
+    with partial pivoting (kept free of numpy: every process imports protocol)."""
+    k = len(rows[0])
+    norms = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(k)]
+    x = [[r[j] / norms[j] for j in range(k)] for r in rows]
+    a = [[sum(r[i] * r[j] for r in x) for j in range(k)] + [sum(r[i] * y for r, y in zip(x, ys, strict=True))]
+         for i in range(k)]  # fmt: skip
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for i in range(col + 1, k):
+            f = a[i][col] / a[col][col]
+            a[i] = [v - f * p for v, p in zip(a[i], a[col], strict=True)]
+    w = [0.0] * k
+    for i in reversed(range(k)):
+        w[i] = (a[i][k] - sum(a[i][j] * w[j] for j in range(i + 1, k))) / a[i][i]
+    return [w[j] / norms[j] for j in range(k)]
+
+
+@cache
+def fit_marginal(table: str = "h200") -> MarginalFit:
+    """The marginal fitted to `{table}_mixed.json`."""
+    rows = mixed_marginals(table)
+    if not rows:
+        raise ValueError(f"no mixed-step measurements for table {table!r} ({table}_mixed.json)")
+    design = [(n, n * (c + n / 2), b * n) for b, _, n, c, _ in rows]
+    a, b, e = _least_squares(design, [r[4] for r in rows])
+    return MarginalFit(a, b, e)
+
+
+class _Grid:
+    """Bilinear interpolation on a (possibly ragged) grid: x rows, each with its own y points."""
+
+    def __init__(self, points: Sequence[tuple[int, int, float]]) -> None:
+        rows: dict[int, list[tuple[int, float]]] = {}
+        for x, y, v in points:
+            rows.setdefault(y, []).append((x, v))
+        self._ys = sorted(rows)
+        self._rows = [sorted(rows[y]) for y in self._ys]
+        self._xs = [[p[0] for p in r] for r in self._rows]
+        self._vs = [[p[1] for p in r] for r in self._rows]
+        self._cols: dict[float, list[float]] = {}  # x -> each row's value at x (x repeats a lot)
+
+    @staticmethod
+    def _lerp(xs: Sequence[float], vs: Sequence[float], x: float, floor: bool) -> float:
+        if x <= xs[0]:
+            if floor or len(xs) == 1:
+                return vs[0]
+            i = 1
+        elif x >= xs[-1]:
+            i = len(xs) - 1
+        else:
+            i = bisect.bisect_right(xs, x)
+        x0, x1, v0, v1 = xs[i - 1], xs[i], vs[i - 1], vs[i]
+        return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
+
+    def __call__(self, x: float, y: float) -> float:
+        col = self._cols.get(x)
+        if col is None:
+            if len(self._cols) > 65536:
+                self._cols.clear()
+            col = self._cols[x] = [self._lerp(xs, vs, x, floor=True) for xs, vs in zip(self._xs, self._vs, strict=True)]
+        if len(col) == 1:
+            return col[0]
+        # Along y (context) the cost is close to linear, so extrapolate both ways but never below 0.
+        return max(0.0, self._lerp(self._ys, col, y, floor=False))
+
+
+def _chunks(new: int, cached: int, room: int) -> Iterator[tuple[int, int]]:
+    """(chunk, cached before it) as a scheduler hands out `new` tokens `room` at a time."""
+    done = 0
+    while done < new:
+        n = min(room, new - done)
+        yield n, cached + done
+        done += n
+
+
+class TimingModel:
+    """Step durations for one model profile (module docstring). Immutable; `scaled` makes a copy."""
+
+    __slots__ = ("_decode", "_fit", "_prefill", "_ref", "profile", "scale")
+
+    def __init__(self, profile: ModelProfile) -> None:
+        self.profile = profile
+        self.scale = 1.0
+        self._prefill = _Grid(profile.prefill)
+        self._decode = _Grid(profile.decode)
+        own = _mixed_model(profile.table) == profile.model
+        reference = load_profile(DEFAULT_PROFILE)
+        self._fit = fit_marginal(profile.table if own else reference.table)
+        self._ref = None if own else _Grid(reference.prefill)
+
+    @classmethod
+    def for_profile(cls, name: str = DEFAULT_PROFILE) -> TimingModel:
+        """The shared model of a named profile; ValueError for an unknown name."""
+        return _model(name)
+
+    def scaled(self, factor: float) -> TimingModel:
+        """This model with every coefficient (prefill, decode, marginal, transfer) times `factor`:
+        `scaled(1.25)` is a profile 25% too slow."""
+        if not factor > 0:
+            raise ValueError(f"a timing model's scale must be > 0, got {factor!r}")
+        out = copy.copy(self)
+        out.scale = self.scale * factor
+        return out
+
+    # --- one step --------------------------------------------------------------------------------
+
+    def prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        return self._prefill(new_tokens, cached_tokens) * self.scale
+
+    def decode(self, batch: int, context_tokens: float) -> float:
+        if batch <= 0:
+            return 0.0
+        return self._decode(batch, context_tokens) * self.scale
+
+    def marginal(self, new_tokens: int, cached_tokens: int, batch: int) -> float:
+        return self._marginal(new_tokens, cached_tokens, batch) * self.scale
+
+    def _marginal(self, n: int, c: int, batch: int) -> float:
+        if n <= 0:
+            return 0.0
+        m = self._fit(n, c, batch)
+        if self._ref is not None:
+            m *= self._prefill(n, c) / self._ref(n, c)
+        return max(m, 0.0)
+
+    def step(self, decode_batch: int, decode_context: float, chunks: Sequence[tuple[int, int]]) -> float:
+        """One step: `decode_batch` sequences at mean context `decode_context`, plus prefill
+        `chunks` of (new_tokens, cached_tokens)."""
+        if decode_batch > 0:
+            t = self._decode(decode_batch, decode_context)
+            for n, c in chunks:
+                t += self._marginal(n, c, decode_batch)
+            return t * self.scale
+        if not chunks:
+            return 0.0
+        n0, c0 = chunks[0]
+        t = self._prefill(n0, c0)
+        for n, c in chunks[1:]:
+            t += self._marginal(n, c, 0)
+        return t * self.scale
+
+    def transfer(self, tokens: int, gbytes_per_s: float) -> float:
+        """KV of `tokens` tokens over a link of `gbytes_per_s` GB/s."""
+        return tokens * self.profile.kv_bytes_per_token / (gbytes_per_s * 1e9) * self.scale
+
+    # --- what a scheduler makes of one prompt ----------------------------------------------------
+
+    def prefill_time(
+        self, new_tokens: int, cached_tokens: int, *, budget: int, decode_batch: int = 0, decode_context: float = 0.0
+    ) -> float:
+        """Seconds until a prompt's `new_tokens` (over `cached_tokens`) are computed and its first
+        token sampled, on an engine whose `decode_batch` running decodes (mean context
+        `decode_context`, one token longer each step) share every step's `budget`. Infinite when
+        the decodes leave no room."""
+        if new_tokens <= 0:
+            return 0.0
+        room = budget - decode_batch
+        if room <= 0:
+            return math.inf
+        return sum(
+            self.step(decode_batch, decode_context + k, [chunk])
+            for k, chunk in enumerate(_chunks(new_tokens, cached_tokens, room))
+        )
+
+    def stall(self, new_tokens: int, cached_tokens: int, decode_batch: int, *, budget: int) -> float:
+        """Seconds that prefilling the prompt adds to each of `decode_batch` running decodes: the
+        marginals of its chunks. 0 with no decodes (or none of its chunks fit beside them)."""
+        room = budget - decode_batch
+        if decode_batch <= 0 or new_tokens <= 0 or room <= 0:
+            return 0.0
+        return sum(self.marginal(n, c, decode_batch) for n, c in _chunks(new_tokens, cached_tokens, room))
+
+
+@cache
+def _model(name: str) -> TimingModel:
+    return TimingModel(load_profile(name))

@@ -70,7 +70,7 @@ def test_fleet_ports_are_consecutive() -> None:
     assert [c.kv_events.replay_endpoint for c in cfgs] == ["tcp://*:6557", "tcp://*:6558", "tcp://*:6559"]
     zero = SimConfig()
     assert {fleet_config(zero, i).port for i in range(3)} == {0}
-    assert fleet_config(zero, 2).kv_events.endpoint == "tcp://*:0"
+    assert fleet_config(zero, 2).kv_events.endpoint == "tcp://[::ffff:127.0.0.1]:0"  # port 0 stays 0
 
 
 async def test_fleet_in_process_runs_independent_engines() -> None:
@@ -82,7 +82,7 @@ async def test_fleet_in_process_runs_independent_engines() -> None:
 
 def test_cli_fleet_serves_and_stops_on_sigterm() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    events = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
+    events = '{"enable_kv_cache_events": true, "endpoint": "tcp://[::ffff:127.0.0.1]:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvswitch", "sim", "--count", "2", "--port", "0", "--speedup", "100",
          "--num-gpu-blocks", "64", "--kv-events-config", events],

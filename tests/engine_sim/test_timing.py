@@ -1,4 +1,5 @@
-"""The timing model against the H200 profiles, and an isolated request's latencies end to end."""
+"""An isolated request's latencies end to end against the timing model (the model itself:
+tests/protocol/test_timing.py)."""
 
 from __future__ import annotations
 
@@ -9,60 +10,14 @@ import time
 import aiohttp
 import pytest
 
-from engine_sim import SimServer, TimingModel, load_profile
-from engine_sim.timing import fit_marginal, mixed_marginals
+from engine_sim import SimServer
+from protocol.timing import TimingModel
 from tests.engine_sim.conftest import sim_config
 
 # Wall-clock latencies: run serially, away from the parallel suite's CPU load (see Makefile).
 pytestmark = pytest.mark.timing
 
 LLAMA = "h200:llama-3.1-8b"
-
-
-@pytest.mark.parametrize("profile", [LLAMA, "h200:qwen2.5-32b"])
-def test_model_reproduces_every_profile_point(profile: str) -> None:
-    tm, prof = TimingModel.for_profile(profile), load_profile(profile)
-    for n, c, secs in prof.prefill:
-        assert tm.prefill(n, c) == pytest.approx(secs, rel=1e-9)
-        assert tm.step(0, 0, [(n, c)]) == pytest.approx(secs, rel=1e-9)
-    for b, ctx, secs in prof.decode:
-        assert tm.decode(b, ctx) == pytest.approx(secs, rel=1e-9)
-        assert tm.step(b, ctx, []) == pytest.approx(secs, rel=1e-9)
-
-
-def test_interpolation_is_monotone_between_points() -> None:
-    tm = TimingModel.for_profile(LLAMA)
-    assert tm.prefill(1024, 0) < tm.prefill(1536, 0) < tm.prefill(2048, 0)
-    assert tm.prefill(2048, 0) < tm.prefill(2048, 2048) < tm.prefill(2048, 4096)
-    assert tm.decode(32, 1024) < tm.decode(48, 1024) < tm.decode(64, 1024)
-    assert tm.prefill(65536, 0) > tm.prefill(32768, 0)  # extrapolates past the table
-
-
-def test_mixed_marginal_fit_error_is_bounded() -> None:
-    """The fitted marginal cost of a prefill chunk beside a decode batch, against h200_mixed.json."""
-    fit = fit_marginal()
-    rows = mixed_marginals()
-    errors = [abs(fit(n, c, b) - m) for b, _, n, c, m in rows]
-    assert len(rows) == 48
-    assert sum(errors) / len(errors) < 0.0025  # mean absolute error < 2.5 ms
-    assert max(errors) < 0.012
-    # Chunks of 2048 tokens (what a busy engine schedules) are within 15% everywhere; smaller ones
-    # carry the eager profile's noise (docs/engine_sim.md lists every point).
-    big = [(fit(n, c, b), m) for b, _, n, c, m in rows if n >= 2048]
-    assert all(abs(p - m) / m < 0.15 for p, m in big)
-
-
-def test_mixed_step_costs_decode_plus_marginal() -> None:
-    tm = TimingModel.for_profile(LLAMA)
-    alone = tm.decode(64, 1024)
-    mixed = tm.step(64, 1024, [(1024, 0)])
-    assert mixed == pytest.approx(alone + tm.marginal(1024, 0, 64))
-    assert 0.015 < mixed - alone < 0.025  # h200_mixed.json measured +19.2 ms for this shape
-
-
-def test_transfer_time_is_bytes_over_bandwidth() -> None:
-    tm = TimingModel.for_profile(LLAMA)
-    assert tm.transfer(1000, 50.0) == pytest.approx(1000 * 131072 / 50e9)
 
 
 async def _isolated(sim: SimServer, prompt_len: int, max_tokens: int) -> tuple[float, list[float]]:

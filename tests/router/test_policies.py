@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import dataclass
 
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from engine_sim.request import SimRequest
+from engine_sim.scheduler import Scheduler
 from protocol import ConfigError
 from protocol.config import ConditionalDisaggConfig, RouterSettings, resolve
-from protocol.timing import load_profile
+from protocol.timing import TimingModel
 from router.policies import POLICIES, DecodeGuard, Outcome, make_policy
 from router.policies.isl_bounding import IslBounding, IslBoundingConfig
 from router.policies.isl_or_load import IslOrLoad, IslOrLoadConfig
 from router.policies.prefill_load import PrefillLoad, PrefillLoadConfig
 from router.policies.ttft_model import Prediction, TtftModel, TtftModelConfig
 from router.request_context import Candidate, RequestContext
-from tests.router.builders import cand, ctx
+from tests.router.builders import BLOCK, cand, ctx
 
 
 def decided(isl: int, d: Candidate, p: Candidate | None = None) -> RequestContext:
@@ -131,20 +137,161 @@ def test_isl_or_load_bypasses_when_either_would(cached_blocks: int, queued: int,
 
 
 def test_ttft_prediction_follows_the_documented_formula() -> None:
-    prof = load_profile("h200:llama-3.1-8b")
-    d = cand("d1", overlap=64, running=12, queued_prefill_tokens=700)
+    tm = TimingModel.for_profile("h200:llama-3.1-8b")
+    d = cand("d1", overlap=64, running=12, queued_prefill_tokens=700, kv_used_blocks=600)
     p = cand("p1", "prefill", overlap=16, queued_prefill_tokens=3000)
     c = decided(4000, d, p)
     pred = TtftModel(TtftModelConfig(link_gbps=25.0, stall_weight=0.3)).predict(c, d, p)
+    x = 600 * 16 / 12  # mean context of d's running requests, from their blocks
     remote = (
-        prof.prefill_s(3000)
-        + prof.prefill_s(4000 - 256, 256)
-        + prof.transfer_s(4000 - 1024, 25.0)
-        + prof.decode_s(13, 4000)
+        tm.prefill_time(3000, 0, budget=2048)
+        + tm.prefill_time(4000 - 256, 256, budget=2048)
+        + tm.transfer(4000 - 1024, 25.0)
+        + tm.decode(13, (12 * x + 4000) / 13)
     )
-    local = prof.prefill_s(700) + prof.prefill_s(4000 - 1024, 1024) + 0.3 * prof.decode_stall_s(4000 - 1024, 1024) * 12
+    stall = tm.stall(4000 - 1024, 1024, 12, budget=2048)
+    local = (
+        tm.prefill_time(700, 0, budget=2048, decode_batch=12, decode_context=x)
+        + tm.prefill_time(4000 - 1024, 1024, budget=2048, decode_batch=12, decode_context=x)
+        + 0.3 * stall * 12
+    )
     assert pred.remote_s == pytest.approx(remote)
     assert pred.local_s == pytest.approx(local)
+    assert pred.stall_s == pytest.approx(stall)
+
+
+def test_ttft_a_fully_cached_prompt_still_computes_its_last_block() -> None:
+    # 4096 tokens all cached: the engine recomputes the last block (the last token must be computed).
+    tm = TimingModel.for_profile("h200:llama-3.1-8b")
+    d = cand("d1", overlap=256, running=4, kv_used_blocks=8)
+    pred = TtftModel(TtftModelConfig()).predict(decided(4096, d, cand("p1", "prefill")), d, cand("p1", "prefill"))
+    assert pred.stall_s == pytest.approx(tm.marginal(16, 4080, 4))
+
+
+def test_ttft_prediction_uses_an_injected_wrong_model() -> None:
+    d, p = cand("d1", overlap=64, running=12, kv_used_blocks=600), cand("p1", "prefill", queued_prefill_tokens=900)
+    c = decided(4000, d, p)
+    right = TtftModel(TtftModelConfig()).predict(c, d, p)
+    wrong = TtftModel(TtftModelConfig(), models=lambda name: TimingModel.for_profile(name).scaled(1.25)).predict(
+        c, d, p
+    )
+    assert wrong.remote_s == pytest.approx(1.25 * right.remote_s)
+    assert wrong.local_s == pytest.approx(1.25 * right.local_s)
+    assert wrong.stall_s == pytest.approx(1.25 * right.stall_s)
+
+
+# --- ttft_model against the simulator it predicts ----------------------------------------------
+
+DECODE_PROMPT = 31  # after its prefill step each decode is at context 32: two whole blocks
+
+
+@dataclass
+class SimCharge:
+    ttft: float  # the steps from admission to the prompt's first token
+    stall: float  # what those steps cost beyond the decode-only steps of the same batches
+    decode_context: float
+    blocks_in_use: int
+
+
+def _sim_local_prefill(new: int, cached: int, batch: int, budget: int) -> SimCharge:
+    """Drive engine_sim's scheduler: `batch` requests decoding, then a prompt of `cached` cached and
+    `new` uncached tokens, until its first token. What the engine charged for it."""
+    steps = new // max(budget - batch, 1) + 4
+    blocks = (cached + new) // BLOCK + 2 + batch * ((DECODE_PROMPT + steps) // BLOCK + 2)
+    s = Scheduler(block_size=BLOCK, num_gpu_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=batch + 2,
+                  emit_events=False)  # fmt: skip
+    prefix = list(range(1000, 1000 + cached))
+    if cached:  # compute the prefix once so that it is cached (and free) when the prompt arrives
+        s.add_request(SimRequest("warm", [*prefix, 7], max_tokens=1))
+        while s.requests:
+            s.step()
+    for i in range(batch):
+        s.add_request(
+            SimRequest(f"d{i}", list(range(5000 + 100 * i, 5000 + 100 * i + DECODE_PROMPT)), max_tokens=10**6)
+        )
+    while any(not r.output_token_ids for r in s.running) or s.waiting:
+        s.step()
+    x = sum(r.num_computed_tokens + 1 for r in s.running) / batch if batch else 0.0
+    used = s.num_blocks_in_use
+    s.add_request(SimRequest("t", [*prefix, *range(20000, 20000 + new)], max_tokens=1))
+    ttft = stall = 0.0
+    while "t" in s.requests:
+        ctx = [r.num_computed_tokens + 1 for r in s.running if r.output_token_ids]
+        r = s.step()
+        assert r.num_decode == batch
+        ttft += r.duration
+        if batch:  # with no decodes nobody waits
+            stall += r.duration - s.timing.decode(batch, sum(ctx) / batch)
+    return SimCharge(ttft, stall, x, used)
+
+
+def _router_local(new: int, cached: int, batch: int, budget: int, used: int) -> Prediction:
+    d = cand("d1", overlap=cached // BLOCK, running=batch, kv_used_blocks=used, max_num_batched_tokens=budget)
+    p = cand("p1", "prefill")
+    return TtftModel(TtftModelConfig(stall_weight=0.0)).predict(decided(cached + new, d, p), d, p)
+
+
+def test_ttft_stall_is_what_the_sim_charges_in_the_issue_case() -> None:
+    # 64 new tokens on a 4,096-token cached prefix, 32 running decodes: the case ttft_model decides.
+    sim = _sim_local_prefill(64, 4096, 32, 8192)
+    assert sim.decode_context == 32 and sim.blocks_in_use == 64
+    pred = _router_local(64, 4096, 32, 8192, sim.blocks_in_use)
+    assert pred.stall_s == pytest.approx(sim.stall, rel=1e-12)
+    assert pred.stall_s == pytest.approx(0.00178, abs=1e-5)  # not the 4.94 ms the old predictor said
+    assert pred.local_s == pytest.approx(sim.ttft, rel=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    new=st.sampled_from([1, 15, 64, 700, 2048, 9000]),
+    cached=st.sampled_from([0, 16, 256, 4096]),
+    batch=st.sampled_from([0, 1, 7, 32, 64]),
+    budget=st.sampled_from([512, 2048, 8192]),
+)
+def test_ttft_local_prediction_is_the_sim_charge(new: int, cached: int, batch: int, budget: int) -> None:
+    assume(batch * DECODE_PROMPT <= budget - batch)  # every decode admitted in one step, room left
+    sim = _sim_local_prefill(new, cached, batch, budget)
+    pred = _router_local(new, cached, batch, budget, sim.blocks_in_use)
+    assert pred.stall_s == pytest.approx(sim.stall, rel=1e-9, abs=1e-15)
+    assert pred.local_s == pytest.approx(sim.ttft, rel=1e-9)
+
+
+def test_ttft_remote_prediction_is_the_sim_charge() -> None:
+    isl, cached_p, cached_d, batch, link = 3000, 1024, 512, 8, 25.0
+    prompt = list(range(1000, 1000 + isl))
+    # The prefill side, idle: the prompt's chunks with nothing beside them.
+    pre = Scheduler(block_size=BLOCK, num_gpu_blocks=512, max_num_batched_tokens=2048, emit_events=False)
+    pre.add_request(SimRequest("warm", [*prompt[:cached_p], 7], max_tokens=1))
+    while pre.requests:
+        pre.step()
+    pre.add_request(SimRequest("r", prompt, max_tokens=1, remote_decode=True))
+    prefill = 0.0
+    while "r" in pre.requests:
+        prefill += pre.step().duration
+    # The decode side: `batch` decodes at context 32, then the request with the transferred KV.
+    dec = Scheduler(block_size=BLOCK, num_gpu_blocks=512, max_num_batched_tokens=2048, emit_events=False)
+    dec.add_request(SimRequest("warm", [*prompt[:cached_d], 7], max_tokens=1))
+    while dec.requests:
+        dec.step()
+    for i in range(batch):
+        dec.add_request(
+            SimRequest(f"d{i}", list(range(9000 + 100 * i, 9000 + 100 * i + DECODE_PROMPT)), max_tokens=10**6)
+        )
+    dec.step()
+    used = dec.num_blocks_in_use
+    dec.add_request(SimRequest("r", prompt, max_tokens=2, remote_prefill={"do_remote_prefill": True}))
+    result = dec.step()
+    ((_, tokens),) = result.transfers
+    transfer = dec.timing.transfer(tokens, link)  # what engine_sim's runner waits
+    dec.finish_remote_load("r", ok=True)
+    first = dec.step()
+    assert first.num_decode == batch + 1 and any(o.request_id == "r" for o in first.outputs)
+    d = cand("d1", overlap=cached_d // BLOCK, running=batch, kv_used_blocks=used)
+    p = cand("p1", "prefill", overlap=cached_p // BLOCK)
+    pred = TtftModel(TtftModelConfig(link_gbps=link)).predict(decided(isl, d, p), d, p)
+    assert prefill == pytest.approx(dec.timing.prefill_time(isl - cached_p, cached_p, budget=2048), rel=1e-12)
+    # The decodes grew two tokens while the KV moved, which the router cannot see: < 1 us apart.
+    assert pred.remote_s == pytest.approx(prefill + transfer + first.duration, abs=1e-6)
 
 
 def test_ttft_model_bypasses_a_cached_prompt_and_keeps_a_long_one_remote_on_a_busy_decoder() -> None:

@@ -1,0 +1,368 @@
+"""POST /v1/completions and /v1/chat/completions, as vLLM 0.32's OpenAI server answers them.
+
+A call has prompts (completions may batch several) and `n` choices per prompt; each choice is one
+engine request. Choices are numbered as vLLM numbers them: prompt i's choice j is `i * n + j`
+(chat: j). Request ids: `cmpl-{id}` (`cmpl-{id}-{i}` per prompt of a batch, `{j}_...` per choice when
+n > 1); `X-Request-Id` supplies {id} and is echoed.
+
+Per token, a choice's text goes through engine_sim/detokenizer.py (stop strings, stop token ids,
+min_tokens) and, when asked, its logprobs through engine_sim/logprobs.py. A stop string ends the
+choice at once and aborts its engine request, as vLLM does. Completions stream one chunk per token
+(empty text while a stop string might be starting, as vLLM sends them); chat streams one role chunk
+per choice first and then only chunks with text. Usage counts each prompt once and every choice's
+tokens; prompt_tokens_details.cached_tokens only with --enable-prompt-tokens-details and a hit
+(vLLM's rule), taken from the last prompt (non-streaming) or the first (streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from engine_sim import openai_format as fmt
+from engine_sim.detokenizer import ChoiceText
+from engine_sim.errors import SimRequestError
+from engine_sim.http_context import (
+    SERVER_KEY,
+    check_model,
+    engine_gone,
+    error_response,
+    fault_gate,
+    json_response,
+    request_id,
+)
+from engine_sim.logprobs import (
+    Position,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+    prompt_positions,
+    sampled_position,
+)
+from engine_sim.openai_format import SSE_DONE, Output, sse
+from engine_sim.openai_request import (
+    ChatRequest,
+    CompletionRequest,
+    GenerateCall,
+    chat_call,
+    completion_call,
+    parse_body,
+)
+from engine_sim.request import SimRequest
+from engine_sim.runner import RequestStream, StreamClosed
+from engine_sim.sampler import Sampler
+from protocol.tokenizer import BuiltinTokenizer
+
+if TYPE_CHECKING:
+    from engine_sim.server import SimServer
+
+__all__ = ["chat_completions", "completions"]
+
+_tokenizer = BuiltinTokenizer()
+Respond = Callable[[web.Request, "_Job"], Awaitable[web.StreamResponse]]
+
+
+@dataclass(slots=True)
+class _Choice:
+    prompt: int
+    index: int
+    stream: RequestStream
+    text: ChoiceText
+    sampler: Sampler
+    tokens: list[int] = field(default_factory=list)
+    positions: list[Position | None] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One generated token and what its chunk carries; `last` ends the choice."""
+
+    token: int
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None
+    position: Position | None
+    last: bool
+
+
+class _Job:
+    """One generate call: its choices, and what the client asked to get back."""
+
+    def __init__(self, srv: SimServer, call: GenerateCall, base_id: str) -> None:
+        self.srv = srv
+        self.call = call
+        self.base_id = base_id
+        self.head = fmt.Head(base_id, int(time.time()), srv.config.model, srv.fingerprint)
+        self.choices: list[_Choice] = []
+        k = call.prompt_logprobs
+        self.prompt_positions = [prompt_positions(p.token_ids, k) if k is not None else None for p in call.prompts]
+
+    def submit(self) -> None:
+        call = self.call
+        params = call.kv_transfer_params or {}
+        remote_decode = bool(params.get("do_remote_decode"))
+        remote_prefill = params if params.get("do_remote_prefill") else None
+        for i, p in enumerate(call.prompts):
+            rid = self.base_id if len(call.prompts) == 1 else f"{self.base_id}-{i}"
+            for j in range(call.n):
+                req = SimRequest(
+                    rid if call.n == 1 else f"{j}_{rid}",
+                    p.token_ids,
+                    max_tokens=1 if remote_decode else call.max_tokens[i],
+                    stop_token_ids=call.stop_token_ids,
+                    seed=call.seed,
+                    choice=j,
+                    min_tokens=call.min_tokens,
+                    skip_prefix_cache=call.prompt_logprobs is not None,
+                    remote_decode=remote_decode,
+                    remote_prefill=remote_prefill,
+                )
+                text = ChoiceText(call.stops, include_stop=call.include_stop, min_tokens=call.min_tokens)
+                self.choices.append(_Choice(i, i * call.n + j, self.srv.runner.submit(req), text, req.sampler))
+
+    def abort_unfinished(self) -> None:
+        for c in self.choices:
+            if not c.stream.finished:
+                self.srv.runner.abort(c.stream.request_id)
+
+    def prompt_text(self, i: int) -> str:
+        """What echo puts before the output: the prompt as given (decoded, for token ids)."""
+        p = self.call.prompts[i]
+        if self.call.want_ids:
+            return ""
+        return p.text if p.text is not None else _tokenizer.decode(p.token_ids)
+
+    def usage(self, stream: bool) -> dict[str, Any]:
+        n_in = sum(len(p.token_ids) for p in self.call.prompts)
+        n_out = sum(len(c.tokens) for c in self.choices)
+        cached = None
+        if self.srv.config.enable_prompt_tokens_details:
+            cached = (self.choices[0] if stream else self.choices[-1]).stream.num_cached_tokens
+        return fmt.usage(n_in, n_out, cached)
+
+
+async def _steps(job: _Job, c: _Choice) -> AsyncIterator[list[_Piece]]:
+    """Choice c's tokens, one list per engine step."""
+    stream, call = c.stream, job.call
+    while new := await stream.next_tokens():
+        pieces = []
+        for k, t in enumerate(new):
+            ends = stream.finished and k == len(new) - 1
+            stop_token = t if ends and stream.finish_reason == "stop" and t in call.stop_token_ids else None
+            text = c.text.add(_tokenizer.decode([t]), stop_token=stop_token)
+            by_string = isinstance(c.text.stop_reason, str)
+            last = by_string or ends
+            if last:
+                text += c.text.finish()
+            finish = "stop" if by_string else (stream.finish_reason if last else None)
+            pos = sampled_position(c.sampler, len(c.tokens), t, call.logprobs) if call.logprobs is not None else None
+            c.tokens.append(t)
+            c.positions.append(pos)
+            pieces.append(_Piece(t, text, finish, c.text.stop_reason if last else None, pos, last))
+            if by_string:
+                job.srv.runner.abort(stream.request_id, "stop")
+                break
+        yield pieces
+        if pieces and pieces[-1].last:
+            return
+
+
+async def _run(job: _Job, c: _Choice) -> _Piece | None:
+    """Choice c to the end; its last piece."""
+    last = None
+    async for pieces in _steps(job, c):
+        last = pieces[-1] if pieces else last
+    return last
+
+
+def _ids(job: _Job, ids: list[int]) -> list[int] | None:
+    return list(ids) if job.call.want_ids else None
+
+
+async def _serve(
+    request: web.Request,
+    parse: Callable[[bytes, SimServer], GenerateCall],
+    id_prefix: str,
+    respond: Respond,
+) -> web.StreamResponse:
+    """Admit and submit one generate call, then `respond`; the engine requests end with the call."""
+    srv: SimServer = request.app[SERVER_KEY]
+    try:
+        call = parse(await request.read(), srv)
+        if fault_gate(srv, request):
+            return web.Response(status=500)
+        job = _Job(srv, call, f"{id_prefix}-{request_id(request)}")
+        job.submit()
+    except SimRequestError as exc:
+        return error_response(exc)
+    try:
+        return await respond(request, job)
+    except StreamClosed:
+        return engine_gone(request)
+    finally:
+        job.abort_unfinished()
+
+
+def _parse_completion(raw: bytes, srv: SimServer) -> GenerateCall:
+    body = parse_body(raw, CompletionRequest)
+    check_model(srv, body.model)
+    return completion_call(body, srv.config.max_model_len)
+
+
+def _parse_chat(raw: bytes, srv: SimServer) -> GenerateCall:
+    body = parse_body(raw, ChatRequest)
+    check_model(srv, body.model)
+    return chat_call(body, srv.config.max_model_len)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, _parse_completion, "cmpl", _respond_completion)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, _parse_chat, "chatcmpl", _respond_chat)
+
+
+def _with_id(resp: web.StreamResponse, request: web.Request) -> web.StreamResponse:
+    if "X-Request-Id" in request.headers:
+        resp.headers["X-Request-Id"] = request.headers["X-Request-Id"]
+    return resp
+
+
+async def _open_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    _with_id(resp, request)
+    await resp.prepare(request)
+    return resp
+
+
+async def _end_sse(resp: web.StreamResponse, job: _Job, obj: str) -> web.StreamResponse:
+    """The usage chunk when the client asked for it, then [DONE]."""
+    if job.call.include_usage:
+        await resp.write(sse(fmt.usage_chunk(job.head, obj, job.usage(stream=True))))
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+    return resp
+
+
+# --- completions ---------------------------------------------------------------------------------
+
+
+async def _respond_completion(request: web.Request, job: _Job) -> web.StreamResponse:
+    if job.call.stream:
+        return await _stream_completion(request, job)
+    lasts = await asyncio.gather(*(_run(job, c) for c in job.choices))
+    choices = [_completion_choice(job, c, last) for c, last in zip(job.choices, lasts, strict=True)]
+    kv = job.choices[0].stream.kv_transfer_params
+    return _with_id(json_response(fmt.completion_response(job.head, choices, job.usage(stream=False), kv)), request)
+
+
+def _completion_choice(job: _Job, c: _Choice, last: _Piece | None) -> dict[str, Any]:
+    call = job.call
+    prompt = call.prompts[c.prompt]
+    prompt_pos = job.prompt_positions[c.prompt]
+    text, tokens, positions = c.text.text, c.tokens, c.positions
+    if call.echo:
+        echoed = job.prompt_text(c.prompt)
+        text = echoed if call.echo_only else echoed + text
+        tokens = prompt.token_ids if call.echo_only else [*prompt.token_ids, *c.tokens]
+        prompt_part: list[Position | None] = prompt_pos if prompt_pos is not None else [None] * len(prompt.token_ids)
+        positions = prompt_part if call.echo_only else [*prompt_part, *c.positions]
+    logprobs = None
+    if call.logprobs is not None:
+        logprobs = completion_logprobs(tokens, positions, call.logprobs, as_ids=call.as_ids)
+    finish = last.finish_reason if last is not None else c.stream.finish_reason
+    stop_reason = last.stop_reason if last is not None else None
+    out = Output(text, finish, stop_reason, _ids(job, c.tokens), logprobs)
+    prompt_lp = prompt_logprobs_json(prompt_pos) if prompt_pos is not None else None
+    return fmt.completion_choice(c.index, out, _ids(job, prompt.token_ids), prompt_lp)
+
+
+async def _stream_completion(request: web.Request, job: _Job) -> web.StreamResponse:
+    resp = await _open_sse(request)
+    call = job.call
+
+    async def pump(c: _Choice) -> None:
+        first, offset = True, 0
+        prompt = call.prompts[c.prompt]
+        async for pieces in _steps(job, c):
+            buf = bytearray()
+            for p in pieces:
+                text, tokens, positions = p.text, [p.token], [p.position]
+                if first and call.echo:
+                    prompt_pos: list[Position | None] = job.prompt_positions[c.prompt] or [None] * len(prompt.token_ids)
+                    echoed = job.prompt_text(c.prompt)
+                    text = echoed if call.echo_only else echoed + text
+                    tokens = prompt.token_ids if call.echo_only else [*prompt.token_ids, p.token]
+                    positions = prompt_pos if call.echo_only else [*prompt_pos, p.position]
+                # vLLM returns the prompt's ids with an echo even unasked.
+                prompt_ids = prompt.token_ids if first and (call.echo or call.want_ids) else None
+                logprobs = None
+                if call.logprobs is not None:
+                    logprobs = completion_logprobs(tokens, positions, call.logprobs, offset, call.as_ids)
+                offset += len(p.text)
+                out = Output(text, p.finish_reason, p.stop_reason, _ids(job, [p.token]), logprobs)
+                buf += sse(fmt.completion_chunk(job.head, c.index, out, prompt_ids))
+                first = False
+            await resp.write(bytes(buf))
+
+    await asyncio.gather(*(pump(c) for c in job.choices))
+    return await _end_sse(resp, job, "text_completion")
+
+
+# --- chat ----------------------------------------------------------------------------------------
+
+
+def _chat_logprobs(job: _Job, tokens: list[int], positions: list[Position | None]) -> dict[str, Any] | None:
+    k = job.call.logprobs
+    return chat_logprobs(tokens, positions, k, job.call.as_ids) if k is not None else None
+
+
+async def _respond_chat(request: web.Request, job: _Job) -> web.StreamResponse:
+    if job.call.stream:
+        return await _stream_chat(request, job)
+    lasts = await asyncio.gather(*(_run(job, c) for c in job.choices))
+    choices = []
+    for c, last in zip(job.choices, lasts, strict=True):
+        finish = last.finish_reason if last is not None else c.stream.finish_reason
+        stop_reason = last.stop_reason if last is not None else None
+        logprobs = _chat_logprobs(job, c.tokens, c.positions)
+        text = job.call.chat_echo + c.text.text
+        choices.append(fmt.chat_choice(c.index, Output(text, finish, stop_reason, _ids(job, c.tokens), logprobs)))
+    prompt_ids = job.call.prompts[0].token_ids
+    prompt_pos = job.prompt_positions[0]
+    body = fmt.chat_response(
+        job.head,
+        choices,
+        _ids(job, prompt_ids),
+        job.usage(stream=False),
+        job.choices[0].stream.kv_transfer_params,
+        prompt_logprobs_json(prompt_pos) if prompt_pos is not None else None,
+    )
+    return _with_id(json_response(body), request)
+
+
+async def _stream_chat(request: web.Request, job: _Job) -> web.StreamResponse:
+    resp = await _open_sse(request)
+    prompt_ids = _ids(job, job.call.prompts[0].token_ids)
+    await resp.write(b"".join(sse(fmt.chat_first_chunk(job.head, c.index, prompt_ids)) for c in job.choices))
+    if job.call.chat_echo:
+        await resp.write(b"".join(sse(fmt.chat_echo_chunk(job.head, c.index, job.call.chat_echo)) for c in job.choices))
+
+    async def pump(c: _Choice) -> None:
+        async for pieces in _steps(job, c):
+            buf = bytearray()
+            for p in pieces:
+                if p.text or p.last or job.call.want_ids:
+                    logprobs = _chat_logprobs(job, [p.token], [p.position])
+                    out = Output(p.text, p.finish_reason, p.stop_reason, _ids(job, [p.token]), logprobs)
+                    buf += sse(fmt.chat_chunk(job.head, c.index, out))
+            await resp.write(bytes(buf))
+
+    await asyncio.gather(*(pump(c) for c in job.choices))
+    return await _end_sse(resp, job, "chat.completion.chunk")

@@ -1,0 +1,59 @@
+"""What every HTTP handler of the sim shares: the server behind the app, and vLLM's conventions for
+JSON bodies, errors, request ids, unknown models, and a crash under a request."""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from engine_sim.errors import SimRequestError
+from engine_sim.openai_format import error_body
+
+if TYPE_CHECKING:
+    from engine_sim.server import SimServer
+
+__all__ = ["SERVER_KEY", "check_model", "engine_gone", "error_response", "fault_gate", "json_response", "request_id"]
+
+SERVER_KEY: web.AppKey[SimServer] = web.AppKey("sim_server", object)  # type: ignore[arg-type]
+_json = msgspec.json.Encoder()
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(obj), status=status, content_type="application/json")
+
+
+def error_response(exc: SimRequestError) -> web.Response:
+    return json_response(error_body(exc.message, exc.kind, exc.param, exc.status), exc.status)
+
+
+def request_id(request: web.Request) -> str:
+    return request.headers.get("X-Request-Id") or secrets.token_hex(8)
+
+
+def check_model(srv: SimServer, model: str | None) -> None:
+    if model is not None and model != srv.config.model:
+        raise SimRequestError(
+            f"The model `{model}` does not exist. Valid aliases: {srv.config.model}",
+            status=404,
+            kind="NotFoundError",
+            param="model",
+        )
+
+
+def fault_gate(srv: SimServer, request: web.Request) -> bool:
+    """Count the request against the fault knobs; True when the engine just crashed under it."""
+    if srv.faults.note_request() == "crash":
+        srv.crash_soon()
+        if request.transport is not None:
+            request.transport.abort()
+        return True
+    return False
+
+
+def engine_gone(request: web.Request) -> web.Response:
+    if request.transport is not None:
+        request.transport.abort()  # a dead engine drops its connections; it sends no error body
+    return web.Response(status=500)

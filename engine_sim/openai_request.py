@@ -1,0 +1,440 @@
+"""Request bodies of vLLM 0.32's OpenAI API (/v1/completions, /v1/chat/completions, /tokenize,
+/detokenize) and their validation, in vLLM's order and words: the body's own rules first (pydantic
+validators), then the prompt (too long: 400), then each prompt's sampling parameters
+(SamplingParams._verify_args and the engine's input checks). A valid body becomes a GenerateCall.
+
+Field names and defaults are vLLM's. Unknown fields are ignored and logged, as vLLM does (each
+name once per process here, to keep benchmark logs readable). What the sim accepts without being
+able to honour it (it has no model): frequency/presence/repetition penalties, temperature, top_p,
+top_k, min_p, logit_bias, allowed_token_ids, bad_words, response_format / structured_outputs,
+tools, use_beam_search, cache_salt, add_special_tokens (the built-in tokenizer adds no special
+tokens), stream_options.continuous_usage_stats; each is validated as vLLM validates it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+
+from engine_sim.errors import PromptTooLongError, SimRequestError, VllmValidationError
+from engine_sim.logprobs import MAX_LOGPROBS
+from protocol.tokenizer import VOCAB_SIZE, BuiltinTokenizer, apply_chat_template
+
+__all__ = [
+    "CONTINUE_AND_GENERATE",
+    "ChatRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "GenerateCall",
+    "Prompt",
+    "TokenizeRequest",
+    "chat_call",
+    "completion_call",
+    "parse_body",
+    "render_chat",
+]
+
+log = logging.getLogger("engine_sim.http")
+T = TypeVar("T")
+_tokenizer = BuiltinTokenizer()
+_LONG = 2**63
+_warned: set[str] = set()
+CONTINUE_AND_GENERATE = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """What completions and chat share (vLLM's sampling and extra params)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    use_beam_search: bool = False
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    priority: int = 0
+    request_id: str | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Any = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: str | None = None
+    prompt_embeds: Any = None
+    add_special_tokens: bool = True
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: Any = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = "none"
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = True
+    bad_words: list[str] | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's TokenizeCompletionRequest | TokenizeChatRequest, told apart by `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+def malformed_json_error(exc: json.JSONDecodeError) -> SimRequestError:
+    """vLLM (FastAPI + pydantic) reports the decode error with its character offset."""
+    loc = f"body.{exc.pos}"
+    detail = {"type": "json_invalid", "loc": loc, "msg": "JSON decode error", "input": "<dict of 0 items>",
+              "ctx": {"error": exc.msg}}  # fmt: skip
+    return SimRequestError(f"1 validation error:\n  {detail}", kind="Bad Request", param=loc)
+
+
+def parse_body(raw: bytes, kind: type[T]) -> T:
+    try:
+        obj = json.loads(raw or b"null")
+    except json.JSONDecodeError as exc:
+        raise malformed_json_error(exc) from exc
+    except UnicodeDecodeError as exc:
+        raise SimRequestError(f"request body is not UTF-8: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise SimRequestError("request body must be a JSON object")
+    unknown = sorted(set(obj) - set(getattr(kind, "__struct_fields__", ())) - _warned)
+    if unknown:
+        _warned.update(unknown)
+        log.warning("The following fields were present in the request but ignored: %s", set(unknown))
+    try:
+        return msgspec.convert(obj, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SimRequestError(str(exc), param=str(exc).rsplit("`$.", 1)[-1].rstrip("`") or None) from exc
+
+
+class Prompt(msgspec.Struct):
+    token_ids: list[int]
+    text: str | None  # the text it was encoded from, None for token ids
+
+
+@dataclass(slots=True)
+class GenerateCall:
+    """A validated generate request: its prompts and, per prompt, what to run and return."""
+
+    prompts: list[Prompt]
+    max_tokens: list[int]  # per prompt, as the engine runs it
+    n: int
+    stops: list[str]
+    stop_token_ids: frozenset[int]
+    include_stop: bool
+    min_tokens: int
+    seed: int | None
+    logprobs: int | None  # sample logprobs per token (completions: logprobs; chat: top_logprobs)
+    prompt_logprobs: int | None
+    echo: bool  # completions: prompt text (and logprobs) before the output
+    echo_only: bool  # echo with max_tokens 0: the prompt alone, one token generated and not shown
+    want_ids: bool
+    as_ids: bool
+    stream: bool
+    include_usage: bool
+    kv_transfer_params: dict[str, Any] | None
+    chat_echo: str = ""  # chat `echo`: the last message's content, when it has the reply's role
+
+
+def _prompts(raw: Any) -> list[Prompt]:
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(raw, str):
+        return [Prompt(_tokenizer.encode(raw), raw)]
+    if is_ids(raw) and raw:
+        return [Prompt(list(raw), None)]
+    if isinstance(raw, list) and raw:
+        out = []
+        for item in raw:
+            if isinstance(item, str):
+                out.append(Prompt(_tokenizer.encode(item), item))
+            elif is_ids(item):
+                out.append(Prompt(list(item), None))
+            else:
+                break
+        else:
+            return out
+    raise SimRequestError(
+        "prompt must be a string, a list of token ids, or a list of strings or token-id lists", param="prompt"
+    )
+
+
+def render_chat(messages: Any, *, add_generation_prompt: bool, continue_final_message: bool) -> str:
+    """The built-in ChatML template; `continue_final_message` leaves the last message open."""
+    if not isinstance(messages, list) or not messages:
+        raise SimRequestError("messages must be a non-empty list", param="messages")
+    try:
+        text = apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except (ValueError, AttributeError) as exc:
+        raise SimRequestError(str(exc), param="messages") from exc
+    if continue_final_message:
+        text = text.removesuffix("<|im_end|>\n")
+    return text
+
+
+def _check_prompt(p: Prompt, max_model_len: int, truncate: int | None) -> Prompt:
+    if truncate is not None:
+        keep = max_model_len if truncate == -1 else truncate
+        p = Prompt(p.token_ids[-keep:] if keep else [], None if len(p.token_ids) > keep else p.text)
+    n = len(p.token_ids)
+    if n >= max_model_len:
+        # vLLM encodes text truncated to limit + 1 tokens, so for text it can only say "at least".
+        raise PromptTooLongError(
+            max_model_len, max_model_len + 1 if p.text is not None else n, at_least=p.text is not None
+        )
+    if n == 0:
+        raise SimRequestError("The prompt cannot be empty.", param="prompt")
+    bad = next((t for t in p.token_ids if not 0 <= t < VOCAB_SIZE), None)
+    if bad is not None:
+        raise VllmValidationError(f"Token id {bad} is out of vocabulary", parameter="prompt")
+    return p
+
+
+def _check_body(body: _Sampling) -> None:
+    """vLLM's pydantic validators on the body."""
+    if body.stream_options is not None and not body.stream:
+        raise VllmValidationError("Stream options can only be defined when `stream=True`.", parameter="stream_options")
+    pl = body.prompt_logprobs
+    if pl is not None:
+        if body.stream and (pl > 0 or pl == -1):
+            raise VllmValidationError(
+                "`prompt_logprobs` are not available when `stream=True`.", parameter="prompt_logprobs"
+            )
+        if pl < 0 and pl != -1:
+            raise VllmValidationError(
+                "`prompt_logprobs` must be a positive value or -1.", parameter="prompt_logprobs", value=pl
+            )
+    if body.cache_salt is not None and not body.cache_salt:
+        raise SimRequestError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if body.seed is not None and not -_LONG <= body.seed < _LONG:
+        raise SimRequestError(f"seed must be a 64-bit integer, got {body.seed}", param="seed")
+    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < -1:
+        raise SimRequestError("truncate_prompt_tokens must be >= -1", param="truncate_prompt_tokens")
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type") not in ("text", "json_object", "json_schema", "structural_tag"):
+        raise SimRequestError(
+            "response_format.type must be one of 'text', 'json_object', 'json_schema', 'structural_tag'",
+            param="response_format",
+        )
+
+
+def _check_sampling(body: _Sampling, n: int, max_tokens: int, logprobs: int | None) -> None:
+    """SamplingParams._verify_args, then the engine's own checks, in vLLM's order."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    top_k = 0 if body.top_k is None else body.top_k
+    min_p = 0.0 if body.min_p is None else body.min_p
+    presence = body.presence_penalty or 0.0
+    frequency = body.frequency_penalty or 0.0
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if n < 1:
+        raise VllmValidationError(f"n must be at least 1, got {n}.", parameter="n", value=n)
+    t = temperature
+    checks: list[tuple[bool, str, str | None, object]] = [
+        (-2.0 <= presence <= 2.0, f"presence_penalty must be in [-2, 2], got {presence}.", None, None),
+        (-2.0 <= frequency <= 2.0, f"frequency_penalty must be in [-2, 2], got {frequency}.", None, None),
+        (math.isfinite(repetition), f"repetition_penalty must be a finite number, got {repetition}.", None, None),
+        (repetition > 0.0, f"repetition_penalty must be greater than zero, got {repetition}.", None, None),
+        (math.isfinite(t), f"temperature must be a finite number, got {t}.", "temperature", t),
+        (t >= 0.0, f"temperature must be non-negative, got {t}.", "temperature", t),
+        (t <= 2.0, f"temperature must be in [0, 2], got {t}.", "temperature", t),
+        (0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p),
+        (top_k >= -1, f"top_k must be 0 (disable), or at least 1, got {top_k}.", None, None),
+        (0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}.", None, None),
+        (max_tokens >= 1, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens),
+        (body.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {body.min_tokens}.", None, None),
+        (body.min_tokens <= max_tokens,
+         f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {body.min_tokens}.", None, None),
+        (logprobs is None or logprobs >= 0 or logprobs == -1,
+         f"logprobs must be non-negative or -1, got {logprobs}.", "logprobs", logprobs),
+        (all(stops), "stop cannot contain an empty string.", None, None),
+        (t >= 1e-5 or n == 1, f"n must be 1 when using greedy sampling, got {n}.", None, None),
+    ]  # fmt: skip
+    for ok, message, parameter, value in checks:
+        if not ok:
+            raise VllmValidationError(message, parameter=parameter, value=value)
+    for name, k in (("sample", logprobs), ("prompt", body.prompt_logprobs)):
+        wanted = VOCAB_SIZE if k == -1 else k
+        if wanted and wanted > MAX_LOGPROBS:
+            raise VllmValidationError(
+                f"Requested {name} logprobs of {wanted}, which is greater than max allowed: {MAX_LOGPROBS}",
+                parameter="logprobs" if name == "sample" else "prompt_logprobs",
+                value=wanted,
+            )
+    if body.priority != 0:
+        raise SimRequestError(f"Got priority {body.priority} but Priority scheduling is not enabled.")
+    for tid in body.allowed_token_ids or []:
+        if not 0 <= tid < VOCAB_SIZE:
+            raise SimRequestError("allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids")
+    for key in body.logit_bias or {}:
+        try:
+            int(key)
+        except ValueError:
+            raise VllmValidationError(
+                f"logit_bias contains key(s) that cannot be converted to integer token IDs: {[key]!r}",
+                parameter="logit_bias",
+                value=[key],
+            ) from None
+
+
+def _call(
+    body: _Sampling,
+    prompts: list[Prompt],
+    max_model_len: int,
+    asked: int | None,
+    *,
+    logprobs: int | None,
+    echo: bool,
+) -> GenerateCall:
+    n = 1 if body.n is None else body.n
+    prompts = [_check_prompt(p, max_model_len, body.truncate_prompt_tokens) for p in prompts]
+    echo_only = echo and asked == 0
+    max_tokens = []
+    for p in prompts:
+        room = max_model_len - len(p.token_ids)
+        mt = room if asked is None else min(asked, room)
+        _check_sampling(body, n, 1 if echo_only else mt, logprobs)
+        max_tokens.append(1 if echo_only else mt)
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    opts = body.stream_options
+    return GenerateCall(
+        prompts=prompts,
+        max_tokens=max_tokens,
+        n=n,
+        stops=stops,
+        stop_token_ids=frozenset(body.stop_token_ids or ()),
+        include_stop=body.include_stop_str_in_output,
+        min_tokens=body.min_tokens,
+        seed=body.seed,
+        logprobs=VOCAB_SIZE if logprobs == -1 else logprobs,
+        prompt_logprobs=body.prompt_logprobs,
+        echo=echo,
+        echo_only=echo_only,
+        want_ids=bool(body.return_token_ids),
+        as_ids=bool(body.return_tokens_as_token_ids),
+        stream=bool(body.stream),
+        include_usage=bool(opts is not None and opts.include_usage),
+        kv_transfer_params=body.kv_transfer_params,
+    )
+
+
+def completion_call(body: CompletionRequest, max_model_len: int) -> GenerateCall:
+    _check_body(body)
+    if body.logprobs is not None and body.logprobs < 0:
+        raise VllmValidationError("`logprobs` must be a positive value.", parameter="logprobs", value=body.logprobs)
+    if body.suffix is not None:
+        raise SimRequestError("suffix is not currently supported")
+    if body.prompt_embeds is not None:
+        raise SimRequestError("prompt_embeds is not supported by the simulated engine", param="prompt_embeds")
+    call = _call(body, _prompts(body.prompt), max_model_len, body.max_tokens, logprobs=body.logprobs,
+                 echo=bool(body.echo))  # fmt: skip
+    if call.prompt_logprobs is None and call.echo:
+        call.prompt_logprobs = body.logprobs  # vLLM: an echoed prompt comes with its logprobs too
+    return call
+
+
+def chat_call(body: ChatRequest, max_model_len: int) -> GenerateCall:
+    _check_body(body)
+    top = body.top_logprobs
+    if top is not None:
+        if top < 0 and top != -1:
+            raise VllmValidationError(
+                "`top_logprobs` must be a positive value or -1.", parameter="top_logprobs", value=top
+            )
+        if (top == -1 or top > 0) and not body.logprobs:
+            raise VllmValidationError(
+                "when using `top_logprobs`, `logprobs` must be set to true.", parameter="top_logprobs"
+            )
+    if body.continue_final_message and body.add_generation_prompt:
+        raise SimRequestError(CONTINUE_AND_GENERATE)
+    if body.tool_choice not in ("none", None) and not body.tools:
+        raise SimRequestError("When using `tool_choice`, `tools` must be set.")
+    text = render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message)  # fmt: skip
+    asked = body.max_completion_tokens or body.max_tokens
+    logprobs = top if body.logprobs else None
+    call = _call(body, [Prompt(_tokenizer.encode(text), text)], max_model_len, asked, logprobs=logprobs, echo=False)
+    if call.prompt_logprobs is None and body.echo:
+        call.prompt_logprobs = top  # vLLM: an echo asks for the prompt's logprobs too
+    if body.echo:
+        call.chat_echo = _echoed(body.messages, "assistant" if body.add_generation_prompt else None)
+    return call
+
+
+def _echoed(messages: list[dict[str, Any]], role: str | None) -> str:
+    """vLLM's chat echo: the last message's content when its role is the reply's (the last
+    message's own role when no generation prompt is added)."""
+    last = messages[-1]
+    if last.get("role") != (role or last.get("role")):
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content)

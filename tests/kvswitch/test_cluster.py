@@ -1,0 +1,55 @@
+"""The local cluster's engines: loopback only, and their KV events reach the router through the shim."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvswitch.cluster import ClusterSpec, LocalCluster
+from tests.engine_sim.listening import listening
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _overlaps(explained: Any) -> list[int]:
+    """Every `overlap_blocks` in a /debug/route answer."""
+    if isinstance(explained, dict):
+        own = [int(explained["overlap_blocks"])] if "overlap_blocks" in explained else []
+        return own + [n for v in explained.values() for n in _overlaps(v)]
+    if isinstance(explained, list):
+        return [n for v in explained for n in _overlaps(v)]
+    return []
+
+
+def test_engines_listen_on_loopback_and_their_events_reach_the_router(tmp_path: Path) -> None:
+    cluster = LocalCluster(ClusterSpec(agg=1, routers=1, speedup=20, log_dir=tmp_path))
+    try:
+        cluster.start()
+        cluster.wait_ready(60)
+        router = cluster.router_urls[0]
+        body = {"model": "sim-llama", "prompt": list(range(3000, 3096)), "max_tokens": 2}
+        assert _post(router + "/v1/completions", body)["usage"]["completion_tokens"] == 2
+        deadline = time.monotonic() + 20
+        while max(_overlaps(_post(router + "/debug/route", body)), default=0) < 5:
+            assert time.monotonic() < deadline, "the router never indexed the engine's blocks"
+            time.sleep(0.2)
+        engine = cluster.engines[0]
+        events_port = int(engine.events.rsplit(":", 1)[1])
+        by_name = {c.name: listening(c.proc.pid) for c in cluster.children if c.name.startswith(("sim", "shim"))}
+        assert len(by_name) == 2
+        for name, addresses in by_name.items():
+            assert addresses and {host for host, _ in addresses} == {"127.0.0.1"}, (name, addresses)
+        sim = by_name["sim-agg"]
+        shim = next(a for n, a in by_name.items() if n.startswith("shim"))
+        # vLLM's rule for tcp://127.0.0.1:P: the sim's PUB connects and the shim's SUB binds.
+        assert ("127.0.0.1", events_port) in shim and ("127.0.0.1", events_port) not in sim
+        assert ("127.0.0.1", int(engine.replay.rsplit(":", 1)[1])) in sim
+    finally:
+        cluster.stop()
