@@ -29,7 +29,7 @@ import msgspec
 
 from protocol import BlockHasher, WorkerInfo
 from protocol.config import RouterSettings
-from protocol.timing import load_profile
+from protocol.timing import TimingModel
 from router.disagg import Disaggregator, RoutePlan
 from router.eligibility import Eligibility, model_block_sizes
 from router.ledger import BookingSink, Ledger, LocalSink
@@ -272,7 +272,7 @@ def prefill_rate(info: WorkerInfo) -> float | None:
 @functools.cache
 def _profile_rate(profile: str, batch: int) -> float | None:
     try:
-        seconds = load_profile(profile).prefill_s(batch)
+        seconds = TimingModel.for_profile(profile).prefill(batch)
     except ValueError:
         return None
     return batch / seconds if seconds > 0 else None
