@@ -9,7 +9,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from kvswitch import __version__
+from protocol.version import __version__
 
 __all__ = ["main"]
 

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, "extra", []):
             args.extra = ["--conditional-disagg"]
     spec = _spec(args)
-    from kvswitch.runtime import run_service
+    from runtime import run_service
 
     async def main(stop: asyncio.Event) -> int:
         cluster = LocalCluster(spec)

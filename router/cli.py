@@ -16,7 +16,6 @@ from typing import Any
 
 import msgspec
 
-from kvswitch.runtime import run_service
 from protocol import ConfigError, subjects
 from protocol.config import (
     ConditionalDisaggConfig,
@@ -27,6 +26,7 @@ from protocol.config import (
     load_file,
     resolve,
 )
+from runtime import run_service
 
 __all__ = ["add_arguments", "build_config", "run"]
 

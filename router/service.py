@@ -36,7 +36,6 @@ from nats.aio.subscription import Subscription
 from opentelemetry.trace import Span, TracerProvider
 
 from discovery import ConfigWatcher, Discovery, Lease
-from kvswitch import __version__
 from protocol import (
     GenerateRequest,
     LoadReport,
@@ -49,6 +48,7 @@ from protocol import (
 )
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
 from protocol.messages import ANNOTATION_BYPASS
+from protocol.version import __version__
 from router.admission import Admission, QueueFull, QueueTimeout
 from router.block_index import BlockIndex
 from router.disagg import Disaggregator, RoutePlan

@@ -24,11 +24,11 @@ from nats.aio.client import Client as Nats
 from nats.aio.subscription import Subscription
 
 from discovery import Discovery, DiscoveryError, Lease
-from kvswitch import __version__
 from protocol import Cleared, ConfigError, WorkerInfo, subjects
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.hashing import block_hashes
 from protocol.timing import load_profile
+from protocol.version import __version__
 from worker_shim.adapters import EngineAdapter, EngineError, EngineLimits, make_adapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineBatch
