@@ -320,23 +320,31 @@ class NatsServer(_Server):
 
 
 class NatsCluster:
-    """`size` nats-server members on loopback, every one routed to every other.
-
-    Clients get every member's URL (`urls`) and reconnect to another when theirs goes away.
+    """`size` nats-server members on loopback, every one routed to every other (client ports from
+    `port` on, consecutive). Clients get every member's URL (`urls`) and reconnect to another when
+    theirs goes away. Size 1 is a plain server.
     """
 
-    def __init__(self, size: int = 3, *, tls: TlsFiles | None = None, authorization: str | None = None) -> None:
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        port: int | None = None,
+        tls: TlsFiles | None = None,
+        authorization: str | None = None,
+    ) -> None:
         if size < 1:
             raise ServerError(f"a NATS cluster needs at least 1 member, got {size}")
-        ports, monitors, cluster = free_ports(size), free_ports(size), free_ports(size)
+        ports, monitors = port or free_ports(size), free_ports(size)
+        cluster = free_ports(size) if size > 1 else None  # one member: a plain server
         self.nodes = [
             NatsServer(
                 ports + i,
                 monitors + i,
                 tls=tls,
                 authorization=authorization,
-                cluster_port=cluster + i,
-                routes=[cluster + j for j in range(size) if j != i],
+                cluster_port=cluster + i if cluster else None,
+                routes=[cluster + j for j in range(size) if j != i] if cluster else (),
                 server_name=f"kvswitch-{i}",
             )
             for i in range(size)
@@ -464,12 +472,13 @@ class EtcdServer(_Server):
 
 
 class EtcdCluster:
-    """`size` etcd members on loopback forming one cluster; clients get every member's URL."""
+    """`size` etcd members on loopback forming one cluster (client ports from `port` on,
+    consecutive); clients get every member's URL."""
 
-    def __init__(self, size: int = 3, *, tls: TlsFiles | None = None) -> None:
+    def __init__(self, size: int = 3, *, port: int | None = None, tls: TlsFiles | None = None) -> None:
         if size < 1:
             raise ServerError(f"an etcd cluster needs at least 1 member, got {size}")
-        clients, peers = free_ports(size), free_ports(size)
+        clients, peers = port or free_ports(size), free_ports(size)
         scheme = "https" if tls else "http"
         initial = ",".join(f"m{i}={scheme}://127.0.0.1:{peers + i}" for i in range(size))
         self.members = [
