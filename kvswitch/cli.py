@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "shim": ("worker_shim.cli", "the sidecar beside an engine: events, load, requests"),
     "router": ("router.cli", "a router replica: the OpenAI front door and the prefix index"),
     "bench": ("bench.cli", "trace replay, comparisons and micro-benchmarks"),
+    "secrets": ("kvswitch.deploy_secrets", "a deployment's NATS nkeys and permissions, TLS certificates, etcd users"),
 }
 
 
