@@ -33,7 +33,7 @@ def _names(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="directory to write into (created; files kept on rerun)")
+    parser.add_argument("--out", default=None, help="directory to write into (created; files kept on rerun)")
     parser.add_argument("--namespace", default=subjects.DEFAULT_NAMESPACE, help="the cluster's namespace")
     parser.add_argument("--routers", type=_names, default=[], metavar="A,B", help="router names (NATS identities)")
     parser.add_argument("--workers", type=_names, default=[], metavar="A,B",
@@ -66,16 +66,24 @@ def _enable_etcd_auth(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    try:
-        plan = NatsAuthPlan.generate(
-            args.namespace, args.routers, args.workers, response_ttl_s=args.response_ttl, seeds_dir=out
-        )
-    except ValueError as exc:
-        print(f"kvswitch secrets: {exc}", file=sys.stderr)
+    writes = bool(args.routers or args.workers or args.tls_hosts)
+    if writes and args.out is None:
+        print("kvswitch secrets: --routers, --workers and --tls-hosts need --out DIR", file=sys.stderr)
         return 2
-    written = plan.write(out)
-    print(f"NATS: {len(args.routers)} routers, {len(args.workers)} workers -> {written[0]}, {written[1]}")
+    if not writes and not args.etcd_endpoint:
+        print("kvswitch secrets: nothing to do: give --workers, --tls-hosts or --etcd-endpoint", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out is not None else Path()
+    if args.routers or args.workers:
+        try:
+            plan = NatsAuthPlan.generate(
+                args.namespace, args.routers, args.workers, response_ttl_s=args.response_ttl, seeds_dir=out
+            )
+        except ValueError as exc:
+            print(f"kvswitch secrets: {exc}", file=sys.stderr)
+            return 2
+        written = plan.write(out)
+        print(f"NATS: {len(args.routers)} routers, {len(args.workers)} workers -> {written[0]}, {written[1]}")
     if args.tls_hosts:
         from kvswitch.certs import write_tls
 

@@ -39,6 +39,12 @@ def test_a_rerun_keeps_seeds_and_certificates_and_adds_new_workers(tmp_path: Pat
 def test_a_bad_worker_name_is_refused_naming_it(tmp_path: Path) -> None:
     out = _secrets("--out", str(tmp_path), "--workers", "decode.0")
     assert out.returncode == 2 and "'decode.0' must match" in out.stderr
+    assert not (tmp_path / "nats-auth.conf").exists()
+
+
+def test_files_need_an_out_directory() -> None:
+    out = _secrets("--workers", "w0")
+    assert out.returncode == 2 and "need --out DIR" in out.stderr
 
 
 async def test_generated_certificates_serve_nats_and_etcd(tmp_path: Path) -> None:
@@ -83,7 +89,7 @@ def etcd_server_auth(tmp_path: Path) -> Iterator[EtcdServer]:
         "KVSWITCH_ETCD_ROUTER_PASSWORD": "o",
         "KVSWITCH_ETCD_WORKER_PASSWORD": "w",
     }
-    args = ("--out", str(tmp_path), "--namespace", "sc", "--etcd-endpoint", server.url)
+    args = ("--namespace", "sc", "--etcd-endpoint", server.url)
     try:
         out = _secrets(*args, env=env)
         assert out.returncode == 0 and "etcd authentication on" in out.stdout, out.stderr
