@@ -136,3 +136,9 @@ def test_docker_compose_config_validates() -> None:
             capture_output=True, text=True, timeout=60, env={**os.environ, **PASSWORDS},
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
+    unset = {k: v for k, v in os.environ.items() if k not in PASSWORDS}
+    out = subprocess.run(
+        [*compose, "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+        capture_output=True, text=True, timeout=60, env=unset,
+    )  # fmt: skip
+    assert out.returncode != 0 and "KVSWITCH_ETCD_" in out.stderr  # no default password to fall back on
