@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import stat
+import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from kvswitch.cluster import ClusterSpec, LocalCluster
 from kvswitch.nats_auth import RESPONSE_MAX, NatsAuthPlan, NatsIdentity
 from kvswitch.servers import NatsServer
 from protocol import KvEventBatch, Stored, encode_msg, subjects
@@ -205,3 +209,50 @@ def test_regenerating_keeps_existing_seeds_and_adds_new_workers(plan: NatsAuthPl
 def test_bad_names_are_refused(routers: list[str], workers: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         NatsAuthPlan.generate(NS, routers=routers, workers=workers)
+
+
+def _index_entries(router_url: str) -> float:
+    with urllib.request.urlopen(router_url + "/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return float(next(x for x in lines if x.startswith("kvswitch_router_index_entries")).rsplit(" ", 1)[1])
+
+
+def _complete(router_url: str) -> int:
+    body = json.dumps({"model": "sim-llama", "prompt": list(range(300, 364)), "max_tokens": 2}).encode()
+    request = urllib.request.Request(
+        router_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return int(resp.status)
+
+
+async def _forge(url: str, seed: Path) -> str:
+    forger = await Conn().connect(url, seed)
+    try:
+        await forger.nc.publish(subjects.kv(NS, "agg-1"), _batch("agg-1", 10**6))
+        return await forger.violation()
+    finally:
+        await forger.nc.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the shim has no --worker-name yet (its owners are adding it), so LocalCluster(nats_auth=True) "
+    "refuses to start: per-worker permissions need a worker id known before the shim registers",
+)
+def test_a_whole_cluster_serves_under_permissions_and_a_forged_batch_leaves_the_index_alone() -> None:
+    spec = ClusterSpec(namespace=NS, agg=2, routers=1, speedup=20.0, nats_auth=True, etcd_auth=True)
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        cluster.wait_ready(timeout=60)
+        url = cluster.router_urls[0]
+        assert _complete(url) == 200
+        before = _index_entries(url)
+        assert cluster.secrets_dir is not None and cluster.nats is not None
+        seed = cluster.secrets_dir / "worker-agg-0.nk"
+        assert "permissions violation for publish" in asyncio.run(_forge(cluster.nats.urls[0], seed)).lower()
+        time.sleep(1.0)
+        assert _index_entries(url) == before
+    finally:
+        cluster.stop()
