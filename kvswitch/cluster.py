@@ -313,5 +313,6 @@ def _require_shim_flag(flag: str, why: str) -> None:
     """Refuse at once, naming the flag, when this build's shim lacks one the cluster must pass."""
     parser = argparse.ArgumentParser()
     importlib.import_module("worker_shim.cli").add_arguments(parser)
-    if flag not in parser._option_string_actions:
+    _, unknown = parser.parse_known_args([flag, "x"])
+    if unknown:
         raise ServerError(f"{why} needs the shim's {flag} flag, which this build's `kvswitch shim` does not have")
