@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvswitch.etcd_auth import enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
-from kvswitch.servers import EtcdCluster, NatsCluster, ServerError, TlsFiles, die_with_parent, free_ports
+from kvswitch.servers import EtcdCluster, NatsCluster, ServerError, TlsFiles, dying_with_parent, free_ports
 
 __all__ = ["ClusterSpec", "LocalCluster"]
 
@@ -210,12 +210,13 @@ class LocalCluster:
         if self.spec.log_dir is not None:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
             out = (self.spec.log_dir / f"{name}.log").open("ab")
+        command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv], signal.SIGTERM)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvswitch", *argv],
+            command,
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,  # type: ignore[arg-type]
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             # A supervisor killed outright must not orphan its children: they drain on SIGTERM.
-            preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509
+            preexec_fn=preexec,  # noqa: PLW1509
         )  # fmt: skip
         child = _Child(name, proc)
         self.children.append(child)

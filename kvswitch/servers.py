@@ -29,7 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -43,6 +43,7 @@ __all__ = [
     "ServerError",
     "TlsFiles",
     "die_with_parent",
+    "dying_with_parent",
     "find_etcd",
     "find_nats_server",
     "free_port",
@@ -117,6 +118,19 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
+def dying_with_parent(argv: list[str], sig: int = signal.SIGKILL) -> tuple[list[str], Callable[[], None] | None]:
+    """`argv` and a preexec function such that the child gets `sig` when this thread dies.
+
+    util-linux's `setpriv --pdeathsig` sets it in the child just before exec, so Popen need not run
+    Python between fork and exec: a preexec function forces a plain fork(), whose at-fork handlers
+    (grpc's, once a process has used etcd) can abort the child before it execs.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", signal.Signals(sig).name.removeprefix("SIG"), "--", *argv], None
+    return argv, lambda: die_with_parent(sig)
+
+
 @dataclass(frozen=True)
 class TlsFiles:
     """PEM files: the CA clients verify a server with, and the certificate and key it presents.
@@ -166,13 +180,14 @@ class _Server:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self._log_path.open("ab")
+        argv, preexec = dying_with_parent(self._argv())
         try:
             self.proc = subprocess.Popen(
-                self._argv(),
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 (async-signal-safe: one prctl call)
+                preexec_fn=preexec,  # noqa: PLW1509 (async-signal-safe: one prctl call)
             )
         finally:
             log.close()

@@ -46,11 +46,13 @@ class Conn:
         async def on_error(exc: Exception) -> None:
             await self.errors.put(str(exc))
 
-        await self.nc.connect(url, nkeys_seed=str(seed_file), error_cb=on_error, allow_reconnect=False)
+        await self.nc.connect(
+            url, nkeys_seed=str(seed_file), error_cb=on_error, allow_reconnect=False, connect_timeout=10
+        )
         return self
 
     async def violation(self) -> str:
-        return await asyncio.wait_for(self.errors.get(), timeout=5)
+        return await asyncio.wait_for(self.errors.get(), timeout=10)
 
 
 @pytest.fixture
