@@ -36,8 +36,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from bench.client import Completion, CompletionClient
 from discovery import Discovery, put_config
+from kvswitch.client import Completion, CompletionClient
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from protocol import KvEventBatch, Stored, WorkerInfo, block_hashes, encode_msg, subjects
 from protocol.config import EtcdSettings
@@ -72,13 +72,13 @@ class Chaos:
 
     async def etcd(self) -> Discovery:
         assert self.cluster.etcd is not None
-        return await Discovery(EtcdSettings(endpoints=[self.cluster.etcd.url]), self.cluster.spec.namespace).connect()
+        return await Discovery(EtcdSettings(endpoints=self.cluster.etcd.urls), self.cluster.spec.namespace).connect()
 
     async def publish(self, subject: str, payload: bytes) -> None:
         import nats
 
         assert self.cluster.nats is not None
-        nc = await nats.connect(self.cluster.nats.url)
+        nc = await nats.connect(servers=self.cluster.nats.urls)
         try:
             await nc.publish(subject, payload)
             await nc.flush()
@@ -137,8 +137,8 @@ async def _kill_shim(c: Chaos, role: str) -> None:
 
 
 async def _etcd_outage(c: Chaos) -> None:
-    etcd = c.cluster.etcd
-    assert etcd is not None
+    assert c.cluster.etcd is not None
+    (etcd,) = c.cluster.etcd.members  # the local cluster's single member
     etcd.stop()
     c.notes.append("etcd stopped")
 
@@ -149,8 +149,8 @@ async def _etcd_outage(c: Chaos) -> None:
 
 
 async def _nats_restart(c: Chaos) -> None:
-    nats = c.cluster.nats
-    assert nats is not None
+    assert c.cluster.nats is not None
+    (nats,) = c.cluster.nats.nodes
     await asyncio.get_running_loop().run_in_executor(None, _restart, nats)
     c.notes.append("nats-server restarted")
 

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from bench.client import Completion, CompletionClient, discover_model
 from bench.trace import TokenSynth
 from bench.workloads import WorkItem
+from kvswitch.client import Completion, CompletionClient, discover_model
 
 __all__ = ["ReplayRun", "RequestResult", "read_results", "replay", "write_results"]
 

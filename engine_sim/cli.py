@@ -133,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvswitch.runtime import run_service
+    from runtime import run_service
 
     try:
         config = config_from_args(args)

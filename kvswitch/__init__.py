@@ -1,3 +1,5 @@
 """kvswitch: the CLI and the local cluster supervisor (the embedded default)."""
 
-__version__ = "0.1.0"
+from protocol.version import __version__
+
+__all__ = ["__version__"]

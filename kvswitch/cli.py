@@ -9,9 +9,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from kvswitch import __version__
+from protocol.version import __version__
 
-__all__ = ["main"]
+__all__ = ["main", "subcommand_parser"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvswitch.up", "run a local cluster: nats, etcd, simulated engines, shims and routers"),
@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "shim": ("worker_shim.cli", "the sidecar beside an engine: events, load, requests"),
     "router": ("router.cli", "a router replica: the OpenAI front door and the prefix index"),
     "bench": ("bench.cli", "trace replay, comparisons and micro-benchmarks"),
+    "secrets": ("kvswitch.deploy_secrets", "a deployment's NATS nkeys and permissions, TLS certificates, etcd users"),
 }
 
 
@@ -36,6 +37,14 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subcommand_parser(name: str) -> argparse.ArgumentParser:
+    """The parser `kvswitch NAME` parses its flags with (deployment files are checked against it)."""
+    module_name, help_text = SUBCOMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"kvswitch {name}", description=help_text)
+    importlib.import_module(module_name).add_arguments(parser)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
@@ -45,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args[0]
     if name not in SUBCOMMANDS:
         top.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
-    module_name, help_text = SUBCOMMANDS[name]
+    module_name = SUBCOMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -53,8 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvswitch {name}: not available in this build ({module_name} is missing)", file=sys.stderr)
             return 2
         raise
-    parser = argparse.ArgumentParser(prog=f"kvswitch {name}", description=help_text)
-    module.add_arguments(parser)
+    parser = subcommand_parser(name)
     if getattr(module, "PASSES_UNKNOWN_ARGS", False):
         # `kvswitch up` hands flags it does not know to its routers, which validate them.
         ns, extra = parser.parse_known_args(args[1:])

@@ -4,16 +4,28 @@ It starts, in order: nats-server and etcd (from the main thread: they die with i
 kvswitch.servers), one `kvswitch sim --count N` fleet process per pool, one `kvswitch shim` per
 simulated engine, then the router replicas; and stops children in reverse order with SIGTERM,
 killing what has not exited after a grace period.
+
+High availability: `nats_nodes` / `etcd_members` > 1 run a NATS cluster and an etcd cluster, and
+every router and shim is given every node's URL. Security (`kvswitch up --secure`): `tls` puts
+NATS and etcd behind TLS, `etcd_auth` turns etcd's users on (router and worker, random passwords,
+handed to children in the environment, never on a command line), `nats_auth` gives every router
+and shim its own nkey with kvswitch.nats_auth's permissions (shims then need `--worker-name`).
+Secrets live in a private temporary directory removed on stop.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvswitch.servers import EtcdServer, NatsServer, ServerError, die_with_parent, free_ports
+from kvswitch.etcd_auth import enable_auth, namespace_users
+from kvswitch.nats_auth import NatsAuthPlan
+from kvswitch.servers import EtcdCluster, NatsCluster, ServerError, TlsFiles, dying_with_parent, free_ports
 
 __all__ = ["ClusterSpec", "LocalCluster"]
 
@@ -30,10 +44,16 @@ POOLS = ("prefill", "decode", "agg")
 
 @dataclass
 class ClusterSpec:
-    """What `kvswitch up` runs. Ports 0 mean free ones; routers take `http_port`, `http_port + 1`, ..."""
+    """What `kvswitch up` runs. Ports 0 mean free ones; routers take `http_port`, `http_port + 1`, ...;
+    NATS and etcd members take consecutive client ports from `nats_port` and `etcd_port`."""
 
     nats_port: int = 0
     etcd_port: int = 0
+    nats_nodes: int = 1
+    etcd_members: int = 1
+    tls: TlsFiles | None = None
+    etcd_auth: bool = False
+    nats_auth: bool = False
     namespace: str = "kvswitch"
     prefill: int = 0
     decode: int = 0
@@ -68,24 +88,67 @@ class _Engine:
 class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.nats: NatsServer | None = None
-        self.etcd: EtcdServer | None = None
+        self.nats: NatsCluster | None = None
+        self.etcd: EtcdCluster | None = None
         self.children: list[_Child] = []
         self.engines: list[_Engine] = []
         self.router_urls: list[str] = []
+        self.secrets_dir: Path | None = None
+        self._etcd_passwords: dict[str, str] = {}
+        self._nats_auth: NatsAuthPlan | None = None
 
     @property
     def sim_urls(self) -> list[str]:
         return [e.url for e in self.engines]
 
-    def _connection_args(self) -> list[str]:
+    def _connection_args(self, role: str, name: str) -> list[str]:
+        """Flags that point a router (`role` router) or a shim (`role` worker) at NATS and etcd."""
         assert self.nats is not None and self.etcd is not None
-        return ["--nats-servers", self.nats.url, "--etcd-endpoints", self.etcd.url, "--namespace", self.spec.namespace]
+        args = ["--nats-servers", ",".join(self.nats.urls), "--etcd-endpoints", ",".join(self.etcd.urls)]
+        args += ["--namespace", self.spec.namespace]
+        if self.spec.tls is not None:
+            args += ["--nats-tls-ca", str(self.spec.tls.ca), "--etcd-tls-ca", str(self.spec.tls.ca)]
+        if self._nats_auth is not None:
+            assert self.secrets_dir is not None
+            identity = self._nats_auth.identity("worker" if role == "worker" else "router", name)
+            args += ["--nats-nkey-file", str(self.secrets_dir / identity.seed_file_name)]
+            if role == "worker":
+                args += ["--worker-name", name]
+        return args
+
+    def _child_env(self, role: str) -> dict[str, str]:
+        if role not in self._etcd_passwords:
+            return {}
+        return {"KVSWITCH_ETCD_USER": role, "KVSWITCH_ETCD_PASSWORD": self._etcd_passwords[role]}
+
+    def _worker_names(self) -> list[str]:
+        return [f"{role}-{i}" for role in POOLS for i in range(getattr(self.spec, role))]
+
+    def _start_servers(self) -> None:
+        spec = self.spec
+        if spec.etcd_auth or spec.nats_auth:
+            self.secrets_dir = Path(tempfile.mkdtemp(prefix="kvswitch-secrets-"))
+        authorization = None
+        if spec.nats_auth:
+            _require_shim_flag("--worker-name", "nats_auth (per-worker NATS permissions)")
+            assert self.secrets_dir is not None
+            routers = [f"router-{i}" for i in range(spec.routers)]
+            self._nats_auth = NatsAuthPlan.generate(spec.namespace, routers, self._worker_names())
+            self._nats_auth.write(self.secrets_dir)
+            authorization = self._nats_auth.authorization_block()
+        self.nats = NatsCluster(
+            spec.nats_nodes, port=spec.nats_port or None, tls=spec.tls, authorization=authorization
+        ).start()
+        self.etcd = EtcdCluster(spec.etcd_members, port=spec.etcd_port or None, tls=spec.tls).start()
+        if spec.etcd_auth:
+            self._etcd_passwords = {role: secrets.token_urlsafe(24) for role in ("root", "router", "worker")}
+            users = namespace_users(spec.namespace, self._etcd_passwords["router"], self._etcd_passwords["worker"])
+            context = spec.tls.client_context() if spec.tls is not None else None
+            enable_auth(self.etcd.urls[0], self._etcd_passwords["root"], users, context=context)
 
     def start(self) -> None:
         try:
-            self.nats = NatsServer(port=self.spec.nats_port or None).start()
-            self.etcd = EtcdServer(port=self.spec.etcd_port or None).start()
+            self._start_servers()
             for role in POOLS:
                 count = getattr(self.spec, role)
                 if count:
@@ -126,35 +189,37 @@ class LocalCluster:
             self._wait_http(engine.url + "/health", what=f"sim {engine.url}")
 
     def _start_shim(self, engine: _Engine) -> None:
+        name = f"{engine.role}-{sum(e.role == engine.role for e in self.engines[: self.engines.index(engine)])}"
         argv = [
             "shim", "--engine", "vllm", "--engine-url", engine.url, "--role", engine.role,
             "--model", self.spec.model, "--kv-events", engine.events, "--kv-replay", engine.replay,
-            "--timing-profile", self.spec.profile, *self._connection_args(), *self.spec.shim_args,
+            "--timing-profile", self.spec.profile, *self._connection_args("worker", name), *self.spec.shim_args,
             # vLLM does not report it; the router's prefill_load policy needs it.
             "--max-num-batched-tokens", str(self.spec.max_num_batched_tokens),
         ]  # fmt: skip
-        self.spawn(f"shim-{engine.role}-{engine.url.rsplit(':', 1)[-1]}", argv)
+        self.spawn(f"shim-{engine.role}-{engine.url.rsplit(':', 1)[-1]}", argv, self._child_env("worker"))
 
     def _start_router(self, index: int, port: int) -> None:
         argv = [
             "router", "--http-host", "127.0.0.1", "--http-port", str(port), "--model", self.spec.model,
-            *self._connection_args(), *self.spec.router_args,
+            *self._connection_args("router", f"router-{index}"), *self.spec.router_args,
         ]  # fmt: skip
-        self.spawn(f"router-{index}", argv)
+        self.spawn(f"router-{index}", argv, self._child_env("router"))
         self.router_urls.append(f"http://127.0.0.1:{port}")
 
-    def spawn(self, name: str, argv: list[str]) -> _Child:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
         """Start `python -m kvswitch <argv>`; its output goes to `log_dir/<name>.log` when set."""
         out: int | object = subprocess.DEVNULL
         if self.spec.log_dir is not None:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
             out = (self.spec.log_dir / f"{name}.log").open("ab")
+        command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv], signal.SIGTERM)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvswitch", *argv],
+            command,
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,  # type: ignore[arg-type]
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             # A supervisor killed outright must not orphan its children: they drain on SIGTERM.
-            preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509
+            preexec_fn=preexec,  # noqa: PLW1509
         )  # fmt: skip
         child = _Child(name, proc)
         self.children.append(child)
@@ -202,10 +267,13 @@ class LocalCluster:
             if child.proc.poll() is None:
                 child.proc.kill()
                 child.proc.wait(5)
-        for server in (self.etcd, self.nats):
-            if server is not None:
-                server.close()
+        for servers in (self.etcd, self.nats):
+            if servers is not None:
+                servers.close()
         self.etcd = self.nats = None
+        if self.secrets_dir is not None:
+            shutil.rmtree(self.secrets_dir, ignore_errors=True)
+        self.secrets_dir = None
         self.engines = []
         self.router_urls = []
 
@@ -215,10 +283,12 @@ class LocalCluster:
 
     def describe(self) -> str:
         lines = ["kvswitch local cluster:"]
-        if self.nats is not None:
-            lines.append(f"  nats     {self.nats.url}  (monitor http://127.0.0.1:{self.nats.monitor_port})")
-        if self.etcd is not None:
-            lines.append(f"  etcd     {self.etcd.url}")
+        for node in self.nats.nodes if self.nats is not None else []:
+            lines.append(f"  nats     {node.url}  (monitor http://127.0.0.1:{node.monitor_port})")
+        for member in self.etcd.members if self.etcd is not None else []:
+            lines.append(f"  etcd     {member.url}")
+        if self.spec.tls is not None:
+            lines.append(f"  tls      CA {self.spec.tls.ca}")
         lines.append(f"  namespace {self.spec.namespace}")
         for e in self.engines:
             lines.append(f"  sim      {e.role:<7} {e.url}  events {e.events}")
@@ -227,12 +297,26 @@ class LocalCluster:
         return "\n".join(lines)
 
     def health_line(self) -> str:
-        parts = [
-            f"nats={'ok' if self.nats is not None and self.nats.healthy() else 'DOWN'}",
-            f"etcd={'ok' if self.etcd is not None and self.etcd.healthy() else 'DOWN'}",
-        ]
+        nats = [n.healthy() for n in self.nats.nodes] if self.nats is not None else [False]
+        etcd = [m.healthy() for m in self.etcd.members] if self.etcd is not None else [False]
+        parts = [f"nats={_members_state(nats)}", f"etcd={_members_state(etcd)}"]
         dead = [c.name for c in self.children if c.proc.poll() is not None]
         parts.append(f"children={len(self.children) - len(dead)}/{len(self.children)} up")
         if dead:
             parts.append("dead=" + ",".join(dead))
         return "health: " + " ".join(parts)
+
+
+def _members_state(up: list[bool]) -> str:
+    if all(up):
+        return "ok"
+    return "DOWN" if not any(up) else f"{sum(up)}/{len(up)} up"
+
+
+def _require_shim_flag(flag: str, why: str) -> None:
+    """Refuse at once, naming the flag, when this build's shim lacks one the cluster must pass."""
+    parser = argparse.ArgumentParser()
+    importlib.import_module("worker_shim.cli").add_arguments(parser)
+    _, unknown = parser.parse_known_args([flag, "x"])
+    if unknown:
+        raise ServerError(f"{why} needs the shim's {flag} flag, which this build's `kvswitch shim` does not have")

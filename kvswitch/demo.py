@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from bench.client import Completion, CompletionClient
+from kvswitch.client import Completion, CompletionClient
 
 __all__ = ["decision_counts", "format_results", "run_demo_requests"]
 

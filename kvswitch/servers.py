@@ -1,10 +1,14 @@
-"""Embedded nats-server and etcd for `kvswitch up` and the test fixtures.
+"""Embedded nats-server and etcd for `kvswitch up` and the test fixtures: one of each, or a
+3-node NATS cluster and a 3-member etcd cluster (`NatsCluster`, `EtcdCluster`), with TLS when given
+certificates, NATS authorization when given a generated block (kvswitch.nats_auth) and etcd
+users when asked (kvswitch.etcd_auth).
 
 Each server binds 127.0.0.1 on free ports with a temporary store. Ready means its health endpoint
 answers (nats `/healthz`, etcd `/health`), not merely an open port: etcd 3.4 accepts connections
-well before it can serve. Stop sends SIGTERM, waits, then kills. Children get PR_SET_PDEATHSIG, so
-a parent that dies without stopping them does not leave servers behind (Linux only); start them
-from the main thread, since the signal follows the starting thread.
+well before it can serve. Stop sends SIGTERM, waits, then kills; `kill()` is SIGKILL, for failure
+tests. Children get PR_SET_PDEATHSIG, so a parent that dies without stopping them does not leave
+servers behind (Linux only); start them from the main thread, since the signal follows the
+starting thread.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import sysconfig
@@ -24,15 +29,21 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 __all__ = [
+    "EtcdCluster",
     "EtcdServer",
+    "NatsCluster",
     "NatsServer",
     "ServerError",
+    "TlsFiles",
     "die_with_parent",
+    "dying_with_parent",
     "find_etcd",
     "find_nats_server",
     "free_port",
@@ -107,9 +118,38 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
-def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
+def dying_with_parent(argv: list[str], sig: int = signal.SIGKILL) -> tuple[list[str], Callable[[], None] | None]:
+    """`argv` and a preexec function such that the child gets `sig` when this thread dies.
+
+    util-linux's `setpriv --pdeathsig` sets it in the child just before exec, so Popen need not run
+    Python between fork and exec: a preexec function forces a plain fork(), whose at-fork handlers
+    (grpc's, once a process has used etcd) can abort the child before it execs.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", signal.Signals(sig).name.removeprefix("SIG"), "--", *argv], None
+    return argv, lambda: die_with_parent(sig)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files: the CA clients verify a server with, and the certificate and key it presents.
+
+    The certificate must name 127.0.0.1 (the servers here bind loopback); it serves both as server
+    and as client certificate between cluster peers, so it needs both extended key usages.
+    """
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def client_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.ca))
+
+
+def _get(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read()
@@ -131,20 +171,29 @@ class _Server:
         raise NotImplementedError
 
     def start(self, timeout: float = 20.0) -> Self:
+        self.launch()
+        return self.wait_healthy(timeout)
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to be healthy (cluster members wait for quorum)."""
         if self.proc is not None and self.proc.poll() is None:
-            return self
+            return
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self._log_path.open("ab")
+        argv, preexec = dying_with_parent(self._argv())
         try:
             self.proc = subprocess.Popen(
-                self._argv(),
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 (async-signal-safe: one prctl call)
+                preexec_fn=preexec,  # noqa: PLW1509 (async-signal-safe: one prctl call)
             )
         finally:
             log.close()
+
+    def wait_healthy(self, timeout: float = 20.0) -> Self:
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -165,6 +214,18 @@ class _Server:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed host would go: no goodbye to peers or clients."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+    def restart(self, timeout: float = 20.0) -> Self:
+        """Stop, then start again on the same ports with the same store."""
+        self.stop()
+        return self.start(timeout)
 
     def close(self) -> None:
         """Stop and remove the temporary store (when this object made it)."""
@@ -189,36 +250,73 @@ class _Server:
         self.close()
 
 
+def _q(text: str | Path) -> str:
+    """A nats-server config string (its syntax takes JSON strings)."""
+    return json.dumps(str(text))
+
+
 class NatsServer(_Server):
-    """nats-server with JetStream on, on 127.0.0.1."""
+    """nats-server on 127.0.0.1, run from a config file it writes into its store.
+
+    tls: clients must speak TLS, and so do cluster routes. authorization: an `authorization {...}`
+    block (kvswitch.nats_auth writes one), inlined as is. cluster_port and routes: a cluster member
+    listening for peers on cluster_port and dialling the other members' cluster ports.
+    """
 
     name = "nats"
 
-    def __init__(self, port: int | None = None, monitor_port: int | None = None, workdir: Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        monitor_port: int | None = None,
+        workdir: Path | None = None,
+        *,
+        tls: TlsFiles | None = None,
+        authorization: str | None = None,
+        cluster_port: int | None = None,
+        routes: Sequence[int] = (),
+        server_name: str | None = None,
+    ) -> None:
         super().__init__(workdir)
         self.binary = find_nats_server()
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
+        self.tls = tls
+        self.authorization = authorization
+        self.cluster_port = cluster_port
+        self.routes = list(routes)
+        self.server_name = server_name or f"kvswitch-{self.port}"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+
+    def config_text(self) -> str:
+        lines = [
+            f"listen: {_q(f'127.0.0.1:{self.port}')}",
+            f"http: {_q(f'127.0.0.1:{self.monitor_port}')}",
+            f"server_name: {_q(self.server_name)}",
+        ]
+        tls = ""
+        if self.tls is not None:
+            tls = (
+                f"tls {{ cert_file: {_q(self.tls.cert)}, key_file: {_q(self.tls.key)}, "
+                f"ca_file: {_q(self.tls.ca)}, timeout: 5 }}"
+            )
+            lines.append(tls)
+        if self.authorization:
+            lines.append(self.authorization)
+        if self.cluster_port is not None:
+            routes = ", ".join(_q(f"nats-route://127.0.0.1:{p}") for p in self.routes)
+            listen = _q(f"127.0.0.1:{self.cluster_port}")
+            lines += ["cluster {", "  name: kvswitch", f"  listen: {listen}", f"  routes: [{routes}]", f"  {tls}", "}"]
+        return "\n".join(lines) + "\n"
 
     def _argv(self) -> list[str]:
-        return [
-            self.binary,
-            "-a",
-            "127.0.0.1",
-            "-p",
-            str(self.port),
-            "-m",
-            str(self.monitor_port),
-            "-js",
-            "-sd",
-            str(self.workdir / "jetstream"),
-            "--server_name",
-            f"kvswitch-{self.port}",
-        ]
+        config = self.workdir / "nats.conf"
+        config.write_text(self.config_text())
+        config.chmod(0o600)  # it may hold the authorization block
+        return [self.binary, "-c", str(config)]
 
     def healthy(self) -> bool:
         try:
@@ -227,53 +325,224 @@ class NatsServer(_Server):
             return False
         return status == 200 and json.loads(body or b"{}").get("status") == "ok"
 
+    def route_count(self) -> int:
+        """Routes this member has to its peers now (0 when it does not answer)."""
+        try:
+            status, body = _get(f"http://127.0.0.1:{self.monitor_port}/routez")
+        except (OSError, urllib.error.URLError):
+            return 0
+        return int(json.loads(body).get("num_routes", 0)) if status == 200 else 0
+
+
+class NatsCluster:
+    """`size` nats-server members on loopback, every one routed to every other (client ports from
+    `port` on, consecutive). Clients get every member's URL (`urls`) and reconnect to another when
+    theirs goes away. Size 1 is a plain server.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        port: int | None = None,
+        tls: TlsFiles | None = None,
+        authorization: str | None = None,
+    ) -> None:
+        if size < 1:
+            raise ServerError(f"a NATS cluster needs at least 1 member, got {size}")
+        ports, monitors = port or free_ports(size), free_ports(size)
+        cluster = free_ports(size) if size > 1 else None  # one member: a plain server
+        self.nodes = [
+            NatsServer(
+                ports + i,
+                monitors + i,
+                tls=tls,
+                authorization=authorization,
+                cluster_port=cluster + i if cluster else None,
+                routes=[cluster + j for j in range(size) if j != i] if cluster else (),
+                server_name=f"kvswitch-{i}",
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def start(self, timeout: float = 20.0) -> Self:
+        try:
+            for node in self.nodes:
+                node.launch()
+            for node in self.nodes:
+                node.wait_healthy(timeout)
+            self.wait_routes(timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def wait_routes(self, timeout: float = 20.0) -> None:
+        """Until every running member has a route to every other running member."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            running = [n for n in self.nodes if n.proc is not None]
+            if all(n.route_count() >= len(running) - 1 for n in running):
+                return
+            time.sleep(0.05)
+        counts = {n.server_name: n.route_count() for n in self.nodes}
+        raise ServerError(f"NATS cluster routes not up after {timeout:.0f}s: {counts}")
+
+    def healthy(self) -> bool:
+        return all(n.healthy() for n in self.nodes)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
 
 class EtcdServer(_Server):
-    """A single-member etcd on 127.0.0.1. `restart()` keeps its data dir and ports."""
+    """An etcd member on 127.0.0.1: alone by default, or one of `initial_cluster` (name=peer URL,...).
+
+    tls: clients must speak TLS (https://), and peers authenticate each other with the same
+    certificate. `restart()` keeps its data dir and ports, so a member rejoins its cluster.
+    """
 
     name = "etcd"
 
-    def __init__(self, port: int | None = None, peer_port: int | None = None, workdir: Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        peer_port: int | None = None,
+        workdir: Path | None = None,
+        *,
+        member: str = "kvswitch",
+        tls: TlsFiles | None = None,
+        initial_cluster: str | None = None,
+    ) -> None:
         super().__init__(workdir)
         self.binary = find_etcd()
         self.port = port or free_port()
         self.peer_port = peer_port or free_port()
+        self.member = member
+        self.tls = tls
+        self.initial_cluster = initial_cluster
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.peer_port}"
 
     def _argv(self) -> list[str]:
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        return [
+        argv = [
             self.binary,
-            "--name",
-            "kvswitch",
-            "--data-dir",
-            str(self.workdir / "data"),
-            "--listen-client-urls",
-            self.url,
-            "--advertise-client-urls",
-            self.url,
-            "--listen-peer-urls",
-            peer,
-            "--initial-advertise-peer-urls",
-            peer,
-            "--initial-cluster",
-            f"kvswitch={peer}",
-            "--log-level",
-            "warn",
-            "--logger",
-            "zap",
-        ]
+            "--name", self.member,
+            "--data-dir", str(self.workdir / "data"),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster or f"{self.member}={self.peer_url}",
+            "--initial-cluster-token", "kvswitch",
+            "--log-level", "warn",
+            "--logger", "zap",
+        ]  # fmt: skip
+        if self.tls is not None:
+            cert, key, ca = str(self.tls.cert), str(self.tls.key), str(self.tls.ca)
+            argv += ["--cert-file", cert, "--key-file", key]
+            argv += ["--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca]
+            argv += ["--peer-client-cert-auth"]
+        return argv
+
+    def _context(self) -> ssl.SSLContext | None:
+        return self.tls.client_context() if self.tls is not None else None
 
     def healthy(self) -> bool:
         try:
-            status, body = _get(f"{self.url}/health")
+            status, body = _get(f"{self.url}/health", context=self._context())
         except (OSError, urllib.error.URLError):
             return False
         return status == 200 and json.loads(body or b"{}").get("health") == "true"
 
-    def restart(self, timeout: float = 20.0) -> Self:
-        self.stop()
-        return self.start(timeout)
+    def status(self) -> dict[str, object] | None:
+        """etcd's maintenance status of this member (`leader`, `header.member_id`), None if down."""
+        request = urllib.request.Request(f"{self.url}/v3/maintenance/status", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=1.0, context=self._context()) as resp:
+                return dict(json.loads(resp.read()))
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+
+
+class EtcdCluster:
+    """`size` etcd members on loopback forming one cluster (client ports from `port` on,
+    consecutive); clients get every member's URL."""
+
+    def __init__(self, size: int = 3, *, port: int | None = None, tls: TlsFiles | None = None) -> None:
+        if size < 1:
+            raise ServerError(f"an etcd cluster needs at least 1 member, got {size}")
+        clients, peers = port or free_ports(size), free_ports(size)
+        scheme = "https" if tls else "http"
+        initial = ",".join(f"m{i}={scheme}://127.0.0.1:{peers + i}" for i in range(size))
+        self.members = [
+            EtcdServer(clients + i, peers + i, member=f"m{i}", tls=tls, initial_cluster=initial) for i in range(size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [m.url for m in self.members]
+
+    def start(self, timeout: float = 30.0) -> Self:
+        try:
+            for member in self.members:
+                member.launch()  # a member is healthy only once a quorum is up
+            for member in self.members:
+                member.wait_healthy(timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def leader(self, timeout: float = 10.0) -> int:
+        """The index of the current leader, as the running members report it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ids: dict[str, int] = {}
+            leader = None
+            for i, member in enumerate(self.members):
+                status = member.status() if member.proc is not None else None
+                if status is None:
+                    continue
+                header = status.get("header")
+                if isinstance(header, dict):
+                    ids[str(header.get("member_id"))] = i
+                leader = str(status.get("leader")) if status.get("leader") else leader
+            if leader in ids:
+                return ids[leader]
+            time.sleep(0.1)
+        raise ServerError(f"no etcd leader after {timeout:.0f}s")
+
+    def healthy(self) -> bool:
+        return all(m.healthy() for m in self.members)
+
+    def close(self) -> None:
+        for member in self.members:
+            member.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -11,7 +11,10 @@ import argparse
 import asyncio
 import importlib
 import logging
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from kvswitch.servers import ServerError
@@ -37,11 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="h200:llama-3.1-8b", help="engine timing profile")
     parser.add_argument("--log-dir", default=None, help="write each child's output to DIR/<name>.log")
     parser.add_argument("--demo", action="store_true", help="bring the cluster up, show it healthy, take it down")
+    ha = parser.add_argument_group("high availability and security")
+    ha.add_argument("--nats-nodes", type=int, default=1, metavar="N", help="NATS cluster members (3 for HA)")
+    ha.add_argument("--etcd-members", type=int, default=1, metavar="N", help="etcd cluster members (3 for HA)")
+    ha.add_argument("--secure", action="store_true",
+                    help="TLS on NATS and etcd (a fresh CA), etcd users, and per-worker NATS permissions")  # fmt: skip
 
 
 def _spec(args: argparse.Namespace) -> ClusterSpec:
-    from pathlib import Path
-
     for name in ("prefill", "decode", "agg"):
         if getattr(args, name) < 0:
             raise SystemExit(f"kvswitch up: --{name} must be >= 0, got {getattr(args, name)}")
@@ -51,6 +57,9 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         raise SystemExit(f"kvswitch up: --routers must be >= 0, got {routers}")
     if args.speedup <= 0:
         raise SystemExit(f"kvswitch up: --speedup must be > 0, got {args.speedup}")
+    for name in ("nats_nodes", "etcd_members"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     extra: list[str] = list(getattr(args, "extra", []))
     if extra:
         _check_router_args(extra)
@@ -59,6 +68,7 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         prefill=args.prefill, decode=args.decode, agg=args.agg, routers=routers,
         http_port=args.http_port if routers else 0, speedup=args.speedup, model=args.model,
         profile=args.profile, router_args=extra, log_dir=Path(args.log_dir) if args.log_dir else None,
+        nats_nodes=args.nats_nodes, etcd_members=args.etcd_members, etcd_auth=args.secure, nats_auth=args.secure,
     )  # fmt: skip
 
 
@@ -90,9 +100,14 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, "extra", []):
             args.extra = ["--conditional-disagg"]
     spec = _spec(args)
-    from kvswitch.runtime import run_service
+    from runtime import run_service
 
     async def main(stop: asyncio.Event) -> int:
+        tls_dir = tempfile.mkdtemp(prefix="kvswitch-tls-") if args.secure else None
+        if tls_dir is not None:
+            from kvswitch.certs import write_tls
+
+            spec.tls = write_tls(Path(tls_dir), ["127.0.0.1", "localhost"])
         cluster = LocalCluster(spec)
         try:
             try:
@@ -116,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         finally:
             cluster.stop()
+            if tls_dir is not None:
+                shutil.rmtree(tls_dir, ignore_errors=True)
             print("kvswitch up: stopped", file=sys.stderr, flush=True)
 
     return run_service(main)

@@ -18,7 +18,6 @@ from typing import Any
 
 import msgspec
 
-from kvswitch.runtime import run_service
 from protocol import ConfigError, subjects
 from protocol.config import (
     ConditionalDisaggConfig,
@@ -30,6 +29,7 @@ from protocol.config import (
     resolve,
 )
 from router.api_keys import ApiKeys, ApiKeysError
+from runtime import run_service
 
 __all__ = ["add_arguments", "build_config", "run"]
 

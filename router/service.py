@@ -37,10 +37,10 @@ from nats.aio.subscription import Subscription
 from opentelemetry.trace import TracerProvider
 
 from discovery import ConfigWatcher, Discovery, Registration
-from kvswitch import __version__
 from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
 from protocol.messages import Cleared, KvEvent, Removed, Stored
+from protocol.version import __version__
 from router.admission import Admission, Throughput
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex

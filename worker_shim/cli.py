@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvswitch shim: {exc}", file=sys.stderr)
         return 2
-    from kvswitch.runtime import run_service
+    from runtime import run_service
     from worker_shim.shim import WorkerShim
 
     async def main(stop: asyncio.Event) -> int:

@@ -34,11 +34,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
-from kvswitch import __version__
 from protocol import Cleared, ConfigError, Usage, WorkerInfo, subjects
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
+from protocol.version import __version__
 from worker_shim.adapters import EngineAdapter, EngineError, EngineLimits, make_adapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineStored

@@ -1,5 +1,9 @@
 """How every long-running kvswitch process runs: uvloop when installed, structured logging, and a
-stop event set by SIGTERM or SIGINT so services drain instead of dying mid-request."""
+stop event set by SIGTERM or SIGINT so services drain instead of dying mid-request.
+
+A package of its own, below every service (it imports nothing of kvswitch's), so the router, the
+shim and the simulator need not import the `kvswitch` CLI package to run.
+"""
 
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.client import CompletionClient, discover_model
 from bench.summary import scrape_prefix_counters
 from bench.trace import TokenSynth
 from engine_sim import SimServer
+from kvswitch.client import CompletionClient, discover_model
 
 
 @pytest.fixture

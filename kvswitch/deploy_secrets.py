@@ -1,0 +1,98 @@
+"""`kvswitch secrets`: the credentials a deployment needs, written to one directory.
+
+- NATS: one nkey per router and per worker, and the nats-server `authorization` block with their
+  permissions (kvswitch.nats_auth): `nats-auth.conf` to include in nats-server's config,
+  `nats-auth-values.yaml` for the NATS Helm chart, `router-NAME.nk` / `worker-NAME.nk` seeds.
+- TLS (`--tls-hosts`): a private CA and one certificate for NATS and etcd (kvswitch.certs).
+- etcd (`--etcd-endpoint`): creates the `router` and `worker` users and turns authentication on,
+  with the passwords from KVSWITCH_ETCD_{ROOT,ROUTER,WORKER}_PASSWORD.
+
+Rerunning it keeps every key, certificate and seed already there and adds what is new (a worker
+name added to `--workers` gets a seed; the others keep theirs). It is the docker-compose init job
+and the first step of docs/deployment.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from kvswitch.etcd_auth import EtcdAuthError, enable_auth, namespace_users
+from kvswitch.nats_auth import NatsAuthPlan
+from protocol import subjects
+
+__all__ = ["add_arguments", "run"]
+
+PASSWORD_ENV = {role: f"KVSWITCH_ETCD_{role.upper()}_PASSWORD" for role in ("root", "router", "worker")}
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=None, help="directory to write into (created; files kept on rerun)")
+    parser.add_argument("--namespace", default=subjects.DEFAULT_NAMESPACE, help="the cluster's namespace")
+    parser.add_argument("--routers", type=_names, default=[], metavar="A,B", help="router names (NATS identities)")
+    parser.add_argument("--workers", type=_names, default=[], metavar="A,B",
+                        help="worker names, as each shim's --worker-name")  # fmt: skip
+    parser.add_argument("--response-ttl", type=int, default=900, metavar="S",
+                        help="seconds a worker may reply to one request (above the router's deadline)")  # fmt: skip
+    parser.add_argument("--tls-hosts", type=_names, default=[], metavar="A,B",
+                        help="write a CA and a certificate naming these hosts (DNS names or IPs)")  # fmt: skip
+    parser.add_argument("--etcd-endpoint", default=None, metavar="URL",
+                        help="turn etcd authentication on there; passwords from KVSWITCH_ETCD_*_PASSWORD")  # fmt: skip
+    parser.add_argument("--etcd-ca", default=None, metavar="FILE", help="CA that signed etcd's certificate")
+
+
+def _enable_etcd_auth(args: argparse.Namespace) -> str:
+    missing = [env for env in PASSWORD_ENV.values() if not os.environ.get(env)]
+    if missing:
+        raise SystemExit(f"kvswitch secrets: --etcd-endpoint needs {', '.join(missing)} set")
+    import ssl
+
+    context = ssl.create_default_context(cafile=args.etcd_ca) if args.etcd_ca else None
+    pw = {role: os.environ[env] for role, env in PASSWORD_ENV.items()}
+    try:
+        enable_auth(args.etcd_endpoint, pw["root"], namespace_users(args.namespace, pw["router"], pw["worker"]),
+                    context=context)  # fmt: skip
+    except EtcdAuthError as exc:
+        if "user name is empty" in str(exc):  # etcd answers so once authentication is on
+            return f"etcd authentication was already on at {args.etcd_endpoint}"
+        raise
+    return f"etcd authentication on at {args.etcd_endpoint}: users router, worker (namespace {args.namespace})"
+
+
+def run(args: argparse.Namespace) -> int:
+    writes = bool(args.routers or args.workers or args.tls_hosts)
+    if writes and args.out is None:
+        print("kvswitch secrets: --routers, --workers and --tls-hosts need --out DIR", file=sys.stderr)
+        return 2
+    if not writes and not args.etcd_endpoint:
+        print("kvswitch secrets: nothing to do: give --workers, --tls-hosts or --etcd-endpoint", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out is not None else Path()
+    if args.routers or args.workers:
+        try:
+            plan = NatsAuthPlan.generate(
+                args.namespace, args.routers, args.workers, response_ttl_s=args.response_ttl, seeds_dir=out
+            )
+        except ValueError as exc:
+            print(f"kvswitch secrets: {exc}", file=sys.stderr)
+            return 2
+        written = plan.write(out)
+        print(f"NATS: {len(args.routers)} routers, {len(args.workers)} workers -> {written[0]}, {written[1]}")
+    if args.tls_hosts:
+        from kvswitch.certs import write_tls
+
+        tls = write_tls(out / "tls", args.tls_hosts)
+        print(f"TLS: CA {tls.ca}, certificate {tls.cert} for {', '.join(args.tls_hosts)}")
+    if args.etcd_endpoint:
+        try:
+            print(_enable_etcd_auth(args))
+        except EtcdAuthError as exc:
+            print(f"kvswitch secrets: {exc}", file=sys.stderr)
+            return 1
+    return 0

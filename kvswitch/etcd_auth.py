@@ -1,0 +1,104 @@
+"""etcd users for one kvswitch namespace, and turning etcd's authentication on.
+
+Two users, each scoped to what its processes touch (DESIGN.md's keys):
+- `router` reads the whole namespace (`/{ns}/`: workers, routers, live config) and writes its own
+  registration under `/{ns}/routers/`;
+- `worker` reads and writes `/{ns}/workers/` only (its leased registration).
+Both may read etcd3aio's health-check key, which every client reads on connect. `root` exists
+because etcd requires it before authentication can be enabled; operators keep its password.
+
+It speaks etcd's JSON gateway (`/v3/auth/...`) over plain urllib, so it runs before any asyncio
+loop exists (a test fixture, `kvswitch up` before its services start, a compose init job).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from protocol import subjects
+
+__all__ = ["PING_KEY", "EtcdAuthError", "EtcdUser", "enable_auth", "namespace_users"]
+
+PING_KEY = "__etcd3aio:ping__"
+
+
+class EtcdAuthError(RuntimeError):
+    """etcd refused a step of the authentication setup."""
+
+
+@dataclass(frozen=True)
+class EtcdUser:
+    """A user with one role of the same name: `read` prefixes, `readwrite` prefixes, `keys` read."""
+
+    name: str
+    password: str
+    read: list[str] = field(default_factory=list)
+    readwrite: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+
+def namespace_users(ns: str, router_password: str, worker_password: str) -> list[EtcdUser]:
+    subjects.validate_namespace(ns)
+    workers, routers = subjects.workers_prefix(ns), subjects.routers_prefix(ns)
+    return [
+        EtcdUser("router", router_password, read=[f"/{ns}/"], readwrite=[routers], keys=[PING_KEY]),
+        EtcdUser("worker", worker_password, readwrite=[workers], keys=[PING_KEY]),
+    ]
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    """The range end that covers every key starting with `prefix` (etcd's convention)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+class _Gateway:
+    def __init__(self, url: str, context: ssl.SSLContext | None) -> None:
+        self.url = url.rstrip("/")
+        self.context = context
+
+    def call(self, path: str, body: dict[str, object], *, exists_ok: bool = False) -> None:
+        request = urllib.request.Request(
+            f"{self.url}/v3/{path}", data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=5.0, context=self.context) as resp:
+                resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            if exists_ok and "already exists" in detail:
+                return
+            raise EtcdAuthError(f"etcd {path} at {self.url}: HTTP {exc.code}: {detail[:300]}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise EtcdAuthError(f"etcd {path} at {self.url}: {exc}") from exc
+
+
+def enable_auth(url: str, root_password: str, users: list[EtcdUser], *, context: ssl.SSLContext | None = None) -> None:
+    """Create `root` and `users` with their roles, then enable authentication. Run it once, on a
+    fresh cluster (any member's client URL); it is refused once authentication is on."""
+    gw = _Gateway(url, context)
+    gw.call("auth/role/add", {"name": "root"}, exists_ok=True)
+    gw.call("auth/user/add", {"name": "root", "password": root_password}, exists_ok=True)
+    gw.call("auth/user/grant", {"user": "root", "role": "root"})
+    for user in users:
+        gw.call("auth/role/add", {"name": user.name}, exists_ok=True)
+        grants = [(p, _prefix_end(p), "READ") for p in user.read]
+        grants += [(p, _prefix_end(p), "READWRITE") for p in user.readwrite]
+        grants += [(k, "", "READ") for k in user.keys]
+        for key, end, kind in grants:
+            perm: dict[str, str] = {"permType": kind, "key": _b64(key)}
+            if end:
+                perm["range_end"] = _b64(end)
+            gw.call("auth/role/grant", {"name": user.name, "perm": perm})
+        gw.call("auth/user/add", {"name": user.name, "password": user.password}, exists_ok=True)
+        gw.call("auth/user/grant", {"user": user.name, "role": user.name})
+    gw.call("auth/enable", {})

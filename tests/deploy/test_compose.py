@@ -1,0 +1,144 @@
+"""docker-compose.yml: every kvswitch command parses with the CLI's own parser, the security is on,
+host ports stay on 127.0.0.1, and the file validates with docker compose where it is installed.
+The Grafana dashboard only charts metrics the router exports (and the shim's, named as agreed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.commands import loopback_only, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+PASSWORDS = {f"KVSWITCH_ETCD_{r}_PASSWORD": f"test-{r.lower()}" for r in ("ROOT", "ROUTER", "WORKER")}
+# The shim's metrics as its owners name them (kvswitch_shim_*); the dashboard charts these.
+SHIM_METRICS = {
+    "kvswitch_shim_running_requests",
+    "kvswitch_shim_waiting_requests",
+    "kvswitch_shim_kv_used_blocks",
+    "kvswitch_shim_kv_total_blocks",
+    "kvswitch_shim_engine_healthy",
+    "kvswitch_shim_events_ok",
+}
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict[str, Any]]:
+    return dict(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
+
+
+def _kvswitch(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in services.items() if str(s.get("image", "")).startswith("kvswitch:")}
+
+
+def test_every_kvswitch_command_parses_with_the_cli(services: dict[str, dict[str, Any]]) -> None:
+    commands = {name: parse(s["command"])[0] for name, s in _kvswitch(services).items()}
+    assert sorted(commands.values()) == sorted(["secrets", "secrets", "sim", "shim", "sim", "shim", "router", "router"])
+
+
+def test_each_shim_listens_where_its_engine_publishes_on_loopback(services: dict[str, dict[str, Any]]) -> None:
+    shims = {n: s for n, s in services.items() if s.get("command", [None])[0] == "shim"}
+    assert len(shims) == 2
+    for shim in shims.values():
+        engine = services[shim["network_mode"].removeprefix("service:")]
+        sim_args = parse(engine["command"])[1]
+        shim_args = parse(shim["command"])[1]
+        assert sim_args.host == "127.0.0.1"
+        assert (sim_args.kv_events_config.endpoint, sim_args.kv_events_config.replay_endpoint) == (
+            shim_args.kv_events,
+            shim_args.kv_replay,
+        )
+        assert loopback_only(shim_args.kv_events) and shim_args.engine_url.startswith("http://127.0.0.1:")
+        assert shim["environment"]["KVSWITCH_ETCD_USER"] == "worker"
+
+
+def test_security_is_on(services: dict[str, dict[str, Any]]) -> None:
+    secrets = parse(services["secrets"]["command"])[1]
+    for name, service in _kvswitch(services).items():
+        command = parse(service["command"])
+        if command[0] not in ("router", "shim"):
+            continue
+        env = service["environment"]
+        assert env["KVSWITCH_NATS_SERVERS"].startswith("tls://") and env["KVSWITCH_NATS_TLS_CA"]
+        assert env["KVSWITCH_ETCD_ENDPOINTS"].startswith("https://") and env["KVSWITCH_ETCD_TLS_CA"]
+        assert env["KVSWITCH_ETCD_PASSWORD"].startswith("${")  # from the operator, never in the file
+        seed = Path(command[1].nats_nkey_file).name
+        identities = [f"router-{r}.nk" for r in secrets.routers] + [f"worker-{w}.nk" for w in secrets.workers]
+        assert seed in identities, f"{name} uses {seed}, which `kvswitch secrets` does not write"
+    nats_conf = (ROOT / "deploy" / "compose" / "nats.conf").read_text()
+    assert "tls {" in nats_conf and 'include "secrets/nats-auth.conf"' in nats_conf
+    assert "--cert-file=/secrets/tls/tls.crt" in services["etcd"]["command"]
+
+
+def test_host_ports_are_published_on_loopback_only(services: dict[str, dict[str, Any]]) -> None:
+    published = [p for s in services.values() for p in s.get("ports", [])]
+    assert published
+    assert all(str(p).startswith("127.0.0.1:") for p in published), published
+
+
+def test_the_monitoring_profile_runs_prometheus_and_grafana(services: dict[str, dict[str, Any]]) -> None:
+    assert services["prometheus"]["profiles"] == ["monitoring"] == services["grafana"]["profiles"]
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert {"router-1:8080", "router-2:8080"} <= targets
+    assert {t.split(":")[0] for t in targets} <= services.keys()
+
+
+def _router_metric_names() -> set[str]:
+    source = (ROOT / "router" / "metrics.py").read_text()
+    names = set(re.findall(r'"(kvswitch_router_[a-z_]+)"', source))
+    counters = set(re.findall(r'CounterMetricFamily\(\s*"(kvswitch_router_[a-z_]+)"', source))
+    counters |= set(re.findall(r'Counter\(\s*"(kvswitch_router_[a-z_]+)"', source))
+    histograms = set(re.findall(r'Histogram\(\s*"(kvswitch_router_[a-z_]+)"', source))
+    return (
+        names
+        | {f"{c}_total" for c in counters}
+        | {f"{h}_{suffix}" for h in histograms for suffix in ("bucket", "sum", "count")}
+    )
+
+
+def test_the_dashboard_charts_only_metrics_that_exist() -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "kvswitch.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"kvswitch_[a-z_]+", e)}
+    router = {m for m in used if m.startswith("kvswitch_router_")}
+    assert router <= _router_metric_names(), router - _router_metric_names()
+    assert {m for m in used if m.startswith("kvswitch_shim_")} <= SHIM_METRICS
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("outcome", "bypass", "ttft", "itl", "index", "lag", "per-worker load", "shim health"):
+        assert topic in titles, topic
+
+
+def _compose_command() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    return None
+
+
+def test_docker_compose_config_validates() -> None:
+    compose = _compose_command()
+    if compose is None:
+        pytest.skip("neither docker-compose nor the docker compose plugin is installed")
+    for profile in ([], ["--profile", "monitoring"]):
+        out = subprocess.run(
+            [*compose, *profile, "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+            capture_output=True, text=True, timeout=60, env={**os.environ, **PASSWORDS},
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+    unset = {k: v for k, v in os.environ.items() if k not in PASSWORDS}
+    out = subprocess.run(
+        [*compose, "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+        capture_output=True, text=True, timeout=60, env=unset,
+    )  # fmt: skip
+    assert out.returncode != 0 and "KVSWITCH_ETCD_" in out.stderr  # no default password to fall back on

@@ -1,0 +1,100 @@
+"""`kvswitch secrets` and what it writes, used by real servers: certificates that nats-server and
+etcd serve and clients verify, and etcd users scoped to their prefixes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from etcd3aio import Etcd3Client
+
+from discovery import Discovery
+from kvswitch.certs import write_tls
+from kvswitch.servers import EtcdServer, NatsServer
+from protocol.config import EtcdSettings, NatsSettings
+
+
+def _secrets(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvswitch", "secrets", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def test_a_rerun_keeps_seeds_and_certificates_and_adds_new_workers(tmp_path: Path) -> None:
+    first = _secrets("--out", str(tmp_path), "--routers", "r0", "--workers", "w0", "--tls-hosts", "nats,127.0.0.1")
+    assert first.returncode == 0, first.stderr
+    seed, ca = (tmp_path / "worker-w0.nk").read_text(), (tmp_path / "tls" / "ca.pem").read_bytes()
+    again = _secrets("--out", str(tmp_path), "--routers", "r0", "--workers", "w0,w1", "--tls-hosts", "nats")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "worker-w0.nk").read_text() == seed
+    assert (tmp_path / "tls" / "ca.pem").read_bytes() == ca
+    assert (tmp_path / "worker-w1.nk").is_file()
+
+
+def test_a_bad_worker_name_is_refused_naming_it(tmp_path: Path) -> None:
+    out = _secrets("--out", str(tmp_path), "--workers", "decode.0")
+    assert out.returncode == 2 and "'decode.0' must match" in out.stderr
+    assert not (tmp_path / "nats-auth.conf").exists()
+
+
+def test_files_need_an_out_directory() -> None:
+    out = _secrets("--workers", "w0")
+    assert out.returncode == 2 and "need --out DIR" in out.stderr
+
+
+async def test_generated_certificates_serve_nats_and_etcd(tmp_path: Path) -> None:
+    tls = write_tls(tmp_path, ["127.0.0.1", "localhost"])
+    with NatsServer(tls=tls) as server, EtcdServer(tls=tls) as etcd:
+        nc = await nats.connect(**NatsSettings(servers=[server.url], tls_ca=str(tls.ca)).connect_options("t"))
+        await nc.close()
+        async with Discovery(EtcdSettings(endpoints=[etcd.url], tls_ca=str(tls.ca)), "certs") as d:
+            await d.put_raw("/certs/config/router", b"{}")
+
+
+def test_etcd_auth_through_the_cli_scopes_each_user_to_its_prefixes(etcd_server_auth: EtcdServer) -> None:
+    async def check() -> None:
+        worker = Discovery(EtcdSettings(endpoints=[etcd_server_auth.url], user="worker", password="w"), "sc")
+        await worker.connect()
+        try:
+            await worker.put_raw("/sc/workers/x", b"{}")
+            with pytest.raises(Exception, match="permission denied"):
+                await worker.put_raw("/sc/routers/x", b"{}")
+            with pytest.raises(Exception, match="permission denied"):
+                await worker.put_raw("/other/workers/x", b"{}")
+        finally:
+            await worker.close()
+        anonymous = Etcd3Client([etcd_server_auth.url.split("://", 1)[1]])
+        await anonymous.connect()
+        try:
+            assert anonymous.kv is not None
+            with pytest.raises(Exception, match="user name is empty"):
+                await anonymous.kv.get("/sc/workers/x")
+        finally:
+            await anonymous.close()
+
+    asyncio.run(check())
+
+
+@pytest.fixture
+def etcd_server_auth(tmp_path: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer().start()
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "KVSWITCH_ETCD_ROOT_PASSWORD": "r",
+        "KVSWITCH_ETCD_ROUTER_PASSWORD": "o",
+        "KVSWITCH_ETCD_WORKER_PASSWORD": "w",
+    }
+    args = ("--namespace", "sc", "--etcd-endpoint", server.url)
+    try:
+        out = _secrets(*args, env=env)
+        assert out.returncode == 0 and "etcd authentication on" in out.stdout, out.stderr
+        out = _secrets(*args, env=env)
+        assert out.returncode == 0 and "already on" in out.stdout, out.stderr
+        yield server
+    finally:
+        server.close()
