@@ -237,11 +237,6 @@ async def _forge(url: str, seed: Path) -> str:
         await forger.nc.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the shim has no --worker-name yet (its owners are adding it), so LocalCluster(nats_auth=True) "
-    "refuses to start: per-worker permissions need a worker id known before the shim registers",
-)
 def test_a_whole_cluster_serves_under_permissions_and_a_forged_batch_leaves_the_index_alone() -> None:
     spec = ClusterSpec(namespace=NS, agg=2, routers=1, speedup=20.0, nats_auth=True, etcd_auth=True)
     cluster = LocalCluster(spec)
@@ -250,7 +245,11 @@ def test_a_whole_cluster_serves_under_permissions_and_a_forged_batch_leaves_the_
         cluster.wait_ready(timeout=60)
         url = cluster.router_urls[0]
         assert _complete(url) == 200
+        deadline = time.monotonic() + 20
+        while _index_entries(url) < 4 and time.monotonic() < deadline:  # the prompt's 4 blocks, by KV events
+            time.sleep(0.05)
         before = _index_entries(url)
+        assert before == 4
         assert cluster.secrets_dir is not None and cluster.nats is not None
         seed = cluster.secrets_dir / "worker-agg-0.nk"
         assert "permissions violation for publish" in asyncio.run(_forge(cluster.nats.urls[0], seed)).lower()
