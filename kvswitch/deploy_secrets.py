@@ -6,6 +6,8 @@
 - TLS (`--tls-hosts`): a private CA and one certificate for NATS and etcd (kvswitch.certs).
 - etcd (`--etcd-endpoint`): creates the `router` and `worker` users and turns authentication on,
   with the passwords from KVSWITCH_ETCD_{ROOT,ROUTER,WORKER}_PASSWORD.
+- Router API keys (`--api-keys N`): `api-keys`, N random bearer keys for `kvswitch router
+  --api-keys-file` (mode 0600; add or remove lines to rotate, the routers reload it).
 
 Rerunning it keeps every key, certificate and seed already there and adds what is new (a worker
 name added to `--workers` gets a seed; the others keep theirs). It is the docker-compose init job
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -45,6 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--etcd-endpoint", default=None, metavar="URL",
                         help="turn etcd authentication on there; passwords from KVSWITCH_ETCD_*_PASSWORD")  # fmt: skip
     parser.add_argument("--etcd-ca", default=None, metavar="FILE", help="CA that signed etcd's certificate")
+    parser.add_argument("--api-keys", type=int, default=0, metavar="N",
+                        help="write N router API keys to OUT/api-keys (kept on rerun)")  # fmt: skip
+
+
+def write_api_keys(out: Path, count: int) -> Path:
+    """`out/api-keys` with at least `count` keys; keys already there are kept."""
+    path = out / "api-keys"
+    held = [k for k in path.read_text().splitlines() if k.strip()] if path.exists() else []
+    keys = held + [f"sk-kvswitch-{secrets.token_urlsafe(32)}" for _ in range(max(0, count - len(held)))]
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(k + "\n" for k in keys))
+    path.chmod(0o600)
+    return path
 
 
 def _enable_etcd_auth(args: argparse.Namespace) -> str:
@@ -66,12 +82,18 @@ def _enable_etcd_auth(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    writes = bool(args.routers or args.workers or args.tls_hosts)
+    if args.api_keys < 0:
+        print(f"kvswitch secrets: --api-keys must be >= 0, got {args.api_keys}", file=sys.stderr)
+        return 2
+    writes = bool(args.routers or args.workers or args.tls_hosts or args.api_keys)
     if writes and args.out is None:
-        print("kvswitch secrets: --routers, --workers and --tls-hosts need --out DIR", file=sys.stderr)
+        print("kvswitch secrets: --routers, --workers, --tls-hosts and --api-keys need --out DIR", file=sys.stderr)
         return 2
     if not writes and not args.etcd_endpoint:
-        print("kvswitch secrets: nothing to do: give --workers, --tls-hosts or --etcd-endpoint", file=sys.stderr)
+        print(
+            "kvswitch secrets: nothing to do: give --workers, --tls-hosts, --api-keys or --etcd-endpoint",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out) if args.out is not None else Path()
     if args.routers or args.workers:
@@ -89,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
         tls = write_tls(out / "tls", args.tls_hosts)
         print(f"TLS: CA {tls.ca}, certificate {tls.cert} for {', '.join(args.tls_hosts)}")
+    if args.api_keys:
+        print(f"API keys: {write_api_keys(out, args.api_keys)}")
     if args.etcd_endpoint:
         try:
             print(_enable_etcd_auth(args))

@@ -98,3 +98,18 @@ def etcd_server_auth(tmp_path: Path) -> Iterator[EtcdServer]:
         yield server
     finally:
         server.close()
+
+
+def test_api_keys_are_written_private_kept_on_rerun_and_accepted_by_the_router(tmp_path: Path) -> None:
+    from router.api_keys import ApiKeys
+
+    first = _secrets("--out", str(tmp_path), "--api-keys", "2")
+    assert first.returncode == 0, first.stderr
+    path = tmp_path / "api-keys"
+    keys = path.read_text().split()
+    assert len(keys) == 2 and len(set(keys)) == 2 and (path.stat().st_mode & 0o777) == 0o600
+    assert _secrets("--out", str(tmp_path), "--api-keys", "3").returncode == 0
+    again = path.read_text().split()
+    assert again[:2] == keys and len(again) == 3
+    assert all(ApiKeys(path).allows(f"Bearer {k}") for k in again)
+    assert _secrets("--out", str(tmp_path), "--api-keys", "-1").returncode == 2
