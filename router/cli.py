@@ -138,4 +138,4 @@ def run(args: argparse.Namespace) -> int:
             log.info("draining")
         return 0
 
-    return run_service(main)
+    return run_service(main, service="kvswitch-router")

@@ -55,13 +55,27 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
     root.setLevel(level)
 
 
-def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
+def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]], *, service: str | None = None) -> int:
     """Run `main(stop)` on uvloop (when installed) until it returns; SIGTERM/SIGINT set `stop`.
 
-    A second signal while draining exits at once with status 130.
+    A second signal while draining exits at once with status 130. With `service` named, traces are
+    exported over OTLP when the OTEL_* environment asks for it (runtime.telemetry), and flushed at
+    the end.
     """
     configure_logging()
+    provider = None
+    if service is not None:
+        from runtime.telemetry import configure_tracing
 
+        provider = configure_tracing(service)
+    try:
+        return _run(main)
+    finally:
+        if provider is not None:
+            provider.shutdown()
+
+
+def _run(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
     async def runner() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -110,4 +110,4 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return 0
 
-    return run_service(main)
+    return run_service(main, service="kvswitch-shim")
