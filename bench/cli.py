@@ -5,6 +5,7 @@ kvswitch bench replay --url URL --workload shared-prefix --groups 8 --prompts-pe
 kvswitch bench summary bench/out/replay-....jsonl --latency-scale 10
 kvswitch bench compare --prefill 2 --decode 2 --rates 0.5,1,2 --runs 3
 kvswitch bench compare --demo          # what `make demo` runs: <= 3 minutes on 2 cores
+kvswitch bench chaos --scenarios all   # faults under load against a local cluster (docs/reliability.md)
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ def _add_slo_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{replay,summary,compare}")
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{replay,summary,compare,chaos}")
+    from bench import chaos
+
+    chaos.add_arguments(sub.add_parser("chaos", help="faults injected into a local cluster under load; one table"))
 
     rp = sub.add_parser("replay", help="replay a trace or synthetic workload against router URLs")
     rp.add_argument("--url", action="append", required=True, help="router (or engine) base URL; repeat for replicas")
@@ -274,6 +278,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "chaos":
+        from bench import chaos
+
+        return chaos.run(args)
     try:
         if args.bench_command == "replay":
             return asyncio.run(_replay(args, _replay_items(args)))
