@@ -10,6 +10,7 @@ import time
 import aiohttp
 import grpc
 from nats.aio.client import Client
+from prometheus_client.parser import text_string_to_metric_families
 
 from discovery import Discovery
 from kvswitch.servers import EtcdServer
@@ -141,3 +142,25 @@ async def test_an_etcd_outage_of_15_s_costs_no_request_and_no_worker_id(
             assert status == 200
         finally:
             await c.close()
+
+
+async def test_a_client_that_leaves_is_counted_as_499_not_as_a_server_error(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    worker = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    body = {"model": MODEL, "prompt": list(range(50)), "max_tokens": 100000, "stream": True, "ignore_eos": True}
+    resp = await http.post(router.url + "/v1/completions", json=body)
+    await resp.content.readline()
+    resp.close()
+    await until(lambda: not worker.sim.engine.running, what="the cancel")
+
+    def count(code: str) -> float:
+        for family in text_string_to_metric_families(router.metrics.render().decode()):
+            for sample in family.samples:
+                if sample.name == "kvswitch_router_requests_total" and sample.labels.get("code") == code:
+                    return float(sample.value)
+        return 0.0
+
+    await until(lambda: count("499") == 1, what="499 counted")
+    assert count("500") == 0
