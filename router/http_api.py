@@ -376,6 +376,9 @@ class _Handlers:
         except asyncio.CancelledError:
             status = CLIENT_CLOSED
             raise
+        except ConnectionResetError:  # the client left while we wrote to it
+            status = CLIENT_CLOSED
+            raise web.HTTPException() from None
         finally:
             self.path.metrics.count_request(endpoint, status)
 
