@@ -13,7 +13,7 @@ The table, one row per scenario:
 - recovery: from the fault to the end of the last request sent after it that failed or took more
   than twice the calm p90 TTFT (and 0.25 s more than it: this machine's noise) (0: nothing noticed);
 - index ok: every router's index of every live worker equals the canonical hashes of the engine's
-  own cached blocks (`/sim/state?prefixes=1`), compared by digest (count and XOR).
+  own cached blocks (`/sim/state?canonical=1`), compared by digest (count and XOR).
 
 Latencies are wall seconds of this machine (the engines run 5x faster than an H200: multiply by 5
 for modelled time); the fault times are wall seconds too.
@@ -39,8 +39,9 @@ import msgspec
 from discovery import Discovery, put_config
 from kvswitch.client import Completion, CompletionClient
 from kvswitch.cluster import ClusterSpec, LocalCluster
-from protocol import KvEventBatch, Stored, WorkerInfo, block_hashes, encode_msg, subjects
+from protocol import KvEventBatch, Stored, WorkerInfo, encode_msg, subjects
 from protocol.config import EtcdSettings
+from protocol.timing import TimingModel
 
 __all__ = ["SCENARIOS", "ChaosResult", "add_arguments", "format_table", "run", "run_scenario"]
 
@@ -95,8 +96,9 @@ class Scenario:
     what: str
     fault: Fault | None
     sim_args: tuple[str, ...] = ()
-    rate_factor: float = 1.0  # times the steady rate
-    expect_refused: bool = False
+    capacity_factor: float | None = None  # instead of the steady rate: this many times the fleet's capacity
+    prompt_tokens: int | None = None  # instead of the steady mix: prompts this long (a shared 512 first)
+    speedup: float | None = None  # instead of the cluster's
 
 
 async def _hanging_worker(c: Chaos) -> None:
@@ -185,7 +187,14 @@ SCENARIOS: dict[str, Scenario] = {
             "event_loss_10pct", "every engine drops 10% of its KV batches", None, ("--drop-event-fraction", "0.1")
         ),
         Scenario("live_config", "a canary key and a NaN in the live config", _bad_live_config),
-        Scenario("overload_5x", "5x the steady rate", None, rate_factor=5.0, expect_refused=True),
+        Scenario(
+            "overload_5x",
+            "5x what the fleet can prefill: 16k-token prompts at H200 speed",
+            None,
+            capacity_factor=5.0,
+            prompt_tokens=16_384,
+            speedup=1.0,
+        ),
     )
 }
 
@@ -212,7 +221,14 @@ class _Sent:
 
 
 async def _load(
-    c: Chaos, rate: float, until: float, out: list[_Sent], rng: random.Random, *, max_tokens: int = 24
+    c: Chaos,
+    rate: float,
+    until: float,
+    out: list[_Sent],
+    rng: random.Random,
+    *,
+    max_tokens: int = 24,
+    prompt_tokens: int | None = None,
 ) -> None:
     client = CompletionClient(c.http, MODEL, timeout_s=60.0)
     systems = [[rng.randrange(1, 30_000) for _ in range(512)] for _ in range(6)]
@@ -224,7 +240,8 @@ async def _load(
         out.append(_Sent(at, await client.complete(url, prompt, max_tokens, request_id=uuid.uuid4().hex)))
 
     while time.monotonic() < until:
-        prompt = rng.choice(systems) + [rng.randrange(1, 30_000) for _ in range(rng.randrange(32, 512))]
+        tail = prompt_tokens - 512 if prompt_tokens is not None else rng.randrange(32, 512)
+        prompt = rng.choice(systems) + [rng.randrange(1, 30_000) for _ in range(tail)]
         url = c.cluster.router_urls[n % len(c.cluster.router_urls)]
         tasks.append(asyncio.create_task(one(url, prompt, time.monotonic())))
         n += 1
@@ -236,9 +253,8 @@ async def _truth_matches(c: Chaos) -> tuple[bool, str]:
     """Every router's digest of every live worker equals the engine's own cache."""
     truths: dict[str, tuple[int, int]] = {}
     for engine in c.cluster.engines:
-        async with c.http.get(engine.url + "/sim/state", params={"prefixes": "1"}) as r:
-            prefixes = (await r.json())["cached_block_prefixes"]
-        hashes = {block_hashes(p, BLOCK)[-1] for p in prefixes}
+        async with c.http.get(engine.url + "/sim/state", params={"canonical": "1"}) as r:
+            hashes = set((await r.json())["cached_canonical_hashes"])
         xor = 0
         for h in hashes:
             xor ^= h
@@ -271,7 +287,7 @@ async def _measure(
         rng = random.Random(seed)
         t0 = time.monotonic()
         load = asyncio.create_task(
-            _load(c, rate * scenario.rate_factor, t0 + warmup_s + window_s + settle_s, sent, rng)
+            _load(c, rate, t0 + warmup_s + window_s + settle_s, sent, rng, prompt_tokens=scenario.prompt_tokens)
         )
         await asyncio.sleep(warmup_s)
         fault_at = time.monotonic()
@@ -313,6 +329,13 @@ async def _measure(
     )
 
 
+def fleet_capacity(engines: int, prompt_tokens: int, speedup: float, profile: str = "h200:llama-3.1-8b") -> float:
+    """Requests per second `engines` can prefill when each prompt's first 512 tokens are cached:
+    the timing model's own prefill time, at the engines' speed-up."""
+    seconds = TimingModel.for_profile(profile).prefill_time(prompt_tokens - 512, 512, budget=8192)
+    return engines * speedup / seconds
+
+
 def run_scenario(
     scenario: Scenario,
     *,
@@ -323,6 +346,9 @@ def run_scenario(
     speedup: float = 5.0,
     seed: int = 0,
 ) -> ChaosResult:
+    speedup = scenario.speedup or speedup
+    if scenario.capacity_factor is not None:
+        rate = scenario.capacity_factor * fleet_capacity(4, scenario.prompt_tokens or 1024, speedup)
     spec = ClusterSpec(
         prefill=1, decode=3, routers=2, speedup=speedup, namespace="chaos" + uuid.uuid4().hex[:8],
         router_args=["--conditional-disagg"], sim_args=list(scenario.sim_args),

@@ -9,7 +9,9 @@ The sim's own routes (not in vLLM; under /sim/ so they never clash):
 - POST /sim/faults: change fault knobs live (engine_sim/faults.py); `{"crash": true}` or
   `{"restart": true}` act at once (202);
 - GET /sim/state: engine id, blocks in use, prefill tokens computed, queue lengths, event seq, faults;
-  `?prefixes=1` adds `cached_block_prefixes` (token ids of every cached block's whole prefix).
+  `?prefixes=1` adds `cached_block_prefixes` (token ids of every cached block's whole prefix);
+  `?canonical=1` adds `cached_canonical_hashes` (each cached block's canonical hash, once: what a
+  router's index should hold for this engine; linear in the cache, where prefixes are quadratic).
 
 Text is encoded with the built-in tokenizer (protocol.tokenizer), chat messages through its ChatML
 template. A client disconnect cancels the handler (aiohttp handler cancellation) and aborts the
@@ -169,6 +171,8 @@ async def state(request: web.Request) -> web.Response:
     }
     if request.query.get("prefixes"):
         out["cached_block_prefixes"] = eng.cached_block_prefixes()
+    if request.query.get("canonical"):
+        out["cached_canonical_hashes"] = eng.cached_canonical_hashes()
     return json_response(out)
 
 

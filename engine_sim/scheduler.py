@@ -27,10 +27,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_sim.block_hash import HashChains, root_hash
+from engine_sim.block_hash import HashChains, HashedBlock, root_hash
 from engine_sim.block_pool import BlockPool
 from engine_sim.request import RequestStatus, SimRequest
 from engine_sim.stats import EngineStats
+from protocol.hashing import BlockHasher
 from protocol.timing import TimingModel
 
 __all__ = ["Scheduler", "StepOutput", "StepResult"]
@@ -165,6 +166,26 @@ class Scheduler:
         """For every block now in the prefix cache, the token ids from the start through that
         block (duplicates appear once per physical block)."""
         return [b.hashed.prefix() for b in self.pool.cached_blocks() if b.hashed is not None]
+
+    def cached_canonical_hashes(self) -> list[int]:
+        """The canonical hash (protocol.hashing) of every block now in the prefix cache, each once:
+        what a router's index should hold for this engine. Each chain is hashed once, parents first,
+        so this costs one hash per distinct block (the prefixes above grow with the square)."""
+        hasher = BlockHasher(self.block_size)
+        memo: dict[int, int] = {}
+
+        def canonical(node: HashedBlock) -> int:
+            chain: list[HashedBlock] = []
+            cur: HashedBlock | None = node
+            while cur is not None and id(cur) not in memo:
+                chain.append(cur)
+                cur = cur.parent
+            parent = memo[id(cur)] if cur is not None else None
+            for block in reversed(chain):
+                parent = memo[id(block)] = hasher.extend(parent, block.tokens)[0]
+            return memo[id(node)]
+
+        return sorted({canonical(b.hashed) for b in self.pool.cached_blocks() if b.hashed is not None})
 
     @property
     def num_blocks_in_use(self) -> int:

@@ -138,4 +138,4 @@ def run(args: argparse.Namespace) -> int:
             log.info("draining")
         return 0
 
-    return run_service(main, service="kvswitch-router")
+    return run_service(main, service="kvswitch-router", drain_limit_s=config.drain_s + 30.0)

@@ -55,12 +55,18 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
     root.setLevel(level)
 
 
-def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]], *, service: str | None = None) -> int:
+def run_service(
+    main: Callable[[asyncio.Event], Awaitable[int | None]],
+    *,
+    service: str | None = None,
+    drain_limit_s: float = 60.0,
+) -> int:
     """Run `main(stop)` on uvloop (when installed) until it returns; SIGTERM/SIGINT set `stop`.
 
-    A second signal while draining exits at once with status 130. With `service` named, traces are
-    exported over OTLP when the OTEL_* environment asks for it (runtime.telemetry), and flushed at
-    the end.
+    A second signal while draining exits at once with status 130; so does a drain that takes longer
+    than `drain_limit_s` (logged as an ERROR): a process whose NATS or etcd vanished under it must
+    still go when its supervisor says so. With `service` named, traces are exported over OTLP when
+    the OTEL_* environment asks for it (runtime.telemetry), and flushed at the end.
     """
     configure_logging()
     provider = None
@@ -69,13 +75,13 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]], *, servi
 
         provider = configure_tracing(service)
     try:
-        return _run(main)
+        return _run(main, drain_limit_s)
     finally:
         if provider is not None:
             provider.shutdown()
 
 
-def _run(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
+def _run(main: Callable[[asyncio.Event], Awaitable[int | None]], drain_limit_s: float) -> int:
     async def runner() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -86,6 +92,11 @@ def _run(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
                 os._exit(130)
             logging.getLogger("kvswitch").info("%s: draining", signal.Signals(signum).name)
             stop.set()
+            loop.call_later(drain_limit_s, too_slow)
+
+        def too_slow() -> None:
+            logging.getLogger("kvswitch").error("still draining after %.0fs: exiting now", drain_limit_s)
+            os._exit(130)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)

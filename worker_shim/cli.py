@@ -110,4 +110,5 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return 0
 
-    return run_service(main, service="kvswitch-shim")
+    # The in-flight grace, then the lease revocation and NATS drain, each bounded by their own timeouts.
+    return run_service(main, service="kvswitch-shim", drain_limit_s=shim_cfg.drain_grace_s + 30.0)

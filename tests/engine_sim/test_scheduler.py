@@ -78,6 +78,17 @@ def test_cached_block_prefixes_match_canonical_chain() -> None:
     assert len({block_hashes(p, 16)[-1] for p in prefixes}) == 3
 
 
+def test_cached_canonical_hashes_are_each_cached_blocks_chain_hash_once() -> None:
+    s = make(num_gpu_blocks=64)
+    s.add_request(req("a", 100, base=1000))
+    s.add_request(req("b", 100, base=1000))  # the same prompt: shared blocks, hashed once
+    s.add_request(req("c", 70, base=5000))
+    run(s)
+    expected = {block_hashes(prefix, s.block_size)[-1] for prefix in s.cached_block_prefixes()}
+    got = s.cached_canonical_hashes()
+    assert got == sorted(expected) and len(got) == len(expected) > 0
+
+
 def test_preemption_by_recompute_when_blocks_run_out() -> None:
     s = make(num_gpu_blocks=6, max_num_batched_tokens=512)
     s.add_request(req("a", 40, max_tokens=30))

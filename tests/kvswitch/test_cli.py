@@ -23,3 +23,26 @@ def test_unknown_subcommand_is_refused_with_the_choices() -> None:
 
 def test_version() -> None:
     assert _kvswitch("--version").stdout.startswith("kvswitch ")
+
+
+def test_a_drain_that_hangs_is_cut_at_its_limit() -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import asyncio, os, signal
+        from runtime import run_service
+
+        async def main(stop):
+            asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
+            await stop.wait()
+            await asyncio.sleep(3600)  # a drain that never ends
+
+        raise SystemExit(run_service(main, drain_limit_s=0.5))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 130
+    assert "still draining after" in done.stderr
