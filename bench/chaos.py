@@ -249,6 +249,22 @@ async def _load(
     await asyncio.gather(*tasks)
 
 
+async def _quiet(c: Chaos, timeout_s: float = 60.0) -> None:
+    """Until no engine runs or queues a request (after an overload they work on for a while), then
+    a moment for their last events to land."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = 0
+        for engine in c.cluster.engines:
+            async with c.http.get(engine.url + "/sim/state") as r:
+                st = await r.json()
+            busy += st["running"] + st["waiting"]
+        if not busy:
+            break
+        await asyncio.sleep(0.25)
+    await asyncio.sleep(2.0)
+
+
 async def _truth_matches(c: Chaos) -> tuple[bool, str]:
     """Every router's digest of every live worker equals the engine's own cache."""
     truths: dict[str, tuple[int, int]] = {}
@@ -298,7 +314,7 @@ async def _measure(
             await c.heal()
             c.notes.append("healed")
         await load
-        await asyncio.sleep(2.0)  # let the last events and any repair land
+        await _quiet(c)
         ok, detail = await _truth_matches(c)
     calm = [s.done.ttft_s for s in sent if s.at < fault_at and s.done.ok and s.done.ttft_s is not None]
     after = [s for s in sent if s.at >= fault_at]

@@ -13,6 +13,8 @@ keys below, plus `"crash": true` or `"restart": true`).
 - slowdown F: every step takes F times its modelled duration (a throttled or shared GPU).
 - drop_event_fraction F: that fraction of KV event batches is not sent on the PUB socket; each
   still takes a seq and stays in the replay buffer, as if lost on the network.
+- health_delay_s S: /health answers only after S seconds (an API server too loaded to answer its
+  probes in time). Live only (POST /sim/faults or `SimServer.faults`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ __all__ = ["Faults"]
 
 
 class Faults:
-    __slots__ = ("_hang", "_on_change", "crash_after", "drop_event_fraction", "hang_after", "requests_seen", "slowdown")
+    __slots__ = (
+        "_hang",
+        "_on_change",
+        "crash_after",
+        "drop_event_fraction",
+        "hang_after",
+        "health_delay_s",
+        "requests_seen",
+        "slowdown",
+    )
 
     def __init__(
         self,
@@ -36,6 +47,7 @@ class Faults:
         self.crash_after = crash_after
         self.hang_after = hang_after
         self.slowdown = slowdown
+        self.health_delay_s = 0.0
         self.drop_event_fraction = drop_event_fraction
         self.requests_seen = 0
         self._hang = False
@@ -68,5 +80,6 @@ class Faults:
             "hang": self._hang,
             "slowdown": self.slowdown,
             "drop_event_fraction": self.drop_event_fraction,
+            "health_delay_s": self.health_delay_s,
             "requests_seen": self.requests_seen,
         }

@@ -20,6 +20,7 @@ request in the engine.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +93,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    delay = request.app[SERVER_KEY].faults.health_delay_s
+    if delay > 0:
+        await asyncio.sleep(delay)
     return web.Response(status=200)
 
 
@@ -126,6 +130,7 @@ class _FaultsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hang_after: int | None = None
     hang: bool | None = None
     slowdown: float | None = None
+    health_delay_s: float | None = None
     drop_event_fraction: float | None = None
     crash: bool = False
     restart: bool = False
@@ -138,7 +143,7 @@ async def faults(request: web.Request) -> web.Response:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         return json_response(fmt.error_body(str(exc), "BadRequestError", None, 400), 400)
     f = srv.faults
-    for name in ("crash_after", "hang_after", "slowdown", "drop_event_fraction"):
+    for name in ("crash_after", "hang_after", "slowdown", "drop_event_fraction", "health_delay_s"):
         value = getattr(body, name)
         if value is not None:
             setattr(f, name, value)

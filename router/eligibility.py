@@ -14,7 +14,9 @@ usual. A worker is excluded while (first reason wins):
   within 3 default periods of registering;
 - `unreachable`: a request to it found no responder or its stream stopped; it ends with the next
   load report received after the mark;
-- `engine_unhealthy`: its shim reports the engine failing.
+- `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
+  answer in time). Soft: such a worker is left out only while a healthy one of its pool remains,
+  since a whole fleet too busy to answer its probes must still serve rather than refuse everything.
 
 `tokenizer` is not an exclusion but a per-request check: a text prompt needs the router's tokenizer
 to be the worker's (fingerprints equal); a token-id prompt needs no tokenizer.
@@ -61,6 +63,11 @@ class WorkerStatus:
     @property
     def routable(self) -> bool:
         return self.exclusion is None
+
+    @property
+    def soft(self) -> bool:
+        """Left out only while another worker of its pool is routable."""
+        return self.exclusion is Exclusion.ENGINE_UNHEALTHY
 
     def explain(self) -> dict[str, Any]:
         return {

@@ -119,25 +119,35 @@ class Planner:
         statuses = self.eligibility.statuses(infos)
         overlap = self.index.match(ctx.hashes) if ctx.hashes else {}
         pending = self.pending.match(ctx.hashes) if ctx.hashes else {}
-        decode: list[Candidate] = []
-        prefill: list[Candidate] = []
+        pools: dict[bool, list[Candidate]] = {True: [], False: []}  # prefill role?
+        soft: dict[bool, list[tuple[Candidate, dict[str, Any]]]] = {True: [], False: []}
         excluded: list[dict[str, Any]] = []
         for info, status in zip(infos, statuses, strict=True):
             w = info.worker
             if w in exclude:
                 excluded.append({**status.explain(), "routable": False, "excluded": "tried", "why": "tried already"})
                 continue
-            if not status.routable:
-                excluded.append(status.explain())
-                continue
             if ctx.text and not status.tokenizer_ok:
                 excluded.append(
                     {**status.explain(), "routable": False, "excluded": "tokenizer", "why": self._tokenizer_why(info)}
                 )
                 continue
+            if not status.routable and not status.soft:
+                excluded.append(status.explain())
+                continue
             blocks = max(overlap.get(w, 0), pending.get(w, 0))
             c = Candidate.of(info, blocks, self.view.load(w))
-            (prefill if info.role == "prefill" else decode).append(c)
+            is_prefill = info.role == "prefill"
+            if status.routable:
+                pools[is_prefill].append(c)
+            else:
+                soft[is_prefill].append((c, status.explain()))
+        for is_prefill, held in soft.items():
+            if pools[is_prefill]:
+                excluded += [why for _, why in held]
+            else:  # nothing better in this pool: the soft-excluded serve
+                pools[is_prefill] = [c for c, _ in held]
+        decode, prefill = pools[False], pools[True]
         ctx.decode_pool, ctx.prefill_pool, ctx.excluded = decode, prefill, excluded
         if not decode:
             raise self._no_decode_worker(ctx)

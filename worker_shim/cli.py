@@ -49,6 +49,7 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
     ("drain_grace_s", float, "seconds in-flight requests may finish after SIGTERM (default 30)"),
     ("health_interval_s", float, "seconds between engine health checks (default 1)"),
     ("health_failures", int, "failed health checks in a row that deregister the worker (default 2)"),
+    ("busy_limit_s", float, "seconds an engine may leave its health check unanswered before deregistering (30)"),
     ("namespace", str, "cluster namespace for subjects and keys (default kvswitch)"),
 ]
 

@@ -60,7 +60,10 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     http_host, http_port: the shim's own HTTP server (/health, /metrics); port 0 picks a free one.
     drain_grace_s: on SIGTERM, how long in-flight requests may run before they are aborted.
     health_interval_s: how often the engine's /health and load are polled.
-    health_failures: consecutive failed health checks that mean the engine is gone.
+    health_failures: consecutive failed health checks (refused, reset, an error status) that mean the
+        engine is gone.
+    busy_limit_s: how long an engine may leave its health check unanswered (a timeout: loaded, or
+        hung) before the worker deregisters; a loaded engine answers late, a hung one never.
     namespace: the cluster namespace (subjects and keys).
     """
 
@@ -89,6 +92,7 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     drain_grace_s: float = 30.0
     health_interval_s: float = 1.0
     health_failures: int = 2
+    busy_limit_s: float = 30.0
     namespace: str = subjects.DEFAULT_NAMESPACE
 
     def validate(self) -> ShimConfig:
@@ -158,6 +162,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("health_interval_s", self.health_interval_s, "must be > 0")
         if self.health_failures < 1:
             raise ConfigError("health_failures", self.health_failures, "must be >= 1")
+        if not self.busy_limit_s > 0:
+            raise ConfigError("busy_limit_s", self.busy_limit_s, "must be > 0 (seconds)")
         try:
             subjects.validate_namespace(self.namespace)
         except ValueError as exc:

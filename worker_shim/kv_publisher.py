@@ -114,11 +114,20 @@ class KvPublisher:
                 await task
 
     def add(self, events: list[KvEvent]) -> None:
+        """Queue events; a batch is sealed before it would pass MAX_EVENTS or MAX_HASHES, so a large
+        addition (a whole cache's snapshot at registration) becomes several batches that each fit a
+        NATS payload."""
         if not events:
             return
-        self._pending.extend(events)
-        self._pending_hashes += sum(len(e.hashes) if isinstance(e, Stored | Removed) else 1 for e in events)
-        if len(self._pending) >= MAX_EVENTS or self._pending_hashes >= MAX_HASHES:
+        pending = self._pending
+        for ev in events:
+            n = len(ev.hashes) if isinstance(ev, Stored | Removed) else 1
+            if pending and (len(pending) >= MAX_EVENTS or self._pending_hashes + n > MAX_HASHES):
+                self.seal()
+                pending = self._pending
+            pending.append(ev)
+            self._pending_hashes += n
+        if len(pending) >= MAX_EVENTS or self._pending_hashes >= MAX_HASHES:
             self.seal()
         self._wake.set()
 

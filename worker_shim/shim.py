@@ -25,6 +25,7 @@ import contextlib
 import enum
 import logging
 import secrets
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -39,7 +40,7 @@ from protocol.config import EtcdSettings, NatsSettings
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import __version__
-from worker_shim.adapters import EngineAdapter, EngineError, EngineLimits, make_adapter
+from worker_shim.adapters import EngineAdapter, EngineError, EngineHealth, EngineLimits, make_adapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineStored
 from worker_shim.http_server import ShimHttpServer
@@ -245,7 +246,7 @@ class WorkerShim:
 
     async def _wait_healthy(self) -> bool:
         self.status = ShimStatus.WAITING_ENGINE
-        while not await self.adapter.health():
+        while await self.adapter.health() is not EngineHealth.UP:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.health_interval_s):
                     await self._stopping.wait()
@@ -537,6 +538,7 @@ class WorkerShim:
 
     async def _monitor(self) -> None:
         failures = 0
+        busy_since: float | None = None
         assert self._events_task is not None and self.registration is not None
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
@@ -553,9 +555,27 @@ class WorkerShim:
             if self._events_task.done():
                 log.warning("engine event stream ended: %s", self._events_task.exception())
                 return
-            failures = 0 if await self.adapter.health() else failures + 1
+            health = await self.adapter.health()
+            now = time.monotonic()
+            if health is EngineHealth.UP:
+                failures, busy_since = 0, None
+            elif health is EngineHealth.DOWN:
+                failures, busy_since = failures + 1, None
+            elif busy_since is None:
+                busy_since = now
+                log.warning(
+                    "engine at %s does not answer its health check in time: busy, or hung", self.config.engine_url
+                )
             if failures >= self.config.health_failures:
                 log.warning("engine at %s failed %d health checks: deregistering", self.config.engine_url, failures)
+                return
+            # A loaded engine answers late; only one that stays silent this long is taken for hung.
+            if busy_since is not None and now - busy_since >= self.config.busy_limit_s:
+                log.error(
+                    "engine at %s has not answered a health check for %.0fs: deregistering",
+                    self.config.engine_url,
+                    now - busy_since,
+                )
                 return
 
     async def _end_session(self) -> None:

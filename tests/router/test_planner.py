@@ -193,3 +193,14 @@ def test_explain_books_and_counts_nothing() -> None:
     info = f.planner.explain(f.ctx(list(range(64))))
     assert info["decode_worker"] == "d1" and info["excluded"][0]["worker"] == "d2" and info["admissible"]
     assert f.view.bookings("d1") == 0 and dict(f.planner.disagg.counts) == before
+
+
+def test_an_unhealthy_worker_is_left_out_only_while_a_healthy_one_remains() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"))
+    f.view.update(LoadReport(worker="d1", ts=f.clock(), period_s=0.5, healthy=False))
+    plan = f.planner.take(f.ctx(list(range(64)), "r1"))
+    assert plan is not None and plan.decode.worker == "d2"
+    assert [e["excluded"] for e in plan.ctx.excluded] == ["engine_unhealthy"]
+    f.view.update(LoadReport(worker="d2", ts=f.clock(), period_s=0.5, healthy=False))
+    plan = f.planner.take(f.ctx(list(range(64)), "r2"))  # a whole fleet too busy to answer its probes
+    assert plan is not None and {c.worker for c in plan.ctx.decode_pool} == {"d1", "d2"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from discovery import Discovery, Snapshot
 from engine_sim.server import SimServer
 from protocol.config import EtcdSettings
@@ -71,3 +73,19 @@ async def test_fast_restart_publishes_cleared_and_converges(ns: str, nats_url: s
             await wait_for(lambda: shim.canonical_hashes() == engine_set(sim), what="shim == new pool")
             await wait_for(lambda: follower.hashes == shim.canonical_hashes(), what="subscriber == shim")
             assert shim.registered.is_set()
+
+
+async def test_an_engine_too_busy_to_answer_stays_registered_until_the_busy_limit(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, health_interval_s=0.2, health_failures=2, busy_limit_s=3.5)
+        async with shim:
+            await asyncio.wait_for(shim.registered.wait(), 20)
+            worker = shim.worker_id
+            sim.faults.health_delay_s = 2.5  # beyond the shim's 2 s probe timeout: busy, not down
+            await asyncio.sleep(2.5)  # several late health checks: a loaded engine is not a dead one
+            assert shim.registered.is_set() and await registered_workers(etcd_url, ns) == {worker}
+            await wait_for(lambda: not shim.registered.is_set(), what="deregistered once busy past the limit")
+            sim.faults.health_delay_s = 0.0
+            await wait_for(shim.registered.is_set, what="registered again once it answers")

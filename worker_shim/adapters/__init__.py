@@ -5,6 +5,7 @@ from __future__ import annotations
 from worker_shim.adapters.base import (
     EngineAdapter,
     EngineError,
+    EngineHealth,
     EngineLimits,
     EngineLoad,
     LegOutcome,
@@ -15,6 +16,7 @@ from worker_shim.config import ShimConfig
 __all__ = [
     "EngineAdapter",
     "EngineError",
+    "EngineHealth",
     "EngineLimits",
     "EngineLoad",
     "LegOutcome",

@@ -3,7 +3,8 @@
 An adapter owns everything engine-specific: its event transport and wire format, its metrics, its
 HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS, etcd).
 
-- `health()`: does the engine answer right now.
+- `health()`: does the engine answer right now: UP, BUSY (it did not answer in time: alive but
+  loaded, or hung) or DOWN (refused, reset, or an error status).
 - `limits()`: block size, KV capacity and batch budget, as far as the engine tells them.
 - `load()`: running/waiting requests and KV use.
 - `run_events(sink, live)`: deliver `EngineBatch`es to the synchronous `sink` until cancelled; set
@@ -24,6 +25,7 @@ HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS,
 from __future__ import annotations
 
 import asyncio
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,7 +36,13 @@ from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineBatch
 from worker_shim.event_health import EventHealth
 
-__all__ = ["EngineAdapter", "EngineError", "EngineLimits", "EngineLoad", "LegOutcome", "LegRequest"]
+__all__ = ["EngineAdapter", "EngineError", "EngineHealth", "EngineLimits", "EngineLoad", "LegOutcome", "LegRequest"]
+
+
+class EngineHealth(enum.Enum):
+    UP = "up"
+    BUSY = "busy"  # no answer within the probe's timeout
+    DOWN = "down"  # refused, reset, or answered with an error
 
 
 class EngineError(Exception):
@@ -100,7 +108,7 @@ class EngineAdapter(ABC):
         """Release everything `open` and `run_events` made; safe to call twice."""
 
     @abstractmethod
-    async def health(self) -> bool: ...
+    async def health(self) -> EngineHealth: ...
 
     @abstractmethod
     async def limits(self) -> EngineLimits: ...

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from worker_shim.adapters.base import EngineAdapter, EngineError
+from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth
 from worker_shim.config import ShimConfig
 
 __all__ = ["PROBE_TIMEOUT", "HttpEngineAdapter"]
@@ -44,13 +44,15 @@ class HttpEngineAdapter(EngineAdapter):
         if session is not None:
             await session.close()
 
-    async def health(self) -> bool:
+    async def health(self) -> EngineHealth:
         try:
             async with self.session.get(self.base + "/health", timeout=PROBE_TIMEOUT) as resp:
                 await resp.read()  # read to the end so the connection is reused
-                return resp.status == 200
+                return EngineHealth.UP if resp.status == 200 else EngineHealth.DOWN
+        except TimeoutError:
+            return EngineHealth.BUSY
         except _NETWORK_ERRORS:
-            return False
+            return EngineHealth.DOWN
 
     async def fetch(self, path: str, method: str = "GET") -> bytes:
         """The body of a 200 answer from `path`; EngineError for any other status or no answer."""

@@ -1,0 +1,41 @@
+"""KvPublisher: a large addition (a whole cache's snapshot at registration) leaves as several
+batches that each fit a NATS payload, in order, and a subscriber rebuilds the same set."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+from nats.aio.msg import Msg
+
+from protocol import KvEventBatch, Stored, decode_msg, subjects
+from worker_shim.kv_publisher import MAX_EVENTS, MAX_HASHES, KvPublisher
+from worker_shim.normaliser import Normaliser
+
+
+async def test_a_snapshot_larger_than_a_payload_is_split_into_batches_that_fit(nats_url: str, ns: str) -> None:
+    nc = await nats.connect(nats_url)
+    got: list[KvEventBatch] = []
+    sizes: list[int] = []
+
+    async def on(msg: Msg) -> None:
+        sizes.append(len(msg.data))
+        got.append(decode_msg(msg.data, KvEventBatch))
+
+    await nc.subscribe(subjects.kv(ns, "w1"), cb=on)
+    pub = KvPublisher(nc, ns, "w1", 7, Normaliser(16))
+    pub.start()
+    try:
+        snapshot = [Stored(hashes=[h], parent=h - 1 if h else None) for h in range(40_000)]
+        pub.add(snapshot)  # 40,000 events: one batch of them would be ~1.3 MB, over NATS's 1 MB
+        async with asyncio.timeout(10):
+            while sum(len(b.events) for b in got) < 40_000:
+                await asyncio.sleep(0.01)
+    finally:
+        await pub.stop()
+        await nc.close()
+    assert len(got) > 1 and pub.counters.send_failures == 0
+    assert [b.seq for b in got] == list(range(1, len(got) + 1))
+    assert all(len(b.events) <= MAX_EVENTS and sum(len(e.hashes) for e in b.events) <= MAX_HASHES for b in got)  # type: ignore[union-attr]
+    assert max(sizes) < nc.max_payload
+    assert [h for b in got for e in b.events for h in e.hashes] == list(range(40_000))  # type: ignore[union-attr]
