@@ -103,6 +103,10 @@ class Disaggregator:
             return done(Path.AGG, Outcome.AGGREGATED, f"{d.worker} is an aggregated worker")
         if s.disagg == "never":
             return done(Path.AGG, Outcome.AGGREGATED, "disagg=never")
+        if p is None and ctx.prefill_full:
+            return done(
+                Path.BYPASS, Outcome.PREFILL_POOL_FULL, "every prefill worker's backlog is past half the TTFT SLO"
+            )
         if p is None:
             return done(Path.AGG, Outcome.NO_PREFILL_POOL, f"no prefill worker for model {ctx.model}")
         if s.disagg == "always" or not s.conditional.conditional_disagg:

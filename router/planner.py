@@ -170,9 +170,18 @@ class Planner:
     # --- admission ------------------------------------------------------------------------------
 
     def admissible(self, ctx: RequestContext) -> bool:
-        """Some worker on some path has room: its predicted prefill backlog is under half the TTFT
-        SLO (with `queue_threshold` set, its queue under that multiple of max_num_batched_tokens)."""
-        return any(self._has_room(c) for c in ctx.decode_pool) or any(self._has_room(c) for c in ctx.prefill_pool)
+        """Some decode (or agg) worker has room: its predicted prefill backlog is under half the TTFT
+        SLO (with `queue_threshold` set, its queue under that multiple of max_num_batched_tokens).
+        Every request needs a decode worker; prefill workers without room only change the path."""
+        return any(self._has_room(c) for c in ctx.decode_pool)
+
+    def _keep_room(self, ctx: RequestContext) -> None:
+        """Narrow both pools to the workers with room, so the choice never lands on a full one;
+        with every prefill worker full, the request prefills on its decode worker."""
+        ctx.decode_pool = [c for c in ctx.decode_pool if self._has_room(c)]
+        full = len(ctx.prefill_pool)
+        ctx.prefill_pool = [c for c in ctx.prefill_pool if self._has_room(c)]
+        ctx.prefill_full = full > 0 and not ctx.prefill_pool
 
     def _has_room(self, c: Candidate) -> bool:
         s = self.settings
@@ -189,6 +198,7 @@ class Planner:
         self.refresh(ctx)
         if not self.admissible(ctx):
             return None
+        self._keep_room(ctx)
         return self._book(ctx, self._choose(ctx))
 
     def plan_again(self, ctx: RequestContext, exclude: frozenset[str]) -> RoutePlan | None:

@@ -102,6 +102,7 @@ class RequestContext:
     decode: Candidate | None = None
     prefill: Candidate | None = None
     text: bool = False  # the prompt came as text: only workers sharing the router's tokenizer
+    prefill_full: bool = False  # every prefill worker was past the admission limit
     excluded: list[dict[str, Any]] = field(default_factory=list)  # workers left out, and why
 
     @property

@@ -23,6 +23,7 @@ class Outcome(StrEnum):
     FALLBACK_PREFILL_FAILED = "fallback_prefill_failed"  # remote prefill failed or timed out -> bypass
     AGGREGATED = "aggregated"  # disagg=never, or the chosen worker is an agg worker
     NO_PREFILL_POOL = "no_prefill_pool"  # disaggregation wanted but the model has no prefill worker
+    PREFILL_POOL_FULL = "prefill_pool_full"  # every prefill worker past the admission limit -> local prefill
 
 
 class Path(StrEnum):

@@ -13,6 +13,7 @@ from protocol.messages import LoadReport, Role, Stored, WorkerInfo
 from router.block_index import BlockIndex
 from router.load_view import LoadView
 from router.planner import PlanError, Planner, standalone_planner
+from router.policies import Outcome, Path
 from tests.router.builders import settings
 
 BLOCK = 16
@@ -157,14 +158,24 @@ def test_the_index_overlap_counts_like_a_pending_one() -> None:
     assert plan is not None and plan.decode.worker == "d2" and plan.decode.overlap_blocks == 128
 
 
-def test_no_room_anywhere_returns_none_and_room_on_a_prefill_worker_admits() -> None:
-    # h200 llama-8b prefills ~8k tokens in well under a second: 100k queued is several seconds
+def test_no_room_on_any_decode_worker_returns_none() -> None:
+    # h200 llama-8b prefills ~8k tokens in well under a second: 200k queued is several seconds
     f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True)
     f.report("d1", prefill_tokens_queued=200_000)
-    f.report("p1", prefill_tokens_queued=200_000)
-    assert f.planner.take(f.ctx(list(range(64)))) is None
-    f.report("p1", prefill_tokens_queued=0)
+    assert f.planner.take(f.ctx(list(range(64)))) is None  # a prefill worker with room does not help
+    f.report("d1", prefill_tokens_queued=0)
     assert f.planner.take(f.ctx(list(range(64)))) is not None
+
+
+def test_with_every_prefill_worker_full_the_decode_worker_prefills() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always")
+    f.report("p1", prefill_tokens_queued=200_000)
+    plan = f.planner.take(f.ctx(list(range(64))))
+    assert plan is not None and plan.prefill is None
+    assert (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
+    f.report("p1", prefill_tokens_queued=0)
+    plan = f.planner.take(f.ctx(list(range(64)), "r2"))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.REMOTE_PREFILL)
 
 
 def test_queue_threshold_replaces_the_slo_rule_when_set() -> None:

@@ -17,10 +17,13 @@ async def test_a_snapshot_larger_than_a_payload_is_split_into_batches_that_fit(n
     nc = await nats.connect(nats_url)
     got: list[KvEventBatch] = []
     sizes: list[int] = []
+    all_in = asyncio.Event()
 
     async def on(msg: Msg) -> None:
         sizes.append(len(msg.data))
         got.append(decode_msg(msg.data, KvEventBatch))
+        if sum(len(b.events) for b in got) >= 40_000:
+            all_in.set()
 
     await nc.subscribe(subjects.kv(ns, "w1"), cb=on)
     pub = KvPublisher(nc, ns, "w1", 7, Normaliser(16))
@@ -28,9 +31,7 @@ async def test_a_snapshot_larger_than_a_payload_is_split_into_batches_that_fit(n
     try:
         snapshot = [Stored(hashes=[h], parent=h - 1 if h else None) for h in range(40_000)]
         pub.add(snapshot)  # 40,000 events: one batch of them would be ~1.3 MB, over NATS's 1 MB
-        async with asyncio.timeout(10):
-            while sum(len(b.events) for b in got) < 40_000:
-                await asyncio.sleep(0.01)
+        await asyncio.wait_for(all_in.wait(), 10)
     finally:
         await pub.stop()
         await nc.close()
