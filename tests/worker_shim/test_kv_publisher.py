@@ -8,7 +8,7 @@ import asyncio
 import nats
 from nats.aio.msg import Msg
 
-from protocol import KvEventBatch, Stored, decode_msg, subjects
+from protocol import KvEvent, KvEventBatch, Stored, decode_msg, subjects
 from worker_shim.kv_publisher import MAX_EVENTS, MAX_HASHES, KvPublisher
 from worker_shim.normaliser import Normaliser
 
@@ -29,7 +29,7 @@ async def test_a_snapshot_larger_than_a_payload_is_split_into_batches_that_fit(n
     pub = KvPublisher(nc, ns, "w1", 7, Normaliser(16))
     pub.start()
     try:
-        snapshot = [Stored(hashes=[h], parent=h - 1 if h else None) for h in range(40_000)]
+        snapshot: list[KvEvent] = [Stored(hashes=[h], parent=h - 1 if h else None) for h in range(40_000)]
         pub.add(snapshot)  # 40,000 events: one batch of them would be ~1.3 MB, over NATS's 1 MB
         await asyncio.wait_for(all_in.wait(), 10)
     finally:
