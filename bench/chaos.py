@@ -189,10 +189,10 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("live_config", "a canary key and a NaN in the live config", _bad_live_config),
         Scenario(
             "overload_5x",
-            "5x what the fleet can prefill: 16k-token prompts at H200 speed",
+            "5x what the fleet can prefill: 4k-token prompts at H200 speed",
             None,
             capacity_factor=5.0,
-            prompt_tokens=16_384,
+            prompt_tokens=4096,
             speedup=1.0,
         ),
     )
