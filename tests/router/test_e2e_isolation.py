@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 from discovery import Discovery
-from kvswitch.servers import EtcdServer
+from kvswitch.servers import EtcdServer, NatsServer
 from protocol import KvEventBatch, Stored, WorkerInfo, encode_msg, subjects
 from protocol.config import EtcdSettings
 from tests.router.conftest import MODEL, Cluster, complete
@@ -164,3 +164,24 @@ async def test_a_client_that_leaves_is_counted_as_499_not_as_a_server_error(
 
     await until(lambda: count("499") == 1, what="499 counted")
     assert count("500") == 0
+
+
+async def test_ready_is_503_while_nats_is_down_and_200_again_after(
+    etcd_url: str, ns: str, http: aiohttp.ClientSession
+) -> None:
+    with NatsServer() as nats_server:
+        c = Cluster(ns, nats_server.url, etcd_url)
+        try:
+            await c.add_worker("agg")
+            router = await c.add_ready_router(disagg="never")
+            nats_server.stop()
+            await until(lambda: not router.ready, what="unready without NATS")
+            async with http.get(router.url + "/ready") as r:
+                assert r.status == 503
+                assert any("NATS is not connected" in p for p in (await r.json())["problems"])
+            nats_server.start()
+            await until(lambda: router.ready, timeout=30, what="ready again")
+            status, _, _ = await complete(http, router, list(range(60)))
+            assert status == 200
+        finally:
+            await c.close()
