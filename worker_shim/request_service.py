@@ -9,7 +9,12 @@ says what the leg is:
 Responses go to the message's reply subject as ResponseChunks, `seq` from 0, stamped with the worker
 id of the subject the request came on (during a re-registration's grace period that is the old id).
 Every leg ends with exactly one final chunk: finish_reason and usage, or `error` (engine failure,
-deadline, draining, bad request), or finish_reason "abort" on cancel.
+deadline, draining, bad request; an engine's refusal carries its own error body), or
+finish_reason "abort" on cancel.
+
+A pass-through leg (GenerateRequest.endpoint set) carries the engine's own answer: each SSE
+payload in `events`, or the whole body of a non-streaming answer in `body`, cut into pieces that
+each fit NATS's payload limit. Token ids still ride along for the router's accounting.
 
 Coalescing adapts to load: while the service is idle (fewer than `busy_legs` legs in flight and
 NATS's outbound buffer under `BEHIND_BYTES`), every token goes out the moment it arrives. Under
@@ -45,7 +50,7 @@ from protocol import (
     decode_msg,
     encode_msg,
 )
-from protocol.messages import ANNOTATION_BYPASS
+from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 
 __all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "RequestService"]
@@ -54,6 +59,8 @@ log = logging.getLogger(__name__)
 COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
+_ENVELOPE = 4096  # room left in a chunk for everything but its events or body
+_ENDPOINTS = frozenset({"", ENDPOINT_COMPLETIONS, ENDPOINT_CHAT})
 
 
 class _ChunkWriter:
@@ -77,6 +84,9 @@ class _ChunkWriter:
         self.seq = 0
         self.sent_tokens = 0
         self._pending: list[int] = []
+        self._events: list[bytes] = []
+        self._event_bytes = 0
+        self._room = max(service.nc.max_payload - _ENVELOPE, 1024)
         self._last_sent = time.monotonic()
         self._timer: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -88,9 +98,16 @@ class _ChunkWriter:
         self._last_sent = time.monotonic()
         await self.nc.publish(self.reply, encode_msg(chunk))
 
-    def _chunk(self, tokens: list[int], **final: object) -> ResponseChunk:
+    def _chunk(self, tokens: list[int], events: list[bytes] | None = None, **final: object) -> ResponseChunk:
         self.sent_tokens += len(tokens)
-        return ResponseChunk(request_id=self.request_id, seq=self.seq, token_ids=tokens, worker=self.worker, **final)  # type: ignore[arg-type]
+        return ResponseChunk(
+            request_id=self.request_id,
+            seq=self.seq,
+            token_ids=tokens,
+            worker=self.worker,
+            events=events or [],
+            **final,  # type: ignore[arg-type]
+        )
 
     async def _beat(self, period: float) -> None:
         while True:
@@ -99,7 +116,12 @@ class _ChunkWriter:
                 self.service.heartbeats += 1
                 await self._send(self._chunk([]))
 
-    async def tokens(self, toks: list[int]) -> None:
+    async def output(self, toks: list[int], event: bytes | None) -> None:
+        if event is not None:
+            if self._events and self._event_bytes + len(event) > self._room:
+                await self._flush()
+            self._events.append(event)
+            self._event_bytes += len(event)
         self._pending.extend(toks)
         if self._timer is not None:
             return
@@ -115,9 +137,10 @@ class _ChunkWriter:
         await self._flush()
 
     async def _flush(self) -> None:
-        if self._pending:
+        if self._pending or self._events:
             toks, self._pending = self._pending, []
-            await self._send(self._chunk(toks))
+            events, self._events, self._event_bytes = self._events, [], 0
+            await self._send(self._chunk(toks, events))
 
     async def final(
         self,
@@ -127,6 +150,7 @@ class _ChunkWriter:
         transfer: TransferHandle | None = None,
         error: ErrorInfo | None = None,
         tokens: list[int] | None = None,
+        body: bytes = b"",
     ) -> None:
         for task in (self._timer, self._heartbeat):
             if task is not None:
@@ -137,8 +161,24 @@ class _ChunkWriter:
         outcome = error.kind if error is not None else ("abort" if finish_reason == "abort" else "ok")
         self.service.outcomes[(self.role, outcome)] += 1
         toks, self._pending = self._pending + (tokens or []), []
+        events, self._events, self._event_bytes = self._events, [], 0
+        if events and error is not None:
+            await self._send(self._chunk(toks, events))  # what the engine said before it failed
+            toks, events = [], []
+        pieces = [body[i : i + self._room] for i in range(0, len(body), self._room)] or [b""]
+        for piece in pieces[:-1]:
+            await self._send(self._chunk([], body=piece))
         await self._send(
-            self._chunk(toks, final=True, finish_reason=finish_reason, usage=usage, transfer=transfer, error=error)
+            self._chunk(
+                toks,
+                events,
+                final=True,
+                finish_reason=finish_reason,
+                usage=usage,
+                transfer=transfer,
+                error=error,
+                body=pieces[-1],
+            )
         )
 
 
@@ -251,9 +291,13 @@ class RequestService:
             sampling=req.sampling,
             stream=req.stream,
             headers=headers,
+            endpoint=req.endpoint,
+            params=req.params,
         )
         if not req.token_ids:
             return ErrorInfo(code=400, kind="bad_request", message="token_ids is empty")
+        if req.endpoint not in _ENDPOINTS:
+            return ErrorInfo(code=400, kind="bad_request", message=f"unknown endpoint {req.endpoint!r}")
         if role == "prefill":
             leg.prefill_only = True
         elif role == "decode" and req.disagg is not None and ANNOTATION_BYPASS not in req.annotations:
@@ -275,9 +319,9 @@ class RequestService:
             self.on_change()
 
     async def _run(self, req: GenerateRequest, leg: LegRequest, state: _Leg, writer: _ChunkWriter, role: str) -> None:
-        async def on_tokens(toks: list[int]) -> None:
+        async def on_output(toks: list[int], event: bytes | None) -> None:
             self._first_token(state)
-            await writer.tokens(toks)
+            await writer.output(toks, event)
 
         try:
             try:
@@ -285,14 +329,14 @@ class RequestService:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError
                 async with asyncio.timeout(remaining):
-                    outcome = await self.adapter.generate(leg, on_tokens)
+                    outcome = await self.adapter.generate(leg, on_output)
             except TimeoutError:
                 self.failed += 1
                 await writer.final(error=ErrorInfo(code=504, kind="deadline", message="the request's deadline passed"))
                 return
             except EngineError as exc:
                 self.failed += 1
-                await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message))
+                await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
                 return
             except asyncio.CancelledError:
                 if state.cancelled:
@@ -323,8 +367,8 @@ class RequestService:
             )
             await writer.final(finish_reason=outcome.finish_reason, usage=outcome.usage, transfer=handle)
             return
-        tokens = outcome.token_ids if not leg.stream else []
-        await writer.final(finish_reason=outcome.finish_reason, usage=outcome.usage, tokens=tokens)
+        tokens = outcome.token_ids if not leg.stream and not leg.endpoint else []
+        await writer.final(finish_reason=outcome.finish_reason, usage=outcome.usage, tokens=tokens, body=outcome.body)
 
     # --- lifecycle --------------------------------------------------------------------------------
 
