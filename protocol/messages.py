@@ -15,12 +15,12 @@ import msgspec
 from protocol.errors import ProtocolError
 
 __all__ = [
+    "ENDPOINT_CHAT",
+    "ENDPOINT_COMPLETIONS",
     "SCHEMA_VERSION",
     "BlockHash",
     "CancelRequest",
     "Cleared",
-    "ENDPOINT_CHAT",
-    "ENDPOINT_COMPLETIONS",
     "ErrorInfo",
     "GenerateRequest",
     "KvEvent",
