@@ -253,10 +253,12 @@ class ResponseChunk(_Msg, kw_only=True):
     error: ErrorInfo | None = None
     worker: str = ""
     # Pass-through legs (GenerateRequest.endpoint set) carry the engine's own response: `events`,
-    # the JSON payloads of its SSE events in order (a stream); `body`, a piece of its whole answer
-    # (the pieces in seq order make the body). `token_ids` then lists the output tokens these
-    # carry, of every choice, for accounting only.
+    # the JSON payloads of its SSE events in order (a stream), with `tokens` the output tokens
+    # they hold (every choice; counted as the shim could: ids where the engine sent them, else one
+    # per choice with output); `body`, a piece of its whole answer (in seq order the pieces make
+    # the body).
     events: list[bytes] = []
+    tokens: int = 0
     body: bytes = b""
 
 

@@ -630,7 +630,12 @@ class _JsonErrorServer(web.Server):
 
 
 class FrontDoorRunner(web.AppRunner):
-    """An AppRunner whose connections answer HTTP parse errors as OpenAI JSON (431, 414, 400)."""
+    """An AppRunner whose connections answer HTTP parse errors as OpenAI JSON (431, 414, 400), and
+    close `lingering_s` after answering a request whose body was left unread (aiohttp's default
+    waits 10 s for the rest of it: a client that stopped sending would hold the connection)."""
+
+    def __init__(self, app: web.Application, *, lingering_s: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(app, lingering_time=lingering_s, **kwargs)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()

@@ -116,12 +116,13 @@ class RequestPath:
         streamed = job.request.stream  # a whole answer has no first token to time
         try:
             async for chunk in self.dispatcher.run(job):
-                if chunk.token_ids and streamed:
+                n = len(chunk.token_ids) + chunk.tokens
+                if n and streamed:
                     now = time.monotonic()
                     if last is None:
                         metrics.observe_ttft(job.path, now - start)
                     else:
-                        metrics.observe_itl((now - last) / len(chunk.token_ids), len(chunk.token_ids))
+                        metrics.observe_itl((now - last) / n, n)
                     last = now
                 yield chunk
         finally:

@@ -86,6 +86,7 @@ class _ChunkWriter:
         self._pending: list[int] = []
         self._events: list[bytes] = []
         self._event_bytes = 0
+        self._counted = 0  # tokens the pending events carry
         self._room = max(service.nc.max_payload - _ENVELOPE, 1024)
         self._last_sent = time.monotonic()
         self._timer: asyncio.Task[None] | None = None
@@ -99,13 +100,15 @@ class _ChunkWriter:
         await self.nc.publish(self.reply, encode_msg(chunk))
 
     def _chunk(self, tokens: list[int], events: list[bytes] | None = None, **final: object) -> ResponseChunk:
-        self.sent_tokens += len(tokens)
+        counted, self._counted = (self._counted, 0) if events else (0, self._counted)
+        self.sent_tokens += len(tokens) + counted
         return ResponseChunk(
             request_id=self.request_id,
             seq=self.seq,
             token_ids=tokens,
             worker=self.worker,
             events=events or [],
+            tokens=counted,
             **final,  # type: ignore[arg-type]
         )
 
@@ -116,12 +119,13 @@ class _ChunkWriter:
                 self.service.heartbeats += 1
                 await self._send(self._chunk([]))
 
-    async def output(self, toks: list[int], event: bytes | None) -> None:
+    async def output(self, tokens: int, event: bytes | None, toks: list[int]) -> None:
         if event is not None:
             if self._events and self._event_bytes + len(event) > self._room:
                 await self._flush()
             self._events.append(event)
             self._event_bytes += len(event)
+            self._counted += tokens
         self._pending.extend(toks)
         if self._timer is not None:
             return
@@ -319,9 +323,9 @@ class RequestService:
             self.on_change()
 
     async def _run(self, req: GenerateRequest, leg: LegRequest, state: _Leg, writer: _ChunkWriter, role: str) -> None:
-        async def on_output(toks: list[int], event: bytes | None) -> None:
+        async def on_output(tokens: int, event: bytes | None, toks: list[int]) -> None:
             self._first_token(state)
-            await writer.output(toks, event)
+            await writer.output(tokens, event, toks)
 
         try:
             try:

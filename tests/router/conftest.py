@@ -77,8 +77,13 @@ class Cluster:
         return worker
 
     async def add_router(
-        self, tracer_provider: TracerProvider | None = None, api_keys_file: str | None = None, **overrides: Any
+        self,
+        tracer_provider: TracerProvider | None = None,
+        api_keys_file: str | None = None,
+        config: dict[str, Any] | None = None,
+        **overrides: Any,
     ) -> RouterService:
+        """A started router; `config`: RouterConfig fields beyond the cluster's, `overrides`: settings."""
         router = RouterService(
             RouterConfig(
                 ns=self.ns,
@@ -89,6 +94,7 @@ class Cluster:
                 seed=len(self.routers),
                 tracer_provider=tracer_provider,
                 api_keys_file=api_keys_file,
+                **(config or {}),
             )
         )
         await router.start()

@@ -5,10 +5,10 @@ Two kinds of leg:
 - pass-through (`leg.endpoint` set): the client's own request goes to the engine's
   `/v1/completions` or `/v1/chat/completions` with only what the shim must force (`model`, the
   routed token ids as a completions prompt, `stream`, the P/D fields; a prefill leg one token,
-  `n` 1, no `min_tokens` or `stream_options`). The engine's answer comes back as it is: each SSE
-  payload, or the whole body. To count output tokens a stream asks for `return_token_ids` (vLLM,
-  SGLang); when the client did not ask for them, each event gets them taken out again, as the
-  engine writes an event it was not asked for ids in (vLLM: null, SGLang: absent).
+  `n` 1, no `min_tokens` or `stream_options`). The engine's answer comes back byte for byte: each
+  SSE payload, or the whole body. Nothing is added to count tokens (vLLM's `return_token_ids`
+  would change what it answers: an echo of a token-id prompt comes back empty with it), so an
+  event counts the token ids it carries, else one token per choice with output in it.
 - token ids (`leg.endpoint` ""): the router's older leg, a token-id completion built from
   `SamplingParams`, its ids back per choice in `token_ids`; an engine that sends none is a
   protocol error, never silently empty output.
@@ -18,7 +18,6 @@ Cancelling the coroutine closes the connection, which these engines treat as an 
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import aiohttp
@@ -28,19 +27,11 @@ from protocol import Usage
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim.adapters.base import EngineError, LegRequest, OnOutput
 
-__all__ = ["ENDPOINT_PATHS", "Result", "TokenIds", "pass_through_body", "post_completion", "usage_from"]
+__all__ = ["ENDPOINT_PATHS", "Result", "pass_through_body", "post_completion", "usage_from"]
 
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
 ENDPOINT_PATHS = {ENDPOINT_COMPLETIONS: "/v1/completions", ENDPOINT_CHAT: "/v1/chat/completions"}
-
-
-class TokenIds(enum.Enum):
-    """How an engine writes the token ids of an event it was not asked for them in."""
-
-    NULL = "null"  # vLLM: `token_ids: null`, `prompt_token_ids: null`
-    ABSENT = "absent"  # SGLang: the keys are left out
-    UNASKED = "unasked"  # the engine sends them unasked (TensorRT-LLM for token-id prompts): leave as sent
 
 
 def usage_from(raw: Any) -> Usage:
@@ -77,9 +68,8 @@ def _error_from(status: int, body: bytes) -> EngineError:
     return EngineError(status, kind, message, own)
 
 
-def pass_through_body(leg: LegRequest, token_ids: TokenIds) -> tuple[dict[str, Any], bool]:
-    """The engine's body for a pass-through leg (P/D fields aside), and whether the shim asked for
-    token ids the client did not."""
+def pass_through_body(leg: LegRequest) -> dict[str, Any]:
+    """The engine's body for a pass-through leg, P/D fields aside."""
     body = dict(leg.params)
     body["model"] = leg.model
     if leg.endpoint == ENDPOINT_COMPLETIONS and "prompt" not in body:
@@ -91,12 +81,9 @@ def pass_through_body(leg: LegRequest, token_ids: TokenIds) -> tuple[dict[str, A
             body["max_completion_tokens"] = 1
         body.pop("min_tokens", None)
         body.pop("stream_options", None)
-        return body, False
+        return body
     body["stream"] = leg.stream
-    forced = leg.stream and token_ids is not TokenIds.UNASKED and body.get("return_token_ids") is not True
-    if forced:
-        body["return_token_ids"] = True
-    return body, forced
+    return body
 
 
 class Result:
@@ -117,38 +104,38 @@ def _raise_error_event(data: dict[str, Any]) -> None:
         raise _error_from(code if isinstance(code, int) and 400 <= code < 600 else 500, _encode.encode(data))
 
 
-def _fold(result: Result, data: dict[str, Any], *, require_ids: bool) -> list[int]:
-    """Folds one response object into `result`; returns its output token ids (every choice)."""
+def _has_output(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                    or delta.get("tool_calls"))  # fmt: skip
+    return bool(choice.get("text") or choice.get("logprobs"))
+
+
+def _fold(result: Result, data: dict[str, Any], *, require_ids: bool) -> int:
+    """Folds one response object into `result`; returns how many output tokens it carries (the
+    token ids of every choice; where a choice has none, one for a choice with output)."""
     _raise_error_event(data)
-    out: list[int] = []
+    count = 0
     choices = data.get("choices")
     for choice in choices if isinstance(choices, list) else ():
         if not isinstance(choice, dict):
             continue
         toks = choice.get("token_ids")
         if isinstance(toks, list):
-            out.extend(t for t in toks if isinstance(t, int))
+            ids = [t for t in toks if isinstance(t, int)]
+            result.token_ids.extend(ids)
+            count += len(ids)
         elif require_ids and choice.get("text"):
             raise EngineError(502, "engine_protocol", "the engine returned text without token_ids")
+        elif _has_output(choice):
+            count += 1
         if choice.get("finish_reason") is not None:
             result.finish_reason = str(choice["finish_reason"])
     if data.get("usage"):
         result.usage = usage_from(data["usage"])
-    result.token_ids.extend(out)
     result.last = data
-    return out
-
-
-def _strip_ids(data: dict[str, Any], how: TokenIds) -> None:
-    """Takes the token ids the shim asked for out of one event, as the engine would have left them."""
-    holders = [data, *(c for c in data.get("choices") or () if isinstance(c, dict))]
-    for holder in holders:
-        for key in ("token_ids", "prompt_token_ids"):
-            if key in holder:
-                if how is TokenIds.NULL:
-                    holder[key] = None
-                else:
-                    del holder[key]
+    return count
 
 
 async def post_completion(
@@ -159,11 +146,10 @@ async def post_completion(
     on_output: OnOutput | None,
     *,
     pass_through: bool = False,
-    strip: TokenIds | None = None,
 ) -> Result:
     """POST `body` to `url`; streams when body["stream"]. A pass-through call hands each SSE
-    payload to `on_output` (with `strip`: the forced token ids taken out) and keeps a whole
-    answer's bytes in `Result.body`."""
+    payload to `on_output` with the number of tokens it carries, and keeps a whole answer's bytes
+    in `Result.body`; a token-id call hands over the new ids."""
     try:
         async with session.post(url, data=_encode.encode(body), headers=headers) as resp:
             if resp.status != 200:
@@ -187,16 +173,14 @@ async def post_completion(
                 data = _json.decode(payload)
                 if not isinstance(data, dict):
                     continue
-                toks = _fold(result, data, require_ids=not pass_through)
+                seen = len(result.token_ids)
+                count = _fold(result, data, require_ids=not pass_through)
                 if on_output is None:
                     continue
                 if pass_through:
-                    if strip is not None:
-                        _strip_ids(data, strip)
-                        payload = _encode.encode(data)
-                    await on_output(toks, payload)
-                elif toks:
-                    await on_output(toks, None)
+                    await on_output(count, payload, [])
+                elif count:
+                    await on_output(count, None, result.token_ids[seen:])
             return result
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc

@@ -14,9 +14,8 @@
   decode peer. So the prefill leg starts the prefill request in the background and returns the
   triple at once; the decode leg sends it with its own request.
 - Requests: the client's own OpenAI request on SGLang's `/v1/completions` or
-  `/v1/chat/completions` (openai_http.pass_through_body) with `rid` and the bootstrap triple; a
-  stream asks for `return_token_ids` to count tokens, taken out again (absent, as SGLang writes
-  them) unless the client asked. Token-id legs use the native `/generate`.
+  `/v1/chat/completions` (openai_http.pass_through_body) with `rid` and the bootstrap triple.
+  Token-id legs use the native `/generate`.
 - Output of `/generate`: it streams `output_ids` with `meta_info.completion_tokens`; the new tokens are
   the last (completion_tokens - sent) ids, which holds whether the engine streams incrementally or
   cumulatively. Abort: closing the stream and `POST /abort_request {"rid"}`.
@@ -37,7 +36,7 @@ import msgspec
 from protocol import Usage
 from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
 from worker_shim.adapters.http_engine import PROBE_TIMEOUT
-from worker_shim.adapters.openai_http import ENDPOINT_PATHS, TokenIds, pass_through_body, post_completion
+from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
 from worker_shim.prom_text import mean_samples, parse_samples, sum_samples
@@ -102,14 +101,13 @@ def generate_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str
     return body
 
 
-def openai_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
-    """A pass-through leg's body (`rid` for abort, the bootstrap triple for P/D) and whether the
-    shim asked for token ids the client did not."""
-    body, forced = pass_through_body(leg, TokenIds.ABSENT)
+def openai_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, Any]:
+    """A pass-through leg's body: `rid` for abort, the bootstrap triple for P/D."""
+    body = pass_through_body(leg)
     body["rid"] = leg.request_id
     if bootstrap:
         body.update(bootstrap)
-    return body, forced
+    return body
 
 
 class StreamFolder:
@@ -218,7 +216,7 @@ class SglangAdapter(ZmqEventsAdapter):
             return await self._openai(leg, leg.transfer, on_output)
 
         async def on_tokens(toks: list[int]) -> None:
-            await on_output(toks, None)
+            await on_output(len(toks), None, toks)
 
         folder = await self._post(leg, generate_body(leg, leg.transfer), on_tokens)
         return LegOutcome(folder.finish_reason, folder.usage, None, folder.token_ids)
@@ -226,7 +224,7 @@ class SglangAdapter(ZmqEventsAdapter):
     async def _openai(
         self, leg: LegRequest, bootstrap: dict[str, Any] | None, on_output: OnOutput | None
     ) -> LegOutcome:
-        body, forced = openai_body(leg, bootstrap)
+        body = openai_body(leg, bootstrap)
         headers = {"Content-Type": "application/json", **leg.headers}
         try:
             result = await post_completion(
@@ -236,7 +234,6 @@ class SglangAdapter(ZmqEventsAdapter):
                 headers,
                 on_output,
                 pass_through=True,
-                strip=TokenIds.ABSENT if forced else None,
             )
         except asyncio.CancelledError:
             await self._abort(leg.request_id)

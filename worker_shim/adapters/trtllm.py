@@ -6,8 +6,7 @@
   tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains
   the engine's stats queue (an empty list means no iteration since the last read: the last load
   stands). Both endpoints drain what they return: the shim must be their only reader.
-- Requests: the client's own OpenAI request (openai_http.pass_through_body; TensorRT-LLM returns
-  token ids unasked for token-id prompts, so nothing is forced or taken out), or a token-id leg.
+- Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg.
 - P/D via `disaggregated_params` (DisaggregatedParams in tensorrt_llm/serve/openai_protocol.py):
   the prefill leg sends `request_type: context_only` with max_tokens 1, non-streaming, and returns
   the choice's `disaggregated_params`; the decode leg sends them back with `request_type:
@@ -26,7 +25,7 @@ import msgspec
 
 from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
 from worker_shim.adapters.http_engine import HttpEngineAdapter
-from worker_shim.adapters.openai_http import ENDPOINT_PATHS, TokenIds, pass_through_body, post_completion
+from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker
 from worker_shim.adapters.vllm import completion_body
 from worker_shim.config import ShimConfig
@@ -68,7 +67,7 @@ def load_from_stats(stats: Any, previous: EngineLoad) -> EngineLoad:
 
 def disagg_body(leg: LegRequest) -> dict[str, Any]:
     if leg.endpoint:
-        body, _ = pass_through_body(leg, TokenIds.UNASKED)
+        body = pass_through_body(leg)
     else:
         body = completion_body(leg)
         body.pop("kv_transfer_params", None)

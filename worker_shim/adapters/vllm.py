@@ -28,7 +28,7 @@ from protocol import SamplingParams
 from protocol import vllm_metrics as vm
 from protocol.fingerprint import PROBE_MESSAGES, PROBE_TEXT, fingerprint
 from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
-from worker_shim.adapters.openai_http import ENDPOINT_PATHS, TokenIds, pass_through_body, post_completion
+from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.prom_text import Sample, mean_samples, parse_samples, sum_samples
 
@@ -122,17 +122,16 @@ def completion_body(leg: LegRequest) -> dict[str, Any]:
     return body
 
 
-def engine_body(leg: LegRequest) -> tuple[str, dict[str, Any], bool]:
-    """The endpoint path and body for one leg, and whether the shim asked for token ids the
-    client did not (they are taken out of each event again)."""
+def engine_body(leg: LegRequest) -> tuple[str, dict[str, Any]]:
+    """The endpoint path and body for one leg."""
     if not leg.endpoint:
-        return "/v1/completions", completion_body(leg), False
-    body, forced = pass_through_body(leg, TokenIds.NULL)
+        return "/v1/completions", completion_body(leg)
+    body = pass_through_body(leg)
     if leg.prefill_only:
         body["kv_transfer_params"] = dict(PREFILL_TRANSFER_PARAMS)
     elif leg.transfer is not None:
         body["kv_transfer_params"] = leg.transfer
-    return ENDPOINT_PATHS[leg.endpoint], body, forced
+    return ENDPOINT_PATHS[leg.endpoint], body
 
 
 class VllmAdapter(ZmqEventsAdapter):
@@ -174,15 +173,9 @@ class VllmAdapter(ZmqEventsAdapter):
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.request_id, **leg.headers}
-        path, body, forced = engine_body(leg)
+        path, body = engine_body(leg)
         result = await post_completion(
-            self.session,
-            self.base + path,
-            body,
-            headers,
-            on_output,
-            pass_through=bool(leg.endpoint),
-            strip=TokenIds.NULL if forced else None,
+            self.session, self.base + path, body, headers, on_output, pass_through=bool(leg.endpoint)
         )
         transfer = result.last.get("kv_transfer_params") if leg.prefill_only else None
         if leg.prefill_only and not isinstance(transfer, dict):
