@@ -131,8 +131,10 @@ raw_bodies = st.one_of(
 
 @pytest.fixture
 async def router_url(cluster: Cluster) -> str:
-    await cluster.add_worker("agg", max_model_len=2048)
-    router = await cluster.add_ready_router(disagg="never")
+    # Leases that outlive a loaded box's stalls: a worker whose lease lapsed would rightly get 503s.
+    await cluster.add_worker("agg", shim={"lease_ttl": 30}, max_model_len=2048)
+    router = await cluster.add_router(config={"lease_ttl_s": 30}, disagg="never")
+    await cluster.ready(router)
     return router.url
 
 

@@ -146,10 +146,12 @@ class VllmAdapter(ZmqEventsAdapter):
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         url = self.base + "/tokenize"
         try:
-            async with self.session.post(url, data=msgspec.json.encode(body), timeout=_TOKENIZE_TIMEOUT) as resp:
+            data, headers = msgspec.json.encode(body), {"Content-Type": "application/json"}  # vLLM requires it
+            async with self.session.post(url, data=data, headers=headers, timeout=_TOKENIZE_TIMEOUT) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise EngineError(resp.status, "engine_error", f"{url} answered {resp.status}")
+                    said = raw.decode(errors="replace")[:300]
+                    raise EngineError(resp.status, "engine_error", f"{url} answered {resp.status}: {said}")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
         try:
