@@ -446,8 +446,10 @@ class _Handlers:
              ) -> GenerateRequest:  # fmt: skip
         params = parsed.params
         params["model"] = model
-        if not parsed.chat:
-            # The engine computes the very ids that were routed; one prompt rides in token_ids.
+        if not parsed.chat and not (params.get("echo") is True and _is_text(parsed)):
+            # The engine computes the very ids that were routed; one prompt rides in token_ids. An
+            # echo of text keeps the client's text: vLLM echoes a text prompt as written, but token
+            # ids as it decodes them (special tokens and all).
             if len(prompts) > 1:
                 params["prompt"] = prompts
             else:

@@ -345,7 +345,21 @@ async def check_same_text(c: Cluster) -> dict[str, Any]:
             assert _stream_text(streamed) == whole, f"stream of {path} {body} differs"
             compared += 2
     assert stop_seen, "no stop string was reported in stop_reason"
-    return {"compared": compared, "stop": stop}
+    refused = [
+        {"prompt": prefix, "logprobs": 21},
+        {"prompt": prefix, "max_tokens": 100_000, "temperature": 0},
+        {"prompt": list(range(10, 2100)), "max_tokens": 4},
+        {"prompt": prefix, "n": 2, "temperature": 0, "use_beam_search": "yes"},
+    ]
+    statuses = []
+    for body in refused:
+        request = {"model": MODEL, **body}
+        status, via, headers = await c.post(c.routers[0].url, "/v1/completions", request)
+        direct_status, direct, _ = await c.post(c.engines[0].url, "/v1/completions", request)
+        assert status == direct_status, f"{body}: {status} != {direct_status}"
+        assert (_comparable(via) if status == 200 else via) == (_comparable(direct) if status == 200 else direct)
+        statuses.append(status)
+    return {"compared": compared, "stop": stop, "refusals": statuses}
 
 
 def _canonical_set(batches: list[bytes]) -> tuple[set[int], int]:
@@ -397,6 +411,14 @@ async def _replay_all(engine: Engine) -> list[bytes]:
 
 async def check_index_hashes(c: Cluster) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for engine in c.engines:
+        # More distinct prompt blocks than the engine's 80 blocks hold, so that it evicts.
+        for i in range(5):
+            prompt = [4 + (i * 7919 + j * 31) % 4000 for j in range(900)]
+            status, _, _ = await c.post(
+                engine.url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            )
+            assert status == 200
     for engine in c.engines:
         shim = c.shims[engine.name]
         assert shim.worker_id is not None
