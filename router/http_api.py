@@ -544,7 +544,8 @@ class _Handlers:
                     out.clear()
                 chunk = await anext(chunks)
         except LegError as exc:
-            out.append(_sse_event(_leg_error(exc).own_body or _JSON.encode(_leg_error(exc).body())))
+            err = _leg_error(exc)
+            out.append(_sse_event(err.own_body or _JSON.encode(err.body())))
         except StopAsyncIteration:
             out.append(_sse_event(_JSON.encode(ApiError(502, "the worker ended the stream early").body())))
         except Exception:

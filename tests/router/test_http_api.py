@@ -160,6 +160,29 @@ async def test_stop_strings_are_cut_and_reported(agg: Cluster, http: aiohttp.Cli
     assert choice["text"] == free["choices"][0]["text"][: free["choices"][0]["text"].index(stop)]
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "tool_choice": "auto",
+        },
+        {"response_format": {"type": "json_object"}, "presence_penalty": 1.5, "n": 2, "seed": 5},
+        {"stop": ["ka"], "max_completion_tokens": 9, "stream_options": None},
+    ],
+    ids=["tools", "response-format-n", "stop"],
+)
+async def test_chat_parameters_reach_the_engine(
+    agg: Cluster, http: aiohttp.ClientSession, extra: dict[str, Any]
+) -> None:
+    router, sim = agg.routers[0], agg.workers[0].sim
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "say something"}], "max_tokens": 6, **extra}
+    s1, via_router, _ = await post(http, router.url + "/v1/chat/completions", request)
+    s2, direct, _ = await post(http, sim.url + "/v1/chat/completions", request)
+    assert s1 == s2 == 200, (via_router, direct)
+    assert without_ids(via_router) == without_ids(direct)
+
+
 async def test_chat_with_logprobs_and_cached_tokens_is_the_engines_own(
     agg: Cluster, http: aiohttp.ClientSession
 ) -> None:
