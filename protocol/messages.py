@@ -260,6 +260,9 @@ class ResponseChunk(_Msg, kw_only=True):
     events: list[bytes] = []
     tokens: int = 0
     body: bytes = b""
+    # The leg's prompt is in the engine's cache (its KV events say so): its prefill is done. Sent
+    # for a whole (non-streamed) answer, which has no first token to tell.
+    prefilled: bool = False
 
 
 class CancelRequest(_Msg, kw_only=True):

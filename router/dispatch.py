@@ -389,6 +389,8 @@ class Dispatcher:
                 if visible and job.first_token_at is None:
                     job.first_token_at = time.monotonic()
                     self._bookings.prefill_done(plan.key)
+                elif chunk.prefilled:
+                    self._bookings.prefill_done(plan.key)  # a whole answer's prefill, done before any output
                 if not visible and not chunk.final:
                     continue  # a heartbeat
                 yield chunk

@@ -21,6 +21,11 @@ NATS's outbound buffer under `BEHIND_BYTES`), every token goes out the moment it
 load, a token that comes less than `COALESCE_S` (5 ms) after the leg's previous chunk waits for that
 mark with whatever else arrives meanwhile, so frames carry several tokens and no token waits longer.
 
+A whole (non-streamed) answer has no first token to say its prefill is done, so while such a leg
+runs the service looks every PREFILL_POLL_S at whether the engine's KV events cover the prompt's
+full blocks; when they do its tokens stop counting as queued and a `prefilled` chunk tells the
+router. An engine that caches nothing (no prefix caching) leaves them queued until the answer.
+
 Heartbeats: a leg whose request asks for them (`heartbeat_s` > 0) sends an empty, non-final chunk
 with the next seq whenever it has sent nothing for `heartbeat_s`, prefill and non-streaming legs
 included, so a router tells a long prefill from a dead worker.
@@ -53,12 +58,13 @@ from protocol import (
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 
-__all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "RequestService"]
+__all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "PREFILL_POLL_S", "RequestService"]
 
 log = logging.getLogger(__name__)
 COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
+PREFILL_POLL_S = 0.05
 _ENVELOPE = 4096  # room left in a chunk for everything but its events or body
 _ENDPOINTS = frozenset({"", ENDPOINT_COMPLETIONS, ENDPOINT_CHAT})
 
@@ -140,6 +146,10 @@ class _ChunkWriter:
         self._timer = None
         await self._flush()
 
+    async def prefilled(self) -> None:
+        await self._flush()
+        await self._send(self._chunk([], prefilled=True))
+
     async def _flush(self) -> None:
         if self._pending or self._events:
             toks, self._pending = self._pending, []
@@ -211,6 +221,7 @@ class RequestService:
         cached_tokens: Callable[[list[int]], int] = lambda _ids: 0,
         *,
         on_served: Callable[[str, list[int], Usage], None] = lambda _rid, _ids, _usage: None,
+        block_size: Callable[[], int | None] = lambda: None,
         busy_legs: int = BUSY_LEGS,
     ) -> None:
         self.nc = nc
@@ -219,6 +230,7 @@ class RequestService:
         self.adapter = adapter
         self.on_change = on_change
         self.on_served = on_served
+        self.block_size = block_size
         self.busy_legs = busy_legs
         self.accepting = True
         self.inflight: dict[str, _Leg] = {}
@@ -327,6 +339,11 @@ class RequestService:
             self._first_token(state)
             await writer.output(tokens, event, toks)
 
+        watch = None
+        if not leg.stream and not leg.prefill_only and state.queued_tokens:
+            watch = asyncio.create_task(
+                self._watch_prefill(req.token_ids, state, writer), name=f"prefill-{req.request_id}"
+            )
         try:
             try:
                 remaining = None if req.deadline is None else req.deadline - time.time()
@@ -360,8 +377,23 @@ class RequestService:
             if leg.transfer is None:
                 self.on_served(req.request_id, req.token_ids, outcome.usage)
         finally:
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             self._first_token(state)
             self.inflight.pop(req.request_id, None)
+
+    async def _watch_prefill(self, token_ids: list[int], state: _Leg, writer: _ChunkWriter) -> None:
+        """Until the engine's KV events hold every full block of the prompt; then the prompt no
+        longer counts as queued and the router hears that its prefill is done."""
+        while True:
+            await asyncio.sleep(PREFILL_POLL_S)
+            block = self.block_size()
+            if block and len(token_ids) - self.cached_tokens(token_ids) < block:
+                self._first_token(state)
+                await writer.prefilled()
+                return
 
     async def _finish(self, writer: _ChunkWriter, outcome: LegOutcome, role: str, leg: LegRequest) -> None:
         if role == "prefill":
