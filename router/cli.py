@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="serve only this model; also the default for requests")
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML or TOML settings file")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a request, seconds")
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body accepted (else 413)"
+    )
+    parser.add_argument(
+        "--body-timeout-s", type=float, default=30.0, help="seconds a client has to send its request body (else 408)"
+    )
     routing = parser.add_argument_group("routing (live-tunable at /{ns}/config/router)")
     add_flags(routing, RouterSettings)
     conn = parser.add_argument_group("NATS and etcd")
@@ -68,9 +74,15 @@ _ROUTER_FIELDS = {f.name for f in msgspec.structs.fields(RouterSettings)} | {
 
 def build_config(args: argparse.Namespace) -> Any:
     """A RouterConfig from parsed flags; ConfigError for any invalid setting."""
+    from router.http_api import HttpLimits
     from router.service import RouterConfig
 
     given = vars(args)
+    try:
+        limits = HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s)
+    except ValueError as exc:
+        name = "max_body_bytes" if "max_body_bytes" in str(exc) else "body_timeout_s"
+        raise ConfigError(name, getattr(args, name), str(exc)) from exc
     file = load_file(args.config) if args.config else {}
     overrides = {k: v for k, v in given.items() if k in _ROUTER_FIELDS and v is not None}
     nats = resolve(NatsSettings, cli=given, file=file, setting_prefix="nats_")
@@ -106,6 +118,7 @@ def build_config(args: argparse.Namespace) -> Any:
         file_settings=file,
         request_timeout_s=args.request_timeout,
         api_keys_file=keys_file,
+        http_limits=limits,
     )
 
 

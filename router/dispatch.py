@@ -19,6 +19,9 @@ with a `final` chunk or an `error` one.
   ends (its worker is reported unreachable), so a killed worker costs a stream at most 3x that.
   A leg that finds no responder reports its worker unreachable at once.
 - leaving early (client gone, deadline) cancels the leg on its worker (`{ns}.cancel.{worker}`).
+- a leg that NATS cannot carry is refused before it is sent: over the server's payload limit
+  (413, naming the limit) or holding an integer no 64-bit field holds (400).
+"Output" is what a client would see: token ids, or a pass-through leg's engine events or body.
 Every attempt's booking is released when the attempt ends, whichever way.
 """
 
@@ -68,12 +71,13 @@ class LegError(Exception):
     """A leg ended without a final chunk. `retryable`: the worker failed before doing any work a
     client saw, so another worker may take the request."""
 
-    def __init__(self, worker: str, code: int, kind: str, message: str, *, retryable: bool) -> None:
+    def __init__(self, worker: str, code: int, kind: str, message: str, *, retryable: bool, body: bytes = b"") -> None:
         self.worker = worker
         self.code = code
         self.kind = kind
         self.message = message
         self.retryable = retryable
+        self.body = body  # the engine's own error body, when it refused the request
         super().__init__(f"worker {worker}: {kind}: {message}")
 
     @property
@@ -188,10 +192,22 @@ class _Leg:
         if item.error is not None:
             self.done = True  # the worker ended it itself: nothing to cancel
             err = item.error
-            raise LegError(self.worker, err.code, err.kind, err.message, retryable=err.code >= 500 and err.code != 504)
+            raise LegError(
+                self.worker,
+                err.code,
+                err.kind,
+                err.message,
+                retryable=err.code >= 500 and err.code != 504,
+                body=err.body,
+            )
         if item.final:
             self.done = True
         return item
+
+
+def _output(chunk: ResponseChunk) -> bool:
+    """The chunk carries something a client would see."""
+    return bool(chunk.token_ids or chunk.events or chunk.body)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -263,7 +279,7 @@ class Dispatcher:
         except ProtocolError as exc:
             leg.push(LegError(leg.worker, 502, "malformed_chunk", str(exc), retryable=False))
             return
-        if chunk.token_ids:
+        if _output(chunk):
             leg.tokens_seen = True
         leg.push(chunk)
 
@@ -272,11 +288,30 @@ class Dispatcher:
         span = self._tracer.leg(role, worker, req.request_id)
         leg = _Leg(self, token, worker, req.request_id, span)
         req = msgspec.structs.replace(req, trace=self._tracer.carrier(span))
+        try:
+            data = encode_msg(req)
+        except (OverflowError, msgspec.EncodeError) as exc:
+            span.end()
+            raise LegError(
+                worker,
+                400,
+                "bad_request",
+                "a number in the request is out of the 64-bit integer range",
+                retryable=False,
+            ) from exc
+        if len(data) > self._nc.max_payload:
+            span.end()
+            raise LegError(
+                worker,
+                413,
+                "payload_too_large",
+                f"the request is {len(data)} bytes on the wire, over the NATS server's payload limit of "
+                f"{self._nc.max_payload} bytes (its max_payload setting): send a shorter prompt",
+                retryable=False,
+            )
         self._legs[token] = leg
         try:
-            await self._nc.publish(
-                subjects.gen(self._ns, role, worker), encode_msg(req), reply=f"{self._prefix}.{token}"
-            )
+            await self._nc.publish(subjects.gen(self._ns, role, worker), data, reply=f"{self._prefix}.{token}")
         except Exception as exc:
             self._legs.pop(token, None)
             self._tracer.failed(span, str(exc))
@@ -341,7 +376,6 @@ class Dispatcher:
             annotations.append(ANNOTATION_BYPASS)
         leg_req = msgspec.structs.replace(
             req,
-            stream=True,
             annotations=annotations,
             disagg=job.transfer,
             deadline=job.deadline,
@@ -351,10 +385,13 @@ class Dispatcher:
         async with await self._open(plan.decode.worker, role, leg_req) as leg:
             while True:
                 chunk = await leg.next(job.deadline - time.time(), silence)
-                if chunk.token_ids and job.first_token_at is None:
+                visible = _output(chunk)
+                if visible and job.first_token_at is None:
                     job.first_token_at = time.monotonic()
                     self._bookings.prefill_done(plan.key)
-                if not chunk.token_ids and not chunk.final:
+                elif chunk.prefilled:
+                    self._bookings.prefill_done(plan.key)  # a whole answer's prefill, done before any output
+                if not visible and not chunk.final:
                     continue  # a heartbeat
                 yield chunk
                 if chunk.final:

@@ -2,61 +2,114 @@
 not), /v1/models, /health, /ready, /metrics, /debug/route (the decision a request would get) and
 /debug/index (per worker: sync state, (epoch, seq) and the digest of what the index holds).
 
-Response bodies and SSE follow vLLM 0.32 byte for byte where it matters to clients (see
-/work/shared/fixtures/vllm-0.32): `data: {json}\\n\\n` events, a usage-only chunk when
-`stream_options.include_usage` is set, and `data: [DONE]`. Every routed response carries
-`x-kvswitch-decode-worker` and `x-kvswitch-prefill: bypass|remote|agg` headers (and a `kvswitch`
-object in non-stream bodies) naming where the request really went, after any retry or fallback.
+The client's request goes to the engine as the client wrote it, and the engine's answer comes
+back as the engine wrote it. The router tokenizes the prompt only to route it (block hashes,
+prefix match, accounting). A completions prompt reaches the engine as the very token ids that
+were routed. A chat request reaches it as its messages, which the engine renders with the
+template the router's tokenizer fingerprint matched. The router validates only the fields it
+reads, refuses the ones only it may set (`kv_transfer_params`, `disaggregated_params`, the
+bootstrap triple), and passes everything else on. So stop strings, `n`, `echo`, logprobs,
+penalties, tools, `response_format`, usage details and the engine's own 400s are the engine's.
+It writes the engine's SSE payloads out unchanged; a whole answer gets one thing added, the
+`kvswitch` route object. Batched prompts go to one worker, routed by the first prompt.
 
-Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}`: bad input 400, unknown
-model 404, queue full 429 with Retry-After, no worker 503, a worker failure 502, a deadline 504.
-A client that disconnects cancels its request on the worker (the handler is cancelled, and
-leaving the dispatch stream cancels the leg).
+Every routed response carries `x-kvswitch-decode-worker`, `x-kvswitch-prefill: bypass|remote|agg`
+and `x-kvswitch-outcome` headers naming where the request really went, after any retry or
+fallback.
+
+Every error is OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: bad input 400,
+unknown route 404, wrong method 405, body not sent in time 408, body or prompt too large 413,
+headers too large 431, queue full 429 with Retry-After, worker failure 502, no worker 503,
+deadline 504. That includes what aiohttp answers before a handler runs: its parser's errors
+(`FrontDoorRunner`), unknown routes and methods. Worker ids and internal exception text stay in
+the router's log. A client that disconnects cancels its request on the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
-from protocol import ResponseChunk, SamplingParams
+from protocol import GenerateRequest, SamplingParams
+from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from router.admission import Overloaded
 from router.api_keys import ApiKeys
 from router.dispatch import Job, LegError
 from router.metrics import CONTENT_TYPE
 from router.planner import PlanError
 from router.request_path import RequestPath, Unknown
-from router.tokenization import IncrementalDetokenizer, PromptTokenizer, TokenizerError
+from router.tokenization import ChatOptions, Tokenization, TokenizerError
 
-__all__ = ["ApiError", "ParsedRequest", "make_app", "parse_request"]
+__all__ = ["ApiError", "FrontDoorRunner", "HttpLimits", "ParsedRequest", "make_app", "parse_request"]
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions; chat gets CHAT_MAX_TOKENS
-CHAT_MAX_TOKENS = 256
+log = logging.getLogger(__name__)
+
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    414: "RequestTooLargeError",
     429: "RateLimitError",
+    431: "RequestTooLargeError",
     499: "ClientClosedRequest",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "TimeoutError",
 }
+# Set by the router for the engine, never by a client: transfer handles name hosts the engine
+# would pull KV from.
+_ROUTER_ONLY = ("kv_transfer_params", "disaggregated_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+_TOKEN_ID_LIMIT = 2**32  # canonical block hashes pack ids as u32
+_INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1  # what a msgpack integer holds
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What the front door accepts: bodies up to `max_body_bytes` (else 413), sent within
+    `body_timeout_s` (else 408); prompt text above `offload_chars` is tokenized off the loop."""
+
+    max_body_bytes: int = 16 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    offload_chars: int = 32 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
 
 
 class ApiError(Exception):
-    def __init__(self, code: int, message: str, param: str | None = None, *, retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        code: int,
+        message: str,
+        param: str | None = None,
+        *,
+        retry_after_s: int | None = None,
+        close: bool = False,
+        body: bytes = b"",
+    ) -> None:
         self.code = code
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+        self.close = close  # the connection cannot be reused (a body left half read)
+        self.own_body = body  # an engine's own error body, passed on as it is
         super().__init__(message)
 
     def body(self) -> dict[str, Any]:
@@ -65,7 +118,11 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return _json_response(self.body(), status=self.code, headers=headers)
+        payload = self.own_body or _JSON.encode(self.body())
+        resp = web.Response(body=payload, status=self.code, headers=headers, content_type="application/json")
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 _JSON = msgspec.json.Encoder()
@@ -77,159 +134,151 @@ def _json_response(obj: Any, *, status: int = 200, headers: Mapping[str, str] | 
     return web.Response(body=_JSON.encode(obj), status=status, headers=headers, content_type="application/json")
 
 
+# --- parsing ----------------------------------------------------------------------------------------
+
+
 @dataclass(slots=True)
 class ParsedRequest:
+    """A validated request: what routing reads, and `params`, the body for the engine."""
+
     chat: bool
     model: str | None
-    prompt: str | list[int] | None
+    prompts: list[str | list[int]]  # completions: one per prompt of a batch; chat: none
     messages: list[dict[str, Any]] | None
-    sampling: SamplingParams
+    chat_options: ChatOptions | None
+    add_special_tokens: bool
+    truncate: tuple[int, str] | None  # (tokens to keep, side) when the router can apply it
     stream: bool
-    include_usage: bool
+    max_tokens: int
     annotations: list[str]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+_KINDS: dict[type | tuple[type, ...], str] = {
+    bool: "a boolean",
+    int: "an integer",
+    str: "a string",
+    list: "a list",
+    dict: "an object",
+    (int, float): "a number",
+}
 
 
 def _opt(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
+    value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise ApiError(400, f"'{name}' must be a number, got {value!r}", name)
-    if not isinstance(value, kind):
-        raise ApiError(400, f"'{name}' has the wrong type: {type(value).__name__}", name)
+    wrong = (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind)
+    if wrong:
+        raise ApiError(400, f"'{name}' must be {_KINDS.get(kind, kind)}, got {type(value).__name__}", name)
     return value
 
 
-def _prompt(raw: Any) -> str | list[int]:
+def _token_ids(raw: list[Any], param: str) -> list[int]:
+    for t in raw:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _TOKEN_ID_LIMIT:
+            raise ApiError(400, f"token ids must be integers in [0, 2^32), got {t!r}", param)
+    return raw
+
+
+def _prompts(raw: Any) -> list[str | list[int]]:
+    """vLLM's prompt forms: a string, token ids, or a non-empty list of either."""
     if isinstance(raw, str):
-        return raw
-    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        if any(t < 0 for t in raw):
-            raise ApiError(400, "token ids must be >= 0", "prompt")
-        return list(raw)
-    if isinstance(raw, list) and len(raw) == 1:
-        return _prompt(raw[0])
-    if isinstance(raw, list) and len(raw) > 1:
-        raise ApiError(400, "batched prompts are not supported: send one prompt per request", "prompt")
-    raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", "prompt")
+        return [raw]
+    if isinstance(raw, list) and raw:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            return [_token_ids(raw, "prompt")]
+        out: list[str | list[int]] = []
+        for item in raw:
+            if isinstance(item, str):
+                out.append(item)
+            elif isinstance(item, list) and item:
+                out.append(_token_ids(item, "prompt"))
+            else:
+                break
+        else:
+            return out
+    raise ApiError(
+        400,
+        "'prompt' must be a string, a non-empty list of token ids, or a list of strings or token-id lists",
+        "prompt",
+    )
+
+
+def _check_ints(params: Mapping[str, Any]) -> None:
+    """Top-level integers must fit a 64-bit field (deeper ones are caught when the leg is sent)."""
+    for name, value in params.items():
+        if isinstance(value, int) and not isinstance(value, bool) and not _INT_MIN <= value <= _UINT_MAX:
+            raise ApiError(400, f"'{name}' is out of the 64-bit integer range", name)
+
+
+def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
+    kwargs = _opt(body, "chat_template_kwargs", dict, {})
+    if not all(isinstance(k, str) for k in kwargs):
+        raise ApiError(400, "'chat_template_kwargs' keys must be strings", "chat_template_kwargs")
+    return ChatOptions(
+        add_generation_prompt=_opt(body, "add_generation_prompt", bool, True),
+        continue_final_message=_opt(body, "continue_final_message", bool, False),
+        tools=_opt(body, "tools", list, None),
+        documents=_opt(body, "documents", list, None),
+        chat_template=_opt(body, "chat_template", str, None),
+        chat_template_kwargs={k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_NAMES},
+        add_special_tokens=_opt(body, "add_special_tokens", bool, False),
+    )
+
+
+_RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"}
+)
 
 
 def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
-    """Validate an OpenAI request body; ApiError(400) naming the parameter for anything wrong."""
+    """Validate what the router reads of an OpenAI request body; ApiError(400) naming the
+    parameter for anything wrong. Everything else goes to the engine unread."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    prompt = messages = None
+    for name in _ROUTER_ONLY:
+        if name in body:
+            raise ApiError(400, f"'{name}' is set by the router, not by clients", name)
+    _check_ints(body)
+    messages = options = None
+    prompts: list[str | list[int]] = []
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "'messages' must be a non-empty list of message objects", "messages")
+        options = _chat_options(body)
     else:
-        if "prompt" not in body:
-            raise ApiError(400, "'prompt' is required", "prompt")
-        prompt = _prompt(body["prompt"])
-    if _opt(body, "n", int, 1) != 1:
-        raise ApiError(400, "only n = 1 is supported", "n")
-    default_max = CHAT_MAX_TOKENS if chat else DEFAULT_MAX_TOKENS
+        if body.get("prompt") is None:
+            raise ApiError(400, "'prompt' is required (the router routes text or token ids, not embeddings)", "prompt")
+        prompts = _prompts(body["prompt"])
     max_tokens = _opt(body, "max_completion_tokens", int, None) if chat else None
-    max_tokens = max_tokens if max_tokens is not None else _opt(body, "max_tokens", int, default_max)
-    if max_tokens < 1:
-        raise ApiError(400, f"'max_tokens' must be >= 1, got {max_tokens}", "max_tokens")
-    temperature = float(_opt(body, "temperature", (int, float), 1.0))
-    top_p = float(_opt(body, "top_p", (int, float), 1.0))
-    if temperature < 0:
-        raise ApiError(400, f"'temperature' must be >= 0, got {temperature}", "temperature")
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    stop = _opt(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
-    stop_ids = _opt(body, "stop_token_ids", list, [])
-    if not all(isinstance(t, int) for t in stop_ids):
-        raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
-    stream_options = _opt(body, "stream_options", dict, {})
+    max_tokens = max_tokens if max_tokens is not None else _opt(body, "max_tokens", int, None)
+    _opt(body, "n", int, 1)
+    truncate = _opt(body, "truncate_prompt_tokens", int, None)
+    side = _opt(body, "truncation_side", str, "left")
     annotations = _opt(body, "annotations", list, [])
     if not all(isinstance(a, str) for a in annotations):
         raise ApiError(400, "'annotations' must be a list of strings", "annotations")
+    stream_options = _opt(body, "stream_options", dict, {})
+    _opt(stream_options, "include_usage", bool)
+    params = {k: v for k, v in body.items() if k != "annotations"}
     return ParsedRequest(
         chat=chat,
         model=_opt(body, "model", str, None),
-        prompt=prompt,
+        prompts=prompts,
         messages=messages,
-        sampling=SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=_opt(body, "seed", int, None),
-            stop=stop,
-            stop_token_ids=stop_ids,
-            ignore_eos=bool(_opt(body, "ignore_eos", bool, False)),
-        ),
-        stream=bool(_opt(body, "stream", bool, False)),
-        include_usage=bool(stream_options.get("include_usage", False)),
+        chat_options=options,
+        add_special_tokens=_opt(body, "add_special_tokens", bool, not chat),
+        truncate=(truncate, side) if truncate is not None and truncate > 0 else None,
+        stream=_opt(body, "stream", bool, False),
+        max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else 16,
         annotations=annotations,
+        params=params,
     )
 
 
-async def _json_body(request: web.Request) -> Any:
-    try:
-        return _DECODE_JSON.decode(await request.read())
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", "body") from exc
-
-
-def _sse(obj: Mapping[str, Any]) -> bytes:
-    return b"data: " + _JSON.encode(obj) + b"\n\n"
-
-
-_SSE_DONE = b"data: [DONE]\n\n"
-
-
-class _Formatter:
-    """Builds OpenAI bodies and chunks for one request."""
-
-    def __init__(self, parsed: ParsedRequest, model: str, request_id: str) -> None:
-        self.chat = parsed.chat
-        self.model = model
-        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + request_id
-        self.created = int(time.time())
-        self.object = "chat.completion" if parsed.chat else "text_completion"
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def delta(self, text: str, finish: str | None, *, first: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            if finish is not None and not text:
-                delta = {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-        return {**self._head("text_completion"), "choices": [choice]}
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage}
-
-    def full(self, text: str, finish: str | None, usage: dict[str, int], route: dict[str, Any]) -> dict[str, Any]:
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-        return {**self._head(self.object), "choices": [choice], "usage": usage, "kvswitch": route}
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, final: ResponseChunk | None) -> dict[str, int]:
-    if final is not None and final.usage is not None:
-        prompt_tokens = final.usage.prompt_tokens or prompt_tokens
-        completion_tokens = final.usage.completion_tokens or completion_tokens
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-    }
+# --- answers ----------------------------------------------------------------------------------------
 
 
 def _route_info(job: Job) -> dict[str, Any]:
@@ -242,30 +291,40 @@ def _route_info(job: Job) -> dict[str, Any]:
     }
 
 
-def _route_headers(job: Job, request_id: str) -> dict[str, str]:
+def _route_headers(job: Job, response_id: str) -> dict[str, str]:
     return {
         "x-kvswitch-decode-worker": job.plan.decode.worker,
         "x-kvswitch-prefill": str(job.path),
         "x-kvswitch-outcome": str(job.outcome),
-        "x-request-id": request_id,
+        "x-request-id": response_id,
     }
 
 
+def _with_route(body: bytes, route: dict[str, Any]) -> bytes:
+    """The engine's JSON object with the router's `kvswitch` member added as its last one."""
+    trimmed = body.rstrip()
+    if not trimmed.endswith(b"}"):
+        raise ApiError(502, "the worker's answer is not a JSON object")
+    head = trimmed[:-1].rstrip()
+    sep = b"" if head.endswith(b"{") else b","
+    return head + sep + b'"kvswitch":' + _JSON.encode(route) + b"}"
+
+
 def _leg_error(exc: LegError) -> ApiError:
-    """The client's view of a failed leg: the engine's own words for a request it refused, a
+    """The client's view of a failed leg: the engine's own answer for a request it refused, a
     generic one for the rest (worker ids and internal errors stay in the router's log)."""
     if exc.refused:
-        return ApiError(exc.code, exc.message)
+        return ApiError(exc.code, exc.message, body=exc.body)
     code = exc.code if exc.code in (503, 504) else 502
     what = {503: "no worker could serve the request", 504: "the request's deadline passed"}
     return ApiError(code, what.get(code, "the worker failed while serving the request"))
 
 
-def _is_text(parsed: ParsedRequest) -> bool:
-    """The prompt needs the router's tokenizer (chat always; completions unless token ids)."""
-    return parsed.chat or not isinstance(parsed.prompt, list)
+def _sse_event(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
 
 
+_SSE_DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499  # nginx's code for a client that left before the answer: counted, never sent
 
 
@@ -273,18 +332,22 @@ class _Handlers:
     def __init__(
         self,
         path: RequestPath,
-        tokenizer: PromptTokenizer,
+        tokenization: Tokenization,
+        limits: HttpLimits,
         *,
         health: Callable[[], dict[str, Any]],
         readiness: Callable[[], tuple[bool, dict[str, Any]]],
         index_state: Callable[[], dict[str, Any]],
+        tokenizer_report: Callable[[], dict[str, Any]] | None,
         started_at: float,
     ) -> None:
         self.path = path
-        self.tokenizer = tokenizer
+        self.tokenization = tokenization
+        self.limits = limits
         self._health = health
         self._readiness = readiness
         self._index_state = index_state
+        self._tokenizer_report = tokenizer_report
         self.started_at = started_at
 
     async def debug_index(self, request: web.Request) -> web.Response:
@@ -295,6 +358,8 @@ class _Handlers:
 
     async def ready(self, request: web.Request) -> web.Response:
         ready, body = self._readiness()
+        if self._tokenizer_report is not None:
+            body = {**body, "tokenizer": self._tokenizer_report()}
         return _json_response({"ready": ready, **body}, status=200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -316,56 +381,117 @@ class _Handlers:
 
     async def debug_route(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await self._json_body(request)
             parsed = parse_request(body, chat=isinstance(body, dict) and "messages" in body)
-            model, tokens = self._tokens(parsed)
+            model = self._model(parsed)
+            routed, _ = await self._tokens(parsed)
             try:
-                return _json_response(self.path.explain(model, tokens, text=_is_text(parsed)))
+                return _json_response(self.path.explain(model, routed, text=_is_text(parsed)))
             except PlanError as exc:
                 raise ApiError(exc.code, exc.message) from exc
         except ApiError as exc:
             return exc.response()
 
-    def _tokens(self, parsed: ParsedRequest) -> tuple[str, list[int]]:
+    # --- reading the request ------------------------------------------------------------------
+
+    async def _json_body(self, request: web.Request) -> Any:
+        limit = self.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"the request body is {request.content_length} bytes, over the limit of {limit}",
+                           "body", close=True)  # fmt: skip
         try:
-            model = self.path.resolve_model(parsed.model)
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise ApiError(
+                408, f"the request body did not arrive within {self.limits.body_timeout_s:g}s", "body", close=True
+            ) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes", "body", close=True) from None
+        try:
+            return _DECODE_JSON.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", "body") from exc
+        except RecursionError:
+            raise ApiError(400, "the body's JSON is nested too deeply", "body") from None
+
+    def _model(self, parsed: ParsedRequest) -> str:
+        try:
+            return self.path.resolve_model(parsed.model)
         except Unknown as exc:
             raise ApiError(exc.code, str(exc), "model") from exc
+
+    async def _tokens(self, parsed: ParsedRequest) -> tuple[list[int], list[list[int]]]:
+        """The routed prompt's ids (the first prompt of a batch) and every prompt's ids."""
+        tok = self.tokenization
         try:
             if parsed.chat:
-                assert parsed.messages is not None
-                return model, self.tokenizer.encode_chat(parsed.messages)
-            assert parsed.prompt is not None
-            prompt = parsed.prompt
-            return model, prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+                assert parsed.messages is not None and parsed.chat_options is not None
+                ids = await tok.encode_chat(parsed.messages, parsed.chat_options)
+                return ids, [ids]
+            prompts = []
+            for p in parsed.prompts:
+                ids = p if isinstance(p, list) else await tok.encode(p, parsed.add_special_tokens)
+                if parsed.truncate is not None:
+                    keep, side = parsed.truncate
+                    ids = ids[:keep] if side == "right" else ids[-keep:]
+                prompts.append(ids)
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages" if parsed.chat else "prompt") from exc
+        if not prompts[0]:
+            raise ApiError(400, "The prompt cannot be empty.", "prompt")
+        return prompts[0], prompts
+
+    def _leg(self, parsed: ParsedRequest, request_id: str, model: str, routed: list[int], prompts: list[list[int]]
+             ) -> GenerateRequest:  # fmt: skip
+        params = parsed.params
+        params["model"] = model
+        if not parsed.chat and not (params.get("echo") is True and _is_text(parsed)):
+            # The engine computes the very ids that were routed; one prompt rides in token_ids. An
+            # echo of text keeps the client's text: vLLM echoes a text prompt as written, but token
+            # ids as it decodes them (special tokens and all).
+            if len(prompts) > 1:
+                params["prompt"] = prompts
+            else:
+                params.pop("prompt", None)
+        return GenerateRequest(
+            request_id=request_id,
+            model=model,
+            token_ids=routed,
+            sampling=SamplingParams(max_tokens=parsed.max_tokens),
+            stream=parsed.stream,
+            annotations=[a for a in parsed.annotations if a != ANNOTATION_BYPASS],  # the router's alone
+            endpoint=ENDPOINT_CHAT if parsed.chat else ENDPOINT_COMPLETIONS,
+            params=params,
+        )
+
+    # --- one request ----------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
         status = 500
         try:
-            body = await _json_body(request)
+            body = await self._json_body(request)
             parsed = parse_request(body, chat=chat)
-            model, tokens = self._tokens(parsed)
+            model = self._model(parsed)
+            routed, prompts = await self._tokens(parsed)
             request_id = uuid.uuid4().hex
+            response_id = ("chatcmpl-" if chat else "cmpl-") + request_id  # as vLLM names it from X-Request-Id
             with self.path.tracer.request(
                 f"POST /v1/{'chat/' if chat else ''}completions", request.headers, **{"kvswitch.model": model}
             ) as span:
+                leg = self._leg(parsed, request_id, model, routed, prompts)
                 try:
-                    job = await self.path.open(
-                        request_id, model, tokens, parsed.sampling, parsed.annotations, span, text=_is_text(parsed)
-                    )
+                    job = await self.path.open(leg, span, text=_is_text(parsed))
                 except PlanError as exc:
                     raise ApiError(exc.code, exc.message) from exc
                 except Overloaded as exc:
                     raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
                 try:
-                    fmt = _Formatter(parsed, model, request_id)
                     if parsed.stream:
-                        resp = await self._stream(request, job, fmt, parsed, len(tokens))
+                        resp = await self._stream(request, job, response_id)
                     else:
-                        resp = await self._whole(job, fmt, len(tokens))
+                        resp = await self._whole(job, response_id)
                 finally:
                     self.path.release(job)  # a no-op once its stream ended
                 status = resp.status
@@ -382,27 +508,18 @@ class _Handlers:
         finally:
             self.path.metrics.count_request(endpoint, status)
 
-    async def _whole(self, job: Job, fmt: _Formatter, isl: int) -> web.Response:
-        detok = IncrementalDetokenizer(self.tokenizer)
-        parts: list[str] = []
-        final: ResponseChunk | None = None
-        n = 0
+    async def _whole(self, job: Job, response_id: str) -> web.Response:
+        parts: list[bytes] = []
         try:
             async for chunk in self.path.stream(job):
-                n += len(chunk.token_ids)
-                parts.append(detok.push(chunk.token_ids, final=chunk.final))
-                if chunk.final:
-                    final = chunk
+                if chunk.body:
+                    parts.append(chunk.body)
         except LegError as exc:
             raise _leg_error(exc) from exc
-        finish = final.finish_reason if final is not None else None
-        body = fmt.full("".join(parts), finish, _usage(isl, n, final), _route_info(job))
-        return _json_response(body, headers=_route_headers(job, fmt.id))
+        body = _with_route(b"".join(parts), _route_info(job))
+        return web.Response(body=body, headers=_route_headers(job, response_id), content_type="application/json")
 
-    async def _stream(
-        self, request: web.Request, job: Job, fmt: _Formatter, parsed: ParsedRequest, isl: int
-    ) -> web.StreamResponse:
-        detok = IncrementalDetokenizer(self.tokenizer)
+    async def _stream(self, request: web.Request, job: Job, response_id: str) -> web.StreamResponse:
         chunks = self.path.stream(job)
         try:
             first = await anext(chunks)
@@ -410,42 +527,46 @@ class _Handlers:
             raise _leg_error(exc) from exc
         except StopAsyncIteration:
             raise ApiError(502, "the worker ended the stream without a chunk") from None
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_route_headers(job, fmt.id)}
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_route_headers(job, response_id)}
         resp = web.StreamResponse(status=200, headers=headers)
         try:
             await resp.prepare(request)
         except BaseException:
             await chunks.aclose()
             raise
-        n, final = 0, None
-        chunk: ResponseChunk | None = first
-        # The events one worker chunk produces go out in one write (one send, one drain).
-        out: list[bytes] = [_sse(fmt.delta("", None, first=True))] if fmt.chat else []  # vLLM opens with the role
+        out: list[bytes] = []
+        chunk = first
         try:
-            while chunk is not None:
-                n += len(chunk.token_ids)
-                text = detok.push(chunk.token_ids, final=chunk.final)
-                finish = chunk.finish_reason if chunk.final else None
-                if chunk.final:
-                    final = chunk
-                if text or finish is not None:
-                    out.append(_sse(fmt.delta(text, finish)))
+            # The events one worker chunk carries go out in one write (one send, one drain).
+            while True:
+                out += [_sse_event(e) for e in chunk.events]
                 if chunk.final:
                     break
                 if out:
                     await resp.write(b"".join(out))
                     out.clear()
-                chunk = await anext(chunks, None)
-            if parsed.include_usage:
-                out.append(_sse(fmt.usage_chunk(_usage(isl, n, final))))
+                chunk = await anext(chunks)
         except LegError as exc:
-            out.append(_sse(_leg_error(exc).body()))
+            err = _leg_error(exc)
+            out.append(_sse_event(err.own_body or _JSON.encode(err.body())))
+        except StopAsyncIteration:
+            out.append(_sse_event(_JSON.encode(ApiError(502, "the worker ended the stream early").body())))
+        except Exception:
+            log.exception("request %s: the stream failed", job.request.request_id)
+            out.append(_sse_event(_JSON.encode(ApiError(502, "the stream failed").body())))
         finally:
             await chunks.aclose()
         out.append(_SSE_DONE)
         await resp.write_eof(b"".join(out))
         return resp
 
+
+def _is_text(parsed: ParsedRequest) -> bool:
+    """The prompt needs the router's tokenizer (chat always; completions unless token ids)."""
+    return parsed.chat or any(isinstance(p, str) for p in parsed.prompts)
+
+
+# --- errors before a handler runs ---------------------------------------------------------------
 
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
 
@@ -461,19 +582,98 @@ def _auth_middleware(keys: ApiKeys) -> Callable[..., Any]:
     return check
 
 
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    """aiohttp's own answers (unknown route, wrong method, body too large) and anything a handler
+    did not expect, as OpenAI JSON."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        what = {404: f"no route {request.path}", 405: f"{request.method} is not allowed on {request.path}"}
+        err = ApiError(exc.status, what.get(exc.status, exc.reason), close=exc.status == 413)
+        resp = err.response()
+        if exc.status == 405 and "Allow" in exc.headers:
+            resp.headers["Allow"] = exc.headers["Allow"]
+        return resp
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return ApiError(500, "the router failed to handle the request").response()
+
+
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering what its parser refuses as OpenAI JSON:
+    oversized header lines or too many headers are 431, an oversized request line 414, the rest
+    400. (aiohttp answers these in plain text before any middleware runs.)"""
+
+    def handle_error(
+        self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer is on its way already: the connection is dropped")
+        if isinstance(exc, LineTooLong):
+            status = 414 if "status line" in str(exc).lower() or "request line" in str(exc).lower() else 431
+            text = "the request line is too long" if status == 414 else "a request header is too large"
+        elif isinstance(exc, BadHttpMessage) and "too many headers" in str(exc).lower():
+            status, text = 431, "too many request headers"
+        elif isinstance(exc, BadHttpMessage):
+            status, text = 400, f"malformed HTTP request: {exc.message}"
+        else:
+            if status >= 500:
+                log.error("HTTP connection error", exc_info=exc)
+            text = "the router failed to handle the request" if status >= 500 else (message or "bad request")
+        resp = ApiError(status, text, close=True).response()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class FrontDoorRunner(web.AppRunner):
+    """An AppRunner whose connections answer HTTP parse errors as OpenAI JSON (431, 414, 400), and
+    close `lingering_s` after answering a request whose body was left unread (aiohttp's default
+    waits 10 s for the rest of it: a client that stopped sending would hold the connection)."""
+
+    def __init__(self, app: web.Application, *, lingering_s: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(app, lingering_time=lingering_s, **kwargs)
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # aiohttp builds the Server itself; this only swaps its handler class
+        return server
+
+
 def make_app(
     path: RequestPath,
-    tokenizer: PromptTokenizer,
+    tokenization: Tokenization,
     *,
+    limits: HttpLimits | None = None,
     api_keys: ApiKeys | None = None,
     health: Callable[[], dict[str, Any]],
     readiness: Callable[[], tuple[bool, dict[str, Any]]],
     index_state: Callable[[], dict[str, Any]],
-    started_at: float,
+    tokenizer_report: Callable[[], dict[str, Any]] | None = None,
+    started_at: float | None = None,
 ) -> web.Application:
-    h = _Handlers(path, tokenizer, health=health, readiness=readiness, index_state=index_state, started_at=started_at)
-    middlewares = [_auth_middleware(api_keys)] if api_keys is not None else []
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
+    limits = limits or HttpLimits()
+    h = _Handlers(
+        path,
+        tokenization,
+        limits,
+        health=health,
+        readiness=readiness,
+        index_state=index_state,
+        tokenizer_report=tokenizer_report,
+        started_at=time.time() if started_at is None else started_at,
+    )
+    middlewares = [_openai_errors] + ([_auth_middleware(api_keys)] if api_keys is not None else [])
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)
     app.router.add_get("/metrics", h.metrics)
@@ -482,4 +682,9 @@ def make_app(
     app.router.add_post("/v1/chat/completions", h.chat)
     app.router.add_post("/debug/route", h.debug_route)
     app.router.add_get("/debug/index", h.debug_index)
+
+    async def close_pool(_app: web.Application) -> None:
+        tokenization.close()
+
+    app.on_cleanup.append(close_pool)
     return app

@@ -16,9 +16,10 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from opentelemetry.trace import Span
 
-from protocol import GenerateRequest, SamplingParams
+from protocol import GenerateRequest
 from protocol.messages import ANNOTATION_BYPASS, ResponseChunk
 from router.admission import Admission
 from router.dispatch import Dispatcher, Job
@@ -66,20 +67,14 @@ class RequestPath:
     def explain(self, model: str, tokens: list[int], *, text: bool) -> dict[str, Any]:
         return self.planner.explain(self.planner.context("debug", model, tokens, text=text))
 
-    async def open(
-        self,
-        request_id: str,
-        model: str,
-        tokens: list[int],
-        sampling: SamplingParams,
-        annotations: list[str],
-        span: Span,
-        *,
-        text: bool,
-    ) -> Job:
-        """Admit and plan one request (its first attempt booked); PlanError or Overloaded if not."""
+    async def open(self, request: GenerateRequest, span: Span, *, text: bool) -> Job:
+        """Admit and plan one request (its first attempt booked); PlanError or Overloaded if not.
+        `request` is its leg as the client asked for it, routed by its `token_ids`; `text`: the
+        prompt came as text, so only workers sharing the router's tokenizer may take it."""
         started = time.perf_counter()
-        ctx = self.planner.context(request_id, model, tokens, sampling.max_tokens, text=text)
+        ctx = self.planner.context(
+            request.request_id, request.model, request.token_ids, request.sampling.max_tokens, text=text
+        )
         try:
             plan = await self.admission.admit(ctx, self.planner.take)
         except BaseException:
@@ -87,12 +82,9 @@ class RequestPath:
             raise
         self.metrics.route.observe(time.perf_counter() - started)
         self.tracer.decision(span, plan, ctx.isl, ctx.cached_tokens(plan.decode))
-        req = GenerateRequest(
-            request_id=request_id,
-            model=model,
-            token_ids=tokens,
-            sampling=sampling,
-            annotations=[a for a in annotations if a != ANNOTATION_BYPASS],  # the router's alone
+        req = msgspec.structs.replace(
+            request,
+            annotations=[a for a in request.annotations if a != ANNOTATION_BYPASS],  # the router's alone
             deadline=time.time() + self.request_timeout_s,
             trace=self.tracer.carrier(span),
         )
@@ -121,14 +113,16 @@ class RequestPath:
         start = time.monotonic()
         last: float | None = None
         self.inflight += 1
+        streamed = job.request.stream  # a whole answer has no first token to time
         try:
             async for chunk in self.dispatcher.run(job):
-                if chunk.token_ids:
+                n = len(chunk.token_ids) + chunk.tokens
+                if n and streamed:
                     now = time.monotonic()
                     if last is None:
                         metrics.observe_ttft(job.path, now - start)
                     else:
-                        metrics.observe_itl((now - last) / len(chunk.token_ids), len(chunk.token_ids))
+                        metrics.observe_itl((now - last) / n, n)
                     last = now
                 yield chunk
         finally:

@@ -47,7 +47,7 @@ from router.block_index import BlockIndex
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility
-from router.http_api import make_app
+from router.http_api import FrontDoorRunner, HttpLimits, make_app
 from router.kv_ingest import KvIngest
 from router.ledger import Ledger
 from router.load_view import LoadView
@@ -57,7 +57,7 @@ from router.planner import Planner
 from router.policies import Outcome
 from router.replica_sync import ReplicaSync
 from router.request_path import RequestPath
-from router.tokenization import PromptTokenizer, load_tokenizer, tokenizer_fingerprint
+from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
 
@@ -98,6 +98,7 @@ class RouterConfig:
     seed: int | None = None
     tracer_provider: TracerProvider | None = None
     api_keys_file: str | None = None
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 class RouterService:
@@ -106,6 +107,7 @@ class RouterService:
         self.ns = subjects.validate_namespace(config.ns)
         self.settings: RouterSettings = resolve(RouterSettings, cli=config.overrides, file=config.file_settings)
         self.tokenizer: PromptTokenizer = load_tokenizer(config.tokenizer)
+        self.fingerprints = FingerprintWatch(tokenizer_fingerprint(self.tokenizer))
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.status = RouterStatus.NEW
         self.started_at = time.time()
@@ -137,7 +139,7 @@ class RouterService:
             clock=time.time,
             sync_state=self._sync_state,
             liveness=self.view.liveness,
-            tokenizer=tokenizer_fingerprint(self.tokenizer),
+            tokenizer=self.fingerprints.mine,
         )
 
     # --- parts, once started -------------------------------------------------------------------
@@ -234,14 +236,16 @@ class RouterService:
         # than routing it.
         app = make_app(
             path,
-            self.tokenizer,
+            Tokenization(self.tokenizer, offload_chars=self.config.http_limits.offload_chars),
+            limits=self.config.http_limits,
             api_keys=self.api_keys,
             health=self.health,
             readiness=self.readiness,
             index_state=self.index_state,
+            tokenizer_report=self.fingerprints.report,
             started_at=self.started_at,
         )
-        self._runner = web.AppRunner(
+        self._runner = FrontDoorRunner(
             app, handler_cancellation=True, shutdown_timeout=self.config.drain_s, access_log=None
         )
         await self._runner.setup()
@@ -402,11 +406,13 @@ class RouterService:
         self._registry_ready = True
 
     def _on_worker_add(self, info: WorkerInfo) -> None:
+        self.fingerprints.check(info)
         self.ingest.add_worker(info.worker, info.epoch)
         self.eligibility.added(info.worker)
         self.path.admission.notify()
 
     def _on_worker_remove(self, worker: str) -> None:
+        self.fingerprints.forget(worker)
         self.ingest.remove_worker(worker)
         self.view.remove_worker(worker)
         self.eligibility.removed(worker)

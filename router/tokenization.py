@@ -1,37 +1,67 @@
-"""Prompt text to token ids and back: the built-in tokenizer by default, a Hugging Face one with
-`--tokenizer PATH`.
+"""Prompt text to token ids, exactly as the served model's engine tokenizes it, or not at all.
 
-PATH is a `tokenizer.json` or a directory holding one; the chat template comes from the
-`tokenizer_config.json` beside it (`chat_template`, rendered with jinja2 in a sandbox, as
-transformers does). The built-in tokenizer (protocol.tokenizer) is what engine_sim speaks, so
-the router and simulated engines agree on ids without any download.
+`--tokenizer` names the served model's tokenizer: a `tokenizer.json`, a directory holding one, or
+a Hugging Face model id found in the local hub cache (`$HF_HUB_CACHE`, `$HF_HOME/hub`,
+`~/.cache/huggingface/hub`: the snapshot `refs/main` points at; nothing is downloaded). The chat
+template comes from beside it (`chat_template.jinja`, else `tokenizer_config.json`'s
+`chat_template`, else `chat_template.json`) and is rendered with jinja2 in a sandbox the way
+transformers renders it (its `tojson`, `raise_exception`, `strftime_now`, the `generation` tag,
+`continue_final_message`). Without `--tokenizer` the router has the built-in tokenizer, which only
+engine_sim speaks.
+
+Whether the router's tokenizer is a worker's is decided by fingerprints (protocol.fingerprint):
+the planner sends text prompts only to workers whose fingerprint equals the router's, and
+`FingerprintWatch` says once per worker, at ERROR, which workers will get no text prompt and why.
+A chat prompt's ids serve routing only: the engine renders the messages itself.
+
+Large prompts are tokenized off the event loop (`Tokenization`): Hugging Face's `encode_batch`
+releases the GIL; the built-in tokenizer is run line by line (every line break is a piece of its
+own, so the ids are the same) so the loop gets the GIL between lines.
 """
 
 from __future__ import annotations
 
+import asyncio
+import datetime
+import functools
 import json
-from collections.abc import Mapping, Sequence
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfRawTokenizer
 
 from protocol.fingerprint import BUILTIN, PROBE_MESSAGES, PROBE_TEXT, fingerprint
+from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 
 __all__ = [
+    "OFFLOAD_CHARS",
     "BuiltinPromptTokenizer",
+    "ChatOptions",
+    "FingerprintWatch",
     "HfPromptTokenizer",
-    "IncrementalDetokenizer",
     "PromptTokenizer",
+    "Tokenization",
     "TokenizerError",
     "load_tokenizer",
+    "resolve_tokenizer_path",
     "tokenizer_fingerprint",
 ]
 
+log = logging.getLogger(__name__)
 Messages = Sequence[Mapping[str, Any]]
+OFFLOAD_CHARS = 32 * 1024  # texts longer than this are tokenized on a worker thread
+_SEGMENT_CHARS = 64 * 1024
 
 
 class TokenizerError(ValueError):
@@ -43,31 +73,67 @@ class TokenizerError(ValueError):
         super().__init__(f"{what}: {why}")
 
 
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """What a chat request says about rendering its messages (vLLM's names and defaults)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Any] | None = None
+    documents: list[Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_special_tokens: bool = False
+
+
 class PromptTokenizer(Protocol):
     name: str
 
-    def encode(self, text: str) -> list[int]: ...
-    def encode_chat(self, messages: Messages) -> list[int]: ...
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def encode_chat(self, messages: Messages, options: ChatOptions = ...) -> list[int]: ...
+    def encode_large(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`encode`, written to leave the GIL to other threads while it runs."""
+        ...
 
 
 class BuiltinPromptTokenizer:
+    """protocol.tokenizer's vocabulary (engine_sim's): it adds no special tokens, and its chat
+    template is ChatML (`continue_final_message` leaves the last message open, as the sim does)."""
+
     name = BuiltinTokenizer.name
 
     def __init__(self) -> None:
         self._tok = BuiltinTokenizer()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text)
 
-    def encode_chat(self, messages: Messages) -> list[int]:
-        try:
-            return self._tok.encode(apply_chat_template(messages))
-        except ValueError as exc:
-            raise TokenizerError("messages", str(exc)) from exc
+    def encode_large(self, text: str, add_special_tokens: bool) -> list[int]:
+        # Every line break is a piece of its own in the built-in split, so encoding line by line
+        # gives the same ids, and the GIL can pass to the event loop between segments.
+        ids: list[int] = []
+        segment: list[str] = []
+        size = 0
+        for line in text.splitlines(keepends=True):
+            segment.append(line)
+            size += len(line)
+            if size >= _SEGMENT_CHARS:
+                ids += self._tok.encode("".join(segment))
+                segment, size = [], 0
+        if segment:
+            ids += self._tok.encode("".join(segment))
+        return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([i for i in ids if 0 <= i < self._tok.vocab_size])
+    def encode_chat(self, messages: Messages, options: ChatOptions = ChatOptions()) -> list[int]:
+        try:
+            text = apply_chat_template(
+                messages, add_generation_prompt=options.add_generation_prompt and not options.continue_final_message
+            )
+        except (ValueError, AttributeError) as exc:
+            raise TokenizerError("messages", str(exc)) from exc
+        if options.continue_final_message:
+            text = text.removesuffix("<|im_end|>\n")
+        return self._tok.encode(text)
 
 
 def _special(value: object) -> str:
@@ -80,54 +146,140 @@ def _raise(message: str) -> None:
     raise TokenizerError("chat_template", message)
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    # transformers' filter: jinja2's own escapes HTML characters and sorts keys.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant tokens with it):
+    renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _text_content(messages: Messages) -> list[dict[str, Any]]:
+    """Messages with list content flattened to text, as vLLM does for a text model's template
+    (text parts joined by newlines); other parts cannot be tokenized here."""
+    out = []
+    for i, message in enumerate(messages):
+        m = dict(message)
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                text = part.get("text") if isinstance(part, Mapping) and part.get("type", "text") == "text" else None
+                if not isinstance(text, str):
+                    raise TokenizerError(f"messages[{i}].content", "the router tokenizes only text parts")
+                texts.append(text)
+            m["content"] = "\n".join(texts)
+        out.append(m)
+    return out
+
+
 class HfPromptTokenizer:
     """A Hugging Face `tokenizers` tokenizer plus its chat template."""
 
     def __init__(self, path: str | Path) -> None:
-        p = Path(path)
-        file = p / "tokenizer.json" if p.is_dir() else p
-        if not file.is_file():
-            raise TokenizerError(str(path), "no tokenizer.json there")
+        file = resolve_tokenizer_path(path)
         try:
             self._tok = HfRawTokenizer.from_file(str(file))
         except Exception as exc:  # the Rust side raises plain Exception for a bad file
             raise TokenizerError(str(file), f"not a tokenizers JSON: {exc}") from exc
-        self.name = str(file.parent.name or file.name)
-        config = _read_config(file.parent / "tokenizer_config.json")
-        self._bos = _special(config.get("bos_token"))
-        self._eos = _special(config.get("eos_token"))
-        template = config.get("chat_template")
-        if isinstance(template, list):  # the named-template form: take "default"
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        self._template: jinja2.Template | None = None
-        if isinstance(template, str):
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            try:
-                self._template = env.from_string(template)
-            except jinja2.TemplateError as exc:
-                raise TokenizerError("chat_template", f"does not compile: {exc}") from exc
+        self.name = str(path)
+        folder = file.parent
+        config = _read_json(folder / "tokenizer_config.json")
+        self._specials = {
+            k: _special(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in config
+        }
+        self._specials.setdefault("bos_token", "")
+        self._specials.setdefault("eos_token", "")
+        self._env = _environment()
+        source = _chat_template_source(folder, config)
+        self._template = self._compile(source) if source is not None else None
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
-
-    def encode_chat(self, messages: Messages) -> list[int]:
-        if self._template is None:
-            raise TokenizerError("chat_template", f"tokenizer {self.name} has none; use /v1/completions")
+    def _compile(self, source: str) -> jinja2.Template:
         try:
-            text = self._template.render(
-                messages=list(messages), add_generation_prompt=True, bos_token=self._bos, eos_token=self._eos
-            )
+            return self._env.from_string(source)
         except jinja2.TemplateError as exc:
+            raise TokenizerError("chat_template", f"does not compile: {exc}") from exc
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 (one tokenizer per router, kept for its life)
+    def _request_template(self, source: str) -> jinja2.Template:
+        return self._compile(source)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_large(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch lets go of the GIL while it runs; encode does not.
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def render_chat(self, messages: Messages, options: ChatOptions = ChatOptions()) -> str:
+        template = self._request_template(options.chat_template) if options.chat_template else self._template
+        if template is None:
+            raise TokenizerError("chat_template", f"tokenizer {self.name} has none; use /v1/completions")
+        msgs = _text_content(messages)
+        try:
+            text = template.render(
+                messages=msgs,
+                tools=options.tools,
+                documents=options.documents,
+                add_generation_prompt=options.add_generation_prompt and not options.continue_final_message,
+                **self._specials,
+                **options.chat_template_kwargs,
+            )
+        except (jinja2.TemplateError, TypeError) as exc:
             raise TokenizerError("chat_template", f"cannot render these messages: {exc}") from exc
-        # The template writes the special tokens itself, as transformers' apply_chat_template does.
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        if options.continue_final_message:
+            final = msgs[-1].get("content") if msgs else None
+            if not isinstance(final, str) or final.strip() not in text:
+                raise TokenizerError("continue_final_message", "the final message is not in the rendered chat")
+            text = text[: text.rindex(final.strip()) + len(final.strip())]
+        return text
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+    def encode_chat(self, messages: Messages, options: ChatOptions = ChatOptions()) -> list[int]:
+        # The template writes the special tokens itself (add_special_tokens False, vLLM's default).
+        text = self.render_chat(messages, options)
+        return list(self._tok.encode(text, add_special_tokens=options.add_special_tokens).ids)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def _chat_template_source(folder: Path, config: Mapping[str, Any]) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if template is None:
+        template = _read_json(folder / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # the named-template form: take "default"
+        template = next(
+            (t.get("template") for t in template if isinstance(t, Mapping) and t.get("name") == "default"), None
+        )
+    return template if isinstance(template, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
@@ -135,6 +287,50 @@ def _read_config(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise TokenizerError(str(path), f"unreadable: {exc}") from exc
     return data if isinstance(data, dict) else {}
+
+
+def _hub_caches() -> list[Path]:
+    env = os.environ
+    out = [Path(env[k]) for k in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE") if env.get(k)]
+    home = env.get("HF_HOME")
+    out.append(Path(home) / "hub" if home else Path.home() / ".cache" / "huggingface" / "hub")
+    return out
+
+
+def resolve_tokenizer_path(spec: str | Path) -> Path:
+    """The tokenizer.json that `spec` names: the file, a directory holding one, or a model id's
+    snapshot in the local Hugging Face hub cache. TokenizerError naming where it looked."""
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return p / "tokenizer.json"
+        raise TokenizerError(str(spec), "no tokenizer.json there")
+    looked = []
+    for cache in _hub_caches():
+        repo = cache / ("models--" + str(spec).replace("/", "--"))
+        looked.append(str(repo))
+        if not repo.is_dir():
+            continue
+        ref = repo / "refs" / "main"
+        snapshots = repo / "snapshots"
+        if ref.is_file():
+            snap = snapshots / ref.read_text().strip()
+        else:
+            found = sorted(snapshots.iterdir()) if snapshots.is_dir() else []
+            if len(found) != 1:
+                raise TokenizerError(str(spec), f"{repo} has {len(found)} snapshots and no refs/main: give the path")
+            snap = found[0]
+        if (snap / "tokenizer.json").is_file():
+            return snap / "tokenizer.json"
+        raise TokenizerError(str(spec), f"the cached snapshot {snap} has no tokenizer.json")
+    raise TokenizerError(
+        str(spec),
+        "not a file, a directory or a model in the local Hugging Face cache (looked in "
+        + ", ".join(looked)
+        + "): download it first, e.g. `huggingface-cli download MODEL tokenizer.json tokenizer_config.json`",
+    )
 
 
 def tokenizer_fingerprint(tok: PromptTokenizer) -> str:
@@ -153,24 +349,70 @@ def load_tokenizer(path: str | Path | None) -> PromptTokenizer:
     return BuiltinPromptTokenizer() if path is None else HfPromptTokenizer(path)
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of ids into text deltas, as vLLM's detokenizer does: each step decodes
-    only a window from the last emitted boundary, so long outputs cost O(n). A trailing partial
-    UTF-8 character (decoded as U+FFFD) is held back until the tokens that complete it arrive."""
+class Tokenization:
+    """The router's tokenizer behind the event loop: small texts inline, large ones on a thread
+    of its own pool. `close()` shuts the pool down."""
 
-    def __init__(self, tokenizer: PromptTokenizer) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0  # window start: context for tokenizers whose pieces depend on neighbours
-        self._read = 0  # ids[:_read] are already emitted
+    def __init__(self, tokenizer: PromptTokenizer, *, offload_chars: int = OFFLOAD_CHARS, threads: int = 2) -> None:
+        self.tokenizer = tokenizer
+        self.offload_chars = offload_chars
+        self.offloaded = 0
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvswitch-tokenize")
 
-    def push(self, ids: Sequence[int], *, final: bool = False) -> str:
-        self._ids.extend(ids)
-        window = self._ids[self._prefix :]
-        emitted = self._tok.decode(self._ids[self._prefix : self._read])
-        text = self._tok.decode(window)
-        if not final and text.endswith("\ufffd"):
-            return ""
-        delta = text[len(emitted) :] if text.startswith(emitted) else text
-        self._prefix, self._read = self._read, len(self._ids)
-        return delta
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) <= self.offload_chars:
+            return self.tokenizer.encode(text, add_special_tokens)
+        self.offloaded += 1
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tokenizer.encode_large, text, add_special_tokens)
+
+    async def encode_chat(self, messages: Messages, options: ChatOptions) -> list[int]:
+        size = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 1024 for m in messages)
+        if size <= self.offload_chars:
+            return self.tokenizer.encode_chat(messages, options)
+        self.offloaded += 1
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tokenizer.encode_chat, messages, options)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class FingerprintWatch:
+    """Compares each registered worker's tokenizer fingerprint with the router's; says once per
+    worker, at ERROR, that it gets no text prompts and how to fix it, and reports the mismatches
+    (for /ready)."""
+
+    def __init__(self, mine: str) -> None:
+        self.mine = mine
+        self._mismatched: dict[str, str] = {}  # worker -> why
+
+    def check(self, info: WorkerInfo) -> None:
+        if info.tokenizer == self.mine:
+            self._mismatched.pop(info.worker, None)
+            return
+        why = self._why(info)
+        if self._mismatched.get(info.worker) != why:
+            log.error("worker %s (model %s) gets no text prompts from this router: %s", info.worker, info.model, why)
+        self._mismatched[info.worker] = why
+
+    def forget(self, worker: str) -> None:
+        self._mismatched.pop(worker, None)
+
+    def _why(self, info: WorkerInfo) -> str:
+        theirs = info.tokenizer or "unknown (its shim could not read it from the engine)"
+        if self.mine == BUILTIN:
+            return (
+                f"its engine's tokenizer is {theirs} and this router has only the built-in one (engine_sim's): "
+                f"start the router with --tokenizer naming {info.model}'s tokenizer (token-id prompts still route)"
+            )
+        return (
+            f"its tokenizer is {theirs}, the router's is {self.mine}: give the router the tokenizer "
+            f"{info.model} is served with (token-id prompts still route)"
+        )
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "router": self.mine,
+            "text_refused": [{"worker": w, "why": why} for w, why in sorted(self._mismatched.items())],
+        }

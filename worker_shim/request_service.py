@@ -9,12 +9,22 @@ says what the leg is:
 Responses go to the message's reply subject as ResponseChunks, `seq` from 0, stamped with the worker
 id of the subject the request came on (during a re-registration's grace period that is the old id).
 Every leg ends with exactly one final chunk: finish_reason and usage, or `error` (engine failure,
-deadline, draining, bad request), or finish_reason "abort" on cancel.
+deadline, draining, bad request; an engine's refusal carries its own error body), or
+finish_reason "abort" on cancel.
+
+A pass-through leg (GenerateRequest.endpoint set) carries the engine's own answer: each SSE
+payload in `events`, or the whole body of a non-streaming answer in `body`, cut into pieces that
+each fit NATS's payload limit. Token ids still ride along for the router's accounting.
 
 Coalescing adapts to load: while the service is idle (fewer than `busy_legs` legs in flight and
 NATS's outbound buffer under `BEHIND_BYTES`), every token goes out the moment it arrives. Under
 load, a token that comes less than `COALESCE_S` (5 ms) after the leg's previous chunk waits for that
 mark with whatever else arrives meanwhile, so frames carry several tokens and no token waits longer.
+
+A whole (non-streamed) answer has no first token to say its prefill is done, so while such a leg
+runs the service looks every PREFILL_POLL_S at whether the engine's KV events cover the prompt's
+full blocks; when they do its tokens stop counting as queued and a `prefilled` chunk tells the
+router. An engine that caches nothing (no prefix caching) leaves them queued until the answer.
 
 Heartbeats: a leg whose request asks for them (`heartbeat_s` > 0) sends an empty, non-final chunk
 with the next seq whenever it has sent nothing for `heartbeat_s`, prefill and non-streaming legs
@@ -45,15 +55,18 @@ from protocol import (
     decode_msg,
     encode_msg,
 )
-from protocol.messages import ANNOTATION_BYPASS
+from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 
-__all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "RequestService"]
+__all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "PREFILL_POLL_S", "RequestService"]
 
 log = logging.getLogger(__name__)
 COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
+PREFILL_POLL_S = 0.05
+_ENVELOPE = 4096  # room left in a chunk for everything but its events or body
+_ENDPOINTS = frozenset({"", ENDPOINT_COMPLETIONS, ENDPOINT_CHAT})
 
 
 class _ChunkWriter:
@@ -77,6 +90,10 @@ class _ChunkWriter:
         self.seq = 0
         self.sent_tokens = 0
         self._pending: list[int] = []
+        self._events: list[bytes] = []
+        self._event_bytes = 0
+        self._counted = 0  # tokens the pending events carry
+        self._room = max(service.nc.max_payload - _ENVELOPE, 1024)
         self._last_sent = time.monotonic()
         self._timer: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -88,9 +105,18 @@ class _ChunkWriter:
         self._last_sent = time.monotonic()
         await self.nc.publish(self.reply, encode_msg(chunk))
 
-    def _chunk(self, tokens: list[int], **final: object) -> ResponseChunk:
-        self.sent_tokens += len(tokens)
-        return ResponseChunk(request_id=self.request_id, seq=self.seq, token_ids=tokens, worker=self.worker, **final)  # type: ignore[arg-type]
+    def _chunk(self, tokens: list[int], events: list[bytes] | None = None, **final: object) -> ResponseChunk:
+        counted, self._counted = (self._counted, 0) if events else (0, self._counted)
+        self.sent_tokens += len(tokens) + counted
+        return ResponseChunk(
+            request_id=self.request_id,
+            seq=self.seq,
+            token_ids=tokens,
+            worker=self.worker,
+            events=events or [],
+            tokens=counted,
+            **final,  # type: ignore[arg-type]
+        )
 
     async def _beat(self, period: float) -> None:
         while True:
@@ -99,7 +125,13 @@ class _ChunkWriter:
                 self.service.heartbeats += 1
                 await self._send(self._chunk([]))
 
-    async def tokens(self, toks: list[int]) -> None:
+    async def output(self, tokens: int, event: bytes | None, toks: list[int]) -> None:
+        if event is not None:
+            if self._events and self._event_bytes + len(event) > self._room:
+                await self._flush()
+            self._events.append(event)
+            self._event_bytes += len(event)
+            self._counted += tokens
         self._pending.extend(toks)
         if self._timer is not None:
             return
@@ -114,10 +146,15 @@ class _ChunkWriter:
         self._timer = None
         await self._flush()
 
+    async def prefilled(self) -> None:
+        await self._flush()
+        await self._send(self._chunk([], prefilled=True))
+
     async def _flush(self) -> None:
-        if self._pending:
+        if self._pending or self._events:
             toks, self._pending = self._pending, []
-            await self._send(self._chunk(toks))
+            events, self._events, self._event_bytes = self._events, [], 0
+            await self._send(self._chunk(toks, events))
 
     async def final(
         self,
@@ -127,6 +164,7 @@ class _ChunkWriter:
         transfer: TransferHandle | None = None,
         error: ErrorInfo | None = None,
         tokens: list[int] | None = None,
+        body: bytes = b"",
     ) -> None:
         for task in (self._timer, self._heartbeat):
             if task is not None:
@@ -137,8 +175,24 @@ class _ChunkWriter:
         outcome = error.kind if error is not None else ("abort" if finish_reason == "abort" else "ok")
         self.service.outcomes[(self.role, outcome)] += 1
         toks, self._pending = self._pending + (tokens or []), []
+        events, self._events, self._event_bytes = self._events, [], 0
+        if events and error is not None:
+            await self._send(self._chunk(toks, events))  # what the engine said before it failed
+            toks, events = [], []
+        pieces = [body[i : i + self._room] for i in range(0, len(body), self._room)] or [b""]
+        for piece in pieces[:-1]:
+            await self._send(self._chunk([], body=piece))
         await self._send(
-            self._chunk(toks, final=True, finish_reason=finish_reason, usage=usage, transfer=transfer, error=error)
+            self._chunk(
+                toks,
+                events,
+                final=True,
+                finish_reason=finish_reason,
+                usage=usage,
+                transfer=transfer,
+                error=error,
+                body=pieces[-1],
+            )
         )
 
 
@@ -167,6 +221,7 @@ class RequestService:
         cached_tokens: Callable[[list[int]], int] = lambda _ids: 0,
         *,
         on_served: Callable[[str, list[int], Usage], None] = lambda _rid, _ids, _usage: None,
+        block_size: Callable[[], int | None] = lambda: None,
         busy_legs: int = BUSY_LEGS,
     ) -> None:
         self.nc = nc
@@ -175,6 +230,7 @@ class RequestService:
         self.adapter = adapter
         self.on_change = on_change
         self.on_served = on_served
+        self.block_size = block_size
         self.busy_legs = busy_legs
         self.accepting = True
         self.inflight: dict[str, _Leg] = {}
@@ -251,9 +307,13 @@ class RequestService:
             sampling=req.sampling,
             stream=req.stream,
             headers=headers,
+            endpoint=req.endpoint,
+            params=req.params,
         )
         if not req.token_ids:
             return ErrorInfo(code=400, kind="bad_request", message="token_ids is empty")
+        if req.endpoint not in _ENDPOINTS:
+            return ErrorInfo(code=400, kind="bad_request", message=f"unknown endpoint {req.endpoint!r}")
         if role == "prefill":
             leg.prefill_only = True
         elif role == "decode" and req.disagg is not None and ANNOTATION_BYPASS not in req.annotations:
@@ -275,24 +335,29 @@ class RequestService:
             self.on_change()
 
     async def _run(self, req: GenerateRequest, leg: LegRequest, state: _Leg, writer: _ChunkWriter, role: str) -> None:
-        async def on_tokens(toks: list[int]) -> None:
+        async def on_output(tokens: int, event: bytes | None, toks: list[int]) -> None:
             self._first_token(state)
-            await writer.tokens(toks)
+            await writer.output(tokens, event, toks)
 
+        watch = None
+        if not leg.stream and not leg.prefill_only and state.queued_tokens:
+            watch = asyncio.create_task(
+                self._watch_prefill(req.token_ids, state, writer), name=f"prefill-{req.request_id}"
+            )
         try:
             try:
                 remaining = None if req.deadline is None else req.deadline - time.time()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError
                 async with asyncio.timeout(remaining):
-                    outcome = await self.adapter.generate(leg, on_tokens)
+                    outcome = await self.adapter.generate(leg, on_output)
             except TimeoutError:
                 self.failed += 1
                 await writer.final(error=ErrorInfo(code=504, kind="deadline", message="the request's deadline passed"))
                 return
             except EngineError as exc:
                 self.failed += 1
-                await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message))
+                await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
                 return
             except asyncio.CancelledError:
                 if state.cancelled:
@@ -312,8 +377,23 @@ class RequestService:
             if leg.transfer is None:
                 self.on_served(req.request_id, req.token_ids, outcome.usage)
         finally:
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             self._first_token(state)
             self.inflight.pop(req.request_id, None)
+
+    async def _watch_prefill(self, token_ids: list[int], state: _Leg, writer: _ChunkWriter) -> None:
+        """Until the engine's KV events hold every full block of the prompt; then the prompt no
+        longer counts as queued and the router hears that its prefill is done."""
+        while True:
+            await asyncio.sleep(PREFILL_POLL_S)
+            block = self.block_size()
+            if block and len(token_ids) - self.cached_tokens(token_ids) < block:
+                self._first_token(state)
+                await writer.prefilled()
+                return
 
     async def _finish(self, writer: _ChunkWriter, outcome: LegOutcome, role: str, leg: LegRequest) -> None:
         if role == "prefill":
@@ -323,8 +403,8 @@ class RequestService:
             )
             await writer.final(finish_reason=outcome.finish_reason, usage=outcome.usage, transfer=handle)
             return
-        tokens = outcome.token_ids if not leg.stream else []
-        await writer.final(finish_reason=outcome.finish_reason, usage=outcome.usage, tokens=tokens)
+        tokens = outcome.token_ids if not leg.stream and not leg.endpoint else []
+        await writer.final(finish_reason=outcome.finish_reason, usage=outcome.usage, tokens=tokens, body=outcome.body)
 
     # --- lifecycle --------------------------------------------------------------------------------
 

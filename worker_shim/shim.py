@@ -180,7 +180,12 @@ class WorkerShim:
             await self._close_clients()
             raise
         self.requests = RequestService(
-            self._nc, self.adapter, self._poke_load, self._cached_prompt_tokens, on_served=self._on_served
+            self._nc,
+            self.adapter,
+            self._poke_load,
+            self._cached_prompt_tokens,
+            on_served=self._on_served,
+            block_size=lambda: self.limits.block_size,
         )
         self.status = ShimStatus.WAITING_ENGINE
         self._main = asyncio.create_task(self._supervise(), name="shim-supervisor")

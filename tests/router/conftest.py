@@ -46,49 +46,57 @@ class Cluster:
     workers: list[Worker] = field(default_factory=list)
     routers: list[RouterService] = field(default_factory=list)
 
-    async def add_worker(self, role: str = "decode", **sim_kw: Any) -> Worker:
+    async def add_worker(self, role: str = "decode", shim: dict[str, Any] | None = None, **sim_kw: Any) -> Worker:
+        """A sim (`sim_kw`: SimConfig fields) and a registered shim beside it (`shim`: ShimConfig fields)."""
         cfg: dict[str, Any] = {"speedup": 200.0, "num_gpu_blocks": 512, "block_size": BLOCK, "role": role}
         cfg.update(sim_kw)
         sim = SimServer(SimConfig(**cfg))
         await sim.start()
         assert sim.events_endpoint is not None
-        shim = WorkerShim(
-            ShimConfig(
-                engine="vllm",
-                engine_url=sim.url,
-                role=role,  # type: ignore[arg-type]
-                model=sim.config.model,
-                kv_events=sim.events_endpoint,
-                kv_events_mode="connect",
-                kv_replay=sim.replay_endpoint,
-                namespace=self.ns,
-                lease_ttl=2,
-                health_interval_s=0.1,
-                drain_grace_s=1.0,
-                timing_profile="h200:llama-3.1-8b",  # what the sims are timed from
-            ),
+        shim_cfg: dict[str, Any] = {
+            "engine": "vllm",
+            "engine_url": sim.url,
+            "role": role,
+            "model": sim.config.model,
+            "kv_events": sim.events_endpoint,
+            "kv_events_mode": "connect",
+            "kv_replay": sim.replay_endpoint,
+            "namespace": self.ns,
+            "lease_ttl": 2,
+            "health_interval_s": 0.1,
+            "drain_grace_s": 1.0,
+            "timing_profile": "h200:llama-3.1-8b",  # what the sims are timed from
+        }
+        shim_cfg.update(shim or {})
+        worker_shim = WorkerShim(
+            ShimConfig(**shim_cfg),
             NatsSettings(servers=[self.nats_url]),
             EtcdSettings(endpoints=[self.etcd_url]),
         )
-        await shim.start()
-        await asyncio.wait_for(shim.registered.wait(), 20)
-        worker = Worker(role, sim, shim)
+        await worker_shim.start()
+        await asyncio.wait_for(worker_shim.registered.wait(), 20)
+        worker = Worker(role, sim, worker_shim)
         self.workers.append(worker)
         return worker
 
     async def add_router(
-        self, tracer_provider: TracerProvider | None = None, api_keys_file: str | None = None, **overrides: Any
+        self,
+        tracer_provider: TracerProvider | None = None,
+        api_keys_file: str | None = None,
+        config: dict[str, Any] | None = None,
+        **overrides: Any,
     ) -> RouterService:
+        """A started router; `config`: RouterConfig fields beyond the cluster's, `overrides`: settings."""
+        cfg: dict[str, Any] = {"lease_ttl_s": 2, "seed": len(self.routers), **(config or {})}
         router = RouterService(
             RouterConfig(
                 ns=self.ns,
                 nats=NatsSettings(servers=[self.nats_url]),
                 etcd=EtcdSettings(endpoints=[self.etcd_url]),
                 overrides=overrides,
-                lease_ttl_s=2,
-                seed=len(self.routers),
                 tracer_provider=tracer_provider,
                 api_keys_file=api_keys_file,
+                **cfg,
             )
         )
         await router.start()

@@ -1,24 +1,80 @@
-"""The OpenAI front door against a live cluster: the openai client, SSE bytes, errors, /debug/route,
-/metrics, disconnects."""
+"""The OpenAI front door against a live cluster: the openai client, the engine's own answers passed
+through (the same request sent to the sim directly and through the router gives the same choices),
+the engine's own 400s, the router's errors as OpenAI JSON (routes, methods, body and header limits,
+oversized integers, deep nesting, half-sent bodies, NATS's payload limit), tokenizer refusals,
+/debug/route, /metrics, disconnects, and the loop staying responsive while a huge prompt is refused
+or tokenized."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from protocol import block_hashes
+from router.http_api import HttpLimits
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
 from tests.router.polling import until
+from tests.router.test_tokenization import VOCAB
 
 
 @pytest.fixture
 async def agg(cluster: Cluster) -> Cluster:
-    await cluster.agg_router(1, disagg="never")
+    await cluster.add_worker("agg", enable_prompt_tokens_details=True)
+    await cluster.add_ready_router(disagg="never")
     return cluster
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any, dict[str, str]]:
+    data = body if isinstance(body, str | bytes) else json.dumps(body)
+    async with http.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+        raw = await r.read()
+        try:
+            parsed: Any = json.loads(raw)
+        except ValueError:
+            parsed = raw.decode(errors="replace")
+        return r.status, parsed, {k.lower(): v for k, v in r.headers.items()}
+
+
+def sse(raw: str) -> list[Any]:
+    events = raw.split("\n\n")
+    assert events[-1] == "", "the stream ends with a blank line"
+    assert all(e.startswith("data: ") for e in events[:-1])
+    return [
+        e.removeprefix("data: ") if e == "data: [DONE]" else json.loads(e.removeprefix("data: ")) for e in events[:-1]
+    ]
+
+
+async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, list[Any], dict[str, str]]:
+    async with http.post(url, json={**body, "stream": True}) as r:
+        return r.status, sse((await r.read()).decode()), {k.lower(): v for k, v in r.headers.items()}
+
+
+def assert_openai_error(status: int, body: Any, code: int, param: str | None = None) -> None:
+    assert status == code, body
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert err["code"] == code and err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def without_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """What must match between two answers to the same request: all but the id, clock and the
+    kvswitch route, and the cache-hit count (the second request finds the first one's blocks)."""
+    out = {k: v for k, v in body.items() if k not in ("id", "created", "kvswitch")}
+    usage = dict(out.get("usage") or {})
+    usage.pop("prompt_tokens_details", None)
+    out["usage"] = usage
+    return out
 
 
 async def test_openai_client_streaming_and_not(agg: Cluster) -> None:
@@ -33,7 +89,7 @@ async def test_openai_client_streaming_and_not(agg: Cluster) -> None:
             model=MODEL, messages=[{"role": "user", "content": "explain the cache"}], max_tokens=4
         )
         assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
-        stream = await client.chat.completions.create(
+        chat_stream = await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "explain the cache"}],
             max_tokens=6,
@@ -41,11 +97,12 @@ async def test_openai_client_streaming_and_not(agg: Cluster) -> None:
             stream_options={"include_usage": True},
         )
         pieces, usage = [], None
-        async for chunk in stream:
+        async for chunk in chat_stream:
             if chunk.usage is not None:
                 usage = chunk.usage
             pieces += [c.delta.content or "" for c in chunk.choices]
         assert usage is not None and usage.completion_tokens == 6
+        assert "".join(pieces)
         text_stream = await client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, stream=True)
         finishes = [c.choices[0].finish_reason async for c in text_stream if c.choices]
         assert finishes[-1] == "length"
@@ -55,46 +112,305 @@ async def test_openai_client_streaming_and_not(agg: Cluster) -> None:
         await client.close()
 
 
-async def test_sse_framing_matches_vllm(agg: Cluster, http: aiohttp.ClientSession) -> None:
-    body = {"model": MODEL, "prompt": "the cache", "max_tokens": 3, "stream": True}
-    body["stream_options"] = {"include_usage": True}
-    async with http.post(agg.routers[0].url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("text/event-stream")
-        assert resp.headers["x-kvswitch-prefill"] == "agg"
-        raw = (await resp.read()).decode()
-    events = raw.split("\n\n")
-    assert events[-1] == "" and events[-2] == "data: [DONE]"
-    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
-    assert all(e.startswith("data: ") for e in events[:-1])
-    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 3
-    assert payloads[-2]["choices"][0]["finish_reason"] == "length"
-    assert {p["object"] for p in payloads} == {"text_completion"}
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "the cache holds the prefix", "max_tokens": 12, "stop": [" ka"], "seed": 3},
+        {"prompt": "the cache holds", "max_tokens": 5, "n": 3, "seed": 1},
+        {"prompt": ["one two", [500, 501, 502]], "max_tokens": 4, "n": 2},
+        {"prompt": "echo me", "max_tokens": 3, "echo": True, "logprobs": 2},
+        {"prompt": [700, 701, 702], "max_tokens": 4, "logprobs": 3, "frequency_penalty": 0.5, "top_k": 5},
+        {"prompt": "the end", "max_tokens": 6, "stop_token_ids": [400, 401, 402], "include_stop_str_in_output": True},
+    ],
+    ids=["stop", "n", "batch", "echo-logprobs", "token-ids-logprobs", "stop-token-ids"],
+)
+async def test_completions_are_the_engines_own(agg: Cluster, http: aiohttp.ClientSession, body: dict[str, Any]) -> None:
+    router, sim = agg.routers[0], agg.workers[0].sim
+    request = {"model": MODEL, **body}
+    s1, via_router, headers = await post(http, router.url + "/v1/completions", request)
+    s2, direct, _ = await post(http, sim.url + "/v1/completions", request)
+    assert s1 == s2 == 200, (via_router, direct)
+    assert without_ids(via_router) == without_ids(direct)
+    assert via_router["id"] == headers["x-request-id"] and via_router["id"].startswith("cmpl-")
+    assert via_router["kvswitch"]["decode_worker"] == agg.workers[0].id
+    # streamed: the same choices, piece by piece
+    _, events, _ = await stream(http, router.url + "/v1/completions", request)
+    assert events[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    finish: dict[int, Any] = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["finish_reason"] is not None:
+                finish[c["index"]] = (c["finish_reason"], c["stop_reason"])
+    assert texts == {c["index"]: c["text"] for c in direct["choices"]}
+    assert finish == {c["index"]: (c["finish_reason"], c["stop_reason"]) for c in direct["choices"]}
+    assert all(c.get("token_ids") is None for e in events[:-1] for c in e["choices"]), "ids the client did not ask for"
+
+
+async def test_stop_strings_are_cut_and_reported(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    router = agg.routers[0]
+    request = {"model": MODEL, "prompt": "the cache holds the prefix", "max_tokens": 12, "seed": 3}
+    _, free, _ = await post(http, router.url + "/v1/completions", request)
+    words = free["choices"][0]["text"].split(" ")
+    stop = " " + words[3]
+    _, stopped, _ = await post(http, router.url + "/v1/completions", {**request, "stop": [stop]})
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert choice["text"] == free["choices"][0]["text"][: free["choices"][0]["text"].index(stop)]
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "code", "param"),
+    "extra",
     [
-        ("/v1/completions", "{not json", 400, "body"),
-        ("/v1/completions", {"model": MODEL}, 400, "prompt"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
-        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
-        ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, 400, "prompt"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),
-        ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "tool_choice": "auto",
+        },
+        {"response_format": {"type": "json_object"}, "presence_penalty": 1.5, "n": 2, "seed": 5},
+        {"stop": ["ka"], "max_completion_tokens": 9, "stream_options": None},
+    ],
+    ids=["tools", "response-format-n", "stop"],
+)
+async def test_chat_parameters_reach_the_engine(
+    agg: Cluster, http: aiohttp.ClientSession, extra: dict[str, Any]
+) -> None:
+    router, sim = agg.routers[0], agg.workers[0].sim
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "say something"}], "max_tokens": 6, **extra}
+    s1, via_router, _ = await post(http, router.url + "/v1/chat/completions", request)
+    s2, direct, _ = await post(http, sim.url + "/v1/chat/completions", request)
+    assert s1 == s2 == 200, (via_router, direct)
+    assert without_ids(via_router) == without_ids(direct)
+
+
+async def test_chat_with_logprobs_and_cached_tokens_is_the_engines_own(
+    agg: Cluster, http: aiohttp.ClientSession
+) -> None:
+    router, sim = agg.routers[0], agg.workers[0].sim
+    messages = [{"role": "system", "content": "a long shared system prompt " * 8}, {"role": "user", "content": "hi"}]
+    request = {"model": MODEL, "messages": messages, "max_tokens": 5, "logprobs": True, "top_logprobs": 2}
+    _, via_router, _ = await post(http, router.url + "/v1/chat/completions", request)
+    _, direct, _ = await post(http, sim.url + "/v1/chat/completions", request)
+    assert without_ids(via_router) == without_ids(direct)
+    assert via_router["id"].startswith("chatcmpl-")
+    assert len(via_router["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    _, again, _ = await post(http, router.url + "/v1/chat/completions", request)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK  # the engine's cache hit, reported
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "n": 2, "temperature": 0}, None),
+        ({"prompt": list(range(400, 400 + 40000))}, None),  # longer than the context
+    ],
+    ids=["max_tokens", "temperature", "logprobs", "greedy-n", "too-long"],
+)
+async def test_the_engines_own_400s_come_back_as_they_are(
+    agg: Cluster, http: aiohttp.ClientSession, body: dict[str, Any], param: str | None
+) -> None:
+    request = {"model": MODEL, **body}
+    s1, via_router, _ = await post(http, agg.routers[0].url + "/v1/completions", request)
+    s2, direct, _ = await post(http, agg.workers[0].sim.url + "/v1/completions", request)
+    assert s1 == s2 == 400
+    assert via_router == direct
+    if param is not None:
+        assert param in json.dumps(via_router["error"])
+
+
+DEEP_IN_AN_OBJECT = '{"model": "sim-llama", "prompt": "[[[", "x": ' + "[" * 10_000 + "]" * 10_000 + "}"
+USER_X = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", "{not json", "body"),
+        ("/v1/completions", "[1, 2]", None),
+        ("/v1/completions", {"model": MODEL}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2**32]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [[1], []]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": True}, "max_tokens"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "kv_transfer_params": {"remote_host": "10.0.0.1"}},
+            "kv_transfer_params",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2**64}, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 2**70}}, None),
+        ("/v1/completions", '{"model": "sim-llama", "prompt": "x", "temperature": 1e400}', "body"),
+        ("/v1/completions", "[" * 10_000 + "]" * 10_000, "body"),
+        (
+            "/v1/completions",
+            '{"model": "sim-llama", "prompt": "' + "[" * 10 + '", "x": ' + "[" * 10_000 + "]" * 10_000 + "}",
+            "body",
+        ),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []},
+            "chat_template_kwargs",
+        ),
     ],
 )
-async def test_bad_requests_get_openai_errors(
-    agg: Cluster, http: aiohttp.ClientSession, path: str, body: object, code: int, param: str
+async def test_the_routers_own_400s_are_openai_json(
+    agg: Cluster, http: aiohttp.ClientSession, path: str, body: Any, param: str | None
 ) -> None:
-    data = body if isinstance(body, str) else json.dumps(body)
-    async with http.post(agg.routers[0].url + path, data=data, headers={"Content-Type": "application/json"}) as r:
-        assert r.status == code
-        err = (await r.json())["error"]
-    assert err["code"] == code and err["param"] == param and err["message"] and err["type"]
+    status, out, _ = await post(http, agg.routers[0].url + path, body)
+    assert_openai_error(status, out, 400, param)
+
+
+async def test_unknown_model_route_and_method(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    url = agg.routers[0].url
+    status, out, _ = await post(http, url + "/v1/completions", {"model": "no-such-model", "prompt": "x"})
+    assert_openai_error(status, out, 404, "model")
+    status, out, _ = await post(http, url + "/v1/nothing", {})
+    assert_openai_error(status, out, 404)
+    async with http.get(url + "/v1/completions") as r:
+        assert_openai_error(r.status, await r.json(), 405)
+        assert "POST" in r.headers["Allow"]
+
+
+async def test_bodies_and_headers_over_the_limits_are_413_and_431(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    limit = HttpLimits().max_body_bytes
+    big = json.dumps({"model": MODEL, "prompt": "a " * (limit // 2 + 10)})
+    status, out, _ = await post(http, router.url + "/v1/completions", big)
+    assert_openai_error(status, out, 413, "body")
+    assert str(limit) in out["error"]["message"]
+
+    async def chunked() -> Any:  # no Content-Length: the limit is found while reading
+        for _ in range(limit // (1 << 20) + 2):
+            yield b" " * (1 << 20)
+
+    async with http.post(router.url + "/v1/completions", data=chunked()) as r:
+        assert_openai_error(r.status, await r.json(), 413)
+    async with http.get(router.url + "/v1/models", headers={"X-Big": "x" * 20_000}) as r:
+        assert_openai_error(r.status, await r.json(), 431)
+    many = {f"X-H{i}": "1" for i in range(300)}
+    async with http.get(router.url + "/v1/models", headers=many) as r:
+        assert_openai_error(r.status, await r.json(), 431)
+
+
+async def test_a_half_sent_body_is_answered_within_the_body_timeout(cluster: Cluster) -> None:
+    await cluster.add_worker("agg")
+    router = await cluster.add_router(config={"http_limits": HttpLimits(body_timeout_s=0.5)}, disagg="never")
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n" + b'{"model": "sim-llama", "pro'
+        )
+        await writer.drain()
+        started = time.monotonic()
+        raw = await asyncio.wait_for(reader.read(), timeout=5.0)  # answered, then closed
+        assert time.monotonic() - started < 0.5 + 1.0 + 1.0  # the body timeout, the lingering close, slack
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408")
+    assert json.loads(body)["error"]["code"] == 408
+
+
+async def test_a_prompt_over_the_nats_payload_limit_is_413_naming_it(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    router = agg.routers[0]
+    limit = router.dispatcher._nc.max_payload
+    prompt = [300 + i % 20000 for i in range(limit // 2)]  # ~3 bytes an id in msgpack
+    status, out, _ = await post(http, router.url + "/v1/completions", {"model": MODEL, "prompt": prompt})
+    assert_openai_error(status, out, 413)
+    assert str(limit) in out["error"]["message"] and "max_payload" in out["error"]["message"]
+    assert agg.workers[0].id not in json.dumps(out)
+
+
+async def test_errors_mid_stream_carry_no_internal_text(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    router, worker = agg.routers[0], agg.workers[0]
+    body = {"model": MODEL, "prompt": "the cache", "max_tokens": 100000, "stream": True, "ignore_eos": True}
+    async with http.post(router.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.content.readline()
+        await worker.sim.crash()
+        raw = (await resp.read()).decode()
+    events = raw.strip().split("\n\n")
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    generic = {502: "the worker failed while serving the request", 503: "no worker could serve the request"}
+    assert generic.get(error["code"]) == error["message"], error
+    assert worker.id not in raw and worker.sim.url not in raw and "Error(" not in raw
+
+
+async def test_a_prefill_legs_400_comes_back_as_the_engines_400(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    await cluster.add_worker("prefill")
+    decode = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    request = {"model": MODEL, "prompt": list(range(300, 400)), "logprobs": 21}
+    status, out, _ = await post(http, router.url + "/v1/completions", request)
+    _, direct, _ = await post(http, decode.sim.url + "/v1/completions", request)
+    assert status == 400 and out == direct
+    assert router.dispatcher.fallbacks == 0, "an engine's refusal is no reason to prefill locally"
+    ok, whole, headers = await post(http, router.url + "/v1/completions", {**request, "logprobs": 2})
+    assert ok == 200 and headers["x-kvswitch-prefill"] == "remote" and whole["choices"][0]["logprobs"]
+
+
+async def test_text_prompts_are_refused_for_workers_with_another_tokenizer(
+    cluster: Cluster, http: aiohttp.ClientSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tok = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    worker = await cluster.add_worker("agg")
+    with caplog.at_level(logging.ERROR, logger="router.tokenization"):
+        router = await cluster.add_router(config={"tokenizer": str(tmp_path)}, disagg="never")
+        await cluster.ready(router)
+    status, out, _ = await post(http, router.url + "/v1/completions", {"model": MODEL, "prompt": "hello world"})
+    assert_openai_error(status, out, 503)
+    assert "tokenizer" in out["error"]["message"]
+    status, out, _ = await post(http, router.url + "/v1/completions", {"model": MODEL, "prompt": [3, 4, 5]})
+    assert status == 200, out  # token ids need no tokenizer
+    async with http.get(router.url + "/ready") as r:
+        ready = await r.json()
+    assert [w["worker"] for w in ready["tokenizer"]["text_refused"]] == [worker.id]
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR and worker.id in r.getMessage()]
+    assert len(logged) == 1
+
+
+async def test_the_loop_answers_while_a_huge_prompt_is_refused_or_tokenized(
+    agg: Cluster, http: aiohttp.ClientSession
+) -> None:
+    router = agg.routers[0]
+
+    async def health_while(task: asyncio.Task[Any]) -> int:
+        answered = 0
+        while not task.done():
+            async with http.get(router.url + "/health") as r:
+                assert r.status == 200
+            answered += 1
+            await asyncio.sleep(0.01)
+        return answered
+
+    huge = json.dumps({"model": MODEL, "prompt": "word " * 10_000_000})  # 50 MB
+    refused = asyncio.create_task(post(http, router.url + "/v1/completions", huge))
+    assert await health_while(refused) >= 1
+    status, out, _ = await refused
+    assert_openai_error(status, out, 413)
+
+    big_text = ("the cache holds the prefix\n" * 150_000)[:4_000_000]  # 4 MB: allowed, tokenized on a thread
+    big = {"model": MODEL, "prompt": big_text, "max_tokens": 1}
+    tokenizing = asyncio.create_task(post(http, router.url + "/debug/route", big))
+    answered = await health_while(tokenizing)
+    status, out, _ = await tokenizing
+    assert status == 200 and out["isl"] == len(router.tokenizer.encode(big_text))
+    assert answered >= 2, "the event loop stalled while the prompt was tokenized"
 
 
 async def test_no_worker_is_503_and_ready_follows_the_registry(cluster: Cluster, http: aiohttp.ClientSession) -> None:
@@ -109,6 +425,7 @@ async def test_no_worker_is_503_and_ready_follows_the_registry(cluster: Cluster,
         assert r.status == 200
         body = await r.json()
     assert [w["worker"] for w in body["worker_status"] if w["routable"]] == [worker.id]
+    assert body["tokenizer"] == {"router": "builtin", "text_refused": []}
     await worker.shim.stop()
     await until(lambda: not router.registry.workers(), what="the worker to leave")
     async with http.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
@@ -145,11 +462,13 @@ async def test_debug_route_explains_without_booking(cluster: Cluster, http: aioh
 async def test_metrics_report_requests_decisions_and_index(agg: Cluster, http: aiohttp.ClientSession) -> None:
     router = agg.routers[0]
     await complete(http, router, list(range(100)))
+    status, _, _ = await stream(http, router.url + "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3]})
+    assert status == 200
     await until(lambda: len(router.index) >= 6, what="indexed")
     async with http.get(router.url + "/metrics") as r:
         text = await r.text()
-    assert 'kvswitch_router_requests_total{code="200",endpoint="completions"} 1.0' in text
-    assert 'kvswitch_router_decisions_total{outcome="aggregated"} 1.0' in text
+    assert 'kvswitch_router_requests_total{code="200",endpoint="completions"} 2.0' in text
+    assert 'kvswitch_router_decisions_total{outcome="aggregated"} 2.0' in text
     assert "kvswitch_router_ttft_seconds_count" in text and "kvswitch_router_itl_seconds_count" in text
     blocks = next(line for line in text.splitlines() if line.startswith("kvswitch_router_index_blocks "))
     assert float(blocks.split()[1]) >= 6

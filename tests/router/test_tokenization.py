@@ -1,21 +1,30 @@
-"""Tokenisers: the built-in default, a Hugging Face tokenizer.json with its chat template, and
-incremental detokenisation."""
+"""Tokenisers: the built-in default, a Hugging Face tokenizer.json (a file, a directory or a model in
+the local hub cache) with its chat template rendered as transformers does, off-loop tokenization,
+and the once-per-worker fingerprint mismatch report."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.tokenization import (
     BuiltinPromptTokenizer,
+    ChatOptions,
+    FingerprintWatch,
     HfPromptTokenizer,
-    IncrementalDetokenizer,
+    Tokenization,
     TokenizerError,
     load_tokenizer,
+    resolve_tokenizer_path,
+    tokenizer_fingerprint,
 )
 
 VOCAB = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "user": 5, "assistant": 6, ":": 7, "|": 8}
@@ -40,7 +49,7 @@ def test_default_is_the_builtin_tokenizer_with_chatml() -> None:
     assert isinstance(tok, BuiltinPromptTokenizer)
     messages = [{"role": "user", "content": "hello world"}]
     assert tok.encode_chat(messages) == BuiltinTokenizer().encode(apply_chat_template(messages))
-    assert tok.decode(tok.encode("the cache")) == "the cache"
+    assert BuiltinTokenizer().decode(tok.encode("the cache")) == "the cache"
 
 
 def test_builtin_rejects_a_message_without_role() -> None:
@@ -53,7 +62,6 @@ def test_hf_tokenizer_from_dir_or_file(hf_dir: Path, as_file: bool) -> None:
     tok = load_tokenizer(hf_dir / "tokenizer.json" if as_file else hf_dir)
     assert isinstance(tok, HfPromptTokenizer)
     assert tok.encode("hello world") == [3, 4]
-    assert tok.decode([3, 4]) == "hello world"
 
 
 def test_hf_chat_template_is_rendered_with_jinja(hf_dir: Path) -> None:
@@ -76,11 +84,99 @@ def test_bad_tokenizer_paths_raise_named_errors(tmp_path: Path) -> None:
         load_tokenizer(tmp_path)
 
 
-def test_incremental_detokenizer_holds_back_split_utf8() -> None:
+def _snapshot(root: Path, model: str, sha: str, source: Path) -> Path:
+    repo = root / ("models--" + model.replace("/", "--"))
+    snap = repo / "snapshots" / sha
+    snap.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (snap / name).write_bytes((source / name).read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha + "\n")
+    return snap
+
+
+def test_a_model_id_resolves_to_its_snapshot_in_the_hub_cache(
+    hf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "hf"
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(home))
+    snap = _snapshot(home / "hub", "acme/tiny", "abc123", hf_dir)
+    assert resolve_tokenizer_path("acme/tiny") == snap / "tokenizer.json"
+    tok = load_tokenizer("acme/tiny")
+    assert tok.encode("hello world") == [3, 4]
+    with pytest.raises(TokenizerError, match=r"models--acme--other.*huggingface-cli download"):
+        load_tokenizer("acme/other")
+
+
+def test_chat_template_jinja_file_wins_over_the_config(hf_dir: Path) -> None:
+    (hf_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert load_tokenizer(hf_dir).encode_chat([{"role": "user", "content": "hello world"}]) == [3, 4]
+
+
+def test_the_template_renders_as_transformers_does(hf_dir: Path) -> None:
+    template = (
+        "{% generation %}{{ tools | tojson }}{% endgeneration %}"
+        "{% for m in messages %}{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}G{% endif %}{{ extra }}"
+    )
+    (hf_dir / "chat_template.jinja").write_text(template)
+    tok = load_tokenizer(hf_dir)
+    assert isinstance(tok, HfPromptTokenizer)
+    tools = [{"b": 1, "a": "<x>"}]
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    text = tok.render_chat(
+        [{"role": "user", "content": parts}], ChatOptions(tools=tools, chat_template_kwargs={"extra": "!"})
+    )
+    # transformers' tojson: no HTML escapes, keys in order; list content joined by newlines (vLLM)
+    assert text == '[{"b": 1, "a": "<x>"}]one\ntwo|G!'
+    cont = tok.render_chat(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "par"}],
+        ChatOptions(continue_final_message=True),
+    )
+    assert cont == "nullhi|par"  # cut right after the final message, no generation prompt
+    with pytest.raises(TokenizerError, match=r"messages\[0\]\.content"):
+        tok.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["hello", " world", "\n", "\r\n", "\t", "  ", "é", "東京", "<|im_end|>", "x.y"])))
+def test_builtin_line_by_line_encoding_gives_the_same_ids(pieces: list[str]) -> None:
     tok = BuiltinPromptTokenizer()
-    ids = tok.encode("caf\u00e9 hello world")  # é is two raw byte tokens
-    detok = IncrementalDetokenizer(tok)
-    parts = [detok.push([i]) for i in ids]
-    assert "".join(parts) == "caf\u00e9 hello world"
-    assert "\ufffd" not in "".join(parts)
-    assert parts[ids.index(0xC3)] == ""  # the first byte of é alone emits nothing
+    text = "".join(pieces) * 700  # long enough to cut into several segments
+    assert tok.encode_large(text, True) == tok.encode(text)
+
+
+async def test_large_prompts_are_tokenized_on_a_thread_with_the_same_ids(hf_dir: Path) -> None:
+    for tok in (BuiltinPromptTokenizer(), load_tokenizer(hf_dir)):
+        tokenization = Tokenization(tok, offload_chars=100)
+        try:
+            small, large = "hello world", "hello world\n" * 1000
+            assert await tokenization.encode(small) == tok.encode(small)
+            assert tokenization.offloaded == 0
+            assert await tokenization.encode(large) == tok.encode(large)
+            assert tokenization.offloaded == 1
+        finally:
+            tokenization.close()
+
+
+def test_a_fingerprint_mismatch_is_logged_once_per_worker(hf_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    watch = FingerprintWatch(tokenizer_fingerprint(load_tokenizer(hf_dir)))
+
+    def info(worker: str, tokenizer: str, events_ok: bool = True) -> WorkerInfo:
+        return WorkerInfo(worker=worker, model="m", role="agg", engine="vllm", block_size=16, tokenizer=tokenizer,
+                          events_ok=events_ok)  # fmt: skip
+
+    with caplog.at_level(logging.ERROR, logger="router.tokenization"):
+        watch.check(info("w1", "builtin"))
+        watch.check(info("w1", "builtin", events_ok=False))  # the same worker's record changes: no new line
+        watch.check(info("w2", watch.mine))
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "w1" in errors[0].getMessage() and "gets no text prompts" in errors[0].getMessage()
+    assert [w["worker"] for w in watch.report()["text_refused"]] == ["w1"]
+    watch.forget("w1")
+    assert watch.report()["text_refused"] == []
+    builtin = FingerprintWatch(tokenizer_fingerprint(BuiltinPromptTokenizer()))
+    assert builtin.mine == "builtin"
+    builtin.check(info("w3", "tok-0123456789abcdef"))
+    assert "--tokenizer" in builtin.report()["text_refused"][0]["why"]

@@ -14,10 +14,14 @@ HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS,
   feeds; `event_stats()` names the transport's counters for /metrics.
 - `tokenizer_fingerprint()`: protocol.fingerprint over the engine's own tokenization of the
   probes, None when the engine cannot tokenize for us.
-- `generate(leg, on_tokens)`: run one leg, awaiting `on_tokens` with each piece of output as it
-  arrives (streaming legs only); returns how it ended. A leg with `prefill_only` is the
-  remote-prefill leg and returns the engine's transfer parameters; a leg with `transfer` is a
-  decode leg continuing from them.
+- `generate(leg, on_output)`: run one leg, awaiting `on_output(tokens, event, token_ids)` with
+  each piece of output as it arrives (streaming legs only): `tokens` how many output tokens it
+  holds; `event` the engine's own SSE payload for a pass-through leg (`leg.endpoint` set: the
+  client's OpenAI request), None for a token-id leg, which gives its `token_ids`.
+  Returns how it ended; a non-streaming pass-through leg returns the engine's whole answer in
+  `body`. A leg with `prefill_only` is the remote-prefill leg and returns the engine's transfer
+  parameters; a leg with `transfer` is a decode leg continuing from them. A request the engine
+  refuses (4xx) raises EngineError with the engine's own error body.
 - Abort: cancel the task running `generate`. Adapters close the engine request on cancellation
   (vLLM and TensorRT-LLM abort on disconnect; SGLang gets an explicit abort as well).
 """
@@ -36,7 +40,16 @@ from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineBatch
 from worker_shim.event_health import EventHealth
 
-__all__ = ["EngineAdapter", "EngineError", "EngineHealth", "EngineLimits", "EngineLoad", "LegOutcome", "LegRequest"]
+__all__ = [
+    "EngineAdapter",
+    "EngineError",
+    "EngineHealth",
+    "EngineLimits",
+    "EngineLoad",
+    "LegOutcome",
+    "LegRequest",
+    "OnOutput",
+]
 
 
 class EngineHealth(enum.Enum):
@@ -46,12 +59,14 @@ class EngineHealth(enum.Enum):
 
 
 class EngineError(Exception):
-    """An engine leg failed. `code` is HTTP-like, `kind` a short machine word for ErrorInfo."""
+    """An engine leg failed. `code` is HTTP-like, `kind` a short machine word for ErrorInfo;
+    `body` the engine's own JSON error body when it refused the request."""
 
-    def __init__(self, code: int, kind: str, message: str) -> None:
+    def __init__(self, code: int, kind: str, message: str, body: bytes = b"") -> None:
         self.code = code
         self.kind = kind
         self.message = message
+        self.body = body
         super().__init__(f"{kind} ({code}): {message}")
 
 
@@ -82,6 +97,8 @@ class LegRequest:
     prefill_only: bool = False
     transfer: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    endpoint: str = ""  # "" a token-id leg; else protocol's ENDPOINT_COMPLETIONS / ENDPOINT_CHAT
+    params: dict[str, Any] = field(default_factory=dict)  # the client's body (GenerateRequest.params)
 
 
 @dataclass(slots=True)
@@ -90,6 +107,12 @@ class LegOutcome:
     usage: Usage
     transfer_params: dict[str, Any] | None = None
     token_ids: list[int] = field(default_factory=list)
+    body: bytes = b""  # a non-streaming pass-through leg: the engine's whole answer
+
+
+OnOutput = Callable[[int, bytes | None, list[int]], Awaitable[None]]
+"""`on_output(tokens, event, token_ids)`: output as it arrives; `event` the engine's SSE payload
+(pass-through legs, `token_ids` empty) or None (token-id legs)."""
 
 
 class EngineAdapter(ABC):
@@ -130,4 +153,4 @@ class EngineAdapter(ABC):
         return None
 
     @abstractmethod
-    async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome: ...
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome: ...

@@ -1,25 +1,37 @@
-"""The OpenAI-style `/v1/completions` call that vLLM and TensorRT-LLM share: token-id prompts,
-SSE streaming, usage, and error bodies mapped to EngineError.
+"""The OpenAI-style HTTP calls that vLLM, TensorRT-LLM and SGLang serve: request bodies, SSE
+streaming, usage, and error bodies mapped to EngineError.
 
-Token ids come back per choice in `token_ids` (vLLM's `return_token_ids`, TensorRT-LLM's default
-for token-id prompts); an engine that sends none is a protocol error, never silently empty output.
-Cancelling the coroutine closes the connection, which both engines treat as an abort.
+Two kinds of leg:
+- pass-through (`leg.endpoint` set): the client's own request goes to the engine's
+  `/v1/completions` or `/v1/chat/completions` with only what the shim must force (`model`, the
+  routed token ids as a completions prompt, `stream`, the P/D fields; a prefill leg one token,
+  `n` 1, no `min_tokens` or `stream_options`). The engine's answer comes back byte for byte: each
+  SSE payload, or the whole body. Nothing is added to count tokens (vLLM's `return_token_ids`
+  would change what it answers: an echo of a token-id prompt comes back empty with it), so an
+  event counts the token ids it carries, else one token per choice with output in it.
+- token ids (`leg.endpoint` ""): the router's older leg, a token-id completion built from
+  `SamplingParams`, its ids back per choice in `token_ids`; an engine that sends none is a
+  protocol error, never silently empty output.
+
+Cancelling the coroutine closes the connection, which these engines treat as an abort.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import msgspec
 
 from protocol import Usage
-from worker_shim.adapters.base import EngineError
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from worker_shim.adapters.base import EngineError, LegRequest, OnOutput
 
-__all__ = ["post_completion", "usage_from"]
+__all__ = ["ENDPOINT_PATHS", "Result", "pass_through_body", "post_completion", "usage_from"]
 
 _json = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder()
+ENDPOINT_PATHS = {ENDPOINT_COMPLETIONS: "/v1/completions", ENDPOINT_CHAT: "/v1/chat/completions"}
 
 
 def usage_from(raw: Any) -> Usage:
@@ -28,14 +40,19 @@ def usage_from(raw: Any) -> Usage:
     details = raw.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Usage(
-        prompt_tokens=int(raw.get("prompt_tokens") or 0),
-        completion_tokens=int(raw.get("completion_tokens") or 0),
-        cached_tokens=int(cached or 0),
+        prompt_tokens=_int(raw.get("prompt_tokens")),
+        completion_tokens=_int(raw.get("completion_tokens")),
+        cached_tokens=_int(cached),
     )
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _error_from(status: int, body: bytes) -> EngineError:
     message = body.decode(errors="replace")[:500]
+    own = b""
     try:
         data = _json.decode(body)
         err = data.get("error", data) if isinstance(data, dict) else None
@@ -43,43 +60,82 @@ def _error_from(status: int, body: bytes) -> EngineError:
             message = str(err["message"])
         elif isinstance(data, dict) and data.get("message"):
             message = str(data["message"])
+        if isinstance(data, dict) and 400 <= status < 500:
+            own = body  # the engine's own refusal, for the client as it is
     except msgspec.DecodeError:
         pass
     kind = "engine_rejected" if 400 <= status < 500 else "engine_error"
-    return EngineError(status, kind, message)
+    return EngineError(status, kind, message, own)
 
 
-class _Result:
-    __slots__ = ("finish_reason", "last", "token_ids", "usage")
+def pass_through_body(leg: LegRequest) -> dict[str, Any]:
+    """The engine's body for a pass-through leg, P/D fields aside."""
+    body = dict(leg.params)
+    body["model"] = leg.model
+    if leg.endpoint == ENDPOINT_COMPLETIONS and "prompt" not in body:
+        body["prompt"] = leg.token_ids
+    if leg.prefill_only:
+        # The prefill leg's output is thrown away: one token, one choice, nothing streamed.
+        body.update(max_tokens=1, stream=False, n=1)
+        if leg.endpoint == ENDPOINT_CHAT:
+            body["max_completion_tokens"] = 1
+        body.pop("min_tokens", None)
+        body.pop("stream_options", None)
+        return body
+    body["stream"] = leg.stream
+    return body
+
+
+class Result:
+    __slots__ = ("body", "finish_reason", "last", "token_ids", "usage")
 
     def __init__(self) -> None:
         self.finish_reason: str | None = None
         self.usage = Usage()
         self.token_ids: list[int] = []
         self.last: dict[str, Any] = {}
+        self.body = b""
 
 
-def _take_choice(result: _Result, data: dict[str, Any]) -> list[int]:
-    """Folds one response object into `result`; returns the new token ids."""
+def _raise_error_event(data: dict[str, Any]) -> None:
     if "error" in data and not data.get("choices"):
         err = data["error"]
-        code = int(err.get("code") or 500) if isinstance(err, dict) else 500
-        raise _error_from(code, msgspec.json.encode(data))
-    choices = data.get("choices") or []
-    toks: list[int] | None = None
-    if choices:
-        choice = choices[0]
+        code = err.get("code") if isinstance(err, dict) else None
+        raise _error_from(code if isinstance(code, int) and 400 <= code < 600 else 500, _encode.encode(data))
+
+
+def _has_output(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                    or delta.get("tool_calls"))  # fmt: skip
+    return bool(choice.get("text") or choice.get("logprobs"))
+
+
+def _fold(result: Result, data: dict[str, Any], *, require_ids: bool) -> int:
+    """Folds one response object into `result`; returns how many output tokens it carries (the
+    token ids of every choice; where a choice has none, one for a choice with output)."""
+    _raise_error_event(data)
+    count = 0
+    choices = data.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
         toks = choice.get("token_ids")
-        if toks is None and choice.get("text"):
+        if isinstance(toks, list):
+            ids = [t for t in toks if isinstance(t, int)]
+            result.token_ids.extend(ids)
+            count += len(ids)
+        elif require_ids and choice.get("text"):
             raise EngineError(502, "engine_protocol", "the engine returned text without token_ids")
-        if toks:
-            result.token_ids.extend(toks)
+        elif _has_output(choice):
+            count += 1
         if choice.get("finish_reason") is not None:
             result.finish_reason = str(choice["finish_reason"])
     if data.get("usage"):
         result.usage = usage_from(data["usage"])
     result.last = data
-    return list(toks) if choices and toks else []
+    return count
 
 
 async def post_completion(
@@ -87,20 +143,27 @@ async def post_completion(
     url: str,
     body: dict[str, Any],
     headers: dict[str, str],
-    on_tokens: Callable[[list[int]], Awaitable[None]] | None,
-) -> tuple[_Result, dict[str, Any]]:
-    """POST `body` to `url`; streams when body["stream"]. Returns the result and the final JSON object."""
+    on_output: OnOutput | None,
+    *,
+    pass_through: bool = False,
+) -> Result:
+    """POST `body` to `url`; streams when body["stream"]. A pass-through call hands each SSE
+    payload to `on_output` with the number of tokens it carries, and keeps a whole answer's bytes
+    in `Result.body`; a token-id call hands over the new ids."""
     try:
-        async with session.post(url, data=msgspec.json.encode(body), headers=headers) as resp:
+        async with session.post(url, data=_encode.encode(body), headers=headers) as resp:
             if resp.status != 200:
                 raise _error_from(resp.status, await resp.read())
-            result = _Result()
+            result = Result()
             if not body.get("stream"):
-                data = _json.decode(await resp.read())
+                raw = await resp.read()
+                data = _json.decode(raw)
                 if not isinstance(data, dict):
                     raise EngineError(502, "engine_protocol", "the completion response is not a JSON object")
-                _take_choice(result, data)
-                return result, data
+                _fold(result, data, require_ids=not pass_through)
+                if pass_through:
+                    result.body = raw
+                return result
             async for line in resp.content:
                 if not line.startswith(b"data:"):
                     continue
@@ -108,11 +171,17 @@ async def post_completion(
                 if payload == b"[DONE]":
                     break
                 data = _json.decode(payload)
-                if isinstance(data, dict):
-                    toks = _take_choice(result, data)
-                    if toks and on_tokens is not None:
-                        await on_tokens(toks)
-            return result, result.last
+                if not isinstance(data, dict):
+                    continue
+                seen = len(result.token_ids)
+                count = _fold(result, data, require_ids=not pass_through)
+                if on_output is None:
+                    continue
+                if pass_through:
+                    await on_output(count, payload, [])
+                elif count:
+                    await on_output(count, None, result.token_ids[seen:])
+            return result
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
     except msgspec.DecodeError as exc:

@@ -13,7 +13,10 @@
   `bootstrap_port`, `bootstrap_room` and must run concurrently, as the prefill server waits for its
   decode peer. So the prefill leg starts the prefill request in the background and returns the
   triple at once; the decode leg sends it with its own request.
-- Output: `/generate` streams `output_ids` with `meta_info.completion_tokens`; the new tokens are
+- Requests: the client's own OpenAI request on SGLang's `/v1/completions` or
+  `/v1/chat/completions` (openai_http.pass_through_body) with `rid` and the bootstrap triple.
+  Token-id legs use the native `/generate`.
+- Output of `/generate`: it streams `output_ids` with `meta_info.completion_tokens`; the new tokens are
   the last (completion_tokens - sent) ids, which holds whether the engine streams incrementally or
   cumulatively. Abort: closing the stream and `POST /abort_request {"rid"}`.
 """
@@ -31,13 +34,21 @@ import aiohttp
 import msgspec
 
 from protocol import Usage
-from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
+from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
 from worker_shim.adapters.http_engine import PROBE_TIMEOUT
+from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
 from worker_shim.prom_text import mean_samples, parse_samples, sum_samples
 
-__all__ = ["SglangAdapter", "StreamFolder", "generate_body", "limits_from_server_info", "load_from_metrics"]
+__all__ = [
+    "SglangAdapter",
+    "StreamFolder",
+    "generate_body",
+    "limits_from_server_info",
+    "load_from_metrics",
+    "openai_body",
+]
 
 log = logging.getLogger(__name__)
 _METRICS = frozenset({"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"})
@@ -85,6 +96,15 @@ def generate_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str
         "stream": leg.stream and not leg.prefill_only,
         "rid": leg.request_id,
     }
+    if bootstrap:
+        body.update(bootstrap)
+    return body
+
+
+def openai_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, Any]:
+    """A pass-through leg's body: `rid` for abort, the bootstrap triple for P/D."""
+    body = pass_through_body(leg)
+    body["rid"] = leg.request_id
     if bootstrap:
         body.update(bootstrap)
     return body
@@ -179,7 +199,7 @@ class SglangAdapter(ZmqEventsAdapter):
             async with self.session.post(self.base + "/abort_request", json={"rid": rid}, timeout=PROBE_TIMEOUT):
                 pass
 
-    async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome:
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         if leg.prefill_only:
             bootstrap = {
                 "bootstrap_host": self.config.engine_host,
@@ -192,11 +212,39 @@ class SglangAdapter(ZmqEventsAdapter):
             return LegOutcome(
                 finish_reason=None, usage=Usage(prompt_tokens=len(leg.token_ids)), transfer_params=bootstrap
             )
+        if leg.endpoint:
+            return await self._openai(leg, leg.transfer, on_output)
+
+        async def on_tokens(toks: list[int]) -> None:
+            await on_output(len(toks), None, toks)
+
         folder = await self._post(leg, generate_body(leg, leg.transfer), on_tokens)
         return LegOutcome(folder.finish_reason, folder.usage, None, folder.token_ids)
 
+    async def _openai(
+        self, leg: LegRequest, bootstrap: dict[str, Any] | None, on_output: OnOutput | None
+    ) -> LegOutcome:
+        body = openai_body(leg, bootstrap)
+        headers = {"Content-Type": "application/json", **leg.headers}
+        try:
+            result = await post_completion(
+                self.session,
+                self.base + ENDPOINT_PATHS[leg.endpoint],
+                body,
+                headers,
+                on_output,
+                pass_through=True,
+            )
+        except asyncio.CancelledError:
+            await self._abort(leg.request_id)
+            raise
+        return LegOutcome(result.finish_reason, result.usage, None, result.token_ids, result.body)
+
     async def _prefill(self, leg: LegRequest, bootstrap: dict[str, Any]) -> None:
         try:
-            await self._post(leg, generate_body(leg, bootstrap), None)
+            if leg.endpoint:
+                await self._openai(leg, bootstrap, None)
+            else:
+                await self._post(leg, generate_body(leg, bootstrap), None)
         except EngineError as exc:
             log.warning("SGLang prefill leg %s failed: %s", leg.request_id, exc)

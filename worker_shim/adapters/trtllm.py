@@ -6,6 +6,7 @@
   tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains
   the engine's stats queue (an empty list means no iteration since the last read: the last load
   stands). Both endpoints drain what they return: the shim must be their only reader.
+- Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg.
 - P/D via `disaggregated_params` (DisaggregatedParams in tensorrt_llm/serve/openai_protocol.py):
   the prefill leg sends `request_type: context_only` with max_tokens 1, non-streaming, and returns
   the choice's `disaggregated_params`; the decode leg sends them back with `request_type:
@@ -17,14 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
 
-from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
+from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
 from worker_shim.adapters.http_engine import HttpEngineAdapter
-from worker_shim.adapters.openai_http import post_completion
+from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker
 from worker_shim.adapters.vllm import completion_body
 from worker_shim.config import ShimConfig
@@ -65,9 +66,12 @@ def load_from_stats(stats: Any, previous: EngineLoad) -> EngineLoad:
 
 
 def disagg_body(leg: LegRequest) -> dict[str, Any]:
-    body = completion_body(leg)
-    body.pop("kv_transfer_params", None)
-    body.pop("return_token_ids", None)
+    if leg.endpoint:
+        body = pass_through_body(leg)
+    else:
+        body = completion_body(leg)
+        body.pop("kv_transfer_params", None)
+        body.pop("return_token_ids", None)
     if leg.prefill_only:
         body["disaggregated_params"] = {"request_type": "context_only"}
     elif leg.transfer is not None:
@@ -121,15 +125,17 @@ class TrtllmAdapter(HttpEngineAdapter):
         t = self.tracker
         return {"gaps": t.gaps, "restarts": t.restarts, "ignored": t.ignored}
 
-    async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome:
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.request_id, **leg.headers}
-        result, last = await post_completion(
-            self.session, self.base + "/v1/completions", disagg_body(leg), headers, on_tokens
+        path = ENDPOINT_PATHS[leg.endpoint] if leg.endpoint else "/v1/completions"
+        result = await post_completion(
+            self.session, self.base + path, disagg_body(leg), headers, on_output, pass_through=bool(leg.endpoint)
         )
         transfer = None
         if leg.prefill_only:
-            choices = last.get("choices") or [{}]
-            transfer = choices[0].get("disaggregated_params")
+            choices = result.last.get("choices") or [{}]
+            transfer = choices[0].get("disaggregated_params") if isinstance(choices[0], dict) else None
             if not isinstance(transfer, dict):
                 raise EngineError(502, "engine_protocol", "the context-only leg returned no disaggregated_params")
-        return LegOutcome(result.finish_reason, result.usage, transfer, result.token_ids)
+        body = b"" if leg.prefill_only else result.body
+        return LegOutcome(result.finish_reason, result.usage, transfer, result.token_ids, body)

@@ -5,6 +5,9 @@
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`,
   `vllm:num_preemptions_total` (summed over DP ranks). max_num_batched_tokens is not exported by
   vLLM: it comes from the flag only.
+- Requests: the client's own OpenAI request on `/v1/completions` or `/v1/chat/completions`
+  (openai_http.pass_through_body), the engine's answer passed back as it is; token-id legs
+  (`leg.endpoint` "") as a token-id completion.
 - P/D as vLLM's NixlConnector expects from its proxy: the prefill leg sends `kv_transfer_params
   {do_remote_decode: true, do_remote_prefill: false, remote_*: null}`, `max_tokens 1`, non-streaming,
   and returns the response's `kv_transfer_params`; the decode leg sends those params back unchanged.
@@ -16,7 +19,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import aiohttp
@@ -25,12 +27,19 @@ import msgspec
 from protocol import SamplingParams
 from protocol import vllm_metrics as vm
 from protocol.fingerprint import PROBE_MESSAGES, PROBE_TEXT, fingerprint
-from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest
-from worker_shim.adapters.openai_http import post_completion
+from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
+from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.prom_text import Sample, mean_samples, parse_samples, sum_samples
 
-__all__ = ["PREFILL_TRANSFER_PARAMS", "VllmAdapter", "completion_body", "limits_from_metrics", "load_from_metrics"]
+__all__ = [
+    "PREFILL_TRANSFER_PARAMS",
+    "VllmAdapter",
+    "completion_body",
+    "engine_body",
+    "limits_from_metrics",
+    "load_from_metrics",
+]
 
 PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -113,6 +122,18 @@ def completion_body(leg: LegRequest) -> dict[str, Any]:
     return body
 
 
+def engine_body(leg: LegRequest) -> tuple[str, dict[str, Any]]:
+    """The endpoint path and body for one leg."""
+    if not leg.endpoint:
+        return "/v1/completions", completion_body(leg)
+    body = pass_through_body(leg)
+    if leg.prefill_only:
+        body["kv_transfer_params"] = dict(PREFILL_TRANSFER_PARAMS)
+    elif leg.transfer is not None:
+        body["kv_transfer_params"] = leg.transfer
+    return ENDPOINT_PATHS[leg.endpoint], body
+
+
 class VllmAdapter(ZmqEventsAdapter):
     kind: ClassVar[str] = "vllm"
 
@@ -125,10 +146,12 @@ class VllmAdapter(ZmqEventsAdapter):
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         url = self.base + "/tokenize"
         try:
-            async with self.session.post(url, data=msgspec.json.encode(body), timeout=_TOKENIZE_TIMEOUT) as resp:
+            data, headers = msgspec.json.encode(body), {"Content-Type": "application/json"}  # vLLM requires it
+            async with self.session.post(url, data=data, headers=headers, timeout=_TOKENIZE_TIMEOUT) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise EngineError(resp.status, "engine_error", f"{url} answered {resp.status}")
+                    said = raw.decode(errors="replace")[:300]
+                    raise EngineError(resp.status, "engine_error", f"{url} answered {resp.status}: {said}")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
         try:
@@ -150,14 +173,19 @@ class VllmAdapter(ZmqEventsAdapter):
             chat = None  # vLLM refuses chat without a template: the tokenizer has none
         return fingerprint(text, chat)
 
-    async def generate(self, leg: LegRequest, on_tokens: Callable[[list[int]], Awaitable[None]]) -> LegOutcome:
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.request_id, **leg.headers}
-        result, last = await post_completion(
-            self.session, self.base + "/v1/completions", completion_body(leg), headers, on_tokens
+        path, body = engine_body(leg)
+        result = await post_completion(
+            self.session, self.base + path, body, headers, on_output, pass_through=bool(leg.endpoint)
         )
-        transfer = last.get("kv_transfer_params") if leg.prefill_only else None
+        transfer = result.last.get("kv_transfer_params") if leg.prefill_only else None
         if leg.prefill_only and not isinstance(transfer, dict):
             raise EngineError(502, "engine_protocol", "the prefill leg returned no kv_transfer_params")
         return LegOutcome(
-            finish_reason=result.finish_reason, usage=result.usage, transfer_params=transfer, token_ids=result.token_ids
+            finish_reason=result.finish_reason,
+            usage=result.usage,
+            transfer_params=transfer,
+            token_ids=result.token_ids,
+            body=b"" if leg.prefill_only else result.body,
         )

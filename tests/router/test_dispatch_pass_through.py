@@ -1,0 +1,102 @@
+"""The dispatcher with pass-through legs, against workers played by the test over a real
+nats-server: events and body pieces are output (no retry after them, passed on in order), a whole
+answer's `prefilled` chunk books its prefill as done, and a leg NATS cannot carry is refused before
+it is sent (413 naming the payload limit, 400 for an integer no 64-bit field holds)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from protocol import GenerateRequest
+from protocol.config import RouterSettings
+from protocol.messages import ENDPOINT_COMPLETIONS
+from router.dispatch import Dispatcher, LegError
+from tests.router.test_dispatch import HB, Books, Worker, World, chunk, collect, job
+
+answer_now = asyncio.Event()
+
+
+@pytest.fixture
+async def world(nc: Client, ns: str) -> AsyncIterator[World]:
+    books = Books()
+    d = Dispatcher(nc, ns, books, settings=lambda: RouterSettings(stream_heartbeat_s=HB))
+    await d.start()
+    yield d, books, []
+    await d.stop()
+
+
+async def whole_answer_in_pieces(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    await chunk(nc, msg, req, 0)  # a heartbeat
+    await chunk(nc, msg, req, 1, prefilled=True)
+    await asyncio.wait_for(answer_now.wait(), 5)
+    await chunk(nc, msg, req, 2, body=b'{"choices":')
+    await chunk(nc, msg, req, 3, body=b"[]}", final=True, finish_reason="length")
+
+
+async def event_then_die(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    await chunk(nc, msg, req, 0, events=[b'{"choices":[{"index":0,"delta":{"role":"assistant"}}]}'])
+
+
+async def test_a_whole_answer_books_its_prefill_done_when_told_and_comes_in_pieces(
+    nc: Client, ns: str, world: World
+) -> None:
+    d, books, _ = world
+    w = Worker(nc, ns, "w1")
+    await w.serve("decode", whole_answer_in_pieces)
+    j = job("w1")
+    j.request = msgspec.structs.replace(j.request, stream=False, endpoint=ENDPOINT_COMPLETIONS)
+    answer_now.clear()
+    running = asyncio.create_task(collect(d, j))
+    for _ in range(200):
+        if books.log:
+            break
+        await asyncio.sleep(0.01)
+    assert books.log == [("prefill_done", "r1#1")], "booked on the prefilled chunk, before any answer"
+    answer_now.set()
+    chunks = await running
+    assert b"".join(c.body for c in chunks) == b'{"choices":[]}'
+    assert books.log[-1] == ("free", "r1#1")
+    assert w.requests[0].stream is False, "the leg streams only when the client asked"
+
+
+async def test_an_event_is_output_so_a_death_after_it_is_not_retried(nc: Client, ns: str, world: World) -> None:
+    d, _, _ = world
+    await Worker(nc, ns, "w1").serve("decode", event_then_die)
+    other = Worker(nc, ns, "w2")
+    await other.serve("decode", event_then_die)
+    j = job("w1", replans=[job("w2").plan])
+    seen = []
+    try:
+        async for c in d.run(j):
+            seen.append(c)
+    except LegError as exc:
+        assert exc.worker_silent
+    assert len(seen) == 1 and other.requests == [], "a client that saw the role chunk must not see it twice"
+
+
+async def test_a_leg_nats_cannot_carry_is_refused_before_it_is_sent(nc: Client, ns: str, world: World) -> None:
+    d, books, _ = world
+    w = Worker(nc, ns, "w1")
+    await w.serve("decode", whole_answer_in_pieces)
+    big = job("w1")
+    big.request = msgspec.structs.replace(big.request, token_ids=[70000] * (nc.max_payload // 4))
+    try:
+        await collect(d, big)
+        raise AssertionError("a leg over max_payload was sent")
+    except LegError as exc:
+        assert exc.code == 413 and str(nc.max_payload) in exc.message and exc.refused
+    answer_now.set()
+    huge = job("w1")
+    huge.request = msgspec.structs.replace(huge.request, params={"logit_bias": {"5": 2**70}})
+    try:
+        await collect(d, huge)
+        raise AssertionError("an integer beyond 64 bits was sent")
+    except LegError as exc:
+        assert exc.code == 400 and exc.refused
+    assert w.requests == [] and books.log == [("free", "r1#1"), ("free", "r1#1")]

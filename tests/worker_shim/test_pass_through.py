@@ -1,0 +1,91 @@
+"""Pass-through legs through the request service against a sim: the engine's own SSE payloads and
+bodies come back unchanged (a body over NATS's payload limit in pieces), its 400 body too, and a
+whole (non-streamed) answer says when its prefill is done."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from engine_sim.server import SimServer
+from protocol import GenerateRequest, ResponseChunk, subjects
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from tests.worker_shim.cluster import sim_config
+from tests.worker_shim.test_request_service import agg_shim
+
+
+def leg(rid: str, endpoint: str, params: dict[str, Any], tokens: list[int], stream: bool) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid, model="sim-llama", token_ids=tokens, stream=stream, endpoint=endpoint, params=params
+    )
+
+
+async def direct(sim: SimServer, path: str, body: dict[str, Any]) -> bytes:
+    async with aiohttp.ClientSession() as http, http.post(sim.url + path, json=body) as r:
+        return await r.read()
+
+
+async def test_a_stream_is_the_engines_events_and_counts_its_tokens(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        params = {"model": "sim-llama", "max_tokens": 7, "n": 2, "seed": 4, "logprobs": 1}
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), leg("s", ENDPOINT_COMPLETIONS, params, [5] * 40, True))
+        final = await col.final("s")
+        assert final.error is None
+        events = [e for c in col.chunks["s"] for e in c.events]
+        raw = await direct(sim, "/v1/completions", {**params, "prompt": [5] * 40, "stream": True})
+        expected = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line and line != b"data: [DONE]"]
+        strip = [{k: v for k, v in json.loads(e).items() if k not in ("id", "created")} for e in events]
+        assert strip == [{k: v for k, v in json.loads(e).items() if k not in ("id", "created")} for e in expected]
+        assert sum(c.tokens for c in col.chunks["s"]) == 2 * 7  # one token per choice with text
+        assert all(not c.token_ids for c in col.chunks["s"])
+
+
+async def test_a_whole_answer_says_when_its_prefill_is_done(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config(speedup=5.0)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None and shim.requests is not None
+        queued_then: list[int] = []
+        col.on_chunk = lambda c: queued_then.append(shim.requests.prefill_tokens_queued) if c.prefilled else None  # type: ignore[union-attr]
+        params = {"model": "sim-llama", "max_tokens": 300, "ignore_eos": True}
+        prompt = list(range(300, 364))  # 4 full blocks
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), leg("w", ENDPOINT_COMPLETIONS, params, prompt, False))
+        final = await col.final("w")
+        chunks = col.chunks["w"]
+        flags = [c.prefilled for c in chunks]
+        assert flags.count(True) == 1 and not chunks[-1].prefilled, "one prefilled chunk, before the answer"
+        assert queued_then == [0], "the prompt stopped counting as queued once the engine cached it"
+        body = b"".join(c.body for c in chunks)
+        assert json.loads(body)["usage"]["completion_tokens"] == 300 and final.usage is not None
+
+
+async def test_a_body_over_the_payload_limit_comes_back_in_pieces(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config(num_gpu_blocks=2048)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        prompt = [300 + i % 5000 for i in range(12_000)]
+        params = {"model": "sim-llama", "max_tokens": 1, "echo": True, "logprobs": 5}
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), leg("big", ENDPOINT_COMPLETIONS, params, prompt, False))
+        final = await col.final("big", timeout=60)
+        assert final.error is None
+        chunks: list[ResponseChunk] = col.chunks["big"]
+        body = b"".join(c.body for c in chunks)
+        assert len(body) > col.nc.max_payload and sum(1 for c in chunks if c.body) > 1
+        answer = json.loads(body)
+        assert len(answer["choices"][0]["logprobs"]["tokens"]) == len(prompt) + 1  # the prompt echoed, then one
+
+
+async def test_the_engines_own_400_body_comes_back(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        params = {
+            "model": "sim-llama",
+            "messages": [{"role": "user", "content": "x"}],
+            "top_logprobs": 30,
+            "logprobs": True,
+        }
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), leg("bad", ENDPOINT_CHAT, params, [1, 2, 3], False))
+        final = await col.final("bad")
+        assert final.error is not None and final.error.code == 400
+        own = await direct(sim, "/v1/chat/completions", params)
+        assert json.loads(final.error.body) == json.loads(own)
