@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 
 from protocol import (
     CancelRequest,
@@ -57,6 +58,7 @@ from protocol import (
 )
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
+from worker_shim.tracing import LegTracer
 
 __all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "PREFILL_POLL_S", "RequestService"]
 
@@ -223,8 +225,10 @@ class RequestService:
         on_served: Callable[[str, list[int], Usage], None] = lambda _rid, _ids, _usage: None,
         block_size: Callable[[], int | None] = lambda: None,
         busy_legs: int = BUSY_LEGS,
+        tracer: LegTracer | None = None,
     ) -> None:
         self.nc = nc
+        self.tracer = tracer or LegTracer()
         # Prompt tokens the engine already caches: they cost no prefill, so they are not "queued".
         self.cached_tokens = cached_tokens
         self.adapter = adapter
@@ -282,7 +286,9 @@ class RequestService:
         self.inflight[req.request_id] = state
         self._queued += state.queued_tokens
         self.on_change()
-        state.task = asyncio.create_task(self._run(req, leg, state, writer, role), name=f"leg-{req.request_id}")
+        span = self.tracer.start(req.trace, role, worker, req.request_id)
+        leg.headers = LegTracer.headers(span, req.trace)
+        state.task = asyncio.create_task(self._run(req, leg, state, writer, role, span), name=f"leg-{req.request_id}")
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -299,14 +305,12 @@ class RequestService:
     # --- one leg --------------------------------------------------------------------------------
 
     def _leg_request(self, req: GenerateRequest, role: str) -> LegRequest | ErrorInfo:
-        headers = {k: v for k, v in req.trace.items() if k in ("traceparent", "tracestate")}
         leg = LegRequest(
             request_id=req.request_id,
             model=req.model,
             token_ids=req.token_ids,
             sampling=req.sampling,
             stream=req.stream,
-            headers=headers,
             endpoint=req.endpoint,
             params=req.params,
         )
@@ -334,7 +338,9 @@ class RequestService:
             state.queued_tokens = 0
             self.on_change()
 
-    async def _run(self, req: GenerateRequest, leg: LegRequest, state: _Leg, writer: _ChunkWriter, role: str) -> None:
+    async def _run(
+        self, req: GenerateRequest, leg: LegRequest, state: _Leg, writer: _ChunkWriter, role: str, span: Span
+    ) -> None:
         async def on_output(tokens: int, event: bytes | None, toks: list[int]) -> None:
             self._first_token(state)
             await writer.output(tokens, event, toks)
@@ -353,10 +359,12 @@ class RequestService:
                     outcome = await self.adapter.generate(leg, on_output)
             except TimeoutError:
                 self.failed += 1
+                LegTracer.failed(span, "deadline")
                 await writer.final(error=ErrorInfo(code=504, kind="deadline", message="the request's deadline passed"))
                 return
             except EngineError as exc:
                 self.failed += 1
+                LegTracer.failed(span, f"{exc.kind} ({exc.code})")
                 await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
                 return
             except asyncio.CancelledError:
@@ -369,6 +377,7 @@ class RequestService:
                 raise
             except Exception as exc:
                 self.failed += 1
+                LegTracer.failed(span, repr(exc))
                 log.exception("request %s failed", req.request_id)
                 await writer.final(error=ErrorInfo(code=500, kind="internal", message=f"shim error: {exc!r}"))
                 return
@@ -377,6 +386,7 @@ class RequestService:
             if leg.transfer is None:
                 self.on_served(req.request_id, req.token_ids, outcome.usage)
         finally:
+            span.end()
             if watch is not None:
                 watch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
