@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import statistics
@@ -42,7 +43,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ import numpy as np
 
 from bench.aiperf_client import BENCH_VENV, AiperfRun, find_aiperf
 from bench.cpu import CpuSampler, CpuWindow
+from bench.flame import ROUTER_RULES, SHIM_RULES, Recording, breakdown, find_py_spy, format_breakdown, read_stacks
 from bench.peers import PEERS, Peer, PeerProcess, missing_binaries
 from bench.replay import RequestResult, replay
 from bench.trace import TokenSynth
@@ -94,6 +96,8 @@ class OverheadSpec:
     keep_logs: bool = False
     shim_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=lambda: list(ROUTER_ARGS))
+    py_spy: str | None = None  # set: profile the router and one shim in every kvswitch phase
+    profile_dir: Path = Path("bench/out/profiles")
 
 
 class Phase(msgspec.Struct, kw_only=True):
@@ -226,6 +230,19 @@ def _run_aiperf(
     )
 
 
+@contextlib.contextmanager
+def _profiled(spec: OverheadSpec, target: _Target, groups: dict[str, list[int]], name: str) -> Iterator[None]:
+    """py-spy on the router and the first shim while a kvswitch phase runs (with `spec.py_spy`)."""
+    if spec.py_spy is None or target.name != KVSWITCH:
+        yield
+        return
+    with (
+        Recording(spec.py_spy, groups[KVSWITCH][0], spec.profile_dir / f"router-{name}"),
+        Recording(spec.py_spy, groups["shim"][0], spec.profile_dir / f"shim-{name}"),
+    ):
+        yield
+
+
 def _pid(cluster: LocalCluster, prefix: str) -> list[int]:
     return [c.proc.pid for c in cluster.children if c.name.startswith(prefix)]
 
@@ -276,10 +293,11 @@ def run_overhead(spec: OverheadSpec, *, on_phase: Callable[[Phase], None] = lamb
                 for tool, load in loads:
                     for target in targets if repeat % 2 == 0 else targets[::-1]:
                         _reset_prefix_caches(cluster.sim_urls)
-                        if tool == "aiperf" and aiperf is not None:
-                            phase = _run_aiperf(aiperf, target, int(load), repeat, sampler, aiperf_out)
-                        else:
-                            phase = _run_client(spec, target, load, repeat, cluster.spec.model, sampler)
+                        with _profiled(spec, target, groups, f"{tool}-{load:g}-r{repeat}"):
+                            if tool == "aiperf" and aiperf is not None:
+                                phase = _run_aiperf(aiperf, target, int(load), repeat, sampler, aiperf_out)
+                            else:
+                                phase = _run_client(spec, target, load, repeat, cluster.spec.model, sampler)
                         phases.append(phase)
                         on_phase(phase)
     finally:
@@ -431,6 +449,29 @@ def add_overhead_parser(sub: Any) -> None:
     p.add_argument("--shim-arg", action="append", default=[], help="extra `kvswitch shim` argument (repeat)")
     p.add_argument("--out-dir", type=Path, default=Path("bench/out"))
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="py-spy the router and a shim in every kvswitch phase: flame graphs (SVG) and stacks in DIR "
+        "(sampling costs CPU: the figures of a profiled run are not the ones to quote)",
+    )
+    p.add_argument("--py-spy", default=None, help="py-spy executable (default .venv-bench/bin/py-spy, then PATH)")
+
+
+def _print_profiles(spec: OverheadSpec, phases: Sequence[Phase]) -> None:
+    for p in phases:
+        if p.target != KVSWITCH:
+            continue
+        name = f"{p.tool}-{float(p.load.removeprefix('c=').removesuffix('/s')):g}-r{p.repeat}"
+        for role, rules in (("router", ROUTER_RULES), ("shim", SHIM_RULES)):
+            stacks = spec.profile_dir / f"{role}-{name}.txt"
+            # the profiled shim is one of two: half the shims' CPU
+            cpu = p.cpu_s[role] / (2 if role == "shim" else 1) * 1e6 / p.requests if p.requests else None
+            print(f"\n{role} during {p.tool} {p.load} (py-spy samples, {stacks.with_suffix('.svg')}):")
+            with stacks.open() as fh:
+                print(format_breakdown(breakdown(read_stacks(fh), rules), cpu_us_per_request=cpu))
 
 
 def _bench_venv_on_path() -> None:
@@ -457,11 +498,15 @@ def overhead_main(args: argparse.Namespace) -> int:
                 print(f"skipping {name}: no {binary} on PATH or in .venv-bench (make bench-deps)", file=sys.stderr)
             else:
                 peers.append(PEERS[name])
+    py_spy = find_py_spy(args.py_spy) if args.profile is not None else None
+    if args.profile is not None and py_spy is None:
+        raise ValueError("--profile needs py-spy: `make bench-deps` (or --py-spy PATH)")
     spec = OverheadSpec(
         speedup=args.speedup, isl=args.isl, osl=args.osl, concurrencies=concurrencies, requests=args.requests,
         rates=rates, seconds=args.seconds, client_isl=args.client_isl, client_osl=args.client_osl,
         repeats=args.repeats, seed=args.seed, aiperf=aiperf, peers=peers, out_dir=args.out_dir,
-        keep_logs=args.keep_logs, shim_args=list(args.shim_arg),
+        keep_logs=args.keep_logs, shim_args=list(args.shim_arg), py_spy=py_spy,
+        profile_dir=args.profile or Path("bench/out/profiles"),
     )  # fmt: skip
     started = time.monotonic()
 
@@ -485,5 +530,7 @@ def overhead_main(args: argparse.Namespace) -> int:
     print(format_table(phases))
     for line in target_lines(phases):
         print(line)
+    if spec.py_spy is not None:
+        _print_profiles(spec, phases)
     print(f"results: {path}\ntotal {time.monotonic() - started:.0f} s wall")
     return 0
