@@ -4,7 +4,10 @@
 `<out_stem>.svg` (a flame graph) and `<out_stem>.txt` (the same kind of samples as collapsed
 stacks: `frame;frame;... count`, root first). Two py-spy processes sample side by side, one per
 format, each `--nonblocking` (the target is never paused) at `rate` Hz; py-spy leaves idle threads
-out, so samples are time on the CPU.
+out. A thread that is runnable but waiting for a CPU is not idle to py-spy: on a machine with
+more runnable threads than cores, samples over-count the code where a process gets preempted
+(typically a socket write that wakes the reader). Compare the share of samples that found the
+process active with its CPU use from /proc (bench.overhead prints both) before reading shares.
 
 `breakdown(stacks, rules)` attributes every sample to one category (`Rules` says how: a named
 piece of work such as tokenization wins over the package it runs in). A frame is matched by
@@ -23,6 +26,7 @@ from pathlib import Path
 
 __all__ = [
     "ROUTER_RULES",
+    "SAMPLE_HZ",
     "SHIM_RULES",
     "Recording",
     "Rules",
@@ -32,6 +36,7 @@ __all__ = [
     "read_stacks",
 ]
 
+SAMPLE_HZ = 100
 Rule = tuple[str, tuple[str, ...]]  # (category, substrings of a frame)
 
 
@@ -134,7 +139,7 @@ def find_py_spy(explicit: str | None = None) -> str | None:
 class Recording:
     """py-spy on `pid` for the duration of the `with` block (see the module docstring)."""
 
-    def __init__(self, py_spy: str, pid: int, out_stem: Path, *, rate: int = 100) -> None:
+    def __init__(self, py_spy: str, pid: int, out_stem: Path, *, rate: int = SAMPLE_HZ) -> None:
         self.svg = out_stem.with_suffix(".svg")
         self.stacks = out_stem.with_suffix(".txt")
         common = [py_spy, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking"]

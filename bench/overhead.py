@@ -22,7 +22,8 @@ target meets cold caches with the same prompts. Targets run in turn, in reverse 
 repeats, so drift on a shared machine does not favour one side.
 
 Per phase: TTFT p50/p99; ITL p50/p99 (per request: (last token - first token) / (tokens - 1), as
-aiperf defines it; percentiles over requests); time to second token (first to second chunk) p50;
+aiperf defines it; percentiles over requests); time to second token (first to second chunk)
+p50/p99;
 output token throughput; and the CPU time of the kvswitch router, of the two shims together and of
 each peer router over the phase's window, from /proc/<pid>/stat (bench.cpu), per request and per
 streamed token. A row reports a target minus (or over) `direct` of the same repeat; with repeats,
@@ -53,7 +54,16 @@ import numpy as np
 
 from bench.aiperf_client import BENCH_VENV, AiperfRun, find_aiperf
 from bench.cpu import CpuSampler, CpuWindow
-from bench.flame import ROUTER_RULES, SHIM_RULES, Recording, breakdown, find_py_spy, format_breakdown, read_stacks
+from bench.flame import (
+    ROUTER_RULES,
+    SAMPLE_HZ,
+    SHIM_RULES,
+    Recording,
+    breakdown,
+    find_py_spy,
+    format_breakdown,
+    read_stacks,
+)
 from bench.peers import PEERS, Peer, PeerProcess, missing_binaries
 from bench.replay import RequestResult, replay
 from bench.trace import TokenSynth
@@ -63,10 +73,13 @@ from kvswitch.cluster import ClusterSpec, LocalCluster
 __all__ = [
     "OverheadSpec",
     "Phase",
+    "Target",
     "add_overhead_parser",
     "client_phase",
     "format_table",
     "overhead_main",
+    "reset_prefix_caches",
+    "run_client",
     "run_overhead",
     "target_lines",
 ]
@@ -113,6 +126,7 @@ class Phase(msgspec.Struct, kw_only=True):
     itl_p50: float
     itl_p99: float
     ttst_p50: float
+    ttst_p99: float
     tokens_per_s: float
     requests: int
     tokens: int
@@ -122,7 +136,9 @@ class Phase(msgspec.Struct, kw_only=True):
 
 
 @dataclass(frozen=True)
-class _Target:
+class Target:
+    """Where requests go, and which sampler group is its router process."""
+
     name: str
     urls: list[str]
     router_group: str  # the sampler group of its router process
@@ -160,6 +176,7 @@ def client_phase(results: Sequence[RequestResult], *, load: str, target: str, re
         itl_p50=_pct(itl, 50),
         itl_p99=_pct(itl, 99),
         ttst_p50=_pct(ttst, 50),
+        ttst_p99=_pct(ttst, 99),
         tokens_per_s=tokens / span if span > 0 else 0.0,
         requests=len(results),
         tokens=tokens,
@@ -172,7 +189,7 @@ def client_phase(results: Sequence[RequestResult], *, load: str, target: str, re
 # --- one run -------------------------------------------------------------------------------------
 
 
-def _reset_prefix_caches(engine_urls: Sequence[str]) -> None:
+def reset_prefix_caches(engine_urls: Sequence[str]) -> None:
     for url in engine_urls:
         req = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST", data=b"")
         with urllib.request.urlopen(req, timeout=10) as resp:
@@ -180,13 +197,11 @@ def _reset_prefix_caches(engine_urls: Sequence[str]) -> None:
                 raise RuntimeError(f"POST {url}/reset_prefix_cache: HTTP {resp.status}")
 
 
-def _cpu_of(window: CpuWindow, target: _Target) -> dict[str, float]:
+def _cpu_of(window: CpuWindow, target: Target) -> dict[str, float]:
     return {"router": window.cpu_s[target.router_group], "shim": window.cpu_s["shim"]}
 
 
-def _run_client(
-    spec: OverheadSpec, target: _Target, rate: float, repeat: int, model: str, sampler: CpuSampler
-) -> Phase:
+def run_client(spec: OverheadSpec, target: Target, rate: float, repeat: int, model: str, sampler: CpuSampler) -> Phase:
     items = client_items(rate, spec.seconds, spec.client_isl, spec.client_osl)
     t0 = sampler.sample()
     run = asyncio.run(
@@ -207,7 +222,7 @@ def _run_client(
 
 
 def _run_aiperf(
-    aiperf: AiperfRun, target: _Target, concurrency: int, repeat: int, sampler: CpuSampler, out: Path
+    aiperf: AiperfRun, target: Target, concurrency: int, repeat: int, sampler: CpuSampler, out: Path
 ) -> Phase:
     result = aiperf.run(target.urls, concurrency, out / f"{target.name}-c{concurrency}-r{repeat}")
     window = sampler.window(*result.window)
@@ -221,6 +236,7 @@ def _run_aiperf(
         itl_p50=result.itl_p50,
         itl_p99=result.itl_p99,
         ttst_p50=result.ttst_p50,
+        ttst_p99=result.ttst_p99,
         tokens_per_s=result.output_tokens_per_s,
         requests=result.requests,
         tokens=result.output_tokens,
@@ -231,7 +247,7 @@ def _run_aiperf(
 
 
 @contextlib.contextmanager
-def _profiled(spec: OverheadSpec, target: _Target, groups: dict[str, list[int]], name: str) -> Iterator[None]:
+def _profiled(spec: OverheadSpec, target: Target, groups: dict[str, list[int]], name: str) -> Iterator[None]:
     """py-spy on the router and the first shim while a kvswitch phase runs (with `spec.py_spy`)."""
     if spec.py_spy is None or target.name != KVSWITCH:
         yield
@@ -268,7 +284,7 @@ def run_overhead(spec: OverheadSpec, *, on_phase: Callable[[Phase], None] = lamb
         cluster.start()
         cluster.wait_ready(timeout=90)
         groups = {KVSWITCH: _pid(cluster, "router-"), "shim": _pid(cluster, "shim-")}
-        targets = [_Target(DIRECT, cluster.sim_urls, KVSWITCH), _Target(KVSWITCH, cluster.router_urls, KVSWITCH)]
+        targets = [Target(DIRECT, cluster.sim_urls, KVSWITCH), Target(KVSWITCH, cluster.router_urls, KVSWITCH)]
         for peer in spec.peers:
             log = log_dir / f"{peer.name}.log" if log_dir is not None else None
             process = PeerProcess(
@@ -277,7 +293,7 @@ def run_overhead(spec: OverheadSpec, *, on_phase: Callable[[Phase], None] = lamb
             peers.append(process)
             process.start()
             groups[peer.name] = [process.pid]
-            targets.append(_Target(peer.name, [process.url], peer.name, text_prompts=True))
+            targets.append(Target(peer.name, [process.url], peer.name, text_prompts=True))
         sampler = CpuSampler(groups)
         aiperf = (
             AiperfRun(spec.aiperf, cluster.spec.model, spec.isl, spec.osl, spec.requests, spec.seed,
@@ -292,12 +308,12 @@ def run_overhead(spec: OverheadSpec, *, on_phase: Callable[[Phase], None] = lamb
             for repeat in range(spec.repeats):
                 for tool, load in loads:
                     for target in targets if repeat % 2 == 0 else targets[::-1]:
-                        _reset_prefix_caches(cluster.sim_urls)
+                        reset_prefix_caches(cluster.sim_urls)
                         with _profiled(spec, target, groups, f"{tool}-{load:g}-r{repeat}"):
                             if tool == "aiperf" and aiperf is not None:
                                 phase = _run_aiperf(aiperf, target, int(load), repeat, sampler, aiperf_out)
                             else:
-                                phase = _run_client(spec, target, load, repeat, cluster.spec.model, sampler)
+                                phase = run_client(spec, target, load, repeat, cluster.spec.model, sampler)
                         phases.append(phase)
                         on_phase(phase)
     finally:
@@ -323,9 +339,9 @@ def _per(cpu_s: float, n: int) -> float:
     return cpu_s * 1e6 / n if n else float("nan")
 
 
-_LATENCIES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "ttst_p50")
+_LATENCIES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "ttst_p50", "ttst_p99")
 HEADER = [
-    "tool", "load", "target", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TTST p50", "thr ratio",
+    "tool", "load", "target", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TTST p50", "TTST p99", "thr ratio",
     "router us/req", "router us/tok", "shim us/req", "shim us/tok", "errors",
 ]  # fmt: skip
 
@@ -405,9 +421,11 @@ def target_lines(phases: Sequence[Phase]) -> list[str]:
         ttst = med(added(phases, tool, load, KVSWITCH, "ttst_p50"))
         if ratio is not None:
             out.append(f"{tool} {load}: throughput {ratio:.3f}x direct (>= 0.97): {_verdict(ratio >= 0.97)}")
-        if ttst is not None:
+        ttst99 = med(added(phases, tool, load, KVSWITCH, "ttst_p99"))
+        if ttst is not None and ttst99 is not None:
             out.append(
-                f"{tool} {load}: added time to second token p50 {ttst * 1e3:+.2f} ms (<= 1): " + _verdict(ttst <= 0.001)
+                f"{tool} {load}: added time to second token p50 {ttst * 1e3:+.2f} ms (<= 1): "
+                f"{_verdict(ttst <= 0.001)} (p99 {ttst99 * 1e3:+.2f} ms)"
             )
         peers = [t for t in groups[(tool, load)] if t not in (DIRECT, KVSWITCH)]
         for metric in ("ttft_p50", "itl_p50"):
@@ -471,7 +489,13 @@ def _print_profiles(spec: OverheadSpec, phases: Sequence[Phase]) -> None:
             cpu = p.cpu_s[role] / (2 if role == "shim" else 1) * 1e6 / p.requests if p.requests else None
             print(f"\n{role} during {p.tool} {p.load} (py-spy samples, {stacks.with_suffix('.svg')}):")
             with stacks.open() as fh:
-                print(format_breakdown(breakdown(read_stacks(fh), rules), cpu_us_per_request=cpu))
+                counts = breakdown(read_stacks(fh), rules)
+            busy = p.cpu_s[role] / (2 if role == "shim" else 1) / p.window_s
+            print(
+                f"py-spy found it active in {sum(counts.values()) / (SAMPLE_HZ * p.window_s):.0%} of samples; /proc: "
+                f"{busy:.0%} of a core (a gap is time runnable but waiting for a CPU, charged where it was preempted)"
+            )
+            print(format_breakdown(counts, cpu_us_per_request=cpu))
 
 
 def _bench_venv_on_path() -> None:

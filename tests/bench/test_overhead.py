@@ -52,6 +52,7 @@ def test_client_phase_figures_from_known_results() -> None:
     assert phase.ttft_p99 == pytest.approx(0.010 + 0.99 * 0.020)  # linear between order statistics
     assert phase.itl_p50 == pytest.approx(0.003)
     assert phase.ttst_p50 == pytest.approx(0.002)
+    assert phase.ttst_p99 == pytest.approx(0.001 + 0.99 * 0.002)
     assert (phase.requests, phase.tokens, phase.errors) == (4, 10, 1)
     # first send at 0 s; last end at 2 + 0.030 + 0.009
     assert phase.tokens_per_s == pytest.approx(10 / 3.0)  # request 3 ended at 3 + 0 s
@@ -70,6 +71,7 @@ def _phase(target: str, repeat: int, ttft_p50: float, *, tool: str = "aiperf", l
         "itl_p50": 0.001,
         "itl_p99": 0.002,
         "ttst_p50": 0.001,
+        "ttst_p99": 0.002,
         "tokens_per_s": 1000.0,
         **kw,
     }
@@ -109,9 +111,9 @@ def test_table_cells_are_medians_with_half_the_range_and_cpu_per_unit() -> None:
     kvswitch = next(line for line in table.splitlines() if " kvswitch " in line).split()
     # TTFT p50 added: median of +1 and +3 ms, ±1; throughput: median of 0.99 and 0.95
     assert kvswitch[3] == "+2.00±1.00"
-    assert kvswitch[8] == "0.970±0.020"
+    assert kvswitch[9] == "0.970±0.020"
     # router 0.5 s over 100 requests / 6,400 tokens; shims 0.32 s
-    assert kvswitch[9:13] == ["5000±0", "78±0", "3200±0", "50±0"]
+    assert kvswitch[10:14] == ["5000±0", "78±0", "3200±0", "50±0"]
     direct = next(line for line in table.splitlines() if "direct (abs)" in line).split()
     assert direct[4] == "11.00±1.00"  # the baseline's own TTFT p50, ms
 
@@ -120,13 +122,14 @@ def test_targets_report_each_verdict_with_its_figure() -> None:
     lines = "\n".join(target_lines(PHASES))
     assert "aiperf c=8: added TTFT p50 +2.00 ms (<= 2), p99 +4.00 ms (<= 5): met" in lines
     assert "aiperf c=8: throughput 0.970x direct (>= 0.97): met" in lines
-    assert "added time to second token p50 +0.50 ms (<= 1): met" in lines
+    assert "added time to second token p50 +0.50 ms (<= 1): met (p99 +0.00 ms)" in lines
     # best peer adds +0.3 ms TTFT p50 (median of 0.2 and 0.4); ours +2.0: 1.7 ms behind
     assert "added ttft p50 +2.00 ms vs best peer sglang_cache_aware +0.30 ms (within 1 ms): MISSED" in lines
 
 
 def test_missing_values_print_as_a_dash_not_nan() -> None:
     phases = [_phase(DIRECT, 0, 0.01, ttst_p50=math.nan), _phase(KVSWITCH, 0, 0.012, ttst_p50=math.nan)]
+    assert added(phases, "aiperf", "c=8", KVSWITCH, "ttst_p50") != []
     row = next(line for line in format_table(phases).splitlines() if " kvswitch " in line).split()
     assert row[7] == "-" and "nan" not in format_table(phases)
 
