@@ -3,9 +3,10 @@
 `Recording(py_spy, pid, out_stem)` samples a process for as long as the `with` block lasts, into
 `<out_stem>.svg` (a flame graph) and `<out_stem>.txt` (the same kind of samples as collapsed
 stacks: `frame;frame;... count`, root first). Two py-spy processes sample side by side, one per
-format, each `--nonblocking` (the target is never paused) at `rate` Hz; py-spy leaves idle threads
-out. A thread that is runnable but waiting for a CPU is not idle to py-spy: on a machine with
-more runnable threads than cores, samples over-count the code where a process gets preempted
+format, at `rate` Hz, with `--native` (C frames too: uvloop, msgspec, the libc call a process is
+in), which pauses the target for each sample; py-spy leaves idle threads out. A thread that is
+runnable but waiting for a CPU is not idle to py-spy: on a machine with more runnable threads than
+cores, samples over-count the code where a process gets preempted
 (typically a socket write that wakes the reader). Compare the share of samples that found the
 process active with its CPU use from /proc (bench.overhead prints both) before reading shares.
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "IDLE",
     "ROUTER_RULES",
     "SAMPLE_HZ",
     "SHIM_RULES",
@@ -51,6 +53,22 @@ class Rules:
 
 
 # asyncio/streams.py is left out: its writes are charged to the package that writes (nats-py's flush).
+
+
+IDLE = "epoll wait (idle, caught waking)"
+
+
+def _libc(*calls: str) -> tuple[str, ...]:
+    return tuple(f"{call} (libc" for call in calls)
+
+
+# With --native a sample in a system call ends in libc's wrapper; under CPU contention these also
+# hold the time a process spent preempted there (a write wakes its reader, which may take the core).
+_SYSCALLS: list[Rule] = [
+    ("socket writes (write, writev, send; with time preempted in them)", _libc("write", "writev", "send", "sendmsg")),
+    ("socket reads (read, recv)", _libc("read", "recv", "recvmsg")),
+    (IDLE, _libc("epoll_wait", "epoll_pwait")),
+]
 _LOOP: Rule = (
     "event loop (asyncio/uvloop: I/O, callbacks, task switches)",
     ("asyncio/runners.py", "asyncio/base_events.py", "asyncio/events.py", "asyncio/tasks.py", "uvloop"),
@@ -58,6 +76,7 @@ _LOOP: Rule = (
 
 ROUTER_RULES = Rules(
     specific=[
+        *_SYSCALLS,
         ("KV digest check (index scan per load report)", ("check_digest", "BlockIndex.digest", "worker_hashes")),
         ("detokenization (ids -> text)", ("push (router/tokenization.py", "decode (protocol/tokenizer.py")),
         ("tokenization (prompt text -> ids)", ("router/tokenization.py:", "protocol/tokenizer.py:")),
@@ -99,6 +118,7 @@ ROUTER_RULES = Rules(
 
 SHIM_RULES = Rules(
     specific=[
+        *_SYSCALLS,
         ("engine SSE line parse + JSON decode", ("_take_choice", "_json.decode", "openai_http.py:11")),
         ("ResponseChunk encode + NATS publish", ("_send (worker_shim/request_service.py",)),
         ("GenerateRequest decode + leg setup", ("on_generate (worker_shim",)),
@@ -142,7 +162,7 @@ class Recording:
     def __init__(self, py_spy: str, pid: int, out_stem: Path, *, rate: int = SAMPLE_HZ) -> None:
         self.svg = out_stem.with_suffix(".svg")
         self.stacks = out_stem.with_suffix(".txt")
-        common = [py_spy, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking"]
+        common = [py_spy, "record", "--pid", str(pid), "--rate", str(rate), "--native"]
         outputs = (("flamegraph", self.svg), ("raw", self.stacks))
         self._argv = [[*common, "--format", fmt, "--output", str(out)] for fmt, out in outputs]
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -207,11 +227,15 @@ def breakdown(stacks: Iterable[tuple[list[str], int]], rules: Rules) -> Counter[
 
 
 def format_breakdown(counts: Counter[str], *, cpu_us_per_request: float | None = None) -> str:
-    """One line per category, largest first: share of samples, and µs per request when given."""
-    total = sum(counts.values())
+    """One line per category, largest first: its share of the busy samples (all but `IDLE`), and
+    that share of the measured CPU per request when given. Idle samples are listed, unshared."""
+    busy = sum(n for name, n in counts.items() if name != IDLE)
     lines = []
     for name, n in counts.most_common():
-        share = n / total if total else 0.0
+        if name == IDLE:
+            lines.append(f"{'idle':>6}  {n} samples  {name}")
+            continue
+        share = n / busy if busy else 0.0
         us = f"  {share * cpu_us_per_request:7.0f} us/req" if cpu_us_per_request is not None else ""
         lines.append(f"{share:6.1%}{us}  {name}")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.flame import ROUTER_RULES, SHIM_RULES, Recording, Rules, breakdown, format_breakdown, read_stacks
+from bench.flame import IDLE, ROUTER_RULES, SHIM_RULES, Recording, Rules, breakdown, format_breakdown, read_stacks
 
 ROOT = "run (router/cli.py:141);run_service (runtime/__init__.py:84);run (uvloop/__init__.py:92)"
 HANDLER = (
@@ -55,13 +55,20 @@ def test_unmatched_and_frameless_samples_are_other() -> None:
     assert breakdown([([], 2), (["main (elsewhere.py:1)"], 1)], SHIM_RULES) == {"other": 3}
 
 
-def test_format_breakdown_spreads_measured_cpu_over_the_shares() -> None:
+def test_format_breakdown_spreads_measured_cpu_over_the_busy_shares() -> None:
     rules = Rules(specific=[("a", ("a.py",)), ("b", ("b.py",))], generic=[])
     counts = breakdown([(["x (a.py:1)"], 3), (["y (b.py:1)"], 1)], rules)
     assert format_breakdown(counts, cpu_us_per_request=400.0).splitlines() == [
         " 75.0%      300 us/req  a",
         " 25.0%      100 us/req  b",
     ]
+
+
+def test_samples_caught_in_epoll_are_idle_and_take_no_share_of_the_cpu() -> None:
+    waiting, formatting = f"{ROOT};epoll_wait (libc.so.6)", f"{HANDLER};_sse (router/http_api.py:182)"
+    stacks = [(waiting.split(";"), 5), (formatting.split(";"), 2)]
+    lines = format_breakdown(breakdown(stacks, ROUTER_RULES), cpu_us_per_request=50.0).splitlines()
+    assert lines == ["  idle  5 samples  " + IDLE, "100.0%       50 us/req  SSE / OpenAI chunk formatting"]
 
 
 def test_a_recording_stops_both_samplers_and_keeps_their_files(tmp_path: Path) -> None:
