@@ -25,6 +25,7 @@ requests, and a model of N replicas checked at N = 1, 2, 3.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cpu import CpuSampler
+from bench.flame import ROUTER_RULES, Recording, breakdown, find_py_spy, format_breakdown, read_stacks
 from bench.overhead import ROUTER_ARGS, OverheadSpec, Phase, Target, reset_prefix_caches, run_client
 from kvswitch.cluster import ClusterSpec, LocalCluster
 
@@ -55,6 +57,8 @@ class ReplicaSpec:
     client_isl: int = 128
     client_osl: int = 16
     core: int | None = None  # pin the ceiling's router here (default: the last CPU)
+    py_spy: str | None = None  # set: profile replica 1 while replica 0 serves everything
+    profile_dir: Path = Path("bench/out/profiles")
     seed: int = 0
     log_dir: Path | None = None
 
@@ -191,7 +195,10 @@ def measure_replicas(spec: ReplicaSpec, n: int) -> ReplicaRun:
     with _Cluster(spec, n) as c:
         rate = spec.check_rate
         idle = c.idle(spec.seconds)
-        one_sided, cpu_one = c.phase(spec, c.routers[:1], rate, "router-0 only")
+        with contextlib.ExitStack() as stack:
+            if spec.py_spy is not None and n > 1:
+                stack.enter_context(Recording(spec.py_spy, c.pid(1), spec.profile_dir / f"peer-replica-n{n}"))
+            one_sided, cpu_one = c.phase(spec, c.routers[:1], rate, "router-0 only")
         peers = [
             (cpu_one[f"router-{i}"] - idle[f"router-{i}"]) / one_sided.requests for i in range(1, n)
         ]  # fmt: skip
@@ -220,6 +227,14 @@ def add_replicas_parser(sub: Any) -> None:
     p.add_argument("--client-osl", type=int, default=16)
     p.add_argument("--core", type=int, default=None, help="CPU to pin the ceiling's router to (default: the last)")
     p.add_argument("--keep-logs", type=Path, default=None, metavar="DIR")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="py-spy replica 1 while replica 0 serves everything: what the peer cost is made of",
+    )
+    p.add_argument("--py-spy", default=None, help="py-spy executable (default .venv-bench/bin/py-spy, then PATH)")
 
 
 def replicas_main(args: argparse.Namespace) -> int:
@@ -230,7 +245,11 @@ def replicas_main(args: argparse.Namespace) -> int:
         rates=[float(r) for r in args.rates.split(",")], check_rate=args.check_rate, replicas=ns,
         seconds=args.seconds, speedup=args.speedup, client_isl=args.client_isl, client_osl=args.client_osl,
         core=args.core, log_dir=args.keep_logs,
+        py_spy=find_py_spy(args.py_spy) if args.profile is not None else None,
+        profile_dir=args.profile or Path("bench/out/profiles"),
     )  # fmt: skip
+    if args.profile is not None and spec.py_spy is None:
+        raise ValueError("--profile needs py-spy: `make bench-deps` (or --py-spy PATH)")
     started = time.monotonic()
     steps = measure_ceiling(spec)
     runs = [measure_replicas(spec, n) for n in spec.replicas]
@@ -262,5 +281,12 @@ def replicas_main(args: argparse.Namespace) -> int:
             print(f"  {n:2d} replicas on {n:2d} cores: {value:7.0f} req/s")
         if c_peer > 0:
             print(f"  limit (any N): R1 * c_own / c_peer = {r1 * c_own / c_peer:.0f} req/s")
+    for r in runs:
+        stacks = spec.profile_dir / f"peer-replica-n{r.n}.txt"
+        if spec.py_spy is not None and r.n > 1 and stacks.exists():
+            print(f"\nreplica 1 of {r.n} while replica 0 serves everything ({stacks.with_suffix('.svg')}):")
+            with stacks.open() as fh:
+                counts = breakdown(read_stacks(fh), ROUTER_RULES)
+            print(format_breakdown(counts, cpu_us_per_request=r.c_peer_s[0] * 1e6))
     print(f"total {time.monotonic() - started:.0f} s wall")
     return 0
