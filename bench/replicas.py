@@ -43,6 +43,7 @@ from kvswitch.cluster import ClusterSpec, LocalCluster
 
 __all__ = ["ReplicaSpec", "add_replicas_parser", "predicted_cpu", "project", "r_max", "replicas_main"]
 
+CORES = [1, 2, 3, 4, 8, 12, 16]
 TTFT_P50_TARGET_S = 0.002
 TTFT_P99_TARGET_S = 0.005
 
@@ -275,12 +276,16 @@ def replicas_main(args: argparse.Namespace) -> int:
         measured = " ".join(f"{x:.1%}" for x in r.spread_cpu_s)
         predicted = predicted_cpu(r.n, spec.check_rate, c_own, c_peer)
         print(f"  {r.n}  {measured:<24} {predicted:9.1%}  {r.nats_s_per_request * 1e6:11.0f}")
-    if r1 > 0:
-        print("\nprojection, R_max(N) = N * R1 / (1 + (N-1) * c_peer / c_own):")
-        for n, value in project(r1, c_own, c_peer, [1, 2, 3, 4, 8, 12, 16]):
-            print(f"  {n:2d} replicas on {n:2d} cores: {value:7.0f} req/s")
-        if c_peer > 0:
-            print(f"  limit (any N): R1 * c_own / c_peer = {r1 * c_own / c_peer:.0f} req/s")
+    # A full core per replica (u = 1): R1 = 1 / c_own. With a latency ceiling R1 measured, u = R1 * c_own.
+    full = 1 / c_own
+    print("\nprojection, R_max(N) = N * R1 / (1 + (N-1) * c_peer / c_own), N replicas on N cores (req/s):")
+    print(f"  {'N':>3} {'each core 100% busy':>20} {'latency ceiling R1':>19}")
+    for (n, cpu_bound), (_, latency) in zip(
+        project(full, c_own, c_peer, CORES), project(r1, c_own, c_peer, CORES), strict=True
+    ):
+        print(f"  {n:>3} {cpu_bound:>20.0f} {latency:>19.0f}")
+    if c_peer > 0:
+        print(f"  limit, any N: R1 * c_own / c_peer = {full * c_own / c_peer:.0f} and {r1 * c_own / c_peer:.0f}")
     for r in runs:
         stacks = spec.profile_dir / f"peer-replica-n{r.n}.txt"
         if spec.py_spy is not None and r.n > 1 and stacks.exists():
