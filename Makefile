@@ -7,7 +7,9 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: install sysdeps demo test test-vllm lint typecheck clean
+BENCH_VENV := .venv-bench
+
+.PHONY: install sysdeps demo test test-vllm lint typecheck clean bench-deps
 
 # Debian packages: etcd (the servers tests and `kvswitch up` run) and xxhash.h (for the C hash;
 # without it the build falls back to pure Python). Installed with apt when missing and root.
@@ -71,5 +73,16 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# Benchmark clients and peers, in a venv of their own: aiperf 0.13 pins prometheus-client~=0.23 and
+# pyzmq~=26.4, which conflict with ours, so it cannot be an extra of this package. `kvswitch bench
+# overhead` finds aiperf, sglang-router, vllm-router and py-spy there (docs/benchmarks.md, "Overhead").
+bench-deps: $(BENCH_VENV)/.installed
+
+$(BENCH_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q 'aiperf==0.13.0' 'sglang-router==0.3.2' 'vllm-router==0.1.17' 'py-spy==0.4.3'
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache protocol/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache protocol/*.so

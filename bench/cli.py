@@ -1,4 +1,4 @@
-"""`kvswitch bench replay | summary | compare`.
+"""`kvswitch bench replay | summary | compare | overhead | replicas`.
 
 kvswitch bench replay --url http://127.0.0.1:8080 --speed 10 --limit 200 --latency-scale 10
 kvswitch bench replay --url URL --workload shared-prefix --groups 8 --prompts-per-group 16
@@ -6,6 +6,8 @@ kvswitch bench summary bench/out/replay-....jsonl --latency-scale 10
 kvswitch bench compare --prefill 2 --decode 2 --rates 0.5,1,2 --runs 3
 kvswitch bench compare --demo          # what `make demo` runs: <= 3 minutes on 2 cores
 kvswitch bench chaos --scenarios all   # faults under load against a local cluster (docs/reliability.md)
+kvswitch bench overhead --repeats 3    # what a router adds per request (docs/benchmarks.md, "Overhead")
+kvswitch bench replicas                # one replica's ceiling, the peer cost, N replicas
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from bench.overhead import add_overhead_parser, overhead_main
+from bench.replicas import add_replicas_parser, replicas_main
 from bench.summary import PrefixCounters, Slo, format_summary, scrape_prefix_counters, summarize
 from bench.trace import TraceError, load_trace, shipped_trace
 from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
@@ -89,7 +93,8 @@ def _add_slo_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{replay,summary,compare,chaos}")
+    commands = "{replay,summary,compare,chaos,overhead,replicas}"
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar=commands)
     from bench import chaos
 
     chaos.add_arguments(sub.add_parser("chaos", help="faults injected into a local cluster under load; one table"))
@@ -133,6 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cp.add_argument("--keep-logs", action="store_true", help="keep every child's log under --out-dir")
     _add_workload_args(cp, compare=True)
     _add_slo_args(cp)
+    add_overhead_parser(sub)
+    add_replicas_parser(sub)
 
 
 def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
@@ -295,6 +302,10 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
             return 0
+        if args.bench_command == "overhead":
+            return overhead_main(args)
+        if args.bench_command == "replicas":
+            return replicas_main(args)
         return _compare(args)
     except (TraceError, ValueError, OSError, RuntimeError, aiohttp.ClientError, msgspec.DecodeError) as exc:
         print(f"kvswitch bench {args.bench_command}: {exc}", file=sys.stderr)

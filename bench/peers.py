@@ -111,6 +111,12 @@ class PeerProcess:
         self._log = log
         self._proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError(f"{self.peer.name} is not running")
+        return self._proc.pid
+
     def start(self, timeout: float = 30.0) -> None:
         out: int | object = subprocess.DEVNULL
         if self._log is not None:
