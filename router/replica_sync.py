@@ -164,6 +164,8 @@ class ReplicaSync:
 
     async def _send(self) -> None:
         entries, self._pending = self._pending, []
+        if self._registered is not None and not self._registered - {self.router_id}:
+            return  # no peer to tell: a router that registers later learns from its own requests on
         for i in range(0, len(entries), _MAX_ENTRIES_PER_MESSAGE):
             part = entries[i : i + _MAX_ENTRIES_PER_MESSAGE]
             try:

@@ -26,7 +26,7 @@ from worker_shim.kv_publisher import KvDigestAt
 __all__ = ["MIN_GAP_S", "LoadReporter"]
 
 log = logging.getLogger(__name__)
-MIN_GAP_S = 0.02
+MIN_GAP_S = 0.05
 
 
 class LoadReporter:
