@@ -37,7 +37,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
         x = x + np.uint64(0x9E3779B97F4A7C15)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
 
 
 def _ids(kind: int, group: int, start: int, n: int) -> np.ndarray:

@@ -1,0 +1,342 @@
+"""The prefix index fed over NATS by 1,000 simulated workers: how long a new replica takes to
+bootstrap the whole index from the workers' dumps, and the event lag while they publish at a
+realistic rate (issue 12, items 5 and 6; figures in docs/router_index.md).
+
+    .venv/bin/python -m bench.bench_index_fleet [--workers 1000] [--blocks 16384] [--sharing low]
+        [--duration 30] [--rate-scale 1.0] [--procs 2] [--profile FILE]
+
+Processes: a real nats-server (kvswitch.servers), `--procs` shim simulators, and this one as the
+router side: `router.kv_ingest.KvIngest` feeding `router.block_index.BlockIndex`, as they are and on
+uvloop, as the router runs them. Nothing else runs in the router process (no routing).
+
+Each simulator owns every `procs`-th worker, on one NATS connection. Per worker: the blocks of
+bench/index_fleet_workload.py, and worker_shim.event_log.EventLog, which numbers its batches and
+answers `{ns}.kvstate.{worker}` with a full dump in KvStateChunks exactly as a shim does (its ring
+of batches is cut to 64 to keep 1,000 of them in memory; nothing here asks for replays).
+
+1. Bootstrap: the router side calls `add_worker` for every worker at once (what the registry's
+   first snapshot does) and times until KvIngest reports synced; then every worker's
+   `index.digest` is checked against the simulator's blocks.
+2. Lag: every worker publishes KvEventBatches on `{ns}.kv.{worker}` for `--duration` seconds,
+   Poisson-spaced at the rate engine_sim produces on one H200 serving the Mooncake trace at 88%
+   load (bench/index_event_rate.py, run here first: batches per second and the (stored, removed)
+   sizes of its batches, sampled). Each batch evicts as many blocks as it stores (a full cache), so
+   it carries 2 x max(stored, removed) hashes. Lag = the time KvIngest has applied a batch minus the
+   batch's `ts` (sealed just before publishing), read through KvIngest's own `stats.last_lag_s`.
+   At the end, every worker's `index.digest` is compared with the simulator's (count, xor).
+
+`--profile FILE` runs the router side under cProfile and prints where its time went. Target:
+bootstrap <= 10 s; lag p99 <= 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import heapq
+import multiprocessing
+import os
+import pstats
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats
+import numpy as np
+import uvloop
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from bench.index_event_rate import EventRate
+from bench.index_event_rate import measure as measure_event_rate
+from bench.index_fleet_workload import SHARINGS, FleetWorkload
+from kvswitch.servers import NatsServer
+from protocol import subjects
+from protocol.messages import KvEventBatch, KvStateRequest, Removed, Stored, decode_msg, encode_msg
+from router.block_index import BlockIndex
+from router.ingest_stats import IngestStats
+from router.kv_ingest import KvIngest
+from worker_shim.event_log import EventLog
+
+NS = "bench"
+EPOCH = 1
+RING = 64
+RATE_SPEED = 0.25  # the Mooncake trace's arrival rate x this keeps one H200 at ~88% busy
+RATE_SECONDS = 300.0
+
+
+class Go(msgspec.Struct):
+    duration: float
+    rate: float  # batches per second per worker
+    sizes: list[tuple[int, int]]  # (stored, removed) of engine_sim's batches, to sample from
+
+
+class Final(msgspec.Struct):
+    proc: int
+    published: int
+    cpu: float  # this simulator's CPU over the live phase, share of one core
+    late_p99_ms: float  # how far behind its schedule it sealed batches
+    digests: list[tuple[str, int, int, int]]  # (worker, seq, count, xor)
+
+
+def _xor(hashes: np.ndarray) -> int:
+    return int(np.bitwise_xor.reduce(hashes)) if len(hashes) else 0
+
+
+# --- the shim simulators -------------------------------------------------------------------------
+
+
+@dataclass
+class _SimWorker:
+    name: str
+    index: int
+    ring: np.ndarray  # the blocks held, oldest first from `head`
+    log: EventLog
+    head: int = 0
+    fresh: int = 0
+
+    def dump(self) -> list[int]:
+        return np.roll(self.ring, -self.head).tolist()  # type: ignore[no-any-return]
+
+    def next_batch(self, wl: FleetWorkload, k: int) -> KvEventBatch:
+        """Evict the k oldest blocks and cache k new ones, as one batch sealed now."""
+        idx = (self.head + np.arange(k)) % len(self.ring)
+        old = self.ring[idx].tolist()
+        new = wl.fresh(self.index, self.fresh, k)
+        self.fresh += k
+        self.ring[idx] = new
+        self.head = (self.head + k) % len(self.ring)
+        return self.log.seal([Removed(hashes=old), Stored(hashes=new.tolist())])
+
+
+async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
+    nc = await nats.connect(url, name=f"bench-shims-{proc}", max_reconnect_attempts=0)
+    workers = [
+        _SimWorker(wl.name(w), w, wl.hashes(w), EventLog(wl.name(w), EPOCH, ring_size=RING))
+        for w in range(proc, wl.workers, procs)
+    ]
+
+    def answer(sim: _SimWorker) -> Any:
+        async def on_request(msg: Msg) -> None:
+            request = decode_msg(msg.data, KvStateRequest)
+            for chunk in sim.log.reply(request, sim.dump):
+                await nc.publish(msg.reply, encode_msg(chunk))
+
+        return on_request
+
+    for sim in workers:
+        await nc.subscribe(subjects.kvstate(NS, sim.name), cb=answer(sim))
+    go_sub = await nc.subscribe(f"{NS}.bench.go")
+    await nc.flush()
+    await nc.publish(f"{NS}.bench.ready", str(proc).encode())
+    go = msgspec.msgpack.decode((await go_sub.next_msg(timeout=600)).data, type=Go)
+    rng = np.random.default_rng(proc)
+    sizes = np.array([max(s, r) for s, r in go.sizes])
+    start, cpu = time.monotonic(), time.process_time()
+    end = start + go.duration
+    due = [(start + rng.exponential(1 / go.rate), i) for i in range(len(workers))]
+    heapq.heapify(due)
+    published = 0
+    late: list[float] = []
+    while True:
+        now = time.monotonic()
+        if now >= end:
+            break
+        while due[0][0] <= now:
+            at, i = due[0]
+            late.append(now - at)
+            sim = workers[i]
+            batch = sim.next_batch(wl, int(sizes[rng.integers(len(sizes))]))
+            await nc.publish(subjects.kv(NS, sim.name), encode_msg(batch))
+            published += 1
+            heapq.heapreplace(due, (due[0][0] + rng.exponential(1 / go.rate), i))
+        await asyncio.sleep(min(0.002, max(0.0, due[0][0] - time.monotonic())))
+    await nc.flush()
+    cpu = (time.process_time() - cpu) / (time.monotonic() - start)
+    late_p99 = float(np.percentile(late, 99)) * 1e3 if late else 0.0
+    digests = [(s.name, s.log.seq, len(s.ring), _xor(s.ring)) for s in workers]
+    final = Final(proc, published, cpu, late_p99, digests)
+    await nc.publish(f"{NS}.bench.final", msgspec.msgpack.encode(final))
+    await nc.flush()
+    await nc.drain()
+
+
+def _simulator_main(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
+    uvloop.run(_simulate(proc, procs, url, wl))
+
+
+# --- the router side -----------------------------------------------------------------------------
+
+
+class LagStats(IngestStats):
+    """KvIngest's counters, keeping every `last_lag_s` it sets (one per live batch applied)."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        super().__init__()
+        self.lags.clear()  # the dataclass's initial 0.0
+
+    @property
+    def last_lag_s(self) -> float:
+        return self.lags[-1] if self.lags else 0.0
+
+    @last_lag_s.setter
+    def last_lag_s(self, value: float) -> None:
+        self.lags.append(value)
+
+
+@dataclass
+class Result:
+    bootstrap_s: float = 0.0
+    entries: int = 0
+    digests_ok_after_bootstrap: int = 0
+    rate: float = 0.0
+    published: int = 0
+    live_s: float = 0.0
+    lags: list[float] = field(default_factory=list)
+    router_cpu: float = 0.0
+    nats_cpu: float = 0.0
+    sims: list[tuple[float, float]] = field(default_factory=list)  # (cpu, late p99 ms) per simulator
+    digests_ok_after_live: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+async def _collect(nc: Client, subject: str, count: int, timeout: float) -> list[bytes]:
+    sub = await nc.subscribe(subject)
+    await nc.flush()
+    try:
+        return [(await sub.next_msg(timeout=timeout)).data for _ in range(count)]
+    finally:
+        await sub.unsubscribe()
+
+
+async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine: EventRate) -> Result:
+    out = Result()
+    nc = await nats.connect(url, name="bench-router", max_reconnect_attempts=0)
+    ready = asyncio.create_task(_collect(nc, f"{NS}.bench.ready", args.procs, 120))
+    procs = [
+        multiprocessing.get_context("spawn").Process(target=_simulator_main, args=(p, args.procs, url, wl), daemon=True)
+        for p in range(args.procs)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        await ready
+        index = BlockIndex()
+        ingest = KvIngest(nc, NS, index)
+        ingest.stats = stats = LagStats()
+        await ingest.start()
+        start = time.monotonic()
+        for w in range(wl.workers):
+            ingest.add_worker(wl.name(w), EPOCH)
+        if not await ingest.wait_synced(300):
+            raise RuntimeError(f"not synced after 300 s: {stats.repair_timeouts} kvstate timeouts")
+        out.bootstrap_s = time.monotonic() - start
+        out.entries = index.entries
+        out.digests_ok_after_bootstrap = sum(
+            index.digest(wl.name(w)) == (wl.blocks, _xor(wl.hashes(w))) for w in range(wl.workers)
+        )
+        out.rate = args.rate_scale * engine.batches / engine.sim_s
+        finals_task = asyncio.create_task(_collect(nc, f"{NS}.bench.final", args.procs, args.duration + 120))
+        await nc.flush()
+        cpu, nats_cpu = time.process_time(), _cpu_seconds(args.nats_pid)
+        start = time.monotonic()
+        await nc.publish(f"{NS}.bench.go", msgspec.msgpack.encode(Go(args.duration, out.rate, engine.batch_sizes)))
+        finals = [msgspec.msgpack.decode(data, type=Final) for data in await finals_task]
+        expected = {name: (seq, count, x) for f in finals for name, seq, count, x in f.digests}
+        for _ in range(6000):  # up to 60 s for the router to apply what was published
+            if all(stats.workers[name].last_seq >= seq for name, (seq, _, _) in expected.items()):
+                break
+            await asyncio.sleep(0.01)
+        out.live_s = time.monotonic() - start
+        out.router_cpu = (time.process_time() - cpu) / out.live_s
+        out.nats_cpu = (_cpu_seconds(args.nats_pid) - nats_cpu) / out.live_s
+        out.sims = [(f.cpu, f.late_p99_ms) for f in finals]
+        out.published = sum(f.published for f in finals)
+        out.lags = stats.lags
+        out.digests_ok_after_live = sum(index.digest(name) == (c, x) for name, (_, c, x) in expected.items())
+        out.stats = {
+            k: v for k, v in vars(stats).items() if isinstance(v, int) and k not in ("lags",) and not k.startswith("_")
+        }
+        await ingest.stop()
+    finally:
+        await nc.drain()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(len(xs) * q))] if xs else float("nan")
+
+
+def report(args: argparse.Namespace, rate_line: str, r: Result) -> None:
+    n = args.workers
+    print(f"{time.strftime('%Y-%m-%d %H:%M %Z')}  {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    print(f"{n} workers x {args.blocks} blocks ({args.sharing} sharing), {args.procs} simulator processes")
+    print(f"engine_sim, one H200 at the Mooncake trace x{RATE_SPEED}: {rate_line}")
+    print(
+        f"bootstrap: {r.bootstrap_s:.2f} s to synced ({r.entries:,} entries,"
+        f" {r.entries / r.bootstrap_s / 1e6:.1f} M/s); digests match for {r.digests_ok_after_bootstrap}/{n} workers"
+    )
+    lags_ms = [x * 1e3 for x in r.lags]
+    print(
+        f"live: {r.rate:.1f} batches/s per worker x {n} = {r.rate * n:,.0f}/s offered; {r.published:,} published,"
+        f" {len(lags_ms):,} applied in {r.live_s:.1f} s"
+    )
+    sims = ", ".join(f"{cpu:.0%} (p99 {late:.0f} ms behind schedule)" for cpu, late in r.sims)
+    print(f"CPU, share of one core: router {r.router_cpu:.0%}, nats-server {r.nats_cpu:.0%}, simulators {sims}")
+    print(
+        f"lag ms: p50 {_pct(lags_ms, 0.5):.1f}  p90 {_pct(lags_ms, 0.9):.1f}  p99 {_pct(lags_ms, 0.99):.1f}"
+        f"  p99.9 {_pct(lags_ms, 0.999):.1f}  max {max(lags_ms, default=float('nan')):.1f}"
+        f"  mean {statistics.fmean(lags_ms) if lags_ms else float('nan'):.1f}"
+    )
+    tenth = max(1, len(lags_ms) // 10)
+    trend = " ".join(f"{_pct(lags_ms[i : i + tenth], 0.99):.0f}" for i in range(0, len(lags_ms), tenth))
+    print(f"lag p99 ms by tenth of the batches applied, in order: {trend}")
+    print(f"digests match after the live phase for {r.digests_ok_after_live}/{n} workers")
+    print("ingest counters: " + ", ".join(f"{k}={v}" for k, v in r.stats.items() if v))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=1000)
+    ap.add_argument("--blocks", type=int, default=16_384, help="blocks per worker")
+    ap.add_argument("--sharing", choices=SHARINGS, default="low")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of live publishing")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply the per-worker batch rate")
+    ap.add_argument("--procs", type=int, default=2, help="shim simulator processes")
+    ap.add_argument("--profile", metavar="FILE", help="cProfile the router side into FILE and print its top")
+    args = ap.parse_args()
+    rate = measure_event_rate(RATE_SECONDS, RATE_SPEED)
+    rate_line = rate.line()
+    wl = FleetWorkload(args.workers, args.blocks, args.sharing)
+    with NatsServer() as server:
+        if server.pid is None:
+            raise RuntimeError("nats-server did not start")
+        args.nats_pid = server.pid
+        profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU, not wall, time
+        if profiler is not None:
+            profiler.enable()
+        result = uvloop.run(_router(args, server.url, wl, rate))
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+    report(args, rate_line, result)
+    if args.profile:
+        pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
