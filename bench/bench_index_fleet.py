@@ -25,8 +25,10 @@ of batches is cut to 64 to keep 1,000 of them in memory; nothing here asks for r
    batch's `ts` (sealed just before publishing), read through KvIngest's own `stats.last_lag_s`.
    At the end, every worker's `index.digest` is compared with the simulator's (count, xor).
 
-`--profile FILE` runs the router side under cProfile and prints where its time went. Target:
-bootstrap <= 10 s; lag p99 <= 50 ms.
+`--profile FILE` runs the router side under cProfile (CPU time) and prints where its time went.
+`--dump-concurrency N` measures a proposed change to KvIngest, not in router/kv_ingest.py: at most N
+kvstate requests in flight (a subclass wraps its `_request_state` in a semaphore); 0, the default,
+is KvIngest as it is. Target: bootstrap <= 10 s; lag p99 <= 50 ms.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import heapq
 import multiprocessing
 import os
@@ -55,7 +58,7 @@ from bench.index_event_rate import measure as measure_event_rate
 from bench.index_fleet_workload import SHARINGS, FleetWorkload
 from kvswitch.servers import NatsServer
 from protocol import subjects
-from protocol.messages import KvEventBatch, KvStateRequest, Removed, Stored, decode_msg, encode_msg
+from protocol.messages import KvEventBatch, KvStateChunk, KvStateRequest, Removed, Stored, decode_msg, encode_msg
 from router.block_index import BlockIndex
 from router.ingest_stats import IngestStats
 from router.kv_ingest import KvIngest
@@ -66,6 +69,7 @@ EPOCH = 1
 RING = 64
 RATE_SPEED = 0.25  # the Mooncake trace's arrival rate x this keeps one H200 at ~88% busy
 RATE_SECONDS = 300.0
+RECONNECT: dict[str, Any] = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5}  # as the router and shim
 
 
 class Go(msgspec.Struct):
@@ -89,35 +93,53 @@ def _xor(hashes: np.ndarray) -> int:
 # --- the shim simulators -------------------------------------------------------------------------
 
 
+class _Draws:
+    """Values drawn in bulk and handed out one by one: a numpy call per batch would cost more
+    than the batch."""
+
+    def __init__(self, draw: Any, n: int = 65_536) -> None:
+        self._draw, self._n = draw, n
+        self._drawn: list[Any] = []
+        self._at = 0
+
+    def take(self, k: int = 1) -> list[Any]:
+        if self._at + k > len(self._drawn):
+            self._drawn = self._drawn[self._at :] + self._draw(max(k, self._n)).tolist()
+            self._at = 0
+        self._at += k
+        return self._drawn[self._at - k : self._at]
+
+
 @dataclass
 class _SimWorker:
     name: str
-    index: int
-    ring: np.ndarray  # the blocks held, oldest first from `head`
+    ring: list[int]  # the blocks held, oldest first from `head` (a list: numpy slices cost more here)
     log: EventLog
     head: int = 0
-    fresh: int = 0
 
     def dump(self) -> list[int]:
-        return np.roll(self.ring, -self.head).tolist()  # type: ignore[no-any-return]
+        return self.ring[self.head :] + self.ring[: self.head]
 
-    def next_batch(self, wl: FleetWorkload, k: int) -> KvEventBatch:
-        """Evict the k oldest blocks and cache k new ones, as one batch sealed now."""
-        idx = (self.head + np.arange(k)) % len(self.ring)
-        old = self.ring[idx].tolist()
-        new = wl.fresh(self.index, self.fresh, k)
-        self.fresh += k
-        self.ring[idx] = new
-        self.head = (self.head + k) % len(self.ring)
-        return self.log.seal([Removed(hashes=old), Stored(hashes=new.tolist())])
+    def next_batch(self, new: list[int]) -> KvEventBatch:
+        """Evict as many of the oldest blocks as `new` has and cache `new`, as one batch sealed now."""
+        old: list[int] = []
+        while len(old) < len(new):  # at most twice: the ring wraps once
+            part = new[len(old) : len(old) + len(self.ring) - self.head]
+            end = self.head + len(part)
+            old += self.ring[self.head : end]
+            self.ring[self.head : end] = part
+            self.head = end % len(self.ring)
+        return self.log.seal([Removed(hashes=old), Stored(hashes=new)])
 
 
 async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
-    nc = await nats.connect(url, name=f"bench-shims-{proc}", max_reconnect_attempts=0)
+    nc = await nats.connect(url, name=f"bench-shims-{proc}", **RECONNECT)
     workers = [
-        _SimWorker(wl.name(w), w, wl.hashes(w), EventLog(wl.name(w), EPOCH, ring_size=RING))
+        _SimWorker(wl.name(w), wl.hashes(w).tolist(), EventLog(wl.name(w), EPOCH, ring_size=RING))
         for w in range(proc, wl.workers, procs)
     ]
+
+    gc.freeze()  # 500 rings of 16 k blocks: full collections would walk them again and again
 
     def answer(sim: _SimWorker) -> Any:
         async def on_request(msg: Msg) -> None:
@@ -135,9 +157,17 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
     go = msgspec.msgpack.decode((await go_sub.next_msg(timeout=600)).data, type=Go)
     rng = np.random.default_rng(proc)
     sizes = np.array([max(s, r) for s, r in go.sizes])
+    gaps = _Draws(lambda n: rng.exponential(1 / go.rate, n))
+    picks = _Draws(lambda n: sizes[rng.integers(len(sizes), size=n)])
+    fresh = iter(range(1 << 40))  # new blocks come from a stream of this process's own
+
+    def new_blocks(n: int) -> np.ndarray:
+        return wl.fresh(wl.workers + proc, next(fresh) * n, n)
+
+    blocks = _Draws(new_blocks, 1 << 20)
     start, cpu = time.monotonic(), time.process_time()
     end = start + go.duration
-    due = [(start + rng.exponential(1 / go.rate), i) for i in range(len(workers))]
+    due = [(start + gap, i) for i, gap in enumerate(gaps.take(len(workers)))]
     heapq.heapify(due)
     published = 0
     late: list[float] = []
@@ -149,15 +179,15 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
             at, i = due[0]
             late.append(now - at)
             sim = workers[i]
-            batch = sim.next_batch(wl, int(sizes[rng.integers(len(sizes))]))
+            batch = sim.next_batch(blocks.take(picks.take()[0]))
             await nc.publish(subjects.kv(NS, sim.name), encode_msg(batch))
             published += 1
-            heapq.heapreplace(due, (due[0][0] + rng.exponential(1 / go.rate), i))
+            heapq.heapreplace(due, (at + gaps.take()[0], i))
         await asyncio.sleep(min(0.002, max(0.0, due[0][0] - time.monotonic())))
     await nc.flush()
     cpu = (time.process_time() - cpu) / (time.monotonic() - start)
     late_p99 = float(np.percentile(late, 99)) * 1e3 if late else 0.0
-    digests = [(s.name, s.log.seq, len(s.ring), _xor(s.ring)) for s in workers]
+    digests = [(s.name, s.log.seq, len(s.ring), _xor(np.array(s.ring, dtype=np.uint64))) for s in workers]
     final = Final(proc, published, cpu, late_p99, digests)
     await nc.publish(f"{NS}.bench.final", msgspec.msgpack.encode(final))
     await nc.flush()
@@ -169,6 +199,19 @@ def _simulator_main(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
 
 
 # --- the router side -----------------------------------------------------------------------------
+
+
+class BoundedDumps(KvIngest):
+    """The proposal measured by `--dump-concurrency`: at most `limit` kvstate requests in flight, so
+    a bootstrap of many workers is a pipeline rather than 1,000 dumps racing their timeouts."""
+
+    def __init__(self, nc: Client, ns: str, index: BlockIndex, limit: int) -> None:
+        super().__init__(nc, ns, index)
+        self._gate = asyncio.Semaphore(limit)
+
+    async def _request_state(self, worker: str, request: KvStateRequest) -> list[KvStateChunk] | None:
+        async with self._gate:
+            return await super()._request_state(worker, request)
 
 
 class LagStats(IngestStats):
@@ -198,6 +241,7 @@ class Result:
     live_s: float = 0.0
     lags: list[float] = field(default_factory=list)
     router_cpu: float = 0.0
+    router_disconnects: int = 0
     nats_cpu: float = 0.0
     sims: list[tuple[float, float]] = field(default_factory=list)  # (cpu, late p99 ms) per simulator
     digests_ok_after_live: int = 0
@@ -215,7 +259,13 @@ async def _collect(nc: Client, subject: str, count: int, timeout: float) -> list
 
 async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine: EventRate) -> Result:
     out = Result()
-    nc = await nats.connect(url, name="bench-router", max_reconnect_attempts=0)
+    disconnects = 0
+
+    async def disconnected() -> None:
+        nonlocal disconnects
+        disconnects += 1
+
+    nc = await nats.connect(url, name="bench-router", disconnected_cb=disconnected, **RECONNECT)
     ready = asyncio.create_task(_collect(nc, f"{NS}.bench.ready", args.procs, 120))
     procs = [
         multiprocessing.get_context("spawn").Process(target=_simulator_main, args=(p, args.procs, url, wl), daemon=True)
@@ -226,7 +276,8 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
     try:
         await ready
         index = BlockIndex()
-        ingest = KvIngest(nc, NS, index)
+        limit = args.dump_concurrency
+        ingest = BoundedDumps(nc, NS, index, limit) if limit else KvIngest(nc, NS, index)
         ingest.stats = stats = LagStats()
         await ingest.start()
         start = time.monotonic()
@@ -262,6 +313,7 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
             k: v for k, v in vars(stats).items() if isinstance(v, int) and k not in ("lags",) and not k.startswith("_")
         }
         await ingest.stop()
+        out.router_disconnects = disconnects
     finally:
         await nc.drain()
         for p in procs:
@@ -281,10 +333,12 @@ def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(len(xs) * q))] if xs else float("nan")
 
 
-def report(args: argparse.Namespace, rate_line: str, r: Result) -> None:
+def report(args: argparse.Namespace, rate_line: str, r: Result, slow_consumers: int) -> None:
     n = args.workers
     print(f"{time.strftime('%Y-%m-%d %H:%M %Z')}  {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     print(f"{n} workers x {args.blocks} blocks ({args.sharing} sharing), {args.procs} simulator processes")
+    if args.dump_concurrency:
+        print(f"KvIngest with the proposed limit of {args.dump_concurrency} kvstate requests in flight")
     print(f"engine_sim, one H200 at the Mooncake trace x{RATE_SPEED}: {rate_line}")
     print(
         f"bootstrap: {r.bootstrap_s:.2f} s to synced ({r.entries:,} entries,"
@@ -307,9 +361,10 @@ def report(args: argparse.Namespace, rate_line: str, r: Result) -> None:
     print(f"lag p99 ms by tenth of the batches applied, in order: {trend}")
     print(f"digests match after the live phase for {r.digests_ok_after_live}/{n} workers")
     print("ingest counters: " + ", ".join(f"{k}={v}" for k, v in r.stats.items() if v))
+    print(f"router connection lost {r.router_disconnects} times; nats-server logged {slow_consumers} slow consumers")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=1000)
     ap.add_argument("--blocks", type=int, default=16_384, help="blocks per worker")
@@ -317,8 +372,9 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of live publishing")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply the per-worker batch rate")
     ap.add_argument("--procs", type=int, default=2, help="shim simulator processes")
+    ap.add_argument("--dump-concurrency", type=int, default=0, help="proposal: kvstate requests in flight (0: as is)")
     ap.add_argument("--profile", metavar="FILE", help="cProfile the router side into FILE and print its top")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rate = measure_event_rate(RATE_SECONDS, RATE_SPEED)
     rate_line = rate.line()
     wl = FleetWorkload(args.workers, args.blocks, args.sharing)
@@ -333,7 +389,8 @@ def main() -> None:
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(args.profile)
-    report(args, rate_line, result)
+        slow = sum("Slow Consumer" in line for line in server.log_tail(1_000_000).splitlines())
+    report(args, rate_line, result, slow)
     if args.profile:
         pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
 

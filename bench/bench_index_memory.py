@@ -128,13 +128,13 @@ def report(rows: list[dict[str, Any]], workers: int, blocks: int) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=1000)
     ap.add_argument("--blocks", type=int, default=16_384, help="blocks per worker")
     ap.add_argument("--sharing", nargs="+", choices=SHARINGS, default=list(SHARINGS))
     ap.add_argument("--python", action="store_true", help="the pure-Python core instead of the C one")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     report(run(args.workers, args.blocks, args.sharing, not args.python), args.workers, args.blocks)
 
 

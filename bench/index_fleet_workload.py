@@ -80,6 +80,6 @@ class FleetWorkload:
         parts.append(_ids(_PRIVATE, worker, 0, self.blocks - self._high_shared()))
         return np.concatenate(parts)
 
-    def fresh(self, worker: int, start: int, n: int) -> np.ndarray:
-        """`n` new private blocks of `worker`, numbered from `start`: what it caches next."""
-        return _ids(_FRESH, worker, start, n)
+    def fresh(self, stream: int, start: int, n: int) -> np.ndarray:
+        """`n` blocks nobody holds yet, numbered from `start` in `stream`: what workers cache next."""
+        return _ids(_FRESH, stream, start, n)
