@@ -3,7 +3,7 @@ bootstrap the whole index from the workers' dumps, and the event lag while they 
 realistic rate (issue 12, items 5 and 6; figures in docs/router_index.md).
 
     .venv/bin/python -m bench.bench_index_fleet [--workers 1000] [--blocks 16384] [--sharing low]
-        [--duration 30] [--rate-scale 1.0] [--procs 2] [--profile FILE]
+        [--duration 30] [--rate-scale 1.0] [--procs 2] [--profile PREFIX]
 
 Processes: a real nats-server (kvswitch.servers), `--procs` shim simulators, and this one as the
 router side: `router.kv_ingest.KvIngest` feeding `router.block_index.BlockIndex`, as they are and on
@@ -25,7 +25,8 @@ of batches is cut to 64 to keep 1,000 of them in memory; nothing here asks for r
    batch's `ts` (sealed just before publishing), read through KvIngest's own `stats.last_lag_s`.
    At the end, every worker's `index.digest` is compared with the simulator's (count, xor).
 
-`--profile FILE` runs the router side under cProfile (CPU time) and prints where its time went.
+`--profile PREFIX` runs the router side under cProfile (CPU time, not wall) and prints where the
+time of each phase went (also saved as PREFIX.bootstrap and PREFIX.live).
 Two proposed changes to KvIngest (not in router/kv_ingest.py) can be measured, each by a subclass
 here; without these flags KvIngest runs as it is:
 - `--dump-concurrency N`: at most N kvstate requests in flight (`_request_state` in a semaphore).
@@ -156,7 +157,7 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
         await nc.subscribe(subjects.kvstate(NS, sim.name), cb=answer(sim))
     go_sub = await nc.subscribe(f"{NS}.bench.go")
     await nc.flush()
-    await nc.publish(f"{NS}.bench.ready", str(proc).encode())
+    await nc.publish(f"{NS}.bench.ready", msgspec.msgpack.encode(proc))
     go = msgspec.msgpack.decode((await go_sub.next_msg(timeout=600)).data, type=Go)
     rng = np.random.default_rng(proc)
     sizes = np.array([max(s, r) for s, r in go.sizes])
@@ -192,8 +193,12 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
     late_p99 = float(np.percentile(late, 99)) * 1e3 if late else 0.0
     digests = [(s.name, s.log.seq, len(s.ring), _xor(np.array(s.ring, dtype=np.uint64))) for s in workers]
     final = Final(proc, published, cpu, late_p99, digests)
-    await nc.publish(f"{NS}.bench.final", msgspec.msgpack.encode(final))
-    await nc.flush()
+    for _ in range(30):  # a request, retried: the router's connection may be down for a moment
+        try:
+            await nc.request(f"{NS}.bench.final", msgspec.msgpack.encode(final), timeout=2)
+            break
+        except nats.errors.Error:
+            continue
     await nc.drain()
 
 
@@ -264,11 +269,34 @@ class Result:
     stats: dict[str, int] = field(default_factory=dict)
 
 
+class _Phase:
+    """cProfile (CPU time) over one phase when a prefix is given, saved as PREFIX.phase."""
+
+    def __init__(self, prefix: str | None, phase: str) -> None:
+        self._path = f"{prefix}.{phase}" if prefix else None
+        self._profiler = cProfile.Profile(time.process_time) if prefix else None
+        if self._profiler is not None:
+            self._profiler.enable()
+
+    def done(self) -> None:
+        if self._profiler is not None and self._path is not None:
+            self._profiler.disable()
+            self._profiler.dump_stats(self._path)
+
+
 async def _collect(nc: Client, subject: str, count: int, timeout: float) -> list[bytes]:
+    """`count` distinct payloads sent on `subject` (requests are answered; a retried one, the same
+    payload again, is counted once)."""
     sub = await nc.subscribe(subject)
     await nc.flush()
+    got: set[bytes] = set()
     try:
-        return [(await sub.next_msg(timeout=timeout)).data for _ in range(count)]
+        while len(got) < count:
+            msg = await sub.next_msg(timeout=timeout)
+            got.add(msg.data)
+            if msg.reply:
+                await nc.publish(msg.reply, b"")
+        return list(got)
     finally:
         await sub.unsubscribe()
 
@@ -300,12 +328,14 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
         )
         ingest.stats = stats = LagStats()
         await ingest.start()
+        profile = _Phase(args.profile, "bootstrap")
         start = time.monotonic()
         for w in range(wl.workers):
             ingest.add_worker(wl.name(w), EPOCH)
         if not await ingest.wait_synced(300):
             raise RuntimeError(f"not synced after 300 s: {stats.repair_timeouts} kvstate timeouts")
         out.bootstrap_s = time.monotonic() - start
+        profile.done()
         out.entries = index.entries
         out.digests_ok_after_bootstrap = sum(
             index.digest(wl.name(w)) == (wl.blocks, _xor(wl.hashes(w))) for w in range(wl.workers)
@@ -313,6 +343,7 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
         out.rate = args.rate_scale * engine.batches / engine.sim_s
         finals_task = asyncio.create_task(_collect(nc, f"{NS}.bench.final", args.procs, args.duration + 120))
         await nc.flush()
+        profile = _Phase(args.profile, "live")
         cpu, nats_cpu = time.process_time(), _cpu_seconds(args.nats_pid)
         start = time.monotonic()
         await nc.publish(f"{NS}.bench.go", msgspec.msgpack.encode(Go(args.duration, out.rate, engine.batch_sizes)))
@@ -323,6 +354,7 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
                 break
             await asyncio.sleep(0.01)
         out.live_s = time.monotonic() - start
+        profile.done()
         out.router_cpu = (time.process_time() - cpu) / out.live_s
         out.nats_cpu = (_cpu_seconds(args.nats_pid) - nats_cpu) / out.live_s
         out.sims = [(f.cpu, f.late_p99_ms) for f in finals]
@@ -396,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--procs", type=int, default=2, help="shim simulator processes")
     ap.add_argument("--dump-concurrency", type=int, default=0, help="proposal: kvstate requests in flight (0: as is)")
     ap.add_argument("--dump-as-lists", action="store_true", help="proposal: store dump chunks without a set")
-    ap.add_argument("--profile", metavar="FILE", help="cProfile the router side into FILE and print its top")
+    ap.add_argument("--profile", metavar="PREFIX", help="cProfile the router side, per phase, and print the tops")
     args = ap.parse_args(argv)
     rate = measure_event_rate(RATE_SECONDS, RATE_SPEED)
     rate_line = rate.line()
@@ -405,17 +437,12 @@ def main(argv: list[str] | None = None) -> None:
         if server.pid is None:
             raise RuntimeError("nats-server did not start")
         args.nats_pid = server.pid
-        profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU, not wall, time
-        if profiler is not None:
-            profiler.enable()
         result = uvloop.run(_router(args, server.url, wl, rate))
-        if profiler is not None:
-            profiler.disable()
-            profiler.dump_stats(args.profile)
         slow = sum("Slow Consumer" in line for line in server.log_tail(1_000_000).splitlines())
     report(args, rate_line, result, slow)
-    if args.profile:
-        pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
+    for phase in ("bootstrap", "live") if args.profile else ():
+        print(f"\n--- router side, {phase}: CPU time by function ---")
+        pstats.Stats(f"{args.profile}.{phase}").sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":
