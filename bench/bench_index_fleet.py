@@ -25,8 +25,16 @@ of batches is cut to 64 to keep 1,000 of them in memory; nothing here asks for r
    batch's `ts` (sealed just before publishing), read through KvIngest's own `stats.last_lag_s`.
    At the end, every worker's `index.digest` is compared with the simulator's (count, xor).
 
-`--profile PREFIX` runs the router side under cProfile (CPU time, not wall) and prints where the
-time of each phase went (also saved as PREFIX.bootstrap and PREFIX.live).
+`--pin` puts the router process alone on the last CPU and nats-server and the simulators on the
+others (as in a deployment, where the shims run on the GPU hosts, not next to the router); other
+processes on the machine still share every CPU. `--profile PREFIX` runs the router side under
+cProfile (CPU time, not wall) and prints where the time of each phase went (also saved as
+PREFIX.bootstrap and PREFIX.live).
+
+The simulators stamp `ts` when they seal a batch, so a simulator that falls behind (its CPU taken)
+adds its own delay to the lag: each reports how far behind its schedule it sealed (p99), and a run
+where that is not small says more about the machine than about the router.
+
 Two proposed changes to KvIngest (not in router/kv_ingest.py) can be measured, each by a subclass
 here; without these flags KvIngest runs as it is:
 - `--dump-concurrency N`: at most N kvstate requests in flight (`_request_state` in a semaphore).
@@ -202,7 +210,9 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
     await nc.drain()
 
 
-def _simulator_main(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
+def _simulator_main(proc: int, procs: int, url: str, wl: FleetWorkload, cpus: set[int] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     uvloop.run(_simulate(proc, procs, url, wl))
 
 
@@ -312,7 +322,9 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
     nc = await nats.connect(url, name="bench-router", disconnected_cb=disconnected, **RECONNECT)
     ready = asyncio.create_task(_collect(nc, f"{NS}.bench.ready", args.procs, 120))
     procs = [
-        multiprocessing.get_context("spawn").Process(target=_simulator_main, args=(p, args.procs, url, wl), daemon=True)
+        multiprocessing.get_context("spawn").Process(
+            target=_simulator_main, args=(p, args.procs, url, wl, args.others), daemon=True
+        )
         for p in range(args.procs)
     ]
     for p in procs:
@@ -389,6 +401,8 @@ def report(args: argparse.Namespace, rate_line: str, r: Result, slow_consumers: 
     n = args.workers
     print(f"{time.strftime('%Y-%m-%d %H:%M %Z')}  {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     print(f"{n} workers x {args.blocks} blocks ({args.sharing} sharing), {args.procs} simulator processes")
+    if args.pin:
+        print(f"pinned: the router on CPU {max(os.sched_getaffinity(0))}, nats-server and simulators on {args.others}")
     if args.dump_concurrency:
         print(f"proposed: at most {args.dump_concurrency} kvstate requests in flight")
     if args.dump_as_lists:
@@ -428,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--procs", type=int, default=2, help="shim simulator processes")
     ap.add_argument("--dump-concurrency", type=int, default=0, help="proposal: kvstate requests in flight (0: as is)")
     ap.add_argument("--dump-as-lists", action="store_true", help="proposal: store dump chunks without a set")
+    ap.add_argument("--pin", action="store_true", help="the router on a CPU of its own, the rest on the others")
     ap.add_argument("--profile", metavar="PREFIX", help="cProfile the router side, per phase, and print the tops")
     args = ap.parse_args(argv)
     rate = measure_event_rate(RATE_SECONDS, RATE_SPEED)
@@ -437,6 +452,14 @@ def main(argv: list[str] | None = None) -> None:
         if server.pid is None:
             raise RuntimeError("nats-server did not start")
         args.nats_pid = server.pid
+        args.others = None
+        if args.pin:  # the router alone on the last CPU; nats-server and the simulators on the rest
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) < 2:
+                raise SystemExit("--pin needs at least 2 CPUs")
+            args.others = set(cpus[:-1])
+            os.sched_setaffinity(server.pid, args.others)
+            os.sched_setaffinity(0, {cpus[-1]})
         result = uvloop.run(_router(args, server.url, wl, rate))
         slow = sum("Slow Consumer" in line for line in server.log_tail(1_000_000).splitlines())
     report(args, rate_line, result, slow)
