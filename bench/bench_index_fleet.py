@@ -47,12 +47,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import gc
 import heapq
 import multiprocessing
 import os
 import pstats
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -144,6 +146,35 @@ class _SimWorker:
         return self.log.seal([Removed(hashes=old), Stored(hashes=new)])
 
 
+class _RawPublisher:
+    """Live batches go out with a plain socket write the moment they are sealed. nats-py would hold
+    them in its buffer until its flusher task runs, and with hundreds of simulated shims in one
+    process that wait, which a real shim does not have, would be part of every batch's lag."""
+
+    def __init__(self, url: str) -> None:
+        host, _, port = url.removeprefix("nats://").rpartition(":")
+        self._sock = socket.create_connection((host, int(port)))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.recv(65536)  # INFO
+        self._sock.sendall(b'CONNECT {"verbose":false,"pedantic":false,"name":"bench-raw"}\r\nPING\r\n')
+        if b"PONG" not in self._sock.recv(65536):
+            raise RuntimeError("nats-server did not answer the raw publisher's PING")
+        self._sock.setblocking(False)
+
+    def publish(self, subject: str, payload: bytes) -> None:
+        self._sock.setblocking(True)  # back-pressure from the server shows as falling behind schedule
+        self._sock.sendall(b"PUB %b %d\r\n%b\r\n" % (subject.encode(), len(payload), payload))
+        self._sock.setblocking(False)
+
+    def answer_pings(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            if b"PING" in self._sock.recv(65536):
+                self._sock.sendall(b"PONG\r\n")
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
     nc = await nats.connect(url, name=f"bench-shims-{proc}", **RECONNECT)
     workers = [
@@ -177,6 +208,7 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
         return wl.fresh(wl.workers + proc, next(fresh) * n, n)
 
     blocks = _Draws(new_blocks, 1 << 20)
+    raw = _RawPublisher(url)
     start, cpu = time.monotonic(), time.process_time()
     end = start + go.duration
     due = [(start + gap, i) for i, gap in enumerate(gaps.take(len(workers)))]
@@ -192,11 +224,12 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
             late.append(now - at)
             sim = workers[i]
             batch = sim.next_batch(blocks.take(picks.take()[0]))
-            await nc.publish(subjects.kv(NS, sim.name), encode_msg(batch))
+            raw.publish(subjects.kv(NS, sim.name), encode_msg(batch))
             published += 1
             heapq.heapreplace(due, (at + gaps.take()[0], i))
+        raw.answer_pings()
         await asyncio.sleep(min(0.002, max(0.0, due[0][0] - time.monotonic())))
-    await nc.flush()
+    raw.close()
     cpu = (time.process_time() - cpu) / (time.monotonic() - start)
     late_p99 = float(np.percentile(late, 99)) * 1e3 if late else 0.0
     digests = [(s.name, s.log.seq, len(s.ring), _xor(np.array(s.ring, dtype=np.uint64))) for s in workers]
