@@ -234,13 +234,16 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
     late_p99 = float(np.percentile(late, 99)) * 1e3 if late else 0.0
     digests = [(s.name, s.log.seq, len(s.ring), _xor(np.array(s.ring, dtype=np.uint64))) for s in workers]
     final = Final(proc, published, cpu, late_p99, digests)
-    for _ in range(30):  # a request, retried: the router's connection may be down for a moment
+    stop = await nc.subscribe(f"{NS}.bench.stop")
+    for _ in range(150):  # a request, retried: a router far behind answers late
         try:
             await nc.request(f"{NS}.bench.final", msgspec.msgpack.encode(final), timeout=2)
             break
         except nats.errors.Error:
             continue
-    await nc.drain()
+    with contextlib.suppress(nats.errors.Error):  # keep answering kvstate until the router is done
+        await stop.next_msg(timeout=600)
+    await nc.close()
 
 
 def _simulator_main(proc: int, procs: int, url: str, wl: FleetWorkload, cpus: set[int] | None) -> None:
@@ -306,6 +309,8 @@ class Result:
     lags: list[float] = field(default_factory=list)
     router_cpu: float = 0.0
     router_disconnects: int = 0
+    caught_up: bool = False  # every published batch applied within 60 s of the simulators' end
+    client_dropped: int = 0  # messages nats-py dropped for the router (its subscription queue was full)
     nats_cpu: float = 0.0
     sims: list[tuple[float, float]] = field(default_factory=list)  # (cpu, late p99 ms) per simulator
     digests_ok_after_live: int = 0
@@ -346,13 +351,18 @@ async def _collect(nc: Client, subject: str, count: int, timeout: float) -> list
 
 async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine: EventRate) -> Result:
     out = Result()
-    disconnects = 0
+    disconnects = dropped = 0
 
     async def disconnected() -> None:
         nonlocal disconnects
         disconnects += 1
 
-    nc = await nats.connect(url, name="bench-router", disconnected_cb=disconnected, **RECONNECT)
+    async def error(exc: Exception) -> None:
+        nonlocal dropped
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            dropped += 1  # nats-py's own queue for a subscription overflowed: a message is lost
+
+    nc = await nats.connect(url, name="bench-router", disconnected_cb=disconnected, error_cb=error, **RECONNECT)
     ready = asyncio.create_task(_collect(nc, f"{NS}.bench.ready", args.procs, 120))
     procs = [
         multiprocessing.get_context("spawn").Process(
@@ -386,7 +396,7 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
             index.digest(wl.name(w)) == (wl.blocks, _xor(wl.hashes(w))) for w in range(wl.workers)
         )
         out.rate = args.rate_scale * engine.batches / engine.sim_s
-        finals_task = asyncio.create_task(_collect(nc, f"{NS}.bench.final", args.procs, args.duration + 120))
+        finals_task = asyncio.create_task(_collect(nc, f"{NS}.bench.final", args.procs, args.duration + 300))
         await nc.flush()
         profile = _Phase(args.profile, "live")
         cpu, nats_cpu = time.process_time(), _cpu_seconds(args.nats_pid)
@@ -396,6 +406,7 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
         expected = {name: (seq, count, x) for f in finals for name, seq, count, x in f.digests}
         for _ in range(6000):  # up to 60 s for the router to apply what was published
             if all(stats.workers[name].last_seq >= seq for name, (seq, _, _) in expected.items()):
+                out.caught_up = True
                 break
             await asyncio.sleep(0.01)
         out.live_s = time.monotonic() - start
@@ -410,9 +421,12 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
             k: v for k, v in vars(stats).items() if isinstance(v, int) and k not in ("lags",) and not k.startswith("_")
         }
         await ingest.stop()
-        out.router_disconnects = disconnects
+        out.router_disconnects, out.client_dropped = disconnects, dropped
     finally:
-        await nc.drain()
+        with contextlib.suppress(nats.errors.Error):
+            await nc.publish(f"{NS}.bench.stop", b"")
+            await nc.flush(timeout=5)
+        await nc.close()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
@@ -460,9 +474,14 @@ def report(args: argparse.Namespace, rate_line: str, r: Result, slow_consumers: 
     tenth = max(1, len(lags_ms) // 10)
     trend = " ".join(f"{_pct(lags_ms[i : i + tenth], 0.99):.0f}" for i in range(0, len(lags_ms), tenth))
     print(f"lag p99 ms by tenth of the batches applied, in order: {trend}")
+    if not r.caught_up:
+        print("NOT CAUGHT UP: 60 s after the simulators stopped, some published batches were still not applied")
     print(f"digests match after the live phase for {r.digests_ok_after_live}/{n} workers")
     print("ingest counters: " + ", ".join(f"{k}={v}" for k, v in r.stats.items() if v))
-    print(f"router connection lost {r.router_disconnects} times; nats-server logged {slow_consumers} slow consumers")
+    print(
+        f"router connection lost {r.router_disconnects} times; nats-server logged {slow_consumers} slow consumers;"
+        f" nats-py dropped {r.client_dropped} messages for the router"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -493,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
             args.others = set(cpus[:-1])
             os.sched_setaffinity(server.pid, args.others)
             os.sched_setaffinity(0, {cpus[-1]})
-        result = uvloop.run(_router(args, server.url, wl, rate))
+        result = uvloop.run(asyncio.wait_for(_router(args, server.url, wl, rate), args.duration + 900))
         slow = sum("Slow Consumer" in line for line in server.log_tail(1_000_000).splitlines())
     report(args, rate_line, result, slow)
     for phase in ("bootstrap", "live") if args.profile else ():
