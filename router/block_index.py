@@ -3,18 +3,19 @@
 Two layers (docs/router_index.md gives the memory per entry):
 
 - `BlockIndex` names workers: each worker holding at least one block owns a slot. A slot is freed
-  when its worker holds nothing any more and is reused lowest-first, which keeps the bitsets as
-  short as the live worker count allows.
+  when its worker holds nothing any more and is reused lowest-first, which keeps slot ids (and
+  the bitsets of widely held hashes) as small as the live worker count allows.
 - A core keeps hash -> the slots holding it, and per slot what it holds and its digest.
   `router._blockindex.Core` (C: an open-addressed table of u64 keys with up to four holders inline
-  and a bitset row past that, and a hash set per slot) when it was built, `PyCore` (dicts of int
+  and a bitset row past that, and a log per slot) when it was built, `PyCore` (dicts of int
   masks and a set per slot: the reference) otherwise. `NATIVE` says which a default `BlockIndex()`
   uses; both give identical answers (the tests run both).
 
-Invariant: bit `s` is set in hash h's bitset iff the worker in slot `s` holds h.
+Invariant: slot `s` is among hash h's holders (inline, or its bit in h's row or mask) iff the worker
+in slot `s` holds h.
 
-`match` walks the prompt's hashes AND-ing bitsets: a worker's count is the depth at which its bit
-drops out of the running AND, i.e. the number of LEADING prompt blocks it holds. A block held
+`match` walks the prompt's hashes intersecting their holders: a worker's count is the depth at
+which it drops out of the running intersection, i.e. the number of LEADING prompt blocks it holds. A block held
 without its predecessors (possible after an out-of-order eviction) does not count, as no engine can
 reuse it without them.
 
