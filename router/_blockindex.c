@@ -1,7 +1,7 @@
 /* The prefix index's hot table (router/block_index.py) in C: block hash -> the worker slots holding it.
  *
- * Sized for 1,000 workers x 16 k blocks in well under 2 GB (docs/router_index.md, "Memory per entry"). Most
- * blocks are held by one to three workers and a few popular prefixes by many, so:
+ * Sized for 1,000 workers x 16 k blocks in well under 2 GB (docs/router_index.md, "Memory per
+ * entry"). Most blocks are held by one to three workers and a few popular prefixes by many, so:
  *
  * - buckets: open addressing (linear probing, backward-shift deletion, no tombstones) of 16 B:
  *   {u64 key, holders}. Holders are inline, up to INLINE slot ids (u16, slot + 1, packed first, 0
