@@ -506,12 +506,27 @@ static PyObject *core_store(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t *hs = read_hashes(args[1], &n);
     if (hs == NULL) return NULL;
     if (ensure_slot(c, slot) < 0) goto fail;
+    Owned *o = &c->owned[slot];
     for (Py_ssize_t k = 0; k < n && k < AHEAD; k++) __builtin_prefetch(c->buckets + home(c, hs[k]));
     for (Py_ssize_t k = 0; k < n; k++) {
         if (k + AHEAD < n) __builtin_prefetch(c->buckets + home(c, hs[k + AHEAD]));
-        Py_ssize_t i = probe(c, hs[k]);
-        if (c->buckets[i].h.slot[0] && holds(c, &c->buckets[i], slot)) continue;
-        if (add_pair(c, slot, hs[k], i) < 0) goto fail;
+        uint64_t key = hs[k];
+        Py_ssize_t i = probe(c, key);
+        Bucket *b = &c->buckets[i];
+        if (!b->h.slot[0] && (c->nkeys + 1) * 4 <= c->cap * 3 && o->n < o->cap) {
+            /* The usual case, a hash nobody holds, with room for it: add_pair's first branch. */
+            b->key = key;
+            b->h.slot[0] = (uint16_t)(slot + 1);
+            c->nkeys++;
+            o->keys[o->n++] = key;
+            o->count++;
+            o->xor ^= key;
+            c->entries++;
+            added++;
+            continue;
+        }
+        if (b->h.slot[0] && holds(c, b, slot)) continue;
+        if (add_pair(c, slot, key, i) < 0) goto fail;
         added++;
     }
     PyMem_Free(hs);
