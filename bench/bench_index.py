@@ -1,8 +1,13 @@
-"""Prefix index micro-benchmark: ingest (blocks/s) and find_matches latency, at 32, 256 and 1,000
-workers (issue 5's index benchmark; figures in docs/router_index.md).
+"""Prefix index micro-benchmark: ingest (blocks/s), memory per entry and find_matches latency, at
+32, 256 and 1,000 workers (issue 5's index benchmark, issue 12's targets; figures in
+docs/router_index.md).
 
     .venv/bin/python -m bench.bench_index [--blocks 262144] [--queries 200] [--rounds 5] [--workers 32 256 1000]
-                                          [--spin]
+                                          [--spin] [--memory] [--fleet]
+
+`--memory` adds the fleet-scale memory run (bench/bench_index_memory.py: 1,000 workers x 16 k
+blocks, RSS per entry) and `--fleet` the 1,000-worker bootstrap and event-lag run over NATS
+(bench/bench_index_fleet.py), each with its defaults; run those modules for their options.
 
 Workload: every worker stores sequences of 64 blocks, about `--blocks` in all; half of them start
 with one of 16 shared 8-block "system prompts". Ingest is timed three ways: our BlockIndex.store on
@@ -20,8 +25,12 @@ Rounds alternate ours and Dynamo's so both see the same machine noise; medians a
 Dynamo's RadixTree hands each call to a runtime thread: on an otherwise idle box waking that thread
 costs it ~50 us per call, on a busy one ~10 us. `--spin` keeps one other CPU busy (a spinning
 process) so Dynamo is measured at its best, as on a loaded router host.
-Targets: ingest >= 2 M blocks/s and >= 3x Dynamo; find_matches <= 10 us at 1,000 workers and
-<= 0.5x Dynamo's latency.
+`B/entry` is the native index's own `bytes_per_entry` after the ingest (its `memory_bytes()` per
+(worker, block)). `CPU` is the ratio of CPU time instead of wall time (Dynamo's: every thread of
+the process, its runtime's included): on a machine other work keeps busy, wall time also counts
+the waits for a CPU, and this ratio is the steadier one.
+Targets: ingest >= 2 M blocks/s and >= 5x Dynamo (issue 12; was 3x); find_matches <= 10 us at
+1,000 workers and <= 0.5x Dynamo's latency.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bench import bench_index_fleet, bench_index_memory
 from protocol.messages import KvEventBatch, Stored, decode_msg, encode_msg
 from router.block_index import NATIVE, BlockIndex
 
@@ -108,14 +118,14 @@ def wire_payloads(wl: Workload) -> list[bytes]:
     ]
 
 
-def ingest_wire(payloads: list[bytes], native: bool) -> float:
-    """Seconds to decode every payload and apply it to a fresh index."""
+def ingest_wire(payloads: list[bytes], native: bool) -> tuple[float, float]:
+    """Seconds, wall and CPU, to decode every payload and apply it to a fresh index."""
     idx = BlockIndex(native=native)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for data in payloads:
         batch = decode_msg(data, KvEventBatch)
         idx.apply(batch.worker, batch.events)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def match_us(find: Callable[[list[int]], object], queries: list[list[int]]) -> float:
@@ -163,13 +173,14 @@ def dynamo_events(wl: Workload) -> list[tuple[int, bytes]]:
     ]
 
 
-def dynamo_ingest(make: Callable[[], Any], events: list[tuple[int, bytes]]) -> tuple[float, Any]:
-    """Seconds to apply every event to a fresh RadixTree (apply_event is synchronous), and the tree."""
+def dynamo_ingest(make: Callable[[], Any], events: list[tuple[int, bytes]]) -> tuple[float, float, Any]:
+    """Seconds, wall and CPU (every thread of this process: its runtime's too), to apply every event
+    to a fresh RadixTree (apply_event is synchronous), and the tree."""
     tree = make()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for w, data in events:
         tree.apply_event(w, data)
-    return time.perf_counter() - start, tree
+    return time.perf_counter() - start, time.process_time() - cpu, tree
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -186,21 +197,24 @@ def run_workers(workers: int, args: argparse.Namespace, make_tree: Callable[[], 
     wire_s: list[float] = []
     py_s: list[float] = []
     dyn_s: list[float] = []
+    cpu_ratios: list[float] = []
     idx, py_idx, tree = BlockIndex(), BlockIndex(native=False), None
     for _ in range(args.rounds):
         elapsed, idx = ingest_index_only(wl, NATIVE)
         index_s.append(elapsed)
-        wire_s.append(ingest_wire(payloads, NATIVE))
+        elapsed, wire_cpu = ingest_wire(payloads, NATIVE)
+        wire_s.append(elapsed)
         _, py_idx = ingest_index_only(wl, False)
-        py_s.append(ingest_wire(payloads, False))
+        py_s.append(ingest_wire(payloads, False)[0])
         if make_tree is not None:
-            elapsed, tree = dynamo_ingest(make_tree, events)
+            elapsed, dyn_cpu, tree = dynamo_ingest(make_tree, events)
             dyn_s.append(elapsed)
+            cpu_ratios.append(dyn_cpu / wire_cpu)
     line = f"{workers:>7} {blocks / _median(index_s) / 1e6:>7.2f} {blocks / _median(wire_s) / 1e6:>7.2f}"
-    line += f" {blocks / _median(py_s) / 1e6:>7.2f}"
+    line += f" {blocks / _median(py_s) / 1e6:>7.2f} {idx.bytes_per_entry:>7.1f}"
     if dyn_s:
         ratios = [d / w for w, d in zip(wire_s, dyn_s, strict=True)]
-        line += f" {blocks / _median(dyn_s) / 1e6:>7.2f} {_median(ratios):>11.2f}x"
+        line += f" {blocks / _median(dyn_s) / 1e6:>7.2f} {_median(ratios):>11.2f}x {_median(cpu_ratios):>7.2f}x"
     rows = []
     for kind, qs in wl.queries.items():
         ours_us: list[float] = []
@@ -230,6 +244,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", type=int, nargs="+", default=[32, 256, 1000])
     ap.add_argument("--spin", action="store_true", help="keep one other CPU busy (Dynamo's best case)")
+    ap.add_argument("--memory", action="store_true", help="then the 1,000 x 16 k memory run")
+    ap.add_argument("--fleet", action="store_true", help="then the 1,000-worker bootstrap and lag run over NATS")
     args = ap.parse_args()
     spinner = multiprocessing.Process(target=_spin, daemon=True) if args.spin else None
     if spinner is not None:
@@ -240,6 +256,12 @@ def main() -> None:
         if spinner is not None:
             spinner.terminate()
             spinner.join()
+    if args.memory:
+        print()
+        bench_index_memory.main([])
+    if args.fleet:
+        print()
+        bench_index_fleet.main([])
 
 
 def report(args: argparse.Namespace) -> None:
@@ -257,7 +279,9 @@ def report(args: argparse.Namespace) -> None:
         "ingest, M blocks/s:  index = BlockIndex.store; wire = msgpack decode + apply; py = wire on the Python"
         " core; dynamo = apply_event(json)"
     )
-    print(f"{'workers':>7} {'index':>7} {'wire':>7} {'py':>7} {'dynamo':>7} {'wire/dynamo':>12}")
+    print(
+        f"{'workers':>7} {'index':>7} {'wire':>7} {'py':>7} {'B/entry':>7} {'dynamo':>7} {'wire/dynamo':>12} {'CPU':>8}"
+    )
     matches: list[str] = []
     for workers in args.workers:
         line, rows = run_workers(workers, args, make_tree)

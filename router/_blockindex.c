@@ -1,19 +1,24 @@
-/* The prefix index's hot table (router/block_index.py) in C: block hash -> bitset over worker slots.
+/* The prefix index's hot table (router/block_index.py) in C: block hash -> the worker slots holding it.
  *
- * The pure-Python core keeps a dict of int masks and a set per worker; every block then costs a
- * dict and a set operation on boxed ints, and a lookup chases the stored key object. Here:
+ * Sized for 1,000 workers x 16 k blocks in well under 2 GB (docs/router_index.md, "Memory per
+ * entry"). Most blocks are held by one to three workers and a few popular prefixes by many, so:
  *
- * - buckets: open addressing (linear probing, backward-shift deletion, no tombstones) of
- *   {u64 key, u32 row + 1} (0: empty), 16 B, so a probe touches one cache line.
- * - rows: a dense array of `words` u64s per distinct hash; bit s is set iff the worker in slot s
- *   holds the hash. Rows are never all zero while in use; a row that empties is deleted by moving
- *   the last row into its place (row_key says which bucket to repoint). Dense rows keep the table's
- *   slack to 16 B a bucket however wide the bitsets are, and growing the table moves no row.
- * - rows widen (words doubles) when a slot beyond the width arrives.
+ * - buckets: open addressing (linear probing, backward-shift deletion, no tombstones) of 16 B:
+ *   {u64 key, holders}. Holders are inline, up to INLINE slot ids (u16, slot + 1, packed first, 0
+ *   after; slot[0] == 0: empty bucket). A hash gaining holder INLINE + 1 is promoted to a bitset row
+ *   ({WIDE, count, row}); a row that drops to DEMOTE holders goes back inline.
+ * - rows: a dense array of `words` u64s per promoted hash; bit s is set iff slot s holds it. A freed
+ *   row is filled by the last one (row_key says which bucket to repoint). Rows widen (words doubles)
+ *   when a slot beyond the width arrives; only promoted hashes pay for the width.
+ * - per slot: a log of the hashes it gained, so clearing, listing and dumping a worker cost what it
+ *   holds, not a scan of the table; and its digest (count, XOR of its hashes), kept as hashes come
+ *   and go. The log is appended to and never searched: a removal leaves its entry behind, and the
+ *   log is compacted (entries the slot no longer holds dropped, then duplicates) when it is full and
+ *   at least half stale, or a quarter live after removals. Appending is what ingest pays; a per-slot
+ *   hash set cost it a random access per block, a third of the time.
  *
- * There is no per-worker list of hashes: a worker's hashes are found by scanning the rows (clear,
- * hashes, dump), which only a worker leaving or a full re-sync does. Per-slot counts say when a
- * worker holds nothing any more without scanning.
+ * Every change of one (slot, hash) pair is whole or not at all: memory is reserved before a pair is
+ * written, so a MemoryError half-way through a call leaves earlier pairs applied and counted.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,36 +34,68 @@
 #endif
 
 #define MIN_CAP 1024
+#define MIN_ROWS 64
+#define MIN_LOG 16
 #define CHUNK 16 /* prompt hashes looked up (and prefetched) together */
-#define MAX_SLOT (1 << 20)
+#define AHEAD 16 /* how far store/remove prefetch ahead */
+#define INLINE 4
+#define DEMOTE 3 /* a row with this many holders goes back inline: 5 -> 4 stays, no flapping */
+#define WIDE 0xFFFF
+#define MAX_SLOT 0xFFFD /* slot + 1 must stay below WIDE */
 #define MAX_ROWS 0xFFFFFFFE
+#define GOLDEN 0x9E3779B97F4A7C15ULL
 
 typedef struct {
     uint64_t key;
-    uint32_t row; /* row index + 1; 0: empty bucket */
-    uint32_t pad;
+    union {
+        uint16_t slot[INLINE]; /* slot + 1, packed first; slot[0] == 0: the bucket is empty */
+        struct {
+            uint16_t tag; /* WIDE */
+            uint16_t n;   /* holders */
+            uint32_t row;
+        } wide;
+    } h;
 } Bucket;
+
+_Static_assert(sizeof(Bucket) == 16, "a bucket is 16 bytes: four to a cache line");
+
+/* One slot: every hash it holds is in keys[0..n), along with stale and repeated ones. */
+typedef struct {
+    uint64_t *keys;
+    Py_ssize_t n, cap;
+    Py_ssize_t count; /* hashes held */
+    uint64_t xor;     /* of the hashes held */
+} Owned;
 
 typedef struct {
     PyObject_HEAD
     Bucket *buckets;
-    Py_ssize_t cap;     /* a power of two */
-    int shift;          /* 64 - log2(cap) */
-    uint64_t *rows;     /* row_cap * words */
-    uint64_t *row_key;  /* row -> its hash */
-    Py_ssize_t nrows;   /* rows in use: the distinct hashes */
-    Py_ssize_t row_cap;
-    Py_ssize_t words;
-    uint64_t *run;      /* match scratch: the running AND, words long */
-    uint64_t *cut;      /* match scratch: bits that dropped out, words long */
-    Py_ssize_t *counts; /* slot -> hashes held, words * 64 long */
+    Py_ssize_t cap; /* a power of two */
+    int shift;      /* 64 - log2(cap) */
+    Py_ssize_t nkeys;
+    uint64_t *rows;    /* row_cap * words */
+    uint64_t *row_key; /* row -> its hash */
+    Py_ssize_t nrows, row_cap, words;
+    uint64_t *run; /* match scratch, words long */
+    uint64_t *cut; /* match scratch, words long */
+    Owned *owned;  /* slot -> its log and digest, nslots long */
+    Py_ssize_t nslots;
+    Py_ssize_t entries;     /* (slot, hash) pairs */
+    Py_ssize_t owned_bytes; /* sum of the logs' capacities */
 } Core;
 
-/* Zeroed arrays. Big ones (rows, buckets) are mmap-ed with transparent huge pages asked for: at
- * 1,000 slots (128-byte rows) the page faults of a growing table were most of the ingest time, and
- * 2 MB pages fault 512x less often. Small ones stay on PyMem, so an empty index maps nothing. */
+/* Zeroed arrays. Big ones (buckets, rows) are mmap-ed with transparent huge pages asked for: page
+ * faults of a growing table were most of the ingest time, and 2 MB pages fault 512x less often.
+ * Small ones stay on PyMem, so an empty index maps nothing. */
 #define BIG ((size_t)1 << 21)
 #define ROUND_BIG(n) (((n) + BIG - 1) & ~(BIG - 1))
+
+static size_t footprint(size_t bytes) {
+#ifdef __linux__
+    if (bytes >= BIG) return ROUND_BIG(bytes);
+#endif
+    return bytes;
+}
 
 static void *zalloc(size_t bytes) {
 #ifdef __linux__
@@ -84,96 +121,236 @@ static void zfree(void *p, size_t bytes) {
     PyMem_Free(p);
 }
 
-/* Grow a zalloc-ed array from `old` to `bytes` (> old); the new tail is zero. */
-static void *zrealloc(void *p, size_t old, size_t bytes) {
-#ifdef __linux__
-    if (old >= BIG) {
-        void *q = mremap(p, ROUND_BIG(old), ROUND_BIG(bytes), MREMAP_MAYMOVE);
-        if (q == MAP_FAILED) return NULL;
-        madvise(q, ROUND_BIG(bytes), MADV_HUGEPAGE);
-        return q; /* pages past the old mapping are fresh zero pages */
-    }
-    if (bytes >= BIG) {
-        void *q = zalloc(bytes);
-        if (q == NULL) return NULL;
-        memcpy(q, p, old);
-        PyMem_Free(p);
-        return q;
-    }
-#endif
-    unsigned char *q = PyMem_Realloc(p, bytes);
-    if (q == NULL) return NULL;
-    memset(q + old, 0, bytes - old);
-    return q;
-}
+static inline int log2_of(Py_ssize_t cap) { return __builtin_ctzll((unsigned long long)cap); }
 
 static inline Py_ssize_t home(const Core *c, uint64_t key) {
-    return (Py_ssize_t)((key * 0x9E3779B97F4A7C15ULL) >> c->shift); /* Fibonacci hashing */
+    return (Py_ssize_t)((key * GOLDEN) >> c->shift); /* Fibonacci hashing */
 }
 
-static inline int row_empty(const uint64_t *row, Py_ssize_t words) {
-    for (Py_ssize_t w = 0; w < words; w++)
-        if (row[w]) return 0;
-    return 1;
+/* --- holders of one bucket ------------------------------------------------------------------ */
+
+static inline int is_wide(const Bucket *b) { return b->h.slot[0] == WIDE; }
+
+static inline int inline_count(const Bucket *b) {
+    int k = 0;
+    while (k < INLINE && b->h.slot[k]) k++;
+    return k;
 }
+
+static inline int row_has(const uint64_t *row, Py_ssize_t slot) { return (int)((row[slot >> 6] >> (slot & 63)) & 1); }
+
+static inline uint64_t *row_of(const Core *c, const Bucket *b) { return c->rows + (Py_ssize_t)b->h.wide.row * c->words; }
+
+static inline int holds(const Core *c, const Bucket *b, Py_ssize_t slot) {
+    if (is_wide(b)) return slot < c->words * 64 && row_has(row_of(c, b), slot);
+    uint16_t me = (uint16_t)(slot + 1);
+    for (int k = 0; k < INLINE; k++)
+        if (b->h.slot[k] == me) return 1;
+    return 0;
+}
+
+/* --- the bucket table ------------------------------------------------------------------------- */
 
 /* The bucket holding `key`, or -1. */
 static Py_ssize_t find(const Core *c, uint64_t key) {
     Py_ssize_t mask = c->cap - 1;
     for (Py_ssize_t i = home(c, key);; i = (i + 1) & mask) {
-        if (!c->buckets[i].row) return -1;
+        if (!c->buckets[i].h.slot[0]) return -1;
         if (c->buckets[i].key == key) return i;
     }
+}
+
+/* The bucket holding `key`, or the empty one where it would go. */
+static Py_ssize_t probe(const Core *c, uint64_t key) {
+    Py_ssize_t mask = c->cap - 1, i = home(c, key);
+    while (c->buckets[i].h.slot[0] && c->buckets[i].key != key) i = (i + 1) & mask;
+    return i;
 }
 
 /* Rehash every key into `cap` buckets (rows stay where they are). */
 static int resize(Core *c, Py_ssize_t cap) {
     Bucket *buckets = zalloc((size_t)cap * sizeof(Bucket));
     if (buckets == NULL) return PyErr_NoMemory(), -1;
-    int shift = 64;
-    for (Py_ssize_t n = cap; n > 1; n >>= 1) shift--;
     Bucket *old = c->buckets;
     Py_ssize_t old_cap = c->cap;
     c->buckets = buckets;
     c->cap = cap;
-    c->shift = shift;
+    c->shift = 64 - log2_of(cap);
     for (Py_ssize_t i = 0; i < old_cap; i++) {
-        if (!old[i].row) continue;
+        if (!old[i].h.slot[0]) continue;
         Py_ssize_t j = home(c, old[i].key);
-        while (buckets[j].row) j = (j + 1) & (cap - 1);
+        while (buckets[j].h.slot[0]) j = (j + 1) & (cap - 1);
         buckets[j] = old[i];
     }
     zfree(old, (size_t)old_cap * sizeof(Bucket));
     return 0;
 }
 
-/* Room for `rows` rows of `words` words (new space zeroed). */
-static int reserve_rows(Core *c, Py_ssize_t rows, Py_ssize_t words) {
-    if (rows <= c->row_cap && words == c->words) return 0;
-    if (rows > MAX_ROWS) return PyErr_SetString(PyExc_MemoryError, "prefix index full"), -1;
-    Py_ssize_t row_cap = c->row_cap;
-    while (row_cap < rows) row_cap *= 2;
-    uint64_t *keys = PyMem_Realloc(c->row_key, (size_t)row_cap * sizeof(uint64_t));
-    if (keys == NULL) return PyErr_NoMemory(), -1;
-    c->row_key = keys;
-    uint64_t *next;
-    if (words == c->words) {
-        next = zrealloc(c->rows, (size_t)(c->row_cap * words) * 8, (size_t)(row_cap * words) * 8);
-        if (next == NULL) return PyErr_NoMemory(), -1;
-    } else {
-        next = zalloc((size_t)(row_cap * words) * 8);
-        if (next == NULL) return PyErr_NoMemory(), -1;
-        for (Py_ssize_t r = 0; r < c->nrows; r++)
-            memcpy(next + r * words, c->rows + r * c->words, (size_t)c->words * sizeof(uint64_t));
-        zfree(c->rows, (size_t)(c->row_cap * c->words) * 8);
+/* Empty bucket i: shift its probe run back over it (backward-shift deletion). */
+static void delete_bucket(Core *c, Py_ssize_t i) {
+    Py_ssize_t mask = c->cap - 1;
+    for (Py_ssize_t j = (i + 1) & mask; c->buckets[j].h.slot[0]; j = (j + 1) & mask) {
+        Py_ssize_t h = home(c, c->buckets[j].key);
+        /* The key at j may move to i unless its home lies cyclically in (i, j]. */
+        int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
+        if (stays) continue;
+        c->buckets[i] = c->buckets[j];
+        i = j;
     }
+    memset(&c->buckets[i], 0, sizeof(Bucket));
+    c->nkeys--;
+}
+
+/* Halve the table while it is under 1/8 full (best effort: a failed allocation keeps it as is). */
+static void maybe_shrink(Core *c) {
+    while (c->cap > MIN_CAP && c->nkeys * 8 < c->cap) {
+        if (resize(c, c->cap / 2) < 0) {
+            PyErr_Clear();
+            return;
+        }
+    }
+}
+
+/* --- rows --------------------------------------------------------------------------------------- */
+
+static size_t rows_bytes(Py_ssize_t row_cap, Py_ssize_t words) { return (size_t)(row_cap * words) * sizeof(uint64_t); }
+
+/* Move the rows into a fresh array of row_cap x words (row_cap >= nrows, words >= c->words). */
+static int reshape_rows(Core *c, Py_ssize_t row_cap, Py_ssize_t words) {
+    uint64_t *next = zalloc(rows_bytes(row_cap, words));
+    if (next == NULL) return PyErr_NoMemory(), -1;
+    uint64_t *keys = PyMem_Realloc(c->row_key, (size_t)row_cap * sizeof(uint64_t));
+    if (keys == NULL && row_cap > c->row_cap) {
+        zfree(next, rows_bytes(row_cap, words));
+        return PyErr_NoMemory(), -1;
+    }
+    if (keys != NULL) c->row_key = keys; /* a smaller block that could not be had: keep the big one */
+    for (Py_ssize_t r = 0; r < c->nrows; r++)
+        memcpy(next + r * words, c->rows + r * c->words, (size_t)c->words * sizeof(uint64_t));
+    zfree(c->rows, rows_bytes(c->row_cap, c->words));
     c->rows = next;
     c->row_cap = row_cap;
+    c->words = words;
     return 0;
 }
 
-/* Make room for slot `slot`: double the row width until it fits. */
+/* Room for one more row. */
+static int reserve_row(Core *c) {
+    if (c->nrows < c->row_cap) return 0;
+    if (c->row_cap * 2 > MAX_ROWS) return PyErr_SetString(PyExc_MemoryError, "prefix index full"), -1;
+    return reshape_rows(c, c->row_cap * 2, c->words);
+}
+
+/* Promote the full inline bucket b to a fresh row (reserve_row first). */
+static void promote(Core *c, Bucket *b) {
+    Py_ssize_t r = c->nrows++;
+    uint64_t *row = c->rows + r * c->words;
+    for (int k = 0; k < INLINE; k++) {
+        Py_ssize_t s = b->h.slot[k] - 1;
+        row[s >> 6] |= 1ULL << (s & 63);
+    }
+    c->row_key[r] = b->key;
+    b->h.wide.tag = WIDE;
+    b->h.wide.n = INLINE;
+    b->h.wide.row = (uint32_t)r;
+}
+
+/* Turn wide bucket b (DEMOTE holders) back inline, and fill its row with the last one. */
+static void demote(Core *c, Bucket *b) {
+    Py_ssize_t r = b->h.wide.row, words = c->words, k = 0;
+    uint64_t *row = c->rows + r * words;
+    uint16_t slots[INLINE] = {0};
+    for (Py_ssize_t w = 0; w < words; w++)
+        for (uint64_t bits = row[w]; bits; bits &= bits - 1) slots[k++] = (uint16_t)(w * 64 + __builtin_ctzll(bits) + 1);
+    memcpy(b->h.slot, slots, sizeof(slots));
+    Py_ssize_t last = --c->nrows;
+    if (r != last) {
+        memcpy(row, c->rows + last * words, (size_t)words * sizeof(uint64_t));
+        c->row_key[r] = c->row_key[last];
+        c->buckets[find(c, c->row_key[r])].h.wide.row = (uint32_t)r;
+    }
+    memset(c->rows + last * words, 0, (size_t)words * sizeof(uint64_t));
+    if (c->row_cap > MIN_ROWS && c->nrows * 8 < c->row_cap && reshape_rows(c, c->row_cap / 2, words) < 0)
+        PyErr_Clear(); /* best effort: keep the bigger array */
+}
+
+/* --- per-slot logs ---------------------------------------------------------------------------- */
+
+static int log_resize(Core *c, Owned *o, Py_ssize_t cap) {
+    uint64_t *keys = PyMem_Realloc(o->keys, (size_t)cap * sizeof(uint64_t));
+    if (keys == NULL) return PyErr_NoMemory(), -1;
+    c->owned_bytes += (cap - o->cap) * (Py_ssize_t)sizeof(uint64_t);
+    o->keys = keys;
+    o->cap = cap;
+    return 0;
+}
+
+static void log_free(Core *c, Owned *o) {
+    PyMem_Free(o->keys);
+    c->owned_bytes -= o->cap * (Py_ssize_t)sizeof(uint64_t);
+    memset(o, 0, sizeof(*o));
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Keep only the hashes slot `slot` holds, once each: afterwards keys[0..n) is exactly its set. */
+static void log_compact(Core *c, Py_ssize_t slot) {
+    Owned *o = &c->owned[slot];
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t r = 0; r < o->n; r++) {
+        if (r + AHEAD < o->n) __builtin_prefetch(c->buckets + home(c, o->keys[r + AHEAD]));
+        Py_ssize_t i = find(c, o->keys[r]);
+        if (i >= 0 && holds(c, &c->buckets[i], slot)) o->keys[kept++] = o->keys[r];
+    }
+    if (kept > o->count) { /* a hash dropped and gained again is in twice */
+        qsort(o->keys, (size_t)kept, sizeof(uint64_t), cmp_u64);
+        Py_ssize_t w = 1;
+        for (Py_ssize_t r = 1; r < kept; r++)
+            if (o->keys[r] != o->keys[w - 1]) o->keys[w++] = o->keys[r];
+        kept = w;
+    }
+    o->n = kept;
+}
+
+/* Room in the slot's log for one more entry: compact it if at least half is stale, else grow. */
+static int log_reserve(Core *c, Py_ssize_t slot) {
+    Owned *o = &c->owned[slot];
+    if (o->n < o->cap) return 0;
+    if (o->n && o->count * 2 <= o->n) log_compact(c, slot);
+    if (o->n < o->cap) return 0;
+    return log_resize(c, o, o->cap ? o->cap * 2 : MIN_LOG);
+}
+
+/* After removals: free an empty log, compact and shrink one under a quarter live. */
+static void log_trim(Core *c, Py_ssize_t slot) {
+    Owned *o = &c->owned[slot];
+    if (!o->count) {
+        log_free(c, o);
+        return;
+    }
+    if (o->count * 4 >= o->n) return;
+    log_compact(c, slot);
+    Py_ssize_t cap = MIN_LOG;
+    while (cap < o->n * 2) cap *= 2;
+    if (cap < o->cap && log_resize(c, o, cap) < 0) PyErr_Clear(); /* best effort: keep the bigger one */
+}
+
+/* --- slots ------------------------------------------------------------------------------------- */
+
+/* Make room for slot `slot`: per-slot sets up to it, and rows at least slot + 1 bits wide. */
 static int ensure_slot(Core *c, Py_ssize_t slot) {
+    if (slot >= c->nslots) {
+        Py_ssize_t n = c->nslots ? c->nslots : 64;
+        while (n <= slot) n *= 2;
+        Owned *owned = PyMem_Realloc(c->owned, (size_t)n * sizeof(Owned));
+        if (owned == NULL) return PyErr_NoMemory(), -1;
+        memset(owned + c->nslots, 0, (size_t)(n - c->nslots) * sizeof(Owned));
+        c->owned = owned;
+        c->nslots = n;
+    }
     Py_ssize_t words = c->words;
     while (slot >= words * 64) words *= 2;
     if (words == c->words) return 0;
@@ -183,37 +360,10 @@ static int ensure_slot(Core *c, Py_ssize_t slot) {
     uint64_t *cut = PyMem_Realloc(c->cut, (size_t)words * sizeof(uint64_t));
     if (cut == NULL) return PyErr_NoMemory(), -1;
     c->cut = cut;
-    Py_ssize_t *counts = PyMem_Realloc(c->counts, (size_t)words * 64 * sizeof(Py_ssize_t));
-    if (counts == NULL) return PyErr_NoMemory(), -1;
-    memset(counts + c->words * 64, 0, (size_t)(words - c->words) * 64 * sizeof(Py_ssize_t));
-    c->counts = counts;
-    if (reserve_rows(c, c->row_cap, words) < 0) return -1;
-    c->words = words;
-    return 0;
+    return reshape_rows(c, c->row_cap, words);
 }
 
-/* Delete the key in bucket i, whose row is empty: shift its probe run back, then move the last
- * row into the freed row and repoint that row's bucket. */
-static void delete_at(Core *c, Py_ssize_t i) {
-    Py_ssize_t mask = c->cap - 1, words = c->words;
-    Py_ssize_t freed = (Py_ssize_t)c->buckets[i].row - 1;
-    for (Py_ssize_t j = (i + 1) & mask; c->buckets[j].row; j = (j + 1) & mask) {
-        Py_ssize_t h = home(c, c->buckets[j].key);
-        /* The key at j may move to i unless its home lies cyclically in (i, j]. */
-        int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
-        if (stays) continue;
-        c->buckets[i] = c->buckets[j];
-        i = j;
-    }
-    c->buckets[i].row = 0;
-    Py_ssize_t last = --c->nrows;
-    if (freed != last) {
-        memcpy(c->rows + freed * words, c->rows + last * words, (size_t)words * sizeof(uint64_t));
-        c->row_key[freed] = c->row_key[last];
-        c->buckets[find(c, c->row_key[freed])].row = (uint32_t)(freed + 1);
-    }
-    memset(c->rows + last * words, 0, (size_t)words * sizeof(uint64_t));
-}
+/* --- Python-facing argument parsing ----------------------------------------------------------- */
 
 static int hash_error(PyObject *item) {
     PyErr_Clear();
@@ -225,13 +375,40 @@ static int hash_error(PyObject *item) {
     return -1;
 }
 
-static inline int as_hash(PyObject *item, uint64_t *out) {
-    if (!PyLong_Check(item)) return hash_error(item);
-    unsigned long long v = PyLong_AsUnsignedLongLong(item);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return hash_error(item);
-    *out = (uint64_t)v;
+/* *out = item if it is an int in [0, 2**64), else -1 (no exception set).
+ *
+ * PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray, a third of store's time. Up to 3.11
+ * an int is its sign-and-size and 30-bit digits, read here directly; later versions take the mask
+ * variant (which reads the digits but wraps), with the range checked first. */
+static inline int to_u64(PyObject *item, uint64_t *out) {
+    if (!PyLong_Check(item)) return -1;
+#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30
+    const digit *d = ((PyLongObject *)item)->ob_digit;
+    switch (Py_SIZE(item)) {
+    case 0:
+        *out = 0;
+        return 0;
+    case 1:
+        *out = d[0];
+        return 0;
+    case 2:
+        *out = (uint64_t)d[0] | (uint64_t)d[1] << 30;
+        return 0;
+    case 3:
+        if (d[2] >> 4) return -1; /* 2**64 or more */
+        *out = (uint64_t)d[0] | (uint64_t)d[1] << 30 | (uint64_t)d[2] << 60;
+        return 0;
+    default:
+        return -1; /* negative, or 2**90 and more */
+    }
+#else
+    if (_PyLong_Sign(item) < 0 || _PyLong_NumBits(item) > 64) return -1;
+    *out = (uint64_t)PyLong_AsUnsignedLongLongMask(item);
     return 0;
+#endif
 }
+
+static inline int as_hash(PyObject *item, uint64_t *out) { return to_u64(item, out) < 0 ? hash_error(item) : 0; }
 
 /* Every item of `hashes` as a u64 in a fresh buffer (*n long), or NULL with ValueError set.
  * Converting all before touching the table keeps a call that fails from changing anything. */
@@ -267,34 +444,91 @@ static int parse_slot(PyObject *arg, Py_ssize_t *slot) {
     return 0;
 }
 
+/* --- mutation ----------------------------------------------------------------------------------- */
+
+/* Slot `slot` now holds `key` (it did not). Returns -1 with MemoryError set, changing nothing. */
+static int add_pair(Core *c, Py_ssize_t slot, uint64_t key, Py_ssize_t i) {
+    Owned *o = &c->owned[slot];
+    Bucket *b = &c->buckets[i];
+    int full = !is_wide(b) && b->h.slot[INLINE - 1];
+    if (!b->h.slot[0] && (c->nkeys + 1) * 4 > c->cap * 3) { /* keep the load under 3/4 */
+        if (resize(c, c->cap * 2) < 0) return -1;
+        b = &c->buckets[probe(c, key)];
+    }
+    if ((full && reserve_row(c) < 0) || log_reserve(c, slot) < 0) return -1;
+    if (!b->h.slot[0]) {
+        b->key = key;
+        b->h.slot[0] = (uint16_t)(slot + 1);
+        c->nkeys++;
+    } else if (is_wide(b)) {
+        row_of(c, b)[slot >> 6] |= 1ULL << (slot & 63);
+        b->h.wide.n++;
+    } else if (full) {
+        promote(c, b);
+        row_of(c, b)[slot >> 6] |= 1ULL << (slot & 63);
+        b->h.wide.n++;
+    } else {
+        b->h.slot[inline_count(b)] = (uint16_t)(slot + 1);
+    }
+    o->keys[o->n++] = key;
+    o->count++;
+    o->xor ^= key;
+    c->entries++;
+    return 0;
+}
+
+/* Slot `slot` no longer holds the key in bucket i (it did); the bucket goes when nobody holds it.
+ * The slot's log keeps the key until it is next compacted. */
+static void drop_pair(Core *c, Py_ssize_t slot, Py_ssize_t i) {
+    Bucket *b = &c->buckets[i];
+    Owned *o = &c->owned[slot];
+    o->count--;
+    o->xor ^= b->key;
+    if (is_wide(b)) {
+        row_of(c, b)[slot >> 6] &= ~(1ULL << (slot & 63));
+        if (--b->h.wide.n == DEMOTE) demote(c, b);
+    } else {
+        uint16_t me = (uint16_t)(slot + 1);
+        int n = inline_count(b), k = 0;
+        while (b->h.slot[k] != me) k++;
+        b->h.slot[k] = b->h.slot[n - 1]; /* the last holder fills the hole */
+        b->h.slot[n - 1] = 0;
+        if (n == 1) delete_bucket(c, i);
+    }
+    c->entries--;
+}
+
 /* store(slot, hashes) -> int: how many of `hashes` the slot did not hold before. */
 static PyObject *core_store(Core *c, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t slot, n;
+    Py_ssize_t slot, n, added = 0;
     if (nargs != 2) return PyErr_SetString(PyExc_TypeError, "store(slot, hashes)"), NULL;
     if (parse_slot(args[0], &slot) < 0) return NULL;
     uint64_t *hs = read_hashes(args[1], &n);
     if (hs == NULL) return NULL;
-    if (ensure_slot(c, slot) < 0 || reserve_rows(c, c->nrows + n, c->words) < 0) goto fail;
-    while ((c->nrows + n) * 4 > c->cap * 3) /* keep the load under 3/4 */
-        if (resize(c, c->cap * 2) < 0) goto fail;
-    for (Py_ssize_t k = 0; k < n; k++) __builtin_prefetch(c->buckets + home(c, hs[k]));
-    Py_ssize_t added = 0, words = c->words, mask = c->cap - 1, w = slot >> 6;
-    uint64_t bit = 1ULL << (slot & 63);
+    if (ensure_slot(c, slot) < 0) goto fail;
+    Owned *o = &c->owned[slot];
+    for (Py_ssize_t k = 0; k < n && k < AHEAD; k++) __builtin_prefetch(c->buckets + home(c, hs[k]));
     for (Py_ssize_t k = 0; k < n; k++) {
-        Py_ssize_t i = home(c, hs[k]);
-        while (c->buckets[i].row && c->buckets[i].key != hs[k]) i = (i + 1) & mask;
-        if (!c->buckets[i].row) {
-            c->buckets[i].key = hs[k];
-            c->row_key[c->nrows] = hs[k];
-            c->buckets[i].row = (uint32_t)(++c->nrows);
-        }
-        uint64_t *word = c->rows + (Py_ssize_t)(c->buckets[i].row - 1) * words + w;
-        if (!(*word & bit)) {
-            *word |= bit;
+        if (k + AHEAD < n) __builtin_prefetch(c->buckets + home(c, hs[k + AHEAD]));
+        uint64_t key = hs[k];
+        Py_ssize_t i = probe(c, key);
+        Bucket *b = &c->buckets[i];
+        if (!b->h.slot[0] && (c->nkeys + 1) * 4 <= c->cap * 3 && o->n < o->cap) {
+            /* The usual case, a hash nobody holds, with room for it: add_pair's first branch. */
+            b->key = key;
+            b->h.slot[0] = (uint16_t)(slot + 1);
+            c->nkeys++;
+            o->keys[o->n++] = key;
+            o->count++;
+            o->xor ^= key;
+            c->entries++;
             added++;
+            continue;
         }
+        if (b->h.slot[0] && holds(c, b, slot)) continue;
+        if (add_pair(c, slot, key, i) < 0) goto fail;
+        added++;
     }
-    c->counts[slot] += added;
     PyMem_Free(hs);
     return PyLong_FromSsize_t(added);
 fail:
@@ -304,184 +538,243 @@ fail:
 
 /* remove(slot, hashes) -> int: how many of `hashes` the slot held (and no longer does). */
 static PyObject *core_remove(Core *c, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t slot, n;
+    Py_ssize_t slot, n, removed = 0;
     if (nargs != 2) return PyErr_SetString(PyExc_TypeError, "remove(slot, hashes)"), NULL;
     if (parse_slot(args[0], &slot) < 0) return NULL;
     uint64_t *hs = read_hashes(args[1], &n);
     if (hs == NULL) return NULL;
-    Py_ssize_t removed = 0, words = c->words, w = slot >> 6;
-    uint64_t bit = 1ULL << (slot & 63);
-    if (slot < words * 64) {
+    if (slot < c->nslots && c->owned[slot].count) {
+        for (Py_ssize_t k = 0; k < n && k < AHEAD; k++) __builtin_prefetch(c->buckets + home(c, hs[k]));
         for (Py_ssize_t k = 0; k < n; k++) {
+            if (k + AHEAD < n) __builtin_prefetch(c->buckets + home(c, hs[k + AHEAD]));
             Py_ssize_t i = find(c, hs[k]);
-            if (i < 0) continue;
-            uint64_t *row = c->rows + (Py_ssize_t)(c->buckets[i].row - 1) * words;
-            if (!(row[w] & bit)) continue;
-            row[w] &= ~bit;
+            if (i < 0 || !holds(c, &c->buckets[i], slot)) continue;
+            drop_pair(c, slot, i);
             removed++;
-            if (row_empty(row, words)) delete_at(c, i);
         }
-        c->counts[slot] -= removed;
+        log_trim(c, slot);
+        maybe_shrink(c);
     }
     PyMem_Free(hs);
     return PyLong_FromSsize_t(removed);
 }
 
-/* clear(slot) -> int: drop every hash of the slot; how many it held. Scans the rows. */
+/* clear(slot) -> int: drop every hash of the slot; how many it held. */
 static PyObject *core_clear(Core *c, PyObject *arg) {
     Py_ssize_t slot;
     if (parse_slot(arg, &slot) < 0) return NULL;
-    if (slot >= c->words * 64 || c->counts[slot] == 0) return PyLong_FromLong(0);
-    Py_ssize_t words = c->words, w = slot >> 6;
-    uint64_t bit = 1ULL << (slot & 63);
-    for (Py_ssize_t r = 0; r < c->nrows;) {
-        uint64_t *row = c->rows + r * words;
-        if (row[w] & bit) {
-            row[w] &= ~bit;
-            if (row_empty(row, words)) {
-                delete_at(c, find(c, c->row_key[r])); /* moves the last row (not yet seen) to r */
-                continue;
-            }
-        }
-        r++;
+    if (slot >= c->nslots) return PyLong_FromLong(0);
+    Owned *o = &c->owned[slot];
+    Py_ssize_t held = o->count;
+    for (Py_ssize_t k = 0; k < o->n; k++) {
+        if (k + AHEAD < o->n) __builtin_prefetch(c->buckets + home(c, o->keys[k + AHEAD]));
+        Py_ssize_t i = find(c, o->keys[k]);
+        if (i >= 0 && holds(c, &c->buckets[i], slot)) drop_pair(c, slot, i); /* stale or repeated: skip */
     }
-    Py_ssize_t held = c->counts[slot];
-    c->counts[slot] = 0;
+    log_free(c, o);
+    maybe_shrink(c);
     return PyLong_FromSsize_t(held);
 }
+
+/* --- reading ----------------------------------------------------------------------------------- */
 
 /* count(slot) -> int: hashes the slot holds. */
 static PyObject *core_count(Core *c, PyObject *arg) {
     Py_ssize_t slot;
     if (parse_slot(arg, &slot) < 0) return NULL;
-    return PyLong_FromSsize_t(slot < c->words * 64 ? c->counts[slot] : 0);
+    return PyLong_FromSsize_t(slot < c->nslots ? c->owned[slot].count : 0);
 }
 
-/* dump(nslots) -> list[list[int]]: per slot below nslots, the hashes it holds (row order). */
-
-/* list.append(int(key)); -1 with an exception set on failure. */
-static int append_key(PyObject *list, uint64_t key) {
-    PyObject *h = PyLong_FromUnsignedLongLong(key);
-    if (h == NULL) return -1;
-    int err = PyList_Append(list, h);
-    Py_DECREF(h);
-    return err;
+/* digest(slot) -> (count, xor): hashes the slot holds and their XOR. */
+static PyObject *core_digest(Core *c, PyObject *arg) {
+    Py_ssize_t slot;
+    if (parse_slot(arg, &slot) < 0) return NULL;
+    if (slot >= c->nslots) return Py_BuildValue("(ii)", 0, 0);
+    return Py_BuildValue("(nK)", c->owned[slot].count, (unsigned long long)c->owned[slot].xor);
 }
 
-static PyObject *core_dump(Core *c, PyObject *arg) {
-    Py_ssize_t nslots;
-    if (parse_slot(arg, &nslots) < 0) return NULL;
-    PyObject *out = PyList_New(nslots);
+/* The slot's hashes as a new list (log order), compacting its log first. */
+static PyObject *slot_list(Core *c, Py_ssize_t slot) {
+    if (slot >= c->nslots) return PyList_New(0);
+    Owned *o = &c->owned[slot];
+    if (o->n != o->count) log_compact(c, slot);
+    PyObject *out = PyList_New(o->n);
     if (out == NULL) return NULL;
-    for (Py_ssize_t s = 0; s < nslots; s++) {
-        PyObject *l = PyList_New(0);
-        if (l == NULL) goto fail;
-        PyList_SET_ITEM(out, s, l);
-    }
-    for (Py_ssize_t r = 0; r < c->nrows; r++) {
-        const uint64_t *row = c->rows + r * c->words;
-        for (Py_ssize_t w = 0; w < c->words; w++) {
-            for (uint64_t bits = row[w]; bits; bits &= bits - 1) {
-                Py_ssize_t s = w * 64 + __builtin_ctzll(bits);
-                if (s >= nslots) break;
-                if (append_key(PyList_GET_ITEM(out, s), c->row_key[r]) < 0) goto fail;
-            }
+    for (Py_ssize_t k = 0; k < o->n; k++) {
+        PyObject *h = PyLong_FromUnsignedLongLong(o->keys[k]);
+        if (h == NULL) {
+            Py_DECREF(out);
+            return NULL;
         }
+        PyList_SET_ITEM(out, k, h);
     }
     return out;
-fail:
-    Py_DECREF(out);
-    return NULL;
 }
 
-/* hashes(slot) -> list[int]: the hashes the slot holds (row order). Scans the rows. */
+/* hashes(slot) -> list[int]: the hashes the slot holds. */
 static PyObject *core_hashes(Core *c, PyObject *arg) {
     Py_ssize_t slot;
     if (parse_slot(arg, &slot) < 0) return NULL;
-    PyObject *out = PyList_New(0);
-    if (out == NULL || slot >= c->words * 64 || c->counts[slot] == 0) return out;
-    Py_ssize_t w = slot >> 6;
-    uint64_t bit = 1ULL << (slot & 63);
-    for (Py_ssize_t r = 0; r < c->nrows; r++) {
-        if (!(c->rows[r * c->words + w] & bit)) continue;
-        if (append_key(out, c->row_key[r]) < 0) goto fail;
+    return slot_list(c, slot);
+}
+
+/* dump(nslots) -> list[list[int]]: per slot below nslots, the hashes it holds. */
+static PyObject *core_dump(Core *c, PyObject *arg) {
+    Py_ssize_t nslots = PyLong_AsSsize_t(arg);
+    if (nslots == -1 && PyErr_Occurred()) return NULL;
+    if (nslots < 0 || nslots > MAX_SLOT + 1)
+        return PyErr_Format(PyExc_ValueError, "nslots must be in [0, %d], got %zd", MAX_SLOT + 1, nslots);
+    PyObject *out = PyList_New(nslots);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t s = 0; s < nslots; s++) {
+        PyObject *l = slot_list(c, s);
+        if (l == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, s, l);
     }
     return out;
-fail:
-    Py_DECREF(out);
-    return NULL;
 }
 
-static PyObject *row_to_int(const uint64_t *row, Py_ssize_t words) {
-    return _PyLong_FromByteArray((const unsigned char *)row, (size_t)words * 8, 1, 0);
+/* memory() -> int: bytes the core has allocated (big arrays as mapped, in 2 MB pages). */
+static PyObject *core_memory(Core *c, PyObject *Py_UNUSED(ignored)) {
+    size_t bytes = footprint((size_t)c->cap * sizeof(Bucket)) + footprint(rows_bytes(c->row_cap, c->words)) +
+                   (size_t)c->row_cap * sizeof(uint64_t) + (size_t)c->nslots * sizeof(Owned) +
+                   2 * (size_t)c->words * sizeof(uint64_t) + (size_t)c->owned_bytes + sizeof(Core);
+    return PyLong_FromSize_t(bytes);
 }
 
-/* Append (bits, depth) to cuts. */
-static int add_cut(PyObject *cuts, const uint64_t *bits, Py_ssize_t words, Py_ssize_t depth) {
-    PyObject *mask = row_to_int(bits, words);
-    if (mask == NULL) return -1;
-    PyObject *pair = Py_BuildValue("(Nn)", mask, depth);
+static PyObject *bits_to_int(const uint64_t *bits, Py_ssize_t words) {
+    return _PyLong_FromByteArray((const unsigned char *)bits, (size_t)words * 8, 1, 0);
+}
+
+/* The int with bits slots[0..n) set, built in scratch (words long). */
+static PyObject *slots_to_int(uint64_t *scratch, const Py_ssize_t *slots, int n) {
+    Py_ssize_t top = 0;
+    for (int k = 0; k < n; k++)
+        if (slots[k] >> 6 > top) top = slots[k] >> 6;
+    memset(scratch, 0, (size_t)(top + 1) * sizeof(uint64_t));
+    for (int k = 0; k < n; k++) scratch[slots[k] >> 6] |= 1ULL << (slots[k] & 63);
+    return bits_to_int(scratch, top + 1);
+}
+
+/* Append (bits, depth) to cuts, stealing the reference to bits. */
+static int add_cut(PyObject *cuts, PyObject *bits, Py_ssize_t depth) {
+    if (bits == NULL) return -1;
+    PyObject *pair = Py_BuildValue("(Nn)", bits, depth);
     if (pair == NULL) return -1;
     int err = PyList_Append(cuts, pair);
     Py_DECREF(pair);
     return err;
 }
 
+/* The walk's running set of slots still holding every block so far: a few slot ids (`few`, n of
+ * them) while n >= 0, else the bitset `run` (words long). It starts as a bitset only when the first
+ * block is promoted, and a bitset turns into a few ids at the first inline block. */
+typedef struct {
+    Py_ssize_t few[INLINE];
+    int n;
+} Walk;
+
+/* Intersect the walk with bucket b's holders; the cut (who dropped out) goes to cuts at `depth`.
+ * Returns 1 if someone is left, 0 if not, -1 on error. */
+static int step(Core *c, Walk *walk, const Bucket *b, PyObject *cuts, Py_ssize_t depth) {
+    Py_ssize_t words = c->words;
+    if (walk->n >= 0) {
+        Py_ssize_t lost[INLINE];
+        int kept = 0, nlost = 0;
+        for (int k = 0; k < walk->n; k++) {
+            if (holds(c, b, walk->few[k])) walk->few[kept++] = walk->few[k];
+            else lost[nlost++] = walk->few[k];
+        }
+        walk->n = kept;
+        if (nlost && add_cut(cuts, slots_to_int(c->cut, lost, nlost), depth) < 0) return -1;
+        return kept > 0;
+    }
+    uint64_t *run = c->run, *cut = c->cut;
+    if (is_wide(b)) {
+        const uint64_t *row = row_of(c, b);
+        uint64_t lost = 0, left = 0;
+        for (Py_ssize_t w = 0; w < words; w++) {
+            cut[w] = run[w] & ~row[w];
+            lost |= cut[w];
+            run[w] &= row[w];
+            left |= run[w];
+        }
+        if (lost && add_cut(cuts, bits_to_int(cut, words), depth) < 0) return -1;
+        return left != 0;
+    }
+    /* Inline holders: the ones still running become the few; the rest of the bitset is the cut. */
+    int kept = 0;
+    for (int k = 0; k < INLINE && b->h.slot[k]; k++) {
+        Py_ssize_t s = b->h.slot[k] - 1;
+        if (row_has(run, s)) {
+            walk->few[kept++] = s;
+            run[s >> 6] &= ~(1ULL << (s & 63));
+        }
+    }
+    uint64_t lost = 0;
+    for (Py_ssize_t w = 0; w < words; w++) lost |= run[w];
+    walk->n = kept;
+    if (lost && add_cut(cuts, bits_to_int(run, words), depth) < 0) return -1;
+    return kept > 0;
+}
+
 /* match(hashes) -> (matched, cuts) | None.
  *
- * Walks the leading hashes that somebody holds, AND-ing their rows. `cuts` lists (bits, depth)
- * where bits are the slots whose prefix ends at depth (the last entry: those holding the whole
- * walk); `matched` is their union, the slots holding the first block. None when nobody holds the
- * first block. A hash that is not a u64 is held by nobody, so the walk ends there. After the first
- * hash, lookups go a chunk at a time, prefetching the chunk's buckets and then its rows, so their
- * cache misses overlap instead of following one another. */
+ * Walks the leading hashes that somebody holds, intersecting their holders. `cuts` lists
+ * (bits, depth) where bits are the slots whose prefix ends at depth (the last entry: those holding
+ * the whole walk); `matched` is their union, the slots holding the first block. None when nobody
+ * holds the first block. A hash that is not a u64 is held by nobody, so the walk ends there. After
+ * the first hash, lookups go a chunk at a time, prefetching the chunk's buckets and then its rows,
+ * so their cache misses overlap instead of following one another. */
 static PyObject *core_match(Core *c, PyObject *hashes) {
     PyObject *seq = PySequence_Fast(hashes, "block hashes must be an iterable of ints");
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), words = c->words, depth = 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), depth = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *cuts = NULL, *matched = NULL;
-    uint64_t *run = c->run, *cut = c->cut;
+    Walk walk = {.n = 0};
     int done = 0;
     while (!done && depth < n) {
         uint64_t key[CHUNK];
-        const uint64_t *rows[CHUNK];
+        const Bucket *found[CHUNK];
         /* The first hash alone: most prompts nobody holds end there, after one lookup. */
         Py_ssize_t m = depth == 0 ? 1 : (n - depth < CHUNK ? n - depth : CHUNK), got = 0;
         for (Py_ssize_t k = 0; k < m; k++) {
-            PyObject *item = items[depth + k];
-            unsigned long long v = PyLong_Check(item) ? PyLong_AsUnsignedLongLong(item) : 0;
-            if (!PyLong_Check(item) || (v == (unsigned long long)-1 && PyErr_Occurred())) {
-                PyErr_Clear();
+            if (to_u64(items[depth + k], &key[k]) < 0) {
                 m = k;
                 done = 1;
                 break;
             }
-            key[k] = v;
-            __builtin_prefetch(c->buckets + home(c, v));
+            __builtin_prefetch(c->buckets + home(c, key[k]));
         }
         for (; got < m; got++) {
             Py_ssize_t i = find(c, key[got]);
             if (i < 0) break;
-            rows[got] = c->rows + (Py_ssize_t)(c->buckets[i].row - 1) * words;
-            __builtin_prefetch(rows[got]);
+            found[got] = &c->buckets[i];
+            if (is_wide(found[got])) __builtin_prefetch(row_of(c, found[got]));
         }
         if (got < m) done = 1;
         for (Py_ssize_t k = 0; k < got; k++, depth++) {
-            const uint64_t *row = rows[k];
+            const Bucket *b = found[k];
             if (depth == 0) {
-                memcpy(run, row, (size_t)words * sizeof(uint64_t));
-                if ((matched = row_to_int(row, words)) == NULL || (cuts = PyList_New(0)) == NULL) goto fail;
+                if ((cuts = PyList_New(0)) == NULL) goto fail;
+                if (is_wide(b)) {
+                    walk.n = -1;
+                    memcpy(c->run, row_of(c, b), (size_t)c->words * sizeof(uint64_t));
+                    matched = bits_to_int(c->run, c->words);
+                } else {
+                    walk.n = inline_count(b);
+                    for (int j = 0; j < walk.n; j++) walk.few[j] = b->h.slot[j] - 1;
+                    matched = slots_to_int(c->cut, walk.few, walk.n);
+                }
+                if (matched == NULL) goto fail;
                 continue;
             }
-            uint64_t lost = 0, left = 0;
-            for (Py_ssize_t w = 0; w < words; w++) {
-                cut[w] = run[w] & ~row[w];
-                lost |= cut[w];
-                run[w] &= row[w];
-                left |= run[w];
-            }
-            if (lost && add_cut(cuts, cut, words, depth) < 0) goto fail;
+            int left = step(c, &walk, b, cuts, depth);
+            if (left < 0) goto fail;
             if (!left) {
                 Py_DECREF(seq);
                 return Py_BuildValue("(NN)", matched, cuts);
@@ -490,7 +783,8 @@ static PyObject *core_match(Core *c, PyObject *hashes) {
     }
     Py_DECREF(seq);
     if (depth == 0) Py_RETURN_NONE;
-    if (add_cut(cuts, run, words, depth) < 0) {
+    PyObject *last = walk.n >= 0 ? slots_to_int(c->cut, walk.few, walk.n) : bits_to_int(c->run, c->words);
+    if (add_cut(cuts, last, depth) < 0) {
         Py_DECREF(matched);
         Py_DECREF(cuts);
         return NULL;
@@ -503,7 +797,9 @@ fail:
     return NULL;
 }
 
-static Py_ssize_t core_len(Core *c) { return c->nrows; }
+static Py_ssize_t core_len(Core *c) { return c->nkeys; }
+
+static PyObject *core_entries(Core *c, void *Py_UNUSED(closure)) { return PyLong_FromSsize_t(c->entries); }
 
 static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds)))
@@ -511,16 +807,15 @@ static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Core *c = (Core *)type->tp_alloc(type, 0);
     if (c == NULL) return NULL;
     c->cap = MIN_CAP;
-    c->shift = 64 - 10;
+    c->shift = 64 - log2_of(MIN_CAP);
     c->words = 1;
-    c->row_cap = MIN_CAP;
+    c->row_cap = MIN_ROWS;
     c->buckets = zalloc(MIN_CAP * sizeof(Bucket));
-    c->rows = zalloc(MIN_CAP * sizeof(uint64_t));
-    c->row_key = PyMem_Calloc(MIN_CAP, sizeof(uint64_t));
+    c->rows = zalloc(rows_bytes(MIN_ROWS, 1));
+    c->row_key = PyMem_Calloc(MIN_ROWS, sizeof(uint64_t));
     c->run = PyMem_Calloc(1, sizeof(uint64_t));
     c->cut = PyMem_Calloc(1, sizeof(uint64_t));
-    c->counts = PyMem_Calloc(64, sizeof(Py_ssize_t));
-    if (!c->buckets || !c->rows || !c->row_key || !c->run || !c->cut || !c->counts) {
+    if (!c->buckets || !c->rows || !c->row_key || !c->run || !c->cut) {
         Py_DECREF(c);
         return PyErr_NoMemory();
     }
@@ -529,11 +824,12 @@ static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 
 static void core_dealloc(Core *c) {
     zfree(c->buckets, (size_t)c->cap * sizeof(Bucket));
-    zfree(c->rows, (size_t)(c->row_cap * c->words) * 8);
+    zfree(c->rows, rows_bytes(c->row_cap, c->words));
     PyMem_Free(c->row_key);
     PyMem_Free(c->run);
     PyMem_Free(c->cut);
-    PyMem_Free(c->counts);
+    for (Py_ssize_t s = 0; s < c->nslots; s++) PyMem_Free(c->owned[s].keys);
+    PyMem_Free(c->owned);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -576,10 +872,17 @@ static PyMethodDef core_methods[] = {
     {"remove", (PyCFunction)(void (*)(void))core_remove, METH_FASTCALL, "remove(slot, hashes) -> dropped"},
     {"clear", (PyCFunction)core_clear, METH_O, "clear(slot) -> dropped"},
     {"count", (PyCFunction)core_count, METH_O, "count(slot) -> hashes held"},
+    {"digest", (PyCFunction)core_digest, METH_O, "digest(slot) -> (hashes held, XOR of them)"},
     {"dump", (PyCFunction)core_dump, METH_O, "dump(nslots) -> per slot, its hashes"},
     {"hashes", (PyCFunction)core_hashes, METH_O, "hashes(slot) -> its hashes"},
     {"match", (PyCFunction)core_match, METH_O, "match(hashes) -> (matched, [(bits, depth)]) | None"},
+    {"memory", (PyCFunction)core_memory, METH_NOARGS, "memory() -> bytes allocated"},
     {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef core_getset[] = {
+    {"entries", (getter)core_entries, NULL, "(slot, hash) pairs held", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PySequenceMethods core_as_sequence = {.sq_length = (lenfunc)core_len};
@@ -588,10 +891,11 @@ static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router._blockindex.Core",
     .tp_basicsize = sizeof(Core),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "block hash -> bitset over worker slots",
+    .tp_doc = "block hash -> the worker slots holding it",
     .tp_new = core_new,
     .tp_dealloc = (destructor)core_dealloc,
     .tp_methods = core_methods,
+    .tp_getset = core_getset,
     .tp_as_sequence = &core_as_sequence,
 };
 

@@ -3,9 +3,12 @@ run on both cores (the C extension where it was built, and the pure-Python refer
 
 from __future__ import annotations
 
+import random
 import shutil
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import reduce
+from operator import xor
 
 import pytest
 from hypothesis import given, settings
@@ -64,6 +67,16 @@ def assert_matches(idx: BlockIndex, ref: NaiveIndex, prompt: Sequence[int], work
     assert len(overlap) == len(expected)
     for worker in workers:
         assert (worker in overlap) == (worker in expected)
+
+
+def digest_of(hashes: Iterable[int]) -> tuple[int, int]:
+    held = set(hashes)
+    return len(held), reduce(xor, held, 0)
+
+
+def assert_digests(idx: BlockIndex, ref: NaiveIndex, workers: Iterable[str]) -> None:
+    for worker in workers:
+        assert idx.digest(worker) == digest_of(ref.held.get(worker, ()))
 
 
 def chain(n: int, start: int = 0) -> list[int]:
@@ -168,6 +181,116 @@ def test_many_workers_dropping_at_one_depth_are_all_named(make_index: Callable[[
     assert idx.find_matches(prompt) == expected
 
 
+def test_digest_counts_and_xors_what_the_worker_holds(make_index: Callable[[], BlockIndex]) -> None:
+    idx = make_index()
+    assert idx.digest("a") == (0, 0)
+    idx.store("a", [0, 5, 2**64 - 1, 5])
+    assert idx.digest("a") == (3, 5 ^ (2**64 - 1))
+    idx.store("b", [5])
+    idx.remove("a", [5, 7])
+    assert idx.digest("a") == (2, 2**64 - 1)
+    assert idx.digest("b") == (1, 5)
+    idx.clear("a")
+    assert idx.digest("a") == (0, 0)
+    idx.store("c", [9])  # takes the slot "a" left: nothing of a's digest carries over
+    assert idx.digest("c") == (1, 9)
+
+
+@pytest.mark.parametrize("holders", [1, 3, 4, 5, 6, 70])
+def test_holders_crossing_the_inline_limit_both_ways(make_index: Callable[[], BlockIndex], holders: int) -> None:
+    # The C core keeps up to 4 holders in the bucket and moves a hash to a bitset row at the 5th,
+    # back at 3: every step up and down must answer as the reference does.
+    idx, ref = make_index(), NaiveIndex()
+    prompt = chain(3)
+    names = [f"w{i}" for i in range(holders)]
+    for name in names:
+        idx.store(name, prompt)
+        ref.store(name, prompt)
+        assert_matches(idx, ref, prompt, names)
+    for name in names:
+        idx.remove(name, prompt[1:2])
+        ref.remove(name, prompt[1:2])
+        assert_matches(idx, ref, prompt, names)
+    for name in reversed(names):
+        idx.clear(name)
+        ref.clear(name)
+        assert_matches(idx, ref, prompt, names)
+    assert len(idx) == 0 and idx.entries == 0
+
+
+def test_blocks_dropped_and_stored_again_are_listed_once(make_index: Callable[[], BlockIndex]) -> None:
+    # The C core logs each slot's gains and compacts the log later: churn over the same blocks must
+    # neither repeat them in listings nor grow memory.
+    idx = make_index()
+    blocks = list(range(100))
+    idx.store("a", blocks)
+    idx.store("b", blocks[:10])
+    settled = idx.memory_bytes()
+    for r in range(300):
+        gone = blocks[r % 100 : r % 100 + 40]
+        idx.remove("a", gone)
+        idx.store("a", gone[::2])
+        idx.store("a", blocks)
+    assert idx.worker_hashes("a") == set(blocks)
+    assert idx.dump() == {"a": blocks, "b": blocks[:10]}
+    assert idx.digest("a") == digest_of(blocks)
+    assert idx.entries == 110
+    assert idx.memory_bytes() <= 2 * settled
+    idx.clear("a")
+    assert idx.find_matches(blocks) == {"b": 10}
+
+
+# --- memory ----------------------------------------------------------------------------------------
+
+
+def fill(idx: BlockIndex, rng: random.Random, workers: int, entries: int, holders: int = 1) -> None:
+    """Store random 64-block sequences until the index holds `entries` pairs, each sequence held by
+    `holders` consecutive workers."""
+    seq = 0
+    while idx.entries < entries:
+        hashes = [rng.getrandbits(64) for _ in range(64)]
+        for k in range(holders):
+            idx.store(f"w{(seq + k) % workers}", hashes)
+        seq += 1
+
+
+@pytest.mark.parametrize("holders", [1, 3])
+def test_memory_grows_linearly_with_entries(make_index: Callable[[], BlockIndex], holders: int) -> None:
+    idx, rng = make_index(), random.Random(holders)
+    per_entry = []
+    for entries in (2**12, 2**13, 2**14, 2**15, 2**16):
+        fill(idx, rng, 64, entries, holders)
+        assert idx.memory_bytes() > 0
+        per_entry.append(idx.bytes_per_entry)
+    # Over 16x the entries the cost per entry stays within one table doubling: linear growth.
+    assert max(per_entry) <= 2.2 * min(per_entry), per_entry
+
+
+@pytest.mark.skipif(not NATIVE, reason="router._blockindex was not built")
+@pytest.mark.parametrize(("holders", "popular"), [(1, 0), (2, 0), (1, 1000)])
+def test_native_index_costs_under_64_bytes_per_entry_at_1000_workers(holders: int, popular: int) -> None:
+    # The sizing target is 125 B per (worker, block) at 1,000 workers (docs/router_index.md). A
+    # bitset per hash would cost 128 B for the row alone; inline holders cost a bucket share.
+    idx, rng = BlockIndex(native=True), random.Random(holders)
+    shared = [rng.getrandbits(64) for _ in range(popular)]
+    if shared:
+        for w in range(1000):
+            idx.store(f"w{w}", shared)  # a system prompt every worker holds
+    fill(idx, rng, 1000, idx.entries + 131_072, holders)
+    assert idx.bytes_per_entry <= 64, idx.bytes_per_entry
+
+
+@pytest.mark.skipif(not NATIVE, reason="router._blockindex was not built")
+def test_native_index_gives_memory_back_when_workers_leave() -> None:
+    idx, rng = BlockIndex(native=True), random.Random(3)
+    empty = idx.memory_bytes()
+    fill(idx, rng, 200, 100_000, holders=6)
+    assert idx.memory_bytes() > 20 * empty
+    for w in range(200):
+        idx.clear(f"w{w}")
+    assert idx.memory_bytes() <= 2 * empty + 200 * 64  # the table back to its least; per-slot headers
+
+
 # --- property tests ------------------------------------------------------------------------------
 
 WORKERS = [f"w{i}" for i in range(6)]
@@ -207,6 +330,7 @@ def test_index_agrees_with_naive_reference(
             ref.store(worker, hashes)
         for prompt in prompts:
             assert_matches(idx, ref, prompt, WORKERS)
+        assert_digests(idx, ref, WORKERS)
     assert idx.dump() == {w: sorted(h) for w, h in sorted(ref.held.items())}
     assert idx.workers() == sorted(ref.held)
     assert len(idx) == len(set().union(*ref.held.values()))
@@ -273,6 +397,7 @@ def test_slots_beyond_64_and_1000_workers_agree_with_reference(
     assert idx.entries == sum(len(h) for h in ref.held.values())
     assert len(idx) == len(set().union(*ref.held.values()))
     assert idx.slots <= n_workers
+    assert_digests(idx, ref, names)
 
 
 BIG_HASHES = st.lists(
@@ -301,6 +426,7 @@ def test_crowded_table_agrees_with_reference(native: bool, ops: list[tuple[str, 
                 getattr(index, op)(worker, hashes)
         for w in WORKERS[:3]:
             assert idx.worker_hashes(w) == ref.held.get(w, set())
+        assert_digests(idx, ref, WORKERS[:3])
     everything = sorted(set().union(*ref.held.values()))
     for w, held in ref.held.items():
         assert all(idx.find_matches([h]).get(w) == 1 for h in held)
@@ -308,7 +434,7 @@ def test_crowded_table_agrees_with_reference(native: bool, ops: list[tuple[str, 
     assert len(idx) == len(everything)
 
 
-@pytest.mark.parametrize("bad", [-1, 2**64, "7", 1.5, None])
+@pytest.mark.parametrize("bad", [-1, 2**64, 2**100, -(2**70), "7", 1.5, None])
 def test_a_hash_that_is_not_a_u64_is_refused_and_changes_nothing(
     make_index: Callable[[], BlockIndex], bad: object
 ) -> None:
@@ -325,12 +451,28 @@ def test_a_hash_that_is_not_a_u64_is_refused_and_changes_nothing(
     assert idx.entries == 2
 
 
+def test_hashes_at_every_digit_boundary_are_kept_exactly(make_index: Callable[[], BlockIndex]) -> None:
+    # The C core reads CPython's 30-bit digits directly: one, two and three digits, and the top.
+    edges = [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, 2**64 - 2, 2**64 - 1]
+    idx = make_index()
+    idx.store("a", edges)
+    assert idx.dump() == {"a": edges}
+    assert idx.find_matches(edges) == {"a": len(edges)}
+    assert idx.digest("a") == digest_of(edges)
+    for h in edges:
+        assert idx.find_matches([h]) == {"a": 1}
+    idx.remove("a", edges[::2])
+    assert idx.dump() == {"a": edges[1::2]}
+
+
 def test_a_prompt_hash_that_is_not_a_u64_ends_the_match(make_index: Callable[[], BlockIndex]) -> None:
     idx = make_index()
     idx.store("a", [1, 2, 2**64 - 1])
     assert idx.find_matches([1, -2, 2]) == {"a": 1}
     assert idx.find_matches([1, 2, 2**64 - 1, 2**64]) == {"a": 3}
+    assert idx.find_matches([1, 2, 2**100]) == {"a": 2}
     assert idx.find_matches([-1, 1]) == {}
+    assert idx.find_matches([2**30, 1]) == {}  # one more than a single 30-bit digit holds
 
 
 def test_native_index_is_built_where_a_compiler_exists() -> None:
