@@ -27,7 +27,7 @@ sysdeps:
 		echo "missing Debian packages; run: sudo apt-get install -y$$missing"; exit 1; \
 	fi
 
-$(STAMP): pyproject.toml setup.py protocol/_fasthash.c | sysdeps
+$(STAMP): pyproject.toml setup.py protocol/_fasthash.c router/_blockindex.c | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'

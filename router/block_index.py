@@ -203,14 +203,6 @@ class BlockIndex:
             return set()
         return set(self._core.hashes(slot))
 
-    def digest(self, worker: str) -> tuple[int, int]:
-        """(distinct hashes `worker` holds, their XOR): what its shim's load reports carry."""
-        hashes = self.worker_hashes(worker)
-        xor = 0
-        for h in hashes:
-            xor ^= h
-        return len(hashes), xor
-
     def workers(self) -> list[str]:
         """Workers holding at least one block, sorted."""
         return sorted(self._slot_of)

@@ -81,6 +81,7 @@ class GapRepair:
         retry_min_s: float = 0.05,
         retry_max_s: float = 2.0,
         error_every_s: float = 30.0,
+        max_in_flight: int = 32,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nc = nc
@@ -92,6 +93,9 @@ class GapRepair:
         self.error_every_s = error_every_s
         self._clock = clock
         self._loops: dict[str, _Loop] = {}
+        # A replica bootstrapping 1,000 workers at once would ask for 1,000 dumps together: NATS
+        # then cuts it off as a slow consumer. At most this many replies are in flight.
+        self._in_flight = asyncio.Semaphore(max_in_flight)
 
     def ensure(self, worker: str) -> None:
         """Run the worker's repair loop unless it runs already."""
@@ -160,6 +164,10 @@ class GapRepair:
 
     async def fetch(self, worker: str, request: KvStateRequest) -> list[KvStateChunk]:
         """Every chunk of one kvstate reply, in order; FetchFailure otherwise."""
+        async with self._in_flight:
+            return await self._fetch(worker, request)
+
+    async def _fetch(self, worker: str, request: KvStateRequest) -> list[KvStateChunk]:
         inbox = self._nc.new_inbox()
         chunks: list[KvStateChunk] = []
         sub: Subscription | None = None

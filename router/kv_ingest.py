@@ -48,7 +48,6 @@ from protocol.messages import (
     KvStateChunk,
     KvStateRequest,
     LoadReport,
-    Stored,
     decode_msg,
 )
 from router.block_index import BlockIndex
@@ -109,6 +108,7 @@ class KvIngest:
         self._on_events = on_events
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
+        self._unsynced: set[str] = set()  # workers bootstrapping or repairing: `synced` in O(1)
         self._unknown: dict[str, deque[tuple[float, KvEventBatch]]] = {}
         self._malformed_logged: set[str] = set()
         self._arrivals = 0
@@ -151,6 +151,7 @@ class KvIngest:
         sync = WorkerSync()
         state = _Worker(name=worker, sync=sync, registered_epoch=epoch)
         self._workers[worker] = state
+        self._unsynced.add(worker)
         self.stats.workers[worker] = sync
         for _, batch in self._unknown.pop(worker, ()):
             self._hold(state, batch)
@@ -162,6 +163,7 @@ class KvIngest:
     def remove_worker(self, worker: str) -> None:
         """`worker` left: its entries go at once and its repair, if any, stops."""
         self._workers.pop(worker, None)
+        self._unsynced.discard(worker)
         self.stats.unknown_held -= len(self._unknown.pop(worker, ()))
         self.stats.workers.pop(worker, None)
         self.index.clear(worker)
@@ -174,7 +176,7 @@ class KvIngest:
     @property
     def synced(self) -> bool:
         """Every added worker bootstrapped, with no gap open."""
-        return all(w.sync.state is SyncState.SYNCED for w in self._workers.values())
+        return not self._unsynced
 
     def sync_state(self, worker: str) -> tuple[str, str] | None:
         """None when the index is synced with `worker`, else (state, why)."""
@@ -324,6 +326,7 @@ class KvIngest:
         if state.sync.state is SyncState.SYNCED:
             state.sync.state = SyncState.REPAIRING
             state.why = why
+            self._unsynced.add(state.name)
         state.want_dump = state.want_dump or dump
         state.behind = None
         self._synced.clear()
@@ -357,12 +360,12 @@ class KvIngest:
             return
         sync, first = state.sync, chunks[0]
         if first.dump:
-            hashes: set[int] = set()
-            for chunk in chunks:
-                hashes.update(chunk.hashes)
+            # Chunk by chunk: no set of a whole worker's hashes (16k per worker, 1,000 workers at a
+            # replica's bootstrap). Pending prefixes are left alone: they stand for requests in
+            # flight, which a dump of what is cached says nothing about.
             self.index.clear(worker)
-            self.index.store(worker, hashes)
-            self._on_events(worker, [Cleared(), Stored(hashes=list(hashes))])
+            for chunk in chunks:
+                self.index.store(worker, chunk.hashes)
             sync.epoch, sync.last_seq = first.epoch, first.seq
             state.want_dump = False
             self.stats.repairs_dumps += 1
@@ -383,6 +386,7 @@ class KvIngest:
                 sync.repairs += 1
             sync.state = SyncState.SYNCED
             state.why = ""
+            self._unsynced.discard(worker)
             self._refresh_synced()
 
     def _drop_contradicted(self, state: _Worker, epoch: int, seq: int) -> None:

@@ -27,6 +27,7 @@ class StateFigures:
     decisions: Mapping[str, int] = field(default_factory=dict)
     index_blocks: int = 0
     index_entries: int = 0
+    index_memory_bytes: int = 0
     event_lag_s: float = 0.0
     kv_batches: int = 0
     kv_malformed: int = 0
@@ -49,6 +50,9 @@ class _StateCollector(Collector):
         yield decisions
         yield GaugeMetricFamily("kvswitch_router_index_blocks", "Distinct block hashes in the index", s.index_blocks)
         yield GaugeMetricFamily("kvswitch_router_index_entries", "(block, worker) pairs in the index", s.index_entries)
+        yield GaugeMetricFamily(
+            "kvswitch_router_index_memory_bytes", "Bytes the prefix index holds, by its own count", s.index_memory_bytes
+        )
         yield GaugeMetricFamily(
             "kvswitch_router_kv_event_lag_seconds", "Receive time minus send time of the last KV batch", s.event_lag_s
         )

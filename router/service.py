@@ -472,6 +472,7 @@ class RouterService:
             decisions={str(k): v for k, v in self._planner.disagg.counts.items()} if self._planner else {},
             index_blocks=len(self.index),
             index_entries=self.index.entries,
+            index_memory_bytes=self.index.memory_bytes(),
             event_lag_s=stats.last_lag_s if stats else 0.0,
             kv_batches=stats.batches_applied if stats else 0,
             kv_malformed=stats.malformed if stats else 0,
