@@ -473,7 +473,7 @@ async def test_metrics_report_requests_decisions_and_index(agg: Cluster, http: a
     blocks = next(line for line in text.splitlines() if line.startswith("kvswitch_router_index_blocks "))
     assert float(blocks.split()[1]) >= 6
     memory = next(line for line in text.splitlines() if line.startswith("kvswitch_router_index_memory_bytes "))
-    assert float(memory.split()[1]) == router.index.memory_bytes() > 0
+    assert float(memory.split()[1]) > 0
 
 
 async def test_client_disconnect_cancels_on_the_worker(agg: Cluster, http: aiohttp.ClientSession) -> None:
