@@ -35,11 +35,8 @@ The simulators stamp `ts` when they seal a batch, so a simulator that falls behi
 adds its own delay to the lag: each reports how far behind its schedule it sealed (p99), and a run
 where that is not small says more about the machine than about the router.
 
-Two proposed changes to KvIngest (not in router/kv_ingest.py) can be measured, each by a subclass
-here; without these flags KvIngest runs as it is:
-- `--dump-concurrency N`: at most N kvstate requests in flight (`_request_state` in a semaphore).
-- `--dump-as-lists`: a dump's chunks are stored as they come (`index.clear`, then `index.store` of
-  each chunk's list) instead of first gathering them into a set (the index ignores repeats).
+KvIngest runs as it is in the router: dumps stored chunk by chunk, at most `--dump-concurrency`
+(default 32, the router's own) kvstate replies in flight.
 Target: bootstrap <= 10 s; lag p99 <= 50 ms.
 """
 
@@ -72,7 +69,7 @@ from bench.index_event_rate import measure as measure_event_rate
 from bench.index_fleet_workload import SHARINGS, FleetWorkload
 from kvswitch.servers import NatsServer
 from protocol import subjects
-from protocol.messages import KvEventBatch, KvStateChunk, KvStateRequest, Removed, Stored, decode_msg, encode_msg
+from protocol.messages import KvEventBatch, KvStateRequest, Removed, Stored, decode_msg, encode_msg
 from router.block_index import BlockIndex
 from router.ingest_stats import IngestStats
 from router.kv_ingest import KvIngest
@@ -255,32 +252,6 @@ def _simulator_main(proc: int, procs: int, url: str, wl: FleetWorkload, cpus: se
 # --- the router side -----------------------------------------------------------------------------
 
 
-class ProposedIngest(KvIngest):
-    """KvIngest with the proposals of `--dump-concurrency` and `--dump-as-lists`."""
-
-    def __init__(self, nc: Client, ns: str, index: BlockIndex, limit: int, as_lists: bool) -> None:
-        super().__init__(nc, ns, index)
-        self._gate = asyncio.Semaphore(limit) if limit else None
-        self._as_lists = as_lists
-
-    async def _request_state(self, worker: str, request: KvStateRequest) -> list[KvStateChunk] | None:
-        if self._gate is None:
-            return await super()._request_state(worker, request)
-        async with self._gate:  # a bootstrap of many workers is a pipeline, not a race of timeouts
-            return await super()._request_state(worker, request)
-
-    def _apply_state(self, worker: str, state: Any, chunks: list[KvStateChunk]) -> None:
-        if not (self._as_lists and chunks[0].dump):
-            super()._apply_state(worker, state, chunks)
-            return
-        self.index.clear(worker)
-        for chunk in chunks:  # the index ignores repeats: no set to build and read back scattered
-            self.index.store(worker, chunk.hashes)
-        state.sync.epoch, state.sync.last_seq = chunks[0].epoch, chunks[0].seq
-        state.want_dump = False
-        self.stats.repairs_dumps += 1
-
-
 class LagStats(IngestStats):
     """KvIngest's counters, keeping every `last_lag_s` it sets (one per live batch applied)."""
 
@@ -375,12 +346,7 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
     try:
         await ready
         index = BlockIndex()
-        proposed = args.dump_concurrency or args.dump_as_lists
-        ingest = (
-            ProposedIngest(nc, NS, index, args.dump_concurrency, args.dump_as_lists)
-            if proposed
-            else KvIngest(nc, NS, index)
-        )
+        ingest = KvIngest(nc, NS, index, max_kvstate_in_flight=args.dump_concurrency)
         ingest.stats = stats = LagStats()
         await ingest.start()
         profile = _Phase(args.profile, "bootstrap")
@@ -450,10 +416,7 @@ def report(args: argparse.Namespace, rate_line: str, r: Result, slow_consumers: 
     print(f"{n} workers x {args.blocks} blocks ({args.sharing} sharing), {args.procs} simulator processes")
     if args.pin:
         print(f"pinned: the router on CPU {max(os.sched_getaffinity(0))}, nats-server and simulators on {args.others}")
-    if args.dump_concurrency:
-        print(f"proposed: at most {args.dump_concurrency} kvstate requests in flight")
-    if args.dump_as_lists:
-        print("proposed: dump chunks stored as lists, no set")
+    print(f"at most {args.dump_concurrency} kvstate replies in flight")
     print(f"engine_sim, one H200 at the Mooncake trace x{RATE_SPEED}: {rate_line}")
     print(
         f"bootstrap: {r.bootstrap_s:.2f} s to synced ({r.entries:,} entries,"
@@ -492,8 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of live publishing")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply the per-worker batch rate")
     ap.add_argument("--procs", type=int, default=2, help="shim simulator processes")
-    ap.add_argument("--dump-concurrency", type=int, default=0, help="proposal: kvstate requests in flight (0: as is)")
-    ap.add_argument("--dump-as-lists", action="store_true", help="proposal: store dump chunks without a set")
+    ap.add_argument("--dump-concurrency", type=int, default=32, help="kvstate replies in flight (the router's: 32)")
     ap.add_argument("--pin", action="store_true", help="the router on a CPU of its own, the rest on the others")
     ap.add_argument("--profile", metavar="PREFIX", help="cProfile the router side, per phase, and print the tops")
     args = ap.parse_args(argv)

@@ -92,6 +92,7 @@ class KvIngest:
         unknown_limit: int = 10_000,
         held_limit: int = 10_000,
         behind_grace_s: float = 1.0,
+        max_kvstate_in_flight: int = 32,
         on_events: Callable[[str, list[KvEvent]], None] = lambda worker, events: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -100,7 +101,14 @@ class KvIngest:
         self.index = index
         self.stats = IngestStats()
         self.status = PartStatus.NEW
-        self.repairs = GapRepair(nc, self._ns, self, request_timeout_s=request_timeout_s, retry_max_s=retry_max_s)
+        self.repairs = GapRepair(
+            nc,
+            self._ns,
+            self,
+            request_timeout_s=request_timeout_s,
+            retry_max_s=retry_max_s,
+            max_in_flight=max_kvstate_in_flight,
+        )
         self._unknown_ttl_s = unknown_ttl_s
         self._unknown_limit = unknown_limit
         self._held_limit = held_limit
