@@ -455,7 +455,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of live publishing")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply the per-worker batch rate")
     ap.add_argument("--procs", type=int, default=2, help="shim simulator processes")
-    ap.add_argument("--dump-concurrency", type=int, default=32, help="kvstate replies in flight (the router's: 32)")
+    ap.add_argument(
+        "--dump-concurrency", type=lambda v: max(1, int(v)), default=32, help="kvstate replies in flight (router's 32)"
+    )
     ap.add_argument("--pin", action="store_true", help="the router on a CPU of its own, the rest on the others")
     ap.add_argument("--profile", metavar="PREFIX", help="cProfile the router side, per phase, and print the tops")
     args = ap.parse_args(argv)
