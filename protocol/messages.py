@@ -203,6 +203,11 @@ class GenerateRequest(_Msg, kw_only=True):
     # The shim sends an empty (token-less, non-final) chunk whenever it has sent nothing for this
     # many seconds, so a router can tell a dead worker from a long prefill; 0 asks for none.
     heartbeat_s: float = 0.0
+    # Not a new leg: the chunks of the running (or just finished) leg `request_id` from seq `resume`
+    # on, sent again to this message's reply subject, where the rest of the leg then goes. A router
+    # asks when chunks went missing (a NATS node died under the stream); a shim that no longer has
+    # them answers with an error chunk of that seq (410, `gone`).
+    resume: int | None = None
     # The client's OpenAI request, passed to an engine that serves the OpenAI API: `endpoint` is
     # ENDPOINT_COMPLETIONS or ENDPOINT_CHAT ("": a token-id leg built from `sampling`), `params`
     # the client's body as the router validated it. A completions body without `prompt` means

@@ -65,6 +65,7 @@ __all__ = ["Bookings", "Dispatcher", "Job", "LegError"]
 
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"
+MAX_RESUMES = 3  # times one leg may ask for lost chunks again
 
 
 class LegError(Exception):
@@ -84,7 +85,7 @@ class LegError(Exception):
     def refused(self) -> bool:
         """The engine refused the request itself (bad input, too long): no other worker would
         take it either."""
-        return 400 <= self.code < 500 and self.code not in (408, 409, 429)
+        return 400 <= self.code < 500 and self.code not in (408, 409, 410, 429)
 
     @property
     def worker_silent(self) -> bool:
@@ -125,12 +126,18 @@ class _Leg:
     Chunks wait in a deque and wake the reader through one future, not an asyncio.Queue read under
     `wait_for`, which would cost a task per chunk."""
 
-    def __init__(self, owner: Dispatcher, token: str, worker: str, request_id: str, span: Span) -> None:
+    def __init__(
+        self, owner: Dispatcher, token: str, worker: str, role: str, request: GenerateRequest, span: Span
+    ) -> None:
         self.owner = owner
         self.token = token
         self.worker = worker
-        self.request_id = request_id
+        self.role = role
+        self.request = request
+        self.request_id = request.request_id
         self.span = span
+        self.resumes = 0
+        self.resuming = False  # chunks after a gap are dropped until the resent ones arrive
         self._items: deque[ResponseChunk | LegError] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self.next_seq = 0
@@ -168,41 +175,80 @@ class _Leg:
 
     async def next(self, deadline_s: float, silence_s: float) -> ResponseChunk:
         """The next chunk; LegError 504 once `deadline_s` (seconds from now) passes, 503 (the worker
-        went silent, retryable before the first token) after `silence_s` without any chunk."""
-        if not self._items:
-            await self._wait(min(deadline_s, silence_s))
+        went silent, retryable before the first token) after `silence_s` without any chunk.
+
+        Chunks lost on the way (a NATS node died under the stream: a seq gap, or silence after the
+        first token) are asked for again (GenerateRequest.resume) up to MAX_RESUMES times; copies
+        of chunks already read are dropped."""
+        until = time.monotonic() + deadline_s
+        while True:
             if not self._items:
-                if deadline_s <= silence_s:
-                    raise LegError(self.worker, 504, "timeout", f"no answer within {deadline_s:.2f}s", retryable=False)
+                left = until - time.monotonic()
+                await self._wait(min(left, silence_s))
+                if not self._items:
+                    if left <= silence_s:
+                        raise LegError(
+                            self.worker, 504, "timeout", f"no answer within {deadline_s:.2f}s", retryable=False
+                        )
+                    if self.tokens_seen and self.resumes < MAX_RESUMES:
+                        await self._resume()
+                        continue
+                    raise LegError(
+                        self.worker,
+                        503,
+                        "worker_silent",
+                        f"no chunk or heartbeat for {silence_s:.2f}s",
+                        retryable=not self.tokens_seen,
+                    )
+            item = self._items.popleft()
+            if isinstance(item, LegError):
+                raise item
+            if item.seq < self.next_seq:
+                continue  # sent again after a resume
+            if item.seq > self.next_seq:
+                if self.resuming:
+                    continue  # sent before our request to resend arrived: it comes again
+                if self.resumes >= MAX_RESUMES:
+                    raise LegError(
+                        self.worker, 502, "stream_gap", f"chunk {item.seq}, expected {self.next_seq}", retryable=False
+                    )
+                await self._resume()
+                continue
+            self.resuming = False
+            self.next_seq += 1
+            if item.error is not None:
+                self.done = True  # the worker ended it itself: nothing to cancel
+                err = item.error
                 raise LegError(
                     self.worker,
-                    503,
-                    "worker_silent",
-                    f"no chunk or heartbeat for {silence_s:.2f}s",
-                    retryable=not self.tokens_seen,
+                    err.code,
+                    err.kind,
+                    err.message,
+                    retryable=err.code >= 500 and err.code != 504,
+                    body=err.body,
                 )
-        item = self._items.popleft()
-        if isinstance(item, LegError):
-            raise item
-        if item.seq != self.next_seq:
-            raise LegError(
-                self.worker, 502, "stream_gap", f"chunk {item.seq}, expected {self.next_seq}", retryable=False
+            if item.final:
+                self.done = True
+            return item
+
+    async def _resume(self) -> None:
+        self.resuming = True
+        self.resumes += 1
+        self.owner.resumes += 1
+        log.warning(
+            "request %s: chunks from %d lost on the way from worker %s; asking for them again",
+            self.request_id,
+            self.next_seq,
+            self.worker,
+            extra={"request_id": self.request_id},
+        )
+        again = msgspec.structs.replace(self.request, resume=self.next_seq)
+        with contextlib.suppress(Exception):  # NATS reconnecting: the next silence asks again
+            await self.owner._nc.publish(
+                subjects.gen(self.owner._ns, self.role, self.worker),
+                encode_msg(again),
+                reply=f"{self.owner._prefix}.{self.token}",
             )
-        self.next_seq += 1
-        if item.error is not None:
-            self.done = True  # the worker ended it itself: nothing to cancel
-            err = item.error
-            raise LegError(
-                self.worker,
-                err.code,
-                err.kind,
-                err.message,
-                retryable=err.code >= 500 and err.code != 504,
-                body=err.body,
-            )
-        if item.final:
-            self.done = True
-        return item
 
 
 def _output(chunk: ResponseChunk) -> bool:
@@ -242,6 +288,7 @@ class Dispatcher:
         self._ids = itertools.count()
         self.retries = 0
         self.fallbacks = 0
+        self.resumes = 0
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -286,8 +333,8 @@ class Dispatcher:
     async def _open(self, worker: str, role: str, req: GenerateRequest) -> _Leg:
         token = str(next(self._ids))
         span = self._tracer.leg(role, worker, req.request_id)
-        leg = _Leg(self, token, worker, req.request_id, span)
         req = msgspec.structs.replace(req, trace=self._tracer.carrier(span))
+        leg = _Leg(self, token, worker, role, req, span)
         try:
             data = encode_msg(req)
         except (OverflowError, msgspec.EncodeError) as exc:

@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -63,6 +63,7 @@ from worker_shim.tracing import LegTracer
 __all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "PREFILL_POLL_S", "RequestService"]
 
 log = logging.getLogger(__name__)
+RECENT_LEGS = 256  # ended legs whose chunks a router may still ask for again
 COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
@@ -91,6 +92,8 @@ class _ChunkWriter:
         self.role = role
         self.seq = 0
         self.sent_tokens = 0
+        self.sent: list[bytes] = []  # every chunk as published, by seq: a router may ask again
+        self.done = False
         self._pending: list[int] = []
         self._events: list[bytes] = []
         self._event_bytes = 0
@@ -105,7 +108,20 @@ class _ChunkWriter:
     async def _send(self, chunk: ResponseChunk) -> None:
         self.seq += 1
         self._last_sent = time.monotonic()
-        await self.nc.publish(self.reply, encode_msg(chunk))
+        data = encode_msg(chunk)
+        self.sent.append(data)
+        await self.nc.publish(self.reply, data)
+
+    async def resume(self, reply: str, seq: int) -> bool:
+        """Send the chunks from `seq` on again, to `reply`, which gets the rest of the leg too.
+        False when `seq` is not one this leg has sent or will send next."""
+        if not 0 <= seq <= len(self.sent):
+            return False
+        self.reply = reply
+        self._last_sent = time.monotonic()
+        for data in self.sent[seq:]:
+            await self.nc.publish(reply, data)
+        return True
 
     def _chunk(self, tokens: list[int], events: list[bytes] | None = None, **final: object) -> ResponseChunk:
         counted, self._counted = (self._counted, 0) if events else (0, self._counted)
@@ -196,12 +212,14 @@ class _ChunkWriter:
                 body=pieces[-1],
             )
         )
+        self.done = True
 
 
 @dataclass(slots=True)
 class _Leg:
     request_id: str
     queued_tokens: int
+    writer: _ChunkWriter | None = None
     task: asyncio.Task[None] | None = None
     cancelled: bool = False
     shutdown: bool = False
@@ -244,6 +262,9 @@ class RequestService:
         self.heartbeats = 0
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self._queued = 0
+        self.resumes = 0
+        # Legs that ended lately, for a router that lost their last chunks (a NATS node died).
+        self.recent: OrderedDict[str, _ChunkWriter] = OrderedDict()
 
     @property
     def prefill_tokens_queued(self) -> int:
@@ -268,6 +289,9 @@ class RequestService:
             writer = _ChunkWriter(self, msg.reply, "", worker, role)
             await writer.final(error=ErrorInfo(code=400, kind="bad_request", message=str(exc)))
             return
+        if req.resume is not None:
+            await self._resume(req, msg.reply, worker, role)
+            return
         writer = _ChunkWriter(self, msg.reply, req.request_id, worker, role, req.heartbeat_s)
         if not self.accepting:
             await writer.final(error=ErrorInfo(code=503, kind="draining", message="the worker is shutting down"))
@@ -282,13 +306,30 @@ class RequestService:
             await writer.final(error=leg)
             return
         queued = 0 if leg.transfer is not None else len(req.token_ids) - self.cached_tokens(req.token_ids)
-        state = _Leg(req.request_id, max(queued, 0))
+        state = _Leg(req.request_id, max(queued, 0), writer)
         self.inflight[req.request_id] = state
         self._queued += state.queued_tokens
         self.on_change()
         span = self.tracer.start(req.trace, role, worker, req.request_id)
         leg.headers = LegTracer.headers(span, req.trace)
         state.task = asyncio.create_task(self._run(req, leg, state, writer, role, span), name=f"leg-{req.request_id}")
+
+    async def _resume(self, req: GenerateRequest, reply: str, worker: str, role: str) -> None:
+        assert req.resume is not None
+        state = self.inflight.get(req.request_id)
+        writer = state.writer if state is not None else self.recent.get(req.request_id)
+        if writer is not None and await writer.resume(reply, req.resume):
+            self.resumes += 1
+            return
+        gone = _ChunkWriter(self, reply, req.request_id, worker, role)
+        gone.seq = req.resume
+        await gone.final(error=ErrorInfo(code=410, kind="gone", message=f"no chunks from {req.resume} to send again"))
+
+    def remember(self, writer: _ChunkWriter) -> None:
+        self.recent[writer.request_id] = writer
+        self.recent.move_to_end(writer.request_id)
+        while len(self.recent) > RECENT_LEGS:
+            self.recent.popitem(last=False)
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -393,6 +434,7 @@ class RequestService:
                     await watch
             self._first_token(state)
             self.inflight.pop(req.request_id, None)
+            self.remember(writer)
 
     async def _watch_prefill(self, token_ids: list[int], state: _Leg, writer: _ChunkWriter) -> None:
         """Until the engine's KV events hold every full block of the prompt; then the prompt no

@@ -158,12 +158,6 @@ def _run_through(cluster: LocalCluster, fault: object) -> Load:
     return load
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router: requests in flight through a NATS node that dies fail. Core NATS drops what the dying "
-    "server held: a reply stream that lost chunks ends with 502 stream_gap (the router neither retries nor "
-    "resumes it), and a lost gen request waits for the 600 s request deadline (the client times out)",
-)
 def test_losing_the_busiest_nats_node_fails_no_request(cluster: LocalCluster) -> None:
     assert cluster.nats is not None and cluster.etcd is not None
     before = _worker_keys(cluster.etcd.members[0])

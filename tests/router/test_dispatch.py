@@ -207,3 +207,68 @@ async def test_the_transfer_handle_reaches_the_decode_leg(nc: Client, ns: str, w
     await collect(d, job("d1", prefill="p1"))
     assert decode.requests[0].disagg is not None and decode.requests[0].disagg.params == {"remote_block_ids": [1]}
     assert books.log[0] == ("prefill_done", "r1#1")
+
+
+class Replaying:
+    """A worker that loses chunks on the way (as a dying NATS node would) and sends them again when
+    asked (GenerateRequest.resume)."""
+
+    def __init__(self, lose: set[int], stop_after: int | None = None) -> None:
+        self.lose = lose
+        self.stop_after = stop_after
+        self.sent: list[ResponseChunk] = []
+        self.resumes: list[int] = []
+
+    def chunks(self, req: GenerateRequest) -> list[ResponseChunk]:
+        toks = [ResponseChunk(request_id=req.request_id, seq=i, token_ids=[10 + i]) for i in range(5)]
+        return [*toks, ResponseChunk(request_id=req.request_id, seq=5, final=True, finish_reason="length")]
+
+    async def __call__(self, nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        all_chunks = self.chunks(req)
+        if req.resume is not None:
+            self.resumes.append(req.resume)
+            for c in all_chunks[req.resume :]:
+                await nc.publish(msg.reply, encode_msg(c))
+            return
+        for c in all_chunks[: self.stop_after]:
+            if c.seq not in self.lose:
+                await nc.publish(msg.reply, encode_msg(c))
+
+
+async def test_a_chunk_lost_mid_stream_is_asked_for_again_and_the_stream_completes(
+    nc: Client, ns: str, world: World
+) -> None:
+    d, _, unreachable = world
+    worker = Replaying(lose={2})
+    await Worker(nc, ns, "w1").serve("decode", worker)
+    chunks = await collect(d, job("w1"))
+    assert [t for c in chunks for t in c.token_ids] == [10, 11, 12, 13, 14] and chunks[-1].final
+    assert worker.resumes == [2] and d.resumes == 1 and unreachable == []
+
+
+async def test_lost_last_chunks_are_asked_for_after_silence(nc: Client, ns: str, world: World) -> None:
+    d, _, _ = world
+    worker = Replaying(lose=set(), stop_after=3)  # tokens 0-2 arrive, then nothing: the rest was lost
+    await Worker(nc, ns, "w1").serve("decode", worker)
+    chunks = await collect(d, job("w1"))
+    assert [t for c in chunks for t in c.token_ids] == [10, 11, 12, 13, 14]
+    assert worker.resumes == [3]
+
+
+async def test_a_worker_that_no_longer_has_the_chunks_ends_the_stream_with_its_error(
+    nc: Client, ns: str, world: World
+) -> None:
+    d, _, _ = world
+
+    async def forgetful(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        if req.resume is not None:
+            error = ErrorInfo(code=410, kind="gone", message="no chunks from 1 to send again")
+            await chunk(nc, msg, req, req.resume, final=True, error=error)
+            return
+        await chunk(nc, msg, req, 0, token_ids=[5])
+        await chunk(nc, msg, req, 2, token_ids=[7])  # chunk 1 lost
+
+    await Worker(nc, ns, "w1").serve("decode", forgetful)
+    with pytest.raises(LegError) as err:
+        await collect(d, job("w1"))
+    assert err.value.code == 410 and not err.value.refused

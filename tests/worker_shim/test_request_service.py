@@ -265,3 +265,28 @@ async def test_under_load_frames_carry_several_tokens(ns: str, nats_url: str, et
         tokens = sum(len(c.token_ids) for c in frames)
         assert tokens == n * 64
         assert tokens / len(frames) >= 1.5, f"{tokens} tokens in {len(frames)} frames"
+
+
+async def test_a_router_that_lost_chunks_gets_them_again_from_a_finished_leg(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        subject = subjects.gen(ns, "agg", shim.worker_id)
+        await col.send(subject, gen("r1", [5] * 40, max_tokens=6))
+        first = await col.final("r1")
+        sent = [c.seq for c in col.chunks["r1"]]
+        assert sent == list(range(first.seq + 1))
+        # As a router whose NATS node died after chunk 1: the same leg from seq 2, to a new inbox.
+        col.finals.pop("r1")
+        before = len(col.chunks["r1"])
+        await col.send(subject, gen("r1", [5] * 40, max_tokens=6, resume=2))
+        again = await col.final("r1")
+        resent = col.chunks["r1"][before:]
+        assert [c.seq for c in resent] == list(range(2, first.seq + 1))
+        assert [c.token_ids for c in resent] == [c.token_ids for c in col.chunks["r1"][2:before]]
+        assert again.finish_reason == first.finish_reason
+        # A leg the shim never served cannot be resumed: an error chunk at the asked seq.
+        await col.send(subject, gen("r9", [5] * 40, resume=3))
+        gone = await col.final("r9")
+        assert gone.seq == 3 and gone.error is not None and gone.error.code == 410
