@@ -5,6 +5,8 @@ kvswitch bench replay --url URL --workload shared-prefix --groups 8 --prompts-pe
 kvswitch bench summary bench/out/replay-....jsonl --latency-scale 10
 kvswitch bench compare --prefill 2 --decode 2 --rates 0.5,1,2 --runs 3
 kvswitch bench compare --demo          # what `make demo` runs: <= 3 minutes on 2 cores
+kvswitch bench compare --clock virtual --scale-tokens 1 --start 0 --duration 0   # the whole trace, simulated
+kvswitch bench replay --clock virtual --agg 4 --configuration kv --workload shared-prefix
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import msgspec
 
 from bench.summary import PrefixCounters, Slo, format_summary, scrape_prefix_counters, summarize
 from bench.trace import TraceError, load_trace, shipped_trace
+from bench.virtual.delays import DEFAULT_DELAYS, Delays
 from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
 
 __all__ = ["DEMO", "add_arguments", "run"]
@@ -55,6 +58,29 @@ COMPARE_DEFAULTS: dict[str, Any] = {
     "runs": 3,
     "configs": "all",
 }
+# `compare --clock virtual --demo` (what `make demo` adds): full token scale, the trace's last 200 s
+# (911 requests), 1 prefill + 4 decode engines, five configurations, at the trace's rate.
+VIRTUAL_DEMO: dict[str, Any] = {
+    "start": 822.0,
+    "scale_tokens": 1.0,
+    "prefill": 1,
+    "decode": 4,
+    "rates": "1",
+    "runs": 1,
+    "configs": "round_robin,kv,kv_disagg,isl_bounding,ttft_model",
+}
+# `compare --clock virtual`: the issue's benchmark figure, the whole shipped trace (3,993 requests,
+# 61 M prompt tokens over 1,022 s) at full token scale on 1 prefill + 4 decode engines (5 agg
+# engines for the agg configurations), every kvswitch configuration, at the trace's own rate.
+VIRTUAL_DEFAULTS: dict[str, Any] = {
+    "start": 0.0,
+    "scale_tokens": 1.0,
+    "prefill": 1,
+    "decode": 4,
+    "rates": "1",
+    "runs": 1,
+    "configs": "all",
+}
 
 
 def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
@@ -82,6 +108,32 @@ def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     g.add_argument("--turn-gap", type=float, default=5.0, help="multi-turn: seconds between a session's turns")
 
 
+def _add_clock_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("virtual clock (--clock virtual: one process, modelled hops, simulated time)")
+    g.add_argument("--clock", choices=["live", "virtual"], default="live", help="live processes, or the virtual clock")
+    for name in Delays.__struct_fields__:
+        flag = "--" + name.removesuffix("_s").replace("_", "-") + "-delay"
+        default = getattr(DEFAULT_DELAYS, name)
+        g.add_argument(flag, dest=name, type=float, default=None, metavar="S", help=f"seconds (default {default:g})")
+    g.add_argument(
+        "--router-profile",
+        default=None,
+        help="the timing profile workers register for the routers' cost model ('none': none; default: the engines')",
+    )
+    g.add_argument("--router-seed", type=int, default=0, help="routers' random choices (run r uses seed + r)")
+
+
+def _delays(args: argparse.Namespace) -> Delays:
+    given = {name: getattr(args, name) for name in Delays.__struct_fields__ if getattr(args, name) is not None}
+    return msgspec.structs.replace(DEFAULT_DELAYS, **given).validate()
+
+
+def _router_profile(args: argparse.Namespace) -> str | None:
+    if args.router_profile is None:
+        return None
+    return "" if args.router_profile == "none" else args.router_profile
+
+
 def _add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds (default 2)")
     p.add_argument("--slo-itl", type=float, default=0.025, help="goodput SLO on mean ITL, seconds (default 0.025)")
@@ -91,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{replay,summary,compare}")
 
     rp = sub.add_parser("replay", help="replay a trace or synthetic workload against router URLs")
-    rp.add_argument("--url", action="append", required=True, help="router (or engine) base URL; repeat for replicas")
+    rp.add_argument("--url", action="append", default=[], help="router (or engine) base URL; repeat for replicas")
     rp.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     rp.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this factor")
     rp.add_argument("--latency-scale", type=float, default=1.0, help="multiply latencies by this (the sims' --speedup)")
@@ -105,6 +157,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     rp.add_argument("--out", type=Path, default=None, help="JSONL of per-request results (default bench/out/...)")
     rp.add_argument("--no-progress", action="store_true")
+    _add_clock_args(rp)
+    fg = rp.add_argument_group("virtual fleet (--clock virtual)")
+    fg.add_argument("--prefill", type=int, default=0, help="prefill engines")
+    fg.add_argument("--decode", type=int, default=0, help="decode engines")
+    fg.add_argument("--agg", type=int, default=0, help="aggregated engines")
+    fg.add_argument("--routers", type=int, default=1, help="router replicas")
+    fg.add_argument("--profile", default="h200:llama-3.1-8b", help="the engines' timing profile")
+    fg.add_argument("--configuration", default="kv", help="router settings: a `compare` configuration's flags")
+    fg.add_argument("--router-arg", action="append", default=[], help="one more `kvswitch router` flag (repeat)")
     _add_workload_args(rp, compare=False)
     _add_slo_args(rp)
 
@@ -127,6 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cp.add_argument("--out-dir", type=Path, default=OUT_DIR)
     cp.add_argument("--no-progress", action="store_true")
     cp.add_argument("--keep-logs", action="store_true", help="keep every child's log under --out-dir")
+    _add_clock_args(cp)
+    cp.add_argument("--jobs", type=int, default=2, help="virtual clock: measurements run in this many processes")
     _add_workload_args(cp, compare=True)
     _add_slo_args(cp)
 
@@ -173,6 +236,43 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
+    from bench.compare import CONFIGURATIONS
+    from bench.replay import write_results
+    from bench.trace import TokenSynth
+    from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
+
+    config = CONFIGURATIONS.get(args.configuration)
+    if config is None:
+        raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
+    if args.speed != 1.0 or args.latency_scale != 1.0 or args.metrics_url:
+        raise ValueError("--speed, --latency-scale and --metrics-url are for the live clock (virtual time needs none)")
+    longest = max((item.input_len + item.output_len for item in items), default=0)
+    spec = FleetSpec(
+        prefill=args.prefill,
+        decode=args.decode,
+        agg=args.agg,
+        routers=args.routers,
+        settings=settings_from_args([*config.router_args, *args.router_arg]),
+        delays=_delays(args),
+        profile=args.profile,
+        router_profile=_router_profile(args),
+        max_model_len=max(32768, longest),
+        seed=args.router_seed,
+    )
+    started = time.monotonic()
+    run = VirtualFleet(spec).run(items, TokenSynth(args.seed))
+    results = run.results()
+    out = args.out or OUT_DIR / f"replay-{_stamp()}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_results(out, results)
+    summary = summarize(results, slo=Slo(args.slo_ttft, args.slo_itl), prefix=run.prefix, clock="virtual")
+    print(format_summary(summary))
+    print(f"per-request results: {out}")
+    print(f"virtual clock: {run.virtual_s:.1f} s simulated in {time.monotonic() - started:.1f} s wall")
+    return 0 if summary.ok else 1
+
+
 async def _replay(args: argparse.Namespace, items: list[WorkItem]) -> int:
     from bench.replay import replay, write_results
     from bench.trace import TokenSynth
@@ -214,16 +314,21 @@ def _compare(args: argparse.Namespace) -> int:
     from bench.peers import missing_binaries
     from bench.plot import plot_compare
 
-    preset = DEMO if args.demo else COMPARE_DEFAULTS
+    virtual = args.clock == "virtual"
+    preset = (VIRTUAL_DEMO if virtual else DEMO) if args.demo else (VIRTUAL_DEFAULTS if virtual else COMPARE_DEFAULTS)
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     known = {**CONFIGURATIONS, **PEER_CONFIGURATIONS}
-    names = [*CONFIGURATIONS, *PEER_CONFIGURATIONS] if args.configs == "all" else args.configs.split(",")
-    names = [n.strip() for n in names]
+    if args.configs == "all":
+        names = [*CONFIGURATIONS] if virtual else [*CONFIGURATIONS, *PEER_CONFIGURATIONS]
+    else:
+        names = [n.strip() for n in args.configs.split(",")]
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(known)}, all")
+    if virtual and (peers := [n for n in names if known[n].peer is not None]):
+        raise ValueError(f"--configs: {', '.join(peers)} are peer routers; they run on the live clock only")
     configurations = []
     for name in names:
         peer = known[name].peer
@@ -235,6 +340,8 @@ def _compare(args: argparse.Namespace) -> int:
     # The sims' default max_model_len (32k) is shorter than the longest Mooncake prompts.
     longest = max(item.input_len + item.output_len for item in items)
     sim_args = list(args.sim_arg)
+    if args.clock == "virtual" and sim_args:
+        raise ValueError("--sim-arg configures live engines; the virtual clock takes --profile and the delay flags")
     if "--max-model-len" not in sim_args and longest > 32768:
         sim_args += ["--max-model-len", str(longest)]
     spec = CompareSpec(
@@ -252,6 +359,12 @@ def _compare(args: argparse.Namespace) -> int:
         synth_seed=args.seed,
         progress=not args.no_progress,
         log_dir=args.out_dir / f"logs-{_stamp()}" if args.keep_logs else None,
+        clock=args.clock,
+        delays=_delays(args),
+        router_profile=_router_profile(args),
+        max_model_len=max(32768, longest),
+        seed=args.router_seed,
+        jobs=args.jobs,
     )
     started = time.monotonic()
     measurements = run_compare(spec)
@@ -259,9 +372,10 @@ def _compare(args: argparse.Namespace) -> int:
     stamp = _stamp()
     json_path = args.out_dir / f"compare-{stamp}.json"
     json_path.write_bytes(msgspec.json.encode(measurements))
+    engines = "virtual clock" if args.clock == "virtual" else f"sims at {args.speedup:g}x"
     title = (
         f"{len(spec.items)} trace requests, scale {args.scale_tokens}, {args.prefill}P+{args.decode}D "
-        f"{args.profile} sims at {args.speedup:g}x"
+        f"{args.profile} {engines}"
     )
     png = plot_compare(measurements, args.out_dir / f"compare-{stamp}.png", title=title)
     print()
@@ -276,6 +390,10 @@ def _compare(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "replay":
+            if args.clock == "virtual":
+                return _replay_virtual(args, _replay_items(args))
+            if not args.url:
+                raise ValueError("--url is required (or --clock virtual)")
             return asyncio.run(_replay(args, _replay_items(args)))
         if args.bench_command == "summary":
             from bench.replay import read_results

@@ -16,7 +16,9 @@ Definitions (so figures can be checked by hand):
   weigh X times more than they would in real time;
 - prefix hit rate: the engines' own `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
   over the run (counters scraped before and after), i.e. tokens found cached over tokens looked up;
-- prefill mix: the share of requests the router reported as `bypass`, `remote` or `agg`.
+- prefill mix: the share of requests the router reported as `bypass`, `remote` or `agg`;
+- `clock`: "virtual" for a replay on the virtual clock (bench.virtual), whose seconds are simulated
+  ones with nothing but the model in them and whose requests are sent exactly when due.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Summary(msgspec.Struct, kw_only=True):
     prefix_hit_rate: float | None
     latency_scale: float
     slo: Slo
+    clock: str = "live"
 
 
 def _percentiles(values: Sequence[float], scale: float) -> Percentiles | None:
@@ -99,6 +102,7 @@ def summarize(
     slo: Slo | None = None,
     latency_scale: float = 1.0,
     prefix: PrefixCounters | None = None,
+    clock: str = "live",
 ) -> Summary:
     if not latency_scale > 0:
         raise ValueError(f"latency scale must be > 0, got {latency_scale}")
@@ -131,6 +135,7 @@ def summarize(
         prefix_hit_rate=prefix.hit_rate if prefix is not None else None,
         latency_scale=latency_scale,
         slo=slo,
+        clock=clock,
     )
 
 
@@ -139,7 +144,7 @@ def _ms(p: Percentiles | None) -> str:
 
 
 def format_summary(s: Summary) -> str:
-    clock = "simulated" if s.latency_scale != 1.0 else "wall"
+    clock = "virtual" if s.clock == "virtual" else "simulated" if s.latency_scale != 1.0 else "wall"
     lines = [
         f"requests   {s.requests} ({s.ok} ok, {s.errors} errors) over {s.duration_s:.1f} s ({clock} time)",
         f"TTFT       {_ms(s.ttft_s)}",
@@ -154,7 +159,7 @@ def format_summary(s: Summary) -> str:
         lines.append(f"prefix hit {s.prefix_hit_rate:.1%} of prompt tokens (engines' metrics)")
     if s.prefill_mix:
         lines.append("prefill    " + ", ".join(f"{mode} {share:.0%}" for mode, share in s.prefill_mix.items()))
-    if s.send_lag_p99_s is not None:
+    if s.send_lag_p99_s is not None and s.clock != "virtual":
         lines.append(f"send lag   p99 {s.send_lag_p99_s * 1e3:.1f} ms behind schedule (wall clock)")
     return "\n".join(lines)
 
