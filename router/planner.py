@@ -30,6 +30,7 @@ import msgspec
 from protocol import BlockHasher, WorkerInfo
 from protocol.config import RouterSettings
 from protocol.timing import load_profile
+from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
 from router.eligibility import Eligibility, model_block_sizes
 from router.ledger import BookingSink, Ledger, LocalSink
@@ -68,7 +69,10 @@ class Planner:
         ledger: Ledger,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
+        calibration: Calibration | None = None,
     ) -> None:
+        """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
+        it every load report) and admission reads prefill rates from it."""
         self.disagg = Disaggregator(settings, Selector(rng or random.Random()))
         self._workers = workers
         self.index = index
@@ -77,6 +81,7 @@ class Planner:
         self.eligibility = eligibility
         self.ledger = ledger
         self.clock = clock
+        self.calibration = calibration
         self._hashers: dict[int, BlockHasher] = {}
         self._attempts: dict[str, int] = {}
 
@@ -137,6 +142,8 @@ class Planner:
                 continue
             blocks = max(overlap.get(w, 0), pending.get(w, 0))
             c = Candidate.of(info, blocks, self.view.load(w))
+            if self.calibration is not None:
+                c.timing = self.calibration.timing(info)
             (prefill if info.role == "prefill" else decode).append(c)
         ctx.decode_pool, ctx.prefill_pool, ctx.excluded = decode, prefill, excluded
         if not decode:
@@ -169,7 +176,10 @@ class Planner:
         qt = s.conditional.queue_threshold
         if qt is not None:
             return not over_queue_threshold(c, qt)
-        rate = prefill_rate(c.info)
+        if c.timing is not None:
+            rate = c.timing.prefill_rate(c.info.max_num_batched_tokens or 8192)
+        else:
+            rate = prefill_rate(c.info)
         return rate is None or c.queued_prefill_tokens / rate <= s.slo_ttft_s / 2
 
     # --- 3 and 4: choose and book -------------------------------------------------------------------
@@ -240,6 +250,7 @@ def standalone_planner(
     rng: random.Random | None = None,
     sync_state: Callable[[str], tuple[str, str] | None] = lambda worker: None,
     tokenizer: str | None = None,
+    calibration: Calibration | None = None,
 ) -> Planner:
     """A planner with its own pending prefixes, eligibility and ledger, for callers without a
     replica around it (benchmarks, the virtual-clock replay, tests). By default every worker is
@@ -258,6 +269,7 @@ def standalone_planner(
         ledger=Ledger(sink or LocalSink(view), pending),
         rng=rng,
         clock=clock,
+        calibration=calibration,
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol import WorkerInfo
+from router.calibration import WorkerTiming
 
 __all__ = ["Candidate", "LoadLike", "RequestContext"]
 
@@ -39,7 +40,8 @@ class Candidate:
 
     `queued_prefill_tokens` and `active_blocks` include every router's bookings (the load view
     merges them); `kv_total_blocks` falls back to the worker record when no report gave it.
-    `cost` is written by selection.
+    `cost` is written by selection. `timing`: the worker's calibrated timing (router.calibration),
+    None when the router calibrates none.
     """
 
     info: WorkerInfo
@@ -52,6 +54,7 @@ class Candidate:
     kv_total_blocks: int | None = None
     healthy: bool = True
     cost: float = 0.0
+    timing: WorkerTiming | None = None
 
     @property
     def worker(self) -> str:
