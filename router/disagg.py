@@ -73,13 +73,13 @@ class Disaggregator:
         self.selector = selector or Selector()
         self.counts: Counter[Outcome] = Counter()
         self.settings = settings
-        self.policy: Policy = make_policy(settings.conditional)
+        self.policy: Policy = make_policy(settings.conditional, settings)
         self.guard = DecodeGuard.from_settings(settings.conditional)
 
     def configure(self, settings: RouterSettings) -> None:
         """Swap in new (already validated) settings; a policy that cannot be built raises and
         leaves the old settings in place."""
-        policy = make_policy(settings.conditional)
+        policy = make_policy(settings.conditional, settings)
         guard = DecodeGuard.from_settings(settings.conditional)
         self.settings, self.policy, self.guard = settings, policy, guard
 
