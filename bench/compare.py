@@ -83,6 +83,7 @@ CONFIGURATIONS: dict[str, Configuration] = {
         Configuration("prefill_load", (*_CONDITIONAL, "prefill_load", "--prefill-busy-threshold", "1.0"), "pd"),
         Configuration("isl_or_load", (*_CONDITIONAL, "isl_or_load", "--prefill-busy-threshold", "1.0"), "pd"),
         Configuration("ttft_model", (*_CONDITIONAL, "ttft_model"), "pd"),
+        Configuration("slo_aware", (*_CONDITIONAL, "slo_aware"), "pd"),
     )
 }
 PEER_CONFIGURATIONS: dict[str, Configuration] = {
@@ -321,12 +322,13 @@ def headline_ratios(ms: Sequence[Measurement]) -> list[str]:
         rr, kv = med("round_robin", "TTFT p90 s"), med("kv", "TTFT p90 s")
         if rr is not None and kv:
             out.append(f"x{rate:g}: round_robin / kv TTFT p90 = {rr / kv:.2f}x (target >= 3x)")
-        ttft_model = med("ttft_model", "goodput r/s")
         fixed = [g for g in (med("kv", "goodput r/s"), med("kv_disagg", "goodput r/s")) if g is not None]
-        if ttft_model is not None and fixed and max(fixed) > 0:
-            out.append(
-                f"x{rate:g}: ttft_model goodput / best fixed mode = {ttft_model / max(fixed):.2f}x (target >= 1.15x)"
-            )
+        for policy in ("ttft_model", "slo_aware"):
+            goodput = med(policy, "goodput r/s")
+            if goodput is not None and fixed and max(fixed) > 0:
+                out.append(
+                    f"x{rate:g}: {policy} goodput / best fixed mode = {goodput / max(fixed):.2f}x (target >= 1.15x)"
+                )
         for name, peer in PEERS.items():
             ours, theirs = med(peer.same_mode_as, "TTFT p90 s"), med(name, "TTFT p90 s")
             ours_tps, theirs_tps = med(peer.same_mode_as, "tok/s"), med(name, "tok/s")

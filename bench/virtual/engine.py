@@ -134,9 +134,6 @@ class VirtualEngine:
         if not result.num_scheduled_tokens:
             return  # idle until woken
         self._busy = True
-        self.timing.steps += 1
-        self.timing.step_tokens += result.num_scheduled_tokens
-        self.timing.busy_s += result.duration
         self.clock.at(now + result.duration, self._end_step, result)
 
     def _mark_scheduled(self, now: float) -> None:
@@ -153,6 +150,9 @@ class VirtualEngine:
         now = self.clock.now
         self._busy = False
         t = self.timing
+        t.steps += 1  # vLLM observes a step's histograms when its output is processed
+        t.step_tokens += result.num_scheduled_tokens
+        t.busy_s += result.duration
         last, sinks = self._last_token_at, self._sinks
         for out in result.outputs:
             rid = out.request_id

@@ -33,6 +33,7 @@ from engine_sim.timing import TimingModel
 from protocol import WorkerInfo
 from protocol.config import RouterSettings, add_flags, resolve
 from protocol.messages import Role
+from router.calibration import MAX_SCALE, MIN_SCALE, Calibration
 
 __all__ = ["FleetSpec", "VirtualFleet", "VirtualRun", "settings_from_args"]
 
@@ -42,7 +43,9 @@ DEFAULT_PROFILE = "h200:llama-3.1-8b"
 @dataclass
 class FleetSpec:
     """The fleet and its routers. `router_profile` is the timing profile the workers register
-    (what the routers' cost models read); "" registers none, None the engines' own `profile`."""
+    (what the routers' cost models read); "" registers none, None the engines' own `profile`.
+    `calibrate`: routers fit each worker's timing from its reports (router.calibration);
+    `router_profile_error` e: routers start with every engine time (1 + e) times the profile's."""
 
     prefill: int = 0
     decode: int = 0
@@ -61,6 +64,8 @@ class FleetSpec:
     kv_transfer_gbps: float = 50.0
     kv_pin_timeout_s: float = 480.0
     seed: int = 0
+    calibrate: bool = False
+    router_profile_error: float = 0.0
 
     def validate(self) -> FleetSpec:
         if min(self.prefill, self.decode, self.agg) < 0:
@@ -69,6 +74,9 @@ class FleetSpec:
             raise ValueError("a fleet needs at least one decode or agg engine")
         if self.routers < 1:
             raise ValueError(f"--routers must be >= 1, got {self.routers}")
+        if not MIN_SCALE <= 1 + self.router_profile_error <= MAX_SCALE:
+            allowed = f"[{MIN_SCALE - 1:g}, {MAX_SCALE - 1:g}]"
+            raise ValueError(f"--router-profile-error must be in {allowed}, got {self.router_profile_error}")
         self.delays.validate()
         self.settings.validate()
         return self
@@ -178,6 +186,8 @@ class VirtualFleet:
                 self.shims,
                 spec.delays,
                 rng=random.Random(spec.seed * 1000 + i),
+                calibration=self._calibration(),
+                calibrate=spec.calibrate,
                 on_done=self._done,
             )
             for i in range(spec.routers)
@@ -188,6 +198,13 @@ class VirtualFleet:
             shim.routers = self.routers
         self._left = 0
         self._ended: set[int] = set()
+
+    def _calibration(self) -> Calibration | None:
+        """One per replica: each fits from the reports it receives."""
+        spec = self.spec
+        if not spec.calibrate and not spec.router_profile_error:
+            return None
+        return Calibration(prior_scale=1.0 + spec.router_profile_error)
 
     def run(self, items: Sequence[WorkItem], synth: TokenSynth, *, rate: float = 1.0) -> VirtualRun:
         """Replay `items` at `rate` times their arrival rate; returns when every request ended."""

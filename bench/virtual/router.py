@@ -38,6 +38,7 @@ from protocol import Cleared, KvEventBatch, LoadReport, Removed, Stored, WorkerI
 from protocol.config import RouterSettings
 from router.admission import Throughput
 from router.block_index import BlockIndex
+from router.calibration import Calibration
 from router.disagg import RoutePlan
 from router.load_view import LoadView
 from router.planner import PlanError, Planner, standalone_planner
@@ -105,8 +106,12 @@ class VirtualRouter:
         delays: Delays,
         *,
         rng: random.Random,
+        calibration: Calibration | None = None,
+        calibrate: bool = False,
         on_done: Callable[[VirtualRequest], None] = lambda req: None,
     ) -> None:
+        """`calibration`: the timing the planner reads (None: the workers' profiles as they
+        stand); `calibrate`: feed it every load report (else its starting factors stay)."""
         self.name = name
         self.clock = clock
         self.settings = settings
@@ -116,6 +121,7 @@ class VirtualRouter:
         self.peers: list[VirtualRouter] = []
         self.index = BlockIndex()
         self.view = LoadView(clock=clock.time)
+        self.calibration = calibration if calibrate else None
         infos = list(workers)
         self.infos = {i.worker: i for i in infos}
         self.planner: Planner = standalone_planner(
@@ -126,6 +132,7 @@ class VirtualRouter:
             sink=self,
             clock=clock.time,
             rng=rng,
+            calibration=calibration,
         )
         self.throughput = Throughput(clock.time)
         self.waiters: deque[_Waiter] = deque()
@@ -174,6 +181,8 @@ class VirtualRouter:
     def on_load(self, report: LoadReport) -> None:
         self.view.update(report)
         self.planner.eligibility.reported(report.worker)
+        if self.calibration is not None:
+            self.calibration.observe(self.infos.get(report.worker), report)
         self.notify()
 
     # --- admission ---------------------------------------------------------------------------------
