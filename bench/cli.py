@@ -121,6 +121,14 @@ def _add_clock_args(p: argparse.ArgumentParser) -> None:
         help="the timing profile workers register for the routers' cost model ('none': none; default: the engines')",
     )
     g.add_argument("--router-seed", type=int, default=0, help="routers' random choices (run r uses seed + r)")
+    g.add_argument("--calibrate", action="store_true", help="routers fit each engine's timing from its load reports")
+    g.add_argument(
+        "--router-profile-error",
+        type=float,
+        default=0.0,
+        metavar="E",
+        help="routers start with every engine time (1 + E) times their profile's (robustness runs)",
+    )
 
 
 def _delays(args: argparse.Namespace) -> Delays:
@@ -259,6 +267,8 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
         router_profile=_router_profile(args),
         max_model_len=max(32768, longest),
         seed=args.router_seed,
+        calibrate=args.calibrate,
+        router_profile_error=args.router_profile_error,
     )
     started = time.monotonic()
     run = VirtualFleet(spec).run(items, TokenSynth(args.seed))
@@ -365,6 +375,8 @@ def _compare(args: argparse.Namespace) -> int:
         max_model_len=max(32768, longest),
         seed=args.router_seed,
         jobs=args.jobs,
+        calibrate=args.calibrate,
+        router_profile_error=args.router_profile_error,
     )
     started = time.monotonic()
     measurements = run_compare(spec)

@@ -113,6 +113,8 @@ class CompareSpec:
     router_profile: str | None = None  # virtual: what workers register ("" none; None the engines' own)
     max_model_len: int = 32768  # virtual: the engines' context limit (live: --sim-arg --max-model-len)
     seed: int = 0  # virtual: routers' random choices (run r uses seed + r)
+    calibrate: bool = False  # virtual: routers fit engine timing from load reports
+    router_profile_error: float = 0.0  # virtual: routers start with engine times (1 + e) x the profile's
     jobs: int = 1  # virtual: measurements run in this many processes
 
 
@@ -202,6 +204,8 @@ def fleet_spec(spec: CompareSpec, config: Configuration, run: int) -> FleetSpec:
         router_profile=spec.router_profile,
         max_model_len=spec.max_model_len,
         seed=spec.seed + run,
+        calibrate=spec.calibrate,
+        router_profile_error=spec.router_profile_error,
     )
 
 
