@@ -1,4 +1,4 @@
-"""A cheaper engine block hash for the virtual engines.
+"""A cheaper engine block hash for the virtual engines, and requests that hash their prompt at once.
 
 engine_sim hashes blocks as vLLM does (SHA-256 over CBOR, memoised in a trie of weak references)
 so that its ZMQ events are byte-faithful. On the virtual clock no event crosses a wire, and an
@@ -8,7 +8,9 @@ the same identity, block for block, at a fraction of the cost (hashing was the r
 cost: a full trace hashes millions of blocks per engine).
 
 The chain's root depends on the engine, so engine hashes differ from canonical ones and between
-engines, as vLLM's differ between engines seeded apart.
+engines, as vLLM's differ between engines seeded apart. `ChainedRequest` is a SimRequest whose
+`extend_chain` hashes all its new full blocks in one call (the same chain engine_sim's loop builds
+block by block).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from engine_sim.block_hash import HashChains, HashedBlock
+from engine_sim.request import SimRequest
 from protocol.hashing import SEED, block_hashes, root_hash
 
-__all__ = ["XxhChains"]
+__all__ = ["ChainedRequest", "XxhChains"]
 
 _chain: Callable[[Sequence[int], int, int, int], list[int]]
 try:
@@ -51,3 +54,26 @@ class XxhChains(HashChains):
     def child(self, parent: HashedBlock | None, tokens: tuple[int, ...]) -> HashedBlock:
         start = parent.ext if parent is not None else self._root
         return _XxhBlock(parent, tokens, _chain(tokens, len(tokens), start, SEED)[0])
+
+    def extend(self, chain: list[HashedBlock], tokens: list[int], block_size: int) -> None:
+        """Append to `chain` a block for every full block of `tokens` beyond it."""
+        have, full = len(chain), len(tokens) // block_size
+        if full <= have:
+            return
+        parent = chain[-1] if chain else None
+        start = have * block_size
+        values = _chain(tokens[start : full * block_size], block_size, parent.ext if parent else self._root, SEED)
+        for value in values:
+            parent = _XxhBlock(parent, tuple(tokens[start : start + block_size]), value)
+            chain.append(parent)
+            start += block_size
+
+
+class ChainedRequest(SimRequest):
+    __slots__ = ()
+
+    def extend_chain(self, block_size: int, chains: HashChains) -> None:
+        if isinstance(chains, XxhChains):
+            chains.extend(self.chain, self.token_ids, block_size)
+        else:
+            super().extend_chain(block_size, chains)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from bench.virtual.clock import VirtualClock
 from bench.virtual.delays import Delays
 from bench.virtual.engine import OutputSink, VirtualEngine
-from engine_sim.request import SimRequest
+from bench.virtual.engine_hash import ChainedRequest
 from engine_sim.scheduler import StepOutput
 from protocol import KvEventBatch, LoadReport, WorkerInfo
 from protocol.vllm_events import BlockRemoved, KVEvent
@@ -105,7 +105,7 @@ class VirtualShim:
             self._queued += queued
             self.poke()
         engine_max = self.engine.scheduler.max_model_len - len(token_ids)
-        req = SimRequest(
+        req = ChainedRequest(
             request_id,
             token_ids,
             max_tokens=1 if prefill_only else min(max_tokens, engine_max),
