@@ -3,9 +3,12 @@
 Definitions (so figures can be checked by hand):
 - percentiles interpolate linearly between order statistics (NumPy's default): p50 of [1, 2, 3, 4]
   is 2.5; over successful requests only; ITL percentiles pool every gap of every request; TPOT
-  percentiles are over each request's mean gap (requests with one token have none). Simulated
-  engines at a high speed-up emit tokens in bursts, so pooled ITL percentiles there say more about
-  the simulator's pacing than the model; TPOT (and the goodput built on it) keeps the modelled mean;
+  percentiles are over each request's time per output token, TPOT = (last token's arrival - first
+  token's) / (output tokens - 1) (requests with one token have none). A stream may carry several
+  tokens in one chunk (the shim coalesces tokens within 5 ms, and a busy client or router delivers
+  late ones together): ITL gaps are per chunk, TPOT per token. Simulated engines at a high speed-up
+  emit tokens in bursts, so pooled ITL percentiles there say more about the simulator's pacing than
+  the model; TPOT (and the goodput built on it) keeps the modelled mean;
 - `duration_s`: from the first request sent to the last one finished (errors included);
 - throughput: output tokens and successful requests per second of that duration;
 - goodput (DistServe's): requests per second that succeeded with TTFT <= `slo_ttft_s` and a mean
@@ -33,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.replay import RequestResult
 
-__all__ = ["PrefixCounters", "Slo", "Summary", "format_summary", "scrape_prefix_counters", "summarize"]
+__all__ = ["PrefixCounters", "Slo", "Summary", "format_summary", "scrape_prefix_counters", "summarize", "tpot"]
 
 QUERIES_METRIC = "vllm:prefix_cache_queries_total"
 HITS_METRIC = "vllm:prefix_cache_hits_total"
@@ -90,10 +93,18 @@ def _percentiles(values: Sequence[float], scale: float) -> Percentiles | None:
     return Percentiles(float(p50), float(p90), float(p99))
 
 
+def tpot(r: RequestResult) -> float | None:
+    """Time per output token after the first: the stream's span over its tokens, not its chunks."""
+    if r.output_tokens < 2 or r.ttft_s is None:
+        return None
+    return sum(r.itl_s) / (r.output_tokens - 1)
+
+
 def _meets_slo(r: RequestResult, slo: Slo, scale: float) -> bool:
     if not r.ok or r.ttft_s is None or r.ttft_s * scale > slo.ttft_s:
         return False
-    return not r.itl_s or sum(r.itl_s) / len(r.itl_s) * scale <= slo.itl_s
+    t = tpot(r)
+    return t is None or t * scale <= slo.itl_s
 
 
 def summarize(
@@ -124,7 +135,7 @@ def summarize(
         duration_s=duration,
         ttft_s=_percentiles([r.ttft_s for r in ok if r.ttft_s is not None], latency_scale),
         itl_s=_percentiles([gap for r in ok for gap in r.itl_s], latency_scale),
-        tpot_s=_percentiles([sum(r.itl_s) / len(r.itl_s) for r in ok if r.itl_s], latency_scale),
+        tpot_s=_percentiles([t for r in ok if (t := tpot(r)) is not None], latency_scale),
         e2e_s=_percentiles([r.e2e_s for r in ok if r.e2e_s is not None], latency_scale),
         output_tokens_per_s=sum(r.output_tokens for r in ok) * per_s,
         requests_per_s=len(ok) * per_s,
