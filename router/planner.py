@@ -140,8 +140,9 @@ class Planner:
                     {**status.explain(), "routable": False, "excluded": "tokenizer", "why": self._tokenizer_why(info)}
                 )
                 continue
-            blocks = max(overlap.get(w, 0), pending.get(w, 0))
-            c = Candidate.of(info, blocks, self.view.load(w))
+            indexed, routed = overlap.get(w, 0), pending.get(w, 0)
+            c = Candidate.of(info, max(indexed, routed), self.view.load(w))
+            c.pending_blocks = max(routed - indexed, 0)
             if self.calibration is not None:
                 c.timing = self.calibration.timing(info)
             (prefill if info.role == "prefill" else decode).append(c)
