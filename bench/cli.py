@@ -148,7 +148,7 @@ def _add_slo_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{replay,summary,compare}")
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{replay,summary,compare,sweep}")
 
     rp = sub.add_parser("replay", help="replay a trace or synthetic workload against router URLs")
     rp.add_argument("--url", action="append", default=[], help="router (or engine) base URL; repeat for replicas")
@@ -200,6 +200,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cp.add_argument("--jobs", type=int, default=2, help="virtual clock: measurements run in this many processes")
     _add_workload_args(cp, compare=True)
     _add_slo_args(cp)
+
+    wp = sub.add_parser("sweep", help="configurations x fleets x loads on the virtual clock; table and heat maps")
+    wp.add_argument("--fleets", default="1P+3D,2P+2D,2P+6D,4P+12D", help="comma-separated PP+DD fleets")
+    wp.add_argument("--rates", default="0.5,1,2,4", help="comma-separated load factors")
+    wp.add_argument("--configs", default="round_robin,kv,kv_disagg,slo_aware", help="comma-separated configurations")
+    wp.add_argument("--policy", default="slo_aware", help="the conditional policy the ratios are for")
+    wp.add_argument("--profile", default="h200:llama-3.1-8b")
+    wp.add_argument("--jobs", type=int, default=2, help="measurements run in this many processes")
+    wp.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    _add_workload_args(wp, compare=False)
+    _add_slo_args(wp)
 
 
 def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
@@ -399,6 +410,43 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from bench.compare import CONFIGURATIONS
+    from bench.plot import plot_sweep
+    from bench.sweep import format_sweep, parse_fleets, run_sweep, write_points
+
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGURATIONS]
+    if unknown:
+        raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(CONFIGURATIONS)}")
+    if args.scale_tokens is None:
+        args.scale_tokens = 1.0
+    items = _replay_items(args)
+    if not items:
+        raise ValueError("the workload is empty")
+    started = time.monotonic()
+    points = run_sweep(
+        items,
+        parse_fleets(args.fleets),
+        [float(r) for r in args.rates.split(",")],
+        [CONFIGURATIONS[n] for n in names],
+        slo=Slo(args.slo_ttft, args.slo_itl),
+        profile=args.profile,
+        seed=args.seed,
+        jobs=args.jobs,
+    )
+    stamp = _stamp()
+    json_path = args.out_dir / f"sweep-{stamp}.json"
+    write_points(json_path, points)
+    title = f"{len(items)} requests ({args.workload}), scale {args.scale_tokens}, {args.profile}, virtual clock"
+    png = plot_sweep(points, args.policy, args.out_dir / f"sweep-{stamp}.png", title=title)
+    print()
+    print(title)
+    print(format_sweep(points, args.policy))
+    print(f"results: {json_path}\nfigure:  {png}\ntotal {time.monotonic() - started:.0f} s wall")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "replay":
@@ -417,6 +465,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
             return 0
+        if args.bench_command == "sweep":
+            return _sweep(args)
         return _compare(args)
     except (TraceError, ValueError, OSError, RuntimeError, aiohttp.ClientError, msgspec.DecodeError) as exc:
         print(f"kvswitch bench {args.bench_command}: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "shim": ("worker_shim.cli", "the sidecar beside an engine: events, load, requests"),
     "router": ("router.cli", "a router replica: the OpenAI front door and the prefix index"),
     "bench": ("bench.cli", "trace replay, comparisons and micro-benchmarks"),
+    "plan": ("bench.plan", "split N GPUs between prefill and decode for a trace, on the virtual clock"),
 }
 
 
