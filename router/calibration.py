@@ -1,37 +1,30 @@
 """Timing calibration: each worker's engine speed, fitted online from what its shim reports.
 
 The router predicts engine times (the SLO-aware policy's TTFT on both paths and the stall a local
-prefill adds to running decodes; admission's prefill rate) with one small model per worker:
+prefill adds to running decodes; admission's prefill rate) from a timing profile. A profile is the
+*shape* of an engine's costs (how prefill grows with tokens and context, decode with batch and
+context); this module fits, per worker, how fast its engine really is against that shape:
 
-    prefill of X tokens on an engine doing nothing else  = k_p * prefill_s(X)          (one batch, no context)
-    X prefill tokens inside decode steps add, in all      = k_p * X * stall_per_token    (stall_per_token =
-                                                            decode_stall_s(m) / m, m = max_num_batched_tokens)
-    a decode step of B sequences at mean context C        = k_d * decode_s(B, C)
+    step seconds = k_d * decode_s(B, C) + k_p * prefill part (P prefill tokens)
 
-`prefill_s`, `decode_s` and `decode_stall_s` are the worker's timing profile (the *shape* of its
-costs; `default_profile` when it registered none: a worker without a profile is calibrated, not
-refused), and (k_d, k_p) are fitted per worker by least squares with exponential forgetting, over
-the intervals between two of its LoadReports in which the engine was busy throughout (`running` >
-0 in both). With the differences of the reports' cumulative counters (protocol.messages
+`decode_s` and the prefill part come from the worker's profile (`WorkerInfo.timing_profile`;
+`default_profile` when it registered none: a worker without a profile is calibrated, not
+refused), and (k_d, k_p) are fitted by least squares with exponential forgetting over the
+intervals between two of its LoadReports in which the engine was busy throughout (`running` > 0
+in both). Per interval (differences of the reports' cumulative counters, protocol.messages
 LoadReport):
 
     y   = ts2 - ts1                                    (busy seconds)
     S   = iterations, D = itl_count (decode tokens), P = iteration_tokens - D (prefill tokens)
-    C   = kv_used_blocks * block_size / running        (the same proxy the policy reads)
-    x_d = S * decode_s(D / S, C)
+    x_d = S * decode_s(D / S, C)                       (C = kv_used_blocks * block_size / running)
     x_p = S * prefill_s(P / S)                         if D == 0 (a prefill-only engine)
-        = P * stall_per_token                          else
+        = P * decode_stall_s(mnbt) / mnbt              else (prefill chunks inside decode steps)
 
-    y ~ k_d * x_d + k_p * x_p
-
-The fit models exactly the quantities the policy predicts, with the same proxies, so what the
-proxies miss on average (the context prefill chunks attend to, how far the KV in use overstates
-the running requests' context) goes into the factors. It starts from (`prior_scale`,
-`prior_scale`), a pseudo-observation of each factor alone with weight `prior_weight` (in s^2, the
-units of x^2: a few busy intervals outweigh it); observations `half_life_s` old weigh half; factors
-stay in [MIN_SCALE, MAX_SCALE]. A profile off by a constant factor is corrected exactly; one of
-another model or GPU to first order (one factor for prefill, one for decode). `prior_scale` != 1
-starts the router deliberately wrong (robustness runs).
+The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`) with the weight of
+`prior_weight_s` seconds of observations, and observations older than `half_life_s` weigh half;
+factors stay in [MIN_SCALE, MAX_SCALE]. A wrong profile (every time off by a factor) is corrected
+exactly; a profile of another model or GPU to first order (one factor for prefill, one for
+decode). `prior_scale` != 1 starts the router deliberately wrong (robustness runs).
 
 What the shim must report (cumulative since the engine started; vLLM /metrics names):
 iterations = vllm:iteration_tokens_total_count, iteration_tokens = its _sum, itl_count =
@@ -47,22 +40,11 @@ from dataclasses import dataclass, field
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingProfile, load_profile
 
-__all__ = ["MAX_SCALE", "MIN_SCALE", "Calibration", "WorkerTiming", "running_context", "stall_per_token", "timing_of"]
+__all__ = ["MAX_SCALE", "MIN_SCALE", "Calibration", "WorkerTiming", "timing_of"]
 
 MIN_SCALE = 0.2
 MAX_SCALE = 5.0
 _DEFAULT_MNBT = 8192
-
-
-def stall_per_token(shape: TimingProfile, max_num_batched_tokens: int) -> float:
-    """What one prefill token adds to a decode step, at full chunks (the shape's marginal)."""
-    m = max_num_batched_tokens
-    return shape.decode_stall_s(m) / m
-
-
-def running_context(running: int, kv_used_blocks: int, block_size: int) -> float | None:
-    """The mean context of a worker's running requests as its report shows it (None: none run)."""
-    return kv_used_blocks * block_size / running if running > 0 and kv_used_blocks > 0 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,28 +55,27 @@ class WorkerTiming:
     decode_scale: float = 1.0
     prefill_scale: float = 1.0
     kv_bytes_per_token: int | None = None
-    max_num_batched_tokens: int = _DEFAULT_MNBT
 
-    def prefill_s(self, tokens: int) -> float:
-        """Prefilling `tokens` (a queue, a prompt's uncached part) on an engine doing nothing else."""
-        return self.prefill_scale * self.shape.prefill_s(tokens)
-
-    def stall_s(self, tokens: int) -> float:
-        """What prefilling `tokens` inside decode steps adds to those steps, in all."""
-        return self.prefill_scale * max(tokens, 0) * stall_per_token(self.shape, self.max_num_batched_tokens)
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """One prefill of `new_tokens` over `cached_tokens`, alone on the engine."""
+        return self.prefill_scale * self.shape.prefill_s(new_tokens, cached_tokens)
 
     def decode_s(self, batch: int, context_tokens: float) -> float:
         """One decode step of `batch` sequences over `context_tokens` each."""
         return self.decode_scale * self.shape.decode_s(batch, int(context_tokens))
 
+    def stall_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """What prefilling `new_tokens` inside decode steps adds to those steps, in all."""
+        return self.prefill_scale * self.shape.decode_stall_s(new_tokens, cached_tokens)
+
     def transfer_s(self, tokens: int, gbps: float) -> float:
         per_token = self.kv_bytes_per_token or self.shape.kv_bytes_per_token
         return max(tokens, 0) * per_token / (gbps * 1e9)
 
-    def prefill_rate(self) -> float | None:
-        """Prompt tokens per second at full batches."""
-        seconds = self.prefill_s(self.max_num_batched_tokens)
-        return self.max_num_batched_tokens / seconds if seconds > 0 else None
+    def prefill_rate(self, batch: int) -> float | None:
+        """Prompt tokens per second at full batches of `batch` tokens."""
+        seconds = self.prefill_s(batch)
+        return batch / seconds if seconds > 0 else None
 
 
 def timing_of(info: WorkerInfo, fitted: WorkerTiming | None) -> WorkerTiming | None:
@@ -105,10 +86,9 @@ def timing_of(info: WorkerInfo, fitted: WorkerTiming | None) -> WorkerTiming | N
     if not info.timing_profile:
         return None
     try:
-        shape = load_profile(info.timing_profile)
+        return WorkerTiming(load_profile(info.timing_profile), kv_bytes_per_token=info.kv_bytes_per_token)
     except ValueError:
         return None
-    return WorkerTiming(shape, 1.0, 1.0, info.kv_bytes_per_token, info.max_num_batched_tokens or _DEFAULT_MNBT)
 
 
 @dataclass(slots=True)
@@ -169,16 +149,16 @@ class Calibration:
         *,
         default_profile: str = DEFAULT_PROFILE,
         prior_scale: float = 1.0,
-        prior_weight: float = 0.05,
+        prior_weight_s: float = 0.05,
         half_life_s: float = 120.0,
     ) -> None:
         if not MIN_SCALE <= prior_scale <= MAX_SCALE:
             raise ValueError(f"prior_scale must be in [{MIN_SCALE}, {MAX_SCALE}], got {prior_scale}")
-        if prior_weight <= 0 or half_life_s <= 0:
-            raise ValueError("prior_weight and half_life_s must be > 0")
+        if prior_weight_s <= 0 or half_life_s <= 0:
+            raise ValueError("prior_weight_s and half_life_s must be > 0")
         self.default_profile = default_profile
         self.prior_scale = prior_scale
-        self.prior_weight = prior_weight
+        self.prior_weight_s = prior_weight_s
         self.half_life_s = half_life_s
         self._last: dict[str, LoadReport] = {}
         self._fits: dict[str, _Fit] = {}
@@ -215,28 +195,25 @@ class Calibration:
         decode_tokens = max(report.itl_count - prev.itl_count, 0)
         prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - decode_tokens, 0)
         shape = self.shape(info)
-        mnbt = info.max_num_batched_tokens or _DEFAULT_MNBT
-        x_d = x_p = 0.0
+        context = report.kv_used_blocks * info.block_size / report.running
+        x_d = steps * shape.decode_s(max(round(decode_tokens / steps), 1), int(context)) if decode_tokens else 0.0
         if decode_tokens:
-            context = running_context(report.running, report.kv_used_blocks, info.block_size) or 0.0
-            x_d = steps * shape.decode_s(max(round(decode_tokens / steps), 1), int(context))
-            x_p = prefill_tokens * stall_per_token(shape, mnbt)
+            mnbt = info.max_num_batched_tokens or _DEFAULT_MNBT
+            x_p = prefill_tokens * shape.decode_stall_s(mnbt) / mnbt
         else:
             x_p = steps * shape.prefill_s(round(prefill_tokens / steps))
         if x_d <= 0 and x_p <= 0:
             return
         fit = self._fits.get(report.worker)
         if fit is None:
-            fit = self._fits[report.worker] = _Fit(self.prior_scale, self.prior_weight)
+            fit = self._fits[report.worker] = _Fit(self.prior_scale, self.prior_weight_s)
         fit.add(report.ts, y, x_d, x_p, self.half_life_s)
 
     def timing(self, info: WorkerInfo) -> WorkerTiming:
         fit = self._fits.get(info.worker)
         k_d = fit.decode_scale if fit is not None else self.prior_scale
         k_p = fit.prefill_scale if fit is not None else self.prior_scale
-        return WorkerTiming(
-            self.shape(info), k_d, k_p, info.kv_bytes_per_token, info.max_num_batched_tokens or _DEFAULT_MNBT
-        )
+        return WorkerTiming(self.shape(info), k_d, k_p, info.kv_bytes_per_token)
 
     def warm_s(self, worker: str) -> float:
         """Busy seconds observed for `worker` so far."""

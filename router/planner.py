@@ -177,7 +177,10 @@ class Planner:
         qt = s.conditional.queue_threshold
         if qt is not None:
             return not over_queue_threshold(c, qt)
-        rate = c.timing.prefill_rate() if c.timing is not None else prefill_rate(c.info)
+        if c.timing is not None:
+            rate = c.timing.prefill_rate(c.info.max_num_batched_tokens or 8192)
+        else:
+            rate = prefill_rate(c.info)
         return rate is None or c.queued_prefill_tokens / rate <= s.slo_ttft_s / 2
 
     # --- 3 and 4: choose and book -------------------------------------------------------------------

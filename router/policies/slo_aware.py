@@ -3,17 +3,14 @@
 Goodput counts requests that meet both SLOs (RouterSettings.slo_ttft_s on time to first token,
 slo_itl_s on the mean inter-token latency, TPOT). Per request, with d the chosen decode worker, p
 the prefill worker the router would pick, each worker's timing T (router.calibration: its
-profile's shape times its fitted factors; `prefill` is X tokens on an engine doing nothing else,
-`stall` what X tokens add to decode steps, `decode` one step), n prompt tokens of which c_d / c_p
-are cached on d / p, Q the prefill tokens queued on a worker, B = running(d), m = d's
-max_num_batched_tokens, L the mean output length of recent requests and C d's running requests'
-mean context (its report's KV in use over B; recent prompts + L / 2 when nothing runs):
+profile's shape times its fitted factors), n prompt tokens of which c_d / c_p are cached on d / p,
+Q the prefill tokens queued on a worker, B = running(d), m = d's max_num_batched_tokens, and L and
+C the mean output length and mean context (prompt + L / 2) of recent requests:
 
-    local   = T_d.prefill(Q_d + n - c_d)                                    if B = 0
-            = T_d.stall(Q_d + n - c_d) + ceil((Q_d + n - c_d) / m) * T_d.decode(B, C)   else
-    remote  = T_p.prefill(Q_p + n - c_p) + transfer(n - c_d) + T_d.decode(B + 1, C)
+    local   = T_d.prefill(Q_d) + T_d.prefill(n - c_d | c_d) + ceil((Q_d + n - c_d) / m) * T_d.decode(B, C)
+    remote  = T_p.prefill(Q_p) + T_p.prefill(n - c_p | c_p) + transfer(n - c_d) + T_d.decode(B + 1, C)
     itl_now = T_d.decode(B + 1, C) + T_d.stall(Q_d) / L      (d's running requests' TPOT)
-    itl_loc = itl_now + T_d.stall(n - c_d) / L               (... after this local prefill: its stall,
+    itl_loc = itl_now + T_d.stall(n - c_d | c_d) / L         (... after this local prefill: its stall,
                                                               spread over their tokens)
 
 With the budgets ttft_b = headroom * slo_ttft_s and itl_b = headroom * slo_itl_s, the expected
@@ -44,7 +41,7 @@ from dataclasses import dataclass
 
 from protocol import ConfigError
 from protocol.config import RouterSettings
-from router.calibration import WorkerTiming, running_context, timing_of
+from router.calibration import WorkerTiming, timing_of
 from router.policies.decision import Decision, Outcome
 from router.request_context import Candidate, RequestContext
 
@@ -54,6 +51,7 @@ NAME = "slo_aware"
 _INITIAL_OUTPUT_LEN = 128.0
 _INITIAL_PROMPT_LEN = 4096.0
 _EWMA_WEIGHT = 0.02  # each request's weight in L and C
+_DEFAULT_MNBT = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,21 +102,22 @@ class SloAware:
 
     def forecast(self, ctx: RequestContext, d: Candidate, p: Candidate, td: WorkerTiming, tp: WorkerTiming) -> Forecast:
         n = ctx.isl
-        new_d, new_p = n - ctx.cached_tokens(d), n - ctx.cached_tokens(p)
+        cd, cp = ctx.cached_tokens(d), ctx.cached_tokens(p)
+        new_d, new_p = n - cd, n - cp
         batch = d.running
-        context = running_context(batch, d.kv_used_blocks, ctx.block_size) or self.context
-        local_tokens = d.queued_prefill_tokens + new_d
-        if batch:
-            steps = math.ceil(local_tokens / td.max_num_batched_tokens)
-            local = td.stall_s(local_tokens) + steps * td.decode_s(batch, context)
-        else:
-            local = td.prefill_s(local_tokens)
-        first_step = td.decode_s(batch + 1, context)
+        context = self.context
+        mnbt = d.info.max_num_batched_tokens or _DEFAULT_MNBT
+        q_d, q_p = d.queued_prefill_tokens, p.queued_prefill_tokens
+        steps = math.ceil((q_d + new_d) / mnbt)
+        local = td.prefill_s(q_d) + td.prefill_s(new_d, cd) + steps * td.decode_s(batch, context)
         remote = (
-            tp.prefill_s(p.queued_prefill_tokens + new_p) + tp.transfer_s(new_d, self.config.link_gbps) + first_step
+            tp.prefill_s(q_p)
+            + tp.prefill_s(new_p, cp)
+            + tp.transfer_s(new_d, self.config.link_gbps)
+            + td.decode_s(batch + 1, context)
         )
-        itl_now = first_step + td.stall_s(d.queued_prefill_tokens) / self.output_len
-        itl_local = itl_now + td.stall_s(new_d) / self.output_len
+        itl_now = td.decode_s(batch + 1, context) + td.stall_s(q_d) / self.output_len
+        itl_local = itl_now + td.stall_s(new_d, cd) / self.output_len
         return Forecast(local, remote, itl_now, itl_local)
 
     def lost(self, f: Forecast, running: int) -> tuple[float, float]:

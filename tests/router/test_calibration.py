@@ -140,9 +140,9 @@ def test_unknown_workers_are_ignored_and_bad_priors_refused() -> None:
 
 
 def test_worker_timing_scales_the_shape() -> None:
-    t = WorkerTiming(SHAPE, decode_scale=2.0, prefill_scale=0.5, kv_bytes_per_token=1000, max_num_batched_tokens=MNBT)
+    t = WorkerTiming(SHAPE, decode_scale=2.0, prefill_scale=0.5, kv_bytes_per_token=1000)
     assert t.decode_s(8, 4096) == pytest.approx(2.0 * SHAPE.decode_s(8, 4096))
-    assert t.prefill_s(4096) == pytest.approx(0.5 * SHAPE.prefill_s(4096))
-    assert t.stall_s(2048) == pytest.approx(0.5 * 2048 * SHAPE.decode_stall_s(MNBT) / MNBT)
+    assert t.prefill_s(4096, 1024) == pytest.approx(0.5 * SHAPE.prefill_s(4096, 1024))
+    assert t.stall_s(2048) == pytest.approx(0.5 * SHAPE.decode_stall_s(2048))
     assert t.transfer_s(1000, 1.0) == pytest.approx(1e-3)  # the worker's own bytes per token
-    assert t.prefill_rate() == pytest.approx(MNBT / (0.5 * SHAPE.prefill_s(MNBT)))
+    assert t.prefill_rate(MNBT) == pytest.approx(MNBT / (0.5 * SHAPE.prefill_s(MNBT)))
