@@ -121,7 +121,12 @@ def _add_clock_args(p: argparse.ArgumentParser) -> None:
         help="the timing profile workers register for the routers' cost model ('none': none; default: the engines')",
     )
     g.add_argument("--router-seed", type=int, default=0, help="routers' random choices (run r uses seed + r)")
-    g.add_argument("--calibrate", action="store_true", help="routers fit each engine's timing from its load reports")
+    g.add_argument(
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="routers fit each engine's timing from its load reports (router.calibration; the default)",
+    )
     g.add_argument(
         "--router-profile-error",
         type=float,

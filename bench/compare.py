@@ -113,7 +113,7 @@ class CompareSpec:
     router_profile: str | None = None  # virtual: what workers register ("" none; None the engines' own)
     max_model_len: int = 32768  # virtual: the engines' context limit (live: --sim-arg --max-model-len)
     seed: int = 0  # virtual: routers' random choices (run r uses seed + r)
-    calibrate: bool = False  # virtual: routers fit engine timing from load reports
+    calibrate: bool = True  # virtual: routers fit engine timing from load reports
     router_profile_error: float = 0.0  # virtual: routers start with engine times (1 + e) x the profile's
     jobs: int = 1  # virtual: measurements run in this many processes
 

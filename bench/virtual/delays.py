@@ -23,12 +23,12 @@ __all__ = ["DEFAULT_DELAYS", "Delays"]
 
 
 class Delays(msgspec.Struct, frozen=True, kw_only=True):
-    kv_event_s: float = 0.004
-    load_report_s: float = 0.001
-    sync_s: float = 0.003
-    leg_s: float = 0.002
-    token_s: float = 0.002
-    client_s: float = 0.001
+    kv_event_s: float = 0.0016
+    load_report_s: float = 0.0008
+    sync_s: float = 0.0028
+    leg_s: float = 0.0040
+    token_s: float = 0.0040
+    client_s: float = 0.0018
 
     def validate(self) -> Delays:
         for name in self.__struct_fields__:

@@ -65,7 +65,7 @@ class FleetSpec:
     kv_transfer_gbps: float = 50.0
     kv_pin_timeout_s: float = 480.0
     seed: int = 0
-    calibrate: bool = False
+    calibrate: bool = True
     router_profile_error: float = 0.0
 
     def validate(self) -> FleetSpec:
