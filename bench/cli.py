@@ -59,7 +59,8 @@ COMPARE_DEFAULTS: dict[str, Any] = {
     "configs": "all",
 }
 # `compare --clock virtual --demo` (what `make demo` adds): full token scale, the trace's last 200 s
-# (911 requests), 1 prefill + 4 decode engines, five configurations, at the trace's rate.
+# (839 requests, 17 M prompt tokens), 1 prefill + 4 decode engines, five configurations, at the
+# trace's rate. About a minute on 2 cores.
 VIRTUAL_DEMO: dict[str, Any] = {
     "start": 822.0,
     "scale_tokens": 1.0,
@@ -67,7 +68,7 @@ VIRTUAL_DEMO: dict[str, Any] = {
     "decode": 4,
     "rates": "1",
     "runs": 1,
-    "configs": "round_robin,kv,kv_disagg,isl_bounding,ttft_model",
+    "configs": "round_robin,kv,kv_disagg,ttft_model,slo_aware",
 }
 # `compare --clock virtual`: the benchmark figure, the whole shipped trace (3,993 requests,
 # 61 M prompt tokens over 1,022 s) at full token scale on 1 prefill + 4 decode engines (5 agg
