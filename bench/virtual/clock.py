@@ -43,7 +43,3 @@ class VirtualClock:
             self.now = when
             self.events += 1
             fn(*args)
-
-    @property
-    def pending(self) -> int:
-        return len(self._heap)

@@ -69,8 +69,9 @@ def test_every_request_ends_once_with_its_output_length_and_frees_everything() -
         assert all(router.view.bookings(w) == 0 for w in fleet.engines)
     for engine in fleet.engines.values():
         assert not engine.scheduler.requests and not engine.scheduler.running
-        assert not engine.scheduler.pins  # every prefilled KV was pulled
+        assert not engine.scheduler.pins and engine.failed_pulls == 0  # every prefilled KV was pulled
         assert engine.scheduler.pool.num_used == 0
+    assert sum(e.transfers for e in fleet.engines.values()) == sum(r.prefill == "remote" for r in run.requests)
 
 
 def test_a_run_reads_no_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
