@@ -20,11 +20,15 @@ LoadReport):
     x_p = S * prefill_s(P / S)                         if D == 0 (a prefill-only engine)
         = P * decode_stall_s(mnbt) / mnbt              else (prefill chunks inside decode steps)
 
-The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`) with the weight of
-`prior_weight_s` seconds of observations, and observations older than `half_life_s` weigh half;
-factors stay in [MIN_SCALE, MAX_SCALE]. A wrong profile (every time off by a factor) is corrected
-exactly; a profile of another model or GPU to first order (one factor for prefill, one for
-decode). `prior_scale` != 1 starts the router deliberately wrong (robustness runs).
+The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`), a pseudo-observation of
+each factor alone with weight `prior_weight_s` (in s^2, the units of x^2: a few busy intervals
+outweigh it), and observations older than `half_life_s` weigh half; factors stay in [MIN_SCALE,
+MAX_SCALE]. A profile off by a constant factor is corrected exactly; one of another model or GPU
+to first order (one factor for prefill, one for decode). `prior_scale` != 1 starts the router
+deliberately wrong (robustness runs). The proxies are first-order, and the factors absorb what
+they miss on average: x_p prices prefill chunks without the cached context they attend to, so a
+prefill worker serving long multi-turn prompts fits k_p of 1.5-1.8 against its own, right profile
+(docs/benchmarks.md, "Self-calibration").
 
 What the shim must report (cumulative since the engine started; vLLM /metrics names):
 iterations = vllm:iteration_tokens_total_count, iteration_tokens = its _sum, itl_count =
