@@ -39,6 +39,7 @@ install: sysdeps $(STAMP)
 demo: install
 	$(BIN)/kvswitch up --demo
 	$(BIN)/kvswitch bench compare --demo
+	$(BIN)/kvswitch bench compare --clock virtual --demo
 
 test: install
 	$(BIN)/ruff check .

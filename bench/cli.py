@@ -8,6 +8,8 @@ kvswitch bench compare --demo          # what `make demo` runs: <= 3 minutes on 
 kvswitch bench chaos --scenarios all   # faults under load against a local cluster (docs/reliability.md)
 kvswitch bench overhead --repeats 3    # what a router adds per request (docs/benchmarks.md, "Overhead")
 kvswitch bench replicas                # one replica's ceiling, the peer cost, N replicas
+kvswitch bench compare --clock virtual --scale-tokens 1 --start 0 --duration 0   # the whole trace, simulated
+kvswitch bench replay --clock virtual --agg 4 --configuration kv --workload shared-prefix
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from bench.overhead import add_overhead_parser, overhead_main
 from bench.replicas import add_replicas_parser, replicas_main
 from bench.summary import PrefixCounters, Slo, format_summary, scrape_prefix_counters, summarize
 from bench.trace import TraceError, load_trace, shipped_trace
+from bench.virtual.delays import DEFAULT_DELAYS, Delays
 from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
 
 __all__ = ["DEMO", "add_arguments", "run"]
@@ -60,6 +63,30 @@ COMPARE_DEFAULTS: dict[str, Any] = {
     "runs": 3,
     "configs": "all",
 }
+# `compare --clock virtual --demo` (what `make demo` adds): full token scale, the trace's last 200 s
+# (839 requests, 17 M prompt tokens), 1 prefill + 4 decode engines, five configurations, at the
+# trace's rate. About a minute on 2 cores.
+VIRTUAL_DEMO: dict[str, Any] = {
+    "start": 822.0,
+    "scale_tokens": 1.0,
+    "prefill": 1,
+    "decode": 4,
+    "rates": "1",
+    "runs": 1,
+    "configs": "round_robin,kv,kv_disagg,ttft_model,slo_aware",
+}
+# `compare --clock virtual`: the issue's benchmark figure, the whole shipped trace (3,993 requests,
+# 61 M prompt tokens over 1,022 s) at full token scale on 1 prefill + 4 decode engines (5 agg
+# engines for the agg configurations), every kvswitch configuration, at the trace's own rate.
+VIRTUAL_DEFAULTS: dict[str, Any] = {
+    "start": 0.0,
+    "scale_tokens": 1.0,
+    "prefill": 1,
+    "decode": 4,
+    "rates": "1",
+    "runs": 1,
+    "configs": "all",
+}
 
 
 def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
@@ -87,20 +114,59 @@ def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     g.add_argument("--turn-gap", type=float, default=5.0, help="multi-turn: seconds between a session's turns")
 
 
+def _add_clock_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("virtual clock (--clock virtual: one process, modelled hops, simulated time)")
+    g.add_argument("--clock", choices=["live", "virtual"], default="live", help="live processes, or the virtual clock")
+    for name in Delays.__struct_fields__:
+        flag = "--" + name.removesuffix("_s").replace("_", "-") + "-delay"
+        default = getattr(DEFAULT_DELAYS, name)
+        g.add_argument(flag, dest=name, type=float, default=None, metavar="S", help=f"seconds (default {default:g})")
+    g.add_argument(
+        "--router-profile",
+        default=None,
+        help="the timing profile workers register for the routers' cost model ('none': none; default: the engines')",
+    )
+    g.add_argument("--router-seed", type=int, default=0, help="routers' random choices (run r uses seed + r)")
+    g.add_argument(
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="routers fit each engine's timing from its load reports (router.calibration; the default)",
+    )
+    g.add_argument(
+        "--router-profile-error",
+        type=float,
+        default=0.0,
+        metavar="E",
+        help="routers start with every engine time (1 + E) times their profile's (robustness runs)",
+    )
+
+
+def _delays(args: argparse.Namespace) -> Delays:
+    given = {name: getattr(args, name) for name in Delays.__struct_fields__ if getattr(args, name) is not None}
+    return msgspec.structs.replace(DEFAULT_DELAYS, **given).validate()
+
+
+def _router_profile(args: argparse.Namespace) -> str | None:
+    if args.router_profile is None:
+        return None
+    return "" if args.router_profile == "none" else args.router_profile
+
+
 def _add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds (default 2)")
     p.add_argument("--slo-itl", type=float, default=0.025, help="goodput SLO on mean ITL, seconds (default 0.025)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    commands = "{replay,summary,compare,chaos,overhead,replicas}"
+    commands = "{replay,summary,compare,sweep,chaos,overhead,replicas}"
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar=commands)
     from bench import chaos
 
     chaos.add_arguments(sub.add_parser("chaos", help="faults injected into a local cluster under load; one table"))
 
     rp = sub.add_parser("replay", help="replay a trace or synthetic workload against router URLs")
-    rp.add_argument("--url", action="append", required=True, help="router (or engine) base URL; repeat for replicas")
+    rp.add_argument("--url", action="append", default=[], help="router (or engine) base URL; repeat for replicas")
     rp.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     rp.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this factor")
     rp.add_argument("--latency-scale", type=float, default=1.0, help="multiply latencies by this (the sims' --speedup)")
@@ -114,6 +180,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     rp.add_argument("--out", type=Path, default=None, help="JSONL of per-request results (default bench/out/...)")
     rp.add_argument("--no-progress", action="store_true")
+    _add_clock_args(rp)
+    fg = rp.add_argument_group("virtual fleet (--clock virtual)")
+    fg.add_argument("--prefill", type=int, default=0, help="prefill engines")
+    fg.add_argument("--decode", type=int, default=0, help="decode engines")
+    fg.add_argument("--agg", type=int, default=0, help="aggregated engines")
+    fg.add_argument("--routers", type=int, default=1, help="router replicas")
+    fg.add_argument("--profile", default="h200:llama-3.1-8b", help="the engines' timing profile")
+    fg.add_argument("--configuration", default="kv", help="router settings: a `compare` configuration's flags")
+    fg.add_argument("--router-arg", action="append", default=[], help="one more `kvswitch router` flag (repeat)")
     _add_workload_args(rp, compare=False)
     _add_slo_args(rp)
 
@@ -136,10 +211,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cp.add_argument("--out-dir", type=Path, default=OUT_DIR)
     cp.add_argument("--no-progress", action="store_true")
     cp.add_argument("--keep-logs", action="store_true", help="keep every child's log under --out-dir")
+    _add_clock_args(cp)
+    cp.add_argument("--jobs", type=int, default=2, help="virtual clock: measurements run in this many processes")
     _add_workload_args(cp, compare=True)
     _add_slo_args(cp)
     add_overhead_parser(sub)
     add_replicas_parser(sub)
+
+    wp = sub.add_parser("sweep", help="configurations x fleets x loads on the virtual clock; table and heat maps")
+    wp.add_argument("--fleets", default="1P+3D,2P+2D,2P+6D,4P+12D", help="comma-separated PP+DD fleets")
+    wp.add_argument("--rates", default="0.5,1,2,4", help="comma-separated load factors")
+    wp.add_argument("--configs", default="round_robin,kv,kv_disagg,slo_aware", help="comma-separated configurations")
+    wp.add_argument("--policy", default="slo_aware", help="the conditional policy the ratios are for")
+    wp.add_argument("--profile", default="h200:llama-3.1-8b")
+    wp.add_argument("--jobs", type=int, default=2, help="measurements run in this many processes")
+    wp.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    _add_workload_args(wp, compare=False)
+    _add_slo_args(wp)
 
 
 def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
@@ -184,6 +272,45 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
+    from bench.compare import CONFIGURATIONS
+    from bench.replay import write_results
+    from bench.trace import TokenSynth
+    from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
+
+    config = CONFIGURATIONS.get(args.configuration)
+    if config is None:
+        raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
+    if args.speed != 1.0 or args.latency_scale != 1.0 or args.metrics_url:
+        raise ValueError("--speed, --latency-scale and --metrics-url are for the live clock (virtual time needs none)")
+    longest = max((item.input_len + item.output_len for item in items), default=0)
+    spec = FleetSpec(
+        prefill=args.prefill,
+        decode=args.decode,
+        agg=args.agg,
+        routers=args.routers,
+        settings=settings_from_args([*config.router_args, *args.router_arg]),
+        delays=_delays(args),
+        profile=args.profile,
+        router_profile=_router_profile(args),
+        max_model_len=max(32768, longest),
+        seed=args.router_seed,
+        calibrate=args.calibrate,
+        router_profile_error=args.router_profile_error,
+    )
+    started = time.monotonic()
+    run = VirtualFleet(spec).run(items, TokenSynth(args.seed))
+    results = run.results()
+    out = args.out or OUT_DIR / f"replay-{_stamp()}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_results(out, results)
+    summary = summarize(results, slo=Slo(args.slo_ttft, args.slo_itl), prefix=run.prefix, clock="virtual")
+    print(format_summary(summary))
+    print(f"per-request results: {out}")
+    print(f"virtual clock: {run.virtual_s:.1f} s simulated in {time.monotonic() - started:.1f} s wall")
+    return 0 if summary.ok else 1
+
+
 async def _replay(args: argparse.Namespace, items: list[WorkItem]) -> int:
     from bench.replay import replay, write_results
     from bench.trace import TokenSynth
@@ -225,16 +352,21 @@ def _compare(args: argparse.Namespace) -> int:
     from bench.peers import missing_binaries
     from bench.plot import plot_compare
 
-    preset = DEMO if args.demo else COMPARE_DEFAULTS
+    virtual = args.clock == "virtual"
+    preset = (VIRTUAL_DEMO if virtual else DEMO) if args.demo else (VIRTUAL_DEFAULTS if virtual else COMPARE_DEFAULTS)
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     known = {**CONFIGURATIONS, **PEER_CONFIGURATIONS}
-    names = [*CONFIGURATIONS, *PEER_CONFIGURATIONS] if args.configs == "all" else args.configs.split(",")
-    names = [n.strip() for n in names]
+    if args.configs == "all":
+        names = [*CONFIGURATIONS] if virtual else [*CONFIGURATIONS, *PEER_CONFIGURATIONS]
+    else:
+        names = [n.strip() for n in args.configs.split(",")]
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(known)}, all")
+    if virtual and (peers := [n for n in names if known[n].peer is not None]):
+        raise ValueError(f"--configs: {', '.join(peers)} are peer routers; they run on the live clock only")
     configurations = []
     for name in names:
         peer = known[name].peer
@@ -246,6 +378,8 @@ def _compare(args: argparse.Namespace) -> int:
     # The sims' default max_model_len (32k) is shorter than the longest Mooncake prompts.
     longest = max(item.input_len + item.output_len for item in items)
     sim_args = list(args.sim_arg)
+    if args.clock == "virtual" and sim_args:
+        raise ValueError("--sim-arg configures live engines; the virtual clock takes --profile and the delay flags")
     if "--max-model-len" not in sim_args and longest > 32768:
         sim_args += ["--max-model-len", str(longest)]
     spec = CompareSpec(
@@ -263,6 +397,14 @@ def _compare(args: argparse.Namespace) -> int:
         synth_seed=args.seed,
         progress=not args.no_progress,
         log_dir=args.out_dir / f"logs-{_stamp()}" if args.keep_logs else None,
+        clock=args.clock,
+        delays=_delays(args),
+        router_profile=_router_profile(args),
+        max_model_len=max(32768, longest),
+        seed=args.router_seed,
+        jobs=args.jobs,
+        calibrate=args.calibrate,
+        router_profile_error=args.router_profile_error,
     )
     started = time.monotonic()
     measurements = run_compare(spec)
@@ -270,9 +412,10 @@ def _compare(args: argparse.Namespace) -> int:
     stamp = _stamp()
     json_path = args.out_dir / f"compare-{stamp}.json"
     json_path.write_bytes(msgspec.json.encode(measurements))
+    engines = "virtual clock" if args.clock == "virtual" else f"sims at {args.speedup:g}x"
     title = (
         f"{len(spec.items)} trace requests, scale {args.scale_tokens}, {args.prefill}P+{args.decode}D "
-        f"{args.profile} sims at {args.speedup:g}x"
+        f"{args.profile} {engines}"
     )
     png = plot_compare(measurements, args.out_dir / f"compare-{stamp}.png", title=title)
     print()
@@ -284,6 +427,43 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from bench.compare import CONFIGURATIONS
+    from bench.plot import plot_sweep
+    from bench.sweep import format_sweep, parse_fleets, run_sweep, write_points
+
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGURATIONS]
+    if unknown:
+        raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(CONFIGURATIONS)}")
+    if args.scale_tokens is None:
+        args.scale_tokens = 1.0
+    items = _replay_items(args)
+    if not items:
+        raise ValueError("the workload is empty")
+    started = time.monotonic()
+    points = run_sweep(
+        items,
+        parse_fleets(args.fleets),
+        [float(r) for r in args.rates.split(",")],
+        [CONFIGURATIONS[n] for n in names],
+        slo=Slo(args.slo_ttft, args.slo_itl),
+        profile=args.profile,
+        seed=args.seed,
+        jobs=args.jobs,
+    )
+    stamp = _stamp()
+    json_path = args.out_dir / f"sweep-{stamp}.json"
+    write_points(json_path, points)
+    title = f"{len(items)} requests ({args.workload}), scale {args.scale_tokens}, {args.profile}, virtual clock"
+    png = plot_sweep(points, args.policy, args.out_dir / f"sweep-{stamp}.png", title=title)
+    print()
+    print(title)
+    print(format_sweep(points, args.policy))
+    print(f"results: {json_path}\nfigure:  {png}\ntotal {time.monotonic() - started:.0f} s wall")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "chaos":
         from bench import chaos
@@ -291,6 +471,10 @@ def run(args: argparse.Namespace) -> int:
         return chaos.run(args)
     try:
         if args.bench_command == "replay":
+            if args.clock == "virtual":
+                return _replay_virtual(args, _replay_items(args))
+            if not args.url:
+                raise ValueError("--url is required (or --clock virtual)")
             return asyncio.run(_replay(args, _replay_items(args)))
         if args.bench_command == "summary":
             from bench.replay import read_results
@@ -306,6 +490,8 @@ def run(args: argparse.Namespace) -> int:
             return overhead_main(args)
         if args.bench_command == "replicas":
             return replicas_main(args)
+        if args.bench_command == "sweep":
+            return _sweep(args)
         return _compare(args)
     except (TraceError, ValueError, OSError, RuntimeError, aiohttp.ClientError, msgspec.DecodeError) as exc:
         print(f"kvswitch bench {args.bench_command}: {exc}", file=sys.stderr)

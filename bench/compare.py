@@ -1,12 +1,19 @@
-"""`kvswitch bench compare`: the same trace slice against one fresh local cluster per configuration.
+"""`kvswitch bench compare`: the same trace slice against one fresh fleet per configuration.
 
-For every rate factor, configuration and run, a `LocalCluster` comes up (same fleet size, profile,
-speed-up and engine settings; a fresh namespace and empty caches), the engines' prefix counters are
-scraped, the workload is replayed at `speedup * rate` (so `rate` 1 is the trace's own arrival rate
-in simulated time), the counters are scraped again, and the cluster is torn down. Latencies are
-reported in simulated time (`latency_scale = speedup`). Every run replays the same items with the
-same synthesis seed, so runs differ only by timing noise; the table reports the median of the runs
-and half their range (`±`).
+Two clocks. `live` (the default): for every rate factor, configuration and run, a `LocalCluster`
+comes up (same fleet size, profile, speed-up and engine settings; a fresh namespace and empty
+caches), the engines' prefix counters are scraped, the workload is replayed at `speedup * rate`
+(so `rate` 1 is the trace's own arrival rate in simulated time), the counters are scraped again,
+and the cluster is torn down. Latencies are reported in simulated time (`latency_scale =
+speedup`). Every run replays the same items with the same synthesis seed, so runs differ only by
+timing noise; the table reports the median of the runs and half their range (`±`).
+
+`virtual`: each (rate, configuration, run) is a discrete-event replay in one process
+(bench.virtual): the same engines' scheduler and timing, shims' normalisation and routers'
+planner, with modelled hops instead of processes and sockets, in virtual (simulated) time, so
+latencies need no scaling and nothing but the model is measured. Run `r` of a configuration seeds
+its routers' random choices with `seed + r`; the same inputs and seed give byte-identical results.
+`jobs` processes run measurements side by side; results keep their order.
 
 Fleets: disaggregated configurations run `prefill` prefill and `decode` decode engines. Aggregated
 ones (`round_robin`, `kv`) run `prefill + decode` engines in the `agg` role, so every configuration
@@ -21,6 +28,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -32,6 +40,8 @@ from bench.peers import PEERS, Peer, PeerProcess
 from bench.replay import replay
 from bench.summary import PrefixCounters, Slo, Summary, scrape_prefix_counters, summarize
 from bench.trace import TokenSynth
+from bench.virtual.delays import DEFAULT_DELAYS, Delays
+from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
 from bench.workloads import WorkItem
 from kvswitch.cluster import ClusterSpec, LocalCluster
 
@@ -47,6 +57,8 @@ __all__ = [
 ]
 
 Fleet = Literal["agg", "pd"]
+Clock = Literal["live", "virtual"]
+CLOCKS: tuple[str, ...] = ("live", "virtual")
 _CONDITIONAL = ("--routing", "kv", "--disagg", "conditional", "--conditional-disagg", "--conditional-disagg-policy")
 
 
@@ -71,6 +83,7 @@ CONFIGURATIONS: dict[str, Configuration] = {
         Configuration("prefill_load", (*_CONDITIONAL, "prefill_load", "--prefill-busy-threshold", "1.0"), "pd"),
         Configuration("isl_or_load", (*_CONDITIONAL, "isl_or_load", "--prefill-busy-threshold", "1.0"), "pd"),
         Configuration("ttft_model", (*_CONDITIONAL, "ttft_model"), "pd"),
+        Configuration("slo_aware", (*_CONDITIONAL, "slo_aware"), "pd"),
     )
 }
 PEER_CONFIGURATIONS: dict[str, Configuration] = {
@@ -95,6 +108,14 @@ class CompareSpec:
     ready_timeout_s: float = 90.0
     progress: bool = True
     log_dir: Path | None = None  # each child's output under log_dir/<configuration>/
+    clock: Clock = "live"
+    delays: Delays = DEFAULT_DELAYS  # virtual clock only
+    router_profile: str | None = None  # virtual: what workers register ("" none; None the engines' own)
+    max_model_len: int = 32768  # virtual: the engines' context limit (live: --sim-arg --max-model-len)
+    seed: int = 0  # virtual: routers' random choices (run r uses seed + r)
+    calibrate: bool = True  # virtual: routers fit engine timing from load reports
+    router_profile_error: float = 0.0  # virtual: routers start with engine times (1 + e) x the profile's
+    jobs: int = 1  # virtual: measurements run in this many processes
 
 
 class Measurement(msgspec.Struct, kw_only=True):
@@ -103,7 +124,8 @@ class Measurement(msgspec.Struct, kw_only=True):
     run: int
     summary: Summary
     ttft_s: list[float]  # simulated seconds, successful requests, for the CDF
-    setup_s: float  # wall seconds to bring the cluster up
+    setup_s: float  # wall seconds to bring the cluster up (0 on the virtual clock: results stay deterministic)
+    clock: str = "live"
 
 
 def _cluster_spec(spec: CompareSpec, config: Configuration) -> ClusterSpec:
@@ -168,20 +190,70 @@ def run_one(spec: CompareSpec, config: Configuration, rate: float, run: int) -> 
     return Measurement(configuration=config.name, rate=rate, run=run, summary=summary, ttft_s=ttfts, setup_s=setup)
 
 
+def fleet_spec(spec: CompareSpec, config: Configuration, run: int) -> FleetSpec:
+    """The virtual fleet for one configuration: the same shapes as the live cluster's."""
+    agg = config.fleet == "agg"
+    return FleetSpec(
+        prefill=0 if agg else spec.prefill,
+        decode=0 if agg else spec.decode,
+        agg=spec.prefill + spec.decode if agg else 0,
+        routers=spec.routers,
+        settings=settings_from_args(config.router_args),
+        delays=spec.delays,
+        profile=spec.profile,
+        router_profile=spec.router_profile,
+        max_model_len=spec.max_model_len,
+        seed=spec.seed + run,
+        calibrate=spec.calibrate,
+        router_profile_error=spec.router_profile_error,
+    )
+
+
+def run_virtual(spec: CompareSpec, config: Configuration, rate: float, run: int) -> Measurement:
+    if config.peer is not None:
+        raise ValueError(f"{config.name} is a peer router: it runs on the live clock only")
+    fleet = VirtualFleet(fleet_spec(spec, config, run))
+    result = fleet.run(spec.items, TokenSynth(spec.synth_seed), rate=rate)
+    results = result.results()
+    summary = summarize(results, slo=spec.slo, prefix=result.prefix, clock="virtual")
+    ttfts = sorted(r.ttft_s for r in results if r.ok and r.ttft_s is not None)
+    return Measurement(
+        configuration=config.name, rate=rate, run=run, summary=summary, ttft_s=ttfts, setup_s=0.0, clock="virtual"
+    )
+
+
+def _measure_one(job: tuple[CompareSpec, Configuration, float, int]) -> Measurement:
+    spec, config, rate, run = job
+    print(f"[{config.name} rate x{rate:g} run {run + 1}/{spec.runs}]", file=sys.stderr, flush=True)
+    if spec.clock == "virtual":
+        return run_virtual(spec, config, rate, run)
+    return run_one(spec, config, rate, run)
+
+
 def run_compare(spec: CompareSpec, *, on_measurement: Callable[[Measurement], None] | None = None) -> list[Measurement]:
     """Every (rate, configuration, run), in that nesting, so a partial result still compares
     every configuration at the first rate."""
     if spec.runs < 1:
         raise ValueError(f"--runs must be >= 1, got {spec.runs}")
+    if spec.clock not in CLOCKS:
+        raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {spec.clock!r}")
+    if spec.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {spec.jobs}")
+    jobs = [(spec, c, rate, run) for rate in spec.rates for run in range(spec.runs) for c in spec.configurations]
     out = []
-    for rate in spec.rates:
-        for run in range(spec.runs):
-            for config in spec.configurations:
-                print(f"[{config.name} rate x{rate:g} run {run + 1}/{spec.runs}]", file=sys.stderr, flush=True)
-                m = run_one(spec, config, rate, run)
+    if spec.clock == "virtual" and spec.jobs > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(min(spec.jobs, len(jobs))) as pool:
+            measured = pool.map(_measure_one, jobs)
+            for m in measured:
                 out.append(m)
                 if on_measurement is not None:
                     on_measurement(m)
+        return out
+    for job in jobs:
+        m = _measure_one(job)
+        out.append(m)
+        if on_measurement is not None:
+            on_measurement(m)
     return out
 
 
@@ -254,12 +326,13 @@ def headline_ratios(ms: Sequence[Measurement]) -> list[str]:
         rr, kv = med("round_robin", "TTFT p90 s"), med("kv", "TTFT p90 s")
         if rr is not None and kv:
             out.append(f"x{rate:g}: round_robin / kv TTFT p90 = {rr / kv:.2f}x (target >= 3x)")
-        ttft_model = med("ttft_model", "goodput r/s")
         fixed = [g for g in (med("kv", "goodput r/s"), med("kv_disagg", "goodput r/s")) if g is not None]
-        if ttft_model is not None and fixed and max(fixed) > 0:
-            out.append(
-                f"x{rate:g}: ttft_model goodput / best fixed mode = {ttft_model / max(fixed):.2f}x (target >= 1.15x)"
-            )
+        for policy in ("ttft_model", "slo_aware"):
+            goodput = med(policy, "goodput r/s")
+            if goodput is not None and fixed and max(fixed) > 0:
+                out.append(
+                    f"x{rate:g}: {policy} goodput / best fixed mode = {goodput / max(fixed):.2f}x (target >= 1.15x)"
+                )
         for name, peer in PEERS.items():
             ours, theirs = med(peer.same_mode_as, "TTFT p90 s"), med(name, "TTFT p90 s")
             ours_tps, theirs_tps = med(peer.same_mode_as, "tok/s"), med(name, "tok/s")

@@ -1,5 +1,6 @@
 """The comparison figure: TTFT CDF per configuration (one panel per rate factor, first run) and
-goodput bars (median over runs, with the min-max range as error bars). Agg backend: no display."""
+goodput bars (median over runs, with the min-max range as error bars); the sweep's heat maps.
+Agg backend: no display."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import Rectangle
 
 from bench.compare import Measurement
+from bench.sweep import DIVERGE, SweepPoint, ratios
 
-__all__ = ["plot_compare"]
+__all__ = ["plot_compare", "plot_sweep"]
 
 
 def plot_compare(ms: Sequence[Measurement], path: str | Path, *, title: str = "") -> Path:
@@ -56,6 +59,50 @@ def plot_compare(ms: Sequence[Measurement], path: str | Path, *, title: str = ""
     bars.set_ylabel("goodput (req/s within SLO, simulated)")
     bars.set_title("goodput")
     bars.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_sweep(points: Sequence[SweepPoint], policy: str, path: str | Path, *, title: str = "") -> Path:
+    """Two heat maps, fleet x load: round_robin / kv TTFT p90, and the policy's goodput over the
+    better fixed mode (max of kv and kv_disagg); cells where the fixed modes diverge are framed."""
+    if not points:
+        raise ValueError("nothing to plot: no sweep points")
+    cells = ratios(points, policy)
+    fleets = list(dict.fromkeys(name for name, _ in cells))
+    rates = sorted({rate for _, rate in cells})
+    fig, axes = plt.subplots(1, 2, figsize=(5.0 + 1.1 * len(rates) * 2, 1.4 + 0.6 * len(fleets)), squeeze=False)
+    panels = [
+        ("kv/rr", "round_robin / kv TTFT p90 (target >= 3x)", "viridis", None),
+        ("policy/best", f"{policy} goodput / best fixed mode (target >= 1.15x)", "RdYlGn", (0.5, 1.5)),
+    ]
+    for ax, (key, label, cmap, limits) in zip(axes[0], panels, strict=True):
+        grid = np.full((len(fleets), len(rates)), np.nan)
+        for (fleet, rate), cell in cells.items():
+            value = cell[key]
+            if value is not None:
+                grid[fleets.index(fleet), rates.index(rate)] = value
+        vmin, vmax = limits if limits is not None else (np.nanmin(grid), np.nanmax(grid))
+        image = ax.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
+        for i, fleet in enumerate(fleets):
+            for j, rate in enumerate(rates):
+                value = grid[i, j]
+                if not np.isnan(value):
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=9)
+                diverge = cells[fleet, rate]["diverge"]
+                if key == "policy/best" and diverge is not None and diverge > DIVERGE:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec="black"))
+        ax.set_xticks(range(len(rates)), [f"x{r:g}" for r in rates])
+        ax.set_yticks(range(len(fleets)), fleets)
+        ax.set_xlabel("load (x the trace's arrival rate)")
+        ax.set_title(label, fontsize=9)
+        fig.colorbar(image, ax=ax, shrink=0.8)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -3,9 +3,12 @@
 Definitions (so figures can be checked by hand):
 - percentiles interpolate linearly between order statistics (NumPy's default): p50 of [1, 2, 3, 4]
   is 2.5; over successful requests only; ITL percentiles pool every gap of every request; TPOT
-  percentiles are over each request's mean gap (requests with one token have none). Simulated
-  engines at a high speed-up emit tokens in bursts, so pooled ITL percentiles there say more about
-  the simulator's pacing than the model; TPOT (and the goodput built on it) keeps the modelled mean;
+  percentiles are over each request's time per output token, TPOT = (last token's arrival - first
+  token's) / (output tokens - 1) (requests with one token have none). A stream may carry several
+  tokens in one chunk (the shim coalesces tokens within 5 ms, and a busy client or router delivers
+  late ones together): ITL gaps are per chunk, TPOT per token. Simulated engines at a high speed-up
+  emit tokens in bursts, so pooled ITL percentiles there say more about the simulator's pacing than
+  the model; TPOT (and the goodput built on it) keeps the modelled mean;
 - `duration_s`: from the first request sent to the last one finished (errors included);
 - throughput: output tokens and successful requests per second of that duration;
 - goodput (DistServe's): requests per second that succeeded with TTFT <= `slo_ttft_s` and a mean
@@ -16,7 +19,9 @@ Definitions (so figures can be checked by hand):
   weigh X times more than they would in real time;
 - prefix hit rate: the engines' own `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
   over the run (counters scraped before and after), i.e. tokens found cached over tokens looked up;
-- prefill mix: the share of requests the router reported as `bypass`, `remote` or `agg`.
+- prefill mix: the share of requests the router reported as `bypass`, `remote` or `agg`;
+- `clock`: "virtual" for a replay on the virtual clock (bench.virtual), whose seconds are simulated
+  ones with nothing but the model in them and whose requests are sent exactly when due.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.replay import RequestResult
 
-__all__ = ["PrefixCounters", "Slo", "Summary", "format_summary", "scrape_prefix_counters", "summarize"]
+__all__ = ["PrefixCounters", "Slo", "Summary", "format_summary", "scrape_prefix_counters", "summarize", "tpot"]
 
 QUERIES_METRIC = "vllm:prefix_cache_queries_total"
 HITS_METRIC = "vllm:prefix_cache_hits_total"
@@ -78,6 +83,7 @@ class Summary(msgspec.Struct, kw_only=True):
     prefix_hit_rate: float | None
     latency_scale: float
     slo: Slo
+    clock: str = "live"
 
 
 def _percentiles(values: Sequence[float], scale: float) -> Percentiles | None:
@@ -87,10 +93,18 @@ def _percentiles(values: Sequence[float], scale: float) -> Percentiles | None:
     return Percentiles(float(p50), float(p90), float(p99))
 
 
+def tpot(r: RequestResult) -> float | None:
+    """Time per output token after the first: the stream's span over its tokens, not its chunks."""
+    if r.output_tokens < 2 or r.ttft_s is None:
+        return None
+    return sum(r.itl_s) / (r.output_tokens - 1)
+
+
 def _meets_slo(r: RequestResult, slo: Slo, scale: float) -> bool:
     if not r.ok or r.ttft_s is None or r.ttft_s * scale > slo.ttft_s:
         return False
-    return not r.itl_s or sum(r.itl_s) / len(r.itl_s) * scale <= slo.itl_s
+    t = tpot(r)
+    return t is None or t * scale <= slo.itl_s
 
 
 def summarize(
@@ -99,6 +113,7 @@ def summarize(
     slo: Slo | None = None,
     latency_scale: float = 1.0,
     prefix: PrefixCounters | None = None,
+    clock: str = "live",
 ) -> Summary:
     if not latency_scale > 0:
         raise ValueError(f"latency scale must be > 0, got {latency_scale}")
@@ -120,7 +135,7 @@ def summarize(
         duration_s=duration,
         ttft_s=_percentiles([r.ttft_s for r in ok if r.ttft_s is not None], latency_scale),
         itl_s=_percentiles([gap for r in ok for gap in r.itl_s], latency_scale),
-        tpot_s=_percentiles([sum(r.itl_s) / len(r.itl_s) for r in ok if r.itl_s], latency_scale),
+        tpot_s=_percentiles([t for r in ok if (t := tpot(r)) is not None], latency_scale),
         e2e_s=_percentiles([r.e2e_s for r in ok if r.e2e_s is not None], latency_scale),
         output_tokens_per_s=sum(r.output_tokens for r in ok) * per_s,
         requests_per_s=len(ok) * per_s,
@@ -131,6 +146,7 @@ def summarize(
         prefix_hit_rate=prefix.hit_rate if prefix is not None else None,
         latency_scale=latency_scale,
         slo=slo,
+        clock=clock,
     )
 
 
@@ -139,7 +155,7 @@ def _ms(p: Percentiles | None) -> str:
 
 
 def format_summary(s: Summary) -> str:
-    clock = "simulated" if s.latency_scale != 1.0 else "wall"
+    clock = "virtual" if s.clock == "virtual" else "simulated" if s.latency_scale != 1.0 else "wall"
     lines = [
         f"requests   {s.requests} ({s.ok} ok, {s.errors} errors) over {s.duration_s:.1f} s ({clock} time)",
         f"TTFT       {_ms(s.ttft_s)}",
@@ -154,7 +170,7 @@ def format_summary(s: Summary) -> str:
         lines.append(f"prefix hit {s.prefix_hit_rate:.1%} of prompt tokens (engines' metrics)")
     if s.prefill_mix:
         lines.append("prefill    " + ", ".join(f"{mode} {share:.0%}" for mode, share in s.prefill_mix.items()))
-    if s.send_lag_p99_s is not None:
+    if s.send_lag_p99_s is not None and s.clock != "virtual":
         lines.append(f"send lag   p99 {s.send_lag_p99_s * 1e3:.1f} ms behind schedule (wall clock)")
     return "\n".join(lines)
 

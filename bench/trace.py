@@ -137,13 +137,17 @@ class TokenSynth:
     """Expands segments to token ids, deterministically for a given `seed`.
 
     Streams are cached per id (least recently used first out, `cache_ids` of them) because a trace
-    reuses most of its blocks; each stream is drawn at the longest length asked so far."""
+    reuses most of its blocks; each stream is drawn at the longest length asked so far. `expand`
+    keeps each stream also as a list of shared int objects, so a prompt is built by copying
+    pointers and all prompts share one int object per token id (a full trace's prompts would
+    otherwise allocate an int per token)."""
 
     def __init__(self, seed: int = 0, cache_ids: int = 8192) -> None:
         if seed < 0:
             raise ValueError(f"synthesis seed must be >= 0, got {seed}")
         self.seed = seed
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lists: dict[int, list[int]] = {}  # the cached streams as lists, same ids
         self._cache_ids = cache_ids
 
     def stream(self, segment_id: int, length: int) -> np.ndarray:
@@ -157,12 +161,29 @@ class TokenSynth:
         rng = np.random.default_rng([self.seed, segment_id])
         drawn = rng.integers(TOKEN_LOW, TOKEN_HIGH, size=length, dtype=np.int32)
         self._cache[segment_id] = drawn
+        self._lists.pop(segment_id, None)
         self._cache.move_to_end(segment_id)
         while len(self._cache) > self._cache_ids:
-            self._cache.popitem(last=False)
+            gone, _ = self._cache.popitem(last=False)
+            self._lists.pop(gone, None)
         return drawn
 
+    def _list(self, segment_id: int, length: int) -> list[int]:
+        cached = self._lists.get(segment_id)
+        if cached is not None and len(cached) >= length:
+            self._cache.move_to_end(segment_id)
+            return cached
+        drawn = self.stream(segment_id, length)
+        full = self._cache[segment_id]
+        out = self._lists[segment_id] = list(map(_INTS.__getitem__, full.tolist()))
+        return out if len(drawn) == len(full) else out[: len(drawn)]
+
     def expand(self, segments: Sequence[Segment]) -> list[int]:
-        if not segments:
-            return []
-        return np.concatenate([self.stream(sid, n) for sid, n in segments]).tolist()  # type: ignore[no-any-return]
+        out: list[int] = []
+        for sid, n in segments:
+            tokens = self._list(sid, n)
+            out += tokens if len(tokens) == n else tokens[:n]
+        return out
+
+
+_INTS: list[int] = list(range(TOKEN_HIGH))

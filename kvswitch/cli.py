@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.cli", "a router replica: the OpenAI front door and the prefix index"),
     "bench": ("bench.cli", "trace replay, comparisons and micro-benchmarks"),
     "secrets": ("kvswitch.deploy_secrets", "a deployment's NATS nkeys and permissions, TLS certificates, etcd users"),
+    "plan": ("bench.plan", "split N GPUs between prefill and decode for a trace, on the virtual clock"),
 }
 
 

@@ -36,7 +36,7 @@ __all__ = [
     "resolve",
 ]
 
-PolicyName = Literal["isl_bounding", "prefill_load", "isl_or_load", "ttft_model"]
+PolicyName = Literal["isl_bounding", "prefill_load", "isl_or_load", "ttft_model", "slo_aware"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 LOAD_POLICIES = frozenset({"prefill_load", "isl_or_load"})
 RoutingMode = Literal["kv", "round_robin", "random", "least_loaded"]
@@ -50,7 +50,7 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
 
     conditional_disagg: decide per request; off, every request prefills remotely when a prefill
         pool exists.
-    conditional_disagg_policy: isl_bounding | prefill_load | isl_or_load | ttft_model.
+    conditional_disagg_policy: isl_bounding | prefill_load | isl_or_load | ttft_model | slo_aware.
     eff_isl_threshold: isl_bounding bypasses only below this many uncached prompt tokens (strict).
     eff_isl_ratio_threshold: ... and only below this uncached fraction of the prompt (strict).
     prefill_busy_threshold: prefill_load calls a prefill worker busy above this multiple of its
@@ -63,6 +63,8 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
     ttft_stall_weight: ttft_model's weight of the delay a local prefill adds to each running decode
         on the worker, against the request's own TTFT (1: a second of everyone's stall weighs as
         much as a second of this request's first-token wait).
+    slo_headroom: slo_aware's share of each SLO (RouterSettings.slo_ttft_s, slo_itl_s) its
+        predictions may use, in (0, 1].
     """
 
     conditional_disagg: bool = False
@@ -74,6 +76,7 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
     queue_threshold: float | None = None
     ttft_link_gbps: float = 50.0
     ttft_stall_weight: float = 0.1
+    slo_headroom: float = 0.8
 
     def validate(self) -> ConditionalDisaggConfig:
         _check_finite(self)
@@ -91,6 +94,8 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
             raise ConfigError("ttft_link_gbps", self.ttft_link_gbps, "must be > 0")
         if self.ttft_stall_weight < 0:
             raise ConfigError("ttft_stall_weight", self.ttft_stall_weight, "must be >= 0")
+        if not 0 < self.slo_headroom <= 1:
+            raise ConfigError("slo_headroom", self.slo_headroom, "must be in (0, 1]")
         if self.conditional_disagg_policy in LOAD_POLICIES and self.effective_prefill_busy_threshold is None:
             raise ConfigError(
                 "prefill_busy_threshold",

@@ -154,6 +154,16 @@ class LoadReport(_Msg, kw_only=True):
     kv_seq: int = 0
     kv_blocks: int = 0
     kv_xor: int = 0
+    # Engine timing as vLLM's /metrics shows it, cumulative since the engine started: histogram
+    # `_count`s and `_sum`s, all 0 when the shim forwards none. Routers fit their timing
+    # coefficients from the differences between two reports of one worker (router.calibration).
+    iterations: int = 0  # vllm:iteration_tokens_total_count: engine steps
+    iteration_tokens: int = 0  # vllm:iteration_tokens_total_sum: tokens scheduled over those steps
+    prefill_requests: int = 0  # vllm:request_prefill_time_seconds_count
+    prefill_seconds: float = 0.0  # vllm:request_prefill_time_seconds_sum: first scheduled to first token
+    prefill_computed_tokens: int = 0  # vllm:request_prefill_kv_computed_tokens_sum: uncached prompt tokens
+    itl_count: int = 0  # vllm:inter_token_latency_seconds_count
+    itl_seconds: float = 0.0  # vllm:inter_token_latency_seconds_sum
 
 
 # --- Requests: router -> shim on {ns}.gen.{role}.{worker} ----------------------------------------

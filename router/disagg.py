@@ -73,13 +73,13 @@ class Disaggregator:
         self.selector = selector or Selector()
         self.counts: Counter[Outcome] = Counter()
         self.settings = settings
-        self.policy: Policy = make_policy(settings.conditional)
+        self.policy: Policy = make_policy(settings.conditional, settings)
         self.guard = DecodeGuard.from_settings(settings.conditional)
 
     def configure(self, settings: RouterSettings) -> None:
         """Swap in new (already validated) settings; a policy that cannot be built raises and
         leaves the old settings in place."""
-        policy = make_policy(settings.conditional)
+        policy = make_policy(settings.conditional, settings)
         guard = DecodeGuard.from_settings(settings.conditional)
         self.settings, self.policy, self.guard = settings, policy, guard
 
@@ -111,16 +111,19 @@ class Disaggregator:
             return done(Path.AGG, Outcome.NO_PREFILL_POOL, f"no prefill worker for model {ctx.model}")
         if s.disagg == "always" or not s.conditional.conditional_disagg:
             return done(Path.REMOTE, Outcome.REMOTE_PREFILL, f"disagg={s.disagg}, conditional_disagg off")
-        start = time.perf_counter()
-        decision = self.policy.decide(ctx)
-        log.debug(
-            "policy %s: %s (%s) in %.1f us",
-            self.policy.name,
-            decision.outcome,
-            decision.reason,
-            (time.perf_counter() - start) * 1e6,
-            extra={"request_id": ctx.request_id},
-        )
+        if log.isEnabledFor(logging.DEBUG):  # timed only then: a virtual-clock replay reads no wall time
+            start = time.perf_counter()
+            decision = self.policy.decide(ctx)
+            log.debug(
+                "policy %s: %s (%s) in %.1f us",
+                self.policy.name,
+                decision.outcome,
+                decision.reason,
+                (time.perf_counter() - start) * 1e6,
+                extra={"request_id": ctx.request_id},
+            )
+        else:
+            decision = self.policy.decide(ctx)
         if not decision.bypass:
             return done(Path.REMOTE, decision.outcome, decision.reason)
         veto = self.guard.veto(ctx)

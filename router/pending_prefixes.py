@@ -8,92 +8,94 @@ index and these entries together.
 
 An entry ends when a KV event from its worker stores the block (the index has it now), when the
 worker removes that block or leaves, or when it expires `ttl_s` after it was made (the request
-failed, was preempted before caching, or its events were lost). Expiry is lazy: `match` ignores
-expired entries and `prune` drops them, oldest first. Synchronous, one event loop, injected clock.
+failed, was preempted before caching, or its events were lost); booking the same block on the same
+worker again renews it. Expiry is lazy: `match` ignores expired entries and `prune` (run at most
+every `ttl_s / 2` by `add`) drops them.
+
+Layout: per worker, a dict hash -> expiry, so that booking, confirming and matching a prompt run
+their per-block loops in C (a full trace books millions of blocks). Synchronous, one event loop,
+injected clock.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 
 __all__ = ["PendingPrefixes"]
+
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # runs an iterator in C
+_ABSENT = float("-inf")
 
 
 class PendingPrefixes:
     def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
-        self._by_hash: dict[int, dict[str, float]] = {}  # hash -> worker -> expiry
-        self._expiries: deque[tuple[float, str, Sequence[int]]] = deque()  # made in expiry order
+        self._by_worker: dict[str, dict[int, float]] = {}  # worker -> hash -> expiry
+        self._next_prune = float("-inf")
 
     def __len__(self) -> int:
         """(hash, worker) entries held, expired ones not yet pruned included."""
-        return sum(len(w) for w in self._by_hash.values())
+        return sum(len(d) for d in self._by_worker.values())
 
     def add(self, worker: str, hashes: Sequence[int]) -> None:
         """`worker` will hold `hashes` (a prompt's block hashes, in order)."""
         if self.ttl_s <= 0 or not hashes:
             return
-        expiry = self._clock() + self.ttl_s
-        for h in hashes:
-            holders = self._by_hash.get(h)
-            if holders is None:
-                self._by_hash[h] = {worker: expiry}
-            else:
-                holders[worker] = expiry
-        self._expiries.append((expiry, worker, hashes))
-        self.prune()
+        now = self._clock()
+        held = self._by_worker.get(worker)
+        if held is None:
+            held = self._by_worker[worker] = {}
+        held.update(dict.fromkeys(hashes, now + self.ttl_s))
+        if now >= self._next_prune:
+            self.prune()
 
     def confirm(self, worker: str, hashes: Iterable[int]) -> None:
         """A KV event stored or removed `hashes` on `worker`: the index speaks for them now."""
-        by_hash = self._by_hash
-        for h in hashes:
-            holders = by_hash.get(h)
-            if holders is not None and holders.pop(worker, None) is not None and not holders:
-                del by_hash[h]
+        held = self._by_worker.get(worker)
+        if held:
+            _consume(map(held.pop, hashes, repeat(None)))
 
     def forget_worker(self, worker: str) -> None:
-        for h in [h for h, holders in self._by_hash.items() if worker in holders]:
-            self.confirm(worker, (h,))
+        self._by_worker.pop(worker, None)
 
     def match(self, hashes: Sequence[int], workers: Iterable[str] | None = None) -> dict[str, int]:
         """Per worker, how many leading `hashes` are pending there (live entries only)."""
-        by_hash = self._by_hash
-        if not by_hash or not hashes:
-            return {}
-        first = by_hash.get(hashes[0])
-        if not first:
+        if not hashes or not self._by_worker:
             return {}
         now = self._clock()
-        alive = {w for w, exp in first.items() if exp > now}
-        if workers is not None:
-            alive &= set(workers)
+        first = hashes[0]
+        wanted = None if workers is None else set(workers)
         out: dict[str, int] = {}
-        depth = 1
-        while alive and depth < len(hashes):
-            holders = by_hash.get(hashes[depth])
-            if holders is None:
-                break
-            gone = {w for w in alive if holders.get(w, 0.0) <= now}
-            for w in gone:
-                out[w] = depth
-            alive -= gone
-            depth += 1
-        for w in alive:
-            out[w] = depth
+        for worker, held in self._by_worker.items():
+            expiry = held.get(first)
+            if expiry is None or expiry <= now or (wanted is not None and worker not in wanted):
+                continue
+            out[worker] = _leading_live(held, hashes, now)
         return out
 
     def prune(self) -> None:
         """Drop entries whose time is up."""
         now = self._clock()
-        expiries, by_hash = self._expiries, self._by_hash
-        while expiries and expiries[0][0] <= now:
-            expiry, worker, hashes = expiries.popleft()
-            for h in hashes:
-                holders = by_hash.get(h)
-                # A later booking of the same block on the same worker renewed it: keep that one.
-                if holders is not None and holders.get(worker, expiry + 1) <= expiry:
-                    del holders[worker]
-                    if not holders:
-                        del by_hash[h]
+        self._next_prune = now + self.ttl_s / 2
+        for worker in list(self._by_worker):
+            held = self._by_worker[worker]
+            live = {h: e for h, e in held.items() if e > now}
+            if live:
+                self._by_worker[worker] = live
+            else:
+                del self._by_worker[worker]
+
+
+def _leading_live(held: dict[int, float], hashes: Sequence[int], now: float) -> int:
+    """How many leading `hashes` have a live entry in `held` (the first one has)."""
+    expiries = list(map(held.get, hashes, repeat(_ABSENT)))
+    try:
+        depth = expiries.index(_ABSENT)
+    except ValueError:
+        depth = len(expiries)
+    if min(expiries[:depth]) > now:
+        return depth
+    return next(i for i, e in enumerate(expiries) if e <= now)

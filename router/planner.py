@@ -30,6 +30,7 @@ import msgspec
 from protocol import BlockHasher, WorkerInfo
 from protocol.config import RouterSettings
 from protocol.timing import TimingModel
+from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
 from router.eligibility import Eligibility, model_block_sizes
 from router.ledger import BookingSink, Ledger, LocalSink
@@ -68,7 +69,10 @@ class Planner:
         ledger: Ledger,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
+        calibration: Calibration | None = None,
     ) -> None:
+        """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
+        it every load report) and admission reads prefill rates from it."""
         self.disagg = Disaggregator(settings, Selector(rng or random.Random()))
         self._workers = workers
         self.index = index
@@ -77,6 +81,7 @@ class Planner:
         self.eligibility = eligibility
         self.ledger = ledger
         self.clock = clock
+        self.calibration = calibration
         self._hashers: dict[int, BlockHasher] = {}
         self._attempts: dict[str, int] = {}
 
@@ -135,8 +140,11 @@ class Planner:
             if not status.routable and not status.soft:
                 excluded.append(status.explain())
                 continue
-            blocks = max(overlap.get(w, 0), pending.get(w, 0))
-            c = Candidate.of(info, blocks, self.view.load(w))
+            indexed, routed = overlap.get(w, 0), pending.get(w, 0)
+            c = Candidate.of(info, max(indexed, routed), self.view.load(w))
+            c.pending_blocks = max(routed - indexed, 0)
+            if self.calibration is not None:
+                c.timing = self.calibration.timing(info)
             is_prefill = info.role == "prefill"
             if status.routable:
                 pools[is_prefill].append(c)
@@ -188,7 +196,10 @@ class Planner:
         qt = s.conditional.queue_threshold
         if qt is not None:
             return not over_queue_threshold(c, qt)
-        rate = prefill_rate(c.info)
+        if c.timing is not None:
+            rate = c.timing.prefill_rate(c.info.max_num_batched_tokens or 8192)
+        else:
+            rate = prefill_rate(c.info)
         return rate is None or c.queued_prefill_tokens / rate <= s.slo_ttft_s / 2
 
     # --- 3 and 4: choose and book -------------------------------------------------------------------
@@ -260,6 +271,7 @@ def standalone_planner(
     rng: random.Random | None = None,
     sync_state: Callable[[str], tuple[str, str] | None] = lambda worker: None,
     tokenizer: str | None = None,
+    calibration: Calibration | None = None,
 ) -> Planner:
     """A planner with its own pending prefixes, eligibility and ledger, for callers without a
     replica around it (benchmarks, the virtual-clock replay, tests). By default every worker is
@@ -278,6 +290,7 @@ def standalone_planner(
         ledger=Ledger(sink or LocalSink(view), pending),
         rng=rng,
         clock=clock,
+        calibration=calibration,
     )
 
 

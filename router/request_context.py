@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol import WorkerInfo
+from router.calibration import WorkerTiming
 
 __all__ = ["Candidate", "LoadLike", "RequestContext"]
 
@@ -39,11 +40,14 @@ class Candidate:
 
     `queued_prefill_tokens` and `active_blocks` include every router's bookings (the load view
     merges them); `kv_total_blocks` falls back to the worker record when no report gave it.
-    `cost` is written by selection.
+    `cost` is written by selection. `timing`: the worker's calibrated timing (router.calibration),
+    None when the router calibrates none. `pending_blocks`: of the `overlap_blocks`, how many are
+    only pending (routed there, not in the index yet: router.pending_prefixes).
     """
 
     info: WorkerInfo
     overlap_blocks: int = 0
+    pending_blocks: int = 0
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0
@@ -52,6 +56,7 @@ class Candidate:
     kv_total_blocks: int | None = None
     healthy: bool = True
     cost: float = 0.0
+    timing: WorkerTiming | None = None
 
     @property
     def worker(self) -> str:
@@ -77,6 +82,7 @@ class Candidate:
             "worker": self.worker,
             "role": self.info.role,
             "overlap_blocks": self.overlap_blocks,
+            "pending_blocks": self.pending_blocks,
             "queued_prefill_tokens": self.queued_prefill_tokens,
             "active_blocks": self.active_blocks,
             "kv_used_blocks": self.kv_used_blocks,

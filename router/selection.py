@@ -2,7 +2,7 @@
 
 Cost of serving the request on worker w (lower is better), in KV blocks:
 
-    prefill_blocks(w) = (uncached_tokens(w) + queued_prefill_tokens(w)) / block_size
+    prefill_blocks(w) = (uncached_tokens(w) + queued_prefill_tokens(w) - shared_pending(w)) / block_size
     decode_blocks(w)  = active_blocks(w) + request_blocks
     cost(w)           = overlap_weight * prefill_blocks(w) + decode_blocks(w)
 
@@ -10,6 +10,13 @@ Cost of serving the request on worker w (lower is better), in KV blocks:
 have to prefill; `queued_prefill_tokens` and `active_blocks` are the load view's figures (the
 worker's last report plus every router's bookings); `request_blocks = ceil(isl / block_size)`.
 `overlap_weight` (RouterSettings, default 4) trades cache affinity against decode load.
+
+`shared_pending(w) = min(pending_blocks(w) * block_size, queued_prefill_tokens(w))`: the part of w's
+queue that is this prompt's own prefix, routed to w by an earlier request and not in the index yet
+(router.pending_prefixes). w computes it once for both requests (the engine finds blocks it is
+computing in its prefix cache), so it is neither work this request adds nor a wait it would avoid
+elsewhere, where it would compute that prefix itself. Without it, a burst of requests on one new
+prefix would spread over every idle worker, each recomputing the prefix.
 
 Near-ties: with temperature T = 0 the lowest cost wins and exact ties are broken uniformly at
 random. With T > 0 a worker is drawn with probability proportional to
@@ -35,7 +42,8 @@ __all__ = ["Selector", "over_queue_threshold", "worker_cost"]
 
 
 def worker_cost(ctx: RequestContext, c: Candidate, overlap_weight: float) -> float:
-    prefill_blocks = (ctx.uncached_tokens(c) + c.queued_prefill_tokens) / ctx.block_size
+    shared_pending = min(c.pending_blocks * ctx.block_size, c.queued_prefill_tokens)
+    prefill_blocks = (ctx.uncached_tokens(c) + c.queued_prefill_tokens - shared_pending) / ctx.block_size
     decode_blocks = c.active_blocks + ctx.request_blocks
     return overlap_weight * prefill_blocks + decode_blocks
 

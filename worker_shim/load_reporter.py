@@ -23,10 +23,11 @@ from protocol import LoadReport, encode_msg, subjects
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineLoad
 from worker_shim.kv_publisher import KvDigestAt
 
-__all__ = ["MIN_GAP_S", "LoadReporter"]
+__all__ = ["DEFAULT_PERIOD_S", "MIN_GAP_S", "LoadReporter"]
 
 log = logging.getLogger(__name__)
 MIN_GAP_S = 0.05
+DEFAULT_PERIOD_S = 0.5  # the heartbeat: a report at least this often, changed or not
 
 
 class LoadReporter:
@@ -41,7 +42,7 @@ class LoadReporter:
         queued_tokens: Callable[[], int],
         kv_total_blocks: int | None,
         *,
-        period_s: float = 0.5,
+        period_s: float = DEFAULT_PERIOD_S,
         poll_s: float = 0.25,
         digest: Callable[[], KvDigestAt | None] = lambda: None,
         events_ok: Callable[[], bool] = lambda: True,

@@ -17,6 +17,7 @@ class Outcome(StrEnum):
     BYPASS_ISL = "bypass_isl"  # isl_bounding: short uncached prompt, prefilled on the decode worker
     BYPASS_LOAD = "bypass_load"  # prefill_load: the prefill worker it would use is busy
     BYPASS_TTFT = "bypass_ttft"  # ttft_model: local prefill predicted faster
+    BYPASS_SLO = "bypass_slo"  # slo_aware: local prefill meets the SLOs (and remote does not, or is slower)
     DECLINED_POLICY = "declined_policy"  # the policy kept the remote prefill
     VETOED_DECODE_BUSY = "vetoed_decode_busy"  # the decode guard refused a bypass
     REMOTE_PREFILL = "remote_prefill"  # disagg=always (or conditional switched off): remote, no policy

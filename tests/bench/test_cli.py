@@ -34,3 +34,31 @@ def test_a_bad_trace_names_its_line(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_an_empty_selection_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "replay", "--url", "http://127.0.0.1:1", "--start", "5000"]) == 2
     assert "selection is empty" in capsys.readouterr().err
+
+
+def test_peers_are_refused_on_the_virtual_clock(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "compare", "--clock", "virtual", "--configs", "kv,sglang_cache_aware"]) == 2
+    assert "sglang_cache_aware are peer routers; they run on the live clock only" in capsys.readouterr().err
+
+
+def test_live_replay_needs_a_url_and_virtual_refuses_live_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "replay", "--limit", "2"]) == 2
+    assert "--url is required (or --clock virtual)" in capsys.readouterr().err
+    assert main(["bench", "replay", "--clock", "virtual", "--agg", "1", "--limit", "2", "--speed", "2"]) == 2
+    assert "are for the live clock" in capsys.readouterr().err
+
+
+def test_a_bad_delay_names_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "compare", "--clock", "virtual", "--limit", "2", "--kv-event-delay", "-1"]
+    assert main(argv) == 2
+    assert "--kv-event-delay must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_virtual_replay_writes_results_and_a_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.jsonl"
+    argv = ["bench", "replay", "--clock", "virtual", "--prefill", "1", "--decode", "1", "--configuration", "slo_aware"]
+    argv += ["--start", "990", "--limit", "10", "--scale-tokens", "0.125", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "10 (10 ok, 0 errors)" in printed and "(virtual time)" in printed
+    assert len(out.read_text().splitlines()) == 10

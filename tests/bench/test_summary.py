@@ -47,6 +47,18 @@ def test_counts_throughput_and_goodput(results: list[RequestResult]) -> None:
     assert s.prefill_mix == {"bypass": 0.5, "remote": 0.5}
 
 
+def test_tpot_counts_tokens_not_chunks() -> None:
+    # 9 tokens in 4 chunks (1, 2, 3, 3) spanning 0.08 s after the first: 0.01 s per token, where the
+    # mean chunk gap would read 0.0267 s and fail a 25 ms SLO
+    r = RequestResult(
+        ok=True, status=200, output_tokens=9, ttft_s=0.1, itl_s=[0.02, 0.03, 0.03], e2e_s=0.18,
+        index=0, tag="t", url="u", due_s=0.0, sent_s=0.0,
+    )  # fmt: skip
+    s = summarize([r], slo=Slo(ttft_s=2.0, itl_s=0.025))
+    assert s.tpot_s is not None and s.tpot_s.p50 == pytest.approx(0.01)
+    assert s.goodput_fraction == 1.0
+
+
 def test_a_looser_slo_admits_more(results: list[RequestResult]) -> None:
     assert summarize(results, slo=Slo(ttft_s=5.0, itl_s=0.05)).goodput_fraction == pytest.approx(0.8)
 

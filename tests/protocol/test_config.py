@@ -22,7 +22,7 @@ def test_defaults_match_design() -> None:
     c = ConditionalDisaggConfig().validate()
     assert (c.conditional_disagg_policy, c.eff_isl_threshold, c.eff_isl_ratio_threshold) == ("isl_bounding", 2048, 0.7)
     assert c.prefill_busy_threshold is None and c.decode_busy_threshold is None
-    assert set(POLICY_NAMES) == {"isl_bounding", "prefill_load", "isl_or_load", "ttft_model"}
+    assert set(POLICY_NAMES) == {"isl_bounding", "prefill_load", "isl_or_load", "ttft_model", "slo_aware"}
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,20 @@
-"""Pending prefixes: what a worker is about to cache, matched with the index, ended by events,
-removal or expiry."""
+"""Pending prefixes: what a worker was routed and no KV event confirmed yet. Entries count as leading
+prompt blocks, end when events speak for them, and expire when nothing ever does; a burst of
+requests on one new prefix lands on the worker that will hold it."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
+from protocol import BlockHasher
+from protocol.config import RouterSettings
+from router.block_index import BlockIndex
+from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
+from router.planner import standalone_planner
+from tests.router.builders import worker
 
 
 class Clock:
@@ -14,52 +25,88 @@ class Clock:
         return self.now
 
 
-def test_leading_blocks_match_per_worker() -> None:
-    p = PendingPrefixes(10.0, Clock())
-    p.add("w1", [1, 2, 3, 4])
-    p.add("w2", [1, 2, 9])
-    assert p.match([1, 2, 3, 5]) == {"w1": 3, "w2": 2}
-    assert p.match([7, 2, 3]) == {}  # its first block is pending nowhere
-    assert p.match([1, 2, 3], workers=["w2"]) == {"w2": 2}
-
-
-def test_entries_expire_after_the_ttl_and_are_pruned() -> None:
+def test_match_counts_leading_live_blocks_per_worker() -> None:
     clock = Clock()
-    p = PendingPrefixes(10.0, clock)
-    p.add("w1", [1, 2])
-    clock.now += 5
-    p.add("w2", [1, 2])
-    clock.now += 5  # w1's entry is exactly at its expiry: gone
-    assert p.match([1, 2]) == {"w2": 2}
-    p.prune()
-    assert len(p) == 2
-    clock.now += 5
-    p.prune()
-    assert len(p) == 0 and p.match([1, 2]) == {}
+    pending = PendingPrefixes(20.0, clock)
+    pending.add("a", [1, 2, 3, 4])
+    pending.add("b", [1, 2])
+    assert pending.match([1, 2, 3, 9]) == {"a": 3, "b": 2}
+    assert pending.match([7, 1, 2]) == {}
+    assert pending.match([1, 2, 3], workers=["b"]) == {"b": 2}
 
 
-def test_a_renewed_booking_outlives_the_first_one() -> None:
+def test_events_confirm_entries_and_a_cleared_worker_holds_none() -> None:
+    pending = PendingPrefixes(20.0, Clock())
+    pending.add("a", [1, 2, 3])
+    pending.confirm("a", [2])  # the index holds block 2 on a now: the pending run stops before it
+    assert pending.match([1, 2, 3]) == {"a": 1}
+    pending.forget_worker("a")
+    assert pending.match([1, 2, 3]) == {} and len(pending) == 0
+
+
+def test_an_entry_never_confirmed_expires() -> None:
     clock = Clock()
-    p = PendingPrefixes(10.0, clock)
-    p.add("w1", [1, 2])
-    clock.now += 8
-    p.add("w1", [1, 2])  # the same prefix routed there again
-    clock.now += 4  # the first booking's time is up, the second's is not
-    p.prune()
-    assert p.match([1, 2]) == {"w1": 2}
+    pending = PendingPrefixes(20.0, clock)
+    pending.add("a", [1, 2, 3])
+    clock.now += 19.9
+    assert pending.match([1, 2, 3]) == {"a": 3}
+    clock.now += 0.1
+    assert pending.match([1, 2, 3]) == {}
+    pending.prune()
+    assert len(pending) == 0
 
 
-def test_events_confirm_and_a_leaving_worker_forgets_its_entries() -> None:
-    p = PendingPrefixes(10.0, Clock())
-    p.add("w1", [1, 2, 3])
-    p.add("w2", [1, 2, 3])
-    p.confirm("w1", [1, 2])  # stored: the index speaks for these now
-    assert p.match([1, 2, 3]) == {"w2": 3}
-    p.forget_worker("w2")
-    assert p.match([1, 2, 3]) == {} and len(p) == 1  # w1's block 3 is still pending
+def test_booking_again_renews_and_expiry_cuts_a_run_where_it_ends() -> None:
+    clock = Clock()
+    pending = PendingPrefixes(20.0, clock)
+    pending.add("a", [1, 2, 3, 4])
+    clock.now += 10
+    pending.add("a", [1, 2])  # a second request on the first two blocks
+    clock.now += 15  # the first booking's entries are gone, the second's live
+    assert pending.match([1, 2, 3, 4]) == {"a": 2}
+    pending.prune()
+    assert len(pending) == 2
 
 
-def test_ttl_zero_turns_it_off() -> None:
-    p = PendingPrefixes(0.0, Clock())
-    p.add("w1", [1, 2])
-    assert p.match([1, 2]) == {} and len(p) == 0
+def test_ttl_zero_is_off() -> None:
+    pending = PendingPrefixes(0.0, Clock())
+    pending.add("a", [1, 2, 3])
+    assert pending.match([1, 2, 3]) == {} and len(pending) == 0
+
+
+def _burst(pending_ttl_s: float, n: int = 8) -> list[str]:
+    """`n` requests sharing a 2,048-token prefix (distinct 64-token tails) planned in one instant on
+    four idle decode workers: no KV event and no load report arrives in between."""
+    infos = [worker(f"d{i}", "agg") for i in range(4)]
+    clock = Clock()
+    view = LoadView(clock=clock)
+    settings = RouterSettings(pending_ttl_s=pending_ttl_s).validate()
+    planner = standalone_planner(
+        settings, lambda: infos, index=BlockIndex(), view=view, clock=clock, rng=random.Random(0)
+    )
+    prefix = list(range(1000, 3048))
+    chosen = []
+    for i in range(n):
+        tokens = prefix + [50_000 + 64 * i + j for j in range(64)]
+        plan = planner.take(planner.context(f"r{i}", "m", tokens, 16))
+        assert plan is not None
+        chosen.append(plan.decode.worker)
+    return chosen
+
+
+def test_a_burst_on_one_prefix_lands_on_one_worker() -> None:
+    chosen = _burst(pending_ttl_s=20.0)
+    assert len(set(chosen)) == 1
+
+
+def test_without_pending_entries_the_burst_spreads() -> None:
+    chosen = _burst(pending_ttl_s=0.0)
+    assert len(set(chosen)) == 4
+
+
+@pytest.mark.parametrize("blocks", [1, 128])
+def test_a_prompt_is_matched_by_its_canonical_hashes(blocks: int) -> None:
+    hashes = BlockHasher(16)(list(range(16 * blocks)))
+    pending = PendingPrefixes(20.0, Clock())
+    pending.add("a", hashes)
+    assert pending.match(hashes) == {"a": blocks}

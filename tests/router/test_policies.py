@@ -360,7 +360,7 @@ def test_decode_guard_boundaries(
 
 
 def test_registry_lists_every_policy_of_the_config_schema() -> None:
-    assert set(POLICIES) == {"isl_bounding", "prefill_load", "isl_or_load", "ttft_model"}
+    assert set(POLICIES) == {"isl_bounding", "prefill_load", "isl_or_load", "ttft_model", "slo_aware"}
     for name in POLICIES:
         cfg = ConditionalDisaggConfig(conditional_disagg_policy=name, queue_threshold=1.0)  # type: ignore[arg-type]
         assert make_policy(cfg.validate()).name == name

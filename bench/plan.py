@@ -1,0 +1,237 @@
+"""`kvswitch plan`: how to split N GPUs between prefill and decode for a trace, and which policy.
+
+    kvswitch plan --trace F --gpus N [--profile P] [--rate R] [--policies kv,kv_disagg,slo_aware]
+
+Every candidate runs the trace on the virtual clock (bench.virtual: engine_sim's scheduler and
+timing for the engines, the router's own planner), at the trace's arrival rate times `--rate`:
+each aggregated configuration (`kv`, `round_robin`) on N aggregated engines, each disaggregated
+one (`kv_disagg`, `slo_aware`, any conditional policy) on every split P prefill + (N - P) decode
+engines, P = 1 .. N - 1 (or `--splits`). Candidates are ranked by goodput (requests per second
+within both SLOs), then by TTFT p90; the winner's exact `kvswitch up` command, router flags and
+environment follow the table. The routers are given the SLOs the ranking uses.
+
+A full trace takes a minute or two of CPU per candidate; `--jobs` runs candidates side by side and
+`--start/--duration/--limit` narrow the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from bench.compare import CONFIGURATIONS, Configuration
+from bench.summary import Slo, Summary, summarize
+from bench.trace import TokenSynth, TraceError, load_trace, shipped_trace
+from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
+from bench.workloads import WorkItem, from_trace
+from protocol import ConfigError
+from protocol.config import RouterSettings, flat_names
+
+__all__ = ["Candidate", "add_arguments", "run"]
+
+DEFAULT_POLICIES = "kv,kv_disagg,slo_aware"
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    configuration: str
+    prefill: int
+    decode: int
+    agg: int
+
+    @property
+    def fleet(self) -> str:
+        return f"{self.agg} agg" if self.agg else f"{self.prefill}P+{self.decode}D"
+
+
+class Result(msgspec.Struct):
+    candidate: Candidate
+    summary: Summary
+
+
+@dataclass(frozen=True)
+class _Job:
+    candidate: Candidate
+    items: list[WorkItem]
+    profile: str
+    rate: float
+    slo: Slo
+    seed: int
+    max_model_len: int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL trace (default: the shipped one)")
+    parser.add_argument("--gpus", type=int, required=True, help="engines (GPUs) to split")
+    parser.add_argument("--profile", default="h200:llama-3.1-8b", help="the engines' timing profile")
+    parser.add_argument("--rate", type=float, default=1.0, help="times the trace's arrival rate")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated `bench compare` configurations")
+    parser.add_argument("--splits", default=None, help="comma-separated prefill counts to try (default 1 .. N-1)")
+    parser.add_argument("--start", type=float, default=0.0, help="skip the trace's first S seconds")
+    parser.add_argument("--duration", type=float, default=None, help="only the first S seconds (after --start)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    parser.add_argument("--scale-tokens", type=float, default=1.0, help="512*F tokens per trace block")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, seconds")
+    parser.add_argument("--slo-itl", type=float, default=0.025, help="TPOT SLO, seconds")
+    parser.add_argument("--jobs", type=int, default=2, help="candidates run in this many processes")
+    parser.add_argument("--seed", type=int, default=0, help="token synthesis and routers' random choices")
+    parser.add_argument("--out", type=Path, default=None, help="also write every candidate's summary as JSON")
+
+
+def candidates(gpus: int, policies: list[Configuration], splits: list[int]) -> list[Candidate]:
+    out = []
+    for config in policies:
+        if config.fleet == "agg":
+            out.append(Candidate(config.name, 0, 0, gpus))
+        else:
+            out += [Candidate(config.name, p, gpus - p, 0) for p in splits]
+    return out
+
+
+def _router_args(config: Configuration, slo: Slo) -> list[str]:
+    return [*config.router_args, "--slo-ttft-s", f"{slo.ttft_s:g}", "--slo-itl-s", f"{slo.itl_s:g}"]
+
+
+def _measure(job: _Job) -> Result:
+    c = job.candidate
+    print(f"[{c.configuration} on {c.fleet}]", file=sys.stderr, flush=True)
+    spec = FleetSpec(
+        prefill=c.prefill,
+        decode=c.decode,
+        agg=c.agg,
+        settings=settings_from_args(_router_args(CONFIGURATIONS[c.configuration], job.slo)),
+        profile=job.profile,
+        max_model_len=job.max_model_len,
+        seed=job.seed,
+    )
+    done = VirtualFleet(spec).run(job.items, TokenSynth(job.seed), rate=job.rate)
+    return Result(c, summarize(done.results(), slo=job.slo, prefix=done.prefix, clock="virtual"))
+
+
+def rank(results: list[Result]) -> list[Result]:
+    def key(r: Result) -> tuple[float, float]:
+        p90 = r.summary.ttft_s.p90 if r.summary.ttft_s is not None else float("inf")
+        return (-r.summary.goodput_rps, p90)
+
+    return sorted(results, key=key)
+
+
+def format_ranking(results: list[Result]) -> str:
+    header = ["rank", "fleet", "policy", "goodput r/s", "in SLO", "TTFT p50 s", "TTFT p90 s", "TPOT p90 ms", "errors"]
+    rows = [header]
+    for i, r in enumerate(results, 1):
+        s = r.summary
+        rows.append(
+            [
+                str(i),
+                r.candidate.fleet,
+                r.candidate.configuration,
+                f"{s.goodput_rps:.3g}",
+                f"{s.goodput_fraction:.3f}",
+                f"{s.ttft_s.p50:.3g}" if s.ttft_s else "-",
+                f"{s.ttft_s.p90:.3g}" if s.ttft_s else "-",
+                f"{s.tpot_s.p90 * 1e3:.3g}" if s.tpot_s else "-",
+                str(s.errors),
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    left = (1, 2)  # fleet and policy read better left-aligned
+    lines = [
+        "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def settings_text(winner: Candidate, profile: str, slo: Slo) -> str:
+    """The winner as commands: the local cluster, the routers' flags and environment, the engines."""
+    config = CONFIGURATIONS[winner.configuration]
+    args = _router_args(config, slo)
+    settings = settings_from_args(args)
+    defaults = RouterSettings()
+    env = []
+    for name in flat_names(RouterSettings):
+        value = _flat(settings, name)
+        if value != _flat(defaults, name):
+            env.append(f"KVSWITCH_{name.upper()}={str(value).lower() if isinstance(value, bool) else value}")
+    fleet = f"--agg {winner.agg}" if winner.agg else f"--prefill {winner.prefill} --decode {winner.decode}"
+    engines = (
+        f"{winner.agg} engines in the agg role (`--role agg`), each with its shim"
+        if winner.agg
+        else f"{winner.prefill} engines with `--role prefill` and {winner.decode} with `--role decode`, each with its "
+        f"shim (docker-compose.yml: the sim-prefill/shim-prefill pair x{winner.prefill}, "
+        f"sim-decode/shim-decode x{winner.decode})"
+    )
+    return "\n".join(
+        [
+            f"winner: {winner.configuration} on {winner.fleet}",
+            f"  local cluster:  kvswitch up {fleet} --profile {profile} {' '.join(args)}",
+            f"  router flags:   kvswitch router ... {' '.join(args)}",
+            f"  router env:     {' '.join(env) if env else '(the defaults)'}",
+            f"  engines:        {engines}",
+        ]
+    )
+
+
+def _flat(settings: RouterSettings, name: str) -> object:
+    if name in RouterSettings.__struct_fields__:
+        return getattr(settings, name)
+    return getattr(settings.conditional, name)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _plan(args)
+    except (TraceError, ValueError, ConfigError, OSError) as exc:
+        print(f"kvswitch plan: {exc}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGURATIONS]
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(CONFIGURATIONS)}")
+    splits = [int(p) for p in args.splits.split(",")] if args.splits else list(range(1, args.gpus))
+    bad = [p for p in splits if not 1 <= p < args.gpus]
+    if bad:
+        raise ValueError(f"--splits: prefill counts must be in 1..{args.gpus - 1}, got {', '.join(map(str, bad))}")
+    records = load_trace(args.trace or shipped_trace(), limit=args.limit, duration_s=args.duration, start_s=args.start)
+    if not records:
+        raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
+    items = from_trace(records, scale_tokens=args.scale_tokens)
+    slo = Slo(args.slo_ttft, args.slo_itl)
+    todo = candidates(args.gpus, [CONFIGURATIONS[n] for n in names], splits)
+    if not todo:
+        raise ValueError(f"nothing to try: with {args.gpus} GPU(s) only aggregated configurations fit")
+    longest = max(i.input_len + i.output_len for i in items)
+    jobs = [_Job(c, items, args.profile, args.rate, slo, args.seed, max(32768, longest)) for c in todo]
+    started = time.monotonic()
+    if args.jobs > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
+            results = list(pool.map(_measure, jobs))
+    else:
+        results = [_measure(job) for job in jobs]
+    ranked = rank(results)
+    print()
+    print(
+        f"{len(items)} requests ({args.trace or 'shipped trace'}), {args.gpus} GPUs of {args.profile}, "
+        f"rate x{args.rate:g}, SLO TTFT {slo.ttft_s:g} s / TPOT {slo.itl_s * 1e3:g} ms, virtual clock"
+    )
+    print(format_ranking(ranked))
+    print()
+    print(settings_text(ranked[0].candidate, args.profile, slo))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_bytes(msgspec.json.encode(ranked))
+        print(f"results: {args.out}")
+    print(f"{len(jobs)} candidates in {time.monotonic() - started:.0f} s wall")
+    return 0

@@ -1,0 +1,177 @@
+"""`kvswitch bench sweep`: configurations x fleets x loads on the virtual clock, as a table and heat maps.
+
+    kvswitch bench sweep --fleets 1P+3D,2P+2D,2P+6D,4P+12D --rates 0.5,1,2,4 \\
+        --configs round_robin,kv,kv_disagg,slo_aware [--workload trace|shared-prefix|multi-turn]
+
+Every (fleet, rate, configuration) is one replay (bench.virtual) of the same workload at `rate`
+times its arrival rate; aggregated configurations run P + D aggregated engines, disaggregated ones
+P prefill + D decode, so each fleet compares equal GPU counts. Per (fleet, rate) the table gives
+each configuration's goodput and the two ratios the routing targets are stated in:
+
+- `kv / rr`: round_robin's TTFT p90 over kv's (target >= 3x at >= 4 decode workers);
+- `policy / best fixed`: the conditional policy's goodput over the better of always-agg (`kv`) and
+  always-disagg (`kv_disagg`) (targets >= 1.15x where those two diverge by more than
+  `DIVERGE`, and never below 0.95x).
+
+The heat maps (fleet x load) show both ratios. `--out` keeps every measurement as JSON.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from bench.compare import Configuration
+from bench.summary import Slo, Summary, summarize
+from bench.trace import TokenSynth
+from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
+from bench.workloads import WorkItem
+
+__all__ = ["DIVERGE", "Fleet", "SweepPoint", "format_sweep", "parse_fleets", "ratios", "run_sweep"]
+
+DIVERGE = 0.10
+"""Always-agg and always-disagg "diverge" where the worse one's goodput is more than 10% below the
+better one's: there the choice of mode matters, and a conditional policy must beat both by 1.15x."""
+
+_FLEET = re.compile(r"^(\d+)P\+(\d+)D$")
+
+
+class Fleet(msgspec.Struct, frozen=True):
+    prefill: int
+    decode: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefill}P+{self.decode}D"
+
+
+def parse_fleets(text: str) -> list[Fleet]:
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        m = _FLEET.match(part)
+        if m is None or int(m.group(2)) < 1:
+            raise ValueError(f"--fleets: {part!r} is not PP+DD with D >= 1 (e.g. 2P+6D)")
+        out.append(Fleet(int(m.group(1)), int(m.group(2))))
+    return out
+
+
+class SweepPoint(msgspec.Struct, frozen=True):
+    fleet: Fleet
+    rate: float
+    configuration: str
+    summary: Summary
+
+
+@dataclass(frozen=True)
+class _Job:
+    fleet: Fleet
+    rate: float
+    config: Configuration
+    items: Sequence[WorkItem]
+    slo: Slo
+    profile: str
+    seed: int
+    max_model_len: int
+
+
+def _measure(job: _Job) -> SweepPoint:
+    f, c = job.fleet, job.config
+    print(f"[{c.name} on {f.name} at x{job.rate:g}]", file=sys.stderr, flush=True)
+    agg = c.fleet == "agg"
+    args = [*c.router_args, "--slo-ttft-s", f"{job.slo.ttft_s:g}", "--slo-itl-s", f"{job.slo.itl_s:g}"]
+    spec = FleetSpec(
+        prefill=0 if agg else f.prefill,
+        decode=0 if agg else f.decode,
+        agg=f.prefill + f.decode if agg else 0,
+        settings=settings_from_args(args),
+        profile=job.profile,
+        max_model_len=job.max_model_len,
+        seed=job.seed,
+    )
+    run = VirtualFleet(spec).run(job.items, TokenSynth(job.seed), rate=job.rate)
+    return SweepPoint(f, job.rate, c.name, summarize(run.results(), slo=job.slo, prefix=run.prefix, clock="virtual"))
+
+
+def run_sweep(
+    items: Sequence[WorkItem],
+    fleets: Sequence[Fleet],
+    rates: Sequence[float],
+    configs: Sequence[Configuration],
+    *,
+    slo: Slo,
+    profile: str = "h200:llama-3.1-8b",
+    seed: int = 0,
+    jobs: int = 2,
+) -> list[SweepPoint]:
+    longest = max((i.input_len + i.output_len for i in items), default=0)
+    todo = [
+        _Job(f, r, c, items, slo, profile, seed, max(32768, longest)) for f in fleets for r in rates for c in configs
+    ]
+    if jobs > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(min(jobs, len(todo))) as pool:
+            return list(pool.map(_measure, todo))
+    return [_measure(j) for j in todo]
+
+
+def _goodput(points: Sequence[SweepPoint], fleet: Fleet, rate: float, config: str) -> Summary | None:
+    return next((p.summary for p in points if p.fleet == fleet and p.rate == rate and p.configuration == config), None)
+
+
+def ratios(points: Sequence[SweepPoint], policy: str) -> dict[tuple[str, float], dict[str, float | None]]:
+    """Per (fleet, rate): `kv/rr` (round_robin TTFT p90 / kv's), `policy/best` (the policy's goodput
+    over max(kv, kv_disagg)) and `diverge` (1 - min/max of those two goodputs)."""
+    out: dict[tuple[str, float], dict[str, float | None]] = {}
+    for fleet in dict.fromkeys(p.fleet for p in points):
+        for rate in sorted({p.rate for p in points}):
+            rr, kv = _goodput(points, fleet, rate, "round_robin"), _goodput(points, fleet, rate, "kv")
+            disagg, mine = _goodput(points, fleet, rate, "kv_disagg"), _goodput(points, fleet, rate, policy)
+            cell: dict[str, float | None] = {"kv/rr": None, "policy/best": None, "diverge": None}
+            if rr is not None and kv is not None and rr.ttft_s is not None and kv.ttft_s is not None:
+                cell["kv/rr"] = rr.ttft_s.p90 / kv.ttft_s.p90 if kv.ttft_s.p90 > 0 else None
+            if kv is not None and disagg is not None:
+                best = max(kv.goodput_rps, disagg.goodput_rps)
+                if best > 0:
+                    cell["diverge"] = 1 - min(kv.goodput_rps, disagg.goodput_rps) / best
+                    if mine is not None:
+                        cell["policy/best"] = mine.goodput_rps / best
+            out[fleet.name, rate] = cell
+    return out
+
+
+def format_sweep(points: Sequence[SweepPoint], policy: str) -> str:
+    configs = list(dict.fromkeys(p.configuration for p in points))
+    cells = ratios(points, policy)
+    header = ["fleet", "rate", *(f"{c} r/s" for c in configs), "kv/rr p90", f"{policy}/best", "diverge"]
+    rows = [header]
+    for (fleet_name, rate), cell in cells.items():
+        fleet = next(p.fleet for p in points if p.fleet.name == fleet_name)
+        row = [fleet_name, f"x{rate:g}"]
+        for c in configs:
+            s = _goodput(points, fleet, rate, c)
+            row.append(f"{s.goodput_rps:.3g}" if s is not None else "-")
+        for key in ("kv/rr", "policy/best", "diverge"):
+            value = cell[key]
+            row.append("-" if value is None else f"{value:.2f}" + ("x" if key != "diverge" else ""))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def write_points(path: Path, points: Sequence[SweepPoint]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.encode(list(points)))
+
+
+def read_points(path: Path) -> list[SweepPoint]:
+    return msgspec.json.decode(path.read_bytes(), type=list[SweepPoint])

@@ -1,0 +1,220 @@
+"""One simulated engine on the virtual clock: engine_sim's own Scheduler (block pool, prefix cache,
+chunked prefill, preemption, NixlConnector-style remote KV) stepped the way engine_sim.runner
+steps it in real time, with the runner's sleeps replaced by callbacks at virtual times.
+
+Step loop (as the runner's `_run`): `step()` is computed when the previous step ends (or when work
+appears on an idle engine); its KV transfers start at once; its outputs are delivered and its KV
+events handed to the shim when its modelled duration has passed; then the next step is computed.
+An engine with nothing schedulable idles until a request, an abort, a finished transfer or a
+freed pin wakes it.
+
+Remote KV (decode side, as the runner's `_transfer`): the pull that frees the prefill engine's pin
+runs alongside the modelled transfer, so the pin goes when the transfer starts and the request
+resumes `transfer_s(tokens)` later; a pin already gone (timed out) makes the request prefill
+locally. A prefill engine frees an unpulled pin after `kv_pin_timeout_s`.
+
+Timing observations: the engine keeps what vLLM's /metrics histograms would show (their sums and
+counts), which its shim forwards in every LoadReport (router.calibration fits from them):
+iterations and their tokens (`vllm:iteration_tokens_total`), per request the PREFILL-phase time,
+from first scheduled to first token (`vllm:request_prefill_time_seconds`) and the KV tokens it
+computed (`vllm:request_prefill_kv_computed_tokens`), and inter-token gaps
+(`vllm:inter_token_latency_seconds`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from bench.virtual.clock import VirtualClock
+from engine_sim.request import RequestStatus, SimRequest
+from engine_sim.scheduler import Scheduler, StepOutput, StepResult
+from protocol.vllm_events import KVEvent
+
+__all__ = ["EngineTimingStats", "OutputSink", "VirtualEngine"]
+
+OutputSink = Callable[[StepOutput, float], None]
+"""Receives each output of a request with the virtual time its step ended."""
+
+
+@dataclass(slots=True)
+class EngineTimingStats:
+    """Cumulative, like Prometheus counters and histogram sums: a reader takes differences."""
+
+    steps: int = 0
+    step_tokens: int = 0
+    prefill_requests: int = 0
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    itl_tokens: int = 0
+    itl_s: float = 0.0
+    busy_s: float = 0.0  # modelled step time; not a vLLM metric, kept for the benchmark's own figures
+
+
+class VirtualEngine:
+    """Owns its Scheduler's time: no other code calls `step()`. `peers` maps engine ids to the
+    engines a decode engine may pull KV from."""
+
+    def __init__(
+        self,
+        clock: VirtualClock,
+        scheduler: Scheduler,
+        *,
+        peers: Mapping[str, VirtualEngine],
+        kv_transfer_gbps: float = 50.0,
+        kv_pin_timeout_s: float = 480.0,
+    ) -> None:
+        self.clock = clock
+        self.scheduler = scheduler
+        self.peers = peers
+        self.kv_transfer_gbps = kv_transfer_gbps
+        self.kv_pin_timeout_s = kv_pin_timeout_s
+        self.on_events: Callable[[list[KVEvent]], None] = lambda events: None
+        self.timing = EngineTimingStats()
+        self.transfers = 0
+        self.failed_pulls = 0
+        self._sinks: dict[str, OutputSink] = {}
+        self._requests: dict[str, SimRequest] = {}
+        self._last_token_at: dict[str, float] = {}
+        self._scheduled_at: dict[str, float] = {}
+        self._unscheduled: deque[str] = deque()  # submission order: the scheduler admits FIFO
+        self._busy = False
+        self._woken = False
+
+    @property
+    def engine_id(self) -> str:
+        return self.scheduler.engine_id
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def submit(self, req: SimRequest, sink: OutputSink) -> None:
+        self.scheduler.add_request(req)
+        rid = req.request_id
+        self._sinks[rid] = sink
+        self._requests[rid] = req
+        self._unscheduled.append(rid)
+        self._wake()
+
+    def abort(self, request_id: str) -> None:
+        self._forget(request_id)
+        if self.scheduler.abort(request_id):
+            self._wake()
+
+    def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
+        ok = self.scheduler.release_pin(request_id, block_ids)
+        if ok:
+            self._wake()
+        return ok
+
+    def _forget(self, rid: str) -> None:
+        self._sinks.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._last_token_at.pop(rid, None)
+        self._scheduled_at.pop(rid, None)
+
+    # --- the step loop ---------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        """Work may be schedulable: an idle engine computes its next step in this instant (after
+        whatever else happens in it, as the runner's loop runs after the poke's caller)."""
+        if not self._busy and not self._woken:
+            self._woken = True
+            self.clock.after(0.0, self._step)
+
+    def _step(self) -> None:
+        self._woken = False
+        if self._busy:
+            return
+        result = self.scheduler.step()
+        now = self.clock.now
+        self._mark_scheduled(now)
+        for rid, tokens in result.transfers:
+            self._start_transfer(rid, tokens)
+        if not result.num_scheduled_tokens:
+            return  # idle until woken
+        self._busy = True
+        self.clock.at(now + result.duration, self._end_step, result)
+
+    def _mark_scheduled(self, now: float) -> None:
+        pending, requests = self._unscheduled, self._requests
+        while pending:
+            req = requests.get(pending[0])
+            if req is not None and req.num_computed_tokens == 0 and req.status is RequestStatus.WAITING:
+                return
+            rid = pending.popleft()
+            if req is not None:
+                self._scheduled_at[rid] = now
+
+    def _end_step(self, result: StepResult) -> None:
+        now = self.clock.now
+        self._busy = False
+        t = self.timing
+        t.steps += 1  # vLLM observes a step's histograms when its output is processed
+        t.step_tokens += result.num_scheduled_tokens
+        t.busy_s += result.duration
+        last, sinks = self._last_token_at, self._sinks
+        for out in result.outputs:
+            rid = out.request_id
+            prev = last.get(rid)
+            if prev is None:
+                self._first_token(rid, now)
+            else:
+                t.itl_tokens += 1
+                t.itl_s += now - prev
+            last[rid] = now
+            sink = sinks.get(rid)
+            if out.finish_reason is not None:
+                self._forget(rid)
+                if out.kv_transfer_params is not None:
+                    self.clock.after(self.kv_pin_timeout_s, self._expire_pin, rid)
+            if sink is not None:
+                sink(out, now)
+        events = self.scheduler.take_events()
+        if events:
+            self.on_events(events)
+        self._step()
+
+    def _first_token(self, rid: str, now: float) -> None:
+        req = self._requests.get(rid)
+        t = self.timing
+        t.prefill_requests += 1
+        t.prefill_s += now - self._scheduled_at.pop(rid, now)
+        if req is not None:
+            t.prefill_tokens += max(0, req.num_prompt_tokens - req.num_hit_tokens - req.num_external_tokens)
+
+    def _expire_pin(self, rid: str) -> None:
+        self.release_pin(rid)
+
+    # --- remote KV (decode side) -----------------------------------------------------------------
+
+    def transfer_s(self, tokens: int) -> float:
+        """The sim's link model: the one place this engine's KV transfer time is computed."""
+        return self.scheduler.timing.transfer(tokens, self.kv_transfer_gbps)
+
+    def _start_transfer(self, rid: str, tokens: int) -> None:
+        req = self.scheduler.requests.get(rid)
+        params = (req.remote_prefill if req is not None else None) or {}
+        source = self.peers.get(str(params.get("remote_engine_id")))
+        ok = source is not None and source.release_pin(params.get("remote_request_id"), params.get("remote_block_ids"))
+        self.transfers += 1
+        self.failed_pulls += not ok
+        self.clock.after(self.transfer_s(tokens), self._transfer_done, rid, ok)
+
+    def _transfer_done(self, rid: str, ok: bool) -> None:
+        self.scheduler.finish_remote_load(rid, ok)
+        self._wake()
+
+    # --- what the shim reads -----------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.pool.usage

@@ -1,0 +1,79 @@
+"""A cheaper engine block hash for the virtual engines, and requests that hash their prompt at once.
+
+engine_sim hashes blocks as vLLM does (SHA-256 over CBOR, memoised in a trie of weak references)
+so that its ZMQ events are byte-faithful. On the virtual clock no event crosses a wire, and an
+engine hash is opaque to everything downstream (the shim's Normaliser maps it to the canonical
+hash by the block's tokens; only equality matters), so the virtual engines chain xxh3 instead:
+the same identity, block for block, at a fraction of the cost (hashing was the replay's largest
+cost: a full trace hashes millions of blocks per engine).
+
+The chain's root depends on the engine, so engine hashes differ from canonical ones and between
+engines, as vLLM's differ between engines seeded apart. `ChainedRequest` is a SimRequest whose
+`extend_chain` hashes all its new full blocks in one call (the same chain engine_sim's loop builds
+block by block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from engine_sim.block_hash import HashChains, HashedBlock
+from engine_sim.request import SimRequest
+from protocol.hashing import SEED, block_hashes, root_hash
+
+__all__ = ["ChainedRequest", "XxhChains"]
+
+_chain: Callable[[Sequence[int], int, int, int], list[int]]
+try:
+    from protocol._fasthash import block_hashes as _chain
+except ImportError:  # no C extension: the Python reference, same values
+
+    def _chain(tokens: Sequence[int], block_size: int, parent: int, seed: int, /) -> list[int]:
+        return block_hashes(tokens, block_size, parent=parent)
+
+
+class _XxhBlock(HashedBlock):
+    __slots__ = ()
+
+    def __init__(self, parent: HashedBlock | None, tokens: tuple[int, ...], value: int) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.children = None
+        self.ext = value
+        self.digest = value.to_bytes(8, "little")
+
+
+class XxhChains(HashChains):
+    """What `Scheduler.chains` must provide (`child`), without memoisation: an xxh3 chain step
+    costs less than a memo lookup."""
+
+    def __init__(self, engine: str) -> None:
+        super().__init__(b"")
+        self._root = root_hash(f"engine:{engine}")
+
+    def child(self, parent: HashedBlock | None, tokens: tuple[int, ...]) -> HashedBlock:
+        start = parent.ext if parent is not None else self._root
+        return _XxhBlock(parent, tokens, _chain(tokens, len(tokens), start, SEED)[0])
+
+    def extend(self, chain: list[HashedBlock], tokens: list[int], block_size: int) -> None:
+        """Append to `chain` a block for every full block of `tokens` beyond it."""
+        have, full = len(chain), len(tokens) // block_size
+        if full <= have:
+            return
+        parent = chain[-1] if chain else None
+        start = have * block_size
+        values = _chain(tokens[start : full * block_size], block_size, parent.ext if parent else self._root, SEED)
+        for value in values:
+            parent = _XxhBlock(parent, tuple(tokens[start : start + block_size]), value)
+            chain.append(parent)
+            start += block_size
+
+
+class ChainedRequest(SimRequest):
+    __slots__ = ()
+
+    def extend_chain(self, block_size: int, chains: HashChains) -> None:
+        if isinstance(chains, XxhChains):
+            chains.extend(self.chain, self.token_ids, block_size)
+        else:
+            super().extend_chain(block_size, chains)

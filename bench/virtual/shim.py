@@ -1,0 +1,218 @@
+"""The worker shim beside one virtual engine, as worker_shim runs beside a live one:
+
+- KV events: the engine's vLLM events go through the shim's own adapter conversion and its
+  `Normaliser` (engine hash -> canonical hash, reference counted), so the routers' indexes see
+  exactly the canonical hashes a live shim would publish; each non-empty result is one
+  KvEventBatch (seq +1), delivered to every router `kv_event_s` later.
+- Load: a LoadReport on every change and at least every DEFAULT_PERIOD_S (the heartbeat), the
+  engine's figures polled every POLL_S, a change of the shim's own queued prefill tokens published after MIN_GAP_S
+  (worker_shim.load_reporter's timing); each delivered to every router `load_report_s` later.
+- Legs: a leg becomes a SimRequest as the vLLM adapter and engine_sim's HTTP API build it: a prefill
+  leg with `do_remote_decode` and one output token, a decode leg with the prefill leg's
+  kv_transfer_params (unless bypassed), anything else prefilled locally. While a leg waits for
+  its first token, its uncached prompt tokens count as the shim's queued prefill tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from bench.virtual.clock import VirtualClock
+from bench.virtual.delays import Delays
+from bench.virtual.engine import OutputSink, VirtualEngine
+from bench.virtual.engine_hash import ChainedRequest
+from engine_sim.scheduler import StepOutput
+from protocol import KvEventBatch, LoadReport, WorkerInfo
+from protocol.vllm_events import BlockRemoved, KVEvent
+from worker_shim.adapters.vllm_events import to_engine_event
+from worker_shim.engine_events import EngineEvent, EngineRemoved
+from worker_shim.load_reporter import DEFAULT_PERIOD_S, MIN_GAP_S
+from worker_shim.normaliser import Normaliser
+
+if TYPE_CHECKING:
+    from bench.virtual.router import VirtualRouter
+
+__all__ = ["POLL_S", "VirtualShim"]
+
+POLL_S = 0.25  # the shim's engine poll (worker_shim.shim: min(0.25, health_interval_s))
+
+
+class VirtualShim:
+    def __init__(
+        self, clock: VirtualClock, engine: VirtualEngine, info: WorkerInfo, delays: Delays, *, epoch: int
+    ) -> None:
+        self.clock = clock
+        self.engine = engine
+        self.info = info
+        self.worker = info.worker
+        self.delays = delays
+        self.epoch = epoch
+        self.routers: list[VirtualRouter] = []
+        self.normaliser = Normaliser(info.block_size)
+        self.seq = 0
+        self.reports = 0
+        self.running = True  # False once the replay is over: the periodic poll stops
+        self._queued = 0
+        self._queued_by_leg: dict[str, int] = {}
+        self._sample: tuple[int, int, float] = (0, 0, 0.0)
+        self._timing: tuple[int, int, int, float, int, int, float] = (0, 0, 0, 0.0, 0, 0, 0.0)
+        self._last_key: tuple[object, ...] | None = None
+        self._last_sent = float("-inf")
+        self._poke_due = False
+        engine.on_events = self._on_engine_events
+
+    # --- KV events -------------------------------------------------------------------------------
+
+    def _on_engine_events(self, events: list[KVEvent]) -> None:
+        canonical = self.normaliser.apply(_merged(events))
+        if not canonical:
+            return
+        self.seq += 1
+        batch = KvEventBatch(worker=self.worker, epoch=self.epoch, seq=self.seq, ts=self.clock.now, events=canonical)
+        at = self.clock.now + self.delays.kv_event_s
+        for router in self.routers:
+            self.clock.at(at, router.on_kv_batch, batch)
+
+    def cached_tokens(self, hashes: Sequence[int]) -> int:
+        return self.normaliser.cached_prefix_blocks(list(hashes)) * self.info.block_size
+
+    # --- legs ------------------------------------------------------------------------------------
+
+    def leg(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        hashes: Sequence[int],
+        max_tokens: int,
+        sink: OutputSink,
+        on_error: Callable[[int, str], None],
+        prefill_only: bool = False,
+        transfer: dict[str, Any] | None = None,
+    ) -> None:
+        """One leg arrives from a router. `hashes` are the prompt's canonical block hashes (the
+        router computed them with the function the shim uses). A prompt the engine refuses (as
+        engine_sim's HTTP API refuses one at or over max_model_len, with 400) goes back to the
+        router as `on_error(status, message)`, `token_s` later."""
+        limit = self.engine.scheduler.max_model_len
+        if len(token_ids) >= limit:
+            message = f"prompt of {len(token_ids)} tokens; this model's maximum context length is {limit}"
+            self.clock.after(self.delays.token_s, on_error, 400, message)
+            return
+        queued = 0 if transfer is not None else max(0, len(token_ids) - self.cached_tokens(hashes))
+        if queued:
+            self._queued_by_leg[request_id] = queued
+            self._queued += queued
+            self.poke()
+        engine_max = self.engine.scheduler.max_model_len - len(token_ids)
+        req = ChainedRequest(
+            request_id,
+            token_ids,
+            max_tokens=1 if prefill_only else min(max_tokens, engine_max),
+            remote_decode=prefill_only,
+            remote_prefill=transfer if transfer is not None and transfer.get("do_remote_prefill") else None,
+        )
+        self.engine.submit(req, self._on_output(request_id, sink))
+
+    def _on_output(self, request_id: str, sink: OutputSink) -> OutputSink:
+        def on_output(out: StepOutput, at: float) -> None:
+            self._first_token(request_id)
+            sink(out, at)
+
+        return on_output
+
+    def _first_token(self, request_id: str) -> None:
+        queued = self._queued_by_leg.pop(request_id, 0)
+        if queued:
+            self._queued -= queued
+            self.poke()
+
+    def cancel(self, request_id: str) -> None:
+        self._first_token(request_id)
+        self.engine.abort(request_id)
+
+    # --- load reports ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.clock.at(self.clock.now, self._poll)
+
+    def poke(self) -> None:
+        if not self._poke_due:
+            self._poke_due = True
+            self.clock.after(MIN_GAP_S, self._poked)
+
+    def _poked(self) -> None:
+        self._poke_due = False
+        self._publish_if_due()
+
+    def _poll(self) -> None:
+        if not self.running:
+            return
+        e = self.engine
+        self._sample = (e.running, e.waiting, e.kv_usage)
+        t = e.timing
+        self._timing = (
+            t.steps,
+            t.step_tokens,
+            t.prefill_requests,
+            t.prefill_s,
+            t.prefill_tokens,
+            t.itl_tokens,
+            t.itl_s,
+        )
+        self._publish_if_due()
+        self.clock.after(POLL_S, self._poll)
+
+    def report(self) -> LoadReport:
+        running, waiting, usage = self._sample
+        total = self.info.kv_total_blocks
+        steps, step_tokens, prefill_requests, prefill_s, prefill_tokens, itl_n, itl_s = self._timing
+        return LoadReport(
+            worker=self.worker,
+            ts=self.clock.now,
+            running=running,
+            waiting=waiting,
+            kv_used_blocks=round(usage * total) if total else 0,
+            kv_total_blocks=total,
+            prefill_tokens_queued=self._queued,
+            kv_usage=usage,
+            iterations=steps,
+            iteration_tokens=step_tokens,
+            prefill_requests=prefill_requests,
+            prefill_seconds=prefill_s,
+            prefill_computed_tokens=prefill_tokens,
+            itl_count=itl_n,
+            itl_seconds=itl_s,
+            period_s=DEFAULT_PERIOD_S,
+        )
+
+    def _publish_if_due(self) -> None:
+        rep = self.report()
+        key = (rep.running, rep.waiting, rep.kv_used_blocks, rep.prefill_tokens_queued)
+        now = self.clock.now
+        if key == self._last_key and now - self._last_sent < DEFAULT_PERIOD_S:
+            return
+        self._last_key, self._last_sent = key, now
+        self.reports += 1
+        at = now + self.delays.load_report_s
+        for router in self.routers:
+            self.clock.at(at, router.on_load, rep)
+
+
+def _merged(events: list[KVEvent]) -> list[EngineEvent]:
+    """The engine's events as the shim's adapter converts them, consecutive removals (of one
+    medium) joined into one: vLLM sends a BlockRemoved per evicted block, the Normaliser folds a
+    removal's hashes in order either way, and a full trace evicts millions of blocks."""
+    out: list[EngineEvent] = []
+    removed: list[int] | None = None
+    medium: str | None = None
+    for event in events:
+        if isinstance(event, BlockRemoved) and removed is not None and event.medium == medium:
+            removed.extend(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            removed, medium = list(event.block_hashes), event.medium
+            out.append(EngineRemoved(hashes=removed, medium=medium))
+        else:
+            removed = None
+            out.append(to_engine_event(event))
+    return out

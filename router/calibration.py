@@ -1,0 +1,228 @@
+"""Timing calibration: each worker's engine speed, fitted online from what its shim reports.
+
+The router predicts engine times (the SLO-aware policy's TTFT on both paths and the stall a local
+prefill adds to running decodes; admission's prefill rate) from a timing profile. A profile is the
+*shape* of an engine's costs (how prefill grows with tokens and context, decode with batch and
+context); this module fits, per worker, how fast its engine really is against that shape:
+
+    step seconds = k_d * decode(B, C) + k_p * prefill part (P prefill tokens)
+
+`decode` and the prefill part come from the worker's profile, as the one timing model
+(protocol.timing.TimingModel, what engine_sim charges) reads it (`WorkerInfo.timing_profile`;
+`default_profile` when it registered none: a worker without a profile is calibrated, not
+refused), and (k_d, k_p) are fitted by least squares with exponential forgetting over the
+intervals between two of its LoadReports in which the engine was busy throughout (`running` > 0
+in both). Per interval (differences of the reports' cumulative counters, protocol.messages
+LoadReport):
+
+    y   = ts2 - ts1                                    (busy seconds)
+    S   = iterations, D = itl_count (decode tokens), P = iteration_tokens - D (prefill tokens)
+    x_d = S * decode(D / S, C)                         (C = kv_used_blocks * block_size / running)
+    x_p = S * prefill(P / S)                           if D == 0 (a prefill-only engine)
+        = P * marginal(mnbt, 0, D / S) / mnbt          else (prefill chunks inside decode steps)
+
+The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`), a pseudo-observation of
+each factor alone with weight `prior_weight_s` (in s^2, the units of x^2: a few busy intervals
+outweigh it), and observations older than `half_life_s` weigh half; factors stay in [MIN_SCALE,
+MAX_SCALE]. A profile off by a constant factor is corrected exactly; one of another model or GPU
+to first order (one factor for prefill, one for decode). `prior_scale` != 1 starts the router
+deliberately wrong (robustness runs). The proxies are first-order, and the factors absorb what
+they miss on average: x_p prices prefill chunks without the cached context they attend to, so a
+prefill worker serving long multi-turn prompts fits k_p of 1.5-1.8 against its own, right profile
+(docs/benchmarks.md, "Self-calibration").
+
+What the shim must report (cumulative since the engine started; vLLM /metrics names):
+iterations = vllm:iteration_tokens_total_count, iteration_tokens = its _sum, itl_count =
+vllm:inter_token_latency_seconds_count; plus running and kv_used_blocks, which it reports anyway.
+Synchronous; the owner calls `observe` for every load report it accepts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from protocol.messages import LoadReport, WorkerInfo
+from protocol.timing import DEFAULT_PROFILE, TimingModel
+
+__all__ = ["MAX_SCALE", "MIN_SCALE", "Calibration", "WorkerTiming", "timing_of"]
+
+MIN_SCALE = 0.2
+MAX_SCALE = 5.0
+_DEFAULT_MNBT = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTiming:
+    """Predicted engine times of one worker: its profile's shape times its fitted factors."""
+
+    shape: TimingModel
+    decode_scale: float = 1.0
+    prefill_scale: float = 1.0
+    kv_bytes_per_token: int | None = None
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """One prefill of `new_tokens` over `cached_tokens`, alone on the engine."""
+        return self.prefill_scale * self.shape.prefill(new_tokens, cached_tokens)
+
+    def decode_s(self, batch: int, context_tokens: float) -> float:
+        """One decode step of `batch` sequences over `context_tokens` each."""
+        return self.decode_scale * self.shape.decode(batch, context_tokens)
+
+    def stall_s(self, new_tokens: int, cached_tokens: int = 0, batch: int = 1) -> float:
+        """What prefilling `new_tokens` inside the steps of `batch` running decodes adds to those
+        steps, in all: the marginal the engine charges for the chunk (protocol.timing)."""
+        return self.prefill_scale * self.shape.marginal(new_tokens, cached_tokens, max(batch, 1))
+
+    def transfer_s(self, tokens: int, gbps: float) -> float:
+        per_token = self.kv_bytes_per_token or self.shape.profile.kv_bytes_per_token
+        return max(tokens, 0) * per_token / (gbps * 1e9)
+
+    def prefill_rate(self, batch: int) -> float | None:
+        """Prompt tokens per second at full batches of `batch` tokens."""
+        seconds = self.prefill_s(batch)
+        return batch / seconds if seconds > 0 else None
+
+
+def timing_of(info: WorkerInfo, fitted: WorkerTiming | None) -> WorkerTiming | None:
+    """`fitted` when the router calibrates; else the worker's profile as it stands; None when it
+    registered none (or an unknown one)."""
+    if fitted is not None:
+        return fitted
+    if not info.timing_profile:
+        return None
+    try:
+        return WorkerTiming(TimingModel.for_profile(info.timing_profile), kv_bytes_per_token=info.kv_bytes_per_token)
+    except ValueError:
+        return None
+
+
+@dataclass(slots=True)
+class _Fit:
+    """Weighted least squares of y ~ k_d x_d + k_p x_p, with a prior and exponential forgetting:
+    the normal equations' sums decay by 2^(-dt / half_life)."""
+
+    prior: float
+    prior_weight: float
+    a11: float = 0.0
+    a12: float = 0.0
+    a22: float = 0.0
+    b1: float = 0.0
+    b2: float = 0.0
+    updated_at: float | None = None
+    busy_s: float = 0.0  # busy seconds observed, undecayed (how warm the fit is)
+    decode_scale: float = field(init=False)
+    prefill_scale: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decode_scale = self.prefill_scale = self.prior
+
+    def add(self, at: float, y: float, x_d: float, x_p: float, half_life_s: float) -> None:
+        if self.updated_at is not None:
+            decay = 0.5 ** (max(at - self.updated_at, 0.0) / half_life_s)
+            self.a11 *= decay
+            self.a12 *= decay
+            self.a22 *= decay
+            self.b1 *= decay
+            self.b2 *= decay
+        self.updated_at = at
+        self.busy_s += y
+        self.a11 += x_d * x_d
+        self.a12 += x_d * x_p
+        self.a22 += x_p * x_p
+        self.b1 += x_d * y
+        self.b2 += x_p * y
+        # The prior as pseudo-observations of each factor alone, weighted in seconds of evidence.
+        w, k0 = self.prior_weight, self.prior
+        a11, a22, a12 = self.a11 + w, self.a22 + w, self.a12
+        b1, b2 = self.b1 + w * k0, self.b2 + w * k0
+        det = a11 * a22 - a12 * a12
+        if det <= 0:
+            return
+        self.decode_scale = _clamp((b1 * a22 - b2 * a12) / det)
+        self.prefill_scale = _clamp((a11 * b2 - a12 * b1) / det)
+
+
+def _clamp(k: float) -> float:
+    return min(max(k, MIN_SCALE), MAX_SCALE) if math.isfinite(k) else 1.0
+
+
+class Calibration:
+    """Per worker: its last report and its fit. Not thread-safe; one event loop owns it."""
+
+    def __init__(
+        self,
+        *,
+        default_profile: str = DEFAULT_PROFILE,
+        prior_scale: float = 1.0,
+        prior_weight_s: float = 0.05,
+        half_life_s: float = 120.0,
+    ) -> None:
+        if not MIN_SCALE <= prior_scale <= MAX_SCALE:
+            raise ValueError(f"prior_scale must be in [{MIN_SCALE}, {MAX_SCALE}], got {prior_scale}")
+        if prior_weight_s <= 0 or half_life_s <= 0:
+            raise ValueError("prior_weight_s and half_life_s must be > 0")
+        self.default_profile = default_profile
+        self.prior_scale = prior_scale
+        self.prior_weight_s = prior_weight_s
+        self.half_life_s = half_life_s
+        self._last: dict[str, LoadReport] = {}
+        self._fits: dict[str, _Fit] = {}
+        self._shapes: dict[str, TimingModel] = {}
+
+    def shape(self, info: WorkerInfo) -> TimingModel:
+        """The worker's profile, or the default one when it registered none (or an unknown one)."""
+        name = info.timing_profile or self.default_profile
+        shape = self._shapes.get(name)
+        if shape is None:
+            try:
+                shape = TimingModel.for_profile(name)
+            except ValueError:
+                shape = TimingModel.for_profile(self.default_profile)
+            self._shapes[name] = shape
+        return shape
+
+    def forget(self, worker: str) -> None:
+        self._last.pop(worker, None)
+        self._fits.pop(worker, None)
+
+    def observe(self, info: WorkerInfo | None, report: LoadReport) -> None:
+        """A load report of `info`'s worker arrived (None: unknown worker, ignored)."""
+        if info is None:
+            return
+        prev = self._last.get(report.worker)
+        self._last[report.worker] = report
+        if prev is None or report.iterations < prev.iterations:  # first report, or the engine restarted
+            return
+        y = report.ts - prev.ts
+        steps = report.iterations - prev.iterations
+        if y <= 0 or steps <= 0 or prev.running <= 0 or report.running <= 0:
+            return  # the engine may have idled in between: no busy time to read
+        decode_tokens = max(report.itl_count - prev.itl_count, 0)
+        prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - decode_tokens, 0)
+        shape = self.shape(info)
+        context = report.kv_used_blocks * info.block_size / report.running
+        batch = max(round(decode_tokens / steps), 1)
+        x_d = steps * shape.decode(batch, context) if decode_tokens else 0.0
+        if decode_tokens:
+            mnbt = info.max_num_batched_tokens or _DEFAULT_MNBT
+            x_p = prefill_tokens * shape.marginal(mnbt, 0, batch) / mnbt
+        else:
+            x_p = steps * shape.prefill(round(prefill_tokens / steps))
+        if x_d <= 0 and x_p <= 0:
+            return
+        fit = self._fits.get(report.worker)
+        if fit is None:
+            fit = self._fits[report.worker] = _Fit(self.prior_scale, self.prior_weight_s)
+        fit.add(report.ts, y, x_d, x_p, self.half_life_s)
+
+    def timing(self, info: WorkerInfo) -> WorkerTiming:
+        fit = self._fits.get(info.worker)
+        k_d = fit.decode_scale if fit is not None else self.prior_scale
+        k_p = fit.prefill_scale if fit is not None else self.prior_scale
+        return WorkerTiming(self.shape(info), k_d, k_p, info.kv_bytes_per_token)
+
+    def warm_s(self, worker: str) -> float:
+        """Busy seconds observed for `worker` so far."""
+        fit = self._fits.get(worker)
+        return fit.busy_s if fit is not None else 0.0

@@ -1,0 +1,150 @@
+"""slo_aware: prefill where the fewest requests lose their service level.
+
+Goodput counts requests that meet both SLOs (RouterSettings.slo_ttft_s on time to first token,
+slo_itl_s on the mean inter-token latency, TPOT). Per request, with d the chosen decode worker, p
+the prefill worker the router would pick, each worker's timing T (router.calibration: its
+profile's shape times its fitted factors), n prompt tokens of which c_d / c_p are cached on d / p,
+Q the prefill tokens queued on a worker, B = running(d), m = d's max_num_batched_tokens, and L and
+C the mean output length and mean context (prompt + L / 2) of recent requests:
+
+    local   = T_d.prefill(Q_d) + T_d.prefill(n - c_d | c_d) + ceil((Q_d + n - c_d) / m) * T_d.decode(B, C)
+    remote  = T_p.prefill(Q_p) + T_p.prefill(n - c_p | c_p) + transfer(n - c_d) + T_d.decode(B + 1, C)
+    itl_now = T_d.decode(B + 1, C) + T_d.stall(Q_d) / L      (d's running requests' TPOT)
+    itl_loc = itl_now + T_d.stall(n - c_d | c_d) / L         (... after this local prefill: its stall,
+                                                              spread over their tokens)
+
+With the budgets ttft_b = headroom * slo_ttft_s and itl_b = headroom * slo_itl_s, the expected
+requests each path loses:
+
+    pushed      = B * min(1, (itl_loc - itl_b) / (itl_loc - itl_now))   if itl_now <= itl_b < itl_loc, else 0
+    lost_local  = [local > ttft_b] + pushed      (this request's TTFT, and d's running requests
+                                                  pushed over their TPOT budget)
+    lost_remote = [remote > ttft_b]
+
+    bypass iff lost_local < lost_remote, or lost_local == lost_remote and local < remote
+
+So a request goes the way it meets its TTFT; between two that both do, the faster one, unless the
+local prefill would cost d's running requests their TPOT; a request that misses either way goes the
+faster way unless that costs others theirs. Ties keep the remote prefill. (A request that misses
+its TTFT on both paths is counted once on each, so the comparison is its harm to others.)
+
+Parameters: slo_ttft_s, slo_itl_s (RouterSettings); headroom (`--slo-headroom`, in (0, 1],
+default 0.8: the share of each SLO the predictions may use, for what they do not see);
+link_gbps (`--ttft-link-gbps`, shared with ttft_model). A worker without timing (no profile and
+no calibration) keeps the remote prefill and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protocol import ConfigError
+from protocol.config import RouterSettings
+from router.calibration import WorkerTiming, timing_of
+from router.policies.decision import Decision, Outcome
+from router.request_context import Candidate, RequestContext
+
+__all__ = ["NAME", "Forecast", "SloAware", "SloAwareConfig"]
+
+NAME = "slo_aware"
+_INITIAL_OUTPUT_LEN = 128.0
+_INITIAL_PROMPT_LEN = 4096.0
+_EWMA_WEIGHT = 0.02  # each request's weight in L and C
+_DEFAULT_MNBT = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class SloAwareConfig:
+    slo_ttft_s: float = 2.0
+    slo_itl_s: float = 0.025
+    headroom: float = 0.8
+    link_gbps: float = 50.0
+
+    def __post_init__(self) -> None:
+        for name in ("slo_ttft_s", "slo_itl_s", "link_gbps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "must be > 0")
+        if not 0 < self.headroom <= 1:
+            raise ConfigError("slo_headroom", self.headroom, "must be in (0, 1]")
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> SloAwareConfig:
+        c = settings.conditional
+        return cls(
+            slo_ttft_s=settings.slo_ttft_s,
+            slo_itl_s=settings.slo_itl_s,
+            headroom=c.slo_headroom,
+            link_gbps=c.ttft_link_gbps,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    local_s: float
+    remote_s: float
+    itl_now_s: float
+    itl_local_s: float
+
+
+class SloAware:
+    name = NAME
+
+    def __init__(self, config: SloAwareConfig) -> None:
+        self.config = config
+        self.output_len = _INITIAL_OUTPUT_LEN
+        self.prompt_len = _INITIAL_PROMPT_LEN
+
+    @property
+    def context(self) -> float:
+        """A running request's mean context: its prompt and half its output, as recently seen."""
+        return self.prompt_len + self.output_len / 2
+
+    def forecast(self, ctx: RequestContext, d: Candidate, p: Candidate, td: WorkerTiming, tp: WorkerTiming) -> Forecast:
+        n = ctx.isl
+        cd, cp = ctx.cached_tokens(d), ctx.cached_tokens(p)
+        new_d, new_p = n - cd, n - cp
+        batch = d.running
+        context = self.context
+        mnbt = d.info.max_num_batched_tokens or _DEFAULT_MNBT
+        q_d, q_p = d.queued_prefill_tokens, p.queued_prefill_tokens
+        steps = math.ceil((q_d + new_d) / mnbt)
+        local = td.prefill_s(q_d) + td.prefill_s(new_d, cd) + steps * td.decode_s(batch, context)
+        remote = (
+            tp.prefill_s(q_p)
+            + tp.prefill_s(new_p, cp)
+            + tp.transfer_s(new_d, self.config.link_gbps)
+            + td.decode_s(batch + 1, context)
+        )
+        itl_now = td.decode_s(batch + 1, context) + td.stall_s(q_d, 0, batch) / self.output_len
+        itl_local = itl_now + td.stall_s(new_d, cd, batch) / self.output_len
+        return Forecast(local, remote, itl_now, itl_local)
+
+    def lost(self, f: Forecast, running: int) -> tuple[float, float]:
+        """Requests expected to miss their SLO: (on the local path, on the remote path)."""
+        c = self.config
+        ttft_budget, itl_budget = c.headroom * c.slo_ttft_s, c.headroom * c.slo_itl_s
+        pushed = 0.0
+        if running and f.itl_now_s <= itl_budget < f.itl_local_s:
+            pushed = running * min(1.0, (f.itl_local_s - itl_budget) / (f.itl_local_s - f.itl_now_s))
+        return float(f.local_s > ttft_budget) + pushed, float(f.remote_s > ttft_budget)
+
+    def decide(self, ctx: RequestContext) -> Decision:
+        self.output_len += _EWMA_WEIGHT * (ctx.max_tokens - self.output_len)
+        self.prompt_len += _EWMA_WEIGHT * (ctx.isl - self.prompt_len)
+        d, p = ctx.decode, ctx.prefill
+        if d is None or p is None:
+            return Decision(False, Outcome.DECLINED_POLICY, "needs both a decode and a prefill worker")
+        td, tp = timing_of(d.info, d.timing), timing_of(p.info, p.timing)
+        if td is None or tp is None:
+            return Decision(False, Outcome.DECLINED_POLICY, "no timing for a worker (no profile, no calibration)")
+        f = self.forecast(ctx, d, p, td, tp)
+        lost_local, lost_remote = self.lost(f, d.running)
+        why = (
+            f"TTFT local {f.local_s * 1e3:.1f} ms vs remote {f.remote_s * 1e3:.1f} ms; decode TPOT "
+            f"{f.itl_now_s * 1e3:.1f} -> {f.itl_local_s * 1e3:.1f} ms locally; requests lost: local "
+            f"{lost_local:.2f}, remote {lost_remote:.2f}"
+        )
+        if lost_local < lost_remote or (lost_local == lost_remote and f.local_s < f.remote_s):
+            return Decision(True, Outcome.BYPASS_SLO, why)
+        return Decision(False, Outcome.DECLINED_POLICY, why)

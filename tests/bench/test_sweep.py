@@ -1,0 +1,56 @@
+"""`bench sweep`: fleets parse, the ratios are the targets' (checked on known summaries), and a tiny
+sweep produces its table and heat maps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.compare import CONFIGURATIONS
+from bench.plot import plot_sweep
+from bench.summary import Percentiles, Slo, Summary
+from bench.sweep import Fleet, SweepPoint, format_sweep, parse_fleets, ratios, read_points, run_sweep, write_points
+from bench.trace import load_trace, shipped_trace
+from bench.workloads import from_trace
+
+
+def test_fleets_parse_and_bad_ones_are_named() -> None:
+    assert parse_fleets("1P+3D, 4P+12D") == [Fleet(1, 3), Fleet(4, 12)]
+    with pytest.raises(ValueError, match="'2P2D' is not PP"):
+        parse_fleets("2P2D")
+    with pytest.raises(ValueError, match="D >= 1"):
+        parse_fleets("2P+0D")
+
+
+def _s(goodput: float, p90: float) -> Summary:
+    return Summary(
+        requests=1, ok=1, errors=0, duration_s=1.0, ttft_s=Percentiles(p90, p90, p90), itl_s=None, tpot_s=None,
+        e2e_s=None, output_tokens_per_s=1.0, requests_per_s=1.0, goodput_rps=goodput, goodput_fraction=1.0,
+        send_lag_p99_s=None, prefill_mix={}, prefix_hit_rate=None, latency_scale=1.0, slo=Slo(),
+    )  # fmt: skip
+
+
+def test_ratios_are_the_targets() -> None:
+    f = Fleet(1, 3)
+    points = [
+        SweepPoint(f, 1.0, "round_robin", _s(1.0, 6.0)),
+        SweepPoint(f, 1.0, "kv", _s(4.0, 1.5)),
+        SweepPoint(f, 1.0, "kv_disagg", _s(2.0, 3.0)),
+        SweepPoint(f, 1.0, "slo_aware", _s(5.0, 1.0)),
+    ]
+    cell = ratios(points, "slo_aware")["1P+3D", 1.0]
+    assert cell == {"kv/rr": 4.0, "policy/best": 1.25, "diverge": 0.5}
+    table = format_sweep(points, "slo_aware")
+    assert "4.00x" in table and "1.25x" in table and "0.50" in table
+
+
+def test_a_tiny_sweep_writes_its_table_and_heat_maps(tmp_path: Path) -> None:
+    items = from_trace(load_trace(shipped_trace(), start_s=990, limit=12), scale_tokens=0.125)
+    configs = [CONFIGURATIONS[n] for n in ("round_robin", "kv", "kv_disagg", "slo_aware")]
+    points = run_sweep(items, [Fleet(1, 1)], [1.0, 2.0], configs, slo=Slo(), jobs=1)
+    assert len(points) == 8 and all(p.summary.ok == len(items) for p in points)
+    write_points(tmp_path / "s.json", points)
+    assert read_points(tmp_path / "s.json") == points
+    png = plot_sweep(points, "slo_aware", tmp_path / "s.png", title="t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,157 @@
+"""The virtual clock: deterministic, conserving, free of wall time, and exact against the timing
+model on cases small enough to compute by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgspec
+import pytest
+
+from bench.compare import CONFIGURATIONS, CompareSpec, run_compare
+from bench.trace import TokenSynth, load_trace, shipped_trace
+from bench.virtual.delays import Delays
+from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
+from bench.workloads import WorkItem, from_trace
+from protocol.timing import TimingModel
+
+PROFILE = "h200:llama-3.1-8b"
+
+
+def _items(n: int = 60) -> list[WorkItem]:
+    return from_trace(load_trace(shipped_trace(), start_s=960, limit=n), scale_tokens=0.25)
+
+
+def _fleet(*args: str, **spec: object) -> VirtualFleet:
+    fields: dict[str, object] = {
+        "prefill": 1,
+        "decode": 2,
+        "routers": 2,
+        "settings": settings_from_args(args),
+        "max_model_len": 65536,
+    }
+    fields.update(spec)
+    return VirtualFleet(FleetSpec(**fields))  # type: ignore[arg-type]
+
+
+CONDITIONAL = ("--conditional-disagg", "--conditional-disagg-policy", "ttft_model")
+
+
+def test_two_identical_runs_give_identical_json() -> None:
+    spec = CompareSpec(
+        items=_items(),
+        configurations=[CONFIGURATIONS["kv"], CONFIGURATIONS["ttft_model"]],
+        prefill=1,
+        decode=2,
+        routers=2,
+        runs=1,
+        rates=[1.5],
+        progress=False,
+        clock="virtual",
+    )
+    first = msgspec.json.encode(run_compare(spec))
+    assert first == msgspec.json.encode(run_compare(spec))
+    assert b'"clock":"virtual"' in first
+
+
+def test_every_request_ends_once_with_its_output_length_and_frees_everything() -> None:
+    items = _items()
+    fleet = _fleet(*CONDITIONAL)
+    run = fleet.run(items, TokenSynth(0), rate=2.0)
+    assert [r.index for r in run.requests] == list(range(len(items)))
+    assert all(r.status == 200 for r in run.requests)
+    assert [r.output_tokens for r in run.requests] == [item.output_len for item in items]
+    assert {r.prefill for r in run.requests} == {"bypass", "remote"}  # both paths were taken
+    for router in fleet.routers:
+        assert router.planner.ledger.live == 0 and not router.waiters
+        assert all(router.view.bookings(w) == 0 for w in fleet.engines)
+    for engine in fleet.engines.values():
+        assert not engine.scheduler.requests and not engine.scheduler.running
+        assert not engine.scheduler.pins and engine.failed_pulls == 0  # every prefilled KV was pulled
+        assert engine.scheduler.pool.num_used == 0
+    assert sum(e.transfers for e in fleet.engines.values()) == sum(r.prefill == "remote" for r in run.requests)
+
+
+def test_a_run_reads_no_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet = _fleet(*CONDITIONAL)  # building may (engine_sim stamps its stats); running may not
+
+    def forbidden(*_args: object) -> float:
+        raise AssertionError("the virtual clock read wall time")
+
+    for name in ("time", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "perf_counter_ns"):
+        monkeypatch.setattr(time, name, forbidden)
+    monkeypatch.setattr(asyncio.BaseEventLoop, "time", forbidden)
+    run = fleet.run(_items(30), TokenSynth(0))
+    assert all(r.status == 200 for r in run.requests)
+
+
+def _one_request(prompt: int, output: int) -> list[WorkItem]:
+    return [WorkItem(0.0, ((7, prompt),), output, "one")]
+
+
+def test_one_request_costs_exactly_the_modelled_steps_and_hops() -> None:
+    delays = Delays(kv_event_s=0.004, load_report_s=0.001, sync_s=0.003, leg_s=0.002, token_s=0.003, client_s=0.001)
+    fleet = _fleet("--disagg", "never", prefill=0, decode=0, agg=1, routers=1, delays=delays)
+    run = fleet.run(_one_request(1000, 4), TokenSynth(0))
+    (r,) = run.results()
+    t = TimingModel.for_profile(PROFILE)
+    prefill = t.step(0, 0, [(1000, 0)])
+    decodes = [t.step(1, ctx, []) for ctx in (1001, 1002, 1003)]
+    assert r.ttft_s == pytest.approx(delays.client_s + delays.leg_s + prefill + delays.token_s + delays.client_s)
+    assert r.itl_s == pytest.approx(decodes)  # 5.2 ms steps: beyond the shim's 5 ms coalescing
+    assert r.ttft_s is not None and r.e2e_s == pytest.approx(r.ttft_s + sum(decodes))
+
+
+def test_remote_prefill_pays_the_transfer_of_the_uncached_prompt() -> None:
+    delays = Delays(kv_event_s=0.0, load_report_s=0.0, sync_s=0.0, leg_s=0.002, token_s=0.003, client_s=0.0)
+    fleet = _fleet("--disagg", "always", prefill=1, decode=1, routers=1, delays=delays)
+    run = fleet.run(_one_request(1000, 2), TokenSynth(0))
+    (r,) = run.results()
+    t = TimingModel.for_profile(PROFILE)
+    prefill = t.step(0, 0, [(1000, 0)])
+    # The decode engine takes no local hit and pulls the whole prompt's KV, then computes the last
+    # prompt token in a step of its own (the scheduler counts it as a decode) to sample the first.
+    transfer = t.transfer(1000, 50.0)
+    last_token = t.step(1, 1000, [])
+    hop = delays.leg_s + delays.token_s
+    assert r.prefill == "remote"
+    assert r.ttft_s == pytest.approx(hop + prefill + hop + transfer + last_token)
+
+
+def test_a_slow_prefill_falls_back_to_a_local_prefill() -> None:
+    fleet = _fleet("--disagg", "always", "--prefill-timeout-s", "0.05", prefill=1, decode=1, routers=1)
+    run = fleet.run(_one_request(8000, 2), TokenSynth(0))
+    (r,) = run.results()
+    assert r.ok and r.prefill == "bypass" and r.outcome == "fallback_prefill_failed"
+    assert run.fallbacks == 1
+    prefill_engine = fleet.engines["prefill-0"].scheduler
+    assert not prefill_engine.requests and not prefill_engine.pins  # the prefill leg was cancelled
+
+
+def test_replicas_see_each_others_bookings_after_the_sync_delay() -> None:
+    delays = Delays(sync_s=0.5, client_s=0.0, leg_s=0.0, token_s=0.0, kv_event_s=0.0, load_report_s=10.0)
+    fleet = _fleet("--disagg", "never", prefill=0, decode=0, agg=2, routers=2, delays=delays)
+    r0, r1 = fleet.routers
+    seen: list[tuple[float, int]] = []
+
+    def probe(at: float, check: Callable[[], int]) -> None:
+        fleet.clock.at(at, lambda: seen.append((at, check())))
+
+    load = lambda: sum(r1.view.load(w).active_blocks for w in fleet.engines)  # noqa: E731
+    probe(0.01, load)
+    probe(0.6, load)
+    fleet.run(_one_request(4000, 400), TokenSynth(0))  # request 0 goes to replica 0
+    assert seen[0] == (0.01, 0)
+    assert seen[1][1] == 4000 // 16  # replica 0's booking, seen by replica 1 after 0.5 s
+    assert r0.planner.ledger.live == 0
+
+
+def test_a_prompt_over_the_context_limit_is_refused_with_400() -> None:
+    fleet = _fleet("--disagg", "always", prefill=1, decode=1, routers=1, max_model_len=4096)
+    run = fleet.run([*_one_request(5000, 2), WorkItem(0.1, ((8, 100),), 3, "short")], TokenSynth(0))
+    long, short = run.results()
+    assert long.status == 400 and not long.ok and "maximum context length is 4096" in (long.error or "")
+    assert short.ok and short.output_tokens == 3
+    assert fleet.routers[0].planner.ledger.live == 0

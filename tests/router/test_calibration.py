@@ -1,0 +1,148 @@
+"""router.calibration: the fit recovers a synthetic engine's known speed from its reports' counters,
+from any starting profile, follows a change, and ignores what cannot be read as busy time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from protocol import LoadReport, WorkerInfo
+from protocol.timing import DEFAULT_PROFILE, TimingModel
+from router.calibration import Calibration, WorkerTiming, timing_of
+
+BLOCK = 16
+MNBT = 8192
+SHAPE = TimingModel.for_profile(DEFAULT_PROFILE)
+
+
+def _info(name: str = "w", profile: str | None = DEFAULT_PROFILE) -> WorkerInfo:
+    return WorkerInfo(
+        worker=name, model="m", role="decode", engine="vllm", block_size=BLOCK, max_num_batched_tokens=MNBT,
+        timing_profile=profile,
+    )  # fmt: skip
+
+
+class SyntheticEngine:
+    """An engine whose step takes k_d * decode_s(B, C) + k_p * (prefill part) exactly, reporting
+    the cumulative counters a shim forwards."""
+
+    def __init__(self, k_d: float, k_p: float, seed: int = 0) -> None:
+        self.k_d, self.k_p = k_d, k_p
+        self.rng = random.Random(seed)
+        self.ts = 0.0
+        self.iterations = self.iteration_tokens = self.itl_count = 0
+
+    def interval(self, *, running: int, context: int, prefill_tokens: int, steps: int = 40) -> LoadReport:
+        """`steps` steps of `running` decodes at `context` tokens, with `prefill_tokens` of chunks."""
+        if running:
+            busy = self.k_d * steps * SHAPE.decode(running, context)
+            busy += self.k_p * prefill_tokens * SHAPE.marginal(MNBT, 0, running) / MNBT
+        else:
+            busy = self.k_p * steps * SHAPE.prefill(round(prefill_tokens / steps))
+        self.ts += busy
+        self.iterations += steps
+        self.iteration_tokens += running * steps + prefill_tokens
+        self.itl_count += running * steps
+        return self.report(running=max(running, 1), context=context)
+
+    def idle(self, seconds: float) -> LoadReport:
+        self.ts += seconds
+        return self.report(running=0, context=0)
+
+    def report(self, *, running: int, context: int) -> LoadReport:
+        return LoadReport(
+            worker="w",
+            ts=self.ts,
+            running=running,
+            kv_used_blocks=running * context // BLOCK,
+            iterations=self.iterations,
+            iteration_tokens=self.iteration_tokens,
+            itl_count=self.itl_count,
+        )
+
+
+def _feed(cal: Calibration, engine: SyntheticEngine, intervals: int, info: WorkerInfo | None = None) -> None:
+    info = info or _info()
+    cal.observe(info, engine.report(running=1, context=4096))
+    for _ in range(intervals):
+        running = engine.rng.randrange(1, 64)
+        prefill = engine.rng.choice([0, 0, 4096, 16384, 40000])
+        context = engine.rng.randrange(512, 16384)
+        cal.observe(info, engine.interval(running=running, context=context, prefill_tokens=prefill))
+
+
+@pytest.mark.parametrize(("k_d", "k_p"), [(1.0, 1.0), (1.3, 0.8), (0.6, 2.0)])
+def test_the_fit_recovers_a_known_engine_speed(k_d: float, k_p: float) -> None:
+    cal = Calibration()
+    _feed(cal, SyntheticEngine(k_d, k_p), 200)
+    t = cal.timing(_info())
+    assert t.decode_scale == pytest.approx(k_d, rel=0.02)
+    assert t.prefill_scale == pytest.approx(k_p, rel=0.02)
+
+
+def test_a_profile_25_percent_slow_is_corrected() -> None:
+    cal = Calibration(prior_scale=1.25)
+    assert cal.timing(_info()).prefill_s(8192) == pytest.approx(1.25 * SHAPE.prefill(8192))
+    _feed(cal, SyntheticEngine(1.0, 1.0), 200)
+    assert cal.timing(_info()).prefill_s(8192) == pytest.approx(SHAPE.prefill(8192), rel=0.02)
+
+
+def test_a_worker_without_a_profile_is_calibrated_against_the_default_shape() -> None:
+    cal = Calibration()
+    info = _info(profile=None)
+    assert timing_of(info, None) is None  # nothing to predict with until the router calibrates
+    _feed(cal, SyntheticEngine(1.6, 0.7), 200, info)
+    t = cal.timing(info)
+    assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.6, 0.7), rel=0.02)
+    assert cal.warm_s("w") > 0
+
+
+def test_a_prefill_only_engine_fits_its_prefill_and_keeps_the_prior_decode() -> None:
+    cal = Calibration()
+    engine = SyntheticEngine(1.0, 1.5)
+    cal.observe(_info(), engine.report(running=1, context=0))
+    for _ in range(100):
+        cal.observe(_info(), engine.interval(running=0, context=0, prefill_tokens=engine.rng.randrange(8192, 80000)))
+    t = cal.timing(_info())
+    assert t.prefill_scale == pytest.approx(1.5, rel=0.02) and t.decode_scale == 1.0
+
+
+def test_the_fit_follows_an_engine_that_slows_down() -> None:
+    cal = Calibration(half_life_s=30.0)
+    engine = SyntheticEngine(1.0, 1.0)
+    _feed(cal, engine, 200)
+    engine.k_d = engine.k_p = 2.0
+    _feed(cal, engine, 400)
+    t = cal.timing(_info())
+    assert (t.decode_scale, t.prefill_scale) == pytest.approx((2.0, 2.0), rel=0.05)
+
+
+def test_idle_intervals_and_restarts_teach_nothing() -> None:
+    cal = Calibration()
+    engine = SyntheticEngine(1.0, 1.0)
+    info = _info()
+    cal.observe(info, engine.report(running=1, context=4096))
+    cal.observe(info, engine.idle(30.0))  # 30 s with nothing running: not busy time
+    cal.observe(info, engine.interval(running=8, context=4096, prefill_tokens=0))  # starts from an idle report
+    assert cal.warm_s("w") == 0.0
+    engine.iterations = 0  # a restarted engine's counters start over
+    cal.observe(info, engine.report(running=4, context=4096))
+    assert cal.warm_s("w") == 0.0 and cal.timing(info).decode_scale == 1.0
+
+
+def test_unknown_workers_are_ignored_and_bad_priors_refused() -> None:
+    cal = Calibration()
+    cal.observe(None, LoadReport(worker="x", ts=1.0))
+    assert cal.warm_s("x") == 0.0
+    with pytest.raises(ValueError, match="prior_scale"):
+        Calibration(prior_scale=10.0)
+
+
+def test_worker_timing_scales_the_shape() -> None:
+    t = WorkerTiming(SHAPE, decode_scale=2.0, prefill_scale=0.5, kv_bytes_per_token=1000)
+    assert t.decode_s(8, 4096) == pytest.approx(2.0 * SHAPE.decode(8, 4096))
+    assert t.prefill_s(4096, 1024) == pytest.approx(0.5 * SHAPE.prefill(4096, 1024))
+    assert t.stall_s(2048, 0, 4) == pytest.approx(0.5 * SHAPE.marginal(2048, 0, 4))
+    assert t.transfer_s(1000, 1.0) == pytest.approx(1e-3)  # the worker's own bytes per token
+    assert t.prefill_rate(MNBT) == pytest.approx(MNBT / (0.5 * SHAPE.prefill(MNBT)))

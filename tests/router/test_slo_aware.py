@@ -1,0 +1,145 @@
+"""slo_aware at hand-computed cases. The workers' timing is a linear profile written for the test:
+prefill 0.1 ms per new token, a decode step 5 ms + 0.1 ms per sequence, 100 kB of KV per token
+(so 2 us per token at 50 GB/s), a stall of n tokens = 0.1 ms * n - 5.1 ms. SLOs 2 s and 25 ms at
+headroom 0.8: budgets 1.6 s and 20 ms. Requests ask 128 output tokens, so L stays 128; workers
+prefill at most 2,048 tokens per step (the builders' max_num_batched_tokens)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from protocol.config import ConditionalDisaggConfig, RouterSettings
+from protocol.timing import TimingModel, load_profile
+from router.calibration import WorkerTiming
+from router.policies import Outcome, make_policy
+from router.policies.slo_aware import Forecast, SloAware, SloAwareConfig
+from router.request_context import Candidate, RequestContext
+from tests.router.builders import cand, ctx
+
+PROFILE = "slolinear:lin"
+
+
+@pytest.fixture(autouse=True)
+def linear_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    prefill = [
+        {"cached_tokens": c, "new_tokens": n, "seconds": n * 1e-4} for c in (0, 100_000) for n in (1000, 101_000)
+    ]
+    decode = [{"context_tokens": x, "batch": b, "seconds": 0.005 + 1e-4 * b} for x in (0, 100_000) for b in (1, 101)]
+    table = {"models": [{"model": "lin", "kv_bytes_per_token_bf16": 100_000, "prefill": prefill, "decode": decode}]}
+    (tmp_path / "slolinear.json").write_text(json.dumps(table))
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
+    load_profile.cache_clear()
+    yield
+    load_profile.cache_clear()
+
+
+def _timed(c: Candidate) -> Candidate:
+    c.timing = WorkerTiming(TimingModel(load_profile(PROFILE)))
+    return c
+
+
+def _decide(
+    isl: int, *, running: int = 0, queued_p: int = 0, queued_d: int = 0, cached_p: int = 0, cached_d: int = 0
+) -> tuple[bool, Outcome, SloAware, RequestContext]:
+    d = _timed(cand("d1", running=running, queued_prefill_tokens=queued_d, overlap=cached_d // 16))
+    p = _timed(cand("p1", "prefill", queued_prefill_tokens=queued_p, overlap=cached_p // 16))
+    c = ctx(isl, [d], [p])
+    c.max_tokens = 128
+    c.decode, c.prefill = d, p
+    policy = SloAware(SloAwareConfig())
+    decision = policy.decide(c)
+    return decision.bypass, decision.outcome, policy, c
+
+
+def test_short_prompt_on_an_idle_fleet_is_faster_locally() -> None:
+    bypass, outcome, policy, c = _decide(1000)
+    assert c.decode is not None and c.prefill is not None
+    td = c.decode.timing
+    assert td is not None
+    f = policy.forecast(c, c.decode, c.prefill, td, td)
+    assert f.local_s == pytest.approx(0.1)  # 1000 tokens, no decode batch to interleave
+    assert f.remote_s == pytest.approx(0.1 + 0.002 + 0.0051)  # prefill, transfer, d's first step
+    assert (bypass, outcome) == (True, Outcome.BYPASS_SLO)
+
+
+def test_both_fit_and_the_faster_way_wins() -> None:
+    # no cache: local 1.0 s + 5 steps x 6 ms = 1.03 s; remote 1.0 + 0.02 + 0.0061 = 1.0261 s
+    assert _decide(10_000, running=10)[0] is False
+    # 8,000 cached on d: local 0.2 + 1 x 6 ms = 0.206 s; TPOT 6.1 -> 6.1 + 0.1949 / 128 = 7.6 ms
+    assert _decide(10_000, running=10, cached_d=8000)[0] is True
+
+
+def test_a_local_prefill_that_pushes_running_decodes_over_their_tpot_goes_remote() -> None:
+    # B = 120, 6,000 cached on d: local 0.4 + 2 x 17 ms = 0.434 s, remote 1.0 + 0.008 + 0.0171 = 1.025 s;
+    # TPOT 17.1 ms -> 17.1 + stall / 128, the stall being the 4,000-token chunk's marginal beside 120
+    # decodes (protocol.timing: the reference fit scaled to this profile, 414.6 ms) = 20.339 ms:
+    # 120 x 0.339 / 3.239 = 12.56 requests lost
+    bypass, _, policy, c = _decide(10_000, running=120, cached_d=6000)
+    assert c.decode is not None and c.decode.timing is not None and c.prefill is not None
+    f = policy.forecast(c, c.decode, c.prefill, c.decode.timing, c.decode.timing)
+    assert f.local_s < f.remote_s <= 1.6
+    assert policy.lost(f, 120)[0] == pytest.approx(120 * (f.itl_local_s - 0.02) / (f.itl_local_s - f.itl_now_s))
+    assert c.decode.timing.stall_s(4000, 6000, 120) == pytest.approx(0.4146, abs=1e-4)
+    assert policy.lost(f, 120) == pytest.approx((12.56, 0.0), abs=0.01)
+    assert bypass is False
+
+
+def test_a_saturated_prefill_worker_sends_the_request_local() -> None:
+    # remote 2.0 s of queue + 1.0 s > 1.6 s; local 1.0 s fits and nobody runs on d
+    assert _decide(10_000, queued_p=20_000)[0] is True
+
+
+def test_one_lost_request_is_better_than_seven_pushed() -> None:
+    # remote misses its TTFT (1 lost); local would push 12.6 of d's 120 requests over their TPOT
+    assert _decide(10_000, running=120, cached_d=6000, queued_p=20_000)[0] is False
+
+
+def test_a_cached_prefix_on_the_prefill_worker_makes_remote_faster() -> None:
+    # 8,000 cached on p: remote 0.2 + 0.02 + 0.0061 s; local 1.0 s + 5 x 6 ms
+    assert _decide(10_000, running=10, cached_p=8000)[0] is False
+
+
+def test_at_a_budget_a_prediction_still_fits() -> None:
+    policy = SloAware(SloAwareConfig())
+    ttft_b, itl_b = 0.8 * 2.0, 0.8 * 0.025
+    at_budget = Forecast(local_s=ttft_b, remote_s=ttft_b, itl_now_s=0.01, itl_local_s=itl_b)
+    assert policy.lost(at_budget, 50) == (0.0, 0.0)
+    over = Forecast(local_s=ttft_b + 1e-9, remote_s=ttft_b + 1e-9, itl_now_s=0.01, itl_local_s=itl_b + 1e-3)
+    lost_local, lost_remote = policy.lost(over, 50)
+    assert lost_remote == 1.0 and lost_local == pytest.approx(1.0 + 50 * 1e-3 / (itl_b + 1e-3 - 0.01))
+    already_over = Forecast(local_s=0.1, remote_s=0.1, itl_now_s=itl_b + 1e-3, itl_local_s=itl_b + 2e-3)
+    assert policy.lost(already_over, 50) == (0.0, 0.0)  # its requests miss either way: none pushed
+
+
+def test_when_both_miss_the_faster_way_wins_unless_it_harms_others() -> None:
+    # queued 30,000 on d and 10,000 on p: local 4.0 s + 5 x 5 ms... vs remote 1.0 + 1.0 + ...
+    assert _decide(10_000, queued_d=30_000, queued_p=10_000)[0] is False
+    assert _decide(10_000, queued_d=10_000, queued_p=30_000)[0] is True
+
+
+def test_no_timing_keeps_the_remote_prefill() -> None:
+    d, p = cand("d1"), cand("p1", "prefill")
+    d.info = d.info.__class__(**{**{f: getattr(d.info, f) for f in d.info.__struct_fields__}, "timing_profile": None})
+    c = ctx(1000, [d], [p])
+    c.decode, c.prefill = d, p
+    decision = SloAware(SloAwareConfig()).decide(c)
+    assert not decision.bypass and "no timing" in decision.reason
+
+
+def test_the_registry_builds_it_with_the_routers_slos() -> None:
+    settings = RouterSettings(
+        slo_ttft_s=3.0, slo_itl_s=0.05, conditional=ConditionalDisaggConfig(conditional_disagg_policy="slo_aware")
+    )
+    policy = make_policy(settings.conditional, settings)
+    assert isinstance(policy, SloAware)
+    assert (policy.config.slo_ttft_s, policy.config.slo_itl_s, policy.config.headroom) == (3.0, 0.05, 0.8)
+
+
+@pytest.mark.parametrize("headroom", [0.0, 1.5])
+def test_headroom_outside_0_1_is_refused(headroom: float) -> None:
+    with pytest.raises(ValueError, match="slo_headroom"):
+        ConditionalDisaggConfig(conditional_disagg_policy="slo_aware", slo_headroom=headroom).validate()
