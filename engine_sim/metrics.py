@@ -84,8 +84,19 @@ class _Collector:
         yield success
         for name, doc, hist in (
             ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", st.ttft),
-            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", st.itl),
+            (vm.INTER_TOKEN_LATENCY, "Histogram of inter-token latency in seconds.", st.itl),
             ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", st.e2e),
+            (vm.ITERATION_TOKENS, "Histogram of number of tokens per engine_step.", st.iteration_tokens),
+            (
+                vm.PREFILL_TIME,
+                "Histogram of time spent in PREFILL phase for request.",
+                st.prefill_time,
+            ),
+            (
+                vm.PREFILL_KV_COMPUTED_TOKENS,
+                "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                st.prefill_kv_computed,
+            ),
         ):
             h = HistogramMetricFamily(name, doc, labels=_LABELS)
             h.add_metric(lv, hist.cumulative(), hist.sum)

@@ -63,6 +63,7 @@ class RequestStream:
         "num_cached_tokens",
         "prompt_len",
         "request_id",
+        "scheduled_at",
         "token_ids",
     )
 
@@ -76,6 +77,7 @@ class RequestStream:
         self.num_cached_tokens = 0
         self.first_at: float | None = None
         self.last_at: float | None = None
+        self.scheduled_at: float | None = None
         self.closed = False
         self._event = asyncio.Event()
         self._read = 0
@@ -236,6 +238,10 @@ class EngineRunner:
             if next_at < now - MAX_LAG:
                 next_at = now
                 self.lag_resets += 1
+            for rid in result.started:
+                stream = self.streams.get(rid)
+                if stream is not None and stream.scheduled_at is None:
+                    stream.scheduled_at = next_at
             next_at += sim / self.speedup
             self.cpu_s += time.perf_counter() - t0
             delay = next_at - loop.time()
@@ -266,6 +272,8 @@ class EngineRunner:
                 stream.first_at = at
                 stream.num_cached_tokens = out.num_cached_tokens
                 stats.ttft.observe((at - stream.arrival) * speedup)
+                started = stream.scheduled_at if stream.scheduled_at is not None else stream.arrival
+                stats.prefill_time.observe((at - started) * speedup)
             elif stream.last_at is not None:
                 stats.itl.observe((at - stream.last_at) * speedup)
             stream.last_at = at

@@ -58,6 +58,8 @@ class StepResult:
     num_prefill_tokens: int = 0
     transfers: list[tuple[str, int]] = field(default_factory=list)
     """(request_id, tokens to pull) for remote-KV loads that start now."""
+    started: list[str] = field(default_factory=list)
+    """Requests scheduled for the first time in this step (vLLM's prefill time starts here)."""
 
 
 class Scheduler:
@@ -89,7 +91,7 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.pins: dict[str, SimRequest] = {}
-        self.stats = EngineStats()
+        self.stats = EngineStats(max_model_len)
         # Filled in by the driver so kv_transfer_params can say where to pull from.
         self.remote_host = "127.0.0.1"
         self.remote_port = 0
@@ -261,7 +263,7 @@ class Scheduler:
             if not self._allocate(req, n, hits):
                 break
             if fresh and req.num_preemptions == 0:
-                self._count_admission(req, hit_tokens)
+                self._count_admission(req, hit_tokens, result)
             waiting.popleft()
             running.append(req)
             req.status = RequestStatus.RUNNING
@@ -270,7 +272,8 @@ class Scheduler:
         waiting.extendleft(reversed(skipped))
         return scheduled
 
-    def _count_admission(self, req: SimRequest, hit_tokens: int) -> None:
+    def _count_admission(self, req: SimRequest, hit_tokens: int, result: StepResult) -> None:
+        result.started.append(req.request_id)
         st = self.stats
         st.prefix_cache_queries += req.num_tokens
         st.prefix_cache_hits += hit_tokens
@@ -284,7 +287,7 @@ class Scheduler:
         hit_tokens = len(hits) * bs
         if not self._allocate(req, req.num_prompt_tokens - hit_tokens, hits, cache=False):
             return False
-        self._count_admission(req, hit_tokens)
+        self._count_admission(req, hit_tokens, result)
         req.num_computed_tokens = hit_tokens
         req.num_external_tokens = req.num_prompt_tokens - hit_tokens
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -334,7 +337,7 @@ class Scheduler:
         chunks: list[tuple[int, int]] = []
         outputs = result.outputs
         st = self.stats
-        num_decode = num_prefill = num_scheduled = 0
+        num_decode = num_prefill = num_scheduled = prompt_computed = 0
         max_model_len = self.max_model_len
         for req, n in scheduled:
             before = req.num_computed_tokens
@@ -349,6 +352,10 @@ class Scheduler:
             if before + n < len(req.token_ids):
                 continue  # a prefill chunk that is not the last: nothing to sample yet
             out_ids = req.output_token_ids
+            if not out_ids:
+                computed = max(req.num_prompt_tokens - req.num_hit_tokens - req.num_external_tokens, 0)
+                st.prefill_kv_computed.observe(computed)
+                prompt_computed += computed
             tok = req.sampler.token(len(out_ids))
             finish = None
             if req.stop_token_ids and tok in req.stop_token_ids:
@@ -373,6 +380,8 @@ class Scheduler:
         st.prefill_tokens_computed += num_prefill
         st.generation_tokens += len(outputs)
         st.steps += 1
+        if outputs:
+            st.iteration_tokens.observe(prompt_computed + len(outputs))
         mean_ctx = decode_ctx / num_decode if num_decode else 0.0
         result.duration = self.timing.step(num_decode, mean_ctx, chunks)
 

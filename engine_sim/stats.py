@@ -11,7 +11,15 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["E2E_BUCKETS", "ITL_BUCKETS", "TTFT_BUCKETS", "EngineStats", "Histogram"]
+__all__ = [
+    "E2E_BUCKETS",
+    "ITERATION_TOKENS_BUCKETS",
+    "ITL_BUCKETS",
+    "TTFT_BUCKETS",
+    "EngineStats",
+    "Histogram",
+    "one_two_five_buckets",
+]
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -19,6 +27,19 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: vLLM's bounds for token-count histograms."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class Histogram:
@@ -48,7 +69,7 @@ class Histogram:
 class EngineStats:
     """Plain counters; the scheduler and driver bump them, nothing else writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int = 32768) -> None:
         self.created = time.time()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -63,3 +84,9 @@ class EngineStats:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        # As vLLM counts them: a step's tokens are the prompt tokens it computed for requests that
+        # got their first token in it plus the tokens it sampled (so the sum is computed prompt
+        # tokens + generation tokens); steps that sample nothing are not observed.
+        self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
+        self.prefill_time = Histogram(E2E_BUCKETS)  # first scheduled -> first token
+        self.prefill_kv_computed = Histogram(one_two_five_buckets(max_model_len))

@@ -164,6 +164,9 @@ class LoadReport(_Msg, kw_only=True):
     prefill_computed_tokens: int = 0  # vllm:request_prefill_kv_computed_tokens_sum: uncached prompt tokens
     itl_count: int = 0  # vllm:inter_token_latency_seconds_count
     itl_seconds: float = 0.0  # vllm:inter_token_latency_seconds_sum
+    # Wall-clock time the engine's figures above were read (the shim polls them, and a heartbeat
+    # may repeat the last reading); 0: at `ts`. Calibration measures busy time between readings.
+    engine_ts: float = 0.0
 
 
 # --- Requests: router -> shim on {ns}.gen.{role}.{worker} ----------------------------------------

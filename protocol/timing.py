@@ -32,6 +32,8 @@ running decodes take one token each first, the prompt gets the rest of the budge
 - stall(n, c, B, budget): the sum of those chunks' marginals: what the prompt delays each of the B
   running decodes by.
 - scaled(f): the same model with every coefficient multiplied by f (a deliberately wrong profile).
+- calibrated(k_d, k_p): decode steps times k_d, prefill work times k_p (one engine's fitted speed,
+  router.calibration).
 
 Error against the measurements (`python -m engine_sim.timing_report` prints the whole table):
 - prefill and decode tables: 0.00% at every measured point (they are the interpolation nodes); in
@@ -249,11 +251,13 @@ def _chunks(new: int, cached: int, room: int) -> Iterator[tuple[int, int]]:
 class TimingModel:
     """Step durations for one model profile (module docstring). Immutable; `scaled` makes a copy."""
 
-    __slots__ = ("_decode", "_fit", "_prefill", "_ref", "profile", "scale")
+    __slots__ = ("_decode", "_fit", "_prefill", "_ref", "decode_scale", "prefill_scale", "profile", "scale")
 
     def __init__(self, profile: ModelProfile) -> None:
         self.profile = profile
         self.scale = 1.0
+        self.decode_scale = 1.0  # calibrated(): decode steps only
+        self.prefill_scale = 1.0  # calibrated(): prefill steps and the marginals of prefill chunks
         self._prefill = _Grid(profile.prefill)
         self._decode = _Grid(profile.decode)
         own = _mixed_model(profile.table) == profile.model
@@ -275,20 +279,31 @@ class TimingModel:
         out.scale = self.scale * factor
         return out
 
+    def calibrated(self, decode: float, prefill: float) -> TimingModel:
+        """This model with decode steps `decode` times as long and prefill work (prefill steps,
+        the marginals of chunks) `prefill` times: one engine's speed fitted against this profile's
+        shape (router.calibration). Transfers are the link's, not the engine's: unchanged."""
+        if not (decode > 0 and prefill > 0):
+            raise ValueError(f"calibration factors must be > 0, got {decode!r}, {prefill!r}")
+        out = copy.copy(self)
+        out.decode_scale = self.decode_scale * decode
+        out.prefill_scale = self.prefill_scale * prefill
+        return out
+
     # --- one step --------------------------------------------------------------------------------
 
     def prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
         if new_tokens <= 0:
             return 0.0
-        return self._prefill(new_tokens, cached_tokens) * self.scale
+        return self._prefill(new_tokens, cached_tokens) * self.prefill_scale * self.scale
 
     def decode(self, batch: int, context_tokens: float) -> float:
         if batch <= 0:
             return 0.0
-        return self._decode(batch, context_tokens) * self.scale
+        return self._decode(batch, context_tokens) * self.decode_scale * self.scale
 
     def marginal(self, new_tokens: int, cached_tokens: int, batch: int) -> float:
-        return self._marginal(new_tokens, cached_tokens, batch) * self.scale
+        return self._marginal(new_tokens, cached_tokens, batch) * self.prefill_scale * self.scale
 
     def _marginal(self, n: int, c: int, batch: int) -> float:
         if n <= 0:
@@ -302,17 +317,19 @@ class TimingModel:
         """One step: `decode_batch` sequences at mean context `decode_context`, plus prefill
         `chunks` of (new_tokens, cached_tokens)."""
         if decode_batch > 0:
-            t = self._decode(decode_batch, decode_context)
+            t = 0.0
             for n, c in chunks:
                 t += self._marginal(n, c, decode_batch)
-            return t * self.scale
+            return (
+                self._decode(decode_batch, decode_context) * self.decode_scale + t * self.prefill_scale
+            ) * self.scale
         if not chunks:
             return 0.0
         n0, c0 = chunks[0]
         t = self._prefill(n0, c0)
         for n, c in chunks[1:]:
             t += self._marginal(n, c, 0)
-        return t * self.scale
+        return t * self.prefill_scale * self.scale
 
     def transfer(self, tokens: int, gbytes_per_s: float) -> float:
         """KV of `tokens` tokens over a link of `gbytes_per_s` GB/s."""

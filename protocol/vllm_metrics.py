@@ -8,6 +8,8 @@ from __future__ import annotations
 
 __all__ = [
     "CACHE_CONFIG_INFO",
+    "INTER_TOKEN_LATENCY",
+    "ITERATION_TOKENS",
     "KV_CACHE_USAGE_PERC",
     "LABEL_BLOCK_SIZE",
     "LABEL_CACHE_DTYPE",
@@ -15,6 +17,10 @@ __all__ = [
     "NUM_PREEMPTIONS",
     "NUM_REQUESTS_RUNNING",
     "NUM_REQUESTS_WAITING",
+    "PREFILL_KV_COMPUTED_TOKENS",
+    "PREFILL_TIME",
+    "count",
+    "histogram_sum",
     "total",
 ]
 
@@ -28,8 +34,23 @@ LABEL_BLOCK_SIZE = "block_size"
 LABEL_NUM_GPU_BLOCKS = "num_gpu_blocks"
 # The KV cache's element type: "auto" (the model's dtype) or e.g. "fp8", "fp8_e4m3", "bfloat16".
 LABEL_CACHE_DTYPE = "cache_dtype"
+# Histograms whose cumulative _count and _sum the shim forwards for the routers' timing calibration.
+ITERATION_TOKENS = "vllm:iteration_tokens_total"  # tokens per engine step (a histogram, despite _total)
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+PREFILL_TIME = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
+PREFILL_KV_COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"  # prompt tokens computed, not cached
 
 
 def total(counter: str) -> str:
     """The sample name of a counter in text exposition."""
     return counter + "_total"
+
+
+def count(histogram: str) -> str:
+    """The sample name of a histogram's observation count."""
+    return histogram + "_count"
+
+
+def histogram_sum(histogram: str) -> str:
+    """The sample name of a histogram's sum of observations."""
+    return histogram + "_sum"

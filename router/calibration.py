@@ -1,21 +1,23 @@
 """Timing calibration: each worker's engine speed, fitted online from what its shim reports.
 
-The router predicts engine times (the SLO-aware policy's TTFT on both paths and the stall a local
-prefill adds to running decodes; admission's prefill rate) from a timing profile. A profile is the
-*shape* of an engine's costs (how prefill grows with tokens and context, decode with batch and
-context); this module fits, per worker, how fast its engine really is against that shape:
+The router predicts engine times (TTFT on both paths and the stall a local prefill adds to
+running decodes, in the ttft_model and slo_aware policies; admission's prefill rate) from a
+timing profile. A profile is the *shape* of an engine's costs (how prefill grows with tokens and
+context, decode with batch and context); this module fits, per worker, how fast its engine really
+is against that shape:
 
     step seconds = k_d * decode(B, C) + k_p * prefill part (P prefill tokens)
 
 `decode` and the prefill part come from the worker's profile, as the one timing model
 (protocol.timing.TimingModel, what engine_sim charges) reads it (`WorkerInfo.timing_profile`;
 `default_profile` when it registered none: a worker without a profile is calibrated, not
-refused), and (k_d, k_p) are fitted by least squares with exponential forgetting over the
-intervals between two of its LoadReports in which the engine was busy throughout (`running` > 0
-in both). Per interval (differences of the reports' cumulative counters, protocol.messages
+refused; one whose profile this router does not know gets no timing, and the policies say so).
+(k_d, k_p) are fitted by least squares with exponential forgetting over the intervals between
+two of its LoadReports in which the engine was busy throughout (`running` > 0 in both).
+Per interval (differences of the reports' cumulative counters, protocol.messages
 LoadReport):
 
-    y   = ts2 - ts1                                    (busy seconds)
+    y   = t2 - t1                                      (busy seconds; t: engine_ts, else ts)
     S   = iterations, D = itl_count (decode tokens), P = iteration_tokens - D (prefill tokens)
     x_d = S * decode(D / S, C)                         (C = kv_used_blocks * block_size / running)
     x_p = S * prefill(P / S)                           if D == 0 (a prefill-only engine)
@@ -33,12 +35,15 @@ prefill worker serving long multi-turn prompts fits k_p of 1.5-1.8 against its o
 
 What the shim must report (cumulative since the engine started; vLLM /metrics names):
 iterations = vllm:iteration_tokens_total_count, iteration_tokens = its _sum, itl_count =
-vllm:inter_token_latency_seconds_count; plus running and kv_used_blocks, which it reports anyway.
+vllm:inter_token_latency_seconds_count, and engine_ts, when it read them; plus running and
+kv_used_blocks, which it reports anyway. An engine that exports none of these (SGLang and
+TensorRT-LLM adapters today) reports iterations 0 and is never fitted: the router keeps its prior.
 Synchronous; the owner calls `observe` for every load report it accepts.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -47,6 +52,7 @@ from protocol.timing import DEFAULT_PROFILE, TimingModel
 
 __all__ = ["MAX_SCALE", "MIN_SCALE", "Calibration", "WorkerTiming", "timing_of"]
 
+log = logging.getLogger(__name__)
 MIN_SCALE = 0.2
 MAX_SCALE = 5.0
 _DEFAULT_MNBT = 8192
@@ -60,6 +66,12 @@ class WorkerTiming:
     decode_scale: float = 1.0
     prefill_scale: float = 1.0
     kv_bytes_per_token: int | None = None
+
+    def model(self) -> TimingModel:
+        """The whole timing model at this worker's fitted speed (for the ttft_model policy)."""
+        if self.decode_scale == 1.0 and self.prefill_scale == 1.0:
+            return self.shape
+        return self.shape.calibrated(self.decode_scale, self.prefill_scale)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """One prefill of `new_tokens` over `cached_tokens`, alone on the engine."""
@@ -168,18 +180,20 @@ class Calibration:
         self.half_life_s = half_life_s
         self._last: dict[str, LoadReport] = {}
         self._fits: dict[str, _Fit] = {}
-        self._shapes: dict[str, TimingModel] = {}
+        self._shapes: dict[str, TimingModel | None] = {}
 
-    def shape(self, info: WorkerInfo) -> TimingModel:
-        """The worker's profile, or the default one when it registered none (or an unknown one)."""
+    def shape(self, info: WorkerInfo) -> TimingModel | None:
+        """The worker's profile, the default one when it registered none; None for a name this
+        router does not know (logged once: the policies then say so rather than guess)."""
         name = info.timing_profile or self.default_profile
-        shape = self._shapes.get(name)
-        if shape is None:
-            try:
-                shape = TimingModel.for_profile(name)
-            except ValueError:
-                shape = TimingModel.for_profile(self.default_profile)
-            self._shapes[name] = shape
+        if name in self._shapes:
+            return self._shapes[name]
+        try:
+            shape: TimingModel | None = TimingModel.for_profile(name)
+        except ValueError as exc:
+            log.warning("worker %s registered timing profile %r, unknown here: %s", info.worker, name, exc)
+            shape = None
+        self._shapes[name] = shape
         return shape
 
     def forget(self, worker: str) -> None:
@@ -194,13 +208,15 @@ class Calibration:
         self._last[report.worker] = report
         if prev is None or report.iterations < prev.iterations:  # first report, or the engine restarted
             return
-        y = report.ts - prev.ts
+        y = (report.engine_ts or report.ts) - (prev.engine_ts or prev.ts)
         steps = report.iterations - prev.iterations
         if y <= 0 or steps <= 0 or prev.running <= 0 or report.running <= 0:
             return  # the engine may have idled in between: no busy time to read
         decode_tokens = max(report.itl_count - prev.itl_count, 0)
         prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - decode_tokens, 0)
         shape = self.shape(info)
+        if shape is None:
+            return
         context = report.kv_used_blocks * info.block_size / report.running
         batch = max(round(decode_tokens / steps), 1)
         x_d = steps * shape.decode(batch, context) if decode_tokens else 0.0
@@ -216,11 +232,19 @@ class Calibration:
             fit = self._fits[report.worker] = _Fit(self.prior_scale, self.prior_weight_s)
         fit.add(report.ts, y, x_d, x_p, self.half_life_s)
 
-    def timing(self, info: WorkerInfo) -> WorkerTiming:
+    def timing(self, info: WorkerInfo) -> WorkerTiming | None:
+        """The worker's fitted timing; None when its profile is unknown here."""
+        shape = self.shape(info)
+        if shape is None:
+            return None
         fit = self._fits.get(info.worker)
         k_d = fit.decode_scale if fit is not None else self.prior_scale
         k_p = fit.prefill_scale if fit is not None else self.prior_scale
-        return WorkerTiming(self.shape(info), k_d, k_p, info.kv_bytes_per_token)
+        return WorkerTiming(shape, k_d, k_p, info.kv_bytes_per_token)
+
+    def factors(self) -> dict[str, tuple[float, float, float]]:
+        """Per worker fitted so far: (decode scale, prefill scale, busy seconds observed)."""
+        return {w: (f.decode_scale, f.prefill_scale, f.busy_s) for w, f in self._fits.items()}
 
     def warm_s(self, worker: str) -> float:
         """Busy seconds observed for `worker` so far."""

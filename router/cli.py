@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--body-timeout-s", type=float, default=30.0, help="seconds a client has to send its request body (else 408)"
     )
+    parser.add_argument(
+        "--no-calibration", action="store_true",
+        help="predict engine times from the workers' timing profiles as registered (default: fit each "
+        "worker's speed against its profile from its load reports)",
+    )  # fmt: skip
     routing = parser.add_argument_group("routing (live-tunable at /{ns}/config/router)")
     add_flags(routing, RouterSettings)
     conn = parser.add_argument_group("NATS and etcd")
@@ -119,6 +124,7 @@ def build_config(args: argparse.Namespace) -> Any:
         request_timeout_s=args.request_timeout,
         api_keys_file=keys_file,
         http_limits=limits,
+        calibrate=not args.no_calibration,
     )
 
 

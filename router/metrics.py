@@ -36,6 +36,7 @@ class StateFigures:
     queue_depth: int = 0
     inflight: int = 0
     workers: int = 0
+    timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
 
 
 class _StateCollector(Collector):
@@ -63,6 +64,20 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvswitch_router_queue_depth", "Requests waiting for admission", s.queue_depth)
         yield GaugeMetricFamily("kvswitch_router_inflight_requests", "Requests being served", s.inflight)
         yield GaugeMetricFamily("kvswitch_router_workers", "Registered workers", s.workers)
+        scale = GaugeMetricFamily(
+            "kvswitch_router_timing_scale",
+            "A worker's engine time over its timing profile's, as calibrated from its load reports",
+            labels=["worker", "part"],
+        )
+        warm = GaugeMetricFamily(
+            "kvswitch_router_timing_observed_seconds", "Busy engine seconds the calibration has seen", labels=["worker"]
+        )
+        for worker, (k_d, k_p, busy_s) in sorted(s.timing.items()):
+            scale.add_metric([worker, "decode"], k_d)
+            scale.add_metric([worker, "prefill"], k_p)
+            warm.add_metric([worker], busy_s)
+        yield scale
+        yield warm
 
 
 class RouterMetrics:

@@ -44,6 +44,7 @@ from protocol.version import __version__
 from router.admission import Admission, Throughput
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
+from router.calibration import Calibration
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility
@@ -99,6 +100,7 @@ class RouterConfig:
     tracer_provider: TracerProvider | None = None
     api_keys_file: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    calibrate: bool = True  # fit each worker's engine speed from its load reports (router.calibration)
 
 
 class RouterService:
@@ -115,6 +117,7 @@ class RouterService:
         self.url = ""
         self.index = BlockIndex()
         self.view = LoadView()
+        self.calibration = Calibration() if config.calibrate else None
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.time)
         self.metrics = RouterMetrics(self._figures)
         self.tracer = RequestTracer(config.tracer_provider)
@@ -203,6 +206,7 @@ class RouterService:
             eligibility=self.eligibility,
             ledger=ledger,
             rng=random.Random(self.config.seed),
+            calibration=self.calibration,
         )
         self._ingest = KvIngest(nc, self.ns, self.index, on_events=self._on_kv_events)
         self._dispatcher = Dispatcher(
@@ -412,6 +416,8 @@ class RouterService:
         self.path.admission.notify()
 
     def _on_worker_remove(self, worker: str) -> None:
+        if self.calibration is not None:
+            self.calibration.forget(worker)
         self.fingerprints.forget(worker)
         self.ingest.remove_worker(worker)
         self.view.remove_worker(worker)
@@ -434,10 +440,13 @@ class RouterService:
             if self.load_malformed == 1:
                 log.warning("malformed load report on %s dropped (later ones only counted): %s", msg.subject, exc)
             return
-        if self._registry is None or self._registry.get(report.worker) is None:
+        info = self._registry.get(report.worker) if self._registry is not None else None
+        if info is None:
             self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
             return
         self.view.update(report)
+        if self.calibration is not None:
+            self.calibration.observe(info, report)
         self.eligibility.reported(report.worker)
         self.ingest.check_digest(report)
         self.path.admission.notify()
@@ -481,4 +490,5 @@ class RouterService:
             queue_depth=self._path.admission.depth if self._path is not None else 0,
             inflight=self._path.inflight if self._path is not None else 0,
             workers=len(self._registry.workers()) if self._registry is not None else 0,
+            timing=self.calibration.factors() if self.calibration is not None else {},
         )

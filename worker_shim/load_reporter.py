@@ -59,6 +59,7 @@ class LoadReporter:
         self.events_ok = events_ok
         self.published = 0
         self._engine = EngineLoad()
+        self._engine_at = 0.0
         self._healthy = True
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = 0.0
@@ -85,6 +86,7 @@ class LoadReporter:
 
     def report(self) -> LoadReport:
         e = self._engine
+        t = e.timing
         total = e.kv_total_blocks or self.kv_total_blocks
         used = round(e.kv_usage * total) if e.kv_usage is not None and total else 0
         d = self.digest()
@@ -105,12 +107,22 @@ class LoadReporter:
             kv_seq=d.seq if d else 0,
             kv_blocks=d.blocks if d else 0,
             kv_xor=d.xor if d else 0,
+            iterations=t.iterations,
+            iteration_tokens=t.iteration_tokens,
+            prefill_requests=t.prefill_requests,
+            prefill_seconds=t.prefill_seconds,
+            prefill_computed_tokens=t.prefill_computed_tokens,
+            itl_count=t.itl_count,
+            itl_seconds=t.itl_seconds,
+            engine_ts=self._engine_at,
         )
 
     async def _poll_loop(self) -> None:
         while True:
             try:
+                asked = time.time()
                 self._engine = await self.adapter.load()
+                self._engine_at = (asked + time.time()) / 2  # the engine rendered them in between
                 self._healthy = True
             except EngineError as exc:
                 if self._healthy:

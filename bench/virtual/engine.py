@@ -40,13 +40,11 @@ OutputSink = Callable[[StepOutput, float], None]
 
 @dataclass(slots=True)
 class EngineTimingStats:
-    """Cumulative, like Prometheus counters and histogram sums: a reader takes differences."""
+    """The engine's latency figures in virtual time, cumulative like Prometheus histogram sums (a
+    reader takes differences). Token counts per step are the Scheduler's own (EngineStats)."""
 
-    steps: int = 0
-    step_tokens: int = 0
     prefill_requests: int = 0
     prefill_s: float = 0.0
-    prefill_tokens: int = 0
     itl_tokens: int = 0
     itl_s: float = 0.0
     busy_s: float = 0.0  # modelled step time; not a vLLM metric, kept for the benchmark's own figures
@@ -150,8 +148,6 @@ class VirtualEngine:
         now = self.clock.now
         self._busy = False
         t = self.timing
-        t.steps += 1  # vLLM observes a step's histograms when its output is processed
-        t.step_tokens += result.num_scheduled_tokens
         t.busy_s += result.duration
         last, sinks = self._last_token_at, self._sinks
         for out in result.outputs:
@@ -176,12 +172,9 @@ class VirtualEngine:
         self._step()
 
     def _first_token(self, rid: str, now: float) -> None:
-        req = self._requests.get(rid)
         t = self.timing
         t.prefill_requests += 1
         t.prefill_s += now - self._scheduled_at.pop(rid, now)
-        if req is not None:
-            t.prefill_tokens += max(0, req.num_prompt_tokens - req.num_hit_tokens - req.num_external_tokens)
 
     def _expire_pin(self, rid: str) -> None:
         self.release_pin(rid)

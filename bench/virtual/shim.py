@@ -57,6 +57,7 @@ class VirtualShim:
         self._queued_by_leg: dict[str, int] = {}
         self._sample: tuple[int, int, float] = (0, 0, 0.0)
         self._timing: tuple[int, int, int, float, int, int, float] = (0, 0, 0, 0.0, 0, 0, 0.0)
+        self._sampled_at = 0.0
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = float("-inf")
         self._poke_due = False
@@ -150,16 +151,17 @@ class VirtualShim:
             return
         e = self.engine
         self._sample = (e.running, e.waiting, e.kv_usage)
-        t = e.timing
+        t, st = e.timing, e.scheduler.stats
         self._timing = (
-            t.steps,
-            t.step_tokens,
+            st.iteration_tokens.count,
+            int(st.iteration_tokens.sum),
             t.prefill_requests,
             t.prefill_s,
-            t.prefill_tokens,
+            int(st.prefill_kv_computed.sum),
             t.itl_tokens,
             t.itl_s,
         )
+        self._sampled_at = self.clock.now
         self._publish_if_due()
         self.clock.after(POLL_S, self._poll)
 
@@ -184,6 +186,7 @@ class VirtualShim:
             itl_count=itl_n,
             itl_seconds=itl_s,
             period_s=DEFAULT_PERIOD_S,
+            engine_ts=self._sampled_at,
         )
 
     def _publish_if_due(self) -> None:

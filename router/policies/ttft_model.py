@@ -100,6 +100,8 @@ class TtftModel:
         self._models = models
 
     def _model(self, c: Candidate) -> TimingModel:
+        if c.timing is not None:  # the router calibrates: the worker's profile at its fitted speed
+            return c.timing.model()
         return self._models(c.info.timing_profile or DEFAULT_PROFILE)
 
     def predict(self, ctx: RequestContext, d: Candidate, p: Candidate) -> Prediction:

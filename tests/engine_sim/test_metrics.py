@@ -52,15 +52,16 @@ async def test_metric_names_types_and_labels_match_vllm(sim: SimServer) -> None:
         "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
         "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
         "vllm:e2e_request_latency_seconds", "vllm:cache_config_info", "vllm:prefix_cache_queries_created",
+        "vllm:iteration_tokens_total", "vllm:request_prefill_time_seconds", "vllm:request_prefill_kv_computed_tokens",
     ]  # fmt: skip
     for name in wanted:
         assert our_types.get(name) == cap_types[name], name
     cap, mine = parse(captured), parse(ours)
     for name in ("vllm:num_requests_running", "vllm:prefix_cache_hits_total", "vllm:request_success_total"):
         assert label_keys(mine[name]) == label_keys(cap[name]), name
-    assert set(mine["vllm:time_to_first_token_seconds_bucket"]) == {
-        k.replace("tiny-llama", "sim-llama") for k in cap["vllm:time_to_first_token_seconds_bucket"]
-    }
+    for histogram in ("time_to_first_token_seconds", "iteration_tokens_total", "request_prefill_time_seconds"):
+        name = f"vllm:{histogram}_bucket"
+        assert set(mine[name]) == {k.replace("tiny-llama", "sim-llama") for k in cap[name]}, name
     (info,) = mine["vllm:cache_config_info"]
     assert f'num_gpu_blocks="{sim.config.num_gpu_blocks}"' in info and 'block_size="16"' in info
 
@@ -80,6 +81,15 @@ async def test_shared_prefix_workload_reports_hit_counts(sim: SimServer) -> None
     assert m["vllm:request_success_total"]['{engine="0",finished_reason="length",model_name="sim-llama"}'] == 3
     assert one(m, "vllm:time_to_first_token_seconds_count") == 3
     assert one(m, "vllm:inter_token_latency_seconds_count") == 3
+    # As vLLM 0.32 counts them (the fixture's iteration-token sum is computed prompt + generated
+    # tokens): one prefill step and one decode step per request, all six sampling a token.
+    computed = 3 * 84 - 2 * 64
+    assert one(m, "vllm:request_prefill_kv_computed_tokens_sum") == computed
+    assert one(m, "vllm:request_prefill_kv_computed_tokens_count") == 3
+    assert one(m, "vllm:iteration_tokens_total_sum") == computed + 6
+    assert one(m, "vllm:iteration_tokens_total_count") == 6
+    assert one(m, "vllm:request_prefill_time_seconds_count") == 3
+    assert 0 < one(m, "vllm:request_prefill_time_seconds_sum") <= one(m, "vllm:time_to_first_token_seconds_sum")
     assert one(m, "vllm:num_requests_running") == 0 and one(m, "vllm:kv_cache_usage_perc") == 0.0
 
 

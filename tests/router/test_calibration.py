@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from protocol import LoadReport, WorkerInfo
@@ -21,6 +22,12 @@ def _info(name: str = "w", profile: str | None = DEFAULT_PROFILE) -> WorkerInfo:
         worker=name, model="m", role="decode", engine="vllm", block_size=BLOCK, max_num_batched_tokens=MNBT,
         timing_profile=profile,
     )  # fmt: skip
+
+
+def _fitted(cal: Calibration, info: WorkerInfo) -> WorkerTiming:
+    t = cal.timing(info)
+    assert t is not None
+    return t
 
 
 class SyntheticEngine:
@@ -76,16 +83,16 @@ def _feed(cal: Calibration, engine: SyntheticEngine, intervals: int, info: Worke
 def test_the_fit_recovers_a_known_engine_speed(k_d: float, k_p: float) -> None:
     cal = Calibration()
     _feed(cal, SyntheticEngine(k_d, k_p), 200)
-    t = cal.timing(_info())
+    t = _fitted(cal, _info())
     assert t.decode_scale == pytest.approx(k_d, rel=0.02)
     assert t.prefill_scale == pytest.approx(k_p, rel=0.02)
 
 
 def test_a_profile_25_percent_slow_is_corrected() -> None:
     cal = Calibration(prior_scale=1.25)
-    assert cal.timing(_info()).prefill_s(8192) == pytest.approx(1.25 * SHAPE.prefill(8192))
+    assert _fitted(cal, _info()).prefill_s(8192) == pytest.approx(1.25 * SHAPE.prefill(8192))
     _feed(cal, SyntheticEngine(1.0, 1.0), 200)
-    assert cal.timing(_info()).prefill_s(8192) == pytest.approx(SHAPE.prefill(8192), rel=0.02)
+    assert _fitted(cal, _info()).prefill_s(8192) == pytest.approx(SHAPE.prefill(8192), rel=0.02)
 
 
 def test_a_worker_without_a_profile_is_calibrated_against_the_default_shape() -> None:
@@ -93,7 +100,7 @@ def test_a_worker_without_a_profile_is_calibrated_against_the_default_shape() ->
     info = _info(profile=None)
     assert timing_of(info, None) is None  # nothing to predict with until the router calibrates
     _feed(cal, SyntheticEngine(1.6, 0.7), 200, info)
-    t = cal.timing(info)
+    t = _fitted(cal, info)
     assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.6, 0.7), rel=0.02)
     assert cal.warm_s("w") > 0
 
@@ -104,7 +111,7 @@ def test_a_prefill_only_engine_fits_its_prefill_and_keeps_the_prior_decode() -> 
     cal.observe(_info(), engine.report(running=1, context=0))
     for _ in range(100):
         cal.observe(_info(), engine.interval(running=0, context=0, prefill_tokens=engine.rng.randrange(8192, 80000)))
-    t = cal.timing(_info())
+    t = _fitted(cal, _info())
     assert t.prefill_scale == pytest.approx(1.5, rel=0.02) and t.decode_scale == 1.0
 
 
@@ -114,7 +121,7 @@ def test_the_fit_follows_an_engine_that_slows_down() -> None:
     _feed(cal, engine, 200)
     engine.k_d = engine.k_p = 2.0
     _feed(cal, engine, 400)
-    t = cal.timing(_info())
+    t = _fitted(cal, _info())
     assert (t.decode_scale, t.prefill_scale) == pytest.approx((2.0, 2.0), rel=0.05)
 
 
@@ -128,7 +135,7 @@ def test_idle_intervals_and_restarts_teach_nothing() -> None:
     assert cal.warm_s("w") == 0.0
     engine.iterations = 0  # a restarted engine's counters start over
     cal.observe(info, engine.report(running=4, context=4096))
-    assert cal.warm_s("w") == 0.0 and cal.timing(info).decode_scale == 1.0
+    assert cal.warm_s("w") == 0.0 and _fitted(cal, info).decode_scale == 1.0
 
 
 def test_unknown_workers_are_ignored_and_bad_priors_refused() -> None:
@@ -146,3 +153,35 @@ def test_worker_timing_scales_the_shape() -> None:
     assert t.stall_s(2048, 0, 4) == pytest.approx(0.5 * SHAPE.marginal(2048, 0, 4))
     assert t.transfer_s(1000, 1.0) == pytest.approx(1e-3)  # the worker's own bytes per token
     assert t.prefill_rate(MNBT) == pytest.approx(MNBT / (0.5 * SHAPE.prefill(MNBT)))
+
+
+def test_a_profile_unknown_here_gets_no_timing_rather_than_a_guess() -> None:
+    cal = Calibration()
+    info = _info(profile="h200:no-such-model")
+    engine = SyntheticEngine(1.0, 1.0)
+    _feed(cal, engine, 20, info=info)
+    assert cal.timing(info) is None and cal.warm_s("w") == 0.0
+
+
+def test_busy_time_is_measured_between_the_engine_readings_not_the_reports() -> None:
+    # A heartbeat repeats the last reading: the report's ts moves on, the engine's figures do not.
+    cal = Calibration()
+    info = _info()
+    engine = SyntheticEngine(1.5, 1.0)
+    first = engine.interval(running=8, context=4096, prefill_tokens=0)
+    cal.observe(info, msgspec.structs.replace(first, engine_ts=first.ts, ts=first.ts + 0.2))
+    for _ in range(30):
+        r = engine.interval(running=8, context=4096, prefill_tokens=0)
+        cal.observe(info, msgspec.structs.replace(r, engine_ts=r.ts, ts=r.ts + 0.2))
+        cal.observe(info, msgspec.structs.replace(r, engine_ts=r.ts, ts=r.ts + 0.45))  # the heartbeat
+    assert _fitted(cal, info).decode_scale == pytest.approx(1.5, rel=0.02)
+
+
+def test_the_calibrated_model_scales_decode_and_prefill_work_apart() -> None:
+    t = WorkerTiming(SHAPE, decode_scale=2.0, prefill_scale=0.5)
+    m = t.model()
+    assert m.decode(8, 4096) == pytest.approx(2.0 * SHAPE.decode(8, 4096))
+    assert m.prefill(4096) == pytest.approx(0.5 * SHAPE.prefill(4096))
+    assert m.step(8, 4096, [(1024, 0)]) == pytest.approx(2.0 * SHAPE.decode(8, 4096) + 0.5 * SHAPE.marginal(1024, 0, 8))
+    assert m.transfer(1000, 50.0) == SHAPE.transfer(1000, 50.0)  # the link's speed, not the engine's
+    assert WorkerTiming(SHAPE).model() is SHAPE

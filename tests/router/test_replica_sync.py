@@ -121,6 +121,8 @@ async def test_a_peer_whose_key_goes_loses_its_bookings(nc: Client, ns: str, etc
         await a.start()
         await b.start()
         try:
+            # b drops messages from routers it has not yet seen in etcd, so wait for its watch.
+            await until(lambda: b.registered(lease.hex_id) is True, what="a registered")
             a.add("req1", "w1", 100, 10)
             await until(lambda: b.view.bookings("w1") == 1)
             await disc_a.release(lease)

@@ -91,3 +91,27 @@ async def test_every_reports_digest_equals_the_batches_up_to_its_seq(ns: str, na
             assert final.kv_xor == xor_of(shim.canonical_hashes())
     finally:
         await nc.close()
+
+
+async def test_reports_carry_the_engines_timing_counters_and_when_they_were_read(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, load_period_s=0.2) as shim:
+        await shim.registered.wait()
+        assert shim.worker_id is not None
+        nc = await connect(nats_url)
+        reports: list[LoadReport] = []
+
+        async def on(msg: Any) -> None:
+            reports.append(decode_msg(msg.data, LoadReport))
+
+        await nc.subscribe(subjects.load(ns, shim.worker_id), cb=on)
+        await complete(sim.url, list(range(100, 164)), max_tokens=5)
+        stats = sim.engine.stats
+        await wait_for(lambda: bool(reports) and reports[-1].iterations == stats.iteration_tokens.count)
+        await nc.close()
+    last = reports[-1]
+    assert (last.iterations, last.iteration_tokens) == (5, 64 + 5)
+    assert (last.itl_count, last.prefill_requests, last.prefill_computed_tokens) == (4, 1, 64)
+    assert last.itl_seconds > 0 and last.prefill_seconds > 0
+    assert all(0 < r.engine_ts <= r.ts for r in reports)

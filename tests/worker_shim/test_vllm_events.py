@@ -131,6 +131,11 @@ def test_limits_and_load_from_captured_metrics() -> None:
     assert lim.max_num_batched_tokens is None, "vLLM does not report it: it must come from the flag"
     load = load_from_metrics(text)
     assert (load.running, load.waiting, load.kv_total_blocks, load.kv_usage) == (0, 0, 80, 0.0)
+    t = load.timing  # what the routers calibrate from: the fixture's histogram counts and sums
+    assert (t.iterations, t.iteration_tokens, t.itl_count) == (137, 11288, 186)
+    assert (t.prefill_requests, t.prefill_computed_tokens) == (30, 11072)
+    assert t.prefill_seconds == pytest.approx(0.4404758340008357)
+    assert t.itl_seconds == pytest.approx(0.8208445909992861)
 
 
 def test_prefill_leg_body_asks_for_remote_decode_and_one_token() -> None:

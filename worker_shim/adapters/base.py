@@ -46,6 +46,7 @@ __all__ = [
     "EngineHealth",
     "EngineLimits",
     "EngineLoad",
+    "EngineTiming",
     "LegOutcome",
     "LegRequest",
     "OnOutput",
@@ -79,12 +80,27 @@ class EngineLimits:
 
 
 @dataclass(slots=True, frozen=True)
+class EngineTiming:
+    """The engine's cumulative step and latency counters, as LoadReport forwards them to the
+    routers' timing calibration (protocol.messages.LoadReport has what each one is)."""
+
+    iterations: int = 0
+    iteration_tokens: int = 0
+    prefill_requests: int = 0
+    prefill_seconds: float = 0.0
+    prefill_computed_tokens: int = 0
+    itl_count: int = 0
+    itl_seconds: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
 class EngineLoad:
     running: int = 0
     waiting: int = 0
     kv_usage: float | None = None
     kv_total_blocks: int | None = None
     num_preemptions: int = 0
+    timing: EngineTiming = EngineTiming()  # all 0 for an engine that exports none
 
 
 @dataclass(slots=True)

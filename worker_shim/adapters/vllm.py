@@ -3,8 +3,10 @@
 - Events: `zmq_events.ZmqEventSource` on `--kv-events` (vLLM's `endpoint`), replay on `--kv-replay`.
 - Limits and load from /metrics (names: protocol/vllm_metrics.py): `vllm:cache_config_info{block_size, num_gpu_blocks}`,
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`,
-  `vllm:num_preemptions_total` (summed over DP ranks). max_num_batched_tokens is not exported by
-  vLLM: it comes from the flag only.
+  `vllm:num_preemptions_total` (summed over DP ranks), and for the routers' timing calibration the
+  `_count`/`_sum` of `vllm:iteration_tokens_total`, `vllm:inter_token_latency_seconds`,
+  `vllm:request_prefill_time_seconds` and `vllm:request_prefill_kv_computed_tokens`.
+  max_num_batched_tokens is not exported by vLLM: it comes from the flag only.
 - Requests: the client's own OpenAI request on `/v1/completions` or `/v1/chat/completions`
   (openai_http.pass_through_body), the engine's answer passed back as it is; token-id legs
   (`leg.endpoint` "") as a token-id completion.
@@ -27,7 +29,15 @@ import msgspec
 from protocol import SamplingParams
 from protocol import vllm_metrics as vm
 from protocol.fingerprint import PROBE_MESSAGES, PROBE_TEXT, fingerprint
-from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
+from worker_shim.adapters.base import (
+    EngineError,
+    EngineLimits,
+    EngineLoad,
+    EngineTiming,
+    LegOutcome,
+    LegRequest,
+    OnOutput,
+)
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.prom_text import Sample, mean_samples, parse_samples, sum_samples
@@ -50,8 +60,11 @@ PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 _PREEMPTIONS = vm.total(vm.NUM_PREEMPTIONS)
+_TIMING_HISTOGRAMS = (vm.ITERATION_TOKENS, vm.INTER_TOKEN_LATENCY, vm.PREFILL_TIME, vm.PREFILL_KV_COMPUTED_TOKENS)
 _METRICS = frozenset(
     {vm.CACHE_CONFIG_INFO, vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE_PERC, _PREEMPTIONS}
+    | {vm.count(h) for h in _TIMING_HISTOGRAMS}
+    | {vm.histogram_sum(h) for h in _TIMING_HISTOGRAMS}
 )
 
 
@@ -91,6 +104,25 @@ def load_from_metrics(text: str) -> EngineLoad:
         kv_usage=mean_samples(samples, vm.KV_CACHE_USAGE_PERC),
         kv_total_blocks=_cache_config(samples, vm.LABEL_NUM_GPU_BLOCKS),
         num_preemptions=int(sum_samples(samples, _PREEMPTIONS) or 0),
+        timing=_timing(samples),
+    )
+
+
+def _timing(samples: list[Sample]) -> EngineTiming:
+    def count(h: str) -> int:
+        return int(sum_samples(samples, vm.count(h)) or 0)
+
+    def total(h: str) -> float:
+        return sum_samples(samples, vm.histogram_sum(h)) or 0.0
+
+    return EngineTiming(
+        iterations=count(vm.ITERATION_TOKENS),
+        iteration_tokens=int(total(vm.ITERATION_TOKENS)),
+        prefill_requests=count(vm.PREFILL_TIME),
+        prefill_seconds=total(vm.PREFILL_TIME),
+        prefill_computed_tokens=int(total(vm.PREFILL_KV_COMPUTED_TOKENS)),
+        itl_count=count(vm.INTER_TOKEN_LATENCY),
+        itl_seconds=total(vm.INTER_TOKEN_LATENCY),
     )
 
 
