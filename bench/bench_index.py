@@ -10,11 +10,13 @@ blocks, RSS per entry) and `--fleet` the 1,000-worker bootstrap and event-lag ru
 (bench/bench_index_fleet.py), each with its defaults; run those modules for their options.
 
 Workload: every worker stores sequences of 64 blocks, about `--blocks` in all; half of them start
-with one of 16 shared 8-block "system prompts". Ingest is timed three ways: our BlockIndex.store on
-decoded hash lists (index only), our full wire path (msgpack KvEventBatch decode + BlockIndex.apply),
-the same wire path on the pure-Python core (`py`: the index before router._blockindex, and its
-fallback), and, when `ai-dynamo-runtime` is installed, Dynamo's RadixTree.apply_event on the JSON event bytes
-its Python API takes, in the same process. The ratio compares the two wire paths (bytes in, index
+with one of 16 shared 8-block "system prompts". Ingest is timed four ways: our BlockIndex.store on
+decoded hash lists (index only); our full wire path (msgpack KvEventBatch decode +
+BlockIndex.apply, hashes packed as shims send them: protocol.packed); the same with hash lists
+(`lists`: the wire format before packing, for the before/after in one run); the packed wire path
+on the pure-Python core (`py`: the index before router._blockindex, and its fallback); and, when
+`ai-dynamo-runtime` is installed, Dynamo's RadixTree.apply_event on the JSON event bytes its
+Python API takes, in the same process. The ratio compares the two wire paths (bytes in, index
 updated). find_matches is timed on 64-block prompts of four kinds: `unique` (one worker holds all
 of it), `shared` (a shared system prompt, then one worker's tail; many workers match 8 blocks),
 `diverge` (a shared system prompt, then a new question nobody holds) and `miss` (nobody holds
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import bench_index_fleet, bench_index_memory
+from protocol import pack_batch
 from protocol.messages import KvEventBatch, Stored, decode_msg, encode_msg
 from router.block_index import NATIVE, BlockIndex
 
@@ -111,11 +114,14 @@ def ingest_index_only(wl: Workload, native: bool) -> tuple[float, BlockIndex]:
     return time.perf_counter() - start, idx
 
 
-def wire_payloads(wl: Workload) -> list[bytes]:
-    return [
-        encode_msg(KvEventBatch(worker=f"{w:x}", epoch=1, seq=i + 1, ts=0.0, events=[Stored(hashes=seq)]))
+def wire_payloads(wl: Workload, *, packed: bool = True) -> list[bytes]:
+    """Each batch's payload as a shim publishes it: hashes packed, or as a list of ints (what shims
+    sent before protocol.packed)."""
+    batches = (
+        KvEventBatch(worker=f"{w:x}", epoch=1, seq=i + 1, ts=0.0, events=[Stored(hashes=seq)])
         for i, (w, seq) in enumerate(wl.seqs)
-    ]
+    )
+    return [encode_msg(pack_batch(b) if packed else b) for b in batches]
 
 
 def ingest_wire(payloads: list[bytes], native: bool) -> tuple[float, float]:
@@ -192,9 +198,11 @@ def run_workers(workers: int, args: argparse.Namespace, make_tree: Callable[[], 
     wl = make_workload(workers, args.blocks, args.queries, random.Random(workers))
     blocks = len(wl.seqs) * SEQ_BLOCKS
     payloads = wire_payloads(wl)
+    list_payloads = wire_payloads(wl, packed=False)
     events = dynamo_events(wl) if make_tree is not None else []
     index_s: list[float] = []
     wire_s: list[float] = []
+    lists_s: list[float] = []
     py_s: list[float] = []
     dyn_s: list[float] = []
     cpu_ratios: list[float] = []
@@ -204,6 +212,7 @@ def run_workers(workers: int, args: argparse.Namespace, make_tree: Callable[[], 
         index_s.append(elapsed)
         elapsed, wire_cpu = ingest_wire(payloads, NATIVE)
         wire_s.append(elapsed)
+        lists_s.append(ingest_wire(list_payloads, NATIVE)[0])
         _, py_idx = ingest_index_only(wl, False)
         py_s.append(ingest_wire(payloads, False)[0])
         if make_tree is not None:
@@ -211,6 +220,7 @@ def run_workers(workers: int, args: argparse.Namespace, make_tree: Callable[[], 
             dyn_s.append(elapsed)
             cpu_ratios.append(dyn_cpu / wire_cpu)
     line = f"{workers:>7} {blocks / _median(index_s) / 1e6:>7.2f} {blocks / _median(wire_s) / 1e6:>7.2f}"
+    line += f" {blocks / _median(lists_s) / 1e6:>7.2f}"
     line += f" {blocks / _median(py_s) / 1e6:>7.2f} {idx.bytes_per_entry:>7.1f}"
     if dyn_s:
         ratios = [d / w for w, d in zip(wire_s, dyn_s, strict=True)]
@@ -276,11 +286,12 @@ def report(args: argparse.Namespace) -> None:
         print("ai-dynamo-runtime not installed: no Dynamo baseline (pip install ai-dynamo-runtime==1.6.1)")
     print(f"~{args.blocks} blocks per run, sequences of {SEQ_BLOCKS}; medians of {args.rounds} interleaved rounds\n")
     print(
-        "ingest, M blocks/s:  index = BlockIndex.store; wire = msgpack decode + apply; py = wire on the Python"
-        " core; dynamo = apply_event(json)"
+        "ingest, M blocks/s:  index = BlockIndex.store; wire = msgpack decode + apply (hashes packed, as"
+        " shims send them); lists = wire with hash lists; py = wire on the Python core; dynamo = apply_event(json)"
     )
     print(
-        f"{'workers':>7} {'index':>7} {'wire':>7} {'py':>7} {'B/entry':>7} {'dynamo':>7} {'wire/dynamo':>12} {'CPU':>8}"
+        f"{'workers':>7} {'index':>7} {'wire':>7} {'lists':>7} {'py':>7} {'B/entry':>7} {'dynamo':>7}"
+        f" {'wire/dynamo':>12} {'CPU':>8}"
     )
     matches: list[str] = []
     for workers in args.workers:

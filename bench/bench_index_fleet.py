@@ -68,7 +68,7 @@ from bench.index_event_rate import EventRate
 from bench.index_event_rate import measure as measure_event_rate
 from bench.index_fleet_workload import SHARINGS, FleetWorkload
 from kvswitch.servers import NatsServer
-from protocol import subjects
+from protocol import pack_batch, pack_chunk, subjects
 from protocol.messages import KvEventBatch, KvStateRequest, Removed, Stored, decode_msg, encode_msg
 from router.block_index import BlockIndex
 from router.ingest_stats import IngestStats
@@ -185,7 +185,7 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
         async def on_request(msg: Msg) -> None:
             request = decode_msg(msg.data, KvStateRequest)
             for chunk in sim.log.reply(request, sim.dump):
-                await nc.publish(msg.reply, encode_msg(chunk))
+                await nc.publish(msg.reply, encode_msg(pack_chunk(chunk)))
 
         return on_request
 
@@ -221,7 +221,7 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
             late.append(now - at)
             sim = workers[i]
             batch = sim.next_batch(blocks.take(picks.take()[0]))
-            raw.publish(subjects.kv(NS, sim.name), encode_msg(batch))
+            raw.publish(subjects.kv(NS, sim.name), encode_msg(pack_batch(batch)))
             published += 1
             heapq.heapreplace(due, (at + gaps.take()[0], i))
         raw.answer_pings()

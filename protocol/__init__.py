@@ -16,6 +16,7 @@ from protocol.messages import (
     Cleared,
     ErrorInfo,
     GenerateRequest,
+    Hashes,
     KvEvent,
     KvEventBatch,
     KvStateChunk,
@@ -39,6 +40,7 @@ from protocol.messages import (
     encode_json,
     encode_msg,
 )
+from protocol.packed import check_hashes, hash_count, pack_batch, pack_chunk, pack_hashes, unpack_hashes
 
 __all__ = [
     "ROOT_SALT",
@@ -51,6 +53,7 @@ __all__ = [
     "ConfigError",
     "ErrorInfo",
     "GenerateRequest",
+    "Hashes",
     "KvEvent",
     "KvEventBatch",
     "KvStateChunk",
@@ -71,10 +74,16 @@ __all__ = [
     "WorkerId",
     "WorkerInfo",
     "block_hashes",
+    "check_hashes",
     "decode_json",
     "decode_msg",
     "encode_json",
     "encode_msg",
+    "hash_count",
+    "pack_batch",
+    "pack_chunk",
+    "pack_hashes",
     "root_hash",
     "subjects",
+    "unpack_hashes",
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "Cleared",
     "ErrorInfo",
     "GenerateRequest",
+    "Hashes",
     "KvEvent",
     "KvEventBatch",
     "KvStateChunk",
@@ -54,6 +55,10 @@ WorkerId = NewType("WorkerId", str)
 BlockHash = NewType("BlockHash", int)
 """A canonical block hash (protocol.hashing): an unsigned 64-bit integer."""
 
+Hashes = list[int] | bytes
+"""Canonical block hashes: a list of ints, or the same as little-endian u64s in one bytes value
+(what shims send; protocol.packed). Call `protocol.packed.unpack_hashes` before iterating one."""
+
 Role = Literal["prefill", "decode", "agg"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "agg")
 SyncKind = Literal["add", "prefill_done", "free"]
@@ -69,7 +74,7 @@ class _Msg(msgspec.Struct, kw_only=True):
 class Stored(msgspec.Struct, tag="stored", tag_field="type", kw_only=True):
     """Blocks newly cached on the worker, in chain order; `parent` precedes `hashes[0]` (None: root)."""
 
-    hashes: list[int]
+    hashes: Hashes
     parent: int | None = None
     medium: str | None = None
 
@@ -77,7 +82,7 @@ class Stored(msgspec.Struct, tag="stored", tag_field="type", kw_only=True):
 class Removed(msgspec.Struct, tag="removed", tag_field="type", kw_only=True):
     """Blocks no longer cached on the worker."""
 
-    hashes: list[int]
+    hashes: Hashes
     medium: str | None = None
 
 
@@ -121,7 +126,7 @@ class KvStateChunk(_Msg, kw_only=True):
     seq: int
     batches: list[KvEventBatch] = []
     dump: bool = False
-    hashes: list[int] = []
+    hashes: Hashes = []
     chunk: int = 0
     final: bool = True
 

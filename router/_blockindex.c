@@ -410,9 +410,27 @@ static inline int to_u64(PyObject *item, uint64_t *out) {
 
 static inline int as_hash(PyObject *item, uint64_t *out) { return to_u64(item, out) < 0 ? hash_error(item) : 0; }
 
+/* Packed hashes (protocol.packed: little-endian u64s in a bytes) copied out, no int created. */
+static uint64_t *read_packed(PyObject *hashes, Py_ssize_t *n) {
+    Py_ssize_t len = PyBytes_GET_SIZE(hashes);
+    if (len % 8) {
+        PyErr_Format(PyExc_ValueError, "packed block hashes must be a multiple of 8 bytes, got %zd", len);
+        return NULL;
+    }
+    *n = len / 8;
+    uint64_t *out = PyMem_Malloc((size_t)(*n > 0 ? *n : 1) * sizeof(uint64_t));
+    if (out == NULL) return (uint64_t *)PyErr_NoMemory();
+    memcpy(out, PyBytes_AS_STRING(hashes), (size_t)len);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (Py_ssize_t i = 0; i < *n; i++) out[i] = __builtin_bswap64(out[i]);
+#endif
+    return out;
+}
+
 /* Every item of `hashes` as a u64 in a fresh buffer (*n long), or NULL with ValueError set.
  * Converting all before touching the table keeps a call that fails from changing anything. */
 static uint64_t *read_hashes(PyObject *hashes, Py_ssize_t *n) {
+    if (PyBytes_Check(hashes)) return read_packed(hashes, n);
     PyObject *seq = PySequence_Fast(hashes, "block hashes must be an iterable of ints");
     if (seq == NULL) return NULL;
     *n = PySequence_Fast_GET_SIZE(seq);

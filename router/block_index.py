@@ -35,6 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
+from protocol import unpack_hashes
 from protocol.messages import Cleared, KvEvent, Removed, Stored
 
 __all__ = ["NATIVE", "BlockIndex", "Overlap", "PyCore"]
@@ -110,7 +111,8 @@ class BlockIndex:
     # --- mutation ------------------------------------------------------------------------------
 
     def store(self, worker: str, hashes: Iterable[int]) -> None:
-        """`worker` now holds `hashes` (storing a held hash again changes nothing).
+        """`worker` now holds `hashes`, ints or packed (protocol.packed; the C core reads those
+        without creating ints). Storing a held hash again changes nothing.
 
         Raises ValueError, changing nothing, if a hash is not an int in [0, 2**64)."""
         slot = self._slot_of.get(worker)
@@ -125,7 +127,7 @@ class BlockIndex:
                 self._free_slot(worker)
 
     def remove(self, worker: str, hashes: Iterable[int]) -> None:
-        """`worker` no longer holds `hashes` (hashes it does not hold are ignored).
+        """`worker` no longer holds `hashes`, ints or packed (hashes it does not hold are ignored).
 
         Raises ValueError, changing nothing, if a hash is not an int in [0, 2**64)."""
         slot = self._slot_of.get(worker)
@@ -246,7 +248,10 @@ class BlockIndex:
 
 
 def _checked(hashes: Iterable[int]) -> set[int]:
-    """`hashes` as a set, or ValueError naming the first that is not an int in [0, 2**64)."""
+    """`hashes` (either wire form) as a set, or ValueError naming the first that is not an int in
+    [0, 2**64)."""
+    if isinstance(hashes, bytes):
+        return set(unpack_hashes(hashes))
     items = hashes if isinstance(hashes, Sequence) else list(hashes)  # read twice on error
     try:
         out = set(map(int.__index__, items))  # TypeError for anything but an int

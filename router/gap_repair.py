@@ -35,7 +35,7 @@ import nats.js.api
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-from protocol import subjects
+from protocol import check_hashes, subjects
 from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
 
@@ -183,6 +183,10 @@ class GapRepair:
                     raise ProtocolError("KvStateChunk", f"names worker {chunk.worker!r}, asked {worker!r}")
                 if chunk.chunk != len(chunks) or (chunks and chunk.epoch != chunks[0].epoch):
                     raise ProtocolError("KvStateChunk", f"chunk {chunk.chunk} out of order after {len(chunks)}")
+                try:  # a bad dump would otherwise fail in the index, outside this backoff
+                    check_hashes(chunk.hashes)
+                except ValueError as exc:
+                    raise ProtocolError("KvStateChunk", str(exc)) from None
                 chunks.append(chunk)
                 if chunk.final:
                     return chunks

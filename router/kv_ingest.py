@@ -227,12 +227,7 @@ class KvIngest:
             if batch.worker != subject_worker:
                 raise ProtocolError("KvEventBatch", f"names worker {batch.worker!r} on {subject_worker!r}'s subject")
         except ProtocolError as exc:
-            self.stats.malformed += 1
-            if subject_worker not in self._malformed_logged and len(self._malformed_logged) < 1024:
-                self._malformed_logged.add(subject_worker)
-                log.warning(
-                    "dropping malformed KV events from worker %s (logged once per worker): %s", subject_worker, exc
-                )
+            self._malformed(subject_worker, exc)
             return
         state = self._workers.get(batch.worker)
         if state is None:
@@ -255,9 +250,22 @@ class KvIngest:
             self._apply(batch, state)
             self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
 
+    def _malformed(self, worker: str, exc: Exception) -> None:
+        self.stats.malformed += 1
+        if worker not in self._malformed_logged and len(self._malformed_logged) < 1024:
+            self._malformed_logged.add(worker)
+            log.warning("dropping malformed KV events from worker %s (logged once per worker): %s", worker, exc)
+
     def _apply(self, batch: KvEventBatch, state: _Worker) -> None:
-        self.index.apply(batch.worker, batch.events)
-        self._on_events(batch.worker, batch.events)
+        try:
+            self.index.apply(batch.worker, batch.events)
+        except ValueError as exc:
+            # A hash out of range, or packed bytes that are not whole u64s: checked by the index, so
+            # the well-formed batches pay nothing. The batch still takes its seq; the events before
+            # the bad one are in, and the next load report's digest check repairs the difference.
+            self._malformed(batch.worker, exc)
+        else:
+            self._on_events(batch.worker, batch.events)
         state.sync.last_seq = batch.seq
         self.stats.batches_applied += 1
         self.stats.events_applied += len(batch.events)

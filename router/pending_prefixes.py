@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 
+from protocol import unpack_hashes
+
 __all__ = ["PendingPrefixes"]
 
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # runs an iterator in C
@@ -52,10 +54,13 @@ class PendingPrefixes:
         if now >= self._next_prune:
             self.prune()
 
-    def confirm(self, worker: str, hashes: Iterable[int]) -> None:
-        """A KV event stored or removed `hashes` on `worker`: the index speaks for them now."""
+    def confirm(self, worker: str, hashes: Iterable[int] | bytes) -> None:
+        """A KV event stored or removed `hashes` (either wire form) on `worker`: the index speaks
+        for them now."""
         held = self._by_worker.get(worker)
         if held:
+            if isinstance(hashes, bytes):
+                hashes = unpack_hashes(hashes)
             _consume(map(held.pop, hashes, repeat(None)))
 
     def forget_worker(self, worker: str) -> None:

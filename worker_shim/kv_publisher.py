@@ -2,8 +2,9 @@
 
 Coalescing: events wait at most `COALESCE_S` (5 ms) or until `MAX_EVENTS` (256) events or
 `MAX_HASHES` hashes are pending, then become one KvEventBatch with the next seq. Batches leave in
-seq order from one task. A kvstate request first seals what is pending, then builds its reply from
-the ring or the normaliser's dump without awaiting, so the dump is exactly the state as of its seq.
+seq order from one task, their hashes packed (protocol.packed). A kvstate request first seals what
+is pending, then builds its reply from the ring or the normaliser's dump without awaiting, so the
+dump is exactly the state as of its seq.
 
 Digest: each batch carries, from its seal, the KvDigest as of its seq; once the batch has been
 handed to NATS, `digest()` returns that one. NATS keeps one connection's messages in order, so a
@@ -31,6 +32,8 @@ from protocol import (
     Stored,
     decode_msg,
     encode_msg,
+    pack_batch,
+    pack_chunk,
     subjects,
 )
 from worker_shim.event_log import EventLog
@@ -147,7 +150,7 @@ class KvPublisher:
         while self._outbox:
             batch, digest = self._outbox.popleft()
             try:
-                await self.nc.publish(self.subject, encode_msg(batch))
+                await self.nc.publish(self.subject, encode_msg(pack_batch(batch)))
                 self.counters.batches += 1
             except NatsError as exc:
                 # The batch stays in the ring: subscribers see the seq gap (or the digest) and repair.
@@ -180,4 +183,4 @@ class KvPublisher:
         else:
             self.counters.kvstate_batches += 1
         for chunk in chunks:
-            await self.nc.publish(msg.reply, encode_msg(chunk))
+            await self.nc.publish(msg.reply, encode_msg(pack_chunk(chunk)))

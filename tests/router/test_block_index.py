@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import block_hashes
+from protocol import block_hashes, pack_hashes
 from protocol.messages import Cleared, Removed, Stored
 from router.block_index import NATIVE, BlockIndex
 
@@ -449,6 +449,35 @@ def test_a_hash_that_is_not_a_u64_is_refused_and_changes_nothing(
         idx.remove("a", [0, bad])  # type: ignore[list-item]
     assert idx.dump() == {"a": [0, 2**64 - 1]}
     assert idx.entries == 2
+
+
+def test_packed_hashes_store_and_remove_as_their_ints_do(make_index: Callable[[], BlockIndex]) -> None:
+    hashes = [0, 1, 2**30, 2**63, 2**64 - 1, 12345678901234567]
+    as_ints, as_packed = make_index(), make_index()
+    as_ints.store("a", hashes)
+    as_packed.store("a", pack_hashes(hashes))
+    as_ints.remove("a", hashes[1:3])
+    as_packed.remove("a", pack_hashes(hashes[1:3]))
+    as_packed.apply("b", [Stored(hashes=pack_hashes(hashes[:2])), Removed(hashes=pack_hashes(hashes[:1]))])
+    as_ints.apply("b", [Stored(hashes=hashes[:2]), Removed(hashes=hashes[:1])])
+    assert as_packed.dump() == as_ints.dump()
+    assert as_packed.worker_hashes("a") == {0, 2**63, 2**64 - 1, 12345678901234567}
+    assert as_packed.worker_hashes("b") == {1}
+    assert as_packed.digest("a") == as_ints.digest("a")
+    assert as_packed.find_matches(hashes) == as_ints.find_matches(hashes)
+
+
+@pytest.mark.parametrize("size", [1, 7, 9, 15])
+def test_packed_hashes_that_are_not_whole_u64s_are_refused_and_change_nothing(
+    make_index: Callable[[], BlockIndex], size: int
+) -> None:
+    idx = make_index()
+    idx.store("a", [5])
+    with pytest.raises(ValueError, match=f"multiple of 8 bytes, got {size}"):
+        idx.store("a", b"\x01" * size)
+    with pytest.raises(ValueError, match=f"multiple of 8 bytes, got {size}"):
+        idx.remove("a", b"\x05" + b"\x00" * (size - 1))
+    assert idx.dump() == {"a": [5]} and idx.entries == 1
 
 
 def test_hashes_at_every_digit_boundary_are_kept_exactly(make_index: Callable[[], BlockIndex]) -> None:

@@ -2,7 +2,8 @@
 
 FakeShim publishes KvEventBatches on {ns}.kv.{worker} and answers {ns}.kvstate.{worker} the way the
 real shim does: the missed batches when its ring still has them all and the epoch matches, else a
-full dump in chunks.
+full dump in chunks; hashes packed as the real shim sends them, or as lists (`packed=False`, what
+shims sent before protocol.packed).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from protocol import subjects
+from protocol import pack_batch, pack_chunk, pack_hashes, subjects
 from protocol.messages import (
     Cleared,
     KvEvent,
@@ -38,8 +39,10 @@ from tests.router.polling import until
 
 
 class FakeShim:
-    def __init__(self, nc: Client, ns: str, worker: str, *, ring: int = 64, dump_chunk: int = 3) -> None:
-        self.nc, self.ns, self.worker = nc, ns, worker
+    def __init__(
+        self, nc: Client, ns: str, worker: str, *, ring: int = 64, dump_chunk: int = 3, packed: bool = True
+    ) -> None:
+        self.nc, self.ns, self.worker, self.packed = nc, ns, worker, packed
         self.epoch = random.getrandbits(63)
         self.seq = 0
         self.ring: deque[KvEventBatch] = deque(maxlen=ring)
@@ -48,6 +51,7 @@ class FakeShim:
         self.requests: list[KvStateRequest] = []
         self.answering = True
         self.garbage = 0  # answer this many requests with bytes that are no KvStateChunk
+        self.bad_dumps = 0  # answer this many dump requests with packed hashes of a bad length
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.kvstate(self.ns, self.worker), cb=self._on_state)
@@ -68,8 +72,14 @@ class FakeShim:
         batch = KvEventBatch(worker=self.worker, epoch=self.epoch, seq=self.seq, ts=0.0, events=list(events))
         self.ring.append(batch)
         if not drop:
-            await self.nc.publish(subjects.kv(self.ns, self.worker), encode_msg(batch))
+            await self.nc.publish(subjects.kv(self.ns, self.worker), encode_msg(self._wire(batch)))
         return batch
+
+    def _wire(self, msg: KvEventBatch) -> KvEventBatch:
+        return pack_batch(msg) if self.packed else msg
+
+    async def _reply(self, msg: Msg, chunk: KvStateChunk) -> None:
+        await self.nc.publish(msg.reply, encode_msg(pack_chunk(chunk) if self.packed else chunk))
 
     def restart(self) -> None:
         """A new epoch: numbering starts again and the engine holds nothing."""
@@ -103,7 +113,12 @@ class FakeShim:
                     chunk=i // 2,
                     final=last,
                 )
-                await self.nc.publish(msg.reply, encode_msg(chunk))
+                await self._reply(msg, chunk)
+            return
+        if self.bad_dumps:
+            self.bad_dumps -= 1
+            bad = KvStateChunk(worker=self.worker, epoch=self.epoch, seq=self.seq, dump=True, hashes=b"\x01" * 7)
+            await self.nc.publish(msg.reply, encode_msg(bad))
             return
         hashes = list(self.held)
         parts = [hashes[i : i + self.dump_chunk] for i in range(0, len(hashes), self.dump_chunk)] or [[]]
@@ -117,7 +132,7 @@ class FakeShim:
                 chunk=i,
                 final=i == len(parts) - 1,
             )
-            await self.nc.publish(msg.reply, encode_msg(chunk))
+            await self._reply(msg, chunk)
 
 
 @pytest.fixture
@@ -149,6 +164,49 @@ async def test_batches_in_order_are_applied(ingest: KvIngest, shim: FakeShim) ->
     assert ingest.stats.events_applied == 3
     assert ingest.stats.workers["a1"].last_seq == 2
     assert ingest.stats.gaps == ingest.stats.duplicates == 0
+
+
+async def test_shims_sending_hash_lists_are_still_understood(nc: Client, ns: str, ingest: KvIngest) -> None:
+    old = FakeShim(nc, ns, "o1", packed=False)
+    await old.start()
+    await old.publish(Stored(hashes=[1, 2, 3]))
+    await synced_with(ingest, old)  # a dump of lists
+    await old.publish(Stored(hashes=[4], parent=3), Removed(hashes=[1]))
+    await until(lambda: ingest.stats.batches_applied == 1)
+    assert ingest.index.dump() == old.expected() == {"o1": [2, 3, 4]}
+    assert ingest.stats.malformed == 0
+
+
+async def test_a_batch_with_bad_hashes_is_counted_and_its_seq_taken(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    await synced_with(ingest, shim)
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    await shim.publish(Stored(hashes=[1]))
+    for bad in (b"\x02" * 9, [-1]):  # not whole u64s; out of range (msgpack carries negative ints)
+        shim.seq += 1
+        batch = KvEventBatch(
+            worker="a1",
+            epoch=shim.epoch,
+            seq=shim.seq,
+            ts=0.0,
+            events=[Stored(hashes=pack_hashes([7])), Stored(hashes=bad)],
+        )
+        await nc.publish(subjects.kv(ns, "a1"), encode_msg(batch))
+    await shim.publish(Stored(hashes=[9]))
+    await until(lambda: ingest.stats.batches_applied == 4)
+    assert ingest.stats.malformed == 2
+    assert ingest.stats.gaps == 0 and ingest.synced
+    assert ingest.index.dump() == {"a1": [1, 7, 9]}  # what came before the bad event is in
+    assert len([r for r in caplog.records if "malformed" in r.getMessage()]) == 1
+
+
+async def test_a_dump_with_bad_hashes_is_a_failed_repair_and_retried(ingest: KvIngest, shim: FakeShim) -> None:
+    await shim.publish(Stored(hashes=[1, 2]))
+    shim.bad_dumps = 1
+    await synced_with(ingest, shim)
+    assert ingest.stats.malformed == 1
+    assert ingest.index.dump() == shim.expected() == {"a1": [1, 2]}
 
 
 async def test_duplicate_batch_is_dropped(nc: Client, ns: str, ingest: KvIngest, shim: FakeShim) -> None:

@@ -26,6 +26,7 @@ from protocol import (
     decode_msg,
     encode_msg,
     subjects,
+    unpack_hashes,
 )
 from protocol.config import EtcdSettings, NatsSettings
 from worker_shim import ShimConfig, WorkerShim
@@ -93,9 +94,9 @@ class Follower:
     def _apply(self, b: KvEventBatch) -> None:
         for e in b.events:
             if isinstance(e, Stored):
-                self.hashes.update(e.hashes)
+                self.hashes.update(unpack_hashes(e.hashes))
             elif isinstance(e, Removed):
-                self.hashes.difference_update(e.hashes)
+                self.hashes.difference_update(unpack_hashes(e.hashes))
             elif isinstance(e, Cleared):
                 self.cleared += 1
                 self.hashes.clear()
@@ -130,7 +131,7 @@ class Follower:
                 break
         await sub.unsubscribe()
         if chunks[0].dump:
-            self.hashes = {h for c in chunks for h in c.hashes}
+            self.hashes = {h for c in chunks for h in unpack_hashes(c.hashes)}
             self.epoch, self.seq = chunks[0].epoch, chunks[0].seq
         else:
             for c in chunks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import Cleared, KvEvent, KvEventBatch, Removed, Stored
+from protocol import Cleared, KvEvent, KvEventBatch, Removed, Stored, unpack_hashes
 from worker_shim.event_log import EventLog
 from worker_shim.kv_digest import KvDigest
 
@@ -23,9 +23,9 @@ def replayed(batches: list[KvEventBatch]) -> set[int]:
     for b in batches:
         for e in b.events:
             if isinstance(e, Stored):
-                held.update(e.hashes)
+                held.update(unpack_hashes(e.hashes))
             elif isinstance(e, Removed):
-                held.difference_update(e.hashes)
+                held.difference_update(unpack_hashes(e.hashes))
             else:
                 held.clear()
     return held

@@ -8,7 +8,7 @@ import asyncio
 import nats
 from nats.aio.msg import Msg
 
-from protocol import KvEvent, KvEventBatch, Stored, decode_msg, subjects
+from protocol import KvEvent, KvEventBatch, Stored, decode_msg, hash_count, subjects, unpack_hashes
 from worker_shim.kv_publisher import MAX_EVENTS, MAX_HASHES, KvPublisher
 from worker_shim.normaliser import Normaliser
 
@@ -39,6 +39,7 @@ async def test_a_snapshot_larger_than_a_payload_is_split_into_batches_that_fit(n
     assert [b.seq for b in got] == list(range(1, len(got) + 1))
     stored = [[e for e in b.events if isinstance(e, Stored)] for b in got]
     assert all(len(b.events) == len(s) <= MAX_EVENTS for b, s in zip(got, stored, strict=True))
-    assert all(sum(len(e.hashes) for e in s) <= MAX_HASHES for s in stored)
+    assert all(isinstance(e.hashes, bytes) for s in stored for e in s)  # packed on the wire
+    assert all(sum(hash_count(e.hashes) for e in s) <= MAX_HASHES for s in stored)
     assert max(sizes) < nc.max_payload
-    assert [h for s in stored for e in s for h in e.hashes] == list(range(40_000))
+    assert [h for s in stored for e in s for h in unpack_hashes(e.hashes)] == list(range(40_000))

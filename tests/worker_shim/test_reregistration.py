@@ -22,6 +22,7 @@ from protocol import (
     decode_msg,
     encode_msg,
     subjects,
+    unpack_hashes,
 )
 from protocol.config import EtcdSettings
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
@@ -110,7 +111,9 @@ async def test_a_lost_lease_registers_anew_and_the_old_id_is_served_for_the_grac
             await wait_for(lambda: bool(kv.get(new)), what="the new id's first batch")
             first = kv[new][0]
             assert first.seq == 1 and first.epoch == shim.epoch and isinstance(first.events[0], Cleared)
-            assert {h for e in first.events if isinstance(e, Stored) for h in e.hashes} == shim.canonical_hashes()
+            assert {
+                h for e in first.events if isinstance(e, Stored) for h in unpack_hashes(e.hashes)
+            } == shim.canonical_hashes()
 
             # Routers that still route to the old id are served during the grace period.
             await col.send(subjects.gen(ns, "agg", old), gen("late", [5] * 40, max_tokens=3))
