@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from bench.compare import Measurement
@@ -59,14 +60,7 @@ def plot_compare(ms: Sequence[Measurement], path: str | Path, *, title: str = ""
     bars.set_ylabel("goodput (req/s within SLO, simulated)")
     bars.set_title("goodput")
     bars.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, path, title)
 
 
 def plot_sweep(points: Sequence[SweepPoint], policy: str, path: str | Path, *, title: str = "") -> Path:
@@ -103,6 +97,10 @@ def plot_sweep(points: Sequence[SweepPoint], policy: str, path: str | Path, *, t
         ax.set_xlabel("load (x the trace's arrival rate)")
         ax.set_title(label, fontsize=9)
         fig.colorbar(image, ax=ax, shrink=0.8)
+    return _save(fig, path, title)
+
+
+def _save(fig: Figure, path: str | Path, title: str) -> Path:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
