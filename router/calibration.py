@@ -12,16 +12,25 @@ is against that shape:
 (protocol.timing.TimingModel, what engine_sim charges) reads it (`WorkerInfo.timing_profile`;
 `default_profile` when it registered none: a worker without a profile is calibrated, not
 refused; one whose profile this router does not know gets no timing, and the policies say so).
-(k_d, k_p) are fitted by least squares with exponential forgetting over the intervals between
-two of its LoadReports in which the engine was busy throughout (`running` > 0 in both).
-Per interval (differences of the reports' cumulative counters, protocol.messages
-LoadReport):
+(k_d, k_p) are fitted by least squares with exponential forgetting over windows of the engine's
+busy time. Per interval between two of its LoadReports (differences of the reports' cumulative
+counters, protocol.messages LoadReport):
 
-    y   = t2 - t1                                      (busy seconds; t: engine_ts, else ts)
+    y   = t2 - t1                                      (t: engine_ts, else ts)
     S   = iterations, D = itl_count (decode tokens), P = iteration_tokens - D (prefill tokens)
     x_d = S * decode(D / S, C)                         (C = kv_used_blocks * block_size / running)
     x_p = S * prefill(P / S)                           if D == 0 (a prefill-only engine)
         = P * marginal(mnbt, 0, D / S) / mnbt          else (prefill chunks inside decode steps)
+
+Windows, not single intervals, because vLLM counts a prompt's tokens when its first token comes
+out (and only steps with outputs), not while its chunks run: the tokens of a long prompt land in a
+later interval than most of its compute. A window sums the intervals of one busy stretch (`running`
+> 0 at either end) until the engine goes idle, or until it holds WINDOW_S of busy time and some
+counted work, and is one observation: over a window that starts and ends idle every token is
+counted inside it, and a long one splits few prompts at its edges. The
+interval in which the engine started (or went idle) counts half its length, the expected busy
+part, unless reports went missing around it (a gap over MAX_GAP_PERIODS report periods): then
+the stretch is dropped.
 
 The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`), a pseudo-observation of
 each factor alone with weight `prior_weight_s` (in s^2, the units of x^2: a few busy intervals
@@ -55,7 +64,18 @@ __all__ = ["MAX_SCALE", "MIN_SCALE", "Calibration", "WorkerTiming", "timing_of"]
 log = logging.getLogger(__name__)
 MIN_SCALE = 0.2
 MAX_SCALE = 5.0
+WINDOW_S = 10.0
+MAX_GAP_PERIODS = 2.0
 _DEFAULT_MNBT = 8192
+
+
+@dataclass(slots=True)
+class _Window:
+    """Sums over the busy intervals of one stretch, not yet added to the fit."""
+
+    y: float = 0.0
+    x_d: float = 0.0
+    x_p: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +199,7 @@ class Calibration:
         self.prior_weight_s = prior_weight_s
         self.half_life_s = half_life_s
         self._last: dict[str, LoadReport] = {}
+        self._windows: dict[str, _Window] = {}
         self._fits: dict[str, _Fit] = {}
         self._shapes: dict[str, TimingModel | None] = {}
 
@@ -198,39 +219,63 @@ class Calibration:
 
     def forget(self, worker: str) -> None:
         self._last.pop(worker, None)
+        self._windows.pop(worker, None)
         self._fits.pop(worker, None)
 
     def observe(self, info: WorkerInfo | None, report: LoadReport) -> None:
         """A load report of `info`'s worker arrived (None: unknown worker, ignored)."""
         if info is None:
             return
-        prev = self._last.get(report.worker)
-        self._last[report.worker] = report
+        worker = report.worker
+        prev = self._last.get(worker)
+        self._last[worker] = report
         if prev is None or report.iterations < prev.iterations:  # first report, or the engine restarted
+            self._windows.pop(worker, None)
             return
         y = (report.engine_ts or report.ts) - (prev.engine_ts or prev.ts)
-        steps = report.iterations - prev.iterations
-        if y <= 0 or steps <= 0 or prev.running <= 0 or report.running <= 0:
-            return  # the engine may have idled in between: no busy time to read
-        decode_tokens = max(report.itl_count - prev.itl_count, 0)
-        prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - decode_tokens, 0)
+        if y <= 0:
+            return  # a heartbeat repeating the last engine reading
+        started, running = prev.running > 0, report.running > 0
+        if not started and not running:
+            self._windows.pop(worker, None)  # idle throughout (or too short to tell): nothing to read
+            return
+        if not (started and running) and y > MAX_GAP_PERIODS * max(report.period_s, 0.05):
+            self._windows.pop(worker, None)  # started or stopped within a long gap: busy for how long?
+            return
         shape = self.shape(info)
         if shape is None:
             return
-        context = report.kv_used_blocks * info.block_size / report.running
+        window = self._windows.get(worker)
+        if window is None or not started:
+            window = self._windows[worker] = _Window()
+        x_d, x_p = self._work(info, shape, prev, report)
+        window.y += y if started and running else y / 2  # started or went idle within: half, expected
+        window.x_d += x_d
+        window.x_p += x_p
+        worked = window.x_d > 0 or window.x_p > 0  # a window that counted nothing yet holds on
+        if not running or (worked and window.y >= WINDOW_S):
+            del self._windows[worker]
+            if worked:
+                fit = self._fits.get(worker)
+                if fit is None:
+                    fit = self._fits[worker] = _Fit(self.prior_scale, self.prior_weight_s)
+                fit.add(report.ts, window.y, window.x_d, window.x_p, self.half_life_s)
+
+    @staticmethod
+    def _work(info: WorkerInfo, shape: TimingModel, prev: LoadReport, report: LoadReport) -> tuple[float, float]:
+        """(x_d, x_p) of the interval: its decode and prefill work in units of the profile."""
+        steps = report.iterations - prev.iterations
+        if steps <= 0:
+            return 0.0, 0.0
+        decode_tokens = max(report.itl_count - prev.itl_count, 0)
+        prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - decode_tokens, 0)
+        if not decode_tokens:
+            return 0.0, steps * shape.prefill(round(prefill_tokens / steps))
+        at = report if report.running > 0 else prev  # went idle: the last busy reading's context
+        context = at.kv_used_blocks * info.block_size / max(at.running, 1)
         batch = max(round(decode_tokens / steps), 1)
-        x_d = steps * shape.decode(batch, context) if decode_tokens else 0.0
-        if decode_tokens:
-            mnbt = info.max_num_batched_tokens or _DEFAULT_MNBT
-            x_p = prefill_tokens * shape.marginal(mnbt, 0, batch) / mnbt
-        else:
-            x_p = steps * shape.prefill(round(prefill_tokens / steps))
-        if x_d <= 0 and x_p <= 0:
-            return
-        fit = self._fits.get(report.worker)
-        if fit is None:
-            fit = self._fits[report.worker] = _Fit(self.prior_scale, self.prior_weight_s)
-        fit.add(report.ts, y, x_d, x_p, self.half_life_s)
+        mnbt = info.max_num_batched_tokens or _DEFAULT_MNBT
+        return steps * shape.decode(batch, context), prefill_tokens * shape.marginal(mnbt, 0, batch) / mnbt
 
     def timing(self, info: WorkerInfo) -> WorkerTiming | None:
         """The worker's fitted timing; None when its profile is unknown here."""

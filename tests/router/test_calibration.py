@@ -185,3 +185,39 @@ def test_the_calibrated_model_scales_decode_and_prefill_work_apart() -> None:
     assert m.step(8, 4096, [(1024, 0)]) == pytest.approx(2.0 * SHAPE.decode(8, 4096) + 0.5 * SHAPE.marginal(1024, 0, 8))
     assert m.transfer(1000, 50.0) == SHAPE.transfer(1000, 50.0)  # the link's speed, not the engine's
     assert WorkerTiming(SHAPE).model() is SHAPE
+
+
+def test_prompts_counted_when_their_first_token_comes_out_are_fitted_without_bias() -> None:
+    # vLLM counts a prompt's tokens (and a step) only when the step produces output, so a long
+    # prompt that starts on an idle engine is counted in a later report than most of its compute.
+    # A prefill engine of known speed serving one prompt at a time, idle between them, reporting
+    # every 0.5 s as a shim does: the fit must not read the early intervals as idle busy time.
+    k_p, period = 1.4, 0.5
+    cal = Calibration()
+    info = _info()
+    rng = random.Random(3)
+    t, iterations, tokens = 0.0, 0, 0
+    events: list[tuple[float, int, int]] = []  # (time, running after, tokens counted then)
+    for _ in range(120):
+        t += rng.uniform(0.1, 3.0)  # idle gap
+        prompt = rng.randrange(4096, 40000)
+        busy = k_p * SHAPE.prefill(prompt)
+        events.append((t, 1, 0))
+        t += busy
+        events.append((t, 0, prompt))
+    reports, e = [], 0
+    clock = 0.0
+    running = 0
+    while e < len(events):
+        clock += period
+        while e < len(events) and events[e][0] <= clock:
+            _, running, counted = events[e]
+            if counted:
+                iterations += 1
+                tokens += counted + 1  # the prompt and its first token
+            e += 1
+        reports.append(LoadReport(worker="w", ts=clock, running=running, period_s=period,
+                                  iterations=iterations, iteration_tokens=tokens))  # fmt: skip
+    for r in reports:
+        cal.observe(info, r)
+    assert _fitted(cal, info).prefill_scale == pytest.approx(k_p, rel=0.1)
