@@ -27,20 +27,19 @@ out (and only steps with outputs), not while its chunks run: the tokens of a lon
 later interval than most of its compute. A window sums the intervals of one busy stretch (`running`
 > 0 at either end) until the engine goes idle, or until it holds WINDOW_S of busy time and some
 counted work, and is one observation: over a window that starts and ends idle every token is
-counted inside it, and a long one splits few prompts at its edges. The
-interval in which the engine started (or went idle) counts half its length, the expected busy
-part, unless reports went missing around it (a gap over MAX_GAP_PERIODS report periods): then
-the stretch is dropped.
+counted inside it, and a long one splits few prompts at its edges. The interval in which the
+engine started (or went idle) counts half its length, the expected busy part, unless reports went
+missing around it (a gap over MAX_GAP_PERIODS report periods): then the stretch is dropped.
 
 The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`), a pseudo-observation of
-each factor alone with weight `prior_weight_s` (in s^2, the units of x^2: a few busy intervals
-outweigh it), and observations older than `half_life_s` weigh half; factors stay in [MIN_SCALE,
+each factor alone with weight `prior_weight_s` (in s^2, the units of x^2: one busy window
+outweighs it), and observations older than `half_life_s` weigh half; factors stay in [MIN_SCALE,
 MAX_SCALE]. A profile off by a constant factor is corrected exactly; one of another model or GPU
 to first order (one factor for prefill, one for decode). `prior_scale` != 1 starts the router
 deliberately wrong (robustness runs). The proxies are first-order, and the factors absorb what
-they miss on average: x_p prices prefill chunks without the cached context they attend to, so a
-prefill worker serving long multi-turn prompts fits k_p of 1.5-1.8 against its own, right profile
-(docs/benchmarks.md, "Self-calibration").
+they miss on average: x_p prices prefill chunks without the cached context they attend to, so
+workers serving the long multi-turn prompts of the shipped trace fit k_p of 1.5-2.2 against their
+own, right profile (docs/benchmarks.md, "Self-calibration").
 
 What the shim must report (cumulative since the engine started; vLLM /metrics names):
 iterations = vllm:iteration_tokens_total_count, iteration_tokens = its _sum, itl_count =

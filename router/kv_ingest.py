@@ -23,6 +23,9 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   worker ids cannot grow a router's memory). Workers are only ever added by the registry, never by
   a batch, so a worker whose key is gone cannot be resurrected by its last events in flight.
 - Malformed payloads are counted, logged once per worker and dropped; they never reach the index.
+  A batch that decodes but holds a bad hash (packed bytes that are not whole u64s, an int out of
+  range) is counted the same way; the events before the bad one are applied, the batch takes its
+  seq, and the next load report's digest check repairs the difference.
 """
 
 from __future__ import annotations
