@@ -431,6 +431,9 @@ def _sweep(args: argparse.Namespace) -> int:
     from bench.compare import CONFIGURATIONS
     from bench.plot import plot_sweep
     from bench.sweep import format_sweep, parse_fleets, run_sweep, write_points
+    from bench.ttft_floor import floor_p90
+    from bench.virtual.fleet import FleetSpec
+    from protocol.timing import TimingModel
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGURATIONS]
@@ -459,7 +462,19 @@ def _sweep(args: argparse.Namespace) -> int:
     png = plot_sweep(points, args.policy, args.out_dir / f"sweep-{stamp}.png", title=title)
     print()
     print(title)
-    print(format_sweep(points, args.policy))
+    engine = FleetSpec()
+    floor = floor_p90(
+        items,
+        TimingModel.for_profile(args.profile),
+        budget=engine.max_num_batched_tokens,
+        block_size=engine.block_size,
+        max_num_seqs=engine.max_num_seqs,
+    )
+    print(format_sweep(points, args.policy, floor))
+    print(
+        f"TTFT floor p90 {floor:.3g} s: every request on an engine holding every earlier prefix "
+        "(bench.ttft_floor); rr/floor is the most any router could beat round_robin by"
+    )
     print(f"results: {json_path}\nfigure:  {png}\ntotal {time.monotonic() - started:.0f} s wall")
     return 0
 

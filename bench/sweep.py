@@ -9,6 +9,8 @@ P prefill + D decode, so each fleet compares equal GPU counts. Per (fleet, rate)
 each configuration's goodput and the two ratios the routing targets are stated in:
 
 - `kv / rr`: round_robin's TTFT p90 over kv's (target >= 3x at >= 4 decode workers);
+- `rr / floor` (when the floor is given): round_robin's TTFT p90 over the workload's TTFT floor p90
+  (bench.ttft_floor), the most any router could improve on round robin there;
 - `policy / best fixed`: the conditional policy's goodput over the better of always-agg (`kv`) and
   always-disagg (`kv_disagg`) (targets >= 1.15x where those two diverge by more than
   `DIVERGE`, and never below 0.95x).
@@ -123,17 +125,22 @@ def _goodput(points: Sequence[SweepPoint], fleet: Fleet, rate: float, config: st
     return next((p.summary for p in points if p.fleet == fleet and p.rate == rate and p.configuration == config), None)
 
 
-def ratios(points: Sequence[SweepPoint], policy: str) -> dict[tuple[str, float], dict[str, float | None]]:
-    """Per (fleet, rate): `kv/rr` (round_robin TTFT p90 / kv's), `policy/best` (the policy's goodput
-    over max(kv, kv_disagg)) and `diverge` (1 - min/max of those two goodputs)."""
+def ratios(
+    points: Sequence[SweepPoint], policy: str, floor_p90: float | None = None
+) -> dict[tuple[str, float], dict[str, float | None]]:
+    """Per (fleet, rate): `kv/rr` (round_robin TTFT p90 / kv's), `rr/floor` (round_robin's TTFT p90
+    over `floor_p90`, when given), `policy/best` (the policy's goodput over max(kv, kv_disagg)) and
+    `diverge` (1 - min/max of those two goodputs)."""
     out: dict[tuple[str, float], dict[str, float | None]] = {}
     for fleet in dict.fromkeys(p.fleet for p in points):
         for rate in sorted({p.rate for p in points}):
             rr, kv = _goodput(points, fleet, rate, "round_robin"), _goodput(points, fleet, rate, "kv")
             disagg, mine = _goodput(points, fleet, rate, "kv_disagg"), _goodput(points, fleet, rate, policy)
-            cell: dict[str, float | None] = {"kv/rr": None, "policy/best": None, "diverge": None}
+            cell: dict[str, float | None] = {"kv/rr": None, "rr/floor": None, "policy/best": None, "diverge": None}
             if rr is not None and kv is not None and rr.ttft_s is not None and kv.ttft_s is not None:
                 cell["kv/rr"] = rr.ttft_s.p90 / kv.ttft_s.p90 if kv.ttft_s.p90 > 0 else None
+            if rr is not None and rr.ttft_s is not None and floor_p90:
+                cell["rr/floor"] = rr.ttft_s.p90 / floor_p90
             if kv is not None and disagg is not None:
                 best = max(kv.goodput_rps, disagg.goodput_rps)
                 if best > 0:
@@ -144,10 +151,13 @@ def ratios(points: Sequence[SweepPoint], policy: str) -> dict[tuple[str, float],
     return out
 
 
-def format_sweep(points: Sequence[SweepPoint], policy: str) -> str:
+def format_sweep(points: Sequence[SweepPoint], policy: str, floor_p90: float | None = None) -> str:
+    """The table; with `floor_p90` (bench.ttft_floor) it gains the `rr/floor` column."""
     configs = list(dict.fromkeys(p.configuration for p in points))
-    cells = ratios(points, policy)
-    header = ["fleet", "rate", *(f"{c} r/s" for c in configs), "kv/rr p90", f"{policy}/best", "diverge"]
+    cells = ratios(points, policy, floor_p90)
+    keys = ["kv/rr", *(["rr/floor"] if floor_p90 else []), "policy/best", "diverge"]
+    names = {"kv/rr": "kv/rr p90", "rr/floor": "rr/floor p90", "policy/best": f"{policy}/best", "diverge": "diverge"}
+    header = ["fleet", "rate", *(f"{c} r/s" for c in configs), *(names[k] for k in keys)]
     rows = [header]
     for (fleet_name, rate), cell in cells.items():
         fleet = next(p.fleet for p in points if p.fleet.name == fleet_name)
@@ -155,7 +165,7 @@ def format_sweep(points: Sequence[SweepPoint], policy: str) -> str:
         for c in configs:
             s = _goodput(points, fleet, rate, c)
             row.append(f"{s.goodput_rps:.3g}" if s is not None else "-")
-        for key in ("kv/rr", "policy/best", "diverge"):
+        for key in keys:
             value = cell[key]
             row.append("-" if value is None else f"{value:.2f}" + ("x" if key != "diverge" else ""))
         rows.append(row)

@@ -40,7 +40,7 @@ def test_ratios_are_the_targets() -> None:
         SweepPoint(f, 1.0, "slo_aware", _s(5.0, 1.0)),
     ]
     cell = ratios(points, "slo_aware")["1P+3D", 1.0]
-    assert cell == {"kv/rr": 4.0, "policy/best": 1.25, "diverge": 0.5}
+    assert cell == {"kv/rr": 4.0, "rr/floor": None, "policy/best": 1.25, "diverge": 0.5}
     table = format_sweep(points, "slo_aware")
     assert "4.00x" in table and "1.25x" in table and "0.50" in table
 
