@@ -58,7 +58,7 @@ class _Collector:
             st.prefix_cache_queries,
         )
         yield counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits
+            vm.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits
         )
         yield counter(vm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", st.preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)

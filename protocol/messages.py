@@ -167,6 +167,7 @@ class LoadReport(_Msg, kw_only=True):
     prefill_requests: int = 0  # vllm:request_prefill_time_seconds_count
     prefill_seconds: float = 0.0  # vllm:request_prefill_time_seconds_sum: first scheduled to first token
     prefill_computed_tokens: int = 0  # vllm:request_prefill_kv_computed_tokens_sum: uncached prompt tokens
+    prefix_hit_tokens: int = 0  # vllm:prefix_cache_hits_total: prompt tokens found cached
     itl_count: int = 0  # vllm:inter_token_latency_seconds_count
     itl_seconds: float = 0.0  # vllm:inter_token_latency_seconds_sum
     # Wall-clock time the engine's figures above were read (the shim polls them, and a heartbeat

@@ -19,6 +19,7 @@ __all__ = [
     "NUM_REQUESTS_WAITING",
     "PREFILL_KV_COMPUTED_TOKENS",
     "PREFILL_TIME",
+    "PREFIX_CACHE_HITS",
     "count",
     "histogram_sum",
     "total",
@@ -39,6 +40,8 @@ ITERATION_TOKENS = "vllm:iteration_tokens_total"  # tokens per engine step (a hi
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 PREFILL_TIME = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
 PREFILL_KV_COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"  # prompt tokens computed, not cached
+# A counter: prompt tokens found in the prefix cache (at scheduling); the cached context prefills attend to.
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 
 
 def total(counter: str) -> str:

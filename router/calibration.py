@@ -19,8 +19,15 @@ counters, protocol.messages LoadReport):
     y   = t2 - t1                                      (t: engine_ts, else ts)
     S   = iterations, D = itl_count (decode tokens), P = iteration_tokens - D (prefill tokens)
     x_d = S * decode(D / S, C)                         (C = kv_used_blocks * block_size / running)
-    x_p = S * prefill(P / S)                           if D == 0 (a prefill-only engine)
-        = P * marginal(mnbt, 0, D / S) / mnbt          else (prefill chunks inside decode steps)
+    x_p = S * prefill(P / S, k + max(n - P / S, 0) / 2)   if D == 0 (a prefill-only engine)
+        = P * marginal(n, k, D / S) / n                   else (prefill chunks inside decode steps)
+
+where the worker's recent prompt averages n new and k cached tokens (prefill_computed_tokens,
+prefix_hit_tokens and prefill_requests, summed over its last few intervals with prompts): a chunk
+attends to the prompt's cached tokens and its earlier chunks, and on the profile's linear
+marginal a prompt's chunks cost exactly what `marginal(n, k, B)` charges the whole prompt. An
+engine that reports no prompt counters is read with n = mnbt, k = 0 (one full chunk with no
+context).
 
 Windows, not single intervals, because vLLM counts a prompt's tokens when its first token comes
 out (and only steps with outputs), not while its chunks run: the tokens of a long prompt land in a
@@ -37,13 +44,16 @@ outweighs it), and observations older than `half_life_s` weigh half; factors sta
 MAX_SCALE]. A profile off by a constant factor is corrected exactly; one of another model or GPU
 to first order (one factor for prefill, one for decode). `prior_scale` != 1 starts the router
 deliberately wrong (robustness runs). The proxies are first-order, and the factors absorb what
-they miss on average: x_p prices prefill chunks without the cached context they attend to, so
-workers serving the long multi-turn prompts of the shipped trace fit k_p of 1.5-2.2 against their
-own, right profile (docs/benchmarks.md, "Self-calibration").
+they miss on average (averages of n and k stand for the mix of prompts). Before the prompt
+averages were read, x_p priced every chunk without its cached context, and workers serving the
+shipped trace's long multi-turn prompts fitted k_p of 1.5-2.2 against their own, right profile
+(docs/benchmarks.md, "Self-calibration").
 
 What the shim must report (cumulative since the engine started; vLLM /metrics names):
 iterations = vllm:iteration_tokens_total_count, iteration_tokens = its _sum, itl_count =
-vllm:inter_token_latency_seconds_count, and engine_ts, when it read them; plus running and
+vllm:inter_token_latency_seconds_count, prefill_requests and prefill_computed_tokens =
+vllm:request_prefill_kv_computed_tokens_count and _sum (or request_prefill_time's count),
+prefix_hit_tokens = vllm:prefix_cache_hits_total, and engine_ts, when it read them; plus running and
 kv_used_blocks, which it reports anyway. An engine that exports none of these (SGLang and
 TensorRT-LLM adapters today) reports iterations 0 and is never fitted: the router keeps its prior.
 Synchronous; the owner calls `observe` for every load report it accepts.
@@ -65,6 +75,7 @@ MIN_SCALE = 0.2
 MAX_SCALE = 5.0
 WINDOW_S = 10.0
 MAX_GAP_PERIODS = 2.0
+PROMPT_DECAY = 0.8  # per interval with prompts: the average prompt follows the last ten or so
 _DEFAULT_MNBT = 8192
 
 
@@ -75,6 +86,28 @@ class _Window:
     y: float = 0.0
     x_d: float = 0.0
     x_p: float = 0.0
+
+
+@dataclass(slots=True)
+class _Prompts:
+    """A worker's recent prompts: decaying sums of how many finished their prefill, their computed
+    tokens and their cached ones. Decaying, and over several intervals, because vLLM counts cache
+    hits when a prompt is scheduled and its computed tokens when its first token comes out."""
+
+    n: float = 0.0
+    new: float = 0.0
+    cached: float = 0.0
+
+    def add(self, n: int, new: int, cached: int) -> None:
+        self.n = self.n * PROMPT_DECAY + n
+        self.new = self.new * PROMPT_DECAY + new
+        self.cached = self.cached * PROMPT_DECAY + cached
+
+    def mean(self) -> tuple[int, int] | None:
+        """(new, cached) tokens of the average prompt; None until one has been counted."""
+        if self.n <= 0 or self.new <= 0:
+            return None
+        return max(round(self.new / self.n), 1), round(self.cached / self.n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +233,7 @@ class Calibration:
         self._last: dict[str, LoadReport] = {}
         self._windows: dict[str, _Window] = {}
         self._fits: dict[str, _Fit] = {}
+        self._prompts: dict[str, _Prompts] = {}
         self._shapes: dict[str, TimingModel | None] = {}
 
     def shape(self, info: WorkerInfo) -> TimingModel | None:
@@ -220,6 +254,7 @@ class Calibration:
         self._last.pop(worker, None)
         self._windows.pop(worker, None)
         self._fits.pop(worker, None)
+        self._prompts.pop(worker, None)
 
     def observe(self, info: WorkerInfo | None, report: LoadReport) -> None:
         """A load report of `info`'s worker arrived (None: unknown worker, ignored)."""
@@ -260,21 +295,33 @@ class Calibration:
                     fit = self._fits[worker] = _Fit(self.prior_scale, self.prior_weight_s)
                 fit.add(report.ts, window.y, window.x_d, window.x_p, self.half_life_s)
 
-    @staticmethod
-    def _work(info: WorkerInfo, shape: TimingModel, prev: LoadReport, report: LoadReport) -> tuple[float, float]:
+    def _prompt(self, worker: str, prev: LoadReport, report: LoadReport) -> tuple[int, int] | None:
+        """(new, cached) tokens of the worker's average recent prompt, None while it reports none."""
+        prompts = self._prompts.setdefault(worker, _Prompts())
+        n = report.prefill_requests - prev.prefill_requests
+        if n > 0:
+            new = max(report.prefill_computed_tokens - prev.prefill_computed_tokens, 0)
+            prompts.add(n, new, max(report.prefix_hit_tokens - prev.prefix_hit_tokens, 0))
+        return prompts.mean()
+
+    def _work(self, info: WorkerInfo, shape: TimingModel, prev: LoadReport, report: LoadReport) -> tuple[float, float]:
         """(x_d, x_p) of the interval: its decode and prefill work in units of the profile."""
+        prompt = self._prompt(info.worker, prev, report)
         steps = report.iterations - prev.iterations
         if steps <= 0:
             return 0.0, 0.0
         decode_tokens = max(report.itl_count - prev.itl_count, 0)
         prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - decode_tokens, 0)
-        if not decode_tokens:
-            return 0.0, steps * shape.prefill(round(prefill_tokens / steps))
-        at = report if report.running > 0 else prev  # went idle: the last busy reading's context
-        context = at.kv_used_blocks * info.block_size / max(at.running, 1)
-        batch = max(round(decode_tokens / steps), 1)
         mnbt = info.max_num_batched_tokens or _DEFAULT_MNBT
-        return steps * shape.decode(batch, context), prefill_tokens * shape.marginal(mnbt, 0, batch) / mnbt
+        new, cached = prompt if prompt is not None else (mnbt, 0)
+        if not decode_tokens:
+            chunk = prefill_tokens / steps
+            context = 0 if prompt is None else round(cached + max(new - chunk, 0) / 2)
+            return 0.0, steps * shape.prefill(round(chunk), context)
+        at = report if report.running > 0 else prev  # went idle: the last busy reading's context
+        context_d = at.kv_used_blocks * info.block_size / max(at.running, 1)
+        batch = max(round(decode_tokens / steps), 1)
+        return steps * shape.decode(batch, context_d), prefill_tokens * shape.marginal(new, cached, batch) / new
 
     def timing(self, info: WorkerInfo) -> WorkerTiming | None:
         """The worker's fitted timing; None when its profile is unknown here."""

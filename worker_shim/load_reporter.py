@@ -112,6 +112,7 @@ class LoadReporter:
             prefill_requests=t.prefill_requests,
             prefill_seconds=t.prefill_seconds,
             prefill_computed_tokens=t.prefill_computed_tokens,
+            prefix_hit_tokens=t.prefix_hit_tokens,
             itl_count=t.itl_count,
             itl_seconds=t.itl_seconds,
             engine_ts=self._engine_at,

@@ -56,7 +56,7 @@ class VirtualShim:
         self._queued = 0
         self._queued_by_leg: dict[str, int] = {}
         self._sample: tuple[int, int, float] = (0, 0, 0.0)
-        self._timing: tuple[int, int, int, float, int, int, float] = (0, 0, 0, 0.0, 0, 0, 0.0)
+        self._timing: tuple[int, int, int, float, int, int, int, float] = (0, 0, 0, 0.0, 0, 0, 0, 0.0)
         self._sampled_at = 0.0
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = float("-inf")
@@ -158,6 +158,7 @@ class VirtualShim:
             t.prefill_requests,
             t.prefill_s,
             int(st.prefill_kv_computed.sum),
+            st.prefix_cache_hits,
             t.itl_tokens,
             t.itl_s,
         )
@@ -168,7 +169,7 @@ class VirtualShim:
     def report(self) -> LoadReport:
         running, waiting, usage = self._sample
         total = self.info.kv_total_blocks
-        steps, step_tokens, prefill_requests, prefill_s, prefill_tokens, itl_n, itl_s = self._timing
+        steps, step_tokens, prefill_requests, prefill_s, prefill_tokens, hit_tokens, itl_n, itl_s = self._timing
         return LoadReport(
             worker=self.worker,
             ts=self.clock.now,
@@ -183,6 +184,7 @@ class VirtualShim:
             prefill_requests=prefill_requests,
             prefill_seconds=prefill_s,
             prefill_computed_tokens=prefill_tokens,
+            prefix_hit_tokens=hit_tokens,
             itl_count=itl_n,
             itl_seconds=itl_s,
             period_s=DEFAULT_PERIOD_S,

@@ -89,6 +89,7 @@ class EngineTiming:
     prefill_requests: int = 0
     prefill_seconds: float = 0.0
     prefill_computed_tokens: int = 0
+    prefix_hit_tokens: int = 0
     itl_count: int = 0
     itl_seconds: float = 0.0
 

@@ -5,7 +5,8 @@
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`,
   `vllm:num_preemptions_total` (summed over DP ranks), and for the routers' timing calibration the
   `_count`/`_sum` of `vllm:iteration_tokens_total`, `vllm:inter_token_latency_seconds`,
-  `vllm:request_prefill_time_seconds` and `vllm:request_prefill_kv_computed_tokens`.
+  `vllm:request_prefill_time_seconds` and `vllm:request_prefill_kv_computed_tokens`, and the
+  `vllm:prefix_cache_hits_total` counter.
   max_num_batched_tokens is not exported by vLLM: it comes from the flag only.
 - Requests: the client's own OpenAI request on `/v1/completions` or `/v1/chat/completions`
   (openai_http.pass_through_body), the engine's answer passed back as it is; token-id legs
@@ -60,9 +61,11 @@ PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 _PREEMPTIONS = vm.total(vm.NUM_PREEMPTIONS)
+_PREFIX_HITS = vm.total(vm.PREFIX_CACHE_HITS)
 _TIMING_HISTOGRAMS = (vm.ITERATION_TOKENS, vm.INTER_TOKEN_LATENCY, vm.PREFILL_TIME, vm.PREFILL_KV_COMPUTED_TOKENS)
 _METRICS = frozenset(
     {vm.CACHE_CONFIG_INFO, vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE_PERC, _PREEMPTIONS}
+    | {_PREFIX_HITS}
     | {vm.count(h) for h in _TIMING_HISTOGRAMS}
     | {vm.histogram_sum(h) for h in _TIMING_HISTOGRAMS}
 )
@@ -121,6 +124,7 @@ def _timing(samples: list[Sample]) -> EngineTiming:
         prefill_requests=count(vm.PREFILL_TIME),
         prefill_seconds=total(vm.PREFILL_TIME),
         prefill_computed_tokens=int(total(vm.PREFILL_KV_COMPUTED_TOKENS)),
+        prefix_hit_tokens=int(sum_samples(samples, _PREFIX_HITS) or 0),
         itl_count=count(vm.INTER_TOKEN_LATENCY),
         itl_seconds=total(vm.INTER_TOKEN_LATENCY),
     )
