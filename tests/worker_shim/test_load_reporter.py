@@ -109,9 +109,12 @@ async def test_reports_carry_the_engines_timing_counters_and_when_they_were_read
         await complete(sim.url, list(range(100, 164)), max_tokens=5)
         stats = sim.engine.stats
         await wait_for(lambda: bool(reports) and reports[-1].iterations == stats.iteration_tokens.count)
+        first = reports[-1]
+        await complete(sim.url, list(range(100, 164)), max_tokens=5)  # the same prompt: its blocks are cached
+        await wait_for(lambda: reports[-1].prefill_requests == 2)
         await nc.close()
-    last = reports[-1]
-    assert (last.iterations, last.iteration_tokens) == (5, 64 + 5)
-    assert (last.itl_count, last.prefill_requests, last.prefill_computed_tokens) == (4, 1, 64)
-    assert last.itl_seconds > 0 and last.prefill_seconds > 0
+    assert (first.iterations, first.iteration_tokens) == (5, 64 + 5)
+    assert (first.itl_count, first.prefill_requests, first.prefill_computed_tokens) == (4, 1, 64)
+    assert first.itl_seconds > 0 and first.prefill_seconds > 0 and first.prefix_hit_tokens == 0
+    assert reports[-1].prefix_hit_tokens == stats.prefix_cache_hits == 48  # all but the last block
     assert all(0 < r.engine_ts <= r.ts for r in reports)

@@ -134,6 +134,7 @@ def test_limits_and_load_from_captured_metrics() -> None:
     t = load.timing  # what the routers calibrate from: the fixture's histogram counts and sums
     assert (t.iterations, t.iteration_tokens, t.itl_count) == (137, 11288, 186)
     assert (t.prefill_requests, t.prefill_computed_tokens) == (30, 11072)
+    assert t.prefix_hit_tokens == 736  # vllm:prefix_cache_hits_total, a counter
     assert t.prefill_seconds == pytest.approx(0.4404758340008357)
     assert t.itl_seconds == pytest.approx(0.8208445909992861)
 
