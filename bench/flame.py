@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -156,6 +157,14 @@ def find_py_spy(explicit: str | None = None) -> str | None:
     return str(local) if local.exists() else shutil.which("py-spy")
 
 
+# py-spy writes its output on SIGINT, which a child inherits ignored from a background job (`cmd &`
+# in a script): then a sampler never stops. Each sampler starts through this, which restores it.
+_SIGINT_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
 class Recording:
     """py-spy on `pid` for the duration of the `with` block (see the module docstring)."""
 
@@ -171,7 +180,12 @@ class Recording:
         self.svg.parent.mkdir(parents=True, exist_ok=True)
         for argv in self._argv:
             self._procs.append(
-                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                subprocess.Popen(
+                    [sys.executable, "-c", _SIGINT_DEFAULT, *argv],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
             )
         return self
 

@@ -4,8 +4,10 @@ stops its samplers with SIGINT (a stand-in for py-spy that writes its file on SI
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,21 @@ def test_samples_caught_in_epoll_are_idle_and_take_no_share_of_the_cpu() -> None
     assert lines == ["  idle  5 samples  " + IDLE, "100.0%       50 us/req  SSE / OpenAI chunk formatting"]
 
 
+@pytest.fixture(params=["inherited", "ignored"])
+def sigint(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The test process's SIGINT as it is, or ignored as in a background job (`cmd &` in a script),
+    which children inherit across exec."""
+    if request.param == "inherited":
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint")
 def test_a_recording_stops_both_samplers_and_keeps_their_files(tmp_path: Path) -> None:
     fake = tmp_path / "py-spy"
     fake.write_text(
