@@ -138,6 +138,11 @@ class RouterService:
         self._watcher: ConfigWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._registry_ready = False
+        # After NATS comes back, workers count as reachable for readiness only once one of them has
+        # reported over the new connection: a shim re-subscribes before it publishes again, and a
+        # report older than the reconnect says nothing about whether its shim is back yet.
+        self._reconnected_at: float | None = None
+        self._heard_since_reconnect = True
         self.eligibility = Eligibility(
             clock=time.time,
             sync_state=self._sync_state,
@@ -192,7 +197,9 @@ class RouterService:
         return self
 
     async def _start(self) -> None:
-        self._nc = nc = await nats.connect(**self.config.nats.connect_options(f"kvswitch-router-{self.ns}"))
+        self._nc = nc = await nats.connect(
+            **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"), reconnected_cb=self._nats_reconnected
+        )
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
         # Replica sync learns its router id at registration, below; until then nothing is routed.
         self._sync = ReplicaSync(nc, self.ns, "", self.view, discovery=self._discovery)
@@ -352,6 +359,12 @@ class RouterService:
             problems.append("the worker set has not been read from etcd yet")
         if not any(m["routable_decode"] for m in models.values()):
             problems.append("no decode or agg worker can take requests")
+        elif nats_up and not self._heard_since_reconnect and self._reconnected_at is not None:
+            ago = time.monotonic() - self._reconnected_at
+            problems.append(
+                f"NATS reconnected {ago:.1f} s ago and no decode or agg worker has reported since: "
+                "their shims may not be back yet"
+            )
         body = {
             "status": self.status.value,
             "router": self.router_id,
@@ -432,6 +445,11 @@ class RouterService:
             elif isinstance(ev, Cleared):
                 pending.forget_worker(worker)
 
+    async def _nats_reconnected(self) -> None:
+        self._reconnected_at = time.monotonic()
+        self._heard_since_reconnect = False
+        log.warning("NATS connection re-established: not ready until a worker reports again")
+
     async def _on_load(self, msg: Msg) -> None:
         try:
             report = decode_msg(msg.data, LoadReport)
@@ -448,6 +466,8 @@ class RouterService:
         if self.calibration is not None:
             self.calibration.observe(info, report)
         self.eligibility.reported(report.worker)
+        if info.role != "prefill":
+            self._heard_since_reconnect = True
         self.ingest.check_digest(report)
         self.path.admission.notify()
 

@@ -166,6 +166,27 @@ async def test_a_client_that_leaves_is_counted_as_499_not_as_a_server_error(
     assert count("500") == 0
 
 
+async def test_after_a_nats_reconnect_ready_waits_for_a_worker_to_report(
+    etcd_url: str, ns: str, http: aiohttp.ClientSession
+) -> None:
+    # What nats-py calls once the connection is back: the shims may still be reconnecting, so the
+    # router is not ready until one of them reports over the new connection.
+    with NatsServer() as nats_server:
+        c = Cluster(ns, nats_server.url, etcd_url)
+        try:
+            await c.add_worker("agg")
+            router = await c.add_ready_router(disagg="never")
+            await router._nats_reconnected()
+            async with http.get(router.url + "/ready") as r:
+                assert r.status == 503
+                assert any("no decode or agg worker has reported since" in p for p in (await r.json())["problems"])
+            await until(lambda: router.ready, timeout=10, what="ready after the worker's next report")
+            status, _, _ = await complete(http, router, list(range(60)))
+            assert status == 200
+        finally:
+            await c.close()
+
+
 async def test_ready_is_503_while_nats_is_down_and_200_again_after(
     etcd_url: str, ns: str, http: aiohttp.ClientSession
 ) -> None:
