@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import grpc
@@ -16,6 +17,7 @@ from discovery import Discovery
 from kvswitch.servers import EtcdServer, NatsServer
 from protocol import KvEventBatch, Stored, WorkerInfo, encode_msg, subjects
 from protocol.config import EtcdSettings
+from router.service import RouterService
 from tests.router.conftest import MODEL, Cluster, complete
 from tests.router.polling import until
 
@@ -166,43 +168,47 @@ async def test_a_client_that_leaves_is_counted_as_499_not_as_a_server_error(
     assert count("500") == 0
 
 
+async def _unready_because(http: aiohttp.ClientSession, router: RouterService, reason: str) -> None:
+    async with http.get(router.url + "/ready") as r:
+        assert r.status == 503
+        assert any(reason in p for p in (await r.json())["problems"])
+
+
+async def _ready_and_serving(http: aiohttp.ClientSession, router: RouterService, what: str) -> None:
+    await until(lambda: router.ready, timeout=30, what=what)
+    status, _, _ = await complete(http, router, list(range(60)))
+    assert status == 200
+
+
+@contextlib.asynccontextmanager
+async def _one_agg_worker(etcd_url: str, ns: str) -> AsyncIterator[tuple[NatsServer, RouterService]]:
+    """A NATS server of the test's own (to stop and start), one agg worker and a ready router."""
+    with NatsServer() as nats_server:
+        c = Cluster(ns, nats_server.url, etcd_url)
+        try:
+            await c.add_worker("agg")
+            yield nats_server, await c.add_ready_router(disagg="never")
+        finally:
+            await c.close()
+
+
 async def test_after_a_nats_reconnect_ready_waits_for_a_worker_to_report(
     etcd_url: str, ns: str, http: aiohttp.ClientSession
 ) -> None:
     # What nats-py calls once the connection is back: the shims may still be reconnecting, so the
     # router is not ready until one of them reports over the new connection.
-    with NatsServer() as nats_server:
-        c = Cluster(ns, nats_server.url, etcd_url)
-        try:
-            await c.add_worker("agg")
-            router = await c.add_ready_router(disagg="never")
-            await router._nats_reconnected()
-            async with http.get(router.url + "/ready") as r:
-                assert r.status == 503
-                assert any("no decode or agg worker has reported since" in p for p in (await r.json())["problems"])
-            await until(lambda: router.ready, timeout=10, what="ready after the worker's next report")
-            status, _, _ = await complete(http, router, list(range(60)))
-            assert status == 200
-        finally:
-            await c.close()
+    async with _one_agg_worker(etcd_url, ns) as (_, router):
+        await router._nats_reconnected()
+        await _unready_because(http, router, "no decode or agg worker has reported since")
+        await _ready_and_serving(http, router, "ready after the worker's next report")
 
 
 async def test_ready_is_503_while_nats_is_down_and_200_again_after(
     etcd_url: str, ns: str, http: aiohttp.ClientSession
 ) -> None:
-    with NatsServer() as nats_server:
-        c = Cluster(ns, nats_server.url, etcd_url)
-        try:
-            await c.add_worker("agg")
-            router = await c.add_ready_router(disagg="never")
-            nats_server.stop()
-            await until(lambda: not router.ready, what="unready without NATS")
-            async with http.get(router.url + "/ready") as r:
-                assert r.status == 503
-                assert any("NATS is not connected" in p for p in (await r.json())["problems"])
-            nats_server.start()
-            await until(lambda: router.ready, timeout=30, what="ready again")
-            status, _, _ = await complete(http, router, list(range(60)))
-            assert status == 200
-        finally:
-            await c.close()
+    async with _one_agg_worker(etcd_url, ns) as (nats_server, router):
+        nats_server.stop()
+        await until(lambda: not router.ready, what="unready without NATS")
+        await _unready_because(http, router, "NATS is not connected")
+        nats_server.start()
+        await _ready_and_serving(http, router, "ready again")
