@@ -297,7 +297,9 @@ class Calibration:
 
     def _prompt(self, worker: str, prev: LoadReport, report: LoadReport) -> tuple[int, int] | None:
         """(new, cached) tokens of the worker's average recent prompt, None while it reports none."""
-        prompts = self._prompts.setdefault(worker, _Prompts())
+        prompts = self._prompts.get(worker)
+        if prompts is None:
+            prompts = self._prompts[worker] = _Prompts()
         n = report.prefill_requests - prev.prefill_requests
         if n > 0:
             new = max(report.prefill_computed_tokens - prev.prefill_computed_tokens, 0)

@@ -141,8 +141,7 @@ class RouterService:
         # After NATS comes back, workers count as reachable for readiness only once one of them has
         # reported over the new connection: a shim re-subscribes before it publishes again, and a
         # report older than the reconnect says nothing about whether its shim is back yet.
-        self._reconnected_at: float | None = None
-        self._heard_since_reconnect = True
+        self._reconnected_at: float | None = None  # set on a reconnect, None once a worker reported
         self.eligibility = Eligibility(
             clock=time.time,
             sync_state=self._sync_state,
@@ -359,7 +358,7 @@ class RouterService:
             problems.append("the worker set has not been read from etcd yet")
         if not any(m["routable_decode"] for m in models.values()):
             problems.append("no decode or agg worker can take requests")
-        elif nats_up and not self._heard_since_reconnect and self._reconnected_at is not None:
+        elif nats_up and self._reconnected_at is not None:
             ago = time.monotonic() - self._reconnected_at
             problems.append(
                 f"NATS reconnected {ago:.1f} s ago and no decode or agg worker has reported since: "
@@ -447,7 +446,6 @@ class RouterService:
 
     async def _nats_reconnected(self) -> None:
         self._reconnected_at = time.monotonic()
-        self._heard_since_reconnect = False
         log.warning("NATS connection re-established: not ready until a worker reports again")
 
     async def _on_load(self, msg: Msg) -> None:
@@ -467,7 +465,7 @@ class RouterService:
             self.calibration.observe(info, report)
         self.eligibility.reported(report.worker)
         if info.role != "prefill":
-            self._heard_since_reconnect = True
+            self._reconnected_at = None
         self.ingest.check_digest(report)
         self.path.admission.notify()
 
