@@ -228,31 +228,37 @@ class LocalCluster:
     def _wait_http(
         self, url: str, what: str, timeout: float = 60.0, ok: Callable[[bytes], bool] = lambda _body: True
     ) -> None:
-        """Poll `url` until it answers 200 with a body `ok` accepts; fail early if a child died."""
+        """Poll `url` until it answers 200 with a body `ok` accepts; fail early if a child died. The
+        error quotes the last body seen, which for /ready says why each worker is left out."""
         deadline = time.monotonic() + timeout
+        last = b""
         while time.monotonic() < deadline:
             dead = [c.name for c in self.children if c.proc.poll() is not None]
             if dead:
                 raise ServerError(f"{', '.join(dead)} exited while waiting for {what}")
             try:
                 with urllib.request.urlopen(url, timeout=2.0) as resp:
-                    if resp.status == 200 and ok(resp.read()):
+                    last = resp.read()
+                    if resp.status == 200 and ok(last):
                         return
+            except urllib.error.HTTPError as e:
+                last = e.read()
             except (urllib.error.URLError, OSError, ValueError):
                 pass
             time.sleep(0.2)
-        raise ServerError(f"{what} not ready after {timeout:.0f}s ({url})")
+        raise ServerError(f"{what} not ready after {timeout:.0f}s ({url}): {last[:2000]!r}")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Every router answers /ready and sees every engine as a registered worker."""
+        """Every router answers /ready and can route to every engine: a worker merely registered
+        may still be bootstrapping its index, and a request then would skip it."""
         deadline = time.monotonic() + timeout
         n = len(self.engines)
         for url in self.router_urls:
             self._wait_http(
                 url + "/ready",
-                what=f"router {url} with {n} workers",
+                what=f"router {url} with {n} routable workers",
                 timeout=max(1.0, deadline - time.monotonic()),
-                ok=lambda body: int(json.loads(body).get("workers", 0)) >= n,
+                ok=lambda body: int(json.loads(body).get("routable", 0)) >= n,
             )
 
     def stop(self, grace_s: float = 15.0) -> None:

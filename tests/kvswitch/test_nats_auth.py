@@ -75,8 +75,13 @@ def _batch(worker: str, seq: int) -> bytes:
     return encode_msg(KvEventBatch(worker=worker, epoch=1, seq=seq, ts=0.0, events=[Stored(hashes=[7], parent=None)]))
 
 
-async def _next(queue: asyncio.Queue[Msg]) -> Msg:
-    return await asyncio.wait_for(queue.get(), timeout=5)
+async def _next(queue: asyncio.Queue[Msg], *conns: Conn) -> Msg:
+    """The next message; on a timeout the error says what the server told each of `conns`."""
+    try:
+        return await asyncio.wait_for(queue.get(), timeout=5)
+    except TimeoutError:
+        said = [(c.nc.is_connected, [c.errors.get_nowait() for _ in range(c.errors.qsize())]) for c in conns]
+        raise AssertionError(f"no message within 5 s; (connected, server errors) per connection: {said}") from None
 
 
 async def test_a_worker_publishing_another_workers_kv_subject_is_refused_and_never_reaches_routers(
@@ -112,7 +117,7 @@ async def test_a_worker_reads_only_its_own_requests(connect: Connect) -> None:
     await w2.nc.flush()
 
     await router.nc.publish(subjects.gen(NS, "decode", "w2"), b"prompt")
-    assert (await _next(own)).data == b"prompt"
+    assert (await _next(own, router, w2)).data == b"prompt"
     await asyncio.sleep(0.2)
     assert stolen.empty()
 

@@ -176,8 +176,8 @@ async def _unready_because(http: aiohttp.ClientSession, router: RouterService, r
 
 async def _ready_and_serving(http: aiohttp.ClientSession, router: RouterService, what: str) -> None:
     await until(lambda: router.ready, timeout=30, what=what)
-    status, _, _ = await complete(http, router, list(range(60)))
-    assert status == 200
+    status, body, _ = await complete(http, router, list(range(60)))
+    assert status == 200, body
 
 
 @contextlib.asynccontextmanager
