@@ -12,10 +12,10 @@ from collections.abc import Callable
 from protocol import ConfigError
 from protocol.config import POLICY_NAMES, ConditionalDisaggConfig, RouterSettings
 from router.policies import isl_bounding, isl_or_load, prefill_load, slo_aware, ttft_model
-from router.policies.decision import Decision, Outcome, Path, Policy
+from router.policies.decision import Decision, DecodeRoom, Outcome, Path, Policy
 from router.policies.decode_guard import DecodeGuard
 
-__all__ = ["POLICIES", "Decision", "DecodeGuard", "Outcome", "Path", "Policy", "make_policy"]
+__all__ = ["POLICIES", "Decision", "DecodeGuard", "DecodeRoom", "Outcome", "Path", "Policy", "make_policy"]
 
 POLICIES: dict[str, Callable[[ConditionalDisaggConfig, RouterSettings], Policy]] = {
     isl_bounding.NAME: lambda cfg, _: isl_bounding.IslBounding(isl_bounding.IslBoundingConfig.from_settings(cfg)),

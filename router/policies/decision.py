@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from router.request_context import RequestContext
+from router.request_context import Candidate, RequestContext
 
-__all__ = ["Decision", "Outcome", "Path", "Policy"]
+__all__ = ["Decision", "DecodeRoom", "Outcome", "Path", "Policy"]
 
 
 class Outcome(StrEnum):
@@ -49,3 +49,13 @@ class Policy(Protocol):
     name: str
 
     def decide(self, ctx: RequestContext) -> Decision: ...
+
+
+@runtime_checkable
+class DecodeRoom(Protocol):
+    """A policy that also says whether a decode worker may take the request now. False keeps the
+    request waiting at admission (which sheds it once the queue cannot drain in time) instead of
+    letting it cost the worker's running requests their service level. `local`: the worker would
+    prefill the request too (every prefill worker is full)."""
+
+    def has_room(self, ctx: RequestContext, c: Candidate, *, local: bool) -> bool: ...

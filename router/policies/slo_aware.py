@@ -16,7 +16,8 @@ C the mean output length and mean context (prompt + L / 2) of recent requests:
 With the budgets ttft_b = headroom * slo_ttft_s and itl_b = headroom * slo_itl_s, the expected
 requests each path loses:
 
-    pushed      = B * min(1, (itl_loc - itl_b) / (itl_loc - itl_now))   if itl_now <= itl_b < itl_loc, else 0
+    pushed      = B * min(1, (itl_loc - itl_b) / (itl_loc - itl_now))   if itl_now < itl_loc and itl_b < itl_loc,
+                                                                      else 0
     lost_local  = [local > ttft_b] + pushed      (this request's TTFT, and d's running requests
                                                   pushed over their TPOT budget)
     lost_remote = [remote > ttft_b]
@@ -26,7 +27,20 @@ requests each path loses:
 So a request goes the way it meets its TTFT; between two that both do, the faster one, unless the
 local prefill would cost d's running requests their TPOT; a request that misses either way goes the
 faster way unless that costs others theirs. Ties keep the remote prefill. (A request that misses
-its TTFT on both paths is counted once on each, so the comparison is its harm to others.)
+its TTFT on both paths is counted once on each, so the comparison is its harm to others.) Running
+requests already over itl_b count as pushed too: TPOT is a mean over a request's life, so one that
+is over now recovers once the stalls stop, and every further stall keeps it over.
+
+Room (router.policies.DecodeRoom): the planner offers d a request only while d's B + W running and
+waiting requests keep their TPOT in budget with one more,
+
+    T_d.decode(B + W + 1, C) + T_d.stall(Q_d) / L <= itl_b        (an idle d always has room)
+
+and, when every prefill worker is full so that d would prefill the request itself, with that
+prefill's stall T_d.stall(n - c_d | c_d) / L added. Otherwise the request waits at admission, and
+is shed there (429) when the queue cannot drain within half the TTFT SLO. The fixed modes cannot
+wait for room by construction: past the knee they prefill on decode workers whose running requests
+then all miss their TPOT (docs/benchmarks.md, the sweep).
 
 Parameters: slo_ttft_s, slo_itl_s (RouterSettings); headroom (`--slo-headroom`, in (0, 1],
 default 0.8: the share of each SLO the predictions may use, for what they do not see);
@@ -116,16 +130,32 @@ class SloAware:
             + tp.transfer_s(new_d, self.config.link_gbps)
             + td.decode_s(batch + 1, context)
         )
-        itl_now = td.decode_s(batch + 1, context) + td.stall_s(q_d, 0, batch) / self.output_len
+        itl_now = self._tpot(td, batch, q_d)
         itl_local = itl_now + td.stall_s(new_d, cd, batch) / self.output_len
         return Forecast(local, remote, itl_now, itl_local)
+
+    def _tpot(self, td: WorkerTiming, batch: int, queued: int) -> float:
+        """The TPOT of a worker's running requests with one more: a step, plus the stall of its
+        queued prefill spread over their tokens."""
+        return td.decode_s(batch + 1, self.context) + td.stall_s(queued, 0, batch) / self.output_len
+
+    def has_room(self, ctx: RequestContext, c: Candidate, *, local: bool) -> bool:
+        batch = c.running + c.waiting
+        td = timing_of(c.info, c.timing)
+        if batch == 0 or td is None:
+            return True
+        tpot = self._tpot(td, batch, c.queued_prefill_tokens)
+        if local:
+            cached = ctx.cached_tokens(c)
+            tpot += td.stall_s(ctx.isl - cached, cached, batch) / self.output_len
+        return tpot <= self.config.headroom * self.config.slo_itl_s
 
     def lost(self, f: Forecast, running: int) -> tuple[float, float]:
         """Requests expected to miss their SLO: (on the local path, on the remote path)."""
         c = self.config
         ttft_budget, itl_budget = c.headroom * c.slo_ttft_s, c.headroom * c.slo_itl_s
         pushed = 0.0
-        if running and f.itl_now_s <= itl_budget < f.itl_local_s:
+        if running and f.itl_now_s < f.itl_local_s and itl_budget < f.itl_local_s:
             pushed = running * min(1.0, (f.itl_local_s - itl_budget) / (f.itl_local_s - f.itl_now_s))
         return float(f.local_s > ttft_budget) + pushed, float(f.remote_s > ttft_budget)
 

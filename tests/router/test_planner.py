@@ -178,6 +178,35 @@ def test_with_every_prefill_worker_full_the_decode_worker_prefills() -> None:
     assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.REMOTE_PREFILL)
 
 
+def test_slo_aware_offers_a_decode_worker_only_while_its_running_requests_keep_their_tpot() -> None:
+    # h200 llama-8b at the policy's starting context (4,096 + 128 / 2): a step of 101 sequences
+    # takes 28.7 ms, over the 20 ms budget (0.8 x 25 ms); one of 41 takes 14.1 ms
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="slo_aware")
+    f.report("d1", running=100)
+    assert f.planner.take(f.ctx(list(range(64)))) is None
+    f.report("d1", running=40)
+    plan = f.planner.take(f.ctx(list(range(64))))
+    assert plan is not None and plan.decode.worker == "d1"
+
+
+def test_slo_aware_with_the_prefill_pool_full_prefills_locally_only_within_the_tpot_budget() -> None:
+    # d1 runs 40 (a step: 14.1 ms); prefilling 16,384 new tokens beside them adds 4.6 ms per output
+    # token (128), 30,000 add 11.4 ms: 18.7 ms fits the 20 ms budget, 25.5 ms does not
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="slo_aware")
+    f.report("d1", running=40)
+    f.report("p1", prefill_tokens_queued=200_000)
+    assert f.planner.take(f.ctx(list(range(30_000)))) is None
+    plan = f.planner.take(f.ctx(list(range(16_384)), "r2"))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
+
+
+def test_the_fixed_modes_ignore_the_slo_aware_room_rule() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always", conditional_disagg_policy="slo_aware")
+    f.report("d1", running=100)
+    plan = f.planner.take(f.ctx(list(range(64))))
+    assert plan is not None and plan.outcome is Outcome.REMOTE_PREFILL
+
+
 def test_queue_threshold_replaces_the_slo_rule_when_set() -> None:
     f = Fleet(winfo("d1"), queue_threshold=1.0)
     f.report("d1", prefill_tokens_queued=8193)

@@ -111,8 +111,12 @@ def test_at_a_budget_a_prediction_still_fits() -> None:
     over = Forecast(local_s=ttft_b + 1e-9, remote_s=ttft_b + 1e-9, itl_now_s=0.01, itl_local_s=itl_b + 1e-3)
     lost_local, lost_remote = policy.lost(over, 50)
     assert lost_remote == 1.0 and lost_local == pytest.approx(1.0 + 50 * 1e-3 / (itl_b + 1e-3 - 0.01))
+    # d's requests are over their budget already: TPOT is a mean over a request's life, so they can
+    # still recover, and a stall keeps every one of them over
     already_over = Forecast(local_s=0.1, remote_s=0.1, itl_now_s=itl_b + 1e-3, itl_local_s=itl_b + 2e-3)
-    assert policy.lost(already_over, 50) == (0.0, 0.0)  # its requests miss either way: none pushed
+    assert policy.lost(already_over, 50) == (50.0, 0.0)
+    no_stall = Forecast(local_s=0.1, remote_s=0.1, itl_now_s=itl_b + 1e-3, itl_local_s=itl_b + 1e-3)
+    assert policy.lost(no_stall, 50) == (0.0, 0.0)  # a prompt all cached: its prefill stalls nobody
 
 
 def test_when_both_miss_the_faster_way_wins_unless_it_harms_others() -> None:
@@ -143,3 +147,28 @@ def test_the_registry_builds_it_with_the_routers_slos() -> None:
 def test_headroom_outside_0_1_is_refused(headroom: float) -> None:
     with pytest.raises(ValueError, match="slo_headroom"):
         ConditionalDisaggConfig(conditional_disagg_policy="slo_aware", slo_headroom=headroom).validate()
+
+
+def test_room_on_a_decode_worker_ends_where_one_more_request_breaks_the_tpot_budget() -> None:
+    # a step of B + 1 sequences: 5 ms + 0.1 ms x (B + 1) <= 20 ms while B <= 149; waiting ones count
+    policy = SloAware(SloAwareConfig())
+    c = ctx(64, [], [])
+    assert policy.has_room(c, _timed(cand("d1", running=149)), local=False)
+    assert not policy.has_room(c, _timed(cand("d1", running=150)), local=False)
+    assert not policy.has_room(c, _timed(cand("d1", running=100, waiting=50)), local=False)
+    assert policy.has_room(c, _timed(cand("d1")), local=False)  # idle: always
+    untimed = cand("d1", running=1000)
+    untimed.info = untimed.info.__class__(
+        **{**{f: getattr(untimed.info, f) for f in untimed.info.__struct_fields__}, "timing_profile": None}
+    )
+    assert policy.has_room(c, untimed, local=False)  # no timing: nothing to judge by
+
+
+def test_room_to_prefill_locally_adds_the_prefills_stall_per_output_token() -> None:
+    policy = SloAware(SloAwareConfig())
+    d = _timed(cand("d1", running=100))  # a step: 15.1 ms, so 4.9 ms per token is left for the stall
+    assert d.timing is not None
+    fits, breaks = ctx(2000, [d], []), ctx(10_000, [d], [])
+    assert d.timing.stall_s(2000, 0, 100) / 128 < 0.0049 < d.timing.stall_s(10_000, 0, 100) / 128
+    assert policy.has_room(fits, d, local=False) and policy.has_room(fits, d, local=True)
+    assert policy.has_room(breaks, d, local=False) and not policy.has_room(breaks, d, local=True)
