@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from typing import Any
@@ -57,6 +58,7 @@ async def test_prefill_then_decode_on_another_sim(cross_process: bool, monkeypat
         n_blocks = len(PROMPT) // 16
         assert len(params["remote_block_ids"]) == n_blocks and p.engine.num_blocks_in_use == n_blocks  # pinned
 
+        gc.collect()  # earlier tests' garbage (a virtual replay's heap) must not be collected in the request
         ttft = await stream_ttft(d.url, {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params})
         assert d.engine.prefill_tokens_computed == 0  # the decode side did no prefill work
         assert d.engine.stats.external_kv_tokens == len(PROMPT)
