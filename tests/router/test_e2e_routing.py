@@ -3,6 +3,7 @@ both prefill paths produce the right output."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections import Counter
@@ -97,6 +98,30 @@ async def test_conditional_bypass_prefills_on_the_decode_worker(cluster: Cluster
     assert p.sim.engine.stats.prompt_tokens == prefilled, "a bypassed prompt must not reach the prefill worker"
     assert d.sim.engine.stats.external_kv_tokens == transferred
     assert router.disagg.counts == Counter({"declined_policy": 1, "bypass_isl": 1})
+
+
+async def test_slo_aware_holds_a_request_while_its_decode_worker_has_no_tpot_room(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    # A 1 ms TPOT SLO: a decode step of two sequences alone takes ~6 ms, so once one request runs on
+    # the only decode worker it has no room for another, which waits at admission (TTFT SLO 20 s:
+    # up to 10 s) until the first ends, then is served.
+    await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode", speedup=1.0)
+    router = await cluster.add_ready_router(
+        conditional_disagg=True, conditional_disagg_policy="slo_aware", slo_itl_s=0.001, slo_ttft_s=20.0
+    )
+    first = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=400, ignore_eos=True))
+    await until(lambda: router.view.load(d.id).running >= 1, what="the first request running on d")
+    second = asyncio.create_task(complete(http, router, list(range(1000, 1064))))
+    await until(lambda: router.path.admission.depth == 1, what="the second request waiting at admission")
+    await asyncio.sleep(0.3)
+    assert not second.done() and not first.done()
+    status, body, _ = await first
+    assert status == 200 and body["usage"]["completion_tokens"] == 400
+    status, body, headers = await second
+    assert status == 200, body
+    assert headers["x-kvswitch-decode-worker"] == d.id
 
 
 async def test_client_bypass_annotation_is_stripped(cluster: Cluster, http: aiohttp.ClientSession) -> None:
