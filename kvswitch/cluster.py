@@ -242,7 +242,8 @@ class LocalCluster:
                     if resp.status == 200 and ok(last):
                         return
             except urllib.error.HTTPError as e:
-                last = e.read()
+                with contextlib.suppress(OSError):
+                    last = e.read()
             except (urllib.error.URLError, OSError, ValueError):
                 pass
             time.sleep(0.2)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.config import RouterSettings
-from router.policies import DecodeGuard, Outcome, Path, Policy, make_policy
+from router.policies import DecodeGuard, DecodeRoom, Outcome, Path, Policy, make_policy
 from router.request_context import Candidate, RequestContext
 from router.selection import Selector
 
@@ -86,6 +86,19 @@ class Disaggregator:
     def record(self, outcome: Outcome) -> None:
         self.counts[outcome] += 1
 
+    @property
+    def policy_decides(self) -> bool:
+        """The policy chooses the path: disagg=conditional with conditional_disagg on."""
+        s = self.settings
+        return s.disagg == "conditional" and s.conditional.conditional_disagg
+
+    def has_room(self, ctx: RequestContext, c: Candidate, *, local: bool) -> bool:
+        """Whether decode worker `c` may take the request now by the policy's own room rule
+        (router.policies.DecodeRoom); True where the policy has none or does not decide."""
+        if c.info.role != "decode" or not self.policy_decides or not isinstance(self.policy, DecodeRoom):
+            return True
+        return self.policy.has_room(ctx, c, local=local)
+
     def plan(self, ctx: RequestContext, exclude: frozenset[str] = frozenset()) -> RoutePlan | None:
         """None when no decode/agg worker (outside `exclude`) can take the request."""
         s = self.settings
@@ -109,7 +122,7 @@ class Disaggregator:
             )
         if p is None:
             return done(Path.AGG, Outcome.NO_PREFILL_POOL, f"no prefill worker for model {ctx.model}")
-        if s.disagg == "always" or not s.conditional.conditional_disagg:
+        if not self.policy_decides:
             return done(Path.REMOTE, Outcome.REMOTE_PREFILL, f"disagg={s.disagg}, conditional_disagg off")
         if log.isEnabledFor(logging.DEBUG):  # timed only then: a virtual-clock replay reads no wall time
             start = time.perf_counter()

@@ -36,7 +36,7 @@ from router.eligibility import Eligibility, model_block_sizes
 from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
-from router.policies import DecodeRoom, Outcome
+from router.policies import Outcome
 from router.request_context import Candidate, RequestContext
 from router.selection import Selector, over_queue_threshold
 
@@ -180,29 +180,24 @@ class Planner:
     def admissible(self, ctx: RequestContext) -> bool:
         """Some decode (or agg) worker has room: its predicted prefill backlog is under half the TTFT
         SLO (with `queue_threshold` set, its queue under that multiple of max_num_batched_tokens).
-        Every request needs a decode worker; prefill workers without room only change the path."""
-        return any(self._has_room(c) and self._policy_room(ctx, c, local=False) for c in ctx.decode_pool)
+        Where the policy has a room rule of its own (slo_aware: TPOT), it must agree too. Every
+        request needs a decode worker; prefill workers without room only change the path."""
+        return any(self._decode_room(ctx, c) for c in ctx.decode_pool)
 
     def _keep_room(self, ctx: RequestContext) -> None:
         """Narrow both pools to the workers with room, so the choice never lands on a full one;
         with every prefill worker full, the request prefills on its decode worker (one the policy
         lets prefill it, when the policy judges room)."""
-        ctx.decode_pool = [c for c in ctx.decode_pool if self._has_room(c) and self._policy_room(ctx, c, local=False)]
+        ctx.decode_pool = [c for c in ctx.decode_pool if self._decode_room(ctx, c)]
         full = len(ctx.prefill_pool)
         ctx.prefill_pool = [c for c in ctx.prefill_pool if self._has_room(c)]
         ctx.prefill_full = full > 0 and not ctx.prefill_pool
         if ctx.prefill_full:
-            ctx.decode_pool = [c for c in ctx.decode_pool if self._policy_room(ctx, c, local=True)]
+            ctx.decode_pool = [c for c in ctx.decode_pool if self.disagg.has_room(ctx, c, local=True)]
 
-    def _policy_room(self, ctx: RequestContext, c: Candidate, *, local: bool) -> bool:
-        """The conditional policy's own room rule (router.policies.DecodeRoom), for decode workers
-        of a router that asks the policy at all."""
-        policy, s = self.disagg.policy, self.settings
-        if not isinstance(policy, DecodeRoom) or c.info.role != "decode":
-            return True
-        if s.disagg != "conditional" or not s.conditional.conditional_disagg:
-            return True
-        return policy.has_room(ctx, c, local=local)
+    def _decode_room(self, ctx: RequestContext, c: Candidate) -> bool:
+        """Its predicted prefill backlog fits, and the policy's own room rule lets it decode one more."""
+        return self._has_room(c) and self.disagg.has_room(ctx, c, local=False)
 
     def _has_room(self, c: Candidate) -> bool:
         s = self.settings
