@@ -141,7 +141,9 @@ class RouterService:
         # After NATS comes back, workers count as reachable for readiness only once one of them has
         # reported over the new connection: a shim re-subscribes before it publishes again, and a
         # report older than the reconnect says nothing about whether its shim is back yet.
-        self._reconnected_at: float | None = None  # set on a reconnect, None once a worker reported
+        # Set when the NATS connection drops (and again when it is back), None once a decode or agg
+        # worker reported over it: until then their shims may not have re-subscribed.
+        self._reconnected_at: float | None = None
         self.eligibility = Eligibility(
             clock=time.time,
             sync_state=self._sync_state,
@@ -197,7 +199,9 @@ class RouterService:
 
     async def _start(self) -> None:
         self._nc = nc = await nats.connect(
-            **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"), reconnected_cb=self._nats_reconnected
+            **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"),
+            disconnected_cb=self._nats_disconnected,
+            reconnected_cb=self._nats_reconnected,
         )
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
         # Replica sync learns its router id at registration, below; until then nothing is routed.
@@ -443,6 +447,11 @@ class RouterService:
                 pending.confirm(worker, ev.hashes)
             elif isinstance(ev, Cleared):
                 pending.forget_worker(worker)
+
+    async def _nats_disconnected(self) -> None:
+        # Marked here, not only on reconnect: nats-py reports the connection up before it runs the
+        # reconnected callback, and /ready must not say 200 in between (no shim is back yet).
+        self._reconnected_at = time.monotonic()
 
     async def _nats_reconnected(self) -> None:
         self._reconnected_at = time.monotonic()

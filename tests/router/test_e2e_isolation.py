@@ -203,6 +203,18 @@ async def test_after_a_nats_reconnect_ready_waits_for_a_worker_to_report(
         await _ready_and_serving(http, router, "ready after the worker's next report")
 
 
+async def test_a_dropped_nats_connection_keeps_ready_503_until_a_worker_reports_over_the_new_one(
+    etcd_url: str, ns: str, http: aiohttp.ClientSession
+) -> None:
+    # nats-py says "connected" again before it runs the reconnected callback (it flushes its buffer
+    # in between), so the drop itself must mark the router: here the drop is seen while the
+    # connection already reads as up, which is that window.
+    async with _one_agg_worker(etcd_url, ns) as (_, router):
+        await router._nats_disconnected()
+        await _unready_because(http, router, "no decode or agg worker has reported since")
+        await _ready_and_serving(http, router, "ready after the worker's next report")
+
+
 async def test_ready_is_503_while_nats_is_down_and_200_again_after(
     etcd_url: str, ns: str, http: aiohttp.ClientSession
 ) -> None:
