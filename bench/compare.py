@@ -84,6 +84,8 @@ CONFIGURATIONS: dict[str, Configuration] = {
         Configuration("isl_or_load", (*_CONDITIONAL, "isl_or_load", "--prefill-busy-threshold", "1.0"), "pd"),
         Configuration("ttft_model", (*_CONDITIONAL, "ttft_model"), "pd"),
         Configuration("slo_aware", (*_CONDITIONAL, "slo_aware"), "pd"),
+        # slo_aware with prefill workers serving whole requests while no decode worker has room
+        Configuration("slo_spill", (*_CONDITIONAL, "slo_aware", "--spill-to-prefill"), "pd"),
     )
 }
 PEER_CONFIGURATIONS: dict[str, Configuration] = {
@@ -327,7 +329,7 @@ def headline_ratios(ms: Sequence[Measurement]) -> list[str]:
         if rr is not None and kv:
             out.append(f"x{rate:g}: round_robin / kv TTFT p90 = {rr / kv:.2f}x (target >= 3x)")
         fixed = [g for g in (med("kv", "goodput r/s"), med("kv_disagg", "goodput r/s")) if g is not None]
-        for policy in ("ttft_model", "slo_aware"):
+        for policy in ("ttft_model", "slo_aware", "slo_spill"):
             goodput = med(policy, "goodput r/s")
             if goodput is not None and fixed and max(fixed) > 0:
                 out.append(

@@ -65,6 +65,11 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
         much as a second of this request's first-token wait).
     slo_headroom: slo_aware's share of each SLO (RouterSettings.slo_ttft_s, slo_itl_s) its
         predictions may use, in (0, 1].
+    spill_to_prefill: while no decode worker has room, a prefill worker with room serves the whole
+        request (prefill and decode) instead of the request waiting at admission. Its engine must
+        accept whole requests: vLLM with `kv_role` kv_both (the NixlConnector's usual setting),
+        engine_sim always; not SGLang's `--disaggregation-mode prefill`. Needs the policy to decide
+        (disagg=conditional, conditional_disagg on).
     """
 
     conditional_disagg: bool = False
@@ -77,6 +82,7 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
     ttft_link_gbps: float = 50.0
     ttft_stall_weight: float = 0.1
     slo_headroom: float = 0.8
+    spill_to_prefill: bool = False
 
     def validate(self) -> ConditionalDisaggConfig:
         _check_finite(self)
@@ -163,6 +169,14 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         if self.pending_ttl_s < 0:
             raise ConfigError("pending_ttl_s", self.pending_ttl_s, "must be >= 0 (0: off)")
         self.conditional.validate()
+        c = self.conditional
+        if c.spill_to_prefill and not (self.disagg == "conditional" and c.conditional_disagg):
+            raise ConfigError(
+                "spill_to_prefill",
+                True,
+                f"needs disagg=conditional and conditional_disagg on (got disagg={self.disagg}, "
+                f"conditional_disagg={'on' if c.conditional_disagg else 'off'})",
+            )
         return self
 
 

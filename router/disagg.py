@@ -93,11 +93,22 @@ class Disaggregator:
         return s.disagg == "conditional" and s.conditional.conditional_disagg
 
     def has_room(self, ctx: RequestContext, c: Candidate, *, local: bool) -> bool:
-        """Whether decode worker `c` may take the request now by the policy's own room rule
-        (router.policies.DecodeRoom); True where the policy has none or does not decide."""
-        if c.info.role != "decode" or not self.policy_decides or not isinstance(self.policy, DecodeRoom):
+        """Whether `c` may decode the request now by the policy's own room rule
+        (router.policies.DecodeRoom): a decode worker, or a prefill worker it would spill to. True
+        where the policy has none or does not decide."""
+        if c.info.role == "agg" or not self.policy_decides or not isinstance(self.policy, DecodeRoom):
             return True
         return self.policy.has_room(ctx, c, local=local)
+
+    def spill(self, ctx: RequestContext, pool: list[Candidate]) -> RoutePlan | None:
+        """The whole request on the best of `pool` (prefill workers with room, while no decode
+        worker has any); None when the pool is empty."""
+        ranked = self.selector.rank(ctx, pool, self.settings)
+        if not ranked:
+            return None
+        ctx.decode, ctx.prefill = ranked[0], None
+        reason = f"no decode worker has room; {ranked[0].worker} prefills and decodes it"
+        return RoutePlan(ctx, ranked[0], None, Path.AGG, Outcome.SPILLED_TO_PREFILL, reason, ranked, [])
 
     def plan(self, ctx: RequestContext, exclude: frozenset[str] = frozenset()) -> RoutePlan | None:
         """None when no decode/agg worker (outside `exclude`) can take the request."""

@@ -418,7 +418,8 @@ class Dispatcher:
                 self._on_fallback(job)
             else:
                 self._bookings.prefill_done(plan.key)
-        role = "agg" if plan.decode.info.role == "agg" else "decode"
+        # a request spilled to a prefill worker is an agg leg there: every shim serves all three roles
+        role = "decode" if plan.decode.info.role == "decode" else "agg"
         if role == "decode" and job.transfer is None:
             annotations.append(ANNOTATION_BYPASS)
         leg_req = msgspec.structs.replace(

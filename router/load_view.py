@@ -23,6 +23,11 @@ errs on the side of counting it.
 Bookings are keyed by (router, request_id): None is this router. One request may hold bookings on
 several workers (its prefill and decode legs); `free` drops them all. Synchronous; one event loop.
 
+Inflow. Every booking's prompt tokens also feed `prefill_inflow`, an exponentially weighted rate
+(time constant INFLOW_TAU_S) of the prefill work routed to the worker by any router: what share of
+its time a prefill worker will spend prefilling while a request spilled to it decodes
+(router.policies.slo_aware).
+
 Cost. Each worker keeps the sums of what no report covers yet, updated as bookings come, finish
 and get covered (a worker's reports only get newer, so coverage never reverts), so `load()` costs
 the same with 5 or 5,000 requests in flight: a router that falls behind does not slow down with it.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +47,10 @@ import msgspec
 from protocol.messages import LoadReport
 
 __all__ = ["MAX_CLOCK_SKEW_S", "Liveness", "LoadView", "WorkerLoad"]
+
+INFLOW_TAU_S = 10.0
+"""Time constant of `prefill_inflow`, the exponentially weighted rate of prefill tokens booked on
+a worker: long enough to span several requests' lives, short enough to follow a shift in load."""
 
 MAX_CLOCK_SKEW_S = 1.0
 """A report stamped further ahead of this router's clock is taken as stamped now (plus this): one
@@ -62,6 +72,7 @@ class WorkerLoad:
     healthy: bool = True
     period_s: float = 1.0  # the shim reports at least this often
     events_ok: bool = True
+    prefill_inflow: float = 0.0  # prompt tokens per second booked here lately (INFLOW_TAU_S), any router's
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +197,7 @@ class LoadView:
         self._reports: dict[str, _Report] = {}
         self._by_request: dict[tuple[str | None, str], list[_Booking]] = {}
         self._by_worker: dict[str, _WorkerBookings] = {}
+        self._inflow: dict[str, tuple[float, float]] = {}  # worker -> (tokens/s, as of when)
 
     # --- reports -------------------------------------------------------------------------------
 
@@ -210,6 +222,7 @@ class LoadView:
     def remove_worker(self, worker: str) -> None:
         """`worker` left: its report and every booking on it go."""
         self._reports.pop(worker, None)
+        self._inflow.pop(worker, None)
         held = self._by_worker.pop(worker, None)
         for booking in held.bookings if held is not None else ():
             self._unlink(booking)
@@ -236,6 +249,13 @@ class LoadView:
         if on_worker is None:
             on_worker = self._by_worker[worker] = _WorkerBookings()
         on_worker.add(booking)
+        if prefill_tokens:
+            now = booking.booked_at
+            self._inflow[worker] = (self._inflow_at(worker, now) + prefill_tokens / INFLOW_TAU_S, now)
+
+    def _inflow_at(self, worker: str, now: float) -> float:
+        rate, at = self._inflow.get(worker, (0.0, now))
+        return rate * math.exp(-max(now - at, 0.0) / INFLOW_TAU_S)
 
     def prefill_done(self, request_id: str, *, router: str | None = None) -> None:
         """The request's first token came: its prefill tokens leave every queue it was booked on."""
@@ -299,8 +319,9 @@ class LoadView:
             prefill, blocks, released = on_worker.prefill, on_worker.blocks, on_worker.released(report_ts)
             if not on_worker.bookings and not on_worker.holds_releases:
                 del self._by_worker[worker]
+        inflow = self._inflow_at(worker, self._clock())
         if held is None:
-            return WorkerLoad(worker, 0, 0, 0, None, prefill, blocks, None)
+            return WorkerLoad(worker, 0, 0, 0, None, prefill, blocks, None, prefill_inflow=inflow)
         r = held.report
         return WorkerLoad(
             worker=worker,
@@ -314,6 +335,7 @@ class LoadView:
             healthy=r.healthy,
             period_s=r.period_s,
             events_ok=r.events_ok,
+            prefill_inflow=inflow,
         )
 
     def bookings(self, worker: str) -> int:

@@ -12,7 +12,8 @@ A request goes through four steps, each reading only what the producers made:
 4. booking: the plan is booked in the ledger at once, so the next request sees it.
 
 `take()` runs all four when some worker has room (admission: its predicted prefill backlog is
-under half the TTFT SLO) and returns None otherwise; `plan_again()` serves a retry that must avoid
+under half the TTFT SLO), or, with spill_to_prefill on, books the whole request on a prefill
+worker with room, and returns None otherwise; `plan_again()` serves a retry that must avoid
 the workers already tried. The HTTP service, the dispatcher and the virtual-clock replay all drive
 this same object.
 """
@@ -216,11 +217,28 @@ class Planner:
         """The booked plan for the request's first attempt, or None while no worker has room."""
         self.refresh(ctx)
         if not self.admissible(ctx):
-            return None
+            return self._spill(ctx)
         self._keep_room(ctx)
         if not ctx.decode_pool:
             return None  # room to decode, but no decode worker the policy lets prefill it
         return self._book(ctx, self._choose(ctx))
+
+    def _spill(self, ctx: RequestContext) -> RoutePlan | None:
+        """The booked spill plan (`_spill_plan`), or None."""
+        plan = self._spill_plan(ctx)
+        if plan is None:
+            return None
+        self.disagg.record(plan.outcome)
+        return self._book(ctx, plan)
+
+    def _spill_plan(self, ctx: RequestContext) -> RoutePlan | None:
+        """With spill_to_prefill on and no decode worker with room: a prefill worker with room
+        (backlog, and the policy's room rule counting its own prefill of the prompt) serves the
+        whole request, rather than it waiting while prefill capacity idles."""
+        if not self.settings.conditional.spill_to_prefill:
+            return None
+        room = [c for c in ctx.prefill_pool if self._has_room(c) and self.disagg.has_room(ctx, c, local=True)]
+        return self.disagg.spill(ctx, room)
 
     def plan_again(self, ctx: RequestContext, exclude: frozenset[str]) -> RoutePlan | None:
         """A booked plan avoiding `exclude` (workers already tried), or None when none is left."""
@@ -255,7 +273,10 @@ class Planner:
     def explain(self, ctx: RequestContext) -> dict[str, Any]:
         """/debug/route: the decision the request would get now; books and counts nothing."""
         self.refresh(ctx)
-        plan = self.disagg.plan(ctx)
+        admissible = self.admissible(ctx)
+        plan = None if admissible else self._spill_plan(ctx)
+        if plan is None:
+            plan = self.disagg.plan(ctx)
         assert plan is not None
         return {
             "model": ctx.model,
@@ -264,7 +285,7 @@ class Planner:
             "prompt_blocks": len(ctx.hashes),
             "settings": msgspec.to_builtins(self.settings),
             "policy": self.disagg.policy.name,
-            "admissible": self.admissible(ctx),
+            "admissible": admissible,
             **plan.explain(),
             "excluded": ctx.excluded,
         }

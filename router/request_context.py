@@ -32,6 +32,8 @@ class LoadLike(Protocol):
     def prefill_tokens_queued(self) -> int: ...
     @property
     def active_blocks(self) -> int: ...
+    @property
+    def prefill_inflow(self) -> float: ...
 
 
 @dataclass(slots=True)
@@ -42,7 +44,8 @@ class Candidate:
     merges them); `kv_total_blocks` falls back to the worker record when no report gave it.
     `cost` is written by selection. `timing`: the worker's calibrated timing (router.calibration),
     None when the router calibrates none. `pending_blocks`: of the `overlap_blocks`, how many are
-    only pending (routed there, not in the index yet: router.pending_prefixes).
+    only pending (routed there, not in the index yet: router.pending_prefixes). `prefill_inflow`:
+    prompt tokens per second booked on it lately, any router's (router.load_view).
     """
 
     info: WorkerInfo
@@ -52,6 +55,7 @@ class Candidate:
     waiting: int = 0
     queued_prefill_tokens: int = 0
     active_blocks: int = 0
+    prefill_inflow: float = 0.0
     kv_used_blocks: int = 0
     kv_total_blocks: int | None = None
     healthy: bool = True
@@ -73,6 +77,7 @@ class Candidate:
             waiting=load.waiting,
             queued_prefill_tokens=load.prefill_tokens_queued,
             active_blocks=load.active_blocks,
+            prefill_inflow=load.prefill_inflow,
             kv_used_blocks=load.kv_used_blocks,
             kv_total_blocks=load.kv_total_blocks or info.kv_total_blocks,
         )

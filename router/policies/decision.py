@@ -25,6 +25,7 @@ class Outcome(StrEnum):
     AGGREGATED = "aggregated"  # disagg=never, or the chosen worker is an agg worker
     NO_PREFILL_POOL = "no_prefill_pool"  # disaggregation wanted but the model has no prefill worker
     PREFILL_POOL_FULL = "prefill_pool_full"  # every prefill worker past the admission limit -> local prefill
+    SPILLED_TO_PREFILL = "spilled_to_prefill"  # no decode worker had room: a prefill worker serves it whole
 
 
 class Path(StrEnum):
@@ -53,9 +54,9 @@ class Policy(Protocol):
 
 @runtime_checkable
 class DecodeRoom(Protocol):
-    """A policy that also says whether a decode worker may take the request now. False keeps the
-    request waiting at admission (which sheds it once the queue cannot drain in time) instead of
-    letting it cost the worker's running requests their service level. `local`: the worker would
-    prefill the request too (every prefill worker is full)."""
+    """A policy that also says whether a worker may decode the request now (a decode worker, or a
+    prefill worker the request would spill to). False keeps the request waiting at admission (which
+    sheds it once the queue cannot drain in time) instead of letting it cost the worker's running
+    requests their service level. `local`: the worker would prefill the request too."""
 
     def has_room(self, ctx: RequestContext, c: Candidate, *, local: bool) -> bool: ...

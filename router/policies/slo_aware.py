@@ -42,6 +42,17 @@ is shed there (429) when the queue cannot drain within half the TTFT SLO. The fi
 wait for room by construction: past the knee they prefill on decode workers whose running requests
 then all miss their TPOT (docs/benchmarks.md, the sweep).
 
+Spill (`--spill-to-prefill`): while no decode worker has room, the planner asks the same of prefill
+workers, which would prefill and decode the request themselves. A prefill worker keeps prefilling
+what is routed to it, a share u = inflow / rate of its time (inflow: the prompt tokens per second
+booked on it lately, router.load_view; rate: its prefill speed at full batches), and every decode
+step there stretches by 1 / (1 - u):
+
+    (T_p.decode(B + W + 1, C) + T_p.stall(Q_p) / L + T_p.stall(n - c_p | c_p) / L) / (1 - u) <= itl_b
+
+u >= 1 is no room; an idle prefill worker's room is judged too, but what the request would get
+alone there never exceeds the budget.
+
 Parameters: slo_ttft_s, slo_itl_s (RouterSettings); headroom (`--slo-headroom`, in (0, 1],
 default 0.8: the share of each SLO the predictions may use, for what they do not see);
 link_gbps (`--ttft-link-gbps`, shared with ttft_model). A worker without timing (no profile and
@@ -142,13 +153,24 @@ class SloAware:
     def has_room(self, ctx: RequestContext, c: Candidate, *, local: bool) -> bool:
         batch = c.running + c.waiting
         td = timing_of(c.info, c.timing)
-        if batch == 0 or td is None:
+        spill = c.info.role == "prefill"
+        if td is None or (batch == 0 and not spill):
             return True
-        tpot = self._tpot(td, batch, c.queued_prefill_tokens)
-        if local:
-            cached = ctx.cached_tokens(c)
-            tpot += td.stall_s(ctx.isl - cached, cached, batch) / self.output_len
-        return tpot <= self.config.headroom * self.config.slo_itl_s
+        cached = ctx.cached_tokens(c)
+        own = td.stall_s(ctx.isl - cached, cached, batch) / self.output_len if local else 0.0
+        tpot = self._tpot(td, batch, c.queued_prefill_tokens) + own
+        budget = self.config.headroom * self.config.slo_itl_s
+        if spill:
+            # The prefill worker keeps prefilling while the request decodes there: at a share u of
+            # its time busy with the prompts booked on it, each step stretches by 1 / (1 - u). What
+            # the request would get alone on the idle engine is never a reason to refuse it.
+            rate = td.prefill_rate(c.info.max_num_batched_tokens or _DEFAULT_MNBT)
+            busy = c.prefill_inflow / rate if rate else 0.0
+            if busy >= 1.0:
+                return False
+            tpot /= 1.0 - busy
+            budget = max(budget, self._tpot(td, 0, 0) + own)
+        return tpot <= budget
 
     def lost(self, f: Forecast, running: int) -> tuple[float, float]:
         """Requests expected to miss their SLO: (on the local path, on the remote path)."""

@@ -84,7 +84,8 @@ def test_figure_is_a_png(tmp_path: Path) -> None:
 
 def test_every_configuration_names_its_fleet_and_routing() -> None:
     assert list(CONFIGURATIONS) == [
-        "round_robin", "kv", "kv_disagg", "isl_bounding", "prefill_load", "isl_or_load", "ttft_model", "slo_aware"
+        "round_robin", "kv", "kv_disagg", "isl_bounding", "prefill_load", "isl_or_load", "ttft_model", "slo_aware",
+        "slo_spill",
     ]  # fmt: skip
     for name, config in CONFIGURATIONS.items():
         assert config.fleet == ("agg" if name in ("round_robin", "kv") else "pd")

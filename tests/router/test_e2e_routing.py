@@ -12,6 +12,7 @@ import aiohttp
 import nats
 
 from protocol import GenerateRequest, block_hashes, decode_msg, subjects
+from router.policies import Outcome
 from router.service import RouterService
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
 from tests.router.polling import until
@@ -122,6 +123,33 @@ async def test_slo_aware_holds_a_request_while_its_decode_worker_has_no_tpot_roo
     status, body, headers = await second
     assert status == 200, body
     assert headers["x-kvswitch-decode-worker"] == d.id
+
+
+async def test_with_spill_on_the_prefill_worker_serves_a_whole_request_while_the_decode_worker_has_no_room(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    # The case above with spill_to_prefill on: instead of waiting, the second request is prefilled
+    # and decoded on the prefill worker (an agg leg on its gen.agg subject).
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode", speedup=1.0)
+    router = await cluster.add_ready_router(
+        conditional_disagg=True,
+        conditional_disagg_policy="slo_aware",
+        slo_itl_s=0.001,
+        slo_ttft_s=20.0,
+        spill_to_prefill=True,
+    )
+    first = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=400, ignore_eos=True))
+    await until(lambda: router.view.load(d.id).running >= 1, what="the first request running on d")
+    status, body, headers = await complete(http, router, list(range(1000, 1064)), max_tokens=32, ignore_eos=True)
+    assert status == 200, body
+    assert not first.done(), "the spilled request must not have waited for the first one"
+    assert (headers["x-kvswitch-decode-worker"], headers["x-kvswitch-prefill"]) == (p.id, "agg")
+    assert body["usage"]["completion_tokens"] == 32  # decoded there, not a one-token prefill leg
+    assert p.sim.engine.stats.generation_tokens == 32
+    assert router.disagg.counts[Outcome.SPILLED_TO_PREFILL] == 1
+    status, body, _ = await first
+    assert status == 200 and body["usage"]["completion_tokens"] == 400
 
 
 async def test_client_bypass_annotation_is_stripped(cluster: Cluster, http: aiohttp.ClientSession) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.messages import LoadReport
-from router.load_view import MAX_CLOCK_SKEW_S, LoadView, WorkerLoad
+from router.load_view import INFLOW_TAU_S, MAX_CLOCK_SKEW_S, LoadView, WorkerLoad
 
 
 class Clock:
@@ -213,6 +214,21 @@ def test_a_report_stamped_far_in_the_future_does_not_hide_later_ones() -> None:
     assert view.load("w1").running == 1
 
 
+def test_prefill_inflow_is_an_exponentially_weighted_rate_of_booked_prompt_tokens(view: LoadView, clock: Clock) -> None:
+    view.book("r1", "w1", 1000, 5)
+    assert view.load("w1").prefill_inflow == pytest.approx(1000 / INFLOW_TAU_S)
+    view.book("r2", "w1", 500, 0, router="peer")  # a peer's bookings count too
+    view.free("r1")  # and freeing takes nothing back: it is a rate of arrivals
+    assert view.load("w1").prefill_inflow == pytest.approx(1500 / INFLOW_TAU_S)
+    clock.now += INFLOW_TAU_S
+    assert view.load("w1").prefill_inflow == pytest.approx(1500 / INFLOW_TAU_S / math.e)
+    view.book("r3", "w1", 0, 3)  # no prompt tokens: no inflow
+    assert view.load("w1").prefill_inflow == pytest.approx(1500 / INFLOW_TAU_S / math.e)
+    assert view.load("w2").prefill_inflow == 0.0
+    view.remove_worker("w1")
+    assert view.load("w1").prefill_inflow == 0.0
+
+
 def test_negative_booking_is_refused_with_the_values(view: LoadView) -> None:
     with pytest.raises(ValueError, match="-5"):
         view.book("r1", "w1", -5, 0)
@@ -228,8 +244,10 @@ class NaiveView:
         self.clock = clock
         self.report_ts: dict[str, float] = {}
         self.live: list[dict[str, Any]] = []
+        self.arrivals: list[tuple[str, float, int]] = []  # (worker, at, prompt tokens) of every booking
 
     def book(self, key: tuple[str | None, str], worker: str, tokens: int, blocks: int) -> None:
+        self.arrivals.append((worker, self.clock.now, tokens))
         self.live = [b for b in self.live if (b["key"], b["worker"]) != (key, worker)]
         self.live.append({"key": key, "worker": worker, "tokens": tokens, "blocks": blocks,
                           "at": self.clock.now, "done": None})  # fmt: skip
@@ -247,6 +265,10 @@ class NaiveView:
             for b in self.live
             if b["key"] not in keys and b["worker"] != worker and (router is None or b["key"][0] != router)
         ]
+
+    def inflow(self, worker: str) -> float:
+        now = self.clock.now
+        return sum(t / INFLOW_TAU_S * math.exp(-(now - at) / INFLOW_TAU_S) for w, at, t in self.arrivals if w == worker)
 
     def sums(self, worker: str) -> tuple[int, int]:
         ts = self.report_ts.get(worker, float("-inf"))
@@ -301,6 +323,7 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
             view.remove_worker(args[0])
             ref.report_ts.pop(args[0], None)
             ref.drop(worker=args[0])
+            ref.arrivals = [a for a in ref.arrivals if a[0] != args[0]]
         elif op == "forget":
             view.forget_router(args[0])
             ref.drop(router=args[0])
@@ -318,6 +341,7 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
             load = view.load(worker)
             assert (load.prefill_tokens_queued, load.active_blocks) == ref.sums(worker), (op, worker)
             assert view.bookings(worker) == sum(b["worker"] == worker for b in ref.live)
+            assert load.prefill_inflow == pytest.approx(ref.inflow(worker), rel=1e-9, abs=1e-12), (op, worker)
 
 
 def test_many_short_requests_on_a_silent_worker_keep_the_sums_right(view: LoadView, clock: Clock) -> None:

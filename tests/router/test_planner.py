@@ -200,6 +200,53 @@ def test_slo_aware_with_the_prefill_pool_full_prefills_locally_only_within_the_t
     assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
 
 
+def _spill_fleet() -> Fleet:
+    return Fleet(
+        winfo("d1"),
+        winfo("p1", "prefill"),
+        conditional_disagg=True,
+        conditional_disagg_policy="slo_aware",
+        spill_to_prefill=True,
+    )
+
+
+def test_with_spill_on_a_prefill_worker_serves_the_request_while_no_decode_worker_has_room() -> None:
+    f = _spill_fleet()
+    f.report("d1", running=100)  # a 28.7 ms step: no room (test above)
+    plan = f.planner.take(f.ctx(list(range(64))))
+    assert plan is not None and plan.decode.worker == "p1" and plan.prefill is None
+    assert (plan.path, plan.outcome) == (Path.AGG, Outcome.SPILLED_TO_PREFILL)
+    assert f.planner.disagg.counts[Outcome.SPILLED_TO_PREFILL] == 1
+    load = f.view.load("p1")
+    assert load.prefill_tokens_queued == 64 and load.active_blocks == 4  # booked there, as an agg request
+
+
+def test_spill_needs_room_on_the_prefill_worker_too() -> None:
+    f = _spill_fleet()
+    f.report("d1", running=100)
+    f.report("p1", running=100)  # its own TPOT rule
+    assert f.planner.take(f.ctx(list(range(64)))) is None
+    f.report("p1", prefill_tokens_queued=200_000)  # its backlog
+    assert f.planner.take(f.ctx(list(range(64)))) is None
+    f.report("p1")
+    plan = f.planner.take(f.ctx(list(range(64))))
+    assert plan is not None and plan.outcome is Outcome.SPILLED_TO_PREFILL
+
+
+def test_while_a_decode_worker_has_room_nothing_spills() -> None:
+    f = _spill_fleet()
+    f.report("d1", running=40)
+    plan = f.planner.take(f.ctx(list(range(64))))
+    assert plan is not None and plan.decode.worker == "d1" and plan.outcome is not Outcome.SPILLED_TO_PREFILL
+
+
+def test_spill_is_refused_unless_the_policy_decides() -> None:
+    with pytest.raises(ValueError, match=r"spill_to_prefill \(--spill-to-prefill.*needs disagg=conditional"):
+        settings(disagg="always", spill_to_prefill=True)
+    with pytest.raises(ValueError, match="conditional_disagg=off"):
+        settings(spill_to_prefill=True)
+
+
 def test_the_fixed_modes_ignore_the_slo_aware_room_rule() -> None:
     f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always", conditional_disagg_policy="slo_aware")
     f.report("d1", running=100)
@@ -244,3 +291,16 @@ def test_an_unhealthy_worker_is_left_out_only_while_a_healthy_one_remains() -> N
     f.view.update(LoadReport(worker="d2", ts=f.clock(), period_s=0.5, healthy=False))
     plan = f.planner.take(f.ctx(list(range(64)), "r2"))  # a whole fleet too busy to answer its probes
     assert plan is not None and {c.worker for c in plan.ctx.decode_pool} == {"d1", "d2"}
+
+
+def test_explain_shows_the_spill_a_request_would_get_and_books_nothing() -> None:
+    f = _spill_fleet()
+    f.report("d1", running=100)
+    info = f.planner.explain(f.ctx(list(range(64))))
+    assert (info["admissible"], info["outcome"], info["decode_worker"], info["path"]) == (
+        False,
+        "spilled_to_prefill",
+        "p1",
+        "agg",
+    )
+    assert f.view.bookings("p1") == 0 and not f.planner.disagg.counts

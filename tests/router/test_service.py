@@ -115,6 +115,7 @@ def test_cli_flags_become_settings_overrides() -> None:
         (["--conditional-disagg-policy", "prefill_load"], "--prefill-busy-threshold"),
         (["--nats-servers", "http://x"], "--nats-servers"),
         (["--namespace", "a.b"], "--namespace"),
+        (["--spill-to-prefill"], "--spill-to-prefill"),  # the policy does not decide: nothing to spill
     ],
 )
 def test_cli_rejects_bad_settings_at_startup(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:

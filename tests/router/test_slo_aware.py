@@ -172,3 +172,26 @@ def test_room_to_prefill_locally_adds_the_prefills_stall_per_output_token() -> N
     assert d.timing.stall_s(2000, 0, 100) / 128 < 0.0049 < d.timing.stall_s(10_000, 0, 100) / 128
     assert policy.has_room(fits, d, local=False) and policy.has_room(fits, d, local=True)
     assert policy.has_room(breaks, d, local=False) and not policy.has_room(breaks, d, local=True)
+
+
+def test_room_on_a_prefill_worker_to_spill_to_stretches_its_tpot_by_its_share_of_prefill_time() -> None:
+    # p prefills 10,000 tokens/s at full 2,048-token batches. Running 40, a 64-token prompt: a step
+    # of 9.1 ms plus its own stall, 18.66 / 128 = 0.146 ms: 9.246 ms. Booked prompts at 5,000
+    # tokens/s keep p half busy: 18.49 ms, in the 20 ms budget; at 5,500, 20.55 ms is not
+    policy = SloAware(SloAwareConfig())
+    c = ctx(64, [], [])
+    assert policy.has_room(c, _timed(cand("p1", "prefill", running=40, prefill_inflow=5000)), local=True)
+    assert not policy.has_room(c, _timed(cand("p1", "prefill", running=40, prefill_inflow=5500)), local=True)
+    assert not policy.has_room(c, _timed(cand("p1", "prefill", prefill_inflow=10_000)), local=True)  # always busy
+    # idle: room unless the stretch takes it past the budget (9,000 tokens/s: 5.23 ms x 10)
+    assert policy.has_room(c, _timed(cand("p1", "prefill")), local=True)
+    assert not policy.has_room(c, _timed(cand("p1", "prefill", prefill_inflow=9000)), local=True)
+    # a decode worker's room does not read the inflow (its own prompts are what it is there for)
+    assert policy.has_room(c, _timed(cand("d1", running=40, prefill_inflow=9000)), local=True)
+
+
+def test_what_a_request_gets_alone_on_an_idle_prefill_worker_is_never_over_budget() -> None:
+    # a 1 ms TPOT SLO that no decode step meets: an idle prefill worker still has room
+    policy = SloAware(SloAwareConfig(slo_itl_s=0.001))
+    assert policy.has_room(ctx(64, [], []), _timed(cand("p1", "prefill")), local=True)
+    assert not policy.has_room(ctx(64, [], []), _timed(cand("p1", "prefill", running=1)), local=True)
