@@ -38,9 +38,10 @@ def server(plan: NatsAuthPlan) -> Iterator[NatsServer]:
 class Conn:
     """A client under one identity, with the server's errors (permission violations) queued."""
 
-    def __init__(self) -> None:
+    def __init__(self, monitor_url: str = "") -> None:
         self.errors: asyncio.Queue[str] = asyncio.Queue()
         self.nc = Client()
+        self.monitor_url = monitor_url  # the server's monitoring endpoint, for failure messages
 
     async def connect(self, url: str, seed_file: Path) -> Conn:
         async def on_error(exc: Exception) -> None:
@@ -62,7 +63,8 @@ async def connect(plan: NatsAuthPlan, server: NatsServer, tmp_path: Path) -> Asy
 
     async def make(role: str, name: str) -> Conn:
         identity = plan.identity(role, name)  # type: ignore[arg-type]
-        conn = await Conn().connect(server.url, tmp_path / identity.seed_file_name)
+        monitor = f"http://127.0.0.1:{server.monitor_port}"
+        conn = await Conn(monitor).connect(server.url, tmp_path / identity.seed_file_name)
         conns.append(conn)
         return conn
 
@@ -81,7 +83,18 @@ async def _next(queue: asyncio.Queue[Msg], *conns: Conn) -> Msg:
         return await asyncio.wait_for(queue.get(), timeout=5)
     except TimeoutError:
         said = [(c.nc.is_connected, [c.errors.get_nowait() for _ in range(c.errors.qsize())]) for c in conns]
-        raise AssertionError(f"no message within 5 s; (connected, server errors) per connection: {said}") from None
+        raise AssertionError(
+            f"no message within 5 s; (connected, server errors) per connection: {said}; "
+            f"the server's view: {_connz(conns[0].monitor_url) if conns else '-'}"
+        ) from None
+
+
+def _connz(monitor_url: str) -> list[dict[str, object]]:
+    """Per client connection: its subscriptions and message counts, as the server counts them."""
+    with urllib.request.urlopen(monitor_url + "/connz?subs=1", timeout=5) as resp:
+        conns = json.load(resp).get("connections", [])
+    keys = ("cid", "subscriptions_list", "in_msgs", "out_msgs", "pending_bytes")
+    return [{k: c.get(k) for k in keys} for c in conns]
 
 
 async def test_a_worker_publishing_another_workers_kv_subject_is_refused_and_never_reaches_routers(
