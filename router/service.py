@@ -140,9 +140,8 @@ class RouterService:
         self._registry_ready = False
         # After NATS comes back, workers count as reachable for readiness only once one of them has
         # reported over the new connection: a shim re-subscribes before it publishes again, and a
-        # report older than the reconnect says nothing about whether its shim is back yet.
-        # Set when the NATS connection drops (and again when it is back), None once a decode or agg
-        # worker reported over it: until then their shims may not have re-subscribed.
+        # report older than the reconnect says nothing about whether its shim is back yet. Set when
+        # the connection drops (and again when it is back), None once a decode or agg worker reported.
         self._reconnected_at: float | None = None
         self.eligibility = Eligibility(
             clock=time.time,
