@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import grpc
+import pytest
 from nats.aio.client import Client
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -192,25 +193,16 @@ async def _one_agg_worker(etcd_url: str, ns: str) -> AsyncIterator[tuple[NatsSer
             await c.close()
 
 
-async def test_after_a_nats_reconnect_ready_waits_for_a_worker_to_report(
-    etcd_url: str, ns: str, http: aiohttp.ClientSession
+@pytest.mark.parametrize("callback", ["_nats_reconnected", "_nats_disconnected"])
+async def test_after_a_nats_outage_ready_waits_for_a_worker_to_report(
+    etcd_url: str, ns: str, http: aiohttp.ClientSession, callback: str
 ) -> None:
     # What nats-py calls once the connection is back: the shims may still be reconnecting, so the
-    # router is not ready until one of them reports over the new connection.
+    # router is not ready until one of them reports over the new connection. nats-py reads as
+    # connected before it runs that callback (it flushes its buffer in between), so the drop must
+    # mark the router too: calling it while the connection reads as up is that window.
     async with _one_agg_worker(etcd_url, ns) as (_, router):
-        await router._nats_reconnected()
-        await _unready_because(http, router, "no decode or agg worker has reported since")
-        await _ready_and_serving(http, router, "ready after the worker's next report")
-
-
-async def test_a_dropped_nats_connection_keeps_ready_503_until_a_worker_reports_over_the_new_one(
-    etcd_url: str, ns: str, http: aiohttp.ClientSession
-) -> None:
-    # nats-py says "connected" again before it runs the reconnected callback (it flushes its buffer
-    # in between), so the drop itself must mark the router: here the drop is seen while the
-    # connection already reads as up, which is that window.
-    async with _one_agg_worker(etcd_url, ns) as (_, router):
-        await router._nats_disconnected()
+        await getattr(router, callback)()
         await _unready_because(http, router, "no decode or agg worker has reported since")
         await _ready_and_serving(http, router, "ready after the worker's next report")
 
