@@ -69,7 +69,8 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
         request (prefill and decode) instead of the request waiting at admission. Its engine must
         accept whole requests: vLLM with `kv_role` kv_both (the NixlConnector's usual setting),
         engine_sim always; not SGLang's `--disaggregation-mode prefill`. Needs the policy to decide
-        (disagg=conditional, conditional_disagg on).
+        (disagg=conditional, conditional_disagg on); with slo_aware the prefill worker's TPOT room
+        is judged too, with any other policy its prefill backlog alone.
     """
 
     conditional_disagg: bool = False

@@ -217,19 +217,15 @@ class Planner:
         """The booked plan for the request's first attempt, or None while no worker has room."""
         self.refresh(ctx)
         if not self.admissible(ctx):
-            return self._spill(ctx)
+            plan = self._spill_plan(ctx)
+            if plan is None:
+                return None
+            self.disagg.record(plan.outcome)
+            return self._book(ctx, plan)
         self._keep_room(ctx)
         if not ctx.decode_pool:
             return None  # room to decode, but no decode worker the policy lets prefill it
         return self._book(ctx, self._choose(ctx))
-
-    def _spill(self, ctx: RequestContext) -> RoutePlan | None:
-        """The booked spill plan (`_spill_plan`), or None."""
-        plan = self._spill_plan(ctx)
-        if plan is None:
-            return None
-        self.disagg.record(plan.outcome)
-        return self._book(ctx, plan)
 
     def _spill_plan(self, ctx: RequestContext) -> RoutePlan | None:
         """With spill_to_prefill on and no decode worker with room: a prefill worker with room
