@@ -29,8 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_sim import KVEventsConfig, SimConfig, SimFleet, SimServer, tune_gc
+from engine_sim import KVEventsConfig, SimConfig, SimFleet, SimServer
 from engine_sim.request import SimRequest
+from runtime import tune_gc
 
 
 def parse() -> argparse.Namespace:

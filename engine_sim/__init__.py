@@ -12,7 +12,7 @@ from engine_sim.config import EVENT_FORMS, ROLES, KVEventsConfig, SimConfig
 from engine_sim.errors import PromptTooLongError, SimConfigError, SimRequestError
 from engine_sim.faults import Faults
 from engine_sim.fleet import SimFleet, fleet_config
-from engine_sim.runner import EngineRunner, RequestStream, tune_gc
+from engine_sim.runner import EngineRunner, RequestStream
 from engine_sim.scheduler import Scheduler, StepOutput, StepResult
 from engine_sim.server import ServerStatus, SimServer
 from protocol.timing import TimingModel, load_profile
@@ -41,5 +41,4 @@ __all__ = [
     "TimingModel",
     "fleet_config",
     "load_profile",
-    "tune_gc",
 ]

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from engine_sim.config import EVENT_FORMS, ROLES, KVEventsConfig, SimConfig
 from engine_sim.errors import SimConfigError
 from engine_sim.fleet import SimFleet
-from engine_sim.runner import tune_gc
 from engine_sim.server import ServerStatus
 from protocol.timing import DEFAULT_PROFILE, profile_names
+from runtime import tune_gc
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 

@@ -31,7 +31,7 @@ from engine_sim.faults import Faults
 from engine_sim.request import SimRequest
 from engine_sim.scheduler import Scheduler, StepResult
 
-__all__ = ["MAX_LAG", "QUANTUM", "EngineRunner", "RequestStream", "StreamClosed", "tune_gc"]
+__all__ = ["MAX_LAG", "QUANTUM", "EngineRunner", "RequestStream", "StreamClosed"]
 
 log = logging.getLogger("engine_sim.runner")
 
@@ -316,16 +316,3 @@ class EngineRunner:
             log.warning("remote KV for %s unavailable; prefilling locally", request_id)
         self.scheduler.finish_remote_load(request_id, ok)
         self._poke()
-
-
-def tune_gc() -> None:
-    """For processes running many engines: move what exists now out of the collector's view and
-    collect young objects less often. A fleet allocates a steady stream of short-lived objects
-    (outputs, events) beside a large, long-lived heap (blocks, hash chains); with the default
-    thresholds, collections scanning that heap show up as multi-millisecond stalls in the step
-    loops. Called by `kvswitch sim --count N` (N > 1) and the benchmark."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
