@@ -82,6 +82,7 @@ __all__ = [
     "run_client",
     "run_overhead",
     "target_lines",
+    "ttft_split_lines",
 ]
 
 DIRECT = "direct"
@@ -133,6 +134,9 @@ class Phase(msgspec.Struct, kw_only=True):
     errors: int
     cpu_s: dict[str, float]
     window_s: float
+    # the router's Server-Timing medians in ms (parse, route, worker) and `edge`, the median of each
+    # request's TTFT less their sum: the client's HTTP hop to the router and back. Client rows only.
+    server_ms: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -183,7 +187,17 @@ def client_phase(results: Sequence[RequestResult], *, load: str, target: str, re
         errors=len(results) - len(ok),
         cpu_s=dict(cpu.cpu_s),
         window_s=cpu.wall_s,
+        server_ms=_server_ms(ok),
     )
+
+
+def _server_ms(ok: Sequence[RequestResult]) -> dict[str, float]:
+    timed = [r for r in ok if r.ttft_s is not None and {"parse", "route", "worker"} <= r.server_ms.keys()]
+    if not timed:
+        return {}
+    out = {name: statistics.median(r.server_ms[name] for r in timed) for name in ("parse", "route", "worker")}
+    out["edge"] = statistics.median((r.ttft_s or 0.0) * 1e3 - sum(r.server_ms.values()) for r in timed)
+    return out
 
 
 # --- one run -------------------------------------------------------------------------------------
@@ -395,6 +409,26 @@ def format_table(phases: Sequence[Phase]) -> str:
     return "\n".join(lines)
 
 
+def ttft_split_lines(phases: Sequence[Phase]) -> list[str]:
+    """Where kvswitch's added TTFT p50 goes, from its Server-Timing medians (per repeat, then the
+    median over repeats): `hop` is `worker` less direct's TTFT p50 (the NATS hop and the shim, as
+    the same engines answer both), `edge` the client's HTTP hop to the router and back."""
+    out: list[str] = []
+    for (tool, load), by_target in _groups(phases).items():
+        base, ours = by_target.get(DIRECT, {}), by_target.get(KVSWITCH, {})
+        reps = [(base[r], ours[r]) for r in sorted(ours) if r in base and ours[r].server_ms]
+        if not reps:
+            continue
+        parts = {name: statistics.median(o.server_ms[name] for _, o in reps) for name in ("parse", "route", "edge")}
+        parts["hop"] = statistics.median(o.server_ms["worker"] - d.ttft_p50 * 1e3 for d, o in reps)
+        total = statistics.median((o.ttft_p50 - d.ttft_p50) * 1e3 for d, o in reps)
+        out.append(
+            f"{tool} {load}: added TTFT p50 {total:+.2f} ms; router parse {parts['parse']:.2f}, route "
+            f"{parts['route']:.2f}, NATS + shim hop {parts['hop']:+.2f}, client-router HTTP {parts['edge']:.2f} ms"
+        )
+    return out
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
@@ -552,7 +586,7 @@ def overhead_main(args: argparse.Namespace) -> int:
         "direct (direct: absolute); CPU: µs per request / per streamed token."
     )
     print(format_table(phases))
-    for line in target_lines(phases):
+    for line in [*target_lines(phases), *ttft_split_lines(phases)]:
         print(line)
     if spec.py_spy is not None:
         _print_profiles(spec, phases)

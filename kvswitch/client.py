@@ -13,11 +13,14 @@ exact, and records, on the client's monotonic clock:
   `x-kvswitch-prefill` (`bypass`, `remote` or `agg`) and `x-kvswitch-outcome` (the conditional
   disaggregation decision, e.g. `bypass_isl`) response headers; None when absent (a bare engine, a
   peer router).
+- `server_ms`: the router's `Server-Timing` response header as {name: ms} (`parse`, `route`,
+  `worker`: see docs/router.md); empty when absent.
 A failed request is a result with `ok=False` and the reason, never an exception.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -34,6 +37,7 @@ __all__ = [
     "Completion",
     "CompletionClient",
     "discover_model",
+    "parse_server_timing",
 ]
 
 DECODE_WORKER_HEADER = "x-kvswitch-decode-worker"
@@ -53,6 +57,20 @@ class Completion(msgspec.Struct, kw_only=True):
     decode_worker: str | None = None
     prefill: str | None = None
     outcome: str | None = None
+    server_ms: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+def parse_server_timing(value: str | None) -> dict[str, float]:
+    """`Server-Timing` (W3C) as {metric: dur in ms}; metrics without a readable `dur` are left out."""
+    out: dict[str, float] = {}
+    for metric in (value or "").split(","):
+        name, *params = (p.strip() for p in metric.split(";"))
+        for param in params:
+            key, _, dur = param.partition("=")
+            if name and key.strip() == "dur":
+                with contextlib.suppress(ValueError):
+                    out[name] = float(dur.strip().strip('"'))
+    return out
 
 
 async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
@@ -108,6 +126,7 @@ class CompletionClient:
                     decode_worker=resp.headers.get(DECODE_WORKER_HEADER),
                     prefill=resp.headers.get(PREFILL_HEADER),
                     outcome=resp.headers.get(OUTCOME_HEADER),
+                    server_ms=parse_server_timing(resp.headers.get("Server-Timing")),
                 )
                 if resp.status != 200:
                     result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"

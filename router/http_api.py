@@ -15,7 +15,7 @@ It writes the engine's SSE payloads out unchanged; a whole answer gets one thing
 
 Every routed response carries `x-kvswitch-decode-worker`, `x-kvswitch-prefill: bypass|remote|agg`
 and `x-kvswitch-outcome` headers naming where the request really went, after any retry or
-fallback.
+fallback, and `Server-Timing` (`parse`, `route`, `worker`, in ms) saying where its time went.
 
 Every error is OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: bad input 400,
 unknown route 404, wrong method 405, body not sent in time 408, body or prompt too large 413,
@@ -291,12 +291,28 @@ def _route_info(job: Job) -> dict[str, Any]:
     }
 
 
-def _route_headers(job: Job, response_id: str) -> dict[str, str]:
+@dataclass(slots=True)
+class _Timing:
+    """Where a response's time went before its headers, on the router's clock (perf_counter)."""
+
+    start: float
+    parsed: float = 0.0  # body read, validated, tokenized
+    planned: float = 0.0  # admitted and routed
+
+    def header(self, answered: float) -> str:
+        """W3C Server-Timing, in ms: `parse`, `route`, and `worker`: from the plan to the first
+        chunk of a stream (or a whole answer's last), i.e. the NATS hop, the shim and the engine."""
+        parse, route, worker = self.parsed - self.start, self.planned - self.parsed, answered - self.planned
+        return f"parse;dur={parse * 1e3:.3f}, route;dur={route * 1e3:.3f}, worker;dur={worker * 1e3:.3f}"
+
+
+def _route_headers(job: Job, response_id: str, timing: _Timing) -> dict[str, str]:
     return {
         "x-kvswitch-decode-worker": job.plan.decode.worker,
         "x-kvswitch-prefill": str(job.path),
         "x-kvswitch-outcome": str(job.outcome),
         "x-request-id": response_id,
+        "Server-Timing": timing.header(time.perf_counter()),
     }
 
 
@@ -470,11 +486,13 @@ class _Handlers:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
         status = 500
+        timing = _Timing(time.perf_counter())
         try:
             body = await self._json_body(request)
             parsed = parse_request(body, chat=chat)
             model = self._model(parsed)
             routed, prompts = await self._tokens(parsed)
+            timing.parsed = time.perf_counter()
             request_id = uuid.uuid4().hex
             response_id = ("chatcmpl-" if chat else "cmpl-") + request_id  # as vLLM names it from X-Request-Id
             with self.path.tracer.request(
@@ -487,11 +505,12 @@ class _Handlers:
                     raise ApiError(exc.code, exc.message) from exc
                 except Overloaded as exc:
                     raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
+                timing.planned = time.perf_counter()
                 try:
                     if parsed.stream:
-                        resp = await self._stream(request, job, response_id)
+                        resp = await self._stream(request, job, response_id, timing)
                     else:
-                        resp = await self._whole(job, response_id)
+                        resp = await self._whole(job, response_id, timing)
                 finally:
                     self.path.release(job)  # a no-op once its stream ended
                 status = resp.status
@@ -508,7 +527,7 @@ class _Handlers:
         finally:
             self.path.metrics.count_request(endpoint, status)
 
-    async def _whole(self, job: Job, response_id: str) -> web.Response:
+    async def _whole(self, job: Job, response_id: str, timing: _Timing) -> web.Response:
         parts: list[bytes] = []
         try:
             async for chunk in self.path.stream(job):
@@ -517,9 +536,10 @@ class _Handlers:
         except LegError as exc:
             raise _leg_error(exc) from exc
         body = _with_route(b"".join(parts), _route_info(job))
-        return web.Response(body=body, headers=_route_headers(job, response_id), content_type="application/json")
+        headers = _route_headers(job, response_id, timing)
+        return web.Response(body=body, headers=headers, content_type="application/json")
 
-    async def _stream(self, request: web.Request, job: Job, response_id: str) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, job: Job, response_id: str, timing: _Timing) -> web.StreamResponse:
         chunks = self.path.stream(job)
         try:
             first = await anext(chunks)
@@ -527,7 +547,11 @@ class _Handlers:
             raise _leg_error(exc) from exc
         except StopAsyncIteration:
             raise ApiError(502, "the worker ended the stream without a chunk") from None
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_route_headers(job, response_id)}
+        headers = {
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            **_route_headers(job, response_id, timing),
+        }
         resp = web.StreamResponse(status=200, headers=headers)
         try:
             await resp.prepare(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,12 +21,16 @@ from bench.overhead import (
     format_table,
     run_overhead,
     target_lines,
+    ttft_split_lines,
 )
 from bench.replay import RequestResult
 
 
-def _result(i: int, ttft: float, gaps: list[float], tokens: int, ok: bool = True) -> RequestResult:
+def _result(
+    i: int, ttft: float, gaps: list[float], tokens: int, ok: bool = True, server_ms: dict[str, float] | None = None
+) -> RequestResult:
     return RequestResult(
+        server_ms=server_ms or {},
         ok=ok,
         ttft_s=ttft if ok else None,
         itl_s=gaps,
@@ -57,6 +62,18 @@ def test_client_phase_figures_from_known_results() -> None:
     # first send at 0 s; last end at 2 + 0.030 + 0.009
     assert phase.tokens_per_s == pytest.approx(10 / 3.0)  # request 3 ended at 3 + 0 s
     assert phase.cpu_s == {"router": 0.03, "shim": 0.01} and phase.window_s == 4.0
+    assert phase.server_ms == {}  # no Server-Timing header: nothing to split
+
+
+def test_client_phase_splits_ttft_by_the_routers_server_timing() -> None:
+    results = [
+        _result(0, 0.010, [], 1, server_ms={"parse": 0.5, "route": 0.2, "worker": 8.0}),  # edge 1.3 ms
+        _result(1, 0.012, [], 1, server_ms={"parse": 0.7, "route": 0.4, "worker": 9.0}),  # edge 1.9 ms
+        _result(2, 0.020, [], 1, server_ms={"parse": 0.9, "route": 0.6, "worker": 10.0}),  # edge 8.5 ms
+        _result(3, 0.001, [], 1, server_ms={"parse": 0.1}),  # a partial header: left out
+    ]
+    phase = client_phase(results, load="50/s", target=KVSWITCH, repeat=0, cpu=CpuWindow({}, wall_s=1.0))
+    assert phase.server_ms == pytest.approx({"parse": 0.7, "route": 0.4, "worker": 9.0, "edge": 1.9})
 
 
 def test_client_items_are_evenly_spaced_with_a_prompt_each() -> None:
@@ -65,8 +82,8 @@ def test_client_items_are_evenly_spaced_with_a_prompt_each() -> None:
     assert len({i.segments for i in items}) == len(items) and all(i.input_len == 128 for i in items)
 
 
-def _phase(target: str, repeat: int, ttft_p50: float, *, tool: str = "aiperf", load: str = "c=8", **kw: float) -> Phase:
-    values: dict[str, float] = {
+def _phase(target: str, repeat: int, ttft_p50: float, *, tool: str = "aiperf", load: str = "c=8", **kw: Any) -> Phase:
+    values: dict[str, Any] = {
         "ttft_p99": ttft_p50 * 2,
         "itl_p50": 0.001,
         "itl_p99": 0.002,
@@ -127,6 +144,22 @@ def test_targets_report_each_verdict_with_its_figure() -> None:
     assert "added ttft p50 +2.00 ms vs best peer sglang_cache_aware +0.30 ms (within 1 ms): MISSED" in lines
 
 
+def test_the_added_ttft_splits_into_the_routers_parts_and_the_hops() -> None:
+    timed = {"parse": 0.3, "route": 0.2, "worker": 12.0, "edge": 1.0}
+    phases = [
+        _phase(DIRECT, 0, 0.010, tool="client", load="50/s"),
+        _phase(KVSWITCH, 0, 0.0135, tool="client", load="50/s", server_ms=timed),
+        _phase(DIRECT, 1, 0.011, tool="client", load="50/s"),
+        _phase(KVSWITCH, 1, 0.0145, tool="client", load="50/s", server_ms={**timed, "worker": 12.4}),
+        *PHASES,  # aiperf rows carry no Server-Timing: no line for them
+    ]
+    # added +3.5 ms both times; hop = worker less direct's TTFT: 2.0 and 1.4, median 1.7
+    assert ttft_split_lines(phases) == [
+        "client 50/s: added TTFT p50 +3.50 ms; router parse 0.30, route 0.20, NATS + shim hop +1.70, "
+        "client-router HTTP 1.00 ms"
+    ]
+
+
 def test_missing_values_print_as_a_dash_not_nan() -> None:
     phases = [_phase(DIRECT, 0, 0.01, ttst_p50=math.nan), _phase(KVSWITCH, 0, 0.012, ttst_p50=math.nan)]
     assert added(phases, "aiperf", "c=8", KVSWITCH, "ttst_p50") != []
@@ -144,3 +177,6 @@ def test_one_short_run_on_a_real_cluster_measures_both_targets(tmp_path: Path) -
     # the router and the shims did the routed phase's work; the direct phase bypassed them
     assert routed.cpu_s["router"] > 0 and routed.cpu_s["shim"] > 0
     assert routed.cpu_s["router"] > direct.cpu_s["router"]
+    # the router timed its part of every request; an engine reached directly sends no Server-Timing
+    assert direct.server_ms == {} and set(routed.server_ms) == {"parse", "route", "worker", "edge"}
+    assert routed.server_ms["worker"] > 0 and routed.server_ms["parse"] > 0 and routed.server_ms["route"] > 0

@@ -11,7 +11,7 @@ from aiohttp import web
 from bench.summary import scrape_prefix_counters
 from bench.trace import TokenSynth
 from engine_sim import SimServer
-from kvswitch.client import CompletionClient, discover_model
+from kvswitch.client import CompletionClient, discover_model, parse_server_timing
 
 
 @pytest.fixture
@@ -38,6 +38,13 @@ async def test_streaming_completion_records_ttft_gaps_and_exact_tokens(
     assert 0 < result.ttft_s <= result.e2e_s
     assert len(result.itl_s) == 11  # one gap per token after the first
     assert result.decode_worker is None and result.prefill is None  # a bare engine sets no router headers
+    assert result.server_ms == {}
+
+
+def test_server_timing_reads_each_metrics_duration_in_ms() -> None:
+    header = 'parse;dur=0.25, route;desc="admit and plan";dur=1.5 , worker;dur=abc, bare, ;dur=2, cache;dur="3"'
+    assert parse_server_timing(header) == {"parse": 0.25, "route": 1.5, "cache": 3.0}
+    assert parse_server_timing(None) == parse_server_timing("") == {}
 
 
 async def test_a_refused_request_is_a_failed_result_not_an_exception(

@@ -148,6 +148,38 @@ async def test_completions_are_the_engines_own(agg: Cluster, http: aiohttp.Clien
     assert all(c.get("token_ids") is None for e in events[:-1] for c in e["choices"]), "ids the client did not ask for"
 
 
+def server_timing(headers: dict[str, str]) -> dict[str, float]:
+    parts = [m.split(";dur=") for m in headers["server-timing"].split(", ")]
+    return {name: float(dur) for name, dur in parts}
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_server_timing_puts_the_engines_wait_in_worker_not_in_the_routers_parts(
+    agg: Cluster, http: aiohttp.ClientSession, streamed: bool
+) -> None:
+    router, sim = agg.routers[0], agg.workers[0].sim
+    sim.faults.hang_after = sim.faults.requests_seen  # the next request hangs in the engine
+
+    async def resume() -> None:
+        await until(lambda: sim.faults.hang, what="the engine to hang on the request")
+        await asyncio.sleep(0.3)
+        sim.faults.hang_after = None
+        sim.faults.hang = False
+
+    resumed = asyncio.create_task(resume())
+    request = {"model": MODEL, "prompt": list(range(1, 40)), "max_tokens": 4}
+    if streamed:
+        status, _, headers = await stream(http, router.url + "/v1/completions", request)
+    else:
+        status, _, headers = await post(http, router.url + "/v1/completions", request)
+    await resumed
+    assert status == 200
+    timing = server_timing(headers)
+    assert set(timing) == {"parse", "route", "worker"}
+    assert timing["worker"] >= 300.0  # ms: the engine held the prefill that long
+    assert 0 < timing["parse"] < 100 and 0 < timing["route"] < 100
+
+
 async def test_stop_strings_are_cut_and_reported(agg: Cluster, http: aiohttp.ClientSession) -> None:
     router = agg.routers[0]
     request = {"model": MODEL, "prompt": "the cache holds the prefix", "max_tokens": 12, "seed": 3}
