@@ -102,6 +102,7 @@ class _ShimCollector(Collector):
         yield by
         yield _gauge("requests_inflight", "Legs running", float(len(svc.inflight) if svc else 0))
         yield _counter("heartbeats", "Heartbeat chunks sent", float(svc.heartbeats if svc else 0))
+        yield _counter("chunks_held", "Chunks held back to coalesce under load", float(svc.held_chunks if svc else 0))
 
 
 def render_metrics(shim: WorkerShim) -> bytes:

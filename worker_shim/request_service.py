@@ -17,7 +17,9 @@ payload in `events`, or the whole body of a non-streaming answer in `body`, cut 
 each fit NATS's payload limit. Token ids still ride along for the router's accounting.
 
 Coalescing adapts to load: while the service is idle (fewer than `busy_legs` legs in flight and
-NATS's outbound buffer under `BEHIND_BYTES`), every token goes out the moment it arrives. Under
+NATS's outbound buffer under `BEHIND_BYTES`), output goes out the moment it arrives, one chunk per
+read of the engine's stream (a shim that fell behind reads several events at once and sends them
+together, without waiting for anything). Under
 load, a token that comes less than `COALESCE_S` (5 ms) after the leg's previous chunk waits for that
 mark with whatever else arrives meanwhile, so frames carry several tokens and no token waits longer.
 
@@ -143,13 +145,13 @@ class _ChunkWriter:
                 self.service.heartbeats += 1
                 await self._send(self._chunk([]))
 
-    async def output(self, tokens: int, event: bytes | None, toks: list[int]) -> None:
-        if event is not None:
+    async def output(self, tokens: int, events: list[bytes], toks: list[int]) -> None:
+        for event in events:
             if self._events and self._event_bytes + len(event) > self._room:
                 await self._flush()
             self._events.append(event)
             self._event_bytes += len(event)
-            self._counted += tokens
+        self._counted += tokens if events else 0
         self._pending.extend(toks)
         if self._timer is not None:
             return
@@ -162,6 +164,7 @@ class _ChunkWriter:
     async def _flush_later(self, wait: float) -> None:
         await asyncio.sleep(wait)
         self._timer = None
+        self.service.held_chunks += 1
         await self._flush()
 
     async def prefilled(self) -> None:
@@ -260,6 +263,7 @@ class RequestService:
         self.failed = 0
         self.malformed = 0
         self.heartbeats = 0
+        self.held_chunks = 0  # chunks held back for the coalescing mark (under load only)
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self._queued = 0
         self.resumes = 0
@@ -382,9 +386,9 @@ class RequestService:
     async def _run(
         self, req: GenerateRequest, leg: LegRequest, state: _Leg, writer: _ChunkWriter, role: str, span: Span
     ) -> None:
-        async def on_output(tokens: int, event: bytes | None, toks: list[int]) -> None:
+        async def on_output(tokens: int, events: list[bytes], toks: list[int]) -> None:
             self._first_token(state)
-            await writer.output(tokens, event, toks)
+            await writer.output(tokens, events, toks)
 
         watch = None
         if not leg.stream and not leg.prefill_only and state.queued_tokens:

@@ -67,6 +67,7 @@ async def test_health_and_metrics_of_a_serving_shim(ns: str, nats_url: str, etcd
         assert m[("kvswitch_shim_etcd_lease_state", (("state", "unknown"),))] == 0
         assert m[("kvswitch_shim_events_ok", ())] == 1 and m[("kvswitch_shim_serving", ())] == 1
         assert m[("kvswitch_shim_heartbeats_total", ())] == shim.requests.heartbeats  # type: ignore[union-attr]
+        assert m[("kvswitch_shim_chunks_held_total", ())] == shim.requests.held_chunks  # type: ignore[union-attr]
         assert m[("kvswitch_shim_kv_transport_replays_total", ())] >= 1  # the startup replay
         assert ("kvswitch_shim_kv_transport_gaps_total", ()) in m
         assert m[("kvswitch_shim_registrations_total", ())] == 1

@@ -5,8 +5,9 @@ its own 400 body back as it is."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from protocol import SamplingParams
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from tests.router.polling import until
 from worker_shim import ShimConfig
 from worker_shim.adapters.base import EngineError, LegRequest
 from worker_shim.adapters.vllm import PREFILL_TRANSFER_PARAMS, VllmAdapter
@@ -24,9 +26,16 @@ EVENTS = [
 ]
 
 
+async def _next_loop_turn() -> None:
+    await asyncio.sleep(0)
+
+
 class Engine:
     def __init__(self) -> None:
         self.bodies: list[tuple[str, dict[str, Any]]] = []
+        # a streamed answer: each item one write, and the write after it waits for `between()`
+        self.writes = [b"data: " + e + b"\n\n" for e in EVENTS] + [b"data: [DONE]\n\n"]
+        self.between: Callable[[], Awaitable[None]] = _next_loop_turn
 
     async def tokenize(self, request: web.Request) -> web.Response:
         if request.content_type != "application/json":  # vLLM: 400 Unsupported Media Type
@@ -42,9 +51,10 @@ class Engine:
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for e in EVENTS:
-                await resp.write(b"data: " + e + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+            for n, data in enumerate(self.writes):
+                if n:
+                    await self.between()
+                await resp.write(data)
             return resp
         answer: dict[str, Any] = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": 1}}
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
@@ -94,24 +104,72 @@ async def test_a_stream_passes_the_engines_events_through_and_counts_tokens(
     engine: tuple[Engine, VllmAdapter],
 ) -> None:
     eng, adapter = engine
-    seen: list[tuple[int, bytes | None]] = []
+    seen: list[tuple[int, list[bytes]]] = []
 
-    async def on_output(tokens: int, event: bytes | None, ids: list[int]) -> None:
-        seen.append((tokens, event))
+    async def on_output(tokens: int, events: list[bytes], ids: list[int]) -> None:
+        seen.append((tokens, events))
 
+    async def handed_over() -> None:  # the next event is written only once the last one was handed over
+        before = len(seen)
+        await until(lambda: len(seen) > before)
+
+    eng.between = handed_over
+    eng.writes = eng.writes[:2]  # the stream ends without [DONE]: the last event still counts
     params = {"model": "m", "stop": ["x"], "n": 2, "echo": True, "logprobs": 2, "seed": 3}
     out = await adapter.generate(leg(ENDPOINT_COMPLETIONS, params), on_output)
     path, body = eng.bodies[-1]
     assert path == "/v1/completions"
     assert body == {**params, "prompt": [7, 8, 9], "stream": True}  # nothing added to count tokens
-    assert seen == [(1, EVENTS[0]), (1, EVENTS[1])]  # byte for byte; one token per choice with text
+    assert seen == [(1, [EVENTS[0]]), (1, [EVENTS[1]])]  # byte for byte; one token per choice with text
     assert out.finish_reason == "stop" and out.body == b""
+
+
+async def test_events_that_arrive_together_are_handed_over_together(engine: tuple[Engine, VllmAdapter]) -> None:
+    eng, adapter = engine
+    seen: list[tuple[int, list[bytes]]] = []
+
+    async def on_output(tokens: int, events: list[bytes], ids: list[int]) -> None:
+        seen.append((tokens, events))
+
+    eng.writes = [b"".join(eng.writes)]  # one write: a shim that fell behind reads them in one go
+    await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m", "n": 2}), on_output)
+    assert seen == [(2, EVENTS)]
+
+
+async def test_a_long_event_split_over_reads_passes_through_whole(engine: tuple[Engine, VllmAdapter]) -> None:
+    eng, adapter = engine
+    seen: list[bytes] = []
+
+    async def on_output(tokens: int, events: list[bytes], ids: list[int]) -> None:
+        seen.extend(events)
+
+    # a first chunk with a long prompt's prompt_logprobs, written (and read) in two pieces
+    huge = json.dumps({"choices": [{"index": 0, "text": " a", "prompt_logprobs": [{"1": -0.5}] * 40_000}]})
+    eng.writes = [b"data: " + huge.encode()[:70_000], huge.encode()[70_000:] + b"\n\n", b"data: [DONE]\n\n"]
+    out = await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m"}), on_output)
+    assert seen == [huge.encode()] and len(huge) > 400_000 and out.finish_reason is None
+
+
+async def test_output_before_an_error_event_in_the_same_read_is_handed_over_first(
+    engine: tuple[Engine, VllmAdapter],
+) -> None:
+    eng, adapter = engine
+    seen: list[bytes] = []
+
+    async def on_output(tokens: int, events: list[bytes], ids: list[int]) -> None:
+        seen.extend(events)
+
+    error = b'{"error":{"message":"the engine ran out of KV cache","code":500}}'
+    eng.writes = [b"data: " + EVENTS[0] + b"\n\ndata: " + error + b"\n\n"]
+    with pytest.raises(EngineError):
+        await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m"}), on_output)
+    assert seen == [EVENTS[0]]
 
 
 async def test_pass_through_bodies_per_leg(engine: tuple[Engine, VllmAdapter]) -> None:
     eng, adapter = engine
 
-    async def ignore(tokens: int, event: bytes | None, ids: list[int]) -> None:
+    async def ignore(tokens: int, events: list[bytes], ids: list[int]) -> None:
         pass
 
     chat = {
@@ -138,7 +196,7 @@ async def test_pass_through_bodies_per_leg(engine: tuple[Engine, VllmAdapter]) -
 async def test_the_engines_own_400_body_comes_back(engine: tuple[Engine, VllmAdapter]) -> None:
     _, adapter = engine
 
-    async def ignore(tokens: int, event: bytes | None, ids: list[int]) -> None:
+    async def ignore(tokens: int, events: list[bytes], ids: list[int]) -> None:
         pass
 
     with pytest.raises(EngineError) as caught:

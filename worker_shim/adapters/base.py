@@ -14,10 +14,12 @@ HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS,
   feeds; `event_stats()` names the transport's counters for /metrics.
 - `tokenizer_fingerprint()`: protocol.fingerprint over the engine's own tokenization of the
   probes, None when the engine cannot tokenize for us.
-- `generate(leg, on_output)`: run one leg, awaiting `on_output(tokens, event, token_ids)` with
-  each piece of output as it arrives (streaming legs only): `tokens` how many output tokens it
-  holds; `event` the engine's own SSE payload for a pass-through leg (`leg.endpoint` set: the
-  client's OpenAI request), None for a token-id leg, which gives its `token_ids`.
+- `generate(leg, on_output)`: run one leg, awaiting `on_output(tokens, events, token_ids)` with
+  the output that arrives together (streaming legs only; one call per read of the engine's
+  stream, so a shim that fell behind hands over several events at once and sends them as one
+  chunk): `tokens` how many output tokens it holds; `events` the engine's own SSE payloads for a
+  pass-through leg (`leg.endpoint` set: the client's OpenAI request), empty for a token-id leg,
+  which gives its `token_ids`.
   Returns how it ended; a non-streaming pass-through leg returns the engine's whole answer in
   `body`. A leg with `prefill_only` is the remote-prefill leg and returns the engine's transfer
   parameters; a leg with `transfer` is a decode leg continuing from them. A request the engine
@@ -127,9 +129,9 @@ class LegOutcome:
     body: bytes = b""  # a non-streaming pass-through leg: the engine's whole answer
 
 
-OnOutput = Callable[[int, bytes | None, list[int]], Awaitable[None]]
-"""`on_output(tokens, event, token_ids)`: output as it arrives; `event` the engine's SSE payload
-(pass-through legs, `token_ids` empty) or None (token-id legs)."""
+OnOutput = Callable[[int, list[bytes], list[int]], Awaitable[None]]
+"""`on_output(tokens, events, token_ids)`: output as it arrives, what arrived together in one call;
+`events` the engine's SSE payloads (pass-through legs, `token_ids` empty) or empty (token-id legs)."""
 
 
 class EngineAdapter(ABC):

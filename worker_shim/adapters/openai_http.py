@@ -18,6 +18,7 @@ Cancelling the coroutine closes the connection, which these engines treat as an 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -138,6 +139,44 @@ def _fold(result: Result, data: dict[str, Any], *, require_ids: bool) -> int:
     return count
 
 
+def _fold_lines(
+    result: Result, lines: list[bytes], *, pass_through: bool
+) -> tuple[int, list[bytes], bool | EngineError | msgspec.DecodeError]:
+    """Folds one read's SSE lines into `result`: the tokens they carry, their payloads, and True
+    at `[DONE]`, or the error that stopped them (after the payloads before it)."""
+    count, events = 0, list[bytes]()
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return count, events, True
+        try:
+            data = _json.decode(payload)
+            if not isinstance(data, dict):
+                continue
+            count += _fold(result, data, require_ids=not pass_through)
+        except (EngineError, msgspec.DecodeError) as exc:
+            return count, events, exc
+        events.append(payload)
+    return count, events, False
+
+
+async def _line_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
+    """The stream's lines, each batch what one read brought (the last line may end at EOF without
+    a newline); a line split over reads comes whole with the read that ends it."""
+    partial: list[bytes] = []
+    async for data in content.iter_any():
+        partial.append(data)
+        if b"\n" not in data:
+            continue
+        *lines, rest = b"".join(partial).split(b"\n")
+        partial = [rest] if rest else []
+        yield lines
+    if partial:
+        yield [b"".join(partial)]
+
+
 async def post_completion(
     session: aiohttp.ClientSession,
     url: str,
@@ -147,9 +186,9 @@ async def post_completion(
     *,
     pass_through: bool = False,
 ) -> Result:
-    """POST `body` to `url`; streams when body["stream"]. A pass-through call hands each SSE
-    payload to `on_output` with the number of tokens it carries, and keeps a whole answer's bytes
-    in `Result.body`; a token-id call hands over the new ids."""
+    """POST `body` to `url`; streams when body["stream"]. A pass-through call hands the SSE
+    payloads of each read to `on_output` with the number of tokens they carry, and keeps a whole
+    answer's bytes in `Result.body`; a token-id call hands over the new ids."""
     try:
         async with session.post(url, data=_encode.encode(body), headers=headers) as resp:
             if resp.status != 200:
@@ -164,23 +203,18 @@ async def post_completion(
                 if pass_through:
                     result.body = raw
                 return result
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                data = _json.decode(payload)
-                if not isinstance(data, dict):
-                    continue
+            async for lines in _line_batches(resp.content):
                 seen = len(result.token_ids)
-                count = _fold(result, data, require_ids=not pass_through)
-                if on_output is None:
-                    continue
-                if pass_through:
-                    await on_output(count, payload, [])
-                elif count:
-                    await on_output(count, None, result.token_ids[seen:])
+                count, events, end = _fold_lines(result, lines, pass_through=pass_through)
+                if on_output is not None:  # what came before a failure goes out first
+                    if pass_through and events:
+                        await on_output(count, events, [])
+                    elif not pass_through and count:
+                        await on_output(count, [], result.token_ids[seen:])
+                if isinstance(end, Exception):
+                    raise end
+                if end:
+                    break
             return result
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc

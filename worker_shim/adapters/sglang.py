@@ -216,7 +216,7 @@ class SglangAdapter(ZmqEventsAdapter):
             return await self._openai(leg, leg.transfer, on_output)
 
         async def on_tokens(toks: list[int]) -> None:
-            await on_output(len(toks), None, toks)
+            await on_output(len(toks), [], toks)
 
         folder = await self._post(leg, generate_body(leg, leg.transfer), on_tokens)
         return LegOutcome(folder.finish_reason, folder.usage, None, folder.token_ids)
