@@ -26,9 +26,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +77,25 @@ class ClusterSpec:
 class _Child:
     name: str
     proc: subprocess.Popen[bytes]
+    log: Path | None  # its output, when the spec has a log_dir
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=12))  # else its last lines
+    reader: threading.Thread | None = None
+
+    def keep_tail(self) -> None:
+        """Read the child's output to its end, keeping the last lines (a thread: the pipe must be
+        drained or the child blocks on a write)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail.append(line.decode(errors="replace").rstrip())
+
+    def died(self) -> str:
+        """Its exit status and last lines of output, for an error that says why it went."""
+        tail = list(self.tail)
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                tail = self.log.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()[-12:]
+        said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
+        return f"{self.name} (status {self.proc.returncode}{said})"
 
 
 @dataclass
@@ -208,20 +229,26 @@ class LocalCluster:
         self.router_urls.append(f"http://127.0.0.1:{port}")
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
-        """Start `python -m kvswitch <argv>`; its output goes to `log_dir/<name>.log` when set."""
-        out: int | object = subprocess.DEVNULL
+        """Start `python -m kvswitch <argv>`; its output goes to `log_dir/<name>.log` when set, else
+        its last lines are kept in memory, so an error can quote why a child died."""
+        log = None
         if self.spec.log_dir is not None:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
-            out = (self.spec.log_dir / f"{name}.log").open("ab")
+            log = self.spec.log_dir / f"{name}.log"
         command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv], signal.SIGTERM)
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,  # type: ignore[arg-type]
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            # A supervisor killed outright must not orphan its children: they drain on SIGTERM.
-            preexec_fn=preexec,  # noqa: PLW1509
-        )  # fmt: skip
-        child = _Child(name, proc)
+        with contextlib.ExitStack() as stack:
+            out = stack.enter_context(log.open("ab")) if log is not None else subprocess.PIPE
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                # A supervisor killed outright must not orphan its children: they drain on SIGTERM.
+                preexec_fn=preexec,  # noqa: PLW1509
+            )  # fmt: skip
+        child = _Child(name, proc, log)
+        if log is None:
+            child.reader = threading.Thread(target=child.keep_tail, name=f"tail-{name}", daemon=True)
+            child.reader.start()
         self.children.append(child)
         return child
 
@@ -233,7 +260,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         last = b""
         while time.monotonic() < deadline:
-            dead = [c.name for c in self.children if c.proc.poll() is not None]
+            dead = [c.died() for c in self.children if c.proc.poll() is not None]
             if dead:
                 raise ServerError(f"{', '.join(dead)} exited while waiting for {what}")
             try:
@@ -274,6 +301,10 @@ class LocalCluster:
             if child.proc.poll() is None:
                 child.proc.kill()
                 child.proc.wait(5)
+            if child.reader is not None:
+                child.reader.join(1.0)  # the pipe ends with the child
+            if child.proc.stdout is not None and (child.reader is None or not child.reader.is_alive()):
+                child.proc.stdout.close()
         for servers in (self.etcd, self.nats):
             if servers is not None:
                 servers.close()

@@ -8,7 +8,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvswitch.cluster import ClusterSpec, LocalCluster
+from kvswitch.servers import ServerError
 from tests.engine_sim.listening import listening
 
 
@@ -53,3 +56,13 @@ def test_engines_listen_on_loopback_and_their_events_reach_the_router(tmp_path: 
         assert ("127.0.0.1", int(engine.replay.rsplit(":", 1)[1])) in sim
     finally:
         cluster.stop()
+
+
+def test_a_child_that_dies_at_start_is_named_with_its_status_and_last_words() -> None:
+    cluster = LocalCluster(ClusterSpec(agg=1, routers=0, sim_args=["--speedup", "0"]))
+    with pytest.raises(ServerError) as caught:
+        cluster.start()
+    message = str(caught.value)
+    assert "sim-agg (status 2; its last output:" in message
+    assert "argument --speedup: 0.0 must be > 0" in message  # the sim's own error, not just "exited"
+    assert cluster.children == [] and cluster.nats is None  # and nothing left running
