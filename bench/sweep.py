@@ -129,14 +129,16 @@ def ratios(
     points: Sequence[SweepPoint], policy: str, floor_p90: float | None = None
 ) -> dict[tuple[str, float], dict[str, float | None]]:
     """Per (fleet, rate): `kv/rr` (round_robin TTFT p90 / kv's), `rr/floor` (round_robin's TTFT p90
-    over `floor_p90`, when given), `policy/best` (the policy's goodput over max(kv, kv_disagg)) and
-    `diverge` (1 - min/max of those two goodputs)."""
+    over `floor_p90`, when given), `policy/best` (the policy's goodput over max(kv, kv_disagg)),
+    `diverge` (1 - min/max of those two goodputs) and `ceiling` (the better one's successful
+    requests per second over its goodput: what any policy could reach over it, every request within
+    the SLOs; where it is under 1.15, the 1.15x target cannot be met)."""
     out: dict[tuple[str, float], dict[str, float | None]] = {}
     for fleet in dict.fromkeys(p.fleet for p in points):
         for rate in sorted({p.rate for p in points}):
             rr, kv = _goodput(points, fleet, rate, "round_robin"), _goodput(points, fleet, rate, "kv")
             disagg, mine = _goodput(points, fleet, rate, "kv_disagg"), _goodput(points, fleet, rate, policy)
-            cell: dict[str, float | None] = {"kv/rr": None, "rr/floor": None, "policy/best": None, "diverge": None}
+            cell: dict[str, float | None] = dict.fromkeys(("kv/rr", "rr/floor", "policy/best", "diverge", "ceiling"))
             if rr is not None and kv is not None and rr.ttft_s is not None and kv.ttft_s is not None:
                 cell["kv/rr"] = rr.ttft_s.p90 / kv.ttft_s.p90 if kv.ttft_s.p90 > 0 else None
             if rr is not None and rr.ttft_s is not None and floor_p90:
@@ -145,6 +147,7 @@ def ratios(
                 best = max(kv.goodput_rps, disagg.goodput_rps)
                 if best > 0:
                     cell["diverge"] = 1 - min(kv.goodput_rps, disagg.goodput_rps) / best
+                    cell["ceiling"] = max(kv, disagg, key=lambda x: x.goodput_rps).requests_per_s / best
                     if mine is not None:
                         cell["policy/best"] = mine.goodput_rps / best
             out[fleet.name, rate] = cell
@@ -155,8 +158,14 @@ def format_sweep(points: Sequence[SweepPoint], policy: str, floor_p90: float | N
     """The table; with `floor_p90` (bench.ttft_floor) it gains the `rr/floor` column."""
     configs = list(dict.fromkeys(p.configuration for p in points))
     cells = ratios(points, policy, floor_p90)
-    keys = ["kv/rr", *(["rr/floor"] if floor_p90 else []), "policy/best", "diverge"]
-    names = {"kv/rr": "kv/rr p90", "rr/floor": "rr/floor p90", "policy/best": f"{policy}/best", "diverge": "diverge"}
+    keys = ["kv/rr", *(["rr/floor"] if floor_p90 else []), "policy/best", "diverge", "ceiling"]
+    names = {
+        "kv/rr": "kv/rr p90",
+        "rr/floor": "rr/floor p90",
+        "policy/best": f"{policy}/best",
+        "diverge": "diverge",
+        "ceiling": "ceiling/best",
+    }
     header = ["fleet", "rate", *(f"{c} r/s" for c in configs), *(names[k] for k in keys)]
     rows = [header]
     for (fleet_name, rate), cell in cells.items():

@@ -23,10 +23,10 @@ def test_fleets_parse_and_bad_ones_are_named() -> None:
         parse_fleets("2P+0D")
 
 
-def _s(goodput: float, p90: float) -> Summary:
+def _s(goodput: float, p90: float, requests_per_s: float = 8.0) -> Summary:
     return Summary(
         requests=1, ok=1, errors=0, duration_s=1.0, ttft_s=Percentiles(p90, p90, p90), itl_s=None, tpot_s=None,
-        e2e_s=None, output_tokens_per_s=1.0, requests_per_s=1.0, goodput_rps=goodput, goodput_fraction=1.0,
+        e2e_s=None, output_tokens_per_s=1.0, requests_per_s=requests_per_s, goodput_rps=goodput, goodput_fraction=1.0,
         send_lag_p99_s=None, prefill_mix={}, prefix_hit_rate=None, latency_scale=1.0, slo=Slo(),
     )  # fmt: skip
 
@@ -35,14 +35,16 @@ def test_ratios_are_the_targets() -> None:
     f = Fleet(1, 3)
     points = [
         SweepPoint(f, 1.0, "round_robin", _s(1.0, 6.0)),
-        SweepPoint(f, 1.0, "kv", _s(4.0, 1.5)),
+        SweepPoint(f, 1.0, "kv", _s(4.0, 1.5, requests_per_s=6.0)),
         SweepPoint(f, 1.0, "kv_disagg", _s(2.0, 3.0)),
         SweepPoint(f, 1.0, "slo_aware", _s(5.0, 1.0)),
     ]
     cell = ratios(points, "slo_aware")["1P+3D", 1.0]
-    assert cell == {"kv/rr": 4.0, "rr/floor": None, "policy/best": 1.25, "diverge": 0.5}
+    # ceiling: the better fixed mode (kv) succeeded at 6 r/s, 4 of them in SLO
+    assert cell == {"kv/rr": 4.0, "rr/floor": None, "policy/best": 1.25, "diverge": 0.5, "ceiling": 1.5}
     table = format_sweep(points, "slo_aware")
-    assert "4.00x" in table and "1.25x" in table and "0.50" in table
+    assert "4.00x" in table and "1.25x" in table and "0.50" in table and "1.50x" in table
+    assert table.splitlines()[0].split()[-1] == "ceiling/best"
 
 
 def test_a_tiny_sweep_writes_its_table_and_heat_maps(tmp_path: Path) -> None:
