@@ -19,9 +19,9 @@ each fit NATS's payload limit. Token ids still ride along for the router's accou
 Coalescing adapts to load: while the service is idle (fewer than `busy_legs` legs in flight and
 NATS's outbound buffer under `BEHIND_BYTES`), output goes out the moment it arrives, one chunk per
 read of the engine's stream (a shim that fell behind reads several events at once and sends them
-together, without waiting for anything). Under
-load, a token that comes less than `COALESCE_S` (5 ms) after the leg's previous chunk waits for that
-mark with whatever else arrives meanwhile, so frames carry several tokens and no token waits longer.
+together, without waiting for anything). Under load, a token that comes less than `COALESCE_S`
+(5 ms) after the leg's previous chunk waits for that mark with whatever else arrives meanwhile, so
+frames carry several tokens and no token waits longer.
 
 A whole (non-streamed) answer has no first token to say its prefill is done, so while such a leg
 runs the service looks every PREFILL_POLL_S at whether the engine's KV events cover the prompt's

@@ -18,7 +18,8 @@ Cancelling the coroutine closes the connection, which these engines treat as an 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -162,7 +163,7 @@ def _fold_lines(
     return count, events, False
 
 
-async def _line_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
+async def _line_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[bytes], None]:
     """The stream's lines, each batch what one read brought (the last line may end at EOF without
     a newline); a line split over reads comes whole with the read that ends it."""
     partial: list[bytes] = []
@@ -203,18 +204,19 @@ async def post_completion(
                 if pass_through:
                     result.body = raw
                 return result
-            async for lines in _line_batches(resp.content):
-                seen = len(result.token_ids)
-                count, events, end = _fold_lines(result, lines, pass_through=pass_through)
-                if on_output is not None:  # what came before a failure goes out first
-                    if pass_through and events:
-                        await on_output(count, events, [])
-                    elif not pass_through and count:
-                        await on_output(count, [], result.token_ids[seen:])
-                if isinstance(end, Exception):
-                    raise end
-                if end:
-                    break
+            async with contextlib.aclosing(_line_batches(resp.content)) as batches:
+                async for lines in batches:
+                    seen = len(result.token_ids)
+                    count, events, end = _fold_lines(result, lines, pass_through=pass_through)
+                    if on_output is not None:  # what came before a failure goes out first
+                        if pass_through and events:
+                            await on_output(count, events, [])
+                        elif not pass_through and count:
+                            await on_output(count, [], result.token_ids[seen:])
+                    if isinstance(end, Exception):
+                        raise end
+                    if end:
+                        break
             return result
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
