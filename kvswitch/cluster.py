@@ -170,21 +170,28 @@ class LocalCluster:
     def start(self) -> None:
         try:
             self._start_servers()
+            # Every port in one draw: ports drawn apart may overlap, since nothing binds them until
+            # the sims and shims start (the shims bind the event ports, after every pool is up).
+            engines = sum(getattr(self.spec, role) for role in POOLS)
+            routers = 0 if self.spec.http_port else self.spec.routers
+            base = free_ports(3 * engines + routers) if 3 * engines + routers else 0
             for role in POOLS:
                 count = getattr(self.spec, role)
                 if count:
-                    self._start_pool(role, count)
+                    self._start_pool(role, count, base)
+                    base += 3 * count
             for engine in self.engines:
                 self._start_shim(engine)
-            base = self.spec.http_port or (free_ports(self.spec.routers) if self.spec.routers else 0)
+            base = self.spec.http_port or base
             for i in range(self.spec.routers):
                 self._start_router(i, base + i)
         except BaseException:
             self.stop()
             raise
 
-    def _start_pool(self, role: str, count: int) -> None:
-        http, events, replay = free_ports(count), free_ports(count), free_ports(count)
+    def _start_pool(self, role: str, count: int, base: int) -> None:
+        """`count` sims on the free ports from `base`: HTTP, then KV events, then replay."""
+        http, events, replay = base, base + count, base + 2 * count
         kv_config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",

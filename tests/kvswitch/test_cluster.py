@@ -54,6 +54,10 @@ def test_engines_listen_on_loopback_and_their_events_reach_the_router(tmp_path: 
         # vLLM's rule for tcp://127.0.0.1:P: the sim's PUB connects and the shim's SUB binds.
         assert ("127.0.0.1", events_port) in shim and ("127.0.0.1", events_port) not in sim
         assert ("127.0.0.1", int(engine.replay.rsplit(":", 1)[1])) in sim
+        # every port the cluster chose is its own (drawn apart, two could overlap before a bind)
+        ports = [int(u.rsplit(":", 1)[1]) for e in cluster.engines for u in (e.url, e.events, e.replay)]
+        ports += [int(u.rsplit(":", 1)[1]) for u in cluster.router_urls]
+        assert len(set(ports)) == len(ports) == 4
     finally:
         cluster.stop()
 
