@@ -26,11 +26,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,23 +75,13 @@ class ClusterSpec:
 class _Child:
     name: str
     proc: subprocess.Popen[bytes]
-    log: Path | None  # its output, when the spec has a log_dir
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=12))  # else its last lines
-    reader: threading.Thread | None = None
-
-    def keep_tail(self) -> None:
-        """Read the child's output to its end, keeping the last lines (a thread: the pipe must be
-        drained or the child blocks on a write)."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.tail.append(line.decode(errors="replace").rstrip())
+    log: Path  # its output
 
     def died(self) -> str:
         """Its exit status and last lines of output, for an error that says why it went."""
-        tail = list(self.tail)
-        if self.log is not None:
-            with contextlib.suppress(OSError):
-                tail = self.log.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()[-12:]
+        tail: list[str] = []
+        with contextlib.suppress(OSError):
+            tail = self.log.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()[-12:]
         said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
         return f"{self.name} (status {self.proc.returncode}{said})"
 
@@ -115,6 +103,7 @@ class LocalCluster:
         self.engines: list[_Engine] = []
         self.router_urls: list[str] = []
         self.secrets_dir: Path | None = None
+        self._scratch: Path | None = None  # children's output when no log_dir is asked for
         self._etcd_passwords: dict[str, str] = {}
         self._nats_auth: NatsAuthPlan | None = None
 
@@ -237,14 +226,18 @@ class LocalCluster:
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
         """Start `python -m kvswitch <argv>`; its output goes to `log_dir/<name>.log` when set, else
-        its last lines are kept in memory, so an error can quote why a child died."""
-        log = None
+        to a scratch directory removed at `stop`, so an error can quote why a child died. (A file,
+        not a pipe: reading a pipe would cost this process CPU, and benchmarks run their client in
+        it.)"""
         if self.spec.log_dir is not None:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
             log = self.spec.log_dir / f"{name}.log"
+        else:
+            if self._scratch is None:
+                self._scratch = Path(tempfile.mkdtemp(prefix="kvswitch-cluster-"))
+            log = self._scratch / f"{name}.log"
         command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv], signal.SIGTERM)
-        with contextlib.ExitStack() as stack:
-            out = stack.enter_context(log.open("ab")) if log is not None else subprocess.PIPE
+        with log.open("ab") as out:
             proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -253,9 +246,6 @@ class LocalCluster:
                 preexec_fn=preexec,  # noqa: PLW1509
             )  # fmt: skip
         child = _Child(name, proc, log)
-        if log is None:
-            child.reader = threading.Thread(target=child.keep_tail, name=f"tail-{name}", daemon=True)
-            child.reader.start()
         self.children.append(child)
         return child
 
@@ -308,17 +298,14 @@ class LocalCluster:
             if child.proc.poll() is None:
                 child.proc.kill()
                 child.proc.wait(5)
-            if child.reader is not None:
-                child.reader.join(1.0)  # the pipe ends with the child
-            if child.proc.stdout is not None and (child.reader is None or not child.reader.is_alive()):
-                child.proc.stdout.close()
         for servers in (self.etcd, self.nats):
             if servers is not None:
                 servers.close()
         self.etcd = self.nats = None
-        if self.secrets_dir is not None:
-            shutil.rmtree(self.secrets_dir, ignore_errors=True)
-        self.secrets_dir = None
+        for made in (self.secrets_dir, self._scratch):
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)
+        self.secrets_dir = self._scratch = None
         self.engines = []
         self.router_urls = []
 

@@ -38,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", type=float, default=1.0, help="simulated engines run this many times faster")
     parser.add_argument("--model", default="sim-llama", help="served model name")
     parser.add_argument("--profile", default="h200:llama-3.1-8b", help="engine timing profile")
-    parser.add_argument("--log-dir", default=None, help="write each child's output to DIR/<name>.log")
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        help="write each child's output to DIR/<name>.log (default: a temporary directory removed at exit)",
+    )
     parser.add_argument("--demo", action="store_true", help="bring the cluster up, show it healthy, take it down")
     ha = parser.add_argument_group("high availability and security")
     ha.add_argument("--nats-nodes", type=int, default=1, metavar="N", help="NATS cluster members (3 for HA)")
