@@ -192,11 +192,12 @@ def client_phase(results: Sequence[RequestResult], *, load: str, target: str, re
 
 
 def _server_ms(ok: Sequence[RequestResult]) -> dict[str, float]:
-    timed = [r for r in ok if r.ttft_s is not None and {"parse", "route", "worker"} <= r.server_ms.keys()]
+    parts = ("parse", "route", "worker")
+    timed = [r for r in ok if r.ttft_s is not None and set(parts) <= r.server_ms.keys()]
     if not timed:
         return {}
-    out = {name: statistics.median(r.server_ms[name] for r in timed) for name in ("parse", "route", "worker")}
-    out["edge"] = statistics.median((r.ttft_s or 0.0) * 1e3 - sum(r.server_ms.values()) for r in timed)
+    out = {name: statistics.median(r.server_ms[name] for r in timed) for name in parts}
+    out["edge"] = statistics.median((r.ttft_s or 0.0) * 1e3 - sum(r.server_ms[p] for p in parts) for r in timed)
     return out
 
 

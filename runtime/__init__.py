@@ -60,8 +60,8 @@ def tune_gc() -> None:
     """Move every object alive now out of the cyclic collector's view and collect young objects
     less often. A service allocates a steady stream of short-lived objects (messages, chunks,
     futures) beside a large long-lived heap (imported modules, an engine's blocks); with the default
-    thresholds, full collections rescan that heap every few thousand allocations: 10% of the
-    router's CPU at 200 req/s (docs/benchmarks.md, "Overhead"). Called by `run_service` before a
+    thresholds, full collections rescan that heap every few thousand allocations: 9.7% of the
+    router's busy samples at 200 req/s in a profile (docs/benchmarks.md, "Overhead"). Called by `run_service` before a
     service starts, and again by whoever builds a large heap of its own (a simulated fleet)."""
     gc.collect()
     gc.freeze()

@@ -156,8 +156,10 @@ class SloAware:
         spill = c.info.role == "prefill"
         if td is None or (batch == 0 and not spill):
             return True
-        cached = ctx.cached_tokens(c)
-        own = td.stall_s(ctx.isl - cached, cached, batch) / self.output_len if local else 0.0
+        own = 0.0
+        if local:
+            cached = ctx.cached_tokens(c)
+            own = td.stall_s(ctx.isl - cached, cached, batch) / self.output_len
         tpot = self._tpot(td, batch, c.queued_prefill_tokens) + own
         budget = self.config.headroom * self.config.slo_itl_s
         if spill:
