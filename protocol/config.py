@@ -134,6 +134,9 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     prefill_timeout_s: a remote prefill leg slower than this falls back to a local prefill.
     pending_ttl_s: how long a routed request's prompt blocks count as cached on its workers before
         their KV events confirm them (0: off).
+    recompute_weight: how dearly the worker cost charges a worker for recomputing prefix tokens that
+        another worker holds and could serve within half slo_ttft_s (0: not at all, the seed cost;
+        router.selection has the rule, docs/benchmarks.md the sweep behind the default).
     stream_heartbeat_s: workers send a heartbeat on a silent leg this often; three missed ones end
         the leg (a dead worker is noticed within 3x this).
     slo_ttft_s, slo_itl_s: the service level the router protects: a worker takes new requests while
@@ -148,6 +151,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     max_queue: int | None = None
     prefill_timeout_s: float = 30.0
     pending_ttl_s: float = 20.0
+    recompute_weight: float = 2.0
     stream_heartbeat_s: float = 0.4
     slo_ttft_s: float = 2.0
     slo_itl_s: float = 0.025
@@ -167,6 +171,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         for name in ("prefill_timeout_s", "stream_heartbeat_s", "slo_ttft_s", "slo_itl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0")
+        if self.recompute_weight < 0:
+            raise ConfigError("recompute_weight", self.recompute_weight, "must be >= 0 (0: the seed cost)")
         if self.pending_ttl_s < 0:
             raise ConfigError("pending_ttl_s", self.pending_ttl_s, "must be >= 0 (0: off)")
         self.conditional.validate()

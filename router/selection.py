@@ -18,6 +18,20 @@ computing in its prefix cache), so it is neither work this request adds nor a wa
 elsewhere, where it would compute that prefix itself. Without it, a burst of requests on one new
 prefix would spread over every idle worker, each recomputing the prefix.
 
+Recomputation (`recompute_weight` rho, RouterSettings, default 2): a worker that would recompute
+prefix tokens another worker of the pool holds pays for them again,
+
+    cost(w) += overlap_weight * rho * max(held_tokens - cached_tokens(w), 0) / block_size
+
+where `held_tokens` is the longest prefix of this prompt cached (or pending) on a worker of the
+pool that could take it within half the TTFT SLO: its predicted prefill backlog plus this prompt's
+uncached prefill, from its calibrated timing (the admission bound, router.planner). The seed cost
+counts only the request's own prefill, so an idle worker beats a holder with a short queue and
+the fleet computes the prefix twice: capacity every later request waits for. A holder past the
+bound (or with no timing to judge it by) sets no charge, so a hot prefix never piles onto one
+worker beyond what the SLO allows. rho = 0 is the seed cost; docs/benchmarks.md has the sweep
+that chose 2.
+
 Near-ties: with temperature T = 0 the lowest cost wins and exact ties are broken uniformly at
 random. With T > 0 a worker is drawn with probability proportional to
 `exp(-(cost(w) - min_cost) / (T * max(min_cost, 1)))`, i.e. by its relative excess over the best:
@@ -38,14 +52,33 @@ from collections.abc import Sequence
 from protocol.config import RouterSettings
 from router.request_context import Candidate, RequestContext
 
-__all__ = ["Selector", "over_queue_threshold", "worker_cost"]
+__all__ = ["Selector", "held_tokens", "over_queue_threshold", "worker_cost"]
 
 
-def worker_cost(ctx: RequestContext, c: Candidate, overlap_weight: float) -> float:
+def worker_cost(
+    ctx: RequestContext, c: Candidate, overlap_weight: float, held_tokens: int = 0, recompute_weight: float = 0.0
+) -> float:
     shared_pending = min(c.pending_blocks * ctx.block_size, c.queued_prefill_tokens)
-    prefill_blocks = (ctx.uncached_tokens(c) + c.queued_prefill_tokens - shared_pending) / ctx.block_size
+    recomputed = max(held_tokens - ctx.cached_tokens(c), 0)
+    prefill_tokens = ctx.uncached_tokens(c) + c.queued_prefill_tokens - shared_pending + recompute_weight * recomputed
     decode_blocks = c.active_blocks + ctx.request_blocks
-    return overlap_weight * prefill_blocks + decode_blocks
+    return overlap_weight * prefill_tokens / ctx.block_size + decode_blocks
+
+
+def held_tokens(ctx: RequestContext, pool: Sequence[Candidate], max_wait_s: float) -> int:
+    """The longest prefix of the prompt cached on a worker of `pool` that would start it within
+    `max_wait_s`: its queued prefill plus this prompt's uncached part, at its predicted speed.
+    Workers without timing are not judged, and count for nothing."""
+    best = 0
+    for c in pool:
+        cached = ctx.cached_tokens(c)
+        if cached <= best or c.timing is None:
+            continue
+        rate = c.timing.prefill_rate(c.info.max_num_batched_tokens or 8192)
+        wait = (c.queued_prefill_tokens / rate if rate else 0.0) + c.timing.prefill_s(ctx.uncached_tokens(c), cached)
+        if wait <= max_wait_s:
+            best = cached
+    return best
 
 
 def over_queue_threshold(c: Candidate, queue_threshold: float | None) -> bool:
@@ -71,8 +104,10 @@ class Selector:
         last while any other is below it. Costs are written onto every candidate."""
         if not pool:
             return []
+        rho = settings.recompute_weight if settings.routing == "kv" else 0.0
+        held = held_tokens(ctx, pool, settings.slo_ttft_s / 2) if rho > 0 and len(pool) > 1 else 0
         for c in pool:
-            c.cost = worker_cost(ctx, c, settings.overlap_weight)
+            c.cost = worker_cost(ctx, c, settings.overlap_weight, held, rho)
         qt = settings.conditional.queue_threshold
         open_ = [c for c in pool if not over_queue_threshold(c, qt)]
         busy = [c for c in pool if over_queue_threshold(c, qt)]

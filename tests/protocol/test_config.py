@@ -51,6 +51,10 @@ def test_defaults_match_design() -> None:
         ({"routing": "fastest"}, r"routing \(--routing, KVSWITCH_ROUTING\) = 'fastest': allowed values: kv, "),
         ({"disagg": "sometimes"}, r"disagg .* = 'sometimes': allowed values: conditional, always, never"),
         ({"temperature": -1.0}, r"temperature .* must be >= 0"),
+        (
+            {"recompute_weight": -0.5},
+            r"recompute_weight \(--recompute-weight, KVSWITCH_RECOMPUTE_WEIGHT\) = -0.5: must be >= 0",
+        ),
         ({"ttft_link_gbps": 0.0}, r"ttft_link_gbps \(--ttft-link-gbps, KVSWITCH_TTFT_LINK_GBPS\) = 0.0: must be > 0"),
         ({"ttft_stall_weight": -0.1}, r"ttft_stall_weight .* = -0.1: must be >= 0"),
         ({"eff_isl_threshold": "many"}, r"eff_isl_threshold .* = 'many': Expected `int`, got `str`"),

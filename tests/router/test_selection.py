@@ -7,7 +7,9 @@ from collections import Counter
 
 import pytest
 
-from router.selection import Selector, over_queue_threshold, worker_cost
+from router.calibration import timing_of
+from router.request_context import Candidate
+from router.selection import Selector, held_tokens, over_queue_threshold, worker_cost
 from tests.router.builders import BLOCK, cand, ctx, settings
 
 
@@ -86,3 +88,68 @@ def test_workers_over_the_queue_threshold_rank_last() -> None:
     ranked = Selector().rank(ctx(1000, pool), pool, settings(queue_threshold=2.0))
     assert [c.worker for c in ranked] == ["free", "cached_but_busy"]
     assert not over_queue_threshold(cand(queued_prefill_tokens=10**9, max_num_batched_tokens=None), 0.0)
+
+
+# --- the recomputation charge -------------------------------------------------------------------
+
+HALF_SLO = 1.0  # settings() keeps slo_ttft_s at its default of 2 s
+
+
+def timed(name: str, *, overlap: int = 0) -> Candidate:
+    c = cand(name, overlap=overlap)
+    c.timing = timing_of(c.info, None)
+    return c
+
+
+def queue_for_wait(c: Candidate, isl: int, wait_s: float) -> int:
+    """The queued prefill tokens at which `c` would start this prompt after `wait_s`."""
+    assert c.timing is not None
+    r = ctx(isl, [c])
+    rate = c.timing.prefill_rate(c.info.max_num_batched_tokens or 8192)
+    assert rate is not None
+    return int((wait_s - c.timing.prefill_s(r.uncached_tokens(c), r.cached_tokens(c))) * rate)
+
+
+def test_cost_charges_recomputing_what_another_worker_holds() -> None:
+    c = cand(overlap=10, queued_prefill_tokens=320, active_blocks=7)
+    r = ctx(1000, [c])
+    # 40 blocks are held elsewhere; this worker has 10 of them: 30 blocks recomputed, charged 1.5x.
+    expected = 2.5 * (1000 - 10 * BLOCK + 320 + 1.5 * 30 * BLOCK) / BLOCK + 7 + (-(-1000 // BLOCK))
+    assert worker_cost(r, c, 2.5, 40 * BLOCK, 1.5) == pytest.approx(expected)
+    # A worker holding at least as much pays nothing extra.
+    assert worker_cost(r, c, 2.5, 5 * BLOCK, 1.5) == pytest.approx(worker_cost(r, c, 2.5))
+
+
+def test_a_holder_with_a_short_queue_beats_an_idle_worker_only_with_the_charge() -> None:
+    isl = 4096
+    holder = timed("holder", overlap=240)  # 3840 of 4096 tokens cached
+    holder.queued_prefill_tokens = 8192
+    pool = [holder, timed("idle")]
+    seed = Selector().rank(ctx(isl, pool), pool, settings(recompute_weight=0.0))
+    assert seed[0].worker == "idle"  # 4096 own tokens < 256 + 8192 queued
+    charged = Selector().rank(ctx(isl, pool), pool, settings(recompute_weight=2.0))
+    assert charged[0].worker == "holder"  # 4096 + 2 x 3840 > 256 + 8192
+
+
+@pytest.mark.parametrize(("wait_s", "held"), [(HALF_SLO - 0.01, 240 * BLOCK), (HALF_SLO + 0.01, 0)])
+def test_only_a_holder_within_half_the_ttft_slo_counts(wait_s: float, held: int) -> None:
+    isl = 4096
+    holder = timed("holder", overlap=240)
+    holder.queued_prefill_tokens = queue_for_wait(holder, isl, wait_s)
+    assert held_tokens(ctx(isl, [holder]), [holder, timed("idle")], HALF_SLO) == held
+
+
+def test_an_overloaded_holder_sets_no_charge() -> None:
+    isl = 4096
+    holder = timed("holder", overlap=240)
+    holder.queued_prefill_tokens = queue_for_wait(holder, isl, HALF_SLO + 0.5)
+    pool = [holder, timed("idle")]
+    ranked = Selector().rank(ctx(isl, pool), pool, settings(recompute_weight=50.0))
+    assert ranked[0].worker == "idle"
+    assert ranked[0].cost == pytest.approx(worker_cost(ctx(isl, pool), pool[1], 4.0))
+
+
+def test_a_holder_without_timing_is_not_judged() -> None:
+    isl = 4096
+    assert held_tokens(ctx(isl), [cand("holder", overlap=240), timed("idle")], HALF_SLO) == 0
+    assert held_tokens(ctx(isl), [timed("holder", overlap=240), timed("idle")], HALF_SLO) == 240 * BLOCK
