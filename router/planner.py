@@ -38,7 +38,7 @@ from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
 from router.policies import Outcome
-from router.request_context import Candidate, RequestContext
+from router.request_context import FULL_BATCH_TOKENS, Candidate, RequestContext
 from router.selection import Selector, over_queue_threshold
 
 __all__ = ["PlanError", "Planner", "PrefixIndex", "standalone_planner"]
@@ -205,10 +205,7 @@ class Planner:
         qt = s.conditional.queue_threshold
         if qt is not None:
             return not over_queue_threshold(c, qt)
-        if c.timing is not None:
-            rate = c.timing.prefill_rate(c.info.max_num_batched_tokens or 8192)
-        else:
-            rate = prefill_rate(c.info)
+        rate = c.prefill_rate() if c.timing is not None else prefill_rate(c.info)
         return rate is None or c.queued_prefill_tokens / rate <= s.slo_ttft_s / 2
 
     # --- 3 and 4: choose and book -------------------------------------------------------------------
@@ -326,7 +323,7 @@ def prefill_rate(info: WorkerInfo) -> float | None:
     when it registered none (the worker is then never judged full by its backlog)."""
     if not info.timing_profile:
         return None
-    return _profile_rate(info.timing_profile, info.max_num_batched_tokens or 8192)
+    return _profile_rate(info.timing_profile, info.max_num_batched_tokens or FULL_BATCH_TOKENS)
 
 
 @functools.cache

@@ -14,7 +14,9 @@ from typing import Any, Protocol
 from protocol import WorkerInfo
 from router.calibration import WorkerTiming
 
-__all__ = ["Candidate", "LoadLike", "RequestContext"]
+__all__ = ["FULL_BATCH_TOKENS", "Candidate", "LoadLike", "RequestContext"]
+
+FULL_BATCH_TOKENS = 8192  # a worker's prefill batch when it registered no max_num_batched_tokens
 
 
 class LoadLike(Protocol):
@@ -65,6 +67,12 @@ class Candidate:
     @property
     def worker(self) -> str:
         return self.info.worker
+
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens per second it prefills at full batches, by `timing`; None without one."""
+        if self.timing is None:
+            return None
+        return self.timing.prefill_rate(self.info.max_num_batched_tokens or FULL_BATCH_TOKENS)
 
     @classmethod
     def of(cls, info: WorkerInfo, overlap_blocks: int, load: LoadLike | None) -> Candidate:

@@ -25,7 +25,8 @@ prefix tokens another worker of the pool holds pays for them again,
 
 where `held_tokens` is the longest prefix of this prompt cached (or pending) on a worker of the
 pool that could take it within half the TTFT SLO: its predicted prefill backlog plus this prompt's
-uncached prefill, from its calibrated timing (the admission bound, router.planner). The seed cost
+uncached prefill, by its timing (fitted when the router calibrates, else its profile's; the
+admission bound, router.planner). The seed cost
 counts only the request's own prefill, so an idle worker beats a holder with a short queue and
 the fleet computes the prefix twice: capacity every later request waits for. A holder past the
 bound (or with no timing to judge it by) sets no charge, so a hot prefix never piles onto one
@@ -74,7 +75,7 @@ def held_tokens(ctx: RequestContext, pool: Sequence[Candidate], max_wait_s: floa
         cached = ctx.cached_tokens(c)
         if cached <= best or c.timing is None:
             continue
-        rate = c.timing.prefill_rate(c.info.max_num_batched_tokens or 8192)
+        rate = c.prefill_rate()
         wait = (c.queued_prefill_tokens / rate if rate else 0.0) + c.timing.prefill_s(ctx.uncached_tokens(c), cached)
         if wait <= max_wait_s:
             best = cached
