@@ -20,7 +20,7 @@ injected clock.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
 
 from protocol import unpack_hashes
@@ -66,19 +66,29 @@ class PendingPrefixes:
     def forget_worker(self, worker: str) -> None:
         self._by_worker.pop(worker, None)
 
-    def match(self, hashes: Sequence[int], workers: Iterable[str] | None = None) -> dict[str, int]:
-        """Per worker, how many leading `hashes` are pending there (live entries only)."""
+    def match(
+        self, hashes: Sequence[int], workers: Iterable[str] | None = None, after: Mapping[str, int] | None = None
+    ) -> dict[str, int]:
+        """Per worker, how many leading `hashes` it will hold: the first `after[worker]` (what the
+        index already has there), then those pending there (live entries only). A worker appears
+        only when at least one block past `after` is pending on it.
+
+        `after` matters for prompts longer than one prefill chunk: the engine stores (and the
+        events confirm, ending their entries) the first chunk's blocks while the rest are still
+        pending, so the pending run starts where the index's ends, not at the first block."""
         if not hashes or not self._by_worker:
             return {}
         now = self._clock()
-        first = hashes[0]
         wanted = None if workers is None else set(workers)
         out: dict[str, int] = {}
         for worker, held in self._by_worker.items():
-            expiry = held.get(first)
-            if expiry is None or expiry <= now or (wanted is not None and worker not in wanted):
+            start = after.get(worker, 0) if after else 0
+            if start >= len(hashes) or (wanted is not None and worker not in wanted):
                 continue
-            out[worker] = _leading_live(held, hashes, now)
+            expiry = held.get(hashes[start])
+            if expiry is None or expiry <= now:
+                continue
+            out[worker] = start + _leading_live(held, hashes[start:] if start else hashes, now)
         return out
 
     def prune(self) -> None:

@@ -124,7 +124,7 @@ class Planner:
         infos = [i for i in self._workers() if i.model == ctx.model]
         statuses = self.eligibility.statuses(infos)
         overlap = self.index.match(ctx.hashes) if ctx.hashes else {}
-        pending = self.pending.match(ctx.hashes) if ctx.hashes else {}
+        pending = self.pending.match(ctx.hashes, after=overlap) if ctx.hashes else {}
         pools: dict[bool, list[Candidate]] = {True: [], False: []}  # prefill role?
         soft: dict[bool, list[tuple[Candidate, dict[str, Any]]]] = {True: [], False: []}
         excluded: list[dict[str, Any]] = []

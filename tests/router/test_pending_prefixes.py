@@ -68,6 +68,46 @@ def test_booking_again_renews_and_expiry_cuts_a_run_where_it_ends() -> None:
     assert len(pending) == 2
 
 
+def test_the_pending_run_may_start_where_the_index_ends() -> None:
+    pending = PendingPrefixes(20.0, Clock())
+    pending.add("a", [1, 2, 3, 4])
+    pending.add("b", [1, 2, 3, 4])
+    pending.confirm("a", [1, 2])  # a's first chunk is stored: the index holds 1 and 2 there
+    assert pending.match([1, 2, 3, 4, 5], after={"a": 2}) == {"a": 4, "b": 4}
+    assert pending.match([1, 2, 3, 4, 5]) == {"b": 4}  # without the index, a's run has no start
+    assert pending.match([1, 2, 3], after={"a": 3}) == {"b": 3}  # nothing past the index is pending
+
+
+def test_a_prompt_longer_than_a_chunk_counts_as_held_while_its_tail_is_pending() -> None:
+    """The engine stores a long prompt's first prefill chunk, whose events end those entries, while
+    the rest is still pending: a second request on that prompt sees the whole prompt on the holder,
+    not the first chunk, and goes there."""
+    infos = [worker(f"d{i}", "agg") for i in range(4)]
+    clock = Clock()
+    index = BlockIndex()
+    planner = standalone_planner(
+        RouterSettings().validate(),
+        lambda: infos,
+        index=index,
+        view=LoadView(clock=clock),
+        clock=clock,
+        rng=random.Random(0),
+    )
+    prompt = list(range(1000, 1000 + 64 * 16))
+    ctx = planner.context("r0", "m", prompt, 16)
+    first = planner.take(ctx)
+    assert first is not None and len(ctx.hashes) == 64
+    holder = first.decode.worker
+    chunk = ctx.hashes[:32]
+    index.store(holder, chunk)
+    planner.pending.confirm(holder, chunk)
+    second = planner.context("r1", "m", prompt + list(range(9000, 9016)), 16)
+    planner.refresh(second)
+    held = {c.worker: (c.overlap_blocks, c.pending_blocks) for c in second.decode_pool}
+    assert held[holder] == (64, 32)
+    assert all(held[w] == (0, 0) for w in held if w != holder)
+
+
 def test_ttl_zero_is_off() -> None:
     pending = PendingPrefixes(0.0, Clock())
     pending.add("a", [1, 2, 3])
