@@ -168,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rp = sub.add_parser("replay", help="replay a trace or synthetic workload against router URLs")
     rp.add_argument("--url", action="append", default=[], help="router (or engine) base URL; repeat for replicas")
     rp.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
-    rp.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this factor")
+    rp.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this factor (on either clock)")
     rp.add_argument("--latency-scale", type=float, default=1.0, help="multiply latencies by this (the sims' --speedup)")
     rp.add_argument("--metrics-url", action="append", default=[], help="engine URL whose /metrics has prefix counters")
     rp.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
@@ -281,8 +281,10 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     config = CONFIGURATIONS.get(args.configuration)
     if config is None:
         raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
-    if args.speed != 1.0 or args.latency_scale != 1.0 or args.metrics_url:
-        raise ValueError("--speed, --latency-scale and --metrics-url are for the live clock (virtual time needs none)")
+    if args.latency_scale != 1.0 or args.metrics_url:
+        raise ValueError("--latency-scale and --metrics-url are for the live clock (virtual time needs neither)")
+    if not args.speed > 0:
+        raise ValueError(f"--speed must be > 0, got {args.speed}")
     longest = max((item.input_len + item.output_len for item in items), default=0)
     spec = FleetSpec(
         prefill=args.prefill,
@@ -299,7 +301,7 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
         router_profile_error=args.router_profile_error,
     )
     started = time.monotonic()
-    run = VirtualFleet(spec).run(items, TokenSynth(args.seed))
+    run = VirtualFleet(spec).run(items, TokenSynth(args.seed), rate=args.speed)
     results = run.results()
     out = args.out or OUT_DIR / f"replay-{_stamp()}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)

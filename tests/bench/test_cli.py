@@ -3,6 +3,7 @@ test_replay, test_summary and test_compare)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,10 @@ def test_peers_are_refused_on_the_virtual_clock(capsys: pytest.CaptureFixture[st
 def test_live_replay_needs_a_url_and_virtual_refuses_live_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "replay", "--limit", "2"]) == 2
     assert "--url is required (or --clock virtual)" in capsys.readouterr().err
-    assert main(["bench", "replay", "--clock", "virtual", "--agg", "1", "--limit", "2", "--speed", "2"]) == 2
+    assert main(["bench", "replay", "--clock", "virtual", "--agg", "1", "--limit", "2", "--latency-scale", "2"]) == 2
     assert "are for the live clock" in capsys.readouterr().err
+    assert main(["bench", "replay", "--clock", "virtual", "--agg", "1", "--limit", "2", "--speed", "0"]) == 2
+    assert "--speed must be > 0, got 0.0" in capsys.readouterr().err
 
 
 def test_a_bad_delay_names_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,3 +65,15 @@ def test_virtual_replay_writes_results_and_a_summary(tmp_path: Path, capsys: pyt
     printed = capsys.readouterr().out
     assert "10 (10 ok, 0 errors)" in printed and "(virtual time)" in printed
     assert len(out.read_text().splitlines()) == 10
+
+
+def test_virtual_replay_speed_divides_arrival_times(tmp_path: Path) -> None:
+    dues = []
+    for speed in ("1", "4"):
+        out = tmp_path / f"r{speed}.jsonl"
+        argv = ["bench", "replay", "--clock", "virtual", "--agg", "1", "--start", "990", "--limit", "6"]
+        argv += ["--scale-tokens", "0.125", "--speed", speed, "--out", str(out), "--no-progress"]
+        assert main(argv) == 0
+        dues.append([json.loads(line)["due_s"] for line in out.read_text().splitlines()])
+    assert dues[0][-1] > dues[0][0]
+    assert dues[1] == pytest.approx([d / 4 for d in dues[0]])
