@@ -66,9 +66,7 @@ class PendingPrefixes:
     def forget_worker(self, worker: str) -> None:
         self._by_worker.pop(worker, None)
 
-    def match(
-        self, hashes: Sequence[int], workers: Iterable[str] | None = None, after: Mapping[str, int] | None = None
-    ) -> dict[str, int]:
+    def match(self, hashes: Sequence[int], after: Mapping[str, int] | None = None) -> dict[str, int]:
         """Per worker, how many leading `hashes` it will hold: the first `after[worker]` (what the
         index already has there), then those pending there (live entries only). A worker appears
         only when at least one block past `after` is pending on it.
@@ -79,11 +77,10 @@ class PendingPrefixes:
         if not hashes or not self._by_worker:
             return {}
         now = self._clock()
-        wanted = None if workers is None else set(workers)
         out: dict[str, int] = {}
         for worker, held in self._by_worker.items():
             start = after.get(worker, 0) if after else 0
-            if start >= len(hashes) or (wanted is not None and worker not in wanted):
+            if start >= len(hashes):
                 continue
             expiry = held.get(hashes[start])
             if expiry is None or expiry <= now:

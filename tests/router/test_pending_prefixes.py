@@ -32,7 +32,6 @@ def test_match_counts_leading_live_blocks_per_worker() -> None:
     pending.add("b", [1, 2])
     assert pending.match([1, 2, 3, 9]) == {"a": 3, "b": 2}
     assert pending.match([7, 1, 2]) == {}
-    assert pending.match([1, 2, 3], workers=["b"]) == {"b": 2}
 
 
 def test_events_confirm_entries_and_a_cleared_worker_holds_none() -> None:
