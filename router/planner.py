@@ -185,28 +185,64 @@ class Planner:
         request needs a decode worker; prefill workers without room only change the path."""
         return any(self._decode_room(ctx, c) for c in ctx.decode_pool)
 
-    def _keep_room(self, ctx: RequestContext) -> None:
+    def _keep_room(self, ctx: RequestContext, *, record: bool = False) -> None:
         """Narrow both pools to the workers with room, so the choice never lands on a full one;
         with every prefill worker full, the request prefills on its decode worker (one the policy
-        lets prefill it, when the policy judges room)."""
-        ctx.decode_pool = [c for c in ctx.decode_pool if self._decode_room(ctx, c)]
-        full = len(ctx.prefill_pool)
-        ctx.prefill_pool = [c for c in ctx.prefill_pool if self._has_room(c)]
-        ctx.prefill_full = full > 0 and not ctx.prefill_pool
+        lets prefill it, when the policy judges room). `record`: add each worker left out to
+        `ctx.excluded` with why (/debug/route; the request path skips the formatting)."""
+        decode: list[Candidate] = []
+        prefill: list[Candidate] = []
+        full: list[Candidate] = []
+        for c in ctx.decode_pool:
+            (decode if self._decode_room(ctx, c) else full).append(c)
+        for c in ctx.prefill_pool:
+            (prefill if self._has_room(c) else full).append(c)
+        ctx.prefill_full = bool(ctx.prefill_pool) and not prefill
+        if record:
+            ctx.excluded += [self._no_room(ctx, c) for c in full]
         if ctx.prefill_full:
-            ctx.decode_pool = [c for c in ctx.decode_pool if self.disagg.has_room(ctx, c, local=True)]
+            local = [c for c in decode if self.disagg.has_room(ctx, c, local=True)]
+            if record and len(local) < len(decode):
+                why = (
+                    f"every prefill worker is full and the {self.disagg.policy.name} policy's room rule "
+                    "refuses a local prefill here"
+                )
+                kept = {id(c) for c in local}
+                ctx.excluded += [{**c.explain(), "excluded": "room", "why": why} for c in decode if id(c) not in kept]
+            decode = local
+        ctx.decode_pool, ctx.prefill_pool = decode, prefill
+
+    def _no_room(self, ctx: RequestContext, c: Candidate) -> dict[str, Any]:
+        s = self.settings
+        qt = s.conditional.queue_threshold
+        backlog = self._backlog_s(c)
+        if qt is not None and over_queue_threshold(c, qt):
+            why = (
+                f"queued prefill {c.queued_prefill_tokens} tokens over queue_threshold {qt:g} x "
+                f"max_num_batched_tokens {c.info.max_num_batched_tokens}"
+            )
+        elif qt is None and backlog is not None and backlog > s.slo_ttft_s / 2:
+            why = f"predicted prefill backlog {backlog:.2f} s over half the TTFT SLO ({s.slo_ttft_s / 2:g} s)"
+        else:
+            why = f"the {self.disagg.policy.name} policy's room rule: its running requests would miss their TPOT budget"
+        return {**c.explain(), "excluded": "room", "why": why}
 
     def _decode_room(self, ctx: RequestContext, c: Candidate) -> bool:
         """Its predicted prefill backlog fits, and the policy's own room rule lets it decode one more."""
         return self._has_room(c) and self.disagg.has_room(ctx, c, local=False)
+
+    def _backlog_s(self, c: Candidate) -> float | None:
+        """Seconds of prefill queued on `c` at its full-batch rate; None when its rate is unknown."""
+        rate = c.prefill_rate() if c.timing is not None else prefill_rate(c.info)
+        return None if rate is None else c.queued_prefill_tokens / rate
 
     def _has_room(self, c: Candidate) -> bool:
         s = self.settings
         qt = s.conditional.queue_threshold
         if qt is not None:
             return not over_queue_threshold(c, qt)
-        rate = c.prefill_rate() if c.timing is not None else prefill_rate(c.info)
-        return rate is None or c.queued_prefill_tokens / rate <= s.slo_ttft_s / 2
+        backlog = self._backlog_s(c)
+        return backlog is None or backlog <= s.slo_ttft_s / 2
 
     # --- 3 and 4: choose and book -------------------------------------------------------------------
 
@@ -267,8 +303,16 @@ class Planner:
         """/debug/route: the decision the request would get now; books and counts nothing."""
         self.refresh(ctx)
         admissible = self.admissible(ctx)
-        plan = None if admissible else self._spill_plan(ctx)
-        if plan is None:
+        plan = None
+        if admissible:
+            self._keep_room(ctx, record=True)
+            if ctx.decode_pool:
+                plan = self.disagg.plan(ctx)
+        else:
+            plan = self._spill_plan(ctx)
+        waits = plan is None
+        if plan is None:  # it would wait at admission: show the choice over every candidate
+            self.refresh(ctx)
             plan = self.disagg.plan(ctx)
         assert plan is not None
         return {
@@ -279,6 +323,7 @@ class Planner:
             "settings": msgspec.to_builtins(self.settings),
             "policy": self.disagg.policy.name,
             "admissible": admissible,
+            "waits": waits,
             **plan.explain(),
             "excluded": ctx.excluded,
         }

@@ -282,6 +282,37 @@ def test_explain_books_and_counts_nothing() -> None:
     assert f.view.bookings("d1") == 0 and dict(f.planner.disagg.counts) == before
 
 
+def test_explain_leaves_out_a_worker_without_room_as_take_does_and_says_why() -> None:
+    """d1 holds the whole 64 k-token prompt but has ~1.2 s of prefill queued (past half the 2 s TTFT
+    SLO): over every candidate it is the cheapest (its queue costs less than d2's prefill), but it
+    has no room, so the request goes to d2, and the dry run must say so rather than show d1."""
+    f = Fleet(winfo("d1"), winfo("d2"))
+    prompt = list(range(65_536))
+    f.index.store("d1", f.ctx(prompt).hashes)
+    f.report("d1", prefill_tokens_queued=40_000)
+    info = f.planner.explain(f.ctx(prompt))
+    assert (info["decode_worker"], info["admissible"], info["waits"]) == ("d2", True, False)
+    (room,) = info["excluded"]
+    assert room["worker"] == "d1" and room["excluded"] == "room"
+    assert "predicted prefill backlog 1.2" in room["why"] and "over half the TTFT SLO (1 s)" in room["why"]
+    plan = f.planner.take(f.ctx(prompt, "r2"))
+    assert plan is not None and plan.decode.worker == "d2" and plan.ctx.excluded == []
+
+
+def test_explain_names_the_policy_room_rule_and_says_when_a_request_would_wait() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"), winfo("p1", "prefill"), conditional_disagg=True)
+    f.planner.configure(settings(conditional_disagg=True, conditional_disagg_policy="slo_aware"))
+    f.report("d1", running=100)  # its running requests are at their TPOT budget
+    info = f.planner.explain(f.ctx(list(range(64))))
+    assert info["decode_worker"] == "d2" and not info["waits"]
+    (room,) = info["excluded"]
+    assert room["worker"] == "d1" and "slo_aware policy's room rule" in room["why"]
+    f.report("d2", running=100)
+    info = f.planner.explain(f.ctx(list(range(64))))
+    assert (info["admissible"], info["waits"]) == (False, True)
+    assert f.planner.take(f.ctx(list(range(64)), "r2")) is None
+
+
 def test_an_unhealthy_worker_is_left_out_only_while_a_healthy_one_remains() -> None:
     f = Fleet(winfo("d1"), winfo("d2"))
     f.view.update(LoadReport(worker="d1", ts=f.clock(), period_s=0.5, healthy=False))
