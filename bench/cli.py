@@ -308,6 +308,12 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     write_results(out, results)
     summary = summarize(results, slo=Slo(args.slo_ttft, args.slo_itl), prefix=run.prefix, clock="virtual")
     print(format_summary(summary))
+    reach = run.reach
+    if reach.prompt:
+        print(
+            f"prefix reach {reach.held / reach.prompt:.1%} held, {reach.with_room / reach.prompt:.1%} with room, "
+            f"{reach.chosen / reach.prompt:.1%} chosen, of {reach.prompt:,} prompt tokens routed (routers' view)"
+        )
     print(f"per-request results: {out}")
     print(f"virtual clock: {run.virtual_s:.1f} s simulated in {time.monotonic() - started:.1f} s wall")
     return 0 if summary.ok else 1

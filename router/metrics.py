@@ -37,6 +37,7 @@ class StateFigures:
     inflight: int = 0
     workers: int = 0
     timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
+    prompt_tokens: Mapping[str, int] = field(default_factory=dict)  # router.planner.PrefixReach
 
 
 class _StateCollector(Collector):
@@ -64,6 +65,15 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvswitch_router_queue_depth", "Requests waiting for admission", s.queue_depth)
         yield GaugeMetricFamily("kvswitch_router_inflight_requests", "Requests being served", s.inflight)
         yield GaugeMetricFamily("kvswitch_router_workers", "Registered workers", s.workers)
+        reach = CounterMetricFamily(
+            "kvswitch_router_prompt_tokens",
+            "Prompt tokens routed (reach=prompt), and of them cached on the decode candidate holding the longest "
+            "prefix (held), on the best one with room (with_room), on the one chosen (chosen)",
+            labels=["reach"],
+        )
+        for name, n in s.prompt_tokens.items():
+            reach.add_metric([name], n)
+        yield reach
         scale = GaugeMetricFamily(
             "kvswitch_router_timing_scale",
             "A worker's engine time over its timing profile's, as calibrated from its load reports",

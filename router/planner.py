@@ -24,6 +24,7 @@ import functools
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -41,7 +42,7 @@ from router.policies import Outcome
 from router.request_context import FULL_BATCH_TOKENS, Candidate, RequestContext
 from router.selection import Selector, over_queue_threshold
 
-__all__ = ["PlanError", "Planner", "PrefixIndex", "standalone_planner"]
+__all__ = ["PlanError", "Planner", "PrefixIndex", "PrefixReach", "standalone_planner"]
 
 
 class PrefixIndex(Protocol):
@@ -55,6 +56,23 @@ class PlanError(Exception):
         self.code = code
         self.message = message
         super().__init__(message)
+
+
+@dataclass(slots=True)
+class PrefixReach:
+    """Prompt tokens of the requests this planner routed (first attempts), and how many of them
+    were cached, as the index and pending prefixes saw it: on the decode candidate holding the
+    longest prefix, on the best one with room, and on the one chosen. The differences say where a
+    prefix hit rate goes: `held - with_room` to admission's room rule, `with_room - chosen` to the
+    cost's trade of a hit against load."""
+
+    prompt: int = 0
+    held: int = 0
+    with_room: int = 0
+    chosen: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt": self.prompt, "held": self.held, "with_room": self.with_room, "chosen": self.chosen}
 
 
 class Planner:
@@ -85,6 +103,7 @@ class Planner:
         self.calibration = calibration
         self._hashers: dict[int, BlockHasher] = {}
         self._attempts: dict[str, int] = {}
+        self.reach = PrefixReach()
 
     @property
     def settings(self) -> RouterSettings:
@@ -249,16 +268,27 @@ class Planner:
     def take(self, ctx: RequestContext) -> RoutePlan | None:
         """The booked plan for the request's first attempt, or None while no worker has room."""
         self.refresh(ctx)
+        held = _longest(ctx)
         if not self.admissible(ctx):
             plan = self._spill_plan(ctx)
             if plan is None:
                 return None
             self.disagg.record(plan.outcome)
+            self._reached(ctx, held, ctx.cached_tokens(plan.decode), plan)
             return self._book(ctx, plan)
         self._keep_room(ctx)
         if not ctx.decode_pool:
             return None  # room to decode, but no decode worker the policy lets prefill it
-        return self._book(ctx, self._choose(ctx))
+        plan = self._choose(ctx)
+        self._reached(ctx, held, _longest(ctx), plan)
+        return self._book(ctx, plan)
+
+    def _reached(self, ctx: RequestContext, held: int, with_room: int, plan: RoutePlan) -> None:
+        r = self.reach
+        r.prompt += ctx.isl
+        r.held += held
+        r.with_room += with_room
+        r.chosen += ctx.cached_tokens(plan.decode)
 
     def _spill_plan(self, ctx: RequestContext) -> RoutePlan | None:
         """With spill_to_prefill on and no decode worker with room: a prefill worker with room
@@ -378,3 +408,8 @@ def _profile_rate(profile: str, batch: int) -> float | None:
     except ValueError:
         return None
     return batch / seconds if seconds > 0 else None
+
+
+def _longest(ctx: RequestContext) -> int:
+    """Prompt tokens cached (or pending) on the decode candidate that holds the most of them."""
+    return max(map(ctx.cached_tokens, ctx.decode_pool), default=0)

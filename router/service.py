@@ -517,4 +517,5 @@ class RouterService:
             inflight=self._path.inflight if self._path is not None else 0,
             workers=len(self._registry.workers()) if self._registry is not None else 0,
             timing=self.calibration.factors() if self.calibration is not None else {},
+            prompt_tokens=self._planner.reach.as_dict() if self._planner else {},
         )

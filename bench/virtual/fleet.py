@@ -35,6 +35,7 @@ from protocol.config import RouterSettings, add_flags, resolve
 from protocol.messages import Role
 from protocol.timing import TimingModel
 from router.calibration import MAX_SCALE, MIN_SCALE, Calibration
+from router.planner import PrefixReach
 
 __all__ = ["FleetSpec", "VirtualFleet", "VirtualRun", "settings_from_args"]
 
@@ -91,6 +92,7 @@ class VirtualRun:
     events: int  # callbacks the clock ran
     fallbacks: int
     refused: int
+    reach: PrefixReach  # summed over the replicas
 
     def results(self) -> list[RequestResult]:
         """What the client saw, as the live replay records it (seconds, virtual)."""
@@ -241,6 +243,7 @@ class VirtualFleet:
             events=self.clock.events,
             fallbacks=sum(r.fallbacks for r in self.routers),
             refused=sum(r.refused + r.timed_out for r in self.routers),
+            reach=_summed([r.planner.reach for r in self.routers]),
         )
 
     def _arrive(
@@ -272,3 +275,7 @@ class VirtualFleet:
     def _stop(self) -> None:
         for shim in self.shims.values():
             shim.running = False
+
+
+def _summed(reaches: Sequence[PrefixReach]) -> PrefixReach:
+    return PrefixReach(*(sum(getattr(r, f) for r in reaches) for f in ("prompt", "held", "with_room", "chosen")))

@@ -501,6 +501,7 @@ async def test_metrics_report_requests_decisions_and_index(agg: Cluster, http: a
         text = await r.text()
     assert 'kvswitch_router_requests_total{code="200",endpoint="completions"} 2.0' in text
     assert 'kvswitch_router_decisions_total{outcome="aggregated"} 2.0' in text
+    assert 'kvswitch_router_prompt_tokens_total{reach="prompt"} 103.0' in text  # 100 + 3 prompt tokens
     assert "kvswitch_router_ttft_seconds_count" in text and "kvswitch_router_itl_seconds_count" in text
     blocks = next(line for line in text.splitlines() if line.startswith("kvswitch_router_index_blocks "))
     assert float(blocks.split()[1]) >= 6

@@ -313,6 +313,31 @@ def test_explain_names_the_policy_room_rule_and_says_when_a_request_would_wait()
     assert f.planner.take(f.ctx(list(range(64)), "r2")) is None
 
 
+def test_prefix_reach_tells_room_and_choice_losses_apart() -> None:
+    f = Fleet(winfo("d1"), winfo("d2"))
+    prompt = list(range(65_536))
+    hashes = f.ctx(prompt).hashes
+    f.index.store("d1", hashes)
+    f.report("d1", prefill_tokens_queued=40_000)  # past half the TTFT SLO: no room
+    plan = f.planner.take(f.ctx(prompt, "r1"))
+    assert plan is not None and plan.decode.worker == "d2"
+    held = len(hashes) * BLOCK
+    assert f.planner.reach.as_dict() == {"prompt": 65_536, "held": held, "with_room": 0, "chosen": 0}
+    f.report("d1")  # d1's queue drained: it has room, and its prefix wins
+    plan = f.planner.take(f.ctx(prompt + [7] * 16, "r2"))
+    assert plan is not None and plan.decode.worker == "d1"
+    assert f.planner.reach.as_dict() == {
+        "prompt": 2 * 65_536 + 16,
+        "held": 2 * held,
+        "with_room": held,
+        "chosen": held,
+    }
+    f.report("d1", prefill_tokens_queued=40_000)
+    f.report("d2", prefill_tokens_queued=40_000)
+    assert f.planner.take(f.ctx(prompt, "r3")) is None  # it waits: nothing routed, nothing counted
+    assert f.planner.reach.prompt == 2 * 65_536 + 16
+
+
 def test_an_unhealthy_worker_is_left_out_only_while_a_healthy_one_remains() -> None:
     f = Fleet(winfo("d1"), winfo("d2"))
     f.view.update(LoadReport(worker="d1", ts=f.clock(), period_s=0.5, healthy=False))
