@@ -115,7 +115,11 @@ def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
 
 
 def _add_clock_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("virtual clock (--clock virtual: one process, modelled hops, simulated time)")
+    g = p.add_argument_group(
+        "virtual clock (--clock virtual: one process, modelled hops, simulated time)",
+        "The virtual routers take their settings from the configuration's flags (and replay's --router-arg)"
+        " alone: KVSWITCH_* variables and config files do not reach them, so a run depends on its command.",
+    )
     g.add_argument("--clock", choices=["live", "virtual"], default="live", help="live processes, or the virtual clock")
     for name in Delays.__struct_fields__:
         flag = "--" + name.removesuffix("_s").replace("_", "-") + "-delay"
