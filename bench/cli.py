@@ -280,6 +280,7 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     from bench.compare import CONFIGURATIONS
     from bench.replay import write_results
     from bench.trace import TokenSynth
+    from bench.ttft_floor import ceiling_cached
     from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
 
     config = CONFIGURATIONS.get(args.configuration)
@@ -314,9 +315,12 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     print(format_summary(summary))
     reach = run.reach
     if reach.prompt:
+        ordered = sorted(items, key=lambda i: i.arrival_s)
+        ceiling = sum(ceiling_cached(ordered, spec.block_size)) / max(sum(i.input_len for i in ordered), 1)
         print(
             f"prefix reach {reach.held / reach.prompt:.1%} held, {reach.with_room / reach.prompt:.1%} with room, "
-            f"{reach.chosen / reach.prompt:.1%} chosen, of {reach.prompt:,} prompt tokens routed (routers' view)"
+            f"{reach.chosen / reach.prompt:.1%} chosen, of {reach.prompt:,} prompt tokens routed (routers' view); "
+            f"one never-evicting cache {ceiling:.1%}"
         )
     print(f"per-request results: {out}")
     print(f"virtual clock: {run.virtual_s:.1f} s simulated in {time.monotonic() - started:.1f} s wall")

@@ -28,7 +28,7 @@ import numpy as np
 from bench.workloads import WorkItem
 from protocol.timing import TimingModel
 
-__all__ = ["floor_p90", "ttft_floor"]
+__all__ = ["ceiling_cached", "floor_p90", "ttft_floor"]
 
 
 def ttft_floor(
@@ -36,9 +36,20 @@ def ttft_floor(
 ) -> list[float]:
     """Seconds, one per item in arrival order; `budget`, `block_size` and `max_num_seqs` are the
     engines'."""
+    ordered = sorted(items, key=lambda i: i.arrival_s)
+    return [
+        _least_prefill(model, item.input_len - cached, cached, budget, max_num_seqs)
+        for item, cached in zip(ordered, ceiling_cached(ordered, block_size), strict=True)
+    ]
+
+
+def ceiling_cached(items: Sequence[WorkItem], block_size: int) -> list[int]:
+    """Prompt tokens per item (in the order given, which must be arrival order) that one cache for
+    the whole fleet, never evicting, would hold when it arrives: the single-cache ceiling of any
+    router's prefix hit rate."""
     seen: set[int] = set()
     out = []
-    for item in sorted(items, key=lambda i: i.arrival_s):
+    for item in items:
         chain, matched, prefix = 0, True, 0
         for seg_id, n in item.segments:
             chain = hash((chain, seg_id))
@@ -47,8 +58,7 @@ def ttft_floor(
             else:
                 matched = False
                 seen.add(chain)
-        cached = min(prefix // block_size * block_size, (item.input_len - 1) // block_size * block_size)
-        out.append(_least_prefill(model, item.input_len - cached, cached, budget, max_num_seqs))
+        out.append(min(prefix // block_size * block_size, (item.input_len - 1) // block_size * block_size))
     return out
 
 

@@ -64,7 +64,7 @@ def test_virtual_replay_writes_results_and_a_summary(tmp_path: Path, capsys: pyt
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "10 (10 ok, 0 errors)" in printed and "(virtual time)" in printed
-    assert "chosen, of " in printed and "prompt tokens routed (routers' view)" in printed
+    assert "chosen, of " in printed and "prompt tokens routed (routers' view); one never-evicting cache" in printed
     assert len(out.read_text().splitlines()) == 10
 
 

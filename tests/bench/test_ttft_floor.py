@@ -7,7 +7,7 @@ import pytest
 from bench.summary import Percentiles, Slo, summarize
 from bench.sweep import Fleet, SweepPoint, format_sweep, ratios
 from bench.trace import TokenSynth, load_trace, shipped_trace
-from bench.ttft_floor import floor_p90, ttft_floor
+from bench.ttft_floor import ceiling_cached, floor_p90, ttft_floor
 from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
 from bench.workloads import WorkItem, from_trace
 from protocol.timing import TimingModel
@@ -23,6 +23,16 @@ def _least(new: int, cached: int) -> float:
 
 def _item(t: float, *segments: tuple[int, int]) -> WorkItem:
     return WorkItem(arrival_s=t, segments=segments, output_len=4, tag=f"t{t:g}")
+
+
+def test_the_single_cache_ceiling_counts_whole_blocks_of_earlier_prefixes() -> None:
+    items = [
+        _item(0, (1, 40), (2, 16)),
+        _item(1, (1, 40), (3, 16)),  # 40 shared tokens: 2 whole blocks
+        _item(2, (4, 48)),  # nothing shared
+        _item(3, (1, 40), (2, 16)),  # all 56 shared, but the last token is computed: 3 blocks
+    ]
+    assert ceiling_cached(items, 16) == [0, 32, 0, 48]
 
 
 def test_only_what_no_earlier_request_brought_is_computed() -> None:
