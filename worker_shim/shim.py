@@ -498,11 +498,13 @@ class WorkerShim:
         return presence
 
     async def _close_presence(self, presence: _Presence) -> None:
-        await self._end_epoch(presence, cleared=True)
+        # Unsubscribe before the Cleared goes out: on one connection the server applies the UNSUBs
+        # first, so whoever sees the Cleared gets "no responders" from the id at once, not a timeout.
         subs, presence.subs = presence.subs, []
         for sub in subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        await self._end_epoch(presence, cleared=True)
 
     async def _on_registered(self, worker: str) -> None:
         presence = self._presence
