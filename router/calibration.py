@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel
 
-__all__ = ["MAX_SCALE", "MIN_SCALE", "Calibration", "WorkerTiming", "timing_of"]
+__all__ = ["FULL_BATCH_TOKENS", "MAX_SCALE", "MIN_SCALE", "Calibration", "WorkerTiming", "timing_of"]
 
 log = logging.getLogger(__name__)
 MIN_SCALE = 0.2
@@ -76,7 +76,7 @@ MAX_SCALE = 5.0
 WINDOW_S = 10.0
 MAX_GAP_PERIODS = 2.0
 PROMPT_DECAY = 0.8  # per interval with prompts: the average prompt follows the last ten or so
-_DEFAULT_MNBT = 8192
+FULL_BATCH_TOKENS = 8192  # a worker's prefill batch when it registered no max_num_batched_tokens
 
 
 @dataclass(slots=True)
@@ -314,7 +314,7 @@ class Calibration:
             return 0.0, 0.0
         decode_tokens = max(report.itl_count - prev.itl_count, 0)
         prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - decode_tokens, 0)
-        mnbt = info.max_num_batched_tokens or _DEFAULT_MNBT
+        mnbt = info.max_num_batched_tokens or FULL_BATCH_TOKENS
         new, cached = prompt if prompt is not None else (mnbt, 0)
         if not decode_tokens:
             chunk = prefill_tokens / steps

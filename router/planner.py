@@ -20,7 +20,6 @@ this same object.
 
 from __future__ import annotations
 
-import functools
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +30,6 @@ import msgspec
 
 from protocol import BlockHasher, WorkerInfo
 from protocol.config import RouterSettings
-from protocol.timing import TimingModel
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
 from router.eligibility import Eligibility, model_block_sizes
@@ -39,7 +37,7 @@ from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
 from router.policies import Outcome
-from router.request_context import FULL_BATCH_TOKENS, Candidate, RequestContext
+from router.request_context import Candidate, RequestContext
 from router.selection import Selector, over_queue_threshold
 
 __all__ = ["PlanError", "Planner", "PrefixIndex", "PrefixReach", "standalone_planner"]
@@ -252,7 +250,7 @@ class Planner:
 
     def _backlog_s(self, c: Candidate) -> float | None:
         """Seconds of prefill queued on `c` at its full-batch rate; None when its rate is unknown."""
-        rate = c.prefill_rate() if c.timing is not None else prefill_rate(c.info)
+        rate = c.prefill_rate()
         return None if rate is None else c.queued_prefill_tokens / rate
 
     def _has_room(self, c: Candidate) -> bool:
@@ -391,23 +389,6 @@ def standalone_planner(
         clock=clock,
         calibration=calibration,
     )
-
-
-def prefill_rate(info: WorkerInfo) -> float | None:
-    """Prompt tokens per second the worker prefills at full batches, from its timing profile; None
-    when it registered none (the worker is then never judged full by its backlog)."""
-    if not info.timing_profile:
-        return None
-    return _profile_rate(info.timing_profile, info.max_num_batched_tokens or FULL_BATCH_TOKENS)
-
-
-@functools.cache
-def _profile_rate(profile: str, batch: int) -> float | None:
-    try:
-        seconds = TimingModel.for_profile(profile).prefill(batch)
-    except ValueError:
-        return None
-    return batch / seconds if seconds > 0 else None
 
 
 def _longest(ctx: RequestContext) -> int:

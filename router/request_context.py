@@ -8,15 +8,15 @@ except that selection records its choice in `decode` and `prefill`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol import WorkerInfo
-from router.calibration import WorkerTiming
+from protocol.timing import TimingModel
+from router.calibration import FULL_BATCH_TOKENS, WorkerTiming
 
 __all__ = ["FULL_BATCH_TOKENS", "Candidate", "LoadLike", "RequestContext"]
-
-FULL_BATCH_TOKENS = 8192  # a worker's prefill batch when it registered no max_num_batched_tokens
 
 
 class LoadLike(Protocol):
@@ -69,9 +69,10 @@ class Candidate:
         return self.info.worker
 
     def prefill_rate(self) -> float | None:
-        """Prompt tokens per second it prefills at full batches, by `timing`; None without one."""
+        """Prompt tokens per second it prefills at full batches: by `timing`, else by its profile;
+        None with neither."""
         if self.timing is None:
-            return None
+            return _profile_prefill_rate(self.info)
         return self.timing.prefill_rate(self.info.max_num_batched_tokens or FULL_BATCH_TOKENS)
 
     @classmethod
@@ -142,3 +143,20 @@ class RequestContext:
     def new_blocks(self, candidate: Candidate) -> int:
         """Blocks this request would allocate on `candidate` beyond the ones it already caches."""
         return max(self.request_blocks - candidate.overlap_blocks, 0)
+
+
+def _profile_prefill_rate(info: WorkerInfo) -> float | None:
+    """Prompt tokens per second the worker prefills at full batches, from its timing profile; None
+    when it registered none (the worker is then never judged full by its backlog)."""
+    if not info.timing_profile:
+        return None
+    return _profile_rate(info.timing_profile, info.max_num_batched_tokens or FULL_BATCH_TOKENS)
+
+
+@functools.cache
+def _profile_rate(profile: str, batch: int) -> float | None:
+    try:
+        seconds = TimingModel.for_profile(profile).prefill(batch)
+    except ValueError:
+        return None
+    return batch / seconds if seconds > 0 else None

@@ -51,6 +51,7 @@ import random
 from collections.abc import Sequence
 
 from protocol.config import RouterSettings
+from router.calibration import timing_of
 from router.request_context import Candidate, RequestContext
 
 __all__ = ["Selector", "held_tokens", "over_queue_threshold", "worker_cost"]
@@ -68,15 +69,18 @@ def worker_cost(
 
 def held_tokens(ctx: RequestContext, pool: Sequence[Candidate], max_wait_s: float) -> int:
     """The longest prefix of the prompt cached on a worker of `pool` that would start it within
-    `max_wait_s`: its queued prefill plus this prompt's uncached part, at its predicted speed.
-    Workers without timing are not judged, and count for nothing."""
+    `max_wait_s`: its queued prefill plus this prompt's uncached part, at its predicted speed
+    (fitted, else its profile's). Workers with neither are not judged, and count for nothing."""
     best = 0
     for c in pool:
         cached = ctx.cached_tokens(c)
-        if cached <= best or c.timing is None:
+        if cached <= best:
+            continue
+        timing = timing_of(c.info, c.timing)
+        if timing is None:
             continue
         rate = c.prefill_rate()
-        wait = (c.queued_prefill_tokens / rate if rate else 0.0) + c.timing.prefill_s(ctx.uncached_tokens(c), cached)
+        wait = (c.queued_prefill_tokens / rate if rate else 0.0) + timing.prefill_s(ctx.uncached_tokens(c), cached)
         if wait <= max_wait_s:
             best = cached
     return best

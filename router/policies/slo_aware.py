@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 from protocol import ConfigError
 from protocol.config import RouterSettings
-from router.calibration import WorkerTiming, timing_of
+from router.calibration import FULL_BATCH_TOKENS, WorkerTiming, timing_of
 from router.policies.decision import Decision, Outcome
 from router.request_context import Candidate, RequestContext
 
@@ -76,7 +76,6 @@ NAME = "slo_aware"
 _INITIAL_OUTPUT_LEN = 128.0
 _INITIAL_PROMPT_LEN = 4096.0
 _EWMA_WEIGHT = 0.02  # each request's weight in L and C
-_DEFAULT_MNBT = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +130,7 @@ class SloAware:
         new_d, new_p = n - cd, n - cp
         batch = d.running
         context = self.context
-        mnbt = d.info.max_num_batched_tokens or _DEFAULT_MNBT
+        mnbt = d.info.max_num_batched_tokens or FULL_BATCH_TOKENS
         q_d, q_p = d.queued_prefill_tokens, p.queued_prefill_tokens
         steps = math.ceil((q_d + new_d) / mnbt)
         local = td.prefill_s(q_d) + td.prefill_s(new_d, cd) + steps * td.decode_s(batch, context)
@@ -166,7 +165,7 @@ class SloAware:
             # The prefill worker keeps prefilling while the request decodes there: at a share u of
             # its time busy with the prompts booked on it, each step stretches by 1 / (1 - u). What
             # the request would get alone on the idle engine is never a reason to refuse it.
-            rate = td.prefill_rate(c.info.max_num_batched_tokens or _DEFAULT_MNBT)
+            rate = td.prefill_rate(c.info.max_num_batched_tokens or FULL_BATCH_TOKENS)
             busy = c.prefill_inflow / rate if rate else 0.0
             if busy >= 1.0:
                 return False

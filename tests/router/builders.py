@@ -31,8 +31,8 @@ def worker(
     )
 
 
-def cand(name: str = "d1", role: Role = "decode", *, overlap: int = 0, **load: int | None) -> Candidate:
-    info_keys = {"kv_total_blocks", "max_num_batched_tokens"}
+def cand(name: str = "d1", role: Role = "decode", *, overlap: int = 0, **load: int | str | None) -> Candidate:
+    info_keys = {"kv_total_blocks", "max_num_batched_tokens", "timing_profile"}
     info = worker(name, role, **{k: v for k, v in load.items() if k in info_keys})  # type: ignore[arg-type]
     c = Candidate(info=info, overlap_blocks=overlap, kv_total_blocks=info.kv_total_blocks)
     for key, value in load.items():

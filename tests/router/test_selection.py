@@ -151,5 +151,6 @@ def test_an_overloaded_holder_sets_no_charge() -> None:
 
 def test_a_holder_without_timing_is_not_judged() -> None:
     isl = 4096
-    assert held_tokens(ctx(isl), [cand("holder", overlap=240), timed("idle")], HALF_SLO) == 0
+    unprofiled = cand("holder", overlap=240, timing_profile=None)  # no profile, no calibration
+    assert held_tokens(ctx(isl), [unprofiled, timed("idle")], HALF_SLO) == 0
     assert held_tokens(ctx(isl), [timed("holder", overlap=240), timed("idle")], HALF_SLO) == 240 * BLOCK
