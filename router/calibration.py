@@ -18,7 +18,9 @@ counters, protocol.messages LoadReport):
 
     y   = t2 - t1                                      (t: engine_ts, else ts)
     S   = iterations, D = itl_count (decode tokens), P = iteration_tokens - D (prefill tokens)
-    x_d = S * decode(D / S, C)                         (C = kv_used_blocks * block_size / running)
+    x_d = S * decode(D / S, C)                         (C = decode_context: the decoding requests'
+                                                        mean prompt + output so far, as the shim
+                                                        counts them)
     x_p = S * prefill(P / S, k + max(n - P / S, 0) / 2)   if D == 0 (a prefill-only engine)
         = P * marginal(n, k, D / S) / n                   else (prefill chunks inside decode steps)
 
@@ -28,6 +30,14 @@ attends to the prompt's cached tokens and its earlier chunks, and on the profile
 marginal a prompt's chunks cost exactly what `marginal(n, k, B)` charges the whole prompt. An
 engine that reports no prompt counters is read with n = mnbt, k = 0 (one full chunk with no
 context).
+
+C is per sequence because a decode step reads each running sequence's whole KV, a prefix shared
+with other sequences included (vLLM's paged attention does; engine_sim charges it so). C used to
+be kv_used_blocks * block_size / running, which counts a shared prefix once: on requests sharing
+a 4 k-token system prompt, decode workers fitted k_d of 1.3-2.0 against their own, right profile,
+and slo_aware's room rule, reading that, held back requests that would have met their TPOT
+(docs/benchmarks.md, "Self-calibration"). A reading with decode_context 0 (a shim from before the
+field, or nothing decoding through the shim) still falls back to that estimate.
 
 Windows, not single intervals, because vLLM counts a prompt's tokens when its first token comes
 out (and only steps with outputs), not while its chunks run: the tokens of a long prompt land in a
@@ -321,7 +331,7 @@ class Calibration:
             context = 0 if prompt is None else round(cached + max(new - chunk, 0) / 2)
             return 0.0, steps * shape.prefill(round(chunk), context)
         at = report if report.running > 0 else prev  # went idle: the last busy reading's context
-        context_d = at.kv_used_blocks * info.block_size / max(at.running, 1)
+        context_d = at.decode_context or at.kv_used_blocks * info.block_size / max(at.running, 1)
         batch = max(round(decode_tokens / steps), 1)
         return steps * shape.decode(batch, context_d), prefill_tokens * shape.marginal(new, cached, batch) / new
 

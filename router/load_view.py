@@ -73,6 +73,7 @@ class WorkerLoad:
     period_s: float = 1.0  # the shim reports at least this often
     events_ok: bool = True
     prefill_inflow: float = 0.0  # prompt tokens per second booked here lately (INFLOW_TAU_S), any router's
+    decode_context: float = 0.0  # the decoding requests' mean length, as its shim last reported (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +337,7 @@ class LoadView:
             period_s=r.period_s,
             events_ok=r.events_ok,
             prefill_inflow=inflow,
+            decode_context=r.decode_context,
         )
 
     def bookings(self, worker: str) -> int:

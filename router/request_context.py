@@ -36,6 +36,8 @@ class LoadLike(Protocol):
     def active_blocks(self) -> int: ...
     @property
     def prefill_inflow(self) -> float: ...
+    @property
+    def decode_context(self) -> float: ...
 
 
 @dataclass(slots=True)
@@ -47,7 +49,8 @@ class Candidate:
     `cost` is written by selection. `timing`: the worker's calibrated timing (router.calibration),
     None when the router calibrates none. `pending_blocks`: of the `overlap_blocks`, how many are
     only pending (routed there, not in the index yet: router.pending_prefixes). `prefill_inflow`:
-    prompt tokens per second booked on it lately, any router's (router.load_view).
+    prompt tokens per second booked on it lately, any router's (router.load_view). `decode_context`:
+    its decoding requests' mean length as its shim last reported, 0.0 when unknown.
     """
 
     info: WorkerInfo
@@ -58,6 +61,7 @@ class Candidate:
     queued_prefill_tokens: int = 0
     active_blocks: int = 0
     prefill_inflow: float = 0.0
+    decode_context: float = 0.0
     kv_used_blocks: int = 0
     kv_total_blocks: int | None = None
     healthy: bool = True
@@ -87,6 +91,7 @@ class Candidate:
             queued_prefill_tokens=load.prefill_tokens_queued,
             active_blocks=load.active_blocks,
             prefill_inflow=load.prefill_inflow,
+            decode_context=load.decode_context,
             kv_used_blocks=load.kv_used_blocks,
             kv_total_blocks=load.kv_total_blocks or info.kv_total_blocks,
         )

@@ -7,12 +7,14 @@ It turns the engine's KV events into canonical `KvEventBatch`es on `{ns}.kv.{wor
 
 from worker_shim.adapters import EngineAdapter, EngineError, EngineLimits, EngineLoad, make_adapter
 from worker_shim.config import ENGINES, ShimConfig
+from worker_shim.decode_context import DecodeContext
 from worker_shim.engine_events import EngineBatch, EngineCleared, EngineRemoved, EngineStored
 from worker_shim.normaliser import Normaliser
 from worker_shim.shim import ShimStatus, WorkerShim
 
 __all__ = [
     "ENGINES",
+    "DecodeContext",
     "EngineAdapter",
     "EngineBatch",
     "EngineCleared",

@@ -46,6 +46,7 @@ class LoadReporter:
         poll_s: float = 0.25,
         digest: Callable[[], KvDigestAt | None] = lambda: None,
         events_ok: Callable[[], bool] = lambda: True,
+        decode_context: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.nc = nc
         self.subject = subjects.load(ns, worker)
@@ -57,6 +58,7 @@ class LoadReporter:
         self.poll_s = min(poll_s, period_s)
         self.digest = digest
         self.events_ok = events_ok
+        self.decode_context = decode_context
         self.published = 0
         self._engine = EngineLoad()
         self._engine_at = 0.0
@@ -116,6 +118,7 @@ class LoadReporter:
             itl_count=t.itl_count,
             itl_seconds=t.itl_seconds,
             engine_ts=self._engine_at,
+            decode_context=self.decode_context(),
         )
 
     async def _poll_loop(self) -> None:

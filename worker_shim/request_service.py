@@ -28,6 +28,10 @@ runs the service looks every PREFILL_POLL_S at whether the engine's KV events co
 full blocks; when they do its tokens stop counting as queued and a `prefilled` chunk tells the
 router. An engine that caches nothing (no prefix caching) leaves them queued until the answer.
 
+`contexts` counts the legs decoding (worker_shim.decode_context): a decode or agg leg from its
+first streamed token, or a whole answer's leg from that `prefilled` moment at its prompt's length,
+until it ends. The load reports carry their mean as `decode_context`.
+
 Heartbeats: a leg whose request asks for them (`heartbeat_s` > 0) sends an empty, non-final chunk
 with the next seq whenever it has sent nothing for `heartbeat_s`, prefill and non-streaming legs
 included, so a router tells a long prefill from a dead worker.
@@ -60,6 +64,7 @@ from protocol import (
 )
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
+from worker_shim.decode_context import DecodeContext
 from worker_shim.tracing import LegTracer
 
 __all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "PREFILL_POLL_S", "RequestService"]
@@ -266,6 +271,7 @@ class RequestService:
         self.held_chunks = 0  # chunks held back for the coalescing mark (under load only)
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self._queued = 0
+        self.contexts = DecodeContext()  # the legs decoding, for LoadReport.decode_context
         self.resumes = 0
         # Legs that ended lately, for a router that lost their last chunks (a NATS node died).
         self.recent: OrderedDict[str, _ChunkWriter] = OrderedDict()
@@ -388,6 +394,8 @@ class RequestService:
     ) -> None:
         async def on_output(tokens: int, events: list[bytes], toks: list[int]) -> None:
             self._first_token(state)
+            if not leg.prefill_only:
+                self.contexts.grow(req.request_id, tokens, len(req.token_ids))
             await writer.output(tokens, events, toks)
 
         watch = None
@@ -437,6 +445,7 @@ class RequestService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch
             self._first_token(state)
+            self.contexts.end(req.request_id)
             self.inflight.pop(req.request_id, None)
             self.remember(writer)
 
@@ -448,6 +457,7 @@ class RequestService:
             block = self.block_size()
             if block and len(token_ids) - self.cached_tokens(token_ids) < block:
                 self._first_token(state)
+                self.contexts.grow(state.request_id, 0, len(token_ids))  # its output comes at the end
                 await writer.prefilled()
                 return
 

@@ -473,6 +473,7 @@ class WorkerShim:
             poll_s=min(0.25, self.config.health_interval_s),
             digest=publisher.digest,
             events_ok=lambda: self.events.ok,
+            decode_context=requests.contexts.mean,
         )
         presence.reporter.start()
 

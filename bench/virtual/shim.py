@@ -10,7 +10,9 @@
 - Legs: a leg becomes a SimRequest as the vLLM adapter and engine_sim's HTTP API build it: a prefill
   leg with `do_remote_decode` and one output token, a decode leg with the prefill leg's
   kv_transfer_params (unless bypassed), anything else prefilled locally. While a leg waits for
-  its first token, its uncached prompt tokens count as the shim's queued prefill tokens.
+  its first token, its uncached prompt tokens count as the shim's queued prefill tokens; from its
+  first token to its end a decoding leg counts in the reports' `decode_context`
+  (worker_shim.decode_context, as the live shim counts it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from engine_sim.scheduler import StepOutput
 from protocol import KvEventBatch, LoadReport, WorkerInfo
 from protocol.vllm_events import BlockRemoved, KVEvent
 from worker_shim.adapters.vllm_events import to_engine_event
+from worker_shim.decode_context import DecodeContext
 from worker_shim.engine_events import EngineEvent, EngineRemoved
 from worker_shim.load_reporter import DEFAULT_PERIOD_S, MIN_GAP_S
 from worker_shim.normaliser import Normaliser
@@ -55,6 +58,7 @@ class VirtualShim:
         self.running = True  # False once the replay is over: the periodic poll stops
         self._queued = 0
         self._queued_by_leg: dict[str, int] = {}
+        self.contexts = DecodeContext()
         self._sample: tuple[int, int, float] = (0, 0, 0.0)
         self._timing: tuple[int, int, int, float, int, int, int, float] = (0, 0, 0, 0.0, 0, 0, 0, 0.0)
         self._sampled_at = 0.0
@@ -113,11 +117,18 @@ class VirtualShim:
             remote_decode=prefill_only,
             remote_prefill=transfer if transfer is not None and transfer.get("do_remote_prefill") else None,
         )
-        self.engine.submit(req, self._on_output(request_id, sink))
+        self.engine.submit(req, self._on_output(request_id, sink, 0 if prefill_only else len(token_ids)))
 
-    def _on_output(self, request_id: str, sink: OutputSink) -> OutputSink:
+    def _on_output(self, request_id: str, sink: OutputSink, prompt_tokens: int) -> OutputSink:
+        """`prompt_tokens`: 0 for a prefill leg, which never decodes here."""
+
         def on_output(out: StepOutput, at: float) -> None:
             self._first_token(request_id)
+            if prompt_tokens:
+                if out.finish_reason is None:
+                    self.contexts.grow(request_id, len(out.new_token_ids), prompt_tokens)
+                else:
+                    self.contexts.end(request_id)
             sink(out, at)
 
         return on_output
@@ -130,6 +141,7 @@ class VirtualShim:
 
     def cancel(self, request_id: str) -> None:
         self._first_token(request_id)
+        self.contexts.end(request_id)
         self.engine.abort(request_id)
 
     # --- load reports ----------------------------------------------------------------------------
@@ -189,6 +201,7 @@ class VirtualShim:
             itl_seconds=itl_s,
             period_s=DEFAULT_PERIOD_S,
             engine_ts=self._sampled_at,
+            decode_context=self.contexts.mean(),
         )
 
     def _publish_if_due(self) -> None:

@@ -5,7 +5,8 @@ with, so on simulated engines the prediction is what the engine will do (up to t
 below). With d the chosen decode worker, p the prefill worker the router would pick, each worker's
 model from its record (`timing_profile`; unset means protocol.timing.DEFAULT_PROFILE), its token
 budget M from `max_num_batched_tokens` (unset: DEFAULT_MAX_NUM_BATCHED_TOKENS), B = d's running
-requests at mean context x (d's used KV blocks x block size / B; the prompt length when unknown):
+requests at mean context x (LoadReport.decode_context, the shim's count; from a shim without it d's
+used KV blocks x block size / B; the prompt length when unknown):
 
     h_w    = min(cached_w, (isl - 1) // block * block)   # the engine's hit: the last token is computed
     remote = prefill_time_p(queued_p, 0, M_p)              # p's prefill queue, chunked
@@ -86,7 +87,10 @@ def _budget(c: Candidate) -> int:
 
 
 def _decode_context(ctx: RequestContext, c: Candidate) -> float:
-    """Mean context of the worker's running requests, from the KV blocks they hold."""
+    """Mean context of the worker's running requests: as its shim counts them, else from the KV
+    blocks they hold (which count a prefix they share once)."""
+    if c.decode_context > 0:
+        return c.decode_context
     if c.running > 0 and c.kv_used_blocks > 0:
         return c.kv_used_blocks * ctx.block_size / c.running
     return float(ctx.isl)

@@ -14,7 +14,7 @@ from bench.compare import CONFIGURATIONS, CompareSpec, run_compare
 from bench.trace import TokenSynth, load_trace, shipped_trace
 from bench.virtual.delays import Delays
 from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
-from bench.workloads import WorkItem, from_trace
+from bench.workloads import WorkItem, from_trace, multi_turn
 from protocol.timing import TimingModel
 
 PROFILE = "h200:llama-3.1-8b"
@@ -155,3 +155,18 @@ def test_a_prompt_over_the_context_limit_is_refused_with_400() -> None:
     assert long.status == 400 and not long.ok and "maximum context length is 4096" in (long.error or "")
     assert short.ok and short.output_tokens == 3
     assert fleet.routers[0].planner.ledger.live == 0
+
+
+def test_decode_workers_serving_a_shared_prefix_fit_their_own_profile() -> None:
+    # Every prompt starts with one 4 k-token system prompt, held once in each engine's cache but
+    # read by every sequence's decode step: calibration must price the steps per sequence (the
+    # shims' decode_context), or the right profile fits slow (2.1-2.3 here before).
+    items = multi_turn(
+        sessions=100, turns=2, system_len=4096, user_len=256, answer_len=512, session_rate=10, turn_gap_s=2, seed=0
+    )
+    fleet = _fleet("--disagg", "always", prefill=1, decode=2, routers=1, max_model_len=32768)
+    fleet.run(items, TokenSynth(0))
+    calibration = fleet.routers[0].planner.calibration
+    assert calibration is not None
+    fitted = {w: k_d for w, (k_d, _, _) in calibration.factors().items() if w.startswith("decode")}
+    assert fitted and all(k == pytest.approx(1.0, abs=0.03) for k in fitted.values()), fitted

@@ -279,3 +279,38 @@ def test_prefill_over_cached_context_is_fitted_at_its_own_speed() -> None:
     blind = Calibration()
     _feed_cached(blind, CachedContextEngine(1.0, 1.2), counters=False)
     assert _fitted(blind, _info()).prefill_scale > 1.2 * 1.25  # the bias the counters remove
+
+
+class SharedPrefixEngine(SyntheticEngine):
+    """Every running sequence shares one `shared`-token prefix, held once in the KV cache."""
+
+    def __init__(self, shared: int, *, with_context: bool) -> None:
+        super().__init__(1.0, 1.0)
+        self.shared, self.with_context = shared, with_context
+
+    def report(self, *, running: int, context: int) -> LoadReport:
+        r = super().report(running=running, context=context)
+        used = (self.shared + running * max(context - self.shared, 0)) // BLOCK
+        return msgspec.structs.replace(
+            r, kv_used_blocks=used, decode_context=float(context) if self.with_context else 0.0
+        )
+
+
+@pytest.mark.parametrize("with_context", [True, False])
+def test_a_shared_prefix_is_priced_per_sequence_when_the_shim_reports_decode_context(with_context: bool) -> None:
+    # A decode step reads each sequence's whole KV; the cache holds a shared prefix once. The
+    # shim's decode_context gives the per-sequence length; without it, KV use over running
+    # under-counts the context and a right profile fits slow.
+    cal = Calibration()
+    engine = SharedPrefixEngine(shared=4096, with_context=with_context)
+    info = _info()
+    cal.observe(info, engine.report(running=1, context=4608))
+    for _ in range(200):
+        running = engine.rng.randrange(8, 64)
+        context = engine.rng.randrange(4608, 8192)
+        cal.observe(info, engine.interval(running=running, context=context, prefill_tokens=0))
+    k_d = _fitted(cal, info).decode_scale
+    if with_context:
+        assert k_d == pytest.approx(1.0, rel=0.02)
+    else:
+        assert k_d > 1.15  # the bias decode_context removes (decode workers fitted 1.3-2.0)

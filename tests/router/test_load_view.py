@@ -50,6 +50,9 @@ def test_report_fields_pass_through_with_their_age(view: LoadView, clock: Clock)
     assert load.prefill_tokens_queued == 512
     assert load.active_blocks == 40
     assert load.report_age_s == pytest.approx(1.5)
+    assert load.decode_context == 0.0  # a shim that does not count
+    view.update(LoadReport(worker="w1", ts=999.5, running=3, decode_context=4200.5))
+    assert view.load("w1").decode_context == 4200.5
 
 
 def test_an_older_report_does_not_replace_a_newer_one(view: LoadView) -> None:

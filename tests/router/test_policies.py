@@ -160,6 +160,20 @@ def test_ttft_prediction_follows_the_documented_formula() -> None:
     assert pred.stall_s == pytest.approx(stall)
 
 
+def test_ttft_reads_the_shims_decode_context_over_the_kv_blocks() -> None:
+    # Twelve requests sharing a prefix hold 600 blocks (800 tokens each, counted once) but each
+    # decodes over 3,000 tokens: the shim's count is what the steps cost.
+    tm = TimingModel.for_profile("h200:llama-3.1-8b")
+    p = cand("p1", "prefill")
+    counted = cand("d1", overlap=64, running=12, kv_used_blocks=600, decode_context=3000)
+    from_blocks = cand("d1", overlap=64, running=12, kv_used_blocks=600)
+    model = TtftModel(TtftModelConfig())
+    pred = model.predict(decided(4000, counted, p), counted, p)
+    assert pred.remote_s - model.predict(decided(4000, from_blocks, p), from_blocks, p).remote_s == pytest.approx(
+        tm.decode(13, (12 * 3000 + 4000) / 13) - tm.decode(13, (12 * 800 + 4000) / 13)
+    )
+
+
 def test_ttft_a_fully_cached_prompt_still_computes_its_last_block() -> None:
     # 4096 tokens all cached: the engine recomputes the last block (the last token must be computed).
     tm = TimingModel.for_profile("h200:llama-3.1-8b")

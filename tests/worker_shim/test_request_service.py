@@ -16,6 +16,7 @@ from engine_sim.server import SimServer
 from protocol import (
     CancelRequest,
     GenerateRequest,
+    LoadReport,
     ResponseChunk,
     SamplingParams,
     TransferHandle,
@@ -293,3 +294,41 @@ async def test_a_router_that_lost_chunks_gets_them_again_from_a_finished_leg(
         await col.send(subject, gen("r9", [5] * 40, resume=3))
         gone = await col.final("r9")
         assert gone.seq == 3 and gone.error is not None and gone.error.code == 410
+
+
+async def test_load_reports_carry_the_decoding_legs_mean_context(
+    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with SimServer(sim_config(speedup=5.0)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None and shim.requests is not None
+        contexts = shim.requests.contexts
+        reports: list[LoadReport] = []
+
+        async def on_report(msg: Any) -> None:
+            reports.append(decode_msg(msg.data, LoadReport))
+
+        await col.nc.subscribe(subjects.load(ns, shim.worker_id), cb=on_report)
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("long", list(range(1, 201)), max_tokens=5000))
+        await wait_for(lambda: len(col.chunks["long"]) >= 3, what="streaming started")
+        seen = sum(len(c.token_ids) for c in col.chunks["long"])
+        # The shim counts a token before it sends it: at least what the collector saw.
+        assert len(contexts) == 1 and 200 + seen <= contexts.mean() < 200 + 5000
+        await wait_for(lambda: any(r.decode_context > 200 for r in reports), what="a report with the context")
+        await col.nc.publish(subjects.cancel(ns, shim.worker_id), encode_msg(CancelRequest(request_id="long")))
+        assert (await col.final("long")).finish_reason == "abort"
+        assert len(contexts) == 0 and contexts.mean() == 0.0
+        await wait_for(lambda: reports[-1].decode_context == 0.0, what="a report after the leg ended")
+        # A prefill leg never decodes here: its one token is not counted.
+        grown: list[str] = []
+        grow = contexts.grow
+
+        def recording(leg: str, tokens: int, prompt_tokens: int) -> None:
+            grown.append(leg)
+            grow(leg, tokens, prompt_tokens)
+
+        monkeypatch.setattr(contexts, "grow", recording)
+        await col.send(subjects.gen(ns, "prefill", shim.worker_id), gen("p", list(range(1, 65)), max_tokens=1))
+        assert (await col.final("p")).error is None
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("a", list(range(1, 65)), max_tokens=2))
+        assert (await col.final("a")).error is None
+        assert "p" not in grown and "a" in grown and len(contexts) == 0
