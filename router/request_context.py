@@ -107,6 +107,7 @@ class Candidate:
             "kv_used_blocks": self.kv_used_blocks,
             "kv_total_blocks": self.kv_total_blocks,
             "running": self.running,
+            "decode_context": round(self.decode_context, 1),
             "cost": round(self.cost, 4),
         }
 

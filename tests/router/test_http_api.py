@@ -486,6 +486,7 @@ async def test_debug_route_explains_without_booking(cluster: Cluster, http: aioh
     assert by_worker[holder]["overlap_blocks"] == 20
     assert all(c["overlap_blocks"] == 0 for w, c in by_worker.items() if w != holder)
     assert by_worker[holder]["cost"] < min(c["cost"] for w, c in by_worker.items() if w != holder)
+    assert all(c["decode_context"] >= 0.0 for c in by_worker.values())  # the shims' count, 0 when idle
     assert info["outcome"] == "bypass_isl" and info["bypass"] and "eff_isl=2" in info["reason"]
     assert dict(router.disagg.counts) == counts, "a dry run counts nothing"
     assert d1.id in by_worker
