@@ -69,6 +69,11 @@ class ClusterSpec:
     sim_args: list[str] = field(default_factory=list)
     shim_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    # The sims bind their KV event sockets (ipc:// in the cluster's scratch directory: vLLM's rule binds
+    # those, and they stay on this machine) and the shims connect, so another subscriber can listen
+    # too (bench.virtual.measure_delays). Otherwise each sim's PUB connects to 127.0.0.1 and its shim
+    # binds, as a shim beside vLLM usually runs.
+    engines_bind_events: bool = False
 
 
 @dataclass
@@ -181,10 +186,15 @@ class LocalCluster:
     def _start_pool(self, role: str, count: int, base: int) -> None:
         """`count` sims on the free ports from `base`: HTTP, then KV events, then replay."""
         http, events, replay = base, base + count, base + 2 * count
+        if self.spec.engines_bind_events:  # engine i's is `{base}-{i}` (engine_sim.fleet)
+            bound = f"ipc://{self._scratch_dir()}/kv-events-{role}"
+            event_endpoints = [bound if i == 0 else f"{bound}-{i}" for i in range(count)]
+        else:
+            event_endpoints = [f"tcp://127.0.0.1:{events + i}" for i in range(count)]
         kv_config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{events}",
+            "endpoint": event_endpoints[0],
             "replay_endpoint": f"tcp://127.0.0.1:{replay}",
             "topic": "kv-events",
         }
@@ -197,10 +207,9 @@ class LocalCluster:
         self.spawn(f"sim-{role}", argv)
         for i in range(count):
             # The shim takes the endpoints as the engine was given them: by vLLM's rule the sim's PUB
-            # connects to 127.0.0.1 and the shim binds it; the sim binds replay there, the shim connects.
-            engine = _Engine(
-                role, f"http://127.0.0.1:{http + i}", f"tcp://127.0.0.1:{events + i}", f"tcp://127.0.0.1:{replay + i}"
-            )
+            # connects to 127.0.0.1 and the shim binds it (an ipc:// one the sim binds); the sim binds
+            # replay there, the shim connects.
+            engine = _Engine(role, f"http://127.0.0.1:{http + i}", event_endpoints[i], f"tcp://127.0.0.1:{replay + i}")
             self.engines.append(engine)
         for engine in self.engines[-count:]:
             self._wait_http(engine.url + "/health", what=f"sim {engine.url}")
@@ -224,6 +233,12 @@ class LocalCluster:
         self.spawn(f"router-{index}", argv, self._child_env("router"))
         self.router_urls.append(f"http://127.0.0.1:{port}")
 
+    def _scratch_dir(self) -> Path:
+        """A directory of this cluster's own, removed at `stop`."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="kvswitch-cluster-"))
+        return self._scratch
+
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
         """Start `python -m kvswitch <argv>`; its output goes to `log_dir/<name>.log` when set, else
         to a scratch directory removed at `stop`, so an error can quote why a child died. (A file,
@@ -233,9 +248,7 @@ class LocalCluster:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
             log = self.spec.log_dir / f"{name}.log"
         else:
-            if self._scratch is None:
-                self._scratch = Path(tempfile.mkdtemp(prefix="kvswitch-cluster-"))
-            log = self._scratch / f"{name}.log"
+            log = self._scratch_dir() / f"{name}.log"
         command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv], signal.SIGTERM)
         with log.open("ab") as out:
             proc = subprocess.Popen(

@@ -137,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agg", type=int, default=2, help="simulated engines (agg role, 1x)")
     p.add_argument("--routers", type=int, default=2)
     args = p.parse_args(argv)
-    spec = ClusterSpec(agg=args.agg, routers=args.routers, speedup=1.0, router_args=["--disagg", "never"])
+    # The sims bind their event sockets so that our own subscriber sees the batches the shims get.
+    spec = ClusterSpec(
+        agg=args.agg, routers=args.routers, speedup=1.0, router_args=["--disagg", "never"], engines_bind_events=True
+    )
     cluster = LocalCluster(spec)
     try:
         cluster.start()
