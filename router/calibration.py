@@ -36,8 +36,9 @@ with other sequences included (vLLM's paged attention does; engine_sim charges i
 be kv_used_blocks * block_size / running, which counts a shared prefix once: on requests sharing
 a 4 k-token system prompt, decode workers fitted k_d of 1.3-2.0 against their own, right profile,
 and slo_aware's room rule, reading that, held back requests that would have met their TPOT
-(docs/benchmarks.md, "Self-calibration"). A reading with decode_context 0 (a shim from before the
-field, or nothing decoding through the shim) still falls back to that estimate.
+(docs/benchmarks.md, "Self-calibration"). A reading with decode_context 0 while the engine decodes (a
+shim from before the field, or requests that bypass the shim) falls back to that estimate; a worker that
+has never sent one is logged once at WARNING after NO_CONTEXT_WARN_AFTER such readings.
 
 Windows, not single intervals, because vLLM counts a prompt's tokens when its first token comes
 out (and only steps with outputs), not while its chunks run: the tokens of a long prompt land in a
@@ -78,7 +79,15 @@ from dataclasses import dataclass, field
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel
 
-__all__ = ["FULL_BATCH_TOKENS", "MAX_SCALE", "MIN_SCALE", "Calibration", "WorkerTiming", "timing_of"]
+__all__ = [
+    "FULL_BATCH_TOKENS",
+    "MAX_SCALE",
+    "MIN_SCALE",
+    "NO_CONTEXT_WARN_AFTER",
+    "Calibration",
+    "WorkerTiming",
+    "timing_of",
+]
 
 log = logging.getLogger(__name__)
 MIN_SCALE = 0.2
@@ -87,6 +96,7 @@ WINDOW_S = 10.0
 MAX_GAP_PERIODS = 2.0
 PROMPT_DECAY = 0.8  # per interval with prompts: the average prompt follows the last ten or so
 FULL_BATCH_TOKENS = 8192  # a worker's prefill batch when it registered no max_num_batched_tokens
+NO_CONTEXT_WARN_AFTER = 20  # decoding readings without decode_context, and none ever with, before a warning
 
 
 @dataclass(slots=True)
@@ -245,6 +255,10 @@ class Calibration:
         self._fits: dict[str, _Fit] = {}
         self._prompts: dict[str, _Prompts] = {}
         self._shapes: dict[str, TimingModel | None] = {}
+        # decode_context per worker: who has sent one, and how many decoding readings came without
+        # (a counting shim sends 0 for a moment when its legs end between two readings)
+        self._context_seen: set[str] = set()
+        self._no_context: dict[str, int] = {}
 
     def shape(self, info: WorkerInfo) -> TimingModel | None:
         """The worker's profile, the default one when it registered none; None for a name this
@@ -261,6 +275,8 @@ class Calibration:
         return shape
 
     def forget(self, worker: str) -> None:
+        self._context_seen.discard(worker)
+        self._no_context.pop(worker, None)
         self._last.pop(worker, None)
         self._windows.pop(worker, None)
         self._fits.pop(worker, None)
@@ -331,7 +347,19 @@ class Calibration:
             context = 0 if prompt is None else round(cached + max(new - chunk, 0) / 2)
             return 0.0, steps * shape.prefill(round(chunk), context)
         at = report if report.running > 0 else prev  # went idle: the last busy reading's context
-        context_d = at.decode_context or at.kv_used_blocks * info.block_size / max(at.running, 1)
+        context_d = at.decode_context
+        if context_d:
+            self._context_seen.add(info.worker)
+        else:
+            context_d = at.kv_used_blocks * info.block_size / max(at.running, 1)
+            missed = self._no_context[info.worker] = self._no_context.get(info.worker, 0) + 1
+            if missed == NO_CONTEXT_WARN_AFTER and info.worker not in self._context_seen:
+                log.warning(
+                    "worker %s decodes but its load reports carry no decode_context (a shim from before "
+                    "2026-12-02, or requests that bypass the shim): its decode timing is fitted against KV "
+                    "use, which counts a prefix its requests share once, so it may read slow",
+                    info.worker,
+                )
         batch = max(round(decode_tokens / steps), 1)
         return steps * shape.decode(batch, context_d), prefill_tokens * shape.marginal(new, cached, batch) / new
 

@@ -20,10 +20,10 @@ this same object.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -56,7 +56,7 @@ class PlanError(Exception):
         super().__init__(message)
 
 
-@dataclass(slots=True)
+@dataclasses.dataclass(slots=True)
 class PrefixReach:
     """Prompt tokens of the requests this planner routed (first attempts), and how many of them
     were cached, as the index and pending prefixes saw it: on the decode candidate holding the
@@ -70,7 +70,12 @@ class PrefixReach:
     chosen: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"prompt": self.prompt, "held": self.held, "with_room": self.with_room, "chosen": self.chosen}
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def summed(cls, reaches: Sequence[PrefixReach]) -> PrefixReach:
+        """Several planners' counts added up (the replicas of one fleet)."""
+        return cls(**{f.name: sum(getattr(r, f.name) for r in reaches) for f in dataclasses.fields(cls)})
 
 
 class Planner:
@@ -340,7 +345,9 @@ class Planner:
             plan = self._spill_plan(ctx)
         waits = plan is None
         if plan is None:  # it would wait at admission: show the choice over every candidate
+            excluded = ctx.excluded  # with the room exclusions recorded above
             self.refresh(ctx)
+            ctx.excluded = excluded
             plan = self.disagg.plan(ctx)
         assert plan is not None
         return {

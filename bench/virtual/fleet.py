@@ -243,7 +243,7 @@ class VirtualFleet:
             events=self.clock.events,
             fallbacks=sum(r.fallbacks for r in self.routers),
             refused=sum(r.refused + r.timed_out for r in self.routers),
-            reach=_summed([r.planner.reach for r in self.routers]),
+            reach=PrefixReach.summed([r.planner.reach for r in self.routers]),
         )
 
     def _arrive(
@@ -275,7 +275,3 @@ class VirtualFleet:
     def _stop(self) -> None:
         for shim in self.shims.values():
             shim.running = False
-
-
-def _summed(reaches: Sequence[PrefixReach]) -> PrefixReach:
-    return PrefixReach(*(sum(getattr(r, f) for r in reaches) for f in ("prompt", "held", "with_room", "chosen")))

@@ -10,7 +10,7 @@ import pytest
 
 from protocol import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel
-from router.calibration import Calibration, WorkerTiming, timing_of
+from router.calibration import NO_CONTEXT_WARN_AFTER, Calibration, WorkerTiming, timing_of
 
 BLOCK = 16
 MNBT = 8192
@@ -314,3 +314,23 @@ def test_a_shared_prefix_is_priced_per_sequence_when_the_shim_reports_decode_con
         assert k_d == pytest.approx(1.0, rel=0.02)
     else:
         assert k_d > 1.15  # the bias decode_context removes (decode workers fitted 1.3-2.0)
+
+
+def test_a_worker_that_never_sends_decode_context_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    info = _info()
+    old_shim = SharedPrefixEngine(shared=4096, with_context=False)
+    cal = Calibration()
+    cal.observe(info, old_shim.report(running=1, context=4608))
+    for _ in range(NO_CONTEXT_WARN_AFTER * 2):
+        cal.observe(info, old_shim.interval(running=16, context=6000, prefill_tokens=0))
+    warned = [r for r in caplog.records if "no decode_context" in r.getMessage()]
+    assert len(warned) == 1 and "worker w" in warned[0].getMessage()
+    # A counting shim's momentary zeros (its legs ended between two readings) are not a fault.
+    caplog.clear()
+    counting = SharedPrefixEngine(shared=4096, with_context=True)
+    cal = Calibration()
+    cal.observe(info, counting.report(running=1, context=4608))
+    for i in range(NO_CONTEXT_WARN_AFTER * 2):
+        counting.with_context = i % 2 == 0
+        cal.observe(info, counting.interval(running=16, context=6000, prefill_tokens=0))
+    assert not [r for r in caplog.records if "no decode_context" in r.getMessage()]

@@ -360,3 +360,16 @@ def test_explain_shows_the_spill_a_request_would_get_and_books_nothing() -> None
         "agg",
     )
     assert f.view.bookings("p1") == 0 and not f.planner.disagg.counts
+
+
+def test_explain_keeps_the_room_exclusions_of_a_request_that_would_wait() -> None:
+    # Room for one more decode on d1, but the prefill worker is full and a local prefill of this
+    # prompt would break d1's running requests' TPOT: the request waits, and says why.
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True)
+    f.planner.configure(settings(conditional_disagg=True, conditional_disagg_policy="slo_aware"))
+    f.report("p1", prefill_tokens_queued=1_000_000)
+    f.report("d1", running=60)
+    info = f.planner.explain(f.ctx(list(range(8000))))
+    assert (info["admissible"], info["waits"]) == (True, True)
+    why = {e["worker"]: e["why"] for e in info["excluded"]}
+    assert "over half the TTFT SLO" in why["p1"] and "refuses a local prefill here" in why["d1"]
