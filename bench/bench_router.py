@@ -1,7 +1,8 @@
 """Router benchmarks (docs/router.md, "Figures").
 
 1. Routing decision latency: tokenise + hash + index match + select + policy, in-process, for
-   2k- and 8k-token text prompts against an index of `--workers` workers, each holding prefixes.
+   2k- and 8k-token text prompts against an index of `--workers` workers, each holding prefixes;
+   and for a 4k-token id prompt, from the request body's bytes (JSON, validation) to the plan.
 2. Router overhead: streaming TTFT through a router replica minus TTFT sent straight to the same
    simulated engines, p50 and p99, at open-loop rates (default 50, 200, 500 req/s). The cluster
    (nats, etcd, sims with their shims, one router) runs in subprocesses, so the router does not
@@ -21,15 +22,18 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 import uvloop
 
 from protocol import LoadReport, WorkerInfo, block_hashes
 from protocol.config import RouterSettings, resolve
 from protocol.tokenizer import BuiltinTokenizer
 from router.block_index import BlockIndex
+from router.http_api import parse_request
 from router.load_view import LoadView
 from router.planner import standalone_planner
 from router.tokenization import BuiltinPromptTokenizer
@@ -61,33 +65,57 @@ def bench_decision(workers: int, iterations: int, policy: str) -> dict[str, Any]
                    timing_profile="h200:llama-3.1-8b")
         for i in range(workers)
     ]  # fmt: skip
-    for info in infos:
-        view.update(LoadReport(worker=info.worker, ts=time.time(), running=rng.randint(0, 30),
-                               kv_used_blocks=rng.randint(0, 50_000), kv_total_blocks=100_000,
-                               prefill_tokens_queued=rng.randint(0, 9000)))  # fmt: skip
+    loads = [
+        LoadReport(worker=info.worker, ts=0.0, running=rng.randint(0, 30), kv_used_blocks=rng.randint(0, 50_000),
+                   kv_total_blocks=100_000, prefill_tokens_queued=rng.randint(0, 9000))
+        for info in infos
+    ]  # fmt: skip
+
+    def report() -> None:
+        # Workers fall silent after three report periods; building 8 k-token prompts takes longer.
+        for load in loads:
+            view.update(msgspec.structs.replace(load, ts=time.time()))
+
     settings = resolve(RouterSettings, cli={"conditional_disagg": True, "conditional_disagg_policy": policy,
                                             "queue_threshold": 1.0}, env={})  # fmt: skip
     planner = standalone_planner(settings, lambda: infos, index=index, view=view)
     out: dict[str, Any] = {"workers": workers, "policy": policy}
+
+    def request_ids(body: bytes) -> list[int]:
+        # the front door's work on a token-id prompt: JSON and validation (router.http_api)
+        prompt = parse_request(msgspec.json.decode(body), chat=False).prompts[0]
+        assert isinstance(prompt, list)
+        return prompt
+
+    cases: list[tuple[str, list[Any], Callable[[Any], list[int]]]] = []
     for isl in (2048, 8192):
-        texts = [_text(isl, rng) for _ in range(8)]
-        for t in texts:  # each prompt's first half cached on a few workers
-            ids = tokenizer.encode(t)
+        cases.append((f"isl_{isl}", [_text(isl, rng) for _ in range(8)], tokenizer.encode))
+    bodies = [
+        msgspec.json.encode({"model": "m", "prompt": [rng.randrange(32000) for _ in range(4096)], "max_tokens": 16})
+        for _ in range(8)
+    ]
+    cases.append(("ids_4096", bodies, request_ids))
+    for name, prompts, prepare in cases:
+        for prompt in prompts:  # each prompt's first half cached on a few workers
+            ids = prepare(prompt)
             half = block_hashes(ids[: len(ids) // 2], BLOCK)
             for info in rng.sample(infos, 3):
                 index.store(info.worker, half)
         times: list[float] = []
+        reported = 0.0
         for n in range(iterations):
-            text = texts[n % len(texts)]
+            if time.monotonic() - reported > 0.5:
+                report()
+                reported = time.monotonic()
             start = time.perf_counter()
-            ids = tokenizer.encode(text)
+            ids = prepare(prompts[n % len(prompts)])
             ctx = planner.context(f"r{n}", "m", ids)
             planner.refresh(ctx)
             plan = planner.disagg.plan(ctx)
             times.append(time.perf_counter() - start)
             assert plan is not None
-        out[f"isl_{isl}"] = {
-            "tokens": len(tokenizer.encode(texts[0])),
+        out[name] = {
+            "tokens": len(prepare(prompts[0])),
             "p50_ms": round(_pct(times, 0.5) * 1e3, 3),
             "p99_ms": round(_pct(times, 0.99) * 1e3, 3),
         }

@@ -201,21 +201,30 @@ class GenerateCall:
     chat_echo: str = ""  # chat `echo`: the last message's content, when it has the reply's role
 
 
-def _prompts(raw: Any) -> list[Prompt]:
-    def is_ids(x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+def _ids(x: Any) -> list[int] | None:
+    """`x` as a fresh list of token ids, or None. msgspec checks a long prompt in C, where a
+    Python loop cost the engine 0.5 ms of a 4 k-token request; ids it cannot hold (beyond 64
+    bits) take the loop."""
+    if not isinstance(x, list):
+        return None
+    try:
+        return msgspec.convert(x, list[int])
+    except msgspec.ValidationError:
+        return list(x) if all(isinstance(t, int) and not isinstance(t, bool) for t in x) else None
 
+
+def _prompts(raw: Any) -> list[Prompt]:
     if isinstance(raw, str):
         return [Prompt(_tokenizer.encode(raw), raw)]
-    if is_ids(raw) and raw:
-        return [Prompt(list(raw), None)]
+    if raw and (ids := _ids(raw)) is not None:
+        return [Prompt(ids, None)]
     if isinstance(raw, list) and raw:
         out = []
         for item in raw:
             if isinstance(item, str):
                 out.append(Prompt(_tokenizer.encode(item), item))
-            elif is_ids(item):
-                out.append(Prompt(list(item), None))
+            elif (ids := _ids(item)) is not None:
+                out.append(Prompt(ids, None))
             else:
                 break
         else:

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
@@ -74,6 +74,7 @@ _ERROR_TYPES = {
 # would pull KV from.
 _ROUTER_ONLY = ("kv_transfer_params", "disaggregated_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 _TOKEN_ID_LIMIT = 2**32  # canonical block hashes pack ids as u32
+_TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=_TOKEN_ID_LIMIT)]]
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1  # what a msgpack integer holds
 
 
@@ -174,11 +175,21 @@ def _opt(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], defa
     return value
 
 
+def _valid_ids(raw: list[Any]) -> list[int] | None:
+    """`raw` as token ids when every one is an integer in [0, 2^32), else None. In C: a Python
+    loop over a 4 k-token prompt cost the router 0.9 ms of every request."""
+    try:
+        return msgspec.convert(raw, _TokenIds)
+    except msgspec.ValidationError:
+        return None
+
+
 def _token_ids(raw: list[Any], param: str) -> list[int]:
-    for t in raw:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _TOKEN_ID_LIMIT:
-            raise ApiError(400, f"token ids must be integers in [0, 2^32), got {t!r}", param)
-    return raw
+    ids = _valid_ids(raw)
+    if ids is not None:
+        return ids
+    bad = next(t for t in raw if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _TOKEN_ID_LIMIT)
+    raise ApiError(400, f"token ids must be integers in [0, 2^32), got {bad!r}", param)
 
 
 def _prompts(raw: Any) -> list[str | list[int]]:
@@ -186,6 +197,9 @@ def _prompts(raw: Any) -> list[str | list[int]]:
     if isinstance(raw, str):
         return [raw]
     if isinstance(raw, list) and raw:
+        ids = _valid_ids(raw)
+        if ids is not None:
+            return [ids]
         if all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
             return [_token_ids(raw, "prompt")]
         out: list[str | list[int]] = []
