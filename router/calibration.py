@@ -355,8 +355,8 @@ class Calibration:
             missed = self._no_context[info.worker] = self._no_context.get(info.worker, 0) + 1
             if missed == NO_CONTEXT_WARN_AFTER and info.worker not in self._context_seen:
                 log.warning(
-                    "worker %s decodes but its load reports carry no decode_context (a shim from before "
-                    "2026-12-02, or requests that bypass the shim): its decode timing is fitted against KV "
+                    "worker %s decodes but its load reports carry no decode_context (a shim that does not "
+                    "count it, or requests that bypass the shim): its decode timing is fitted against KV "
                     "use, which counts a prefix its requests share once, so it may read slow",
                     info.worker,
                 )
