@@ -2,7 +2,10 @@
 
 1. Routing decision latency: tokenise + hash + index match + select + policy, in-process, for
    2k- and 8k-token text prompts against an index of `--workers` workers, each holding prefixes;
-   and for a 4k-token id prompt, from the request body's bytes (JSON, validation) to the plan.
+   and for a 4k-token id prompt, from the request body's bytes (JSON, validation) to the plan;
+   then `take_ids_4096`: the request path's planning of those ids (admission's room rule,
+   selection, policy, booking; calibrating), bookings freed after each. `--workers 1000` is the
+   fleet size the index is sized for (docs/router.md, "Planning at 1,000 workers").
 2. Router overhead: streaming TTFT through a router replica minus TTFT sent straight to the same
    simulated engines, p50 and p99, at open-loop rates (default 50, 200, 500 req/s). The cluster
    (nats, etcd, sims with their shims, one router) runs in subprocesses, so the router does not
@@ -33,6 +36,7 @@ from protocol import LoadReport, WorkerInfo, block_hashes
 from protocol.config import RouterSettings, resolve
 from protocol.tokenizer import BuiltinTokenizer
 from router.block_index import BlockIndex
+from router.calibration import Calibration
 from router.http_api import parse_request
 from router.load_view import LoadView
 from router.planner import standalone_planner
@@ -119,6 +123,23 @@ def bench_decision(workers: int, iterations: int, policy: str) -> dict[str, Any]
             "p50_ms": round(_pct(times, 0.5) * 1e3, 3),
             "p99_ms": round(_pct(times, 0.99) * 1e3, 3),
         }
+    # The request path's whole planning of those id prompts: admission's room rule over every
+    # candidate, selection, the policy and the booking, with calibration on as a router runs it.
+    booked = standalone_planner(settings, lambda: infos, index=index, view=view, calibration=Calibration())
+    id_prompts = [request_ids(body) for body in bodies]
+    times = []
+    for n in range(iterations):
+        if time.monotonic() - reported > 0.5:
+            report()
+            reported = time.monotonic()
+        start = time.perf_counter()
+        ctx = booked.context(f"t{n}", "m", id_prompts[n % len(id_prompts)])
+        plan = booked.take(ctx)
+        times.append(time.perf_counter() - start)
+        assert plan is not None
+        booked.ledger.free(plan.key)
+        booked.finished(ctx)
+    out["take_ids_4096"] = {"p50_ms": round(_pct(times, 0.5) * 1e3, 3), "p99_ms": round(_pct(times, 0.99) * 1e3, 3)}
     return out
 
 

@@ -76,6 +76,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import msgspec
+
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel
 
@@ -130,8 +132,7 @@ class _Prompts:
         return max(round(self.new / self.n), 1), round(self.cached / self.n)
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerTiming:
+class WorkerTiming(msgspec.Struct, frozen=True):
     """Predicted engine times of one worker: its profile's shape times its fitted factors."""
 
     shape: TimingModel

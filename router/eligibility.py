@@ -29,8 +29,9 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from protocol.messages import WorkerInfo
 from router.load_view import Liveness
@@ -51,8 +52,7 @@ class Exclusion(enum.StrEnum):
     ENGINE_UNHEALTHY = "engine_unhealthy"
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerStatus:
+class WorkerStatus(msgspec.Struct, frozen=True):
     worker: str
     model: str
     role: str
@@ -124,41 +124,44 @@ class Eligibility:
     def statuses(self, infos: Iterable[WorkerInfo]) -> list[WorkerStatus]:
         infos = list(infos)
         sizes = model_block_sizes(infos, self._added)
-        return [self.status(info, sizes.get(info.model, info.block_size)) for info in infos]
+        now = self._clock()
+        return [self._status(info, sizes.get(info.model, info.block_size), now) for info in infos]
 
-    def status(self, info: WorkerInfo, model_block_size: int) -> WorkerStatus:
+    def _status(self, info: WorkerInfo, model_block_size: int, now: float) -> WorkerStatus:
+        # Runs for every worker on every request: the routable case allocates nothing but the result.
         w = info.worker
         tok_ok = self.tokenizer is not None and info.tokenizer == self.tokenizer
-
-        def out(exclusion: Exclusion | None, detail: str = "") -> WorkerStatus:
-            return WorkerStatus(w, info.model, info.role, exclusion, detail, tok_ok)
-
         sync = self._sync_state(w)
         if sync is not None:
             state, why = sync
-            return out(Exclusion.BOOTSTRAPPING if state == "bootstrapping" else Exclusion.REPAIRING, why)
+            kind = Exclusion.BOOTSTRAPPING if state == "bootstrapping" else Exclusion.REPAIRING
+            return WorkerStatus(w, info.model, info.role, kind, why, tok_ok)
         live = self._liveness(w)
         if not info.events_ok or (live is not None and not live.events_ok):
-            return out(Exclusion.EVENTS_DOWN, "its shim sees no KV events (see the shim's log and /health)")
+            why = "its shim sees no KV events (see the shim's log and /health)"
+            return WorkerStatus(w, info.model, info.role, Exclusion.EVENTS_DOWN, why, tok_ok)
         if info.block_size != model_block_size:
-            return out(
-                Exclusion.BLOCK_SIZE,
+            why = (
                 f"block size {info.block_size}, but model {info.model} is served with {model_block_size}: "
-                "a configuration error",
+                "a configuration error"
             )
-        now = self._clock()
+            return WorkerStatus(w, info.model, info.role, Exclusion.BLOCK_SIZE, why, tok_ok)
         if live is None:
             since = now - self._added.get(w, now)
             if since > SILENT_PERIODS * DEFAULT_PERIOD_S:
-                return out(Exclusion.SILENT, f"no load report in {since:.1f}s since it registered")
+                why = f"no load report in {since:.1f}s since it registered"
+                return WorkerStatus(w, info.model, info.role, Exclusion.SILENT, why, tok_ok)
         elif live.age_s > SILENT_PERIODS * live.period_s:
-            return out(Exclusion.SILENT, f"last load report {live.age_s:.1f}s ago (period {live.period_s:g}s)")
+            why = f"last load report {live.age_s:.1f}s ago (period {live.period_s:g}s)"
+            return WorkerStatus(w, info.model, info.role, Exclusion.SILENT, why, tok_ok)
         mark = self._unreachable.get(w)
         if mark is not None:
-            return out(Exclusion.UNREACHABLE, f"{mark[1]} ({now - mark[0]:.1f}s ago)")
+            why = f"{mark[1]} ({now - mark[0]:.1f}s ago)"
+            return WorkerStatus(w, info.model, info.role, Exclusion.UNREACHABLE, why, tok_ok)
         if live is not None and not live.healthy:
-            return out(Exclusion.ENGINE_UNHEALTHY, "its shim reports the engine failing")
-        return out(None)
+            why = "its shim reports the engine failing"
+            return WorkerStatus(w, info.model, info.role, Exclusion.ENGINE_UNHEALTHY, why, tok_ok)
+        return WorkerStatus(w, info.model, info.role, None, "", tok_ok)
 
 
 def model_block_sizes(infos: Iterable[WorkerInfo], added: dict[str, float]) -> dict[str, int]:
@@ -169,6 +172,10 @@ def model_block_sizes(infos: Iterable[WorkerInfo], added: dict[str, float]) -> d
         by_model.setdefault(info.model, []).append(info)
     out: dict[str, int] = {}
     for model, group in by_model.items():
+        sizes = {i.block_size for i in group}
+        if len(sizes) == 1:  # the usual case, and asked on every request
+            out[model] = sizes.pop()
+            continue
         counts = Counter(i.block_size for i in group)
         top = max(counts.values())
         tied = {size for size, n in counts.items() if n == top}

@@ -57,8 +57,7 @@ MAX_CLOCK_SKEW_S = 1.0
 bad clock or a forged stamp must not hide every later report from that worker."""
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
+class WorkerLoad(msgspec.Struct, frozen=True):
     """What selection and the policies read about one worker."""
 
     worker: str
@@ -76,8 +75,7 @@ class WorkerLoad:
     decode_context: float = 0.0  # the decoding requests' mean length, as its shim last reported (0: unknown)
 
 
-@dataclass(frozen=True, slots=True)
-class Liveness:
+class Liveness(msgspec.Struct, frozen=True):
     """What a worker's latest load report says about it being alive and trusted."""
 
     age_s: float  # since it arrived here
@@ -320,7 +318,8 @@ class LoadView:
             prefill, blocks, released = on_worker.prefill, on_worker.blocks, on_worker.released(report_ts)
             if not on_worker.bookings and not on_worker.holds_releases:
                 del self._by_worker[worker]
-        inflow = self._inflow_at(worker, self._clock())
+        now = self._clock()
+        inflow = self._inflow_at(worker, now) if worker in self._inflow else 0.0
         if held is None:
             return WorkerLoad(worker, 0, 0, 0, None, prefill, blocks, None, prefill_inflow=inflow)
         r = held.report
@@ -332,7 +331,7 @@ class LoadView:
             kv_total_blocks=r.kv_total_blocks,
             prefill_tokens_queued=max(0, r.prefill_tokens_queued - released) + prefill,
             active_blocks=r.kv_used_blocks + blocks,
-            report_age_s=max(0.0, self._clock() - held.received_at),
+            report_age_s=max(0.0, now - held.received_at),
             healthy=r.healthy,
             period_s=r.period_s,
             events_ok=r.events_ok,

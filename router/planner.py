@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -39,6 +40,8 @@ from router.pending_prefixes import PendingPrefixes
 from router.policies import Outcome
 from router.request_context import Candidate, RequestContext
 from router.selection import Selector, over_queue_threshold
+
+_NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
 
 __all__ = ["PlanError", "Planner", "PrefixIndex", "PrefixReach", "standalone_planner"]
 
@@ -193,9 +196,12 @@ class Planner:
     def _no_decode_worker(self, ctx: RequestContext) -> PlanError:
         if not ctx.excluded:
             return PlanError(503, f"no decode or agg worker is registered for model {ctx.model}")
-        reasons = "; ".join(
-            f"{e['worker']}: {e['excluded']} ({e['why']})" for e in ctx.excluded if e["role"] != "prefill"
-        )
+        left_out = [e for e in ctx.excluded if e["role"] != "prefill"]
+        reasons = "; ".join(f"{e['worker']}: {e['excluded']} ({e['why']})" for e in left_out[:_NAMED_IN_503])
+        rest = left_out[_NAMED_IN_503:]
+        if rest:  # a whole fleet down must not make every 503 as long as the fleet
+            kinds = Counter(str(e["excluded"]) for e in rest)
+            reasons += f"; and {len(rest)} more ({', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))})"
         return PlanError(503, f"no decode or agg worker of model {ctx.model} can take the request now: {reasons}")
 
     # --- admission ------------------------------------------------------------------------------

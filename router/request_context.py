@@ -12,6 +12,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
 from protocol import WorkerInfo
 from protocol.timing import TimingModel
 from router.calibration import FULL_BATCH_TOKENS, WorkerTiming
@@ -40,8 +42,7 @@ class LoadLike(Protocol):
     def decode_context(self) -> float: ...
 
 
-@dataclass(slots=True)
-class Candidate:
+class Candidate(msgspec.Struct):
     """One worker that could serve the request, with a snapshot of its state.
 
     `queued_prefill_tokens` and `active_blocks` include every router's bookings (the load view
@@ -130,10 +131,10 @@ class RequestContext:
     text: bool = False  # the prompt came as text: only workers sharing the router's tokenizer
     prefill_full: bool = False  # every prefill worker was past the admission limit
     excluded: list[dict[str, Any]] = field(default_factory=list)  # workers left out, and why
+    isl: int = field(init=False)  # prompt tokens; a field, as it is read for every candidate
 
-    @property
-    def isl(self) -> int:
-        return len(self.token_ids)
+    def __post_init__(self) -> None:
+        self.isl = len(self.token_ids)
 
     @property
     def request_blocks(self) -> int:

@@ -39,6 +39,7 @@ class WorkerRegistry:
         self._on_add = on_add
         self._on_remove = on_remove
         self._workers: dict[str, WorkerInfo] = {}
+        self._sorted: list[WorkerInfo] | None = None  # by id; every request reads it, membership rarely changes
         self.block_size_conflicts: dict[str, set[int]] = {}
         self.status = PartStatus.NEW
         self._ready = asyncio.Event()
@@ -73,9 +74,11 @@ class WorkerRegistry:
 
     def workers(self, model: str | None = None, role: str | None = None) -> list[WorkerInfo]:
         """Registered workers, optionally of one model and/or role, sorted by id."""
+        if self._sorted is None:
+            self._sorted = [info for _, info in sorted(self._workers.items())]
         return [
             info
-            for _, info in sorted(self._workers.items())
+            for info in self._sorted
             if (model is None or info.model == model) and (role is None or info.role == role)
         ]
 
@@ -119,10 +122,12 @@ class WorkerRegistry:
         if self._workers.get(name) == info:
             return
         self._workers[name] = info
+        self._sorted = None
         self._call(self._on_add, info)
 
     def _delete(self, name: str) -> None:
         if self._workers.pop(name, None) is not None:
+            self._sorted = None
             self._call(self._on_remove, name)
 
     def _call(self, callback: Callable[[Any], None], arg: WorkerInfo | str) -> None:

@@ -80,6 +80,17 @@ def test_no_routable_decode_worker_is_a_503_naming_each_reason() -> None:
     assert err.value.code == 503 and "d1: bootstrapping (waiting for the shim's first full state)" in err.value.message
 
 
+def test_a_503_names_eight_workers_and_counts_the_rest_by_reason() -> None:
+    down = {f"d{i:02d}": ("bootstrapping", "waiting") for i in range(12)}
+    down.update({f"d{i:02d}": ("repairing", "gap") for i in range(12, 20)})
+    f = Fleet(*[winfo(w) for w in down], sync=down)
+    with pytest.raises(PlanError) as err:
+        f.planner.take(f.ctx(list(range(64))))
+    message = err.value.message
+    assert "d07: bootstrapping (waiting)" in message and "d08" not in message
+    assert message.endswith("; and 12 more (bootstrapping: 4, repairing: 8)")
+
+
 def test_unknown_model_is_a_503() -> None:
     f = Fleet(winfo("d1"))
     with pytest.raises(PlanError, match="no worker is registered for model other"):

@@ -73,13 +73,16 @@ async def test_new_changed_and_deleted_workers_drive_the_callbacks(
     w = lease.hex_id
     await until(lambda: reg.get(w) is not None)
     assert calls.added == [info(w)]
+    assert reg.workers() == [info(w)]  # the sorted list every request reads follows each change
     await disc.update_worker(lease, info(w, kv_total_blocks=900))
     await until(lambda: len(calls.added) == 2)
     assert reg.get(w) == info(w, kv_total_blocks=900)
+    assert reg.workers() == [info(w, kv_total_blocks=900)]
     await disc.update_worker(lease, info(w, kv_total_blocks=900))  # same record again: no callback
     await disc.release(lease)
     await until(lambda: reg.get(w) is None)
     assert calls.removed == [w]
+    assert reg.workers() == []
     assert len(calls.added) == 2
 
 
