@@ -72,6 +72,7 @@ Synchronous; the owner calls `observe` for every load report it accepts.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -165,8 +166,15 @@ class WorkerTiming(msgspec.Struct, frozen=True):
 
     def prefill_rate(self, batch: int) -> float | None:
         """Prompt tokens per second at full batches of `batch` tokens."""
-        seconds = self.prefill_s(batch)
+        seconds = self.prefill_scale * _alone_s(self.shape, batch)
         return batch / seconds if seconds > 0 else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _alone_s(shape: TimingModel, tokens: int) -> float:
+    """`shape.prefill(tokens)`: admission asks it of every candidate on every request, always for
+    the same few batch sizes (a TimingModel is immutable, so its identity is the key)."""
+    return shape.prefill(tokens)
 
 
 def timing_of(info: WorkerInfo, fitted: WorkerTiming | None) -> WorkerTiming | None:
