@@ -82,7 +82,7 @@ class Disaggregator:
     def _install(self, settings: RouterSettings, policy: Policy) -> None:
         self.guard = DecodeGuard.from_settings(settings.conditional)
         self.settings, self.policy = settings, policy
-        # Asked per candidate and request: an isinstance against a runtime Protocol costs ~10 us.
+        # Asked per candidate and request: an isinstance against a runtime Protocol costs 5-13 us.
         decides = settings.disagg == "conditional" and settings.conditional.conditional_disagg
         self._room: DecodeRoom | None = policy if decides and isinstance(policy, DecodeRoom) else None
 
