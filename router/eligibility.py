@@ -121,9 +121,14 @@ class Eligibility:
 
     # --- reads ------------------------------------------------------------------------------------
 
+    def block_sizes(self, infos: Iterable[WorkerInfo]) -> dict[str, int]:
+        """Each model's block size by this rule (ties: the worker registered first): the size its
+        prompts must be hashed at to match the workers that route."""
+        return model_block_sizes(infos, self._added)
+
     def statuses(self, infos: Iterable[WorkerInfo]) -> list[WorkerStatus]:
         infos = list(infos)
-        sizes = model_block_sizes(infos, self._added)
+        sizes = self.block_sizes(infos)
         now = self._clock()
         return [self._status(info, sizes.get(info.model, info.block_size), now) for info in infos]
 

@@ -33,7 +33,7 @@ from protocol import BlockHasher, WorkerInfo
 from protocol.config import RouterSettings
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
-from router.eligibility import Eligibility, model_block_sizes
+from router.eligibility import Eligibility
 from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
@@ -128,7 +128,7 @@ class Planner:
         infos = [i for i in self._workers() if i.model == model]
         if not infos:
             raise PlanError(503, f"no worker is registered for model {model}")
-        block_size = model_block_sizes(infos, {}).get(model, infos[0].block_size)
+        block_size = self.eligibility.block_sizes(infos).get(model, infos[0].block_size)
         hasher = self._hashers.get(block_size)
         if hasher is None:
             hasher = self._hashers[block_size] = BlockHasher(block_size)

@@ -91,6 +91,21 @@ def test_a_503_names_eight_workers_and_counts_the_rest_by_reason() -> None:
     assert message.endswith("; and 12 more (bootstrapping: 4, repairing: 8)")
 
 
+def test_a_block_size_tie_hashes_the_prompt_at_the_size_of_the_workers_that_route() -> None:
+    # One worker of each size: the one registered first sets the model's size (router.eligibility),
+    # and the prompt must be hashed at that size or its prefix never matches the routable worker.
+    f = Fleet(winfo("d2", block_size=32))
+    f.clock.now += 1.0
+    f.infos.append(winfo("d1", block_size=16))
+    f.planner.eligibility.added("d1")
+    f.report("d1")
+    f.report("d2")
+    ctx = f.ctx(list(range(64)))
+    plan = f.planner.take(ctx)
+    assert plan is not None and plan.decode.worker == "d2"
+    assert ctx.block_size == 32 and len(ctx.hashes) == 2
+
+
 def test_unknown_model_is_a_503() -> None:
     f = Fleet(winfo("d1"))
     with pytest.raises(PlanError, match="no worker is registered for model other"):
