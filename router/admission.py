@@ -7,6 +7,13 @@ arrival order, and only as capacity frees: `notify()` (a load report arrived, a 
 worker appeared) offers the head waiter to the planner, again and again while plans come back.
 A waiter keeps its request context, so nothing is hashed twice.
 
+An offer that finds no room costs a whole plan, and a plan visits every worker (about 10 ms at
+1,000 workers). While requests wait, every load report would offer the head again: tens of
+thousands a second in a large fleet, more CPU than a replica has. So after an offer that found no
+room, the next one comes no sooner than `RETRY_GAP` times that offer's planning time later (at
+most a tenth of a core spent re-planning waiters); notifications inside the gap leave one offer
+scheduled at its end.
+
 The queue is bounded so that what waits here drains within half the TTFT SLO: `max_queue` when
 set, else the fleet's measured completion rate times that time (at least `min_queue`). A request
 beyond the bound gets 429 with Retry-After (the seconds the queue ahead needs to drain), and so
@@ -27,7 +34,11 @@ from dataclasses import dataclass
 from router.disagg import RoutePlan
 from router.request_context import RequestContext
 
-__all__ = ["Admission", "Overloaded", "Throughput"]
+__all__ = ["RETRY_GAP", "Admission", "Overloaded", "Throughput"]
+
+RETRY_GAP = 10.0
+"""After an offer that found no room, the quiet time before the next, as a multiple of what that
+offer's planning took."""
 
 
 class Overloaded(Exception):
@@ -91,6 +102,8 @@ class Admission:
         self.min_queue = min_queue
         self._clock = clock
         self._waiters: deque[_Waiter] = deque()
+        self._quiet_until = -math.inf  # no offer to waiters before this (the clock's time)
+        self._deferred: asyncio.TimerHandle | None = None  # the offer at the quiet time's end
         self.refused = 0
         self.timed_out = 0
 
@@ -148,13 +161,23 @@ class Admission:
         self.notify()
 
     def notify(self) -> None:
-        """Capacity may have freed: grant plans to waiters in arrival order while they come."""
+        """Capacity may have freed: grant plans to waiters in arrival order while they come; inside
+        the quiet time after an offer that found no room, leave one offer for its end instead."""
         waiters = self._waiters
+        if not waiters:
+            return
+        now = self._clock()
+        if now < self._quiet_until:
+            if self._deferred is None:
+                loop = asyncio.get_running_loop()
+                self._deferred = loop.call_later(self._quiet_until - now, self._offer_deferred)
+            return
         while waiters:
             head = waiters[0]
             if head.future.done():
                 waiters.popleft()
                 continue
+            started = self._clock()
             try:
                 plan = head.take(head.ctx)
             except Exception as exc:  # no worker at all any more: the waiter answers with it
@@ -162,6 +185,13 @@ class Admission:
                 head.future.set_exception(exc)
                 continue
             if plan is None:
+                ended = self._clock()
+                self._quiet_until = ended + RETRY_GAP * (ended - started)
                 return
             waiters.popleft()
             head.future.set_result(plan)
+
+    def _offer_deferred(self) -> None:
+        self._deferred = None
+        self._quiet_until = -math.inf  # this is the offer the quiet time kept back
+        self.notify()

@@ -39,8 +39,10 @@ class Fleet:
         return RoutePlan(c, d, None, "agg", "aggregated", "", key=f"{c.request_id}#1")  # type: ignore[arg-type]
 
 
-def admission(fleet: Fleet, *, max_queue: int | None = None, wait_s: float = 5.0, rate: float = 0.0) -> Admission:
-    clock = Clock()
+def admission(
+    fleet: Fleet, *, max_queue: int | None = None, wait_s: float = 5.0, rate: float = 0.0, clock: Clock | None = None
+) -> Admission:
+    clock = clock or Clock()
     throughput = Throughput(clock, window_s=10.0)
     throughput.completed(round(rate * 10))
     return Admission(
@@ -81,6 +83,26 @@ async def test_waiters_are_granted_in_arrival_order_as_capacity_frees() -> None:
     adm.notify()
     plans = await asyncio.gather(*tasks)
     assert [p.key for p in plans] == ["r0#1", "r1#1", "r2#1"]
+
+
+async def test_after_an_offer_finds_no_room_the_next_waits_ten_times_its_planning_time() -> None:
+    clock, fleet = Clock(), Fleet(room=0)
+
+    def take(c: RequestContext) -> RoutePlan | None:
+        clock.now += 0.01  # each plan takes 10 ms
+        return fleet.take(c)
+
+    adm = admission(fleet, clock=clock)
+    waiter = asyncio.create_task(adm.admit(req(0), take))
+    await asyncio.sleep(0)
+    adm.notify()  # no room: 10 ms of planning, so no offer for the next 100 ms
+    checked = fleet.checked
+    fleet.room = 1
+    for _ in range(100):  # a burst of load reports
+        adm.notify()
+    assert fleet.checked == checked and not waiter.done()
+    plan = await asyncio.wait_for(waiter, 2.0)  # the one offer left for the end of the quiet time
+    assert plan.key == "r0#1" and fleet.checked == checked + 1
 
 
 async def test_a_new_request_does_not_overtake_waiters() -> None:
