@@ -10,7 +10,7 @@ A waiter keeps its request context, so nothing is hashed twice.
 An offer that finds no room costs a whole plan, and a plan visits every worker (about 10 ms at
 1,000 workers). While requests wait, every load report would offer the head again: tens of
 thousands a second in a large fleet, more CPU than a replica has. So after an offer that found no
-room, the next one comes no sooner than `RETRY_GAP` times that offer's planning time later (at
+room, the next one comes no sooner than `RETRY_GAP` times that offer's planning CPU later (at
 most a tenth of a core spent re-planning waiters); notifications inside the gap leave one offer
 scheduled at its end.
 
@@ -37,8 +37,8 @@ from router.request_context import RequestContext
 __all__ = ["RETRY_GAP", "Admission", "Overloaded", "Throughput"]
 
 RETRY_GAP = 10.0
-"""After an offer that found no room, the quiet time before the next, as a multiple of what that
-offer's planning took."""
+"""After an offer that found no room, the quiet time before the next, as a multiple of the CPU
+that offer's planning took."""
 
 
 class Overloaded(Exception):
@@ -91,16 +91,20 @@ class Admission:
         on_abandon: Callable[[RoutePlan], None],
         min_queue: int = 8,
         clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         """`max_wait_s()`: how long a request may wait here (half the TTFT SLO); `max_queue()`:
         the configured bound, None to derive it; `on_abandon(plan)`: release a plan whose waiter
-        left (timed out or disconnected) in the instant it was granted."""
+        left (timed out or disconnected) in the instant it was granted. `cpu_clock` times an
+        offer's planning: CPU, not wall time, so a plan preempted on a busy machine does not
+        stretch the quiet time after it."""
         self._max_wait_s = max_wait_s
         self._max_queue = max_queue
         self.throughput = throughput
         self._on_abandon = on_abandon
         self.min_queue = min_queue
         self._clock = clock
+        self._cpu_clock = cpu_clock
         self._waiters: deque[_Waiter] = deque()
         self._quiet_until = -math.inf  # no offer to waiters before this (the clock's time)
         self._deferred: asyncio.TimerHandle | None = None  # the offer at the quiet time's end
@@ -177,7 +181,7 @@ class Admission:
             if head.future.done():
                 waiters.popleft()
                 continue
-            started = self._clock()
+            started = self._cpu_clock()
             try:
                 plan = head.take(head.ctx)
             except Exception as exc:  # no worker at all any more: the waiter answers with it
@@ -185,8 +189,7 @@ class Admission:
                 head.future.set_exception(exc)
                 continue
             if plan is None:
-                ended = self._clock()
-                self._quiet_until = ended + RETRY_GAP * (ended - started)
+                self._quiet_until = self._clock() + RETRY_GAP * (self._cpu_clock() - started)
                 return
             waiters.popleft()
             head.future.set_result(plan)

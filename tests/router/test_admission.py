@@ -52,6 +52,7 @@ def admission(
         on_abandon=lambda plan: fleet.abandoned.append(plan.key),
         min_queue=2,
         clock=clock,
+        cpu_clock=clock,  # planning takes what the test's clock says it does
     )
 
 
