@@ -83,8 +83,7 @@ class Disaggregator:
         self.guard = DecodeGuard.from_settings(settings.conditional)
         self.settings, self.policy = settings, policy
         # Asked per candidate and request: an isinstance against a runtime Protocol costs 5-13 us.
-        decides = settings.disagg == "conditional" and settings.conditional.conditional_disagg
-        self._room: DecodeRoom | None = policy if decides and isinstance(policy, DecodeRoom) else None
+        self._room: DecodeRoom | None = policy if self.policy_decides and isinstance(policy, DecodeRoom) else None
 
     def record(self, outcome: Outcome) -> None:
         self.counts[outcome] += 1

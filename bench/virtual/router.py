@@ -11,7 +11,8 @@ admission and dispatch rules, with the hops between the parts modelled as delays
   replica's name (router.replica_sync's semantics, without its batching).
 - Admission (router.admission's rules): a request is planned at once when nobody waits and a
   worker has room; else it waits in FIFO order, offered capacity on every report and completion
-  (the live quiet time after a failed offer scales with planning time, which is zero here);
+  (the live quiet time after a failed offer scales with that plan's CPU, which takes no
+  virtual time, so here it is zero);
   beyond the bound (the fleet's completion rate times half the TTFT SLO, at least 8, or
   `max_queue`) or after waiting half the TTFT SLO it is refused with 429.
 - Dispatch (router.dispatch's rules): a remote plan runs a one-token prefill leg, then the decode
