@@ -307,7 +307,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     d = sub.add_parser("decision")
-    d.add_argument("--workers", type=int, default=32)
+    d.add_argument("--workers", type=int, default=32, help="at least 4 (every fourth is a prefill worker)")
     d.add_argument("--iterations", type=int, default=2000)
     d.add_argument("--policy", default="isl_bounding")
     o = sub.add_parser("overhead")
@@ -322,6 +322,8 @@ def main() -> None:
     w.add_argument("--agg", type=int, default=2)
     w.add_argument("--speedup", type=float, default=1000.0)
     args = parser.parse_args()
+    if args.what == "decision" and args.workers < 4:
+        parser.error(f"--workers {args.workers}: at least 4, so that three workers hold each prompt's prefix")
     if args.what == "workers":
         uvloop.run(_serve_workers(args.nats, args.etcd, args.ns, args.agg, args.speedup))
         return

@@ -288,6 +288,10 @@ class ResponseChunk(_Msg, kw_only=True):
     events: list[bytes] = []
     tokens: int = 0
     body: bytes = b""
+    # The last of `events` is cut short: the next chunk's first event continues it. An SSE event
+    # bigger than NATS's payload limit (an echoed prompt's logprobs) travels in pieces so; the
+    # router joins them, so its clients see whole events only.
+    continued: bool = False
     # The leg's prompt is in the engine's cache (its KV events say so): its prefill is done. Sent
     # for a whole (non-streamed) answer, which has no first token to tell.
     prefilled: bool = False

@@ -143,6 +143,8 @@ class _Leg:
         self.next_seq = 0
         self.done = False
         self.tokens_seen = False
+        self._cut = b""  # the start of an event cut short (ResponseChunk.continued), and its tokens
+        self._cut_tokens = 0
 
     def push(self, item: ResponseChunk | LegError) -> None:
         self._items.append(item)
@@ -227,9 +229,29 @@ class _Leg:
                     retryable=err.code >= 500 and err.code != 504,
                     body=err.body,
                 )
+            if item.continued or self._cut:
+                item = self._joined(item)
             if item.final:
                 self.done = True
             return item
+
+    def _joined(self, chunk: ResponseChunk) -> ResponseChunk:
+        """`chunk` with whole events only: a piece cut short waits for the rest, with the tokens
+        of a chunk left without a whole event."""
+        events, tokens = list(chunk.events), chunk.tokens + self._cut_tokens
+        if self._cut and events:
+            events[0] = self._cut + events[0]
+            self._cut = b""
+        if chunk.continued and events:
+            self._cut = events.pop()
+        self._cut_tokens = 0
+        if self._cut and not events:
+            self._cut_tokens, tokens = tokens, 0
+        if chunk.final and self._cut:
+            raise LegError(
+                self.worker, 502, "malformed_chunk", "the stream ended inside a cut-short event", retryable=False
+            )
+        return msgspec.structs.replace(chunk, events=events, tokens=tokens, continued=False)
 
     async def _resume(self) -> None:
         self.resuming = True

@@ -151,12 +151,21 @@ class _ChunkWriter:
                 await self._send(self._chunk([]))
 
     async def output(self, tokens: int, events: list[bytes], toks: list[int]) -> None:
+        counted = tokens  # one read's tokens go with the first chunk that carries its events
+        room = self._room
         for event in events:
-            if self._events and self._event_bytes + len(event) > self._room:
+            if self._events and self._event_bytes + len(event) > room:
                 await self._flush()
-            self._events.append(event)
-            self._event_bytes += len(event)
-        self._counted += tokens if events else 0
+            self._counted += counted
+            counted = 0
+            cut = 0
+            while len(event) - cut > room:  # over a whole chunk: in pieces the router joins
+                self._events.append(event[cut : cut + room])
+                cut += room
+                await self._flush(continued=True)
+            rest = event[cut:] if cut else event
+            self._events.append(rest)
+            self._event_bytes += len(rest)
         self._pending.extend(toks)
         if self._timer is not None:
             return
@@ -176,11 +185,11 @@ class _ChunkWriter:
         await self._flush()
         await self._send(self._chunk([], prefilled=True))
 
-    async def _flush(self) -> None:
+    async def _flush(self, *, continued: bool = False) -> None:
         if self._pending or self._events:
             toks, self._pending = self._pending, []
             events, self._events, self._event_bytes = self._events, [], 0
-            await self._send(self._chunk(toks, events))
+            await self._send(self._chunk(toks, events, continued=continued))
 
     async def final(
         self,

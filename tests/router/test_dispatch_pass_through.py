@@ -1,7 +1,8 @@
 """The dispatcher with pass-through legs, against workers played by the test over a real
 nats-server: events and body pieces are output (no retry after them, passed on in order), a whole
-answer's `prefilled` chunk books its prefill as done, and a leg NATS cannot carry is refused before
-it is sent (413 naming the payload limit, 400 for an integer no 64-bit field holds)."""
+answer's `prefilled` chunk books its prefill as done, an event cut into pieces is passed on whole (a
+stream ending inside one is a 502), and a leg NATS cannot carry is refused before it is sent (413
+naming the payload limit, 400 for an integer no 64-bit field holds)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,37 @@ async def test_a_leg_nats_cannot_carry_is_refused_before_it_is_sent(nc: Client, 
     except LegError as exc:
         assert exc.code == 400 and exc.refused
     assert w.requests == [] and books.log == [("free", "r1#1"), ("free", "r1#1")]
+
+
+async def event_in_pieces(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    await chunk(nc, msg, req, 0, events=[b'{"a":'], tokens=2, continued=True)
+    await chunk(nc, msg, req, 1)  # a heartbeat between the pieces
+    await chunk(nc, msg, req, 2, events=[b'"bc'], continued=True)
+    await chunk(nc, msg, req, 3, events=[b'd"}', b'{"e":1}'], tokens=1)
+    await chunk(nc, msg, req, 4, final=True, finish_reason="length")
+
+
+async def cut_then_final(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    await chunk(nc, msg, req, 0, events=[b'{"a":'], tokens=1, continued=True)
+    await chunk(nc, msg, req, 1, final=True, finish_reason="stop")
+
+
+async def test_an_event_cut_into_pieces_is_passed_on_whole_with_its_tokens(nc: Client, ns: str, world: World) -> None:
+    d, books, _ = world
+    await Worker(nc, ns, "w1").serve("decode", event_in_pieces)
+    j = job("w1")
+    j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_COMPLETIONS, stream=True)
+    chunks = await collect(d, j)
+    assert [(c.events, c.tokens) for c in chunks if c.events] == [([b'{"a":"bcd"}', b'{"e":1}'], 3)]
+    assert not any(c.continued for c in chunks)
+    assert books.log[0] == ("prefill_done", "r1#1"), "the first token is when the whole event arrives"
+
+
+async def test_a_stream_that_ends_inside_a_cut_event_is_an_error(nc: Client, ns: str, world: World) -> None:
+    d, _, _ = world
+    await Worker(nc, ns, "w1").serve("decode", cut_then_final)
+    j = job("w1")
+    j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_COMPLETIONS, stream=True)
+    with pytest.raises(LegError) as err:
+        await collect(d, j)
+    assert err.value.code == 502 and err.value.kind == "malformed_chunk"

@@ -1,9 +1,9 @@
 """The OpenAI front door against a live cluster: the openai client, the engine's own answers passed
 through (the same request sent to the sim directly and through the router gives the same choices),
 the engine's own 400s, the router's errors as OpenAI JSON (routes, methods, body and header limits,
-oversized integers, deep nesting, half-sent bodies, NATS's payload limit), tokenizer refusals,
-/debug/route, /metrics, disconnects, and the loop staying responsive while a huge prompt is refused
-or tokenized."""
+oversized integers, deep nesting, half-sent bodies, NATS's payload limit), a streamed event over
+that limit passed on whole, tokenizer refusals, /debug/route, /metrics, disconnects, and the loop
+staying responsive while a huge prompt is refused or tokenized."""
 
 from __future__ import annotations
 
@@ -363,6 +363,24 @@ async def test_a_prompt_over_the_nats_payload_limit_is_413_naming_it(agg: Cluste
     assert_openai_error(status, out, 413)
     assert str(limit) in out["error"]["message"] and "max_payload" in out["error"]["message"]
     assert agg.workers[0].id not in json.dumps(out)
+
+
+async def test_a_streamed_event_over_the_nats_payload_limit_reaches_the_client_whole(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    await cluster.add_worker("agg", num_gpu_blocks=2048)  # room for the 12 k-token prompt
+    router, sim = await cluster.add_ready_router(disagg="never"), cluster.workers[0].sim
+    prompt = [300 + i % 5000 for i in range(12_000)]
+    request = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 5}
+    s1, via_router, _ = await stream(http, router.url + "/v1/completions", request)
+    s2, direct, _ = await stream(http, sim.url + "/v1/completions", request)
+    assert s1 == s2 == 200, via_router[-1]
+    assert len(json.dumps(direct[0])) > router.dispatcher._nc.max_payload, "the echo alone is over the limit"
+    assert via_router[-1] == direct[-1] == "[DONE]"
+    drop = ("id", "created")
+    assert [{k: v for k, v in e.items() if k not in drop} for e in via_router[:-1]] == [
+        {k: v for k, v in e.items() if k not in drop} for e in direct[:-1]
+    ]
 
 
 async def test_errors_mid_stream_carry_no_internal_text(agg: Cluster, http: aiohttp.ClientSession) -> None:

@@ -1,5 +1,6 @@
 """Pass-through legs through the request service against a sim: the engine's own SSE payloads and
-bodies come back unchanged (a body over NATS's payload limit in pieces), its 400 body too, and a
+bodies come back unchanged (a body over NATS's payload limit in pieces, and so a streamed event
+over it), its 400 body too, and a
 whole (non-streamed) answer says when its prefill is done."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import json
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from engine_sim.server import SimServer
 from protocol import GenerateRequest, ResponseChunk, subjects
@@ -89,3 +91,34 @@ async def test_the_engines_own_400_body_comes_back(ns: str, nats_url: str, etcd_
         assert final.error is not None and final.error.code == 400
         own = await direct(sim, "/v1/chat/completions", params)
         assert json.loads(final.error.body) == json.loads(own)
+
+
+async def test_a_streamed_event_over_the_payload_limit_goes_in_pieces(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config(num_gpu_blocks=2048)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        prompt = [300 + i % 5000 for i in range(12_000)]
+        params = {"model": "sim-llama", "max_tokens": 3, "echo": True, "logprobs": 5}
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), leg("big", ENDPOINT_COMPLETIONS, params, prompt, True))
+        final = await col.final("big", timeout=60)
+        assert final.error is None
+        chunks: list[ResponseChunk] = col.chunks["big"]
+        assert all(len(c.events) == 1 for c in chunks if c.continued), "a piece travels alone"
+        assert max(len(msgspec.msgpack.encode(c)) for c in chunks) <= col.nc.max_payload
+        events: list[bytes] = []
+        cut = False
+        for c in chunks:
+            for i, e in enumerate(c.events):
+                if cut and i == 0:
+                    events[-1] += e
+                else:
+                    events.append(e)
+            cut = c.continued
+        assert not cut
+        raw = await direct(sim, "/v1/completions", {**params, "prompt": prompt, "stream": True})
+        expected = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line and line != b"data: [DONE]"]
+        assert len(expected[0]) > col.nc.max_payload, "the echo alone is over the limit"
+        strip = [{k: v for k, v in json.loads(e).items() if k not in ("id", "created")} for e in events]
+        assert strip == [{k: v for k, v in json.loads(e).items() if k not in ("id", "created")} for e in expected]
+        first = next(c for c in chunks if c.events)
+        assert first.continued and first.tokens > 0, "the read's tokens go with its first piece"
+        assert sum(c.tokens for c in chunks) == 3, "every output token counted once"
