@@ -28,6 +28,7 @@ the router's log. A client that disconnects cancels its request on the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -166,11 +167,15 @@ _KINDS: dict[type | tuple[type, ...], str] = {
 
 
 def _opt(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    """`body[name]` as `kind`. Integers and booleans are read as vLLM's lax parsing reads them (so
+    as engine_sim does): 512.0 and "512" are 512, "true" and 1 are True; a bool is no integer."""
     value = body.get(name)
     if value is None:
         return default
-    wrong = (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind)
-    if wrong:
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        if kind is int or kind is bool:
+            with contextlib.suppress(msgspec.ValidationError):
+                return msgspec.convert(value, kind, strict=False)
         raise ApiError(400, f"'{name}' must be {_KINDS.get(kind, kind)}, got {type(value).__name__}", name)
     return value
 
@@ -208,6 +213,8 @@ def _prompts(raw: Any) -> list[str | list[int]]:
                 out.append(item)
             elif isinstance(item, list) and item:
                 out.append(_token_ids(item, "prompt"))
+            elif isinstance(item, list):
+                raise ApiError(400, "The prompt cannot be empty.", "prompt")
             else:
                 break
         else:

@@ -121,8 +121,9 @@ async def test_openai_client_streaming_and_not(agg: Cluster) -> None:
         {"prompt": "echo me", "max_tokens": 3, "echo": True, "logprobs": 2},
         {"prompt": [700, 701, 702], "max_tokens": 4, "logprobs": 3, "frequency_penalty": 0.5, "top_k": 5},
         {"prompt": "the end", "max_tokens": 6, "stop_token_ids": [400, 401, 402], "include_stop_str_in_output": True},
+        {"prompt": "the cache holds", "max_tokens": 5.0, "n": "2", "seed": 2},  # vLLM reads them as 5 and 2
     ],
-    ids=["stop", "n", "batch", "echo-logprobs", "token-ids-logprobs", "stop-token-ids"],
+    ids=["stop", "n", "batch", "echo-logprobs", "token-ids-logprobs", "stop-token-ids", "lax-integers"],
 )
 async def test_completions_are_the_engines_own(agg: Cluster, http: aiohttp.ClientSession, body: dict[str, Any]) -> None:
     router, sim = agg.routers[0], agg.workers[0].sim

@@ -1,5 +1,6 @@
 """parse_request's prompt forms, as vLLM takes them: token ids are validated in C (msgspec), and a
-bad id is still named in the 400."""
+bad id is still named in the 400; the integers and booleans the router reads, as vLLM's lax
+parsing reads them."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_prompt_forms(prompt: Any, expected: list[Any]) -> None:
         ([1, True], "'prompt' must be a string, a non-empty list of token ids, or a list of strings or token-id lists"),
         ([1, 2.0], "'prompt' must be a string, a non-empty list of token ids, or a list of strings or token-id lists"),
         ([], "'prompt' must be a string, a non-empty list of token ids, or a list of strings or token-id lists"),
-        ([[1], []], "'prompt' must be a string, a non-empty list of token ids, or a list of strings or token-id lists"),
+        ([[1], []], "The prompt cannot be empty."),  # vLLM's words (and engine_sim's)
     ],
 )
 def test_bad_prompts_are_400_naming_the_prompt(prompt: Any, message: str) -> None:
@@ -46,3 +47,39 @@ def test_bad_prompts_are_400_naming_the_prompt(prompt: Any, message: str) -> Non
 def test_a_long_id_prompt_is_returned_as_sent() -> None:
     ids = list(range(10_000, 14_136))
     assert parse_request({"prompt": ids, "max_tokens": 4}, chat=False).prompts == [ids]
+
+
+@pytest.mark.parametrize(
+    ("body", "read"),
+    [
+        ({"max_tokens": 512.0}, ("max_tokens", 512)),  # a Python client's arithmetic
+        ({"max_tokens": "512"}, ("max_tokens", 512)),
+        ({"max_completion_tokens": "7", "max_tokens": 3}, ("max_tokens", 7)),
+        ({"stream": "true"}, ("stream", True)),
+        ({"stream": 0}, ("stream", False)),
+        ({"truncate_prompt_tokens": 4.0}, ("truncate", (4, "left"))),
+    ],
+)
+def test_integers_and_booleans_are_read_as_vllm_reads_them(body: dict[str, Any], read: tuple[str, Any]) -> None:
+    chat = "max_completion_tokens" in body
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    parsed = parse_request({**prompt, **body}, chat=chat)
+    assert getattr(parsed, read[0]) == read[1]
+    assert {k: parsed.params[k] for k in body} == body, "the engine gets the values as sent"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("max_tokens", 3.5, "'max_tokens' must be an integer, got float"),
+        ("max_tokens", True, "'max_tokens' must be an integer, got bool"),
+        ("max_tokens", "many", "'max_tokens' must be an integer, got str"),
+        ("n", [2], "'n' must be an integer, got list"),
+        ("stream", "yes", "'stream' must be a boolean, got str"),
+        ("stream", 2, "'stream' must be a boolean, got int"),
+    ],
+)
+def test_what_vllm_would_not_read_is_400_naming_it(name: str, value: Any, message: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_request({"prompt": "hi", name: value}, chat=False)
+    assert (err.value.code, err.value.param, err.value.message) == (400, name, message)
