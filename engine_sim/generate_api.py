@@ -196,7 +196,7 @@ async def _serve(
         call = parse(await request.read(), srv)
         if fault_gate(srv, request):
             return web.Response(status=500)
-        job = _Job(srv, call, f"{id_prefix}-{request_id(request)}")
+        job = _Job(srv, call, f"{id_prefix}-{request_id(request, call.request_id)}")
         job.submit()
     except SimRequestError as exc:
         return error_response(exc)

@@ -29,8 +29,9 @@ def error_response(exc: SimRequestError) -> web.Response:
     return json_response(error_body(exc.message, exc.kind, exc.param, exc.status), exc.status)
 
 
-def request_id(request: web.Request) -> str:
-    return request.headers.get("X-Request-Id") or secrets.token_hex(8)
+def request_id(request: web.Request, in_body: str | None = None) -> str:
+    """vLLM's rule: the X-Request-Id header, else the body's `request_id`, else a fresh one."""
+    return request.headers.get("X-Request-Id") or in_body or secrets.token_hex(8)
 
 
 def check_model(srv: SimServer, model: str | None) -> None:

@@ -84,7 +84,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     priority: int = 0
-    request_id: str | None = None
+    request_id: str | None = None  # names the answer when the client sends no X-Request-Id
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
@@ -207,6 +207,7 @@ class GenerateCall:
     stream: bool
     include_usage: bool
     kv_transfer_params: dict[str, Any] | None
+    request_id: str | None = None  # the body's
     chat_echo: str = ""  # chat `echo`: the last message's content, when it has the reply's role
 
 
@@ -399,6 +400,7 @@ def _call(
         stream=bool(body.stream),
         include_usage=bool(opts is not None and opts.include_usage),
         kv_transfer_params=body.kv_transfer_params,
+        request_id=body.request_id,
     )
 
 

@@ -239,6 +239,10 @@ class GenerateRequest(_Msg, kw_only=True):
     # comes back in ResponseChunk.events / .body.
     endpoint: str = ""
     params: dict[str, Any] = {}
+    # The id the engine names its answer by (sent as X-Request-Id, so `cmpl-<id>`): the client's
+    # own X-Request-Id or body `request_id` when it gave one, as vLLM takes them; "": `request_id`.
+    # Only `request_id` is unique: it keys the leg everywhere else.
+    engine_request_id: str = ""
 
 
 ENDPOINT_COMPLETIONS = "completions"

@@ -327,12 +327,31 @@ class _Timing:
         return f"parse;dur={parse * 1e3:.3f}, route;dur={route * 1e3:.3f}, worker;dur={worker * 1e3:.3f}"
 
 
-def _route_headers(job: Job, response_id: str, timing: _Timing) -> dict[str, str]:
+@dataclass(slots=True, frozen=True)
+class _Ids:
+    """A request's ids: `request_id`, the router's own, unique, keys it on NATS, in bookings and in
+    logs; `engine`, what the engine names its answer by (X-Request-Id on every leg), is the client's
+    X-Request-Id or body `request_id` when it gave one, as vLLM takes them, else `request_id`."""
+
+    request_id: str
+    engine: str
+    header: str  # x-request-id: the client's own, echoed, else the answer's `id` (cmpl-<engine>)
+
+    @classmethod
+    def of(cls, request: web.Request, body: Mapping[str, Any], *, chat: bool) -> _Ids:
+        request_id = uuid.uuid4().hex
+        sent = request.headers.get("X-Request-Id")
+        in_body = body.get("request_id")
+        engine = sent or (in_body if isinstance(in_body, str) and in_body else request_id)
+        return cls(request_id, engine, sent or ("chatcmpl-" if chat else "cmpl-") + engine)
+
+
+def _route_headers(job: Job, ids: _Ids, timing: _Timing) -> dict[str, str]:
     return {
         "x-kvswitch-decode-worker": job.plan.decode.worker,
         "x-kvswitch-prefill": str(job.path),
         "x-kvswitch-outcome": str(job.outcome),
-        "x-request-id": response_id,
+        "x-request-id": ids.header,
         "Server-Timing": timing.header(time.perf_counter()),
     }
 
@@ -479,7 +498,7 @@ class _Handlers:
             raise ApiError(400, "The prompt cannot be empty.", "prompt")
         return prompts[0], prompts
 
-    def _leg(self, parsed: ParsedRequest, request_id: str, model: str, routed: list[int], prompts: list[list[int]]
+    def _leg(self, parsed: ParsedRequest, ids: _Ids, model: str, routed: list[int], prompts: list[list[int]]
              ) -> GenerateRequest:  # fmt: skip
         params = parsed.params
         params["model"] = model
@@ -492,7 +511,8 @@ class _Handlers:
             else:
                 params.pop("prompt", None)
         return GenerateRequest(
-            request_id=request_id,
+            request_id=ids.request_id,
+            engine_request_id=ids.engine,
             model=model,
             token_ids=routed,
             sampling=SamplingParams(max_tokens=parsed.max_tokens),
@@ -514,12 +534,11 @@ class _Handlers:
             model = self._model(parsed)
             routed, prompts = await self._tokens(parsed)
             timing.parsed = time.perf_counter()
-            request_id = uuid.uuid4().hex
-            response_id = ("chatcmpl-" if chat else "cmpl-") + request_id  # as vLLM names it from X-Request-Id
+            ids = _Ids.of(request, body, chat=chat)
             with self.path.tracer.request(
                 f"POST /v1/{'chat/' if chat else ''}completions", request.headers, **{"kvswitch.model": model}
             ) as span:
-                leg = self._leg(parsed, request_id, model, routed, prompts)
+                leg = self._leg(parsed, ids, model, routed, prompts)
                 try:
                     job = await self.path.open(leg, span, text=_is_text(parsed))
                 except PlanError as exc:
@@ -529,9 +548,9 @@ class _Handlers:
                 timing.planned = time.perf_counter()
                 try:
                     if parsed.stream:
-                        resp = await self._stream(request, job, response_id, timing)
+                        resp = await self._stream(request, job, ids, timing)
                     else:
-                        resp = await self._whole(job, response_id, timing)
+                        resp = await self._whole(job, ids, timing)
                 finally:
                     self.path.release(job)  # a no-op once its stream ended
                 status = resp.status
@@ -548,7 +567,7 @@ class _Handlers:
         finally:
             self.path.metrics.count_request(endpoint, status)
 
-    async def _whole(self, job: Job, response_id: str, timing: _Timing) -> web.Response:
+    async def _whole(self, job: Job, ids: _Ids, timing: _Timing) -> web.Response:
         parts: list[bytes] = []
         try:
             async for chunk in self.path.stream(job):
@@ -557,10 +576,10 @@ class _Handlers:
         except LegError as exc:
             raise _leg_error(exc) from exc
         body = _with_route(b"".join(parts), _route_info(job))
-        headers = _route_headers(job, response_id, timing)
+        headers = _route_headers(job, ids, timing)
         return web.Response(body=body, headers=headers, content_type="application/json")
 
-    async def _stream(self, request: web.Request, job: Job, response_id: str, timing: _Timing) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, job: Job, ids: _Ids, timing: _Timing) -> web.StreamResponse:
         chunks = self.path.stream(job)
         try:
             first = await anext(chunks)
@@ -571,7 +590,7 @@ class _Handlers:
         headers = {
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
-            **_route_headers(job, response_id, timing),
+            **_route_headers(job, ids, timing),
         }
         resp = web.StreamResponse(status=200, headers=headers)
         try:

@@ -373,6 +373,7 @@ class RequestService:
             stream=req.stream,
             endpoint=req.endpoint,
             params=req.params,
+            engine_request_id=req.engine_request_id,
         )
         if not req.token_ids:
             return ErrorInfo(code=400, kind="bad_request", message="token_ids is empty")

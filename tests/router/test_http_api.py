@@ -149,6 +149,32 @@ async def test_completions_are_the_engines_own(agg: Cluster, http: aiohttp.Clien
     assert all(c.get("token_ids") is None for e in events[:-1] for c in e["choices"]), "ids the client did not ask for"
 
 
+@pytest.mark.parametrize("named_by", ["header", "body"])
+async def test_the_clients_request_id_names_the_answer_as_vllm_names_it(
+    agg: Cluster, http: aiohttp.ClientSession, named_by: str
+) -> None:
+    """vLLM names an answer `cmpl-<X-Request-Id>`, else `cmpl-<body request_id>`; through the
+    router the same, on every leg, with the header echoed."""
+    router, sim = agg.routers[0], agg.workers[0].sim
+    headers = {"X-Request-Id": "trace-42"} if named_by == "header" else {}
+    named = {"request_id": "trace-42"} if named_by == "body" else {}
+    for path, prefix, body in (
+        ("/v1/completions", "cmpl-", {"prompt": "name me", "max_tokens": 2}),
+        ("/v1/chat/completions", "chatcmpl-", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ):
+        for url in (router.url, sim.url):
+            request = {"model": MODEL, **body, **named}
+            async with http.post(url + path, json=request, headers=headers) as r:
+                assert r.status == 200 and (await r.json())["id"] == prefix + "trace-42", url
+                if named_by == "header":
+                    assert r.headers["X-Request-Id"] == "trace-42", url
+            async with http.post(url + path, json={**request, "stream": True}, headers=headers) as r:
+                events = sse((await r.read()).decode())
+            assert {e["id"] for e in events[:-1]} == {prefix + "trace-42"}, url
+    async with http.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}) as r:
+        assert r.headers["x-request-id"] == (await r.json())["id"], "no id given: the router's own, as before"
+
+
 def server_timing(headers: dict[str, str]) -> dict[str, float]:
     parts = [m.split(";dur=") for m in headers["server-timing"].split(", ")]
     return {name: float(dur) for name, dur in parts}

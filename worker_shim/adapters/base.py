@@ -118,6 +118,11 @@ class LegRequest:
     headers: dict[str, str] = field(default_factory=dict)
     endpoint: str = ""  # "" a token-id leg; else protocol's ENDPOINT_COMPLETIONS / ENDPOINT_CHAT
     params: dict[str, Any] = field(default_factory=dict)  # the client's body (GenerateRequest.params)
+    engine_request_id: str = ""  # the engine's X-Request-Id (GenerateRequest.engine_request_id)
+
+    @property
+    def engine_id(self) -> str:
+        return self.engine_request_id or self.request_id
 
 
 @dataclass(slots=True)

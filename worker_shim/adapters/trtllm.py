@@ -126,7 +126,7 @@ class TrtllmAdapter(HttpEngineAdapter):
         return {"gaps": t.gaps, "restarts": t.restarts, "ignored": t.ignored}
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
-        headers = {"Content-Type": "application/json", "X-Request-Id": leg.request_id, **leg.headers}
+        headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}
         path = ENDPOINT_PATHS[leg.endpoint] if leg.endpoint else "/v1/completions"
         result = await post_completion(
             self.session, self.base + path, disagg_body(leg), headers, on_output, pass_through=bool(leg.endpoint)

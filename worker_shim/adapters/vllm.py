@@ -14,7 +14,9 @@
 - P/D as vLLM's NixlConnector expects from its proxy: the prefill leg sends `kv_transfer_params
   {do_remote_decode: true, do_remote_prefill: false, remote_*: null}`, `max_tokens 1`, non-streaming,
   and returns the response's `kv_transfer_params`; the decode leg sends those params back unchanged.
-  X-Request-Id is the router's request id on both legs, so the engines' logs line up.
+  X-Request-Id is the leg's engine id on both legs (the client's own X-Request-Id or body
+  `request_id`, else the router's request id), so the engines' logs line up and the answer is named
+  as the client would get it from vLLM directly.
 - Abort: closing the HTTP connection (vLLM aborts a request whose client went away).
 - Tokenizer fingerprint: `POST /tokenize` with the probe text (`add_special_tokens: true`) and the
   probe messages (`add_generation_prompt: true`; an error there means no chat template).
@@ -210,7 +212,7 @@ class VllmAdapter(ZmqEventsAdapter):
         return fingerprint(text, chat)
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
-        headers = {"Content-Type": "application/json", "X-Request-Id": leg.request_id, **leg.headers}
+        headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}
         path, body = engine_body(leg)
         result = await post_completion(
             self.session, self.base + path, body, headers, on_output, pass_through=bool(leg.endpoint)
