@@ -347,6 +347,9 @@ class WorkerInfo(_Msg, kw_only=True):
     events_ok: bool = True
     # The shim's own HTTP address (/health, /metrics), "" when it serves none.
     shim_url: str = ""
+    # The longest prompt plus output the engine takes (its /v1/models `max_model_len`); None when
+    # it does not say. Routers show the least of a model's workers on their own /v1/models.
+    max_model_len: int | None = None
 
 
 class RouterInfo(_Msg, kw_only=True):

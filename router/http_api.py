@@ -423,10 +423,13 @@ class _Handlers:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(self.started_at)
-        data = [
-            {"id": m, "object": "model", "created": created, "owned_by": "kvswitch", "root": m, "parent": None}
-            for m in self.path.models()
-        ]
+        data = []
+        for m in self.path.models():
+            card = {"id": m, "object": "model", "created": created, "owned_by": "kvswitch", "root": m, "parent": None}
+            length = self.path.max_model_len(m)
+            if length is not None:  # as vLLM's card has it
+                card["max_model_len"] = length
+            data.append(card)
         return _json_response({"object": "list", "data": data})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -48,6 +48,7 @@ class RequestPath:
     metrics: RouterMetrics
     tracer: RequestTracer
     models: Callable[[], Sequence[str]]
+    max_model_len: Callable[[str], int | None] = lambda _model: None
     default_model: str | None = None
     request_timeout_s: float = 600.0
     inflight: int = 0

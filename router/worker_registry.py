@@ -88,6 +88,13 @@ class WorkerRegistry:
     def models(self) -> list[str]:
         return sorted({info.model for info in self._workers.values()})
 
+    def max_model_len(self, model: str) -> int | None:
+        """The longest request every worker of `model` takes (the least of their `max_model_len`),
+        or None when one of them does not say: a request may go to any of them."""
+        lengths = [info.max_model_len for info in self._workers.values() if info.model == model]
+        known = [n for n in lengths if n is not None]
+        return min(known) if known and len(known) == len(lengths) else None
+
     # --- the watch -----------------------------------------------------------------------------
 
     async def _watch(self) -> None:

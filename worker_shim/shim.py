@@ -273,6 +273,7 @@ class WorkerShim:
                 "max_num_batched_tokens", c.max_num_batched_tokens, eng.max_num_batched_tokens
             ),
             cache_dtype=eng.cache_dtype,
+            max_model_len=eng.max_model_len,
         )
         if limits.block_size is None:
             raise ConfigError("block_size", None, f"the {c.engine} engine does not report it: give --block-size")
@@ -289,6 +290,13 @@ class WorkerShim:
                     name,
                     f"registering {flag} {value}" if value is not None else f"not registered (give {flag})",
                 )
+        if eng.max_model_len is None:
+            self._say_once(
+                logging.INFO,
+                "the %s engine does not report max_model_len on /v1/models: %s",
+                c.engine,
+                "routers' /v1/models will not show it",
+            )
         return limits
 
     def _kv_bytes_per_token(self) -> int | None:
@@ -341,6 +349,7 @@ class WorkerShim:
             tokenizer=self.tokenizer,
             events_ok=self.events.ok,
             shim_url=self.http.url,
+            max_model_len=lim.max_model_len,
         )
 
     # --- engine events ------------------------------------------------------------------------------

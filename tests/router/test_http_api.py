@@ -149,6 +149,20 @@ async def test_completions_are_the_engines_own(agg: Cluster, http: aiohttp.Clien
     assert all(c.get("token_ids") is None for e in events[:-1] for c in e["choices"]), "ids the client did not ask for"
 
 
+async def test_models_show_the_least_max_model_len_of_the_workers(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    await cluster.add_worker("agg", max_model_len=4096)
+    short = await cluster.add_worker("agg", max_model_len=2048)
+    router = await cluster.add_ready_router(disagg="never")
+    async with http.get(router.url + "/v1/models") as r:
+        (card,) = (await r.json())["data"]
+    async with http.get(short.sim.url + "/v1/models") as r:
+        (engine_card,) = (await r.json())["data"]
+    assert card["id"] == engine_card["id"] == MODEL
+    assert card["max_model_len"] == engine_card["max_model_len"] == 2048, "a request may go to either"
+
+
 @pytest.mark.parametrize("named_by", ["header", "body"])
 async def test_the_clients_request_id_names_the_answer_as_vllm_names_it(
     agg: Cluster, http: aiohttp.ClientSession, named_by: str

@@ -100,6 +100,19 @@ async def test_filters_by_model_and_role(disc: Discovery, registry: tuple[Worker
     assert reg.workers(model="nope") == []
 
 
+async def test_a_models_max_model_len_is_its_workers_least_and_none_unless_all_say(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls]
+) -> None:
+    reg, _ = registry
+    await register(disc, model="llama", max_model_len=8192)
+    await register(disc, model="llama", role="prefill", max_model_len=4096)
+    await register(disc, model="qwen", max_model_len=32768)
+    await register(disc, model="qwen")  # says nothing
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    assert [reg.max_model_len(m) for m in ("llama", "qwen", "nope")] == [4096, None, None]
+
+
 async def test_block_size_disagreement_is_reported_until_resolved(
     disc: Discovery, registry: tuple[WorkerRegistry, Calls], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,7 +1,7 @@
 """The vLLM adapter's HTTP calls against a stand-in that checks what vLLM 0.32 checks: the JSON
 content type, and the pass-through bodies per leg (the client's request as it is, only the P/D
 fields, the stream flag and a prefill leg's one token forced), its events back byte for byte and
-its own 400 body back as it is."""
+its own 400 body back as it is; and `max_model_len` read from vLLM's own /v1/models answer."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from aiohttp import web
 
 from protocol import SamplingParams
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from tests.protocol.vllm_captures import FIXTURES
 from tests.router.polling import until
 from worker_shim import ShimConfig
 from worker_shim.adapters.base import EngineError, LegRequest
+from worker_shim.adapters.openai_http import max_model_len_of
 from worker_shim.adapters.vllm import PREFILL_TRANSFER_PARAMS, VllmAdapter
 
 EVENTS = [
@@ -203,3 +205,23 @@ async def test_the_engines_own_400_body_comes_back(engine: tuple[Engine, VllmAda
         await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m", "logprobs": 21}), ignore)
     assert caught.value.code == 400 and caught.value.message == "logprobs too big"
     assert json.loads(caught.value.body)["error"]["param"] == "logprobs"
+
+
+@pytest.mark.parametrize(("model", "expected"), [("tiny-llama", 2048), ("another", None)])
+def test_max_model_len_is_read_from_vllms_own_models_answer(model: str, expected: int | None) -> None:
+    raw = (FIXTURES / "bs32" / "v1_models.json").read_bytes()
+    assert max_model_len_of(raw, model) == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"[]",
+        b'{"data": {}}',
+        b'{"data": [{"id": "m", "max_model_len": true}]}',
+        b'{"data": [{"id": "m"}]}',
+    ],
+)
+def test_a_models_answer_without_a_length_gives_none(raw: bytes) -> None:
+    assert max_model_len_of(raw, "m") is None

@@ -79,6 +79,7 @@ class EngineLimits:
     kv_total_blocks: int | None = None
     max_num_batched_tokens: int | None = None
     cache_dtype: str | None = None
+    max_model_len: int | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import aiohttp
 
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth
+from worker_shim.adapters.openai_http import max_model_len_of
 from worker_shim.config import ShimConfig
 
 __all__ = ["PROBE_TIMEOUT", "HttpEngineAdapter"]
@@ -53,6 +54,14 @@ class HttpEngineAdapter(EngineAdapter):
             return EngineHealth.BUSY
         except _NETWORK_ERRORS:
             return EngineHealth.DOWN
+
+    async def max_model_len(self) -> int | None:
+        """The served model's `max_model_len` from the engine's /v1/models; None when it says none
+        (or cannot answer: this is for clients' information, not a reason to stop)."""
+        try:
+            return max_model_len_of(await self.fetch("/v1/models"), self.config.model)
+        except EngineError:
+            return None
 
     async def fetch(self, path: str, method: str = "GET") -> bytes:
         """The body of a 200 answer from `path`; EngineError for any other status or no answer."""

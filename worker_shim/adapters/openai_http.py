@@ -29,7 +29,7 @@ from protocol import Usage
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim.adapters.base import EngineError, LegRequest, OnOutput
 
-__all__ = ["ENDPOINT_PATHS", "Result", "pass_through_body", "post_completion", "usage_from"]
+__all__ = ["ENDPOINT_PATHS", "Result", "max_model_len_of", "pass_through_body", "post_completion", "usage_from"]
 
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
@@ -46,6 +46,20 @@ def usage_from(raw: Any) -> Usage:
         completion_tokens=_int(raw.get("completion_tokens")),
         cached_tokens=_int(cached),
     )
+
+
+def max_model_len_of(raw: bytes, model: str) -> int | None:
+    """`model`'s `max_model_len` in a /v1/models answer (vLLM's and SGLang's model cards carry it);
+    None when the answer lists no such model or no positive integer for it."""
+    try:
+        data = _json.decode(raw).get("data")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    for card in data if isinstance(data, list) else ():
+        if isinstance(card, dict) and model in (card.get("id"), card.get("root")):
+            value = card.get("max_model_len")
+            return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return None
 
 
 def _int(value: Any) -> int:

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import aiohttp
@@ -176,7 +177,8 @@ class VllmAdapter(ZmqEventsAdapter):
     kind: ClassVar[str] = "vllm"
 
     async def limits(self) -> EngineLimits:
-        return limits_from_metrics((await self.fetch("/metrics")).decode())
+        limits = limits_from_metrics((await self.fetch("/metrics")).decode())
+        return dataclasses.replace(limits, max_model_len=await self.max_model_len())
 
     async def load(self) -> EngineLoad:
         return load_from_metrics((await self.fetch("/metrics")).decode())
