@@ -29,7 +29,7 @@ from protocol.config import (
     resolve,
 )
 from router.api_keys import ApiKeys, ApiKeysError
-from runtime import run_service
+from runtime import run_service, start_or_stop
 
 __all__ = ["add_arguments", "build_config", "run"]
 
@@ -83,6 +83,8 @@ def build_config(args: argparse.Namespace) -> Any:
     from router.service import RouterConfig
 
     given = vars(args)
+    if not 0 <= args.http_port <= 65535:
+        raise ConfigError("http_port", args.http_port, "must be in [0, 65535] (0 picks a free port)")
     try:
         limits = HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s)
     except ValueError as exc:
@@ -143,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     async def main(stop: asyncio.Event) -> int:
+        from discovery import DiscoveryError
         from router.service import RouterService
         from router.tokenization import TokenizerError
 
@@ -151,10 +154,19 @@ def run(args: argparse.Namespace) -> int:
         except (ConfigError, TokenizerError) as exc:
             log.error("%s", exc)
             return 2
-        async with service:
+        try:
+            if not await start_or_stop(service.start(), stop):
+                log.info("stopped before the router could start")
+                return 1
+        except DiscoveryError as exc:
+            log.error("%s (check --etcd-endpoints and the server)", exc)
+            return 1
+        try:
             log.info("router %s listening on %s", service.router_id, service.url)
             await stop.wait()
             log.info("draining")
+        finally:
+            await service.stop()
         return 0
 
     return run_service(main, service="kvswitch-router", drain_limit_s=config.drain_s + 30.0)

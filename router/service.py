@@ -61,6 +61,7 @@ from router.request_path import RequestPath
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
+from runtime import RepeatedErrors
 
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
@@ -197,8 +198,10 @@ class RouterService:
         return self
 
     async def _start(self) -> None:
+        servers = ", ".join(self.config.nats.servers)
         self._nc = nc = await nats.connect(
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"),
+            error_cb=RepeatedErrors(log, f"NATS {servers}", "check --nats-servers and the server").on_error,
             disconnected_cb=self._nats_disconnected,
             reconnected_cb=self._nats_reconnected,
         )

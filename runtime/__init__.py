@@ -8,6 +8,7 @@ shim and the simulator need not import the `kvswitch` CLI package to run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -18,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["JsonFormatter", "configure_logging", "run_service", "tune_gc"]
+__all__ = ["JsonFormatter", "RepeatedErrors", "configure_logging", "run_service", "start_or_stop", "tune_gc"]
 
 _STD_ATTRS = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 
@@ -66,6 +67,60 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
+
+
+async def start_or_stop(start: Awaitable[object], stop: asyncio.Event) -> bool:
+    """True once `start` is done, unless `stop` is set first: then `start` is cancelled (its error,
+    if it failed, is raised). A service that cannot reach NATS or etcd keeps trying to start; a
+    SIGTERM then must end it at once, not after `run_service`'s drain limit."""
+    starting = asyncio.ensure_future(start)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if starting.done():
+        starting.result()
+        return True
+    starting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await starting
+    return False
+
+
+class RepeatedErrors:
+    """`on_error`, a NATS client's `error_cb` that says what is wrong without a traceback every retry: the first
+    error of a kind at WARNING, with `hint` (the flag to check), then how many more at most every
+    `every_s`. nats-py's own callback logs a full traceback per attempt, twice a second while the
+    server is unreachable."""
+
+    def __init__(self, logger: logging.Logger, what: str, hint: str, *, every_s: float = 30.0) -> None:
+        self.log = logger
+        self.what = what
+        self.hint = hint
+        self.every_s = every_s
+        self.count = 0
+        self._kinds: dict[str, tuple[int, float]] = {}  # kind -> (errors not yet said, last said at)
+
+    async def on_error(self, exc: Exception) -> None:  # nats-py takes coroutine functions only
+        self.count += 1
+        kind = type(exc).__name__
+        now = time.monotonic()
+        seen = self._kinds.get(kind)
+        if seen is None:
+            self.log.warning("%s: %s (%s)", self.what, _said(exc), self.hint)
+            self._kinds[kind] = (0, now)
+        elif now - seen[1] >= self.every_s:
+            self.log.warning(
+                "%s: %s, %d times more in %.0fs (%s)", self.what, _said(exc), seen[0] + 1, now - seen[1], self.hint
+            )
+            self._kinds[kind] = (0, now)
+        else:
+            self._kinds[kind] = (seen[0] + 1, seen[1])
+
+
+def _said(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def run_service(

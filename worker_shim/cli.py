@@ -88,16 +88,22 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvswitch shim: {exc}", file=sys.stderr)
         return 2
-    from runtime import run_service
+    from discovery import DiscoveryError
+    from runtime import run_service, start_or_stop
     from worker_shim.shim import WorkerShim
 
     async def main(stop: asyncio.Event) -> int:
         shim = WorkerShim(shim_cfg, nats, etcd)
         try:
-            await shim.start()
+            if not await start_or_stop(shim.start(), stop):
+                log.info("stopped before the shim could start")
+                return 1
         except ConfigError as exc:
             print(f"kvswitch shim: {exc}", file=sys.stderr)
             return 2
+        except DiscoveryError as exc:
+            log.error("%s (check --etcd-endpoints and the server)", exc)
+            return 1
         try:
             stopped = asyncio.create_task(stop.wait())
             done = asyncio.create_task(shim.done.wait())

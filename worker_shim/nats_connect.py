@@ -1,14 +1,21 @@
-"""Connecting to NATS with every setting of `protocol.config.NatsSettings` (auth, creds, nkey, TLS)."""
+"""Connecting to NATS with every setting of `protocol.config.NatsSettings` (auth, creds, nkey, TLS),
+its connection errors said once and then counted (runtime.RepeatedErrors), not a traceback a try."""
 
 from __future__ import annotations
+
+import logging
 
 import nats
 from nats.aio.client import Client as Nats
 
 from protocol.config import NatsSettings
+from runtime import RepeatedErrors
 
 __all__ = ["connect_nats"]
 
+log = logging.getLogger("kvswitch.shim.nats")
+
 
 async def connect_nats(settings: NatsSettings, name: str) -> Nats:
-    return await nats.connect(**settings.connect_options(name))
+    errors = RepeatedErrors(log, f"NATS {', '.join(settings.servers)}", "check --nats-servers and the server")
+    return await nats.connect(**settings.connect_options(name), error_cb=errors.on_error)

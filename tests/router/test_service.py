@@ -115,6 +115,7 @@ def test_cli_flags_become_settings_overrides() -> None:
         (["--conditional-disagg-policy", "prefill_load"], "--prefill-busy-threshold"),
         (["--nats-servers", "http://x"], "--nats-servers"),
         (["--namespace", "a.b"], "--namespace"),
+        (["--http-port", "99999"], "--http-port"),
         (["--spill-to-prefill"], "--spill-to-prefill"),  # the policy does not decide: nothing to spill
     ],
 )

@@ -1,0 +1,110 @@
+"""Starting a service whose NATS or etcd cannot be reached: `start_or_stop` lets a SIGTERM end the
+wait at once, `RepeatedErrors` says a connection error once and then counts it, and the router
+and shim CLIs put both together: a stop during the wait exits in a second, not after the drain
+limit, with a line naming the flag to check and no traceback per retry; an unreachable etcd is one
+line and exit status 1."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvswitch.servers import free_port
+from runtime import RepeatedErrors, start_or_stop
+
+
+async def test_a_start_that_finishes_first_is_started() -> None:
+    assert await start_or_stop(asyncio.sleep(0.01), asyncio.Event()) is True
+
+
+async def test_a_stop_first_cancels_the_start_and_its_cleanup_runs() -> None:
+    cleaned = []
+
+    async def start() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cleaned.append(True)
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    assert await start_or_stop(start(), stop) is False
+    assert cleaned == [True]
+
+
+async def test_a_start_that_fails_raises_its_error() -> None:
+    async def start() -> None:
+        raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        await start_or_stop(start(), asyncio.Event())
+
+
+async def test_repeated_errors_are_said_once_then_counted(caplog: pytest.LogCaptureFixture) -> None:
+    errors = RepeatedErrors(logging.getLogger("t"), "NATS x", "check --nats-servers", every_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="t"):
+        for _ in range(50):
+            await errors.on_error(ConnectionRefusedError(111, "refused"))
+        await errors.on_error(TimeoutError())
+        time.sleep(0.25)
+        await errors.on_error(ConnectionRefusedError(111, "refused"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "NATS x: ConnectionRefusedError: [Errno 111] refused (check --nats-servers)",
+        "NATS x: TimeoutError (check --nats-servers)",
+        lines[2],
+    ]
+    assert lines[2].startswith("NATS x: ConnectionRefusedError: [Errno 111] refused, 50 times more in 0s")
+    assert errors.count == 52
+
+
+def _run(args: list[str], *, term_after: str | None = None, timeout: float = 30) -> tuple[int, str, float]:
+    """The CLI's exit status, stderr and seconds from the SIGTERM (or from start) to its exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvswitch", *args], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    err = ""
+    started = time.monotonic()
+    if term_after is not None:
+        while term_after not in err:
+            line = proc.stderr.readline()
+            assert line, f"exited before saying {term_after!r}: {err}"
+            err += line
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+    try:
+        rest = proc.communicate(timeout=timeout)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err + rest, time.monotonic() - started
+
+
+@pytest.mark.parametrize("cli", ["router", "shim"])
+def test_a_stop_while_nats_is_unreachable_exits_at_once_with_one_line(cli: str) -> None:
+    nats = f"nats://127.0.0.1:{free_port()}"  # nobody listens
+    args = ["--model", "m", "--http-port", "0", "--nats-servers", nats]
+    if cli == "shim":
+        args += ["--engine", "vllm", "--engine-url", "http://127.0.0.1:1", "--block-size", "16",
+                 "--kv-events", "tcp://127.0.0.1:1"]  # fmt: skip
+    code, err, took = _run([cli, *args], term_after="check --nats-servers")
+    assert code == 1 and took < 5, (code, took, err)
+    assert "Traceback" not in err and err.count(nats) == 1, err
+
+
+@pytest.mark.parametrize("cli", ["router", "shim"])
+def test_an_unreachable_etcd_is_one_line_naming_the_flag(cli: str, nats_url: str) -> None:
+    etcd = f"http://127.0.0.1:{free_port()}"
+    args = ["--model", "m", "--http-port", "0", "--nats-servers", nats_url, "--etcd-endpoints", etcd]
+    if cli == "shim":
+        args += ["--engine", "vllm", "--engine-url", "http://127.0.0.1:1", "--block-size", "16",
+                 "--kv-events", "tcp://127.0.0.1:1"]  # fmt: skip
+    code, err, _ = _run([cli, *args])
+    assert code == 1, err
+    assert "Traceback" not in err and f"etcd at {etcd} is not reachable" in err and "--etcd-endpoints" in err, err
