@@ -273,7 +273,7 @@ class WorkerShim:
                 "max_num_batched_tokens", c.max_num_batched_tokens, eng.max_num_batched_tokens
             ),
             cache_dtype=eng.cache_dtype,
-            max_model_len=eng.max_model_len,
+            max_model_len=await self._served_model_len(),
         )
         if limits.block_size is None:
             raise ConfigError("block_size", None, f"the {c.engine} engine does not report it: give --block-size")
@@ -290,7 +290,7 @@ class WorkerShim:
                     name,
                     f"registering {flag} {value}" if value is not None else f"not registered (give {flag})",
                 )
-        if eng.max_model_len is None:
+        if limits.max_model_len is None:
             self._say_once(
                 logging.INFO,
                 "the %s engine does not report max_model_len on /v1/models: %s",
@@ -298,6 +298,21 @@ class WorkerShim:
                 "routers' /v1/models will not show it",
             )
         return limits
+
+    async def _served_model_len(self) -> int | None:
+        """--model's max_model_len from the engine's /v1/models; a model the engine does not list is
+        a startup error where the engine refuses requests for it (vLLM), a warning elsewhere."""
+        c = self.config
+        models = await self.adapter.served_models()
+        if models is None or c.model in models:
+            return models.get(c.model) if models else None
+        served = ", ".join(sorted(models)) or "no model"
+        if self.adapter.requires_served_model:
+            raise ConfigError(
+                "model", c.model, f"the engine at {c.engine_url} serves {served}: give --model one of them"
+            )
+        self._say_once(logging.WARNING, "the engine at %s lists %s, not --model %s", c.engine_url, served, c.model)
+        return None
 
     def _kv_bytes_per_token(self) -> int | None:
         c = self.config

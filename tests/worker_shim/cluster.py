@@ -45,7 +45,7 @@ def shim_for(sim: SimServer, ns: str, nats_url: str, etcd_url: str, **kw: Any) -
     cfg = ShimConfig(
         engine="vllm",
         engine_url=sim.url,
-        model=sim.config.model,
+        model=kw.pop("model", sim.config.model),
         kv_events=kw.pop("kv_events", sim.events_endpoint),
         kv_events_mode=kw.pop("kv_events_mode", "connect"),
         kv_replay=kw.pop("kv_replay", sim.replay_endpoint),

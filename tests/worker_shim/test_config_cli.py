@@ -1,4 +1,5 @@
-"""ShimConfig validation, CLI layering, and the flag-versus-engine startup check."""
+"""ShimConfig validation, CLI layering, and the flag-versus-engine startup checks (limits, the served
+model)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,24 @@ async def test_a_flag_that_disagrees_with_the_engine_is_a_startup_error(ns: str,
             await shim.done.wait()
             assert shim.status is ShimStatus.FAILED and not shim.registered.is_set()
             assert isinstance(shim.failure, ConfigError) and "16" in str(shim.failure) and "32" in str(shim.failure)
+
+
+async def test_a_model_the_engine_does_not_serve_is_a_startup_error_naming_what_it_serves(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, model="llama-typo")
+        async with shim:
+            await shim.done.wait()
+            assert shim.status is ShimStatus.FAILED and not shim.registered.is_set()
+            assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "model"
+            assert f"serves {sim.config.model}: give --model one of them" in str(shim.failure)
+
+
+async def test_the_engines_max_model_len_is_registered(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config(max_model_len=4096)) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+        await shim.registered.wait()
+        assert shim.limits.max_model_len == 4096
 
 
 VLLM_EVENTS = (

@@ -1,7 +1,7 @@
 """The vLLM adapter's HTTP calls against a stand-in that checks what vLLM 0.32 checks: the JSON
 content type, and the pass-through bodies per leg (the client's request as it is, only the P/D
 fields, the stream flag and a prefill leg's one token forced), its events back byte for byte and
-its own 400 body back as it is; and `max_model_len` read from vLLM's own /v1/models answer."""
+its own 400 body back as it is; and the model cards of vLLM's own /v1/models answer."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.protocol.vllm_captures import FIXTURES
 from tests.router.polling import until
 from worker_shim import ShimConfig
 from worker_shim.adapters.base import EngineError, LegRequest
-from worker_shim.adapters.openai_http import max_model_len_of
+from worker_shim.adapters.openai_http import model_cards
 from worker_shim.adapters.vllm import PREFILL_TRANSFER_PARAMS, VllmAdapter
 
 EVENTS = [
@@ -207,21 +207,18 @@ async def test_the_engines_own_400_body_comes_back(engine: tuple[Engine, VllmAda
     assert json.loads(caught.value.body)["error"]["param"] == "logprobs"
 
 
-@pytest.mark.parametrize(("model", "expected"), [("tiny-llama", 2048), ("another", None)])
-def test_max_model_len_is_read_from_vllms_own_models_answer(model: str, expected: int | None) -> None:
-    raw = (FIXTURES / "bs32" / "v1_models.json").read_bytes()
-    assert max_model_len_of(raw, model) == expected
+def test_model_cards_are_read_from_vllms_own_models_answer() -> None:
+    assert model_cards((FIXTURES / "bs32" / "v1_models.json").read_bytes()) == {"tiny-llama": 2048}
 
 
 @pytest.mark.parametrize(
-    "raw",
+    ("raw", "cards"),
     [
-        b"not json",
-        b"[]",
-        b'{"data": {}}',
-        b'{"data": [{"id": "m", "max_model_len": true}]}',
-        b'{"data": [{"id": "m"}]}',
+        (b"not json", None),
+        (b"[]", None),
+        (b'{"data": {}}', None),
+        (b'{"data": [{"id": "m", "max_model_len": true}, {"id": "n"}, {"id": 5}]}', {"m": None, "n": None}),
     ],
 )
-def test_a_models_answer_without_a_length_gives_none(raw: bytes) -> None:
-    assert max_model_len_of(raw, "m") is None
+def test_a_models_answer_without_lengths_or_ids(raw: bytes, cards: dict[str, int | None] | None) -> None:
+    assert model_cards(raw) == cards

@@ -177,5 +177,14 @@ class EngineAdapter(ABC):
     async def tokenizer_fingerprint(self) -> str | None:
         return None
 
+    async def served_models(self) -> dict[str, int | None] | None:
+        """The models the engine serves, each with its max_model_len (None: unknown); None when
+        the engine cannot say."""
+        return None
+
+    # vLLM answers 404 to a request naming a model it does not serve: a shim whose --model it does
+    # not list would register a worker no request can use.
+    requires_served_model: ClassVar[bool] = False
+
     @abstractmethod
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome: ...

@@ -11,7 +11,7 @@ from __future__ import annotations
 import aiohttp
 
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth
-from worker_shim.adapters.openai_http import max_model_len_of
+from worker_shim.adapters.openai_http import model_cards
 from worker_shim.config import ShimConfig
 
 __all__ = ["PROBE_TIMEOUT", "HttpEngineAdapter"]
@@ -55,11 +55,10 @@ class HttpEngineAdapter(EngineAdapter):
         except _NETWORK_ERRORS:
             return EngineHealth.DOWN
 
-    async def max_model_len(self) -> int | None:
-        """The served model's `max_model_len` from the engine's /v1/models; None when it says none
-        (or cannot answer: this is for clients' information, not a reason to stop)."""
+    async def served_models(self) -> dict[str, int | None] | None:
+        """The engine's /v1/models: model id -> max_model_len; None when it cannot say."""
         try:
-            return max_model_len_of(await self.fetch("/v1/models"), self.config.model)
+            return model_cards(await self.fetch("/v1/models"))
         except EngineError:
             return None
 

@@ -29,7 +29,7 @@ from protocol import Usage
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim.adapters.base import EngineError, LegRequest, OnOutput
 
-__all__ = ["ENDPOINT_PATHS", "Result", "max_model_len_of", "pass_through_body", "post_completion", "usage_from"]
+__all__ = ["ENDPOINT_PATHS", "Result", "model_cards", "pass_through_body", "post_completion", "usage_from"]
 
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
@@ -48,18 +48,22 @@ def usage_from(raw: Any) -> Usage:
     )
 
 
-def max_model_len_of(raw: bytes, model: str) -> int | None:
-    """`model`'s `max_model_len` in a /v1/models answer (vLLM's and SGLang's model cards carry it);
-    None when the answer lists no such model or no positive integer for it."""
+def model_cards(raw: bytes) -> dict[str, int | None] | None:
+    """The model ids of a /v1/models answer, each with its `max_model_len` (vLLM's and SGLang's
+    cards carry it; None where a card has no positive integer); None when `raw` is no model list."""
     try:
         data = _json.decode(raw).get("data")
     except (msgspec.DecodeError, AttributeError):
         return None
-    for card in data if isinstance(data, list) else ():
-        if isinstance(card, dict) and model in (card.get("id"), card.get("root")):
+    if not isinstance(data, list):
+        return None
+    cards: dict[str, int | None] = {}
+    for card in data:
+        if isinstance(card, dict) and isinstance(card.get("id"), str):
             value = card.get("max_model_len")
-            return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-    return None
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            cards[card["id"]] = value if ok else None
+    return cards
 
 
 def _int(value: Any) -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -163,7 +162,7 @@ class SglangAdapter(ZmqEventsAdapter):
         self._bootstrap_port = int(info.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT)
         limits = limits_from_server_info(info)
         self._kv_total = limits.kv_total_blocks
-        return dataclasses.replace(limits, max_model_len=await self.max_model_len())
+        return limits
 
     async def load(self) -> EngineLoad:
         return load_from_metrics((await self.fetch("/metrics")).decode(), self._kv_total)

@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar
 
 import aiohttp
@@ -175,10 +174,10 @@ def engine_body(leg: LegRequest) -> tuple[str, dict[str, Any]]:
 
 class VllmAdapter(ZmqEventsAdapter):
     kind: ClassVar[str] = "vllm"
+    requires_served_model: ClassVar[bool] = True
 
     async def limits(self) -> EngineLimits:
-        limits = limits_from_metrics((await self.fetch("/metrics")).decode())
-        return dataclasses.replace(limits, max_model_len=await self.max_model_len())
+        return limits_from_metrics((await self.fetch("/metrics")).decode())
 
     async def load(self) -> EngineLoad:
         return load_from_metrics((await self.fetch("/metrics")).decode())
