@@ -161,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
         except DiscoveryError as exc:
             log.error("%s (check --etcd-endpoints and the server)", exc)
             return 1
+        except ConfigError as exc:
+            log.error("%s", exc)
+            return 2
         try:
             log.info("router %s listening on %s", service.router_id, service.url)
             await stop.wait()

@@ -37,7 +37,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.trace import TracerProvider
 
 from discovery import ConfigWatcher, Discovery, Registration
-from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, subjects
+from protocol import ConfigError, LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
 from protocol.messages import Cleared, KvEvent, Removed, Stored
 from protocol.version import __version__
@@ -267,7 +267,12 @@ class RouterService:
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ConfigError(
+                "http_port", self.config.http_port, f"cannot listen on {self.config.http_host}: {exc}"
+            ) from exc
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
         self._registration = Registration(

@@ -2,13 +2,14 @@
 wait at once, `RepeatedErrors` says a connection error once and then counts it, and the router
 and shim CLIs put both together: a stop during the wait exits in a second, not after the drain
 limit, with a line naming the flag to check and no traceback per retry; an unreachable etcd is one
-line and exit status 1."""
+line and exit status 1, and a port in use one line and exit status 2."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -108,3 +109,14 @@ def test_an_unreachable_etcd_is_one_line_naming_the_flag(cli: str, nats_url: str
     code, err, _ = _run([cli, *args])
     assert code == 1, err
     assert "Traceback" not in err and f"etcd at {etcd} is not reachable" in err and "--etcd-endpoints" in err, err
+
+
+def test_a_router_port_in_use_is_one_line_naming_the_flag(nats_url: str, etcd_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--model", "m", "--http-port", str(port), "--nats-servers", nats_url, "--etcd-endpoints", etcd_url]
+        code, err, _ = _run(["router", *args])
+    assert code == 2, err
+    assert "Traceback" not in err and f"invalid http_port (--http-port, KVSWITCH_HTTP_PORT) = {port}" in err, err

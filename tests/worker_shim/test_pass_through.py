@@ -15,7 +15,8 @@ from engine_sim.server import SimServer
 from protocol import GenerateRequest, ResponseChunk, subjects
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from tests.worker_shim.cluster import sim_config
-from tests.worker_shim.test_request_service import agg_shim
+from tests.worker_shim.test_request_service import Collector, agg_shim
+from worker_shim import WorkerShim
 
 
 def leg(rid: str, endpoint: str, params: dict[str, Any], tokens: list[int], stream: bool) -> GenerateRequest:
@@ -62,19 +63,31 @@ async def test_a_whole_answer_says_when_its_prefill_is_done(ns: str, nats_url: s
         assert json.loads(body)["usage"]["completion_tokens"] == 300 and final.usage is not None
 
 
+LONG_PROMPT = [300 + i % 5000 for i in range(12_000)]
+
+
+async def echo_long_prompt(
+    shim: WorkerShim, col: Collector, ns: str, params: dict[str, Any], stream: bool
+) -> list[ResponseChunk]:
+    """The chunks of an echo, with logprobs, of a 12 k-token prompt: over NATS's payload limit."""
+    assert shim.worker_id is not None
+    await col.send(
+        subjects.gen(ns, "agg", shim.worker_id), leg("big", ENDPOINT_COMPLETIONS, params, LONG_PROMPT, stream)
+    )
+    final = await col.final("big", timeout=60)
+    assert final.error is None
+    chunks: list[ResponseChunk] = col.chunks["big"]
+    return chunks
+
+
 async def test_a_body_over_the_payload_limit_comes_back_in_pieces(ns: str, nats_url: str, etcd_url: str) -> None:
     async with SimServer(sim_config(num_gpu_blocks=2048)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
-        assert shim.worker_id is not None
-        prompt = [300 + i % 5000 for i in range(12_000)]
         params = {"model": "sim-llama", "max_tokens": 1, "echo": True, "logprobs": 5}
-        await col.send(subjects.gen(ns, "agg", shim.worker_id), leg("big", ENDPOINT_COMPLETIONS, params, prompt, False))
-        final = await col.final("big", timeout=60)
-        assert final.error is None
-        chunks: list[ResponseChunk] = col.chunks["big"]
+        chunks = await echo_long_prompt(shim, col, ns, params, False)
         body = b"".join(c.body for c in chunks)
         assert len(body) > col.nc.max_payload and sum(1 for c in chunks if c.body) > 1
         answer = json.loads(body)
-        assert len(answer["choices"][0]["logprobs"]["tokens"]) == len(prompt) + 1  # the prompt echoed, then one
+        assert len(answer["choices"][0]["logprobs"]["tokens"]) == len(LONG_PROMPT) + 1  # the prompt echoed, then one
 
 
 async def test_the_engines_own_400_body_comes_back(ns: str, nats_url: str, etcd_url: str) -> None:
@@ -95,13 +108,8 @@ async def test_the_engines_own_400_body_comes_back(ns: str, nats_url: str, etcd_
 
 async def test_a_streamed_event_over_the_payload_limit_goes_in_pieces(ns: str, nats_url: str, etcd_url: str) -> None:
     async with SimServer(sim_config(num_gpu_blocks=2048)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
-        assert shim.worker_id is not None
-        prompt = [300 + i % 5000 for i in range(12_000)]
         params = {"model": "sim-llama", "max_tokens": 3, "echo": True, "logprobs": 5}
-        await col.send(subjects.gen(ns, "agg", shim.worker_id), leg("big", ENDPOINT_COMPLETIONS, params, prompt, True))
-        final = await col.final("big", timeout=60)
-        assert final.error is None
-        chunks: list[ResponseChunk] = col.chunks["big"]
+        chunks = await echo_long_prompt(shim, col, ns, params, True)
         assert all(len(c.events) == 1 for c in chunks if c.continued), "a piece travels alone"
         assert max(len(msgspec.msgpack.encode(c)) for c in chunks) <= col.nc.max_payload
         events: list[bytes] = []
@@ -114,7 +122,7 @@ async def test_a_streamed_event_over_the_payload_limit_goes_in_pieces(ns: str, n
                     events.append(e)
             cut = c.continued
         assert not cut
-        raw = await direct(sim, "/v1/completions", {**params, "prompt": prompt, "stream": True})
+        raw = await direct(sim, "/v1/completions", {**params, "prompt": LONG_PROMPT, "stream": True})
         expected = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line and line != b"data: [DONE]"]
         assert len(expected[0]) > col.nc.max_payload, "the echo alone is over the limit"
         strip = [{k: v for k, v in json.loads(e).items() if k not in ("id", "created")} for e in events]
