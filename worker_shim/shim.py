@@ -56,6 +56,7 @@ __all__ = ["ShimStatus", "WorkerShim"]
 
 log = logging.getLogger(__name__)
 LIVE_TIMEOUT_S = 30.0
+WAIT_SAID_S = 30.0  # how often a shim waiting for its engine says so
 
 
 class ShimStatus(enum.Enum):
@@ -250,13 +251,26 @@ class WorkerShim:
             log.log(level, "%s", text)
 
     async def _wait_healthy(self) -> bool:
+        """Until the engine's /health says up (True) or the shim stops (False); says that it waits,
+        and again every WAIT_SAID_S, so a shim whose engine never comes is not silent."""
         self.status = ShimStatus.WAITING_ENGINE
-        while await self.adapter.health() is not EngineHealth.UP:
+        c = self.config
+        since = time.monotonic()
+        said: float | None = None
+        while (health := await self.adapter.health()) is not EngineHealth.UP:
+            now = time.monotonic()
+            if said is None or now - said >= WAIT_SAID_S:
+                waited = f" for {now - since:.0f}s" if said is not None else ""
+                log.info("waiting for the %s engine at %s: its /health is %s%s (check --engine-url and the engine)",
+                         c.engine, c.engine_url, health.value, waited)  # fmt: skip
+                said = now
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.health_interval_s):
+                async with asyncio.timeout(c.health_interval_s):
                     await self._stopping.wait()
             if self._stopping.is_set():
                 return False
+        if said is not None:
+            log.info("the engine at %s is up after %.0fs", c.engine_url, time.monotonic() - since)
         return True
 
     async def _check_limits(self) -> EngineLimits:

@@ -44,7 +44,7 @@ def shim_for(sim: SimServer, ns: str, nats_url: str, etcd_url: str, **kw: Any) -
     assert sim.events_endpoint is not None
     cfg = ShimConfig(
         engine="vllm",
-        engine_url=sim.url,
+        engine_url=kw.pop("engine_url", sim.url),
         model=kw.pop("model", sim.config.model),
         kv_events=kw.pop("kv_events", sim.events_endpoint),
         kv_events_mode=kw.pop("kv_events_mode", "connect"),

@@ -1,15 +1,17 @@
-"""ShimConfig validation, CLI layering, and the flag-versus-engine startup checks (limits, the served
-model)."""
+"""ShimConfig validation, CLI layering, the flag-versus-engine startup checks (limits, the served
+model), and a shim that waits for its engine saying so."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 
 from engine_sim.server import SimServer
+from kvswitch.servers import free_port
 from protocol import ConfigError
-from tests.worker_shim.cluster import shim_for, sim_config
+from tests.worker_shim.cluster import shim_for, sim_config, wait_for
 from worker_shim import ShimConfig, ShimStatus
 from worker_shim.cli import add_arguments, resolve_settings
 
@@ -176,3 +178,18 @@ def test_new_flags_reach_the_config() -> None:
         4.0,
     )
     assert shim.timing_profile is None and ShimConfig(model="m", kv_events="tcp://*:1", lease_ttl=7).grace_s == 14.0
+
+
+async def test_a_shim_waiting_for_its_engine_says_so_and_when_it_came(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port()
+    async with SimServer(sim_config()) as first:  # only for its event endpoints' shape
+        shim = shim_for(first, ns, nats_url, etcd_url, engine_url=f"http://127.0.0.1:{port}")
+    with caplog.at_level(logging.INFO, logger="worker_shim.shim"):
+        async with shim:
+            await wait_for(lambda: "its /health is down" in caplog.text, what="the waiting line")
+            assert f"waiting for the vllm engine at http://127.0.0.1:{port}" in caplog.text
+            assert "check --engine-url" in caplog.text
+            async with SimServer(sim_config(port=port)):
+                await wait_for(lambda: f"the engine at http://127.0.0.1:{port} is up after" in caplog.text)
