@@ -538,8 +538,15 @@ class _Handlers:
             routed, prompts = await self._tokens(parsed)
             timing.parsed = time.perf_counter()
             ids = _Ids.of(request, body, chat=chat)
+            # The router's id (its logs, NATS) and the engine's (the client's X-Request-Id when given)
+            # on the span, so one finds the other.
+            attrs = {
+                "kvswitch.model": model,
+                "kvswitch.request_id": ids.request_id,
+                "kvswitch.engine_request_id": ids.engine,
+            }
             with self.path.tracer.request(
-                f"POST /v1/{'chat/' if chat else ''}completions", request.headers, **{"kvswitch.model": model}
+                f"POST /v1/{'chat/' if chat else ''}completions", request.headers, **attrs
             ) as span:
                 leg = self._leg(parsed, ids, model, routed, prompts)
                 try:

@@ -63,6 +63,8 @@ async def test_span_per_request_with_decision_and_context_to_the_shim(
     assert span.attributes is not None and leg.attributes is not None
     assert span.attributes["kvswitch.decode_worker"] == worker.id
     assert span.attributes["kvswitch.outcome"] == "aggregated"
+    ids = (span.attributes["kvswitch.request_id"], span.attributes["kvswitch.engine_request_id"])
+    assert ids == (seen[0].request_id, seen[0].engine_request_id) == (seen[0].request_id, seen[0].request_id)
     assert leg.parent is not None and leg.parent.span_id == span.context.span_id
     assert leg.attributes["kvswitch.worker"] == worker.id and leg.attributes["kvswitch.role"] == "agg"
     _, trace_id, parent_id, _ = seen[0].trace["traceparent"].split("-")
