@@ -17,6 +17,7 @@ tokens; prompt_tokens_details.cached_tokens only with --enable-prompt-tokens-det
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -107,8 +108,11 @@ class _Job:
         params = call.kv_transfer_params or {}
         remote_decode = bool(params.get("do_remote_decode"))
         remote_prefill = params if params.get("do_remote_prefill") else None
+        # Engine ids get a random suffix, as vLLM's (vllm#27987): a client's X-Request-Id names the
+        # answer but need not be unique.
+        unique = f"{self.base_id}-{secrets.token_hex(4)}"
         for i, p in enumerate(call.prompts):
-            rid = self.base_id if len(call.prompts) == 1 else f"{self.base_id}-{i}"
+            rid = unique if len(call.prompts) == 1 else f"{unique}-{i}"
             for j in range(call.n):
                 req = SimRequest(
                     rid if call.n == 1 else f"{j}_{rid}",

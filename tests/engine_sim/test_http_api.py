@@ -174,6 +174,14 @@ async def test_request_id_header_is_used_and_echoed(sim: SimServer) -> None:
     assert body["id"] == "cmpl-abc123" and headers["X-Request-Id"] == "abc123"
 
 
+async def test_concurrent_requests_may_share_a_client_request_id(sim: SimServer) -> None:
+    """vLLM keys its requests by the client's id plus a random suffix (vllm#27987), so a client that
+    reuses one for concurrent requests gets every answer; so does the sim."""
+    body = {"prompt": "hi there", "max_tokens": 8, "ignore_eos": True, "n": 2}
+    answers = await asyncio.gather(*(post(sim, "/v1/completions", body, **{"X-Request-Id": "dup"}) for _ in range(3)))
+    assert [(status, reply["id"], len(reply["choices"])) for status, reply, _ in answers] == [(200, "cmpl-dup", 2)] * 3
+
+
 async def test_client_disconnect_aborts_and_frees_blocks() -> None:
     async with SimServer(sim_config(speedup=1.0)) as sim:
         async with aiohttp.ClientSession() as s:

@@ -189,6 +189,19 @@ async def test_the_clients_request_id_names_the_answer_as_vllm_names_it(
         assert r.headers["x-request-id"] == (await r.json())["id"], "no id given: the router's own, as before"
 
 
+async def test_concurrent_requests_may_share_a_client_request_id(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    """A client's X-Request-Id names answers, the router's own ids key them: reusing one for
+    concurrent requests on one worker costs none of them."""
+    router = agg.routers[0]
+
+    async def one() -> tuple[int, str]:
+        body = {"model": MODEL, "prompt": "same id", "max_tokens": 8, "ignore_eos": True}
+        async with http.post(router.url + "/v1/completions", json=body, headers={"X-Request-Id": "dup"}) as r:
+            return r.status, (await r.json())["id"]
+
+    assert await asyncio.gather(*(one() for _ in range(4))) == [(200, "cmpl-dup")] * 4
+
+
 def server_timing(headers: dict[str, str]) -> dict[str, float]:
     parts = [m.split(";dur=") for m in headers["server-timing"].split(", ")]
     return {name: float(dur) for name, dur in parts}
