@@ -89,10 +89,10 @@ async def start_or_stop(start: Awaitable[object], stop: asyncio.Event) -> bool:
 
 
 class RepeatedErrors:
-    """`on_error`, a NATS client's `error_cb` that says what is wrong without a traceback every retry: the first
-    error of a kind at WARNING, with `hint` (the flag to check), then how many more at most every
-    `every_s`. nats-py's own callback logs a full traceback per attempt, twice a second while the
-    server is unreachable."""
+    """`on_error` is a NATS client's `error_cb` that says what is wrong without a traceback a try:
+    the first error of a kind at WARNING, with `hint` (the flag to check), then how many more at
+    most every `every_s`. nats-py's own callback logs a full traceback per attempt, twice a second
+    while the server is unreachable."""
 
     def __init__(self, logger: logging.Logger, what: str, hint: str, *, every_s: float = 30.0) -> None:
         self.log = logger
