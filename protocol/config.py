@@ -8,6 +8,7 @@ raises ConfigError naming the setting and what it allows.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import ssl
@@ -31,6 +32,8 @@ __all__ = [
     "NatsSettings",
     "RouterSettings",
     "add_flags",
+    "check_file_keys",
+    "file_keys",
     "flat_names",
     "load_file",
     "resolve",
@@ -340,6 +343,26 @@ def load_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("config", str(p), "the top level must be a mapping")
     return data
+
+
+def file_keys(schema: type[msgspec.Struct], setting_prefix: str = "") -> set[str]:
+    """The top-level keys a config file may use for `schema`, as `resolve` reads them: each field's
+    flat setting name and bare name, and a nested Struct's name and its fields' keys."""
+    keys: set[str] = set()
+    for field in msgspec.structs.fields(schema):
+        sub = _struct_type(field.type)
+        keys.add(field.name)
+        keys |= file_keys(sub, setting_prefix) if sub is not None else {setting_prefix + field.name}
+    return keys
+
+
+def check_file_keys(file: Mapping[str, Any], allowed: set[str], path: str) -> None:
+    """ConfigError naming the first key of `file` that no setting reads: a typo would otherwise
+    leave its setting at the default without a word."""
+    for key in sorted(set(file) - allowed):
+        near = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError("config", path, f"{key!r} is not a setting{hint} (the settings are the flags' names)")
 
 
 S = TypeVar("S", bound=msgspec.Struct)

@@ -25,6 +25,8 @@ from protocol.config import (
     NatsSettings,
     RouterSettings,
     add_flags,
+    check_file_keys,
+    file_keys,
     load_file,
     resolve,
 )
@@ -91,6 +93,8 @@ def build_config(args: argparse.Namespace) -> Any:
         name = "max_body_bytes" if "max_body_bytes" in str(exc) else "body_timeout_s"
         raise ConfigError(name, getattr(args, name), str(exc)) from exc
     file = load_file(args.config) if args.config else {}
+    known = file_keys(RouterSettings) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")
+    check_file_keys(file, known | {"api_keys_file", "namespace"}, args.config)
     overrides = {k: v for k, v in given.items() if k in _ROUTER_FIELDS and v is not None}
     nats = resolve(NatsSettings, cli=given, file=file, setting_prefix="nats_")
     etcd = resolve(EtcdSettings, cli=given, file=file, setting_prefix="etcd_")

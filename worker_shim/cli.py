@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from protocol import ConfigError
-from protocol.config import EtcdSettings, NatsSettings, add_flags, load_file, resolve
+from protocol.config import EtcdSettings, NatsSettings, add_flags, check_file_keys, file_keys, load_file, resolve
 from worker_shim.config import ENGINES, KV_EVENTS_MODES, ROLES, ShimConfig
 
 __all__ = ["add_arguments", "run"]
@@ -76,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings, EtcdSettings]:
     cli: dict[str, Any] = dict(vars(args))
     file = load_file(args.config) if args.config else {}
+    known = file_keys(ShimConfig) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")
+    check_file_keys(file, known, args.config)
     shim = resolve(ShimConfig, cli=cli, file=file)
     nats = resolve(NatsSettings, cli=cli, file=file, setting_prefix="nats_")
     etcd = resolve(EtcdSettings, cli=cli, file=file, setting_prefix="etcd_")

@@ -13,6 +13,8 @@ from protocol.config import (
     EtcdSettings,
     NatsSettings,
     RouterSettings,
+    check_file_keys,
+    file_keys,
     load_file,
     resolve,
 )
@@ -233,3 +235,13 @@ def test_non_finite_numbers_are_refused_naming_the_setting(value: str) -> None:
         resolve(RouterSettings, cli={"overlap_weight": float(value)}, env={})
     with pytest.raises(ConfigError, match=r"decode_busy_threshold.*finite"):
         resolve(RouterSettings, cli={"decode_busy_threshold": float(value)}, env={})
+
+
+def test_a_file_key_no_setting_reads_is_refused_with_the_nearest(tmp_path: Path) -> None:
+    allowed = file_keys(RouterSettings) | file_keys(NatsSettings, "nats_")
+    assert {"queue_threshold", "conditional", "eff_isl_threshold", "nats_servers", "servers"} <= allowed
+    check_file_keys({"routing": "kv", "conditional": {"eff_isl_threshold": 5}, "nats_servers": []}, allowed, "f.yaml")
+    with pytest.raises(ConfigError, match="'queue_threshod' is not a setting; did you mean 'queue_threshold'"):
+        check_file_keys({"queue_threshod": 2}, allowed, "f.yaml")
+    with pytest.raises(ConfigError, match="'zzz' is not a setting \\(the settings"):
+        check_file_keys({"zzz": 1}, allowed, "f.yaml")

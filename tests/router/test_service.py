@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import aiohttp
 import nats
@@ -126,3 +127,10 @@ def test_cli_rejects_bad_settings_at_startup(argv: list[str], flag: str, capsys:
         cli.build_config(_args(*argv))
     assert cli.run(_args(*argv)) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_a_config_file_key_no_setting_reads_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("namespace: prod\nqueue_threshod: 2\n")
+    assert cli.run(_args("--config", str(path))) == 2
+    assert "'queue_threshod' is not a setting; did you mean 'queue_threshold'?" in capsys.readouterr().err

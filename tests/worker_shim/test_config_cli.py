@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +194,12 @@ async def test_a_shim_waiting_for_its_engine_says_so_and_when_it_came(
             assert "check --engine-url" in caplog.text
             async with SimServer(sim_config(port=port)):
                 await wait_for(lambda: f"the engine at http://127.0.0.1:{port} is up after" in caplog.text)
+
+
+def test_a_config_file_key_no_setting_reads_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "shim.yaml"
+    path.write_text("engine: vllm\nengine_url: http://127.0.0.1:8000\nmodle: llama\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ConfigError, match="'modle' is not a setting; did you mean 'model'"):
+        resolve_settings(parser.parse_args(["--config", str(path)]))
