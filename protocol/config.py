@@ -359,10 +359,11 @@ def file_keys(schema: type[msgspec.Struct], setting_prefix: str = "") -> set[str
 def check_file_keys(file: Mapping[str, Any], allowed: set[str], path: str) -> None:
     """ConfigError naming the first key of `file` that no setting reads: a typo would otherwise
     leave its setting at the default without a word."""
-    for key in sorted(set(file) - allowed):
-        near = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+    unknown = sorted((k for k in file if k not in allowed), key=str)  # YAML keys need not be strings
+    if unknown:
+        near = difflib.get_close_matches(str(unknown[0]), sorted(allowed), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError("config", path, f"{key!r} is not a setting{hint} (the settings are the flags' names)")
+        raise ConfigError("config", path, f"{unknown[0]!r} is not a setting{hint} (the settings are the flags' names)")
 
 
 S = TypeVar("S", bound=msgspec.Struct)

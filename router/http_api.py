@@ -172,12 +172,12 @@ def _opt(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], defa
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
-        if kind is int or kind is bool:
-            with contextlib.suppress(msgspec.ValidationError):
-                return msgspec.convert(value, kind, strict=False)
-        raise ApiError(400, f"'{name}' must be {_KINDS.get(kind, kind)}, got {type(value).__name__}", name)
-    return value
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    if kind is int or kind is bool:
+        with contextlib.suppress(msgspec.ValidationError):
+            return msgspec.convert(value, kind, strict=False)
+    raise ApiError(400, f"'{name}' must be {_KINDS.get(kind, kind)}, got {type(value).__name__}", name)
 
 
 def _valid_ids(raw: list[Any]) -> list[int] | None:

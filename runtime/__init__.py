@@ -70,8 +70,8 @@ def tune_gc() -> None:
 
 
 async def start_or_stop(start: Awaitable[object], stop: asyncio.Event) -> bool:
-    """True once `start` is done, unless `stop` is set first: then `start` is cancelled (its error,
-    if it failed, is raised). A service that cannot reach NATS or etcd keeps trying to start; a
+    """True once `start` is done (its error raised if it failed); False when `stop` is set first,
+    after cancelling `start`. A service that cannot reach NATS or etcd keeps trying to start; a
     SIGTERM then must end it at once, not after `run_service`'s drain limit."""
     starting = asyncio.ensure_future(start)
     stopped = asyncio.ensure_future(stop.wait())
