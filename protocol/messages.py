@@ -17,7 +17,10 @@ from protocol.errors import ProtocolError
 __all__ = [
     "ENDPOINT_CHAT",
     "ENDPOINT_COMPLETIONS",
+    "ENDPOINT_DETOKENIZE",
+    "ENDPOINT_TOKENIZE",
     "SCHEMA_VERSION",
+    "UTILITY_ENDPOINTS",
     "BlockHash",
     "CancelRequest",
     "Cleared",
@@ -236,7 +239,9 @@ class GenerateRequest(_Msg, kw_only=True):
     # the client's body as the router validated it. A completions body without `prompt` means
     # `token_ids`; a chat body carries its `messages` and the engine renders them (`token_ids`
     # are then what the router hashed, for the shim's accounting). The engine's own response
-    # comes back in ResponseChunk.events / .body.
+    # comes back in ResponseChunk.events / .body. UTILITY_ENDPOINTS (ENDPOINT_TOKENIZE,
+    # ENDPOINT_DETOKENIZE) are no generation: `params` is the body of the engine's /tokenize or
+    # /detokenize, `token_ids` is empty, and the answer comes back whole in ResponseChunk.body.
     endpoint: str = ""
     params: dict[str, Any] = {}
     # The id the engine names its answer by (sent as X-Request-Id, so `cmpl-<id>`): the client's
@@ -247,6 +252,9 @@ class GenerateRequest(_Msg, kw_only=True):
 
 ENDPOINT_COMPLETIONS = "completions"
 ENDPOINT_CHAT = "chat"
+ENDPOINT_TOKENIZE = "tokenize"
+ENDPOINT_DETOKENIZE = "detokenize"
+UTILITY_ENDPOINTS = frozenset({ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE})
 
 
 ANNOTATION_BYPASS = "bypass_remote_prefill"

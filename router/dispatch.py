@@ -394,6 +394,26 @@ class Dispatcher:
         with contextlib.suppress(Exception):  # best effort: the worker may be gone already
             await self._nc.publish(subjects.cancel(self._ns, worker), encode_msg(CancelRequest(request_id=request_id)))
 
+    # --- a utility call -------------------------------------------------------------------------
+
+    async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
+        """A utility call (`req.endpoint` one of UTILITY_ENDPOINTS) on one worker: the engine's whole
+        answer; LegError when it failed (retryable: the worker did nothing for it)."""
+        req = msgspec.structs.replace(req, deadline=deadline, heartbeat_s=self._settings().stream_heartbeat_s)
+        silence = 3 * self._settings().stream_heartbeat_s
+        parts: list[bytes] = []
+        try:
+            async with await self._open(worker, role, req) as leg:
+                while True:
+                    chunk = await leg.next(deadline - time.time(), silence)
+                    parts.append(chunk.body)
+                    if chunk.final:
+                        return b"".join(parts)
+        except LegError as exc:
+            if exc.worker_silent:
+                self._on_unreachable(exc.worker, str(exc))
+            raise
+
     # --- a whole request ------------------------------------------------------------------------
 
     async def run(self, job: Job) -> AsyncGenerator[ResponseChunk, None]:

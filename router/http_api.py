@@ -1,5 +1,6 @@
 """The OpenAI-compatible front door (aiohttp): /v1/completions, /v1/chat/completions (stream and
-not), /v1/models, /health, /ready, /metrics, /debug/route (the decision a request would get) and
+not), /v1/models, vLLM's /tokenize and /detokenize (answered by a worker's engine), /version (the
+router's), /health, /ready, /metrics, /debug/route (the decision a request would get) and
 /debug/index (per worker: sync state, (epoch, seq) and the digest of what the index holds).
 
 The client's request goes to the engine as the client wrote it, and the engine's answer comes
@@ -43,7 +44,14 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from protocol import GenerateRequest, SamplingParams
-from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from protocol.messages import (
+    ANNOTATION_BYPASS,
+    ENDPOINT_CHAT,
+    ENDPOINT_COMPLETIONS,
+    ENDPOINT_DETOKENIZE,
+    ENDPOINT_TOKENIZE,
+)
+from protocol.version import __version__
 from router.admission import Overloaded
 from router.api_keys import ApiKeys
 from router.dispatch import Job, LegError
@@ -438,6 +446,42 @@ class _Handlers:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._utility(request, ENDPOINT_TOKENIZE)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._utility(request, ENDPOINT_DETOKENIZE)
+
+    async def _utility(self, request: web.Request, endpoint: str) -> web.Response:
+        """vLLM's /tokenize or /detokenize, answered by a worker's engine: the router's tokenizer is
+        there to route, and only the engine's says exactly what the engine will see."""
+        status = 500
+        try:
+            body = await self._json_body(request)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object")
+            try:
+                model = self.path.resolve_model(_opt(body, "model", str, None))
+            except Unknown as exc:
+                raise ApiError(exc.code, str(exc), "model") from exc
+            try:
+                raw = await self.path.call(model, endpoint, body)
+            except PlanError as exc:
+                raise ApiError(exc.code, exc.message) from exc
+            except LegError as exc:
+                raise _leg_error(exc) from exc
+            status = 200
+            return web.Response(body=raw, content_type="application/json")
+        except ApiError as exc:
+            status = exc.code
+            return exc.response()
+        finally:
+            self.path.metrics.count_request(endpoint, status)
+
+    async def version(self, request: web.Request) -> web.Response:
+        """The router's own version (vLLM's /version names the engine's: ask a worker for that)."""
+        return _json_response({"version": __version__})
+
     async def debug_route(self, request: web.Request) -> web.Response:
         try:
             body = await self._json_body(request)
@@ -754,6 +798,9 @@ def make_app(
     app.router.add_get("/v1/models", h.models)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_post("/v1/chat/completions", h.chat)
+    app.router.add_post("/tokenize", h.tokenize)
+    app.router.add_post("/detokenize", h.detokenize)
+    app.router.add_get("/version", h.version)
     app.router.add_post("/debug/route", h.debug_route)
     app.router.add_get("/debug/index", h.debug_index)
 

@@ -33,7 +33,7 @@ from protocol import BlockHasher, WorkerInfo
 from protocol.config import RouterSettings
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
-from router.eligibility import Eligibility
+from router.eligibility import Eligibility, Exclusion
 from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
@@ -42,6 +42,7 @@ from router.request_context import Candidate, RequestContext
 from router.selection import Selector, over_queue_threshold
 
 _NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
+_UNREACHABLE = frozenset({Exclusion.SILENT, Exclusion.UNREACHABLE, Exclusion.ENGINE_UNHEALTHY})
 
 __all__ = ["PlanError", "Planner", "PrefixIndex", "PrefixReach", "standalone_planner"]
 
@@ -185,6 +186,17 @@ class Planner:
         ctx.decode_pool, ctx.prefill_pool, ctx.excluded = decode, prefill, excluded
         if not decode:
             raise self._no_decode_worker(ctx)
+
+    def utility_workers(self, model: str) -> list[WorkerInfo]:
+        """The workers of `model` that can answer a utility call (/tokenize) now: every shim serves
+        one whatever its role, and what keeps a worker from routing prompts (its index not in
+        sync, its KV events down) does not keep its engine from tokenizing; a silent, unreachable
+        or unhealthy one can. Decode and agg workers first, as prefill workers run long prompts."""
+        infos = [i for i in self._workers() if i.model == model]
+        ok = [
+            i for i, st in zip(infos, self.eligibility.statuses(infos), strict=True) if st.exclusion not in _UNREACHABLE
+        ]
+        return [i for i in ok if i.role != "prefill"] + [i for i in ok if i.role == "prefill"]
 
     def _tokenizer_why(self, info: WorkerInfo) -> str:
         mine = self.eligibility.tokenizer

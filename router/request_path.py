@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +23,9 @@ from opentelemetry.trace import Span
 from protocol import GenerateRequest
 from protocol.messages import ANNOTATION_BYPASS, ResponseChunk
 from router.admission import Admission
-from router.dispatch import Dispatcher, Job
+from router.dispatch import Dispatcher, Job, LegError
 from router.metrics import RouterMetrics
-from router.planner import Planner
+from router.planner import PlanError, Planner
 from router.tracing import RequestTracer
 
 __all__ = ["RequestPath", "Unknown"]
@@ -52,6 +53,7 @@ class RequestPath:
     default_model: str | None = None
     request_timeout_s: float = 600.0
     inflight: int = 0
+    calls: int = 0  # utility calls so far: the next one starts at the next worker
 
     def resolve_model(self, model: str | None) -> str:
         """The model a request names (the router's --model when it names none)."""
@@ -95,6 +97,30 @@ class RequestPath:
             replan=lambda exclude: self.planner.plan_again(ctx, exclude),
             deadline=req.deadline or math.inf,
         )
+
+    async def call(self, model: str, endpoint: str, params: dict[str, Any]) -> bytes:
+        """A utility call (`endpoint` one of UTILITY_ENDPOINTS) on a worker of `model`: the engine's
+        whole answer. Calls take the workers in turn; one that fails before answering (silent, gone,
+        a 5xx) hands the call to the next. PlanError when no worker can take it, LegError when the
+        call failed."""
+        workers = self.planner.utility_workers(model)
+        if not workers:
+            raise PlanError(503, f"no worker of model {model} can take the request now")
+        first = self.calls % len(workers)
+        self.calls += 1
+        req = GenerateRequest(
+            request_id=uuid.uuid4().hex, model=model, token_ids=[], stream=False, endpoint=endpoint, params=params
+        )
+        deadline = time.time() + self.request_timeout_s
+        tries = (workers[first:] + workers[:first])[:2]
+        for i, info in enumerate(tries):
+            try:
+                return await self.dispatcher.call(info.worker, info.role, req, deadline)
+            except LegError as exc:
+                if not exc.retryable or i == len(tries) - 1:
+                    raise
+                log.warning("%s call %s: %s; trying %s", endpoint, req.request_id, exc, tries[i + 1].worker)
+        raise AssertionError("unreachable")
 
     def release(self, job: Job) -> None:
         """End the job's bookkeeping unless its stream did: the handler calls it whatever happened

@@ -28,6 +28,11 @@ runs the service looks every PREFILL_POLL_S at whether the engine's KV events co
 full blocks; when they do its tokens stop counting as queued and a `prefilled` chunk tells the
 router. An engine that caches nothing (no prefix caching) leaves them queued until the answer.
 
+A utility call (GenerateRequest.endpoint in UTILITY_ENDPOINTS: the engine's /tokenize or
+/detokenize) is no leg of a generation: it queues no prefill and decodes nothing, and its answer
+comes whole (in pieces when large) in the final chunk's body. An engine without the route refuses
+it (404).
+
 `contexts` counts the legs decoding (worker_shim.decode_context): a decode or agg leg from its
 first streamed token, or a whole answer's leg from that `prefilled` moment at its prompt's length,
 until it ends. The load reports carry their mean as `decode_context`.
@@ -62,7 +67,7 @@ from protocol import (
     decode_msg,
     encode_msg,
 )
-from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, UTILITY_ENDPOINTS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 from worker_shim.decode_context import DecodeContext
 from worker_shim.tracing import LegTracer
@@ -320,6 +325,11 @@ class RequestService:
                 error=ErrorInfo(code=409, kind="bad_request", message=f"request {req.request_id} is already running")
             )
             return
+        if req.endpoint in UTILITY_ENDPOINTS:
+            state = _Leg(req.request_id, 0, writer)
+            self.inflight[req.request_id] = state
+            state.task = asyncio.create_task(self._call(req, state, writer), name=f"call-{req.request_id}")
+            return
         leg = self._leg_request(req, role)
         if isinstance(leg, ErrorInfo):
             await writer.final(error=leg)
@@ -456,6 +466,30 @@ class RequestService:
                     await watch
             self._first_token(state)
             self.contexts.end(req.request_id)
+            self.inflight.pop(req.request_id, None)
+            self.remember(writer)
+
+    async def _call(self, req: GenerateRequest, state: _Leg, writer: _ChunkWriter) -> None:
+        """A utility call (no generation: nothing queued, nothing decoding): the engine's whole
+        answer in the final chunk's body, or its refusal."""
+        try:
+            remaining = None if req.deadline is None else req.deadline - time.time()
+            async with asyncio.timeout(remaining):
+                raw = await self.adapter.call(req.endpoint, {**req.params, "model": req.model})
+            await writer.final(body=raw)
+        except TimeoutError:
+            await writer.final(error=ErrorInfo(code=504, kind="deadline", message="the request's deadline passed"))
+        except EngineError as exc:
+            await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
+        except asyncio.CancelledError:
+            if state.cancelled:
+                await writer.final(finish_reason="abort")
+                return
+            await writer.final(
+                error=ErrorInfo(code=503, kind="shutdown", message="the worker shut down before the request ended")
+            )
+            raise
+        finally:
             self.inflight.pop(req.request_id, None)
             self.remember(writer)
 

@@ -20,6 +20,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from protocol import block_hashes
+from protocol.version import __version__
 from router.http_api import HttpLimits
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
 from tests.router.polling import until
@@ -351,6 +352,34 @@ async def test_the_routers_own_400s_are_openai_json(
 ) -> None:
     status, out, _ = await post(http, agg.routers[0].url + path, body)
     assert_openai_error(status, out, 400, param)
+
+
+async def test_tokenize_and_detokenize_are_a_workers_engines_own(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    """vLLM's /tokenize and /detokenize through the router: the engine's own answers and refusals,
+    every form, an answer over NATS's payload limit whole, on whichever worker, prefill included."""
+    prefill = await cluster.add_worker("prefill")
+    await cluster.add_worker("decode")
+    router = await cluster.add_ready_router()
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("/tokenize", {"prompt": "hello world", "return_token_strs": True}),
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}),
+        ("/tokenize", {"prompt": "ab " * 150_000}),  # a 1.6 MB answer: over NATS's 1 MB payload limit
+        ("/detokenize", {"tokens": [104, 105]}),
+        ("/detokenize", {"tokens": "x"}),  # the engine's own 400
+    ]
+    for path, body in cases * 2:  # calls take the workers in turn
+        direct = await post(http, prefill.sim.url + path, {"model": MODEL, **body})
+        routed = await post(http, router.url + path, {"model": MODEL, **body})
+        assert routed[:2] == direct[:2], (path, str(body)[:80])
+    assert [w.sim.engine.prefill_tokens_computed for w in cluster.workers] == [0, 0], "no generation"
+    served = [sum(w.shim.requests.outcomes.values()) for w in cluster.workers if w.shim.requests is not None]
+    assert served == [len(cases), len(cases)], "each worker in turn"
+    status, out, _ = await post(http, router.url + "/tokenize", {"model": "no-such-model", "prompt": "x"})
+    assert_openai_error(status, out, 404, "model")
+    status, out, _ = await post(http, router.url + "/detokenize", [1, 2])
+    assert_openai_error(status, out, 400)
+    async with http.get(router.url + "/version") as r:
+        assert r.status == 200 and await r.json() == {"version": __version__}
 
 
 async def test_unknown_model_route_and_method(agg: Cluster, http: aiohttp.ClientSession) -> None:

@@ -399,3 +399,15 @@ def test_explain_keeps_the_room_exclusions_of_a_request_that_would_wait() -> Non
     assert (info["admissible"], info["waits"]) == (True, True)
     why = {e["worker"]: e["why"] for e in info["excluded"]}
     assert "over half the TTFT SLO" in why["p1"] and "refuses a local prefill here" in why["d1"]
+
+
+def test_utility_calls_go_to_every_worker_that_can_answer_prefill_last() -> None:
+    """/tokenize needs an engine, not a synced index: a bootstrapping worker answers, a silent one
+    cannot."""
+    f = Fleet(winfo("p1", "prefill"), winfo("d1"), winfo("d2"), winfo("a1", "agg"), winfo("other", model="x"),
+              sync={"d2": ("bootstrapping", "waiting for the shim's first full state")})  # fmt: skip
+    assert [i.worker for i in f.planner.utility_workers(MODEL)] == ["d1", "d2", "a1", "p1"]
+    f.clock.now += 2.0  # four load-report periods without a word ...
+    f.report("d2")
+    f.report("p1")  # ... but from these two
+    assert [i.worker for i in f.planner.utility_workers(MODEL)] == ["d2", "p1"]

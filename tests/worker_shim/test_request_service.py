@@ -1,4 +1,5 @@
-"""The request service through NATS against a sim: streaming, cancel, deadline, P/D, bypass."""
+"""The request service through NATS against a sim: streaming, cancel, deadline, P/D, bypass,
+utility calls."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import pytest
 from nats.aio.client import Client as Nats
 
@@ -24,9 +26,12 @@ from protocol import (
     encode_msg,
     subjects,
 )
-from protocol.messages import ANNOTATION_BYPASS
+from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
 from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
-from worker_shim import WorkerShim
+from worker_shim import ShimConfig, WorkerShim
+from worker_shim.adapters.base import EngineError
+from worker_shim.adapters.trtllm import TrtllmAdapter
+from worker_shim.adapters.vllm import VllmAdapter
 
 
 class Collector:
@@ -334,3 +339,48 @@ async def test_load_reports_carry_the_decoding_legs_mean_context(
         assert (await col.final("a")).error is None
         await wait_for(lambda: len(contexts) == 0, what="the legs' ends counted")
         assert "p" not in grown and "a" in grown
+
+
+async def test_a_utility_call_gets_the_engines_whole_answer_and_queues_nothing(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """/tokenize through the shim is the engine's own answer, in pieces when over NATS's payload
+    limit; it is no generation, so nothing counts as queued prefill; a refusal is the engine's."""
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None and shim.requests is not None
+        queued: list[int] = []
+        col.on_chunk = lambda _c: queued.append(shim.requests.prefill_tokens_queued)  # type: ignore[union-attr]
+        cases: dict[str, tuple[str, dict[str, Any]]] = {
+            "small": (ENDPOINT_TOKENIZE, {"prompt": "hello world", "return_token_strs": True}),
+            "big": (ENDPOINT_TOKENIZE, {"prompt": "ab " * 150_000}),  # a 1.6 MB answer, over the 1 MB limit
+            "back": (ENDPOINT_DETOKENIZE, {"tokens": [104, 105]}),
+            "refused": (ENDPOINT_DETOKENIZE, {"tokens": "x"}),
+        }
+        for rid, (endpoint, params) in cases.items():
+            req = GenerateRequest(
+                request_id=rid, model="sim-llama", token_ids=[], stream=False, endpoint=endpoint, params=params
+            )
+            await col.send(subjects.gen(ns, "agg", shim.worker_id), req)
+        async with aiohttp.ClientSession() as http:
+            for rid, (endpoint, params) in cases.items():
+                final = await col.final(rid)
+                async with http.post(f"{sim.url}/{endpoint}", json={**params, "model": "sim-llama"}) as r:
+                    direct = await r.read()
+                    if r.status != 200:
+                        assert final.error is not None and final.error.code == r.status == 400, rid
+                        assert final.error.body == direct, "the engine's own refusal"
+                        continue
+                chunks = col.chunks[rid]
+                assert final.error is None and b"".join(c.body for c in chunks) == direct, rid
+                assert (len(chunks) > 1) == (rid == "big"), rid
+        assert set(queued) == {0}
+        assert not shim.requests.inflight
+
+
+async def test_an_engine_without_the_route_refuses_a_utility_call() -> None:
+    """TensorRT-LLM serves no /tokenize: the adapter says so (404) instead of asking the engine."""
+    adapter = TrtllmAdapter(ShimConfig(engine="trtllm", engine_url="http://127.0.0.1:9", model="m"))
+    with pytest.raises(EngineError) as err:
+        await adapter.call(ENDPOINT_TOKENIZE, {"prompt": "x"})
+    assert err.value.code == 404 and "trtllm engine serves no /tokenize" in err.value.message
+    assert VllmAdapter.utility_paths == {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}

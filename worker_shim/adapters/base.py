@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -188,3 +188,12 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome: ...
+
+    # The engine's utility routes by protocol endpoint (ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE):
+    # only what the engine really serves, so a router never hears an answer the engine did not give.
+    utility_paths: ClassVar[Mapping[str, str]] = {}
+
+    async def call(self, endpoint: str, body: dict[str, Any]) -> bytes:
+        """The engine's whole answer to `body` on a utility route; EngineError (the engine's own
+        refusal, or 404 for a route this engine does not serve)."""
+        raise EngineError(404, "engine_rejected", f"a {self.kind} engine serves no /{endpoint} route")

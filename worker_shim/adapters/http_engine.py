@@ -8,10 +8,12 @@ other. Status reads and the health probe get a short total timeout; generation c
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth
-from worker_shim.adapters.openai_http import model_cards
+from worker_shim.adapters.openai_http import model_cards, post_utility
 from worker_shim.config import ShimConfig
 
 __all__ = ["PROBE_TIMEOUT", "HttpEngineAdapter"]
@@ -61,6 +63,12 @@ class HttpEngineAdapter(EngineAdapter):
             return model_cards(await self.fetch("/v1/models"))
         except EngineError:
             return None
+
+    async def call(self, endpoint: str, body: dict[str, Any]) -> bytes:
+        path = self.utility_paths.get(endpoint)
+        if path is None:
+            return await super().call(endpoint, body)
+        return await post_utility(self.session, self.base + path, body)
 
     async def fetch(self, path: str, method: str = "GET") -> bytes:
         """The body of a 200 answer from `path`; EngineError for any other status or no answer."""

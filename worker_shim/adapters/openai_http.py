@@ -29,11 +29,22 @@ from protocol import Usage
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim.adapters.base import EngineError, LegRequest, OnOutput
 
-__all__ = ["ENDPOINT_PATHS", "Result", "model_cards", "pass_through_body", "post_completion", "usage_from"]
+__all__ = [
+    "ENDPOINT_PATHS",
+    "UTILITY_TIMEOUT",
+    "Result",
+    "model_cards",
+    "pass_through_body",
+    "post_completion",
+    "post_utility",
+    "usage_from",
+]
 
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
 ENDPOINT_PATHS = {ENDPOINT_COMPLETIONS: "/v1/completions", ENDPOINT_CHAT: "/v1/chat/completions"}
+# A utility call is no generation, but tokenizing a long prompt with a chat template takes a while.
+UTILITY_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
 
 
 def usage_from(raw: Any) -> Usage:
@@ -194,6 +205,20 @@ async def _line_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[by
         yield lines
     if partial:
         yield [b"".join(partial)]
+
+
+async def post_utility(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> bytes:
+    """POST `body` to a utility route (/tokenize, /detokenize); the engine's 200 answer as it is,
+    else EngineError carrying the engine's own refusal."""
+    try:
+        headers = {"Content-Type": "application/json"}  # vLLM requires it
+        async with session.post(url, data=_encode.encode(body), headers=headers, timeout=UTILITY_TIMEOUT) as resp:
+            raw = await resp.read()
+    except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+        raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
+    if resp.status != 200:
+        raise _error_from(resp.status, raw)
+    return raw
 
 
 async def post_completion(

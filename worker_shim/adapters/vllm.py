@@ -18,12 +18,15 @@
   `request_id`, else the router's request id), so the engines' logs line up and the answer is named
   as the client would get it from vLLM directly.
 - Abort: closing the HTTP connection (vLLM aborts a request whose client went away).
+- Utility calls a router forwards: `/tokenize` and `/detokenize`, the client's body with `model`
+  set, the answer as the engine gives it.
 - Tokenizer fingerprint: `POST /tokenize` with the probe text (`add_special_tokens: true`) and the
   probe messages (`add_generation_prompt: true`; an error there means no chat template).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import aiohttp
@@ -32,6 +35,7 @@ import msgspec
 from protocol import SamplingParams
 from protocol import vllm_metrics as vm
 from protocol.fingerprint import PROBE_MESSAGES, PROBE_TEXT, fingerprint
+from protocol.messages import ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
 from worker_shim.adapters.base import (
     EngineError,
     EngineLimits,
@@ -175,6 +179,7 @@ def engine_body(leg: LegRequest) -> tuple[str, dict[str, Any]]:
 class VllmAdapter(ZmqEventsAdapter):
     kind: ClassVar[str] = "vllm"
     requires_served_model: ClassVar[bool] = True
+    utility_paths: ClassVar[Mapping[str, str]] = {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}
 
     async def limits(self) -> EngineLimits:
         return limits_from_metrics((await self.fetch("/metrics")).decode())

@@ -1,0 +1,88 @@
+"""RequestPath's utility calls (/tokenize, /detokenize): which workers they go to, in what order,
+and when a failed call moves on to the next worker."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from protocol import GenerateRequest, WorkerInfo
+from protocol.messages import ENDPOINT_TOKENIZE
+from router.dispatch import LegError
+from router.planner import PlanError
+from router.request_path import RequestPath
+from tests.router.builders import worker
+
+
+class Planner:
+    def __init__(self, infos: list[WorkerInfo]) -> None:
+        self.infos = infos
+
+    def utility_workers(self, model: str) -> list[WorkerInfo]:
+        return [i for i in self.infos if i.model == model]
+
+
+class Dispatcher:
+    """Answers from every worker but those in `fails`, which raise the LegError given."""
+
+    def __init__(self, fails: dict[str, LegError] | None = None) -> None:
+        self.fails = fails or {}
+        self.calls: list[tuple[str, str, GenerateRequest]] = []
+
+    async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
+        self.calls.append((worker, role, req))
+        if worker in self.fails:
+            raise self.fails[worker]
+        return b'{"from": "' + worker.encode() + b'"}'
+
+
+def path(infos: list[WorkerInfo], dispatcher: Dispatcher) -> RequestPath:
+    stub = cast(Any, None)
+    return RequestPath(
+        planner=cast(Any, Planner(infos)),
+        admission=stub,
+        dispatcher=cast(Any, dispatcher),
+        metrics=stub,
+        tracer=stub,
+        models=lambda: ["m"],
+    )
+
+
+async def test_calls_take_the_workers_in_turn_on_their_own_subjects() -> None:
+    d = Dispatcher()
+    p = path([worker("a", "agg"), worker("b", "decode"), worker("c", "prefill")], d)
+    answers = [await p.call("m", ENDPOINT_TOKENIZE, {"prompt": "x"}) for _ in range(4)]
+    assert answers == [b'{"from": "a"}', b'{"from": "b"}', b'{"from": "c"}', b'{"from": "a"}']
+    assert [(w, role) for w, role, _ in d.calls] == [("a", "agg"), ("b", "decode"), ("c", "prefill"), ("a", "agg")]
+    req = d.calls[0][2]
+    assert req.endpoint == ENDPOINT_TOKENIZE and req.params == {"prompt": "x"} and req.token_ids == []
+    assert len({r.request_id for _, _, r in d.calls}) == 4, "each call its own id"
+
+
+async def test_a_worker_that_failed_before_answering_hands_the_call_on_once() -> None:
+    silent = LegError("a", 503, "worker_silent", "no chunk", retryable=True)
+    d = Dispatcher({"a": silent})
+    p = path([worker("a", "agg"), worker("b", "agg"), worker("c", "agg")], d)
+    assert await p.call("m", ENDPOINT_TOKENIZE, {}) == b'{"from": "b"}'
+    assert [w for w, _, _ in d.calls] == ["a", "b"]
+
+    both = Dispatcher({"a": silent, "b": LegError("b", 502, "internal", "boom", retryable=True)})
+    p = path([worker("a", "agg"), worker("b", "agg"), worker("c", "agg")], both)
+    with pytest.raises(LegError) as err:
+        await p.call("m", ENDPOINT_TOKENIZE, {})
+    assert err.value.worker == "b" and [w for w, _, _ in both.calls] == ["a", "b"], "two tries, not the fleet"
+
+
+async def test_an_engines_refusal_is_the_answer_not_a_reason_to_try_elsewhere() -> None:
+    refusal = LegError("a", 400, "engine_rejected", "bad tokens", retryable=False, body=b'{"error": {}}')
+    d = Dispatcher({"a": refusal})
+    with pytest.raises(LegError) as err:
+        await path([worker("a", "agg"), worker("b", "agg")], d).call("m", ENDPOINT_TOKENIZE, {})
+    assert err.value is refusal and len(d.calls) == 1
+
+
+async def test_no_worker_of_the_model_is_a_503() -> None:
+    with pytest.raises(PlanError) as err:
+        await path([worker("a", "agg", model="other")], Dispatcher()).call("m", ENDPOINT_TOKENIZE, {})
+    assert err.value.code == 503 and "model m" in err.value.message
