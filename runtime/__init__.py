@@ -19,7 +19,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["JsonFormatter", "RepeatedErrors", "configure_logging", "run_service", "start_or_stop", "tune_gc"]
+__all__ = [
+    "JsonFormatter",
+    "RepeatedErrors",
+    "RepeatedLines",
+    "configure_logging",
+    "run_service",
+    "start_or_stop",
+    "tune_gc",
+]
 
 _STD_ATTRS = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 
@@ -42,6 +50,35 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class RepeatedLines(logging.Filter):
+    """A handler filter for libraries that log every retry: a line of theirs (same logger, same
+    format) goes through the first time, then at most every `every_s`, saying how many like it were
+    held back. etcd3aio's three watches each warn every 5 s while etcd is down; our lease's own
+    lines say when it went and when it came back."""
+
+    def __init__(
+        self, prefixes: tuple[str, ...], every_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+        self.every_s = every_s
+        self._clock = clock
+        self._said: dict[tuple[str, object], tuple[float, int]] = {}  # -> (last said at, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self.prefixes):
+            return True
+        key, now = (record.name, record.msg), self._clock()
+        seen = self._said.get(key)
+        if seen is not None and now - seen[0] < self.every_s:
+            self._said[key] = (seen[0], seen[1] + 1)
+            return False
+        self._said[key] = (now, 0)
+        if seen is not None and seen[1]:
+            record.msg = f"{record.msg} ({seen[1]} more like it in {now - seen[0]:.0f}s)"
+        return True
+
+
 def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
     """`KVSWITCH_LOG_LEVEL` (info) and `KVSWITCH_LOG_FORMAT` (`text` or `json`) unless given."""
     level = (level or os.environ.get("KVSWITCH_LOG_LEVEL", "info")).upper()
@@ -52,6 +89,7 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.Formatter.converter = time.gmtime
+    handler.addFilter(RepeatedLines(("etcd3aio",)))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
