@@ -325,6 +325,11 @@ class Dispatcher:
                 await sub.unsubscribe()
 
     @property
+    def connected(self) -> bool:
+        """NATS is up: a leg sent now can reach its worker."""
+        return self._nc.is_connected
+
+    @property
     def inflight_legs(self) -> int:
         return len(self._legs)
 

@@ -74,6 +74,7 @@ class RequestPath:
         """Admit and plan one request (its first attempt booked); PlanError or Overloaded if not.
         `request` is its leg as the client asked for it, routed by its `token_ids`; `text`: the
         prompt came as text, so only workers sharing the router's tokenizer may take it."""
+        self._check_connected()
         started = time.perf_counter()
         ctx = self.planner.context(
             request.request_id, request.model, request.token_ids, request.sampling.max_tokens, text=text
@@ -103,6 +104,7 @@ class RequestPath:
         whole answer. Calls take the workers in turn; one that fails before answering (silent, gone,
         a 5xx) hands the call to the next. PlanError when no worker can take it, LegError when the
         call failed."""
+        self._check_connected()
         workers = self.planner.utility_workers(model)
         if not workers:
             raise PlanError(503, f"no worker of model {model} can take the request now")
@@ -121,6 +123,14 @@ class RequestPath:
                     raise
                 log.warning("%s call %s: %s; trying %s", endpoint, req.request_id, exc, tries[i + 1].worker)
         raise AssertionError("unreachable")
+
+    def _check_connected(self) -> None:
+        # Legs sent while NATS is down wait in the client's buffer until every worker looks silent:
+        # a client is better served by the cause, at once.
+        if not self.dispatcher.connected:
+            raise PlanError(
+                503, "the router has lost its NATS connection and is reconnecting: no worker can be reached"
+            )
 
     def release(self, job: Job) -> None:
         """End the job's bookkeeping unless its stream did: the handler calls it whatever happened

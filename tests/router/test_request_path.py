@@ -1,5 +1,5 @@
 """RequestPath's utility calls (/tokenize, /detokenize): which workers they go to, in what order,
-and when a failed call moves on to the next worker."""
+when a failed call moves on to the next worker, and none while NATS is down."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ class Planner:
 class Dispatcher:
     """Answers from every worker but those in `fails`, which raise the LegError given."""
 
-    def __init__(self, fails: dict[str, LegError] | None = None) -> None:
+    def __init__(self, fails: dict[str, LegError] | None = None, *, connected: bool = True) -> None:
         self.fails = fails or {}
+        self.connected = connected
         self.calls: list[tuple[str, str, GenerateRequest]] = []
 
     async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
@@ -86,3 +87,10 @@ async def test_no_worker_of_the_model_is_a_503() -> None:
     with pytest.raises(PlanError) as err:
         await path([worker("a", "agg", model="other")], Dispatcher()).call("m", ENDPOINT_TOKENIZE, {})
     assert err.value.code == 503 and "model m" in err.value.message
+
+
+async def test_without_nats_a_call_is_a_503_naming_it_and_nothing_is_sent() -> None:
+    d = Dispatcher(connected=False)
+    with pytest.raises(PlanError) as err:
+        await path([worker("a", "agg")], d).call("m", ENDPOINT_TOKENIZE, {})
+    assert err.value.code == 503 and "NATS" in err.value.message and not d.calls
