@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from kvswitch.servers import ServerError
+from protocol.timing import profile_names
 
 __all__ = ["PASSES_UNKNOWN_ARGS", "add_arguments", "run"]
 
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8080, help="first router's port; the next ones follow")
     parser.add_argument("--speedup", type=float, default=1.0, help="simulated engines run this many times faster")
     parser.add_argument("--model", default="sim-llama", help="served model name")
-    parser.add_argument("--profile", default="h200:llama-3.1-8b", help="engine timing profile")
+    parser.add_argument("--profile", default="h200:llama-3.1-8b", choices=profile_names(), help="engine timing profile")
     parser.add_argument(
         "--log-dir",
         default=None,
@@ -61,6 +62,8 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         raise SystemExit(f"kvswitch up: --routers must be >= 0, got {routers}")
     if args.speedup <= 0:
         raise SystemExit(f"kvswitch up: --speedup must be > 0, got {args.speedup}")
+    if not args.model.strip():
+        raise SystemExit("kvswitch up: --model must name the served model, got an empty name")
     for name in ("nats_nodes", "etcd_members"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

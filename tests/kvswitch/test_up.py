@@ -145,3 +145,21 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["--agg", "1", "--profile", "nope"],
+            "kvswitch up: error: argument --profile: invalid choice: 'nope'",
+        ),
+        (["--agg", "1", "--model", " "], "kvswitch up: --model must name the served model"),
+    ],
+)
+def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], said: str) -> None:
+    """Before, each started NATS and etcd and failed in the first child that read the flag."""
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "kvswitch", "up", *argv], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and said in out.stderr, out.stderr
+    assert "nats" not in out.stdout and time.monotonic() - started < 20
