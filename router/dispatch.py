@@ -66,6 +66,7 @@ __all__ = ["Bookings", "Dispatcher", "Job", "LegError"]
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"
 MAX_RESUMES = 3  # times one leg may ask for lost chunks again
+_RECONNECT_POLL_S = 0.01
 
 
 class LegError(Exception):
@@ -324,10 +325,16 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    @property
-    def connected(self) -> bool:
-        """NATS is up: a leg sent now can reach its worker."""
-        return self._nc.is_connected
+    async def connected(self) -> bool:
+        """NATS is up, or comes back within the time a leg waits for a silent worker (three
+        heartbeats): a client reconnects to another node of a NATS cluster in milliseconds, and
+        a request sent meanwhile should be served, not refused."""
+        until = time.monotonic() + 3 * self._settings().stream_heartbeat_s
+        while not self._nc.is_connected:
+            if time.monotonic() >= until:
+                return False
+            await asyncio.sleep(_RECONNECT_POLL_S)
+        return True
 
     @property
     def inflight_legs(self) -> int:

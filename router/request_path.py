@@ -67,17 +67,23 @@ class RequestPath:
             raise Unknown(404, f"The model `{name}` does not exist. Registered: {', '.join(known) or 'none'}")
         return name
 
-    def explain(self, model: str, tokens: list[int], *, text: bool) -> dict[str, Any]:
-        return self.planner.explain(self.planner.context("debug", model, tokens, text=text))
+    def explain(self, model: str, tokens: list[int], *, text: bool, sequences: int = 1) -> dict[str, Any]:
+        return self.planner.explain(self.planner.context("debug", model, tokens, text=text, sequences=sequences))
 
-    async def open(self, request: GenerateRequest, span: Span, *, text: bool) -> Job:
+    async def open(self, request: GenerateRequest, span: Span, *, text: bool, sequences: int = 1) -> Job:
         """Admit and plan one request (its first attempt booked); PlanError or Overloaded if not.
         `request` is its leg as the client asked for it, routed by its `token_ids`; `text`: the
-        prompt came as text, so only workers sharing the router's tokenizer may take it."""
-        self._check_connected()
+        prompt came as text, so only workers sharing the router's tokenizer may take it;
+        `sequences`: what the engine runs for it (a batch's prompts times `n`)."""
+        await self._check_connected()
         started = time.perf_counter()
         ctx = self.planner.context(
-            request.request_id, request.model, request.token_ids, request.sampling.max_tokens, text=text
+            request.request_id,
+            request.model,
+            request.token_ids,
+            request.sampling.max_tokens,
+            text=text,
+            sequences=sequences,
         )
         try:
             plan = await self.admission.admit(ctx, self.planner.take)
@@ -104,7 +110,7 @@ class RequestPath:
         whole answer. Calls take the workers in turn; one that fails before answering (silent, gone,
         a 5xx) hands the call to the next. PlanError when no worker can take it, LegError when the
         call failed."""
-        self._check_connected()
+        await self._check_connected()
         workers = self.planner.utility_workers(model)
         if not workers:
             raise PlanError(503, f"no worker of model {model} can take the request now")
@@ -124,10 +130,10 @@ class RequestPath:
                 log.warning("%s call %s: %s; trying %s", endpoint, req.request_id, exc, tries[i + 1].worker)
         raise AssertionError("unreachable")
 
-    def _check_connected(self) -> None:
-        # Legs sent while NATS is down wait in the client's buffer until every worker looks silent:
-        # a client is better served by the cause, at once.
-        if not self.dispatcher.connected:
+    async def _check_connected(self) -> None:
+        # A leg sent while NATS stays down waits in the client's buffer until its worker looks
+        # silent, and the client hears only that no worker could serve it: name the cause.
+        if not await self.dispatcher.connected():
             raise PlanError(
                 503, "the router has lost its NATS connection and is reconnecting: no worker can be reached"
             )

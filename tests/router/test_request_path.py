@@ -26,10 +26,13 @@ class Planner:
 class Dispatcher:
     """Answers from every worker but those in `fails`, which raise the LegError given."""
 
-    def __init__(self, fails: dict[str, LegError] | None = None, *, connected: bool = True) -> None:
+    def __init__(self, fails: dict[str, LegError] | None = None, *, up: bool = True) -> None:
         self.fails = fails or {}
-        self.connected = connected
+        self.up = up
         self.calls: list[tuple[str, str, GenerateRequest]] = []
+
+    async def connected(self) -> bool:
+        return self.up
 
     async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
         self.calls.append((worker, role, req))
@@ -90,7 +93,7 @@ async def test_no_worker_of_the_model_is_a_503() -> None:
 
 
 async def test_without_nats_a_call_is_a_503_naming_it_and_nothing_is_sent() -> None:
-    d = Dispatcher(connected=False)
+    d = Dispatcher(up=False)
     with pytest.raises(PlanError) as err:
         await path([worker("a", "agg")], d).call("m", ENDPOINT_TOKENIZE, {})
     assert err.value.code == 503 and "NATS" in err.value.message and not d.calls
