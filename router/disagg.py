@@ -130,6 +130,15 @@ class Disaggregator:
             return done(Path.AGG, Outcome.AGGREGATED, f"{d.worker} is an aggregated worker")
         if s.disagg == "never":
             return done(Path.AGG, Outcome.AGGREGATED, "disagg=never")
+        if ctx.sequences > 1:
+            # A prefill leg's transfer handle names one sequence's blocks; an engine given it for a
+            # batch or for n samples would load one prompt's KV for another (vLLM's P/D supports no
+            # parallel sampling: vllm#38900).
+            return done(
+                Path.BYPASS,
+                Outcome.BYPASS_SEQUENCES,
+                f"{ctx.sequences} sequences (a batch or n > 1): one transfer handle carries one sequence's KV",
+            )
         if p is None and ctx.prefill_full:
             return done(
                 Path.BYPASS, Outcome.PREFILL_POOL_FULL, "every prefill worker's backlog is past half the TTFT SLO"

@@ -162,6 +162,7 @@ class ParsedRequest:
     max_tokens: int
     annotations: list[str]
     params: dict[str, Any] = field(default_factory=dict)
+    sequences: int = 1  # what the engine runs: a batch's prompts times `n`
 
 
 _KINDS: dict[type | tuple[type, ...], str] = {
@@ -283,7 +284,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
         prompts = _prompts(body["prompt"])
     max_tokens = _opt(body, "max_completion_tokens", int, None) if chat else None
     max_tokens = max_tokens if max_tokens is not None else _opt(body, "max_tokens", int, None)
-    _opt(body, "n", int, 1)
+    n = _opt(body, "n", int, 1)
     truncate = _opt(body, "truncate_prompt_tokens", int, None)
     side = _opt(body, "truncation_side", str, "left")
     annotations = _opt(body, "annotations", list, [])
@@ -304,6 +305,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
         max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else 16,
         annotations=annotations,
         params=params,
+        sequences=max(len(prompts), 1) * max(n, 1),
     )
 
 
@@ -489,7 +491,9 @@ class _Handlers:
             model = self._model(parsed)
             routed, _ = await self._tokens(parsed)
             try:
-                return _json_response(self.path.explain(model, routed, text=_is_text(parsed)))
+                return _json_response(
+                    self.path.explain(model, routed, text=_is_text(parsed), sequences=parsed.sequences)
+                )
             except PlanError as exc:
                 raise ApiError(exc.code, exc.message) from exc
         except ApiError as exc:
@@ -594,7 +598,7 @@ class _Handlers:
             ) as span:
                 leg = self._leg(parsed, ids, model, routed, prompts)
                 try:
-                    job = await self.path.open(leg, span, text=_is_text(parsed))
+                    job = await self.path.open(leg, span, text=_is_text(parsed), sequences=parsed.sequences)
                 except PlanError as exc:
                     raise ApiError(exc.code, exc.message) from exc
                 except Overloaded as exc:

@@ -124,7 +124,14 @@ class Planner:
     # --- 1. context ----------------------------------------------------------------------------
 
     def context(
-        self, request_id: str, model: str, token_ids: list[int], max_tokens: int = 16, *, text: bool = False
+        self,
+        request_id: str,
+        model: str,
+        token_ids: list[int],
+        max_tokens: int = 16,
+        *,
+        text: bool = False,
+        sequences: int = 1,
     ) -> RequestContext:
         infos = [i for i in self._workers() if i.model == model]
         if not infos:
@@ -141,6 +148,7 @@ class Planner:
             hashes=hasher(token_ids),
             max_tokens=max_tokens,
             text=text,
+            sequences=sequences,
         )
 
     # --- 2. candidates -------------------------------------------------------------------------
@@ -240,13 +248,12 @@ class Planner:
         ctx.prefill_full = bool(ctx.prefill_pool) and not prefill
         if record:
             ctx.excluded += [self._no_room(ctx, c) for c in full]
-        if ctx.prefill_full:
+        several = ctx.sequences > 1 and bool(ctx.prefill_pool)  # prefilled locally (router.disagg)
+        if ctx.prefill_full or several:
             local = [c for c in decode if self.disagg.has_room(ctx, c, local=True)]
             if record and len(local) < len(decode):
-                why = (
-                    f"every prefill worker is full and the {self.disagg.policy.name} policy's room rule "
-                    "refuses a local prefill here"
-                )
+                cause = "the request has several sequences" if several else "every prefill worker is full"
+                why = f"{cause} and the {self.disagg.policy.name} policy's room rule refuses a local prefill here"
                 kept = {id(c) for c in local}
                 ctx.excluded += [{**c.explain(), "excluded": "room", "why": why} for c in decode if id(c) not in kept]
             decode = local

@@ -129,6 +129,7 @@ class RequestContext:
     decode: Candidate | None = None
     prefill: Candidate | None = None
     text: bool = False  # the prompt came as text: only workers sharing the router's tokenizer
+    sequences: int = 1  # sequences the engine runs for it: prompts of a batch times `n`
     prefill_full: bool = False  # every prefill worker was past the admission limit
     excluded: list[dict[str, Any]] = field(default_factory=list)  # workers left out, and why
     isl: int = field(init=False)  # prompt tokens; a field, as it is read for every candidate

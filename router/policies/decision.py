@@ -26,6 +26,7 @@ class Outcome(StrEnum):
     NO_PREFILL_POOL = "no_prefill_pool"  # disaggregation wanted but the model has no prefill worker
     PREFILL_POOL_FULL = "prefill_pool_full"  # every prefill worker past the admission limit -> local prefill
     SPILLED_TO_PREFILL = "spilled_to_prefill"  # no decode worker had room: a prefill worker serves it whole
+    BYPASS_SEQUENCES = "bypass_sequences"  # n > 1 or a batch: a transfer handle carries one sequence's KV
 
 
 class Path(StrEnum):

@@ -36,6 +36,28 @@ def test_an_agg_worker_serves_aggregated_even_with_a_prefill_pool() -> None:
     assert plan is not None and plan.outcome is Outcome.AGGREGATED
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [{"disagg": "always"}, {"conditional_disagg": True, "eff_isl_threshold": 10}, {"conditional_disagg": True}],
+)
+def test_a_batch_or_n_samples_prefill_on_the_decode_worker(flags: dict[str, object]) -> None:
+    """One transfer handle carries one sequence's KV: handing it to several would give one prompt's
+    KV to another. A long prompt the policy would send remote still prefills locally, and the
+    guard has nothing to veto (decode_busy_threshold tiny), since remote is no option."""
+    r = ctx(3000, [cand("d1")], [cand("p1", "prefill")])
+    r.sequences = 2
+    plan = Disaggregator(settings(decode_busy_threshold=0.001, **flags)).plan(r)
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_SEQUENCES)
+    assert "2 sequences" in plan.reason
+    r.sequences = 1
+    plan = Disaggregator(settings(decode_busy_threshold=0.001, **flags)).plan(r)
+    assert plan is not None and plan.path is Path.REMOTE
+    agg = ctx(3000, [cand("a1", "agg")], [cand("p1", "prefill")])
+    agg.sequences = 4
+    plan = Disaggregator(settings(**flags)).plan(agg)
+    assert plan is not None and plan.outcome is Outcome.AGGREGATED
+
+
 def test_plan_counts_nothing_and_record_counts_once() -> None:
     dis = Disaggregator(settings(conditional_disagg=True))
     plan = dis.plan(ctx(100, [cand(overlap=4)]))

@@ -101,6 +101,32 @@ async def test_conditional_bypass_prefills_on_the_decode_worker(cluster: Cluster
     assert router.disagg.counts == Counter({"declined_policy": 1, "bypass_isl": 1})
 
 
+async def test_a_batch_or_n_samples_never_take_a_transfer_handle(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    """A prefill leg's handle names one sequence's blocks: given to a batch, vLLM would load the
+    first prompt's KV for every prompt. Such requests prefill on the decode worker; the answers
+    are what the engine gives for the same body directly."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    bodies = [
+        {"prompt": [list(range(100, 400)), list(range(1000, 1300))], "max_tokens": 4},
+        {"prompt": list(range(2000, 2300)), "max_tokens": 4, "n": 2},
+    ]
+    for body in bodies:
+        request = {"model": MODEL, "temperature": 0.8, "seed": 5, **body}
+        async with http.post(router.url + "/v1/completions", json=request) as r:
+            routed = await r.json()
+            assert r.status == 200, routed
+            assert (r.headers["x-kvswitch-prefill"], routed["kvswitch"]["outcome"]) == ("bypass", "bypass_sequences")
+        async with http.post(d.sim.url + "/v1/completions", json=request) as r:
+            direct = await r.json()
+        assert [c["text"] for c in routed["choices"]] == [c["text"] for c in direct["choices"]]
+    assert p.sim.engine.stats.prompt_tokens == 0, "no prefill leg"
+    assert d.sim.engine.stats.external_kv_tokens == 0, "no transfer handle"
+    status, body, headers = await complete(http, router, list(range(3000, 3300)))
+    assert (status, headers["x-kvswitch-prefill"]) == (200, "remote"), "one sequence still goes remote"
+
+
 async def test_slo_aware_holds_a_request_while_its_decode_worker_has_no_tpot_room(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:

@@ -226,6 +226,21 @@ def test_slo_aware_with_the_prefill_pool_full_prefills_locally_only_within_the_t
     assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
 
 
+def test_slo_aware_judges_a_request_of_several_sequences_by_its_local_prefill() -> None:
+    # as above: d1 runs 40; 30,000 new tokens prefilled beside them break the TPOT budget, so a
+    # batch of that size waits where a single prompt goes to the (idle) prefill worker
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="slo_aware")
+    f.report("d1", running=40)
+    batch = f.planner.context("b", MODEL, list(range(30_000)), sequences=2)
+    assert f.planner.take(batch) is None
+    why = f.planner.explain(f.planner.context("b2", MODEL, list(range(30_000)), sequences=2))["excluded"]
+    assert any("several sequences" in e["why"] for e in why), why
+    plan = f.planner.take(f.ctx(list(range(30_000)), "one"))
+    assert plan is not None and plan.path is Path.REMOTE
+    plan = f.planner.take(f.planner.context("small", MODEL, list(range(1_000)), sequences=2))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_SEQUENCES)
+
+
 def _spill_fleet() -> Fleet:
     return Fleet(
         winfo("d1"),
