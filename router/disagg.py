@@ -130,14 +130,22 @@ class Disaggregator:
             return done(Path.AGG, Outcome.AGGREGATED, f"{d.worker} is an aggregated worker")
         if s.disagg == "never":
             return done(Path.AGG, Outcome.AGGREGATED, "disagg=never")
-        if ctx.sequences > 1:
+        if ctx.shape.sequences > 1:
             # A prefill leg's transfer handle names one sequence's blocks; an engine given it for a
             # batch or for n samples would load one prompt's KV for another (vLLM's P/D supports no
             # parallel sampling: vllm#38900).
             return done(
                 Path.BYPASS,
                 Outcome.BYPASS_SEQUENCES,
-                f"{ctx.sequences} sequences (a batch or n > 1): one transfer handle carries one sequence's KV",
+                f"{ctx.shape.sequences} sequences (a batch or n > 1): one transfer handle carries one sequence's KV",
+            )
+        if ctx.shape.prompt_logprobs:
+            # Given transferred KV the decode engine skips the prompt's forward pass, so it has no
+            # logits for it; vLLM crashes there (vllm#50792).
+            return done(
+                Path.BYPASS,
+                Outcome.BYPASS_PROMPT_LOGPROBS,
+                "prompt logprobs need the prompt's forward pass, which transferred KV skips",
             )
         if p is None and ctx.prefill_full:
             return done(

@@ -57,6 +57,7 @@ from router.api_keys import ApiKeys
 from router.dispatch import Job, LegError
 from router.metrics import CONTENT_TYPE
 from router.planner import PlanError
+from router.request_context import RequestShape
 from router.request_path import RequestPath, Unknown
 from router.tokenization import ChatOptions, Tokenization, TokenizerError
 
@@ -162,7 +163,7 @@ class ParsedRequest:
     max_tokens: int
     annotations: list[str]
     params: dict[str, Any] = field(default_factory=dict)
-    sequences: int = 1  # what the engine runs: a batch's prompts times `n`
+    shape: RequestShape = field(default_factory=RequestShape)
 
 
 _KINDS: dict[type | tuple[type, ...], str] = {
@@ -305,7 +306,13 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
         max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else 16,
         annotations=annotations,
         params=params,
-        sequences=max(len(prompts), 1) * max(n, 1),
+        # Read without validating: the engine judges these fields, and a wrong value the engine
+        # refuses costs nothing on the local path.
+        shape=RequestShape(
+            sequences=max(len(prompts), 1) * max(n, 1),
+            prompt_logprobs=body.get("prompt_logprobs") is not None
+            or (not chat and bool(body.get("echo")) and body.get("logprobs") is not None),
+        ),
     )
 
 
@@ -491,9 +498,7 @@ class _Handlers:
             model = self._model(parsed)
             routed, _ = await self._tokens(parsed)
             try:
-                return _json_response(
-                    self.path.explain(model, routed, text=_is_text(parsed), sequences=parsed.sequences)
-                )
+                return _json_response(self.path.explain(model, routed, text=_is_text(parsed), shape=parsed.shape))
             except PlanError as exc:
                 raise ApiError(exc.code, exc.message) from exc
         except ApiError as exc:
@@ -598,7 +603,7 @@ class _Handlers:
             ) as span:
                 leg = self._leg(parsed, ids, model, routed, prompts)
                 try:
-                    job = await self.path.open(leg, span, text=_is_text(parsed), sequences=parsed.sequences)
+                    job = await self.path.open(leg, span, text=_is_text(parsed), shape=parsed.shape)
                 except PlanError as exc:
                     raise ApiError(exc.code, exc.message) from exc
                 except Overloaded as exc:

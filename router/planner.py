@@ -38,7 +38,7 @@ from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
 from router.policies import Outcome
-from router.request_context import Candidate, RequestContext
+from router.request_context import Candidate, RequestContext, RequestShape
 from router.selection import Selector, over_queue_threshold
 
 _NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
@@ -131,7 +131,7 @@ class Planner:
         max_tokens: int = 16,
         *,
         text: bool = False,
-        sequences: int = 1,
+        shape: RequestShape = RequestShape(),
     ) -> RequestContext:
         infos = [i for i in self._workers() if i.model == model]
         if not infos:
@@ -148,7 +148,7 @@ class Planner:
             hashes=hasher(token_ids),
             max_tokens=max_tokens,
             text=text,
-            sequences=sequences,
+            shape=shape,
         )
 
     # --- 2. candidates -------------------------------------------------------------------------
@@ -248,11 +248,11 @@ class Planner:
         ctx.prefill_full = bool(ctx.prefill_pool) and not prefill
         if record:
             ctx.excluded += [self._no_room(ctx, c) for c in full]
-        several = ctx.sequences > 1 and bool(ctx.prefill_pool)  # prefilled locally (router.disagg)
-        if ctx.prefill_full or several:
+        local_only = ctx.shape.local_prefill_only and bool(ctx.prefill_pool)  # prefilled locally (router.disagg)
+        if ctx.prefill_full or local_only:
             local = [c for c in decode if self.disagg.has_room(ctx, c, local=True)]
             if record and len(local) < len(decode):
-                cause = "the request has several sequences" if several else "every prefill worker is full"
+                cause = "no transfer handle can serve the request" if local_only else "every prefill worker is full"
                 why = f"{cause} and the {self.disagg.policy.name} policy's room rule refuses a local prefill here"
                 kept = {id(c) for c in local}
                 ctx.excluded += [{**c.explain(), "excluded": "room", "why": why} for c in decode if id(c) not in kept]

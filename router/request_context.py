@@ -18,7 +18,7 @@ from protocol import WorkerInfo
 from protocol.timing import TimingModel
 from router.calibration import FULL_BATCH_TOKENS, WorkerTiming
 
-__all__ = ["FULL_BATCH_TOKENS", "Candidate", "LoadLike", "RequestContext"]
+__all__ = ["FULL_BATCH_TOKENS", "Candidate", "LoadLike", "RequestContext", "RequestShape"]
 
 
 class LoadLike(Protocol):
@@ -113,6 +113,19 @@ class Candidate(msgspec.Struct):
         }
 
 
+class RequestShape(msgspec.Struct, frozen=True):
+    """What the engine computes for a request besides its first prompt's next tokens."""
+
+    sequences: int = 1  # the prompts of a batch times `n`
+    prompt_logprobs: bool = False  # the prompt's own logits: prompt_logprobs, or echo with logprobs
+
+    @property
+    def local_prefill_only(self) -> bool:
+        """No transfer handle can serve it (router.disagg): its decode worker prefills it. A
+        handle names one sequence's blocks, and transferred KV comes without the prompt's logits."""
+        return self.sequences > 1 or self.prompt_logprobs
+
+
 @dataclass(slots=True)
 class RequestContext:
     """A request as routing sees it. `decode_pool` holds decode and agg workers of the model,
@@ -129,7 +142,7 @@ class RequestContext:
     decode: Candidate | None = None
     prefill: Candidate | None = None
     text: bool = False  # the prompt came as text: only workers sharing the router's tokenizer
-    sequences: int = 1  # sequences the engine runs for it: prompts of a batch times `n`
+    shape: RequestShape = field(default_factory=RequestShape)
     prefill_full: bool = False  # every prefill worker was past the admission limit
     excluded: list[dict[str, Any]] = field(default_factory=list)  # workers left out, and why
     isl: int = field(init=False)  # prompt tokens; a field, as it is read for every candidate

@@ -26,6 +26,7 @@ from router.admission import Admission
 from router.dispatch import Dispatcher, Job, LegError
 from router.metrics import RouterMetrics
 from router.planner import PlanError, Planner
+from router.request_context import RequestShape
 from router.tracing import RequestTracer
 
 __all__ = ["RequestPath", "Unknown"]
@@ -67,14 +68,18 @@ class RequestPath:
             raise Unknown(404, f"The model `{name}` does not exist. Registered: {', '.join(known) or 'none'}")
         return name
 
-    def explain(self, model: str, tokens: list[int], *, text: bool, sequences: int = 1) -> dict[str, Any]:
-        return self.planner.explain(self.planner.context("debug", model, tokens, text=text, sequences=sequences))
+    def explain(
+        self, model: str, tokens: list[int], *, text: bool, shape: RequestShape = RequestShape()
+    ) -> dict[str, Any]:
+        return self.planner.explain(self.planner.context("debug", model, tokens, text=text, shape=shape))
 
-    async def open(self, request: GenerateRequest, span: Span, *, text: bool, sequences: int = 1) -> Job:
+    async def open(
+        self, request: GenerateRequest, span: Span, *, text: bool, shape: RequestShape = RequestShape()
+    ) -> Job:
         """Admit and plan one request (its first attempt booked); PlanError or Overloaded if not.
         `request` is its leg as the client asked for it, routed by its `token_ids`; `text`: the
         prompt came as text, so only workers sharing the router's tokenizer may take it;
-        `sequences`: what the engine runs for it (a batch's prompts times `n`)."""
+        `shape`: what the engine computes for it besides the next tokens."""
         await self._check_connected()
         started = time.perf_counter()
         ctx = self.planner.context(
@@ -83,7 +88,7 @@ class RequestPath:
             request.token_ids,
             request.sampling.max_tokens,
             text=text,
-            sequences=sequences,
+            shape=shape,
         )
         try:
             plan = await self.admission.admit(ctx, self.planner.take)

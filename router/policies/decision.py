@@ -27,6 +27,7 @@ class Outcome(StrEnum):
     PREFILL_POOL_FULL = "prefill_pool_full"  # every prefill worker past the admission limit -> local prefill
     SPILLED_TO_PREFILL = "spilled_to_prefill"  # no decode worker had room: a prefill worker serves it whole
     BYPASS_SEQUENCES = "bypass_sequences"  # n > 1 or a batch: a transfer handle carries one sequence's KV
+    BYPASS_PROMPT_LOGPROBS = "bypass_prompt_logprobs"  # prompt logprobs need the prompt's own forward pass
 
 
 class Path(StrEnum):

@@ -6,6 +6,7 @@ import pytest
 
 from router.disagg import Disaggregator
 from router.policies import Outcome, Path
+from router.request_context import RequestShape
 from tests.router.builders import cand, ctx, settings
 
 
@@ -45,15 +46,15 @@ def test_a_batch_or_n_samples_prefill_on_the_decode_worker(flags: dict[str, obje
     KV to another. A long prompt the policy would send remote still prefills locally, and the
     guard has nothing to veto (decode_busy_threshold tiny), since remote is no option."""
     r = ctx(3000, [cand("d1")], [cand("p1", "prefill")])
-    r.sequences = 2
+    r.shape = RequestShape(sequences=2)
     plan = Disaggregator(settings(decode_busy_threshold=0.001, **flags)).plan(r)
     assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_SEQUENCES)
     assert "2 sequences" in plan.reason
-    r.sequences = 1
+    r.shape = RequestShape()
     plan = Disaggregator(settings(decode_busy_threshold=0.001, **flags)).plan(r)
     assert plan is not None and plan.path is Path.REMOTE
     agg = ctx(3000, [cand("a1", "agg")], [cand("p1", "prefill")])
-    agg.sequences = 4
+    agg.shape = RequestShape(sequences=4, prompt_logprobs=True)
     plan = Disaggregator(settings(**flags)).plan(agg)
     assert plan is not None and plan.outcome is Outcome.AGGREGATED
 

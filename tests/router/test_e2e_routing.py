@@ -101,26 +101,32 @@ async def test_conditional_bypass_prefills_on_the_decode_worker(cluster: Cluster
     assert router.disagg.counts == Counter({"declined_policy": 1, "bypass_isl": 1})
 
 
-async def test_a_batch_or_n_samples_never_take_a_transfer_handle(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+async def test_what_a_transfer_handle_cannot_serve_prefills_on_the_decode_worker(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
     """A prefill leg's handle names one sequence's blocks: given to a batch, vLLM would load the
-    first prompt's KV for every prompt. Such requests prefill on the decode worker; the answers
-    are what the engine gives for the same body directly."""
+    first prompt's KV for every prompt. Transferred KV comes without the prompt's logits, which
+    prompt logprobs need (vLLM's decode engine crashes on them). Such requests prefill on the
+    decode worker; the answers are what the engine gives for the same body directly."""
     p = await cluster.add_worker("prefill")
     d = await cluster.add_worker("decode")
     router = await cluster.add_ready_router(disagg="always")
     bodies = [
-        {"prompt": [list(range(100, 400)), list(range(1000, 1300))], "max_tokens": 4},
-        {"prompt": list(range(2000, 2300)), "max_tokens": 4, "n": 2},
+        ({"prompt": [list(range(100, 400)), list(range(1000, 1300))], "max_tokens": 4}, "bypass_sequences"),
+        ({"prompt": list(range(2000, 2300)), "max_tokens": 4, "n": 2}, "bypass_sequences"),
+        ({"prompt": list(range(4000, 4300)), "max_tokens": 2, "prompt_logprobs": 1}, "bypass_prompt_logprobs"),
+        ({"prompt": list(range(5000, 5300)), "max_tokens": 2, "echo": True, "logprobs": 1}, "bypass_prompt_logprobs"),
     ]
-    for body in bodies:
+    for body, outcome in bodies:
         request = {"model": MODEL, "temperature": 0.8, "seed": 5, **body}
         async with http.post(router.url + "/v1/completions", json=request) as r:
             routed = await r.json()
             assert r.status == 200, routed
-            assert (r.headers["x-kvswitch-prefill"], routed["kvswitch"]["outcome"]) == ("bypass", "bypass_sequences")
+            assert (r.headers["x-kvswitch-prefill"], routed["kvswitch"]["outcome"]) == ("bypass", outcome)
         async with http.post(d.sim.url + "/v1/completions", json=request) as r:
             direct = await r.json()
-        assert [c["text"] for c in routed["choices"]] == [c["text"] for c in direct["choices"]]
+        for key in ("text", "logprobs", "prompt_logprobs"):
+            assert [c[key] for c in routed["choices"]] == [c[key] for c in direct["choices"]], key
     assert p.sim.engine.stats.prompt_tokens == 0, "no prefill leg"
     assert d.sim.engine.stats.external_kv_tokens == 0, "no transfer handle"
     status, body, headers = await complete(http, router, list(range(3000, 3300)))

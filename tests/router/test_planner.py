@@ -14,6 +14,7 @@ from router.block_index import BlockIndex
 from router.load_view import LoadView
 from router.planner import PlanError, Planner, standalone_planner
 from router.policies import Outcome, Path
+from router.request_context import RequestShape
 from tests.router.builders import settings
 
 BLOCK = 16
@@ -231,13 +232,13 @@ def test_slo_aware_judges_a_request_of_several_sequences_by_its_local_prefill() 
     # batch of that size waits where a single prompt goes to the (idle) prefill worker
     f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="slo_aware")
     f.report("d1", running=40)
-    batch = f.planner.context("b", MODEL, list(range(30_000)), sequences=2)
+    batch = f.planner.context("b", MODEL, list(range(30_000)), shape=RequestShape(sequences=2))
     assert f.planner.take(batch) is None
-    why = f.planner.explain(f.planner.context("b2", MODEL, list(range(30_000)), sequences=2))["excluded"]
-    assert any("several sequences" in e["why"] for e in why), why
+    why = f.planner.explain(f.planner.context("b2", MODEL, list(range(30_000)), shape=RequestShape(sequences=2)))
+    assert any("no transfer handle can serve the request" in e["why"] for e in why["excluded"]), why
     plan = f.planner.take(f.ctx(list(range(30_000)), "one"))
     assert plan is not None and plan.path is Path.REMOTE
-    plan = f.planner.take(f.planner.context("small", MODEL, list(range(1_000)), sequences=2))
+    plan = f.planner.take(f.planner.context("small", MODEL, list(range(1_000)), shape=RequestShape(sequences=2)))
     assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_SEQUENCES)
 
 

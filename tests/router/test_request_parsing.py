@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from router.http_api import ApiError, parse_request
+from router.request_context import RequestShape
 
 
 @pytest.mark.parametrize(
@@ -83,3 +84,24 @@ def test_what_vllm_would_not_read_is_400_naming_it(name: str, value: Any, messag
     with pytest.raises(ApiError) as err:
         parse_request({"prompt": "hi", name: value}, chat=False)
     assert (err.value.code, err.value.param, err.value.message) == (400, name, message)
+
+
+@pytest.mark.parametrize(
+    ("chat", "extra", "shape"),
+    [
+        (False, {}, RequestShape()),
+        (False, {"prompt": ["a", "b", "c"], "n": 2}, RequestShape(sequences=6)),
+        (True, {"n": "3"}, RequestShape(sequences=3)),
+        (False, {"prompt_logprobs": 0}, RequestShape(prompt_logprobs=True)),
+        (True, {"prompt_logprobs": 2}, RequestShape(prompt_logprobs=True)),
+        (False, {"echo": True, "logprobs": 0}, RequestShape(prompt_logprobs=True)),
+        (False, {"echo": True}, RequestShape()),  # the prompt's text, not its logits
+        (False, {"logprobs": 2}, RequestShape()),  # the output's
+        (True, {"echo": True, "logprobs": True}, RequestShape()),  # chat logprobs are the output's
+    ],
+)
+def test_the_shape_says_what_a_transfer_handle_could_not_serve(
+    chat: bool, extra: dict[str, Any], shape: RequestShape
+) -> None:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    assert parse_request({**body, **extra}, chat=chat).shape == shape
