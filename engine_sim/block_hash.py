@@ -4,6 +4,10 @@
                32 random bytes                 otherwise, chosen once per engine start;
     block[i] = sha256(cbor((block[i-1] or root, tuple(block tokens), extra_keys)))
 
+`extra_keys` is None but for a request's `cache_salt` (vLLM's per-tenant cache isolation): the
+first block's is `(cache_salt,)`, so a salted chain shares no block with any other, and the KV
+events carry it in `extra_keys` as vLLM's do.
+
 KV events carry the low 64 bits (the digest's last 8 bytes, big-endian) as an unsigned integer.
 Like a real engine's, these hashes are opaque: a consumer cannot reproduce them without the seed,
 which is why kvswitch hashes canonically from token ids (protocol.hashing).
@@ -44,18 +48,24 @@ class HashedBlock:
     block before it. Immutable once made; a chain of these is a prefix, so a cached block can name
     every token before it even after its parent block was evicted."""
 
-    __slots__ = ("__weakref__", "children", "digest", "ext", "parent", "tokens")
+    __slots__ = ("__weakref__", "children", "digest", "ext", "extra", "parent", "salt", "tokens")
     children: weakref.WeakValueDictionary[tuple[int, ...], HashedBlock] | None
     digest: bytes
     ext: int
+    extra: tuple[str, ...] | None  # the block's extra_keys
     parent: HashedBlock | None
+    salt: str | None  # the chain's cache_salt
     tokens: tuple[int, ...]
 
-    def __init__(self, parent: HashedBlock | None, tokens: tuple[int, ...], root: bytes) -> None:
+    def __init__(
+        self, parent: HashedBlock | None, tokens: tuple[int, ...], root: bytes, salt: str | None = None
+    ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.children = None
-        self.digest = hash_block(parent.digest if parent is not None else root, tokens)
+        self.salt = parent.salt if parent is not None else salt
+        self.extra = (salt,) if parent is None and salt else None
+        self.digest = hash_block(parent.digest if parent is not None else root, tokens, self.extra)
         self.ext = external_hash(self.digest)
 
     def prefix(self) -> list[int]:
@@ -79,16 +89,19 @@ class HashChains:
 
     def __init__(self, root: bytes) -> None:
         self.root = root
-        self._first: weakref.WeakValueDictionary[tuple[int, ...], HashedBlock] = weakref.WeakValueDictionary()
+        self._first: dict[str | None, weakref.WeakValueDictionary[tuple[int, ...], HashedBlock]] = {}
 
-    def child(self, parent: HashedBlock | None, tokens: tuple[int, ...]) -> HashedBlock:
+    def child(self, parent: HashedBlock | None, tokens: tuple[int, ...], salt: str | None = None) -> HashedBlock:
+        """The block after `parent` holding `tokens`; `salt` (a request's cache_salt) starts a chain."""
         if parent is None:
-            table = self._first
+            table = self._first.get(salt)
+            if table is None:
+                table = self._first[salt] = weakref.WeakValueDictionary()
         else:
             if parent.children is None:
                 parent.children = weakref.WeakValueDictionary()
             table = parent.children
         node = table.get(tokens)
         if node is None:
-            node = table[tokens] = HashedBlock(parent, tokens, self.root)
+            node = table[tokens] = HashedBlock(parent, tokens, self.root, salt)
         return node

@@ -143,7 +143,7 @@ class BlockPool:
                     parent_block_hash=parent.ext if parent is not None else None,
                     token_ids=tokens,
                     block_size=self.block_size,
-                    extra_keys=[None] * len(hashes),
+                    extra_keys=[hb.extra for hb in chain[start:end]],
                 )
             )
 

@@ -125,6 +125,7 @@ class _Job:
                     skip_prefix_cache=call.prompt_logprobs is not None,
                     remote_decode=remote_decode,
                     remote_prefill=remote_prefill,
+                    cache_salt=call.cache_salt,
                 )
                 text = ChoiceText(call.stops, include_stop=call.include_stop, min_tokens=call.min_tokens)
                 self.choices.append(_Choice(i, i * call.n + j, self.srv.runner.submit(req), text, req.sampler))

@@ -208,6 +208,7 @@ class GenerateCall:
     include_usage: bool
     kv_transfer_params: dict[str, Any] | None
     request_id: str | None = None  # the body's
+    cache_salt: str | None = None
     chat_echo: str = ""  # chat `echo`: the last message's content, when it has the reply's role
 
 
@@ -401,6 +402,7 @@ def _call(
         include_usage=bool(opts is not None and opts.include_usage),
         kv_transfer_params=body.kv_transfer_params,
         request_id=body.request_id,
+        cache_salt=body.cache_salt,
     )
 
 

@@ -32,6 +32,7 @@ class SimRequest:
     __slots__ = (
         "arrival",
         "blocks",
+        "cache_salt",
         "chain",
         "finish_reason",
         "kv_transfer_params",
@@ -69,6 +70,7 @@ class SimRequest:
         remote_decode: bool = False,
         remote_prefill: dict[str, Any] | None = None,
         arrival: float = 0.0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -83,6 +85,7 @@ class SimRequest:
         self.remote_prefill = remote_prefill
         self.remote_loaded = False
         self.arrival = arrival
+        self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.blocks: list[Block] = []
@@ -104,7 +107,8 @@ class SimRequest:
         toks = self.token_ids
         while (len(chain) + 1) * block_size <= len(toks):
             start = len(chain) * block_size
-            chain.append(chains.child(chain[-1] if chain else None, tuple(toks[start : start + block_size])))
+            parent = chain[-1] if chain else None
+            chain.append(chains.child(parent, tuple(toks[start : start + block_size]), self.cache_salt))
 
     def append_output(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -31,7 +31,8 @@ from engine_sim.block_hash import HashChains, HashedBlock, root_hash
 from engine_sim.block_pool import BlockPool
 from engine_sim.request import RequestStatus, SimRequest
 from engine_sim.stats import EngineStats
-from protocol.hashing import BlockHasher
+from protocol.hashing import BlockHasher, chain_salt
+from protocol.hashing import root_hash as canonical_root
 from protocol.timing import TimingModel
 
 __all__ = ["Scheduler", "StepOutput", "StepResult"]
@@ -175,6 +176,7 @@ class Scheduler:
         so this costs one hash per distinct block (the prefixes above grow with the square)."""
         hasher = BlockHasher(self.block_size)
         memo: dict[int, int] = {}
+        roots: dict[str, int] = {}
 
         def canonical(node: HashedBlock) -> int:
             chain: list[HashedBlock] = []
@@ -182,7 +184,12 @@ class Scheduler:
             while cur is not None and id(cur) not in memo:
                 chain.append(cur)
                 cur = cur.parent
-            parent = memo[id(cur)] if cur is not None else None
+            if cur is not None:
+                parent: int | None = memo[id(cur)]
+            elif node.salt:
+                parent = roots.get(node.salt) or roots.setdefault(node.salt, canonical_root(chain_salt("", node.salt)))
+            else:
+                parent = None
             for block in reversed(chain):
                 parent = memo[id(block)] = hasher.extend(parent, block.tokens)[0]
             return memo[id(node)]

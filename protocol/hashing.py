@@ -15,7 +15,16 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
-__all__ = ["NATIVE", "ROOT_SALT", "SEED", "BlockHasher", "block_hashes", "block_hashes_py", "root_hash"]
+__all__ = [
+    "NATIVE",
+    "ROOT_SALT",
+    "SEED",
+    "BlockHasher",
+    "block_hashes",
+    "block_hashes_py",
+    "chain_salt",
+    "root_hash",
+]
 
 SEED = 0x6B76_7377_6974_6368  # "kvswitch" in ASCII; fixed forever, the hash is a wire format.
 ROOT_SALT = b""
@@ -23,6 +32,13 @@ ROOT_SALT = b""
 _xxh3 = xxhash.xxh3_64_intdigest
 _u64 = struct.Struct("<Q")
 _MAX_TOKEN = 0xFFFF_FFFF
+
+
+def chain_salt(lora: str = "", cache_salt: str = "") -> str:
+    """The salt a chain starts from: its LoRA adapter's name, and a request's `cache_salt` (vLLM's
+    per-tenant cache isolation) after a NUL, so that neither can pass for the other. Neither set:
+    "", the unsalted root."""
+    return f"{lora}\x00{cache_salt}" if cache_salt else lora
 
 
 def root_hash(salt: str | bytes = ROOT_SALT) -> int:

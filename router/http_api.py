@@ -312,6 +312,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
             sequences=max(len(prompts), 1) * max(n, 1),
             prompt_logprobs=body.get("prompt_logprobs") is not None
             or (not chat and bool(body.get("echo")) and body.get("logprobs") is not None),
+            cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) else "",
         ),
     )
 

@@ -31,6 +31,7 @@ import msgspec
 
 from protocol import BlockHasher, WorkerInfo
 from protocol.config import RouterSettings
+from protocol.hashing import chain_salt
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
 from router.eligibility import Eligibility, Exclusion
@@ -140,6 +141,8 @@ class Planner:
         hasher = self._hashers.get(block_size)
         if hasher is None:
             hasher = self._hashers[block_size] = BlockHasher(block_size)
+        if shape.cache_salt:  # one of its own: salts are clients' values, as many as they like
+            hasher = BlockHasher(block_size, chain_salt(cache_salt=shape.cache_salt))
         return RequestContext(
             request_id=request_id,
             model=model,

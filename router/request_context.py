@@ -114,10 +114,11 @@ class Candidate(msgspec.Struct):
 
 
 class RequestShape(msgspec.Struct, frozen=True):
-    """What the engine computes for a request besides its first prompt's next tokens."""
+    """What besides its tokens decides where a request can be served and what it finds cached."""
 
     sequences: int = 1  # the prompts of a batch times `n`
     prompt_logprobs: bool = False  # the prompt's own logits: prompt_logprobs, or echo with logprobs
+    cache_salt: str = ""  # vLLM's per-tenant cache isolation: its blocks match only the same salt's
 
     @property
     def local_prefill_only(self) -> bool:

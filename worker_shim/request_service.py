@@ -67,6 +67,7 @@ from protocol import (
     decode_msg,
     encode_msg,
 )
+from protocol.hashing import chain_salt
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, UTILITY_ENDPOINTS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 from worker_shim.decode_context import DecodeContext
@@ -237,6 +238,13 @@ class _ChunkWriter:
         self.done = True
 
 
+def _salt(req: GenerateRequest) -> str:
+    """The canonical chain salt of the leg's prompt: the client's `cache_salt` (vLLM's per-tenant
+    cache isolation), which the engine's blocks for it are hashed with."""
+    salt = req.params.get("cache_salt")
+    return chain_salt(cache_salt=salt) if isinstance(salt, str) else ""
+
+
 @dataclass(slots=True)
 class _Leg:
     request_id: str
@@ -260,7 +268,7 @@ class RequestService:
         nc: Nats,
         adapter: EngineAdapter,
         on_change: Callable[[], None],
-        cached_tokens: Callable[[list[int]], int] = lambda _ids: 0,
+        cached_tokens: Callable[[list[int], str], int] = lambda _ids, _salt: 0,
         *,
         on_served: Callable[[str, list[int], Usage], None] = lambda _rid, _ids, _usage: None,
         block_size: Callable[[], int | None] = lambda: None,
@@ -334,7 +342,7 @@ class RequestService:
         if isinstance(leg, ErrorInfo):
             await writer.final(error=leg)
             return
-        queued = 0 if leg.transfer is not None else len(req.token_ids) - self.cached_tokens(req.token_ids)
+        queued = 0 if leg.transfer is not None else len(req.token_ids) - self.cached_tokens(req.token_ids, _salt(req))
         state = _Leg(req.request_id, max(queued, 0), writer)
         self.inflight[req.request_id] = state
         self._queued += state.queued_tokens
@@ -421,7 +429,7 @@ class RequestService:
         watch = None
         if not leg.stream and not leg.prefill_only and state.queued_tokens:
             watch = asyncio.create_task(
-                self._watch_prefill(req.token_ids, state, writer), name=f"prefill-{req.request_id}"
+                self._watch_prefill(req.token_ids, _salt(req), state, writer), name=f"prefill-{req.request_id}"
             )
         try:
             try:
@@ -493,13 +501,13 @@ class RequestService:
             self.inflight.pop(req.request_id, None)
             self.remember(writer)
 
-    async def _watch_prefill(self, token_ids: list[int], state: _Leg, writer: _ChunkWriter) -> None:
+    async def _watch_prefill(self, token_ids: list[int], salt: str, state: _Leg, writer: _ChunkWriter) -> None:
         """Until the engine's KV events hold every full block of the prompt; then the prompt no
         longer counts as queued and the router hears that its prefill is done."""
         while True:
             await asyncio.sleep(PREFILL_POLL_S)
             block = self.block_size()
-            if block and len(token_ids) - self.cached_tokens(token_ids) < block:
+            if block and len(token_ids) - self.cached_tokens(token_ids, salt) < block:
                 self._first_token(state)
                 self.contexts.grow(state.request_id, 0, len(token_ids))  # its output comes at the end
                 await writer.prefilled()

@@ -420,11 +420,11 @@ class WorkerShim:
             self.registration.update()
         self._poke_load()
 
-    def _cached_prompt_tokens(self, token_ids: list[int]) -> int:
+    def _cached_prompt_tokens(self, token_ids: list[int], salt: str = "") -> int:
         norm, limits = self.normaliser, self.limits
         if norm is None or not limits.block_size:
             return 0
-        hashes = block_hashes(token_ids, limits.block_size)
+        hashes = block_hashes(token_ids, limits.block_size, salt=salt)
         return norm.cached_prefix_blocks(hashes) * limits.block_size
 
     def _poke_load(self) -> None:

@@ -35,10 +35,14 @@ except ImportError:  # no C extension: the Python reference, same values
 class _XxhBlock(HashedBlock):
     __slots__ = ()
 
-    def __init__(self, parent: HashedBlock | None, tokens: tuple[int, ...], value: int) -> None:
+    def __init__(
+        self, parent: HashedBlock | None, tokens: tuple[int, ...], value: int, salt: str | None = None
+    ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.children = None
+        self.salt = parent.salt if parent is not None else salt
+        self.extra = (salt,) if parent is None and salt else None
         self.ext = value
         self.digest = value.to_bytes(8, "little")
 
@@ -49,11 +53,15 @@ class XxhChains(HashChains):
 
     def __init__(self, engine: str) -> None:
         super().__init__(b"")
-        self._root = root_hash(f"engine:{engine}")
+        self._engine = f"engine:{engine}"
+        self._root = root_hash(self._engine)
 
-    def child(self, parent: HashedBlock | None, tokens: tuple[int, ...]) -> HashedBlock:
-        start = parent.ext if parent is not None else self._root
-        return _XxhBlock(parent, tokens, _chain(tokens, len(tokens), start, SEED)[0])
+    def child(self, parent: HashedBlock | None, tokens: tuple[int, ...], salt: str | None = None) -> HashedBlock:
+        start = parent.ext if parent is not None else self._root_for(salt)
+        return _XxhBlock(parent, tokens, _chain(tokens, len(tokens), start, SEED)[0], salt)
+
+    def _root_for(self, salt: str | None) -> int:
+        return root_hash(f"{self._engine}\x00{salt}") if salt else self._root
 
     def extend(self, chain: list[HashedBlock], tokens: list[int], block_size: int) -> None:
         """Append to `chain` a block for every full block of `tokens` beyond it."""
@@ -73,7 +81,7 @@ class ChainedRequest(SimRequest):
     __slots__ = ()
 
     def extend_chain(self, block_size: int, chains: HashChains) -> None:
-        if isinstance(chains, XxhChains):
+        if isinstance(chains, XxhChains) and not self.cache_salt:
             chains.extend(self.chain, self.token_ids, block_size)
         else:
             super().extend_chain(block_size, chains)

@@ -158,3 +158,26 @@ def test_abort_frees_blocks() -> None:
     assert s.num_blocks_in_use > 0
     assert s.abort("a") and s.num_blocks_in_use == 0 and not s.running
     assert s.abort("a") is False
+
+
+def test_a_cache_salt_isolates_its_chain_as_vllm_hashes_it() -> None:
+    """vLLM mixes a request's cache_salt into its first block's extra keys: requests share cached
+    blocks only with the same salt, and the Stored event carries the salt on the chain's first
+    block, which is how a shim learns it."""
+    s = make()
+
+    def salted(rid: str, salt: str | None) -> SimRequest:
+        return SimRequest(rid, list(range(1000, 1064)), max_tokens=1, cache_salt=salt)
+
+    s.add_request(salted("a", "tenant-1"))
+    run(s)
+    (stored,) = [e for e in s.take_events() if isinstance(e, BlockStored)]
+    assert stored.parent_block_hash is None and stored.extra_keys == [("tenant-1",), None, None, None]
+    for rid, salt, hit in (("b", "tenant-1", 48), ("c", "tenant-2", 0), ("d", None, 0), ("e", None, 48)):
+        before = s.stats.prefix_cache_hits
+        s.add_request(salted(rid, salt))
+        run(s)
+        assert s.stats.prefix_cache_hits - before == hit, rid
+    tokens = list(range(1000, 1064))
+    expected = {*block_hashes(tokens, 16, salt="\x00tenant-1"), *block_hashes(tokens, 16, salt="\x00tenant-2")}
+    assert set(s.cached_canonical_hashes()) == expected | set(block_hashes(tokens, 16))

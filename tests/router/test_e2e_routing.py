@@ -133,6 +133,30 @@ async def test_what_a_transfer_handle_cannot_serve_prefills_on_the_decode_worker
     assert (status, headers["x-kvswitch-prefill"]) == (200, "remote"), "one sequence still goes remote"
 
 
+async def test_a_salted_prefix_is_held_only_for_the_same_cache_salt(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """vLLM's cache_salt keeps tenants' caches apart: the engine shares no block across salts,
+    and the router credits a worker with a salted prefix only for a request with the same salt."""
+    await cluster.add_worker("agg")
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    prompt = list(range(7000, 7640))  # 40 blocks
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "cache_salt": "tenant-1"}
+    async with http.post(router.url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        holder = r.headers["x-kvswitch-decode-worker"]
+    await until(lambda: len(router.index.worker_hashes(holder)) >= 40, what="the salted chain indexed")
+    salted = set(block_hashes(prompt, BLOCK, salt="\x00tenant-1"))
+    assert salted <= router.index.worker_hashes(holder), "the shim learnt the salt from the engine's events"
+    for salt, held in (("tenant-1", 40), ("tenant-2", 0), (None, 0)):
+        probe = {k: v for k, v in {**body, "cache_salt": salt}.items() if v is not None}
+        async with http.post(router.url + "/debug/route", json=probe) as r:
+            plan = await r.json()
+        overlap = {c["worker"]: c["overlap_blocks"] for c in plan["decode_candidates"]}
+        assert overlap[holder] == held, (salt, plan)
+
+
 async def test_slo_aware_holds_a_request_while_its_decode_worker_has_no_tpot_room(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:

@@ -124,6 +124,27 @@ def test_a_stored_chain_is_salted_by_its_lora_adapter(lora: dict[str, object], s
     assert decode_payload(payload) == [expected]
 
 
+@pytest.mark.parametrize(
+    ("fields", "salt"),
+    [
+        ({"extra_keys": [["tenant-1"], None]}, "\x00tenant-1"),
+        (
+            {"extra_keys": [["sql-adapter", "tenant-1"], ["sql-adapter"]], "lora_name": "sql-adapter"},
+            "sql-adapter\x00tenant-1",
+        ),
+        ({"extra_keys": [["sql-adapter"], ["sql-adapter"]], "lora_name": "sql-adapter"}, "sql-adapter"),
+        ({"extra_keys": [None, None]}, ""),
+        ({"extra_keys": [["tenant-1"], None], "parent_block_hash": 9}, ""),  # a chain's later blocks: no root to salt
+    ],
+)
+def test_a_stored_chain_is_salted_by_its_requests_cache_salt(fields: dict[str, object], salt: str) -> None:
+    """vLLM puts a request's cache_salt in its first block's extra keys, after the adapter's name."""
+    stored = {"type": "BlockStored", "block_hashes": [5, 6], "parent_block_hash": None, "token_ids": [1] * 32}
+    payload = msgspec.msgpack.encode([1.0, [{**stored, "block_size": 16, **fields}]])
+    (event,) = decode_payload(payload)
+    assert isinstance(event, EngineStored) and event.salt == salt
+
+
 def test_limits_and_load_from_captured_metrics() -> None:
     text = (FIXTURES / "bs32" / "metrics_after.txt").read_text()
     lim = limits_from_metrics(text)

@@ -1,12 +1,15 @@
 """vLLM's KV events as the adapter-neutral EngineEvents (the wire format: protocol/vllm_events.py).
 
 SGLang publishes the same format; its signed int64 hashes are just other opaque keys. A stored
-chain's salt is its LoRA adapter: the name when the engine sends one, else the id as text.
+chain's salt (protocol.hashing.chain_salt) is its LoRA adapter (the name when the engine sends
+one, else the id as text) and the request's `cache_salt`, which vLLM puts in the first block's
+`extra_keys` after the adapter's name.
 """
 
 from __future__ import annotations
 
 from protocol.errors import ProtocolError
+from protocol.hashing import chain_salt
 from protocol.vllm_events import BlockRemoved, BlockStored, KVEvent, decode_batch
 from worker_shim.engine_events import EngineCleared, EngineEvent, EngineRemoved, EngineStored, EventDecodeError
 
@@ -15,7 +18,8 @@ __all__ = ["decode_payload", "to_engine_event"]
 
 def to_engine_event(event: KVEvent) -> EngineEvent:
     if isinstance(event, BlockStored):
-        salt = event.lora_name or ("" if event.lora_id is None else str(event.lora_id))
+        lora = event.lora_name or ("" if event.lora_id is None else str(event.lora_id))
+        salt = chain_salt(lora, _cache_salt(event)) if event.parent_block_hash is None else lora
         return EngineStored(
             hashes=event.block_hashes,
             parent=event.parent_block_hash,
@@ -27,6 +31,18 @@ def to_engine_event(event: KVEvent) -> EngineEvent:
     if isinstance(event, BlockRemoved):
         return EngineRemoved(hashes=event.block_hashes, medium=event.medium)
     return EngineCleared()
+
+
+def _cache_salt(event: BlockStored) -> str:
+    """The request's cache_salt from a chain's first block: its extra keys' strings but the
+    adapter's name ("" when it has none)."""
+    first = event.extra_keys[0] if event.extra_keys else None
+    if not isinstance(first, list | tuple):
+        return ""
+    keys = [k for k in first if isinstance(k, str)]
+    if event.lora_name in keys:
+        keys.remove(event.lora_name)
+    return "\x00".join(keys)
 
 
 def decode_payload(payload: bytes, engine: str = "vllm") -> list[EngineEvent]:
