@@ -130,6 +130,12 @@ class Disaggregator:
             return done(Path.AGG, Outcome.AGGREGATED, f"{d.worker} is an aggregated worker")
         if s.disagg == "never":
             return done(Path.AGG, Outcome.AGGREGATED, "disagg=never")
+        if p is None and ctx.prefill_full:
+            return done(
+                Path.BYPASS, Outcome.PREFILL_POOL_FULL, "every prefill worker's backlog is past half the TTFT SLO"
+            )
+        if p is None:
+            return done(Path.AGG, Outcome.NO_PREFILL_POOL, f"no prefill worker for model {ctx.model}")
         if ctx.shape.sequences > 1:
             # A prefill leg's transfer handle names one sequence's blocks; an engine given it for a
             # batch or for n samples would load one prompt's KV for another (vLLM's P/D supports no
@@ -147,12 +153,6 @@ class Disaggregator:
                 Outcome.BYPASS_PROMPT_LOGPROBS,
                 "prompt logprobs need the prompt's forward pass, which transferred KV skips",
             )
-        if p is None and ctx.prefill_full:
-            return done(
-                Path.BYPASS, Outcome.PREFILL_POOL_FULL, "every prefill worker's backlog is past half the TTFT SLO"
-            )
-        if p is None:
-            return done(Path.AGG, Outcome.NO_PREFILL_POOL, f"no prefill worker for model {ctx.model}")
         if not self.policy_decides:
             return done(Path.REMOTE, Outcome.REMOTE_PREFILL, f"disagg={s.disagg}, conditional_disagg off")
         if log.isEnabledFor(logging.DEBUG):  # timed only then: a virtual-clock replay reads no wall time

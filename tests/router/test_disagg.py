@@ -57,6 +57,10 @@ def test_a_batch_or_n_samples_prefill_on_the_decode_worker(flags: dict[str, obje
     agg.shape = RequestShape(sequences=4, prompt_logprobs=True)
     plan = Disaggregator(settings(**flags)).plan(agg)
     assert plan is not None and plan.outcome is Outcome.AGGREGATED
+    alone = ctx(3000, [cand("d1")], [])
+    alone.shape = RequestShape(sequences=4, prompt_logprobs=True)
+    plan = Disaggregator(settings(**flags)).plan(alone)
+    assert plan is not None and plan.outcome is Outcome.NO_PREFILL_POOL, "no handle was in question"
 
 
 def test_plan_counts_nothing_and_record_counts_once() -> None:
