@@ -190,4 +190,7 @@ async def test_a_wrong_topic_is_reported_within_ten_seconds_naming_the_real_one(
             await _reported_bad(shim, ns, nats_url, etcd_url, within=10 - (time.monotonic() - started))
             await wait_for(lambda: EventProblem.WRONG_TOPIC in shim.events.problems, 3, "the topic named")
         said = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
-        assert "'kv-events'" in said and "--kv-events-topic kv-events" in said and "request r1" in said
+        # Which look finds it first varies: the replay a settled connection makes (zmq_events.SETTLE_S)
+        # once r1's batches are out, or r1's missing Stored; the latter's naming of the request is
+        # EventHealth's own test above.
+        assert "'kv-events'" in said and "--kv-events-topic kv-events" in said

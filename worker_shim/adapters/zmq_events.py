@@ -16,7 +16,10 @@ Sequence handling (seq is the engine's, per engine run, from 0):
 - a seq at or below the last one outside the window right after a replay means the engine restarted:
   reset, then rebuild from its new run;
 - the SUB socket reconnecting (ZMQ monitor) also rebuilds: a restarted engine's first batches may
-  have gone out before the link was back, and nothing else would reveal them.
+  have gone out before the link was back, and nothing else would reveal them;
+- SETTLE_S after every connection, a replay from the next seq fetches what the PUB dropped before
+  the subscription reached it: a later batch would reveal that gap, but an engine that then goes
+  quiet sends none, and the index would miss those blocks until it did.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ __all__ = ["ZmqEventSource", "ZmqEventStats", "ZmqEventsAdapter", "resolve_endpo
 log = logging.getLogger(__name__)
 REPLAY_TIMEOUT_S = 2.0
 POLL_MS = 250
+# After a connection, the PUB drops batches until the SUB's subscription reaches it (ZMQ's slow
+# joiner); a replay this long after the connection fetches what went out in that window.
+SETTLE_S = 1.0
 _RULE = (
     "vLLM's rule (SGLang's too): an endpoint with `*` (or `::`, ipc://, inproc://) makes the engine BIND "
     "it and the shim connect to the engine host; any other endpoint makes the engine CONNECT to it and "
@@ -104,6 +110,7 @@ class ZmqEventSource:
         self._peers = 0
         self._alone_since: float | None = None
         self._probed = False
+        self._settle_at: float | None = None
         self._logged: set[str] = set()
 
     def request_rebuild(self) -> None:
@@ -140,6 +147,9 @@ class ZmqEventSource:
                 if monitor in ready:
                     self._on_monitor(parse_monitor_message(await monitor.recv_multipart())["event"])
                 self._check_peer()
+                if self._settle_at is not None and time.monotonic() >= self._settle_at:
+                    self._settle_at = None
+                    await self._probe(sink, "after the connection settled")
                 if sub in ready:
                     while True:
                         try:
@@ -153,7 +163,7 @@ class ZmqEventSource:
                 if self.health.silent.is_set() != self._probed:
                     self._probed = self.health.silent.is_set()
                     if self._probed:
-                        await self._probe(sink)
+                        await self._probe(sink, "after a served request looked unannounced")
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
@@ -169,6 +179,7 @@ class ZmqEventSource:
             return
         self._peers += 1
         self._alone_since = None
+        self._settle_at = time.monotonic() + SETTLE_S
         self.health.resolved(EventProblem.NO_CONNECTION)
         self._connections += 1
         if self._connections > 1:
@@ -197,19 +208,22 @@ class ZmqEventSource:
             "--engine-url is where its PUB socket is",
         )
 
-    async def _probe(self, sink: Callable[[EngineBatch], None]) -> None:
-        """The engine looked silent after a served request: ask its replay socket what it sent."""
+    async def _probe(self, sink: Callable[[EngineBatch], None], when: str) -> None:
+        """Ask the replay socket what the engine sent after the last seq delivered, and deliver what
+        the live socket missed (the engine looked silent after a served request, or a connection
+        has just settled)."""
         start = self._last + 1 if self._last is not None and self._last >= 0 else 0
         replayed = await self._replay(start)
         missed = [(s, p) for s, p in replayed or [] if self._last is None or s > self._last]
         if not missed:
             return
         log.warning(
-            "%s KV events: the replay socket holds seq %d..%d that the live socket at %s never delivered",
+            "%s KV events: the replay socket holds seq %d..%d that the live socket at %s never delivered (%s)",
             self.engine,
             missed[0][0],
             missed[-1][0],
             self.address,
+            when,
         )
         for s, p in missed:
             self._deliver(s, p, sink, live=False)
