@@ -74,10 +74,10 @@ async def stand_in(request: pytest.FixtureRequest) -> AsyncIterator[StandIn]:
     s.close()
 
 
-async def test_captured_stream_with_a_hole_is_filled_by_the_captured_replay(
-    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)  # the gap is the live stream's to find here
+@contextlib.asynccontextmanager
+async def connected(stand_in: StandIn) -> AsyncIterator[tuple[ZmqEventSource, Normaliser]]:
+    """A source running against the stand-in, its PUB connected, what it delivers folded into a
+    Normaliser; stopped on exit."""
     source = ZmqEventSource("vllm", stand_in.shim_endpoint, "auto", "kv-events", stand_in.replay_endpoint, "127.0.0.1")
     assert source.bind is (not stand_in.pub_binds)
     norm = Normaliser(32)
@@ -94,6 +94,20 @@ async def test_captured_stream_with_a_hole_is_filled_by_the_captured_replay(
         await asyncio.wait_for(live.wait(), 5)
         stand_in.connect_pub()
         await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
+        yield source, norm
+    finally:
+        run.cancel()
+        replay.cancel()
+        for t in (run, replay):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+
+async def test_captured_stream_with_a_hole_is_filled_by_the_captured_replay(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)  # the gap is the live stream's to find here
+    async with connected(stand_in) as (source, norm):
         await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
         for i, f in enumerate(stand_in.frames):
             stand_in.sent.append(f)
@@ -104,12 +118,6 @@ async def test_captured_stream_with_a_hole_is_filled_by_the_captured_replay(
         assert source.stats.gaps == 1 and source.stats.replay_failures == 0
         assert source.stats.duplicates >= 1  # live seq 12.. arrived after the replay delivered them
         assert norm.canonical_hashes() == expected_set(stand_in.frames, 32)
-    finally:
-        run.cancel()
-        replay.cancel()
-        for t in (run, replay):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
 
 
 async def test_batches_the_pub_dropped_before_the_subscription_arrived_are_fetched_once_settled(
@@ -118,32 +126,12 @@ async def test_batches_the_pub_dropped_before_the_subscription_arrived_are_fetch
     """ZMQ's slow joiner: right after a (re)connection the PUB drops batches until the SUB's
     subscription reaches it. When the engine then goes quiet no later seq reveals the gap, so the
     source asks the replay socket SETTLE_S after the connection."""
-    source = ZmqEventSource("vllm", stand_in.shim_endpoint, "auto", "kv-events", stand_in.replay_endpoint, "127.0.0.1")
-    norm = Normaliser(32)
-
-    def sink(batch: EngineBatch) -> None:
-        if batch.reset:
-            norm.reset(exact=batch.complete)
-        norm.apply(batch.events)
-
-    replay = asyncio.create_task(stand_in.serve_replay())
-    live = asyncio.Event()
-    run = asyncio.create_task(source.run(sink, live))
-    try:
-        await asyncio.wait_for(live.wait(), 5)
-        stand_in.connect_pub()
-        await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
+    async with connected(stand_in) as (source, norm):
         published = stand_in.frames[:4]
         stand_in.sent.extend(published)  # published while the subscription was on its way: dropped
         await wait_for(lambda: source._last == 3, SETTLE_S + 3, "the dropped batches fetched")
         assert stand_in.replay_requests == [0, 0], "the start's replay, then the settled connection's"
         assert norm.canonical_hashes() == expected_set(published, 32)
-    finally:
-        run.cancel()
-        replay.cancel()
-        for t in (run, replay):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
 
 
 @pytest.mark.parametrize(
