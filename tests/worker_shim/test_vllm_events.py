@@ -3,11 +3,14 @@ event forms, plus its metrics and request bodies (the wire format itself: tests/
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 import pytest
 
 from protocol import Removed, SamplingParams, Stored
-from protocol.vllm_events import decode_pub_frames
+from protocol.hashing import block_hashes, chain_salt
+from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply
 from tests.protocol.vllm_captures import CAPTURES, FIXTURES, expected_set, pub_frames
 from worker_shim import EngineCleared, EngineRemoved, EngineStored, Normaliser
 from worker_shim.adapters.base import LegRequest
@@ -143,6 +146,24 @@ def test_a_stored_chain_is_salted_by_its_requests_cache_salt(fields: dict[str, o
     payload = msgspec.msgpack.encode([1.0, [{**stored, "block_size": 16, **fields}]])
     (event,) = decode_payload(payload)
     assert isinstance(event, EngineStored) and event.salt == salt
+
+
+def test_vllms_own_salted_chains_normalise_to_the_salted_canonical_hashes() -> None:
+    """Captured from vLLM 0.32 (tests/vllm/capture_cache_salt.py): one prompt served with salt
+    tenant-1, none, tenant-1 again (a hit: nothing stored) and tenant-2."""
+    lines = (FIXTURES / "bs32" / "cache_salt_replay_from_0.jsonl").read_text().splitlines()[1:]
+    norm = Normaliser(32)
+    for line in lines:
+        _, seq, payload = decode_replay_reply([bytes.fromhex(h) for h in json.loads(line)["frames_hex"]])
+        if seq != END_SEQ:
+            norm.apply(decode_payload(payload))
+    prompt = list(range(100, 165))
+    expected = {
+        *block_hashes(prompt, 32, salt=chain_salt(cache_salt="tenant-1")),
+        *block_hashes(prompt, 32),
+        *block_hashes(prompt, 32, salt=chain_salt(cache_salt="tenant-2")),
+    }
+    assert norm.canonical_hashes() == expected and len(expected) == 6
 
 
 def test_limits_and_load_from_captured_metrics() -> None:
