@@ -187,7 +187,9 @@ class Scheduler:
             if cur is not None:
                 parent: int | None = memo[id(cur)]
             elif node.salt:
-                parent = roots.get(node.salt) or roots.setdefault(node.salt, canonical_root(chain_salt("", node.salt)))
+                if node.salt not in roots:
+                    roots[node.salt] = canonical_root(chain_salt(cache_salt=node.salt))
+                parent = roots[node.salt]
             else:
                 parent = None
             for block in reversed(chain):

@@ -470,10 +470,7 @@ class _Handlers:
             body = await self._json_body(request)
             if not isinstance(body, dict):
                 raise ApiError(400, "the request body must be a JSON object")
-            try:
-                model = self.path.resolve_model(_opt(body, "model", str, None))
-            except Unknown as exc:
-                raise ApiError(exc.code, str(exc), "model") from exc
+            model = self._model(_opt(body, "model", str, None))
             try:
                 raw = await self.path.call(model, endpoint, body)
             except PlanError as exc:
@@ -496,7 +493,7 @@ class _Handlers:
         try:
             body = await self._json_body(request)
             parsed = parse_request(body, chat=isinstance(body, dict) and "messages" in body)
-            model = self._model(parsed)
+            model = self._model(parsed.model)
             routed, _ = await self._tokens(parsed)
             try:
                 return _json_response(self.path.explain(model, routed, text=_is_text(parsed), shape=parsed.shape))
@@ -528,9 +525,9 @@ class _Handlers:
         except RecursionError:
             raise ApiError(400, "the body's JSON is nested too deeply", "body") from None
 
-    def _model(self, parsed: ParsedRequest) -> str:
+    def _model(self, name: str | None) -> str:
         try:
-            return self.path.resolve_model(parsed.model)
+            return self.path.resolve_model(name)
         except Unknown as exc:
             raise ApiError(exc.code, str(exc), "model") from exc
 
@@ -588,7 +585,7 @@ class _Handlers:
         try:
             body = await self._json_body(request)
             parsed = parse_request(body, chat=chat)
-            model = self._model(parsed)
+            model = self._model(parsed.model)
             routed, prompts = await self._tokens(parsed)
             timing.parsed = time.perf_counter()
             ids = _Ids.of(request, body, chat=chat)

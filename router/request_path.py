@@ -125,15 +125,15 @@ class RequestPath:
             request_id=uuid.uuid4().hex, model=model, token_ids=[], stream=False, endpoint=endpoint, params=params
         )
         deadline = time.time() + self.request_timeout_s
-        tries = (workers[first:] + workers[:first])[:2]
-        for i, info in enumerate(tries):
+        *before, last = (workers[first:] + workers[:first])[:2]
+        for info in before:
             try:
                 return await self.dispatcher.call(info.worker, info.role, req, deadline)
             except LegError as exc:
-                if not exc.retryable or i == len(tries) - 1:
+                if not exc.retryable:
                     raise
-                log.warning("%s call %s: %s; trying %s", endpoint, req.request_id, exc, tries[i + 1].worker)
-        raise AssertionError("unreachable")
+                log.warning("%s call %s: %s; trying %s", endpoint, req.request_id, exc, last.worker)
+        return await self.dispatcher.call(last.worker, last.role, req, deadline)
 
     async def _check_connected(self) -> None:
         # A leg sent while NATS stays down waits in the client's buffer until its worker looks

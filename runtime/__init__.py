@@ -50,6 +50,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _Throttle:
+    """Whether a repeated thing is said now: the first time, then at most every `every_s`."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._said: dict[object, tuple[float, int]] = {}  # key -> (last said at, held back since)
+
+    def __call__(self, key: object) -> tuple[int, float] | None:
+        """None to hold it back; else how many were held back since it was last said, and how many
+        seconds ago that was (0, 0.0 the first time)."""
+        now = self._clock()
+        seen = self._said.get(key)
+        if seen is not None and now - seen[0] < self.every_s:
+            self._said[key] = (seen[0], seen[1] + 1)
+            return None
+        self._said[key] = (now, 0)
+        return (0, 0.0) if seen is None else (seen[1], now - seen[0])
+
+
 class RepeatedLines(logging.Filter):
     """A handler filter for libraries that log every retry: a line of theirs (same logger, same
     format) goes through the first time, then at most every `every_s`, saying how many like it were
@@ -61,21 +81,17 @@ class RepeatedLines(logging.Filter):
     ) -> None:
         super().__init__()
         self.prefixes = prefixes
-        self.every_s = every_s
-        self._clock = clock
-        self._said: dict[tuple[str, object], tuple[float, int]] = {}  # -> (last said at, held back since)
+        self._throttle = _Throttle(every_s, clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith(self.prefixes):
             return True
-        key, now = (record.name, record.msg), self._clock()
-        seen = self._said.get(key)
-        if seen is not None and now - seen[0] < self.every_s:
-            self._said[key] = (seen[0], seen[1] + 1)
+        said = self._throttle((record.name, record.msg))
+        if said is None:
             return False
-        self._said[key] = (now, 0)
-        if seen is not None and seen[1]:
-            record.msg = f"{record.msg} ({seen[1]} more like it in {now - seen[0]:.0f}s)"
+        held, ago = said
+        if held:
+            record.msg = f"{record.msg} ({held} more like it in {ago:.0f}s)"
         return True
 
 
@@ -136,25 +152,19 @@ class RepeatedErrors:
         self.log = logger
         self.what = what
         self.hint = hint
-        self.every_s = every_s
         self.count = 0
-        self._kinds: dict[str, tuple[int, float]] = {}  # kind -> (errors not yet said, last said at)
+        self._throttle = _Throttle(every_s)
 
     async def on_error(self, exc: Exception) -> None:  # nats-py takes coroutine functions only
         self.count += 1
-        kind = type(exc).__name__
-        now = time.monotonic()
-        seen = self._kinds.get(kind)
-        if seen is None:
-            self.log.warning("%s: %s (%s)", self.what, _said(exc), self.hint)
-            self._kinds[kind] = (0, now)
-        elif now - seen[1] >= self.every_s:
-            self.log.warning(
-                "%s: %s, %d times more in %.0fs (%s)", self.what, _said(exc), seen[0] + 1, now - seen[1], self.hint
-            )
-            self._kinds[kind] = (0, now)
+        said = self._throttle(type(exc).__name__)
+        if said is None:
+            return
+        held, ago = said
+        if ago:
+            self.log.warning("%s: %s, %d times more in %.0fs (%s)", self.what, _said(exc), held + 1, ago, self.hint)
         else:
-            self._kinds[kind] = (seen[0] + 1, seen[1])
+            self.log.warning("%s: %s (%s)", self.what, _said(exc), self.hint)
 
 
 def _said(exc: BaseException) -> str:

@@ -207,12 +207,14 @@ async def _line_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[by
         yield [b"".join(partial)]
 
 
-async def post_utility(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> bytes:
+async def post_utility(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], *, timeout: aiohttp.ClientTimeout = UTILITY_TIMEOUT
+) -> bytes:
     """POST `body` to a utility route (/tokenize, /detokenize); the engine's 200 answer as it is,
     else EngineError carrying the engine's own refusal."""
     try:
         headers = {"Content-Type": "application/json"}  # vLLM requires it
-        async with session.post(url, data=_encode.encode(body), headers=headers, timeout=UTILITY_TIMEOUT) as resp:
+        async with session.post(url, data=_encode.encode(body), headers=headers, timeout=timeout) as resp:
             raw = await resp.read()
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc

@@ -45,7 +45,7 @@ from worker_shim.adapters.base import (
     LegRequest,
     OnOutput,
 )
-from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
+from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion, post_utility
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.prom_text import Sample, mean_samples, parse_samples, sum_samples
 
@@ -190,14 +190,9 @@ class VllmAdapter(ZmqEventsAdapter):
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         url = self.base + "/tokenize"
         try:
-            data, headers = msgspec.json.encode(body), {"Content-Type": "application/json"}  # vLLM requires it
-            async with self.session.post(url, data=data, headers=headers, timeout=_TOKENIZE_TIMEOUT) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    said = raw.decode(errors="replace")[:300]
-                    raise EngineError(resp.status, "engine_error", f"{url} answered {resp.status}: {said}")
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
+            raw = await post_utility(self.session, url, body, timeout=_TOKENIZE_TIMEOUT)
+        except EngineError as exc:
+            raise EngineError(exc.code, exc.kind, f"{url} answered {exc.code}: {exc.message[:300]}") from exc
         try:
             tokens = msgspec.json.decode(raw, type=dict[str, Any])["tokens"]
             return msgspec.convert(tokens, list[int])
