@@ -3,7 +3,7 @@ Prometheus metrics, NixlConnector-style kv_transfer_params) with step times cali
 
 In-process API (tests, benchmarks, the local cluster):
 
-    from engine_sim import SimConfig, SimServer, SimFleet, KVEventsConfig
+    from engine_sim import SimConfig, SimServer, SimFleet, KVEventsConfig, LoraModule
 
 See docs/engine_sim.md for the behaviour, the timing model and its error against the profiles.
 """
@@ -12,6 +12,7 @@ from engine_sim.config import EVENT_FORMS, ROLES, KVEventsConfig, SimConfig
 from engine_sim.errors import PromptTooLongError, SimConfigError, SimRequestError
 from engine_sim.faults import Faults
 from engine_sim.fleet import SimFleet, fleet_config
+from engine_sim.lora import LoraModule
 from engine_sim.runner import EngineRunner, RequestStream
 from engine_sim.scheduler import Scheduler, StepOutput, StepResult
 from engine_sim.server import ServerStatus, SimServer
@@ -27,6 +28,7 @@ __all__ = [
     "EngineRunner",
     "Faults",
     "KVEventsConfig",
+    "LoraModule",
     "PromptTooLongError",
     "RequestStream",
     "Scheduler",

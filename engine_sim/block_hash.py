@@ -4,9 +4,11 @@
                32 random bytes                 otherwise, chosen once per engine start;
     block[i] = sha256(cbor((block[i-1] or root, tuple(block tokens), extra_keys)))
 
-`extra_keys` is None but for a request's `cache_salt` (vLLM's per-tenant cache isolation): the
-first block's is `(cache_salt,)`, so a salted chain shares no block with any other, and the KV
-events carry it in `extra_keys` as vLLM's do.
+`extra_keys` is vLLM's `lora_extra_keys + mm_extra_keys + cache_salt_keys`, None when empty: a LoRA
+request's adapter name on every block, then its `cache_salt` (vLLM's per-tenant cache isolation) on
+the first block. So a salted base chain starts `(cache_salt,)`, an adapter's is `(lora_name,)` on
+every block (`(lora_name, cache_salt)` first when salted), each chain shares no block with any other,
+and the KV events carry the keys in `extra_keys` as vLLM's do.
 
 KV events carry the low 64 bits (the digest's last 8 bytes, big-endian) as an unsigned integer.
 Like a real engine's, these hashes are opaque: a consumer cannot reproduce them without the seed,
@@ -19,8 +21,12 @@ import hashlib
 import os
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import cbor2
+
+if TYPE_CHECKING:
+    from engine_sim.lora import LoraRequest
 
 __all__ = ["HashChains", "HashedBlock", "external_hash", "hash_block", "root_hash"]
 
@@ -48,23 +54,33 @@ class HashedBlock:
     block before it. Immutable once made; a chain of these is a prefix, so a cached block can name
     every token before it even after its parent block was evicted."""
 
-    __slots__ = ("__weakref__", "children", "digest", "ext", "extra", "parent", "salt", "tokens")
+    __slots__ = ("__weakref__", "children", "digest", "ext", "extra", "lora", "parent", "salt", "tokens")
     children: weakref.WeakValueDictionary[tuple[int, ...], HashedBlock] | None
     digest: bytes
     ext: int
     extra: tuple[str, ...] | None  # the block's extra_keys
+    lora: LoraRequest | None  # the chain's adapter (its HashChains')
     parent: HashedBlock | None
     salt: str | None  # the chain's cache_salt
     tokens: tuple[int, ...]
 
     def __init__(
-        self, parent: HashedBlock | None, tokens: tuple[int, ...], root: bytes, salt: str | None = None
+        self,
+        parent: HashedBlock | None,
+        tokens: tuple[int, ...],
+        root: bytes,
+        salt: str | None = None,
+        lora: LoraRequest | None = None,
     ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.children = None
         self.salt = parent.salt if parent is not None else salt
-        self.extra = (salt,) if parent is None and salt else None
+        self.lora = lora
+        keys: tuple[str, ...] = (lora.name,) if lora is not None else ()
+        if parent is None and salt:
+            keys += (salt,)
+        self.extra = keys or None
         self.digest = hash_block(parent.digest if parent is not None else root, tokens, self.extra)
         self.ext = external_hash(self.digest)
 
@@ -85,10 +101,14 @@ class HashChains:
     """Memoises HashedBlocks as a trie keyed by block tokens, so requests sharing a prefix share
     its hash chain instead of rehashing it (SHA-256 over CBOR costs microseconds per block, which
     adds up at thousands of requests per second). Nodes are weakly held: one lives exactly as long
-    as a request or a cached block refers to it. Hashes are identical to computing them afresh."""
+    as a request or a cached block refers to it. Hashes are identical to computing them afresh.
 
-    def __init__(self, root: bytes) -> None:
+    One instance holds the chains of the base model (`lora` None) or of one LoRA adapter: an
+    adapter's blocks carry its name in their extra keys, so they share no node with any other."""
+
+    def __init__(self, root: bytes, lora: LoraRequest | None = None) -> None:
         self.root = root
+        self.lora = lora
         self._first: dict[str | None, weakref.WeakValueDictionary[tuple[int, ...], HashedBlock]] = {}
 
     def child(self, parent: HashedBlock | None, tokens: tuple[int, ...], salt: str | None = None) -> HashedBlock:
@@ -103,5 +123,5 @@ class HashChains:
             table = parent.children
         node = table.get(tokens)
         if node is None:
-            node = table[tokens] = HashedBlock(parent, tokens, self.root, salt)
+            node = table[tokens] = HashedBlock(parent, tokens, self.root, salt, self.lora)
         return node

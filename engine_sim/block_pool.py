@@ -10,9 +10,10 @@ Invariants:
   tail. Callers free a request's blocks tail-first, so a prefix's last blocks are evicted before
   its first ones, as in vLLM.
 - Blocks become cached (hashed, `BlockStored`) when they are full and their tokens are about to
-  be computed. Two requests computing the same block at once make two physical blocks with one
-  hash: both are cached and reported, and each eviction is reported (the vLLM 0.32 captures show
-  exactly this), so consumers must count references.
+  be computed. A `BlockStored` names the LoRA adapter of the request whose blocks it stores
+  (`lora_id`, `lora_name`), as vLLM's does. Two requests computing the same block at once make two
+  physical blocks with one hash: both are cached and reported, and each eviction is reported (the
+  vLLM 0.32 captures show exactly this), so consumers must count references.
 
 Events are appended to `events`; the engine hands them to the publisher after each step.
 """
@@ -23,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from engine_sim.block_hash import HashedBlock
+from engine_sim.lora import LoraRequest
 from protocol.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["Block", "BlockPool"]
@@ -123,8 +125,16 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self._free[b.block_id] = b
 
-    def cache(self, blocks: Sequence[Block], chain: Sequence[HashedBlock], start: int, end: int) -> None:
-        """Mark blocks[start:end] cached with hashes chain[start:end]; one `BlockStored` for them."""
+    def cache(
+        self,
+        blocks: Sequence[Block],
+        chain: Sequence[HashedBlock],
+        start: int,
+        end: int,
+        lora: LoraRequest | None = None,
+    ) -> None:
+        """Mark blocks[start:end] cached with hashes chain[start:end]; one `BlockStored` for them,
+        naming `lora`, the adapter of the request they belong to (as vLLM's cache_full_blocks)."""
         if end <= start:
             return
         hashes: list[int] = []
@@ -143,6 +153,8 @@ class BlockPool:
                     parent_block_hash=parent.ext if parent is not None else None,
                     token_ids=tokens,
                     block_size=self.block_size,
+                    lora_id=lora.int_id if lora is not None else None,
+                    lora_name=lora.name if lora is not None else None,
                     extra_keys=[hb.extra for hb in chain[start:end]],
                 )
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from engine_sim.config import EVENT_FORMS, ROLES, KVEventsConfig, SimConfig
 from engine_sim.errors import SimConfigError
 from engine_sim.fleet import SimFleet
+from engine_sim.lora import LoraModule
 from engine_sim.server import ServerStatus
 from protocol.timing import DEFAULT_PROFILE, profile_names
 from runtime import tune_gc
@@ -66,6 +68,13 @@ def _events_config(text: str) -> KVEventsConfig:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _lora_module(text: str) -> LoraModule:
+    try:
+        return LoraModule.parse(text)
+    except SimConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     pos_int, pos_float = _positive(int), _positive(float)
     g = parser.add_argument_group("server (as vllm serve)")
@@ -87,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='vLLM KVEventsConfig as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: events off, as vLLM)',
     )
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (needed by --lora-modules, as vLLM)")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help='adapters a request may name as its model (name=path or {"name": ..., "path": ...}); '
+                        "nothing is loaded, the path is only echoed")  # fmt: skip
     s = parser.add_argument_group("simulation")
     s.add_argument("--profile", choices=profile_names(), default=DEFAULT_PROFILE, help="timing profile")
     s.add_argument("--speedup", type=pos_float, default=1.0, help="divide all modelled times by this")
@@ -107,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     events = args.kv_events_config if args.kv_events_config is not None else KVEventsConfig()
+    if args.lora_modules and not args.enable_lora:
+        # vLLM refuses to start then: its engine has no LoRA manager to load them into.
+        raise SimConfigError("lora_modules", args.lora_modules[0].name, "needs --enable-lora, as vLLM's does")
     return SimConfig(
         host=args.host,
         port=args.port,
@@ -129,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         drop_event_fraction=args.drop_event_fraction,
         restart_after_crash_s=args.restart_after_crash_s,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        lora_modules=tuple(args.lora_modules),
+        runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),
     ).validate()
 
 

@@ -18,6 +18,7 @@ from typing import Literal, get_args
 import msgspec
 
 from engine_sim.errors import SimConfigError
+from engine_sim.lora import LoraModule, lora_requests
 from protocol.timing import DEFAULT_PROFILE, load_profile, profile_names
 from protocol.vllm_events import EVENT_FORMS, EventForm
 
@@ -100,6 +101,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
     restart_after_crash_s: come back this long after a crash (a supervisor restarting vLLM); None
         stays down.
     enable_prompt_tokens_details: vLLM's flag: usage.prompt_tokens_details.cached_tokens on a hit.
+    lora_modules: LoRA adapters served next to `model` (engine_sim/lora.py); a request may name
+        any of them.
+    runtime_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM:
+        the environment's VLLM_ALLOW_RUNTIME_LORA_UPDATING, which the CLI reads).
     """
 
     host: str = "127.0.0.1"
@@ -124,6 +129,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     restart_after_crash_s: float | None = None
     data_parallel_rank: int = 0
     enable_prompt_tokens_details: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()
+    runtime_lora_updating: bool = False
 
     def validate(self) -> SimConfig:
         try:
@@ -150,6 +157,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
                 raise SimConfigError(name, value, "must be >= 0")
         if not 0 <= self.port <= 65535:
             raise SimConfigError("port", self.port, "must be in [0, 65535]")
+        lora_requests(self.lora_modules, self.model)
         return self
 
     @property

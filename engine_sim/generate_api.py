@@ -98,7 +98,9 @@ class _Job:
         self.srv = srv
         self.call = call
         self.base_id = base_id
-        self.head = fmt.Head(base_id, int(time.time()), srv.config.model, srv.fingerprint)
+        # vLLM names the adapter in its answer to a LoRA request, the served model otherwise.
+        model = call.lora.name if call.lora is not None else srv.config.model
+        self.head = fmt.Head(base_id, int(time.time()), model, srv.fingerprint)
         self.choices: list[_Choice] = []
         k = call.prompt_logprobs
         self.prompt_positions = [prompt_positions(p.token_ids, k) if k is not None else None for p in call.prompts]
@@ -126,6 +128,7 @@ class _Job:
                     remote_decode=remote_decode,
                     remote_prefill=remote_prefill,
                     cache_salt=call.cache_salt,
+                    lora=call.lora,
                 )
                 text = ChoiceText(call.stops, include_stop=call.include_stop, min_tokens=call.min_tokens)
                 self.choices.append(_Choice(i, i * call.n + j, self.srv.runner.submit(req), text, req.sampler))
@@ -215,14 +218,18 @@ async def _serve(
 
 def _parse_completion(raw: bytes, srv: SimServer) -> GenerateCall:
     body = parse_body(raw, CompletionRequest)
-    check_model(srv, body.model)
-    return completion_call(body, srv.config.max_model_len)
+    lora = check_model(srv, body.model)
+    call = completion_call(body, srv.config.max_model_len)
+    call.lora = lora
+    return call
 
 
 def _parse_chat(raw: bytes, srv: SimServer) -> GenerateCall:
     body = parse_body(raw, ChatRequest)
-    check_model(srv, body.model)
-    return chat_call(body, srv.config.max_model_len)
+    lora = check_model(srv, body.model)
+    call = chat_call(body, srv.config.max_model_len)
+    call.lora = lora
+    return call
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

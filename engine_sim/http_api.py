@@ -2,7 +2,8 @@
 
 vLLM routes: POST /v1/completions, POST /v1/chat/completions (engine_sim/generate_api.py),
 GET /v1/models, GET /health, GET /metrics, POST /reset_prefix_cache, GET /version, POST /tokenize,
-POST /detokenize.
+POST /detokenize; with `runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 The sim's own routes (not in vLLM; under /sim/ so they never clash):
 - POST /sim/kv_pull: a decode sim in another process finished reading pinned KV (engine_sim/disagg.py);
@@ -89,7 +90,33 @@ async def detokenize(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     srv = request.app[SERVER_KEY]
     cfg = srv.config
-    return json_response(fmt.models_response(cfg.model, srv.created, cfg.max_model_len, srv.perm_id))
+    loras = list(srv.loras)
+    return json_response(fmt.models_response(cfg.model, srv.created, cfg.max_model_len, srv.perm_id, loras))
+
+
+class _LoadLora(msgspec.Struct):
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's run-time adapter loading (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING): the sim loads
+    no weights, so any path is taken."""
+    srv = request.app[SERVER_KEY]
+    try:
+        body = parse_body(await request.read(), _LoadLora)
+        return web.Response(text=srv.loras.load(body.lora_name, body.lora_path))
+    except SimRequestError as exc:
+        return error_response(exc)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    srv = request.app[SERVER_KEY]
+    try:
+        body = parse_body(await request.read(), _LoadLora)
+        return web.Response(text=srv.loras.unload(body.lora_name))
+    except SimRequestError as exc:
+        return error_response(exc)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -193,6 +220,9 @@ def build_app(server: SimServer) -> web.Application:
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    if server.config.runtime_lora_updating:  # vLLM serves these only then
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/sim/kv_pull", kv_pull)
     app.router.add_post("/sim/faults", faults)
     app.router.add_get("/sim/state", state)

@@ -1,5 +1,6 @@
 """What every HTTP handler of the sim shares: the server behind the app, and vLLM's conventions for
-JSON bodies, errors, request ids, unknown models, and a crash under a request."""
+JSON bodies, errors, request ids, model names (the served model or a LoRA adapter), and a crash
+under a request."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engine_sim.errors import SimRequestError
 from engine_sim.openai_format import error_body
 
 if TYPE_CHECKING:
+    from engine_sim.lora import LoraRequest
     from engine_sim.server import SimServer
 
 __all__ = ["SERVER_KEY", "check_model", "engine_gone", "error_response", "fault_gate", "json_response", "request_id"]
@@ -34,14 +36,20 @@ def request_id(request: web.Request, in_body: str | None = None) -> str:
     return request.headers.get("X-Request-Id") or in_body or secrets.token_hex(8)
 
 
-def check_model(srv: SimServer, model: str | None) -> None:
-    if model is not None and model != srv.config.model:
+def check_model(srv: SimServer, model: str | None) -> LoraRequest | None:
+    """The LoRA adapter `model` names; None for the served model (or no model); vLLM's 404 else,
+    whose alias list names the served model alone, adapters or not (bs32/error_unknown_model.json)."""
+    if model is None or model == srv.config.model:
+        return None
+    lora = srv.loras.get(model)
+    if lora is None:
         raise SimRequestError(
-            f"The model `{model}` does not exist. Valid aliases: {srv.config.model}",
+            f"The model `{model}` does not exist. Valid aliases: {srv.config.model}.",
             status=404,
             kind="NotFoundError",
             param="model",
         )
+    return lora
 
 
 def fault_gate(srv: SimServer, request: web.Request) -> bool:

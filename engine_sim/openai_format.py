@@ -4,9 +4,14 @@ Request bodies and their validation: engine_sim/openai_request.py."""
 
 from __future__ import annotations
 
-from typing import Any
+import secrets
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from engine_sim.lora import LoraRequest
 
 __all__ = [
     "SSE_DONE",
@@ -196,7 +201,9 @@ def tokenize_response(tokens: list[int], max_model_len: int, token_strs: list[st
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": token_strs}
 
 
-def models_response(model: str, created: int, max_model_len: int, perm_id: str) -> dict[str, Any]:
+def _model_card(
+    name: str, created: int, root: str, parent: str | None, max_model_len: int | None, perm_id: str
+) -> dict[str, Any]:
     permission = {
         "id": perm_id,
         "object": "model_permission",
@@ -211,17 +218,28 @@ def models_response(model: str, created: int, max_model_len: int, perm_id: str) 
         "group": None,
         "is_blocking": False,
     }
-    card = {
-        "id": model,
+    return {
+        "id": name,
         "object": "model",
         "created": created,
         "owned_by": "vllm",
-        "root": model,
-        "parent": None,
+        "root": root,
+        "parent": parent,
         "max_model_len": max_model_len,
         "permission": [permission],
     }
-    return {"object": "list", "data": [card]}
+
+
+def models_response(
+    model: str, created: int, max_model_len: int, perm_id: str, loras: Sequence[LoraRequest] = ()
+) -> dict[str, Any]:
+    """The served model's card, then one per LoRA adapter in load order, as vLLM's
+    show_available_models builds them: an adapter's root is its path, its parent the served model,
+    and its max_model_len null (ModelCard's default, which vLLM sets on base cards only). vLLM makes
+    a new permission (and id) per card."""
+    cards = [_model_card(model, created, model, None, max_model_len, perm_id)]
+    cards += [_model_card(a.name, created, a.path, model, None, f"modelperm-{secrets.token_hex(8)}") for a in loras]
+    return {"object": "list", "data": cards}
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -23,6 +23,7 @@ import msgspec
 
 from engine_sim.errors import PromptTooLongError, SimRequestError, VllmValidationError
 from engine_sim.logprobs import MAX_LOGPROBS
+from engine_sim.lora import LoraRequest
 from protocol.tokenizer import VOCAB_SIZE, BuiltinTokenizer, apply_chat_template
 
 __all__ = [
@@ -210,6 +211,7 @@ class GenerateCall:
     request_id: str | None = None  # the body's
     cache_salt: str | None = None
     chat_echo: str = ""  # chat `echo`: the last message's content, when it has the reply's role
+    lora: LoraRequest | None = None  # the adapter `model` names (the handler resolves it)
 
 
 def _ids(x: Any) -> list[int] | None:

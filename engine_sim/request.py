@@ -7,6 +7,7 @@ from typing import Any
 
 from engine_sim.block_hash import HashChains, HashedBlock
 from engine_sim.block_pool import Block
+from engine_sim.lora import LoraRequest
 from engine_sim.sampler import Sampler
 
 __all__ = ["RequestStatus", "SimRequest"]
@@ -27,7 +28,8 @@ class SimRequest:
 
     `choice` tells apart the `n` samples of one prompt; `min_tokens` keeps stop token ids from being
     emitted before that many tokens; `skip_prefix_cache` (vLLM sets it for prompt logprobs) makes
-    the request compute its whole prompt."""
+    the request compute its whole prompt. `lora`, the adapter the request named, picks the
+    HashChains its blocks hash into (the scheduler's, per adapter); `cache_salt` starts its chain."""
 
     __slots__ = (
         "arrival",
@@ -36,6 +38,7 @@ class SimRequest:
         "chain",
         "finish_reason",
         "kv_transfer_params",
+        "lora",
         "max_tokens",
         "min_tokens",
         "num_cached_blocks",
@@ -71,6 +74,7 @@ class SimRequest:
         remote_prefill: dict[str, Any] | None = None,
         arrival: float = 0.0,
         cache_salt: str | None = None,
+        lora: LoraRequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -86,6 +90,7 @@ class SimRequest:
         self.remote_loaded = False
         self.arrival = arrival
         self.cache_salt = cache_salt
+        self.lora = lora
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.blocks: list[Block] = []
@@ -102,7 +107,7 @@ class SimRequest:
         return len(self.token_ids)
 
     def extend_chain(self, block_size: int, chains: HashChains) -> None:
-        """Hash every newly full block of known tokens (once each)."""
+        """Hash every newly full block of known tokens (once each) into `chains` (its adapter's)."""
         chain = self.chain
         toks = self.token_ids
         while (len(chain) + 1) * block_size <= len(toks):

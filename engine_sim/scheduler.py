@@ -88,6 +88,9 @@ class Scheduler:
         self.pool = BlockPool(num_gpu_blocks, block_size, emit_events=emit_events)
         self.root = root_hash(hash_seed)
         self.chains = HashChains(self.root)
+        # One trie per LoRA adapter, by name: an adapter's chains share no node with any other's,
+        # and `HashChains.child` keeps the signature bench/virtual/engine_hash.py overrides.
+        self.lora_chains: dict[str, HashChains] = {}
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
@@ -102,9 +105,19 @@ class Scheduler:
     def add_request(self, req: SimRequest) -> None:
         if req.request_id in self.requests or req.request_id in self.pins:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
-        req.extend_chain(self.block_size, self.chains)
+        req.extend_chain(self.block_size, self._chains(req))
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def _chains(self, req: SimRequest) -> HashChains:
+        """The chains `req` hashes into: the base model's, or its LoRA adapter's."""
+        lora = req.lora
+        if lora is None:
+            return self.chains
+        chains = self.lora_chains.get(lora.name)
+        if chains is None:
+            chains = self.lora_chains[lora.name] = HashChains(self.root, lora)
+        return chains
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Drop a request wherever it is and free its blocks (client gone, stop string, deadline)."""
@@ -172,8 +185,10 @@ class Scheduler:
 
     def cached_canonical_hashes(self) -> list[int]:
         """The canonical hash (protocol.hashing) of every block now in the prefix cache, each once:
-        what a router's index should hold for this engine. Each chain is hashed once, parents first,
-        so this costs one hash per distinct block (the prefixes above grow with the square)."""
+        what a router's index should hold for this engine. A chain of a LoRA adapter or a cache_salt
+        starts from `canonical_root(chain_salt(lora_name, cache_salt))`. Each chain is hashed once,
+        parents first, so this costs one hash per distinct block (the prefixes above grow with the
+        square)."""
         hasher = BlockHasher(self.block_size)
         memo: dict[int, int] = {}
         roots: dict[str, int] = {}
@@ -186,10 +201,10 @@ class Scheduler:
                 cur = cur.parent
             if cur is not None:
                 parent: int | None = memo[id(cur)]
-            elif node.salt:
-                if node.salt not in roots:
-                    roots[node.salt] = canonical_root(chain_salt(cache_salt=node.salt))
-                parent = roots[node.salt]
+            elif salt := chain_salt(node.lora.name if node.lora is not None else "", node.salt or ""):
+                if salt not in roots:
+                    roots[salt] = canonical_root(salt)
+                parent = roots[salt]
             else:
                 parent = None
             for block in reversed(chain):
@@ -324,10 +339,10 @@ class Scheduler:
         return True
 
     def _cache_full(self, req: SimRequest, num_tokens: int) -> None:
-        req.extend_chain(self.block_size, self.chains)
+        req.extend_chain(self.block_size, self._chains(req))
         full = min(num_tokens // self.block_size, len(req.chain), len(req.blocks))
         if full > req.num_cached_blocks:
-            self.pool.cache(req.blocks, req.chain, req.num_cached_blocks, full)
+            self.pool.cache(req.blocks, req.chain, req.num_cached_blocks, full, req.lora)
             req.num_cached_blocks = full
 
     def _preempt(self, req: SimRequest) -> None:

@@ -5,6 +5,7 @@
         sim.events_endpoint   # tcp://127.0.0.1:PORT: a SUB connects here (or binds, if the PUB connects)
         sim.replay_endpoint   # tcp://127.0.0.1:PORT: a DEALER connects here
         sim.engine            # the Scheduler: cached_block_prefixes(), prefill_tokens_computed, ...
+        sim.loras             # the LoRA adapters served (config.lora_modules, and loaded at run time)
         sim.faults.hang = True
 
 Port 0 (HTTP or a ZMQ endpoint) picks a free port; the chosen ports stay the same across
@@ -35,6 +36,7 @@ from engine_sim.config import SimConfig
 from engine_sim.event_publisher import NullEventPublisher, ZmqEventPublisher
 from engine_sim.faults import Faults
 from engine_sim.http_api import build_app
+from engine_sim.lora import LoraAdapters
 from engine_sim.openai_format import VLLM_VERSION
 from engine_sim.runner import EngineRunner
 from engine_sim.sampler import word_ids
@@ -76,6 +78,7 @@ class SimServer:
         self.timing = TimingModel.for_profile(cfg.profile)
         self.fingerprint = f"vllm-{VLLM_VERSION}-{secrets.token_hex(4)}"
         self.perm_id = f"modelperm-{secrets.token_hex(8)}"
+        self.loras = LoraAdapters(cfg.lora_modules, cfg.model)
         self.created = int(time.time())
         self.open_transports: set[asyncio.Transport] = set()
         self.crashed = asyncio.Event()

@@ -43,6 +43,7 @@ class _XxhBlock(HashedBlock):
         self.children = None
         self.salt = parent.salt if parent is not None else salt
         self.extra = (salt,) if parent is None and salt else None
+        self.lora = None  # the virtual clock's engines serve no LoRA adapter
         self.ext = value
         self.digest = value.to_bytes(8, "little")
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine_sim import KVEventsConfig, SimConfig, SimFleet, fleet_config
-from engine_sim.cli import add_arguments, config_from_args
+from engine_sim.cli import add_arguments, config_from_args, run
+from engine_sim.lora import LoraModule
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,6 +50,7 @@ def test_flags_build_the_config() -> None:
         (["--drop-event-fraction", "2"], "--drop-event-fraction"),
         (["--kv-events-config", "{nope"], "--kv-events-config"),
         (["--kv-events-config", '{"enable_kv_cache_events": true, "bogus": 1}'], "bogus"),
+        (["--lora-modules", "no-path"], "name=path"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,6 +61,29 @@ def test_bad_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys: 
     assert needle in err
     if argv[0] in ("--profile", "--role", "--event-form"):
         assert "choose from" in err
+
+
+def test_lora_modules_as_vllm_takes_them() -> None:
+    cfg = config_from_args(parse("--enable-lora", "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/c"}'))
+    assert cfg.lora_modules == (LoraModule("sql", "/a/sql"), LoraModule("chat", "/a/c"))
+    assert config_from_args(parse()).lora_modules == ()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--enable-lora", "--lora-modules", "sim-llama=/p"], "served model"),
+        (["--enable-lora", "--lora-modules", "a=/p", "a=/q"], "twice"),
+        (["--enable-lora", "--lora-modules", "=/p"], "a name and a path"),
+        (["--lora-modules", "a=/p"], "--enable-lora"),
+    ],
+)
+def test_bad_lora_modules_exit_2_naming_the_flag(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(parse(*argv)) == 2
+    err = capsys.readouterr().err
+    assert "--lora-modules" in err and needle in err
 
 
 def test_fleet_ports_are_consecutive() -> None:

@@ -12,7 +12,8 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from engine_sim import SimServer
+from engine_sim import SimConfig, SimServer
+from engine_sim.lora import LoraModule, LoraRequest
 from tests.engine_sim.conftest import sim_config
 from tests.protocol.vllm_captures import fixture_json, fixture_path
 
@@ -228,3 +229,98 @@ async def test_openai_client_non_streaming_and_streaming(sim: SimServer) -> None
             await client.completions.create(model="sim-llama", prompt=[5] * 40000, max_tokens=1)
     finally:
         await client.close()
+
+
+# --- LoRA adapters (the bs32 LoRA capture: `--lora-modules tiny-lora=tiny-lora`) ------------------
+
+
+def lora_config(**changes: Any) -> SimConfig:
+    """The captured server's names: base `tiny-llama`, adapter `tiny-lora` at path `tiny-lora`."""
+    adapters = (LoraModule("tiny-lora", "tiny-lora"),)
+    return sim_config(model="tiny-llama", max_model_len=2048, lora_modules=adapters, **changes)
+
+
+def without_volatile(models: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cards less what vLLM makes afresh per call: `created` and each permission's id and time."""
+    out = []
+    for card in models["data"]:
+        perms = [{k: v for k, v in p.items() if k not in ("id", "created")} for p in card["permission"]]
+        out.append({**{k: v for k, v in card.items() if k != "created"}, "permission": perms})
+    return out
+
+
+async def test_models_list_the_base_then_each_adapter_as_vllm() -> None:
+    captured = fixture_json("v1_models_lora.json", "bs32")
+    async with SimServer(lora_config()) as sim:
+        status, text, _ = await get(sim, "/v1/models")
+    ours = json.loads(text)
+    assert status == 200 and [shape(c) for c in ours["data"]] == [shape(c) for c in captured["data"]]
+    assert without_volatile(ours) == without_volatile(captured)  # adapter: root its path, max_model_len null
+
+
+async def test_a_request_naming_an_adapter_is_served_and_answered_in_its_name() -> None:
+    chat = {"model": "tiny-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    stream = {"model": "tiny-lora", "prompt": "hi", "max_tokens": 2, "stream": True}
+    async with SimServer(lora_config()) as sim:
+        status, done, _ = await post(sim, "/v1/completions", {"model": "tiny-lora", "prompt": "hi", "max_tokens": 2})
+        assert status == 200 and done["model"] == "tiny-lora" and done["usage"]["completion_tokens"] == 2
+        status, answer, _ = await post(sim, "/v1/chat/completions", chat)
+        assert status == 200 and answer["model"] == "tiny-lora"
+        _, text, _ = await post(sim, "/v1/completions", stream)
+        assert {e["model"] for e in sse_events(text) if e != "[DONE]"} == {"tiny-lora"}
+        status, tokens, _ = await post(sim, "/tokenize", {"model": "tiny-lora", "prompt": "hi"})
+        assert status == 200
+        status, _, _ = await post(sim, "/detokenize", {"model": "tiny-lora", "tokens": tokens["tokens"]})
+        assert status == 200
+        _, base, _ = await post(sim, "/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+        assert base["model"] == "tiny-llama"
+
+
+async def test_a_model_neither_served_nor_an_adapter_is_vllms_404() -> None:
+    captured = fixture_json("error_unknown_model.json", "bs32")
+    async with SimServer(lora_config()) as sim:
+        status, ours, _ = await post(sim, "/v1/completions", {"model": "nope", "prompt": [1, 2, 3], "max_tokens": 1})
+        for path, body in (
+            ("/tokenize", {"model": "nope", "prompt": "hi"}),
+            ("/detokenize", {"model": "nope", "tokens": [1]}),
+        ):
+            assert (await post(sim, path, body))[0] == 404
+    assert status == 404 and ours == captured  # the alias list names the base model alone
+
+
+async def test_an_adapter_request_hits_its_own_cache_not_the_base_models() -> None:
+    body = {"model": "tiny-lora", "prompt": list(range(900, 1000)), "max_tokens": 2}
+    async with SimServer(lora_config(enable_prompt_tokens_details=True)) as sim:
+        _, first, _ = await post(sim, "/v1/completions", body)
+        _, again, _ = await post(sim, "/v1/completions", body)
+        _, base, _ = await post(sim, "/v1/completions", {**body, "model": "tiny-llama"})
+    assert first["usage"]["prompt_tokens_details"] is None
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
+    assert base["usage"]["prompt_tokens_details"] is None  # same tokens, the adapter's blocks
+
+
+async def test_adapters_load_and_unload_at_run_time_only_where_vllm_allows_it() -> None:
+    load = {"lora_name": "tiny-lora-2", "lora_path": "tiny-lora"}
+    completion = {"model": "tiny-lora-2", "prompt": [1, 2, 3], "max_tokens": 1}
+    async with SimServer(lora_config()) as sim:
+        assert (await post(sim, "/v1/load_lora_adapter", load))[0] == 404, "served only when allowed"
+    async with SimServer(lora_config(runtime_lora_updating=True)) as sim:
+        assert (await post(sim, "/v1/completions", completion))[0] == 404
+        status, text, _ = await post(sim, "/v1/load_lora_adapter", load)
+        assert (status, text) == (200, "Success: LoRA adapter 'tiny-lora-2' added successfully.")
+        _, models, _ = await get(sim, "/v1/models")
+        cards = {c["id"]: (c["root"], c["parent"]) for c in json.loads(models)["data"]}
+        assert cards["tiny-lora-2"] == ("tiny-lora", "tiny-llama")
+        assert (await post(sim, "/v1/completions", completion))[0] == 200
+        assert sim.loras.get("tiny-lora-2") == LoraRequest("tiny-lora-2", 2, "tiny-lora")
+        status, err, _ = await post(sim, "/v1/load_lora_adapter", load)
+        assert status == 400 and err["error"]["message"] == "The lora adapter 'tiny-lora-2' has already been loaded."
+        status, text, _ = await post(sim, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-2"})
+        assert (status, text) == (200, "Success: LoRA adapter 'tiny-lora-2' removed successfully.")
+        assert (await post(sim, "/v1/completions", completion))[0] == 404
+        status, err, _ = await post(sim, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-2"})
+        assert status == 404 and err["error"]["type"] == "NotFoundError"
+        await post(sim, "/v1/load_lora_adapter", {**load, "lora_name": "tiny-lora-3"})
+        assert sim.loras.get("tiny-lora-3") == LoraRequest("tiny-lora-3", 3, "tiny-lora"), "ids are never reused"
+        status, err, _ = await post(sim, "/v1/load_lora_adapter", {"lora_name": "x"})
+        assert status == 400 and "must be provided" in err["error"]["message"]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from engine_sim.lora import LoraRequest
 from engine_sim.request import RequestStatus, SimRequest
 from engine_sim.scheduler import Scheduler, StepResult
-from protocol.hashing import block_hashes
+from protocol.hashing import block_hashes, chain_salt
 from protocol.vllm_events import BlockRemoved, BlockStored
 
 
@@ -181,3 +182,33 @@ def test_a_cache_salt_isolates_its_chain_as_vllm_hashes_it() -> None:
     tokens = list(range(1000, 1064))
     expected = {*block_hashes(tokens, 16, salt="\x00tenant-1"), *block_hashes(tokens, 16, salt="\x00tenant-2")}
     assert set(s.cached_canonical_hashes()) == expected | set(block_hashes(tokens, 16))
+
+
+def test_an_adapters_chain_is_its_own_as_vllm_hashes_it() -> None:
+    """vLLM puts a LoRA request's adapter name in every block's extra keys (a cache_salt follows it
+    on the first block): an adapter's blocks are shared only with requests for the same adapter and
+    salt, and its Stored events name the adapter, as the bs32 LoRA capture shows."""
+    sql, chat = LoraRequest("sql", 1, "/a/sql"), LoraRequest("chat", 2, "/a/chat")
+    tokens = list(range(1000, 1064))
+    s = make()
+
+    def stored(rid: str, lora: LoraRequest | None, salt: str | None = None) -> BlockStored:
+        s.add_request(SimRequest(rid, tokens, max_tokens=1, lora=lora, cache_salt=salt))
+        run(s)
+        (event,) = [e for e in s.take_events() if isinstance(e, BlockStored)]
+        return event
+
+    base, adapter, salted = stored("base", None), stored("sql", sql), stored("salted", sql, "tenant-1")
+    assert (base.lora_id, base.lora_name, base.extra_keys) == (None, None, [None] * 4)
+    assert (adapter.lora_id, adapter.lora_name, adapter.extra_keys) == (1, "sql", [("sql",)] * 4)
+    assert salted.lora_id == 1 and salted.extra_keys == [("sql", "tenant-1"), ("sql",), ("sql",), ("sql",)]
+    chains = [base.block_hashes, adapter.block_hashes, salted.block_hashes]
+    assert len({h for c in chains for h in c}) == 12  # same tokens, three chains, no block shared
+    for rid, lora, salt, hit in (("sql-2", sql, None, 48), ("chat", chat, None, 0), ("base-2", None, None, 48),
+                                 ("salted-2", sql, "tenant-1", 48), ("other-salt", sql, "tenant-2", 0)):  # fmt: skip
+        before = s.stats.prefix_cache_hits
+        s.add_request(SimRequest(rid, tokens, max_tokens=1, lora=lora, cache_salt=salt))
+        run(s)
+        assert s.stats.prefix_cache_hits - before == hit, rid
+    salts = ["", chain_salt("sql"), chain_salt("sql", "tenant-1"), chain_salt("chat"), chain_salt("sql", "tenant-2")]
+    assert set(s.cached_canonical_hashes()) == {h for salt in salts for h in block_hashes(tokens, 16, salt=salt)}
