@@ -52,6 +52,7 @@ test: install
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 TINY_LLAMA := $(VLLM_VENV)/tiny-llama
+TINY_LORA := $(VLLM_VENV)/tiny-lora
 
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -63,9 +64,12 @@ $(VLLM_STAMP):
 $(TINY_LLAMA)/config.json: tests/vllm/make_model.py | $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python tests/vllm/make_model.py $(TINY_LLAMA)
 
-test-vllm: install $(VLLM_STAMP) $(TINY_LLAMA)/config.json
-	$(PY) tests/vllm/run.py --vllm-venv $(VLLM_VENV) --model-dir $(TINY_LLAMA) --logs $(VLLM_VENV)/logs \
-		--out $(VLLM_VENV)/results.json
+$(TINY_LORA)/adapter_config.json: tests/vllm/make_lora.py | $(TINY_LLAMA)/config.json
+	$(VLLM_VENV)/bin/python tests/vllm/make_lora.py $(TINY_LORA) $(TINY_LLAMA)
+
+test-vllm: install $(VLLM_STAMP) $(TINY_LLAMA)/config.json $(TINY_LORA)/adapter_config.json
+	$(PY) tests/vllm/run.py --vllm-venv $(VLLM_VENV) --model-dir $(TINY_LLAMA) --lora-dir $(TINY_LORA) \
+		--logs $(VLLM_VENV)/logs --out $(VLLM_VENV)/results.json
 
 lint: install
 	$(BIN)/ruff check .

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", type=float, default=1.0, help="simulated engines run this many times faster")
     parser.add_argument("--model", default="sim-llama", help="served model name")
     parser.add_argument("--profile", default="h200:llama-3.1-8b", choices=profile_names(), help="engine timing profile")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters every simulated engine serves, as vLLM's flag takes them; requests "
+                             "may name them as their model")  # fmt: skip
     parser.add_argument(
         "--log-dir",
         default=None,
@@ -67,6 +70,7 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     for name in ("nats_nodes", "etcd_members"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    sim_args = _lora_args(args.lora_modules, args.model)
     extra: list[str] = list(getattr(args, "extra", []))
     if extra:
         _check_router_args(extra)
@@ -74,9 +78,24 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         nats_port=args.nats_port, etcd_port=args.etcd_port, namespace=args.namespace,
         prefill=args.prefill, decode=args.decode, agg=args.agg, routers=routers,
         http_port=args.http_port if routers else 0, speedup=args.speedup, model=args.model,
-        profile=args.profile, router_args=extra, log_dir=Path(args.log_dir) if args.log_dir else None,
+        profile=args.profile, router_args=extra, sim_args=sim_args,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
         nats_nodes=args.nats_nodes, etcd_members=args.etcd_members, etcd_auth=args.secure, nats_auth=args.secure,
     )  # fmt: skip
+
+
+def _lora_args(modules: list[str], model: str) -> list[str]:
+    """The sims' LoRA flags, checked now by the sim's own rules (so a bad value is refused before
+    anything starts)."""
+    if not modules:
+        return []
+    from engine_sim import LoraModule, SimConfig, SimConfigError
+
+    try:
+        SimConfig(model=model, lora_modules=tuple(LoraModule.parse(m) for m in modules)).validate()
+    except SimConfigError as exc:
+        raise SystemExit(f"kvswitch up: {exc}") from None
+    return ["--enable-lora", "--lora-modules", *modules]
 
 
 def _check_router_args(extra: list[str]) -> None:

@@ -39,6 +39,7 @@ from protocol.messages import (
     decode_msg,
     encode_json,
     encode_msg,
+    serving,
 )
 from protocol.packed import check_hashes, hash_count, pack_batch, pack_chunk, pack_hashes, unpack_hashes
 
@@ -84,6 +85,7 @@ __all__ = [
     "pack_chunk",
     "pack_hashes",
     "root_hash",
+    "serving",
     "subjects",
     "unpack_hashes",
 ]

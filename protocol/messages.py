@@ -8,6 +8,7 @@ with. NATS payloads are msgpack (`encode_msg`/`decode_msg`); etcd values are JSO
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal, NewType, TypeVar
 
 import msgspec
@@ -49,6 +50,7 @@ __all__ = [
     "decode_msg",
     "encode_json",
     "encode_msg",
+    "serving",
 ]
 
 SCHEMA_VERSION = 1
@@ -358,6 +360,16 @@ class WorkerInfo(_Msg, kw_only=True):
     # The longest prompt plus output the engine takes (its /v1/models `max_model_len`); None when
     # it does not say. Routers show the least of a model's workers on their own /v1/models.
     max_model_len: int | None = None
+    # The LoRA adapters the engine serves on `model` (its /v1/models cards whose parent is `model`),
+    # sorted: a request naming one runs here, and its KV blocks are salted by the adapter's name.
+    adapters: list[str] = []
+
+
+def serving(infos: Iterable[WorkerInfo], name: str) -> list[WorkerInfo]:
+    """The workers a request naming `name` runs on: those of model `name`, else those serving a LoRA
+    adapter of that name (a model's name wins over an adapter's)."""
+    infos = list(infos)
+    return [i for i in infos if i.model == name] or [i for i in infos if name in i.adapters]
 
 
 class RouterInfo(_Msg, kw_only=True):

@@ -442,8 +442,10 @@ class _Handlers:
     async def models(self, request: web.Request) -> web.Response:
         created = int(self.started_at)
         data = []
-        for m in self.path.models():
-            card = {"id": m, "object": "model", "created": created, "owned_by": "kvswitch", "root": m, "parent": None}
+        # LoRA adapters after their models, with `parent` naming the model as vLLM's cards do.
+        names = [(m, None) for m in self.path.models()] + sorted(self.path.adapters().items())
+        for m, parent in names:
+            card = {"id": m, "object": "model", "created": created, "owned_by": "kvswitch", "root": m, "parent": parent}
             length = self.path.max_model_len(m)
             if length is not None:  # as vLLM's card has it
                 card["max_model_len"] = length

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from protocol import BlockHasher, WorkerInfo
+from protocol import BlockHasher, WorkerInfo, serving
 from protocol.config import RouterSettings
 from protocol.hashing import chain_salt
 from router.calibration import Calibration
@@ -134,15 +134,19 @@ class Planner:
         text: bool = False,
         shape: RequestShape = RequestShape(),
     ) -> RequestContext:
-        infos = [i for i in self._workers() if i.model == model]
+        infos = serving(self._workers(), model)
         if not infos:
             raise PlanError(503, f"no worker is registered for model {model}")
-        block_size = self.eligibility.block_sizes(infos).get(model, infos[0].block_size)
+        base = infos[0].model
+        block_size = self.eligibility.block_sizes(infos).get(base, infos[0].block_size)
         hasher = self._hashers.get(block_size)
         if hasher is None:
             hasher = self._hashers[block_size] = BlockHasher(block_size)
-        if shape.cache_salt:  # one of its own: salts are clients' values, as many as they like
-            hasher = BlockHasher(block_size, chain_salt(cache_salt=shape.cache_salt))
+        # A LoRA adapter's blocks are its own (vLLM keys each by the adapter's name), as are a
+        # cache_salt's: a chain of its own, since salts are clients' values, as many as they like.
+        salt = chain_salt("" if model == base else model, shape.cache_salt or "")
+        if salt:
+            hasher = BlockHasher(block_size, salt)
         return RequestContext(
             request_id=request_id,
             model=model,
@@ -158,7 +162,7 @@ class Planner:
 
     def refresh(self, ctx: RequestContext, exclude: frozenset[str] = frozenset()) -> None:
         """Fill the context's pools with the workers that may take it now."""
-        infos = [i for i in self._workers() if i.model == ctx.model]
+        infos = serving(self._workers(), ctx.model)
         statuses = self.eligibility.statuses(infos)
         overlap = self.index.match(ctx.hashes) if ctx.hashes else {}
         pending = self.pending.match(ctx.hashes, after=overlap) if ctx.hashes else {}
@@ -203,7 +207,7 @@ class Planner:
         one whatever its role, and what keeps a worker from routing prompts (its index not in
         sync, its KV events down) does not keep its engine from tokenizing; a silent, unreachable
         or unhealthy one can. Decode and agg workers first, as prefill workers run long prompts."""
-        infos = [i for i in self._workers() if i.model == model]
+        infos = serving(self._workers(), model)
         ok = [
             i for i, st in zip(infos, self.eligibility.statuses(infos), strict=True) if st.exclusion not in _UNREACHABLE
         ]

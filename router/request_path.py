@@ -13,7 +13,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,21 +51,27 @@ class RequestPath:
     tracer: RequestTracer
     models: Callable[[], Sequence[str]]
     max_model_len: Callable[[str], int | None] = lambda _model: None
+    adapters: Callable[[], Mapping[str, str]] = dict  # LoRA adapter -> its base model
     default_model: str | None = None
     request_timeout_s: float = 600.0
     inflight: int = 0
     calls: int = 0  # utility calls so far: the next one starts at the next worker
 
     def resolve_model(self, model: str | None) -> str:
-        """The model a request names (the router's --model when it names none)."""
+        """The model, or LoRA adapter, a request names (the router's --model when it names none)."""
         name = model or self.default_model
         if name is None:
             raise Unknown(400, "'model' is required")
-        if self.default_model is not None and name != self.default_model:
-            raise Unknown(404, f"The model `{name}` does not exist. This router serves `{self.default_model}`")
-        known = self.models()
-        if name not in known:
-            raise Unknown(404, f"The model `{name}` does not exist. Registered: {', '.join(known) or 'none'}")
+        base = name if name in self.models() else self.adapters().get(name)
+        if self.default_model is not None and base != self.default_model:
+            raise Unknown(
+                404,
+                f"The model `{name}` does not exist. This router serves `{self.default_model}`"
+                + _and_adapters(self.default_model, self.adapters()),
+            )
+        if base is None:
+            served = [*self.models(), *self.adapters()]
+            raise Unknown(404, f"The model `{name}` does not exist. Registered: {', '.join(served) or 'none'}")
         return name
 
     def explain(
@@ -176,3 +182,8 @@ class RequestPath:
         finally:
             self.inflight -= 1
             self.release(job)
+
+
+def _and_adapters(model: str, adapters: Mapping[str, str]) -> str:
+    names = sorted(a for a, base in adapters.items() if base == model)
+    return f" and its LoRA adapters {', '.join(names)}" if names else ""

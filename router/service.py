@@ -244,6 +244,7 @@ class RouterService:
             metrics=self.metrics,
             tracer=self.tracer,
             models=self.models,
+            adapters=self.adapters,
             max_model_len=self.max_model_len,
             default_model=self.config.model,
             request_timeout_s=self.config.request_timeout_s,
@@ -502,6 +503,9 @@ class RouterService:
 
     def models(self) -> list[str]:
         return self.registry.models() if self._registry is not None else []
+
+    def adapters(self) -> dict[str, str]:
+        return self.registry.adapters() if self._registry is not None else {}
 
     def max_model_len(self, model: str) -> int | None:
         return self.registry.max_model_len(model) if self._registry is not None else None

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from discovery import Deleted, Discovery, Put, Snapshot
-from protocol.messages import WorkerInfo
+from protocol import WorkerInfo, serving
 from router.lifecycle import PartStatus
 
 __all__ = ["WorkerRegistry"]
@@ -88,10 +88,17 @@ class WorkerRegistry:
     def models(self) -> list[str]:
         return sorted({info.model for info in self._workers.values()})
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters registered workers serve, each with its base model, by name (an
+        adapter's name that is some worker's model names that model)."""
+        models = self.models()
+        return {name: info.model for info in self.workers() for name in info.adapters if name not in models}
+
     def max_model_len(self, model: str) -> int | None:
-        """The longest request every worker of `model` takes (the least of their `max_model_len`),
-        or None when one of them does not say: a request may go to any of them."""
-        lengths = [info.max_model_len for info in self._workers.values() if info.model == model]
+        """The longest request every worker serving `model` (a model, or a LoRA adapter) takes,
+        the least of their `max_model_len`, or None when one of them does not say: a request may go
+        to any of them."""
+        lengths = [info.max_model_len for info in serving(self._workers.values(), model)]
         known = [n for n in lengths if n is not None]
         return min(known) if known and len(known) == len(lengths) else None
 

@@ -238,13 +238,6 @@ class _ChunkWriter:
         self.done = True
 
 
-def _salt(req: GenerateRequest) -> str:
-    """The canonical chain salt of the leg's prompt: the client's `cache_salt` (vLLM's per-tenant
-    cache isolation), which the engine's blocks for it are hashed with."""
-    salt = req.params.get("cache_salt")
-    return chain_salt(cache_salt=salt) if isinstance(salt, str) else ""
-
-
 @dataclass(slots=True)
 class _Leg:
     request_id: str
@@ -259,7 +252,7 @@ class _Leg:
 class RequestService:
     """Runs legs against one adapter; serves every worker id it is subscribed under.
 
-    `on_served(token_ids, usage)` is called after each leg that prefilled its prompt locally and
+    `on_served(request_id, token_ids, salt, usage)` is called after each leg that prefilled its prompt locally and
     ended well (the shim checks that the engine's KV events followed).
     """
 
@@ -270,8 +263,9 @@ class RequestService:
         on_change: Callable[[], None],
         cached_tokens: Callable[[list[int], str], int] = lambda _ids, _salt: 0,
         *,
-        on_served: Callable[[str, list[int], Usage], None] = lambda _rid, _ids, _usage: None,
+        on_served: Callable[[str, list[int], str, Usage], None] = lambda _rid, _ids, _salt, _usage: None,
         block_size: Callable[[], int | None] = lambda: None,
+        model: str = "",
         busy_legs: int = BUSY_LEGS,
         tracer: LegTracer | None = None,
     ) -> None:
@@ -283,6 +277,7 @@ class RequestService:
         self.on_change = on_change
         self.on_served = on_served
         self.block_size = block_size
+        self.model = model  # the engine's own; a leg naming another runs a LoRA adapter
         self.busy_legs = busy_legs
         self.accepting = True
         self.inflight: dict[str, _Leg] = {}
@@ -342,7 +337,9 @@ class RequestService:
         if isinstance(leg, ErrorInfo):
             await writer.final(error=leg)
             return
-        queued = 0 if leg.transfer is not None else len(req.token_ids) - self.cached_tokens(req.token_ids, _salt(req))
+        queued = (
+            0 if leg.transfer is not None else len(req.token_ids) - self.cached_tokens(req.token_ids, self._salt(req))
+        )
         state = _Leg(req.request_id, max(queued, 0), writer)
         self.inflight[req.request_id] = state
         self._queued += state.queued_tokens
@@ -381,6 +378,14 @@ class RequestService:
             state.task.cancel()
 
     # --- one leg --------------------------------------------------------------------------------
+
+    def _salt(self, req: GenerateRequest) -> str:
+        """The canonical chain salt of the leg's prompt, whose blocks the engine keys by them: the
+        LoRA adapter it names instead of the engine's model, and the client's `cache_salt` (vLLM's
+        per-tenant cache isolation)."""
+        salt = req.params.get("cache_salt")
+        lora = req.model if self.model and req.model != self.model else ""
+        return chain_salt(lora, salt if isinstance(salt, str) else "")
 
     def _leg_request(self, req: GenerateRequest, role: str) -> LegRequest | ErrorInfo:
         leg = LegRequest(
@@ -429,7 +434,8 @@ class RequestService:
         watch = None
         if not leg.stream and not leg.prefill_only and state.queued_tokens:
             watch = asyncio.create_task(
-                self._watch_prefill(req.token_ids, _salt(req), state, writer), name=f"prefill-{req.request_id}"
+                self._watch_prefill(req.token_ids, self._salt(req), state, writer),
+                name=f"prefill-{req.request_id}",
             )
         try:
             try:
@@ -465,7 +471,7 @@ class RequestService:
             self.completed += 1
             await self._finish(writer, outcome, role, leg)
             if leg.transfer is None:
-                self.on_served(req.request_id, req.token_ids, outcome.usage)
+                self.on_served(req.request_id, req.token_ids, self._salt(req), outcome.usage)
         finally:
             span.end()
             if watch is not None:

@@ -40,7 +40,7 @@ from protocol.config import EtcdSettings, NatsSettings
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import __version__
-from worker_shim.adapters import EngineAdapter, EngineError, EngineHealth, EngineLimits, make_adapter
+from worker_shim.adapters import EngineAdapter, EngineError, EngineHealth, EngineLimits, ModelCard, make_adapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineStored
 from worker_shim.http_server import ShimHttpServer
@@ -57,6 +57,7 @@ __all__ = ["ShimStatus", "WorkerShim"]
 log = logging.getLogger(__name__)
 LIVE_TIMEOUT_S = 30.0
 WAIT_SAID_S = 30.0  # how often a shim waiting for its engine says so
+ADAPTERS_POLL_S = 5.0  # how often the engine's /v1/models is read for LoRA adapters loaded or unloaded
 
 
 class ShimStatus(enum.Enum):
@@ -109,6 +110,7 @@ class WorkerShim:
         self.limits = EngineLimits()
         self.kv_bytes_per_token: int | None = None
         self.tokenizer = ""
+        self.adapters: list[str] = []
         self.normaliser: Normaliser | None = None
         self.requests: RequestService | None = None
         self.registration: Registration | None = None
@@ -187,6 +189,7 @@ class WorkerShim:
             self._cached_prompt_tokens,
             on_served=self._on_served,
             block_size=lambda: self.limits.block_size,
+            model=self.config.model,
         )
         self.status = ShimStatus.WAITING_ENGINE
         self._main = asyncio.create_task(self._supervise(), name="shim-supervisor")
@@ -319,7 +322,8 @@ class WorkerShim:
         c = self.config
         models = await self.adapter.served_models()
         if models is None or c.model in models:
-            return models.get(c.model) if models else None
+            self._take_adapters(models)
+            return models[c.model].max_model_len if models else None
         served = ", ".join(sorted(models)) or "no model"
         if self.adapter.requires_served_model:
             raise ConfigError(
@@ -327,6 +331,32 @@ class WorkerShim:
             )
         self._say_once(logging.WARNING, "the engine at %s lists %s, not --model %s", c.engine_url, served, c.model)
         return None
+
+    def _take_adapters(self, cards: dict[str, ModelCard] | None) -> bool:
+        """Take the LoRA adapters on --model that the engine lists; True when they changed."""
+        if cards is None:
+            return False
+        c = self.config
+        listed = sorted(name for name, card in cards.items() if card.parent == c.model)
+        if listed and not self.adapter.serves_adapters_by_name:
+            self._say_once(
+                logging.WARNING,
+                "the %s engine lists LoRA adapters (%s), but kvswitch routes adapters by name only on vLLM: "
+                "requests naming them are refused",
+                c.engine,
+                ", ".join(listed),
+            )
+            listed = []
+        if listed == self.adapters:
+            return False
+        log.info("the engine serves LoRA adapters on %s: %s", c.model, ", ".join(listed) or "none")
+        self.adapters = listed
+        return True
+
+    async def _poll_adapters(self) -> None:
+        """Register adapters loaded or unloaded at run time (vLLM's /v1/load_lora_adapter)."""
+        if self._take_adapters(await self.adapter.served_models()) and self.registration is not None:
+            self.registration.update()
 
     def _kv_bytes_per_token(self) -> int | None:
         c = self.config
@@ -379,6 +409,7 @@ class WorkerShim:
             events_ok=self.events.ok,
             shim_url=self.http.url,
             max_model_len=lim.max_model_len,
+            adapters=self.adapters,
         )
 
     # --- engine events ------------------------------------------------------------------------------
@@ -405,14 +436,14 @@ class WorkerShim:
     def _holds(self, canonical: int) -> bool:
         return self.normaliser is not None and self.normaliser.holds(canonical)
 
-    def _on_served(self, request_id: str, token_ids: list[int], usage: Usage) -> None:
+    def _on_served(self, request_id: str, token_ids: list[int], salt: str, usage: Usage) -> None:
         bs = self.limits.block_size
         if not bs:
             return
         full = len(token_ids) // bs
         uncached = full - usage.cached_tokens // bs
         if uncached > 0:
-            last = block_hashes(token_ids[: full * bs], bs)[-1]
+            last = block_hashes(token_ids[: full * bs], bs, salt=salt)[-1]
             self.events.expect_stored(last, request_id, uncached)
 
     def _on_events_change(self) -> None:
@@ -585,6 +616,7 @@ class WorkerShim:
     async def _monitor(self) -> None:
         failures = 0
         busy_since: float | None = None
+        adapters_due = time.monotonic() + ADAPTERS_POLL_S
         assert self._events_task is not None and self.registration is not None
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
@@ -605,6 +637,9 @@ class WorkerShim:
             now = time.monotonic()
             if health is EngineHealth.UP:
                 failures, busy_since = 0, None
+                if now >= adapters_due:
+                    adapters_due = now + ADAPTERS_POLL_S
+                    await self._poll_adapters()
             elif health is EngineHealth.DOWN:
                 failures, busy_since = failures + 1, None
             elif busy_since is None:

@@ -107,7 +107,8 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
     http = free_ports(2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvswitch", "up", "--prefill", "1", "--decode", "2", "--routers", "2",
-         "--speedup", "20", "--http-port", str(http), "--conditional-disagg", "--eff-isl-threshold", "512"],
+         "--speedup", "20", "--http-port", str(http), "--lora-modules", "sql=/adapters/sql",
+         "--conditional-disagg", "--eff-isl-threshold", "512"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -126,14 +127,14 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
         assert out.count("sim      ") == 3
         routers = re.findall(r"router   (http://127.0.0.1:\d+)/v1", out)
         assert routers == [f"http://127.0.0.1:{http}", f"http://127.0.0.1:{http + 1}"]
-        for url in routers:
-            body = json.dumps({"model": "sim-llama", "prompt": list(range(300, 400)), "max_tokens": 3}).encode()
+        for url, model in zip(routers, ("sim-llama", "sql"), strict=True):  # the model, and an adapter
+            body = json.dumps({"model": model, "prompt": list(range(300, 400)), "max_tokens": 3}).encode()
             req = urllib.request.Request(
                 url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
             )
             with urllib.request.urlopen(req, timeout=30) as r:
                 reply = json.loads(r.read())
-                assert reply["usage"]["completion_tokens"] == 3
+                assert reply["usage"]["completion_tokens"] == 3 and reply["model"] == model
                 assert r.headers["x-kvswitch-prefill"] in ("bypass", "remote")
         everything = _descendants(proc.pid)
         assert len(everything) >= 9  # nats, etcd, 2 sim fleets, 3 shims, 2 routers
@@ -155,6 +156,8 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
             "kvswitch up: error: argument --profile: invalid choice: 'nope'",
         ),
         (["--agg", "1", "--model", " "], "kvswitch up: --model must name the served model"),
+        (["--agg", "1", "--lora-modules", "sim-llama=/a"], "kvswitch up: invalid --lora-modules"),
+        (["--agg", "1", "--lora-modules", "sql"], "kvswitch up: invalid --lora-modules"),
     ],
 )
 def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], said: str) -> None:

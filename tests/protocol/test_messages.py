@@ -30,6 +30,7 @@ from protocol import (
     decode_msg,
     encode_json,
     encode_msg,
+    serving,
 )
 from protocol.messages import ANNOTATION_BYPASS
 
@@ -171,3 +172,15 @@ def test_generate_request_defaults_are_independent() -> None:
     b = GenerateRequest(request_id="b", model="m", token_ids=[2])
     assert a.sampling == b.sampling and a.sampling is not b.sampling
     assert a.annotations == [] and a.disagg is None and a.stream
+
+
+def test_a_worker_serves_its_model_else_the_lora_adapters_it_lists() -> None:
+    def w(name: str, model: str, adapters: list[str]) -> WorkerInfo:
+        return WorkerInfo(worker=name, model=model, role="agg", engine="vllm", block_size=16, adapters=adapters)
+
+    a, b, c = w("a", "m", ["sql"]), w("b", "m", []), w("c", "n", ["sql", "m"])
+    assert [i.worker for i in serving([a, b, c], "m")] == ["a", "b"], "a model's name names the model"
+    assert [i.worker for i in serving([a, b, c], "sql")] == ["a", "c"]
+    assert serving([a, b, c], "other") == []
+    older = msgspec.json.encode({k: v for k, v in msgspec.to_builtins(b).items() if k != "adapters"})
+    assert decode_json(older, WorkerInfo).adapters == [], "a shim from before adapters serves none"

@@ -7,11 +7,15 @@ import asyncio
 import functools
 import time
 from collections import Counter
+from typing import Any
 
 import aiohttp
 import nats
+import pytest
 
+from engine_sim import LoraModule
 from protocol import GenerateRequest, block_hashes, decode_msg, subjects
+from protocol.hashing import chain_salt
 from router.policies import Outcome
 from router.service import RouterService
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
@@ -238,3 +242,62 @@ def _idle(router: RouterService, served_by: str, since: float) -> bool:
 
 async def _collect(msg: object, out: list[GenerateRequest]) -> None:
     out.append(decode_msg(msg.data, GenerateRequest))  # type: ignore[attr-defined]
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any, str]:
+    async with http.post(url, json=body) as r:
+        return r.status, await r.json(), r.headers.get("x-kvswitch-decode-worker", "")
+
+
+async def test_a_lora_adapters_requests_run_where_it_is_served_under_a_prefix_of_its_own(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM keys an adapter's blocks by its name: the router sends a request naming an adapter only
+    to workers serving it, and credits a worker with an adapter's prefix only for that adapter. An
+    adapter loaded at run time is routed to once the shim reads /v1/models again, and refused once
+    unloaded."""
+    monkeypatch.setattr("worker_shim.shim.ADAPTERS_POLL_S", 0.2)
+    a = await cluster.add_worker("agg", lora_modules=(LoraModule("sql", "/adapters/sql"),))
+    b = await cluster.add_worker("agg", runtime_lora_updating=True)
+    router = await cluster.add_ready_router()
+    async with http.get(router.url + "/v1/models") as r:
+        assert {c["id"]: c["parent"] for c in (await r.json())["data"]} == {MODEL: None, "sql": MODEL}
+    prompt = list(range(7000, 7640))  # 40 blocks
+    body = {"model": "sql", "prompt": prompt, "max_tokens": 2}
+    for _ in range(3):
+        status, out, worker = await _post(http, router.url + "/v1/completions", body)
+        assert (status, worker, out["model"]) == (200, a.id, "sql"), out
+    salted = set(block_hashes(prompt, BLOCK, salt=chain_salt("sql")))
+    await until(lambda: salted <= router.index.worker_hashes(a.id), what="the adapter's chain indexed")
+    _, plan, _ = await _post(http, router.url + "/debug/route", {**body, "model": MODEL})
+    assert {c["worker"]: c["overlap_blocks"] for c in plan["decode_candidates"]} == {a.id: 0, b.id: 0}
+
+    async with http.post(b.sim.url + "/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": "/c"}) as r:
+        assert r.status == 200
+    await until(lambda: "chat" in router.adapters(), what="the adapter loaded at run time registered")
+    status, out, worker = await _post(http, router.url + "/v1/completions", {**body, "model": "chat"})
+    assert (status, worker) == (200, b.id), out
+    async with http.post(b.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "chat"}) as r:
+        assert r.status == 200
+    await until(lambda: "chat" not in router.adapters(), what="the unloaded adapter gone")
+    status, out, _ = await _post(http, router.url + "/v1/completions", {**body, "model": "chat"})
+    assert status == 404 and out["error"]["param"] == "model" and "sql" in out["error"]["message"]
+
+
+async def test_an_adapters_prefill_leg_goes_only_to_a_prefill_worker_serving_it(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("worker_shim.shim.ADAPTERS_POLL_S", 0.2)
+    p = await cluster.add_worker("prefill", runtime_lora_updating=True)
+    d = await cluster.add_worker("decode", lora_modules=(LoraModule("sql", "/adapters/sql"),))
+    router = await cluster.add_ready_router(disagg="always")
+    body = {"model": "sql", "prompt": list(range(2000, 2300)), "max_tokens": 3}
+    status, out, worker = await _post(http, router.url + "/v1/completions", body)
+    assert (status, worker, out["kvswitch"]["outcome"]) == (200, d.id, "no_prefill_pool"), out
+    assert p.sim.engine.stats.prompt_tokens == 0 and d.sim.engine.stats.external_kv_tokens == 0
+    async with http.post(p.sim.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/s"}) as r:
+        assert r.status == 200
+    await until(lambda: router.registry.get(p.id).adapters == ["sql"], what="the prefill worker's adapter")  # type: ignore[union-attr]
+    status, out, worker = await _post(http, router.url + "/v1/completions", {**body, "prompt": list(range(3000, 3300))})
+    assert (status, worker, out["kvswitch"]["prefill_worker"]) == (200, d.id, p.id), out
+    assert d.sim.engine.stats.external_kv_tokens > 0, "the adapter's KV came from the prefill worker"

@@ -113,6 +113,45 @@ def test_unknown_model_is_a_503() -> None:
         f.planner.context("r", "other", [1, 2, 3])
 
 
+def test_a_lora_adapters_request_runs_only_where_the_adapter_is_served() -> None:
+    f = Fleet(winfo("d1"), winfo("d2", adapters=["sql"]), winfo("p1", "prefill"),
+              winfo("p2", "prefill", adapters=["sql", "chat"]), disagg="always")  # fmt: skip
+    for i in range(4):
+        plan = f.planner.take(f.planner.context(f"r{i}", "sql", list(range(i * 64, i * 64 + 64))))
+        assert plan is not None and plan.ctx.model == "sql"
+        assert [c.worker for c in plan.ctx.decode_pool] == ["d2"]
+        assert [c.worker for c in plan.ctx.prefill_pool] == ["p2"]
+    with pytest.raises(PlanError, match="no decode or agg worker is registered for model chat"):
+        f.planner.take(f.planner.context("r", "chat", list(range(64))))
+    plan = f.planner.take(f.ctx(list(range(64))))  # the model itself: every worker of it
+    assert plan is not None and {c.worker for c in plan.ctx.decode_pool} == {"d1", "d2"}
+
+
+def test_a_lora_adapters_prefix_is_its_own_chain() -> None:
+    """vLLM keys every block of an adapter's request by the adapter's name: the same tokens on the
+    model, on another adapter or with a cache_salt share no block with it."""
+    f = Fleet(winfo("d1", adapters=["sql", "chat"]), winfo("d2", adapters=["sql", "chat"]))
+    prompt = list(range(512))
+    f.index.apply("d2", [Stored(hashes=block_hashes(prompt, BLOCK, salt="sql"))])
+    ctx = f.planner.context("r", "sql", prompt)
+    assert ctx.hashes == block_hashes(prompt, BLOCK, salt="sql") != block_hashes(prompt, BLOCK)
+    plan = f.planner.take(ctx)
+    assert plan is not None and plan.decode.worker == "d2" and plan.decode.overlap_blocks == 32
+    salted = f.planner.context("r", "sql", prompt, shape=RequestShape(cache_salt="t1")).hashes
+    assert salted == block_hashes(prompt, BLOCK, salt="sql\x00t1")
+    for name in ("chat", MODEL):
+        other = f.planner.take(f.planner.context(f"r-{name}", name, prompt))
+        assert other is not None and max(c.overlap_blocks for c in other.ctx.decode_pool) == 0, name
+
+
+def test_a_name_that_is_a_model_and_an_adapter_names_the_model() -> None:
+    f = Fleet(winfo("d1"), winfo("q1", model="base-2", adapters=[MODEL]))
+    ctx = f.ctx(list(range(64)))
+    plan = f.planner.take(ctx)
+    assert plan is not None and [c.worker for c in ctx.decode_pool] == ["d1"]
+    assert ctx.hashes == block_hashes(list(range(64)), BLOCK)
+
+
 def test_text_prompts_go_only_to_workers_sharing_the_routers_tokenizer() -> None:
     f = Fleet(winfo("d1", tokenizer="tok-aaaaaaaaaaaaaaaa"), winfo("d2"))
     for i in range(4):

@@ -1,5 +1,6 @@
 """RequestPath's utility calls (/tokenize, /detokenize): which workers they go to, in what order,
-when a failed call moves on to the next worker, and none while NATS is down."""
+when a failed call moves on to the next worker, and none while NATS is down; and the models and
+LoRA adapters a request may name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from protocol import GenerateRequest, WorkerInfo
 from protocol.messages import ENDPOINT_TOKENIZE
 from router.dispatch import LegError
 from router.planner import PlanError
-from router.request_path import RequestPath
+from router.request_path import RequestPath, Unknown
 from tests.router.builders import worker
 
 
@@ -97,3 +98,41 @@ async def test_without_nats_a_call_is_a_503_naming_it_and_nothing_is_sent() -> N
     with pytest.raises(PlanError) as err:
         await path([worker("a", "agg")], d).call("m", ENDPOINT_TOKENIZE, {})
     assert err.value.code == 503 and "NATS" in err.value.message and not d.calls
+
+
+def resolver(default: str | None = None) -> RequestPath:
+    stub = cast(Any, None)
+    return RequestPath(
+        planner=stub,
+        admission=stub,
+        dispatcher=stub,
+        metrics=stub,
+        tracer=stub,
+        models=lambda: ["m", "n"],
+        adapters=lambda: {"sql": "m", "chat": "n"},
+        default_model=default,
+    )
+
+
+@pytest.mark.parametrize(
+    ("default", "name", "resolved"),
+    [(None, "m", "m"), (None, "sql", "sql"), (None, "chat", "chat"), ("m", None, "m"), ("m", "sql", "sql")],
+)
+def test_a_request_may_name_a_model_or_one_of_its_lora_adapters(
+    default: str | None, name: str | None, resolved: str
+) -> None:
+    assert resolver(default).resolve_model(name) == resolved
+
+
+@pytest.mark.parametrize(
+    ("default", "name", "message"),
+    [
+        (None, "nope", "The model `nope` does not exist. Registered: m, n, sql, chat"),
+        ("m", "chat", "The model `chat` does not exist. This router serves `m` and its LoRA adapters sql"),
+        ("n", "m", "The model `m` does not exist. This router serves `n` and its LoRA adapters chat"),
+    ],
+)
+def test_an_unknown_name_is_a_404_naming_what_is_served(default: str | None, name: str, message: str) -> None:
+    with pytest.raises(Unknown) as err:
+        resolver(default).resolve_model(name)
+    assert err.value.code == 404 and str(err.value) == message

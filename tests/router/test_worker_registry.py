@@ -167,3 +167,16 @@ async def test_stop_is_idempotent_and_stops_the_callbacks(
 async def test_wait_ready_times_out_before_start(registry: tuple[WorkerRegistry, Calls]) -> None:
     reg, _ = registry
     assert not await reg.wait_ready(0.05)
+
+
+async def test_lora_adapters_are_listed_with_their_model_and_limited_by_the_workers_serving_them(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls]
+) -> None:
+    reg, _ = registry
+    await register(disc, model="llama", max_model_len=8192, adapters=["sql", "chat"])
+    await register(disc, model="llama", role="prefill", max_model_len=4096, adapters=["sql"])
+    await register(disc, model="qwen", max_model_len=2048, adapters=["llama"])  # a model's name stays the model's
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    assert reg.adapters() == {"chat": "llama", "sql": "llama"}
+    assert [reg.max_model_len(m) for m in ("sql", "chat", "llama")] == [4096, 8192, 4096]

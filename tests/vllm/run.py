@@ -14,7 +14,12 @@ real nats-server and etcd. It checks, in order:
 4. index_hashes: each router's index holds exactly the canonical hashes computed here, from the
    engine's own event stream (read again through its replay socket), evictions included;
 5. stickiness: follow-ups sharing a prefix go to the worker that holds it;
-6. kill_restart: SIGKILL one engine: requests keep succeeding on the other; restart it on the same
+6. lora: both engines run with LoRA on (make_lora.py's adapter); vllm-a serves it as `tiny-lora`
+   from its start. A request naming it goes to vllm-a through either router and answers as vLLM
+   does, and the routers index its prompt under the adapter's chain, not the model's; vllm-b loads
+   it as `tiny-lora-2` at run time: the routers list and route it once its shim reads /v1/models
+   again, and refuse it with a 404 once it is unloaded;
+7. kill_restart: SIGKILL one engine: requests keep succeeding on the other; restart it on the same
    ports: it registers again and serves.
 
 Run with the project's venv (`.venv/bin/python tests/vllm/run.py --vllm-venv .venv-vllm`); prints one
@@ -51,11 +56,13 @@ sys.path.insert(0, str(ROOT))
 from kvswitch.servers import EtcdServer, NatsServer  # noqa: E402
 from protocol import block_hashes  # noqa: E402
 from protocol.config import EtcdSettings, NatsSettings  # noqa: E402
+from protocol.hashing import chain_salt  # noqa: E402
 from protocol.vllm_events import END_SEQ, decode_replay_reply, replay_request  # noqa: E402
 from router.service import RouterConfig, RouterService  # noqa: E402
 from worker_shim import ShimConfig, WorkerShim  # noqa: E402
 
 MODEL = "tiny-llama"
+LORA = "tiny-lora"  # vllm-a serves it from its start; vllm-b loads another name for it at run time
 BLOCK = 32
 TOPIC = "kv-events"
 log = logging.getLogger("test-vllm")
@@ -91,6 +98,10 @@ class Engine:
     port: int = field(default_factory=free_port)
     events: int = field(default_factory=free_port)
     replay: int = field(default_factory=free_port)
+    # LoRA on (make_lora.py's adapter): the engine may load adapters at run time, and serves this
+    # one from its start when `lora_module` names it.
+    lora_dir: Path | None = None
+    lora_module: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     start_s: list[float] = field(default_factory=list)
 
@@ -129,6 +140,11 @@ class Engine:
             events_config(self.events, self.replay),
         ]
         env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        if self.lora_dir is not None:
+            cmd += ["--enable-lora", "--max-lora-rank", "8"]
+            if self.lora_module is not None:
+                cmd += ["--lora-modules", f"{self.lora_module}={self.lora_dir}"]
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         out = (self.logs / f"{self.name}.log").open("ab")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -178,7 +194,11 @@ class Cluster:
         self.ns = "vllm" + os.urandom(3).hex()
         self.http = http
         logs = Path(args.logs)
-        self.engines = [Engine(n, Path(args.vllm_venv), Path(args.model_dir), logs) for n in ("vllm-a", "vllm-b")]
+        venv, model, lora = Path(args.vllm_venv), Path(args.model_dir), Path(args.lora_dir)
+        self.engines = [
+            Engine("vllm-a", venv, model, logs, lora_dir=lora, lora_module=LORA),
+            Engine("vllm-b", venv, model, logs, lora_dir=lora),
+        ]
         self.shims: dict[str, WorkerShim] = {}
         self.routers: list[RouterService] = []
 
@@ -460,6 +480,54 @@ async def check_stickiness(c: Cluster) -> dict[str, Any]:
     return {"stuck": f"{went.count(True)}/10"}
 
 
+async def _adapters(c: Cluster, router: RouterService) -> dict[str, Any]:
+    async with c.http.get(router.url + "/v1/models") as r:
+        return {card["id"]: card["parent"] for card in (await r.json())["data"]}
+
+
+async def check_lora(c: Cluster) -> dict[str, Any]:
+    """A request naming a LoRA adapter runs where it is served, as the engine runs it, and its
+    prefix is indexed under the adapter's own chain; an adapter loaded at run time is routed to
+    once its shim reads /v1/models again, and refused once unloaded."""
+    a, b = c.engines
+    wa, wb = c.shims[a.name].worker_id, c.shims[b.name].worker_id
+    for router in c.routers:
+        assert await _adapters(c, router) == {MODEL: None, LORA: MODEL}
+    other = {"prompt": list(range(3500, 3570)), "max_tokens": 8, "temperature": 0}
+    answers = [(await c.post(a.url, "/v1/completions", {**other, "model": m}))[1]["choices"] for m in (MODEL, LORA)]
+    assert answers[0] != answers[1], "the adapter changes nothing: the check would prove nothing"
+    prompt = list(range(3000, 3070))
+    body = {"model": LORA, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    status, direct, _ = await c.post(a.url, "/v1/completions", body)
+    assert status == 200, direct
+    for router in c.routers:
+        status, via, headers = await c.post(router.url, "/v1/completions", body)
+        assert status == 200 and headers["x-kvswitch-decode-worker"] == wa, (status, via)
+        assert _comparable(via) == _comparable(direct)
+    salted = set(block_hashes(prompt, BLOCK, salt=chain_salt(LORA)))
+    for router in c.routers:
+        held = functools.partial(lambda i, w: salted <= set(i.worker_hashes(w)), router.index, wa)
+        await c.until(held, 10, f"the adapter's chain in {router.router_id}")
+        for name, overlap in ((LORA, 2), (MODEL, 0)):  # the model's own chain of these tokens: none
+            _, plan, _ = await c.post(router.url, "/debug/route", {**body, "model": name, "max_tokens": 1})
+            held_by = {d["worker"]: d["overlap_blocks"] for d in plan["decode_candidates"]}
+            assert held_by[wa] == overlap, (name, plan)
+    started = time.monotonic()
+    load = {"lora_name": "tiny-lora-2", "lora_path": str(b.lora_dir)}
+    async with c.http.post(b.url + "/v1/load_lora_adapter", json=load) as r:
+        assert r.status == 200, await r.text()
+    await c.until(lambda: all("tiny-lora-2" in r.adapters() for r in c.routers), 20, "tiny-lora-2 registered")
+    registered_s = round(time.monotonic() - started, 1)
+    status, via, headers = await c.post(c.routers[0].url, "/v1/completions", {**body, "model": "tiny-lora-2"})
+    assert status == 200 and headers["x-kvswitch-decode-worker"] == wb, (status, via)
+    async with c.http.post(b.url + "/v1/unload_lora_adapter", json={"lora_name": "tiny-lora-2"}) as r:
+        assert r.status == 200, await r.text()
+    await c.until(lambda: all("tiny-lora-2" not in r.adapters() for r in c.routers), 20, "tiny-lora-2 gone")
+    status, via, _ = await c.post(c.routers[0].url, "/v1/completions", {**body, "model": "tiny-lora-2"})
+    assert status == 404 and via["error"]["param"] == "model", via
+    return {"runtime_load_registered_s": registered_s}
+
+
 async def check_kill_restart(c: Cluster) -> dict[str, Any]:
     engine = c.engines[0]
     shim = c.shims[engine.name]
@@ -551,6 +619,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await results.run("same_text", lambda: check_same_text(c))
                 await results.run("stickiness", lambda: check_stickiness(c))
                 await results.run("index_hashes", lambda: check_index_hashes(c))
+                await results.run("lora", lambda: check_lora(c))
                 await results.run("kill_restart", lambda: check_kill_restart(c))
             finally:
                 for router in c.routers:
@@ -573,6 +642,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"), help="venv with vllm-cpu 0.32.0")
     parser.add_argument("--model-dir", default=str(ROOT / ".venv-vllm" / "tiny-llama"), help="from make_model.py")
+    parser.add_argument("--lora-dir", default=str(ROOT / ".venv-vllm" / "tiny-lora"), help="from make_lora.py")
     parser.add_argument("--logs", default=str(ROOT / ".venv-vllm" / "logs"), help="vLLM logs go here")
     parser.add_argument("--out", default=None, help="write the JSON summary here too")
     args = parser.parse_args()

@@ -18,7 +18,7 @@ from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from tests.protocol.vllm_captures import FIXTURES
 from tests.router.polling import until
 from worker_shim import ShimConfig
-from worker_shim.adapters.base import EngineError, LegRequest
+from worker_shim.adapters.base import EngineError, LegRequest, ModelCard
 from worker_shim.adapters.openai_http import model_cards
 from worker_shim.adapters.vllm import PREFILL_TRANSFER_PARAMS, VllmAdapter
 
@@ -208,7 +208,18 @@ async def test_the_engines_own_400_body_comes_back(engine: tuple[Engine, VllmAda
 
 
 def test_model_cards_are_read_from_vllms_own_models_answer() -> None:
-    assert model_cards((FIXTURES / "bs32" / "v1_models.json").read_bytes()) == {"tiny-llama": 2048}
+    assert model_cards((FIXTURES / "bs32" / "v1_models.json").read_bytes()) == {"tiny-llama": ModelCard(2048)}
+
+
+def test_lora_adapters_are_the_cards_whose_parent_is_the_model() -> None:
+    """vLLM 0.32's own answers: an adapter's card has the model as `parent` and no max_model_len;
+    one loaded at run time appears, unloaded it goes."""
+    assert model_cards((FIXTURES / "bs32" / "v1_models_lora.json").read_bytes()) == {
+        "tiny-llama": ModelCard(2048),
+        "tiny-lora": ModelCard(parent="tiny-llama"),
+    }
+    loaded = model_cards((FIXTURES / "bs32" / "v1_models_lora_loaded.json").read_bytes())
+    assert loaded is not None and loaded["tiny-lora-2"] == ModelCard(parent="tiny-llama")
 
 
 @pytest.mark.parametrize(
@@ -217,8 +228,12 @@ def test_model_cards_are_read_from_vllms_own_models_answer() -> None:
         (b"not json", None),
         (b"[]", None),
         (b'{"data": {}}', None),
-        (b'{"data": [{"id": "m", "max_model_len": true}, {"id": "n"}, {"id": 5}]}', {"m": None, "n": None}),
+        (
+            b'{"data": [{"id": "m", "max_model_len": true}, {"id": "n", "parent": 3}, {"id": 5}]}',
+            {"m": ModelCard(), "n": ModelCard()},
+        ),
+        (b'{"data": [{"id": "a", "parent": "m"}]}', {"a": ModelCard(parent="m")}),
     ],
 )
-def test_a_models_answer_without_lengths_or_ids(raw: bytes, cards: dict[str, int | None] | None) -> None:
+def test_a_models_answer_without_lengths_or_ids(raw: bytes, cards: dict[str, ModelCard] | None) -> None:
     assert model_cards(raw) == cards

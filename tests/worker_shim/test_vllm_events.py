@@ -166,6 +166,26 @@ def test_vllms_own_salted_chains_normalise_to_the_salted_canonical_hashes() -> N
     assert norm.canonical_hashes() == expected and len(expected) == 6
 
 
+def test_vllms_own_lora_chains_normalise_to_chains_salted_by_the_adapters_name() -> None:
+    """Captured from vLLM 0.32 (tests/vllm/capture_lora.py): one prompt served as adapter tiny-lora,
+    as the model, as tiny-lora again (a hit), as tiny-lora with cache_salt tenant-1, and as
+    tiny-lora-2, loaded at run time (lora_id 3: the ids are not dense, only the names name them)."""
+    lines = (FIXTURES / "bs32" / "lora_replay_from_0.jsonl").read_text().splitlines()[1:]
+    norm = Normaliser(32)
+    for line in lines:
+        _, seq, payload = decode_replay_reply([bytes.fromhex(h) for h in json.loads(line)["frames_hex"]])
+        if seq != END_SEQ:
+            norm.apply(decode_payload(payload))
+    prompt = list(range(100, 165))
+    expected = {
+        *block_hashes(prompt, 32, salt=chain_salt("tiny-lora")),
+        *block_hashes(prompt, 32),
+        *block_hashes(prompt, 32, salt=chain_salt("tiny-lora", "tenant-1")),
+        *block_hashes(prompt, 32, salt=chain_salt("tiny-lora-2")),
+    }
+    assert norm.canonical_hashes() == expected and len(expected) == 8
+
+
 def test_limits_and_load_from_captured_metrics() -> None:
     text = (FIXTURES / "bs32" / "metrics_after.txt").read_text()
     lim = limits_from_metrics(text)

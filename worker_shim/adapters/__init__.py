@@ -10,6 +10,7 @@ from worker_shim.adapters.base import (
     EngineLoad,
     LegOutcome,
     LegRequest,
+    ModelCard,
 )
 from worker_shim.config import ShimConfig
 
@@ -21,6 +22,7 @@ __all__ = [
     "EngineLoad",
     "LegOutcome",
     "LegRequest",
+    "ModelCard",
     "make_adapter",
 ]
 

@@ -51,6 +51,7 @@ __all__ = [
     "EngineTiming",
     "LegOutcome",
     "LegRequest",
+    "ModelCard",
     "OnOutput",
 ]
 
@@ -80,6 +81,14 @@ class EngineLimits:
     max_num_batched_tokens: int | None = None
     cache_dtype: str | None = None
     max_model_len: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ModelCard:
+    """One entry of the engine's /v1/models: a LoRA adapter's `parent` is the model it runs on."""
+
+    max_model_len: int | None = None
+    parent: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -177,14 +186,17 @@ class EngineAdapter(ABC):
     async def tokenizer_fingerprint(self) -> str | None:
         return None
 
-    async def served_models(self) -> dict[str, int | None] | None:
-        """The models the engine serves, each with its max_model_len (None: unknown); None when
-        the engine cannot say."""
+    async def served_models(self) -> dict[str, ModelCard] | None:
+        """The models and LoRA adapters the engine serves, by name; None when the engine cannot
+        say."""
         return None
 
     # vLLM answers 404 to a request naming a model it does not serve: a shim whose --model it does
     # not list would register a worker no request can use.
     requires_served_model: ClassVar[bool] = False
+    # The engine runs a LoRA adapter for a request whose `model` names it, as vLLM does: only then
+    # may the shim register the adapters its /v1/models lists.
+    serves_adapters_by_name: ClassVar[bool] = False
 
     @abstractmethod
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome: ...

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth
+from worker_shim.adapters.base import EngineAdapter, EngineError, EngineHealth, ModelCard
 from worker_shim.adapters.openai_http import model_cards, post_utility
 from worker_shim.config import ShimConfig
 
@@ -57,8 +57,8 @@ class HttpEngineAdapter(EngineAdapter):
         except _NETWORK_ERRORS:
             return EngineHealth.DOWN
 
-    async def served_models(self) -> dict[str, int | None] | None:
-        """The engine's /v1/models: model id -> max_model_len; None when it cannot say."""
+    async def served_models(self) -> dict[str, ModelCard] | None:
+        """The engine's /v1/models by id; None when it cannot say."""
         try:
             return model_cards(await self.fetch("/v1/models"))
         except EngineError:

@@ -27,7 +27,7 @@ import msgspec
 
 from protocol import Usage
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
-from worker_shim.adapters.base import EngineError, LegRequest, OnOutput
+from worker_shim.adapters.base import EngineError, LegRequest, ModelCard, OnOutput
 
 __all__ = [
     "ENDPOINT_PATHS",
@@ -59,21 +59,22 @@ def usage_from(raw: Any) -> Usage:
     )
 
 
-def model_cards(raw: bytes) -> dict[str, int | None] | None:
-    """The model ids of a /v1/models answer, each with its `max_model_len` (vLLM's and SGLang's
-    cards carry it; None where a card has no positive integer); None when `raw` is no model list."""
+def model_cards(raw: bytes) -> dict[str, ModelCard] | None:
+    """The cards of a /v1/models answer by id: `max_model_len` where vLLM's and SGLang's carry it
+    (None where a card has no positive integer), `parent` where the card is a LoRA adapter's;
+    None when `raw` is no model list."""
     try:
         data = _json.decode(raw).get("data")
     except (msgspec.DecodeError, AttributeError):
         return None
     if not isinstance(data, list):
         return None
-    cards: dict[str, int | None] = {}
+    cards: dict[str, ModelCard] = {}
     for card in data:
         if isinstance(card, dict) and isinstance(card.get("id"), str):
-            value = card.get("max_model_len")
+            value, parent = card.get("max_model_len"), card.get("parent")
             ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-            cards[card["id"]] = value if ok else None
+            cards[card["id"]] = ModelCard(value if ok else None, parent if isinstance(parent, str) else None)
     return cards
 
 

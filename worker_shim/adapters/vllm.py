@@ -179,6 +179,7 @@ def engine_body(leg: LegRequest) -> tuple[str, dict[str, Any]]:
 class VllmAdapter(ZmqEventsAdapter):
     kind: ClassVar[str] = "vllm"
     requires_served_model: ClassVar[bool] = True
+    serves_adapters_by_name: ClassVar[bool] = True
     utility_paths: ClassVar[Mapping[str, str]] = {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}
 
     async def limits(self) -> EngineLimits:
