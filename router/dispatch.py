@@ -10,10 +10,12 @@ with a `final` chunk or an `error` one.
   decode leg in `disagg`. A prefill leg that fails, finds no responder, loses its worker, goes
   silent or takes longer than `prefill_timeout_s` falls back to the bypass path (outcome
   fallback_prefill_failed). An engine that refuses the request (a 4xx error chunk) refuses it for
-  the decode leg too: that error goes to the client, with no needless local retry.
+  the decode leg too: that error goes to the client, with no needless local retry; but for a 404,
+  a model (a LoRA adapter) the prefill worker no longer serves, which falls back.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
-  before the first token is retried once on the next-best worker (a new plan, booked by the
+  or answers 404 (an adapter unloaded there) before the first token is retried once on the
+  next-best worker (a new plan, booked by the
   planner); after the first token the error goes to the client.
 - liveness: every leg asks for a heartbeat every `stream_heartbeat_s`; a leg silent for three of them
   ends (its worker is reported unreachable), so a killed worker costs a stream at most 3x that.
@@ -87,6 +89,12 @@ class LegError(Exception):
         """The engine refused the request itself (bad input, too long): no other worker would
         take it either."""
         return 400 <= self.code < 500 and self.code not in (408, 409, 410, 429)
+
+    @property
+    def unknown_model(self) -> bool:
+        """The engine does not serve the model named: a LoRA adapter unloaded since its shim last
+        read /v1/models (every 5 s). Another worker may still serve it."""
+        return self.code == 404
 
     @property
     def worker_silent(self) -> bool:
@@ -222,14 +230,8 @@ class _Leg:
             if item.error is not None:
                 self.done = True  # the worker ended it itself: nothing to cancel
                 err = item.error
-                raise LegError(
-                    self.worker,
-                    err.code,
-                    err.kind,
-                    err.message,
-                    retryable=err.code >= 500 and err.code != 504,
-                    body=err.body,
-                )
+                retryable = (err.code >= 500 and err.code != 504) or err.code == 404  # see unknown_model
+                raise LegError(self.worker, err.code, err.kind, err.message, retryable=retryable, body=err.body)
             if item.continued or self._cut:
                 item = self._joined(item)
             if item.final:
@@ -527,7 +529,7 @@ class Dispatcher:
                             )
                         return chunk.transfer
         except LegError as exc:
-            if exc.refused:
+            if exc.refused and not exc.unknown_model:
                 raise
             if exc.worker_silent:
                 self._on_unreachable(worker, str(exc))

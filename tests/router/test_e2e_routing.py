@@ -301,3 +301,46 @@ async def test_an_adapters_prefill_leg_goes_only_to_a_prefill_worker_serving_it(
     status, out, worker = await _post(http, router.url + "/v1/completions", {**body, "prompt": list(range(3000, 3300))})
     assert (status, worker, out["kvswitch"]["prefill_worker"]) == (200, d.id, p.id), out
     assert d.sim.engine.stats.external_kv_tokens > 0, "the adapter's KV came from the prefill worker"
+
+
+async def test_an_adapter_unloaded_since_its_shim_looked_is_served_by_another_worker(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router's view of adapters lags the engines' by up to the shims' poll: a request sent to a
+    worker whose engine unloaded the adapter meanwhile (its 404) is retried on the next worker; a
+    prefill leg falls back to the decode worker. Unloaded everywhere, the engine's 404 is the answer."""
+    monkeypatch.setattr("worker_shim.shim.ADAPTERS_POLL_S", 3600.0)  # the shims never look again
+    lora: dict[str, Any] = {"lora_modules": (LoraModule("sql", "/adapters/sql"),), "runtime_lora_updating": True}
+    a = await cluster.add_worker("agg", **lora)
+    b = await cluster.add_worker("agg", **lora)
+    router = await cluster.add_ready_router()
+    body = {"model": "sql", "prompt": list(range(4000, 4640)), "max_tokens": 2}
+    status, out, holder = await _post(http, router.url + "/v1/completions", body)
+    assert status == 200, out
+    await until(lambda: len(router.index.worker_hashes(holder)) >= 40, what="the adapter's prefix indexed")
+    held, other = (a, b) if holder == a.id else (b, a)
+    async with http.post(held.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}) as r:
+        assert r.status == 200
+    retries = router.path.dispatcher.retries
+    status, out, worker = await _post(http, router.url + "/v1/completions", body)  # to the prefix holder first
+    assert (status, worker) == (200, other.id), out
+    assert router.path.dispatcher.retries == retries + 1
+    async with http.post(other.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}) as r:
+        assert r.status == 200
+    status, out, _ = await _post(http, router.url + "/v1/completions", body)
+    assert status == 404 and out["error"]["param"] == "model" and "sql" in out["error"]["message"], out
+
+
+async def test_a_prefill_leg_for_an_adapter_its_worker_unloaded_falls_back_to_the_decode_worker(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("worker_shim.shim.ADAPTERS_POLL_S", 3600.0)
+    lora: dict[str, Any] = {"lora_modules": (LoraModule("sql", "/adapters/sql"),), "runtime_lora_updating": True}
+    p = await cluster.add_worker("prefill", **lora)
+    d = await cluster.add_worker("decode", **lora)
+    router = await cluster.add_ready_router(disagg="always")
+    async with http.post(p.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}) as r:
+        assert r.status == 200
+    body = {"model": "sql", "prompt": list(range(5000, 5300)), "max_tokens": 2}
+    status, out, worker = await _post(http, router.url + "/v1/completions", body)
+    assert (status, worker, out["kvswitch"]["outcome"]) == (200, d.id, "fallback_prefill_failed"), out
