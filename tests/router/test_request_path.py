@@ -42,15 +42,16 @@ class Dispatcher:
         return b'{"from": "' + worker.encode() + b'"}'
 
 
-def path(infos: list[WorkerInfo], dispatcher: Dispatcher) -> RequestPath:
+def path(infos: list[WorkerInfo], dispatcher: Dispatcher, **kw: Any) -> RequestPath:
     stub = cast(Any, None)
+    fields: dict[str, Any] = {"models": lambda: ["m"], **kw}
     return RequestPath(
         planner=cast(Any, Planner(infos)),
         admission=stub,
         dispatcher=cast(Any, dispatcher),
         metrics=stub,
         tracer=stub,
-        models=lambda: ["m"],
+        **fields,
     )
 
 
@@ -101,17 +102,8 @@ async def test_without_nats_a_call_is_a_503_naming_it_and_nothing_is_sent() -> N
 
 
 def resolver(default: str | None = None) -> RequestPath:
-    stub = cast(Any, None)
-    return RequestPath(
-        planner=stub,
-        admission=stub,
-        dispatcher=stub,
-        metrics=stub,
-        tracer=stub,
-        models=lambda: ["m", "n"],
-        adapters=lambda: {"sql": "m", "chat": "n"},
-        default_model=default,
-    )
+    adapters = {"sql": "m", "chat": "n"}
+    return path([], Dispatcher(), models=lambda: ["m", "n"], adapters=lambda: adapters, default_model=default)
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-import zmq
-
 from kvswitch.servers import free_port
-from protocol.vllm_events import END_SEQ, decode_replay_reply, replay_request
+from tests.vllm.capture_lora import replay as replay_from_0
 from tests.vllm.run import BLOCK, MODEL, events_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,19 +53,7 @@ def main() -> None:
             )
             urllib.request.urlopen(req, timeout=60).read()
         time.sleep(1)
-        dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{replay}")
-        dealer.send_multipart(replay_request(0))
-        lines = [json.dumps({"request_frames_hex": [f.hex() for f in replay_request(0)], "start_seq": 0})]
-        while dealer.poll(5000):
-            frames = dealer.recv_multipart()
-            lines.append(
-                json.dumps({"t_recv": time.time(), "n_frames": len(frames), "frames_hex": [f.hex() for f in frames]})
-            )
-            if decode_replay_reply(frames)[1] == END_SEQ:
-                OUT.write_text("\n".join(lines) + "\n")
-                return
-        raise SystemExit("the replay socket sent no end marker")
+        OUT.write_text("\n".join(replay_from_0(replay)) + "\n")
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(30)

@@ -148,34 +148,32 @@ def test_a_stored_chain_is_salted_by_its_requests_cache_salt(fields: dict[str, o
     assert isinstance(event, EngineStored) and event.salt == salt
 
 
-def test_vllms_own_salted_chains_normalise_to_the_salted_canonical_hashes() -> None:
-    """Captured from vLLM 0.32 (tests/vllm/capture_cache_salt.py): one prompt served with salt
-    tenant-1, none, tenant-1 again (a hit: nothing stored) and tenant-2."""
-    lines = (FIXTURES / "bs32" / "cache_salt_replay_from_0.jsonl").read_text().splitlines()[1:]
+def _normalised_replay(fixture: str) -> set[int]:
+    """The canonical hashes a shim holds after a captured replay (the request line first)."""
     norm = Normaliser(32)
-    for line in lines:
+    for line in (FIXTURES / "bs32" / fixture).read_text().splitlines()[1:]:
         _, seq, payload = decode_replay_reply([bytes.fromhex(h) for h in json.loads(line)["frames_hex"]])
         if seq != END_SEQ:
             norm.apply(decode_payload(payload))
+    return norm.canonical_hashes()
+
+
+def test_vllms_own_salted_chains_normalise_to_the_salted_canonical_hashes() -> None:
+    """Captured from vLLM 0.32 (tests/vllm/capture_cache_salt.py): one prompt served with salt
+    tenant-1, none, tenant-1 again (a hit: nothing stored) and tenant-2."""
     prompt = list(range(100, 165))
     expected = {
         *block_hashes(prompt, 32, salt=chain_salt(cache_salt="tenant-1")),
         *block_hashes(prompt, 32),
         *block_hashes(prompt, 32, salt=chain_salt(cache_salt="tenant-2")),
     }
-    assert norm.canonical_hashes() == expected and len(expected) == 6
+    assert _normalised_replay("cache_salt_replay_from_0.jsonl") == expected and len(expected) == 6
 
 
 def test_vllms_own_lora_chains_normalise_to_chains_salted_by_the_adapters_name() -> None:
     """Captured from vLLM 0.32 (tests/vllm/capture_lora.py): one prompt served as adapter tiny-lora,
     as the model, as tiny-lora again (a hit), as tiny-lora with cache_salt tenant-1, and as
     tiny-lora-2, loaded at run time (lora_id 3: the ids are not dense, only the names name them)."""
-    lines = (FIXTURES / "bs32" / "lora_replay_from_0.jsonl").read_text().splitlines()[1:]
-    norm = Normaliser(32)
-    for line in lines:
-        _, seq, payload = decode_replay_reply([bytes.fromhex(h) for h in json.loads(line)["frames_hex"]])
-        if seq != END_SEQ:
-            norm.apply(decode_payload(payload))
     prompt = list(range(100, 165))
     expected = {
         *block_hashes(prompt, 32, salt=chain_salt("tiny-lora")),
@@ -183,7 +181,7 @@ def test_vllms_own_lora_chains_normalise_to_chains_salted_by_the_adapters_name()
         *block_hashes(prompt, 32, salt=chain_salt("tiny-lora", "tenant-1")),
         *block_hashes(prompt, 32, salt=chain_salt("tiny-lora-2")),
     }
-    assert norm.canonical_hashes() == expected and len(expected) == 8
+    assert _normalised_replay("lora_replay_from_0.jsonl") == expected and len(expected) == 8
 
 
 def test_limits_and_load_from_captured_metrics() -> None:
