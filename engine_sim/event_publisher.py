@@ -34,6 +34,7 @@ from protocol.vllm_events import (
     encode_batch,
     encode_seq,
     publisher_binds,
+    rank_endpoint,
     replay_reply,
 )
 
@@ -128,7 +129,8 @@ class ZmqEventPublisher:
         pub: zmq.Socket[bytes] = zmq.Context.shadow(actx.underlying).socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         pub.setsockopt(zmq.LINGER, 0)
-        ep = self.config.endpoint
+        # Each data-parallel rank publishes on its own endpoints, as vLLM's do.
+        ep = rank_endpoint(self.config.endpoint, self.data_parallel_rank)
         if publisher_binds(ep):
             await _bind_retrying(pub, ep)
             self._endpoint = _subscriber_address(pub.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -139,7 +141,7 @@ class ZmqEventPublisher:
         if self.config.replay_endpoint:
             router = actx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            await _bind_retrying(router, self.config.replay_endpoint)
+            await _bind_retrying(router, rank_endpoint(self.config.replay_endpoint, self.data_parallel_rank))
             self._replay_endpoint = _subscriber_address(router.getsockopt_string(zmq.LAST_ENDPOINT))
             self._router = router
             self._replay_task = asyncio.create_task(self._serve_replay(router), name="kv-replay")

@@ -202,6 +202,7 @@ async def _serve(
     srv: SimServer = request.app[SERVER_KEY]
     try:
         call = parse(await request.read(), srv)
+        _check_rank(srv, request)
         if fault_gate(srv, request):
             return web.Response(status=500)
         job = _Job(srv, call, f"{id_prefix}-{request_id(request, call.request_id)}")
@@ -214,6 +215,19 @@ async def _serve(
         return engine_gone(request)
     finally:
         job.abort_unfinished()
+
+
+def _check_rank(srv: SimServer, request: web.Request) -> None:
+    """vLLM's X-data-parallel-rank picks the engine of a server running several ranks (a value that
+    is no integer is ignored). The sim is one rank's engine: a request for another is a 400, as
+    vLLM answers a rank out of its range."""
+    value = request.headers.get("X-data-parallel-rank", "")
+    if not value.lstrip("-").isdigit():
+        return
+    rank = int(value)
+    if rank != srv.config.data_parallel_rank:
+        raise SimRequestError(f"data_parallel_rank {rank} is not this engine's ({srv.config.data_parallel_rank}).")
+    srv.ranked_requests += 1
 
 
 def _parse_completion(raw: bytes, srv: SimServer) -> GenerateCall:

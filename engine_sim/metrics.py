@@ -1,6 +1,6 @@
 """GET /metrics in vLLM's names, label sets and types (compare tests/fixtures/vllm-0.32/metrics_after.txt).
 
-Every series has the labels `engine` (the engine index inside its server: "0", as vLLM with one
+Every series has the labels `engine` (the engine's data-parallel rank: "0", as vLLM with one
 engine) and `model_name`; counters come with vLLM's `_created` samples. Values are read from the
 engine at scrape time, so stepping costs nothing for metrics. Latency histograms are in simulated
 seconds (engine_sim/stats.py).
@@ -35,7 +35,7 @@ class _Collector:
         cfg = srv.config
         sched = srv.engine
         st = sched.stats
-        lv = [cfg.model, "0"]
+        lv = [cfg.model, str(cfg.data_parallel_rank)]
         created = st.created
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -111,7 +111,7 @@ def _cache_config_info(srv: SimServer) -> GaugeMetricFamily:
         vm.LABEL_BLOCK_SIZE: str(cfg.block_size),
         "cache_dtype": "auto",
         "enable_prefix_caching": "True",
-        "engine": "0",
+        "engine": str(cfg.data_parallel_rank),
         "gpu_memory_utilization": "0.9",
         "kv_cache_size_tokens": str(pool.num_blocks * cfg.block_size),
         vm.LABEL_NUM_GPU_BLOCKS: str(pool.num_blocks),

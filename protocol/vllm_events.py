@@ -55,6 +55,7 @@ __all__ = [
     "encode_batch",
     "encode_seq",
     "publisher_binds",
+    "rank_endpoint",
     "replay_reply",
     "replay_request",
 ]
@@ -289,3 +290,15 @@ def decode_replay_reply(frames: Sequence[bytes]) -> tuple[bytes | None, int, byt
 def publisher_binds(endpoint: str) -> bool:
     """vLLM's rule: the PUB binds for `*`, `::`, ipc:// and inproc:// endpoints and connects otherwise."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Where data-parallel rank `rank` of a vLLM given `endpoint` publishes (or serves replay): the
+    TCP port plus the rank, `_dp{rank}` after an inproc name; rank 0 and port 0 as given
+    (vllm.distributed.kv_events offset_endpoint_port)."""
+    if not rank:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + rank}" if port.isdigit() and int(port) else endpoint

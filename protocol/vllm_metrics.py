@@ -13,6 +13,8 @@ __all__ = [
     "KV_CACHE_USAGE_PERC",
     "LABEL_BLOCK_SIZE",
     "LABEL_CACHE_DTYPE",
+    "LABEL_ENGINE",
+    "LABEL_KV_CACHE_SIZE_TOKENS",
     "LABEL_NUM_GPU_BLOCKS",
     "NUM_PREEMPTIONS",
     "NUM_REQUESTS_RUNNING",
@@ -32,9 +34,11 @@ NUM_PREEMPTIONS = "vllm:num_preemptions"
 # An info gauge (value 1) whose labels carry the cache config; the shim reads these labels.
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 LABEL_BLOCK_SIZE = "block_size"
-LABEL_NUM_GPU_BLOCKS = "num_gpu_blocks"
+LABEL_NUM_GPU_BLOCKS = "num_gpu_blocks"  # with data parallelism, the sum over the ranks
+LABEL_KV_CACHE_SIZE_TOKENS = "kv_cache_size_tokens"  # one engine's capacity in tokens
 # The KV cache's element type: "auto" (the model's dtype) or e.g. "fp8", "fp8_e4m3", "bfloat16".
 LABEL_CACHE_DTYPE = "cache_dtype"
+LABEL_ENGINE = "engine"  # each data-parallel rank's engine index, on every vLLM metric
 # Histograms whose cumulative _count and _sum the shim forwards for the routers' timing calibration.
 ITERATION_TOKENS = "vllm:iteration_tokens_total"  # tokens per engine step (a histogram, despite _total)
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"

@@ -33,6 +33,12 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
         "the engine's own --kv-events-config JSON (vLLM or SGLang), verbatim; sets --kv-events, --kv-replay "
         "and --kv-events-topic",
     ),
+    (
+        "data_parallel_rank",
+        int,
+        "vLLM with --data-parallel-size: the one rank this shim serves (one shim per rank); the event "
+        "endpoints are offset by it as vLLM offsets them",
+    ),
     ("block_size", int, "tokens per KV block, when the engine does not report it"),
     ("kv_total_blocks", int, "KV capacity in blocks, when the engine does not report it"),
     ("max_num_batched_tokens", int, "the engine's per-step token budget (vLLM does not report it)"),

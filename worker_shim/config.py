@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from protocol import ConfigError, subjects
+from protocol.vllm_events import rank_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
 
 __all__ = ["ENGINES", "KV_EVENTS_MODES", "ROLES", "EngineKind", "KvEventsMode", "ShimConfig"]
@@ -42,6 +43,11 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_replay: the engine's replay endpoint (vLLM's `replay_endpoint`), None disables replay.
     kv_events_config: the engine's own `--kv-events-config` JSON (vLLM or SGLang), verbatim; it sets
         kv_events, kv_replay and kv_events_topic (an explicit flag that disagrees is an error).
+    data_parallel_rank: vLLM serving several data-parallel ranks behind one HTTP server: the rank
+        this shim serves. Its legs name the rank (vLLM's X-data-parallel-rank header), its load and
+        limits are that rank's (/metrics `engine` label), and its event endpoints are the engine's
+        offset by the rank, as vLLM offsets each rank's (TCP port + rank). None: the engine's only
+        rank, 0.
     block_size, kv_total_blocks, max_num_batched_tokens: from the engine when it says; a flag that
         disagrees with the engine is a startup error.
     kv_bytes_per_token: registered for the router's transfer-time estimate; None computes it from the
@@ -76,6 +82,7 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_events_topic: str = ""
     kv_replay: str | None = None
     kv_events_config: str | dict[str, Any] | None = None
+    data_parallel_rank: int | None = None
     block_size: int | None = None
     kv_total_blocks: int | None = None
     max_num_batched_tokens: int | None = None
@@ -96,9 +103,21 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     namespace: str = subjects.DEFAULT_NAMESPACE
 
     def validate(self) -> ShimConfig:
-        if self.kv_events_config is not None:
-            return self._with_kv_events_config()._validate()
-        return self._validate()
+        cfg = self._with_kv_events_config() if self.kv_events_config is not None else self
+        return cfg._validate()._with_rank_endpoints()
+
+    def _with_rank_endpoints(self) -> ShimConfig:
+        """Each data-parallel rank of vLLM publishes on its own endpoints: the configured ones
+        offset by the rank (vllm.distributed.kv_events offset_endpoint_port)."""
+        rank = self.data_parallel_rank
+        if not rank:
+            return self
+        events, replay = self.kv_events, self.kv_replay
+        return msgspec.structs.replace(
+            self,
+            kv_events=rank_endpoint(events, rank) if events else events,
+            kv_replay=rank_endpoint(replay, rank) if replay else replay,
+        )
 
     def _with_kv_events_config(self) -> ShimConfig:
         assert self.kv_events_config is not None
@@ -134,6 +153,19 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             value = getattr(self, name)
             if value is not None and not value.startswith(_ZMQ_SCHEMES):
                 raise ConfigError(name, value, "a ZMQ endpoint: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+        if self.data_parallel_rank is not None:
+            if self.engine != "vllm":
+                raise ConfigError(
+                    "data_parallel_rank",
+                    self.data_parallel_rank,
+                    f"only vLLM takes a rank per request, not {self.engine}",
+                )
+            if self.data_parallel_rank < 0:
+                raise ConfigError("data_parallel_rank", self.data_parallel_rank, "must be >= 0")
+            for name in ("kv_events", "kv_replay"):
+                value = getattr(self, name)
+                if self.data_parallel_rank and value is not None and value.startswith("ipc://"):
+                    raise ConfigError(name, value, "vLLM's data-parallel ranks publish on tcp:// or inproc:// only")
         if self.engine in ("vllm", "sglang") and self.kv_events is None:
             raise ConfigError(
                 "kv_events", None, f"engine {self.engine} publishes KV events over ZMQ: give its endpoint"

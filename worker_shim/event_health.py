@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 class EventProblem(enum.Enum):
     NO_CONNECTION = "no_connection"
     WRONG_TOPIC = "wrong_topic"
+    WRONG_RANK = "wrong_rank"
     NO_STORED = "no_stored"
 
 

@@ -12,8 +12,9 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from engine_sim import SimConfig, SimServer
+from engine_sim import KVEventsConfig, SimConfig, SimServer
 from engine_sim.lora import LoraModule, LoraRequest
+from kvswitch.servers import free_ports
 from tests.engine_sim.conftest import sim_config
 from tests.protocol.vllm_captures import fixture_json, fixture_path
 
@@ -324,3 +325,23 @@ async def test_adapters_load_and_unload_at_run_time_only_where_vllm_allows_it() 
         assert sim.loras.get("tiny-lora-3") == LoraRequest("tiny-lora-3", 3, "tiny-lora"), "ids are never reused"
         status, err, _ = await post(sim, "/v1/load_lora_adapter", {"lora_name": "x"})
         assert status == 400 and "must be provided" in err["error"]["message"]
+
+
+async def test_a_sim_as_one_data_parallel_rank_names_it_as_vllms_ranks_do() -> None:
+    """Rank 1 of a vLLM given these endpoints publishes and replays on their ports plus 1, labels
+    its metrics engine="1", and runs what names its rank (a header that is no integer is ignored)."""
+    events, replay = free_ports(2), free_ports(2)
+    given = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{events}", replay_endpoint=f"tcp://*:{replay}"
+    )
+    body = {"model": "sim-llama", "prompt": [1, 2, 3], "max_tokens": 1}
+    async with SimServer(sim_config(data_parallel_rank=1, kv_events=given)) as sim:
+        assert sim.events_endpoint == f"tcp://127.0.0.1:{events + 1}"
+        assert sim.replay_endpoint == f"tcp://127.0.0.1:{replay + 1}"
+        _, text, _ = await get(sim, "/metrics")
+        assert 'engine="1"' in text and 'engine="0"' not in text
+        status, err, _ = await post(sim, "/v1/completions", body, **{"X-data-parallel-rank": "0"})
+        assert status == 400 and "data_parallel_rank 0" in err["error"]["message"]
+        for header in ("1", "any"):
+            assert (await post(sim, "/v1/completions", body, **{"X-data-parallel-rank": header}))[0] == 200
+        assert sim.ranked_requests == 1

@@ -20,7 +20,10 @@ real nats-server and etcd. It checks, in order:
    it as `tiny-lora-2` at run time: the routers list and route it once its shim reads /v1/models
    again, and refuse it with a 404 once it is unloaded;
 7. kill_restart: SIGKILL one engine: requests keep succeeding on the other; restart it on the same
-   ports: it registers again and serves.
+   ports: it registers again and serves;
+8. data_parallel: one vLLM running two data-parallel ranks and a shim per rank
+   (`--data-parallel-rank`): each registers its rank's capacity, and each router's index of a
+   rank's worker is exactly what that rank's own events say it holds.
 
 Run with the project's venv (`.venv/bin/python tests/vllm/run.py --vllm-venv .venv-vllm`); prints one
 line per check and a JSON summary (also written to `--out`). Exit status 0 when every check passed.
@@ -102,6 +105,7 @@ class Engine:
     # one from its start when `lora_module` names it.
     lora_dir: Path | None = None
     lora_module: str | None = None
+    data_parallel_size: int = 1  # ranks behind the one API server; rank r publishes on port + r
     proc: subprocess.Popen[bytes] | None = None
     start_s: list[float] = field(default_factory=list)
 
@@ -140,6 +144,8 @@ class Engine:
             events_config(self.events, self.replay),
         ]
         env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        if self.data_parallel_size > 1:
+            cmd += ["--data-parallel-size", str(self.data_parallel_size)]
         if self.lora_dir is not None:
             cmd += ["--enable-lora", "--max-lora-rank", "8"]
             if self.lora_module is not None:
@@ -202,8 +208,11 @@ class Cluster:
         self.shims: dict[str, WorkerShim] = {}
         self.routers: list[RouterService] = []
 
-    def shim(self, engine: Engine, *, topic: str = TOPIC, events: int | None = None) -> WorkerShim:
+    def shim(
+        self, engine: Engine, *, topic: str = TOPIC, events: int | None = None, rank: int | None = None
+    ) -> WorkerShim:
         cfg = ShimConfig(
+            data_parallel_rank=rank,
             engine="vllm",
             engine_url=engine.url,
             role="agg",
@@ -411,10 +420,11 @@ def _canonical_set(batches: list[bytes]) -> tuple[set[int], int]:
     return {block_hashes(prefix[h], BLOCK)[-1] for h in refs}, removed
 
 
-async def _replay_all(engine: Engine) -> list[bytes]:
+async def _replay_all(port: int) -> list[bytes]:
+    """Every batch the engine's replay socket on `port` still holds, from seq 0."""
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.connect(f"tcp://127.0.0.1:{engine.replay}")
+    sock.connect(f"tcp://127.0.0.1:{port}")
     try:
         await sock.send_multipart(replay_request(0))
         out: list[bytes] = []
@@ -442,7 +452,7 @@ async def check_index_hashes(c: Cluster) -> dict[str, Any]:
     for engine in c.engines:
         shim = c.shims[engine.name]
         assert shim.worker_id is not None
-        batches = await _replay_all(engine)
+        batches = await _replay_all(engine.replay)
         expected, removed = _canonical_set(batches)
         xor = 0
         for h in expected:
@@ -579,6 +589,47 @@ async def check_kill_restart(c: Cluster) -> dict[str, Any]:
     }
 
 
+async def check_data_parallel(c: Cluster) -> dict[str, Any]:
+    """One vLLM server running two data-parallel ranks, a shim per rank (`--data-parallel-rank`,
+    the server's own --kv-events-config): the other workers leave first, so every request goes to
+    one of the ranks. Each rank's worker registers that rank's capacity, each request runs on the
+    rank its worker serves, and each router's index of a rank's worker is exactly what that rank's
+    own events (its replay socket, port + rank) say it holds."""
+    for engine in c.engines:
+        await c.shims.pop(engine.name).stop()
+        engine.kill()
+    dp = Engine("vllm-dp", Path(c.args.vllm_venv), Path(c.args.model_dir), Path(c.args.logs), data_parallel_size=2)
+    c.engines.append(dp)
+    dp.start()
+    await dp.ready(c.http, timeout=400)
+    shims = {rank: c.shim(dp, rank=rank) for rank in (0, 1)}
+    for rank, shim in shims.items():
+        c.shims[f"vllm-dp-{rank}"] = shim
+        await shim.start()
+        await asyncio.wait_for(shim.registered.wait(), 60)
+        assert shim.limits.kv_total_blocks == 80, f"rank {rank} registered {shim.limits.kv_total_blocks} blocks"
+    rank_of = {shim.worker_id: rank for rank, shim in shims.items()}
+    await c.until(lambda: all({w.worker for w in r.registry.workers()} == set(rank_of) for r in c.routers), 30, "ranks")
+    went = []
+    for i in range(8):
+        prompt = [4 + (i * 7919 + j * 31) % 4000 for j in range(70)]
+        status, _, headers = await c.post(
+            c.routers[i % 2].url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        )
+        assert status == 200
+        went.append(rank_of[headers["x-kvswitch-decode-worker"]])
+    for rank, shim in shims.items():
+        expected, _ = _canonical_set(await _replay_all(dp.replay + rank))
+        worker = shim.worker_id
+        assert worker is not None
+        digest = (len(expected), functools.reduce(lambda a, b: a ^ b, expected, 0))
+        for router in c.routers:
+            held = functools.partial(lambda i, w, d: i.digest(w) == d, router.index, worker, digest)
+            await c.until(held, 10, f"rank {rank}'s hashes in {router.router_id}")
+            assert set(router.index.worker_hashes(worker)) == expected
+    return {"requests_by_rank": [went.count(0), went.count(1)], "dp_start_s": dp.start_s[-1]}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     errors = ErrorLog()
@@ -621,6 +672,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await results.run("index_hashes", lambda: check_index_hashes(c))
                 await results.run("lora", lambda: check_lora(c))
                 await results.run("kill_restart", lambda: check_kill_restart(c))
+                await results.run("data_parallel", lambda: check_data_parallel(c))
             finally:
                 for router in c.routers:
                     await router.stop()

@@ -203,3 +203,39 @@ def test_a_config_file_key_no_setting_reads_is_refused(tmp_path: Path) -> None:
     add_arguments(parser)
     with pytest.raises(ConfigError, match="'modle' is not a setting; did you mean 'model'"):
         resolve_settings(parser.parse_args(["--config", str(path)]))
+
+
+@pytest.mark.parametrize(
+    ("events", "replay", "rank", "expected"),
+    [
+        ("tcp://*:5557", "tcp://*:5567", 2, ("tcp://*:5559", "tcp://*:5569")),
+        ("tcp://10.0.0.7:5557", None, 1, ("tcp://10.0.0.7:5558", None)),
+        ("inproc://cache", None, 3, ("inproc://cache_dp3", None)),
+        ("tcp://*:0", None, 1, ("tcp://*:0", None)),  # port 0: the OS picks, vLLM leaves it
+        ("tcp://*:5557", "tcp://*:5567", 0, ("tcp://*:5557", "tcp://*:5567")),
+    ],
+)
+def test_a_data_parallel_rank_offsets_the_endpoints_as_vllm_does(
+    events: str, replay: str | None, rank: int, expected: tuple[str, str | None]
+) -> None:
+    """Each rank of a vLLM given `endpoint` publishes on port + rank (vllm.distributed.kv_events)."""
+    cfg = ShimConfig(model="m", kv_events=events, kv_replay=replay, data_parallel_rank=rank).validate()
+    assert (cfg.kv_events, cfg.kv_replay) == expected
+    from_json = ShimConfig(model="m", kv_events_config=VLLM_EVENTS, data_parallel_rank=1).validate()
+    assert (from_json.kv_events, from_json.kv_replay) == ("tcp://*:5558", "tcp://*:5559")
+    assert parse("--data-parallel-rank", "2").data_parallel_rank == 2
+
+
+@pytest.mark.parametrize(
+    ("kw", "setting", "words"),
+    [
+        ({"data_parallel_rank": -1}, "data_parallel_rank", "must be >= 0"),
+        ({"engine": "sglang", "data_parallel_rank": 1}, "data_parallel_rank", "only vLLM"),
+        ({"kv_events": "ipc:///tmp/ev", "data_parallel_rank": 1}, "kv_events", "tcp:// or inproc://"),
+    ],
+)
+def test_a_data_parallel_rank_vllm_would_not_take_is_refused(kw: dict[str, object], setting: str, words: str) -> None:
+    base: dict[str, object] = {"model": "m", "kv_events": "tcp://*:5557", **kw}
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(**base).validate()  # type: ignore[arg-type]
+    assert err.value.setting == setting and words in str(err.value)

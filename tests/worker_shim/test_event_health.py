@@ -108,6 +108,30 @@ async def test_connecting_to_a_port_nobody_binds_is_reported_with_the_rule() -> 
         stand_in.close()
 
 
+async def test_another_data_parallel_ranks_events_are_reported_and_dropped() -> None:
+    """vLLM 0.32's own batches name rank 0: a shim serving rank 1 must not index them, since its
+    requests go to rank 1's cache."""
+    stand_in = StandIn("bs32", pub_binds=True)
+    stand_in.sent.extend(stand_in.frames[:3])
+    health = EventHealth(timeout_s=5)
+    batches: list[EngineBatch] = []
+    source = ZmqEventSource(
+        "vllm", stand_in.shim_endpoint, "auto", "kv-events", stand_in.replay_endpoint, "127.0.0.1",
+        health=health, rank=1,
+    )  # fmt: skip
+    replay = asyncio.create_task(stand_in.serve_replay())
+    live = asyncio.Event()
+    run = asyncio.create_task(source.run(batches.append, live))
+    try:
+        await wait_for(lambda: EventProblem.WRONG_RANK in health.problems, 5, "wrong rank reported")
+        assert "data-parallel rank 0, but this shim serves rank 1" in health.why
+        assert "--data-parallel-rank 0" in health.why
+        assert source.stats.other_rank == 3 and not [b for b in batches if b.events]
+    finally:
+        await _cancel(run, replay)
+        stand_in.close()
+
+
 async def test_the_replay_socket_names_the_engines_real_topic() -> None:
     stand_in = StandIn("bs32", pub_binds=True)
     stand_in.sent.extend(stand_in.frames[:3])  # the engine published under "kv-events" already

@@ -15,7 +15,7 @@ from tests.protocol.vllm_captures import CAPTURES, FIXTURES, expected_set, pub_f
 from worker_shim import EngineCleared, EngineRemoved, EngineStored, Normaliser
 from worker_shim.adapters.base import LegRequest
 from worker_shim.adapters.vllm import completion_body, limits_from_metrics, load_from_metrics
-from worker_shim.adapters.vllm_events import decode_payload
+from worker_shim.adapters.vllm_events import decode_payload, decode_ranked
 from worker_shim.engine_events import EventDecodeError
 
 
@@ -182,6 +182,30 @@ def test_vllms_own_lora_chains_normalise_to_chains_salted_by_the_adapters_name()
         *block_hashes(prompt, 32, salt=chain_salt("tiny-lora-2")),
     }
     assert _normalised_replay("lora_replay_from_0.jsonl") == expected and len(expected) == 8
+
+
+def test_one_data_parallel_ranks_events_are_its_own_requests() -> None:
+    """Captured from vLLM 0.32 with two ranks (tests/vllm/capture_dp.py): completions named rank 1,
+    0 and 1 with X-data-parallel-rank; rank 1's replay socket (its port offset by 1) holds exactly
+    the two of rank 1, each batch naming rank 1."""
+    lines = (FIXTURES / "bs32" / "dp2_rank1_replay_from_0.jsonl").read_text().splitlines()[1:]
+    ranks = set()
+    for line in lines:
+        _, seq, payload = decode_replay_reply([bytes.fromhex(h) for h in json.loads(line)["frames_hex"]])
+        if seq != END_SEQ:
+            ranks.add(decode_ranked(payload)[1])
+    expected = {*block_hashes(list(range(1000, 1070)), 32), *block_hashes(list(range(3000, 3070)), 32)}
+    assert ranks == {1} and _normalised_replay("dp2_rank1_replay_from_0.jsonl") == expected
+
+
+def test_one_data_parallel_ranks_load_and_limits_are_its_engines_metrics() -> None:
+    """The same run's /metrics: every series per `engine`; rank 1 prefilled two requests, rank 0 one.
+    Each rank holds 80 blocks (kv_cache_size_tokens 2,560): num_gpu_blocks says 160, the sum."""
+    text = (FIXTURES / "bs32" / "metrics_dp2.txt").read_text()
+    assert [load_from_metrics(text, rank).timing.prefill_requests for rank in (0, 1, None)] == [1, 2, 3]
+    assert [load_from_metrics(text, rank).kv_total_blocks for rank in (0, 1, None)] == [80, 80, 160]
+    assert limits_from_metrics(text, 1).kv_total_blocks == 80 and limits_from_metrics(text, 1).block_size == 32
+    assert limits_from_metrics(text, 5).block_size is None
 
 
 def test_limits_and_load_from_captured_metrics() -> None:

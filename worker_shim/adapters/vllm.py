@@ -14,6 +14,8 @@
 - P/D as vLLM's NixlConnector expects from its proxy: the prefill leg sends `kv_transfer_params
   {do_remote_decode: true, do_remote_prefill: false, remote_*: null}`, `max_tokens 1`, non-streaming,
   and returns the response's `kv_transfer_params`; the decode leg sends those params back unchanged.
+  With --data-parallel-rank, every leg names that rank (`X-data-parallel-rank`: vLLM's API server
+  sends it to that rank's engine) and load and limits are that rank's (`engine` label).
   X-Request-Id is the leg's engine id on both legs (the client's own X-Request-Id or body
   `request_id`, else the router's request id), so the engines' logs line up and the answer is named
   as the client would get it from vLLM directly.
@@ -32,7 +34,7 @@ from typing import Any, ClassVar
 import aiohttp
 import msgspec
 
-from protocol import SamplingParams
+from protocol import ConfigError, SamplingParams
 from protocol import vllm_metrics as vm
 from protocol.fingerprint import PROBE_MESSAGES, PROBE_TEXT, fingerprint
 from protocol.messages import ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
@@ -94,24 +96,42 @@ def _cache_label(samples: list[Sample], label: str) -> str | None:
     return None
 
 
-def limits_from_metrics(text: str) -> EngineLimits:
+def _samples(text: str, rank: int | None) -> list[Sample]:
+    """The samples of `rank`'s engine (vLLM labels each data-parallel rank's `engine`), or all."""
+    samples = parse_samples(text, _METRICS)
+    if rank is None:
+        return list(samples)
+    engine = str(rank)
+    return [s for s in samples if s[1].get(vm.LABEL_ENGINE) == engine]
+
+
+def _kv_blocks(samples: list[Sample], rank: int | None) -> int | None:
+    """KV capacity in blocks. vLLM's num_gpu_blocks label is the sum over its data-parallel ranks
+    (core_client sums the engines'), kv_cache_size_tokens one engine's: a rank's is the latter."""
+    tokens, block = _cache_config(samples, vm.LABEL_KV_CACHE_SIZE_TOKENS), _cache_config(samples, vm.LABEL_BLOCK_SIZE)
+    if rank is not None and tokens and block:
+        return tokens // block
+    return _cache_config(samples, vm.LABEL_NUM_GPU_BLOCKS)
+
+
+def limits_from_metrics(text: str, rank: int | None = None) -> EngineLimits:
     """What vLLM reports of its limits: block size, KV blocks and the cache dtype; it does not
-    report max_num_batched_tokens."""
-    samples = list(parse_samples(text, _METRICS))
+    report max_num_batched_tokens. `rank`: one data-parallel rank's, else every rank's."""
+    samples = _samples(text, rank)
     return EngineLimits(
         block_size=_cache_config(samples, vm.LABEL_BLOCK_SIZE),
-        kv_total_blocks=_cache_config(samples, vm.LABEL_NUM_GPU_BLOCKS),
+        kv_total_blocks=_kv_blocks(samples, rank),
         cache_dtype=_cache_label(samples, vm.LABEL_CACHE_DTYPE),
     )
 
 
-def load_from_metrics(text: str) -> EngineLoad:
-    samples = list(parse_samples(text, _METRICS))
+def load_from_metrics(text: str, rank: int | None = None) -> EngineLoad:
+    samples = _samples(text, rank)
     return EngineLoad(
         running=int(sum_samples(samples, vm.NUM_REQUESTS_RUNNING) or 0),
         waiting=int(sum_samples(samples, vm.NUM_REQUESTS_WAITING) or 0),
         kv_usage=mean_samples(samples, vm.KV_CACHE_USAGE_PERC),
-        kv_total_blocks=_cache_config(samples, vm.LABEL_NUM_GPU_BLOCKS),
+        kv_total_blocks=_kv_blocks(samples, rank),
         num_preemptions=int(sum_samples(samples, _PREEMPTIONS) or 0),
         timing=_timing(samples),
     )
@@ -180,13 +200,21 @@ class VllmAdapter(ZmqEventsAdapter):
     kind: ClassVar[str] = "vllm"
     requires_served_model: ClassVar[bool] = True
     serves_adapters_by_name: ClassVar[bool] = True
+    checks_rank: ClassVar[bool] = True
     utility_paths: ClassVar[Mapping[str, str]] = {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}
 
     async def limits(self) -> EngineLimits:
-        return limits_from_metrics((await self.fetch("/metrics")).decode())
+        text = (await self.fetch("/metrics")).decode()
+        rank = self.config.data_parallel_rank
+        ranks = sorted({s[1].get(vm.LABEL_ENGINE, "") for s in parse_samples(text, _METRICS)} - {""})
+        if rank is not None and ranks and str(rank) not in ranks:
+            raise ConfigError(
+                "data_parallel_rank", rank, f"the engine at {self.base} runs data-parallel ranks {', '.join(ranks)}"
+            )
+        return limits_from_metrics(text, rank)
 
     async def load(self) -> EngineLoad:
-        return load_from_metrics((await self.fetch("/metrics")).decode())
+        return load_from_metrics((await self.fetch("/metrics")).decode(), self.config.data_parallel_rank)
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         url = self.base + "/tokenize"
@@ -215,6 +243,8 @@ class VllmAdapter(ZmqEventsAdapter):
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}
+        if self.config.data_parallel_rank is not None:
+            headers["X-data-parallel-rank"] = str(self.config.data_parallel_rank)
         path, body = engine_body(leg)
         result = await post_completion(
             self.session, self.base + path, body, headers, on_output, pass_through=bool(leg.endpoint)

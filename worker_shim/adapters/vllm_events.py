@@ -13,7 +13,7 @@ from protocol.hashing import chain_salt
 from protocol.vllm_events import BlockRemoved, BlockStored, KVEvent, decode_batch
 from worker_shim.engine_events import EngineCleared, EngineEvent, EngineRemoved, EngineStored, EventDecodeError
 
-__all__ = ["decode_payload", "to_engine_event"]
+__all__ = ["decode_payload", "decode_ranked", "to_engine_event"]
 
 
 def to_engine_event(event: KVEvent) -> EngineEvent:
@@ -47,8 +47,14 @@ def _cache_salt(event: BlockStored) -> str:
 
 def decode_payload(payload: bytes, engine: str = "vllm") -> list[EngineEvent]:
     """One batch payload to engine events; raises EventDecodeError (naming `engine`) if malformed."""
+    return decode_ranked(payload, engine)[0]
+
+
+def decode_ranked(payload: bytes, engine: str = "vllm") -> tuple[list[EngineEvent], int | None]:
+    """One batch payload to engine events and the data-parallel rank that published it (None: an
+    older engine's batch, which names none)."""
     try:
         batch = decode_batch(payload)
     except ProtocolError as exc:
         raise EventDecodeError(engine, exc.detail) from exc
-    return [to_engine_event(e) for e in batch.events]
+    return [to_engine_event(e) for e in batch.events], batch.data_parallel_rank

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import zmq
 import zmq.asyncio
@@ -38,7 +39,7 @@ from zmq.utils.monitor import parse_monitor_message
 from protocol.errors import ProtocolError
 from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply, publisher_binds, replay_request
 from worker_shim.adapters.http_engine import HttpEngineAdapter
-from worker_shim.adapters.vllm_events import decode_payload
+from worker_shim.adapters.vllm_events import decode_ranked
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineEvent
 from worker_shim.event_health import EventHealth, EventProblem
@@ -71,6 +72,7 @@ class ZmqEventStats:
     messages: int = 0
     malformed: int = 0
     other_topic: int = 0
+    other_rank: int = 0  # batches of another data-parallel rank, dropped
     gaps: int = 0
     replays: int = 0
     replay_failures: int = 0
@@ -93,8 +95,12 @@ class ZmqEventSource:
         *,
         health: EventHealth | None = None,
         stats: ZmqEventStats | None = None,
+        rank: int | None = None,
     ) -> None:
+        """`rank`: the data-parallel rank whose events these must be (vLLM's batches name it); None
+        checks nothing."""
         self.engine = engine
+        self.rank = rank
         self.endpoint = endpoint
         self.mode = mode
         self.address, self.bind = resolve_endpoint(endpoint, mode, engine_host)
@@ -295,9 +301,13 @@ class ZmqEventSource:
         self._last = seq
         events: list[EngineEvent] = []
         try:
-            events = decode_payload(payload, self.engine)
+            events, rank = decode_ranked(payload, self.engine)
         except ProtocolError as exc:
             self._malformed(exc)
+        else:
+            if self.rank is not None and rank is not None and rank != self.rank:
+                self._wrong_rank(rank)
+                events = []
         if events or reset:
             sink(EngineBatch(events=events, reset=reset, complete=complete, live=live))
 
@@ -320,6 +330,15 @@ class ZmqEventSource:
             f"the engine publishes KV events under topic {real!r} (its replay socket shows it) but the shim "
             f"subscribes to {ours!r}, and the live socket filters by topic, so it delivers nothing: set "
             f"--kv-events-topic {real} (the topic of the engine's --kv-events-config)",
+        )
+
+    def _wrong_rank(self, rank: int) -> None:
+        self.stats.other_rank += 1
+        self.health.problem(
+            EventProblem.WRONG_RANK,
+            f"the KV events on {self.endpoint} come from data-parallel rank {rank}, but this shim serves rank "
+            f"{self.rank}, whose requests go to another rank's cache: give --data-parallel-rank {rank}, or the "
+            "endpoint the engine was given (the shim offsets it by its rank, as vLLM does)",
         )
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
@@ -361,6 +380,10 @@ class ZmqEventsAdapter(HttpEngineAdapter):
     """An HTTP-served engine whose KV events come over ZMQ (vLLM, SGLang): one ZmqEventSource per
     `run_events` call, on the endpoints the shim was given (validated by ShimConfig)."""
 
+    # vLLM's batches name the data-parallel rank that published them; SGLang's dp attention ranks
+    # are not vLLM's, so only vLLM's adapter checks them.
+    checks_rank: ClassVar[bool] = False
+
     def __init__(self, config: ShimConfig) -> None:
         super().__init__(config)
         self._events: ZmqEventSource | None = None
@@ -378,6 +401,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
             c.engine_host,
             health=self.event_health,
             stats=self.stats,
+            rank=(c.data_parallel_rank or 0) if self.checks_rank else None,
         )
         await self._events.run(sink, live)
 

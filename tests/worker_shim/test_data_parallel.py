@@ -1,0 +1,61 @@
+"""A shim serving one data-parallel rank of a vLLM (`--data-parallel-rank`) against a sim running
+as that rank: the rank's offset event endpoints, its share of /metrics, and its rank on every leg."""
+
+from __future__ import annotations
+
+from engine_sim.config import KVEventsConfig
+from engine_sim.server import SimServer
+from kvswitch.servers import free_ports
+from protocol import ConfigError, subjects
+from tests.worker_shim.cluster import connect, engine_set, shim_for, sim_config, wait_for
+from tests.worker_shim.test_request_service import Collector, gen
+
+
+def rank_one_sim() -> tuple[SimServer, str, str]:
+    """A sim as rank 1 of a vLLM given these endpoints: it publishes on events + 1 (its PUB
+    connects, as vLLM's does to an address without `*`) and serves replay on replay + 1."""
+    events, replay = free_ports(2), free_ports(2)
+    given = (f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=given[0], replay_endpoint=given[1], topic="kv-events"
+    )
+    return SimServer(sim_config(data_parallel_rank=1, kv_events=config)), *given
+
+
+async def test_a_shim_serves_its_rank_from_the_endpoints_the_engine_was_given(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    sim, events, replay = rank_one_sim()
+    async with sim:
+        shim = shim_for(
+            sim, ns, nats_url, etcd_url, kv_events=events, kv_replay=replay, kv_events_mode="auto",
+            kv_events_topic="kv-events", data_parallel_rank=1,
+        )  # fmt: skip
+        async with shim:
+            await shim.registered.wait()
+            assert shim.worker_id is not None and shim.limits.kv_total_blocks == 256, "rank 1's /metrics"
+            nc = await connect(nats_url)
+            try:
+                col = Collector(nc)
+                await col.start()
+                await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("r1", list(range(100, 300))))
+                final = await col.final("r1")
+            finally:
+                await nc.close()
+            assert final.error is None and sim.ranked_requests == 1, "the leg named the rank"
+            await wait_for(lambda: shim.canonical_hashes() == engine_set(sim) != set(), 5, "rank 1's events indexed")
+
+
+async def test_a_rank_the_engine_does_not_run_is_a_startup_error_naming_its_ranks(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    sim, events, replay = rank_one_sim()
+    async with sim:
+        shim = shim_for(
+            sim, ns, nats_url, etcd_url, kv_events=events, kv_replay=replay, kv_events_mode="auto",
+            kv_events_topic="kv-events", data_parallel_rank=3,
+        )  # fmt: skip
+        async with shim:
+            await shim.done.wait()
+            assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "data_parallel_rank"
+            assert "runs data-parallel ranks 1" in str(shim.failure)
