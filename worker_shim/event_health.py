@@ -81,7 +81,7 @@ class EventHealth:
         self.live_batches += 1
         if stored:
             self.live_stored += 1
-        self.resolved(EventProblem.NO_STORED, EventProblem.WRONG_TOPIC)
+        self.resolved(EventProblem.NO_STORED, EventProblem.WRONG_TOPIC, EventProblem.WRONG_RANK)
 
     def expect_stored(self, block_hash: int, request_id: str, blocks: int) -> None:
         """A request was served whose prompt had `blocks` full uncached blocks, the last `block_hash`."""
