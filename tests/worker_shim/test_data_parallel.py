@@ -3,6 +3,8 @@ as that rank: the rank's offset event endpoints, its share of /metrics, and its 
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine_sim.config import KVEventsConfig
 from engine_sim.server import SimServer
 from kvswitch.servers import free_ports
@@ -11,26 +13,24 @@ from tests.worker_shim.cluster import connect, engine_set, shim_for, sim_config,
 from tests.worker_shim.test_request_service import Collector, gen
 
 
-def rank_one_sim() -> tuple[SimServer, str, str]:
+def rank_one_sim() -> tuple[SimServer, dict[str, Any]]:
     """A sim as rank 1 of a vLLM given these endpoints: it publishes on events + 1 (its PUB
-    connects, as vLLM's does to an address without `*`) and serves replay on replay + 1."""
-    events, replay = free_ports(2), free_ports(2)
-    given = (f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
+    connects, as vLLM's does to an address without `*`) and serves replay on replay + 1; and the
+    shim settings that name the endpoints as the engine was given them."""
+    events, replay = f"tcp://127.0.0.1:{free_ports(2)}", f"tcp://127.0.0.1:{free_ports(2)}"
     config = KVEventsConfig(
-        enable_kv_cache_events=True, publisher="zmq", endpoint=given[0], replay_endpoint=given[1], topic="kv-events"
+        enable_kv_cache_events=True, publisher="zmq", endpoint=events, replay_endpoint=replay, topic="kv-events"
     )
-    return SimServer(sim_config(data_parallel_rank=1, kv_events=config)), *given
+    shim = {"kv_events": events, "kv_replay": replay, "kv_events_mode": "auto", "kv_events_topic": "kv-events"}
+    return SimServer(sim_config(data_parallel_rank=1, kv_events=config)), shim
 
 
 async def test_a_shim_serves_its_rank_from_the_endpoints_the_engine_was_given(
     ns: str, nats_url: str, etcd_url: str
 ) -> None:
-    sim, events, replay = rank_one_sim()
+    sim, given = rank_one_sim()
     async with sim:
-        shim = shim_for(
-            sim, ns, nats_url, etcd_url, kv_events=events, kv_replay=replay, kv_events_mode="auto",
-            kv_events_topic="kv-events", data_parallel_rank=1,
-        )  # fmt: skip
+        shim = shim_for(sim, ns, nats_url, etcd_url, data_parallel_rank=1, **given)
         async with shim:
             await shim.registered.wait()
             assert shim.worker_id is not None and shim.limits.kv_total_blocks == 256, "rank 1's /metrics"
@@ -49,12 +49,9 @@ async def test_a_shim_serves_its_rank_from_the_endpoints_the_engine_was_given(
 async def test_a_rank_the_engine_does_not_run_is_a_startup_error_naming_its_ranks(
     ns: str, nats_url: str, etcd_url: str
 ) -> None:
-    sim, events, replay = rank_one_sim()
+    sim, given = rank_one_sim()
     async with sim:
-        shim = shim_for(
-            sim, ns, nats_url, etcd_url, kv_events=events, kv_replay=replay, kv_events_mode="auto",
-            kv_events_topic="kv-events", data_parallel_rank=3,
-        )  # fmt: skip
+        shim = shim_for(sim, ns, nats_url, etcd_url, data_parallel_rank=3, **given)
         async with shim:
             await shim.done.wait()
             assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "data_parallel_rank"
