@@ -8,7 +8,7 @@ with. NATS payloads are msgpack (`encode_msg`/`decode_msg`); etcd values are JSO
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from typing import Any, Literal, NewType, TypeVar
 
 import msgspec
@@ -365,10 +365,9 @@ class WorkerInfo(_Msg, kw_only=True):
     adapters: list[str] = []
 
 
-def serving(infos: Iterable[WorkerInfo], name: str) -> list[WorkerInfo]:
+def serving(infos: Collection[WorkerInfo], name: str) -> list[WorkerInfo]:
     """The workers a request naming `name` runs on: those of model `name`, else those serving a LoRA
     adapter of that name (a model's name wins over an adapter's)."""
-    infos = list(infos)
     return [i for i in infos if i.model == name] or [i for i in infos if name in i.adapters]
 
 

@@ -15,8 +15,8 @@ with a `final` chunk or an `error` one.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
   or answers 404 (an adapter unloaded there) before the first token is retried once on the
-  next-best worker (a new plan, booked by the
-  planner); after the first token the error goes to the client.
+  next-best worker (a new plan, booked by the planner); after the first token the error goes to
+  the client.
 - liveness: every leg asks for a heartbeat every `stream_heartbeat_s`; a leg silent for three of them
   ends (its worker is reported unreachable), so a killed worker costs a stream at most 3x that.
   A leg that finds no responder reports its worker unreachable at once.

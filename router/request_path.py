@@ -62,7 +62,7 @@ class RequestPath:
         name = model or self.default_model
         if name is None:
             raise Unknown(400, "'model' is required")
-        base = name if name in self.models() else self.adapters().get(name)
+        base = name if name in self.models() else self.adapters().get(name)  # an adapter's model
         if self.default_model is not None and base != self.default_model:
             raise Unknown(
                 404,

@@ -252,8 +252,8 @@ class _Leg:
 class RequestService:
     """Runs legs against one adapter; serves every worker id it is subscribed under.
 
-    `on_served(request_id, token_ids, salt, usage)` is called after each leg that prefilled its prompt locally and
-    ended well (the shim checks that the engine's KV events followed).
+    `on_served(request_id, token_ids, salt, usage)` is called after each leg that prefilled its
+    prompt locally and ended well (the shim checks that the engine's KV events followed).
     """
 
     def __init__(
@@ -337,9 +337,9 @@ class RequestService:
         if isinstance(leg, ErrorInfo):
             await writer.final(error=leg)
             return
-        queued = (
-            0 if leg.transfer is not None else len(req.token_ids) - self.cached_tokens(req.token_ids, self._salt(req))
-        )
+        queued = 0  # a transferred prompt costs this engine no prefill
+        if leg.transfer is None:
+            queued = len(req.token_ids) - self.cached_tokens(req.token_ids, self._salt(req))
         state = _Leg(req.request_id, max(queued, 0), writer)
         self.inflight[req.request_id] = state
         self._queued += state.queued_tokens

@@ -206,11 +206,11 @@ class VllmAdapter(ZmqEventsAdapter):
     async def limits(self) -> EngineLimits:
         text = (await self.fetch("/metrics")).decode()
         rank = self.config.data_parallel_rank
-        ranks = sorted({s[1].get(vm.LABEL_ENGINE, "") for s in parse_samples(text, _METRICS)} - {""})
-        if rank is not None and ranks and str(rank) not in ranks:
-            raise ConfigError(
-                "data_parallel_rank", rank, f"the engine at {self.base} runs data-parallel ranks {', '.join(ranks)}"
-            )
+        if rank is not None:
+            ranks = sorted({s[1].get(vm.LABEL_ENGINE, "") for s in parse_samples(text, _METRICS)} - {""})
+            if ranks and str(rank) not in ranks:
+                why = f"the engine at {self.base} runs data-parallel ranks {', '.join(ranks)}"
+                raise ConfigError("data_parallel_rank", rank, why)
         return limits_from_metrics(text, rank)
 
     async def load(self) -> EngineLoad:
