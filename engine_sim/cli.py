@@ -87,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    default=None, help="KV blocks (default: what one H200 holds for the profile's model)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=pos_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=pos_int, default=8192)
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cache and reuse prompt prefixes, reporting them as KV events (as vLLM; on by default)",
+    )
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens on a prefix-cache hit (as vLLM)")  # fmt: skip
     g.add_argument(
@@ -145,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         drop_event_fraction=args.drop_event_fraction,
         restart_after_crash_s=args.restart_after_crash_s,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_prefix_caching=args.enable_prefix_caching,
         lora_modules=tuple(args.lora_modules),
         runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),
     ).validate()

@@ -101,6 +101,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     restart_after_crash_s: come back this long after a crash (a supervisor restarting vLLM); None
         stays down.
     enable_prompt_tokens_details: vLLM's flag: usage.prompt_tokens_details.cached_tokens on a hit.
+    enable_prefix_caching: vLLM's flag (on by default): off, no block is cached, hit or reported.
     lora_modules: LoRA adapters served next to `model` (engine_sim/lora.py); a request may name
         any of them.
     runtime_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM:
@@ -129,6 +130,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     restart_after_crash_s: float | None = None
     data_parallel_rank: int = 0
     enable_prompt_tokens_details: bool = False
+    enable_prefix_caching: bool = True
     lora_modules: tuple[LoraModule, ...] = ()
     runtime_lora_updating: bool = False
 

@@ -110,7 +110,7 @@ def _cache_config_info(srv: SimServer) -> GaugeMetricFamily:
     labels = {
         vm.LABEL_BLOCK_SIZE: str(cfg.block_size),
         "cache_dtype": "auto",
-        "enable_prefix_caching": "True",
+        "enable_prefix_caching": str(cfg.enable_prefix_caching),
         "engine": str(cfg.data_parallel_rank),
         "gpu_memory_utilization": "0.9",
         "kv_cache_size_tokens": str(pool.num_blocks * cfg.block_size),

@@ -78,8 +78,11 @@ class Scheduler:
         emit_events: bool = True,
         engine_id: str = "sim",
         hash_seed: str | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.block_size = block_size
+        # Off (vLLM's --no-enable-prefix-caching): no block is hashed, cached or reported, no hit.
+        self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -280,7 +283,7 @@ class Scheduler:
                 skipped.append(waiting.popleft())
                 continue
             fresh = req.num_computed_tokens == 0
-            use_cache = fresh and not req.skip_prefix_cache
+            use_cache = fresh and not req.skip_prefix_cache and self.enable_prefix_caching
             hits = self.pool.longest_hit(req.chain, (req.num_tokens - 1) // self.block_size) if use_cache else []
             hit_tokens = len(hits) * self.block_size
             n = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
@@ -307,7 +310,7 @@ class Scheduler:
 
     def _start_remote_load(self, req: SimRequest, result: StepResult) -> bool:
         bs = self.block_size
-        hits = self.pool.longest_hit(req.chain, (req.num_prompt_tokens - 1) // bs)
+        hits = self.pool.longest_hit(req.chain, (req.num_prompt_tokens - 1) // bs) if self.enable_prefix_caching else []
         hit_tokens = len(hits) * bs
         if not self._allocate(req, req.num_prompt_tokens - hit_tokens, hits, cache=False):
             return False
@@ -339,6 +342,8 @@ class Scheduler:
         return True
 
     def _cache_full(self, req: SimRequest, num_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return
         req.extend_chain(self.block_size, self._chains(req))
         full = min(num_tokens // self.block_size, len(req.chain), len(req.blocks))
         if full > req.num_cached_blocks:

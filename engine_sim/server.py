@@ -160,6 +160,7 @@ class SimServer:
             timing=self.timing,
             emit_events=self._events_cfg.active,
             engine_id=str(uuid.uuid4()),
+            enable_prefix_caching=cfg.enable_prefix_caching,
         )
         publisher: ZmqEventPublisher | NullEventPublisher
         if self._events_cfg.active:

@@ -363,6 +363,9 @@ class WorkerInfo(_Msg, kw_only=True):
     # The LoRA adapters the engine serves on `model` (its /v1/models cards whose parent is `model`),
     # sorted: a request naming one runs here, and its KV blocks are salted by the adapter's name.
     adapters: list[str] = []
+    # False when the engine runs without prefix caching (vLLM --no-enable-prefix-caching): it caches
+    # no prompt, so a prefix routed there is no prefix it will hold.
+    prefix_caching: bool = True
 
 
 def serving(infos: Collection[WorkerInfo], name: str) -> list[WorkerInfo]:

@@ -13,6 +13,7 @@ __all__ = [
     "KV_CACHE_USAGE_PERC",
     "LABEL_BLOCK_SIZE",
     "LABEL_CACHE_DTYPE",
+    "LABEL_ENABLE_PREFIX_CACHING",
     "LABEL_ENGINE",
     "LABEL_KV_CACHE_SIZE_TOKENS",
     "LABEL_NUM_GPU_BLOCKS",
@@ -38,6 +39,7 @@ LABEL_NUM_GPU_BLOCKS = "num_gpu_blocks"  # with data parallelism, the sum over t
 LABEL_KV_CACHE_SIZE_TOKENS = "kv_cache_size_tokens"  # one engine's capacity in tokens
 # The KV cache's element type: "auto" (the model's dtype) or e.g. "fp8", "fp8_e4m3", "bfloat16".
 LABEL_CACHE_DTYPE = "cache_dtype"
+LABEL_ENABLE_PREFIX_CACHING = "enable_prefix_caching"  # "False" under --no-enable-prefix-caching
 LABEL_ENGINE = "engine"  # each data-parallel rank's engine index, on every vLLM metric
 # Histograms whose cumulative _count and _sum the shim forwards for the routers' timing calibration.
 ITERATION_TOKENS = "vllm:iteration_tokens_total"  # tokens per engine step (a histogram, despite _total)

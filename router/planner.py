@@ -182,7 +182,7 @@ class Planner:
             if not status.routable and not status.soft:
                 excluded.append(status.explain())
                 continue
-            indexed, routed = overlap.get(w, 0), pending.get(w, 0)
+            indexed, routed = overlap.get(w, 0), pending.get(w, 0) if info.prefix_caching else 0
             c = Candidate.of(info, max(indexed, routed), self.view.load(w))
             c.pending_blocks = max(routed - indexed, 0)
             if self.calibration is not None:

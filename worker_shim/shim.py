@@ -291,7 +291,16 @@ class WorkerShim:
             ),
             cache_dtype=eng.cache_dtype,
             max_model_len=await self._served_model_len(),
+            prefix_caching=eng.prefix_caching,
         )
+        if eng.prefix_caching is False:
+            self._say_once(
+                logging.WARNING,
+                "the %s engine at %s runs without prefix caching (vLLM: --no-enable-prefix-caching): it reuses "
+                "no cached prompt and publishes no KV events, so routers route to this worker by load alone",
+                c.engine,
+                c.engine_url,
+            )
         if limits.block_size is None:
             raise ConfigError("block_size", None, f"the {c.engine} engine does not report it: give --block-size")
         for name, flag in (
@@ -410,6 +419,7 @@ class WorkerShim:
             shim_url=self.http.url,
             max_model_len=lim.max_model_len,
             adapters=self.adapters,
+            prefix_caching=lim.prefix_caching is not False,
         )
 
     # --- engine events ------------------------------------------------------------------------------
@@ -438,7 +448,7 @@ class WorkerShim:
 
     def _on_served(self, request_id: str, token_ids: list[int], salt: str, usage: Usage) -> None:
         bs = self.limits.block_size
-        if not bs:
+        if not bs or self.limits.prefix_caching is False:  # no Stored event is due
             return
         full = len(token_ids) // bs
         uncached = full - usage.cached_tokens // bs

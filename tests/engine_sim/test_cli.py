@@ -11,9 +11,11 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import aiohttp
+import msgspec
 import pytest
 
-from engine_sim import KVEventsConfig, SimConfig, SimFleet, fleet_config
+from engine_sim import KVEventsConfig, SimConfig, SimFleet, SimServer, fleet_config
 from engine_sim.cli import add_arguments, config_from_args, run
 from engine_sim.lora import LoraModule
 
@@ -61,6 +63,20 @@ def test_bad_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys: 
     assert needle in err
     if argv[0] in ("--profile", "--role", "--event-form"):
         assert "choose from" in err
+
+
+async def test_prefix_caching_is_on_unless_turned_off_as_vllm_does() -> None:
+    assert config_from_args(parse()).enable_prefix_caching
+    cfg = config_from_args(parse("--no-enable-prefix-caching"))
+    assert not cfg.enable_prefix_caching
+    body = {"model": "sim-llama", "prompt": list(range(100)), "max_tokens": 1}
+    async with SimServer(msgspec.structs.replace(cfg, port=0, num_gpu_blocks=64)) as sim, aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(sim.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+        async with s.get(sim.url + "/metrics") as r:
+            assert 'enable_prefix_caching="False"' in await r.text()
+    assert sim.engine.stats.prefix_cache_hits == 0 and not sim.engine.pool.cached_blocks()
 
 
 def test_lora_modules_as_vllm_takes_them() -> None:

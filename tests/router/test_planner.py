@@ -205,6 +205,13 @@ def test_without_pending_prefixes_the_same_follow_ups_spread() -> None:
     assert len(chosen) == 4, chosen
 
 
+def test_workers_without_prefix_caching_get_no_pending_credit_so_the_follow_ups_spread() -> None:
+    """An engine without prefix caching will hold no prefix routed to it: sticking to it would only
+    pile the prefix's requests on one worker."""
+    chosen = _follow_ups(Fleet(*(winfo(f"d{i}", prefix_caching=False) for i in range(4))), 8)
+    assert len(chosen) == 4, chosen
+
+
 def test_an_unconfirmed_pending_prefix_expires() -> None:
     f = Fleet(winfo("d1"), winfo("d2"), pending_ttl_s=5.0)
     prompt = list(range(2048))

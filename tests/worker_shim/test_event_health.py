@@ -218,3 +218,29 @@ async def test_a_wrong_topic_is_reported_within_ten_seconds_naming_the_real_one(
         # once r1's batches are out, or r1's missing Stored; the latter's naming of the request is
         # EventHealth's own test above.
         assert "'kv-events'" in said and "--kv-events-topic kv-events" in said
+
+
+async def test_an_engine_without_prefix_caching_is_said_once_not_taken_for_lost_events(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM with --no-enable-prefix-caching publishes no KV events at all (checked on 0.32): the
+    shim says so at startup and registers the worker as one that caches nothing, and a served
+    request that stores nothing is no sign of lost events."""
+    async with SimServer(sim_config(enable_prefix_caching=False)) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, events_timeout_s=0.3)
+        async with shim:
+            await shim.registered.wait()
+            assert shim.worker_id is not None
+            info = await _worker_info(etcd_url, ns, shim.worker_id)
+            assert info is not None and info.prefix_caching is False and info.events_ok
+            nc = await connect(nats_url)
+            col = Collector(nc)
+            await col.start()
+            for rid in ("r1", "r2"):
+                await col.send(subjects.gen(ns, "agg", shim.worker_id), gen(rid, list(range(1, 65)), max_tokens=2))
+                assert (await col.final(rid)).error is None
+            await nc.close()
+            await asyncio.sleep(0.6)  # twice the events timeout
+            assert shim.events.ok and shim.canonical_hashes() == set() and sim.engine.stats.prefix_cache_hits == 0
+        said = [r.getMessage() for r in caplog.records if "without prefix caching" in r.getMessage()]
+        assert len(said) == 1 and r"--no-enable-prefix-caching" in said[0]

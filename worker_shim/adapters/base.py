@@ -81,6 +81,7 @@ class EngineLimits:
     max_num_batched_tokens: int | None = None
     cache_dtype: str | None = None
     max_model_len: int | None = None
+    prefix_caching: bool | None = None  # None: the engine does not say
 
 
 @dataclass(slots=True, frozen=True)

@@ -115,13 +115,14 @@ def _kv_blocks(samples: list[Sample], rank: int | None) -> int | None:
 
 
 def limits_from_metrics(text: str, rank: int | None = None) -> EngineLimits:
-    """What vLLM reports of its limits: block size, KV blocks and the cache dtype; it does not
-    report max_num_batched_tokens. `rank`: one data-parallel rank's, else every rank's."""
+    """What vLLM reports of its limits: block size, KV blocks, the cache dtype and whether prefix
+    caching is on; it does not report max_num_batched_tokens. `rank`: one data-parallel rank's, else every rank's."""
     samples = _samples(text, rank)
     return EngineLimits(
         block_size=_cache_config(samples, vm.LABEL_BLOCK_SIZE),
         kv_total_blocks=_kv_blocks(samples, rank),
         cache_dtype=_cache_label(samples, vm.LABEL_CACHE_DTYPE),
+        prefix_caching={"True": True, "False": False}.get(_cache_label(samples, vm.LABEL_ENABLE_PREFIX_CACHING) or ""),
     )
 
 
