@@ -34,7 +34,6 @@ from protocol.vllm_events import (
     encode_batch,
     encode_seq,
     publisher_binds,
-    rank_endpoint,
     replay_reply,
 )
 
@@ -129,8 +128,7 @@ class ZmqEventPublisher:
         pub: zmq.Socket[bytes] = zmq.Context.shadow(actx.underlying).socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         pub.setsockopt(zmq.LINGER, 0)
-        # Each data-parallel rank publishes on its own endpoints, as vLLM's do.
-        ep = rank_endpoint(self.config.endpoint, self.data_parallel_rank)
+        ep = self.config.endpoint
         if publisher_binds(ep):
             await _bind_retrying(pub, ep)
             self._endpoint = _subscriber_address(pub.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -141,7 +139,7 @@ class ZmqEventPublisher:
         if self.config.replay_endpoint:
             router = actx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            await _bind_retrying(router, rank_endpoint(self.config.replay_endpoint, self.data_parallel_rank))
+            await _bind_retrying(router, self.config.replay_endpoint)
             self._replay_endpoint = _subscriber_address(router.getsockopt_string(zmq.LAST_ENDPOINT))
             self._router = router
             self._replay_task = asyncio.create_task(self._serve_replay(router), name="kv-replay")

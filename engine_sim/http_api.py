@@ -1,7 +1,8 @@
 """The HTTP API, as vLLM's OpenAI server answers it (routes, status codes, bodies, SSE framing).
 
 vLLM routes: POST /v1/completions, POST /v1/chat/completions (engine_sim/generate_api.py),
-GET /v1/models, GET /health, GET /metrics, POST /reset_prefix_cache, GET /version, POST /tokenize,
+GET /v1/models, GET /health, GET /metrics, POST /reset_prefix_cache, GET /version, GET /kv_event_sources
+(each data-parallel rank's KV events config; this engine's one rank), POST /tokenize,
 POST /detokenize; with `runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), POST
 /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
@@ -126,6 +127,10 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def kv_event_sources(request: web.Request) -> web.Response:
+    return json_response(request.app[SERVER_KEY].event_sources())
+
+
 async def version(request: web.Request) -> web.Response:
     return json_response({"version": fmt.VLLM_VERSION})
 
@@ -216,6 +221,7 @@ def build_app(server: SimServer) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
+    app.router.add_get("/kv_event_sources", kv_event_sources)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/tokenize", tokenize)

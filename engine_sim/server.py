@@ -42,6 +42,7 @@ from engine_sim.runner import EngineRunner
 from engine_sim.sampler import word_ids
 from engine_sim.scheduler import Scheduler
 from protocol.timing import TimingModel
+from protocol.vllm_events import rank_endpoint
 
 __all__ = ["ServerStatus", "SimServer"]
 
@@ -87,7 +88,13 @@ class SimServer:
         self._publisher: ZmqEventPublisher | NullEventPublisher | None = None
         self._http: web.AppRunner | None = None
         self._port: int | None = cfg.port or None
-        self._events_cfg = cfg.kv_events
+        # Each data-parallel rank publishes and replays on the configured endpoints offset by its
+        # rank, as vLLM's do (and lists them so on /kv_event_sources).
+        ev, rank = cfg.kv_events, cfg.data_parallel_rank
+        replay = rank_endpoint(ev.replay_endpoint, rank) if ev.replay_endpoint else None
+        self._events_cfg = msgspec.structs.replace(
+            ev, endpoint=rank_endpoint(ev.endpoint, rank), replay_endpoint=replay
+        )
         self._lifecycle = asyncio.Lock()
         self._pending: set[asyncio.Task[None]] = set()
 
@@ -147,6 +154,13 @@ class SimServer:
             if self.status is ServerStatus.STOPPED:
                 raise RuntimeError("a stopped SimServer cannot start again; make a new one")
             await self._bring_up()
+
+    def event_sources(self) -> dict[str, dict[str, Any]]:
+        """vLLM's GET /kv_event_sources: this engine's events config by data-parallel rank (its
+        endpoints offset by the rank, a port 0 as bound); nothing when events are off."""
+        if not self._events_cfg.active:
+            return {}
+        return {str(self.config.data_parallel_rank): msgspec.to_builtins(self._events_cfg)}
 
     async def _bring_up(self) -> None:
         cfg = self.config

@@ -35,7 +35,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     role: prefill, decode or agg: what the router may ask of this worker.
     model: the served model name, sent to the engine and registered in etcd.
     kv_events: the engine's KV event endpoint, exactly as the engine was configured (vLLM's
-        `endpoint`); None for engines whose events come over HTTP (trtllm).
+        `endpoint`); None for engines whose events come over HTTP (trtllm), and for vLLM, which
+        lists each rank's on GET /kv_event_sources: the shim reads them there at startup.
     kv_events_mode: auto: vLLM's own rule read backwards: an endpoint with `*` means the engine
         binds, so the shim connects (to the engine_url host); otherwise the engine connects and the
         shim binds that address. bind/connect force one side.
@@ -166,10 +167,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 value = getattr(self, name)
                 if self.data_parallel_rank and value is not None and value.startswith("ipc://"):
                     raise ConfigError(name, value, "vLLM's data-parallel ranks publish on tcp:// or inproc:// only")
-        if self.engine in ("vllm", "sglang") and self.kv_events is None:
-            raise ConfigError(
-                "kv_events", None, f"engine {self.engine} publishes KV events over ZMQ: give its endpoint"
-            )
+        if self.engine == "sglang" and self.kv_events is None:
+            raise ConfigError("kv_events", None, "engine sglang publishes KV events over ZMQ: give its endpoint")
         for name in ("block_size", "kv_total_blocks", "max_num_batched_tokens", "kv_bytes_per_token"):
             value = getattr(self, name)
             if value is not None and value <= 0:

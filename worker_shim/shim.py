@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+import msgspec
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -238,6 +239,8 @@ class WorkerShim:
                 if not await self._wait_healthy():
                     return
                 self.limits = await self._check_limits()
+                if self.config.kv_events is None and self.config.engine == "vllm":
+                    await self._discover_events()
                 self.kv_bytes_per_token = self._kv_bytes_per_token()
                 await self._session()
         except ConfigError as exc:
@@ -340,6 +343,43 @@ class WorkerShim:
             )
         self._say_once(logging.WARNING, "the engine at %s lists %s, not --model %s", c.engine_url, served, c.model)
         return None
+
+    async def _discover_events(self) -> None:
+        """Take the KV event endpoints of the rank this shim serves from the engine's own list, when
+        none were given (vLLM 0.32 lists each rank's on GET /kv_event_sources, already offset)."""
+        c = self.config
+        rank = c.data_parallel_rank or 0
+        sources = await self.adapter.event_sources()
+        give = "give --kv-events-config as the engine was given it"
+        if sources is None:
+            raise ConfigError(
+                "kv_events", None, f"the engine at {c.engine_url} does not list its KV event endpoints "
+                f"(GET /kv_event_sources, vLLM 0.32 and later): {give}",
+            )  # fmt: skip
+        source = sources.get(rank)
+        if source is None and sources:
+            ranks = ", ".join(map(str, sorted(sources)))
+            why = f"the engine at {c.engine_url} lists KV events for data-parallel ranks {ranks}: give one of them"
+            raise ConfigError("data_parallel_rank", c.data_parallel_rank, why)
+        if source is None:
+            raise ConfigError(
+                "kv_events", None, f"the engine at {c.engine_url} publishes no KV events: start it with "
+                "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", ...}'",
+            )  # fmt: skip
+        if c.kv_events_topic and c.kv_events_topic != source.topic:
+            raise ConfigError(
+                "kv_events_topic",
+                c.kv_events_topic,
+                f"the engine publishes under topic {source.topic!r}: drop the flag",
+            )
+        self.config = msgspec.structs.replace(
+            c, kv_events=source.endpoint, kv_replay=source.replay_endpoint, kv_events_topic=source.topic
+        )
+        self.adapter.config = self.config
+        log.info(
+            "KV events of rank %d from the engine's /kv_event_sources: %s, replay %s, topic %r",
+            rank, source.endpoint, source.replay_endpoint, source.topic,
+        )  # fmt: skip
 
     def _take_adapters(self, cards: dict[str, ModelCard] | None) -> bool:
         """Take the LoRA adapters on --model that the engine lists; True when they changed."""

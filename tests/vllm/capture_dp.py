@@ -1,8 +1,9 @@
 """Captures what vLLM 0.32 does with two data-parallel ranks behind one API server
 (`--data-parallel-size 2`, run after `make test-vllm`): three completions that name their rank
 with `X-data-parallel-rank` (1, 0, 1), then /metrics as
-tests/fixtures/vllm-0.32/bs32/metrics_dp2.txt and rank 1's replay socket from seq 0 (vLLM offsets
-each rank's event and replay endpoints by the rank) as dp2_rank1_replay_from_0.jsonl.
+tests/fixtures/vllm-0.32/bs32/metrics_dp2.txt, GET /kv_event_sources as kv_event_sources_dp2.json,
+and rank 1's replay socket from seq 0 (vLLM offsets each rank's event and replay endpoints by the
+rank) as dp2_rank1_replay_from_0.jsonl.
 
     .venv/bin/python -m tests.vllm.capture_dp
 """
@@ -61,7 +62,7 @@ def main() -> None:
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             (FIXTURES / "metrics_dp2.txt").write_bytes(r.read())
         with urllib.request.urlopen(base + "/kv_event_sources", timeout=10) as r:
-            print("/kv_event_sources:", r.read().decode())
+            (FIXTURES / "kv_event_sources_dp2.json").write_bytes(r.read())
         lines = replay(replay_port + 1)
         (FIXTURES / "dp2_rank1_replay_from_0.jsonl").write_text("\n".join(lines) + "\n")
         for line in lines[1:]:

@@ -22,8 +22,9 @@ real nats-server and etcd. It checks, in order:
 7. kill_restart: SIGKILL one engine: requests keep succeeding on the other; restart it on the same
    ports: it registers again and serves;
 8. data_parallel: one vLLM running two data-parallel ranks and a shim per rank
-   (`--data-parallel-rank`): each registers its rank's capacity, and each router's index of a
-   rank's worker is exactly what that rank's own events say it holds.
+   (`--data-parallel-rank`; rank 0's given the server's --kv-events-config, rank 1's reading its
+   endpoints from the engine's /kv_event_sources): each registers its rank's capacity, and each
+   router's index of a rank's worker is exactly what that rank's own events say it holds.
 
 Run with the project's venv (`.venv/bin/python tests/vllm/run.py --vllm-venv .venv-vllm`); prints one
 line per check and a JSON summary (also written to `--out`). Exit status 0 when every check passed.
@@ -209,15 +210,22 @@ class Cluster:
         self.routers: list[RouterService] = []
 
     def shim(
-        self, engine: Engine, *, topic: str = TOPIC, events: int | None = None, rank: int | None = None
+        self,
+        engine: Engine,
+        *,
+        topic: str = TOPIC,
+        events: int | None = None,
+        rank: int | None = None,
+        discover: bool = False,
     ) -> WorkerShim:
+        """`discover`: no event endpoints, so the shim reads them from the engine's /kv_event_sources."""
         cfg = ShimConfig(
             data_parallel_rank=rank,
             engine="vllm",
             engine_url=engine.url,
             role="agg",
             model=MODEL,
-            kv_events_config=events_config(events or engine.events, engine.replay, topic),
+            kv_events_config=None if discover else events_config(events or engine.events, engine.replay, topic),
             model_path=str(self.args.model_dir),
             max_num_batched_tokens=2048,
             namespace=self.ns,
@@ -602,12 +610,15 @@ async def check_data_parallel(c: Cluster) -> dict[str, Any]:
     c.engines.append(dp)
     dp.start()
     await dp.ready(c.http, timeout=400)
-    shims = {rank: c.shim(dp, rank=rank) for rank in (0, 1)}
+    # Rank 0's shim takes the server's --kv-events-config (offset by the shim); rank 1's reads its
+    # endpoints from the engine's /kv_event_sources.
+    shims = {rank: c.shim(dp, rank=rank, discover=rank == 1) for rank in (0, 1)}
     for rank, shim in shims.items():
         c.shims[f"vllm-dp-{rank}"] = shim
         await shim.start()
         await asyncio.wait_for(shim.registered.wait(), 60)
         assert shim.limits.kv_total_blocks == 80, f"rank {rank} registered {shim.limits.kv_total_blocks} blocks"
+        assert shim.config.kv_events == f"tcp://127.0.0.1:{dp.events + rank}", shim.config.kv_events
     rank_of = {shim.worker_id: rank for rank, shim in shims.items()}
     await c.until(lambda: all({w.worker for w in r.registry.workers()} == set(rank_of) for r in c.routers), 30, "ranks")
     went = []

@@ -41,7 +41,8 @@ def sim_config(**kw: Any) -> SimConfig:
 
 
 def shim_for(sim: SimServer, ns: str, nats_url: str, etcd_url: str, **kw: Any) -> WorkerShim:
-    assert sim.events_endpoint is not None
+    """A shim beside `sim` (its resolved endpoints unless `kw` names others; None: the shim reads
+    them from the sim's /kv_event_sources)."""
     cfg = ShimConfig(
         engine="vllm",
         engine_url=kw.pop("engine_url", sim.url),

@@ -30,7 +30,7 @@ def parse(*argv: str) -> argparse.Namespace:
         ({"role": "both"}, "role"),
         ({"engine_url": "localhost:8000"}, "engine_url"),
         ({"model": ""}, "model"),
-        ({"kv_events": None}, "kv_events"),
+        ({"engine": "sglang", "kv_events": None}, "kv_events"),  # vLLM's are read from the engine
         ({"kv_events": "http://x"}, "kv_events"),
         ({"block_size": 0}, "block_size"),
         ({"namespace": "a.b"}, "namespace"),

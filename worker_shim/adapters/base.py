@@ -49,6 +49,7 @@ __all__ = [
     "EngineLimits",
     "EngineLoad",
     "EngineTiming",
+    "EventSource",
     "LegOutcome",
     "LegRequest",
     "ModelCard",
@@ -90,6 +91,15 @@ class ModelCard:
 
     max_model_len: int | None = None
     parent: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class EventSource:
+    """Where one data-parallel rank of the engine publishes its KV events, as the engine says."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
 
 
 @dataclass(slots=True, frozen=True)
@@ -190,6 +200,10 @@ class EngineAdapter(ABC):
     async def served_models(self) -> dict[str, ModelCard] | None:
         """The models and LoRA adapters the engine serves, by name; None when the engine cannot
         say."""
+        return None
+
+    async def event_sources(self) -> dict[int, EventSource] | None:
+        """The engine's KV event endpoints by data-parallel rank; None when it does not list them."""
         return None
 
     # vLLM answers 404 to a request naming a model it does not serve: a shim whose --model it does

@@ -43,6 +43,7 @@ from worker_shim.adapters.base import (
     EngineLimits,
     EngineLoad,
     EngineTiming,
+    EventSource,
     LegOutcome,
     LegRequest,
     OnOutput,
@@ -56,6 +57,7 @@ __all__ = [
     "VllmAdapter",
     "completion_body",
     "engine_body",
+    "event_sources",
     "limits_from_metrics",
     "load_from_metrics",
 ]
@@ -157,6 +159,18 @@ def _timing(samples: list[Sample]) -> EngineTiming:
     )
 
 
+def event_sources(raw: dict[str, Any]) -> dict[int, EventSource]:
+    """A /kv_event_sources answer's ranks that publish over ZMQ."""
+    out: dict[int, EventSource] = {}
+    for rank, cfg in raw.items():
+        if not (rank.isdigit() and isinstance(cfg, dict) and cfg.get("enable_kv_cache_events")):
+            continue
+        endpoint, replay, topic = cfg.get("endpoint"), cfg.get("replay_endpoint"), cfg.get("topic", "")
+        if cfg.get("publisher", "zmq") in (None, "zmq") and isinstance(endpoint, str) and isinstance(topic, str):
+            out[int(rank)] = EventSource(endpoint, replay if isinstance(replay, str) else None, topic)
+    return out
+
+
 def completion_body(leg: LegRequest) -> dict[str, Any]:
     """The /v1/completions body for one leg (token-id prompt, token ids back)."""
     s: SamplingParams = leg.sampling
@@ -213,6 +227,15 @@ class VllmAdapter(ZmqEventsAdapter):
                 why = f"the engine at {self.base} runs data-parallel ranks {', '.join(ranks)}"
                 raise ConfigError("data_parallel_rank", rank, why)
         return limits_from_metrics(text, rank)
+
+    async def event_sources(self) -> dict[int, EventSource] | None:
+        """GET /kv_event_sources (vLLM 0.32): each rank's --kv-events-config, its endpoints offset by
+        the rank; ranks without a ZMQ publisher are left out. None when the engine has no such route."""
+        try:
+            raw = msgspec.json.decode(await self.fetch("/kv_event_sources"))
+        except (EngineError, msgspec.DecodeError):
+            return None
+        return event_sources(raw) if isinstance(raw, dict) else None
 
     async def load(self) -> EngineLoad:
         return load_from_metrics((await self.fetch("/metrics")).decode(), self.config.data_parallel_rank)

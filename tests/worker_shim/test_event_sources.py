@@ -1,0 +1,79 @@
+"""A vLLM shim given no event endpoints reads them from the engine's GET /kv_event_sources (vLLM
+0.32 lists each data-parallel rank's --kv-events-config there, its endpoints offset by the rank)."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from engine_sim.config import KVEventsConfig
+from engine_sim.server import SimServer
+from kvswitch.servers import free_ports
+from protocol import ConfigError
+from tests.protocol.vllm_captures import FIXTURES
+from tests.worker_shim.cluster import engine_set, shim_for, sim_config, wait_for
+from worker_shim.adapters.base import EventSource
+from worker_shim.adapters.vllm import event_sources
+
+
+def test_vllms_own_list_of_event_sources_is_read_per_rank() -> None:
+    raw = json.loads((FIXTURES / "bs32" / "kv_event_sources_dp2.json").read_text())
+    assert event_sources(raw) == {
+        0: EventSource("tcp://127.0.0.1:19713", "tcp://127.0.0.1:14861", "kv-events"),
+        1: EventSource("tcp://127.0.0.1:19714", "tcp://127.0.0.1:14862", "kv-events"),
+    }
+    off = {"0": {**raw["0"], "enable_kv_cache_events": False}, "x": raw["1"], "1": {**raw["1"], "publisher": "null"}}
+    assert event_sources(off) == {}
+
+
+def sim_as(rank: int, topic: str = "kv-events") -> SimServer:
+    events, replay = f"tcp://*:{free_ports(2)}", f"tcp://*:{free_ports(2)}"
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=events, replay_endpoint=replay, topic=topic
+    )
+    return SimServer(sim_config(data_parallel_rank=rank, kv_events=config))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+async def test_a_shim_given_no_endpoints_takes_its_ranks_from_the_engine(
+    rank: int, ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with sim_as(rank) as sim:
+        listed = sim.event_sources()[str(rank)]
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=None, kv_replay=None, kv_events_mode="auto",
+                        data_parallel_rank=rank or None)  # fmt: skip
+        async with shim:
+            await shim.registered.wait()
+            c = shim.config
+            assert (c.kv_events, c.kv_replay, c.kv_events_topic) == (
+                listed["endpoint"],
+                listed["replay_endpoint"],
+                "kv-events",
+            )
+            async with aiohttp.ClientSession() as http:
+                body = {"model": sim.config.model, "prompt": list(range(100, 300)), "max_tokens": 1}
+                async with http.post(sim.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+            await wait_for(lambda: shim.canonical_hashes() == engine_set(sim) != set(), 5, "the engine's events")
+
+
+@pytest.mark.parametrize(
+    ("sim_kw", "shim_kw", "setting", "words"),
+    [
+        ({"kv_events": KVEventsConfig()}, {}, "kv_events", "publishes no KV events: start it with --kv-events-config"),
+        ({}, {"kv_events_topic": "other"}, "kv_events_topic", "publishes under topic 'kv-events'"),
+    ],
+)
+async def test_what_the_engine_lists_that_cannot_serve_is_a_startup_error(
+    sim_kw: dict[str, object], shim_kw: dict[str, object], setting: str, words: str,
+    ns: str, nats_url: str, etcd_url: str,
+) -> None:  # fmt: skip
+    sim = SimServer(sim_config(**sim_kw)) if sim_kw else sim_as(0)
+    async with sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=None, kv_replay=None, **shim_kw)
+        async with shim:
+            await shim.done.wait()
+            assert isinstance(shim.failure, ConfigError) and shim.failure.setting == setting
+            assert words in str(shim.failure)
