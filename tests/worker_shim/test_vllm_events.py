@@ -208,6 +208,14 @@ def test_one_data_parallel_ranks_load_and_limits_are_its_engines_metrics() -> No
     assert limits_from_metrics(text, 5).block_size is None
 
 
+def test_vllm_says_on_metrics_whether_it_caches_prefixes() -> None:
+    """vLLM 0.32 with --no-enable-prefix-caching (tests/vllm/capture_no_prefix_caching.py: two equal
+    completions, no KV event at all) labels cache_config_info so."""
+    off = (FIXTURES / "bs32" / "metrics_no_prefix_caching.txt").read_text()
+    on = (FIXTURES / "bs32" / "metrics_after.txt").read_text()
+    assert (limits_from_metrics(off).prefix_caching, limits_from_metrics(on).prefix_caching) == (False, True)
+
+
 def test_limits_and_load_from_captured_metrics() -> None:
     text = (FIXTURES / "bs32" / "metrics_after.txt").read_text()
     lim = limits_from_metrics(text)
