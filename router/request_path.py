@@ -63,7 +63,7 @@ class RequestPath:
         if name is None:
             raise Unknown(400, "'model' is required")
         base = name if name in self.models() else self.adapters().get(name)  # an adapter's model
-        if self.default_model is not None and base != self.default_model:
+        if self.default_model is not None and self.default_model not in (name, base):
             raise Unknown(
                 404,
                 f"The model `{name}` does not exist. This router serves `{self.default_model}`"

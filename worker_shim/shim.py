@@ -112,6 +112,7 @@ class WorkerShim:
         self.kv_bytes_per_token: int | None = None
         self.tokenizer = ""
         self.adapters: list[str] = []
+        self._discovers_events = self.config.kv_events is None and self.config.engine == "vllm"
         self.normaliser: Normaliser | None = None
         self.requests: RequestService | None = None
         self.registration: Registration | None = None
@@ -239,7 +240,7 @@ class WorkerShim:
                 if not await self._wait_healthy():
                     return
                 self.limits = await self._check_limits()
-                if self.config.kv_events is None and self.config.engine == "vllm":
+                if self._discovers_events:  # each session: a restarted engine may publish elsewhere
                     await self._discover_events()
                 self.kv_bytes_per_token = self._kv_bytes_per_token()
                 await self._session()

@@ -122,9 +122,10 @@ def test_a_request_may_name_a_model_or_one_of_its_lora_adapters(
         (None, "nope", "The model `nope` does not exist. Registered: m, n, sql, chat"),
         ("m", "chat", "The model `chat` does not exist. This router serves `m` and its LoRA adapters sql"),
         ("n", "m", "The model `m` does not exist. This router serves `n` and its LoRA adapters chat"),
+        ("z", None, "The model `z` does not exist. Registered: m, n, sql, chat"),  # no worker of it yet
     ],
 )
-def test_an_unknown_name_is_a_404_naming_what_is_served(default: str | None, name: str, message: str) -> None:
+def test_an_unknown_name_is_a_404_naming_what_is_served(default: str | None, name: str | None, message: str) -> None:
     with pytest.raises(Unknown) as err:
         resolver(default).resolve_model(name)
     assert err.value.code == 404 and str(err.value) == message
