@@ -49,7 +49,7 @@ from worker_shim.kv_publisher import KvPublisher, PublisherCounters
 from worker_shim.load_reporter import LoadReporter
 from worker_shim.metrics import render_metrics
 from worker_shim.model_config import kv_bytes_per_token
-from worker_shim.nats_connect import connect_nats
+from worker_shim.nats_connect import connect_nats, flush
 from worker_shim.normaliser import Normaliser, NormaliserStats
 from worker_shim.request_service import RequestService
 
@@ -615,7 +615,7 @@ class WorkerShim:
             presence.subs.append(await nc.subscribe(subjects.gen(self.ns, role, worker), cb=self.requests.on_generate))
         presence.subs.append(await nc.subscribe(subjects.cancel(self.ns, worker), cb=self.requests.on_cancel))
         presence.subs.append(await nc.subscribe(subjects.kvstate(self.ns, worker), cb=presence.on_kvstate))
-        await nc.flush()
+        await flush(nc)
         return presence
 
     async def _close_presence(self, presence: _Presence) -> None:

@@ -96,8 +96,13 @@ async def _until_delivered(publisher: Conn, subject: str, queue: asyncio.Queue[M
     nothing, with no error to either side; 50 ms later it delivers. (A router's request carries a
     reply subject and so gets "no responders" in that window, which it treats as a failed leg.)"""
 
+    # Stopped between probes, never cancelled: nats.py leaves a flush cancelled mid-way in its PONG
+    # queue, and the PONG then ends the connection's read loop (InvalidStateError), so a later
+    # server error (the permission violation under test) would never be read.
+    delivered = asyncio.Event()
+
     async def probe() -> None:
-        while True:
+        while not delivered.is_set():
             await publisher.nc.publish(subject, b"probe")
             await publisher.nc.flush()
             await asyncio.sleep(0.02)
@@ -106,7 +111,8 @@ async def _until_delivered(publisher: Conn, subject: str, queue: asyncio.Queue[M
     try:
         assert (await _next(queue, publisher)).data == b"probe"
     finally:
-        task.cancel()
+        delivered.set()
+        await task
 
 
 def _connz(monitor_url: str) -> list[dict[str, object]]:
