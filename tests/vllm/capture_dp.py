@@ -11,44 +11,21 @@ rank) as dp2_rank1_replay_from_0.jsonl.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 from kvswitch.servers import free_port
 from protocol.vllm_events import END_SEQ, decode_batch, decode_replay_reply
-from tests.vllm.capture_lora import replay
-from tests.vllm.run import BLOCK, MODEL, events_config
+from tests.vllm.run import MODEL, events_config
+from tests.vllm.vllm_server import FIXTURES, replay, vllm
 
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = ROOT / "tests" / "fixtures" / "vllm-0.32" / "bs32"
-VENV = ROOT / ".venv-vllm"
 RANKS = (1, 0, 1)  # the rank each completion names, with its own prompt
 
 
 def main() -> None:
-    http = free_port()
     events, replay_port = free_port(), free_port()  # rank r publishes on port + r: two ports each
-    cmd = [
-        str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", "tiny-llama",
-        "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(http), "--block-size", str(BLOCK),
-        "--max-model-len", "2048", "--num-gpu-blocks-override", "80", "--enforce-eager", "--dtype", "bfloat16",
-        "--data-parallel-size", "2", "--kv-events-config", events_config(events, replay_port),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    (VENV / "logs").mkdir(exist_ok=True)
-    with (VENV / "logs" / "capture_dp.log").open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=VENV, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{http}"
-    try:
-        for _ in range(400):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(1)
+    flags = ["--data-parallel-size", "2", "--kv-events-config", events_config(events, replay_port)]
+    with vllm("capture_dp", *flags) as base:
         for i, rank in enumerate(RANKS):
             body = {"model": MODEL, "prompt": list(range(1000 * (i + 1), 1000 * (i + 1) + 70)), "max_tokens": 2}
             req = urllib.request.Request(
@@ -71,9 +48,6 @@ def main() -> None:
                 batch = decode_batch(payload)
                 firsts = [getattr(e, "token_ids", [None])[0] for e in batch.events]
                 print(f"rank 1 replay seq {seq}: data_parallel_rank {batch.data_parallel_rank}, first tokens {firsts}")
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(60)
 
 
 if __name__ == "__main__":

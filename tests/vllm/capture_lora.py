@@ -23,23 +23,17 @@ All in tests/fixtures/vllm-0.32/bs32/.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
-import zmq
-
 from kvswitch.servers import free_port
-from protocol.vllm_events import END_SEQ, BlockStored, decode_batch, decode_replay_reply, replay_request
-from tests.vllm.run import BLOCK, MODEL, events_config
+from protocol.vllm_events import END_SEQ, BlockStored, decode_batch, decode_replay_reply
+from tests.vllm.run import MODEL, events_config
+from tests.vllm.vllm_server import FIXTURES, ROOT, VENV, replay, vllm
 
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = ROOT / "tests" / "fixtures" / "vllm-0.32" / "bs32"
-VENV = ROOT / ".venv-vllm"
 ADAPTER = VENV / "tiny-lora"
 LORA = "tiny-lora"
 PROMPT = list(range(100, 165))
@@ -48,8 +42,8 @@ REQUESTS: list[tuple[str, str | None]] = [(LORA, None), (MODEL, None), (LORA, No
 
 
 class Server:
-    def __init__(self, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}"
+    def __init__(self, url: str) -> None:
+        self.url = url
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
         req = urllib.request.Request(
@@ -84,22 +78,6 @@ def greedy_ids(server: Server, model: str) -> list[int]:
     return list(choice.get("token_ids") or []) or [choice["text"]]
 
 
-def replay(port: int) -> list[str]:
-    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    dealer.send_multipart(replay_request(0))
-    lines = [json.dumps({"request_frames_hex": [f.hex() for f in replay_request(0)], "start_seq": 0})]
-    while dealer.poll(5000):
-        frames = dealer.recv_multipart()
-        lines.append(
-            json.dumps({"t_recv": time.time(), "n_frames": len(frames), "frames_hex": [f.hex() for f in frames]})
-        )
-        if decode_replay_reply(frames)[1] == END_SEQ:
-            dealer.close(0)
-            return lines
-    raise SystemExit("the replay socket sent no end marker")
-
-
 def print_stored(lines: list[str]) -> None:
     for line in lines[1:]:
         _, seq, payload = decode_replay_reply([bytes.fromhex(f) for f in json.loads(line)["frames_hex"]])
@@ -119,36 +97,13 @@ def print_stored(lines: list[str]) -> None:
 def main() -> None:
     make_lora = [str(VENV / "bin" / "python"), str(ROOT / "tests" / "vllm" / "make_lora.py")]
     subprocess.run([*make_lora, str(ADAPTER), str(VENV / "tiny-llama")], check=True)
-    events, replay_port, http = free_port(), free_port(), free_port()
-    cmd = [
-        str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", "tiny-llama",
-        "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(http), "--block-size", str(BLOCK),
-        "--max-model-len", "2048", "--num-gpu-blocks-override", "80", "--enforce-eager", "--dtype", "bfloat16",
-        "--kv-events-config", events_config(events, replay_port),
-        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA}={ADAPTER.name}",
-    ]  # fmt: skip
-    # Paths relative to .venv-vllm, where the server runs: the cards' `root` is the path as given.
-    env = {
-        **os.environ,
-        "PYTHONHASHSEED": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "OMP_NUM_THREADS": "1",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-    }
-    (VENV / "logs").mkdir(exist_ok=True)
-    log = VENV / "logs" / "capture_lora.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=VENV, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = Server(http)
-    try:
-        for _ in range(300):
-            if proc.poll() is not None:
-                raise SystemExit(f"vLLM exited with {proc.returncode}:\n" + log.read_text()[-4000:])
-            try:
-                urllib.request.urlopen(f"{server.url}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(1)
+    events, replay_port = free_port(), free_port()
+    # The adapter's path relative to .venv-vllm, where the server runs: the cards' `root` is the
+    # path as given.
+    flags = ["--kv-events-config", events_config(events, replay_port),
+             "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA}={ADAPTER.name}"]  # fmt: skip
+    with vllm("capture_lora", *flags, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as url:
+        server = Server(url)
         status, models = server.call("GET", "/v1/models")
         assert status == 200, models
         (FIXTURES / "v1_models_lora.json").write_bytes(models)
@@ -179,9 +134,6 @@ def main() -> None:
         lines = replay(replay_port)
         (FIXTURES / "lora_replay_from_0.jsonl").write_text("\n".join(lines) + "\n")
         print_stored(lines)
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(30)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ from worker_shim.adapters.vllm import event_sources
 def test_vllms_own_list_of_event_sources_is_read_per_rank() -> None:
     raw = json.loads((FIXTURES / "bs32" / "kv_event_sources_dp2.json").read_text())
     assert event_sources(raw) == {
-        0: EventSource("tcp://127.0.0.1:19713", "tcp://127.0.0.1:14861", "kv-events"),
-        1: EventSource("tcp://127.0.0.1:19714", "tcp://127.0.0.1:14862", "kv-events"),
+        0: EventSource("tcp://127.0.0.1:30924", "tcp://127.0.0.1:28894", "kv-events"),
+        1: EventSource("tcp://127.0.0.1:30925", "tcp://127.0.0.1:28895", "kv-events"),
     }
     off = {"0": {**raw["0"], "enable_kv_cache_events": False}, "x": raw["1"], "1": {**raw["1"], "publisher": "null"}}
     assert event_sources(off) == {}
