@@ -330,8 +330,9 @@ class WorkerShim:
         return limits
 
     async def _served_model_len(self) -> int | None:
-        """--model's max_model_len from the engine's /v1/models; a model the engine does not list is
-        a startup error where the engine refuses requests for it (vLLM), a warning elsewhere."""
+        """--model's max_model_len from the engine's /v1/models, whose LoRA adapters on --model it
+        takes too (`_take_adapters`); a model the engine does not list is a startup error where the
+        engine refuses requests for it (vLLM), a warning elsewhere."""
         c = self.config
         models = await self.adapter.served_models()
         if models is None or c.model in models:
@@ -349,7 +350,6 @@ class WorkerShim:
         """Take the KV event endpoints of the rank this shim serves from the engine's own list, when
         none were given (vLLM 0.32 lists each rank's on GET /kv_event_sources, already offset)."""
         c = self.config
-        rank = c.data_parallel_rank or 0
         sources = await self.adapter.event_sources()
         give = "give --kv-events-config as the engine was given it"
         if sources is None:
@@ -357,6 +357,8 @@ class WorkerShim:
                 "kv_events", None, f"the engine at {c.engine_url} does not list its KV event endpoints "
                 f"(GET /kv_event_sources, vLLM 0.32 and later): {give}",
             )  # fmt: skip
+        # Without a rank: the server's one engine (several were refused with the limits).
+        rank = c.data_parallel_rank if c.data_parallel_rank is not None else next(iter(sources), 0)
         source = sources.get(rank)
         if source is None and sources:
             ranks = ", ".join(map(str, sorted(sources)))

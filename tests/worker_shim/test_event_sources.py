@@ -36,14 +36,17 @@ def sim_as(rank: int, topic: str = "kv-events") -> SimServer:
     return SimServer(sim_config(data_parallel_rank=rank, kv_events=config))
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize(
+    ("rank", "shim_rank"),
+    [(0, None), (1, 1), (1, None)],  # (1, None): one API server per rank (vLLM's external load balancing)
+)
 async def test_a_shim_given_no_endpoints_takes_its_ranks_from_the_engine(
-    rank: int, ns: str, nats_url: str, etcd_url: str
+    rank: int, shim_rank: int | None, ns: str, nats_url: str, etcd_url: str
 ) -> None:
     async with sim_as(rank) as sim:
         listed = sim.event_sources()[str(rank)]
         shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=None, kv_replay=None, kv_events_mode="auto",
-                        data_parallel_rank=rank or None)  # fmt: skip
+                        data_parallel_rank=shim_rank)  # fmt: skip
         async with shim:
             await shim.registered.wait()
             c = shim.config

@@ -8,13 +8,13 @@ import json
 import msgspec
 import pytest
 
-from protocol import Removed, SamplingParams, Stored
+from protocol import ConfigError, Removed, SamplingParams, Stored
 from protocol.hashing import block_hashes, chain_salt
 from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply
 from tests.protocol.vllm_captures import CAPTURES, FIXTURES, expected_set, pub_frames
 from worker_shim import EngineCleared, EngineRemoved, EngineStored, Normaliser
 from worker_shim.adapters.base import LegRequest
-from worker_shim.adapters.vllm import completion_body, limits_from_metrics, load_from_metrics
+from worker_shim.adapters.vllm import check_rank, completion_body, limits_from_metrics, load_from_metrics
 from worker_shim.adapters.vllm_events import decode_payload, decode_ranked
 from worker_shim.engine_events import EventDecodeError
 
@@ -214,6 +214,21 @@ def test_vllm_says_on_metrics_whether_it_caches_prefixes() -> None:
     off = (FIXTURES / "bs32" / "metrics_no_prefix_caching.txt").read_text()
     on = (FIXTURES / "bs32" / "metrics_after.txt").read_text()
     assert (limits_from_metrics(off).prefix_caching, limits_from_metrics(on).prefix_caching) == (False, True)
+
+
+def test_a_server_of_several_ranks_takes_a_shim_per_rank() -> None:
+    """One shim for vLLM's two ranks would index two caches as one: refused, naming the flag; so is
+    a rank the server does not run. One rank of its own (any number) needs no flag."""
+    dp2 = (FIXTURES / "bs32" / "metrics_dp2.txt").read_text()
+    with pytest.raises(ConfigError, match="runs data-parallel ranks 0, 1, each with a cache of its own") as err:
+        check_rank(dp2, None, "http://e")
+    assert err.value.setting == "data_parallel_rank"
+    with pytest.raises(ConfigError, match=r"runs data-parallel ranks 0, 1$"):
+        check_rank(dp2, 2, "http://e")
+    check_rank(dp2, 1, "http://e")
+    one = (FIXTURES / "bs32" / "metrics_after.txt").read_text()
+    check_rank(one, None, "http://e")
+    check_rank(one.replace('engine="0"', 'engine="3"'), None, "http://e")
 
 
 def test_limits_and_load_from_captured_metrics() -> None:

@@ -55,6 +55,7 @@ from worker_shim.prom_text import Sample, mean_samples, parse_samples, sum_sampl
 __all__ = [
     "PREFILL_TRANSFER_PARAMS",
     "VllmAdapter",
+    "check_rank",
     "completion_body",
     "engine_body",
     "event_sources",
@@ -114,6 +115,23 @@ def _kv_blocks(samples: list[Sample], rank: int | None) -> int | None:
     if rank is not None and tokens and block:
         return tokens // block
     return _cache_config(samples, vm.LABEL_NUM_GPU_BLOCKS)
+
+
+def check_rank(text: str, rank: int | None, url: str) -> None:
+    """ConfigError unless `rank` is one the engine at `url` runs (its /metrics `engine` labels), or,
+    with no rank, unless it runs one: a shim for a server of several ranks would index their caches
+    as one while vLLM places each request on any of them."""
+    ranks = sorted({s[1].get(vm.LABEL_ENGINE, "") for s in parse_samples(text, _METRICS)} - {""}, key=int)
+    if rank is None and len(ranks) > 1:
+        why = (
+            f"the engine at {url} runs data-parallel ranks {', '.join(ranks)}, each with a cache of its own: "
+            "run one shim per rank, each with --data-parallel-rank R"
+        )
+        raise ConfigError("data_parallel_rank", None, why)
+    if rank is not None and ranks and str(rank) not in ranks:
+        raise ConfigError(
+            "data_parallel_rank", rank, f"the engine at {url} runs data-parallel ranks {', '.join(ranks)}"
+        )
 
 
 def limits_from_metrics(text: str, rank: int | None = None) -> EngineLimits:
@@ -220,13 +238,8 @@ class VllmAdapter(ZmqEventsAdapter):
 
     async def limits(self) -> EngineLimits:
         text = (await self.fetch("/metrics")).decode()
-        rank = self.config.data_parallel_rank
-        if rank is not None:
-            ranks = sorted({s[1].get(vm.LABEL_ENGINE, "") for s in parse_samples(text, _METRICS)} - {""})
-            if ranks and str(rank) not in ranks:
-                why = f"the engine at {self.base} runs data-parallel ranks {', '.join(ranks)}"
-                raise ConfigError("data_parallel_rank", rank, why)
-        return limits_from_metrics(text, rank)
+        check_rank(text, self.config.data_parallel_rank, self.base)
+        return limits_from_metrics(text, self.config.data_parallel_rank)
 
     async def event_sources(self) -> dict[int, EventSource] | None:
         """GET /kv_event_sources (vLLM 0.32): each rank's --kv-events-config, its endpoints offset by

@@ -401,7 +401,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
             c.engine_host,
             health=self.event_health,
             stats=self.stats,
-            rank=(c.data_parallel_rank or 0) if self.checks_rank else None,
+            rank=c.data_parallel_rank if self.checks_rank else None,
         )
         await self._events.run(sink, live)
 
