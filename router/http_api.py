@@ -160,7 +160,7 @@ class ParsedRequest:
     add_special_tokens: bool
     truncate: tuple[int, str] | None  # (tokens to keep, side) when the router can apply it
     stream: bool
-    max_tokens: int
+    max_tokens: int | None  # None: a chat request with no limit (vLLM then generates to the context's end)
     annotations: list[str]
     params: dict[str, Any] = field(default_factory=dict)
     shape: RequestShape = field(default_factory=RequestShape)
@@ -303,7 +303,9 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
         add_special_tokens=_opt(body, "add_special_tokens", bool, not chat),
         truncate=(truncate, side) if truncate is not None and truncate > 0 else None,
         stream=_opt(body, "stream", bool, False),
-        max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else 16,
+        # vLLM's defaults: completions 16 tokens, chat no limit. Booking 16 for chat would tell
+        # routing that every such request is short.
+        max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else (None if chat else 16),
         annotations=annotations,
         params=params,
         # Read without validating: the engine judges these fields, and a wrong value the engine
@@ -571,7 +573,8 @@ class _Handlers:
             engine_request_id=ids.engine,
             model=model,
             token_ids=routed,
-            sampling=SamplingParams(max_tokens=parsed.max_tokens),
+            # The engine reads `params`; `sampling` is for engines driven by token ids alone.
+            sampling=SamplingParams() if parsed.max_tokens is None else SamplingParams(max_tokens=parsed.max_tokens),
             stream=parsed.stream,
             annotations=[a for a in parsed.annotations if a != ANNOTATION_BYPASS],  # the router's alone
             endpoint=ENDPOINT_CHAT if parsed.chat else ENDPOINT_COMPLETIONS,
@@ -603,7 +606,9 @@ class _Handlers:
             ) as span:
                 leg = self._leg(parsed, ids, model, routed, prompts)
                 try:
-                    job = await self.path.open(leg, span, text=_is_text(parsed), shape=parsed.shape)
+                    job = await self.path.open(
+                        leg, span, text=_is_text(parsed), shape=parsed.shape, max_tokens=parsed.max_tokens
+                    )
                 except PlanError as exc:
                     raise ApiError(exc.code, exc.message) from exc
                 except Overloaded as exc:

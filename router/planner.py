@@ -129,7 +129,7 @@ class Planner:
         request_id: str,
         model: str,
         token_ids: list[int],
-        max_tokens: int = 16,
+        max_tokens: int | None = 16,
         *,
         text: bool = False,
         shape: RequestShape = RequestShape(),

@@ -139,7 +139,7 @@ class RequestContext:
     hashes: list[int]
     decode_pool: list[Candidate] = field(default_factory=list)
     prefill_pool: list[Candidate] = field(default_factory=list)
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # the client's output limit; None: none set (a chat request)
     decode: Candidate | None = None
     prefill: Candidate | None = None
     text: bool = False  # the prompt came as text: only workers sharing the router's tokenizer

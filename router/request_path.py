@@ -80,19 +80,26 @@ class RequestPath:
         return self.planner.explain(self.planner.context("debug", model, tokens, text=text, shape=shape))
 
     async def open(
-        self, request: GenerateRequest, span: Span, *, text: bool, shape: RequestShape = RequestShape()
+        self,
+        request: GenerateRequest,
+        span: Span,
+        *,
+        text: bool,
+        shape: RequestShape = RequestShape(),
+        max_tokens: int | None = 16,
     ) -> Job:
         """Admit and plan one request (its first attempt booked); PlanError or Overloaded if not.
         `request` is its leg as the client asked for it, routed by its `token_ids`; `text`: the
         prompt came as text, so only workers sharing the router's tokenizer may take it;
-        `shape`: what the engine computes for it besides the next tokens."""
+        `shape`: what the engine computes for it besides the next tokens; `max_tokens`: the
+        client's output limit, None when it set none."""
         await self._check_connected()
         started = time.perf_counter()
         ctx = self.planner.context(
             request.request_id,
             request.model,
             request.token_ids,
-            request.sampling.max_tokens,
+            max_tokens,
             text=text,
             shape=shape,
         )

@@ -5,7 +5,8 @@ slo_itl_s on the mean inter-token latency, TPOT). Per request, with d the chosen
 the prefill worker the router would pick, each worker's timing T (router.calibration: its
 profile's shape times its fitted factors), n prompt tokens of which c_d / c_p are cached on d / p,
 Q the prefill tokens queued on a worker, B = running(d), m = d's max_num_batched_tokens, and L and
-C the mean output length and mean context (prompt + L / 2) of recent requests:
+C the mean output length (`max_tokens`; a chat request with no limit does not count) and mean
+context (prompt + L / 2) of recent requests:
 
     local   = T_d.prefill(Q_d) + T_d.prefill(n - c_d | c_d) + ceil((Q_d + n - c_d) / m) * T_d.decode(B, C)
     remote  = T_p.prefill(Q_p) + T_p.prefill(n - c_p | c_p) + transfer(n - c_d) + T_d.decode(B + 1, C)
@@ -183,7 +184,8 @@ class SloAware:
         return float(f.local_s > ttft_budget) + pushed, float(f.remote_s > ttft_budget)
 
     def decide(self, ctx: RequestContext) -> Decision:
-        self.output_len += _EWMA_WEIGHT * (ctx.max_tokens - self.output_len)
+        if ctx.max_tokens is not None:  # a request with no limit says nothing of its length
+            self.output_len += _EWMA_WEIGHT * (ctx.max_tokens - self.output_len)
         self.prompt_len += _EWMA_WEIGHT * (ctx.isl - self.prompt_len)
         d, p = ctx.decode, ctx.prefill
         if d is None or p is None:

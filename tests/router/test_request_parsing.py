@@ -51,6 +51,20 @@ def test_a_long_id_prompt_is_returned_as_sent() -> None:
 
 
 @pytest.mark.parametrize(
+    ("body", "chat", "max_tokens"),
+    [
+        ({"prompt": "hi"}, False, 16),  # vLLM's completions default
+        ({"prompt": "hi", "max_tokens": 0}, False, 16),
+        ({"messages": [{"role": "user", "content": "hi"}]}, True, None),  # chat: up to the context
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": None}, True, None),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}, True, 300),
+    ],
+)
+def test_an_unset_max_tokens_is_the_engines_default(body: dict[str, Any], chat: bool, max_tokens: int | None) -> None:
+    assert parse_request(body, chat=chat).max_tokens == max_tokens
+
+
+@pytest.mark.parametrize(
     ("body", "read"),
     [
         ({"max_tokens": 512.0}, ("max_tokens", 512)),  # a Python client's arithmetic

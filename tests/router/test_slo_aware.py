@@ -195,3 +195,14 @@ def test_what_a_request_gets_alone_on_an_idle_prefill_worker_is_never_over_budge
     policy = SloAware(SloAwareConfig(slo_itl_s=0.001))
     assert policy.has_room(ctx(64, [], []), _timed(cand("p1", "prefill")), local=True)
     assert not policy.has_room(ctx(64, [], []), _timed(cand("p1", "prefill", running=1)), local=True)
+
+
+def test_a_chat_request_with_no_limit_leaves_the_mean_output_length_alone() -> None:
+    _, _, policy, c = _decide(1000)
+    learnt = policy.output_len
+    c.max_tokens = None
+    policy.decide(c)
+    assert policy.output_len == learnt
+    c.max_tokens = 16
+    policy.decide(c)
+    assert policy.output_len < learnt
