@@ -38,6 +38,7 @@ class StateFigures:
     workers: int = 0
     timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
     prompt_tokens: Mapping[str, int] = field(default_factory=dict)  # router.planner.PrefixReach
+    clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
 
 
 class _StateCollector(Collector):
@@ -88,6 +89,14 @@ class _StateCollector(Collector):
             warm.add_metric([worker], busy_s)
         yield scale
         yield warm
+        skew = GaugeMetricFamily(
+            "kvswitch_router_worker_clock_offset_seconds",
+            "A worker's clock minus this router's, for workers off by more than the tolerance (1 s)",
+            labels=["worker"],
+        )
+        for worker, offset in sorted(s.clock_offsets.items()):
+            skew.add_metric([worker], offset)
+        yield skew
 
 
 class RouterMetrics:

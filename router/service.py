@@ -45,13 +45,14 @@ from router.admission import Admission, Throughput
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
 from router.calibration import Calibration
+from router.clock_skew import ClockSkew, Skew
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility
 from router.http_api import FrontDoorRunner, HttpLimits, make_app
 from router.kv_ingest import KvIngest
 from router.ledger import Ledger
-from router.load_view import LoadView
+from router.load_view import MAX_CLOCK_SKEW_S, LoadView
 from router.metrics import RouterMetrics, StateFigures
 from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
@@ -66,6 +67,24 @@ from runtime import RepeatedErrors
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
+
+
+def _say_skew(skew: Skew, request_timeout_s: float) -> None:
+    if not skew.skewed:
+        log.info("worker %s's clock agrees with this router's again (%+.1f s)", skew.worker, skew.offset_s)
+        return
+    if skew.offset_s > 0:
+        harm = (
+            f"every request it gets is a 504 (past --request-timeout {request_timeout_s:g} s)"
+            if skew.offset_s >= request_timeout_s
+            else "the deadlines this router sets expire that much early there"
+        )
+    else:
+        harm = "its requests' load is counted twice for that long, and deadlines expire that much late there"
+    log.warning(
+        "worker %s's clock is %.1f s %s this router's: %s; keep router and worker hosts on NTP",
+        skew.worker, abs(skew.offset_s), "ahead of" if skew.offset_s > 0 else "behind", harm,
+    )  # fmt: skip
 
 
 class RouterStatus(enum.Enum):
@@ -118,6 +137,7 @@ class RouterService:
         self.url = ""
         self.index = BlockIndex()
         self.view = LoadView()
+        self.clocks = ClockSkew(MAX_CLOCK_SKEW_S)
         self.calibration = Calibration() if config.calibrate else None
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.time)
         self.metrics = RouterMetrics(self._figures)
@@ -446,6 +466,7 @@ class RouterService:
         self.fingerprints.forget(worker)
         self.ingest.remove_worker(worker)
         self.view.remove_worker(worker)
+        self.clocks.remove(worker)
         self.eligibility.removed(worker)
         self.dispatcher.worker_gone(worker)
 
@@ -478,6 +499,8 @@ class RouterService:
         if info is None:
             self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
             return
+        if (skew := self.clocks.observe(report.worker, report.ts, time.time())) is not None:
+            _say_skew(skew, self.config.request_timeout_s)
         self.view.update(report)
         if self.calibration is not None:
             self.calibration.observe(info, report)
@@ -533,5 +556,6 @@ class RouterService:
             inflight=self._path.inflight if self._path is not None else 0,
             workers=len(self._registry.workers()) if self._registry is not None else 0,
             timing=self.calibration.factors() if self.calibration is not None else {},
+            clock_offsets=self.clocks.offsets(),
             prompt_tokens=self._planner.reach.as_dict() if self._planner else {},
         )

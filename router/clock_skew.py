@@ -1,0 +1,66 @@
+"""Whether each worker's clock agrees with this router's.
+
+Router and shims compare wall-clock times across hosts: a request's `deadline` is set by the
+router and checked by the shim, and a load report's stamp decides when a booking hands over to
+the reports (router.load_view). A worker whose clock is off breaks both without a word: one ahead
+expires every deadline early by its offset (past `--request-timeout`, every request it gets is a
+504 "deadline passed") and has its stamps clamped; one behind double counts bookings.
+
+The offset is read from load reports, stamped when sent: (stamp - receipt) is the worker's offset
+minus the transit. Transit only delays, so the largest of the last WINDOW readings is the best
+estimate: one report stamped ahead is proof, while a clock is judged behind only when WINDOW
+reports in a row are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["WINDOW", "ClockSkew", "Skew"]
+
+WINDOW = 3
+
+
+@dataclass(slots=True)
+class Skew:
+    """A worker whose offset crossed the tolerance (or came back within it)."""
+
+    worker: str
+    offset_s: float  # its clock minus ours: positive is ahead
+    skewed: bool
+
+
+@dataclass(slots=True)
+class _Readings:
+    offsets: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    skewed: bool = False
+
+
+class ClockSkew:
+    def __init__(self, tolerance_s: float) -> None:
+        self.tolerance_s = tolerance_s
+        self._workers: dict[str, _Readings] = {}
+
+    def observe(self, worker: str, stamped: float, received: float) -> Skew | None:
+        """One report's stamp and its receipt on our clock; a Skew when the worker's state changed."""
+        if not math.isfinite(stamped):  # a broken stamp says nothing of the clock
+            return None
+        r = self._workers.get(worker)
+        if r is None:
+            r = self._workers[worker] = _Readings()
+        r.offsets.append(stamped - received)
+        offset = max(r.offsets)
+        skewed = abs(offset) > self.tolerance_s and (offset > 0 or len(r.offsets) == WINDOW)
+        if skewed == r.skewed:
+            return None
+        r.skewed = skewed
+        return Skew(worker, offset, skewed)
+
+    def offsets(self) -> dict[str, float]:
+        """Each worker's estimated offset, for the ones whose clock is off."""
+        return {w: max(r.offsets) for w, r in self._workers.items() if r.skewed}
+
+    def remove(self, worker: str) -> None:
+        self._workers.pop(worker, None)

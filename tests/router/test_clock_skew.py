@@ -1,0 +1,74 @@
+"""A worker whose clock disagrees with the router's is named, by the offset its load reports show."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import nats
+import pytest
+
+from protocol import LoadReport, encode_msg, subjects
+from router.clock_skew import WINDOW, ClockSkew
+from tests.router.conftest import Cluster
+from tests.router.polling import until
+
+
+def test_one_report_stamped_ahead_proves_the_clock_ahead() -> None:
+    clocks = ClockSkew(1.0)
+    assert clocks.observe("w", 100.0, 100.3) is None  # 0.3 s in transit
+    skew = clocks.observe("w", 105.0, 100.4)
+    assert skew is not None and skew.skewed and skew.offset_s == pytest.approx(4.6)
+    assert clocks.offsets() == {"w": pytest.approx(4.6)}
+    assert clocks.observe("w", 106.0, 101.4) is None  # still ahead: said once
+
+
+def test_a_clock_is_behind_only_when_a_whole_window_of_reports_is() -> None:
+    clocks = ClockSkew(1.0)
+    assert clocks.observe("w", 100.0, 102.5) is None  # one late report may just have been delayed
+    assert clocks.observe("w", 101.0, 101.2) is None
+    for i in range(WINDOW - 1):
+        assert clocks.observe("w", 90.0 + i, 102.0 + i) is None
+    skew = clocks.observe("w", 92.0, 104.0)
+    assert skew is not None and skew.skewed and skew.offset_s == pytest.approx(-12.0)
+
+
+def test_the_clock_back_in_agreement_is_said_and_the_worker_leaves_the_offsets() -> None:
+    clocks = ClockSkew(1.0)
+    assert clocks.observe("w", 130.0, 100.0) is not None
+    for i in range(WINDOW - 1):
+        assert clocks.observe("w", 101.0 + i, 101.0 + i) is None  # the ahead reading still in the window
+    back = clocks.observe("w", 110.0, 110.0)
+    assert back is not None and not back.skewed
+    assert clocks.offsets() == {}
+
+
+def test_a_broken_stamp_and_a_gone_worker_are_forgotten() -> None:
+    clocks = ClockSkew(1.0)
+    assert clocks.observe("w", float("nan"), 100.0) is None
+    assert clocks.observe("w", float("inf"), 100.0) is None
+    assert clocks.observe("w", 200.0, 100.0) is not None
+    clocks.remove("w")
+    assert clocks.offsets() == {}
+
+
+async def test_a_worker_reporting_from_a_clock_ahead_is_named_in_a_warning_and_the_metrics(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    caplog.set_level(logging.INFO, logger="router.service")
+    nc = await nats.connect(cluster.nats_url)
+    try:
+        # As the worker's shim would report with its host clock 700 s ahead.
+        forged = LoadReport(worker=worker.id, ts=time.time() + 700.0)
+        await nc.publish(subjects.load(cluster.ns, worker.id), encode_msg(forged))
+        line = f'kvswitch_router_worker_clock_offset_seconds{{worker="{worker.id}"}}'
+        await until(lambda: line in router.metrics.render().decode(), what="the offset in /metrics")
+    finally:
+        await nc.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and worker.id in r.getMessage()]
+    assert len(warned) == 1 and "ahead of this router's" in warned[0] and "every request it gets is a 504" in warned[0]
+    # The shim's own reports, stamped by a clock that agrees, bring it back.
+    await until(lambda: line not in router.metrics.render().decode(), timeout=10, what="the offset gone")
+    assert any("agrees with this router's again" in r.getMessage() for r in caplog.records)
