@@ -53,6 +53,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 TINY_LLAMA := $(VLLM_VENV)/tiny-llama
 TINY_LORA := $(VLLM_VENV)/tiny-lora
+TINY_HYBRID := $(VLLM_VENV)/tiny-hybrid
 
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -67,9 +68,12 @@ $(TINY_LLAMA)/config.json: tests/vllm/make_model.py | $(VLLM_STAMP)
 $(TINY_LORA)/adapter_config.json: tests/vllm/make_lora.py | $(TINY_LLAMA)/config.json
 	$(VLLM_VENV)/bin/python tests/vllm/make_lora.py $(TINY_LORA) $(TINY_LLAMA)
 
-test-vllm: install $(VLLM_STAMP) $(TINY_LLAMA)/config.json $(TINY_LORA)/adapter_config.json
+$(TINY_HYBRID)/config.json: tests/vllm/make_hybrid.py | $(TINY_LLAMA)/config.json
+	$(VLLM_VENV)/bin/python tests/vllm/make_hybrid.py $(TINY_HYBRID) $(TINY_LLAMA)
+
+test-vllm: install $(VLLM_STAMP) $(TINY_LLAMA)/config.json $(TINY_LORA)/adapter_config.json $(TINY_HYBRID)/config.json
 	$(PY) tests/vllm/run.py --vllm-venv $(VLLM_VENV) --model-dir $(TINY_LLAMA) --lora-dir $(TINY_LORA) \
-		--logs $(VLLM_VENV)/logs --out $(VLLM_VENV)/results.json
+		--hybrid-dir $(TINY_HYBRID) --logs $(VLLM_VENV)/logs --out $(VLLM_VENV)/results.json
 
 lint: install
 	$(BIN)/ruff check .

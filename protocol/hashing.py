@@ -23,6 +23,7 @@ __all__ = [
     "block_hashes",
     "block_hashes_py",
     "chain_salt",
+    "endpoint_key",
     "root_hash",
 ]
 
@@ -45,6 +46,17 @@ def root_hash(salt: str | bytes = ROOT_SALT) -> int:
     """The chain's starting value for `salt` (empty by default; a LoRA name or cache salt else)."""
     raw = salt.encode() if isinstance(salt, str) else salt
     return _xxh3(raw, seed=SEED)
+
+
+_ENDPOINT = b"window-end"
+
+
+def endpoint_key(canonical: int) -> int:
+    """The key a hybrid model's worker publishes for a block where a cached prefix may end (its
+    sliding-window groups hold the window before it; worker_shim.window_endpoints): xxh3_64 of the
+    block's canonical hash (u64le) and b"window-end". Another domain than the chain's, so it
+    never names a block."""
+    return _xxh3(_u64.pack(canonical) + _ENDPOINT, seed=SEED)
 
 
 def _pack_tokens(tokens: Sequence[int]) -> bytes:

@@ -366,6 +366,10 @@ class WorkerInfo(_Msg, kw_only=True):
     # False when the engine runs without prefix caching (vLLM --no-enable-prefix-caching): it caches
     # no prompt, so a prefix routed there is no prefix it will hold.
     prefix_caching: bool = True
+    # A hybrid model's sliding window in tokens (0: none, or none seen yet in its KV events). Its
+    # cached prefix is reused only up to where the window is cached too: the shim publishes those
+    # ends as `protocol.hashing.endpoint_key`s, and a router matches such a worker up to one.
+    sliding_window: int = 0
 
 
 def serving(infos: Collection[WorkerInfo], name: str) -> list[WorkerInfo]:

@@ -10,7 +10,15 @@ present, as vLLM 0.32 sends them:
 
     BlockStored:      type, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
                       lora_name, extra_keys, group_idx, kv_cache_spec_kind
+                      (+ kv_cache_spec_sliding_window for a sliding-window group)
     BlockRemoved:     type, block_hashes, medium, group_idx
+
+A hybrid model (sliding-window and full-attention layers: Gemma 2/3, gpt-oss) has one KV cache
+group per kind, and each group stores and removes its blocks with events of its own, named by
+group_idx; the hashes are the same values in every group. A sliding-window group caches only the
+blocks inside its window when they fill, so its BlockStored lists those blocks' hashes while
+`token_ids` still covers the whole range from the parent on (`len(token_ids)` is not
+`block_size * len(block_hashes)` there).
     AllBlocksCleared: type
 
 or, in the older positional form (vLLM before the tagged maps, and SGLang), arrays led by the tag:
@@ -81,6 +89,8 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     extra_keys: list[Any] | None = None
     group_idx: int = 0
     kv_cache_spec_kind: str = SPEC_KIND
+    # A sliding-window group's window in tokens; vLLM sends the key only for such groups.
+    kv_cache_spec_sliding_window: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, gc=False):
@@ -176,6 +186,7 @@ def _stored(f: dict[str, Any]) -> BlockStored:
         extra_keys=_optional(f, "extra_keys", list),
         group_idx=_optional(f, "group_idx", int, 0),
         kv_cache_spec_kind=_optional(f, "kv_cache_spec_kind", str, SPEC_KIND),
+        kv_cache_spec_sliding_window=_optional(f, "kv_cache_spec_sliding_window", int) or msgspec.UNSET,
     )
 
 

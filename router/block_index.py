@@ -187,6 +187,14 @@ class BlockIndex:
             return Overlap((), 0, self._slot_of, self._bits, self._names, self._name_bits)
         return Overlap(got[1], got[0], self._slot_of, self._bits, self._names, self._name_bits)
 
+    def holds(self, worker: str, key: int) -> bool:
+        """Whether `worker` holds `key` (a block, or a hybrid model's hit end)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return False
+        got = self._core.match([key])
+        return got is not None and bool(got[0] & self._bits[slot])
+
     def find_matches(self, hashes: Sequence[int]) -> dict[str, int]:
         """`match` as a plain dict; workers with no leading block are left out."""
         return self.match(hashes).to_dict()

@@ -31,7 +31,7 @@ import msgspec
 
 from protocol import BlockHasher, WorkerInfo, serving
 from protocol.config import RouterSettings
-from protocol.hashing import chain_salt
+from protocol.hashing import chain_salt, endpoint_key
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
 from router.eligibility import Eligibility, Exclusion
@@ -50,6 +50,7 @@ __all__ = ["PlanError", "Planner", "PrefixIndex", "PrefixReach", "standalone_pla
 
 class PrefixIndex(Protocol):
     def match(self, hashes: Sequence[int], /) -> Mapping[str, int]: ...
+    def holds(self, worker: str, key: int, /) -> bool: ...
 
 
 class PlanError(Exception):
@@ -183,6 +184,8 @@ class Planner:
                 excluded.append(status.explain())
                 continue
             indexed, routed = overlap.get(w, 0), pending.get(w, 0) if info.prefix_caching else 0
+            if info.sliding_window and indexed:
+                indexed = self._window_end(ctx, w, indexed)
             c = Candidate.of(info, max(indexed, routed), self.view.load(w))
             c.pending_blocks = max(routed - indexed, 0)
             if self.calibration is not None:
@@ -201,6 +204,16 @@ class Planner:
         ctx.decode_pool, ctx.prefill_pool, ctx.excluded = decode, prefill, excluded
         if not decode:
             raise self._no_decode_worker(ctx)
+
+    def _window_end(self, ctx: RequestContext, worker: str, held: int) -> int:
+        """A hybrid model's worker reuses `held` leading blocks only up to a block where its
+        sliding window is cached too, and never the prompt's last token (vLLM recomputes it):
+        the deepest such end its shim published (worker_shim.window_endpoints)."""
+        hashes = ctx.hashes
+        for n in range(min(held, (ctx.isl - 1) // ctx.block_size), 0, -1):
+            if self.index.holds(worker, endpoint_key(hashes[n - 1])):
+                return n
+        return 0
 
     def utility_workers(self, model: str) -> list[WorkerInfo]:
         """The workers of `model` that can answer a utility call (/tokenize) now: every shim serves

@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 
 from protocol.errors import ProtocolError
 
-__all__ = ["EngineBatch", "EngineCleared", "EngineEvent", "EngineRemoved", "EngineStored", "EventDecodeError"]
+__all__ = [
+    "FULL",
+    "WINDOW",
+    "EngineBatch",
+    "EngineCleared",
+    "EngineEvent",
+    "EngineRemoved",
+    "EngineStored",
+    "EventDecodeError",
+]
 
 
 class EventDecodeError(ProtocolError):
@@ -26,12 +35,19 @@ class EventDecodeError(ProtocolError):
         super().__init__(f"{engine} KV event", detail)
 
 
+FULL = "full"
+WINDOW = "window"
+
+
 @dataclass(slots=True, frozen=True)
 class EngineStored:
     """Blocks cached in chain order; `parent` is the engine hash before hashes[0] (None: root).
 
     `token_ids` holds every block's tokens back to back; `salt` separates chains that share tokens
-    but not KV (a LoRA adapter name).
+    but not KV (a LoRA adapter name). A hybrid model's engine caches each block once per KV cache
+    `group`: `kind` FULL (full attention: what the prefix index holds), WINDOW (sliding window of
+    `window` tokens: its events list only the blocks inside the window, `token_ids` still covering
+    the whole range), or the engine's own name of a kind kvswitch does not model.
     """
 
     hashes: Sequence[int]
@@ -40,12 +56,16 @@ class EngineStored:
     block_size: int
     salt: str = ""
     medium: str | None = None
+    group: int = 0
+    kind: str = FULL
+    window: int = 0
 
 
 @dataclass(slots=True, frozen=True)
 class EngineRemoved:
     hashes: Sequence[int]
     medium: str | None = None
+    group: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,6 +13,12 @@ Rules:
 - Mappings of removed blocks are remembered (bounded) so a parent evicted before its child still
   resolves: an engine hash names fixed content, so the mapping cannot go stale.
 - Malformed events (token count not blocks x B, wrong block size) are counted, logged once, dropped.
+- A hybrid model's engine caches blocks once per KV cache group (EngineStored.kind): the
+  full-attention group's events are the chain above; a sliding-window group's go to
+  worker_shim.window_endpoints, whose hit ends are published as `endpoint_key`s. Within a batch the
+  full-attention events are folded first (vLLM sends group 0 first, which may be the window's), so
+  a window block's engine hash always names a known canonical one. A group of a kind kvswitch does
+  not model is counted and logged once, and its events dropped.
 
 Synchronous and single-owner: the shim's event pump calls `apply`; nothing here awaits.
 """
@@ -25,8 +31,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from protocol import Cleared, KvEvent, Removed, Stored
-from protocol.hashing import block_hashes, root_hash
-from worker_shim.engine_events import EngineCleared, EngineEvent, EngineRemoved, EngineStored
+from protocol.hashing import block_hashes, endpoint_key, root_hash
+from worker_shim.engine_events import FULL, WINDOW, EngineCleared, EngineEvent, EngineRemoved, EngineStored
+from worker_shim.window_endpoints import UNKNOWN_PARENT, WindowEndpoints
 
 __all__ = ["Normaliser", "NormaliserStats"]
 
@@ -41,6 +48,7 @@ class NormaliserStats:
     unknown_parent: int = 0
     unknown_removed: int = 0
     resets: int = 0
+    other_groups: int = 0  # events of a KV cache group kind kvswitch does not model
 
 
 class Normaliser:
@@ -63,11 +71,15 @@ class Normaliser:
         self._retired: OrderedDict[int, int] = OrderedDict()
         self._roots: dict[str, int] = {"": root_hash("")}
         self._logged: set[str] = set()
+        # KV cache group -> kind, as its Stored events say: the engine's layout, kept over resets.
+        self._groups: dict[int, str] = {}
+        self.windows = WindowEndpoints()
 
     # --- reading ------------------------------------------------------------------------------
 
     def canonical_hashes(self) -> set[int]:
-        return set(self._canon)
+        """Every key published and held: the blocks, and a hybrid model's hit ends."""
+        return set(self._canon) | {endpoint_key(c) for c in self.windows.endpoints}
 
     def __len__(self) -> int:
         return len(self._canon)
@@ -76,12 +88,14 @@ class Normaliser:
         return canonical in self._canon
 
     def cached_prefix_blocks(self, hashes: list[int]) -> int:
-        """How many leading blocks of a prompt (its canonical hashes) the engine holds."""
+        """How many leading blocks of a prompt (its canonical hashes) the engine holds, and for a
+        hybrid model would reuse: up to a hit end of its sliding windows."""
         canon = self._canon
-        for i, h in enumerate(hashes):
-            if h not in canon:
-                return i
-        return len(hashes)
+        held = next((i for i, h in enumerate(hashes) if h not in canon), len(hashes))
+        if not self.windows.window:
+            return held
+        ends = self.windows.endpoints
+        return next((n for n in range(held, 0, -1) if hashes[n - 1] in ends), 0)
 
     def dump(self) -> list[int]:
         """Every canonical hash held, each parent before its children."""
@@ -99,6 +113,7 @@ class Normaliser:
             for x in reversed(chain):
                 done.add(x)
                 out.append(x)
+        out += [endpoint_key(c) for c in self.windows.endpoints]
         return out
 
     def snapshot(self) -> list[KvEvent]:
@@ -114,6 +129,7 @@ class Normaliser:
         self._canon.clear()
         self._canon_parent.clear()
         self._retired.clear()
+        self.windows.clear()
         self.exact = exact
         self.needs_rebuild = False
         self.stats.resets += 1
@@ -121,14 +137,71 @@ class Normaliser:
 
     def apply(self, events: Iterable[EngineEvent]) -> list[KvEvent]:
         out: list[KvEvent] = []
+        window: list[EngineStored | EngineRemoved] = []
         for ev in events:
-            if isinstance(ev, EngineStored):
-                self._stored(ev, out)
-            elif isinstance(ev, EngineRemoved):
-                self._removed(ev, out)
-            elif isinstance(ev, EngineCleared):
+            if isinstance(ev, EngineCleared):
+                self._windowed(window, out)
+                window = []
                 out.extend(self.reset(exact=True))
+                continue
+            kind = self._kind_of(ev)
+            if kind == FULL:
+                if isinstance(ev, EngineStored):
+                    self._stored(ev, out)
+                else:
+                    self._removed(ev, out)
+            elif kind == WINDOW:
+                window.append(ev)
+            elif kind is None:
+                self.stats.unknown_removed += len(ev.hashes)
+            else:
+                self.stats.other_groups += 1
+                self._say_once(
+                    f"KV cache group {ev.group} is of kind {kind!r}, which kvswitch does not model: its events "
+                    "are dropped, and routers count this worker's full-attention prefix as cached"
+                )
+        self._windowed(window, out)
         return out
+
+    def _kind_of(self, ev: EngineStored | EngineRemoved) -> str | None:
+        """The event's group kind; None: a removal from a group no Stored has named yet."""
+        if isinstance(ev, EngineStored):
+            self._groups[ev.group] = ev.kind
+            return ev.kind
+        kind = self._groups.get(ev.group)
+        if kind is None and ev.group == 0 and not self._groups:
+            return FULL  # an engine with one group, before its first Stored since a reset
+        return kind
+
+    def _windowed(self, events: list[EngineStored | EngineRemoved], out: list[KvEvent]) -> None:
+        """Fold window groups' events, after the batch's full-attention ones, and publish the
+        hit ends they moved."""
+        windows = self.windows
+        for ev in events:
+            if isinstance(ev, EngineRemoved):
+                self.stats.unknown_removed += windows.removed(ev.group, ev.hashes)
+                continue
+            if ev.block_size != self.block_size:
+                self._malformed(f"window group block_size {ev.block_size} differs from the worker's {self.block_size}")
+                continue
+            blocks = []
+            for eh in ev.hashes:
+                ch = self._canonical_of(eh)
+                if ch is None:
+                    self.stats.unknown_parent += 1
+                    continue
+                blocks.append((eh, ch, self._canon_parent.get(ch, UNKNOWN_PARENT)))
+            windows.stored(ev.group, ev.window, ev.block_size, blocks)
+        gained, lost = windows.settle()
+        if gained:
+            out.append(Stored(hashes=[endpoint_key(c) for c in gained]))
+        if lost:
+            out.append(Removed(hashes=[endpoint_key(c) for c in lost]))
+
+    def _say_once(self, why: str) -> None:
+        if why not in self._logged:
+            self._logged.add(why)
+            log.warning("%s", why)
 
     def _malformed(self, why: str) -> None:
         self.stats.malformed += 1

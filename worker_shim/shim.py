@@ -463,6 +463,7 @@ class WorkerShim:
             max_model_len=lim.max_model_len,
             adapters=self.adapters,
             prefix_caching=lim.prefix_caching is not False,
+            sliding_window=self.normaliser.windows.window if self.normaliser is not None else 0,
         )
 
     # --- engine events ------------------------------------------------------------------------------
@@ -476,7 +477,16 @@ class WorkerShim:
         if batch.live and batch.events:
             self.events.live(any(isinstance(e, EngineStored) for e in batch.events))
         out = norm.reset(exact=batch.complete) if batch.reset else []
+        window = norm.windows.window
         out += norm.apply(batch.events)
+        if norm.windows.window != window:
+            log.info(
+                "the engine runs a hybrid model (a sliding window of %d tokens): its cached prefixes are "
+                "reused only where the window is cached too, which routers are told",
+                norm.windows.window,
+            )
+            if self.registration is not None:
+                self.registration.update()
         if norm.needs_rebuild:
             norm.needs_rebuild = False
             log.warning("KV event with an unknown parent: asking the engine for its whole state")

@@ -24,7 +24,11 @@ real nats-server and etcd. It checks, in order:
 8. data_parallel: one vLLM running two data-parallel ranks and a shim per rank
    (`--data-parallel-rank`; rank 0's given the server's --kv-events-config, rank 1's reading its
    endpoints from the engine's /kv_event_sources): each registers its rank's capacity, and each
-   router's index of a rank's worker is exactly what that rank's own events say it holds.
+   router's index of a rank's worker is exactly what that rank's own events say it holds;
+9. hybrid: one vLLM of a tiny hybrid model (make_hybrid.py: a sliding-window layer of 64 tokens and
+   a full-attention layer): its worker registers the window, and for each of capture_hybrid.py's
+   five prompts, sent through a router, the prefix each router credits the worker with is what
+   vLLM then reports cached (`prompt_tokens_details.cached_tokens`).
 
 Run with the project's venv (`.venv/bin/python tests/vllm/run.py --vllm-venv .venv-vllm`); prints one
 line per check and a JSON summary (also written to `--out`). Exit status 0 when every check passed.
@@ -72,6 +76,18 @@ TOPIC = "kv-events"
 log = logging.getLogger("test-vllm")
 
 
+# Prompts sharing prefixes, for the hybrid model (check_hybrid, capture_hybrid.py), in order; what
+# vLLM reuses of each is in the comments.
+_A = list(range(100, 400))  # 300 tokens: 9 full blocks of 32
+HYBRID_PROMPTS = [
+    _A,  # cached: the full-attention group all 9 blocks, the sliding group only blocks 7 and 8
+    _A,  # a hit up to the end: 288
+    _A[:200] + list(range(1000, 1100)),  # shares 6 blocks, but the window before them is not cached: 0
+    _A[:200] + list(range(2000, 2100)),  # the same 6 blocks again: vLLM cached the window at that junction
+    _A[:256] + list(range(3000, 3100)),  # shares 8 blocks; the window is cached before block 6, not 8
+]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,6 +123,8 @@ class Engine:
     lora_dir: Path | None = None
     lora_module: str | None = None
     data_parallel_size: int = 1  # ranks behind the one API server; rank r publishes on port + r
+    blocks: int = 80
+    flags: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     start_s: list[float] = field(default_factory=list)
 
@@ -137,12 +155,13 @@ class Engine:
             "--max-num-seqs",
             "8",
             "--num-gpu-blocks-override",
-            "80",
+            str(self.blocks),
             "--enforce-eager",
             "--dtype",
             "bfloat16",
             "--kv-events-config",
             events_config(self.events, self.replay),
+            *self.flags,
         ]
         env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
         if self.data_parallel_size > 1:
@@ -226,7 +245,7 @@ class Cluster:
             role="agg",
             model=MODEL,
             kv_events_config=None if discover else events_config(events or engine.events, engine.replay, topic),
-            model_path=str(self.args.model_dir),
+            model_path=str(engine.model_dir),
             max_num_batched_tokens=2048,
             namespace=self.ns,
             lease_ttl=3,
@@ -250,6 +269,18 @@ class Cluster:
             if shim is not None and shim.worker_id == worker:
                 return engine
         raise KeyError(worker)
+
+    def routable(self, workers: set[str]) -> bool:
+        """Every router has exactly `workers` and may route to each: registered is not enough, as a
+        router takes a new worker once it has its first full state (a kvstate dump that the shim
+        may not answer yet, retried with backoff)."""
+        for router in self.routers:
+            infos = router.registry.workers()
+            if {i.worker for i in infos} != workers:
+                return False
+            if not all(st.routable for st in router.eligibility.statuses(infos)):
+                return False
+        return True
 
     async def until(self, cond: Callable[[], bool], timeout: float, what: str) -> float:
         started = time.monotonic()
@@ -568,11 +599,9 @@ async def check_kill_restart(c: Cluster) -> dict[str, Any]:
     )
     engine.start()
     await engine.ready(c.http)
+    others = {s.worker_id for s in c.shims.values() if s is not shim}
     back = await c.until(
-        lambda: (
-            shim.worker_id not in (None, old)
-            and all(shim.worker_id in [w.worker for w in r.registry.workers()] and r.ready for r in c.routers)
-        ),
+        lambda: shim.worker_id not in (None, old) and c.routable({*others, shim.worker_id}),  # type: ignore[arg-type]
         60,
         "the restarted engine registers again",
     )
@@ -620,7 +649,7 @@ async def check_data_parallel(c: Cluster) -> dict[str, Any]:
         assert shim.limits.kv_total_blocks == 80, f"rank {rank} registered {shim.limits.kv_total_blocks} blocks"
         assert shim.config.kv_events == f"tcp://127.0.0.1:{dp.events + rank}", shim.config.kv_events
     rank_of = {shim.worker_id: rank for rank, shim in shims.items()}
-    await c.until(lambda: all({w.worker for w in r.registry.workers()} == set(rank_of) for r in c.routers), 30, "ranks")
+    await c.until(lambda: c.routable(set(rank_of)), 30, "both ranks routable")  # type: ignore[arg-type]
     went = []
     for i in range(8):
         prompt = [4 + (i * 7919 + j * 31) % 4000 for j in range(70)]
@@ -639,6 +668,53 @@ async def check_data_parallel(c: Cluster) -> dict[str, Any]:
             await c.until(held, 10, f"rank {rank}'s hashes in {router.router_id}")
             assert set(router.index.worker_hashes(worker)) == expected
     return {"requests_by_rank": [went.count(0), went.count(1)], "dp_start_s": dp.start_s[-1]}
+
+
+async def check_hybrid(c: Cluster) -> dict[str, Any]:
+    """A hybrid model's worker: the routers credit it with what vLLM reuses, not with the longest
+    prefix its full-attention layers hold (tests/vllm/capture_hybrid.py's prompts)."""
+    for name in list(c.shims):
+        await c.shims.pop(name).stop()
+    for engine in c.engines:
+        engine.kill()
+    hybrid = Engine(
+        "vllm-hybrid", Path(c.args.vllm_venv), Path(c.args.hybrid_dir), Path(c.args.logs),
+        blocks=200, flags=("--enable-prompt-tokens-details",),
+    )  # fmt: skip
+    c.engines.append(hybrid)
+    hybrid.start()
+    await hybrid.ready(c.http)
+    c.shims[hybrid.name] = shim = c.shim(hybrid)
+    await shim.start()
+    await asyncio.wait_for(shim.registered.wait(), 60)
+    worker = shim.worker_id
+    assert worker is not None
+    await c.until(lambda: c.routable({worker}), 30, "the hybrid worker routable")
+    credited, reused = [], []
+    for i, prompt in enumerate(HYBRID_PROMPTS):
+        published = shim.canonical_hashes()
+        digest = (len(published), functools.reduce(lambda a, b: a ^ b, published, 0))
+        for router in c.routers:
+            await c.until(functools.partial(lambda r, d: r.index.digest(worker) == d, router, digest), 10, "synced")
+        predicted = set()
+        for router in c.routers:
+            ctx = router.planner.context(f"probe-{i}", MODEL, prompt)
+            router.planner.refresh(ctx)
+            predicted.add(ctx.cached_tokens(ctx.decode_pool[0]))
+        assert len(predicted) == 1, f"the routers disagree: {predicted}"
+        status, body, _ = await c.post(
+            c.routers[i % 2].url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        )
+        assert status == 200, body
+        credited.append(predicted.pop())
+        reused.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        # Each batch is delivered to the shim once: caught up when it has taken as many as vLLM sent.
+        sent = len(await _replay_all(hybrid.replay))
+        await c.until(lambda: sum(shim.engine_batches.values()) >= sent, 10, "the shim caught up")  # noqa: B023
+    windows = {r.registry.get(worker).sliding_window for r in c.routers}  # type: ignore[union-attr]
+    assert windows == {64}, f"registered windows {windows}"
+    assert credited == reused, f"credited {credited}, vLLM reused {reused}"
+    return {"credited": credited, "reused": reused, "hybrid_start_s": hybrid.start_s[-1]}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -684,6 +760,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await results.run("lora", lambda: check_lora(c))
                 await results.run("kill_restart", lambda: check_kill_restart(c))
                 await results.run("data_parallel", lambda: check_data_parallel(c))
+                await results.run("hybrid", lambda: check_hybrid(c))
             finally:
                 for router in c.routers:
                     await router.stop()
@@ -706,6 +783,7 @@ def main() -> int:
     parser.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"), help="venv with vllm-cpu 0.32.0")
     parser.add_argument("--model-dir", default=str(ROOT / ".venv-vllm" / "tiny-llama"), help="from make_model.py")
     parser.add_argument("--lora-dir", default=str(ROOT / ".venv-vllm" / "tiny-lora"), help="from make_lora.py")
+    parser.add_argument("--hybrid-dir", default=str(ROOT / ".venv-vllm" / "tiny-hybrid"), help="from make_hybrid.py")
     parser.add_argument("--logs", default=str(ROOT / ".venv-vllm" / "logs"), help="vLLM logs go here")
     parser.add_argument("--out", default=None, help="write the JSON summary here too")
     args = parser.parse_args()

@@ -26,13 +26,16 @@ FIXTURES = ROOT / "tests" / "fixtures" / "vllm-0.32" / "bs32"
 
 
 @contextlib.contextmanager
-def vllm(name: str, *flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """The base URL of a running server with `flags` added; its output in .venv-vllm/logs/NAME.log."""
+def vllm(
+    name: str, *flags: str, env: dict[str, str] | None = None, model: str = "tiny-llama", blocks: int = 80
+) -> Iterator[str]:
+    """The base URL of a running server of `model` (a directory in .venv-vllm) with `blocks` KV
+    blocks and `flags` added; its output in .venv-vllm/logs/NAME.log."""
     http = free_port()
     cmd = [
-        str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", "tiny-llama",
+        str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(http), "--block-size", str(BLOCK),
-        "--max-model-len", "2048", "--num-gpu-blocks-override", "80", "--enforce-eager", "--dtype", "bfloat16",
+        "--max-model-len", "2048", "--num-gpu-blocks-override", str(blocks), "--enforce-eager", "--dtype", "bfloat16",
         *flags,
     ]  # fmt: skip
     full_env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}

@@ -11,7 +11,15 @@ from __future__ import annotations
 from protocol.errors import ProtocolError
 from protocol.hashing import chain_salt
 from protocol.vllm_events import BlockRemoved, BlockStored, KVEvent, decode_batch
-from worker_shim.engine_events import EngineCleared, EngineEvent, EngineRemoved, EngineStored, EventDecodeError
+from worker_shim.engine_events import (
+    FULL,
+    WINDOW,
+    EngineCleared,
+    EngineEvent,
+    EngineRemoved,
+    EngineStored,
+    EventDecodeError,
+)
 
 __all__ = ["decode_payload", "decode_ranked", "to_engine_event"]
 
@@ -20,6 +28,7 @@ def to_engine_event(event: KVEvent) -> EngineEvent:
     if isinstance(event, BlockStored):
         lora = event.lora_name or ("" if event.lora_id is None else str(event.lora_id))
         salt = chain_salt(lora, _cache_salt(event)) if event.parent_block_hash is None else lora
+        window = event.kv_cache_spec_sliding_window
         return EngineStored(
             hashes=event.block_hashes,
             parent=event.parent_block_hash,
@@ -27,10 +36,27 @@ def to_engine_event(event: KVEvent) -> EngineEvent:
             block_size=event.block_size,
             salt=salt,
             medium=event.medium,
+            group=event.group_idx or 0,
+            kind=_kind(event.kv_cache_spec_kind, window),
+            window=window if isinstance(window, int) else 0,
         )
     if isinstance(event, BlockRemoved):
-        return EngineRemoved(hashes=event.block_hashes, medium=event.medium)
+        return EngineRemoved(hashes=event.block_hashes, medium=event.medium, group=event.group_idx or 0)
     return EngineCleared()
+
+
+# vLLM's KVCacheSpecKind values whose blocks hold a prompt's whole prefix, and those that hold a
+# sliding window of it (the MLA variant too).
+_FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+
+
+def _kind(kind: str | None, window: object) -> str:
+    if kind is None or kind in _FULL_KINDS:
+        return FULL
+    if kind in _WINDOW_KINDS and isinstance(window, int) and window > 0:
+        return WINDOW
+    return kind
 
 
 def _cache_salt(event: BlockStored) -> str:

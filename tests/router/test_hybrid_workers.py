@@ -1,0 +1,51 @@
+"""A hybrid model's worker (sliding-window and full-attention layers) is credited with the prefix
+vLLM would reuse: the matched prefix cut back to a hit end its shim published."""
+
+from __future__ import annotations
+
+import json
+
+from protocol.vllm_events import END_SEQ, decode_replay_reply
+from tests.protocol.vllm_captures import FIXTURES
+from tests.router.test_planner import Fleet, winfo
+from worker_shim.adapters.vllm_events import decode_payload
+from worker_shim.normaliser import Normaliser
+
+BS = 32
+
+
+def _published_before(batches: int) -> set[int]:
+    """What a shim had published after the first `batches` of the captured hybrid replay."""
+    norm = Normaliser(BS)
+    lines = (FIXTURES / "bs32" / "hybrid_replay_from_0.jsonl").read_text().splitlines()[1:]
+    for line in lines[:batches]:
+        _, seq, payload = decode_replay_reply([bytes.fromhex(h) for h in json.loads(line)["frames_hex"]])
+        assert seq != END_SEQ
+        norm.apply(decode_payload(payload))
+    return norm.canonical_hashes()
+
+
+def test_each_captured_request_is_credited_with_what_vllm_reused() -> None:
+    requests = json.loads((FIXTURES / "bs32" / "hybrid_requests.json").read_text())
+    got, plain = [], []
+    for r in requests:
+        f = Fleet(winfo("hybrid", block_size=BS, sliding_window=64), winfo("plain", block_size=BS))
+        keys = _published_before(r["batches_before"])
+        f.index.store("hybrid", keys)
+        f.index.store("plain", keys)
+        ctx = f.ctx(r["prompt"])
+        f.planner.refresh(ctx)
+        by_worker = {c.worker: ctx.cached_tokens(c) for c in ctx.decode_pool}
+        got.append(by_worker["hybrid"])
+        plain.append(by_worker["plain"])
+    assert got == [r["cached_tokens"] for r in requests] == [0, 288, 0, 192, 192]
+    assert plain == [0, 288, 192, 192, 256]  # the same keys read as one full-attention cache
+
+
+def test_a_hybrid_worker_with_nothing_published_at_its_window_gets_no_credit() -> None:
+    f = Fleet(winfo("hybrid", block_size=BS, sliding_window=64))
+    prompt = list(range(100, 400))
+    ctx = f.ctx(prompt)
+    f.index.store("hybrid", ctx.hashes)  # the full-attention blocks only
+    f.planner.refresh(ctx)
+    assert ctx.cached_tokens(ctx.decode_pool[0]) == 0

@@ -1,0 +1,163 @@
+"""A hybrid model's sliding-window groups: the hit ends a shim publishes, against vLLM's own
+reuse (tests/vllm/capture_hybrid.py) and at the window rule's boundaries."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+
+import pytest
+
+from protocol import Removed, Stored, block_hashes
+from protocol.hashing import endpoint_key
+from protocol.vllm_events import END_SEQ, decode_replay_reply
+from tests.protocol.vllm_captures import FIXTURES
+from worker_shim.adapters.vllm_events import decode_payload
+from worker_shim.engine_events import FULL, WINDOW, EngineRemoved, EngineStored
+from worker_shim.normaliser import Normaliser
+from worker_shim.window_endpoints import WindowEndpoints
+
+BS = 32
+
+
+def _reused(keys: set[int], prompt: list[int]) -> int:
+    """What a router predicts vLLM reuses: the longest held prefix, at most all but the last
+    token, cut back to a published hit end."""
+    hashes = block_hashes(prompt, BS)[: (len(prompt) - 1) // BS]
+    held = next((i for i, h in enumerate(hashes) if h not in keys), len(hashes))
+    return next((n for n in range(held, 0, -1) if endpoint_key(hashes[n - 1]) in keys), 0) * BS
+
+
+def test_the_published_hit_ends_predict_what_vllm_reused_for_each_captured_request() -> None:
+    batches = []
+    for line in (FIXTURES / "bs32" / "hybrid_replay_from_0.jsonl").read_text().splitlines()[1:]:
+        _, seq, payload = decode_replay_reply([bytes.fromhex(h) for h in json.loads(line)["frames_hex"]])
+        if seq != END_SEQ:
+            batches.append(decode_payload(payload))
+    requests = json.loads((FIXTURES / "bs32" / "hybrid_requests.json").read_text())
+    assert [r["cached_tokens"] for r in requests] == [0, 288, 0, 192, 192]
+    for r in requests:
+        norm = Normaliser(BS)
+        for batch in batches[: r["batches_before"]]:
+            norm.apply(batch)
+        assert norm.stats.malformed == norm.stats.unknown_parent == norm.stats.unknown_removed == 0
+        assert _reused(norm.canonical_hashes(), r["prompt"]) == r["cached_tokens"]
+        # The shim's own count of a prompt's cached blocks (for its queued prefill tokens).
+        hashes = block_hashes(r["prompt"], BS)[: (len(r["prompt"]) - 1) // BS]
+        assert norm.cached_prefix_blocks(hashes) * BS == r["cached_tokens"]
+    # Without the window rule, the last three would be predicted at 192, 192 and 256.
+    norm = Normaliser(BS)
+    for batch in batches:
+        norm.apply(batch)
+    assert norm.windows.window == 64
+
+
+def _chain(n: int, base: int = 0) -> tuple[list[int], list[int]]:
+    tokens = list(range(base, base + n * BS))
+    return tokens, block_hashes(tokens, BS)
+
+
+def _stored(hashes: list[int], tokens: list[int], kind: str = FULL, group: int = 1, window: int = 0) -> EngineStored:
+    return EngineStored(
+        hashes=hashes, parent=None, token_ids=tokens, block_size=BS, group=group, kind=kind, window=window
+    )
+
+
+def _ends(out: Sequence[object]) -> tuple[set[int], set[int]]:
+    gained = {h for e in out if isinstance(e, Stored) for h in e.hashes}
+    lost = {h for e in out if isinstance(e, Removed) for h in e.hashes}
+    return gained, lost
+
+
+def test_a_window_cached_before_the_full_blocks_in_one_batch_is_resolved_through_them() -> None:
+    tokens, canon = _chain(4)
+    engine = [1000 + i for i in range(4)]
+    norm = Normaliser(BS)
+    # vLLM's order: the window group (0) first, holding the last two blocks of a 96-token window.
+    out = norm.apply([_stored(engine[2:], tokens, WINDOW, 0, 96), _stored(engine, tokens)])
+    gained, _ = _ends(out)
+    need = -(-(96 - 1) // BS)  # 3 blocks, of which only 2 are held: no end at block 4
+    assert need == 3 and endpoint_key(canon[3]) not in gained
+    out = norm.apply([_stored([engine[1]], tokens[: 2 * BS], WINDOW, 0, 96)])
+    assert _ends(out)[0] == {endpoint_key(canon[3])}
+
+
+def test_a_prefix_shorter_than_the_window_is_an_end_when_every_block_from_the_root_is_held() -> None:
+    ends = WindowEndpoints()
+    _, canon = _chain(2)
+    ends.stored(0, 4 * BS, BS, [(10, canon[0], None), (11, canon[1], canon[0])])
+    assert set(ends.settle()[0]) == {canon[0], canon[1]}
+
+
+def test_an_evicted_window_block_takes_the_ends_that_needed_it_and_only_those() -> None:
+    ends = WindowEndpoints()
+    _, canon = _chain(6)
+    parents = [None, *canon[:-1]]
+    ends.stored(0, 2 * BS, BS, [(100 + i, canon[i], parents[i]) for i in range(6)])  # need 2
+    assert set(ends.settle()[0]) == set(canon)
+    assert ends.removed(0, [102]) == 0
+    gained, lost = ends.settle()
+    assert (gained, set(lost)) == ([], {canon[2], canon[3]})  # blocks 3 and 4 end runs through 2
+    ends.stored(0, 2 * BS, BS, [(102, canon[2], canon[1])])
+    assert set(ends.settle()[0]) == {canon[2], canon[3]}
+
+
+def test_every_window_group_must_hold_the_window() -> None:
+    ends = WindowEndpoints()
+    _, canon = _chain(3)
+    ends.stored(0, 2 * BS, BS, [(1, canon[1], canon[0]), (2, canon[2], canon[1])])
+    assert ends.settle()[0] == [canon[2]]
+    ends.stored(2, 2 * BS, BS, [(2, canon[2], canon[1])])  # a second window group lacks block 2
+    assert ends.settle() == ([], [canon[2]])
+
+
+def test_a_copy_held_twice_stays_until_both_are_removed() -> None:
+    ends = WindowEndpoints()
+    _, canon = _chain(1)
+    ends.stored(0, BS, BS, [(1, canon[0], None)])
+    ends.stored(0, BS, BS, [(1, canon[0], None)])
+    ends.settle()
+    ends.removed(0, [1])
+    assert ends.settle() == ([], [])
+    ends.removed(0, [1])
+    assert ends.settle() == ([], [canon[0]])
+    assert ends.removed(0, [1]) == 1  # no longer held: counted unknown
+
+
+def test_full_attention_removals_leave_the_window_groups_alone_and_the_reverse() -> None:
+    tokens, canon = _chain(2)
+    norm = Normaliser(BS)
+    norm.apply([_stored([1, 2], tokens, WINDOW, 0, 2 * BS), _stored([1, 2], tokens)])
+    assert endpoint_key(canon[1]) in norm.canonical_hashes()
+    norm.apply([EngineRemoved(hashes=[2], group=0)])  # the window group evicts block 2
+    assert canon[1] in norm.canonical_hashes() and endpoint_key(canon[1]) not in norm.canonical_hashes()
+    norm.apply([EngineRemoved(hashes=[1], group=1)])  # the full group evicts block 1
+    assert canon[0] not in norm.canonical_hashes() and endpoint_key(canon[0]) in norm.canonical_hashes()
+
+
+def test_a_group_kind_kvswitch_does_not_model_is_counted_and_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    tokens, canon = _chain(1)
+    norm = Normaliser(BS)
+    with caplog.at_level(logging.WARNING):
+        out = norm.apply([_stored([1], tokens, "mamba", 2), _stored([1], tokens), _stored([1], tokens, "mamba", 2)])
+    assert norm.stats.other_groups == 2 and norm.canonical_hashes() == {canon[0]}
+    assert _ends(out) == ({canon[0]}, set())
+    assert sum("'mamba'" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_removal_from_a_group_never_named_is_counted_not_applied() -> None:
+    tokens, canon = _chain(1)
+    norm = Normaliser(BS)
+    norm.apply([_stored([1], tokens)])
+    norm.apply([EngineRemoved(hashes=[1], group=3)])
+    assert norm.canonical_hashes() == {canon[0]} and norm.stats.unknown_removed == 1
+
+
+def test_a_reset_forgets_the_windows_and_a_dump_holds_the_ends() -> None:
+    tokens, canon = _chain(1)
+    norm = Normaliser(BS)
+    norm.apply([_stored([1], tokens, WINDOW, 0, BS), _stored([1], tokens)])
+    assert set(norm.dump()) == {canon[0], endpoint_key(canon[0])}
+    norm.reset(exact=True)
+    assert norm.dump() == [] and not norm.windows.endpoints
