@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from protocol.hashing import endpoint_key
 from router.disagg import RoutePlan
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
 from router.policies import Path
+from router.request_context import Candidate, RequestContext
 
 __all__ = ["BookingSink", "Ledger", "LocalSink"]
 
@@ -63,10 +65,17 @@ class Ledger:
         if plan.path is Path.REMOTE and p is not None:
             self.sink.add(key, p.worker, ctx.uncached_tokens(p), 0)
             self.sink.add(key, d.worker, 0, ctx.new_blocks(d))
-            self.pending.add(p.worker, ctx.hashes)
+            self._pending(p, ctx)
         else:
             self.sink.add(key, d.worker, ctx.uncached_tokens(d), ctx.new_blocks(d))
-        self.pending.add(d.worker, ctx.hashes)
+        self._pending(d, ctx)
+
+    def _pending(self, c: Candidate, ctx: RequestContext) -> None:
+        """The prompt's blocks will be on `c`; on a hybrid model's worker, with its window cached
+        where the prompt ends (the hit end its shim will publish, worker_shim.window_endpoints)."""
+        self.pending.add(c.worker, ctx.hashes)
+        if c.info.sliding_window and ctx.hashes:
+            self.pending.add(c.worker, [endpoint_key(ctx.hashes[-1])])
 
     def rebook_bypass(self, key: str, plan: RoutePlan) -> None:
         """The remote prefill failed: the decode worker prefills the prompt itself."""

@@ -63,6 +63,11 @@ class PendingPrefixes:
                 hashes = unpack_hashes(hashes)
             _consume(map(held.pop, hashes, repeat(None)))
 
+    def holds(self, worker: str, key: int) -> bool:
+        """Whether `worker` has a live entry for `key`."""
+        held = self._by_worker.get(worker)
+        return held is not None and held.get(key, _ABSENT) > self._clock()
+
     def forget_worker(self, worker: str) -> None:
         self._by_worker.pop(worker, None)
 

@@ -184,8 +184,8 @@ class Planner:
                 excluded.append(status.explain())
                 continue
             indexed, routed = overlap.get(w, 0), pending.get(w, 0) if info.prefix_caching else 0
-            if info.sliding_window and indexed:
-                indexed = self._window_end(ctx, w, indexed)
+            if info.sliding_window:
+                indexed, routed = self._window_end(ctx, w, indexed), self._window_end(ctx, w, routed, pending=True)
             c = Candidate.of(info, max(indexed, routed), self.view.load(w))
             c.pending_blocks = max(routed - indexed, 0)
             if self.calibration is not None:
@@ -205,13 +205,15 @@ class Planner:
         if not decode:
             raise self._no_decode_worker(ctx)
 
-    def _window_end(self, ctx: RequestContext, worker: str, held: int) -> int:
+    def _window_end(self, ctx: RequestContext, worker: str, held: int, *, pending: bool = False) -> int:
         """A hybrid model's worker reuses `held` leading blocks only up to a block where its
         sliding window is cached too, and never the prompt's last token (vLLM recomputes it):
-        the deepest such end its shim published (worker_shim.window_endpoints)."""
+        the deepest such end its shim published (worker_shim.window_endpoints), or, with
+        `pending`, that a prompt routed there will leave (router.ledger)."""
         hashes = ctx.hashes
         for n in range(min(held, (ctx.isl - 1) // ctx.block_size), 0, -1):
-            if self.index.holds(worker, endpoint_key(hashes[n - 1])):
+            key = endpoint_key(hashes[n - 1])
+            if self.index.holds(worker, key) or (pending and self.pending.holds(worker, key)):
                 return n
         return 0
 

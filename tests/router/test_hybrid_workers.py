@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from protocol.vllm_events import END_SEQ, decode_replay_reply
 from tests.protocol.vllm_captures import FIXTURES
 from tests.router.test_planner import Fleet, winfo
@@ -49,3 +51,21 @@ def test_a_hybrid_worker_with_nothing_published_at_its_window_gets_no_credit() -
     f.index.store("hybrid", ctx.hashes)  # the full-attention blocks only
     f.planner.refresh(ctx)
     assert ctx.cached_tokens(ctx.decode_pool[0]) == 0
+
+
+@pytest.mark.parametrize(("window", "continues", "diverges"), [(64, 288, 0), (0, 288, 192)])
+def test_a_prompt_routed_to_a_hybrid_worker_is_pending_up_to_where_it_ends(
+    window: int, continues: int, diverges: int
+) -> None:
+    f = Fleet(winfo("w", block_size=BS, sliding_window=window))
+    prompt = list(range(100, 400))  # 9 full blocks; no KV event has come for it yet
+    assert f.planner.take(f.ctx(prompt, "r0")) is not None
+    credit = []
+    for tokens in (
+        prompt + list(range(1000, 1100)),  # a next turn: the whole prompt is its prefix
+        prompt[:200] + list(range(2000, 2100)),  # leaves it after 6 blocks
+    ):
+        ctx = f.ctx(tokens, "r1")
+        f.planner.refresh(ctx)
+        credit.append(ctx.cached_tokens(ctx.decode_pool[0]))
+    assert credit == [continues, diverges]
