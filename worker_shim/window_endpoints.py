@@ -34,6 +34,9 @@ class _Group:
     need: int  # blocks of the window a hit needs before its end
     held: dict[int, int] = field(default_factory=dict)  # canonical -> copies
     engine: dict[int, list[int]] = field(default_factory=dict)  # engine hash -> [canonical, copies]
+    # held block -> how many blocks the group holds in a row ending there, at most `need` (`need`
+    # too when they reach the root: a prefix shorter than the window, all of it held)
+    runs: dict[int, int] = field(default_factory=dict)
 
 
 class WindowEndpoints:
@@ -52,6 +55,7 @@ class WindowEndpoints:
         if g is None:
             g = self._groups[group] = _Group(need=-(-(window - 1) // block_size))
             self.window = max(self.window, window)
+            self._dirty.update(self.endpoints)  # each must now be held by this group too
         for eh, ch, parent in blocks:
             entry = g.engine.get(eh)
             if entry is None:
@@ -103,39 +107,57 @@ class WindowEndpoints:
         self.endpoints.clear()
 
     def settle(self) -> tuple[list[int], list[int]]:
-        """The ends gained and lost since the last call (canonical hashes): a block's change
-        moves the ends at it and at its descendants up to the widest window's length after it."""
+        """The ends gained and lost since the last call (canonical hashes). Each changed block's
+        runs are computed again from its parent's (a changed parent first), and a block whose
+        runs moved passes the change to its children: at most the widest window deep, and
+        no deeper than the runs actually move."""
         if not self._dirty:
             return [], []
-        depth = max(g.need for g in self._groups.values()) if self._groups else 1
-        todo: set[int] = set()
-        frontier = set(self._dirty)
+        groups = list(self._groups.values())
+        queued: dict[int, None] = dict.fromkeys(self._dirty)
+        order = list(queued)
         self._dirty.clear()
-        for _ in range(max(depth, 1)):
-            todo |= frontier
-            frontier = {c for b in frontier for c in self._children.get(b, ())} - todo
-            if not frontier:
-                break
-        gained, lost = [], []
-        for ch in todo:
-            ok = self._is_end(ch)
-            if ok and ch not in self.endpoints:
-                self.endpoints.add(ch)
-                gained.append(ch)
-            elif not ok and ch in self.endpoints:
-                self.endpoints.discard(ch)
-                lost.append(ch)
+        done: set[int] = set()
+        gained: list[int] = []
+        lost: list[int] = []
+        for first in order:  # grows as changes reach children
+            stack = [first]
+            while stack:
+                block = stack[-1]
+                parent = self._parent.get(block, _UNKNOWN)
+                if parent is not None and parent in queued and parent not in done:
+                    stack.append(parent)
+                    continue
+                stack.pop()
+                if block in done:
+                    continue
+                done.add(block)
+                if self._rerun(groups, block, parent):
+                    for child in self._children.get(block, ()):
+                        if child not in queued:
+                            queued[child] = None
+                            order.append(child)
+                ok = bool(groups) and all(g.runs.get(block, 0) >= g.need for g in groups)
+                if ok and block not in self.endpoints:
+                    self.endpoints.add(block)
+                    gained.append(block)
+                elif not ok and block in self.endpoints:
+                    self.endpoints.discard(block)
+                    lost.append(block)
         return gained, lost
 
-    def _is_end(self, ch: int) -> bool:
-        """Every window group holds the `need` blocks that end at `ch`, or every block from the
-        root when the prefix is shorter than that."""
-        for g in self._groups.values():
-            block: int | None = ch
-            for _ in range(g.need):
-                if block is None:
-                    break
-                if block not in g.held:
-                    return False
-                block = self._parent.get(block, _UNKNOWN)
-        return bool(self._groups)
+    @staticmethod
+    def _rerun(groups: list[_Group], block: int, parent: int | None) -> bool:
+        """Compute `block`'s run in each group from its parent's; whether any moved."""
+        moved = False
+        for g in groups:
+            run = 0
+            if block in g.held:
+                run = g.need if parent is None else min(g.need, 1 + g.runs.get(parent, 0))
+            if run != g.runs.get(block, 0):
+                moved = True
+                if run:
+                    g.runs[block] = run
+                else:
+                    del g.runs[block]
+        return moved

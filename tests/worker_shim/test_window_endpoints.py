@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -161,3 +162,46 @@ def test_a_reset_forgets_the_windows_and_a_dump_holds_the_ends() -> None:
     assert set(norm.dump()) == {canon[0], endpoint_key(canon[0])}
     norm.reset(exact=True)
     assert norm.dump() == [] and not norm.windows.endpoints
+
+
+def _brute_ends(held: dict[int, set[int]], need: dict[int, int], parent: dict[int, int | None]) -> set[int]:
+    """The rule, block by block: every group holds the `need` blocks ending there, or all from the root."""
+    out = set()
+    for ch in set().union(*held.values()) if held else set():
+        ok = True
+        for g, blocks in held.items():
+            block: int | None = ch
+            for _ in range(need[g]):
+                if block is None:
+                    break
+                if block not in blocks:
+                    ok = False
+                    break
+                block = parent[block]
+        if ok:
+            out.add(ch)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_ends_equal_the_rule_over_random_stores_and_evictions(seed: int) -> None:
+    rng = random.Random(seed)
+    # A tree of 120 blocks: three prompts branching off one another, as chains of blocks do.
+    parent: dict[int, int | None] = {}
+    for b in range(1, 121):
+        parent[b] = None if b in (1, 50) else (b - 1 if b != 80 else 20)
+    need = {0: 3, 1: 5}
+    ends = WindowEndpoints()
+    copies: dict[int, dict[int, int]] = {0: {}, 1: {}}
+    for _ in range(400):
+        g, b = rng.choice((0, 1)), rng.randint(1, 120)
+        if rng.random() < 0.6:
+            ends.stored(g, need[g] * BS + 1, BS, [(b, b, parent[b])])
+            copies[g][b] = copies[g].get(b, 0) + 1
+        elif copies[g].get(b):
+            assert ends.removed(g, [b]) == 0
+            copies[g][b] -= 1
+        if rng.random() < 0.3:
+            ends.settle()
+            held = {g: {b for b, n in c.items() if n} for g, c in copies.items() if c}
+            assert ends.endpoints == _brute_ends(held, {g: need[g] for g in held}, parent)
