@@ -77,6 +77,11 @@ class _ShimCollector(Collector):
             "kv_unknown_parent", "Stored chains dropped for an unknown parent", float(s.norm_stats.unknown_parent)
         )
         yield _counter("kv_resets", "State resets (restart, unrepairable gap, rebuild)", float(s.norm_stats.resets))
+        yield _counter(
+            "kv_other_group_events",
+            "Events of a KV cache group kind kvswitch does not model, dropped",
+            float(s.norm_stats.other_groups),
+        )
         for name, value in sorted(transport.items()):
             yield _counter(f"kv_transport_{name}", f"The event transport's {name} counter", float(value))
 

@@ -70,6 +70,7 @@ async def test_health_and_metrics_of_a_serving_shim(ns: str, nats_url: str, etcd
         assert m[("kvswitch_shim_chunks_held_total", ())] == shim.requests.held_chunks  # type: ignore[union-attr]
         assert m[("kvswitch_shim_kv_transport_replays_total", ())] >= 1  # the startup replay
         assert ("kvswitch_shim_kv_transport_gaps_total", ()) in m
+        assert m[("kvswitch_shim_kv_other_group_events_total", ())] == 0  # the sim has one full-attention group
         assert m[("kvswitch_shim_registrations_total", ())] == 1
 
 
