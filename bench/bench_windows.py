@@ -9,6 +9,8 @@ per group. Every block of a request is evicted from both groups four requests la
 (vLLM frees a request's blocks in reverse, so its LRU evicts them so), one batch per block.
 Plain: the same batches without the window group's events. Figure: microseconds of
 `Normaliser.apply` per batch, hybrid over plain, for windows of 128, 1,024 and 4,096 tokens.
+`--head-first` evicts each request's first block first instead: every eviction then cuts a held run
+and recomputes the blocks after it, up to the window's length.
 
     .venv/bin/python -m bench.bench_windows [--requests 200]
 """
@@ -29,7 +31,7 @@ OUTPUT = 256
 KEEP = 4  # requests whose blocks stay cached
 
 
-def batches(requests: int, window: int, hybrid: bool) -> list[list[EngineEvent]]:
+def batches(requests: int, window: int, hybrid: bool, head_first: bool = False) -> list[list[EngineEvent]]:
     out: list[list[EngineEvent]] = []
     need = -(-(window - 1) // BS)
     live: deque[list[int]] = deque()
@@ -67,7 +69,8 @@ def batches(requests: int, window: int, hybrid: bool) -> list[list[EngineEvent]]
             out.append(step)
         live.append(engine[first:])
         if len(live) > KEEP:
-            for eh in reversed(live.popleft()):  # vLLM frees a request's tail first
+            evicted = live.popleft()
+            for eh in evicted if head_first else reversed(evicted):  # vLLM frees a request's tail first
                 evict: list[EngineEvent] = [EngineRemoved([eh], group=1)]
                 if hybrid:
                     evict.append(EngineRemoved([eh], group=0))
@@ -91,11 +94,14 @@ def timed(events: list[list[EngineEvent]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument(
+        "--head-first", action="store_true", help="evict each request's first block first: the worst case"
+    )
     args = parser.parse_args()
-    plain = timed(batches(args.requests, 128, hybrid=False))
+    plain = timed(batches(args.requests, 128, hybrid=False, head_first=args.head_first))
     print(f"plain (full attention only): {plain * 1e6:.1f} us per batch")
     for window in (128, 1024, 4096):
-        hybrid = timed(batches(args.requests, window, hybrid=True))
+        hybrid = timed(batches(args.requests, window, hybrid=True, head_first=args.head_first))
         print(f"window {window:>5}: {hybrid * 1e6:.1f} us per batch, {hybrid / plain:.2f}x plain")
 
 

@@ -44,6 +44,7 @@ from engine_sim.openai_request import (
 from protocol.tokenizer import BuiltinTokenizer
 
 if TYPE_CHECKING:
+    from engine_sim.lora import LoraAdapters
     from engine_sim.server import SimServer
 
 __all__ = ["build_app"]
@@ -100,24 +101,22 @@ class _LoadLora(msgspec.Struct):
     lora_path: str = ""
 
 
-async def load_lora_adapter(request: web.Request) -> web.Response:
-    """vLLM's run-time adapter loading (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING): the sim loads
-    no weights, so any path is taken."""
-    srv = request.app[SERVER_KEY]
+async def _lora_update(request: web.Request, update: Callable[[LoraAdapters, _LoadLora], str]) -> web.Response:
+    """vLLM's run-time adapter loading and unloading (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+    the success text, or vLLM's error. The sim loads no weights, so any path is taken."""
     try:
         body = parse_body(await request.read(), _LoadLora)
-        return web.Response(text=srv.loras.load(body.lora_name, body.lora_path))
+        return web.Response(text=update(request.app[SERVER_KEY].loras, body))
     except SimRequestError as exc:
         return error_response(exc)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    return await _lora_update(request, lambda loras, body: loras.load(body.lora_name, body.lora_path))
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
-    srv = request.app[SERVER_KEY]
-    try:
-        body = parse_body(await request.read(), _LoadLora)
-        return web.Response(text=srv.loras.unload(body.lora_name))
-    except SimRequestError as exc:
-        return error_response(exc)
+    return await _lora_update(request, lambda loras, body: loras.unload(body.lora_name))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -12,6 +12,11 @@ present, as vLLM 0.32 sends them:
                       lora_name, extra_keys, group_idx, kv_cache_spec_kind
                       (+ kv_cache_spec_sliding_window for a sliding-window group)
     BlockRemoved:     type, block_hashes, medium, group_idx
+    AllBlocksCleared: type
+
+or, in the older positional form (vLLM before the tagged maps, and SGLang), arrays led by the tag:
+`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium(,
+lora_name)]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
 
 A hybrid model (sliding-window and full-attention layers: Gemma 2/3, gpt-oss) has one KV cache
 group per kind, and each group stores and removes its blocks with events of its own, named by
@@ -19,11 +24,6 @@ group_idx; the hashes are the same values in every group. A sliding-window group
 blocks inside its window when they fill, so its BlockStored lists those blocks' hashes while
 `token_ids` still covers the whole range from the parent on (`len(token_ids)` is not
 `block_size * len(block_hashes)` there).
-    AllBlocksCleared: type
-
-or, in the older positional form (vLLM before the tagged maps, and SGLang), arrays led by the tag:
-`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium(,
-lora_name)]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
 
 Block hashes are opaque keys: uint64 from vLLM 0.32, bytes from older vLLM (read big-endian),
 signed int64 from SGLang. Decoding ignores unknown fields and unknown event types.

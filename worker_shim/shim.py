@@ -113,6 +113,7 @@ class WorkerShim:
         self.tokenizer = ""
         self.adapters: list[str] = []
         self._discovers_events = self.config.kv_events is None and self.config.engine == "vllm"
+        self._topic_given = self.config.kv_events_topic  # the operator's, not a discovered one
         self.normaliser: Normaliser | None = None
         self.requests: RequestService | None = None
         self.registration: Registration | None = None
@@ -369,10 +370,10 @@ class WorkerShim:
                 "kv_events", None, f"the engine at {c.engine_url} publishes no KV events: start it with "
                 "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", ...}'",
             )  # fmt: skip
-        if c.kv_events_topic and c.kv_events_topic != source.topic:
+        if self._topic_given and self._topic_given != source.topic:
             raise ConfigError(
                 "kv_events_topic",
-                c.kv_events_topic,
+                self._topic_given,
                 f"the engine publishes under topic {source.topic!r}: drop the flag",
             )
         self.config = msgspec.structs.replace(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["UNKNOWN_PARENT", "WindowEndpoints"]
 
-UNKNOWN_PARENT = _UNKNOWN = -1  # canonical hashes are u64: a run of window blocks stops there
+UNKNOWN_PARENT = -1  # canonical hashes are u64: a run of window blocks stops there
 
 
 @dataclass(slots=True)
@@ -65,9 +65,9 @@ class WindowEndpoints:
             copies = g.held.get(ch, 0)
             g.held[ch] = copies + 1
             if copies == 0:
-                if self._parent.get(ch, _UNKNOWN) == _UNKNOWN:
+                if self._parent.get(ch, UNKNOWN_PARENT) == UNKNOWN_PARENT:
                     self._parent[ch] = parent
-                    if parent != _UNKNOWN:
+                    if parent != UNKNOWN_PARENT:
                         self._children.setdefault(parent, set()).add(ch)
                 self._dirty.add(ch)
 
@@ -124,7 +124,7 @@ class WindowEndpoints:
             stack = [first]
             while stack:
                 block = stack[-1]
-                parent = self._parent.get(block, _UNKNOWN)
+                parent = self._parent.get(block, UNKNOWN_PARENT)
                 if parent is not None and parent in queued and parent not in done:
                     stack.append(parent)
                     continue

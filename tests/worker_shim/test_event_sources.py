@@ -80,3 +80,26 @@ async def test_what_the_engine_lists_that_cannot_serve_is_a_startup_error(
             await shim.done.wait()
             assert isinstance(shim.failure, ConfigError) and shim.failure.setting == setting
             assert words in str(shim.failure)
+
+
+async def test_a_restarted_engine_publishing_under_another_topic_is_discovered_again(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """Each session reads /kv_event_sources again: the topic the last one found is no flag the
+    operator gave, so a new one is taken, not refused."""
+    first = sim_as(0, topic="before")
+    await first.start()
+    port = int(first.url.rsplit(":", 1)[1])
+    shim = shim_for(first, ns, nats_url, etcd_url, kv_events=None, kv_replay=None, kv_events_mode="auto")
+    async with shim:
+        await shim.registered.wait()
+        assert shim.config.kv_events_topic == "before"
+        await first.stop()
+        await wait_for(lambda: not shim.registered.is_set(), 10, "the shim deregisters")
+        events, replay = f"tcp://*:{free_ports(2)}", f"tcp://*:{free_ports(2)}"
+        config = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=events, replay_endpoint=replay, topic="after"
+        )
+        async with SimServer(sim_config(port=port, kv_events=config)):
+            await wait_for(shim.registered.is_set, 20, "the shim registers again")
+            assert shim.failure is None and shim.config.kv_events_topic == "after"
