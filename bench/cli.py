@@ -30,6 +30,7 @@ from bench.summary import PrefixCounters, Slo, format_summary, scrape_prefix_cou
 from bench.trace import TraceError, load_trace, shipped_trace
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
 from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
+from worker_shim.credit_check import CreditCheck
 
 __all__ = ["DEMO", "add_arguments", "run"]
 
@@ -276,6 +277,17 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+def _credit_line(checks: list[CreditCheck]) -> str:
+    """What the shims' credit checks (worker_shim.credit_check) judged over the replay."""
+    windows, short = sum(c.windows for c in checks), sum(c.short_windows for c in checks)
+    lowest = min((c.lowest for c in checks if c.lowest is not None), default=None)
+    promised, reused = sum(c.predicted_total for c in checks), sum(c.reused_total for c in checks)
+    return (
+        f"shim credit check: {windows} windows judged, {short} short (below {CreditCheck().low:g}), lowest "
+        f"{'-' if lowest is None else f'{lowest:.2f}'}; reused {reused:,} of {promised:,} promised tokens"
+    )
+
+
 def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     from bench.compare import CONFIGURATIONS
     from bench.replay import write_results
@@ -306,7 +318,8 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
         router_profile_error=args.router_profile_error,
     )
     started = time.monotonic()
-    run = VirtualFleet(spec).run(items, TokenSynth(args.seed), rate=args.speed)
+    fleet = VirtualFleet(spec)
+    run = fleet.run(items, TokenSynth(args.seed), rate=args.speed)
     results = run.results()
     out = args.out or OUT_DIR / f"replay-{_stamp()}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -322,6 +335,7 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
             f"{reach.chosen / reach.prompt:.1%} chosen, of {reach.prompt:,} prompt tokens routed (routers' view); "
             f"one never-evicting cache {ceiling:.1%}"
         )
+    print(_credit_line([shim.credit for shim in fleet.shims.values()]))
     print(f"per-request results: {out}")
     print(f"virtual clock: {run.virtual_s:.1f} s simulated in {time.monotonic() - started:.1f} s wall")
     return 0 if summary.ok else 1

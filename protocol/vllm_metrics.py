@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "CACHE_CONFIG_INFO",
+    "EXTERNAL_PREFIX_CACHE_HITS",
     "INTER_TOKEN_LATENCY",
     "ITERATION_TOKENS",
     "KV_CACHE_USAGE_PERC",
@@ -48,6 +49,9 @@ PREFILL_TIME = "vllm:request_prefill_time_seconds"  # first scheduled -> first t
 PREFILL_KV_COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"  # prompt tokens computed, not cached
 # A counter: prompt tokens found in the prefix cache (at scheduling); the cached context prefills attend to.
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+# A counter: prompt tokens a KV connector supplied (a CPU offload tier, another instance) instead of
+# the prefix cache. With PREFIX_CACHE_HITS, every prompt token the engine did not compute.
+EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
 
 
 def total(counter: str) -> str:

@@ -47,6 +47,7 @@ class LoadReporter:
         digest: Callable[[], KvDigestAt | None] = lambda: None,
         events_ok: Callable[[], bool] = lambda: True,
         decode_context: Callable[[], float] = lambda: 0.0,
+        on_reading: Callable[[float, float, EngineLoad | None], None] = lambda _asked, _done, _load: None,
     ) -> None:
         self.nc = nc
         self.subject = subjects.load(ns, worker)
@@ -59,6 +60,8 @@ class LoadReporter:
         self.digest = digest
         self.events_ok = events_ok
         self.decode_context = decode_context
+        # Each poll's result (None: it failed), with the time.monotonic() it was asked for and came back.
+        self.on_reading = on_reading
         self.published = 0
         self._engine = EngineLoad()
         self._engine_at = 0.0
@@ -123,15 +126,18 @@ class LoadReporter:
 
     async def _poll_loop(self) -> None:
         while True:
+            asked_mono = time.monotonic()
             try:
                 asked = time.time()
                 self._engine = await self.adapter.load()
                 self._engine_at = (asked + time.time()) / 2  # the engine rendered them in between
                 self._healthy = True
+                self.on_reading(asked_mono, time.monotonic(), self._engine)
             except EngineError as exc:
                 if self._healthy:
                     log.warning("load poll failed: %s", exc)
                 self._healthy = False
+                self.on_reading(asked_mono, time.monotonic(), None)
             self._poke.set()
             await asyncio.sleep(self.poll_s)
 

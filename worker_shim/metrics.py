@@ -40,6 +40,7 @@ class _ShimCollector(Collector):
         yield from self._events()
         yield from self._publishing()
         yield from self._requests()
+        yield from self._credit()
 
     def _identity(self) -> Iterator[Metric]:
         s, c = self.shim, self.shim.config
@@ -108,6 +109,22 @@ class _ShimCollector(Collector):
         yield _gauge("requests_inflight", "Legs running", float(len(svc.inflight) if svc else 0))
         yield _counter("heartbeats", "Heartbeat chunks sent", float(svc.heartbeats if svc else 0))
         yield _counter("chunks_held", "Chunks held back to coalesce under load", float(svc.held_chunks if svc else 0))
+
+    def _credit(self) -> Iterator[Metric]:
+        c = self.shim.credit
+        yield _counter(
+            "prefix_credit_predicted_tokens",
+            "Prompt tokens the KV events promised the engine would reuse, over the judged windows",
+            float(c.predicted_total),
+        )
+        yield _counter(
+            "prefix_credit_reused_tokens",
+            "Prompt tokens the engine reused (its own count) over the same windows",
+            float(c.reused_total),
+        )
+        yield _gauge(
+            "prefix_credit_short", "1 while the engine reuses far less than its KV events promise", float(c.short)
+        )
 
 
 def render_metrics(shim: WorkerShim) -> bytes:

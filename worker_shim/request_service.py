@@ -70,6 +70,7 @@ from protocol import (
 from protocol.hashing import chain_salt
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, UTILITY_ENDPOINTS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
+from worker_shim.credit_check import reusable
 from worker_shim.decode_context import DecodeContext
 from worker_shim.tracing import LegTracer
 
@@ -247,6 +248,7 @@ class _Leg:
     cancelled: bool = False
     shutdown: bool = False
     started: float = field(default_factory=time.monotonic)
+    predicted: int = 0  # prompt tokens the engine should find cached, until it has scheduled the leg
 
 
 class RequestService:
@@ -254,6 +256,9 @@ class RequestService:
 
     `on_served(request_id, token_ids, salt, usage)` is called after each leg that prefilled its
     prompt locally and ended well (the shim checks that the engine's KV events followed).
+    `on_scheduled(dispatched, at, predicted)` is called once the engine has scheduled a leg whose
+    prompt it should find `predicted` tokens of cached (worker_shim.credit_check.CreditCheck), with
+    the time.monotonic() of its dispatch and of now.
     """
 
     def __init__(
@@ -264,6 +269,7 @@ class RequestService:
         cached_tokens: Callable[[list[int], str], int] = lambda _ids, _salt: 0,
         *,
         on_served: Callable[[str, list[int], str, Usage], None] = lambda _rid, _ids, _salt, _usage: None,
+        on_scheduled: Callable[[float, float, int], None] = lambda _dispatched, _at, _predicted: None,
         block_size: Callable[[], int | None] = lambda: None,
         model: str = "",
         busy_legs: int = BUSY_LEGS,
@@ -276,6 +282,7 @@ class RequestService:
         self.adapter = adapter
         self.on_change = on_change
         self.on_served = on_served
+        self.on_scheduled = on_scheduled
         self.block_size = block_size
         self.model = model  # the engine's own; a leg naming another runs a LoRA adapter
         self.busy_legs = busy_legs
@@ -337,10 +344,11 @@ class RequestService:
         if isinstance(leg, ErrorInfo):
             await writer.final(error=leg)
             return
-        queued = 0  # a transferred prompt costs this engine no prefill
+        queued = predicted = 0  # a transferred prompt costs this engine no prefill
         if leg.transfer is None:
-            queued = len(req.token_ids) - self.cached_tokens(req.token_ids, self._salt(req))
-        state = _Leg(req.request_id, max(queued, 0), writer)
+            held = self.cached_tokens(req.token_ids, self._salt(req))
+            queued, predicted = len(req.token_ids) - held, self._reuse(req, held)
+        state = _Leg(req.request_id, max(queued, 0), writer, predicted=predicted)
         self.inflight[req.request_id] = state
         self._queued += state.queued_tokens
         self.on_change()
@@ -387,6 +395,22 @@ class RequestService:
         lora = req.model if self.model and req.model != self.model else ""
         return chain_salt(lora, salt if isinstance(salt, str) else "")
 
+    def _reuse(self, req: GenerateRequest, held: int) -> int:
+        """Of the `held` leading prompt tokens the KV events say are cached, those the engine should
+        reuse: all but the last token (vLLM computes it to sample from), none when the leg asks for
+        prompt logprobs (vLLM then reads no cache, as it needs every prompt token's logits)."""
+        bs, p = self.block_size(), req.params
+        if not bs or p.get("prompt_logprobs") is not None:
+            return 0
+        if req.endpoint == ENDPOINT_COMPLETIONS and p.get("echo") and p.get("logprobs") is not None:
+            return 0
+        return reusable(held, len(req.token_ids), bs)
+
+    def _scheduled(self, state: _Leg) -> None:
+        if state.predicted:
+            self.on_scheduled(state.started, time.monotonic(), state.predicted)
+            state.predicted = 0
+
     def _leg_request(self, req: GenerateRequest, role: str) -> LegRequest | ErrorInfo:
         leg = LegRequest(
             request_id=req.request_id,
@@ -427,6 +451,7 @@ class RequestService:
     ) -> None:
         async def on_output(tokens: int, events: list[bytes], toks: list[int]) -> None:
             self._first_token(state)
+            self._scheduled(state)
             if not leg.prefill_only:
                 self.contexts.grow(req.request_id, tokens, len(req.token_ids))
             await writer.output(tokens, events, toks)
@@ -469,6 +494,7 @@ class RequestService:
                 await writer.final(error=ErrorInfo(code=500, kind="internal", message=f"shim error: {exc!r}"))
                 return
             self.completed += 1
+            self._scheduled(state)
             await self._finish(writer, outcome, role, leg)
             if leg.transfer is None:
                 self.on_served(req.request_id, req.token_ids, self._salt(req), outcome.usage)
@@ -514,6 +540,8 @@ class RequestService:
             await asyncio.sleep(PREFILL_POLL_S)
             block = self.block_size()
             if block and len(token_ids) - self.cached_tokens(token_ids, salt) < block:
+                # Not yet scheduled for the credit check: these events come from the engine core
+                # straight, and its reuse counter may lag them; the answer comes after it.
                 self._first_token(state)
                 self.contexts.grow(state.request_id, 0, len(token_ids))  # its output comes at the end
                 await writer.prefilled()

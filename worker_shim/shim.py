@@ -41,8 +41,17 @@ from protocol.config import EtcdSettings, NatsSettings
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import __version__
-from worker_shim.adapters import EngineAdapter, EngineError, EngineHealth, EngineLimits, ModelCard, make_adapter
+from worker_shim.adapters import (
+    EngineAdapter,
+    EngineError,
+    EngineHealth,
+    EngineLimits,
+    EngineLoad,
+    ModelCard,
+    make_adapter,
+)
 from worker_shim.config import ShimConfig
+from worker_shim.credit_check import CreditCheck
 from worker_shim.engine_events import EngineBatch, EngineStored
 from worker_shim.http_server import ShimHttpServer
 from worker_shim.kv_publisher import KvPublisher, PublisherCounters
@@ -102,6 +111,7 @@ class WorkerShim:
         self.events = self.adapter.event_health
         self.events.on_change = self._on_events_change
         self.events.holds = self._holds
+        self.credit = CreditCheck(self.config.engine_url)
         self.status = ShimStatus.NEW
         self.worker_id: str | None = None
         self.epoch = 0
@@ -191,6 +201,7 @@ class WorkerShim:
             self._poke_load,
             self._cached_prompt_tokens,
             on_served=self._on_served,
+            on_scheduled=self.credit.scheduled,
             block_size=lambda: self.limits.block_size,
             model=self.config.model,
         )
@@ -224,6 +235,7 @@ class WorkerShim:
             "epoch": f"{self.epoch:x}",
             "events_ok": self.events.ok,
             "events_why": self.events.why,
+            "prefix_credit_short": self.credit.short,
             "nats": self.nats_state,
             "etcd": lease.state.value if lease is not None else "none",
             "engine_url": self.config.engine_url,
@@ -510,6 +522,12 @@ class WorkerShim:
             last = block_hashes(token_ids[: full * bs], bs, salt=salt)[-1]
             self.events.expect_stored(last, request_id, uncached)
 
+    def _on_engine_reading(self, asked: float, done: float, load: EngineLoad | None) -> None:
+        if load is None:
+            self.credit.lost()
+        else:
+            self.credit.reading(asked, done, load.reused_tokens)
+
     def _on_events_change(self) -> None:
         if self.registration is not None and self.registration.state is not RegistrationState.STOPPED:
             self.registration.update()
@@ -607,6 +625,7 @@ class WorkerShim:
             digest=publisher.digest,
             events_ok=lambda: self.events.ok,
             decode_context=requests.contexts.mean,
+            on_reading=self._on_engine_reading,
         )
         presence.reporter.start()
 

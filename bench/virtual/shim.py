@@ -13,6 +13,8 @@
   its first token, its uncached prompt tokens count as the shim's queued prefill tokens; from its
   first token to its end a decoding leg counts in the reports' `decode_context`
   (worker_shim.decode_context, as the live shim counts it).
+- The credit check (worker_shim.credit_check): what each leg was promised at dispatch against the
+  engine's reuse counter at each poll, so a replay tells how far a full cache falls short of it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine_sim.scheduler import StepOutput
 from protocol import KvEventBatch, LoadReport, WorkerInfo
 from protocol.vllm_events import BlockRemoved, KVEvent
 from worker_shim.adapters.vllm_events import to_engine_event
+from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.decode_context import DecodeContext
 from worker_shim.engine_events import EngineEvent, EngineRemoved
 from worker_shim.load_reporter import DEFAULT_PERIOD_S, MIN_GAP_S
@@ -59,6 +62,8 @@ class VirtualShim:
         self._queued = 0
         self._queued_by_leg: dict[str, int] = {}
         self.contexts = DecodeContext()
+        self.credit = CreditCheck(self.worker)
+        self._promised: dict[str, tuple[float, int]] = {}  # by leg: dispatched at, promised tokens
         self._sample: tuple[int, int, float] = (0, 0, 0.0)
         self._timing: tuple[int, int, int, float, int, int, int, float] = (0, 0, 0, 0.0, 0, 0, 0, 0.0)
         self._sampled_at = 0.0
@@ -104,7 +109,12 @@ class VirtualShim:
             message = f"prompt of {len(token_ids)} tokens; this model's maximum context length is {limit}"
             self.clock.after(self.delays.token_s, on_error, 400, message)
             return
-        queued = 0 if transfer is not None else max(0, len(token_ids) - self.cached_tokens(hashes))
+        queued = 0
+        if transfer is None:
+            held = self.cached_tokens(hashes)
+            queued = max(0, len(token_ids) - held)
+            if promised := reusable(held, len(token_ids), self.info.block_size):
+                self._promised[request_id] = (self.clock.now, promised)
         if queued:
             self._queued_by_leg[request_id] = queued
             self._queued += queued
@@ -124,6 +134,8 @@ class VirtualShim:
 
         def on_output(out: StepOutput, at: float) -> None:
             self._first_token(request_id)
+            if (promised := self._promised.pop(request_id, None)) is not None:
+                self.credit.scheduled(promised[0], at, promised[1])
             if prompt_tokens:
                 if out.finish_reason is None:
                     self.contexts.grow(request_id, len(out.new_token_ids), prompt_tokens)
@@ -141,6 +153,7 @@ class VirtualShim:
 
     def cancel(self, request_id: str) -> None:
         self._first_token(request_id)
+        self._promised.pop(request_id, None)
         self.contexts.end(request_id)
         self.engine.abort(request_id)
 
@@ -175,6 +188,7 @@ class VirtualShim:
             t.itl_s,
         )
         self._sampled_at = self.clock.now
+        self.credit.reading(self.clock.now, self.clock.now, st.prefix_cache_hits)
         self._publish_if_due()
         self.clock.after(POLL_S, self._poll)
 

@@ -170,3 +170,16 @@ def test_decode_workers_serving_a_shared_prefix_fit_their_own_profile() -> None:
     assert calibration is not None
     fitted = {w: k_d for w, (k_d, _, _) in calibration.factors().items() if w.startswith("decode")}
     assert fitted and all(k == pytest.approx(1.0, abs=0.03) for k in fitted.values()), fitted
+
+
+def test_the_shims_credit_checks_find_the_engines_reusing_what_they_promised() -> None:
+    """worker_shim.credit_check in each virtual shim, every window judged: engine_sim reuses what
+    the shim's index promised at dispatch, less only what it evicted before scheduling."""
+    fleet = _fleet("--routing", "kv", "--disagg", "never", prefill=0, decode=0, agg=2, routers=1)
+    for shim in fleet.shims.values():
+        shim.credit.min_legs = shim.credit.min_tokens = 1
+    fleet.run(_items(120), TokenSynth(0), rate=1.0)
+    checks = [shim.credit for shim in fleet.shims.values()]
+    assert sum(c.windows for c in checks) >= 10
+    assert sum(c.predicted_total for c in checks) > 0
+    assert all(c.short_windows == 0 and c.reused_total >= c.predicted_total for c in checks)

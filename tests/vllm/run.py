@@ -28,7 +28,8 @@ real nats-server and etcd. It checks, in order:
 9. hybrid: one vLLM of a tiny hybrid model (make_hybrid.py: a sliding-window layer of 64 tokens and
    a full-attention layer): its worker registers the window, and for each of capture_hybrid.py's
    five prompts, sent through a router, the prefix each router credits the worker with is what
-   vLLM then reports cached (`prompt_tokens_details.cached_tokens`).
+   vLLM then reports cached (`prompt_tokens_details.cached_tokens`), and the shim's credit check
+   (worker_shim/credit_check.py) finds vLLM's reuse counters equal to what it promised.
 
 Run with the project's venv (`.venv/bin/python tests/vllm/run.py --vllm-venv .venv-vllm`); prints one
 line per check and a JSON summary (also written to `--out`). Exit status 0 when every check passed.
@@ -690,6 +691,7 @@ async def check_hybrid(c: Cluster) -> dict[str, Any]:
     worker = shim.worker_id
     assert worker is not None
     await c.until(lambda: c.routable({worker}), 30, "the hybrid worker routable")
+    shim.credit.min_legs = shim.credit.min_tokens = 1  # judge each prompt (worker_shim.credit_check)
     credited, reused = [], []
     for i, prompt in enumerate(HYBRID_PROMPTS):
         published = shim.canonical_hashes()
@@ -708,13 +710,29 @@ async def check_hybrid(c: Cluster) -> dict[str, Any]:
         assert status == 200, body
         credited.append(predicted.pop())
         reused.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        # The shim promised what the routers credited. Once its credit check has judged the prompt
+        # the next one goes, so no prompt spans the reading that starts a window.
+        if credited[-1]:
+            await c.until(lambda: shim.credit.predicted_total >= sum(credited), 10, "the prompt judged")
+        else:
+            await asyncio.sleep(0.6)
         # Each batch is delivered to the shim once: caught up when it has taken as many as vLLM sent.
         sent = len(await _replay_all(hybrid.replay))
         await c.until(lambda: sum(shim.engine_batches.values()) >= sent, 10, "the shim caught up")  # noqa: B023
     windows = {r.registry.get(worker).sliding_window for r in c.routers}  # type: ignore[union-attr]
     assert windows == {64}, f"registered windows {windows}"
     assert credited == reused, f"credited {credited}, vLLM reused {reused}"
-    return {"credited": credited, "reused": reused, "hybrid_start_s": hybrid.start_s[-1]}
+    # The shim's own credit check agrees: what it promised is what vLLM's counters say it reused.
+    credit = shim.credit
+    judged = (credit.windows, credit.predicted_total, credit.reused_total)
+    assert judged == (sum(1 for n in credited if n), sum(reused), sum(reused)), f"credit check: {judged}"
+    assert not credit.short
+    return {
+        "credited": credited,
+        "reused": reused,
+        "credit_check": {"windows": credit.windows, "promised": credit.predicted_total, "reused": credit.reused_total},
+        "hybrid_start_s": hybrid.start_s[-1],
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

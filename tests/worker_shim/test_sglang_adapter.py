@@ -41,6 +41,7 @@ def test_limits_and_load() -> None:
     assert (lim.block_size, lim.kv_total_blocks, lim.max_num_batched_tokens) == (16, 401408 // 16, 8192)
     got = load_from_metrics((FIX / "metrics.txt").read_text(), lim.kv_total_blocks)
     assert (got.running, got.waiting, got.kv_usage) == (5, 3, 0.25)
+    assert got.reused_tokens is None, "SGLang exports no reuse counter: the shim's credit check stays off"
 
 
 def test_stream_folding_is_right_for_cumulative_and_incremental_output() -> None:

@@ -244,6 +244,12 @@ def test_limits_and_load_from_captured_metrics() -> None:
     assert t.prefix_hit_tokens == 736  # vllm:prefix_cache_hits_total, a counter
     assert t.prefill_seconds == pytest.approx(0.4404758340008357)
     assert t.itl_seconds == pytest.approx(0.8208445909992861)
+    assert load.reused_tokens == 736  # prefix cache hits plus the connector's (0), for the credit check
+    ext = 'vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny-llama"}'
+    assert load_from_metrics(text.replace(f"{ext} 0.0", f"{ext} 64.0")).reused_tokens == 800
+    no_external = text.replace(ext, "other")
+    assert load_from_metrics(no_external).reused_tokens == 736
+    assert load_from_metrics(no_external.replace("vllm:prefix_cache_hits_total", "other")).reused_tokens is None
 
 
 def test_prefill_leg_body_asks_for_remote_decode_and_one_token() -> None:

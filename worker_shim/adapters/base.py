@@ -125,6 +125,9 @@ class EngineLoad:
     kv_total_blocks: int | None = None
     num_preemptions: int = 0
     timing: EngineTiming = EngineTiming()  # all 0 for an engine that exports none
+    # Prompt tokens the engine reused rather than computed, cumulative (the shim's credit check);
+    # None: the engine does not count them.
+    reused_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -6,7 +6,8 @@
   `vllm:num_preemptions_total` (summed over DP ranks), and for the routers' timing calibration the
   `_count`/`_sum` of `vllm:iteration_tokens_total`, `vllm:inter_token_latency_seconds`,
   `vllm:request_prefill_time_seconds` and `vllm:request_prefill_kv_computed_tokens`, and the
-  `vllm:prefix_cache_hits_total` counter.
+  `vllm:prefix_cache_hits_total` counter; for the shim's credit check (worker_shim.credit_check)
+  that counter plus `vllm:external_prefix_cache_hits_total`.
   max_num_batched_tokens is not exported by vLLM: it comes from the flag only.
 - Requests: the client's own OpenAI request on `/v1/completions` or `/v1/chat/completions`
   (openai_http.pass_through_body), the engine's answer passed back as it is; token-id legs
@@ -73,10 +74,11 @@ PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
 }
 _PREEMPTIONS = vm.total(vm.NUM_PREEMPTIONS)
 _PREFIX_HITS = vm.total(vm.PREFIX_CACHE_HITS)
+_EXTERNAL_HITS = vm.total(vm.EXTERNAL_PREFIX_CACHE_HITS)
 _TIMING_HISTOGRAMS = (vm.ITERATION_TOKENS, vm.INTER_TOKEN_LATENCY, vm.PREFILL_TIME, vm.PREFILL_KV_COMPUTED_TOKENS)
 _METRICS = frozenset(
     {vm.CACHE_CONFIG_INFO, vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE_PERC, _PREEMPTIONS}
-    | {_PREFIX_HITS}
+    | {_PREFIX_HITS, _EXTERNAL_HITS}
     | {vm.count(h) for h in _TIMING_HISTOGRAMS}
     | {vm.histogram_sum(h) for h in _TIMING_HISTOGRAMS}
 )
@@ -155,7 +157,15 @@ def load_from_metrics(text: str, rank: int | None = None) -> EngineLoad:
         kv_total_blocks=_kv_blocks(samples, rank),
         num_preemptions=int(sum_samples(samples, _PREEMPTIONS) or 0),
         timing=_timing(samples),
+        reused_tokens=_reused(samples),
     )
+
+
+def _reused(samples: list[Sample]) -> int | None:
+    local, external = sum_samples(samples, _PREFIX_HITS), sum_samples(samples, _EXTERNAL_HITS)
+    if local is None and external is None:
+        return None
+    return int((local or 0) + (external or 0))
 
 
 def _timing(samples: list[Sample]) -> EngineTiming:

@@ -1,0 +1,225 @@
+"""The credit check: the rule on hand-made readings, then a shim against a sim, where the engine
+reuses exactly what the shim predicted, and reuses nothing of what a router that renders chat
+differently from the engine was promised."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import pytest
+
+from engine_sim.server import SimServer
+from protocol import GenerateRequest, subjects
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from tests.worker_shim.cluster import BLOCK, sim_config, wait_for
+from tests.worker_shim.test_request_service import Collector, agg_shim, gen
+from worker_shim import WorkerShim
+from worker_shim.credit_check import CreditCheck
+
+# --- the rule -------------------------------------------------------------------------------------
+
+
+def check(**kw: float) -> CreditCheck:
+    return CreditCheck("engine-a", min_legs=int(kw.pop("min_legs", 2)), min_tokens=int(kw.pop("min_tokens", 100)), **kw)
+
+
+def leg(c: CreditCheck, at: float, predicted: int, dispatched: float | None = None) -> None:
+    """A leg scheduled at `at`, dispatched just before unless said."""
+    c.scheduled(at - 0.05 if dispatched is None else dispatched, at, predicted)
+
+
+def read(c: CreditCheck, asked: float, reused: int | None) -> None:
+    c.reading(asked, asked + 0.01, reused)
+
+
+def test_a_window_is_judged_once_it_holds_enough_legs_and_tokens() -> None:
+    c = check()
+    read(c, 0.0, 1000)  # the base
+    leg(c, 1.0, 60)
+    read(c, 2.0, 1060)
+    assert c.windows == 0, "one leg is not enough"
+    leg(c, 3.0, 60)
+    read(c, 4.0, 1120)
+    assert (c.windows, c.ratio, c.predicted_total, c.reused_total) == (1, 1.0, 120, 120)
+    assert not c.short
+
+
+def test_a_shortfall_is_warned_once_and_its_recovery_said(caplog: pytest.LogCaptureFixture) -> None:
+    c = check()
+    read(c, 0.0, 0)
+    with caplog.at_level(logging.INFO, logger="worker_shim.credit_check"):
+        for i in range(3):  # three windows, each 200 tokens promised and 40 reused
+            leg(c, 10.0 * i + 1, 100)
+            leg(c, 10.0 * i + 2, 100)
+            read(c, 10.0 * i + 5, 40 * (i + 1))
+        assert c.short and c.ratio == pytest.approx(0.2)
+        assert (c.windows, c.short_windows) == (3, 3) and c.lowest == pytest.approx(0.2)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "engine-a reused 40 of the 200" in warned[0]
+        leg(c, 31.0, 100)
+        leg(c, 32.0, 100)
+        read(c, 35.0, 120 + 170)  # 0.85: at or over `recover`
+        assert not c.short
+        assert any(r.levelno == logging.INFO and "again" in r.getMessage() for r in caplog.records)
+
+
+def test_between_low_and_recover_the_state_holds() -> None:
+    c = check()
+    read(c, 0.0, 0)
+    for t, reused, short in ((1.0, 120, False), (3.0, 200, True), (5.0, 340, True)):  # 0.6, 0.4, 0.7
+        leg(c, t, 100)
+        leg(c, t + 0.5, 100)
+        read(c, t + 1.0, reused)
+        assert c.short is short
+
+
+def test_a_leg_scheduled_while_a_reading_was_out_waits_for_the_next_one() -> None:
+    c = check()
+    read(c, 0.0, 0)
+    leg(c, 1.0, 100)
+    leg(c, 2.005, 100)  # after the reading asked at 2.0, before it came back: maybe not in it
+    read(c, 2.0, 100)
+    assert c.windows == 0
+    leg(c, 2.5, 100)
+    read(c, 3.0, 300)
+    assert (c.windows, c.predicted_total, c.reused_total) == (1, 300, 300)
+
+
+def test_a_leg_dispatched_before_its_window_began_is_left_out() -> None:
+    """Its reuse was counted when the engine scheduled it, which may be before the window: a
+    long prefill, or a wait in the engine's queue."""
+    c = check(min_legs=1, min_tokens=1)
+    read(c, 0.0, 5000)
+    leg(c, 1.0, 100)
+    read(c, 2.0, 5100)  # the base for the next window
+    leg(c, 3.0, 4000, dispatched=1.5)  # its 4,000 were reused at 1.8, before the base
+    leg(c, 3.5, 100)
+    read(c, 4.0, 5200)
+    assert (c.windows, c.predicted_total, c.reused_total, c.short) == (2, 200, 200, False)
+
+
+def test_legs_before_the_first_reading_are_not_judged_against_it() -> None:
+    c = check(min_legs=1, min_tokens=1)
+    leg(c, 0.5, 500)  # its reuse is in the base reading already
+    read(c, 1.0, 500)
+    leg(c, 1.5, 100)
+    read(c, 2.0, 600)
+    assert (c.ratio, c.predicted_total) == (1.0, 100)
+
+
+def test_a_counter_that_goes_down_or_a_failed_poll_starts_over() -> None:
+    c = check(min_legs=1, min_tokens=1)
+    read(c, 0.0, 10_000)
+    leg(c, 1.0, 100)
+    read(c, 2.0, 50)  # the engine restarted: no window across it
+    assert c.windows == 0
+    leg(c, 3.0, 100)
+    c.lost()
+    read(c, 4.0, 60)  # a new base, not a window judged against 50
+    assert c.windows == 0
+    leg(c, 5.0, 100)
+    read(c, 6.0, 160)
+    assert (c.windows, c.ratio) == (1, 1.0)
+
+
+def test_an_engine_that_does_not_count_reuse_is_never_judged() -> None:
+    c = check(min_legs=1, min_tokens=1)
+    for t in range(10):
+        leg(c, t + 0.5, 100)
+        read(c, t + 1.0, None)
+    assert (c.windows, c.short) == (0, False)
+
+
+# --- a shim against a sim -----------------------------------------------------------------------
+
+PROMPT = list(range(300, 300 + 4 * BLOCK))  # four full blocks: vLLM reuses three when it repeats
+
+
+def eager(shim: WorkerShim) -> None:
+    """Judge every window that holds a leg, so a test needs few requests."""
+    shim.credit.min_legs = shim.credit.min_tokens = 1
+
+
+async def served(col: Collector, subject: str, req: GenerateRequest) -> None:
+    await col.send(subject, req)
+    assert (await col.final(req.request_id)).error is None
+    await asyncio.sleep(0.35)  # past the next load poll, so each leg's window holds its reuse
+
+
+async def test_the_engine_reuses_exactly_what_the_shim_predicted(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        eager(shim)
+        subject = subjects.gen(ns, "agg", shim.worker_id)
+        await served(col, subject, gen("first", PROMPT))
+        await wait_for(lambda: shim._cached_prompt_tokens(PROMPT) == len(PROMPT), what="the prompt indexed")
+        for i in range(3):
+            await served(col, subject, gen(f"again-{i}", PROMPT))  # 64 held, 48 reused
+            await served(col, subject, gen(f"longer-{i}", PROMPT + [7] * (i + 1)))  # 64 held and reused
+        await wait_for(lambda: shim.credit.predicted_total == 3 * 48 + 3 * 64, what="every leg judged")
+        assert shim.credit.reused_total == shim.credit.predicted_total
+        assert not shim.credit.short
+
+
+async def test_legs_asking_for_prompt_logprobs_are_not_promised_a_hit(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        eager(shim)
+        subject = subjects.gen(ns, "agg", shim.worker_id)
+        await served(col, subject, gen("first", PROMPT))
+        await wait_for(lambda: shim._cached_prompt_tokens(PROMPT) == len(PROMPT), what="the prompt indexed")
+        logprobs = [
+            {"model": "sim-llama", "max_tokens": 2, "prompt_logprobs": 1},
+            {"model": "sim-llama", "max_tokens": 2, "echo": True, "logprobs": 1},
+        ]
+        for i, params in enumerate(logprobs * 2):
+            req = GenerateRequest(
+                request_id=f"lp-{i}",
+                model="sim-llama",
+                token_ids=PROMPT,
+                stream=False,  # vLLM refuses prompt logprobs on a stream
+                endpoint=ENDPOINT_COMPLETIONS,
+                params=params,
+            )
+            await served(col, subject, req)  # the engine reads no cache for these
+        await served(col, subject, gen("plain", PROMPT))
+        await wait_for(lambda: shim.credit.windows >= 1, what="the plain leg judged")
+        assert (shim.credit.predicted_total, shim.credit.reused_total, shim.credit.short) == (48, 48, False)
+
+
+async def test_a_router_that_renders_chat_differently_is_caught_then_cleared(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router hashed `token_ids` (a cached prompt); the engine renders the messages into
+    another prompt and reuses none of it: the credit routers give this worker is wrong."""
+    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        eager(shim)
+        subject = subjects.gen(ns, "agg", shim.worker_id)
+        await served(col, subject, gen("first", PROMPT))
+        await wait_for(lambda: shim._cached_prompt_tokens(PROMPT) == len(PROMPT), what="the prompt indexed")
+        with caplog.at_level(logging.INFO, logger="worker_shim.credit_check"):
+            for i in range(3):
+                params = {"model": "sim-llama", "max_tokens": 2, "messages": [{"role": "user", "content": f"hi {i}"}]}
+                req = GenerateRequest(
+                    request_id=f"chat-{i}",
+                    model="sim-llama",
+                    token_ids=[*PROMPT, 9],
+                    endpoint=ENDPOINT_CHAT,
+                    params=params,
+                )
+                await served(col, subject, req)
+            await wait_for(lambda: shim.credit.short, what="the shortfall")
+            assert shim.credit.ratio == 0.0
+            async with aiohttp.ClientSession() as http:
+                async with http.get(shim.http.url + "/metrics") as r:
+                    assert "kvswitch_shim_prefix_credit_short 1.0" in await r.text()
+                async with http.get(shim.http.url + "/health") as r:
+                    assert (await r.json())["prefix_credit_short"] is True
+            for i in range(2):
+                await served(col, subject, gen(f"honest-{i}", [*PROMPT, 9]))
+            await wait_for(lambda: not shim.credit.short, what="the recovery")
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and sim.url in warned[0] and "tokenizes" in warned[0]
