@@ -80,7 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server (as vllm serve)")
     g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default 8000)")
-    g.add_argument("--model", "--served-model-name", dest="model", default="sim-llama", help="served model name")
+    g.add_argument("--model", default="sim-llama", help="served model name, and its path (the cards' root)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="as vLLM's: the names the model is served under (the first names it in answers), "
+                   "--model then being its path alone")  # fmt: skip
     g.add_argument("--max-model-len", type=pos_int, default=32768)
     g.add_argument("--block-size", type=pos_int, default=16)
     g.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=pos_int,
@@ -129,10 +132,13 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.lora_modules and not args.enable_lora:
         # vLLM refuses to start then: its engine has no LoRA manager to load them into.
         raise SimConfigError("lora_modules", args.lora_modules[0].name, "needs --enable-lora, as vLLM's does")
+    names = args.served_model_name or [args.model]
     return SimConfig(
         host=args.host,
         port=args.port,
-        model=args.model,
+        model=names[0],
+        aliases=tuple(names[1:]),
+        root=args.model,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,

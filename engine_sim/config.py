@@ -101,6 +101,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     restart_after_crash_s: come back this long after a crash (a supervisor restarting vLLM); None
         stays down.
     enable_prompt_tokens_details: vLLM's flag: usage.prompt_tokens_details.cached_tokens on a hit.
+    aliases: further names the model is served under (vLLM's --served-model-name with several:
+        `model` is the first, the name answers carry); requests may name any, with one cache.
+    root: the model's path as the server was given it (its cards' `root`); "": `model`.
     enable_prefix_caching: vLLM's flag (on by default): off, no block is cached, hit or reported.
     lora_modules: LoRA adapters served next to `model` (engine_sim/lora.py); a request may name
         any of them.
@@ -111,6 +114,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0
     model: str = "sim-llama"
+    aliases: tuple[str, ...] = ()
+    root: str = ""
     max_model_len: int = 32768
     block_size: int = 16
     num_gpu_blocks: int | None = None
@@ -159,7 +164,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
                 raise SimConfigError(name, value, "must be >= 0")
         if not 0 <= self.port <= 65535:
             raise SimConfigError("port", self.port, "must be in [0, 65535]")
-        lora_requests(self.lora_modules, self.model)
+        names = (self.model, *self.aliases)
+        if len(set(names)) != len(names) or not all(names):
+            raise SimConfigError("served_model_name", " ".join(names), "names must be distinct and non-empty")
+        lora_requests(self.lora_modules, names)
         return self
 
     @property

@@ -93,7 +93,9 @@ async def models(request: web.Request) -> web.Response:
     srv = request.app[SERVER_KEY]
     cfg = srv.config
     loras = list(srv.loras)
-    return json_response(fmt.models_response(cfg.model, srv.created, cfg.max_model_len, srv.perm_id, loras))
+    return json_response(
+        fmt.models_response(cfg.model, srv.created, cfg.max_model_len, srv.perm_id, loras, cfg.aliases, cfg.root)
+    )
 
 
 class _LoadLora(msgspec.Struct):

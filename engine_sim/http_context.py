@@ -37,14 +37,16 @@ def request_id(request: web.Request, in_body: str | None = None) -> str:
 
 
 def check_model(srv: SimServer, model: str | None) -> LoraRequest | None:
-    """The LoRA adapter `model` names; None for the served model (or no model); vLLM's 404 else,
-    whose alias list names the served model alone, adapters or not (bs32/error_unknown_model.json)."""
-    if model is None or model == srv.config.model:
+    """The LoRA adapter `model` names; None for the served model under any of its names (or no
+    model); vLLM's 404 else, whose alias list names the served names alone, adapters or not
+    (bs32/error_unknown_model.json)."""
+    cfg = srv.config
+    if model is None or model == cfg.model or model in cfg.aliases:
         return None
     lora = srv.loras.get(model)
     if lora is None:
         raise SimRequestError(
-            f"The model `{model}` does not exist. Valid aliases: {srv.config.model}.",
+            f"The model `{model}` does not exist. Valid aliases: {', '.join((cfg.model, *cfg.aliases))}.",
             status=404,
             kind="NotFoundError",
             param="model",

@@ -58,16 +58,17 @@ class LoraRequest(msgspec.Struct, frozen=True, gc=False):
     path: str
 
 
-def lora_requests(modules: Sequence[LoraModule], model: str) -> dict[str, LoraRequest]:
-    """The adapters served next to `model`, by name, in the order given. Raises SimConfigError for
-    an empty name or path (vLLM refuses to load those), a name given twice (vLLM: "has already been
-    loaded") or the served model's own name (a request naming it could not say which it means)."""
+def lora_requests(modules: Sequence[LoraModule], names: Sequence[str]) -> dict[str, LoraRequest]:
+    """The adapters served next to the model served under `names`, by name, in the order given.
+    Raises SimConfigError for an empty name or path (vLLM refuses to load those), a name given twice
+    (vLLM: "has already been loaded") or one of the model's own names (a request naming it could
+    not say which it means)."""
     out: dict[str, LoraRequest] = {}
     for m in modules:
         if not m.name or not m.path:
             raise SimConfigError(_FLAG, f"{m.name}={m.path}", "an adapter needs a name and a path (name=path)")
-        if m.name == model:
-            raise SimConfigError(_FLAG, m.name, "an adapter may not take the served model's name (--model)")
+        if m.name in names:
+            raise SimConfigError(_FLAG, m.name, "an adapter may not take a served model name (--served-model-name)")
         if m.name in out:
             raise SimConfigError(_FLAG, m.name, "names the same adapter twice")
         out[m.name] = LoraRequest(m.name, len(out) + 1, m.path)
@@ -79,8 +80,8 @@ class LoraAdapters:
     (VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter, /v1/unload_lora_adapter). An id
     is never given twice, as vLLM's counter only grows. Errors are vLLM's words (serving_models.py)."""
 
-    def __init__(self, modules: Sequence[LoraModule], model: str) -> None:
-        self.by_name = lora_requests(modules, model)
+    def __init__(self, modules: Sequence[LoraModule], names: Sequence[str]) -> None:
+        self.by_name = lora_requests(modules, names)
         self._next_id = len(self.by_name) + 1
 
     def get(self, name: str) -> LoraRequest | None:

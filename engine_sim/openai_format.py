@@ -231,13 +231,22 @@ def _model_card(
 
 
 def models_response(
-    model: str, created: int, max_model_len: int, perm_id: str, loras: Sequence[LoraRequest] = ()
+    model: str,
+    created: int,
+    max_model_len: int,
+    perm_id: str,
+    loras: Sequence[LoraRequest] = (),
+    aliases: Sequence[str] = (),
+    root: str = "",
 ) -> dict[str, Any]:
-    """The served model's card, then one per LoRA adapter in load order, as vLLM's
-    show_available_models builds them: an adapter's root is its path, its parent the served model,
-    and its max_model_len null (ModelCard's default, which vLLM sets on base cards only). vLLM makes
-    a new permission (and id) per card."""
-    cards = [_model_card(model, created, model, None, max_model_len, perm_id)]
+    """A card per served name (`model`, then `aliases`, each with the model's `root`: its path,
+    "" for `model`), then one per LoRA adapter in load order, as vLLM's show_available_models
+    builds them: an adapter's root is its path, its parent the first served name, and its
+    max_model_len null (ModelCard's default, which vLLM sets on base cards only). vLLM makes a new
+    permission (and id) per card (bs32/v1_models_aliases.json)."""
+    root = root or model
+    cards = [_model_card(model, created, root, None, max_model_len, perm_id)]
+    cards += [_model_card(a, created, root, None, max_model_len, f"modelperm-{secrets.token_hex(8)}") for a in aliases]
     cards += [_model_card(a.name, created, a.path, model, None, f"modelperm-{secrets.token_hex(8)}") for a in loras]
     return {"object": "list", "data": cards}
 

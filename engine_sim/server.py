@@ -79,7 +79,7 @@ class SimServer:
         self.timing = TimingModel.for_profile(cfg.profile)
         self.fingerprint = f"vllm-{VLLM_VERSION}-{secrets.token_hex(4)}"
         self.perm_id = f"modelperm-{secrets.token_hex(8)}"
-        self.loras = LoraAdapters(cfg.lora_modules, cfg.model)
+        self.loras = LoraAdapters(cfg.lora_modules, (cfg.model, *cfg.aliases))
         self.ranked_requests = 0  # generate requests that named this engine's data-parallel rank
         self.created = int(time.time())
         self.open_transports: set[asyncio.Transport] = set()

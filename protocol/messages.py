@@ -46,6 +46,7 @@ __all__ = [
     "Usage",
     "WorkerId",
     "WorkerInfo",
+    "adapter_named",
     "decode_json",
     "decode_msg",
     "encode_json",
@@ -360,9 +361,13 @@ class WorkerInfo(_Msg, kw_only=True):
     # The longest prompt plus output the engine takes (its /v1/models `max_model_len`); None when
     # it does not say. Routers show the least of a model's workers on their own /v1/models.
     max_model_len: int | None = None
-    # The LoRA adapters the engine serves on `model` (its /v1/models cards whose parent is `model`),
-    # sorted: a request naming one runs here, and its KV blocks are salted by the adapter's name.
+    # The LoRA adapters the engine serves on `model` (its /v1/models cards whose parent is `model`
+    # or one of `aliases`), sorted: a request naming one runs here, and its KV blocks are salted by
+    # the adapter's name.
     adapters: list[str] = []
+    # The other names the engine serves `model` under (vLLM's --served-model-name with several),
+    # sorted: a request naming one runs here as if it named `model`, on the same KV blocks.
+    aliases: list[str] = []
     # False when the engine runs without prefix caching (vLLM --no-enable-prefix-caching): it caches
     # no prompt, so a prefix routed there is no prefix it will hold.
     prefix_caching: bool = True
@@ -373,9 +378,15 @@ class WorkerInfo(_Msg, kw_only=True):
 
 
 def serving(infos: Collection[WorkerInfo], name: str) -> list[WorkerInfo]:
-    """The workers a request naming `name` runs on: those of model `name`, else those serving a LoRA
-    adapter of that name (a model's name wins over an adapter's)."""
-    return [i for i in infos if i.model == name] or [i for i in infos if name in i.adapters]
+    """The workers a request naming `name` runs on: those of model `name` (or serving it under that
+    alias), else those serving a LoRA adapter of that name (a model's name wins over an adapter's)."""
+    return [i for i in infos if i.model == name or name in i.aliases] or [i for i in infos if name in i.adapters]
+
+
+def adapter_named(info: WorkerInfo, name: str) -> str:
+    """The LoRA adapter a request naming `name` runs on `info`'s worker; "" for its model, under
+    any of its names (the blocks' salt: protocol.hashing.chain_salt)."""
+    return "" if name == info.model or name in info.aliases else name
 
 
 class RouterInfo(_Msg, kw_only=True):

@@ -444,10 +444,20 @@ class _Handlers:
     async def models(self, request: web.Request) -> web.Response:
         created = int(self.started_at)
         data = []
-        # LoRA adapters after their models, with `parent` naming the model as vLLM's cards do.
-        names = [(m, None) for m in self.path.models()] + sorted(self.path.adapters().items())
-        for m, parent in names:
-            card = {"id": m, "object": "model", "created": created, "owned_by": "kvswitch", "root": m, "parent": parent}
+        # Models, then the other names they are served under (root: the model, as vLLM's cards give
+        # every served name the model's path), then LoRA adapters, whose `parent` names the model.
+        names: list[tuple[str, str, str | None]] = [(m, m, None) for m in self.path.models()]
+        names += [(a, m, None) for a, m in sorted(self.path.aliases().items())]
+        names += [(a, a, m) for a, m in sorted(self.path.adapters().items())]
+        for m, root, parent in names:
+            card = {
+                "id": m,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvswitch",
+                "root": root,
+                "parent": parent,
+            }
             length = self.path.max_model_len(m)
             if length is not None:  # as vLLM's card has it
                 card["max_model_len"] = length

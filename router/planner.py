@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from protocol import BlockHasher, WorkerInfo, serving
+from protocol import BlockHasher, WorkerInfo, adapter_named, serving
 from protocol.config import RouterSettings
 from protocol.hashing import chain_salt, endpoint_key
 from router.calibration import Calibration
@@ -145,7 +145,7 @@ class Planner:
             hasher = self._hashers[block_size] = BlockHasher(block_size)
         # A LoRA adapter's blocks are its own (vLLM keys each by the adapter's name), as are a
         # cache_salt's: a chain of its own, since salts are clients' values, as many as they like.
-        salt = chain_salt("" if model == base else model, shape.cache_salt or "")
+        salt = chain_salt(adapter_named(infos[0], model), shape.cache_salt or "")
         if salt:
             hasher = BlockHasher(block_size, salt)
         return RequestContext(

@@ -52,17 +52,19 @@ class RequestPath:
     models: Callable[[], Sequence[str]]
     max_model_len: Callable[[str], int | None] = lambda _model: None
     adapters: Callable[[], Mapping[str, str]] = dict  # LoRA adapter -> its base model
+    aliases: Callable[[], Mapping[str, str]] = dict  # another name a model is served under -> the model
     default_model: str | None = None
     request_timeout_s: float = 600.0
     inflight: int = 0
     calls: int = 0  # utility calls so far: the next one starts at the next worker
 
     def resolve_model(self, model: str | None) -> str:
-        """The model, or LoRA adapter, a request names (the router's --model when it names none)."""
+        """The model, one of its other names, or a LoRA adapter, a request names (the router's
+        --model when it names none)."""
         name = model or self.default_model
         if name is None:
             raise Unknown(400, "'model' is required")
-        base = name if name in self.models() else self.adapters().get(name)  # an adapter's model
+        base = name if name in self.models() else self.aliases().get(name) or self.adapters().get(name)
         if self.default_model is not None and self.default_model not in (name, base):
             raise Unknown(
                 404,
@@ -70,7 +72,7 @@ class RequestPath:
                 + _and_adapters(self.default_model, self.adapters()),
             )
         if base is None:
-            served = [*self.models(), *self.adapters()]
+            served = [*self.models(), *self.aliases(), *self.adapters()]
             raise Unknown(404, f"The model `{name}` does not exist. Registered: {', '.join(served) or 'none'}")
         return name
 

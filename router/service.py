@@ -265,6 +265,7 @@ class RouterService:
             tracer=self.tracer,
             models=self.models,
             adapters=self.adapters,
+            aliases=self.aliases,
             max_model_len=self.max_model_len,
             default_model=self.config.model,
             request_timeout_s=self.config.request_timeout_s,
@@ -529,6 +530,9 @@ class RouterService:
 
     def adapters(self) -> dict[str, str]:
         return self.registry.adapters() if self._registry is not None else {}
+
+    def aliases(self) -> dict[str, str]:
+        return self.registry.aliases() if self._registry is not None else {}
 
     def max_model_len(self, model: str) -> int | None:
         return self.registry.max_model_len(model) if self._registry is not None else None

@@ -88,6 +88,12 @@ class WorkerRegistry:
     def models(self) -> list[str]:
         return sorted({info.model for info in self._workers.values()})
 
+    def aliases(self) -> dict[str, str]:
+        """The other names registered workers serve their model under, each with that model (a
+        name that is some worker's model names that model)."""
+        models = self.models()
+        return {name: info.model for info in self.workers() for name in info.aliases if name not in models}
+
     def adapters(self) -> dict[str, str]:
         """The LoRA adapters registered workers serve, each with its base model, by name (an
         adapter's name that is some worker's model names that model)."""

@@ -284,7 +284,8 @@ class RequestService:
         self.on_served = on_served
         self.on_scheduled = on_scheduled
         self.block_size = block_size
-        self.model = model  # the engine's own; a leg naming another runs a LoRA adapter
+        self.model = model  # the engine's own; a leg naming another (not an alias) runs a LoRA adapter
+        self.aliases: frozenset[str] = frozenset()  # other names the engine serves `model` under
         self.busy_legs = busy_legs
         self.accepting = True
         self.inflight: dict[str, _Leg] = {}
@@ -389,10 +390,10 @@ class RequestService:
 
     def _salt(self, req: GenerateRequest) -> str:
         """The canonical chain salt of the leg's prompt, whose blocks the engine keys by them: the
-        LoRA adapter it names instead of the engine's model, and the client's `cache_salt` (vLLM's
-        per-tenant cache isolation)."""
+        LoRA adapter it names instead of the engine's model (under any of its names), and the
+        client's `cache_salt` (vLLM's per-tenant cache isolation)."""
         salt = req.params.get("cache_salt")
-        lora = req.model if self.model and req.model != self.model else ""
+        lora = req.model if self.model and req.model != self.model and req.model not in self.aliases else ""
         return chain_salt(lora, salt if isinstance(salt, str) else "")
 
     def _reuse(self, req: GenerateRequest, held: int) -> int:

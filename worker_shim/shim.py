@@ -122,6 +122,7 @@ class WorkerShim:
         self.kv_bytes_per_token: int | None = None
         self.tokenizer = ""
         self.adapters: list[str] = []
+        self.aliases: list[str] = []  # the other names the engine serves --model under
         self._discovers_events = self.config.kv_events is None and self.config.engine == "vllm"
         self._topic_given = self.config.kv_events_topic  # the operator's, not a discovered one
         self.normaliser: Normaliser | None = None
@@ -398,11 +399,23 @@ class WorkerShim:
         )  # fmt: skip
 
     def _take_adapters(self, cards: dict[str, ModelCard] | None) -> bool:
-        """Take the LoRA adapters on --model that the engine lists; True when they changed."""
+        """Take the other names the engine serves --model under and the LoRA adapters on it that
+        the engine lists; True when they changed."""
         if cards is None:
             return False
         c = self.config
-        listed = sorted(name for name, card in cards.items() if card.parent == c.model)
+        aliases = _aliases(cards, c.model)
+        if aliases != self.aliases:
+            log.info("the engine serves %s under other names too: %s", c.model, ", ".join(aliases) or "none")
+            self.aliases = aliases
+            if self.requests is not None:
+                self.requests.aliases = frozenset(aliases)
+            changed = True
+        else:
+            changed = False
+        # vLLM names an adapter's parent by the first of the model's names, which need not be --model.
+        bases = {c.model, *aliases}
+        listed = sorted(name for name, card in cards.items() if card.parent in bases)
         if listed and not self.adapter.serves_adapters_by_name:
             self._say_once(
                 logging.WARNING,
@@ -413,7 +426,7 @@ class WorkerShim:
             )
             listed = []
         if listed == self.adapters:
-            return False
+            return changed
         log.info("the engine serves LoRA adapters on %s: %s", c.model, ", ".join(listed) or "none")
         self.adapters = listed
         return True
@@ -475,6 +488,7 @@ class WorkerShim:
             shim_url=self.http.url,
             max_model_len=lim.max_model_len,
             adapters=self.adapters,
+            aliases=self.aliases,
             prefix_caching=lim.prefix_caching is not False,
             sliding_window=self.normaliser.windows.window if self.normaliser is not None else 0,
         )
@@ -798,3 +812,13 @@ class WorkerShim:
                 await nc.drain()
             if not nc.is_closed:
                 await nc.close()
+
+
+def _aliases(cards: dict[str, ModelCard], model: str) -> list[str]:
+    """The other names the engine serves `model` under: base cards (no parent) with its root."""
+    own = cards.get(model)
+    if own is None or own.root is None:
+        return []
+    return sorted(
+        name for name, card in cards.items() if name != model and card.parent is None and card.root == own.root
+    )

@@ -42,6 +42,13 @@ def test_flags_build_the_config() -> None:
     assert not config_from_args(parse()).kv_events.active  # events off by default, as vLLM
 
 
+def test_served_model_names_are_vllms() -> None:
+    """`--model` is then the path (the cards' root), the first name the one answers carry."""
+    cfg = config_from_args(parse("--model", "/models/llama", "--served-model-name", "llama", "llama-8b"))
+    assert (cfg.model, cfg.aliases, cfg.root) == ("llama", ("llama-8b",), "/models/llama")
+    assert (config_from_args(parse("--model", "m")).model, config_from_args(parse("--model", "m")).aliases) == ("m", ())
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

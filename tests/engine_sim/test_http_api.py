@@ -13,6 +13,7 @@ import pytest
 from multidict import CIMultiDict
 
 from engine_sim import KVEventsConfig, SimConfig, SimServer
+from engine_sim.errors import SimConfigError
 from engine_sim.lora import LoraModule, LoraRequest
 from kvswitch.servers import free_ports
 from tests.engine_sim.conftest import sim_config
@@ -345,3 +346,43 @@ async def test_a_sim_as_one_data_parallel_rank_names_it_as_vllms_ranks_do() -> N
         for header in ("1", "any"):
             assert (await post(sim, "/v1/completions", body, **{"X-data-parallel-rank": header}))[0] == 200
         assert sim.ranked_requests == 1
+
+
+def alias_config() -> SimConfig:
+    """The captured server (tests/vllm/capture_aliases.py): `--served-model-name tiny-alias tiny-llama`."""
+    return lora_config().replace(model="tiny-alias", aliases=("tiny-llama",), root="tiny-llama")
+
+
+async def test_a_model_served_under_several_names_lists_each_and_answers_in_the_first() -> None:
+    captured = fixture_json("v1_models_aliases.json", "bs32")
+    prompt = list(range(100, 165))
+    async with SimServer(alias_config()) as sim:
+        status, text, _ = await get(sim, "/v1/models")
+        ours = json.loads(text)
+        assert status == 200 and without_volatile(ours) == without_volatile(captured)
+        answered = {}
+        for name in ("tiny-llama", "tiny-alias", "tiny-lora"):
+            status, done, _ = await post(sim, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 1})
+            assert status == 200, done
+            answered[name] = done["model"]
+        status, error, _ = await post(sim, "/v1/completions", {"model": "nope", "prompt": prompt, "max_tokens": 1})
+        hits = sim.runner.scheduler.stats.prefix_cache_hits
+    assert answered == {"tiny-llama": "tiny-alias", "tiny-alias": "tiny-alias", "tiny-lora": "tiny-lora"}
+    assert fixture_json("completion_alias.json", "bs32")["model"] == "tiny-alias"
+    assert status == 404 and error == fixture_json("error_unknown_model_aliases.json", "bs32")
+    assert hits == 64, "both names read one cache; the adapter's is its own"
+
+
+@pytest.mark.parametrize(
+    ("names", "needle"),
+    [(("a", "a"), "distinct"), (("a", ""), "distinct")],
+)
+def test_served_names_must_be_distinct(names: tuple[str, str], needle: str) -> None:
+    with pytest.raises(SimConfigError, match="--served-model-name") as exc:
+        SimConfig(model=names[0], aliases=names[1:]).validate()
+    assert needle in str(exc.value)
+
+
+def test_an_adapter_may_not_take_a_served_name() -> None:
+    with pytest.raises(SimConfigError, match="--lora-modules"):
+        SimConfig(model="a", aliases=("b",), lora_modules=(LoraModule("b", "/p"),)).validate()

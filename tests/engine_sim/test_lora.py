@@ -27,7 +27,7 @@ def test_a_malformed_module_names_the_flag(text: str) -> None:
 
 
 def test_adapters_get_vllms_int_ids_in_the_order_given() -> None:
-    loras = lora_requests([LoraModule("b", "/b"), LoraModule("a", "/a")], "base")
+    loras = lora_requests([LoraModule("b", "/b"), LoraModule("a", "/a")], ("base",))
     assert list(loras.values()) == [LoraRequest("b", 1, "/b"), LoraRequest("a", 2, "/a")]
 
 

@@ -284,6 +284,40 @@ async def test_a_lora_adapters_requests_run_where_it_is_served_under_a_prefix_of
     assert status == 404 and out["error"]["param"] == "model" and "sql" in out["error"]["message"]
 
 
+async def test_a_model_served_under_two_names_is_routed_by_either_on_one_chain(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """vLLM's --served-model-name with two names, the shim given the second: requests naming the
+    other go only to that worker, both names read one cache, and the worker's LoRA adapter (whose
+    parent vLLM names by the first name) is registered (tests/fixtures/vllm-0.32/bs32/
+    v1_models_aliases.json)."""
+    a = await cluster.add_worker(
+        "agg", model="first-name", aliases=(MODEL,), lora_modules=(LoraModule("sql", "/s"),), shim={"model": MODEL}
+    )
+    b = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    info = router.registry.get(a.id)
+    assert info is not None and (info.model, info.aliases, info.adapters) == (MODEL, ["first-name"], ["sql"])
+    async with http.get(router.url + "/v1/models") as r:
+        cards = {c["id"]: (c["root"], c["parent"]) for c in (await r.json())["data"]}
+    assert cards == {MODEL: (MODEL, None), "first-name": (MODEL, None), "sql": ("sql", MODEL)}
+    a.shim.credit.min_legs = a.shim.credit.min_tokens = 1
+    prompt = list(range(8000, 8640))  # 40 blocks
+    for _ in range(2):
+        status, out, worker = await _post(
+            http, router.url + "/v1/completions", {"model": "first-name", "prompt": prompt, "max_tokens": 2}
+        )
+        assert (status, worker, out["model"]) == (200, a.id, "first-name"), out
+    # The shim too reads the alias's prompt on the model's chain: it promised the repeat 39 blocks.
+    await until(lambda: a.shim.credit.predicted_total == 39 * BLOCK, what="the shim's promise judged")
+    plain = set(block_hashes(prompt, BLOCK))
+    await until(lambda: plain <= router.index.worker_hashes(a.id), what="the prompt indexed on the plain chain")
+    _, plan, _ = await _post(http, router.url + "/debug/route", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert {c["worker"]: c["overlap_blocks"] for c in plan["decode_candidates"]} == {a.id: 40, b.id: 0}
+    status, out, _ = await _post(http, router.url + "/v1/completions", {"model": "nope", "prompt": prompt})
+    assert status == 404 and "first-name" in out["error"]["message"]
+
+
 async def test_an_adapters_prefill_leg_goes_only_to_a_prefill_worker_serving_it(
     cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,13 +19,17 @@ real nats-server and etcd. It checks, in order:
    does, and the routers index its prompt under the adapter's chain, not the model's; vllm-b loads
    it as `tiny-lora-2` at run time: the routers list and route it once its shim reads /v1/models
    again, and refuse it with a 404 once it is unloaded;
-7. kill_restart: SIGKILL one engine: requests keep succeeding on the other; restart it on the same
+7. aliases: vllm-b serves the model under a second name (`--served-model-name tiny-llama
+   tiny-alias`): its worker registers the alias, a request naming it goes to vllm-b alone through
+   either router and answers as vLLM does, and the routers credit vllm-b with its prompt under the
+   model's own name (one cache);
+8. kill_restart: SIGKILL one engine: requests keep succeeding on the other; restart it on the same
    ports: it registers again and serves;
-8. data_parallel: one vLLM running two data-parallel ranks and a shim per rank
+9. data_parallel: one vLLM running two data-parallel ranks and a shim per rank
    (`--data-parallel-rank`; rank 0's given the server's --kv-events-config, rank 1's reading its
    endpoints from the engine's /kv_event_sources): each registers its rank's capacity, and each
    router's index of a rank's worker is exactly what that rank's own events say it holds;
-9. hybrid: one vLLM of a tiny hybrid model (make_hybrid.py: a sliding-window layer of 64 tokens and
+10. hybrid: one vLLM of a tiny hybrid model (make_hybrid.py: a sliding-window layer of 64 tokens and
    a full-attention layer): its worker registers the window, and for each of capture_hybrid.py's
    five prompts, sent through a router, the prefix each router credits the worker with is what
    vLLM then reports cached (`prompt_tokens_details.cached_tokens`), and the shim's credit check
@@ -72,6 +76,7 @@ from worker_shim import ShimConfig, WorkerShim  # noqa: E402
 
 MODEL = "tiny-llama"
 LORA = "tiny-lora"  # vllm-a serves it from its start; vllm-b loads another name for it at run time
+ALIAS = "tiny-alias"  # vllm-b serves the model under this name too
 BLOCK = 32
 TOPIC = "kv-events"
 log = logging.getLogger("test-vllm")
@@ -224,7 +229,7 @@ class Cluster:
         venv, model, lora = Path(args.vllm_venv), Path(args.model_dir), Path(args.lora_dir)
         self.engines = [
             Engine("vllm-a", venv, model, logs, lora_dir=lora, lora_module=LORA),
-            Engine("vllm-b", venv, model, logs, lora_dir=lora),
+            Engine("vllm-b", venv, model, logs, lora_dir=lora, flags=("--served-model-name", MODEL, ALIAS)),
         ]
         self.shims: dict[str, WorkerShim] = {}
         self.routers: list[RouterService] = []
@@ -542,7 +547,7 @@ async def check_lora(c: Cluster) -> dict[str, Any]:
     a, b = c.engines
     wa, wb = c.shims[a.name].worker_id, c.shims[b.name].worker_id
     for router in c.routers:
-        assert await _adapters(c, router) == {MODEL: None, LORA: MODEL}
+        assert await _adapters(c, router) == {MODEL: None, ALIAS: None, LORA: MODEL}  # vllm-b: ALIAS
     other = {"prompt": list(range(3500, 3570)), "max_tokens": 8, "temperature": 0}
     answers = [(await c.post(a.url, "/v1/completions", {**other, "model": m}))[1]["choices"] for m in (MODEL, LORA)]
     assert answers[0] != answers[1], "the adapter changes nothing: the check would prove nothing"
@@ -576,6 +581,41 @@ async def check_lora(c: Cluster) -> dict[str, Any]:
     status, via, _ = await c.post(c.routers[0].url, "/v1/completions", {**body, "model": "tiny-lora-2"})
     assert status == 404 and via["error"]["param"] == "model", via
     return {"runtime_load_registered_s": registered_s}
+
+
+async def check_aliases(c: Cluster) -> dict[str, Any]:
+    """vllm-b serves the model as `tiny-alias` too: its worker registers the alias, a request naming
+    it goes to vllm-b alone through either router and answers as vLLM does, and both names read one
+    cache (the routers credit vllm-b with the prompt under the model's own name)."""
+    a, b = (c.shims[name].worker_id for name in ("vllm-a", "vllm-b"))
+    assert a is not None and b is not None
+
+    def registered(router: RouterService, worker: str) -> bool:
+        info = router.registry.get(worker)
+        return info is not None and info.aliases == [ALIAS]
+
+    for router in c.routers:
+        await c.until(functools.partial(registered, router, b), 10, "the alias registered")
+        async with c.http.get(router.url + "/v1/models") as r:
+            cards = {card["id"]: (card["root"], card["parent"]) for card in (await r.json())["data"]}
+        assert cards[ALIAS] == (MODEL, None), cards
+    prompt = " ".join(f"alias{i % 40} words" for i in range(100))
+    body = {"model": ALIAS, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    status, direct, _ = await c.post(c.engines[1].url, "/v1/completions", body)
+    assert status == 200, direct
+    for router in c.routers:
+        status, out, headers = await c.post(router.url, "/v1/completions", body)
+        assert status == 200 and headers["x-kvswitch-decode-worker"] == b, out
+        assert _comparable(out) == _comparable(direct)
+    await asyncio.sleep(0.5)  # vllm-b's Stored events reach both routers
+    overlaps = []
+    for router in c.routers:
+        status, plan, _ = await c.post(router.url, "/debug/route", {**body, "model": MODEL})
+        assert status == 200, plan
+        overlap = {cand["worker"]: cand["overlap_blocks"] for cand in plan["decode_candidates"]}
+        assert overlap[b] > 0 and overlap[a] == 0, overlap
+        overlaps.append(overlap[b])
+    return {"answered_as": direct["model"], "overlap_blocks_under_the_model_name": overlaps}
 
 
 async def check_kill_restart(c: Cluster) -> dict[str, Any]:
@@ -776,6 +816,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await results.run("stickiness", lambda: check_stickiness(c))
                 await results.run("index_hashes", lambda: check_index_hashes(c))
                 await results.run("lora", lambda: check_lora(c))
+                await results.run("aliases", lambda: check_aliases(c))
                 await results.run("kill_restart", lambda: check_kill_restart(c))
                 await results.run("data_parallel", lambda: check_data_parallel(c))
                 await results.run("hybrid", lambda: check_hybrid(c))

@@ -208,18 +208,28 @@ async def test_the_engines_own_400_body_comes_back(engine: tuple[Engine, VllmAda
 
 
 def test_model_cards_are_read_from_vllms_own_models_answer() -> None:
-    assert model_cards((FIXTURES / "bs32" / "v1_models.json").read_bytes()) == {"tiny-llama": ModelCard(2048)}
+    cards = model_cards((FIXTURES / "bs32" / "v1_models.json").read_bytes())
+    assert cards == {"tiny-llama": ModelCard(2048, root="tiny-llama")}
 
 
 def test_lora_adapters_are_the_cards_whose_parent_is_the_model() -> None:
     """vLLM 0.32's own answers: an adapter's card has the model as `parent` and no max_model_len;
     one loaded at run time appears, unloaded it goes."""
     assert model_cards((FIXTURES / "bs32" / "v1_models_lora.json").read_bytes()) == {
-        "tiny-llama": ModelCard(2048),
-        "tiny-lora": ModelCard(parent="tiny-llama"),
+        "tiny-llama": ModelCard(2048, root="tiny-llama"),
+        "tiny-lora": ModelCard(parent="tiny-llama", root="tiny-lora"),
     }
     loaded = model_cards((FIXTURES / "bs32" / "v1_models_lora_loaded.json").read_bytes())
-    assert loaded is not None and loaded["tiny-lora-2"] == ModelCard(parent="tiny-llama")
+    assert loaded is not None and loaded["tiny-lora-2"] == ModelCard(parent="tiny-llama", root="tiny-lora")
+
+
+def test_a_model_served_under_two_names_has_a_card_per_name_and_one_root() -> None:
+    """vLLM 0.32 with --served-model-name tiny-alias tiny-llama: the adapter's parent is the first."""
+    assert model_cards((FIXTURES / "bs32" / "v1_models_aliases.json").read_bytes()) == {
+        "tiny-alias": ModelCard(2048, root="tiny-llama"),
+        "tiny-llama": ModelCard(2048, root="tiny-llama"),
+        "tiny-lora": ModelCard(parent="tiny-alias", root="tiny-lora"),
+    }
 
 
 @pytest.mark.parametrize(
@@ -229,7 +239,7 @@ def test_lora_adapters_are_the_cards_whose_parent_is_the_model() -> None:
         (b"[]", None),
         (b'{"data": {}}', None),
         (
-            b'{"data": [{"id": "m", "max_model_len": true}, {"id": "n", "parent": 3}, {"id": 5}]}',
+            b'{"data": [{"id": "m", "max_model_len": true}, {"id": "n", "parent": 3, "root": 4}, {"id": 5}]}',
             {"m": ModelCard(), "n": ModelCard()},
         ),
         (b'{"data": [{"id": "a", "parent": "m"}]}', {"a": ModelCard(parent="m")}),

@@ -87,10 +87,12 @@ class EngineLimits:
 
 @dataclass(slots=True, frozen=True)
 class ModelCard:
-    """One entry of the engine's /v1/models: a LoRA adapter's `parent` is the model it runs on."""
+    """One entry of the engine's /v1/models: a LoRA adapter's `parent` is the model it runs on; vLLM
+    gives each name a model is served under a card of its own, all with the model's `root`."""
 
     max_model_len: int | None = None
     parent: str | None = None
+    root: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

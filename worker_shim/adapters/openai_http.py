@@ -61,8 +61,8 @@ def usage_from(raw: Any) -> Usage:
 
 def model_cards(raw: bytes) -> dict[str, ModelCard] | None:
     """The cards of a /v1/models answer by id: `max_model_len` where vLLM's and SGLang's carry it
-    (None where a card has no positive integer), `parent` where the card is a LoRA adapter's;
-    None when `raw` is no model list."""
+    (None where a card has no positive integer), `parent` where the card is a LoRA adapter's,
+    `root` where it says; None when `raw` is no model list."""
     try:
         data = _json.decode(raw).get("data")
     except (msgspec.DecodeError, AttributeError):
@@ -72,9 +72,13 @@ def model_cards(raw: bytes) -> dict[str, ModelCard] | None:
     cards: dict[str, ModelCard] = {}
     for card in data:
         if isinstance(card, dict) and isinstance(card.get("id"), str):
-            value, parent = card.get("max_model_len"), card.get("parent")
+            value, parent, root = card.get("max_model_len"), card.get("parent"), card.get("root")
             ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-            cards[card["id"]] = ModelCard(value if ok else None, parent if isinstance(parent, str) else None)
+            cards[card["id"]] = ModelCard(
+                value if ok else None,
+                parent if isinstance(parent, str) else None,
+                root if isinstance(root, str) else None,
+            )
     return cards
 
 
