@@ -344,13 +344,13 @@ class WorkerShim:
         return limits
 
     async def _served_model_len(self) -> int | None:
-        """--model's max_model_len from the engine's /v1/models, whose LoRA adapters on --model it
-        takes too (`_take_adapters`); a model the engine does not list is a startup error where the
-        engine refuses requests for it (vLLM), a warning elsewhere."""
+        """--model's max_model_len from the engine's /v1/models, whose other names for it and LoRA
+        adapters on it are taken too (`_take_served_names`); a model the engine does not list is a
+        startup error where the engine refuses requests for it (vLLM), a warning elsewhere."""
         c = self.config
         models = await self.adapter.served_models()
         if models is None or c.model in models:
-            self._take_adapters(models)
+            self._take_served_names(models)
             return models[c.model].max_model_len if models else None
         served = ", ".join(sorted(models)) or "no model"
         if self.adapter.requires_served_model:
@@ -398,21 +398,19 @@ class WorkerShim:
             rank, source.endpoint, source.replay_endpoint, source.topic,
         )  # fmt: skip
 
-    def _take_adapters(self, cards: dict[str, ModelCard] | None) -> bool:
+    def _take_served_names(self, cards: dict[str, ModelCard] | None) -> bool:
         """Take the other names the engine serves --model under and the LoRA adapters on it that
         the engine lists; True when they changed."""
         if cards is None:
             return False
         c = self.config
         aliases = _aliases(cards, c.model)
-        if aliases != self.aliases:
+        changed = aliases != self.aliases
+        if changed:
             log.info("the engine serves %s under other names too: %s", c.model, ", ".join(aliases) or "none")
             self.aliases = aliases
             if self.requests is not None:
                 self.requests.aliases = frozenset(aliases)
-            changed = True
-        else:
-            changed = False
         # vLLM names an adapter's parent by the first of the model's names, which need not be --model.
         bases = {c.model, *aliases}
         listed = sorted(name for name, card in cards.items() if card.parent in bases)
@@ -433,7 +431,7 @@ class WorkerShim:
 
     async def _poll_adapters(self) -> None:
         """Register adapters loaded or unloaded at run time (vLLM's /v1/load_lora_adapter)."""
-        if self._take_adapters(await self.adapter.served_models()) and self.registration is not None:
+        if self._take_served_names(await self.adapter.served_models()) and self.registration is not None:
             self.registration.update()
 
     def _kv_bytes_per_token(self) -> int | None:

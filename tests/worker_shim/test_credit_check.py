@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
@@ -137,24 +139,27 @@ def test_an_engine_that_does_not_count_reuse_is_never_judged() -> None:
 PROMPT = list(range(300, 300 + 4 * BLOCK))  # four full blocks: vLLM reuses three when it repeats
 
 
-def eager(shim: WorkerShim) -> None:
-    """Judge every window that holds a leg, so a test needs few requests."""
-    shim.credit.min_legs = shim.credit.min_tokens = 1
-
-
 async def served(col: Collector, subject: str, req: GenerateRequest) -> None:
     await col.send(subject, req)
     assert (await col.final(req.request_id)).error is None
     await asyncio.sleep(0.35)  # past the next load poll, so each leg's window holds its reuse
 
 
-async def test_the_engine_reuses_exactly_what_the_shim_predicted(ns: str, nats_url: str, etcd_url: str) -> None:
+@asynccontextmanager
+async def warm_shim(ns: str, nats_url: str, etcd_url: str) -> AsyncIterator[tuple[WorkerShim, Collector, str]]:
+    """A shim beside a sim whose cache holds PROMPT, judging every window that holds a leg (so a
+    test needs few requests); with a Collector and the shim's agg subject."""
     async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
         assert shim.worker_id is not None
-        eager(shim)
+        shim.credit.min_legs = shim.credit.min_tokens = 1
         subject = subjects.gen(ns, "agg", shim.worker_id)
         await served(col, subject, gen("first", PROMPT))
         await wait_for(lambda: shim._cached_prompt_tokens(PROMPT) == len(PROMPT), what="the prompt indexed")
+        yield shim, col, subject
+
+
+async def test_the_engine_reuses_exactly_what_the_shim_predicted(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with warm_shim(ns, nats_url, etcd_url) as (shim, col, subject):
         for i in range(3):
             await served(col, subject, gen(f"again-{i}", PROMPT))  # 64 held, 48 reused
             await served(col, subject, gen(f"longer-{i}", PROMPT + [7] * (i + 1)))  # 64 held and reused
@@ -164,12 +169,7 @@ async def test_the_engine_reuses_exactly_what_the_shim_predicted(ns: str, nats_u
 
 
 async def test_legs_asking_for_prompt_logprobs_are_not_promised_a_hit(ns: str, nats_url: str, etcd_url: str) -> None:
-    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
-        assert shim.worker_id is not None
-        eager(shim)
-        subject = subjects.gen(ns, "agg", shim.worker_id)
-        await served(col, subject, gen("first", PROMPT))
-        await wait_for(lambda: shim._cached_prompt_tokens(PROMPT) == len(PROMPT), what="the prompt indexed")
+    async with warm_shim(ns, nats_url, etcd_url) as (shim, col, subject):
         logprobs = [
             {"model": "sim-llama", "max_tokens": 2, "prompt_logprobs": 1},
             {"model": "sim-llama", "max_tokens": 2, "echo": True, "logprobs": 1},
@@ -194,12 +194,7 @@ async def test_a_router_that_renders_chat_differently_is_caught_then_cleared(
 ) -> None:
     """The router hashed `token_ids` (a cached prompt); the engine renders the messages into
     another prompt and reuses none of it: the credit routers give this worker is wrong."""
-    async with SimServer(sim_config()) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
-        assert shim.worker_id is not None
-        eager(shim)
-        subject = subjects.gen(ns, "agg", shim.worker_id)
-        await served(col, subject, gen("first", PROMPT))
-        await wait_for(lambda: shim._cached_prompt_tokens(PROMPT) == len(PROMPT), what="the prompt indexed")
+    async with warm_shim(ns, nats_url, etcd_url) as (shim, col, subject):
         with caplog.at_level(logging.INFO, logger="worker_shim.credit_check"):
             for i in range(3):
                 params = {"model": "sim-llama", "max_tokens": 2, "messages": [{"role": "user", "content": f"hi {i}"}]}
@@ -222,4 +217,4 @@ async def test_a_router_that_renders_chat_differently_is_caught_then_cleared(
                 await served(col, subject, gen(f"honest-{i}", [*PROMPT, 9]))
             await wait_for(lambda: not shim.credit.short, what="the recovery")
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert len(warned) == 1 and sim.url in warned[0] and "tokenizes" in warned[0]
+        assert len(warned) == 1 and shim.config.engine_url in warned[0] and "tokenizes" in warned[0]
