@@ -179,6 +179,9 @@ class LoadReport(_Msg, kw_only=True):
     # Wall-clock time the engine's figures above were read (the shim polls them, and a heartbeat
     # may repeat the last reading); 0: at `ts`. Calibration measures busy time between readings.
     engine_ts: float = 0.0
+    # True while the shim's credit check (worker_shim.credit_check) finds the engine reusing far less
+    # of the prefixes its KV events promise than they say: routers credit this worker wrongly.
+    prefix_credit_short: bool = False
     # Mean tokens (prompt plus output so far) of the requests the shim sees decoding, as of `ts`;
     # 0.0: none, or a shim that does not count. A decode step reads each sequence's whole KV, so
     # calibration prices steps at this context: kv_used_blocks counts a shared prefix once.

@@ -218,6 +218,11 @@ class LoadView:
         period = min(max(r.period_s, 0.05), 60.0) if r.period_s == r.period_s else 1.0  # NaN: the default
         return Liveness(max(0.0, self._clock() - held.received_at), period, r.events_ok, r.healthy)
 
+    def credit_short(self) -> list[str]:
+        """The workers whose last report says their engine reuses far less of its promised prefixes
+        than its KV events say (LoadReport.prefix_credit_short)."""
+        return sorted(w for w, held in self._reports.items() if held.report.prefix_credit_short)
+
     def remove_worker(self, worker: str) -> None:
         """`worker` left: its report and every booking on it go."""
         self._reports.pop(worker, None)

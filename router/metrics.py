@@ -8,7 +8,7 @@ at scrape time, so each has exactly one source of truth.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -39,6 +39,7 @@ class StateFigures:
     timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
     prompt_tokens: Mapping[str, int] = field(default_factory=dict)  # router.planner.PrefixReach
     clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
+    credit_short: Sequence[str] = ()  # workers whose shims report LoadReport.prefix_credit_short
 
 
 class _StateCollector(Collector):
@@ -97,6 +98,14 @@ class _StateCollector(Collector):
         for worker, offset in sorted(s.clock_offsets.items()):
             skew.add_metric([worker], offset)
         yield skew
+        short = GaugeMetricFamily(
+            "kvswitch_router_worker_prefix_credit_short",
+            "1 for a worker whose engine reuses far less of the prefixes its KV events promise (its shim's check)",
+            labels=["worker"],
+        )
+        for worker in s.credit_short:
+            short.add_metric([worker], 1.0)
+        yield short
 
 
 class RouterMetrics:

@@ -561,5 +561,6 @@ class RouterService:
             workers=len(self._registry.workers()) if self._registry is not None else 0,
             timing=self.calibration.factors() if self.calibration is not None else {},
             clock_offsets=self.clocks.offsets(),
+            credit_short=self.view.credit_short(),
             prompt_tokens=self._planner.reach.as_dict() if self._planner else {},
         )

@@ -47,6 +47,7 @@ class LoadReporter:
         digest: Callable[[], KvDigestAt | None] = lambda: None,
         events_ok: Callable[[], bool] = lambda: True,
         decode_context: Callable[[], float] = lambda: 0.0,
+        credit_short: Callable[[], bool] = lambda: False,
         on_reading: Callable[[float, float, EngineLoad | None], None] = lambda _asked, _done, _load: None,
     ) -> None:
         self.nc = nc
@@ -60,6 +61,7 @@ class LoadReporter:
         self.digest = digest
         self.events_ok = events_ok
         self.decode_context = decode_context
+        self.credit_short = credit_short
         # Each poll's result (None: it failed), with the time.monotonic() it was asked for and came back.
         self.on_reading = on_reading
         self.published = 0
@@ -122,6 +124,7 @@ class LoadReporter:
             itl_seconds=t.itl_seconds,
             engine_ts=self._engine_at,
             decode_context=self.decode_context(),
+            prefix_credit_short=self.credit_short(),
         )
 
     async def _poll_loop(self) -> None:
@@ -151,6 +154,7 @@ class LoadReporter:
             rep.healthy,
             rep.kv_total_blocks,
             rep.events_ok,
+            rep.prefix_credit_short,
         )
         now = time.monotonic()
         if key != self._last_key or now - self._last_sent >= self.period_s:

@@ -637,6 +637,7 @@ class WorkerShim:
             digest=publisher.digest,
             events_ok=lambda: self.events.ok,
             decode_context=requests.contexts.mean,
+            credit_short=lambda: self.credit.short,
             on_reading=self._on_engine_reading,
         )
         presence.reporter.start()

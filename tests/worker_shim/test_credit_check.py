@@ -11,9 +11,10 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
+from nats.aio.msg import Msg
 
 from engine_sim.server import SimServer
-from protocol import GenerateRequest, subjects
+from protocol import GenerateRequest, LoadReport, decode_msg, subjects
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from tests.worker_shim.cluster import BLOCK, sim_config, wait_for
 from tests.worker_shim.test_request_service import Collector, agg_shim, gen
@@ -195,6 +196,13 @@ async def test_a_router_that_renders_chat_differently_is_caught_then_cleared(
     """The router hashed `token_ids` (a cached prompt); the engine renders the messages into
     another prompt and reuses none of it: the credit routers give this worker is wrong."""
     async with warm_shim(ns, nats_url, etcd_url) as (shim, col, subject):
+        assert shim.worker_id is not None
+        reported: list[bool] = []  # each LoadReport's prefix_credit_short, as routers get them
+
+        async def on_load(msg: Msg) -> None:
+            reported.append(decode_msg(msg.data, LoadReport).prefix_credit_short)
+
+        await col.nc.subscribe(subjects.load(ns, shim.worker_id), cb=on_load)
         with caplog.at_level(logging.INFO, logger="worker_shim.credit_check"):
             for i in range(3):
                 params = {"model": "sim-llama", "max_tokens": 2, "messages": [{"role": "user", "content": f"hi {i}"}]}
@@ -208,6 +216,7 @@ async def test_a_router_that_renders_chat_differently_is_caught_then_cleared(
                 await served(col, subject, req)
             await wait_for(lambda: shim.credit.short, what="the shortfall")
             assert shim.credit.ratio == 0.0
+            await wait_for(lambda: reported[-1:] == [True], what="a load report saying so")
             async with aiohttp.ClientSession() as http:
                 async with http.get(shim.http.url + "/metrics") as r:
                     assert "kvswitch_shim_prefix_credit_short 1.0" in await r.text()
@@ -216,5 +225,6 @@ async def test_a_router_that_renders_chat_differently_is_caught_then_cleared(
             for i in range(2):
                 await served(col, subject, gen(f"honest-{i}", [*PROMPT, 9]))
             await wait_for(lambda: not shim.credit.short, what="the recovery")
+            await wait_for(lambda: reported[-1:] == [False], what="a load report saying so")
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warned) == 1 and shim.config.engine_url in warned[0] and "tokenizes" in warned[0]
