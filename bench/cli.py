@@ -30,7 +30,7 @@ from bench.summary import PrefixCounters, Slo, format_summary, scrape_prefix_cou
 from bench.trace import TraceError, load_trace, shipped_trace
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
 from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
-from worker_shim.credit_check import CreditCheck
+from worker_shim.credit_check import SHORT_BELOW, CreditCheck
 
 __all__ = ["DEMO", "add_arguments", "run"]
 
@@ -283,7 +283,7 @@ def _credit_line(checks: list[CreditCheck]) -> str:
     lowest = min((c.lowest for c in checks if c.lowest is not None), default=None)
     promised, reused = sum(c.predicted_total for c in checks), sum(c.reused_total for c in checks)
     return (
-        f"shim credit check: {windows} windows judged, {short} short (below {CreditCheck().low:g}), lowest "
+        f"shim credit check: {windows} windows judged, {short} short (below {SHORT_BELOW:g}), lowest "
         f"{'-' if lowest is None else f'{lowest:.2f}'}; reused {reused:,} of {promised:,} promised tokens"
     )
 

@@ -219,8 +219,8 @@ class LoadView:
         return Liveness(max(0.0, self._clock() - held.received_at), period, r.events_ok, r.healthy)
 
     def credit_short(self) -> list[str]:
-        """The workers whose last report says their engine reuses far less of its promised prefixes
-        than its KV events say (LoadReport.prefix_credit_short)."""
+        """The workers whose last report says their engine reuses far less than its KV events
+        promise (LoadReport.prefix_credit_short)."""
         return sorted(w for w, held in self._reports.items() if held.report.prefix_credit_short)
 
     def remove_worker(self, worker: str) -> None:

@@ -34,9 +34,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-__all__ = ["CreditCheck", "reusable"]
+__all__ = ["RECOVERED_AT", "SHORT_BELOW", "CreditCheck", "reusable"]
 
 log = logging.getLogger(__name__)
+SHORT_BELOW = 0.5  # reused / promised of a window that falls short
+RECOVERED_AT = 0.8  # ... and of one that ends a shortfall
 
 
 def reusable(held: int, prompt_tokens: int, block_size: int) -> int:
@@ -52,8 +54,8 @@ class CreditCheck:
         *,
         min_legs: int = 8,
         min_tokens: int = 4096,
-        low: float = 0.5,
-        recover: float = 0.8,
+        low: float = SHORT_BELOW,
+        recover: float = RECOVERED_AT,
     ) -> None:
         self.engine = engine  # names it in the log
         self.min_legs = min_legs
