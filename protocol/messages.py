@@ -8,7 +8,7 @@ with. NATS payloads are msgpack (`encode_msg`/`decode_msg`); etcd values are JSO
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any, Literal, NewType, TypeVar
 
 import msgspec
@@ -47,6 +47,7 @@ __all__ = [
     "WorkerId",
     "WorkerInfo",
     "adapter_named",
+    "asks_prompt_logprobs",
     "decode_json",
     "decode_msg",
     "encode_json",
@@ -386,10 +387,20 @@ def serving(infos: Collection[WorkerInfo], name: str) -> list[WorkerInfo]:
     return [i for i in infos if i.model == name or name in i.aliases] or [i for i in infos if name in i.adapters]
 
 
-def adapter_named(info: WorkerInfo, name: str) -> str:
-    """The LoRA adapter a request naming `name` runs on `info`'s worker; "" for its model, under
-    any of its names (the blocks' salt: protocol.hashing.chain_salt)."""
-    return "" if name == info.model or name in info.aliases else name
+def adapter_named(name: str, model: str, aliases: Collection[str] = ()) -> str:
+    """The LoRA adapter a request naming `name` runs on a worker of `model` (served under `aliases`
+    too); "" for the model under any of its names. It salts the prompt's blocks
+    (protocol.hashing.chain_salt), so routers and shims must agree on it."""
+    return "" if name == model or name in aliases else name
+
+
+def asks_prompt_logprobs(body: Mapping[str, Any], *, chat: bool) -> bool:
+    """The OpenAI body asks for the prompt's own logprobs (`prompt_logprobs`, or a completion's
+    `echo` with `logprobs`): vLLM then needs every prompt token's logits, so it reads no cache and
+    the prompt takes its own forward pass."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return not chat and bool(body.get("echo")) and body.get("logprobs") is not None
 
 
 class RouterInfo(_Msg, kw_only=True):

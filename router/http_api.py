@@ -43,7 +43,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from protocol import GenerateRequest, SamplingParams
+from protocol import GenerateRequest, SamplingParams, asks_prompt_logprobs
 from protocol.messages import (
     ANNOTATION_BYPASS,
     ENDPOINT_CHAT,
@@ -312,8 +312,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
         # refuses costs nothing on the local path.
         shape=RequestShape(
             sequences=max(len(prompts), 1) * max(n, 1),
-            prompt_logprobs=body.get("prompt_logprobs") is not None
-            or (not chat and bool(body.get("echo")) and body.get("logprobs") is not None),
+            prompt_logprobs=asks_prompt_logprobs(body, chat=chat),
             cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) else "",
         ),
     )

@@ -64,6 +64,8 @@ from protocol import (
     ResponseChunk,
     TransferHandle,
     Usage,
+    adapter_named,
+    asks_prompt_logprobs,
     decode_msg,
     encode_msg,
 )
@@ -393,17 +395,15 @@ class RequestService:
         LoRA adapter it names instead of the engine's model (under any of its names), and the
         client's `cache_salt` (vLLM's per-tenant cache isolation)."""
         salt = req.params.get("cache_salt")
-        lora = req.model if self.model and req.model != self.model and req.model not in self.aliases else ""
+        lora = adapter_named(req.model, self.model, self.aliases) if self.model else ""
         return chain_salt(lora, salt if isinstance(salt, str) else "")
 
     def _reuse(self, req: GenerateRequest, held: int) -> int:
         """Of the `held` leading prompt tokens the KV events say are cached, those the engine should
         reuse: all but the last token (vLLM computes it to sample from), none when the leg asks for
         prompt logprobs (vLLM then reads no cache, as it needs every prompt token's logits)."""
-        bs, p = self.block_size(), req.params
-        if not bs or p.get("prompt_logprobs") is not None:
-            return 0
-        if req.endpoint == ENDPOINT_COMPLETIONS and p.get("echo") and p.get("logprobs") is not None:
+        bs = self.block_size()
+        if not bs or asks_prompt_logprobs(req.params, chat=req.endpoint == ENDPOINT_CHAT):
             return 0
         return reusable(held, len(req.token_ids), bs)
 

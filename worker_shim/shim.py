@@ -537,8 +537,15 @@ class WorkerShim:
     def _on_engine_reading(self, asked: float, done: float, load: EngineLoad | None) -> None:
         if load is None:
             self.credit.lost()
-        else:
-            self.credit.reading(asked, done, load.reused_tokens)
+            return
+        if load.reused_tokens is None:
+            self._say_once(
+                logging.INFO,
+                "the %s engine exports no prefix reuse counter: the credit check (does it reuse what its KV "
+                "events promise?) is off for this worker",
+                self.config.engine,
+            )
+        self.credit.reading(asked, done, load.reused_tokens)
 
     def _on_events_change(self) -> None:
         if self.registration is not None and self.registration.state is not RegistrationState.STOPPED:
