@@ -91,8 +91,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
 
     num_gpu_blocks: None sizes the pool as vLLM would on one H200 for the profile's model.
     speedup: divides every modelled duration (steps, KV transfers); metrics stay in simulated time.
-    role: informational, as in a real deployment: a `decode` sim still prefills locally when a
-        request carries no kv_transfer_params (the bypass path).
+    role: as in a real deployment, a `decode` sim still prefills locally when a request carries no
+        kv_transfer_params (the bypass path), and any sim serves the P/D fields; `prefill` and
+        `decode` sims are engines started with a KV connector (vLLM's --kv-transfer-config), whose
+        `vllm:external_prefix_cache_queries` count every request, an `agg` sim's only those that pull KV.
     kv_transfer_gbps: the link a decode sim pulls KV over, GB/s.
     kv_pin_timeout_s: a prefill sim frees blocks held for a decode sim after this many wall seconds
         if nobody pulls them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).

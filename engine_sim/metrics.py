@@ -60,6 +60,18 @@ class _Collector:
         yield counter(
             vm.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits
         )
+        yield counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+            st.external_prefix_cache_queries,
+        )
+        yield counter(
+            vm.EXTERNAL_PREFIX_CACHE_HITS,
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+            st.external_prefix_cache_hits,
+        )
         yield counter(vm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", st.preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
         by_source = CounterMetricFamily(
@@ -73,6 +85,28 @@ class _Collector:
         ):
             by_source.add_metric([*lv, source], value, created=created)
         yield by_source
+        yield counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            st.prompt_tokens_cache_hit + st.external_kv_tokens,
+        )
+        cached_by_source = CounterMetricFamily(
+            vm.PROMPT_TOKENS_CACHED_BY_SOURCE,
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host "
+            "(offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. "
+            "Counted at admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+            labels=[*_LABELS, "source"],
+        )
+        # The sim's only connector is its P/D pull (vLLM's NixlConnector, whose hits are "p2p").
+        for source, value in (
+            (vm.SOURCE_DEVICE, st.prefix_cache_hits),
+            ("host", 0),
+            (vm.SOURCE_P2P, st.external_prefix_cache_hits),
+            ("disk", 0),
+            ("external_unspecified", 0),
+        ):
+            cached_by_source.add_metric([*lv, source], value, created=created)
+        yield cached_by_source
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
         success = CounterMetricFamily(
             "vllm:request_success",

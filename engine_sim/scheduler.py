@@ -79,8 +79,12 @@ class Scheduler:
         engine_id: str = "sim",
         hash_seed: str | None = None,
         enable_prefix_caching: bool = True,
+        kv_connector: bool = False,
     ) -> None:
         self.block_size = block_size
+        # A P/D engine (vLLM with --kv-transfer-config): its connector is asked about every new
+        # request, so its connector stats count them all; without one, only requests that pull KV.
+        self.kv_connector = kv_connector
         # Off (vLLM's --no-enable-prefix-caching): no block is hashed, cached or reported, no hit.
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
@@ -290,7 +294,7 @@ class Scheduler:
             if not self._allocate(req, n, hits):
                 break
             if fresh and req.num_preemptions == 0:
-                self._count_admission(req, hit_tokens, result)
+                self._count_admission(req, hit_tokens, 0, result)
             waiting.popleft()
             running.append(req)
             req.status = RequestStatus.RUNNING
@@ -299,11 +303,14 @@ class Scheduler:
         waiting.extendleft(reversed(skipped))
         return scheduled
 
-    def _count_admission(self, req: SimRequest, hit_tokens: int, result: StepResult) -> None:
+    def _count_admission(self, req: SimRequest, hit_tokens: int, external: int, result: StepResult) -> None:
         result.started.append(req.request_id)
         st = self.stats
         st.prefix_cache_queries += req.num_tokens
         st.prefix_cache_hits += hit_tokens
+        if self.kv_connector or external:
+            st.external_prefix_cache_queries += req.num_tokens - hit_tokens
+            st.external_prefix_cache_hits += external
         st.prompt_tokens += req.num_prompt_tokens
         st.prompt_tokens_cache_hit += min(hit_tokens, req.num_prompt_tokens)
         req.num_hit_tokens = hit_tokens
@@ -314,9 +321,9 @@ class Scheduler:
         hit_tokens = len(hits) * bs
         if not self._allocate(req, req.num_prompt_tokens - hit_tokens, hits, cache=False):
             return False
-        self._count_admission(req, hit_tokens, result)
         req.num_computed_tokens = hit_tokens
         req.num_external_tokens = req.num_prompt_tokens - hit_tokens
+        self._count_admission(req, hit_tokens, req.num_external_tokens, result)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         result.transfers.append((req.request_id, req.num_external_tokens))
         return True

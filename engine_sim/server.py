@@ -175,6 +175,7 @@ class SimServer:
             emit_events=self._events_cfg.active,
             engine_id=str(uuid.uuid4()),
             enable_prefix_caching=cfg.enable_prefix_caching,
+            kv_connector=cfg.role != "agg",
         )
         publisher: ZmqEventPublisher | NullEventPublisher
         if self._events_cfg.active:

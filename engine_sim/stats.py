@@ -76,6 +76,11 @@ class EngineStats:
         self.prompt_tokens = 0
         self.prompt_tokens_cache_hit = 0
         self.external_kv_tokens = 0
+        # vLLM's KV connector stats (an engine started with --kv-transfer-config): per admitted
+        # request, the prompt tokens it asked the connector for (those past its local hit) and
+        # those the connector supplied; every connector hit here is a P/D pull (NIXL: "p2p").
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
         self.prefill_tokens_computed = 0
         self.generation_tokens = 0
         self.preemptions = 0

@@ -18,12 +18,16 @@ __all__ = [
     "LABEL_ENGINE",
     "LABEL_KV_CACHE_SIZE_TOKENS",
     "LABEL_NUM_GPU_BLOCKS",
+    "LABEL_SOURCE",
     "NUM_PREEMPTIONS",
     "NUM_REQUESTS_RUNNING",
     "NUM_REQUESTS_WAITING",
     "PREFILL_KV_COMPUTED_TOKENS",
     "PREFILL_TIME",
     "PREFIX_CACHE_HITS",
+    "PROMPT_TOKENS_CACHED_BY_SOURCE",
+    "SOURCE_DEVICE",
+    "SOURCE_P2P",
     "count",
     "histogram_sum",
     "total",
@@ -52,6 +56,13 @@ PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 # A counter: prompt tokens a KV connector supplied (a CPU offload tier, another instance) instead of
 # the prefix cache. With PREFIX_CACHE_HITS, every prompt token the engine did not compute.
 EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
+# A counter by `source`, summing to the two above (vLLM 0.32): which tier supplied the cached
+# tokens. "p2p" is KV pulled from another instance (NixlConnector, Mooncake: a P/D transfer),
+# which no prefix cache of this engine's provided; "device" is the prefix cache itself.
+PROMPT_TOKENS_CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
+LABEL_SOURCE = "source"
+SOURCE_DEVICE = "device"
+SOURCE_P2P = "p2p"
 
 
 def total(counter: str) -> str:

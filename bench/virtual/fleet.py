@@ -157,6 +157,7 @@ class VirtualFleet:
                 timing=timing,
                 engine_id=name,
                 hash_seed=f"virtual:{name}",
+                kv_connector=role != "agg",
             )
             sched.chains = XxhChains(name)
             self.engines[name] = VirtualEngine(

@@ -12,6 +12,7 @@ import pytest
 
 from engine_sim import SimServer, disagg
 from tests.engine_sim.conftest import sim_config
+from worker_shim.adapters.vllm import load_from_metrics
 
 # Wall-clock latencies: run serially, away from the parallel suite's CPU load (see Makefile).
 pytestmark = pytest.mark.timing
@@ -71,6 +72,16 @@ async def test_prefill_then_decode_on_another_sim(cross_process: bool, monkeypat
         assert expected * 0.9 < ttft < expected + 0.2, (ttft, expected)
         # The pulled blocks are now cached on the decode side too.
         assert len(d.engine.cached_block_prefixes()) >= n_blocks - 1
+        # vLLM counts the pull as a connector hit from "p2p"; a shim's credit check leaves it out.
+        async with aiohttp.ClientSession() as s, s.get(d.url + "/metrics") as r:
+            text = await r.text()
+        pulled = [f"{name}_total{{{labels}}} {len(PROMPT)}.0" for name, labels in (
+            ("vllm:external_prefix_cache_queries", 'engine="0",model_name="sim-llama"'),
+            ("vllm:external_prefix_cache_hits", 'engine="0",model_name="sim-llama"'),
+            ("vllm:prompt_tokens_cached_by_source", 'engine="0",model_name="sim-llama",source="p2p"'),
+        )]  # fmt: skip
+        assert all(line in text.splitlines() for line in pulled), text
+        assert load_from_metrics(text).reused_tokens == 0
 
 
 async def test_without_params_a_decode_sim_prefills_locally() -> None:

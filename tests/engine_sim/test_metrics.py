@@ -53,12 +53,16 @@ async def test_metric_names_types_and_labels_match_vllm(sim: SimServer) -> None:
         "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
         "vllm:e2e_request_latency_seconds", "vllm:cache_config_info", "vllm:prefix_cache_queries_created",
         "vllm:iteration_tokens_total", "vllm:request_prefill_time_seconds", "vllm:request_prefill_kv_computed_tokens",
+        "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
+        "vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_cached_by_source_total",
     ]  # fmt: skip
     for name in wanted:
         assert our_types.get(name) == cap_types[name], name
     cap, mine = parse(captured), parse(ours)
     for name in ("vllm:num_requests_running", "vllm:prefix_cache_hits_total", "vllm:request_success_total"):
         assert label_keys(mine[name]) == label_keys(cap[name]), name
+    for name in ("vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_by_source_total"):
+        assert set(mine[name]) == {k.replace("tiny-llama", "sim-llama") for k in cap[name]}, name
     for histogram in ("time_to_first_token_seconds", "iteration_tokens_total", "request_prefill_time_seconds"):
         name = f"vllm:{histogram}_bucket"
         assert set(mine[name]) == {k.replace("tiny-llama", "sim-llama") for k in cap[name]}, name
@@ -77,6 +81,13 @@ async def test_shared_prefix_workload_reports_hit_counts(sim: SimServer) -> None
     assert one(m, "vllm:prefix_cache_queries_total") == 3 * 84
     assert one(m, "vllm:prefix_cache_hits_total") == 2 * 64  # the 2nd and 3rd hit the 4 shared blocks
     assert one(m, "vllm:prompt_tokens_total") == 3 * 84
+    assert one(m, "vllm:prompt_tokens_cached_total") == 2 * 64
+    by_source = {
+        k.split('source="')[1].rstrip('"}'): v for k, v in m["vllm:prompt_tokens_cached_by_source_total"].items()
+    }
+    assert by_source == {"device": 2 * 64, "host": 0, "p2p": 0, "disk": 0, "external_unspecified": 0}
+    # An agg sim is an engine without a KV connector: nothing asked of one.
+    assert one(m, "vllm:external_prefix_cache_queries_total") == one(m, "vllm:external_prefix_cache_hits_total") == 0
     assert one(m, "vllm:generation_tokens_total") == 6
     assert m["vllm:request_success_total"]['{engine="0",finished_reason="length",model_name="sim-llama"}'] == 3
     assert one(m, "vllm:time_to_first_token_seconds_count") == 3

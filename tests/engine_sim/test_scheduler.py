@@ -131,6 +131,25 @@ def test_remote_prefill_skips_local_prefill() -> None:
     assert s.prefill_tokens_computed == 0 and s.stats.external_kv_tokens == 100
 
 
+def test_connector_stats_count_as_vllm_with_a_kv_connector() -> None:
+    """vLLM asks its connector about each new request's tokens past the local hit; NIXL supplies a
+    P/D pull's. Without a connector only a request that pulls counts."""
+    for connector in (False, True):
+        s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, kv_connector=connector)
+        s.add_request(req("local", 100, base=0, max_tokens=1))
+        run(s)
+        assert (s.stats.external_prefix_cache_queries, s.stats.external_prefix_cache_hits) == (
+            100 if connector else 0,
+            0,
+        )
+        # 6 of its 10 blocks cached here (the local request's first 96 tokens): 64 tokens pulled.
+        s.add_request(SimRequest("pd", list(range(160)), max_tokens=1, remote_prefill={"do_remote_prefill": True}))
+        assert s.step().transfers == [("pd", 64)]
+        queries = 64 + (100 if connector else 0)
+        assert (s.stats.external_prefix_cache_queries, s.stats.external_prefix_cache_hits) == (queries, 64)
+        assert s.stats.prefix_cache_hits == 96
+
+
 def test_remote_prefill_failure_falls_back_to_local() -> None:
     s = make()
     s.add_request(SimRequest("d", list(range(100)), max_tokens=1, remote_prefill={"do_remote_prefill": True}))

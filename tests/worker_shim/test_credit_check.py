@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from engine_sim.server import SimServer
 from protocol import GenerateRequest, LoadReport, decode_msg, subjects
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
-from tests.worker_shim.cluster import BLOCK, sim_config, wait_for
+from tests.worker_shim.cluster import BLOCK, connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_request_service import Collector, agg_shim, gen
 from worker_shim import WorkerShim
 from worker_shim.credit_check import CreditCheck
@@ -228,3 +228,46 @@ async def test_a_router_that_renders_chat_differently_is_caught_then_cleared(
             await wait_for(lambda: reported[-1:] == [False], what="a load report saying so")
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warned) == 1 and shim.config.engine_url in warned[0] and "tokenizes" in warned[0]
+
+
+async def test_a_decode_workers_pulled_prompts_do_not_hide_a_shortfall(ns: str, nats_url: str, etcd_url: str) -> None:
+    """On a P/D decode engine vLLM counts each pulled prompt as a connector hit ("p2p"). Counted as
+    reuse, two pulls of 64 tokens would cover the 64 a mis-rendered chat leg was promised and
+    reused none of; left out, the shortfall shows."""
+    async with (
+        SimServer(sim_config(role="prefill")) as psim,
+        SimServer(sim_config(role="decode")) as dsim,
+        shim_for(psim, ns, nats_url, etcd_url, role="prefill") as pshim,
+        shim_for(dsim, ns, nats_url, etcd_url, role="decode") as dshim,
+    ):
+        await pshim.registered.wait()
+        await dshim.registered.wait()
+        assert pshim.worker_id is not None and dshim.worker_id is not None
+        dshim.credit.min_legs = dshim.credit.min_tokens = 1
+        decode = subjects.gen(ns, "decode", dshim.worker_id)
+        nc = await connect(nats_url)
+        try:
+            col = Collector(nc)
+            await col.start()
+            await served(col, decode, gen("warm", PROMPT))  # no handle: a local prefill
+            await wait_for(lambda: dshim._cached_prompt_tokens(PROMPT) == len(PROMPT), what="the prompt indexed")
+            await served(col, decode, gen("again", PROMPT))  # promised 48, reused 48: a window judged
+            await wait_for(lambda: dshim.credit.windows >= 1, what="the honest leg's window")
+            for i in range(2):
+                fresh = list(range(5000 + 100 * i, 5000 + 100 * i + 4 * BLOCK))
+                await col.send(subjects.gen(ns, "prefill", pshim.worker_id), gen(f"pd-{i}", fresh, max_tokens=1))
+                pre = await col.final(f"pd-{i}")
+                assert pre.transfer is not None
+                col.finals.pop(f"pd-{i}")
+                await col.send(decode, gen(f"pd-{i}", fresh, max_tokens=2, disagg=pre.transfer))
+                assert (await col.final(f"pd-{i}")).error is None
+            params = {"model": "sim-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+            chat = GenerateRequest(
+                request_id="chat", model="sim-llama", token_ids=[*PROMPT, 9], endpoint=ENDPOINT_CHAT, params=params
+            )
+            await served(col, decode, chat)
+            await wait_for(lambda: dshim.credit.windows >= 2, what="the chat leg's window")
+            assert dsim.engine.stats.external_prefix_cache_hits == 2 * 4 * BLOCK  # vLLM's count of the pulls
+            assert (dshim.credit.ratio, dshim.credit.short) == (0.0, True)
+        finally:
+            await nc.close()

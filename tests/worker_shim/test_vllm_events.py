@@ -250,6 +250,13 @@ def test_limits_and_load_from_captured_metrics() -> None:
     no_external = text.replace(ext, "other")
     assert load_from_metrics(no_external).reused_tokens == 736
     assert load_from_metrics(no_external.replace("vllm:prefix_cache_hits_total", "other")).reused_tokens is None
+    # A decode engine's P/D pulls are connector hits too ("p2p"), but no reuse of its own cache:
+    # of 64 + 4096 external tokens, the 4096 pulled are left out; a host tier's 64 stay in.
+    p2p = 'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="tiny-llama",source="p2p"}'
+    host = p2p.replace('"p2p"', '"host"')
+    assert f"{p2p} 0.0" in text and f"{host} 0.0" in text
+    pd = text.replace(f"{ext} 0.0", f"{ext} 4160.0").replace(f"{p2p} 0.0", f"{p2p} 4096.0")
+    assert load_from_metrics(pd.replace(f"{host} 0.0", f"{host} 64.0")).reused_tokens == 800
 
 
 def test_prefill_leg_body_asks_for_remote_decode_and_one_token() -> None:

@@ -7,7 +7,8 @@
   `_count`/`_sum` of `vllm:iteration_tokens_total`, `vllm:inter_token_latency_seconds`,
   `vllm:request_prefill_time_seconds` and `vllm:request_prefill_kv_computed_tokens`, and the
   `vllm:prefix_cache_hits_total` counter; for the shim's credit check (worker_shim.credit_check)
-  that counter plus `vllm:external_prefix_cache_hits_total`.
+  that counter plus `vllm:external_prefix_cache_hits_total`, less the P/D pulls among them
+  (`vllm:prompt_tokens_cached_by_source_total{source="p2p"}`).
   max_num_batched_tokens is not exported by vLLM: it comes from the flag only.
 - Requests: the client's own OpenAI request on `/v1/completions` or `/v1/chat/completions`
   (openai_http.pass_through_body), the engine's answer passed back as it is; token-id legs
@@ -75,10 +76,11 @@ PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
 _PREEMPTIONS = vm.total(vm.NUM_PREEMPTIONS)
 _PREFIX_HITS = vm.total(vm.PREFIX_CACHE_HITS)
 _EXTERNAL_HITS = vm.total(vm.EXTERNAL_PREFIX_CACHE_HITS)
+_CACHED_BY_SOURCE = vm.total(vm.PROMPT_TOKENS_CACHED_BY_SOURCE)
 _TIMING_HISTOGRAMS = (vm.ITERATION_TOKENS, vm.INTER_TOKEN_LATENCY, vm.PREFILL_TIME, vm.PREFILL_KV_COMPUTED_TOKENS)
 _METRICS = frozenset(
     {vm.CACHE_CONFIG_INFO, vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE_PERC, _PREEMPTIONS}
-    | {_PREFIX_HITS, _EXTERNAL_HITS}
+    | {_PREFIX_HITS, _EXTERNAL_HITS, _CACHED_BY_SOURCE}
     | {vm.count(h) for h in _TIMING_HISTOGRAMS}
     | {vm.histogram_sum(h) for h in _TIMING_HISTOGRAMS}
 )
@@ -162,10 +164,19 @@ def load_from_metrics(text: str, rank: int | None = None) -> EngineLoad:
 
 
 def _reused(samples: list[Sample]) -> int | None:
+    """Prompt tokens the engine found cached rather than computed, less those a P/D transfer
+    brought (source "p2p"): a decode leg's pulled prompt is no reuse of this engine's cache, and
+    counting it would hide a shortfall on the legs that prefill here. A vLLM without the by-source
+    series counts the pulls in (docs/worker_shim.md)."""
     local, external = sum_samples(samples, _PREFIX_HITS), sum_samples(samples, _EXTERNAL_HITS)
     if local is None and external is None:
         return None
-    return int((local or 0) + (external or 0))
+    pulled = sum(
+        value
+        for name, labels, value in samples
+        if name == _CACHED_BY_SOURCE and labels.get(vm.LABEL_SOURCE) == vm.SOURCE_P2P
+    )
+    return int((local or 0) + (external or 0) - pulled)
 
 
 def _timing(samples: list[Sample]) -> EngineTiming:
