@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from engine_sim.config import EVENT_FORMS, ROLES, KVEventsConfig, SimConfig
+from engine_sim.config import EVENT_FORMS, KV_LOAD_FAILURE_POLICIES, ROLES, KVEventsConfig, SimConfig
 from engine_sim.errors import SimConfigError
 from engine_sim.fleet import SimFleet
 from engine_sim.lora import LoraModule
@@ -116,6 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-transfer-gbps", type=pos_float, default=50.0, help="KV pull bandwidth, GB/s")
     s.add_argument("--kv-pin-timeout", dest="kv_pin_timeout_s", type=pos_float, default=480.0,
                    help="seconds a prefill sim holds unpulled KV")  # fmt: skip
+    s.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="fail",
+                   help="a failed KV pull: fail the request with a 500 (vLLM's default) or prefill it locally; "
+                        "vLLM's kv_transfer_config.kv_load_failure_policy")  # fmt: skip
     s.add_argument("--event-form", choices=EVENT_FORMS, default="map", help="map (vLLM 0.26+) or array (older)")
     s.add_argument("--count", type=pos_int, default=1, help="engines in this process (consecutive ports)")
     f = parser.add_argument_group("faults")
@@ -150,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         role=args.role,
         kv_transfer_gbps=args.kv_transfer_gbps,
         kv_pin_timeout_s=args.kv_pin_timeout_s,
+        kv_load_failure_policy=args.kv_load_failure_policy,
         event_form=args.event_form,
         crash_after=args.crash_after,
         hang_after=args.hang_after,

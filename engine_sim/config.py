@@ -22,10 +22,14 @@ from engine_sim.lora import LoraModule, lora_requests
 from protocol.timing import DEFAULT_PROFILE, load_profile, profile_names
 from protocol.vllm_events import EVENT_FORMS, EventForm
 
-__all__ = ["EVENT_FORMS", "LOOPBACK_PUB_ENDPOINT", "ROLES", "KVEventsConfig", "SimConfig"]
+__all__ = ["EVENT_FORMS", "KV_LOAD_FAILURE_POLICIES", "LOOPBACK_PUB_ENDPOINT", "ROLES", "KVEventsConfig", "SimConfig"]
 
 Role = Literal["prefill", "decode", "agg"]
 ROLES: tuple[str, ...] = get_args(Role)
+# vLLM's kv_transfer_config.kv_load_failure_policy: a failed KV pull ends the request with an
+# error (vLLM's default), or the request prefills its prompt itself.
+KvLoadFailurePolicy = Literal["fail", "recompute"]
+KV_LOAD_FAILURE_POLICIES: tuple[str, ...] = get_args(KvLoadFailurePolicy)
 
 # Memory the default KV pool is sized from: an H200's 141 GB at vLLM's default
 # gpu_memory_utilization 0.9, less bf16 weights and ~4 GiB of activations and CUDA graphs.
@@ -98,6 +102,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     kv_transfer_gbps: the link a decode sim pulls KV over, GB/s.
     kv_pin_timeout_s: a prefill sim frees blocks held for a decode sim after this many wall seconds
         if nobody pulls them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    kv_load_failure_policy: what a decode sim does when its pull fails (the prefill sim is gone,
+        the pin expired): `fail` (vLLM 0.32's default) answers the request with vLLM's 500
+        "Internal server error" (an error event on a stream); `recompute` prefills it locally.
     event_form: `map` (vLLM 0.26+, tagged maps) or `array` (the older positional form).
     crash_after / hang_after: fault knobs, see engine_sim/faults.py.
     restart_after_crash_s: come back this long after a crash (a supervisor restarting vLLM); None
@@ -129,6 +136,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     role: Role = "agg"
     kv_transfer_gbps: float = 50.0
     kv_pin_timeout_s: float = 480.0
+    kv_load_failure_policy: KvLoadFailurePolicy = "fail"
     event_form: EventForm = "map"
     crash_after: int | None = None
     hang_after: int | None = None
@@ -148,6 +156,12 @@ class SimConfig(msgspec.Struct, kw_only=True):
             raise SimConfigError("profile", self.profile, "allowed values: " + ", ".join(profile_names())) from None
         if self.role not in ROLES:
             raise SimConfigError("role", self.role, "allowed values: " + ", ".join(ROLES))
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise SimConfigError(
+                "kv_load_failure_policy",
+                self.kv_load_failure_policy,
+                "allowed values: " + ", ".join(KV_LOAD_FAILURE_POLICIES),
+            )
         if self.event_form not in EVENT_FORMS:
             raise SimConfigError("event_form", self.event_form, "allowed values: " + ", ".join(EVENT_FORMS))
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -188,6 +188,15 @@ async def _run(job: _Job, c: _Choice) -> _Piece | None:
     return last
 
 
+def _failed(job: _Job) -> bool:
+    """A choice ended with finish reason "error" (its KV pull failed): vLLM's GenerationError."""
+    return any(c.stream.finish_reason == "error" for c in job.choices)
+
+
+# What vLLM answers for a GenerationError: a 500, or on a stream an error event before [DONE].
+_GENERATION_ERROR = fmt.error_body("Internal server error", "InternalServerError", None, 500)
+
+
 def _ids(job: _Job, ids: list[int]) -> list[int] | None:
     return list(ids) if job.call.want_ids else None
 
@@ -268,8 +277,11 @@ async def _open_sse(request: web.Request) -> web.StreamResponse:
 
 
 async def _end_sse(resp: web.StreamResponse, job: _Job, obj: str) -> web.StreamResponse:
-    """The usage chunk when the client asked for it, then [DONE]."""
-    if job.call.include_usage:
+    """The usage chunk when the client asked for it (vLLM's error event instead when a choice
+    failed), then [DONE]."""
+    if _failed(job):
+        await resp.write(sse(_GENERATION_ERROR))
+    elif job.call.include_usage:
         await resp.write(sse(fmt.usage_chunk(job.head, obj, job.usage(stream=True))))
     await resp.write(SSE_DONE)
     await resp.write_eof()
@@ -283,6 +295,8 @@ async def _respond_completion(request: web.Request, job: _Job) -> web.StreamResp
     if job.call.stream:
         return await _stream_completion(request, job)
     lasts = await asyncio.gather(*(_run(job, c) for c in job.choices))
+    if _failed(job):
+        return _with_id(json_response(_GENERATION_ERROR, 500), request)
     choices = [_completion_choice(job, c, last) for c, last in zip(job.choices, lasts, strict=True)]
     kv = job.choices[0].stream.kv_transfer_params
     return _with_id(json_response(fmt.completion_response(job.head, choices, job.usage(stream=False), kv)), request)
@@ -353,6 +367,8 @@ async def _respond_chat(request: web.Request, job: _Job) -> web.StreamResponse:
     if job.call.stream:
         return await _stream_chat(request, job)
     lasts = await asyncio.gather(*(_run(job, c) for c in job.choices))
+    if _failed(job):
+        return _with_id(json_response(_GENERATION_ERROR, 500), request)
     choices = []
     for c, last in zip(job.choices, lasts, strict=True):
         finish = last.finish_reason if last is not None else c.stream.finish_reason

@@ -72,6 +72,13 @@ class _Collector:
             "in terms of number of cached tokens.",
             st.external_prefix_cache_hits,
         )
+        if sched.kv_connector:  # vLLM exports its NixlConnector's series only with that connector
+            yield counter(
+                vm.NIXL_NUM_FAILED_TRANSFERS,
+                "Number of failed NIXL KV Cache transfers, including handshake and notification failures. "
+                "NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs.",
+                st.failed_transfers,
+            )
         yield counter(vm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", st.preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
         by_source = CounterMetricFamily(

@@ -312,7 +312,9 @@ class EngineRunner:
         if self._session is None and disagg._registry.get(str(params.get("remote_engine_id"))) is None:
             self._session = aiohttp.ClientSession()
         ok, _ = await asyncio.gather(disagg.pull(params, self._session), asyncio.sleep(seconds))
-        if not ok:
+        if not self.scheduler.finish_remote_load(request_id, ok):
+            log.warning("remote KV for %s unavailable; the request fails (kv_load_failure_policy fail)", request_id)
+            self.abort(request_id, "error")
+        elif not ok:
             log.warning("remote KV for %s unavailable; prefilling locally", request_id)
-        self.scheduler.finish_remote_load(request_id, ok)
         self._poke()

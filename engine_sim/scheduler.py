@@ -80,11 +80,15 @@ class Scheduler:
         hash_seed: str | None = None,
         enable_prefix_caching: bool = True,
         kv_connector: bool = False,
+        recompute_kv_load_failures: bool = False,
     ) -> None:
         self.block_size = block_size
         # A P/D engine (vLLM with --kv-transfer-config): its connector is asked about every new
         # request, so its connector stats count them all; without one, only requests that pull KV.
         self.kv_connector = kv_connector
+        # vLLM's kv_load_failure_policy: "fail" (its default) ends a request whose pull failed with
+        # an error; "recompute" prefills it here.
+        self.recompute_kv_load_failures = recompute_kv_load_failures
         # Off (vLLM's --no-enable-prefix-caching): no block is hashed, cached or reported, no hit.
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
@@ -158,21 +162,27 @@ class Scheduler:
         req.blocks = []
         return True
 
-    def finish_remote_load(self, request_id: str, ok: bool) -> None:
-        """A remote-KV transfer ended: on success only the last prompt token remains to compute;
-        on failure the request prefills locally from its own cache hit (vLLM's recompute policy)."""
+    def finish_remote_load(self, request_id: str, ok: bool) -> bool:
+        """A remote-KV transfer ended: on success only the last prompt token remains to compute.
+        On failure the request ends with finish reason "error" (vLLM's default policy: False is
+        returned), or, recomputing, prefills locally from its own cache hit."""
         req = self.requests.get(request_id)
         if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return
+            return True
         req.status = RequestStatus.WAITING
         if ok:
             self.stats.external_kv_tokens += req.num_external_tokens
             req.num_computed_tokens = req.num_prompt_tokens - 1
             req.remote_loaded = True
             self._cache_full(req, req.num_computed_tokens)
-        else:
-            req.num_external_tokens = 0
-            req.remote_prefill = None
+            return True
+        self.stats.failed_transfers += 1
+        if not self.recompute_kv_load_failures:
+            self.abort(request_id, "error")
+            return False
+        req.num_external_tokens = 0
+        req.remote_prefill = None
+        return True
 
     def has_waiting_work(self) -> bool:
         return bool(self.running) or any(r.status is not RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)

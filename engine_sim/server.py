@@ -176,6 +176,7 @@ class SimServer:
             engine_id=str(uuid.uuid4()),
             enable_prefix_caching=cfg.enable_prefix_caching,
             kv_connector=cfg.role != "agg",
+            recompute_kv_load_failures=cfg.kv_load_failure_policy == "recompute",
         )
         publisher: ZmqEventPublisher | NullEventPublisher
         if self._events_cfg.active:

@@ -81,6 +81,7 @@ class EngineStats:
         # those the connector supplied; every connector hit here is a P/D pull (NIXL: "p2p").
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
+        self.failed_transfers = 0  # vllm:nixl_num_failed_transfers: pulls that failed
         self.prefill_tokens_computed = 0
         self.generation_tokens = 0
         self.preemptions = 0

@@ -19,6 +19,7 @@ __all__ = [
     "LABEL_KV_CACHE_SIZE_TOKENS",
     "LABEL_NUM_GPU_BLOCKS",
     "LABEL_SOURCE",
+    "NIXL_NUM_FAILED_TRANSFERS",
     "NUM_PREEMPTIONS",
     "NUM_REQUESTS_RUNNING",
     "NUM_REQUESTS_WAITING",
@@ -61,6 +62,9 @@ EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
 # which no prefix cache of this engine's provided; "device" is the prefix cache itself.
 PROMPT_TOKENS_CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
 LABEL_SOURCE = "source"
+# A counter on an engine with vLLM's NixlConnector: KV pulls that failed. Under vLLM's default
+# kv_load_failure_policy "fail" each fails its request with a 500.
+NIXL_NUM_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"
 SOURCE_DEVICE = "device"
 SOURCE_P2P = "p2p"
 

@@ -97,6 +97,12 @@ class LegError(Exception):
         return self.code == 404
 
     @property
+    def engine_failed(self) -> bool:
+        """The engine itself answered with a server error (vLLM's 500 for a request that failed in
+        the engine), not a worker gone, silent or unreachable."""
+        return self.kind == "engine_error" and self.code >= 500
+
+    @property
     def worker_silent(self) -> bool:
         return self.kind == "worker_silent"
 
@@ -313,6 +319,7 @@ class Dispatcher:
         self._ids = itertools.count()
         self.retries = 0
         self.fallbacks = 0
+        self.transfer_fallbacks = 0  # decode legs whose KV pull failed, prefilled locally instead
         self.resumes = 0
 
     async def start(self) -> None:
@@ -474,10 +481,39 @@ class Dispatcher:
                 self._on_fallback(job)
             else:
                 self._bookings.prefill_done(plan.key)
+        try:
+            async for chunk in self._decode(job, plan, annotations):
+                yield chunk
+        except LegError as exc:
+            if job.transfer is None or job.first_token_at is not None or not exc.engine_failed:
+                raise
+            # The decode engine took the handle and failed before any output: its KV pull failed
+            # (vLLM's default kv_load_failure_policy). The prefill is lost either way, so the
+            # worker chosen for this request prefills it itself rather than a retry elsewhere
+            # paying for another remote prefill.
+            log.warning(
+                "request %s: decode worker %s failed to load the KV prefilled on %s (%s); prefilling it there",
+                req.request_id,
+                plan.decode.worker,
+                job.transfer.prefill_worker,
+                exc,
+                extra={"request_id": req.request_id},
+            )
+            job.transfer = None
+            job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_TRANSFER_FAILED, True
+            self.transfer_fallbacks += 1
+            self._bookings.rebook_bypass(plan.key, plan)
+            self._on_fallback(job)
+            async for chunk in self._decode(job, plan, annotations):
+                yield chunk
+
+    async def _decode(self, job: Job, plan: RoutePlan, annotations: list[str]) -> AsyncGenerator[ResponseChunk, None]:
+        """The decode (or agg) leg of an attempt, fed by `job.transfer` when it has one."""
         # a request spilled to a prefill worker is an agg leg there: every shim serves all three roles
         role = "decode" if plan.decode.info.role == "decode" else "agg"
         if role == "decode" and job.transfer is None:
-            annotations.append(ANNOTATION_BYPASS)
+            annotations = [*annotations, ANNOTATION_BYPASS]
+        req = job.request
         leg_req = msgspec.structs.replace(
             req,
             annotations=annotations,

@@ -56,7 +56,6 @@ from router.load_view import MAX_CLOCK_SKEW_S, LoadView
 from router.metrics import RouterMetrics, StateFigures
 from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
-from router.policies import Outcome
 from router.replica_sync import ReplicaSync
 from router.request_path import RequestPath
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
@@ -246,7 +245,7 @@ class RouterService:
             self.ns,
             ledger,
             settings=lambda: self.settings,
-            on_fallback=lambda job: planner.record(Outcome.FALLBACK_PREFILL_FAILED),
+            on_fallback=lambda job: planner.record(job.outcome),
             on_unreachable=self.eligibility.mark_unreachable,
             tracer=self.tracer,
         )

@@ -158,6 +158,8 @@ class VirtualFleet:
                 engine_id=name,
                 hash_seed=f"virtual:{name}",
                 kv_connector=role != "agg",
+                # The virtual dispatch models no retry, so a failed pull (a pin expired) recomputes.
+                recompute_kv_load_failures=True,
             )
             sched.chains = XxhChains(name)
             self.engines[name] = VirtualEngine(

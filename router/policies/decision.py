@@ -22,6 +22,7 @@ class Outcome(StrEnum):
     VETOED_DECODE_BUSY = "vetoed_decode_busy"  # the decode guard refused a bypass
     REMOTE_PREFILL = "remote_prefill"  # disagg=always (or conditional switched off): remote, no policy
     FALLBACK_PREFILL_FAILED = "fallback_prefill_failed"  # remote prefill failed or timed out -> bypass
+    FALLBACK_TRANSFER_FAILED = "fallback_transfer_failed"  # the decode engine failed to load the KV -> bypass
     AGGREGATED = "aggregated"  # disagg=never, or the chosen worker is an agg worker
     NO_PREFILL_POOL = "no_prefill_pool"  # disaggregation wanted but the model has no prefill worker
     PREFILL_POOL_FULL = "prefill_pool_full"  # every prefill worker past the admission limit -> local prefill

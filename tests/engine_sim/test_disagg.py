@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import time
 import weakref
 from typing import Any
@@ -105,10 +106,37 @@ async def test_unpulled_pin_times_out() -> None:
         assert p.engine.num_blocks_in_use == 0
 
 
-async def test_stale_params_fall_back_to_local_prefill() -> None:
-    async with SimServer(sim_config()) as d:
-        params = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "x",
-                  "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}  # fmt: skip
-        body, _ = await complete(d.url, {"prompt": PROMPT[:300], "max_tokens": 2, "kv_transfer_params": params})
+STALE = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "x",
+         "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}  # fmt: skip
+
+
+async def test_stale_params_fall_back_to_local_prefill_when_recomputing() -> None:
+    async with SimServer(sim_config(kv_load_failure_policy="recompute")) as d:
+        body, _ = await complete(d.url, {"prompt": PROMPT[:300], "max_tokens": 2, "kv_transfer_params": STALE})
         assert body["usage"]["completion_tokens"] == 2
         assert d.engine.prefill_tokens_computed == 300
+
+
+async def test_a_failed_pull_fails_the_request_as_vllm_does_by_default() -> None:
+    """vLLM 0.32's kv_load_failure_policy "fail": the request ends with finish reason "error",
+    which its API server answers as a 500 GenerationError, or on a stream as an error event."""
+    internal = {
+        "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+    }
+    async with SimServer(sim_config(role="decode")) as d, aiohttp.ClientSession() as s:
+        body = {"prompt": PROMPT[:300], "max_tokens": 2, "kv_transfer_params": STALE}
+        async with s.post(d.url + "/v1/completions", json=body) as r:
+            assert (r.status, await r.json()) == (500, internal)
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(d.url + "/v1/completions", json=stream) as r:
+            assert r.status == 200
+            events = [line for line in (await r.read()).split(b"\n\n") if line]
+        assert [json.loads(e[6:]) for e in events[:-1]] == [internal] and events[-1] == b"data: [DONE]"
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "kv_transfer_params": STALE}
+        async with s.post(d.url + "/v1/chat/completions", json=chat) as r:
+            assert (r.status, await r.json()) == (500, internal)
+        async with s.get(d.url + "/metrics") as r:
+            text = await r.text()
+        assert 'vllm:nixl_num_failed_transfers_total{engine="0",model_name="sim-llama"} 3.0' in text
+        assert 'vllm:request_success_total{engine="0",finished_reason="error",model_name="sim-llama"} 3.0' in text
+        assert d.engine.prefill_tokens_computed == 0 and d.engine.num_blocks_in_use == 0

@@ -150,13 +150,19 @@ def test_connector_stats_count_as_vllm_with_a_kv_connector() -> None:
         assert s.stats.prefix_cache_hits == 96
 
 
-def test_remote_prefill_failure_falls_back_to_local() -> None:
-    s = make()
-    s.add_request(SimRequest("d", list(range(100)), max_tokens=1, remote_prefill={"do_remote_prefill": True}))
-    s.step()
-    s.finish_remote_load("d", ok=False)
-    run(s)
-    assert s.prefill_tokens_computed == 100
+def test_remote_prefill_failure_recomputes_or_fails_by_policy() -> None:
+    for recompute in (True, False):
+        s = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, recompute_kv_load_failures=recompute)
+        s.add_request(SimRequest("d", list(range(100)), max_tokens=1, remote_prefill={"do_remote_prefill": True}))
+        s.step()
+        assert s.pool.num_used > 0
+        assert s.finish_remote_load("d", ok=False) is recompute
+        run(s)
+        assert s.stats.failed_transfers == 1
+        if recompute:
+            assert s.prefill_tokens_computed == 100
+        else:  # vLLM's default: the request ends with an error and frees its blocks
+            assert (s.prefill_tokens_computed, s.stats.finished["error"], s.pool.num_used) == (0, 1, 0)
 
 
 def test_remote_decode_pins_blocks_until_released() -> None:

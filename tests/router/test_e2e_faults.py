@@ -39,6 +39,29 @@ async def test_prefill_timeout_falls_back_to_bypass(cluster: Cluster, http: aioh
     assert (headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == ("bypass", "fallback_prefill_failed")
 
 
+async def test_a_failed_kv_pull_is_prefilled_on_the_decode_worker_without_client_error(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """The prefill worker frees its KV before the decode worker pulls it (its pin expires at
+    once); the decode engine, as vLLM does by default, fails the request with a 500. The router
+    has the same decode worker prefill it: one prefill leg, no second remote prefill, no retry."""
+    p = await cluster.add_worker("prefill", kv_pin_timeout_s=1e-6)
+    d = await cluster.add_worker("decode")
+    await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    status, body, headers = await complete(http, router, list(range(400)), max_tokens=5)
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 5
+    assert (headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == ("bypass", "fallback_transfer_failed")
+    assert d.sim.engine.stats.failed_transfers + cluster.workers[2].sim.engine.stats.failed_transfers == 1
+    served = d if d.sim.engine.stats.failed_transfers else cluster.workers[2]
+    assert headers["x-kvswitch-decode-worker"] == served.id
+    assert served.sim.engine.prefill_tokens_computed == 400  # the prompt, prefilled where the pull failed
+    assert p.sim.faults.requests_seen == 1
+    assert router.disagg.counts[Outcome.FALLBACK_TRANSFER_FAILED] == 1
+    assert router.dispatcher.retries == 0 and router.dispatcher.transfer_fallbacks == 1
+
+
 async def test_decode_worker_gone_gets_no_new_requests_and_unstarted_ones_are_retried(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
