@@ -10,6 +10,9 @@ Modes (RouterSettings.disagg):
 Without a prefill pool a request is aggregated whatever the mode (`no_prefill_pool`; `aggregated`
 when disagg is `never`), and an `agg`-role worker always serves aggregated (`aggregated`).
 
+A decode worker whose KV pulls failed lately is bypassed in `always` and `conditional` alike
+(`bypass_transfer_failing`, router.transfer_health).
+
 `plan()` decides without side effects (it backs the dry run at /debug/route); `record()` counts an
 outcome once a request is really routed. Settings swap atomically with `configure()`.
 """
@@ -26,6 +29,7 @@ from protocol.config import RouterSettings
 from router.policies import DecodeGuard, DecodeRoom, Outcome, Path, Policy, make_policy
 from router.request_context import Candidate, RequestContext
 from router.selection import Selector
+from router.transfer_health import TransferHealth
 
 __all__ = ["Disaggregator", "RoutePlan"]
 
@@ -69,8 +73,11 @@ class RoutePlan:
 class Disaggregator:
     """Owns the current settings, policy and guard, and the outcome counts."""
 
-    def __init__(self, settings: RouterSettings, selector: Selector | None = None) -> None:
+    def __init__(
+        self, settings: RouterSettings, selector: Selector | None = None, transfers: TransferHealth | None = None
+    ) -> None:
         self.selector = selector or Selector()
+        self.transfers = transfers or TransferHealth()
         self.counts: Counter[Outcome] = Counter()
         self._install(settings, make_policy(settings.conditional, settings))
 
@@ -152,6 +159,14 @@ class Disaggregator:
                 Path.BYPASS,
                 Outcome.BYPASS_PROMPT_LOGPROBS,
                 "prompt logprobs need the prompt's forward pass, which transferred KV skips",
+            )
+        if self.transfers.failing(d.worker):
+            # Its last pull failed: a remote prefill would be thrown away and the prompt prefilled
+            # there anyway (router.transfer_health), whatever the mode or the policy.
+            return done(
+                Path.BYPASS,
+                Outcome.BYPASS_TRANSFER_FAILING,
+                f"{d.worker} failed to load transferred KV in the last {self.transfers.cooldown_s:.0f}s",
             )
         if not self.policy_decides:
             return done(Path.REMOTE, Outcome.REMOTE_PREFILL, f"disagg={s.disagg}, conditional_disagg off")

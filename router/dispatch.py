@@ -303,11 +303,14 @@ class Dispatcher:
         *,
         settings: Callable[[], RouterSettings] = RouterSettings,
         on_fallback: Callable[[Job], None] = lambda job: None,
+        on_transfer: Callable[[str, str, bool], None] = lambda decode, prefill, ok: None,
         on_unreachable: Callable[[str, str], None] = lambda worker, why: None,
         tracer: RequestTracer | None = None,
     ) -> None:
         self._nc = nc
         self._on_fallback = on_fallback
+        # (decode worker, prefill worker, whether its pull worked) per decode leg fed by a transfer
+        self._on_transfer = on_transfer
         self._on_unreachable = on_unreachable
         self._ns = ns
         self._bookings = bookings
@@ -499,6 +502,7 @@ class Dispatcher:
                 exc,
                 extra={"request_id": req.request_id},
             )
+            self._on_transfer(plan.decode.worker, job.transfer.prefill_worker, False)
             job.transfer = None
             job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_TRANSFER_FAILED, True
             self.transfer_fallbacks += 1
@@ -529,6 +533,8 @@ class Dispatcher:
                 if visible and job.first_token_at is None:
                     job.first_token_at = time.monotonic()
                     self._bookings.prefill_done(plan.key)
+                    if job.transfer is not None:
+                        self._on_transfer(plan.decode.worker, job.transfer.prefill_worker, True)
                 elif chunk.prefilled:
                     self._bookings.prefill_done(plan.key)  # a whole answer's prefill, done before any output
                 if not visible and not chunk.final:

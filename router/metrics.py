@@ -40,6 +40,7 @@ class StateFigures:
     prompt_tokens: Mapping[str, int] = field(default_factory=dict)  # router.planner.PrefixReach
     clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
     credit_short: Sequence[str] = ()  # workers whose shims report LoadReport.prefix_credit_short
+    transfers_failing: Sequence[str] = ()  # decode workers bypassed as their KV pulls fail (router.transfer_health)
 
 
 class _StateCollector(Collector):
@@ -106,6 +107,14 @@ class _StateCollector(Collector):
         for worker in s.credit_short:
             short.add_metric([worker], 1.0)
         yield short
+        failing = GaugeMetricFamily(
+            "kvswitch_router_worker_transfers_failing",
+            "1 for a decode worker whose last KV pull failed lately: requests for it prefill there",
+            labels=["worker"],
+        )
+        for worker in s.transfers_failing:
+            failing.add_metric([worker], 1.0)
+        yield failing
 
 
 class RouterMetrics:

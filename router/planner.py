@@ -41,6 +41,7 @@ from router.pending_prefixes import PendingPrefixes
 from router.policies import Outcome
 from router.request_context import Candidate, RequestContext, RequestShape
 from router.selection import Selector, over_queue_threshold
+from router.transfer_health import TransferHealth
 
 _NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
 _UNREACHABLE = frozenset({Exclusion.SILENT, Exclusion.UNREACHABLE, Exclusion.ENGINE_UNHEALTHY})
@@ -101,7 +102,7 @@ class Planner:
     ) -> None:
         """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
         it every load report) and admission reads prefill rates from it."""
-        self.disagg = Disaggregator(settings, Selector(rng or random.Random()))
+        self.disagg = Disaggregator(settings, Selector(rng or random.Random()), TransferHealth(clock=clock))
         self._workers = workers
         self.index = index
         self.pending = pending

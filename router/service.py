@@ -246,6 +246,7 @@ class RouterService:
             ledger,
             settings=lambda: self.settings,
             on_fallback=lambda job: planner.record(job.outcome),
+            on_transfer=self._on_transfer,
             on_unreachable=self.eligibility.mark_unreachable,
             tracer=self.tracer,
         )
@@ -460,7 +461,15 @@ class RouterService:
         self.eligibility.added(info.worker)
         self.path.admission.notify()
 
+    def _on_transfer(self, decode: str, prefill: str, ok: bool) -> None:
+        transfers = self.planner.disagg.transfers
+        if ok:
+            transfers.succeeded(decode)
+        else:
+            transfers.failed(decode, prefill)
+
     def _on_worker_remove(self, worker: str) -> None:
+        self.planner.disagg.transfers.forget(worker)
         if self.calibration is not None:
             self.calibration.forget(worker)
         self.fingerprints.forget(worker)
@@ -561,5 +570,6 @@ class RouterService:
             timing=self.calibration.factors() if self.calibration is not None else {},
             clock_offsets=self.clocks.offsets(),
             credit_short=self.view.credit_short(),
+            transfers_failing=self._planner.disagg.transfers.workers() if self._planner else [],
             prompt_tokens=self._planner.reach.as_dict() if self._planner else {},
         )

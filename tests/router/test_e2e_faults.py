@@ -60,6 +60,14 @@ async def test_a_failed_kv_pull_is_prefilled_on_the_decode_worker_without_client
     assert p.sim.faults.requests_seen == 1
     assert router.disagg.counts[Outcome.FALLBACK_TRANSFER_FAILED] == 1
     assert router.dispatcher.retries == 0 and router.dispatcher.transfer_fallbacks == 1
+    # The next request for that worker (its prompt is cached there now) takes no remote prefill:
+    # it would be thrown away again.
+    status, body, headers = await complete(http, router, [*range(400), 7], max_tokens=2)
+    assert status == 200, body
+    assert (headers["x-kvswitch-decode-worker"], body["kvswitch"]["outcome"]) == (served.id, "bypass_transfer_failing")
+    assert p.sim.faults.requests_seen == 1
+    async with http.get(router.url + "/metrics") as r:
+        assert f'kvswitch_router_worker_transfers_failing{{worker="{served.id}"}} 1.0' in await r.text()
 
 
 async def test_decode_worker_gone_gets_no_new_requests_and_unstarted_ones_are_retried(

@@ -251,6 +251,26 @@ def test_with_every_prefill_worker_full_the_decode_worker_prefills() -> None:
     assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.REMOTE_PREFILL)
 
 
+@pytest.mark.parametrize("flat", [{"disagg": "always"}, {"conditional_disagg": True}])
+def test_a_decode_worker_whose_pull_failed_prefills_its_requests_until_the_cooldown_ends(flat: dict[str, Any]) -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), **flat)
+    prompt = list(range(8192))  # long and uncached: every policy sends it to the prefill worker
+    plan = f.planner.take(f.ctx(prompt))
+    assert plan is not None and plan.path is Path.REMOTE
+    f.planner.ledger.free(plan.key)
+    transfers = f.planner.disagg.transfers
+    transfers.failed("d1", "p1")
+    plan = f.planner.take(f.ctx(prompt, "r2"))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_TRANSFER_FAILING)
+    assert plan.decode.worker == "d1" and "failed to load transferred KV" in plan.reason
+    f.planner.ledger.free(plan.key)
+    f.clock.now += transfers.cooldown_s
+    for w in ("d1", "p1"):
+        f.report(w)
+    plan = f.planner.take(f.ctx(prompt, "r3"))
+    assert plan is not None and plan.path is Path.REMOTE
+
+
 def test_slo_aware_offers_a_decode_worker_only_while_its_running_requests_keep_their_tpot() -> None:
     # h200 llama-8b at the policy's starting context (4,096 + 128 / 2): a step of 101 sequences
     # takes 28.7 ms, over the 20 ms budget (0.8 x 25 ms); one of 41 takes 14.1 ms

@@ -1,0 +1,67 @@
+"""`TransferHealth`: the decode workers whose KV pulls fail, which the remote path must avoid.
+
+When a decode engine cannot load the KV a prefill worker computed for it (a NIXL link down, a
+prefill engine whose pins expire or that restarted), vLLM fails the request (its default
+`kv_load_failure_policy`) and the dispatcher has the decode worker prefill the prompt itself
+(`fallback_transfer_failed`). Every later remote prefill into that worker would pay the same: a
+prefill leg whose work is thrown away, a failed pull, then the local prefill, so well over twice
+a bypass's TTFT. So after a failed pull into a worker, routing takes the bypass path for it
+(`bypass_transfer_failing`) until `cooldown_s` after its last failure. Then the next request
+tries the remote path again: a pull that works ends the episode, another failure starts a new
+cooldown. Each router replica learns from its own requests; one WARNING per episode names the
+worker and the prefill worker it failed to load from, and an INFO its recovery.
+
+Synchronous, with the planner's clock, which it reads only while some worker is failing (a
+virtual-clock replay, where no pull fails, reads no clock here).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+__all__ = ["TRANSFER_COOLDOWN_S", "TransferHealth"]
+
+log = logging.getLogger(__name__)
+TRANSFER_COOLDOWN_S = 30.0
+
+
+class TransferHealth:
+    def __init__(self, cooldown_s: float = TRANSFER_COOLDOWN_S, clock: Callable[[], float] = time.time) -> None:
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._last_failure: dict[str, float] = {}  # worker -> when its last pull failed, while in an episode
+        self.failures = 0
+
+    def failed(self, worker: str, prefill_worker: str) -> None:
+        """A pull into `worker` of KV computed on `prefill_worker` failed."""
+        self.failures += 1
+        if worker not in self._last_failure:
+            log.warning(
+                "decode worker %s failed to load KV prefilled on %s: requests for it prefill there for the next "
+                "%.0fs (bypass_transfer_failing), then the remote path is tried again. Check the KV connector "
+                "(NIXL) between the two and the prefill engine's kv pin timeout",
+                worker,
+                prefill_worker,
+                self.cooldown_s,
+            )
+        self._last_failure[worker] = self._clock()
+
+    def succeeded(self, worker: str) -> None:
+        """A pull into `worker` worked."""
+        if self._last_failure.pop(worker, None) is not None:
+            log.info("decode worker %s loads transferred KV again: the remote path is open to it", worker)
+
+    def failing(self, worker: str) -> bool:
+        """Whether the remote path into `worker` is closed now."""
+        last = self._last_failure.get(worker)
+        return last is not None and self._clock() - last < self.cooldown_s
+
+    def workers(self) -> list[str]:
+        """The workers whose remote path is closed now."""
+        return sorted(w for w in self._last_failure if self.failing(w))
+
+    def forget(self, worker: str) -> None:
+        """`worker` left the fleet."""
+        self._last_failure.pop(worker, None)

@@ -1,0 +1,59 @@
+"""TransferHealth: a decode worker's remote path closes after a failed pull, for the cooldown after
+its last failure, and reopens at once when a pull works."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from router.transfer_health import TransferHealth
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_failed_pull_closes_the_remote_path_for_the_cooldown_after_the_last_failure() -> None:
+    clock = Clock()
+    t = TransferHealth(cooldown_s=30.0, clock=clock)
+    t.failed("d1", "p1")
+    assert t.failing("d1") and not t.failing("d2") and t.workers() == ["d1"]
+    clock.now += 29.9
+    assert t.failing("d1")
+    clock.now += 0.1  # 30 s after the failure: a request tries the remote path again
+    assert not t.failing("d1") and t.workers() == []
+    t.failed("d1", "p1")  # that try failed: closed for another 30 s
+    clock.now += 29.9
+    assert t.failing("d1")
+    t.succeeded("d1")
+    assert not t.failing("d1") and t.failures == 2
+
+
+def test_one_warning_per_episode_and_an_info_at_its_end(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    with caplog.at_level(logging.INFO, logger="router.transfer_health"):
+        t.failed("d1", "p1")
+        clock.now += 60
+        t.failed("d1", "p2")
+        t.succeeded("d1")
+        t.succeeded("d1")  # no episode open: nothing to say
+    levels = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records]
+    assert levels == [
+        (logging.WARNING, "decode worker d1 failed to load KV prefilled on p1"),
+        (logging.INFO, "decode worker d1 loads transferred KV again"),
+    ]
+
+
+def test_the_clock_is_read_only_while_a_worker_is_failing() -> None:
+    def no_clock() -> float:
+        raise AssertionError("read the clock")
+
+    t = TransferHealth(clock=no_clock)
+    assert not t.failing("d1") and t.workers() == []
+    t.forget("d1")
