@@ -511,6 +511,7 @@ class RouterService:
         if (skew := self.clocks.observe(report.worker, report.ts, time.time())) is not None:
             _say_skew(skew, self.config.request_timeout_s)
         self.view.update(report)
+        self.planner.disagg.transfers.reported(report.worker, report.kv_transfers_failed)
         if self.calibration is not None:
             self.calibration.observe(info, report)
         self.eligibility.reported(report.worker)

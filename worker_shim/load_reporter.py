@@ -48,6 +48,7 @@ class LoadReporter:
         events_ok: Callable[[], bool] = lambda: True,
         decode_context: Callable[[], float] = lambda: 0.0,
         credit_short: Callable[[], bool] = lambda: False,
+        transfers_failed: Callable[[], int] = lambda: 0,
         on_reading: Callable[[float, float, EngineLoad | None], None] = lambda _asked, _done, _load: None,
     ) -> None:
         self.nc = nc
@@ -62,6 +63,7 @@ class LoadReporter:
         self.events_ok = events_ok
         self.decode_context = decode_context
         self.credit_short = credit_short
+        self.transfers_failed = transfers_failed
         # Each poll's result (None: it failed), with the time.monotonic() it was asked for and came back.
         self.on_reading = on_reading
         self.published = 0
@@ -125,6 +127,7 @@ class LoadReporter:
             engine_ts=self._engine_at,
             decode_context=self.decode_context(),
             prefix_credit_short=self.credit_short(),
+            kv_transfers_failed=self.transfers_failed(),
         )
 
     async def _poll_loop(self) -> None:
@@ -155,6 +158,7 @@ class LoadReporter:
             rep.kv_total_blocks,
             rep.events_ok,
             rep.prefix_credit_short,
+            rep.kv_transfers_failed,
         )
         now = time.monotonic()
         if key != self._last_key or now - self._last_sent >= self.period_s:

@@ -125,6 +125,11 @@ class _ShimCollector(Collector):
         yield _gauge(
             "prefix_credit_short", "1 while the engine reuses far less than its KV events promise", float(c.short)
         )
+        yield _counter(
+            "kv_transfers_failed",
+            "KV pulls the engine failed (its vllm:nixl_num_failed_transfers) since the shim started",
+            float(self.shim.transfers.total),
+        )
 
 
 def render_metrics(shim: WorkerShim) -> bytes:

@@ -61,6 +61,7 @@ from worker_shim.model_config import kv_bytes_per_token
 from worker_shim.nats_connect import connect_nats, flush
 from worker_shim.normaliser import Normaliser, NormaliserStats
 from worker_shim.request_service import RequestService
+from worker_shim.transfer_failures import TransferFailures
 
 __all__ = ["ShimStatus", "WorkerShim"]
 
@@ -112,6 +113,7 @@ class WorkerShim:
         self.events.on_change = self._on_events_change
         self.events.holds = self._holds
         self.credit = CreditCheck(self.config.engine_url)
+        self.transfers = TransferFailures(self.config.engine_url)
         self.status = ShimStatus.NEW
         self.worker_id: str | None = None
         self.epoch = 0
@@ -546,6 +548,8 @@ class WorkerShim:
                 self.config.engine,
             )
         self.credit.reading(asked, done, load.reused_tokens)
+        if self.transfers.reading(load.failed_transfers, done):
+            self._poke_load()
 
     def _on_events_change(self) -> None:
         if self.registration is not None and self.registration.state is not RegistrationState.STOPPED:
@@ -645,6 +649,7 @@ class WorkerShim:
             events_ok=lambda: self.events.ok,
             decode_context=requests.contexts.mean,
             credit_short=lambda: self.credit.short,
+            transfers_failed=lambda: self.transfers.total,
             on_reading=self._on_engine_reading,
         )
         presence.reporter.start()

@@ -70,6 +70,33 @@ async def test_a_failed_kv_pull_is_prefilled_on_the_decode_worker_without_client
         assert f'kvswitch_router_worker_transfers_failing{{worker="{served.id}"}} 1.0' in await r.text()
 
 
+async def test_pulls_an_engine_recomputes_silently_close_the_remote_path_through_its_load_reports(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Under vLLM's kv_load_failure_policy "recompute" a failed pull costs the client nothing but
+    time: the request succeeds as a remote prefill. Only the engine's failed-pull counter says
+    so; the shim forwards it, and the router stops sending that worker remote prefills."""
+    p = await cluster.add_worker("prefill", kv_pin_timeout_s=1e-6)
+    d = await cluster.add_worker("decode", kv_load_failure_policy="recompute")
+    router = await cluster.add_ready_router(disagg="always")
+    # A router counts the failures reported after its first report from a worker.
+    await until(lambda: router.view.liveness(d.id) is not None, what="a load report of the decode worker")
+    status, body, headers = await complete(http, router, list(range(400)), max_tokens=2)
+    assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (200, "remote", "remote_prefill")
+    assert d.sim.engine.stats.failed_transfers == 1 and d.sim.engine.prefill_tokens_computed == 400
+    await until(lambda: d.shim.transfers.total == 1, what="the shim reading the engine's count")
+    await until(lambda: router.planner.disagg.transfers.failing(d.id), what="the load report reaching the router")
+    status, body, headers = await complete(http, router, list(range(1000, 1400)), max_tokens=2)
+    assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (
+        200,
+        "bypass",
+        "bypass_transfer_failing",
+    )
+    assert p.sim.faults.requests_seen == 1
+    async with http.get(d.shim.http.url + "/metrics") as r:
+        assert "kvswitch_shim_kv_transfers_failed_total 1.0" in await r.text()
+
+
 async def test_decode_worker_gone_gets_no_new_requests_and_unstarted_ones_are_retried(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:

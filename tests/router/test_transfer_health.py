@@ -29,9 +29,26 @@ def test_a_failed_pull_closes_the_remote_path_for_the_cooldown_after_the_last_fa
     assert not t.failing("d1") and t.workers() == []
     t.failed("d1", "p1")  # that try failed: closed for another 30 s
     clock.now += 29.9
+    t.succeeded("d1")  # a pull planned before the failure worked: it says nothing of the link now
     assert t.failing("d1")
-    t.succeeded("d1")
-    assert not t.failing("d1") and t.failures == 2
+    clock.now += 0.1
+    t.succeeded("d1")  # the try after the cooldown worked: the episode ends
+    t.failed("d1", "p1")
+    assert t.failing("d1") and t.failures == 3
+
+
+def test_a_rise_in_a_workers_reported_failures_is_a_failed_pull() -> None:
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    t.reported("d1", 5)  # the baseline: failures before this router heard of them
+    assert not t.failing("d1")
+    t.reported("d1", 5)
+    assert not t.failing("d1")
+    t.reported("d1", 6)
+    assert t.failing("d1") and t.failures == 1
+    clock.now += 60
+    t.reported("d1", 0)  # its shim restarted: a new baseline, no failure
+    assert not t.failing("d1") and t.failures == 1
 
 
 def test_one_warning_per_episode_and_an_info_at_its_end(caplog: pytest.LogCaptureFixture) -> None:
@@ -41,6 +58,7 @@ def test_one_warning_per_episode_and_an_info_at_its_end(caplog: pytest.LogCaptur
         t.failed("d1", "p1")
         clock.now += 60
         t.failed("d1", "p2")
+        clock.now += 60
         t.succeeded("d1")
         t.succeeded("d1")  # no episode open: nothing to say
     levels = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records]

@@ -257,6 +257,10 @@ def test_limits_and_load_from_captured_metrics() -> None:
     assert f"{p2p} 0.0" in text and f"{host} 0.0" in text
     pd = text.replace(f"{ext} 0.0", f"{ext} 4160.0").replace(f"{p2p} 0.0", f"{p2p} 4096.0")
     assert load_from_metrics(pd.replace(f"{host} 0.0", f"{host} 64.0")).reused_tokens == 800
+    # vLLM exports its NixlConnector's failed pulls only with that connector: none in the capture.
+    assert load.failed_transfers is None
+    nixl = 'vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny-llama"} 3.0\n'
+    assert load_from_metrics(text + nixl).failed_transfers == 3
 
 
 def test_prefill_leg_body_asks_for_remote_decode_and_one_token() -> None:

@@ -130,6 +130,8 @@ class EngineLoad:
     # Prompt tokens the engine reused rather than computed, cumulative (the shim's credit check);
     # None: the engine does not count them.
     reused_tokens: int | None = None
+    # KV pulls the engine failed, cumulative (worker_shim.transfer_failures); None: it does not count them.
+    failed_transfers: int | None = None
 
 
 @dataclass(slots=True)

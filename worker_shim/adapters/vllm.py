@@ -8,7 +8,8 @@
   `vllm:request_prefill_time_seconds` and `vllm:request_prefill_kv_computed_tokens`, and the
   `vllm:prefix_cache_hits_total` counter; for the shim's credit check (worker_shim.credit_check)
   that counter plus `vllm:external_prefix_cache_hits_total`, less the P/D pulls among them
-  (`vllm:prompt_tokens_cached_by_source_total{source="p2p"}`).
+  (`vllm:prompt_tokens_cached_by_source_total{source="p2p"}`); for the failed pulls
+  (worker_shim.transfer_failures) `vllm:nixl_num_failed_transfers_total`.
   max_num_batched_tokens is not exported by vLLM: it comes from the flag only.
 - Requests: the client's own OpenAI request on `/v1/completions` or `/v1/chat/completions`
   (openai_http.pass_through_body), the engine's answer passed back as it is; token-id legs
@@ -77,10 +78,11 @@ _PREEMPTIONS = vm.total(vm.NUM_PREEMPTIONS)
 _PREFIX_HITS = vm.total(vm.PREFIX_CACHE_HITS)
 _EXTERNAL_HITS = vm.total(vm.EXTERNAL_PREFIX_CACHE_HITS)
 _CACHED_BY_SOURCE = vm.total(vm.PROMPT_TOKENS_CACHED_BY_SOURCE)
+_FAILED_TRANSFERS = vm.total(vm.NIXL_NUM_FAILED_TRANSFERS)
 _TIMING_HISTOGRAMS = (vm.ITERATION_TOKENS, vm.INTER_TOKEN_LATENCY, vm.PREFILL_TIME, vm.PREFILL_KV_COMPUTED_TOKENS)
 _METRICS = frozenset(
     {vm.CACHE_CONFIG_INFO, vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE_PERC, _PREEMPTIONS}
-    | {_PREFIX_HITS, _EXTERNAL_HITS, _CACHED_BY_SOURCE}
+    | {_PREFIX_HITS, _EXTERNAL_HITS, _CACHED_BY_SOURCE, _FAILED_TRANSFERS}
     | {vm.count(h) for h in _TIMING_HISTOGRAMS}
     | {vm.histogram_sum(h) for h in _TIMING_HISTOGRAMS}
 )
@@ -160,6 +162,7 @@ def load_from_metrics(text: str, rank: int | None = None) -> EngineLoad:
         num_preemptions=int(sum_samples(samples, _PREEMPTIONS) or 0),
         timing=_timing(samples),
         reused_tokens=_reused(samples),
+        failed_transfers=None if (failed := sum_samples(samples, _FAILED_TRANSFERS)) is None else int(failed),
     )
 
 
