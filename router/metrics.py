@@ -99,22 +99,24 @@ class _StateCollector(Collector):
         for worker, offset in sorted(s.clock_offsets.items()):
             skew.add_metric([worker], offset)
         yield skew
-        short = GaugeMetricFamily(
+        yield _flagged(
             "kvswitch_router_worker_prefix_credit_short",
             "1 for a worker whose engine reuses far less of the prefixes its KV events promise (its shim's check)",
-            labels=["worker"],
+            s.credit_short,
         )
-        for worker in s.credit_short:
-            short.add_metric([worker], 1.0)
-        yield short
-        failing = GaugeMetricFamily(
+        yield _flagged(
             "kvswitch_router_worker_transfers_failing",
             "1 for a decode worker whose last KV pull failed lately: requests for it prefill there",
-            labels=["worker"],
+            s.transfers_failing,
         )
-        for worker in s.transfers_failing:
-            failing.add_metric([worker], 1.0)
-        yield failing
+
+
+def _flagged(name: str, doc: str, workers: Sequence[str]) -> GaugeMetricFamily:
+    """A gauge of 1 for each of `workers` (and no sample for the rest)."""
+    gauge = GaugeMetricFamily(name, doc, labels=["worker"])
+    for worker in workers:
+        gauge.add_metric([worker], 1.0)
+    return gauge
 
 
 class RouterMetrics:
