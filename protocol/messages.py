@@ -187,7 +187,8 @@ class LoadReport(_Msg, kw_only=True):
     # 0.0: none, or a shim that does not count. A decode step reads each sequence's whole KV, so
     # calibration prices steps at this context: kv_used_blocks counts a shared prefix once.
     decode_context: float = 0.0
-    # KV pulls the engine failed (vllm:nixl_num_failed_transfers) since the shim started; 0 from an
+    # KV pulls the engine failed without failing their request (vllm:nixl_num_failed_transfers, less
+    # the legs the shim saw fail: kv_load_failure_policy recompute) since the shim started; 0 from an
     # engine that exports no such counter. A rise closes the remote path into this worker for a
     # while (router.transfer_health): its prefill legs' work is being thrown away.
     kv_transfers_failed: int = 0

@@ -10,8 +10,9 @@ Modes (RouterSettings.disagg):
 Without a prefill pool a request is aggregated whatever the mode (`no_prefill_pool`; `aggregated`
 when disagg is `never`), and an `agg`-role worker always serves aggregated (`aggregated`).
 
-A decode worker whose KV pulls failed lately is bypassed in `always` and `conditional` alike
-(`bypass_transfer_failing`, router.transfer_health).
+A decode worker is paired with no prefill worker whose KV pulls into it failed lately; with none
+left it is bypassed, in `always` and `conditional` alike (`bypass_transfer_failing`,
+router.transfer_health).
 
 `plan()` decides without side effects (it backs the dry run at /debug/route); `record()` counts an
 outcome once a request is really routed. Settings swap atomically with `configure()`.
@@ -160,14 +161,19 @@ class Disaggregator:
                 Outcome.BYPASS_PROMPT_LOGPROBS,
                 "prompt logprobs need the prompt's forward pass, which transferred KV skips",
             )
-        if self.transfers.failing(d.worker):
-            # Its last pull failed: a remote prefill would be thrown away and the prompt prefilled
-            # there anyway (router.transfer_health), whatever the mode or the policy.
-            return done(
-                Path.BYPASS,
-                Outcome.BYPASS_TRANSFER_FAILING,
-                f"{d.worker} failed to load transferred KV in the last {self.transfers.cooldown_s:.0f}s",
-            )
+        if self.transfers.any:
+            # A pull that failed lately would fail again, its prefill thrown away and the prompt
+            # prefilled on d anyway (router.transfer_health): pair d with a prefill worker whose
+            # pulls into it work, or, whatever the mode or the policy, with none.
+            open_to_d = [c for c in prefill_ranked if not self.transfers.failing(d.worker, c.worker)]
+            if not open_to_d:
+                return done(
+                    Path.BYPASS,
+                    Outcome.BYPASS_TRANSFER_FAILING,
+                    f"{d.worker} failed to load KV from every prefill worker in the last "
+                    f"{self.transfers.cooldown_s:.0f}s",
+                )
+            ctx.prefill = p = open_to_d[0]
         if not self.policy_decides:
             return done(Path.REMOTE, Outcome.REMOTE_PREFILL, f"disagg={s.disagg}, conditional_disagg off")
         if log.isEnabledFor(logging.DEBUG):  # timed only then: a virtual-clock replay reads no wall time

@@ -464,7 +464,7 @@ class RouterService:
     def _on_transfer(self, decode: str, prefill: str, ok: bool) -> None:
         transfers = self.planner.disagg.transfers
         if ok:
-            transfers.succeeded(decode)
+            transfers.succeeded(decode, prefill)
         else:
             transfers.failed(decode, prefill)
 

@@ -1,21 +1,25 @@
-"""`TransferHealth`: the decode workers whose KV pulls fail, which the remote path must avoid.
+"""`TransferHealth`: the pulls that fail, by decode worker and the prefill worker it pulls from.
 
 When a decode engine cannot load the KV a prefill worker computed for it (a NIXL link down, a
 prefill engine whose pins expire or that restarted), vLLM fails the request (its default
 `kv_load_failure_policy`) and the dispatcher has the decode worker prefill the prompt itself
-(`fallback_transfer_failed`). Every later remote prefill into that worker would pay the same: a
+(`fallback_transfer_failed`). Every later remote prefill over that pair would pay the same: a
 prefill leg whose work is thrown away, a failed pull, then the local prefill, so well over twice
-a bypass's TTFT. So after a failed pull into a worker, routing takes the bypass path for it
-(`bypass_transfer_failing`) until `cooldown_s` after its last failure. Then the next request
-tries the remote path again: a pull that works then ends the episode (one that worked during
-the cooldown was planned before the failure and says nothing), another failure starts a new
-cooldown. Each router replica learns from its own requests, and all of them from the worker's
-load reports: LoadReport.kv_transfers_failed counts the pulls its engine failed, which under
-vLLM's `kv_load_failure_policy: "recompute"` is the only sign (the request succeeds, late). One
-WARNING per episode names the worker and, when known, the prefill worker it failed to load from,
-and an INFO its recovery.
+a bypass's TTFT. So after a failed pull from P into D, the planner pairs D with another prefill
+worker, and takes the bypass path for D only when every prefill worker's pulls into it failed
+(`bypass_transfer_failing`), until `cooldown_s` after each pair's last failure. One broken
+prefill worker thus costs the fleet that prefill worker, not disaggregation: a fault in one
+worker stays in that worker. Then the next request tries the pair again: a pull that works ends
+its episode (one that worked during the cooldown was planned before the failure and says
+nothing), another failure starts a new cooldown.
 
-Synchronous, with the planner's clock, which it reads only while some worker is failing (a
+Each router replica learns from its own requests, and all of them from the workers' load
+reports: LoadReport.kv_transfers_failed counts the pulls a decode engine failed, which under
+vLLM's `kv_load_failure_policy: "recompute"` is the only sign (the request succeeds, late). That
+count does not say from which prefill worker, so it closes the remote path into D whatever the
+prefill worker. One WARNING per episode names the pair, and an INFO its recovery.
+
+Synchronous, with the planner's clock, which it reads only while some pull is failing (a
 virtual-clock replay, where no pull fails, reads no clock here).
 """
 
@@ -31,27 +35,33 @@ log = logging.getLogger(__name__)
 TRANSFER_COOLDOWN_S = 30.0
 
 
+ANY = ""  # a pair's prefill side when the failure does not say which prefill worker
+
+
 class TransferHealth:
     def __init__(self, cooldown_s: float = TRANSFER_COOLDOWN_S, clock: Callable[[], float] = time.time) -> None:
         self.cooldown_s = cooldown_s
         self._clock = clock
-        self._last_failure: dict[str, float] = {}  # worker -> when its last pull failed, while in an episode
+        # (decode, prefill or ANY) -> when its last pull failed, while in an episode
+        self._last_failure: dict[tuple[str, str], float] = {}
         self._reported: dict[str, int] = {}  # worker -> its last LoadReport.kv_transfers_failed
         self.failures = 0
 
-    def failed(self, worker: str, prefill_worker: str = "") -> None:
-        """A pull into `worker` of KV computed on `prefill_worker` ("": not known) failed."""
+    def failed(self, worker: str, prefill_worker: str = ANY) -> None:
+        """A pull into `worker` of KV computed on `prefill_worker` (ANY: not known) failed."""
         self.failures += 1
-        if worker not in self._last_failure:
+        key = (worker, prefill_worker)
+        if key not in self._last_failure:
             log.warning(
-                "decode worker %s failed to load KV prefilled on %s: requests for it prefill there for the next "
-                "%.0fs (bypass_transfer_failing), then the remote path is tried again. Check the KV connector "
-                "(NIXL) between them and the prefill engines' kv pin timeout",
+                "decode worker %s failed to load KV prefilled on %s: for the next %.0fs its requests %s "
+                "(bypass_transfer_failing when no prefill worker is left), then it is tried again. Check the KV "
+                "connector (NIXL) between them and the prefill engine's kv pin timeout",
                 worker,
                 prefill_worker or "a prefill worker (its engine's count)",
                 self.cooldown_s,
+                f"pair with other prefill workers than {prefill_worker}" if prefill_worker else "prefill there",
             )
-        self._last_failure[worker] = self._clock()
+        self._last_failure[key] = self._clock()
 
     def reported(self, worker: str, failed_total: int) -> None:
         """A load report's count of the pulls `worker`'s engine failed: a rise is a failure. The
@@ -61,22 +71,44 @@ class TransferHealth:
         if last is not None and failed_total > last:
             self.failed(worker)
 
-    def succeeded(self, worker: str) -> None:
-        """A pull into `worker` worked."""
-        if worker in self._last_failure and not self.failing(worker):
-            del self._last_failure[worker]
-            log.info("decode worker %s loads transferred KV again: the remote path is open to it", worker)
+    def succeeded(self, worker: str, prefill_worker: str) -> None:
+        """A pull into `worker` from `prefill_worker` worked: that pair's episode ends, and so does
+        one of `worker` with no prefill worker named (its connector works), once out of cooldown."""
+        now = None
+        for key in ((worker, prefill_worker), (worker, ANY)):
+            last = self._last_failure.get(key)
+            if last is None:
+                continue
+            now = self._clock() if now is None else now
+            if now - last >= self.cooldown_s:
+                del self._last_failure[key]
+                log.info("decode worker %s loads KV from %s again", worker, key[1] or "its prefill workers")
 
-    def failing(self, worker: str) -> bool:
-        """Whether the remote path into `worker` is closed now."""
-        last = self._last_failure.get(worker)
-        return last is not None and self._clock() - last < self.cooldown_s
+    def failing(self, worker: str, prefill_worker: str = ANY) -> bool:
+        """Whether pulls into `worker` from `prefill_worker` are to be avoided now: that pair's, or
+        any pull into `worker` (ANY) failed within the cooldown."""
+        if not self._last_failure:
+            return False
+        now = None
+        for key in ((worker, ANY), (worker, prefill_worker)):
+            last = self._last_failure.get(key)
+            if last is not None:
+                now = self._clock() if now is None else now
+                if now - last < self.cooldown_s:
+                    return True
+        return False
+
+    @property
+    def any(self) -> bool:
+        """Some pull failed and its episode has not ended (the planner looks closer only then)."""
+        return bool(self._last_failure)
 
     def workers(self) -> list[str]:
-        """The workers whose remote path is closed now."""
-        return sorted(w for w in self._last_failure if self.failing(w))
+        """The decode workers with a pair (or every pair) closed now."""
+        return sorted({d for d, p in self._last_failure if self.failing(d, p)})
 
     def forget(self, worker: str) -> None:
-        """`worker` left the fleet."""
-        self._last_failure.pop(worker, None)
+        """`worker` left the fleet (as a decode or a prefill worker)."""
+        for key in [k for k in self._last_failure if worker in k]:
+            del self._last_failure[key]
         self._reported.pop(worker, None)

@@ -258,6 +258,8 @@ class RequestService:
 
     `on_served(request_id, token_ids, salt, usage)` is called after each leg that prefilled its
     prompt locally and ended well (the shim checks that the engine's KV events followed).
+    `on_transfer_failed()` is called for each leg fed by a KV transfer that the engine failed (a
+    5xx) before any output: its pull, most likely (worker_shim.transfer_failures).
     `on_scheduled(dispatched, at, predicted)` is called once the engine has scheduled a leg whose
     prompt it should find `predicted` tokens of cached (worker_shim.credit_check.CreditCheck), with
     the time.monotonic() of its dispatch and of now.
@@ -272,6 +274,7 @@ class RequestService:
         *,
         on_served: Callable[[str, list[int], str, Usage], None] = lambda _rid, _ids, _salt, _usage: None,
         on_scheduled: Callable[[float, float, int], None] = lambda _dispatched, _at, _predicted: None,
+        on_transfer_failed: Callable[[], None] = lambda: None,
         block_size: Callable[[], int | None] = lambda: None,
         model: str = "",
         busy_legs: int = BUSY_LEGS,
@@ -285,6 +288,7 @@ class RequestService:
         self.on_change = on_change
         self.on_served = on_served
         self.on_scheduled = on_scheduled
+        self.on_transfer_failed = on_transfer_failed
         self.block_size = block_size
         self.model = model  # the engine's own; a leg naming another (not an alias) runs a LoRA adapter
         self.aliases: frozenset[str] = frozenset()  # other names the engine serves `model` under
@@ -477,6 +481,8 @@ class RequestService:
                 return
             except EngineError as exc:
                 self.failed += 1
+                if leg.transfer is not None and exc.code >= 500 and writer.sent_tokens == 0:
+                    self.on_transfer_failed()  # most likely its KV pull (vLLM's kv_load_failure_policy fail)
                 LegTracer.failed(span, f"{exc.kind} ({exc.code})")
                 await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
                 return

@@ -205,6 +205,7 @@ class WorkerShim:
             self._cached_prompt_tokens,
             on_served=self._on_served,
             on_scheduled=self.credit.scheduled,
+            on_transfer_failed=self.transfers.leg_failed,
             block_size=lambda: self.limits.block_size,
             model=self.config.model,
         )

@@ -70,6 +70,35 @@ async def test_a_failed_kv_pull_is_prefilled_on_the_decode_worker_without_client
         assert f'kvswitch_router_worker_transfers_failing{{worker="{served.id}"}} 1.0' in await r.text()
 
 
+async def test_a_prefill_worker_whose_kv_cannot_be_pulled_costs_the_fleet_that_worker_only(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """One broken prefill worker (its pins expire at once): after one failed pull, the decode
+    worker pairs with the other prefill worker, and disaggregation goes on."""
+    bad = await cluster.add_worker("prefill", kv_pin_timeout_s=1e-6)
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    status, body, _ = await complete(http, router, list(range(400)), max_tokens=2)
+    assert (status, body["kvswitch"]["outcome"]) == (200, "fallback_transfer_failed")
+    # The decode worker's shim saw the leg fail, so it reports no silent failure: nothing closes
+    # the path from other prefill workers.
+    await until(lambda: d.shim.transfers.rises == 1, what="the shim reading the engine's count")
+    readings = d.shim.transfers.readings
+    await until(lambda: d.shim.transfers.readings >= readings + 2, what="two more readings")
+    assert (d.shim.transfers.failed_legs, d.shim.transfers.total) == (1, 0)
+    good = await cluster.add_worker("prefill")
+    await until(lambda: router.planner.disagg.transfers.failing(d.id, bad.id), what="the pair closed")
+    await until(
+        lambda: router.path.explain(MODEL, list(range(400)), text=False)["prefill_worker"] == good.id,
+        what="the new prefill worker routable",
+    )
+    for i in range(3):
+        status, body, headers = await complete(http, router, list(range(2000 * (i + 1), 2000 * (i + 1) + 400)))
+        assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (200, "remote", "remote_prefill")
+        assert body["kvswitch"]["prefill_worker"] == good.id
+    assert bad.sim.faults.requests_seen == 1 and d.sim.engine.stats.external_kv_tokens == 3 * 400
+
+
 async def test_pulls_an_engine_recomputes_silently_close_the_remote_path_through_its_load_reports(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:

@@ -251,6 +251,24 @@ def test_with_every_prefill_worker_full_the_decode_worker_prefills() -> None:
     assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.REMOTE_PREFILL)
 
 
+def test_a_prefill_worker_whose_pulls_failed_is_left_out_of_the_pair_and_with_none_left_d_prefills() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), winfo("p2", "prefill"), disagg="always")
+    prompt = list(range(8192))
+    plan = f.planner.take(f.ctx(prompt))
+    assert plan is not None and plan.prefill is not None and plan.path is Path.REMOTE
+    first, other = plan.prefill.worker, ({"p1", "p2"} - {plan.prefill.worker}).pop()
+    f.planner.ledger.free(plan.key)
+    transfers = f.planner.disagg.transfers
+    transfers.failed("d1", first)
+    plan = f.planner.take(f.ctx(prompt, "r2"))
+    assert plan is not None and plan.prefill is not None
+    assert (plan.path, plan.prefill.worker) == (Path.REMOTE, other)  # disaggregation goes on
+    f.planner.ledger.free(plan.key)
+    transfers.failed("d1", other)
+    plan = f.planner.take(f.ctx(prompt, "r3"))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_TRANSFER_FAILING)
+
+
 @pytest.mark.parametrize("flat", [{"disagg": "always"}, {"conditional_disagg": True}])
 def test_a_decode_worker_whose_pull_failed_prefills_its_requests_until_the_cooldown_ends(flat: dict[str, Any]) -> None:
     f = Fleet(winfo("d1"), winfo("p1", "prefill"), **flat)
@@ -262,7 +280,7 @@ def test_a_decode_worker_whose_pull_failed_prefills_its_requests_until_the_coold
     transfers.failed("d1", "p1")
     plan = f.planner.take(f.ctx(prompt, "r2"))
     assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_TRANSFER_FAILING)
-    assert plan.decode.worker == "d1" and "failed to load transferred KV" in plan.reason
+    assert plan.decode.worker == "d1" and "failed to load KV from every prefill worker" in plan.reason
     f.planner.ledger.free(plan.key)
     f.clock.now += transfers.cooldown_s
     for w in ("d1", "p1"):

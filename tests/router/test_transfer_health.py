@@ -1,5 +1,6 @@
-"""TransferHealth: a decode worker's remote path closes after a failed pull, for the cooldown after
-its last failure, and reopens at once when a pull works."""
+"""TransferHealth: a (decode, prefill) pair closes after a failed pull, for the cooldown after its
+last failure, and reopens when a pull after the cooldown works; a failure that names no prefill
+worker closes every pair into that decode worker."""
 
 from __future__ import annotations
 
@@ -18,23 +19,34 @@ class Clock:
         return self.now
 
 
-def test_a_failed_pull_closes_the_remote_path_for_the_cooldown_after_the_last_failure() -> None:
+def test_a_failed_pull_closes_its_pair_for_the_cooldown_after_its_last_failure() -> None:
     clock = Clock()
     t = TransferHealth(cooldown_s=30.0, clock=clock)
     t.failed("d1", "p1")
-    assert t.failing("d1") and not t.failing("d2") and t.workers() == ["d1"]
+    assert t.failing("d1", "p1") and not t.failing("d1", "p2") and not t.failing("d2", "p1")
+    assert t.workers() == ["d1"]
     clock.now += 29.9
-    assert t.failing("d1")
-    clock.now += 0.1  # 30 s after the failure: a request tries the remote path again
-    assert not t.failing("d1") and t.workers() == []
+    assert t.failing("d1", "p1")
+    clock.now += 0.1  # 30 s after the failure: a request tries the pair again
+    assert not t.failing("d1", "p1") and t.workers() == []
     t.failed("d1", "p1")  # that try failed: closed for another 30 s
     clock.now += 29.9
-    t.succeeded("d1")  # a pull planned before the failure worked: it says nothing of the link now
-    assert t.failing("d1")
+    t.succeeded("d1", "p1")  # a pull planned before the failure worked: it says nothing of the link now
+    assert t.failing("d1", "p1")
     clock.now += 0.1
-    t.succeeded("d1")  # the try after the cooldown worked: the episode ends
+    t.succeeded("d1", "p1")  # the try after the cooldown worked: the episode ends
     t.failed("d1", "p1")
-    assert t.failing("d1") and t.failures == 3
+    assert t.failing("d1", "p1") and t.failures == 3
+
+
+def test_a_failure_naming_no_prefill_worker_closes_every_pair_into_the_decode_worker() -> None:
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    t.failed("d1")
+    assert t.failing("d1", "p1") and t.failing("d1", "p2") and t.failing("d1")
+    clock.now += 30
+    t.succeeded("d1", "p2")  # any pull into d1 working shows its connector works
+    assert not t.any
 
 
 def test_a_rise_in_a_workers_reported_failures_is_a_failed_pull() -> None:
@@ -45,7 +57,7 @@ def test_a_rise_in_a_workers_reported_failures_is_a_failed_pull() -> None:
     t.reported("d1", 5)
     assert not t.failing("d1")
     t.reported("d1", 6)
-    assert t.failing("d1") and t.failures == 1
+    assert t.failing("d1", "p1") and t.failures == 1
     clock.now += 60
     t.reported("d1", 0)  # its shim restarted: a new baseline, no failure
     assert not t.failing("d1") and t.failures == 1
@@ -57,21 +69,30 @@ def test_one_warning_per_episode_and_an_info_at_its_end(caplog: pytest.LogCaptur
     with caplog.at_level(logging.INFO, logger="router.transfer_health"):
         t.failed("d1", "p1")
         clock.now += 60
-        t.failed("d1", "p2")
+        t.failed("d1", "p1")
         clock.now += 60
-        t.succeeded("d1")
-        t.succeeded("d1")  # no episode open: nothing to say
-    levels = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records]
-    assert levels == [
+        t.succeeded("d1", "p1")
+        t.succeeded("d1", "p1")  # no episode open: nothing to say
+    said = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records]
+    assert said == [
         (logging.WARNING, "decode worker d1 failed to load KV prefilled on p1"),
-        (logging.INFO, "decode worker d1 loads transferred KV again"),
+        (logging.INFO, "decode worker d1 loads KV from p1 again"),
     ]
 
 
-def test_the_clock_is_read_only_while_a_worker_is_failing() -> None:
+def test_a_worker_that_leaves_takes_its_pairs_with_it() -> None:
+    t = TransferHealth(clock=Clock())
+    t.failed("d1", "p1")
+    t.failed("d2", "p1")
+    t.forget("p1")
+    assert not t.any
+
+
+def test_the_clock_is_read_only_while_a_pull_is_failing() -> None:
     def no_clock() -> float:
         raise AssertionError("read the clock")
 
     t = TransferHealth(clock=no_clock)
-    assert not t.failing("d1") and t.workers() == []
+    assert not t.failing("d1", "p1") and t.workers() == [] and not t.any
+    t.succeeded("d1", "p1")
     t.forget("d1")
