@@ -451,8 +451,12 @@ async def test_a_prompt_over_the_nats_payload_limit_is_413_naming_it(agg: Cluste
 async def test_a_streamed_event_over_the_nats_payload_limit_reaches_the_client_whole(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
-    await cluster.add_worker("agg", num_gpu_blocks=2048)  # room for the 12 k-token prompt
-    router, sim = await cluster.add_ready_router(disagg="never"), cluster.workers[0].sim
+    # Room for the 12 k-token prompt. The sim computes its 12 k prompt logprobs in the event loop
+    # the shim and the router share here, which on a loaded box stalls them past a lease of 2 s and
+    # three heartbeats of 0.4 s: liveness is not under test, so both get room.
+    await cluster.add_worker("agg", shim={"lease_ttl": 30}, num_gpu_blocks=2048)
+    router = await cluster.add_ready_router(disagg="never", stream_heartbeat_s=2.0)
+    sim = cluster.workers[0].sim
     prompt = [300 + i % 5000 for i in range(12_000)]
     request = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 5}
     s1, via_router, _ = await stream(http, router.url + "/v1/completions", request)
