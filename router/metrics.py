@@ -40,7 +40,7 @@ class StateFigures:
     prompt_tokens: Mapping[str, int] = field(default_factory=dict)  # router.planner.PrefixReach
     clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
     credit_short: Sequence[str] = ()  # workers whose shims report LoadReport.prefix_credit_short
-    transfers_failing: Sequence[str] = ()  # decode workers bypassed as their KV pulls fail (router.transfer_health)
+    transfers_failing: Sequence[str] = ()  # decode workers with a KV pull that failed lately (router.transfer_health)
 
 
 class _StateCollector(Collector):
@@ -106,7 +106,8 @@ class _StateCollector(Collector):
         )
         yield _flagged(
             "kvswitch_router_worker_transfers_failing",
-            "1 for a decode worker whose last KV pull failed lately: requests for it prefill there",
+            "1 for a decode worker with a KV pull that failed lately: its requests pair with other prefill "
+            "workers, or prefill there",
             s.transfers_failing,
         )
 

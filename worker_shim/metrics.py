@@ -127,7 +127,8 @@ class _ShimCollector(Collector):
         )
         yield _counter(
             "kv_transfers_failed",
-            "KV pulls the engine failed (its vllm:nixl_num_failed_transfers) since the shim started",
+            "KV pulls the engine failed without failing their request (its vllm:nixl_num_failed_transfers, less "
+            "the legs seen failing) since the shim started",
             float(self.shim.transfers.total),
         )
 

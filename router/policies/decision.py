@@ -29,7 +29,7 @@ class Outcome(StrEnum):
     SPILLED_TO_PREFILL = "spilled_to_prefill"  # no decode worker had room: a prefill worker serves it whole
     BYPASS_SEQUENCES = "bypass_sequences"  # n > 1 or a batch: a transfer handle carries one sequence's KV
     BYPASS_PROMPT_LOGPROBS = "bypass_prompt_logprobs"  # prompt logprobs need the prompt's own forward pass
-    BYPASS_TRANSFER_FAILING = "bypass_transfer_failing"  # the decode worker's last KV pull failed lately
+    BYPASS_TRANSFER_FAILING = "bypass_transfer_failing"  # pulls into the decode worker fail from every prefill worker
 
 
 class Path(StrEnum):
