@@ -132,6 +132,8 @@ class Disaggregator:
         ctx.prefill = p = prefill_ranked[0] if prefill_ranked else None
 
         def done(path: Path, outcome: Outcome, reason: str) -> RoutePlan:
+            if path is Path.REMOTE and p is not None and self.transfers.any:
+                self.transfers.probing(d.worker, p.worker)
             return RoutePlan(ctx, d, p, path, outcome, reason, decode_ranked, prefill_ranked)
 
         if d.info.role == "agg":

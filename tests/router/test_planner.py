@@ -286,6 +286,12 @@ def test_a_decode_worker_whose_pull_failed_prefills_its_requests_until_the_coold
     for w in ("d1", "p1"):
         f.report(w)
     plan = f.planner.take(f.ctx(prompt, "r3"))
+    assert plan is not None and plan.path is Path.REMOTE  # the probe
+    plan = f.planner.take(f.ctx(prompt, "r4"))  # while it is out, the others keep prefilling on d1
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_TRANSFER_FAILING)
+    f.planner.ledger.free(plan.key)
+    transfers.succeeded("d1", "p1")
+    plan = f.planner.take(f.ctx(list(range(10_000, 18_192)), "r5"))  # uncached: r3 and r4 made prompt d1's
     assert plan is not None and plan.path is Path.REMOTE
 
 

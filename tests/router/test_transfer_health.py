@@ -1,6 +1,6 @@
 """TransferHealth: a (decode, prefill) pair closes after a failed pull, for the cooldown after its
-last failure, and reopens when a pull after the cooldown works; a failure that names no prefill
-worker closes every pair into that decode worker."""
+last failure, then one request probes it and reopens it when its pull works; a failure that names
+no prefill worker closes every pair into that decode worker, and a report reopens them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from router.transfer_health import TransferHealth
+from router.transfer_health import CONFIRM_S, PROBE_TIMEOUT_S, TransferHealth
 
 
 class Clock:
@@ -42,11 +42,75 @@ def test_a_failed_pull_closes_its_pair_for_the_cooldown_after_its_last_failure()
 def test_a_failure_naming_no_prefill_worker_closes_every_pair_into_the_decode_worker() -> None:
     clock = Clock()
     t = TransferHealth(clock=clock)
-    t.failed("d1")
+    t.reported("d1", 0)
+    t.reported("d1", 1)
     assert t.failing("d1", "p1") and t.failing("d1", "p2") and t.failing("d1")
     clock.now += 30
-    t.succeeded("d1", "p2")  # any pull into d1 working shows its connector works
+    t.succeeded("d1", "p2")  # any pull into d1 working shows its connector works, once a report agrees
+    assert t.failing("d1", "p1")
+    clock.now += CONFIRM_S
+    t.reported("d1", 1)
     assert not t.any
+
+
+def test_after_the_cooldown_one_request_probes_the_pair_while_the_others_keep_away() -> None:
+    clock = Clock()
+    t = TransferHealth(cooldown_s=30.0, clock=clock)
+    t.failed("d1", "p1")
+    clock.now += 30
+    assert not t.failing("d1", "p1")  # the next request planned over the pair is the probe
+    t.probing("d1", "p1")
+    assert t.failing("d1", "p1") and t.workers() == ["d1"] and not t.failing("d1", "p2")
+    clock.now += PROBE_TIMEOUT_S - 0.1
+    assert t.failing("d1", "p1")
+    clock.now += 0.1  # the probe never said how its pull went (cancelled): another request probes
+    assert not t.failing("d1", "p1")
+    t.probing("d1", "p1")
+    t.failed("d1", "p1")  # it failed: 30 s more, and then a probe again
+    clock.now += 29.9
+    assert t.failing("d1", "p1")
+    clock.now += 0.1
+    t.probing("d1", "p1")
+    t.succeeded("d1", "p1")
+    assert not t.any and not t.failing("d1", "p1")
+
+
+def test_a_probe_within_a_cooldown_claims_nothing() -> None:
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    t.failed("d1", "p1")
+    t.probing("d1", "p2")  # another pair, planned in the cooldown of d1-p1
+    clock.now += 30
+    assert not t.failing("d1", "p1") and not t.failing("d1", "p2")
+
+
+def test_under_recompute_a_probes_first_token_ends_nothing_until_a_later_report_shows_no_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    with caplog.at_level(logging.INFO, logger="router.transfer_health"):
+        t.reported("d1", 0)
+        t.reported("d1", 1)
+        for _ in range(3):  # the fault persists: the probe's pull fails and its request succeeds anyway
+            clock.now += 30
+            t.probing("d1", "p1")
+            t.succeeded("d1", "p1")
+            assert t.failing("d1", "p1") and t.failing("d1", "p2")
+            clock.now += 0.6
+            t.reported("d1", t.failures + 1)  # the shim forwards the probe's failed pull
+            assert t.failing("d1", "p1")
+        clock.now += 30
+        t.probing("d1", "p1")
+        t.succeeded("d1", "p1")  # the link is back
+        clock.now += CONFIRM_S - 0.1
+        t.reported("d1", t.failures)
+        assert t.failing("d1", "p1")  # too soon to say
+        clock.now += 0.1
+        t.reported("d1", t.failures)
+        assert not t.failing("d1", "p1") and not t.any
+    said = [r.levelno for r in caplog.records]
+    assert said == [logging.WARNING, logging.INFO]  # one episode, however often it was probed
 
 
 def test_a_rise_in_a_workers_reported_failures_is_a_failed_pull() -> None:
