@@ -62,7 +62,7 @@ class Cluster:
             "kv_events_mode": "connect",
             "kv_replay": sim.replay_endpoint,
             "namespace": self.ns,
-            "lease_ttl": 2,
+            "lease_ttl": 10,
             "health_interval_s": 0.1,
             "drain_grace_s": 1.0,
             "timing_profile": "h200:llama-3.1-8b",  # what the sims are timed from
@@ -86,8 +86,15 @@ class Cluster:
         config: dict[str, Any] | None = None,
         **overrides: Any,
     ) -> RouterService:
-        """A started router; `config`: RouterConfig fields beyond the cluster's, `overrides`: settings."""
-        cfg: dict[str, Any] = {"lease_ttl_s": 2, "seed": len(self.routers), **(config or {})}
+        """A started router; `config`: RouterConfig fields beyond the cluster's, `overrides`: settings.
+
+        Every sim, shim and router of this cluster shares the test's one event loop, which a loaded
+        box can stall for seconds (seen in CI: leases of 2 s expired and workers re-registered under
+        new ids; legs silent for 3 x 0.4 s were retried elsewhere). So leases of 10 s and stream
+        heartbeats every 2 s, as liveness is not what these tests test; the subprocess clusters of
+        test_e2e_liveness.py and tests/worker_shim test it with the real defaults."""
+        cfg: dict[str, Any] = {"lease_ttl_s": 10, "seed": len(self.routers), **(config or {})}
+        overrides = {"stream_heartbeat_s": 2.0, **overrides}
         router = RouterService(
             RouterConfig(
                 ns=self.ns,

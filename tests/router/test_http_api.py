@@ -452,10 +452,10 @@ async def test_a_streamed_event_over_the_nats_payload_limit_reaches_the_client_w
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
     # Room for the 12 k-token prompt. The sim computes its 12 k prompt logprobs in the event loop
-    # the shim and the router share here, which on a loaded box stalls them past a lease of 2 s and
-    # three heartbeats of 0.4 s: liveness is not under test, so both get room.
+    # the shim and the router share here, which on a loaded box stalls them for seconds: liveness
+    # is not under test, so a lease longer than the cluster's.
     await cluster.add_worker("agg", shim={"lease_ttl": 30}, num_gpu_blocks=2048)
-    router = await cluster.add_ready_router(disagg="never", stream_heartbeat_s=2.0)
+    router = await cluster.add_ready_router(disagg="never")
     sim = cluster.workers[0].sim
     prompt = [300 + i % 5000 for i in range(12_000)]
     request = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 5}
