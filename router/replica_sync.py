@@ -34,6 +34,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import RouterSync, SyncEntry, decode_msg, encode_msg
 from router.lifecycle import PartStatus
 from router.load_view import LoadView
+from runtime import background
 
 __all__ = ["ReplicaSync", "SyncStats"]
 
@@ -91,10 +92,12 @@ class ReplicaSync:
         if self.status is not PartStatus.NEW:
             raise RuntimeError(f"ReplicaSync.start() called while {self.status.value}")
         self._sub = await self._nc.subscribe(self._subject, cb=self._on_msg)
-        self._tasks.append(asyncio.create_task(self._flusher(), name="sync-flush"))
-        self._tasks.append(asyncio.create_task(self._expirer(), name="sync-expire"))
+        self._tasks.append(background(self._flusher(), "sync-flush", "peers get no booking of this replica's"))
+        self._tasks.append(background(self._expirer(), "sync-expire", "peers' stale bookings are never dropped"))
         if self._discovery is not None:
-            self._tasks.append(asyncio.create_task(self._watch_routers(self._discovery), name="sync-routers"))
+            self._tasks.append(
+                background(self._watch_routers(self._discovery), "sync-routers", "peers that leave keep their bookings")
+            )
         self.status = PartStatus.RUNNING
 
     async def stop(self) -> None:

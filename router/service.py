@@ -61,7 +61,7 @@ from router.request_path import RequestPath
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
-from runtime import RepeatedErrors
+from runtime import RepeatedErrors, background
 
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
@@ -314,7 +314,9 @@ class RouterService:
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
         self._watcher = ConfigWatcher(self._discovery, dict(self.config.overrides), dict(self.config.file_settings))
-        self._tasks.append(asyncio.create_task(self._follow_config(self._watcher), name="router-config"))
+        self._tasks.append(
+            background(self._follow_config(self._watcher), "router-config", "live settings stay as they are")
+        )
 
     async def stop(self) -> None:
         if self.status in (RouterStatus.STOPPING, RouterStatus.STOPPED):

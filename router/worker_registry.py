@@ -22,6 +22,7 @@ from typing import Any
 from discovery import Deleted, Discovery, Put, Snapshot
 from protocol import WorkerInfo, serving
 from router.lifecycle import PartStatus
+from runtime import background
 
 __all__ = ["WorkerRegistry"]
 
@@ -48,7 +49,7 @@ class WorkerRegistry:
     async def start(self) -> None:
         if self.status is not PartStatus.NEW:
             raise RuntimeError(f"WorkerRegistry.start() called while {self.status.value}")
-        self._task = asyncio.create_task(self._watch(), name="worker-registry")
+        self._task = background(self._watch(), "worker-registry", "workers that join or leave go unseen")
         self.status = PartStatus.RUNNING
 
     async def stop(self) -> None:

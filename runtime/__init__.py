@@ -16,19 +16,21 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 __all__ = [
     "JsonFormatter",
     "RepeatedErrors",
     "RepeatedLines",
+    "background",
     "configure_logging",
     "run_service",
     "start_or_stop",
     "tune_gc",
 ]
 
+_log = logging.getLogger(__name__)
 _STD_ATTRS = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 
 
@@ -140,6 +142,21 @@ async def start_or_stop(start: Awaitable[object], stop: asyncio.Event) -> bool:
     with contextlib.suppress(asyncio.CancelledError):
         await starting
     return False
+
+
+def background(coro: Coroutine[Any, Any, None], name: str, stops: str) -> asyncio.Task[None]:
+    """A task that runs for the life of its owner. Should it crash, the crash is said at once, as an
+    ERROR with its traceback and `stops` (what no longer happens), rather than kept in the task
+    until its owner's stop() awaits it, or lost if that never comes."""
+    task = asyncio.create_task(coro, name=name)
+    task.add_done_callback(lambda t: _crashed(t, stops))
+    return task
+
+
+def _crashed(task: asyncio.Task[None], stops: str) -> None:
+    if task.cancelled() or (exc := task.exception()) is None:
+        return
+    _log.error("task %s crashed: %s until this process restarts", task.get_name(), stops, exc_info=exc)
 
 
 class RepeatedErrors:

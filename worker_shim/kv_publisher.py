@@ -36,6 +36,7 @@ from protocol import (
     pack_chunk,
     subjects,
 )
+from runtime import background
 from worker_shim.event_log import EventLog
 from worker_shim.normaliser import Normaliser
 
@@ -95,7 +96,11 @@ class KvPublisher:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"kv-publisher-{self.log.worker}")
+            self._task = background(
+                self._run(),
+                f"kv-publisher-{self.log.worker}",
+                "no KV event is published",
+            )
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Seal and send what is pending, then stop; safe to call twice.

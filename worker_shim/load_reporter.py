@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from nats.aio.client import Client as Nats
 from nats.errors import Error as NatsError
 
 from protocol import LoadReport, encode_msg, subjects
+from runtime import background
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineLoad
 from worker_shim.kv_publisher import KvDigestAt
 
@@ -78,8 +80,12 @@ class LoadReporter:
     def start(self) -> None:
         if not self._tasks:
             self._tasks = [
-                asyncio.create_task(self._poll_loop(), name=f"load-poll-{self.worker}"),
-                asyncio.create_task(self._publish_loop(), name=f"load-{self.worker}"),
+                background(
+                    self._poll_loop(),
+                    f"load-poll-{self.worker}",
+                    "the engine's load is not read",
+                ),
+                background(self._publish_loop(), f"load-{self.worker}", "no load report is sent"),
             ]
 
     async def stop(self) -> None:
@@ -87,7 +93,7 @@ class LoadReporter:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(Exception, asyncio.CancelledError):  # a crash was logged when it happened
                 await task
 
     def poke(self) -> None:
@@ -135,13 +141,21 @@ class LoadReporter:
             asked_mono = time.monotonic()
             try:
                 asked = time.time()
-                self._engine = await self.adapter.load()
+                reading = await self.adapter.load()
+                if (bad := _unusable(reading)) is not None:
+                    raise EngineError(502, "engine_protocol", f"the engine's load reading has {bad}")
+                self._engine = reading
                 self._engine_at = (asked + time.time()) / 2  # the engine rendered them in between
                 self._healthy = True
                 self.on_reading(asked_mono, time.monotonic(), self._engine)
-            except EngineError as exc:
+            except Exception as exc:
+                # Whatever the reading (a NaN in /metrics, a field of the wrong type), the reports
+                # go on: the worker says it is unhealthy until a reading works again.
                 if self._healthy:
-                    log.warning("load poll failed: %s", exc)
+                    if isinstance(exc, EngineError):
+                        log.warning("load poll failed: %s", exc)
+                    else:
+                        log.error("load poll failed on a reading the shim cannot use: %r", exc, exc_info=exc)
                 self._healthy = False
                 self.on_reading(asked_mono, time.monotonic(), None)
             self._poke.set()
@@ -178,3 +192,16 @@ class LoadReporter:
                     await self._poke.wait()
                     await asyncio.sleep(MIN_GAP_S)
             self._poke.clear()
+
+
+def _unusable(e: EngineLoad) -> str | None:
+    """What in a reading is not a number a report can carry (NaN or infinite), if anything."""
+    t = e.timing
+    for name, value in (
+        ("kv_usage", e.kv_usage),
+        ("prefill_seconds", t.prefill_seconds),
+        ("itl_seconds", t.itl_seconds),
+    ):
+        if value is not None and not math.isfinite(value):
+            return f"{name} = {value}"
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -15,6 +16,9 @@ from protocol import Cleared, KvEventBatch, LoadReport, decode_msg, subjects
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
 from tests.worker_shim.test_kv_digest import replayed, xor_of
 from worker_shim import ShimConfig
+from worker_shim.adapters.base import EngineLoad
+from worker_shim.adapters.vllm import load_from_metrics
+from worker_shim.load_reporter import LoadReporter
 
 
 def test_the_default_period_is_half_a_second() -> None:
@@ -118,3 +122,56 @@ async def test_reports_carry_the_engines_timing_counters_and_when_they_were_read
     assert first.itl_seconds > 0 and first.prefill_seconds > 0 and first.prefix_hit_tokens == 0
     assert reports[-1].prefix_hit_tokens == stats.prefix_cache_hits == 48  # all but the last block
     assert all(0 < r.engine_ts <= r.ts for r in reports)
+
+
+class _Metrics:
+    """The load side of an engine adapter: vLLM's own parse of whatever /metrics text is set."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    async def load(self) -> EngineLoad:
+        return load_from_metrics(self.text)
+
+
+_GOOD = 'vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        ('vllm:num_requests_running{engine="0"} NaN\n', "ValueError"),  # int(nan) in the parse
+        ('vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} NaN\n', "kv_usage = nan"),
+        ('vllm:num_requests_running{engine="0"} +Inf\n', "OverflowError"),
+    ],
+    ids=["nan-count", "nan-usage", "inf-count"],
+)
+async def test_a_reading_the_shim_cannot_use_marks_the_worker_unhealthy_and_the_reports_go_on(
+    nats_url: str, ns: str, bad: str, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    nc = await connect(nats_url)
+    reports: list[LoadReport] = []
+
+    async def on(msg: Any) -> None:
+        reports.append(decode_msg(msg.data, LoadReport))
+
+    await nc.subscribe(subjects.load(ns, "w1"), cb=on)
+    await nc.flush()
+    engine = _Metrics()
+    engine.text = _GOOD
+    reporter = LoadReporter(nc, ns, "w1", engine, lambda: 0, 100, period_s=0.05, poll_s=0.02)  # type: ignore[arg-type]
+    reporter.start()
+    try:
+        await wait_for(lambda: any(r.running == 3 and r.healthy for r in reports), what="a healthy report")
+        engine.text = bad
+        await wait_for(lambda: not reports[-1].healthy, what="an unhealthy report")
+        seen = len(reports)
+        await wait_for(lambda: len(reports) >= seen + 3, what="reports after the bad reading")
+        assert all(not r.healthy and r.kv_used_blocks == 25 for r in reports[seen:])  # the last good numbers
+        engine.text = _GOOD
+        await wait_for(lambda: reports[-1].healthy, what="healthy again")
+    finally:
+        await reporter.stop()  # no exception of a task escapes it
+        await nc.close()
+    complaints = [r for r in caplog.records if r.name == "worker_shim.load_reporter" and r.levelno >= logging.WARNING]
+    assert len(complaints) == 1 and said in complaints[0].getMessage(), [r.getMessage() for r in complaints]
