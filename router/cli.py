@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -53,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--http-port", type=int, default=8080, help="port of the OpenAI front door (0: a free one)")
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer.json or its directory (default: built-in)")
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat template a client sends (refused with 400 by default, as vLLM does); "
+        "give the engines the same flag",
+    )
     parser.add_argument("--model", default=None, help="serve only this model; also the default for requests")
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML or TOML settings file")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a request, seconds")
@@ -87,6 +94,8 @@ def build_config(args: argparse.Namespace) -> Any:
     given = vars(args)
     if not 0 <= args.http_port <= 65535:
         raise ConfigError("http_port", args.http_port, "must be in [0, 65535] (0 picks a free port)")
+    if not 0 < args.request_timeout < math.inf:  # 0 or less would time out every request; NaN fails too
+        raise ConfigError("request_timeout", args.request_timeout, "must be a number of seconds > 0")
     try:
         limits = HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s)
     except ValueError as exc:
@@ -131,6 +140,7 @@ def build_config(args: argparse.Namespace) -> Any:
         api_keys_file=keys_file,
         http_limits=limits,
         calibrate=not args.no_calibration,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

@@ -59,7 +59,7 @@ from router.metrics import CONTENT_TYPE
 from router.planner import PlanError
 from router.request_context import RequestShape
 from router.request_path import RequestPath, Unknown
-from router.tokenization import ChatOptions, Tokenization, TokenizerError
+from router.tokenization import ChatOptions, Tokenization, TokenizerError, UntrustedTemplate
 
 __all__ = ["ApiError", "FrontDoorRunner", "HttpLimits", "ParsedRequest", "make_app", "parse_request"]
 
@@ -252,14 +252,25 @@ def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
         continue_final_message=_opt(body, "continue_final_message", bool, False),
         tools=_opt(body, "tools", list, None),
         documents=_opt(body, "documents", list, None),
-        chat_template=_opt(body, "chat_template", str, None),
+        # vLLM takes a template in chat_template_kwargs as the request's own, and refuses it alike
+        chat_template=_opt(body, "chat_template", str, None) or _opt(kwargs, "chat_template", str, None),
         chat_template_kwargs={k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_NAMES},
         add_special_tokens=_opt(body, "add_special_tokens", bool, False),
     )
 
 
 _RESERVED_TEMPLATE_NAMES = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"}
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "chat_template",
+    }
 )
 
 
@@ -559,6 +570,8 @@ class _Handlers:
                     keep, side = parsed.truncate
                     ids = ids[:keep] if side == "right" else ids[-keep:]
                 prompts.append(ids)
+        except UntrustedTemplate as exc:
+            raise ApiError(400, exc.why, "chat_template") from exc
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages" if parsed.chat else "prompt") from exc
         if not prompts[0]:

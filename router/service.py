@@ -120,6 +120,7 @@ class RouterConfig:
     api_keys_file: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     calibrate: bool = True  # fit each worker's engine speed from its load reports (router.calibration)
+    trust_request_chat_template: bool = False  # render clients' own chat templates (vLLM's flag of that name)
 
 
 class RouterService:
@@ -275,7 +276,11 @@ class RouterService:
         # than routing it.
         app = make_app(
             path,
-            Tokenization(self.tokenizer, offload_chars=self.config.http_limits.offload_chars),
+            Tokenization(
+                self.tokenizer,
+                offload_chars=self.config.http_limits.offload_chars,
+                trust_request_template=self.config.trust_request_chat_template,
+            ),
             limits=self.config.http_limits,
             api_keys=self.api_keys,
             health=self.health,

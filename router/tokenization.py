@@ -250,8 +250,8 @@ class HfPromptTokenizer:
                 **self._specials,
                 **options.chat_template_kwargs,
             )
-        except (jinja2.TemplateError, TypeError) as exc:
-            raise TokenizerError("chat_template", f"cannot render these messages: {exc}") from exc
+        except Exception as exc:  # a template is code: 1/0, range(10**9) or recursion too are the request's fault
+            raise TokenizerError("chat_template", f"cannot render these messages: {type(exc).__name__}: {exc}") from exc
         if options.continue_final_message:
             final = msgs[-1].get("content") if msgs else None
             if not isinstance(final, str) or final.strip() not in text:
@@ -349,13 +349,38 @@ def load_tokenizer(path: str | Path | None) -> PromptTokenizer:
     return BuiltinPromptTokenizer() if path is None else HfPromptTokenizer(path)
 
 
+class UntrustedTemplate(TokenizerError):
+    """A client sent a chat template of its own, and the router does not trust request templates."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "chat_template",
+            "Chat template is passed with request, but --trust-request-chat-template is not set. Refused request "
+            "with untrusted chat template. (The router renders it to route; start the router, and the engines, "
+            "with --trust-request-chat-template to accept clients' templates.)",
+        )
+
+
 class Tokenization:
     """The router's tokenizer behind the event loop: small texts inline, large ones on a thread
-    of its own pool. `close()` shuts the pool down."""
+    of its own pool. `close()` shuts the pool down.
 
-    def __init__(self, tokenizer: PromptTokenizer, *, offload_chars: int = OFFLOAD_CHARS, threads: int = 2) -> None:
+    A client's own chat template is refused unless `trust_request_template` (vLLM's
+    `--trust-request-chat-template`, off by default there too): a template is code the router
+    would run, and one of a few bytes can loop for minutes. A trusted one renders on the pool, so
+    the event loop keeps its turns."""
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        *,
+        offload_chars: int = OFFLOAD_CHARS,
+        threads: int = 2,
+        trust_request_template: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.offload_chars = offload_chars
+        self.trust_request_template = trust_request_template
         self.offloaded = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvswitch-tokenize")
 
@@ -367,8 +392,10 @@ class Tokenization:
         return await loop.run_in_executor(self._pool, self.tokenizer.encode_large, text, add_special_tokens)
 
     async def encode_chat(self, messages: Messages, options: ChatOptions) -> list[int]:
+        if options.chat_template is not None and not self.trust_request_template:
+            raise UntrustedTemplate
         size = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 1024 for m in messages)
-        if size <= self.offload_chars:
+        if size <= self.offload_chars and options.chat_template is None:
             return self.tokenizer.encode_chat(messages, options)
         self.offloaded += 1
         loop = asyncio.get_running_loop()

@@ -345,6 +345,21 @@ USER_X = [{"role": "user", "content": "x"}]
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []},
             "chat_template_kwargs",
         ),
+        # A template is code the router would run: refused, as vLLM refuses it, unless trusted.
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+            "chat_template",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": {"chat_template": "{% for i in range(99999) %}{% endfor %}"},
+            },
+            "chat_template",
+        ),
     ],
 )
 async def test_the_routers_own_400s_are_openai_json(

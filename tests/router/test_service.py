@@ -120,6 +120,8 @@ def test_cli_flags_become_settings_overrides() -> None:
         (["--namespace", "a.b"], "--namespace"),
         (["--http-port", "99999"], "--http-port"),
         (["--spill-to-prefill"], "--spill-to-prefill"),  # the policy does not decide: nothing to spill
+        (["--request-timeout", "0"], "--request-timeout"),  # every request would time out
+        (["--request-timeout", "nan"], "--request-timeout"),
     ],
 )
 def test_cli_rejects_bad_settings_at_startup(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,6 +129,11 @@ def test_cli_rejects_bad_settings_at_startup(argv: list[str], flag: str, capsys:
         cli.build_config(_args(*argv))
     assert cli.run(_args(*argv)) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_trusting_request_chat_templates_is_a_flag_off_by_default() -> None:
+    assert cli.build_config(_args()).trust_request_chat_template is False
+    assert cli.build_config(_args("--trust-request-chat-template")).trust_request_chat_template is True
 
 
 def test_a_config_file_key_no_setting_reads_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -160,6 +160,32 @@ async def test_large_prompts_are_tokenized_on_a_thread_with_the_same_ids(hf_dir:
             tokenization.close()
 
 
+async def test_a_clients_own_chat_template_is_refused_unless_trusted_and_then_renders_off_the_loop(
+    hf_dir: Path,
+) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    mine = ChatOptions(chat_template="{% for m in messages %}{{ m['content'] }} world{% endfor %}")
+    t = Tokenization(load_tokenizer(hf_dir))
+    with pytest.raises(TokenizerError, match="--trust-request-chat-template is not set"):
+        await t.encode_chat(messages, mine)
+    assert await t.encode_chat(messages, ChatOptions()) == [1, 5, 7, 3, 8, 6, 7] and t.offloaded == 0
+    trusting = Tokenization(load_tokenizer(hf_dir), trust_request_template=True)
+    assert await trusting.encode_chat(messages, mine) == [3, 4] and trusting.offloaded == 1
+    t.close()
+    trusting.close()
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{{ 1 / 0 }}", "{% for i in range(10**9) %}{% endfor %}", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"],
+    ids=["zero-division", "huge-range", "recursion"],
+)
+def test_a_template_that_raises_anything_is_the_requests_error(hf_dir: Path, template: str) -> None:
+    tok = load_tokenizer(hf_dir)
+    with pytest.raises(TokenizerError, match="cannot render these messages"):
+        tok.encode_chat([{"role": "user", "content": "hello"}], ChatOptions(chat_template=template))
+
+
 def test_a_fingerprint_mismatch_is_logged_once_per_worker(hf_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     watch = FingerprintWatch(tokenizer_fingerprint(load_tokenizer(hf_dir)))
 
