@@ -52,6 +52,9 @@ class _ShimCollector(Collector):
         yield _gauge("serving", "1 while registered and serving", float(s.serving))
         reg = s.registration
         yield _counter("registrations", "Registrations, re-registrations included", float(s.registration_count))
+        yield _counter(
+            "session_failures", "Sessions ended by an error no rule expected, each logged", float(s.session_failures)
+        )
         lease_state = reg.lease.state if reg is not None and reg.lease is not None else None
         states = GaugeMetricFamily(P + "etcd_lease_state", "1 for the lease's current state", labels=["state"])
         for state in LeaseState:

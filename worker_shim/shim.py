@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 LIVE_TIMEOUT_S = 30.0
 WAIT_SAID_S = 30.0  # how often a shim waiting for its engine says so
 ADAPTERS_POLL_S = 5.0  # how often the engine's /v1/models is read for LoRA adapters loaded or unloaded
+SESSION_RETRY_MAX_S = 30.0  # the longest wait before a new session after sessions that failed
 
 
 class ShimStatus(enum.Enum):
@@ -131,6 +132,7 @@ class WorkerShim:
         self.requests: RequestService | None = None
         self.registration: Registration | None = None
         self.sessions = 0
+        self.session_failures = 0  # sessions ended by an error no rule expected (logged at ERROR)
         self.registration_count = 0
         self.norm_stats = NormaliserStats()
         self.kv_counters = PublisherCounters()
@@ -252,15 +254,31 @@ class WorkerShim:
     # --- supervision ----------------------------------------------------------------------------
 
     async def _supervise(self) -> None:
+        failed = 0  # sessions in a row that ended in an error no rule expected
         try:
             while not self._stopping.is_set():
-                if not await self._wait_healthy():
-                    return
-                self.limits = await self._check_limits()
-                if self._discovers_events:  # each session: a restarted engine may publish elsewhere
-                    await self._discover_events()
-                self.kv_bytes_per_token = self._kv_bytes_per_token()
-                await self._session()
+                try:
+                    if not await self._wait_healthy():
+                        return
+                    self.limits = await self._check_limits()
+                    if self._discovers_events:  # each session: a restarted engine may publish elsewhere
+                        await self._discover_events()
+                    self.kv_bytes_per_token = self._kv_bytes_per_token()
+                    await self._session()
+                    failed = 0
+                except ConfigError:
+                    raise
+                except Exception as exc:
+                    # Say it, then start over as after an engine restart: a NATS flush that timed
+                    # out or an engine's odd answer must not end the process with a traceback.
+                    failed += 1
+                    self.session_failures += 1
+                    wait = min(SESSION_RETRY_MAX_S, self.config.health_interval_s * 2 ** min(failed - 1, 10))
+                    log.error("the session with the engine at %s failed: %r; a new one starts in %.1fs",
+                              self.config.engine_url, exc, wait, exc_info=exc)  # fmt: skip
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait):
+                            await self._stopping.wait()
         except ConfigError as exc:
             log.error("shim cannot serve this engine: %s", exc)
             self.failure = exc

@@ -72,6 +72,7 @@ async def test_health_and_metrics_of_a_serving_shim(ns: str, nats_url: str, etcd
         assert ("kvswitch_shim_kv_transport_gaps_total", ()) in m
         assert m[("kvswitch_shim_kv_other_group_events_total", ())] == 0  # the sim has one full-attention group
         assert m[("kvswitch_shim_registrations_total", ())] == 1
+        assert m[("kvswitch_shim_session_failures_total", ())] == 0
 
 
 async def test_health_is_503_while_the_engine_is_down(ns: str, nats_url: str, etcd_url: str) -> None:

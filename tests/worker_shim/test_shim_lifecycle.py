@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
+from nats.errors import FlushTimeoutError
 
 from discovery import Discovery, Snapshot
 from engine_sim.server import SimServer
@@ -89,3 +93,29 @@ async def test_an_engine_too_busy_to_answer_stays_registered_until_the_busy_limi
             await wait_for(lambda: not shim.registered.is_set(), what="deregistered once busy past the limit")
             sim.faults.health_delay_s = 0.0
             await wait_for(shim.registered.is_set, what="registered again once it answers")
+
+
+async def test_a_session_that_fails_unexpectedly_is_said_and_a_new_one_starts(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url)
+        real = shim._tokenizer
+        calls = 0
+
+        async def fails_once() -> str:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise FlushTimeoutError  # what nats-py raises when NATS stalls past a flush's timeout
+            return await real()
+
+        shim._tokenizer = fails_once  # type: ignore[method-assign]
+        with caplog.at_level(logging.ERROR, logger="worker_shim.shim"):
+            async with shim:
+                await wait_for(shim.registered.is_set, what="registered in the second session")
+                assert shim.serving and shim.session_failures == 1 and shim.sessions == 2
+                assert await registered_workers(etcd_url, ns) == {shim.worker_id}
+            assert shim.status is ShimStatus.STOPPED
+        (said,) = [r for r in caplog.records if r.name == "worker_shim.shim"]
+        assert "the session with the engine at" in said.getMessage() and "FlushTimeoutError" in said.getMessage()
