@@ -62,6 +62,7 @@ from protocol.messages import ANNOTATION_BYPASS
 from router.disagg import RoutePlan
 from router.policies import Outcome, Path
 from router.tracing import RequestTracer
+from runtime import guarded
 
 __all__ = ["Bookings", "Dispatcher", "Job", "LegError"]
 
@@ -327,7 +328,9 @@ class Dispatcher:
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
-        self._sub = await self._nc.subscribe(self._prefix + ".*", cb=self._on_reply, pending_msgs_limit=-1)
+        self._sub = await self._nc.subscribe(
+            self._prefix + ".*", cb=guarded(self._on_reply, "the reply handler"), pending_msgs_limit=-1
+        )
 
     async def stop(self) -> None:
         sub, self._sub = self._sub, None

@@ -57,6 +57,7 @@ from router.block_index import BlockIndex
 from router.gap_repair import FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
+from runtime import guarded
 
 __all__ = ["KvIngest"]
 
@@ -132,7 +133,9 @@ class KvIngest:
     async def start(self) -> None:
         if self.status is not PartStatus.NEW:
             raise RuntimeError(f"KvIngest.start() called while {self.status.value}")
-        self._sub = await self._nc.subscribe(subjects.kv_all(self._ns), cb=self._on_msg)
+        self._sub = await self._nc.subscribe(
+            subjects.kv_all(self._ns), cb=guarded(self._on_msg, "the KV event handler")
+        )
         self.status = PartStatus.RUNNING
         for worker in self._workers.values():
             self.repairs.ensure(worker.name)

@@ -34,7 +34,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import RouterSync, SyncEntry, decode_msg, encode_msg
 from router.lifecycle import PartStatus
 from router.load_view import LoadView
-from runtime import background
+from runtime import background, guarded
 
 __all__ = ["ReplicaSync", "SyncStats"]
 
@@ -91,7 +91,7 @@ class ReplicaSync:
     async def start(self) -> None:
         if self.status is not PartStatus.NEW:
             raise RuntimeError(f"ReplicaSync.start() called while {self.status.value}")
-        self._sub = await self._nc.subscribe(self._subject, cb=self._on_msg)
+        self._sub = await self._nc.subscribe(self._subject, cb=guarded(self._on_msg, "the replica sync handler"))
         self._tasks.append(background(self._flusher(), "sync-flush", "peers get no booking of this replica's"))
         self._tasks.append(background(self._expirer(), "sync-expire", "peers' stale bookings are never dropped"))
         if self._discovery is not None:

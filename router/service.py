@@ -61,7 +61,7 @@ from router.request_path import RequestPath
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
-from runtime import RepeatedErrors, background
+from runtime import RepeatedErrors, background, guarded
 
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
@@ -271,7 +271,9 @@ class RouterService:
             default_model=self.config.model,
             request_timeout_s=self.config.request_timeout_s,
         )
-        self._load_sub = await nc.subscribe(subjects.load_all(self.ns), cb=self._on_load)
+        self._load_sub = await nc.subscribe(
+            subjects.load_all(self.ns), cb=guarded(self._on_load, "the load report handler")
+        )
         # No per-request access log: /metrics counts requests, and a log line per request costs more
         # than routing it.
         app = make_app(

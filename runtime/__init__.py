@@ -25,6 +25,7 @@ __all__ = [
     "RepeatedLines",
     "background",
     "configure_logging",
+    "guarded",
     "run_service",
     "start_or_stop",
     "tune_gc",
@@ -157,6 +158,28 @@ def _crashed(task: asyncio.Task[None], stops: str) -> None:
     if task.cancelled() or (exc := task.exception()) is None:
         return
     _log.error("task %s crashed: %s until this process restarts", task.get_name(), stops, exc_info=exc)
+
+
+_handler_errors = _Throttle(30.0)
+
+
+def guarded(cb: Callable[[Any], Awaitable[None]], what: str) -> Callable[[Any], Awaitable[None]]:
+    """`cb` made fit to handle a NATS subscription's messages: an exception it raises is logged as
+    `what`'s, with its traceback (the first, then at most every 30 s with a count), and the next
+    message is handled as usual. nats-py would hand it to the connection's error callback, which
+    blames NATS ("check --nats-servers") and shows no traceback."""
+
+    async def handle(msg: Any) -> None:
+        try:
+            await cb(msg)
+        except Exception as exc:
+            said = _handler_errors((what, type(exc).__name__))
+            if said is not None:
+                held, ago = said
+                more = f" ({held} more in {ago:.0f}s)" if held else ""
+                _log.error("%s failed on a message of %s%s", what, getattr(msg, "subject", "?"), more, exc_info=exc)
+
+    return handle
 
 
 class RepeatedErrors:

@@ -41,6 +41,7 @@ from protocol.config import EtcdSettings, NatsSettings
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import __version__
+from runtime import guarded
 from worker_shim.adapters import (
     EngineAdapter,
     EngineError,
@@ -688,9 +689,21 @@ class WorkerShim:
         presence = _Presence(worker)
         nc = self.nc
         for role in ("prefill", "decode", "agg"):
-            presence.subs.append(await nc.subscribe(subjects.gen(self.ns, role, worker), cb=self.requests.on_generate))
-        presence.subs.append(await nc.subscribe(subjects.cancel(self.ns, worker), cb=self.requests.on_cancel))
-        presence.subs.append(await nc.subscribe(subjects.kvstate(self.ns, worker), cb=presence.on_kvstate))
+            presence.subs.append(
+                await nc.subscribe(
+                    subjects.gen(self.ns, role, worker), cb=guarded(self.requests.on_generate, "the request handler")
+                )
+            )
+        presence.subs.append(
+            await nc.subscribe(
+                subjects.cancel(self.ns, worker), cb=guarded(self.requests.on_cancel, "the cancel handler")
+            )
+        )
+        presence.subs.append(
+            await nc.subscribe(
+                subjects.kvstate(self.ns, worker), cb=guarded(presence.on_kvstate, "the kvstate handler")
+            )
+        )
         await flush(nc)
         return presence
 

@@ -1,13 +1,16 @@
-"""A task that runs for its owner's life says at once when it crashes, not at the owner's stop()."""
+"""A task that runs for its owner's life says at once when it crashes, not at the owner's stop(); a
+NATS handler that raises is named with its traceback, and NATS is not blamed."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
+import nats
 import pytest
 
-from runtime import background
+from runtime import background, guarded
 
 
 async def test_a_crash_is_an_error_at_once_with_its_traceback_and_what_stops(caplog: pytest.LogCaptureFixture) -> None:
@@ -39,3 +42,37 @@ async def test_a_cancelled_or_finished_task_says_nothing(caplog: pytest.LogCaptu
         await asyncio.wait({stopped, finished})
         await asyncio.sleep(0)
     assert [r for r in caplog.records if r.name == "runtime"] == []
+
+
+async def test_a_handler_that_raises_is_logged_as_its_own_and_the_next_message_is_handled(
+    nats_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    blamed: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        blamed.append(exc)
+
+    nc = await nats.connect(nats_url, error_cb=on_error)
+    seen: list[bytes] = []
+    both = asyncio.Event()
+
+    async def handler(msg: Any) -> None:
+        if msg.data == b"bad":
+            raise KeyError("worker")
+        seen.append(msg.data)
+        if len(seen) == 2:
+            both.set()
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="runtime"):
+            await nc.subscribe(f"{ns}.x", cb=guarded(handler, "the load report handler"))
+            for data in (b"bad", b"good", b"bad", b"also good"):
+                await nc.publish(f"{ns}.x", data)
+            await nc.flush()
+            await asyncio.wait_for(both.wait(), 5)
+    finally:
+        await nc.close()
+    assert seen == [b"good", b"also good"] and blamed == []  # NATS is not blamed
+    (said,) = [r for r in caplog.records if r.name == "runtime"]  # the second held back (30 s)
+    assert said.getMessage() == f"the load report handler failed on a message of {ns}.x"
+    assert said.exc_info is not None and isinstance(said.exc_info[1], KeyError)
