@@ -192,6 +192,9 @@ class LoadReport(_Msg, kw_only=True):
     # engine that exports no such counter. A rise closes the remote path into this worker for a
     # while (router.transfer_health): its prefill legs' work is being thrown away.
     kv_transfers_failed: int = 0
+    # Added 2026-12-03: the shim got SIGTERM and drains. Its in-flight legs finish; a new one would
+    # be refused (503 draining), so routers send new requests elsewhere.
+    draining: bool = False
 
 
 # --- Requests: router -> shim on {ns}.gen.{role}.{worker} ----------------------------------------

@@ -14,6 +14,8 @@ usual. A worker is excluded while (first reason wins):
   within 3 default periods of registering;
 - `unreachable`: a request to it found no responder or its stream stopped; it ends with the next
   load report received after the mark;
+- `draining`: its shim got SIGTERM (LoadReport.draining): its requests in flight finish, a new one
+  would be refused, so none is sent (a rolling restart costs no retry);
 - `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
   answer in time). Soft: such a worker is left out only while a healthy one of its pool remains,
   since a whole fleet too busy to answer its probes must still serve rather than refuse everything.
@@ -49,6 +51,7 @@ class Exclusion(enum.StrEnum):
     BLOCK_SIZE = "block_size"
     SILENT = "silent"
     UNREACHABLE = "unreachable"
+    DRAINING = "draining"
     ENGINE_UNHEALTHY = "engine_unhealthy"
 
 
@@ -163,6 +166,9 @@ class Eligibility:
         if mark is not None:
             why = f"{mark[1]} ({now - mark[0]:.1f}s ago)"
             return WorkerStatus(w, info.model, info.role, Exclusion.UNREACHABLE, why, tok_ok)
+        if live is not None and live.draining:
+            why = "its shim is shutting down (SIGTERM): requests in flight finish, new ones go elsewhere"
+            return WorkerStatus(w, info.model, info.role, Exclusion.DRAINING, why, tok_ok)
         if live is not None and not live.healthy:
             why = "its shim reports the engine failing"
             return WorkerStatus(w, info.model, info.role, Exclusion.ENGINE_UNHEALTHY, why, tok_ok)

@@ -82,6 +82,7 @@ class Liveness(msgspec.Struct, frozen=True):
     period_s: float
     events_ok: bool
     healthy: bool
+    draining: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -216,7 +217,7 @@ class LoadView:
             return None
         r = held.report
         period = min(max(r.period_s, 0.05), 60.0) if r.period_s == r.period_s else 1.0  # NaN: the default
-        return Liveness(max(0.0, self._clock() - held.received_at), period, r.events_ok, r.healthy)
+        return Liveness(max(0.0, self._clock() - held.received_at), period, r.events_ok, r.healthy, r.draining)
 
     def credit_short(self) -> list[str]:
         """The workers whose last report says their engine reuses far less than its KV events

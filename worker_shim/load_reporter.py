@@ -51,6 +51,7 @@ class LoadReporter:
         decode_context: Callable[[], float] = lambda: 0.0,
         credit_short: Callable[[], bool] = lambda: False,
         transfers_failed: Callable[[], int] = lambda: 0,
+        draining: Callable[[], bool] = lambda: False,
         on_reading: Callable[[float, float, EngineLoad | None], None] = lambda _asked, _done, _load: None,
     ) -> None:
         self.nc = nc
@@ -66,6 +67,7 @@ class LoadReporter:
         self.decode_context = decode_context
         self.credit_short = credit_short
         self.transfers_failed = transfers_failed
+        self.draining = draining
         # Each poll's result (None: it failed), with the time.monotonic() it was asked for and came back.
         self.on_reading = on_reading
         self.published = 0
@@ -134,6 +136,7 @@ class LoadReporter:
             decode_context=self.decode_context(),
             prefix_credit_short=self.credit_short(),
             kv_transfers_failed=self.transfers_failed(),
+            draining=self.draining(),
         )
 
     async def _poll_loop(self) -> None:
@@ -173,6 +176,7 @@ class LoadReporter:
             rep.events_ok,
             rep.prefix_credit_short,
             rep.kv_transfers_failed,
+            rep.draining,
         )
         now = time.monotonic()
         if key != self._last_key or now - self._last_sent >= self.period_s:

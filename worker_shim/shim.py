@@ -670,6 +670,7 @@ class WorkerShim:
             decode_context=requests.contexts.mean,
             credit_short=lambda: self.credit.short,
             transfers_failed=lambda: self.transfers.total,
+            draining=self._stopping.is_set,
             on_reading=self._on_engine_reading,
         )
         presence.reporter.start()
@@ -832,6 +833,9 @@ class WorkerShim:
         self._stopping.set()
         if self.requests is not None:
             self.requests.accepting = False
+        for presence in (self._presence, *(p for p, _ in self._retired.values())):
+            if presence is not None and presence.reporter is not None:
+                presence.reporter.poke()  # routers stop sending new requests now, not at the next period
         main, self._main = self._main, None
         if main is not None:
             with contextlib.suppress(asyncio.CancelledError):

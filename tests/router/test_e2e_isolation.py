@@ -218,3 +218,37 @@ async def test_ready_is_503_while_nats_is_down_and_200_again_after(
         assert status == 503 and "lost its NATS connection" in body["error"]["message"], body
         nats_server.start()
         await _ready_and_serving(http, router, "ready again")
+
+
+async def test_a_draining_worker_gets_no_new_request_while_its_own_finish(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """SIGTERM on a shim (its stop()): its load report says `draining` at once, so routers send new
+    requests elsewhere, where each used to cost a refusal (503 draining) and a retry, and a client
+    whose retry found a second draining worker (a rolling restart) got the 503."""
+    for _ in range(2):
+        await cluster.add_worker("agg", shim={"drain_grace_s": 20.0}, speedup=1.0)
+    router = await cluster.add_ready_router(disagg="never")
+    long = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=400, ignore_eos=True))
+    await until(lambda: any(w.shim.requests and w.shim.requests.inflight for w in cluster.workers), what="in flight")
+    (leaving,) = [w for w in cluster.workers if w.shim.requests and w.shim.requests.inflight]
+    staying = next(w for w in cluster.workers if w is not leaving)
+    leaving_id = leaving.id
+    stopping = asyncio.create_task(leaving.shim.stop())
+
+    async def excluded() -> str | None:
+        async with http.get(router.url + "/ready") as r:
+            body = await r.json()
+        return next((w["excluded"] for w in body["worker_status"] if w["worker"] == leaving_id), None)
+
+    async with asyncio.timeout(10):
+        while await excluded() != "draining":  # noqa: ASYNC110 (polled over HTTP: nothing to wait on)
+            await asyncio.sleep(0.01)
+    results = await asyncio.gather(*(complete(http, router, list(range(i, i + 64))) for i in range(100, 900, 100)))
+    assert [s for s, _, _ in results] == [200] * 8
+    assert {h["x-kvswitch-decode-worker"] for _, _, h in results} == {staying.id}
+    assert leaving.shim.requests is not None
+    assert leaving.shim.requests.outcomes[("agg", "draining")] == 0  # not one was sent there to be refused
+    status, body, _ = await long
+    assert status == 200 and body["usage"]["completion_tokens"] == 400  # its own request finished
+    await stopping

@@ -28,9 +28,16 @@ class World:
         )
 
     def report(
-        self, worker: str, *, age: float = 0.0, period: float = 0.5, events_ok: bool = True, healthy: bool = True
+        self,
+        worker: str,
+        *,
+        age: float = 0.0,
+        period: float = 0.5,
+        events_ok: bool = True,
+        healthy: bool = True,
+        draining: bool = False,
     ) -> None:
-        self.live[worker] = Liveness(age, period, events_ok, healthy)
+        self.live[worker] = Liveness(age, period, events_ok, healthy, draining)
 
     def status(self, i: WorkerInfo) -> tuple[Exclusion | None, str]:
         st = self.elig.statuses([i])[0]
@@ -87,6 +94,13 @@ def test_unreachable_until_the_next_report(world: World) -> None:
 def test_engine_unhealthy(world: World) -> None:
     world.report("w1", healthy=False)
     assert world.status(info("w1"))[0] is Exclusion.ENGINE_UNHEALTHY
+
+
+def test_a_draining_worker_takes_no_new_request_even_when_it_is_the_last(world: World) -> None:
+    world.report("w1", draining=True)
+    st = world.elig.statuses([info("w1")])[0]
+    assert st.exclusion is Exclusion.DRAINING and not st.routable and not st.soft  # it would refuse (503)
+    assert "SIGTERM" in st.detail
 
 
 def test_the_minority_block_size_is_excluded_not_the_fleet(world: World) -> None:
