@@ -12,6 +12,7 @@ import grpc
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError
 
+from discovery.auth_token import TokenKeeper
 from discovery.lease import Lease
 from discovery.watch import WatchEvent, watch_prefix
 from protocol import ProtocolError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
@@ -65,6 +66,7 @@ class Discovery:
         self.ns = subjects.validate_namespace(ns)
         self._client: Etcd3Client | None = None
         self._leases: list[Lease] = []
+        self.token: TokenKeeper | None = None  # with etcd auth on
 
     @property
     def client(self) -> Etcd3Client:
@@ -83,22 +85,31 @@ class Discovery:
             client = Etcd3Client(endpoints)
         client._manager.grpc_options.extend(_RECONNECT_OPTIONS)
         await client.connect()
+        token = TokenKeeper(client, s.user, s.password) if s.user is not None and s.password is not None else None
         try:
-            if s.user is not None and s.password is not None:
-                assert client.auth is not None
-                resp = await client.auth.authenticate(s.user, s.password)
-                client.set_token(resp.token)
+            if token is not None:
+                await token.start()
             await client.ping(write_check=False, timeout=timeout)
         except (EtcdError, TimeoutError) as exc:
+            if token is not None:
+                await token.stop()
             await client.close()
             raise DiscoveryError(f"etcd at {', '.join(s.endpoints)} is not reachable: {exc}") from exc
-        self._client = client
+        self._client, self.token = client, token
         return self
+
+    def _failed(self, exc: BaseException) -> None:
+        """An etcd call failed with `exc` (a refused token is renewed at once)."""
+        if self.token is not None:
+            self.token.rejected(exc)
 
     async def close(self) -> None:
         leases, self._leases = self._leases, []
         for lease in leases:
             await lease.revoke()
+        token, self.token = self.token, None
+        if token is not None:
+            await token.stop()
         client, self._client = self._client, None
         if client is not None:
             await client.close()
@@ -118,6 +129,7 @@ class Discovery:
         try:
             resp = await self.client.lease.grant(ttl, timeout=5.0)
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            self._failed(exc)
             raise DiscoveryError(f"lease grant failed: {exc}") from exc
         lease = Lease(self.client, resp.ID, resp.TTL)
         lease.start()
@@ -129,6 +141,7 @@ class Discovery:
         try:
             await self.client.kv.put(key, value, lease=lease.id if lease else 0, timeout=5.0)
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            self._failed(exc)
             raise DiscoveryError(f"put {key} failed: {exc}") from exc
 
     async def create(self, key: str, value: bytes, lease: Lease) -> None:
@@ -143,6 +156,7 @@ class Discovery:
                 timeout=5.0,
             )
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            self._failed(exc)
             raise DiscoveryError(f"create {key} failed: {exc}") from exc
         if resp.succeeded:
             return
@@ -194,17 +208,25 @@ class Discovery:
 
     def watch_workers(self) -> AsyncGenerator[WatchEvent[WorkerInfo], None]:
         """A Snapshot of /{ns}/workers/, then each change; names are worker ids."""
-        return watch_prefix(self.client, subjects.workers_prefix(self.ns), self._parser(WorkerInfo))
+        return watch_prefix(
+            self.client, subjects.workers_prefix(self.ns), self._parser(WorkerInfo), failed=self._failed
+        )
 
     def watch_routers(self) -> AsyncGenerator[WatchEvent[RouterInfo], None]:
-        return watch_prefix(self.client, subjects.routers_prefix(self.ns), self._parser(RouterInfo))
+        return watch_prefix(
+            self.client, subjects.routers_prefix(self.ns), self._parser(RouterInfo), failed=self._failed
+        )
 
     def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:
-        return watch_prefix(self.client, prefix, lambda raw: raw)
+        return watch_prefix(self.client, prefix, lambda raw: raw, failed=self._failed)
 
     async def put_raw(self, key: str, value: bytes) -> None:
         await self._put(key, value)
 
     async def delete(self, key: str) -> None:
         assert self.client.kv is not None
-        await self.client.kv.delete(key, timeout=5.0)
+        try:
+            await self.client.kv.delete(key, timeout=5.0)
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            self._failed(exc)
+            raise

@@ -48,6 +48,7 @@ async def watch_prefix(
     parse: Callable[[bytes], V | None],
     *,
     retry_s: float = 0.5,
+    failed: Callable[[BaseException], None] = lambda exc: None,
 ) -> AsyncGenerator[WatchEvent[V], None]:
     """Names are keys with the prefix cut off. `parse` returns None for a value to skip (it logs
     why); a skipped Put is reported as Deleted, so a consumer never keeps a stale value.
@@ -63,6 +64,7 @@ async def watch_prefix(
             resp = await client.kv.get(start, end, timeout=5.0)
             break
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            failed(exc)
             log.warning("watch %s: initial read failed (%s); retrying", prefix, exc)
             await asyncio.sleep(retry_s)
     items: dict[str, V] = {}
@@ -72,7 +74,7 @@ async def watch_prefix(
             items[kv.key.decode()[len(prefix) :]] = value
     revision = resp.header.revision
     yield Snapshot(items, revision)
-    async for event in _changes(client, prefix, start, end, revision + 1, parse, retry_s):
+    async for event in _changes(client, prefix, start, end, revision + 1, parse, retry_s, failed):
         yield event
 
 
@@ -84,6 +86,7 @@ async def _changes(
     next_rev: int,
     parse: Callable[[bytes], V | None],
     retry_s: float,
+    failed: Callable[[BaseException], None],
 ) -> AsyncGenerator[WatchEvent[V], None]:
     while True:
         try:
@@ -91,7 +94,7 @@ async def _changes(
             async for resp in client.watch.watch(start, end, start_revision=next_rev):
                 if resp.compact_revision > 0:
                     log.warning("watch %s: compacted past revision %d; re-reading", prefix, next_rev)
-                    async for event in watch_prefix(client, prefix, parse, retry_s=retry_s):
+                    async for event in watch_prefix(client, prefix, parse, retry_s=retry_s, failed=failed):
                         yield event
                     return
                 for ev in resp.events:
@@ -104,5 +107,6 @@ async def _changes(
                     value = parse(ev.kv.value)
                     yield Put(name, value, rev) if value is not None else Deleted(name, rev)
         except (EtcdError, grpc.aio.AioRpcError) as exc:
+            failed(exc)
             log.warning("watch %s: %s; resuming from revision %d", prefix, exc, next_rev)
         await asyncio.sleep(retry_s)

@@ -1,0 +1,95 @@
+"""`TokenKeeper`: the etcd auth token, kept valid for as long as the process runs.
+
+etcd hands out a token on Authenticate and forgets it when its TTL (`--auth-token-ttl`, 300 s by
+default) passes or when etcd restarts (simple tokens live in its memory). etcd3aio authenticates
+once, so before this every put, read and watch of a process that outlived its token failed with
+"invalid auth token" for good, and the watches retried it every half second without end: a
+router's worker set froze, a shim could not register again. The keeper authenticates again every
+`refresh_s` and at once when a call reports the token rejected; a failure to authenticate (a
+password changed under the process) is an ERROR naming the flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError
+
+from runtime import background
+
+__all__ = ["REFRESH_S", "TokenKeeper", "rejects_token"]
+
+log = logging.getLogger(__name__)
+REFRESH_S = 60.0
+RETRY_S = 1.0
+
+
+def rejects_token(exc: BaseException) -> bool:
+    """Whether `exc` is etcd refusing the token (not a permission or a connection problem)."""
+    if isinstance(exc, EtcdUnauthenticatedError):
+        return True
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+class TokenKeeper:
+    def __init__(self, client: Etcd3Client, user: str, password: str, *, refresh_s: float = REFRESH_S) -> None:
+        self._client = client
+        self.user = user
+        self._password = password
+        self.refresh_s = refresh_s
+        self.renewals = 0
+        self._kick = asyncio.Event()
+        self._failing = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Authenticate now (its error raised), then keep the token fresh."""
+        await self._authenticate()
+        self._task = background(self._run(), "etcd-auth-token", "the etcd auth token is not renewed")
+
+    def rejected(self, exc: BaseException) -> None:
+        """A call failed with `exc`: if etcd refused the token, get a new one now."""
+        if rejects_token(exc):
+            self._kick.set()
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _authenticate(self) -> None:
+        auth = self._client.auth
+        assert auth is not None
+        resp = await auth.authenticate(self.user, self._password, timeout=5.0)
+        self._client.set_token(resp.token)
+        auth.set_token(None)  # etcd refuses an Authenticate that carries a token it forgot
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.refresh_s):
+                    await self._kick.wait()
+            self._kick.clear()
+            try:
+                await self._authenticate()
+            except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+                if not self._failing:
+                    log.error(
+                        "etcd authentication as %s failed: %s; etcd calls fail until it works (check "
+                        "--etcd-user and --etcd-password, or KVSWITCH_ETCD_PASSWORD)",
+                        self.user,
+                        exc,
+                    )
+                self._failing = True
+                await asyncio.sleep(RETRY_S)
+                self._kick.set()
+                continue
+            self.renewals += 1
+            if self._failing:
+                log.info("etcd authentication as %s works again", self.user)
+            self._failing = False
