@@ -4,9 +4,11 @@ etcd hands out a token on Authenticate and forgets it when its TTL (`--auth-toke
 default) passes or when etcd restarts (simple tokens live in its memory). etcd3aio authenticates
 once, so before this every put, read and watch of a process that outlived its token failed with
 "invalid auth token" for good, and the watches retried it every half second without end: a
-router's worker set froze, a shim could not register again. The keeper authenticates again every
-`refresh_s` and at once when a call reports the token rejected; a failure to authenticate (a
-password changed under the process) is an ERROR naming the flags.
+router's worker set froze, a shim could not register again. The keeper authenticates again when a
+call reports the token refused, and the caller's retry carries the new one; a failure to
+authenticate (a password changed under the process) is an ERROR naming the flags. Not on a timer:
+etcd checks a password with bcrypt, and a thousand workers renewing every minute would keep a
+core of it busy for tokens nobody had lost.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError
 
 from runtime import background
 
-__all__ = ["REFRESH_S", "TokenKeeper", "rejects_token"]
+__all__ = ["TokenKeeper", "rejects_token"]
 
 log = logging.getLogger(__name__)
-REFRESH_S = 60.0
-RETRY_S = 1.0
+RETRY_S = 1.0  # between Authenticate calls that fail
 
 
 def rejects_token(exc: BaseException) -> bool:
@@ -35,18 +36,17 @@ def rejects_token(exc: BaseException) -> bool:
 
 
 class TokenKeeper:
-    def __init__(self, client: Etcd3Client, user: str, password: str, *, refresh_s: float = REFRESH_S) -> None:
+    def __init__(self, client: Etcd3Client, user: str, password: str) -> None:
         self._client = client
         self.user = user
         self._password = password
-        self.refresh_s = refresh_s
         self.renewals = 0
         self._kick = asyncio.Event()
         self._failing = False
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Authenticate now (its error raised), then keep the token fresh."""
+        """Authenticate now (its error raised), then again whenever the token is refused."""
         await self._authenticate()
         self._task = background(self._run(), "etcd-auth-token", "the etcd auth token is not renewed")
 
@@ -71,9 +71,7 @@ class TokenKeeper:
 
     async def _run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.refresh_s):
-                    await self._kick.wait()
+            await self._kick.wait()
             self._kick.clear()
             try:
                 await self._authenticate()
