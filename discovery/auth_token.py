@@ -50,6 +50,16 @@ class TokenKeeper:
         await self._authenticate()
         self._task = background(self._run(), "etcd-auth-token", "the etcd auth token is not renewed")
 
+    async def renew(self) -> bool:
+        """Authenticate now; True when a new token came (a failure is logged by the next rejection)."""
+        try:
+            await self._authenticate()
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            log.error("etcd authentication as %s failed: %s (check --etcd-user and --etcd-password)", self.user, exc)
+            return False
+        self.renewals += 1
+        return True
+
     def rejected(self, exc: BaseException) -> None:
         """A call failed with `exc`: if etcd refused the token, get a new one now."""
         if rejects_token(exc):

@@ -13,11 +13,13 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError
 from etcd3aio._protobuf import LeaseKeepAliveRequest
+
+from discovery.auth_token import rejects_token
 
 __all__ = ["Lease", "LeaseLost", "LeaseState"]
 
@@ -46,8 +48,15 @@ class Lease:
     says where renewal stands. `revoke()` deletes the attached keys at once; it is safe to call twice.
     """
 
-    def __init__(self, client: Etcd3Client, lease_id: int, ttl: int) -> None:
+    def __init__(
+        self,
+        client: Etcd3Client,
+        lease_id: int,
+        ttl: int,
+        renew_token: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
         self._client = client
+        self._renew_token = renew_token  # with etcd auth: a new token now, True if one came
         self.id = lease_id
         self.ttl = ttl
         self.lost = asyncio.Event()
@@ -132,14 +141,25 @@ class Lease:
         if self._state in (LeaseState.REVOKED, LeaseState.LOST):
             return
         self._state = LeaseState.REVOKED
+        failure = await self._revoke(timeout)
+        # Keep-alives carry no token check, so after an etcd restart the revoke may be the first
+        # call to find the process's token forgotten (discovery.auth_token).
+        renew = self._renew_token
+        if failure is not None and rejects_token(failure) and renew is not None and await renew():
+            failure = await self._revoke(timeout)
+        if failure is not None:
+            log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, failure, self.ttl)
+
+    async def _revoke(self, timeout: float) -> BaseException | None:
+        """None when etcd revoked it, or it had already expired; else what failed."""
         assert self._client.lease is not None
         try:
             await self._client.lease.revoke(self.id, timeout=timeout, max_attempts=2)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it already expired
-                log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, exc, self.ttl)
+            return None if exc.code() == grpc.StatusCode.NOT_FOUND else exc
         except (EtcdError, TimeoutError) as exc:
-            log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, exc, self.ttl)
+            return exc
+        return None
 
     async def stop_keep_alive(self) -> None:
         """Stop renewing without revoking: the lease then expires within its TTL (tests use this)."""

@@ -131,7 +131,7 @@ class Discovery:
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             self._failed(exc)
             raise DiscoveryError(f"lease grant failed: {exc}") from exc
-        lease = Lease(self.client, resp.ID, resp.TTL)
+        lease = Lease(self.client, resp.ID, resp.TTL, self.token.renew if self.token is not None else None)
         lease.start()
         self._leases.append(lease)
         return lease

@@ -1,16 +1,24 @@
 """With etcd authentication on, a process outlives its token: etcd forgets every token when it
-restarts (and each one after --auth-token-ttl). Puts and watches then get a new one, where they
-used to fail with "invalid auth token" for good."""
+restarts (and each one after --auth-token-ttl). Puts, watches and the shutdown's revoke then get a
+new one, where they used to fail with "invalid auth token" for good."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 
+import pytest
+
 from discovery import Discovery, DiscoveryError, Put, Snapshot
 from kvswitch.servers import EtcdServer
+from protocol import WorkerInfo
 from protocol.config import EtcdSettings
+
+
+def _worker(wid: str) -> WorkerInfo:
+    return WorkerInfo(worker=wid, model="m", role="agg", engine="vllm", block_size=16)
 
 
 def _turn_auth_on(url: str) -> None:
@@ -49,5 +57,31 @@ async def test_puts_and_watches_get_a_new_token_after_etcd_restarts() -> None:
             assert isinstance(event, Put) and event.name == "after"
             assert d.token is not None and d.token.renewals >= 1
             await watch.aclose()
+    finally:
+        etcd.close()
+
+
+async def test_a_lease_is_revoked_on_close_after_etcd_restarts_with_a_new_token(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Keep-alives carry no token check, so nothing else finds the token forgotten before the
+    shutdown's revoke; a revoke that fails leaves the worker's key for routers to use a TTL longer."""
+    etcd = EtcdServer().start()
+    try:
+        _turn_auth_on(etcd.url)
+        settings = EtcdSettings(endpoints=[etcd.url], user="worker", password="w")
+        async with Discovery(settings, "sc") as d:
+            lease = await d.register_worker(_worker, ttl=30)
+            etcd.restart()
+            await asyncio.sleep(1.0)  # the keep-alive stream is back (with the old token)
+            with caplog.at_level(logging.WARNING, logger="discovery.lease"):
+                await d.release(lease)
+            assert d.token is not None and d.token.renewals == 1
+            async with Discovery(EtcdSettings(endpoints=[etcd.url], user="router", password="o"), "sc") as reader:
+                watch = reader.watch_workers()
+                snapshot = await asyncio.wait_for(anext(watch), 5)
+                await watch.aclose()
+        assert isinstance(snapshot, Snapshot) and snapshot.items == {}  # the key went with the lease
+        assert not [r for r in caplog.records if "revoke failed" in r.getMessage()]
     finally:
         etcd.close()
