@@ -96,6 +96,14 @@ class Disaggregator:
     def record(self, outcome: Outcome) -> None:
         self.counts[outcome] += 1
 
+    def chosen(self, plan: RoutePlan) -> None:
+        """`plan` is really routed: its outcome counts, and a remote prefill over a pair past its
+        cooldown is that pair's probe (router.transfer_health). Not in plan(): a dry run would
+        take the probe."""
+        self.record(plan.outcome)
+        if plan.path is Path.REMOTE and plan.prefill is not None and self.transfers.any:
+            self.transfers.probing(plan.decode.worker, plan.prefill.worker)
+
     @property
     def policy_decides(self) -> bool:
         """The policy chooses the path: disagg=conditional with conditional_disagg on."""
@@ -132,8 +140,6 @@ class Disaggregator:
         ctx.prefill = p = prefill_ranked[0] if prefill_ranked else None
 
         def done(path: Path, outcome: Outcome, reason: str) -> RoutePlan:
-            if path is Path.REMOTE and p is not None and self.transfers.any:
-                self.transfers.probing(d.worker, p.worker)
             return RoutePlan(ctx, d, p, path, outcome, reason, decode_ranked, prefill_ranked)
 
         if d.info.role == "agg":

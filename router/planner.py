@@ -361,7 +361,7 @@ class Planner:
     def _choose(self, ctx: RequestContext) -> RoutePlan:
         plan = self.disagg.plan(ctx)
         assert plan is not None  # refresh() guarantees a decode candidate
-        self.disagg.record(plan.outcome)
+        self.disagg.chosen(plan)
         return plan
 
     def _book(self, ctx: RequestContext, plan: RoutePlan) -> RoutePlan:

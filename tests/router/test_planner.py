@@ -285,6 +285,7 @@ def test_a_decode_worker_whose_pull_failed_prefills_its_requests_until_the_coold
     f.clock.now += transfers.cooldown_s
     for w in ("d1", "p1"):
         f.report(w)
+    f.planner.explain(f.ctx(prompt, "dry"))  # /debug/route takes no probe
     plan = f.planner.take(f.ctx(prompt, "r3"))
     assert plan is not None and plan.path is Path.REMOTE  # the probe
     plan = f.planner.take(f.ctx(prompt, "r4"))  # while it is out, the others keep prefilling on d1
