@@ -25,7 +25,7 @@ from runtime import background
 __all__ = ["TokenKeeper", "rejects_token"]
 
 log = logging.getLogger(__name__)
-RETRY_S = 1.0  # between Authenticate calls that fail
+RETRY_S = 1.0  # after an Authenticate that failed, before the next
 
 
 def rejects_token(exc: BaseException) -> bool:
@@ -51,13 +51,23 @@ class TokenKeeper:
         self._task = background(self._run(), "etcd-auth-token", "the etcd auth token is not renewed")
 
     async def renew(self) -> bool:
-        """Authenticate now; True when a new token came (a failure is logged by the next rejection)."""
+        """Authenticate now; True when a new token came. A failure is an ERROR once per episode."""
         try:
             await self._authenticate()
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            log.error("etcd authentication as %s failed: %s (check --etcd-user and --etcd-password)", self.user, exc)
+            if not self._failing:
+                log.error(
+                    "etcd authentication as %s failed: %s; etcd calls fail until it works (check "
+                    "--etcd-user and --etcd-password, or KVSWITCH_ETCD_PASSWORD)",
+                    self.user,
+                    exc,
+                )
+            self._failing = True
             return False
         self.renewals += 1
+        if self._failing:
+            log.info("etcd authentication as %s works again", self.user)
+        self._failing = False
         return True
 
     def rejected(self, exc: BaseException) -> None:
@@ -83,21 +93,5 @@ class TokenKeeper:
         while True:
             await self._kick.wait()
             self._kick.clear()
-            try:
-                await self._authenticate()
-            except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-                if not self._failing:
-                    log.error(
-                        "etcd authentication as %s failed: %s; etcd calls fail until it works (check "
-                        "--etcd-user and --etcd-password, or KVSWITCH_ETCD_PASSWORD)",
-                        self.user,
-                        exc,
-                    )
-                self._failing = True
-                await asyncio.sleep(RETRY_S)
-                self._kick.set()
-                continue
-            self.renewals += 1
-            if self._failing:
-                log.info("etcd authentication as %s works again", self.user)
-            self._failing = False
+            if not await self.renew():
+                await asyncio.sleep(RETRY_S)  # the next refused call asks again, at most this often
