@@ -252,11 +252,20 @@ def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
         continue_final_message=_opt(body, "continue_final_message", bool, False),
         tools=_opt(body, "tools", list, None),
         documents=_opt(body, "documents", list, None),
-        # vLLM takes a template in chat_template_kwargs as the request's own, and refuses it alike
-        chat_template=_opt(body, "chat_template", str, None) or _opt(kwargs, "chat_template", str, None),
+        chat_template=_request_template(body, kwargs),
         chat_template_kwargs={k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_NAMES},
         add_special_tokens=_opt(body, "add_special_tokens", bool, False),
     )
+
+
+def _request_template(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
+    """The client's own chat template: vLLM takes one in chat_template_kwargs as the request's too,
+    and refuses it alike. Both given would leave one unused: refused rather than one dropped."""
+    own: str | None = _opt(body, "chat_template", str, None)
+    in_kwargs: str | None = _opt(kwargs, "chat_template", str, None)
+    if own is not None and in_kwargs is not None:
+        raise ApiError(400, "give the chat template once: 'chat_template' or 'chat_template_kwargs'", "chat_template")
+    return own if own is not None else in_kwargs
 
 
 _RESERVED_TEMPLATE_NAMES = frozenset(

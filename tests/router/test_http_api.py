@@ -360,6 +360,16 @@ USER_X = [{"role": "user", "content": "x"}]
             },
             "chat_template",
         ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "chat_template": "{{ 1 }}",
+                "chat_template_kwargs": {"chat_template": "{{ 2 }}"},
+            },
+            "chat_template",
+        ),
     ],
 )
 async def test_the_routers_own_400s_are_openai_json(
