@@ -833,9 +833,7 @@ class WorkerShim:
         self._stopping.set()
         if self.requests is not None:
             self.requests.accepting = False
-        for presence in (self._presence, *(p for p, _ in self._retired.values())):
-            if presence is not None and presence.reporter is not None:
-                presence.reporter.poke()  # routers stop sending new requests now, not at the next period
+        self._poke_load()  # `draining`: routers stop sending new requests now, not at the next period
         main, self._main = self._main, None
         if main is not None:
             with contextlib.suppress(asyncio.CancelledError):
