@@ -38,6 +38,7 @@ from engine_sim.openai_request import (
     CONTINUE_AND_GENERATE,
     DetokenizeRequest,
     TokenizeRequest,
+    check_request_template,
     parse_body,
     render_chat,
 )
@@ -62,6 +63,7 @@ async def tokenize(request: web.Request) -> web.Response:
         if body.messages is not None:
             if body.continue_final_message and body.add_generation_prompt:
                 raise VllmValidationError(CONTINUE_AND_GENERATE)
+            check_request_template(body.chat_template, body.chat_template_kwargs)
             text = render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
                                continue_final_message=body.continue_final_message)  # fmt: skip
         elif body.prompt is not None:

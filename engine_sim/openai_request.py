@@ -35,6 +35,7 @@ __all__ = [
     "Prompt",
     "TokenizeRequest",
     "chat_call",
+    "check_request_template",
     "completion_call",
     "parse_body",
     "render_chat",
@@ -259,6 +260,20 @@ def render_chat(messages: Any, *, add_generation_prompt: bool, continue_final_me
     return text
 
 
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+def check_request_template(chat_template: str | None, chat_template_kwargs: dict[str, Any] | None) -> None:
+    """vLLM refuses a client's own chat template unless started with --trust-request-chat-template
+    (off by default). The sim has no such flag: its tokenizer renders ChatML only, so rendering a
+    request's template with it would answer for a prompt the client did not send."""
+    if chat_template is not None or (chat_template_kwargs and chat_template_kwargs.get("chat_template") is not None):
+        raise SimRequestError(UNTRUSTED_TEMPLATE)
+
+
 def _check_prompt(p: Prompt, max_model_len: int, truncate: int | None) -> Prompt:
     if truncate is not None:
         keep = max_model_len if truncate == -1 else truncate
@@ -439,6 +454,7 @@ def chat_call(body: ChatRequest, max_model_len: int) -> GenerateCall:
         raise SimRequestError(CONTINUE_AND_GENERATE)
     if body.tool_choice not in ("none", None) and not body.tools:
         raise SimRequestError("When using `tool_choice`, `tools` must be set.")
+    check_request_template(body.chat_template, body.chat_template_kwargs)
     text = render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
                        continue_final_message=body.continue_final_message)  # fmt: skip
     asked = body.max_completion_tokens or body.max_tokens

@@ -125,6 +125,14 @@ class BuiltinPromptTokenizer:
         return ids
 
     def encode_chat(self, messages: Messages, options: ChatOptions = ChatOptions()) -> list[int]:
+        if options.chat_template is not None:
+            # ChatML in its place would route on a prompt the engine never sees.
+            raise TokenizerError(
+                "chat_template",
+                "the built-in tokenizer renders ChatML only, and engine_sim refuses a request's own template "
+                "(as vLLM does without --trust-request-chat-template); give the router the served model's "
+                "--tokenizer to route such requests",
+            )
         try:
             text = apply_chat_template(
                 messages, add_generation_prompt=options.add_generation_prompt and not options.continue_final_message

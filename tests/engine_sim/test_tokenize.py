@@ -58,3 +58,24 @@ async def test_tokenize_errors(sim: SimServer) -> None:
     assert status == 400
     status, _, _ = await post(sim, "/tokenize", {"max_tokens": 3})
     assert status == 400
+
+
+UNTRUSTED = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+async def test_a_requests_own_chat_template_is_refused_as_vllm_refuses_it(sim: SimServer) -> None:
+    # vLLM 0.32 without --trust-request-chat-template (its default; the sim has no such flag):
+    # 400 BadRequestError with no param, for /tokenize and for chat, given either way.
+    for extra in ({"chat_template": "{{ 1 }}"}, {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}):
+        for path, body in (("/tokenize", {"messages": MESSAGES}), ("/v1/chat/completions", {"messages": MESSAGES})):
+            status, err, _ = await post(sim, path, {**body, **extra})
+            assert status == 400, (path, extra)
+            assert err["error"] == {"message": UNTRUSTED, "type": "BadRequestError", "param": None, "code": 400}
+    # Other template kwargs are the template's to read, not a template: accepted.
+    status, _, _ = await post(
+        sim, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert status == 200

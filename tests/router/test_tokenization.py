@@ -52,6 +52,14 @@ def test_default_is_the_builtin_tokenizer_with_chatml() -> None:
     assert BuiltinTokenizer().decode(tok.encode("the cache")) == "the cache"
 
 
+def test_builtin_refuses_a_requests_own_template_rather_than_rendering_chatml() -> None:
+    # Reached only with --trust-request-chat-template; engine_sim refuses such requests, and
+    # ChatML in the template's place would route on a prompt nobody sends.
+    messages = [{"role": "user", "content": "hello world"}]
+    with pytest.raises(TokenizerError, match=r"chat_template: the built-in tokenizer renders ChatML only.*--tokenizer"):
+        BuiltinPromptTokenizer().encode_chat(messages, ChatOptions(chat_template="{{ messages[0].content }}"))
+
+
 def test_builtin_rejects_a_message_without_role() -> None:
     with pytest.raises(TokenizerError, match="role"):
         BuiltinPromptTokenizer().encode_chat([{"content": "x"}])

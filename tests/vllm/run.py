@@ -66,6 +66,7 @@ import zmq.asyncio
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from engine_sim.openai_request import UNTRUSTED_TEMPLATE  # noqa: E402
 from kvswitch.servers import EtcdServer, NatsServer  # noqa: E402
 from protocol import block_hashes  # noqa: E402
 from protocol.config import EtcdSettings, NatsSettings  # noqa: E402
@@ -78,6 +79,7 @@ MODEL = "tiny-llama"
 LORA = "tiny-lora"  # vllm-a serves it from its start; vllm-b loads another name for it at run time
 ALIAS = "tiny-alias"  # vllm-b serves the model under this name too
 BLOCK = 32
+UNTRUSTED_TEMPLATE_ERROR = {"message": UNTRUSTED_TEMPLATE, "type": "BadRequestError", "param": None, "code": 400}
 TOPIC = "kv-events"
 log = logging.getLogger("test-vllm")
 
@@ -433,7 +435,21 @@ async def check_same_text(c: Cluster) -> dict[str, Any]:
         assert status == direct_status, f"{body}: {status} != {direct_status}"
         assert (_comparable(via) if status == 200 else via) == (_comparable(direct) if status == 200 else direct)
         statuses.append(status)
-    return {"compared": compared, "stop": stop, "refusals": statuses}
+    # A client's own chat template: vLLM without --trust-request-chat-template refuses it with the
+    # error engine_sim gives (the sim's test asserts this very JSON), and so does the router.
+    untrusted = []
+    for path, extra in (
+        ("/v1/chat/completions", {"chat_template": "{{ 1 }}"}),
+        ("/tokenize", {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}),
+    ):
+        request = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra}
+        status, direct, _ = await c.post(c.engines[0].url, path, request)
+        assert (status, direct) == (400, {"error": UNTRUSTED_TEMPLATE_ERROR}), f"{path} {extra}: {status} {direct}"
+        if path.startswith("/v1/"):
+            status, via, _ = await c.post(c.routers[0].url, path, request)
+            assert status == 400 and via["error"]["param"] == "chat_template", via
+        untrusted.append(path)
+    return {"compared": compared, "stop": stop, "refusals": statuses, "untrusted_templates_refused": untrusted}
 
 
 def _canonical_set(batches: list[bytes]) -> tuple[set[int], int]:
