@@ -74,6 +74,7 @@ from protocol.messages import KvEvent, KvEventBatch, KvStateRequest, Removed, St
 from router.block_index import BlockIndex
 from router.ingest_stats import IngestStats
 from router.kv_ingest import KvIngest
+from runtime.nats_flush import flush
 from worker_shim.event_log import EventLog
 from worker_shim.kv_digest import KvDigest
 
@@ -211,7 +212,7 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
     for sim in workers:
         await nc.subscribe(subjects.kvstate(NS, sim.name), cb=answer(sim))
     go_sub = await nc.subscribe(f"{NS}.bench.go")
-    await nc.flush()
+    await flush(nc)
     await nc.publish(f"{NS}.bench.ready", msgspec.msgpack.encode(proc))
     go = msgspec.msgpack.decode((await go_sub.next_msg(timeout=600)).data, type=Go)
     rng = np.random.default_rng(proc)
@@ -326,7 +327,7 @@ async def _collect(nc: Client, subject: str, count: int, timeout: float) -> list
     """`count` distinct payloads sent on `subject` (requests are answered; a retried one, the same
     payload again, is counted once)."""
     sub = await nc.subscribe(subject)
-    await nc.flush()
+    await flush(nc)
     got: set[bytes] = set()
     try:
         while len(got) < count:
@@ -382,7 +383,7 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
         )
         out.rate = args.rate_scale * engine.batches / engine.sim_s
         finals_task = asyncio.create_task(_collect(nc, f"{NS}.bench.final", args.procs, args.duration + 300))
-        await nc.flush()
+        await flush(nc)
         profile = _Phase(args.profile, "live")
         cpu, nats_cpu = time.process_time(), _cpu_seconds(args.nats_pid)
         start = time.monotonic()
@@ -410,7 +411,7 @@ async def _router(args: argparse.Namespace, url: str, wl: FleetWorkload, engine:
     finally:
         with contextlib.suppress(nats.errors.Error):
             await nc.publish(f"{NS}.bench.stop", b"")
-            await nc.flush(timeout=5)
+            await flush(nc, 5)
         await nc.close()
         for p in procs:
             p.join(timeout=30)

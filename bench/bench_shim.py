@@ -28,6 +28,7 @@ from aiohttp import web
 
 from kvswitch.servers import NatsServer
 from protocol import GenerateRequest, ResponseChunk, SamplingParams, decode_msg, encode_msg, subjects
+from runtime.nats_flush import flush
 from worker_shim.adapters.vllm import VllmAdapter
 from worker_shim.adapters.vllm_events import decode_payload
 from worker_shim.config import ShimConfig
@@ -68,7 +69,7 @@ async def bench_events(url: str, n_blocks: int) -> dict[str, float]:
     for p in data:
         raw.decode(p)
         await nc.publish("bench.relay", p)
-    await nc.flush()
+    await flush(nc)
     relay_s = time.perf_counter() - t0
 
     norm = Normaliser(BS)
@@ -80,7 +81,7 @@ async def bench_events(url: str, n_blocks: int) -> dict[str, float]:
         if len(pub._outbox) > 64:
             await asyncio.sleep(0)  # let the publisher task drain, as the event loop would
     await pub.stop()
-    await nc.flush()
+    await flush(nc)
     shim_s = time.perf_counter() - t0
     await nc.close()
     blocks = len(data) * BLOCKS_PER_EVENT

@@ -42,6 +42,7 @@ from kvswitch.cluster import ClusterSpec, LocalCluster
 from protocol import KvEventBatch, Stored, WorkerInfo, encode_msg, subjects
 from protocol.config import EtcdSettings
 from protocol.timing import TimingModel
+from runtime.nats_flush import flush
 
 __all__ = ["SCENARIOS", "ChaosResult", "add_arguments", "format_table", "run", "run_scenario"]
 
@@ -82,7 +83,7 @@ class Chaos:
         nc = await nats.connect(servers=self.cluster.nats.urls)
         try:
             await nc.publish(subject, payload)
-            await nc.flush()
+            await flush(nc)
         finally:
             await nc.close()
 

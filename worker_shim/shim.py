@@ -42,6 +42,7 @@ from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import __version__
 from runtime import guarded
+from runtime.nats_flush import flush
 from worker_shim.adapters import (
     EngineAdapter,
     EngineError,
@@ -59,7 +60,7 @@ from worker_shim.kv_publisher import KvPublisher, PublisherCounters
 from worker_shim.load_reporter import LoadReporter
 from worker_shim.metrics import render_metrics
 from worker_shim.model_config import kv_bytes_per_token
-from worker_shim.nats_connect import connect_nats, flush
+from worker_shim.nats_connect import connect_nats
 from worker_shim.normaliser import Normaliser, NormaliserStats
 from worker_shim.request_service import RequestService
 from worker_shim.transfer_failures import TransferFailures

@@ -19,6 +19,7 @@ from kvswitch.cluster import ClusterSpec, LocalCluster
 from kvswitch.nats_auth import RESPONSE_MAX, NatsAuthPlan, NatsIdentity
 from kvswitch.servers import NatsServer
 from protocol import KvEventBatch, Stored, encode_msg, subjects
+from runtime.nats_flush import flush
 
 NS = "authns"
 Connect = Callable[[str, str], Awaitable["Conn"]]
@@ -104,7 +105,7 @@ async def _until_delivered(publisher: Conn, subject: str, queue: asyncio.Queue[M
     async def probe() -> None:
         while not delivered.is_set():
             await publisher.nc.publish(subject, b"probe")
-            await publisher.nc.flush()
+            await flush(publisher.nc)
             await asyncio.sleep(0.02)
 
     task = asyncio.create_task(probe())
@@ -130,7 +131,7 @@ async def test_a_worker_publishing_another_workers_kv_subject_is_refused_and_nev
     router, w1, w2 = await make("router", "r0"), await make("worker", "w1"), await make("worker", "w2")
     seen: asyncio.Queue[Msg] = asyncio.Queue()
     await router.nc.subscribe(subjects.kv_all(NS), cb=seen.put)
-    await router.nc.flush()
+    await flush(router.nc)
     await _until_delivered(w1, subjects.kv(NS, "w1"), seen)
 
     await w1.nc.publish(subjects.kv(NS, "w2"), _batch("w2", 1))  # forged: w1 speaking for w2
@@ -158,7 +159,7 @@ async def test_a_worker_reads_only_its_own_requests(connect: Connect) -> None:
     await w1.nc.subscribe(f"{NS}.gen.>", cb=stolen.put)
     assert "permissions violation for subscription" in (await w1.violation()).lower()
     await w2.nc.subscribe(subjects.gen(NS, "decode", "w2"), cb=own.put)
-    await w2.nc.flush()
+    await flush(w2.nc)
     await _until_delivered(router, subjects.gen(NS, "decode", "w2"), own)
 
     await router.nc.publish(subjects.gen(NS, "decode", "w2"), b"prompt")
@@ -175,7 +176,7 @@ async def test_a_worker_cannot_publish_to_an_inbox_it_was_not_sent(connect: Conn
     router, w1 = await make("router", "r0"), await make("worker", "w1")
     inbox: asyncio.Queue[Msg] = asyncio.Queue()
     await router.nc.subscribe("_INBOX.r0.>", cb=inbox.put)
-    await router.nc.flush()
+    await flush(router.nc)
     await w1.nc.publish("_INBOX.r0.forged", b"forged chunk")
     assert "permissions violation for publish" in (await w1.violation()).lower()
     await asyncio.sleep(0.2)
@@ -199,8 +200,8 @@ async def test_the_router_user_does_what_a_router_does(connect: Connect) -> None
     await r1.nc.subscribe(subjects.sync(NS), cb=synced.put)
     loads: asyncio.Queue[Msg] = asyncio.Queue()
     await r0.nc.subscribe(subjects.load_all(NS), cb=loads.put)
-    await w1.nc.flush()
-    await r1.nc.flush()
+    await flush(w1.nc)
+    await flush(r1.nc)
 
     for subject in (subjects.gen(NS, "decode", "w1"), subjects.kvstate(NS, "w1")):
         replies: asyncio.Queue[Msg] = asyncio.Queue()

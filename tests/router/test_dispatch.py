@@ -18,6 +18,7 @@ from protocol.messages import ErrorInfo
 from router.disagg import RoutePlan
 from router.dispatch import Dispatcher, Job, LegError
 from router.policies import Outcome, Path
+from runtime.nats_flush import flush
 from tests.router.builders import cand, ctx
 
 HB = 0.1  # heartbeat period asked of workers; a leg silent for 3 of them ends
@@ -59,7 +60,7 @@ class Worker:
             self.tasks.append(asyncio.create_task(behaviour(self.nc, msg, req)))
 
         await self.nc.subscribe(subjects.gen(self.ns, role, self.name), cb=on)
-        await self.nc.flush()
+        await flush(self.nc)
 
 
 async def answer(nc: Client, msg: Msg, req: GenerateRequest) -> None:

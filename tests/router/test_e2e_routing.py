@@ -18,6 +18,7 @@ from protocol import GenerateRequest, block_hashes, decode_msg, subjects
 from protocol.hashing import chain_salt
 from router.policies import Outcome
 from router.service import RouterService
+from runtime.nats_flush import flush
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
 from tests.router.polling import until
 
@@ -219,7 +220,7 @@ async def test_client_bypass_annotation_is_stripped(cluster: Cluster, http: aioh
     nc = await nats.connect(cluster.nats_url)
     seen: list[GenerateRequest] = []
     await nc.subscribe(subjects.gen(router.ns, "decode", d.id), cb=functools.partial(_collect, out=seen))
-    await nc.flush()
+    await flush(nc)
     status, _, headers = await complete(http, router, list(range(300)), annotations=["bypass_remote_prefill", "x"])
     await nc.close()
     assert status == 200 and headers["x-kvswitch-prefill"] == "remote"

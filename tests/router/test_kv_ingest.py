@@ -35,6 +35,7 @@ from router.block_index import BlockIndex
 from router.ingest_stats import SyncState
 from router.kv_ingest import KvIngest
 from router.lifecycle import PartStatus
+from runtime.nats_flush import flush
 from tests.router.polling import until
 
 
@@ -55,7 +56,7 @@ class FakeShim:
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.kvstate(self.ns, self.worker), cb=self._on_state)
-        await self.nc.flush()
+        await flush(self.nc)
 
     async def publish(self, *events: KvEvent, drop: bool = False) -> KvEventBatch:
         """Make the next batch; `drop` loses it on the way (it stays in the ring)."""

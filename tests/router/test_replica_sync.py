@@ -15,6 +15,7 @@ from protocol.messages import RouterSync, SyncEntry, encode_msg
 from router.lifecycle import PartStatus
 from router.load_view import LoadView
 from router.replica_sync import ReplicaSync
+from runtime.nats_flush import flush
 from tests.router.polling import until
 
 
@@ -24,7 +25,7 @@ async def pair(nc: Client, ns: str) -> AsyncIterator[tuple[ReplicaSync, ReplicaS
     b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0)
     await a.start()
     await b.start()
-    await nc.flush()
+    await flush(nc)
     yield a, b
     await a.stop()
     await b.stop()

@@ -17,6 +17,7 @@ from protocol import ConfigError, GenerateRequest, decode_msg, subjects
 from protocol.config import EtcdSettings
 from router import cli
 from router.http_api import ApiError
+from runtime.nats_flush import flush
 from tests.router.conftest import Cluster, complete
 from tests.router.polling import until
 
@@ -53,7 +54,7 @@ async def test_span_per_request_with_decision_and_context_to_the_shim(
         seen.append(decode_msg(msg.data, GenerateRequest))  # type: ignore[attr-defined]
 
     await nc.subscribe(subjects.gen(router.ns, "agg", worker.id), cb=collect)
-    await nc.flush()
+    await flush(nc)
     status, _, _ = await complete(http, router, list(range(64)))
     assert status == 200
     await until(lambda: bool(seen), what="the leg on NATS")  # our copy may trail the shim's answer

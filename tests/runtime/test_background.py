@@ -11,6 +11,7 @@ import nats
 import pytest
 
 from runtime import background, guarded
+from runtime.nats_flush import flush
 
 
 async def test_a_crash_is_an_error_at_once_with_its_traceback_and_what_stops(caplog: pytest.LogCaptureFixture) -> None:
@@ -68,7 +69,7 @@ async def test_a_handler_that_raises_is_logged_as_its_own_and_the_next_message_i
             await nc.subscribe(f"{ns}.x", cb=guarded(handler, "the load report handler"))
             for data in (b"bad", b"good", b"bad", b"also good"):
                 await nc.publish(f"{ns}.x", data)
-            await nc.flush()
+            await flush(nc)
             await asyncio.wait_for(both.wait(), 5)
     finally:
         await nc.close()

@@ -13,6 +13,7 @@ import pytest
 
 from engine_sim.server import SimServer
 from protocol import Cleared, KvEventBatch, LoadReport, decode_msg, subjects
+from runtime.nats_flush import flush
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
 from tests.worker_shim.test_kv_digest import replayed, xor_of
 from worker_shim import ShimConfig
@@ -156,7 +157,7 @@ async def test_a_reading_the_shim_cannot_use_marks_the_worker_unhealthy_and_the_
         reports.append(decode_msg(msg.data, LoadReport))
 
     await nc.subscribe(subjects.load(ns, "w1"), cb=on)
-    await nc.flush()
+    await flush(nc)
     engine = _Metrics()
     engine.text = _GOOD
     reporter = LoadReporter(nc, ns, "w1", engine, lambda: 0, 100, period_s=0.05, poll_s=0.02)  # type: ignore[arg-type]

@@ -1,0 +1,89 @@
+"""runtime.nats_flush against a real nats-server: its PING follows every command sent before it
+(nats-py's own flush overtakes queued ones), and a caller cancelled while its PONG is on the way
+leaves the connection reading (nats-py alone would stop its read loop at that PONG)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import nats
+from nats.aio.msg import Msg
+
+from kvswitch.servers import NatsServer
+from runtime.nats_flush import flush
+from tests.worker_shim.cluster import wait_for
+
+
+async def _recording_proxy(upstream_port: int, sent: bytearray) -> asyncio.Server:
+    """A TCP relay to the server that keeps, in order, every byte the client sends."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: bool) -> None:
+        try:
+            while data := await reader.read(65536):
+                if record:
+                    sent.extend(data)
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", upstream_port)
+        await asyncio.gather(pipe(client_r, server_w, True), pipe(server_r, client_w, False))
+
+    return await asyncio.start_server(relay, "127.0.0.1", 0)
+
+
+async def test_the_flush_ping_goes_out_behind_the_subscription_it_follows() -> None:
+    # The server answers a PING only after every command before it on the connection, so a PONG
+    # proves the SUB registered only if the PING follows it on the wire. nats-py's flush() writes
+    # its PING at once, ahead of the SUB still queued for its flusher task.
+    with NatsServer() as server:
+        sent = bytearray()
+        proxy = await _recording_proxy(server.port, sent)
+        port = proxy.sockets[0].getsockname()[1]
+        nc = await nats.connect(f"nats://127.0.0.1:{port}")
+        try:
+            for i in range(3):
+                await nc.subscribe(f"barrier.{i}")
+                before = len(sent)
+                await flush(nc)
+                wire = bytes(sent)
+                sub = wire.index(f"SUB barrier.{i} ".encode())
+                assert b"PING" in wire[sub:], f"no PING after the SUB of barrier.{i}: {wire[before:]!r}"
+        finally:
+            await nc.close()
+            proxy.close()
+            await proxy.wait_closed()
+
+
+async def test_a_flush_cancelled_before_its_pong_leaves_the_connection_reading() -> None:
+    with NatsServer() as server:
+        assert server.proc is not None
+        nc, other = await nats.connect(server.url), await nats.connect(server.url)
+        try:
+            got: list[bytes] = []
+
+            async def on(msg: Msg) -> None:
+                got.append(msg.data)
+
+            await nc.subscribe("flush", cb=on)
+            await flush(nc)
+            os.kill(server.proc.pid, signal.SIGSTOP)  # the PONG cannot come before the cancel
+            try:
+                caller = asyncio.create_task(flush(nc))
+                await asyncio.sleep(0.2)
+                caller.cancel()
+                await asyncio.sleep(0)
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            await asyncio.sleep(0.2)  # the PONG arrives
+            await other.publish("flush", b"after")
+            await wait_for(lambda: got == [b"after"], 3, "a message after the cancelled flush")
+        finally:
+            await other.close()
+            await nc.close()
