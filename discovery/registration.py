@@ -10,6 +10,7 @@ Usage (a worker shim; a router registers its RouterInfo the same way)::
         name=None,                  # or a stable id (a subject token); the key is still leased
         on_lost=on_lost,            # async (old_id) -> None, awaited before registering anew
         on_registered=on_new,       # async (new_id) -> None, awaited after each re-registration
+        before_create=ready,        # async (id) -> None, awaited before the key is created
     )
     my_id = await reg.start()       # registers once: KeyTaken if `name` is held, DiscoveryError if etcd is down
     reg.update()                    # value(id) changed (a field flipped): re-put it, in the background
@@ -29,6 +30,11 @@ etcd merely not answering changes nothing (`state` is "unknown"): the key keeps 
 etcd answers again the value is put once more, so an `update()` made during the outage lands.
 
 `value(id)` is called for every put, so it always stores the owner's current state.
+
+`before_create(id)` runs once the id is known (the lease granted) and before the key exists: what
+the key announces must work by the time anyone reads it (a shim subscribes to its request subjects
+there; otherwise a router could send a request in between and find no responder). If it raises,
+the lease is released: `start()` raises it; during re-registration `failed` is set.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class Registration:
         name: str | None = None,
         on_lost: Callable[[str], Awaitable[None]] | None = None,
         on_registered: Callable[[str], Awaitable[None]] | None = None,
+        before_create: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self._discovery = discovery
         self._key = key
@@ -82,6 +89,7 @@ class Registration:
         self.name = name
         self._on_lost = on_lost
         self._on_registered = on_registered
+        self._before_create = before_create
         self.id = ""
         self.lease: Lease | None = None
         self.registrations = 0
@@ -132,6 +140,8 @@ class Registration:
         lease = await self._discovery.grant(self.ttl)
         rid = self.name or lease.hex_id
         try:
+            if self._before_create is not None:
+                await self._before_create(rid)
             await self._discovery.create(self._key(rid), encode_json(self._value(rid)), lease)
         except BaseException:
             await self._discovery.release(lease)
@@ -198,6 +208,9 @@ class Registration:
                 log.warning("registering %s again failed (%s); retrying in %.1fs", self._key(old), exc, retry)
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX_S)
+            except Exception as exc:  # the owner's before_create
+                self._hook_failed(old, exc)
+                return False
         self._dirty = False
         if self._on_registered is not None:
             return await self._tell(self._on_registered, self.id)
@@ -208,9 +221,12 @@ class Registration:
         try:
             await hook(rid)
         except Exception as exc:
-            log.exception("the owner's hook for %s failed", self._key(rid))
-            self.failure = DiscoveryError(f"the owner's hook failed: {exc!r}")
-            self._phase = RegistrationState.FAILED
-            self.failed.set()
+            self._hook_failed(rid, exc)
             return False
         return True
+
+    def _hook_failed(self, rid: str, exc: Exception) -> None:
+        log.error("the owner's hook for %s failed", self._key(rid), exc_info=exc)
+        self.failure = DiscoveryError(f"the owner's hook failed: {exc!r}")
+        self._phase = RegistrationState.FAILED
+        self.failed.set()

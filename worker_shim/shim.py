@@ -614,6 +614,7 @@ class WorkerShim:
                 name=self.config.worker_name,
                 on_lost=self._on_lease_lost,
                 on_registered=self._on_registered,
+                before_create=self._before_announce,
             )
             try:
                 worker = await self.registration.start()
@@ -718,10 +719,19 @@ class WorkerShim:
                 await sub.unsubscribe()
         await self._end_epoch(presence, cleared=True)
 
+    async def _before_announce(self, worker: str) -> None:
+        """Subscribed, and the server has the subscriptions, before the etcd key tells routers
+        the worker serves: a request sent the moment they read it finds a responder."""
+        presence = self._presence
+        if presence is not None and presence.worker == worker:
+            return  # the same name again
+        if presence is not None:  # opened for an id whose key was never created
+            await self._close_presence(presence)
+        self._presence = await self._open_presence(worker)
+
     async def _on_registered(self, worker: str) -> None:
         presence = self._presence
-        if presence is None or presence.worker != worker:
-            presence = self._presence = await self._open_presence(worker)
+        assert presence is not None and presence.worker == worker, "opened by _before_announce"
         await self._start_epoch(presence)
         self.worker_id = worker
         self.registration_count += 1

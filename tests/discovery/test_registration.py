@@ -149,3 +149,50 @@ async def test_a_name_taken_while_lost_fails_the_registration(etcd_url: str, ns:
         assert reg.state is RegistrationState.FAILED and isinstance(reg.failure, KeyTaken)
         await reg.stop()
         await rival.stop()
+
+
+async def test_before_create_runs_with_the_id_before_the_key_exists(etcd_url: str, ns: str) -> None:
+    seen: list[tuple[str, bytes | None]] = []
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+
+        async def before_create(wid: str) -> None:
+            seen.append((wid, await _get(d, subjects.worker_key(ns, wid))))
+
+        reg = _worker_reg(d, ns, ttl=5, before_create=before_create)
+        first = await reg.start()
+        assert seen == [(first, None)]
+        assert await _get(d, subjects.worker_key(ns, first)) is not None
+        assert reg.lease is not None and d.client.lease is not None
+        await d.client.lease.revoke(reg.lease.id)  # re-registration runs it again, for the new id
+        await _until(lambda: reg.registrations == 2, 10, "re-registration")
+        assert seen == [(first, None), (reg.id, None)] and reg.id != first
+        await reg.stop()
+
+
+async def test_a_failing_before_create_releases_the_lease_and_creates_no_key(etcd_url: str, ns: str) -> None:
+    ids: list[str] = []
+    calls = 0
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+
+        async def before_create(wid: str) -> None:
+            nonlocal calls
+            calls += 1
+            ids.append(wid)
+            if calls != 2:
+                raise RuntimeError("not ready")
+
+        reg = _worker_reg(d, ns, ttl=5, before_create=before_create)
+        with pytest.raises(RuntimeError, match="not ready"):
+            await reg.start()
+        assert d.client.lease is not None
+        leases = await d.client.lease.leases()
+        assert int(ids[0], 16) not in {lease.id for lease in leases.leases}, "the lease outlived the failure"
+        assert await _get(d, subjects.worker_key(ns, ids[0])) is None
+        # During re-registration the owner hears it through `failed`.
+        second = await reg.start()
+        assert reg.lease is not None
+        await d.client.lease.revoke(reg.lease.id)
+        await asyncio.wait_for(reg.failed.wait(), 10)
+        assert reg.state is RegistrationState.FAILED and "not ready" in str(reg.failure)
+        assert await _get(d, subjects.worker_key(ns, ids[2])) is None and ids[1] == second
+        await reg.stop()

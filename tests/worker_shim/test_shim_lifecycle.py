@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import nats
 import pytest
 from nats.errors import FlushTimeoutError
 
-from discovery import Discovery, Snapshot
+from discovery import Discovery, Put, Snapshot
 from engine_sim.server import SimServer
+from protocol import KvStateChunk, KvStateRequest, decode_msg, encode_msg, subjects
 from protocol.config import EtcdSettings
 from tests.worker_shim.cluster import (
     complete,
@@ -21,6 +23,7 @@ from tests.worker_shim.cluster import (
     wait_for,
 )
 from worker_shim import ShimStatus
+from worker_shim.shim import WorkerShim
 
 
 async def registered_workers(etcd_url: str, ns: str) -> set[str]:
@@ -119,3 +122,30 @@ async def test_a_session_that_fails_unexpectedly_is_said_and_a_new_one_starts(
             assert shim.status is ShimStatus.STOPPED
         (said,) = [r for r in caplog.records if r.name == "worker_shim.shim"]
         assert "the session with the engine at" in said.getMessage() and "FlushTimeoutError" in said.getMessage()
+
+
+async def test_a_worker_answers_on_its_subjects_from_the_moment_its_key_exists(
+    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Subscribing is slowed down, so a key written before the subscriptions shows: a router that
+    # reads it at once would find no responder (before 2026-12-03 the key came first).
+    opened = WorkerShim._open_presence
+
+    async def slow_open(self: WorkerShim, worker: str) -> object:
+        await asyncio.sleep(0.5)
+        return await opened(self, worker)
+
+    monkeypatch.setattr(WorkerShim, "_open_presence", slow_open)
+    nc = await nats.connect(nats_url)
+    try:
+        async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+            watch = d.watch_workers()
+            assert isinstance(await anext(watch), Snapshot)
+            async with shim_for(sim, ns, nats_url, etcd_url):
+                event = await asyncio.wait_for(anext(watch), 20)
+                assert isinstance(event, Put)
+                reply = await nc.request(subjects.kvstate(ns, event.name), encode_msg(KvStateRequest()), timeout=5)
+                assert decode_msg(reply.data, KvStateChunk).worker == event.name
+            await watch.aclose()
+    finally:
+        await nc.close()
