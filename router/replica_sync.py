@@ -92,11 +92,21 @@ class ReplicaSync:
         if self.status is not PartStatus.NEW:
             raise RuntimeError(f"ReplicaSync.start() called while {self.status.value}")
         self._sub = await self._nc.subscribe(self._subject, cb=guarded(self._on_msg, "the replica sync handler"))
-        self._tasks.append(background(self._flusher(), "sync-flush", "peers get no booking of this replica's"))
-        self._tasks.append(background(self._expirer(), "sync-expire", "peers' stale bookings are never dropped"))
+        self._tasks.append(
+            background(self._flusher(), "sync-flush", "peers get no booking of this replica's until it restarts")
+        )
+        self._tasks.append(
+            background(
+                self._expirer(), "sync-expire", "peers' stale bookings are not dropped until the router restarts"
+            )
+        )
         if self._discovery is not None:
             self._tasks.append(
-                background(self._watch_routers(self._discovery), "sync-routers", "peers that leave keep their bookings")
+                background(
+                    self._watch_routers(self._discovery),
+                    "sync-routers",
+                    "peers that leave keep their bookings until the router restarts",
+                )
             )
         self.status = PartStatus.RUNNING
 

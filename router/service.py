@@ -322,7 +322,11 @@ class RouterService:
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
         self._watcher = ConfigWatcher(self._discovery, dict(self.config.overrides), dict(self.config.file_settings))
         self._tasks.append(
-            background(self._follow_config(self._watcher), "router-config", "live settings stay as they are")
+            background(
+                self._follow_config(self._watcher),
+                "router-config",
+                "live settings stay as they are until the router restarts",
+            )
         )
 
     async def stop(self) -> None:

@@ -49,7 +49,9 @@ class WorkerRegistry:
     async def start(self) -> None:
         if self.status is not PartStatus.NEW:
             raise RuntimeError(f"WorkerRegistry.start() called while {self.status.value}")
-        self._task = background(self._watch(), "worker-registry", "workers that join or leave go unseen")
+        self._task = background(
+            self._watch(), "worker-registry", "workers that join or leave go unseen until the router restarts"
+        )
         self.status = PartStatus.RUNNING
 
     async def stop(self) -> None:

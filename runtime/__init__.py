@@ -147,7 +147,7 @@ async def start_or_stop(start: Awaitable[object], stop: asyncio.Event) -> bool:
 
 def background(coro: Coroutine[Any, Any, None], name: str, stops: str) -> asyncio.Task[None]:
     """A task that runs for the life of its owner. Should it crash, the crash is said at once, as an
-    ERROR with its traceback and `stops` (what no longer happens), rather than kept in the task
+    ERROR with its traceback and `stops` (what no longer happens, and until when), rather than kept in the task
     until its owner's stop() awaits it, or lost if that never comes."""
     task = asyncio.create_task(coro, name=name)
     task.add_done_callback(lambda t: _crashed(t, stops))
@@ -157,7 +157,7 @@ def background(coro: Coroutine[Any, Any, None], name: str, stops: str) -> asynci
 def _crashed(task: asyncio.Task[None], stops: str) -> None:
     if task.cancelled() or (exc := task.exception()) is None:
         return
-    _log.error("task %s crashed: %s until this process restarts", task.get_name(), stops, exc_info=exc)
+    _log.error("task %s crashed: %s", task.get_name(), stops, exc_info=exc)
 
 
 _handler_errors = _Throttle(30.0)

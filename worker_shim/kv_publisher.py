@@ -99,7 +99,7 @@ class KvPublisher:
             self._task = background(
                 self._run(),
                 f"kv-publisher-{self.log.worker}",
-                "no KV event is published",
+                "no KV event is published until the shim's next session (an engine restart or a new lease)",
             )
 
     async def stop(self, timeout: float = 5.0) -> None:

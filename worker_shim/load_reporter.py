@@ -82,8 +82,14 @@ class LoadReporter:
     def start(self) -> None:
         if not self._tasks:
             self._tasks = [
-                background(self._poll_loop(), f"load-poll-{self.worker}", "the engine's load is not read"),
-                background(self._publish_loop(), f"load-{self.worker}", "no load report is sent"),
+                background(
+                    self._poll_loop(),
+                    f"load-poll-{self.worker}",
+                    "the engine's load is not read until the shim's next session",
+                ),
+                background(
+                    self._publish_loop(), f"load-{self.worker}", "no load report is sent until the shim's next session"
+                ),
             ]
 
     async def stop(self) -> None:

@@ -20,11 +20,11 @@ async def test_a_crash_is_an_error_at_once_with_its_traceback_and_what_stops(cap
         raise ValueError("cannot convert float NaN to integer")
 
     with caplog.at_level(logging.ERROR, logger="runtime"):
-        task = background(loop(), "load-w1", "no load report is sent")
+        task = background(loop(), "load-w1", "no load report is sent until the next session")
         await asyncio.wait({task})
         await asyncio.sleep(0)  # done callbacks run on the next turn of the loop
     (said,) = [r for r in caplog.records if r.name == "runtime"]
-    assert said.getMessage() == "task load-w1 crashed: no load report is sent until this process restarts"
+    assert said.getMessage() == "task load-w1 crashed: no load report is sent until the next session"
     assert said.exc_info is not None and isinstance(said.exc_info[1], ValueError)
 
 
