@@ -41,6 +41,7 @@ from protocol.messages import (
     decode_msg,
     encode_json,
     encode_msg,
+    lax_bool,
     serving,
 )
 from protocol.packed import check_hashes, hash_count, pack_batch, pack_chunk, pack_hashes, unpack_hashes
@@ -85,6 +86,7 @@ __all__ = [
     "encode_json",
     "encode_msg",
     "hash_count",
+    "lax_bool",
     "pack_batch",
     "pack_chunk",
     "pack_hashes",

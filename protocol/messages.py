@@ -52,6 +52,7 @@ __all__ = [
     "decode_msg",
     "encode_json",
     "encode_msg",
+    "lax_bool",
     "serving",
 ]
 
@@ -402,13 +403,30 @@ def adapter_named(name: str, model: str, aliases: Collection[str] = ()) -> str:
     return "" if name == model or name in aliases else name
 
 
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_bool(value: object) -> bool | None:
+    """`value` as vLLM's pydantic models read a boolean field (lax mode: 1, "true", "yes", "on",
+    ... and their opposites), or None for a value they refuse or an absent one."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.lower()
+        return True if word in _TRUE else False if word in _FALSE else None
+    return None
+
+
 def asks_prompt_logprobs(body: Mapping[str, Any], *, chat: bool) -> bool:
     """The OpenAI body asks for the prompt's own logprobs (`prompt_logprobs`, or a completion's
     `echo` with `logprobs`): vLLM then needs every prompt token's logits, so it reads no cache and
     the prompt takes its own forward pass."""
     if body.get("prompt_logprobs") is not None:
         return True
-    return not chat and bool(body.get("echo")) and body.get("logprobs") is not None
+    return not chat and lax_bool(body.get("echo")) is True and body.get("logprobs") is not None
 
 
 class RouterInfo(_Msg, kw_only=True):

@@ -6,8 +6,10 @@ router's), /health, /ready, /metrics, /debug/route (the decision a request would
 The client's request goes to the engine as the client wrote it, and the engine's answer comes
 back as the engine wrote it. The router tokenizes the prompt only to route it (block hashes,
 prefix match, accounting). A completions prompt reaches the engine as the very token ids that
-were routed. A chat request reaches it as its messages, which the engine renders with the
-template the router's tokenizer fingerprint matched. The router validates only the fields it
+were routed, unless its answer depends on the text (an echo, a FIM `suffix`, a truncation with
+no side, which vLLM's tokenizer applies keeping the BOS): then as its text. A chat request
+reaches it as its messages, which the engine renders with the template the router's tokenizer
+fingerprint matched. The router validates only the fields it
 reads, refuses the ones only it may set (`kv_transfer_params`, `disaggregated_params`, the
 bootstrap triple), and passes everything else on. So stop strings, `n`, `echo`, logprobs,
 penalties, tools, `response_format`, usage details and the engine's own 400s are the engine's.
@@ -43,7 +45,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from protocol import GenerateRequest, SamplingParams, asks_prompt_logprobs
+from protocol import GenerateRequest, SamplingParams, asks_prompt_logprobs, lax_bool
 from protocol.messages import (
     ANNOTATION_BYPASS,
     ENDPOINT_CHAT,
@@ -61,7 +63,15 @@ from router.request_context import RequestShape
 from router.request_path import RequestPath, Unknown
 from router.tokenization import ChatOptions, Tokenization, TokenizerError, UntrustedTemplate
 
-__all__ = ["ApiError", "FrontDoorRunner", "HttpLimits", "ParsedRequest", "make_app", "parse_request"]
+__all__ = [
+    "ApiError",
+    "FrontDoorRunner",
+    "HttpLimits",
+    "ParsedRequest",
+    "keep_specials_truncated",
+    "make_app",
+    "parse_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +168,15 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None
     chat_options: ChatOptions | None
     add_special_tokens: bool
-    truncate: tuple[int, str] | None  # (tokens to keep, side) when the router can apply it
+    # (tokens to keep, side) when the router can apply it; side None: the tokenizer's (left for
+    # generation, as vLLM loads it), and a text prompt keeps its special tokens
+    truncate: tuple[int, str | None] | None
     stream: bool
     max_tokens: int | None  # None: a chat request with no limit (vLLM then generates to the context's end)
     annotations: list[str]
     params: dict[str, Any] = field(default_factory=dict)
     shape: RequestShape = field(default_factory=RequestShape)
+    engine_tokenizes: bool = False  # the engine gets the text: its answer depends on the text itself
 
 
 _KINDS: dict[type | tuple[type, ...], str] = {
@@ -307,7 +320,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
     max_tokens = max_tokens if max_tokens is not None else _opt(body, "max_tokens", int, None)
     n = _opt(body, "n", int, 1)
     truncate = _opt(body, "truncate_prompt_tokens", int, None)
-    side = _opt(body, "truncation_side", str, "left")
+    side = _opt(body, "truncation_side", str, None)
     annotations = _opt(body, "annotations", list, [])
     if not all(isinstance(a, str) for a in annotations):
         raise ApiError(400, "'annotations' must be a list of strings", "annotations")
@@ -325,7 +338,17 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
         stream=_opt(body, "stream", bool, False),
         # vLLM's defaults: completions 16 tokens, chat no limit. Booking 16 for chat would tell
         # routing that every such request is short.
-        max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else (None if chat else 16),
+        max_tokens=max_tokens
+        if max_tokens is not None and max_tokens > 0
+        else (None if chat or ("max_tokens" in body and body["max_tokens"] is None) else 16),
+        # vLLM echoes a text prompt as written and a FIM `suffix` needs the text; a truncation with
+        # no side keeps the prompt's special tokens (its tokenizer truncates): ids would lose them.
+        engine_tokenizes=not chat
+        and (
+            lax_bool(body.get("echo")) is True
+            or body.get("suffix") is not None
+            or (truncate is not None and side is None)
+        ),
         annotations=annotations,
         params=params,
         # Read without validating: the engine judges these fields, and a wrong value the engine
@@ -571,13 +594,19 @@ class _Handlers:
             if parsed.chat:
                 assert parsed.messages is not None and parsed.chat_options is not None
                 ids = await tok.encode_chat(parsed.messages, parsed.chat_options)
+                if parsed.truncate is not None:  # the template wrote the special tokens: plain ids
+                    ids = _truncated(ids, *parsed.truncate)
                 return ids, [ids]
             prompts = []
             for p in parsed.prompts:
-                ids = p if isinstance(p, list) else await tok.encode(p, parsed.add_special_tokens)
-                if parsed.truncate is not None:
-                    keep, side = parsed.truncate
-                    ids = ids[:keep] if side == "right" else ids[-keep:]
+                if isinstance(p, list):
+                    ids = p if parsed.truncate is None else _truncated(p, *parsed.truncate)
+                elif parsed.truncate is not None and parsed.truncate[1] is None and parsed.add_special_tokens:
+                    ids = await keep_specials_truncated(tok, p, parsed.truncate[0])
+                else:
+                    ids = await tok.encode(p, parsed.add_special_tokens)
+                    if parsed.truncate is not None:
+                        ids = _truncated(ids, *parsed.truncate)
                 prompts.append(ids)
         except UntrustedTemplate as exc:
             raise ApiError(400, exc.why, "chat_template") from exc
@@ -591,10 +620,10 @@ class _Handlers:
              ) -> GenerateRequest:  # fmt: skip
         params = parsed.params
         params["model"] = model
-        if not parsed.chat and not (params.get("echo") is True and _is_text(parsed)):
-            # The engine computes the very ids that were routed; one prompt rides in token_ids. An
-            # echo of text keeps the client's text: vLLM echoes a text prompt as written, but token
-            # ids as it decodes them (special tokens and all).
+        if not parsed.chat and not (parsed.engine_tokenizes and _is_text(parsed)):
+            # The engine computes the very ids that were routed; one prompt rides in token_ids.
+            # Some requests keep the client's text (ParsedRequest.engine_tokenizes): vLLM echoes a
+            # text prompt as written but token ids as it decodes them, special tokens and all.
             if len(prompts) > 1:
                 params["prompt"] = prompts
             else:
@@ -722,6 +751,25 @@ class _Handlers:
         out.append(_SSE_DONE)
         await resp.write_eof(b"".join(out))
         return resp
+
+
+async def keep_specials_truncated(tok: Tokenization, text: str, keep: int) -> list[int]:
+    """vLLM's truncation with no side: its tokenizer keeps the last `keep` tokens *with* the
+    special tokens it adds (a BOS stays first), where slicing the encoded ids would drop them."""
+    marked = await tok.encode(text, True)
+    bare = await tok.encode(text, False)
+    added = len(marked) - len(bare)
+    start = next((i for i in range(added + 1) if marked[i : i + len(bare)] == bare), None)
+    if start is None or len(marked) <= keep:  # not specials + text + specials, or nothing to cut
+        return _truncated(marked, keep, "left")
+    body = bare[len(bare) - (keep - added) :] if keep > added else []
+    return marked[:start] + body + marked[start + len(bare) :]
+
+
+def _truncated(ids: list[int], keep: int, side: str | None) -> list[int]:
+    """vLLM's slice: `keep` tokens from the left end for side "right", else from the right end
+    (the tokenizer's side for generation is "left")."""
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 def _is_text(parsed: ParsedRequest) -> bool:

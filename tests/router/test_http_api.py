@@ -15,13 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import nats
 import openai
 import pytest
+from nats.aio.msg import Msg
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from protocol import block_hashes
+from protocol import GenerateRequest, block_hashes, decode_msg, subjects
+from protocol.tokenizer import BuiltinTokenizer
 from protocol.version import __version__
 from router.http_api import HttpLimits
+from runtime.nats_flush import flush
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
 from tests.router.polling import until
 from tests.router.test_tokenization import VOCAB
@@ -148,6 +152,49 @@ async def test_completions_are_the_engines_own(agg: Cluster, http: aiohttp.Clien
     assert texts == {c["index"]: c["text"] for c in direct["choices"]}
     assert finish == {c["index"]: (c["finish_reason"], c["stop_reason"]) for c in direct["choices"]}
     assert all(c.get("token_ids") is None for e in events[:-1] for c in e["choices"]), "ids the client did not ask for"
+
+
+@pytest.mark.parametrize(
+    ("extra", "keeps_text", "routed"),
+    [
+        ({}, False, None),
+        ({"echo": 1}, True, None),  # vLLM's lax boolean: echoed as written, not as decoded ids
+        ({"truncate_prompt_tokens": 3}, True, 3),  # the engine's tokenizer truncates (keeps a BOS)
+        ({"truncate_prompt_tokens": 3, "truncation_side": "left"}, False, 3),  # vLLM slices the ids
+    ],
+    ids=["ids", "echo", "truncate", "truncate-left"],
+)
+async def test_the_leg_keeps_the_text_when_the_engines_answer_depends_on_it(
+    agg: Cluster, http: aiohttp.ClientSession, extra: dict[str, Any], keeps_text: bool, routed: int | None
+) -> None:
+    router, worker = agg.routers[0], agg.workers[0]
+    nc = await nats.connect(agg.nats_url)
+    legs: list[GenerateRequest] = []
+
+    async def collect(msg: Msg) -> None:
+        legs.append(decode_msg(msg.data, GenerateRequest))
+
+    await nc.subscribe(subjects.gen(router.ns, "agg", worker.id), cb=collect)
+    await flush(nc)
+    text = "the quick brown fox jumps over the lazy dog"
+    request = {"model": MODEL, "prompt": text, "max_tokens": 3, **extra}
+    status, via, _ = await post(http, router.url + "/v1/completions", request)
+    _, direct, _ = await post(http, worker.sim.url + "/v1/completions", request)
+    await until(lambda: bool(legs), what="the leg")
+    await nc.close()
+    assert status == 200 and without_ids(via) == without_ids(direct)
+    (leg,) = legs
+    assert (leg.params.get("prompt") == text) is keeps_text
+    ids = BuiltinTokenizer().encode(text)
+    assert leg.token_ids == (ids if routed is None else ids[-routed:])
+
+
+async def test_a_chats_truncation_is_routed_as_the_engine_applies_it(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    router = agg.routers[0]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 60}], "max_tokens": 2}
+    _, whole, _ = await post(http, router.url + "/debug/route", body)
+    _, cut, _ = await post(http, router.url + "/debug/route", {**body, "truncate_prompt_tokens": 4})
+    assert whole["isl"] > 60 and cut["isl"] == 4
 
 
 async def test_models_show_the_least_max_model_len_of_the_workers(

@@ -4,12 +4,15 @@ parsing reads them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from router.http_api import ApiError, parse_request
+from router.http_api import ApiError, keep_specials_truncated, parse_request
 from router.request_context import RequestShape
+from router.tokenization import Tokenization, load_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -55,6 +58,7 @@ def test_a_long_id_prompt_is_returned_as_sent() -> None:
     [
         ({"prompt": "hi"}, False, 16),  # vLLM's completions default
         ({"prompt": "hi", "max_tokens": 0}, False, 16),
+        ({"prompt": "hi", "max_tokens": None}, False, None),  # vLLM: up to the context
         ({"messages": [{"role": "user", "content": "hi"}]}, True, None),  # chat: up to the context
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": None}, True, None),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}, True, 300),
@@ -72,7 +76,8 @@ def test_an_unset_max_tokens_is_the_engines_default(body: dict[str, Any], chat: 
         ({"max_completion_tokens": "7", "max_tokens": 3}, ("max_tokens", 7)),
         ({"stream": "true"}, ("stream", True)),
         ({"stream": 0}, ("stream", False)),
-        ({"truncate_prompt_tokens": 4.0}, ("truncate", (4, "left"))),
+        ({"truncate_prompt_tokens": 4.0}, ("truncate", (4, None))),  # no side: the tokenizer's
+        ({"truncate_prompt_tokens": 4, "truncation_side": "right"}, ("truncate", (4, "right"))),
     ],
 )
 def test_integers_and_booleans_are_read_as_vllm_reads_them(body: dict[str, Any], read: tuple[str, Any]) -> None:
@@ -119,3 +124,48 @@ def test_the_shape_says_what_a_transfer_handle_could_not_serve(
 ) -> None:
     body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     assert parse_request({**body, **extra}, chat=chat).shape == shape
+
+
+@pytest.mark.parametrize(
+    ("extra", "engine_tokenizes"),
+    [
+        ({}, False),
+        ({"echo": True}, True),
+        ({"echo": 1}, True),  # vLLM's lax boolean: an echo all the same
+        ({"echo": "true"}, True),
+        ({"echo": "false", "logprobs": 1}, False),
+        ({"suffix": ")"}, True),  # FIM renders the text
+        ({"truncate_prompt_tokens": 5}, True),  # its tokenizer truncates and keeps the BOS
+        ({"truncate_prompt_tokens": -1}, True),
+        ({"truncate_prompt_tokens": 5, "truncation_side": "left"}, False),  # vLLM slices the ids
+    ],
+)
+def test_requests_whose_answer_depends_on_the_text_keep_it(extra: dict[str, Any], engine_tokenizes: bool) -> None:
+    parsed = parse_request({"prompt": "hi there", **extra}, chat=False)
+    assert parsed.engine_tokenizes is engine_tokenizes
+    assert parse_request({"prompt": "hi there", **extra, "echo": "false"}, chat=False).shape == RequestShape()
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 5, 7, 40])
+async def test_a_truncation_with_no_side_keeps_the_special_tokens_as_the_engines_tokenizer_does(
+    tmp_path: Path, keep: int
+) -> None:
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2} | {w: i + 3 for i, w in enumerate("a b c d e f g h".split())}
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.add_special_tokens(["<s>", "</s>"])
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    text = "a b c d e f g h"
+    # What vLLM's tokenizer gives (truncation=True, max_length=keep, its side "left" for generation).
+    engine = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    engine.enable_truncation(keep, direction="left")
+    expected = engine.encode(text, add_special_tokens=True).ids
+    tok = Tokenization(load_tokenizer(tmp_path))
+    try:
+        got = await keep_specials_truncated(tok, text, keep)
+    finally:
+        tok.close()
+    assert got == expected
+    if keep < 9:
+        assert got[0] == 1, "the BOS stays first"
