@@ -257,16 +257,21 @@ def _check_ints(params: Mapping[str, Any]) -> None:
 
 
 def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
-    kwargs = _opt(body, "chat_template_kwargs", dict, {})
-    if not all(isinstance(k, str) for k in kwargs):
+    given = _opt(body, "chat_template_kwargs", dict, {})
+    if not all(isinstance(k, str) for k in given):
         raise ApiError(400, "'chat_template_kwargs' keys must be strings", "chat_template_kwargs")
+    kwargs = {k: v for k, v in given.items() if k not in _RESERVED_TEMPLATE_NAMES}
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # vLLM's build_chat_params: it overrides the client's kwargs
+        kwargs["reasoning_effort"] = effort
+        kwargs.setdefault("enable_thinking", effort != "none")
     return ChatOptions(
         add_generation_prompt=_opt(body, "add_generation_prompt", bool, True),
         continue_final_message=_opt(body, "continue_final_message", bool, False),
         tools=_opt(body, "tools", list, None),
         documents=_opt(body, "documents", list, None),
-        chat_template=_request_template(body, kwargs),
-        chat_template_kwargs={k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_NAMES},
+        chat_template=_request_template(body, given),
+        chat_template_kwargs=kwargs,
         add_special_tokens=_opt(body, "add_special_tokens", bool, False),
     )
 
@@ -588,33 +593,7 @@ class _Handlers:
             raise ApiError(exc.code, str(exc), "model") from exc
 
     async def _tokens(self, parsed: ParsedRequest) -> tuple[list[int], list[list[int]]]:
-        """The routed prompt's ids (the first prompt of a batch) and every prompt's ids."""
-        tok = self.tokenization
-        try:
-            if parsed.chat:
-                assert parsed.messages is not None and parsed.chat_options is not None
-                ids = await tok.encode_chat(parsed.messages, parsed.chat_options)
-                if parsed.truncate is not None:  # the template wrote the special tokens: plain ids
-                    ids = _truncated(ids, *parsed.truncate)
-                return ids, [ids]
-            prompts = []
-            for p in parsed.prompts:
-                if isinstance(p, list):
-                    ids = p if parsed.truncate is None else _truncated(p, *parsed.truncate)
-                elif parsed.truncate is not None and parsed.truncate[1] is None and parsed.add_special_tokens:
-                    ids = await keep_specials_truncated(tok, p, parsed.truncate[0])
-                else:
-                    ids = await tok.encode(p, parsed.add_special_tokens)
-                    if parsed.truncate is not None:
-                        ids = _truncated(ids, *parsed.truncate)
-                prompts.append(ids)
-        except UntrustedTemplate as exc:
-            raise ApiError(400, exc.why, "chat_template") from exc
-        except TokenizerError as exc:
-            raise ApiError(400, str(exc), "messages" if parsed.chat else "prompt") from exc
-        if not prompts[0]:
-            raise ApiError(400, "The prompt cannot be empty.", "prompt")
-        return prompts[0], prompts
+        return await prompt_ids(self.tokenization, parsed)
 
     def _leg(self, parsed: ParsedRequest, ids: _Ids, model: str, routed: list[int], prompts: list[list[int]]
              ) -> GenerateRequest:  # fmt: skip
@@ -751,6 +730,36 @@ class _Handlers:
         out.append(_SSE_DONE)
         await resp.write_eof(b"".join(out))
         return resp
+
+
+async def prompt_ids(tok: Tokenization, parsed: ParsedRequest) -> tuple[list[int], list[list[int]]]:
+    """The routed prompt's ids (the first prompt of a batch) and every prompt's ids: those the
+    engine computes (tests/router/test_vllm_render.py holds them to vLLM 0.32's own renderer)."""
+    try:
+        if parsed.chat:
+            assert parsed.messages is not None and parsed.chat_options is not None
+            ids = await tok.encode_chat(parsed.messages, parsed.chat_options)
+            if parsed.truncate is not None:  # the template wrote the special tokens: plain ids
+                ids = _truncated(ids, *parsed.truncate)
+            return ids, [ids]
+        prompts = []
+        for p in parsed.prompts:
+            if isinstance(p, list):
+                ids = p if parsed.truncate is None else _truncated(p, *parsed.truncate)
+            elif parsed.truncate is not None and parsed.truncate[1] is None and parsed.add_special_tokens:
+                ids = await keep_specials_truncated(tok, p, parsed.truncate[0])
+            else:
+                ids = await tok.encode(p, parsed.add_special_tokens)
+                if parsed.truncate is not None:
+                    ids = _truncated(ids, *parsed.truncate)
+            prompts.append(ids)
+    except UntrustedTemplate as exc:
+        raise ApiError(400, exc.why, "chat_template") from exc
+    except TokenizerError as exc:
+        raise ApiError(400, str(exc), "messages" if parsed.chat else "prompt") from exc
+    if not prompts[0]:
+        raise ApiError(400, "The prompt cannot be empty.", "prompt")
+    return prompts[0], prompts
 
 
 async def keep_specials_truncated(tok: Tokenization, text: str, keep: int) -> list[int]:

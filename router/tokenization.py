@@ -43,6 +43,7 @@ from tokenizers import Tokenizer as HfRawTokenizer
 from protocol.fingerprint import BUILTIN, PROBE_MESSAGES, PROBE_TEXT, fingerprint
 from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
+from router.conversation import ConversationError, conversation, tool_definitions
 
 __all__ = [
     "OFFLOAD_CHARS",
@@ -187,25 +188,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _text_content(messages: Messages) -> list[dict[str, Any]]:
-    """Messages with list content flattened to text, as vLLM does for a text model's template
-    (text parts joined by newlines); other parts cannot be tokenized here."""
-    out = []
-    for i, message in enumerate(messages):
-        m = dict(message)
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                text = part.get("text") if isinstance(part, Mapping) and part.get("type", "text") == "text" else None
-                if not isinstance(text, str):
-                    raise TokenizerError(f"messages[{i}].content", "the router tokenizes only text parts")
-                texts.append(text)
-            m["content"] = "\n".join(texts)
-        out.append(m)
-    return out
-
-
 class HfPromptTokenizer:
     """A Hugging Face `tokenizers` tokenizer plus its chat template."""
 
@@ -225,6 +207,7 @@ class HfPromptTokenizer:
         self._specials.setdefault("eos_token", "")
         self._env = _environment()
         source = _chat_template_source(folder, config)
+        self._source = source or ""
         self._template = self._compile(source) if source is not None else None
 
     def _compile(self, source: str) -> jinja2.Template:
@@ -248,11 +231,14 @@ class HfPromptTokenizer:
         template = self._request_template(options.chat_template) if options.chat_template else self._template
         if template is None:
             raise TokenizerError("chat_template", f"tokenizer {self.name} has none; use /v1/completions")
-        msgs = _text_content(messages)
+        try:
+            msgs = conversation(messages, options.chat_template or self._source)
+        except ConversationError as exc:
+            raise TokenizerError(exc.where, str(exc).removeprefix(f"{exc.where}: ")) from exc
         try:
             text = template.render(
                 messages=msgs,
-                tools=options.tools,
+                tools=tool_definitions(options.tools),
                 documents=options.documents,
                 add_generation_prompt=options.add_generation_prompt and not options.continue_final_message,
                 **self._specials,
