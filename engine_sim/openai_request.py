@@ -364,8 +364,6 @@ def _check_sampling(body: _Sampling, n: int, max_tokens: int, logprobs: int | No
                 parameter="logprobs" if name == "sample" else "prompt_logprobs",
                 value=wanted,
             )
-    if body.priority != 0:
-        raise SimRequestError(f"Got priority {body.priority} but Priority scheduling is not enabled.")
     for tid in body.allowed_token_ids or []:
         if not 0 <= tid < VOCAB_SIZE:
             raise SimRequestError("allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids")

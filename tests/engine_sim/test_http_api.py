@@ -386,3 +386,13 @@ def test_served_names_must_be_distinct(names: tuple[str, str], needle: str) -> N
 def test_an_adapter_may_not_take_a_served_name() -> None:
     with pytest.raises(SimConfigError, match="--lora-modules"):
         SimConfig(model="a", aliases=("b",), lora_modules=(LoraModule("b", "/p"),)).validate()
+
+
+async def test_a_priority_is_served_as_vllm_032_serves_it_under_fcfs(sim: SimServer) -> None:
+    # vLLM 0.32 dropped its "Priority scheduling is not enabled" refusal: under the default fcfs
+    # policy a body's priority is accepted and has no effect.
+    base = {"model": "sim-llama", "prompt": "the cache", "max_tokens": 3, "seed": 1}
+    status, plain, _ = await post(sim, "/v1/completions", base)
+    status_p, prioritised, _ = await post(sim, "/v1/completions", {**base, "priority": 5})
+    assert (status, status_p) == (200, 200)
+    assert prioritised["choices"] == plain["choices"]
