@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import sys
@@ -43,8 +44,8 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{value} must be > 0")
+        if not (value > 0 and math.isfinite(value)):  # NaN fails `> 0` too
+            raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
         return value
 
     parse.__name__ = f"positive {kind.__name__}"
@@ -136,7 +137,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         # vLLM refuses to start then: its engine has no LoRA manager to load them into.
         raise SimConfigError("lora_modules", args.lora_modules[0].name, "needs --enable-lora, as vLLM's does")
     names = args.served_model_name or [args.model]
-    return SimConfig(
+    config = SimConfig(
         host=args.host,
         port=args.port,
         model=names[0],
@@ -165,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         lora_modules=tuple(args.lora_modules),
         runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),
     ).validate()
+    return config.check_kv_fits_max_model_len()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ Nothing binds beyond 127.0.0.1 unless told to: the HTTP host defaults to 127.0.0
 from __future__ import annotations
 
 import json
+import math
 from typing import Literal, get_args
 
 import msgspec
@@ -169,9 +170,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
                 raise SimConfigError(name, getattr(self, name), "must be a positive integer")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks <= 0:
             raise SimConfigError("num_gpu_blocks", self.num_gpu_blocks, "must be a positive integer")
-        for name in ("speedup", "kv_transfer_gbps", "slowdown", "kv_pin_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise SimConfigError(name, getattr(self, name), "must be > 0")
+        for name in ("speedup", "kv_transfer_gbps", "slowdown", "kv_pin_timeout_s", "restart_after_crash_s"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):  # NaN fails `> 0` too
+                raise SimConfigError(name, value, "must be a finite number > 0")
         if not 0.0 <= self.drop_event_fraction <= 1.0:
             raise SimConfigError("drop_event_fraction", self.drop_event_fraction, "must be in [0, 1]")
         for name in ("crash_after", "hang_after"):
@@ -184,6 +186,25 @@ class SimConfig(msgspec.Struct, kw_only=True):
         if len(set(names)) != len(names) or not all(names):
             raise SimConfigError("served_model_name", " ".join(names), "names must be distinct and non-empty")
         lora_requests(self.lora_modules, names)
+        return self
+
+    def check_kv_fits_max_model_len(self) -> SimConfig:
+        """vLLM refuses to start when its KV cache cannot hold one request of max_model_len tokens
+        (vllm.v1.core.kv_cache_utils, "KV cache is needed"); a sim that started anyway would leave
+        such a request waiting for blocks forever. Checked where the sim starts as vLLM does (the
+        CLI), not in `validate()`: tests build small pools under the default max_model_len."""
+        blocks = self.resolved_num_gpu_blocks
+        needed = -(-self.max_model_len // self.block_size)
+        if needed > blocks:
+            raise SimConfigError(
+                "max_model_len",
+                self.max_model_len,
+                f"To serve at least one request with the model's max seq len ({self.max_model_len}), "
+                f"{needed} KV cache blocks are needed, which is larger than the available KV cache "
+                f"({blocks} blocks of {self.block_size} tokens). Based on the available KV cache, the "
+                f"estimated maximum model length is {blocks * self.block_size}. Try increasing "
+                f"--num-gpu-blocks or decreasing --max-model-len when initializing the engine.",
+            )
         return self
 
     @property

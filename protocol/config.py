@@ -25,6 +25,8 @@ from protocol.errors import ConfigError
 
 __all__ = [
     "DISAGG_MODES",
+    "MAX_LOAD_PERIOD_S",
+    "MIN_STREAM_HEARTBEAT_S",
     "POLICY_NAMES",
     "ROUTING_MODES",
     "ConditionalDisaggConfig",
@@ -46,6 +48,13 @@ RoutingMode = Literal["kv", "round_robin", "random", "least_loaded"]
 ROUTING_MODES: tuple[str, ...] = get_args(RoutingMode)
 DisaggMode = Literal["conditional", "always", "never"]
 DISAGG_MODES: tuple[str, ...] = get_args(DisaggMode)
+# A router ends a leg after 3 heartbeats of silence. Below 50 ms that window (150 ms) is within a
+# NATS round trip plus one event-loop stall of a busy shim or router, and every leg would end as
+# worker_silent (a 2 ms heartbeat 503s every request).
+MIN_STREAM_HEARTBEAT_S = 0.05
+# The longest LoadReport period a router honours (router.load_view clamps to it): a shim reporting
+# less often would be taken as silent between its reports, so a longer --load-period-s is refused.
+MAX_LOAD_PERIOD_S = 60.0
 
 
 class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -127,6 +136,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         request, when `conditional.conditional_disagg` is on). Without a prefill pool every request
         is aggregated.
     conditional: the conditional disaggregation settings; flat names in flags, env and files.
+        `conditional_disagg` on needs disagg=conditional (the fixed modes never ask the policy).
     temperature: softmax temperature over negated costs for near-tie breaking; 0 is argmin.
     overlap_weight: weight of prefill work against decode load in the worker cost (default 4: on the
         H200 profiles a block of prefill costs about 3-4x the decode time a block of KV in use adds
@@ -141,7 +151,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         another worker holds and could serve within half slo_ttft_s (0: not at all, the seed cost;
         router.selection has the rule, docs/benchmarks.md the sweep behind the default).
     stream_heartbeat_s: workers send a heartbeat on a silent leg this often; three missed ones end
-        the leg (a dead worker is noticed within 3x this).
+        the leg (a dead worker is noticed within 3x this); at least MIN_STREAM_HEARTBEAT_S.
     slo_ttft_s, slo_itl_s: the service level the router protects: a worker takes new requests while
         its predicted prefill backlog is under half slo_ttft_s; the SLO-aware policy weighs both.
     """
@@ -174,12 +184,24 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         for name in ("prefill_timeout_s", "stream_heartbeat_s", "slo_ttft_s", "slo_itl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0")
+        if self.stream_heartbeat_s < MIN_STREAM_HEARTBEAT_S:
+            raise ConfigError(
+                "stream_heartbeat_s",
+                self.stream_heartbeat_s,
+                f"must be >= {MIN_STREAM_HEARTBEAT_S} (seconds; a leg silent for 3 heartbeats ends)",
+            )
         if self.recompute_weight < 0:
             raise ConfigError("recompute_weight", self.recompute_weight, "must be >= 0 (0: the seed cost)")
         if self.pending_ttl_s < 0:
             raise ConfigError("pending_ttl_s", self.pending_ttl_s, "must be >= 0 (0: off)")
         self.conditional.validate()
         c = self.conditional
+        if c.conditional_disagg and self.disagg != "conditional":
+            raise ConfigError(
+                "conditional_disagg",
+                True,
+                f"needs disagg=conditional (disagg={self.disagg} never asks the policy): drop one",
+            )
         if c.spill_to_prefill and not (self.disagg == "conditional" and c.conditional_disagg):
             raise ConfigError(
                 "spill_to_prefill",
@@ -271,6 +293,24 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("etcd_tls_cert", self.tls_cert, "etcd_tls_cert and etcd_tls_key go together")
         _check_files(etcd_tls_ca=self.tls_ca, etcd_tls_cert=self.tls_cert, etcd_tls_key=self.tls_key)
+        # discovery.session speaks TLS only with a CA: https:// without one would go in plaintext,
+        # and a client certificate without one would be dropped without a word.
+        if self.tls_ca is None:
+            https = [u for u in self.endpoints if u.startswith("https://")]
+            if https:
+                raise ConfigError(
+                    "etcd_tls_ca",
+                    None,
+                    f"{https[0]} speaks TLS: give the CA that signs its certificate (else plaintext)",
+                )
+            if self.tls_cert is not None:
+                raise ConfigError("etcd_tls_ca", None, "etcd_tls_cert and etcd_tls_key need etcd_tls_ca")
+        else:
+            http = [u for u in self.endpoints if u.startswith("http://")]
+            if http:
+                raise ConfigError(
+                    "etcd_endpoints", http[0], "with etcd_tls_ca every URL must be https:// (http:// is plaintext)"
+                )
         return self
 
 

@@ -2,7 +2,8 @@
 
 Every RouterSettings field is a flag of the same name (`--eff-isl-threshold`, `--routing`, ...),
 as are the NATS and etcd settings with their prefixes (`--nats-servers`, `--etcd-endpoints`).
-Each setting resolves CLI > KVSWITCH_* environment > `--config FILE` > default
+Each setting, the process's own (`ProcessSettings`: --namespace, --http-port, --model, ...)
+included, resolves CLI > KVSWITCH_* environment > `--config FILE` > default
 (protocol.config.resolve); RouterSettings are also live-tunable at /{ns}/config/router.
 """
 
@@ -13,7 +14,6 @@ import asyncio
 import ipaddress
 import logging
 import math
-import os
 import sys
 from typing import Any
 
@@ -34,7 +34,7 @@ from protocol.config import (
 from router.api_keys import ApiKeys, ApiKeysError
 from runtime import run_service, start_or_stop
 
-__all__ = ["add_arguments", "build_config", "run"]
+__all__ = ["ProcessSettings", "add_arguments", "build_config", "run"]
 
 log = logging.getLogger("kvswitch.router")
 
@@ -42,8 +42,9 @@ log = logging.getLogger("kvswitch.router")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help=f"subject/key prefix (default {subjects.DEFAULT_NAMESPACE})")
     parser.add_argument(
-        "--http-host", default="127.0.0.1", help="address of the OpenAI front door (another needs --api-keys-file)"
-    )
+        "--http-host", default=None,
+        help="address of the OpenAI front door (default 127.0.0.1; another needs --api-keys-file)",
+    )  # fmt: skip
     parser.add_argument(
         "--api-keys-file", default=None, metavar="FILE",
         help="clients must send `Authorization: Bearer <key>` with a key from FILE (one per line; reloaded on change)",
@@ -52,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-api-keys", action="store_true",
         help="serve a non-loopback --http-host without API keys (behind a gateway that authenticates)",
     )  # fmt: skip
-    parser.add_argument("--http-port", type=int, default=8080, help="port of the OpenAI front door (0: a free one)")
+    parser.add_argument(
+        "--http-port", type=int, default=None, help="port of the OpenAI front door (default 8080; 0: a free one)"
+    )
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer.json or its directory (default: built-in)")
     parser.add_argument(
         "--trust-request-chat-template",
@@ -62,13 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="serve only this model; also the default for requests")
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML or TOML settings file")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a request, seconds")
+    parser.add_argument("--request-timeout", type=float, default=None, help="deadline of a request, seconds (600)")
     parser.add_argument(
-        "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body accepted (else 413)"
+        "--max-body-bytes", type=int, default=None, help="largest request body accepted (else 413; default 16 MiB)"
     )
     parser.add_argument(
-        "--body-timeout-s", type=float, default=30.0, help="seconds a client has to send its request body (else 408)"
-    )
+        "--body-timeout-s", type=float, default=None,
+        help="seconds a client has to send its request body (else 408; default 30)",
+    )  # fmt: skip
     parser.add_argument(
         "--no-calibration", action="store_true",
         help="predict engine times from the workers' timing profiles as registered (default: fit each "
@@ -86,34 +90,77 @@ _ROUTER_FIELDS = {f.name for f in msgspec.structs.fields(RouterSettings)} | {
 }
 
 
+class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The replica's own settings (not live-tunable), layered as every setting is: flag >
+    KVSWITCH_<NAME> > --config file > default (docs/router.md, "Flags")."""
+
+    namespace: str = subjects.DEFAULT_NAMESPACE
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    api_keys_file: str | None = None
+    tokenizer: str | None = None
+    model: str | None = None
+    request_timeout: float = 600.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    no_calibration: bool = False
+
+    def validate(self) -> ProcessSettings:
+        try:
+            subjects.validate_namespace(self.namespace)  # "" too: it must not fall back to the default
+        except ValueError as exc:
+            raise ConfigError("namespace", self.namespace, "must match [A-Za-z0-9_-]+") from exc
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError("http_port", self.http_port, "must be in [0, 65535] (0 picks a free port)")
+        if not 0 < self.request_timeout < math.inf:  # 0 or less would time out every request; NaN fails too
+            raise ConfigError("request_timeout", self.request_timeout, "must be a number of seconds > 0")
+        if not 0 < self.body_timeout_s < math.inf:  # an infinity lets a client hold a connection forever
+            raise ConfigError("body_timeout_s", self.body_timeout_s, "must be a finite number of seconds > 0")
+        unset = {
+            "model": "leave it out to serve every registered model",  # "" would 404 every request
+            "tokenizer": "leave it out for the built-in tokenizer",
+            "api_keys_file": "name a file",
+        }
+        for name, hint in unset.items():
+            if getattr(self, name) == "":
+                raise ConfigError(name, "", f"must not be empty: {hint}")
+        return self
+
+
 def build_config(args: argparse.Namespace) -> Any:
     """A RouterConfig from parsed flags; ConfigError for any invalid setting."""
     from router.http_api import HttpLimits
     from router.service import RouterConfig
 
     given = vars(args)
-    if not 0 <= args.http_port <= 65535:
-        raise ConfigError("http_port", args.http_port, "must be in [0, 65535] (0 picks a free port)")
-    if not 0 < args.request_timeout < math.inf:  # 0 or less would time out every request; NaN fails too
-        raise ConfigError("request_timeout", args.request_timeout, "must be a number of seconds > 0")
-    try:
-        limits = HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s)
-    except ValueError as exc:
-        name = "max_body_bytes" if "max_body_bytes" in str(exc) else "body_timeout_s"
-        raise ConfigError(name, getattr(args, name), str(exc)) from exc
     file = load_file(args.config) if args.config else {}
     known = file_keys(RouterSettings) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")
-    check_file_keys(file, known | {"api_keys_file", "namespace"}, args.config)
+    check_file_keys(file, known | file_keys(ProcessSettings), args.config)
+    cli = {k: given.get(k) for k in file_keys(ProcessSettings)}
+    cli["no_calibration"] = True if args.no_calibration else None  # an absent store_true flag is not "off"
+    proc = resolve(ProcessSettings, cli=cli, file=file)
+    try:
+        limits = HttpLimits(max_body_bytes=proc.max_body_bytes, body_timeout_s=proc.body_timeout_s)
+    except ValueError as exc:
+        name = "max_body_bytes" if "max_body_bytes" in str(exc) else "body_timeout_s"
+        raise ConfigError(name, getattr(proc, name), str(exc)) from exc
     overrides = {k: v for k, v in given.items() if k in _ROUTER_FIELDS and v is not None}
     nats = resolve(NatsSettings, cli=given, file=file, setting_prefix="nats_")
     etcd = resolve(EtcdSettings, cli=given, file=file, setting_prefix="etcd_")
-    resolve(RouterSettings, cli=overrides, file=file)  # fail at startup, naming the flag
-    keys_file = args.api_keys_file or os.environ.get("KVSWITCH_API_KEYS_FILE") or file.get("api_keys_file")
-    if keys_file is None and not args.no_api_keys and not _loopback(args.http_host):
+    settings = resolve(RouterSettings, cli=overrides, file=file)  # fail at startup, naming the flag
+    if settings.prefill_timeout_s >= proc.request_timeout:
+        raise ConfigError(
+            "prefill_timeout_s",
+            settings.prefill_timeout_s,
+            f"must be < --request-timeout ({proc.request_timeout:g} s), else the fallback to a local prefill "
+            "never comes before the request's deadline",
+        )
+    keys_file = proc.api_keys_file
+    if keys_file is None and not args.no_api_keys and not _loopback(proc.http_host):
         raise ConfigError(
             "api_keys_file",
             None,
-            f"--http-host {args.http_host} serves beyond this machine: give --api-keys-file FILE, or --no-api-keys "
+            f"--http-host {proc.http_host} serves beyond this machine: give --api-keys-file FILE, or --no-api-keys "
             "behind a gateway that authenticates",
         )
     if keys_file is not None:
@@ -121,25 +168,20 @@ def build_config(args: argparse.Namespace) -> Any:
             ApiKeys(keys_file)
         except ApiKeysError as exc:
             raise ConfigError("api_keys_file", keys_file, str(exc)) from exc
-    ns = args.namespace or file.get("namespace") or subjects.DEFAULT_NAMESPACE
-    try:
-        subjects.validate_namespace(ns)
-    except ValueError as exc:
-        raise ConfigError("namespace", ns, "must match [A-Za-z0-9_-]+") from exc
     return RouterConfig(
-        ns=ns,
+        ns=proc.namespace,
         nats=nats,
         etcd=etcd,
-        http_host=args.http_host,
-        http_port=args.http_port,
-        tokenizer=args.tokenizer,
-        model=args.model,
+        http_host=proc.http_host,
+        http_port=proc.http_port,
+        tokenizer=proc.tokenizer,
+        model=proc.model,
         overrides=overrides,
         file_settings=file,
-        request_timeout_s=args.request_timeout,
+        request_timeout_s=proc.request_timeout,
         api_keys_file=keys_file,
         http_limits=limits,
-        calibrate=not args.no_calibration,
+        calibrate=not proc.no_calibration,
         trust_request_chat_template=args.trust_request_chat_template,
     )
 

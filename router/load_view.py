@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from protocol.config import MAX_LOAD_PERIOD_S
 from protocol.messages import LoadReport
 
 __all__ = ["MAX_CLOCK_SKEW_S", "Liveness", "LoadView", "WorkerLoad"]
@@ -216,7 +217,7 @@ class LoadView:
         if held is None:
             return None
         r = held.report
-        period = min(max(r.period_s, 0.05), 60.0) if r.period_s == r.period_s else 1.0  # NaN: the default
+        period = min(max(r.period_s, 0.05), MAX_LOAD_PERIOD_S) if r.period_s == r.period_s else 1.0  # NaN: the default
         return Liveness(max(0.0, self._clock() - held.received_at), period, r.events_ok, r.healthy, r.draining)
 
     def credit_short(self) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "JsonFormatter",
+    "LogConfigError",
     "RepeatedErrors",
     "RepeatedLines",
     "background",
@@ -98,10 +99,27 @@ class RepeatedLines(logging.Filter):
         return True
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("text", "json")
+
+
+class LogConfigError(ValueError):
+    """KVSWITCH_LOG_LEVEL or KVSWITCH_LOG_FORMAT has a value it may not have; names both."""
+
+    def __init__(self, variable: str, value: str, allowed: tuple[str, ...]) -> None:
+        super().__init__(f"invalid {variable} = {value!r}: allowed values: {', '.join(allowed)}")
+
+
 def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
-    """`KVSWITCH_LOG_LEVEL` (info) and `KVSWITCH_LOG_FORMAT` (`text` or `json`) unless given."""
-    level = (level or os.environ.get("KVSWITCH_LOG_LEVEL", "info")).upper()
+    """`KVSWITCH_LOG_LEVEL` (info) and `KVSWITCH_LOG_FORMAT` (`text` or `json`) unless given;
+    LogConfigError for any other value (a typo must not silently mean text, or crash later)."""
+    level = level or os.environ.get("KVSWITCH_LOG_LEVEL", "info")
     fmt = fmt or os.environ.get("KVSWITCH_LOG_FORMAT", "text")
+    if level.lower() not in LOG_LEVELS:
+        raise LogConfigError("KVSWITCH_LOG_LEVEL", level, LOG_LEVELS)
+    if fmt.lower() not in LOG_FORMATS:
+        raise LogConfigError("KVSWITCH_LOG_FORMAT", fmt, LOG_FORMATS)
+    level, fmt = level.upper(), fmt.lower()
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
@@ -222,9 +240,14 @@ def run_service(
     A second signal while draining exits at once with status 130; so does a drain that takes longer
     than `drain_limit_s` (logged as an ERROR): a process whose NATS or etcd vanished under it must
     still go when its supervisor says so. With `service` named, traces are exported over OTLP when
-    the OTEL_* environment asks for it (runtime.telemetry), and flushed at the end.
+    the OTEL_* environment asks for it (runtime.telemetry), and flushed at the end. An invalid
+    KVSWITCH_LOG_LEVEL or KVSWITCH_LOG_FORMAT is one line on stderr and status 2.
     """
-    configure_logging()
+    try:
+        configure_logging()
+    except LogConfigError as exc:
+        print(f"kvswitch: {exc}", file=sys.stderr)
+        return 2
     tune_gc()
     provider = None
     if service is not None:

@@ -7,12 +7,15 @@ the setting and what it allows.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import msgspec
 
 from protocol import ConfigError, subjects
+from protocol.config import MAX_LOAD_PERIOD_S
+from protocol.timing import profile_names
 from protocol.vllm_events import rank_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
 
@@ -25,6 +28,9 @@ ROLES: tuple[str, ...] = get_args(ShimRole)
 KvEventsMode = Literal["auto", "bind", "connect"]
 KV_EVENTS_MODES: tuple[str, ...] = get_args(KvEventsMode)
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_DURATIONS = (
+    "reregister_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s", "busy_limit_s"
+)  # fmt: skip
 
 
 class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -61,7 +67,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     lease_ttl: etcd lease TTL in seconds.
     reregister_grace_s: after a lost lease, how long the old worker id's subjects are still served
         (None: 2 x lease_ttl).
-    load_period_s: a LoadReport goes out on every change and at least this often.
+    load_period_s: a LoadReport goes out on every change and at least this often (at most
+        protocol.config.MAX_LOAD_PERIOD_S, the longest a router waits for).
     events_timeout_s: seconds without a connection on the event socket, or without a Stored event
         after a served request with a full block, before the shim reports events_ok false.
     http_host, http_port: the shim's own HTTP server (/health, /metrics); port 0 picks a free one.
@@ -173,13 +180,24 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(name, value, "must be > 0")
+        if self.timing_profile is not None and self.timing_profile not in (names := profile_names()):
+            # the router would find no such table and predict nothing for this worker
+            raise ConfigError(
+                "timing_profile", self.timing_profile, "allowed values: " + ", ".join(names) + " (or unset)"
+            )
         if self.lease_ttl < 1:
             raise ConfigError("lease_ttl", self.lease_ttl, "must be >= 1 (seconds)")
-        if self.reregister_grace_s is not None and self.reregister_grace_s < 0:
+        for name in _DURATIONS:  # NaN passes every comparison; an infinity waits forever
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(name, value, "must be a finite number of seconds")
+        if self.reregister_grace_s is not None and not self.reregister_grace_s >= 0:
             raise ConfigError("reregister_grace_s", self.reregister_grace_s, "must be >= 0 (seconds)")
         for name in ("load_period_s", "events_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0 (seconds)")
+        if self.load_period_s > MAX_LOAD_PERIOD_S:  # routers wait for no longer period (router.load_view)
+            raise ConfigError("load_period_s", self.load_period_s, f"must be <= {MAX_LOAD_PERIOD_S} (seconds)")
         if not 0 <= self.http_port <= 65535:
             raise ConfigError("http_port", self.http_port, "must be in [0, 65535] (0 picks a free port)")
         if self.worker_name is not None:
@@ -187,9 +205,9 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 subjects.kv(self.namespace, self.worker_name)
             except ValueError as exc:
                 raise ConfigError("worker_name", self.worker_name, "one subject token: [A-Za-z0-9_-]+") from exc
-        if self.drain_grace_s < 0:
+        if not self.drain_grace_s >= 0:
             raise ConfigError("drain_grace_s", self.drain_grace_s, "must be >= 0")
-        if self.health_interval_s <= 0:
+        if not self.health_interval_s > 0:
             raise ConfigError("health_interval_s", self.health_interval_s, "must be > 0")
         if self.health_failures < 1:
             raise ConfigError("health_failures", self.health_failures, "must be >= 1")

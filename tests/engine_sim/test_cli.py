@@ -15,7 +15,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from engine_sim import KVEventsConfig, SimConfig, SimFleet, SimServer, fleet_config
+from engine_sim import KVEventsConfig, SimConfig, SimConfigError, SimFleet, SimServer, fleet_config
 from engine_sim.cli import add_arguments, config_from_args, run
 from engine_sim.lora import LoraModule
 
@@ -32,8 +32,8 @@ def test_flags_build_the_config() -> None:
     events = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:6000", "topic": "t"}'
     cfg = config_from_args(
         parse("--port", "9000", "--model", "m", "--block-size", "32", "--num-gpu-blocks", "100",
-              "--kv-events-config", events, "--profile", "h200:qwen2.5-32b", "--speedup", "10",
-              "--role", "decode", "--event-form", "array", "--crash-after", "3", "--slowdown", "2")
+              "--max-model-len", "2048", "--kv-events-config", events, "--profile", "h200:qwen2.5-32b",
+              "--speedup", "10", "--role", "decode", "--event-form", "array", "--crash-after", "3", "--slowdown", "2")
     )  # fmt: skip
     assert (cfg.port, cfg.model, cfg.block_size, cfg.num_gpu_blocks) == (9000, "m", 32, 100)
     assert cfg.kv_events.active and cfg.kv_events.endpoint == "tcp://*:6000" and cfg.kv_events.topic == "t"
@@ -70,6 +70,27 @@ def test_bad_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys: 
     assert needle in err
     if argv[0] in ("--profile", "--role", "--event-form"):
         assert "choose from" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--restart-after-crash", "nan"], ["--restart-after-crash", "inf"], ["--slowdown", "inf"], ["--speedup", "nan"]],
+)
+def test_non_finite_durations_and_factors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(*argv)
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+    with pytest.raises(SimConfigError, match="restart-after-crash"):
+        SimConfig(restart_after_crash_s=float("inf")).validate()
+
+
+def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_as_vllm_does(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("--num-gpu-blocks", "64", "--block-size", "16", "--max-model-len", "1025")
+    assert run(parse(*argv)) == 2
+    err = capsys.readouterr().err
+    assert "--max-model-len = 1025: To serve at least one request with the model's max seq len (1025)" in err
+    assert "65 KV cache blocks are needed" in err and "estimated maximum model length is 1024" in err
+    assert config_from_args(parse(*argv[:-1], "1024")).max_model_len == 1024
 
 
 async def test_prefix_caching_is_on_unless_turned_off_as_vllm_does() -> None:
@@ -133,7 +154,7 @@ def test_cli_fleet_serves_and_stops_on_sigterm() -> None:
     events = '{"enable_kv_cache_events": true, "endpoint": "tcp://[::ffff:127.0.0.1]:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvswitch", "sim", "--count", "2", "--port", "0", "--speedup", "100",
-         "--num-gpu-blocks", "64", "--kv-events-config", events],
+         "--num-gpu-blocks", "64", "--max-model-len", "1024", "--kv-events-config", events],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     try:
@@ -168,7 +189,7 @@ def test_single_engine_exits_1_when_it_crashes() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvswitch", "sim", "--port", "0", "--speedup", "100", "--num-gpu-blocks", "64",
-         "--crash-after", "0"],
+         "--max-model-len", "1024", "--crash-after", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     try:

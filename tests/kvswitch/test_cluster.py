@@ -68,5 +68,5 @@ def test_a_child_that_dies_at_start_is_named_with_its_status_and_last_words() ->
         cluster.start()
     message = str(caught.value)
     assert "sim-agg (status 2; its last output:" in message
-    assert "argument --speedup: 0.0 must be > 0" in message  # the sim's own error, not just "exited"
+    assert "argument --speedup: 0.0 must be a finite number > 0" in message  # the sim's own error, not just "exited"
     assert cluster.children == [] and cluster.nats is None  # and nothing left running

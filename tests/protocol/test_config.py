@@ -177,11 +177,58 @@ def test_etcd_settings_with_auth_and_tls_files(tmp_path: Path) -> None:
             "etcd_tls_ca": str(tmp_path / "ca.pem"),
             "etcd_tls_cert": str(tmp_path / "cert.pem"),
             "etcd_tls_key": str(tmp_path / "key.pem"),
+            "etcd_endpoints": ["https://e:2379"],
         },
         env={},
         setting_prefix="etcd_",
     )
     assert (s.user, s.tls_ca) == ("u", str(tmp_path / "ca.pem"))
+
+
+@pytest.mark.parametrize(
+    ("cli", "match"),
+    [
+        # without a CA the client would speak plaintext to a TLS server
+        ({"etcd_endpoints": ["https://e:2379"]}, r"etcd_tls_ca .* = None: https://e:2379 speaks TLS"),
+        ({"etcd_tls_cert": "cert", "etcd_tls_key": "key"}, r"etcd_tls_ca .* etcd_tls_cert and etcd_tls_key need"),
+        ({"etcd_tls_ca": "ca"}, r"etcd_endpoints .* = 'http://127.0.0.1:2379': with etcd_tls_ca every URL must be"),
+        (
+            {"etcd_tls_ca": "ca", "etcd_endpoints": ["https://a:1", "http://b:1"]},
+            r"etcd_endpoints .* = 'http://b:1'",
+        ),
+        ({"etcd_tls_ca": "ca", "etcd_endpoints": ["https://e:1"], "etcd_tls_cert": "cert"}, "go together"),
+    ],
+)
+def test_etcd_tls_settings_that_would_not_speak_tls_are_refused(
+    cli: dict[str, object], match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for n in ("ca", "cert", "key"):
+        (tmp_path / n).write_text("x")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=match):
+        resolve(EtcdSettings, cli=cli, env={}, setting_prefix="etcd_")
+    assert resolve(
+        EtcdSettings, cli={"etcd_endpoints": ["https://e:1"], "etcd_tls_ca": "ca"}, env={}, setting_prefix="etcd_"
+    )
+
+
+@pytest.mark.parametrize("value", [0.002, 0.049])
+def test_a_stream_heartbeat_too_short_to_tell_a_dead_worker_is_refused(value: float) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"stream_heartbeat_s \(--stream-heartbeat-s, .*\) = {value}: must be >= 0.05"
+    ):
+        resolve(RouterSettings, cli={"stream_heartbeat_s": value}, env={})
+    assert resolve(RouterSettings, cli={"stream_heartbeat_s": 0.05}, env={}).stream_heartbeat_s == 0.05
+
+
+@pytest.mark.parametrize("disagg", ["always", "never"])
+def test_conditional_disagg_with_a_fixed_mode_is_refused(disagg: str) -> None:
+    with pytest.raises(ConfigError, match=rf"conditional_disagg .* needs disagg=conditional \(disagg={disagg}"):
+        resolve(RouterSettings, cli={"conditional_disagg": True, "disagg": disagg}, env={})
+    # the same from a live change on top of a flag (discovery.live_config resolves it this way)
+    with pytest.raises(ConfigError, match="conditional_disagg"):
+        resolve(RouterSettings, cli={"conditional_disagg": True}, file={"disagg": disagg}, env={})
+    assert resolve(RouterSettings, cli={"disagg": disagg}, env={}).disagg == disagg
 
 
 def test_nats_connect_options_carry_every_setting(tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ from tests.router.builders import cand, ctx, settings
         ({"conditional_disagg": True}, True, Path.BYPASS, Outcome.BYPASS_ISL),
         ({"conditional_disagg": True, "eff_isl_threshold": 10}, True, Path.REMOTE, Outcome.DECLINED_POLICY),
         ({"conditional_disagg": True, "decode_busy_threshold": 0.001}, True, Path.REMOTE, Outcome.VETOED_DECODE_BUSY),
-        ({"conditional_disagg": True, "disagg": "always"}, True, Path.REMOTE, Outcome.REMOTE_PREFILL),
     ],
 )
 def test_modes_and_outcomes(flags: dict[str, object], with_prefill: bool, path: Path, outcome: Outcome) -> None:

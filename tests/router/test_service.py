@@ -123,6 +123,13 @@ def test_cli_flags_become_settings_overrides() -> None:
         (["--spill-to-prefill"], "--spill-to-prefill"),  # the policy does not decide: nothing to spill
         (["--request-timeout", "0"], "--request-timeout"),  # every request would time out
         (["--request-timeout", "nan"], "--request-timeout"),
+        (["--namespace", ""], "--namespace"),  # not the default namespace in silence
+        (["--model", ""], "--model"),  # every request would be a 404
+        (["--body-timeout-s", "inf"], "--body-timeout-s"),
+        (["--stream-heartbeat-s", "0.002"], "--stream-heartbeat-s"),  # every request a worker_silent 503
+        (["--conditional-disagg", "--disagg", "never"], "--conditional-disagg"),  # the policy is never asked
+        (["--prefill-timeout-s", "600"], "--request-timeout"),  # the fallback would never fire
+        (["--prefill-timeout-s", "20", "--request-timeout", "10"], "--prefill-timeout-s"),
     ],
 )
 def test_cli_rejects_bad_settings_at_startup(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,6 +137,46 @@ def test_cli_rejects_bad_settings_at_startup(argv: list[str], flag: str, capsys:
         cli.build_config(_args(*argv))
     assert cli.run(_args(*argv)) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_process_settings_layer_cli_over_env_over_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("namespace: fromfile\nhttp_port: 7000\nrequest_timeout: 50\nmodel: file-model\n")
+    env = {
+        "KVSWITCH_NAMESPACE": "fromenv", "KVSWITCH_HTTP_PORT": "9001", "KVSWITCH_REQUEST_TIMEOUT": "120",
+        "KVSWITCH_MODEL": "llama", "KVSWITCH_TOKENIZER": "/models/llama", "KVSWITCH_BODY_TIMEOUT_S": "5",
+        "KVSWITCH_MAX_BODY_BYTES": "2048", "KVSWITCH_NO_CALIBRATION": "true",
+    }  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = cli.build_config(_args("--config", str(path), "--http-port", "9002"))
+    assert (config.ns, config.http_port, config.request_timeout_s, config.model, config.tokenizer) == (
+        "fromenv", 9002, 120.0, "llama", "/models/llama"
+    )  # fmt: skip
+    limits = config.http_limits
+    assert (limits.body_timeout_s, limits.max_body_bytes, config.calibrate) == (5.0, 2048, False)
+    for name in env:
+        monkeypatch.delenv(name)
+    config = cli.build_config(_args("--config", str(path)))
+    assert (config.ns, config.http_port, config.request_timeout_s) == ("fromfile", 7000, 50.0)
+    assert config.model == "file-model"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "flag"),
+    [
+        ("KVSWITCH_NAMESPACE", "", "--namespace"),
+        ("KVSWITCH_HTTP_PORT", "http", "--http-port"),
+        ("KVSWITCH_MODEL", "", "--model"),
+        ("KVSWITCH_REQUEST_TIMEOUT", "0", "--request-timeout"),
+    ],
+)
+def test_a_bad_process_setting_from_the_environment_is_refused_naming_it(
+    name: str, value: str, flag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=f"{flag}, {name}"):
+        cli.build_config(_args())
 
 
 def test_trusting_request_chat_templates_is_a_flag_off_by_default() -> None:

@@ -143,6 +143,33 @@ def test_events_config_errors_name_the_setting(kw: dict[str, object], setting: s
     assert err.value.setting == setting and words in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"load_period_s": 61.0}, "must be <= 60.0"),  # routers cap the period at 60 s: silent in between
+        ({"load_period_s": float("inf")}, "finite"),
+        ({"health_interval_s": float("nan")}, "finite"),
+        ({"health_interval_s": float("inf")}, "finite"),
+        ({"drain_grace_s": float("nan")}, "finite"),
+        ({"drain_grace_s": float("inf")}, "finite"),
+        ({"reregister_grace_s": float("nan")}, "finite"),
+        ({"reregister_grace_s": float("inf")}, "finite"),
+        ({"events_timeout_s": float("inf")}, "finite"),
+        ({"busy_limit_s": float("inf")}, "finite"),
+        ({"timing_profile": "h100:llama"}, "allowed values: h200:llama-3.1-8b"),
+    ],
+)
+def test_durations_and_the_timing_profile_are_checked(kw: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(model="m", kv_events="tcp://*:1", **kw).validate()  # type: ignore[arg-type]
+    assert err.value.setting == next(iter(kw)) and words in str(err.value)
+
+
+def test_the_longest_load_period_and_a_known_profile_are_accepted() -> None:
+    cfg = ShimConfig(model="m", kv_events="tcp://*:1", load_period_s=60.0, timing_profile="h200:qwen2.5-32b")
+    assert cfg.validate().load_period_s == 60.0
+
+
 def test_new_flags_reach_the_config() -> None:
     args = parse(
         "--model",
