@@ -20,6 +20,7 @@ __all__ = [
     "ENDPOINT_COMPLETIONS",
     "ENDPOINT_DETOKENIZE",
     "ENDPOINT_TOKENIZE",
+    "ENGINE_HEADERS",
     "SCHEMA_VERSION",
     "UTILITY_ENDPOINTS",
     "BlockHash",
@@ -264,7 +265,13 @@ class GenerateRequest(_Msg, kw_only=True):
     # own X-Request-Id or body `request_id` when it gave one, as vLLM takes them; "": `request_id`.
     # Only `request_id` is unique: it keys the leg everywhere else.
     engine_request_id: str = ""
+    # Request headers the engine reads, as the client sent them (ENGINE_HEADERS only): vLLM takes
+    # a priority and a session id from headers as well as from the body.
+    headers: dict[str, str] = {}
 
+
+# vLLM 0.32's (entrypoints/generate/base/serving.py: PRIORITY_HEADER, SESSION_ID_HEADER).
+ENGINE_HEADERS = ("X-Vllm-Priority", "X-Session-ID")
 
 ENDPOINT_COMPLETIONS = "completions"
 ENDPOINT_CHAT = "chat"

@@ -52,6 +52,7 @@ from protocol.messages import (
     ENDPOINT_COMPLETIONS,
     ENDPOINT_DETOKENIZE,
     ENDPOINT_TOKENIZE,
+    ENGINE_HEADERS,
 )
 from protocol.version import __version__
 from router.admission import Overloaded
@@ -595,8 +596,8 @@ class _Handlers:
     async def _tokens(self, parsed: ParsedRequest) -> tuple[list[int], list[list[int]]]:
         return await prompt_ids(self.tokenization, parsed)
 
-    def _leg(self, parsed: ParsedRequest, ids: _Ids, model: str, routed: list[int], prompts: list[list[int]]
-             ) -> GenerateRequest:  # fmt: skip
+    def _leg(self, parsed: ParsedRequest, ids: _Ids, model: str, routed: list[int], prompts: list[list[int]],
+             headers: Mapping[str, str]) -> GenerateRequest:  # fmt: skip
         params = parsed.params
         params["model"] = model
         if not parsed.chat and not (parsed.engine_tokenizes and _is_text(parsed)):
@@ -618,6 +619,7 @@ class _Handlers:
             annotations=[a for a in parsed.annotations if a != ANNOTATION_BYPASS],  # the router's alone
             endpoint=ENDPOINT_CHAT if parsed.chat else ENDPOINT_COMPLETIONS,
             params=params,
+            headers={h: v for h in ENGINE_HEADERS if (v := headers.get(h)) is not None},
         )
 
     # --- one request ----------------------------------------------------------------------------
@@ -643,7 +645,7 @@ class _Handlers:
             with self.path.tracer.request(
                 f"POST /v1/{'chat/' if chat else ''}completions", request.headers, **attrs
             ) as span:
-                leg = self._leg(parsed, ids, model, routed, prompts)
+                leg = self._leg(parsed, ids, model, routed, prompts, request.headers)
                 try:
                     job = await self.path.open(
                         leg, span, text=_is_text(parsed), shape=parsed.shape, max_tokens=parsed.max_tokens

@@ -70,7 +70,7 @@ from protocol import (
     encode_msg,
 )
 from protocol.hashing import chain_salt
-from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, UTILITY_ENDPOINTS
+from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, ENGINE_HEADERS, UTILITY_ENDPOINTS
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 from worker_shim.credit_check import reusable
 from worker_shim.decode_context import DecodeContext
@@ -360,7 +360,8 @@ class RequestService:
         self._queued += state.queued_tokens
         self.on_change()
         span = self.tracer.start(req.trace, role, worker, req.request_id)
-        leg.headers = LegTracer.headers(span, req.trace)
+        engine = {h: v for h, v in req.headers.items() if h in ENGINE_HEADERS}
+        leg.headers = {**engine, **LegTracer.headers(span, req.trace)}
         state.task = asyncio.create_task(self._run(req, leg, state, writer, role, span), name=f"leg-{req.request_id}")
 
     async def _resume(self, req: GenerateRequest, reply: str, worker: str, role: str) -> None:

@@ -189,6 +189,28 @@ async def test_the_leg_keeps_the_text_when_the_engines_answer_depends_on_it(
     assert leg.token_ids == (ids if routed is None else ids[-routed:])
 
 
+async def test_the_headers_vllm_reads_reach_the_engine(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    # vLLM 0.32 takes a priority (X-Vllm-Priority) and a session id (X-Session-ID) from headers.
+    router, worker = agg.routers[0], agg.workers[0]
+    assert worker.shim.adapter is not None
+    seen: list[dict[str, str]] = []
+    generate = worker.shim.adapter.generate
+
+    async def recording(leg: Any, on_output: Any) -> Any:
+        seen.append(dict(leg.headers))
+        return await generate(leg, on_output)
+
+    worker.shim.adapter.generate = recording  # type: ignore[method-assign]
+    sent = {"X-Vllm-Priority": "-3", "X-Session-ID": "chat-42", "X-Other": "not the engine's"}
+    async with http.post(
+        router.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2}, headers=sent
+    ) as r:
+        assert r.status == 200
+    (headers,) = seen
+    assert headers["X-Vllm-Priority"] == "-3" and headers["X-Session-ID"] == "chat-42"
+    assert "X-Other" not in headers
+
+
 async def test_a_chats_truncation_is_routed_as_the_engine_applies_it(agg: Cluster, http: aiohttp.ClientSession) -> None:
     router = agg.routers[0]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 60}], "max_tokens": 2}
