@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import math
 import shutil
 import sys
 import tempfile
@@ -63,8 +64,12 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     routers = args.routers if args.routers is not None else (1 if workers else 0)
     if routers < 0:
         raise SystemExit(f"kvswitch up: --routers must be >= 0, got {routers}")
-    if args.speedup <= 0:
-        raise SystemExit(f"kvswitch up: --speedup must be > 0, got {args.speedup}")
+    if not 0 < args.speedup < math.inf:
+        raise SystemExit(f"kvswitch up: --speedup must be a finite number > 0, got {args.speedup}")
+    for name in ("nats_port", "etcd_port", "http_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            raise SystemExit(f"kvswitch up: --{name.replace('_', '-')} must be in 0..65535 (0: a free one), "
+                             f"got {getattr(args, name)}")  # fmt: skip
     if not args.model.strip():
         raise SystemExit("kvswitch up: --model must name the served model, got an empty name")
     for name in ("nats_nodes", "etcd_members"):

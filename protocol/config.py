@@ -17,6 +17,7 @@ import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 import msgspec
 import yaml
@@ -39,6 +40,7 @@ __all__ = [
     "flat_names",
     "load_file",
     "resolve",
+    "url_problem",
 ]
 
 PolicyName = Literal["isl_bounding", "prefill_load", "isl_or_load", "ttft_model", "slo_aware"]
@@ -220,6 +222,21 @@ def _check_finite(settings: msgspec.Struct) -> None:
             raise ConfigError(f.name, value, "must be a finite number")
 
 
+def url_problem(url: str) -> str | None:
+    """What is wrong with `url`'s host and port (a port that is not a number in 1..65535, no
+    host), or None. Such a URL otherwise fails at the first connection, in a library's words."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"the port must be a number in 1..65535 ({exc})"
+    if not parts.hostname:
+        return "the URL names no host"
+    if port == 0:
+        return "the port must be a number in 1..65535"
+    return None
+
+
 class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
     servers: list[str] = msgspec.field(default_factory=lambda: ["nats://127.0.0.1:4222"])
     user: str | None = None
@@ -237,6 +254,8 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
         for url in self.servers:
             if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
                 raise ConfigError("nats_servers", url, "URLs must start with nats://, tls://, ws:// or wss://")
+            if (problem := url_problem(url)) is not None:
+                raise ConfigError("nats_servers", url, problem)
         if (self.user is None) != (self.password is None):
             raise ConfigError("nats_user", self.user, "nats_user and nats_password go together")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -288,6 +307,8 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
         for url in self.endpoints:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError("etcd_endpoints", url, "URLs must start with http:// or https://")
+            if (problem := url_problem(url)) is not None:
+                raise ConfigError("etcd_endpoints", url, problem)
         if (self.user is None) != (self.password is None):
             raise ConfigError("etcd_user", self.user, "etcd_user and etcd_password go together")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from protocol import ConfigError, subjects
-from protocol.config import MAX_LOAD_PERIOD_S
+from protocol.config import MAX_LOAD_PERIOD_S, url_problem
 from protocol.timing import profile_names
 from protocol.vllm_events import rank_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
@@ -155,6 +155,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         url = urlsplit(self.engine_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ConfigError("engine_url", self.engine_url, "an http:// or https:// URL with a host")
+        if (problem := url_problem(self.engine_url)) is not None:
+            raise ConfigError("engine_url", self.engine_url, problem)
         if not self.model:
             raise ConfigError("model", self.model, "the served model name is required")
         for name in ("kv_events", "kv_replay"):

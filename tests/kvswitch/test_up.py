@@ -158,6 +158,9 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
         (["--agg", "1", "--model", " "], "kvswitch up: --model must name the served model"),
         (["--agg", "1", "--lora-modules", "sim-llama=/a"], "kvswitch up: invalid --lora-modules"),
         (["--agg", "1", "--lora-modules", "sql"], "kvswitch up: invalid --lora-modules"),
+        (["--agg", "1", "--nats-port", "-1"], "kvswitch up: --nats-port must be in 0..65535"),
+        (["--agg", "1", "--etcd-port", "70000"], "kvswitch up: --etcd-port must be in 0..65535"),
+        (["--agg", "1", "--speedup", "inf"], "kvswitch up: --speedup must be a finite number > 0"),
     ],
 )
 def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], said: str) -> None:

@@ -146,6 +146,10 @@ def test_nats_settings_from_env_list() -> None:
         ({"nats_user": "u"}, "nats_user and nats_password go together"),
         ({"nats_tls_cert": "/c"}, "nats_tls_cert and nats_tls_key go together"),
         ({"nats_creds_file": "/definitely/missing.creds"}, r"nats_creds_file .* must name a readable file"),
+        # a traceback from nats-py at the first connection before
+        ({"nats_servers": ["nats://127.0.0.1:-1"]}, r"nats_servers .* the port must be a number in 1\.\.65535"),
+        ({"nats_servers": ["nats://a:1", "tls://b:abc"]}, r"'tls://b:abc': the port must be a number"),
+        ({"nats_servers": ["nats://:4222"]}, "the URL names no host"),
     ],
 )
 def test_invalid_nats_settings(cli: dict[str, object], match: str) -> None:
@@ -159,6 +163,8 @@ def test_invalid_nats_settings(cli: dict[str, object], match: str) -> None:
         ({"etcd_endpoints": ["127.0.0.1:2379"]}, "must start with http:// or https://"),
         ({"etcd_password": "p"}, "etcd_user and etcd_password go together"),
         ({"etcd_tls_ca": "/definitely/missing.pem"}, "must name a readable file"),
+        ({"etcd_endpoints": ["http://127.0.0.1:99999"]}, "the port must be a number in 1..65535"),  # a raw gRPC error
+        ({"etcd_endpoints": ["http://127.0.0.1:0"]}, "the port must be a number in 1..65535"),
     ],
 )
 def test_invalid_etcd_settings(cli: dict[str, object], match: str) -> None:

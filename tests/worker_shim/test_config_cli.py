@@ -29,6 +29,7 @@ def parse(*argv: str) -> argparse.Namespace:
         ({"engine": "tgi"}, "engine"),
         ({"role": "both"}, "role"),
         ({"engine_url": "localhost:8000"}, "engine_url"),
+        ({"engine_url": "http://127.0.0.1:99999"}, "engine_url"),  # it waited for /health forever
         ({"model": ""}, "model"),
         ({"engine": "sglang", "kv_events": None}, "kv_events"),  # vLLM's are read from the engine
         ({"kv_events": "http://x"}, "kv_events"),
