@@ -24,6 +24,7 @@ class ConversationError(ValueError):
 
     def __init__(self, where: str, why: str) -> None:
         self.where = where
+        self.why = why
         super().__init__(f"{where}: {why}")
 
 

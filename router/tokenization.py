@@ -234,7 +234,7 @@ class HfPromptTokenizer:
         try:
             msgs = conversation(messages, options.chat_template or self._source)
         except ConversationError as exc:
-            raise TokenizerError(exc.where, str(exc).removeprefix(f"{exc.where}: ")) from exc
+            raise TokenizerError(exc.where, exc.why) from exc
         try:
             text = template.render(
                 messages=msgs,
