@@ -214,3 +214,13 @@ def test_a_fingerprint_mismatch_is_logged_once_per_worker(hf_dir: Path, caplog: 
     assert builtin.mine == "builtin"
     builtin.check(info("w3", "tok-0123456789abcdef"))
     assert "--tokenizer" in builtin.report()["text_refused"][0]["why"]
+
+
+def test_a_tool_call_vllm_would_refuse_is_a_named_error(hf_dir: Path) -> None:
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "retrieval", "retrieval": {}}]},
+    ]
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(hf_dir).encode_chat(messages)
+    assert err.value.what == "messages[1].tool_calls" and "type 'function'" in err.value.why
