@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -217,7 +218,7 @@ def test_a_fingerprint_mismatch_is_logged_once_per_worker(hf_dir: Path, caplog: 
 
 
 def test_a_tool_call_vllm_would_refuse_is_a_named_error(hf_dir: Path) -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "hello"},
         {"role": "assistant", "content": None, "tool_calls": [{"type": "retrieval", "retrieval": {}}]},
     ]
