@@ -192,13 +192,15 @@ _KINDS: dict[type | tuple[type, ...], str] = {
 
 def _opt(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
     """`body[name]` as `kind`. Integers and booleans are read as vLLM's lax parsing reads them (so
-    as engine_sim does): 512.0 and "512" are 512, "true" and 1 are True; a bool is no integer."""
+    as engine_sim does): 512.0 and "512" are 512, "true", "yes" and 1 are True; a bool is no integer."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
         return value
-    if kind is int or kind is bool:
+    if kind is bool and (flag := lax_bool(value)) is not None:  # "yes", "on", "t", 1, ... as pydantic reads them
+        return flag
+    if kind is int:
         with contextlib.suppress(msgspec.ValidationError):
             return msgspec.convert(value, kind, strict=False)
     raise ApiError(400, f"'{name}' must be {_KINDS.get(kind, kind)}, got {type(value).__name__}", name)

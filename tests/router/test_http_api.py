@@ -391,7 +391,7 @@ USER_X = [{"role": "user", "content": "x"}]
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2**32]}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [[1], []]}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "maybe"}, "stream"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": True}, "max_tokens"),
         (
             "/v1/completions",
