@@ -114,8 +114,6 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             raise ConfigError("http_port", self.http_port, "must be in [0, 65535] (0 picks a free port)")
         if not 0 < self.request_timeout < math.inf:  # 0 or less would time out every request; NaN fails too
             raise ConfigError("request_timeout", self.request_timeout, "must be a number of seconds > 0")
-        if not 0 < self.body_timeout_s < math.inf:  # an infinity lets a client hold a connection forever
-            raise ConfigError("body_timeout_s", self.body_timeout_s, "must be a finite number of seconds > 0")
         unset = {
             "model": "leave it out to serve every registered model",  # "" would 404 every request
             "tokenizer": "leave it out for the built-in tokenizer",

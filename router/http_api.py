@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -72,6 +73,7 @@ __all__ = [
     "keep_specials_truncated",
     "make_app",
     "parse_request",
+    "prompt_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,8 +113,8 @@ class HttpLimits:
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if not self.body_timeout_s > 0:
-            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        if not 0 < self.body_timeout_s < math.inf:  # an infinity lets a client hold a connection forever
+            raise ValueError(f"body_timeout_s must be a finite number of seconds > 0, got {self.body_timeout_s}")
 
 
 class ApiError(Exception):
@@ -773,15 +775,17 @@ async def keep_specials_truncated(tok: Tokenization, text: str, keep: int) -> li
     bare = await tok.encode(text, False)
     added = len(marked) - len(bare)
     start = next((i for i in range(added + 1) if marked[i : i + len(bare)] == bare), None)
-    if start is None or len(marked) <= keep:  # not specials + text + specials, or nothing to cut
+    # Not specials + text + specials, or nothing to cut: a plain slice, which can only cost a
+    # routing guess (the engine gets the text and truncates it itself).
+    if start is None or len(marked) <= keep:
         return _truncated(marked, keep, "left")
     body = bare[len(bare) - (keep - added) :] if keep > added else []
     return marked[:start] + body + marked[start + len(bare) :]
 
 
 def _truncated(ids: list[int], keep: int, side: str | None) -> list[int]:
-    """vLLM's slice: `keep` tokens from the left end for side "right", else from the right end
-    (the tokenizer's side for generation is "left")."""
+    """vLLM's slice: the first `keep` ids for side "right" (cut at the end), else the last `keep`
+    (no side: the tokenizer's, "left" for generation)."""
     return ids[:keep] if side == "right" else ids[-keep:]
 
 
