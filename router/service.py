@@ -29,7 +29,6 @@ from types import TracebackType
 from typing import Any, Self
 
 import msgspec
-import nats
 from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -62,6 +61,7 @@ from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization,
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
 from runtime import RepeatedErrors, background, guarded
+from runtime.nats_connect import connect as nats_connect
 
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
@@ -219,7 +219,7 @@ class RouterService:
 
     async def _start(self) -> None:
         servers = ", ".join(self.config.nats.servers)
-        self._nc = nc = await nats.connect(
+        self._nc = nc = await nats_connect(
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"),
             error_cb=RepeatedErrors(log, f"NATS {servers}", "check --nats-servers and the server").on_error,
             disconnected_cb=self._nats_disconnected,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import ssl
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +20,11 @@ from kvswitch.etcd_auth import enable_auth, namespace_users
 from kvswitch.servers import EtcdServer, NatsServer, TlsFiles
 from protocol import WorkerInfo
 from protocol.config import EtcdSettings, NatsSettings
+from router.service import RouterConfig, RouterService
+from runtime.nats_connect import TlsNotOffered
+from runtime.nats_connect import connect as nats_connect
+from tests.runtime.recording_proxy import recording_proxy
+from worker_shim.nats_connect import connect_nats
 
 
 def _tls_files(ca: trustme.CA, out: Path) -> TlsFiles:
@@ -75,6 +82,46 @@ async def test_nats_client_without_the_ca_fails_naming_the_certificate(
     settings = NatsSettings(servers=[nats_tls.url], tls_ca=str(other_ca) if which_ca == "other" else None)
     with pytest.raises(ssl.SSLCertVerificationError, match="certificate verify failed"):
         await nats.connect(**settings.connect_options("test"), allow_reconnect=False)
+
+
+@pytest.fixture(scope="module")
+def nats_plain_with_password() -> Iterator[NatsServer]:
+    with NatsServer(authorization='authorization { user: app, password: "s3cret-pw" }') as server:
+        yield server
+
+
+@pytest.mark.parametrize("asked_by", ["tls_ca", "tls_scheme"])
+async def test_a_server_that_does_not_ask_for_tls_is_sent_nothing(
+    nats_plain_with_password: NatsServer, tls: TlsFiles, asked_by: str
+) -> None:
+    # nats-py upgrades only when the server's INFO asks; alone it sent this CONNECT, password and
+    # all, in the clear to a server (or an impostor) that did not.
+    sent = bytearray()
+    proxy = await recording_proxy(nats_plain_with_password.port, sent)
+    port = proxy.sockets[0].getsockname()[1]
+    scheme, ca = ("nats", str(tls.ca)) if asked_by == "tls_ca" else ("tls", None)
+    settings = NatsSettings(servers=[f"{scheme}://127.0.0.1:{port}"], user="app", password="s3cret-pw", tls_ca=ca)
+    try:
+        with pytest.raises(TlsNotOffered, match=r"did not ask for TLS.*nothing was sent"):
+            await nats_connect(**settings.connect_options("test"), allow_reconnect=False)
+    finally:
+        proxy.close()
+        await proxy.wait_closed()
+    assert b"CONNECT" not in sent and b"s3cret-pw" not in sent, bytes(sent)
+
+
+async def test_the_router_and_the_shim_refuse_a_server_that_does_not_ask_for_tls(
+    nats_plain_with_password: NatsServer, tls: TlsFiles, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = NatsSettings(
+        servers=[nats_plain_with_password.url], user="app", password="s3cret-pw", tls_ca=str(tls.ca)
+    )
+    router = RouterService(RouterConfig(nats=settings))
+    for name, start in (("router", router.start()), ("shim", connect_nats(settings, "test"))):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), pytest.raises(TimeoutError):
+            await asyncio.wait_for(start, 3)  # they keep retrying, saying why
+        assert any("did not ask for TLS" in r.getMessage() for r in caplog.records), name
 
 
 def _info(worker: str) -> WorkerInfo:

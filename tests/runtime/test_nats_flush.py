@@ -13,29 +13,8 @@ from nats.aio.msg import Msg
 
 from kvswitch.servers import NatsServer
 from runtime.nats_flush import flush
+from tests.runtime.recording_proxy import recording_proxy
 from tests.worker_shim.cluster import wait_for
-
-
-async def _recording_proxy(upstream_port: int, sent: bytearray) -> asyncio.Server:
-    """A TCP relay to the server that keeps, in order, every byte the client sends."""
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: bool) -> None:
-        try:
-            while data := await reader.read(65536):
-                if record:
-                    sent.extend(data)
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        server_r, server_w = await asyncio.open_connection("127.0.0.1", upstream_port)
-        await asyncio.gather(pipe(client_r, server_w, True), pipe(server_r, client_w, False))
-
-    return await asyncio.start_server(relay, "127.0.0.1", 0)
 
 
 async def test_the_flush_ping_goes_out_behind_the_subscription_it_follows() -> None:
@@ -44,7 +23,7 @@ async def test_the_flush_ping_goes_out_behind_the_subscription_it_follows() -> N
     # its PING at once, ahead of the SUB still queued for its flusher task.
     with NatsServer() as server:
         sent = bytearray()
-        proxy = await _recording_proxy(server.port, sent)
+        proxy = await recording_proxy(server.port, sent)
         port = proxy.sockets[0].getsockname()[1]
         nc = await nats.connect(f"nats://127.0.0.1:{port}")
         try:

@@ -1,0 +1,56 @@
+"""Connecting to NATS with no TLS downgrade: a connection that was asked to be encrypted is never
+made in the clear.
+
+nats-py 2.16 starts TLS only when the server's INFO says `tls_required`, whatever the `tls://`
+scheme or the SSL context it was given. A server that leaves it out (a misconfigured one, or an
+impostor on the path) got the CONNECT in plaintext, with a user and password in it. Here the
+connection stops before the CONNECT is written, and the error names both ways out. Every kvswitch
+process connects through `connect`.
+
+In its own module, not in `runtime`'s namespace: processes without NATS (engine_sim) import runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nats.aio.client import Client
+from nats.errors import Error
+
+__all__ = ["TlsNotOffered", "connect"]
+
+
+class TlsNotOffered(Error):
+    """The server did not start TLS on a connection that was to be encrypted."""
+
+    def __init__(self, server: str) -> None:
+        super().__init__(
+            f"{server} did not ask for TLS, but this connection must be encrypted (a tls:// URL or "
+            "--nats-tls-ca): nothing was sent to it. Enable TLS on the server (its `tls {...}` "
+            "block), or connect to it with a nats:// URL and no --nats-tls-* flag"
+        )
+
+
+class _EncryptedOrNothing(Client):
+    def _connect_command(self) -> bytes:
+        # Called after nats-py has decided on TLS and before the CONNECT goes out.
+        server = self._current_server
+        assert server is not None, "called only while connecting"
+        scheme = server.uri.scheme
+        wanted = "tls" in self.options or scheme in ("tls", "wss")
+        encrypted = (
+            scheme == "wss"
+            or (scheme != "ws" and self.options["tls_handshake_first"])
+            or (scheme != "ws" and bool(self._server_info.get("tls_required")))
+        )
+        if wanted and not encrypted:
+            raise TlsNotOffered(f"{scheme}://{server.uri.hostname}:{server.uri.port}")
+        return super()._connect_command()
+
+
+async def connect(**options: Any) -> Client:
+    """`nats.connect(**options)`, refusing (TlsNotOffered, through `error_cb` while it retries) to
+    connect in the clear when the options ask for TLS."""
+    nc = _EncryptedOrNothing()
+    await nc.connect(**options)
+    return nc
