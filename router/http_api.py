@@ -810,6 +810,25 @@ def _auth_middleware(keys: ApiKeys) -> Callable[..., Any]:
     return check
 
 
+# vLLM 0.32 serves these; kvswitch does not route them (docs/router.md, "Endpoints").
+_ENGINE_ONLY = (
+    "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/rerank",
+    "/score", "/pooling", "/classify", "/v1/audio/", "/v1/realtime", "/invocations",
+    "/v1/chat/completions/", "/v1/completions/",
+)  # fmt: skip
+
+
+def _no_route(path: str) -> str:
+    """A 404's message; a vLLM endpoint the router does not route is named as one, so a client
+    pointed at the router learns where to send it."""
+    if path.startswith(_ENGINE_ONLY):
+        return (
+            f"no route {path}: kvswitch routes /v1/completions and /v1/chat/completions (and answers "
+            "/v1/models, /tokenize and /detokenize); send other vLLM endpoints to an engine directly"
+        )
+    return f"no route {path}"
+
+
 @web.middleware
 async def _openai_errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
     """aiohttp's own answers (unknown route, wrong method, body too large) and anything a handler
@@ -820,7 +839,7 @@ async def _openai_errors(request: web.Request, handler: Callable[[web.Request], 
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        what = {404: f"no route {request.path}", 405: f"{request.method} is not allowed on {request.path}"}
+        what = {404: _no_route(request.path), 405: f"{request.method} is not allowed on {request.path}"}
         err = ApiError(exc.status, what.get(exc.status, exc.reason), close=exc.status == 413)
         resp = err.response()
         if exc.status == 405 and "Allow" in exc.headers:

@@ -482,6 +482,12 @@ async def test_unknown_model_route_and_method(agg: Cluster, http: aiohttp.Client
     assert_openai_error(status, out, 404, "model")
     status, out, _ = await post(http, url + "/v1/nothing", {})
     assert_openai_error(status, out, 404)
+    assert out["error"]["message"] == "no route /v1/nothing"
+    for path in ("/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/chat/completions/render"):
+        status, out, _ = await post(http, url + path, {"model": MODEL, "input": "x"})  # vLLM serves these
+        assert_openai_error(status, out, 404)
+        assert "kvswitch routes /v1/completions and /v1/chat/completions" in out["error"]["message"], path
+        assert "send other vLLM endpoints to an engine directly" in out["error"]["message"], path
     async with http.get(url + "/v1/completions") as r:
         assert_openai_error(r.status, await r.json(), 405)
         assert "POST" in r.headers["Allow"]
