@@ -17,6 +17,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, TypeVar
 
 import msgspec
@@ -24,6 +25,7 @@ import msgspec
 from engine_sim.errors import PromptTooLongError, SimRequestError, VllmValidationError
 from engine_sim.logprobs import MAX_LOGPROBS
 from engine_sim.lora import LoraRequest
+from protocol.messages import lax_bool
 from protocol.tokenizer import VOCAB_SIZE, BuiltinTokenizer, apply_chat_template
 
 __all__ = [
@@ -178,9 +180,40 @@ def parse_body(raw: bytes, kind: type[T]) -> T:
         _warned.update(unknown)
         log.warning("The following fields were present in the request but ignored: %s", set(unknown))
     try:
-        return msgspec.convert(obj, kind, strict=False)
+        return msgspec.convert(_lax_bools(obj, kind), kind, strict=False)
     except msgspec.ValidationError as exc:
         raise SimRequestError(str(exc), param=str(exc).rsplit("`$.", 1)[-1].rstrip("`") or None) from exc
+
+
+def _lax_bools(obj: dict[str, Any], kind: type) -> dict[str, Any]:
+    """`obj` with its boolean fields read as vLLM's pydantic models read them ("yes", "on", "t",
+    1.0 ... are true); msgspec's lax mode takes only "true", "false", "1", "0", 0 and 1, so
+    `"stream": "yes"`, which vLLM streams, was a 400 here."""
+    fields, nested = _bool_fields(kind)
+    out = obj
+    for name in fields & obj.keys():
+        if (value := lax_bool(obj[name])) is not None and value is not obj[name]:
+            out = out if out is not obj else dict(obj)
+            out[name] = value
+    for name, inner in nested.items():
+        if isinstance(sub := obj.get(name), dict) and (fixed := _lax_bools(sub, inner)) is not sub:
+            out = out if out is not obj else dict(obj)
+            out[name] = fixed
+    return out
+
+
+@cache
+def _bool_fields(kind: type) -> tuple[frozenset[str], dict[str, type]]:
+    """`kind`'s boolean fields, and its fields that are Structs of their own (`stream_options`)."""
+    bools: set[str] = set()
+    nested: dict[str, type] = {}
+    for f in msgspec.structs.fields(kind):
+        info = msgspec.inspect.type_info(f.type)
+        types = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+        if any(isinstance(t, msgspec.inspect.BoolType) for t in types):
+            bools.add(f.encode_name)
+        nested.update((f.encode_name, t.cls) for t in types if isinstance(t, msgspec.inspect.StructType))
+    return frozenset(bools), nested
 
 
 class Prompt(msgspec.Struct):

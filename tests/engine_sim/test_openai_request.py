@@ -3,6 +3,7 @@ rules, msgspec only as the fast path), and token-id prompts keep their forms."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -35,3 +36,30 @@ def test_token_id_prompts(prompt: Any, ids: list[list[int]]) -> None:
 def test_what_is_not_a_prompt_is_refused(prompt: Any) -> None:
     with pytest.raises(SimRequestError):
         _prompts(prompt)
+
+
+# vLLM 0.32's CompletionRequest (pydantic, lax mode) on each value, for `stream`, `echo`,
+# `ignore_eos` (a bool with no None) and `stream_options.include_usage`; ERR is its 422/400.
+# Recorded with `.venv-vllm/bin/python`: CompletionRequest.model_validate({..., field: value}).
+VLLM_BOOLEANS: list[tuple[Any, list[Any]]] = [
+    ("yes", [True] * 4), ("YES", [True] * 4), ("On", [True] * 4), ("t", [True] * 4), ("y", [True] * 4),
+    ("1", [True] * 4), (1, [True] * 4), (1.0, [True] * 4), ("True", [True] * 4),
+    ("off", [False] * 4), ("n", [False] * 4), ("F", [False] * 4), ("0", [False] * 4), (0.0, [False] * 4),
+    ("maybe", ["ERR"] * 4), (2, ["ERR"] * 4), (1.5, ["ERR"] * 4), (None, [None, None, "ERR", None]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "vllm"), VLLM_BOOLEANS)
+def test_booleans_are_read_as_vllm_reads_them(value: Any, vllm: list[Any]) -> None:
+    # msgspec's own lax mode refused "yes", "on", "t" and 1.0: a 400 where vLLM streams.
+    def read(body: dict[str, Any], get: Any) -> Any:
+        try:
+            return get(parse_body(json.dumps({"prompt": "x", **body}).encode(), CompletionRequest))
+        except SimRequestError:
+            return "ERR"
+
+    got = [read({f: value}, lambda b, f=f: getattr(b, f)) for f in ("stream", "echo", "ignore_eos")]
+    got.append(
+        read({"stream": True, "stream_options": {"include_usage": value}}, lambda b: b.stream_options.include_usage)
+    )
+    assert got == vllm

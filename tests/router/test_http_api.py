@@ -476,6 +476,17 @@ async def test_tokenize_and_detokenize_are_a_workers_engines_own(cluster: Cluste
         assert r.status == 200 and await r.json() == {"version": __version__}
 
 
+async def test_a_lax_boolean_stream_streams_through_the_router(agg: Cluster, http: aiohttp.ClientSession) -> None:
+    # vLLM 0.32 reads "yes" as true: the router streamed it, and engine_sim answered 400.
+    request = {"model": MODEL, "prompt": "a b c", "max_tokens": 3, "stream": "yes", "echo": "off"}
+    for url in (agg.workers[0].sim.url, agg.routers[0].url):
+        async with http.post(url + "/v1/completions", json=request) as r:
+            raw = (await r.read()).decode()
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream"), (url, raw)
+        events = sse(raw)
+        assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]), url
+
+
 async def test_unknown_model_route_and_method(agg: Cluster, http: aiohttp.ClientSession) -> None:
     url = agg.routers[0].url
     status, out, _ = await post(http, url + "/v1/completions", {"model": "no-such-model", "prompt": "x"})
