@@ -32,6 +32,7 @@ from protocol.config import (
     resolve,
 )
 from router.api_keys import ApiKeys, ApiKeysError
+from router.content_format import CONTENT_FORMATS
 from runtime import run_service, start_or_stop
 
 __all__ = ["ProcessSettings", "add_arguments", "build_config", "run"]
@@ -62,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="render a chat template a client sends (refused with 400 by default, as vLLM does); "
         "give the engines the same flag",
+    )
+    parser.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default=None,
+        help="how the chat template takes message content, as the engines' flag of that name says: text "
+        "('string') or a list of parts ('openai'); 'auto' (default) detects it from the template, as vLLM does",
     )
     parser.add_argument("--model", default=None, help="serve only this model; also the default for requests")
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML or TOML settings file")
@@ -104,6 +112,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     max_body_bytes: int = 16 * 1024 * 1024
     body_timeout_s: float = 30.0
     no_calibration: bool = False
+    chat_template_content_format: str = "auto"
 
     def validate(self) -> ProcessSettings:
         try:
@@ -114,6 +123,12 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             raise ConfigError("http_port", self.http_port, "must be in [0, 65535] (0 picks a free port)")
         if not 0 < self.request_timeout < math.inf:  # 0 or less would time out every request; NaN fails too
             raise ConfigError("request_timeout", self.request_timeout, "must be a number of seconds > 0")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ConfigError(
+                "chat_template_content_format",
+                self.chat_template_content_format,
+                f"one of {', '.join(CONTENT_FORMATS)}",
+            )
         unset = {
             "model": "leave it out to serve every registered model",  # "" would 404 every request
             "tokenizer": "leave it out for the built-in tokenizer",
@@ -181,6 +196,7 @@ def build_config(args: argparse.Namespace) -> Any:
         http_limits=limits,
         calibrate=not proc.no_calibration,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_content_format=proc.chat_template_content_format,
     )
 
 

@@ -1,13 +1,14 @@
 """The conversation and tools a chat template sees, prepared from a request as vLLM 0.32 prepares
 them (`renderers/chat_utils.py`: `_parse_chat_message_content`, `_postprocess_messages`;
-`renderers/hf.py`: developer messages; the tools' `model_dump()`), for templates that take text
-content. Rendering the client's raw messages instead gives other ids from the first tool turn on
-(arguments a JSON string where templates expect an object, `None` printed for an empty content, a
-`developer` role the template refuses), so such requests lost prefix routing or were refused.
+`renderers/hf.py`: developer messages; the tools' `model_dump()`). Rendering the client's raw
+messages instead gives other ids from the first tool turn on (arguments a JSON string where
+templates expect an object, `None` printed for an empty content, a `developer` role the template
+refuses), so such requests lost prefix routing or were refused.
 
-Not reproduced: templates that take content as a list of parts (vLLM detects them from the
-template's syntax tree), multimodal parts (refused here), and vLLM's Claude Code billing-header
-stripping from system messages.
+Content reaches the template as text (text parts joined by newlines) or, for a template that loops
+over it (router.content_format), as a list of `{"type": "text", "text": ...}` parts, as vLLM hands
+it over. Claude Code's per-request billing line is taken out of system messages, as vLLM does.
+Not reproduced: multimodal parts (refused here).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from router.content_format import ContentFormat
 
 __all__ = ["ConversationError", "conversation", "tool_definitions"]
 
@@ -28,11 +31,13 @@ class ConversationError(ValueError):
         super().__init__(f"{where}: {why}")
 
 
-def conversation(messages: Sequence[Mapping[str, Any]], template: str) -> list[dict[str, Any]]:
-    """Each message as vLLM hands it to `template`: only the keys vLLM keeps, text parts joined by
-    newlines, tool-call arguments as objects, and `developer` messages as one leading `system`
-    message when the template does not name the developer role."""
-    out = [_message(i, m) for i, m in enumerate(messages)]
+def conversation(
+    messages: Sequence[Mapping[str, Any]], template: str, content_format: ContentFormat = "string"
+) -> list[dict[str, Any]]:
+    """Each message as vLLM hands it to `template`: only the keys vLLM keeps, content in
+    `content_format`, tool-call arguments as objects, and `developer` messages as one leading
+    `system` message when the template does not name the developer role."""
+    out = [_message(i, m, content_format) for i, m in enumerate(messages)]
     if any(m["role"] == "developer" for m in out) and '"developer"' not in template and "'developer'" not in template:
         out = _system_first([{**m, "role": "system"} if m["role"] == "developer" else m for m in out])
         for m in out:
@@ -68,9 +73,9 @@ def tool_definitions(tools: Sequence[Any] | None) -> list[dict[str, Any]] | None
     return out
 
 
-def _message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
+def _message(i: int, message: Mapping[str, Any], content_format: ContentFormat) -> dict[str, Any]:
     role = message.get("role")
-    out: dict[str, Any] = {"role": role, "content": _text(i, message.get("content"))}
+    out: dict[str, Any] = {"role": role, "content": _content(i, role, message.get("content"), content_format)}
     if role == "assistant":
         calls = message.get("tool_calls")
         if isinstance(calls, list) and calls:
@@ -88,18 +93,79 @@ def _message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _text(i: int, content: Any) -> Any:
+# vLLM's text part types, and the key each keeps its text under.
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+# Keys vLLM's part models know; a text part's other keys reach an "openai" template with it.
+_KNOWN_PART_KEYS = frozenset({
+    "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url", "input_audio",
+    "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid", "video_embeds", "video_url",
+})  # fmt: skip
+_MEDIA_KEYS = ("image_url", "image_pil", "image_embeds", "audio_embeds", "video_embeds", "prompt_embeds",
+               "audio_url", "input_audio", "video_url", "tool_reference")  # fmt: skip
+_BILLING_HEADER = "x-anthropic-billing-header"
+_NOT_TEXT = "the router tokenizes only text parts"
+
+
+def _content(i: int, role: Any, content: Any, content_format: ContentFormat) -> Any:
     if content is None:
-        return ""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for part in content:
-        text = part.get("text") if isinstance(part, Mapping) and part.get("type", "text") == "text" else None
+        parts: list[Any] = []
+    elif isinstance(content, str):
+        parts = [content]
+    elif isinstance(content, list):
+        parts = content
+    else:
+        return content  # not a message vLLM accepts: the engine refuses it
+    if role == "system":
+        parts = _without_billing_header(parts)
+    out = [p for p in (_part(i, part, content_format) for part in parts) if p is not None]
+    return out if content_format == "openai" else "\n".join(out)
+
+
+def _part(i: int, part: Any, content_format: ContentFormat) -> Any:
+    """One content part as text, or as a text part for an "openai" template; None for a part
+    vLLM skips (a text or refusal part without its text)."""
+    extra: dict[str, Any] = {}
+    if isinstance(part, str):
+        text: Any = part
+    elif isinstance(part, Mapping):
+        kind = part.get("type")
+        where = f"messages[{i}].content"
+        if kind is None or part.get("uuid") is not None:
+            raise ConversationError(where, _NOT_TEXT if any(k in part for k in _MEDIA_KEYS) else
+                                    "Missing 'type' field in multimodal part.")  # fmt: skip
+        if not isinstance(kind, str):
+            raise ConversationError(where, "Invalid 'type' field in multimodal part.")
+        if kind not in _TEXT_PARTS:
+            raise ConversationError(where, _NOT_TEXT)
+        text = part.get(_TEXT_PARTS[kind])
+        if text is None and kind in ("text", "refusal"):
+            return None
         if not isinstance(text, str):
-            raise ConversationError(f"messages[{i}].content", "the router tokenizes only text parts")
-        texts.append(text)
-    return "\n".join(texts)
+            raise ConversationError(where, f"a {kind} part's text must be a string")
+        extra = {k: v for k, v in part.items() if k not in _KNOWN_PART_KEYS}
+    else:
+        raise ConversationError(f"messages[{i}].content", _NOT_TEXT)
+    return {"type": "text", "text": text, **extra} if content_format == "openai" else text
+
+
+def _without_billing_header(parts: list[Any]) -> list[Any]:
+    """System parts without Claude Code's billing line: it changes on every request, so a prompt
+    keeping it misses every cache from there on (vLLM 0.32 drops it the same way)."""
+    out: list[Any] = []
+    for part in parts:
+        is_dict = isinstance(part, Mapping) and part.get("type") == "text"
+        text = part.get("text") if is_dict else part
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
+        elif rest := text.partition("\n")[2]:
+            out.append({**part, "text": rest} if is_dict else rest)
+    return out
 
 
 def _tool_call(i: int, call: Any) -> Any:
@@ -126,5 +192,13 @@ def _system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     systems = [m for m in messages if m["role"] == "system"]
     if not systems or (len(systems) == 1 and messages[0]["role"] == "system"):
         return messages
-    texts = [t for m in systems if (t := m.get("content") or "")]
+    texts = [t for m in systems if (t := _joined(m.get("content")))]
     return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in messages if m["role"] != "system")]
+
+
+def _joined(content: Any) -> Any:
+    """A system message's text for consolidation: an "openai" list's texts joined by newlines."""
+    if not isinstance(content, list):
+        return content or ""
+    return "\n".join(p["text"] if isinstance(p, Mapping) else p for p in content
+                     if isinstance(p, str) or (isinstance(p, Mapping) and "text" in p))  # fmt: skip

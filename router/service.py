@@ -38,7 +38,7 @@ from opentelemetry.trace import TracerProvider
 from discovery import ConfigWatcher, Discovery, Registration
 from protocol import ConfigError, LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
-from protocol.messages import Cleared, KvEvent, Removed, Stored
+from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
 from protocol.version import __version__
 from router.admission import Admission, Throughput
 from router.api_keys import ApiKeys
@@ -121,6 +121,7 @@ class RouterConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     calibrate: bool = True  # fit each worker's engine speed from its load reports (router.calibration)
     trust_request_chat_template: bool = False  # render clients' own chat templates (vLLM's flag of that name)
+    chat_template_content_format: str = "auto"  # vLLM's flag of that name: auto, string or openai
 
 
 class RouterService:
@@ -128,7 +129,7 @@ class RouterService:
         self.config = config
         self.ns = subjects.validate_namespace(config.ns)
         self.settings: RouterSettings = resolve(RouterSettings, cli=config.overrides, file=config.file_settings)
-        self.tokenizer: PromptTokenizer = load_tokenizer(config.tokenizer)
+        self.tokenizer: PromptTokenizer = load_tokenizer(config.tokenizer, config.chat_template_content_format)
         self.fingerprints = FingerprintWatch(tokenizer_fingerprint(self.tokenizer))
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.status = RouterStatus.NEW
@@ -513,9 +514,10 @@ class RouterService:
         try:
             report = decode_msg(msg.data, LoadReport)
         except ProtocolError as exc:
-            self.load_malformed += 1
-            if self.load_malformed == 1:
-                log.warning("malformed load report on %s dropped (later ones only counted): %s", msg.subject, exc)
+            self._load_dropped(msg.subject, str(exc))
+            return
+        if (problem := self._load_problem(msg.subject, report)) is not None:
+            self._load_dropped(msg.subject, problem)
             return
         info = self._registry.get(report.worker) if self._registry is not None else None
         if info is None:
@@ -532,6 +534,21 @@ class RouterService:
             self._reconnected_at = None
         self.ingest.check_digest(report)
         self.path.admission.notify()
+
+    @staticmethod
+    def _load_problem(subject: str, report: LoadReport) -> str | None:
+        """Why a decoded load report must be dropped, or None. A shim publishes on its own subject
+        only (NATS permissions can hold it to that): a report naming another worker would let one
+        worker mark another draining or unhealthy, or keep a dead one alive."""
+        sender = subject.rpartition(".")[2]
+        if report.worker != sender:
+            return f"it names worker {report.worker!r}, not {sender!r} whose subject it came on"
+        return load_report_problem(report)
+
+    def _load_dropped(self, subject: str, why: str) -> None:
+        self.load_malformed += 1
+        if self.load_malformed == 1:
+            log.warning("malformed load report on %s dropped (later ones only counted): %s", subject, why)
 
     async def _follow_config(self, watcher: ConfigWatcher) -> None:
         async for settings in watcher:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jinja2
 from jinja2 import nodes
@@ -43,6 +43,7 @@ from tokenizers import Tokenizer as HfRawTokenizer
 from protocol.fingerprint import BUILTIN, PROBE_MESSAGES, PROBE_TEXT, fingerprint
 from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
+from router.content_format import CONTENT_FORMATS, ContentFormat, detect_content_format
 from router.conversation import ConversationError, conversation, tool_definitions
 
 __all__ = [
@@ -191,7 +192,11 @@ def _environment() -> ImmutableSandboxedEnvironment:
 class HfPromptTokenizer:
     """A Hugging Face `tokenizers` tokenizer plus its chat template."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, content_format: str = "auto") -> None:
+        if content_format not in CONTENT_FORMATS:
+            raise TokenizerError("chat_template_content_format", f"one of {', '.join(CONTENT_FORMATS)}")
+        # None: detected per template, as vLLM's `auto` does
+        self.content_format = None if content_format == "auto" else cast(ContentFormat, content_format)
         file = resolve_tokenizer_path(path)
         try:
             self._tok = HfRawTokenizer.from_file(str(file))
@@ -231,10 +236,13 @@ class HfPromptTokenizer:
         template = self._request_template(options.chat_template) if options.chat_template else self._template
         if template is None:
             raise TokenizerError("chat_template", f"tokenizer {self.name} has none; use /v1/completions")
+        source = options.chat_template or self._source
+        fmt = self.content_format or detect_content_format(self._env, source)
         try:
-            msgs = conversation(messages, options.chat_template or self._source)
+            msgs = conversation(messages, source, fmt)
         except ConversationError as exc:
             raise TokenizerError(exc.where, exc.why) from exc
+        final = _mark_final(msgs, source) if options.continue_final_message else None
         try:
             text = template.render(
                 messages=msgs,
@@ -246,17 +254,42 @@ class HfPromptTokenizer:
             )
         except Exception as exc:  # a template is code: 1/0, range(10**9) or recursion too are the request's fault
             raise TokenizerError("chat_template", f"cannot render these messages: {type(exc).__name__}: {exc}") from exc
-        if options.continue_final_message:
-            final = msgs[-1].get("content") if msgs else None
-            if not isinstance(final, str) or final.strip() not in text:
-                raise TokenizerError("continue_final_message", "the final message is not in the rendered chat")
-            text = text[: text.rindex(final.strip()) + len(final.strip())]
-        return text
+        return text if final is None else _cut_at_mark(text, final)
 
     def encode_chat(self, messages: Messages, options: ChatOptions = ChatOptions()) -> list[int]:
         # The template writes the special tokens itself (add_special_tokens False, vLLM's default).
         text = self.render_chat(messages, options)
         return list(self._tok.encode(text, add_special_tokens=options.add_special_tokens).ids)
+
+
+# transformers' (5.x) way to continue the final message: render it with a mark after its text,
+# then cut the chat at the mark, keeping the message's own trailing space where the template does.
+_FINAL_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _mark_final(msgs: list[dict[str, Any]], template: str) -> str:
+    """Append the mark to the final message's text (the last text part of a list); that text."""
+    content = msgs[-1].get("content") if msgs else None
+    if content is None:
+        raise TokenizerError("continue_final_message", "the final message has no content to continue")
+    if "content" not in template:
+        raise TokenizerError("continue_final_message", "the chat template does not render message content")
+    if isinstance(content, list):
+        for part in reversed(content):
+            if isinstance(part, dict) and "text" in part:
+                final = part["text"]
+                part["text"] = final + _FINAL_MARK
+                return str(final)
+        raise TokenizerError("continue_final_message", "the final message has no text to continue")
+    msgs[-1]["content"] = content + _FINAL_MARK
+    return str(content)
+
+
+def _cut_at_mark(text: str, final: str) -> str:
+    if final.strip() not in text or _FINAL_MARK.strip() not in text:
+        raise TokenizerError("continue_final_message", "the final message is not in the rendered chat")
+    at = text.rindex(_FINAL_MARK.strip())
+    return text[:at] if text[at : at + len(_FINAL_MARK)] == _FINAL_MARK else text[:at].rstrip()
 
 
 def _chat_template_source(folder: Path, config: Mapping[str, Any]) -> str | None:
@@ -339,8 +372,10 @@ def tokenizer_fingerprint(tok: PromptTokenizer) -> str:
     return fingerprint(tok.encode(PROBE_TEXT), chat)
 
 
-def load_tokenizer(path: str | Path | None) -> PromptTokenizer:
-    return BuiltinPromptTokenizer() if path is None else HfPromptTokenizer(path)
+def load_tokenizer(path: str | Path | None, content_format: str = "auto") -> PromptTokenizer:
+    """The tokenizer at `path` (the built-in one for None); `content_format` is vLLM's
+    `--chat-template-content-format` (auto, string or openai)."""
+    return BuiltinPromptTokenizer() if path is None else HfPromptTokenizer(path, content_format)
 
 
 class UntrustedTemplate(TokenizerError):

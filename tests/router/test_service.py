@@ -146,6 +146,7 @@ def test_process_settings_layer_cli_over_env_over_file(tmp_path: Path, monkeypat
         "KVSWITCH_NAMESPACE": "fromenv", "KVSWITCH_HTTP_PORT": "9001", "KVSWITCH_REQUEST_TIMEOUT": "120",
         "KVSWITCH_MODEL": "llama", "KVSWITCH_TOKENIZER": "/models/llama", "KVSWITCH_BODY_TIMEOUT_S": "5",
         "KVSWITCH_MAX_BODY_BYTES": "2048", "KVSWITCH_NO_CALIBRATION": "true",
+        "KVSWITCH_CHAT_TEMPLATE_CONTENT_FORMAT": "openai",
     }  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -155,11 +156,14 @@ def test_process_settings_layer_cli_over_env_over_file(tmp_path: Path, monkeypat
     )  # fmt: skip
     limits = config.http_limits
     assert (limits.body_timeout_s, limits.max_body_bytes, config.calibrate) == (5.0, 2048, False)
+    assert config.chat_template_content_format == "openai"
+    flag = cli.build_config(_args("--chat-template-content-format", "string"))
+    assert flag.chat_template_content_format == "string"
     for name in env:
         monkeypatch.delenv(name)
     config = cli.build_config(_args("--config", str(path)))
     assert (config.ns, config.http_port, config.request_timeout_s) == ("fromfile", 7000, 50.0)
-    assert config.model == "file-model"
+    assert config.model == "file-model" and config.chat_template_content_format == "auto"
 
 
 @pytest.mark.parametrize(
@@ -169,6 +173,7 @@ def test_process_settings_layer_cli_over_env_over_file(tmp_path: Path, monkeypat
         ("KVSWITCH_HTTP_PORT", "http", "--http-port"),
         ("KVSWITCH_MODEL", "", "--model"),
         ("KVSWITCH_REQUEST_TIMEOUT", "0", "--request-timeout"),
+        ("KVSWITCH_CHAT_TEMPLATE_CONTENT_FORMAT", "parts", "--chat-template-content-format"),
     ],
 )
 def test_a_bad_process_setting_from_the_environment_is_refused_naming_it(

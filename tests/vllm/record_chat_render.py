@@ -2,6 +2,8 @@
 renderer (`HfRenderer`, with the request models' `build_chat_params`/`build_tok_params`, call for
 call as `online_renderer` uses them) over the tiny tokenizer of make_model.py and each case's
 template. Rewrites each case's `vllm_ids`; tests/router/test_vllm_render.py holds the router to them.
+Also rewrites content_formats.json's `vllm`: the content format vLLM detects for each template
+(tests/router/test_content_format.py).
 
     .venv-vllm/bin/python tests/vllm/record_chat_render.py
 """
@@ -18,13 +20,14 @@ from typing import Any
 from vllm.config import ModelConfig, VllmConfig
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-from vllm.renderers.hf import HfRenderer
+from vllm.renderers.hf import HfRenderer, _detect_content_format
 from vllm.renderers.inputs.preprocess import parse_model_prompt, prompt_to_seq
 from vllm.renderers.params import merge_kwargs
 from vllm.tokenizers import get_tokenizer
 
 HERE = Path(__file__).resolve().parent
 CASES = HERE.parent / "fixtures" / "vllm-0.32" / "chat_render" / "cases.jsonl"
+FORMATS = CASES.parent / "content_formats.json"
 MODEL = HERE.parent.parent / ".venv-vllm" / "tiny-llama"  # make_model.py's, for the model config
 
 sys.path.insert(0, str(HERE.parent.parent))
@@ -67,6 +70,11 @@ def main() -> None:
             case["vllm_ids"] = ids(tokenizer_dir(root, case["template"]), case["kind"], case["body"])
         CASES.write_text("".join(json.dumps(c) + "\n" for c in cases))
         print(f"recorded {len(cases)} cases into {CASES}")
+        formats = json.loads(FORMATS.read_text())
+        for f in formats:
+            f["vllm"] = _detect_content_format(f["template"], default="string")
+        FORMATS.write_text(json.dumps(formats, indent=1) + "\n")
+        print(f"recorded {len(formats)} content formats into {FORMATS}")
     finally:
         shutil.rmtree(root)
 
