@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +38,8 @@ from pathlib import Path
 from kvswitch.etcd_auth import enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
 from kvswitch.servers import EtcdCluster, NatsCluster, ServerError, TlsFiles, dying_with_parent, free_ports
+
+log = logging.getLogger("kvswitch.cluster")
 
 __all__ = ["ClusterSpec", "LocalCluster"]
 
@@ -91,6 +95,18 @@ class _Child:
         return f"{self.name} (status {self.proc.returncode}{said})"
 
 
+def _tiers(children: list[_Child]) -> list[list[_Child]]:
+    """`children` cut where the kind of child (`router`, `shim`, `sim`: its name's first word)
+    changes, in order."""
+    tiers: list[list[_Child]] = []
+    for child in children:
+        if tiers and tiers[-1][0].name.split("-")[0] == child.name.split("-")[0]:
+            tiers[-1].append(child)
+        else:
+            tiers.append([child])
+    return tiers
+
+
 @dataclass
 class _Engine:
     role: str
@@ -111,6 +127,7 @@ class LocalCluster:
         self._scratch: Path | None = None  # children's output when no log_dir is asked for
         self._etcd_passwords: dict[str, str] = {}
         self._nats_auth: NatsAuthPlan | None = None
+        self._abandon = threading.Event()  # set from another thread: starting stops at its next wait
 
     @property
     def sim_urls(self) -> list[str]:
@@ -270,6 +287,8 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         last = b""
         while time.monotonic() < deadline:
+            if self._abandon.is_set():
+                raise ServerError(f"stopped while waiting for {what}")
             dead = [c.died() for c in self.children if c.proc.poll() is not None]
             if dead:
                 raise ServerError(f"{', '.join(dead)} exited while waiting for {what}")
@@ -286,6 +305,11 @@ class LocalCluster:
             time.sleep(0.2)
         raise ServerError(f"{what} not ready after {timeout:.0f}s ({url}): {last[:2000]!r}")
 
+    def abandon_start(self) -> None:
+        """Make a `start` or `wait_ready` running in another thread give up at its next poll
+        (ServerError), so a supervisor told to stop while the cluster starts need not wait for it."""
+        self._abandon.set()
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Every router answers /ready and can route to every engine: a worker merely registered
         may still be bootstrapping its index, and a request then would skip it."""
@@ -299,18 +323,24 @@ class LocalCluster:
                 ok=lambda body: int(json.loads(body).get("routable", 0)) >= n,
             )
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = 35.0) -> None:
+        """Stop the children tier by tier, the last started first (routers, then shims, then
+        sims), each tier drained before the next is signalled: requests in flight finish on
+        engines that are still up. A tier gets `grace_s` (the shim drains for 30 s at most), then
+        is killed. Then the servers go."""
         children, self.children = self.children, []
-        for child in reversed(children):
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in reversed(children):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            if child.proc.poll() is None:
-                child.proc.kill()
-                child.proc.wait(5)
+        for tier in _tiers(list(reversed(children))):
+            for child in tier:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for child in tier:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(max(0.0, deadline - time.monotonic()))
+                if child.proc.poll() is None:
+                    log.error("%s did not stop within %.0fs of SIGTERM: killed", child.name, grace_s)
+                    child.proc.kill()
+                    child.proc.wait(5)
         for servers in (self.etcd, self.nats):
             if servers is not None:
                 servers.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import logging
 import math
@@ -124,6 +125,28 @@ async def _demo(cluster: LocalCluster, spec: ClusterSpec) -> int:
     return 0 if cluster.healthy() and all(r.ok for _, r in results) else 1
 
 
+async def _start(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) -> bool:
+    """Start the cluster and wait until it routes, on a thread, so a SIGTERM meanwhile is heard at
+    once: False when it came first (the start is abandoned; the caller stops what did start)."""
+
+    def start() -> None:
+        cluster.start()
+        if spec.routers:
+            cluster.wait_ready(timeout=120)
+
+    starting = asyncio.ensure_future(asyncio.to_thread(start))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not starting.done():
+        cluster.abandon_start()
+        with contextlib.suppress(ServerError):
+            await starting
+        return False
+    starting.result()
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     if args.demo and not (args.prefill or args.decode or args.agg):
         args.prefill, args.decode = 1, 2
@@ -142,9 +165,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = LocalCluster(spec)
         try:
             try:
-                cluster.start()
-                if spec.routers:
-                    cluster.wait_ready(timeout=120)
+                if not await _start(cluster, spec, stop):
+                    return 0
             except ServerError as exc:
                 print(f"kvswitch up: {exc}", file=sys.stderr, flush=True)
                 return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -70,3 +71,37 @@ def test_a_child_that_dies_at_start_is_named_with_its_status_and_last_words() ->
     assert "sim-agg (status 2; its last output:" in message
     assert "argument --speedup: 0.0 must be a finite number > 0" in message  # the sim's own error, not just "exited"
     assert cluster.children == [] and cluster.nats is None  # and nothing left running
+
+
+def test_stop_lets_a_streamed_request_in_flight_finish() -> None:
+    # Every child got SIGTERM at once: the router and the shim drained, but the sim under them went
+    # at once (as vLLM does with its default --shutdown-timeout 0), cutting the stream.
+    cluster = LocalCluster(ClusterSpec(agg=1, routers=1, speedup=1))
+    events: list[bytes] = []
+    try:
+        cluster.start()
+        cluster.wait_ready(60)
+        body = {"model": "sim-llama", "prompt": list(range(500, 600)), "max_tokens": 300, "stream": True}
+        req = urllib.request.Request(
+            cluster.router_urls[0] + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+
+        def client() -> None:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                events.extend(line.strip() for line in r if line.startswith(b"data:"))
+
+        reading = threading.Thread(target=client)
+        reading.start()
+        deadline = time.monotonic() + 30
+        while len(events) < 5:
+            assert time.monotonic() < deadline and reading.is_alive(), events
+            time.sleep(0.01)
+    finally:
+        cluster.stop()
+    reading.join(30)
+    assert events[-1] == b"data: [DONE]", events[-3:]
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["length"]
+    assert len(chunks) == 300

@@ -169,3 +169,36 @@ def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], s
     out = subprocess.run([sys.executable, "-m", "kvswitch", "up", *argv], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and said in out.stderr, out.stderr
     assert "nats" not in out.stdout and time.monotonic() - started < 20
+
+
+def test_up_hears_sigterm_while_it_starts_and_leaves_nothing() -> None:
+    # Starting ran on the event loop's thread, so a SIGTERM then waited for the whole cluster to be
+    # up (minutes at worst), and a second one left its directories behind.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch", "up", "--agg", "2", "--speedup", "20", "--http-port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not any("nats-server" in _cmdline(p) for p in _descendants(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, "kvswitch up never started nats"
+            time.sleep(0.05)
+        everything = _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "health:" not in out and "kvswitch up: stopped" in err, (out, err)
+        time.sleep(0.3)
+        assert not [p for p in everything + _descendants(proc.pid) if _alive(p)], "children left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
