@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -36,6 +35,7 @@ from protocol.vllm_events import (
     publisher_binds,
     replay_reply,
 )
+from runtime import background
 
 __all__ = ["EventPublisher", "NullEventPublisher", "ZmqEventPublisher"]
 
@@ -142,14 +142,15 @@ class ZmqEventPublisher:
             await _bind_retrying(router, self.config.replay_endpoint)
             self._replay_endpoint = _subscriber_address(router.getsockopt_string(zmq.LAST_ENDPOINT))
             self._router = router
-            self._replay_task = asyncio.create_task(self._serve_replay(router), name="kv-replay")
+            self._replay_task = background(
+                self._serve_replay(router), "kv-replay", "the engine answers no replay request until it restarts"
+            )
 
     async def stop(self) -> None:
         task, self._replay_task = self._replay_task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.gather(task, return_exceptions=True)  # a crash was said when it happened
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close(linger=0)

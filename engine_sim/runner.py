@@ -18,9 +18,9 @@ work schedulable (a new request, an abort, a finished transfer, a freed pin, un-
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -123,8 +123,10 @@ class EngineRunner:
         speedup: float = 1.0,
         kv_transfer_gbps: float = 50.0,
         kv_pin_timeout_s: float = 480.0,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.on_death = on_death  # the step loop raised: the engine is dead, as vLLM's is then
         self.publisher = publisher
         self.faults = faults
         self.speedup = speedup
@@ -148,6 +150,16 @@ class EngineRunner:
         if self._task is None:
             disagg.register(self.scheduler.engine_id, self)
             self._task = asyncio.create_task(self._run(), name=f"engine-{self.scheduler.engine_id[:8]}")
+            self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """Said at once: a step loop that raised leaves every request hanging on a sim that still
+        answers /health, unless the server is told to die (`on_death`), as vLLM's does."""
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        log.error("engine %s: the step loop raised; the engine is dead", self.scheduler.engine_id[:8], exc_info=exc)
+        if self.on_death is not None:
+            self.on_death(exc)
 
     async def stop(self) -> None:
         disagg.unregister(self.scheduler.engine_id)
@@ -155,9 +167,8 @@ class EngineRunner:
         self._task = None
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A step loop that raised was said when it did (_ended); its error is not stop()'s.
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         for h in self._pin_timers.values():
             h.cancel()

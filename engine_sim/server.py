@@ -195,6 +195,7 @@ class SimServer:
             speedup=cfg.speedup,
             kv_transfer_gbps=cfg.kv_transfer_gbps,
             kv_pin_timeout_s=cfg.kv_pin_timeout_s,
+            on_death=lambda exc: self._spawn(self.crash(f"its step loop raised {type(exc).__name__}: {exc}")),
         )
         try:
             await publisher.start()
@@ -252,15 +253,16 @@ class SimServer:
                     await t
             await self._tear_down()
 
-    async def crash(self) -> None:
-        """Die as a crashed engine would (faults.py). Comes back after restart_after_crash_s, if set."""
+    async def crash(self, why: str = "fault injection") -> None:
+        """Die as a crashed engine would (faults.py, or a step loop that raised). Comes back after
+        restart_after_crash_s, if set."""
         async with self._lifecycle:
             if self.status is not ServerStatus.RUNNING:
                 return
             self.status = ServerStatus.CRASHED
             await self._tear_down()
             self.crashed.set()
-            log.warning("sim crashed (fault injection) after %d requests", self.faults.requests_seen)
+            log.warning("sim crashed (%s) after %d requests", why, self.faults.requests_seen)
         delay = self.config.restart_after_crash_s
         if delay is not None:
             await asyncio.sleep(delay)

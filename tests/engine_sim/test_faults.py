@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 
 from engine_sim import ServerStatus, SimServer
+from engine_sim.scheduler import StepResult
 from tests.engine_sim.conftest import connected_subscriber, decode_payload, replay, sim_config
 
 
@@ -121,3 +122,22 @@ async def test_stop_is_idempotent_and_leaves_no_tasks() -> None:
     leftover = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()} - before
     assert not leftover and not [t for t in before if not t.done() and "engine" in t.get_name()]
     assert sim.status is ServerStatus.STOPPED
+
+
+async def test_a_step_loop_that_raises_kills_the_engine_loudly(caplog: pytest.LogCaptureFixture) -> None:
+    # It died inside its task: the sim kept answering /health with every request hanging, and the
+    # error stayed in the task until stop().
+    async with SimServer(sim_config()) as sim:
+        assert await complete(sim, 1000) == 200
+
+        def broken() -> StepResult:
+            raise RuntimeError("scheduler invariant broken")
+
+        sim.engine.step = broken  # type: ignore[method-assign]
+        with pytest.raises(aiohttp.ClientError):
+            await complete(sim, 2000)
+        await asyncio.wait_for(sim.crashed.wait(), 5)
+        assert sim.status is ServerStatus.CRASHED
+        said = [r.getMessage() for r in caplog.records]
+        assert any("the step loop raised; the engine is dead" in m for m in said), said
+        assert any("its step loop raised RuntimeError: scheduler invariant broken" in m for m in said), said
