@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 
-__all__ = ["Deleted", "Put", "Snapshot", "WatchEvent", "watch_prefix"]
+__all__ = ["Deleted", "Put", "Snapshot", "WatchEvent", "keep_following", "watch_prefix"]
 
 log = logging.getLogger(__name__)
 V = TypeVar("V")
@@ -50,8 +51,10 @@ async def watch_prefix(
     retry_s: float = 0.5,
     failed: Callable[[BaseException], None] = lambda exc: None,
 ) -> AsyncGenerator[WatchEvent[V], None]:
-    """Names are keys with the prefix cut off. `parse` returns None for a value to skip (it logs
-    why); a skipped Put is reported as Deleted, so a consumer never keeps a stale value.
+    """Names are keys with the prefix cut off; a key that is not UTF-8 (anyone who may write
+    under the prefix can put one) is named with its bad bytes escaped (`\\xff`), a name no id
+    has, for the consumer to refuse. `parse` returns None for a value to skip (it logs why); a
+    skipped Put is reported as Deleted, so a consumer never keeps a stale value.
 
     Survives etcd restarts: the watch resumes from the last revision it saw, so changes made
     while it was reconnecting still arrive, in order.
@@ -71,7 +74,7 @@ async def watch_prefix(
     for kv in resp.kvs:
         value = parse(kv.value)
         if value is not None:
-            items[kv.key.decode()[len(prefix) :]] = value
+            items[_name(kv.key, start)] = value
     revision = resp.header.revision
     yield Snapshot(items, revision)
     async for event in _changes(client, prefix, start, end, revision + 1, parse, retry_s, failed):
@@ -98,7 +101,7 @@ async def _changes(
                         yield event
                     return
                 for ev in resp.events:
-                    name = ev.kv.key.decode()[len(prefix) :]
+                    name = _name(ev.kv.key, start)
                     rev = ev.kv.mod_revision
                     next_rev = max(next_rev, rev + 1)
                     if ev.type == ev.DELETE:
@@ -110,3 +113,33 @@ async def _changes(
             failed(exc)
             log.warning("watch %s: %s; resuming from revision %d", prefix, exc, next_rev)
         await asyncio.sleep(retry_s)
+
+
+async def keep_following(
+    follow: Callable[[], Awaitable[None]],
+    what: str,
+    *,
+    first_s: float = 0.5,
+    max_s: float = 30.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Run `follow()`, a consumer of a watch, for good: should it raise, log an ERROR with the
+    traceback and run it again after a backoff that doubles from `first_s` up to `max_s` (back to
+    `first_s` after a run that lasted `max_s`). A new watch starts with a Snapshot that replaces
+    whatever the consumer held, so a crash costs the time until then, not the watch for good."""
+    delay = first_s
+    while True:
+        started = clock()
+        try:
+            await follow()
+            return
+        except Exception as exc:
+            delay = first_s if clock() - started >= max_s else delay
+            log.error("%s crashed; watching again in %.1f s", what, delay, exc_info=exc)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_s)
+
+
+def _name(key: bytes, prefix: bytes) -> str:
+    # Never raises: one undecodable key must not end the watch, and with it every consumer's view.
+    return key[len(prefix) :].decode(errors="backslashreplace")

@@ -54,7 +54,9 @@ __all__ = [
     "encode_json",
     "encode_msg",
     "lax_bool",
+    "load_report_problem",
     "serving",
+    "worker_info_problem",
 ]
 
 SCHEMA_VERSION = 1
@@ -443,6 +445,43 @@ class RouterInfo(_Msg, kw_only=True):
     http_url: str
     started_at: float
     version: str = ""
+
+
+# --- Plausibility: what decodes but cannot be true ----------------------------------------------------
+# A struct's types say nothing of its ranges, and one worker's negative count or zero block size
+# would steer (or break) routing for the whole fleet: the receiver counts such a message as
+# malformed and drops it.
+
+_LOAD_COUNTS = ("running", "waiting", "kv_used_blocks", "kv_total_blocks", "prefill_tokens_queued")
+
+
+def load_report_problem(report: LoadReport) -> str | None:
+    """Why `report` cannot be true (a count below zero), or None when it may be."""
+    for name in _LOAD_COUNTS:
+        value = getattr(report, name)
+        if value is not None and value < 0:
+            return f"{name} {value} is negative"
+    return None
+
+
+_INFO_AT_LEAST = (
+    ("block_size", 1),
+    ("kv_total_blocks", 0),  # 0, like None: unknown
+    ("max_num_batched_tokens", 0),
+    ("kv_bytes_per_token", 0),
+    ("max_model_len", 1),  # the least of a model's workers bounds every request for it
+    ("epoch", 0),
+    ("sliding_window", 0),
+)
+
+
+def worker_info_problem(info: WorkerInfo) -> str | None:
+    """Why the record `info` cannot be true (a field out of its range), or None when it may be."""
+    for name, least in _INFO_AT_LEAST:
+        value = getattr(info, name)
+        if value is not None and value < least:
+            return f"{name} {value} is below {least}"
+    return None
 
 
 # --- Codecs -------------------------------------------------------------------------------------------

@@ -325,6 +325,7 @@ class Dispatcher:
         self.fallbacks = 0
         self.transfer_fallbacks = 0  # decode legs whose KV pull failed, prefilled locally instead
         self.resumes = 0
+        self._handle_mismatch_logged = False
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -497,15 +498,16 @@ class Dispatcher:
             # (vLLM's default kv_load_failure_policy). The prefill is lost either way, so the
             # worker chosen for this request prefills it itself rather than a retry elsewhere
             # paying for another remote prefill.
+            prefill = self._prefilled_on(job.transfer, plan)
             log.warning(
                 "request %s: decode worker %s failed to load the KV prefilled on %s (%s); prefilling it there",
                 req.request_id,
                 plan.decode.worker,
-                job.transfer.prefill_worker,
+                prefill,
                 exc,
                 extra={"request_id": req.request_id},
             )
-            self._on_transfer(plan.decode.worker, job.transfer.prefill_worker, False)
+            self._on_transfer(plan.decode.worker, prefill, False)
             job.transfer = None
             job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_TRANSFER_FAILED, True
             self.transfer_fallbacks += 1
@@ -513,6 +515,24 @@ class Dispatcher:
             self._on_fallback(job)
             async for chunk in self._decode(job, plan, annotations):
                 yield chunk
+
+    def _prefilled_on(self, transfer: TransferHandle, plan: RoutePlan) -> str:
+        """The prefill worker a transfer's outcome is put down to: the one this router sent the leg
+        to. The handle's own `prefill_worker` is only the shim's word ("" when it names none): were it
+        trusted, a wrong one would close an innocent pair, or "" every pair into the decode worker."""
+        assert plan.prefill is not None  # a transfer comes from a remote plan's prefill leg
+        sent_to = plan.prefill.worker
+        named = transfer.prefill_worker
+        if named and named != sent_to and not self._handle_mismatch_logged:
+            self._handle_mismatch_logged = True
+            log.warning(
+                "a transfer handle names prefill worker %s, but the leg went to %s: its outcome is put down to %s "
+                "(logged once)",
+                named,
+                sent_to,
+                sent_to,
+            )
+        return sent_to
 
     async def _decode(self, job: Job, plan: RoutePlan, annotations: list[str]) -> AsyncGenerator[ResponseChunk, None]:
         """The decode (or agg) leg of an attempt, fed by `job.transfer` when it has one."""
@@ -537,7 +557,7 @@ class Dispatcher:
                     job.first_token_at = time.monotonic()
                     self._bookings.prefill_done(plan.key)
                     if job.transfer is not None:
-                        self._on_transfer(plan.decode.worker, job.transfer.prefill_worker, True)
+                        self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
                 elif chunk.prefilled:
                     self._bookings.prefill_done(plan.key)  # a whole answer's prefill, done before any output
                 if not visible and not chunk.final:

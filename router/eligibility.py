@@ -8,8 +8,10 @@ usual. A worker is excluded while (first reason wins):
 - `repairing`: a gap, an unknown epoch, an impossible seq or a digest mismatch is being repaired;
 - `events_down`: its shim sees no KV events it should (wrong endpoint or topic, silent engine), so
   its index entries say nothing about its cache (WorkerInfo.events_ok or LoadReport.events_ok);
-- `block_size`: its block size is not its model's (the size most of the model's workers have; ties
-  go to the worker registered first): prefix hashes of two block sizes never match;
+- `block_size`: its block size is not its model's (the size most of the model's workers past
+  bootstrapping have; ties go to the worker registered first): prefix hashes of two block sizes
+  never match. A record with no shim behind it never bootstraps, so it cannot outvote the workers
+  that serve;
 - `silent`: no load report for 3 of its report periods (reports double as heartbeats), or none
   within 3 default periods of registering;
 - `unreachable`: a request to it found no responder or its stream stopped; it ends with the next
@@ -127,7 +129,11 @@ class Eligibility:
     def block_sizes(self, infos: Iterable[WorkerInfo]) -> dict[str, int]:
         """Each model's block size by this rule (ties: the worker registered first): the size its
         prompts must be hashed at to match the workers that route."""
-        return model_block_sizes(infos, self._added)
+        return model_block_sizes(infos, self._added, self._past_bootstrapping)
+
+    def _past_bootstrapping(self, worker: str) -> bool:
+        sync = self._sync_state(worker)
+        return sync is None or sync[0] != "bootstrapping"
 
     def statuses(self, infos: Iterable[WorkerInfo]) -> list[WorkerStatus]:
         infos = list(infos)
@@ -175,9 +181,11 @@ class Eligibility:
         return WorkerStatus(w, info.model, info.role, None, "", tok_ok)
 
 
-def model_block_sizes(infos: Iterable[WorkerInfo], added: dict[str, float]) -> dict[str, int]:
-    """Each model's block size: the one most of its workers have; a tie goes to the size of the
-    worker registered first."""
+def model_block_sizes(
+    infos: Iterable[WorkerInfo], added: dict[str, float], votes: Callable[[str], bool] = lambda worker: True
+) -> dict[str, int]:
+    """Each model's block size: the one most of its voting workers have (those `votes(worker)`
+    says may; all of them when none may); a tie goes to the size of the one registered first."""
     by_model: dict[str, list[WorkerInfo]] = {}
     for info in infos:
         by_model.setdefault(info.model, []).append(info)
@@ -187,9 +195,10 @@ def model_block_sizes(infos: Iterable[WorkerInfo], added: dict[str, float]) -> d
         if len(sizes) == 1:  # the usual case, and asked on every request
             out[model] = sizes.pop()
             continue
-        counts = Counter(i.block_size for i in group)
+        voters = [i for i in group if votes(i.worker)] or group
+        counts = Counter(i.block_size for i in voters)
         top = max(counts.values())
         tied = {size for size, n in counts.items() if n == top}
-        first = min((i for i in group if i.block_size in tied), key=lambda i: (added.get(i.worker, 0.0), i.worker))
+        first = min((i for i in voters if i.block_size in tied), key=lambda i: (added.get(i.worker, 0.0), i.worker))
         out[model] = first.block_size
     return out

@@ -220,6 +220,13 @@ class LoadView:
         period = min(max(r.period_s, 0.05), MAX_LOAD_PERIOD_S) if r.period_s == r.period_s else 1.0  # NaN: the default
         return Liveness(max(0.0, self._clock() - held.received_at), period, r.events_ok, r.healthy, r.draining)
 
+    def capacity(self, worker: str) -> int | None:
+        """The worker's KV capacity in blocks as its last report says; None when unknown."""
+        held = self._reports.get(worker)
+        if held is None:
+            return None
+        return held.report.kv_total_blocks or None  # 0, like None: the engine did not say
+
     def credit_short(self) -> list[str]:
         """The workers whose last report says their engine reuses far less than its KV events
         promise (LoadReport.prefix_credit_short)."""

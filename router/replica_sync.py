@@ -7,9 +7,14 @@ echoes back to us, are ignored.
 
 Only registered routers' bookings count: with `discovery`, this watches /{ns}/routers/ and accepts
 entries only from routers whose key is there (a forged or departed sender's are dropped and
-counted); a peer's bookings go when its key disappears. Without discovery (tests, the virtual
-clock) every sender counts and the owner calls `forget_router`. As a safety net against a lost
-`free` (NATS core is at-most-once), a peer's bookings older than `peer_ttl_s` expire.
+counted); a peer's bookings go when its key disappears, and a watch that crashes starts again.
+Without discovery (tests, the virtual clock) every sender counts and the owner calls
+`forget_router`. As a safety net against a lost `free` (NATS core is at-most-once), a peer's
+bookings older than `peer_ttl_s` expire.
+
+A peer's booking no request could make (more tokens than MAX_BOOKING, more blocks than the
+worker's KV capacity as its load reports say, or than MAX_BOOKING) is malformed: counted, logged
+once, dropped. Kept, it would shun the worker for `peer_ttl_s`.
 
 A router whose lease was lost registers anew under a new id (`rename`): peers dropped the old id's
 bookings with its key, and count the new id's from its registration on.
@@ -29,6 +34,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from discovery import Deleted, Discovery, Put, Snapshot
+from discovery.watch import keep_following
 from protocol import subjects
 from protocol.errors import ProtocolError
 from protocol.messages import RouterSync, SyncEntry, decode_msg, encode_msg
@@ -42,6 +48,8 @@ log = logging.getLogger(__name__)
 
 _MAX_ENTRIES_PER_MESSAGE = 2000  # ~100 KB of msgpack, well under NATS's 1 MB default payload limit
 _DEPARTED_MEMORY = 1024
+MAX_BOOKING = 2**31
+"""Tokens or blocks beyond any request's: no model's context, no engine's KV cache holds as many."""
 
 
 @dataclass
@@ -50,7 +58,7 @@ class SyncStats:
     entries_sent: int = 0
     entries_received: int = 0
     send_failures: int = 0
-    malformed: int = 0  # messages that did not decode, and entries the view refused
+    malformed: int = 0  # messages that did not decode, entries the view refused, bookings no request makes
     routers_forgotten: int = 0
     bookings_expired: int = 0
     unregistered: int = 0  # messages from routers with no key in etcd: dropped
@@ -100,10 +108,10 @@ class ReplicaSync:
                 self._expirer(), "sync-expire", "peers' stale bookings are not dropped until the router restarts"
             )
         )
-        if self._discovery is not None:
+        if (discovery := self._discovery) is not None:
             self._tasks.append(
                 background(
-                    self._watch_routers(self._discovery),
+                    keep_following(lambda: self._watch_routers(discovery), "the router watch"),
                     "sync-routers",
                     "peers that leave keep their bookings until the router restarts",
                 )
@@ -213,6 +221,9 @@ class ReplicaSync:
         for e in sync.entries:
             self.stats.entries_received += 1
             if e.kind == "add":
+                if (why := self._implausible(e)) is not None:
+                    self._malformed(f"router {peer} booked {why}")
+                    continue
                 try:
                     view.book(e.request_id, e.worker, e.tokens, e.blocks, router=peer)
                 except ValueError as exc:
@@ -222,11 +233,17 @@ class ReplicaSync:
             else:
                 view.free(e.request_id, router=peer)
 
-    def _malformed(self, exc: Exception) -> None:
+    def _implausible(self, e: SyncEntry) -> str | None:
+        blocks = min(self.view.capacity(e.worker) or MAX_BOOKING, MAX_BOOKING)
+        if e.tokens > MAX_BOOKING or e.blocks > blocks:
+            return f"{e.tokens} tokens and {e.blocks} blocks on {e.worker} (at most {MAX_BOOKING} and {blocks})"
+        return None
+
+    def _malformed(self, why: object) -> None:
         self.stats.malformed += 1
         if not self._malformed_logged:
             self._malformed_logged = True
-            log.warning("dropping malformed router sync (logged once): %s", exc)
+            log.warning("dropping malformed router sync (logged once): %s", why)
 
     async def _expirer(self) -> None:
         period = max(self._peer_ttl_s / 10.0, 0.05)

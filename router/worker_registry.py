@@ -4,7 +4,13 @@ Consumes `discovery.watch_workers()`: a Snapshot replaces the whole set (workers
 are removed), a Put adds or updates one, a Deleted removes one. `on_add(info)` runs for every new
 or changed record and `on_remove(worker)` the moment a key goes, so routing stops at once and the
 index drops the worker's entries. Callbacks run on the event loop, in watch order; one that raises
-is logged and does not stop the watch.
+is logged and does not stop the watch, and a watch that crashes is started again (a new Snapshot).
+
+A record that cannot be true is refused as if its key were absent, logged as an ERROR once per key
+and problem, and counted in `refused`: its name is not a worker id (a key that is not UTF-8 or not
+one subject token), it names another worker, or a field is out of range (block size 0, a negative
+count: protocol.messages.worker_info_problem). One such record would otherwise break routing for
+its whole model.
 
 Workers of one model that disagree on block size are a configuration error (DESIGN.md): the
 registry logs it as an error on every change of the conflict and exposes it in
@@ -20,7 +26,9 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from discovery import Deleted, Discovery, Put, Snapshot
-from protocol import WorkerInfo, serving
+from discovery.watch import keep_following
+from protocol import WorkerInfo, serving, subjects
+from protocol.messages import worker_info_problem
 from router.lifecycle import PartStatus
 from runtime import background
 
@@ -42,6 +50,8 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerInfo] = {}
         self._sorted: list[WorkerInfo] | None = None  # by id; every request reads it, membership rarely changes
         self.block_size_conflicts: dict[str, set[int]] = {}
+        self.refused = 0  # records refused so far
+        self._refusing: dict[str, str] = {}  # key name -> why its record is refused, while it is
         self.status = PartStatus.NEW
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -50,7 +60,9 @@ class WorkerRegistry:
         if self.status is not PartStatus.NEW:
             raise RuntimeError(f"WorkerRegistry.start() called while {self.status.value}")
         self._task = background(
-            self._watch(), "worker-registry", "workers that join or leave go unseen until the router restarts"
+            keep_following(self._watch, "the worker watch"),
+            "worker-registry",
+            "workers that join or leave go unseen until the router restarts",
         )
         self.status = PartStatus.RUNNING
 
@@ -132,23 +144,41 @@ class WorkerRegistry:
                     await events.aclose()
 
     def _replace(self, items: dict[str, WorkerInfo]) -> None:
-        for name in [n for n in self._workers if n not in items]:
+        for name in [n for n in self._workers.keys() | self._refusing.keys() if n not in items]:
             self._delete(name)
         for name, info in items.items():
             self._put(name, info)
 
     def _put(self, name: str, info: WorkerInfo) -> None:
-        if info.worker != name:
-            log.error("worker record under key %s names worker %s: ignored", name, info.worker)
-            self._delete(name)
+        if (problem := self._problem(name, info)) is not None:
+            self._refuse(name, problem)
             return
+        self._refusing.pop(name, None)
         if self._workers.get(name) == info:
             return
         self._workers[name] = info
         self._sorted = None
         self._call(self._on_add, info)
 
+    def _problem(self, name: str, info: WorkerInfo) -> str | None:
+        try:
+            subjects.worker_key(self._discovery.ns, name)
+        except ValueError as exc:
+            return str(exc)
+        if info.worker != name:
+            return f"it names worker {info.worker!r}"
+        return worker_info_problem(info)
+
+    def _refuse(self, name: str, problem: str) -> None:
+        self.refused += 1
+        said = self._refusing.get(name)
+        self._delete(name)  # a record that was good before goes: routing must not keep a stale one
+        self._refusing[name] = problem
+        if said != problem:
+            log.error("worker record under key %r ignored: %s", name, problem)
+
     def _delete(self, name: str) -> None:
+        self._refusing.pop(name, None)
         if self._workers.pop(name, None) is not None:
             self._sorted = None
             self._call(self._on_remove, name)

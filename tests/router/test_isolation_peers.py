@@ -1,0 +1,335 @@
+"""One worker's or one peer router's bad word never steers the fleet (docs/router.md, "One worker's
+fault never stops the fleet"): a load report naming another worker, a negative count, a worker
+record that cannot be true (a key that is not UTF-8 or no worker id, block size 0), a record that
+never bootstraps, a peer's booking no request makes, a transfer handle naming another prefill
+worker. Each is dropped (and counted, logged once) or outvoted; watches that crash start again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from discovery import Discovery, Lease, WatchEvent
+from protocol import (
+    GenerateRequest,
+    LoadReport,
+    RouterInfo,
+    RouterSync,
+    SyncEntry,
+    TransferHandle,
+    WorkerInfo,
+    encode_json,
+    encode_msg,
+    subjects,
+)
+from protocol.config import EtcdSettings, RouterSettings
+from protocol.messages import ErrorInfo
+from router.dispatch import Dispatcher
+from router.eligibility import Eligibility, Exclusion
+from router.load_view import LoadView
+from router.replica_sync import ReplicaSync
+from router.transfer_health import TransferHealth
+from router.worker_registry import WorkerRegistry
+from runtime.nats_flush import flush
+from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.polling import until
+from tests.router.test_dispatch import HB, Books, Worker, chunk, collect, job
+
+# --- load reports --------------------------------------------------------------------------------
+
+
+async def _publish_for(seconds: float, nc: Client, subject: str, report: Any) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        await nc.publish(subject, encode_msg(report(time.time())))
+        await asyncio.sleep(0.05)
+    await flush(nc)
+
+
+async def test_a_load_report_naming_another_worker_is_dropped_and_counted(
+    cluster: Cluster, nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = await cluster.add_worker("agg")
+    b = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    caplog.set_level(logging.WARNING, logger="router.service")
+
+    def forged(ts: float) -> LoadReport:  # on A's own subject (all NATS lets A publish on), naming B
+        return LoadReport(worker=b.id, ts=ts, healthy=False, draining=True, kv_epoch=1, kv_seq=10**9)
+
+    await _publish_for(1.0, nc, subjects.load(cluster.ns, a.id), forged)
+    status = {st.worker: st for st in router.eligibility.statuses(router.registry.workers())}
+    assert status[b.id].routable, status[b.id].detail
+    live = router.view.liveness(b.id)
+    assert live is not None and live.healthy and not live.draining
+    assert router.load_malformed >= 10
+    said = [r.getMessage() for r in caplog.records if "malformed load report" in r.getMessage()]
+    assert len(said) == 1 and b.id in said[0] and a.id in said[0]
+
+
+async def test_a_load_report_with_a_negative_count_is_dropped_and_counted(
+    cluster: Cluster, nc: Client, http: aiohttp.ClientSession
+) -> None:
+    w1 = await cluster.add_worker("agg")
+    w2 = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    prefix = list(range(1000, 1000 + 1024))
+    _, _, headers = await complete(http, router, prefix)
+    holder = headers["x-kvswitch-decode-worker"]
+    liar = w2.id if holder == w1.id else w1.id
+    await until(lambda: len(router.index.worker_hashes(holder)) >= 60, what="the prefix indexed")
+
+    def lie(ts: float) -> LoadReport:  # its own subject, its own name: a shim bug, total - free gone wrong
+        return LoadReport(worker=liar, ts=ts, period_s=0.5, kv_used_blocks=-(2**62), kv_total_blocks=512)
+
+    await _publish_for(0.5, nc, subjects.load(cluster.ns, liar), lie)
+    assert router.view.load(liar).active_blocks >= 0
+    assert router.load_malformed >= 5
+    results = await asyncio.gather(*(complete(http, router, [*prefix, i, i + 3]) for i in range(4)))
+    assert [h["x-kvswitch-decode-worker"] for _, _, h in results] == [holder] * 4  # where the prefix is
+    before, fields = router.load_malformed, ("running", "waiting", "kv_total_blocks", "prefill_tokens_queued")
+    for field in fields:
+        report = LoadReport(worker=liar, ts=time.time(), **{field: -1})  # type: ignore[arg-type]
+        await nc.publish(subjects.load(cluster.ns, liar), encode_msg(report))
+    await flush(nc)
+    await until(lambda: router.load_malformed == before + len(fields), what="each negative count dropped")
+    load = router.view.load(liar)
+    assert min(load.running, load.waiting, load.prefill_tokens_queued, load.kv_total_blocks or 0) >= 0
+
+
+# --- worker records ------------------------------------------------------------------------------
+
+
+def info(worker: str, block_size: int = 16, **kw: Any) -> WorkerInfo:
+    return WorkerInfo(worker=worker, model=MODEL, role="agg", engine="vllm", block_size=block_size, **kw)
+
+
+@pytest.fixture
+async def disc(etcd_url: str, ns: str) -> AsyncIterator[Discovery]:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        yield d
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.removed: list[str] = []
+
+    def registry(self, disc: Discovery) -> WorkerRegistry:
+        return WorkerRegistry(disc, lambda i: self.added.append(i.worker), self.removed.append)
+
+
+async def _put_raw(disc: Discovery, key: bytes, value: WorkerInfo) -> None:
+    assert disc.client.kv is not None
+    await disc.client.kv.put(key, encode_json(value), timeout=5.0)
+
+
+async def test_records_that_cannot_be_true_are_refused_and_the_watch_goes_on(
+    disc: Discovery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="router.worker_registry")
+    seen = Seen()
+    reg = seen.registry(disc)
+    await reg.start()
+    try:
+        assert await reg.wait_ready(10.0)
+        prefix = subjects.workers_prefix(disc.ns).encode()
+        await _put_raw(disc, prefix + b"\xff\xfe", info("x"))  # not UTF-8
+        await _put_raw(disc, prefix + b"a.b", info("a.b"))  # no subject token: no NATS subject names it
+        zero = await disc.register_worker(lambda wid: info(wid, block_size=0), ttl=10)
+        good = await disc.register_worker(info, ttl=10)
+        await until(lambda: reg.get(good.hex_id) is not None, timeout=10.0, what="a good worker seen after bad ones")
+        assert [i.worker for i in reg.workers()] == [good.hex_id] and seen.added == [good.hex_id]
+        assert reg.refused == 3
+        said = sorted(r.getMessage() for r in caplog.records if "ignored" in r.getMessage())
+        assert len(said) == 3
+        assert any(zero.hex_id in m and "block_size 0" in m for m in said)
+        assert any("\\\\xff\\\\xfe" in m for m in said)
+        assert not reg._task.done()  # type: ignore[union-attr]
+    finally:
+        await reg.stop()
+
+
+async def test_a_record_that_turns_bad_goes_and_is_said_once(disc: Discovery, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="router.worker_registry")
+    seen = Seen()
+    reg = seen.registry(disc)
+    await reg.start()
+    try:
+        assert await reg.wait_ready(10.0)
+        lease = await disc.register_worker(info, ttl=10)
+        w = lease.hex_id
+        await until(lambda: reg.get(w) is not None)
+        await disc.update_worker(lease, info(w, max_model_len=0))
+        await until(lambda: seen.removed == [w], what="the worker gone with its bad record")
+        await disc.update_worker(lease, info(w, max_model_len=0, version="again"))
+        await until(lambda: reg.refused == 2)
+        assert reg.get(w) is None
+        assert len([r for r in caplog.records if "ignored" in r.getMessage()]) == 1
+        await disc.update_worker(lease, info(w))
+        await until(lambda: reg.get(w) is not None, what="the worker back with a good record")
+    finally:
+        await reg.stop()
+
+
+async def test_a_zero_block_size_record_first_does_not_stop_its_model(
+    cluster: Cluster, disc: Discovery, http: aiohttp.ClientSession
+) -> None:
+    bad = await disc.register_worker(lambda wid: info(wid, block_size=0, tokenizer="builtin"), ttl=10)
+    router = await cluster.add_router(disagg="never")
+    assert await router.registry.wait_ready(10.0)  # the bad record came first, in the snapshot
+    good = await cluster.add_worker("agg")
+    await until(lambda: router.registry.get(good.id) is not None and router.ingest.sync_state(good.id) is None)
+    for prompt in (list(range(64)), "hello there"):
+        status, body, _ = await complete(http, router, prompt)
+        assert status == 200, body
+    assert router.registry.get(bad.hex_id) is None and router.registry.refused == 1
+
+
+def test_a_worker_still_bootstrapping_does_not_decide_its_models_block_size() -> None:
+    # A record with no shim behind it (or a shim not yet synced) registered first with another block
+    # size used to win the tie, and the worker that serves was excluded as `block_size`.
+    sync = {"ghost": ("bootstrapping", "no state from its shim yet")}
+    elig = Eligibility(clock=lambda: 0.0, sync_state=sync.get, liveness=lambda w: None, tokenizer="builtin")
+    elig.added("ghost")
+    elig.added("real")
+    infos = [info("ghost", block_size=32), info("real")]
+    assert elig.block_sizes(infos) == {MODEL: 16}
+    real = elig.statuses(infos)[1]
+    assert real.routable, real.detail
+    sync.clear()  # once both serve, the tie goes to the one registered first again
+    assert elig.block_sizes(infos) == {MODEL: 32}
+    assert elig.statuses(infos)[1].exclusion is Exclusion.BLOCK_SIZE
+
+
+# --- watches that crash --------------------------------------------------------------------------
+
+
+def _crashing_once(watch: Any) -> Any:
+    """`watch` (a Discovery method) whose first watch raises after its snapshot."""
+    calls = 0
+
+    async def crash_after_snapshot(events: AsyncGenerator[WatchEvent[Any], None]) -> AsyncGenerator[Any, None]:
+        yield await anext(events)
+        await events.aclose()
+        raise RuntimeError("a bug in the watch")
+
+    def watched() -> AsyncGenerator[Any, None]:
+        nonlocal calls
+        calls += 1
+        return crash_after_snapshot(watch()) if calls == 1 else watch()
+
+    return watched
+
+
+async def test_the_worker_watch_starts_again_after_a_crash(
+    disc: Discovery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="discovery.watch")
+    monkeypatch.setattr(disc, "watch_workers", _crashing_once(disc.watch_workers))
+    seen = Seen()
+    reg = seen.registry(disc)
+    await reg.start()
+    try:
+        assert await reg.wait_ready(10.0)
+        lease = await disc.register_worker(info, ttl=10)
+        await until(lambda: reg.get(lease.hex_id) is not None, timeout=10.0, what="a worker seen after the crash")
+        assert any("the worker watch crashed" in r.getMessage() for r in caplog.records)
+    finally:
+        await reg.stop()
+
+
+async def test_the_router_watch_starts_again_after_a_crash(
+    nc: Client, ns: str, disc: Discovery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(disc, "watch_routers", _crashing_once(disc.watch_routers))
+    sync = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0, discovery=disc)
+    await sync.start()
+    try:
+        await until(lambda: sync.registered("nobody") is False, what="the first snapshot")
+        peer: Lease = await disc.register_router(lambda rid: RouterInfo(router=rid, http_url="", started_at=0.0))
+        await until(lambda: sync.registered(peer.hex_id) is True, timeout=10.0, what="a peer seen after the crash")
+    finally:
+        await sync.stop()
+
+
+# --- peer bookings -------------------------------------------------------------------------------
+
+
+async def test_a_peer_booking_no_request_makes_is_refused_counted_and_said_once(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.replica_sync")
+    view = LoadView()
+    view.update(LoadReport(worker="w1", ts=time.time() - 1, kv_total_blocks=512))
+    sync = ReplicaSync(nc, ns, "rb", view, flush_ms=1.0)
+    await sync.start()
+    try:
+        entries = [
+            SyncEntry(request_id="over-capacity", worker="w1", kind="add", blocks=513),
+            SyncEntry(request_id="huge-blocks", worker="w2", kind="add", blocks=2**63),  # w2's capacity unknown
+            SyncEntry(request_id="huge-prompt", worker="w2", kind="add", tokens=2**31 + 1),
+            SyncEntry(request_id="fits", worker="w1", kind="add", tokens=8000, blocks=512),
+        ]
+        await nc.publish(subjects.sync(ns), encode_msg(RouterSync(router="ra", entries=entries)))
+        await until(lambda: sync.stats.entries_received == len(entries))
+        assert sync.stats.malformed == 3
+        assert view.bookings("w1") == 1 and view.bookings("w2") == 0
+        assert view.load("w1").active_blocks == 512
+        assert len([r for r in caplog.records if "malformed router sync" in r.getMessage()]) == 1
+    finally:
+        await sync.stop()
+
+
+# --- transfers -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("named", ["", "p2"])
+async def test_a_transfer_is_put_down_to_the_prefill_worker_the_router_chose(
+    nc: Client, ns: str, named: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.dispatch")
+    health = TransferHealth()
+    calls: list[tuple[str, str, bool]] = []
+
+    def on_transfer(decode: str, prefill: str, ok: bool) -> None:
+        calls.append((decode, prefill, ok))
+        (health.succeeded if ok else health.failed)(decode, prefill)
+
+    d = Dispatcher(nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB), on_transfer=on_transfer)
+    await d.start()
+
+    async def prefill(nc_: Client, msg: Msg, req: GenerateRequest) -> None:  # its handle names `named`
+        handle = TransferHandle(engine="vllm", params={"x": 1}, prefill_worker=named)
+        await chunk(nc_, msg, req, 0, final=True, finish_reason="length", transfer=handle)
+
+    def decode(pull_fails: bool) -> Any:
+        async def run(nc_: Client, msg: Msg, req: GenerateRequest) -> None:
+            if pull_fails and req.disagg is not None:  # vLLM's 500 when the KV load fails
+                error = ErrorInfo(code=500, kind="engine_error", message="KV load failed")
+                await chunk(nc_, msg, req, 0, final=True, error=error)
+                return
+            await chunk(nc_, msg, req, 0, token_ids=[5], final=True, finish_reason="length")
+
+        return run
+
+    try:
+        await Worker(nc, ns, "p1").serve("prefill", prefill)
+        await Worker(nc, ns, "d1").serve("decode", decode(pull_fails=True))
+        await Worker(nc, ns, "d2").serve("decode", decode(pull_fails=False))
+        await collect(d, job("d1", prefill="p1"))
+        await collect(d, job("d2", prefill="p1"))
+    finally:
+        await d.stop()
+    assert calls == [("d1", "p1", False), ("d2", "p1", True)]
+    assert health.failing("d1", "p1") and not health.failing("d1", "p3")
+    mismatch = [r for r in caplog.records if "transfer handle names" in r.getMessage()]
+    assert len(mismatch) == (1 if named else 0)
