@@ -206,6 +206,12 @@ class BlockIndex:
         slot = self._slot_of.get(worker)
         return (0, 0) if slot is None else self._core.digest(slot)
 
+    def count(self, worker: str) -> int:
+        """How many distinct hashes `worker` holds (0 for a worker holding nothing), in O(1): the
+        ingest bounds each worker's entries by it after every batch."""
+        slot = self._slot_of.get(worker)
+        return 0 if slot is None else self._core.count(slot)
+
     def worker_hashes(self, worker: str) -> set[int]:
         """A copy of the hashes `worker` holds (empty for an unknown worker)."""
         slot = self._slot_of.get(worker)

@@ -14,9 +14,14 @@ One loop per worker that needs repair, owned here:
 
 Failures (no responder yet, timeout, a reply that does not decode, NATS errors) back off
 exponentially from `retry_min_s` to `retry_max_s`. A failed decode asks for a full dump next,
-never the same `since_seq` again. The third consecutive failure of a worker is logged as an ERROR
-naming it, and then at most every `error_every_s` while it keeps failing; success after an ERROR is
-logged too. Meanwhile only that worker is out of routing (router.eligibility), never the fleet.
+never the same `since_seq` again. So does a reply that breaks the bounds of one worker's answer: a
+batch naming another worker (it would rewrite that worker's entries), a dump of more blocks than
+the worker can hold (`RepairTarget.reply_limit`), more bytes than such a dump needs, or no final
+chunk within `fetch_timeout_s` (an endless reply, each chunk within the per-chunk timeout, would
+hold the repair and grow memory without end). The third consecutive failure of a worker is logged
+as an ERROR naming it, and then at most every `error_every_s` while it keeps failing; success after
+an ERROR is logged too. Meanwhile only that worker is out of routing (router.eligibility), never
+the fleet.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import nats.js.api
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-from protocol import check_hashes, subjects
+from protocol import check_hashes, hash_count, subjects
 from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
 
@@ -44,6 +49,10 @@ __all__ = ["FetchFailure", "GapRepair", "RepairTarget"]
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"  # the status header of the empty reply NATS sends when nobody subscribes
 ERROR_AFTER = 3
+# A reply's byte budget: per block of reply_limit (a msgpack u64 takes 9 B, packed 8; replayed
+# batches add their events' framing), and at least this much, so a replay of small batches fits.
+_REPLY_BYTES_PER_BLOCK = 32
+_MIN_REPLY_BYTES = 64 << 20
 
 
 class FetchFailure(Exception):
@@ -59,6 +68,7 @@ class RepairTarget(Protocol):
 
     def needs_repair(self, worker: str) -> bool: ...
     def repair_request(self, worker: str) -> KvStateRequest: ...
+    def reply_limit(self, worker: str) -> int: ...  # the most blocks a dump of the worker may carry
     def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None: ...
     def repair_failed(self, worker: str, failure: FetchFailure) -> None: ...
 
@@ -78,6 +88,7 @@ class GapRepair:
         target: RepairTarget,
         *,
         request_timeout_s: float = 2.0,
+        fetch_timeout_s: float = 30.0,
         retry_min_s: float = 0.05,
         retry_max_s: float = 2.0,
         error_every_s: float = 30.0,
@@ -88,6 +99,7 @@ class GapRepair:
         self._ns = ns
         self._target = target
         self.request_timeout_s = request_timeout_s
+        self.fetch_timeout_s = fetch_timeout_s
         self.retry_min_s = retry_min_s
         self.retry_max_s = retry_max_s
         self.error_every_s = error_every_s
@@ -171,26 +183,29 @@ class GapRepair:
         inbox = self._nc.new_inbox()
         chunks: list[KvStateChunk] = []
         sub: Subscription | None = None
+        limit = self._target.reply_limit(worker)
+        budget = _ReplyBudget(limit, max(_MIN_REPLY_BYTES, _REPLY_BYTES_PER_BLOCK * limit))
+        deadline = self._clock() + self.fetch_timeout_s
         try:
             sub = await self._nc.subscribe(inbox)
             await self._nc.publish(subjects.kvstate(self._ns, worker), encode_msg(request), reply=inbox)
             while True:
-                msg = await sub.next_msg(timeout=self.request_timeout_s)
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise self._endless()
+                msg = await sub.next_msg(timeout=min(self.request_timeout_s, left))
                 if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
                     raise FetchFailure("nobody answers (the shim may be starting)")
+                budget.take_bytes(len(msg.data))
                 chunk = decode_msg(msg.data, KvStateChunk)
-                if chunk.worker != worker:
-                    raise ProtocolError("KvStateChunk", f"names worker {chunk.worker!r}, asked {worker!r}")
-                if chunk.chunk != len(chunks) or (chunks and chunk.epoch != chunks[0].epoch):
-                    raise ProtocolError("KvStateChunk", f"chunk {chunk.chunk} out of order after {len(chunks)}")
-                try:  # a bad dump would otherwise fail in the index, outside this backoff
-                    check_hashes(chunk.hashes)
-                except ValueError as exc:
-                    raise ProtocolError("KvStateChunk", str(exc)) from None
+                _check_chunk(worker, chunk, len(chunks), chunks[0].epoch if chunks else chunk.epoch)
+                budget.take_blocks(chunk)
                 chunks.append(chunk)
                 if chunk.final:
                     return chunks
         except TimeoutError:  # nats.errors.TimeoutError is one
+            if self._clock() >= deadline:
+                raise self._endless() from None
             raise FetchFailure(f"no complete answer within {self.request_timeout_s:.1f}s") from None
         except ProtocolError as exc:
             raise FetchFailure(f"bad reply: {exc}", malformed=True) from None
@@ -200,3 +215,42 @@ class GapRepair:
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+
+    def _endless(self) -> FetchFailure:
+        return FetchFailure(f"bad reply: no final chunk within {self.fetch_timeout_s:g}s", malformed=True)
+
+
+def _check_chunk(worker: str, chunk: KvStateChunk, index: int, epoch: int) -> None:
+    """ProtocolError unless `chunk` is the next chunk of `worker`'s own reply."""
+    if chunk.worker != worker:
+        raise ProtocolError("KvStateChunk", f"names worker {chunk.worker!r}, asked {worker!r}")
+    if chunk.chunk != index or chunk.epoch != epoch:
+        raise ProtocolError("KvStateChunk", f"chunk {chunk.chunk} out of order after {index}")
+    # The ingest applies a batch to the worker it asked, but a batch naming another one is no part
+    # of this worker's state: the reply is forged or broken, and the next request asks for a dump.
+    other = next((b.worker for b in chunk.batches if b.worker != worker), None)
+    if other is not None:
+        raise ProtocolError("KvStateChunk", f"carries a batch of worker {other!r}, asked {worker!r}")
+    try:  # a bad dump would otherwise fail in the index, outside this backoff
+        check_hashes(chunk.hashes)
+    except ValueError as exc:
+        raise ProtocolError("KvStateChunk", str(exc)) from None
+
+
+@dataclass
+class _ReplyBudget:
+    """What one reply may still take: `blocks` dump hashes (more than the worker can hold is no
+    honest state) and `bytes` on the wire (the chunks are kept until the final one)."""
+
+    blocks: int
+    bytes: int
+
+    def take_bytes(self, n: int) -> None:
+        self.bytes -= n
+        if self.bytes < 0:
+            raise ProtocolError("KvStateChunk", "the reply is larger than any state the worker can hold")
+
+    def take_blocks(self, chunk: KvStateChunk) -> None:
+        self.blocks -= hash_count(chunk.hashes)
+        if self.blocks < 0:
+            raise ProtocolError("KvStateChunk", "the dump holds more blocks than the worker can hold")

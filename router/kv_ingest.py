@@ -18,6 +18,19 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
 - The digest check: each load report carries the shim's (kv_epoch, kv_seq, kv_blocks, kv_xor). At
   the same (epoch, seq) the index's digest of that worker must match; a report ahead of the index
   that stays ahead for `behind_grace_s` means the last batches were lost. Either starts a repair.
+  So does the index holding a seq of the shim's epoch that the shim's reports have not reached
+  `behind_grace_s` later: a reply claimed a seq the shim never sent, and every real batch would
+  read as a duplicate for good. That takes a full dump.
+- One worker cannot grow a replica's memory without bound: its held batches are bounded in count
+  and bytes (and all workers' together, with those of unknown workers, in bytes); past a bound
+  they are dropped and a full dump catches up. Its index entries are bounded by
+  `min_entry_limit` (4 M entries, ~170 MB of index), or `CAPACITY_SLACK` times its KV capacity
+  (WorkerInfo / LoadReport `kv_total_blocks`) when that is more. The floor is high because a KV
+  connector's CPU or disk tier (native offloading, LMCache) holds blocks that `kv_total_blocks`,
+  the GPU's count, does not: a bound from it alone would cut honest offloading workers out of
+  routing. An engine reports its evictions, so an honest shim never passes the bound. A worker
+  past it is cleared, counted and logged once as malformed, and repaired with a full dump; a dump
+  that would pass it is refused in router.gap_repair (the bound there is `reply_limit`).
 - Batches may race ahead of the etcd watch: a batch of a worker not (yet) added waits up to
   `unknown_ttl_s` for `add_worker`; at most `unknown_limit` such batches are held in all (invented
   worker ids cannot grow a router's memory). Workers are only ever added by the registry, never by
@@ -51,6 +64,8 @@ from protocol.messages import (
     KvStateChunk,
     KvStateRequest,
     LoadReport,
+    Removed,
+    Stored,
     decode_msg,
 )
 from router.block_index import BlockIndex
@@ -63,17 +78,31 @@ __all__ = ["KvIngest"]
 
 log = logging.getLogger(__name__)
 
+# A worker's index entries may reach CAPACITY_SLACK x its kv_total_blocks (a hybrid model's hit-end
+# keys count too), and at least MIN_ENTRY_LIMIT (4 M entries, ~170 MB of index) whatever it says.
+CAPACITY_SLACK = 8
+MIN_ENTRY_LIMIT = 1 << 22
+# What holding a batch costs, about: its structs, and each hash as sent packed (8 B) or as a list
+# (a Python int and its slot).
+_BATCH_BYTES = 256
+_EVENT_BYTES = 96
+_LISTED_HASH_BYTES = 40
+
 
 @dataclass(eq=False)
 class _Worker:
     name: str
     sync: WorkerSync
     registered_epoch: int
+    kv_total_blocks: int | None = None  # its KV capacity, as its record or load reports say
+    entry_limit: int = MIN_ENTRY_LIMIT  # the most index entries it may have (see _capacity)
     held: list[tuple[int, KvEventBatch]] = field(default_factory=list)  # (arrival no., batch), awaiting a repair
+    held_bytes: int = 0  # _held_size of `held`
     want_dump: bool = True
     why: str = "waiting for the shim's first full state"
     asked_at: int = 0  # arrival no. of the last batch received before the current request went out
     behind: tuple[int, float] | None = None  # (seq a digest showed, since when) while the index lags it
+    ahead: tuple[int, float] | None = None  # (index seq the digests have not reached, since when)
 
 
 class KvIngest:
@@ -91,11 +120,15 @@ class KvIngest:
         index: BlockIndex,
         *,
         request_timeout_s: float = 2.0,
+        fetch_timeout_s: float = 30.0,
         retry_max_s: float = 2.0,
         unknown_ttl_s: float = 5.0,
         unknown_limit: int = 10_000,
         held_limit: int = 10_000,
+        held_bytes_limit: int = 32 << 20,
+        held_total_bytes_limit: int = 512 << 20,
         behind_grace_s: float = 1.0,
+        min_entry_limit: int = MIN_ENTRY_LIMIT,
         max_kvstate_in_flight: int = 32,
         on_events: Callable[[str, list[KvEvent]], None] = lambda worker, events: None,
         clock: Callable[[], float] = time.monotonic,
@@ -103,6 +136,7 @@ class KvIngest:
         self._nc = nc
         self._ns = subjects.validate_namespace(ns)
         self.index = index
+        self.min_entry_limit = min_entry_limit
         self.stats = IngestStats()
         self.status = PartStatus.NEW
         self.repairs = GapRepair(
@@ -110,18 +144,22 @@ class KvIngest:
             self._ns,
             self,
             request_timeout_s=request_timeout_s,
+            fetch_timeout_s=fetch_timeout_s,
             retry_max_s=retry_max_s,
             max_in_flight=max_kvstate_in_flight,
         )
         self._unknown_ttl_s = unknown_ttl_s
         self._unknown_limit = unknown_limit
         self._held_limit = held_limit
+        self._held_bytes_limit = held_bytes_limit
+        self._held_total_bytes_limit = held_total_bytes_limit
+        self._held_total = 0  # bytes of every worker's held batches and of those of unknown workers
         self._behind_grace_s = behind_grace_s
         self._on_events = on_events
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
         self._unsynced: set[str] = set()  # workers bootstrapping or repairing: `synced` in O(1)
-        self._unknown: dict[str, deque[tuple[float, KvEventBatch]]] = {}
+        self._unknown: dict[str, deque[tuple[float, int, KvEventBatch]]] = {}  # (arrival time, size, batch)
         self._malformed_logged: set[str] = set()
         self._arrivals = 0
         self._sub: Subscription | None = None
@@ -152,10 +190,12 @@ class KvIngest:
 
     # --- the worker set (driven by the registry) -------------------------------------------------
 
-    def add_worker(self, worker: str, epoch: int) -> None:
-        """`worker` registered (or its record changed): bootstrap it if new, resync on a new epoch."""
+    def add_worker(self, worker: str, epoch: int, kv_total_blocks: int | None = None) -> None:
+        """`worker` registered (or its record changed): bootstrap it if new, resync on a new epoch.
+        `kv_total_blocks` (its record's) bounds its index entries."""
         known = self._workers.get(worker)
         if known is not None:
+            self._capacity(known, kv_total_blocks)
             if epoch != known.registered_epoch:
                 known.registered_epoch = epoch
                 if known.sync.epoch != epoch and known.sync.state is SyncState.SYNCED:
@@ -163,22 +203,28 @@ class KvIngest:
                     self._open_repair(known, dump=True, why=f"its record names a new epoch {epoch:x}")
             return
         sync = WorkerSync()
-        state = _Worker(name=worker, sync=sync, registered_epoch=epoch)
+        state = _Worker(name=worker, sync=sync, registered_epoch=epoch, entry_limit=self.min_entry_limit)
+        self._capacity(state, kv_total_blocks)
         self._workers[worker] = state
         self._unsynced.add(worker)
         self.stats.workers[worker] = sync
-        for _, batch in self._unknown.pop(worker, ()):
-            self._hold(state, batch)
+        for _, size, batch in self._unknown.pop(worker, ()):
+            self._held_total -= size
             self.stats.unknown_held -= 1
+            self._hold(state, batch)
         self._synced.clear()
         if self.status is PartStatus.RUNNING:
             self.repairs.ensure(worker)
 
     def remove_worker(self, worker: str) -> None:
         """`worker` left: its entries go at once and its repair, if any, stops."""
-        self._workers.pop(worker, None)
+        state = self._workers.pop(worker, None)
+        if state is not None:
+            self._set_held(state, [])
         self._unsynced.discard(worker)
-        self.stats.unknown_held -= len(self._unknown.pop(worker, ()))
+        unknown = self._unknown.pop(worker, ())
+        self.stats.unknown_held -= len(unknown)
+        self._held_total -= sum(size for _, size, _ in unknown)
         self.stats.workers.pop(worker, None)
         self.index.clear(worker)
         self._on_events(worker, [Cleared()])
@@ -262,47 +308,84 @@ class KvIngest:
             self._malformed_logged.add(worker)
             log.warning("dropping malformed KV events from worker %s (logged once per worker): %s", worker, exc)
 
-    def _apply(self, batch: KvEventBatch, state: _Worker) -> None:
+    def _apply(self, batch: KvEventBatch, state: _Worker) -> bool:
+        """Apply `batch` to `state`'s worker (never to the worker the batch names: a repair reply's
+        batch could name another). False when the worker then holds more than it can (see
+        `_over_capacity`): its entries are gone and a full dump is next."""
+        worker = state.name
         try:
-            self.index.apply(batch.worker, batch.events)
+            self.index.apply(worker, batch.events)
         except ValueError as exc:
             # A hash out of range, or packed bytes that are not whole u64s: checked by the index, so
             # the well-formed batches pay nothing. The batch still takes its seq; the events before
             # the bad one are in, and the next load report's digest check repairs the difference.
-            self._malformed(batch.worker, exc)
+            self._malformed(worker, exc)
         else:
-            self._on_events(batch.worker, batch.events)
+            self._on_events(worker, batch.events)
         state.sync.last_seq = batch.seq
         self.stats.batches_applied += 1
         self.stats.events_applied += len(batch.events)
+        held = self.index.count(worker)
+        if held <= state.entry_limit:
+            return True
+        self._over_capacity(state, held)
+        return False
+
+    def _over_capacity(self, state: _Worker, held: int) -> None:
+        """An engine reports its evictions, so an honest shim never holds more blocks than its
+        capacity allows; a worker past it would grow every replica's index without bound. Its
+        entries go (they cannot be trusted), it is counted and logged once, and a dump follows."""
+        self.index.clear(state.name)
+        limit, total = state.entry_limit, state.kv_total_blocks
+        why = f"it claims {held} blocks, more than its KV capacity allows ({limit}; kv_total_blocks {total})"
+        self._malformed(state.name, ProtocolError("KvEventBatch", why))
+        self._open_repair(state, dump=True, why=why)
+        state.why = why
 
     def _hold(self, state: _Worker, batch: KvEventBatch) -> None:
-        if len(state.held) >= self._held_limit:
-            # Too far behind to replay: drop what is held and let a full dump catch up instead.
+        size = _held_size(batch)
+        over_total = self._held_total + size > self._held_total_bytes_limit
+        if len(state.held) >= self._held_limit or state.held_bytes + size > self._held_bytes_limit or over_total:
+            # Too far behind to replay, or too many bytes held (a worker that never answers kvstate
+            # would otherwise keep all it sends): drop what is held and let a full dump catch up.
             self.stats.dropped_overflow += len(state.held)
-            state.held.clear()
+            self._set_held(state, [])
             state.want_dump = True
+            if self._held_total + size > self._held_total_bytes_limit:  # the others' fill the budget
+                self.stats.dropped_overflow += 1
+                return
         self._arrivals += 1
         state.held.append((self._arrivals, batch))
+        state.held_bytes += size
+        self._held_total += size
         state.sync.buffered = len(state.held)
+
+    def _set_held(self, state: _Worker, held: list[tuple[int, KvEventBatch]]) -> None:
+        self._held_total -= state.held_bytes
+        state.held = held
+        state.held_bytes = sum(_held_size(batch) for _, batch in held)
+        self._held_total += state.held_bytes
+        state.sync.buffered = len(held)
 
     def _hold_unknown(self, batch: KvEventBatch) -> None:
         now = time.monotonic()
         self._expire_unknown(now)
-        if self.stats.unknown_held >= self._unknown_limit:
+        size = _held_size(batch)
+        if self.stats.unknown_held >= self._unknown_limit or self._held_total + size > self._held_total_bytes_limit:
             self.stats.dropped_unknown += 1
             return
         queue = self._unknown.get(batch.worker)
         if queue is None:
             queue = self._unknown[batch.worker] = deque()
-        queue.append((now, batch))
+        queue.append((now, size, batch))
         self.stats.unknown_held += 1
+        self._held_total += size
 
     def _expire_unknown(self, now: float) -> None:
         for worker in [w for w, q in self._unknown.items() if now - q[0][0] > self._unknown_ttl_s]:
             queue = self._unknown[worker]
             while queue and now - queue[0][0] > self._unknown_ttl_s:
-                queue.popleft()
+                self._held_total -= queue.popleft()[1]
                 self.stats.dropped_unknown += 1
                 self.stats.unknown_held -= 1
             if not queue:
@@ -313,10 +396,14 @@ class KvIngest:
     def check_digest(self, report: LoadReport) -> None:
         """Compare a load report's KV digest with the index (see the module docstring)."""
         state = self._workers.get(report.worker)
-        if state is None or not report.kv_epoch or state.sync.state is not SyncState.SYNCED:
+        if state is None:
+            return
+        self._capacity(state, report.kv_total_blocks)
+        if not report.kv_epoch or state.sync.state is not SyncState.SYNCED:
             return
         sync = state.sync
         if report.kv_epoch != sync.epoch or report.kv_seq > sync.last_seq:
+            state.ahead = None
             now = self._clock()
             if state.behind is None or state.behind[0] != report.kv_seq:
                 state.behind = (report.kv_seq, state.behind[1] if state.behind is not None else now)
@@ -327,7 +414,9 @@ class KvIngest:
             return
         state.behind = None
         if report.kv_seq < sync.last_seq:
-            return  # the report is older than what the index holds
+            self._check_ahead(state, report.kv_seq)
+            return
+        state.ahead = None
         count, xor = self.index.digest(report.worker)
         if (count, xor) != (report.kv_blocks, report.kv_xor):
             self.stats.digest_mismatches += 1
@@ -342,6 +431,24 @@ class KvIngest:
             )
             self._open_repair(state, dump=True, why="its KV digest disagrees with the index")
 
+    def _check_ahead(self, state: _Worker, shim_seq: int) -> None:
+        """A report older than the index: its batches overtook it, for a moment. If the shim has
+        still not reached the index's seq `behind_grace_s` later, a reply claimed a seq the shim
+        never sent; every real batch would read as a duplicate for good, so take a full dump."""
+        now, seq = self._clock(), state.sync.last_seq
+        if state.ahead is None or shim_seq >= state.ahead[0]:
+            state.ahead = (seq, now)  # the shim reached the seq watched so far: watch this one
+        elif now - state.ahead[1] >= self._behind_grace_s:
+            self.stats.digest_mismatches += 1
+            log.warning(
+                "KV index of worker %s is at seq %d, which its shim has not reached in %.1fs (it is at %d); resyncing",
+                state.name,
+                seq,
+                now - state.ahead[1],
+                shim_seq,
+            )
+            self._open_repair(state, dump=True, why=f"its shim is at seq {shim_seq}, the index at a later {seq}")
+
     # --- repair (router.gap_repair drives these) --------------------------------------------------
 
     def _open_repair(self, state: _Worker, *, dump: bool, why: str) -> None:
@@ -350,7 +457,7 @@ class KvIngest:
             state.why = why
             self._unsynced.add(state.name)
         state.want_dump = state.want_dump or dump
-        state.behind = None
+        state.behind = state.ahead = None
         self._synced.clear()
         if self.status is PartStatus.RUNNING:
             self.repairs.ensure(state.name)
@@ -366,12 +473,22 @@ class KvIngest:
             return KvStateRequest(since_seq=0, epoch=None)
         return KvStateRequest(since_seq=state.sync.last_seq, epoch=state.sync.epoch)
 
+    def _capacity(self, state: _Worker, kv_total_blocks: int | None) -> None:
+        """Take the worker's KV capacity, when one is said, and the entry limit it gives."""
+        if kv_total_blocks:
+            state.kv_total_blocks = kv_total_blocks
+            state.entry_limit = max(self.min_entry_limit, CAPACITY_SLACK * kv_total_blocks)
+
+    def reply_limit(self, worker: str) -> int:
+        state = self._workers.get(worker)
+        return self.min_entry_limit if state is None else state.entry_limit
+
     def repair_failed(self, worker: str, failure: FetchFailure) -> None:
         state = self._workers.get(worker)
         if state is None:
             return
         if failure.malformed:
-            self.stats.malformed += 1
+            self._malformed(worker, failure)
             state.want_dump = True  # never the same since_seq again
         else:
             self.stats.repair_timeouts += 1
@@ -398,8 +515,8 @@ class KvIngest:
             self.stats.repairs_batches += 1
             for chunk in chunks:
                 for batch in chunk.batches:
-                    if batch.epoch == sync.epoch and batch.seq == sync.last_seq + 1:
-                        self._apply(batch, state)
+                    if batch.epoch == sync.epoch and batch.seq == sync.last_seq + 1 and not self._apply(batch, state):
+                        return  # past its capacity: cleared, and a dump is next
             if sync.last_seq < first.seq:
                 state.want_dump = True  # the replay did not reach the shim's own seq: take its full state
         self._drop_contradicted(state, first.epoch, first.seq)
@@ -421,8 +538,7 @@ class KvIngest:
             else:
                 kept.append((arrival, batch))
         if impossible:
-            state.held = kept
-            state.sync.buffered = len(kept)
+            self._set_held(state, kept)
             self.stats.dropped_impossible += len(impossible)
             shown = ", ".join(f"epoch {b.epoch:x} seq {b.seq}" for b in impossible[:3])
             log.error(
@@ -438,24 +554,33 @@ class KvIngest:
     def _drain_held(self, state: _Worker) -> bool:
         """Apply held batches that follow last_seq. True when none is left waiting on a gap."""
         sync = state.sync
-        held, state.held = state.held, []
+        held = state.held
         current = sorted((hb for hb in held if hb[1].epoch == sync.epoch), key=lambda hb: hb[1].seq)
         later = [hb for hb in held if hb[1].epoch != sync.epoch]  # arrived after the request: a newer epoch
         for i, (_, batch) in enumerate(current):
             if batch.seq <= sync.last_seq:
                 self.stats.duplicates += 1
             elif batch.seq == sync.last_seq + 1:
-                self._apply(batch, state)
+                if not self._apply(batch, state):  # past its capacity: cleared, and a dump is next
+                    self._set_held(state, current[i + 1 :] + later)
+                    return False
             else:
-                state.held = current[i:] + later
-                sync.buffered = len(state.held)
+                self._set_held(state, current[i:] + later)
                 state.why = f"gap: seq {batch.seq} after {sync.last_seq}"
                 return False
+        self._set_held(state, later)
         if later:
-            state.held = later
-            sync.buffered = len(later)
             state.want_dump = True
             state.why = f"a batch of a newer epoch {later[-1][1].epoch:x}"
             return False
-        sync.buffered = 0
         return True
+
+
+def _held_size(batch: KvEventBatch) -> int:
+    """About what holding `batch` costs in memory."""
+    size = _BATCH_BYTES + _EVENT_BYTES * len(batch.events)
+    for event in batch.events:
+        if isinstance(event, Stored | Removed):
+            hashes = event.hashes
+            size += len(hashes) if isinstance(hashes, bytes) else _LISTED_HASH_BYTES * len(hashes)
+    return size

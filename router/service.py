@@ -471,7 +471,7 @@ class RouterService:
 
     def _on_worker_add(self, info: WorkerInfo) -> None:
         self.fingerprints.check(info)
-        self.ingest.add_worker(info.worker, info.epoch)
+        self.ingest.add_worker(info.worker, info.epoch, info.kv_total_blocks)
         self.eligibility.added(info.worker)
         self.path.admission.notify()
 
