@@ -26,6 +26,7 @@ import enum
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -89,6 +90,27 @@ def _checked(setting: str, flag: int | None, engine: int | None) -> int | None:
     return engine if engine is not None else flag
 
 
+@dataclass(frozen=True, slots=True)
+class _Progress:
+    """What moves while a busy engine works: legs that ended well, the tokens each leg in flight has
+    sent, and the engine's own step counter and KV use (an engine without a step counter still
+    fills its KV cache as it decodes)."""
+
+    completed: int
+    sent: dict[str, int]
+    iterations: int
+    kv_usage: float | None
+
+    def moved_since(self, before: _Progress) -> bool:
+        # A leg that leaves (cancelled) is no progress: only output, a step or a KV change is.
+        return (
+            self.completed > before.completed
+            or self.iterations != before.iterations
+            or self.kv_usage != before.kv_usage
+            or any(n > before.sent.get(leg, 0) for leg, n in self.sent.items())
+        )
+
+
 class _Presence:
     """One worker id on NATS: its subscriptions, and the KV stream and load reports of one epoch."""
 
@@ -150,6 +172,8 @@ class WorkerShim:
         self._stopping = asyncio.Event()
         self._stop_task: asyncio.Task[None] | None = None
         self._said: set[str] = set()
+        self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
+        self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -260,7 +284,7 @@ class WorkerShim:
         try:
             while not self._stopping.is_set():
                 try:
-                    if not await self._wait_healthy():
+                    if not await self._wait_healthy() or not await self._wait_progress():
                         return
                     self.limits = await self._check_limits()
                     if self._discovers_events:  # each session: a restarted engine may publish elsewhere
@@ -276,8 +300,9 @@ class WorkerShim:
                     failed += 1
                     self.session_failures += 1
                     wait = min(SESSION_RETRY_MAX_S, self.config.health_interval_s * 2 ** min(failed - 1, 10))
+                    trace = None if isinstance(exc, EngineError) else exc  # the engine's fault needs none
                     log.error("the session with the engine at %s failed: %r; a new one starts in %.1fs",
-                              self.config.engine_url, exc, wait, exc_info=exc)  # fmt: skip
+                              self.config.engine_url, exc, wait, exc_info=trace)  # fmt: skip
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(wait):
                             await self._stopping.wait()
@@ -317,13 +342,45 @@ class WorkerShim:
             log.info("the engine at %s is up after %.0fs", c.engine_url, time.monotonic() - since)
         return True
 
+    async def _wait_progress(self) -> bool:
+        """After a session ended on a hung engine: until it moves again or has nothing left to do
+        (True), or the shim stops (False). Its /health answers all along, and registering at once
+        would hand it new requests to hang on."""
+        while (stalled := self._stalled) is not None:
+            with contextlib.suppress(EngineError):
+                self._engine_load = await self.adapter.load()
+            mark = self._progress()
+            if mark is None or mark.moved_since(stalled):
+                log.info("the engine at %s makes progress again", self.config.engine_url)
+                self._stalled = None
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.health_interval_s):
+                    await self._stopping.wait()
+            if self._stopping.is_set():
+                return False
+        return True
+
+    def _progress(self) -> _Progress | None:
+        """Where the engine stands while it has work (legs in flight, or requests it reports
+        running or waiting); None while it has none."""
+        requests, load = self.requests, self._engine_load
+        assert requests is not None
+        if not requests.inflight and (load is None or load.running + load.waiting == 0):
+            return None
+        return _Progress(
+            completed=requests.completed,
+            sent={rid: leg.writer.sent_tokens for rid, leg in requests.inflight.items() if leg.writer is not None},
+            iterations=load.timing.iterations if load is not None else 0,
+            kv_usage=load.kv_usage if load is not None else None,
+        )
+
     async def _check_limits(self) -> EngineLimits:
         c = self.config
-        try:
-            eng = await self.adapter.limits()
-        except EngineError as exc:
-            log.warning("engine limits unavailable (%s); using the flags", exc)
-            eng = EngineLimits()
+        # An EngineError (the engine's /metrics timed out or answered 503) fails the session, which
+        # is retried: taken as "the engine reports no limits", one blip ended the shim with a
+        # ConfigError asking for --block-size, or skipped the check of the flags given.
+        eng = await self.adapter.limits()
         limits = EngineLimits(
             block_size=_checked("block_size", c.block_size, eng.block_size),
             kv_total_blocks=_checked("kv_total_blocks", c.kv_total_blocks, eng.kv_total_blocks),
@@ -369,19 +426,27 @@ class WorkerShim:
     async def _served_model_len(self) -> int | None:
         """--model's max_model_len from the engine's /v1/models, whose other names for it and LoRA
         adapters on it are taken too (`_take_served_names`); a model the engine does not list is a
-        startup error where the engine refuses requests for it (vLLM), a warning elsewhere."""
+        startup error where the engine refuses requests for it (vLLM), a warning elsewhere. Where it is an
+        error, an unreadable /v1/models fails the session (retried): unread is not "listed"."""
         c = self.config
         models = await self.adapter.served_models()
+        if models is None and self.adapter.requires_served_model:
+            raise EngineError(
+                503, "engine_unavailable", f"GET {c.engine_url}/v1/models failed: --model is checked before registering"
+            )
         if models is None or c.model in models:
             self._take_served_names(models)
             return models[c.model].max_model_len if models else None
-        served = ", ".join(sorted(models)) or "no model"
         if self.adapter.requires_served_model:
-            raise ConfigError(
-                "model", c.model, f"the engine at {c.engine_url} serves {served}: give --model one of them"
-            )
+            raise self._not_served(models)
+        served = ", ".join(sorted(models)) or "no model"
         self._say_once(logging.WARNING, "the engine at %s lists %s, not --model %s", c.engine_url, served, c.model)
         return None
+
+    def _not_served(self, models: dict[str, ModelCard]) -> ConfigError:
+        served = ", ".join(sorted(models)) or "no model"
+        why = f"the engine at {self.config.engine_url} serves {served}: give --model one of them"
+        return ConfigError("model", self.config.model, why)
 
     async def _discover_events(self) -> None:
         """Take the KV event endpoints of the rank this shim serves from the engine's own list, when
@@ -453,8 +518,13 @@ class WorkerShim:
         return True
 
     async def _poll_adapters(self) -> None:
-        """Register adapters loaded or unloaded at run time (vLLM's /v1/load_lora_adapter)."""
-        if self._take_served_names(await self.adapter.served_models()) and self.registration is not None:
+        """Register adapters loaded or unloaded at run time (vLLM's /v1/load_lora_adapter); check
+        --model again as at the start: an engine restarted faster than the health checks notice, or
+        an adapter named by --model unloaded, would otherwise leave a worker every request 404s on."""
+        models = await self.adapter.served_models()
+        if models is not None and self.config.model not in models and self.adapter.requires_served_model:
+            raise self._not_served(models)
+        if self._take_served_names(models) and self.registration is not None:
             self.registration.update()
 
     def _kv_bytes_per_token(self) -> int | None:
@@ -561,6 +631,7 @@ class WorkerShim:
         if load is None:
             self.credit.lost()
             return
+        self._engine_load = load
         if load.reused_tokens is None:
             self._say_once(
                 logging.INFO,
@@ -720,19 +791,23 @@ class WorkerShim:
         await self._end_epoch(presence, cleared=True)
 
     async def _before_announce(self, worker: str) -> None:
-        """Subscribed, and the server has the subscriptions, before the etcd key tells routers
-        the worker serves: a request sent the moment they read it finds a responder."""
+        """Subscribed, the server holding the subscriptions, and the epoch's KV stream started
+        before the etcd key tells routers the worker serves: a request or a kvstate request sent
+        the moment they read it finds a responder with state to answer from (a kvstate request
+        before the epoch started went unanswered, and the router's repair waited out its timeout)."""
         presence = self._presence
-        if presence is not None and presence.worker == worker:
-            return  # the same name again
-        if presence is not None:  # opened for an id whose key was never created
+        if presence is not None and presence.worker != worker:  # opened for an id whose key was never created
             await self._close_presence(presence)
-        self._presence = await self._open_presence(worker)
+            presence = None
+        if presence is None:
+            presence = self._presence = await self._open_presence(worker)
+        if presence.publisher is None:
+            await self._start_epoch(presence)
 
     async def _on_registered(self, worker: str) -> None:
         presence = self._presence
         assert presence is not None and presence.worker == worker, "opened by _before_announce"
-        await self._start_epoch(presence)
+        assert presence.publisher is not None, "its epoch started by _before_announce"
         self.worker_id = worker
         self.registration_count += 1
         self.status = ShimStatus.REGISTERED
@@ -768,6 +843,7 @@ class WorkerShim:
     async def _monitor(self) -> None:
         failures = 0
         busy_since: float | None = None
+        progress, moved_at = self._progress(), time.monotonic()  # the watchdog's last move
         adapters_due = time.monotonic() + ADAPTERS_POLL_S
         assert self._events_task is not None and self.registration is not None
         while not self._stopping.is_set():
@@ -810,6 +886,26 @@ class WorkerShim:
                     now - busy_since,
                 )
                 return
+            # A hung engine answers /health and /metrics; only the work it does not do shows it.
+            mark = self._progress()
+            if mark is None or progress is None or mark.moved_since(progress):
+                progress, moved_at = mark, now
+            elif now - moved_at >= self.config.busy_limit_s:
+                self._stall(mark, now - moved_at)
+                return
+
+    def _stall(self, mark: _Progress, still_s: float) -> None:
+        load = self._engine_load
+        log.error(
+            "engine at %s made no progress for %.0fs (%d legs in flight; it reports %s running, %s waiting): "
+            "hung, deregistering until it moves again",
+            self.config.engine_url,
+            still_s,
+            len(self.requests.inflight) if self.requests is not None else 0,
+            load.running if load is not None else "?",
+            load.waiting if load is not None else "?",
+        )
+        self._stalled = mark
 
     async def _end_session(self) -> None:
         if self.status is ShimStatus.REGISTERED:
@@ -863,11 +959,18 @@ class WorkerShim:
         if discovery is not None:
             await discovery.close()
         nc, self._nc = self._nc, None
-        if nc is not None and not nc.is_closed:
-            with contextlib.suppress(Exception):
-                await nc.drain()
+        if nc is None or nc.is_closed:
+            return
+        try:
+            if nc.is_connected:  # nats-py refuses to drain a connection that is down
+                with contextlib.suppress(Exception):
+                    await nc.drain()
             if not nc.is_closed:
                 await nc.close()
+        except Exception as exc:
+            # NATS down at stop: nats-py's close writes to a socket that is gone (uvloop raises).
+            # Nothing is left to flush; the shim stops cleanly rather than with a traceback.
+            log.warning("the NATS connection did not close cleanly (%r); stopping anyway", exc)
 
 
 def _aliases(cards: dict[str, ModelCard], model: str) -> list[str]:

@@ -254,6 +254,7 @@ async def post_completion(
                 if pass_through:
                     result.body = raw
                 return result
+            done = False
             async with contextlib.aclosing(_line_batches(resp.content)) as batches:
                 async for lines in batches:
                     seen = len(result.token_ids)
@@ -266,7 +267,12 @@ async def post_completion(
                     if isinstance(end, Exception):
                         raise end
                     if end:
+                        done = True
                         break
+            if not done and result.finish_reason is None:
+                # A clean EOF with neither is a cut answer (the engine or a proxy ended it early):
+                # taken as a success, it reached the client as a whole answer, only shorter.
+                raise EngineError(502, "engine_protocol", f"{url}: the stream ended without [DONE] or a finish_reason")
             return result
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc

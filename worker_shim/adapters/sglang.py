@@ -67,10 +67,16 @@ def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
 
 
 def load_from_metrics(text: str, kv_total_blocks: int | None) -> EngineLoad:
+    """The engine's load; EngineError when /metrics has neither request count: read as 0, a /metrics
+    without the sglang: series advertised a busy engine as idle."""
     samples = list(parse_samples(text, _METRICS))
+    running, waiting = sum_samples(samples, "sglang:num_running_reqs"), sum_samples(samples, "sglang:num_queue_reqs")
+    if running is None and waiting is None:
+        absent = ", ".join(n for n in sorted(_METRICS) if sum_samples(samples, n) is None)
+        raise EngineError(502, "engine_protocol", f"the engine's /metrics has no {absent}: were its metrics renamed?")
     return EngineLoad(
-        running=int(sum_samples(samples, "sglang:num_running_reqs") or 0),
-        waiting=int(sum_samples(samples, "sglang:num_queue_reqs") or 0),
+        running=int(running or 0),
+        waiting=int(waiting or 0),
         kv_usage=mean_samples(samples, "sglang:token_usage"),
         kv_total_blocks=kv_total_blocks,
     )

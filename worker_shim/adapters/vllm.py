@@ -153,10 +153,22 @@ def limits_from_metrics(text: str, rank: int | None = None) -> EngineLimits:
 
 
 def load_from_metrics(text: str, rank: int | None = None) -> EngineLoad:
+    """The engine's load; EngineError when /metrics has neither request count (`rank`'s, with a
+    rank), which is no idle engine but one that does not say: vLLM started with --disable-log-stats
+    exports none of its vllm: series, and read as 0 they advertised a busy engine as idle."""
     samples = _samples(text, rank)
+    running, waiting = sum_samples(samples, vm.NUM_REQUESTS_RUNNING), sum_samples(samples, vm.NUM_REQUESTS_WAITING)
+    if running is None and waiting is None:
+        names = [vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE_PERC]
+        absent = ", ".join(n for n in names if sum_samples(samples, n) is None)
+        of = f" of engine {rank}" if rank is not None else ""
+        raise EngineError(
+            502, "engine_protocol", f"the engine's /metrics has no {absent}{of}: a vLLM started with "
+            "--disable-log-stats exports none (start it without that flag), else the metrics were renamed",
+        )  # fmt: skip
     return EngineLoad(
-        running=int(sum_samples(samples, vm.NUM_REQUESTS_RUNNING) or 0),
-        waiting=int(sum_samples(samples, vm.NUM_REQUESTS_WAITING) or 0),
+        running=int(running or 0),
+        waiting=int(waiting or 0),
         kv_usage=mean_samples(samples, vm.KV_CACHE_USAGE_PERC),
         kv_total_blocks=_kv_blocks(samples, rank),
         num_preemptions=int(sum_samples(samples, _PREEMPTIONS) or 0),
@@ -267,10 +279,15 @@ class VllmAdapter(ZmqEventsAdapter):
 
     async def event_sources(self) -> dict[int, EventSource] | None:
         """GET /kv_event_sources (vLLM 0.32): each rank's --kv-events-config, its endpoints offset by
-        the rank; ranks without a ZMQ publisher are left out. None when the engine has no such route."""
+        the rank; ranks without a ZMQ publisher are left out. None when the engine has no such route;
+        EngineError when it did not answer (a failed session, retried, not a ConfigError)."""
         try:
             raw = msgspec.json.decode(await self.fetch("/kv_event_sources"))
-        except (EngineError, msgspec.DecodeError):
+        except EngineError as exc:
+            if exc.code == 404:  # an older vLLM
+                return None
+            raise
+        except msgspec.DecodeError:
             return None
         return event_sources(raw) if isinstance(raw, dict) else None
 

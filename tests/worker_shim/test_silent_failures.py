@@ -1,0 +1,408 @@
+"""Faults that used to end a shim for good or leave it advertising a worker that cannot serve, with
+no word: a /metrics, /kv_event_sources or /v1/models blip at a session's start, a /metrics without
+the load series, a hung engine that still answers /health, a stop while NATS is down, and a stream
+cut short without [DONE] (real nats, etcd and sim; the engine's answers altered by a proxy)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import nats
+import pytest
+from aiohttp import web
+from nats.aio.client import Client as Nats
+
+from engine_sim.server import SimServer
+from kvswitch.servers import NatsServer, free_port
+from protocol import (
+    ConfigError,
+    GenerateRequest,
+    LoadReport,
+    ResponseChunk,
+    SamplingParams,
+    decode_msg,
+    encode_msg,
+    subjects,
+)
+from protocol.messages import ENDPOINT_COMPLETIONS
+from runtime.nats_flush import flush
+from tests.worker_shim.cluster import shim_for, sim_config, wait_for
+from tests.worker_shim.test_shim_lifecycle import registered_workers
+from worker_shim import ShimStatus
+from worker_shim import shim as shim_module
+from worker_shim.adapters import EngineError
+from worker_shim.adapters import sglang as sglang_adapter
+from worker_shim.adapters import vllm as vllm_adapter
+from worker_shim.load_reporter import LoadReporter
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+class FaultyProxy:
+    """An HTTP pass-through in front of a sim: `fail[path]` next answers to `path` are 503s,
+    `rewrite[path]` changes a 200 answer's body, and with `cut_after` N a streamed answer ends,
+    cleanly, after its N-th event."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.fail: dict[str, int] = {}
+        self.rewrite: dict[str, Callable[[bytes], bytes]] = {}
+        self.cut_after = 0
+        self.url = ""
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.rel_url.path
+        if self.fail.get(path, 0) > 0:
+            self.fail[path] -= 1
+            return web.Response(status=503, text="unavailable")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        assert self._session is not None
+        async with self._session.request(
+            request.method, self.upstream + str(request.rel_url), data=await request.read(), headers=headers
+        ) as up:
+            if path in self.rewrite:
+                return web.Response(status=up.status, body=self.rewrite[path](await up.read()))
+            resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
+            await resp.prepare(request)
+            events = 0
+            async for line in up.content:
+                await resp.write(line)
+                events += line.startswith(b"data:")
+                if self.cut_after and events >= self.cut_after:
+                    break
+            await resp.write_eof()
+            return resp
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[FaultyProxy]:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        runner = web.AppRunner(app)
+        async with aiohttp.ClientSession() as self._session:
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            self.url = f"http://127.0.0.1:{port}"
+            try:
+                yield self
+            finally:
+                await runner.cleanup()
+
+
+async def registered_or_done(shim: shim_module.WorkerShim) -> None:
+    await wait_for(lambda: shim.registered.is_set() or shim.done.is_set(), what="registered, or the shim ended")
+
+
+# --- 1. a /metrics blip at a session's start -------------------------------------------------------
+
+
+async def test_a_metrics_blip_at_the_start_is_a_failed_session_retried_not_a_dead_shim(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+        proxy.fail["/metrics"] = 1  # the engine just came up, or one scrape was slow
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url)  # no --block-size
+        with caplog.at_level(logging.ERROR, logger="worker_shim.shim"):
+            async with shim:
+                await registered_or_done(shim)
+                assert shim.status is ShimStatus.REGISTERED, shim.failure  # was: exit 2, "give --block-size"
+                assert shim.limits.block_size == 16 and shim.session_failures == 1
+                assert await registered_workers(etcd_url, ns) == {shim.worker_id}
+        (said,) = [r for r in caplog.records if r.name == "worker_shim.shim"]
+        assert "/metrics answered 503" in said.getMessage() and "a new one starts in" in said.getMessage()
+        assert said.exc_info is None  # the engine's fault: no traceback
+
+
+async def test_a_metrics_blip_does_not_skip_the_check_of_a_flag_against_the_engine(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+        proxy.fail["/metrics"] = 1
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url, block_size=32)  # the engine has 16
+        async with shim:
+            await registered_or_done(shim)
+            # Before, the flag was taken unchecked and a worker registered with the wrong block size.
+            assert shim.status is ShimStatus.FAILED and shim.registration_count == 0
+            assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "block_size"
+            assert "16" in str(shim.failure) and "32" in str(shim.failure)
+
+
+async def test_a_kv_event_sources_blip_at_the_start_is_retried_not_a_dead_shim(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+        proxy.fail["/kv_event_sources"] = 1
+        # No endpoints given: the shim reads them from the engine (was: exit 2, "give --kv-events-config").
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url, kv_events=None, kv_replay=None)
+        async with shim:
+            await registered_or_done(shim)
+            assert shim.status is ShimStatus.REGISTERED, shim.failure
+            assert shim.session_failures == 1 and shim.config.kv_events is not None
+
+
+# --- 2. an unread /v1/models is not a listed --model -----------------------------------------------
+
+
+async def test_a_models_blip_at_the_start_does_not_skip_the_model_check(ns: str, nats_url: str, etcd_url: str) -> None:
+    async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+        proxy.fail["/v1/models"] = 1
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url, model="llama-typo")
+        async with shim:
+            await registered_or_done(shim)
+            assert shim.status is ShimStatus.FAILED and shim.registration_count == 0
+            assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "model"
+            assert f"serves {sim.config.model}: give --model one of them" in str(shim.failure)
+            assert shim.session_failures == 1  # the blip: one session failed, then the check ran
+
+
+async def test_a_model_the_engine_stops_listing_while_serving_ends_the_shim_as_at_the_start(
+    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shim_module, "ADAPTERS_POLL_S", 0.3)
+    async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url)
+        async with shim:
+            await asyncio.wait_for(shim.registered.wait(), 20)
+            # Another engine behind the same URL (restarted faster than the health checks notice).
+            model = sim.config.model.encode()
+            proxy.rewrite["/v1/models"] = lambda body: body.replace(model, b"other-model")
+            await wait_for(shim.done.is_set, what="the shim to end on the model check")
+            assert shim.status is ShimStatus.FAILED and not shim.registered.is_set()
+            assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "model"
+            assert "serves other-model: give --model one of them" in str(shim.failure)
+            assert await registered_workers(etcd_url, ns) == set()
+
+
+# --- 3. a /metrics without the load series ---------------------------------------------------------
+
+
+def _without(text: str, prefix: str) -> str:
+    return "\n".join(line for line in text.splitlines() if prefix not in line) + "\n"
+
+
+def test_vllm_metrics_without_the_load_series_are_unusable_and_say_why() -> None:
+    real = (FIXTURES / "vllm-0.32/bs32/metrics_after.txt").read_text()
+    with pytest.raises(EngineError) as err:
+        vllm_adapter.load_from_metrics(_without(real, "vllm:"))  # vLLM --disable-log-stats
+    said = str(err.value)
+    assert err.value.kind == "engine_protocol" and "--disable-log-stats" in said
+    assert all(name in said for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+    with pytest.raises(EngineError, match="of engine 3"):
+        vllm_adapter.load_from_metrics((FIXTURES / "vllm-0.32/bs32/metrics_dp2.txt").read_text(), 3)
+
+
+def test_real_engines_metrics_still_parse_as_usable() -> None:
+    for name in ("bs32/metrics_after.txt", "bs32/metrics_no_prefix_caching.txt", "bs16_patched/metrics_after.txt"):
+        load = vllm_adapter.load_from_metrics((FIXTURES / "vllm-0.32" / name).read_text())
+        assert (load.running, load.waiting, load.kv_usage) == (0, 0, 0.0), name
+    dp2 = (FIXTURES / "vllm-0.32/bs32/metrics_dp2.txt").read_text()
+    assert [vllm_adapter.load_from_metrics(dp2, rank).running for rank in (0, 1, None)] == [0, 0, 0]
+    sglang = (FIXTURES / "sglang/metrics.txt").read_text()
+    load = sglang_adapter.load_from_metrics(sglang, 100)
+    assert (load.running, load.waiting) == (5, 3)
+    with pytest.raises(EngineError, match="sglang:num_queue_reqs, sglang:num_running_reqs, sglang:token_usage"):
+        sglang_adapter.load_from_metrics(_without(sglang, "sglang:"), 100)
+
+
+class _Metrics:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    async def load(self) -> Any:
+        return vllm_adapter.load_from_metrics(self.text)
+
+
+async def test_a_worker_whose_metrics_lose_the_load_series_reports_itself_unhealthy_with_one_warning(
+    nats_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = (FIXTURES / "vllm-0.32/bs32/metrics_after.txt").read_text()
+    nc = await nats.connect(nats_url)
+    reports: list[LoadReport] = []
+
+    async def on(msg: Any) -> None:
+        reports.append(decode_msg(msg.data, LoadReport))
+
+    await nc.subscribe(subjects.load(ns, "w1"), cb=on)
+    await flush(nc)
+    engine = _Metrics(real)
+    reporter = LoadReporter(nc, ns, "w1", engine, lambda: 0, 100, period_s=0.05, poll_s=0.02)  # type: ignore[arg-type]
+    reporter.start()
+    try:
+        await wait_for(lambda: bool(reports) and reports[-1].healthy, what="a healthy report")
+        engine.text = _without(real, "vllm:")
+        await wait_for(lambda: not reports[-1].healthy, what="an unhealthy report")  # was: healthy, idle
+        seen = len(reports)
+        await wait_for(lambda: len(reports) >= seen + 3, what="reports after")
+        assert not any(r.healthy for r in reports[seen:])
+    finally:
+        await reporter.stop()
+        await nc.close()
+    complaints = [r for r in caplog.records if r.name == "worker_shim.load_reporter" and r.levelno >= logging.WARNING]
+    assert len(complaints) == 1 and "--disable-log-stats" in complaints[0].getMessage()
+
+
+# --- 4. a hung engine that answers /health ---------------------------------------------------------
+
+
+async def _send_leg(nc: Nats, ns: str, worker: str, rid: str, max_tokens: int) -> None:
+    req = GenerateRequest(
+        request_id=rid,
+        model="sim-llama",
+        token_ids=list(range(1, 100)),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        stream=True,
+    )
+    await nc.publish(subjects.gen(ns, "agg", worker), encode_msg(req), reply=nc.new_inbox())
+    await flush(nc)
+
+
+async def test_a_hung_engine_is_deregistered_until_it_moves_again_and_a_slow_one_is_not(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    busy_limit = 1.0
+    nc = await nats.connect(nats_url)
+    try:
+        async with SimServer(sim_config(speedup=1.0)) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, busy_limit_s=busy_limit)
+            with caplog.at_level(logging.INFO, logger="worker_shim.shim"):
+                async with shim:
+                    await asyncio.wait_for(shim.registered.wait(), 20)
+                    worker = shim.worker_id
+                    assert worker is not None
+                    # Slow but moving: one leg decoding for several busy limits stays registered.
+                    sim.faults.slowdown = 20.0
+                    await _send_leg(nc, ns, worker, "slow", max_tokens=400)
+                    await wait_for(lambda: "slow" in shim.requests.inflight, what="the slow leg")  # type: ignore[union-attr]
+                    await asyncio.sleep(3.5 * busy_limit)
+                    assert "slow" in shim.requests.inflight, "the leg must still run"  # type: ignore[union-attr]
+                    assert shim.registered.is_set() and "made no progress" not in caplog.text
+                    sim.faults.slowdown = 1.0
+                    await wait_for(lambda: not shim.requests.inflight, what="the slow leg to end")  # type: ignore[union-attr]
+
+                    sim.faults.hang = True  # accepts requests, never steps; /health and /metrics answer
+                    await _send_leg(nc, ns, worker, "hung", max_tokens=16)
+                    await wait_for(lambda: not shim.registered.is_set(), timeout=10, what="deregistered as hung")
+                    assert await registered_workers(etcd_url, ns) == set()
+                    assert f"engine at {sim.url} made no progress" in caplog.text
+                    await asyncio.sleep(3 * busy_limit)  # no new session while it hangs: no flapping
+                    assert not shim.registered.is_set() and shim.registration_count == 1
+
+                    sim.faults.hang = False
+                    await wait_for(shim.registered.is_set, what="registered again once it moves")
+                    assert "makes progress again" in caplog.text
+                    assert await registered_workers(etcd_url, ns) == {shim.worker_id}
+    finally:
+        await nc.close()
+
+
+# --- 5. SIGTERM while NATS is down -----------------------------------------------------------------
+
+
+async def test_sigterm_while_nats_is_down_stops_the_shim_cleanly(ns: str, etcd_url: str) -> None:
+    port = free_port()
+    with NatsServer() as nats_server:
+        async with SimServer(sim_config()) as sim:
+            argv = [sys.executable, "-m", "kvswitch", "shim", "--engine", "vllm", "--engine-url", sim.url]
+            assert sim.events_endpoint is not None
+            argv += ["--model", sim.config.model, "--kv-events", sim.events_endpoint, "--kv-events-mode", "connect"]
+            argv += ["--nats-servers", nats_server.url, "--etcd-endpoints", etcd_url, "--namespace", ns]
+            argv += ["--http-port", str(port), "--lease-ttl", "3", "--drain-grace-s", "1"]
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ}
+            )
+            try:
+                async with aiohttp.ClientSession() as http:
+
+                    async def serving() -> bool:
+                        try:
+                            async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                                return r.status == 200 and json.loads(await r.read())["nats"] == "connected"
+                        except aiohttp.ClientError:
+                            return False
+
+                    for _ in range(300):
+                        if await serving():
+                            break
+                        await asyncio.sleep(0.1)
+                    else:
+                        raise AssertionError("the shim did not register")
+                nats_server.stop()
+                await asyncio.sleep(1.0)
+                proc.send_signal(signal.SIGTERM)
+                out, _ = await asyncio.wait_for(proc.communicate(), 60)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0 and "Traceback" not in text, text[-3000:]
+
+
+# --- optional: a stream that ends early, cleanly ----------------------------------------------------
+
+
+async def _leg_chunks(nc: Nats, ns: str, worker: str, req: GenerateRequest) -> list[ResponseChunk]:
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(subjects.gen(ns, "agg", worker), encode_msg(req), reply=inbox)
+    chunks = [decode_msg((await sub.next_msg(timeout=20)).data, ResponseChunk)]
+    while not chunks[-1].final:
+        chunks.append(decode_msg((await sub.next_msg(timeout=20)).data, ResponseChunk))
+    await sub.unsubscribe()
+    return chunks
+
+
+async def test_a_stream_cut_before_done_and_any_finish_reason_is_an_engine_error(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+            shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url)
+            async with shim:
+                await asyncio.wait_for(shim.registered.wait(), 20)
+                assert shim.worker_id is not None and shim.requests is not None
+                proxy.cut_after = 3
+                sampling = SamplingParams(max_tokens=50, ignore_eos=True)
+                token_ids = list(range(1, 60))
+                params = {
+                    "model": "sim-llama",
+                    "prompt": token_ids,
+                    "max_tokens": 50,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                legs = [
+                    GenerateRequest(request_id="ids", model="sim-llama", token_ids=token_ids, sampling=sampling),
+                    GenerateRequest(
+                        request_id="pass",
+                        model="sim-llama",
+                        token_ids=token_ids,
+                        sampling=sampling,
+                        endpoint=ENDPOINT_COMPLETIONS,
+                        params=params,
+                    ),
+                ]
+                for req in legs:
+                    last = (await _leg_chunks(nc, ns, shim.worker_id, req))[-1]
+                    # Before: a final chunk with no error and no finish_reason, counted ok.
+                    assert last.error is not None and (last.error.code, last.error.kind) == (502, "engine_protocol")
+                    assert "without [DONE] or a finish_reason" in last.error.message
+                assert shim.requests.outcomes[("agg", "engine_protocol")] == 2
+                assert shim.requests.outcomes[("agg", "ok")] == 0
+                proxy.cut_after = 0
+                whole = await _leg_chunks(nc, ns, shim.worker_id, legs[0])
+                assert whole[-1].error is None and whole[-1].finish_reason == "length"
+    finally:
+        await nc.close()
