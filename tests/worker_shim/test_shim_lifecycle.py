@@ -149,3 +149,31 @@ async def test_a_worker_answers_on_its_subjects_from_the_moment_its_key_exists(
             await watch.aclose()
     finally:
         await nc.close()
+
+
+async def test_a_kvstate_request_the_moment_the_key_exists_is_answered_from_the_epochs_state(
+    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The epoch's KV stream started after the key was written: a router's kvstate request in
+    # between got no answer and its repair waited out its timeout (a flake of the test above).
+    registered = WorkerShim._on_registered
+
+    async def slow_registered(self: WorkerShim, worker: str) -> None:
+        await asyncio.sleep(1.0)
+        await registered(self, worker)
+
+    monkeypatch.setattr(WorkerShim, "_on_registered", slow_registered)
+    nc = await nats.connect(nats_url)
+    try:
+        async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+            watch = d.watch_workers()
+            assert isinstance(await anext(watch), Snapshot)
+            async with shim_for(sim, ns, nats_url, etcd_url):
+                event = await asyncio.wait_for(anext(watch), 20)
+                assert isinstance(event, Put)
+                reply = await nc.request(subjects.kvstate(ns, event.name), encode_msg(KvStateRequest()), timeout=0.8)
+                chunk = decode_msg(reply.data, KvStateChunk)
+                assert chunk.worker == event.name and chunk.epoch == event.value.epoch
+            await watch.aclose()
+    finally:
+        await nc.close()
