@@ -69,6 +69,11 @@ __all__ = ["Bookings", "Dispatcher", "Job", "LegError"]
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"
 MAX_RESUMES = 3  # times one leg may ask for lost chunks again
+# The most a worker's whole utility answer, or one SSE event cut across chunks, may hold: the
+# router keeps either until it is complete, so a shim that never completes one would otherwise
+# grow the replica's memory until the request's deadline (an honest /tokenize of a 16 MiB body
+# is well under a tenth of this).
+MAX_ANSWER_BYTES = 256 << 20
 _RECONNECT_POLL_S = 0.01
 
 
@@ -254,6 +259,9 @@ class _Leg:
             self._cut = b""
         if chunk.continued and events:
             self._cut = events.pop()
+            if len(self._cut) > MAX_ANSWER_BYTES:
+                why = f"an event cut across chunks passed {MAX_ANSWER_BYTES} bytes"
+                raise LegError(self.worker, 502, "malformed_chunk", why, retryable=False)
         self._cut_tokens = 0
         if self._cut and not events:
             self._cut_tokens, tokens = tokens, 0
@@ -430,11 +438,16 @@ class Dispatcher:
         req = msgspec.structs.replace(req, deadline=deadline, heartbeat_s=self._settings().stream_heartbeat_s)
         silence = 3 * self._settings().stream_heartbeat_s
         parts: list[bytes] = []
+        size = 0
         try:
             async with await self._open(worker, role, req) as leg:
                 while True:
                     chunk = await leg.next(deadline - time.time(), silence)
                     parts.append(chunk.body)
+                    size += len(chunk.body)
+                    if size > MAX_ANSWER_BYTES:
+                        why = f"the answer passed {MAX_ANSWER_BYTES} bytes"
+                        raise LegError(worker, 502, "answer_too_large", why, retryable=False)
                     if chunk.final:
                         return b"".join(parts)
         except LegError as exc:

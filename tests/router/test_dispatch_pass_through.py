@@ -7,6 +7,7 @@ naming the payload limit, 400 for an integer no 64-bit field holds)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -16,7 +17,7 @@ from nats.aio.msg import Msg
 
 from protocol import GenerateRequest
 from protocol.config import RouterSettings
-from protocol.messages import ENDPOINT_COMPLETIONS
+from protocol.messages import ENDPOINT_COMPLETIONS, ENDPOINT_TOKENIZE
 from router.dispatch import Dispatcher, LegError
 from tests.router.test_dispatch import HB, Books, Worker, World, chunk, collect, job
 
@@ -135,3 +136,58 @@ async def test_a_stream_that_ends_inside_a_cut_event_is_an_error(nc: Client, ns:
     with pytest.raises(LegError) as err:
         await collect(d, j)
     assert err.value.code == 502 and err.value.kind == "malformed_chunk"
+
+
+async def endless_event(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    seq = 0
+    while True:  # one event that never ends: every chunk continues it
+        await chunk(nc, msg, req, seq, events=[b"x" * 65536], tokens=0, continued=True)
+        seq += 1
+        await asyncio.sleep(0.001)
+
+
+async def endless_answer(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+    seq = 0
+    while True:  # a whole answer whose last piece never comes
+        await chunk(nc, msg, req, seq, body=b"x" * 65536)
+        seq += 1
+        await asyncio.sleep(0.001)
+
+
+async def test_an_event_that_never_ends_is_an_error_not_a_growing_buffer(
+    nc: Client, ns: str, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The router keeps a cut event until its end comes: a worker that never sends it grew the
+    # replica's memory until the request's deadline.
+    monkeypatch.setattr("router.dispatch.MAX_ANSWER_BYTES", 1 << 20)
+    d, _, _ = world
+    served = Worker(nc, ns, "w1")
+    await served.serve("decode", endless_event)
+    j = job("w1")
+    j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_COMPLETIONS, stream=True)
+    try:
+        with pytest.raises(LegError) as err:
+            await asyncio.wait_for(collect(d, j), 10)
+        assert (
+            err.value.code == 502 and err.value.kind == "malformed_chunk" and "cut across chunks" in err.value.message
+        )
+    finally:
+        for t in served.tasks:
+            t.cancel()
+
+
+async def test_a_utility_answer_that_never_ends_is_an_error_not_a_growing_buffer(
+    nc: Client, ns: str, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("router.dispatch.MAX_ANSWER_BYTES", 1 << 20)
+    d, _, _ = world
+    served = Worker(nc, ns, "w1")
+    await served.serve("agg", endless_answer)
+    req = GenerateRequest(request_id="t1", model="m", token_ids=[], endpoint=ENDPOINT_TOKENIZE)
+    try:
+        with pytest.raises(LegError) as err:
+            await d.call("w1", "agg", req, time.time() + 10)
+        assert err.value.code == 502 and err.value.kind == "answer_too_large"
+    finally:
+        for t in served.tasks:
+            t.cancel()
