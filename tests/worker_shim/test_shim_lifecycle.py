@@ -11,7 +11,7 @@ from nats.errors import FlushTimeoutError
 
 from discovery import Discovery, Put, Snapshot
 from engine_sim.server import SimServer
-from protocol import KvStateChunk, KvStateRequest, decode_msg, encode_msg, subjects
+from protocol import KvStateChunk, KvStateRequest, WorkerInfo, decode_msg, encode_msg, subjects
 from protocol.config import EtcdSettings
 from tests.worker_shim.cluster import (
     complete,
@@ -124,6 +124,28 @@ async def test_a_session_that_fails_unexpectedly_is_said_and_a_new_one_starts(
         assert "the session with the engine at" in said.getMessage() and "FlushTimeoutError" in said.getMessage()
 
 
+async def _kvstate_at_first_sight(
+    ns: str, nats_url: str, etcd_url: str, timeout: float
+) -> tuple[Put[WorkerInfo], KvStateChunk]:
+    """A shim's worker record as a watch first shows it, and the answer to a kvstate request sent
+    that moment, as a router bootstrapping it sends one."""
+    nc = await nats.connect(nats_url)
+    try:
+        async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+            watch = d.watch_workers()
+            assert isinstance(await anext(watch), Snapshot)
+            async with shim_for(sim, ns, nats_url, etcd_url):
+                event = await asyncio.wait_for(anext(watch), 20)
+                assert isinstance(event, Put)
+                reply = await nc.request(
+                    subjects.kvstate(ns, event.name), encode_msg(KvStateRequest()), timeout=timeout
+                )
+            await watch.aclose()
+            return event, decode_msg(reply.data, KvStateChunk)
+    finally:
+        await nc.close()
+
+
 async def test_a_worker_answers_on_its_subjects_from_the_moment_its_key_exists(
     ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -136,19 +158,8 @@ async def test_a_worker_answers_on_its_subjects_from_the_moment_its_key_exists(
         return await opened(self, worker)
 
     monkeypatch.setattr(WorkerShim, "_open_presence", slow_open)
-    nc = await nats.connect(nats_url)
-    try:
-        async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-            watch = d.watch_workers()
-            assert isinstance(await anext(watch), Snapshot)
-            async with shim_for(sim, ns, nats_url, etcd_url):
-                event = await asyncio.wait_for(anext(watch), 20)
-                assert isinstance(event, Put)
-                reply = await nc.request(subjects.kvstate(ns, event.name), encode_msg(KvStateRequest()), timeout=5)
-                assert decode_msg(reply.data, KvStateChunk).worker == event.name
-            await watch.aclose()
-    finally:
-        await nc.close()
+    event, chunk = await _kvstate_at_first_sight(ns, nats_url, etcd_url, timeout=5)
+    assert chunk.worker == event.name
 
 
 async def test_a_kvstate_request_the_moment_the_key_exists_is_answered_from_the_epochs_state(
@@ -163,17 +174,5 @@ async def test_a_kvstate_request_the_moment_the_key_exists_is_answered_from_the_
         await registered(self, worker)
 
     monkeypatch.setattr(WorkerShim, "_on_registered", slow_registered)
-    nc = await nats.connect(nats_url)
-    try:
-        async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-            watch = d.watch_workers()
-            assert isinstance(await anext(watch), Snapshot)
-            async with shim_for(sim, ns, nats_url, etcd_url):
-                event = await asyncio.wait_for(anext(watch), 20)
-                assert isinstance(event, Put)
-                reply = await nc.request(subjects.kvstate(ns, event.name), encode_msg(KvStateRequest()), timeout=0.8)
-                chunk = decode_msg(reply.data, KvStateChunk)
-                assert chunk.worker == event.name and chunk.epoch == event.value.epoch
-            await watch.aclose()
-    finally:
-        await nc.close()
+    event, chunk = await _kvstate_at_first_sight(ns, nats_url, etcd_url, timeout=0.8)
+    assert chunk.worker == event.name and chunk.epoch == event.value.epoch
