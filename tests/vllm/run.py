@@ -421,6 +421,15 @@ async def check_same_text(c: Cluster) -> dict[str, Any]:
             assert _stream_text(streamed) == whole, f"stream of {path} {body} differs"
             compared += 2
     assert stop_seen, "no stop string was reported in stop_reason"
+    # Booleans as vLLM's pydantic reads them ("yes" is true, "off" false): the router and
+    # engine_sim read them so too (a 400 from either before 2026-12-03).
+    lax = {"model": MODEL, "prompt": prefix, "max_tokens": 6, "temperature": 0, "stream": "yes", "echo": "off"}
+    status, via_lax, headers = await c.post(c.routers[0].url, "/v1/completions", lax)
+    engine = c.engine_of(headers["x-kvswitch-decode-worker"])
+    direct_status, direct_lax, _ = await c.post(engine.url, "/v1/completions", lax)
+    assert status == direct_status == 200 and isinstance(via_lax, str) and isinstance(direct_lax, str), via_lax
+    assert _stream_text(via_lax) == _stream_text(direct_lax), f"{via_lax} != {direct_lax}"
+    compared += 1
     refused = [
         {"prompt": prefix, "logprobs": 21},
         {"prompt": prefix, "max_tokens": 100_000, "temperature": 0},
