@@ -8,7 +8,7 @@ templates often trim them, so routing on the other form gives ids the engine nev
 
 from __future__ import annotations
 
-import functools
+import hashlib
 from collections import deque
 from collections.abc import Iterator
 from typing import Literal
@@ -22,9 +22,22 @@ ContentFormat = Literal["string", "openai"]
 CONTENT_FORMATS = ("auto", "string", "openai")  # the flag's values, vLLM's
 
 
-@functools.lru_cache(maxsize=32)
+_CACHE_SIZE = 32
+_detected: dict[bytes, ContentFormat] = {}  # by the template's digest: a client's may be megabytes
+
+
 def detect_content_format(env: jinja2.Environment, template: str) -> ContentFormat:
     """`template`'s content format; "string" when it does not parse (rendering then says why)."""
+    key = hashlib.sha256(template.encode(errors="surrogatepass")).digest()
+    found = _detected.get(key)
+    if found is None:
+        if len(_detected) >= _CACHE_SIZE:
+            _detected.clear()
+        found = _detected[key] = _detect(env, template)
+    return found
+
+
+def _detect(env: jinja2.Environment, template: str) -> ContentFormat:
     try:
         ast = env.parse(template)
         return "openai" if next(_content_loops(ast), None) is not None else "string"
@@ -66,15 +79,19 @@ def _reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
 
 
 def _aliases(ast: nodes.Template, name: str) -> list[str]:
-    """`name` and every variable assigned from it, or from one of those, anywhere."""
-    out = [name]
+    """`name` and every variable assigned from it, or from one of those, anywhere. Each name is
+    followed once: vLLM's walk re-queues a cycle (`set x = messages`, `set messages = x`) forever,
+    which would hold a tokenizer thread for good on one client's template."""
+    assigns = list(ast.find_all(nodes.Assign))
+    out, seen = [name], {name}
     queue = deque([name])
     while queue:
         current = queue.popleft()
-        for assign in ast.find_all(nodes.Assign):
+        for assign in assigns:
             if _reads(assign.node, current):
                 out.append(target := _name(assign.target))
-                if target != current:
+                if target not in seen:
+                    seen.add(target)
                     queue.append(target)
     return out
 

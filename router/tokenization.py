@@ -281,8 +281,10 @@ def _mark_final(msgs: list[dict[str, Any]], template: str) -> str:
                 part["text"] = final + _FINAL_MARK
                 return str(final)
         raise TokenizerError("continue_final_message", "the final message has no text to continue")
+    if not isinstance(content, str):
+        raise TokenizerError("continue_final_message", "the final message's content is neither text nor parts")
     msgs[-1]["content"] = content + _FINAL_MARK
-    return str(content)
+    return content
 
 
 def _cut_at_mark(text: str, final: str) -> str:

@@ -4,8 +4,10 @@ returned for it, run with `.venv-vllm/bin/python` on 2026-12-03."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,3 +50,21 @@ def test_the_flag_overrides_the_detection(parts_tokenizer: Path, flag: str, rend
 def test_an_unknown_format_is_refused_naming_the_values(parts_tokenizer: Path) -> None:
     with pytest.raises(TokenizerError, match="chat_template_content_format: one of auto, string, openai"):
         HfPromptTokenizer(parts_tokenizer, "parts")
+
+
+async def test_a_template_whose_aliases_form_a_cycle_is_read_in_finite_time() -> None:
+    # vLLM's own walk re-queues the cycle forever (so there is no verdict of its to record): with
+    # --trust-request-chat-template one client's template held a tokenizer thread for good.
+    cycle = (
+        "{% set x = messages %}{% set messages = x %}"
+        "{% for m in x %}{% for p in m.content %}{{ p }}{% endfor %}{% endfor %}"
+    )
+    found = await asyncio.wait_for(asyncio.to_thread(detect_content_format, _environment(), cycle), 5)
+    assert found == "openai"
+
+
+def test_continuing_a_final_message_that_is_not_text_is_the_requests_error(parts_tokenizer: Path) -> None:
+    tok = HfPromptTokenizer(parts_tokenizer, "string")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "a"}, {"role": "assistant", "content": {"x": 1}}]
+    with pytest.raises(TokenizerError, match="continue_final_message"):
+        tok.render_chat(messages, ChatOptions(add_generation_prompt=False, continue_final_message=True))
