@@ -41,9 +41,10 @@ from kvswitch.servers import EtcdCluster, NatsCluster, ServerError, TlsFiles, dy
 
 log = logging.getLogger("kvswitch.cluster")
 
-__all__ = ["ClusterSpec", "LocalCluster"]
+__all__ = ["STOP_GRACE_S", "ClusterSpec", "LocalCluster"]
 
 POOLS = ("prefill", "decode", "agg")
+STOP_GRACE_S = 35.0  # per tier of children at stop: the shim drains for 30 s at most
 
 
 @dataclass
@@ -83,6 +84,7 @@ class ClusterSpec:
 @dataclass
 class _Child:
     name: str
+    kind: str  # the kvswitch command it runs: router, shim, sim ...
     proc: subprocess.Popen[bytes]
     log: Path  # its output
 
@@ -96,11 +98,10 @@ class _Child:
 
 
 def _tiers(children: list[_Child]) -> list[list[_Child]]:
-    """`children` cut where the kind of child (`router`, `shim`, `sim`: its name's first word)
-    changes, in order."""
+    """`children` cut where the kind of child (`router`, `shim`, `sim`) changes, in order."""
     tiers: list[list[_Child]] = []
     for child in children:
-        if tiers and tiers[-1][0].name.split("-")[0] == child.name.split("-")[0]:
+        if tiers and tiers[-1][0].kind == child.kind:
             tiers[-1].append(child)
         else:
             tiers.append([child])
@@ -275,7 +276,7 @@ class LocalCluster:
                 # A supervisor killed outright must not orphan its children: they drain on SIGTERM.
                 preexec_fn=preexec,  # noqa: PLW1509
             )  # fmt: skip
-        child = _Child(name, proc, log)
+        child = _Child(name, argv[0], proc, log)
         self.children.append(child)
         return child
 
@@ -323,7 +324,7 @@ class LocalCluster:
                 ok=lambda body: int(json.loads(body).get("routable", 0)) >= n,
             )
 
-    def stop(self, grace_s: float = 35.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the children tier by tier, the last started first (routers, then shims, then
         sims), each tier drained before the next is signalled: requests in flight finish on
         engines that are still up. A tier gets `grace_s` (the shim drains for 30 s at most), then

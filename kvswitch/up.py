@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvswitch.cluster import ClusterSpec, LocalCluster
+from kvswitch.cluster import STOP_GRACE_S, ClusterSpec, LocalCluster
 from kvswitch.servers import ServerError
 from protocol.timing import profile_names
 
@@ -183,9 +183,12 @@ def run(args: argparse.Namespace) -> int:
                         log.error("unhealthy: %s", cluster.health_line())
             return 0
         finally:
-            cluster.stop()
+            # On a thread: a stop takes up to a tier's grace per tier, and a second SIGTERM
+            # meanwhile must still be heard (it exits at once).
+            await asyncio.to_thread(cluster.stop)
             if tls_dir is not None:
                 shutil.rmtree(tls_dir, ignore_errors=True)
             print("kvswitch up: stopped", file=sys.stderr, flush=True)
 
-    return run_service(main)
+    # Draining is the tiered stop: three tiers of children, each up to its grace, then the servers.
+    return run_service(main, drain_limit_s=4 * STOP_GRACE_S)
