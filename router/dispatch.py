@@ -71,8 +71,8 @@ _NO_RESPONDERS = "503"
 MAX_RESUMES = 3  # times one leg may ask for lost chunks again
 # The most a worker's whole utility answer, or one SSE event cut across chunks, may hold: the
 # router keeps either until it is complete, so a shim that never completes one would otherwise
-# grow the replica's memory until the request's deadline (an honest /tokenize of a 16 MiB body
-# is well under a tenth of this).
+# grow the replica's memory until the request's deadline. An honest /tokenize of the largest body
+# the router takes (16 MiB) answers about 30 MB; one event with a long prompt's logprobs, tens.
 MAX_ANSWER_BYTES = 256 << 20
 _RECONNECT_POLL_S = 0.01
 
@@ -164,7 +164,7 @@ class _Leg:
         self.next_seq = 0
         self.done = False
         self.tokens_seen = False
-        self._cut = b""  # the start of an event cut short (ResponseChunk.continued), and its tokens
+        self._cut: list[bytes] = []  # the pieces of an event cut short (ResponseChunk.continued), and its tokens
         self._cut_tokens = 0
 
     def push(self, item: ResponseChunk | LegError) -> None:
@@ -252,16 +252,20 @@ class _Leg:
 
     def _joined(self, chunk: ResponseChunk) -> ResponseChunk:
         """`chunk` with whole events only: a piece cut short waits for the rest, with the tokens
-        of a chunk left without a whole event."""
+        of a chunk left without a whole event. An event's pieces are joined once, at its end (joined
+        at each piece, a long event cost its size squared)."""
         events, tokens = list(chunk.events), chunk.tokens + self._cut_tokens
         if self._cut and events:
-            events[0] = self._cut + events[0]
-            self._cut = b""
+            if chunk.continued and len(events) == 1:
+                self._cut.append(events.pop())  # the same event goes on
+            else:
+                events[0] = b"".join([*self._cut, events[0]])
+                self._cut = []
         if chunk.continued and events:
-            self._cut = events.pop()
-            if len(self._cut) > MAX_ANSWER_BYTES:
-                why = f"an event cut across chunks passed {MAX_ANSWER_BYTES} bytes"
-                raise LegError(self.worker, 502, "malformed_chunk", why, retryable=False)
+            self._cut = [events.pop()]
+        if sum(map(len, self._cut)) > MAX_ANSWER_BYTES:
+            why = f"an event cut across chunks passed {MAX_ANSWER_BYTES} bytes"
+            raise LegError(self.worker, 502, "malformed_chunk", why, retryable=False)
         self._cut_tokens = 0
         if self._cut and not events:
             self._cut_tokens, tokens = tokens, 0
