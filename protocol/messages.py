@@ -21,6 +21,7 @@ __all__ = [
     "ENDPOINT_DETOKENIZE",
     "ENDPOINT_TOKENIZE",
     "ENGINE_HEADERS",
+    "MAX_KV_TOTAL_BLOCKS",
     "SCHEMA_VERSION",
     "UTILITY_ENDPOINTS",
     "BlockHash",
@@ -454,13 +455,24 @@ class RouterInfo(_Msg, kw_only=True):
 
 _LOAD_COUNTS = ("running", "waiting", "kv_used_blocks", "kv_total_blocks", "prefill_tokens_queued")
 
+# The most KV blocks one engine can say it has: 2**31 blocks of 16 tokens are 34 G tokens, some PB
+# of KV at vLLM's block sizes, far past any GPU. Routers size a worker's index bound from this count
+# (router.kv_ingest), so a larger one is a lie that would lift that bound.
+MAX_KV_TOTAL_BLOCKS = 1 << 31
+
 
 def load_report_problem(report: LoadReport) -> str | None:
-    """Why `report` cannot be true (a count below zero), or None when it may be."""
+    """Why `report` cannot be true (a count below zero, a KV capacity no engine has), or None."""
     for name in _LOAD_COUNTS:
         value = getattr(report, name)
         if value is not None and value < 0:
             return f"{name} {value} is negative"
+    return _capacity_problem(report.kv_total_blocks)
+
+
+def _capacity_problem(kv_total_blocks: int | None) -> str | None:
+    if kv_total_blocks is not None and kv_total_blocks > MAX_KV_TOTAL_BLOCKS:
+        return f"kv_total_blocks {kv_total_blocks} is above {MAX_KV_TOTAL_BLOCKS}"
     return None
 
 
@@ -481,7 +493,7 @@ def worker_info_problem(info: WorkerInfo) -> str | None:
         value = getattr(info, name)
         if value is not None and value < least:
             return f"{name} {value} is below {least}"
-    return None
+    return _capacity_problem(info.kv_total_blocks)
 
 
 # --- Codecs -------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from protocol.config import (
 )
 from router.api_keys import ApiKeys, ApiKeysError
 from router.content_format import CONTENT_FORMATS
+from router.kv_ingest import MIN_ENTRY_LIMIT
 from runtime import run_service, start_or_stop
 
 __all__ = ["ProcessSettings", "add_arguments", "build_config", "run"]
@@ -86,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="predict engine times from the workers' timing profiles as registered (default: fit each "
         "worker's speed against its profile from its load reports)",
     )  # fmt: skip
+    parser.add_argument(
+        "--index-limit-per-worker", type=int, default=None, metavar="ENTRIES",
+        help=f"KV index entries any worker may have (default {MIN_ENTRY_LIMIT}, ~170 MB; more when its "
+        "kv_total_blocks says so): raise it for workers whose CPU or disk KV tier holds more",
+    )  # fmt: skip
     routing = parser.add_argument_group("routing (live-tunable at /{ns}/config/router)")
     add_flags(routing, RouterSettings)
     conn = parser.add_argument_group("NATS and etcd")
@@ -96,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _ROUTER_FIELDS = {f.name for f in msgspec.structs.fields(RouterSettings)} | {
     f.name for f in msgspec.structs.fields(ConditionalDisaggConfig)
 }
+
+
+# The least --index-limit-per-worker: below it, an honest worker whose kv_total_blocks is not (yet)
+# said would be refused for a few thousand cached blocks.
+_LEAST_INDEX_LIMIT = 4096
 
 
 class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -113,6 +124,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     body_timeout_s: float = 30.0
     no_calibration: bool = False
     chat_template_content_format: str = "auto"
+    index_limit_per_worker: int = MIN_ENTRY_LIMIT  # router.kv_ingest's floor of a worker's index entries
 
     def validate(self) -> ProcessSettings:
         try:
@@ -123,6 +135,13 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             raise ConfigError("http_port", self.http_port, "must be in [0, 65535] (0 picks a free port)")
         if not 0 < self.request_timeout < math.inf:  # 0 or less would time out every request; NaN fails too
             raise ConfigError("request_timeout", self.request_timeout, "must be a number of seconds > 0")
+        if self.index_limit_per_worker < _LEAST_INDEX_LIMIT:
+            raise ConfigError(
+                "index_limit_per_worker",
+                self.index_limit_per_worker,
+                f"must be >= {_LEAST_INDEX_LIMIT} entries (default {MIN_ENTRY_LIMIT}; raise it for workers whose "
+                "CPU or disk KV tier holds more)",
+            )
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ConfigError(
                 "chat_template_content_format",
@@ -197,6 +216,7 @@ def build_config(args: argparse.Namespace) -> Any:
         calibrate=not proc.no_calibration,
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template_content_format=proc.chat_template_content_format,
+        index_limit_per_worker=proc.index_limit_per_worker,
     )
 
 

@@ -44,7 +44,7 @@ from protocol import check_hashes, hash_count, subjects
 from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
 
-__all__ = ["FetchFailure", "GapRepair", "RepairTarget"]
+__all__ = ["LIMIT_HINT", "FetchFailure", "GapRepair", "RepairTarget"]
 
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"  # the status header of the empty reply NATS sends when nobody subscribes
@@ -53,6 +53,11 @@ ERROR_AFTER = 3
 # batches add their events' framing), and at least this much, so a replay of small batches fits.
 _REPLY_BYTES_PER_BLOCK = 32
 _MIN_REPLY_BYTES = 64 << 20
+# What an operator does for an honest worker past its bound (router.kv_ingest): said with the refusal.
+LIMIT_HINT = (
+    "if the worker is honest (a CPU or disk KV tier holds more than its GPU blocks), "
+    "raise the router's --index-limit-per-worker"
+)
 
 
 class FetchFailure(Exception):
@@ -253,4 +258,4 @@ class _ReplyBudget:
     def take_blocks(self, chunk: KvStateChunk) -> None:
         self.blocks -= hash_count(chunk.hashes)
         if self.blocks < 0:
-            raise ProtocolError("KvStateChunk", "the dump holds more blocks than the worker can hold")
+            raise ProtocolError("KvStateChunk", f"the dump holds more blocks than the worker can hold; {LIMIT_HINT}")

@@ -18,22 +18,29 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
 - The digest check: each load report carries the shim's (kv_epoch, kv_seq, kv_blocks, kv_xor). At
   the same (epoch, seq) the index's digest of that worker must match; a report ahead of the index
   that stays ahead for `behind_grace_s` means the last batches were lost. Either starts a repair.
-  So does the index holding a seq of the shim's epoch that the shim's reports have not reached
-  `behind_grace_s` later: a reply claimed a seq the shim never sent, and every real batch would
-  read as a duplicate for good. That takes a full dump.
+  So does the index holding a seq of the shim's epoch that the shim's reports, made after it sent
+  that seq (their `ts` against the batch's, or the reply's arrival for a dump), stay below for
+  `behind_grace_s` of the shim's clock: a reply claimed a seq the shim never sent, and every real
+  batch would read as a duplicate for good. That takes a full dump. Reports made before are only
+  late (they come through another queue than the batches, which an overloaded router drains
+  behind), never a contradiction.
 - One worker cannot grow a replica's memory without bound: its held batches are bounded in count
   and bytes (and all workers' together, with those of unknown workers, in bytes); past a bound
   they are dropped and a full dump catches up. Its index entries are bounded by
-  `min_entry_limit` (4 M entries, ~170 MB of index), or `CAPACITY_SLACK` times its KV capacity
-  (WorkerInfo / LoadReport `kv_total_blocks`) when that is more. The floor is high because a KV
-  connector's CPU or disk tier (native offloading, LMCache) holds blocks that `kv_total_blocks`,
-  the GPU's count, does not: a bound from it alone would cut honest offloading workers out of
-  routing. An engine reports its evictions, so an honest shim never passes the bound. A worker
-  past it is cleared, counted and logged once as malformed, and repaired with a full dump; a dump
-  that would pass it is refused in router.gap_repair (the bound there is `reply_limit`).
+  `min_entry_limit` (the router's --index-limit-per-worker, 4 M entries by default, ~170 MB of
+  index), or `CAPACITY_SLACK` times its KV capacity (WorkerInfo / LoadReport `kv_total_blocks`)
+  when that is more, but no more than `MAX_CLAIMED_ENTRIES` on the worker's own word. The floor is
+  high because a KV connector's CPU or disk tier (native offloading, LMCache) holds blocks that
+  `kv_total_blocks`, the GPU's count, does not: a bound from it alone would cut honest offloading
+  workers out of routing. An engine reports its evictions, so an honest shim never passes the
+  bound. A worker past it is cleared, counted and logged once as malformed (naming the flag that
+  lifts the floor), and repaired with a full dump; a dump that would pass it is refused in
+  router.gap_repair (the bound there is `reply_limit`).
 - Batches may race ahead of the etcd watch: a batch of a worker not (yet) added waits up to
   `unknown_ttl_s` for `add_worker`; at most `unknown_limit` such batches are held in all (invented
-  worker ids cannot grow a router's memory). Workers are only ever added by the registry, never by
+  worker ids cannot grow a router's memory). Expired ones go when the next such batch comes, and
+  whenever a registered worker's batch would not fit the shared byte budget, so stale ones never
+  keep it from a worker under repair. Workers are only ever added by the registry, never by
   a batch, so a worker whose key is gone cannot be resurrected by its last events in flight.
 - Malformed payloads are counted, logged once per worker and dropped; they never reach the index.
   A batch that decodes but holds a bad hash (packed bytes that are not whole u64s, an int out of
@@ -46,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -69,7 +77,7 @@ from protocol.messages import (
     decode_msg,
 )
 from router.block_index import BlockIndex
-from router.gap_repair import FetchFailure, GapRepair
+from router.gap_repair import LIMIT_HINT, FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
 from runtime import guarded
@@ -82,6 +90,10 @@ log = logging.getLogger(__name__)
 # keys count too), and at least MIN_ENTRY_LIMIT (4 M entries, ~170 MB of index) whatever it says.
 CAPACITY_SLACK = 8
 MIN_ENTRY_LIMIT = 1 << 22
+# The most a worker's own kv_total_blocks can raise its bound to: 64 M entries, ~2.8 GB of index at
+# ~41 B an entry (and the reply budget of router.gap_repair, 32 B an entry, with it). A worker that
+# says more would otherwise lift both; only the operator's floor (min_entry_limit) goes past this.
+MAX_CLAIMED_ENTRIES = 1 << 26
 # What holding a batch costs, about: its structs, and each hash as sent packed (8 B) or as a list
 # (a Python int and its slot).
 _BATCH_BYTES = 256
@@ -101,8 +113,9 @@ class _Worker:
     want_dump: bool = True
     why: str = "waiting for the shim's first full state"
     asked_at: int = 0  # arrival no. of the last batch received before the current request went out
+    sent_ts: float = math.inf  # shim time of what brought the index to its seq (see _check_ahead)
     behind: tuple[int, float] | None = None  # (seq a digest showed, since when) while the index lags it
-    ahead: tuple[int, float] | None = None  # (index seq the digests have not reached, since when)
+    ahead: tuple[int, float] | None = None  # (index seq the shim's later reports have not reached, since report ts)
 
 
 class KvIngest:
@@ -322,7 +335,7 @@ class KvIngest:
             self._malformed(worker, exc)
         else:
             self._on_events(worker, batch.events)
-        state.sync.last_seq = batch.seq
+        state.sync.last_seq, state.sent_ts = batch.seq, batch.ts
         self.stats.batches_applied += 1
         self.stats.events_applied += len(batch.events)
         held = self.index.count(worker)
@@ -338,12 +351,14 @@ class KvIngest:
         self.index.clear(state.name)
         limit, total = state.entry_limit, state.kv_total_blocks
         why = f"it claims {held} blocks, more than its KV capacity allows ({limit}; kv_total_blocks {total})"
-        self._malformed(state.name, ProtocolError("KvEventBatch", why))
+        self._malformed(state.name, ProtocolError("KvEventBatch", f"{why}; {LIMIT_HINT}"))
         self._open_repair(state, dump=True, why=why)
         state.why = why
 
     def _hold(self, state: _Worker, batch: KvEventBatch) -> None:
         size = _held_size(batch)
+        if self._held_total + size > self._held_total_bytes_limit:
+            self._expire_unknown(self._clock())  # stale batches of unknown workers must not keep the budget
         over_total = self._held_total + size > self._held_total_bytes_limit
         if len(state.held) >= self._held_limit or state.held_bytes + size > self._held_bytes_limit or over_total:
             # Too far behind to replay, or too many bytes held (a worker that never answers kvstate
@@ -368,7 +383,7 @@ class KvIngest:
         state.sync.buffered = len(held)
 
     def _hold_unknown(self, batch: KvEventBatch) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._expire_unknown(now)
         size = _held_size(batch)
         if self.stats.unknown_held >= self._unknown_limit or self._held_total + size > self._held_total_bytes_limit:
@@ -414,7 +429,7 @@ class KvIngest:
             return
         state.behind = None
         if report.kv_seq < sync.last_seq:
-            self._check_ahead(state, report.kv_seq)
+            self._check_ahead(state, report)
             return
         state.ahead = None
         count, xor = self.index.digest(report.worker)
@@ -431,20 +446,28 @@ class KvIngest:
             )
             self._open_repair(state, dump=True, why="its KV digest disagrees with the index")
 
-    def _check_ahead(self, state: _Worker, shim_seq: int) -> None:
-        """A report older than the index: its batches overtook it, for a moment. If the shim has
-        still not reached the index's seq `behind_grace_s` later, a reply claimed a seq the shim
-        never sent; every real batch would read as a duplicate for good, so take a full dump."""
-        now, seq = self._clock(), state.sync.last_seq
-        if state.ahead is None or shim_seq >= state.ahead[0]:
-            state.ahead = (seq, now)  # the shim reached the seq watched so far: watch this one
-        elif now - state.ahead[1] >= self._behind_grace_s:
+    def _check_ahead(self, state: _Worker, report: LoadReport) -> None:
+        """A report below the index's seq. Judged on the shim's clock, never on arrival: load
+        reports and batches come through separate queues, and an overloaded router drains one
+        behind the other. A report the shim made before it sent that seq (ts not after `sent_ts`)
+        is only late. One made after it and still below contradicts the index; if the shim's
+        reports keep doing so for `behind_grace_s` of its clock, a reply claimed a seq the shim
+        never sent, and every real batch would read as a duplicate for good: take a full dump."""
+        seq, shim_seq = state.sync.last_seq, report.kv_seq
+        if state.ahead is not None and shim_seq >= state.ahead[0]:
+            state.ahead = None  # the shim reached the seq watched so far
+        if report.ts <= state.sent_ts:
+            return
+        if state.ahead is None:
+            state.ahead = (seq, report.ts)
+        elif report.ts - state.ahead[1] >= self._behind_grace_s:
             self.stats.digest_mismatches += 1
             log.warning(
-                "KV index of worker %s is at seq %d, which its shim has not reached in %.1fs (it is at %d); resyncing",
+                "KV index of worker %s is at seq %d, which its shim has not reached in %.1fs of its reports "
+                "(it is at %d); resyncing",
                 state.name,
                 seq,
-                now - state.ahead[1],
+                report.ts - state.ahead[1],
                 shim_seq,
             )
             self._open_repair(state, dump=True, why=f"its shim is at seq {shim_seq}, the index at a later {seq}")
@@ -477,7 +500,8 @@ class KvIngest:
         """Take the worker's KV capacity, when one is said, and the entry limit it gives."""
         if kv_total_blocks:
             state.kv_total_blocks = kv_total_blocks
-            state.entry_limit = max(self.min_entry_limit, CAPACITY_SLACK * kv_total_blocks)
+            claimed = min(CAPACITY_SLACK * kv_total_blocks, MAX_CLAIMED_ENTRIES)
+            state.entry_limit = max(self.min_entry_limit, claimed)
 
     def reply_limit(self, worker: str) -> int:
         state = self._workers.get(worker)
@@ -506,6 +530,9 @@ class KvIngest:
             for chunk in chunks:
                 self.index.store(worker, chunk.hashes)
             sync.epoch, sync.last_seq = first.epoch, first.seq
+            # The shim sent this seq by the time its reply came: a report it makes later is at it
+            # (on this router's clock: a shim whose clock lags it is caught that much later).
+            state.sent_ts = time.time()
             state.want_dump = False
             self.stats.repairs_dumps += 1
         elif first.epoch != sync.epoch:

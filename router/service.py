@@ -49,7 +49,7 @@ from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility
 from router.http_api import FrontDoorRunner, HttpLimits, make_app
-from router.kv_ingest import KvIngest
+from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger
 from router.load_view import MAX_CLOCK_SKEW_S, LoadView
 from router.metrics import RouterMetrics, StateFigures
@@ -122,6 +122,7 @@ class RouterConfig:
     calibrate: bool = True  # fit each worker's engine speed from its load reports (router.calibration)
     trust_request_chat_template: bool = False  # render clients' own chat templates (vLLM's flag of that name)
     chat_template_content_format: str = "auto"  # vLLM's flag of that name: auto, string or openai
+    index_limit_per_worker: int = MIN_ENTRY_LIMIT  # KV index entries any worker may have (kv_ingest's floor)
 
 
 class RouterService:
@@ -241,7 +242,9 @@ class RouterService:
             rng=random.Random(self.config.seed),
             calibration=self.calibration,
         )
-        self._ingest = KvIngest(nc, self.ns, self.index, on_events=self._on_kv_events)
+        self._ingest = KvIngest(
+            nc, self.ns, self.index, min_entry_limit=self.config.index_limit_per_worker, on_events=self._on_kv_events
+        )
         self._dispatcher = Dispatcher(
             nc,
             self.ns,

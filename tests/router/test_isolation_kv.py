@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from protocol import pack_hashes
 from protocol.messages import (
+    MAX_KV_TOTAL_BLOCKS,
     Cleared,
     KvEventBatch,
     KvStateChunk,
@@ -30,7 +33,7 @@ from protocol.messages import (
     encode_msg,
 )
 from router.block_index import BlockIndex
-from router.kv_ingest import KvIngest
+from router.kv_ingest import MAX_CLAIMED_ENTRIES, KvIngest
 from runtime.nats_flush import flush
 from tests.router.polling import until
 from tests.router.test_kv_ingest import Clock, FakeShim, digest, synced_with
@@ -253,8 +256,7 @@ async def test_the_capacity_named_at_registration_bounds_the_entries(small_inges
 async def test_an_index_ahead_of_its_shim_for_longer_than_the_grace_takes_a_dump(
     nc: Client, ns: str, shim: FakeShim
 ) -> None:
-    clock = Clock()
-    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, behind_grace_s=1.0, clock=clock)
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, behind_grace_s=1.0)
     await ingest.start()
     try:
         shim.held = dict.fromkeys([1, 2, 3])
@@ -265,35 +267,146 @@ async def test_an_index_ahead_of_its_shim_for_longer_than_the_grace_takes_a_dump
         for h in (100, 101, 102):
             await shim.publish(Stored(hashes=[h]))
         await until(lambda: ingest.stats.duplicates == 3)  # every real batch reads as a duplicate
+        t0 = time.time()  # the shim's clock, after the dump's reply came
 
-        def report() -> LoadReport:
+        def report(at: float) -> LoadReport:
             n, x = digest(shim.expected().get("a1", []))
-            return LoadReport(worker="a1", ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=n, kv_xor=x)
+            return LoadReport(worker="a1", ts=t0 + at, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=n, kv_xor=x)
 
-        ingest.check_digest(report())
-        clock.now = 0.5
-        ingest.check_digest(report())
-        assert ingest.synced  # a report older than the index, for a moment: its batches overtook it
-        clock.now = 1.0
-        ingest.check_digest(report())
+        ingest.check_digest(report(0.0))
+        ingest.check_digest(report(0.5))
+        assert ingest.synced  # made after the seq was claimed and below it, but not for the grace yet
+        ingest.check_digest(report(1.0))
         await until(lambda: ingest.stats.digest_mismatches == 1 and ingest.synced, what="resynced")
         assert ingest.index.dump() == shim.expected() == {"a1": [100, 101, 102]}
         assert ingest.stats.workers["a1"].last_seq == 3
 
         # Reports that lag the index but keep reaching what it held are no contradiction.
         asked = len(shim.requests)
-        lagging = report()  # seq 3
+        lagging = report(2.0)  # seq 3
         await shim.publish(Stored(hashes=[103]))
         await until(lambda: ingest.stats.workers["a1"].last_seq == 4)
-        clock.now = 2.0
         ingest.check_digest(lagging)
-        caught_up = report()  # seq 4
+        caught_up = report(3.5)  # seq 4
         await shim.publish(Stored(hashes=[104]))
         await until(lambda: ingest.stats.workers["a1"].last_seq == 5)
-        clock.now = 3.5
         ingest.check_digest(caught_up)
-        clock.now = 4.0
-        ingest.check_digest(report())
+        ingest.check_digest(report(4.0))
         assert ingest.synced and ingest.stats.digest_mismatches == 1 and len(shim.requests) == asked
+    finally:
+        await ingest.stop()
+
+
+# --- a worker's own word on its capacity, the operator's floor, late reports, stale unknown batches ---
+
+
+def test_a_worker_cannot_lift_its_index_bound_past_the_ceiling(nc: Client, ns: str) -> None:
+    # kv_total_blocks 2**60 would have made its bound 2**63 entries, and its kvstate reply's byte
+    # budget 32 x that: no bound at all. A record or report past 2**31 is dropped before it comes
+    # here (tests.router.test_isolation_peers); this holds even for one that gets through.
+    ingest = KvIngest(nc, ns, BlockIndex())
+    ingest.add_worker("a1", EPOCH, kv_total_blocks=2**60)
+    assert ingest.reply_limit("a1") == MAX_CLAIMED_ENTRIES == 1 << 26
+    ingest.add_worker("b2", EPOCH)
+    ingest.check_digest(LoadReport(worker="b2", ts=0.0, kv_total_blocks=MAX_KV_TOTAL_BLOCKS))
+    assert ingest.reply_limit("b2") == 1 << 26
+    ingest.check_digest(LoadReport(worker="b2", ts=0.0, kv_total_blocks=1 << 20))  # an honest capacity
+    assert ingest.reply_limit("b2") == 8 << 20
+    above = KvIngest(nc, ns, BlockIndex(), min_entry_limit=1 << 27)  # the operator's floor goes past it
+    above.add_worker("a1", EPOCH, kv_total_blocks=2**60)
+    assert above.reply_limit("a1") == 1 << 27
+
+
+class StampingShim(FakeShim):
+    """Stamps each batch with the time it is sent, as the real shim does (worker_shim.event_log)."""
+
+    def _wire(self, msg: KvEventBatch) -> KvEventBatch:
+        return super()._wire(msgspec.structs.replace(msg, ts=time.time()))
+
+
+async def test_refusing_a_worker_past_its_bound_names_the_setting_that_lifts_it(
+    nc: Client, ns: str, small_ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    await synced_with(small_ingest, shim)
+    await shim.publish(Stored(hashes=list(range(5000))))  # past the 4,096 floor: cleared
+    big = FakeShim(nc, ns, "b2", dump_chunk=1000)  # past it from the start: its first dump is refused
+    big.held = dict.fromkeys(range(5000))
+    await big.start()
+    small_ingest.add_worker(big.worker, big.epoch)
+    await until(lambda: small_ingest.stats.malformed >= 2, what="both refused")
+    said = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(said) == 2 and all("raise the router's --index-limit-per-worker" in m for m in said), said
+    assert any("the dump holds more blocks than the worker can hold" in m for m in said)
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, min_entry_limit=8192)
+    await ingest.start()  # an operator who knows these workers' tiers lifts the floor: both route
+    try:
+        for s in (shim, big):
+            ingest.add_worker(s.worker, s.epoch)
+        assert await ingest.wait_synced(10.0)
+        assert ingest.index.dump() == {**shim.expected(), **big.expected()} and ingest.stats.malformed == 0
+    finally:
+        await ingest.stop()
+
+
+def _report_now(shim: FakeShim) -> LoadReport:
+    n, x = digest(shim.expected().get(shim.worker, []))
+    return LoadReport(worker=shim.worker, ts=time.time(), kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=n, kv_xor=x)
+
+
+async def test_reports_that_arrive_late_behind_the_batches_take_no_dump(nc: Client, ns: str) -> None:
+    # An overloaded router drains its load-report queue behind its KV queue: each report it reads
+    # is below the index's seq, for seconds. The shim made it before it sent that seq (its ts says
+    # so): no contradiction, no full dump (there was one a second per worker, more load on a
+    # router already behind).
+    shim = StampingShim(nc, ns, "a1")
+    await shim.start()
+    clock = Clock()
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, behind_grace_s=1.0, clock=clock)
+    await ingest.start()
+    try:
+        await synced_with(ingest, shim)
+        made: list[LoadReport] = []
+        for h in range(6):
+            made.append(_report_now(shim))
+            await shim.publish(Stored(hashes=[h]))
+        await until(lambda: ingest.stats.workers["a1"].last_seq == 6)
+        asked = len(shim.requests)
+        for i, late in enumerate(made):  # 2.5 s behind on this router's clock, seqs 0 to 5 of 6
+            clock.now = 0.5 * i
+            ingest.check_digest(late)
+        ingest.check_digest(_report_now(shim))  # the first one made after the batches: it agrees
+        await asyncio.sleep(0.3)  # a dump, had one been asked, would be under way
+        assert ingest.synced and ingest.stats.digest_mismatches == 0 and len(shim.requests) == asked
+        assert ingest.index.dump() == shim.expected()
+    finally:
+        await ingest.stop()
+
+
+async def test_stale_batches_of_unknown_workers_never_keep_the_budget_from_a_repair(nc: Client, ns: str) -> None:
+    # They expired only when another unknown worker's batch came; until then they held the shared
+    # budget, and a registered worker under repair had its held batches dropped.
+    clock = Clock()
+    ingest = KvIngest(
+        nc, ns, BlockIndex(), request_timeout_s=0.2, held_total_bytes_limit=1 << 20, unknown_ttl_s=5.0, clock=clock
+    )
+    await ingest.start()
+    try:
+        ghost = FakeShim(nc, ns, "ghost")  # never registers
+        for _ in range(2):
+            await ghost.publish(Stored(hashes=pack_hashes(range(50_000))))  # 400 kB each
+        await until(lambda: ingest.stats.unknown_held == 2)
+        shim = FakeShim(nc, ns, "a1", dump_chunk=100_000)
+        shim.answering = False  # bootstrapping: what it sends is held
+        await shim.start()
+        ingest.add_worker(shim.worker, shim.epoch)
+        clock.now = 6.0  # past the ghost's TTL, and no other unknown batch comes
+        await shim.publish(Stored(hashes=pack_hashes(range(100, 50_100))))  # fits once the ghost's go
+        await until(lambda: ingest.stats.workers["a1"].buffered + ingest.stats.dropped_overflow > 0)
+        assert ingest.stats.dropped_overflow == 0 and ingest.stats.workers["a1"].buffered == 1
+        assert (ingest.stats.unknown_held, ingest.stats.dropped_unknown) == (0, 2)
+        shim.answering = True
+        assert await ingest.wait_synced(10.0)
+        assert ingest.index.dump() == shim.expected()
     finally:
         await ingest.stop()

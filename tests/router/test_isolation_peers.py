@@ -31,7 +31,7 @@ from protocol import (
     subjects,
 )
 from protocol.config import EtcdSettings, RouterSettings
-from protocol.messages import ErrorInfo
+from protocol.messages import MAX_KV_TOTAL_BLOCKS, ErrorInfo
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility, Exclusion
 from router.load_view import LoadView
@@ -105,6 +105,21 @@ async def test_a_load_report_with_a_negative_count_is_dropped_and_counted(
     assert min(load.running, load.waiting, load.prefill_tokens_queued, load.kv_total_blocks or 0) >= 0
 
 
+async def test_a_load_report_claiming_a_kv_capacity_no_engine_has_is_dropped(cluster: Cluster, nc: Client) -> None:
+    # Its kv_total_blocks sizes the worker's index bound (router.kv_ingest): 2**60 lifted that bound,
+    # and the byte budget of the worker's kvstate replies with it, past any memory.
+    w = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    limit = router.ingest.reply_limit(w.id)
+
+    def lie(ts: float) -> LoadReport:  # its own subject, its own name
+        return LoadReport(worker=w.id, ts=ts, period_s=0.5, kv_total_blocks=2**60)
+
+    await _publish_for(0.5, nc, subjects.load(cluster.ns, w.id), lie)
+    assert router.load_malformed >= 5
+    assert router.ingest.reply_limit(w.id) == limit == 1 << 22
+
+
 # --- worker records ------------------------------------------------------------------------------
 
 
@@ -154,6 +169,25 @@ async def test_records_that_cannot_be_true_are_refused_and_the_watch_goes_on(
         assert any(zero.hex_id in m and "block_size 0" in m for m in said)
         assert any("\\\\xff\\\\xfe" in m for m in said)
         assert not reg._task.done()  # type: ignore[union-attr]
+    finally:
+        await reg.stop()
+
+
+async def test_a_record_claiming_a_kv_capacity_no_engine_has_is_refused(
+    disc: Discovery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="router.worker_registry")
+    seen = Seen()
+    reg = seen.registry(disc)
+    await reg.start()
+    try:
+        assert await reg.wait_ready(10.0)
+        liar = await disc.register_worker(lambda wid: info(wid, kv_total_blocks=2**60), ttl=10)
+        most = await disc.register_worker(lambda wid: info(wid, kv_total_blocks=MAX_KV_TOTAL_BLOCKS), ttl=10)
+        await until(lambda: reg.get(most.hex_id) is not None, timeout=10.0, what="the largest plausible record")
+        assert reg.get(liar.hex_id) is None and seen.added == [most.hex_id] and reg.refused == 1
+        said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+        assert len(said) == 1 and liar.hex_id in said[0] and "kv_total_blocks" in said[0]
     finally:
         await reg.stop()
 

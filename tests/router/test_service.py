@@ -194,3 +194,27 @@ def test_a_config_file_key_no_setting_reads_is_refused(tmp_path: Path, capsys: p
     path.write_text("namespace: prod\nqueue_threshod: 2\n")
     assert cli.run(_args("--config", str(path))) == 2
     assert "'queue_threshod' is not a setting; did you mean 'queue_threshold'?" in capsys.readouterr().err
+
+
+def test_the_index_limit_per_worker_is_a_process_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The floor of every worker's KV index bound: an honest worker whose CPU or disk KV tier holds
+    # more was refused (and dumped again and again) with no way out.
+    assert cli.build_config(_args()).index_limit_per_worker == 1 << 22
+    path = tmp_path / "router.yaml"
+    path.write_text("index_limit_per_worker: 8192\n")
+    assert cli.build_config(_args("--config", str(path))).index_limit_per_worker == 8192
+    monkeypatch.setenv("KVSWITCH_INDEX_LIMIT_PER_WORKER", "16384")
+    assert cli.build_config(_args("--config", str(path))).index_limit_per_worker == 16384
+    flag = cli.build_config(_args("--config", str(path), "--index-limit-per-worker", str(1 << 24)))
+    assert flag.index_limit_per_worker == 1 << 24
+    monkeypatch.setenv("KVSWITCH_INDEX_LIMIT_PER_WORKER", "4095")
+    with pytest.raises(ConfigError, match="--index-limit-per-worker, KVSWITCH_INDEX_LIMIT_PER_WORKER"):
+        cli.build_config(_args())
+    monkeypatch.delenv("KVSWITCH_INDEX_LIMIT_PER_WORKER")
+    with pytest.raises(ConfigError, match="--index-limit-per-worker"):
+        cli.build_config(_args("--index-limit-per-worker", "0"))
+
+
+async def test_the_router_bounds_each_workers_index_by_its_setting(cluster: Cluster) -> None:
+    router = await cluster.add_router(config={"index_limit_per_worker": 1 << 24})
+    assert router.ingest.min_entry_limit == 1 << 24
