@@ -18,7 +18,8 @@ Usage (a worker shim; a router registers its RouterInfo the same way)::
 
 Identity: `reg.id` is the lease id in lowercase hex, or `name` when one is given. A named key is
 created with a create-if-absent transaction, so a second holder of the same name fails loudly
-(KeyTaken) instead of overwriting the first.
+(KeyTaken) instead of overwriting the first; the key's holder is checked before `before_create` too,
+so a second owner never acts under a name a live one holds.
 
 Loss: only etcd's own answer is loss (the lease expired or is unknown, e.g. the process stalled past
 its TTL or someone revoked it). Then the owner hears `on_lost(old_id)`, a new lease is granted and
@@ -140,6 +141,12 @@ class Registration:
         lease = await self._discovery.grant(self.ttl)
         rid = self.name or lease.hex_id
         try:
+            if self.name is not None:
+                # A name held by a live owner: fail before before_create, which subscribes to the
+                # name's subjects and publishes under it (create() alone would say so only after).
+                holder = await self._discovery.holder(self._key(rid))
+                if holder is not None and holder != lease.id:
+                    raise KeyTaken(self._key(rid), holder)
             if self._before_create is not None:
                 await self._before_create(rid)
             await self._discovery.create(self._key(rid), encode_json(self._value(rid)), lease)

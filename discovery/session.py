@@ -167,6 +167,17 @@ class Discovery:
         # Ours already (an earlier attempt whose answer was lost): write the current value.
         await self._put(key, value, lease)
 
+    async def holder(self, key: str) -> int | None:
+        """The id of the lease holding `key` (0: a key put without one), or None when it does not exist."""
+        kv = self.client.kv
+        assert kv is not None
+        try:
+            resp = await kv.get(key, timeout=5.0)
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            self._failed(exc)
+            raise DiscoveryError(f"get {key} failed: {exc}") from exc
+        return int(resp.kvs[0].lease) if resp.kvs else None
+
     async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
         await self._put(key, value, lease)
 

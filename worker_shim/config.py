@@ -29,7 +29,8 @@ KvEventsMode = Literal["auto", "bind", "connect"]
 KV_EVENTS_MODES: tuple[str, ...] = get_args(KvEventsMode)
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 _DURATIONS = (
-    "reregister_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s", "busy_limit_s"
+    "reregister_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s", "busy_limit_s",
+    "stall_limit_s",
 )  # fmt: skip
 
 
@@ -78,6 +79,9 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         engine is gone.
     busy_limit_s: how long an engine may leave its health check unanswered (a timeout: loaded, or
         hung) before the worker deregisters; a loaded engine answers late, a hung one never.
+    stall_limit_s: how long an engine with work may show no progress (no token, no finished leg, no
+        step, no KV change) before the worker deregisters as hung, until it moves again. Longer
+        than busy_limit_s: a long prefill on an engine without a step counter shows nothing.
     namespace: the cluster namespace (subjects and keys).
     """
 
@@ -108,6 +112,7 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     health_interval_s: float = 1.0
     health_failures: int = 2
     busy_limit_s: float = 30.0
+    stall_limit_s: float = 120.0
     namespace: str = subjects.DEFAULT_NAMESPACE
 
     def validate(self) -> ShimConfig:
@@ -213,8 +218,9 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("health_interval_s", self.health_interval_s, "must be > 0")
         if self.health_failures < 1:
             raise ConfigError("health_failures", self.health_failures, "must be >= 1")
-        if not self.busy_limit_s > 0:
-            raise ConfigError("busy_limit_s", self.busy_limit_s, "must be > 0 (seconds)")
+        for name in ("busy_limit_s", "stall_limit_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "must be > 0 (seconds)")
         try:
             subjects.validate_namespace(self.namespace)
         except ValueError as exc:

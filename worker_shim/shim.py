@@ -73,6 +73,11 @@ LIVE_TIMEOUT_S = 30.0
 WAIT_SAID_S = 30.0  # how often a shim waiting for its engine says so
 ADAPTERS_POLL_S = 5.0  # how often the engine's /v1/models is read for LoRA adapters loaded or unloaded
 SESSION_RETRY_MAX_S = 30.0  # the longest wait before a new session after sessions that failed
+_TRANSIENT_STATUS = (408, 429)  # refusals that pass, like a 5xx: retried
+# The engine's load reading older than this many health intervals (and than STALE_MIN_S, beyond a
+# slow /metrics' probe timeout) is unknown: the progress watchdog takes no silence from it.
+STALE_READINGS = 3
+STALE_MIN_S = 3.0
 
 
 class ShimStatus(enum.Enum):
@@ -173,6 +178,7 @@ class WorkerShim:
         self._stop_task: asyncio.Task[None] | None = None
         self._said: set[str] = set()
         self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
+        self._engine_load_at: float | None = None  # ... and the time.monotonic() it came back
         self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
 
     # --- public ---------------------------------------------------------------------------------
@@ -349,6 +355,7 @@ class WorkerShim:
         while (stalled := self._stalled) is not None:
             with contextlib.suppress(EngineError):
                 self._engine_load = await self.adapter.load()
+                self._engine_load_at = time.monotonic()
             mark = self._progress()
             if mark is None or mark.moved_since(stalled):
                 log.info("the engine at %s makes progress again", self.config.engine_url)
@@ -363,10 +370,14 @@ class WorkerShim:
 
     def _progress(self) -> _Progress | None:
         """Where the engine stands while it has work (legs in flight, or requests it reports
-        running or waiting); None while it has none."""
+        running or waiting); None while it has none. A decode leg whose KV the engine still pulls
+        is no work of its own (a slow pull from another worker shows no step and no token), nor
+        is the request the engine reports for it."""
         requests, load = self.requests, self._engine_load
         assert requests is not None
-        if not requests.inflight and (load is None or load.running + load.waiting == 0):
+        pulling = len(requests.inflight.keys() & self.adapter.pulling)
+        reported = load.running + load.waiting if load is not None else 0
+        if len(requests.inflight) == pulling and reported <= pulling:
             return None
         return _Progress(
             completed=requests.completed,
@@ -377,10 +388,7 @@ class WorkerShim:
 
     async def _check_limits(self) -> EngineLimits:
         c = self.config
-        # An EngineError (the engine's /metrics timed out or answered 503) fails the session, which
-        # is retried: taken as "the engine reports no limits", one blip ended the shim with a
-        # ConfigError asking for --block-size, or skipped the check of the flags given.
-        eng = await self.adapter.limits()
+        eng = await self._engine_limits()
         limits = EngineLimits(
             block_size=_checked("block_size", c.block_size, eng.block_size),
             kv_total_blocks=_checked("kv_total_blocks", c.kv_total_blocks, eng.kv_total_blocks),
@@ -422,6 +430,25 @@ class WorkerShim:
                 "routers' /v1/models will not show it",
             )
         return limits
+
+    async def _engine_limits(self) -> EngineLimits:
+        """The limits the engine reports. A 5xx or no answer (its limits endpoint timed out or
+        answered 503) fails the session, which is retried: taken as "no limits", one blip ended the
+        shim asking for --block-size, or skipped the check of the flags given. A 404 is an engine
+        without the route (an SGLang without /get_server_info): it reports no limits, and the flags
+        stand in, as before; retried, the shim never registered. Any other refusal is the operator's."""
+        try:
+            return await self.adapter.limits()
+        except EngineError as exc:
+            if exc.code >= 500 or exc.code in _TRANSIENT_STATUS:
+                raise
+            if exc.code != 404:
+                raise ConfigError(
+                    "engine_url", self.config.engine_url, f"the engine refuses its limits: {exc}"
+                ) from exc
+            self._say_once(logging.WARNING, "the %s engine reports no limits (%s): the flags stand in",
+                           self.config.engine, exc.message)  # fmt: skip
+            return EngineLimits()
 
     async def _served_model_len(self) -> int | None:
         """--model's max_model_len from the engine's /v1/models, whose other names for it and LoRA
@@ -631,7 +658,7 @@ class WorkerShim:
         if load is None:
             self.credit.lost()
             return
-        self._engine_load = load
+        self._engine_load, self._engine_load_at = load, done
         if load.reused_tokens is None:
             self._say_once(
                 logging.INFO,
@@ -887,12 +914,19 @@ class WorkerShim:
                 )
                 return
             # A hung engine answers /health and /metrics; only the work it does not do shows it.
-            mark = self._progress()
-            if mark is None or progress is None or mark.moved_since(progress):
+            mark, known_at = self._progress(), self._known_at(now)
+            if mark is None or progress is None or known_at is None or mark.moved_since(progress):
                 progress, moved_at = mark, now
-            elif now - moved_at >= self.config.busy_limit_s:
+            elif known_at - moved_at >= self.config.stall_limit_s:
                 self._stall(mark, now - moved_at)
                 return
+
+    def _known_at(self, now: float) -> float | None:
+        """Until when the engine's progress is known: its last load reading's time; None while that
+        is stale (/metrics fails or hangs: its frozen counters are no evidence of a hang)."""
+        at = self._engine_load_at
+        stale_s = max(STALE_READINGS * self.config.health_interval_s, STALE_MIN_S)
+        return at if at is not None and now - at <= stale_s else None
 
     def _stall(self, mark: _Progress, still_s: float) -> None:
         load = self._engine_load

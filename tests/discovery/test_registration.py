@@ -196,3 +196,27 @@ async def test_a_failing_before_create_releases_the_lease_and_creates_no_key(etc
         assert reg.state is RegistrationState.FAILED and "not ready" in str(reg.failure)
         assert await _get(d, subjects.worker_key(ns, ids[2])) is None and ids[1] == second
         await reg.stop()
+
+
+async def test_a_second_registration_under_a_held_name_never_runs_before_create(etcd_url: str, ns: str) -> None:
+    """before_create subscribes to the name's subjects and publishes under it: a second shim started
+    by mistake with a live worker's name must fail before it, not after (KeyTaken from create)."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        first = _worker_reg(d, ns, ttl=5, name="fixed")
+        assert await first.start() == "fixed"
+        assert first.lease is not None and await d.holder(first.key) == first.lease.id
+        calls: list[str] = []
+
+        async def before_create(wid: str) -> None:
+            calls.append(wid)
+
+        second = _worker_reg(d, ns, ttl=5, name="fixed", before_create=before_create)
+        with pytest.raises(KeyTaken) as taken:
+            await second.start()
+        assert calls == [] and taken.value.holder == first.lease.id
+        assert second.lease is None
+        await first.stop()
+        assert await d.holder(first.key) is None
+        # The name free again: the second one registers, before_create first.
+        assert await second.start() == "fixed" and calls == ["fixed"]
+        await second.stop()

@@ -44,7 +44,7 @@ def shim_for(sim: SimServer, ns: str, nats_url: str, etcd_url: str, **kw: Any) -
     """A shim beside `sim` (its resolved endpoints unless `kw` names others; None: the shim reads
     them from the sim's /kv_event_sources)."""
     cfg = ShimConfig(
-        engine="vllm",
+        engine=kw.pop("engine", "vllm"),
         engine_url=kw.pop("engine_url", sim.url),
         model=kw.pop("model", sim.config.model),
         kv_events=kw.pop("kv_events", sim.events_endpoint),

@@ -5,6 +5,7 @@ cut short without [DONE] (real nats, etcd and sim; the engine's answers altered 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -27,9 +28,11 @@ from kvswitch.servers import NatsServer, free_port
 from protocol import (
     ConfigError,
     GenerateRequest,
+    KvEventBatch,
     LoadReport,
     ResponseChunk,
     SamplingParams,
+    TransferHandle,
     decode_msg,
     encode_msg,
     subjects,
@@ -38,11 +41,12 @@ from protocol.messages import ENDPOINT_COMPLETIONS
 from runtime.nats_flush import flush
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
 from tests.worker_shim.test_shim_lifecycle import registered_workers
-from worker_shim import ShimStatus
+from worker_shim import ShimConfig, ShimStatus
 from worker_shim import shim as shim_module
 from worker_shim.adapters import EngineError
 from worker_shim.adapters import sglang as sglang_adapter
 from worker_shim.adapters import vllm as vllm_adapter
+from worker_shim.cli import add_arguments, resolve_settings
 from worker_shim.load_reporter import LoadReporter
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -270,11 +274,11 @@ async def _send_leg(nc: Nats, ns: str, worker: str, rid: str, max_tokens: int) -
 async def test_a_hung_engine_is_deregistered_until_it_moves_again_and_a_slow_one_is_not(
     ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    busy_limit = 1.0
+    stall_limit = 1.0
     nc = await nats.connect(nats_url)
     try:
         async with SimServer(sim_config(speedup=1.0)) as sim:
-            shim = shim_for(sim, ns, nats_url, etcd_url, busy_limit_s=busy_limit)
+            shim = shim_for(sim, ns, nats_url, etcd_url, stall_limit_s=stall_limit)
             with caplog.at_level(logging.INFO, logger="worker_shim.shim"):
                 async with shim:
                     await asyncio.wait_for(shim.registered.wait(), 20)
@@ -284,7 +288,7 @@ async def test_a_hung_engine_is_deregistered_until_it_moves_again_and_a_slow_one
                     sim.faults.slowdown = 20.0
                     await _send_leg(nc, ns, worker, "slow", max_tokens=400)
                     await wait_for(lambda: "slow" in shim.requests.inflight, what="the slow leg")  # type: ignore[union-attr]
-                    await asyncio.sleep(3.5 * busy_limit)
+                    await asyncio.sleep(3.5 * stall_limit)
                     assert "slow" in shim.requests.inflight, "the leg must still run"  # type: ignore[union-attr]
                     assert shim.registered.is_set() and "made no progress" not in caplog.text
                     sim.faults.slowdown = 1.0
@@ -295,7 +299,7 @@ async def test_a_hung_engine_is_deregistered_until_it_moves_again_and_a_slow_one
                     await wait_for(lambda: not shim.registered.is_set(), timeout=10, what="deregistered as hung")
                     assert await registered_workers(etcd_url, ns) == set()
                     assert f"engine at {sim.url} made no progress" in caplog.text
-                    await asyncio.sleep(3 * busy_limit)  # no new session while it hangs: no flapping
+                    await asyncio.sleep(3 * stall_limit)  # no new session while it hangs: no flapping
                     assert not shim.registered.is_set() and shim.registration_count == 1
 
                     sim.faults.hang = False
@@ -404,5 +408,187 @@ async def test_a_stream_cut_before_done_and_any_finish_reason_is_an_engine_error
                 proxy.cut_after = 0
                 whole = await _leg_chunks(nc, ns, shim.worker_id, legs[0])
                 assert whole[-1].error is None and whole[-1].finish_reason == "length"
+    finally:
+        await nc.close()
+
+
+# --- review of the above: the watchdog, a vLLM without load series, a 404 for limits ----------------
+
+
+def test_the_stall_limit_is_its_own_setting_checked_like_the_others() -> None:
+    cfg = ShimConfig(model="m", kv_events="tcp://*:1").validate()
+    assert (cfg.busy_limit_s, cfg.stall_limit_s) == (30.0, 120.0)
+    for bad, words in ((float("inf"), "finite"), (float("nan"), "finite"), (0.0, "> 0"), (-1.0, "> 0")):
+        with pytest.raises(ConfigError) as err:
+            ShimConfig(model="m", kv_events="tcp://*:1", stall_limit_s=bad).validate()
+        assert err.value.setting == "stall_limit_s" and words in str(err.value)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    shim, _, _ = resolve_settings(
+        parser.parse_args(["--model", "m", "--kv-events", "tcp://*:1", "--stall-limit-s", "45"])
+    )
+    assert shim.stall_limit_s == 45.0
+
+
+async def test_a_long_prefill_while_metrics_fail_is_no_hang(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine's counters frozen by a failing /metrics are unknown, not "no progress": a leg
+    that sends nothing for a while (a long prefill) must not deregister the worker. Once /metrics
+    answers again, a leg that still does not move is a hang."""
+    stall_limit = 1.0
+    nc = await nats.connect(nats_url)
+    try:
+        async with SimServer(sim_config(speedup=1.0)) as sim, FaultyProxy(sim.url).running() as proxy:
+            shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url, stall_limit_s=stall_limit)
+            with caplog.at_level(logging.INFO, logger="worker_shim.shim"):
+                async with shim:
+                    await asyncio.wait_for(shim.registered.wait(), 20)
+                    assert shim.worker_id is not None and shim.requests is not None
+                    proxy.fail["/metrics"] = 10**6
+                    sim.faults.hang = True  # no step, no token: as a prefill longer than the limit
+                    await _send_leg(nc, ns, shim.worker_id, "long", max_tokens=4)
+                    await wait_for(lambda: "long" in shim.requests.inflight, what="the leg")  # type: ignore[union-attr]
+                    await asyncio.sleep(5 * stall_limit)
+                    assert shim.registered.is_set() and "made no progress" not in caplog.text
+                    proxy.fail["/metrics"] = 0  # known again: still no move is a hang
+                    await wait_for(lambda: not shim.registered.is_set(), timeout=10, what="deregistered as hung")
+                    assert f"engine at {proxy.url} made no progress" in caplog.text
+                    sim.faults.hang = False
+                    await wait_for(shim.registered.is_set, what="registered again once it moves")
+    finally:
+        await nc.close()
+
+
+async def test_a_decode_leg_waiting_on_a_slow_kv_pull_is_no_hang(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decode leg whose KV the engine pulls from another worker shows no step and no token until
+    the pull ends; the engine counts it waiting. That is no work the watchdog can judge."""
+    stall_limit = 1.0
+    nc = await nats.connect(nats_url)
+    try:
+        # ~13 MB of KV (99 tokens of Llama-8B) over 2 MB/s: a pull of several seconds.
+        async with SimServer(sim_config(speedup=1.0, kv_transfer_gbps=0.002)) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, role="decode", stall_limit_s=stall_limit)
+            with caplog.at_level(logging.INFO, logger="worker_shim.shim"):
+                async with shim:
+                    await asyncio.wait_for(shim.registered.wait(), 20)
+                    assert shim.worker_id is not None and shim.requests is not None
+                    params = {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_engine_id": "gone-prefill-engine",
+                        "remote_block_ids": list(range(6)),
+                        "remote_host": None,
+                        "remote_port": None,
+                        "remote_request_id": "p-1",
+                    }
+                    req = GenerateRequest(
+                        request_id="pulled",
+                        model="sim-llama",
+                        token_ids=list(range(1, 100)),
+                        sampling=SamplingParams(max_tokens=4, ignore_eos=True),
+                        disagg=TransferHandle(engine="vllm", params=params),
+                    )
+                    await nc.publish(subjects.gen(ns, "decode", shim.worker_id), encode_msg(req), reply=nc.new_inbox())
+                    await flush(nc)
+                    await wait_for(lambda: shim.adapter.pulling == {"pulled"}, what="the leg pulling")
+                    await asyncio.sleep(4 * stall_limit)
+                    assert "pulled" in shim.requests.inflight and shim.adapter.pulling == {"pulled"}
+                    assert shim.registered.is_set() and "made no progress" not in caplog.text
+    finally:
+        await nc.close()
+
+
+def test_real_vllm_metrics_right_after_start_have_the_load_series() -> None:
+    """What a fresh vLLM 0.32 exports before its first request passes the start's check."""
+    shared = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32"
+    texts = [
+        (FIXTURES / "vllm-0.32" / name).read_text()
+        for name in ("bs32/metrics_after.txt", "bs16_patched/metrics_after.txt")
+    ]
+    texts += [path.read_text() for path in sorted(shared.glob("*/metrics_before.txt"))]
+    for text in texts:
+        vllm_adapter.check_load_series(text, None, "http://e")
+    dp2 = (FIXTURES / "vllm-0.32/bs32/metrics_dp2.txt").read_text()
+    vllm_adapter.check_load_series(dp2, 1, "http://e")
+    with pytest.raises(ConfigError, match="of engine 3"):
+        vllm_adapter.check_load_series(dp2, 3, "http://e")
+
+
+async def test_a_vllm_without_load_series_at_the_start_is_a_config_error_not_a_worker_never_routed(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+        proxy.rewrite["/metrics"] = lambda body: _without(body.decode(), "vllm:num_requests_").encode()
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url)
+        async with shim:
+            await registered_or_done(shim)
+            # Before: registered, every load report healthy false, so no router ever used it.
+            assert shim.status is ShimStatus.FAILED and shim.registration_count == 0
+            assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "engine_url"
+            said = str(shim.failure)
+            assert "vllm:num_requests_running, vllm:num_requests_waiting" in said
+            assert "--disable-log-stats" in said and "start it without that flag" in said
+            assert await registered_workers(etcd_url, ns) == set()
+
+
+async def test_load_series_lost_while_serving_leave_the_worker_registered_and_unhealthy(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine_url=proxy.url)
+        async with shim:
+            await asyncio.wait_for(shim.registered.wait(), 20)
+            proxy.rewrite["/metrics"] = lambda body: _without(body.decode(), "vllm:num_requests_").encode()
+            await wait_for(lambda: shim.load_reporter is not None and not shim.load_reporter.report().healthy,
+                           what="an unhealthy report")  # fmt: skip
+            await asyncio.sleep(0.5)
+            assert shim.registered.is_set() and not shim.done.is_set()
+
+
+async def test_a_404_for_the_limits_route_means_no_limits_reported_not_a_session_retried_forever(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    # An SGLang adapter before a server without /get_server_info (the sim has none): the 404 is
+    # that engine version's, as /kv_event_sources' is an older vLLM's.
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine="sglang", block_size=16)
+        async with shim:
+            await registered_or_done(shim)
+            assert shim.status is ShimStatus.REGISTERED, shim.failure  # was: failed sessions, forever
+            assert shim.limits.block_size == 16 and shim.session_failures == 0
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine="sglang")
+        async with shim:
+            await registered_or_done(shim)
+            assert shim.status is ShimStatus.FAILED and isinstance(shim.failure, ConfigError)
+            assert shim.failure.setting == "block_size" and "give --block-size" in str(shim.failure)
+
+
+async def test_a_twin_under_a_live_workers_name_publishes_nothing_under_it(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """A second shim started by mistake with a live worker's --worker-name fails before it
+    subscribes or starts an epoch: before, it published a Cleared and its snapshot under the live
+    worker's name (routers dropped the live worker's index) before create() refused it."""
+    nc = await nats.connect(nats_url)
+    epochs: list[int] = []
+
+    async def on_kv(msg: Any) -> None:
+        epochs.append(decode_msg(msg.data, KvEventBatch).epoch)
+
+    await nc.subscribe(subjects.kv(ns, "gpu-07"), cb=on_kv)
+    await flush(nc)
+    try:
+        async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, worker_name="gpu-07") as shim:
+            await asyncio.wait_for(shim.registered.wait(), 20)
+            await wait_for(lambda: shim.epoch in epochs, what="the live worker's stream")
+            async with shim_for(sim, ns, nats_url, etcd_url, worker_name="gpu-07") as twin:
+                await asyncio.wait_for(twin.done.wait(), 20)
+                assert isinstance(twin.failure, ConfigError) and twin.failure.setting == "worker_name"
+            await flush(nc)
+            await asyncio.sleep(0.3)
+            assert set(epochs) == {shim.epoch}, "the twin published under the live worker's name"
     finally:
         await nc.close()

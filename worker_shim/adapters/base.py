@@ -31,9 +31,10 @@ HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -173,6 +174,28 @@ class EngineAdapter(ABC):
     def __init__(self, config: ShimConfig) -> None:
         self.config = config
         self.event_health = EventHealth(config.events_timeout_s)
+        # Decode legs fed by a KV transfer with no output yet, by request id: the engine is pulling
+        # their KV from another worker, which shows no step and no token however long it takes.
+        self.pulling: set[str] = set()
+
+    @contextlib.contextmanager
+    def watch_pull(self, leg: LegRequest, on_output: OnOutput) -> Iterator[OnOutput]:
+        """`on_output` for running `leg`; a leg with a transfer is in `pulling` until its first
+        output or its end."""
+        if leg.transfer is None:
+            yield on_output
+            return
+        rid = leg.request_id
+
+        async def output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+            self.pulling.discard(rid)
+            await on_output(tokens, events, token_ids)
+
+        self.pulling.add(rid)
+        try:
+            yield output
+        finally:
+            self.pulling.discard(rid)
 
     @abstractmethod
     async def open(self) -> None:

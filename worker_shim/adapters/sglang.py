@@ -218,13 +218,14 @@ class SglangAdapter(ZmqEventsAdapter):
             return LegOutcome(
                 finish_reason=None, usage=Usage(prompt_tokens=len(leg.token_ids)), transfer_params=bootstrap
             )
-        if leg.endpoint:
-            return await self._openai(leg, leg.transfer, on_output)
+        with self.watch_pull(leg, on_output) as output:
+            if leg.endpoint:
+                return await self._openai(leg, leg.transfer, output)
 
-        async def on_tokens(toks: list[int]) -> None:
-            await on_output(len(toks), [], toks)
+            async def on_tokens(toks: list[int]) -> None:
+                await output(len(toks), [], toks)
 
-        folder = await self._post(leg, generate_body(leg, leg.transfer), on_tokens)
+            folder = await self._post(leg, generate_body(leg, leg.transfer), on_tokens)
         return LegOutcome(folder.finish_reason, folder.usage, None, folder.token_ids)
 
     async def _openai(

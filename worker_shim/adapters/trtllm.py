@@ -128,9 +128,10 @@ class TrtllmAdapter(HttpEngineAdapter):
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}
         path = ENDPOINT_PATHS[leg.endpoint] if leg.endpoint else "/v1/completions"
-        result = await post_completion(
-            self.session, self.base + path, disagg_body(leg), headers, on_output, pass_through=bool(leg.endpoint)
-        )
+        with self.watch_pull(leg, on_output) as output:
+            result = await post_completion(
+                self.session, self.base + path, disagg_body(leg), headers, output, pass_through=bool(leg.endpoint)
+            )
         transfer = None
         if leg.prefill_only:
             choices = result.last.get("choices") or [{}]

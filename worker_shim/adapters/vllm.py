@@ -58,6 +58,7 @@ from worker_shim.prom_text import Sample, mean_samples, parse_samples, sum_sampl
 __all__ = [
     "PREFILL_TRANSFER_PARAMS",
     "VllmAdapter",
+    "check_load_series",
     "check_rank",
     "completion_body",
     "engine_body",
@@ -159,13 +160,7 @@ def load_from_metrics(text: str, rank: int | None = None) -> EngineLoad:
     samples = _samples(text, rank)
     running, waiting = sum_samples(samples, vm.NUM_REQUESTS_RUNNING), sum_samples(samples, vm.NUM_REQUESTS_WAITING)
     if running is None and waiting is None:
-        names = [vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE_PERC]
-        absent = ", ".join(n for n in names if sum_samples(samples, n) is None)
-        of = f" of engine {rank}" if rank is not None else ""
-        raise EngineError(
-            502, "engine_protocol", f"the engine's /metrics has no {absent}{of}: a vLLM started with "
-            "--disable-log-stats exports none (start it without that flag), else the metrics were renamed",
-        )  # fmt: skip
+        raise EngineError(502, "engine_protocol", _no_load_series(samples, rank))
     return EngineLoad(
         running=int(running or 0),
         waiting=int(waiting or 0),
@@ -176,6 +171,25 @@ def load_from_metrics(text: str, rank: int | None = None) -> EngineLoad:
         reused_tokens=_reused(samples),
         failed_transfers=None if (failed := sum_samples(samples, _FAILED_TRANSFERS)) is None else int(failed),
     )
+
+
+def _no_load_series(samples: list[Sample], rank: int | None) -> str:
+    names = [vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE_PERC]
+    absent = ", ".join(n for n in names if sum_samples(samples, n) is None)
+    of = f" of engine {rank}" if rank is not None else ""
+    return (
+        f"the engine's /metrics has no {absent}{of}: a vLLM started with --disable-log-stats exports "
+        "none (start it without that flag), else the metrics were renamed"
+    )
+
+
+def check_load_series(text: str, rank: int | None, url: str) -> None:
+    """ConfigError when the engine's first /metrics has neither request count (`rank`'s, with a
+    rank): every load reading would be unusable, so the worker would be registered and never
+    routed to (a vLLM with --disable-log-stats). Series lost later are an unusable reading."""
+    samples = _samples(text, rank)
+    if sum_samples(samples, vm.NUM_REQUESTS_RUNNING) is None and sum_samples(samples, vm.NUM_REQUESTS_WAITING) is None:
+        raise ConfigError("engine_url", url, _no_load_series(samples, rank))
 
 
 def _reused(samples: list[Sample]) -> int | None:
@@ -273,8 +287,18 @@ class VllmAdapter(ZmqEventsAdapter):
     utility_paths: ClassVar[Mapping[str, str]] = {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}
 
     async def limits(self) -> EngineLimits:
-        text = (await self.fetch("/metrics")).decode()
+        """The limits on /metrics, whose load series are checked here too: routers use a worker
+        only while its load reports are healthy. A /metrics that answers 404 has none."""
+        try:
+            text = (await self.fetch("/metrics")).decode()
+        except EngineError as exc:
+            if exc.code == 404:
+                raise ConfigError(
+                    "engine_url", self.base, f"{exc.message}: kvswitch reads the engine's load there"
+                ) from exc
+            raise
         check_rank(text, self.config.data_parallel_rank, self.base)
+        check_load_series(text, self.config.data_parallel_rank, self.base)
         return limits_from_metrics(text, self.config.data_parallel_rank)
 
     async def event_sources(self) -> dict[int, EventSource] | None:
@@ -324,9 +348,10 @@ class VllmAdapter(ZmqEventsAdapter):
         if self.config.data_parallel_rank is not None:
             headers["X-data-parallel-rank"] = str(self.config.data_parallel_rank)
         path, body = engine_body(leg)
-        result = await post_completion(
-            self.session, self.base + path, body, headers, on_output, pass_through=bool(leg.endpoint)
-        )
+        with self.watch_pull(leg, on_output) as output:
+            result = await post_completion(
+                self.session, self.base + path, body, headers, output, pass_through=bool(leg.endpoint)
+            )
         transfer = result.last.get("kv_transfer_params") if leg.prefill_only else None
         if leg.prefill_only and not isinstance(transfer, dict):
             raise EngineError(502, "engine_protocol", "the prefill leg returned no kv_transfer_params")
