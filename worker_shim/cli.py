@@ -57,6 +57,12 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
     ("health_failures", int, "failed health checks in a row that deregister the worker (default 2)"),
     ("busy_limit_s", float, "seconds an engine may leave its health check unanswered before deregistering (30)"),
     ("stall_limit_s", float, "seconds an engine with work may show no progress before deregistering as hung (120)"),
+    (
+        "bootstrap_host",
+        str,
+        "SGLang P/D: the address decode engines reach this prefill engine's bootstrap server at "
+        "(default: --engine-url's host, right only on one host)",
+    ),
     ("namespace", str, "cluster namespace for subjects and keys (default kvswitch)"),
 ]
 

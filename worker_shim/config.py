@@ -82,6 +82,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     stall_limit_s: how long an engine with work may show no progress (no token, no finished leg, no
         step, no KV change) before the worker deregisters as hung, until it moves again. Longer
         than busy_limit_s: a long prefill on an engine without a step counter shows nothing.
+    bootstrap_host: SGLang P/D: the address decode engines reach this prefill engine's bootstrap
+        server at (default: --engine-url's host, which is right only on one host).
     namespace: the cluster namespace (subjects and keys).
     """
 
@@ -113,6 +115,7 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     health_failures: int = 2
     busy_limit_s: float = 30.0
     stall_limit_s: float = 120.0
+    bootstrap_host: str | None = None
     namespace: str = subjects.DEFAULT_NAMESPACE
 
     def validate(self) -> ShimConfig:
@@ -221,6 +224,11 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in ("busy_limit_s", "stall_limit_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0 (seconds)")
+        if self.bootstrap_host is not None:
+            if self.engine != "sglang":
+                raise ConfigError("bootstrap_host", self.bootstrap_host, "only SGLang's P/D takes it: drop it")
+            if not self.bootstrap_host.strip() or any(c in self.bootstrap_host for c in "/: "):
+                raise ConfigError("bootstrap_host", self.bootstrap_host, "a host name or IPv4 address, no port")
         try:
             subjects.validate_namespace(self.namespace)
         except ValueError as exc:

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import pytest
 
-from protocol import SamplingParams, block_hashes
+from protocol import ConfigError, SamplingParams, block_hashes
 from protocol.vllm_events import decode_pub_frames
 from tests.protocol.vllm_captures import frames
 from worker_shim import Normaliser
 from worker_shim.adapters.base import LegRequest
-from worker_shim.adapters.sglang import StreamFolder, generate_body, limits_from_server_info, load_from_metrics
+from worker_shim.adapters.sglang import (
+    SglangAdapter,
+    StreamFolder,
+    generate_body,
+    limits_from_server_info,
+    load_from_metrics,
+)
 from worker_shim.adapters.vllm_events import decode_payload
+from worker_shim.config import ShimConfig
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "sglang"
 
@@ -63,3 +73,40 @@ def test_bootstrap_triple_rides_on_both_legs() -> None:
     assert pre["sampling_params"]["max_new_tokens"] == 1 and pre["stream"] is False
     dec = generate_body(LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=9), transfer=triple), triple)
     assert {k: dec[k] for k in triple} == triple and dec["stream"] is True and dec["rid"] == "r"
+
+
+async def test_a_prefill_worker_tells_decode_engines_the_bootstrap_host_it_was_given(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The shim reaches its engine at 127.0.0.1; a decode engine on another host told that address
+    # reached its own host instead (every remote prefill failed, with no word from the shim).
+    leg = LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=9), prefill_only=True)
+    for config, host, warned in (
+        (_sglang(role="prefill", bootstrap_host="10.0.0.7"), "10.0.0.7", False),
+        (_sglang(role="prefill"), "127.0.0.1", True),
+    ):
+        adapter = SglangAdapter(config.validate())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            adapter._say_loopback()
+            outcome = await adapter.generate(leg, _ignore)
+        await adapter.close()
+        assert outcome.transfer_params is not None and outcome.transfer_params["bootstrap_host"] == host
+        assert any("give --bootstrap-host" in r.getMessage() for r in caplog.records) is warned
+
+
+def _sglang(**settings: Any) -> ShimConfig:
+    return ShimConfig(
+        engine="sglang", model="m", engine_url="http://127.0.0.1:9", kv_events="tcp://127.0.0.1:9", **settings
+    )
+
+
+async def _ignore(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+    return None
+
+
+def test_a_bootstrap_host_is_refused_for_engines_that_take_none() -> None:
+    with pytest.raises(ConfigError, match=r"bootstrap_host.*only SGLang"):
+        ShimConfig(engine="vllm", model="m", bootstrap_host="10.0.0.7").validate()
+    with pytest.raises(ConfigError, match=r"bootstrap_host.*no port"):
+        _sglang(bootstrap_host="10.0.0.7:8998").validate()

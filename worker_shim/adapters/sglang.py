@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -154,6 +155,7 @@ class SglangAdapter(ZmqEventsAdapter):
         super().__init__(config)
         self._kv_total: int | None = None
         self._bootstrap_port = DEFAULT_BOOTSTRAP_PORT
+        self._said_loopback = False
         self._background: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
@@ -161,11 +163,35 @@ class SglangAdapter(ZmqEventsAdapter):
             t.cancel()
         await super().close()
 
+    @property
+    def bootstrap_host(self) -> str:
+        """Where decode engines reach this prefill engine's bootstrap server: they run elsewhere,
+        so the shim's own way to the engine (often 127.0.0.1) is no answer unless told."""
+        return self.config.bootstrap_host or self.config.engine_host
+
+    def _say_loopback(self) -> None:
+        if self.config.role != "prefill" or self._said_loopback:
+            return
+        host = self.bootstrap_host
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if loopback:
+            self._said_loopback = True
+            log.warning(
+                "SGLang prefill worker: decode engines are told to reach its bootstrap server at %s:%d, "
+                "which only an engine on this host can; give --bootstrap-host the address other hosts reach",
+                host,
+                self._bootstrap_port,
+            )
+
     async def limits(self) -> EngineLimits:
         info = msgspec.json.decode(await self.fetch("/get_server_info"))
         if not isinstance(info, dict):
             return EngineLimits()
         self._bootstrap_port = int(info.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT)
+        self._say_loopback()
         limits = limits_from_server_info(info)
         self._kv_total = limits.kv_total_blocks
         return limits
@@ -208,7 +234,7 @@ class SglangAdapter(ZmqEventsAdapter):
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         if leg.prefill_only:
             bootstrap = {
-                "bootstrap_host": self.config.engine_host,
+                "bootstrap_host": self.bootstrap_host,
                 "bootstrap_port": self._bootstrap_port,
                 "bootstrap_room": secrets.randbits(63),
             }
