@@ -23,12 +23,14 @@ CONTENT_FORMATS = ("auto", "string", "openai")  # the flag's values, vLLM's
 
 
 _CACHE_SIZE = 32
-_detected: dict[bytes, ContentFormat] = {}  # by the template's digest: a client's may be megabytes
+# By environment and the template's digest (a client's template may be megabytes): an environment
+# with other extensions may parse a template otherwise.
+_detected: dict[tuple[int, bytes], ContentFormat] = {}
 
 
 def detect_content_format(env: jinja2.Environment, template: str) -> ContentFormat:
     """`template`'s content format; "string" when it does not parse (rendering then says why)."""
-    key = hashlib.sha256(template.encode(errors="surrogatepass")).digest()
+    key = (id(env), hashlib.sha256(template.encode(errors="surrogatepass")).digest())
     found = _detected.get(key)
     if found is None:
         if len(_detected) >= _CACHE_SIZE:

@@ -94,6 +94,9 @@ MIN_ENTRY_LIMIT = 1 << 22
 # ~41 B an entry (and the reply budget of router.gap_repair, 32 B an entry, with it). A worker that
 # says more would otherwise lift both; only the operator's floor (min_entry_limit) goes past this.
 MAX_CLAIMED_ENTRIES = 1 << 26
+# How far a shim's clock may run ahead of this router's before the seq contradiction misreads it
+# (hosts under NTP agree to milliseconds; router.clock_skew warns well before this).
+CLOCK_ALLOWANCE_S = 10.0
 # What holding a batch costs, about: its structs, and each hash as sent packed (8 B) or as a list
 # (a Python int and its slot).
 _BATCH_BYTES = 256
@@ -335,7 +338,7 @@ class KvIngest:
             self._malformed(worker, exc)
         else:
             self._on_events(worker, batch.events)
-        state.sync.last_seq, state.sent_ts = batch.seq, batch.ts
+        state.sync.last_seq, state.sent_ts = batch.seq, _shim_time(batch.ts)
         self.stats.batches_applied += 1
         self.stats.events_applied += len(batch.events)
         held = self.index.count(worker)
@@ -530,9 +533,10 @@ class KvIngest:
             for chunk in chunks:
                 self.index.store(worker, chunk.hashes)
             sync.epoch, sync.last_seq = first.epoch, first.seq
-            # The shim sent this seq by the time its reply came: a report it makes later is at it
-            # (on this router's clock: a shim whose clock lags it is caught that much later).
-            state.sent_ts = time.time()
+            # The shim sent this seq by the time its reply came, on this router's clock: a report it
+            # makes later is at it. CLOCK_ALLOWANCE_S keeps a shim whose clock runs ahead from
+            # reading its late reports as later; one whose clock lags is caught that much later.
+            state.sent_ts = time.time() + CLOCK_ALLOWANCE_S
             state.want_dump = False
             self.stats.repairs_dumps += 1
         elif first.epoch != sync.epoch:
@@ -611,3 +615,11 @@ def _held_size(batch: KvEventBatch) -> int:
             hashes = event.hashes
             size += len(hashes) if isinstance(hashes, bytes) else _LISTED_HASH_BYTES * len(hashes)
     return size
+
+
+def _shim_time(ts: float) -> float:
+    """A batch's shim timestamp, as `sent_ts`: one not finite, or further ahead of this router's
+    clock than any honest shim's, is taken as now (a forged future one would switch the seq
+    contradiction off until the shim's clock caught up)."""
+    now = time.time()
+    return ts if math.isfinite(ts) and ts <= now + CLOCK_ALLOWANCE_S else now

@@ -73,6 +73,7 @@ LIVE_TIMEOUT_S = 30.0
 WAIT_SAID_S = 30.0  # how often a shim waiting for its engine says so
 ADAPTERS_POLL_S = 5.0  # how often the engine's /v1/models is read for LoRA adapters loaded or unloaded
 SESSION_RETRY_MAX_S = 30.0  # the longest wait before a new session after sessions that failed
+NAME_WAIT_MARGIN_S = 5.0  # past a held --worker-name's lease TTL, before the name is taken for another shim's
 _TRANSIENT_STATUS = (408, 429)  # refusals that pass, like a 5xx: retried
 # The engine's load reading older than this many health intervals (and than STALE_MIN_S, beyond a
 # slow /metrics' probe timeout) is unknown: the progress watchdog takes no silence from it.
@@ -180,6 +181,7 @@ class WorkerShim:
         self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
         self._engine_load_at: float | None = None  # ... and the time.monotonic() it came back
         self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
+        self._name_held_since: float | None = None  # when --worker-name was first found held by another lease
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -375,7 +377,9 @@ class WorkerShim:
         is the request the engine reports for it."""
         requests, load = self.requests, self._engine_load
         assert requests is not None
-        pulling = len(requests.inflight.keys() & self.adapter.pulling)
+        # A pull is exempt for one stall limit: one that takes longer is a hang like any other.
+        since = time.monotonic() - self.config.stall_limit_s
+        pulling = sum(1 for rid, at in self.adapter.pulling.items() if at > since and rid in requests.inflight)
         reported = load.running + load.waiting if load is not None else 0
         if len(requests.inflight) == pulling and reported <= pulling:
             return None
@@ -717,20 +721,35 @@ class WorkerShim:
             try:
                 worker = await self.registration.start()
             except KeyTaken as exc:
-                raise ConfigError(
-                    "worker_name",
-                    self.config.worker_name,
-                    f"{exc}: another shim serves under this name (a crashed one's lease expires within "
-                    f"{self.config.lease_ttl}s)",
-                ) from exc
+                if not self._name_may_free(exc):
+                    raise ConfigError(
+                        "worker_name",
+                        self.config.worker_name,
+                        f"{exc}: another shim serves under this name (a crashed one's lease would have expired "
+                        f"within {self.config.lease_ttl}s)",
+                    ) from exc
+                await asyncio.sleep(self.config.health_interval_s)
+                return
             except DiscoveryError as exc:
                 log.warning("registration failed (%s); retrying", exc)
                 await asyncio.sleep(self.config.health_interval_s)
                 return
+            self._name_held_since = None
             await self._on_registered(worker)
             await self._monitor()
         finally:
             await self._end_session()
+
+    def _name_may_free(self, exc: KeyTaken) -> bool:
+        """Whether a held --worker-name may still come free: for one lease TTL (and a margin) it
+        may be a crashed shim's, or this one's own from a session whose revoke did not reach etcd,
+        and its lease expires. Past that, another live shim holds it."""
+        now = time.monotonic()
+        if self._name_held_since is None:
+            self._name_held_since = now
+            log.warning("%s; waiting up to %.0fs for it to expire (a crashed shim's lease does)",
+                        exc, self.config.lease_ttl + NAME_WAIT_MARGIN_S)  # fmt: skip
+        return now - self._name_held_since < self.config.lease_ttl + NAME_WAIT_MARGIN_S
 
     async def _wait_live(self, live: asyncio.Event) -> bool:
         assert self._events_task is not None

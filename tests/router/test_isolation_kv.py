@@ -33,7 +33,7 @@ from protocol.messages import (
     encode_msg,
 )
 from router.block_index import BlockIndex
-from router.kv_ingest import MAX_CLAIMED_ENTRIES, KvIngest
+from router.kv_ingest import CLOCK_ALLOWANCE_S, MAX_CLAIMED_ENTRIES, KvIngest
 from runtime.nats_flush import flush
 from tests.router.polling import until
 from tests.router.test_kv_ingest import Clock, FakeShim, digest, synced_with
@@ -253,6 +253,28 @@ async def test_the_capacity_named_at_registration_bounds_the_entries(small_inges
     assert ingest.sync_state("a1") is not None
 
 
+async def test_reports_made_before_a_dump_by_a_shim_whose_clock_runs_ahead_take_no_dump(
+    nc: Client, ns: str, shim: FakeShim
+) -> None:
+    # The dump's time is the router's: a shim 3 s ahead stamped its late reports, made before the
+    # dump, after it, and each such dump reset the time to the router's again (a loop of dumps).
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, behind_grace_s=1.0)
+    await ingest.start()
+    try:
+        for h in (1, 2, 3, 4, 5):
+            await shim.publish(Stored(hashes=[h]), drop=True)  # seq 1..5, lost: the dump brings them
+        await synced_with(ingest, shim)
+        now = time.time()
+        for i, made_before in enumerate((2.5, 2.0, 1.5, 1.0, 0.5)):  # seq 1..5's reports, drained late
+            n, x = digest([1, 2, 3, 4, 5][: i + 1])
+            ts = now - made_before + 3.0  # the shim's clock runs 3 s ahead
+            ingest.check_digest(LoadReport(worker="a1", ts=ts, kv_epoch=shim.epoch, kv_seq=i, kv_blocks=n, kv_xor=x))
+        await asyncio.sleep(0.3)
+        assert ingest.stats.digest_mismatches == 0 and ingest.synced
+    finally:
+        await ingest.stop()
+
+
 async def test_an_index_ahead_of_its_shim_for_longer_than_the_grace_takes_a_dump(
     nc: Client, ns: str, shim: FakeShim
 ) -> None:
@@ -267,7 +289,8 @@ async def test_an_index_ahead_of_its_shim_for_longer_than_the_grace_takes_a_dump
         for h in (100, 101, 102):
             await shim.publish(Stored(hashes=[h]))
         await until(lambda: ingest.stats.duplicates == 3)  # every real batch reads as a duplicate
-        t0 = time.time()  # the shim's clock, after the dump's reply came
+        # The shim's clock, later than the dump's reply by more than a clock may run ahead.
+        t0 = time.time() + CLOCK_ALLOWANCE_S
 
         def report(at: float) -> LoadReport:
             n, x = digest(shim.expected().get("a1", []))

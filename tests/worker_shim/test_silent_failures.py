@@ -23,6 +23,7 @@ import pytest
 from aiohttp import web
 from nats.aio.client import Client as Nats
 
+from discovery import Discovery
 from engine_sim.server import SimServer
 from kvswitch.servers import NatsServer, free_port
 from protocol import (
@@ -37,6 +38,7 @@ from protocol import (
     encode_msg,
     subjects,
 )
+from protocol.config import EtcdSettings
 from protocol.messages import ENDPOINT_COMPLETIONS
 from runtime.nats_flush import flush
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
@@ -460,11 +462,13 @@ async def test_a_long_prefill_while_metrics_fail_is_no_hang(
         await nc.close()
 
 
-async def test_a_decode_leg_waiting_on_a_slow_kv_pull_is_no_hang(
+async def test_a_decode_leg_waiting_on_a_slow_kv_pull_is_no_hang_until_it_outlasts_the_limit(
     ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A decode leg whose KV the engine pulls from another worker shows no step and no token until
-    the pull ends; the engine counts it waiting. That is no work the watchdog can judge."""
+    the pull ends; the engine counts it waiting. For one stall limit that is no work the watchdog
+    can judge; a pull that lasts longer is a hang like any other (exempt for good, a decode
+    worker whose legs all pull would never be found hung)."""
     stall_limit = 1.0
     nc = await nats.connect(nats_url)
     try:
@@ -493,10 +497,12 @@ async def test_a_decode_leg_waiting_on_a_slow_kv_pull_is_no_hang(
                     )
                     await nc.publish(subjects.gen(ns, "decode", shim.worker_id), encode_msg(req), reply=nc.new_inbox())
                     await flush(nc)
-                    await wait_for(lambda: shim.adapter.pulling == {"pulled"}, what="the leg pulling")
-                    await asyncio.sleep(4 * stall_limit)
-                    assert "pulled" in shim.requests.inflight and shim.adapter.pulling == {"pulled"}
+                    await wait_for(lambda: set(shim.adapter.pulling) == {"pulled"}, what="the leg pulling")
+                    await asyncio.sleep(1.5 * stall_limit)
+                    assert "pulled" in shim.requests.inflight and set(shim.adapter.pulling) == {"pulled"}
                     assert shim.registered.is_set() and "made no progress" not in caplog.text
+                    # judged well before the pull's several seconds end
+                    await wait_for(lambda: "made no progress" in caplog.text, 4 * stall_limit, "the pull judged")
     finally:
         await nc.close()
 
@@ -592,3 +598,18 @@ async def test_a_twin_under_a_live_workers_name_publishes_nothing_under_it(
             assert set(epochs) == {shim.epoch}, "the twin published under the live worker's name"
     finally:
         await nc.close()
+
+
+async def test_a_name_held_by_a_crashed_shims_lease_is_taken_once_that_lease_expires(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """A shim restarted within its lease TTL (a crashed pod), or one whose revoke did not reach
+    etcd, found its --worker-name held and exited 2 for good: the holder's lease was only running
+    out."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        lease = await d.grant(2)
+        await d.create(subjects.worker_key(ns, "gpu-09"), b"{}", lease)
+        await lease.stop_keep_alive()  # the holder crashed: nothing keeps its lease alive
+        async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, worker_name="gpu-09") as shim:
+            await asyncio.wait_for(shim.registered.wait(), 20)
+            assert shim.worker_id == "gpu-09" and shim.failure is None

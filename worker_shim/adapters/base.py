@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -174,9 +175,10 @@ class EngineAdapter(ABC):
     def __init__(self, config: ShimConfig) -> None:
         self.config = config
         self.event_health = EventHealth(config.events_timeout_s)
-        # Decode legs fed by a KV transfer with no output yet, by request id: the engine is pulling
-        # their KV from another worker, which shows no step and no token however long it takes.
-        self.pulling: set[str] = set()
+        # Decode legs fed by a KV transfer with no output yet, by request id, and since when
+        # (time.monotonic()): the engine is pulling their KV from another worker, which shows no
+        # step and no token while it lasts.
+        self.pulling: dict[str, float] = {}
 
     @contextlib.contextmanager
     def watch_pull(self, leg: LegRequest, on_output: OnOutput) -> Iterator[OnOutput]:
@@ -188,14 +190,14 @@ class EngineAdapter(ABC):
         rid = leg.request_id
 
         async def output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
-            self.pulling.discard(rid)
+            self.pulling.pop(rid, None)
             await on_output(tokens, events, token_ids)
 
-        self.pulling.add(rid)
+        self.pulling[rid] = time.monotonic()
         try:
             yield output
         finally:
-            self.pulling.discard(rid)
+            self.pulling.pop(rid, None)
 
     @abstractmethod
     async def open(self) -> None:
