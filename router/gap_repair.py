@@ -53,6 +53,7 @@ ERROR_AFTER = 3
 # batches add their events' framing), and at least this much, so a replay of small batches fits.
 _REPLY_BYTES_PER_BLOCK = 32
 _MIN_REPLY_BYTES = 64 << 20
+_REPLIES_BYTES_LIMIT = 1 << 30
 # What an operator does for an honest worker past its bound (router.kv_ingest): said with the refusal.
 LIMIT_HINT = (
     "if the worker is honest (a CPU or disk KV tier holds more than its GPU blocks), "
@@ -98,6 +99,7 @@ class GapRepair:
         retry_max_s: float = 2.0,
         error_every_s: float = 30.0,
         max_in_flight: int = 32,
+        replies_bytes_limit: int = _REPLIES_BYTES_LIMIT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nc = nc
@@ -113,6 +115,11 @@ class GapRepair:
         # A replica bootstrapping 1,000 workers at once would ask for 1,000 dumps together: NATS
         # then cuts it off as a slow consumer. At most this many replies are in flight.
         self._in_flight = asyncio.Semaphore(max_in_flight)
+        # Each reply is bounded on its own (`_ReplyBudget`); together, the replies in flight hold at
+        # most `replies_bytes_limit` beside the first one's: max_in_flight replies of the largest
+        # budget would otherwise be tens of GiB.
+        self.replies_bytes_limit = replies_bytes_limit
+        self.reply_bytes = 0  # what the replies in flight hold now
 
     def ensure(self, worker: str) -> None:
         """Run the worker's repair loop unless it runs already."""
@@ -191,6 +198,7 @@ class GapRepair:
         limit = self._target.reply_limit(worker)
         budget = _ReplyBudget(limit, max(_MIN_REPLY_BYTES, _REPLY_BYTES_PER_BLOCK * limit))
         deadline = self._clock() + self.fetch_timeout_s
+        held = 0  # of self.reply_bytes, this reply's
         try:
             sub = await self._nc.subscribe(inbox)
             await self._nc.publish(subjects.kvstate(self._ns, worker), encode_msg(request), reply=inbox)
@@ -202,6 +210,10 @@ class GapRepair:
                 if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
                     raise FetchFailure("nobody answers (the shim may be starting)")
                 budget.take_bytes(len(msg.data))
+                if self.reply_bytes > held and self.reply_bytes + len(msg.data) > self.replies_bytes_limit:
+                    raise FetchFailure(f"the replies in flight hold {self.reply_bytes} bytes already; later")
+                self.reply_bytes += len(msg.data)
+                held += len(msg.data)
                 chunk = decode_msg(msg.data, KvStateChunk)
                 _check_chunk(worker, chunk, len(chunks), chunks[0].epoch if chunks else chunk.epoch)
                 budget.take_blocks(chunk)
@@ -217,6 +229,7 @@ class GapRepair:
         except nats.errors.Error as exc:  # reconnecting, draining: try again later
             raise FetchFailure(f"NATS error: {exc}") from None
         finally:
+            self.reply_bytes -= held
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

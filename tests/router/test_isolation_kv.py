@@ -9,6 +9,7 @@ a reply that claimed a seq its shim never reached.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -33,6 +34,7 @@ from protocol.messages import (
     encode_msg,
 )
 from router.block_index import BlockIndex
+from router.gap_repair import FetchFailure, GapRepair
 from router.kv_ingest import CLOCK_ALLOWANCE_S, MAX_CLAIMED_ENTRIES, KvIngest
 from runtime.nats_flush import flush
 from tests.router.polling import until
@@ -433,3 +435,31 @@ async def test_stale_batches_of_unknown_workers_never_keep_the_budget_from_a_rep
         assert ingest.index.dump() == shim.expected()
     finally:
         await ingest.stop()
+
+
+class _Limits:
+    """A RepairTarget's reply limit, for GapRepair.fetch alone."""
+
+    def reply_limit(self, worker: str) -> int:
+        return 1 << 22
+
+
+async def test_the_replies_in_flight_share_one_byte_budget(nc: Client, ns: str) -> None:
+    # Each reply was bounded alone: 32 replies in flight of 2 GiB each could hold 64 GiB.
+    shims = [EndlessShim(nc, ns, w, hashes=os.urandom(8 * 16_384), every_s=0.01) for w in ("a1", "a2")]
+    for s in shims:
+        await s.start()
+    repair = GapRepair(nc, ns, _Limits(), request_timeout_s=0.5, fetch_timeout_s=5.0, replies_bytes_limit=1 << 20)  # type: ignore[arg-type]
+    first = asyncio.create_task(repair.fetch("a1", KvStateRequest()))
+    try:
+        await until(lambda: repair.reply_bytes > 1 << 20, what="the first reply past the shared budget")
+        with pytest.raises(FetchFailure, match="the replies in flight hold") as err:
+            await repair.fetch("a2", KvStateRequest())
+        assert not err.value.malformed  # no fault of a2's: it is asked again later
+        assert not first.done(), "the first reply goes on to its own bound"
+    finally:
+        for s in shims:
+            s.endless = False
+        with contextlib.suppress(FetchFailure):
+            await first
+    assert repair.reply_bytes == 0
