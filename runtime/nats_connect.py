@@ -4,8 +4,8 @@ made in the clear.
 nats-py 2.16 starts TLS only when the server's INFO says `tls_required`, whatever the `tls://`
 scheme or the SSL context it was given. A server that leaves it out (a misconfigured one, or an
 impostor on the path) got the CONNECT in plaintext, with a user and password in it. Here the
-connection stops before the CONNECT is written, and the error names both ways out. Every kvswitch
-process connects through `connect`.
+connection stops before the CONNECT is written, and the error names both ways out. The router and
+the shim connect through `connect` (benchmarks and tests against local plain servers need not).
 
 In its own module, not in `runtime`'s namespace: processes without NATS (engine_sim) import runtime.
 """

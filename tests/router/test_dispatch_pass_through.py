@@ -19,7 +19,7 @@ from protocol import GenerateRequest
 from protocol.config import RouterSettings
 from protocol.messages import ENDPOINT_COMPLETIONS, ENDPOINT_TOKENIZE
 from router.dispatch import Dispatcher, LegError
-from tests.router.test_dispatch import HB, Books, Worker, World, chunk, collect, job
+from tests.router.test_dispatch import HB, Behaviour, Books, Worker, World, chunk, collect, job
 
 answer_now = asyncio.Event()
 
@@ -138,20 +138,18 @@ async def test_a_stream_that_ends_inside_a_cut_event_is_an_error(nc: Client, ns:
     assert err.value.code == 502 and err.value.kind == "malformed_chunk"
 
 
-async def endless_event(nc: Client, msg: Msg, req: GenerateRequest) -> None:
-    seq = 0
-    while True:  # one event that never ends: every chunk continues it
-        await chunk(nc, msg, req, seq, events=[b"x" * 65536], tokens=0, continued=True)
-        seq += 1
-        await asyncio.sleep(0.001)
+def endless(**fields: object) -> Behaviour:
+    """A worker that sends chunks of `fields` and never the last: an event every chunk continues,
+    or a whole answer whose last piece never comes."""
 
+    async def run(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        seq = 0
+        while True:
+            await chunk(nc, msg, req, seq, **fields)
+            seq += 1
+            await asyncio.sleep(0.001)
 
-async def endless_answer(nc: Client, msg: Msg, req: GenerateRequest) -> None:
-    seq = 0
-    while True:  # a whole answer whose last piece never comes
-        await chunk(nc, msg, req, seq, body=b"x" * 65536)
-        seq += 1
-        await asyncio.sleep(0.001)
+    return run
 
 
 async def test_an_event_that_never_ends_is_an_error_not_a_growing_buffer(
@@ -162,7 +160,7 @@ async def test_an_event_that_never_ends_is_an_error_not_a_growing_buffer(
     monkeypatch.setattr("router.dispatch.MAX_ANSWER_BYTES", 1 << 20)
     d, _, _ = world
     served = Worker(nc, ns, "w1")
-    await served.serve("decode", endless_event)
+    await served.serve("decode", endless(events=[b"x" * 65536], tokens=0, continued=True))
     j = job("w1")
     j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_COMPLETIONS, stream=True)
     try:
@@ -182,7 +180,7 @@ async def test_a_utility_answer_that_never_ends_is_an_error_not_a_growing_buffer
     monkeypatch.setattr("router.dispatch.MAX_ANSWER_BYTES", 1 << 20)
     d, _, _ = world
     served = Worker(nc, ns, "w1")
-    await served.serve("agg", endless_answer)
+    await served.serve("agg", endless(body=b"x" * 65536))
     req = GenerateRequest(request_id="t1", model="m", token_ids=[], endpoint=ENDPOINT_TOKENIZE)
     try:
         with pytest.raises(LegError) as err:

@@ -7,6 +7,7 @@ worker. Each is dropped (and counted, logged once) or outvoted; watches that cra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -141,6 +142,17 @@ class Seen:
     def registry(self, disc: Discovery) -> WorkerRegistry:
         return WorkerRegistry(disc, lambda i: self.added.append(i.worker), self.removed.append)
 
+    @contextlib.asynccontextmanager
+    async def watching(self, disc: Discovery) -> AsyncIterator[WorkerRegistry]:
+        """A registry over `disc`, started and ready; stopped on leaving."""
+        reg = self.registry(disc)
+        await reg.start()
+        try:
+            assert await reg.wait_ready(10.0)
+            yield reg
+        finally:
+            await reg.stop()
+
 
 async def _put_raw(disc: Discovery, key: bytes, value: WorkerInfo) -> None:
     assert disc.client.kv is not None
@@ -152,10 +164,7 @@ async def test_records_that_cannot_be_true_are_refused_and_the_watch_goes_on(
 ) -> None:
     caplog.set_level(logging.ERROR, logger="router.worker_registry")
     seen = Seen()
-    reg = seen.registry(disc)
-    await reg.start()
-    try:
-        assert await reg.wait_ready(10.0)
+    async with seen.watching(disc) as reg:
         prefix = subjects.workers_prefix(disc.ns).encode()
         await _put_raw(disc, prefix + b"\xff\xfe", info("x"))  # not UTF-8
         await _put_raw(disc, prefix + b"a.b", info("a.b"))  # no subject token: no NATS subject names it
@@ -169,8 +178,6 @@ async def test_records_that_cannot_be_true_are_refused_and_the_watch_goes_on(
         assert any(zero.hex_id in m and "block_size 0" in m for m in said)
         assert any("\\\\xff\\\\xfe" in m for m in said)
         assert not reg._task.done()  # type: ignore[union-attr]
-    finally:
-        await reg.stop()
 
 
 async def test_a_record_claiming_a_kv_capacity_no_engine_has_is_refused(
@@ -178,27 +185,19 @@ async def test_a_record_claiming_a_kv_capacity_no_engine_has_is_refused(
 ) -> None:
     caplog.set_level(logging.ERROR, logger="router.worker_registry")
     seen = Seen()
-    reg = seen.registry(disc)
-    await reg.start()
-    try:
-        assert await reg.wait_ready(10.0)
+    async with seen.watching(disc) as reg:
         liar = await disc.register_worker(lambda wid: info(wid, kv_total_blocks=2**60), ttl=10)
         most = await disc.register_worker(lambda wid: info(wid, kv_total_blocks=MAX_KV_TOTAL_BLOCKS), ttl=10)
         await until(lambda: reg.get(most.hex_id) is not None, timeout=10.0, what="the largest plausible record")
         assert reg.get(liar.hex_id) is None and seen.added == [most.hex_id] and reg.refused == 1
         said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
         assert len(said) == 1 and liar.hex_id in said[0] and "kv_total_blocks" in said[0]
-    finally:
-        await reg.stop()
 
 
 async def test_a_record_that_turns_bad_goes_and_is_said_once(disc: Discovery, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="router.worker_registry")
     seen = Seen()
-    reg = seen.registry(disc)
-    await reg.start()
-    try:
-        assert await reg.wait_ready(10.0)
+    async with seen.watching(disc) as reg:
         lease = await disc.register_worker(info, ttl=10)
         w = lease.hex_id
         await until(lambda: reg.get(w) is not None)
@@ -210,8 +209,6 @@ async def test_a_record_that_turns_bad_goes_and_is_said_once(disc: Discovery, ca
         assert len([r for r in caplog.records if "ignored" in r.getMessage()]) == 1
         await disc.update_worker(lease, info(w))
         await until(lambda: reg.get(w) is not None, what="the worker back with a good record")
-    finally:
-        await reg.stop()
 
 
 async def test_a_zero_block_size_record_first_does_not_stop_its_model(
@@ -270,15 +267,10 @@ async def test_the_worker_watch_starts_again_after_a_crash(
     caplog.set_level(logging.ERROR, logger="discovery.watch")
     monkeypatch.setattr(disc, "watch_workers", _crashing_once(disc.watch_workers))
     seen = Seen()
-    reg = seen.registry(disc)
-    await reg.start()
-    try:
-        assert await reg.wait_ready(10.0)
+    async with seen.watching(disc) as reg:
         lease = await disc.register_worker(info, ttl=10)
         await until(lambda: reg.get(lease.hex_id) is not None, timeout=10.0, what="a worker seen after the crash")
         assert any("the worker watch crashed" in r.getMessage() for r in caplog.records)
-    finally:
-        await reg.stop()
 
 
 async def test_the_router_watch_starts_again_after_a_crash(
