@@ -49,9 +49,28 @@ def test_limits_and_load() -> None:
     info = json.loads((FIX / "get_server_info.json").read_text())
     lim = limits_from_server_info(info)
     assert (lim.block_size, lim.kv_total_blocks, lim.max_num_batched_tokens) == (16, 401408 // 16, 8192)
-    got = load_from_metrics((FIX / "metrics.txt").read_text(), lim.kv_total_blocks)
-    assert (got.running, got.waiting, got.kv_usage) == (5, 3, 0.25)
+    text = (FIX / "metrics.txt").read_text()
+    got = load_from_metrics(text, lim.kv_total_blocks, info["max_total_num_tokens"])
+    assert (got.running, got.waiting, got.kv_usage) == (5, 3, 100913 / 401408)
     assert got.reused_tokens is None, "SGLang exports no reuse counter: the shim's credit check stays off"
+
+
+def test_kv_use_is_exact_so_a_long_decode_shows_progress() -> None:
+    """SGLang's token_usage gauge is rounded to 0.01 (100,913 and 100,929 used tokens both read
+    0.25): read from it, a lone decode 16 tokens on looked like no progress to the stall watchdog
+    for minutes, and free blocks were off by up to 0.5% of the pool."""
+    info = json.loads((FIX / "get_server_info.json").read_text())
+    lim, total = limits_from_server_info(info), info["max_total_num_tokens"]
+    text = (FIX / "metrics.txt").read_text()
+    before = load_from_metrics(text, lim.kv_total_blocks, total)
+    after = load_from_metrics(text.replace("} 100913.0", "} 100929.0"), lim.kv_total_blocks, total)
+    assert before.kv_usage is not None and after.kv_usage is not None
+    assert after.kv_usage - before.kv_usage == pytest.approx(16 / total)
+    # Without the server's capacity, or with one sample per DP rank, SGLang's own rounded ratio.
+    assert load_from_metrics(text, lim.kv_total_blocks).kv_usage == 0.25
+    used = next(line for line in text.splitlines() if line.startswith("sglang:num_used_tokens"))
+    ranks = text + used.replace('tp_rank="0"', 'tp_rank="1"') + "\n"
+    assert load_from_metrics(ranks, lim.kv_total_blocks, total).kv_usage == 0.25
 
 
 def test_stream_folding_is_right_for_cumulative_and_incremental_output() -> None:

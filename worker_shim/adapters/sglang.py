@@ -8,7 +8,11 @@
   block: register with the engine's page size, and expect a router to match per token.
 - Limits from `GET /get_server_info`: `page_size`, `max_total_num_tokens` (capacity in tokens),
   `chunked_prefill_size` (the per-step prefill budget). Load from /metrics:
-  `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`.
+  `sglang:num_running_reqs`, `sglang:num_queue_reqs`, and KV use as `sglang:num_used_tokens` over
+  `max_total_num_tokens`. SGLang rounds its own `sglang:token_usage` to two decimals: 1% of an
+  H200's pool is thousands of tokens, so one long decode could leave it still for minutes (the
+  stall watchdog would take the engine for hung) and free blocks were off by that much. The
+  rounded gauge stands in only where the exact pair is not one sample of each (DP ranks).
 - P/D (sgl-model-gateway's protocol): both legs carry the same `bootstrap_host`,
   `bootstrap_port`, `bootstrap_room` and must run concurrently, as the prefill server waits for its
   decode peer. So the prefill leg starts the prefill request in the background and returns the
@@ -52,7 +56,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_METRICS = frozenset({"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"})
+_LOAD = ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage")
+_USED = "sglang:num_used_tokens"
+_METRICS = frozenset({*_LOAD, _USED})
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 
@@ -67,18 +73,24 @@ def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
     )
 
 
-def load_from_metrics(text: str, kv_total_blocks: int | None) -> EngineLoad:
+def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: int | None = None) -> EngineLoad:
     """The engine's load; EngineError when /metrics has neither request count: read as 0, a /metrics
-    without the sglang: series advertised a busy engine as idle."""
+    without the sglang: series advertised a busy engine as idle. `kv_total_tokens` is the server
+    info's `max_total_num_tokens`, for the exact KV use."""
     samples = list(parse_samples(text, _METRICS))
     running, waiting = sum_samples(samples, "sglang:num_running_reqs"), sum_samples(samples, "sglang:num_queue_reqs")
     if running is None and waiting is None:
-        absent = ", ".join(n for n in sorted(_METRICS) if sum_samples(samples, n) is None)
+        absent = ", ".join(n for n in _LOAD if sum_samples(samples, n) is None)
         raise EngineError(502, "engine_protocol", f"the engine's /metrics has no {absent}: were its metrics renamed?")
+    used = [v for n, _, v in samples if n == _USED]
+    if len(used) == 1 and kv_total_tokens is not None and kv_total_tokens > 0:
+        kv_usage: float | None = min(used[0] / kv_total_tokens, 1.0)
+    else:
+        kv_usage = mean_samples(samples, "sglang:token_usage")
     return EngineLoad(
         running=int(running or 0),
         waiting=int(waiting or 0),
-        kv_usage=mean_samples(samples, "sglang:token_usage"),
+        kv_usage=kv_usage,
         kv_total_blocks=kv_total_blocks,
     )
 
@@ -154,6 +166,7 @@ class SglangAdapter(ZmqEventsAdapter):
     def __init__(self, config: ShimConfig) -> None:
         super().__init__(config)
         self._kv_total: int | None = None
+        self._kv_tokens: int | None = None
         self._bootstrap_port = DEFAULT_BOOTSTRAP_PORT
         self._said_loopback = False
         self._background: set[asyncio.Task[None]] = set()
@@ -194,10 +207,12 @@ class SglangAdapter(ZmqEventsAdapter):
         self._say_loopback()
         limits = limits_from_server_info(info)
         self._kv_total = limits.kv_total_blocks
+        tokens = info.get("max_total_num_tokens")
+        self._kv_tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
         return limits
 
     async def load(self) -> EngineLoad:
-        return load_from_metrics((await self.fetch("/metrics")).decode(), self._kv_total)
+        return load_from_metrics((await self.fetch("/metrics")).decode(), self._kv_total, self._kv_tokens)
 
     async def _post(
         self, leg: LegRequest, body: dict[str, Any], on_tokens: Callable[[list[int]], Awaitable[None]] | None
