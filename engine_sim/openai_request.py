@@ -25,7 +25,7 @@ import msgspec
 from engine_sim.errors import PromptTooLongError, SimRequestError, VllmValidationError
 from engine_sim.logprobs import MAX_LOGPROBS
 from engine_sim.lora import LoraRequest
-from protocol.messages import lax_bool
+from protocol.messages import lax_bool, lax_int
 from protocol.tokenizer import VOCAB_SIZE, BuiltinTokenizer, apply_chat_template
 
 __all__ = [
@@ -47,6 +47,7 @@ log = logging.getLogger("engine_sim.http")
 T = TypeVar("T")
 _tokenizer = BuiltinTokenizer()
 _LONG = 2**63
+_DEFAULT_MAX_TOKENS = 16  # CompletionRequest.max_tokens's default, which a null becomes too
 _warned: set[str] = set()
 CONTINUE_AND_GENERATE = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 
@@ -83,6 +84,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    truncation_side: Any = None  # "left" | "right" | None, refused in vLLM's words (_check_body)
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
@@ -180,40 +182,78 @@ def parse_body(raw: bytes, kind: type[T]) -> T:
         _warned.update(unknown)
         log.warning("The following fields were present in the request but ignored: %s", set(unknown))
     try:
-        return msgspec.convert(_lax_bools(obj, kind), kind, strict=False)
+        return msgspec.convert(_lax_fields(obj, kind), kind, strict=False)
     except msgspec.ValidationError as exc:
         raise SimRequestError(str(exc), param=str(exc).rsplit("`$.", 1)[-1].rstrip("`") or None) from exc
 
 
-def _lax_bools(obj: dict[str, Any], kind: type) -> dict[str, Any]:
-    """`obj` with its boolean fields read as vLLM's pydantic models read them ("yes", "on", "t",
-    1.0 ... are true); msgspec's lax mode takes only "true", "false", "1", "0", 0 and 1, so
-    `"stream": "yes"`, which vLLM streams, was a 400 here."""
-    fields, nested = _bool_fields(kind)
+def _lax_fields(obj: dict[str, Any], kind: type) -> dict[str, Any]:
+    """`obj` with its boolean and integer fields read as vLLM's pydantic models read them.
+    msgspec's lax mode takes only "true", "false", "1", "0", 0 and 1 as booleans, so `"stream":
+    "yes"`, which vLLM streams, was a 400 here; and it takes no bool as an integer (vLLM reads
+    `"max_tokens": true` as 1) but does take "1e3" (which vLLM refuses)."""
+    fields = _typed_fields(kind)
     out = obj
-    for name in fields & obj.keys():
+    for name in obj.keys() & fields.bools:
         if (value := lax_bool(obj[name])) is not None and value is not obj[name]:
             out = out if out is not obj else dict(obj)
             out[name] = value
-    for name, inner in nested.items():
-        if isinstance(sub := obj.get(name), dict) and (fixed := _lax_bools(sub, inner)) is not sub:
+    for name in obj.keys() & fields.ints:
+        if (value := _lax_int_field(obj[name], name)) is not obj[name]:
+            out = out if out is not obj else dict(obj)
+            out[name] = value
+    for name in obj.keys() & fields.int_lists:
+        if isinstance(raw := obj[name], list) and _strict_ids(raw) is None:
+            out = out if out is not obj else dict(obj)
+            out[name] = [_lax_int_field(t, f"{name}[{i}]") for i, t in enumerate(raw)]
+    for name, inner in fields.nested.items():
+        if isinstance(sub := obj.get(name), dict) and (fixed := _lax_fields(sub, inner)) is not sub:
             out = out if out is not obj else dict(obj)
             out[name] = fixed
     return out
 
 
+def _lax_int_field(value: Any, at: str) -> Any:
+    """An integer field's value as vLLM reads it; a null is the Struct's to judge (a field may
+    allow one). Text or a float vLLM refuses is refused here, in msgspec's words for what it
+    refuses itself; anything else it refuses msgspec refuses too."""
+    if value is None or (type(value) is int):
+        return value
+    if (number := lax_int(value)) is not None:
+        return number
+    if isinstance(value, str | float):
+        raise SimRequestError(f"Expected `int`, got `{type(value).__name__}` - at `$.{at}`", param=at)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Fields:
+    bools: frozenset[str]
+    ints: frozenset[str]
+    int_lists: frozenset[str]  # list[int]: stop_token_ids, allowed_token_ids, /detokenize's tokens
+    nested: dict[str, type]  # fields that are Structs of their own (`stream_options`)
+
+
 @cache
-def _bool_fields(kind: type) -> tuple[frozenset[str], dict[str, type]]:
-    """`kind`'s boolean fields, and its fields that are Structs of their own (`stream_options`)."""
+def _typed_fields(kind: type) -> _Fields:
+    """`kind`'s fields that pydantic would read laxly where msgspec does not, by type."""
     bools: set[str] = set()
+    ints: set[str] = set()
+    int_lists: set[str] = set()
     nested: dict[str, type] = {}
     for f in msgspec.structs.fields(kind):
         info = msgspec.inspect.type_info(f.type)
         types = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
-        if any(isinstance(t, msgspec.inspect.BoolType) for t in types):
-            bools.add(f.encode_name)
-        nested.update((f.encode_name, t.cls) for t in types if isinstance(t, msgspec.inspect.StructType))
-    return frozenset(bools), nested
+        for t in types:
+            if isinstance(t, msgspec.inspect.BoolType):
+                bools.add(f.encode_name)
+            elif isinstance(t, msgspec.inspect.IntType):
+                ints.add(f.encode_name)
+            elif isinstance(t, msgspec.inspect.ListType) and isinstance(t.item_type, msgspec.inspect.IntType):
+                int_lists.add(f.encode_name)
+            elif isinstance(t, msgspec.inspect.StructType):
+                nested[f.encode_name] = t.cls
+    return _Fields(frozenset(bools), frozenset(ints), frozenset(int_lists), nested)
 
 
 class Prompt(msgspec.Struct):
@@ -248,33 +288,49 @@ class GenerateCall:
     lora: LoraRequest | None = None  # the adapter `model` names (the handler resolves it)
 
 
-def _ids(x: Any) -> list[int] | None:
-    """`x` as a fresh list of token ids (any ints, bools excluded), or None. msgspec checks a long
-    prompt in C, where a Python loop cost the engine 0.5 ms of a 4 k-token request."""
-    if not isinstance(x, list):
-        return None
+def _strict_ids(x: list[Any]) -> list[int] | None:
+    """`x` as a fresh list of ints when every one is an int (no bool), else None. In C: a Python
+    loop cost the engine 0.5 ms of a 4 k-token request."""
     try:
         return msgspec.convert(x, list[int])
     except msgspec.ValidationError:
         return None
 
 
+def _ids(x: Any) -> list[int] | None:
+    """`x` as a fresh list of token ids, read as vLLM's pydantic model reads them (2.0, "2" and
+    true are ids too), or None. One by one in Python only when the strict reading fails."""
+    if not isinstance(x, list):
+        return None
+    if (ids := _strict_ids(x)) is not None:
+        return ids
+    lax = []
+    for t in x:
+        if (tid := lax_int(t)) is None:
+            return None
+        lax.append(tid)
+    return lax
+
+
 def _prompts(raw: Any) -> list[Prompt]:
+    """vLLM's union of prompt forms, picked as pydantic picks: all strings are texts (["1", "2"]
+    too), all lists are id lists, lists among other things are refused, anything else is one
+    prompt of ids ([1, "2"] is [1, 2])."""
     if isinstance(raw, str):
         return [Prompt(_tokenizer.encode(raw), raw)]
-    if raw and (ids := _ids(raw)) is not None:
-        return [Prompt(ids, None)]
     if isinstance(raw, list) and raw:
-        out = []
-        for item in raw:
-            if isinstance(item, str):
-                out.append(Prompt(_tokenizer.encode(item), item))
-            elif (ids := _ids(item)) is not None:
-                out.append(Prompt(ids, None))
-            else:
-                break
-        else:
-            return out
+        if (ids := _strict_ids(raw)) is not None:
+            return [Prompt(ids, None)]
+        if all(isinstance(item, str) for item in raw):
+            return [Prompt(_tokenizer.encode(item), item) for item in raw]
+        if all(isinstance(item, list) for item in raw):
+            batch = [_ids(item) for item in raw]
+            if all(ids is not None for ids in batch):
+                return [Prompt(ids, None) for ids in batch if ids is not None]
+        elif any(isinstance(item, list) for item in raw):  # ["text", [6, 7, 8]]: vLLM 0.32 refuses it
+            raise SimRequestError("a batch of prompts must be all strings or all token-id lists", param="prompt")
+        elif (ids := _ids(raw)) is not None:
+            return [Prompt(ids, None)]
     raise SimRequestError(
         "prompt must be a string, a list of token ids, or a list of strings or token-id lists", param="prompt"
     )
@@ -307,10 +363,39 @@ def check_request_template(chat_template: str | None, chat_template_kwargs: dict
         raise SimRequestError(UNTRUSTED_TEMPLATE)
 
 
-def _check_prompt(p: Prompt, max_model_len: int, truncate: int | None) -> Prompt:
-    if truncate is not None:
-        keep = max_model_len if truncate == -1 else truncate
-        p = Prompt(p.token_ids[-keep:] if keep else [], None if len(p.token_ids) > keep else p.text)
+def _check_tok_params(body: _Sampling, max_model_len: int, max_output: int, output_param: str) -> None:
+    """TokenizeParams.__post_init__, which vLLM runs before it renders the prompt."""
+    if max_output > max_model_len:
+        raise VllmValidationError(
+            f"{output_param}={max_output} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            parameter=output_param,
+            value=max_output,
+        )
+    truncate = body.truncate_prompt_tokens
+    if truncate is not None and truncate > max_model_len:
+        raise VllmValidationError(
+            f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = {max_model_len}. "
+            "Please request a smaller truncation size.",
+            parameter="truncate_prompt_tokens",
+            value=truncate,
+        )
+
+
+def _kept(truncate: int | None, max_model_len: int, max_output: int) -> int | None:
+    """How many prompt tokens truncation keeps, None for all (TokenizeParams): -1 is the context
+    less the one token held for output, the whole context when no output is asked for."""
+    if truncate is None or truncate >= 0:
+        return truncate
+    return max_model_len if max_output == 0 else max(0, max_model_len - 1)
+
+
+def _check_prompt(p: Prompt, max_model_len: int, keep: int | None, side: str | None) -> Prompt:
+    if keep is not None and keep < len(p.token_ids):
+        # vLLM's _truncation_slice: "right" keeps the first `keep` tokens; "left", also the
+        # tokenizer's own side for generation, the last
+        ids = p.token_ids[:keep] if side == "right" else p.token_ids[len(p.token_ids) - keep :]
+        p = Prompt(ids, None)
     n = len(p.token_ids)
     if n >= max_model_len:
         # vLLM encodes text truncated to limit + 1 tokens, so for text it can only say "at least".
@@ -327,6 +412,8 @@ def _check_prompt(p: Prompt, max_model_len: int, truncate: int | None) -> Prompt
 
 def _check_body(body: _Sampling) -> None:
     """vLLM's pydantic validators on the body."""
+    if body.truncation_side not in (None, "left", "right"):
+        raise _side_error(body.truncation_side)
     if body.stream_options is not None and not body.stream:
         raise VllmValidationError("Stream options can only be defined when `stream=True`.", parameter="stream_options")
     pl = body.prompt_logprobs
@@ -351,6 +438,20 @@ def _check_body(body: _Sampling) -> None:
             "response_format.type must be one of 'text', 'json_object', 'json_schema', 'structural_tag'",
             param="response_format",
         )
+
+
+def _side_error(value: Any) -> SimRequestError:
+    """vLLM's 400 for a `truncation_side` other than "left" or "right": pydantic's literal_error,
+    as vLLM's validation handler writes it, the value shown as that handler shows it."""
+    if isinstance(value, str):
+        shown = value if len(value) <= 200 else value[:200] + "...[truncated]"
+    elif isinstance(value, list | dict):
+        shown = f"<{type(value).__name__} of {len(value)} items>"
+    else:
+        shown = str(value)
+    detail = {"type": "literal_error", "loc": "body.truncation_side", "msg": "Input should be 'left' or 'right'",
+              "input": shown, "ctx": {"expected": "'left' or 'right'"}}  # fmt: skip
+    return SimRequestError(f"1 validation error:\n  {detail}", kind="Bad Request", param="body.truncation_side")
 
 
 def _check_sampling(body: _Sampling, n: int, max_tokens: int, logprobs: int | None) -> None:
@@ -421,7 +522,8 @@ def _call(
     echo: bool,
 ) -> GenerateCall:
     n = 1 if body.n is None else body.n
-    prompts = [_check_prompt(p, max_model_len, body.truncate_prompt_tokens) for p in prompts]
+    keep = _kept(body.truncate_prompt_tokens, max_model_len, asked or 0)
+    prompts = [_check_prompt(p, max_model_len, keep, body.truncation_side) for p in prompts]
     echo_only = echo and asked == 0
     max_tokens = []
     for p in prompts:
@@ -462,8 +564,11 @@ def completion_call(body: CompletionRequest, max_model_len: int) -> GenerateCall
         raise SimRequestError("suffix is not currently supported")
     if body.prompt_embeds is not None:
         raise SimRequestError("prompt_embeds is not supported by the simulated engine", param="prompt_embeds")
-    call = _call(body, _prompts(body.prompt), max_model_len, body.max_tokens, logprobs=body.logprobs,
-                 echo=bool(body.echo))  # fmt: skip
+    prompts = _prompts(body.prompt)
+    # vLLM's normalize_null_max_tokens: a null is the field's default, not "up to the context"
+    asked = _DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    _check_tok_params(body, max_model_len, asked or 0, "max_tokens")
+    call = _call(body, prompts, max_model_len, asked, logprobs=body.logprobs, echo=bool(body.echo))
     if call.prompt_logprobs is None and call.echo:
         call.prompt_logprobs = body.logprobs  # vLLM: an echoed prompt comes with its logprobs too
     return call
@@ -486,9 +591,12 @@ def chat_call(body: ChatRequest, max_model_len: int) -> GenerateCall:
     if body.tool_choice not in ("none", None) and not body.tools:
         raise SimRequestError("When using `tool_choice`, `tools` must be set.")
     check_request_template(body.chat_template, body.chat_template_kwargs)
+    # vLLM: max_completion_tokens when given (a 0 too), else the deprecated max_tokens; null: no limit
+    given = body.max_completion_tokens is not None
+    asked = body.max_completion_tokens if given else body.max_tokens
+    _check_tok_params(body, max_model_len, asked or 0, "max_completion_tokens" if given else "max_tokens")
     text = render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
                        continue_final_message=body.continue_final_message)  # fmt: skip
-    asked = body.max_completion_tokens or body.max_tokens
     logprobs = top if body.logprobs else None
     call = _call(body, [Prompt(_tokenizer.encode(text), text)], max_model_len, asked, logprobs=logprobs, echo=False)
     if call.prompt_logprobs is None and body.echo:

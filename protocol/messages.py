@@ -8,6 +8,7 @@ with. NATS payloads are msgpack (`encode_msg`/`decode_msg`); etcd values are JSO
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from typing import Any, Literal, NewType, TypeVar
 
@@ -55,6 +56,7 @@ __all__ = [
     "encode_json",
     "encode_msg",
     "lax_bool",
+    "lax_int",
     "load_report_problem",
     "serving",
     "worker_info_problem",
@@ -428,6 +430,75 @@ def lax_bool(value: object) -> bool | None:
         word = value.lower()
         return True if word in _TRUE else False if word in _FALSE else None
     return None
+
+
+# What Rust's str::trim strips (Unicode White_Space); Python's str.strip() also strips \x1c-\x1f.
+_RUST_WHITESPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+)
+_JSON_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_I64_BOUND = float(2**63)  # a float must lie strictly inside (-2^63, 2^63)
+
+
+def lax_int(value: object) -> int | None:
+    """`value` as vLLM's pydantic models read an integer field (lax mode), or None for a value they
+    refuse or an absent one: a bool is 0 or 1, an integral float inside the int64 range is its
+    integer, and text as pydantic-core's `str_as_int` reads it ("2", " 2 ", "+2", "2.00", "1_000";
+    not "2.", "1e3", "0x10"). Checked against vLLM 0.32's CompletionRequest (tests record the table)."""
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and -_I64_BOUND < value < _I64_BOUND else None
+    if not isinstance(value, str):
+        return None
+    text = value if _JSON_INT.fullmatch(value) else _cleaned_int_text(value)
+    if text is None or not _JSON_INT.fullmatch(text):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # over Python's 4300 digits, which pydantic refuses too
+        return None
+
+
+def _cleaned_int_text(text: str) -> str | None:
+    """pydantic-core's `clean_int_str`: whitespace, a leading "+", leading zeros (and underscores
+    among them), a ".0+" tail and inner single underscores go; None when nothing was cleaned."""
+    s = text.strip(_RUST_WHITESPACE)
+    if s.startswith("+"):
+        if s.startswith("+-"):
+            return None
+        s = s[1:]
+    sign = ""
+    if s.startswith("-"):
+        if s.startswith(("--", "-+")):
+            return None
+        sign, s = "-", s[1:]
+    digits = _without_leading_zeros(s)
+    if digits is None:
+        return None
+    s = digits
+    point = s.find(".")
+    if point >= 0 and s[point + 1 :] and s[point + 1 :].strip("0") == "":
+        s = s[:point]
+    if "_" in s and not s.startswith("_") and not s.endswith("_") and "__" not in s:
+        return sign + s.replace("_", "")
+    return None if s == text else sign + s
+
+
+def _without_leading_zeros(s: str) -> str | None:
+    """pydantic-core's `strip_leading_zeros`, quirks included ("0-9" is "-9")."""
+    if not s or (s[0] != "0" and s[0] not in "123456789-"):
+        return None
+    if s[0] != "0":
+        return s
+    for i, c in enumerate(s[1:], 1):
+        if c in "123456789-":
+            return s[i:]
+        if c == ".":
+            return s[i - 1 :]
+        if c not in "0_":
+            return None
+    return s[-1]
 
 
 def asks_prompt_logprobs(body: Mapping[str, Any], *, chat: bool) -> bool:

@@ -31,7 +31,6 @@ the router's log. A client that disconnects cancels its request on the worker.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -54,6 +53,7 @@ from protocol.messages import (
     ENDPOINT_DETOKENIZE,
     ENDPOINT_TOKENIZE,
     ENGINE_HEADERS,
+    lax_int,
 )
 from protocol.version import __version__
 from router.admission import Overloaded
@@ -193,8 +193,9 @@ _KINDS: dict[type | tuple[type, ...], str] = {
 
 
 def _opt(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-    """`body[name]` as `kind`. Integers and booleans are read as vLLM's lax parsing reads them (so
-    as engine_sim does): 512.0 and "512" are 512, "true", "yes" and 1 are True; a bool is no integer."""
+    """`body[name]` as `kind`. Integers and booleans are read as vLLM's pydantic models read them
+    (so as engine_sim does): 512.0, "512" and " 512 " are 512, true is 1 ("1e3" and 3.5 are not);
+    "true", "yes" and 1 are True."""
     value = body.get(name)
     if value is None:
         return default
@@ -202,9 +203,8 @@ def _opt(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], defa
         return value
     if kind is bool and (flag := lax_bool(value)) is not None:  # "yes", "on", "t", 1, ... as pydantic reads them
         return flag
-    if kind is int:
-        with contextlib.suppress(msgspec.ValidationError):
-            return msgspec.convert(value, kind, strict=False)
+    if kind is int and (number := lax_int(value)) is not None:
+        return number
     raise ApiError(400, f"'{name}' must be {_KINDS.get(kind, kind)}, got {type(value).__name__}", name)
 
 
@@ -218,35 +218,43 @@ def _valid_ids(raw: list[Any]) -> list[int] | None:
 
 
 def _token_ids(raw: list[Any], param: str) -> list[int]:
+    """`raw` as token ids, read as vLLM's pydantic model reads them: 2.0, "2" and true are ids too
+    (lax_int), one by one in Python only when the strict reading in C fails."""
     ids = _valid_ids(raw)
     if ids is not None:
         return ids
-    bad = next(t for t in raw if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _TOKEN_ID_LIMIT)
-    raise ApiError(400, f"token ids must be integers in [0, 2^32), got {bad!r}", param)
+    ids = []
+    for t in raw:
+        tid = lax_int(t)
+        if tid is None or not 0 <= tid < _TOKEN_ID_LIMIT:
+            raise ApiError(400, f"token ids must be integers in [0, 2^32), got {t!r}", param)
+        ids.append(tid)
+    return ids
 
 
 def _prompts(raw: Any) -> list[str | list[int]]:
-    """vLLM's prompt forms: a string, token ids, or a non-empty list of either."""
+    """vLLM's prompt forms: a string, token ids, or a non-empty list of strings or of token-id
+    lists, picked as its pydantic union picks: all strings are texts (["1", "2"] too), all lists
+    are id lists, lists among other things are refused (vLLM 0.32 too), and anything else is one
+    prompt of ids ([1, "2"] is [1, 2])."""
     if isinstance(raw, str):
         return [raw]
     if isinstance(raw, list) and raw:
         ids = _valid_ids(raw)
         if ids is not None:
             return [ids]
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-            return [_token_ids(raw, "prompt")]
-        out: list[str | list[int]] = []
-        for item in raw:
-            if isinstance(item, str):
-                out.append(item)
-            elif isinstance(item, list) and item:
-                out.append(_token_ids(item, "prompt"))
-            elif isinstance(item, list):
-                raise ApiError(400, "The prompt cannot be empty.", "prompt")
-            else:
-                break
-        else:
-            return out
+        if all(isinstance(item, str) for item in raw):
+            return list(raw)
+        if all(isinstance(item, list) for item in raw):
+            batch: list[str | list[int]] = []
+            for item in raw:
+                if not item:
+                    raise ApiError(400, "The prompt cannot be empty.", "prompt")
+                batch.append(_token_ids(item, "prompt"))
+            return batch
+        if any(isinstance(item, list) for item in raw):  # ["text", [6, 7, 8]]
+            raise ApiError(400, "a batch of prompts must be all strings or all token-id lists", "prompt")
+        return [_token_ids(raw, "prompt")]
     raise ApiError(
         400,
         "'prompt' must be a string, a non-empty list of token ids, or a list of strings or token-id lists",
@@ -346,11 +354,9 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
         add_special_tokens=_opt(body, "add_special_tokens", bool, not chat),
         truncate=(truncate, side) if truncate is not None and truncate > 0 else None,
         stream=_opt(body, "stream", bool, False),
-        # vLLM's defaults: completions 16 tokens, chat no limit. Booking 16 for chat would tell
-        # routing that every such request is short.
-        max_tokens=max_tokens
-        if max_tokens is not None and max_tokens > 0
-        else (None if chat or ("max_tokens" in body and body["max_tokens"] is None) else 16),
+        # vLLM's defaults: completions 16 tokens (a null too: its normalize_null_max_tokens), chat
+        # no limit. Booking 16 for chat would tell routing that every such request is short.
+        max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else (None if chat else 16),
         # vLLM echoes a text prompt as written and a FIM `suffix` needs the text; a truncation with
         # no side keeps the prompt's special tokens (its tokenizer truncates): ids would lose them.
         engine_tokenizes=not chat

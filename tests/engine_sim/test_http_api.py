@@ -149,9 +149,10 @@ async def test_token_ids_in_and_out(sim: SimServer) -> None:
 
 
 async def test_batch_of_prompts(sim: SimServer) -> None:
-    _, body, _ = await post(sim, "/v1/completions", {"prompt": ["one two", [500, 501, 502]], "max_tokens": 3})
-    assert [c["index"] for c in body["choices"]] == [0, 1]
-    assert body["usage"]["completion_tokens"] == 6
+    for batch in (["one two", "three"], [[400, 401], [500, 501, 502]]):
+        _, body, _ = await post(sim, "/v1/completions", {"prompt": batch, "max_tokens": 3})
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert body["usage"]["completion_tokens"] == 6
 
 
 async def test_stop_string_ends_with_stop_reason(sim: SimServer) -> None:

@@ -27,7 +27,7 @@ def chunks(text: str) -> list[dict[str, Any]]:
 
 
 async def test_n_choices_are_indexed_prompt_major_and_differ(sim: SimServer) -> None:
-    body = {"prompt": ["one two", [500, 501, 502]], "n": 3, "max_tokens": 4, "return_token_ids": True}
+    body = {"prompt": [TOK.encode("one two"), [500, 501, 502]], "n": 3, "max_tokens": 4, "return_token_ids": True}
     status, out, _ = await post(sim, "/v1/completions", body)
     assert status == 200
     assert [c["index"] for c in out["choices"]] == list(range(6))  # prompt i's choice j is i * n + j
@@ -246,7 +246,7 @@ async def test_max_tokens_defaults_and_bounds_like_vllm() -> None:
         assert out["usage"]["completion_tokens"] == 16  # completions default to 16
         _, chat, _ = await post(sim, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
         assert chat["usage"]["total_tokens"] == 128  # chat: up to the context
-        _, big, _ = await post(sim, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1000})
+        _, big, _ = await post(sim, "/v1/completions", {"prompt": PROMPT, "max_tokens": 128})
         assert big["usage"]["completion_tokens"] == 128 - len(PROMPT)  # bounded by the context, 200
         assert big["choices"][0]["finish_reason"] == "length"
 
