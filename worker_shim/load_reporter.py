@@ -5,7 +5,9 @@ signal: they leave on time whatever the engine does. The engine's numbers (runni
 use) are polled every `poll_s` by a task of their own, so a slow `/metrics` delays only those; the
 shim's own numbers (prompt tokens not yet at first token, events_ok) change with every request and
 `poke()` publishes them at once, at most every `MIN_GAP_S`. Every report carries `period_s` and the
-KV digest as of the last batch handed to NATS (kv_epoch 0 when there is none yet).
+KV digest as of the last batch handed to NATS (kv_epoch 0 when there is none yet). `healthy` is
+what the reports say of the engine and `error` why its last poll failed: the shim's /health and
+/metrics show both, so the state routers act on is not hidden from whoever looks at the shim.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = ["DEFAULT_PERIOD_S", "MIN_GAP_S", "LoadReporter"]
 log = logging.getLogger(__name__)
 MIN_GAP_S = 0.05
 DEFAULT_PERIOD_S = 0.5  # the heartbeat: a report at least this often, changed or not
+ERROR_CHARS = 200  # the most of a failed poll's error the shim's /health shows
 
 
 class LoadReporter:
@@ -73,7 +76,8 @@ class LoadReporter:
         self.published = 0
         self._engine = EngineLoad()
         self._engine_at = 0.0
-        self._healthy = True
+        self.healthy = True  # what the reports say of the engine: False while its load polls fail
+        self.error = ""  # why the last poll failed, shortened; "" while healthy
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = 0.0
         self._poke = asyncio.Event()
@@ -119,7 +123,7 @@ class LoadReporter:
             prefill_tokens_queued=self.queued_tokens(),
             kv_usage=e.kv_usage,
             num_preemptions=e.num_preemptions,
-            healthy=self._healthy,
+            healthy=self.healthy,
             period_s=self.period_s,
             events_ok=self.events_ok(),
             kv_epoch=d.epoch if d else 0,
@@ -151,17 +155,18 @@ class LoadReporter:
                     raise EngineError(502, "engine_protocol", f"the engine's load reading has {bad}")
                 self._engine = reading
                 self._engine_at = (asked + time.time()) / 2  # the engine rendered them in between
-                self._healthy = True
+                self.healthy, self.error = True, ""
                 self.on_reading(asked_mono, time.monotonic(), self._engine)
             except Exception as exc:
                 # Whatever the reading (a NaN in /metrics, a field of the wrong type), the reports
                 # go on: the worker says it is unhealthy until a reading works again.
-                if self._healthy:
+                if self.healthy:
                     if isinstance(exc, EngineError):
                         log.warning("load poll failed: %s", exc)
                     else:
                         log.error("load poll failed on a reading the shim cannot use: %r", exc, exc_info=exc)
-                self._healthy = False
+                self.healthy = False
+                self.error = (str(exc) if isinstance(exc, EngineError) else repr(exc))[:ERROR_CHARS]
                 self.on_reading(asked_mono, time.monotonic(), None)
             self._poke.set()
             await asyncio.sleep(self.poll_s)

@@ -50,6 +50,13 @@ class _ShimCollector(Collector):
         info.add_metric([s.worker_id or "", f"{s.epoch:x}", c.engine, c.role, c.model], 1)
         yield info
         yield _gauge("serving", "1 while registered and serving", float(s.serving))
+        reporter = s.load_reporter
+        yield _gauge(
+            "engine_healthy",
+            "1 while the load reports call the engine healthy (its load polls work); 0 while they say it "
+            "fails, which routers exclude it for, or none are sent",
+            float(reporter is not None and reporter.healthy),
+        )
         reg = s.registration
         yield _counter("registrations", "Registrations, re-registrations included", float(s.registration_count))
         yield _counter(

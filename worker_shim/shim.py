@@ -23,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import errno
 import logging
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,9 +226,7 @@ class WorkerShim:
         try:
             await self.http.start()
         except OSError as exc:
-            raise ConfigError(
-                "http_port", self.config.http_port, f"cannot listen on {self.config.http_host}: {exc}"
-            ) from exc
+            raise _listen_error(self.config.http_host, self.config.http_port, exc) from exc
         try:
             self._nc = await connect_nats(self.nats_settings, f"kvswitch-shim-{self.config.model}")
             self._discovery = await Discovery(self.etcd_settings, self.ns).connect()
@@ -265,14 +265,19 @@ class WorkerShim:
     # --- reports ----------------------------------------------------------------------------------
 
     def health_report(self) -> tuple[bool, dict[str, Any]]:
-        """(serving, the body of GET /health)."""
+        """(serving, the body of GET /health). `engine_healthy` is what the load reports say of the
+        engine (None while none are sent): routers exclude a worker whose reports say False, so
+        /health shows it, with why, though the shim still serves."""
         reg = self.registration
         lease = reg.lease if reg is not None else None
+        reporter = self.load_reporter
         return self.serving, {
             "status": "serving" if self.serving else self.status.value,
             "registration": reg.state.value if reg is not None else "none",
             "worker": self.worker_id or "",
             "epoch": f"{self.epoch:x}",
+            "engine_healthy": reporter.healthy if reporter is not None else None,
+            "engine_error": reporter.error if reporter is not None else "",
             "events_ok": self.events.ok,
             "events_why": self.events.why,
             "prefix_credit_short": self.credit.short,
@@ -1024,6 +1029,15 @@ class WorkerShim:
             # NATS down at stop: nats-py's close writes to a socket that is gone (uvloop raises).
             # Nothing is left to flush; the shim stops cleanly rather than with a traceback.
             log.warning("the NATS connection did not close cleanly (%r); stopping anyway", exc)
+
+
+def _listen_error(host: str, port: int, exc: OSError) -> ConfigError:
+    """The setting a failed listen is the fault of: a host that does not resolve, or an address
+    not on this machine, is --http-host's (it was blamed on --http-port); a port taken or
+    forbidden, --http-port's."""
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        return ConfigError("http_host", host, f"cannot listen there: {exc}: give a name or address of this host")
+    return ConfigError("http_port", port, f"cannot listen on {host}: {exc}")
 
 
 def _aliases(cards: dict[str, ModelCard], model: str) -> list[str]:

@@ -558,14 +558,17 @@ async def test_a_404_for_the_limits_route_means_no_limits_reported_not_a_session
     ns: str, nats_url: str, etcd_url: str
 ) -> None:
     # An SGLang adapter before a server without /get_server_info (the sim has none): the 404 is
-    # that engine version's, as /kv_event_sources' is an older vLLM's.
-    async with SimServer(sim_config()) as sim:
-        shim = shim_for(sim, ns, nats_url, etcd_url, engine="sglang", block_size=16)
+    # that engine version's, as /kv_event_sources' is an older vLLM's. Its /metrics is SGLang's:
+    # the sim's own vLLM metrics make it a wrong --engine (tests/worker_shim/test_wrong_engine.py).
+    sglang_metrics = (FIXTURES / "sglang/metrics.txt").read_bytes()
+    async with SimServer(sim_config()) as sim, FaultyProxy(sim.url).running() as proxy:
+        proxy.rewrite["/metrics"] = lambda _body: sglang_metrics
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine="sglang", block_size=16, engine_url=proxy.url)
         async with shim:
             await registered_or_done(shim)
             assert shim.status is ShimStatus.REGISTERED, shim.failure  # was: failed sessions, forever
             assert shim.limits.block_size == 16 and shim.session_failures == 0
-        shim = shim_for(sim, ns, nats_url, etcd_url, engine="sglang")
+        shim = shim_for(sim, ns, nats_url, etcd_url, engine="sglang", engine_url=proxy.url)
         async with shim:
             await registered_or_done(shim)
             assert shim.status is ShimStatus.FAILED and isinstance(shim.failure, ConfigError)

@@ -44,6 +44,7 @@ from worker_shim.adapters.http_engine import PROBE_TIMEOUT
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
+from worker_shim.engine_kind import check_engine_kind
 from worker_shim.prom_text import mean_samples, parse_samples, sum_samples
 
 __all__ = [
@@ -200,7 +201,13 @@ class SglangAdapter(ZmqEventsAdapter):
             )
 
     async def limits(self) -> EngineLimits:
-        info = msgspec.json.decode(await self.fetch("/get_server_info"))
+        try:
+            raw = await self.fetch("/get_server_info")
+        except EngineError as exc:
+            if exc.code == 404:  # an SGLang without the route, or no SGLang: its /metrics tells
+                await self._check_kind()
+            raise
+        info = msgspec.json.decode(raw)
         if not isinstance(info, dict):
             return EngineLimits()
         self._bootstrap_port = int(info.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT)
@@ -210,6 +217,15 @@ class SglangAdapter(ZmqEventsAdapter):
         tokens = info.get("max_total_num_tokens")
         self._kv_tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
         return limits
+
+    async def _check_kind(self) -> None:
+        """ConfigError when /metrics is another kind of engine's (a vLLM's `vllm:` series); an
+        unreadable one (SGLang serves it only with --enable-metrics) tells nothing."""
+        try:
+            metrics = await self.fetch("/metrics")
+        except EngineError:
+            return
+        check_engine_kind(self.kind, self.base, metrics)
 
     async def load(self) -> EngineLoad:
         return load_from_metrics((await self.fetch("/metrics")).decode(), self._kv_total, self._kv_tokens)

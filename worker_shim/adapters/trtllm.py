@@ -30,6 +30,7 @@ from worker_shim.adapters.trtllm_events import TrtllmEventTracker
 from worker_shim.adapters.vllm import completion_body
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineBatch, EventDecodeError
+from worker_shim.engine_kind import check_engine_kind
 
 __all__ = ["POLL_S", "TrtllmAdapter", "disagg_body", "limits_from_stats", "load_from_stats"]
 
@@ -90,14 +91,21 @@ class TrtllmAdapter(HttpEngineAdapter):
         self._load = EngineLoad()
 
     async def _json(self, method: str, path: str) -> Any:
-        body = await self.fetch(path, method)
+        return self._decode(path, await self.fetch(path, method))
+
+    def _decode(self, path: str, body: bytes) -> Any:
         try:
             return msgspec.json.decode(body)
         except msgspec.DecodeError as exc:
-            raise EngineError(503, "engine_unavailable", f"{self.base}{path}: {exc!r}") from exc
+            # A 200 whose body is no JSON: the engine answered, wrongly (it was an "unavailable" 503).
+            raise EngineError(502, "engine_protocol", f"{self.base}{path} answered no JSON: {exc}") from exc
 
     async def limits(self) -> EngineLimits:
-        return limits_from_stats(await self._json("GET", "/metrics"))
+        """The limits in the newest iteration stats; a /metrics of another kind of engine (vLLM's
+        or SGLang's Prometheus text) is a wrong --engine."""
+        body = await self.fetch("/metrics")
+        check_engine_kind(self.kind, self.base, body)
+        return limits_from_stats(self._decode("/metrics", body))
 
     async def load(self) -> EngineLoad:
         self._load = load_from_stats(await self._json("GET", "/metrics"), self._load)

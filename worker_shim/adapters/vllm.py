@@ -53,6 +53,7 @@ from worker_shim.adapters.base import (
 )
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion, post_utility
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
+from worker_shim.engine_kind import check_engine_kind
 from worker_shim.prom_text import Sample, mean_samples, parse_samples, sum_samples
 
 __all__ = [
@@ -288,15 +289,18 @@ class VllmAdapter(ZmqEventsAdapter):
 
     async def limits(self) -> EngineLimits:
         """The limits on /metrics, whose load series are checked here too: routers use a worker
-        only while its load reports are healthy. A /metrics that answers 404 has none."""
+        only while its load reports are healthy. A /metrics that answers 404 has none; one of
+        another kind of engine is a wrong --engine."""
         try:
-            text = (await self.fetch("/metrics")).decode()
+            raw = await self.fetch("/metrics")
         except EngineError as exc:
             if exc.code == 404:
                 raise ConfigError(
                     "engine_url", self.base, f"{exc.message}: kvswitch reads the engine's load there"
                 ) from exc
             raise
+        check_engine_kind(self.kind, self.base, raw)
+        text = raw.decode()
         check_rank(text, self.config.data_parallel_rank, self.base)
         check_load_series(text, self.config.data_parallel_rank, self.base)
         return limits_from_metrics(text, self.config.data_parallel_rank)
