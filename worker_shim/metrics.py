@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from discovery import LeaseState
+from protocol import LoadReport
 from worker_shim.event_health import EventProblem
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class _ShimCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._identity()
+        yield from self._engine()
         yield from self._events()
         yield from self._publishing()
         yield from self._requests()
@@ -68,6 +70,15 @@ class _ShimCollector(Collector):
             states.add_metric([state.value], float(state is lease_state))
         yield states
         yield _gauge("nats_connected", "1 while connected to NATS", float(s.nats_state == "connected"))
+
+    def _engine(self) -> Iterator[Metric]:
+        """The engine's load as the shim's load reports give it to routers (0 before the first)."""
+        reporter = self.shim.load_reporter
+        r = reporter.report() if reporter is not None else LoadReport(worker="", ts=0.0)
+        yield _gauge("running_requests", "Requests the engine runs", float(r.running))
+        yield _gauge("waiting_requests", "Requests in the engine's queue", float(r.waiting))
+        yield _gauge("kv_used_blocks", "KV cache blocks in use", float(r.kv_used_blocks))
+        yield _gauge("kv_total_blocks", "KV cache blocks the engine has", float(r.kv_total_blocks or 0))
 
     def _events(self) -> Iterator[Metric]:
         s = self.shim

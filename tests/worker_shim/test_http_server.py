@@ -73,6 +73,11 @@ async def test_health_and_metrics_of_a_serving_shim(ns: str, nats_url: str, etcd
         assert m[("kvswitch_shim_kv_other_group_events_total", ())] == 0  # the sim has one full-attention group
         assert m[("kvswitch_shim_registrations_total", ())] == 1
         assert m[("kvswitch_shim_session_failures_total", ())] == 0
+        # The engine's load as the reports carry it (the Grafana dashboard charts these).
+        report = shim.load_reporter.report()  # type: ignore[union-attr]
+        assert m[("kvswitch_shim_kv_total_blocks", ())] == report.kv_total_blocks and report.kv_total_blocks > 0
+        assert (m[("kvswitch_shim_running_requests", ())], m[("kvswitch_shim_waiting_requests", ())]) == (0, 0)
+        assert m[("kvswitch_shim_kv_used_blocks", ())] == report.kv_used_blocks
 
 
 async def test_health_is_503_while_the_engine_is_down(ns: str, nats_url: str, etcd_url: str) -> None:
