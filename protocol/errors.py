@@ -7,6 +7,10 @@ from collections.abc import Iterable
 __all__ = ["ConfigError", "ProtocolError"]
 
 
+# Settings with a flag and no environment variable: the config file's own path is a flag only.
+_FLAG_ONLY = frozenset({"config"})
+
+
 class ConfigError(ValueError):
     """A setting has a value it may not have. Names the setting and what is allowed."""
 
@@ -14,8 +18,10 @@ class ConfigError(ValueError):
         self.setting = setting
         self.value = value
         self.allowed = allowed
-        flag = "--" + setting.replace("_", "-")
-        super().__init__(f"invalid {setting} ({flag}, KVSWITCH_{setting.upper()}) = {value!r}: {allowed}")
+        names = "--" + setting.replace("_", "-")
+        if setting not in _FLAG_ONLY:
+            names += f", KVSWITCH_{setting.upper()}"
+        super().__init__(f"invalid {setting} ({names}) = {value!r}: {allowed}")
 
     @classmethod
     def one_of(cls, setting: str, value: object, choices: Iterable[str]) -> ConfigError:
