@@ -10,12 +10,12 @@ from typing import Self, TypeVar
 
 import grpc
 import msgspec
-from etcd3aio import Etcd3Client, EtcdError
+from etcd3aio import Etcd3Client, EtcdError, EtcdPermissionDeniedError
 
 from discovery.auth_token import TokenKeeper
 from discovery.lease import Lease
 from discovery.watch import WatchEvent, watch_prefix
-from protocol import ProtocolError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
+from protocol import ConfigError, ProtocolError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
 from protocol.config import EtcdSettings
 
 __all__ = ["DEFAULT_TTL", "Discovery", "DiscoveryError", "KeyTaken"]
@@ -30,6 +30,12 @@ _RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# etcd's words (its rpctypes) for credentials it refuses at connect; their gRPC codes are
+# INVALID_ARGUMENT and FAILED_PRECONDITION, which say nothing of credentials, so the text decides.
+_AUTH_FAILED = "authentication failed, invalid user ID or password"
+_NO_USER = "user name is empty"
+_AUTH_OFF = "authentication is not enabled"
+_PING_KEY = "__etcd3aio:ping__"  # what etcd3aio's ping reads (kvswitch.etcd_auth grants it)
 
 
 class DiscoveryError(RuntimeError):
@@ -51,6 +57,36 @@ def _endpoint(url: str) -> str:
 
 def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
+
+
+def _said(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):  # its str() is a multi-line repr
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
+
+
+def _credentials_error(s: EtcdSettings, exc: BaseException) -> ConfigError | None:
+    """The setting to fix when etcd refused the credentials given (or their absence) at connect:
+    a wrong configuration, which retrying or blaming the endpoints would not fix."""
+    said = _said(exc)
+    where = f"etcd at {', '.join(s.endpoints)}"
+    flags = "--etcd-user and --etcd-password (or their KVSWITCH_ETCD_* variables)"
+    if _AUTH_FAILED in said:
+        return ConfigError("etcd_user", s.user, f"{where} refused the user or its password ({said}): check {flags}")
+    if _NO_USER in said:
+        return ConfigError("etcd_user", s.user, f"{where} has authentication on ({said}): give {flags}")
+    if _AUTH_OFF in said:
+        return ConfigError(
+            "etcd_user", s.user, f"{where} has authentication off ({said}): drop {flags}, or turn it on in etcd"
+        )
+    if isinstance(exc, EtcdPermissionDeniedError):
+        return ConfigError(
+            "etcd_user",
+            s.user,
+            f"{where} does not let this user read {_PING_KEY!r}, which every client reads on connect ({said}): "
+            "grant its role read on that key (as kvswitch secrets --etcd-endpoint does), or check --etcd-user",
+        )
+    return None
 
 
 class Discovery:
@@ -75,6 +111,8 @@ class Discovery:
         return self._client
 
     async def connect(self, timeout: float = 10.0) -> Self:
+        """DiscoveryError when etcd cannot be reached; ConfigError naming --etcd-user when it
+        refuses the credentials given, or their absence."""
         s = self.settings
         endpoints = [_endpoint(u) for u in s.endpoints]
         if s.tls_ca:
@@ -90,11 +128,13 @@ class Discovery:
             if token is not None:
                 await token.start()
             await client.ping(write_check=False, timeout=timeout)
-        except (EtcdError, TimeoutError) as exc:
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             if token is not None:
                 await token.stop()
             await client.close()
-            raise DiscoveryError(f"etcd at {', '.join(s.endpoints)} is not reachable: {exc}") from exc
+            if (wrong := _credentials_error(s, exc)) is not None:
+                raise wrong from exc
+            raise DiscoveryError(f"etcd at {', '.join(s.endpoints)} is not reachable: {_said(exc)}") from exc
         self._client, self.token = client, token
         return self
 

@@ -269,6 +269,14 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
         )
         return self
 
+    def credential_flags(self) -> list[str]:
+        """The flags of the credentials given, for a server's refusal to name."""
+        given = {"--nats-creds-file": self.creds_file, "--nats-nkey-file": self.nkey_file, "--nats-token": self.token}
+        flags = [flag for flag, value in given.items() if value is not None]
+        if self.user is not None:
+            flags.append("--nats-user and --nats-password")
+        return flags
+
     def connect_options(self, name: str) -> dict[str, Any]:
         """Keyword arguments for `nats.connect()`: every setting, reconnecting forever."""
         opts: dict[str, Any] = {

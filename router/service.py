@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import errno
 import logging
 import random
+import socket
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -60,8 +62,9 @@ from router.request_path import RequestPath
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
-from runtime import RepeatedErrors, background, guarded
+from runtime import background, guarded
 from runtime.nats_connect import connect as nats_connect
+from runtime.nats_connect import error_reporter
 
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
@@ -220,10 +223,9 @@ class RouterService:
         return self
 
     async def _start(self) -> None:
-        servers = ", ".join(self.config.nats.servers)
         self._nc = nc = await nats_connect(
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"),
-            error_cb=RepeatedErrors(log, f"NATS {servers}", "check --nats-servers and the server").on_error,
+            error_cb=error_reporter(log, self.config.nats.servers, self.config.nats.credential_flags()),
             disconnected_cb=self._nats_disconnected,
             reconnected_cb=self._nats_reconnected,
         )
@@ -303,9 +305,14 @@ class RouterService:
         try:
             await site.start()
         except OSError as exc:
-            raise ConfigError(
-                "http_port", self.config.http_port, f"cannot listen on {self.config.http_host}: {exc}"
-            ) from exc
+            host, port = self.config.http_host, self.config.http_port
+            # A host that does not resolve, or an address not on this machine, is --http-host's fault
+            # (it was blamed on --http-port); a port taken or forbidden, --http-port's.
+            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(
+                    "http_host", host, f"cannot listen there: {exc}: give a name or address of this host"
+                ) from exc
+            raise ConfigError("http_port", port, f"cannot listen on {host}: {exc}") from exc
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
         self._registration = Registration(
@@ -389,17 +396,32 @@ class RouterService:
         return {"status": self.status.value}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Ready while NATS is up, the worker set is known and some model has a routable decode or
-        agg worker; the body says, per worker, whether it is routable and why not."""
+        """Ready while NATS is up, the worker set is known and some model has a decode or agg worker
+        the planner would send a request to: a routable one or, when its pool has none, one excluded
+        softly (`engine_unhealthy`: router.eligibility), which the planner then uses, said in
+        `warnings`. The body says, per worker, whether it is routable and why not."""
         running = self.status is RouterStatus.RUNNING and self._registry is not None and self._ingest is not None
         nats_up = self._nc is not None and self._nc.is_connected
         statuses = self.eligibility.statuses(self._registry.workers()) if self._registry is not None else []
         models: dict[str, dict[str, int]] = {}
         for st in statuses:
-            m = models.setdefault(st.model, {"routable_decode": 0, "routable_prefill": 0, "workers": 0})
+            m = models.setdefault(
+                st.model,
+                {"routable_decode": 0, "routable_prefill": 0, "soft_decode": 0, "soft_prefill": 0, "workers": 0},
+            )
             m["workers"] += 1
+            pool = "prefill" if st.role == "prefill" else "decode"
             if st.routable:
-                m["routable_prefill" if st.role == "prefill" else "routable_decode"] += 1
+                m[f"routable_{pool}"] += 1
+            elif st.soft:
+                m[f"soft_{pool}"] += 1
+        warnings = [
+            f"model {model}: no {said} worker is routable; its {m[f'soft_{pool}']} engine_unhealthy ones (their "
+            "shims report the engine failing its load polls) take its requests until a healthy one is back"
+            for model, m in models.items()
+            for pool, said in (("decode", "decode or agg"), ("prefill", "prefill"))
+            if m[f"soft_{pool}"] and not m[f"routable_{pool}"]
+        ]
         problems = []
         if not running:
             problems.append(f"the router is {self.status.value}")
@@ -407,7 +429,7 @@ class RouterService:
             problems.append("NATS is not connected: requests cannot reach any worker")
         if running and not self._registry_ready:
             problems.append("the worker set has not been read from etcd yet")
-        if not any(m["routable_decode"] for m in models.values()):
+        if not any(m["routable_decode"] or m["soft_decode"] for m in models.values()):
             problems.append("no decode or agg worker can take requests")
         elif nats_up and self._reconnected_at is not None:
             ago = time.monotonic() - self._reconnected_at
@@ -422,6 +444,7 @@ class RouterService:
             "routable": sum(st.routable for st in statuses),
             "models": models,
             "problems": problems,
+            "warnings": warnings,
             "worker_status": [st.explain() for st in statuses],
             "index_synced": self._ingest.synced if self._ingest is not None else False,
         }

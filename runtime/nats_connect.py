@@ -12,12 +12,41 @@ In its own module, not in `runtime`'s namespace: processes without NATS (engine_
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from nats.aio.client import Client
-from nats.errors import Error
+from nats.errors import AuthorizationError, Error
 
-__all__ = ["TlsNotOffered", "connect"]
+from runtime import RepeatedErrors
+
+__all__ = ["TlsNotOffered", "connect", "error_reporter"]
+
+_NO_CREDENTIALS = (
+    "the server wants credentials: give --nats-creds-file, --nats-nkey-file, --nats-token, or --nats-user and "
+    "--nats-password"
+)
+
+
+def error_reporter(
+    log: logging.Logger, servers: Sequence[str], credentials: Sequence[str]
+) -> Callable[[Exception], Awaitable[None]]:
+    """NATS's error_cb for the router and the shim: each kind of error said once, then counted
+    (RepeatedErrors). A server that refuses the credentials (missing, wrong or unknown alike: nats-py
+    says 'Authorization Violation' while connecting, AuthorizationError after) names the credential
+    flags (`credentials`, those given), not --nats-servers, the one setting that was right. Both keep
+    trying (docs/deployment.md): a server reloading its authorization takes them a moment later."""
+    what = f"NATS {', '.join(servers)}"
+    hint = f"the server refused the credentials: check {', '.join(credentials)}" if credentials else _NO_CREDENTIALS
+    refused = RepeatedErrors(log, what, hint)
+    other = RepeatedErrors(log, what, "check --nats-servers and the server")
+
+    async def on_error(exc: Exception) -> None:
+        auth = isinstance(exc, AuthorizationError) or "Authorization Violation" in str(exc)
+        await (refused if auth else other).on_error(exc)
+
+    return on_error
 
 
 class TlsNotOffered(Error):

@@ -1,0 +1,91 @@
+"""etcd refusing the credentials at connect is a configuration error naming --etcd-user and
+--etcd-password, one line and exit status 2 from the router and the shim. Wrong, missing and
+unneeded credentials each ended in a 60-line gRPC traceback (AioRpcError escaped Discovery.connect)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from discovery import Discovery
+from kvswitch.etcd_auth import PING_KEY, EtcdUser, enable_auth
+from kvswitch.servers import EtcdServer
+from protocol import ConfigError
+from protocol.config import EtcdSettings
+
+PASSWORD = "s3cret-pw"
+
+
+@pytest.fixture(scope="module")
+def etcd_auth() -> Iterator[EtcdServer]:
+    """An etcd with authentication on: `worker` may connect, `nobody` may read nothing."""
+    with EtcdServer() as server:
+        enable_auth(server.url, "rootpw", [EtcdUser("worker", PASSWORD, keys=[PING_KEY]), EtcdUser("nobody", "n")])
+        yield server
+
+
+async def _refused(url: str, user: str | None = None, password: str | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as caught:
+        await Discovery(EtcdSettings(endpoints=[url], user=user, password=password)).connect()
+    exc = caught.value
+    assert exc.setting == "etcd_user" and url in str(exc)
+    return exc
+
+
+async def test_a_wrong_password_names_the_credential_flags_and_not_the_password(etcd_auth: EtcdServer) -> None:
+    exc = await _refused(etcd_auth.url, "worker", "not-it")
+    assert exc.value == "worker"
+    assert "invalid user ID or password" in str(exc) and "check --etcd-user and --etcd-password" in str(exc)
+    assert "not-it" not in str(exc)
+
+
+async def test_an_unknown_user_is_refused_the_same_way(etcd_auth: EtcdServer) -> None:
+    exc = await _refused(etcd_auth.url, "nosuch", PASSWORD)
+    assert "check --etcd-user and --etcd-password" in str(exc)
+
+
+async def test_no_credentials_against_etcd_with_auth_on_says_to_give_them(etcd_auth: EtcdServer) -> None:
+    exc = await _refused(etcd_auth.url)
+    assert exc.value is None
+    assert "has authentication on" in str(exc) and "give --etcd-user and --etcd-password" in str(exc)
+
+
+async def test_credentials_against_etcd_with_auth_off_say_to_drop_them(etcd_url: str) -> None:
+    exc = await _refused(etcd_url, "worker", PASSWORD)
+    assert "has authentication off" in str(exc) and "drop --etcd-user and --etcd-password" in str(exc)
+
+
+async def test_a_user_that_may_not_read_the_health_key_is_told_which_key(etcd_auth: EtcdServer) -> None:
+    exc = await _refused(etcd_auth.url, "nobody", "n")
+    assert "permission denied" in str(exc) and repr(PING_KEY) in str(exc)
+
+
+async def test_the_right_credentials_still_connect(etcd_auth: EtcdServer) -> None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_auth.url], user="worker", password=PASSWORD)) as d:
+        assert d.token is not None
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvswitch", *argv], capture_output=True, text=True, timeout=60)
+
+
+ROUTER = ["router", "--http-port", "0"]
+SHIM = ["shim", "--engine-url", "http://127.0.0.1:9", "--model", "m"]  # etcd comes before the engine
+WRONG = ["--etcd-user", "worker", "--etcd-password", "nope"]
+
+
+@pytest.mark.parametrize(
+    ("command", "credentials", "said"),
+    [(ROUTER, WRONG, "check --etcd-user"), (ROUTER, [], "give --etcd-user"), (SHIM, WRONG, "check --etcd-user"),
+     (SHIM, [], "give --etcd-user")],
+)  # fmt: skip
+def test_the_router_and_the_shim_exit_2_with_one_line(
+    etcd_auth: EtcdServer, nats_url: str, command: list[str], credentials: list[str], said: str
+) -> None:
+    out = _run(*command, "--nats-servers", nats_url, "--etcd-endpoints", etcd_auth.url, *credentials)
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert out.returncode == 2, lines
+    assert len(lines) == 1 and "invalid etcd_user (--etcd-user" in lines[0] and said in lines[0], lines

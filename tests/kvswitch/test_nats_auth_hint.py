@@ -1,0 +1,79 @@
+"""A NATS server that refuses the credentials: the router and the shim name the credential flags
+(those given, or all of them when none is), where they said "check --nats-servers and the server"
+for a server that answered at that very address. They keep trying, as for an unreachable server:
+a server whose authorization is reloaded (a worker added by `kvswitch secrets`) lets them in."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import pytest
+
+from kvswitch.servers import NatsServer, free_port
+from protocol.config import NatsSettings
+from router.service import RouterConfig, RouterService
+from worker_shim.nats_connect import connect_nats
+
+
+def _token(token: str) -> str:
+    return f'authorization {{ token: "{token}" }}'
+
+
+@pytest.fixture
+def nats_token() -> Iterator[NatsServer]:
+    with NatsServer(authorization=_token("s3cret")) as server:
+        yield server
+
+
+def _starts(settings: NatsSettings) -> dict[str, Coroutine[Any, Any, object]]:
+    return {"router": RouterService(RouterConfig(nats=settings)).start(), "shim": connect_nats(settings, "test")}
+
+
+async def _warnings(start: Coroutine[Any, Any, object], caplog: pytest.LogCaptureFixture, about: str) -> list[str]:
+    """The WARNINGs that say `about`, while `start` keeps retrying for 2 s."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(TimeoutError):
+        await asyncio.wait_for(start, 2)
+    return [r.getMessage() for r in caplog.records if about in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("credentials", "hint"),
+    [
+        ({"token": "wrong"}, "(the server refused the credentials: check --nats-token)"),
+        ({"user": "app", "password": "pw"}, "(the server refused the credentials: check --nats-user and --nats-pass"),
+        ({}, "(the server wants credentials: give --nats-creds-file, --nats-nkey-file, --nats-token, or --nats-user"),
+    ],
+)  # fmt: skip
+async def test_a_refused_credential_names_the_credential_flags(
+    nats_token: NatsServer, caplog: pytest.LogCaptureFixture, credentials: dict[str, str], hint: str
+) -> None:
+    for name, start in _starts(NatsSettings(servers=[nats_token.url], **credentials)).items():
+        said = await _warnings(start, caplog, "'Authorization Violation'")
+        assert said and all(hint in s and "--nats-servers" not in s for s in said), (name, said)
+
+
+async def test_an_unreachable_server_still_names_the_servers(caplog: pytest.LogCaptureFixture) -> None:
+    for name, start in _starts(NatsSettings(servers=[f"nats://127.0.0.1:{free_port()}"])).items():
+        assert await _warnings(start, caplog, "(check --nats-servers and the server)"), name
+
+
+async def test_the_shim_gets_in_once_the_server_accepts_its_token(
+    nats_token: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    connecting = asyncio.create_task(connect_nats(NatsSettings(servers=[nats_token.url], token="new"), "test"))
+    with caplog.at_level(logging.WARNING):
+        async with asyncio.timeout(5):
+            while not any("check --nats-token" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    nats_token.authorization = _token("new")  # the operator's new authorization, then a reload
+    (nats_token.workdir / "nats.conf").write_text(nats_token.config_text())
+    assert nats_token.proc is not None
+    nats_token.proc.send_signal(signal.SIGHUP)
+    nc = await asyncio.wait_for(connecting, 10)
+    assert nc.is_connected
+    await nc.close()

@@ -1,0 +1,44 @@
+"""Where the router's front door cannot listen, the setting at fault is named: a host that does not
+resolve, or an address not on this machine, is --http-host's. Both were blamed on --http-port
+("invalid http_port (--http-port, ...) = 18099: cannot listen on bogus.invalid: [Errno -2] ...")."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from protocol import ConfigError
+from protocol.config import EtcdSettings, NatsSettings
+from router.service import RouterConfig, RouterService
+
+
+async def _start(nats_url: str, etcd_url: str, host: str, port: int = 0) -> ConfigError:
+    router = RouterService(
+        RouterConfig(
+            nats=NatsSettings(servers=[nats_url]),
+            etcd=EtcdSettings(endpoints=[etcd_url]),
+            http_host=host,
+            http_port=port,
+        )
+    )
+    with pytest.raises(ConfigError) as err:
+        await router.start()
+    return err.value
+
+
+async def test_a_host_it_cannot_listen_on_is_named_as_http_host(nats_url: str, etcd_url: str) -> None:
+    err = await _start(nats_url, etcd_url, "bogus.invalid")
+    assert (err.setting, err.value) == ("http_host", "bogus.invalid")
+    assert str(err).startswith("invalid http_host (--http-host, KVSWITCH_HTTP_HOST) = 'bogus.invalid': cannot listen")
+    err = await _start(nats_url, etcd_url, "192.0.2.1")  # TEST-NET-1: resolves, but is no address of this machine
+    assert (err.setting, err.value) == ("http_host", "192.0.2.1") and "cannot assign requested address" in str(err)
+
+
+async def test_a_port_taken_is_still_named_as_http_port(nats_url: str, etcd_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = await _start(nats_url, etcd_url, "127.0.0.1", port)
+    assert (err.setting, err.value) == ("http_port", port) and "cannot listen on 127.0.0.1" in str(err)
