@@ -10,7 +10,10 @@ Responses go to the message's reply subject as ResponseChunks, `seq` from 0, sta
 id of the subject the request came on (during a re-registration's grace period that is the old id).
 Every leg ends with exactly one final chunk: finish_reason and usage, or `error` (engine failure,
 deadline, draining, bad request; an engine's refusal carries its own error body), or
-finish_reason "abort" on cancel.
+finish_reason "abort" on cancel. A cancel read before its leg's task takes its first step only
+marks the leg (a task cancelled then skips its body: the leg stayed in flight, its prompt queued
+and its heartbeats beating, for good); one read before its request is kept EARLY_CANCEL_S and
+ends that request on arrival.
 
 A pass-through leg (GenerateRequest.endpoint set) carries the engine's own answer: each SSE
 payload in `events`, or the whole body of a non-streaming answer in `body`, cut into pieces that
@@ -80,6 +83,9 @@ __all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "PREFILL_POLL_S", "Request
 
 log = logging.getLogger(__name__)
 RECENT_LEGS = 256  # ended legs whose chunks a router may still ask for again
+# A cancel can come before its request: nats-py reads the gen and cancel subjects in tasks of
+# their own, and a backlog on one is no backlog on the other. Such a cancel waits this long.
+EARLY_CANCEL_S = 10.0
 COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
@@ -249,6 +255,9 @@ class _Leg:
     task: asyncio.Task[None] | None = None
     cancelled: bool = False
     shutdown: bool = False
+    # The task took its first step. A task cancelled before that never runs its body, so its
+    # cleanup and final chunk never came: until then a cancel only marks the leg (_stop).
+    running: bool = False
     started: float = field(default_factory=time.monotonic)
     predicted: int = 0  # prompt tokens the engine should find cached, until it has scheduled the leg
 
@@ -306,6 +315,7 @@ class RequestService:
         self.resumes = 0
         # Legs that ended lately, for a router that lost their last chunks (a NATS node died).
         self.recent: OrderedDict[str, _ChunkWriter] = OrderedDict()
+        self._early_cancels: OrderedDict[str, float] = OrderedDict()  # request id -> when (EARLY_CANCEL_S)
 
     @property
     def prefill_tokens_queued(self) -> int:
@@ -341,6 +351,9 @@ class RequestService:
             await writer.final(
                 error=ErrorInfo(code=409, kind="bad_request", message=f"request {req.request_id} is already running")
             )
+            return
+        if self._early_cancels.pop(req.request_id, None) is not None:
+            await writer.final(finish_reason="abort", usage=Usage(prompt_tokens=len(req.token_ids)))
             return
         if req.endpoint in UTILITY_ENDPOINTS:
             state = _Leg(req.request_id, 0, writer)
@@ -389,8 +402,23 @@ class RequestService:
             log.warning("ignoring malformed cancel: %s", exc)
             return
         state = self.inflight.get(req.request_id)
-        if state is not None and state.task is not None and not state.cancelled:
+        if state is None:
+            self._remember_cancel(req.request_id)
+        elif not state.cancelled:
             state.cancelled = True
+            self._stop(state)
+
+    def _remember_cancel(self, request_id: str) -> None:
+        now = time.monotonic()
+        early = self._early_cancels
+        early[request_id] = now
+        while early and (len(early) > RECENT_LEGS or next(iter(early.values())) < now - EARLY_CANCEL_S):
+            early.popitem(last=False)
+
+    @staticmethod
+    def _stop(state: _Leg) -> None:
+        """Cancel the leg's task once it runs; before, the flags set say it to the task as it starts."""
+        if state.running and state.task is not None:
             state.task.cancel()
 
     # --- one leg --------------------------------------------------------------------------------
@@ -462,6 +490,7 @@ class RequestService:
                 self.contexts.grow(req.request_id, tokens, len(req.token_ids))
             await writer.output(tokens, events, toks)
 
+        state.running = True
         watch = None
         if not leg.stream and not leg.prefill_only and state.queued_tokens:
             watch = asyncio.create_task(
@@ -470,6 +499,8 @@ class RequestService:
             )
         try:
             try:
+                if state.cancelled or state.shutdown:
+                    raise asyncio.CancelledError  # asked before this task took its first step
                 remaining = None if req.deadline is None else req.deadline - time.time()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError
@@ -520,7 +551,10 @@ class RequestService:
     async def _call(self, req: GenerateRequest, state: _Leg, writer: _ChunkWriter) -> None:
         """A utility call (no generation: nothing queued, nothing decoding): the engine's whole
         answer in the final chunk's body, or its refusal."""
+        state.running = True
         try:
+            if state.cancelled or state.shutdown:
+                raise asyncio.CancelledError  # asked before this task took its first step
             remaining = None if req.deadline is None else req.deadline - time.time()
             async with asyncio.timeout(remaining):
                 raw = await self.adapter.call(req.endpoint, {**req.params, "model": req.model})
@@ -582,7 +616,7 @@ class RequestService:
         for s in list(self.inflight.values()):
             if s.task is not None and not s.task.done():
                 s.shutdown = True
-                s.task.cancel()
+                self._stop(s)
                 tasks.append(s.task)
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
