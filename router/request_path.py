@@ -9,6 +9,7 @@ replica; the parts it drives are given, not looked up, so each can be tested alo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -178,16 +179,19 @@ class RequestPath:
         self.inflight += 1
         streamed = job.request.stream  # a whole answer has no first token to time
         try:
-            async for chunk in self.dispatcher.run(job):
-                n = len(chunk.token_ids) + chunk.tokens
-                if n and streamed:
-                    now = time.monotonic()
-                    if last is None:
-                        metrics.observe_ttft(job.path, now - start)
-                    else:
-                        metrics.observe_itl((now - last) / n, n)
-                    last = now
-                yield chunk
+            # Closed here, not when collected: a client that leaves frees the attempt's booking
+            # before release() offers its room to the admission queue.
+            async with contextlib.aclosing(self.dispatcher.run(job)) as chunks:
+                async for chunk in chunks:
+                    n = len(chunk.token_ids) + chunk.tokens
+                    if n and streamed:
+                        now = time.monotonic()
+                        if last is None:
+                            metrics.observe_ttft(job.path, now - start)
+                        else:
+                            metrics.observe_itl((now - last) / n, n)
+                        last = now
+                    yield chunk
         finally:
             self.inflight -= 1
             self.release(job)
