@@ -6,7 +6,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from router.request_path import Job, RequestPath
+from router.dispatch import Job
+from router.request_path import RequestPath
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
 
