@@ -98,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cache and reuse prompt prefixes, reporting them as KV events (as vLLM; on by default)",
     )
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report usage.prompt_tokens_details.cached_tokens on a prefix-cache hit (as vLLM)")  # fmt: skip
+                   help="report usage.prompt_tokens_details: prefix-cache hits (as vLLM)")  # fmt: skip
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer with an X-Request-Id header, the request's own or a fresh one (as vLLM)")  # fmt: skip
     g.add_argument(
         "--kv-events-config",
         type=_events_config,
@@ -162,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         drop_event_fraction=args.drop_event_fraction,
         restart_after_crash_s=args.restart_after_crash_s,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_request_id_headers=args.enable_request_id_headers,
         enable_prefix_caching=args.enable_prefix_caching,
         lora_modules=tuple(args.lora_modules),
         runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),

@@ -110,7 +110,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
     crash_after / hang_after: fault knobs, see engine_sim/faults.py.
     restart_after_crash_s: come back this long after a crash (a supervisor restarting vLLM); None
         stays down.
-    enable_prompt_tokens_details: vLLM's flag: usage.prompt_tokens_details.cached_tokens on a hit.
+    enable_prompt_tokens_details: vLLM's flag: usage.prompt_tokens_details (cached tokens; chat's
+        also the tokens the prompt wrote to the cache).
+    enable_request_id_headers: vLLM's flag (off by default): every answer carries X-Request-Id, the
+        request's own or a fresh uuid4 hex.
     aliases: further names the model is served under (vLLM's --served-model-name with several:
         `model` is the first, the name answers carry); requests may name any, with one cache.
     root: the model's path as the server was given it (its cards' `root`); "": `model`.
@@ -146,6 +149,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     restart_after_crash_s: float | None = None
     data_parallel_rank: int = 0
     enable_prompt_tokens_details: bool = False
+    enable_request_id_headers: bool = False
     enable_prefix_caching: bool = True
     lora_modules: tuple[LoraModule, ...] = ()
     runtime_lora_updating: bool = False

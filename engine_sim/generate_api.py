@@ -3,15 +3,17 @@
 A call has prompts (completions may batch several) and `n` choices per prompt; each choice is one
 engine request. Choices are numbered as vLLM numbers them: prompt i's choice j is `i * n + j`
 (chat: j). Request ids: `cmpl-{id}` (`cmpl-{id}-{i}` per prompt of a batch, `{j}_...` per choice when
-n > 1); `X-Request-Id` supplies {id} and is echoed.
+n > 1); `X-Request-Id` supplies {id} (echoed only with --enable-request-id-headers: http_api.py).
 
 Per token, a choice's text goes through engine_sim/detokenizer.py (stop strings, stop token ids,
 min_tokens) and, when asked, its logprobs through engine_sim/logprobs.py. A stop string ends the
 choice at once and aborts its engine request, as vLLM does. Completions stream one chunk per token
 (empty text while a stop string might be starting, as vLLM sends them); chat streams one role chunk
 per choice first and then only chunks with text. Usage counts each prompt once and every choice's
-tokens; prompt_tokens_details.cached_tokens only with --enable-prompt-tokens-details and a hit
-(vLLM's rule), taken from the last prompt (non-streaming) or the first (streaming).
+tokens; prompt_tokens_details only with --enable-prompt-tokens-details (a miss reports 0 cached
+tokens; chat also names the tokens the prompt wrote to the cache, as vLLM's serving code fills
+them), taken from the last prompt (non-streaming) or the first (streaming). A streamed choice's
+last chunk names the system fingerprint unless a usage chunk follows.
 """
 
 from __future__ import annotations
@@ -148,10 +150,12 @@ class _Job:
     def usage(self, stream: bool) -> dict[str, Any]:
         n_in = sum(len(p.token_ids) for p in self.call.prompts)
         n_out = sum(len(c.tokens) for c in self.choices)
-        cached = None
+        cached = created = None
         if self.srv.config.enable_prompt_tokens_details:
-            cached = (self.choices[0] if stream else self.choices[-1]).stream.num_cached_tokens
-        return fmt.usage(n_in, n_out, cached)
+            first = (self.choices[0] if stream else self.choices[-1]).stream
+            cached = first.num_cached_tokens
+            created = first.num_cache_creation_tokens if self.call.chat else None  # completions name none
+        return fmt.usage(n_in, n_out, cached, created)
 
 
 async def _steps(job: _Job, c: _Choice) -> AsyncIterator[list[_Piece]]:
@@ -263,15 +267,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, _parse_chat, "chatcmpl", _respond_chat)
 
 
-def _with_id(resp: web.StreamResponse, request: web.Request) -> web.StreamResponse:
-    if "X-Request-Id" in request.headers:
-        resp.headers["X-Request-Id"] = request.headers["X-Request-Id"]
-    return resp
-
-
 async def _open_sse(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-    _with_id(resp, request)
     await resp.prepare(request)
     return resp
 
@@ -296,10 +293,10 @@ async def _respond_completion(request: web.Request, job: _Job) -> web.StreamResp
         return await _stream_completion(request, job)
     lasts = await asyncio.gather(*(_run(job, c) for c in job.choices))
     if _failed(job):
-        return _with_id(json_response(_GENERATION_ERROR, 500), request)
+        return json_response(_GENERATION_ERROR, 500)
     choices = [_completion_choice(job, c, last) for c, last in zip(job.choices, lasts, strict=True)]
     kv = job.choices[0].stream.kv_transfer_params
-    return _with_id(json_response(fmt.completion_response(job.head, choices, job.usage(stream=False), kv)), request)
+    return json_response(fmt.completion_response(job.head, choices, job.usage(stream=False), kv))
 
 
 def _completion_choice(job: _Job, c: _Choice, last: _Piece | None) -> dict[str, Any]:
@@ -347,7 +344,7 @@ async def _stream_completion(request: web.Request, job: _Job) -> web.StreamRespo
                     logprobs = completion_logprobs(tokens, positions, call.logprobs, offset, call.as_ids)
                 offset += len(p.text)
                 out = Output(text, p.finish_reason, p.stop_reason, _ids(job, [p.token]), logprobs)
-                buf += sse(fmt.completion_chunk(job.head, c.index, out, prompt_ids))
+                buf += sse(fmt.completion_chunk(job.head, c.index, out, prompt_ids, not call.include_usage))
                 first = False
             await resp.write(bytes(buf))
 
@@ -368,7 +365,7 @@ async def _respond_chat(request: web.Request, job: _Job) -> web.StreamResponse:
         return await _stream_chat(request, job)
     lasts = await asyncio.gather(*(_run(job, c) for c in job.choices))
     if _failed(job):
-        return _with_id(json_response(_GENERATION_ERROR, 500), request)
+        return json_response(_GENERATION_ERROR, 500)
     choices = []
     for c, last in zip(job.choices, lasts, strict=True):
         finish = last.finish_reason if last is not None else c.stream.finish_reason
@@ -386,7 +383,7 @@ async def _respond_chat(request: web.Request, job: _Job) -> web.StreamResponse:
         job.choices[0].stream.kv_transfer_params,
         prompt_logprobs_json(prompt_pos) if prompt_pos is not None else None,
     )
-    return _with_id(json_response(body), request)
+    return json_response(body)
 
 
 async def _stream_chat(request: web.Request, job: _Job) -> web.StreamResponse:
@@ -403,7 +400,7 @@ async def _stream_chat(request: web.Request, job: _Job) -> web.StreamResponse:
                 if p.text or p.last or job.call.want_ids:
                     logprobs = _chat_logprobs(job, [p.token], [p.position])
                     out = Output(p.text, p.finish_reason, p.stop_reason, _ids(job, [p.token]), logprobs)
-                    buf += sse(fmt.chat_chunk(job.head, c.index, out))
+                    buf += sse(fmt.chat_chunk(job.head, c.index, out, not job.call.include_usage))
             await resp.write(bytes(buf))
 
     await asyncio.gather(*(pump(c) for c in job.choices))

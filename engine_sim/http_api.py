@@ -23,6 +23,7 @@ request in the engine.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from engine_sim.openai_request import (
     DetokenizeRequest,
     TokenizeRequest,
     check_request_template,
+    check_token_bounds,
     parse_body,
     render_chat,
 )
@@ -79,16 +81,17 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: ids past the vocabulary decode to nothing, as its tokenizer skips them
+    (`{"tokens": [999999]}` is `{"prompt": ""}`); only ids out of the body's bounds are a 400."""
     srv = request.app[SERVER_KEY]
     try:
         body = parse_body(await request.read(), DetokenizeRequest)
+        check_token_bounds(body.tokens)
         check_model(srv, body.model)
-        bad = next((t for t in body.tokens if not 0 <= t < _tokenizer.vocab_size), None)
-        if bad is not None:
-            raise VllmValidationError(f"Token id {bad} is out of vocabulary", parameter="tokens")
     except SimRequestError as exc:
         return error_response(exc)
-    return json_response({"prompt": _tokenizer.decode(body.tokens)})
+    vocab = _tokenizer.vocab_size
+    return json_response({"prompt": _tokenizer.decode(t for t in body.tokens if t < vocab)})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -144,6 +147,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM serves this only with VLLM_SERVER_DEV_MODE=1; the sim always does (bench/overhead.py
+    and the tests reset caches through it)."""
     ok = request.app[SERVER_KEY].runner.reset_prefix_cache()
     return json_response({"success": ok})
 
@@ -217,14 +222,17 @@ async def state(request: web.Request) -> web.Response:
 
 
 def build_app(server: SimServer) -> web.Application:
-    app = web.Application(client_max_size=64 * 2**20, middlewares=[_track_transports])
+    app = web.Application(client_max_size=64 * 2**20, middlewares=[_track_transports, _route_errors])
     app[SERVER_KEY] = server
+    app.on_response_prepare.append(_vllm_headers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/version", version)
-    app.router.add_get("/kv_event_sources", kv_event_sources)
+    # FastAPI's GET routes take no HEAD (405, `allow: GET`); /metrics is a mounted Prometheus app,
+    # which answers HEAD
+    app.router.add_get("/v1/models", models, allow_head=False)
+    app.router.add_get("/health", health, allow_head=False)
+    app.router.add_get("/version", version, allow_head=False)
+    app.router.add_get("/kv_event_sources", kv_event_sources, allow_head=False)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/tokenize", tokenize)
@@ -250,3 +258,35 @@ async def _track_transports(request: web.Request, handler: Handler) -> web.Strea
     finally:
         if transport is not None:
             srv.open_transports.discard(transport)
+
+
+@web.middleware
+async def _route_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An unknown route or a wrong method as FastAPI answers them: JSON `{"detail": ...}`, and a
+    307 to the path without (or with) a trailing slash where that one is a route (Starlette's
+    redirect_slashes: `/v1/models/` goes to `/v1/models`)."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        resp = json_response({"detail": "Method Not Allowed"}, 405)
+        resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return resp
+    except web.HTTPNotFound:
+        path = request.path
+        if path != "/":
+            other = path.rstrip("/") if path.endswith("/") else path + "/"
+            match = await request.app.router.resolve(request.clone(rel_url=other))
+            if match.http_exception is None or match.http_exception.status == 405:
+                return web.Response(
+                    status=307, headers={"Location": str(request.url.with_path(other, keep_query=True))}
+                )
+        return json_response({"detail": "Not Found"}, 404)
+
+
+async def _vllm_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """What vLLM's middleware adds to every answer: `vary: Origin` (Starlette's CORS middleware,
+    which by vLLM's default allows no origin), and with --enable-request-id-headers X-Request-Id,
+    the request's own or a fresh uuid4 hex."""
+    response.headers["Vary"] = "Origin"
+    if request.app[SERVER_KEY].config.enable_request_id_headers:
+        response.headers["X-Request-Id"] = request.headers.get("X-Request-Id", uuid.uuid4().hex)

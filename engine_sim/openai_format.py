@@ -43,14 +43,18 @@ def error_body(message: str, kind: str, param: str | None, code: int) -> dict[st
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
-    """vLLM's UsageInfo; prompt_tokens_details only with --enable-prompt-tokens-details and a
-    cache hit (the caller passes `cached` then), as vLLM fills it."""
+def usage(prompt: int, completion: int, cached: int | None = None, created: int | None = None) -> dict[str, Any]:
+    """vLLM's UsageInfo. prompt_tokens_details (its PromptTokenUsageInfo) whenever the caller
+    passes `cached` (with --enable-prompt-tokens-details: a miss is a 0, not null); `created`,
+    the prompt tokens written to the cache, only chat fills."""
+    details = None
+    if cached is not None:
+        details = {"cached_tokens": cached, "created_cache_tokens": created, "multimodal_tokens": None}
     return {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
+        "prompt_tokens_details": details,
         "completion_tokens_details": None,
     }
 
@@ -119,13 +123,19 @@ def completion_choice(
     }
 
 
-def completion_chunk(head: Head, index: int, out: Output, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+def completion_chunk(
+    head: Head, index: int, out: Output, prompt_token_ids: list[int] | None, fingerprint: bool
+) -> dict[str, Any]:
+    """`fingerprint`: no usage chunk follows, so the chunk that ends the choice names it (vLLM)."""
     choice = {**_text_choice(index, out), "prompt_token_ids": prompt_token_ids, "token_ids": out.token_ids}
-    return {**head.envelope("text_completion"), "choices": [choice]}
+    chunk = {**head.envelope("text_completion"), "choices": [choice]}
+    if fingerprint and out.finish_reason is not None:
+        chunk["system_fingerprint"] = head.fingerprint
+    return chunk
 
 
 def usage_chunk(head: Head, obj: str, usage_: dict[str, Any]) -> dict[str, Any]:
-    """The final stream chunk; vLLM serialises it without its null fields."""
+    """The final stream chunk; vLLM serialises it without its null fields (zeros stay)."""
     return {**head.envelope(obj), "choices": [], "usage": _without_none(usage_), "system_fingerprint": head.fingerprint}
 
 
@@ -184,15 +194,17 @@ def chat_echo_chunk(head: Head, index: int, content: str) -> dict[str, Any]:
     return {**head.envelope("chat.completion.chunk"), "choices": [choice]}
 
 
-def chat_chunk(head: Head, index: int, out: Output) -> dict[str, Any]:
+def chat_chunk(head: Head, index: int, out: Output, fingerprint: bool) -> dict[str, Any]:
+    """`fingerprint` as completion_chunk's."""
     choice: dict[str, Any] = {"index": index, "delta": {"content": out.text}, "logprobs": out.logprobs,
                               "finish_reason": out.finish_reason}  # fmt: skip
-    # vLLM adds stop_reason and the fingerprint only to the chunk that ends the choice.
+    # vLLM adds stop_reason only to the chunk that ends the choice, and the fingerprint only there
+    # when no usage chunk follows (that one names it).
     if out.finish_reason is not None:
         choice["stop_reason"] = out.stop_reason
     choice["token_ids"] = out.token_ids
     chunk = {**head.envelope("chat.completion.chunk"), "choices": [choice]}
-    if out.finish_reason is not None:
+    if fingerprint and out.finish_reason is not None:
         chunk["system_fingerprint"] = head.fingerprint
     return chunk
 

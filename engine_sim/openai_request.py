@@ -38,6 +38,7 @@ __all__ = [
     "TokenizeRequest",
     "chat_call",
     "check_request_template",
+    "check_token_bounds",
     "completion_call",
     "parse_body",
     "render_chat",
@@ -48,12 +49,18 @@ T = TypeVar("T")
 _tokenizer = BuiltinTokenizer()
 _LONG = 2**63
 _DEFAULT_MAX_TOKENS = 16  # CompletionRequest.max_tokens's default, which a null becomes too
+_MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+_MAX_TOKEN_ID = 2**63 - 1  # DetokenizeRequest.tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
+_MAX_REPORTED_ERRORS = 10  # vLLM's validation handler reports this many, then counts the rest
+_MAX_ERROR_INPUT_CHARS = 200
 _warned: set[str] = set()
 CONTINUE_AND_GENERATE = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool | None = True
+    # vLLM's defaults: `stream_options: {}` asks for no usage chunk (and continuous stats only
+    # count with include_usage, vllm.entrypoints.serve.utils.api_utils.should_include_usage).
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
@@ -151,12 +158,51 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
+def validation_error(details: list[dict[str, Any]]) -> SimRequestError:
+    """vLLM's 400 for a body its pydantic model refuses, as its validation handler writes it
+    (vllm/entrypoints/serve/exception_handling/handlers/validation.py): the first ten errors, a
+    count of the rest, `param` the first one's location."""
+    count = len(details)
+    label = "error" if count == 1 else "errors"
+    message = f"{count} validation {label}:\n" + "".join(f"  {d}\n" for d in details[:_MAX_REPORTED_ERRORS])
+    if count > _MAX_REPORTED_ERRORS:
+        message += f"  ...and {count - _MAX_REPORTED_ERRORS} more {label}\n"
+    return SimRequestError(message.rstrip(), kind="Bad Request", param=details[0]["loc"])
+
+
+def _error_input(value: Any) -> str:
+    """A refused value as that handler shows it: containers by their size, anything else as text
+    cut at 200 characters."""
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        text = str(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= _MAX_ERROR_INPUT_CHARS else text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
+
+
 def malformed_json_error(exc: json.JSONDecodeError) -> SimRequestError:
     """vLLM (FastAPI + pydantic) reports the decode error with its character offset."""
-    loc = f"body.{exc.pos}"
-    detail = {"type": "json_invalid", "loc": loc, "msg": "JSON decode error", "input": "<dict of 0 items>",
-              "ctx": {"error": exc.msg}}  # fmt: skip
-    return SimRequestError(f"1 validation error:\n  {detail}", kind="Bad Request", param=loc)
+    return validation_error([{"type": "json_invalid", "loc": f"body.{exc.pos}", "msg": "JSON decode error",
+                              "input": "<dict of 0 items>", "ctx": {"error": exc.msg}}])  # fmt: skip
+
+
+def check_token_bounds(tokens: list[int]) -> None:
+    """/detokenize's ids as DetokenizeRequest bounds them (ge=0, le=2**63-1), one error per id out
+    of bounds. An id past the vocabulary is no error: vLLM's tokenizer decodes it to nothing."""
+    details = []
+    for i, t in enumerate(tokens):
+        if t < 0:
+            details.append({"type": "greater_than_equal", "loc": f"body.tokens.{i}",
+                            "msg": "Input should be greater than or equal to 0", "input": _error_input(t),
+                            "ctx": {"ge": 0}})  # fmt: skip
+        elif t > _MAX_TOKEN_ID:
+            details.append({"type": "less_than_equal", "loc": f"body.tokens.{i}",
+                            "msg": f"Input should be less than or equal to {_MAX_TOKEN_ID}",
+                            "input": _error_input(t), "ctx": {"le": _MAX_TOKEN_ID}})  # fmt: skip
+    if details:
+        raise validation_error(details)
 
 
 def _loads(raw: bytes) -> Any:
@@ -284,6 +330,7 @@ class GenerateCall:
     kv_transfer_params: dict[str, Any] | None
     request_id: str | None = None  # the body's
     cache_salt: str | None = None
+    chat: bool = False  # a chat completion (its usage details name created_cache_tokens too)
     chat_echo: str = ""  # chat `echo`: the last message's content, when it has the reply's role
     lora: LoraRequest | None = None  # the adapter `model` names (the handler resolves it)
 
@@ -441,17 +488,10 @@ def _check_body(body: _Sampling) -> None:
 
 
 def _side_error(value: Any) -> SimRequestError:
-    """vLLM's 400 for a `truncation_side` other than "left" or "right": pydantic's literal_error,
-    as vLLM's validation handler writes it, the value shown as that handler shows it."""
-    if isinstance(value, str):
-        shown = value if len(value) <= 200 else value[:200] + "...[truncated]"
-    elif isinstance(value, list | dict):
-        shown = f"<{type(value).__name__} of {len(value)} items>"
-    else:
-        shown = str(value)
-    detail = {"type": "literal_error", "loc": "body.truncation_side", "msg": "Input should be 'left' or 'right'",
-              "input": shown, "ctx": {"expected": "'left' or 'right'"}}  # fmt: skip
-    return SimRequestError(f"1 validation error:\n  {detail}", kind="Bad Request", param="body.truncation_side")
+    """vLLM's 400 for a `truncation_side` other than "left" or "right": pydantic's literal_error."""
+    return validation_error([{"type": "literal_error", "loc": "body.truncation_side",
+                              "msg": "Input should be 'left' or 'right'", "input": _error_input(value),
+                              "ctx": {"expected": "'left' or 'right'"}}])  # fmt: skip
 
 
 def _check_sampling(body: _Sampling, n: int, max_tokens: int, logprobs: int | None) -> None:
@@ -464,8 +504,14 @@ def _check_sampling(body: _Sampling, n: int, max_tokens: int, logprobs: int | No
     frequency = body.frequency_penalty or 0.0
     repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    # SamplingParams._verify_num_sequences: its VLLMValidationError names no parameter
     if n < 1:
-        raise VllmValidationError(f"n must be at least 1, got {n}.", parameter="n", value=n)
+        raise VllmValidationError(f"n must be at least 1, got {n}.")
+    if n > _MAX_N:
+        raise VllmValidationError(
+            f"n must be at most {_MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+            "environment variable."
+        )
     t = temperature
     checks: list[tuple[bool, str, str | None, object]] = [
         (-2.0 <= presence <= 2.0, f"presence_penalty must be in [-2, 2], got {presence}.", None, None),
@@ -599,6 +645,7 @@ def chat_call(body: ChatRequest, max_model_len: int) -> GenerateCall:
                        continue_final_message=body.continue_final_message)  # fmt: skip
     logprobs = top if body.logprobs else None
     call = _call(body, [Prompt(_tokenizer.encode(text), text)], max_model_len, asked, logprobs=logprobs, echo=False)
+    call.chat = True
     if call.prompt_logprobs is None and body.echo:
         call.prompt_logprobs = top  # vLLM: an echo asks for the prompt's logprobs too
     if body.echo:

@@ -60,6 +60,7 @@ class RequestStream:
         "first_at",
         "kv_transfer_params",
         "last_at",
+        "num_cache_creation_tokens",
         "num_cached_tokens",
         "prompt_len",
         "request_id",
@@ -75,6 +76,7 @@ class RequestStream:
         self.finish_reason: str | None = None
         self.kv_transfer_params: dict[str, Any] | None = None
         self.num_cached_tokens = 0
+        self.num_cache_creation_tokens = 0
         self.first_at: float | None = None
         self.last_at: float | None = None
         self.scheduled_at: float | None = None
@@ -282,6 +284,7 @@ class EngineRunner:
             if stream.first_at is None:
                 stream.first_at = at
                 stream.num_cached_tokens = out.num_cached_tokens
+                stream.num_cache_creation_tokens = out.num_cache_creation_tokens
                 stats.ttft.observe((at - stream.arrival) * speedup)
                 started = stream.scheduled_at if stream.scheduled_at is not None else stream.arrival
                 stats.prefill_time.observe((at - started) * speedup)

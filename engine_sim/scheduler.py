@@ -47,6 +47,8 @@ class StepOutput:
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    num_cache_creation_tokens: int = 0
+    """Prompt tokens this request wrote to the prefix cache (set on its first output only)."""
 
 
 @dataclass(slots=True)
@@ -398,10 +400,14 @@ class Scheduler:
             if before + n < len(req.token_ids):
                 continue  # a prefill chunk that is not the last: nothing to sample yet
             out_ids = req.output_token_ids
+            created = 0
             if not out_ids:
                 computed = max(req.num_prompt_tokens - req.num_hit_tokens - req.num_external_tokens, 0)
                 st.prefill_kv_computed.observe(computed)
                 prompt_computed += computed
+                # vLLM's PrefillStats.finalize: the prompt's cached blocks less those it found
+                cached = min(req.num_cached_blocks * self.block_size, req.num_prompt_tokens)
+                created = max(cached - req.num_hit_tokens - req.num_external_tokens, 0)
             tok = req.sampler.token(len(out_ids))
             finish = None
             if req.stop_token_ids and tok in req.stop_token_ids:
@@ -414,7 +420,9 @@ class Scheduler:
             req.remote_loaded = False
             if finish is None and (len(out_ids) >= req.max_tokens or len(req.token_ids) >= max_model_len):
                 finish = "length"
-            out = StepOutput(req.request_id, [tok], finish, num_cached_tokens=req.num_hit_tokens)
+            out = StepOutput(
+                req.request_id, [tok], finish, num_cached_tokens=req.num_hit_tokens, num_cache_creation_tokens=created
+            )
             if finish is not None:
                 self._finish(req, finish, out)
             outputs.append(out)

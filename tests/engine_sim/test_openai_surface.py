@@ -285,9 +285,10 @@ async def test_cached_tokens_only_with_the_flag_and_a_hit() -> None:
         assert off["usage"]["prompt_tokens_details"] is None  # vLLM's default: not reported
     async with SimServer(sim_config(enable_prompt_tokens_details=True)) as sim:
         _, miss, _ = await post(sim, "/v1/completions", body)
-        assert miss["usage"]["prompt_tokens_details"] is None  # no hit: null, as vLLM
+        no_hit = {"cached_tokens": 0, "created_cache_tokens": None, "multimodal_tokens": None}
+        assert miss["usage"]["prompt_tokens_details"] == no_hit  # no hit: 0, as vLLM (simfid audit)
         _, hit, _ = await post(sim, "/v1/completions", body)
-        assert hit["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
+        assert hit["usage"]["prompt_tokens_details"] == {**no_hit, "cached_tokens": 96}
         stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
         _, text, _ = await post(sim, "/v1/completions", stream)
         usage = chunks(text)[-1]["usage"]

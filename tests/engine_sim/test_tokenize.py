@@ -47,8 +47,8 @@ async def test_detokenize_round_trips(sim: SimServer) -> None:
     ids = TOK.encode("the quick brown fox")
     status, out, _ = await post(sim, "/detokenize", {"model": "sim-llama", "tokens": ids})
     assert (status, out) == (200, {"prompt": "the quick brown fox"})
-    status, err, _ = await post(sim, "/detokenize", {"tokens": [1, 10**6]})
-    assert status == 400 and err["error"]["message"].startswith("Token id 1000000 is out of vocabulary")
+    status, out, _ = await post(sim, "/detokenize", {"tokens": [1, 10**6]})
+    assert (status, out) == (200, {"prompt": TOK.decode([1])})  # vLLM's tokenizer skips an unknown id
 
 
 async def test_tokenize_errors(sim: SimServer) -> None:

@@ -33,7 +33,7 @@ from tests.router.test_tokenization import VOCAB
 
 @pytest.fixture
 async def agg(cluster: Cluster) -> Cluster:
-    await cluster.add_worker("agg", enable_prompt_tokens_details=True)
+    await cluster.add_worker("agg", enable_prompt_tokens_details=True, enable_request_id_headers=True)
     await cluster.add_ready_router(disagg="never")
     return cluster
 
