@@ -97,7 +97,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     priority: int = 0
-    request_id: str | None = None  # names the answer when the client sends no X-Request-Id
+    # Names the answer when the client sends no X-Request-Id; "" is unset (vLLM refuses a null).
+    request_id: str = ""
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
@@ -107,6 +108,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
+    n: int = 1  # chat's may be null, a completion's not (vLLM's models)
     prompt: Any = None
     echo: bool | None = False
     logprobs: int | None = None
@@ -127,7 +129,7 @@ class ChatRequest(_Sampling, kw_only=True):
     reasoning_effort: str | None = None
     include_reasoning: bool = True
     parallel_tool_calls: bool | None = True
-    bad_words: list[str] | None = None
+    bad_words: list[str] = msgspec.field(default_factory=list)
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False

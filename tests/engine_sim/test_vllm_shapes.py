@@ -262,3 +262,34 @@ async def test_request_id_headers_when_enabled_on_every_answer() -> None:
 def test_the_request_id_flag_is_vllms_and_off_by_default() -> None:
     assert not config_from_args(parse()).enable_request_id_headers
     assert config_from_args(parse("--enable-request-id-headers")).enable_request_id_headers
+
+
+# --- null where vLLM's models take none ----------------------------------------------------------
+
+# Recorded 2026-12-03 from vLLM 0.32's CompletionRequest and ChatCompletionRequest: each field the
+# sim reads, given as null. False: pydantic refuses it (n, request_id, bad_words were the sim's
+# misses); True, a sample of those it takes as unset.
+VLLM_TAKES_NULL = [
+    ("/v1/completions", "n", False),
+    ("/v1/completions", "request_id", False),
+    ("/v1/completions", "ignore_eos", False),
+    ("/v1/completions", "min_tokens", False),
+    ("/v1/chat/completions", "request_id", False),
+    ("/v1/chat/completions", "bad_words", False),
+    ("/v1/chat/completions", "n", True),
+    ("/v1/completions", "seed", True),
+    ("/v1/completions", "temperature", True),
+    ("/v1/completions", "logprobs", True),
+    ("/v1/completions", "echo", True),
+    ("/v1/completions", "top_k", True),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "takes_null"), VLLM_TAKES_NULL)
+async def test_a_null_is_refused_where_vllm_refuses_it(sim: SimServer, path: str, field: str, takes_null: bool) -> None:
+    body = COMPLETION if path == "/v1/completions" else CHAT
+    status, out, _ = await post(sim, path, {**body, field: None})
+    if takes_null:
+        assert status == 200, out
+    else:
+        assert status == 400 and field in out["error"]["message"] + str(out["error"]["param"]), out
