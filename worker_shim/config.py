@@ -8,6 +8,7 @@ the setting and what it allows.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
@@ -229,6 +230,15 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError("bootstrap_host", self.bootstrap_host, "only SGLang's P/D takes it: drop it")
             if not self.bootstrap_host.strip() or any(c in self.bootstrap_host for c in "/: "):
                 raise ConfigError("bootstrap_host", self.bootstrap_host, "a host name or IPv4 address, no port")
+        if self.model_path is not None and not Path(self.model_path).is_dir():
+            # Given and wrong is a typo or a missing mount: said at start, not as a WARNING later
+            # with the worker registered without its KV size.
+            raise ConfigError(
+                "model_path",
+                self.model_path,
+                "not a directory here: give the model's directory (its config.json gives the KV bytes per "
+                "token), or --kv-bytes-per-token and no --model-path",
+            )
         try:
             subjects.validate_namespace(self.namespace)
         except ValueError as exc:

@@ -11,9 +11,10 @@ import pytest
 
 from discovery import Discovery, Snapshot
 from engine_sim.server import SimServer
-from protocol import WorkerInfo
+from protocol import ConfigError, WorkerInfo
 from protocol.config import EtcdSettings
 from tests.worker_shim.cluster import shim_for, sim_config
+from worker_shim import ShimConfig
 from worker_shim.model_config import kv_bytes_per_token, kv_bytes_per_token_of
 
 # The tiny Llama of tests/fixtures/vllm-0.32 (its README): hidden 128, 2 layers, 4 heads, 2 KV heads.
@@ -101,3 +102,15 @@ async def test_the_shim_registers_kv_bytes_from_model_path_and_never_from_the_pr
             assert info.max_num_batched_tokens is None
         said = caplog.text
         assert "--model-path" in said and "max_num_batched_tokens" in said and "--max-num-batched-tokens" in said
+
+
+def test_a_model_path_that_is_no_directory_is_refused_at_start(tmp_path: Path) -> None:
+    """Given and wrong (a typo, a volume not mounted) was one WARNING after registering a worker
+    without its KV size."""
+    ShimConfig(model="m", kv_events="tcp://*:1", model_path=str(tmp_path)).validate()
+    for wrong in (tmp_path / "nope", tmp_path / "config.json"):
+        if wrong.name == "config.json":
+            wrong.write_text("{}")
+        with pytest.raises(ConfigError) as err:
+            ShimConfig(model="m", kv_events="tcp://*:1", model_path=str(wrong)).validate()
+        assert err.value.setting == "model_path" and "--kv-bytes-per-token" in str(err.value)
