@@ -171,7 +171,7 @@ def test_the_longest_load_period_and_a_known_profile_are_accepted() -> None:
     assert cfg.validate().load_period_s == 60.0
 
 
-def test_new_flags_reach_the_config() -> None:
+def test_new_flags_reach_the_config(tmp_path: Path) -> None:
     args = parse(
         "--model",
         "llama",
@@ -186,7 +186,7 @@ def test_new_flags_reach_the_config() -> None:
         "--http-host",
         "0.0.0.0",
         "--model-path",
-        "/models/llama",
+        str(tmp_path),  # a directory that exists: another is refused
         "--events-timeout-s",
         "3",
         "--reregister-grace-s",
@@ -202,7 +202,7 @@ def test_new_flags_reach_the_config() -> None:
     assert (shim.http_host, shim.http_port, shim.model_path, shim.events_timeout_s, shim.grace_s) == (
         "0.0.0.0",
         9100,
-        "/models/llama",
+        str(tmp_path),
         3.0,
         4.0,
     )
