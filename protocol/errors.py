@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 from collections.abc import Iterable
 
-__all__ = ["ConfigError", "ProtocolError"]
+__all__ = ["ConfigError", "ProtocolError", "listen_error"]
 
 
 # Settings with a flag and no environment variable: the config file's own path is a flag only.
@@ -26,6 +28,15 @@ class ConfigError(ValueError):
     @classmethod
     def one_of(cls, setting: str, value: object, choices: Iterable[str]) -> ConfigError:
         return cls(setting, value, "allowed values: " + ", ".join(choices))
+
+
+def listen_error(host: str, port: int, exc: OSError) -> ConfigError:
+    """The setting an HTTP server's failed listen is the fault of: a host that does not resolve, or
+    an address not on this machine, is --http-host's (it was blamed on --http-port); a port taken
+    or forbidden, --http-port's."""
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        return ConfigError("http_host", host, f"cannot listen there: {exc}: give a name or address of this host")
+    return ConfigError("http_port", port, f"cannot listen on {host}: {exc}")
 
 
 class ProtocolError(ValueError):

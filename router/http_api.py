@@ -204,6 +204,8 @@ def _opt(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], defa
     if kind is bool and (flag := lax_bool(value)) is not None:  # "yes", "on", "t", 1, ... as pydantic reads them
         return flag
     if kind is int and (number := lax_int(value)) is not None:
+        if not _INT_MIN <= number <= _UINT_MAX:  # text holds any size; _check_ints sees ints only
+            raise ApiError(400, f"'{name}' is out of the 64-bit integer range", name)
         return number
     raise ApiError(400, f"'{name}' must be {_KINDS.get(kind, kind)}, got {type(value).__name__}", name)
 

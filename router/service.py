@@ -21,10 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import errno
 import logging
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -38,8 +36,9 @@ from nats.aio.subscription import Subscription
 from opentelemetry.trace import TracerProvider
 
 from discovery import ConfigWatcher, Discovery, Registration
-from protocol import ConfigError, LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, subjects
+from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
+from protocol.errors import listen_error
 from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
 from protocol.version import __version__
 from router.admission import Admission, Throughput
@@ -305,14 +304,7 @@ class RouterService:
         try:
             await site.start()
         except OSError as exc:
-            host, port = self.config.http_host, self.config.http_port
-            # A host that does not resolve, or an address not on this machine, is --http-host's fault
-            # (it was blamed on --http-port); a port taken or forbidden, --http-port's.
-            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-                raise ConfigError(
-                    "http_host", host, f"cannot listen there: {exc}: give a name or address of this host"
-                ) from exc
-            raise ConfigError("http_port", port, f"cannot listen on {host}: {exc}") from exc
+            raise listen_error(self.config.http_host, self.config.http_port, exc) from exc
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
         self._registration = Registration(

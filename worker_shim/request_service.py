@@ -352,7 +352,8 @@ class RequestService:
                 error=ErrorInfo(code=409, kind="bad_request", message=f"request {req.request_id} is already running")
             )
             return
-        if self._early_cancels.pop(req.request_id, None) is not None:
+        early = self._early_cancels.pop(req.request_id, None)
+        if early is not None and time.monotonic() - early < EARLY_CANCEL_S:
             await writer.final(finish_reason="abort", usage=Usage(prompt_tokens=len(req.token_ids)))
             return
         if req.endpoint in UTILITY_ENDPOINTS:
@@ -403,7 +404,8 @@ class RequestService:
             return
         state = self.inflight.get(req.request_id)
         if state is None:
-            self._remember_cancel(req.request_id)
+            if req.request_id not in self.recent:  # a leg that ended before its cancel came needs none
+                self._remember_cancel(req.request_id)
         elif not state.cancelled:
             state.cancelled = True
             self._stop(state)

@@ -23,10 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import errno
 import logging
 import secrets
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +39,7 @@ from nats.aio.subscription import Subscription
 from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
 from protocol import Cleared, ConfigError, Usage, WorkerInfo, subjects
 from protocol.config import EtcdSettings, NatsSettings
+from protocol.errors import listen_error
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import __version__
@@ -226,7 +225,7 @@ class WorkerShim:
         try:
             await self.http.start()
         except OSError as exc:
-            raise _listen_error(self.config.http_host, self.config.http_port, exc) from exc
+            raise listen_error(self.config.http_host, self.config.http_port, exc) from exc
         try:
             self._nc = await connect_nats(self.nats_settings, f"kvswitch-shim-{self.config.model}")
             self._discovery = await Discovery(self.etcd_settings, self.ns).connect()
@@ -1029,15 +1028,6 @@ class WorkerShim:
             # NATS down at stop: nats-py's close writes to a socket that is gone (uvloop raises).
             # Nothing is left to flush; the shim stops cleanly rather than with a traceback.
             log.warning("the NATS connection did not close cleanly (%r); stopping anyway", exc)
-
-
-def _listen_error(host: str, port: int, exc: OSError) -> ConfigError:
-    """The setting a failed listen is the fault of: a host that does not resolve, or an address
-    not on this machine, is --http-host's (it was blamed on --http-port); a port taken or
-    forbidden, --http-port's."""
-    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-        return ConfigError("http_host", host, f"cannot listen there: {exc}: give a name or address of this host")
-    return ConfigError("http_port", port, f"cannot listen on {host}: {exc}")
 
 
 def _aliases(cards: dict[str, ModelCard], model: str) -> list[str]:

@@ -116,3 +116,13 @@ def test_a_prompt_of_plain_ids_is_read_in_c(monkeypatch: pytest.MonkeyPatch) -> 
 )
 def test_a_null_max_tokens_is_booked_as_vllm_runs_it(body: dict[str, Any], chat: bool, booked: int | None) -> None:
     assert parse_request(body, chat=chat).max_tokens == booked
+
+
+@pytest.mark.parametrize("text", [str(2**64), "1" + "0" * 30, "1" + "0" * 400, str(-(2**63) - 1)])
+def test_an_integer_given_as_text_is_held_to_the_64_bit_range_too(text: str) -> None:
+    """lax_int reads text of any size; out of range it was booked (10^30 sequences) or raised
+    OverflowError in the SLO policy's float average, a 500, where an int of that size is a 400."""
+    for name in ("max_tokens", "n"):
+        with pytest.raises(ApiError) as err:
+            parse_request({"prompt": "hi", name: text}, chat=False)
+        assert err.value.code == 400 and err.value.param == name and "64-bit" in str(err.value)

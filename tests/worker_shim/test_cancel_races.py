@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from engine_sim.server import SimServer
 from protocol import CancelRequest, encode_msg, subjects
 from runtime.nats_flush import flush
 from tests.worker_shim.cluster import sim_config, wait_for
 from tests.worker_shim.test_request_service import agg_shim, gen
+from worker_shim import request_service
 
 
 async def test_a_cancel_right_behind_its_request_ends_the_leg_and_frees_what_it_held(
@@ -52,3 +55,26 @@ async def test_a_cancel_ahead_of_its_request_aborts_it_on_arrival(ns: str, nats_
         del col.finals["late"], col.chunks["late"]
         await col.send(subjects.gen(ns, "agg", shim.worker_id), gen("late", [7] * 40, 3))
         assert (await col.final("late")).finish_reason == "length"
+
+
+async def test_a_late_cancel_or_an_old_one_is_not_held_against_a_new_leg(
+    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel for a leg that already ended (a router leaving just as the final chunk came) needs
+    no memory, and a remembered one lasts EARLY_CANCEL_S: a later leg of that id (a retry, a
+    remote prefill sent here after a fallback) runs."""
+    monkeypatch.setattr(request_service, "EARLY_CANCEL_S", 0.3)
+    async with SimServer(sim_config(speedup=5.0)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None
+        subject, cancel = subjects.gen(ns, "agg", shim.worker_id), subjects.cancel(ns, shim.worker_id)
+        await col.send(subject, gen("done", [7] * 40, 3))
+        assert (await col.final("done")).finish_reason == "length"
+        await col.nc.publish(cancel, encode_msg(CancelRequest(request_id="done")))
+        await col.nc.publish(cancel, encode_msg(CancelRequest(request_id="old")))
+        await flush(col.nc)
+        await asyncio.sleep(0.5)  # past EARLY_CANCEL_S for "old"
+        for rid in ("done", "old"):
+            col.finals.pop(rid, None)
+            col.chunks.pop(rid, None)
+            await col.send(subject, gen(rid, [8] * 40, 3))
+            assert (await col.final(rid)).finish_reason == "length", rid
