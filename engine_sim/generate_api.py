@@ -152,9 +152,10 @@ class _Job:
         n_out = sum(len(c.tokens) for c in self.choices)
         cached = created = None
         if self.srv.config.enable_prompt_tokens_details:
-            first = (self.choices[0] if stream else self.choices[-1]).stream
-            cached = first.num_cached_tokens
-            created = first.num_cache_creation_tokens if self.call.chat else None  # completions name none
+            # vLLM reads the first prompt's result when streaming, the last one's otherwise
+            source = (self.choices[0] if stream else self.choices[-1]).stream
+            cached = source.num_cached_tokens
+            created = source.num_cache_creation_tokens if self.call.chat else None  # completions name none
         return fmt.usage(n_in, n_out, cached, created)
 
 
