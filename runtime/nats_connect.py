@@ -35,16 +35,28 @@ def error_reporter(
     """NATS's error_cb for the router and the shim: each kind of error said once, then counted
     (RepeatedErrors). A server that refuses the credentials (missing, wrong or unknown alike: nats-py
     says 'Authorization Violation' while connecting, AuthorizationError after) names the credential
-    flags (`credentials`, those given), not --nats-servers, the one setting that was right. Both keep
-    trying (docs/deployment.md): a server reloading its authorization takes them a moment later."""
+    flags (`credentials`, those given), not --nats-servers, the one setting that was right, and so
+    does a connection reset that follows a refusal. Both keep trying (docs/deployment.md): a server
+    reloading its authorization takes them a moment later."""
     what = f"NATS {', '.join(servers)}"
     hint = f"the server refused the credentials: check {', '.join(credentials)}" if credentials else _NO_CREDENTIALS
     refused = RepeatedErrors(log, what, hint)
+    # The server closes the socket right behind its -ERR, so some tries read the reset before the
+    # refusal: that reset is the refusal again, not a wrong address.
+    reset_after_refusal = RepeatedErrors(log, what, f"closed by the server, which refused the credentials; {hint}")
     other = RepeatedErrors(log, what, "check --nats-servers and the server")
+    last_refused = False
 
     async def on_error(exc: Exception) -> None:
-        auth = isinstance(exc, AuthorizationError) or "Authorization Violation" in str(exc)
-        await (refused if auth else other).on_error(exc)
+        nonlocal last_refused
+        if isinstance(exc, AuthorizationError) or "Authorization Violation" in str(exc):
+            last_refused = True
+            await refused.on_error(exc)
+        elif last_refused and isinstance(exc, ConnectionResetError | BrokenPipeError):
+            await reset_after_refusal.on_error(exc)
+        else:
+            last_refused = False
+            await other.on_error(exc)
 
     return on_error
 

@@ -12,10 +12,12 @@ from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import pytest
+from nats.errors import Error as NatsError
 
 from kvswitch.servers import NatsServer, free_port
 from protocol.config import NatsSettings
 from router.service import RouterConfig, RouterService
+from runtime.nats_connect import error_reporter
 from worker_shim.nats_connect import connect_nats
 
 
@@ -77,3 +79,20 @@ async def test_the_shim_gets_in_once_the_server_accepts_its_token(
     nc = await asyncio.wait_for(connecting, 10)
     assert nc.is_connected
     await nc.close()
+
+
+async def test_a_reset_right_after_a_refusal_is_the_refusal_again(caplog: pytest.LogCaptureFixture) -> None:
+    """The server closes the socket behind its -ERR, so a try can read the reset first (a router's
+    second line against a password server was such a reset): it must not point at --nats-servers."""
+    log = logging.getLogger("test.nats")
+    on_error = error_reporter(log, ["nats://127.0.0.1:4222"], ["--nats-token"])
+    reset = ConnectionResetError(104, "Connection reset by peer")
+    with caplog.at_level(logging.WARNING, logger="test.nats"):
+        await on_error(NatsError("nats: 'Authorization Violation'"))
+        await on_error(reset)
+        await on_error(OSError(111, "Connect call failed"))  # the server went away: the address again
+        await on_error(reset)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 4, said
+    assert "check --nats-token" in said[1] and "--nats-servers" not in said[1], said
+    assert "check --nats-servers" in said[2] and "check --nats-servers" in said[3], said
