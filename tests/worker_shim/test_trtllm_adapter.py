@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
-from protocol import SamplingParams, block_hashes
-from worker_shim import EngineLoad, Normaliser
+import pytest
+
+from protocol import BlockHasher, ConfigError, SamplingParams, block_hashes
+from protocol.config import EtcdSettings, NatsSettings
+from protocol.hashing import chain_salt
+from tests.worker_shim.test_wrong_engine import fake_engine
+from worker_shim import EngineLoad, Normaliser, ShimConfig, ShimStatus, WorkerShim
+from worker_shim.adapters import trtllm
 from worker_shim.adapters.base import LegRequest
-from worker_shim.adapters.trtllm import disagg_body, limits_from_stats, load_from_stats
+from worker_shim.adapters.trtllm import TrtllmAdapter, disagg_body, limits_from_stats, load_from_stats
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker
+from worker_shim.engine_events import EngineBatch
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "trtllm"
 
@@ -45,6 +54,191 @@ def test_event_ids_going_back_mean_a_restart() -> None:
     tracker.fold(load("kv_cache_events_poll1.json"))
     again = tracker.fold([e for e in load("kv_cache_events_poll1.json") if e["data"]["type"] != "created"])
     assert again.reset and tracker.restarts == 1
+
+
+def _tok(ids: list[int]) -> list[dict[str, int | str]]:
+    return [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in ids]
+
+
+def stored(eid: int, parent: int | str | None, *blocks: tuple[Any, list[int]]) -> dict[str, Any]:
+    data = {
+        "type": "stored",
+        "parent_hash": parent,
+        "blocks": [{"block_hash": h, "tokens": _tok(t)} for h, t in blocks],
+    }
+    return {"event_id": eid, "data": data, "window_size": 4096}
+
+
+def removed(eid: int, *hashes: Any) -> dict[str, Any]:
+    return {"event_id": eid, "data": {"type": "removed", "block_hashes": list(hashes)}, "window_size": 4096}
+
+
+CREATED = {"event_id": 0, "data": {"type": "created", "num_blocks_per_cache_level": [512, 0]}, "window_size": 4096}
+
+
+def folded(tracker: TrtllmEventTracker, norm: Normaliser, *polls: Any) -> list[EngineBatch]:
+    out = []
+    for poll in polls:
+        batch = tracker.fold(poll)
+        if batch.reset:
+            norm.reset(exact=batch.complete)
+        norm.apply(batch.events)
+        out.append(batch)
+    return out
+
+
+def test_v2_hex_digest_hashes_are_opaque_keys() -> None:
+    """KV cache manager V2 (`hash_algo` v2_sha256) names blocks by hex digests: every poll was
+    refused ("stored_block needs block_hash and tokens"), and a digest parent read as the root."""
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    (batch,) = folded(tracker, norm, load("kv_cache_events_v2.json"))
+    assert batch.reset and batch.complete and (tracker.malformed, tracker.gaps, tracker.ignored) == (0, 0, 1)
+    chain = block_hashes(list(range(1, 13)), 4)
+    salted = BlockHasher(4, chain_salt("", "tenant-A"))(list(range(1, 9)))
+    assert norm.canonical_hashes() == {chain[0], chain[1], *salted}  # "a1f2" (block 3) was removed
+    folded(tracker, norm, [stored(5, "a1f1", ("a1f3", [20, 21, 22, 23]))])  # a digest parent, a poll later
+    assert norm.holds(block_hashes([*range(1, 9), 20, 21, 22, 23], 4)[-1])
+
+
+def test_a_digest_and_an_integer_never_name_one_block() -> None:
+    """A digest "abcd" read as hex (43981) or as bytes (0x61626364) is still not that integer hash."""
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    as_int, as_str = block_hashes([1, 1, 1, 1], 4)[0], block_hashes([2, 2, 2, 2], 4)[0]
+    folded(
+        tracker,
+        norm,
+        [CREATED, stored(1, None, (43981, [1, 1, 1, 1])), stored(2, None, (0x61626364, [3, 3, 3, 3]))],
+        [stored(3, None, ("abcd", [2, 2, 2, 2])), removed(4, "abcd")],
+    )
+    assert norm.holds(as_int) and not norm.holds(as_str) and len(norm) == 2
+
+
+def test_a_salted_chain_is_credited_to_the_routers_salted_prompt() -> None:
+    """TensorRT-LLM puts the request's cache_salt on each stored block; the router hashes a prompt
+    with that cache_salt from root chain_salt(adapter, cache_salt) (router/planner.py), so the shim
+    must publish that chain, not the unsalted one."""
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    prompt = list(range(30, 38))
+    salted = [
+        {"block_hash": 700 + i, "tokens": _tok(prompt[4 * i : 4 * i + 4]), "cache_salt": "tenant-A"} for i in (0, 1)
+    ]
+    poll = [CREATED, {"event_id": 1, "data": {"type": "stored", "parent_hash": None, "blocks": salted}}]
+    folded(tracker, norm, poll)
+    router = BlockHasher(4, chain_salt("", "tenant-A"))(prompt)  # as router/planner.py hashes it
+    assert norm.canonical_hashes() == set(router)
+    assert not norm.holds(block_hashes(prompt, 4)[0])  # another tenant's prompt does not hit
+
+
+def test_a_malformed_event_is_dropped_alone_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """It used to drop the whole poll (its valid events too) with a reset and a WARNING per poll;
+    an entry `{}` (the serializer's answer for a missing event) did the same."""
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    bad = stored(2, None, (None, [5, 5, 5, 5]))
+    with caplog.at_level(logging.WARNING, logger="worker_shim.adapters.trtllm_events"):
+        first, second, third = folded(
+            tracker,
+            norm,
+            [CREATED, stored(1, None, (11, [1, 1, 1, 1])), bad, {}, stored(3, None, (13, [3, 3, 3, 3]))],
+            [{**bad, "event_id": 4}, "junk", {"event_id": 5, "data": None}, stored(6, 13, (14, [4, 4, 4, 4]))],
+            {"detail": "not a list"},
+        )
+    assert first.reset and first.complete and [second.reset, third.reset] == [False, False]
+    assert norm.canonical_hashes() == {
+        block_hashes([1] * 4, 4)[0],
+        *block_hashes([3, 3, 3, 3, 4, 4, 4, 4], 4),
+    }
+    # Events 2, 4 and 5 were read as far as their ids: no gap.
+    assert (tracker.malformed, tracker.ignored, tracker.gaps, tracker.restarts) == (5, 1, 0, 0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 4 and sum("neither a 64-bit integer" in w for w in warnings) == 1
+
+
+async def test_run_events_keeps_the_state_through_malformed_polls(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A poll holding a malformed event was a reset (complete=False) and a WARNING, every time."""
+    monkeypatch.setattr(trtllm, "POLL_S", 0.001)
+    adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m"))
+    polls = iter(
+        [
+            [CREATED],
+            [stored(1, None, (None, [1, 2, 3, 4]))],
+            [stored(2, None, (None, [1, 2, 3, 4]))],
+            [stored(3, None, ("ab03", [4, 5, 6, 7]))],
+        ]
+    )
+
+    async def answer(method: str, path: str) -> Any:
+        return next(polls, None) or []
+
+    monkeypatch.setattr(adapter, "_json", answer)
+    got: list[EngineBatch] = []
+    with caplog.at_level(logging.WARNING):
+        task = asyncio.create_task(adapter.run_events(got.append, asyncio.Event()))
+        await asyncio.sleep(0.2)
+        task.cancel()
+    assert [(b.reset, b.complete, len(b.events)) for b in got] == [(True, False, 0), (True, True, 0), (False, True, 1)]
+    assert adapter.event_stats() == {"gaps": 0, "restarts": 0, "ignored": 0, "malformed": 2}
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+
+
+def test_sliding_window_layers_start_once_and_fold_only_the_largest_window() -> None:
+    """A VSWA model's engine sends a created event per window and stores each block once per
+    window: the second created event was a restart (reset incomplete), and the sliding window's
+    removals dropped blocks the full-attention window still held."""
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    (batch,) = folded(tracker, norm, load("kv_cache_events_vswa.json"))
+    assert batch.reset and batch.complete and (tracker.restarts, tracker.gaps) == (0, 0)
+    assert norm.canonical_hashes() == set(block_hashes(list(range(1, 9)), 4))
+    assert (tracker.window, tracker.kv_total_blocks, tracker.ignored) == (4096, 512, 2)
+
+
+def test_a_larger_window_seen_late_voids_what_was_folded() -> None:
+    """A shim that never saw the created events folds the first window it meets; a larger one
+    later means those were a sliding window's: reset, incomplete."""
+    tracker = TrtllmEventTracker()
+    tracker.fold([{**stored(7, None, (161, [1, 2, 3, 4])), "window_size": 128}])
+    batch = tracker.fold([stored(8, None, (161, [1, 2, 3, 4]))])
+    assert batch.reset and not batch.complete and len(batch.events) == 1 and tracker.window == 4096
+
+
+def test_one_tagged_attention_dp_rank_folds_as_usual() -> None:
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    poll = [{**e, "attention_dp_rank": 0} for e in load("kv_cache_events_poll1.json")]
+    (batch,) = folded(tracker, norm, poll)
+    assert batch.complete and tracker.ranks == {0} and len(norm) == 3
+
+
+async def test_several_attention_dp_ranks_are_refused_naming_the_flag() -> None:
+    """Each rank numbers its events from 0: one stream for all was a restart every poll, and one
+    worker credited with every rank's cache while trtllm-serve puts a request on any rank."""
+    adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m"))
+    with pytest.raises(ConfigError) as err:
+        adapter.tracker.fold(load("kv_cache_events_attention_dp.json"))
+    why = str(err.value)
+    assert err.value.setting == "data_parallel_rank" and "--data-parallel-rank" in why
+    assert "attention data-parallel ranks 0, 1" in why and "enable_attention_dp" in why
+    with pytest.raises(ConfigError) as again:  # the next session's limits, before any request
+        await adapter.limits()
+    assert str(again.value) == why
+    with pytest.raises(ConfigError, match="only vLLM takes a rank per request"):  # no request can name one
+        ShimConfig(engine="trtllm", model="m", data_parallel_rank=1).validate()
+
+
+async def test_a_shim_before_an_attention_dp_engine_exits_without_registering(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    metrics = (FIX / "metrics.json").read_bytes()
+    events = (FIX / "kv_cache_events_attention_dp.json").read_bytes()
+    routes: dict[str, bytes | int] = {"/health": b"", "/metrics": metrics, "/kv_cache_events": events}
+    async with fake_engine(routes) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1)
+        shim = WorkerShim(cfg, NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url]))
+        async with shim:
+            await asyncio.wait_for(shim.done.wait(), 10)
+        assert shim.status is ShimStatus.FAILED and isinstance(shim.failure, ConfigError)
+        assert "attention data-parallel ranks 0, 1" in str(shim.failure)
+        assert shim.registration_count == 0
 
 
 def test_limits_and_load_from_iteration_stats() -> None:

@@ -1,6 +1,8 @@
 """TensorRT-LLM (`trtllm-serve`): HTTP-polled KV events and iteration stats, OpenAI completions.
 
 - Events: `POST /kv_cache_events` every `POLL_S` (trtllm_events.py). Live after the first answer.
+  Events from several attention data-parallel ranks end the session (trtllm-serve cannot run a
+  request on a rank the shim names), and the next session's `limits()` refuses the engine.
 - Limits and load: `GET /metrics` returns JSON iteration stats (tensorrt_llm/serve/openai_server.py
   `get_iteration_stats`); the newest entry's `kvCacheStats` gives maxNumBlocks, usedNumBlocks and
   tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains
@@ -17,7 +19,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -26,15 +27,14 @@ import msgspec
 from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
-from worker_shim.adapters.trtllm_events import TrtllmEventTracker
+from worker_shim.adapters.trtllm_events import TrtllmEventTracker, attention_dp_error
 from worker_shim.adapters.vllm import completion_body
 from worker_shim.config import ShimConfig
-from worker_shim.engine_events import EngineBatch, EventDecodeError
+from worker_shim.engine_events import EngineBatch
 from worker_shim.engine_kind import check_engine_kind
 
 __all__ = ["POLL_S", "TrtllmAdapter", "disagg_body", "limits_from_stats", "load_from_stats"]
 
-log = logging.getLogger(__name__)
 POLL_S = 0.05
 
 
@@ -102,7 +102,10 @@ class TrtllmAdapter(HttpEngineAdapter):
 
     async def limits(self) -> EngineLimits:
         """The limits in the newest iteration stats; a /metrics of another kind of engine (vLLM's
-        or SGLang's Prometheus text) is a wrong --engine."""
+        or SGLang's Prometheus text) is a wrong --engine, and an engine whose KV events came from
+        several attention data-parallel ranks (the session that saw them ended) is refused."""
+        if len(self.tracker.ranks) > 1:
+            raise attention_dp_error(self.tracker.ranks)
         body = await self.fetch("/metrics")
         check_engine_kind(self.kind, self.base, body)
         return limits_from_stats(self._decode("/metrics", body))
@@ -116,12 +119,7 @@ class TrtllmAdapter(HttpEngineAdapter):
         while True:
             events = await self._json("POST", "/kv_cache_events")
             live.set()
-            try:
-                batch = self.tracker.fold(events)
-            except EventDecodeError as exc:
-                log.warning("%s: dropped one poll", exc)
-                sink(EngineBatch(reset=True, complete=False))
-                continue
+            batch = self.tracker.fold(events)  # malformed events: counted, logged once, dropped
             if batch.events or batch.reset:
                 sink(batch)
             await asyncio.sleep(POLL_S)
@@ -131,7 +129,7 @@ class TrtllmAdapter(HttpEngineAdapter):
 
     def event_stats(self) -> dict[str, int]:
         t = self.tracker
-        return {"gaps": t.gaps, "restarts": t.restarts, "ignored": t.ignored}
+        return {"gaps": t.gaps, "restarts": t.restarts, "ignored": t.ignored, "malformed": t.malformed}
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}

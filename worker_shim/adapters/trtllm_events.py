@@ -1,50 +1,113 @@
 """TensorRT-LLM's KV cache events as `trtllm-serve` returns them from `POST /kv_cache_events`.
 
 The JSON shape is `KVCacheEventSerializer` in tensorrt_llm/_utils.py: a list of
-`{"event_id", "data": {...}, "window_size", ["attention_dp_rank"]}` with data one of
-`{"type": "created", "num_blocks_per_cache_level"}`, `{"type": "stored", "parent_hash", "blocks":
-[{"type": "stored_block", "block_hash", "tokens": [{"type": "unique_token", "token_id",
-"token_extra_id"}], "cache_level", "priority"}]}`, `{"type": "removed", "block_hashes"}`,
-`{"type": "updated", "block_hash", "cache_level", "priority"}`.
+`{"event_id", "data": {...}, "window_size", ["attention_dp_rank"], ["hash_algo"],
+["layer_group_id"]}` with data one of `{"type": "created", "num_blocks_per_cache_level"}`,
+`{"type": "stored", "parent_hash", "blocks": [{"type": "stored_block", "block_hash", "tokens":
+[{"type": "unique_token", "token_id", "token_extra_id"}], "mm_keys", "cache_salt", "cache_level",
+"priority"}]}`, `{"type": "removed", "block_hashes"}`, `{"type": "updated", "block_hash",
+"cache_level", "priority"}`; an entry may be `{}` (the serializer's answer for a missing event).
+
+Block hashes are opaque keys: an integer (the C++ manager's size_t, or KV cache manager V2's
+SHA-256 truncated to 64 bits) or a string (V2's default `v2_sha256`, a hex digest). A string is
+keyed above every 64-bit value, so no string ever names the block an integer does.
 
 `event_id` counts up by one per event: a jump means events were lost (the engine's event buffer
-overflowed, or another reader drained them), a step back or a `created` event means the engine
-started afresh. There is no replay, so both reset the state (`complete` only for a fresh start).
-`updated` (a block moving between cache levels or priorities) does not change what is cached and
-is ignored. Each read drains the engine's queue: the shim must be the only reader.
+overflowed, or another reader drained them), a step back means the engine started afresh. There
+is no replay, so both reset the state (`complete` only for a fresh start). The start is the
+engine's `created` events, one per attention window size: a model with sliding-window layers
+(VSWA) has one per window, numbered on, and caches each block once per window. Only the largest
+window's blocks hold a prompt's whole prefix, so only its `stored` and `removed` events are
+folded. `updated` (a block moving between cache levels or priorities) does not change what is
+cached and is ignored. Each read drains the engine's queue: the shim must be the only reader.
+
+A stored block's `cache_salt` (the request's, TensorRT-LLM's per-tenant cache isolation) salts
+its chain as the router salts such a prompt (protocol.hashing.chain_salt).
+
+With attention data parallelism every rank has a cache of its own and numbers its events from 0,
+tagged `attention_dp_rank`, and trtllm-serve runs each request on a rank of its choosing: its
+OpenAI requests take no rank (tensorrt_llm/serve/openai_protocol.py `CompletionRequest` and
+`ChatCompletionRequest` have no `attention_dp_rank`, and refuse unknown fields). One worker
+indexing them would be credited with every rank's cache while its requests land anywhere, so
+events from a second rank are a ConfigError, not folded.
+
+A malformed event is counted, logged once per kind and dropped on its own; its event id, when
+readable, still counts for continuity.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.errors import ConfigError
+from protocol.hashing import chain_salt
 from worker_shim.engine_events import EngineBatch, EngineRemoved, EngineStored, EventDecodeError
 
-__all__ = ["TrtllmEventTracker"]
+__all__ = ["TrtllmEventTracker", "attention_dp_error"]
+
+log = logging.getLogger(__name__)
+
+_STR_KEYS = 1 << 64  # string hashes are keyed from here on, above every int64 and uint64 value
+_MIN_INT = -(1 << 63)
+
+
+def _key(value: object) -> int:
+    """A block hash as the normaliser's key: an integer as it is, a string injectively above
+    every 64-bit integer (so they never collide)."""
+    if isinstance(value, int) and not isinstance(value, bool) and _MIN_INT <= value < _STR_KEYS:
+        return value
+    if isinstance(value, str):
+        return _STR_KEYS + int.from_bytes(b"\x01" + value.encode("utf-8", "surrogatepass"), "big")
+    raise EventDecodeError("trtllm", "a block hash is neither a 64-bit integer nor a string")
+
+
+def attention_dp_error(ranks: set[int]) -> ConfigError:
+    why = (
+        f"the engine's KV events come from attention data-parallel ranks {', '.join(map(str, sorted(ranks)))}, "
+        "each with a KV cache of its own, but trtllm-serve runs a request on a rank of its choosing (its OpenAI "
+        "requests name none), so this worker would be credited with every rank's cache: serve the model without "
+        "enable_attention_dp (--data-parallel-rank, one shim per rank, is vLLM's, whose requests name their rank)"
+    )
+    return ConfigError("data_parallel_rank", None, why)
 
 
 def _stored(data: dict[str, Any]) -> EngineStored:
     blocks = data.get("blocks")
-    if not isinstance(blocks, list) or not blocks:
+    if not isinstance(blocks, list) or not blocks or not all(isinstance(b, dict) for b in blocks):
         raise EventDecodeError("trtllm", "stored event without blocks")
     hashes: list[int] = []
     tokens: list[int] = []
     sizes = set()
     for b in blocks:
-        toks = b.get("tokens") if isinstance(b, dict) else None
-        if not isinstance(toks, list) or not isinstance(b.get("block_hash"), int):
+        toks = b.get("tokens")
+        if not isinstance(toks, list) or "block_hash" not in b:
             raise EventDecodeError("trtllm", "stored_block needs block_hash and tokens")
-        hashes.append(b["block_hash"])
+        hashes.append(_key(b["block_hash"]))
         sizes.add(len(toks))
-        tokens.extend(t["token_id"] if isinstance(t, dict) else t for t in toks)
+        for t in toks:
+            tid = t.get("token_id") if isinstance(t, dict) else t
+            if not isinstance(tid, int):
+                raise EventDecodeError("trtllm", "a stored_block token without an integer token_id")
+            tokens.append(tid)
     parent = data.get("parent_hash")
+    # One request's blocks: its cache_salt is on each (None when it gave none).
+    salt = blocks[0].get("cache_salt")
     return EngineStored(
         hashes=hashes,
-        parent=parent if isinstance(parent, int) else None,
+        parent=None if parent is None else _key(parent),
         token_ids=tokens,
         block_size=sizes.pop() if len(sizes) == 1 else -1,  # uneven blocks: the normaliser rejects them
+        salt=chain_salt("", salt) if isinstance(salt, str) else "",
     )
+
+
+def _removed(data: dict[str, Any]) -> EngineRemoved:
+    hashes = data.get("block_hashes")
+    if not isinstance(hashes, list):
+        raise EventDecodeError("trtllm", "removed event without block_hashes")
+    return EngineRemoved(hashes=[_key(h) for h in hashes])
 
 
 @dataclass(slots=True)
@@ -54,42 +117,83 @@ class TrtllmEventTracker:
     last_id: int | None = None
     gaps: int = 0
     restarts: int = 0
-    ignored: int = 0
+    ignored: int = 0  # `updated` events, `{}` entries, and smaller windows' stored/removed events
+    malformed: int = 0
     kv_total_blocks: int | None = None
+    window: int | None = None  # the largest attention window seen since the engine started
+    ranks: set[int] = field(default_factory=set)  # attention data-parallel ranks seen (untagged: 0)
+    _logged: set[str] = field(default_factory=set)
 
     def fold(self, events: Any) -> EngineBatch:
-        if not isinstance(events, list):
-            raise EventDecodeError("trtllm", "/kv_cache_events must return a JSON list")
+        """One poll's events; raises ConfigError once they come from a second attention-DP rank."""
         batch = EngineBatch()
+        if not isinstance(events, list):
+            # Whatever it drained shows as an event-id gap in the next answer.
+            self._malformed(EventDecodeError("trtllm", "/kv_cache_events answered no JSON list"))
+            return batch
         for ev in events:
-            if (
-                not isinstance(ev, dict)
-                or not isinstance(ev.get("event_id"), int)
-                or not isinstance(ev.get("data"), dict)
-            ):
-                raise EventDecodeError("trtllm", f"event without event_id/data: {str(ev)[:100]}")
-            eid, data = ev["event_id"], ev["data"]
-            kind = data.get("type")
-            if kind == "created" or (self.last_id is not None and eid <= self.last_id):
-                if self.last_id is not None:
-                    self.restarts += 1
-                batch.events.clear()
-                batch.reset, batch.complete = True, eid == 0
-                levels = data.get("num_blocks_per_cache_level")
-                if isinstance(levels, list) and levels:
-                    self.kv_total_blocks = int(levels[0])
-            elif self.last_id is not None and eid != self.last_id + 1:
-                self.gaps += 1
-                batch.events.clear()
-                batch.reset, batch.complete = True, False
-            self.last_id = eid
-            if kind == "stored":
-                batch.events.append(_stored(data))
-            elif kind == "removed":
-                hashes = data.get("block_hashes")
-                if not isinstance(hashes, list):
-                    raise EventDecodeError("trtllm", "removed event without block_hashes")
-                batch.events.append(EngineRemoved(hashes=hashes))
-            elif kind != "created":
+            if isinstance(ev, dict) and not ev:
                 self.ignored += 1
+                continue
+            eid = ev.get("event_id") if isinstance(ev, dict) else None
+            rank = ev.get("attention_dp_rank") if isinstance(ev, dict) else None
+            rank = 0 if rank is None else rank  # untagged: no attention DP
+            if not isinstance(eid, int) or isinstance(eid, bool) or not isinstance(rank, int):
+                self._malformed(EventDecodeError("trtllm", "an event without an integer event_id and rank"))
+                continue
+            self.ranks.add(rank)
+            if len(self.ranks) > 1:
+                raise attention_dp_error(self.ranks)
+            data = ev.get("data")
+            kind = data.get("type") if isinstance(data, dict) else None
+            self._step(eid, kind, batch)
+            if not isinstance(data, dict):
+                self._malformed(EventDecodeError("trtllm", "an event without data"))
+                continue
+            window = ev.get("window_size")
+            if isinstance(window, int) and window > (self.window or 0):
+                if self.window is not None and kind != "created":
+                    self._reset(batch, complete=False)  # what was folded was a sliding window's
+                self.window = window
+            try:
+                self._fold(kind, data, window, batch)
+            except EventDecodeError as exc:
+                self._malformed(exc)
         return batch
+
+    def _step(self, eid: int, kind: object, batch: EngineBatch) -> None:
+        """Event-id continuity: ids count up by one from the engine's start (its created events)."""
+        last = self.last_id
+        if last is not None and eid <= last:
+            self.restarts += 1
+            self.window = None  # a restarted engine may have other windows
+            self._reset(batch, complete=eid == 0)
+        elif last is None and kind == "created":
+            self._reset(batch, complete=eid == 0)
+        elif last is not None and eid != last + 1:
+            self.gaps += 1
+            self._reset(batch, complete=False)
+        self.last_id = eid
+
+    def _fold(self, kind: object, data: dict[str, Any], window: object, batch: EngineBatch) -> None:
+        if kind == "created":
+            levels = data.get("num_blocks_per_cache_level")
+            if window in (None, self.window) and isinstance(levels, list) and levels and isinstance(levels[0], int):
+                self.kv_total_blocks = levels[0]
+        elif kind not in ("stored", "removed"):
+            self.ignored += 1
+        elif isinstance(window, int) and self.window is not None and window < self.window:
+            self.ignored += 1  # a sliding window's copy of blocks the largest window holds too
+        else:
+            batch.events.append(_stored(data) if kind == "stored" else _removed(data))
+
+    @staticmethod
+    def _reset(batch: EngineBatch, *, complete: bool) -> None:
+        batch.events.clear()
+        batch.reset, batch.complete = True, complete
+
+    def _malformed(self, exc: EventDecodeError) -> None:
+        self.malformed += 1
+        if exc.detail not in self._logged:
+            self._logged.add(exc.detail)
+            log.warning("dropping a malformed TensorRT-LLM KV event (logged once per kind): %s", exc.detail)
