@@ -14,9 +14,15 @@ present, as vLLM 0.32 sends them:
     BlockRemoved:     type, block_hashes, medium, group_idx
     AllBlocksCleared: type
 
-or, in the older positional form (vLLM before the tagged maps, and SGLang), arrays led by the tag:
-`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium(,
-lora_name)]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+or, in the older positional form (vLLM before the tagged maps, and SGLang), arrays led by the tag,
+the fields in the maps' order: `["BlockStored", block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium(, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+kv_cache_spec_sliding_window, ...)]`, `["BlockRemoved", block_hashes, medium(, group_idx, ...)]`,
+`["AllBlocksCleared"]`; positions past the known ones are ignored. SGLang names a request's
+`cache_salt` in a map after the positional fields (its BlockStoredWithMetadata:
+`[..., medium, {"cache_salt": "x"}]`, or after the longer layout, whose extra_keys then hold the
+salt prefixed for another router), and an event map may carry `cache_salt` by name; vLLM puts it
+only in the first block's `extra_keys`.
 
 A hybrid model (sliding-window and full-attention layers: Gemma 2/3, gpt-oss) has one KV cache
 group per kind, and each group stores and removes its blocks with events of its own, named by
@@ -26,7 +32,9 @@ blocks inside its window when they fill, so its BlockStored lists those blocks' 
 `block_size * len(block_hashes)` there).
 
 Block hashes are opaque keys: uint64 from vLLM 0.32, bytes from older vLLM (read big-endian),
-signed int64 from SGLang. Decoding ignores unknown fields and unknown event types.
+signed int64 from SGLang. Decoding ignores unknown fields and unknown event types; an event it
+cannot read is left out of its batch (`decode_events` returns its error), a batch it cannot read
+raises.
 
 ZMQ framing: a PUB message is `[topic, seq as u64 big-endian, payload]`, seq from 0 per engine
 start. Replay (DEALER to the engine's ROUTER): request `[b"", start_seq]`; replies `[b"", topic,
@@ -55,6 +63,7 @@ __all__ = [
     "EventForm",
     "KVEvent",
     "decode_batch",
+    "decode_events",
     "decode_pub_frames",
     "decode_replay_frames",
     "decode_replay_reply",
@@ -91,6 +100,8 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     kv_cache_spec_kind: str = SPEC_KIND
     # A sliding-window group's window in tokens; vLLM sends the key only for such groups.
     kv_cache_spec_sliding_window: int | msgspec.UnsetType = msgspec.UNSET
+    # The request's cache_salt where the engine names it (SGLang); vLLM's is in extra_keys only.
+    cache_salt: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, gc=False):
@@ -118,10 +129,12 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def _array_form(event: KVEvent) -> list[Any]:
-    # The older positional form ends at `medium` (lora_name and later fields came with the maps).
+    # The older positional form ends at `medium` (lora_name and later fields came with the maps);
+    # a salted block then carries SGLang's metadata map.
     if isinstance(event, BlockStored):
         e = event
-        return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium]
+        out = ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium]
+        return out if e.cache_salt is msgspec.UNSET else [*out, {"cache_salt": e.cache_salt}]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]
     return ["AllBlocksCleared"]
@@ -137,10 +150,23 @@ def encode_batch(ts: float, events: Sequence[KVEvent], *, form: str = "map", dat
 # --- decoding ---------------------------------------------------------------------------------
 
 _decoder = msgspec.msgpack.Decoder()
-# Positional field names of the array form, after the tag.
+# Positional field names of the array form, after the tag: vLLM's field order, which SGLang's
+# longer layout keeps.
 _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
-    "BlockRemoved": ("block_hashes", "medium"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+    ),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
 
@@ -166,7 +192,11 @@ def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
         kind = raw.get("type")
         return (kind if isinstance(kind, str) else ""), raw
     if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
-        return raw[0], dict(zip(_ARRAY_FIELDS.get(raw[0], ()), raw[1:], strict=False))
+        values = list(raw[1:])
+        # SGLang's metadata map follows the positional fields (msgspec's kw_only field, encoded last).
+        metadata = values.pop() if values and isinstance(values[-1], dict) else None
+        fields = dict(zip(_ARRAY_FIELDS.get(raw[0], ()), values, strict=False))
+        return raw[0], fields if metadata is None else {**fields, "metadata": metadata}
     raise ProtocolError(_WHAT, f"an event must be a map or a tagged array, got {type(raw).__name__}")
 
 
@@ -187,7 +217,17 @@ def _stored(f: dict[str, Any]) -> BlockStored:
         group_idx=_optional(f, "group_idx", int, 0),
         kv_cache_spec_kind=_optional(f, "kv_cache_spec_kind", str, SPEC_KIND),
         kv_cache_spec_sliding_window=_optional(f, "kv_cache_spec_sliding_window", int) or msgspec.UNSET,
+        cache_salt=_named_salt(f),
     )
+
+
+def _named_salt(f: dict[str, Any]) -> str | msgspec.UnsetType:
+    """The cache_salt an event names: in SGLang's metadata map, else as a field of its own."""
+    metadata = f.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ProtocolError(_WHAT, f"metadata {metadata!r} is not a map")
+    salt = _optional(f if metadata is None else metadata, "cache_salt", str)
+    return msgspec.UNSET if salt is None else salt
 
 
 def _event(raw: Any) -> KVEvent | None:
@@ -214,6 +254,15 @@ def decode_batch(payload: bytes) -> EventBatch:
     Hashes come back as ints whatever their wire type; fields an older form lacks take the
     defaults, except `medium`, which stays None when not sent.
     """
+    batch, errors = decode_events(payload)
+    if errors:
+        raise errors[0]
+    return batch
+
+
+def decode_events(payload: bytes) -> tuple[EventBatch, list[ProtocolError]]:
+    """As decode_batch, but an event that cannot be read is left out and its error returned, so it
+    does not void the other events of its batch; a batch that cannot be read still raises."""
     try:
         raw = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
@@ -226,11 +275,21 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise ProtocolError(_WHAT, "a batch must be [ts, events, ...] or a map with events")
     if not isinstance(events, list):
         raise ProtocolError(_WHAT, "the batch's events are not a list")
-    decoded = [e for e in map(_event, events) if e is not None]
+    decoded: list[KVEvent] = []
+    errors: list[ProtocolError] = []
+    for item in events:
+        try:
+            event = _event(item)
+        except ProtocolError as exc:
+            errors.append(exc)
+            continue
+        if event is not None:
+            decoded.append(event)
     # Nothing downstream reads ts or the rank, so odd values there do not void the events.
-    return EventBatch(
+    batch = EventBatch(
         float(ts) if isinstance(ts, int | float) else 0.0, decoded, rank if isinstance(rank, int) else None
     )
+    return batch, errors
 
 
 # --- ZMQ frames -------------------------------------------------------------------------------

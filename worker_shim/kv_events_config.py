@@ -6,9 +6,12 @@ same JSON shape; the operator hands the shim the string the engine was given. Ke
     enable_kv_cache_events  vLLM only: false (vLLM publishes nothing unless true)
     publisher               "zmq" or "null"; vLLM: unset means zmq when events are enabled;
                             SGLang: unset means null (nothing published)
-    endpoint                "tcp://*:5557": the PUB socket (binds with `*`, `::`, ipc://, inproc://;
-                            connects otherwise, and the shim then binds)
+    endpoint                "tcp://*:5557": the PUB socket (binds with `*`, `::`, ipc://, inproc://,
+                            and for SGLang `0.0.0.0`; connects otherwise, and the shim then binds)
     replay_endpoint         None: the ROUTER socket for replay
+    snapshot_endpoint       SGLang only, None: the ROUTER socket for placement snapshots, which the
+                            shim does not use; when set, SGLang adds its publisher's epoch to the
+                            live topic (worker_shim/adapters/zmq_events.py reads it)
     topic                   "": the topic frame of every PUB message
     buffer_steps, hwm, max_queue_size: the engine's buffers; nothing the shim needs
 
@@ -26,16 +29,12 @@ from protocol import ConfigError
 
 __all__ = ["KEYS", "EngineEventsConfig", "parse_kv_events_config"]
 
-KEYS = (
-    "enable_kv_cache_events",
-    "publisher",
-    "endpoint",
-    "replay_endpoint",
-    "topic",
-    "buffer_steps",
-    "hwm",
-    "max_queue_size",
-)
+_COMMON = ("publisher", "endpoint", "replay_endpoint", "topic", "buffer_steps", "hwm", "max_queue_size")
+# The keys each engine takes (vLLM's KVEventsConfig; SGLang's ZmqEventPublisherConfig and publisher).
+KEYS: dict[str, tuple[str, ...]] = {
+    "vllm": ("enable_kv_cache_events", *_COMMON),
+    "sglang": (*_COMMON, "snapshot_endpoint"),
+}
 _SETTING = "kv_events_config"
 
 
@@ -68,7 +67,7 @@ def _typed(data: dict[str, Any], key: str, kind: type, default: Any) -> Any:
 def parse_kv_events_config(engine: str, raw: str | dict[str, Any]) -> EngineEventsConfig:
     """The endpoints and topic the engine publishes on; ConfigError if it publishes nothing."""
     data = _load(raw)
-    allowed = KEYS if engine == "vllm" else KEYS[1:]
+    allowed = KEYS[engine]
     unknown = sorted(set(data) - set(allowed))
     if unknown:
         raise ConfigError(_SETTING, data, f"unknown key(s) {', '.join(unknown)}; {engine} takes {', '.join(allowed)}")
@@ -86,6 +85,7 @@ def parse_kv_events_config(engine: str, raw: str | dict[str, Any]) -> EngineEven
         raise ConfigError(_SETTING, data, f'publisher {publisher!r} publishes nothing: the shim needs "zmq"')
     for key in ("buffer_steps", "hwm", "max_queue_size"):
         _typed(data, key, int, None)
+    _typed(data, "snapshot_endpoint", str, None)
     return EngineEventsConfig(
         endpoint=_typed(data, "endpoint", str, "tcp://*:5557"),
         replay_endpoint=_typed(data, "replay_endpoint", str, None),

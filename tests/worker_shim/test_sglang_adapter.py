@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from protocol import ConfigError, SamplingParams, block_hashes
+from protocol.hashing import chain_salt
 from protocol.vllm_events import decode_pub_frames
 from tests.protocol.vllm_captures import frames
 from worker_shim import Normaliser
@@ -21,9 +22,12 @@ from worker_shim.adapters.sglang import (
     generate_body,
     limits_from_server_info,
     load_from_metrics,
+    openai_body,
 )
 from worker_shim.adapters.vllm_events import decode_payload
 from worker_shim.config import ShimConfig
+from worker_shim.engine_events import EngineRemoved, EngineStored
+from worker_shim.kv_events_config import EngineEventsConfig, parse_kv_events_config
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "sglang"
 
@@ -43,6 +47,64 @@ def test_signed_page_hashes_normalise_to_the_canonical_chain() -> None:
     assert states[3] == set()
     assert states[4] == set(block_hashes([9, 9, 9, 9], 4))
     assert norm.stats.unknown_parent == norm.stats.malformed == 0
+
+
+SALT = "tenant-a"
+TOKENS = list(range(10, 18))  # two pages of 4
+# SGLang's salted BlockStored (python/sglang/srt/disaggregation/kv_events.py BlockStoredWithMetadata):
+# its metadata map {"cache_salt"} after the positional fields, on every page of a salted request.
+SHORT = [
+    ["BlockStored", [-11], None, TOKENS[:4], 4, None, "GPU", {"cache_salt": SALT}],
+    ["BlockStored", [-12], -11, TOKENS[4:], 4, None, "GPU", {"cache_salt": SALT}],
+]
+# The longer layout an SGLang test pins (vLLM's field order up to ownership, then the map; its
+# extra_keys hold the salt prefixed for another router).
+LONG = [
+    ["BlockStored", [-21, -22], None, TOKENS, 4, None, "GPU", None, [[f"dynamo-cache-salt:{SALT}"]]]
+    + [None] * 5
+    + [{"cache_salt": SALT}]
+]
+
+
+@pytest.mark.parametrize("events", [SHORT, LONG], ids=["after-medium", "longer-layout"])
+def test_a_salted_chain_normalises_to_the_hashes_the_router_gives_that_cache_salt(events: list[object]) -> None:
+    """The salt was ignored (the longer layout) or voided the whole batch (the map read as a
+    lora_name): a salted request's cached prefix was never found, or credited to unsalted ones."""
+    norm = Normaliser(4)
+    norm.apply(decode_payload(msgspec.msgpack.encode([1.0, events, 0]), "sglang"))
+    assert norm.canonical_hashes() == set(block_hashes(TOKENS, 4, salt=chain_salt(cache_salt=SALT)))
+    assert norm.stats.unknown_parent == norm.stats.malformed == 0
+
+
+def test_a_salted_page_leaves_its_batchs_unsalted_events_as_they_are() -> None:
+    plain = ["BlockStored", [-31], None, [9, 9, 9, 9], 4, None, "GPU"]
+    batch = [plain, ["BlockRemoved", [-99], "GPU"], SHORT[0]]
+    stored, removed, salted = decode_payload(msgspec.msgpack.encode([1.0, batch, 0]), "sglang")
+    assert isinstance(stored, EngineStored) and stored.salt == ""
+    assert removed == EngineRemoved(hashes=[-99], medium="GPU")
+    assert isinstance(salted, EngineStored) and salted.salt == chain_salt(cache_salt=SALT)
+
+
+def test_sglangs_own_kv_events_config_with_a_snapshot_endpoint_is_taken() -> None:
+    """SGLang's ZmqEventPublisherConfig takes snapshot_endpoint; its JSON was refused as unknown."""
+    raw = {"publisher": "zmq", "endpoint": "tcp://*:5557", "snapshot_endpoint": "tcp://*:5600", "topic": "kv"}
+    assert parse_kv_events_config("sglang", raw) == EngineEventsConfig("tcp://*:5557", None, "kv")
+    with pytest.raises(ConfigError, match="snapshot_endpoint must be a str"):
+        parse_kv_events_config("sglang", {**raw, "snapshot_endpoint": 5600})
+    with pytest.raises(ConfigError, match=r"unknown key.*snapshot_endpoint.*vllm takes"):
+        parse_kv_events_config("vllm", {"enable_kv_cache_events": True, "snapshot_endpoint": "tcp://*:5600"})
+
+
+def test_the_clients_cache_salt_reaches_sglang_on_both_kinds_of_leg() -> None:
+    """The request service counts a leg's prompt as salted by its body's cache_salt; the engine must
+    cache it so too, or its Stored events never match what the shim expects."""
+    leg = LegRequest("r", "m", [1, 2, 3], SamplingParams(), params={"cache_salt": SALT})
+    assert generate_body(leg, None)["cache_salt"] == SALT
+    assert "cache_salt" not in generate_body(LegRequest("r", "m", [1, 2, 3], SamplingParams()), None)
+    chat = LegRequest(
+        "r", "m", [1, 2, 3], SamplingParams(), endpoint="chat", params={"messages": [], "cache_salt": SALT}
+    )
+    assert openai_body(chat, None)["cache_salt"] == SALT
 
 
 def test_limits_and_load() -> None:

@@ -148,6 +148,28 @@ def test_a_stored_chain_is_salted_by_its_requests_cache_salt(fields: dict[str, o
     assert isinstance(event, EngineStored) and event.salt == salt
 
 
+def test_the_array_forms_later_positions_carry_the_adapter_and_cache_salt() -> None:
+    """Positions after `medium` follow the maps' field order (vLLM's; SGLang's longer layout keeps
+    it): extra_keys at position 8 salted nothing while the decoder stopped at lora_name."""
+    event = ["BlockStored", [5, 6], None, [1] * 32, 16, 3, "GPU", "sql-adapter", [["sql-adapter", "tenant-1"], None]]
+    (stored,) = decode_payload(msgspec.msgpack.encode([1.0, [event]]))
+    assert isinstance(stored, EngineStored) and stored.salt == chain_salt("sql-adapter", "tenant-1")
+
+
+@pytest.mark.parametrize("capture", list(CAPTURES))
+def test_a_malformed_event_leaves_the_rest_of_its_batch(capture: str) -> None:
+    """One event the decoder cannot read voided its whole batch: the captured batches with a bad
+    event spliced in still give every captured event, and the bad one's error."""
+    for f in pub_frames(capture):
+        ts, events, rank = msgspec.msgpack.decode(f[2])
+        spliced = [*events[:1], {"type": "BlockStored", "block_hashes": [1]}, *events[1:]]
+        got, got_rank, errors = decode_ranked(msgspec.msgpack.encode([ts, spliced, rank]), "vllm")
+        assert (got, got_rank) == (decode_payload(f[2]), rank)
+        assert [e.detail for e in errors] == ["BlockStored needs block_hashes, token_ids and block_size"]
+        with pytest.raises(EventDecodeError):  # the strict form still refuses the batch
+            decode_payload(msgspec.msgpack.encode([ts, spliced, rank]))
+
+
 def _normalised_replay(fixture: str) -> set[int]:
     """The canonical hashes a shim holds after a captured replay (the request line first)."""
     norm = Normaliser(32)

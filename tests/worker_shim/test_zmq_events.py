@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -18,7 +20,7 @@ from kvswitch.servers import free_port
 from protocol.vllm_events import END_SEQ, decode_pub_frames
 from tests.protocol.vllm_captures import expected_set, pub_frames, replay_frames
 from tests.worker_shim.cluster import wait_for
-from worker_shim import EngineBatch, Normaliser
+from worker_shim import EngineBatch, EngineStored, Normaliser
 from worker_shim.adapters import zmq_events
 from worker_shim.adapters.zmq_events import SETTLE_S, ZmqEventSource, resolve_endpoint
 
@@ -139,10 +141,101 @@ async def test_batches_the_pub_dropped_before_the_subscription_arrived_are_fetch
     [
         ("tcp://*:5557", "auto", ("tcp://10.0.0.5:5557", False)),
         ("tcp://127.0.0.1:5557", "auto", ("tcp://127.0.0.1:5557", True)),
+        ("tcp://0.0.0.0:5557", "auto", ("tcp://0.0.0.0:5557", True)),  # vLLM 0.32's PUB connects to it
         ("ipc:///tmp/kv", "auto", ("ipc:///tmp/kv", False)),
         ("tcp://127.0.0.1:5557", "connect", ("tcp://127.0.0.1:5557", False)),
         ("tcp://*:5557", "bind", ("tcp://*:5557", True)),
     ],
 )
 def test_bind_or_connect_follows_vllms_rule_backwards(endpoint: str, mode: str, expected: tuple[str, bool]) -> None:
-    assert resolve_endpoint(endpoint, mode, "10.0.0.5") == expected  # type: ignore[arg-type]
+    assert resolve_endpoint(endpoint, mode, "10.0.0.5", "vllm") == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("tcp://0.0.0.0:5557", ("tcp://10.0.0.5:5557", False)),
+        ("tcp://*:5557", ("tcp://10.0.0.5:5557", False)),
+        ("tcp://127.0.0.1:5557", ("tcp://127.0.0.1:5557", True)),
+    ],
+)
+def test_sglangs_pub_binds_0_0_0_0_so_the_shim_connects_to_the_engine_host(
+    endpoint: str, expected: tuple[str, bool]
+) -> None:
+    """SGLang's ZmqEventPublisher binds `*`, `::` and `0.0.0.0` endpoints: a shim that bound
+    tcp://0.0.0.0 too met no engine, and the KV events never came."""
+    assert resolve_endpoint(endpoint, "auto", "10.0.0.5", "sglang") == expected
+    source = ZmqEventSource("sglang", endpoint, "auto", "kv", "tcp://0.0.0.0:5558", "10.0.0.5")
+    assert (source.address, source.bind) == expected
+    # Both engines' replay ROUTER binds: a bind-all address is reached at the engine host.
+    assert source.replay_address == "tcp://10.0.0.5:5558"
+    assert ZmqEventSource("vllm", endpoint, "auto", "kv", "tcp://0.0.0.0:5558", "10.0.0.5").replay_address == (
+        "tcp://10.0.0.5:5558"
+    )
+
+
+# --- SGLang's live topics with a snapshot_endpoint, and malformed events, on the message path ---------
+
+EPOCH, BARRIER = b"\x00sgl-kv-epoch=", b"\x00sgl-kv-snapshot="
+
+
+def _payload(*events: object) -> bytes:
+    return msgspec.msgpack.encode([1.0, list(events), 0])
+
+
+def _stored_hashes(batches: list[EngineBatch]) -> list[list[int]]:
+    return [list(e.hashes) for b in batches for e in b.events if isinstance(e, EngineStored)]
+
+
+def _stored(hash_: int, tokens: list[int], parent: int | None = None) -> list[object]:
+    return ["BlockStored", [hash_], parent, tokens, 4, None, "GPU"]
+
+
+async def _send(source: ZmqEventSource, sink: list[EngineBatch], topic: bytes, seq: int, payload: bytes) -> None:
+    await source._on_message([topic, seq.to_bytes(8, "big"), payload], sink.append)
+
+
+async def test_sglangs_epoch_topics_are_the_shims_topic_and_its_barriers_hold_no_events() -> None:
+    """With a snapshot_endpoint, SGLang publishes under topic + \\x00sgl-kv-epoch=<epoch>, and a
+    snapshot barrier (no events) adds \\x00sgl-kv-snapshot=<id>: the exact topic check counted every
+    such message as another topic, and the shim indexed nothing."""
+    source = ZmqEventSource("sglang", "tcp://*:5557", "auto", "kv", None, "127.0.0.1")
+    got: list[EngineBatch] = []
+    await _send(source, got, b"kv" + EPOCH + b"3f2a", 0, _payload(_stored(-1, [1, 2, 3, 4])))
+    await _send(source, got, b"kv" + EPOCH + b"3f2a" + BARRIER + b"b1", 1, _payload())
+    await _send(source, got, b"kv" + EPOCH + b"3f2a", 2, _payload(_stored(-2, [5, 6, 7, 8], -1)))
+    await _send(source, got, b"kvx" + EPOCH + b"3f2a", 3, _payload(_stored(-3, [9, 9, 9, 9])))
+    assert _stored_hashes(got) == [[-1], [-2]]
+    s = source.stats
+    assert (s.barriers, s.other_topic, s.gaps, s.restarts, source._last) == (1, 1, 0, 0, 2)
+
+
+@pytest.mark.parametrize("seq", [0, 3], ids=["from-0", "looks-like-the-next"])
+async def test_another_sglang_epoch_is_a_restarted_publisher(seq: int) -> None:
+    """A new epoch is a new publisher run: its seq may even look like the next one (the shim missed
+    the new run's start), yet what the shim holds is void."""
+    source = ZmqEventSource("sglang", "tcp://*:5557", "auto", "kv", None, "127.0.0.1")
+    got: list[EngineBatch] = []
+    for i in range(3):
+        await _send(source, got, b"kv" + EPOCH + b"run-1", i, _payload(_stored(-10 - i, [i] * 4)))
+    await _send(source, got, b"kv" + EPOCH + b"run-2", seq, _payload(_stored(-20, [7] * 4)))
+    assert source.stats.restarts == 1
+    # The old run's blocks are void; without a replay socket a missed start leaves a partial state.
+    assert [(b.reset, b.complete) for b in got[3:] if b.reset] == [(True, seq == 0)]
+    assert _stored_hashes(got[3:]) == [[-20]]
+
+
+async def test_one_malformed_event_is_dropped_alone_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A malformed event is counted, logged once and dropped (docs/worker_shim.md): its batch's
+    other events (vLLM 0.32 maps here) were dropped with it."""
+    source = ZmqEventSource("vllm", "tcp://*:5557", "auto", "kv-events", None, "127.0.0.1")
+    good = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": [1] * 4}
+    bad = {"type": "BlockRemoved", "block_hashes": ["x"]}
+    got: list[EngineBatch] = []
+    with caplog.at_level(logging.WARNING):
+        for seq in range(2):
+            batch = _payload({**good, "block_size": 4}, bad, {"type": "AllBlocksCleared"})
+            await _send(source, got, b"kv-events", seq, batch)
+    assert [len(b.events) for b in got] == [2, 2]
+    assert source.stats.malformed == 2
+    assert len([r for r in caplog.records if "neither an integer nor bytes" in r.getMessage()]) == 1

@@ -4,8 +4,12 @@
   `BlockStored` per page with `block_size` = page size, hashes a chained SHA-256 cut to a *signed*
   int64 (`hash_str_to_int64`), the first page's parent is the last page of the parent radix node
   (None under the root). Events use msgspec's positional array form. The vLLM decoder reads them;
-  signed hashes are just other opaque keys. Page size 1 (SGLang's default) makes every token a
-  block: register with the engine's page size, and expect a router to match per token.
+  signed hashes are just other opaque keys. A block of a request with `cache_salt` carries it in a
+  map after the positional fields (BlockStoredWithMetadata), which salts the chain as the router
+  salts such a prompt. Page size 1 (SGLang's default) makes every token a block: register with the
+  engine's page size, and expect a router to match per token. Its PUB binds `*`, `::` and
+  `0.0.0.0` endpoints (vLLM's connects to `0.0.0.0`); with a `snapshot_endpoint` the live topic
+  carries the publisher's epoch (both: zmq_events.py).
 - Limits from `GET /get_server_info`: `page_size`, `max_total_num_tokens` (capacity in tokens),
   `chunked_prefill_size` (the per-step prefill budget). Load from /metrics:
   `sglang:num_running_reqs`, `sglang:num_queue_reqs`, and KV use as `sglang:num_used_tokens` over
@@ -18,8 +22,9 @@
   decode peer. So the prefill leg starts the prefill request in the background and returns the
   triple at once; the decode leg sends it with its own request.
 - Requests: the client's own OpenAI request on SGLang's `/v1/completions` or
-  `/v1/chat/completions` (openai_http.pass_through_body) with `rid` and the bootstrap triple.
-  Token-id legs use the native `/generate`.
+  `/v1/chat/completions` (openai_http.pass_through_body) with `rid` and the bootstrap triple; its
+  `cache_salt` goes along (SGLang's OpenAI protocol takes it). Token-id legs use the native
+  `/generate`, with the client's `cache_salt` when its body has one.
 - Output of `/generate`: it streams `output_ids` with `meta_info.completion_tokens`; the new tokens are
   the last (completion_tokens - sent) ids, which holds whether the engine streams incrementally or
   cumulatively. Abort: closing the stream and `POST /abort_request {"rid"}`.
@@ -116,6 +121,9 @@ def generate_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str
         "stream": leg.stream and not leg.prefill_only,
         "rid": leg.request_id,
     }
+    # The request service counts the prompt as salted by it: the engine must cache it so too.
+    if isinstance(salt := leg.params.get("cache_salt"), str):
+        body["cache_salt"] = salt
     if bootstrap:
         body.update(bootstrap)
     return body

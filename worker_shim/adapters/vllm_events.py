@@ -2,15 +2,17 @@
 
 SGLang publishes the same format; its signed int64 hashes are just other opaque keys. A stored
 chain's salt (protocol.hashing.chain_salt) is its LoRA adapter (the name when the engine sends
-one, else the id as text) and the request's `cache_salt`, which vLLM puts in the first block's
-`extra_keys` after the adapter's name.
+one, else the id as text) and the request's `cache_salt`: the one SGLang names in its metadata
+map, else the one vLLM puts in the first block's `extra_keys` after the adapter's name. That is
+how the router and the request service salt a prompt of that adapter and cache_salt, so a salted
+request's cached prefix is found.
 """
 
 from __future__ import annotations
 
 from protocol.errors import ProtocolError
 from protocol.hashing import chain_salt
-from protocol.vllm_events import BlockRemoved, BlockStored, KVEvent, decode_batch
+from protocol.vllm_events import BlockRemoved, BlockStored, KVEvent, decode_events
 from worker_shim.engine_events import (
     FULL,
     WINDOW,
@@ -60,8 +62,10 @@ def _kind(kind: str | None, window: object) -> str:
 
 
 def _cache_salt(event: BlockStored) -> str:
-    """The request's cache_salt from a chain's first block: its extra keys' strings but the
-    adapter's name ("" when it has none)."""
+    """The request's cache_salt: the one the event names (SGLang), else from a chain's first block
+    its extra keys' strings but the adapter's name ("" when it has none)."""
+    if isinstance(event.cache_salt, str):
+        return event.cache_salt
     first = event.extra_keys[0] if event.extra_keys else None
     if not isinstance(first, list | tuple):
         return ""
@@ -72,15 +76,22 @@ def _cache_salt(event: BlockStored) -> str:
 
 
 def decode_payload(payload: bytes, engine: str = "vllm") -> list[EngineEvent]:
-    """One batch payload to engine events; raises EventDecodeError (naming `engine`) if malformed."""
-    return decode_ranked(payload, engine)[0]
+    """One batch payload to engine events; raises EventDecodeError (naming `engine`) if anything in
+    it is malformed."""
+    events, _, errors = decode_ranked(payload, engine)
+    if errors:
+        raise errors[0]
+    return events
 
 
-def decode_ranked(payload: bytes, engine: str = "vllm") -> tuple[list[EngineEvent], int | None]:
-    """One batch payload to engine events and the data-parallel rank that published it (None: an
-    older engine's batch, which names none)."""
+def decode_ranked(payload: bytes, engine: str = "vllm") -> tuple[list[EngineEvent], int | None, list[EventDecodeError]]:
+    """One batch payload to the engine events it holds, the data-parallel rank that published it
+    (None: an older engine's batch, which names none), and an EventDecodeError for each event left
+    out as malformed: the batch's other events still count. Raises EventDecodeError (naming
+    `engine`) when the batch as a whole is malformed."""
     try:
-        batch = decode_batch(payload)
+        batch, errors = decode_events(payload)
     except ProtocolError as exc:
         raise EventDecodeError(engine, exc.detail) from exc
-    return [to_engine_event(e) for e in batch.events], batch.data_parallel_rank
+    events = [to_engine_event(e) for e in batch.events]
+    return events, batch.data_parallel_rank, [EventDecodeError(engine, exc.detail) for exc in errors]

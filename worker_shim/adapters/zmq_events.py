@@ -2,10 +2,13 @@
 protocol/vllm_events.py).
 
 Sockets: a SUB on the event endpoint, subscribed to the topic and checking it exactly (ZMQ filters
-by prefix); a DEALER to the replay endpoint. Which side binds: `auto` reads the engine's own rule
-backwards: an endpoint with `*` or `::` (or ipc://, inproc://) means the engine's PUB binds, so the
-shim connects (to the engine host, for `*`); otherwise the engine's PUB connects, so the shim binds
-that address.
+by prefix), except for the suffix SGLang adds with a `snapshot_endpoint`: `\x00sgl-kv-epoch=` and
+its publisher's epoch (a token per publisher run), and on a snapshot barrier (no events)
+`\x00sgl-kv-snapshot=` and the barrier's id; a DEALER to the replay endpoint. Which side binds:
+`auto` reads the engine's own rule backwards: an endpoint with `*` or `::` (or ipc://, inproc://;
+for SGLang `0.0.0.0` too) means the engine's PUB binds, so the shim connects (to the engine host,
+for `*` and `0.0.0.0`); otherwise the engine's PUB connects, so the shim binds that address. The
+engine's replay ROUTER always binds: the shim connects, to the engine host for `*` and `0.0.0.0`.
 
 Sequence handling (seq is the engine's, per engine run, from 0):
 - at start, and whenever the whole state is wanted again (`request_rebuild`), replay from 0: a replay
@@ -14,7 +17,8 @@ Sequence handling (seq is the engine's, per engine run, from 0):
 - the next seq is delivered; a gap is filled by replay from the first missing seq; a replay that
   cannot fill it (it starts later than asked, or times out) resets with `complete=False`;
 - a seq at or below the last one outside the window right after a replay means the engine restarted:
-  reset, then rebuild from its new run;
+  reset, then rebuild from its new run; so does another publisher epoch (SGLang), whatever its seq;
+- a snapshot barrier (SGLang) is counted; it holds no events, but takes a seq like any batch;
 - the SUB socket reconnecting (ZMQ monitor) also rebuilds: a restarted engine's first batches may
   have gone out before the link was back, and nothing else would reveal them;
 - SETTLE_S after every connection, a replay from the next seq fetches what the PUB dropped before
@@ -44,7 +48,7 @@ from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineEvent
 from worker_shim.event_health import EventHealth, EventProblem
 
-__all__ = ["ZmqEventSource", "ZmqEventStats", "ZmqEventsAdapter", "resolve_endpoint"]
+__all__ = ["ZmqEventSource", "ZmqEventStats", "ZmqEventsAdapter", "engine_binds", "resolve_endpoint"]
 
 log = logging.getLogger(__name__)
 REPLAY_TIMEOUT_S = 2.0
@@ -52,19 +56,41 @@ POLL_MS = 250
 # After a connection, the PUB drops batches until the SUB's subscription reaches it (ZMQ's slow
 # joiner); a replay this long after the connection fetches what went out in that window.
 SETTLE_S = 1.0
-_RULE = (
-    "vLLM's rule (SGLang's too): an endpoint with `*` (or `::`, ipc://, inproc://) makes the engine BIND "
-    "it and the shim connect to the engine host; any other endpoint makes the engine CONNECT to it and "
-    "the shim must bind that address"
-)
+# SGLang with a snapshot_endpoint: live topic = topic + EPOCH_MARKER + epoch, and a snapshot
+# barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
+EPOCH_MARKER = b"\x00sgl-kv-epoch="
+BARRIER_MARKER = b"\x00sgl-kv-snapshot="
 
 
-def resolve_endpoint(endpoint: str, mode: KvEventsMode, engine_host: str) -> tuple[str, bool]:
+def engine_binds(endpoint: str, engine: str) -> bool:
+    """Whether the engine's PUB binds `endpoint`: vLLM's rule; SGLang's PUB binds `0.0.0.0` too
+    (its ZmqEventPublisher._socket_setup), where vLLM 0.32's connects to it."""
+    return publisher_binds(endpoint) or (engine == "sglang" and "0.0.0.0" in endpoint)
+
+
+def _rule(engine: str) -> str:
+    wildcards = (
+        "SGLang's rule: an endpoint with `*` or `0.0.0.0`"
+        if engine == "sglang"
+        else "vLLM's rule: an endpoint with `*`"
+    )
+    return (
+        f"{wildcards} (or `::`, ipc://, inproc://) makes the engine BIND it and the shim connect to the engine "
+        "host; any other endpoint makes the engine CONNECT to it and the shim must bind that address"
+    )
+
+
+def _on_engine_host(address: str, engine_host: str) -> str:
+    """An address the engine binds, as the shim reaches it: a bind-all host is the engine host."""
+    return address.replace("*", engine_host).replace("0.0.0.0", engine_host)
+
+
+def resolve_endpoint(endpoint: str, mode: KvEventsMode, engine_host: str, engine: str) -> tuple[str, bool]:
     """(address, bind) for the shim's SUB socket from the engine's endpoint string."""
-    bind = mode == "bind" or (mode == "auto" and not publisher_binds(endpoint))
+    bind = mode == "bind" or (mode == "auto" and not engine_binds(endpoint, engine))
     if bind:
         return endpoint, True
-    return endpoint.replace("*", engine_host), False
+    return _on_engine_host(endpoint, engine_host), False
 
 
 @dataclass(slots=True)
@@ -72,6 +98,7 @@ class ZmqEventStats:
     messages: int = 0
     malformed: int = 0
     other_topic: int = 0
+    barriers: int = 0  # SGLang's snapshot barriers: no events
     other_rank: int = 0  # batches of another data-parallel rank, dropped
     gaps: int = 0
     replays: int = 0
@@ -103,13 +130,14 @@ class ZmqEventSource:
         self.rank = rank
         self.endpoint = endpoint
         self.mode = mode
-        self.address, self.bind = resolve_endpoint(endpoint, mode, engine_host)
+        self.address, self.bind = resolve_endpoint(endpoint, mode, engine_host, engine)
         self.topic = topic.encode()
-        self.replay_address = replay.replace("*", engine_host) if replay else None
+        self.replay_address = _on_engine_host(replay, engine_host) if replay else None
         self.health = health or EventHealth()
         self.stats = stats or ZmqEventStats()
         self._ctx: zmq.asyncio.Context | None = None
         self._last: int | None = None
+        self._epoch: bytes | None = None  # the publisher run's, when the topic names one (SGLang)
         self._replayed_until = -1
         self._rebuild = False
         self._connections = 0
@@ -209,7 +237,7 @@ class ZmqEventSource:
         )
         self.health.problem(
             EventProblem.NO_CONNECTION,
-            f"{what}. {_RULE}; {side}. Give --kv-events the endpoint exactly as the engine was given it "
+            f"{what}. {_rule(self.engine)}; {side}. Give --kv-events the endpoint exactly as the engine was given it "
             "(or the engine's whole JSON with --kv-events-config) and check that the engine host in "
             "--engine-url is where its PUB socket is",
         )
@@ -248,29 +276,60 @@ class ZmqEventSource:
         except ProtocolError as exc:
             self._malformed(exc)
             return
-        if self.topic and topic != self.topic:
+        parts = self._topic_parts(topic)
+        if parts is None:
             self.stats.other_topic += 1
             return
-        last = self._last
+        epoch, barrier = parts
+        if barrier:
+            self.stats.barriers += 1  # no events, but its seq is one of the run's like any batch's
+        known, last = self._epoch, self._last
+        if epoch is not None:
+            self._epoch = epoch
+            if known is not None and epoch != known:
+                # A new publisher run, whose seqs start from 0 again: a seq that looks like the next
+                # one, or a gap, is no continuation of what the shim holds.
+                log.warning(
+                    "%s KV events: publisher epoch went from %s to %s: engine restarted",
+                    self.engine,
+                    known.decode(errors="replace"),
+                    epoch.decode(errors="replace"),
+                )
+                await self._restarted(seq, payload, sink)
+                return
         if last is not None and seq <= last:
             if seq <= self._replayed_until:
                 self.stats.duplicates += 1  # already delivered by the replay just before
                 return
-            self.stats.restarts += 1
             log.warning("%s KV events: seq went back from %d to %d: engine restarted", self.engine, last, seq)
-            self._replayed_until = -1
-            if seq == 0:
-                self._deliver(seq, payload, sink, reset=True, complete=True)
-            else:  # missed the start of the new run
-                self._deliver_rebuild(await self._replay(0), sink)
-                if self._last is None or seq > self._last:
-                    self._deliver(seq, payload, sink)
+            await self._restarted(seq, payload, sink)
             return
         if last is not None and seq > last + 1:
             self.stats.gaps += 1
             await self._fill_gap(last + 1, seq, payload, sink)
             return
         self._deliver(seq, payload, sink)
+
+    def _topic_parts(self, topic: bytes) -> tuple[bytes | None, bool] | None:
+        """(publisher epoch, whether a snapshot barrier) of a live message's topic; None for
+        another topic. Without a topic of its own the shim takes every topic, as ZMQ then does."""
+        if not topic.startswith(self.topic):
+            return None
+        rest = topic[len(self.topic) :]
+        if rest.startswith(EPOCH_MARKER):
+            epoch, marker, _ = rest[len(EPOCH_MARKER) :].partition(BARRIER_MARKER)
+            return epoch, bool(marker)
+        return (None, False) if not rest or not self.topic else None
+
+    async def _restarted(self, seq: int, payload: bytes, sink: Callable[[EngineBatch], None]) -> None:
+        self.stats.restarts += 1
+        self._replayed_until = -1
+        if seq == 0:
+            self._deliver(seq, payload, sink, reset=True, complete=True)
+        else:  # missed the start of the new run
+            self._deliver_rebuild(await self._replay(0), sink)
+            if self._last is None or seq > self._last:
+                self._deliver(seq, payload, sink)
 
     async def _fill_gap(
         self, first_missing: int, seq: int, payload: bytes, sink: Callable[[EngineBatch], None]
@@ -301,10 +360,12 @@ class ZmqEventSource:
         self._last = seq
         events: list[EngineEvent] = []
         try:
-            events, rank = decode_ranked(payload, self.engine)
+            events, rank, errors = decode_ranked(payload, self.engine)
         except ProtocolError as exc:
             self._malformed(exc)
         else:
+            for error in errors:  # each left out; the batch's other events still count
+                self._malformed(error)
             if self.rank is not None and rank is not None and rank != self.rank:
                 self._wrong_rank(rank)
                 events = []
