@@ -4,8 +4,9 @@
   one per batch. The socket binds or connects by vLLM's rule (`publisher_binds`). Messages sent
   before a subscriber connects are lost (ZMQ PUB semantics), which is what replay is for.
 - ROUTER replay socket (always bound): answers a replay request with every buffered batch from
-  its start seq on (payload bytes identical to the live ones), then the end marker. Requests of
-  any other shape are ignored, as vLLM ignores them.
+  its start seq on (payload bytes identical to the live ones), then the end marker. A request
+  of another frame count is ignored, as vLLM ignores it; a seq frame of any length is read
+  big-endian, as vLLM reads it.
 - `drop_event_fraction` (a fault knob) skips the PUB send of that fraction of batches, evenly
   spaced (F = 0.01: every 100th batch) so tests that need drops always get them; the dropped
   batches still take a seq and stay in the replay buffer, like batches lost on the network.

@@ -322,11 +322,12 @@ def replay_request(start_seq: int) -> list[bytes]:
 def decode_replay_request(frames: Sequence[bytes]) -> int:
     """The start seq of a replay request as the ROUTER sees it, after the peer identity.
 
-    Like vLLM, only the frame count and the seq frame are checked, not the empty delimiter.
+    Like vLLM, only the frame count is checked, not the empty delimiter, and the seq frame is read
+    big-endian whatever its length (vLLM 0.32 `_service_replay`: an empty one is 0).
     """
     if len(frames) != 2:
         raise ProtocolError(_WHAT, f"a replay request has 2 frames (b'', seq), got {len(frames)}")
-    return decode_seq(frames[1])
+    return int.from_bytes(frames[1], "big")
 
 
 def replay_reply(topic: bytes, seq: int, payload: bytes) -> list[bytes]:

@@ -80,14 +80,16 @@ async def connected_subscriber(sim: SimServer) -> Subscriber:
     return sub
 
 
-async def replay(endpoint: str, start_seq: int, timeout: float = 5.0) -> list[list[bytes]]:
-    """DEALER request `["", start_seq]`; every reply up to and including the end marker."""
+async def replay(endpoint: str, start_seq: int | bytes, timeout: float = 5.0) -> list[list[bytes]]:
+    """DEALER request `["", start_seq]` (bytes: the seq frame as given); every reply up to and
+    including the end marker."""
     dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
     try:
         # Raw frames, not protocol's helpers: these tests check the sim's bytes independently.
-        await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        seq = start_seq if isinstance(start_seq, bytes) else start_seq.to_bytes(8, "big")
+        await dealer.send_multipart([b"", seq])
         out: list[list[bytes]] = []
         while True:
             frames = await asyncio.wait_for(dealer.recv_multipart(), timeout)

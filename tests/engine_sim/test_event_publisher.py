@@ -126,6 +126,10 @@ async def test_replay_replies_match_vllm() -> None:
         from_0 = await replay(sim.replay_endpoint, 0)
         from_2 = await replay(sim.replay_endpoint, 2)
         future = await replay(sim.replay_endpoint, 1_000_000)
+        # vLLM reads a seq frame of any length (int.from_bytes); the sim ignored these, and its
+        # client waited for the timeout.
+        short = [await replay(sim.replay_endpoint, seq) for seq in (b"\x00\x00\x00\x02", b"")]
+    assert short == [from_2, from_0]
     assert len(from_0[0]) == len(cap_reply) == 4
     assert from_0[0][0] == b"" and from_0[0][1] == b"kv-events"
     assert [int.from_bytes(f[2], "big") for f in from_0[:-1]] == [0, 1, 2, 3]
