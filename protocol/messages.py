@@ -517,6 +517,10 @@ class RouterInfo(_Msg, kw_only=True):
     http_url: str
     started_at: float
     version: str = ""
+    # A short digest of the routing settings the router applies now (live config included), put
+    # again when they change: replicas compare it with their own and warn when a peer routes
+    # differently. "" from a router that predates it.
+    settings_digest: str = ""
 
 
 # --- Plausibility: what decodes but cannot be true ----------------------------------------------------

@@ -10,9 +10,10 @@ Modes (RouterSettings.disagg):
 Without a prefill pool a request is aggregated whatever the mode (`no_prefill_pool`; `aggregated`
 when disagg is `never`), and an `agg`-role worker always serves aggregated (`aggregated`).
 
-A decode worker is paired with no prefill worker whose KV pulls into it failed lately; with none
-left it is bypassed, in `always` and `conditional` alike (`bypass_transfer_failing`,
-router.transfer_health).
+A decode worker is paired only with prefill workers of its own engine kind (WorkerInfo.engine: a
+transfer handle feeds no other), and with none whose KV pulls into it failed lately. With no prefill
+worker of its kind it prefills itself (`no_prefill_pool`); with none whose pulls work it is
+bypassed, in `always` and `conditional` alike (`bypass_transfer_failing`, router.transfer_health).
 
 `plan()` decides without side effects (it backs the dry run at /debug/route); `record()` counts an
 outcome once a request is really routed. Settings swap atomically with `configure()`.
@@ -135,8 +136,12 @@ class Disaggregator:
         decode_ranked = self.selector.rank(ctx, [c for c in ctx.decode_pool if c.worker not in exclude], s)
         if not decode_ranked:
             return None
-        prefill_ranked = self.selector.rank(ctx, [c for c in ctx.prefill_pool if c.worker not in exclude], s)
         ctx.decode = d = decode_ranked[0]
+        # A transfer handle feeds only an engine of the kind that made it (the decode shim refuses
+        # any other with a 400): pair d with prefill workers of its own engine, or with none.
+        engine = d.info.engine
+        pool = [c for c in ctx.prefill_pool if c.worker not in exclude and c.info.engine == engine]
+        prefill_ranked = self.selector.rank(ctx, pool, s)
         ctx.prefill = p = prefill_ranked[0] if prefill_ranked else None
 
         def done(path: Path, outcome: Outcome, reason: str) -> RoutePlan:
@@ -149,6 +154,12 @@ class Disaggregator:
         if p is None and ctx.prefill_full:
             return done(
                 Path.BYPASS, Outcome.PREFILL_POOL_FULL, "every prefill worker's backlog is past half the TTFT SLO"
+            )
+        if p is None and len(pool) < len(ctx.prefill_pool):
+            return done(
+                Path.AGG,
+                Outcome.NO_PREFILL_POOL,
+                f"no prefill worker for model {ctx.model} runs {engine}, as {d.worker} does: it prefills itself",
             )
         if p is None:
             return done(Path.AGG, Outcome.NO_PREFILL_POOL, f"no prefill worker for model {ctx.model}")

@@ -509,7 +509,12 @@ class _Handlers:
         names: list[tuple[str, str, str | None]] = [(m, m, None) for m in self.path.models()]
         names += [(a, m, None) for a, m in sorted(self.path.aliases().items())]
         names += [(a, a, m) for a, m in sorted(self.path.adapters().items())]
+        # Only what a request may name here: not a name that resolves to several models (refused),
+        # and with --model only that model's names.
+        clashes, only = self.path.clashes(), self.path.default_model
         for m, root, parent in names:
+            if m in clashes or (only is not None and only not in (m, parent or root)):
+                continue
             card = {
                 "id": m,
                 "object": "model",

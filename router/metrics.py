@@ -41,6 +41,8 @@ class StateFigures:
     clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
     credit_short: Sequence[str] = ()  # workers whose shims report LoadReport.prefix_credit_short
     transfers_failing: Sequence[str] = ()  # decode workers with a KV pull that failed lately (router.transfer_health)
+    peer_settings_mismatch: Sequence[str] = ()  # peer routers with other routing settings (router.peer_settings)
+    peer_version_mismatch: Sequence[str] = ()  # peer routers of another version
 
 
 class _StateCollector(Collector):
@@ -110,11 +112,23 @@ class _StateCollector(Collector):
             "workers, or prefill there",
             s.transfers_failing,
         )
+        yield _flagged(
+            "kvswitch_router_peer_settings_mismatch",
+            "1 for a peer router whose routing settings (RouterInfo.settings_digest) differ from this one's",
+            s.peer_settings_mismatch,
+            label="peer",
+        )
+        yield _flagged(
+            "kvswitch_router_peer_version_mismatch",
+            "1 for a peer router of another kvswitch version than this one",
+            s.peer_version_mismatch,
+            label="peer",
+        )
 
 
-def _flagged(name: str, doc: str, workers: Sequence[str]) -> GaugeMetricFamily:
+def _flagged(name: str, doc: str, workers: Sequence[str], label: str = "worker") -> GaugeMetricFamily:
     """A gauge of 1 for each of `workers` (and no sample for the rest)."""
-    gauge = GaugeMetricFamily(name, doc, labels=["worker"])
+    gauge = GaugeMetricFamily(name, doc, labels=[label])
     for worker in workers:
         gauge.add_metric([worker], 1.0)
     return gauge

@@ -41,6 +41,7 @@ from router.pending_prefixes import PendingPrefixes
 from router.policies import Outcome
 from router.request_context import Candidate, RequestContext, RequestShape
 from router.selection import Selector, over_queue_threshold
+from router.served_names import by_model, clash_message
 from router.transfer_health import TransferHealth
 
 _NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
@@ -136,7 +137,7 @@ class Planner:
         text: bool = False,
         shape: RequestShape = RequestShape(),
     ) -> RequestContext:
-        infos = serving(self._workers(), model)
+        infos = self._serving(model)
         if not infos:
             raise PlanError(503, f"no worker is registered for model {model}")
         base = infos[0].model
@@ -164,7 +165,7 @@ class Planner:
 
     def refresh(self, ctx: RequestContext, exclude: frozenset[str] = frozenset()) -> None:
         """Fill the context's pools with the workers that may take it now."""
-        infos = serving(self._workers(), ctx.model)
+        infos = self._serving(ctx.model)
         statuses = self.eligibility.statuses(infos)
         overlap = self.index.match(ctx.hashes) if ctx.hashes else {}
         pending = self.pending.match(ctx.hashes, after=overlap) if ctx.hashes else {}
@@ -206,6 +207,15 @@ class Planner:
         if not decode:
             raise self._no_decode_worker(ctx)
 
+    def _serving(self, name: str) -> list[WorkerInfo]:
+        """The workers a request naming `name` runs on (protocol.serving); PlanError 503 while the
+        name resolves to workers of several models (router.served_names), checked on every plan
+        so a clash that appears while a request waits stops it too, and one that clears ends."""
+        infos = serving(self._workers(), name)
+        if infos and any(i.model != infos[0].model for i in infos):
+            raise PlanError(503, clash_message(name, by_model(infos)))
+        return infos
+
     def _window_end(self, ctx: RequestContext, worker: str, held: int, *, pending: bool = False) -> int:
         """A hybrid model's worker reuses `held` leading blocks only up to a block where its
         sliding window is cached too, and never the prompt's last token (vLLM recomputes it):
@@ -223,7 +233,7 @@ class Planner:
         one whatever its role, and what keeps a worker from routing prompts (its index not in
         sync, its KV events down) does not keep its engine from tokenizing; a silent, unreachable
         or unhealthy one can. Decode and agg workers first, as prefill workers run long prompts."""
-        infos = serving(self._workers(), model)
+        infos = self._serving(model)
         ok = [
             i for i, st in zip(infos, self.eligibility.statuses(infos), strict=True) if st.exclusion not in _UNREACHABLE
         ]

@@ -18,6 +18,9 @@ once, dropped. Kept, it would shun the worker for `peer_ttl_s`.
 
 A router whose lease was lost registers anew under a new id (`rename`): peers dropped the old id's
 bookings with its key, and count the new id's from its registration on.
+
+With `peers`, the same watch hands every peer's RouterInfo to router.peer_settings, which warns
+when a peer routes with other settings or runs another version.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import RouterSync, SyncEntry, decode_msg, encode_msg
 from router.lifecycle import PartStatus
 from router.load_view import LoadView
+from router.peer_settings import PeerSettings
 from runtime import background, guarded
 
 __all__ = ["ReplicaSync", "SyncStats"]
@@ -75,6 +79,7 @@ class ReplicaSync:
         flush_ms: float = 2.0,
         peer_ttl_s: float = 600.0,
         discovery: Discovery | None = None,
+        peers: PeerSettings | None = None,
     ) -> None:
         self._nc = nc
         self._subject = subjects.sync(subjects.validate_namespace(ns))
@@ -85,6 +90,7 @@ class ReplicaSync:
         self._flush_s = flush_ms / 1000.0
         self._peer_ttl_s = peer_ttl_s
         self._discovery = discovery
+        self.peer_settings = peers
         self._pending: list[SyncEntry] = []
         self._wake = asyncio.Event()
         self._peers: set[str] = set()
@@ -142,6 +148,8 @@ class ReplicaSync:
     def rename(self, router_id: str) -> None:
         """Our id changed (a new registration): later messages go out under it."""
         self.router_id = router_id
+        if self.peer_settings is not None:
+            self.peer_settings.gone(router_id)  # its key may have been read before we knew it was ours
 
     # --- our bookings --------------------------------------------------------------------------
 
@@ -252,18 +260,25 @@ class ReplicaSync:
             self.stats.bookings_expired += self.view.expire(self._peer_ttl_s)
 
     async def _watch_routers(self, discovery: Discovery) -> None:
+        settings = self.peer_settings
         async for event in discovery.watch_routers():
             match event:
                 case Snapshot(items=items):
                     self._registered = set(items)
                     for peer in self._peers - items.keys():
                         self.forget_router(peer)
-                case Put(name=name):
+                    if settings is not None:
+                        settings.replace({name: info for name, info in items.items() if name != self.router_id})
+                case Put(name=name, value=info):
                     if self._registered is not None:
                         self._registered.add(name)
                     with contextlib.suppress(ValueError):
                         self._departed.remove(name)
+                    if settings is not None and name != self.router_id:
+                        settings.seen(name, info)
                 case Deleted(name=name):
                     if self._registered is not None:
                         self._registered.discard(name)
                     self.forget_router(name)
+                    if settings is not None:
+                        settings.gone(name)

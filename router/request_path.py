@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from opentelemetry.trace import Span
 
-from protocol import GenerateRequest
+from protocol import GenerateRequest, subjects
 from protocol.messages import ANNOTATION_BYPASS, ResponseChunk
 from router.admission import Admission
 from router.dispatch import Dispatcher, Job, LegError
@@ -54,7 +54,10 @@ class RequestPath:
     max_model_len: Callable[[str], int | None] = lambda _model: None
     adapters: Callable[[], Mapping[str, str]] = dict  # LoRA adapter -> its base model
     aliases: Callable[[], Mapping[str, str]] = dict  # another name a model is served under -> the model
+    # names that resolve to several models (router.served_names): not listed, and refused when planned
+    clashes: Callable[[], Mapping[str, Mapping[str, Sequence[str]]]] = dict
     default_model: str | None = None
+    ns: str = subjects.DEFAULT_NAMESPACE  # where the workers register: named when none has
     request_timeout_s: float = 600.0
     inflight: int = 0
     calls: int = 0  # utility calls so far: the next one starts at the next worker
@@ -74,7 +77,11 @@ class RequestPath:
             )
         if base is None:
             served = [*self.models(), *self.aliases(), *self.adapters()]
-            raise Unknown(404, f"The model `{name}` does not exist. Registered: {', '.join(served) or 'none'}")
+            registered = ", ".join(served) or (
+                f"none (no worker is registered under {subjects.workers_prefix(self.ns)}: this router's "
+                f"--namespace is {self.ns})"
+            )
+            raise Unknown(404, f"The model `{name}` does not exist. Registered: {registered}")
         return name
 
     def explain(

@@ -36,7 +36,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.trace import TracerProvider
 
 from discovery import ConfigWatcher, Discovery, Registration
-from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, subjects
+from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, serving, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
 from protocol.errors import listen_error
 from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
@@ -54,10 +54,12 @@ from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger
 from router.load_view import MAX_CLOCK_SKEW_S, LoadView
 from router.metrics import RouterMetrics, StateFigures
+from router.peer_settings import PeerSettings, settings_digest
 from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
 from router.replica_sync import ReplicaSync
 from router.request_path import RequestPath
+from router.served_names import clash_message
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
@@ -145,6 +147,7 @@ class RouterService:
         self.calibration = Calibration() if config.calibrate else None
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.time)
         self.metrics = RouterMetrics(self._figures)
+        self.peer_settings = PeerSettings(self.ns, settings_digest(self.settings), __version__)
         self.tracer = RequestTracer(config.tracer_provider)
         self.load_malformed = 0
         self.load_unknown = 0
@@ -230,7 +233,7 @@ class RouterService:
         )
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
         # Replica sync learns its router id at registration, below; until then nothing is routed.
-        self._sync = ReplicaSync(nc, self.ns, "", self.view, discovery=self._discovery)
+        self._sync = ReplicaSync(nc, self.ns, "", self.view, discovery=self._discovery, peers=self.peer_settings)
         ledger = Ledger(self._sync, self.pending)
         self._planner = planner = Planner(
             self.settings,
@@ -272,8 +275,10 @@ class RouterService:
             models=self.models,
             adapters=self.adapters,
             aliases=self.aliases,
+            clashes=self.name_clashes,
             max_model_len=self.max_model_len,
             default_model=self.config.model,
+            ns=self.ns,
             request_timeout_s=self.config.request_timeout_s,
         )
         self._load_sub = await nc.subscribe(
@@ -311,7 +316,11 @@ class RouterService:
             self._discovery,
             key=lambda rid: subjects.router_key(self.ns, rid),
             value=lambda rid: RouterInfo(
-                router=rid, http_url=self.url, started_at=self.started_at, version=__version__
+                router=rid,
+                http_url=self.url,
+                started_at=self.started_at,
+                version=__version__,
+                settings_digest=self.peer_settings.digest,
             ),
             ttl=self.config.lease_ttl_s,
             on_registered=self._registered_anew,
@@ -391,10 +400,17 @@ class RouterService:
         """Ready while NATS is up, the worker set is known and some model has a decode or agg worker
         the planner would send a request to: a routable one or, when its pool has none, one excluded
         softly (`engine_unhealthy`: router.eligibility), which the planner then uses, said in
-        `warnings`. The body says, per worker, whether it is routable and why not."""
+        `warnings`. With --model only the workers serving it count. A model no request can name
+        (every name it is served under clashes: router.served_names) does not count either. The
+        body says, per worker, whether it is routable and why not; `warnings` what the fleet gets
+        wrong without stopping this router (names that clash, pools that cannot pair, peers that
+        route otherwise)."""
         running = self.status is RouterStatus.RUNNING and self._registry is not None and self._ingest is not None
         nats_up = self._nc is not None and self._nc.is_connected
-        statuses = self.eligibility.statuses(self._registry.workers()) if self._registry is not None else []
+        registered = self._registry.workers() if self._registry is not None else []
+        served = self.config.model
+        infos = registered if served is None else serving(registered, served)
+        statuses = self.eligibility.statuses(infos)
         models: dict[str, dict[str, int]] = {}
         for st in statuses:
             m = models.setdefault(
@@ -414,6 +430,8 @@ class RouterService:
             for pool, said in (("decode", "decode or agg"), ("prefill", "prefill"))
             if m[f"soft_{pool}"] and not m[f"routable_{pool}"]
         ]
+        warnings += self._fleet_warnings(infos)
+        unreachable = self._registry.unreachable_models if self._registry is not None else set()
         problems = []
         if not running:
             problems.append(f"the router is {self.status.value}")
@@ -421,7 +439,21 @@ class RouterService:
             problems.append("NATS is not connected: requests cannot reach any worker")
         if running and not self._registry_ready:
             problems.append("the worker set has not been read from etcd yet")
-        if not any(m["routable_decode"] or m["soft_decode"] for m in models.values()):
+        if self._registry_ready and not registered:  # most often shims and router in other namespaces
+            problems.append(
+                f"no decode or agg worker can take requests: no worker is registered under "
+                f"{subjects.workers_prefix(self.ns)} in etcd (this router's --namespace is {self.ns}; "
+                "workers registered under another namespace are not seen)"
+            )
+        elif self._registry_ready and served is not None and not infos:
+            names = [*self.models(), *self.aliases(), *self.adapters()]
+            problems.append(
+                f"no worker serves {served}, the only model this router serves (--model); registered: "
+                + ", ".join(names)
+            )
+        elif not any(
+            (m["routable_decode"] or m["soft_decode"]) and model not in unreachable for model, m in models.items()
+        ):
             problems.append("no decode or agg worker can take requests")
         elif nats_up and self._reconnected_at is not None:
             ago = time.monotonic() - self._reconnected_at
@@ -441,6 +473,38 @@ class RouterService:
             "index_synced": self._ingest.synced if self._ingest is not None else False,
         }
         return not problems, body
+
+    def _fleet_warnings(self, infos: list[WorkerInfo]) -> list[str]:
+        """What the registered workers (and peer routers) get wrong that does not stop this router:
+        names that resolve to several models, prefill workers no decode worker can use, peers that
+        route with other settings."""
+        out: list[str] = []
+        clashes = self._registry.name_clashes if self._registry is not None else {}
+        mine = {i.model for i in infos}
+        out += [clash_message(name, models) for name, models in sorted(clashes.items()) if mine.intersection(models)]
+        pools: dict[str, list[WorkerInfo]] = {}
+        for info in infos:
+            pools.setdefault(info.model, []).append(info)
+        for model, pool in sorted(pools.items()):
+            prefill = [i for i in pool if i.role == "prefill"]
+            if not prefill:
+                continue
+            if all(i.role == "prefill" for i in pool):
+                out.append(
+                    f"model {model} has prefill workers ({', '.join(i.worker for i in prefill)}) but no decode or "
+                    "agg worker: every request for it is refused (503) until one registers"
+                )
+                continue
+            engines = {i.engine for i in pool if i.role == "decode"}
+            idle = [i for i in prefill if i.engine not in engines]
+            if idle and engines:
+                out.append(
+                    f"model {model}: no decode worker runs the engine of prefill workers "
+                    f"{', '.join(f'{i.worker} ({i.engine})' for i in idle)} (its decode workers run "
+                    f"{', '.join(sorted(engines))}), and a transfer handle feeds only its own engine kind: "
+                    "they get no request"
+                )
+        return out + self.peer_settings.warnings()
 
     def index_state(self) -> dict[str, Any]:
         """Per registered worker: what the index holds of it (the chaos bench compares this with the
@@ -579,6 +643,11 @@ class RouterService:
                 continue
             self.settings = settings
             log.info("live config applied: %s", msgspec.to_builtins(settings))
+            digest = settings_digest(settings)
+            if digest != self.peer_settings.digest:  # peers compare theirs with it
+                self.peer_settings.mine(digest)
+                if self._registration is not None:
+                    self._registration.update()
 
     # --- routing, for callers in-process (tests, bench) ----------------------------------------------
 
@@ -590,6 +659,9 @@ class RouterService:
 
     def aliases(self) -> dict[str, str]:
         return self.registry.aliases() if self._registry is not None else {}
+
+    def name_clashes(self) -> dict[str, dict[str, list[str]]]:
+        return self.registry.name_clashes if self._registry is not None else {}
 
     def max_model_len(self, model: str) -> int | None:
         return self.registry.max_model_len(model) if self._registry is not None else None
@@ -621,4 +693,6 @@ class RouterService:
             credit_short=self.view.credit_short(),
             transfers_failing=self._planner.disagg.transfers.workers() if self._planner else [],
             prompt_tokens=self._planner.reach.as_dict() if self._planner else {},
+            peer_settings_mismatch=self.peer_settings.settings_mismatch(),
+            peer_version_mismatch=self.peer_settings.version_mismatch(),
         )

@@ -14,7 +14,9 @@ its whole model.
 
 Workers of one model that disagree on block size are a configuration error (DESIGN.md): the
 registry logs it as an error on every change of the conflict and exposes it in
-`block_size_conflicts`, model -> the block sizes seen.
+`block_size_conflicts`, model -> the block sizes seen. So is a name that resolves to workers of
+more than one model (router.served_names): an ERROR once per clash, exposed in `name_clashes`,
+name -> model -> workers; the planner refuses requests naming it while it lasts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from discovery.watch import keep_following
 from protocol import WorkerInfo, serving, subjects
 from protocol.messages import worker_info_problem
 from router.lifecycle import PartStatus
+from router.served_names import Resolved, clash_message, resolve_names
 from runtime import background
 
 __all__ = ["WorkerRegistry"]
@@ -50,6 +53,8 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerInfo] = {}
         self._sorted: list[WorkerInfo] | None = None  # by id; every request reads it, membership rarely changes
         self.block_size_conflicts: dict[str, set[int]] = {}
+        self.name_clashes: Resolved = {}
+        self.unreachable_models: set[str] = set()  # every name they are served under clashes
         self.refused = 0  # records refused so far
         self._refusing: dict[str, str] = {}  # key name -> why its record is refused, while it is
         self.status = PartStatus.NEW
@@ -138,6 +143,7 @@ class WorkerRegistry:
                     case Deleted(name=name):
                         self._delete(name)
                 self._check_block_sizes()
+                self._check_names()
         finally:
             if isinstance(events, AsyncGenerator):
                 with contextlib.suppress(Exception):
@@ -210,3 +216,17 @@ class WorkerRegistry:
             for model in self.block_size_conflicts.keys() - conflicts.keys():
                 log.warning("workers of model %s agree on block size again", model)
             self.block_size_conflicts = conflicts
+
+    def _check_names(self) -> None:
+        resolved = resolve_names(self.workers())
+        clashes = {name: models for name, models in resolved.items() if len(models) > 1}
+        reachable = {model for models in resolved.values() if len(models) == 1 for model in models}
+        self.unreachable_models = {info.model for info in self._workers.values()} - reachable
+        if clashes == self.name_clashes:
+            return
+        for name, models in sorted(clashes.items()):
+            if self.name_clashes.get(name) != models:  # once per clash, again only when its workers change
+                log.error("configuration error: %s", clash_message(name, models))
+        for name in sorted(self.name_clashes.keys() - clashes.keys()):
+            log.warning("the name %s is served as one model again: requests naming it are routed", name)
+        self.name_clashes = clashes

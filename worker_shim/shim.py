@@ -862,7 +862,11 @@ class WorkerShim:
         self.registration_count += 1
         self.status = ShimStatus.REGISTERED
         self.registered.set()
-        log.info("registered worker %s (epoch %x, block size %s)", worker, self.epoch, self.limits.block_size)
+        log.info(
+            "registered worker %s at %s (namespace %s: routers of the same --namespace see it; epoch %x, "
+            "block size %s)",
+            worker, subjects.worker_key(self.ns, worker), self.ns, self.epoch, self.limits.block_size,
+        )  # fmt: skip
 
     async def _on_lease_lost(self, old: str) -> None:
         self.registered.clear()

@@ -663,10 +663,15 @@ async def test_the_loop_answers_while_a_huge_prompt_is_refused_or_tokenized(
 
 async def test_no_worker_is_503_and_ready_follows_the_registry(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     router = await cluster.add_router()
-    await until(lambda: router.registry.models() == [] and router.readiness()[1]["problems"], what="registry read")
+    none = (  # nothing could serve a request, and it says where it looked
+        "no decode or agg worker can take requests: no worker is registered under "
+        f"/{cluster.ns}/workers/ in etcd (this router's --namespace is {cluster.ns}; workers registered "
+        "under another namespace are not seen)"
+    )
+    await until(lambda: none in router.readiness()[1]["problems"], what="registry read")
     async with http.get(router.url + "/ready") as r:
-        assert r.status == 503  # nothing could serve a request
-        assert "no decode or agg worker can take requests" in (await r.json())["problems"]
+        assert r.status == 503
+        assert none in (await r.json())["problems"]
     worker = await cluster.add_worker("agg")
     await cluster.ready(router)
     async with http.get(router.url + "/ready") as r:

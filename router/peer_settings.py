@@ -1,0 +1,149 @@
+"""Replicas that route alike: each puts a digest of its routing settings in its RouterInfo and
+compares its peers' with its own.
+
+Replicas of one namespace split the same clients, so one with other settings (`--routing
+round_robin` beside `kv`, another policy, thresholds from a forgotten environment variable) makes
+the fleet's routing depend on which replica a request reached, and nothing said so. The digest is
+of the effective settings, live config (/{ns}/config/router) included, and is put again whenever
+they change. A peer whose digest or version differs from ours for `settle_s` is a WARNING once
+(naming the peer and both digests or versions), a /ready warning and a gauge, until it agrees
+again (an INFO). The wait keeps a live config change, which every replica applies and re-publishes
+within milliseconds of the others, from reading as a difference. A peer that publishes no digest
+(older than this) is compared by version only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+import msgspec
+
+from protocol import RouterInfo, subjects
+from protocol.config import RouterSettings
+
+__all__ = ["SETTLE_S", "PeerSettings", "settings_digest"]
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 2.0
+"""How long a peer must differ before it counts: replicas apply a live change within milliseconds."""
+
+
+def settings_digest(settings: RouterSettings) -> str:
+    """12 hex digits of a SHA-256 over the settings' JSON, keys sorted: equal settings give equal
+    digests in every process."""
+    raw = msgspec.json.encode(msgspec.to_builtins(settings), order="sorted")
+    return hashlib.sha256(raw).hexdigest()[:12]
+
+
+class _Diff(msgspec.Struct, frozen=True):
+    settings: bool  # the settings digests differ
+    version: bool
+    text: str
+
+
+class PeerSettings:
+    def __init__(
+        self,
+        ns: str,
+        digest: str,
+        version: str,
+        *,
+        settle_s: float = SETTLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config_key = subjects.config_key(ns)
+        self.digest = digest
+        self.version = version
+        self.settle_s = settle_s
+        self._clock = clock
+        self._peers: dict[str, RouterInfo] = {}
+        self._diffs: dict[str, tuple[_Diff, float]] = {}  # peer -> how it differs, since when
+        self._warned: dict[str, _Diff] = {}  # what each peer was warned about, while it lasts
+
+    # --- what changes ----------------------------------------------------------------------------
+
+    def mine(self, digest: str) -> None:
+        """Our own settings changed (live config)."""
+        if digest != self.digest:
+            self.digest = digest
+            for peer in list(self._peers):
+                self._review(peer)
+
+    def replace(self, peers: Mapping[str, RouterInfo]) -> None:
+        """The peers now registered (a watch's snapshot), ourselves left out."""
+        for peer in self._peers.keys() - peers.keys():
+            self.gone(peer)
+        for peer, info in peers.items():
+            self.seen(peer, info)
+
+    def seen(self, peer: str, info: RouterInfo) -> None:
+        self._peers[peer] = info
+        self._review(peer)
+
+    def gone(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+        self._diffs.pop(peer, None)
+        self._warned.pop(peer, None)
+
+    # --- what is read ------------------------------------------------------------------------------
+
+    def differing(self) -> dict[str, _Diff]:
+        """The peers that have differed for `settle_s`, with how."""
+        now = self._clock()
+        return {peer: diff for peer, (diff, since) in sorted(self._diffs.items()) if now - since >= self.settle_s}
+
+    def settings_mismatch(self) -> list[str]:
+        return [peer for peer, diff in self.differing().items() if diff.settings]
+
+    def version_mismatch(self) -> list[str]:
+        return [peer for peer, diff in self.differing().items() if diff.version]
+
+    def warnings(self) -> list[str]:
+        return [diff.text for diff in self.differing().values()]
+
+    def check(self) -> None:
+        """Log each difference that has lasted `settle_s`, once (run when it may have)."""
+        for peer, diff in self.differing().items():
+            if self._warned.get(peer) != diff:
+                self._warned[peer] = diff
+                log.warning("%s", diff.text)
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _review(self, peer: str) -> None:
+        diff = self._diff(peer, self._peers[peer])
+        if diff is None:
+            self._diffs.pop(peer, None)
+            if self._warned.pop(peer, None) is not None:
+                log.info("peer router %s routes with the same settings and version as this one again", peer)
+            return
+        held = self._diffs.get(peer)
+        if held is not None and held[0] == diff:
+            return
+        # A peer that differed already keeps its time: it does not agree now either.
+        self._diffs[peer] = (diff, self._clock() if held is None else held[1])
+        with contextlib.suppress(RuntimeError):  # no loop (a clock driven by hand): check() when asked
+            asyncio.get_running_loop().call_later(self.settle_s, self.check)
+
+    def _diff(self, peer: str, info: RouterInfo) -> _Diff | None:
+        settings = bool(info.settings_digest) and info.settings_digest != self.digest
+        version = info.version != self.version
+        if not settings and not version:
+            return None
+        said = []
+        if settings:
+            said.append(f"routing settings digest {info.settings_digest} (this router's {self.digest})")
+        if version:
+            said.append(f"version {info.version or 'unknown'} (this router's {self.version})")
+        text = (
+            f"peer router {peer} runs with {' and '.join(said)}: the replicas may route the same request differently; "
+            "give every replica the same flags, KVSWITCH_* environment and config file (live config at "
+            f"{self._config_key} applies to all), and the same release"
+        )
+        return _Diff(settings, version, text)

@@ -1,0 +1,305 @@
+"""A fleet of processes each valid on its own that together would route wrongly, silently: names
+served as two models, prefill and decode workers of different engines, a --model no worker serves,
+shims and router in different namespaces, a model with only prefill workers, replicas that route
+with different settings (docs/router.md, "Fleet consistency"). End to end against real NATS and
+etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from discovery import Discovery
+from engine_sim.lora import LoraModule
+from protocol import RouterInfo, subjects
+from protocol.config import EtcdSettings, RouterSettings
+from router.peer_settings import SETTLE_S, PeerSettings, settings_digest
+from router.service import RouterService
+from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.polling import until
+
+
+async def _get(http: aiohttp.ClientSession, router: RouterService, path: str) -> tuple[int, Any]:
+    async with http.get(router.url + path) as resp:
+        return resp.status, await resp.json()
+
+
+async def _ask(http: aiohttp.ClientSession, router: RouterService, model: str, i: int = 0) -> tuple[int, Any]:
+    body = {"model": model, "prompt": list(range(100 + i, 140 + i)), "max_tokens": 2}
+    async with http.post(router.url + "/v1/completions", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def _ids(http: aiohttp.ClientSession, router: RouterService) -> list[str]:
+    _, body = await _get(http, router, "/v1/models")
+    return [card["id"] for card in body["data"]]
+
+
+def _gauge(router: RouterService, name: str) -> dict[str, float]:
+    """A labelled gauge's samples by their one label's value."""
+    return {
+        next(iter(s.labels.values())): s.value
+        for family in text_string_to_metric_families(router.metrics.render().decode())
+        for s in family.samples
+        if s.name == name
+    }
+
+
+# --- F1: one name, two models -----------------------------------------------------------------------
+
+
+async def test_a_name_served_as_two_models_is_refused_logged_once_and_served_again_when_it_clears(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.worker_registry")
+    a = await cluster.add_worker("agg", model="llama", shim={"model": "llama"})
+    b = await cluster.add_worker("agg", model="qwen", aliases=("llama",), shim={"model": "qwen"})
+    router = await cluster.add_ready_router()
+    for i in range(4):  # before: about half went to qwen's worker and answered as qwen
+        status, body = await _ask(http, router, "llama", i)
+        assert status == 503, body
+        message = body["error"]["message"]
+        assert "`llama`" in message and "model llama on " + a.id in message and "model qwen on " + b.id in message
+    status, body = await _ask(http, router, "qwen")
+    assert status == 200 and body["model"] == "qwen"
+    assert await _ids(http, router) == ["qwen"]  # the clashing name is not offered
+    status, ready = await _get(http, router, "/ready")
+    assert status == 200 and ready["problems"] == []  # qwen serves on: one bad name does not stop the router
+    assert [w for w in ready["warnings"] if "`llama`" in w and a.id in w and b.id in w]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and "`llama`" in r.getMessage()]
+    assert len(errors) == 1, [r.getMessage() for r in errors]  # once per clash, not per request
+
+    await b.shim.stop()  # the clash clears
+    await until(lambda: len(router.registry.workers()) == 1, what="qwen's worker to leave")
+    status, body = await _ask(http, router, "llama")
+    assert status == 200 and body["model"] == "llama" and body["kvswitch"]["decode_worker"] == a.id
+    assert await _ids(http, router) == ["llama"]
+    assert (await _get(http, router, "/ready"))[1]["warnings"] == []
+    assert any("served as one model again" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_lora_adapter_of_one_name_on_two_base_models_is_refused(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    for model in ("m1", "m2"):
+        await cluster.add_worker(
+            "agg", model=model, lora_modules=(LoraModule("sql", f"/a/sql-{model}"),), shim={"model": model}
+        )
+    router = await cluster.add_ready_router()
+    assert all(router.registry.get(w.id).adapters == ["sql"] for w in cluster.workers)  # type: ignore[union-attr]
+    status, body = await _ask(http, router, "sql")
+    assert status == 503 and "model m1 on" in body["error"]["message"] and "model m2 on" in body["error"]["message"]
+    assert [(await _ask(http, router, m))[0] for m in ("m1", "m2")] == [200, 200]
+    assert await _ids(http, router) == ["m1", "m2"]
+
+
+async def test_a_router_whose_every_name_clashes_is_not_ready(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    # Each worker serves the other's model name as an alias: no name reaches one model.
+    await cluster.add_worker("agg", model="a", aliases=("b",), shim={"model": "a"})
+    await cluster.add_worker("agg", model="b", aliases=("a",), shim={"model": "b"})
+    router = await cluster.add_router()
+    await until(lambda: router.readiness()[1]["routable"] == 2, what="both workers routable")
+    assert sorted(router.registry.get(w.id).aliases[0] for w in cluster.workers) == ["a", "b"]  # type: ignore[union-attr]
+    status, ready = await _get(http, router, "/ready")
+    assert status == 503 and "no decode or agg worker can take requests" in ready["problems"]
+    assert [(await _ask(http, router, m))[0] for m in ("a", "b")] == [503, 503]
+
+
+# --- F2: prefill and decode workers of different engines -----------------------------------------------
+
+
+def _routable(router: RouterService, worker: str) -> bool:
+    return any(st["worker"] == worker and st["routable"] for st in router.readiness()[1]["worker_status"])
+
+
+def _count(router: RouterService, outcome: str) -> float:
+    return _gauge(router, "kvswitch_router_decisions_total").get(outcome, 0.0)
+
+
+async def test_a_prefill_worker_of_another_engine_is_never_paired_and_ready_warns(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    # As an SGLang prefill shim would register and stamp its transfer handles.
+    p.shim.config = msgspec.structs.replace(p.shim.config, engine="sglang")
+    p.shim.adapter.kind = "sglang"  # type: ignore[misc]  # an instance of its own, as an SGLang shim has
+    assert p.shim.registration is not None
+    p.shim.registration.update()
+    router = await cluster.add_ready_router(disagg="always")
+    await until(lambda: router.registry.get(p.id) is not None and router.registry.get(p.id).engine == "sglang")  # type: ignore[union-attr]
+    status, ready = await _get(http, router, "/ready")
+    assert status == 200
+    assert [w for w in ready["warnings"] if f"{p.id} (sglang)" in w and "decode workers run vllm" in w]
+    for i in range(3):  # before: every request a 400 from the decode shim, counted as remote_prefill
+        status, body, headers = await complete(http, router, list(range(7 + i, 307 + i)), max_tokens=2)
+        assert status == 200, body
+        assert headers["x-kvswitch-decode-worker"] == d.id and headers["x-kvswitch-prefill"] == "agg"
+        assert headers["x-kvswitch-outcome"] == "no_prefill_pool"
+    assert _count(router, "remote_prefill") == 0 and _count(router, "no_prefill_pool") == 3
+
+    same = await cluster.add_worker("prefill")  # one of the decode worker's own engine: paired
+    await until(lambda: _routable(router, same.id), what="the vLLM prefill worker routable")
+    status, body, headers = await complete(http, router, list(range(500, 800)), max_tokens=2)
+    assert status == 200 and headers["x-kvswitch-prefill"] == "remote"
+    assert body["kvswitch"]["prefill_worker"] == same.id
+
+
+# --- F3: --model that no worker serves ------------------------------------------------------------------
+
+
+async def test_with_model_only_its_workers_count_for_ready_and_models(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    await cluster.add_worker("agg", model="served", aliases=("served-too",), shim={"model": "served"})
+    await cluster.add_worker("agg", model="x", shim={"model": "x"})
+    other = await cluster.add_router(config={"model": "other"})
+    await until(lambda: len(other.registry.workers()) == 2 and other.ingest.synced, what="the workers read")
+    status, ready = await _get(http, other, "/ready")
+    assert status == 503  # before: 200, while every request it takes is refused
+    assert ready["problems"] == [
+        "no worker serves other, the only model this router serves (--model); registered: served, x, served-too"
+    ]
+    assert ready["models"] == {} and await _ids(http, other) == []  # before: served and x, which it refuses
+
+    mine = await cluster.add_router(config={"model": "served"})
+    await cluster.ready(mine)
+    status, ready = await _get(http, mine, "/ready")
+    assert status == 200 and list(ready["models"]) == ["served"] and ready["workers"] == 1
+    assert await _ids(http, mine) == ["served", "served-too"]
+
+
+# --- F4: shims and router in different namespaces ---------------------------------------------------------
+
+
+async def test_a_router_that_sees_no_worker_names_its_namespace_and_the_key_it_watches(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="worker_shim.shim")
+    shim_ns = cluster.ns
+    await cluster.add_worker("agg")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("registered worker")]
+    assert said and f"/{shim_ns}/workers/" in said[0] and f"namespace {shim_ns}" in said[0]
+    cluster.ns = "other" + shim_ns
+    router = await cluster.add_router()
+    await until(lambda: any("/workers/" in p for p in router.readiness()[1]["problems"]), what="the registry read")
+    status, ready = await _get(http, router, "/ready")
+    assert status == 503
+    (problem,) = [p for p in ready["problems"] if "/workers/" in p]
+    assert f"/{cluster.ns}/workers/" in problem and f"--namespace is {cluster.ns}" in problem
+    status, body = await _ask(http, router, MODEL)
+    assert status == 404
+    assert f"/{cluster.ns}/workers/" in body["error"]["message"] and "--namespace" in body["error"]["message"]
+
+
+# --- F5: a model with prefill workers only ------------------------------------------------------------------
+
+
+async def test_a_model_with_only_prefill_workers_is_a_ready_warning(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    p = await cluster.add_worker("prefill", model="ponly", shim={"model": "ponly"})
+    await cluster.add_worker("decode", model="donly", shim={"model": "donly"})
+    router = await cluster.add_ready_router(conditional_disagg=True)
+    status, ready = await _get(http, router, "/ready")
+    assert status == 200  # donly serves
+    assert [w for w in ready["warnings"] if w.startswith("model ponly has prefill workers") and p.id in w]
+    assert (await _ask(http, router, "ponly"))[0] == 503
+
+
+# --- F6: replicas that route with different settings ----------------------------------------------------------
+
+
+async def test_replicas_with_different_settings_or_versions_warn_until_they_agree(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.peer_settings")
+    await cluster.add_worker("agg")
+    kv = await cluster.add_router(routing="kv")
+    rr = await cluster.add_router(routing="round_robin")
+    for r in (kv, rr):
+        await cluster.ready(r)
+
+    def differs(r: RouterService, peer: RouterService) -> bool:
+        return any(peer.router_id in w and "routing settings digest" in w for w in r.readiness()[1]["warnings"])
+
+    await until(lambda: differs(kv, rr) and differs(rr, kv), what="each replica to warn about the other")
+    assert kv.peer_settings.digest != rr.peer_settings.digest
+    assert _gauge(kv, "kvswitch_router_peer_settings_mismatch") == {rr.router_id: 1.0}
+    warned = [
+        r.getMessage() for r in caplog.records if r.name == "router.peer_settings" and r.levelno == logging.WARNING
+    ]
+    assert len([m for m in warned if rr.router_id in m and rr.peer_settings.digest in m]) == 1
+
+    # Live config is one for all: once both apply it they agree, and the warning goes.
+    async with Discovery(EtcdSettings(endpoints=[cluster.etcd_url]), cluster.ns) as disc:
+        await disc.put_raw(subjects.config_key(cluster.ns), b'{"routing": "least_loaded"}')
+        await until(lambda: kv.peer_settings.digest == rr.peer_settings.digest, what="both to apply it")
+        await until(lambda: not kv.readiness()[1]["warnings"] and not rr.readiness()[1]["warnings"])
+        assert _gauge(kv, "kvswitch_router_peer_settings_mismatch") == {}
+        assert any("same settings and version" in r.getMessage() for r in caplog.records)
+
+        # A change every replica applies never reads as a difference, however long one waits.
+        caplog.clear()
+        await disc.put_raw(subjects.config_key(cluster.ns), b'{"routing": "kv", "temperature": 0.2}')
+        await until(lambda: kv.settings.temperature == rr.settings.temperature == 0.2, what="the change applied")
+        await asyncio.sleep(SETTLE_S + 0.5)
+        assert not kv.readiness()[1]["warnings"] and not rr.readiness()[1]["warnings"]
+        assert not [r for r in caplog.records if r.name == "router.peer_settings" and r.levelno >= logging.WARNING]
+
+        # A peer of another release (its digest may mean other settings, or the same ones) is named too.
+        lease = await disc.register_router(
+            lambda rid: RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=time.time(), version="0.0.1"),
+            ttl=5,
+        )
+        await until(lambda: any("version 0.0.1" in w for w in kv.readiness()[1]["warnings"]), what="the old peer")
+        assert _gauge(kv, "kvswitch_router_peer_version_mismatch") == {lease.hex_id: 1.0}
+        await disc.release(lease)
+        await until(lambda: not kv.readiness()[1]["warnings"], what="the old peer gone")
+
+
+def test_a_peer_counts_as_different_only_after_it_stays_so_and_is_warned_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.peer_settings")
+    now = [0.0]
+    mine = settings_digest(RouterSettings())
+    other = settings_digest(RouterSettings(routing="round_robin"))
+    assert mine == settings_digest(RouterSettings()) and mine != other
+    peers = PeerSettings("ns", mine, "0.1.0", settle_s=2.0, clock=lambda: now[0])
+
+    def info(digest: str, version: str = "0.1.0") -> RouterInfo:
+        return RouterInfo(router="p", http_url="", started_at=0.0, version=version, settings_digest=digest)
+
+    peers.seen("p", info(other))  # a peer that has not applied a live change yet
+    now[0] = 1.0
+    peers.check()
+    assert peers.warnings() == [] and peers.settings_mismatch() == []
+    peers.seen("p", info(mine))  # ... and now has
+    now[0] = 10.0
+    peers.check()
+    assert peers.warnings() == [] and not caplog.records
+
+    peers.seen("p", info(other))
+    now[0] = 12.0
+    peers.check()
+    peers.check()
+    assert peers.settings_mismatch() == ["p"] and peers.version_mismatch() == []
+    (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "peer router p" in warned and other in warned and mine in warned
+    peers.mine(other)  # we applied what the peer runs
+    assert peers.warnings() == []
+    assert any("same settings and version" in r.getMessage() for r in caplog.records)
+
+    peers.seen("p", info("", version="0.0.9"))  # a release before the digest: its version alone
+    now[0] = 20.0
+    assert peers.version_mismatch() == ["p"] and peers.settings_mismatch() == []
+    peers.gone("p")
+    assert peers.warnings() == []
