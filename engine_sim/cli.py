@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="report usage.prompt_tokens_details: prefix-cache hits (as vLLM)")  # fmt: skip
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer with an X-Request-Id header, the request's own or a fresh one (as vLLM)")  # fmt: skip
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="count generate requests in flight for GET /load (as vLLM; off, it answers 0)")  # fmt: skip
     g.add_argument(
         "--kv-events-config",
         type=_events_config,
@@ -165,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         restart_after_crash_s=args.restart_after_crash_s,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_request_id_headers=args.enable_request_id_headers,
+        enable_server_load_tracking=args.enable_server_load_tracking,
         enable_prefix_caching=args.enable_prefix_caching,
         lora_modules=tuple(args.lora_modules),
         runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),

@@ -114,6 +114,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
         also the tokens the prompt wrote to the cache).
     enable_request_id_headers: vLLM's flag (off by default): every answer carries X-Request-Id, the
         request's own or a fresh uuid4 hex.
+    enable_server_load_tracking: vLLM's flag (off by default): GET /load counts the completions and
+        chat requests in flight; off, it answers 0.
     aliases: further names the model is served under (vLLM's --served-model-name with several:
         `model` is the first, the name answers carry); requests may name any, with one cache.
     root: the model's path as the server was given it (its cards' `root`); "": `model`.
@@ -150,6 +152,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     data_parallel_rank: int = 0
     enable_prompt_tokens_details: bool = False
     enable_request_id_headers: bool = False
+    enable_server_load_tracking: bool = False
     enable_prefix_caching: bool = True
     lora_modules: tuple[LoraModule, ...] = ()
     runtime_lora_updating: bool = False

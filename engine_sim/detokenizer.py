@@ -5,8 +5,8 @@ detokenizer.py), one token at a time:
   the usage), unless `include_stop_str_in_output`;
 - stop strings are looked for only once more than `min_tokens` tokens are out, in the text that
   could have just completed one; on a match the text ends before the stop string (or after it,
-  with `include_stop_str_in_output`) and `stop_reason` names it. Several stop strings are tried in
-  the order given, the first found wins;
+  with `include_stop_str_in_output`) and `stop_reason` names it. Of several, the one that
+  completes earliest in the text wins, list order breaking ties (vLLM's check_stop_strings);
 - while stop strings are set (and not included), the last `len(longest) - 1` characters are held
   back from the stream, since they could still begin one.
 """
@@ -39,11 +39,14 @@ class ChoiceText:
         if stop_token is not None:
             self.stop_reason = stop_token
         if self.stops and self._tokens > self._min_tokens:
+            best: tuple[int, int, str] | None = None  # (end, start, stop string)
             for s in self.stops:
                 i = self.text.find(s, max(0, offset + 1 - len(s)))
-                if i < 0:
-                    continue
-                self.text = self.text[: i + len(s) if self._include else i]
+                if i >= 0 and (best is None or i + len(s) < best[0]):
+                    best = (i + len(s), i, s)
+            if best is not None:
+                end, start, s = best
+                self.text = self.text[: end if self._include else start]
                 self.stop_reason = s
                 return self.finish()
         return self._release(len(self.text) - self._hold)

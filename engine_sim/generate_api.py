@@ -36,6 +36,7 @@ from engine_sim.http_context import (
     engine_gone,
     error_response,
     fault_gate,
+    json_body,
     json_response,
     request_id,
 )
@@ -212,10 +213,27 @@ async def _serve(
     id_prefix: str,
     respond: Respond,
 ) -> web.StreamResponse:
-    """Admit and submit one generate call, then `respond`; the engine requests end with the call."""
+    """Admit and submit one generate call, then `respond`; the engine requests end with the call.
+    With --enable-server-load-tracking, GET /load counts it until answered (vLLM's load_aware_call)."""
+    srv: SimServer = request.app[SERVER_KEY]
+    if not srv.config.enable_server_load_tracking:
+        return await _admit(request, parse, id_prefix, respond)
+    srv.server_load += 1
+    try:
+        return await _admit(request, parse, id_prefix, respond)
+    finally:
+        srv.server_load -= 1
+
+
+async def _admit(
+    request: web.Request,
+    parse: Callable[[bytes, SimServer], GenerateCall],
+    id_prefix: str,
+    respond: Respond,
+) -> web.StreamResponse:
     srv: SimServer = request.app[SERVER_KEY]
     try:
-        call = parse(await request.read(), srv)
+        call = parse(await json_body(request), srv)
         _check_rank(srv, request)
         if fault_gate(srv, request):
             return web.Response(status=500)
@@ -255,7 +273,7 @@ def _parse_completion(raw: bytes, srv: SimServer) -> GenerateCall:
 def _parse_chat(raw: bytes, srv: SimServer) -> GenerateCall:
     body = parse_body(raw, ChatRequest)
     lora = check_model(srv, body.model)
-    call = chat_call(body, srv.config.max_model_len)
+    call = chat_call(body, srv.config.max_model_len, model=srv.config.model)
     call.lora = lora
     return call
 

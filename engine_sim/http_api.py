@@ -1,10 +1,14 @@
 """The HTTP API, as vLLM's OpenAI server answers it (routes, status codes, bodies, SSE framing).
 
 vLLM routes: POST /v1/completions, POST /v1/chat/completions (engine_sim/generate_api.py),
-GET /v1/models, GET /health, GET /metrics, POST /reset_prefix_cache, GET /version, GET /kv_event_sources
-(each data-parallel rank's KV events config; this engine's one rank), POST /tokenize,
-POST /detokenize; with `runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), POST
-/v1/load_lora_adapter and /v1/unload_lora_adapter.
+GET /v1/models, GET /health, GET and POST /ping (SageMaker's, /health's answer), GET /load
+(requests in flight, with --enable-server-load-tracking), GET /metrics, POST /reset_prefix_cache,
+GET /version, GET /kv_event_sources (each data-parallel rank's KV events config; this engine's one
+rank), POST /tokenize, POST /detokenize; with `runtime_lora_updating` (vLLM's
+VLLM_ALLOW_RUNTIME_LORA_UPDATING), POST /v1/load_lora_adapter and /v1/unload_lora_adapter. The JSON
+routes (completions, chat, tokenize, detokenize, LoRA) take only `Content-Type: application/json`,
+as vLLM's (http_context.json_body). A CORS preflight gets the answer of vLLM's CORS middleware,
+which by its default allows no origin.
 
 The sim's own routes (not in vLLM; under /sim/ so they never clash):
 - POST /sim/kv_pull: a decode sim in another process finished reading pinned KV (engine_sim/disagg.py);
@@ -31,14 +35,15 @@ import msgspec
 from aiohttp import web
 
 from engine_sim import openai_format as fmt
-from engine_sim.errors import SimRequestError, VllmValidationError
+from engine_sim.errors import SimRequestError
 from engine_sim.generate_api import chat_completions, completions
-from engine_sim.http_context import SERVER_KEY, check_model, error_response, json_response
+from engine_sim.http_context import SERVER_KEY, check_model, error_response, json_body, json_response
 from engine_sim.metrics import CONTENT_TYPE, render_metrics
 from engine_sim.openai_request import (
-    CONTINUE_AND_GENERATE,
     DetokenizeRequest,
     TokenizeRequest,
+    check_generation_prompt,
+    check_mm_kwargs,
     check_request_template,
     check_token_bounds,
     parse_body,
@@ -60,14 +65,14 @@ async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
     srv = request.app[SERVER_KEY]
     try:
-        body = parse_body(await request.read(), TokenizeRequest)
+        body = parse_body(await json_body(request), TokenizeRequest)
         check_model(srv, body.model)
         if body.messages is not None:
-            if body.continue_final_message and body.add_generation_prompt:
-                raise VllmValidationError(CONTINUE_AND_GENERATE)
+            add_generation_prompt = check_generation_prompt(body.add_generation_prompt, body.continue_final_message)
             check_request_template(body.chat_template, body.chat_template_kwargs)
-            text = render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message)  # fmt: skip
+            check_mm_kwargs(body.mm_processor_kwargs, body.media_io_kwargs)
+            text = render_chat(body.messages, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=body.continue_final_message, model=srv.config.model)  # fmt: skip
         elif body.prompt is not None:
             text = body.prompt
         else:
@@ -85,7 +90,7 @@ async def detokenize(request: web.Request) -> web.Response:
     (`{"tokens": [999999]}` is `{"prompt": ""}`); only ids out of the body's bounds are a 400."""
     srv = request.app[SERVER_KEY]
     try:
-        body = parse_body(await request.read(), DetokenizeRequest)
+        body = parse_body(await json_body(request), DetokenizeRequest)
         check_token_bounds(body.tokens)
         check_model(srv, body.model)
     except SimRequestError as exc:
@@ -98,9 +103,7 @@ async def models(request: web.Request) -> web.Response:
     srv = request.app[SERVER_KEY]
     cfg = srv.config
     loras = list(srv.loras)
-    return json_response(
-        fmt.models_response(cfg.model, srv.created, cfg.max_model_len, srv.perm_id, loras, cfg.aliases, cfg.root)
-    )
+    return json_response(fmt.models_response(cfg.model, cfg.max_model_len, loras, cfg.aliases, cfg.root))
 
 
 class _LoadLora(msgspec.Struct):
@@ -112,7 +115,7 @@ async def _lora_update(request: web.Request, update: Callable[[LoraAdapters, _Lo
     """vLLM's run-time adapter loading and unloading (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING):
     the success text, or vLLM's error. The sim loads no weights, so any path is taken."""
     try:
-        body = parse_body(await request.read(), _LoadLora)
+        body = parse_body(await json_body(request), _LoadLora)
         return web.Response(text=update(request.app[SERVER_KEY].loras, body))
     except SimRequestError as exc:
         return error_response(exc)
@@ -131,6 +134,11 @@ async def health(request: web.Request) -> web.Response:
     if delay > 0:
         await asyncio.sleep(delay)
     return web.Response(status=200)
+
+
+async def load(request: web.Request) -> web.Response:
+    """vLLM's server_load_metrics: 0 unless counted (--enable-server-load-tracking)."""
+    return json_response({"server_load": request.app[SERVER_KEY].server_load})
 
 
 async def kv_event_sources(request: web.Request) -> web.Response:
@@ -222,7 +230,7 @@ async def state(request: web.Request) -> web.Response:
 
 
 def build_app(server: SimServer) -> web.Application:
-    app = web.Application(client_max_size=64 * 2**20, middlewares=[_track_transports, _route_errors])
+    app = web.Application(client_max_size=64 * 2**20, middlewares=[_track_transports, _cors_preflight, _route_errors])
     app[SERVER_KEY] = server
     app.on_response_prepare.append(_vllm_headers)
     app.router.add_post("/v1/completions", completions)
@@ -231,6 +239,9 @@ def build_app(server: SimServer) -> web.Application:
     # which answers HEAD
     app.router.add_get("/v1/models", models, allow_head=False)
     app.router.add_get("/health", health, allow_head=False)
+    app.router.add_get("/ping", health, allow_head=False)  # first, as vLLM registers it (see _route_errors)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/load", load, allow_head=False)
     app.router.add_get("/version", version, allow_head=False)
     app.router.add_get("/kv_event_sources", kv_event_sources, allow_head=False)
     app.router.add_get("/metrics", metrics)
@@ -269,7 +280,8 @@ async def _route_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return await handler(request)
     except web.HTTPMethodNotAllowed as exc:
         resp = json_response({"detail": "Method Not Allowed"}, 405)
-        resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        # Starlette names the methods of the path's first route: /ping's GET, not its POST too
+        resp.headers["Allow"] = "GET" if request.path == "/ping" else ", ".join(sorted(exc.allowed_methods))
         return resp
     except web.HTTPNotFound:
         path = request.path
@@ -283,10 +295,40 @@ async def _route_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return json_response({"detail": "Not Found"}, 404)
 
 
+# Starlette's CORSMiddleware as vLLM configures it by default (allowed_origins [], methods and
+# headers "*"): a preflight never passes, for its origin.
+_CORS_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "QUERY")
+_PREFLIGHT_VARY = (
+    "Origin, Access-Control-Request-Method, Access-Control-Request-Headers, Access-Control-Request-Private-Network"
+)
+
+
+@web.middleware
+async def _cors_preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An OPTIONS with `Origin` and `Access-Control-Request-Method`, on any path, is answered by
+    vLLM's CORS middleware before routing: 400 text "Disallowed CORS " and each failure (the origin
+    always, the method if not one of Starlette's, private-network access if asked)."""
+    headers = request.headers
+    if request.method != "OPTIONS" or "Origin" not in headers or "Access-Control-Request-Method" not in headers:
+        return await handler(request)
+    failures = ["origin"]
+    if headers["Access-Control-Request-Method"] not in _CORS_METHODS:
+        failures.append("method")
+    if "Access-Control-Request-Private-Network" in headers:
+        failures.append("private-network")
+    resp = web.Response(status=400, text="Disallowed CORS " + ", ".join(failures))
+    resp.headers["Vary"] = _PREFLIGHT_VARY
+    resp.headers["Access-Control-Allow-Methods"] = ", ".join(_CORS_METHODS)
+    resp.headers["Access-Control-Max-Age"] = "600"
+    if "Access-Control-Request-Headers" in headers:  # all headers allowed: the request's are mirrored
+        resp.headers["Access-Control-Allow-Headers"] = headers["Access-Control-Request-Headers"]
+    return resp
+
+
 async def _vllm_headers(request: web.Request, response: web.StreamResponse) -> None:
     """What vLLM's middleware adds to every answer: `vary: Origin` (Starlette's CORS middleware,
-    which by vLLM's default allows no origin), and with --enable-request-id-headers X-Request-Id,
-    the request's own or a fresh uuid4 hex."""
-    response.headers["Vary"] = "Origin"
+    which by vLLM's default allows no origin; a preflight's answer has its own), and with
+    --enable-request-id-headers X-Request-Id, the request's own or a fresh uuid4 hex."""
+    response.headers.setdefault("Vary", "Origin")
     if request.app[SERVER_KEY].config.enable_request_id_headers:
         response.headers["X-Request-Id"] = request.headers.get("X-Request-Id", uuid.uuid4().hex)

@@ -1,6 +1,6 @@
 """What every HTTP handler of the sim shares: the server behind the app, and vLLM's conventions for
-JSON bodies, errors, request ids, model names (the served model or a LoRA adapter), and a crash
-under a request."""
+JSON bodies (and the media type they must be sent as), errors, request ids, model names (the served
+model or a LoRA adapter), and a crash under a request."""
 
 from __future__ import annotations
 
@@ -12,12 +12,22 @@ from aiohttp import web
 
 from engine_sim.errors import SimRequestError
 from engine_sim.openai_format import error_body
+from engine_sim.openai_request import check_json_media_type
 
 if TYPE_CHECKING:
     from engine_sim.lora import LoraRequest
     from engine_sim.server import SimServer
 
-__all__ = ["SERVER_KEY", "check_model", "engine_gone", "error_response", "fault_gate", "json_response", "request_id"]
+__all__ = [
+    "SERVER_KEY",
+    "check_model",
+    "engine_gone",
+    "error_response",
+    "fault_gate",
+    "json_body",
+    "json_response",
+    "request_id",
+]
 
 SERVER_KEY: web.AppKey[SimServer] = web.AppKey("sim_server", object)  # type: ignore[arg-type]
 _json = msgspec.json.Encoder()
@@ -25,6 +35,14 @@ _json = msgspec.json.Encoder()
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=_json.encode(obj), status=status, content_type="application/json")
+
+
+async def json_body(request: web.Request) -> bytes:
+    """The body of a route vLLM guards with validate_json_request; SimRequestError (its 400) unless
+    sent as application/json."""
+    raw = await request.read()
+    check_json_media_type(request.headers.get("Content-Type", ""), raw)
+    return raw
 
 
 def error_response(exc: SimRequestError) -> web.Response:

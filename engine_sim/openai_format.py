@@ -5,6 +5,7 @@ Request bodies and their validation: engine_sim/openai_request.py."""
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -213,11 +214,12 @@ def tokenize_response(tokens: list[int], max_model_len: int, token_strs: list[st
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": token_strs}
 
 
-def _model_card(
-    name: str, created: int, root: str, parent: str | None, max_model_len: int | None, perm_id: str
-) -> dict[str, Any]:
+def _model_card(name: str, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+    """vLLM's ModelCard with one ModelPermission, built afresh for every answer: their `created`
+    and the permission's `id` are default factories (now, `modelperm-` and 16 random hex digits)."""
+    created = int(time.time())
     permission = {
-        "id": perm_id,
+        "id": f"modelperm-{secrets.token_hex(8)}",
         "object": "model_permission",
         "created": created,
         "allow_create_engine": False,
@@ -244,9 +246,7 @@ def _model_card(
 
 def models_response(
     model: str,
-    created: int,
     max_model_len: int,
-    perm_id: str,
     loras: Sequence[LoraRequest] = (),
     aliases: Sequence[str] = (),
     root: str = "",
@@ -255,11 +255,11 @@ def models_response(
     "" for `model`), then one per LoRA adapter in load order, as vLLM's show_available_models
     builds them: an adapter's root is its path, its parent the first served name, and its
     max_model_len null (ModelCard's default, which vLLM sets on base cards only). vLLM makes a new
-    permission (and id) per card (bs32/v1_models_aliases.json)."""
+    permission (and id) per card (bs32/v1_models_aliases.json), and new cards for every call."""
     root = root or model
-    cards = [_model_card(model, created, root, None, max_model_len, perm_id)]
-    cards += [_model_card(a, created, root, None, max_model_len, f"modelperm-{secrets.token_hex(8)}") for a in aliases]
-    cards += [_model_card(a.name, created, a.path, model, None, f"modelperm-{secrets.token_hex(8)}") for a in loras]
+    cards = [_model_card(model, root, None, max_model_len)]
+    cards += [_model_card(a, root, None, max_model_len) for a in aliases]
+    cards += [_model_card(a.name, a.path, model, None) for a in loras]
     return {"object": "list", "data": cards}
 
 

@@ -13,6 +13,7 @@ tokens), stream_options.continuous_usage_stats; each is validated as vLLM valida
 
 from __future__ import annotations
 
+import email.message
 import json
 import logging
 import math
@@ -37,6 +38,9 @@ __all__ = [
     "Prompt",
     "TokenizeRequest",
     "chat_call",
+    "check_generation_prompt",
+    "check_json_media_type",
+    "check_mm_kwargs",
     "check_request_template",
     "check_token_bounds",
     "completion_call",
@@ -53,8 +57,21 @@ _MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 _MAX_TOKEN_ID = 2**63 - 1  # DetokenizeRequest.tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
 _MAX_REPORTED_ERRORS = 10  # vLLM's validation handler reports this many, then counts the rest
 _MAX_ERROR_INPUT_CHARS = 200
+_MAX_STOP_STRINGS = 4  # vLLM's VLLM_MAX_STOP_STRINGS default: the body's `stop` list may hold this many
 _warned: set[str] = set()
+# vLLM's validator, for both set in the body
 CONTINUE_AND_GENERATE = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+# transformers' apply_chat_template, for continue_final_message with add_generation_prompt by default
+_CONTINUE_AND_GENERATE_TEMPLATE = (
+    "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message when you "
+    "want the model to continue the final message, and add_generation_prompt when you want to add a header that "
+    "will prompt it to start a new assistant message instead."
+)
+_UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
+# Content parts vLLM hands its multimodal processor (renderers/chat_utils.py), which a text-only
+# model has not; the embeddings' parsers ask for a multimodal config first.
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image_pil", "audio_url", "input_audio", "video_url"})
+_EMBEDS_PARTS = frozenset({"image_embeds", "audio_embeds", "video_embeds"})
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -131,12 +148,15 @@ class ChatRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = True
     bad_words: list[str] = msgspec.field(default_factory=list)
     echo: bool = False
-    add_generation_prompt: bool = True
+    # UNSET when not in the body: rendered as True, but vLLM's validator refuses it beside
+    # continue_final_message only when given
+    add_generation_prompt: bool | msgspec.UnsetType = msgspec.UNSET
     continue_final_message: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 
 
@@ -147,11 +167,13 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: Any = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | msgspec.UnsetType = msgspec.UNSET  # as ChatRequest's
     continue_final_message: bool = False
     return_token_strs: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
 
 
@@ -160,16 +182,35 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
-def validation_error(details: list[dict[str, Any]]) -> SimRequestError:
+def validation_error(details: list[dict[str, Any]] | list[str]) -> SimRequestError:
     """vLLM's 400 for a body its pydantic model refuses, as its validation handler writes it
     (vllm/entrypoints/serve/exception_handling/handlers/validation.py): the first ten errors, a
-    count of the rest, `param` the first one's location."""
+    count of the rest, `param` the first one's location (none for an error that is only text)."""
     count = len(details)
     label = "error" if count == 1 else "errors"
     message = f"{count} validation {label}:\n" + "".join(f"  {d}\n" for d in details[:_MAX_REPORTED_ERRORS])
     if count > _MAX_REPORTED_ERRORS:
         message += f"  ...and {count - _MAX_REPORTED_ERRORS} more {label}\n"
-    return SimRequestError(message.rstrip(), kind="Bad Request", param=details[0]["loc"])
+    first = details[0]
+    return SimRequestError(
+        message.rstrip(), kind="Bad Request", param=first["loc"] if isinstance(first, dict) else None
+    )
+
+
+def check_json_media_type(content_type: str, raw: bytes) -> None:
+    """vLLM's validate_json_request, a dependency of its JSON POST routes (completions, chat,
+    /tokenize, /detokenize, the LoRA routes): any media type but application/json (no header
+    included) is a 400. FastAPI decodes a body it reads as JSON (`application/*+json`, or
+    `application/json ;...`, which the check then refuses) first, so a malformed one gets the
+    decode error instead."""
+    if content_type.lower().split(";", 1)[0] == "application/json":
+        return
+    header = email.message.Message()
+    header["content-type"] = content_type
+    subtype = header.get_content_subtype()
+    if raw and header.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json")):
+        _decode(raw)
+    raise validation_error([_UNSUPPORTED_MEDIA_TYPE])
 
 
 def _error_input(value: Any) -> str:
@@ -216,13 +257,17 @@ def _loads(raw: bytes) -> Any:
         return json.loads(raw)
 
 
-def parse_body(raw: bytes, kind: type[T]) -> T:
+def _decode(raw: bytes) -> Any:
     try:
-        obj = _loads(raw or b"null")
+        return _loads(raw)
     except json.JSONDecodeError as exc:
         raise malformed_json_error(exc) from exc
     except UnicodeDecodeError as exc:
         raise SimRequestError(f"request body is not UTF-8: {exc}") from exc
+
+
+def parse_body(raw: bytes, kind: type[T]) -> T:
+    obj = _decode(raw or b"null")
     if not isinstance(obj, dict):
         raise SimRequestError("request body must be a JSON object")
     unknown = sorted(set(obj) - set(getattr(kind, "__struct_fields__", ())) - _warned)
@@ -364,10 +409,13 @@ def _ids(x: Any) -> list[int] | None:
 def _prompts(raw: Any) -> list[Prompt]:
     """vLLM's union of prompt forms, picked as pydantic picks: all strings are texts (["1", "2"]
     too), all lists are id lists, lists among other things are refused, anything else is one
-    prompt of ids ([1, "2"] is [1, 2])."""
+    prompt of ids ([1, "2"] is [1, 2]). `[]` is a batch of none, which vLLM's renderer refuses
+    once its tokenization parameters are checked."""
     if isinstance(raw, str):
         return [Prompt(_tokenizer.encode(raw), raw)]
-    if isinstance(raw, list) and raw:
+    if raw == []:
+        return []
+    if isinstance(raw, list):
         if (ids := _strict_ids(raw)) is not None:
             return [Prompt(ids, None)]
         if all(isinstance(item, str) for item in raw):
@@ -385,17 +433,59 @@ def _prompts(raw: Any) -> list[Prompt]:
     )
 
 
-def render_chat(messages: Any, *, add_generation_prompt: bool, continue_final_message: bool) -> str:
-    """The built-in ChatML template; `continue_final_message` leaves the last message open."""
-    if not isinstance(messages, list) or not messages:
+def render_chat(messages: Any, *, add_generation_prompt: bool, continue_final_message: bool, model: str) -> str:
+    """The built-in ChatML template; `continue_final_message` leaves the last message open. The
+    sim serves a text-only model (`model`, the first served name): a media part is vLLM's 400 for
+    one. Then transformers' apply_chat_template's own refusals, in its words."""
+    if not isinstance(messages, list):
         raise SimRequestError("messages must be a non-empty list", param="messages")
     try:
         text = apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except (ValueError, AttributeError) as exc:
         raise SimRequestError(str(exc), param="messages") from exc
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                raise SimRequestError(f"{model} is not a multimodal model")
+            if kind in _EMBEDS_PARTS:
+                raise SimRequestError("The model is not multimodal.")
+    if not messages:
+        raise SimRequestError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+    if continue_final_message and add_generation_prompt:
+        raise SimRequestError(_CONTINUE_AND_GENERATE_TEMPLATE)
     if continue_final_message:
         text = text.removesuffix("<|im_end|>\n")
     return text
+
+
+def check_generation_prompt(add_generation_prompt: bool | msgspec.UnsetType, continue_final_message: bool) -> bool:
+    """vLLM's check_generation_prompt validator (chat, /tokenize): both given true is a 400. The
+    generation prompt as rendered: given, else added (where the template then refuses it beside
+    continue_final_message)."""
+    if continue_final_message and add_generation_prompt is True:
+        raise VllmValidationError(CONTINUE_AND_GENERATE)
+    return add_generation_prompt is not False
+
+
+def check_mm_kwargs(mm_processor_kwargs: dict[str, Any] | None, media_io_kwargs: dict[str, Any] | None) -> None:
+    """vLLM's validate_request_mm_kwargs, without --trust-request-mm-kwargs (its default; the sim
+    has no such flag) before it renders chat messages."""
+    if mm_processor_kwargs:
+        raise VllmValidationError(
+            "Per-request mm_processor_kwargs are disabled by default because they can change multimodal "
+            "preprocessing resource usage. Start the server with --trust-request-mm-kwargs only when clients "
+            "are trusted.",
+            parameter="mm_processor_kwargs",
+        )
+    if media_io_kwargs:
+        raise VllmValidationError(
+            "Per-request media_io_kwargs are disabled by default because they can change multimodal media "
+            "loading resource usage. Start the server with --trust-request-mm-kwargs only when clients are "
+            "trusted.",
+            parameter="media_io_kwargs",
+        )
 
 
 UNTRUSTED_TEMPLATE = (
@@ -439,7 +529,8 @@ def _kept(truncate: int | None, max_model_len: int, max_output: int) -> int | No
     return max_model_len if max_output == 0 else max(0, max_model_len - 1)
 
 
-def _check_prompt(p: Prompt, max_model_len: int, keep: int | None, side: str | None) -> Prompt:
+def _truncated(p: Prompt, max_model_len: int, keep: int | None, side: str | None) -> Prompt:
+    """The prompt as vLLM's renderer leaves it: truncated, and refused when too long."""
     if keep is not None and keep < len(p.token_ids):
         # vLLM's _truncation_slice: "right" keeps the first `keep` tokens; "left", also the
         # tokenizer's own side for generation, the last
@@ -451,20 +542,26 @@ def _check_prompt(p: Prompt, max_model_len: int, keep: int | None, side: str | N
         raise PromptTooLongError(
             max_model_len, max_model_len + 1 if p.text is not None else n, at_least=p.text is not None
         )
-    if n == 0:
-        raise SimRequestError("The prompt cannot be empty.", param="prompt")
-    bad = next((t for t in p.token_ids if not 0 <= t < VOCAB_SIZE), None)
-    if bad is not None:
-        raise VllmValidationError(f"Token id {bad} is out of vocabulary", parameter="prompt")
     return p
 
 
-def _check_body(body: _Sampling) -> None:
-    """vLLM's pydantic validators on the body."""
-    if body.truncation_side not in (None, "left", "right"):
-        raise _side_error(body.truncation_side)
+def _check_engine_prompt(ids: list[int]) -> None:
+    """The engine's input checks (InputProcessor._validate_model_input), after the sampling
+    parameters': an empty prompt, then the highest id if past the vocabulary (one below 0 was
+    refused with the body). Neither names a parameter."""
+    if not ids:
+        raise VllmValidationError("The decoder prompt cannot be empty")
+    if (high := max(ids)) >= VOCAB_SIZE:
+        raise VllmValidationError(f"Token id {high} is out of vocabulary")
+
+
+def _check_stream_options(body: _Sampling) -> None:
     if body.stream_options is not None and not body.stream:
         raise VllmValidationError("Stream options can only be defined when `stream=True`.", parameter="stream_options")
+
+
+def _check_prompt_logprobs(body: _Sampling) -> None:
+    """The start of vLLM's check_logprobs validator, both endpoints'."""
     pl = body.prompt_logprobs
     if pl is not None:
         if body.stream and (pl > 0 or pl == -1):
@@ -475,18 +572,27 @@ def _check_body(body: _Sampling) -> None:
             raise VllmValidationError(
                 "`prompt_logprobs` must be a positive value or -1.", parameter="prompt_logprobs", value=pl
             )
-    if body.cache_salt is not None and not body.cache_salt:
-        raise SimRequestError("Parameter 'cache_salt' must be a non-empty string if provided.")
-    if body.seed is not None and not -_LONG <= body.seed < _LONG:
-        raise SimRequestError(f"seed must be a 64-bit integer, got {body.seed}", param="seed")
-    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < -1:
-        raise SimRequestError("truncate_prompt_tokens must be >= -1", param="truncate_prompt_tokens")
+
+
+def _check_body(body: _Sampling) -> None:
+    """The rest of vLLM's validators on the body, after each endpoint's own (its `mode="before"`
+    validators run last-defined first), then pydantic's checks of the fields."""
     fmt = body.response_format
     if fmt is not None and fmt.get("type") not in ("text", "json_object", "json_schema", "structural_tag"):
         raise SimRequestError(
             "response_format.type must be one of 'text', 'json_object', 'json_schema', 'structural_tag'",
             param="response_format",
         )
+    if body.cache_salt is not None and not body.cache_salt:
+        raise SimRequestError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if body.truncation_side not in (None, "left", "right"):
+        raise _side_error(body.truncation_side)
+    if body.seed is not None and not -_LONG <= body.seed < _LONG:
+        raise SimRequestError(f"seed must be a 64-bit integer, got {body.seed}", param="seed")
+    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < -1:
+        raise SimRequestError("truncate_prompt_tokens must be >= -1", param="truncate_prompt_tokens")
+    if isinstance(body.stop, list) and len(body.stop) > _MAX_STOP_STRINGS:
+        raise _stop_list_error(len(body.stop))
 
 
 def _side_error(value: Any) -> SimRequestError:
@@ -496,8 +602,109 @@ def _side_error(value: Any) -> SimRequestError:
                               "ctx": {"expected": "'left' or 'right'"}}])  # fmt: skip
 
 
+def _stop_list_error(count: int) -> SimRequestError:
+    """vLLM's `stop: str | Annotated[list[str], Field(max_length=VLLM_MAX_STOP_STRINGS)] | None`:
+    a longer list fails both members of the union."""
+    shown = f"<list of {count} items>"
+    details: list[dict[str, Any]] = [
+        {"type": "string_type", "loc": "body.stop", "msg": "Input should be a valid string", "input": shown},
+        {"type": "too_long", "loc": "body.stop",
+         "msg": f"List should have at most {_MAX_STOP_STRINGS} items after validation, not {count}", "input": shown,
+         "ctx": {"field_type": "List", "max_length": _MAX_STOP_STRINGS, "actual_length": count}},
+    ]  # fmt: skip
+    return validation_error(details)
+
+
+def _check_tools(tools: list[Any] | None) -> None:
+    """Pydantic's checks of chat's `tools` (list[ChatCompletionToolsParam]: `type` "function",
+    `function` a FunctionDefinition with a string `name`), its errors as vLLM's handler writes them."""
+    details: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools or ()):
+        at = f"body.tools.{i}"
+        if not isinstance(tool, dict):
+            details.append(_model_type(at, tool, "ChatCompletionToolsParam"))
+            continue
+        if "type" in tool and tool["type"] != "function":
+            details.append({"type": "literal_error", "loc": f"{at}.type", "msg": "Input should be 'function'",
+                            "input": _error_input(tool["type"]), "ctx": {"expected": "'function'"}})  # fmt: skip
+        function = tool.get("function")
+        if "function" not in tool:
+            details.append(_missing(f"{at}.function", tool))
+        elif not isinstance(function, dict):
+            details.append(_model_type(f"{at}.function", function, "FunctionDefinition"))
+        elif "name" not in function:
+            details.append(_missing(f"{at}.function.name", function))
+        elif not isinstance(function["name"], str):
+            name = _error_input(function["name"])
+            details.append({"type": "string_type", "loc": f"{at}.function.name",
+                            "msg": "Input should be a valid string", "input": name})  # fmt: skip
+    if details:
+        raise validation_error(details)
+
+
+def _missing(loc: str, parent: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "missing", "loc": loc, "msg": "Field required", "input": _error_input(parent)}
+
+
+def _model_type(loc: str, value: Any, model: str) -> dict[str, Any]:
+    return {"type": "model_type", "loc": loc, "msg": f"Input should be a valid dictionary or instance of {model}",
+            "input": _error_input(value), "ctx": {"class_name": model}}  # fmt: skip
+
+
+def _check_tool_usage(body: ChatRequest) -> None:
+    """vLLM's check_tool_usage validator. `tools` without `tool_choice` make it "auto" there, which
+    needs nothing more here."""
+    tools, choice = body.tools, body.tool_choice
+    if tools == []:
+        raise VllmValidationError(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+            parameter="tools",
+        )
+    if choice in ("none", None):
+        return
+    if tools is None:
+        raise VllmValidationError("When using `tool_choice`, `tools` must be set.", parameter="tool_choice")
+    if not isinstance(choice, dict):
+        if choice not in ("auto", "required"):
+            raise VllmValidationError(
+                f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
+                "are supported.",
+                parameter="tool_choice",
+            )
+        return
+    usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise VllmValidationError(
+            f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}", parameter="tool_choice.function"
+        )
+    if "name" not in function:
+        raise VllmValidationError(
+            f"Expected field `name` in `function` in `tool_choice`! {usage}", parameter="tool_choice.function.name"
+        )
+    name = function["name"]
+    if not isinstance(name, str) or not name:
+        raise VllmValidationError(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}", parameter="tool_choice.function.name"
+        )
+    named = (t.get("function") for t in tools if isinstance(t, dict))
+    if not any(isinstance(f, dict) and f.get("name") == name for f in named):
+        raise VllmValidationError(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`", parameter="tool_choice"
+        )
+
+
 def _check_sampling(body: _Sampling, n: int, max_tokens: int, logprobs: int | None) -> None:
-    """SamplingParams._verify_args, then the engine's own checks, in vLLM's order."""
+    """SamplingParams.from_optional's logit_bias keys, _verify_args, then verify() (the engine's
+    input processor), in vLLM's order."""
+    bias = body.logit_bias or {}
+    unreadable = [key for key in bias if not _is_int(key)]
+    if unreadable:
+        raise VllmValidationError(
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {unreadable!r}",
+            parameter="logit_bias",
+            value=unreadable,
+        )
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     top_k = 0 if body.top_k is None else body.top_k
@@ -546,18 +753,36 @@ def _check_sampling(body: _Sampling, n: int, max_tokens: int, logprobs: int | No
                 parameter="logprobs" if name == "sample" else "prompt_logprobs",
                 value=wanted,
             )
-    for tid in body.allowed_token_ids or []:
-        if not 0 <= tid < VOCAB_SIZE:
-            raise SimRequestError("allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids")
-    for key in body.logit_bias or {}:
-        try:
-            int(key)
-        except ValueError:
+    # token ids index the logits, VOCAB_SIZE wide (sampling_params.py _validate_logit_bias,
+    # _validate_stop_token_ids, _validate_allowed_token_ids)
+    for parameter, ids in (("logit_bias", list(dict.fromkeys(int(key) for key in bias))),
+                           ("stop_token_ids", body.stop_token_ids or [])):  # fmt: skip
+        outside = [tid for tid in ids if not 0 <= tid < VOCAB_SIZE]
+        if outside:
             raise VllmValidationError(
-                f"logit_bias contains key(s) that cannot be converted to integer token IDs: {[key]!r}",
-                parameter="logit_bias",
-                value=[key],
-            ) from None
+                f"token_id(s) {outside} in {parameter} contain out-of-vocab token ids. Vocabulary size: {VOCAB_SIZE}",
+                parameter=parameter,
+                value=outside,
+            )
+    allowed = body.allowed_token_ids
+    if allowed is not None:
+        if not allowed:
+            raise VllmValidationError(
+                "allowed_token_ids is not None and empty!", parameter="allowed_token_ids", value=[]
+            )
+        outside = [tid for tid in allowed if not 0 <= tid < VOCAB_SIZE]
+        if outside:
+            raise VllmValidationError(
+                "allowed_token_ids contains out-of-vocab token id!", parameter="allowed_token_ids", value=outside
+            )
+
+
+def _is_int(key: str) -> bool:
+    try:
+        int(key)
+    except ValueError:
+        return False
+    return True
 
 
 def _call(
@@ -571,13 +796,14 @@ def _call(
 ) -> GenerateCall:
     n = 1 if body.n is None else body.n
     keep = _kept(body.truncate_prompt_tokens, max_model_len, asked or 0)
-    prompts = [_check_prompt(p, max_model_len, keep, body.truncation_side) for p in prompts]
+    prompts = [_truncated(p, max_model_len, keep, body.truncation_side) for p in prompts]
     echo_only = echo and asked == 0
     max_tokens = []
     for p in prompts:
         room = max_model_len - len(p.token_ids)
         mt = room if asked is None else min(asked, room)
         _check_sampling(body, n, 1 if echo_only else mt, logprobs)
+        _check_engine_prompt(p.token_ids)
         max_tokens.append(1 if echo_only else mt)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     opts = body.stream_options
@@ -605,25 +831,41 @@ def _call(
 
 
 def completion_call(body: CompletionRequest, max_model_len: int) -> GenerateCall:
+    # vLLM's validators, last-defined first: prompt given, stream options, logprobs
+    if body.prompt in (None, "") and body.prompt_embeds in (None, []):
+        raise VllmValidationError("Either prompt or prompt_embeds must be provided and non-empty.", parameter="prompt")
+    _check_stream_options(body)
+    _check_prompt_logprobs(body)
+    if body.logprobs is not None and body.logprobs < 0 and body.logprobs != -1:
+        raise VllmValidationError(
+            "`logprobs` must be a positive value or -1.", parameter="logprobs", value=body.logprobs
+        )
     _check_body(body)
-    if body.logprobs is not None and body.logprobs < 0:
-        raise VllmValidationError("`logprobs` must be a positive value.", parameter="logprobs", value=body.logprobs)
     if body.suffix is not None:
         raise SimRequestError("suffix is not currently supported")
     if body.prompt_embeds is not None:
         raise SimRequestError("prompt_embeds is not supported by the simulated engine", param="prompt_embeds")
     prompts = _prompts(body.prompt)
+    negative = next((t for p in prompts for t in p.token_ids if t < 0), None)
+    if negative is not None:  # pydantic's refusal in vLLM (its ids are `ge=0`), before the engine's checks
+        raise VllmValidationError(f"Token id {negative} is out of vocabulary", parameter="prompt")
     # vLLM's normalize_null_max_tokens: a null is the field's default, not "up to the context"
     asked = _DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     _check_tok_params(body, max_model_len, asked or 0, "max_tokens")
+    if not prompts:
+        raise SimRequestError("You must pass at least one prompt")  # the renderer's, for `prompt: []`
     call = _call(body, prompts, max_model_len, asked, logprobs=body.logprobs, echo=bool(body.echo))
     if call.prompt_logprobs is None and call.echo:
         call.prompt_logprobs = body.logprobs  # vLLM: an echoed prompt comes with its logprobs too
     return call
 
 
-def chat_call(body: ChatRequest, max_model_len: int) -> GenerateCall:
-    _check_body(body)
+def chat_call(body: ChatRequest, max_model_len: int, *, model: str) -> GenerateCall:
+    """`model`: the served model's (first) name, which names it in vLLM's refusal of media."""
+    # vLLM's validators, last-defined first: generation prompt, tool usage, logprobs, stream options
+    add_generation_prompt = check_generation_prompt(body.add_generation_prompt, body.continue_final_message)
+    _check_tool_usage(body)
+    _check_prompt_logprobs(body)
     top = body.top_logprobs
     if top is not None:
         if top < 0 and top != -1:
@@ -634,24 +876,24 @@ def chat_call(body: ChatRequest, max_model_len: int) -> GenerateCall:
             raise VllmValidationError(
                 "when using `top_logprobs`, `logprobs` must be set to true.", parameter="top_logprobs"
             )
-    if body.continue_final_message and body.add_generation_prompt:
-        raise SimRequestError(CONTINUE_AND_GENERATE)
-    if body.tool_choice not in ("none", None) and not body.tools:
-        raise SimRequestError("When using `tool_choice`, `tools` must be set.")
+    _check_stream_options(body)
+    _check_body(body)
+    _check_tools(body.tools)
     check_request_template(body.chat_template, body.chat_template_kwargs)
+    check_mm_kwargs(body.mm_processor_kwargs, body.media_io_kwargs)
     # vLLM: max_completion_tokens when given (a 0 too), else the deprecated max_tokens; null: no limit
     given = body.max_completion_tokens is not None
     asked = body.max_completion_tokens if given else body.max_tokens
     _check_tok_params(body, max_model_len, asked or 0, "max_completion_tokens" if given else "max_tokens")
-    text = render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
-                       continue_final_message=body.continue_final_message)  # fmt: skip
+    text = render_chat(body.messages, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=body.continue_final_message, model=model)  # fmt: skip
     logprobs = top if body.logprobs else None
     call = _call(body, [Prompt(_tokenizer.encode(text), text)], max_model_len, asked, logprobs=logprobs, echo=False)
     call.chat = True
     if call.prompt_logprobs is None and body.echo:
         call.prompt_logprobs = top  # vLLM: an echo asks for the prompt's logprobs too
     if body.echo:
-        call.chat_echo = _echoed(body.messages, "assistant" if body.add_generation_prompt else None)
+        call.chat_echo = _echoed(body.messages, "assistant" if add_generation_prompt else None)
     return call
 
 

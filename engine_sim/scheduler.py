@@ -306,7 +306,7 @@ class Scheduler:
             if not self._allocate(req, n, hits):
                 break
             if fresh and req.num_preemptions == 0:
-                self._count_admission(req, hit_tokens, 0, result)
+                self._count_admission(req, hit_tokens, 0, result, looked_up=use_cache)
             waiting.popleft()
             running.append(req)
             req.status = RequestStatus.RUNNING
@@ -315,11 +315,14 @@ class Scheduler:
         waiting.extendleft(reversed(skipped))
         return scheduled
 
-    def _count_admission(self, req: SimRequest, hit_tokens: int, external: int, result: StepResult) -> None:
+    def _count_admission(
+        self, req: SimRequest, hit_tokens: int, external: int, result: StepResult, *, looked_up: bool
+    ) -> None:
         result.started.append(req.request_id)
         st = self.stats
-        st.prefix_cache_queries += req.num_tokens
-        st.prefix_cache_hits += hit_tokens
+        if looked_up:  # vLLM's record_prefix_cache_stats: a request that skipped the lookup is no query
+            st.prefix_cache_queries += req.num_tokens
+            st.prefix_cache_hits += hit_tokens
         if self.kv_connector or external:
             st.external_prefix_cache_queries += req.num_tokens - hit_tokens
             st.external_prefix_cache_hits += external
@@ -329,13 +332,14 @@ class Scheduler:
 
     def _start_remote_load(self, req: SimRequest, result: StepResult) -> bool:
         bs = self.block_size
-        hits = self.pool.longest_hit(req.chain, (req.num_prompt_tokens - 1) // bs) if self.enable_prefix_caching else []
+        use_cache = self.enable_prefix_caching and not req.skip_prefix_cache
+        hits = self.pool.longest_hit(req.chain, (req.num_prompt_tokens - 1) // bs) if use_cache else []
         hit_tokens = len(hits) * bs
         if not self._allocate(req, req.num_prompt_tokens - hit_tokens, hits, cache=False):
             return False
         req.num_computed_tokens = hit_tokens
         req.num_external_tokens = req.num_prompt_tokens - hit_tokens
-        self._count_admission(req, hit_tokens, req.num_external_tokens, result)
+        self._count_admission(req, hit_tokens, req.num_external_tokens, result, looked_up=use_cache)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         result.transfers.append((req.request_id, req.num_external_tokens))
         return True

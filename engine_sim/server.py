@@ -25,7 +25,6 @@ import enum
 import logging
 import re
 import secrets
-import time
 import uuid
 from typing import Any
 
@@ -78,10 +77,9 @@ class SimServer:
         self.status = ServerStatus.NEW
         self.timing = TimingModel.for_profile(cfg.profile)
         self.fingerprint = f"vllm-{VLLM_VERSION}-{secrets.token_hex(4)}"
-        self.perm_id = f"modelperm-{secrets.token_hex(8)}"
         self.loras = LoraAdapters(cfg.lora_modules, (cfg.model, *cfg.aliases))
         self.ranked_requests = 0  # generate requests that named this engine's data-parallel rank
-        self.created = int(time.time())
+        self.server_load = 0  # generate requests in flight, counted with --enable-server-load-tracking
         self.open_transports: set[asyncio.Transport] = set()
         self.crashed = asyncio.Event()
         self._runner: EngineRunner | None = None

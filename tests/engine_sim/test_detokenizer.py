@@ -31,10 +31,10 @@ def test_a_stop_string_ending_in_new_text_is_found_across_tokens() -> None:
     assert (t.text, t.stop_reason) == ("hel", "lo wo")
 
 
-def test_the_first_stop_string_in_the_list_wins() -> None:
+def test_the_stop_string_completed_earliest_wins_not_the_first_listed() -> None:
     t = ChoiceText(["zz", "a"])
     t.add("a zz")
-    assert (t.text, t.stop_reason) == ("a ", "zz")
+    assert (t.text, t.stop_reason) == ("", "a")  # vLLM's check_stop_strings
 
 
 def test_a_stop_token_adds_no_text_unless_included() -> None:

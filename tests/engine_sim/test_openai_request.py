@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engine_sim.errors import SimRequestError
-from engine_sim.openai_request import CompletionRequest, _prompts, parse_body
+from engine_sim.openai_request import CompletionRequest, _prompts, completion_call, parse_body
 
 
 def test_the_stdlibs_json_extensions_are_accepted_as_vllm_accepts_them() -> None:
@@ -32,10 +32,16 @@ def test_token_id_prompts(prompt: Any, ids: list[list[int]]) -> None:
     assert [p.token_ids for p in _prompts(prompt)] == ids
 
 
-@pytest.mark.parametrize("prompt", [[], [[1], 2], ["one", [5, 6]]])
+@pytest.mark.parametrize("prompt", [[[1], 2], ["one", [5, 6]]])
 def test_what_is_not_a_prompt_is_refused(prompt: Any) -> None:
     with pytest.raises(SimRequestError):
         _prompts(prompt)
+
+
+def test_an_empty_prompt_list_is_a_batch_of_none_which_vllm_refuses() -> None:
+    assert _prompts([]) == []  # refused later, in the renderer's words (test_vllm_shapes_2.py)
+    with pytest.raises(SimRequestError, match=r"^You must pass at least one prompt$"):
+        completion_call(parse_body(b'{"prompt": []}', CompletionRequest), 32768)
 
 
 # vLLM 0.32's CompletionRequest (pydantic, lax mode) on each value, for `stream`, `echo`,

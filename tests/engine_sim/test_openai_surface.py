@@ -179,7 +179,7 @@ USER = [{"role": "user", "content": "x"}]
 INVALID = [
     (C, {"logprobs": 21}, "Requested sample logprobs of 21, which is greater than max allowed: 20"
      " (parameter=logprobs, value=21)"),
-    (C, {"logprobs": -2}, "`logprobs` must be a positive value. (parameter=logprobs, value=-2)"),
+    (C, {"logprobs": -2}, "`logprobs` must be a positive value or -1. (parameter=logprobs, value=-2)"),
     (CHAT, {"top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)"),
     (C, {"prompt_logprobs": 1, "stream": True},
      "`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)"),
@@ -193,7 +193,7 @@ INVALID = [
     (C, {"min_tokens": 20, "max_tokens": 5}, "min_tokens must be less than or equal to max_tokens=5, got 20."),
     (C, {"stop": ["a", ""]}, "stop cannot contain an empty string."),
     (C, {"suffix": "y"}, "suffix is not currently supported"),
-    (CHAT, {"continue_final_message": True},
+    (CHAT, {"continue_final_message": True, "add_generation_prompt": True},
      "Cannot set both `continue_final_message` and `add_generation_prompt` to True."),
 ]  # fmt: skip
 

@@ -32,7 +32,7 @@ def complete(body: dict[str, Any], max_model_len: int = MAX_MODEL_LEN) -> Genera
 
 
 def chat(body: dict[str, Any], max_model_len: int = MAX_MODEL_LEN) -> GenerateCall:
-    return chat_call(parse_body(json.dumps({**CHAT, **body}).encode(), ChatRequest), max_model_len)
+    return chat_call(parse_body(json.dumps({**CHAT, **body}).encode(), ChatRequest), max_model_len, model="sim-llama")
 
 
 def refused(call: Any, body: dict[str, Any], max_model_len: int = MAX_MODEL_LEN) -> SimRequestError:
