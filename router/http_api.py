@@ -234,14 +234,22 @@ def _token_ids(raw: list[Any], param: str) -> list[int]:
     return ids
 
 
+# vLLM's words (its InputProcessor's; it names no parameter, the router names the prompt)
+_EMPTY_PROMPT = "The decoder prompt cannot be empty"
+
+
 def _prompts(raw: Any) -> list[str | list[int]]:
     """vLLM's prompt forms: a string, token ids, or a non-empty list of strings or of token-id
     lists, picked as its pydantic union picks: all strings are texts (["1", "2"] too), all lists
     are id lists, lists among other things are refused (vLLM 0.32 too), and anything else is one
     prompt of ids ([1, "2"] is [1, 2])."""
+    if raw == "":  # vLLM's validator refuses it before rendering (a BOS alone would be served)
+        raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     if isinstance(raw, str):
         return [raw]
-    if isinstance(raw, list) and raw:
+    if raw == []:
+        raise ApiError(400, "You must pass at least one prompt", "prompt")  # vLLM's renderer's words
+    if isinstance(raw, list):
         ids = _valid_ids(raw)
         if ids is not None:
             return [ids]
@@ -251,7 +259,7 @@ def _prompts(raw: Any) -> list[str | list[int]]:
             batch: list[str | list[int]] = []
             for item in raw:
                 if not item:
-                    raise ApiError(400, "The prompt cannot be empty.", "prompt")
+                    raise ApiError(400, _EMPTY_PROMPT, "prompt")
                 batch.append(_token_ids(item, "prompt"))
             return batch
         if any(isinstance(item, list) for item in raw):  # ["text", [6, 7, 8]]
@@ -777,7 +785,7 @@ async def prompt_ids(tok: Tokenization, parsed: ParsedRequest) -> tuple[list[int
     except TokenizerError as exc:
         raise ApiError(400, str(exc), "messages" if parsed.chat else "prompt") from exc
     if not prompts[0]:
-        raise ApiError(400, "The prompt cannot be empty.", "prompt")
+        raise ApiError(400, _EMPTY_PROMPT, "prompt")
     return prompts[0], prompts
 
 

@@ -36,8 +36,9 @@ def test_prompt_forms(prompt: Any, expected: list[Any]) -> None:
         # vLLM 0.32 refuses a batch mixing texts and id lists (tests/router/test_request_fidelity.py)
         (["a", [7, -4]], "a batch of prompts must be all strings or all token-id lists"),
         (["a", [1, 2], "b"], "a batch of prompts must be all strings or all token-id lists"),
-        ([], "'prompt' must be a string, a non-empty list of token ids, or a list of strings or token-id lists"),
-        ([[1], []], "The prompt cannot be empty."),  # vLLM's words (and engine_sim's)
+        ("", "Either prompt or prompt_embeds must be provided and non-empty."),  # vLLM's validator
+        ([], "You must pass at least one prompt"),  # vLLM 0.32's words (and engine_sim's)
+        ([[1], []], "The decoder prompt cannot be empty"),
     ],
 )
 def test_bad_prompts_are_400_naming_the_prompt(prompt: Any, message: str) -> None:
