@@ -27,9 +27,11 @@ of batches is cut to 64 to keep 1,000 of them in memory; nothing here asks for r
 
 `--pin` puts the router process alone on the last CPU and nats-server and the simulators on the
 others (as in a deployment, where the shims run on the GPU hosts, not next to the router); other
-processes on the machine still share every CPU. `--profile PREFIX` runs the router side under
-cProfile (CPU time, not wall) and prints where the time of each phase went (also saved as
-PREFIX.bootstrap and PREFIX.live).
+processes on the machine still share every CPU. Every thread of each is pinned: nats-server starts
+with the others' mask (so each thread Go's runtime makes inherits it), and the router and the
+simulators pin all their threads (bench.cpu.pin_process), not only their main ones.
+`--profile PREFIX` runs the router side under cProfile (CPU time, not wall) and prints where the
+time of each phase went (also saved as PREFIX.bootstrap and PREFIX.live).
 
 The simulators stamp `ts` when they seal a batch, so a simulator that falls behind (its CPU taken)
 adds its own delay to the lag: each reports how far behind its schedule it sealed (p99), and a run
@@ -54,7 +56,7 @@ import pstats
 import socket
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +67,7 @@ import uvloop
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from bench.cpu import pin_process
 from bench.index_event_rate import EventRate
 from bench.index_event_rate import measure as measure_event_rate
 from bench.index_fleet_workload import SHARINGS, FleetWorkload
@@ -264,8 +267,8 @@ async def _simulate(proc: int, procs: int, url: str, wl: FleetWorkload) -> None:
 
 
 def _simulator_main(proc: int, procs: int, url: str, wl: FleetWorkload, cpus: set[int] | None) -> None:
-    if cpus:
-        os.sched_setaffinity(0, cpus)
+    if cpus:  # spawned with the router's CPU: threads made at import (numpy's) have it too
+        pin_process(os.getpid(), cpus)
     uvloop.run(_simulate(proc, procs, url, wl))
 
 
@@ -467,6 +470,23 @@ def report(args: argparse.Namespace, rate_line: str, r: Result, slow_consumers: 
     )
 
 
+@contextlib.contextmanager
+def nats_server(pin: bool) -> Iterator[tuple[NatsServer, set[int] | None]]:
+    """A nats-server and, with `pin`, the CPUs it runs on: every one but the last, which this process
+    (the router side), every thread of it, then has alone. nats-server is started with that mask, so
+    every thread it makes has it too."""
+    cpus = sorted(os.sched_getaffinity(0))
+    others = set(cpus[:-1]) if pin else None
+    if others is not None:
+        if not others:
+            raise SystemExit("--pin needs at least 2 CPUs")
+        pin_process(os.getpid(), others)
+    with NatsServer() as server:
+        if others is not None:
+            pin_process(os.getpid(), {cpus[-1]})
+        yield server, others
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=1000)
@@ -484,18 +504,10 @@ def main(argv: list[str] | None = None) -> None:
     rate = measure_event_rate(RATE_SECONDS, RATE_SPEED)
     rate_line = rate.line()
     wl = FleetWorkload(args.workers, args.blocks, args.sharing)
-    with NatsServer() as server:
+    with nats_server(args.pin) as (server, args.others):
         if server.pid is None:
             raise RuntimeError("nats-server did not start")
         args.nats_pid = server.pid
-        args.others = None
-        if args.pin:  # the router alone on the last CPU; nats-server and the simulators on the rest
-            cpus = sorted(os.sched_getaffinity(0))
-            if len(cpus) < 2:
-                raise SystemExit("--pin needs at least 2 CPUs")
-            args.others = set(cpus[:-1])
-            os.sched_setaffinity(server.pid, args.others)
-            os.sched_setaffinity(0, {cpus[-1]})
         result = uvloop.run(asyncio.wait_for(_router(args, server.url, wl, rate), args.duration + 900))
         slow = sum("Slow Consumer" in line for line in server.log_tail(1_000_000).splitlines())
     report(args, rate_line, result, slow)

@@ -289,7 +289,7 @@ def _credit_line(checks: list[CreditCheck]) -> str:
 
 
 def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
-    from bench.compare import CONFIGURATIONS
+    from bench.compare import CONFIGURATIONS, slo_router_args
     from bench.replay import write_results
     from bench.trace import TokenSynth
     from bench.ttft_floor import ceiling_cached
@@ -303,12 +303,13 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     if not args.speed > 0:
         raise ValueError(f"--speed must be > 0, got {args.speed}")
     longest = max((item.input_len + item.output_len for item in items), default=0)
+    slo = Slo(args.slo_ttft, args.slo_itl)
     spec = FleetSpec(
         prefill=args.prefill,
         decode=args.decode,
         agg=args.agg,
         routers=args.routers,
-        settings=settings_from_args([*config.router_args, *args.router_arg]),
+        settings=settings_from_args([*config.router_args, *slo_router_args(slo), *args.router_arg]),
         delays=_delays(args),
         profile=args.profile,
         router_profile=_router_profile(args),
@@ -324,7 +325,7 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     out = args.out or OUT_DIR / f"replay-{_stamp()}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_results(out, results)
-    summary = summarize(results, slo=Slo(args.slo_ttft, args.slo_itl), prefix=run.prefix, clock="virtual")
+    summary = summarize(results, slo=slo, prefix=run.prefix, clock="virtual")
     print(format_summary(summary))
     reach = run.reach
     if reach.prompt:

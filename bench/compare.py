@@ -54,6 +54,7 @@ __all__ = [
     "format_table",
     "headline_ratios",
     "run_compare",
+    "slo_router_args",
 ]
 
 Fleet = Literal["agg", "pd"]
@@ -130,6 +131,12 @@ class Measurement(msgspec.Struct, kw_only=True):
     clock: str = "live"
 
 
+def slo_router_args(slo: Slo) -> list[str]:
+    """The routers' flags for the SLO goodput is judged at, so that they protect that one (admission's
+    timeout and bound, `slo_aware`'s budgets) and not their defaults."""
+    return ["--slo-ttft-s", repr(slo.ttft_s), "--slo-itl-s", repr(slo.itl_s)]
+
+
 def _cluster_spec(spec: CompareSpec, config: Configuration) -> ClusterSpec:
     agg = config.fleet == "agg"
     return ClusterSpec(
@@ -139,7 +146,7 @@ def _cluster_spec(spec: CompareSpec, config: Configuration) -> ClusterSpec:
         routers=0 if config.peer is not None else spec.routers,
         speedup=spec.speedup,
         profile=spec.profile,
-        router_args=list(config.router_args),
+        router_args=[*config.router_args, *slo_router_args(spec.slo)],
         sim_args=list(spec.sim_args),
         namespace="bench" + uuid.uuid4().hex[:8],
         log_dir=spec.log_dir / config.name if spec.log_dir is not None else None,
@@ -200,7 +207,7 @@ def fleet_spec(spec: CompareSpec, config: Configuration, run: int) -> FleetSpec:
         decode=0 if agg else spec.decode,
         agg=spec.prefill + spec.decode if agg else 0,
         routers=spec.routers,
-        settings=settings_from_args(config.router_args),
+        settings=settings_from_args([*config.router_args, *slo_router_args(spec.slo)]),
         delays=spec.delays,
         profile=spec.profile,
         router_profile=spec.router_profile,

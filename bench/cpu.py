@@ -18,11 +18,11 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuCost", "CpuSampler", "CpuWindow", "ProcStatError", "read_cpu_ticks"]
+__all__ = ["CpuCost", "CpuSampler", "CpuWindow", "ProcStatError", "pin_process", "read_cpu_ticks"]
 
 _UTIME_FIELD = 14  # 1-based, as proc(5) numbers them
 _STIME_FIELD = 15
@@ -50,6 +50,20 @@ def read_cpu_ticks(pid: int, proc: Path = Path("/proc")) -> int:
         return int(fields[_UTIME_FIELD - 3]) + int(fields[_STIME_FIELD - 3])
     except ValueError as exc:
         raise ProcStatError(pid, f"malformed: {text[:80]!r}") from exc
+
+
+def pin_process(pid: int, cpus: Iterable[int], proc: Path = Path("/proc")) -> None:
+    """Confine every thread of `pid` to `cpus`. `os.sched_setaffinity(pid, ...)` sets one thread's
+    mask, the main one's: the rest (Go's runtime threads in nats-server, a Python process's helper
+    threads) keep theirs. A thread started meanwhile by one not yet pinned inherits the old mask, so
+    the threads are listed again until a pass finds no new one; later threads inherit the new mask."""
+    mask = set(cpus)
+    pinned: set[int] = set()
+    while tids := {int(tid) for tid in os.listdir(proc / str(pid) / "task")} - pinned:
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # the thread ended since the listing
+                os.sched_setaffinity(tid, mask)
+        pinned |= tids
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.cpu import CpuSampler
+from bench.cpu import CpuSampler, pin_process
 from bench.flame import ROUTER_RULES, Recording, breakdown, find_py_spy, format_breakdown, read_stacks
 from bench.overhead import ROUTER_ARGS, OverheadSpec, Phase, Target, reset_prefix_caches, run_client
 from kvswitch.cluster import ClusterSpec, LocalCluster
@@ -157,7 +157,7 @@ def measure_ceiling(spec: ReplicaSpec) -> list[CeilingStep]:
     steps = []
     with _Cluster(spec, 1) as c:
         core = spec.core if spec.core is not None else max(os.sched_getaffinity(0))
-        os.sched_setaffinity(c.pid(0), {core})
+        pin_process(c.pid(0), {core})  # every thread of the router, not only its main one
         for rate in spec.rates:
             direct, _ = c.phase(spec, c.cluster.sim_urls, rate, "direct")
             routed, cpu = c.phase(spec, c.routers, rate, "kvswitch")

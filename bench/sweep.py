@@ -29,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.compare import Configuration
+from bench.compare import Configuration, slo_router_args
 from bench.summary import Slo, Summary, summarize
 from bench.trace import TokenSynth
 from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
@@ -86,12 +86,11 @@ def _measure(job: _Job) -> SweepPoint:
     f, c = job.fleet, job.config
     print(f"[{c.name} on {f.name} at x{job.rate:g}]", file=sys.stderr, flush=True)
     agg = c.fleet == "agg"
-    args = [*c.router_args, "--slo-ttft-s", f"{job.slo.ttft_s:g}", "--slo-itl-s", f"{job.slo.itl_s:g}"]
     spec = FleetSpec(
         prefill=0 if agg else f.prefill,
         decode=0 if agg else f.decode,
         agg=f.prefill + f.decode if agg else 0,
-        settings=settings_from_args(args),
+        settings=settings_from_args([*c.router_args, *slo_router_args(job.slo)]),
         profile=job.profile,
         max_model_len=job.max_model_len,
         seed=job.seed,
@@ -130,9 +129,10 @@ def ratios(
 ) -> dict[tuple[str, float], dict[str, float | None]]:
     """Per (fleet, rate): `kv/rr` (round_robin TTFT p90 / kv's), `rr/floor` (round_robin's TTFT p90
     over `floor_p90`, when given), `policy/best` (the policy's goodput over max(kv, kv_disagg)),
-    `diverge` (1 - min/max of those two goodputs) and `ceiling` (the better one's successful
-    requests per second over its goodput: what any policy could reach over it, every request within
-    the SLOs; where it is under 1.15, the 1.15x target cannot be met)."""
+    `diverge` (1 - min/max of those two goodputs) and `ceiling` (every request the better one was
+    sent, errors and 429s included, per second of its run, over its goodput: what a policy could
+    reach over it with every request within the SLOs; where it is under 1.15, the 1.15x target
+    cannot be met)."""
     out: dict[tuple[str, float], dict[str, float | None]] = {}
     for fleet in dict.fromkeys(p.fleet for p in points):
         for rate in sorted({p.rate for p in points}):
@@ -147,7 +147,8 @@ def ratios(
                 best = max(kv.goodput_rps, disagg.goodput_rps)
                 if best > 0:
                     cell["diverge"] = 1 - min(kv.goodput_rps, disagg.goodput_rps) / best
-                    cell["ceiling"] = max(kv, disagg, key=lambda x: x.goodput_rps).requests_per_s / best
+                    fixed = max(kv, disagg, key=lambda x: x.goodput_rps)
+                    cell["ceiling"] = fixed.requests / fixed.duration_s / best
                     if mine is not None:
                         cell["policy/best"] = mine.goodput_rps / best
             out[fleet.name, rate] = cell

@@ -7,7 +7,8 @@ exact, and records, on the client's monotonic clock:
 - `ttft_s`: from sending the request to the first chunk carrying text;
 - `itl_s`: the gap before each later chunk carrying text (servers stream one token per chunk; a
   chunk carrying several tokens counts as one gap);
-- `e2e_s`: until the stream ends;
+- `e2e_s`: until the stream ends, or, for a failed request, until it failed (the error answer read,
+  the timeout, the error in the stream), so a run's duration counts every request's end;
 - `output_tokens`: `usage.completion_tokens` when the server sends usage, else the chunks counted;
 - `decode_worker` / `prefill` / `outcome`: the router's `x-kvswitch-decode-worker`,
   `x-kvswitch-prefill` (`bypass`, `remote` or `agg`) and `x-kvswitch-outcome` (the conditional
@@ -130,10 +131,12 @@ class CompletionClient:
                 )
                 if resp.status != 200:
                     result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                    return result
-                await self._read_stream(resp, result, start)
+                else:
+                    await self._read_stream(resp, result, start)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return Completion(ok=False, prompt_tokens=len(prompt), error=f"{type(exc).__name__}: {exc}")
+            result = Completion(ok=False, prompt_tokens=len(prompt), error=f"{type(exc).__name__}: {exc}")
+        if result.e2e_s is None:  # failed before the stream's end: it ends now
+            result.e2e_s = time.monotonic() - start
         return result
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, result: Completion, start: float) -> None:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.virtual import fleet
 from kvswitch.cli import main
+from protocol.config import RouterSettings
 
 DATA = Path(__file__).with_name("data") / "small_results.jsonl"
 
@@ -78,3 +80,24 @@ def test_virtual_replay_speed_divides_arrival_times(tmp_path: Path) -> None:
         dues.append([json.loads(line)["due_s"] for line in out.read_text().splitlines()])
     assert dues[0][-1] > dues[0][0]
     assert dues[1] == pytest.approx([d / 4 for d in dues[0]])
+
+
+def test_virtual_replay_runs_its_routers_at_the_slo_goodput_is_judged_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[RouterSettings] = []
+
+    class Recording(fleet.VirtualFleet):
+        def __init__(self, spec: fleet.FleetSpec) -> None:
+            seen.append(spec.settings)
+            super().__init__(spec)
+
+    monkeypatch.setattr(fleet, "VirtualFleet", Recording)
+    argv = ["bench", "replay", "--clock", "virtual", "--prefill", "1", "--decode", "1", "--configuration", "slo_aware"]
+    argv += ["--start", "990", "--limit", "4", "--scale-tokens", "0.125", "--out", str(tmp_path / "r.jsonl")]
+    assert main([*argv, "--no-progress", "--slo-ttft", "1", "--slo-itl", "0.05"]) == 0
+    assert "TTFT <= 1.0 s and TPOT <= 50 ms" in capsys.readouterr().out
+    assert [(s.slo_ttft_s, s.slo_itl_s) for s in seen] == [(1.0, 0.05)]
+    # A router flag given on purpose still has the last word.
+    assert main([*argv, "--no-progress", "--slo-ttft", "1", "--router-arg=--slo-ttft-s=3"]) == 0
+    assert seen[-1].slo_ttft_s == 3.0

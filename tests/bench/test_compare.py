@@ -8,11 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from bench import compare
 from bench.compare import CONFIGURATIONS, CompareSpec, Measurement, format_table, headline_ratios, run_compare
 from bench.plot import plot_compare
 from bench.summary import Percentiles, Slo, Summary
 from bench.trace import load_trace, shipped_trace
+from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
 from bench.workloads import from_trace
+from kvswitch.cluster import ClusterSpec
+from protocol.config import RouterSettings
 
 
 def _summary(ttft_p90: float, goodput: float) -> Summary:
@@ -118,3 +122,44 @@ def test_compare_smoke_on_a_tiny_slice(tmp_path: Path) -> None:
     assert set(ms[0].summary.prefill_mix) == {"agg"}
     assert set(ms[1].summary.prefill_mix) <= {"bypass", "remote"}
     assert "isl_bounding" in format_table(ms)
+
+
+SLO = Slo(ttft_s=1.0, itl_s=0.05)
+
+
+def test_a_virtual_compare_runs_its_routers_at_the_slo_goodput_is_judged_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[RouterSettings] = []
+
+    class Recording(VirtualFleet):
+        def __init__(self, spec: FleetSpec) -> None:
+            seen.append(spec.settings)
+            super().__init__(spec)
+
+    monkeypatch.setattr(compare, "VirtualFleet", Recording)
+    items = from_trace(load_trace(shipped_trace(), start_s=990, limit=4), scale_tokens=0.125)
+    spec = CompareSpec(items, [CONFIGURATIONS["kv"], CONFIGURATIONS["slo_aware"]], runs=1, slo=SLO, clock="virtual")
+    ms = run_compare(spec)
+    assert [m.summary.slo for m in ms] == [SLO, SLO]
+    assert [(s.slo_ttft_s, s.slo_itl_s) for s in seen] == [(1.0, 0.05), (1.0, 0.05)]
+
+
+def test_a_live_compare_starts_its_routers_with_the_slo(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[ClusterSpec] = []
+
+    class NoCluster:
+        def __init__(self, spec: ClusterSpec) -> None:
+            started.append(spec)
+
+        def start(self) -> None:
+            raise RuntimeError("not started: the spec is what is checked")
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(compare, "LocalCluster", NoCluster)
+    spec = CompareSpec([], [CONFIGURATIONS["slo_aware"]], runs=1, slo=SLO, progress=False)
+    with pytest.raises(RuntimeError, match="not started"):
+        run_compare(spec)
+    settings = settings_from_args(started[0].router_args)  # the flags `kvswitch router` is given
+    assert (settings.slo_ttft_s, settings.slo_itl_s) == (1.0, 0.05)
+    assert started[0].router_args[:-4] == list(CONFIGURATIONS["slo_aware"].router_args)

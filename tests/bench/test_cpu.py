@@ -1,16 +1,22 @@
 """CPU accounting from /proc/<pid>/stat: exact arithmetic on a fixed workload (a fake /proc whose
-counters move by known amounts), the parse of awkward command names, loud failures, and a real
-process that burns a known amount of its own CPU time."""
+counters move by known amounts), the parse of awkward command names, loud failures, a real
+process that burns a known amount of its own CPU time, and pinning every thread of a real
+nats-server and of this process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.cpu import CpuCost, CpuSampler, ProcStatError, read_cpu_ticks
+from bench.bench_index_fleet import nats_server
+from bench.cpu import CpuCost, CpuSampler, ProcStatError, pin_process, read_cpu_ticks
+from kvswitch.servers import NatsServer
 
 
 def _write_stat(proc: Path, pid: int, utime: int, stime: int, comm: str = "python3") -> None:
@@ -121,3 +127,51 @@ def test_a_process_that_burns_a_known_cpu_time_is_measured_to_the_tick(tmp_path:
     finally:
         child.kill()
         child.wait()
+
+
+def _masks(pid: int) -> dict[int, set[int]]:
+    return {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def _threads_of(server: NatsServer, least: int = 2) -> None:
+    assert server.pid is not None
+    deadline = time.monotonic() + 5
+    while len(os.listdir(f"/proc/{server.pid}/task")) < least and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs 2 CPUs to tell apart")
+
+
+@needs_two_cpus
+def test_pinning_confines_every_thread_of_a_running_nats_server() -> None:
+    one = {min(os.sched_getaffinity(0))}
+    with NatsServer() as server:
+        assert server.pid is not None
+        _threads_of(server)
+        before = _masks(server.pid)
+        assert len(before) > 1 and all(mask != one for mask in before.values())  # Go's runtime threads
+        pin_process(server.pid, one)
+        after = _masks(server.pid)
+    assert after.keys() >= before.keys() and all(mask == one for mask in after.values()), after
+
+
+@needs_two_cpus
+def test_index_fleet_pin_starts_nats_on_the_others_and_leaves_the_router_alone_on_the_last() -> None:
+    mine = os.sched_getaffinity(0)
+    idle = threading.Event()
+    helper = threading.Thread(target=idle.wait)  # a thread of the router side that is not its main one
+    helper.start()
+    try:
+        with nats_server(True) as (server, others):
+            assert server.pid is not None
+            _threads_of(server)
+            assert others == mine - {max(mine)}
+            nats = _masks(server.pid)
+            router = _masks(os.getpid())
+    finally:
+        pin_process(os.getpid(), mine)
+        idle.set()
+        helper.join()
+    assert len(nats) > 1 and all(mask == others for mask in nats.values()), nats
+    assert helper.native_id in router and all(mask == {max(mine)} for mask in router.values()), router

@@ -3,11 +3,15 @@ over URLs, every request's prompt and output exactly as the workload says."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
+from aiohttp import web
 
 from bench.replay import replay
+from bench.summary import summarize
 from bench.trace import TokenSynth
 from bench.workloads import WorkItem
 from engine_sim import SimServer
@@ -55,3 +59,64 @@ async def test_replay_refuses_bad_arguments() -> None:
         await replay([], [], progress=False)
     with pytest.raises(ValueError, match="--speed"):
         await replay([], ["http://127.0.0.1:1"], speed=0.0, progress=False)
+
+
+FAIL_AFTER_S = 0.6
+
+
+async def _failing_server(mode: str) -> web.AppRunner:
+    """bench-0 streams 3 tokens and finishes at once; bench-1 fails `FAIL_AFTER_S` after it was sent:
+    an error answer (`http`), an error event mid-stream (`stream`), or a stall past the client's
+    timeout (`timeout`)."""
+
+    def chunk(obj: object) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        if request.headers["X-Request-Id"] == "bench-1" and mode == "http":
+            await asyncio.sleep(FAIL_AFTER_S)
+            return web.Response(status=503, text="worker died")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if request.headers["X-Request-Id"] == "bench-0":
+            for i in range(3):
+                await resp.write(chunk({"choices": [{"text": f"t{i}"}]}))
+            await resp.write(chunk({"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 4}}))
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        await resp.write(chunk({"choices": [{"text": "x"}]}))
+        if mode == "timeout":
+            await asyncio.sleep(2 * FAIL_AFTER_S)  # the client has given up by then
+            return resp
+        await asyncio.sleep(FAIL_AFTER_S)
+        await resp.write(chunk({"error": {"message": "worker died"}}))
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+@pytest.mark.parametrize("mode", ["http", "stream", "timeout"])
+async def test_a_failed_request_ends_when_it_failed_and_the_run_lasts_until_then(mode: str) -> None:
+    runner = await _failing_server(mode)
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        items = [WorkItem(0.0, ((0, 4),), 3, "a"), WorkItem(0.0, ((1, 4),), 3, "b")]
+        run = await replay(items, [url], model="m", progress=False, timeout_s=FAIL_AFTER_S)
+    finally:
+        await runner.cleanup()
+    done, failed = run.results
+    assert done.ok and done.e2e_s is not None and done.e2e_s < FAIL_AFTER_S / 2
+    assert not failed.ok and failed.e2e_s is not None
+    assert FAIL_AFTER_S <= failed.e2e_s <= run.wall_s
+    s = summarize(run.results)
+    # The run spans the failure's end: 3 tokens and 1 request over it, as on the virtual clock.
+    first = min(r.sent_s for r in run.results)
+    assert s.duration_s == pytest.approx(failed.sent_s + failed.e2e_s - first)
+    assert s.duration_s >= FAIL_AFTER_S
+    assert s.output_tokens_per_s == pytest.approx(3 / s.duration_s)
+    assert s.requests_per_s == pytest.approx(1 / s.duration_s)
