@@ -155,7 +155,7 @@ class Disaggregator:
             return done(
                 Path.BYPASS, Outcome.PREFILL_POOL_FULL, "every prefill worker's backlog is past half the TTFT SLO"
             )
-        if p is None and len(pool) < len(ctx.prefill_pool):
+        if p is None and ctx.prefill_pool and all(c.info.engine != engine for c in ctx.prefill_pool):
             return done(
                 Path.AGG,
                 Outcome.NO_PREFILL_POOL,
