@@ -58,8 +58,9 @@ def write_api_keys(out: Path, count: int) -> Path:
     held = [k for k in path.read_text().splitlines() if k.strip()] if path.exists() else []
     keys = held + [f"sk-kvswitch-{secrets.token_urlsafe(32)}" for _ in range(max(0, count - len(held)))]
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(k + "\n" for k in keys))
+    path.touch(mode=0o600)  # private before a key is in it (and a file loosened since, too)
     path.chmod(0o600)
+    path.write_text("".join(k + "\n" for k in keys))
     return path
 
 

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, without_userinfo
 
 __all__ = [
     "DISAGG_MODES",
@@ -225,11 +225,16 @@ def _check_finite(settings: msgspec.Struct) -> None:
 def url_problem(url: str) -> str | None:
     """What is wrong with `url`'s host and port (a port that is not a number in 1..65535, no
     host), or None. Such a URL otherwise fails at the first connection, in a library's words."""
+    # urllib's own messages are not passed on: they quote the netloc, or a "port" that is the start
+    # of a password (`user:pa/ss@host`).
     try:
         parts = urlsplit(url)
+    except ValueError:
+        return "the host cannot be parsed"
+    try:
         port = parts.port
-    except ValueError as exc:
-        return f"the port must be a number in 1..65535 ({exc})"
+    except ValueError:
+        return "the port must be a number in 1..65535"
     if not parts.hostname:
         return "the URL names no host"
     if port == 0:
@@ -269,12 +274,26 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
         )
         return self
 
+    def shown_servers(self) -> list[str]:
+        """The server URLs as logs may name them: without a `user:password@`."""
+        return [without_userinfo(url) for url in self.servers]
+
     def credential_flags(self) -> list[str]:
-        """The flags of the credentials given, for a server's refusal to name."""
+        """The flags of the credentials given, for a server's refusal to name: a URL's userinfo
+        (nats-py sends `user:password@` as a user and password, a lone `token@` as a token) too."""
         given = {"--nats-creds-file": self.creds_file, "--nats-nkey-file": self.nkey_file, "--nats-token": self.token}
         flags = [flag for flag, value in given.items() if value is not None]
         if self.user is not None:
             flags.append("--nats-user and --nats-password")
+        for url in self.servers:
+            parts = urlsplit(url)
+            in_url = (
+                "the user and password in --nats-servers"
+                if parts.password is not None
+                else "the token in --nats-servers"
+            )
+            if parts.username is not None and in_url not in flags:
+                flags.append(in_url)
         return flags
 
     def connect_options(self, name: str) -> dict[str, Any]:
@@ -317,6 +336,10 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError("etcd_endpoints", url, "URLs must start with http:// or https://")
             if (problem := url_problem(url)) is not None:
                 raise ConfigError("etcd_endpoints", url, problem)
+            if urlsplit(url).username is not None:  # etcd's gRPC channel cannot even parse such a target
+                raise ConfigError(
+                    "etcd_endpoints", url, "a URL takes no user:password@: give --etcd-user and --etcd-password"
+                )
         if (self.user is None) != (self.password is None):
             raise ConfigError("etcd_user", self.user, "etcd_user and etcd_password go together")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -330,7 +353,7 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(
                     "etcd_tls_ca",
                     None,
-                    f"{https[0]} speaks TLS: give the CA that signs its certificate (else plaintext)",
+                    f"{without_userinfo(https[0])} speaks TLS: give the CA that signs its certificate (else plaintext)",
                 )
             if self.tls_cert is not None:
                 raise ConfigError("etcd_tls_ca", None, "etcd_tls_cert and etcd_tls_key need etcd_tls_ca")
@@ -497,9 +520,12 @@ def _layer(
 def _named_error(
     schema: type[msgspec.Struct], merged: Mapping[str, Any], exc: msgspec.ValidationError, prefix: str
 ) -> ConfigError:
-    """Turn msgspec's `... - at `$.a.b`` into a ConfigError naming the flat setting."""
+    """Turn msgspec's `... - at `$.a.b`` into a ConfigError naming the flat setting. An item of a
+    list (`$.servers[1]`) is its list's: it must not leave the whole mapping, secrets and all, as
+    the value."""
     message = str(exc)
-    path = message.rsplit("at `$.", 1)[-1].rstrip("`").split(".") if "at `$." in message else []
+    where = message.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in message else ""
+    path = [part.partition("[")[0] for part in where.split(".")] if where else []
     tp: Any = schema
     value: Any = merged
     for part in path:

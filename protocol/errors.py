@@ -6,15 +6,37 @@ import errno
 import socket
 from collections.abc import Iterable
 
-__all__ = ["ConfigError", "ProtocolError", "listen_error"]
+__all__ = ["ConfigError", "ProtocolError", "listen_error", "without_userinfo"]
 
 
 # Settings with a flag and no environment variable: the config file's own path is a flag only.
 _FLAG_ONLY = frozenset({"config"})
+# Settings whose values are secrets: a ConfigError shows only their type.
+_SECRETS = frozenset({"nats_password", "nats_token", "etcd_password"})
+
+
+def without_userinfo(url: str) -> str:
+    """`url` without the `user:password@` (or `token@`) it may carry, for logs and errors. All up
+    to the last `@` goes: a password with an unescaped `/` or `@` in it must not survive either."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
+
+
+def _shown(value: object) -> object:
+    """`value` with URL userinfo stripped from every string in it."""
+    if isinstance(value, str):
+        return without_userinfo(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_shown(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _shown(v) for k, v in value.items()}
+    return value
 
 
 class ConfigError(ValueError):
-    """A setting has a value it may not have. Names the setting and what is allowed."""
+    """A setting has a value it may not have. Names the setting and what is allowed. The message
+    never carries a secret: a password's or token's value is `<redacted>` (its type stays, the
+    useful part of "Expected `str`, got `int`"), and URLs lose their userinfo (`value` keeps it all)."""
 
     def __init__(self, setting: str, value: object, allowed: str) -> None:
         self.setting = setting
@@ -23,7 +45,12 @@ class ConfigError(ValueError):
         names = "--" + setting.replace("_", "-")
         if setting not in _FLAG_ONLY:
             names += f", KVSWITCH_{setting.upper()}"
-        super().__init__(f"invalid {setting} ({names}) = {value!r}: {allowed}")
+        if setting in _SECRETS and value is not None:
+            kind = type(value).__name__
+            shown = f"<redacted> ({'an' if kind[0] in 'aeiou' else 'a'} {kind})"
+        else:
+            shown = repr(_shown(value))
+        super().__init__(f"invalid {setting} ({names}) = {shown}: {allowed}")
 
     @classmethod
     def one_of(cls, setting: str, value: object, choices: Iterable[str]) -> ConfigError:

@@ -1,9 +1,11 @@
 """API keys for the router's front door: `Authorization: Bearer <key>`.
 
 Keys live in a file, one per line (blank lines and `#` comments ignored), so they rotate without a
-restart: the file is re-read when its modification time or size changes, checked at most once a
-second. A file that becomes unreadable or empty keeps the last good keys and logs an ERROR (a
-rotation half-done must not lock every client out, nor let everyone in).
+restart: the file is re-read when its inode, modification time, change time or size changes, checked
+at most once a second. A file that becomes unreadable or empty keeps the last good keys and logs an
+ERROR (a rotation half-done must not lock every client out, nor let everyone in). One that could not
+be read is tried again at every check (logged once per change), so the chmod or chown that fixes it,
+or a passing EMFILE, brings the new keys in.
 
 Comparison is constant-time per key (hmac.compare_digest), and every key is compared, so neither
 timing nor position tells a caller how close a guess was. Keys are never logged.
@@ -22,6 +24,8 @@ __all__ = ["ApiKeys", "ApiKeysError"]
 
 log = logging.getLogger(__name__)
 
+_NEVER = object()
+
 
 class ApiKeysError(ValueError):
     pass
@@ -34,18 +38,19 @@ class ApiKeys:
         self._check_every_s = check_every_s
         self._checked_at = clock()
         self._stamp = self._stat()
+        self._unreadable: object = _NEVER  # the stamp of the file last found unreadable
         keys = self._read()
         if not keys:
             raise ApiKeysError(f"{self.path}: no API key in it (one key per line)")
         self._keys = keys
         self.reloads = 0
 
-    def _stat(self) -> tuple[float, int] | None:
+    def _stat(self) -> tuple[int, int, int, int] | None:
         try:
             st = os.stat(self.path)
         except OSError:
             return None
-        return (st.st_mtime, st.st_size)
+        return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
     def _read(self) -> list[bytes]:
         try:
@@ -63,12 +68,14 @@ class ApiKeys:
         stamp = self._stat()
         if stamp == self._stamp:
             return
-        self._stamp = stamp
         try:
             keys = self._read()
         except ApiKeysError as exc:
-            log.error("%s; keeping the %d keys read before", exc, len(self._keys))
+            if stamp != self._unreadable:
+                log.error("%s; keeping the %d keys read before", exc, len(self._keys))
+                self._unreadable = stamp
             return
+        self._stamp = stamp
         if not keys:
             log.error("%s is empty now; keeping the %d keys read before", self.path, len(self._keys))
             return

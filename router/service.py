@@ -227,7 +227,7 @@ class RouterService:
     async def _start(self) -> None:
         self._nc = nc = await nats_connect(
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"),
-            error_cb=error_reporter(log, self.config.nats.servers, self.config.nats.credential_flags()),
+            error_cb=error_reporter(log, self.config.nats.shown_servers(), self.config.nats.credential_flags()),
             disconnected_cb=self._nats_disconnected,
             reconnected_cb=self._nats_reconnected,
         )

@@ -37,7 +37,8 @@ def error_reporter(
     says 'Authorization Violation' while connecting, AuthorizationError after) names the credential
     flags (`credentials`, those given), not --nats-servers, the one setting that was right, and so
     does a connection reset that follows a refusal. Both keep trying (docs/deployment.md): a server
-    reloading its authorization takes them a moment later."""
+    reloading its authorization takes them a moment later. `servers` are named as given: pass them
+    without the `user:password@` a URL may carry (NatsSettings.shown_servers)."""
     what = f"NATS {', '.join(servers)}"
     hint = f"the server refused the credentials: check {', '.join(credentials)}" if credentials else _NO_CREDENTIALS
     refused = RepeatedErrors(log, what, hint)

@@ -18,5 +18,5 @@ log = logging.getLogger("kvswitch.shim.nats")
 
 
 async def connect_nats(settings: NatsSettings, name: str) -> Nats:
-    errors = error_reporter(log, settings.servers, settings.credential_flags())
+    errors = error_reporter(log, settings.shown_servers(), settings.credential_flags())
     return await connect(**settings.connect_options(name), error_cb=errors)

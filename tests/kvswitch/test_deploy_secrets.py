@@ -4,10 +4,12 @@ etcd serve and clients verify, and etcd users scoped to their prefixes."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -113,3 +115,27 @@ def test_api_keys_are_written_private_kept_on_rerun_and_accepted_by_the_router(t
     assert again[:2] == keys and len(again) == 3
     assert all(ApiKeys(path).allows(f"Bearer {k}") for k in again)
     assert _secrets("--out", str(tmp_path), "--api-keys", "-1").returncode == 2
+
+
+def test_api_keys_are_never_in_a_file_others_may_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mode as each write of the keys ends (before anything after it could fix it), on a first
+    run under the usual umask and on a rerun over a file loosened since."""
+    from kvswitch.deploy_secrets import write_api_keys
+
+    modes: list[int] = []
+    real_write_text = Path.write_text
+
+    def write_text(self: Path, *args: Any, **kwargs: Any) -> int:
+        written = real_write_text(self, *args, **kwargs)
+        modes.append(self.stat().st_mode & 0o777)
+        return written
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    umask = os.umask(0o022)
+    try:
+        path = write_api_keys(tmp_path / "out", 1)
+        path.chmod(0o644)
+        write_api_keys(tmp_path / "out", 2)
+    finally:
+        os.umask(umask)
+    assert modes == [0o600, 0o600]

@@ -64,6 +64,25 @@ async def test_an_unreachable_server_still_names_the_servers(caplog: pytest.LogC
         assert await _warnings(start, caplog, "(check --nats-servers and the server)"), name
 
 
+async def test_credentials_in_the_url_are_named_and_never_logged(
+    nats_token: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-py takes `nats://user:password@host`: the password was in every WARNING, every 30 s
+    of an outage, and the hint asked for credentials that had been given."""
+    for port, about, hint in (
+        (
+            nats_token.port,
+            "'Authorization Violation'",
+            "(the server refused the credentials: check the user and password",
+        ),
+        (free_port(), "(check --nats-servers and the server)", "(check --nats-servers and the server)"),
+    ):
+        for name, start in _starts(NatsSettings(servers=[f"nats://alice:S3cretPW@127.0.0.1:{port}"])).items():
+            said = await _warnings(start, caplog, about)
+            assert said and all(s.startswith(f"NATS nats://127.0.0.1:{port}: ") and hint in s for s in said), said
+            assert not any("S3cretPW" in r.getMessage() or "alice" in r.getMessage() for r in caplog.records), name
+
+
 async def test_the_shim_gets_in_once_the_server_accepts_its_token(
     nats_token: NatsServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -79,6 +98,12 @@ async def test_the_shim_gets_in_once_the_server_accepts_its_token(
     nc = await asyncio.wait_for(connecting, 10)
     assert nc.is_connected
     await nc.close()
+
+
+def test_no_userinfo_in_the_servers_named() -> None:
+    servers = ["nats://alice:pw1@a:4222", "tls://tok3n@b:4222", "nats://bob:p@ss/w0rd@c:4222", "nats://d:4222"]
+    shown = NatsSettings(servers=servers).shown_servers()
+    assert shown == ["nats://a:4222", "tls://b:4222", "nats://c:4222", "nats://d:4222"]
 
 
 async def test_a_reset_right_after_a_refusal_is_the_refusal_again(caplog: pytest.LogCaptureFixture) -> None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
+import stat
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -47,6 +51,90 @@ def test_the_file_is_reloaded_when_it_changes_and_a_broken_one_keeps_the_old_key
     os.remove(f)
     clock.now += 1.0
     assert keys.allows("Bearer new-key-longer")
+
+
+def test_a_rotation_that_keeps_size_and_mtime_is_still_seen(tmp_path: Path) -> None:
+    """Generated keys have one length, and `cp -p` or rsync keep the mtime: the new file is a new
+    inode (and a new change time), which is enough."""
+    f = tmp_path / "keys"
+    f.write_text("sk-old-aaaa\n")
+    clock = Clock()
+    keys = ApiKeys(f, clock=clock)
+    new = tmp_path / "keys.new"
+    new.write_text("sk-new-bbbb\n")
+    os.utime(new, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
+    os.replace(new, f)
+    clock.now += 1.0
+    assert keys.allows("Bearer sk-new-bbbb") and not keys.allows("Bearer sk-old-aaaa")
+
+
+def _unreadable_unless_owner_may_read(monkeypatch: pytest.MonkeyPatch, f: Path) -> list[int]:
+    """`f` reads as a router that is not root would read it: EACCES while its mode denies the owner
+    reading, which root's own reads ignore. Returns the count of tries, in a list."""
+    real_read_text = Path.read_text
+    tries = [0]
+
+    def read_text(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self == f:
+            tries[0] += 1
+            if not self.stat().st_mode & stat.S_IRUSR:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    return tries
+
+
+def test_a_rotation_left_unreadable_is_read_once_its_mode_is_fixed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A chmod or chown changes neither mtime nor size: the revoked key stayed valid, and the new one
+    401'd, until something else touched the file."""
+    f = tmp_path / "keys"
+    f.write_text("sk-old-revoked\n")
+    tries = _unreadable_unless_owner_may_read(monkeypatch, f)
+    clock = Clock()
+    keys = ApiKeys(f, clock=clock)
+    new = tmp_path / "keys.new"
+    new.write_text("sk-new-current\n")
+    new.chmod(0o000)  # the rotation's mistake: the router's user cannot read it
+    os.replace(new, f)
+    with caplog.at_level(logging.ERROR, logger="router.api_keys"):
+        for _ in range(3):
+            clock.now += 1.0
+            assert keys.allows("Bearer sk-old-revoked") and not keys.allows("Bearer sk-new-current")
+    assert tries[0] == 1 + 3 and len(caplog.records) == 1, caplog.records  # tried at each check, said once
+    assert "Permission denied; keeping the 1 keys read before" in caplog.records[0].getMessage()
+    f.chmod(0o600)  # the operator's fix
+    clock.now += 1.0
+    assert keys.allows("Bearer sk-new-current") and not keys.allows("Bearer sk-old-revoked")
+    assert keys.reloads == 1
+
+
+def test_a_read_that_failed_once_is_tried_again_without_a_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A passing failure (EMFILE on a busy router) must not leave the new keys unread until the file
+    changes once more."""
+    f = tmp_path / "keys"
+    f.write_text("sk-old\n")
+    clock = Clock()
+    keys = ApiKeys(f, clock=clock)
+    f.write_text("sk-new-key\n")
+    real_read_text = Path.read_text
+    failures = [1]
+
+    def read_text(self: Path, *args: Any, **kwargs: Any) -> str:
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(self))
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    clock.now += 1.0
+    assert keys.allows("Bearer sk-old")
+    clock.now += 1.0
+    assert keys.allows("Bearer sk-new-key") and not keys.allows("Bearer sk-old")
 
 
 def test_an_empty_or_missing_file_is_refused(tmp_path: Path) -> None:
