@@ -121,3 +121,21 @@ async def test_a_reset_right_after_a_refusal_is_the_refusal_again(caplog: pytest
     assert len(said) == 4, said
     assert "check --nats-token" in said[1] and "--nats-servers" not in said[1], said
     assert "check --nats-servers" in said[2] and "check --nats-servers" in said[3], said
+
+
+async def test_the_shim_says_once_that_nats_is_back(caplog: pytest.LogCaptureFixture) -> None:
+    """Its log ended on 'ConnectionRefusedError ... (check --nats-servers ...)' for good after an
+    outage, though it was connected again."""
+    with NatsServer() as server:
+        nc = await connect_nats(NatsSettings(servers=[server.url]), "test")
+        try:
+            with caplog.at_level(logging.INFO, logger="kvswitch.shim.nats"):
+                server.restart()
+                async with asyncio.timeout(10):
+                    while not any("re-established" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)  # and said once
+            back = [r.getMessage() for r in caplog.records if "re-established" in r.getMessage()]
+            assert back == [f"NATS {server.url}: connection re-established"], back
+        finally:
+            await nc.close()
