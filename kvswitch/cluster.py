@@ -169,10 +169,11 @@ class LocalCluster:
             self._nats_auth = NatsAuthPlan.generate(spec.namespace, routers, self._worker_names())
             self._nats_auth.write(self.secrets_dir)
             authorization = self._nats_auth.authorization_block()
-        self.nats = NatsCluster(
-            spec.nats_nodes, port=spec.nats_port or None, tls=spec.tls, authorization=authorization
-        ).start()
-        self.etcd = EtcdCluster(spec.etcd_members, port=spec.etcd_port or None, tls=spec.tls).start()
+        # Held before they start, so that `kill` from another thread meanwhile finds them.
+        self.nats = NatsCluster(spec.nats_nodes, port=spec.nats_port or None, tls=spec.tls, authorization=authorization)
+        self.nats.start()
+        self.etcd = EtcdCluster(spec.etcd_members, port=spec.etcd_port or None, tls=spec.tls)
+        self.etcd.start()
         if spec.etcd_auth:
             self._etcd_passwords = {role: secrets.token_urlsafe(24) for role in ("root", "router", "worker")}
             users = namespace_users(spec.namespace, self._etcd_passwords["router"], self._etcd_passwords["worker"])
@@ -275,6 +276,9 @@ class LocalCluster:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                 # A supervisor killed outright must not orphan its children: they drain on SIGTERM.
                 preexec_fn=preexec,  # noqa: PLW1509
+                # Out of the terminal's process group: a Ctrl-C is for `kvswitch up` alone, which
+                # stops its children in tiers (signalled at once, the sims cut what the rest drain).
+                start_new_session=True,
             )  # fmt: skip
         child = _Child(name, argv[0], proc, log)
         self.children.append(child)
@@ -329,8 +333,7 @@ class LocalCluster:
         sims), each tier drained before the next is signalled: requests in flight finish on
         engines that are still up. A tier gets `grace_s` (the shim drains for 30 s at most), then
         is killed. Then the servers go."""
-        children, self.children = self.children, []
-        for tier in _tiers(list(reversed(children))):
+        for tier in _tiers(list(reversed(self.children))):
             for child in tier:
                 if child.proc.poll() is None:
                     child.proc.send_signal(signal.SIGTERM)
@@ -345,6 +348,27 @@ class LocalCluster:
         for servers in (self.etcd, self.nats):
             if servers is not None:
                 servers.close()
+        self._forget()
+
+    def kill(self) -> None:
+        """SIGKILL every child and server now and remove the cluster's directories: for a
+        supervisor that must exit at once, even while `stop` drains on another thread (whose
+        directories a plain exit would leave behind)."""
+        children = list(self.children)
+        for child in children:
+            if child.proc.poll() is None:
+                child.proc.kill()
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(5)
+        for servers in (self.etcd, self.nats):
+            if servers is not None:
+                servers.close(now=True)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Remove the cluster's directories; what ran in it is gone."""
+        self.children = []
         self.etcd = self.nats = None
         for made in (self.secrets_dir, self._scratch):
             if made is not None:

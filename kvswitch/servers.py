@@ -7,8 +7,9 @@ Each server binds 127.0.0.1 on free ports with a temporary store. Ready means it
 answers (nats `/healthz`, etcd `/health`), not merely an open port: etcd 3.4 accepts connections
 well before it can serve. Stop sends SIGTERM, waits, then kills; `kill()` is SIGKILL, for failure
 tests. Children get PR_SET_PDEATHSIG, so a parent that dies without stopping them does not leave
-servers behind (Linux only); start them from the main thread, since the signal follows the
-starting thread.
+servers behind (Linux only); start them from the main thread (or one that lives as long), since
+the signal follows the starting thread. Each runs in a session of its own: a terminal's Ctrl-C
+(SIGINT to its whole foreground process group) reaches only the parent, which stops them in order.
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ class _Server:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=preexec,  # noqa: PLW1509 (async-signal-safe: one prctl call)
+                start_new_session=True,
             )
         finally:
             log.close()
@@ -227,9 +229,12 @@ class _Server:
         self.stop()
         return self.start(timeout)
 
-    def close(self) -> None:
-        """Stop and remove the temporary store (when this object made it)."""
-        self.stop()
+    def close(self, *, now: bool = False) -> None:
+        """Stop (`now`: SIGKILL at once) and remove the temporary store (when this object made it)."""
+        if now:
+            self.kill()
+        else:
+            self.stop()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -395,9 +400,9 @@ class NatsCluster:
     def healthy(self) -> bool:
         return all(n.healthy() for n in self.nodes)
 
-    def close(self) -> None:
+    def close(self, *, now: bool = False) -> None:
         for node in self.nodes:
-            node.close()
+            node.close(now=now)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -537,9 +542,9 @@ class EtcdCluster:
     def healthy(self) -> bool:
         return all(m.healthy() for m in self.members)
 
-    def close(self) -> None:
+    def close(self, *, now: bool = False) -> None:
         for member in self.members:
-            member.close()
+            member.close(now=now)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -16,6 +16,8 @@ import math
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvswitch.cluster import STOP_GRACE_S, ClusterSpec, LocalCluster
@@ -114,6 +116,41 @@ def _check_router_args(extra: list[str]) -> None:
     parser.parse_args(extra)
 
 
+class _HealthLog:
+    """What `kvswitch up` says of its cluster's health at each check: a change at once (a child
+    that died, with its exit status and last output), the same trouble again at most every
+    `every_s`, with how many checks found it meanwhile."""
+
+    def __init__(
+        self, cluster: LocalCluster, said: str, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.cluster = cluster
+        self.every_s = every_s
+        self._clock = clock
+        self._line = said  # the health line said last
+        self._said_at = clock()
+        self._held = 0
+        self._dead: set[str] = set()
+
+    def check(self) -> None:
+        for child in self.cluster.children:
+            if child.name not in self._dead and child.proc.poll() is not None:
+                self._dead.add(child.name)
+                log.error("child exited: %s", child.died())
+        line, healthy, now = self.cluster.health_line(), self.cluster.healthy(), self._clock()
+        if line != self._line:
+            if healthy:
+                log.info("healthy again: %s", line)
+            else:
+                log.error("unhealthy: %s", line)
+            self._line, self._said_at, self._held = line, now, 0
+        elif not healthy:
+            self._held += 1
+            if now - self._said_at >= self.every_s:
+                log.error("still unhealthy (%d checks in %.0fs): %s", self._held, now - self._said_at, line)
+                self._said_at, self._held = now, 0
+
+
 async def _demo(cluster: LocalCluster, spec: ClusterSpec) -> int:
     if not cluster.router_urls:
         return 0 if cluster.healthy() else 1
@@ -156,13 +193,22 @@ def run(args: argparse.Namespace) -> int:
     spec = _spec(args)
     from runtime import run_service
 
+    cluster = LocalCluster(spec)
+    tls_dir: str | None = None
+
+    def abort() -> None:
+        # A second signal while stopping exits at once, past `main`'s finally: take everything down.
+        cluster.kill()
+        if tls_dir is not None:
+            shutil.rmtree(tls_dir, ignore_errors=True)
+
     async def main(stop: asyncio.Event) -> int:
+        nonlocal tls_dir
         tls_dir = tempfile.mkdtemp(prefix="kvswitch-tls-") if args.secure else None
         if tls_dir is not None:
             from kvswitch.certs import write_tls
 
             spec.tls = write_tls(Path(tls_dir), ["127.0.0.1", "localhost"])
-        cluster = LocalCluster(spec)
         try:
             try:
                 if not await _start(cluster, spec, stop):
@@ -171,24 +217,25 @@ def run(args: argparse.Namespace) -> int:
                 print(f"kvswitch up: {exc}", file=sys.stderr, flush=True)
                 return 1
             print(cluster.describe(), flush=True)
-            print(cluster.health_line(), flush=True)
+            said = cluster.health_line()
+            print(said, flush=True)
             if args.demo:
                 return await _demo(cluster, spec)
             print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)
+            health = _HealthLog(cluster, said)
             while not stop.is_set():
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=5.0)
                 except TimeoutError:
-                    if not cluster.healthy():
-                        log.error("unhealthy: %s", cluster.health_line())
+                    health.check()
             return 0
         finally:
             # On a thread: a stop takes up to a tier's grace per tier, and a second SIGTERM
-            # meanwhile must still be heard (it exits at once).
+            # meanwhile must still be heard (it exits at once, after `abort`).
             await asyncio.to_thread(cluster.stop)
             if tls_dir is not None:
                 shutil.rmtree(tls_dir, ignore_errors=True)
             print("kvswitch up: stopped", file=sys.stderr, flush=True)
 
     # Draining is the tiered stop: three tiers of children, each up to its grace, then the servers.
-    return run_service(main, drain_limit_s=4 * STOP_GRACE_S)
+    return run_service(main, drain_limit_s=4 * STOP_GRACE_S, on_abort=abort)

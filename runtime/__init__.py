@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "JsonFormatter",
@@ -234,12 +234,15 @@ def run_service(
     *,
     service: str | None = None,
     drain_limit_s: float = 60.0,
+    on_abort: Callable[[], None] | None = None,
 ) -> int:
     """Run `main(stop)` on uvloop (when installed) until it returns; SIGTERM/SIGINT set `stop`.
 
     A second signal while draining exits at once with status 130; so does a drain that takes longer
     than `drain_limit_s` (logged as an ERROR): a process whose NATS or etcd vanished under it must
-    still go when its supervisor says so. With `service` named, traces are exported over OTLP when
+    still go when its supervisor says so. `on_abort` runs just before such an exit, on the event
+    loop's thread, for what `main`'s own cleanup (skipped then) must not leave behind: a
+    supervisor's children and temporary directories. With `service` named, traces are exported over OTLP when
     the OTEL_* environment asks for it (runtime.telemetry), and flushed at the end. An invalid
     KVSWITCH_LOG_LEVEL or KVSWITCH_LOG_FORMAT is one line on stderr and status 2.
     """
@@ -255,28 +258,42 @@ def run_service(
 
         provider = configure_tracing(service)
     try:
-        return _run(main, drain_limit_s)
+        return _run(main, drain_limit_s, on_abort)
     finally:
         if provider is not None:
             provider.shutdown()
 
 
-def _run(main: Callable[[asyncio.Event], Awaitable[int | None]], drain_limit_s: float) -> int:
+def _run(
+    main: Callable[[asyncio.Event], Awaitable[int | None]],
+    drain_limit_s: float,
+    on_abort: Callable[[], None] | None,
+) -> int:
+    log = logging.getLogger("kvswitch")
+
+    def exit_now() -> NoReturn:
+        if on_abort is not None:
+            try:
+                on_abort()
+            except Exception:
+                log.exception("cleaning up before exiting failed")
+        os._exit(130)
+
     async def runner() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
         def on_signal(signum: int) -> None:
             if stop.is_set():
-                logging.getLogger("kvswitch").warning("second %s: exiting now", signal.Signals(signum).name)
-                os._exit(130)
-            logging.getLogger("kvswitch").info("%s: draining", signal.Signals(signum).name)
+                log.warning("second %s: exiting now", signal.Signals(signum).name)
+                exit_now()
+            log.info("%s: draining", signal.Signals(signum).name)
             stop.set()
             loop.call_later(drain_limit_s, too_slow)
 
         def too_slow() -> None:
-            logging.getLogger("kvswitch").error("still draining after %.0fs: exiting now", drain_limit_s)
-            os._exit(130)
+            log.error("still draining after %.0fs: exiting now", drain_limit_s)
+            exit_now()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)

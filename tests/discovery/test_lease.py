@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import signal
 import time
 from collections.abc import Callable
+
+import pytest
 
 from discovery import Discovery, LeaseState
 from kvswitch.servers import EtcdServer
@@ -47,3 +52,23 @@ async def test_revoked_lease_is_lost_with_etcd_reason(etcd_url: str, ns: str) ->
         await d.client.lease.revoke(lease.id)
         await asyncio.wait_for(lease.lost.wait(), timeout=5.0)
         assert lease.state is LeaseState.LOST and "expired" in lease.lost_reason
+
+
+async def test_a_revoke_etcd_never_answers_says_what_failed(ns: str, caplog: pytest.LogCaptureFixture) -> None:
+    # A hung etcd (stopped, not closed) times the revoke out with a bare TimeoutError, whose str()
+    # is empty: the warning said "revoke failed ()".
+    etcd = EtcdServer().start()
+    try:
+        async with Discovery(EtcdSettings(endpoints=[etcd.url]), ns) as d:
+            lease = await d.grant(ttl=5)
+            assert etcd.pid is not None
+            os.kill(etcd.pid, signal.SIGSTOP)
+            try:
+                with caplog.at_level(logging.WARNING, logger="discovery.lease"):
+                    await lease.revoke(timeout=0.3)
+            finally:
+                os.kill(etcd.pid, signal.SIGCONT)
+        (said,) = [r.getMessage() for r in caplog.records if "revoke failed" in r.getMessage()]
+        assert f"lease {lease.hex_id}: revoke failed (TimeoutError); it expires within 5s" == said
+    finally:
+        etcd.close()

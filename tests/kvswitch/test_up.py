@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
+from kvswitch.cluster import ClusterSpec, LocalCluster, _Child
 from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port, free_ports
+from kvswitch.up import _HealthLog
 
 
 def _alive(pid: int) -> bool:
@@ -202,3 +208,140 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def _start_up(argv: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """`kvswitch up` in a session of its own (a signal to its process group reaches no test runner),
+    and what it printed up to its health line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch", "up", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    out = ""
+    while "health:" not in out:
+        line = proc.stdout.readline()
+        if not line:
+            proc.kill()
+            pytest.fail(f"kvswitch up exited: {out}{proc.communicate(timeout=30)[1]}")
+        out += line
+    return proc, out
+
+
+def _stream(url: str, max_tokens: int, events: list[bytes]) -> threading.Thread:
+    """A streamed completion read on a thread into `events` (its `data:` lines), until it ends or is cut."""
+    body = {"model": "sim-llama", "prompt": list(range(500, 600)), "max_tokens": max_tokens, "stream": True}
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+
+    def read() -> None:
+        with contextlib.suppress(OSError), urllib.request.urlopen(req, timeout=60) as r:
+            events.extend(line.strip() for line in r if line.startswith(b"data:"))
+
+    reading = threading.Thread(target=read)
+    reading.start()
+    deadline = time.monotonic() + 30
+    while len(events) < 5:
+        assert time.monotonic() < deadline and reading.is_alive(), events
+        time.sleep(0.01)
+    return reading
+
+
+def test_ctrl_c_reaches_up_alone_which_stops_its_children_in_tiers(tmp_path: Path) -> None:
+    # A terminal's Ctrl-C is SIGINT to its whole foreground process group. The children were in
+    # up's: the sim went at once and cut the stream (no [DONE]), and up's tiered SIGTERM then
+    # reached a router and a shim already draining, which exited at once ("second SIGTERM").
+    http = free_port()
+    proc, _ = _start_up(["--agg", "1", "--http-port", str(http), "--log-dir", str(tmp_path)])
+    try:
+        everything = _descendants(proc.pid)
+        events: list[bytes] = []
+        reading = _stream(f"http://127.0.0.1:{http}", 300, events)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        reading.join(30)
+        assert proc.returncode == 0 and "SIGINT: draining" in err, err
+        assert events[-1] == b"data: [DONE]" and len(events) == 301, events[-3:]
+        logs = {p.name: p.read_text(errors="replace") for p in tmp_path.glob("*.log")}
+        assert len(logs) == 3  # the sim fleet, the shim, the router
+        for name, text in logs.items():
+            assert "SIGTERM: draining" in text and "SIGINT" not in text and "exiting now" not in text, (name, text)
+        time.sleep(0.3)
+        assert not [p for p in everything if _alive(p)], "children left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_sigterm_while_up_drains_leaves_nothing(tmp_path: Path) -> None:
+    # The second signal exits at once (os._exit), past the cleanup in up's finally: the cluster's,
+    # etcd's and nats' directories were left in TMPDIR.
+    http = free_port()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc, _ = _start_up(["--agg", "1", "--http-port", str(http)], env={"TMPDIR": str(tmp)})
+    try:
+        everything = _descendants(proc.pid)
+        assert len(list(tmp.iterdir())) == 3, list(tmp.iterdir())  # kvswitch-{nats,etcd,cluster}-*
+        reading = _stream(f"http://127.0.0.1:{http}", 2000, [])  # the router drains it
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        reading.join(30)
+        assert proc.returncode == 130 and "second SIGTERM: exiting now" in err, err
+        assert list(tmp.iterdir()) == []
+        time.sleep(0.3)
+        assert not [p for p in everything if _alive(p)], "children left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_killed_up_takes_its_children_down(tmp_path: Path) -> None:
+    # Its children run in sessions of their own (a Ctrl-C is for up alone): PR_SET_PDEATHSIG, not
+    # the process group, is what takes them down when up is killed outright.
+    proc, _ = _start_up(["--agg", "1", "--routers", "0"], env={"TMPDIR": str(tmp_path)})
+    everything = _descendants(proc.pid)
+    assert len(everything) == 4  # nats, etcd, the sim fleet, the shim
+    proc.kill()
+    proc.communicate(timeout=10)
+    deadline = time.monotonic() + 30
+    while [p for p in everything if _alive(p)]:
+        assert time.monotonic() < deadline, "children left behind"
+        time.sleep(0.05)
+
+
+def test_a_child_that_dies_is_said_once_with_its_status_and_last_words(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same "unhealthy: ... dead=shim-agg-17338" ERROR came every 5 s, never saying why it died.
+    cluster = LocalCluster(ClusterSpec())  # no servers: nats and etcd DOWN, as far as health goes
+    log = tmp_path / "shim-agg-1.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "print('engine gone'); raise SystemExit(3)"], stdout=out)
+    proc.wait(30)
+    cluster.children.append(_Child("shim-agg-1", "shim", proc, log))
+    now = 0.0
+    health = _HealthLog(cluster, "health: nats=ok etcd=ok children=1/1 up", clock=lambda: now)
+    said: list[str] = []
+    with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+        for now in range(5, 65, 5):  # every 5 s for a minute
+            health.check()
+            said += [f"{now}: {r.getMessage()}" for r in caplog.records]
+            caplog.clear()
+        monkeypatch.setattr(cluster, "healthy", lambda: True)
+        monkeypatch.setattr(cluster, "health_line", lambda: "health: nats=ok etcd=ok children=1/1 up")
+        health.check()
+        said += [r.getMessage() for r in caplog.records]
+    line = "health: nats=DOWN etcd=DOWN children=0/1 up dead=shim-agg-1"
+    assert said == [
+        "5: child exited: shim-agg-1 (status 3; its last output:\n    engine gone)",
+        f"5: unhealthy: {line}",
+        f"35: still unhealthy (6 checks in 30s): {line}",
+        "healthy again: health: nats=ok etcd=ok children=1/1 up",
+    ]
