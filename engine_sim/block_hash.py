@@ -4,11 +4,15 @@
                32 random bytes                 otherwise, chosen once per engine start;
     block[i] = sha256(cbor((block[i-1] or root, tuple(block tokens), extra_keys)))
 
-`extra_keys` is vLLM's `lora_extra_keys + mm_extra_keys + cache_salt_keys`, None when empty: a LoRA
-request's adapter name on every block, then its `cache_salt` (vLLM's per-tenant cache isolation) on
-the first block. So a salted base chain starts `(cache_salt,)`, an adapter's is `(lora_name,)` on
-every block (`(lora_name, cache_salt)` first when salted), each chain shares no block with any other,
-and the KV events carry the keys in `extra_keys` as vLLM's do.
+`extra_keys` is vLLM 0.32's `lora_extra_keys + mm_extra_keys + cache_salt_keys`, None when empty,
+each key tagged with what it is (`generate_block_hash_extra_keys`): a LoRA request's
+`("lora", name, path)` on every block, then its `cache_salt` (vLLM's per-tenant cache isolation) as
+`("cache_salt", salt)` on the first block. So each chain shares no block with any other: not a
+salted one with an adapter whose name is the salt, nor an adapter's with the same name re-pointed at
+another path (vLLM keys the path "so that re-pointing a LoRA name at a different adapter does not
+reuse KV"). The KV events carry the keys untagged, as vLLM publishes them (`to_event_extra_keys`):
+`(name,)` on an adapter's every block, `(name, salt)` first when salted, `(salt,)` on a salted base
+chain's first block.
 
 KV events carry the low 64 bits (the digest's last 8 bytes, big-endian) as an unsigned integer.
 Like a real engine's, these hashes are opaque: a consumer cannot reproduce them without the seed,
@@ -58,7 +62,7 @@ class HashedBlock:
     children: weakref.WeakValueDictionary[tuple[int, ...], HashedBlock] | None
     digest: bytes
     ext: int
-    extra: tuple[str, ...] | None  # the block's extra_keys
+    extra: tuple[str, ...] | None  # the block's extra_keys as events carry them (untagged)
     lora: LoraRequest | None  # the chain's adapter (its HashChains')
     parent: HashedBlock | None
     salt: str | None  # the chain's cache_salt
@@ -77,11 +81,11 @@ class HashedBlock:
         self.children = None
         self.salt = parent.salt if parent is not None else salt
         self.lora = lora
-        keys: tuple[str, ...] = (lora.name,) if lora is not None else ()
+        keys: tuple[tuple[str, ...], ...] = (("lora", lora.name, lora.path),) if lora is not None else ()
         if parent is None and salt:
-            keys += (salt,)
-        self.extra = keys or None
-        self.digest = hash_block(parent.digest if parent is not None else root, tokens, self.extra)
+            keys += (("cache_salt", salt),)
+        self.extra = tuple(key[1] for key in keys) or None
+        self.digest = hash_block(parent.digest if parent is not None else root, tokens, keys or None)
         self.ext = external_hash(self.digest)
 
     def prefix(self) -> list[int]:
@@ -103,8 +107,9 @@ class HashChains:
     adds up at thousands of requests per second). Nodes are weakly held: one lives exactly as long
     as a request or a cached block refers to it. Hashes are identical to computing them afresh.
 
-    One instance holds the chains of the base model (`lora` None) or of one LoRA adapter: an
-    adapter's blocks carry its name in their extra keys, so they share no node with any other."""
+    One instance holds the chains of the base model (`lora` None) or of one LoRA adapter at one
+    path: an adapter's blocks carry its name and path in their extra keys, so they share no node
+    with any other."""
 
     def __init__(self, root: bytes, lora: LoraRequest | None = None) -> None:
         self.root = root

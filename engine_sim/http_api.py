@@ -109,6 +109,7 @@ async def models(request: web.Request) -> web.Response:
 class _LoadLora(msgspec.Struct):
     lora_name: str = ""
     lora_path: str = ""
+    load_inplace: bool = False
 
 
 async def _lora_update(request: web.Request, update: Callable[[LoraAdapters, _LoadLora], str]) -> web.Response:
@@ -122,7 +123,9 @@ async def _lora_update(request: web.Request, update: Callable[[LoraAdapters, _Lo
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
-    return await _lora_update(request, lambda loras, body: loras.load(body.lora_name, body.lora_path))
+    return await _lora_update(
+        request, lambda loras, body: loras.load(body.lora_name, body.lora_path, body.load_inplace)
+    )
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:

@@ -1,10 +1,10 @@
 """LoRA adapters, as vLLM 0.32 serves them (`--enable-lora --lora-modules name=path ...`).
 
 The sim loads no weights: a request naming an adapter runs as the base model, in the same modelled
-time. What an adapter changes is whose KV it is. vLLM puts the adapter's name first in every block's
-extra keys (`_gen_lora_extra_hash_keys`), so an adapter's chain shares no block with the base
-model's or another adapter's, and its `BlockStored` events carry `lora_id` (the adapter's
-lora_int_id) and `lora_name`.
+time. What an adapter changes is whose KV it is. vLLM puts `("lora", name, path)` first in every
+block's extra keys (`_gen_lora_extra_hash_keys`), so an adapter's chain shares no block with the base
+model's or another adapter's, nor with its own from before it was re-pointed at another path, and
+its `BlockStored` events carry `lora_id` (the adapter's lora_int_id) and `lora_name`.
 
 lora_int_id: 1, 2, ... in the order the adapters were given, as vLLM's OpenAIServingModels counts
 them while loading the static adapters at startup.
@@ -13,6 +13,7 @@ them while loading the static adapters at startup.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Sequence
 
 import msgspec
@@ -20,6 +21,8 @@ import msgspec
 from engine_sim.errors import SimConfigError, SimRequestError
 
 __all__ = ["LoraAdapters", "LoraModule", "LoraRequest", "lora_requests"]
+
+log = logging.getLogger(__name__)
 
 _FLAG = "lora_modules"
 
@@ -82,6 +85,7 @@ class LoraAdapters:
 
     def __init__(self, modules: Sequence[LoraModule], names: Sequence[str]) -> None:
         self.by_name = lora_requests(modules, names)
+        self._names = tuple(names)
         self._next_id = len(self.by_name) + 1
 
     def get(self, name: str) -> LoraRequest | None:
@@ -90,20 +94,42 @@ class LoraAdapters:
     def __iter__(self) -> Iterator[LoraRequest]:
         return iter(self.by_name.values())
 
-    def load(self, name: str, path: str) -> str:
-        """The success text; SimRequestError (400) for a missing field or a name already loaded."""
+    def load(self, name: str, path: str, inplace: bool = False) -> str:
+        """The success text; SimRequestError (400) for a missing field, a served model's name, or
+        a name already loaded unless `inplace` (vLLM's load_inplace: the adapter keeps its id and
+        takes the new path, whose blocks hash apart from the old path's)."""
         if not name or not path:
             raise SimRequestError("Both 'lora_name' and 'lora_path' must be provided.", kind="InvalidUserInput")
-        if name in self.by_name:
-            raise SimRequestError(f"The lora adapter '{name}' has already been loaded.", kind="InvalidUserInput")
-        self.by_name[name] = LoraRequest(name, self._next_id, path)
-        self._next_id += 1
+        if name in self._names:
+            raise SimRequestError(
+                f"The lora adapter '{name}' conflicts with a served base model.", kind="InvalidUserInput"
+            )
+        previous = self.by_name.get(name)
+        if previous is not None and not inplace:
+            raise SimRequestError(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+                "set 'load_inplace' to True.",
+                kind="InvalidUserInput",
+            )
+        if previous is None:
+            self.by_name[name] = LoraRequest(name, self._next_id, path)
+            self._next_id += 1
+        else:
+            if previous.path == path:  # vLLM's warning: the same path hashes the same blocks
+                log.warning(
+                    "Reloaded LoRA adapter '%s' in place from the same path '%s'. Prefix-cache blocks computed "
+                    "with its previous weights are not invalidated; load changed weights from a new path to "
+                    "avoid reusing them.",
+                    name,
+                    path,
+                )
+            self.by_name[name] = LoraRequest(name, previous.int_id, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def unload(self, name: str) -> str:
         """The success text; SimRequestError (400 without a name, 404 for one not loaded)."""
         if not name:
-            raise SimRequestError("either 'lora_name' and 'lora_int_id' needs to be provided.", kind="InvalidUserInput")
+            raise SimRequestError("'lora_name' needs to be provided to unload a LoRA adapter.", kind="InvalidUserInput")
         if self.by_name.pop(name, None) is None:
             raise SimRequestError(f"The lora adapter '{name}' cannot be found.", status=404, kind="NotFoundError")
         return f"Success: LoRA adapter '{name}' removed successfully."

@@ -101,9 +101,10 @@ class Scheduler:
         self.pool = BlockPool(num_gpu_blocks, block_size, emit_events=emit_events)
         self.root = root_hash(hash_seed)
         self.chains = HashChains(self.root)
-        # One trie per LoRA adapter, by name: an adapter's chains share no node with any other's,
-        # and `HashChains.child` keeps the signature bench/virtual/engine_hash.py overrides.
-        self.lora_chains: dict[str, HashChains] = {}
+        # One trie per LoRA adapter, by name and path (vLLM keys both: an adapter re-pointed at
+        # another path caches afresh): an adapter's chains share no node with any other's, and
+        # `HashChains.child` keeps the signature bench/virtual/engine_hash.py overrides.
+        self.lora_chains: dict[tuple[str, str], HashChains] = {}
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
@@ -127,9 +128,10 @@ class Scheduler:
         lora = req.lora
         if lora is None:
             return self.chains
-        chains = self.lora_chains.get(lora.name)
+        key = (lora.name, lora.path)
+        chains = self.lora_chains.get(key)
         if chains is None:
-            chains = self.lora_chains[lora.name] = HashChains(self.root, lora)
+            chains = self.lora_chains[key] = HashChains(self.root, lora)
         return chains
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:

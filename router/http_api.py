@@ -59,7 +59,7 @@ from protocol.version import __version__
 from router.admission import Overloaded
 from router.api_keys import ApiKeys
 from router.dispatch import Job, LegError
-from router.metrics import CONTENT_TYPE
+from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
 from router.request_context import RequestShape
 from router.request_path import RequestPath, Unknown
@@ -180,6 +180,10 @@ class ParsedRequest:
     params: dict[str, Any] = field(default_factory=dict)
     shape: RequestShape = field(default_factory=RequestShape)
     engine_tokenizes: bool = False  # the engine gets the text: its answer depends on the text itself
+    # truncate_prompt_tokens -1, vLLM's "the context": (tokens held back for output, side), resolved
+    # into `truncate` from the model's max_model_len (prompt_ids); the context less one token, the
+    # whole context when no output is asked for (its TokenizeParams.max_truncation_tokens)
+    truncate_to_context: tuple[int, str | None] | None = None
 
 
 _KINDS: dict[type | tuple[type, ...], str] = {
@@ -377,6 +381,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
         ),
         annotations=annotations,
         params=params,
+        truncate_to_context=None if truncate is None or truncate >= 0 else (_held_for_output(max_tokens, chat), side),
         # Read without validating: the engine judges these fields, and a wrong value the engine
         # refuses costs nothing on the local path.
         shape=RequestShape(
@@ -385,6 +390,14 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
             cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) else "",
         ),
     )
+
+
+def _held_for_output(max_tokens: int | None, chat: bool) -> int:
+    """The tokens vLLM holds back from a truncation to the context: one when the request asks for
+    output (its max_output_tokens: a completion's max_tokens, 16 when null; a chat request's
+    max_completion_tokens else max_tokens, 0 when neither), none when it does not."""
+    asked = max_tokens if max_tokens is not None else (0 if chat else 16)
+    return 1 if asked else 0
 
 
 # --- answers ----------------------------------------------------------------------------------------
@@ -581,7 +594,7 @@ class _Handlers:
             body = await self._json_body(request)
             parsed = parse_request(body, chat=isinstance(body, dict) and "messages" in body)
             model = self._model(parsed.model)
-            routed, _ = await self._tokens(parsed)
+            routed, _ = await self._tokens(parsed, model)
             try:
                 return _json_response(self.path.explain(model, routed, text=_is_text(parsed), shape=parsed.shape))
             except PlanError as exc:
@@ -618,8 +631,8 @@ class _Handlers:
         except Unknown as exc:
             raise ApiError(exc.code, str(exc), "model") from exc
 
-    async def _tokens(self, parsed: ParsedRequest) -> tuple[list[int], list[list[int]]]:
-        return await prompt_ids(self.tokenization, parsed)
+    async def _tokens(self, parsed: ParsedRequest, model: str) -> tuple[list[int], list[list[int]]]:
+        return await prompt_ids(self.tokenization, parsed, self.path.max_model_len(model))
 
     def _leg(self, parsed: ParsedRequest, ids: _Ids, model: str, routed: list[int], prompts: list[list[int]],
              headers: Mapping[str, str]) -> GenerateRequest:  # fmt: skip
@@ -657,7 +670,7 @@ class _Handlers:
             body = await self._json_body(request)
             parsed = parse_request(body, chat=chat)
             model = self._model(parsed.model)
-            routed, prompts = await self._tokens(parsed)
+            routed, prompts = await self._tokens(parsed, model)
             timing.parsed = time.perf_counter()
             ids = _Ids.of(request, body, chat=chat)
             # The router's id (its logs, NATS) and the engine's (the client's X-Request-Id when given)
@@ -682,12 +695,12 @@ class _Handlers:
                 timing.planned = time.perf_counter()
                 try:
                     if parsed.stream:
-                        resp = await self._stream(request, job, ids, timing)
+                        resp, status = await self._stream(request, job, ids, timing)
                     else:
                         resp = await self._whole(job, ids, timing)
+                        status = resp.status
                 finally:
                     self.path.release(job)  # a no-op once its stream ended
-                status = resp.status
                 return resp
         except ApiError as exc:
             status = exc.code
@@ -713,7 +726,11 @@ class _Handlers:
         headers = _route_headers(job, ids, timing)
         return web.Response(body=body, headers=headers, content_type="application/json")
 
-    async def _stream(self, request: web.Request, job: Job, ids: _Ids, timing: _Timing) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, job: Job, ids: _Ids, timing: _Timing
+    ) -> tuple[web.StreamResponse, int]:
+        """The stream, and the code it counts as: 200, or its error event's when it failed after
+        its headers (their 200 went out before the failure)."""
         chunks = self.path.stream(job)
         try:
             first = await anext(chunks)
@@ -734,6 +751,8 @@ class _Handlers:
             raise
         out: list[bytes] = []
         chunk = first
+        failed: ApiError | None = None
+        why = ""  # a worker's failure, said once at WARNING (a bug is said with its traceback)
         try:
             # The events one worker chunk carries go out in one write (one send, one drain).
             while True:
@@ -745,40 +764,59 @@ class _Handlers:
                     out.clear()
                 chunk = await anext(chunks)
         except LegError as exc:
-            err = _leg_error(exc)
-            out.append(_sse_event(err.own_body or _JSON.encode(err.body())))
+            failed, why = _leg_error(exc), str(exc)
         except StopAsyncIteration:
-            out.append(_sse_event(_JSON.encode(ApiError(502, "the worker ended the stream early").body())))
+            failed = ApiError(502, "the worker ended the stream early")
+            why = failed.message
         except Exception:
             log.exception("request %s: the stream failed", job.request.request_id)
-            out.append(_sse_event(_JSON.encode(ApiError(502, "the stream failed").body())))
+            failed = ApiError(502, "the stream failed")
         finally:
             await chunks.aclose()
+        if failed is not None:
+            if why:
+                rid = job.request.request_id
+                log.warning(
+                    "request %s: the stream failed after its first chunk (%s); the client got a %d error event",
+                    rid,
+                    why,
+                    failed.code,
+                    extra={"request_id": rid},
+                )
+            out.append(_sse_event(failed.own_body or _JSON.encode(failed.body())))
         out.append(_SSE_DONE)
         await resp.write_eof(b"".join(out))
-        return resp
+        return resp, 200 if failed is None else failed.code
 
 
-async def prompt_ids(tok: Tokenization, parsed: ParsedRequest) -> tuple[list[int], list[list[int]]]:
+async def prompt_ids(
+    tok: Tokenization, parsed: ParsedRequest, max_model_len: int | None = None
+) -> tuple[list[int], list[list[int]]]:
     """The routed prompt's ids (the first prompt of a batch) and every prompt's ids: those the
-    engine computes (tests/router/test_vllm_render.py holds them to vLLM 0.32's own renderer)."""
+    engine computes (tests/router/test_vllm_render.py holds them to vLLM 0.32's own renderer).
+    `max_model_len`, the model's, resolves a truncate_prompt_tokens of -1 as vLLM does; without it
+    such a prompt is routed whole."""
+    truncate = parsed.truncate
+    if truncate is None and parsed.truncate_to_context is not None and max_model_len is not None:
+        held, side = parsed.truncate_to_context
+        truncate = (max(0, max_model_len - held), side)
     try:
         if parsed.chat:
             assert parsed.messages is not None and parsed.chat_options is not None
             ids = await tok.encode_chat(parsed.messages, parsed.chat_options)
-            if parsed.truncate is not None:  # the template wrote the special tokens: plain ids
-                ids = _truncated(ids, *parsed.truncate)
+            if truncate is not None:  # the template wrote the special tokens: plain ids
+                ids = _truncated(ids, *truncate)
             return ids, [ids]
         prompts = []
         for p in parsed.prompts:
             if isinstance(p, list):
-                ids = p if parsed.truncate is None else _truncated(p, *parsed.truncate)
-            elif parsed.truncate is not None and parsed.truncate[1] is None and parsed.add_special_tokens:
-                ids = await keep_specials_truncated(tok, p, parsed.truncate[0])
+                ids = p if truncate is None else _truncated(p, *truncate)
+            elif truncate is not None and truncate[1] is None and parsed.add_special_tokens:
+                ids = await keep_specials_truncated(tok, p, truncate[0])
             else:
                 ids = await tok.encode(p, parsed.add_special_tokens)
-                if parsed.truncate is not None:
-                    ids = _truncated(ids, *parsed.truncate)
+                if truncate is not None:
+                    ids = _truncated(ids, *truncate)
             prompts.append(ids)
     except UntrustedTemplate as exc:
         raise ApiError(400, exc.why, "chat_template") from exc
@@ -807,7 +845,7 @@ async def keep_specials_truncated(tok: Tokenization, text: str, keep: int) -> li
 def _truncated(ids: list[int], keep: int, side: str | None) -> list[int]:
     """vLLM's slice: the first `keep` ids for side "right" (cut at the end), else the last `keep`
     (no side: the tokenizer's, "left" for generation)."""
-    return ids[:keep] if side == "right" else ids[-keep:]
+    return ids[:keep] if side == "right" else ids[max(len(ids) - keep, 0) :]
 
 
 def _is_text(parsed: ParsedRequest) -> bool:
@@ -820,10 +858,11 @@ def _is_text(parsed: ParsedRequest) -> bool:
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
 
 
-def _auth_middleware(keys: ApiKeys) -> Callable[..., Any]:
+def _auth_middleware(keys: ApiKeys, metrics: RouterMetrics) -> Callable[..., Any]:
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
         if request.path not in _OPEN_PATHS and not keys.allows(request.headers.get("Authorization")):
+            metrics.count_request("auth", 401)  # a fixed label: one per path would let clients mint series
             return ApiError(401, "a valid API key is required: send `Authorization: Bearer <key>`").response()
         response: web.StreamResponse = await handler(request)
         return response
@@ -835,7 +874,7 @@ def _auth_middleware(keys: ApiKeys) -> Callable[..., Any]:
 _ENGINE_ONLY = (
     "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/rerank",
     "/score", "/pooling", "/classify", "/v1/audio/", "/v1/realtime", "/invocations",
-    "/v1/chat/completions/", "/v1/completions/",
+    "/v1/chat/completions/", "/v1/completions/", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
 )  # fmt: skip
 
 
@@ -850,27 +889,32 @@ def _no_route(path: str) -> str:
     return f"no route {path}"
 
 
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
-    """aiohttp's own answers (unknown route, wrong method, body too large) and anything a handler
-    did not expect, as OpenAI JSON."""
-    try:
-        response: web.StreamResponse = await handler(request)
-        return response
-    except web.HTTPException as exc:
-        if exc.status < 400:
+def _openai_errors(metrics: RouterMetrics) -> Callable[..., Any]:
+    @web.middleware
+    async def answer(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        """aiohttp's own answers (unknown route, wrong method, body too large) and anything a
+        handler did not expect, as OpenAI JSON."""
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            if request.match_info.http_exception is not None:  # no route: one label, never the raw path
+                metrics.count_request("unrouted", exc.status)
+            what = {404: _no_route(request.path), 405: f"{request.method} is not allowed on {request.path}"}
+            err = ApiError(exc.status, what.get(exc.status, exc.reason), close=exc.status == 413)
+            resp = err.response()
+            if exc.status == 405 and "Allow" in exc.headers:
+                resp.headers["Allow"] = exc.headers["Allow"]
+            return resp
+        except (asyncio.CancelledError, ConnectionError):
             raise
-        what = {404: _no_route(request.path), 405: f"{request.method} is not allowed on {request.path}"}
-        err = ApiError(exc.status, what.get(exc.status, exc.reason), close=exc.status == 413)
-        resp = err.response()
-        if exc.status == 405 and "Allow" in exc.headers:
-            resp.headers["Allow"] = exc.headers["Allow"]
-        return resp
-    except (asyncio.CancelledError, ConnectionError):
-        raise
-    except Exception:
-        log.exception("%s %s failed", request.method, request.path)
-        return ApiError(500, "the router failed to handle the request").response()
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return ApiError(500, "the router failed to handle the request").response()
+
+    return answer
 
 
 class _JsonErrorHandler(RequestHandler):
@@ -940,7 +984,8 @@ def make_app(
         tokenizer_report=tokenizer_report,
         started_at=time.time() if started_at is None else started_at,
     )
-    middlewares = [_openai_errors] + ([_auth_middleware(api_keys)] if api_keys is not None else [])
+    auth = [_auth_middleware(api_keys, path.metrics)] if api_keys is not None else []
+    middlewares = [_openai_errors(path.metrics), *auth]
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)

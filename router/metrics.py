@@ -1,9 +1,9 @@
 """Prometheus metrics of one router replica, on a registry of its own (several replicas can live in
 one process, as in the tests).
 
-Request-path figures are observed as they happen (requests, TTFT, ITL, routing time); state
-figures (decisions by outcome, index size, event lag, repairs, queue) are read from their owners
-at scrape time, so each has exactly one source of truth.
+Request-path figures are observed as they happen (requests, TTFT, ITL, planning time, admission
+wait); state figures (decisions by outcome, retries and fallbacks, index size, event lag, repairs,
+queue) are read from their owners at scrape time, so each has exactly one source of truth.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class StateFigures:
     queue_depth: int = 0
     inflight: int = 0
     workers: int = 0
+    retries: int = 0  # router.dispatch.Dispatcher's counts
+    prefill_fallbacks: int = 0
+    transfer_fallbacks: int = 0
     timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
     prompt_tokens: Mapping[str, int] = field(default_factory=dict)  # router.planner.PrefixReach
     clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
@@ -55,6 +58,18 @@ class _StateCollector(Collector):
         for outcome, n in sorted(s.decisions.items()):
             decisions.add_metric([outcome], n)
         yield decisions
+        yield CounterMetricFamily(
+            "kvswitch_router_retries", "Requests retried on another worker before their first token", s.retries
+        )
+        fallbacks = CounterMetricFamily(
+            "kvswitch_router_fallbacks",
+            "Remote prefills given up for a local one: the prefill leg failed (prefill_failed), or the decode "
+            "engine failed to pull its KV (transfer_failed)",
+            labels=["cause"],
+        )
+        fallbacks.add_metric(["prefill_failed"], s.prefill_fallbacks)
+        fallbacks.add_metric(["transfer_failed"], s.transfer_fallbacks)
+        yield fallbacks
         yield GaugeMetricFamily("kvswitch_router_index_blocks", "Distinct block hashes in the index", s.index_blocks)
         yield GaugeMetricFamily("kvswitch_router_index_entries", "(block, worker) pairs in the index", s.index_entries)
         yield GaugeMetricFamily(
@@ -155,11 +170,17 @@ class RouterMetrics:
         )
         self.route = Histogram(
             "kvswitch_router_route_seconds",
-            "Routing decision time: tokenise, hash, match, select, policy",
+            "Planning time of an admitted request: hash, match, select, policy, each offer at admission "
+            "included (tokenizing comes before it, the wait for room is kvswitch_router_queue_wait_seconds)",
             buckets=_ROUTE_BUCKETS,
             registry=self.registry,
         )
-        self.retries = Counter("kvswitch_router_retries", "Requests retried on another worker", registry=self.registry)
+        self.queue_wait = Histogram(
+            "kvswitch_router_queue_wait_seconds",
+            "Time an admitted request waited at admission for a worker with room (about 0: taken at once)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(state))
         # Labelled children bound once: `labels()` validates and locks on every call (~3 us).
         self._requests: dict[tuple[str, int], Counter] = {}

@@ -145,8 +145,9 @@ class Planner:
         hasher = self._hashers.get(block_size)
         if hasher is None:
             hasher = self._hashers[block_size] = BlockHasher(block_size)
-        # A LoRA adapter's blocks are its own (vLLM keys each by the adapter's name), as are a
-        # cache_salt's: a chain of its own, since salts are clients' values, as many as they like.
+        # A LoRA adapter's blocks are its own (vLLM keys each by the adapter's name and path; the
+        # shims withdraw an adapter's chains when its path changes, so the name is enough here), as
+        # are a cache_salt's: a chain of its own, since salts are clients' values, as many as they like.
         salt = chain_salt(adapter_named(model, base, infos[0].aliases), shape.cache_salt or "")
         if salt:
             hasher = BlockHasher(block_size, salt)

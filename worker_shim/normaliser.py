@@ -19,6 +19,15 @@ Rules:
   full-attention events are folded first (vLLM sends group 0 first, which may be the window's), so
   a window block's engine hash always names a known canonical one. A group of a kind kvswitch does
   not model is counted and logged once, and its events dropped.
+- A LoRA adapter unloaded or re-pointed at another path (`drop_adapter`): vLLM 0.32 hashes an
+  adapter's blocks by its name and path, so the engine reuses its chains no more, though it holds
+  them until evicted; its events name the adapter only (the chain's salt up to the NUL,
+  protocol.hashing.chain_salt). Its chains are removed (`Removed` for every canonical block no other
+  chain holds) and their engine hashes remembered (bounded, as the removed mappings are), so that
+  what the engine still says of them is dropped quietly: a replay re-storing them, a request begun
+  before the change adding blocks to them (no unknown parent, no rebuild), their eviction (no
+  unknown removal). They outlive resets, since a replay re-sends them, and are forgotten when the
+  adapter is loaded from that path again (`revive_adapter`).
 
 Synchronous and single-owner: the shim's event pump calls `apply`; nothing here awaits.
 """
@@ -69,6 +78,10 @@ class Normaliser:
         # canonical hash -> canonical parent (None: root), for the parent-first dump
         self._canon_parent: dict[int, int | None] = {}
         self._retired: OrderedDict[int, int] = OrderedDict()
+        # engine hash -> the LoRA adapter whose chain holds it (adapters' chains only)
+        self._adapter_of: dict[int, str] = {}
+        # engine hash -> (adapter, path) of chains dropped as the engine reuses them no more
+        self._dropped: OrderedDict[int, tuple[str, str | None]] = OrderedDict()
         self._roots: dict[str, int] = {"": root_hash("")}
         self._logged: set[str] = set()
         # KV cache group -> kind, as its Stored events say: the engine's layout, kept over resets.
@@ -124,8 +137,10 @@ class Normaliser:
     # --- folding ------------------------------------------------------------------------------
 
     def reset(self, *, exact: bool) -> list[KvEvent]:
-        """Forget everything (the engine restarted or events were lost): emits Cleared."""
+        """Forget everything (the engine restarted or events were lost): emits Cleared. Dropped
+        adapter chains stay dropped: a replay re-sends them."""
         self._engine.clear()
+        self._adapter_of.clear()
         self._canon.clear()
         self._canon_parent.clear()
         self._retired.clear()
@@ -198,6 +213,57 @@ class Normaliser:
         if lost:
             out.append(Removed(hashes=[endpoint_key(c) for c in lost]))
 
+    def drop_adapter(self, name: str, path: str | None) -> list[KvEvent]:
+        """Stop publishing the chains of LoRA adapter `name`, computed with its weights from `path`:
+        it was unloaded or re-pointed, so the engine reuses them no more. Emits Removed for every
+        canonical block no other chain holds."""
+        engine, counts = self._engine, self._canon
+        gone: list[int] = []
+        for eh in [eh for eh, adapter in self._adapter_of.items() if adapter == name]:
+            del self._adapter_of[eh]
+            ch, refs = engine.pop(eh)
+            self._drop(eh, (name, path))
+            c = counts[ch] - refs
+            if c == 0:
+                del counts[ch]
+                self._canon_parent.pop(ch, None)
+                gone.append(ch)
+            else:
+                counts[ch] = c
+        return [Removed(hashes=gone)] if gone else []
+
+    def revive_adapter(self, name: str, path: str | None) -> bool:
+        """Forget the chains of adapter `name` dropped at `path`: it loads from that path again, so
+        the engine reuses them again. True when there were some: the owner then asks the engine for
+        a replay, which stores them again."""
+        tag = (name, path)
+        revived = [eh for eh, was in self._dropped.items() if was == tag]
+        for eh in revived:
+            del self._dropped[eh]
+        return bool(revived)
+
+    def _drop(self, engine_hash: int, tag: tuple[str, str | None]) -> None:
+        dropped = self._dropped
+        dropped[engine_hash] = tag
+        dropped.move_to_end(engine_hash)
+        if len(dropped) > self.memo_size:
+            dropped.popitem(last=False)
+
+    def _still_dropped(self, ev: EngineStored) -> bool:
+        """Whether `ev` stores blocks of a dropped chain (a replay, or a request begun before its
+        adapter changed); its blocks are then dropped too."""
+        dropped = self._dropped
+        if not dropped:
+            return False
+        tag = dropped.get(ev.parent) if ev.parent is not None else None
+        if tag is None and ev.hashes:
+            tag = dropped.get(ev.hashes[0])
+        if tag is None:
+            return False
+        for eh in ev.hashes:
+            self._drop(eh, tag)
+        return True
+
     def _say_once(self, why: str) -> None:
         if why not in self._logged:
             self._logged.add(why)
@@ -224,6 +290,8 @@ class Normaliser:
         if len(ev.token_ids) != n * bs:
             self._malformed(f"{len(ev.token_ids)} token ids for {n} blocks of {bs}")
             return
+        if self._still_dropped(ev):
+            return
         if ev.parent is None:
             parent: int | None = None
             start = self._roots.get(ev.salt)
@@ -242,10 +310,17 @@ class Normaliser:
         except ValueError as exc:
             self._malformed(str(exc))
             return
-        self._link(ev.hashes, canon, parent, ev.medium, out)
+        adapter = ev.salt.partition("\x00")[0]  # chain_salt(lora, cache_salt)
+        self._link(ev.hashes, canon, parent, ev.medium, out, adapter)
 
     def _link(
-        self, hashes: Iterable[int], canon: list[int], parent: int | None, medium: str | None, out: list[KvEvent]
+        self,
+        hashes: Iterable[int],
+        canon: list[int],
+        parent: int | None,
+        medium: str | None,
+        out: list[KvEvent],
+        adapter: str = "",
     ) -> None:
         engine, counts, parents = self._engine, self._canon, self._canon_parent
         run: list[int] = []
@@ -256,6 +331,8 @@ class Normaliser:
             if entry is None:
                 engine[eh] = [ch, 1]
                 self._retired.pop(eh, None)
+                if adapter:
+                    self._adapter_of[eh] = adapter
             else:
                 entry[1] += 1
             c = counts.get(ch, 0)
@@ -279,12 +356,14 @@ class Normaliser:
         for eh in ev.hashes:
             entry = engine.get(eh)
             if entry is None:
-                self.stats.unknown_removed += 1
+                if eh not in self._dropped:  # a dropped chain's eviction is expected
+                    self.stats.unknown_removed += 1
                 continue
             ch = entry[0]
             entry[1] -= 1
             if entry[1] == 0:
                 del engine[eh]
+                self._adapter_of.pop(eh, None)
                 self._retire(eh, ch)
             c = counts[ch] - 1
             if c == 0:

@@ -37,7 +37,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
-from protocol import Cleared, ConfigError, Usage, WorkerInfo, subjects
+from protocol import Cleared, ConfigError, KvEvent, Removed, Usage, WorkerInfo, subjects
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.errors import listen_error
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
@@ -156,6 +156,7 @@ class WorkerShim:
         self.kv_bytes_per_token: int | None = None
         self.tokenizer = ""
         self.adapters: list[str] = []
+        self._adapter_paths: dict[str, str | None] = {}  # each adapter's path (its card's `root`)
         self.aliases: list[str] = []  # the other names the engine serves --model under
         self._discovers_events = self.config.kv_events is None and self.config.engine == "vllm"
         self._topic_given = self.config.kv_events_topic  # the operator's, not a discovered one
@@ -546,11 +547,40 @@ class WorkerShim:
                 ", ".join(listed),
             )
             listed = []
+        self._follow_adapter_paths({name: cards[name].root for name in listed})
         if listed == self.adapters:
             return changed
         log.info("the engine serves LoRA adapters on %s: %s", c.model, ", ".join(listed) or "none")
         self.adapters = listed
         return True
+
+    def _follow_adapter_paths(self, paths: dict[str, str | None]) -> None:
+        """Stop publishing the chains of an adapter unloaded or re-pointed at another path since
+        the engine was last read: vLLM 0.32 hashes an adapter's blocks by its name and path, so the
+        engine reuses them no more, while its KV events name the adapter alone. An adapter loaded
+        again from a path it was dropped from gets its chains back from the engine's replay."""
+        before, self._adapter_paths = self._adapter_paths, paths
+        norm = self.normaliser
+        if norm is None or self.registration is None:  # between sessions: the next one starts afresh
+            return
+        out: list[KvEvent] = []
+        for name, path in before.items():
+            if name in paths and paths[name] == path:
+                continue
+            removed = norm.drop_adapter(name, path)
+            out += removed
+            log.info(
+                "LoRA adapter %s %s: the engine reuses none of what it cached from %s, so %d cached blocks are "
+                "withdrawn from routers",
+                name,
+                f"now loads from {paths[name]}" if name in paths else "was unloaded",
+                path,
+                sum(len(e.hashes) for e in removed if isinstance(e, Removed)),
+            )
+        self._publish(out)
+        revived = [name for name, path in paths.items() if before.get(name) != path and norm.revive_adapter(name, path)]
+        if revived:
+            self.adapter.request_rebuild()
 
     async def _poll_adapters(self) -> None:
         """Register adapters loaded or unloaded at run time (vLLM's /v1/load_lora_adapter); check
@@ -644,6 +674,9 @@ class WorkerShim:
             norm.needs_rebuild = False
             log.warning("KV event with an unknown parent: asking the engine for its whole state")
             self.adapter.request_rebuild()
+        self._publish(out)
+
+    def _publish(self, out: list[KvEvent]) -> None:
         if out:
             for presence in self._presences():
                 if presence.publisher is not None:

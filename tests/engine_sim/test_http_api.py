@@ -318,7 +318,10 @@ async def test_adapters_load_and_unload_at_run_time_only_where_vllm_allows_it() 
         assert (await post(sim, "/v1/completions", completion))[0] == 200
         assert sim.loras.get("tiny-lora-2") == LoraRequest("tiny-lora-2", 2, "tiny-lora")
         status, err, _ = await post(sim, "/v1/load_lora_adapter", load)
-        assert status == 400 and err["error"]["message"] == "The lora adapter 'tiny-lora-2' has already been loaded."
+        assert status == 400 and err["error"]["message"] == (
+            "The lora adapter 'tiny-lora-2' has already been loaded. If you want to load the adapter in place, "
+            "set 'load_inplace' to True."
+        )
         status, text, _ = await post(sim, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-2"})
         assert (status, text) == (200, "Success: LoRA adapter 'tiny-lora-2' removed successfully.")
         assert (await post(sim, "/v1/completions", completion))[0] == 404

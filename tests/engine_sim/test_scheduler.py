@@ -237,3 +237,30 @@ def test_an_adapters_chain_is_its_own_as_vllm_hashes_it() -> None:
         assert s.stats.prefix_cache_hits - before == hit, rid
     salts = ["", chain_salt("sql"), chain_salt("sql", "tenant-1"), chain_salt("chat"), chain_salt("sql", "tenant-2")]
     assert set(s.cached_canonical_hashes()) == {h for salt in salts for h in block_hashes(tokens, 16, salt=salt)}
+
+
+def test_tagged_extra_keys_keep_a_salt_named_like_an_adapter_and_a_repointed_adapter_apart() -> None:
+    """vLLM 0.32 hashes tagged extra keys, ("lora", name, path) and ("cache_salt", salt): a
+    cache_salt equal to an adapter's name shares none of its blocks, and an adapter re-pointed at
+    another path (same name, same id: load_inplace) caches afresh; its events keep the untagged keys."""
+    tokens = list(range(1000, 1064))
+    first, moved = LoraRequest("A", 1, "/adapters/a"), LoraRequest("A", 1, "/adapters/a-v2")
+    s = make()
+
+    def hits(rid: str, lora: LoraRequest | None, salt: str | None = None) -> int:
+        before = s.stats.prefix_cache_hits
+        s.add_request(SimRequest(rid, tokens, max_tokens=1, lora=lora, cache_salt=salt))
+        run(s)
+        return s.stats.prefix_cache_hits - before
+
+    assert hits("adapter", first) == 0
+    (adapter,) = [e for e in s.take_events() if isinstance(e, BlockStored)]
+    assert hits("salt named A", None, "A") == 0, "a salt is no adapter"
+    (salted,) = [e for e in s.take_events() if isinstance(e, BlockStored)]
+    assert adapter.extra_keys == [("A",)] * 4 and salted.extra_keys == [("A",), None, None, None]
+    assert not set(adapter.block_hashes) & set(salted.block_hashes)
+    assert hits("re-pointed", moved) == 0, "another path: other weights, no reuse"
+    (repointed,) = [e for e in s.take_events() if isinstance(e, BlockStored)]
+    assert (repointed.lora_id, repointed.lora_name, repointed.extra_keys) == (1, "A", [("A",)] * 4)
+    assert hits("re-pointed again", moved) == 48
+    assert hits("reloaded at the first path", LoraRequest("A", 2, "/adapters/a")) == 48, "the id is not hashed"

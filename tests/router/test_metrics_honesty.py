@@ -1,0 +1,192 @@
+"""What operators watch says what happened: a stream that fails mid-way is not a 200, retries and
+fallbacks are counted, refused requests are counted under fixed labels, routing time is routing
+and not the wait for room, and the docs and the dashboard say so (2026-12-03 audit). End to end
+against the session's real NATS and etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.service import RouterService
+from tests.deploy.test_compose import _router_metric_names, _shim_metric_names
+from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.polling import until
+
+ROOT = Path(__file__).resolve().parents[2]
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def _scrape(http: aiohttp.ClientSession, router: RouterService) -> Samples:
+    async with http.get(router.url + "/metrics") as r:
+        text = await r.text()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _requests(samples: Samples) -> dict[tuple[str, str], float]:
+    """kvswitch_router_requests_total by (endpoint, code)."""
+    out = {}
+    for (name, labels), value in samples.items():
+        if name == "kvswitch_router_requests_total":
+            by = dict(labels)
+            out[by["endpoint"], by["code"]] = value
+    return out
+
+
+async def test_a_stream_that_fails_after_its_first_token_counts_with_its_error_code_and_is_logged_once(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    caplog.set_level(logging.WARNING, logger="router")
+    body = {"model": MODEL, "prompt": list(range(50)), "max_tokens": 30000, "stream": True, "ignore_eos": True}
+    async with http.post(router.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        request_id = resp.headers["x-request-id"].removeprefix("cmpl-")  # the router's id: no X-Request-Id sent
+        await resp.content.readline()  # tokens are flowing
+        await worker.sim.crash()
+        tail = (await resp.read()).decode()
+    (event,) = [line for line in tail.splitlines() if '"error"' in line]
+    code = json.loads(event.removeprefix("data: "))["error"]["code"]
+    assert code >= 500 and tail.rstrip().endswith("data: [DONE]")
+    counted = _requests(await _scrape(http, router))
+    assert counted == {("completions", str(code)): 1.0}, counted
+    said = [r for r in caplog.records if r.name.startswith("router") and request_id in r.getMessage()]
+    assert [(r.name, r.levelno) for r in said] == [("router.http_api", logging.WARNING)], said
+    assert "after its first chunk" in said[0].getMessage() and f"a {code} error event" in said[0].getMessage()
+    assert said[0].__dict__["request_id"] == request_id
+
+
+async def test_a_retry_before_the_first_token_is_counted(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    doomed = await cluster.add_worker("agg", crash_after=1)  # serves one request, then its engine dies
+    alive = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    prompt = list(range(800))
+    # Warm the doomed worker's cache directly, so the router prefers it for this prompt.
+    async with http.post(doomed.sim.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}):
+        pass
+    await until(lambda: len(router.index.worker_hashes(doomed.id)) >= 50, what="the prefix indexed")
+    before = await _scrape(http, router)
+    assert before[("kvswitch_router_retries_total", frozenset())] == 0.0
+    status, out, headers = await complete(http, router, prompt, max_tokens=3)
+    assert (status, headers["x-kvswitch-decode-worker"], out["kvswitch"]["attempts"]) == (200, alive.id, 2), out
+    after = await _scrape(http, router)
+    assert after[("kvswitch_router_retries_total", frozenset())] == 1.0 == router.dispatcher.retries
+
+
+@pytest.mark.parametrize(
+    ("cause", "prefill", "settings"),
+    [
+        ("prefill_failed", {"hang_after": 0}, {"prefill_timeout_s": 0.3}),  # the prefill leg never answers
+        ("transfer_failed", {"kv_pin_timeout_s": 1e-6}, {}),  # its KV is freed before the pull
+    ],
+)
+async def test_a_fallback_to_a_local_prefill_is_counted_by_its_cause(
+    cluster: Cluster, http: aiohttp.ClientSession, cause: str, prefill: dict[str, Any], settings: dict[str, Any]
+) -> None:
+    await cluster.add_worker("prefill", **prefill)
+    await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always", **settings)
+    status, out, _ = await complete(http, router, list(range(400)), max_tokens=2)
+    assert (status, out["kvswitch"]["outcome"]) == (200, f"fallback_{cause}"), out
+    samples = await _scrape(http, router)
+    fallbacks = {
+        dict(labels)["cause"]: value
+        for (name, labels), value in samples.items()
+        if name == "kvswitch_router_fallbacks_total"
+    }
+    other = "transfer_failed" if cause == "prefill_failed" else "prefill_failed"
+    assert fallbacks == {cause: 1.0, other: 0.0}, fallbacks
+    assert samples[("kvswitch_router_retries_total", frozenset())] == 0.0
+
+
+async def test_401_404_and_405_are_counted_under_fixed_labels_never_the_path(
+    cluster: Cluster, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    (tmp_path / "keys").write_text("sk-right\n")
+    router = await cluster.add_router(api_keys_file=str(tmp_path / "keys"))
+    key = {"Authorization": "Bearer sk-right"}
+    body = {"model": MODEL, "prompt": "x"}
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        async with http.post(router.url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status == 401
+    async with http.get(router.url + "/v1/no-such-thing") as r:  # no key either: the 401 comes first
+        assert r.status == 401
+    for i in range(3):
+        async with http.post(router.url + f"/v1/nope{i}", json={}, headers=key) as r:
+            assert r.status == 404
+    async with http.get(router.url + "/v1/completions", headers=key) as r:
+        assert r.status == 405
+    counted = _requests(await _scrape(http, router))
+    assert counted == {("auth", "401"): 3.0, ("unrouted", "404"): 3.0, ("unrouted", "405"): 1.0}, counted
+
+
+async def test_route_seconds_times_the_planner_and_the_wait_for_room_is_queue_wait(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    # test_e2e_routing's slo_aware case: the only decode worker has no room for a second request
+    # while the first runs, so the second waits at admission until the first ends.
+    await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode", speedup=1.0)
+    router = await cluster.add_ready_router(
+        conditional_disagg=True, conditional_disagg_policy="slo_aware", slo_itl_s=0.001, slo_ttft_s=20.0
+    )
+    first = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=400, ignore_eos=True))
+    await until(lambda: router.view.load(d.id).running >= 1, what="the first request running on d")
+    second = asyncio.create_task(complete(http, router, list(range(1000, 1064))))
+    await until(lambda: router.path.admission.depth == 1, what="the second request waiting at admission")
+    await asyncio.sleep(0.3)
+    assert not second.done()
+    assert [(await first)[0], (await second)[0]] == [200, 200]
+    samples = await _scrape(http, router)
+
+    def figure(name: str) -> float:
+        return samples[(name, frozenset())]
+
+    # Planning two requests (and the offers while one waited) is CPU work of milliseconds; before
+    # 2026-12-03 route_seconds held the wait too.
+    assert figure("kvswitch_router_route_seconds_count") == 2
+    assert figure("kvswitch_router_route_seconds_sum") < 0.25, figure("kvswitch_router_route_seconds_sum")
+    assert figure("kvswitch_router_queue_wait_seconds_count") == 2
+    waited = figure("kvswitch_router_queue_wait_seconds_sum")
+    assert waited >= 0.3, waited
+    help_text = router.metrics.route._documentation
+    assert "tokenis" not in help_text and "kvswitch_router_queue_wait_seconds" in help_text
+
+
+def test_the_shims_metrics_table_has_a_row_for_every_metric_it_exports() -> None:
+    doc = (ROOT / "docs" / "worker_shim.md").read_text()
+    rows = {
+        m for line in doc.splitlines() if line.startswith("| `kvswitch_shim_") for m in re.findall(r"`([^`{]+)", line)
+    }
+    assert _shim_metric_names() - rows == set()
+
+
+def test_the_router_docs_name_every_metric_the_router_exports() -> None:
+    doc = (ROOT / "docs" / "router.md").read_text()
+    section = doc[doc.index("\n## Metrics\n") : doc.index("\n## Figures\n")]
+    names = {re.sub(r"_(bucket|sum|count)$", "", n) for n in _router_metric_names()}
+    assert {n for n in names if f"`{n}" not in section} == set()
+    assert "kvswitch_router_queue_wait_seconds" in names and "kvswitch_router_fallbacks_total" in names
+
+
+def test_the_dashboards_bypass_rate_leaves_fallbacks_out_of_its_denominator() -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "kvswitch.json").read_text())
+    (bypass,) = [p for p in dashboard["panels"] if p["title"] == "Bypass rate"]
+    _, denominator = bypass["targets"][0]["expr"].split(" / ")
+    assert 'outcome!~"fallback_.*"' in denominator, denominator
+    charted = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in ("kvswitch_router_retries_total", "kvswitch_router_fallbacks_total", "queue_wait_seconds"):
+        assert metric in charted, metric
