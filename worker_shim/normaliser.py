@@ -217,19 +217,13 @@ class Normaliser:
         """Stop publishing the chains of LoRA adapter `name`, computed with its weights from `path`:
         it was unloaded or re-pointed, so the engine reuses them no more. Emits Removed for every
         canonical block no other chain holds."""
-        engine, counts = self._engine, self._canon
+        engine = self._engine
         gone: list[int] = []
         for eh in [eh for eh, adapter in self._adapter_of.items() if adapter == name]:
             del self._adapter_of[eh]
             ch, refs = engine.pop(eh)
             self._drop(eh, (name, path))
-            c = counts[ch] - refs
-            if c == 0:
-                del counts[ch]
-                self._canon_parent.pop(ch, None)
-                gone.append(ch)
-            else:
-                counts[ch] = c
+            self._release(ch, refs, gone)
         return [Removed(hashes=gone)] if gone else []
 
     def revive_adapter(self, name: str, path: str | None) -> bool:
@@ -351,7 +345,7 @@ class Normaliser:
         self.stats.stored_blocks += len(canon)
 
     def _removed(self, ev: EngineRemoved, out: list[KvEvent]) -> None:
-        engine, counts = self._engine, self._canon
+        engine = self._engine
         gone: list[int] = []
         for eh in ev.hashes:
             entry = engine.get(eh)
@@ -365,16 +359,21 @@ class Normaliser:
                 del engine[eh]
                 self._adapter_of.pop(eh, None)
                 self._retire(eh, ch)
-            c = counts[ch] - 1
-            if c == 0:
-                del counts[ch]
-                self._canon_parent.pop(ch, None)
-                gone.append(ch)
-            else:
-                counts[ch] = c
+            self._release(ch, 1, gone)
             self.stats.removed_blocks += 1
         if gone:
             out.append(Removed(hashes=gone, medium=ev.medium))
+
+    def _release(self, canonical: int, refs: int, gone: list[int]) -> None:
+        """`refs` fewer engine blocks map to `canonical`; at none it is gone (appended to `gone`)."""
+        counts = self._canon
+        c = counts[canonical] - refs
+        if c == 0:
+            del counts[canonical]
+            self._canon_parent.pop(canonical, None)
+            gone.append(canonical)
+        else:
+            counts[canonical] = c
 
     def _retire(self, engine_hash: int, canonical: int) -> None:
         retired = self._retired
