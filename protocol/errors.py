@@ -17,9 +17,13 @@ _SECRETS = frozenset({"nats_password", "nats_token", "etcd_password"})
 
 def without_userinfo(url: str) -> str:
     """`url` without the `user:password@` (or `token@`) it may carry, for logs and errors. All up
-    to the last `@` goes: a password with an unescaped `/` or `@` in it must not survive either."""
+    to the last `@` goes: a password with an unescaped `/` or `@` in it must not survive either. A
+    URL whose scheme was left out keeps it out, but not a `user:password@`: text with an `@` and a
+    `:` is taken for one (`user@host` alone stays)."""
     scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
+    if sep:
+        return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+    return url.rpartition("@")[2] if "@" in url and ":" in url else url
 
 
 def _shown(value: object) -> object:

@@ -35,8 +35,9 @@ Synchronous and single-owner: the shim's event pump calls `apply`; nothing here 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from protocol import Cleared, KvEvent, Removed, Stored
@@ -44,7 +45,7 @@ from protocol.hashing import block_hashes, endpoint_key, root_hash
 from worker_shim.engine_events import FULL, WINDOW, EngineCleared, EngineEvent, EngineRemoved, EngineStored
 from worker_shim.window_endpoints import UNKNOWN_PARENT, WindowEndpoints
 
-__all__ = ["Normaliser", "NormaliserStats"]
+__all__ = ["DROPPED_FOR_S", "Normaliser", "NormaliserStats"]
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,20 @@ class NormaliserStats:
     other_groups: int = 0  # events of a KV cache group kind kvswitch does not model
 
 
+DROPPED_FOR_S = 60.0
+"""How long a dropped adapter chain's blocks stay dropped whatever the engine says of them."""
+
+
 class Normaliser:
     """Folds engine events into the canonical set and says what changed, as protocol events."""
 
-    def __init__(self, block_size: int, memo_size: int = 1 << 16, stats: NormaliserStats | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        memo_size: int = 1 << 16,
+        stats: NormaliserStats | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -80,8 +91,9 @@ class Normaliser:
         self._retired: OrderedDict[int, int] = OrderedDict()
         # engine hash -> the LoRA adapter whose chain holds it (adapters' chains only)
         self._adapter_of: dict[int, str] = {}
-        # engine hash -> (adapter, path) of chains dropped as the engine reuses them no more
-        self._dropped: OrderedDict[int, tuple[str, str | None]] = OrderedDict()
+        # engine hash -> ((adapter, path), when) of chains dropped as the engine reuses them no more
+        self._dropped: OrderedDict[int, tuple[tuple[str, str | None], float]] = OrderedDict()
+        self._clock = clock
         self._roots: dict[str, int] = {"": root_hash("")}
         self._logged: set[str] = set()
         # KV cache group -> kind, as its Stored events say: the engine's layout, kept over resets.
@@ -219,10 +231,11 @@ class Normaliser:
         canonical block no other chain holds."""
         engine = self._engine
         gone: list[int] = []
+        now = self._clock()
         for eh in [eh for eh, adapter in self._adapter_of.items() if adapter == name]:
             del self._adapter_of[eh]
             ch, refs = engine.pop(eh)
-            self._drop(eh, (name, path))
+            self._drop(eh, (name, path), now)
             self._release(ch, refs, gone)
         return [Removed(hashes=gone)] if gone else []
 
@@ -231,31 +244,37 @@ class Normaliser:
         the engine reuses them again. True when there were some: the owner then asks the engine for
         a replay, which stores them again."""
         tag = (name, path)
-        revived = [eh for eh, was in self._dropped.items() if was == tag]
+        revived = [eh for eh, (was, _) in self._dropped.items() if was == tag]
         for eh in revived:
             del self._dropped[eh]
         return bool(revived)
 
-    def _drop(self, engine_hash: int, tag: tuple[str, str | None]) -> None:
+    def _drop(self, engine_hash: int, tag: tuple[str, str | None], at: float) -> None:
         dropped = self._dropped
-        dropped[engine_hash] = tag
+        dropped[engine_hash] = (tag, at)
         dropped.move_to_end(engine_hash)
         if len(dropped) > self.memo_size:
             dropped.popitem(last=False)
 
     def _still_dropped(self, ev: EngineStored) -> bool:
         """Whether `ev` stores blocks of a dropped chain (a replay, or a request begun before its
-        adapter changed); its blocks are then dropped too."""
+        adapter changed); its blocks are then dropped too, as of the same drop. For DROPPED_FOR_S
+        only: what the engine cached between the change and the shim's reading of it was dropped
+        too, though it may be the new path's, and a chain still growing from it after that is live
+        (no request runs the old path for long). It then reads as an unknown parent, and the
+        rebuild from the engine's replay takes back whatever the engine still holds."""
         dropped = self._dropped
         if not dropped:
             return False
-        tag = dropped.get(ev.parent) if ev.parent is not None else None
-        if tag is None and ev.hashes:
-            tag = dropped.get(ev.hashes[0])
-        if tag is None:
+        key = ev.parent if ev.parent in dropped else ev.hashes[0] if ev.hashes else None
+        if key is None or key not in dropped:
+            return False
+        tag, at = dropped[key]
+        if self._clock() - at > DROPPED_FOR_S:
+            del dropped[key]
             return False
         for eh in ev.hashes:
-            self._drop(eh, tag)
+            self._drop(eh, tag, at)
         return True
 
     def _say_once(self, why: str) -> None:

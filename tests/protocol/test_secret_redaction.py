@@ -88,6 +88,7 @@ def test_an_etcd_url_is_shown_without_its_userinfo(cli: dict[str, Any], shown: s
         ("nats://alice:p@ss/w@rd@host:4222", "nats://host:4222"),  # unescaped: all up to the last @
         ("nats://host:4222", "nats://host:4222"),
         ("user@host", "user@host"),  # not a URL
+        ("demo:s3cret@127.0.0.1:4222", "127.0.0.1:4222"),  # a URL whose scheme was left out
     ],
 )
 def test_without_userinfo(url: str, shown: str) -> None:
@@ -117,3 +118,12 @@ def test_an_etcd_url_with_credentials_is_refused_naming_the_flags_not_the_passwo
         EtcdSettings(endpoints=["http://alice:S3cret@127.0.0.1:2379"]).validate()
     said = str(err.value)
     assert "--etcd-user and --etcd-password" in said and "S3cret" not in said and "alice" not in said, said
+
+
+def test_a_url_without_its_scheme_is_shown_without_its_password() -> None:
+    """The scheme check's error showed `demo:s3cret@127.0.0.1:4222` as given."""
+    nats, etcd = NatsSettings(servers=["demo:s3cret@127.0.0.1:4222"]), EtcdSettings(endpoints=["demo:s3cret@h:2379"])
+    for settings in (nats, etcd):
+        with pytest.raises(ConfigError) as err:
+            settings.validate()
+        assert "s3cret" not in str(err.value) and "must start with" in str(err.value), str(err.value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from protocol import Removed, Stored, block_hashes
 from protocol.hashing import chain_salt
 from worker_shim import EngineRemoved, EngineStored, Normaliser
+from worker_shim.normaliser import DROPPED_FOR_S
 
 B = 4
 TOKENS = list(range(1, 13))
@@ -69,3 +70,21 @@ def test_an_adapter_loaded_again_from_a_dropped_path_gets_those_chains_back() ->
     assert n.apply([stored([1, 2, 3], TOKENS, salt="A")]) == [
         Stored(hashes=block_hashes(TOKENS, B, salt="A"), parent=None)
     ]
+
+
+def test_a_chain_still_growing_from_a_dropped_block_after_a_minute_is_taken_back() -> None:
+    """What the engine caches between the change and the shim's reading of it is dropped with the
+    old path's (the events cannot tell them apart). A chain that grows from it a minute on is the
+    new path's, live: it was dropped for as long as the engine kept that prefix."""
+    now = [0.0]
+    n = Normaliser(B, clock=lambda: now[0])
+    n.apply([stored([101, 102], TOKENS[:8], salt="A")])  # the new path's, cached before the shim saw the change
+    n.drop_adapter("A", "/a")
+    now[0] = DROPPED_FOR_S - 1
+    assert n.apply([stored([103], TOKENS[8:], parent=102, salt="A")]) == [] and not n.needs_rebuild
+    now[0] = DROPPED_FOR_S + 1
+    assert n.apply([stored([104], [13, 14, 15, 16], parent=103, salt="A")]) == []
+    assert n.needs_rebuild and n.stats.unknown_parent == 1, "the rebuild takes back what the engine holds"
+    n.reset(exact=True)
+    replayed = n.apply([stored([101, 102], TOKENS[:8], salt="A"), stored([103], TOKENS[8:], parent=102, salt="A")])
+    assert n.canonical_hashes() == set(block_hashes(TOKENS, B, salt="A")) and replayed
