@@ -187,7 +187,7 @@ async def test_pass_through_bodies_per_leg(engine: tuple[Engine, VllmAdapter]) -
     path, body = eng.bodies[-1]
     assert path == "/v1/chat/completions" and pre.transfer_params == {"remote_engine_id": "e1"}
     assert body["max_tokens"] == body["max_completion_tokens"] == 1 and body["n"] == 1 and body["stream"] is False
-    assert "min_tokens" not in body and "stream_options" not in body and "prompt" not in body
+    assert body["min_tokens"] == 1 and "stream_options" not in body and "prompt" not in body
     assert body["kv_transfer_params"] == PREFILL_TRANSFER_PARAMS and body["tools"] == chat["tools"]
     whole = await adapter.generate(leg(ENDPOINT_CHAT, chat, stream=False, transfer={"remote_engine_id": "e1"}), ignore)
     _, body = eng.bodies[-1]

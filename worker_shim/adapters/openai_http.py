@@ -5,7 +5,7 @@ Two kinds of leg:
 - pass-through (`leg.endpoint` set): the client's own request goes to the engine's
   `/v1/completions` or `/v1/chat/completions` with only what the shim must force (`model`, the
   routed token ids as a completions prompt, `stream`, the P/D fields; a prefill leg one token,
-  `n` 1, no `min_tokens` or `stream_options`). The engine's answer comes back byte for byte: each
+  `n` 1, a `min_tokens` clamped to 1, no `stream_options`). The engine's answer comes back byte for byte: each
   SSE payload, or the whole body. Nothing is added to count tokens (vLLM's `return_token_ids`
   would change what it answers: an echo of a token-id prompt comes back empty with it), so an
   event counts the token ids it carries, else one token per choice with output in it.
@@ -115,7 +115,10 @@ def pass_through_body(leg: LegRequest) -> dict[str, Any]:
         body.update(max_tokens=1, stream=False, n=1)
         if leg.endpoint == ENDPOINT_CHAT:
             body["max_completion_tokens"] = 1
-        body.pop("min_tokens", None)
+        if body.get("min_tokens"):
+            # SGLang's and TensorRT-LLM's prefill samples the client's first token: it must not
+            # be an EOS or stop either. One fits vLLM's min_tokens <= max_tokens.
+            body["min_tokens"] = 1
         body.pop("stream_options", None)
         return body
     body["stream"] = leg.stream

@@ -23,8 +23,9 @@
   triple at once; the decode leg sends it with its own request.
 - Requests: the client's own OpenAI request on SGLang's `/v1/completions` or
   `/v1/chat/completions` (openai_http.pass_through_body) with `rid` and the bootstrap triple; its
-  `cache_salt` goes along (SGLang's OpenAI protocol takes it). Token-id legs use the native
-  `/generate`, with the client's `cache_salt` when its body has one.
+  `cache_salt` goes along (SGLang's OpenAI protocol takes it). A text prompt (chat messages too)
+  with `truncate_prompt_tokens` is refused: SGLang has no such field and would serve it whole.
+  Token-id legs use the native `/generate`, with the client's `cache_salt` when its body has one.
 - Output of `/generate`: it streams `output_ids` with `meta_info.completion_tokens`; the new tokens are
   the last (completion_tokens - sent) ids, which holds whether the engine streams incrementally or
   cumulatively. Abort: closing the stream and `POST /abort_request {"rid"}`.
@@ -44,6 +45,7 @@ import aiohttp
 import msgspec
 
 from protocol import Usage
+from protocol.messages import ENDPOINT_CHAT
 from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
 from worker_shim.adapters.http_engine import PROBE_TIMEOUT
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
@@ -129,8 +131,23 @@ def generate_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str
     return body
 
 
+def _text_prompt(leg: LegRequest) -> bool:
+    """Whether SGLang tokenizes the leg's prompt itself: chat messages, or a completions prompt
+    of text (without `prompt` the routed ids go)."""
+    if leg.endpoint == ENDPOINT_CHAT:
+        return True
+    prompt = leg.params.get("prompt")
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+
+
 def openai_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, Any]:
-    """A pass-through leg's body: `rid` for abort, the bootstrap triple for P/D."""
+    """A pass-through leg's body: `rid` for abort, the bootstrap triple for P/D. EngineError (400)
+    for a text prompt with `truncate_prompt_tokens`: SGLang's OpenAI protocol has no such field and
+    ignores it, so it would serve the whole prompt where the router counted the truncated ids."""
+    if leg.params.get("truncate_prompt_tokens") is not None and _text_prompt(leg):
+        raise EngineError(
+            400, "bad_request", "truncate_prompt_tokens: SGLang cannot truncate a text prompt or chat messages"
+        )
     body = pass_through_body(leg)
     body["rid"] = leg.request_id
     if bootstrap:
@@ -277,7 +294,9 @@ class SglangAdapter(ZmqEventsAdapter):
                 "bootstrap_port": self._bootstrap_port,
                 "bootstrap_room": secrets.randbits(63),
             }
-            task = asyncio.create_task(self._prefill(leg, bootstrap))
+            # Built here, so that a refused body fails the leg rather than the background task.
+            body = openai_body(leg, bootstrap) if leg.endpoint else generate_body(leg, bootstrap)
+            task = asyncio.create_task(self._prefill(leg, body))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             return LegOutcome(
@@ -285,7 +304,7 @@ class SglangAdapter(ZmqEventsAdapter):
             )
         with self.watch_pull(leg, on_output) as output:
             if leg.endpoint:
-                return await self._openai(leg, leg.transfer, output)
+                return await self._openai(leg, openai_body(leg, leg.transfer), output)
 
             async def on_tokens(toks: list[int]) -> None:
                 await output(len(toks), [], toks)
@@ -293,10 +312,7 @@ class SglangAdapter(ZmqEventsAdapter):
             folder = await self._post(leg, generate_body(leg, leg.transfer), on_tokens)
         return LegOutcome(folder.finish_reason, folder.usage, None, folder.token_ids)
 
-    async def _openai(
-        self, leg: LegRequest, bootstrap: dict[str, Any] | None, on_output: OnOutput | None
-    ) -> LegOutcome:
-        body = openai_body(leg, bootstrap)
+    async def _openai(self, leg: LegRequest, body: dict[str, Any], on_output: OnOutput | None) -> LegOutcome:
         headers = {"Content-Type": "application/json", **leg.headers}
         try:
             result = await post_completion(
@@ -312,11 +328,11 @@ class SglangAdapter(ZmqEventsAdapter):
             raise
         return LegOutcome(result.finish_reason, result.usage, None, result.token_ids, result.body)
 
-    async def _prefill(self, leg: LegRequest, bootstrap: dict[str, Any]) -> None:
+    async def _prefill(self, leg: LegRequest, body: dict[str, Any]) -> None:
         try:
             if leg.endpoint:
-                await self._openai(leg, bootstrap, None)
+                await self._openai(leg, body, None)
             else:
-                await self._post(leg, generate_body(leg, bootstrap), None)
+                await self._post(leg, body, None)
         except EngineError as exc:
             log.warning("SGLang prefill leg %s failed: %s", leg.request_id, exc)

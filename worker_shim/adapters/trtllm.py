@@ -8,9 +8,11 @@
   tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains
   the engine's stats queue (an empty list means no iteration since the last read: the last load
   stands). Both endpoints drain what they return: the shim must be their only reader.
-- Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg.
+- Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg
+  (refused with a `cache_salt`: its CompletionRequest has none).
 - P/D via `disaggregated_params` (DisaggregatedParams in tensorrt_llm/serve/openai_protocol.py):
-  the prefill leg sends `request_type: context_only` with max_tokens 1, non-streaming, and returns
+  the prefill leg sends `request_type: context_only` with max_tokens 1 (a chat leg under the one
+  name of the two its client used: trtllm-serve refuses both together), non-streaming, and returns
   the choice's `disaggregated_params`; the decode leg sends them back with `request_type:
   generation_only`; the bypass and agg legs send `context_and_generation`.
 - Abort: closing the HTTP connection.
@@ -24,6 +26,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from protocol.messages import ENDPOINT_CHAT
 from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
@@ -66,10 +69,27 @@ def load_from_stats(stats: Any, previous: EngineLoad) -> EngineLoad:
     )
 
 
+_MAX_TOKENS = ("max_tokens", "max_completion_tokens")
+
+
 def disagg_body(leg: LegRequest) -> dict[str, Any]:
+    """The body for one leg; EngineError (400) for a token-id leg with a `cache_salt`, which
+    TensorRT-LLM's CompletionRequest has no field for: the request service counts the prompt as
+    salted, and the engine would cache it unsalted."""
     if leg.endpoint:
         body = pass_through_body(leg)
+        if leg.prefill_only and leg.endpoint == ENDPOINT_CHAT:
+            # trtllm-serve's chat request takes max_tokens as an alias of max_completion_tokens
+            # (extra="forbid"): both names in one body are refused. Keep the client's one.
+            kept = [k for k in _MAX_TOKENS if k in leg.params] or ["max_tokens"]
+            for name in _MAX_TOKENS:
+                if name not in kept:
+                    body.pop(name, None)
     else:
+        if isinstance(salt := leg.params.get("cache_salt"), str) and salt:
+            raise EngineError(
+                400, "bad_request", "cache_salt: TensorRT-LLM's /v1/completions takes no cache_salt on a token-id leg"
+            )
         body = completion_body(leg)
         body.pop("kv_transfer_params", None)
         body.pop("return_token_ids", None)
@@ -134,9 +154,10 @@ class TrtllmAdapter(HttpEngineAdapter):
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}
         path = ENDPOINT_PATHS[leg.endpoint] if leg.endpoint else "/v1/completions"
+        request = disagg_body(leg)
         with self.watch_pull(leg, on_output) as output:
             result = await post_completion(
-                self.session, self.base + path, disagg_body(leg), headers, output, pass_through=bool(leg.endpoint)
+                self.session, self.base + path, request, headers, output, pass_through=bool(leg.endpoint)
             )
         transfer = None
         if leg.prefill_only:

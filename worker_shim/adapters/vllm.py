@@ -13,7 +13,7 @@
   max_num_batched_tokens is not exported by vLLM: it comes from the flag only.
 - Requests: the client's own OpenAI request on `/v1/completions` or `/v1/chat/completions`
   (openai_http.pass_through_body), the engine's answer passed back as it is; token-id legs
-  (`leg.endpoint` "") as a token-id completion.
+  (`leg.endpoint` "") as a token-id completion, with the client's `cache_salt` when its body has one.
 - P/D as vLLM's NixlConnector expects from its proxy: the prefill leg sends `kv_transfer_params
   {do_remote_decode: true, do_remote_prefill: false, remote_*: null}`, `max_tokens 1`, non-streaming,
   and returns the response's `kv_transfer_params`; the decode leg sends those params back unchanged.
@@ -261,6 +261,9 @@ def completion_body(leg: LegRequest) -> dict[str, Any]:
         body["stop_token_ids"] = s.stop_token_ids
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
+    # The request service counts the prompt as salted by it: the engine must cache it so too.
+    if isinstance(salt := leg.params.get("cache_salt"), str):
+        body["cache_salt"] = salt
     if leg.prefill_only:
         body["kv_transfer_params"] = dict(PREFILL_TRANSFER_PARAMS)
     elif leg.transfer is not None:

@@ -1,0 +1,161 @@
+"""What each engine's leg bodies keep of the client's parameters: a prefill leg's min_tokens
+(clamped, since SGLang's and TensorRT-LLM's prefill samples the client's first token), a token-id
+leg's cache_salt (the request service salts its chain by it), SGLang refusing a truncation it
+cannot do, and TensorRT-LLM's chat prefill body as trtllm-serve validates it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocol import SamplingParams
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from worker_shim import ShimConfig
+from worker_shim.adapters.base import EngineError, LegRequest
+from worker_shim.adapters.sglang import SglangAdapter, openai_body
+from worker_shim.adapters.trtllm import disagg_body
+from worker_shim.adapters.vllm import completion_body, engine_body
+
+BOOT = {"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def leg(endpoint: str, params: dict[str, Any], **kw: Any) -> LegRequest:
+    return LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=64), endpoint=endpoint, params=params, **kw)
+
+
+BUILDERS = {
+    "vllm": lambda lg: engine_body(lg)[1],
+    "sglang": lambda lg: openai_body(lg, BOOT),
+    "trtllm": disagg_body,
+}
+
+
+@pytest.mark.parametrize("engine", sorted(BUILDERS))
+@pytest.mark.parametrize("endpoint", [ENDPOINT_COMPLETIONS, ENDPOINT_CHAT])
+def test_a_prefill_leg_keeps_min_tokens_clamped_to_its_one_token(engine: str, endpoint: str) -> None:
+    """SGLang's decode appends the prefill's first token, TensorRT-LLM's generation continues from
+    it: without min_tokens that token could be an EOS, ending the answer at one token."""
+    build = BUILDERS[engine]
+    params = {"model": "m", "max_tokens": 64, "min_tokens": 8}
+    if endpoint == ENDPOINT_CHAT:
+        params["messages"] = MESSAGES
+    pre = build(leg(endpoint, dict(params), prefill_only=True))
+    assert pre["min_tokens"] == 1 and pre["max_tokens"] == 1
+    assert build(leg(endpoint, dict(params), transfer={"ctx_request_id": 1}))["min_tokens"] == 8
+    assert "min_tokens" not in build(leg(endpoint, {"model": "m", "messages": MESSAGES}, prefill_only=True))
+
+
+def test_a_vllm_token_id_leg_carries_the_clients_cache_salt() -> None:
+    salted = LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=4), params={"cache_salt": "tenant-a"})
+    assert completion_body(salted)["cache_salt"] == "tenant-a"
+    assert engine_body(salted)[1]["cache_salt"] == "tenant-a"
+    assert "cache_salt" not in completion_body(LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=4)))
+
+
+def test_a_trtllm_token_id_leg_with_a_cache_salt_is_refused() -> None:
+    """TensorRT-LLM's CompletionRequest has no cache_salt: the engine would cache the prompt
+    unsalted while the shim counts it salted."""
+    for kw in ({}, {"prefill_only": True}, {"transfer": {"ctx_request_id": 1}}):
+        salted = LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=4), params={"cache_salt": "t"}, **kw)
+        with pytest.raises(EngineError) as caught:
+            disagg_body(salted)
+        err = caught.value
+        assert err.code == 400 and err.kind == "bad_request"
+        assert "cache_salt" in err.message and "TensorRT-LLM" in err.message
+    assert "cache_salt" not in disagg_body(LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=4)))
+
+
+TEXT_LEGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": (ENDPOINT_CHAT, {"messages": MESSAGES}),
+    "text": (ENDPOINT_COMPLETIONS, {"prompt": "a long text"}),
+    "texts": (ENDPOINT_COMPLETIONS, {"prompt": ["one", "two"]}),
+}
+ID_LEGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "routed ids": (ENDPOINT_COMPLETIONS, {}),
+    "ids": (ENDPOINT_COMPLETIONS, {"prompt": [5, 6, 7]}),
+    "batch of ids": (ENDPOINT_COMPLETIONS, {"prompt": [[5, 6], [7]]}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_LEGS))
+@pytest.mark.parametrize("prefill_only", [False, True])
+def test_sglang_refuses_to_truncate_a_text_prompt(name: str, prefill_only: bool) -> None:
+    """SGLang's OpenAI protocol has no truncate_prompt_tokens and ignores it: it would serve the
+    whole prompt where the router routed and booked the truncated ids."""
+    endpoint, params = TEXT_LEGS[name]
+    with pytest.raises(EngineError) as caught:
+        openai_body(
+            leg(endpoint, {"model": "m", "truncate_prompt_tokens": 4, **params}, prefill_only=prefill_only), BOOT
+        )
+    err = caught.value
+    assert err.code == 400 and err.kind == "bad_request"
+    assert "truncate_prompt_tokens" in err.message and "SGLang" in err.message
+    assert openai_body(leg(endpoint, {"model": "m", **params}), None)["model"] == "m"
+
+
+@pytest.mark.parametrize("name", sorted(ID_LEGS))
+def test_sglang_takes_truncate_prompt_tokens_on_a_leg_of_token_ids(name: str) -> None:
+    endpoint, params = ID_LEGS[name]
+    body = openai_body(
+        leg(endpoint, {"model": "m", "truncate_prompt_tokens": 2, "truncation_side": "left", **params}), None
+    )
+    assert body["truncate_prompt_tokens"] == 2
+
+
+async def test_an_sglang_prefill_leg_it_cannot_serve_fails_the_leg() -> None:
+    """The prefill leg runs in the background: a refusal there was only logged, so it must come
+    before, from generate itself."""
+    config = ShimConfig(
+        engine="sglang", model="m", engine_url="http://127.0.0.1:9", kv_events="tcp://127.0.0.1:9", role="prefill"
+    )
+    adapter = SglangAdapter(config.validate())
+
+    async def ignore(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+        return None
+
+    try:
+        with pytest.raises(EngineError) as caught:
+            await adapter.generate(
+                leg(
+                    ENDPOINT_CHAT, {"model": "m", "messages": MESSAGES, "truncate_prompt_tokens": 4}, prefill_only=True
+                ),
+                ignore,
+            )
+        assert caught.value.code == 400 and not adapter._background
+    finally:
+        await adapter.close()
+
+
+class TrtllmChat(BaseModel):
+    """What trtllm-serve's ChatCompletionRequest checks of these bodies (openai_protocol.py:
+    OpenAIBaseModel forbids extra fields and populates by name; max_completion_tokens is also read
+    as `max_tokens`, so a body with both names carries an extra field)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model: str
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(default=None, validation_alias="max_tokens")
+    min_tokens: int = 0
+    n: int = 1
+    stream: bool | None = False
+    disaggregated_params: dict[str, Any] | None = None
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [{"max_tokens": 64}, {"max_completion_tokens": 64}, {}],
+    ids=["max_tokens", "max_completion_tokens", "neither"],
+)
+def test_trtllm_takes_the_chat_prefill_body_under_the_clients_own_name(asked: dict[str, int]) -> None:
+    """Both names on the prefill leg failed every TensorRT-LLM chat request on the remote-prefill
+    path with trtllm-serve's 400 "Extra inputs are not permitted"."""
+    client = {"model": "m", "messages": MESSAGES, "min_tokens": 8, **asked}
+    TrtllmChat.model_validate(client)
+    pre = disagg_body(leg(ENDPOINT_CHAT, dict(client), prefill_only=True))
+    assert TrtllmChat.model_validate(pre).max_completion_tokens == 1
+    assert [k for k in ("max_tokens", "max_completion_tokens") if k in pre] == (list(asked) or ["max_tokens"])
+    decode = disagg_body(leg(ENDPOINT_CHAT, dict(client), transfer={"ctx_request_id": 1}))
+    assert TrtllmChat.model_validate(decode).max_completion_tokens == next(iter(asked.values()), None)
