@@ -6,9 +6,13 @@ Every candidate runs the trace on the virtual clock (bench.virtual: engine_sim's
 timing for the engines, the router's own planner), at the trace's arrival rate times `--rate`:
 each aggregated configuration (`kv`, `round_robin`) on N aggregated engines, each disaggregated
 one (`kv_disagg`, `slo_aware`, any conditional policy) on every split P prefill + (N - P) decode
-engines, P = 1 .. N - 1 (or `--splits`). Candidates are ranked by goodput (requests per second
-within both SLOs), then by TTFT p90; the winner's exact `kvswitch up` command, router flags and
-environment follow the table. The routers are given the SLOs the ranking uses.
+engines, P = 1 .. N - 1 (or `--splits`). The engines are the sims `kvswitch up` and
+docker-compose.yml start (max_model_len 32768: longer requests are errors, as they would be there).
+Every candidate replays the same requests, so they are ranked by how many finish within both SLOs,
+then by fewer errors, then by TTFT p90; the winner's exact `kvswitch up` command, router flags and
+docker-compose router command follow the table. The routers are given the SLOs the ranking uses.
+When no candidate serves a single request within the SLOs there is no winner: the table, a line
+saying so, and exit status 1.
 
 A full trace takes a minute or two of CPU per candidate; `--jobs` runs candidates side by side and
 `--start/--duration/--limit` narrow the trace.
@@ -17,6 +21,7 @@ A full trace takes a minute or two of CPU per candidate; `--jobs` runs candidate
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -36,6 +41,7 @@ from protocol.config import RouterSettings, flat_names
 __all__ = ["Candidate", "add_arguments", "run"]
 
 DEFAULT_POLICIES = "kv,kv_disagg,slo_aware"
+NO_WINNER = 1  # exit status when no candidate serves any request within the SLOs (2: bad arguments)
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -62,7 +68,6 @@ class _Job:
     rate: float
     slo: Slo
     seed: int
-    max_model_len: int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,24 +110,32 @@ def _measure(job: _Job) -> Result:
         decode=c.decode,
         agg=c.agg,
         settings=settings_from_args(_router_args(CONFIGURATIONS[c.configuration], job.slo)),
-        profile=job.profile,
-        max_model_len=job.max_model_len,
+        profile=job.profile,  # max_model_len: FleetSpec's default, the sims' own 32768
         seed=job.seed,
     )
     done = VirtualFleet(spec).run(job.items, TokenSynth(job.seed), rate=job.rate)
     return Result(c, summarize(done.results(), slo=job.slo, prefix=done.prefix, clock="virtual"))
 
 
+def in_slo(s: Summary) -> int:
+    """Requests within both SLOs: a count, so that equal candidates tie and the tie-breaks run."""
+    return round(s.goodput_fraction * s.requests)
+
+
 def rank(results: list[Result]) -> list[Result]:
-    def key(r: Result) -> tuple[float, float]:
+    """Most requests within the SLOs, then fewest errors, then lowest TTFT p90. Not goodput per
+    second: its denominator ends at each candidate's last finish, so fewer requests in SLO that end
+    sooner would outrank more."""
+
+    def key(r: Result) -> tuple[int, int, float]:
         p90 = r.summary.ttft_s.p90 if r.summary.ttft_s is not None else float("inf")
-        return (-r.summary.goodput_rps, p90)
+        return (-in_slo(r.summary), r.summary.errors, p90)
 
     return sorted(results, key=key)
 
 
 def format_ranking(results: list[Result]) -> str:
-    header = ["rank", "fleet", "policy", "goodput r/s", "in SLO", "TTFT p50 s", "TTFT p90 s", "TPOT p90 ms", "errors"]
+    header = ["rank", "fleet", "policy", "in SLO", "goodput r/s", "TTFT p50 s", "TTFT p90 s", "TPOT p90 ms", "errors"]
     rows = [header]
     for i, r in enumerate(results, 1):
         s = r.summary
@@ -131,8 +144,8 @@ def format_ranking(results: list[Result]) -> str:
                 str(i),
                 r.candidate.fleet,
                 r.candidate.configuration,
+                str(in_slo(s)),
                 f"{s.goodput_rps:.3g}",
-                f"{s.goodput_fraction:.3f}",
                 f"{s.ttft_s.p50:.3g}" if s.ttft_s else "-",
                 f"{s.ttft_s.p90:.3g}" if s.ttft_s else "-",
                 f"{s.tpot_s.p90 * 1e3:.3g}" if s.tpot_s else "-",
@@ -150,7 +163,8 @@ def format_ranking(results: list[Result]) -> str:
 
 
 def settings_text(winner: Candidate, profile: str, slo: Slo) -> str:
-    """The winner as commands: the local cluster, the routers' flags and environment, the engines."""
+    """The winner as commands: the local cluster, the routers' flags and environment, docker-compose.yml's
+    router command, the engines."""
     config = CONFIGURATIONS[winner.configuration]
     args = _router_args(config, slo)
     settings = settings_from_args(args)
@@ -173,10 +187,25 @@ def settings_text(winner: Candidate, profile: str, slo: Slo) -> str:
             f"winner: {winner.configuration} on {winner.fleet}",
             f"  local cluster:  kvswitch up {fleet} --profile {profile} {' '.join(args)}",
             f"  router flags:   kvswitch router ... {' '.join(args)}",
-            f"  router env:     {' '.join(env) if env else '(the defaults)'}",
+            f"  router env:     {' '.join(env) if env else '(the defaults)'} (routers started without policy flags)",
+            "  compose:        router-1's and router-2's `command:` (its flags override any environment):",
+            f"                  command: {_compose_router_command(args)}",
             f"  engines:        {engines}",
         ]
     )
+
+
+def _compose_router_command(args: list[str]) -> str:
+    """docker-compose.yml's router command with the winner's flags in place of its --conditional-disagg;
+    JSON strings, so YAML reads every item as a string."""
+    command = ["router", "--http-host", "0.0.0.0", "--http-port", "8080", "--model", "sim-llama", *args]
+    command += [
+        "--nats-nkey-file",
+        "/var/lib/kvswitch/router-router.nk",
+        "--api-keys-file",
+        "/var/lib/kvswitch/api-keys",
+    ]
+    return json.dumps(command)
 
 
 def _flat(settings: RouterSettings, name: str) -> object:
@@ -194,26 +223,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    # Checked here, so that the messages name plan's flags rather than the router's or the fleet's.
     if args.gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    for flag, value in (("--rate", args.rate), ("--slo-ttft", args.slo_ttft), ("--slo-itl", args.slo_itl)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value:g}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    names = list(dict.fromkeys(n.strip() for n in args.policies.split(",") if n.strip()))
+    if not names:
+        raise ValueError(f"--policies: none given; allowed: {', '.join(CONFIGURATIONS)}")
     unknown = [n for n in names if n not in CONFIGURATIONS]
     if unknown:
         raise ValueError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(CONFIGURATIONS)}")
-    splits = [int(p) for p in args.splits.split(",")] if args.splits else list(range(1, args.gpus))
-    bad = [p for p in splits if not 1 <= p < args.gpus]
-    if bad:
-        raise ValueError(f"--splits: prefill counts must be in 1..{args.gpus - 1}, got {', '.join(map(str, bad))}")
-    records = load_trace(args.trace or shipped_trace(), limit=args.limit, duration_s=args.duration, start_s=args.start)
+    splits = _splits(args.splits, args.gpus) if args.splits else list(range(1, args.gpus))
+    trace = args.trace or shipped_trace()
+    records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start)
     if not records:
+        if not load_trace(trace, limit=1):
+            raise ValueError(f"no records in the trace file {trace}")
         raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
     items = from_trace(records, scale_tokens=args.scale_tokens)
     slo = Slo(args.slo_ttft, args.slo_itl)
     todo = candidates(args.gpus, [CONFIGURATIONS[n] for n in names], splits)
     if not todo:
         raise ValueError(f"nothing to try: with {args.gpus} GPU(s) only aggregated configurations fit")
-    longest = max(i.input_len + i.output_len for i in items)
-    jobs = [_Job(c, items, args.profile, args.rate, slo, args.seed, max(32768, longest)) for c in todo]
+    jobs = [_Job(c, items, args.profile, args.rate, slo, args.seed) for c in todo]
     started = time.monotonic()
     if args.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
@@ -228,10 +264,27 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print(format_ranking(ranked))
     print()
-    print(settings_text(ranked[0].candidate, args.profile, slo))
+    best = ranked[0]
+    if in_slo(best.summary) == 0:
+        print(f"no candidate meets the SLO (TTFT {slo.ttft_s:g} s, TPOT {slo.itl_s * 1e3:g} ms) for any request")
+    else:
+        print(settings_text(best.candidate, args.profile, slo))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(msgspec.json.encode(ranked))
         print(f"results: {args.out}")
     print(f"{len(jobs)} candidates in {time.monotonic() - started:.0f} s wall")
-    return 0
+    return 0 if in_slo(best.summary) else NO_WINNER
+
+
+def _splits(text: str, gpus: int) -> list[int]:
+    if gpus < 2:
+        raise ValueError(f"--splits: a split needs >= 2 GPUs, got --gpus {gpus}")
+    try:
+        splits = list(dict.fromkeys(int(p) for p in text.split(",") if p.strip()))
+    except ValueError:
+        raise ValueError(f"--splits: comma-separated prefill counts, got {text!r}") from None
+    bad = [p for p in splits if not 1 <= p < gpus]
+    if bad:
+        raise ValueError(f"--splits: prefill counts must be in 1..{gpus - 1}, got {', '.join(map(str, bad))}")
+    return splits

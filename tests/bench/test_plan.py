@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 
 from bench.compare import CONFIGURATIONS
 from bench.plan import Candidate, Result, candidates, rank, settings_text
 from bench.summary import Percentiles, Slo, Summary
 from bench.virtual.fleet import settings_from_args
-from kvswitch.cli import main
+from kvswitch.cli import main, subcommand_parser
 
 
 def test_agg_configurations_run_once_and_disaggregated_ones_on_every_split() -> None:
@@ -22,18 +26,52 @@ def test_agg_configurations_run_once_and_disaggregated_ones_on_every_split() -> 
     assert [c.fleet for c in got] == ["4 agg", "1P+3D", "2P+2D", "3P+1D"]
 
 
-def _summary(goodput: float, p90: float) -> Summary:
+def _summary(good: int, p90: float, *, goodput: float = 1.0, errors: int = 0, requests: int = 1233) -> Summary:
     return Summary(
-        requests=1, ok=1, errors=0, duration_s=1.0, ttft_s=Percentiles(p90 / 2, p90, p90), itl_s=None, tpot_s=None,
-        e2e_s=None, output_tokens_per_s=1.0, requests_per_s=1.0, goodput_rps=goodput, goodput_fraction=1.0,
-        send_lag_p99_s=None, prefill_mix={}, prefix_hit_rate=None, latency_scale=1.0, slo=Slo(),
+        requests=requests, ok=requests - errors, errors=errors, duration_s=1.0, ttft_s=Percentiles(p90 / 2, p90, p90),
+        itl_s=None, tpot_s=None, e2e_s=None, output_tokens_per_s=1.0, requests_per_s=1.0, goodput_rps=goodput,
+        goodput_fraction=good / requests, send_lag_p99_s=None, prefill_mix={}, prefix_hit_rate=None,
+        latency_scale=1.0, slo=Slo(),
     )  # fmt: skip
 
 
-def test_rank_by_goodput_then_ttft_p90() -> None:
+def test_rank_by_requests_in_slo_then_ttft_p90() -> None:
     a, b, c = Candidate("kv", 0, 0, 2), Candidate("kv_disagg", 1, 1, 0), Candidate("slo_aware", 1, 1, 0)
-    ranked = rank([Result(a, _summary(3.0, 1.0)), Result(b, _summary(4.0, 2.0)), Result(c, _summary(4.0, 1.5))])
+    ranked = rank([Result(a, _summary(3, 1.0)), Result(b, _summary(4, 2.0)), Result(c, _summary(4, 1.5))])
     assert [r.candidate for r in ranked] == [c, b, a]
+
+
+def test_more_requests_in_slo_beat_a_higher_goodput_per_second() -> None:
+    # 18 of 20 whose last request finished sooner has the higher goodput per second; 19 of 20 still wins
+    few, more = Candidate("kv", 0, 0, 2), Candidate("slo_aware", 1, 1, 0)
+    ranked = rank(
+        [
+            Result(few, _summary(18, 0.4, goodput=3.16, requests=20)),
+            Result(more, _summary(19, 0.4, goodput=3.1, requests=20)),
+        ]
+    )
+    assert [r.candidate for r in ranked] == [more, few]
+
+
+def test_one_request_apart_in_goodput_per_second_still_ties_and_ttft_p90_decides() -> None:
+    # the docs' example: 3.8395 and 3.8361 r/s are the same number of requests in SLO
+    kv, slo_aware = Candidate("kv", 0, 0, 8), Candidate("slo_aware", 1, 7, 0)
+    ranked = rank(
+        [Result(kv, _summary(1151, 1.28, goodput=3.8395)), Result(slo_aware, _summary(1151, 1.24, goodput=3.8361))]
+    )
+    assert [r.candidate for r in ranked] == [slo_aware, kv]
+
+
+def test_among_equals_fewer_errors_rank_before_a_lower_ttft() -> None:
+    # shedding load as errors lowers TTFT p90 of the rest; it must not win a tie
+    shed, kept = Candidate("slo_aware", 2, 1, 0), Candidate("kv", 0, 0, 3)
+    ranked = rank(
+        [
+            Result(shed, _summary(0, 0.29, errors=10, requests=30)),
+            Result(kept, _summary(0, 0.32, errors=2, requests=30)),
+        ]
+    )
+    assert [r.candidate for r in ranked] == [kept, shed]
 
 
 def test_the_winners_settings_are_the_routers_own_flags() -> None:
@@ -49,6 +87,21 @@ def test_the_winners_settings_are_the_routers_own_flags() -> None:
     assert settings.conditional.conditional_disagg_policy == "slo_aware" and settings.slo_ttft_s == 3.0
 
 
+@pytest.mark.parametrize("configuration", ["kv", "kv_disagg", "slo_aware"])
+def test_the_compose_router_command_is_docker_composes_with_the_winners_flags(configuration: str) -> None:
+    # an environment variable cannot override docker-compose.yml's --conditional-disagg (the router
+    # refuses the conflict), so plan prints the routers' whole command with its flags in that place
+    text = settings_text(Candidate(configuration, 1, 1, 0), "h200:llama-3.1-8b", Slo(2.0, 0.025))
+    printed = json.loads(next(ln for ln in text.splitlines() if "command: [" in ln).split("command: ", 1)[1])
+    compose = yaml.safe_load((Path(__file__).parents[2] / "docker-compose.yml").read_text())["services"]
+    flags = text.split("router flags:   kvswitch router ... ", 1)[1].splitlines()[0].split()
+    for router in ("router-1", "router-2"):
+        command = compose[router]["command"]
+        at = command.index("--conditional-disagg")
+        assert printed == [*command[:at], *flags, *command[at + 1 :]]
+    subcommand_parser("router").parse_args(printed[1:])  # `kvswitch router` takes these flags
+
+
 def test_a_small_plan_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--gpus", "2", "--start", "980", "--limit", "20", "--scale-tokens", "0.125", "--jobs", "1"]
     assert main(argv) == 0
@@ -57,14 +110,53 @@ def test_a_small_plan_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> Non
     assert out.count("slo_aware") >= 1 and out.count("kv_disagg") >= 1
 
 
+def test_with_no_request_in_slo_there_is_no_winner(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--gpus", "2", "--start", "980", "--limit", "20", "--scale-tokens", "0.125", "--jobs", "1"]
+    assert main([*argv, "--slo-ttft", "0.001"]) == 1
+    out = capsys.readouterr().out
+    assert "no candidate meets the SLO" in out and "winner:" not in out and "kvswitch up" not in out
+
+
+def test_requests_over_the_sims_max_model_len_are_errors_as_on_the_printed_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the shipped trace's first requests are 40,160, 36,640 and 23,769 prompt tokens: the first two are
+    # over the sims' default max_model_len (32768), which `kvswitch up` and docker-compose.yml run
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--gpus", "2", "--policies", "kv", "--limit", "3", "--jobs", "1", "--out", str(out)]) == 0
+    [result] = json.loads(out.read_bytes())
+    assert (result["summary"]["requests"], result["summary"]["errors"]) == (3, 2)
+
+
+def test_repeated_policies_and_splits_run_once(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--gpus", "3", "--start", "980", "--limit", "10", "--scale-tokens", "0.125", "--jobs", "1"]
+    assert main([*argv, "--policies", "kv,kv_disagg,kv", "--splits", "1,1,2"]) == 0
+    table = capsys.readouterr().out.split("winner:")[0]
+    assert table.count(" kv_disagg ") == 2 and table.count(" kv ") == 1
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--gpus", "0"], "--gpus must be >= 1"),
         (["--gpus", "4", "--policies", "kv,nope"], "unknown nope"),
+        (["--gpus", "4", "--policies", ","], "--policies: none given"),
         (["--gpus", "4", "--splits", "0,4"], "prefill counts must be in 1..3"),
+        (["--gpus", "3", "--splits", "1,x"], "--splits: comma-separated prefill counts, got '1,x'"),
+        (["--gpus", "1", "--splits", "1"], "--splits: a split needs >= 2 GPUs"),
+        (["--gpus", "2", "--rate", "0"], "--rate must be > 0"),
+        (["--gpus", "2", "--seed", "-1"], "--seed must be >= 0"),
+        (["--gpus", "2", "--slo-ttft", "0"], "--slo-ttft must be > 0"),
+        (["--gpus", "2", "--slo-itl", "-1"], "--slo-itl must be > 0"),
     ],
 )
 def test_bad_arguments_are_named(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_empty_trace_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["plan", "--gpus", "2", "--trace", str(empty), "--limit", "20"]) == 2
+    assert f"no records in the trace file {empty}" in capsys.readouterr().err
