@@ -148,7 +148,7 @@ class Lease:
         if failure is not None and rejects_token(failure) and renew is not None and await renew():
             failure = await self._revoke(timeout)
         if failure is not None:
-            log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, _said(failure), self.ttl)
+            log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, said(failure), self.ttl)
 
     async def _revoke(self, timeout: float) -> BaseException | None:
         """None when etcd revoked it, or it had already expired; else what failed."""
@@ -170,7 +170,7 @@ class Lease:
                 await task
 
 
-def _said(exc: BaseException) -> str:
+def said(exc: BaseException) -> str:
     """What failed, in one line: a timeout's str() is empty, an AioRpcError's a multi-line repr."""
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"

@@ -13,7 +13,7 @@ import msgspec
 from etcd3aio import Etcd3Client, EtcdError, EtcdPermissionDeniedError
 
 from discovery.auth_token import TokenKeeper
-from discovery.lease import Lease
+from discovery.lease import Lease, said
 from discovery.watch import WatchEvent, watch_prefix
 from protocol import ConfigError, ProtocolError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
 from protocol.config import EtcdSettings
@@ -59,31 +59,25 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
-def _said(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):  # its str() is a multi-line repr
-        return f"{exc.code().name}: {exc.details()}"
-    return str(exc)
-
-
 def _credentials_error(s: EtcdSettings, exc: BaseException) -> ConfigError | None:
     """The setting to fix when etcd refused the credentials given (or their absence) at connect:
     a wrong configuration, which retrying or blaming the endpoints would not fix."""
-    said = _said(exc)
+    why = said(exc)
     where = f"etcd at {', '.join(s.endpoints)}"
     flags = "--etcd-user and --etcd-password (or their KVSWITCH_ETCD_* variables)"
-    if _AUTH_FAILED in said:
-        return ConfigError("etcd_user", s.user, f"{where} refused the user or its password ({said}): check {flags}")
-    if _NO_USER in said:
-        return ConfigError("etcd_user", s.user, f"{where} has authentication on ({said}): give {flags}")
-    if _AUTH_OFF in said:
+    if _AUTH_FAILED in why:
+        return ConfigError("etcd_user", s.user, f"{where} refused the user or its password ({why}): check {flags}")
+    if _NO_USER in why:
+        return ConfigError("etcd_user", s.user, f"{where} has authentication on ({why}): give {flags}")
+    if _AUTH_OFF in why:
         return ConfigError(
-            "etcd_user", s.user, f"{where} has authentication off ({said}): drop {flags}, or turn it on in etcd"
+            "etcd_user", s.user, f"{where} has authentication off ({why}): drop {flags}, or turn it on in etcd"
         )
     if isinstance(exc, EtcdPermissionDeniedError):
         return ConfigError(
             "etcd_user",
             s.user,
-            f"{where} does not let this user read {_PING_KEY!r}, which every client reads on connect ({said}): "
+            f"{where} does not let this user read {_PING_KEY!r}, which every client reads on connect ({why}): "
             "grant its role read on that key (as kvswitch secrets --etcd-endpoint does), or check --etcd-user",
         )
     return None
@@ -134,7 +128,7 @@ class Discovery:
             await client.close()
             if (wrong := _credentials_error(s, exc)) is not None:
                 raise wrong from exc
-            raise DiscoveryError(f"etcd at {', '.join(s.endpoints)} is not reachable: {_said(exc)}") from exc
+            raise DiscoveryError(f"etcd at {', '.join(s.endpoints)} is not reachable: {said(exc)}") from exc
         self._client, self.token = client, token
         return self
 

@@ -334,4 +334,5 @@ async def _vllm_headers(request: web.Request, response: web.StreamResponse) -> N
     --enable-request-id-headers X-Request-Id, the request's own or a fresh uuid4 hex."""
     response.headers.setdefault("Vary", "Origin")
     if request.app[SERVER_KEY].config.enable_request_id_headers:
-        response.headers["X-Request-Id"] = request.headers.get("X-Request-Id", uuid.uuid4().hex)
+        rid = request.headers.get("X-Request-Id")
+        response.headers["X-Request-Id"] = rid if rid is not None else uuid.uuid4().hex

@@ -378,8 +378,7 @@ class LocalCluster:
         self.router_urls = []
 
     def healthy(self) -> bool:
-        servers_ok = all(s is not None and s.healthy() for s in (self.nats, self.etcd))
-        return servers_ok and all(c.proc.poll() is None for c in self.children)
+        return self.health()[1]
 
     def describe(self) -> str:
         lines = ["kvswitch local cluster:"]
@@ -397,6 +396,10 @@ class LocalCluster:
         return "\n".join(lines)
 
     def health_line(self) -> str:
+        return self.health()[0]
+
+    def health(self) -> tuple[str, bool]:
+        """One probe of every server and child: the health line, and whether all are up."""
         nats = [n.healthy() for n in self.nats.nodes] if self.nats is not None else [False]
         etcd = [m.healthy() for m in self.etcd.members] if self.etcd is not None else [False]
         parts = [f"nats={_members_state(nats)}", f"etcd={_members_state(etcd)}"]
@@ -404,7 +407,7 @@ class LocalCluster:
         parts.append(f"children={len(self.children) - len(dead)}/{len(self.children)} up")
         if dead:
             parts.append("dead=" + ",".join(dead))
-        return "health: " + " ".join(parts)
+        return "health: " + " ".join(parts), all(nats) and all(etcd) and not dead
 
 
 def _members_state(up: list[bool]) -> str:

@@ -137,7 +137,7 @@ class _HealthLog:
             if child.name not in self._dead and child.proc.poll() is not None:
                 self._dead.add(child.name)
                 log.error("child exited: %s", child.died())
-        line, healthy, now = self.cluster.health_line(), self.cluster.healthy(), self._clock()
+        (line, healthy), now = self.cluster.health(), self._clock()
         if line != self._line:
             if healthy:
                 log.info("healthy again: %s", line)

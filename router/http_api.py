@@ -632,7 +632,9 @@ class _Handlers:
             raise ApiError(exc.code, str(exc), "model") from exc
 
     async def _tokens(self, parsed: ParsedRequest, model: str) -> tuple[list[int], list[list[int]]]:
-        return await prompt_ids(self.tokenization, parsed, self.path.max_model_len(model))
+        # The model's context is looked up (a pass over its workers) only for a truncation to it.
+        limit = self.path.max_model_len(model) if parsed.truncate_to_context is not None else None
+        return await prompt_ids(self.tokenization, parsed, limit)
 
     def _leg(self, parsed: ParsedRequest, ids: _Ids, model: str, routed: list[int], prompts: list[list[int]],
              headers: Mapping[str, str]) -> GenerateRequest:  # fmt: skip

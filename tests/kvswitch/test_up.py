@@ -334,8 +334,7 @@ def test_a_child_that_dies_is_said_once_with_its_status_and_last_words(
             health.check()
             said += [f"{now}: {r.getMessage()}" for r in caplog.records]
             caplog.clear()
-        monkeypatch.setattr(cluster, "healthy", lambda: True)
-        monkeypatch.setattr(cluster, "health_line", lambda: "health: nats=ok etcd=ok children=1/1 up")
+        monkeypatch.setattr(cluster, "health", lambda: ("health: nats=ok etcd=ok children=1/1 up", True))
         health.check()
         said += [r.getMessage() for r in caplog.records]
     line = "health: nats=DOWN etcd=DOWN children=0/1 up dead=shim-agg-1"
