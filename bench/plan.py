@@ -7,7 +7,8 @@ timing for the engines, the router's own planner), at the trace's arrival rate t
 each aggregated configuration (`kv`, `round_robin`) on N aggregated engines, each disaggregated
 one (`kv_disagg`, `slo_aware`, any conditional policy) on every split P prefill + (N - P) decode
 engines, P = 1 .. N - 1 (or `--splits`). The engines are the sims `kvswitch up` and
-docker-compose.yml start (max_model_len 32768: longer requests are errors, as they would be there).
+docker-compose.yml start, at their max_model_len (`--max-model-len`, 32768 as theirs by default):
+longer requests are errors, as they would be there.
 Every candidate replays the same requests, so they are ranked by how many finish within both SLOs,
 then by fewer errors, then by TTFT p90; the winner's exact `kvswitch up` command, router flags and
 docker-compose router command follow the table. The routers are given the SLOs the ranking uses.
@@ -35,12 +36,15 @@ from bench.summary import Slo, Summary, summarize
 from bench.trace import TokenSynth, TraceError, load_trace, shipped_trace
 from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
 from bench.workloads import WorkItem, from_trace
+from engine_sim import SimConfig
 from protocol import ConfigError
 from protocol.config import RouterSettings, flat_names
+from protocol.timing import profile_names
 
 __all__ = ["Candidate", "add_arguments", "run"]
 
 DEFAULT_POLICIES = "kv,kv_disagg,slo_aware"
+DEFAULT_MAX_MODEL_LEN = SimConfig().max_model_len  # the sims' and so `kvswitch up`'s
 NO_WINNER = 1  # exit status when no candidate serves any request within the SLOs (2: bad arguments)
 
 
@@ -68,12 +72,20 @@ class _Job:
     rate: float
     slo: Slo
     seed: int
+    max_model_len: int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL trace (default: the shipped one)")
     parser.add_argument("--gpus", type=int, required=True, help="engines (GPUs) to split")
     parser.add_argument("--profile", default="h200:llama-3.1-8b", help="the engines' timing profile")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        metavar="TOKENS",
+        help="the engines' max_model_len: longer requests are errors (default: the sims' 32768)",
+    )
     parser.add_argument("--rate", type=float, default=1.0, help="times the trace's arrival rate")
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated `bench compare` configurations")
     parser.add_argument("--splits", default=None, help="comma-separated prefill counts to try (default 1 .. N-1)")
@@ -110,7 +122,8 @@ def _measure(job: _Job) -> Result:
         decode=c.decode,
         agg=c.agg,
         settings=settings_from_args(_router_args(CONFIGURATIONS[c.configuration], job.slo)),
-        profile=job.profile,  # max_model_len: FleetSpec's default, the sims' own 32768
+        profile=job.profile,
+        max_model_len=job.max_model_len,
         seed=job.seed,
     )
     done = VirtualFleet(spec).run(job.items, TokenSynth(job.seed), rate=job.rate)
@@ -162,7 +175,7 @@ def format_ranking(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def settings_text(winner: Candidate, profile: str, slo: Slo) -> str:
+def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> str:
     """The winner as commands: the local cluster, the routers' flags and environment, docker-compose.yml's
     router command, the engines."""
     config = CONFIGURATIONS[winner.configuration]
@@ -175,6 +188,7 @@ def settings_text(winner: Candidate, profile: str, slo: Slo) -> str:
         if value != _flat(defaults, name):
             env.append(f"KVSWITCH_{name.upper()}={str(value).lower() if isinstance(value, bool) else value}")
     fleet = f"--agg {winner.agg}" if winner.agg else f"--prefill {winner.prefill} --decode {winner.decode}"
+    engine_len = "" if max_model_len == DEFAULT_MAX_MODEL_LEN else f" --max-model-len {max_model_len}"
     engines = (
         f"{winner.agg} engines in the agg role (`--role agg`), each with its shim"
         if winner.agg
@@ -185,12 +199,12 @@ def settings_text(winner: Candidate, profile: str, slo: Slo) -> str:
     return "\n".join(
         [
             f"winner: {winner.configuration} on {winner.fleet}",
-            f"  local cluster:  kvswitch up {fleet} --profile {profile} {' '.join(args)}",
+            f"  local cluster:  kvswitch up {fleet} --profile {profile}{engine_len} {' '.join(args)}",
             f"  router flags:   kvswitch router ... {' '.join(args)}",
             f"  router env:     {' '.join(env) if env else '(the defaults)'} (routers started without policy flags)",
             "  compose:        router-1's and router-2's `command:` (its flags override any environment):",
             f"                  command: {_compose_router_command(args)}",
-            f"  engines:        {engines}",
+            f"  engines:        {engines}" + (f", each with `{engine_len.strip()}`" if engine_len else ""),
         ]
     )
 
@@ -231,6 +245,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be > 0, got {value:g}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    _check_max_model_len(args.max_model_len, args.profile)
     names = list(dict.fromkeys(n.strip() for n in args.policies.split(",") if n.strip()))
     if not names:
         raise ValueError(f"--policies: none given; allowed: {', '.join(CONFIGURATIONS)}")
@@ -249,7 +264,7 @@ def _plan(args: argparse.Namespace) -> int:
     todo = candidates(args.gpus, [CONFIGURATIONS[n] for n in names], splits)
     if not todo:
         raise ValueError(f"nothing to try: with {args.gpus} GPU(s) only aggregated configurations fit")
-    jobs = [_Job(c, items, args.profile, args.rate, slo, args.seed) for c in todo]
+    jobs = [_Job(c, items, args.profile, args.rate, slo, args.seed, args.max_model_len) for c in todo]
     started = time.monotonic()
     if args.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
@@ -268,13 +283,26 @@ def _plan(args: argparse.Namespace) -> int:
     if in_slo(best.summary) == 0:
         print(f"no candidate meets the SLO (TTFT {slo.ttft_s:g} s, TPOT {slo.itl_s * 1e3:g} ms) for any request")
     else:
-        print(settings_text(best.candidate, args.profile, slo))
+        print(settings_text(best.candidate, args.profile, slo, args.max_model_len))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(msgspec.json.encode(ranked))
         print(f"results: {args.out}")
     print(f"{len(jobs)} candidates in {time.monotonic() - started:.0f} s wall")
     return 0 if in_slo(best.summary) else NO_WINNER
+
+
+def _check_max_model_len(tokens: int, profile: str) -> None:
+    """As `kvswitch up` checks it: a positive length whose request one engine's KV cache holds."""
+    if tokens < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {tokens}")
+    if profile not in profile_names():
+        raise ValueError(f"--profile: unknown {profile}; allowed: {', '.join(profile_names())}")
+    most = SimConfig(profile=profile).resolved_num_gpu_blocks * FleetSpec.block_size
+    if tokens > most:
+        raise ValueError(
+            f"--max-model-len {tokens} does not fit one engine's KV cache for --profile {profile}: at most {most}"
+        )
 
 
 def _splits(text: str, gpus: int) -> list[int]:

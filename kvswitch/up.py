@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", type=float, default=1.0, help="simulated engines run this many times faster")
     parser.add_argument("--model", default="sim-llama", help="served model name")
     parser.add_argument("--profile", default="h200:llama-3.1-8b", choices=profile_names(), help="engine timing profile")
+    parser.add_argument("--max-model-len", type=int, default=32768, metavar="TOKENS",
+                        help="the simulated engines' max_model_len, as vLLM's flag: a longer request is refused "
+                             "with 400 (default 32768)")  # fmt: skip
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters every simulated engine serves, as vLLM's flag takes them; requests "
                              "may name them as their model")  # fmt: skip
@@ -78,7 +81,7 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     for name in ("nats_nodes", "etcd_members"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    sim_args = _lora_args(args.lora_modules, args.model)
+    sim_args = [*_max_model_len_args(args), *_lora_args(args.lora_modules, args.model)]
     extra: list[str] = list(getattr(args, "extra", []))
     if extra:
         _check_router_args(extra)
@@ -90,6 +93,29 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         log_dir=Path(args.log_dir) if args.log_dir else None,
         nats_nodes=args.nats_nodes, etcd_members=args.etcd_members, etcd_auth=args.secure, nats_auth=args.secure,
     )  # fmt: skip
+
+
+def _max_model_len_args(args: argparse.Namespace) -> list[str]:
+    """The sims' --max-model-len, checked now by the sim's own rules (vLLM's: the KV cache holds one
+    request that long), so a bad value is refused before anything starts."""
+    from engine_sim import SimConfig, SimConfigError
+
+    config = SimConfig(model=args.model, profile=args.profile, max_model_len=args.max_model_len,
+                       block_size=ClusterSpec.block_size)  # fmt: skip
+    try:
+        config.validate()
+    except SimConfigError as exc:
+        raise SystemExit(f"kvswitch up: {exc}") from None
+    try:
+        config.check_kv_fits_max_model_len()
+    except SimConfigError:
+        most = config.resolved_num_gpu_blocks * config.block_size
+        raise SystemExit(
+            f"kvswitch up: --max-model-len {args.max_model_len} does not fit one simulated engine's KV cache "
+            f"({config.resolved_num_gpu_blocks} blocks of {config.block_size} tokens for --profile {args.profile}): "
+            f"at most {most}"
+        ) from None
+    return ["--max-model-len", str(args.max_model_len)]
 
 
 def _lora_args(modules: list[str], model: str) -> list[str]:

@@ -128,6 +128,21 @@ def test_requests_over_the_sims_max_model_len_are_errors_as_on_the_printed_clust
     assert (result["summary"]["requests"], result["summary"]["errors"]) == (3, 2)
 
 
+def test_the_engines_max_model_len_is_plans_flag_and_in_the_winners_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # at 65536 the two requests over the default 32768 are served (spread out, so none waits for room),
+    # and the printed cluster runs them so
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--gpus", "2", "--policies", "kv", "--limit", "3", "--jobs", "1", "--out", str(out)]
+    assert main([*argv, "--rate", "0.001", "--max-model-len", "65536"]) == 0
+    [result] = json.loads(out.read_bytes())
+    assert (result["summary"]["requests"], result["summary"]["errors"]) == (3, 0)
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "local cluster:" in ln)
+    up = subcommand_parser("up").parse_known_args(line.split("kvswitch up ", 1)[1].split())[0]
+    assert (up.agg, up.max_model_len) == (2, 65536)
+
+
 def test_repeated_policies_and_splits_run_once(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--gpus", "3", "--start", "980", "--limit", "10", "--scale-tokens", "0.125", "--jobs", "1"]
     assert main([*argv, "--policies", "kv,kv_disagg,kv", "--splits", "1,1,2"]) == 0
@@ -148,6 +163,9 @@ def test_repeated_policies_and_splits_run_once(capsys: pytest.CaptureFixture[str
         (["--gpus", "2", "--seed", "-1"], "--seed must be >= 0"),
         (["--gpus", "2", "--slo-ttft", "0"], "--slo-ttft must be > 0"),
         (["--gpus", "2", "--slo-itl", "-1"], "--slo-itl must be > 0"),
+        (["--gpus", "2", "--max-model-len", "0"], "--max-model-len must be >= 1"),
+        (["--gpus", "2", "--max-model-len", "1000000"], "--max-model-len 1000000 does not fit one engine's KV cache"),
+        (["--gpus", "2", "--profile", "nope"], "--profile: unknown nope; allowed: h200:llama-3.1-8b"),
     ],
 )
 def test_bad_arguments_are_named(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

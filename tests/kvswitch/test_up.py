@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvswitch", "up", "--prefill", "1", "--decode", "2", "--routers", "2",
          "--speedup", "20", "--http-port", str(http), "--lora-modules", "sql=/adapters/sql",
-         "--conditional-disagg", "--eff-isl-threshold", "512"],
+         "--max-model-len", "4096", "--conditional-disagg", "--eff-isl-threshold", "512"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -142,6 +143,14 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
                 reply = json.loads(r.read())
                 assert reply["usage"]["completion_tokens"] == 3 and reply["model"] == model
                 assert r.headers["x-kvswitch-prefill"] in ("bypass", "remote")
+        # the engines run at --max-model-len: a prompt of that many tokens leaves none to generate
+        body = json.dumps({"model": "sim-llama", "prompt": [300] * 4096, "max_tokens": 3}).encode()
+        req = urllib.request.Request(
+            routers[0] + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 400 and "4096" in json.loads(refused.value.read())["error"]["message"]
         everything = _descendants(proc.pid)
         assert len(everything) >= 9  # nats, etcd, 2 sim fleets, 3 shims, 2 routers
         proc.send_signal(signal.SIGTERM)
@@ -167,6 +176,11 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
         (["--agg", "1", "--nats-port", "-1"], "kvswitch up: --nats-port must be in 0..65535"),
         (["--agg", "1", "--etcd-port", "70000"], "kvswitch up: --etcd-port must be in 0..65535"),
         (["--agg", "1", "--speedup", "inf"], "kvswitch up: --speedup must be a finite number > 0"),
+        (
+            ["--agg", "1", "--max-model-len", "0"],
+            "kvswitch up: invalid --max-model-len = 0: must be a positive integer",
+        ),
+        (["--agg", "1", "--max-model-len", "1000000"], "--max-model-len 1000000 does not fit one simulated engine's"),
     ],
 )
 def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], said: str) -> None:
