@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ __all__ = ["DEMO", "add_arguments", "run"]
 
 OUT_DIR = Path("bench/out")
 
-# `compare --demo`: the last 40 s of the shipped trace (125 requests; 66% of their blocks repeat an
+# `compare --demo`: the last 40 s of the shipped trace (155 requests; 62% of their blocks repeat an
 # earlier block of the slice) at 1/4 token scale, at the trace's rate and twice it, five
 # configurations, one run each, 1 prefill + 1 decode engine at 5x speed (at 10x this 2-core box is
 # CPU-bound and queues that the model would not). About 90 s on a 2-core machine; docs/benchmarks.md
@@ -511,6 +513,25 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """SIGTERM unwinds like Ctrl-C, through the benchmarks' `finally: cluster.stop()`: by Python's
+    default it killed the process there, leaving NATS and etcd to be SIGKILLed under draining
+    shims and their directories in $TMPDIR. A second one is ignored, so that stop runs to its end
+    (each tier's grace bounds it)."""
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    before = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.bench_command == "chaos":
         from bench import chaos
 

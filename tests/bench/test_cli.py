@@ -4,6 +4,11 @@ test_replay, test_summary and test_compare)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +106,29 @@ def test_virtual_replay_runs_its_routers_at_the_slo_goodput_is_judged_at(
     # A router flag given on purpose still has the last word.
     assert main([*argv, "--no-progress", "--slo-ttft", "1", "--router-arg=--slo-ttft-s=3"]) == 0
     assert seen[-1].slo_ttft_s == 3.0
+
+
+def test_sigterm_stops_a_benchmarks_cluster_and_leaves_nothing(tmp_path: Path) -> None:
+    # before, SIGTERM killed bench at once: its children went by pdeathsig (nats and etcd SIGKILLed
+    # under draining shims) and the cluster's, NATS's and etcd's directories stayed in $TMPDIR
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "kvswitch", "bench", "chaos", "--scenarios", "baseline"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not _children_running(proc.pid, "kvswitch router"):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
+            time.sleep(0.2)
+        assert _children_running(proc.pid, "kvswitch router"), "no router started within 90 s"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 128 + signal.SIGTERM
+        assert sorted(p.name for p in tmp_path.glob("kvswitch-*")) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _children_running(pid: int, command: str) -> bool:
+    out = subprocess.run(["pgrep", "-f", "-P", str(pid), command], capture_output=True, text=True, check=False)
+    return bool(out.stdout.split())
