@@ -110,6 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='vLLM KVEventsConfig as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: events off, as vLLM)',
     )
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve chat requests whose tool_choice is not 'none' (tools alone make it 'auto'; "
+                        "without this flag, vLLM's 400); needs --tool-call-parser. No tool call is formed")  # fmt: skip
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="a tool parser vLLM 0.32 registers (checked with --enable-auto-tool-choice)")  # fmt: skip
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (needed by --lora-modules, as vLLM)")
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                    help='adapters a request may name as its model (name=path or {"name": ..., "path": ...}); '
@@ -170,6 +175,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         enable_server_load_tracking=args.enable_server_load_tracking,
         enable_prefix_caching=args.enable_prefix_caching,
         lora_modules=tuple(args.lora_modules),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),
     ).validate()
     return config.check_kv_fits_max_model_len()

@@ -23,7 +23,15 @@ from engine_sim.lora import LoraModule, lora_requests
 from protocol.timing import DEFAULT_PROFILE, load_profile, profile_names
 from protocol.vllm_events import EVENT_FORMS, EventForm
 
-__all__ = ["EVENT_FORMS", "KV_LOAD_FAILURE_POLICIES", "LOOPBACK_PUB_ENDPOINT", "ROLES", "KVEventsConfig", "SimConfig"]
+__all__ = [
+    "EVENT_FORMS",
+    "KV_LOAD_FAILURE_POLICIES",
+    "LOOPBACK_PUB_ENDPOINT",
+    "ROLES",
+    "TOOL_CALL_PARSERS",
+    "KVEventsConfig",
+    "SimConfig",
+]
 
 Role = Literal["prefill", "decode", "agg"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -31,6 +39,17 @@ ROLES: tuple[str, ...] = get_args(Role)
 # error (vLLM's default), or the request prefills its prompt itself.
 KvLoadFailurePolicy = Literal["fail", "recompute"]
 KV_LOAD_FAILURE_POLICIES: tuple[str, ...] = get_args(KvLoadFailurePolicy)
+# vLLM 0.32's --tool-call-parser names (ToolParserManager.list_registered(): the keys of
+# vllm/tool_parsers/__init__.py's _TOOL_PARSERS_TO_REGISTER; no parser plugins here).
+TOOL_CALL_PARSERS: tuple[str, ...] = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32",
+    "deepseek_v4", "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45",
+    "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4",
+    "inkling", "internlm", "jamba", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json",
+    "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral",
+    "muse_glimmer", "olmo3", "openai", "phi4_mini_json", "plamo3", "poolside_v1", "pythonic", "qwen3_coder",
+    "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
+)  # fmt: skip
 
 # Memory the default KV pool is sized from: an H200's 141 GB at vLLM's default
 # gpu_memory_utilization 0.9, less bf16 weights and ~4 GiB of activations and CUDA graphs.
@@ -124,6 +143,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
         any of them.
     runtime_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM:
         the environment's VLLM_ALLOW_RUNTIME_LORA_UPDATING, which the CLI reads).
+    enable_auto_tool_choice / tool_call_parser: vLLM's flags. Without the first, a chat request whose
+        tool_choice is not "none" (`tools` alone make it "auto") gets vLLM's 400; with it (it needs a
+        registered parser name), such requests are served, and the sim's random tokens form no tool call.
     """
 
     host: str = "127.0.0.1"
@@ -156,6 +178,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     lora_modules: tuple[LoraModule, ...] = ()
     runtime_lora_updating: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def validate(self) -> SimConfig:
         try:
@@ -193,6 +217,13 @@ class SimConfig(msgspec.Struct, kw_only=True):
         if len(set(names)) != len(names) or not all(names):
             raise SimConfigError("served_model_name", " ".join(names), "names must be distinct and non-empty")
         lora_requests(self.lora_modules, names)
+        # vLLM looks the parser up only for --enable-auto-tool-choice, which refuses to start without one
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise SimConfigError("enable_auto_tool_choice", True, "requires --tool-call-parser, as vLLM's does")
+        if self.enable_auto_tool_choice and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise SimConfigError(
+                "tool_call_parser", self.tool_call_parser, "allowed values: " + ", ".join(TOOL_CALL_PARSERS)
+            )
         return self
 
     def check_kv_fits_max_model_len(self) -> SimConfig:

@@ -273,7 +273,8 @@ def _parse_completion(raw: bytes, srv: SimServer) -> GenerateCall:
 def _parse_chat(raw: bytes, srv: SimServer) -> GenerateCall:
     body = parse_body(raw, ChatRequest)
     lora = check_model(srv, body.model)
-    call = chat_call(body, srv.config.max_model_len, model=srv.config.model)
+    cfg = srv.config
+    call = chat_call(body, cfg.max_model_len, model=cfg.model, tool_parsing=cfg.enable_auto_tool_choice)
     call.lora = lora
     return call
 

@@ -7,7 +7,8 @@ Field names and defaults are vLLM's. Unknown fields are ignored and logged, as v
 name once per process here, to keep benchmark logs readable). What the sim accepts without being
 able to honour it (it has no model): frequency/presence/repetition penalties, temperature, top_p,
 top_k, min_p, logit_bias, allowed_token_ids, bad_words, response_format / structured_outputs,
-tools, use_beam_search, cache_salt, add_special_tokens (the built-in tokenizer adds no special
+tools (a tool_choice but "none" only with --enable-auto-tool-choice, as vLLM; no tool call is
+formed), use_beam_search, cache_salt, add_special_tokens (the built-in tokenizer adds no special
 tokens), stream_options.continuous_usage_stats; each is validated as vLLM validates it.
 """
 
@@ -142,7 +143,8 @@ class ChatRequest(_Sampling, kw_only=True):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = "none"
+    # UNSET when not in the body: vLLM's validator makes it "auto" when tools are given, else "none"
+    tool_choice: Any = msgspec.UNSET
     reasoning_effort: str | None = None
     include_reasoning: bool = True
     parallel_tool_calls: bool | None = True
@@ -651,17 +653,18 @@ def _model_type(loc: str, value: Any, model: str) -> dict[str, Any]:
             "input": _error_input(value), "ctx": {"class_name": model}}  # fmt: skip
 
 
-def _check_tool_usage(body: ChatRequest) -> None:
-    """vLLM's check_tool_usage validator. `tools` without `tool_choice` make it "auto" there, which
-    needs nothing more here."""
+def _check_tool_usage(body: ChatRequest) -> Any:
+    """vLLM's check_tool_usage validator; the tool_choice it leaves (`tools` without one: "auto")."""
     tools, choice = body.tools, body.tool_choice
     if tools == []:
         raise VllmValidationError(
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
             parameter="tools",
         )
+    if choice is msgspec.UNSET:
+        return "auto" if tools else "none"
     if choice in ("none", None):
-        return
+        return choice
     if tools is None:
         raise VllmValidationError("When using `tool_choice`, `tools` must be set.", parameter="tool_choice")
     if not isinstance(choice, dict):
@@ -671,7 +674,7 @@ def _check_tool_usage(body: ChatRequest) -> None:
                 "are supported.",
                 parameter="tool_choice",
             )
-        return
+        return choice
     usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
     function = choice.get("function")
     if not isinstance(function, dict):
@@ -692,6 +695,18 @@ def _check_tool_usage(body: ChatRequest) -> None:
         raise VllmValidationError(
             "The tool specified in `tool_choice` does not match any of the specified `tools`", parameter="tool_choice"
         )
+    return choice
+
+
+def _check_tool_parser(choice: Any, tool_parsing: bool) -> None:
+    """vLLM's OnlineRenderer.render_chat: a tool_choice other than "none" needs a tool parser
+    (--enable-auto-tool-choice with --tool-call-parser), or the request is refused."""
+    if tool_parsing or choice in ("none", None):
+        return
+    if choice == "auto":
+        raise SimRequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+    desc = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
+    raise SimRequestError(f"tool_choice={desc} requires --tool-call-parser to be set")
 
 
 def _check_sampling(body: _Sampling, n: int, max_tokens: int, logprobs: int | None) -> None:
@@ -860,11 +875,12 @@ def completion_call(body: CompletionRequest, max_model_len: int) -> GenerateCall
     return call
 
 
-def chat_call(body: ChatRequest, max_model_len: int, *, model: str) -> GenerateCall:
-    """`model`: the served model's (first) name, which names it in vLLM's refusal of media."""
+def chat_call(body: ChatRequest, max_model_len: int, *, model: str, tool_parsing: bool = False) -> GenerateCall:
+    """`model`: the served model's (first) name, which names it in vLLM's refusal of media.
+    `tool_parsing`: the server runs a tool parser (vLLM's --enable-auto-tool-choice)."""
     # vLLM's validators, last-defined first: generation prompt, tool usage, logprobs, stream options
     add_generation_prompt = check_generation_prompt(body.add_generation_prompt, body.continue_final_message)
-    _check_tool_usage(body)
+    tool_choice = _check_tool_usage(body)
     _check_prompt_logprobs(body)
     top = body.top_logprobs
     if top is not None:
@@ -879,6 +895,8 @@ def chat_call(body: ChatRequest, max_model_len: int, *, model: str) -> GenerateC
     _check_stream_options(body)
     _check_body(body)
     _check_tools(body.tools)
+    # the renderer's checks, after the model's (generate_api.py): tool parser, then template
+    _check_tool_parser(tool_choice, tool_parsing)
     check_request_template(body.chat_template, body.chat_template_kwargs)
     check_mm_kwargs(body.mm_processor_kwargs, body.media_io_kwargs)
     # vLLM: max_completion_tokens when given (a 0 too), else the deprecated max_tokens; null: no limit

@@ -20,6 +20,7 @@ import pytest
 from engine_sim import SimServer
 from engine_sim.cli import config_from_args
 from engine_sim.detokenizer import ChoiceText
+from engine_sim.errors import SimConfigError
 from engine_sim.lora import LoraModule
 from protocol.tokenizer import VOCAB_SIZE, BuiltinTokenizer
 from tests.engine_sim.conftest import sim_config
@@ -235,12 +236,13 @@ async def test_parameters_vllm_refuses(sim: SimServer, path: str, body: dict[str
 
 
 async def test_what_vllm_still_takes(sim: SimServer) -> None:
-    """Four stop strings, ids inside the vocabulary, empty kwargs, text parts: served."""
+    """Four stop strings, ids inside the vocabulary, empty kwargs, a tool without a type (with
+    tool_choice "none": no tool parser needed), text parts: served."""
     bodies: list[tuple[str, dict[str, Any]]] = [
         (C, {"stop": ["a1", "b2", "c3", "d4"], "stop_token_ids": [0, VOCAB_SIZE - 1], "logit_bias": {"5": 200},
              "allowed_token_ids": [0, VOCAB_SIZE - 1]}),
         (CHAT, {"mm_processor_kwargs": {}, "media_io_kwargs": {}, "tools": [{"function": {"name": "f"}}],
-                "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+                "tool_choice": "none", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
     ]  # fmt: skip
     for path, body in bodies:
         status, out, _ = await post(sim, path, {**(COMPLETION if path == C else CHAT_BODY), **body})
@@ -470,6 +472,66 @@ async def test_refusals_in_vllms_words(sim: SimServer, path: str, body: dict[str
     base = COMPLETION if path == C else CHAT_BODY
     status, out, _ = await post(sim, path, {**base, **body})
     assert (status, out) == (400, refusal)
+
+
+# OnlineRenderer.render_chat (renderers/online_renderer.py) with no tool parser, vLLM's default:
+# any tool_choice but "none" (`tools` alone make it "auto") is refused, a plain 400.
+AUTO_NEEDS_PARSER = error('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+TOOL_CHOICES: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    ({"tools": TOOL}, AUTO_NEEDS_PARSER),
+    ({"tools": TOOL, "tool_choice": "auto"}, AUTO_NEEDS_PARSER),
+    ({"tools": TOOL, "tool_choice": "required"}, error('tool_choice="required" requires --tool-call-parser to be set')),
+    ({"tools": TOOL, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     error('tool_choice=function "f" requires --tool-call-parser to be set')),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "refusal"), TOOL_CHOICES)
+async def test_a_tool_choice_needs_vllms_tool_parser(body: dict[str, Any], refusal: dict[str, Any]) -> None:
+    """Refused without --enable-auto-tool-choice (a --tool-call-parser alone is not used, as in vLLM),
+    served with it: the sim's tokens form no tool call, so the answer is plain text."""
+    parsing = sim_config(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    parser_only = sim_config(tool_call_parser="hermes")
+    async with SimServer(sim_config()) as plain, SimServer(parser_only) as half, SimServer(parsing) as tools:
+        for sim in (plain, half):
+            assert (await post(sim, CHAT, {**CHAT_BODY, **body}))[:2] == (400, refusal)
+        status, out, _ = await post(tools, CHAT, {**CHAT_BODY, **body})
+        assert status == 200 and out["choices"][0]["finish_reason"] == "length"
+
+
+async def test_tools_with_no_tool_choice_need_no_parser(sim: SimServer) -> None:
+    """tool_choice "none" or null (given, so check_tool_usage does not make it "auto"): served."""
+    for choice in ("none", None):
+        status, out, _ = await post(sim, CHAT, {**CHAT_BODY, "tools": TOOL, "tool_choice": choice})
+        assert status == 200, out
+
+
+async def test_the_tool_parser_refusal_comes_where_vllms_does(sim: SimServer) -> None:
+    """After the request model's validators and the model's lookup, before the untrusted chat
+    template's refusal (render_chat checks the tool choice first)."""
+    body = {**CHAT_BODY, "tools": TOOL}
+    status, out, _ = await post(sim, CHAT, {**body, "top_logprobs": -5})
+    assert (status, out["error"]["message"]) == (400, "`top_logprobs` must be a positive value or -1. "
+                                                      "(parameter=top_logprobs, value=-5)")  # fmt: skip
+    assert (await post(sim, CHAT, {**body, "model": "nope"}))[0] == 404
+    assert (await post(sim, CHAT, {**body, "chat_template": "{{ 1 }}"}))[:2] == (400, AUTO_NEEDS_PARSER)
+
+
+def test_the_tool_flags_are_vllms() -> None:
+    """vLLM refuses to start with --enable-auto-tool-choice but no --tool-call-parser (cli_args.py)
+    or one it has not registered (launcher.py); a parser alone is never looked up."""
+    assert not config_from_args(parse()).enable_auto_tool_choice
+    cfg = config_from_args(parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+    assert (cfg.enable_auto_tool_choice, cfg.tool_call_parser) == (True, "hermes")
+    assert config_from_args(parse("--tool-call-parser", "nope")).tool_call_parser == "nope"
+    with pytest.raises(SimConfigError) as no_parser:
+        config_from_args(parse("--enable-auto-tool-choice"))
+    assert (
+        str(no_parser.value) == "invalid --enable-auto-tool-choice = True: requires --tool-call-parser, as vLLM's does"
+    )
+    with pytest.raises(SimConfigError) as unknown:
+        config_from_args(parse("--enable-auto-tool-choice", "--tool-call-parser", "nope"))
+    assert str(unknown.value).startswith("invalid --tool-call-parser = 'nope': allowed values: apertus, ")
 
 
 async def test_tokenize_renders_chat_as_chat_completions_do(sim: SimServer) -> None:

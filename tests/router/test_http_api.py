@@ -33,7 +33,9 @@ from tests.router.test_tokenization import VOCAB
 
 @pytest.fixture
 async def agg(cluster: Cluster) -> Cluster:
-    await cluster.add_worker("agg", enable_prompt_tokens_details=True, enable_request_id_headers=True)
+    # a tool parser, as vLLM serves tools only with one (test_a_tool_choice_needs_the_engines_tool_parser)
+    await cluster.add_worker("agg", enable_prompt_tokens_details=True, enable_request_id_headers=True,
+                             enable_auto_tool_choice=True, tool_call_parser="hermes")  # fmt: skip
     await cluster.add_ready_router(disagg="never")
     return cluster
 
@@ -337,6 +339,27 @@ async def test_chat_parameters_reach_the_engine(
     s2, direct, _ = await post(http, sim.url + "/v1/chat/completions", request)
     assert s1 == s2 == 200, (via_router, direct)
     assert without_ids(via_router) == without_ids(direct)
+
+
+async def test_a_tool_choice_needs_the_engines_tool_parser(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    """An engine started without --enable-auto-tool-choice (vLLM's default) refuses any tool_choice
+    but "none", `tools` alone ("auto") too: its 400 comes back through the router as it is."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    sim = cluster.workers[0].sim
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "say something"}], "max_tokens": 6}
+    refusals: list[tuple[dict[str, Any], str]] = [
+        ({"tools": tools}, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
+        ({"tools": tools, "tool_choice": "required"}, 'tool_choice="required" requires --tool-call-parser to be set'),
+    ]
+    for extra, message in refusals:
+        s1, via_router, _ = await post(http, router.url + "/v1/chat/completions", {**request, **extra})
+        s2, direct, _ = await post(http, sim.url + "/v1/chat/completions", {**request, **extra})
+        assert s1 == s2 == 400 and via_router == direct, (via_router, direct)
+        assert direct["error"] == {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+    s1, _, _ = await post(http, router.url + "/v1/chat/completions", {**request, "tools": tools, "tool_choice": "none"})
+    assert s1 == 200
 
 
 async def test_chat_with_logprobs_and_cached_tokens_is_the_engines_own(

@@ -72,6 +72,7 @@ keys = st.sampled_from(
         "echo",
         "logit_bias",
         "tools",
+        "tool_choice",
         "response_format",
         "add_special_tokens",
         "chat_template_kwargs",
