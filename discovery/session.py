@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from types import TracebackType
@@ -15,12 +14,11 @@ from etcd3aio import Etcd3Client, EtcdError, EtcdPermissionDeniedError
 from discovery.auth_token import TokenKeeper
 from discovery.lease import Lease, said
 from discovery.watch import WatchEvent, watch_prefix
-from protocol import ConfigError, ProtocolError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
+from protocol import ConfigError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
 from protocol.config import EtcdSettings
 
 __all__ = ["DEFAULT_TTL", "Discovery", "DiscoveryError", "KeyTaken"]
 
-log = logging.getLogger(__name__)
 DEFAULT_TTL = 10
 M = TypeVar("M", bound=msgspec.Struct)
 # gRPC's default reconnect backoff grows to two minutes: after an etcd outage longer than a lease
@@ -241,20 +239,21 @@ class Discovery:
 
     # --- watches --------------------------------------------------------------------------------
 
-    def _parser(self, kind: type[M]) -> Callable[[bytes], M | None]:
-        def parse(raw: bytes) -> M | None:
-            try:
-                return decode_json(raw, kind)
-            except ProtocolError as exc:
-                log.warning("ignoring malformed %s in etcd: %s", kind.__name__, exc)
-                return None
-
-        return parse
+    @staticmethod
+    def _parser(kind: type[M]) -> Callable[[bytes], M]:
+        """A value's parser for watch_prefix: ProtocolError (a ValueError) skips a malformed one."""
+        return lambda raw: decode_json(raw, kind)
 
     def watch_workers(self) -> AsyncGenerator[WatchEvent[WorkerInfo], None]:
-        """A Snapshot of /{ns}/workers/, then each change; names are worker ids."""
+        """A Snapshot of /{ns}/workers/, then each change; names are worker ids. A record that does
+        not decode is not logged here: its key reads as absent, with why (`Snapshot.skipped`,
+        `Deleted.why`), for the consumer to report (router.worker_registry refuses it)."""
         return watch_prefix(
-            self.client, subjects.workers_prefix(self.ns), self._parser(WorkerInfo), failed=self._failed
+            self.client,
+            subjects.workers_prefix(self.ns),
+            self._parser(WorkerInfo),
+            failed=self._failed,
+            log_skipped=False,
         )
 
     def watch_routers(self) -> AsyncGenerator[WatchEvent[RouterInfo], None]:

@@ -1,5 +1,9 @@
 """Prefix watches as async iterators: one Snapshot, then Put/Deleted changes, then (after a
-compaction that the watch cannot bridge) a fresh Snapshot that replaces everything before it."""
+compaction that the watch cannot bridge) a fresh Snapshot that replaces everything before it.
+
+A value that does not parse is never handed on as a value: its key reads as absent (left out of
+the Snapshot, a Put of it reported as Deleted), and the event says why (`Snapshot.skipped`,
+`Deleted.why`), so a consumer can report the bad record rather than lose it without a trace."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import grpc
@@ -25,6 +29,7 @@ class Snapshot(Generic[V]):
 
     items: dict[str, V]
     revision: int
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why its value did not parse
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,7 @@ class Put(Generic[V]):
 class Deleted:
     name: str
     revision: int
+    why: str = ""  # set when the key is there but its new value did not parse: why
 
 
 WatchEvent = Snapshot[V] | Put[V] | Deleted
@@ -46,15 +52,18 @@ WatchEvent = Snapshot[V] | Put[V] | Deleted
 async def watch_prefix(
     client: Etcd3Client,
     prefix: str,
-    parse: Callable[[bytes], V | None],
+    parse: Callable[[bytes], V],
     *,
     retry_s: float = 0.5,
     failed: Callable[[BaseException], None] = lambda exc: None,
+    log_skipped: bool = True,
 ) -> AsyncGenerator[WatchEvent[V], None]:
     """Names are keys with the prefix cut off; a key that is not UTF-8 (anyone who may write
     under the prefix can put one) is named with its bad bytes escaped (`\\xff`), a name no id
-    has, for the consumer to refuse. `parse` returns None for a value to skip (it logs why); a
-    skipped Put is reported as Deleted, so a consumer never keeps a stale value.
+    has, for the consumer to refuse. `parse` raises ValueError for a value to skip: the key reads
+    as absent (a skipped Put is reported as Deleted, so a consumer never keeps a stale value) and
+    the event says why; `log_skipped` logs each one naming its key (a consumer that reports them
+    itself passes False).
 
     Survives etcd restarts: the watch resumes from the last revision it saw, so changes made
     while it was reconnecting still arrive, in order.
@@ -71,13 +80,16 @@ async def watch_prefix(
             log.warning("watch %s: initial read failed (%s); retrying", prefix, exc)
             await asyncio.sleep(retry_s)
     items: dict[str, V] = {}
+    skipped: dict[str, str] = {}
     for kv in resp.kvs:
-        value = parse(kv.value)
-        if value is not None:
-            items[_name(kv.key, start)] = value
+        name = _name(kv.key, start)
+        try:
+            items[name] = parse(kv.value)
+        except ValueError as exc:
+            skipped[name] = _skipped(prefix, name, exc, log_skipped)
     revision = resp.header.revision
-    yield Snapshot(items, revision)
-    async for event in _changes(client, prefix, start, end, revision + 1, parse, retry_s, failed):
+    yield Snapshot(items, revision, skipped)
+    async for event in _changes(client, prefix, start, end, revision + 1, parse, retry_s, failed, log_skipped):
         yield event
 
 
@@ -87,9 +99,10 @@ async def _changes(
     start: bytes,
     end: bytes,
     next_rev: int,
-    parse: Callable[[bytes], V | None],
+    parse: Callable[[bytes], V],
     retry_s: float,
     failed: Callable[[BaseException], None],
+    log_skipped: bool,
 ) -> AsyncGenerator[WatchEvent[V], None]:
     while True:
         try:
@@ -97,7 +110,8 @@ async def _changes(
             async for resp in client.watch.watch(start, end, start_revision=next_rev):
                 if resp.compact_revision > 0:
                     log.warning("watch %s: compacted past revision %d; re-reading", prefix, next_rev)
-                    async for event in watch_prefix(client, prefix, parse, retry_s=retry_s, failed=failed):
+                    again = watch_prefix(client, prefix, parse, retry_s=retry_s, failed=failed, log_skipped=log_skipped)
+                    async for event in again:
                         yield event
                     return
                 for ev in resp.events:
@@ -107,8 +121,12 @@ async def _changes(
                     if ev.type == ev.DELETE:
                         yield Deleted(name, rev)
                         continue
-                    value = parse(ev.kv.value)
-                    yield Put(name, value, rev) if value is not None else Deleted(name, rev)
+                    try:
+                        value = parse(ev.kv.value)
+                    except ValueError as exc:
+                        yield Deleted(name, rev, _skipped(prefix, name, exc, log_skipped))
+                        continue
+                    yield Put(name, value, rev)
         except (EtcdError, grpc.aio.AioRpcError) as exc:
             failed(exc)
             log.warning("watch %s: %s; resuming from revision %d", prefix, exc, next_rev)
@@ -138,6 +156,13 @@ async def keep_following(
             log.error("%s crashed; watching again in %.1f s", what, delay, exc_info=exc)
         await asyncio.sleep(delay)
         delay = min(delay * 2, max_s)
+
+
+def _skipped(prefix: str, name: str, exc: ValueError, say: bool) -> str:
+    why = str(exc) or type(exc).__name__
+    if say:
+        log.warning("watch %s: ignoring the value under key %r: %s", prefix, name, why)
+    return why
 
 
 def _name(key: bytes, prefix: bytes) -> str:

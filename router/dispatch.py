@@ -19,7 +19,12 @@ with a `final` chunk or an `error` one.
   the client.
 - liveness: every leg asks for a heartbeat every `stream_heartbeat_s`; a leg silent for three of them
   ends (its worker is reported unreachable), so a killed worker costs a stream at most 3x that.
-  A leg that finds no responder reports its worker unreachable at once.
+  A leg that finds no responder reports its worker unreachable at once; so does one whose chunks
+  stay lost after MAX_RESUMES asks (a stream gap), retried before the first token.
+- a malformed reply (a broken or hostile shim: a chunk that does not decode, an event cut across
+  chunks that never ends) ends the leg; one that does not decode is retried before the first token
+  like a dead worker's, a prefill leg falls back. The worker is reported malformed (left out for a
+  cooldown, router.eligibility), counted per worker in `malformed_replies`, logged once per worker.
 - leaving early (client gone, deadline) cancels the leg on its worker (`{ns}.cancel.{worker}`).
 - a leg that NATS cannot carry is refused before it is sent: over the server's payload limit
   (413, naming the limit) or holding an integer no 64-bit field holds (400).
@@ -34,7 +39,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -60,6 +65,7 @@ from protocol import (
 from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS
 from router.disagg import RoutePlan
+from router.eligibility import MALFORMED_COOLDOWN_S
 from router.policies import Outcome, Path
 from router.tracing import RequestTracer
 from runtime import guarded
@@ -111,6 +117,12 @@ class LegError(Exception):
     @property
     def worker_silent(self) -> bool:
         return self.kind == "worker_silent"
+
+    @property
+    def malformed(self) -> bool:
+        """The worker's reply broke the protocol: a chunk that does not decode, or an event cut
+        across chunks that never ends."""
+        return self.kind == "malformed_chunk"
 
 
 class Bookings(Protocol):
@@ -232,9 +244,8 @@ class _Leg:
                 if self.resuming:
                     continue  # sent before our request to resend arrived: it comes again
                 if self.resumes >= MAX_RESUMES:
-                    raise LegError(
-                        self.worker, 502, "stream_gap", f"chunk {item.seq}, expected {self.next_seq}", retryable=False
-                    )
+                    why = f"chunk {item.seq}, expected {self.next_seq}"
+                    raise LegError(self.worker, 502, "stream_gap", why, retryable=not self.tokens_seen)
                 await self._resume()
                 continue
             self.resuming = False
@@ -318,6 +329,7 @@ class Dispatcher:
         on_fallback: Callable[[Job], None] = lambda job: None,
         on_transfer: Callable[[str, str, bool], None] = lambda decode, prefill, ok: None,
         on_unreachable: Callable[[str, str], None] = lambda worker, why: None,
+        on_malformed: Callable[[str, str], None] = lambda worker, why: None,
         tracer: RequestTracer | None = None,
     ) -> None:
         self._nc = nc
@@ -325,6 +337,7 @@ class Dispatcher:
         # (decode worker, prefill worker, whether its pull worked) per decode leg fed by a transfer
         self._on_transfer = on_transfer
         self._on_unreachable = on_unreachable
+        self._on_malformed = on_malformed
         self._ns = ns
         self._bookings = bookings
         self._settings = settings  # read per leg: live config changes apply to the next one
@@ -337,6 +350,7 @@ class Dispatcher:
         self.fallbacks = 0
         self.transfer_fallbacks = 0  # decode legs whose KV pull failed, prefilled locally instead
         self.resumes = 0
+        self.malformed_replies: Counter[str] = Counter()  # by worker, while it is registered
         self._handle_mismatch_logged = False
 
     async def start(self) -> None:
@@ -374,6 +388,7 @@ class Dispatcher:
         for leg in list(self._legs.values()):
             if leg.worker == worker:
                 leg.push(LegError(worker, 503, "worker_gone", "the worker left", retryable=not leg.tokens_seen))
+        self.malformed_replies.pop(worker, None)
 
     async def _on_reply(self, msg: Msg) -> None:
         leg = self._legs.get(msg.subject.rpartition(".")[2])
@@ -386,7 +401,7 @@ class Dispatcher:
         try:
             chunk = decode_msg(msg.data, ResponseChunk)
         except ProtocolError as exc:
-            leg.push(LegError(leg.worker, 502, "malformed_chunk", str(exc), retryable=False))
+            leg.push(LegError(leg.worker, 502, "malformed_chunk", str(exc), retryable=not leg.tokens_seen))
             return
         if _output(chunk):
             leg.tokens_seen = True
@@ -455,9 +470,28 @@ class Dispatcher:
                     if chunk.final:
                         return b"".join(parts)
         except LegError as exc:
-            if exc.worker_silent:
-                self._on_unreachable(exc.worker, str(exc))
+            self._blame(exc)
             raise
+
+    def _blame(self, exc: LegError) -> None:
+        """Leave out the worker a failed leg shows at fault: a silent one or one whose chunks stay
+        lost until it reports again, one whose reply is malformed for a cooldown (its load
+        reports go on: they say nothing of its replies)."""
+        if exc.worker_silent or exc.kind == "stream_gap":
+            self._on_unreachable(exc.worker, str(exc))
+        elif exc.malformed:
+            first = exc.worker not in self.malformed_replies
+            self.malformed_replies[exc.worker] += 1
+            self._on_malformed(exc.worker, f"it sent a malformed reply: {exc.message}")
+            if first:
+                log.warning(
+                    "worker %s sent a malformed reply (%s): its requests go to other workers, and it "
+                    "is left out of routing for %gs after each such reply (logged once per worker, counted in "
+                    "kvswitch_router_worker_malformed_replies_total)",
+                    exc.worker,
+                    exc.message,
+                    MALFORMED_COOLDOWN_S,
+                )
 
     # --- a whole request ------------------------------------------------------------------------
 
@@ -475,8 +509,7 @@ class Dispatcher:
                     yield chunk
                 return
             except LegError as exc:
-                if exc.worker_silent:
-                    self._on_unreachable(exc.worker, str(exc))
+                self._blame(exc)
                 if job.first_token_at is not None or not exc.retryable or job.attempts > 1:
                     raise
                 plan = job.replan(frozenset(job.tried))
@@ -613,13 +646,13 @@ class Dispatcher:
         except LegError as exc:
             if exc.refused and not exc.unknown_model:
                 raise
-            if exc.worker_silent:
-                self._on_unreachable(worker, str(exc))
-            log.warning(
-                "request %s: remote prefill failed (%s); falling back to local prefill on %s",
-                req.request_id,
-                exc,
-                plan.decode.worker,
-                extra={"request_id": req.request_id},
-            )
+            self._blame(exc)
+            if not exc.malformed:  # that one is logged once per worker (_blame), not per request
+                log.warning(
+                    "request %s: remote prefill failed (%s); falling back to local prefill on %s",
+                    req.request_id,
+                    exc,
+                    plan.decode.worker,
+                    extra={"request_id": req.request_id},
+                )
             return None

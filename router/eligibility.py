@@ -16,11 +16,17 @@ usual. A worker is excluded while (first reason wins):
   within 3 default periods of registering;
 - `unreachable`: a request to it found no responder or its stream stopped; it ends with the next
   load report received after the mark;
+- `malformed`: it answered a request with a reply that breaks the protocol (a ResponseChunk that
+  does not decode, an event cut across chunks that never ends); it ends `MALFORMED_COOLDOWN_S`
+  after the last such reply, not with a load report, as a broken shim's reports go on;
 - `draining`: its shim got SIGTERM (LoadReport.draining): its requests in flight finish, a new one
   would be refused, so none is sent (a rolling restart costs no retry);
 - `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
   answer in time). Soft: such a worker is left out only while a healthy one of its pool remains,
   since a whole fleet too busy to answer its probes must still serve rather than refuse everything.
+
+`bad_record` is shown, never decided here: its etcd record was refused (router.worker_registry),
+so the worker is not registered at all.
 
 `tokenizer` is not an exclusion but a per-request check: a text prompt needs the router's tokenizer
 to be the worker's (fingerprints equal); a token-id prompt needs no tokenizer.
@@ -40,10 +46,11 @@ import msgspec
 from protocol.messages import WorkerInfo
 from router.load_view import Liveness
 
-__all__ = ["DEFAULT_PERIOD_S", "SILENT_PERIODS", "Eligibility", "Exclusion", "WorkerStatus"]
+__all__ = ["DEFAULT_PERIOD_S", "MALFORMED_COOLDOWN_S", "SILENT_PERIODS", "Eligibility", "Exclusion", "WorkerStatus"]
 
 DEFAULT_PERIOD_S = 1.0
 SILENT_PERIODS = 3
+MALFORMED_COOLDOWN_S = 30.0  # one request retried elsewhere per this, per worker sending garbage
 
 
 class Exclusion(enum.StrEnum):
@@ -53,8 +60,10 @@ class Exclusion(enum.StrEnum):
     BLOCK_SIZE = "block_size"
     SILENT = "silent"
     UNREACHABLE = "unreachable"
+    MALFORMED = "malformed"
     DRAINING = "draining"
     ENGINE_UNHEALTHY = "engine_unhealthy"
+    BAD_RECORD = "bad_record"
 
 
 class WorkerStatus(msgspec.Struct, frozen=True):
@@ -107,6 +116,7 @@ class Eligibility:
         self.tokenizer = tokenizer
         self._added: dict[str, float] = {}
         self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
+        self._malformed: dict[str, tuple[float, str]] = {}  # worker -> (last malformed reply at, why)
 
     # --- what the service tells it ---------------------------------------------------------------
 
@@ -116,9 +126,13 @@ class Eligibility:
     def removed(self, worker: str) -> None:
         self._added.pop(worker, None)
         self._unreachable.pop(worker, None)
+        self._malformed.pop(worker, None)
 
     def mark_unreachable(self, worker: str, why: str) -> None:
         self._unreachable[worker] = (self._clock(), why)
+
+    def mark_malformed(self, worker: str, why: str) -> None:
+        self._malformed[worker] = (self._clock(), why)
 
     def reported(self, worker: str) -> None:
         """A load report from `worker` arrived: it is alive, whatever was marked before."""
@@ -172,6 +186,10 @@ class Eligibility:
         if mark is not None:
             why = f"{mark[1]} ({now - mark[0]:.1f}s ago)"
             return WorkerStatus(w, info.model, info.role, Exclusion.UNREACHABLE, why, tok_ok)
+        mark = self._malformed.get(w)
+        if mark is not None and now - mark[0] < MALFORMED_COOLDOWN_S:
+            why = f"{mark[1]} ({now - mark[0]:.1f}s ago; routed again {MALFORMED_COOLDOWN_S:g}s after it)"
+            return WorkerStatus(w, info.model, info.role, Exclusion.MALFORMED, why, tok_ok)
         if live is not None and live.draining:
             why = "its shim is shutting down (SIGTERM): requests in flight finish, new ones go elsewhere"
             return WorkerStatus(w, info.model, info.role, Exclusion.DRAINING, why, tok_ok)

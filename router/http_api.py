@@ -497,6 +497,7 @@ class _Handlers:
         index_state: Callable[[], dict[str, Any]],
         tokenizer_report: Callable[[], dict[str, Any]] | None,
         started_at: float,
+        bad_records: Callable[[str], list[dict[str, Any]]],
     ) -> None:
         self.path = path
         self.tokenization = tokenization
@@ -506,6 +507,7 @@ class _Handlers:
         self._index_state = index_state
         self._tokenizer_report = tokenizer_report
         self.started_at = started_at
+        self._bad_records = bad_records
 
     async def debug_index(self, request: web.Request) -> web.Response:
         return _json_response(self._index_state())
@@ -596,9 +598,12 @@ class _Handlers:
             model = self._model(parsed.model)
             routed, _ = await self._tokens(parsed, model)
             try:
-                return _json_response(self.path.explain(model, routed, text=_is_text(parsed), shape=parsed.shape))
+                explained = self.path.explain(model, routed, text=_is_text(parsed), shape=parsed.shape)
             except PlanError as exc:
                 raise ApiError(exc.code, exc.message) from exc
+            # records refused in etcd are no registered workers, so the planner never sees them
+            explained["excluded"] += self._bad_records(model)
+            return _json_response(explained)
         except ApiError as exc:
             return exc.response()
 
@@ -974,6 +979,7 @@ def make_app(
     index_state: Callable[[], dict[str, Any]],
     tokenizer_report: Callable[[], dict[str, Any]] | None = None,
     started_at: float | None = None,
+    bad_records: Callable[[str], list[dict[str, Any]]] = lambda model: [],
 ) -> web.Application:
     limits = limits or HttpLimits()
     h = _Handlers(
@@ -985,6 +991,7 @@ def make_app(
         index_state=index_state,
         tokenizer_report=tokenizer_report,
         started_at=time.time() if started_at is None else started_at,
+        bad_records=bad_records,
     )
     auth = [_auth_middleware(api_keys, path.metrics)] if api_keys is not None else []
     middlewares = [_openai_errors(path.metrics), *auth]

@@ -39,6 +39,10 @@ class StateFigures:
     retries: int = 0  # router.dispatch.Dispatcher's counts
     prefill_fallbacks: int = 0
     transfer_fallbacks: int = 0
+    malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
+    load_malformed: int = 0  # router.service's load reports dropped
+    load_unknown: int = 0
+    records_refused: int = 0  # router.worker_registry's `refused`
     timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
     prompt_tokens: Mapping[str, int] = field(default_factory=dict)  # router.planner.PrefixReach
     clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
@@ -70,6 +74,31 @@ class _StateCollector(Collector):
         fallbacks.add_metric(["prefill_failed"], s.prefill_fallbacks)
         fallbacks.add_metric(["transfer_failed"], s.transfer_fallbacks)
         yield fallbacks
+        malformed = CounterMetricFamily(
+            "kvswitch_router_worker_malformed_replies",
+            "Replies to a request that did not decode, by worker: each leaves the worker out of routing for a "
+            "cooldown (/ready says so)",
+            labels=["worker"],
+        )
+        for worker, n in sorted(s.malformed_replies.items()):
+            malformed.add_metric([worker], n)
+        yield malformed
+        yield CounterMetricFamily(
+            "kvswitch_router_load_malformed",
+            "Load reports dropped: undecodable, naming another worker than their subject's, or a field out of range",
+            s.load_malformed,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_load_unknown",
+            "Load reports dropped as from no registered worker (not yet, no longer, or its record refused)",
+            s.load_unknown,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_worker_records_refused",
+            "Worker records in etcd refused (undecodable or impossible), each time one is read; /ready lists "
+            "those refused now as bad_record",
+            s.records_refused,
+        )
         yield GaugeMetricFamily("kvswitch_router_index_blocks", "Distinct block hashes in the index", s.index_blocks)
         yield GaugeMetricFamily("kvswitch_router_index_entries", "(block, worker) pairs in the index", s.index_entries)
         yield GaugeMetricFamily(

@@ -48,7 +48,7 @@ from router.calibration import Calibration
 from router.clock_skew import ClockSkew, Skew
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
-from router.eligibility import Eligibility
+from router.eligibility import Eligibility, Exclusion, WorkerStatus
 from router.http_api import FrontDoorRunner, HttpLimits, make_app
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger
@@ -151,6 +151,10 @@ class RouterService:
         self.tracer = RequestTracer(config.tracer_provider)
         self.load_malformed = 0
         self.load_unknown = 0
+        # (malformed or unknown, sender) of the dropped load reports logged: once per worker and
+        # kind, bounded (anyone may publish on {ns}.load.<any name>); a worker that leaves is
+        # logged again should it come back.
+        self._load_logged: set[tuple[str, str]] = set()
         self.reregistrations = 0
         self._nc: Client | None = None
         self._discovery: Discovery | None = None
@@ -257,6 +261,7 @@ class RouterService:
             on_fallback=lambda job: planner.record(job.outcome),
             on_transfer=self._on_transfer,
             on_unreachable=self.eligibility.mark_unreachable,
+            on_malformed=self.eligibility.mark_malformed,
             tracer=self.tracer,
         )
         await self._dispatcher.start()
@@ -300,6 +305,7 @@ class RouterService:
             index_state=self.index_state,
             tokenizer_report=self.fingerprints.report,
             started_at=self.started_at,
+            bad_records=lambda model: [st.explain() for st in self.bad_records(model)],
         )
         self._runner = FrontDoorRunner(
             app, handler_cancellation=True, shutdown_timeout=self.config.drain_s, access_log=None
@@ -404,7 +410,8 @@ class RouterService:
         (every name it is served under clashes: router.served_names) does not count either. The
         body says, per worker, whether it is routable and why not; `warnings` what the fleet gets
         wrong without stopping this router (names that clash, pools that cannot pair, peers that
-        route otherwise)."""
+        route otherwise). A worker record refused in etcd is listed too, as `bad_record`: its
+        shim may be up, and the router never routes to it."""
         running = self.status is RouterStatus.RUNNING and self._registry is not None and self._ingest is not None
         nats_up = self._nc is not None and self._nc.is_connected
         registered = self._registry.workers() if self._registry is not None else []
@@ -469,10 +476,21 @@ class RouterService:
             "models": models,
             "problems": problems,
             "warnings": warnings,
-            "worker_status": [st.explain() for st in statuses],
+            "worker_status": [st.explain() for st in [*statuses, *self.bad_records(served)]],
             "index_synced": self._ingest.synced if self._ingest is not None else False,
         }
         return not problems, body
+
+    def bad_records(self, model: str | None = None) -> list[WorkerStatus]:
+        """The worker records refused in etcd (router.worker_registry), as excluded workers; with
+        `model`, those that serve it and those that do not decode far enough to say."""
+        return [
+            WorkerStatus(r.name, r.info.model, r.info.role, Exclusion.BAD_RECORD, r.why, False)
+            if r.info is not None
+            else WorkerStatus(r.name, "", "", Exclusion.BAD_RECORD, r.why, False)
+            for r in (self._registry.refusing() if self._registry is not None else [])
+            if model is None or r.info is None or serving([r.info], model)
+        ]
 
     def _fleet_warnings(self, infos: list[WorkerInfo]) -> list[str]:
         """What the registered workers (and peer routers) get wrong that does not stop this router:
@@ -574,6 +592,7 @@ class RouterService:
         self.clocks.remove(worker)
         self.eligibility.removed(worker)
         self.dispatcher.worker_gone(worker)
+        self._load_logged -= {("malformed", worker), ("unknown", worker)}
 
     def _on_kv_events(self, worker: str, events: list[KvEvent]) -> None:
         pending = self.pending
@@ -604,6 +623,13 @@ class RouterService:
         info = self._registry.get(report.worker) if self._registry is not None else None
         if info is None:
             self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
+            if self._registry_ready and self._first_said("unknown", report.worker):  # not each worker at startup
+                log.info(
+                    "load reports from worker %s dropped: it has no usable record under %s (logged once per "
+                    "worker, counted in kvswitch_router_load_unknown_total)",
+                    report.worker,
+                    subjects.workers_prefix(self.ns),
+                )
             return
         if (skew := self.clocks.observe(report.worker, report.ts, time.time())) is not None:
             _say_skew(skew, self.config.request_timeout_s)
@@ -629,8 +655,23 @@ class RouterService:
 
     def _load_dropped(self, subject: str, why: str) -> None:
         self.load_malformed += 1
-        if self.load_malformed == 1:
-            log.warning("malformed load report on %s dropped (later ones only counted): %s", subject, why)
+        sender = subject.rpartition(".")[2]
+        if self._first_said("malformed", sender):
+            log.warning(
+                "malformed load report from worker %s dropped (logged once per worker, counted in "
+                "kvswitch_router_load_malformed_total): %s",
+                sender,
+                why,
+            )
+
+    def _first_said(self, kind: str, worker: str) -> bool:
+        """Whether to log a load report of `worker` dropped as `kind`: the first one, for up to
+        1024 (kind, worker) pairs."""
+        key = (kind, worker)
+        if key in self._load_logged or len(self._load_logged) >= 1024:
+            return False
+        self._load_logged.add(key)
+        return True
 
     async def _follow_config(self, watcher: ConfigWatcher) -> None:
         async for settings in watcher:
@@ -691,6 +732,10 @@ class RouterService:
             retries=self._dispatcher.retries if self._dispatcher is not None else 0,
             prefill_fallbacks=self._dispatcher.fallbacks if self._dispatcher is not None else 0,
             transfer_fallbacks=self._dispatcher.transfer_fallbacks if self._dispatcher is not None else 0,
+            malformed_replies=dict(self._dispatcher.malformed_replies) if self._dispatcher is not None else {},
+            load_malformed=self.load_malformed,
+            load_unknown=self.load_unknown,
+            records_refused=self._registry.refused if self._registry is not None else 0,
             timing=self.calibration.factors() if self.calibration is not None else {},
             clock_offsets=self.clocks.offsets(),
             credit_short=self.view.credit_short(),

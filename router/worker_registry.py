@@ -7,10 +7,12 @@ index drops the worker's entries. Callbacks run on the event loop, in watch orde
 is logged and does not stop the watch, and a watch that crashes is started again (a new Snapshot).
 
 A record that cannot be true is refused as if its key were absent, logged as an ERROR once per key
-and problem, and counted in `refused`: its name is not a worker id (a key that is not UTF-8 or not
-one subject token), it names another worker, or a field is out of range (block size 0, a negative
-count: protocol.messages.worker_info_problem). One such record would otherwise break routing for
-its whole model.
+and problem, counted in `refused` (every time one is read) and listed in `refusing()` while it
+lasts (/ready and /debug/route show it as `bad_record`): it does not decode as a WorkerInfo (not
+JSON, a field missing or of the wrong type), its name is not a worker id (a key that is not UTF-8
+or not one subject token), it names another worker, or a field is out of range (block size 0, a
+negative count: protocol.messages.worker_info_problem). One such record would otherwise break
+routing for its whole model; the shim behind it may be alive, so it must not vanish unseen.
 
 Workers of one model that disagree on block size are a configuration error (DESIGN.md): the
 registry logs it as an error on every change of the conflict and exposes it in
@@ -27,6 +29,8 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+import msgspec
+
 from discovery import Deleted, Discovery, Put, Snapshot
 from discovery.watch import keep_following
 from protocol import WorkerInfo, serving, subjects
@@ -35,9 +39,17 @@ from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, resolve_names
 from runtime import background
 
-__all__ = ["WorkerRegistry"]
+__all__ = ["Refused", "WorkerRegistry"]
 
 log = logging.getLogger(__name__)
+
+
+class Refused(msgspec.Struct, frozen=True):
+    """A record under /{ns}/workers/ refused: its key's name, why, and the record if it decoded."""
+
+    name: str
+    why: str
+    info: WorkerInfo | None = None
 
 
 class WorkerRegistry:
@@ -56,7 +68,7 @@ class WorkerRegistry:
         self.name_clashes: Resolved = {}
         self.unreachable_models: set[str] = set()  # every name they are served under clashes
         self.refused = 0  # records refused so far
-        self._refusing: dict[str, str] = {}  # key name -> why its record is refused, while it is
+        self._refusing: dict[str, Refused] = {}  # by key name, while its record is refused
         self.status = PartStatus.NEW
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -120,6 +132,10 @@ class WorkerRegistry:
         models = self.models()
         return {name: info.model for info in self.workers() for name in info.adapters if name not in models}
 
+    def refusing(self) -> list[Refused]:
+        """The records refused now, by name."""
+        return [r for _, r in sorted(self._refusing.items())]
+
     def max_model_len(self, model: str) -> int | None:
         """The longest request every worker serving `model` (a model, or a LoRA adapter) takes,
         the least of their `max_model_len`, or None when one of them does not say: a request may go
@@ -135,11 +151,13 @@ class WorkerRegistry:
         try:
             async for event in events:
                 match event:
-                    case Snapshot(items=items):
-                        self._replace(items)
+                    case Snapshot(items=items, skipped=skipped):
+                        self._replace(items, skipped)
                         self._ready.set()
                     case Put(name=name, value=info):
                         self._put(name, info)
+                    case Deleted(name=name, why=why) if why:
+                        self._refuse(name, why)  # it does not decode
                     case Deleted(name=name):
                         self._delete(name)
                 self._check_block_sizes()
@@ -149,15 +167,17 @@ class WorkerRegistry:
                 with contextlib.suppress(Exception):
                     await events.aclose()
 
-    def _replace(self, items: dict[str, WorkerInfo]) -> None:
-        for name in [n for n in self._workers.keys() | self._refusing.keys() if n not in items]:
+    def _replace(self, items: dict[str, WorkerInfo], skipped: dict[str, str]) -> None:
+        for name in [n for n in self._workers.keys() | self._refusing.keys() if n not in items and n not in skipped]:
             self._delete(name)
         for name, info in items.items():
             self._put(name, info)
+        for name, why in skipped.items():
+            self._refuse(name, why)
 
     def _put(self, name: str, info: WorkerInfo) -> None:
         if (problem := self._problem(name, info)) is not None:
-            self._refuse(name, problem)
+            self._refuse(name, problem, info)
             return
         self._refusing.pop(name, None)
         if self._workers.get(name) == info:
@@ -175,12 +195,12 @@ class WorkerRegistry:
             return f"it names worker {info.worker!r}"
         return worker_info_problem(info)
 
-    def _refuse(self, name: str, problem: str) -> None:
+    def _refuse(self, name: str, problem: str, info: WorkerInfo | None = None) -> None:
         self.refused += 1
         said = self._refusing.get(name)
         self._delete(name)  # a record that was good before goes: routing must not keep a stale one
-        self._refusing[name] = problem
-        if said != problem:
+        self._refusing[name] = Refused(name, problem, info)
+        if said is None or said.why != problem:
             log.error("worker record under key %r ignored: %s", name, problem)
 
     def _delete(self, name: str) -> None:
