@@ -34,7 +34,9 @@ class ConfigWatcher:
     """Yields the effective RouterSettings: at start, then after every accepted change.
 
     `base` holds the flags, environment and file layers; a live value overrides them field by field
-    (flat flag names, like a config file). `rejected` counts refused changes; `last_error` says why.
+    (flat flag names, like a config file), a `null` too: it clears an Optional setting (the decode
+    guard off, prefill_busy_threshold inheriting queue_threshold again) whichever layer set it, and
+    is refused for any other. `rejected` counts refused changes; `last_error` says why.
     """
 
     def __init__(self, discovery: Discovery, base_cli: dict[str, object], base_file: dict[str, object]) -> None:
@@ -66,7 +68,7 @@ class ConfigWatcher:
                         f"not a router setting; settings: {', '.join(sorted(_SETTINGS))}",
                     )
                 overrides = parsed
-            settings = resolve(RouterSettings, cli={**self._base_cli, **overrides}, file=self._base_file)
+            settings = resolve(RouterSettings, cli=self._base_cli, file=self._base_file, live=overrides)
         except (ConfigError, ValueError) as exc:
             self.refuse(str(exc))
             return False

@@ -1,8 +1,9 @@
 """Config schemas and their validation, shared by every process.
 
 Layering for every setting: CLI flag > environment variable (`KVSWITCH_<NAME>`) > config file (YAML
-or TOML) > default. `resolve()` applies that order to one schema; `validate()` on each schema
-raises ConfigError naming the setting and what it allows.
+or TOML) > default, and for the router's, the live config over them all (discovery.live_config).
+`resolve()` applies that order to one schema; `validate()` on each schema raises ConfigError naming
+the setting and what it allows.
 """
 
 from __future__ import annotations
@@ -469,16 +470,18 @@ def resolve(
     env: Mapping[str, str] | None = None,
     env_prefix: str = "KVSWITCH_",
     setting_prefix: str = "",
+    live: Mapping[str, Any] | None = None,
 ) -> S:
-    """Build `schema` from its layers: CLI flag > env > file > default, then validate it.
+    """Build `schema` from its layers: live > CLI flag > env > file > default, then validate it.
 
-    Field `x` is flag/file key `{setting_prefix}x` and env var `{env_prefix}{SETTING_PREFIX}X`. CLI
-    values that are None count as not given. Fields of a nested Struct share their parent's flat
-    names (a file may also nest them under the field's name). List fields take comma-separated
-    strings from the environment.
+    Field `x` is flag/file/live key `{setting_prefix}x` and env var `{env_prefix}{SETTING_PREFIX}X`.
+    CLI values that are None count as not given (an unset flag); a live value counts whenever its
+    key is there, so a live None (JSON null) clears an Optional setting whichever layer set it.
+    Fields of a nested Struct share their parent's flat names (a file may also nest them under the
+    field's name). List fields take comma-separated strings from the environment.
     """
     env = os.environ if env is None else env
-    merged = _layer(schema, cli or {}, file or {}, env, env_prefix, setting_prefix)
+    merged = _layer(schema, live or {}, cli or {}, file or {}, env, env_prefix, setting_prefix)
     try:
         value = msgspec.convert(merged, schema, strict=False)
     except msgspec.ValidationError as exc:
@@ -489,6 +492,7 @@ def resolve(
 
 def _layer(
     schema: type[msgspec.Struct],
+    live: Mapping[str, Any],
     cli: Mapping[str, Any],
     file: Mapping[str, Any],
     env: Mapping[str, str],
@@ -501,11 +505,13 @@ def _layer(
         if sub is not None:
             nested = file.get(field.name)
             sub_file = {**file, **nested} if isinstance(nested, Mapping) else file
-            out[field.name] = _layer(sub, cli, sub_file, env, env_prefix, prefix)
+            out[field.name] = _layer(sub, live, cli, sub_file, env, env_prefix, prefix)
             continue
         name = prefix + field.name
         env_name = env_prefix + name.upper()
-        if cli.get(name) is not None:
+        if name in live:
+            out[field.name] = live[name]
+        elif cli.get(name) is not None:
             out[field.name] = cli[name]
         elif env_name in env:
             raw = env[env_name]

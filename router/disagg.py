@@ -15,6 +15,11 @@ transfer handle feeds no other), and with none whose KV pulls into it failed lat
 worker of its kind it prefills itself (`no_prefill_pool`); with none whose pulls work it is
 bypassed, in `always` and `conditional` alike (`bypass_transfer_failing`, router.transfer_health).
 
+With every prefill worker of its kind past the planner's room limit (router.planner) it prefills
+itself too (`prefill_pool_full`, decided per engine). Where the policy decides, that local prefill
+is a bypass like the policy's: the decode guard may veto it, and the best of the full prefill
+workers prefills the request (`vetoed_decode_busy`).
+
 `plan()` decides without side effects (it backs the dry run at /debug/route); `record()` counts an
 outcome once a request is really routed. Settings swap atomically with `configure()`.
 """
@@ -24,11 +29,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.config import RouterSettings
-from router.policies import DecodeGuard, DecodeRoom, Outcome, Path, Policy, make_policy
+from router.policies import Decision, DecodeGuard, DecodeRoom, Outcome, Path, Policy, make_policy
 from router.request_context import Candidate, RequestContext
 from router.selection import Selector
 from router.transfer_health import TransferHealth
@@ -130,8 +136,11 @@ class Disaggregator:
         reason = f"no decode worker has room; {ranked[0].worker} prefills and decodes it"
         return RoutePlan(ctx, ranked[0], None, Path.AGG, Outcome.SPILLED_TO_PREFILL, reason, ranked, [])
 
-    def plan(self, ctx: RequestContext, exclude: frozenset[str] = frozenset()) -> RoutePlan | None:
-        """None when no decode/agg worker (outside `exclude`) can take the request."""
+    def plan(
+        self, ctx: RequestContext, exclude: frozenset[str] = frozenset(), full: Sequence[Candidate] = ()
+    ) -> RoutePlan | None:
+        """None when no decode/agg worker (outside `exclude`) can take the request. `full`: the
+        prefill workers the planner left out of `ctx.prefill_pool` for room."""
         s = self.settings
         decode_ranked = self.selector.rank(ctx, [c for c in ctx.decode_pool if c.worker not in exclude], s)
         if not decode_ranked:
@@ -141,6 +150,7 @@ class Disaggregator:
         # any other with a 400): pair d with prefill workers of its own engine, or with none.
         engine = d.info.engine
         pool = [c for c in ctx.prefill_pool if c.worker not in exclude and c.info.engine == engine]
+        busy = [] if pool else [c for c in full if c.worker not in exclude and c.info.engine == engine]
         prefill_ranked = self.selector.rank(ctx, pool, s)
         ctx.prefill = p = prefill_ranked[0] if prefill_ranked else None
 
@@ -151,11 +161,17 @@ class Disaggregator:
             return done(Path.AGG, Outcome.AGGREGATED, f"{d.worker} is an aggregated worker")
         if s.disagg == "never":
             return done(Path.AGG, Outcome.AGGREGATED, "disagg=never")
-        if p is None and ctx.prefill_full:
-            return done(
-                Path.BYPASS, Outcome.PREFILL_POOL_FULL, "every prefill worker's backlog is past half the TTFT SLO"
-            )
-        if p is None and ctx.prefill_pool and all(c.info.engine != engine for c in ctx.prefill_pool):
+        veto: str | None = None
+        if busy:
+            # Every prefill worker of d's engine is past its room limit: d prefills, a bypass the
+            # decode guard may veto where the policy decides; then the best of them prefills.
+            veto = self.guard.veto(ctx) if self.policy_decides else None
+            if veto is None:
+                return done(Path.BYPASS, Outcome.PREFILL_POOL_FULL, self._full(engine))
+            prefill_ranked = self.selector.rank(ctx, busy, s)
+            ctx.prefill = p = prefill_ranked[0]
+        others = [*ctx.prefill_pool, *full]
+        if p is None and others and all(c.info.engine != engine for c in others):
             return done(
                 Path.AGG,
                 Outcome.NO_PREFILL_POOL,
@@ -195,22 +211,38 @@ class Disaggregator:
             ctx.prefill = p = open_to_d[0]
         if not self.policy_decides:
             return done(Path.REMOTE, Outcome.REMOTE_PREFILL, f"disagg={s.disagg}, conditional_disagg off")
-        if log.isEnabledFor(logging.DEBUG):  # timed only then: a virtual-clock replay reads no wall time
-            start = time.perf_counter()
-            decision = self.policy.decide(ctx)
-            log.debug(
-                "policy %s: %s (%s) in %.1f us",
-                self.policy.name,
-                decision.outcome,
-                decision.reason,
-                (time.perf_counter() - start) * 1e6,
-                extra={"request_id": ctx.request_id},
-            )
-        else:
-            decision = self.policy.decide(ctx)
+        if veto is not None:
+            return done(Path.REMOTE, Outcome.VETOED_DECODE_BUSY, f"{self._full(engine)}; vetoed: {veto}")
+        decision = self._decide(ctx)
         if not decision.bypass:
             return done(Path.REMOTE, decision.outcome, decision.reason)
         veto = self.guard.veto(ctx)
         if veto is not None:
             return done(Path.REMOTE, Outcome.VETOED_DECODE_BUSY, f"{decision.reason}; vetoed: {veto}")
         return done(Path.BYPASS, decision.outcome, decision.reason)
+
+    def _decide(self, ctx: RequestContext) -> Decision:
+        """The policy's answer; timed and logged at DEBUG."""
+        if not log.isEnabledFor(logging.DEBUG):
+            return self.policy.decide(ctx)
+        start = time.perf_counter()  # timed only here: a virtual-clock replay reads no wall time
+        decision = self.policy.decide(ctx)
+        log.debug(
+            "policy %s: %s (%s) in %.1f us",
+            self.policy.name,
+            decision.outcome,
+            decision.reason,
+            (time.perf_counter() - start) * 1e6,
+            extra={"request_id": ctx.request_id},
+        )
+        return decision
+
+    def _full(self, engine: str) -> str:
+        """Why every prefill worker of `engine` is full: the planner's room limit (planner._has_room)."""
+        s = self.settings
+        qt = s.conditional.queue_threshold
+        if qt is not None:
+            limit = f"queue is over queue_threshold {qt} x max_num_batched_tokens"
+        else:
+            limit = f"predicted prefill backlog is past half the TTFT SLO ({s.slo_ttft_s / 2:g} s)"
+        return f"every {engine} prefill worker's {limit}"

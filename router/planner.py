@@ -267,31 +267,42 @@ class Planner:
         request needs a decode worker; prefill workers without room only change the path."""
         return any(self._decode_room(ctx, c) for c in ctx.decode_pool)
 
-    def _keep_room(self, ctx: RequestContext, *, record: bool = False) -> None:
-        """Narrow both pools to the workers with room, so the choice never lands on a full one;
-        with every prefill worker full, the request prefills on its decode worker (one the policy
-        lets prefill it, when the policy judges room). `record`: add each worker left out to
-        `ctx.excluded` with why (/debug/route; the request path skips the formatting)."""
+    def _keep_room(self, ctx: RequestContext, *, record: bool = False) -> list[Candidate]:
+        """Narrow both pools to the workers with room, so the choice never lands on a full one, and
+        return the prefill workers left out (router.disagg: with every one of its engine full, a
+        decode worker prefills the request, one the policy lets prefill it when the policy judges
+        room). `record`: add each worker left out to `ctx.excluded` with why (/debug/route; the
+        request path skips the formatting)."""
         decode: list[Candidate] = []
         prefill: list[Candidate] = []
         full: list[Candidate] = []
+        busy: list[Candidate] = []
         for c in ctx.decode_pool:
             (decode if self._decode_room(ctx, c) else full).append(c)
         for c in ctx.prefill_pool:
-            (prefill if self._has_room(c) else full).append(c)
-        ctx.prefill_full = bool(ctx.prefill_pool) and not prefill
+            (prefill if self._prefill_room(c) else busy).append(c)
         if record:
-            ctx.excluded += [self._no_room(ctx, c) for c in full]
+            ctx.excluded += [self._no_room(ctx, c) for c in (*full, *busy)]
         local_only = ctx.shape.local_prefill_only and bool(ctx.prefill_pool)  # prefilled locally (router.disagg)
-        if ctx.prefill_full or local_only:
-            local = [c for c in decode if self.disagg.has_room(ctx, c, local=True)]
+        full_engines = {c.info.engine for c in busy} - {c.info.engine for c in prefill}
+        if full_engines or local_only:
+            local = [
+                c
+                for c in decode
+                if not (local_only or c.info.engine in full_engines) or self.disagg.has_room(ctx, c, local=True)
+            ]
             if record and len(local) < len(decode):
-                cause = "no transfer handle can serve the request" if local_only else "every prefill worker is full"
+                cause = (
+                    "no transfer handle can serve the request"
+                    if local_only
+                    else "every prefill worker of its engine is full"
+                )
                 why = f"{cause} and the {self.disagg.policy.name} policy's room rule refuses a local prefill here"
                 kept = {id(c) for c in local}
                 ctx.excluded += [{**c.explain(), "excluded": "room", "why": why} for c in decode if id(c) not in kept]
             decode = local
         ctx.decode_pool, ctx.prefill_pool = decode, prefill
+        return busy
 
     def _no_room(self, ctx: RequestContext, c: Candidate) -> dict[str, Any]:
         s = self.settings
@@ -299,7 +310,7 @@ class Planner:
         backlog = self._backlog_s(c)
         if qt is not None and over_queue_threshold(c, qt):
             why = (
-                f"queued prefill {c.queued_prefill_tokens} tokens over queue_threshold {qt:g} x "
+                f"queued prefill {c.queued_prefill_tokens} tokens over queue_threshold {qt} x "
                 f"max_num_batched_tokens {c.info.max_num_batched_tokens}"
             )
         elif qt is None and backlog is not None and backlog > s.slo_ttft_s / 2:
@@ -311,6 +322,16 @@ class Planner:
     def _decode_room(self, ctx: RequestContext, c: Candidate) -> bool:
         """Its predicted prefill backlog fits, and the policy's own room rule lets it decode one more."""
         return self._has_room(c) and self.disagg.has_room(ctx, c, local=False)
+
+    def _prefill_room(self, c: Candidate) -> bool:
+        """Room for a remote prefill. Where the policy decides, queue_threshold leaves a prefill
+        worker in the pool, as the seed does (selection ranks it last): the policy judges the one it
+        would pick (prefill_load calls it busy by the same threshold when it inherits it), then the
+        decode guard. Pre-empting them here would count its bypass as `prefill_pool_full`, take a
+        worker under a larger prefill_busy_threshold off the remote path, and skip the guard."""
+        if self.settings.conditional.queue_threshold is not None and self.disagg.policy_decides:
+            return True
+        return self._has_room(c)
 
     def _backlog_s(self, c: Candidate) -> float | None:
         """Seconds of prefill queued on `c` at its full-batch rate; None when its rate is unknown."""
@@ -338,10 +359,10 @@ class Planner:
             self.disagg.record(plan.outcome)
             self._reached(ctx, held, ctx.cached_tokens(plan.decode), plan)
             return self._book(ctx, plan)
-        self._keep_room(ctx)
+        full = self._keep_room(ctx)
         if not ctx.decode_pool:
             return None  # room to decode, but no decode worker the policy lets prefill it
-        plan = self._choose(ctx)
+        plan = self._choose(ctx, full)
         self._reached(ctx, held, _longest(ctx), plan)
         return self._book(ctx, plan)
 
@@ -369,8 +390,8 @@ class Planner:
             return None
         return self._book(ctx, self._choose(ctx))
 
-    def _choose(self, ctx: RequestContext) -> RoutePlan:
-        plan = self.disagg.plan(ctx)
+    def _choose(self, ctx: RequestContext, full: Sequence[Candidate] = ()) -> RoutePlan:
+        plan = self.disagg.plan(ctx, full=full)
         assert plan is not None  # refresh() guarantees a decode candidate
         self.disagg.chosen(plan)
         return plan
@@ -397,9 +418,9 @@ class Planner:
         admissible = self.admissible(ctx)
         plan = None
         if admissible:
-            self._keep_room(ctx, record=True)
+            full = self._keep_room(ctx, record=True)
             if ctx.decode_pool:
-                plan = self.disagg.plan(ctx)
+                plan = self.disagg.plan(ctx, full=full)
         else:
             plan = self._spill_plan(ctx)
         waits = plan is None

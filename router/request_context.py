@@ -144,7 +144,6 @@ class RequestContext:
     prefill: Candidate | None = None
     text: bool = False  # the prompt came as text: only workers sharing the router's tokenizer
     shape: RequestShape = field(default_factory=RequestShape)
-    prefill_full: bool = False  # every prefill worker was past the admission limit
     excluded: list[dict[str, Any]] = field(default_factory=list)  # workers left out, and why
     isl: int = field(init=False)  # prompt tokens; a field, as it is read for every candidate
 

@@ -89,12 +89,14 @@ def held_tokens(ctx: RequestContext, pool: Sequence[Candidate], max_wait_s: floa
 def over_queue_threshold(c: Candidate, queue_threshold: float | None) -> bool:
     """A worker whose queued prefill tokens exceed `queue_threshold` x its max_num_batched_tokens.
 
-    Unknown max_num_batched_tokens or no threshold: never over.
+    Unknown max_num_batched_tokens or no threshold: never over. The ratio is compared, not the
+    product: a correctly rounded quotient equals the threshold when the queue is exactly at it,
+    where `0.57 * 10000` is 5699.999999999999 and would call a queue of 5700 over.
     """
     mnbt = c.info.max_num_batched_tokens
     if queue_threshold is None or not mnbt:
         return False
-    return c.queued_prefill_tokens > queue_threshold * mnbt
+    return c.queued_prefill_tokens / mnbt > queue_threshold
 
 
 class Selector:

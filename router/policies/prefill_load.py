@@ -6,8 +6,10 @@ Rule (DESIGN.md, the seed's semantics exactly):
 
 where p is the prefill worker the router would pick (selection over the prefill pool) and the
 queue is the load view's (its last report plus every router's bookings). Strict: a queue exactly
-at the threshold is not busy. A prefill worker whose record lacks max_num_batched_tokens cannot be
-judged busy, so the request keeps its remote prefill.
+at the threshold is not busy. It compares queued / max_num_batched_tokens with the threshold: the
+float product rounds below limits such as 0.57 x 10000 and would call a queue at them busy. A
+prefill worker whose record lacks max_num_batched_tokens cannot be judged busy, so the request
+keeps its remote prefill.
 
 Parameters (ConditionalDisaggConfig): prefill_busy_threshold (multiple of max_num_batched_tokens,
 >= 0); unset, it inherits queue_threshold; neither set is a startup error for this policy.
@@ -57,8 +59,9 @@ class PrefillLoad:
         if not mnbt:
             why = f"prefill worker {p.worker}: max_num_batched_tokens unknown"
             return Decision(False, Outcome.DECLINED_POLICY, why)
-        limit = self.config.prefill_busy_threshold * mnbt
+        threshold = self.config.prefill_busy_threshold
         why = f"prefill worker {p.worker} queue {p.queued_prefill_tokens} tokens"
-        if p.queued_prefill_tokens > limit:
-            return Decision(True, Outcome.BYPASS_LOAD, f"{why} > {limit:g}")
-        return Decision(False, Outcome.DECLINED_POLICY, f"{why} <= {limit:g}")
+        limit = f"{threshold} x max_num_batched_tokens {mnbt}"
+        if p.queued_prefill_tokens / mnbt > threshold:
+            return Decision(True, Outcome.BYPASS_LOAD, f"{why} > {limit}")
+        return Decision(False, Outcome.DECLINED_POLICY, f"{why} <= {limit}")

@@ -72,6 +72,10 @@ LOAD_TABLE = [
     (3072, 2048, 1.5, False),
     (3073, 2048, 1.5, True),
     (10**6, None, 1.0, False),  # capacity unknown: cannot be judged busy
+    (5700, 10000, 0.57, False),  # 0.57 x 10000 rounds to 5699.999999999999: at the threshold, not over
+    (5701, 10000, 0.57, True),
+    (870, 3000, 0.29, False),  # 0.29 x 3000 rounds to 869.9999999999999
+    (871, 3000, 0.29, True),
 ]
 
 
@@ -82,6 +86,13 @@ def test_prefill_load_boundaries(queued: int, mnbt: int | None, threshold: float
     decision = policy.decide(decided(8000, cand(), p))
     assert decision.bypass is bypass
     assert decision.outcome is (Outcome.BYPASS_LOAD if bypass else Outcome.DECLINED_POLICY)
+
+
+def test_prefill_load_says_the_limit_as_configured() -> None:
+    policy = PrefillLoad(PrefillLoadConfig(prefill_busy_threshold=0.57))
+    p = cand("p1", "prefill", queued_prefill_tokens=5700, max_num_batched_tokens=10000)
+    decision = policy.decide(decided(8000, cand(), p))
+    assert decision.reason == "prefill worker p1 queue 5700 tokens <= 0.57 x max_num_batched_tokens 10000"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,102 @@
+"""A busy prefill pool through Planner.take: the policy and the decode guard decide where they should
+(DESIGN.md, "Conditional disaggregation policies"), `prefill_pool_full` where no policy does, per engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol import block_hashes
+from protocol.messages import Stored
+from router.policies import Outcome, Path
+from tests.router.test_planner import BLOCK, Fleet, winfo
+
+LONG = list(range(4096))  # uncached, past isl_bounding's 2048: every policy would keep it remote
+BUSY = 8193  # queued on p1: over 1.0 x max_num_batched_tokens 8192
+
+
+@pytest.mark.parametrize("policy", ["prefill_load", "isl_or_load"])
+def test_a_load_policy_inheriting_queue_threshold_bypasses_a_busy_prefill_worker_as_bypass_load(policy: str) -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy=policy,
+              queue_threshold=1.0)  # fmt: skip
+    f.report("p1", prefill_tokens_queued=BUSY)
+    plan = f.planner.take(f.ctx(LONG))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_LOAD)
+    assert plan.reason == "prefill worker p1 queue 8193 tokens > 1.0 x max_num_batched_tokens 8192"
+
+
+def test_the_guard_vetoes_a_load_bypass_over_queue_threshold_and_the_busy_worker_prefills() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="prefill_load",
+              queue_threshold=1.0, decode_busy_threshold=0.5)  # fmt: skip
+    f.report("d1", kv_used_blocks=9000)  # of 10,000
+    f.report("p1", prefill_tokens_queued=BUSY)
+    plan = f.planner.take(f.ctx(LONG))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.VETOED_DECODE_BUSY)
+    assert plan.prefill is not None and plan.prefill.worker == "p1"
+    assert "vetoed: decode worker d1 KV" in plan.reason
+
+
+def test_a_prefill_worker_between_queue_threshold_and_a_larger_busy_threshold_keeps_the_remote_prefill() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="prefill_load",
+              queue_threshold=1.0, prefill_busy_threshold=2.0)  # fmt: skip
+    f.report("p1", prefill_tokens_queued=12_288)  # 1.5 x 8192: over queue_threshold, not busy by the policy
+    plan = f.planner.take(f.ctx(LONG))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.DECLINED_POLICY)
+    assert plan.prefill is not None and plan.prefill.worker == "p1"
+
+
+def test_isl_bounding_decides_over_a_prefill_pool_past_queue_threshold() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, queue_threshold=1.0,
+              decode_busy_threshold=0.5)  # fmt: skip
+    f.report("d1", kv_used_blocks=4000)
+    f.report("p1", prefill_tokens_queued=BUSY)
+    f.index.apply("d1", [Stored(hashes=block_hashes(LONG[:1024], BLOCK))])
+    plan = f.planner.take(f.ctx(LONG[:1536], "short"))  # eff_isl 512, ratio 0.33
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.BYPASS_ISL)
+    f.report("d1", kv_used_blocks=9000)  # the guard now vetoes that bypass
+    plan = f.planner.take(f.ctx(LONG[:1536], "vetoed"))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.VETOED_DECODE_BUSY)
+    plan = f.planner.take(f.ctx(LONG, "long"))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.DECLINED_POLICY)
+
+
+def test_the_guard_vetoes_the_local_prefill_of_a_prefill_pool_past_the_ttft_backlog() -> None:
+    # No queue_threshold: admission's backlog limit (half the TTFT SLO) makes the pool full and d1
+    # prefills, as a bypass the decode guard may veto like the policy's own.
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, decode_busy_threshold=0.5)
+    f.report("p1", prefill_tokens_queued=200_000)
+    plan = f.planner.take(f.ctx(LONG))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
+    assert plan.reason == "every vllm prefill worker's predicted prefill backlog is past half the TTFT SLO (1 s)"
+    f.report("d1", kv_used_blocks=9000)
+    plan = f.planner.take(f.ctx(LONG, "r2"))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.VETOED_DECODE_BUSY)
+    assert plan.prefill is not None and plan.prefill.worker == "p1"
+
+
+def test_without_a_policy_a_prefill_pool_past_queue_threshold_is_full_and_says_so() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always", queue_threshold=1.0, decode_busy_threshold=0.5)
+    f.report("d1", kv_used_blocks=9000)  # no policy decides: the guard has nothing to veto
+    f.report("p1", prefill_tokens_queued=BUSY)
+    plan = f.planner.take(f.ctx(LONG))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
+    assert plan.prefill is None
+    assert plan.reason == "every vllm prefill worker's queue is over queue_threshold 1.0 x max_num_batched_tokens"
+
+
+def test_a_full_prefill_pool_of_the_decode_workers_engine_is_full_though_another_engines_has_room() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), winfo("p2", "prefill", engine="sglang"), disagg="always",
+              queue_threshold=1.0)  # fmt: skip
+    f.report("p1", prefill_tokens_queued=9000)
+    plan = f.planner.take(f.ctx(LONG))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
+    assert "every vllm prefill worker" in plan.reason
+
+
+@pytest.mark.parametrize(("queued", "outcome"), [(5700, Outcome.REMOTE_PREFILL), (5701, Outcome.PREFILL_POOL_FULL)])
+def test_queue_threshold_is_strict_at_a_limit_the_float_product_rounds_below(queued: int, outcome: Outcome) -> None:
+    # 0.57 * 10000 == 5699.999999999999: a queue of exactly 5700 is at the threshold, not over it
+    f = Fleet(winfo("d1"), winfo("p1", "prefill", max_num_batched_tokens=10_000), disagg="always",
+              queue_threshold=0.57)  # fmt: skip
+    f.report("p1", prefill_tokens_queued=queued)
+    plan = f.planner.take(f.ctx(LONG))
+    assert plan is not None and plan.outcome is outcome
