@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -32,6 +34,7 @@ from bench.summary import PrefixCounters, Slo, format_summary, scrape_prefix_cou
 from bench.trace import TraceError, load_trace, shipped_trace
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
 from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
+from protocol.config import url_problem
 from worker_shim.credit_check import SHORT_BELOW, CreditCheck
 
 __all__ = ["DEMO", "add_arguments", "run"]
@@ -237,10 +240,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_slo_args(wp)
 
 
+def _rates(text: str) -> list[float]:
+    """--rates: comma-separated finite factors > 0, checked before anything runs."""
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--rates: comma-separated numbers, got {text!r}") from None
+    bad = [r for r in rates if not 0 < r < math.inf]
+    if bad:
+        raise ValueError(f"--rates must be finite numbers > 0, got {', '.join(f'{r:g}' for r in bad)}")
+    return rates
+
+
+def _check_replay_urls(args: argparse.Namespace) -> None:
+    """--url and --metrics-url as aiohttp will take them: http(s), a host, a port in range."""
+    for flag, urls in (("--url", args.url), ("--metrics-url", args.metrics_url)):
+        for url in urls:
+            if urlsplit(url).scheme not in ("http", "https"):
+                raise ValueError(f"{flag} {url!r}: must be an http:// or https:// URL")
+            if (problem := url_problem(url)) is not None:
+                raise ValueError(f"{flag} {url!r}: {problem}")
+
+
+def _check_latency_scale(scale: float) -> None:
+    if not 0 < scale < math.inf:  # NaN fails too
+        raise ValueError(f"--latency-scale must be a finite number > 0, got {scale:g}")
+
+
 def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
-    records = load_trace(
-        args.trace or shipped_trace(), limit=args.limit, duration_s=args.duration, start_s=args.start or 0.0
-    )
+    trace = args.trace or shipped_trace()
+    try:
+        records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start or 0.0)
+    except OSError as exc:
+        raise ValueError(f"--trace {trace}: {exc.strerror or exc}") from None
     if not records:
         raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
     return from_trace(records, scale_tokens=args.scale_tokens or 1.0, max_input_len=args.max_input_len)
@@ -390,6 +422,7 @@ def _compare(args: argparse.Namespace) -> int:
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    rates = _rates(args.rates)
     known = {**CONFIGURATIONS, **PEER_CONFIGURATIONS}
     if args.configs == "all":
         names = [*CONFIGURATIONS] if virtual else [*CONFIGURATIONS, *PEER_CONFIGURATIONS]
@@ -422,7 +455,7 @@ def _compare(args: argparse.Namespace) -> int:
         decode=args.decode,
         routers=args.routers,
         speedup=args.speedup,
-        rates=[float(r) for r in args.rates.split(",")],
+        rates=rates,
         runs=args.runs,
         profile=args.profile,
         sim_args=sim_args,
@@ -474,6 +507,7 @@ def _sweep(args: argparse.Namespace) -> int:
         raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(CONFIGURATIONS)}")
     if args.scale_tokens is None:
         args.scale_tokens = 1.0
+    rates = _rates(args.rates)
     items = _replay_items(args)
     if not items:
         raise ValueError("the workload is empty")
@@ -481,7 +515,7 @@ def _sweep(args: argparse.Namespace) -> int:
     points = run_sweep(
         items,
         parse_fleets(args.fleets),
-        [float(r) for r in args.rates.split(",")],
+        rates,
         [CONFIGURATIONS[n] for n in names],
         slo=Slo(args.slo_ttft, args.slo_itl),
         profile=args.profile,
@@ -542,10 +576,13 @@ def _run(args: argparse.Namespace) -> int:
                 return _replay_virtual(args, _replay_items(args))
             if not args.url:
                 raise ValueError("--url is required (or --clock virtual)")
+            _check_replay_urls(args)
+            _check_latency_scale(args.latency_scale)
             return asyncio.run(_replay(args, _replay_items(args)))
         if args.bench_command == "summary":
             from bench.replay import read_results
 
+            _check_latency_scale(args.latency_scale)
             results = read_results(args.results)
             print(
                 format_summary(

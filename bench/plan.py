@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -240,11 +242,21 @@ def _plan(args: argparse.Namespace) -> int:
     # Checked here, so that the messages name plan's flags rather than the router's or the fleet's.
     if args.gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
-    for flag, value in (("--rate", args.rate), ("--slo-ttft", args.slo_ttft), ("--slo-itl", args.slo_itl)):
-        if not value > 0:
-            raise ValueError(f"{flag} must be > 0, got {value:g}")
+    positive = [("--rate", args.rate), ("--slo-ttft", args.slo_ttft), ("--slo-itl", args.slo_itl)]
+    positive += [("--scale-tokens", args.scale_tokens)]
+    if args.duration is not None:
+        positive.append(("--duration", args.duration))
+    for flag, value in positive:
+        if not 0 < value < math.inf:  # NaN fails too
+            raise ValueError(f"{flag} must be > 0 and finite, got {value:g}")
+    if not 0 <= args.start < math.inf:
+        raise ValueError(f"--start must be a finite number of seconds >= 0, got {args.start:g}")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if args.out is not None:
+        _check_out(args.out)
     _check_max_model_len(args.max_model_len, args.profile)
     names = list(dict.fromkeys(n.strip() for n in args.policies.split(",") if n.strip()))
     if not names:
@@ -254,7 +266,10 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(CONFIGURATIONS)}")
     splits = _splits(args.splits, args.gpus) if args.splits else list(range(1, args.gpus))
     trace = args.trace or shipped_trace()
-    records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start)
+    try:
+        records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start)
+    except OSError as exc:
+        raise ValueError(f"--trace {trace}: {exc.strerror or exc}") from None
     if not records:
         if not load_trace(trace, limit=1):
             raise ValueError(f"no records in the trace file {trace}")
@@ -290,6 +305,18 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"results: {args.out}")
     print(f"{len(jobs)} candidates in {time.monotonic() - started:.0f} s wall")
     return 0 if in_slo(best.summary) else NO_WINNER
+
+
+def _check_out(out: Path) -> None:
+    """--out is written after every candidate ran: a place it cannot go is refused before."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
+    if out.is_dir():
+        raise ValueError(f"--out {out}: a directory; give a file name")
+    if not os.access(out if out.exists() else out.parent, os.W_OK):
+        raise ValueError(f"--out {out}: not writable")
 
 
 def _check_max_model_len(tokens: int, profile: str) -> None:

@@ -26,6 +26,7 @@ Definitions (so figures can be checked by hand):
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -115,8 +116,8 @@ def summarize(
     prefix: PrefixCounters | None = None,
     clock: str = "live",
 ) -> Summary:
-    if not latency_scale > 0:
-        raise ValueError(f"latency scale must be > 0, got {latency_scale}")
+    if not 0 < latency_scale < math.inf:  # NaN fails too
+        raise ValueError(f"latency scale must be a finite number > 0, got {latency_scale}")
     slo = slo or Slo()
     ok = [r for r in results if r.ok]
     if results:

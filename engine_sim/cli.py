@@ -17,9 +17,11 @@ import signal
 import sys
 from collections.abc import Callable
 
+import zmq
+
 from engine_sim.config import EVENT_FORMS, KV_LOAD_FAILURE_POLICIES, ROLES, KVEventsConfig, SimConfig
 from engine_sim.errors import SimConfigError
-from engine_sim.fleet import SimFleet
+from engine_sim.fleet import SimFleet, fleet_config
 from engine_sim.lora import LoraModule
 from engine_sim.server import ServerStatus
 from protocol.timing import DEFAULT_PROFILE, profile_names
@@ -179,6 +181,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         tool_call_parser=args.tool_call_parser,
         runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),
     ).validate()
+    if args.count > 1:
+        # engine i listens on --port + i and publishes on the events ports + i (engine_sim/fleet.py)
+        try:
+            fleet_config(config, args.count - 1).validate()
+        except SimConfigError as exc:
+            flag = "--" + exc.setting.replace("_", "-")
+            got = exc.allowed if exc.setting == "kv_events_config" else f"{exc.value!r}: {exc.allowed}"
+            raise SimConfigError("count", args.count, f"its last engine would get {flag} {got}") from None
     return config.check_kv_fits_max_model_len()
 
 
@@ -198,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
             await fleet.start()
         except OSError as exc:
             print(f"kvswitch sim: error: cannot listen: {exc}", file=sys.stderr)
+            return 1
+        except zmq.ZMQError as exc:
+            print(
+                f"kvswitch sim: error: --kv-events-config: cannot bind or connect its endpoints: {exc}", file=sys.stderr
+            )
             return 1
         if count > 1:
             tune_gc()

@@ -87,6 +87,20 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """vLLM publishes when events are enabled and the publisher is not `null`."""
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
+    def problem(self) -> str | None:
+        """What ZMQ (or vLLM's replay deque) would refuse when the publisher starts, naming the key;
+        None if nothing. Checked only when active: an inactive config is never used, as in vLLM."""
+        if not self.active:
+            return None
+        for key in ("endpoint", "replay_endpoint"):
+            value = getattr(self, key)
+            if (key == "endpoint" or value) and (why := _zmq_endpoint_problem(value)) is not None:
+                return f"{key} {value!r}: {why}"
+        for key in ("hwm", "buffer_steps"):
+            if getattr(self, key) < 0:
+                return f"{key} must be >= 0, got {getattr(self, key)}"
+        return None
+
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         try:
@@ -94,9 +108,12 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         except json.JSONDecodeError as exc:
             raise SimConfigError("kv_events_config", text, f"not JSON ({exc.msg})") from exc
         try:
-            return msgspec.convert(raw, cls)
+            config = msgspec.convert(raw, cls)
         except msgspec.ValidationError as exc:
             raise SimConfigError("kv_events_config", text, str(exc)) from exc
+        if (problem := config.problem()) is not None:
+            raise SimConfigError("kv_events_config", text, problem)
+        return config
 
     @classmethod
     def ephemeral(cls, topic: str = "") -> KVEventsConfig:
@@ -108,6 +125,17 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             replay_endpoint="tcp://127.0.0.1:0",
             topic=topic,
         )
+
+
+def _zmq_endpoint_problem(endpoint: str) -> str | None:
+    transport, sep, address = endpoint.partition("://")
+    if not sep or transport not in ("tcp", "ipc", "inproc") or not address:
+        return "must be tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+    if transport == "tcp":
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+            return "a tcp:// endpoint needs HOST:PORT, PORT in [0, 65535] or *"
+    return None
 
 
 class SimConfig(msgspec.Struct, kw_only=True):
@@ -213,6 +241,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
                 raise SimConfigError(name, value, "must be >= 0")
         if not 0 <= self.port <= 65535:
             raise SimConfigError("port", self.port, "must be in [0, 65535]")
+        if (problem := self.kv_events.problem()) is not None:
+            raise SimConfigError("kv_events_config", msgspec.json.encode(self.kv_events).decode(), problem)
         names = (self.model, *self.aliases)
         if len(set(names)) != len(names) or not all(names):
             raise SimConfigError("served_model_name", " ".join(names), "names must be distinct and non-empty")

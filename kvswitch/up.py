@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import logging
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from kvswitch.cluster import STOP_GRACE_S, ClusterSpec, LocalCluster
 from kvswitch.servers import ServerError
+from protocol import ConfigError, subjects
 from protocol.timing import profile_names
 
 __all__ = ["PASSES_UNKNOWN_ARGS", "add_arguments", "run"]
@@ -76,6 +78,18 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         if not 0 <= getattr(args, name) <= 65535:
             raise SystemExit(f"kvswitch up: --{name.replace('_', '-')} must be in 0..65535 (0: a free one), "
                              f"got {getattr(args, name)}")  # fmt: skip
+    if args.http_port and args.http_port + routers - 1 > 65535:
+        raise SystemExit(
+            f"kvswitch up: --http-port {args.http_port} leaves no port for router {routers - 1} of --routers "
+            f"{routers} (router i listens on --http-port + i): at most {65536 - routers}"
+        )
+    try:
+        subjects.validate_namespace(args.namespace)  # as the router and the shims check it
+    except ValueError:
+        raise SystemExit(f"kvswitch up: --namespace must match [A-Za-z0-9_-]+, got {args.namespace!r}") from None
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if log_dir is not None:
+        _check_log_dir(log_dir)
     if not args.model.strip():
         raise SystemExit("kvswitch up: --model must name the served model, got an empty name")
     for name in ("nats_nodes", "etcd_members"):
@@ -84,13 +98,13 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     sim_args = [*_max_model_len_args(args), *_lora_args(args.lora_modules, args.model)]
     extra: list[str] = list(getattr(args, "extra", []))
     if extra:
-        _check_router_args(extra)
+        _check_router_args(extra, args)
     return ClusterSpec(
         nats_port=args.nats_port, etcd_port=args.etcd_port, namespace=args.namespace,
         prefill=args.prefill, decode=args.decode, agg=args.agg, routers=routers,
         http_port=args.http_port if routers else 0, speedup=args.speedup, model=args.model,
         profile=args.profile, router_args=extra, sim_args=sim_args,
-        log_dir=Path(args.log_dir) if args.log_dir else None,
+        log_dir=log_dir,
         nats_nodes=args.nats_nodes, etcd_members=args.etcd_members, etcd_auth=args.secure, nats_auth=args.secure,
     )  # fmt: skip
 
@@ -132,14 +146,46 @@ def _lora_args(modules: list[str], model: str) -> list[str]:
     return ["--enable-lora", "--lora-modules", *modules]
 
 
-def _check_router_args(extra: list[str]) -> None:
+def _check_log_dir(log_dir: Path) -> None:
+    """Children write their logs there: a directory that cannot be made or written is refused now,
+    not at the first child, after NATS and etcd started."""
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"kvswitch up: --log-dir {log_dir}: cannot create it: {exc.strerror or exc}") from None
+    if not os.access(log_dir, os.W_OK | os.X_OK):
+        raise SystemExit(f"kvswitch up: --log-dir {log_dir}: not writable")
+
+
+# Router flags `kvswitch up` gives every replica itself (LocalCluster._start_router) and has no flag of
+# its own for (those it has, --namespace, --http-port, --model, never reach the router's parser): one
+# given again would point the routers away from the cluster's own NATS and etcd, or their address.
+_UP_SETS = ("http_host",)
+_UP_SETS_PREFIXES = ("nats_", "etcd_")
+
+
+def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
     try:
         router_cli = importlib.import_module("router.cli")
     except ImportError as exc:
         raise SystemExit(f"kvswitch up: unknown arguments {extra} (the router is not installed)") from exc
     parser = argparse.ArgumentParser(prog="kvswitch up (router flags)")
     router_cli.add_arguments(parser)
-    parser.parse_args(extra)
+    ns = parser.parse_args(extra)
+    for dest, value in vars(ns).items():
+        if value != parser.get_default(dest) and (dest in _UP_SETS or dest.startswith(_UP_SETS_PREFIXES)):
+            flag = "--" + dest.replace("_", "-")
+            raise SystemExit(
+                f"kvswitch up: {flag} is set by kvswitch up itself (its own NATS and etcd, the routers on "
+                "127.0.0.1 from --http-port): drop it"
+            )
+    # The replicas' settings as each will resolve them, checked now by the router's own rules, so
+    # that contradictory flags are refused before anything starts.
+    ns.namespace, ns.http_host, ns.http_port, ns.model = args.namespace, "127.0.0.1", args.http_port, args.model
+    try:
+        router_cli.build_config(ns)
+    except ConfigError as exc:
+        raise SystemExit(f"kvswitch up: {exc}") from None
 
 
 class _HealthLog:

@@ -132,3 +132,29 @@ def test_sigterm_stops_a_benchmarks_cluster_and_leaves_nothing(tmp_path: Path) -
 def _children_running(pid: int, command: str) -> bool:
     out = subprocess.run(["pgrep", "-f", "-P", str(pid), command], capture_output=True, text=True, check=False)
     return bool(out.stdout.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["compare", "--rates", "x"], "kvswitch bench compare: --rates: comma-separated numbers, got 'x'"),
+        (["compare", "--rates", "-1", "--clock", "virtual", "--limit", "5"], "--rates must be finite numbers > 0"),
+        (["compare", "--rates", "1,inf", "--clock", "virtual", "--limit", "5"], "> 0, got inf"),
+        (["sweep", "--rates", "0", "--limit", "5"], "kvswitch bench sweep: --rates must be finite numbers > 0, got 0"),
+        (["replay", "--url", "notaurl", "--limit", "1"], "--url 'notaurl': must be an http:// or https:// URL"),
+        (["replay", "--url", "http://:80", "--limit", "1"], "--url 'http://:80': the URL names no host"),
+        (["replay", "--url", "http://127.0.0.1:1", "--metrics-url", "ftp://x"], "--metrics-url 'ftp://x'"),
+        (["replay", "--url", "http://127.0.0.1:1", "--trace", "/nonexistent"], "--trace /nonexistent: No such file"),
+        (["replay", "--url", "http://127.0.0.1:1", "--latency-scale", "-1"], "--latency-scale must be a finite"),
+        (["replay", "--url", "http://127.0.0.1:1", "--latency-scale", "inf"], "number > 0, got inf"),
+        (["summary", str(DATA), "--latency-scale", "inf"], "--latency-scale must be a finite number > 0, got inf"),
+    ],
+)
+def test_a_bad_flag_is_named_before_anything_runs(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, --rates x named no flag, --rates -1 failed after every configuration ran, a bad --url
+    was aiohttp's bare text, a missing --trace an errno line, --latency-scale checked after a replay."""
+    assert main(["bench", *argv]) == 2
+    out = capsys.readouterr()
+    assert message in out.err and out.out == "", out

@@ -173,6 +173,39 @@ def test_bad_arguments_are_named(argv: list[str], message: str, capsys: pytest.C
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rate", "inf"], "--rate must be > 0 and finite, got inf"),
+        (["--slo-ttft", "inf"], "--slo-ttft must be > 0 and finite, got inf"),
+        (["--slo-itl", "inf"], "--slo-itl must be > 0 and finite, got inf"),
+        (["--scale-tokens", "inf"], "--scale-tokens must be > 0 and finite, got inf"),
+        (["--duration", "nan"], "--duration must be > 0 and finite, got nan"),
+        (["--start", "nan"], "--start must be a finite number of seconds >= 0, got nan"),
+        (["--start", "-5"], "--start must be a finite number of seconds >= 0, got -5"),
+        (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+        (["--jobs", "-1"], "--jobs must be >= 1, got -1"),
+        (["--out", "/proc/nope/x.json"], "--out /proc/nope/x.json: cannot create /proc/nope"),
+        (["--trace", "/nonexistent"], "--trace /nonexistent: No such file or directory"),
+    ],
+)
+def test_values_plan_cannot_run_with_are_refused_before_any_candidate(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, these ran every candidate (inf, nan, --jobs 0), or failed after them (--out), or named
+    no flag (--trace) or the router's flag (--slo-ttft inf)."""
+    assert main(["plan", "--gpus", "2", "--limit", "5", "--policies", "kv", *argv]) == 2
+    out = capsys.readouterr()
+    assert message in out.err and "[kv on" not in out.out + out.err, out
+
+
+def test_out_naming_a_directory_is_refused_before_any_candidate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--gpus", "2", "--limit", "5", "--policies", "kv", "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path}: a directory" in capsys.readouterr().err
+
+
 def test_an_empty_trace_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -181,6 +181,13 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
             "kvswitch up: invalid --max-model-len = 0: must be a positive integer",
         ),
         (["--agg", "1", "--max-model-len", "1000000"], "--max-model-len 1000000 does not fit one simulated engine's"),
+        (["--agg", "1", "--log-dir", "/proc/nope"], "kvswitch up: --log-dir /proc/nope: cannot create it"),
+        (["--agg", "1", "--nats-servers", "nats://127.0.0.1:1"], "kvswitch up: --nats-servers is set by kvswitch up"),
+        (["--agg", "1", "--etcd-endpoints", "http://127.0.0.1:1"], "--etcd-endpoints is set by kvswitch up"),
+        (["--agg", "1", "--http-host", "0.0.0.0"], "kvswitch up: --http-host is set by kvswitch up itself"),
+        (["--agg", "1", "--namespace", "a.b"], "kvswitch up: --namespace must match [A-Za-z0-9_-]+, got 'a.b'"),
+        (["--agg", "1", "--routers", "3", "--http-port", "65534"], "--http-port 65534 leaves no port for router 2"),
+        (["--agg", "1", "--disagg", "never", "--conditional-disagg"], "kvswitch up: invalid conditional_disagg"),
     ],
 )
 def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], said: str) -> None:
@@ -189,6 +196,7 @@ def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], s
     out = subprocess.run([sys.executable, "-m", "kvswitch", "up", *argv], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and said in out.stderr, out.stderr
     assert "nats" not in out.stdout and time.monotonic() - started < 20
+    assert "Traceback" not in out.stderr and "exited while waiting" not in out.stderr, out.stderr
 
 
 def test_up_hears_sigterm_while_it_starts_and_leaves_nothing() -> None:

@@ -1,0 +1,75 @@
+"""`kvswitch sim`: configs a fleet or ZMQ would fail on are refused at startup in one line, naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from engine_sim import KVEventsConfig, SimConfig, SimConfigError
+from engine_sim.cli import add_arguments, run
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvswitch sim")
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _events(**keys: object) -> str:
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", **keys})
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["--port", "65535", "--count", "3"], ["--count = 3", "--port 65537", "[0, 65535]"]),
+        (["--port", "0", "--count", "3", "--kv-events-config", _events(endpoint="tcp://*:65534")],
+         ["--count = 3", "--kv-events-config endpoint 'tcp://*:65536'"]),
+    ],
+)  # fmt: skip
+def test_a_fleet_whose_last_engine_has_no_port_is_refused(
+    argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(parse(*argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert all(n in err for n in needles), err
+
+
+@pytest.mark.parametrize(
+    ("keys", "needle"),
+    [
+        ({"endpoint": "bogus"}, "endpoint 'bogus': must be tcp://HOST:PORT"),
+        ({"endpoint": "tcp://127.0.0.1"}, "endpoint 'tcp://127.0.0.1': a tcp:// endpoint needs HOST:PORT"),
+        ({"endpoint": "tcp://127.0.0.1:70000"}, "PORT in [0, 65535]"),
+        ({"replay_endpoint": "udp://x:1"}, "replay_endpoint 'udp://x:1'"),
+        ({"hwm": -1}, "hwm must be >= 0"),
+        ({"buffer_steps": -1}, "buffer_steps must be >= 0"),
+    ],
+)
+def test_a_kv_events_config_zmq_would_refuse_exits_2_naming_the_key(
+    keys: dict[str, object], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse("--port", "0", "--kv-events-config", _events(**keys))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-events-config" in err and needle in err and "Traceback" not in err
+
+
+def test_an_inactive_kv_events_config_is_not_checked_as_vllm_never_opens_it() -> None:
+    assert not KVEventsConfig.from_json('{"enable_kv_cache_events": false, "endpoint": "bogus"}').active
+    bad = KVEventsConfig(enable_kv_cache_events=True, endpoint="bogus")
+    with pytest.raises(SimConfigError, match="--kv-events-config"):
+        SimConfig(kv_events=bad).validate()
+
+
+def test_an_events_endpoint_that_cannot_be_bound_is_one_line_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 192.0.2.1 (TEST-NET-1) is no address of this host: the bind fails in ZMQ
+    assert run(parse("--port", "0", "--kv-events-config", _events(endpoint="tcp://192.0.2.1:*"))) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--kv-events-config: cannot bind or connect" in err
