@@ -503,8 +503,7 @@ def _layer(
     for field in msgspec.structs.fields(schema):
         sub = _struct_type(field.type)
         if sub is not None:
-            nested = file.get(field.name)
-            sub_file = {**file, **nested} if isinstance(nested, Mapping) else file
+            sub_file = _with_section(file, field.name, sub, prefix)
             out[field.name] = _layer(sub, live, cli, sub_file, env, env_prefix, prefix)
             continue
         name = prefix + field.name
@@ -521,6 +520,24 @@ def _layer(
         elif field.name in file:
             out[field.name] = file[field.name]
     return out
+
+
+def _with_section(file: Mapping[str, Any], name: str, sub: type[msgspec.Struct], prefix: str) -> Mapping[str, Any]:
+    """`file` with the keys of its `name:` section (a nested Struct's) laid over it. A section that
+    is no mapping, or a key in it no setting reads, is a ConfigError: it would otherwise leave its
+    settings at their defaults without a word. An empty section (YAML null) is none."""
+    nested = file.get(name)
+    if nested is None:
+        return file
+    allowed = sorted(file_keys(sub, prefix))
+    if not isinstance(nested, Mapping):
+        raise ConfigError("config", {name: nested}, f"{name!r} must be a mapping of {', '.join(allowed)}")
+    unknown = sorted((k for k in nested if k not in allowed), key=str)
+    if unknown:
+        near = difflib.get_close_matches(str(unknown[0]), allowed, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError("config", {name: nested}, f"{unknown[0]!r} is not a setting of {name!r}{hint}")
+    return {**file, **nested}
 
 
 def _named_error(

@@ -502,12 +502,15 @@ def _without_leading_zeros(s: str) -> str | None:
 
 
 def asks_prompt_logprobs(body: Mapping[str, Any], *, chat: bool) -> bool:
-    """The OpenAI body asks for the prompt's own logprobs (`prompt_logprobs`, or a completion's
-    `echo` with `logprobs`): vLLM then needs every prompt token's logits, so it reads no cache and
-    the prompt takes its own forward pass."""
+    """The OpenAI body asks for the prompt's own logprobs (`prompt_logprobs`, a chat `echo`, or a
+    completion's `echo` with `logprobs`): vLLM then needs every prompt token's logits, so it reads
+    no cache and the prompt takes its own forward pass."""
     if body.get("prompt_logprobs") is not None:
         return True
-    return not chat and lax_bool(body.get("echo")) is True and body.get("logprobs") is not None
+    echo = lax_bool(body.get("echo")) is True
+    # vLLM 0.32: a chat echo takes prompt_logprobs = top_logprobs (0 when unset or null) whatever
+    # `logprobs` says; a completion's echo only with `logprobs`.
+    return echo if chat else echo and body.get("logprobs") is not None
 
 
 class RouterInfo(_Msg, kw_only=True):

@@ -196,6 +196,14 @@ class Disaggregator:
                 Outcome.BYPASS_PROMPT_LOGPROBS,
                 "prompt logprobs need the prompt's forward pass, which transferred KV skips",
             )
+        if ctx.shape.beam_search:
+            # vLLM 0.32's beam search builds its own sampling params, which carry no kv_transfer_params:
+            # a prefill leg would return no handle, and the decode leg would load none.
+            return done(
+                Path.BYPASS,
+                Outcome.BYPASS_BEAM_SEARCH,
+                "beam search passes no transfer handle between the legs",
+            )
         if self.transfers.any:
             # A pull that failed lately would fail again, its prefill thrown away and the prompt
             # prefilled on d anyway (router.transfer_health): pair d with a prefill worker whose

@@ -345,6 +345,14 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
             raise ApiError(400, "'messages' must be a non-empty list of message objects", "messages")
         options = _chat_options(body)
     else:
+        # vLLM prefills the embeddings as prompts of their own, ahead of `prompt`: a batch whose
+        # first prompt the router cannot see (an empty list is no embeddings to vLLM).
+        if body.get("prompt_embeds") not in (None, []):
+            raise ApiError(
+                400,
+                "kvswitch routes text or token-id prompts, not 'prompt_embeds': send embeddings to an engine directly",
+                "prompt_embeds",
+            )
         if body.get("prompt") is None:
             raise ApiError(400, "'prompt' is required (the router routes text or token ids, not embeddings)", "prompt")
         prompts = _prompts(body["prompt"])
@@ -388,6 +396,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
             sequences=max(len(prompts), 1) * max(n, 1),
             prompt_logprobs=asks_prompt_logprobs(body, chat=chat),
             cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) else "",
+            beam_search=lax_bool(body.get("use_beam_search")) is True,
         ),
     )
 

@@ -117,14 +117,16 @@ class RequestShape(msgspec.Struct, frozen=True):
     """What besides its tokens decides where a request can be served and what it finds cached."""
 
     sequences: int = 1  # the prompts of a batch times `n`
-    prompt_logprobs: bool = False  # the prompt's own logits: prompt_logprobs, or echo with logprobs
+    prompt_logprobs: bool = False  # the prompt's own logits: prompt_logprobs, or an echo (router.http_api)
     cache_salt: str = ""  # vLLM's per-tenant cache isolation: its blocks match only the same salt's
+    beam_search: bool = False  # use_beam_search: vLLM's beam search passes no kv_transfer_params on
 
     @property
     def local_prefill_only(self) -> bool:
         """No transfer handle can serve it (router.disagg): its decode worker prefills it. A
-        handle names one sequence's blocks, and transferred KV comes without the prompt's logits."""
-        return self.sequences > 1 or self.prompt_logprobs
+        handle names one sequence's blocks, transferred KV comes without the prompt's logits, and
+        beam search neither returns nor loads a handle."""
+        return self.sequences > 1 or self.prompt_logprobs or self.beam_search
 
 
 @dataclass(slots=True)

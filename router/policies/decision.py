@@ -29,6 +29,7 @@ class Outcome(StrEnum):
     SPILLED_TO_PREFILL = "spilled_to_prefill"  # no decode worker had room: a prefill worker serves it whole
     BYPASS_SEQUENCES = "bypass_sequences"  # n > 1 or a batch: a transfer handle carries one sequence's KV
     BYPASS_PROMPT_LOGPROBS = "bypass_prompt_logprobs"  # prompt logprobs need the prompt's own forward pass
+    BYPASS_BEAM_SEARCH = "bypass_beam_search"  # vLLM's beam search neither returns nor loads a transfer handle
     BYPASS_TRANSFER_FAILING = "bypass_transfer_failing"  # pulls into the decode worker fail from every prefill worker
 
 

@@ -106,6 +106,31 @@ def test_file_may_nest_the_conditional_section(tmp_path: Path) -> None:
     assert s.conditional.conditional_disagg and s.conditional.eff_isl_threshold == 512
 
 
+@pytest.mark.parametrize("section", ["5", "[eff_isl_threshold]", "x", "true"])
+def test_a_conditional_section_that_is_no_mapping_is_refused(tmp_path: Path, section: str) -> None:
+    """Dropped without a word, it would leave every conditional setting at its default."""
+    path = tmp_path / "router.yaml"
+    path.write_text(f"conditional: {section}\n")
+    with pytest.raises(ConfigError) as err:
+        resolve(RouterSettings, file=load_file(path), env={})
+    assert err.value.setting == "config"
+    assert "'conditional' must be a mapping of conditional_disagg, conditional_disagg_policy," in str(err.value)
+    assert "eff_isl_threshold" in err.value.allowed
+
+
+def test_an_unknown_key_in_the_conditional_section_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("conditional:\n  eff_isl_treshold: 512\n")
+    with pytest.raises(ConfigError, match=r"'eff_isl_treshold' is not a setting of 'conditional'; did you mean"):
+        resolve(RouterSettings, file=load_file(path), env={})
+
+
+def test_an_empty_conditional_section_is_none(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("eff_isl_threshold: 300\nconditional:\n")
+    assert resolve(RouterSettings, file=load_file(path), env={}).conditional.eff_isl_threshold == 300
+
+
 def test_toml_file(tmp_path: Path) -> None:
     path = tmp_path / "router.toml"
     path.write_text('routing = "random"\nqueue_threshold = 2.5\n')

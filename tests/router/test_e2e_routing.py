@@ -379,3 +379,35 @@ async def test_a_prefill_leg_for_an_adapter_its_worker_unloaded_falls_back_to_th
     body = {"model": "sql", "prompt": list(range(5000, 5300)), "max_tokens": 2}
     status, out, worker = await _post(http, router.url + "/v1/completions", body)
     assert (status, worker, out["kvswitch"]["outcome"]) == (200, d.id, "fallback_prefill_failed"), out
+
+
+async def test_a_chat_echo_or_a_beam_search_prefills_on_the_decode_worker(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """vLLM 0.32 gives a chat echo prompt_logprobs (top_logprobs, 0 by default), which transferred
+    KV cannot serve; its beam search passes no kv_transfer_params between the legs. Neither takes a
+    prefill leg. The router routes no embeddings: `prompt_embeds` is a 400 naming it."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    content = " ".join(f"w{i}" for i in range(300))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    completion = {"model": MODEL, "prompt": list(range(100, 400)), "max_tokens": 2}
+    requests = [
+        ("/v1/chat/completions", {**chat, "echo": True}, "bypass_prompt_logprobs"),
+        ("/v1/chat/completions", {**chat, "echo": True, "logprobs": True, "top_logprobs": 2}, "bypass_prompt_logprobs"),
+        ("/v1/completions", {**completion, "use_beam_search": True}, "bypass_beam_search"),
+        ("/v1/chat/completions", {**chat, "use_beam_search": True}, "bypass_beam_search"),
+    ]
+    for endpoint, body, outcome in requests:
+        async with http.post(router.url + endpoint, json=body) as r:
+            routed = await r.json()
+            assert r.status == 200, routed
+            assert (r.headers["x-kvswitch-prefill"], routed["kvswitch"]["outcome"]) == ("bypass", outcome), body
+    assert p.sim.engine.stats.prompt_tokens == 0, "no prefill leg"
+    assert d.sim.engine.stats.external_kv_tokens == 0, "no transfer handle"
+    assert router.disagg.counts[Outcome.BYPASS_BEAM_SEARCH] == 2
+    for path in ("/v1/completions", "/debug/route"):
+        async with http.post(router.url + path, json={**completion, "prompt_embeds": "AAAA"}) as r:
+            refused = await r.json()
+            assert (r.status, refused["error"]["param"]) == (400, "prompt_embeds"), refused

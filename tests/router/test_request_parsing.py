@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from protocol import asks_prompt_logprobs
 from router.http_api import ApiError, keep_specials_truncated, parse_request
 from router.request_context import RequestShape
 from router.tokenization import Tokenization, load_tokenizer
@@ -116,7 +117,15 @@ def test_what_vllm_would_not_read_is_400_naming_it(name: str, value: Any, messag
         (False, {"echo": True, "logprobs": 0}, RequestShape(prompt_logprobs=True)),
         (False, {"echo": True}, RequestShape()),  # the prompt's text, not its logits
         (False, {"logprobs": 2}, RequestShape()),  # the output's
-        (True, {"echo": True, "logprobs": True}, RequestShape()),  # chat logprobs are the output's
+        (True, {"logprobs": True, "top_logprobs": 2}, RequestShape()),  # chat logprobs are the output's
+        # vLLM 0.32's chat echo asks for prompt_logprobs = top_logprobs (0 when unset or null)
+        (True, {"echo": True, "logprobs": True}, RequestShape(prompt_logprobs=True)),
+        (True, {"echo": True}, RequestShape(prompt_logprobs=True)),
+        (True, {"echo": "true", "top_logprobs": None}, RequestShape(prompt_logprobs=True)),
+        (True, {"echo": "false"}, RequestShape()),
+        (False, {"use_beam_search": True}, RequestShape(beam_search=True)),
+        (True, {"use_beam_search": "yes"}, RequestShape(beam_search=True)),  # vLLM's lax boolean
+        (False, {"use_beam_search": False}, RequestShape()),
     ],
 )
 def test_the_shape_says_what_a_transfer_handle_could_not_serve(
@@ -124,6 +133,24 @@ def test_the_shape_says_what_a_transfer_handle_could_not_serve(
 ) -> None:
     body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     assert parse_request({**body, **extra}, chat=chat).shape == shape
+    assert shape.local_prefill_only is (shape != RequestShape())
+    assert asks_prompt_logprobs({**body, **extra}, chat=chat) is shape.prompt_logprobs, "the shim's reuse credit"
+
+
+@pytest.mark.parametrize("embeds", ["AAAA", ["AAAA"], ["AAAA", "BBBB"]])
+@pytest.mark.parametrize("prompt", [{"prompt": "hi"}, {}])
+def test_prompt_embeds_are_refused_naming_them(embeds: Any, prompt: dict[str, Any]) -> None:
+    """vLLM prefills embeddings as prompts of their own ahead of `prompt`: a batch the router
+    cannot tokenize, route or split into transfer handles."""
+    with pytest.raises(ApiError) as err:
+        parse_request({**prompt, "prompt_embeds": embeds}, chat=False)
+    assert (err.value.code, err.value.param) == (400, "prompt_embeds")
+    assert "prompt_embeds" in err.value.message
+
+
+@pytest.mark.parametrize("embeds", [None, []])
+def test_no_prompt_embeds_is_a_plain_prompt(embeds: Any) -> None:
+    assert parse_request({"prompt": "hi", "prompt_embeds": embeds}, chat=False).shape == RequestShape()
 
 
 @pytest.mark.parametrize(
