@@ -15,6 +15,7 @@ Usage (a worker shim; a router registers its RouterInfo the same way)::
     my_id = await reg.start()       # registers once: KeyTaken if `name` is held, DiscoveryError if etcd is down
     reg.update()                    # value(id) changed (a field flipped): re-put it, in the background
     await reg.stop()                # revoke: the key disappears for every watcher at once (safe twice)
+    reg.revoke_now()                # the same, blocking for at most ~1 s, off the loop (an exit at once)
 
 Identity: `reg.id` is the lease id in lowercase hex, or `name` when one is given. A named key is
 created with a create-if-absent transaction, so a second holder of the same name fails loudly
@@ -134,6 +135,12 @@ class Registration:
         if lease is not None:
             await self._discovery.release(lease)
         self._phase = RegistrationState.STOPPED
+
+    def revoke_now(self, timeout: float = 1.0) -> None:
+        """Revoke the lease without the event loop, within about `timeout` (Lease.revoke_now): for a
+        process exiting at once, whose stop() will not run."""
+        if self.lease is not None:
+            self.lease.revoke_now(timeout)
 
     # --- internals ------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import ipaddress
 import logging
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -35,6 +35,9 @@ from router.api_keys import ApiKeys, ApiKeysError
 from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
 from runtime import run_service, start_or_stop
+
+if TYPE_CHECKING:
+    from router.service import RouterService
 
 __all__ = ["ProcessSettings", "add_arguments", "build_config", "run"]
 
@@ -234,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvswitch router: {exc}", file=sys.stderr)
         return 2
 
+    services: list[RouterService] = []  # the RouterService, once made: on_abort revokes its lease
+
     async def main(stop: asyncio.Event) -> int:
         from discovery import DiscoveryError
         from router.service import RouterService
@@ -241,8 +246,14 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             service = RouterService(config)
-        except (ConfigError, TokenizerError) as exc:
-            log.error("%s", exc)
+            services.append(service)
+        except TokenizerError as exc:
+            # loading --tokenizer failed (the path, or its chat template): name the flag, as a ConfigError does
+            why = exc.why if exc.what == config.tokenizer else str(exc)
+            print(f"kvswitch router: {ConfigError('tokenizer', config.tokenizer, why)}", file=sys.stderr)
+            return 2
+        except ConfigError as exc:
+            print(f"kvswitch router: {exc}", file=sys.stderr)
             return 2
         try:
             if not await start_or_stop(service.start(), stop):
@@ -262,4 +273,11 @@ def run(args: argparse.Namespace) -> int:
             await service.stop()
         return 0
 
-    return run_service(main, service="kvswitch-router", drain_limit_s=config.drain_s + 30.0)
+    # The drain, then the lease revocation and the NATS drain (docs/deployment.md, "Stopping a
+    # router"); past that, exit 130 with the lease revoked, before Kubernetes' 30 s grace kills it.
+    return run_service(
+        main,
+        service="kvswitch-router",
+        drain_limit_s=config.drain_s + 10.0,
+        on_abort=lambda: services[0].revoke_now() if services else None,
+    )

@@ -26,11 +26,17 @@ headers too large 431, queue full 429 with Retry-After, worker failure 502, no w
 deadline 504. That includes what aiohttp answers before a handler runs: its parser's errors
 (`FrontDoorRunner`), unknown routes and methods. Worker ids and internal exception text stay in
 the router's log. A client that disconnects cancels its request on the worker.
+
+Draining (`Drain`, on SIGTERM): the listener stays open while the requests in flight finish; a new
+request (anything but /health, /ready and /metrics) is a 503 with Retry-After and Connection:
+close. Those still running when the drain ends are cut: a stream gets a final 503 error event and
+`[DONE]`, any other request a 503, and their legs are cancelled on the workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -67,6 +73,7 @@ from router.tokenization import ChatOptions, Tokenization, TokenizerError, Untru
 
 __all__ = [
     "ApiError",
+    "Drain",
     "FrontDoorRunner",
     "HttpLimits",
     "ParsedRequest",
@@ -492,6 +499,66 @@ def _sse_event(payload: bytes) -> bytes:
 
 _SSE_DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499  # nginx's code for a client that left before the answer: counted, never sent
+_CUT_S = 1.0  # for the requests cut at the drain's end to write their last answer
+
+
+class Drain:
+    """The front door's drain (RouterService.stop). Once `begin()` is called, new requests are
+    refused (`refusal()`); `finish(limit_s)` waits up to `limit_s` for those in flight, then
+    cancels the rest, whose handlers answer 503 (`ended()` tells them it was the drain, not their
+    client leaving)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._running: set[asyncio.Task[Any]] = set()
+        self._cut: set[asyncio.Task[Any]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def begin(self) -> None:
+        self.draining = True
+
+    async def finish(self, limit_s: float) -> int:
+        """Let the requests in flight run up to `limit_s`, then cut the rest; how many were cut."""
+        self.begin()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit_s):
+                await self._idle.wait()
+        self._cut = set(self._running)
+        for task in self._cut:
+            task.cancel()
+        if self._cut:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CUT_S):
+                    await self._idle.wait()
+        return len(self._cut)
+
+    def ended(self) -> bool:
+        """In a handler's `except CancelledError`: True when the drain cut it, which then goes on to
+        answer (its cancellation undone); False when its client left."""
+        task = asyncio.current_task()
+        if task is None or task not in self._cut:
+            return False
+        self._cut.discard(task)
+        task.uncancel()
+        return True
+
+    @staticmethod
+    def refusal() -> web.Response:
+        return ApiError(503, "the router is shutting down: send the request again", retry_after_s=1,
+                        close=True).response()  # fmt: skip
+
+    def enter(self, task: asyncio.Task[Any]) -> None:
+        self._running.add(task)
+        self._idle.clear()
+
+    def leave(self, task: asyncio.Task[Any]) -> None:
+        self._running.discard(task)
+        if not self._running:
+            self._idle.set()
+
+
+SHUT_DOWN = "the router shut down before the request ended"
 
 
 class _Handlers:
@@ -507,6 +574,7 @@ class _Handlers:
         tokenizer_report: Callable[[], dict[str, Any]] | None,
         started_at: float,
         bad_records: Callable[[str], list[dict[str, Any]]],
+        drain: Drain,
     ) -> None:
         self.path = path
         self.tokenization = tokenization
@@ -517,6 +585,7 @@ class _Handlers:
         self._tokenizer_report = tokenizer_report
         self.started_at = started_at
         self._bad_records = bad_records
+        self.drain = drain
 
     async def debug_index(self, request: web.Request) -> web.Response:
         return _json_response(self._index_state())
@@ -593,6 +662,12 @@ class _Handlers:
         except ApiError as exc:
             status = exc.code
             return exc.response()
+        except asyncio.CancelledError:
+            if not self.drain.ended():
+                status = CLIENT_CLOSED
+                raise
+            status = 503
+            return ApiError(503, SHUT_DOWN, close=True).response()
         finally:
             self.path.metrics.count_request(endpoint, status)
 
@@ -722,8 +797,11 @@ class _Handlers:
             status = exc.code
             return exc.response()
         except asyncio.CancelledError:
-            status = CLIENT_CLOSED
-            raise
+            if not self.drain.ended():
+                status = CLIENT_CLOSED
+                raise
+            status = 503
+            return ApiError(503, SHUT_DOWN, close=True).response()
         except ConnectionResetError:  # the client left while we wrote to it
             status = CLIENT_CLOSED
             raise web.HTTPException() from None
@@ -787,6 +865,10 @@ class _Handlers:
         except Exception:
             log.exception("request %s: the stream failed", job.request.request_id)
             failed = ApiError(502, "the stream failed")
+        except asyncio.CancelledError:
+            if not self.drain.ended():
+                raise
+            failed = ApiError(503, SHUT_DOWN)
         finally:
             await chunks.aclose()
         if failed is not None:
@@ -884,6 +966,28 @@ def _auth_middleware(keys: ApiKeys, metrics: RouterMetrics) -> Callable[..., Any
         return response
 
     return check
+
+
+def _drain_gate(drain: Drain, metrics: RouterMetrics) -> Callable[..., Any]:
+    @web.middleware
+    async def gate(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        """Refuses new work while draining; counts what runs, for the drain to wait on or cut."""
+        if request.path in _OPEN_PATHS:
+            response: web.StreamResponse = await handler(request)
+            return response
+        if drain.draining:
+            metrics.count_request("draining", 503)  # a fixed label, as for auth
+            return drain.refusal()
+        task = asyncio.current_task()
+        assert task is not None
+        drain.enter(task)
+        try:
+            response = await handler(request)
+            return response
+        finally:
+            drain.leave(task)
+
+    return gate
 
 
 # vLLM 0.32 serves these; kvswitch does not route them (docs/router.md, "Endpoints").
@@ -989,8 +1093,10 @@ def make_app(
     tokenizer_report: Callable[[], dict[str, Any]] | None = None,
     started_at: float | None = None,
     bad_records: Callable[[str], list[dict[str, Any]]] = lambda model: [],
+    drain: Drain | None = None,
 ) -> web.Application:
     limits = limits or HttpLimits()
+    drain = drain or Drain()
     h = _Handlers(
         path,
         tokenization,
@@ -1001,9 +1107,10 @@ def make_app(
         tokenizer_report=tokenizer_report,
         started_at=time.time() if started_at is None else started_at,
         bad_records=bad_records,
+        drain=drain,
     )
     auth = [_auth_middleware(api_keys, path.metrics)] if api_keys is not None else []
-    middlewares = [_openai_errors(path.metrics), *auth]
+    middlewares = [_openai_errors(path.metrics), *auth, _drain_gate(drain, path.metrics)]
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)

@@ -10,7 +10,8 @@
 
 Start order: settings (a bad one fails here), NATS, etcd, HTTP (to know its URL), the RouterInfo
 lease (its id is the router id), replica sync, ingest, registry, live config. `stop()` is
-idempotent and drains in reverse: HTTP first (in-flight requests get `drain_s`), then the
+idempotent and drains in reverse: HTTP first (http_api.Drain: the listener stays open, /ready and
+new requests answer 503, requests in flight get `drain_s` and are then cut with a 503), then the
 subscriptions and tasks, the lease, etcd and NATS. A lost lease (etcd said it expired, e.g. after
 this process stalled past its TTL) is replaced by a new registration under a new router id
 (discovery.Registration); etcd merely unreachable changes nothing.
@@ -49,7 +50,7 @@ from router.clock_skew import ClockSkew, Skew
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility, Exclusion, WorkerStatus
-from router.http_api import FrontDoorRunner, HttpLimits, make_app
+from router.http_api import Drain, FrontDoorRunner, HttpLimits, make_app
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger
 from router.load_view import MAX_CLOCK_SKEW_S, LoadView
@@ -70,6 +71,7 @@ from runtime.nats_connect import error_reporter
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
+CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
 
 
 def _say_skew(skew: Skew, request_timeout_s: float) -> None:
@@ -160,6 +162,7 @@ class RouterService:
         self._discovery: Discovery | None = None
         self._registration: Registration | None = None
         self._runner: web.AppRunner | None = None
+        self._drain = Drain()
         self._load_sub: Subscription | None = None
         self._ingest: KvIngest | None = None
         self._sync: ReplicaSync | None = None
@@ -306,10 +309,10 @@ class RouterService:
             tokenizer_report=self.fingerprints.report,
             started_at=self.started_at,
             bad_records=lambda model: [st.explain() for st in self.bad_records(model)],
+            drain=self._drain,
         )
-        self._runner = FrontDoorRunner(
-            app, handler_cancellation=True, shutdown_timeout=self.config.drain_s, access_log=None
-        )
+        # The drain itself is the Drain's (stop()); aiohttp's own waits twice its timeout per connection.
+        self._runner = FrontDoorRunner(app, handler_cancellation=True, shutdown_timeout=CLOSE_S, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port)
         try:
@@ -353,7 +356,11 @@ class RouterService:
         self.status = RouterStatus.STOPPING
         runner, self._runner = self._runner, None
         if runner is not None:
-            await runner.cleanup()  # stops accepting, lets in-flight handlers finish within drain_s
+            # The listener stays open meanwhile: a client (or a load balancer that has not yet
+            # dropped this router) gets a 503 to retry elsewhere, not a refused connection.
+            if cut := await self._drain.finish(self.config.drain_s):
+                log.warning("%d requests still running after the %gs drain: ended with a 503", cut, self.config.drain_s)
+            await runner.cleanup()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -386,6 +393,13 @@ class RouterService:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.stop()
+
+    def revoke_now(self) -> None:
+        """For a process about to exit at once (a second SIGTERM: runtime.run_service's on_abort):
+        revoke the RouterInfo lease within about a second, off the event loop, so that peers drop
+        this router's bookings now rather than when its TTL runs out."""
+        if self._registration is not None:
+            self._registration.revoke_now()
 
     # --- registration ----------------------------------------------------------------------------
 
@@ -440,7 +454,9 @@ class RouterService:
         warnings += self._fleet_warnings(infos)
         unreachable = self._registry.unreachable_models if self._registry is not None else set()
         problems = []
-        if not running:
+        if self.status is RouterStatus.STOPPING:
+            problems.append("draining (SIGTERM): requests in flight finish, new ones are refused (503)")
+        elif not running:
             problems.append(f"the router is {self.status.value}")
         if not nats_up:
             problems.append("NATS is not connected: requests cannot reach any worker")

@@ -107,8 +107,11 @@ def run(args: argparse.Namespace) -> int:
     from runtime import run_service, start_or_stop
     from worker_shim.shim import WorkerShim
 
+    shims: list[WorkerShim] = []  # the one shim, once made: on_abort revokes its lease
+
     async def main(stop: asyncio.Event) -> int:
         shim = WorkerShim(shim_cfg, nats, etcd)
+        shims.append(shim)
         try:
             if not await start_or_stop(shim.start(), stop):
                 log.info("stopped before the shim could start")
@@ -133,4 +136,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     # The in-flight grace, then the lease revocation and NATS drain, each bounded by their own timeouts.
-    return run_service(main, service="kvswitch-shim", drain_limit_s=shim_cfg.drain_grace_s + 30.0)
+    return run_service(
+        main,
+        service="kvswitch-shim",
+        drain_limit_s=shim_cfg.drain_grace_s + 30.0,
+        on_abort=lambda: shims[0].revoke_now() if shims else None,
+    )

@@ -253,6 +253,13 @@ class WorkerShim:
             self._stop_task = asyncio.create_task(self._stop())
         await asyncio.shield(self._stop_task)
 
+    def revoke_now(self) -> None:
+        """For a process about to exit at once (a second SIGTERM: runtime.run_service's on_abort):
+        revoke the worker's lease within about a second, off the event loop, so that its key goes
+        now rather than when its TTL runs out."""
+        if self.registration is not None:
+            self.registration.revoke_now()
+
     async def __aenter__(self) -> Self:
         await self.start()
         return self
