@@ -383,8 +383,12 @@ def test_engines_outlive_their_shims_drain(objects: list[dict[str, Any]]) -> Non
             assert finish > 0, f"{name}: vLLM aborts what is left (--shutdown-timeout 0)"
         grace = pod.get("terminationGracePeriodSeconds", KUBERNETES_DEFAULT_GRACE_S)
         assert grace >= hold + finish + TEARDOWN_S and grace >= drain + CLOSE_S, name
-    router, _ = _router(objects)
-    assert router.get("terminationGracePeriodSeconds", KUBERNETES_DEFAULT_GRACE_S) >= ROUTER_DRAIN_S + CLOSE_S
+    router, container = _router(objects)
+    # its preStop holds SIGTERM while the Service drops its endpoint; then the drain and the close
+    hold = _pre_stop_sleep(container)
+    assert hold > 0, "router: no preStop, so connections the Service still sends it are refused"
+    grace = router.get("terminationGracePeriodSeconds", KUBERNETES_DEFAULT_GRACE_S)
+    assert grace >= hold + ROUTER_DRAIN_S + CLOSE_S
 
 
 def _seconds(duration: str) -> float:
