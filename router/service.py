@@ -8,8 +8,9 @@
     HTTP ─▶ http_api ─▶ RequestPath: Planner (context, candidates, choice, booking) ─▶ Admission
                                      ─▶ Dispatcher ─▶ {ns}.gen.*
 
-Start order: settings (a bad one fails here), NATS, etcd, HTTP (to know its URL), the RouterInfo
-lease (its id is the router id), replica sync, ingest, registry, live config. `stop()` is
+Start order: settings (a bad one fails here, and an HTTP host or port it cannot listen on), NATS,
+etcd, HTTP (to know its URL), the RouterInfo lease (its id is the router id), replica sync, ingest,
+registry, live config. `stop()` is
 idempotent and drains in reverse: HTTP first (http_api.Drain: the listener stays open, /ready and
 new requests answer 503, requests in flight get `drain_s` and are then cut with a 503), then the
 subscriptions and tasks, the lease, etcd and NATS. A lost lease (etcd said it expired, e.g. after
@@ -24,6 +25,7 @@ import contextlib
 import enum
 import logging
 import random
+import socket
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -72,6 +74,21 @@ __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
 CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
+
+
+def _check_listen(host: str, port: int) -> None:
+    """ConfigError naming --http-host or --http-port when the front door could not listen there: the
+    host does not resolve or is not this machine's, or the port is taken or forbidden. A bind tried
+    and closed at once, as the listener will bind (SO_REUSEADDR: a listening socket still holds it)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise listen_error(host, port, exc) from exc
 
 
 def _say_skew(skew: Skew, request_timeout_s: float) -> None:
@@ -232,6 +249,9 @@ class RouterService:
         return self
 
     async def _start(self) -> None:
+        # Refused now, not after NATS and etcd (which may be down for minutes) were reached: the
+        # listener itself starts once there is a router to serve.
+        _check_listen(self.config.http_host, self.config.http_port)
         self._nc = nc = await nats_connect(
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"),
             error_cb=error_reporter(log, self.config.nats.shown_servers(), self.config.nats.credential_flags()),
