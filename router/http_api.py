@@ -19,6 +19,8 @@ It writes the engine's SSE payloads out unchanged; a whole answer gets one thing
 Every routed response carries `x-kvswitch-decode-worker`, `x-kvswitch-prefill: bypass|remote|agg`
 and `x-kvswitch-outcome` headers naming where the request really went, after any retry or
 fallback, and `Server-Timing` (`parse`, `route`, `worker`, in ms) saying where its time went.
+Every answer, errors included, carries `x-request-id` as vLLM's --enable-request-id-headers sets
+it: the client's X-Request-Id, else a routed answer's `id`, else a fresh one.
 
 Every error is OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: bad input 400,
 unknown route 404, wrong method 405, body not sent in time 408, body or prompt too large 413,
@@ -833,7 +835,7 @@ class _Handlers:
         except StopAsyncIteration:
             raise ApiError(502, "the worker ended the stream without a chunk") from None
         headers = {
-            "Content-Type": "text/event-stream",
+            "Content-Type": "text/event-stream; charset=utf-8",  # vLLM's (Starlette's) bytes
             "Cache-Control": "no-cache",
             **_route_headers(job, ids, timing),
         }
@@ -1037,6 +1039,14 @@ def _openai_errors(metrics: RouterMetrics) -> Callable[..., Any]:
     return answer
 
 
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """vLLM's --enable-request-id-headers on every answer, errors included: the client's
+    X-Request-Id, else a fresh one, unless the handler named the answer (a routed one's `id`)."""
+    if "x-request-id" not in response.headers:
+        sent = request.headers.get("X-Request-Id")
+        response.headers["x-request-id"] = sent if sent is not None else uuid.uuid4().hex
+
+
 class _JsonErrorHandler(RequestHandler):
     """aiohttp's connection handler, answering what its parser refuses as OpenAI JSON:
     oversized header lines or too many headers are 431, an oversized request line 414, the rest
@@ -1112,6 +1122,7 @@ def make_app(
     auth = [_auth_middleware(api_keys, path.metrics)] if api_keys is not None else []
     middlewares = [_openai_errors(path.metrics), *auth, _drain_gate(drain, path.metrics)]
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
+    app.on_response_prepare.append(_echo_request_id)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)
     app.router.add_get("/metrics", h.metrics)

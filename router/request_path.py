@@ -64,11 +64,16 @@ class RequestPath:
     calls: int = 0  # utility calls so far: the next one starts at the next worker
 
     def resolve_model(self, model: str | None) -> str:
-        """The model, one of its other names, or a LoRA adapter, a request names (the router's
-        --model when it names none)."""
+        """The model, one of its other names, or a LoRA adapter, a request names. One that names
+        none gets the router's --model, else the one model registered, as vLLM serves it with its
+        own; with several it is a 400 naming them."""
         name = model or self.default_model
         if name is None:
-            raise Unknown(400, "'model' is required")
+            models = list(self.models())
+            if len(models) != 1:
+                served = ", ".join(models) or self._none_registered()
+                raise Unknown(400, f"'model' is required: this router serves {served}")
+            name = models[0]
         base = name if name in self.models() else self.aliases().get(name) or self.adapters().get(name)
         if self.default_model is not None and self.default_model not in (name, base):
             raise Unknown(
@@ -77,13 +82,15 @@ class RequestPath:
                 + _and_adapters(self.default_model, self.adapters()),
             )
         if base is None:
-            served = [*self.models(), *self.aliases(), *self.adapters()]
-            registered = ", ".join(served) or (
-                f"none (no worker is registered under {subjects.workers_prefix(self.ns)}: this router's "
-                f"--namespace is {self.ns})"
-            )
-            raise Unknown(404, f"The model `{name}` does not exist. Registered: {registered}")
+            served = ", ".join([*self.models(), *self.aliases(), *self.adapters()]) or self._none_registered()
+            raise Unknown(404, f"The model `{name}` does not exist. Registered: {served}")
         return name
+
+    def _none_registered(self) -> str:
+        return (
+            f"none (no worker is registered under {subjects.workers_prefix(self.ns)}: this router's "
+            f"--namespace is {self.ns})"
+        )
 
     def explain(
         self, model: str, tokens: list[int], *, text: bool, shape: RequestShape = RequestShape()
