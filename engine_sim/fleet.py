@@ -3,8 +3,8 @@
 Port assignment, engine i of N (i from 0):
 - HTTP: `port + i` (consecutive); port 0 gives each engine its own free port.
 - KV events: when the events endpoint ends in a port P other than 0, engine i uses `P + i`; the
-  replay endpoint likewise `Q + i`. Port 0 gives each its own free port. An endpoint without a
-  port (ipc://path, inproc://name) gets `-{i}` appended.
+  replay endpoint likewise `Q + i`. Port 0 or ZMQ's `*` gives each its own free port. An endpoint
+  without a port (ipc://path, inproc://name) gets `-{i}` appended.
 Every engine is a full SimServer (own engine id, cache, sockets, faults); idle ones cost nothing.
 """
 
@@ -25,11 +25,11 @@ __all__ = ["SimFleet", "fleet_config"]
 def _offset_endpoint(endpoint: str | None, i: int) -> str | None:
     if endpoint is None or i == 0:
         return endpoint
-    m = re.search(r":(\d+)$", endpoint)
+    m = re.search(r":(\d+|\*)$", endpoint)
     if m is None:
         return f"{endpoint}-{i}"
-    port = int(m.group(1))
-    return endpoint if port == 0 else f"{endpoint[: m.start()]}:{port + i}"
+    port = m.group(1)  # `*` or 0: each engine binds its own free port
+    return endpoint if port == "*" or not int(port) else f"{endpoint[: m.start()]}:{int(port) + i}"
 
 
 def fleet_config(config: SimConfig, i: int) -> SimConfig:

@@ -56,8 +56,9 @@ class ServerStatus(enum.Enum):
 
 
 def _with_port(endpoint: str | None, bound: str | None) -> str | None:
-    """`tcp://*:0` → `tcp://*:<port chosen at first bind>`, so a restart binds the same port."""
-    if endpoint is None or bound is None or not re.search(r":0$", endpoint):
+    """`tcp://*:0` (or ZMQ's wildcard port `:*`) → `tcp://*:<port chosen at first bind>`, so a
+    restart binds the same port."""
+    if endpoint is None or bound is None or not re.search(r":[0*]$", endpoint):
         return endpoint
     return endpoint[:-1] + bound.rsplit(":", 1)[1]
 

@@ -180,8 +180,17 @@ def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
                 "127.0.0.1 from --http-port): drop it"
             )
     # The replicas' settings as each will resolve them, checked now by the router's own rules, so
-    # that contradictory flags are refused before anything starts.
+    # that contradictory flags are refused before anything starts. Their argv and env as
+    # LocalCluster gives them (_start_router): its own NATS and etcd as flags and, with --secure,
+    # their CA, an nkey seed and an etcd user, which win over the KVSWITCH_NATS_*/ETCD_* variables.
     ns.namespace, ns.http_host, ns.http_port, ns.model = args.namespace, "127.0.0.1", args.http_port, args.model
+    nats, etcd = ("tls", "https") if args.secure else ("nats", "http")
+    ns.nats_servers = [f"{nats}://127.0.0.1:{args.nats_port or 4222}"]
+    ns.etcd_endpoints = [f"{etcd}://127.0.0.1:{args.etcd_port or 2379}"]
+    if args.secure:
+        # Files up writes only once it starts: any readable file stands in for them here.
+        ns.nats_tls_ca = ns.etcd_tls_ca = ns.nats_nkey_file = __file__
+        ns.etcd_user, ns.etcd_password = "router", "-"  # LocalCluster._child_env
     try:
         router_cli.build_config(ns)
     except ConfigError as exc:

@@ -45,7 +45,8 @@ from router.served_names import by_model, clash_message
 from router.transfer_health import TransferHealth
 
 _NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
-_UNREACHABLE = frozenset({Exclusion.SILENT, Exclusion.UNREACHABLE, Exclusion.ENGINE_UNHEALTHY})
+# Workers a utility call (/tokenize) skips: their engine cannot answer now, or answered garbage lately.
+_NO_UTILITY = frozenset({Exclusion.SILENT, Exclusion.UNREACHABLE, Exclusion.MALFORMED, Exclusion.ENGINE_UNHEALTHY})
 
 __all__ = ["PlanError", "Planner", "PrefixIndex", "PrefixReach", "standalone_planner"]
 
@@ -233,10 +234,11 @@ class Planner:
         """The workers of `model` that can answer a utility call (/tokenize) now: every shim serves
         one whatever its role, and what keeps a worker from routing prompts (its index not in
         sync, its KV events down) does not keep its engine from tokenizing; a silent, unreachable
-        or unhealthy one can. Decode and agg workers first, as prefill workers run long prompts."""
+        or unhealthy one can; one that sent a malformed reply is left out for its cooldown, as from
+        routing. Decode and agg workers first, as prefill workers run long prompts."""
         infos = self._serving(model)
         ok = [
-            i for i, st in zip(infos, self.eligibility.statuses(infos), strict=True) if st.exclusion not in _UNREACHABLE
+            i for i, st in zip(infos, self.eligibility.statuses(infos), strict=True) if st.exclusion not in _NO_UTILITY
         ]
         return [i for i in ok if i.role != "prefill"] + [i for i in ok if i.role == "prefill"]
 
@@ -421,6 +423,11 @@ class Planner:
             full = self._keep_room(ctx, record=True)
             if ctx.decode_pool:
                 plan = self.disagg.plan(ctx, full=full)
+            if plan is not None:
+                # Where the decode guard vetoes a full pool's local prefill, the plan ranks those
+                # full workers after all (router.disagg): a candidate was not left out for room.
+                ranked = {c.worker for c in plan.prefill_ranked}
+                ctx.excluded = [e for e in ctx.excluded if e["excluded"] != "room" or e["worker"] not in ranked]
         else:
             plan = self._spill_plan(ctx)
         waits = plan is None

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine_sim import KVEventsConfig, SimConfig, SimConfigError
-from engine_sim.cli import add_arguments, run
+from engine_sim import KVEventsConfig, SimConfig, SimConfigError, SimFleet, fleet_config
+from engine_sim.cli import add_arguments, config_from_args, run
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -36,6 +36,18 @@ def test_a_fleet_whose_last_engine_has_no_port_is_refused(
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert all(n in err for n in needles), err
+
+
+async def test_a_fleet_given_zmqs_wildcard_port_gives_each_engine_its_own_free_port() -> None:
+    # As port 0 does; engine 1 got 'tcp://127.0.0.1:*-1' and --count 2 was refused (review1 D5).
+    wild = _events(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    config = config_from_args(parse("--port", "0", "--count", "2", "--kv-events-config", wild))
+    ev = fleet_config(config, 1).kv_events
+    assert (ev.endpoint, ev.replay_endpoint) == ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    async with SimFleet(config, count=2) as fleet:
+        bound = [(s.events_endpoint, s.replay_endpoint) for s in fleet.servers]
+    ports = {e.rsplit(":", 1)[1] for pair in bound for e in pair if e is not None}
+    assert len(ports) == 4 and all(p.isdigit() for p in ports), bound
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import msgspec
 import pytest
 
-from engine_sim import ServerStatus, SimServer
+from engine_sim import KVEventsConfig, ServerStatus, SimServer
 from engine_sim.scheduler import StepResult
 from tests.engine_sim.conftest import connected_subscriber, decode_payload, replay, sim_config
 
@@ -35,6 +36,21 @@ async def test_crash_after_n_requests_drops_the_server() -> None:
         port = sim.port
         await sim.restart()
         assert sim.port == port and await complete(sim, 5000) == 200
+
+
+@pytest.mark.parametrize("port", ["0", "*"])
+async def test_a_restart_binds_the_event_ports_its_first_start_chose(port: str) -> None:
+    # a shim connected to the ports chosen at first bind must find the engine there again
+    events = msgspec.structs.replace(
+        KVEventsConfig.ephemeral("kv-events"),
+        endpoint="tcp://127.0.0.1:*",  # `*`: the PUB binds (vLLM's rule), on a port of its choosing
+        replay_endpoint=f"tcp://127.0.0.1:{port}",
+    )
+    async with SimServer(sim_config(kv_events=events)) as sim:
+        first = sim.events_endpoint, sim.replay_endpoint
+        assert not any(ep is None or ep.endswith((":0", ":*")) for ep in first)
+        await sim.restart()
+        assert (sim.events_endpoint, sim.replay_endpoint) == first
 
 
 async def test_restart_empties_cache_and_starts_seq_over() -> None:

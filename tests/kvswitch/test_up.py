@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -20,7 +21,7 @@ import pytest
 
 from kvswitch.cluster import ClusterSpec, LocalCluster, _Child
 from kvswitch.servers import EtcdServer, NatsServer, ServerError, free_port, free_ports
-from kvswitch.up import _HealthLog
+from kvswitch.up import _HealthLog, _spec, add_arguments
 
 
 def _alive(pid: int) -> bool:
@@ -197,6 +198,45 @@ def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], s
     assert out.returncode != 0 and said in out.stderr, out.stderr
     assert "nats" not in out.stdout and time.monotonic() - started < 20
     assert "Traceback" not in out.stderr and "exited while waiting" not in out.stderr, out.stderr
+
+
+def _up_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args, extra = parser.parse_known_args(argv)
+    args.extra = extra
+    return args
+
+
+@pytest.mark.parametrize(
+    ("env", "secure"),
+    [
+        ({"KVSWITCH_NATS_SERVERS": "nats-0.prod:4222"}, False),  # left over for another cluster, no scheme
+        ({"KVSWITCH_ETCD_ENDPOINTS": "etcd-0.prod:2379"}, False),
+        ({"KVSWITCH_ETCD_USER": "me"}, True),  # no password: the routers get both from up
+        ({"KVSWITCH_NATS_TLS_CA": "/nope/ca.pem", "KVSWITCH_ETCD_TLS_CA": "/nope/ca.pem"}, True),
+        ({"KVSWITCH_NATS_NKEY_FILE": "/nope/seed"}, True),
+    ],
+)
+def test_the_router_flag_check_ignores_connection_env_the_routers_get_as_flags(
+    env: dict[str, str], secure: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The routers get the cluster's NATS and etcd as flags (with --secure its CA, an nkey seed and
+    an etcd user too), which win over these variables: `up --routing random` was refused, blaming
+    --nats-servers, where `up` alone started (review1 D3)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spec = _spec(_up_args(["--agg", "1", "--routing", "random", *(["--secure"] if secure else [])]))
+    assert spec.router_args == ["--routing", "random"]
+
+
+def test_the_router_flag_check_still_refuses_connection_env_the_routers_inherit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without --secure no etcd user is given: the routers would read this one, and fail on it.
+    monkeypatch.setenv("KVSWITCH_ETCD_USER", "me")
+    with pytest.raises(SystemExit, match=r"kvswitch up: invalid etcd_user .*etcd_user and etcd_password go together"):
+        _spec(_up_args(["--agg", "1", "--routing", "random"]))
 
 
 def test_up_hears_sigterm_while_it_starts_and_leaves_nothing() -> None:

@@ -518,3 +518,11 @@ def test_utility_calls_go_to_every_worker_that_can_answer_prefill_last() -> None
     f.report("d2")
     f.report("p1")  # ... but from these two
     assert [i.worker for i in f.planner.utility_workers(MODEL)] == ["d2", "p1"]
+
+
+def test_utility_calls_skip_a_worker_in_its_malformed_reply_cooldown() -> None:
+    """Routing leaves a worker out for a while after a malformed reply; /tokenize did not, so every
+    Nth call went to it first, a failed leg and a warning each (review1 D1)."""
+    f = Fleet(winfo("d1"), winfo("d2"))
+    f.planner.eligibility.mark_malformed("d1", "it sent a malformed reply: bad chunk")
+    assert [i.worker for i in f.planner.utility_workers(MODEL)] == ["d2"]

@@ -73,6 +73,21 @@ def test_the_guard_vetoes_the_local_prefill_of_a_prefill_pool_past_the_ttft_back
     assert plan.prefill is not None and plan.prefill.worker == "p1"
 
 
+def test_debug_route_does_not_list_the_vetoed_full_pools_prefill_worker_as_left_out_for_room() -> None:
+    # The dry run said prefill_worker p1 and, in `excluded`, that p1 was left out for room (review1 D2).
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), winfo("p2", "prefill", engine="sglang"), conditional_disagg=True,
+              decode_busy_threshold=0.5)  # fmt: skip
+    f.report("p1", prefill_tokens_queued=200_000)
+    f.report("p2", prefill_tokens_queued=200_000)
+    f.report("d1", kv_used_blocks=9000)
+    info = f.planner.explain(f.ctx(LONG))
+    assert (info["outcome"], info["prefill_worker"]) == ("vetoed_decode_busy", "p1")
+    assert [c["worker"] for c in info["prefill_candidates"]] == ["p1"]
+    # p2 (another engine's, never a candidate for d1) was left out for room, and still says why
+    assert [(e["worker"], e["excluded"]) for e in info["excluded"]] == [("p2", "room")]
+    assert "over half the TTFT SLO" in info["excluded"][0]["why"]
+
+
 def test_without_a_policy_a_prefill_pool_past_queue_threshold_is_full_and_says_so() -> None:
     f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always", queue_threshold=1.0, decode_busy_threshold=0.5)
     f.report("d1", kv_used_blocks=9000)  # no policy decides: the guard has nothing to veto
