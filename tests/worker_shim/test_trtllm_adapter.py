@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
+from kvswitch.servers import free_port
 from protocol import BlockHasher, ConfigError, SamplingParams, block_hashes
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.hashing import chain_salt
@@ -168,7 +170,7 @@ async def test_run_events_keeps_the_state_through_malformed_polls(
         ]
     )
 
-    async def answer(method: str, path: str) -> Any:
+    async def answer(method: str, path: str, timeout: object = None) -> Any:
         return next(polls, None) or []
 
     monkeypatch.setattr(adapter, "_json", answer)
@@ -262,3 +264,39 @@ def test_disaggregated_params_per_leg() -> None:
     assert disagg_body(LegRequest("r", "m", [1], s))["disaggregated_params"] == {
         "request_type": "context_and_generation"
     }
+
+
+async def test_a_poll_the_engine_holds_past_two_seconds_keeps_its_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trtllm-serve revisions calling get_kv_cache_events_async(2) answer after 2 s with no new event.
+    The probes' 2 s total timed that poll out, lost the events the engine had handed over (it has no
+    replay) and ended the session with a 503."""
+    monkeypatch.setattr(trtllm, "POLL_S", 0.001)
+    polls = 0
+
+    async def kv_cache_events(request: web.Request) -> web.Response:
+        nonlocal polls
+        polls += 1
+        if polls == 1:
+            await asyncio.sleep(2.5)
+            return web.json_response([CREATED])
+        await asyncio.sleep(0.05)
+        return web.json_response([])
+
+    app = web.Application()
+    app.router.add_post("/kv_cache_events", kv_cache_events)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=f"http://127.0.0.1:{port}"))
+    await adapter.open()
+    got: list[EngineBatch] = []
+    try:
+        task = asyncio.create_task(adapter.run_events(got.append, asyncio.Event()))
+        await asyncio.sleep(3.0)
+        assert not task.done(), task.exception()
+        task.cancel()
+        assert [(b.reset, b.complete) for b in got] == [(True, False), (True, True)]
+    finally:
+        await adapter.close()
+        await runner.cleanup()

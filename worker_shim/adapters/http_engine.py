@@ -70,10 +70,10 @@ class HttpEngineAdapter(EngineAdapter):
             return await super().call(endpoint, body)
         return await post_utility(self.session, self.base + path, body)
 
-    async def fetch(self, path: str, method: str = "GET") -> bytes:
+    async def fetch(self, path: str, method: str = "GET", timeout: aiohttp.ClientTimeout = PROBE_TIMEOUT) -> bytes:
         """The body of a 200 answer from `path`; EngineError for any other status or no answer."""
         try:
-            async with self.session.request(method, self.base + path, timeout=PROBE_TIMEOUT) as resp:
+            async with self.session.request(method, self.base + path, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise EngineError(resp.status, "engine_error", f"{self.base}{path} answered {resp.status}")
                 return await resp.read()

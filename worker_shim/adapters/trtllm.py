@@ -24,11 +24,12 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import aiohttp
 import msgspec
 
 from protocol.messages import ENDPOINT_CHAT
 from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
-from worker_shim.adapters.http_engine import HttpEngineAdapter
+from worker_shim.adapters.http_engine import PROBE_TIMEOUT, HttpEngineAdapter
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker, attention_dp_error
 from worker_shim.adapters.vllm import completion_body
@@ -39,6 +40,10 @@ from worker_shim.engine_kind import check_engine_kind
 __all__ = ["POLL_S", "TrtllmAdapter", "disagg_body", "limits_from_stats", "load_from_stats"]
 
 POLL_S = 0.05
+# trtllm-serve revisions that answer with get_kv_cache_events_async(2) hold the poll until 2 s pass
+# with no new event: under the probes' 2 s total a poll timed out with events the engine had already
+# handed over, lost for good (TensorRT-LLM has no replay), and ended the shim's session.
+EVENTS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=30.0)
 
 
 def _newest(stats: Any) -> dict[str, Any] | None:
@@ -110,8 +115,8 @@ class TrtllmAdapter(HttpEngineAdapter):
         self.tracker = TrtllmEventTracker()
         self._load = EngineLoad()
 
-    async def _json(self, method: str, path: str) -> Any:
-        return self._decode(path, await self.fetch(path, method))
+    async def _json(self, method: str, path: str, timeout: aiohttp.ClientTimeout = PROBE_TIMEOUT) -> Any:
+        return self._decode(path, await self.fetch(path, method, timeout))
 
     def _decode(self, path: str, body: bytes) -> Any:
         try:
@@ -137,7 +142,7 @@ class TrtllmAdapter(HttpEngineAdapter):
     async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
         sink(EngineBatch(reset=True, complete=False))  # what the engine cached before this reader is unknown
         while True:
-            events = await self._json("POST", "/kv_cache_events")
+            events = await self._json("POST", "/kv_cache_events", EVENTS_TIMEOUT)
             live.set()
             batch = self.tracker.fold(events)  # malformed events: counted, logged once, dropped
             if batch.events or batch.reset:
