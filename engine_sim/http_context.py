@@ -59,7 +59,7 @@ def check_model(srv: SimServer, model: str | None) -> LoraRequest | None:
     model); vLLM's 404 else, whose alias list names the served names alone, adapters or not
     (bs32/error_unknown_model.json)."""
     cfg = srv.config
-    if model is None or model == cfg.model or model in cfg.aliases:
+    if not model or model == cfg.model or model in cfg.aliases:  # vLLM: "" names no model, as null
         return None
     lora = srv.loras.get(model)
     if lora is None:

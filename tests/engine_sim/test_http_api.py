@@ -291,6 +291,18 @@ async def test_a_model_neither_served_nor_an_adapter_is_vllms_404() -> None:
     assert status == 404 and ours == captured  # the alias list names the base model alone
 
 
+async def test_an_empty_model_name_is_the_served_model_as_in_vllm() -> None:
+    # vLLM's _is_model_supported: `not model_name` is served by the base model (a 404 here before)
+    async with SimServer(lora_config()) as sim:
+        for path, body in (
+            ("/v1/completions", {"model": "", "prompt": [1, 2, 3], "max_tokens": 1}),
+            ("/v1/chat/completions", {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+        ):
+            status, answer, _ = await post(sim, path, body)
+            assert status == 200 and answer["model"] == sim.config.model, answer
+        assert (await post(sim, "/tokenize", {"model": "", "prompt": "hi"}))[0] == 200
+
+
 async def test_an_adapter_request_hits_its_own_cache_not_the_base_models() -> None:
     body = {"model": "tiny-lora", "prompt": list(range(900, 1000)), "max_tokens": 2}
     async with SimServer(lora_config(enable_prompt_tokens_details=True)) as sim:
