@@ -575,7 +575,7 @@ class _Handlers:
         index_state: Callable[[], dict[str, Any]],
         tokenizer_report: Callable[[], dict[str, Any]] | None,
         started_at: float,
-        bad_records: Callable[[str], list[dict[str, Any]]],
+        bad_records: Callable[[str | None], list[dict[str, Any]]],
         drain: Drain,
     ) -> None:
         self.path = path
@@ -681,17 +681,28 @@ class _Handlers:
         try:
             body = await self._json_body(request)
             parsed = parse_request(body, chat=isinstance(body, dict) and "messages" in body)
-            model = self._model(parsed.model)
+            try:
+                model = self._model(parsed.model)
+            except ApiError as exc:
+                return self._with_bad_records(exc, parsed.model)
             routed, _ = await self._tokens(parsed, model)
             try:
                 explained = self.path.explain(model, routed, text=_is_text(parsed), shape=parsed.shape)
             except PlanError as exc:
-                raise ApiError(exc.code, exc.message) from exc
+                return self._with_bad_records(ApiError(exc.code, exc.message), model)
             # records refused in etcd are no registered workers, so the planner never sees them
             explained["excluded"] += self._bad_records(model)
             return _json_response(explained)
         except ApiError as exc:
             return exc.response()
+
+    def _with_bad_records(self, exc: ApiError, model: str | None) -> web.Response:
+        """A model with no worker, or none to route to, may be one whose records etcd holds but
+        were refused: listed beside the error as on an answer."""
+        bad = self._bad_records(model)
+        if not bad:
+            return exc.response()
+        return _json_response({**exc.body(), "excluded": bad}, status=exc.code)
 
     # --- reading the request ------------------------------------------------------------------
 
@@ -1102,7 +1113,7 @@ def make_app(
     index_state: Callable[[], dict[str, Any]],
     tokenizer_report: Callable[[], dict[str, Any]] | None = None,
     started_at: float | None = None,
-    bad_records: Callable[[str], list[dict[str, Any]]] = lambda model: [],
+    bad_records: Callable[[str | None], list[dict[str, Any]]] = lambda model: [],
     drain: Drain | None = None,
 ) -> web.Application:
     limits = limits or HttpLimits()

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.replica_sync import SyncStats
+
 __all__ = ["CONTENT_TYPE", "RouterMetrics", "StateFigures"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -43,6 +45,7 @@ class StateFigures:
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
     records_refused: int = 0  # router.worker_registry's `refused`
+    sync: SyncStats = field(default_factory=SyncStats)  # router.replica_sync's counts
     timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
     prompt_tokens: Mapping[str, int] = field(default_factory=dict)  # router.planner.PrefixReach
     clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
@@ -99,6 +102,7 @@ class _StateCollector(Collector):
             "those refused now as bad_record",
             s.records_refused,
         )
+        yield from _sync_counters(s.sync)
         yield GaugeMetricFamily("kvswitch_router_index_blocks", "Distinct block hashes in the index", s.index_blocks)
         yield GaugeMetricFamily("kvswitch_router_index_entries", "(block, worker) pairs in the index", s.index_entries)
         yield GaugeMetricFamily(
@@ -168,6 +172,41 @@ class _StateCollector(Collector):
             s.peer_version_mismatch,
             label="peer",
         )
+
+
+def _sync_counters(s: SyncStats) -> Iterator[Metric]:
+    """Replica sync's drops and losses: each skews this replica's or its peers' load view."""
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_malformed",
+        "Peer routers' sync messages that did not decode, and bookings in them no request makes: dropped",
+        s.malformed,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_unregistered",
+        "Sync messages from routers with no key under /{ns}/routers/ (forged, or not yet seen registering): dropped",
+        s.unregistered,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_departed",
+        "Sync messages from peer routers whose key went (their bookings were dropped with it): dropped",
+        s.departed,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_send_failures",
+        "Publishes of this router's bookings that failed (the entries queued are lost): peers keep what they "
+        "had of them until peer_ttl_s",
+        s.send_failures,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_peer_bookings_expired",
+        "Peer routers' bookings dropped for age (peer_ttl_s): each is a free that never arrived",
+        s.bookings_expired,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_peers_forgotten",
+        "Peer routers forgotten, their bookings dropped, when their key under /{ns}/routers/ went",
+        s.routers_forgotten,
+    )
 
 
 def _flagged(name: str, doc: str, workers: Sequence[str], label: str = "worker") -> GaugeMetricFamily:

@@ -7,7 +7,8 @@ echoes back to us, are ignored.
 
 Only registered routers' bookings count: with `discovery`, this watches /{ns}/routers/ and accepts
 entries only from routers whose key is there (a forged or departed sender's are dropped and
-counted); a peer's bookings go when its key disappears, and a watch that crashes starts again.
+counted, an unknown sender's first message logged); a peer's bookings go when its key disappears,
+and a watch that crashes starts again.
 Without discovery (tests, the virtual clock) every sender counts and the owner calls
 `forget_router`. As a safety net against a lost `free` (NATS core is at-most-once), a peer's
 bookings older than `peer_ttl_s` expire.
@@ -18,6 +19,11 @@ once, dropped. Kept, it would shun the worker for `peer_ttl_s`.
 
 A router whose lease was lost registers anew under a new id (`rename`): peers dropped the old id's
 bookings with its key, and count the new id's from its registration on.
+
+A replica that has never sent anything publishes only while another router is registered: a lone
+replica then pays no encode, publish and echo per flush window. Once it has sent, it always
+publishes: a peer whose key went (a lost lease) keeps running with our bookings, and without our
+frees would hold them for `peer_ttl_s`; with two replicas, no other key is there for that window.
 
 With `peers`, the same watch hands every peer's RouterInfo to router.peer_settings, which warns
 when a peer routes with other settings or runs another version.
@@ -52,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _MAX_ENTRIES_PER_MESSAGE = 2000  # ~100 KB of msgpack, well under NATS's 1 MB default payload limit
 _DEPARTED_MEMORY = 1024
+_LOGGED_SENDERS = 64  # unregistered senders named in the log; a forger minting ids gets no more lines
 MAX_BOOKING = 2**31
 """Tokens or blocks beyond any request's: no model's context, no engine's KV cache holds as many."""
 
@@ -66,6 +73,7 @@ class SyncStats:
     routers_forgotten: int = 0
     bookings_expired: int = 0
     unregistered: int = 0  # messages from routers with no key in etcd: dropped
+    departed: int = 0  # messages from routers whose key went: dropped
 
 
 class ReplicaSync:
@@ -82,7 +90,8 @@ class ReplicaSync:
         peers: PeerSettings | None = None,
     ) -> None:
         self._nc = nc
-        self._subject = subjects.sync(subjects.validate_namespace(ns))
+        self._ns = subjects.validate_namespace(ns)
+        self._subject = subjects.sync(self._ns)
         self.router_id = router_id
         self.view = view
         self.stats = SyncStats()
@@ -97,6 +106,8 @@ class ReplicaSync:
         self._registered: set[str] | None = None  # None: not watching (no discovery), or no snapshot yet
         self._departed: deque[str] = deque(maxlen=_DEPARTED_MEMORY)
         self._malformed_logged = False
+        self._sent = False  # a peer may hold our bookings: every free must go out (module docstring)
+        self._logged_senders: set[str] = set()
         self._sub: Subscription | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -193,7 +204,7 @@ class ReplicaSync:
 
     async def _send(self) -> None:
         entries, self._pending = self._pending, []
-        if self._registered is not None and not self._registered - {self.router_id}:
+        if not self._sent and self._registered is not None and not self._registered - {self.router_id}:
             return  # no peer to tell: a router that registers later learns from its own requests on
         for i in range(0, len(entries), _MAX_ENTRIES_PER_MESSAGE):
             part = entries[i : i + _MAX_ENTRIES_PER_MESSAGE]
@@ -204,6 +215,7 @@ class ReplicaSync:
                 self.stats.send_failures += 1
                 log.warning("router sync: %d entries not sent (%s)", len(entries) - i, exc)
                 return
+            self._sent = True
             self.stats.messages_sent += 1
             self.stats.entries_sent += len(part)
 
@@ -219,10 +231,15 @@ class ReplicaSync:
             self._malformed(exc)
             return
         peer = sync.router
-        if peer == self.router_id or peer in self._departed:
+        if peer == self.router_id:
+            return
+        if peer in self._departed:
+            self.stats.departed += 1
             return
         if self._discovery is not None and (self._registered is None or peer not in self._registered):
             self.stats.unregistered += 1
+            if self._registered is not None:  # before the first snapshot every peer is unknown
+                self._log_unregistered(peer, len(sync.entries))
             return
         self._peers.add(peer)
         view = self.view
@@ -241,6 +258,21 @@ class ReplicaSync:
             else:
                 view.free(e.request_id, router=peer)
 
+    def _log_unregistered(self, peer: str, entries: int) -> None:
+        if peer in self._logged_senders or len(self._logged_senders) >= _LOGGED_SENDERS:
+            return
+        self._logged_senders.add(peer)
+        last = len(self._logged_senders) == _LOGGED_SENDERS
+        log.warning(
+            "dropping router sync from %s (%d entries): no key of its under %s in etcd (a forged "
+            "sender, a router on this NATS registered in another etcd, or one registering this instant); logged "
+            "once per sender%s, all counted in kvswitch_router_sync_unregistered_total",
+            peer,
+            entries,
+            subjects.routers_prefix(self._ns),
+            ", and no further sender is named" if last else "",
+        )
+
     def _implausible(self, e: SyncEntry) -> str | None:
         blocks = min(self.view.capacity(e.worker) or MAX_BOOKING, MAX_BOOKING)
         if e.tokens > MAX_BOOKING or e.blocks > blocks:
@@ -251,7 +283,10 @@ class ReplicaSync:
         self.stats.malformed += 1
         if not self._malformed_logged:
             self._malformed_logged = True
-            log.warning("dropping malformed router sync (logged once): %s", why)
+            log.warning(
+                "dropping malformed router sync (logged once, counted in kvswitch_router_sync_malformed_total): %s",
+                why,
+            )
 
     async def _expirer(self) -> None:
         period = max(self._peer_ttl_s / 10.0, 0.05)

@@ -31,7 +31,7 @@ from router.planner import PlanError, Planner
 from router.request_context import RequestContext, RequestShape
 from router.tracing import RequestTracer
 
-__all__ = ["RequestPath", "Unknown"]
+__all__ = ["RequestPath", "Unknown", "refused_records"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class RequestPath:
     clashes: Callable[[], Mapping[str, Mapping[str, Sequence[str]]]] = dict
     default_model: str | None = None
     ns: str = subjects.DEFAULT_NAMESPACE  # where the workers register: named when none has
+    # worker records refused in etcd (key, why), of a model (None: all): named when they explain a 404
+    refused: Callable[[str | None], Sequence[tuple[str, str]]] = lambda _model: ()
     request_timeout_s: float = 600.0
     inflight: int = 0
     calls: int = 0  # utility calls so far: the next one starts at the next worker
@@ -71,7 +73,7 @@ class RequestPath:
         if name is None:
             models = list(self.models())
             if len(models) != 1:
-                served = ", ".join(models) or self._none_registered()
+                served = ", ".join(models) or self._none_registered(None)
                 raise Unknown(400, f"'model' is required: this router serves {served}")
             name = models[0]
         base = name if name in self.models() else self.aliases().get(name) or self.adapters().get(name)
@@ -82,11 +84,20 @@ class RequestPath:
                 + _and_adapters(self.default_model, self.adapters()),
             )
         if base is None:
-            served = ", ".join([*self.models(), *self.aliases(), *self.adapters()]) or self._none_registered()
-            raise Unknown(404, f"The model `{name}` does not exist. Registered: {served}")
+            names = ", ".join([*self.models(), *self.aliases(), *self.adapters()])
+            served = names or self._none_registered(name)
+            refused = self.refused(name) if names else ()
+            raise Unknown(
+                404,
+                f"The model `{name}` does not exist. Registered: {served}"
+                + (f"; {refused_records(self.ns, refused)}" if refused else ""),
+            )
         return name
 
-    def _none_registered(self) -> str:
+    def _none_registered(self, model: str | None) -> str:
+        # Records there but refused are no namespace mismatch: name them instead.
+        if refused := self.refused(model) or self.refused(None):
+            return f"none ({refused_records(self.ns, refused)})"
         return (
             f"none (no worker is registered under {subjects.workers_prefix(self.ns)}: this router's "
             f"--namespace is {self.ns})"
@@ -222,6 +233,17 @@ class RequestPath:
         finally:
             self.inflight -= 1
             self.release(job)
+
+
+def refused_records(ns: str, refused: Sequence[tuple[str, str]], shown: int = 5) -> str:
+    """What to tell of the worker records refused in etcd (router.worker_registry): the first
+    `shown` keys, each with why."""
+    listed = "; ".join(f"{name}: {why}" for name, why in refused[:shown])
+    more = f"; and {len(refused) - shown} more" if len(refused) > shown else ""
+    return (
+        f"{len(refused)} worker record(s) under {subjects.workers_prefix(ns)} refused ({listed}{more}); "
+        "bad_record in /ready's worker_status"
+    )
 
 
 def _and_adapters(model: str, adapters: Mapping[str, str]) -> str:

@@ -60,8 +60,8 @@ from router.metrics import RouterMetrics, StateFigures
 from router.peer_settings import PeerSettings, settings_digest
 from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
-from router.replica_sync import ReplicaSync
-from router.request_path import RequestPath
+from router.replica_sync import ReplicaSync, SyncStats
+from router.request_path import RequestPath, refused_records
 from router.served_names import clash_message
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
@@ -307,6 +307,7 @@ class RouterService:
             max_model_len=self.max_model_len,
             default_model=self.config.model,
             ns=self.ns,
+            refused=self._refused,
             request_timeout_s=self.config.request_timeout_s,
         )
         self._load_sub = await nc.subscribe(
@@ -482,22 +483,33 @@ class RouterService:
             problems.append("NATS is not connected: requests cannot reach any worker")
         if running and not self._registry_ready:
             problems.append("the worker set has not been read from etcd yet")
-        if self._registry_ready and not registered:  # most often shims and router in other namespaces
-            problems.append(
-                f"no decode or agg worker can take requests: no worker is registered under "
-                f"{subjects.workers_prefix(self.ns)} in etcd (this router's --namespace is {self.ns}; "
-                "workers registered under another namespace are not seen)"
-            )
+        refused = self._refused(served)
+        if self._registry_ready and not registered:
+            if every := refused or self._refused(None):  # the records are there: no namespace mismatch
+                problems.append(
+                    "no decode or agg worker can take requests: no worker is registered, "
+                    + refused_records(self.ns, every)
+                )
+            else:  # most often shims and router in other namespaces
+                problems.append(
+                    f"no decode or agg worker can take requests: no worker is registered under "
+                    f"{subjects.workers_prefix(self.ns)} in etcd (this router's --namespace is {self.ns}; "
+                    "workers registered under another namespace are not seen)"
+                )
         elif self._registry_ready and served is not None and not infos:
             names = [*self.models(), *self.aliases(), *self.adapters()]
             problems.append(
                 f"no worker serves {served}, the only model this router serves (--model); registered: "
                 + ", ".join(names)
+                + (f"; {refused_records(self.ns, refused)}" if refused else "")
             )
         elif not any(
             (m["routable_decode"] or m["soft_decode"]) and model not in unreachable for model, m in models.items()
         ):
-            problems.append("no decode or agg worker can take requests")
+            problems.append(
+                "no decode or agg worker can take requests"
+                + (f"; {refused_records(self.ns, refused)}" if refused else "")
+            )
         elif nats_up and self._reconnected_at is not None:
             ago = time.monotonic() - self._reconnected_at
             problems.append(
@@ -516,6 +528,9 @@ class RouterService:
             "index_synced": self._ingest.synced if self._ingest is not None else False,
         }
         return not problems, body
+
+    def _refused(self, model: str | None) -> list[tuple[str, str]]:
+        return [(st.worker, st.detail) for st in self.bad_records(model)]
 
     def bad_records(self, model: str | None = None) -> list[WorkerStatus]:
         """The worker records refused in etcd (router.worker_registry), as excluded workers; with
@@ -772,6 +787,7 @@ class RouterService:
             load_malformed=self.load_malformed,
             load_unknown=self.load_unknown,
             records_refused=self._registry.refused if self._registry is not None else 0,
+            sync=self._sync.stats if self._sync is not None else SyncStats(),
             timing=self.calibration.factors() if self.calibration is not None else {},
             clock_offsets=self.clocks.offsets(),
             credit_short=self.view.credit_short(),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -156,5 +158,79 @@ async def test_bookings_of_an_unregistered_router_do_not_count(nc: Client, ns: s
             await nc.publish(subjects.sync(ns), encode_msg(forged))
             await until(lambda: b.stats.unregistered == 1, what="the forged message dropped")
             assert b.view.bookings("w1") == 0 and b.view.load("w1").active_blocks == 0
+        finally:
+            await b.stop()
+
+
+def _info(rid: str) -> RouterInfo:
+    return RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=time.time())
+
+
+async def test_a_lone_replica_publishes_nothing(nc: Client, ns: str, etcd_url: str) -> None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as disc:
+        lease = await disc.register_router(_info, ttl=5)
+        a = ReplicaSync(nc, ns, lease.hex_id, LoadView(), flush_ms=1.0, discovery=disc)
+        await a.start()
+        try:
+            await until(lambda: a.registered(lease.hex_id) is True, what="the routers' snapshot")
+            a.add("req1", "w1", 100, 10)
+            a.free("req1")
+            await asyncio.sleep(0.05)
+            assert a.stats.messages_sent == 0 and a.view.bookings("w1") == 0
+        finally:
+            await a.stop()
+
+
+async def test_a_free_sent_while_the_only_peer_reregisters_reaches_it(nc: Client, ns: str, etcd_url: str) -> None:
+    """An HA pair: B's lease is lost (a stall past its TTL), so A sees no other router's key while
+    B, still running, holds A's booking. A's free in that window must reach B, which registers
+    anew; dropped, B kept the booking for peer_ttl_s (600 s)."""
+    settings = EtcdSettings(endpoints=[etcd_url])
+    async with Discovery(settings, ns) as disc_a, Discovery(settings, ns) as disc_b:
+        lease_a = await disc_a.register_router(_info, ttl=5)
+        lease_b = await disc_b.register_router(_info, ttl=5)
+        a = ReplicaSync(nc, ns, lease_a.hex_id, LoadView(), flush_ms=1.0, discovery=disc_a)
+        b = ReplicaSync(nc, ns, lease_b.hex_id, LoadView(), flush_ms=1.0, discovery=disc_b)
+        await a.start()
+        await b.start()
+        try:
+            await until(lambda: bool(a.registered(lease_b.hex_id) and b.registered(lease_a.hex_id)), what="both keys")
+            a.add("req1", "w1", 2000, 130)
+            await until(lambda: b.view.bookings("w1") == 1, what="b holds a's booking")
+            await disc_b.release(lease_b)
+            await until(lambda: a.registered(lease_b.hex_id) is False, what="a saw b's key go")
+            a.prefill_done("req1")
+            a.free("req1")
+            await until(lambda: a.stats.entries_sent == 3, timeout=2.0, what="a's free published")
+            lease_b2 = await disc_b.register_router(_info, ttl=5)
+            b.rename(lease_b2.hex_id)  # as RouterService._registered_anew
+            await until(lambda: b.view.bookings("w1") == 0, timeout=2.0, what="b dropped a's ended request")
+            assert b.view.load("w1").active_blocks == 0
+        finally:
+            await a.stop()
+            await b.stop()
+
+
+async def test_drops_from_departed_and_unregistered_senders_are_counted_and_logged_once_per_sender(
+    nc: Client, ns: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.replica_sync")
+    settings = EtcdSettings(endpoints=[etcd_url])
+    async with Discovery(settings, ns) as disc_a, Discovery(settings, ns) as disc_b:
+        lease_a = await disc_a.register_router(_info, ttl=5)
+        b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0, discovery=disc_b)
+        await b.start()
+        try:
+            await until(lambda: b.registered(lease_a.hex_id) is True, what="a registered")
+            await disc_a.release(lease_a)
+            await until(lambda: b.registered(lease_a.hex_id) is False, what="a's key gone")
+            entry = SyncEntry(request_id="x", worker="w1", kind="add", blocks=1)
+            for sender in (lease_a.hex_id, lease_a.hex_id, "forger", "forger", "forger2"):
+                await nc.publish(subjects.sync(ns), encode_msg(RouterSync(router=sender, entries=[entry])))
+            await until(lambda: b.stats.departed == 2 and b.stats.unregistered == 3, what="every message dropped")
+            assert b.view.bookings("w1") == 0
+            said = [r.getMessage() for r in caplog.records if "dropping router sync from" in r.getMessage()]
+            assert len(said) == 2 and "forger " in said[0] and "forger2" in said[1], said
+            assert subjects.routers_prefix(ns) in said[0]
         finally:
             await b.stop()

@@ -243,3 +243,37 @@ async def test_refused_worker_records_are_counted_logged_by_key_and_on_ready_unt
         assert not [w for w in body["worker_status"] if w["excluded"] == "bad_record"]
         assert _status_of(body, truncated)["excluded"] != "bad_record"
         await d.delete(prefix + truncated)
+
+
+async def test_when_every_record_is_refused_the_answers_name_them_not_the_namespace(
+    cluster: Cluster, http: aiohttp.ClientSession, etcd_url: str
+) -> None:
+    """Review 2026-12-04: the cluster's only record refused (a schema skew: block_size 0), /ready
+    said no worker was registered under the prefix and blamed --namespace, requests and
+    /debug/route got a 404 saying the same, and /debug/route listed no bad_record."""
+    router = await cluster.add_router(disagg="never")
+    prefix = subjects.workers_prefix(cluster.ns)
+    key = "1234abcd"
+    bad = WorkerInfo(worker=key, model=MODEL, role="agg", engine="vllm", block_size=0, tokenizer="builtin")
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        await d.put_raw(prefix + key, encode_json(bad))
+        try:
+            await until(lambda: router.registry.refused >= 1, what="the record refused")
+            status, body = await _ready(http, router)
+            (problem,) = body["problems"]
+            assert status == 503 and f"{key}: block_size 0" in problem and prefix in problem, problem
+            assert "--namespace" not in problem, problem
+
+            status, answer, _ = await complete(http, router, list(range(64)))
+            said = answer["error"]["message"]
+            assert status == 404 and f"{key}: block_size 0" in said and "--namespace" not in said, said
+            status, answer, _ = await complete(http, router, list(range(64)), model=None)
+            said = answer["error"]["message"]
+            assert status == 400 and f"{key}: block_size 0" in said and "--namespace" not in said, said
+
+            async with http.post(router.url + "/debug/route", json={"model": MODEL, "prompt": list(range(64))}) as r:
+                status, answer = r.status, await r.json()
+            assert status == 404 and key in answer["error"]["message"], answer
+            assert [(e["worker"], e["excluded"]) for e in answer["excluded"]] == [(key, "bad_record")], answer
+        finally:
+            await d.delete(prefix + key)

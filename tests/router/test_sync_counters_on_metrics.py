@@ -1,0 +1,69 @@
+"""Replica sync's drops and losses are on /metrics (2026-12-04 audit: they were Python attributes
+only, so a stream of forged sync messages or a peer's lost frees could not be seen)."""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+from nats.aio.client import Client
+from prometheus_client.parser import text_string_to_metric_families
+
+from discovery import Discovery
+from protocol import RouterInfo, subjects
+from protocol.config import EtcdSettings
+from protocol.messages import RouterSync, SyncEntry, encode_msg
+from router.metrics import RouterMetrics, StateFigures
+from router.replica_sync import SyncStats
+from runtime.nats_flush import flush
+from tests.router.conftest import Cluster
+from tests.router.polling import until
+
+SYNC = ("malformed", "unregistered", "departed", "send_failures", "peer_bookings_expired", "peers_forgotten")
+
+
+def _sync_samples(text: str) -> dict[str, float]:
+    return {
+        s.name.removeprefix("kvswitch_router_sync_").removesuffix("_total"): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("kvswitch_router_sync_")
+    }
+
+
+def test_every_sync_count_is_rendered() -> None:
+    stats = SyncStats(malformed=1, unregistered=2, departed=3, send_failures=4, bookings_expired=5, routers_forgotten=6)
+    text = RouterMetrics(lambda: StateFigures(sync=stats)).render().decode()
+    assert _sync_samples(text) == dict(zip(SYNC, (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), strict=True))
+
+
+async def test_dropped_sync_messages_are_on_metrics(
+    cluster: Cluster, http: aiohttp.ClientSession, nc: Client, etcd_url: str
+) -> None:
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    sync = router.sync
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        peer = await d.register_router(
+            lambda rid: RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=time.time()), ttl=5
+        )
+        await until(lambda: sync.registered(peer.hex_id) is True, what="the peer registered")
+        await d.release(peer)
+        await until(lambda: sync.registered(peer.hex_id) is False, what="the peer's key gone")
+    entry = SyncEntry(request_id="x", worker="w", kind="add", blocks=1)
+    await nc.publish(subjects.sync(cluster.ns), b"\x93garbage")
+    await nc.publish(subjects.sync(cluster.ns), encode_msg(RouterSync(router="forger", entries=[entry])))
+    await nc.publish(subjects.sync(cluster.ns), encode_msg(RouterSync(router=peer.hex_id, entries=[entry])))
+    await flush(nc)
+    await until(lambda: sync.stats.departed == 1, what="the departed peer's message dropped")
+
+    async with http.get(router.url + "/metrics") as r:
+        figures = _sync_samples(await r.text())
+    assert figures == {
+        "malformed": 1.0,
+        "unregistered": 1.0,
+        "departed": 1.0,
+        "send_failures": 0.0,
+        "peer_bookings_expired": 0.0,
+        "peers_forgotten": 1.0,
+    }
