@@ -20,7 +20,8 @@ Every routed response carries `x-kvswitch-decode-worker`, `x-kvswitch-prefill: b
 and `x-kvswitch-outcome` headers naming where the request really went, after any retry or
 fallback, and `Server-Timing` (`parse`, `route`, `worker`, in ms) saying where its time went.
 Every answer, errors included, carries `x-request-id` as vLLM's --enable-request-id-headers sets
-it: the client's X-Request-Id, else a routed answer's `id`, else a fresh one.
+it: the client's X-Request-Id, else a routed answer's `id`, else a fresh one. Not aiohttp's own
+400/414/431 to a request that does not parse as HTTP, which no handler sees (nor does vLLM's).
 
 Every error is OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: bad input 400,
 unknown route 404, wrong method 405, body not sent in time 408, body or prompt too large 413,

@@ -78,15 +78,17 @@ CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
 
 def _check_listen(host: str, port: int) -> None:
     """ConfigError naming --http-host or --http-port when the front door could not listen there: the
-    host does not resolve or is not this machine's, or the port is taken or forbidden. A bind tried
-    and closed at once, as the listener will bind (SO_REUSEADDR: a listening socket still holds it)."""
+    host does not resolve or is not this machine's, or the port is taken or forbidden. Binds tried
+    and closed at once, as asyncio's listener will bind: each address the host resolves to, IPv6
+    ones IPv6-only, SO_REUSEADDR (a listening socket still holds its port)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(address)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
     except OSError as exc:
         raise listen_error(host, port, exc) from exc
 

@@ -57,3 +57,26 @@ async def test_a_bad_host_or_port_is_named_before_nats_and_etcd_are_waited_on() 
         port = taken.getsockname()[1]
         err = await asyncio.wait_for(_start(*unreachable, "127.0.0.1", port), 10)
     assert (err.setting, err.value) == ("http_port", port)
+
+
+async def test_an_ipv6_wildcard_host_beside_an_ipv4_listener_on_its_port_starts(nats_url: str, etcd_url: str) -> None:
+    # the listener binds `::` IPv6-only, as asyncio does; a dual-stack probe was refused by the IPv4
+    # socket and blamed --http-port
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    with socket.socket() as ipv4:
+        ipv4.bind(("0.0.0.0", 0))
+        ipv4.listen()
+        port = ipv4.getsockname()[1]
+        router = RouterService(
+            RouterConfig(
+                nats=NatsSettings(servers=[nats_url]),
+                etcd=EtcdSettings(endpoints=[etcd_url]),
+                http_host="::",
+                http_port=port,
+            )
+        )
+        try:
+            await router.start()
+        finally:
+            await router.stop()
