@@ -187,7 +187,7 @@ def _scrape(router_url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        for metric in ("kvswitch_router_ttft_seconds", "kvswitch_router_route_seconds"):
+        for metric in ("kvswitch_router_upstream_ttft_seconds", "kvswitch_router_route_seconds"):
             if name.startswith(metric + "_sum") or name.startswith(metric + "_count"):
                 key = metric + name[len(metric) :].split("{")[0]
                 out[key] = out.get(key, 0.0) + float(value)
@@ -288,7 +288,7 @@ def bench_overhead(rates: list[float], seconds: float, agg: int, speedup: float)
                 # Means, to split the overhead: `upstream` is what the router waits for (NATS, shim,
                 # engine), the rest of the client's TTFT is the router's own work and queueing.
                 row["router_mean_ms"] = round(statistics.mean(routed) * 1e3, 3)
-                row["upstream_mean_ms"] = _mean_ms(before, after, "kvswitch_router_ttft_seconds")
+                row["upstream_mean_ms"] = _mean_ms(before, after, "kvswitch_router_upstream_ttft_seconds")
                 row["route_mean_ms"] = _mean_ms(before, after, "kvswitch_router_route_seconds")
                 row["router_own_mean_ms"] = round(row["router_mean_ms"] - row["upstream_mean_ms"], 3)
                 out["rates"][str(int(rate))] = row

@@ -825,7 +825,7 @@ class _Handlers:
     async def _whole(self, job: Job, ids: _Ids, timing: _Timing) -> web.Response:
         parts: list[bytes] = []
         try:
-            async for chunk in self.path.stream(job):
+            async for chunk in self.path.stream(job, timing.start):
                 if chunk.body:
                     parts.append(chunk.body)
         except LegError as exc:
@@ -839,7 +839,7 @@ class _Handlers:
     ) -> tuple[web.StreamResponse, int]:
         """The stream, and the code it counts as: 200, or its error event's when it failed after
         its headers (their 200 went out before the failure)."""
-        chunks = self.path.stream(job)
+        chunks = self.path.stream(job, timing.start)
         try:
             first = await anext(chunks)
         except LegError as exc:

@@ -21,6 +21,10 @@ __all__ = ["CONTENT_TYPE", "RouterMetrics", "StateFigures"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Edges at the default SLOs (slo_ttft_s 2.0, slo_itl_s 0.025) and close around them, so the share
+# within the SLO and quantiles near it read true.
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 _ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
@@ -228,13 +232,26 @@ class RouterMetrics:
         )
         self.ttft = Histogram(
             "kvswitch_router_ttft_seconds",
-            "Time to first token through the router, by prefill path",
+            "Time to first token as the client sees it, by prefill path: from the request's arrival (body "
+            "read, tokenizing, planning and admission wait included) to its first token sent; streaming "
+            "requests only",
             ["path"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.upstream_ttft = Histogram(
+            "kvswitch_router_upstream_ttft_seconds",
+            "Dispatch to first token, by prefill path: the part of kvswitch_router_ttft_seconds spent on "
+            "NATS, the shims and the engines; streaming requests only",
+            ["path"],
+            buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
         self.itl = Histogram(
-            "kvswitch_router_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS, registry=self.registry
+            "kvswitch_router_itl_seconds",
+            "Inter-token latency; streaming requests only",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
         )
         self.route = Histogram(
             "kvswitch_router_route_seconds",
@@ -252,7 +269,7 @@ class RouterMetrics:
         self.registry.register(_StateCollector(state))
         # Labelled children bound once: `labels()` validates and locks on every call (~3 us).
         self._requests: dict[tuple[str, int], Counter] = {}
-        self._ttft: dict[str, Histogram] = {}
+        self._ttft: dict[str, tuple[Histogram, Histogram]] = {}
 
     def count_request(self, endpoint: str, code: int) -> None:
         child = self._requests.get((endpoint, code))
@@ -260,11 +277,13 @@ class RouterMetrics:
             child = self._requests[endpoint, code] = self.requests.labels(endpoint, str(code))
         child.inc()
 
-    def observe_ttft(self, path: str, seconds: float) -> None:
-        child = self._ttft.get(path)
-        if child is None:
-            child = self._ttft[path] = self.ttft.labels(str(path))
-        child.observe(seconds)
+    def observe_ttft(self, path: str, seconds: float, upstream_s: float) -> None:
+        """A stream's first token: `seconds` since its arrival, `upstream_s` since its dispatch."""
+        children = self._ttft.get(path)
+        if children is None:
+            children = self._ttft[path] = (self.ttft.labels(str(path)), self.upstream_ttft.labels(str(path)))
+        children[0].observe(seconds)
+        children[1].observe(upstream_s)
 
     def observe_itl(self, seconds: float, tokens: int = 1) -> None:
         """`tokens` inter-token gaps of `seconds` each (a chunk carrying several tokens)."""

@@ -209,10 +209,11 @@ class RequestPath:
         self.admission.throughput.completed()
         self.admission.notify()
 
-    async def stream(self, job: Job) -> AsyncGenerator[ResponseChunk, None]:
-        """The request's chunks; whatever way it ends, its bookkeeping ends with it."""
+    async def stream(self, job: Job, arrived: float) -> AsyncGenerator[ResponseChunk, None]:
+        """The request's chunks; whatever way it ends, its bookkeeping ends with it. `arrived`: the
+        time.perf_counter() the request arrived at, where the TTFT its client sees starts."""
         metrics = self.metrics
-        start = time.monotonic()
+        start = time.perf_counter()
         last: float | None = None
         self.inflight += 1
         streamed = job.request.stream  # a whole answer has no first token to time
@@ -223,9 +224,9 @@ class RequestPath:
                 async for chunk in chunks:
                     n = len(chunk.token_ids) + chunk.tokens
                     if n and streamed:
-                        now = time.monotonic()
+                        now = time.perf_counter()
                         if last is None:
-                            metrics.observe_ttft(job.path, now - start)
+                            metrics.observe_ttft(job.path, now - arrived, now - start)
                         else:
                             metrics.observe_itl((now - last) / n, n)
                         last = now

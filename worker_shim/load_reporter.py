@@ -56,6 +56,7 @@ class LoadReporter:
         transfers_failed: Callable[[], int] = lambda: 0,
         draining: Callable[[], bool] = lambda: False,
         on_reading: Callable[[float, float, EngineLoad | None], None] = lambda _asked, _done, _load: None,
+        on_published: Callable[[], None] = lambda: None,
     ) -> None:
         self.nc = nc
         self.subject = subjects.load(ns, worker)
@@ -73,7 +74,8 @@ class LoadReporter:
         self.draining = draining
         # Each poll's result (None: it failed), with the time.monotonic() it was asked for and came back.
         self.on_reading = on_reading
-        self.published = 0
+        # Each report sent: the shim counts them over its lifetime, not this worker id's.
+        self.on_published = on_published
         self._engine = EngineLoad()
         self._engine_at = 0.0
         self.healthy = True  # what the reports say of the engine: False while its load polls fail
@@ -190,7 +192,7 @@ class LoadReporter:
             self._last_key, self._last_sent = key, now
             try:
                 await self.nc.publish(self.subject, encode_msg(rep))
-                self.published += 1
+                self.on_published()
             except NatsError as exc:
                 log.warning("publishing the load report failed: %s", exc)
 

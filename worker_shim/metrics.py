@@ -116,9 +116,8 @@ class _ShimCollector(Collector):
         kvstate.add_metric(["dump"], float(k.kvstate_dumps))
         kvstate.add_metric(["malformed"], float(k.malformed_requests))
         yield kvstate
-        reporter = self.shim.load_reporter
         yield _counter(
-            "load_reports", "LoadReports by the current worker id", float(reporter.published if reporter else 0)
+            "load_reports", "LoadReports published since the shim started", float(self.shim.load_reports_sent)
         )
 
     def _requests(self) -> Iterator[Metric]:

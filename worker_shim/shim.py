@@ -168,6 +168,7 @@ class WorkerShim:
         self.registration_count = 0
         self.norm_stats = NormaliserStats()
         self.kv_counters = PublisherCounters()
+        self.load_reports_sent = 0  # by every worker id this process registered
         self.engine_events = 0
         self.engine_batches = {True: 0, False: 0}
         self.http = ShimHttpServer(self.config.http_host, self.config.http_port, self.health_report, self.metrics_text)
@@ -702,6 +703,9 @@ class WorkerShim:
             last = block_hashes(token_ids[: full * bs], bs, salt=salt)[-1]
             self.events.expect_stored(last, request_id, uncached)
 
+    def _count_load_report(self) -> None:
+        self.load_reports_sent += 1
+
     def _on_engine_reading(self, asked: float, done: float, load: EngineLoad | None) -> None:
         if load is None:
             self.credit.lost()
@@ -835,6 +839,7 @@ class WorkerShim:
             transfers_failed=lambda: self.transfers.total,
             draining=self._stopping.is_set,
             on_reading=self._on_engine_reading,
+            on_published=self._count_load_report,
         )
         presence.reporter.start()
 

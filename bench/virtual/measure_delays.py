@@ -101,7 +101,7 @@ async def _measure(cluster: LocalCluster, requests: int) -> dict[str, float]:
     client_ttft: list[float] = []
     async with aiohttp.ClientSession() as session:
         client = CompletionClient(session, cluster.spec.model)
-        r0 = await _histogram_mean(session, router, "kvswitch_router_ttft_seconds")
+        r0 = await _histogram_mean(session, router, "kvswitch_router_upstream_ttft_seconds")
         e0 = [await _histogram_mean(session, u, "vllm:time_to_first_token_seconds") for u in cluster.sim_urls]
         for i in range(requests):
             prompt = [rng.randrange(300, 30000) for _ in range(64)]
@@ -110,7 +110,7 @@ async def _measure(cluster: LocalCluster, requests: int) -> dict[str, float]:
                 raise RuntimeError(f"request {i} failed: {done.error}")
             client_ttft.append(done.ttft_s)
             await asyncio.sleep(0.05)  # let events and reports settle: no request queues behind another
-        r1 = await _histogram_mean(session, router, "kvswitch_router_ttft_seconds")
+        r1 = await _histogram_mean(session, router, "kvswitch_router_upstream_ttft_seconds")
         e1 = [await _histogram_mean(session, u, "vllm:time_to_first_token_seconds") for u in cluster.sim_urls]
     stop.set()
     await zmq_task

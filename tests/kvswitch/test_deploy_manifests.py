@@ -499,3 +499,61 @@ def test_the_hf_token_comes_from_a_documented_secret(vllm_objects: list[dict[str
     ]
     (hf,) = [argv for argv in created if argv[6] == ref["name"]]
     assert f"--from-literal={ref['key']}=$HF_TOKEN" in hf
+
+
+# --- Prometheus reaches every shim where it runs (observability audit, 2026-12-04) ---------------
+
+
+def _prometheus_config(services: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The config the compose `prometheus` service loads: its --config.file, read from the host
+    file mounted there (compose mounts the last file given for a container path)."""
+    prometheus = services["prometheus"]
+    (path,) = [a.split("=", 1)[1] for a in prometheus["command"] if a.startswith("--config.file=")]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in prometheus["volumes"]}
+    return dict(yaml.safe_load((ROOT / mounts[path]).read_text()))
+
+
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_VLLM]], ids=["sim", "vllm"])
+def test_prometheus_scrapes_each_shim_in_the_network_namespace_it_runs_in(files: list[Path]) -> None:
+    # Until 2026-12-04 the vLLM variant kept scraping sim-prefill and sim-decode, which it never starts.
+    services = _compose(*files)
+    started = {n: s for n, s in services.items() if not s.get("profiles")}
+    shims = [parse(s["command"])[1] for s in started.values() if s.get("command", [None])[0] == "shim"]
+    shim_at = {
+        (s["network_mode"].removeprefix("service:"), parse(s["command"])[1].http_port): parse(s["command"])[1]
+        for s in started.values()
+        if s.get("command", [None])[0] == "shim"
+    }
+    jobs = {job["job_name"]: job["static_configs"] for job in _prometheus_config(services)["scrape_configs"]}
+    scraped = {}
+    for config in jobs["kvswitch-shim"]:
+        for target in config["targets"]:
+            host, port = target.rsplit(":", 1)
+            assert host in started, f"{target}: {host} is not started"
+            assert (host, int(port)) in shim_at, f"{target}: no shim serves /metrics there"
+            scraped[shim_at[host, int(port)].worker_name] = config["labels"]["worker"]
+    assert len(shims) == 2 and scraped == {s.worker_name: s.worker_name for s in shims}, scraped
+    routers = {f"{n}:{parse(s['command'])[1].http_port}" for n, s in started.items() if n.startswith("router")}
+    assert {t for c in jobs["kvswitch-router"] for t in c["targets"]} == routers
+
+
+def test_every_shim_pod_is_scraped_on_its_http_port(objects: list[dict[str, Any]]) -> None:
+    kinds = ("Deployment", "StatefulSet", "DaemonSet")
+    templates = [o["spec"]["template"] for o in objects if o["kind"] in kinds]
+    shim_pods = [t for t in templates if "shim" in _containers(t["spec"])]
+    assert len(shim_pods) == 2
+    for template in shim_pods:
+        port = _flags(_containers(template["spec"])["shim"]["args"])["--http-port"]
+        annotations = template["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true" and annotations.get("prometheus.io/port") == port
+        ports = {p["containerPort"] for p in _containers(template["spec"])["shim"].get("ports", [])}
+        assert int(port) in ports
+
+
+def test_the_dashboard_names_no_scrape_job() -> None:
+    # compose names its jobs kvswitch-router and kvswitch-shim; annotation-based discovery on
+    # Kubernetes has a job of its own: a `job=` matcher would leave one of them empty.
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "kvswitch.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert [e for e in exprs if re.search(r"\bjob\s*=", e)] == []
+    assert any(re.match(r"up\b", e) for e in exprs)  # the shims' scrape health is still charted
