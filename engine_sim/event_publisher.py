@@ -96,8 +96,12 @@ class ZmqEventPublisher:
         form: str = "map",
         data_parallel_rank: int = 0,
         drop_fraction: float = 0.0,
+        binds: bool | None = None,
     ) -> None:
+        """`binds`: whether the PUB binds (None: vLLM's rule on `config.endpoint`). A restart that
+        rebinds the port a wildcard chose passes it, as the port it names no longer says so."""
         self.config = config
+        self.binds = publisher_binds(config.endpoint) if binds is None else binds
         self.form = form
         self.data_parallel_rank = data_parallel_rank
         self.drop_fraction = drop_fraction
@@ -130,7 +134,7 @@ class ZmqEventPublisher:
         pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         pub.setsockopt(zmq.LINGER, 0)
         ep = self.config.endpoint
-        if publisher_binds(ep):
+        if self.binds:
             await _bind_retrying(pub, ep)
             self._endpoint = _subscriber_address(pub.getsockopt_string(zmq.LAST_ENDPOINT))
         else:

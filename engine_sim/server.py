@@ -41,7 +41,7 @@ from engine_sim.runner import EngineRunner
 from engine_sim.sampler import word_ids
 from engine_sim.scheduler import Scheduler
 from protocol.timing import TimingModel
-from protocol.vllm_events import rank_endpoint
+from protocol.vllm_events import publisher_binds, rank_endpoint
 
 __all__ = ["ServerStatus", "SimServer"]
 
@@ -94,6 +94,7 @@ class SimServer:
         self._events_cfg = msgspec.structs.replace(
             ev, endpoint=rank_endpoint(ev.endpoint, rank), replay_endpoint=replay
         )
+        self._events_given = self._events_cfg  # as configured: what /kv_event_sources lists is read from it
         self._lifecycle = asyncio.Lock()
         self._pending: set[asyncio.Task[None]] = set()
 
@@ -156,10 +157,30 @@ class SimServer:
 
     def event_sources(self) -> dict[str, dict[str, Any]]:
         """vLLM's GET /kv_event_sources: this engine's events config by data-parallel rank (its
-        endpoints offset by the rank, a port 0 as bound); nothing when events are off."""
-        if not self._events_cfg.active:
+        endpoints offset by the rank, a port 0 as bound); nothing when events are off. vLLM 0.32
+        lists `tcp://*:0` as `tcp://<node IP>:<port>` (ZmqEventPublisher._bind), so the sim lists
+        its host there; `tcp://*:PORT` and a concrete address as given."""
+        cfg, given = self._events_cfg, self._events_given
+        if not cfg.active:
             return {}
-        return {str(self.config.data_parallel_rank): msgspec.to_builtins(self._events_cfg)}
+        listed = msgspec.structs.replace(
+            cfg,
+            endpoint=self._as_listed(given.endpoint, cfg.endpoint),
+            replay_endpoint=self._as_listed(given.replay_endpoint, cfg.replay_endpoint),
+        )
+        return {str(self.config.data_parallel_rank): msgspec.to_builtins(listed)}
+
+    def _as_listed(self, given: str | None, bound: str | None) -> str | None:
+        if given != "tcp://*:0" or bound is None or bound == given:
+            return bound
+        host = self._node_host
+        return f"tcp://{f'[{host}]' if ':' in host else host}:{bound.rsplit(':', 1)[1]}"
+
+    @property
+    def _node_host(self) -> str:
+        """The address on this host a peer reaches the sim at (its HTTP host, loopback for all)."""
+        host = self.config.host
+        return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
     async def _bring_up(self) -> None:
         cfg = self.config
@@ -184,6 +205,7 @@ class SimServer:
                 form=cfg.event_form,
                 data_parallel_rank=cfg.data_parallel_rank,
                 drop_fraction=self.faults.drop_event_fraction,
+                binds=publisher_binds(self._events_given.endpoint),  # as first given, whatever port it chose
             )
         else:
             publisher = NullEventPublisher()
@@ -211,7 +233,7 @@ class SimServer:
             raise
         if self._port is None:
             self._port = int(http.addresses[0][1])
-        scheduler.remote_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "", "::") else cfg.host
+        scheduler.remote_host = self._node_host
         scheduler.remote_port = self.port
         if isinstance(publisher, ZmqEventPublisher):
             # Keep the ports a restart must rebind.

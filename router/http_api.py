@@ -11,7 +11,8 @@ no side, which vLLM's tokenizer applies keeping the BOS): then as its text. A ch
 reaches it as its messages, which the engine renders with the template the router's tokenizer
 fingerprint matched. The router validates only the fields it
 reads, refuses the ones only it may set (`kv_transfer_params`, `disaggregated_params`, the
-bootstrap triple), and passes everything else on. So stop strings, `n`, `echo`, logprobs,
+bootstrap triple, `ec_transfer_params`, and the transfer handles in `vllm_xargs`), and passes
+everything else on. So stop strings, `n`, `echo`, logprobs,
 penalties, tools, `response_format`, usage details and the engine's own 400s are the engine's.
 It writes the engine's SSE payloads out unchanged; a whole answer gets one thing added, the
 `kvswitch` route object. Batched prompts go to one worker, routed by the first prompt.
@@ -106,6 +107,13 @@ _ERROR_TYPES = {
 # Set by the router for the engine, never by a client: transfer handles name hosts the engine
 # would pull KV from.
 _ROUTER_ONLY = ("kv_transfer_params", "disaggregated_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+# vLLM 0.32 takes transfer handles from `vllm_xargs` too (v1/request.py reads them from extra_args),
+# and an encoder-cache one (ec_transfer_params) the router never sets, in either place.
+_HANDLES = ("kv_transfer_params", "ec_transfer_params")
+# vLLM 0.32 reads it from `vllm_xargs` (v1/request.py); "full" re-announces a prefix-cache hit's
+# blocks as new BlockStored events, with no BlockRemoved to match, so the shim's counts keep them
+# after eviction. Only its default, "incremental", is safe.
+_REPORT_MODE = "kv_cache_report_mode"
 _TOKEN_ID_LIMIT = 2**32  # canonical block hashes pack ids as u32
 _TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=_TOKEN_ID_LIMIT)]]
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1  # what a msgpack integer holds
@@ -343,9 +351,23 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
     parameter for anything wrong. Everything else goes to the engine unread."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name in _ROUTER_ONLY:
+    for name in (*_ROUTER_ONLY, "ec_transfer_params"):
         if name in body:
             raise ApiError(400, f"'{name}' is set by the router, not by clients", name)
+    xargs = body.get("vllm_xargs")
+    for name in _HANDLES:
+        if isinstance(xargs, dict) and name in xargs:
+            raise ApiError(
+                400, f"'vllm_xargs.{name}' is a transfer handle, set by the router, not by clients", "vllm_xargs"
+            )
+    if isinstance(xargs, dict) and xargs.get(_REPORT_MODE, "incremental") != "incremental":
+        raise ApiError(
+            400,
+            f'\'vllm_xargs.{_REPORT_MODE}\' must be "incremental", got {xargs[_REPORT_MODE]!r}: under "full" vLLM '
+            "announces a cache hit's blocks again but removes them once, so kvswitch's index would keep them after "
+            "eviction",
+            "vllm_xargs",
+        )
     _check_ints(body)
     messages = options = None
     prompts: list[str | list[int]] = []

@@ -17,17 +17,28 @@ same JSON shape; the operator hands the shim the string the engine was given. Ke
 
 A config that makes the engine publish nothing, an unknown key or a wrong type is a ConfigError
 naming `kv_events_config`.
+
+vLLM lists each endpoint on GET /kv_event_sources as it was given, except `tcp://*:0`
+(RESOLVED_BY_ENGINE), which it lists as the `tcp://<node IP>:<port>` its socket bound
+(vllm/distributed/kv_events.py ZmqEventPublisher._bind). `listed_mode` reads the side to take.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol import ConfigError
+from protocol.vllm_events import publisher_binds
 
-__all__ = ["KEYS", "EngineEventsConfig", "parse_kv_events_config"]
+if TYPE_CHECKING:
+    from worker_shim.config import KvEventsMode
+
+__all__ = ["KEYS", "RESOLVED_BY_ENGINE", "EngineEventsConfig", "listed_mode", "parse_kv_events_config"]
+
+RESOLVED_BY_ENGINE = "tcp://*:0"
 
 _COMMON = ("publisher", "endpoint", "replay_endpoint", "topic", "buffer_steps", "hwm", "max_queue_size")
 # The keys each engine takes (vLLM's KVEventsConfig; SGLang's ZmqEventPublisherConfig and publisher).
@@ -91,3 +102,42 @@ def parse_kv_events_config(engine: str, raw: str | dict[str, Any]) -> EngineEven
         replay_endpoint=_typed(data, "replay_endpoint", str, None),
         topic=_typed(data, "topic", str, ""),
     )
+
+
+def listed_mode(listed: str, given: str | None, mode: KvEventsMode, engine_url: str) -> KvEventsMode:
+    """The side the shim takes of the events endpoint vLLM lists (`listed`), `given` the one the
+    engine was started with when the operator gave it: vLLM's rule read on that one. Without it, a
+    listed address with no wildcard is either one the engine connects to (nothing holds it yet: the
+    shim binds it) or a `tcp://*:0` the engine bound (this host cannot bind it): the second is a
+    ConfigError naming --kv-events-mode, since only the operator knows."""
+    if mode != "auto":
+        return mode
+    if given is not None:
+        return "connect" if publisher_binds(given) else "bind"
+    if publisher_binds(listed):
+        return "connect"
+    if _bindable(listed):
+        return "bind"
+    raise ConfigError(
+        "kv_events_mode",
+        mode,
+        f"the engine at {engine_url} lists its KV events at {listed}, which this host cannot bind: vLLM lists "
+        f"an endpoint of {RESOLVED_BY_ENGINE} so, as the address its PUB bound. Give --kv-events-mode connect "
+        f"(or --kv-events-config as the engine was given it); bind if the engine connects to {listed}",
+    )
+
+
+def _bindable(endpoint: str) -> bool:
+    """Whether a TCP listener could bind `endpoint` here now (another's listener, or an address
+    not this host's, cannot)."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    if not endpoint.startswith("tcp://") or not port.isdigit():
+        return False
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ's listener: TIME_WAIT holds nothing
+        try:
+            sock.bind((host, int(port)))
+        except OSError:
+            return False
+    return True

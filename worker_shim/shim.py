@@ -54,10 +54,11 @@ from worker_shim.adapters import (
     ModelCard,
     make_adapter,
 )
-from worker_shim.config import ShimConfig
+from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck
 from worker_shim.engine_events import EngineBatch, EngineStored
 from worker_shim.http_server import ShimHttpServer
+from worker_shim.kv_events_config import RESOLVED_BY_ENGINE, listed_mode
 from worker_shim.kv_publisher import KvPublisher, PublisherCounters
 from worker_shim.load_reporter import LoadReporter
 from worker_shim.metrics import render_metrics
@@ -158,7 +159,13 @@ class WorkerShim:
         self.adapters: list[str] = []
         self._adapter_paths: dict[str, str | None] = {}  # each adapter's path (its card's `root`)
         self.aliases: list[str] = []  # the other names the engine serves --model under
-        self._discovers_events = self.config.kv_events is None and self.config.engine == "vllm"
+        # vLLM lists `tcp://*:0` as the port it bound: read on /kv_event_sources, like no endpoints.
+        given = self.config.kv_events
+        self._discovers_events = self.config.engine == "vllm" and (
+            given is None or RESOLVED_BY_ENGINE in (given, self.config.kv_replay)
+        )
+        self._events_given, self._mode_given = given, self.config.kv_events_mode  # the operator's
+        self._listed: tuple[str, KvEventsMode] | None = None  # the listed endpoint and the side taken
         self._topic_given = self.config.kv_events_topic  # the operator's, not a discovered one
         self.normaliser: Normaliser | None = None
         self.requests: RequestService | None = None
@@ -521,13 +528,21 @@ class WorkerShim:
                 self._topic_given,
                 f"the engine publishes under topic {source.topic!r}: drop the flag",
             )
+        if self._listed is None or self._listed[0] != source.endpoint:
+            # Once per endpoint: the last session's own listener there must not read as the engine's.
+            mode = listed_mode(source.endpoint, self._events_given, self._mode_given, c.engine_url)
+            self._listed = (source.endpoint, mode)
         self.config = msgspec.structs.replace(
-            c, kv_events=source.endpoint, kv_replay=source.replay_endpoint, kv_events_topic=source.topic
+            c,
+            kv_events=source.endpoint,
+            kv_events_mode=self._listed[1],
+            kv_replay=source.replay_endpoint,
+            kv_events_topic=source.topic,
         )
         self.adapter.config = self.config
         log.info(
-            "KV events of rank %d from the engine's /kv_event_sources: %s, replay %s, topic %r",
-            rank, source.endpoint, source.replay_endpoint, source.topic,
+            "KV events of rank %d from the engine's /kv_event_sources: %s (%s), replay %s, topic %r",
+            rank, source.endpoint, self._listed[1], source.replay_endpoint, source.topic,
         )  # fmt: skip
 
     def _take_served_names(self, cards: dict[str, ModelCard] | None) -> bool:

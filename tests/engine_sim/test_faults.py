@@ -51,6 +51,13 @@ async def test_a_restart_binds_the_event_ports_its_first_start_chose(port: str) 
         assert not any(ep is None or ep.endswith((":0", ":*")) for ep in first)
         await sim.restart()
         assert (sim.events_endpoint, sim.replay_endpoint) == first
+        # and it still binds there (a PUB that connected to the port it named would publish to nobody)
+        sub = await connected_subscriber(sim)
+        try:
+            await complete(sim, 1000)
+            assert len(await sub.wait_for(1)) == 1
+        finally:
+            sub.close()
 
 
 async def test_restart_empties_cache_and_starts_seq_over() -> None:

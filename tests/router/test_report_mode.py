@@ -1,0 +1,50 @@
+"""`vllm_xargs.kv_cache_report_mode`: vLLM 0.32 reads it from a request's extra args (v1/request.py),
+and under "full" a prefix-cache hit re-announces its blocks as BlockStored with no BlockRemoved to
+match (v1/core/kv_cache_manager.py get_computed_blocks). The shim counts each announcement as one
+more copy, so evicted blocks would stay in every router's index: the router refuses the mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.http_api import ApiError, parse_request
+
+USER_X = [{"role": "user", "content": "x"}]
+
+
+def _body(chat: bool, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", **({"messages": USER_X} if chat else {"prompt": [1, 2, 3]}), **extra}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("mode", ["full", "FULL", 1])
+def test_a_report_mode_other_than_incremental_is_a_400_naming_vllm_xargs(chat: bool, mode: Any) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_request(_body(chat, vllm_xargs={"kv_cache_report_mode": mode, "other": 1}), chat=chat)
+    err = caught.value.body()["error"]
+    assert caught.value.code == 400 and err["type"] == "BadRequestError" and err["param"] == "vllm_xargs"
+    assert "'vllm_xargs.kv_cache_report_mode' must be \"incremental\"" in err["message"]
+    assert "after eviction" in err["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize(
+    "xargs", [{"kv_cache_report_mode": "incremental", "k": "v"}, {"k": "v", "n": [1, 2.5]}, {}, None]
+)
+def test_other_vllm_xargs_go_to_the_engine_unread(chat: bool, xargs: dict[str, Any] | None) -> None:
+    parsed = parse_request(_body(chat, vllm_xargs=xargs), chat=chat)
+    assert parsed.params["vllm_xargs"] == xargs
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name", ["kv_transfer_params", "ec_transfer_params"])
+def test_a_transfer_handle_in_vllm_xargs_is_the_routers_alone(chat: bool, name: str) -> None:
+    # vLLM 0.32 reads both from extra_args: a client's would make the engine pull KV (or encoder
+    # cache) from a host the client names, past the refusal of the top-level fields
+    handle = {"remote_host": "10.0.0.9", "remote_port": 5600, "do_remote_prefill": True}
+    for body in (_body(chat, vllm_xargs={name: handle}), _body(chat, **{name: handle})):
+        with pytest.raises(ApiError) as caught:
+            parse_request(body, chat=chat)
+        assert caught.value.code == 400 and name in caught.value.body()["error"]["message"]

@@ -1,0 +1,110 @@
+"""A vLLM given `"endpoint": "tcp://*:0"` binds its node IP and lists the resolved `tcp://IP:PORT` on
+/kv_event_sources (vllm/distributed/kv_events.py ZmqEventPublisher._bind), which reads by vLLM's
+rule as an address the engine connects to. The shim reads the rule on the endpoint the engine was
+given; not knowing it and unable to bind the listed address, it refuses naming --kv-events-mode.
+Before, it bound the engine's own port and retried for ever."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+import zmq
+
+from engine_sim.config import KVEventsConfig
+from engine_sim.server import SimServer
+from kvswitch.servers import free_ports
+from protocol import ConfigError
+from tests.worker_shim.cluster import engine_set, shim_for, sim_config, wait_for
+from worker_shim.kv_events_config import listed_mode
+
+URL = "http://127.0.0.1:8000"
+STAR0 = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
+
+
+@pytest.mark.parametrize(
+    ("listed", "given", "mode", "side"),
+    [
+        ("tcp://10.0.0.5:43655", "tcp://*:0", "auto", "connect"),  # vLLM's resolved *:0
+        ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5557", "auto", "bind"),  # the engine connects
+        ("tcp://*:5557", None, "auto", "connect"),
+        ("tcp://[::]:5557", None, "auto", "connect"),
+        ("ipc:///tmp/ev", None, "auto", "connect"),
+        ("tcp://10.0.0.5:43655", None, "connect", "connect"),
+        ("tcp://10.0.0.5:43655", None, "bind", "bind"),
+    ],
+)
+def test_the_side_follows_vllms_rule_on_the_endpoint_it_was_given(
+    listed: str, given: str | None, mode: str, side: str
+) -> None:
+    assert listed_mode(listed, given, mode, URL) == side  # type: ignore[arg-type]
+
+
+def test_a_free_concrete_address_is_one_the_engine_connects_to() -> None:
+    """vLLM given `tcp://127.0.0.1:P` connects there and lists it so (the dp2 capture): nothing
+    holds it, so the shim binds it."""
+    assert listed_mode(f"tcp://127.0.0.1:{free_ports(1)}", None, "auto", URL) == "bind"
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_concrete_address_this_host_cannot_bind_is_refused_naming_the_flag(held: bool) -> None:
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    with pub:
+        if held:  # the engine's own PUB, bound on this host
+            pub.bind("tcp://127.0.0.1:0")
+            listed = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:  # another host's address (TEST-NET-1)
+            listed = "tcp://192.0.2.1:43655"
+        with pytest.raises(ConfigError) as caught:
+            listed_mode(listed, None, "auto", URL)
+    assert caught.value.setting == "kv_events_mode"
+    assert "Give --kv-events-mode connect" in str(caught.value) and listed in str(caught.value)
+
+
+def _star0_sim() -> SimServer:
+    return SimServer(sim_config(kv_events=KVEventsConfig(**STAR0, topic="kv-events")))  # type: ignore[arg-type]
+
+
+async def test_a_shim_given_no_endpoints_refuses_a_resolved_port_0_at_startup(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with _star0_sim() as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=None, kv_replay=None, kv_events_mode="auto")
+        async with shim:
+            await wait_for(shim.done.is_set, 10, "the shim refuses")
+            assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "kv_events_mode"
+            assert "--kv-events-mode connect" in str(shim.failure)
+            assert not shim.registered.is_set()
+
+
+@pytest.mark.parametrize(
+    "shim_kw",
+    [
+        {"kv_events": None, "kv_replay": None, "kv_events_mode": "connect"},
+        # The engine's own config: the shim reads the bound ports on /kv_event_sources and connects.
+        {
+            "kv_events": None,
+            "kv_replay": None,
+            "kv_events_mode": "auto",
+            "kv_events_config": {**STAR0, "topic": "kv-events"},
+        },
+    ],
+)
+async def test_a_shim_that_knows_the_engine_binds_follows_its_resolved_port_0(
+    shim_kw: dict[str, object], ns: str, nats_url: str, etcd_url: str
+) -> None:
+    async with _star0_sim() as sim:
+        listed = sim.event_sources()["0"]
+        shim = shim_for(sim, ns, nats_url, etcd_url, **shim_kw)
+        async with shim:
+            await wait_for(shim.registered.is_set, 10, "the shim registers")
+            c = shim.config
+            assert (c.kv_events, c.kv_replay, c.kv_events_mode) == (
+                listed["endpoint"],
+                listed["replay_endpoint"],
+                "connect",
+            )
+            async with aiohttp.ClientSession() as http:
+                body = {"model": sim.config.model, "prompt": list(range(100, 300)), "max_tokens": 1}
+                async with http.post(sim.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+            await wait_for(lambda: shim.canonical_hashes() == engine_set(sim) != set(), 5, "the engine's events")
