@@ -8,7 +8,7 @@ kvswitch bench compare --demo          # what `make demo` runs: <= 3 minutes on 
 kvswitch bench chaos --scenarios all   # faults under load against a local cluster (docs/reliability.md)
 kvswitch bench overhead --repeats 3    # what a router adds per request (docs/benchmarks.md, "Overhead")
 kvswitch bench replicas                # one replica's ceiling, the peer cost, N replicas
-kvswitch bench compare --clock virtual --scale-tokens 1 --start 0 --duration 0   # the whole trace, simulated
+kvswitch bench compare --clock virtual --scale-tokens 1 --start 0   # the whole trace, simulated
 kvswitch bench replay --clock virtual --agg 4 --configuration kv --workload shared-prefix
 """
 
@@ -30,7 +30,7 @@ import msgspec
 
 from bench.overhead import add_overhead_parser, overhead_main
 from bench.replicas import add_replicas_parser, replicas_main
-from bench.summary import PrefixCounters, Slo, format_summary, scrape_prefix_counters, summarize
+from bench.summary import PrefixCounters, Slo, format_summary, results_clock, scrape_prefix_counters, summarize
 from bench.trace import TraceError, load_trace, shipped_trace
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
 from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
@@ -95,61 +95,105 @@ VIRTUAL_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
+# A flag that only one --clock or --workload reads, as (setting, the values that read it, the flag's
+# action): given with another value it would do nothing, so `_refuse_unread` refuses it.
+Owned = list[tuple[str, tuple[str, ...], argparse.Action]]
+LIVE, VIRTUAL = ("live",), ("virtual",)
+TRACE, SYNTHETIC = ("trace",), ("shared-prefix", "multi-turn")
+
+
+def _add_workload_args(p: argparse.ArgumentParser, owned: Owned, *, compare: bool) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL trace (default: the shipped one)")
-    g.add_argument("--start", type=float, default=None, help="skip the trace's first S seconds")
+    trace = [
+        g.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL trace (default: the shipped one)"),
+        g.add_argument("--start", type=float, default=None, help="skip the trace's first S seconds"),
+    ]
     g.add_argument("--duration", type=float, default=None, help="only requests arriving in the first S trace seconds")
     g.add_argument("--limit", type=int, default=None, help="only the first N requests")
-    g.add_argument(
-        "--scale-tokens", type=float, default=None, help="expand each 512-token trace block to 512*F tokens (F <= 1)"
-    )
-    g.add_argument("--max-input-len", type=int, default=None, help="cut prompts to at most N tokens")
+    trace += [
+        g.add_argument(
+            "--scale-tokens",
+            type=float,
+            default=None,
+            help="expand each 512-token trace block to round(512*F) tokens: prompts F times as long (F > 1 lengthens)",
+        ),
+        g.add_argument("--max-input-len", type=int, default=None, help="cut trace prompts to at most N tokens"),
+    ]
     g.add_argument("--seed", type=int, default=0, help="token synthesis and synthetic workload seed")
     if compare:
         return
     g.add_argument("--workload", choices=["trace", "shared-prefix", "multi-turn"], default="trace")
-    g.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
-    g.add_argument("--prompts-per-group", type=int, default=16)
-    g.add_argument("--system-len", type=int, default=2048, help="shared-prefix / multi-turn system prompt tokens")
-    g.add_argument("--question-len", type=int, default=128, help="shared-prefix question / multi-turn user tokens")
-    g.add_argument("--output-len", type=int, default=64, help="synthetic workloads: tokens generated per request")
-    g.add_argument("--rate", type=float, default=4.0, help="synthetic workloads: requests (or sessions) per second")
-    g.add_argument("--sessions", type=int, default=16, help="multi-turn: sessions")
-    g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
-    g.add_argument("--turn-gap", type=float, default=5.0, help="multi-turn: seconds between a session's turns")
+    owned += [("workload", TRACE, a) for a in trace]
+    shared = [
+        g.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts"),
+        g.add_argument("--prompts-per-group", type=int, default=16),
+    ]
+    synthetic = [
+        g.add_argument("--system-len", type=int, default=2048, help="shared-prefix / multi-turn system prompt tokens"),
+        g.add_argument("--question-len", type=int, default=128, help="shared-prefix question / multi-turn user tokens"),
+        g.add_argument("--output-len", type=int, default=64, help="synthetic workloads: tokens generated per request"),
+        g.add_argument(
+            "--rate", type=float, default=4.0, help="synthetic workloads: requests (or sessions) per second"
+        ),
+    ]
+    multi = [
+        g.add_argument("--sessions", type=int, default=16, help="multi-turn: sessions"),
+        g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session"),
+        g.add_argument("--turn-gap", type=float, default=5.0, help="multi-turn: seconds between a session's turns"),
+    ]
+    owned += [("workload", ("shared-prefix",), a) for a in shared]
+    owned += [("workload", SYNTHETIC, a) for a in synthetic]
+    owned += [("workload", ("multi-turn",), a) for a in multi]
 
 
-def _add_clock_args(p: argparse.ArgumentParser) -> None:
+def _refuse_unread(args: argparse.Namespace) -> None:
+    """Refuse, before anything runs, every flag given away from its default that the chosen --clock
+    or --workload does not read: the run would measure something other than what was asked."""
+    unread = [
+        f"{'/'.join(action.option_strings)} is for --{setting} {'/'.join(values)} only, not --{setting} {chosen}"
+        for setting, values, action in getattr(args, "owned_flags", ())
+        if (chosen := getattr(args, setting)) not in values and getattr(args, action.dest) != action.default
+    ]
+    if unread:
+        raise ValueError("; ".join(unread))
+
+
+def _add_clock_args(p: argparse.ArgumentParser, owned: Owned) -> None:
     g = p.add_argument_group(
         "virtual clock (--clock virtual: one process, modelled hops, simulated time)",
         "The virtual routers take their settings from the configuration's flags (and replay's --router-arg)"
         " alone: KVSWITCH_* variables and config files do not reach them, so a run depends on its command.",
     )
     g.add_argument("--clock", choices=["live", "virtual"], default="live", help="live processes, or the virtual clock")
+    virtual: list[argparse.Action] = []
     for name in Delays.__struct_fields__:
         flag = "--" + name.removesuffix("_s").replace("_", "-") + "-delay"
         default = getattr(DEFAULT_DELAYS, name)
-        g.add_argument(flag, dest=name, type=float, default=None, metavar="S", help=f"seconds (default {default:g})")
-    g.add_argument(
-        "--router-profile",
-        default=None,
-        help="the timing profile workers register for the routers' cost model ('none': none; default: the engines')",
-    )
-    g.add_argument("--router-seed", type=int, default=0, help="routers' random choices (run r uses seed + r)")
-    g.add_argument(
-        "--calibrate",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="routers fit each engine's timing from its load reports (router.calibration; the default)",
-    )
-    g.add_argument(
-        "--router-profile-error",
-        type=float,
-        default=0.0,
-        metavar="E",
-        help="routers start with every engine time (1 + E) times their profile's (robustness runs)",
-    )
+        text = f"seconds (default {default:g})"
+        virtual.append(g.add_argument(flag, dest=name, type=float, default=None, metavar="S", help=text))
+    virtual += [
+        g.add_argument(
+            "--router-profile",
+            default=None,
+            help="the timing profile workers register for the routers' cost model"
+            " ('none': none; default: the engines')",
+        ),
+        g.add_argument("--router-seed", type=int, default=0, help="routers' random choices (run r uses seed + r)"),
+        g.add_argument(
+            "--calibrate",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="routers fit each engine's timing from its load reports (router.calibration; the default)",
+        ),
+        g.add_argument(
+            "--router-profile-error",
+            type=float,
+            default=0.0,
+            metavar="E",
+            help="routers start with every engine time (1 + E) times their profile's (robustness runs)",
+        ),
+    ]
+    owned += [("clock", VIRTUAL, a) for a in virtual]
 
 
 def _delays(args: argparse.Namespace) -> Delays:
@@ -176,31 +220,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chaos.add_arguments(sub.add_parser("chaos", help="faults injected into a local cluster under load; one table"))
 
     rp = sub.add_parser("replay", help="replay a trace or synthetic workload against router URLs")
-    rp.add_argument("--url", action="append", default=[], help="router (or engine) base URL; repeat for replicas")
-    rp.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    owned: Owned = []
+    live = [
+        rp.add_argument("--url", action="append", default=[], help="router (or engine) base URL; repeat for replicas"),
+        rp.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)"),
+    ]
     rp.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this factor (on either clock)")
-    rp.add_argument("--latency-scale", type=float, default=1.0, help="multiply latencies by this (the sims' --speedup)")
-    rp.add_argument("--metrics-url", action="append", default=[], help="engine URL whose /metrics has prefix counters")
-    rp.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
-    rp.add_argument(
-        "--prompt-format",
-        choices=["ids", "text"],
-        default="ids",
-        help="send token ids, or their text in the built-in tokenizer (for routers that take text only)",
-    )
+    live += [
+        rp.add_argument(
+            "--latency-scale", type=float, default=1.0, help="multiply latencies by this (the sims' --speedup)"
+        ),
+        rp.add_argument(
+            "--metrics-url", action="append", default=[], help="engine URL whose /metrics has prefix counters"
+        ),
+        rp.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds"),
+        rp.add_argument(
+            "--prompt-format",
+            choices=["ids", "text"],
+            default="ids",
+            help="send token ids, or their text in the built-in tokenizer (for routers that take text only)",
+        ),
+    ]
+    owned += [("clock", LIVE, a) for a in live]
     rp.add_argument("--out", type=Path, default=None, help="JSONL of per-request results (default bench/out/...)")
     rp.add_argument("--no-progress", action="store_true")
-    _add_clock_args(rp)
+    _add_clock_args(rp, owned)
     fg = rp.add_argument_group("virtual fleet (--clock virtual)")
-    fg.add_argument("--prefill", type=int, default=0, help="prefill engines")
-    fg.add_argument("--decode", type=int, default=0, help="decode engines")
-    fg.add_argument("--agg", type=int, default=0, help="aggregated engines")
-    fg.add_argument("--routers", type=int, default=1, help="router replicas")
-    fg.add_argument("--profile", default="h200:llama-3.1-8b", help="the engines' timing profile")
-    fg.add_argument("--configuration", default="kv", help="router settings: a `compare` configuration's flags")
-    fg.add_argument("--router-arg", action="append", default=[], help="one more `kvswitch router` flag (repeat)")
-    _add_workload_args(rp, compare=False)
+    fleet = [
+        fg.add_argument("--prefill", type=int, default=0, help="prefill engines"),
+        fg.add_argument("--decode", type=int, default=0, help="decode engines"),
+        fg.add_argument("--agg", type=int, default=0, help="aggregated engines"),
+        fg.add_argument("--routers", type=int, default=1, help="router replicas"),
+        fg.add_argument("--profile", default="h200:llama-3.1-8b", help="the engines' timing profile"),
+        fg.add_argument("--configuration", default="kv", help="router settings: a `compare` configuration's flags"),
+        fg.add_argument("--router-arg", action="append", default=[], help="one more `kvswitch router` flag (repeat)"),
+    ]
+    owned += [("clock", VIRTUAL, a) for a in fleet]
+    _add_workload_args(rp, owned, compare=False)
     _add_slo_args(rp)
+    rp.set_defaults(owned_flags=owned)
 
     sp = sub.add_parser("summary", help="summarise a replay's JSONL again (other SLO or scale)")
     sp.add_argument("results", type=Path)
@@ -212,19 +270,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cp.add_argument("--prefill", type=int, default=None, help="prefill engines (disagg configurations)")
     cp.add_argument("--decode", type=int, default=None, help="decode engines (agg ones get prefill+decode agg engines)")
     cp.add_argument("--routers", type=int, default=1)
-    cp.add_argument("--speedup", type=float, default=None, help="engine speed-up; replay runs at speedup x rate")
+    speedup = cp.add_argument(
+        "--speedup", type=float, default=None, help="engine speed-up; replay runs at speedup x rate"
+    )
     cp.add_argument("--rates", default=None, help="comma-separated rate factors (1 = the trace's own rate)")
     cp.add_argument("--runs", type=int, default=None, help="runs per configuration and rate")
     cp.add_argument("--configs", default=None, help="comma-separated configurations, or `all`")
     cp.add_argument("--profile", default="h200:llama-3.1-8b")
-    cp.add_argument("--sim-arg", action="append", default=[], help="extra `kvswitch sim` argument (repeat)")
+    sim_arg = cp.add_argument("--sim-arg", action="append", default=[], help="extra `kvswitch sim` argument (repeat)")
     cp.add_argument("--out-dir", type=Path, default=OUT_DIR)
     cp.add_argument("--no-progress", action="store_true")
-    cp.add_argument("--keep-logs", action="store_true", help="keep every child's log under --out-dir")
-    _add_clock_args(cp)
-    cp.add_argument("--jobs", type=int, default=2, help="virtual clock: measurements run in this many processes")
-    _add_workload_args(cp, compare=True)
+    keep_logs = cp.add_argument("--keep-logs", action="store_true", help="keep every child's log under --out-dir")
+    owned = [("clock", LIVE, a) for a in (speedup, sim_arg, keep_logs)]
+    _add_clock_args(cp, owned)
+    jobs = cp.add_argument("--jobs", type=int, default=2, help="virtual clock: measurements run in this many processes")
+    owned.append(("clock", VIRTUAL, jobs))
+    _add_workload_args(cp, owned, compare=True)
     _add_slo_args(cp)
+    cp.set_defaults(owned_flags=owned)
     add_overhead_parser(sub)
     add_replicas_parser(sub)
 
@@ -236,8 +299,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wp.add_argument("--profile", default="h200:llama-3.1-8b")
     wp.add_argument("--jobs", type=int, default=2, help="measurements run in this many processes")
     wp.add_argument("--out-dir", type=Path, default=OUT_DIR)
-    _add_workload_args(wp, compare=False)
+    owned = []
+    _add_workload_args(wp, owned, compare=False)
     _add_slo_args(wp)
+    wp.set_defaults(owned_flags=owned)
 
 
 def _rates(text: str) -> list[float]:
@@ -332,8 +397,6 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     config = CONFIGURATIONS.get(args.configuration)
     if config is None:
         raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
-    if args.latency_scale != 1.0 or args.metrics_url:
-        raise ValueError("--latency-scale and --metrics-url are for the live clock (virtual time needs neither)")
     if not args.speed > 0:
         raise ValueError(f"--speed must be > 0, got {args.speed}")
     longest = max((item.input_len + item.output_len for item in items), default=0)
@@ -444,8 +507,6 @@ def _compare(args: argparse.Namespace) -> int:
     # The sims' default max_model_len (32k) is shorter than the longest Mooncake prompts.
     longest = max(item.input_len + item.output_len for item in items)
     sim_args = list(args.sim_arg)
-    if args.clock == "virtual" and sim_args:
-        raise ValueError("--sim-arg configures live engines; the virtual clock takes --profile and the delay flags")
     if "--max-model-len" not in sim_args and longest > 32768:
         sim_args += ["--max-model-len", str(longest)]
     spec = CompareSpec(
@@ -505,6 +566,8 @@ def _sweep(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in CONFIGURATIONS]
     if unknown:
         raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(CONFIGURATIONS)}")
+    if args.policy not in names:
+        raise ValueError(f"--policy {args.policy} must be one of --configs ({', '.join(names)})")
     if args.scale_tokens is None:
         args.scale_tokens = 1.0
     rates = _rates(args.rates)
@@ -571,6 +634,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return chaos.run(args)
     try:
+        _refuse_unread(args)
         if args.bench_command == "replay":
             if args.clock == "virtual":
                 return _replay_virtual(args, _replay_items(args))
@@ -584,11 +648,11 @@ def _run(args: argparse.Namespace) -> int:
 
             _check_latency_scale(args.latency_scale)
             results = read_results(args.results)
-            print(
-                format_summary(
-                    summarize(results, slo=Slo(args.slo_ttft, args.slo_itl), latency_scale=args.latency_scale)
-                )
-            )
+            clock = results_clock(results)
+            if clock == "virtual" and args.latency_scale != 1.0:
+                raise ValueError(f"--latency-scale is for live-clock results; {args.results} holds virtual-clock ones")
+            slo = Slo(args.slo_ttft, args.slo_itl)
+            print(format_summary(summarize(results, slo=slo, latency_scale=args.latency_scale, clock=clock)))
             return 0
         if args.bench_command == "overhead":
             return overhead_main(args)

@@ -239,6 +239,23 @@ def _measure_one(job: tuple[CompareSpec, Configuration, float, int]) -> Measurem
     return run_one(spec, config, rate, run)
 
 
+def _check_fleets(spec: CompareSpec) -> None:
+    """Every configuration's fleet, checked before the first runs: an impossible one surfaced at its
+    turn, after the earlier configurations had run, and their results were lost."""
+    if min(spec.prefill, spec.decode) < 0:
+        raise ValueError(f"--prefill and --decode must be >= 0, got {spec.prefill} and {spec.decode}")
+    if spec.routers < 1:
+        raise ValueError(f"--routers must be >= 1, got {spec.routers}")
+    if spec.decode < 1 and (pd := [c.name for c in spec.configurations if c.fleet == "pd"]):
+        raise ValueError(f"--decode must be >= 1 for disaggregated configurations ({', '.join(pd)})")
+    if spec.prefill + spec.decode < 1 and (agg := [c.name for c in spec.configurations if c.fleet == "agg"]):
+        raise ValueError(f"--prefill + --decode must be >= 1 for aggregated configurations ({', '.join(agg)})")
+    if spec.clock == "virtual":
+        for config in spec.configurations:
+            if config.peer is None:
+                fleet_spec(spec, config, 0).validate()
+
+
 def run_compare(spec: CompareSpec, *, on_measurement: Callable[[Measurement], None] | None = None) -> list[Measurement]:
     """Every (rate, configuration, run), in that nesting, so a partial result still compares
     every configuration at the first rate."""
@@ -248,6 +265,7 @@ def run_compare(spec: CompareSpec, *, on_measurement: Callable[[Measurement], No
         raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {spec.clock!r}")
     if spec.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {spec.jobs}")
+    _check_fleets(spec)
     jobs = [(spec, c, rate, run) for rate in spec.rates for run in range(spec.runs) for c in spec.configurations]
     out = []
     if spec.clock == "virtual" and spec.jobs > 1 and len(jobs) > 1:

@@ -37,7 +37,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.replay import RequestResult
 
-__all__ = ["PrefixCounters", "Slo", "Summary", "format_summary", "scrape_prefix_counters", "summarize", "tpot"]
+__all__ = [
+    "PrefixCounters",
+    "Slo",
+    "Summary",
+    "format_summary",
+    "results_clock",
+    "scrape_prefix_counters",
+    "summarize",
+    "tpot",
+]
 
 QUERIES_METRIC = "vllm:prefix_cache_queries_total"
 HITS_METRIC = "vllm:prefix_cache_hits_total"
@@ -106,6 +115,12 @@ def _meets_slo(r: RequestResult, slo: Slo, scale: float) -> bool:
         return False
     t = tpot(r)
     return t is None or t * scale <= slo.itl_s
+
+
+def results_clock(results: Sequence[RequestResult]) -> str:
+    """The clock a results file was measured on: the virtual fleet (bench.virtual.fleet) stamps each
+    request's url `virtual://<router>`, a live replay the router's http(s) URL."""
+    return "virtual" if results and all(r.url.startswith("virtual://") for r in results) else "live"
 
 
 def summarize(

@@ -110,6 +110,8 @@ def run_sweep(
     seed: int = 0,
     jobs: int = 2,
 ) -> list[SweepPoint]:
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
     longest = max((i.input_len + i.output_len for i in items), default=0)
     todo = [
         _Job(f, r, c, items, slo, profile, seed, max(32768, longest)) for f in fleets for r in rates for c in configs

@@ -55,7 +55,7 @@ class VirtualShim:
         self.delays = delays
         self.epoch = epoch
         self.routers: list[VirtualRouter] = []
-        self.normaliser = Normaliser(info.block_size)
+        self.normaliser = Normaliser(info.block_size, clock=clock.time)
         self.seq = 0
         self.reports = 0
         self.running = True  # False once the replay is over: the periodic poll stops

@@ -53,7 +53,7 @@ def test_live_replay_needs_a_url_and_virtual_refuses_live_flags(capsys: pytest.C
     assert main(["bench", "replay", "--limit", "2"]) == 2
     assert "--url is required (or --clock virtual)" in capsys.readouterr().err
     assert main(["bench", "replay", "--clock", "virtual", "--agg", "1", "--limit", "2", "--latency-scale", "2"]) == 2
-    assert "are for the live clock" in capsys.readouterr().err
+    assert "--latency-scale is for --clock live only, not --clock virtual" in capsys.readouterr().err
     assert main(["bench", "replay", "--clock", "virtual", "--agg", "1", "--limit", "2", "--speed", "0"]) == 2
     assert "--speed must be > 0, got 0.0" in capsys.readouterr().err
 
