@@ -305,16 +305,30 @@ def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
     given = _opt(body, "chat_template_kwargs", dict, {})
     if not all(isinstance(k, str) for k in given):
         raise ApiError(400, "'chat_template_kwargs' keys must be strings", "chat_template_kwargs")
-    kwargs = {k: v for k, v in given.items() if k not in _RESERVED_TEMPLATE_NAMES}
+    # vLLM 0.32's merge (build_chat_params, then ChatParams.with_defaults): the client's kwargs
+    # without their null or "auto" values; the top-level values that are set override them,
+    # except `tools`, where the kwargs' win; the kwargs' special tokens override the tokenizer's.
+    kwargs = {k: v for k, v in given.items() if k not in _RENDER_ARGS and v not in _UNSET}
+    if "messages" in kwargs:  # vLLM's 400: its template gets `messages` twice
+        raise ApiError(
+            400,
+            "jinja2.environment.Template.render() got multiple values for keyword argument 'messages'",
+            "chat_template_kwargs",
+        )
+    raw_tools = kwargs.pop("tools", None)
+    documents = kwargs.pop("documents", None)
+    documents = _opt(body, "documents", list, documents)
     effort = body.get("reasoning_effort")
-    if effort is not None:  # vLLM's build_chat_params: it overrides the client's kwargs
+    if effort not in _UNSET:
         kwargs["reasoning_effort"] = effort
-        kwargs.setdefault("enable_thinking", effort != "none")
+    if effort is not None and "enable_thinking" not in given:
+        kwargs["enable_thinking"] = effort != "none"
     return ChatOptions(
         add_generation_prompt=_opt(body, "add_generation_prompt", bool, True),
         continue_final_message=_opt(body, "continue_final_message", bool, False),
         tools=_opt(body, "tools", list, None),
-        documents=_opt(body, "documents", list, None),
+        raw_tools=raw_tools,
+        documents=documents,
         chat_template=_request_template(body, given),
         chat_template_kwargs=kwargs,
         add_special_tokens=_opt(body, "add_special_tokens", bool, False),
@@ -331,19 +345,10 @@ def _request_template(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str
     return own if own is not None else in_kwargs
 
 
-_RESERVED_TEMPLATE_NAMES = frozenset(
-    {
-        "messages",
-        "tools",
-        "documents",
-        "add_generation_prompt",
-        "bos_token",
-        "eos_token",
-        "unk_token",
-        "pad_token",
-        "chat_template",
-    }
-)
+# Kwargs the router passes by its own fields: the request's flags always override them (vLLM's
+# too), and a template in the kwargs is the request's template.
+_RENDER_ARGS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template"})
+_UNSET = (None, "auto")  # vLLM's merge_kwargs skips these values
 
 
 def parse_request(body: Any, *, chat: bool) -> ParsedRequest:

@@ -40,7 +40,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfRawTokenizer
 
-from protocol.fingerprint import BUILTIN, PROBE_MESSAGES, PROBE_TEXT, fingerprint
+from protocol.fingerprint import BUILTIN, PROBES, ChatProbe, Probe, fingerprint
 from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.content_format import CONTENT_FORMATS, ContentFormat, detect_content_format
@@ -56,6 +56,7 @@ __all__ = [
     "Tokenization",
     "TokenizerError",
     "load_tokenizer",
+    "probe_ids",
     "resolve_tokenizer_path",
     "tokenizer_fingerprint",
 ]
@@ -82,7 +83,9 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Any] | None = None
-    documents: list[Any] | None = None
+    # `tools` from chat_template_kwargs: vLLM renders these as sent, in place of `tools`
+    raw_tools: Any = None
+    documents: Any = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_special_tokens: bool = False
@@ -152,6 +155,26 @@ def _special(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
+# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES): a template sees each by its name
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _special_tokens(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """The special tokens a template sees, read as transformers (5.x) reads them: the named ones
+    from tokenizer_config.json, overridden by special_tokens_map.json's where the config has no
+    `added_tokens_decoder` (its legacy path); a model's own `*_token` strings (`image_token`) and
+    `extra_special_tokens` mapping; AddedToken dicts by their content; null ones left out."""
+    found: dict[str, object] = {k: config.get(k) for k in _SPECIAL_NAMES}
+    found |= {k: v for k, v in config.items() if k.endswith("_token") and k not in found and isinstance(v, str)}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, Mapping):
+        found |= extra
+    if "added_tokens_decoder" not in config:
+        mapped = _read_json(folder / "special_tokens_map.json")
+        found |= {k: mapped[k] for k in _SPECIAL_NAMES if k in mapped}
+    return {k: _special(v) for k, v in found.items() if v is not None}
+
+
 def _raise(message: str) -> None:
     raise TokenizerError("chat_template", message)
 
@@ -205,9 +228,7 @@ class HfPromptTokenizer:
         self.name = str(path)
         folder = file.parent
         config = _read_json(folder / "tokenizer_config.json")
-        self._specials = {
-            k: _special(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in config
-        }
+        self._specials = _special_tokens(folder, config)
         self._specials.setdefault("bos_token", "")
         self._specials.setdefault("eos_token", "")
         self._env = _environment()
@@ -243,14 +264,23 @@ class HfPromptTokenizer:
         except ConversationError as exc:
             raise TokenizerError(exc.where, exc.why) from exc
         final = _mark_final(msgs, source) if options.continue_final_message else None
+        # transformers' checks on what a client may pass unvalidated through chat_template_kwargs
+        if options.raw_tools is not None and not _all_dicts(options.raw_tools):
+            raise TokenizerError(
+                "tools",
+                "Tools should either be a JSON schema, or a callable function with type hints and a docstring "
+                "suitable for auto-conversion to a schema.",
+            )
+        if options.documents is not None and not _all_dicts(options.documents):
+            raise TokenizerError("documents", "Documents should be a list of dicts with 'title' and 'text' keys!")
         try:
             text = template.render(
                 messages=msgs,
-                tools=tool_definitions(options.tools),
+                tools=tool_definitions(options.tools) if options.raw_tools is None else options.raw_tools,
                 documents=options.documents,
                 add_generation_prompt=options.add_generation_prompt and not options.continue_final_message,
-                **self._specials,
-                **options.chat_template_kwargs,
+                # transformers' order: the request's kwargs override the special tokens
+                **{**self._specials, **options.chat_template_kwargs},
             )
         except Exception as exc:  # a template is code: 1/0, range(10**9) or recursion too are the request's fault
             raise TokenizerError("chat_template", f"cannot render these messages: {type(exc).__name__}: {exc}") from exc
@@ -260,6 +290,13 @@ class HfPromptTokenizer:
         # The template writes the special tokens itself (add_special_tokens False, vLLM's default).
         text = self.render_chat(messages, options)
         return list(self._tok.encode(text, add_special_tokens=options.add_special_tokens).ids)
+
+
+def _all_dicts(value: Any) -> bool:
+    try:
+        return all(isinstance(x, dict) for x in value)
+    except TypeError:  # not iterable
+        return False
 
 
 # transformers' (5.x) way to continue the final message: render it with a mark after its text,
@@ -367,11 +404,21 @@ def tokenizer_fingerprint(tok: PromptTokenizer) -> str:
     (protocol.fingerprint): `builtin` for the built-in vocabulary, else the probes' fingerprint."""
     if isinstance(tok, BuiltinPromptTokenizer):
         return BUILTIN
+    return fingerprint([probe_ids(tok, probe) for probe in PROBES])
+
+
+def probe_ids(tok: PromptTokenizer, probe: Probe) -> list[int] | None:
+    """`probe`'s ids as the engine's `/tokenize` gives them for `probe.body()`; None where the
+    engine refuses it (a chat the template cannot render, or no template)."""
+    if not isinstance(probe, ChatProbe):
+        return tok.encode(probe.prompt, probe.add_special_tokens)
+    tools = None if probe.tools is None else list(probe.tools)
     try:
-        chat: list[int] | None = tok.encode_chat(PROBE_MESSAGES)
+        return tok.encode_chat(
+            probe.messages, ChatOptions(add_generation_prompt=probe.add_generation_prompt, tools=tools)
+        )
     except TokenizerError:
-        chat = None
-    return fingerprint(tok.encode(PROBE_TEXT), chat)
+        return None
 
 
 def load_tokenizer(path: str | Path | None, content_format: str = "auto") -> PromptTokenizer:

@@ -225,3 +225,34 @@ def test_a_tool_call_vllm_would_refuse_is_a_named_error(hf_dir: Path) -> None:
     with pytest.raises(TokenizerError) as err:
         load_tokenizer(hf_dir).encode_chat(messages)
     assert err.value.what == "messages[1].tool_calls" and "type 'function'" in err.value.why
+
+
+def test_special_tokens_come_from_special_tokens_map_too(hf_dir: Path) -> None:
+    # transformers (so vLLM) reads special_tokens_map.json as well: an eos_token declared only
+    # there closes assistant turns (the Llama-2/Mistral style), and the engine's ids have it.
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    del config["eos_token"]
+    config["chat_template"] = (
+        "{% for m in messages %}{{ m['content'] }} "
+        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    )
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (hf_dir / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "</s>", "lstrip": False}}))
+    chat = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "world"},
+        {"role": "user", "content": "hello"},
+    ]
+    assert load_tokenizer(hf_dir).encode_chat(chat) == [3, 4, VOCAB["</s>"], 3]
+
+
+def test_templates_that_differ_only_in_assistant_turns_differ_in_fingerprint(hf_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE.replace(
+        "{{ m['content'] }} |", "{{ m['content'] }} {% if m['role'] != 'assistant' %}|{% endif %}"
+    )
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tokenizer_fingerprint(load_tokenizer(other)) != tokenizer_fingerprint(load_tokenizer(hf_dir))

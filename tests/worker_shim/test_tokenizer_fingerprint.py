@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from engine_sim.server import SimServer
-from protocol.fingerprint import BUILTIN, PROBE_MESSAGES, PROBE_TEXT, builtin_fingerprint, fingerprint
+from protocol.fingerprint import BUILTIN, PROBES, TextProbe, builtin_fingerprint, fingerprint
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from tests.worker_shim.cluster import shim_for, sim_config, wait_for
 from tests.worker_shim.test_model_config import registered
@@ -33,9 +34,13 @@ def tokenize_app(
         if seen is not None:
             seen.append(body)
         if "messages" in body:
-            if not chat_template:
-                return web.json_response({"error": {"message": "no chat template", "code": 400}}, status=400)
-            ids = encode(apply_chat_template(body["messages"], add_generation_prompt=body["add_generation_prompt"]))
+            try:
+                if not chat_template:
+                    raise ValueError("no chat template")
+                text = apply_chat_template(body["messages"], add_generation_prompt=body["add_generation_prompt"])
+            except ValueError as exc:
+                return web.json_response({"error": {"message": str(exc), "code": 400}}, status=400)
+            ids = encode(text)
         else:
             ids = encode(body["prompt"])
         return web.json_response({"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None})
@@ -73,10 +78,22 @@ async def test_an_engine_with_the_builtin_vocabulary_matches_the_builtin_fingerp
     seen: list[dict[str, Any]] = []
     adapter = await serve(tokenize_app(_tok.encode, seen=seen))
     assert await adapter.tokenizer_fingerprint() == builtin_fingerprint()
-    assert seen == [
-        {"model": "m", "prompt": PROBE_TEXT, "add_special_tokens": True},
-        {"model": "m", "messages": [dict(m) for m in PROBE_MESSAGES], "add_generation_prompt": True},
-    ]
+    assert seen == [{"model": "m", **json.loads(json.dumps(p.body()))} for p in PROBES]
+
+
+def expected(encode: Encode, *, chat_template: bool = True) -> str:
+    """The fingerprint tokenize_app(encode, chat_template=...) gives: a chat it refuses counts as refused."""
+    results: list[list[int] | None] = []
+    for probe in PROBES:
+        if isinstance(probe, TextProbe):
+            results.append(encode(probe.prompt))
+            continue
+        try:
+            chat = apply_chat_template(probe.messages, add_generation_prompt=probe.add_generation_prompt)
+        except ValueError:
+            chat = None
+        results.append(encode(chat) if chat is not None and chat_template else None)
+    return fingerprint(results)
 
 
 async def test_another_tokenizer_or_no_chat_template_changes_the_fingerprint(serve: Any) -> None:
@@ -84,11 +101,11 @@ async def test_another_tokenizer_or_no_chat_template_changes_the_fingerprint(ser
         return [t + 1 for t in _tok.encode(text)]
 
     other = await serve(tokenize_app(shifted))
-    fp = await other.tokenizer_fingerprint()
-    chat = apply_chat_template(PROBE_MESSAGES, add_generation_prompt=True)
-    assert fp == fingerprint(shifted(PROBE_TEXT), shifted(chat)) != builtin_fingerprint()
+    assert await other.tokenizer_fingerprint() == expected(shifted) != builtin_fingerprint()
     plain = await serve(tokenize_app(_tok.encode, chat_template=False))
-    assert await plain.tokenizer_fingerprint() == fingerprint(_tok.encode(PROBE_TEXT), None) != builtin_fingerprint()
+    fp = await plain.tokenizer_fingerprint()
+    assert fp == expected(_tok.encode, chat_template=False) != builtin_fingerprint()
+    assert fp != expected(_tok.encode)
 
 
 async def test_an_engine_without_tokenize_raises_a_clear_error(serve: Any) -> None:
@@ -115,3 +132,41 @@ async def test_the_shim_registers_builtin_or_nothing_with_one_warning(
             assert shim.sessions == 2
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "tokenizer unknown" in r.getMessage()]
     assert len(warnings) == (0 if sim_tokenizes else 1)
+
+
+async def test_a_refused_chat_probe_counts_as_refused_but_a_refused_text_probe_is_an_error(serve: Any) -> None:
+    async def refuse_tools(request: web.Request) -> web.Response:
+        body = await request.json()
+        if "tools" in body or ("prompt" not in body and len(body["messages"]) > 2):
+            return web.json_response({"error": {"message": "no tools here", "code": 400}}, status=400)
+        if "messages" in body:
+            ids = _tok.encode(
+                apply_chat_template(body["messages"], add_generation_prompt=body["add_generation_prompt"])
+            )
+        else:
+            ids = _tok.encode(body["prompt"])
+        return web.json_response({"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", refuse_tools)
+    adapter = await serve(app)
+    fp = await adapter.tokenizer_fingerprint()
+    assert fp is not None and fp not in (builtin_fingerprint(), expected(_tok.encode))
+
+    async def refuse_text(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "bad prompt", "code": 400}}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/tokenize", refuse_text)
+    with pytest.raises(EngineError, match="400"):
+        await (await serve(app)).tokenizer_fingerprint()
+
+
+async def test_engine_sims_tokenize_gives_the_builtin_fingerprint(serve: Any) -> None:
+    async with SimServer(sim_config()) as sim:
+        adapter = VllmAdapter(ShimConfig(engine_url=sim.url, model=sim.config.model, kv_events="tcp://*:1"))
+        await adapter.open()
+        try:
+            assert await adapter.tokenizer_fingerprint() == builtin_fingerprint()
+        finally:
+            await adapter.close()

@@ -25,8 +25,9 @@
 - Abort: closing the HTTP connection (vLLM aborts a request whose client went away).
 - Utility calls a router forwards: `/tokenize` and `/detokenize`, the client's body with `model`
   set, the answer as the engine gives it.
-- Tokenizer fingerprint: `POST /tokenize` with the probe text (`add_special_tokens: true`) and the
-  probe messages (`add_generation_prompt: true`; an error there means no chat template).
+- Tokenizer fingerprint: `POST /tokenize` with each of protocol.fingerprint's probes (texts, and
+  chats with and without the generation prompt and with `tools`); a 4xx for a chat probe counts
+  as refused (no chat template, or one that raises for it), as the router counts it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import msgspec
 
 from protocol import ConfigError, SamplingParams
 from protocol import vllm_metrics as vm
-from protocol.fingerprint import PROBE_MESSAGES, PROBE_TEXT, fingerprint
+from protocol.fingerprint import PROBES, ChatProbe, fingerprint
 from protocol.messages import ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
 from worker_shim.adapters.base import (
     EngineError,
@@ -338,17 +339,15 @@ class VllmAdapter(ZmqEventsAdapter):
             raise EngineError(502, "engine_protocol", f"{url} sent no token list: {exc}") from exc
 
     async def tokenizer_fingerprint(self) -> str | None:
-        model = self.config.model
-        text = await self._tokenize({"model": model, "prompt": PROBE_TEXT, "add_special_tokens": True})
-        try:
-            chat: list[int] | None = await self._tokenize(
-                {"model": model, "messages": list(PROBE_MESSAGES), "add_generation_prompt": True}
-            )
-        except EngineError as exc:
-            if exc.code >= 500:
-                raise
-            chat = None  # vLLM refuses chat without a template: the tokenizer has none
-        return fingerprint(text, chat)
+        results: list[list[int] | None] = []
+        for probe in PROBES:
+            try:
+                results.append(await self._tokenize({"model": self.config.model, **probe.body()}))
+            except EngineError as exc:
+                if exc.code >= 500 or not isinstance(probe, ChatProbe):
+                    raise
+                results.append(None)  # no chat template, or one that refuses this chat (the router's too)
+        return fingerprint(results)
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}

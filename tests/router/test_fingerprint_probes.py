@@ -1,0 +1,87 @@
+"""The router's tokenizer fingerprint against vLLM 0.32's: for each tokenizer of
+tests/router/fingerprint_variants.py the router's ids for every probe are the ids vLLM's /tokenize
+computes for the probe's body (recorded by tests/fixtures/vllm-0.32/fingerprint/record.py), so a
+router and a shim over the same files agree. Tokenizers that differ only in a tool call's layout,
+an added special token, or a special token read from special_tokens_map.json get fingerprints of
+their own; the same files from another path keep theirs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol.fingerprint import PROBES
+from router.tokenization import PromptTokenizer, load_tokenizer, probe_ids, tokenizer_fingerprint
+from tests.router.fingerprint_variants import VARIANTS, build_variant
+
+RECORDED: dict[str, Any] = json.loads(
+    (Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32" / "fingerprint" / "probes.json").read_text()
+)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    root = tmp_path_factory.mktemp("variants")
+    yield {name: build_variant(name, root / name) for name in VARIANTS}
+
+
+def _tok(folders: dict[str, Path], name: str) -> PromptTokenizer:
+    return load_tokenizer(folders[name])
+
+
+def test_every_variant_was_recorded_with_the_current_probes() -> None:
+    assert set(RECORDED) == set(VARIANTS)
+    assert all(len(r["ids"]) == len(PROBES) for r in RECORDED.values())
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_routers_probe_ids_are_vllms(folders: dict[str, Path], name: str) -> None:
+    tok = _tok(folders, name)
+    assert [probe_ids(tok, p) for p in PROBES] == RECORDED[name]["ids"]
+    assert tokenizer_fingerprint(tok) == RECORDED[name]["fingerprint"]
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("llama31", "llama31_tool_call_arguments"),  # differ only in how an assistant tool call is written
+        ("llama31", "llama31_added_token"),  # one added special token
+        ("own", "eos_in_map_only"),
+    ],
+)
+def test_tokenizers_that_tokenize_differently_get_different_fingerprints(
+    folders: dict[str, Path], a: str, b: str
+) -> None:
+    assert tokenizer_fingerprint(_tok(folders, a)) != tokenizer_fingerprint(_tok(folders, b))
+
+
+def test_the_same_files_from_another_path_keep_their_fingerprint(folders: dict[str, Path], tmp_path: Path) -> None:
+    copy = shutil.copytree(folders["llama31_added_token"], tmp_path / "elsewhere" / "snapshot")
+    mine = tokenizer_fingerprint(_tok(folders, "llama31_added_token"))
+    assert tokenizer_fingerprint(load_tokenizer(copy)) == mine
+    assert tokenizer_fingerprint(load_tokenizer(copy / "tokenizer.json")) == mine
+
+
+def test_an_eos_token_only_in_special_tokens_map_closes_assistant_turns(folders: dict[str, Path]) -> None:
+    tok = _tok(folders, "eos_in_map_only")
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "more"},
+    ]
+    eos = tok.encode("</s>", add_special_tokens=False)
+    assert len(eos) == 1
+    assert eos[0] in tok.encode_chat(chat)
+
+
+def test_special_tokens_map_overrides_the_config_as_transformers_does(folders: dict[str, Path]) -> None:
+    # the config says <|end|>, special_tokens_map.json <s>: transformers (so vLLM) renders <s>
+    tok = _tok(folders, "map_overrides_config")
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == tok.encode("<s>", add_special_tokens=False)[0]
+    assert RECORDED["map_overrides_config"]["ids"] == RECORDED["own"]["ids"]

@@ -1,0 +1,63 @@
+"""`chat_template_kwargs` merged with the request as vLLM 0.32 merges them (build_chat_params, then
+ChatParams.with_defaults): its `tools` win over the request's, its `documents` count where the
+request has none, its special tokens override the tokenizer's, null values count as unset, and
+`messages` is vLLM's 400. Each case's ids (or error) were recorded with vLLM's own renderer by
+tests/fixtures/vllm-0.32/chat_render/record_kwargs.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.http_api import ApiError, parse_request, prompt_ids
+from router.tokenization import Tokenization, load_tokenizer
+from tests.vllm.make_model import build_tokenizer
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32" / "chat_render"
+CASES = [json.loads(line) for line in (FIXTURES / "kwargs_cases.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str | None, Tokenization]]:
+    base = tmp_path_factory.mktemp("tiny-llama")
+    build_tokenizer(base)
+    out: dict[str | None, Tokenization] = {None: Tokenization(load_tokenizer(base))}
+    for template in {c["template"] for c in CASES} - {None}:
+        folder = tmp_path_factory.mktemp(Path(template).stem)
+        (folder / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
+        config = json.loads((base / "tokenizer_config.json").read_text())
+        config["chat_template"] = (FIXTURES / template).read_text()
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        out[template] = Tokenization(load_tokenizer(folder))
+    yield out
+    for tok in out.values():
+        tok.close()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+async def test_chat_template_kwargs_render_as_vllm_renders_them(
+    case: dict[str, Any], tokenizers: dict[str | None, Tokenization]
+) -> None:
+    expected = case["vllm_ids"]
+    body = json.loads(json.dumps(case["body"]))
+    if isinstance(expected, dict):
+        with pytest.raises(ApiError) as err:
+            await prompt_ids(tokenizers[case["template"]], parse_request(body, chat=True))
+        assert (err.value.code, str(err.value.message)) == (400, expected["error"])
+        return
+    routed, _ = await prompt_ids(tokenizers[case["template"]], parse_request(body, chat=True))
+    assert routed == expected
+
+
+def test_the_cases_cover_each_merge_rule() -> None:
+    names = {c["name"] for c in CASES}
+    assert {"kwargs_bos_token", "kwargs_tools_over_top_level", "kwargs_documents", "kwargs_messages"} <= names
+    differ = {c["name"]: c["vllm_ids"] for c in CASES}
+    # each rule changes vLLM's ids, so the cases test something
+    assert differ["kwargs_tools_over_top_level"] != differ["kwargs_tools_null"]
+    assert differ["kwargs_documents"] != differ["kwargs_documents_under_top_level"]
+    assert differ["kwargs_bos_token"] != differ["kwargs_bos_token_null"]
