@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,9 +82,16 @@ class Disaggregator:
     """Owns the current settings, policy and guard, and the outcome counts."""
 
     def __init__(
-        self, settings: RouterSettings, selector: Selector | None = None, transfers: TransferHealth | None = None
+        self,
+        settings: RouterSettings,
+        selector: Selector | None = None,
+        transfers: TransferHealth | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """`timer` times the policy at DEBUG: the planner's clock, so a virtual-clock run reads no
+        wall time even with DEBUG logging on."""
         self.selector = selector or Selector()
+        self._timer = timer
         self.transfers = transfers or TransferHealth()
         self.counts: Counter[Outcome] = Counter()
         self._install(settings, make_policy(settings.conditional, settings))
@@ -233,14 +240,14 @@ class Disaggregator:
         """The policy's answer; timed and logged at DEBUG."""
         if not log.isEnabledFor(logging.DEBUG):
             return self.policy.decide(ctx)
-        start = time.perf_counter()  # timed only here: a virtual-clock replay reads no wall time
+        start = self._timer()
         decision = self.policy.decide(ctx)
         log.debug(
             "policy %s: %s (%s) in %.1f us",
             self.policy.name,
             decision.outcome,
             decision.reason,
-            (time.perf_counter() - start) * 1e6,
+            (self._timer() - start) * 1e6,
             extra={"request_id": ctx.request_id},
         )
         return decision

@@ -104,7 +104,9 @@ class Planner:
     ) -> None:
         """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
         it every load report) and admission reads prefill rates from it."""
-        self.disagg = Disaggregator(settings, Selector(rng or random.Random()), TransferHealth(clock=clock))
+        self.disagg = Disaggregator(
+            settings, Selector(rng or random.Random()), TransferHealth(clock=clock), timer=clock
+        )
         self._workers = workers
         self.index = index
         self.pending = pending
