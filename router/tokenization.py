@@ -161,17 +161,25 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 
 def _special_tokens(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
     """The special tokens a template sees, read as transformers (5.x) reads them: the named ones
-    from tokenizer_config.json, overridden by special_tokens_map.json's where the config has no
-    `added_tokens_decoder` (its legacy path); a model's own `*_token` strings (`image_token`) and
-    `extra_special_tokens` mapping; AddedToken dicts by their content; null ones left out."""
-    found: dict[str, object] = {k: config.get(k) for k in _SPECIAL_NAMES}
-    found |= {k: v for k, v in config.items() if k.endswith("_token") and k not in found and isinstance(v, str)}
-    extra = config.get("extra_special_tokens")
-    if isinstance(extra, Mapping):
-        found |= extra
-    if "added_tokens_decoder" not in config:
-        mapped = _read_json(folder / "special_tokens_map.json")
-        found |= {k: mapped[k] for k in _SPECIAL_NAMES if k in mapped}
+    and a model's own `*_token` ones (`image_token`) and `extra_special_tokens` mapping from
+    tokenizer_config.json, where the config has no `added_tokens_decoder` (its legacy path) with
+    every key of special_tokens_map.json merged over it; AddedToken dicts by their content; null
+    ones left out."""
+    kwargs = dict(config)
+    legacy = "added_tokens_decoder" not in config
+    if legacy:
+        kwargs |= _read_json(folder / "special_tokens_map.json")
+    extra_value = kwargs.get("extra_special_tokens")
+    extra: dict[str, object] = dict(extra_value) if isinstance(extra_value, Mapping) else {}
+    own: dict[str, object] = {
+        k: v
+        for k, v in kwargs.items()
+        if k.endswith("_token") and k not in _SPECIAL_NAMES and isinstance(v, (str, Mapping))
+    }
+    found: dict[str, object] = {k: kwargs.get(k) for k in _SPECIAL_NAMES}
+    # transformers sets a dict `extra_special_tokens` before the `*_token` keys, but after them on
+    # the legacy path (there it is its `model_specific_special_tokens`)
+    found |= (own | extra) if legacy else (extra | own)
     return {k: _special(v) for k, v in found.items() if v is not None}
 
 
@@ -228,13 +236,17 @@ class HfPromptTokenizer:
         self.name = str(path)
         folder = file.parent
         config = _read_json(folder / "tokenizer_config.json")
+        # transformers' flag: special tokens' spellings in a text are encoded as plain text
+        self._tok.encode_special_tokens = config.get("split_special_tokens") is True
         self._specials = _special_tokens(folder, config)
         self._specials.setdefault("bos_token", "")
         self._specials.setdefault("eos_token", "")
         self._env = _environment()
-        source = _chat_template_source(folder, config)
-        self._source = source or ""
-        self._template = self._compile(source) if source is not None else None
+        templates = _chat_templates(folder, config)
+        # one template, or transformers' named ones (`default`, `tool_use`, ...)
+        self._source = templates if isinstance(templates, str) else None
+        self._named = templates if isinstance(templates, dict) else {}
+        self._templates = {s: self._compile(s) for s in [*self._named.values(), self._source] if s is not None}
 
     def _compile(self, source: str) -> jinja2.Template:
         try:
@@ -246,6 +258,20 @@ class HfPromptTokenizer:
     def _request_template(self, source: str) -> jinja2.Template:
         return self._compile(source)
 
+    def _resolve_template(self, requested: str | None, tools: Any) -> str:
+        """The template source vLLM renders with (transformers' `get_chat_template`): a request's
+        template, or the name of one of the named ones; else `tool_use` where tools are given and
+        there is one, else `default`."""
+        if requested:
+            return self._named.get(requested, requested)
+        if self._named:
+            name = "tool_use" if tools is not None and "tool_use" in self._named else "default"
+            if name in self._named:
+                return self._named[name]
+        elif self._source is not None:
+            return self._source
+        raise TokenizerError("chat_template", f"tokenizer {self.name} has none; use /v1/completions")
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
@@ -254,10 +280,9 @@ class HfPromptTokenizer:
         return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def render_chat(self, messages: Messages, options: ChatOptions = ChatOptions()) -> str:
-        template = self._request_template(options.chat_template) if options.chat_template else self._template
-        if template is None:
-            raise TokenizerError("chat_template", f"tokenizer {self.name} has none; use /v1/completions")
-        source = options.chat_template or self._source
+        tools = tool_definitions(options.tools) if options.raw_tools is None else options.raw_tools
+        source = self._resolve_template(options.chat_template, tools)
+        template = self._templates[source] if source in self._templates else self._request_template(source)
         fmt = self.content_format or detect_content_format(self._env, source)
         try:
             msgs = conversation(messages, source, fmt)
@@ -276,7 +301,7 @@ class HfPromptTokenizer:
         try:
             text = template.render(
                 messages=msgs,
-                tools=tool_definitions(options.tools) if options.raw_tools is None else options.raw_tools,
+                tools=tools,
                 documents=options.documents,
                 add_generation_prompt=options.add_generation_prompt and not options.continue_final_message,
                 # transformers' order: the request's kwargs override the special tokens
@@ -331,17 +356,19 @@ def _cut_at_mark(text: str, final: str) -> str:
     return text[:at] if text[at : at + len(_FINAL_MARK)] == _FINAL_MARK else text[:at].rstrip()
 
 
-def _chat_template_source(folder: Path, config: Mapping[str, Any]) -> str | None:
+def _chat_templates(folder: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text()
     template = config.get("chat_template")
     if template is None:
         template = _read_json(folder / "chat_template.json").get("chat_template")
-    if isinstance(template, list):  # the named-template form: take "default"
-        template = next(
-            (t.get("template") for t in template if isinstance(t, Mapping) and t.get("name") == "default"), None
-        )
+    if isinstance(template, list):  # the named-template form, [{"name": ..., "template": ...}]
+        return {
+            t["name"]: t["template"]
+            for t in template
+            if isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+        }
     return template if isinstance(template, str) else None
 
 

@@ -45,5 +45,6 @@ def test_probe_bodies_are_tokenize_requests() -> None:
 
 
 def test_the_builtin_fingerprint_is_stable() -> None:
-    assert builtin_fingerprint() == builtin_fingerprint()
-    assert builtin_fingerprint().startswith("tok-")
+    # Deployed engine_sim fleets advertise this value: changing it (a probe, the built-in
+    # vocabulary) needs a coordinated upgrade of routers and shims.
+    assert builtin_fingerprint() == "tok-c6d1cbd52c9a5ac6"

@@ -63,6 +63,50 @@ def _map_overrides_config(folder: Path) -> None:
     _edit_config(folder, lambda c: c.__setitem__("bos_token", "<|end|>"))
 
 
+def _named_templates(folder: Path) -> None:
+    """transformers' named templates (Hermes-2-Pro, Command-R): `tool_use` renders requests with tools."""
+    templates = [
+        {"name": "default", "template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"},
+        {
+            "name": "tool_use",
+            "template": "[TOOLS]{{ tools | tojson }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}",
+        },
+    ]
+    _edit_config(folder, lambda c: c.__setitem__("chat_template", templates))
+
+
+def _model_specific_tokens(folder: Path) -> None:
+    """A model's own special tokens in the template (and in its vocabulary, as models ship them):
+    `image_token` only in special_tokens_map.json, `boi_token` an AddedToken dict in the config."""
+    from tokenizers import AddedToken, Tokenizer
+
+    def edit(config: dict[str, object]) -> None:
+        config["chat_template"] = (
+            "[{{ image_token }}|{{ boi_token }}]{% for m in messages %}{{ m.content }}{% endfor %}"
+        )
+        config["boi_token"] = {
+            "__type": "AddedToken",
+            "content": "<boi>",
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+
+    _edit_config(folder, edit)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<image>", special=True), AddedToken("<boi>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    mapped = json.loads((folder / "special_tokens_map.json").read_text())
+    (folder / "special_tokens_map.json").write_text(json.dumps({**mapped, "image_token": "<image>"}))
+
+
+def _split_special_tokens(folder: Path) -> None:
+    """`split_special_tokens`: special tokens' spellings in a text are plain text."""
+    _edit_config(folder, lambda c: c.__setitem__("split_special_tokens", True))
+
+
 VARIANTS: dict[str, Callable[[Path], None]] = {
     "own": lambda folder: None,
     "llama31": _template("llama31.jinja"),
@@ -73,6 +117,9 @@ VARIANTS: dict[str, Callable[[Path], None]] = {
     "llama31_added_token": _added_token,
     "eos_in_map_only": _eos_in_map_only,
     "map_overrides_config": _map_overrides_config,
+    "named_templates": _named_templates,
+    "model_specific_tokens": _model_specific_tokens,
+    "split_special_tokens": _split_special_tokens,
 }
 
 

@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 
 from protocol.fingerprint import PROBES
-from router.tokenization import PromptTokenizer, load_tokenizer, probe_ids, tokenizer_fingerprint
+from router.tokenization import (
+    ChatOptions,
+    HfPromptTokenizer,
+    PromptTokenizer,
+    load_tokenizer,
+    probe_ids,
+    tokenizer_fingerprint,
+)
 from tests.router.fingerprint_variants import VARIANTS, build_variant
 
 RECORDED: dict[str, Any] = json.loads(
@@ -85,3 +92,14 @@ def test_special_tokens_map_overrides_the_config_as_transformers_does(folders: d
     ids = tok.encode_chat([{"role": "user", "content": "hi"}])
     assert ids[0] == tok.encode("<s>", add_special_tokens=False)[0]
     assert RECORDED["map_overrides_config"]["ids"] == RECORDED["own"]["ids"]
+
+
+def test_named_templates_are_picked_as_transformers_picks_them(folders: dict[str, Path]) -> None:
+    # `tool_use` for a request with tools, `default` without; a trusted request may name one
+    tok = HfPromptTokenizer(folders["named_templates"])
+    chat = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert tok.render_chat(chat) == "<user>hi"
+    assert tok.render_chat(chat, ChatOptions(tools=[tool])).startswith("[TOOLS][{")
+    assert tok.render_chat(chat, ChatOptions(chat_template="tool_use")) == "[TOOLS]null<user>hi"
+    assert tok.render_chat(chat, ChatOptions(chat_template="default", tools=[tool])) == "<user>hi"
