@@ -21,18 +21,24 @@ CASES_FILE = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32" /
 CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str | None, Tokenization]]:
-    base = tmp_path_factory.mktemp("tiny-llama")
+def build_tokenizers(templates: set[str | None], tmp: pytest.TempPathFactory) -> dict[str | None, Tokenization]:
+    """make_model.py's tokenizer (None) and one copy per chat template of chat_render/."""
+    base = tmp.mktemp("tiny-llama")
     build_tokenizer(base)
     out: dict[str | None, Tokenization] = {None: Tokenization(load_tokenizer(base))}
-    for template in {c["template"] for c in CASES} - {None}:
-        folder = tmp_path_factory.mktemp(Path(template).stem)
+    for template in templates - {None}:
+        folder = tmp.mktemp(Path(template).stem)
         (folder / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
         config = json.loads((base / "tokenizer_config.json").read_text())
         config["chat_template"] = (CASES_FILE.parent / template).read_text()
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
         out[template] = Tokenization(load_tokenizer(folder))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str | None, Tokenization]]:
+    out = build_tokenizers({c["template"] for c in CASES}, tmp_path_factory)
     yield out
     for tok in out.values():
         tok.close()

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from router.http_api import ApiError, parse_request, prompt_ids
-from router.tokenization import Tokenization, load_tokenizer
-from tests.vllm.make_model import build_tokenizer
+from router.tokenization import Tokenization
+from tests.router.test_vllm_render import build_tokenizers
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32" / "chat_render"
 CASES = [json.loads(line) for line in (FIXTURES / "kwargs_cases.jsonl").read_text().splitlines()]
@@ -23,16 +23,7 @@ CASES = [json.loads(line) for line in (FIXTURES / "kwargs_cases.jsonl").read_tex
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str | None, Tokenization]]:
-    base = tmp_path_factory.mktemp("tiny-llama")
-    build_tokenizer(base)
-    out: dict[str | None, Tokenization] = {None: Tokenization(load_tokenizer(base))}
-    for template in {c["template"] for c in CASES} - {None}:
-        folder = tmp_path_factory.mktemp(Path(template).stem)
-        (folder / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
-        config = json.loads((base / "tokenizer_config.json").read_text())
-        config["chat_template"] = (FIXTURES / template).read_text()
-        (folder / "tokenizer_config.json").write_text(json.dumps(config))
-        out[template] = Tokenization(load_tokenizer(folder))
+    out = build_tokenizers({c["template"] for c in CASES}, tmp_path_factory)
     yield out
     for tok in out.values():
         tok.close()
