@@ -26,7 +26,7 @@ def build_tokenizers(templates: set[str | None], tmp: pytest.TempPathFactory) ->
     base = tmp.mktemp("tiny-llama")
     build_tokenizer(base)
     out: dict[str | None, Tokenization] = {None: Tokenization(load_tokenizer(base))}
-    for template in templates - {None}:
+    for template in (t for t in templates if t is not None):
         folder = tmp.mktemp(Path(template).stem)
         (folder / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
         config = json.loads((base / "tokenizer_config.json").read_text())
