@@ -101,11 +101,13 @@ class Planner:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
         calibration: Calibration | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
-        it every load report) and admission reads prefill rates from it."""
+        it every load report) and admission reads prefill rates from it. `timer` times the policy
+        at DEBUG (a virtual-clock replay passes its own clock: it reads no wall time)."""
         self.disagg = Disaggregator(
-            settings, Selector(rng or random.Random()), TransferHealth(clock=clock), timer=clock
+            settings, Selector(rng or random.Random()), TransferHealth(clock=clock), timer=timer
         )
         self._workers = workers
         self.index = index
@@ -465,6 +467,7 @@ def standalone_planner(
     sync_state: Callable[[str], tuple[str, str] | None] = lambda worker: None,
     tokenizer: str | None = None,
     calibration: Calibration | None = None,
+    timer: Callable[[], float] = time.perf_counter,
 ) -> Planner:
     """A planner with its own pending prefixes, eligibility and ledger, for callers without a
     replica around it (benchmarks, the virtual-clock replay, tests). By default every worker is
@@ -484,6 +487,7 @@ def standalone_planner(
         rng=rng,
         clock=clock,
         calibration=calibration,
+        timer=timer,
     )
 
 

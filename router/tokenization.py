@@ -357,9 +357,16 @@ def _cut_at_mark(text: str, final: str) -> str:
 
 
 def _chat_templates(folder: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
+    # As transformers loads them: template files win over the config's; `chat_template.jinja` is
+    # `default`, each additional_chat_templates/NAME.jinja (its save_pretrained's layout for named
+    # templates) the template NAME.
+    files = {"default": folder / "chat_template.jinja"} if (folder / "chat_template.jinja").is_file() else {}
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        files |= {f.name.removesuffix(".jinja"): f for f in sorted(extra.glob("*.jinja"))}
+    if files:
+        named = {name: f.read_text() for name, f in files.items()}
+        return named["default"] if list(named) == ["default"] else named
     template = config.get("chat_template")
     if template is None:
         template = _read_json(folder / "chat_template.json").get("chat_template")

@@ -135,6 +135,7 @@ class VirtualRouter:
             clock=clock.time,
             rng=rng,
             calibration=calibration,
+            timer=clock.time,
         )
         self.throughput = Throughput(clock.time)
         self.waiters: deque[_Waiter] = deque()

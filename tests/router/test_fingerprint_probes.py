@@ -94,6 +94,25 @@ def test_special_tokens_map_overrides_the_config_as_transformers_does(folders: d
     assert RECORDED["map_overrides_config"]["ids"] == RECORDED["own"]["ids"]
 
 
+def test_named_templates_saved_as_files_are_the_configs_own(folders: dict[str, Path], tmp_path: Path) -> None:
+    # transformers' save_pretrained writes named templates as chat_template.jinja (default) and
+    # additional_chat_templates/NAME.jinja, none in the config: the router read only the first
+    saved = tmp_path / "saved"
+    shutil.copytree(folders["named_templates"], saved)
+    config = json.loads((saved / "tokenizer_config.json").read_text())
+    templates = {t["name"]: t["template"] for t in config.pop("chat_template")}
+    (saved / "tokenizer_config.json").write_text(json.dumps(config))
+    (saved / "chat_template.jinja").write_text(templates.pop("default"))
+    (saved / "additional_chat_templates").mkdir()
+    for name, template in templates.items():
+        (saved / "additional_chat_templates" / f"{name}.jinja").write_text(template)
+    # the fingerprint vLLM computes for this tokenizer, whichever layout it was saved in
+    assert tokenizer_fingerprint(load_tokenizer(saved)) == RECORDED["named_templates"]["fingerprint"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    rendered = HfPromptTokenizer(saved).render_chat([{"role": "user", "content": "hi"}], ChatOptions(tools=[tool]))
+    assert rendered.startswith("[TOOLS][{")
+
+
 def test_named_templates_are_picked_as_transformers_picks_them(folders: dict[str, Path]) -> None:
     # `tool_use` for a request with tools, `default` without; a trusted request may name one
     tok = HfPromptTokenizer(folders["named_templates"])
