@@ -106,9 +106,12 @@ _ERROR_TYPES = {
 }
 # Set by the router for the engine, never by a client: transfer handles name hosts the engine
 # would pull KV from.
-_ROUTER_ONLY = ("kv_transfer_params", "disaggregated_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
-# vLLM 0.32 takes transfer handles from `vllm_xargs` too (v1/request.py reads them from extra_args),
-# and an encoder-cache one (ec_transfer_params) the router never sets, in either place.
+# ec_transfer_params: the encoder-cache handle, which the router never sets.
+_ROUTER_ONLY = (
+    "kv_transfer_params", "disaggregated_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "ec_transfer_params",
+)  # fmt: skip
+# vLLM 0.32 takes transfer handles from `vllm_xargs` too (v1/request.py reads them from extra_args).
 _HANDLES = ("kv_transfer_params", "ec_transfer_params")
 # vLLM 0.32 reads it from `vllm_xargs` (v1/request.py); "full" re-announces a prefix-cache hit's
 # blocks as new BlockStored events, with no BlockRemoved to match, so the shim's counts keep them
@@ -356,7 +359,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
     parameter for anything wrong. Everything else goes to the engine unread."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name in (*_ROUTER_ONLY, "ec_transfer_params"):
+    for name in _ROUTER_ONLY:
         if name in body:
             raise ApiError(400, f"'{name}' is set by the router, not by clients", name)
     xargs = body.get("vllm_xargs")
@@ -533,10 +536,9 @@ _CUT_S = 1.0  # for the requests cut at the drain's end to write their last answ
 
 
 class Drain:
-    """The front door's drain (RouterService.stop). Once `begin()` is called, new requests are
-    refused (`refusal()`); `finish(limit_s)` waits up to `limit_s` for those in flight, then
-    cancels the rest, whose handlers answer 503 (`ended()` tells them it was the drain, not their
-    client leaving)."""
+    """The front door's drain (RouterService.stop). From `finish(limit_s)` on, new requests are
+    refused (`refusal()`); it waits up to `limit_s` for those in flight, then cancels the rest,
+    whose handlers answer 503 (`ended()` tells them it was the drain, not their client leaving)."""
 
     def __init__(self) -> None:
         self.draining = False
@@ -545,12 +547,10 @@ class Drain:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def begin(self) -> None:
-        self.draining = True
-
     async def finish(self, limit_s: float) -> int:
-        """Let the requests in flight run up to `limit_s`, then cut the rest; how many were cut."""
-        self.begin()
+        """Refuse new requests, let those in flight run up to `limit_s`, then cut the rest; how many
+        were cut."""
+        self.draining = True
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(limit_s):
                 await self._idle.wait()

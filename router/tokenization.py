@@ -3,8 +3,10 @@
 `--tokenizer` names the served model's tokenizer: a `tokenizer.json`, a directory holding one, or
 a Hugging Face model id found in the local hub cache (`$HF_HUB_CACHE`, `$HF_HOME/hub`,
 `~/.cache/huggingface/hub`: the snapshot `refs/main` points at; nothing is downloaded). The chat
-template comes from beside it (`chat_template.jinja`, else `tokenizer_config.json`'s
-`chat_template`, else `chat_template.json`) and is rendered with jinja2 in a sandbox the way
+template comes from beside it (`chat_template.jinja` and `additional_chat_templates/NAME.jinja`,
+else `tokenizer_config.json`'s `chat_template`, else `chat_template.json`); of named templates,
+`tool_use` renders a request with tools and `default` the rest, as transformers picks them. It is
+rendered with jinja2 in a sandbox the way
 transformers renders it (its `tojson`, `raise_exception`, `strftime_now`, the `generation` tag,
 `continue_final_message`). Without `--tokenizer` the router has the built-in tokenizer, which only
 engine_sim speaks.
