@@ -15,7 +15,7 @@ import os
 import ssl
 import tomllib
 import types
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlsplit
@@ -452,11 +452,18 @@ def file_keys(schema: type[msgspec.Struct], setting_prefix: str = "") -> set[str
 def check_file_keys(file: Mapping[str, Any], allowed: set[str], path: str) -> None:
     """ConfigError naming the first key of `file` that no setting reads: a typo would otherwise
     leave its setting at the default without a word."""
-    unknown = sorted((k for k in file if k not in allowed), key=str)  # YAML keys need not be strings
-    if unknown:
-        near = difflib.get_close_matches(str(unknown[0]), sorted(allowed), n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError("config", path, f"{unknown[0]!r} is not a setting{hint} (the settings are the flags' names)")
+    if (unknown := _first_unknown(file, allowed)) is not None:
+        key, hint = unknown
+        raise ConfigError("config", path, f"{key!r} is not a setting{hint} (the settings are the flags' names)")
+
+
+def _first_unknown(keys: Iterable[Any], allowed: Collection[str]) -> tuple[Any, str] | None:
+    """The first of `keys` no setting reads, and a did-you-mean hint ("" for none)."""
+    unknown = sorted((k for k in keys if k not in allowed), key=str)  # YAML keys need not be strings
+    if not unknown:
+        return None
+    near = difflib.get_close_matches(str(unknown[0]), sorted(allowed), n=1)
+    return unknown[0], f"; did you mean {near[0]!r}?" if near else ""
 
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -532,11 +539,9 @@ def _with_section(file: Mapping[str, Any], name: str, sub: type[msgspec.Struct],
     allowed = sorted(file_keys(sub, prefix))
     if not isinstance(nested, Mapping):
         raise ConfigError("config", {name: nested}, f"{name!r} must be a mapping of {', '.join(allowed)}")
-    unknown = sorted((k for k in nested if k not in allowed), key=str)
-    if unknown:
-        near = difflib.get_close_matches(str(unknown[0]), allowed, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError("config", {name: nested}, f"{unknown[0]!r} is not a setting of {name!r}{hint}")
+    if (unknown := _first_unknown(nested, allowed)) is not None:
+        key, hint = unknown
+        raise ConfigError("config", {name: nested}, f"{key!r} is not a setting of {name!r}{hint}")
     return {**file, **nested}
 
 

@@ -144,9 +144,9 @@ class Disaggregator:
         return RoutePlan(ctx, ranked[0], None, Path.AGG, Outcome.SPILLED_TO_PREFILL, reason, ranked, [])
 
     def plan(
-        self, ctx: RequestContext, exclude: frozenset[str] = frozenset(), full: Sequence[Candidate] = ()
+        self, ctx: RequestContext, exclude: frozenset[str] = frozenset(), prefill_full: Sequence[Candidate] = ()
     ) -> RoutePlan | None:
-        """None when no decode/agg worker (outside `exclude`) can take the request. `full`: the
+        """None when no decode/agg worker (outside `exclude`) can take the request. `prefill_full`: the
         prefill workers the planner left out of `ctx.prefill_pool` for room."""
         s = self.settings
         decode_ranked = self.selector.rank(ctx, [c for c in ctx.decode_pool if c.worker not in exclude], s)
@@ -157,7 +157,7 @@ class Disaggregator:
         # any other with a 400): pair d with prefill workers of its own engine, or with none.
         engine = d.info.engine
         pool = [c for c in ctx.prefill_pool if c.worker not in exclude and c.info.engine == engine]
-        busy = [] if pool else [c for c in full if c.worker not in exclude and c.info.engine == engine]
+        busy = [] if pool else [c for c in prefill_full if c.worker not in exclude and c.info.engine == engine]
         prefill_ranked = self.selector.rank(ctx, pool, s)
         ctx.prefill = p = prefill_ranked[0] if prefill_ranked else None
 
@@ -177,8 +177,11 @@ class Disaggregator:
                 return done(Path.BYPASS, Outcome.PREFILL_POOL_FULL, self._full(engine))
             prefill_ranked = self.selector.rank(ctx, busy, s)
             ctx.prefill = p = prefill_ranked[0]
-        others = [*ctx.prefill_pool, *full]
-        if p is None and others and all(c.info.engine != engine for c in others):
+        if (
+            p is None
+            and (others := [*ctx.prefill_pool, *prefill_full])
+            and all(c.info.engine != engine for c in others)
+        ):
             return done(
                 Path.AGG,
                 Outcome.NO_PREFILL_POOL,

@@ -281,16 +281,16 @@ class Planner:
         request path skips the formatting)."""
         decode: list[Candidate] = []
         prefill: list[Candidate] = []
-        full: list[Candidate] = []
-        busy: list[Candidate] = []
+        no_room: list[Candidate] = []
+        prefill_full: list[Candidate] = []
         for c in ctx.decode_pool:
-            (decode if self._decode_room(ctx, c) else full).append(c)
+            (decode if self._decode_room(ctx, c) else no_room).append(c)
         for c in ctx.prefill_pool:
-            (prefill if self._prefill_room(c) else busy).append(c)
+            (prefill if self._prefill_room(c) else prefill_full).append(c)
         if record:
-            ctx.excluded += [self._no_room(ctx, c) for c in (*full, *busy)]
+            ctx.excluded += [self._no_room(ctx, c) for c in (*no_room, *prefill_full)]
         local_only = ctx.shape.local_prefill_only and bool(ctx.prefill_pool)  # prefilled locally (router.disagg)
-        full_engines = {c.info.engine for c in busy} - {c.info.engine for c in prefill}
+        full_engines = {c.info.engine for c in prefill_full} - {c.info.engine for c in prefill}
         if full_engines or local_only:
             local = [
                 c
@@ -308,7 +308,7 @@ class Planner:
                 ctx.excluded += [{**c.explain(), "excluded": "room", "why": why} for c in decode if id(c) not in kept]
             decode = local
         ctx.decode_pool, ctx.prefill_pool = decode, prefill
-        return busy
+        return prefill_full
 
     def _no_room(self, ctx: RequestContext, c: Candidate) -> dict[str, Any]:
         s = self.settings
@@ -365,10 +365,10 @@ class Planner:
             self.disagg.record(plan.outcome)
             self._reached(ctx, held, ctx.cached_tokens(plan.decode), plan)
             return self._book(ctx, plan)
-        full = self._keep_room(ctx)
+        prefill_full = self._keep_room(ctx)
         if not ctx.decode_pool:
             return None  # room to decode, but no decode worker the policy lets prefill it
-        plan = self._choose(ctx, full)
+        plan = self._choose(ctx, prefill_full)
         self._reached(ctx, held, _longest(ctx), plan)
         return self._book(ctx, plan)
 
@@ -396,8 +396,8 @@ class Planner:
             return None
         return self._book(ctx, self._choose(ctx))
 
-    def _choose(self, ctx: RequestContext, full: Sequence[Candidate] = ()) -> RoutePlan:
-        plan = self.disagg.plan(ctx, full=full)
+    def _choose(self, ctx: RequestContext, prefill_full: Sequence[Candidate] = ()) -> RoutePlan:
+        plan = self.disagg.plan(ctx, prefill_full=prefill_full)
         assert plan is not None  # refresh() guarantees a decode candidate
         self.disagg.chosen(plan)
         return plan
@@ -424,9 +424,9 @@ class Planner:
         admissible = self.admissible(ctx)
         plan = None
         if admissible:
-            full = self._keep_room(ctx, record=True)
+            prefill_full = self._keep_room(ctx, record=True)
             if ctx.decode_pool:
-                plan = self.disagg.plan(ctx, full=full)
+                plan = self.disagg.plan(ctx, prefill_full=prefill_full)
             if plan is not None:
                 # Where the decode guard vetoes a full pool's local prefill, the plan ranks those
                 # full workers after all (router.disagg): a candidate was not left out for room.

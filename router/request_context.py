@@ -117,7 +117,7 @@ class RequestShape(msgspec.Struct, frozen=True):
     """What besides its tokens decides where a request can be served and what it finds cached."""
 
     sequences: int = 1  # the prompts of a batch times `n`
-    prompt_logprobs: bool = False  # the prompt's own logits: prompt_logprobs, or an echo (router.http_api)
+    prompt_logprobs: bool = False  # the prompt's own logits (protocol.asks_prompt_logprobs)
     cache_salt: str = ""  # vLLM's per-tenant cache isolation: its blocks match only the same salt's
     beam_search: bool = False  # use_beam_search: vLLM's beam search passes no kv_transfer_params on
 

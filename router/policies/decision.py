@@ -25,7 +25,7 @@ class Outcome(StrEnum):
     FALLBACK_TRANSFER_FAILED = "fallback_transfer_failed"  # the decode engine failed to load the KV -> bypass
     AGGREGATED = "aggregated"  # disagg=never, or the chosen worker is an agg worker
     NO_PREFILL_POOL = "no_prefill_pool"  # disaggregation wanted but the model has no prefill worker
-    PREFILL_POOL_FULL = "prefill_pool_full"  # every prefill worker past the admission limit -> local prefill
+    PREFILL_POOL_FULL = "prefill_pool_full"  # every prefill worker of its engine past the room limit -> local
     SPILLED_TO_PREFILL = "spilled_to_prefill"  # no decode worker had room: a prefill worker serves it whole
     BYPASS_SEQUENCES = "bypass_sequences"  # n > 1 or a batch: a transfer handle carries one sequence's KV
     BYPASS_PROMPT_LOGPROBS = "bypass_prompt_logprobs"  # prompt logprobs need the prompt's own forward pass
