@@ -334,10 +334,7 @@ def _check_latency_scale(scale: float) -> None:
 
 def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
     trace = args.trace or shipped_trace()
-    try:
-        records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start or 0.0)
-    except OSError as exc:
-        raise ValueError(f"--trace {trace}: {exc.strerror or exc}") from None
+    records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start or 0.0)
     if not records:
         raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
     return from_trace(records, scale_tokens=args.scale_tokens or 1.0, max_input_len=args.max_input_len)

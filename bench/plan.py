@@ -38,7 +38,7 @@ from bench.summary import Slo, Summary, summarize
 from bench.trace import TokenSynth, TraceError, load_trace, shipped_trace
 from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
 from bench.workloads import WorkItem, from_trace
-from engine_sim import SimConfig
+from engine_sim import SimConfig, SimConfigError
 from protocol import ConfigError
 from protocol.config import RouterSettings, flat_names
 from protocol.timing import profile_names
@@ -243,7 +243,6 @@ def _plan(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
     positive = [("--rate", args.rate), ("--slo-ttft", args.slo_ttft), ("--slo-itl", args.slo_itl)]
-    positive += [("--scale-tokens", args.scale_tokens)]
     if args.duration is not None:
         positive.append(("--duration", args.duration))
     for flag, value in positive:
@@ -266,10 +265,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(CONFIGURATIONS)}")
     splits = _splits(args.splits, args.gpus) if args.splits else list(range(1, args.gpus))
     trace = args.trace or shipped_trace()
-    try:
-        records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start)
-    except OSError as exc:
-        raise ValueError(f"--trace {trace}: {exc.strerror or exc}") from None
+    records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start)
     if not records:
         if not load_trace(trace, limit=1):
             raise ValueError(f"no records in the trace file {trace}")
@@ -300,7 +296,6 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(settings_text(best.candidate, args.profile, slo, args.max_model_len))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(msgspec.json.encode(ranked))
         print(f"results: {args.out}")
     print(f"{len(jobs)} candidates in {time.monotonic() - started:.0f} s wall")
@@ -320,16 +315,20 @@ def _check_out(out: Path) -> None:
 
 
 def _check_max_model_len(tokens: int, profile: str) -> None:
-    """As `kvswitch up` checks it: a positive length whose request one engine's KV cache holds."""
+    """As `kvswitch up` checks it, by the sim's own rules: a positive length whose request one
+    engine's KV cache holds."""
     if tokens < 1:
         raise ValueError(f"--max-model-len must be >= 1, got {tokens}")
     if profile not in profile_names():
         raise ValueError(f"--profile: unknown {profile}; allowed: {', '.join(profile_names())}")
-    most = SimConfig(profile=profile).resolved_num_gpu_blocks * FleetSpec.block_size
-    if tokens > most:
+    config = SimConfig(profile=profile, max_model_len=tokens, block_size=FleetSpec.block_size)
+    try:
+        config.check_kv_fits_max_model_len()
+    except SimConfigError:
+        most = config.resolved_num_gpu_blocks * config.block_size
         raise ValueError(
             f"--max-model-len {tokens} does not fit one engine's KV cache for --profile {profile}: at most {most}"
-        )
+        ) from None
 
 
 def _splits(text: str, gpus: int) -> list[int]:

@@ -88,24 +88,27 @@ def load_trace(
     decoder = msgspec.json.Decoder(_RawRecord)
     records: list[TraceRecord] = []
     previous = -math.inf
-    with Path(path).open("rb") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                raw = decoder.decode(line)
-            except msgspec.DecodeError as exc:
-                raise TraceError(path, lineno, f"not a Mooncake record ({exc})") from exc
-            _check(raw, path, lineno, previous)
-            previous = raw.timestamp
-            arrival = raw.timestamp / 1000.0
-            if arrival < start_s:
-                continue
-            if duration_s is not None and arrival >= start_s + duration_s:
-                break
-            if limit is not None and len(records) >= limit:
-                break
-            records.append(TraceRecord(arrival, raw.input_length, raw.output_length, tuple(raw.hash_ids)))
+    try:
+        with Path(path).open("rb") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    raw = decoder.decode(line)
+                except msgspec.DecodeError as exc:
+                    raise TraceError(path, lineno, f"not a Mooncake record ({exc})") from exc
+                _check(raw, path, lineno, previous)
+                previous = raw.timestamp
+                arrival = raw.timestamp / 1000.0
+                if arrival < start_s:
+                    continue
+                if duration_s is not None and arrival >= start_s + duration_s:
+                    break
+                if limit is not None and len(records) >= limit:
+                    break
+                records.append(TraceRecord(arrival, raw.input_length, raw.output_length, tuple(raw.hash_ids)))
+    except OSError as exc:  # a file not there or not readable
+        raise ValueError(f"--trace {path}: {exc.strerror or exc}") from None
     if records:
         first = records[0].arrival_s
         records = [TraceRecord(r.arrival_s - first, r.input_length, r.output_length, r.hash_ids) for r in records]

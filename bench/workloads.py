@@ -15,6 +15,7 @@ sent, since a whole Mooncake trace expanded at once would need gigabytes.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,8 +45,8 @@ def from_trace(
 ) -> list[WorkItem]:
     """Items for trace records. `scale_tokens` F expands each 512-token hash block to round(512·F)
     tokens (prefix structure kept, prompts F times as long); `max_input_len` caps prompt length."""
-    if not scale_tokens > 0:
-        raise ValueError(f"--scale-tokens must be > 0, got {scale_tokens}")
+    if not 0 < scale_tokens < math.inf:  # NaN fails too
+        raise ValueError(f"--scale-tokens must be > 0 and finite, got {scale_tokens:g}")
     if max_input_len is not None and max_input_len < 1:
         raise ValueError(f"--max-input-len must be >= 1, got {max_input_len}")
     block = max(1, round(MOONCAKE_BLOCK_TOKENS * scale_tokens))

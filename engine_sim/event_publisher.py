@@ -33,7 +33,6 @@ from protocol.vllm_events import (
     decode_replay_request,
     encode_batch,
     encode_seq,
-    publisher_binds,
     replay_reply,
 )
 from runtime import background
@@ -96,12 +95,12 @@ class ZmqEventPublisher:
         form: str = "map",
         data_parallel_rank: int = 0,
         drop_fraction: float = 0.0,
-        binds: bool | None = None,
+        binds: bool,
     ) -> None:
-        """`binds`: whether the PUB binds (None: vLLM's rule on `config.endpoint`). A restart that
-        rebinds the port a wildcard chose passes it, as the port it names no longer says so."""
+        """`binds`: whether the PUB binds, vLLM's rule on the endpoint as first given (a restart
+        rebinds the port a wildcard chose, which the endpoint it names no longer says)."""
         self.config = config
-        self.binds = publisher_binds(config.endpoint) if binds is None else binds
+        self.binds = binds
         self.form = form
         self.data_parallel_rank = data_parallel_rank
         self.drop_fraction = drop_fraction

@@ -41,7 +41,7 @@ from engine_sim.runner import EngineRunner
 from engine_sim.sampler import word_ids
 from engine_sim.scheduler import Scheduler
 from protocol.timing import TimingModel
-from protocol.vllm_events import publisher_binds, rank_endpoint
+from protocol.vllm_events import RESOLVED_BY_ENGINE, publisher_binds, rank_endpoint
 
 __all__ = ["ServerStatus", "SimServer"]
 
@@ -171,7 +171,7 @@ class SimServer:
         return {str(self.config.data_parallel_rank): msgspec.to_builtins(listed)}
 
     def _as_listed(self, given: str | None, bound: str | None) -> str | None:
-        if given != "tcp://*:0" or bound is None or bound == given:
+        if given != RESOLVED_BY_ENGINE or bound is None or bound == given:
             return bound
         host = self._node_host
         return f"tcp://{f'[{host}]' if ':' in host else host}:{bound.rsplit(':', 1)[1]}"

@@ -358,6 +358,11 @@ def decode_replay_reply(frames: Sequence[bytes]) -> tuple[bytes | None, int, byt
     return topic, seq, payload
 
 
+# vLLM lists this endpoint on GET /kv_event_sources as the `tcp://<node IP>:<port>` its PUB bound
+# (vllm/distributed/kv_events.py ZmqEventPublisher._bind); every other one as it was given.
+RESOLVED_BY_ENGINE = "tcp://*:0"
+
+
 def publisher_binds(endpoint: str) -> bool:
     """vLLM's rule: the PUB binds for `*`, `::`, ipc:// and inproc:// endpoints and connects otherwise."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

@@ -31,14 +31,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from protocol import ConfigError
-from protocol.vllm_events import publisher_binds
+from protocol.vllm_events import RESOLVED_BY_ENGINE, publisher_binds
 
 if TYPE_CHECKING:
     from worker_shim.config import KvEventsMode
 
-__all__ = ["KEYS", "RESOLVED_BY_ENGINE", "EngineEventsConfig", "listed_mode", "parse_kv_events_config"]
+__all__ = ["KEYS", "EngineEventsConfig", "listed_mode", "parse_kv_events_config"]
 
-RESOLVED_BY_ENGINE = "tcp://*:0"
 
 _COMMON = ("publisher", "endpoint", "replay_endpoint", "topic", "buffer_steps", "hwm", "max_queue_size")
 # The keys each engine takes (vLLM's KVEventsConfig; SGLang's ZmqEventPublisherConfig and publisher).

@@ -43,6 +43,7 @@ from protocol.errors import listen_error
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import __version__
+from protocol.vllm_events import RESOLVED_BY_ENGINE
 from runtime import guarded
 from runtime.nats_flush import flush
 from worker_shim.adapters import (
@@ -58,7 +59,7 @@ from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck
 from worker_shim.engine_events import EngineBatch, EngineStored
 from worker_shim.http_server import ShimHttpServer
-from worker_shim.kv_events_config import RESOLVED_BY_ENGINE, listed_mode
+from worker_shim.kv_events_config import listed_mode
 from worker_shim.kv_publisher import KvPublisher, PublisherCounters
 from worker_shim.load_reporter import LoadReporter
 from worker_shim.metrics import render_metrics
