@@ -49,7 +49,7 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
     ("lease_ttl", int, "etcd lease TTL in seconds (default 10)"),
     ("reregister_grace_s", float, "seconds the old worker id is still served after a lost lease (default 2 x TTL)"),
     ("load_period_s", float, "load reports go out on change and at least this often (default 0.5)"),
-    ("events_timeout_s", float, "seconds of missing KV events before events_ok turns false (default 5)"),
+    ("events_timeout_s", float, "seconds without KV events before events_ok is false (x2 after a request; default 5)"),
     ("http_host", str, "the shim's /health and /metrics listen here (default 127.0.0.1)"),
     ("http_port", int, "... on this port (default 0: a free port, registered as shim_url)"),
     ("drain_grace_s", float, "seconds in-flight requests may finish after SIGTERM (default 30)"),

@@ -71,8 +71,9 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         (None: 2 x lease_ttl).
     load_period_s: a LoadReport goes out on every change and at least this often (at most
         protocol.config.MAX_LOAD_PERIOD_S, the longest a router waits for).
-    events_timeout_s: seconds without a connection on the event socket, or without a Stored event
-        after a served request with a full block, before the shim reports events_ok false.
+    events_timeout_s: seconds without a connection on the event socket before the shim reports
+        events_ok false; a served request with a full block and no Stored event gets two of them,
+        the second after a read of the replay socket.
     http_host, http_port: the shim's own HTTP server (/health, /metrics); port 0 picks a free one.
     drain_grace_s: on SIGTERM, how long in-flight requests may run before they are aborted.
     health_interval_s: how often the engine's /health and load are polled.

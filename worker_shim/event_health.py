@@ -10,9 +10,11 @@ WorkerInfo.events_ok and sent in every LoadReport) until events flow:
   topic than the configured one; the live socket, filtering by topic, shows nothing at all.
 - NO_STORED (the shim says so): a served request whose prompt had at least one full uncached
   block was followed by no live Stored event within `timeout_s`, and the shim does not hold its
-  last block either. `silent` is then set so the transport can look for the reason. One request
-  is watched at a time: any later one's Stored would satisfy it too, so a busy worker costs one
-  timer, and the next request served after a check is watched again.
+  last block either. `silent` is then set so the transport reads the replay socket (a batch late
+  on a loaded host is delivered from there; a wrong topic is named), and only if a second
+  `timeout_s` still brings no Stored is the problem reported. One request is watched at a time:
+  any later one's Stored would satisfy it too, so a busy worker costs one timer, and the next
+  request served after a check is watched again.
 
 Live events (not replayed ones) clear NO_STORED and WRONG_TOPIC; a connection clears NO_CONNECTION.
 `on_change` is called whenever `ok` or `why` changes. Synchronous; expectations are loop timers,
@@ -88,23 +90,42 @@ class EventHealth:
         if self._timers:
             return
         seen = self.live_stored
-        loop = asyncio.get_running_loop()
-        handle: asyncio.TimerHandle | None = None
 
-        def verify() -> None:
-            assert handle is not None
-            self._timers.discard(handle)
-            if self.live_stored > seen or self.holds(block_hash):
+        def stored() -> bool:
+            return self.live_stored > seen or self.holds(block_hash)
+
+        def look() -> None:
+            # Late is not lost: a loaded host can hold a live batch past the timeout. Ask the
+            # transport to read the replay socket, and judge only after a second window.
+            if stored():
+                return
+            self.silent.set()
+            self._later(judge)
+
+        def judge() -> None:
+            if stored():
+                if EventProblem.NO_STORED not in self.problems:
+                    self.silent.clear()
                 return
             self.problem(
                 EventProblem.NO_STORED,
-                f"no Stored event within {self.timeout_s:g}s of serving request {request_id} ({blocks} full "
-                "uncached prompt blocks): the engine publishes no KV events where the shim listens. Check that "
-                "the engine runs with KV events on (vLLM: --kv-events-config with enable_kv_cache_events true) "
-                "and that the shim has the same endpoint and topic",
+                f"no Stored event within {2 * self.timeout_s:g}s of serving request {request_id} ({blocks} full "
+                "uncached prompt blocks), nor in the engine's replay buffer: the engine publishes no KV events "
+                "where the shim listens. Check that the engine runs with KV events on (vLLM: --kv-events-config "
+                "with enable_kv_cache_events true) and that the shim has the same endpoint and topic",
             )
 
-        handle = loop.call_later(self.timeout_s, verify)
+        self._later(look)
+
+    def _later(self, then: Callable[[], None]) -> None:
+        handle: asyncio.TimerHandle | None = None
+
+        def fire() -> None:
+            assert handle is not None
+            self._timers.discard(handle)
+            then()
+
+        handle = asyncio.get_running_loop().call_later(self.timeout_s, fire)
         self._timers.add(handle)
 
     def close(self) -> None:
