@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import logging
 import math
 import sys
@@ -75,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the chat template takes message content, as the engines' flag of that name says: text "
         "('string') or a list of parts ('openai'); 'auto' (default) detects it from the template, as vLLM does",
     )
+    parser.add_argument(
+        "--default-chat-template-kwargs", default=None, metavar="JSON",
+        help="the engines' flag of that name, as they were given it (a JSON object): the router renders chats "
+        "with it to route them, and its tokenizer fingerprint matches the engines' only with it",
+    )  # fmt: skip
     parser.add_argument("--model", default=None, help="serve only this model; also the default for requests")
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML or TOML settings file")
     parser.add_argument("--request-timeout", type=float, default=None, help="deadline of a request, seconds (600)")
@@ -127,6 +133,8 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     body_timeout_s: float = 30.0
     no_calibration: bool = False
     chat_template_content_format: str = "auto"
+    # vLLM's flag: JSON text from the command line or environment, a mapping from a config file
+    default_chat_template_kwargs: dict[str, Any] | str | None = None
     index_limit_per_worker: int = MIN_ENTRY_LIMIT  # router.kv_ingest's floor of a worker's index entries
 
     def validate(self) -> ProcessSettings:
@@ -159,7 +167,39 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         for name, hint in unset.items():
             if getattr(self, name) == "":
                 raise ConfigError(name, "", f"must not be empty: {hint}")
+        if self.default_chat_template_kwargs is not None:
+            kwargs = _template_kwargs(self.default_chat_template_kwargs, self.tokenizer)
+            return msgspec.structs.replace(self, default_chat_template_kwargs=kwargs)
         return self
+
+
+# What vLLM's defaults cannot set: a request's own field or vLLM's own argument always wins over
+# them, or, for `messages`, every chat would fail.
+_NOT_DEFAULTS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize")
+
+
+def _template_kwargs(given: dict[str, Any] | str, tokenizer: str | None) -> dict[str, Any]:
+    """--default-chat-template-kwargs as vLLM takes it (a JSON object), checked."""
+    name = "default_chat_template_kwargs"
+    value: Any = given
+    if isinstance(given, str):
+        try:
+            value = json.loads(given)
+        except ValueError as exc:
+            raise ConfigError(name, given, f"must be a JSON object, as vLLM's flag takes it ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(name, given, 'must be a JSON object as vLLM takes it, e.g. {"enable_thinking": false}')
+    if tokenizer is None:
+        raise ConfigError(name, given, "needs --tokenizer: the built-in tokenizer's ChatML (engine_sim's) takes none")
+    for key in _NOT_DEFAULTS:
+        if key in value:
+            raise ConfigError(name, given, f"must not set {key!r}: a request's own always wins in vLLM, or it breaks")
+    for key in ("tools", "documents"):
+        if value.get(key) is not None and not (
+            isinstance(value[key], list) and all(isinstance(x, dict) for x in value[key])
+        ):
+            raise ConfigError(name, given, f"{key!r} must be a list of JSON objects")
+    return value
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -219,6 +259,7 @@ def build_config(args: argparse.Namespace) -> Any:
         calibrate=not proc.no_calibration,
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template_content_format=proc.chat_template_content_format,
+        default_chat_template_kwargs=proc.default_chat_template_kwargs,
         index_limit_per_worker=proc.index_limit_per_worker,
     )
 

@@ -147,6 +147,7 @@ class RouterConfig:
     calibrate: bool = True  # fit each worker's engine speed from its load reports (router.calibration)
     trust_request_chat_template: bool = False  # render clients' own chat templates (vLLM's flag of that name)
     chat_template_content_format: str = "auto"  # vLLM's flag of that name: auto, string or openai
+    default_chat_template_kwargs: Any = None  # vLLM's flag of that name (a dict), as router.cli checked it
     index_limit_per_worker: int = MIN_ENTRY_LIMIT  # KV index entries any worker may have (kv_ingest's floor)
 
 
@@ -155,7 +156,9 @@ class RouterService:
         self.config = config
         self.ns = subjects.validate_namespace(config.ns)
         self.settings: RouterSettings = resolve(RouterSettings, cli=config.overrides, file=config.file_settings)
-        self.tokenizer: PromptTokenizer = load_tokenizer(config.tokenizer, config.chat_template_content_format)
+        self.tokenizer: PromptTokenizer = load_tokenizer(
+            config.tokenizer, config.chat_template_content_format, config.default_chat_template_kwargs
+        )
         self.fingerprints = FingerprintWatch(tokenizer_fingerprint(self.tokenizer))
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.status = RouterStatus.NEW

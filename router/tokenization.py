@@ -225,7 +225,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
 class HfPromptTokenizer:
     """A Hugging Face `tokenizers` tokenizer plus its chat template."""
 
-    def __init__(self, path: str | Path, content_format: str = "auto") -> None:
+    def __init__(
+        self, path: str | Path, content_format: str = "auto", default_kwargs: Mapping[str, Any] | None = None
+    ) -> None:
         if content_format not in CONTENT_FORMATS:
             raise TokenizerError("chat_template_content_format", f"one of {', '.join(CONTENT_FORMATS)}")
         # None: detected per template, as vLLM's `auto` does
@@ -249,6 +251,12 @@ class HfPromptTokenizer:
         self._source = templates if isinstance(templates, str) else None
         self._named = templates if isinstance(templates, dict) else {}
         self._templates = {s: self._compile(s) for s in [*self._named.values(), self._source] if s is not None}
+        # vLLM's --default-chat-template-kwargs: under a request's own, over the special tokens;
+        # its tools and documents count where the request gives none
+        defaults = dict(default_kwargs or {})
+        self._default_tools = defaults.pop("tools", None)
+        self._default_documents = defaults.pop("documents", None)
+        self._defaults = defaults
 
     def _compile(self, source: str) -> jinja2.Template:
         try:
@@ -283,6 +291,9 @@ class HfPromptTokenizer:
 
     def render_chat(self, messages: Messages, options: ChatOptions = ChatOptions()) -> str:
         tools = tool_definitions(options.tools) if options.raw_tools is None else options.raw_tools
+        if tools is None:
+            tools = self._default_tools
+        documents = self._default_documents if options.documents is None else options.documents
         source = self._resolve_template(options.chat_template, tools)
         template = self._templates[source] if source in self._templates else self._request_template(source)
         fmt = self.content_format or detect_content_format(self._env, source)
@@ -298,16 +309,16 @@ class HfPromptTokenizer:
                 "Tools should either be a JSON schema, or a callable function with type hints and a docstring "
                 "suitable for auto-conversion to a schema.",
             )
-        if options.documents is not None and not _all_dicts(options.documents):
+        if documents is not None and not _all_dicts(documents):
             raise TokenizerError("documents", "Documents should be a list of dicts with 'title' and 'text' keys!")
         try:
             text = template.render(
                 messages=msgs,
                 tools=tools,
-                documents=options.documents,
+                documents=documents,
                 add_generation_prompt=options.add_generation_prompt and not options.continue_final_message,
                 # transformers' order: the request's kwargs override the special tokens
-                **{**self._specials, **options.chat_template_kwargs},
+                **{**self._specials, **self._defaults, **options.chat_template_kwargs},
             )
         except Exception as exc:  # a template is code: 1/0, range(10**9) or recursion too are the request's fault
             raise TokenizerError("chat_template", f"cannot render these messages: {type(exc).__name__}: {exc}") from exc
@@ -457,10 +468,17 @@ def probe_ids(tok: PromptTokenizer, probe: Probe) -> list[int] | None:
         return None
 
 
-def load_tokenizer(path: str | Path | None, content_format: str = "auto") -> PromptTokenizer:
-    """The tokenizer at `path` (the built-in one for None); `content_format` is vLLM's
-    `--chat-template-content-format` (auto, string or openai)."""
-    return BuiltinPromptTokenizer() if path is None else HfPromptTokenizer(path, content_format)
+def load_tokenizer(
+    path: str | Path | None, content_format: str = "auto", default_kwargs: Mapping[str, Any] | None = None
+) -> PromptTokenizer:
+    """The tokenizer at `path` (the built-in one for None); `content_format` and `default_kwargs`
+    are vLLM's `--chat-template-content-format` (auto, string or openai) and
+    `--default-chat-template-kwargs` (the built-in tokenizer's ChatML takes none)."""
+    if path is None:
+        if default_kwargs:
+            raise TokenizerError("default_chat_template_kwargs", "the built-in tokenizer's ChatML takes none")
+        return BuiltinPromptTokenizer()
+    return HfPromptTokenizer(path, content_format, default_kwargs)
 
 
 class UntrustedTemplate(TokenizerError):
@@ -549,7 +567,8 @@ class FingerprintWatch:
             )
         return (
             f"its tokenizer is {theirs}, the router's is {self.mine}: give the router the tokenizer "
-            f"{info.model} is served with (token-id prompts still route)"
+            f"{info.model} is served with, and the engine's --default-chat-template-kwargs if it has any "
+            "(token-id prompts still route)"
         )
 
     def report(self) -> dict[str, Any]:

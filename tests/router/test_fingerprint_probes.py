@@ -26,9 +26,8 @@ from router.tokenization import (
 )
 from tests.router.fingerprint_variants import VARIANTS, build_variant
 
-RECORDED: dict[str, Any] = json.loads(
-    (Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32" / "fingerprint" / "probes.json").read_text()
-)
+RECORDED_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32" / "fingerprint"
+RECORDED: dict[str, Any] = json.loads((RECORDED_DIR / "probes.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +38,19 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path
 
 def _tok(folders: dict[str, Path], name: str) -> PromptTokenizer:
     return load_tokenizer(folders[name])
+
+
+WITH_DEFAULTS: dict[str, Any] = json.loads((RECORDED_DIR / "probes_server_defaults.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(WITH_DEFAULTS))
+def test_the_engines_default_chat_template_kwargs_are_in_the_fingerprint(folders: dict[str, Path], name: str) -> None:
+    # vLLM's /tokenize renders with the server's --default-chat-template-kwargs: a router given the
+    # same (its flag of that name) gets the shim's fingerprint, and one without them does not
+    case = WITH_DEFAULTS[name]
+    tok = load_tokenizer(folders[case["variant"]], default_kwargs=case["defaults"])
+    assert [probe_ids(tok, p) for p in PROBES] == case["ids"]
+    assert tokenizer_fingerprint(tok) == case["fingerprint"] != RECORDED[case["variant"]]["fingerprint"]
 
 
 def test_every_variant_was_recorded_with_the_current_probes() -> None:
@@ -122,3 +134,11 @@ def test_named_templates_are_picked_as_transformers_picks_them(folders: dict[str
     assert tok.render_chat(chat, ChatOptions(tools=[tool])).startswith("[TOOLS][{")
     assert tok.render_chat(chat, ChatOptions(chat_template="tool_use")) == "[TOOLS]null<user>hi"
     assert tok.render_chat(chat, ChatOptions(chat_template="default", tools=[tool])) == "<user>hi"
+
+
+def test_the_router_fingerprints_with_the_default_kwargs_it_is_given(folders: dict[str, Path]) -> None:
+    from router.service import RouterConfig, RouterService
+
+    case = WITH_DEFAULTS["llama31_no_thinking"]
+    config = RouterConfig(tokenizer=str(folders[case["variant"]]), default_chat_template_kwargs=case["defaults"])
+    assert RouterService(config).fingerprints.mine == case["fingerprint"]

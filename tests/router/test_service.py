@@ -184,6 +184,37 @@ def test_a_bad_process_setting_from_the_environment_is_refused_naming_it(
         cli.build_config(_args())
 
 
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--tokenizer", "/t", "--default-chat-template-kwargs", "{enable_thinking: false}"], "a JSON object"),
+        (["--tokenizer", "/t", "--default-chat-template-kwargs", "[1]"], "a JSON object"),
+        (["--default-chat-template-kwargs", '{"enable_thinking": false}'], "needs --tokenizer"),
+        (["--tokenizer", "/t", "--default-chat-template-kwargs", '{"add_generation_prompt": false}'], "must not set"),
+        (["--tokenizer", "/t", "--default-chat-template-kwargs", '{"messages": []}'], "must not set 'messages'"),
+        (["--tokenizer", "/t", "--default-chat-template-kwargs", '{"tools": "get_time"}'], "'tools' must be a list"),
+    ],
+)
+def test_default_chat_template_kwargs_that_cannot_be_vllms_are_refused(argv: list[str], why: str) -> None:
+    with pytest.raises(ConfigError, match="--default-chat-template-kwargs") as err:
+        cli.build_config(_args(*argv))
+    assert why in str(err.value)
+
+
+def test_default_chat_template_kwargs_from_the_flag_the_environment_or_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flag = cli.build_config(_args("--tokenizer", "/t", "--default-chat-template-kwargs", '{"enable_thinking": false}'))
+    assert flag.default_chat_template_kwargs == {"enable_thinking": False}
+    path = tmp_path / "router.yaml"
+    path.write_text("tokenizer: /t\ndefault_chat_template_kwargs:\n  date_string: 01 Jan 2030\n")
+    assert cli.build_config(_args("--config", str(path))).default_chat_template_kwargs == {"date_string": "01 Jan 2030"}
+    monkeypatch.setenv("KVSWITCH_DEFAULT_CHAT_TEMPLATE_KWARGS", '{"bos_token": ""}')
+    assert cli.build_config(_args("--config", str(path))).default_chat_template_kwargs == {"bos_token": ""}
+    monkeypatch.delenv("KVSWITCH_DEFAULT_CHAT_TEMPLATE_KWARGS")
+    assert cli.build_config(_args()).default_chat_template_kwargs is None
+
+
 def test_trusting_request_chat_templates_is_a_flag_off_by_default() -> None:
     assert cli.build_config(_args()).trust_request_chat_template is False
     assert cli.build_config(_args("--trust-request-chat-template")).trust_request_chat_template is True

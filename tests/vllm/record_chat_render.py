@@ -47,13 +47,14 @@ def tokenizer_dir(root: Path, template: str | None) -> Path:
     return out
 
 
-def ids(tok_dir: Path, kind: str, body: dict[str, Any]) -> list[Any]:
+def ids(tok_dir: Path, kind: str, body: dict[str, Any], server_defaults: dict[str, Any] | None = None) -> list[Any]:
+    """`server_defaults`: the server's --default-chat-template-kwargs."""
     mc = ModelConfig(model=str(MODEL), tokenizer=str(tok_dir))
     renderer = HfRenderer(VllmConfig(model_config=mc), get_tokenizer(str(tok_dir)))
     if kind == "chat":
         req = ChatCompletionRequest(**body)
         tools = None if req.tools is None else [t.model_dump() for t in req.tools]
-        defaults = merge_kwargs(None, {"tools": tools, "tokenize": False})
+        defaults = merge_kwargs(server_defaults, {"tools": tools, "tokenize": False})
         params = req.build_chat_params(None, "auto").with_defaults(defaults)
         _, (engine,) = renderer.render_chat([req.messages], params, req.build_tok_params(mc))
         return list(engine["prompt_token_ids"])
