@@ -31,6 +31,10 @@ blocks inside its window when they fill, so its BlockStored lists those blocks' 
 `token_ids` still covers the whole range from the parent on (`len(token_ids)` is not
 `block_size * len(block_hashes)` there).
 
+SGLang with EAGLE keys its radix cache by bigrams and sends each page's `token_ids` as pairs
+`[[t0, t1], [t1, t2], ...]`: pair j starts with the page's own token j, so such a list is read as
+those first elements (a BigramTokenIds, which says so downstream).
+
 Block hashes are opaque keys: uint64 from vLLM 0.32, bytes from older vLLM (read big-endian),
 signed int64 from SGLang. Decoding ignores unknown fields and unknown event types; an event it
 cannot read is left out of its batch (`decode_events` returns its error), a batch it cannot read
@@ -57,6 +61,7 @@ __all__ = [
     "MEDIUM_GPU",
     "REPLAY_END",
     "AllBlocksCleared",
+    "BigramTokenIds",
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
@@ -200,6 +205,22 @@ def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
     raise ProtocolError(_WHAT, f"an event must be a map or a tagged array, got {type(raw).__name__}")
 
 
+class BigramTokenIds(list[int]):
+    """Token ids read from SGLang's bigram pages (EAGLE): each pair's first element."""
+
+
+def _is_pair(p: Any) -> bool:
+    return isinstance(p, list) and len(p) == 2 and all(type(t) is int for t in p)
+
+
+def _token_ids(tokens: list[Any]) -> list[Any]:
+    """`token_ids` as sent, or a BigramTokenIds when every entry is an int pair; anything else
+    malformed is left for the normaliser to drop."""
+    if tokens and all(_is_pair(p) for p in tokens):
+        return BigramTokenIds(p[0] for p in tokens)
+    return tokens
+
+
 def _stored(f: dict[str, Any]) -> BlockStored:
     hashes, tokens, bs = f.get("block_hashes"), f.get("token_ids"), f.get("block_size")
     if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(bs, int):
@@ -208,7 +229,7 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     return BlockStored(
         block_hashes=[_hash(h) for h in hashes],
         parent_block_hash=None if parent is None else _hash(parent),
-        token_ids=tokens,
+        token_ids=_token_ids(tokens),
         block_size=bs,
         lora_id=_optional(f, "lora_id", int),
         medium=_optional(f, "medium", str),

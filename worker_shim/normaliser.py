@@ -13,6 +13,13 @@ Rules:
 - Mappings of removed blocks are remembered (bounded) so a parent evicted before its child still
   resolves: an engine hash names fixed content, so the mapping cannot go stale.
 - Malformed events (token count not blocks x B, wrong block size) are counted, logged once, dropped.
+  Their engine hashes are remembered (bounded, kept over resets), and so are their descendants':
+  an engine hash names fixed content, so a replay sends them malformed again, and a child of one is
+  dropped quietly (counted as malformed) instead of raising `needs_rebuild`, whose replay would
+  loop.
+- SGLang with EAGLE sends bigram pages, read as their own tokens (protocol.vllm_events
+  BigramTokenIds): SGLang reuses such a page only when the token after it matches too, so the
+  last page of a matched prefix can be over-credited; said once per shim at WARNING.
 - A hybrid model's engine caches blocks once per KV cache group (EngineStored.kind): the
   full-attention group's events are the chain above; a sliding-window group's go to
   worker_shim.window_endpoints, whose hit ends are published as `endpoint_key`s. Within a batch the
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 
 from protocol import Cleared, KvEvent, Removed, Stored
 from protocol.hashing import block_hashes, endpoint_key, root_hash
+from protocol.vllm_events import BigramTokenIds
 from worker_shim.engine_events import FULL, WINDOW, EngineCleared, EngineEvent, EngineRemoved, EngineStored
 from worker_shim.window_endpoints import UNKNOWN_PARENT, WindowEndpoints
 
@@ -59,6 +67,7 @@ class NormaliserStats:
     unknown_removed: int = 0
     resets: int = 0
     other_groups: int = 0  # events of a KV cache group kind kvswitch does not model
+    bigram_stored: int = 0  # Stored events of SGLang's bigram pages (EAGLE)
 
 
 DROPPED_FOR_S = 60.0
@@ -93,6 +102,8 @@ class Normaliser:
         self._adapter_of: dict[int, str] = {}
         # engine hash -> ((adapter, path), when) of chains dropped as the engine reuses them no more
         self._dropped: OrderedDict[int, tuple[tuple[str, str | None], float]] = OrderedDict()
+        # engine hashes of blocks dropped as malformed, and of their descendants
+        self._void: OrderedDict[int, None] = OrderedDict()
         self._clock = clock
         self._roots: dict[str, int] = {"": root_hash("")}
         self._logged: set[str] = set()
@@ -282,11 +293,21 @@ class Normaliser:
             self._logged.add(why)
             log.warning("%s", why)
 
-    def _malformed(self, why: str) -> None:
+    def _malformed(self, why: str, void: Iterable[int] = ()) -> None:
+        """Count and drop a malformed event; `void`: its engine hashes, whose children are dropped too."""
         self.stats.malformed += 1
+        self._voided(void)
         if why not in self._logged:
             self._logged.add(why)
             log.warning("dropping malformed KV event (logged once per kind): %s", why)
+
+    def _voided(self, hashes: Iterable[int]) -> None:
+        void = self._void
+        for eh in hashes:
+            void[eh] = None
+            void.move_to_end(eh)
+        while len(void) > self.memo_size:
+            void.popitem(last=False)
 
     def _canonical_of(self, engine_hash: int) -> int | None:
         entry = self._engine.get(engine_hash)
@@ -297,11 +318,22 @@ class Normaliser:
     def _stored(self, ev: EngineStored, out: list[KvEvent]) -> None:
         bs = self.block_size
         n = len(ev.hashes)
+        if isinstance(ev.token_ids, BigramTokenIds):
+            if not self.stats.bigram_stored:
+                log.warning(
+                    "the engine sends bigram pages (SGLang with EAGLE): SGLang reuses a page only when the "
+                    "token after it matches too, so routers can over-credit the last page of a cached prefix"
+                )
+            self.stats.bigram_stored += 1
+        if ev.parent is not None and ev.parent in self._void:
+            self.stats.malformed += 1  # its chain cannot be hashed: quietly, the parent was logged
+            self._voided(ev.hashes)
+            return
         if ev.block_size != bs:
-            self._malformed(f"block_size {ev.block_size} differs from the worker's {bs}")
+            self._malformed(f"block_size {ev.block_size} differs from the worker's {bs}", ev.hashes)
             return
         if len(ev.token_ids) != n * bs:
-            self._malformed(f"{len(ev.token_ids)} token ids for {n} blocks of {bs}")
+            self._malformed(f"{len(ev.token_ids)} token ids for {n} blocks of {bs}", ev.hashes)
             return
         if self._still_dropped(ev):
             return
@@ -321,7 +353,7 @@ class Normaliser:
         try:
             canon = block_hashes(ev.token_ids, bs, parent=start)
         except ValueError as exc:
-            self._malformed(str(exc))
+            self._malformed(str(exc), ev.hashes)
             return
         adapter = ev.salt.partition("\x00")[0]  # chain_salt(lora, cache_salt)
         self._link(ev.hashes, canon, parent, ev.medium, out, adapter)
@@ -369,7 +401,8 @@ class Normaliser:
         for eh in ev.hashes:
             entry = engine.get(eh)
             if entry is None:
-                if eh not in self._dropped:  # a dropped chain's eviction is expected
+                # a dropped or malformed chain's eviction is expected
+                if eh not in self._dropped and eh not in self._void:
                     self.stats.unknown_removed += 1
                 continue
             ch = entry[0]

@@ -118,6 +118,31 @@ def test_malformed_stores_are_counted_and_dropped(event: EngineStored, why: str)
     assert n.stats.malformed == 1 and not n.canonical_hashes()
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        EngineStored(hashes=[1], parent=None, token_ids=[1, 2, -3, 4], block_size=B),
+        EngineStored(hashes=[1], parent=None, token_ids=[1] * 8, block_size=8),
+    ],
+    ids=["bad-token", "bad-block-size"],
+)
+def test_the_chain_below_a_malformed_block_is_dropped_without_a_rebuild(bad: EngineStored) -> None:
+    """The child of a malformed block read as an unknown parent after a complete replay: the shim
+    asked for another replay, which sent the same bytes, forever (a Cleared to every router per
+    poll, and an empty index)."""
+    n = Normaliser(B)
+    n.reset(exact=True)
+    events = [bad, stored([2], [5, 6, 7, 8], parent=1), stored([3], [9, 10, 11, 12], parent=2)]
+    assert n.apply(events) == []
+    assert not n.needs_rebuild and n.stats.unknown_parent == 0
+    assert n.stats.malformed == 3  # the malformed block and both blocks below it, dropped
+    assert n.apply([EngineRemoved(hashes=[1, 2, 3])]) == [] and n.stats.unknown_removed == 0
+    # Kept over resets (an engine hash names fixed content), while other chains are stored as before.
+    n.reset(exact=True)
+    assert n.apply([stored([4], [13, 14, 15, 16], parent=3)]) == [] and not n.needs_rebuild
+    assert n.apply([stored([9], [1, 2, 3, 4])]) == [Stored(hashes=block_hashes([1, 2, 3, 4], B), parent=None)]
+
+
 def test_unknown_removals_are_counted_and_ignored() -> None:
     n = Normaliser(B)
     assert n.apply([EngineRemoved(hashes=[42])]) == []

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from aiohttp import web
 
-from protocol import ConfigError, SamplingParams, block_hashes
+from protocol import ConfigError, SamplingParams, Stored, block_hashes
 from protocol.hashing import chain_salt
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from protocol.vllm_events import decode_pub_frames
 from tests.protocol.vllm_captures import frames
 from worker_shim import Normaliser
-from worker_shim.adapters.base import LegRequest
+from worker_shim.adapters.base import EngineError, LegRequest
 from worker_shim.adapters.sglang import (
     SglangAdapter,
     StreamFolder,
@@ -28,6 +32,7 @@ from worker_shim.adapters.vllm_events import decode_payload
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineRemoved, EngineStored
 from worker_shim.kv_events_config import EngineEventsConfig, parse_kv_events_config
+from worker_shim.normaliser import NormaliserStats
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "sglang"
 
@@ -191,3 +196,120 @@ def test_a_bootstrap_host_is_refused_for_engines_that_take_none() -> None:
         ShimConfig(engine="vllm", model="m", bootstrap_host="10.0.0.7").validate()
     with pytest.raises(ConfigError, match=r"bootstrap_host.*no port"):
         _sglang(bootstrap_host="10.0.0.7:8998").validate()
+
+
+def _bigram_pages(raw: list[int], page: int, hashes: list[int]) -> list[list[Any]]:
+    """One radix node's BlockStored events as SGLang with EAGLE writes them (mem_cache/
+    kv_cache_event_mixin.py _record_store_event, mem_cache/events.py record_store): the key is a
+    bigram view of len(raw) - 1 positions, and each page's token_ids are its (t_j, t_j+1) pairs."""
+    positions = len(raw) - 1
+    out: list[list[Any]] = []
+    parent = None
+    for n, start in enumerate(range(0, positions, page)):
+        end = min(start + page, positions)
+        tokens = [(raw[j], raw[j + 1]) for j in range(start, end)]
+        out.append(["BlockStored", [hashes[n]], parent, tokens, len(tokens), None, "GPU"])
+        parent = hashes[n]
+    return out
+
+
+def test_sglangs_bigram_pages_with_eagle_are_stored_as_their_own_tokens(caplog: pytest.LogCaptureFixture) -> None:
+    """Every EAGLE page was dropped as malformed ("token ids must be integers"), its children read as
+    unknown parents, and the rebuild's replay of the same bytes looped: an empty index, and a
+    Cleared to every router four times a second."""
+    raw = list(range(1000, 1013))  # 12 positions, 3 pages of 4, and the token after them
+    batch = msgspec.msgpack.encode([1.0, _bigram_pages(raw, 4, [-41, -42, -43]), 0])
+    assert msgspec.msgpack.decode(batch)[1][0][3][:2] == [[1000, 1001], [1001, 1002]]
+    stats = NormaliserStats()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):  # a shim's successive normalisers share its stats: said once
+            norm = Normaliser(4, stats=stats)
+            norm.reset(exact=True)
+            out = norm.apply(decode_payload(batch, "sglang"))
+            assert [len(e.hashes) for e in out if isinstance(e, Stored)] == [1, 1, 1]
+            assert norm.dump() == block_hashes(raw[:12], 4)
+            assert not norm.needs_rebuild and stats.malformed == stats.unknown_parent == 0
+    assert stats.bigram_stored == 6
+    said = [r.getMessage() for r in caplog.records if "bigram" in r.getMessage()]
+    assert len(said) == 1 and "EAGLE" in said[0] and "over-credit the last page" in said[0]
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[[1, 2, 3], [2, 3, 4], [3, 4, 5], [4, 5, 6]], [[1, 2], 2, [3, 4], [4, 5]], [[1, 2], [2, "x"], [3, 4], [4, 5]]],
+    ids=["triples", "mixed", "not-ints"],
+)
+def test_token_ids_that_are_not_all_int_pairs_stay_malformed(tokens: list[Any]) -> None:
+    batch = msgspec.msgpack.encode([1.0, [["BlockStored", [-51], None, tokens, 4, None, "GPU"]], 0])
+    norm = Normaliser(4)
+    assert norm.apply(decode_payload(batch, "sglang")) == []
+    assert norm.stats.malformed == 1 and norm.stats.bigram_stored == 0
+
+
+@pytest.mark.parametrize("endpoint", [ENDPOINT_COMPLETIONS, ENDPOINT_CHAT])
+@pytest.mark.parametrize("prefill_only", [False, True])
+def test_sglang_refuses_a_clients_extra_key(endpoint: str, prefill_only: bool) -> None:
+    """SGLang caches an extra_key's prompts apart from all others' and its KV events do not name
+    it: the shim indexed them as plain prompts, and routers credited plain requests with them."""
+    params = {"prompt": [5, 6, 7]} if endpoint == ENDPOINT_COMPLETIONS else {"messages": []}
+    leg = LegRequest("r", "m", [5, 6, 7], SamplingParams(), endpoint=endpoint, prefill_only=prefill_only, params=params)
+    assert "extra_key" not in openai_body(leg, None)
+    refused = replace(leg, params={**params, "extra_key": "tenant-a"})
+    with pytest.raises(EngineError) as caught:
+        openai_body(refused, None)
+    err = caught.value
+    assert err.code == 400 and err.kind == "bad_request"
+    assert err.message.startswith("extra_key: SGLang keeps a separate prefix cache per extra_key")
+
+
+TOO_LONG = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
+
+
+@pytest.fixture
+async def generate_url() -> AsyncIterator[str]:
+    """SGLang's /generate refusing a request (http_server.py generate_request): a ValueError is a
+    400 {"error": {"message"}}, or with stream=true that object as the only event, then [DONE]."""
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body["stream"]:
+            return web.json_response({"error": {"message": TOO_LONG}}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps({"error": {"message": TOO_LONG}}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_prompt_sglang_refuses_is_the_clients_400_with_its_message(generate_url: str, stream: bool) -> None:
+    """Streamed, the refusal was a 500 engine_error; not streamed, a 400 whose message was the raw
+    JSON and whose body (the engine's own refusal, for the client) was lost."""
+    config = ShimConfig(engine="sglang", model="m", engine_url=generate_url, kv_events="tcp://127.0.0.1:9")
+    adapter = SglangAdapter(config.validate())
+    await adapter.open()
+    leg = LegRequest("r", "m", list(range(9000)), SamplingParams(max_tokens=8), stream=stream)
+    try:
+        with pytest.raises(EngineError) as caught:
+            await adapter.generate(leg, _ignore)
+    finally:
+        await adapter.close()
+    err = caught.value
+    assert (err.code, err.kind, err.message) == (400, "engine_rejected", TOO_LONG)
+    assert msgspec.json.decode(err.body) == {"error": {"message": TOO_LONG}}
+
+
+def test_an_error_after_tokens_were_sent_is_still_the_engines() -> None:
+    folder = StreamFolder()
+    folder.fold({"output_ids": [11], "meta_info": {"completion_tokens": 1}})
+    with pytest.raises(EngineError) as caught:
+        folder.fold({"error": {"message": "boom"}})
+    assert (caught.value.code, caught.value.kind, caught.value.message) == (500, "engine_error", "boom")

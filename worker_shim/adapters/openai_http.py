@@ -33,6 +33,7 @@ __all__ = [
     "ENDPOINT_PATHS",
     "UTILITY_TIMEOUT",
     "Result",
+    "error_from",
     "model_cards",
     "pass_through_body",
     "post_completion",
@@ -86,7 +87,8 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
-def _error_from(status: int, body: bytes) -> EngineError:
+def error_from(status: int, body: bytes) -> EngineError:
+    """An engine's error answer as an EngineError: its own message, and for a 4xx its body as is."""
     message = body.decode(errors="replace")[:500]
     own = b""
     try:
@@ -140,7 +142,7 @@ def _raise_error_event(data: dict[str, Any]) -> None:
     if "error" in data and not data.get("choices"):
         err = data["error"]
         code = err.get("code") if isinstance(err, dict) else None
-        raise _error_from(code if isinstance(code, int) and 400 <= code < 600 else 500, _encode.encode(data))
+        raise error_from(code if isinstance(code, int) and 400 <= code < 600 else 500, _encode.encode(data))
 
 
 def _has_output(choice: dict[str, Any]) -> bool:
@@ -227,7 +229,7 @@ async def post_utility(
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
     if resp.status != 200:
-        raise _error_from(resp.status, raw)
+        raise error_from(resp.status, raw)
     return raw
 
 
@@ -246,7 +248,7 @@ async def post_completion(
     try:
         async with session.post(url, data=_encode.encode(body), headers=headers) as resp:
             if resp.status != 200:
-                raise _error_from(resp.status, await resp.read())
+                raise error_from(resp.status, await resp.read())
             result = Result()
             if not body.get("stream"):
                 raw = await resp.read()

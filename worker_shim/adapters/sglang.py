@@ -24,11 +24,14 @@
 - Requests: the client's own OpenAI request on SGLang's `/v1/completions` or
   `/v1/chat/completions` (openai_http.pass_through_body) with `rid` and the bootstrap triple; its
   `cache_salt` goes along (SGLang's OpenAI protocol takes it). A text prompt (chat messages too)
-  with `truncate_prompt_tokens` is refused: SGLang has no such field and would serve it whole.
+  with `truncate_prompt_tokens` is refused: SGLang has no such field and would serve it whole. So
+  is `extra_key`: SGLang keeps a prefix cache per extra_key that its KV events do not name.
   Token-id legs use the native `/generate`, with the client's `cache_salt` when its body has one.
 - Output of `/generate`: it streams `output_ids` with `meta_info.completion_tokens`; the new tokens are
   the last (completion_tokens - sent) ids, which holds whether the engine streams incrementally or
-  cumulatively. Abort: closing the stream and `POST /abort_request {"rid"}`.
+  cumulatively. A request it refuses (a ValueError: validation, such as a prompt longer than the
+  context) is a 400 `{"error": {"message"}}`, or with streaming that object as the only event
+  before `[DONE]`. Abort: closing the stream and `POST /abort_request {"rid"}`.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from protocol import Usage
 from protocol.messages import ENDPOINT_CHAT
 from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
 from worker_shim.adapters.http_engine import PROBE_TIMEOUT
-from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
+from worker_shim.adapters.openai_http import ENDPOINT_PATHS, error_from, pass_through_body, post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_kind import check_engine_kind
@@ -143,10 +146,20 @@ def _text_prompt(leg: LegRequest) -> bool:
 def openai_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, Any]:
     """A pass-through leg's body: `rid` for abort, the bootstrap triple for P/D. EngineError (400)
     for a text prompt with `truncate_prompt_tokens`: SGLang's OpenAI protocol has no such field and
-    ignores it, so it would serve the whole prompt where the router counted the truncated ids."""
+    ignores it, so it would serve the whole prompt where the router counted the truncated ids. And
+    for `extra_key`: SGLang caches such a prompt apart from every other extra_key's, and its KV
+    events do not name it (mem_cache/utils.py: "omit extra_key"), so the shim would index it as a
+    plain prompt's and routers credit plain requests with a prefix SGLang never reuses for them."""
     if leg.params.get("truncate_prompt_tokens") is not None and _text_prompt(leg):
         raise EngineError(
             400, "bad_request", "truncate_prompt_tokens: SGLang cannot truncate a text prompt or chat messages"
+        )
+    if leg.params.get("extra_key") is not None:
+        raise EngineError(
+            400,
+            "bad_request",
+            "extra_key: SGLang keeps a separate prefix cache per extra_key and its KV events do not name it, "
+            "so routers would credit the wrong prefixes",
         )
     body = pass_through_body(leg)
     body["rid"] = leg.request_id
@@ -166,6 +179,9 @@ class StreamFolder:
 
     def fold(self, data: dict[str, Any]) -> list[int]:
         if "error" in data:
+            # Before any token it is a refusal: SGLang streams only ValueErrors (request validation) so.
+            if not self.sent:
+                raise error_from(400, msgspec.json.encode(data))
             err = data["error"]
             message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
             raise EngineError(500, "engine_error", message)
@@ -263,8 +279,7 @@ class SglangAdapter(ZmqEventsAdapter):
         try:
             async with self.session.post(self.base + "/generate", data=msgspec.json.encode(body), headers=headers) as r:
                 if r.status != 200:
-                    kind = "engine_rejected" if r.status < 500 else "engine_error"
-                    raise EngineError(r.status, kind, (await r.read()).decode(errors="replace")[:500])
+                    raise error_from(r.status, await r.read())
                 if not body["stream"]:
                     folder.fold(msgspec.json.decode(await r.read()))
                     return folder
