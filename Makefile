@@ -11,20 +11,23 @@ BENCH_VENV := .venv-bench
 
 .PHONY: install sysdeps demo test test-vllm lint typecheck clean bench-deps
 
-# Debian packages: etcd (the servers tests and `kvswitch up` run) and xxhash.h (for the C hash;
-# without it the build falls back to pure Python). Installed with apt when missing and root.
+# Debian packages: etcd (the servers tests and `kvswitch up` run), xxhash.h (for the C hash;
+# without it the build falls back to pure Python) and docker-compose (tests/deploy validate the
+# compose files with it; without it they skip). Installed with apt when missing and root; without
+# recommends, which would add docker.io, an engine nothing here runs.
 sysdeps:
 	@missing=""; \
 	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
 	[ -f /usr/include/xxhash.h ] || missing="$$missing libxxhash-dev"; \
+	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
 	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
-		echo "apt-get install -y$$missing"; \
-		(DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null 2>&1 || \
-		 { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; }) \
+		echo "apt-get install -y --no-install-recommends$$missing"; \
+		(DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null 2>&1 || \
+		 { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; }) \
 		&& command -v etcd >/dev/null; \
 	else \
-		echo "missing Debian packages; run: sudo apt-get install -y$$missing"; exit 1; \
+		echo "missing Debian packages; run: sudo apt-get install -y --no-install-recommends$$missing"; exit 1; \
 	fi
 
 $(STAMP): pyproject.toml setup.py protocol/_fasthash.c router/_blockindex.c | sysdeps

@@ -68,8 +68,12 @@ def _credentials_error(s: EtcdSettings, exc: BaseException) -> ConfigError | Non
     if _NO_USER in why:
         return ConfigError("etcd_user", s.user, f"{where} has authentication on ({why}): give {flags}")
     if _AUTH_OFF in why:
+        # On Kubernetes this is most often the etcd-auth Job not having run yet: dropping is wrong there.
         return ConfigError(
-            "etcd_user", s.user, f"{where} has authentication off ({why}): drop {flags}, or turn it on in etcd"
+            "etcd_user",
+            s.user,
+            f"{where} has authentication off ({why}): turn it on (kvswitch secrets --etcd-endpoint; on "
+            f"Kubernetes the etcd-auth Job, which may not have run yet), or drop {flags}",
         )
     if isinstance(exc, EtcdPermissionDeniedError):
         return ConfigError(

@@ -369,8 +369,17 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
 
 def _check_files(**paths: str | None) -> None:
     for setting, path in paths.items():
-        if path is not None and not Path(path).is_file():
+        if path is None:
+            continue
+        if not Path(path).is_file():
             raise ConfigError(setting, path, "must name a readable file")
+        # Opened, not stat'ed: a file this uid may not read (a root-owned Secret) failed only at the
+        # first connect, with a traceback. is_file() first: opening a FIFO would block.
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(setting, path, f"must name a readable file ({exc.strerror})") from exc
 
 
 def add_flags(parser: argparse._ActionsContainer, schema: type[msgspec.Struct], prefix: str = "") -> None:

@@ -110,6 +110,55 @@ def test_pods_run_as_non_root_without_privilege(objects: list[dict[str, Any]]) -
         assert pod_or_container["capabilities"]["drop"] == ["ALL"]
 
 
+def test_every_container_can_read_the_secret_files_it_mounts(objects: list[dict[str, Any]]) -> None:
+    """The kubelet writes a Secret volume's files owned by root, with the mode the volume declares
+    (`items[].mode`, else `defaultMode`, else 0644), in group root or, with the pod's fsGroup, in
+    that group, which every container of the pod also holds. At 0400 root:root uid 10001 could not
+    read its NATS seed or the API keys, and every kvswitch pod crash-looped."""
+    unreadable, checked = [], 0
+    for obj in objects:
+        if obj["kind"] not in ("Deployment", "Job"):
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        pod_context = pod.get("securityContext", {})
+        file_group = pod_context.get("fsGroup", 0)
+        secrets = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            context = {**pod_context, **container.get("securityContext", {})}
+            uid = context.get("runAsUser")
+            groups = {context.get("runAsGroup"), pod_context.get("fsGroup"), *pod_context.get("supplementalGroups", [])}
+            for mount in container.get("volumeMounts", []):
+                if (secret := secrets.get(mount["name"])) is None:
+                    continue
+                for item in secret.get("items", [{}]):
+                    mode = item.get("mode", secret.get("defaultMode", 0o644))
+                    checked += 1
+                    if not (uid == 0 or mode & 0o004 or (mode & 0o040 and file_group in groups)):
+                        name = f"{obj['metadata']['name']}/{container['name']}"
+                        unreadable.append(f"{name}: {secret['secretName']} {oct(mode)} group {file_group}, uid {uid}")
+    assert checked and not unreadable, unreadable
+
+
+def test_the_documented_sequence_completes_the_etcd_auth_job_before_the_pods_start() -> None:
+    """Routers and shims carry etcd credentials: one that reached etcd before the Job turned
+    authentication on exited 2 and was restarted with back-off. Nothing in `apply -k` orders them."""
+    job = yaml.safe_load((K8S / "base" / "etcd-auth-job.yaml").read_text())["metadata"]["name"]
+    block = (ROOT / "docs" / "deployment.md").read_text().split("## Kubernetes", 1)[1].split("```")[1]
+    commands = [line for line in block.splitlines() if line.startswith(("kubectl", "helm"))]
+
+    def at(fragment: str) -> int:
+        found = [i for i, line in enumerate(commands) if fragment in line]
+        assert found, f"no {fragment!r} in docs/deployment.md's Kubernetes commands"
+        return found[0]
+
+    assert (
+        at("helm install etcd")
+        < at("apply -f deploy/k8s/base/etcd-auth-job.yaml")
+        < at(f"wait --for=condition=complete job/{job}")
+        < at("apply -k deploy/k8s/")
+    )
+
+
 def test_helm_values_ask_for_three_members_and_tls() -> None:
     nats = yaml.safe_load((K8S / "helm" / "nats-values.yaml").read_text())
     assert nats["config"]["cluster"] == {

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -216,6 +220,53 @@ def test_etcd_settings_with_auth_and_tls_files(tmp_path: Path) -> None:
         setting_prefix="etcd_",
     )
     assert (s.user, s.tls_ca) == ("u", str(tmp_path / "ca.pem"))
+
+
+def _said(setting: str, path: str) -> str:
+    """What resolving one file setting says: "ok", or its ConfigError."""
+    schema, cli = (
+        (EtcdSettings, {"etcd_endpoints": ["https://e:2379"]}) if setting[:5] == "etcd_" else (NatsSettings, {})
+    )
+    try:
+        resolve(schema, cli={**cli, setting: path}, env={}, setting_prefix=setting[:5])
+    except ConfigError as exc:
+        return str(exc)
+    return "ok"
+
+
+@contextmanager
+def _unprivileged() -> Iterator[None]:
+    """Bound by file permissions meanwhile: root reads any file, so as root (CI) act as `nobody`,
+    with the effective ids only, which root may take back."""
+    if os.geteuid() != 0:
+        yield
+        return
+    gid = os.getegid()
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(gid)
+
+
+@pytest.mark.parametrize("setting", ["nats_nkey_file", "nats_creds_file", "nats_tls_ca", "etcd_tls_ca"])
+def test_an_existing_file_the_process_may_not_read_is_refused_naming_the_flag(setting: str) -> None:
+    """A Secret file the kubelet wrote root:root 0400, read as uid 10001: is_file() passed it, and
+    the process died at its first connect with a traceback and exit status 1."""
+    with tempfile.TemporaryDirectory() as directory:
+        os.chmod(directory, 0o755)  # nobody must reach both files, so only the mode can refuse one
+        readable, secret = Path(directory, "readable"), Path(directory, "secret")
+        for path, mode in ((readable, 0o444), (secret, 0o400 if os.geteuid() == 0 else 0)):
+            path.write_text("x")
+            path.chmod(mode)
+        with _unprivileged():
+            ok, refused = _said(setting, str(readable)), _said(setting, str(secret))
+    assert ok == "ok"
+    flag = setting.replace("_", "-")
+    assert refused.startswith(f"invalid {setting} (--{flag}, KVSWITCH_{setting.upper()}) = '{secret}': "), refused
+    assert refused.endswith(": must name a readable file (Permission denied)"), refused
 
 
 @pytest.mark.parametrize(
