@@ -100,6 +100,11 @@ class _ShimCollector(Collector):
         )
         yield _counter("kv_resets", "State resets (restart, unrepairable gap, rebuild)", float(s.norm_stats.resets))
         yield _counter(
+            "kv_rebuilds_held",
+            "Rebuilds unknown parents asked for, held because the last rebuild did not cure them",
+            float(s.rebuild_guard.held),
+        )
+        yield _counter(
             "kv_other_group_events",
             "Events of a KV cache group kind kvswitch does not model, dropped",
             float(s.norm_stats.other_groups),

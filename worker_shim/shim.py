@@ -26,6 +26,7 @@ import enum
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -82,6 +83,10 @@ _TRANSIENT_STATUS = (408, 429)  # refusals that pass, like a 5xx: retried
 # slow /metrics' probe timeout) is unknown: the progress watchdog takes no silence from it.
 STALE_READINGS = 3
 STALE_MIN_S = 3.0
+# Rebuilds an unknown parent asks for (see _RebuildGuard): one this soon after the last is a repeat.
+REBUILD_REPEAT_S = 5.0
+REBUILD_BACKOFF_S = 5.0
+REBUILD_BACKOFF_MAX_S = 300.0
 
 
 class ShimStatus(enum.Enum):
@@ -118,6 +123,50 @@ class _Progress:
             or self.kv_usage != before.kv_usage
             or any(n > before.sent.get(leg, 0) for leg, n in self.sent.items())
         )
+
+
+class _RebuildGuard:
+    """Holds the rebuilds unknown parents ask for while rebuilding does not cure them.
+
+    An event the decoder cannot read is dropped, and its children name an unknown parent on every
+    replay too: each rebuild's own replay asked for the next, at the adapter's poll rate, each one a
+    Cleared to every router. So an unknown parent within REBUILD_REPEAT_S of the rebuild asked last
+    makes that one a repeat: rebuilds are then held (not made: counted) for REBUILD_BACKOFF_S after
+    it, doubling per repeat up to REBUILD_BACKOFF_MAX_S, said at ERROR per step; that long without
+    an unknown parent forgets the backoff. The first unknown parent after a hold rebuilds at once.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.held = 0
+        self._asked_at = float("-inf")
+        self._seen_at = float("-inf")
+        self._backoff = 0.0
+        self._repeat = False  # the rebuild asked last was found a repeat
+
+    def ask(self) -> bool:
+        """Whether the rebuild an unknown parent asks for now is made."""
+        now = self.clock()
+        if now - self._seen_at >= REBUILD_BACKOFF_MAX_S:
+            self._backoff = 0.0
+        self._seen_at = now
+        since = now - self._asked_at
+        if since < REBUILD_REPEAT_S and not self._repeat:
+            self._repeat = True
+            self._backoff = min(max(2 * self._backoff, REBUILD_BACKOFF_S), REBUILD_BACKOFF_MAX_S)
+            log.error(
+                "KV event with an unknown parent again %.1fs after the last rebuild was asked: the engine's own "
+                "replay names parents it never stored (an event the shim cannot read? see "
+                "kvswitch_shim_kv_events_malformed_total); rebuilds are held for %.0fs "
+                "(kvswitch_shim_kv_rebuilds_held_total)",
+                since,
+                self._backoff,
+            )
+        if since < self._backoff:
+            self.held += 1
+            return False
+        self._asked_at, self._repeat = now, False
+        return True
 
 
 class _Presence:
@@ -179,6 +228,7 @@ class WorkerShim:
         self.load_reports_sent = 0  # by every worker id this process registered
         self.engine_events = 0
         self.engine_batches = {True: 0, False: 0}
+        self.rebuild_guard = _RebuildGuard()
         self.http = ShimHttpServer(self.config.http_host, self.config.http_port, self.health_report, self.metrics_text)
         self._nc: Nats | None = None
         self._discovery: Discovery | None = None
@@ -696,8 +746,9 @@ class WorkerShim:
                 self.registration.update()
         if norm.needs_rebuild:
             norm.needs_rebuild = False
-            log.warning("KV event with an unknown parent: asking the engine for its whole state")
-            self.adapter.request_rebuild()
+            if self.rebuild_guard.ask():
+                log.warning("KV event with an unknown parent: asking the engine for its whole state")
+                self.adapter.request_rebuild()
         self._publish(out)
 
     def _publish(self, out: list[KvEvent]) -> None:
