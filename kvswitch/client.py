@@ -16,7 +16,9 @@ exact, and records, on the client's monotonic clock:
   peer router).
 - `server_ms`: the router's `Server-Timing` response header as {name: ms} (`parse`, `route`,
   `worker`: see docs/router.md); empty when absent.
-A failed request is a result with `ok=False` and the reason, never an exception.
+A failed request is a result with `ok=False` and the reason, never an exception: a malformed
+answer (a chunk that is not what OpenAI's streaming API sends, an error body that is not UTF-8) too,
+named with the request and the server, since `bench replay --url` takes any OpenAI server.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from typing import Any
 
 import aiohttp
 import msgspec
+from aiohttp.http_exceptions import HttpProcessingError
 
 from protocol.tokenizer import BuiltinTokenizer
 
@@ -74,20 +76,46 @@ def parse_server_timing(value: str | None) -> dict[str, float]:
     return out
 
 
+class _Model(msgspec.Struct):
+    id: str
+
+
+class _Models(msgspec.Struct):
+    data: list[_Model] | None = None
+
+
 async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
-    """The first model `GET {url}/v1/models` lists."""
-    async with session.get(f"{url.rstrip('/')}/v1/models") as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"GET {url}/v1/models: HTTP {resp.status}: {(await resp.text())[:200]}")
-        body = json.loads(await resp.text())  # some routers answer JSON as text/plain
-    models = body.get("data") or []
+    """The first model `GET {url}/v1/models` lists; a RuntimeError naming the URL when it lists
+    none or its answer is not a model list."""
+    models_url = f"{url.rstrip('/')}/v1/models"
+    async with session.get(models_url) as resp:
+        body = await resp.read()  # whatever its content type: some routers answer JSON as text/plain
+    if resp.status != 200:
+        raise RuntimeError(f"GET {models_url}: HTTP {resp.status}: {body[:200].decode(errors='replace')}")
+    try:
+        models = msgspec.json.decode(body, type=_Models).data
+    except msgspec.DecodeError as exc:
+        raise RuntimeError(f"GET {models_url}: not a model list ({exc}): {body[:200]!r}") from None
     if not models:
-        raise RuntimeError(f"{url}/v1/models lists no model; pass --model")
-    return str(models[0]["id"])
+        raise RuntimeError(f"{models_url} lists no model; pass --model")
+    return models[0].id
 
 
-def _has_token(chunk: dict[str, Any]) -> bool:
-    return any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or ())
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+
+class _Chunk(msgspec.Struct):
+    """What the client reads of a streamed chunk: anything else in it is the server's business."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
 
 
 class CompletionClient:
@@ -130,16 +158,20 @@ class CompletionClient:
                     server_ms=parse_server_timing(resp.headers.get("Server-Timing")),
                 )
                 if resp.status != 200:
-                    result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                    # Read as bytes: a proxy's error page need not be UTF-8.
+                    result.error = f"HTTP {resp.status}: {(await resp.read())[:300].decode(errors='replace')}"
                 else:
-                    await self._read_stream(resp, result, start)
+                    await self._read_stream(resp, result, start, where=f"(request {request_id}, {url})")
         except (aiohttp.ClientError, TimeoutError) as exc:
             result = Completion(ok=False, prompt_tokens=len(prompt), error=f"{type(exc).__name__}: {exc}")
+        except HttpProcessingError as exc:  # a line past aiohttp's limit: not a ClientError
+            error = f"malformed answer: {type(exc).__name__}: {exc.message} (request {request_id}, {url})"
+            result = Completion(ok=False, prompt_tokens=len(prompt), error=error)
         if result.e2e_s is None:  # failed before the stream's end: it ends now
             result.e2e_s = time.monotonic() - start
         return result
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, result: Completion, start: float) -> None:
+    async def _read_stream(self, resp: aiohttp.ClientResponse, result: Completion, start: float, where: str) -> None:
         last: float | None = None
         chunks = 0
         usage_tokens: int | None = None
@@ -151,27 +183,31 @@ class CompletionClient:
             if data == b"[DONE]":
                 break
             try:
-                chunk = json.loads(data)
+                raw_chunk = json.loads(data)
             except json.JSONDecodeError:
-                chunk = None
-            if not isinstance(chunk, dict):  # valid JSON that is not an object is as malformed
-                result.error = f"malformed SSE chunk: {data[:100]!r}"
+                raw_chunk = None
+            if not isinstance(raw_chunk, dict):  # valid JSON that is not an object is as malformed
+                result.error = f"malformed SSE chunk: {data[:100]!r} {where}"
                 return
-            if "error" in chunk:
-                result.error = f"stream error: {chunk['error']}"
+            if "error" in raw_chunk:
+                result.error = f"stream error: {raw_chunk['error']}"
+                return
+            try:
+                chunk = msgspec.convert(raw_chunk, _Chunk)
+            except msgspec.ValidationError as exc:
+                result.error = f"malformed SSE chunk: {exc}: {data[:100]!r} {where}"
                 return
             now = time.monotonic()
-            if _has_token(chunk):
+            if any(c.text or c.token_ids for c in chunk.choices or ()):
                 chunks += 1
                 if last is None:
                     result.ttft_s = now - start
                 else:
                     result.itl_s.append(now - last)
                 last = now
-            usage = chunk.get("usage")
-            if usage and usage.get("completion_tokens") is not None:
-                usage_tokens = int(usage["completion_tokens"])
-                result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
+            if chunk.usage is not None and chunk.usage.completion_tokens is not None:
+                usage_tokens = chunk.usage.completion_tokens
+                result.prompt_tokens = chunk.usage.prompt_tokens or result.prompt_tokens
         result.e2e_s = time.monotonic() - start
         result.output_tokens = usage_tokens if usage_tokens is not None else chunks
         if result.ttft_s is None:

@@ -16,7 +16,9 @@ Secrets live in a private temporary directory removed on stop.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -24,6 +26,7 @@ import os
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -34,10 +37,22 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvswitch.etcd_auth import enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
-from kvswitch.servers import EtcdCluster, NatsCluster, ServerError, TlsFiles, dying_with_parent, free_ports
+from kvswitch.servers import (
+    EtcdCluster,
+    EtcdServer,
+    NatsCluster,
+    NatsServer,
+    ServerError,
+    TlsFiles,
+    dying_with_parent,
+    free_ports,
+)
+from protocol import subjects
+from protocol.messages import RouterInfo, decode_json
 
 log = logging.getLogger("kvswitch.cluster")
 
@@ -169,10 +184,15 @@ class LocalCluster:
             self._nats_auth = NatsAuthPlan.generate(spec.namespace, routers, self._worker_names())
             self._nats_auth.write(self.secrets_dir)
             authorization = self._nats_auth.authorization_block()
+        # With a log_dir, their output goes there as the children's does (else into their stores).
+        nats_logs = [self._log(f"nats-{i}") for i in range(spec.nats_nodes)] if spec.log_dir is not None else []
+        etcd_logs = [self._log(f"etcd-{i}") for i in range(spec.etcd_members)] if spec.log_dir is not None else []
         # Held before they start, so that `kill` from another thread meanwhile finds them.
-        self.nats = NatsCluster(spec.nats_nodes, port=spec.nats_port or None, tls=spec.tls, authorization=authorization)
+        self.nats = NatsCluster(
+            spec.nats_nodes, port=spec.nats_port or None, tls=spec.tls, authorization=authorization, logs=nats_logs
+        )
         self.nats.start()
-        self.etcd = EtcdCluster(spec.etcd_members, port=spec.etcd_port or None, tls=spec.tls)
+        self.etcd = EtcdCluster(spec.etcd_members, port=spec.etcd_port or None, tls=spec.tls, logs=etcd_logs)
         self.etcd.start()
         if spec.etcd_auth:
             self._etcd_passwords = {role: secrets.token_urlsafe(24) for role in ("root", "router", "worker")}
@@ -258,16 +278,26 @@ class LocalCluster:
             self._scratch = Path(tempfile.mkdtemp(prefix="kvswitch-cluster-"))
         return self._scratch
 
+    def _log(self, name: str) -> Path:
+        """Where `name` writes its output: `log_dir/<name>.log` when set (one that cannot be opened is
+        a ServerError naming --log-dir, not an OSError), else the scratch directory."""
+        if self.spec.log_dir is None:
+            return self._scratch_dir() / f"{name}.log"
+        log = self.spec.log_dir / f"{name}.log"
+        try:
+            self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+            log.open("ab").close()
+        except OSError as exc:
+            why = exc.strerror or exc
+            raise ServerError(f"--log-dir {self.spec.log_dir}: cannot write {log.name}: {why}") from None
+        return log
+
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
         """Start `python -m kvswitch <argv>`; its output goes to `log_dir/<name>.log` when set, else
         to a scratch directory removed at `stop`, so an error can quote why a child died. (A file,
         not a pipe: reading a pipe would cost this process CPU, and benchmarks run their client in
         it.)"""
-        if self.spec.log_dir is not None:
-            self.spec.log_dir.mkdir(parents=True, exist_ok=True)
-            log = self.spec.log_dir / f"{name}.log"
-        else:
-            log = self._scratch_dir() / f"{name}.log"
+        log = self._log(name)
         command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv], signal.SIGTERM)
         with log.open("ab") as out:
             proc = subprocess.Popen(
@@ -295,6 +325,7 @@ class LocalCluster:
             if self._abandon.is_set():
                 raise ServerError(f"stopped while waiting for {what}")
             dead = [c.died() for c in self.children if c.proc.poll() is not None]
+            dead += [died for _, died in self.dead_servers()]
             if dead:
                 raise ServerError(f"{', '.join(dead)} exited while waiting for {what}")
             try:
@@ -317,7 +348,9 @@ class LocalCluster:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Every router answers /ready and can route to every engine: a worker merely registered
-        may still be bootstrapping its index, and a request then would skip it."""
+        may still be bootstrapping its index, and a request then would skip it. The answer must
+        come from this cluster's router: a ServerError names the port when another process serves
+        it (another `kvswitch up` on the same --http-port), whose 200 proves nothing of ours."""
         deadline = time.monotonic() + timeout
         n = len(self.engines)
         for url in self.router_urls:
@@ -325,8 +358,44 @@ class LocalCluster:
                 url + "/ready",
                 what=f"router {url} with {n} routable workers",
                 timeout=max(1.0, deadline - time.monotonic()),
-                ok=lambda body: int(json.loads(body).get("routable", 0)) >= n,
+                ok=functools.partial(self._ready_and_ours, url, n),
             )
+
+    def _ready_and_ours(self, url: str, n: int, body: bytes) -> bool:
+        """Whether `url`'s /ready `body` counts `n` routable workers, from the router registered in
+        this cluster's etcd at `url` (an id no other cluster's etcd holds)."""
+        ready = json.loads(body)
+        if not isinstance(ready, dict) or int(ready.get("routable", 0)) < n:
+            return False
+        router = ready.get("router")
+        if self._registered_url(router) != url:
+            port = url.rsplit(":", 1)[1]
+            raise ServerError(
+                f"{url} answers as router {router!r}, which is not this cluster's: another process serves port "
+                f"{port} (another kvswitch up?); choose another --http-port, or 0 for free ones"
+            )
+        return True
+
+    def _registered_url(self, router: object) -> str | None:
+        """The URL router `router` registered under this cluster's namespace in its etcd (read over
+        etcd's JSON gateway), None when it is not registered there."""
+        assert self.etcd is not None
+        try:
+            key = subjects.router_key(self.spec.namespace, router if isinstance(router, str) else "")
+        except ValueError:  # not an id a router of ours could have
+            return None
+        gateway = self.etcd.urls[0] + "/v3/"
+        context = self.spec.tls.client_context() if self.spec.tls is not None else None
+        headers = {"Content-Type": "application/json"}
+        if self._etcd_passwords:
+            login = {"name": "root", "password": self._etcd_passwords["root"]}
+            token = _post_json(gateway + "auth/authenticate", login, headers, context).get("token")
+            headers["Authorization"] = str(token)
+        found = _post_json(gateway + "kv/range", {"key": base64.b64encode(key.encode()).decode()}, headers, context)
+        kvs = found.get("kvs") or []
+        if not kvs:
+            return None
+        return decode_json(base64.b64decode(kvs[0].get("value", "")), RouterInfo).http_url
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the children tier by tier, the last started first (routers, then shims, then
@@ -398,6 +467,23 @@ class LocalCluster:
     def health_line(self) -> str:
         return self.health()[0]
 
+    def servers(self) -> list[tuple[str, NatsServer | EtcdServer]]:
+        """Every NATS and etcd server, by the name its --log-dir file and the health line give it."""
+        nats = self.nats.nodes if self.nats is not None else []
+        etcd = self.etcd.members if self.etcd is not None else []
+        return [(f"nats-{i}", n) for i, n in enumerate(nats)] + [(f"etcd-{i}", m) for i, m in enumerate(etcd)]
+
+    def dead_servers(self) -> list[tuple[str, str]]:
+        """(name, its address, exit status and last lines of output) of each server that exited on
+        its own (one stopped or killed on purpose has no process left)."""
+        dead = []
+        for name, server in self.servers():
+            if server.proc is not None and server.proc.poll() is not None:
+                tail = server.log_tail(12).splitlines()
+                said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
+                dead.append((name, f"{name} {server.url} (status {server.proc.returncode}{said})"))
+        return dead
+
     def health(self) -> tuple[str, bool]:
         """One probe of every server and child: the health line, and whether all are up."""
         nats = [n.healthy() for n in self.nats.nodes] if self.nats is not None else [False]
@@ -405,9 +491,19 @@ class LocalCluster:
         parts = [f"nats={_members_state(nats)}", f"etcd={_members_state(etcd)}"]
         dead = [c.name for c in self.children if c.proc.poll() is not None]
         parts.append(f"children={len(self.children) - len(dead)}/{len(self.children)} up")
+        dead += [name for name, _ in self.dead_servers()]
         if dead:
             parts.append("dead=" + ",".join(dead))
         return "health: " + " ".join(parts), all(nats) and all(etcd) and not dead
+
+
+def _post_json(
+    url: str, body: dict[str, str], headers: dict[str, str], context: ssl.SSLContext | None
+) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=2.0, context=context) as resp:
+        answer = json.loads(resp.read())
+    return answer if isinstance(answer, dict) else {}
 
 
 def _members_state(up: list[bool]) -> str:

@@ -159,11 +159,12 @@ def _get(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) 
 class _Server:
     name = "server"
 
-    def __init__(self, workdir: Path | None) -> None:
+    def __init__(self, workdir: Path | None, log: Path | None = None) -> None:
         self._own_dir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix=f"kvswitch-{self.name}-")) if workdir is None else workdir
         self.proc: subprocess.Popen[bytes] | None = None
-        self._log_path = self.workdir / f"{self.name}.log"
+        # Its output, in its store unless given a path that outlives it (`kvswitch up --log-dir`).
+        self._log_path = log or self.workdir / f"{self.name}.log"
 
     def _argv(self) -> list[str]:
         raise NotImplementedError
@@ -281,9 +282,10 @@ class NatsServer(_Server):
         cluster_port: int | None = None,
         routes: Sequence[int] = (),
         server_name: str | None = None,
+        log: Path | None = None,
     ) -> None:
-        super().__init__(workdir)
-        self.binary = find_nats_server()
+        self.binary = find_nats_server()  # before its store is made: a missing binary leaves nothing behind
+        super().__init__(workdir, log)
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
         self.tls = tls
@@ -342,7 +344,8 @@ class NatsServer(_Server):
 class NatsCluster:
     """`size` nats-server members on loopback, every one routed to every other (client ports from
     `port` on, consecutive). Clients get every member's URL (`urls`) and reconnect to another when
-    theirs goes away. Size 1 is a plain server.
+    theirs goes away. Size 1 is a plain server. Member i writes its output to `logs[i]` when given,
+    else into its store.
     """
 
     def __init__(
@@ -352,6 +355,7 @@ class NatsCluster:
         port: int | None = None,
         tls: TlsFiles | None = None,
         authorization: str | None = None,
+        logs: Sequence[Path] = (),
     ) -> None:
         if size < 1:
             raise ServerError(f"a NATS cluster needs at least 1 member, got {size}")
@@ -366,6 +370,7 @@ class NatsCluster:
                 cluster_port=cluster + i if cluster else None,
                 routes=[cluster + j for j in range(size) if j != i] if cluster else (),
                 server_name=f"kvswitch-{i}",
+                log=logs[i] if logs else None,
             )
             for i in range(size)
         ]
@@ -429,9 +434,10 @@ class EtcdServer(_Server):
         member: str = "kvswitch",
         tls: TlsFiles | None = None,
         initial_cluster: str | None = None,
+        log: Path | None = None,
     ) -> None:
-        super().__init__(workdir)
-        self.binary = find_etcd()
+        self.binary = find_etcd()  # before its store is made: a missing binary leaves nothing behind
+        super().__init__(workdir, log)
         self.port = port or free_port()
         self.peer_port = peer_port or free_port()
         self.member = member
@@ -493,16 +499,22 @@ class EtcdServer(_Server):
 
 class EtcdCluster:
     """`size` etcd members on loopback forming one cluster (client ports from `port` on,
-    consecutive); clients get every member's URL."""
+    consecutive); clients get every member's URL. Member i writes its output to `logs[i]` when
+    given, else into its store."""
 
-    def __init__(self, size: int = 3, *, port: int | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, size: int = 3, *, port: int | None = None, tls: TlsFiles | None = None, logs: Sequence[Path] = ()
+    ) -> None:
         if size < 1:
             raise ServerError(f"an etcd cluster needs at least 1 member, got {size}")
         clients, peers = port or free_ports(size), free_ports(size)
         scheme = "https" if tls else "http"
         initial = ",".join(f"m{i}={scheme}://127.0.0.1:{peers + i}" for i in range(size))
         self.members = [
-            EtcdServer(clients + i, peers + i, member=f"m{i}", tls=tls, initial_cluster=initial) for i in range(size)
+            EtcdServer(
+                clients + i, peers + i, member=f"m{i}", tls=tls, initial_cluster=initial, log=logs[i] if logs else None
+            )
+            for i in range(size)
         ]
 
     @property

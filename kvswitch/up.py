@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import importlib
 import logging
 import math
-import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -33,6 +34,9 @@ log = logging.getLogger("kvswitch.up")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine_sim import SimConfig  # here, not at import: only `kvswitch up` itself pays for it
+
+    max_model_len = SimConfig().max_model_len
     parser.add_argument("--nats-port", type=int, default=0, help="NATS client port (0: a free one)")
     parser.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: a free one)")
     parser.add_argument("--namespace", default="kvswitch", help="prefix of every subject and key")
@@ -40,21 +44,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=0, metavar="D", help="simulated decode workers")
     parser.add_argument("--agg", type=int, default=0, metavar="A", help="simulated aggregated workers")
     parser.add_argument("--routers", type=int, default=None, metavar="R",
-                        help="router replicas (default 1 when there are workers, else 0)")  # fmt: skip
+                        help="router replicas, which need workers (default: 1 with workers, else 0)")  # fmt: skip
     parser.add_argument("--http-port", type=int, default=8080, help="first router's port; the next ones follow")
     parser.add_argument("--speedup", type=float, default=1.0, help="simulated engines run this many times faster")
     parser.add_argument("--model", default="sim-llama", help="served model name")
     parser.add_argument("--profile", default="h200:llama-3.1-8b", choices=profile_names(), help="engine timing profile")
-    parser.add_argument("--max-model-len", type=int, default=32768, metavar="TOKENS",
+    parser.add_argument("--max-model-len", type=int, default=max_model_len, metavar="TOKENS",
                         help="the simulated engines' max_model_len, as vLLM's flag: a longer request is refused "
-                             "with 400 (default 32768)")  # fmt: skip
+                             f"with 400 (default {max_model_len}, the sims' own)")  # fmt: skip
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters every simulated engine serves, as vLLM's flag takes them; requests "
                              "may name them as their model")  # fmt: skip
     parser.add_argument(
         "--log-dir",
         default=None,
-        help="write each child's output to DIR/<name>.log (default: a temporary directory removed at exit)",
+        help="write the output of each child and of NATS and etcd to DIR/<name>.log (nats-0, etcd-0, sim-agg, "
+        "router-0, ...; default: a temporary directory removed at exit)",
     )
     parser.add_argument("--demo", action="store_true", help="bring the cluster up, show it healthy, take it down")
     ha = parser.add_argument_group("high availability and security")
@@ -72,6 +77,12 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     routers = args.routers if args.routers is not None else (1 if workers else 0)
     if routers < 0:
         raise SystemExit(f"kvswitch up: --routers must be >= 0, got {routers}")
+    if routers and not workers:
+        # A router is ready only once a worker registers: up would wait for one that never comes.
+        raise SystemExit(
+            f"kvswitch up: --routers {routers} needs simulated workers: add --agg, --prefill or --decode "
+            "(or drop --routers to run NATS and etcd alone, for routers and shims of your own)"
+        )
     if not 0 < args.speedup < math.inf:
         raise SystemExit(f"kvswitch up: --speedup must be a finite number > 0, got {args.speedup}")
     for name in ("nats_port", "etcd_port", "http_port"):
@@ -148,13 +159,34 @@ def _lora_args(modules: list[str], model: str) -> list[str]:
 
 def _check_log_dir(log_dir: Path) -> None:
     """Children write their logs there: a directory that cannot be made or written is refused now,
-    not at the first child, after NATS and etcd started."""
+    not at the first child, after NATS and etcd started. Written, not asked (os.access): root is
+    allowed everywhere by the mode bits, yet not in /sys or /proc."""
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SystemExit(f"kvswitch up: --log-dir {log_dir}: cannot create it: {exc.strerror or exc}") from None
-    if not os.access(log_dir, os.W_OK | os.X_OK):
-        raise SystemExit(f"kvswitch up: --log-dir {log_dir}: not writable")
+    try:
+        with tempfile.NamedTemporaryFile(dir=log_dir, prefix=".kvswitch-probe-"):
+            pass
+    except OSError as exc:
+        raise SystemExit(f"kvswitch up: --log-dir {log_dir}: not writable: {exc.strerror or exc}") from None
+
+
+def _check_http_ports(spec: ClusterSpec) -> None:
+    """The routers' ports are free now, bound as the router binds them (SO_REUSEADDR: a port left
+    in TIME_WAIT is free): one held by another process, another `kvswitch up` most often, is refused
+    before anything starts."""
+    for port in range(spec.http_port, spec.http_port + spec.routers) if spec.http_port else ():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as exc:
+                busy = "; another kvswitch up?" if exc.errno == errno.EADDRINUSE else ""
+                raise SystemExit(
+                    f"kvswitch up: --http-port {spec.http_port}: router {port - spec.http_port} cannot listen on "
+                    f"127.0.0.1:{port} ({exc.strerror or exc}{busy}): choose another --http-port, or 0 for free ones"
+                ) from None
 
 
 # Router flags `kvswitch up` gives every replica itself (LocalCluster._start_router) and has no flag of
@@ -198,8 +230,8 @@ def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
 
 
 class _HealthLog:
-    """What `kvswitch up` says of its cluster's health at each check: a change at once (a child
-    that died, with its exit status and last output), the same trouble again at most every
+    """What `kvswitch up` says of its cluster's health at each check: a change at once (a child or
+    a server that died, with its exit status and last output), the same trouble again at most every
     `every_s`, with how many checks found it meanwhile."""
 
     def __init__(
@@ -218,6 +250,10 @@ class _HealthLog:
             if child.name not in self._dead and child.proc.poll() is not None:
                 self._dead.add(child.name)
                 log.error("child exited: %s", child.died())
+        for name, died in self.cluster.dead_servers():
+            if name not in self._dead:
+                self._dead.add(name)
+                log.error("server exited: %s", died)
         (line, healthy), now = self.cluster.health(), self._clock()
         if line != self._line:
             if healthy:
@@ -232,15 +268,29 @@ class _HealthLog:
                 self._said_at, self._held = now, 0
 
 
-async def _demo(cluster: LocalCluster, spec: ClusterSpec) -> int:
+async def _demo(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) -> int:
+    """The demo's requests and counters, raced against `stop`: a SIGTERM or Ctrl-C meanwhile is
+    heard at once, not after requests that may each wait up to their 60 s timeout."""
     if not cluster.router_urls:
         return 0 if cluster.healthy() else 1
     from kvswitch.demo import decision_counts, format_results, run_demo_requests
 
-    url = cluster.router_urls[0]
-    results = await run_demo_requests(url, spec.model)
-    print(format_results(results, await decision_counts(url)), flush=True)
-    return 0 if cluster.healthy() and all(r.ok for _, r in results) else 1
+    async def demo(url: str) -> int:
+        results = await run_demo_requests(url, spec.model)
+        print(format_results(results, await decision_counts(url)), flush=True)
+        return 0 if cluster.healthy() and all(r.ok for _, r in results) else 1
+
+    running = asyncio.ensure_future(demo(cluster.router_urls[0]))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([running, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if running.done():
+        return running.result()
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    print("kvswitch up: --demo stopped before its requests ended", file=sys.stderr, flush=True)
+    return 1
 
 
 async def _start(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) -> bool:
@@ -272,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, "extra", []):
             args.extra = ["--conditional-disagg"]
     spec = _spec(args)
+    _check_http_ports(spec)
     from runtime import run_service
 
     cluster = LocalCluster(spec)
@@ -301,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
             said = cluster.health_line()
             print(said, flush=True)
             if args.demo:
-                return await _demo(cluster, spec)
+                return await _demo(cluster, spec, stop)
             print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)
             health = _HealthLog(cluster, said)
             while not stop.is_set():

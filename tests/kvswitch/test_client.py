@@ -98,3 +98,78 @@ async def test_a_chunk_that_is_not_a_json_object_is_a_failed_result(
     finally:
         await runner.cleanup()
     assert not result.ok and result.error is not None and "malformed SSE chunk" in result.error
+
+
+async def _serve(status: int, body: bytes, path: str = "/v1/completions") -> web.AppRunner:
+    """A server answering `path` with `status` and `body` as is (an SSE stream when 200 on completions)."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(body)
+        return resp
+
+    app = web.Application()
+    app.router.add_route("*", path, answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"choices": [1]}',
+        b'{"choices": "text"}',
+        b'{"choices": [{"text": "a"}], "usage": "n/a"}',
+        b'{"choices": [{"text": "a"}], "usage": {"completion_tokens": "many"}}',
+        b'{"choices": [{"text": "a"}], "usage": {"completion_tokens": 1, "prompt_tokens": [1]}}',
+        b'{"choices": [{"text": "' + b"a" * 600_000 + b'"}]}',  # past aiohttp's 512 KiB line limit
+    ],
+)
+async def test_a_malformed_chunk_is_a_failed_result_naming_the_request_and_server(
+    payload: bytes, session: aiohttp.ClientSession
+) -> None:
+    # Each raised (AttributeError, ValueError, LineTooLong) and ended a whole `bench replay`.
+    runner = await _serve(200, b"data: " + payload + b"\n\ndata: [DONE]\n\n")
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        result = await CompletionClient(session, "m").complete(url, [300], 2, request_id="t-6")
+    finally:
+        await runner.cleanup()
+    assert not result.ok and result.error is not None and result.error.startswith("malformed"), result.error
+    assert result.error.endswith(f"(request t-6, {url})"), result.error
+
+
+async def test_an_error_body_that_is_not_utf8_is_a_failed_result(session: aiohttp.ClientSession) -> None:
+    runner = await _serve(502, b"\xff\xfe bad gateway")
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        result = await CompletionClient(session, "m").complete(url, [300], 2, request_id="t-7")
+    finally:
+        await runner.cleanup()
+    assert not result.ok and result.status == 502 and result.error == "HTTP 502: \ufffd\ufffd bad gateway"
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b"[1]", "not a model list"),
+        (b"{not json", "not a model list"),
+        (b'{"data": [{"name": "m"}]}', "not a model list"),
+        (b"\xff", "not a model list"),
+        (b'{"data": []}', "lists no model; pass --model"),
+    ],
+)
+async def test_a_model_list_that_is_not_one_is_an_error_naming_the_url(
+    body: bytes, said: str, session: aiohttp.ClientSession
+) -> None:
+    runner = await _serve(200, body, path="/v1/models")
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        with pytest.raises(RuntimeError, match=said) as caught:
+            await discover_model(session, url)
+    finally:
+        await runner.cleanup()
+    assert f"{url}/v1/models" in str(caught.value)

@@ -1,0 +1,227 @@
+"""`kvswitch up` as a supervisor when something is wrong: a server that dies, a router port another
+cluster serves, routers without workers, a stop during --demo, a missing binary, an unwritable log."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+import engine_sim
+import kvswitch.servers
+import kvswitch.up
+from kvswitch.cluster import ClusterSpec, LocalCluster
+from kvswitch.servers import EtcdServer, NatsServer, ServerError
+from kvswitch.up import _HealthLog, _spec, add_arguments
+from protocol import subjects
+from protocol.messages import RouterInfo, encode_json
+
+
+def _up_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args, extra = parser.parse_known_args(argv)
+    args.extra = extra
+    return args
+
+
+def test_a_server_that_dies_is_said_once_with_its_status_and_last_words_and_its_log_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A killed nats-server or etcd was only "nats=DOWN" (as a hung one reads), and its log, with
+    # its last words, went with its store at stop, even with --log-dir.
+    cluster = LocalCluster(ClusterSpec(log_dir=tmp_path))
+    try:
+        cluster.start()  # the servers alone
+        assert cluster.nats is not None
+        nats = cluster.nats.nodes[0]
+        assert nats.proc is not None
+        nats.proc.kill()
+        nats.proc.wait(10)
+        health = _HealthLog(cluster, "health: nats=ok etcd=ok children=0/0 up")
+        with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+            health.check()
+            health.check()
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 2, errors
+        assert errors[0].startswith(f"server exited: nats-0 {nats.url} (status -9; its last output:\n    ")
+        assert "Starting nats-server" in errors[0]
+        assert errors[1] == "unhealthy: health: nats=DOWN etcd=ok children=0/0 up dead=nats-0"
+    finally:
+        cluster.stop()
+    assert "Starting nats-server" in (tmp_path / "nats-0.log").read_text()
+    assert (tmp_path / "etcd-0.log").exists()
+
+
+class _Ready(BaseHTTPRequestHandler):
+    """/ready answered 200 as a router that can route: the one at another cluster's port."""
+
+    router = "7a3f"
+
+    def do_GET(self) -> None:
+        body = json.dumps({"status": "running", "router": self.router, "workers": 1, "routable": 1}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def other_router() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_wait_ready_refuses_a_router_of_another_cluster_naming_the_port(other_router: str) -> None:
+    # A second `kvswitch up` (or `make demo`) on a busy --http-port was ready through the other
+    # cluster's router, and --demo sent its requests there and exited 0.
+    cluster = LocalCluster(ClusterSpec())
+    try:
+        cluster.start()  # the servers alone; the router a port answers for is the other one
+        cluster.router_urls = [other_router]
+        port = other_router.rsplit(":", 1)[1]
+        with pytest.raises(ServerError, match=rf"not this cluster's: another process serves port {port} .*--http-port"):
+            cluster.wait_ready(timeout=10)
+        # The same answer from a router registered in this cluster's etcd at that URL is ready.
+        assert cluster.etcd is not None
+        key = subjects.router_key("kvswitch", _Ready.router).encode()
+        value = encode_json(RouterInfo(router=_Ready.router, http_url=other_router, started_at=0.0))
+        put = json.dumps({"key": base64.b64encode(key).decode(), "value": base64.b64encode(value).decode()})
+        urllib.request.urlopen(cluster.etcd.urls[0] + "/v3/kv/put", data=put.encode(), timeout=5).close()
+        cluster.wait_ready(timeout=10)
+    finally:
+        cluster.stop()
+
+
+def test_a_busy_http_port_is_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setattr(kvswitch.up, "LocalCluster", lambda spec: pytest.fail("a cluster was started"))
+        with pytest.raises(SystemExit, match=rf"--http-port {port}: router 0 cannot listen on 127.0.0.1:{port}"):
+            kvswitch.up.run(_up_args(["--agg", "1", "--http-port", str(port)]))
+
+
+def test_routers_without_workers_are_refused_naming_the_flags() -> None:
+    # They were accepted, then up printed nothing for 120 s and failed: a router is ready only
+    # once a worker registers.
+    with pytest.raises(SystemExit, match=r"--routers 2 needs simulated workers: add --agg, --prefill or --decode"):
+        _spec(_up_args(["--routers", "2"]))
+    assert _spec(_up_args(["--routers", "0"])).routers == 0  # NATS and etcd alone
+
+
+_STUCK_DEMO = """
+import asyncio, sys
+import kvswitch.demo, kvswitch.up
+
+class Cluster:
+    router_urls = ["http://127.0.0.1:1"]
+    def __init__(self, spec): pass
+    def start(self): pass
+    def wait_ready(self, timeout): pass
+    def abandon_start(self): pass
+    def describe(self): return "a cluster"
+    def health_line(self): return "health: ok"
+    def healthy(self): return True
+    def stop(self): pass
+    def kill(self): pass
+
+async def stuck(url, model):
+    await asyncio.sleep(3600)
+
+kvswitch.up.LocalCluster = Cluster
+kvswitch.demo.run_demo_requests = stuck
+from kvswitch.cli import main
+sys.exit(main(["up", "--demo", "--agg", "1", "--http-port", "0"]))
+"""
+
+
+def test_a_sigterm_during_the_demo_requests_is_heard_at_once() -> None:
+    # The demo's requests were awaited alone: a SIGTERM or Ctrl-C waited for them (up to 60 s each).
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_DEMO], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        while not (line := proc.stdout.readline()).startswith("health:"):
+            assert line, proc.communicate(timeout=10)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == 1 and "kvswitch up: --demo stopped before its requests ended" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(("server", "finder"), [(NatsServer, "find_nats_server"), (EtcdServer, "find_etcd")])
+def test_a_missing_server_binary_leaves_no_directory(
+    server: type[NatsServer | EtcdServer], finder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its store was made first, then left in $TMPDIR at each attempt.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def missing() -> str:
+        raise ServerError(f"{server.name} not found")
+
+    monkeypatch.setattr(kvswitch.servers, finder, missing)
+    with pytest.raises(ServerError, match="not found"):
+        server()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_log_that_cannot_be_written_is_a_server_error_naming_log_dir(tmp_path: Path) -> None:
+    # An OSError opening a child's log was a traceback, after NATS and etcd had started.
+    (tmp_path / "sim-agg.log").mkdir()
+    cluster = LocalCluster(ClusterSpec(log_dir=tmp_path))
+    with pytest.raises(ServerError, match=rf"--log-dir {tmp_path}: cannot write sim-agg.log: Is a directory"):
+        cluster.spawn("sim-agg", ["sim", "--help"])
+    assert cluster.children == []
+
+
+def test_up_with_a_server_log_it_cannot_write_says_so_in_one_line_before_starting_it(tmp_path: Path) -> None:
+    (tmp_path / "nats-0.log").mkdir()
+    (tmp_path / "sim-agg.log").mkdir()
+    argv = ["up", "--agg", "1", "--routers", "0", "--log-dir", str(tmp_path)]
+    out = subprocess.run([sys.executable, "-m", "kvswitch", *argv], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"kvswitch up: --log-dir {tmp_path}: cannot write nats-0.log: Is a directory" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nats-0.log", "sim-agg.log"]  # nothing started
+
+
+@pytest.mark.skipif(
+    not (Path("/sys/kernel").is_dir() and os.access("/sys/kernel", os.W_OK)),
+    reason="needs a directory os.access calls writable where nothing can be created (/sys/kernel as root)",
+)
+def test_a_log_dir_the_mode_bits_allow_but_that_takes_no_file_is_refused() -> None:
+    with pytest.raises(SystemExit, match=r"kvswitch up: --log-dir /sys/kernel: not writable"):
+        _spec(_up_args(["--agg", "1", "--log-dir", "/sys/kernel"]))
+
+
+def test_the_max_model_len_default_is_the_sims_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_sim, "SimConfig", functools.partial(engine_sim.SimConfig, max_model_len=4096))
+    assert _up_args([]).max_model_len == 4096
