@@ -30,6 +30,19 @@ streamed token. A row reports a target minus (or over) `direct` of the same repe
 each cell is the median over repeats `±` half their range. Direct rows show the baseline's own
 values (absolute, ms), and the CPU the router and shims spend while not in the path (heartbeats,
 load reports, KV events of the direct traffic): the background to read the other rows against.
+Client rows also give the open-loop client's send lag (actual send less due time, every request)
+p50/p99, absolute.
+
+Latency percentiles are over successful requests, so the verdicts (`target_lines`) look at what
+the percentiles leave out before judging them:
+- failed requests: a load where kvswitch failed any is MISSED (a router that answers its slowest
+  requests with a fast 503 would otherwise look faster); one where direct failed any is not
+  judged (the baseline is incomplete);
+- a late client: a load where a client phase's send lag p99 exceeds half the inter-arrival gap is
+  not judged (`lag_bound_s`);
+- time to second token: not measurable when direct's TTST p50 is under a tenth of its ITL p50
+  (the engines send their first two tokens together, so a held first token shows in TTFT instead);
+- p99 verdicts name their sample count: p99 of 100 requests is about the second-slowest one.
 """
 
 from __future__ import annotations
@@ -129,7 +142,7 @@ class Phase(msgspec.Struct, kw_only=True):
     ttst_p50: float
     ttst_p99: float
     tokens_per_s: float
-    requests: int
+    requests: int  # sent, failed ones included
     tokens: int
     errors: int
     cpu_s: dict[str, float]
@@ -137,6 +150,12 @@ class Phase(msgspec.Struct, kw_only=True):
     # the router's Server-Timing medians in ms (parse, route, worker) and `edge`, the median of each
     # request's TTFT less their sum: the client's HTTP hop to the router and back. Client rows only.
     server_ms: dict[str, float] = msgspec.field(default_factory=dict)
+    # Client rows only (aiperf is closed loop: no schedule to be late for). Send lag: each request's
+    # send less its due time, over every request. `ttft_due_*`: TTFT counted from the due time.
+    send_lag_p50: float | None = None
+    send_lag_p99: float | None = None
+    ttft_due_p50: float | None = None
+    ttft_due_p99: float | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +189,8 @@ def client_phase(results: Sequence[RequestResult], *, load: str, target: str, re
     ends = [r.sent_s + (r.e2e_s or 0.0) for r in results]
     span = max(ends) - min(r.sent_s for r in results) if results else 0.0
     tokens = sum(r.output_tokens for r in ok)
+    lag = [r.sent_s - r.due_s for r in results]
+    ttft_due = [r.ttft_s + r.sent_s - r.due_s for r in ok if r.ttft_s is not None]
     return Phase(
         tool="client",
         load=load,
@@ -188,7 +209,24 @@ def client_phase(results: Sequence[RequestResult], *, load: str, target: str, re
         cpu_s=dict(cpu.cpu_s),
         window_s=cpu.wall_s,
         server_ms=_server_ms(ok),
+        send_lag_p50=_pct(lag, 50),
+        send_lag_p99=_pct(lag, 99),
+        ttft_due_p50=_pct(ttft_due, 50),
+        ttft_due_p99=_pct(ttft_due, 99),
     )
+
+
+def lag_bound_s(load: str) -> float | None:
+    """The send lag p99 a client row may have: half the gap between due times. A request sent later
+    than that is nearer its successor's slot than its own: the requests bunched, and the load was
+    not the evenly spaced one the row names. (asyncio's timers wake up to ~1 ms late, so a healthy
+    client keeps within it up to 200 req/s; 500 req/s is at its limit.) None for closed loop."""
+    return 0.5 / float(load.removesuffix("/s")) if load.endswith("/s") else None
+
+
+def _late(p: Phase) -> bool:
+    bound = lag_bound_s(p.load)
+    return bound is not None and p.send_lag_p99 is not None and p.send_lag_p99 > bound
 
 
 def _server_ms(ok: Sequence[RequestResult]) -> dict[str, float]:
@@ -253,7 +291,7 @@ def _run_aiperf(
         ttst_p50=result.ttst_p50,
         ttst_p99=result.ttst_p99,
         tokens_per_s=result.output_tokens_per_s,
-        requests=result.requests,
+        requests=result.requests + result.errors,  # aiperf's request_count is the valid ones
         tokens=result.output_tokens,
         errors=result.errors,
         cpu_s=_cpu_of(window, target),
@@ -357,7 +395,7 @@ def _per(cpu_s: float, n: int) -> float:
 _LATENCIES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "ttst_p50", "ttst_p99")
 HEADER = [
     "tool", "load", "target", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TTST p50", "TTST p99", "thr ratio",
-    "router us/req", "router us/tok", "shim us/req", "shim us/tok", "errors",
+    "router us/req", "router us/tok", "shim us/req", "shim us/tok", "errors", "lag p50", "lag p99",
 ]  # fmt: skip
 
 
@@ -400,7 +438,12 @@ def format_table(phases: Sequence[Phase]) -> str:
                 for per_token in (False, True)
             ]
             errors = str(sum(p.errors for p in runs))
-            rows.append([tool, load, target if target != DIRECT else "direct (abs)", *lat, ratio, *cpu, errors])
+            # the client's own lateness, absolute; `!` past lag_bound_s in any repeat
+            lag = [_cell([p.send_lag_p50 * 1e3 for p in runs if p.send_lag_p50 is not None])]
+            lag.append(_cell([p.send_lag_p99 * 1e3 for p in runs if p.send_lag_p99 is not None]))
+            lag[1] += "!" if any(_late(p) for p in runs) else ""
+            name = target if target != DIRECT else "direct (abs)"
+            rows.append([tool, load, name, *lat, ratio, *cpu, errors, *lag])
     widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
     lines = [
         "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
@@ -430,12 +473,53 @@ def ttft_split_lines(phases: Sequence[Phase]) -> list[str]:
     return out
 
 
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
+def _verdict(ok: bool, unjudged: str | None = None) -> str:
+    return unjudged if unjudged is not None else "met" if ok else "MISSED"
+
+
+def _unjudged(by_target: dict[str, dict[int, Phase]], target: str) -> str | None:
+    """Why `target`'s figures at this load cannot be judged against direct's, or None. The
+    percentiles are over successful requests: failures are judged here instead."""
+    ours, base = by_target.get(target, {}).values(), by_target.get(DIRECT, {}).values()
+    if errors := sum(p.errors for p in ours):
+        return f"MISSED ({errors} errors)"
+    if errors := sum(p.errors for p in base):
+        return f"not judged ({errors} errors in direct)"
+    late = _late_note([*base, *ours])
+    return f"not judged ({late}; the load was not as named)" if late else None
+
+
+def _late_note(phases: Sequence[Phase]) -> str | None:
+    late = [p for p in phases if _late(p)]
+    if not late:
+        return None
+    worst = max(late, key=lambda p: p.send_lag_p99 or 0.0)
+    lag, bound = (worst.send_lag_p99 or 0.0) * 1e3, (lag_bound_s(worst.load) or 0.0) * 1e3
+    return f"client late: {worst.target} send lag p99 {lag:.2f} ms > {bound:.2f} ms, half the gap"
+
+
+def _peer_flaw(reps: dict[int, Phase]) -> str | None:
+    """Why a peer is no baseline to be within 1 ms of: it failed requests, or its client was late."""
+    if errors := sum(p.errors for p in reps.values()):
+        return f"{errors} errors"
+    return _late_note(list(reps.values()))
+
+
+def _p99_of(by_target: dict[str, dict[int, Phase]], target: str) -> str:
+    """How many requests a p99 verdict rests on: the fewest successful in any phase it compares."""
+    n = min(p.requests - p.errors for t in (DIRECT, target) for p in by_target.get(t, {}).values())
+    # linear p99 of n samples lies between the k-th and (k-1)-th slowest
+    k = n - math.floor(0.99 * (n - 1)) if n > 0 else 0
+    return f"p99 of {n} requests: about the {_ordinal(k)} slowest"
+
+
+def _ordinal(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
 def target_lines(phases: Sequence[Phase]) -> list[str]:
-    """The issue's targets for kvswitch, medians over repeats, each with its verdict."""
+    """The issue's targets for kvswitch, medians over repeats, each with its verdict, or why it is
+    not judged (module docstring)."""
     groups = _groups(phases)
     out: list[str] = []
 
@@ -446,33 +530,60 @@ def target_lines(phases: Sequence[Phase]) -> list[str]:
         p50 = med(added(phases, tool, load, KVSWITCH, "ttft_p50"))
         p99 = med(added(phases, tool, load, KVSWITCH, "ttft_p99"))
         if p50 is not None and p99 is not None:
+            by_target = groups[(tool, load)]
             ok = p50 <= 0.002 and p99 <= 0.005
             out.append(
                 f"{tool} {load}: added TTFT p50 {p50 * 1e3:+.2f} ms (<= 2), p99 {p99 * 1e3:+.2f} ms (<= 5): "
-                + _verdict(ok)
+                f"{_verdict(ok, _unjudged(by_target, KVSWITCH))} ({_p99_of(by_target, KVSWITCH)})"
             )
     for tool, load in groups:
+        by_target = groups[(tool, load)]
+        unjudged = _unjudged(by_target, KVSWITCH)
         ratio = med(throughput_ratios(phases, tool, load, KVSWITCH))
         ttst = med(added(phases, tool, load, KVSWITCH, "ttst_p50"))
         if ratio is not None:
-            out.append(f"{tool} {load}: throughput {ratio:.3f}x direct (>= 0.97): {_verdict(ratio >= 0.97)}")
+            out.append(f"{tool} {load}: throughput {ratio:.3f}x direct (>= 0.97): {_verdict(ratio >= 0.97, unjudged)}")
         ttst99 = med(added(phases, tool, load, KVSWITCH, "ttst_p99"))
         if ttst is not None and ttst99 is not None:
             out.append(
                 f"{tool} {load}: added time to second token p50 {ttst * 1e3:+.2f} ms (<= 1): "
-                f"{_verdict(ttst <= 0.001)} (p99 {ttst99 * 1e3:+.2f} ms)"
+                f"{_verdict(ttst <= 0.001, unjudged or _ttst_unmeasurable(by_target))} (p99 {ttst99 * 1e3:+.2f} ms)"
             )
-        peers = [t for t in groups[(tool, load)] if t not in (DIRECT, KVSWITCH)]
+        peers = [t for t in by_target if t not in (DIRECT, KVSWITCH)]
+        left_out = {t: why for t in peers if (why := _peer_flaw(by_target[t])) is not None}
+        note = "".join(f"; {t} left out: {why}" for t, why in left_out.items())
         for metric in ("ttft_p50", "itl_p50"):
             ours = med(added(phases, tool, load, KVSWITCH, metric))
-            theirs = [(v, t) for t in peers if (v := med(added(phases, tool, load, t, metric))) is not None]
+            theirs = [
+                (v, t)
+                for t in peers
+                if t not in left_out and (v := med(added(phases, tool, load, t, metric))) is not None
+            ]
             if ours is not None and theirs:
                 best, who = min(theirs)
                 out.append(
                     f"{tool} {load}: added {metric.replace('_', ' ')} {ours * 1e3:+.2f} ms vs best peer {who} "
-                    f"{best * 1e3:+.2f} ms (within 1 ms): {_verdict(ours - best <= 0.001)}"
+                    f"{best * 1e3:+.2f} ms (within 1 ms): {_verdict(ours - best <= 0.001, unjudged)}{note}"
                 )
+            elif ours is not None and left_out:
+                out.append(f"{tool} {load}: added {metric.replace('_', ' ')} vs best peer: not judged{note}")
     return out
+
+
+def _ttst_unmeasurable(by_target: dict[str, dict[int, Phase]]) -> str | None:
+    """Why added time to second token cannot show a miss at this load, or None. When direct's
+    second token follows its first by under a tenth of a decode step (ITL), the engine sent both in
+    one write: a first token held on the way (a coalescing shim) then arrives with the second and
+    the hold lands in TTFT, so TTST stays 0 whatever the router does."""
+    base = list(by_target.get(DIRECT, {}).values())
+    ttst = [p.ttst_p50 for p in base if not math.isnan(p.ttst_p50)]
+    itl = [p.itl_p50 for p in base if not math.isnan(p.itl_p50)]
+    if not ttst or not itl or statistics.median(ttst) >= statistics.median(itl) / 10:
+        return None
+    return (
+        f"not measurable here (direct TTST p50 {statistics.median(ttst) * 1e3:.2f} ms against ITL p50 "
+        f"{statistics.median(itl) * 1e3:.2f} ms: the engines send their first two tokens together)"
+    )
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -570,9 +681,10 @@ def overhead_main(args: argparse.Namespace) -> int:
     started = time.monotonic()
 
     def progress(p: Phase) -> None:
+        lag = f", send lag p99 {p.send_lag_p99 * 1e3:.2f} ms" if p.send_lag_p99 is not None else ""
         print(
             f"[repeat {p.repeat + 1}/{spec.repeats}] {p.tool} {p.load} {p.target}: TTFT p50 {p.ttft_p50 * 1e3:.2f} ms, "
-            f"{p.requests} requests, {p.errors} errors",
+            f"{p.requests} requests, {p.errors} errors{lag}",
             file=sys.stderr,
             flush=True,
         )
@@ -584,7 +696,8 @@ def overhead_main(args: argparse.Namespace) -> int:
     print(
         f"\n2 agg sims at {spec.speedup:g}x; aiperf ISL {spec.isl} OSL {spec.osl}; client ISL {spec.client_isl} "
         f"OSL {spec.client_osl}, {spec.seconds:g} s per rate; {spec.repeats} repeat(s). Latencies: ms added over "
-        "direct (direct: absolute); CPU: µs per request / per streamed token."
+        "direct (direct: absolute), successful requests only; CPU: µs per request / per streamed token; lag: the "
+        "client's send less due time, ms (`!`: p99 over half the gap between requests)."
     )
     print(format_table(phases))
     for line in [*target_lines(phases), *ttft_split_lines(phases)]:
