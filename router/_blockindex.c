@@ -43,7 +43,6 @@
 #define WIDE 0xFFFF
 #define MAX_SLOT 0xFFFD /* slot + 1 must stay below WIDE */
 #define MAX_ROWS 0xFFFFFFFE
-#define GOLDEN 0x9E3779B97F4A7C15ULL
 
 typedef struct {
     uint64_t key;
@@ -72,6 +71,7 @@ typedef struct {
     Bucket *buckets;
     Py_ssize_t cap; /* a power of two */
     int shift;      /* 64 - log2(cap) */
+    uint64_t seed[2]; /* the bucket hash's secret key, from os.urandom: see bucket_hash */
     Py_ssize_t nkeys;
     uint64_t *rows;    /* row_cap * words */
     uint64_t *row_key; /* row -> its hash */
@@ -123,9 +123,26 @@ static void zfree(void *p, size_t bytes) {
 
 static inline int log2_of(Py_ssize_t cap) { return __builtin_ctzll((unsigned long long)cap); }
 
-static inline Py_ssize_t home(const Core *c, uint64_t key) {
-    return (Py_ssize_t)((key * GOLDEN) >> c->shift); /* Fibonacci hashing */
+/* Block hashes come from workers, who could pick them (DESIGN.md: the router cannot check them).
+ * Unkeyed, the home bucket is a public function: one worker could send hashes that all share one
+ * probe run, and every insert, lookup and deletion then walks it, quadratic work on every router's
+ * event loop. So the key is mixed with two secret words drawn from os.urandom per core, one before
+ * and one inside murmur3's fmix64 (multiply-xorshift, full avalanche): without them, which hashes
+ * share a bucket cannot be worked out. SipHash-1-3 was measured first: store 25-40% slower (a
+ * key is hashed once to probe and about twice more as the table grows), too close to the 5x-Dynamo
+ * ingest target (docs/router_index.md, "Keyed buckets and the worker cap"). Only placement depends
+ * on the key. */
+static inline uint64_t bucket_hash(const Core *c, uint64_t key) {
+    uint64_t x = key ^ c->seed[0];
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= c->seed[1];
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    return x ^ (x >> 33);
 }
+
+static inline Py_ssize_t home(const Core *c, uint64_t key) { return (Py_ssize_t)(bucket_hash(c, key) >> c->shift); }
 
 /* --- holders of one bucket ------------------------------------------------------------------ */
 
@@ -160,12 +177,14 @@ static Py_ssize_t find(const Core *c, uint64_t key) {
     }
 }
 
-/* The bucket holding `key`, or the empty one where it would go. */
-static Py_ssize_t probe(const Core *c, uint64_t key) {
-    Py_ssize_t mask = c->cap - 1, i = home(c, key);
+/* The bucket holding `key`, or the empty one where it would go, probing from bucket i. */
+static Py_ssize_t probe_from(const Core *c, uint64_t key, Py_ssize_t i) {
+    Py_ssize_t mask = c->cap - 1;
     while (c->buckets[i].h.slot[0] && c->buckets[i].key != key) i = (i + 1) & mask;
     return i;
 }
+
+static Py_ssize_t probe(const Core *c, uint64_t key) { return probe_from(c, key, home(c, key)); }
 
 /* Rehash every key into `cap` buckets (rows stay where they are). */
 static int resize(Core *c, Py_ssize_t cap) {
@@ -525,11 +544,18 @@ static PyObject *core_store(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     if (hs == NULL) return NULL;
     if (ensure_slot(c, slot) < 0) goto fail;
     Owned *o = &c->owned[slot];
-    for (Py_ssize_t k = 0; k < n && k < AHEAD; k++) __builtin_prefetch(c->buckets + home(c, hs[k]));
+    uint64_t ahead[AHEAD]; /* bucket hashes of the keys prefetched, by k % AHEAD: hashed once */
+    for (Py_ssize_t k = 0; k < n && k < AHEAD; k++) {
+        ahead[k] = bucket_hash(c, hs[k]);
+        __builtin_prefetch(c->buckets + (ahead[k] >> c->shift));
+    }
     for (Py_ssize_t k = 0; k < n; k++) {
-        if (k + AHEAD < n) __builtin_prefetch(c->buckets + home(c, hs[k + AHEAD]));
-        uint64_t key = hs[k];
-        Py_ssize_t i = probe(c, key);
+        uint64_t key = hs[k], h = ahead[k % AHEAD];
+        if (k + AHEAD < n) {
+            ahead[k % AHEAD] = bucket_hash(c, hs[k + AHEAD]);
+            __builtin_prefetch(c->buckets + (ahead[k % AHEAD] >> c->shift));
+        }
+        Py_ssize_t i = probe_from(c, key, (Py_ssize_t)(h >> c->shift));
         Bucket *b = &c->buckets[i];
         if (!b->h.slot[0] && (c->nkeys + 1) * 4 <= c->cap * 3 && o->n < o->cap) {
             /* The usual case, a hash nobody holds, with room for it: add_pair's first branch. */
@@ -815,15 +841,47 @@ fail:
     return NULL;
 }
 
+/* longest_run() -> int: the most buckets taken in a row. A lookup, insertion or deletion walks at
+ * most one such run, so this bounds what each costs (for tests; a scan of the whole table). */
+static PyObject *core_longest_run(Core *c, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t mask = c->cap - 1, start = 0, run = 0, longest = 0;
+    while (c->buckets[start].h.slot[0]) start++; /* the load stays under 3/4: an empty bucket exists */
+    for (Py_ssize_t k = 1; k <= c->cap; k++) {
+        run = c->buckets[(start + k) & mask].h.slot[0] ? run + 1 : 0;
+        if (run > longest) longest = run;
+    }
+    return PyLong_FromSsize_t(longest);
+}
+
 static Py_ssize_t core_len(Core *c) { return c->nkeys; }
 
 static PyObject *core_entries(Core *c, void *Py_UNUSED(closure)) { return PyLong_FromSsize_t(c->entries); }
+
+/* The bucket hash's key: 16 bytes of os.urandom (the OS's CSPRNG). */
+static int draw_seed(Core *c) {
+    PyObject *os = PyImport_ImportModule("os");
+    if (os == NULL) return -1;
+    PyObject *seed = PyObject_CallMethod(os, "urandom", "i", (int)sizeof(c->seed));
+    Py_DECREF(os);
+    if (seed == NULL) return -1;
+    if (!PyBytes_Check(seed) || PyBytes_GET_SIZE(seed) != sizeof(c->seed)) {
+        Py_DECREF(seed);
+        return PyErr_SetString(PyExc_RuntimeError, "os.urandom gave the wrong number of bytes"), -1;
+    }
+    memcpy(c->seed, PyBytes_AS_STRING(seed), sizeof(c->seed));
+    Py_DECREF(seed);
+    return 0;
+}
 
 static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds)))
         return PyErr_SetString(PyExc_TypeError, "Core() takes no arguments"), NULL;
     Core *c = (Core *)type->tp_alloc(type, 0);
     if (c == NULL) return NULL;
+    if (draw_seed(c) < 0) {
+        Py_DECREF(c);
+        return NULL;
+    }
     c->cap = MIN_CAP;
     c->shift = 64 - log2_of(MIN_CAP);
     c->words = 1;
@@ -895,6 +953,7 @@ static PyMethodDef core_methods[] = {
     {"hashes", (PyCFunction)core_hashes, METH_O, "hashes(slot) -> its hashes"},
     {"match", (PyCFunction)core_match, METH_O, "match(hashes) -> (matched, [(bits, depth)]) | None"},
     {"memory", (PyCFunction)core_memory, METH_NOARGS, "memory() -> bytes allocated"},
+    {"longest_run", (PyCFunction)core_longest_run, METH_NOARGS, "longest_run() -> most buckets taken in a row"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,7 +4,8 @@ Two layers (docs/router_index.md gives the memory per entry):
 
 - `BlockIndex` names workers: each worker holding at least one block owns a slot. A slot is freed
   when its worker holds nothing any more and is reused lowest-first, which keeps slot ids (and
-  the bitsets of widely held hashes) as small as the live worker count allows.
+  the bitsets of widely held hashes) as small as the live worker count allows. At most
+  MAX_WORKERS hold blocks at once; a store of one more raises IndexFullError and changes nothing.
 - A core keeps hash -> the slots holding it, and per slot what it holds and its digest.
   `router._blockindex.Core` (C: an open-addressed table of u64 keys with up to four holders inline
   and a bitset row past that, and a log per slot) when it was built, `PyCore` (dicts of int
@@ -38,7 +39,10 @@ import numpy as np
 from protocol import unpack_hashes
 from protocol.messages import Cleared, KvEvent, Removed, Stored
 
-__all__ = ["NATIVE", "BlockIndex", "Overlap", "PyCore"]
+__all__ = ["MAX_WORKERS", "NATIVE", "BlockIndex", "IndexFullError", "Overlap", "PyCore"]
+
+MAX_WORKERS = 65_534
+"""Workers one index holds blocks of at once: the C core keeps slot ids in u16s (both cores keep it)."""
 
 # Bits to worker names: below this many set bits a find() loop wins, above it numpy does.
 _FEW_BITS = 16
@@ -48,6 +52,11 @@ _INT_BYTES = -(-sys.getsizeof(_MAX_HASH) // 16) * 16  # a 64-bit int object as p
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # runs an iterator to its end in C
 
 Cuts = list[tuple[int, int]]
+
+
+class IndexFullError(ValueError):
+    """A worker holding nothing stored blocks while MAX_WORKERS others hold some: it gets no slot,
+    and the index is as before."""
 
 
 class Core(Protocol):
@@ -114,11 +123,18 @@ class BlockIndex:
         """`worker` now holds `hashes`, ints or packed (protocol.packed; the C core reads those
         without creating ints). Storing a held hash again changes nothing.
 
-        Raises ValueError, changing nothing, if a hash is not an int in [0, 2**64)."""
+        Raises ValueError, changing nothing, if a hash is not an int in [0, 2**64), and
+        IndexFullError if `worker` is new and MAX_WORKERS others hold blocks."""
         slot = self._slot_of.get(worker)
         if slot is not None:
             self._core.store(slot, hashes)
             return
+        if self.full:
+            if isinstance(hashes, Sequence) and not hashes:
+                return  # holding nothing takes no slot
+            raise IndexFullError(
+                f"worker {worker} refused: the prefix index holds blocks of {MAX_WORKERS:,} workers, its most"
+            )
         slot = self._take_slot(worker)
         try:
             self._core.store(slot, hashes)
@@ -254,6 +270,11 @@ class BlockIndex:
         """memory_bytes() per (hash, worker) pair; 0.0 for an empty index."""
         entries = self._core.entries
         return self.memory_bytes() / entries if entries else 0.0
+
+    @property
+    def full(self) -> bool:
+        """Whether MAX_WORKERS workers hold blocks: one holding none yet can store none."""
+        return not self._free_slots and len(self._names) >= MAX_WORKERS
 
     @property
     def slots(self) -> int:

@@ -46,6 +46,8 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   A batch that decodes but holds a bad hash (packed bytes that are not whole u64s, an int out of
   range) is counted the same way; the events before the bad one are applied, the batch takes its
   seq, and the next load report's digest check repairs the difference.
+- The index holds blocks of at most `MAX_WORKERS` (65,534) workers at once. One more holding
+  none yet is refused: an ERROR, no entries, out of routing and not repaired until a worker leaves.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ from protocol.messages import (
     Stored,
     decode_msg,
 )
-from router.block_index import BlockIndex
+from router.block_index import BlockIndex, IndexFullError
 from router.gap_repair import LIMIT_HINT, FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
@@ -177,6 +179,7 @@ class KvIngest:
         self._unsynced: set[str] = set()  # workers bootstrapping or repairing: `synced` in O(1)
         self._unknown: dict[str, deque[tuple[float, int, KvEventBatch]]] = {}  # (arrival time, size, batch)
         self._malformed_logged: set[str] = set()
+        self._refused: dict[str, None] = {}  # workers the full index had no slot for, oldest first
         self._arrivals = 0
         self._sub: Subscription | None = None
         self._synced = asyncio.Event()
@@ -245,6 +248,11 @@ class KvIngest:
         self.index.clear(worker)
         self._on_events(worker, [Cleared()])
         self.repairs.cancel(worker)
+        self._refused.pop(worker, None)
+        if self._refused and not self.index.full and self.status is PartStatus.RUNNING:
+            oldest = next(iter(self._refused))  # the slot it left goes to the worker refused longest
+            del self._refused[oldest]
+            self.repairs.ensure(oldest)
         self._refresh_synced()
 
     # --- readiness -------------------------------------------------------------------------------
@@ -331,6 +339,9 @@ class KvIngest:
         worker = state.name
         try:
             self.index.apply(worker, batch.events)
+        except IndexFullError as exc:
+            self._refuse(state, exc)
+            return False
         except ValueError as exc:
             # A hash out of range, or packed bytes that are not whole u64s: checked by the index, so
             # the well-formed batches pay nothing. The batch still takes its seq; the events before
@@ -355,6 +366,16 @@ class KvIngest:
         limit, total = state.entry_limit, state.kv_total_blocks
         why = f"it claims {held} blocks, more than its KV capacity allows ({limit}; kv_total_blocks {total})"
         self._malformed(state.name, ProtocolError("KvEventBatch", f"{why}; {LIMIT_HINT}"))
+        self._open_repair(state, dump=True, why=why)
+        state.why = why
+
+    def _refuse(self, state: _Worker, exc: IndexFullError) -> None:
+        """The index holds blocks of as many workers as it can (router.block_index.MAX_WORKERS) and
+        this one holds none: it stays out of routing with no entries, and unrepaired (a repair would
+        fetch its dump again and again), until a worker leaves. An ERROR each time, not "malformed"."""
+        why = f"{exc}; out of routing until a worker leaves"
+        log.error("%s", why)
+        self._refused[state.name] = None  # before _open_repair: its repair loop must not run
         self._open_repair(state, dump=True, why=why)
         state.why = why
 
@@ -490,7 +511,12 @@ class KvIngest:
 
     def needs_repair(self, worker: str) -> bool:
         state = self._workers.get(worker)
-        return state is not None and state.sync.state is not SyncState.SYNCED and self.status is PartStatus.RUNNING
+        return (
+            state is not None
+            and state.sync.state is not SyncState.SYNCED
+            and worker not in self._refused
+            and self.status is PartStatus.RUNNING
+        )
 
     def repair_request(self, worker: str) -> KvStateRequest:
         state = self._workers[worker]
@@ -530,8 +556,12 @@ class KvIngest:
             # replica's bootstrap). Pending prefixes are left alone: they stand for requests in
             # flight, which a dump of what is cached says nothing about.
             self.index.clear(worker)
-            for chunk in chunks:
-                self.index.store(worker, chunk.hashes)
+            try:
+                for chunk in chunks:
+                    self.index.store(worker, chunk.hashes)
+            except IndexFullError as exc:
+                self._refuse(state, exc)
+                return
             sync.epoch, sync.last_seq = first.epoch, first.seq
             # The shim sent this seq by the time its reply came, on this router's clock: a report it
             # makes later is at it. CLOCK_ALLOWANCE_S keeps a shim whose clock runs ahead from
