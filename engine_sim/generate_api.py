@@ -10,10 +10,12 @@ min_tokens) and, when asked, its logprobs through engine_sim/logprobs.py. A stop
 choice at once and aborts its engine request, as vLLM does. Completions stream one chunk per token
 (empty text while a stop string might be starting, as vLLM sends them); chat streams one role chunk
 per choice first and then only chunks with text. Usage counts each prompt once and every choice's
-tokens; prompt_tokens_details only with --enable-prompt-tokens-details (a miss reports 0 cached
-tokens; chat also names the tokens the prompt wrote to the cache, as vLLM's serving code fills
-them), taken from the last prompt (non-streaming) or the first (streaming). A streamed choice's
-last chunk names the system fingerprint unless a usage chunk follows.
+tokens (with stream_options.continuous_usage_stats, every streamed chunk also carries its choice's
+prompt and tokens so far, as vLLM's); prompt_tokens_details only with
+--enable-prompt-tokens-details (a miss reports 0 cached tokens; chat also names the tokens the
+prompt wrote to the cache, as vLLM's serving code fills them), taken from the last prompt
+(non-streaming) or the first (streaming). A streamed choice's last chunk names the system
+fingerprint unless a usage chunk follows.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class _Piece:
     stop_reason: str | int | None
     position: Position | None
     last: bool
+    count: int  # the choice's tokens so far, this one included
 
 
 class _Job:
@@ -148,6 +151,14 @@ class _Job:
             return ""
         return p.text if p.text is not None else _tokenizer.decode(p.token_ids)
 
+    def running_usage(self, c: _Choice | None, count: int) -> dict[str, Any] | None:
+        """A chunk's usage with continuous usage stats (`c`: the choice, `count` its tokens so far;
+        None for chat's role and echo chunks, sent before any output), else None."""
+        if not self.call.continuous_usage:
+            return None
+        prompt = self.call.prompts[c.prompt if c is not None else 0]
+        return fmt.running_usage(len(prompt.token_ids), count, chat=self.call.chat)
+
     def usage(self, stream: bool) -> dict[str, Any]:
         n_in = sum(len(p.token_ids) for p in self.call.prompts)
         n_out = sum(len(c.tokens) for c in self.choices)
@@ -177,7 +188,7 @@ async def _steps(job: _Job, c: _Choice) -> AsyncIterator[list[_Piece]]:
             pos = sampled_position(c.sampler, len(c.tokens), t, call.logprobs) if call.logprobs is not None else None
             c.tokens.append(t)
             c.positions.append(pos)
-            pieces.append(_Piece(t, text, finish, c.text.stop_reason if last else None, pos, last))
+            pieces.append(_Piece(t, text, finish, c.text.stop_reason if last else None, pos, last, len(c.tokens)))
             if by_string:
                 job.srv.runner.abort(stream.request_id, "stop")
                 break
@@ -364,7 +375,8 @@ async def _stream_completion(request: web.Request, job: _Job) -> web.StreamRespo
                     logprobs = completion_logprobs(tokens, positions, call.logprobs, offset, call.as_ids)
                 offset += len(p.text)
                 out = Output(text, p.finish_reason, p.stop_reason, _ids(job, [p.token]), logprobs)
-                buf += sse(fmt.completion_chunk(job.head, c.index, out, prompt_ids, not call.include_usage))
+                usage = job.running_usage(c, p.count)
+                buf += sse(fmt.completion_chunk(job.head, c.index, out, prompt_ids, not call.include_usage, usage))
                 first = False
             await resp.write(bytes(buf))
 
@@ -409,9 +421,11 @@ async def _respond_chat(request: web.Request, job: _Job) -> web.StreamResponse:
 async def _stream_chat(request: web.Request, job: _Job) -> web.StreamResponse:
     resp = await _open_sse(request)
     prompt_ids = _ids(job, job.call.prompts[0].token_ids)
-    await resp.write(b"".join(sse(fmt.chat_first_chunk(job.head, c.index, prompt_ids)) for c in job.choices))
+    usage = job.running_usage(None, 0)
+    await resp.write(b"".join(sse(fmt.chat_first_chunk(job.head, c.index, prompt_ids, usage)) for c in job.choices))
     if job.call.chat_echo:
-        await resp.write(b"".join(sse(fmt.chat_echo_chunk(job.head, c.index, job.call.chat_echo)) for c in job.choices))
+        echo = job.call.chat_echo
+        await resp.write(b"".join(sse(fmt.chat_echo_chunk(job.head, c.index, echo, usage)) for c in job.choices))
 
     async def pump(c: _Choice) -> None:
         async for pieces in _steps(job, c):
@@ -420,7 +434,8 @@ async def _stream_chat(request: web.Request, job: _Job) -> web.StreamResponse:
                 if p.text or p.last or job.call.want_ids:
                     logprobs = _chat_logprobs(job, [p.token], [p.position])
                     out = Output(p.text, p.finish_reason, p.stop_reason, _ids(job, [p.token]), logprobs)
-                    buf += sse(fmt.chat_chunk(job.head, c.index, out, not job.call.include_usage))
+                    usage = job.running_usage(c, p.count)
+                    buf += sse(fmt.chat_chunk(job.head, c.index, out, not job.call.include_usage, usage))
             await resp.write(bytes(buf))
 
     await asyncio.gather(*(pump(c) for c in job.choices))

@@ -73,10 +73,9 @@ async def tokenize(request: web.Request) -> web.Response:
             check_mm_kwargs(body.mm_processor_kwargs, body.media_io_kwargs)
             text = render_chat(body.messages, add_generation_prompt=add_generation_prompt,
                                continue_final_message=body.continue_final_message, model=srv.config.model)  # fmt: skip
-        elif body.prompt is not None:
-            text = body.prompt
         else:
-            raise SimRequestError("either `prompt` or `messages` is required", param="prompt")
+            assert body.prompt is not None  # parse_body refuses a body with neither, as vLLM's union
+            text = body.prompt
     except SimRequestError as exc:
         return error_response(exc)
     # add_special_tokens: the built-in tokenizer has no special tokens to add (no BOS, like GPT-2's).

@@ -50,8 +50,10 @@ def error_response(exc: SimRequestError) -> web.Response:
 
 
 def request_id(request: web.Request, in_body: str | None = None) -> str:
-    """vLLM's rule: the X-Request-Id header, else the body's `request_id`, else a fresh one."""
-    return request.headers.get("X-Request-Id") or in_body or secrets.token_hex(8)
+    """vLLM's rule: the X-Request-Id header whenever sent (an empty one too), else the body's
+    `request_id`, else a fresh one."""
+    header = request.headers.get("X-Request-Id")
+    return header if header is not None else in_body or secrets.token_hex(8)
 
 
 def check_model(srv: SimServer, model: str | None) -> LoraRequest | None:

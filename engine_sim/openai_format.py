@@ -29,6 +29,7 @@ __all__ = [
     "completion_response",
     "error_body",
     "models_response",
+    "running_usage",
     "sse",
     "tokenize_response",
     "usage",
@@ -124,12 +125,27 @@ def completion_choice(
     }
 
 
+def running_usage(prompt: int, completion: int, *, chat: bool) -> dict[str, Any]:
+    """A chunk's usage with stream_options.continuous_usage_stats: the choice's prompt and its
+    tokens so far. vLLM serialises only the fields it set, chat's completion_tokens_details too."""
+    counts = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+    return {**counts, "completion_tokens_details": None} if chat else counts
+
+
 def completion_chunk(
-    head: Head, index: int, out: Output, prompt_token_ids: list[int] | None, fingerprint: bool
+    head: Head,
+    index: int,
+    out: Output,
+    prompt_token_ids: list[int] | None,
+    fingerprint: bool,
+    usage_: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`fingerprint`: no usage chunk follows, so the chunk that ends the choice names it (vLLM)."""
+    """`fingerprint`: no usage chunk follows, so the chunk that ends the choice names it (vLLM).
+    `usage_`: running_usage's, with continuous usage stats."""
     choice = {**_text_choice(index, out), "prompt_token_ids": prompt_token_ids, "token_ids": out.token_ids}
     chunk = {**head.envelope("text_completion"), "choices": [choice]}
+    if usage_ is not None:
+        chunk["usage"] = usage_
     if fingerprint and out.finish_reason is not None:
         chunk["system_fingerprint"] = head.fingerprint
     return chunk
@@ -184,19 +200,26 @@ def chat_response(
     }
 
 
-def chat_first_chunk(head: Head, index: int, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+def chat_first_chunk(
+    head: Head, index: int, prompt_token_ids: list[int] | None, usage_: dict[str, Any] | None = None
+) -> dict[str, Any]:
     choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    return {**head.envelope("chat.completion.chunk"), "choices": [choice], "prompt_token_ids": prompt_token_ids,
-            "prompt_text": None}  # fmt: skip
+    chunk: dict[str, Any] = {**head.envelope("chat.completion.chunk"), "choices": [choice]}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return {**chunk, "prompt_token_ids": prompt_token_ids, "prompt_text": None}
 
 
-def chat_echo_chunk(head: Head, index: int, content: str) -> dict[str, Any]:
+def chat_echo_chunk(head: Head, index: int, content: str, usage_: dict[str, Any] | None = None) -> dict[str, Any]:
     choice = {"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
-    return {**head.envelope("chat.completion.chunk"), "choices": [choice]}
+    chunk = {**head.envelope("chat.completion.chunk"), "choices": [choice]}
+    return chunk if usage_ is None else {**chunk, "usage": usage_}
 
 
-def chat_chunk(head: Head, index: int, out: Output, fingerprint: bool) -> dict[str, Any]:
-    """`fingerprint` as completion_chunk's."""
+def chat_chunk(
+    head: Head, index: int, out: Output, fingerprint: bool, usage_: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`fingerprint` and `usage_` as completion_chunk's."""
     choice: dict[str, Any] = {"index": index, "delta": {"content": out.text}, "logprobs": out.logprobs,
                               "finish_reason": out.finish_reason}  # fmt: skip
     # vLLM adds stop_reason only to the chunk that ends the choice, and the fingerprint only there
@@ -205,6 +228,8 @@ def chat_chunk(head: Head, index: int, out: Output, fingerprint: bool) -> dict[s
         choice["stop_reason"] = out.stop_reason
     choice["token_ids"] = out.token_ids
     chunk = {**head.envelope("chat.completion.chunk"), "choices": [choice]}
+    if usage_ is not None:
+        chunk["usage"] = usage_
     if fingerprint and out.finish_reason is not None:
         chunk["system_fingerprint"] = head.fingerprint
     return chunk

@@ -9,7 +9,8 @@ able to honour it (it has no model): frequency/presence/repetition penalties, te
 top_k, min_p, logit_bias, allowed_token_ids, bad_words, response_format / structured_outputs,
 tools (a tool_choice but "none" only with --enable-auto-tool-choice, as vLLM; no tool call is
 formed), use_beam_search, cache_salt, add_special_tokens (the built-in tokenizer adds no special
-tokens), stream_options.continuous_usage_stats; each is validated as vLLM validates it.
+tokens); each is validated as vLLM validates it. logprob_token_ids, which the sim cannot report, is
+validated, then refused.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import email.message
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -59,6 +61,9 @@ _MAX_TOKEN_ID = 2**63 - 1  # DetokenizeRequest.tokens: list[Annotated[int, Field
 _MAX_REPORTED_ERRORS = 10  # vLLM's validation handler reports this many, then counts the rest
 _MAX_ERROR_INPUT_CHARS = 200
 _MAX_STOP_STRINGS = 4  # vLLM's VLLM_MAX_STOP_STRINGS default: the body's `stop` list may hold this many
+_MAX_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS default
+_MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 _warned: set[str] = set()
 # vLLM's validator, for both set in the body
 CONTINUE_AND_GENERATE = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
@@ -90,7 +95,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     n: int | None = 1
     presence_penalty: float | None = 0.0
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-_LONG, le=_LONG - 1)] | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -112,6 +117,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     truncation_side: Any = None  # "left" | "right" | None, refused in vLLM's words (_check_body)
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     priority: int = 0
@@ -137,7 +143,7 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 
 class ChatRequest(_Sampling, kw_only=True):
-    messages: Any = None
+    messages: list[Any]
     logprobs: bool | None = False
     top_logprobs: int | None = 0
     max_tokens: int | None = None
@@ -269,6 +275,8 @@ def _decode(raw: bytes) -> Any:
 
 
 def parse_body(raw: bytes, kind: type[T]) -> T:
+    """The body as `kind`, checked as vLLM's model checks it: its `mode="before"` validators on the
+    raw JSON first (completions and chat), then the fields, whose errors are pydantic's."""
     obj = _decode(raw or b"null")
     if not isinstance(obj, dict):
         raise SimRequestError("request body must be a JSON object")
@@ -276,17 +284,154 @@ def parse_body(raw: bytes, kind: type[T]) -> T:
     if unknown:
         _warned.update(unknown)
         log.warning("The following fields were present in the request but ignored: %s", set(unknown))
+    if (before := _BEFORE_VALIDATORS.get(kind)) is not None:
+        before(obj)
     try:
         return msgspec.convert(_lax_fields(obj, kind), kind, strict=False)
-    except msgspec.ValidationError as exc:
+    except (msgspec.ValidationError, _Unreadable) as exc:
+        if details := _field_errors(obj, kind):
+            raise validation_error(details) from exc
         raise SimRequestError(str(exc), param=str(exc).rsplit("`$.", 1)[-1].rstrip("`") or None) from exc
 
 
+# The fields of vLLM's models in their order, which is the order pydantic reports their errors in.
+_VLLM_FIELD_ORDER: dict[type, tuple[str, ...]] = {
+    CompletionRequest: tuple(
+        "model prompt echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed stop stream "
+        "stream_options suffix temperature top_p user use_beam_search top_k min_p repetition_penalty length_penalty "
+        "stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens "
+        "spaces_between_special_tokens truncate_prompt_tokens truncation_side allowed_token_ids prompt_logprobs "
+        "logprob_token_ids prompt_embeds add_special_tokens response_format structured_outputs priority request_id "
+        "return_tokens_as_token_ids return_token_ids cache_salt kv_transfer_params vllm_xargs".split()
+    ),
+    ChatRequest: tuple(
+        "messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens max_completion_tokens n "
+        "presence_penalty response_format seed stop stream stream_options temperature top_p tools tool_choice "
+        "reasoning_effort include_reasoning parallel_tool_calls user use_beam_search top_k min_p repetition_penalty "
+        "length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens "
+        "spaces_between_special_tokens truncate_prompt_tokens truncation_side prompt_logprobs logprob_token_ids "
+        "allowed_token_ids bad_words echo add_generation_prompt continue_final_message add_special_tokens documents "
+        "chat_template chat_template_kwargs media_io_kwargs mm_processor_kwargs structured_outputs priority "
+        "request_id return_tokens_as_token_ids return_token_ids cache_salt kv_transfer_params vllm_xargs".split()
+    ),
+}
+_SKIPPED_TYPES = (msgspec.inspect.NoneType, msgspec.inspect.AnyType)
+
+
+def _field_errors(obj: dict[str, Any], kind: type) -> list[dict[str, Any]]:
+    """pydantic's errors for the fields of `obj` that `kind` refuses, in vLLM's field order."""
+    info = msgspec.inspect.type_info(kind)
+    assert isinstance(info, msgspec.inspect.StructType)
+    order = _VLLM_FIELD_ORDER.get(kind, ())
+    fields = sorted(info.fields, key=lambda f: order.index(f.encode_name) if f.encode_name in order else len(order))
+    return _struct_errors("body", obj, fields)
+
+
+def _struct_errors(loc: str, obj: dict[str, Any], fields: Any) -> list[dict[str, Any]]:
+    details: list[dict[str, Any]] = []
+    for f in fields:
+        check = _FIELD_CHECKS.get(f.encode_name) if loc == "body" else None
+        if check is not None and obj.get(f.encode_name) is not None:
+            details += check(obj[f.encode_name])
+        elif f.encode_name in obj:
+            details += _type_errors(f"{loc}.{f.encode_name}", obj[f.encode_name], f.type)
+        elif f.required:
+            details.append(_missing(f"{loc}.{f.encode_name}", obj))
+    return details
+
+
+def _type_errors(loc: str, value: Any, t: msgspec.inspect.Type) -> list[dict[str, Any]]:
+    """pydantic's errors for `value` as a field of type `t` (lax mode): a union's members each
+    report theirs when all refuse it; None is refused only where the type has no None."""
+    members = t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
+    if value is None and any(isinstance(m, msgspec.inspect.NoneType) for m in members):
+        return []
+    details: list[dict[str, Any]] = []
+    for m in members:
+        if isinstance(m, _SKIPPED_TYPES):
+            continue
+        if not (errors := _member_errors(loc, value, m)):
+            return []
+        details += errors
+    return details
+
+
+def _error(kind: str, loc: str, msg: str, value: Any, ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+    detail = {"type": kind, "loc": loc, "msg": msg, "input": _error_input(value)}
+    return detail if ctx is None else {**detail, "ctx": ctx}
+
+
+def _member_errors(loc: str, value: Any, t: msgspec.inspect.Type) -> list[dict[str, Any]]:
+    if isinstance(t, msgspec.inspect.IntType):
+        return _int_errors(loc, value, t)
+    if isinstance(t, msgspec.inspect.FloatType):
+        if isinstance(value, int | float) or (isinstance(value, str) and _is_float(value)):
+            return []
+        if isinstance(value, str):
+            return [_error("float_parsing", loc, "Input should be a valid number, unable to parse string as a number",
+                           value)]  # fmt: skip
+        return [_error("float_type", loc, "Input should be a valid number", value)]
+    if isinstance(t, msgspec.inspect.BoolType):
+        if lax_bool(value) is not None:
+            return []
+        if isinstance(value, str | int | float):
+            return [_error("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value)]
+        return [_error("bool_type", loc, "Input should be a valid boolean", value)]
+    if isinstance(t, msgspec.inspect.StrType):
+        return [] if isinstance(value, str) else [_error("string_type", loc, "Input should be a valid string", value)]
+    if isinstance(t, msgspec.inspect.ListType):
+        if not isinstance(value, list):
+            return [_error("list_type", loc, "Input should be a valid list", value)]
+        return [e for i, item in enumerate(value) for e in _type_errors(f"{loc}.{i}", item, t.item_type)]
+    if isinstance(t, msgspec.inspect.DictType):
+        if not isinstance(value, dict):
+            return [_error("dict_type", loc, "Input should be a valid dictionary", value)]
+        return [e for k, v in value.items() for e in _type_errors(f"{loc}.{k}", v, t.value_type)]
+    if isinstance(t, msgspec.inspect.StructType):
+        if not isinstance(value, dict):
+            return [_model_type(loc, value, t.cls.__name__)]
+        return _struct_errors(loc, value, t.fields)
+    return []
+
+
+def _int_errors(loc: str, value: Any, t: msgspec.inspect.IntType) -> list[dict[str, Any]]:
+    number = lax_int(value)
+    if number is not None:
+        if t.ge is not None and number < t.ge:
+            return [_error("greater_than_equal", loc, f"Input should be greater than or equal to {t.ge}", value,
+                           {"ge": t.ge})]  # fmt: skip
+        if t.le is not None and number > t.le:
+            return [_error("less_than_equal", loc, f"Input should be less than or equal to {t.le}", value,
+                           {"le": t.le})]  # fmt: skip
+        return []
+    if isinstance(value, str):
+        return [_error("int_parsing", loc, "Input should be a valid integer, unable to parse string as an integer",
+                       value)]  # fmt: skip
+    if isinstance(value, float) and not math.isfinite(value):
+        return [_error("finite_number", loc, "Input should be a finite number", value)]
+    if isinstance(value, float) and value.is_integer():
+        return [_error("int_parsing_size", loc, "Unable to parse input string as an integer, exceeded maximum size",
+                       value)]  # fmt: skip
+    if isinstance(value, float):
+        return [_error("int_from_float", loc, "Input should be a valid integer, got a number with a fractional part",
+                       value)]  # fmt: skip
+    return [_error("int_type", loc, "Input should be a valid integer", value)]
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _lax_fields(obj: dict[str, Any], kind: type) -> dict[str, Any]:
-    """`obj` with its boolean and integer fields read as vLLM's pydantic models read them.
+    """`obj` with its boolean, integer and float fields read as vLLM's pydantic models read them.
     msgspec's lax mode takes only "true", "false", "1", "0", 0 and 1 as booleans, so `"stream":
     "yes"`, which vLLM streams, was a 400 here; and it takes no bool as an integer (vLLM reads
-    `"max_tokens": true` as 1) but does take "1e3" (which vLLM refuses)."""
+    `"max_tokens": true` as 1) or a float (`"temperature": true` is 1.0) but does take "1e3"
+    (which vLLM refuses)."""
     fields = _typed_fields(kind)
     out = obj
     for name in obj.keys() & fields.bools:
@@ -294,13 +439,17 @@ def _lax_fields(obj: dict[str, Any], kind: type) -> dict[str, Any]:
             out = out if out is not obj else dict(obj)
             out[name] = value
     for name in obj.keys() & fields.ints:
-        if (value := _lax_int_field(obj[name], name)) is not obj[name]:
+        if (value := _lax_int_field(obj[name])) is not obj[name]:
             out = out if out is not obj else dict(obj)
             out[name] = value
+    for name in obj.keys() & fields.floats:
+        if isinstance(value := obj[name], bool):  # pydantic reads true as 1.0, msgspec refuses it
+            out = out if out is not obj else dict(obj)
+            out[name] = float(value)
     for name in obj.keys() & fields.int_lists:
         if isinstance(raw := obj[name], list) and _strict_ids(raw) is None:
             out = out if out is not obj else dict(obj)
-            out[name] = [_lax_int_field(t, f"{name}[{i}]") for i, t in enumerate(raw)]
+            out[name] = [_lax_int_field(t) for t in raw]
     for name, inner in fields.nested.items():
         if isinstance(sub := obj.get(name), dict) and (fixed := _lax_fields(sub, inner)) is not sub:
             out = out if out is not obj else dict(obj)
@@ -308,16 +457,20 @@ def _lax_fields(obj: dict[str, Any], kind: type) -> dict[str, Any]:
     return out
 
 
-def _lax_int_field(value: Any, at: str) -> Any:
+class _Unreadable(ValueError):
+    """Text or a float an integer field may not take (msgspec's lax mode would take "1e3")."""
+
+
+def _lax_int_field(value: Any) -> Any:
     """An integer field's value as vLLM reads it; a null is the Struct's to judge (a field may
-    allow one). Text or a float vLLM refuses is refused here, in msgspec's words for what it
-    refuses itself; anything else it refuses msgspec refuses too."""
+    allow one). Text or a float vLLM refuses is _Unreadable; anything else it refuses msgspec
+    refuses too. parse_body words either refusal as pydantic does."""
     if value is None or (type(value) is int):
         return value
     if (number := lax_int(value)) is not None:
         return number
     if isinstance(value, str | float):
-        raise SimRequestError(f"Expected `int`, got `{type(value).__name__}` - at `$.{at}`", param=at)
+        raise _Unreadable
     return value
 
 
@@ -325,6 +478,7 @@ def _lax_int_field(value: Any, at: str) -> Any:
 class _Fields:
     bools: frozenset[str]
     ints: frozenset[str]
+    floats: frozenset[str]
     int_lists: frozenset[str]  # list[int]: stop_token_ids, allowed_token_ids, /detokenize's tokens
     nested: dict[str, type]  # fields that are Structs of their own (`stream_options`)
 
@@ -334,6 +488,7 @@ def _typed_fields(kind: type) -> _Fields:
     """`kind`'s fields that pydantic would read laxly where msgspec does not, by type."""
     bools: set[str] = set()
     ints: set[str] = set()
+    floats: set[str] = set()
     int_lists: set[str] = set()
     nested: dict[str, type] = {}
     for f in msgspec.structs.fields(kind):
@@ -344,11 +499,13 @@ def _typed_fields(kind: type) -> _Fields:
                 bools.add(f.encode_name)
             elif isinstance(t, msgspec.inspect.IntType):
                 ints.add(f.encode_name)
+            elif isinstance(t, msgspec.inspect.FloatType):
+                floats.add(f.encode_name)
             elif isinstance(t, msgspec.inspect.ListType) and isinstance(t.item_type, msgspec.inspect.IntType):
                 int_lists.add(f.encode_name)
             elif isinstance(t, msgspec.inspect.StructType):
                 nested[f.encode_name] = t.cls
-    return _Fields(frozenset(bools), frozenset(ints), frozenset(int_lists), nested)
+    return _Fields(frozenset(bools), frozenset(ints), frozenset(floats), frozenset(int_lists), nested)
 
 
 class Prompt(msgspec.Struct):
@@ -376,6 +533,7 @@ class GenerateCall:
     as_ids: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage on every chunk too (stream_options.continuous_usage_stats)
     kv_transfer_params: dict[str, Any] | None
     request_id: str | None = None  # the body's
     cache_salt: str | None = None
@@ -539,11 +697,11 @@ def _truncated(p: Prompt, max_model_len: int, keep: int | None, side: str | None
         ids = p.token_ids[:keep] if side == "right" else p.token_ids[len(p.token_ids) - keep :]
         p = Prompt(ids, None)
     n = len(p.token_ids)
-    if n >= max_model_len:
-        # vLLM encodes text truncated to limit + 1 tokens, so for text it can only say "at least".
-        raise PromptTooLongError(
-            max_model_len, max_model_len + 1 if p.text is not None else n, at_least=p.text is not None
-        )
+    if n > max_model_len:
+        # vLLM encodes text truncated to limit + 1 tokens, and says "at least" for any count of
+        # limit + 1, ids too. A prompt of exactly the limit passes here, to leave no room for output.
+        shown = max_model_len + 1 if p.text is not None else n
+        raise PromptTooLongError(max_model_len, shown, at_least=shown == max_model_len + 1)
     return p
 
 
@@ -557,16 +715,83 @@ def _check_engine_prompt(ids: list[int]) -> None:
         raise VllmValidationError(f"Token id {high} is out of vocabulary")
 
 
-def _check_stream_options(body: _Sampling) -> None:
-    if body.stream_options is not None and not body.stream:
+def _completion_validators(data: dict[str, Any]) -> None:
+    """CompletionRequest's `mode="before"` validators on the raw body, last-defined first."""
+    prompt, embeds = data.get("prompt"), data.get("prompt_embeds")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > _MAX_PROMPTS:
+        raise VllmValidationError(
+            f"prompt list length {len(prompt)} exceeds the maximum allowed count of {_MAX_PROMPTS}. To increase "
+            "this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable.",
+            parameter="prompt",
+        )
+    if isinstance(embeds, list) and len(embeds) > _MAX_PROMPTS:
+        raise VllmValidationError(
+            f"prompt_embeds list length {len(embeds)} exceeds the maximum allowed count of {_MAX_PROMPTS}. To "
+            "increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable.",
+            parameter="prompt_embeds",
+        )
+    if (prompt is None or prompt == "") and (embeds is None or embeds == []):
+        raise VllmValidationError("Either prompt or prompt_embeds must be provided and non-empty.", parameter="prompt")
+    _check_stream_options(data)
+    _check_logprobs(data, "logprobs")
+    _check_structured_outputs(data, parameter="structured_outputs")
+    _check_response_format(data)
+    _check_cache_salt(data.get("cache_salt"))
+
+
+def _chat_validators(data: dict[str, Any]) -> None:
+    """ChatCompletionRequest's `mode="before"` validators on the raw body, last-defined first."""
+    if data.get("continue_final_message") and data.get("add_generation_prompt"):
+        raise VllmValidationError(CONTINUE_AND_GENERATE)
+    _check_tool_usage(data)
+    _check_structured_outputs(data, parameter=None)
+    # check_tool_usage makes a missing tool_choice "auto" when tools are given
+    choice = data.get("tool_choice", "auto" if data.get("tools") else "none")
+    if _structured_count(data) and choice not in ("none", "auto", "required"):
+        raise VllmValidationError("You can only either use constraints for structured outputs or tools, not both.")
+    _check_logprobs(data, "top_logprobs")
+    _check_stream_options(data)
+    _check_response_format(data)
+    _check_cache_salt(data.get("cache_salt"))
+
+
+def _check_stream_options(data: dict[str, Any]) -> None:
+    # the raw values' truthiness: `{}`, or `"stream": "false"` (truthy text, read as False), pass
+    if data.get("stream_options") and not data.get("stream"):
         raise VllmValidationError("Stream options can only be defined when `stream=True`.", parameter="stream_options")
 
 
-def _check_prompt_logprobs(body: _Sampling) -> None:
-    """The start of vLLM's check_logprobs validator, both endpoints'."""
-    pl = body.prompt_logprobs
+def _check_logprobs(data: dict[str, Any], top: str) -> None:
+    """vLLM's check_logprobs validator; `top` is the field of sample logprobs (completions:
+    `logprobs`, an integer; chat: `top_logprobs`, beside the boolean `logprobs`)."""
+    chat = top == "top_logprobs"
+    token_ids, beam = data.get("logprob_token_ids"), data.get("use_beam_search")
+    if token_ids and beam:
+        raise VllmValidationError(
+            "`logprob_token_ids` is not supported with beam search.", parameter="logprob_token_ids"
+        )
+    if not chat and beam and data.get("echo") and data.get("logprobs") is not None:
+        raise VllmValidationError(
+            "`echo` with `logprobs` is not supported with beam search because beam search does not compute "
+            "prompt logprobs.",
+            parameter="echo",
+        )
+    if not chat and token_ids and data.get("echo") and data.get("max_tokens") == 0:
+        raise VllmValidationError(
+            "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no output tokens "
+            "are generated.",
+            parameter="logprob_token_ids",
+        )
+    if token_ids and (not data.get("logprobs") if chat else data.get("logprobs") is None):
+        must = "must be set to true." if chat else "must be set."
+        raise VllmValidationError(f"when using `logprob_token_ids`, `logprobs` {must}", parameter="logprob_token_ids")
+    for name in ("prompt_logprobs", top):
+        value = data.get(name)
+        if value is not None and not isinstance(value, int | float):
+            raise VllmValidationError(f"`{name}` must be an integer.", parameter=name, value=value)
+    pl = data.get("prompt_logprobs")
     if pl is not None:
-        if body.stream and (pl > 0 or pl == -1):
+        if data.get("stream") and (pl > 0 or pl == -1):
             raise VllmValidationError(
                 "`prompt_logprobs` are not available when `stream=True`.", parameter="prompt_logprobs"
             )
@@ -574,54 +799,148 @@ def _check_prompt_logprobs(body: _Sampling) -> None:
             raise VllmValidationError(
                 "`prompt_logprobs` must be a positive value or -1.", parameter="prompt_logprobs", value=pl
             )
+    k = data.get(top)
+    if k is not None:
+        if k < 0 and k != -1:
+            raise VllmValidationError(f"`{top}` must be a positive value or -1.", parameter=top, value=k)
+        if chat and (k == -1 or k > 0) and not data.get("logprobs"):
+            raise VllmValidationError(
+                "when using `top_logprobs`, `logprobs` must be set to true.", parameter="top_logprobs"
+            )
+
+
+def _structured_count(data: dict[str, Any]) -> int:
+    outputs = data.get("structured_outputs")
+    if not isinstance(outputs, dict):
+        return 0
+    return sum(outputs.get(k) is not None for k in ("json", "regex", "choice"))
+
+
+def _check_structured_outputs(data: dict[str, Any], *, parameter: str | None) -> None:
+    """check_structured_outputs_count: one kind of constraint (chat's refusal names no parameter)."""
+    if _structured_count(data) > 1:
+        raise VllmValidationError(
+            "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",
+            parameter=parameter,
+        )
+
+
+def _check_response_format(data: dict[str, Any]) -> None:
+    fmt = data.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and fmt.get("json_schema") is None:
+        raise VllmValidationError(
+            "When response_format type is 'json_schema', the 'json_schema' field must be provided.",
+            parameter="response_format",
+        )
+
+
+def _check_cache_salt(salt: Any) -> None:
+    """vLLM's validate_cache_salt."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise VllmValidationError(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", parameter="cache_salt"
+        )
+    if len(salt) > _MAX_CACHE_SALT_CHARS or any(c in _CACHE_SALT_FORBIDDEN for c in salt):
+        raise VllmValidationError(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+            parameter="cache_salt",
+        )
+
+
+def _tokenize_validators(data: dict[str, Any]) -> None:
+    """vLLM's /tokenize body is TokenizeCompletionRequest | TokenizeChatRequest: one with neither
+    a text `prompt` nor `messages` fails both, each naming its own required field."""
+    if data.get("messages") is not None or isinstance(data.get("prompt"), str):
+        return
+    prompt = _missing("body.prompt", data) if "prompt" not in data else _error(
+        "string_type", "body.prompt", "Input should be a valid string", data["prompt"])  # fmt: skip
+    messages = _missing("body.messages", data) if "messages" not in data else _error(
+        "list_type", "body.messages", "Input should be a valid list", data["messages"])  # fmt: skip
+    raise validation_error([prompt, messages])
+
+
+_BEFORE_VALIDATORS: dict[type, Callable[[dict[str, Any]], None]] = {
+    CompletionRequest: _completion_validators,
+    ChatRequest: _chat_validators,
+    TokenizeRequest: _tokenize_validators,
+}
 
 
 def _check_body(body: _Sampling) -> None:
-    """The rest of vLLM's validators on the body, after each endpoint's own (its `mode="before"`
-    validators run last-defined first), then pydantic's checks of the fields."""
-    fmt = body.response_format
-    if fmt is not None and fmt.get("type") not in ("text", "json_object", "json_schema", "structural_tag"):
-        raise SimRequestError(
-            "response_format.type must be one of 'text', 'json_object', 'json_schema', 'structural_tag'",
-            param="response_format",
-        )
-    if body.cache_salt is not None and not body.cache_salt:
-        raise SimRequestError("Parameter 'cache_salt' must be a non-empty string if provided.")
-    if body.truncation_side not in (None, "left", "right"):
-        raise _side_error(body.truncation_side)
-    if body.seed is not None and not -_LONG <= body.seed < _LONG:
-        raise SimRequestError(f"seed must be a 64-bit integer, got {body.seed}", param="seed")
+    """pydantic's checks of the fields msgspec's types do not make."""
+    order = _VLLM_FIELD_ORDER[type(body)]
+    names = sorted(_FIELD_CHECKS.keys() & set(body.__struct_fields__), key=order.index)
+    details = [e for name in names if (value := getattr(body, name)) is not None for e in _FIELD_CHECKS[name](value)]
+    if details:
+        raise validation_error(details)
     if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < -1:
         raise SimRequestError("truncate_prompt_tokens must be >= -1", param="truncate_prompt_tokens")
-    if isinstance(body.stop, list) and len(body.stop) > _MAX_STOP_STRINGS:
-        raise _stop_list_error(len(body.stop))
 
 
-def _side_error(value: Any) -> SimRequestError:
-    """vLLM's 400 for a `truncation_side` other than "left" or "right": pydantic's literal_error."""
-    return validation_error([{"type": "literal_error", "loc": "body.truncation_side",
-                              "msg": "Input should be 'left' or 'right'", "input": _error_input(value),
-                              "ctx": {"expected": "'left' or 'right'"}}])  # fmt: skip
+# vLLM's `response_format`: ResponseFormat | StructuralTagResponseFormat |
+# LegacyStructuralTagResponseFormat, each model's `type` literal and required fields
+_RESPONSE_FORMATS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("ResponseFormat", ("text", "json_object", "json_schema"), ()),
+    ("StructuralTagResponseFormat", ("structural_tag",), ("format",)),
+    ("LegacyStructuralTagResponseFormat", ("structural_tag",), ("structures", "triggers")),
+)
 
 
-def _stop_list_error(count: int) -> SimRequestError:
+def _response_format_errors(value: Any) -> list[dict[str, Any]]:
+    """pydantic's errors for a `response_format` no member of vLLM's union takes, or none."""
+    loc = "body.response_format"
+    details: list[dict[str, Any]] = []
+    for model, types, required in _RESPONSE_FORMATS:
+        if not isinstance(value, dict):
+            details.append(_model_type(loc, value, model))
+            continue
+        errors = [_missing(f"{loc}.{name}", value) for name in ("type", *required) if name not in value]
+        if "type" in value and value["type"] not in types:
+            quoted = [f"'{t}'" for t in types]
+            expected = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+            errors.insert(0, _error("literal_error", f"{loc}.type", f"Input should be {expected}", value["type"],
+                                    {"expected": expected}))  # fmt: skip
+        if not errors:
+            return []
+        details += errors
+    return details
+
+
+def _side_errors(value: Any) -> list[dict[str, Any]]:
+    """pydantic's literal_error for a `truncation_side` other than "left" or "right"."""
+    if value in ("left", "right"):
+        return []
+    return [_error("literal_error", "body.truncation_side", "Input should be 'left' or 'right'", value,
+                   {"expected": "'left' or 'right'"})]  # fmt: skip
+
+
+def _stop_errors(value: Any) -> list[dict[str, Any]]:
     """vLLM's `stop: str | Annotated[list[str], Field(max_length=VLLM_MAX_STOP_STRINGS)] | None`:
     a longer list fails both members of the union."""
+    if not isinstance(value, list) or len(value) <= _MAX_STOP_STRINGS:
+        return _type_errors("body.stop", value, _STOP_TYPE)
+    count = len(value)
     shown = f"<list of {count} items>"
-    details: list[dict[str, Any]] = [
+    return [
         {"type": "string_type", "loc": "body.stop", "msg": "Input should be a valid string", "input": shown},
         {"type": "too_long", "loc": "body.stop",
          "msg": f"List should have at most {_MAX_STOP_STRINGS} items after validation, not {count}", "input": shown,
          "ctx": {"field_type": "List", "max_length": _MAX_STOP_STRINGS, "actual_length": count}},
     ]  # fmt: skip
-    return validation_error(details)
 
 
-def _check_tools(tools: list[Any] | None) -> None:
+_STOP_TYPE = msgspec.inspect.type_info(str | list[str] | None)
+
+
+def _tools_errors(tools: Any) -> list[dict[str, Any]]:
     """Pydantic's checks of chat's `tools` (list[ChatCompletionToolsParam]: `type` "function",
-    `function` a FunctionDefinition with a string `name`), its errors as vLLM's handler writes them."""
+    `function` a FunctionDefinition with a string `name`)."""
+    if not isinstance(tools, list):
+        return [_error("list_type", "body.tools", "Input should be a valid list", tools)]
     details: list[dict[str, Any]] = []
-    for i, tool in enumerate(tools or ()):
+    for i, tool in enumerate(tools):
         at = f"body.tools.{i}"
         if not isinstance(tool, dict):
             details.append(_model_type(at, tool, "ChatCompletionToolsParam"))
@@ -640,8 +959,17 @@ def _check_tools(tools: list[Any] | None) -> None:
             name = _error_input(function["name"])
             details.append({"type": "string_type", "loc": f"{at}.function.name",
                             "msg": "Input should be a valid string", "input": name})  # fmt: skip
-    if details:
-        raise validation_error(details)
+    return details
+
+
+# pydantic's checks of the fields whose vLLM types msgspec's do not spell: their errors for a value
+# not null, in parse_body's errors too
+_FIELD_CHECKS: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
+    "response_format": _response_format_errors,
+    "truncation_side": _side_errors,
+    "tools": _tools_errors,
+    "stop": _stop_errors,
+}
 
 
 def _missing(loc: str, parent: dict[str, Any]) -> dict[str, Any]:
@@ -653,18 +981,16 @@ def _model_type(loc: str, value: Any, model: str) -> dict[str, Any]:
             "input": _error_input(value), "ctx": {"class_name": model}}  # fmt: skip
 
 
-def _check_tool_usage(body: ChatRequest) -> Any:
-    """vLLM's check_tool_usage validator; the tool_choice it leaves (`tools` without one: "auto")."""
-    tools, choice = body.tools, body.tool_choice
+def _check_tool_usage(data: dict[str, Any]) -> None:
+    """vLLM's check_tool_usage validator, on the raw body."""
+    tools, choice = data.get("tools"), data.get("tool_choice", msgspec.UNSET)
     if tools == []:
         raise VllmValidationError(
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
             parameter="tools",
         )
-    if choice is msgspec.UNSET:
-        return "auto" if tools else "none"
-    if choice in ("none", None):
-        return choice
+    if choice is msgspec.UNSET or choice in ("none", None):
+        return
     if tools is None:
         raise VllmValidationError("When using `tool_choice`, `tools` must be set.", parameter="tool_choice")
     if not isinstance(choice, dict):
@@ -674,7 +1000,7 @@ def _check_tool_usage(body: ChatRequest) -> Any:
                 "are supported.",
                 parameter="tool_choice",
             )
-        return choice
+        return
     usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
     function = choice.get("function")
     if not isinstance(function, dict):
@@ -690,12 +1016,11 @@ def _check_tool_usage(body: ChatRequest) -> Any:
         raise VllmValidationError(
             f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}", parameter="tool_choice.function.name"
         )
-    named = (t.get("function") for t in tools if isinstance(t, dict))
+    named = (t.get("function") for t in tools if isinstance(t, dict)) if isinstance(tools, list) else ()
     if not any(isinstance(f, dict) and f.get("name") == name for f in named):
         raise VllmValidationError(
             "The tool specified in `tool_choice` does not match any of the specified `tools`", parameter="tool_choice"
         )
-    return choice
 
 
 def _check_tool_parser(choice: Any, tool_parsing: bool) -> None:
@@ -822,6 +1147,7 @@ def _call(
         max_tokens.append(1 if echo_only else mt)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     opts = body.stream_options
+    include_usage = bool(opts is not None and opts.include_usage)
     return GenerateCall(
         prompts=prompts,
         max_tokens=max_tokens,
@@ -838,7 +1164,8 @@ def _call(
         want_ids=bool(body.return_token_ids),
         as_ids=bool(body.return_tokens_as_token_ids),
         stream=bool(body.stream),
-        include_usage=bool(opts is not None and opts.include_usage),
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(opts is not None and opts.continuous_usage_stats),
         kv_transfer_params=body.kv_transfer_params,
         request_id=body.request_id,
         cache_salt=body.cache_salt,
@@ -846,20 +1173,13 @@ def _call(
 
 
 def completion_call(body: CompletionRequest, max_model_len: int) -> GenerateCall:
-    # vLLM's validators, last-defined first: prompt given, stream options, logprobs
-    if body.prompt in (None, "") and body.prompt_embeds in (None, []):
-        raise VllmValidationError("Either prompt or prompt_embeds must be provided and non-empty.", parameter="prompt")
-    _check_stream_options(body)
-    _check_prompt_logprobs(body)
-    if body.logprobs is not None and body.logprobs < 0 and body.logprobs != -1:
-        raise VllmValidationError(
-            "`logprobs` must be a positive value or -1.", parameter="logprobs", value=body.logprobs
-        )
+    """`body` as parse_body leaves it (vLLM's validators of the raw body passed)."""
     _check_body(body)
     if body.suffix is not None:
         raise SimRequestError("suffix is not currently supported")
     if body.prompt_embeds is not None:
         raise SimRequestError("prompt_embeds is not supported by the simulated engine", param="prompt_embeds")
+    _refuse_logprob_token_ids(body)
     prompts = _prompts(body.prompt)
     negative = next((t for p in prompts for t in p.token_ids if t < 0), None)
     if negative is not None:  # pydantic's refusal in vLLM (its ids are `ge=0`), before the engine's checks
@@ -876,25 +1196,15 @@ def completion_call(body: CompletionRequest, max_model_len: int) -> GenerateCall
 
 
 def chat_call(body: ChatRequest, max_model_len: int, *, model: str, tool_parsing: bool = False) -> GenerateCall:
-    """`model`: the served model's (first) name, which names it in vLLM's refusal of media.
-    `tool_parsing`: the server runs a tool parser (vLLM's --enable-auto-tool-choice)."""
-    # vLLM's validators, last-defined first: generation prompt, tool usage, logprobs, stream options
+    """`body` as parse_body leaves it (vLLM's validators of the raw body passed). `model`: the
+    served model's (first) name, which names it in vLLM's refusal of media. `tool_parsing`: the
+    server runs a tool parser (vLLM's --enable-auto-tool-choice)."""
     add_generation_prompt = check_generation_prompt(body.add_generation_prompt, body.continue_final_message)
-    tool_choice = _check_tool_usage(body)
-    _check_prompt_logprobs(body)
+    # check_tool_usage's default: "auto" when tools are given
+    tool_choice = ("auto" if body.tools else "none") if body.tool_choice is msgspec.UNSET else body.tool_choice
     top = body.top_logprobs
-    if top is not None:
-        if top < 0 and top != -1:
-            raise VllmValidationError(
-                "`top_logprobs` must be a positive value or -1.", parameter="top_logprobs", value=top
-            )
-        if (top == -1 or top > 0) and not body.logprobs:
-            raise VllmValidationError(
-                "when using `top_logprobs`, `logprobs` must be set to true.", parameter="top_logprobs"
-            )
-    _check_stream_options(body)
     _check_body(body)
-    _check_tools(body.tools)
+    _refuse_logprob_token_ids(body)
     # the renderer's checks, after the model's (generate_api.py): tool parser, then template
     _check_tool_parser(tool_choice, tool_parsing)
     check_request_template(body.chat_template, body.chat_template_kwargs)
@@ -913,6 +1223,12 @@ def chat_call(body: ChatRequest, max_model_len: int, *, model: str, tool_parsing
     if body.echo:
         call.chat_echo = _echoed(body.messages, "assistant" if add_generation_prompt else None)
     return call
+
+
+def _refuse_logprob_token_ids(body: _Sampling) -> None:
+    """vLLM reports the logprobs of these ids at each position; the sim has no model to score them."""
+    if body.logprob_token_ids:
+        raise SimRequestError("logprob_token_ids is not supported by the simulated engine", param="logprob_token_ids")
 
 
 def _echoed(messages: list[dict[str, Any]], role: str | None) -> str:

@@ -47,7 +47,7 @@ def test_integer_fields_are_read_as_vllm_reads_them(value: Any, vllm: Any) -> No
         try:
             return getattr(parse_body(json.dumps(body).encode(), kind), name)
         except SimRequestError as exc:
-            return ("ERR", exc.param)
+            return (exc.kind, exc.param)
 
     got = [
         read(CompletionRequest, {"prompt": "x", "max_tokens": value}, "max_tokens"),
@@ -55,12 +55,12 @@ def test_integer_fields_are_read_as_vllm_reads_them(value: Any, vllm: Any) -> No
         read(CompletionRequest, {"prompt": "x", "stop_token_ids": [7, value]}, "stop_token_ids"),
         read(ChatRequest, {**CHAT, "max_completion_tokens": value}, "max_completion_tokens"),
     ]
-    if vllm == "ERR":  # a 400 naming the field
+    if vllm == "ERR":  # pydantic's 400 naming the field, as vLLM's validation handler writes it
         assert got == [
-            ("ERR", "max_tokens"),
-            ("ERR", "n"),
-            ("ERR", "stop_token_ids[1]"),
-            ("ERR", "max_completion_tokens"),
+            ("Bad Request", "body.max_tokens"),
+            ("Bad Request", "body.n"),
+            ("Bad Request", "body.stop_token_ids.1"),
+            ("Bad Request", "body.max_completion_tokens"),
         ]
     else:
         assert got == [vllm, vllm, [7, vllm], vllm]
@@ -169,6 +169,24 @@ async def test_max_tokens_over_the_context_is_vllms_400(sim: SimServer) -> None:
 def test_what_cannot_fit_the_context_is_vllms_400(call: Any, body: dict[str, Any], param: str, message: str) -> None:
     err = refused(call, body)
     assert (err.status, err.kind, err.param, err.message) == (400, "BadRequestError", param, message)
+
+
+def test_a_prompt_of_the_whole_context_leaves_no_room_for_output() -> None:
+    """vLLM's renderer refuses only more than max_model_len tokens (renderers/params.py
+    _token_len_check); a prompt of exactly that many gets 0 from get_max_tokens, which
+    SamplingParams refuses. "at least" whenever the count shown is the limit + 1, ids too."""
+    chat_tokens = len(chat({}).prompts[0].token_ids)
+    for call, body, limit in ((complete, {"prompt": [7] * 2048, "max_tokens": 4}, 2048), (chat, {}, chat_tokens)):
+        err = refused(call, body, limit)
+        assert (err.param, err.message) == ("max_tokens", "max_tokens must be at least 1, got 0. "
+                                                          "(parameter=max_tokens, value=0)")  # fmt: skip
+    assert complete({"prompt": [7] * 2048, "max_tokens": 0, "echo": True}, 2048).max_tokens == [1]  # echo only
+    err = refused(complete, {"prompt": [7] * 2049, "max_tokens": 4}, 2048)
+    assert (err.param, err.message) == ("input_tokens", "This model's maximum context length is 2048 tokens. However, "
+                                        "your prompt contains at least 2049 input tokens, which exceeds this limit "
+                                        "even without any output tokens. Please reduce the length of the input prompt. "
+                                        "(parameter=input_tokens, value=2049)")  # fmt: skip
+    assert "contains 2050 input tokens" in refused(complete, {"prompt": [7] * 2050, "max_tokens": 4}, 2048).message
 
 
 def test_the_whole_context_may_be_asked_for() -> None:

@@ -52,6 +52,42 @@ async def test_stream_options_without_include_usage_add_no_usage_chunk(
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+async def test_continuous_usage_stats_put_a_running_usage_on_every_completion_chunk(sim: SimServer) -> None:
+    """vLLM's completion/serving.py with include_usage and continuous_usage_stats: each chunk
+    carries its prompt's tokens and its choice's tokens so far (this one's included), then the
+    usage chunk totals them (the engine_sim audit of 2026-12-04: the sim sent only the last)."""
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 3, "n": 2, "temperature": 1, "stream": True}
+    status, text, _ = await post(sim, "/v1/completions", {**body, "stream_options": CONTINUOUS})
+    chunks = events(text)
+    assert status == 200 and len(chunks) == 7
+    for index in (0, 1):
+        running = [c["usage"] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert running == [{"prompt_tokens": 4, "total_tokens": 4 + k, "completion_tokens": k} for k in (1, 2, 3)]
+    assert list(chunks[0]) == ["id", "object", "created", "model", "choices", "usage"]  # vLLM's dump order
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "total_tokens": 10, "completion_tokens": 6}
+
+
+async def test_continuous_usage_stats_on_chat_start_at_the_role_chunk(sim: SimServer) -> None:
+    """chat_completion/serving.py: the role chunk (and an echo chunk) counts no output yet; each
+    UsageInfo names completion_tokens_details, null, which exclude_unset keeps."""
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "ok"}]
+    body = {"messages": messages, "max_tokens": 3, "add_generation_prompt": False, "echo": True, "stream": True}
+    status, text, _ = await post(sim, "/v1/chat/completions", {**body, "stream_options": CONTINUOUS})
+    chunks = events(text)
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    counts = [0, 0, 1, 2, 3]  # role, echo, then one per token
+    assert status == 200 and [c["usage"] for c in chunks[:-1]] == [
+        {"prompt_tokens": prompt, "total_tokens": prompt + k, "completion_tokens": k, "completion_tokens_details": None}
+        for k in counts
+    ]
+    assert list(chunks[0]) == ["id", "object", "created", "model", "choices", "usage", "prompt_token_ids",
+                               "prompt_text"]  # fmt: skip
+    assert chunks[-1]["usage"] == {"prompt_tokens": prompt, "total_tokens": prompt + 3, "completion_tokens": 3}
+
+
 # --- usage.prompt_tokens_details ---------------------------------------------------------------------
 
 
@@ -257,6 +293,15 @@ async def test_request_id_headers_when_enabled_on_every_answer() -> None:
         assert len(fresh) == 32 and int(fresh, 16) >= 0 and fresh not in body["id"]
         assert (await request(sim, "GET", "/nope", **{"X-Request-Id": "x"}))[2]["X-Request-Id"] == "x"
         assert len((await request(sim, "GET", "/health"))[2]["X-Request-Id"]) == 32
+
+
+async def test_an_empty_request_id_header_names_the_request(sim: SimServer) -> None:
+    """vLLM's _base_request_id takes the header whenever it is sent (`is not None`), empty too, over
+    the body's request_id."""
+    _, body, _ = await post(sim, "/v1/completions", {**COMPLETION, "request_id": "from-body"}, **{"X-Request-Id": ""})
+    assert body["id"] == "cmpl-"
+    _, body, _ = await post(sim, "/v1/completions", {**COMPLETION, "request_id": "from-body"})
+    assert body["id"] == "cmpl-from-body"
 
 
 def test_the_request_id_flag_is_vllms_and_off_by_default() -> None:

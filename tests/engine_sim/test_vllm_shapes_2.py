@@ -419,6 +419,13 @@ HF_CONTINUE = (
 TOOLS_NEEDED = error("When using `tool_choice`, `tools` must be set. (parameter=tool_choice)", "tool_choice")
 USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 TOOL = [{"type": "function", "function": {"name": "f"}}]
+JSON_SCHEMA_NEEDED = error("When response_format type is 'json_schema', the 'json_schema' field must be provided. "
+                           "(parameter=response_format)", "response_format")  # fmt: skip
+ONE_KIND = "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice')."
+TOO_MANY_PROMPTS = error("prompt list length 1025 exceeds the maximum allowed count of 1024. To increase this "
+                         "limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable. (parameter=prompt)",
+                         "prompt")  # fmt: skip
+CONSTRAINTS_OR_TOOLS = error("You can only either use constraints for structured outputs or tools, not both.")
 # raw/vllm answers from c2.py (logprobs_neg1, logprobs_neg2, chat_tool_choice_req, _auto_notools,
 # chat_assistant_last_contfm, prompt_empty_list, prompt_list_of_empty, truncate_0, prompt_empty_str,
 # prompt_oov_tok, chat_empty_messages), and the validators of vLLM's request models.
@@ -464,6 +471,45 @@ VLLM_WORDS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
      error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")),
     (CHAT, {"messages": []},
      error("Cannot apply chat template to an empty conversation. Provide at least one message.")),
+    # the engine_sim audit of 2026-12-04 (repro.out, C2-C5), from vLLM's models in .venv-vllm: its
+    # `mode="before"` validators the sim lacked, and logprobs fields sent as text
+    (C, {"response_format": {"type": "json_schema"}}, JSON_SCHEMA_NEEDED),
+    (CHAT, {"response_format": {"type": "json_schema"}}, JSON_SCHEMA_NEEDED),
+    (C, {"structured_outputs": {"regex": "a+", "choice": ["a"]}},
+     error(f"{ONE_KIND} (parameter=structured_outputs)", "structured_outputs")),
+    (CHAT, {"structured_outputs": {"regex": "a+", "choice": ["a"]}}, error(ONE_KIND)),
+    (CHAT, {"structured_outputs": {"regex": "a+"}, "tools": TOOL,
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}, CONSTRAINTS_OR_TOOLS),
+    (CHAT, {"structured_outputs": {"regex": "a+"}, "tools": TOOL, "tool_choice": None}, CONSTRAINTS_OR_TOOLS),
+    (C, {"logprob_token_ids": [5, 6]}, error("when using `logprob_token_ids`, `logprobs` must be set. "
+                                              "(parameter=logprob_token_ids)", "logprob_token_ids")),
+    (CHAT, {"logprob_token_ids": [5, 6]}, error("when using `logprob_token_ids`, `logprobs` must be set to true. "
+                                                 "(parameter=logprob_token_ids)", "logprob_token_ids")),
+    (C, {"logprob_token_ids": [5], "logprobs": 1, "use_beam_search": True},
+     error("`logprob_token_ids` is not supported with beam search. (parameter=logprob_token_ids)",
+           "logprob_token_ids")),
+    (C, {"use_beam_search": True, "echo": True, "logprobs": 1},
+     error("`echo` with `logprobs` is not supported with beam search because beam search does not compute prompt "
+           "logprobs. (parameter=echo)", "echo")),
+    (C, {"logprob_token_ids": [5], "echo": True, "max_tokens": 0, "logprobs": 1},
+     error("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no output tokens are "
+           "generated. (parameter=logprob_token_ids)", "logprob_token_ids")),
+    (C, {"prompt": ["a"] * 1025}, TOO_MANY_PROMPTS),
+    (C, {"prompt": [[5]] * 1025}, TOO_MANY_PROMPTS),
+    (C, {"logprobs": "2"}, error("`logprobs` must be an integer. (parameter=logprobs, value=2)", "logprobs")),
+    (C, {"prompt_logprobs": "1"},
+     error("`prompt_logprobs` must be an integer. (parameter=prompt_logprobs, value=1)", "prompt_logprobs")),
+    (CHAT, {"logprobs": True, "top_logprobs": "2"},
+     error("`top_logprobs` must be an integer. (parameter=top_logprobs, value=2)", "top_logprobs")),
+    (C, {"cache_salt": ""}, error("Parameter 'cache_salt' must be a non-empty string if provided. "
+                                  "(parameter=cache_salt)", "cache_salt")),
+    (CHAT, {"cache_salt": "a/b"}, error("Parameter 'cache_salt' must be at most 128 characters and must not "
+                                        "contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)", "cache_salt")),
+    # what vLLM would report for them the sim cannot: refused, not dropped
+    (C, {"logprob_token_ids": [5, 6], "logprobs": 1},
+     error("logprob_token_ids is not supported by the simulated engine", "logprob_token_ids")),
+    (CHAT, {"logprob_token_ids": [5, 6], "logprobs": True},
+     error("logprob_token_ids is not supported by the simulated engine", "logprob_token_ids")),
 ]  # fmt: skip
 
 
@@ -565,6 +611,23 @@ VLLM_FIRST_REFUSAL: list[tuple[str, dict[str, Any], str]] = [
      "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"),
     (C, {"stream_options": {"include_usage": True}, "logprobs": -2},
      "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
+    # the engine_sim audit of 2026-12-04: the raw body's validators before the fields' types
+    (C, {"prompt": ["a"] * 1025, "stream_options": {"a": 1}}, TOO_MANY_PROMPTS["error"]["message"]),
+    (C, {"stream_options": {"a": 1}, "logprobs": "x"},
+     "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
+    (C, {"logprobs": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "`logprobs` must be an integer. (parameter=logprobs, value=x)"),
+    (C, {"response_format": {"type": "json_schema"}, "cache_salt": "", "seed": "abc"},
+     JSON_SCHEMA_NEEDED["error"]["message"]),
+    (CHAT, {"continue_final_message": "false", "add_generation_prompt": "false"},  # the raw values' truth
+     "Cannot set both `continue_final_message` and `add_generation_prompt` to True."),
+    (CHAT, {"tool_choice": "auto", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     TOOLS_NEEDED["error"]["message"]),
+    (CHAT, {"top_logprobs": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, ONE_KIND),
+    (CHAT, {"top_logprobs": "x", "stream_options": {"a": 1}},
+     "`top_logprobs` must be an integer. (parameter=top_logprobs, value=x)"),
+    (CHAT, {"response_format": {"type": "json_schema"}, "stream_options": {"a": 1}},
+     "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
 ]  # fmt: skip
 
 
@@ -587,3 +650,157 @@ async def test_models_are_described_afresh_on_every_call(sim: SimServer) -> None
     assert a["permission"][0]["created"] == a["created"] and b["permission"][0]["created"] == b["created"]
     assert a["permission"][0]["id"] != b["permission"][0]["id"]
     assert len(b["permission"][0]["id"]) == len("modelperm-") + 16
+
+
+# --- 9. The engine_sim audit of 2026-12-04 --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (C, {"stream_options": {}}),
+        (CHAT, {"stream_options": {}}),
+        (C, {"stream": "false", "stream_options": {"include_usage": True}}),
+        (C, {"temperature": True}),  # pydantic reads it as 1.0
+    ],
+)
+async def test_bodies_vllms_validators_let_through_are_served(sim: SimServer, path: str, body: dict[str, Any]) -> None:
+    """validate_stream_options tests the raw JSON's truth: `{}` is no stream options, and the text
+    "false" is true there (pydantic reads it as False later), so vLLM answers these, unstreamed."""
+    status, out, _ = await post(sim, path, {**(COMPLETION if path == C else CHAT_BODY), **body})
+    assert status == 200 and out["object"] == ("text_completion" if path == C else "chat.completion"), out
+
+
+def pydantic(*errors: str) -> dict[str, Any]:
+    """vLLM's validation handler's 400 for these pydantic errors (its `param` the first's loc)."""
+    label = "error" if len(errors) == 1 else "errors"
+    param = errors[0].split("'loc': '", 1)[1].split("'", 1)[0]
+    return error(f"{len(errors)} validation {label}:\n  " + "\n  ".join(errors), param, "Bad Request")
+
+
+SEED_TEXT = ("{'type': 'int_parsing', 'loc': 'body.seed', 'msg': 'Input should be a valid integer, unable to parse "
+             "string as an integer', 'input': 'abc'}")  # fmt: skip
+RF = "body.response_format"
+RF_BOGUS = [
+    f"{{'type': 'literal_error', 'loc': '{RF}.type', 'msg': \"Input should be 'text', 'json_object' or "
+    "'json_schema'\", 'input': 'bogus', 'ctx': {'expected': \"'text', 'json_object' or 'json_schema'\"}}",
+    f"{{'type': 'literal_error', 'loc': '{RF}.type', 'msg': \"Input should be 'structural_tag'\", 'input': 'bogus', "
+    "'ctx': {'expected': \"'structural_tag'\"}}",
+    f"{{'type': 'missing', 'loc': '{RF}.format', 'msg': 'Field required', 'input': '<dict of 1 items>'}}",
+    f"{{'type': 'literal_error', 'loc': '{RF}.type', 'msg': \"Input should be 'structural_tag'\", 'input': 'bogus', "
+    "'ctx': {'expected': \"'structural_tag'\"}}",
+    f"{{'type': 'missing', 'loc': '{RF}.structures', 'msg': 'Field required', 'input': '<dict of 1 items>'}}",
+    f"{{'type': 'missing', 'loc': '{RF}.triggers', 'msg': 'Field required', 'input': '<dict of 1 items>'}}",
+]
+# The engine_sim audit's repro.out (C6) and vLLM 0.32's CompletionRequest / ChatCompletionRequest
+# through its validation handler (.venv-vllm): pydantic's errors, every one, in vLLM's field order.
+VLLM_PYDANTIC: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    (C, {"seed": "abc"}, pydantic(SEED_TEXT)),
+    (C, {"seed": 2**64}, pydantic(
+        "{'type': 'less_than_equal', 'loc': 'body.seed', 'msg': 'Input should be less than or equal to "
+        "9223372036854775807', 'input': '18446744073709551616', 'ctx': {'le': 9223372036854775807}}")),
+    (C, {"seed": -(2**63) - 1}, pydantic(
+        "{'type': 'greater_than_equal', 'loc': 'body.seed', 'msg': 'Input should be greater than or equal to "
+        "-9223372036854775808', 'input': '-9223372036854775809', 'ctx': {'ge': -9223372036854775808}}")),
+    (C, {"seed": 2.5}, pydantic(
+        "{'type': 'int_from_float', 'loc': 'body.seed', 'msg': 'Input should be a valid integer, got a number with a "
+        "fractional part', 'input': '2.5'}")),
+    (C, {"seed": 1e20}, pydantic(
+        "{'type': 'int_parsing_size', 'loc': 'body.seed', 'msg': 'Unable to parse input string as an integer, "
+        "exceeded maximum size', 'input': '1e+20'}")),
+    (C, {"n": None}, pydantic(
+        "{'type': 'int_type', 'loc': 'body.n', 'msg': 'Input should be a valid integer', 'input': 'None'}")),
+    (C, {"temperature": "hot"}, pydantic(
+        "{'type': 'float_parsing', 'loc': 'body.temperature', 'msg': 'Input should be a valid number, unable to "
+        "parse string as a number', 'input': 'hot'}")),
+    (C, {"temperature": [1]}, pydantic(
+        "{'type': 'float_type', 'loc': 'body.temperature', 'msg': 'Input should be a valid number', 'input': '<list "
+        "of 1 items>'}")),
+    (C, {"stop": 5}, pydantic(
+        "{'type': 'string_type', 'loc': 'body.stop', 'msg': 'Input should be a valid string', 'input': '5'}",
+        "{'type': 'list_type', 'loc': 'body.stop', 'msg': 'Input should be a valid list', 'input': '5'}")),
+    (C, {"stop": ["a", 1]}, pydantic(
+        "{'type': 'string_type', 'loc': 'body.stop', 'msg': 'Input should be a valid string', 'input': '<list of 2 "
+        "items>'}",
+        "{'type': 'string_type', 'loc': 'body.stop.1', 'msg': 'Input should be a valid string', 'input': '1'}")),
+    (C, {"echo": "maybe"}, pydantic(
+        "{'type': 'bool_parsing', 'loc': 'body.echo', 'msg': 'Input should be a valid boolean, unable to interpret "
+        "input', 'input': 'maybe'}")),
+    (C, {"ignore_eos": None}, pydantic(
+        "{'type': 'bool_type', 'loc': 'body.ignore_eos', 'msg': 'Input should be a valid boolean', 'input': 'None'}")),
+    (C, {"request_id": None}, pydantic(
+        "{'type': 'string_type', 'loc': 'body.request_id', 'msg': 'Input should be a valid string', 'input': "
+        "'None'}")),
+    (C, {"stream": True, "stream_options": "x"}, pydantic(
+        "{'type': 'model_type', 'loc': 'body.stream_options', 'msg': 'Input should be a valid dictionary or instance "
+        "of StreamOptions', 'input': 'x', 'ctx': {'class_name': 'StreamOptions'}}")),
+    (C, {"stream": True, "stream_options": {"include_usage": "maybe"}}, pydantic(
+        "{'type': 'bool_parsing', 'loc': 'body.stream_options.include_usage', 'msg': 'Input should be a valid "
+        "boolean, unable to interpret input', 'input': 'maybe'}")),
+    (C, {"logit_bias": {"5": "x"}}, pydantic(
+        "{'type': 'float_parsing', 'loc': 'body.logit_bias.5', 'msg': 'Input should be a valid number, unable to "
+        "parse string as a number', 'input': 'x'}")),
+    (C, {"stop_token_ids": "x"}, pydantic(
+        "{'type': 'list_type', 'loc': 'body.stop_token_ids', 'msg': 'Input should be a valid list', 'input': 'x'}")),
+    (C, {"logprobs": 1.5}, pydantic(
+        "{'type': 'int_from_float', 'loc': 'body.logprobs', 'msg': 'Input should be a valid integer, got a number "
+        "with a fractional part', 'input': '1.5'}")),
+    (C, {"response_format": {"type": "bogus"}}, pydantic(*RF_BOGUS)),
+    (CHAT, {"response_format": {"type": "bogus"}}, pydantic(*RF_BOGUS)),
+    (C, {"response_format": "x"}, pydantic(*(
+        f"{{'type': 'model_type', 'loc': '{RF}', 'msg': 'Input should be a valid dictionary or instance of {m}', "
+        f"'input': 'x', 'ctx': {{'class_name': '{m}'}}}}"
+        for m in ("ResponseFormat", "StructuralTagResponseFormat", "LegacyStructuralTagResponseFormat")))),
+    (C, {"seed": "abc", "n": "x", "echo": "maybe"}, pydantic(  # several: vLLM's field order, not the body's
+        "{'type': 'bool_parsing', 'loc': 'body.echo', 'msg': 'Input should be a valid boolean, unable to interpret "
+        "input', 'input': 'maybe'}",
+        "{'type': 'int_parsing', 'loc': 'body.n', 'msg': 'Input should be a valid integer, unable to parse string as "
+        "an integer', 'input': 'x'}",
+        SEED_TEXT)),
+    (C, {"stop": ["a", "b", "c", "d", "e", "f"], "seed": "abc"}, pydantic(SEED_TEXT, *STOP_6["error"]["message"]
+                                                                           .split("\n  ")[1:])),
+    (C, {"truncation_side": "mid", "seed": "abc"}, pydantic(
+        SEED_TEXT, "{'type': 'literal_error', 'loc': 'body.truncation_side', 'msg': \"Input should be 'left' or "
+        "'right'\", 'input': 'mid', 'ctx': {'expected': \"'left' or 'right'\"}}")),
+    (CHAT, {"messages": "x"}, pydantic(
+        "{'type': 'list_type', 'loc': 'body.messages', 'msg': 'Input should be a valid list', 'input': 'x'}")),
+    (CHAT, {"tools": "x"}, pydantic(
+        "{'type': 'list_type', 'loc': 'body.tools', 'msg': 'Input should be a valid list', 'input': 'x'}")),
+    (CHAT, {"seed": "abc", "tools": [{"type": "x", "function": {"name": "f"}}]}, pydantic(
+        SEED_TEXT, "{'type': 'literal_error', 'loc': 'body.tools.0.type', 'msg': \"Input should be 'function'\", "
+        "'input': 'x', 'ctx': {'expected': \"'function'\"}}")),
+    (CHAT, {"max_completion_tokens": "x"}, pydantic(
+        "{'type': 'int_parsing', 'loc': 'body.max_completion_tokens', 'msg': 'Input should be a valid integer, "
+        "unable to parse string as an integer', 'input': 'x'}")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "refusal"), VLLM_PYDANTIC)
+async def test_refused_fields_are_pydantics_errors(
+    sim: SimServer, path: str, body: dict[str, Any], refusal: Any
+) -> None:
+    """Until 2026-12-04 these were msgspec's words ("Expected `int`, got `str` - at `$.seed`"),
+    type BadRequestError, `param` the bare field."""
+    status, out, _ = await post(sim, path, {**(COMPLETION if path == C else CHAT_BODY), **body})
+    assert (status, out) == (400, refusal)
+
+
+async def test_a_chat_without_messages_and_a_tokenize_with_neither_are_pydantics_errors(sim: SimServer) -> None:
+    """ChatCompletionRequest requires `messages`; /tokenize's union of models fails both members."""
+    status, out, _ = await post(sim, CHAT, {"max_tokens": 2, "temperature": 0})
+    assert (status, out) == (
+        400,
+        pydantic("{'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required', 'input': '<dict of 2 items>'}"),
+    )
+    missing = "{'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required', 'input': '<dict of %d items>'}"
+    answers = [
+        ({}, pydantic("{'type': 'missing', 'loc': 'body.prompt', 'msg': 'Field required', 'input': '<dict of 0 "
+                      "items>'}", missing % 0)),
+        ({"prompt": None, "model": "sim-llama"}, pydantic(
+            "{'type': 'string_type', 'loc': 'body.prompt', 'msg': 'Input should be a valid string', 'input': "
+            "'None'}", missing % 2)),
+        ({"prompt": 5}, pydantic("{'type': 'string_type', 'loc': 'body.prompt', 'msg': 'Input should be a valid "
+                                 "string', 'input': '5'}", missing % 1)),
+    ]  # fmt: skip
+    for body, refusal in answers:
+        assert (await post(sim, "/tokenize", body))[:2] == (400, refusal)
