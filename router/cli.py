@@ -173,9 +173,18 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         return self
 
 
-# What vLLM's defaults cannot set: a request's own field or vLLM's own argument always wins over
-# them, or, for `messages`, every chat would fail.
-_NOT_DEFAULTS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize")
+# What the router takes no default for, and why: a request's own field or vLLM's own argument
+# always wins over it, or (`messages`) every chat would fail, or (`chat_template`, which vLLM
+# renders with where neither the request nor --chat-template names one) the router reads the
+# template from the tokenizer folder.
+_NOT_DEFAULTS = {
+    "messages": "every chat would fail in vLLM too",
+    "add_generation_prompt": "a request's own always wins in vLLM",
+    "continue_final_message": "a request's own always wins in vLLM",
+    "tokenize": "vLLM's own argument always wins",
+    "chat_template": "vLLM renders with it, but the router reads the chat template from the --tokenizer folder: "
+    "save it there as chat_template.jinja",
+}
 
 
 def _template_kwargs(given: dict[str, Any] | str, tokenizer: str | None) -> dict[str, Any]:
@@ -191,9 +200,9 @@ def _template_kwargs(given: dict[str, Any] | str, tokenizer: str | None) -> dict
         raise ConfigError(name, given, 'must be a JSON object as vLLM takes it, e.g. {"enable_thinking": false}')
     if tokenizer is None:
         raise ConfigError(name, given, "needs --tokenizer: the built-in tokenizer's ChatML (engine_sim's) takes none")
-    for key in _NOT_DEFAULTS:
+    for key, why in _NOT_DEFAULTS.items():
         if key in value:
-            raise ConfigError(name, given, f"must not set {key!r}: a request's own always wins in vLLM, or it breaks")
+            raise ConfigError(name, given, f"must not set {key!r}: {why}")
     for key in ("tools", "documents"):
         if value.get(key) is not None and not (
             isinstance(value[key], list) and all(isinstance(x, dict) for x in value[key])

@@ -70,6 +70,7 @@ class NormaliserStats:
     bigram_stored: int = 0  # Stored events of SGLang's bigram pages (EAGLE)
 
 
+_REBUILD_PARENTS = 64
 DROPPED_FOR_S = 60.0
 """How long a dropped adapter chain's blocks stay dropped whatever the engine says of them."""
 
@@ -91,6 +92,9 @@ class Normaliser:
         self.stats = stats or NormaliserStats()  # shared by the shim's successive normalisers
         self.exact = True
         self.needs_rebuild = False
+        # engine hashes of the unknown parents that raised needs_rebuild (a few: enough to tell
+        # whether a rebuild's own replay names the same ones again); the owner takes them
+        self.rebuild_parents: set[int] = set()
         # engine hash -> [canonical hash, references]
         self._engine: dict[int, list[int]] = {}
         # canonical hash -> references (over all engine hashes naming it)
@@ -348,6 +352,8 @@ class Normaliser:
                 self.stats.unknown_parent += 1
                 if self.exact:
                     self.needs_rebuild = True
+                    if len(self.rebuild_parents) < _REBUILD_PARENTS:
+                        self.rebuild_parents.add(ev.parent)
                 return
             start = parent
         try:

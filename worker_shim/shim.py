@@ -130,42 +130,49 @@ class _RebuildGuard:
 
     An event the decoder cannot read is dropped, and its children name an unknown parent on every
     replay too: each rebuild's own replay asked for the next, at the adapter's poll rate, each one a
-    Cleared to every router. So an unknown parent within REBUILD_REPEAT_S of the rebuild asked last
-    makes that one a repeat: rebuilds are then held (not made: counted) for REBUILD_BACKOFF_S after
-    it, doubling per repeat up to REBUILD_BACKOFF_MAX_S, said at ERROR per step; that long without
-    an unknown parent forgets the backoff. The first unknown parent after a hold rebuilds at once.
+    Cleared to every router. So a parent that is unknown again within REBUILD_REPEAT_S of the
+    rebuild it asked for is one rebuilding does not cure: rebuilds asked for by such parents alone
+    are held (not made: counted) until REBUILD_BACKOFF_S after that rebuild, doubling per repeat up to
+    REBUILD_BACKOFF_MAX_S, said at ERROR per step; that long without an unknown parent forgets them.
+    Any other unknown parent rebuilds at once, and so does the first one after a hold.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.held = 0
         self._asked_at = float("-inf")
+        self._asked_for: set[int] = set()
         self._seen_at = float("-inf")
+        self._uncured: set[int] = set()
         self._backoff = 0.0
-        self._repeat = False  # the rebuild asked last was found a repeat
+        self._hold_until = float("-inf")
 
-    def ask(self) -> bool:
-        """Whether the rebuild an unknown parent asks for now is made."""
+    def ask(self, parents: set[int]) -> bool:
+        """Whether the rebuild the unknown `parents` ask for now is made."""
         now = self.clock()
         if now - self._seen_at >= REBUILD_BACKOFF_MAX_S:
-            self._backoff = 0.0
+            self._backoff, self._uncured = 0.0, set()
         self._seen_at = now
         since = now - self._asked_at
-        if since < REBUILD_REPEAT_S and not self._repeat:
-            self._repeat = True
+        again = parents & self._asked_for if since < REBUILD_REPEAT_S else set()
+        if again:
+            self._uncured |= again
+            self._asked_for = set()
             self._backoff = min(max(2 * self._backoff, REBUILD_BACKOFF_S), REBUILD_BACKOFF_MAX_S)
+            self._hold_until = self._asked_at + self._backoff
             log.error(
-                "KV event with an unknown parent again %.1fs after the last rebuild was asked: the engine's own "
+                "KV event with an unknown parent again %.1fs after the rebuild it asked for: the engine's own "
                 "replay names parents it never stored (an event the shim cannot read? see "
-                "kvswitch_shim_kv_events_malformed_total); rebuilds are held for %.0fs "
+                "kvswitch_shim_kv_events_malformed_total); rebuilds for them are held for %.0fs "
                 "(kvswitch_shim_kv_rebuilds_held_total)",
                 since,
                 self._backoff,
             )
-        if since < self._backoff:
+        fresh = parents - self._uncured
+        if not fresh and now < self._hold_until:
             self.held += 1
             return False
-        self._asked_at, self._repeat = now, False
+        self._asked_at, self._asked_for = now, fresh or parents
         return True
 
 
@@ -746,7 +753,8 @@ class WorkerShim:
                 self.registration.update()
         if norm.needs_rebuild:
             norm.needs_rebuild = False
-            if self.rebuild_guard.ask():
+            parents, norm.rebuild_parents = norm.rebuild_parents, set()
+            if self.rebuild_guard.ask(parents):
                 log.warning("KV event with an unknown parent: asking the engine for its whole state")
                 self.adapter.request_rebuild()
         self._publish(out)

@@ -192,6 +192,7 @@ def test_a_bad_process_setting_from_the_environment_is_refused_naming_it(
         (["--default-chat-template-kwargs", '{"enable_thinking": false}'], "needs --tokenizer"),
         (["--tokenizer", "/t", "--default-chat-template-kwargs", '{"add_generation_prompt": false}'], "must not set"),
         (["--tokenizer", "/t", "--default-chat-template-kwargs", '{"messages": []}'], "must not set 'messages'"),
+        (["--tokenizer", "/t", "--default-chat-template-kwargs", '{"chat_template": "x"}'], "chat_template.jinja"),
         (["--tokenizer", "/t", "--default-chat-template-kwargs", '{"tools": "get_time"}'], "'tools' must be a list"),
     ],
 )

@@ -179,3 +179,22 @@ def test_a_genuine_unknown_parent_rebuilds_at_once_once_rebuilds_cure_or_things_
         assert s.rebuild(0.3) == 2
         assert s.at(6.0, _orphan(4)) == 3
     assert len(_errors(caplog)) == 1 and _held(s.shim) == 1.0
+
+
+def test_another_unknown_parent_soon_after_a_rebuild_that_cured_the_first_rebuilds_at_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the same parent, unknown again after the rebuild it asked for, is one rebuilding cannot
+    cure: a timing rule alone held this one and said at ERROR that the replay was at fault."""
+    s = _Sink(monkeypatch)
+
+    def root(h: int) -> EngineStored:
+        return EngineStored(hashes=[h], parent=None, token_ids=[h, h, h, h], block_size=B)
+
+    other = EngineStored(hashes=[9], parent=7, token_ids=[5, 6, 7, 8], block_size=B)
+    with caplog.at_level(logging.WARNING):
+        assert s.at(0.0, _orphan()) == 1  # parent 1 unknown: a rebuild
+        assert s.rebuild(0.3, root(1), _orphan()) == 1  # its replay holds parent 1: cured
+        assert s.at(2.7, other) == 2  # parent 7 unknown 3 s after: a rebuild of its own
+        assert s.rebuild(0.3, root(1), _orphan(), root(7), other) == 2
+    assert _errors(caplog) == [] and _held(s.shim) == 0.0
