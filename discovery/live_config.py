@@ -3,9 +3,9 @@
 A change is validated like a startup flag; a valid one replaces the current settings at once, an
 invalid one is refused, logged with the reason, and the last valid settings stay. Refused: a value
 that is not a JSON object, a key that is no setting (a typo must not pass for applied), a value
-of the wrong type or range, NaN and infinities. Deleting the key returns to the settings the
-process started with. Exactly that key: `/{ns}/config/router-canary` and the like are other keys,
-and ignored here.
+of the wrong type or range, NaN and infinities, JSON nested too deep to read. Deleting the key
+returns to the settings the process started with. Exactly that key: `/{ns}/config/router-canary`
+and the like are other keys, and ignored here.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class ConfigWatcher:
                     )
                 overrides = parsed
             settings = resolve(RouterSettings, cli=self._base_cli, file=self._base_file, live=overrides)
-        except (ConfigError, ValueError) as exc:
-            self.refuse(str(exc))
+        except Exception as exc:  # not only ValueError: a value nested too deep raises RecursionError
+            self.refuse(str(exc) or type(exc).__name__)
             return False
         changed = settings != self.current
         self.current = settings

@@ -190,6 +190,8 @@ class Registration:
                 self._dirty = True
             if self._dirty:
                 await self._put()
+            elif lease.state is LeaseState.ALIVE:
+                await self._check_key(lease)
 
     async def _put(self) -> None:
         assert self.lease is not None
@@ -199,6 +201,20 @@ class Registration:
         except DiscoveryError as exc:
             self._dirty = True
             log.warning("re-putting %s failed (%s); retrying", self.key, exc)
+
+    async def _check_key(self, lease: Lease) -> None:
+        """Put the key back when someone deleted it while its lease lives (an operator's `etcdctl
+        del`, a broad prefix delete): nothing else would, and routers would pass this live owner
+        over for good. A read each keep-alive tick rather than a watch of the key: a watch can go
+        quiet (cancelled, resumed past changes) where a read cannot, and one key's read costs etcd
+        about what the keep-alive does."""
+        try:
+            if await self._discovery.holder(self.key) is not None:
+                return
+            await self._discovery.create(self.key, encode_json(self._value(self.id)), lease)
+        except DiscoveryError:
+            return  # etcd not answering (the lease says so), or the lease just went: its loss handles it
+        log.warning("%s was deleted while its lease %s lives (by someone else): put it back", self.key, lease.hex_id)
 
     async def _reregister(self, lost: Lease) -> bool:
         old = self.id

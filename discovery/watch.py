@@ -1,5 +1,6 @@
-"""Prefix watches as async iterators: one Snapshot, then Put/Deleted changes, then (after a
-compaction that the watch cannot bridge) a fresh Snapshot that replaces everything before it.
+"""Prefix watches as async iterators: one Snapshot, then Put/Deleted changes, then (whenever the
+watch must be made again: etcd restarted or compacted past it, a broken stream, a cancel) a fresh
+Snapshot that replaces everything before it.
 
 A value that does not parse is never handed on as a value: its key reads as absent (left out of
 the Snapshot, a Put of it reported as Deleted), and the event says why (`Snapshot.skipped`,
@@ -12,10 +13,11 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import grpc
-from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError, prefix_range_end
+from etcd3aio._protobuf import RangeResponse, WatchResponse
 
 __all__ = ["Deleted", "Put", "Snapshot", "WatchEvent", "keep_following", "watch_prefix"]
 
@@ -65,59 +67,74 @@ async def watch_prefix(
     the event says why; `log_skipped` logs each one naming its key (a consumer that reports them
     itself passes False).
 
-    Survives etcd restarts: the watch resumes from the last revision it saw, so changes made
-    while it was reconnecting still arrive, in order.
+    Survives etcd restarts, lost data and cancelled watches: whenever the watch has to be made
+    again it reads the prefix anew and yields a fresh Snapshot, then watches from that read.
+    Resuming from a revision is not enough: etcd back with less data (a lost data dir, a restore)
+    has a lower revision, and a stream broken before etcd sent the changes it owed resumes past
+    them (etcd3aio resumes after the revision etcd's answer carried, not after the last change).
     """
     start = prefix.encode()
     end = prefix_range_end(start)
+    latest = 0  # the highest revision etcd has shown this watch: one lower means its data was replaced
+    cancelled = ""  # why etcd cancelled the watch last, said once until a watch works again
     while True:
+        resp = await _read(client, prefix, start, end, retry_s, failed)
+        revision = resp.header.revision
+        if revision < latest:
+            log.warning(
+                "watch %s: etcd's revision went back from %d to %d: its data was replaced (lost, or "
+                "restored from a snapshot); what it holds now replaces all that was seen",
+                prefix,
+                latest,
+                revision,
+            )
+        latest = revision
+        items: dict[str, V] = {}
+        skipped: dict[str, str] = {}
+        for kv in resp.kvs:
+            name = _name(kv.key, start)
+            try:
+                items[name] = parse(kv.value)
+            except ValueError as exc:
+                skipped[name] = _skipped(prefix, name, exc, log_skipped)
+        yield Snapshot(items, revision, skipped)
+        assert client.watch is not None
+        # An async generator, typed as an iterator: closing it ends the gRPC stream at once.
+        stream = cast(
+            "AsyncGenerator[WatchResponse, None]", client.watch.watch(start, end, start_revision=revision + 1)
+        )
+        created = False
         try:
-            assert client.kv is not None
-            resp = await client.kv.get(start, end, timeout=5.0)
-            break
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            failed(exc)
-            log.warning("watch %s: initial read failed (%s); retrying", prefix, exc)
-            await asyncio.sleep(retry_s)
-    items: dict[str, V] = {}
-    skipped: dict[str, str] = {}
-    for kv in resp.kvs:
-        name = _name(kv.key, start)
-        try:
-            items[name] = parse(kv.value)
-        except ValueError as exc:
-            skipped[name] = _skipped(prefix, name, exc, log_skipped)
-    revision = resp.header.revision
-    yield Snapshot(items, revision, skipped)
-    async for event in _changes(client, prefix, start, end, revision + 1, parse, retry_s, failed, log_skipped):
-        yield event
-
-
-async def _changes(
-    client: Etcd3Client,
-    prefix: str,
-    start: bytes,
-    end: bytes,
-    next_rev: int,
-    parse: Callable[[bytes], V],
-    retry_s: float,
-    failed: Callable[[BaseException], None],
-    log_skipped: bool,
-) -> AsyncGenerator[WatchEvent[V], None]:
-    while True:
-        try:
-            assert client.watch is not None
-            async for resp in client.watch.watch(start, end, start_revision=next_rev):
-                if resp.compact_revision > 0:
-                    log.warning("watch %s: compacted past revision %d; re-reading", prefix, next_rev)
-                    again = watch_prefix(client, prefix, parse, retry_s=retry_s, failed=failed, log_skipped=log_skipped)
-                    async for event in again:
-                        yield event
-                    return
-                for ev in resp.events:
+            async for wr in stream:
+                if wr.compact_revision > 0:
+                    log.warning(
+                        "watch %s: etcd compacted its history to revision %d, past what this watch read; re-reading",
+                        prefix,
+                        wr.compact_revision,
+                    )
+                    break
+                if wr.canceled:
+                    reason = wr.cancel_reason or "no reason given"
+                    # A refused token must be renewed before the watch is made again, or it is refused again.
+                    failed(EtcdUnauthenticatedError(reason) if "auth token" in reason else EtcdError(reason))
+                    if reason != cancelled:
+                        log.error("watch %s: etcd cancelled it (%s); re-reading and watching again", prefix, reason)
+                    cancelled = reason
+                    break
+                if wr.created:
+                    # Made again by etcd3aio after the stream broke, or etcd's revision went back
+                    # since the read: changes may be missed either way.
+                    if created or wr.header.revision < latest:
+                        log.info("watch %s: made again; re-reading", prefix)
+                        break
+                    created = True
+                    if cancelled:
+                        log.info("watch %s: etcd takes the watch again", prefix)
+                    cancelled = ""
+                latest = max(latest, wr.header.revision)
+                for ev in wr.events:
                     name = _name(ev.kv.key, start)
                     rev = ev.kv.mod_revision
-                    next_rev = max(next_rev, rev + 1)
                     if ev.type == ev.DELETE:
                         yield Deleted(name, rev)
                         continue
@@ -129,8 +146,28 @@ async def _changes(
                     yield Put(name, value, rev)
         except (EtcdError, grpc.aio.AioRpcError) as exc:
             failed(exc)
-            log.warning("watch %s: %s; resuming from revision %d", prefix, exc, next_rev)
+            log.warning("watch %s: %s; re-reading", prefix, exc)
+        finally:
+            await stream.aclose()
         await asyncio.sleep(retry_s)
+
+
+async def _read(
+    client: Etcd3Client,
+    prefix: str,
+    start: bytes,
+    end: bytes,
+    retry_s: float,
+    failed: Callable[[BaseException], None],
+) -> RangeResponse:
+    while True:
+        try:
+            assert client.kv is not None
+            return await client.kv.get(start, end, timeout=5.0)
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            failed(exc)
+            log.warning("watch %s: reading failed (%s); retrying", prefix, exc)
+            await asyncio.sleep(retry_s)
 
 
 async def keep_following(

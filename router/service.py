@@ -39,6 +39,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.trace import TracerProvider
 
 from discovery import ConfigWatcher, Discovery, Registration
+from discovery.watch import keep_following
 from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, serving, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
 from protocol.errors import listen_error
@@ -367,10 +368,13 @@ class RouterService:
         self._registry = WorkerRegistry(self._discovery, self._on_worker_add, self._on_worker_remove)
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
-        self._watcher = ConfigWatcher(self._discovery, dict(self.config.overrides), dict(self.config.file_settings))
+        self._watcher = watcher = ConfigWatcher(
+            self._discovery, dict(self.config.overrides), dict(self.config.file_settings)
+        )
         self._tasks.append(
             background(
-                self._follow_config(self._watcher),
+                # A crash costs a backoff and a new watch (its Snapshot re-applied), not live config for good.
+                keep_following(lambda: self._follow_config(watcher), "the live config watch"),
                 "router-config",
                 "live settings stay as they are until the router restarts",
             )

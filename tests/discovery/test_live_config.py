@@ -68,6 +68,9 @@ async def test_only_the_exact_key_counts_not_a_key_that_starts_with_it(etcd_url:
         (b'{"temperature": Infinity}', "temperature"),
         (b'{"eff_isl_ratio_threshold": -Infinity}', "eff_isl_ratio_threshold"),
         (b'{"eff_isl_treshold": 100}', "eff_isl_treshold"),  # a typo must not pass for applied
+        # Nested too deep for json.loads, and for the checks: RecursionError, no ValueError.
+        (b'{"eff_isl_threshold": ' + b"[" * 5000 + b"]" * 5000 + b"}", "recursion"),
+        (b'{"eff_isl_threshold": ' + b"[" * 900 + b"]" * 900 + b"}", "recursion"),
     ],
 )
 async def test_nan_infinity_and_unknown_keys_are_refused(etcd_url: str, ns: str, raw: bytes, named: str) -> None:

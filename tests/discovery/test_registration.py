@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -220,3 +221,30 @@ async def test_a_second_registration_under_a_held_name_never_runs_before_create(
         # The name free again: the second one registers, before_create first.
         assert await second.start() == "fixed" and calls == ["fixed"]
         await second.stop()
+
+
+@pytest.mark.parametrize("kind", ["worker", "router"])
+async def test_a_key_deleted_while_its_lease_lives_is_put_back(
+    etcd_url: str, ns: str, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's `etcdctl del` (or a broad prefix delete) took a live owner out of every
+    router for good: nothing put the key back until its value happened to change."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        if kind == "worker":
+            reg = _worker_reg(d, ns, ttl=3)
+        else:
+            reg = Registration(
+                d,
+                key=lambda rid: subjects.router_key(ns, rid),
+                value=lambda rid: RouterInfo(router=rid, http_url="http://r", started_at=0.0),
+                ttl=3,
+            )
+        await reg.start()
+        assert reg.lease is not None
+        lease = reg.lease.id
+        with caplog.at_level(logging.WARNING, logger="discovery.registration"):
+            await d.delete(reg.key)
+            await _until(lambda: any(reg.key in r.getMessage() for r in caplog.records), 3, "the key put back")
+        assert await d.holder(reg.key) == lease and reg.lease.id == lease  # the same lease: no re-registration
+        assert reg.state is RegistrationState.REGISTERED and reg.registrations == 1
+        await reg.stop()
