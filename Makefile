@@ -11,30 +11,31 @@ BENCH_VENV := .venv-bench
 
 .PHONY: install sysdeps demo test test-vllm lint typecheck clean bench-deps
 
-# Debian packages: etcd (the servers tests and `kvswitch up` run) and xxhash.h (for the C hash;
-# without it the build falls back to pure Python), installed with apt when missing and root. Then,
-# optional, docker-compose: tests/deploy validate the compose files with it and skip without it.
+# Debian packages, installed with apt when missing and root; otherwise the command is printed.
+# etcd-server is required: the servers tests and `kvswitch up` run it. Optional, with a note when
+# missing: libxxhash-dev (xxhash.h for the C hash; without it the build falls back to pure Python)
+# and docker-compose (tests/deploy validate the compose files with it and skip without it).
 # Without recommends, which would add docker.io, an engine nothing here runs.
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
+APT_HINT := sudo apt-get install -y --no-install-recommends
+ROOT = [ "$$(id -u)" = 0 ]
+# $(call apt_get,PACKAGE): as root; retried after `apt-get update`, as the package lists may be stale or gone
+apt_get = { echo "apt-get install -y --no-install-recommends $(1)"; \
+	$(APT_INSTALL) $(1) >/dev/null 2>&1 || { apt-get update -qq && $(APT_INSTALL) $(1); }; }
+NO_XXHASH := the C hash is skipped and protocol.hashing runs in pure Python
+NO_COMPOSE := the compose config tests will skip
 sysdeps:
-	@missing=""; \
-	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
-	[ -f /usr/include/xxhash.h ] || missing="$$missing libxxhash-dev"; \
-	if [ -z "$$missing" ]; then :; \
-	elif [ "$$(id -u)" = 0 ]; then \
-		echo "apt-get install -y --no-install-recommends$$missing"; \
-		($(APT_INSTALL) $$missing >/dev/null 2>&1 || { apt-get update -qq && $(APT_INSTALL) $$missing; }) \
-		&& command -v etcd >/dev/null || exit 1; \
-	else \
-		echo "missing Debian packages; run: sudo apt-get install -y --no-install-recommends$$missing"; exit 1; \
+	@if command -v etcd >/dev/null 2>&1; then :; \
+	elif $(ROOT); then $(call apt_get,etcd-server) && command -v etcd >/dev/null || exit 1; \
+	else echo "etcd missing; run: $(APT_HINT) etcd-server"; exit 1; \
+	fi; \
+	if [ -f /usr/include/xxhash.h ]; then :; \
+	elif $(ROOT); then $(call apt_get,libxxhash-dev) || echo "libxxhash-dev could not be installed: $(NO_XXHASH)"; \
+	else echo "no xxhash.h: $(NO_XXHASH) ($(APT_HINT) libxxhash-dev)"; \
 	fi; \
 	if command -v docker-compose >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ]; then \
-		echo "apt-get install -y --no-install-recommends docker-compose"; \
-		$(APT_INSTALL) docker-compose >/dev/null 2>&1 || \
-		echo "docker-compose could not be installed: the compose config tests will skip"; \
-	else \
-		echo "no docker-compose: the compose config tests will skip (sudo apt-get install -y docker-compose)"; \
+	elif $(ROOT); then $(call apt_get,docker-compose) || echo "docker-compose could not be installed: $(NO_COMPOSE)"; \
+	else echo "no docker-compose: $(NO_COMPOSE) ($(APT_HINT) docker-compose)"; \
 	fi
 
 $(STAMP): pyproject.toml setup.py protocol/_fasthash.c router/_blockindex.c | sysdeps

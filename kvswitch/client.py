@@ -184,7 +184,7 @@ class CompletionClient:
                 break
             try:
                 raw_chunk = json.loads(data)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # ValueError: not JSON or not UTF-8; deep nesting recurses
                 raw_chunk = None
             if not isinstance(raw_chunk, dict):  # valid JSON that is not an object is as malformed
                 result.error = f"malformed SSE chunk: {data[:100]!r} {where}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import ssl
 import sys
 from pathlib import Path
 
@@ -64,13 +65,21 @@ def write_api_keys(out: Path, count: int) -> Path:
     return path
 
 
-def _enable_etcd_auth(args: argparse.Namespace) -> str:
+def _etcd_context(ca: str) -> ssl.SSLContext:
+    """A TLS context trusting the CA file `ca` (--etcd-ca); ValueError naming the flag when it
+    cannot be read as one."""
+    if not Path(ca).is_file():  # checked first: loading a FIFO would block
+        raise ValueError(f"--etcd-ca {ca}: must name a readable file")
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except OSError as exc:  # ssl.SSLError too: not a PEM CA
+        raise ValueError(f"--etcd-ca {ca}: cannot load it as a CA ({exc.strerror or exc})") from exc
+
+
+def _enable_etcd_auth(args: argparse.Namespace, context: ssl.SSLContext | None) -> str:
     missing = [env for env in PASSWORD_ENV.values() if not os.environ.get(env)]
     if missing:
         raise SystemExit(f"kvswitch secrets: --etcd-endpoint needs {', '.join(missing)} set")
-    import ssl
-
-    context = ssl.create_default_context(cafile=args.etcd_ca) if args.etcd_ca else None
     pw = {role: os.environ[env] for role, env in PASSWORD_ENV.items()}
     try:
         enable_auth(args.etcd_endpoint, pw["root"], namespace_users(args.namespace, pw["router"], pw["worker"]),
@@ -96,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:  # before anything is written: a bad flag leaves no half-done run
+        etcd_context = _etcd_context(args.etcd_ca) if args.etcd_endpoint and args.etcd_ca else None
+    except ValueError as exc:
+        print(f"kvswitch secrets: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out is not None else Path()
     if args.routers or args.workers:
         try:
@@ -116,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"API keys: {write_api_keys(out, args.api_keys)}")
     if args.etcd_endpoint:
         try:
-            print(_enable_etcd_auth(args))
+            print(_enable_etcd_auth(args, etcd_context))
         except EtcdAuthError as exc:
             print(f"kvswitch secrets: {exc}", file=sys.stderr)
             return 1

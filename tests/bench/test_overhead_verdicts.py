@@ -12,7 +12,7 @@ import pytest
 from bench.cpu import CpuWindow
 from bench.overhead import DIRECT, KVSWITCH, Phase, client_phase, format_table, lag_bound_s, target_lines
 from bench.replay import RequestResult
-from bench.replicas import CeilingStep
+from bench.replicas import CeilingStep, _step_line
 
 RATE = 200.0
 LOAD = "200/s"
@@ -146,6 +146,13 @@ def test_ttst_is_not_judged_when_the_engines_send_their_first_two_tokens_togethe
     assert line.endswith("(p99 +37.53 ms)")
 
 
+def test_a_measured_ttst_miss_is_missed_even_when_the_engines_send_their_first_two_tokens_together() -> None:
+    # direct sends tokens 1 and 2 together; kvswitch holds token 2 for 5 ms (the old fixed COALESCE_S)
+    phases = [_aiperf(DIRECT, ttst_p50=1e-5, ttst_p99=0.001), _aiperf(KVSWITCH, ttst_p50=0.005, ttst_p99=0.006)]
+    (line,) = [line for line in target_lines(phases) if "time to second token" in line]
+    assert line == "aiperf c=64: added time to second token p50 +4.99 ms (<= 1): MISSED (p99 +5.00 ms)"
+
+
 def test_ttst_is_judged_where_the_second_token_comes_a_decode_step_later() -> None:
     phases = [_aiperf(DIRECT, ttst_p50=0.0011, ttst_p99=0.002), _aiperf(KVSWITCH, ttst_p50=0.0016, ttst_p99=0.003)]
     (line,) = [line for line in target_lines(phases) if "time to second token" in line]
@@ -167,6 +174,15 @@ def test_a_ceiling_step_the_client_could_not_deliver_is_not_held() -> None:
     assert step.ok and not step.late
     late = CeilingStep(rate=200.0, added_p50_s=0.001, added_p99_s=0.002, c_own_s=0.001, errors=0, send_lag_p99_s=0.043)
     assert late.late and not late.ok
+
+
+def test_a_ceiling_step_where_only_direct_failed_is_not_judged_not_missed() -> None:
+    # as in `bench overhead`: the bare sims' failures are not kvswitch's, but the step still is not held
+    step = CeilingStep(rate=50.0, added_p50_s=0.0, added_p99_s=0.0, c_own_s=0.0005, errors=0, direct_errors=4)
+    assert not step.ok
+    assert _step_line(step).endswith(", 0 errors  (not judged: 4 errors in direct)")
+    missed = CeilingStep(rate=50.0, added_p50_s=0.0, added_p99_s=0.0, c_own_s=0.0005, errors=2, direct_errors=4)
+    assert not missed.ok and _step_line(missed).endswith(", 2 errors  (MISSED: 2 errors)")
 
 
 def test_a_peer_that_failed_requests_is_no_best_peer() -> None:

@@ -126,12 +126,15 @@ async def _serve(status: int, body: bytes, path: str = "/v1/completions") -> web
         b'{"choices": [{"text": "a"}], "usage": {"completion_tokens": "many"}}',
         b'{"choices": [{"text": "a"}], "usage": {"completion_tokens": 1, "prompt_tokens": [1]}}',
         b'{"choices": [{"text": "' + b"a" * 600_000 + b'"}]}',  # past aiohttp's 512 KiB line limit
+        b'{"choices": [{"text": "\xff"}]}',  # not UTF-8
+        b"[" * 100_000,  # nested past the recursion limit
     ],
 )
 async def test_a_malformed_chunk_is_a_failed_result_naming_the_request_and_server(
     payload: bytes, session: aiohttp.ClientSession
 ) -> None:
-    # Each raised (AttributeError, ValueError, LineTooLong) and ended a whole `bench replay`.
+    # Each raised (AttributeError, ValueError, LineTooLong, UnicodeDecodeError, RecursionError) and ended a whole
+    # `bench replay`.
     runner = await _serve(200, b"data: " + payload + b"\n\ndata: [DONE]\n\n")
     try:
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"

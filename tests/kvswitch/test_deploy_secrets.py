@@ -49,6 +49,20 @@ def test_files_need_an_out_directory() -> None:
     assert out.returncode == 2 and "need --out DIR" in out.stderr
 
 
+@pytest.mark.parametrize("ca", ["missing.pem", "not-a-ca.pem", "."])
+def test_an_etcd_ca_it_cannot_read_is_one_line_naming_the_flag(ca: str, tmp_path: Path) -> None:
+    # It was a traceback (FileNotFoundError, ssl.SSLError), and only after the other files were written.
+    (tmp_path / "not-a-ca.pem").write_text("not a certificate\n")
+    path = str(tmp_path / ca)
+    env = {**os.environ, "KVSWITCH_ETCD_ROOT_PASSWORD": "r", "KVSWITCH_ETCD_ROUTER_PASSWORD": "rt"}
+    env["KVSWITCH_ETCD_WORKER_PASSWORD"] = "w"
+    args = ("--out", str(tmp_path / "out"), "--api-keys", "1", "--etcd-endpoint", "http://127.0.0.1:9")
+    out = _secrets(*args, "--etcd-ca", path, env=env)
+    assert out.returncode == 2 and out.stderr.startswith(f"kvswitch secrets: --etcd-ca {path}: "), out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
 async def test_generated_certificates_serve_nats_and_etcd(tmp_path: Path) -> None:
     tls = write_tls(tmp_path, ["127.0.0.1", "localhost"])
     with NatsServer(tls=tls) as server, EtcdServer(tls=tls) as etcd:
