@@ -146,8 +146,8 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
                 reply = json.loads(r.read())
                 assert reply["usage"]["completion_tokens"] == 3 and reply["model"] == model
                 assert r.headers["x-kvswitch-prefill"] in ("bypass", "remote")
-        # the engines run at --max-model-len: a prompt of that many tokens leaves none to generate
-        body = json.dumps({"model": "sim-llama", "prompt": [300] * 4096, "max_tokens": 3}).encode()
+        # the engines run at --max-model-len: a prompt longer than that is vLLM's 400 naming it
+        body = json.dumps({"model": "sim-llama", "prompt": [300] * 4097, "max_tokens": 3}).encode()
         req = urllib.request.Request(
             routers[0] + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )
