@@ -180,7 +180,7 @@ async def test_run_events_keeps_the_state_through_malformed_polls(
         await asyncio.sleep(0.2)
         task.cancel()
     assert [(b.reset, b.complete, len(b.events)) for b in got] == [(True, False, 0), (True, True, 0), (False, True, 1)]
-    assert adapter.event_stats() == {"gaps": 0, "restarts": 0, "ignored": 0, "malformed": 2}
+    assert adapter.event_stats() == {"gaps": 0, "restarts": 0, "ignored": 0, "partial": 0, "malformed": 2}
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 

@@ -7,9 +7,13 @@
   `get_iteration_stats`); the newest entry's `kvCacheStats` gives maxNumBlocks, usedNumBlocks and
   tokensPerBlock, `numActiveRequests` and `numQueuedRequests` the request counts. Reading drains
   the engine's stats queue (an empty list means no iteration since the last read: the last load
-  stands). Both endpoints drain what they return: the shim must be their only reader.
+  stands). Both endpoints drain what they return: the shim must be their only reader. Without
+  `return_perf_metrics` trtllm-serve answers `/metrics` only once 2 s pass with no new iteration
+  (`get_stats_async(2)`), so under steady load it holds the answer while the load lasts: one read
+  is in flight at a time, and a `load()` it keeps waiting reports the last load (busy, not down).
 - Requests: the client's own OpenAI request (openai_http.pass_through_body), or a token-id leg
-  (refused with a `cache_salt`: its CompletionRequest has none).
+  (refused with a `cache_salt`: its CompletionRequest has none; `detokenize: false`, without which
+  trtllm-serve returns text and no token ids).
 - P/D via `disaggregated_params` (DisaggregatedParams in tensorrt_llm/serve/openai_protocol.py):
   the prefill leg sends `request_type: context_only` with max_tokens 1 (a chat leg under the one
   name of the two its client used: trtllm-serve refuses both together), non-streaming, and returns
@@ -21,6 +25,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -44,6 +49,15 @@ POLL_S = 0.05
 # with no new event: under the probes' 2 s total a poll timed out with events the engine had already
 # handed over, lost for good (TensorRT-LLM has no replay), and ended the shim's session.
 EVENTS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=30.0)
+# /metrics without return_perf_metrics (get_stats_async(2)) answers 2 s after the last iteration:
+# under steady load, only once the load pauses. A read given up on loses the stats the engine
+# drained for it, so it is never given up (the health probe tells a dead engine); `load()` waits
+# LOAD_WAIT_S for it, `limits()` (a session's start) LIMITS_WAIT_S.
+METRICS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
+LOAD_WAIT_S = 2.5
+LIMITS_WAIT_S = 30.0
+
+log = logging.getLogger(__name__)
 
 
 def _newest(stats: Any) -> dict[str, Any] | None:
@@ -98,6 +112,7 @@ def disagg_body(leg: LegRequest) -> dict[str, Any]:
         body = completion_body(leg)
         body.pop("kv_transfer_params", None)
         body.pop("return_token_ids", None)
+        body["detokenize"] = False  # trtllm-serve's token_ids come only with it (text then "")
     if leg.prefill_only:
         body["disaggregated_params"] = {"request_type": "context_only"}
     elif leg.transfer is not None:
@@ -114,6 +129,29 @@ class TrtllmAdapter(HttpEngineAdapter):
         super().__init__(config)
         self.tracker = TrtllmEventTracker()
         self._load = EngineLoad()
+        self._metrics: asyncio.Task[bytes] | None = None  # the /metrics read in flight
+        self._held_said = False
+
+    async def close(self) -> None:
+        task, self._metrics = self._metrics, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its failure too is nobody's now
+        await super().close()
+
+    async def _read_metrics(self, wait_s: float) -> bytes | None:
+        """The body of the /metrics read in flight (started if none is), or None while the engine
+        holds it past `wait_s`: it stays in flight for the next call (a second read would split the
+        engine's stats with it)."""
+        task = self._metrics
+        if task is None:
+            task = self._metrics = asyncio.create_task(self.fetch("/metrics", timeout=METRICS_TIMEOUT))
+        await asyncio.wait([task], timeout=wait_s)
+        if not task.done():
+            return None
+        if self._metrics is task:
+            self._metrics = None
+        return task.result()
 
     async def _json(self, method: str, path: str, timeout: aiohttp.ClientTimeout = PROBE_TIMEOUT) -> Any:
         return self._decode(path, await self.fetch(path, method, timeout))
@@ -131,12 +169,37 @@ class TrtllmAdapter(HttpEngineAdapter):
         several attention data-parallel ranks (the session that saw them ended) is refused."""
         if len(self.tracker.ranks) > 1:
             raise attention_dp_error(self.tracker.ranks)
-        body = await self.fetch("/metrics")
+        body = await self._read_metrics(LIMITS_WAIT_S)
+        if body is None:
+            raise EngineError(
+                503,
+                "engine_unavailable",
+                f"{self.base}/metrics held its answer for {LIMITS_WAIT_S:.0f}s: a trtllm-serve without "
+                "return_perf_metrics answers only after 2 s with no iteration (set return_perf_metrics: true)",
+            )
         check_engine_kind(self.kind, self.base, body)
-        return limits_from_stats(self._decode("/metrics", body))
+        stats = self._decode("/metrics", body)
+        self._load = load_from_stats(stats, self._load)  # drained: no load read sees them again
+        limits = limits_from_stats(stats)
+        # A full block for the tracker: the block size the shim runs with (_checked in shim.py).
+        self.tracker.block_size = limits.block_size or self.config.block_size
+        return limits
 
     async def load(self) -> EngineLoad:
-        self._load = load_from_stats(await self._json("GET", "/metrics"), self._load)
+        """The newest stats' load; the last one while the engine holds its /metrics answer (busy:
+        it answers once 2 s pass with no iteration), said once."""
+        body = await self._read_metrics(LOAD_WAIT_S)
+        if body is not None:
+            self._load = load_from_stats(self._decode("/metrics", body), self._load)
+        elif not self._held_said:
+            self._held_said = True
+            log.warning(
+                "%s/metrics has held its answer for %.1fs while the engine works (trtllm-serve without "
+                "return_perf_metrics answers only after 2 s with no iteration): reporting the last load "
+                "read until it answers; set return_perf_metrics: true for a current load",
+                self.base,
+                LOAD_WAIT_S,
+            )
         return self._load
 
     async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
@@ -154,7 +217,13 @@ class TrtllmAdapter(HttpEngineAdapter):
 
     def event_stats(self) -> dict[str, int]:
         t = self.tracker
-        return {"gaps": t.gaps, "restarts": t.restarts, "ignored": t.ignored, "malformed": t.malformed}
+        return {
+            "gaps": t.gaps,
+            "restarts": t.restarts,
+            "ignored": t.ignored,
+            "partial": t.partial,
+            "malformed": t.malformed,
+        }
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}

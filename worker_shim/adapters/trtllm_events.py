@@ -24,6 +24,12 @@ cached and is ignored. Each read drains the engine's queue: the shim must be the
 A stored block's `cache_salt` (the request's, TensorRT-LLM's per-tenant cache isolation) salts
 its chain as the router salts such a prompt (protocol.hashing.chain_salt).
 
+A released sequence's `stored` event ends with its partly filled last block
+(kvCacheManager.cpp `storeBlocksForReuse` chops with allowPartial): that block is a leaf no
+router hashes (a later prompt's block there is full, under another key), so it is dropped and
+counted in `partial`, and the full blocks before it are folded. A short block anywhere else is
+malformed.
+
 With attention data parallelism every rank has a cache of its own and numbers its events from 0,
 tagged `attention_dp_rank`, and trtllm-serve runs each request on a rank of its choosing: its
 OpenAI requests take no rank (tensorrt_llm/serve/openai_protocol.py `CompletionRequest` and
@@ -73,31 +79,38 @@ def attention_dp_error(ranks: set[int]) -> ConfigError:
     return ConfigError("data_parallel_rank", None, why)
 
 
-def _stored(data: dict[str, Any]) -> EngineStored:
+def _stored(data: dict[str, Any], block_size: int | None) -> EngineStored | None:
+    """The event less a partly filled last block (`block_size` tokens make a full one; None: as
+    many as the first block's); None when that block was all it held."""
     blocks = data.get("blocks")
     if not isinstance(blocks, list) or not blocks or not all(isinstance(b, dict) for b in blocks):
         raise EventDecodeError("trtllm", "stored event without blocks")
     hashes: list[int] = []
-    tokens: list[int] = []
-    sizes = set()
+    per_block: list[list[int]] = []
     for b in blocks:
         toks = b.get("tokens")
         if not isinstance(toks, list) or "block_hash" not in b:
             raise EventDecodeError("trtllm", "stored_block needs block_hash and tokens")
         hashes.append(_key(b["block_hash"]))
-        sizes.add(len(toks))
+        ids: list[int] = []
         for t in toks:
             tid = t.get("token_id") if isinstance(t, dict) else t
             if not isinstance(tid, int):
                 raise EventDecodeError("trtllm", "a stored_block token without an integer token_id")
-            tokens.append(tid)
+            ids.append(tid)
+        per_block.append(ids)
+    if len(per_block[-1]) < (block_size or len(per_block[0])):
+        del hashes[-1], per_block[-1]
+        if not hashes:
+            return None
+    sizes = {len(ids) for ids in per_block}
     parent = data.get("parent_hash")
     # One request's blocks: its cache_salt is on each (None when it gave none).
     salt = blocks[0].get("cache_salt")
     return EngineStored(
         hashes=hashes,
         parent=None if parent is None else _key(parent),
-        token_ids=tokens,
+        token_ids=[t for ids in per_block for t in ids],
         block_size=sizes.pop() if len(sizes) == 1 else -1,  # uneven blocks: the normaliser rejects them
         salt=chain_salt("", salt) if isinstance(salt, str) else "",
     )
@@ -118,7 +131,9 @@ class TrtllmEventTracker:
     gaps: int = 0
     restarts: int = 0
     ignored: int = 0  # `updated` events, `{}` entries, and smaller windows' stored/removed events
+    partial: int = 0  # partly filled last blocks of stored events, dropped
     malformed: int = 0
+    block_size: int | None = None  # the worker's tokens per block (the adapter's limits)
     kv_total_blocks: int | None = None
     window: int | None = None  # the largest attention window seen since the engine started
     ranks: set[int] = field(default_factory=set)  # attention data-parallel ranks seen (untagged: 0)
@@ -184,8 +199,14 @@ class TrtllmEventTracker:
             self.ignored += 1
         elif isinstance(window, int) and self.window is not None and window < self.window:
             self.ignored += 1  # a sliding window's copy of blocks the largest window holds too
+        elif kind == "removed":
+            batch.events.append(_removed(data))
         else:
-            batch.events.append(_stored(data) if kind == "stored" else _removed(data))
+            stored = _stored(data, self.block_size)
+            if stored is None or len(stored.hashes) < len(data["blocks"]):
+                self.partial += 1
+            if stored is not None:
+                batch.events.append(stored)
 
     @staticmethod
     def _reset(batch: EngineBatch, *, complete: bool) -> None:

@@ -1,0 +1,310 @@
+"""The TensorRT-LLM adapter against stand-ins shaped as trtllm-serve's own code answers:
+partly filled last blocks in `stored` events, a `/metrics` that holds its answer while the engine
+iterates, and token-id legs that need `detokenize: false`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, cast
+
+import pytest
+from aiohttp import web
+from nats.aio.client import Client as Nats
+
+from kvswitch.servers import free_port
+from protocol import SamplingParams, block_hashes
+from protocol.config import EtcdSettings, NatsSettings
+from tests.router.polling import until
+from tests.worker_shim.test_trtllm_adapter import CREATED, folded, removed, stored
+from worker_shim import EngineLoad, Normaliser, ShimConfig, ShimStatus, WorkerShim
+from worker_shim.adapters import trtllm
+from worker_shim.adapters.base import EngineError, LegRequest
+from worker_shim.adapters.trtllm import TrtllmAdapter, disagg_body
+from worker_shim.adapters.trtllm_events import TrtllmEventTracker
+from worker_shim.load_reporter import LoadReporter
+
+TPB = 32
+# TensorRT-LLM's test_llm_kv_events_api: a 127-token prompt and 6 output tokens store 132 (the
+# last token's KV is never written): storeBlocksForReuse chops them with allowPartial, 4 x 32 + 4.
+USABLE = [*range(1000, 1127), *range(7, 12)]
+
+
+def chopped(eid: int, parent: int | None, tokens: list[int], first_hash: int) -> dict[str, Any]:
+    """A `stored` event as kvCacheManager.cpp builds it: every block, the last one partly filled."""
+    blocks = [(first_hash + i, tokens[s : s + TPB]) for i, s in enumerate(range(0, len(tokens), TPB))]
+    return stored(eid, parent, *blocks)
+
+
+# --- stored events ending in a partly filled block -----------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [TPB, None])
+def test_a_stored_event_ending_in_a_partial_block_indexes_its_full_blocks(block_size: int | None) -> None:
+    """The trailing partial block made the event's block size -1: the normaliser dropped the whole
+    event as malformed and voided its hashes, so the next turn, stored under them, was lost too."""
+    tracker = TrtllmEventTracker() if block_size is None else TrtllmEventTracker(block_size=block_size)
+    norm = Normaliser(TPB)
+    first = chopped(1, None, USABLE, 0x100)
+    assert [len(b["tokens"]) for b in first["data"]["blocks"]] == [32, 32, 32, 32, 4]
+    folded(tracker, norm, [CREATED, first])
+    assert norm.canonical_hashes() == set(block_hashes(USABLE[:128], TPB))
+    assert (norm.stats.malformed, tracker.malformed, tracker.partial) == (0, 0, 1)
+    # The next turn matches the 4 full blocks and stores its own under the last one (0x103).
+    turn2 = USABLE[:128] + list(range(2000, 2040))
+    folded(tracker, norm, [chopped(2, 0x103, turn2[128:], 0x200), removed(3, 0x104)])
+    assert norm.holds(block_hashes(turn2[:160], TPB)[-1]) and len(norm) == 5
+    assert (norm.stats.malformed, norm.stats.unknown_parent, tracker.partial) == (0, 0, 2)
+
+
+def test_an_event_of_one_partial_block_is_dropped_not_malformed() -> None:
+    tracker, norm = TrtllmEventTracker(block_size=TPB), Normaliser(TPB)
+    (batch,) = folded(tracker, norm, [CREATED, stored(1, None, (0x300, list(range(5))))])
+    assert batch.events == [] and len(norm) == 0
+    assert (tracker.malformed, norm.stats.malformed, tracker.partial) == (0, 0, 1)
+
+
+@pytest.mark.parametrize("sizes", [[32, 4, 32], [32, 4, 4], [16, 16]])
+def test_a_short_block_that_is_not_last_stays_malformed(sizes: list[int]) -> None:
+    tracker, norm = TrtllmEventTracker(block_size=TPB), Normaliser(TPB)
+    blocks = [(0x400 + i, list(range(n))) for i, n in enumerate(sizes)]
+    folded(tracker, norm, [CREATED, stored(1, None, *blocks)])
+    assert len(norm) == 0 and norm.stats.malformed == 1
+
+
+async def test_the_shim_indexes_full_blocks_and_exports_the_partial_count(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """End to end: the block size the adapter's limits read (kvCacheStats.tokensPerBlock) decides
+    what is partial, and the count is `kvswitch_shim_kv_transport_partial_total`."""
+    polls = [[CREATED, chopped(1, None, USABLE, 0x100), stored(2, 0x103, (0x500, list(range(3))))]]
+
+    async def kv_cache_events(request: web.Request) -> web.Response:
+        return web.json_response(polls.pop(0) if polls else [])
+
+    stats = [{"numActiveRequests": 0, "numQueuedRequests": 0, "kvCacheStats": {"maxNumBlocks": 512,
+              "usedNumBlocks": 0, "tokensPerBlock": TPB}}]  # fmt: skip
+    routes = {"/kv_cache_events": kv_cache_events, "/metrics": _json_route(stats), "/health": _json_route({})}
+    async with _engine(routes) as url:
+        cfg = ShimConfig(engine="trtllm", engine_url=url, model="m", namespace=ns, health_interval_s=0.1)
+        async with WorkerShim(cfg, NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url])) as shim:
+            await until(lambda: shim.status is ShimStatus.REGISTERED, 10, "registered")
+            await until(lambda: shim.normaliser is not None and len(shim.normaliser) == 4, 5, "4 blocks indexed")
+            assert shim.norm_stats.malformed == 0
+            assert shim.normaliser is not None
+            assert shim.normaliser.canonical_hashes() == set(block_hashes(USABLE[:128], TPB))
+            assert "kvswitch_shim_kv_transport_partial_total 2.0" in shim.metrics_text().decode()
+
+
+async def test_limits_give_the_tracker_the_engines_block_size_or_the_flag() -> None:
+    async with _engine({"/metrics": _json_route([])}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url, block_size=16))
+        await adapter.open()
+        try:
+            assert (await adapter.limits()).block_size is None and adapter.tracker.block_size == 16
+        finally:
+            await adapter.close()
+
+
+# --- a /metrics that answers once 2 s pass with no iteration -------------------------------------
+
+
+class _IterStats:
+    """trtllm-serve's legacy `/metrics` (openai_server.py get_iteration_stats over
+    `get_stats_async(2)`, executor/result.py IterationResult): each call drains the stats queue
+    until 2 s pass with no new entry; a new request (`mark_undone`) makes it wait again."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.done = True
+        self.calls = 0
+        self.posted = 0
+        self.answered: list[int] = []  # stats per answer
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.calls += 1
+        got = []
+        while not self.done:
+            try:
+                got.append(await asyncio.wait_for(self.queue.get(), 2))
+            except TimeoutError:
+                self.done = True
+        self.answered.append(len(got))
+        return web.json_response(got)
+
+    async def traffic(self, seconds: float) -> None:
+        """One iteration's stats every 20 ms, new requests arriving all along."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.done = False
+            self.queue.put_nowait(
+                {
+                    "iter": self.posted,
+                    "numActiveRequests": 3,
+                    "numQueuedRequests": 1,
+                    "kvCacheStats": {"maxNumBlocks": 512, "usedNumBlocks": 128, "tokensPerBlock": TPB},
+                }
+            )
+            self.posted += 1
+            await asyncio.sleep(0.02)
+
+
+class _Nc:
+    async def publish(self, subject: str, data: bytes) -> None:
+        pass
+
+
+async def test_a_busy_engine_holding_its_metrics_is_not_reported_unhealthy() -> None:
+    """The load poll gave up after 2 s: every poll under traffic failed, the worker reported
+    healthy=False, and each abandoned handler drained the engine's stats into a closed connection."""
+    engine = _IterStats()
+    health_s: list[float] = []
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    routes = {"/metrics": engine.metrics, "/health": health, "/kv_cache_events": _json_route([])}
+    async with _engine(routes) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        reporter = LoadReporter(cast(Nats, _Nc()), "ns", "w", adapter, lambda: 0, 512, poll_s=0.25)
+        events = asyncio.create_task(adapter.run_events(lambda _: None, live := asyncio.Event()))
+        try:
+            traffic = asyncio.create_task(engine.traffic(3.0))
+            reporter.start()
+            healthy = []
+            while not traffic.done():
+                healthy.append(reporter.healthy)
+                t0 = time.monotonic()
+                await adapter.health()
+                health_s.append(time.monotonic() - t0)
+                await asyncio.sleep(0.1)
+            assert all(healthy) and max(health_s) < 0.5  # the held read blocks neither
+            assert live.is_set() and not events.done()
+            # Once the load pauses the engine answers the read in flight: the newest stats arrive.
+            limits = await adapter.limits()
+            assert (limits.block_size, adapter.tracker.block_size) == (TPB, TPB)
+            await until(lambda: reporter.report().running == 3, 5, "the newest load")
+            assert reporter.healthy and reporter.report().waiting == 1
+            assert engine.answered[0] == engine.posted  # one read took every stat: none drained for nobody
+        finally:
+            events.cancel()
+            await reporter.stop()
+            await adapter.close()
+
+
+async def test_load_waits_for_an_answer_held_past_two_seconds() -> None:
+    """An engine that just went quiet answers 2 s after its last iteration: past the old probe limit."""
+    stat = {"numActiveRequests": 3, "numQueuedRequests": 0, "kvCacheStats": {"maxNumBlocks": 8, "usedNumBlocks": 2}}
+
+    async def metrics(request: web.Request) -> web.Response:
+        await asyncio.sleep(2.2)
+        return web.json_response([stat])
+
+    async with _engine({"/metrics": metrics}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            got = await adapter.load()
+            assert (got.running, got.kv_usage) == (3, 0.25)
+        finally:
+            await adapter.close()
+
+
+async def test_limits_past_their_wait_fail_the_session_naming_return_perf_metrics(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(trtllm, "LIMITS_WAIT_S", 0.3)
+    monkeypatch.setattr(trtllm, "LOAD_WAIT_S", 0.2)
+    engine = _IterStats()
+    async with _engine({"/metrics": engine.metrics}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        traffic = asyncio.create_task(engine.traffic(1.0))
+        try:
+            with pytest.raises(EngineError) as err:
+                await adapter.limits()
+            assert err.value.code == 503 and "return_perf_metrics" in err.value.message
+            with caplog.at_level(logging.WARNING, logger="worker_shim.adapters.trtllm"):
+                assert await adapter.load() == EngineLoad() and await adapter.load() == EngineLoad()
+            assert len(caplog.records) == 1 and "return_perf_metrics: true" in caplog.records[0].getMessage()
+            assert engine.calls == 1  # the held read is joined, not abandoned for a new one
+        finally:
+            traffic.cancel()
+            await adapter.close()
+
+
+# --- token-id legs ---------------------------------------------------------------------------------
+
+
+def _choice(ids: list[int], text: str, detokenize: bool, finish: str | None) -> dict[str, Any]:
+    # tensorrt_llm/serve/postprocess_handlers.py completion_(response|stream)_post_processor
+    return {"index": 0, "text": text if detokenize else "", "token_ids": None if detokenize else ids,
+            "logprobs": None, "finish_reason": finish, "stop_reason": None}  # fmt: skip
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    detok = body.get("detokenize", True)  # CompletionRequest.detokenize defaults to True
+    if not body.get("stream"):
+        choice = _choice([9906, 1917], " Hello world", detok, "length")
+        usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+        return web.json_response({"id": "cmpl-1", "object": "text_completion", "choices": [choice], "usage": usage})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for ids, text, finish in (([9906], " Hello", None), ([1917], " world", "length")):
+        chunk = {"id": "cmpl-1", "object": "text_completion", "choices": [_choice(ids, text, detok, finish)]}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_token_id_leg_asks_trtllm_serve_for_token_ids(stream: bool) -> None:
+    """Without `detokenize: false` trtllm-serve returns text and no token_ids: every token-id leg
+    ended in 502 engine_protocol."""
+    leg = LegRequest("r", "m", [1, 2, 3, 4], SamplingParams(max_tokens=2), stream=stream)
+    assert disagg_body(leg)["detokenize"] is False
+    passed = LegRequest("r", "m", [1, 2], SamplingParams(), endpoint="completions", params={"prompt": "x"})
+    assert "detokenize" not in disagg_body(passed)  # the client's own request is the client's
+
+    async def on_output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+        pass
+
+    async with _engine({"/v1/completions": completions}) as url:
+        adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
+        await adapter.open()
+        try:
+            out = await adapter.generate(leg, on_output)
+        finally:
+            await adapter.close()
+    assert (out.finish_reason, out.token_ids) == ("length", [9906, 1917])
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def _json_route(value: Any) -> Any:
+    async def handle(request: web.Request) -> web.Response:
+        return web.json_response(value)
+
+    return handle
+
+
+@asynccontextmanager
+async def _engine(routes: dict[str, Any]) -> AsyncIterator[str]:
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_route("*", path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
