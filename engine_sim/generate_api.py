@@ -9,9 +9,10 @@ Per token, a choice's text goes through engine_sim/detokenizer.py (stop strings,
 min_tokens) and, when asked, its logprobs through engine_sim/logprobs.py. A stop string ends the
 choice at once and aborts its engine request, as vLLM does. Completions stream one chunk per token
 (empty text while a stop string might be starting, as vLLM sends them); chat streams one role chunk
-per choice first and then only chunks with text. Usage counts each prompt once and every choice's
-tokens (with stream_options.continuous_usage_stats, every streamed chunk also carries its choice's
-prompt and tokens so far, as vLLM's); prompt_tokens_details only with
+per choice first and then one chunk per token too (`content: ""` while a stop string might be
+starting: vLLM 0.32 without a reasoning or tool parser sends those as well). Usage counts each
+prompt once and every choice's tokens (with stream_options.continuous_usage_stats, every streamed
+chunk also carries its choice's prompt and tokens so far, as vLLM's); prompt_tokens_details only with
 --enable-prompt-tokens-details (a miss reports 0 cached tokens; chat also names the tokens the
 prompt wrote to the cache, as vLLM's serving code fills them), taken from the last prompt
 (non-streaming) or the first (streaming). A streamed choice's last chunk names the system
@@ -431,11 +432,10 @@ async def _stream_chat(request: web.Request, job: _Job) -> web.StreamResponse:
         async for pieces in _steps(job, c):
             buf = bytearray()
             for p in pieces:
-                if p.text or p.last or job.call.want_ids:
-                    logprobs = _chat_logprobs(job, [p.token], [p.position])
-                    out = Output(p.text, p.finish_reason, p.stop_reason, _ids(job, [p.token]), logprobs)
-                    usage = job.running_usage(c, p.count)
-                    buf += sse(fmt.chat_chunk(job.head, c.index, out, not job.call.include_usage, usage))
+                logprobs = _chat_logprobs(job, [p.token], [p.position])
+                out = Output(p.text, p.finish_reason, p.stop_reason, _ids(job, [p.token]), logprobs)
+                usage = job.running_usage(c, p.count)
+                buf += sse(fmt.chat_chunk(job.head, c.index, out, not job.call.include_usage, usage))
             await resp.write(bytes(buf))
 
     await asyncio.gather(*(pump(c) for c in job.choices))

@@ -53,7 +53,9 @@ def request_id(request: web.Request, in_body: str | None = None) -> str:
     """vLLM's rule: the X-Request-Id header whenever sent (an empty one too), else the body's
     `request_id`, else a fresh one."""
     header = request.headers.get("X-Request-Id")
-    return header if header is not None else in_body or secrets.token_hex(8)
+    if header is not None:
+        return header
+    return in_body if in_body is not None else secrets.token_hex(8)
 
 
 def check_model(srv: SimServer, model: str | None) -> LoraRequest | None:

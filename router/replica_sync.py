@@ -42,11 +42,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from discovery import Deleted, Discovery, Put, Snapshot
+from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
 from discovery.watch import keep_following
 from protocol import subjects
 from protocol.errors import ProtocolError
-from protocol.messages import RouterSync, SyncEntry, decode_msg, encode_msg
+from protocol.messages import RouterInfo, RouterSync, SyncEntry, decode_msg, encode_msg
 from router.lifecycle import PartStatus
 from router.load_view import LoadView
 from router.peer_settings import PeerSettings
@@ -295,25 +295,32 @@ class ReplicaSync:
             self.stats.bookings_expired += self.view.expire(self._peer_ttl_s)
 
     async def _watch_routers(self, discovery: Discovery) -> None:
-        settings = self.peer_settings
         async for event in discovery.watch_routers():
-            match event:
-                case Snapshot(items=items):
-                    self._registered = set(items)
-                    for peer in self._peers - items.keys():
-                        self.forget_router(peer)
-                    if settings is not None:
-                        settings.replace({name: info for name, info in items.items() if name != self.router_id})
-                case Put(name=name, value=info):
-                    if self._registered is not None:
-                        self._registered.add(name)
-                    with contextlib.suppress(ValueError):
-                        self._departed.remove(name)
-                    if settings is not None and name != self.router_id:
-                        settings.seen(name, info)
-                case Deleted(name=name):
-                    if self._registered is not None:
-                        self._registered.discard(name)
-                    self.forget_router(name)
-                    if settings is not None:
-                        settings.gone(name)
+            self.on_routers_event(event)
+
+    def on_routers_event(self, event: WatchEvent[RouterInfo]) -> None:
+        """A change under the routers prefix: who may send bookings, and the peers' settings."""
+        settings = self.peer_settings
+        match event:
+            case Snapshot(items=items):
+                self._registered = set(items)
+                # A key put back after a delete may reach this watch only in a fresh Snapshot.
+                for name in items.keys() & set(self._departed):
+                    self._departed.remove(name)
+                for peer in self._peers - items.keys():
+                    self.forget_router(peer)
+                if settings is not None:
+                    settings.replace({name: info for name, info in items.items() if name != self.router_id})
+            case Put(name=name, value=info):
+                if self._registered is not None:
+                    self._registered.add(name)
+                with contextlib.suppress(ValueError):
+                    self._departed.remove(name)
+                if settings is not None and name != self.router_id:
+                    settings.seen(name, info)
+            case Deleted(name=name):
+                if self._registered is not None:
+                    self._registered.discard(name)
+                self.forget_router(name)
+                if settings is not None:
+                    settings.gone(name)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.aio.client import Client
 
-from discovery import Discovery
+from discovery import Deleted, Discovery, Snapshot
 from protocol import RouterInfo, subjects
 from protocol.config import EtcdSettings
 from protocol.messages import RouterSync, SyncEntry, encode_msg
@@ -234,3 +234,21 @@ async def test_drops_from_departed_and_unregistered_senders_are_counted_and_logg
             assert subjects.routers_prefix(ns) in said[0]
         finally:
             await b.stop()
+
+
+async def test_a_router_whose_key_comes_back_in_a_fresh_snapshot_is_heard_again(nc: Client, ns: str) -> None:
+    """A router key deleted, then put back (by its registration) while this watch was being made
+    again: the put reaches this router only inside the new Snapshot. Before, only a Put took the
+    name out of the departed ones, and its bookings were dropped for good."""
+    b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0)
+    await b.start()
+    try:
+        both = Snapshot({"ra": _info("ra"), "rb": _info("rb")}, 1, {})
+        for event in (both, Deleted("ra", 2), both):
+            b.on_routers_event(event)
+        entry = SyncEntry(request_id="x", worker="w1", kind="add", blocks=1)
+        await nc.publish(subjects.sync(ns), encode_msg(RouterSync(router="ra", entries=[entry])))
+        await until(lambda: b.stats.entries_received == 1, what="ra's booking taken")
+        assert b.view.bookings("w1") == 1 and b.stats.departed == 0
+    finally:
+        await b.stop()
