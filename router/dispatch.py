@@ -26,10 +26,14 @@ with a `final` chunk or an `error` one.
   like a dead worker's, a prefill leg falls back. The worker is reported malformed (left out for a
   cooldown, router.eligibility), counted per worker in `malformed_replies`, logged once per worker.
 - leaving early (client gone, deadline) cancels the leg on its worker (`{ns}.cancel.{worker}`).
+- a client that reads a stream slower than its worker writes it: the chunks waiting for it are
+  bounded (MAX_QUEUED_BYTES); past that the leg ends at once with a 408 `slow_reader` LegError, is
+  cancelled on its worker and its queue dropped, rather than the whole answer piling up here.
 - a leg that NATS cannot carry is refused before it is sent: over the server's payload limit
   (413, naming the limit) or holding an integer no 64-bit field holds (400).
 "Output" is what a client would see: token ids, or a pass-through leg's engine events or body.
-Every attempt's booking is released when the attempt ends, whichever way.
+Every attempt's booking is released when the attempt ends, whichever way, or sooner: when its
+decode leg's final chunk arrives (the engine is done with it), not when a slow client has read it.
 """
 
 from __future__ import annotations
@@ -80,6 +84,12 @@ MAX_RESUMES = 3  # times one leg may ask for lost chunks again
 # grow the replica's memory until the request's deadline. An honest /tokenize of the largest body
 # the router takes (16 MiB) answers about 30 MB; one event with a long prompt's logprobs, tens.
 MAX_ANSWER_BYTES = 256 << 20
+# The most a streamed leg's chunks may wait for their reader (a client that stopped reading: its
+# handler blocks on the socket while NATS goes on delivering): past it the leg ends (`slow_reader`).
+# A client that keeps up holds about one chunk; a phone on a slow link falls behind by this much
+# only after tens of seconds of long logprobs.
+MAX_QUEUED_BYTES = 8 << 20
+SLOW_READER = "slow_reader"
 _RECONNECT_POLL_S = 0.01
 
 
@@ -119,6 +129,11 @@ class LegError(Exception):
         return self.kind == "worker_silent"
 
     @property
+    def slow_reader(self) -> bool:
+        """The client read the stream too slowly (MAX_QUEUED_BYTES): its fault, not the worker's."""
+        return self.kind == SLOW_READER
+
+    @property
     def malformed(self) -> bool:
         """The worker's reply broke the protocol: a chunk that does not decode, or an event cut
         across chunks that never ends."""
@@ -151,16 +166,26 @@ class Job:
     first_token_at: float | None = None
     tried: set[str] = field(default_factory=set)
     released: bool = False  # its bookkeeping ended (router.request_path)
+    booked: str | None = None  # the attempt's booking, until freed
 
 
 class _Leg:
     """One leg's reply stream; use as `async with`, iterate chunks; leaving early cancels it.
 
     Chunks wait in a deque and wake the reader through one future, not an asyncio.Queue read under
-    `wait_for`, which would cost a task per chunk."""
+    `wait_for`, which would cost a task per chunk. `on_end` runs when the final chunk arrives or the
+    leg is dropped (`drop`): the engine is done with it, whether or not it was read. (Not at an error
+    chunk: one may be followed by a retry or a fallback that keeps the attempt's booking.)"""
 
     def __init__(
-        self, owner: Dispatcher, token: str, worker: str, role: str, request: GenerateRequest, span: Span
+        self,
+        owner: Dispatcher,
+        token: str,
+        worker: str,
+        role: str,
+        request: GenerateRequest,
+        span: Span,
+        on_end: Callable[[], None],
     ) -> None:
         self.owner = owner
         self.token = token
@@ -169,9 +194,11 @@ class _Leg:
         self.request = request
         self.request_id = request.request_id
         self.span = span
+        self.on_end = on_end
         self.resumes = 0
         self.resuming = False  # chunks after a gap are dropped until the resent ones arrive
-        self._items: deque[ResponseChunk | LegError] = deque()
+        self._items: deque[tuple[ResponseChunk | LegError, int]] = deque()  # with its size on the wire
+        self.queued = 0  # bytes waiting in _items
         self._waiter: asyncio.Future[None] | None = None
         self.next_seq = 0
         self.done = False
@@ -179,11 +206,20 @@ class _Leg:
         self._cut: list[bytes] = []  # the pieces of an event cut short (ResponseChunk.continued), and its tokens
         self._cut_tokens = 0
 
-    def push(self, item: ResponseChunk | LegError) -> None:
-        self._items.append(item)
+    def push(self, item: ResponseChunk | LegError, size: int = 0) -> None:
+        self._items.append((item, size))
+        self.queued += size
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def drop(self, error: LegError) -> None:
+        """End the leg with `error` at the reader's next read, dropping the chunks it has not read."""
+        self._items.clear()
+        self.queued = 0
+        self.done = True  # cancelled by whoever dropped it
+        self.push(error)
+        self.on_end()
 
     async def __aenter__(self) -> _Leg:
         return self
@@ -235,7 +271,8 @@ class _Leg:
                         f"no chunk or heartbeat for {silence_s:.2f}s",
                         retryable=not self.tokens_seen,
                     )
-            item = self._items.popleft()
+            item, size = self._items.popleft()
+            self.queued -= size
             if isinstance(item, LegError):
                 raise item
             if item.seq < self.next_seq:
@@ -316,6 +353,10 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+def _nothing() -> None:
+    pass
+
+
 class Dispatcher:
     """Owns the reply inbox subscription; not the NATS connection. `stop()` is idempotent."""
 
@@ -350,6 +391,7 @@ class Dispatcher:
         self.fallbacks = 0
         self.transfer_fallbacks = 0  # decode legs whose KV pull failed, prefilled locally instead
         self.resumes = 0
+        self.slow_readers = 0  # legs dropped because their client read too slowly (MAX_QUEUED_BYTES)
         self.malformed_replies: Counter[str] = Counter()  # by worker, while it is registered
         self._handle_mismatch_logged = False
 
@@ -405,13 +447,36 @@ class Dispatcher:
             return
         if _output(chunk):
             leg.tokens_seen = True
-        leg.push(chunk)
+        leg.push(chunk, len(msg.data))
+        if chunk.final:
+            leg.on_end()
+        elif leg.queued > MAX_QUEUED_BYTES and leg.request.stream:  # a whole answer is read as it comes
+            await self._slow_reader(leg)
 
-    async def _open(self, worker: str, role: str, req: GenerateRequest) -> _Leg:
+    async def _slow_reader(self, leg: _Leg) -> None:
+        """The leg's reader (a streaming client) fell MAX_QUEUED_BYTES behind its worker: the leg
+        ends now and is cancelled there, rather than its whole answer piling up in this replica."""
+        self._legs.pop(leg.token, None)  # its later chunks are dropped
+        self.slow_readers += 1
+        why = (
+            f"the client read the stream too slowly: {leg.queued} bytes of it were waiting, over the "
+            f"router's limit of {MAX_QUEUED_BYTES}"
+        )
+        leg.drop(LegError(leg.worker, 408, SLOW_READER, why, retryable=False))
+        log.info(
+            "request %s: %s; its leg on worker %s is cancelled",
+            leg.request_id,
+            why,
+            leg.worker,
+            extra={"request_id": leg.request_id},
+        )
+        await self._cancel(leg.worker, leg.request_id)
+
+    async def _open(self, worker: str, role: str, req: GenerateRequest, on_end: Callable[[], None] = _nothing) -> _Leg:
         token = str(next(self._ids))
         span = self._tracer.leg(role, worker, req.request_id)
         req = msgspec.structs.replace(req, trace=self._tracer.carrier(span))
-        leg = _Leg(self, token, worker, role, req, span)
+        leg = _Leg(self, token, worker, role, req, span, on_end)
         try:
             data = encode_msg(req)
         except (OverflowError, msgspec.EncodeError) as exc:
@@ -501,6 +566,7 @@ class Dispatcher:
         plan: RoutePlan | None = job.plan
         while plan is not None:
             job.plan = plan
+            job.booked = plan.key
             job.attempts += 1
             job.tried.add(plan.decode.worker)
             job.path, job.outcome, job.fallback, job.transfer = plan.path, plan.outcome, False, None
@@ -524,7 +590,13 @@ class Dispatcher:
                 )
                 self.retries += 1
             finally:
-                self._bookings.free(job.plan.key)
+                self._free(job)
+
+    def _free(self, job: Job) -> None:
+        """Free the attempt's booking, once: at its decode leg's final chunk or at its end."""
+        key, job.booked = job.booked, None
+        if key is not None:
+            self._bookings.free(key)
 
     async def _attempt(self, job: Job, plan: RoutePlan) -> AsyncGenerator[ResponseChunk, None]:
         req = job.request
@@ -599,22 +671,26 @@ class Dispatcher:
             heartbeat_s=self._settings().stream_heartbeat_s,
         )
         silence = 3 * self._settings().stream_heartbeat_s
-        async with await self._open(plan.decode.worker, role, leg_req) as leg:
+        async with await self._open(plan.decode.worker, role, leg_req, lambda: self._free(job)) as leg:
             while True:
                 chunk = await leg.next(job.deadline - time.time(), silence)
                 visible = _output(chunk)
                 if visible and job.first_token_at is None:
                     job.first_token_at = time.monotonic()
-                    self._bookings.prefill_done(plan.key)
+                    self._prefill_done(job)
                     if job.transfer is not None:
                         self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
                 elif chunk.prefilled:
-                    self._bookings.prefill_done(plan.key)  # a whole answer's prefill, done before any output
+                    self._prefill_done(job)  # a whole answer's prefill, done before any output
                 if not visible and not chunk.final:
                     continue  # a heartbeat
                 yield chunk
                 if chunk.final:
                     return
+
+    def _prefill_done(self, job: Job) -> None:
+        if job.booked is not None:  # freed already when its final chunk came before it was read
+            self._bookings.prefill_done(job.booked)
 
     async def _prefill(self, job: Job, plan: RoutePlan) -> TransferHandle | None:
         """The prefill leg's transfer handle, or None when the bypass must take over. An engine's

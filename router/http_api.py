@@ -31,6 +31,11 @@ deadline 504. That includes what aiohttp answers before a handler runs: its pars
 (`FrontDoorRunner`), unknown routes and methods. Worker ids and internal exception text stay in
 the router's log. A client that disconnects cancels its request on the worker.
 
+A streaming client that stops reading holds its request no longer than its deadline: each write
+waits at most until then, and then the connection is aborted (counted 504). One that reads slower
+than its worker writes falls behind by at most router.dispatch.MAX_QUEUED_BYTES: then its leg is
+cancelled and the stream ends with a 408 error event.
+
 Draining (`Drain`, on SIGTERM): the listener stays open while the requests in flight finish; a new
 request (anything but /health, /ready and /metrics) is a 503 with Retry-After and Connection:
 close. Those still running when the drain ends are cut: a stream gets a final 503 error event and
@@ -45,7 +50,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -517,9 +522,10 @@ def _with_route(body: bytes, route: dict[str, Any]) -> bytes:
 
 
 def _leg_error(exc: LegError) -> ApiError:
-    """The client's view of a failed leg: the engine's own answer for a request it refused, a
-    generic one for the rest (worker ids and internal errors stay in the router's log)."""
-    if exc.refused:
+    """The client's view of a failed leg: the engine's own answer for a request it refused, why
+    for a client that read too slowly, a generic one for the rest (worker ids and internal errors
+    stay in the router's log)."""
+    if exc.refused or exc.slow_reader:
         return ApiError(exc.code, exc.message, body=exc.body)
     code = exc.code if exc.code in (503, 504) else 502
     what = {503: "no worker could serve the request", 504: "the request's deadline passed"}
@@ -528,6 +534,17 @@ def _leg_error(exc: LegError) -> ApiError:
 
 def _sse_event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
+
+
+async def _sent(write: Awaitable[None], deadline: float) -> bool:
+    """Whether the client took `write` before `deadline` (Unix time): aiohttp's write waits for the
+    socket to drain, which is forever for a client that stopped reading."""
+    try:
+        async with asyncio.timeout(deadline - time.time()):
+            await write
+    except TimeoutError:
+        return False
+    return True
 
 
 _SSE_DONE = b"data: [DONE]\n\n"
@@ -759,7 +776,8 @@ class _Handlers:
         try:
             return self.path.resolve_model(name)
         except Unknown as exc:
-            raise ApiError(exc.code, str(exc), "model") from exc
+            param = "model" if exc.code < 500 else None  # a 503 is no fault of the name
+            raise ApiError(exc.code, str(exc), param, retry_after_s=exc.retry_after_s) from exc
 
     async def _tokens(self, parsed: ParsedRequest, model: str) -> tuple[list[int], list[list[int]]]:
         # The model's context is looked up (a pass over its workers) only for a truncation to it.
@@ -888,6 +906,7 @@ class _Handlers:
         chunk = first
         failed: ApiError | None = None
         why = ""  # a worker's failure, said once at WARNING (a bug is said with its traceback)
+        unread = False  # the client took nothing more before the deadline
         try:
             # The events one worker chunk carries go out in one write (one send, one drain).
             while True:
@@ -895,11 +914,14 @@ class _Handlers:
                 if chunk.final:
                     break
                 if out:
-                    await resp.write(b"".join(out))
+                    if not await _sent(resp.write(b"".join(out)), job.deadline):
+                        unread = True
+                        break
                     out.clear()
                 chunk = await anext(chunks)
         except LegError as exc:
-            failed, why = _leg_error(exc), str(exc)
+            failed = _leg_error(exc)
+            why = "" if exc.slow_reader else str(exc)  # that one the dispatcher said, at INFO
         except StopAsyncIteration:
             failed = ApiError(502, "the worker ended the stream early")
             why = failed.message
@@ -912,6 +934,9 @@ class _Handlers:
             failed = ApiError(503, SHUT_DOWN)
         finally:
             await chunks.aclose()
+        if unread:
+            _abort_unread(request, job)
+            return resp, 504
         if failed is not None:
             if why:
                 rid = job.request.request_id
@@ -924,8 +949,24 @@ class _Handlers:
                 )
             out.append(_sse_event(failed.own_body or _JSON.encode(failed.body())))
         out.append(_SSE_DONE)
-        await resp.write_eof(b"".join(out))
+        if not await _sent(resp.write_eof(b"".join(out)), job.deadline):
+            _abort_unread(request, job)
+            return resp, 504
         return resp, 200 if failed is None else failed.code
+
+
+def _abort_unread(request: web.Request, job: Job) -> None:
+    """A stream its client stopped reading until the deadline: no error event can reach it, so the
+    connection is aborted, after its leg was cancelled and its booking freed (chunks.aclose())."""
+    if request.transport is not None:
+        request.transport.abort()
+    rid = job.request.request_id
+    log.info(
+        "request %s: the client stopped reading its stream and the request's deadline (--request-timeout) passed; "
+        "its connection is aborted",
+        rid,
+        extra={"request_id": rid},
+    )
 
 
 async def prompt_ids(

@@ -15,7 +15,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -36,11 +36,21 @@ __all__ = ["RequestPath", "Unknown", "refused_records"]
 log = logging.getLogger(__name__)
 
 
-class Unknown(LookupError):
-    """The request names a model this router does not serve; `code` is 400 or 404."""
+# The router's --model, or a name a request resolved within RECENT_S whose model no worker serves
+# now, is a 503 (its workers left: a crash, a hung engine, a rolling restart), not a 404. (A LoRA
+# adapter unloaded from workers still serving its model is a 404, as vLLM answers it.)
+RECENT_S = 600.0
+_RECENT_MAX = 256  # names remembered; the oldest goes first
+NO_WORKER_RETRY_S = 5  # Retry-After: a shim that restarts registers again within seconds
 
-    def __init__(self, code: int, message: str) -> None:
+
+class Unknown(LookupError):
+    """The request names a model this router does not serve (`code` 400 or 404), or one no worker
+    serves right now (503, with `retry_after_s`)."""
+
+    def __init__(self, code: int, message: str, retry_after_s: int | None = None) -> None:
         self.code = code
+        self.retry_after_s = retry_after_s
         super().__init__(message)
 
 
@@ -64,19 +74,29 @@ class RequestPath:
     request_timeout_s: float = 600.0
     inflight: int = 0
     calls: int = 0  # utility calls so far: the next one starts at the next worker
+    clock: Callable[[], float] = time.monotonic
+    # names requests resolved, with when and their model (oldest first); whether any request found a worker
+    _recent: dict[str, tuple[float, str]] = field(default_factory=dict, init=False, repr=False)
+    seen_workers: bool = field(default=False, init=False, repr=False)
 
     def resolve_model(self, model: str | None) -> str:
         """The model, one of its other names, or a LoRA adapter, a request names. One that names
         none gets the router's --model, else the one model registered, as vLLM serves it with its
-        own; with several it is a 400 naming them."""
+        own; with several it is a 400 naming them. The --model, or a name resolved within RECENT_S
+        whose model no worker serves now, is a 503 with Retry-After: its workers left, and may be
+        back."""
         name = model or self.default_model
         if name is None:
             models = list(self.models())
+            if not models and self.served_lately():
+                raise self._no_worker(None)
             if len(models) != 1:
                 served = ", ".join(models) or self._none_registered(None)
                 raise Unknown(400, f"'model' is required: this router serves {served}")
             name = models[0]
         base = name if name in self.models() else self.aliases().get(name) or self.adapters().get(name)
+        if base is None and (name == self.default_model or self._model_gone(name)):
+            raise self._no_worker(name)
         if self.default_model is not None and self.default_model not in (name, base):
             raise Unknown(
                 404,
@@ -92,12 +112,47 @@ class RequestPath:
                 f"The model `{name}` does not exist. Registered: {served}"
                 + (f"; {refused_records(self.ns, refused)}" if refused else ""),
             )
+        self.seen_workers = True
+        self._recent.pop(name, None)  # to the end: the newest
+        self._recent[name] = (self.clock(), base)
+        if len(self._recent) > _RECENT_MAX:
+            del self._recent[next(iter(self._recent))]
         return name
 
+    def served_lately(self) -> dict[str, str]:
+        """The names requests resolved within RECENT_S, oldest first, each with its model."""
+        since = self.clock() - RECENT_S
+        while self._recent and next(iter(self._recent.values()))[0] < since:
+            del self._recent[next(iter(self._recent))]
+        return {name: model for name, (_, model) in self._recent.items()}
+
+    def _model_gone(self, name: str) -> bool:
+        """A request resolved `name` lately, and no worker serves its model now."""
+        model = self.served_lately().get(name)
+        return model is not None and model not in self.models()
+
+    def _no_worker(self, name: str | None) -> Unknown:
+        """No worker serves `name` (None: any model served within RECENT_S) right now."""
+        names = ", ".join([*self.models(), *self.aliases(), *self.adapters()])
+        refused = self.refused(name) if names else ()
+        registered = (names or self._none_registered(name)) + (
+            f"; {refused_records(self.ns, refused)}" if refused else ""
+        )
+        what = f"the model `{name}`" if name else f"any model (served lately: {', '.join(self.served_lately())})"
+        return Unknown(
+            503,
+            f"no worker serves {what} right now (workers left, or have not registered yet): send the request "
+            f"again later. Registered: {registered}",
+            retry_after_s=NO_WORKER_RETRY_S,
+        )
+
     def _none_registered(self, model: str | None) -> str:
-        # Records there but refused are no namespace mismatch: name them instead.
+        # Records there but refused are no namespace mismatch: name them instead; nor is a fleet
+        # this router served requests from.
         if refused := self.refused(model) or self.refused(None):
             return f"none ({refused_records(self.ns, refused)})"
+        if self.seen_workers:
+            return "none (every worker this router has served requests from left)"
         return (
             f"none (no worker is registered under {subjects.workers_prefix(self.ns)}: this router's "
             f"--namespace is {self.ns})"

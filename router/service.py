@@ -499,6 +499,13 @@ class RouterService:
                     "no decode or agg worker can take requests: no worker is registered, "
                     + refused_records(self.ns, every)
                 )
+            elif self._path is not None and self._path.seen_workers:  # they left: no namespace mismatch
+                lately = ", ".join(self._path.served_lately()) or "none within 10 min"
+                problems.append(
+                    "no decode or agg worker can take requests: every worker this router served requests from "
+                    f"has left (served lately: {lately}); requests for them are a 503 with Retry-After until one "
+                    "registers again"
+                )
             else:  # most often shims and router in other namespaces
                 problems.append(
                     f"no decode or agg worker can take requests: no worker is registered under "

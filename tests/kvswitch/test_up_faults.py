@@ -3,7 +3,6 @@ cluster serves, routers without workers, a stop during --demo, a missing binary,
 
 from __future__ import annotations
 
-import argparse
 import base64
 import functools
 import json
@@ -27,17 +26,10 @@ import kvswitch.servers
 import kvswitch.up
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from kvswitch.servers import EtcdServer, NatsServer, ServerError
-from kvswitch.up import _HealthLog, _spec, add_arguments
+from kvswitch.up import _HealthLog, _spec
 from protocol import subjects
 from protocol.messages import RouterInfo, encode_json
-
-
-def _up_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args, extra = parser.parse_known_args(argv)
-    args.extra = extra
-    return args
+from tests.kvswitch.test_up import _up_args
 
 
 def test_a_server_that_dies_is_said_once_with_its_status_and_last_words_and_its_log_kept(

@@ -104,12 +104,16 @@ async def test_a_leg_nats_cannot_carry_is_refused_before_it_is_sent(nc: Client, 
     assert w.requests == [] and books.log == [("free", "r1#1"), ("free", "r1#1")]
 
 
-async def event_in_pieces(nc: Client, msg: Msg, req: GenerateRequest) -> None:
-    await chunk(nc, msg, req, 0, events=[b'{"a":'], tokens=2, continued=True)
-    await chunk(nc, msg, req, 1)  # a heartbeat between the pieces
-    await chunk(nc, msg, req, 2, events=[b'"bc'], continued=True)
-    await chunk(nc, msg, req, 3, events=[b'd"}', b'{"e":1}'], tokens=1)
-    await chunk(nc, msg, req, 4, final=True, finish_reason="length")
+def event_in_pieces(final: asyncio.Event) -> Behaviour:
+    async def run(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await chunk(nc, msg, req, 0, events=[b'{"a":'], tokens=2, continued=True)
+        await chunk(nc, msg, req, 1)  # a heartbeat between the pieces
+        await chunk(nc, msg, req, 2, events=[b'"bc'], continued=True)
+        await chunk(nc, msg, req, 3, events=[b'd"}', b'{"e":1}'], tokens=1)
+        await asyncio.wait_for(final.wait(), 5)
+        await chunk(nc, msg, req, 4, final=True, finish_reason="length")
+
+    return run
 
 
 async def cut_then_final(nc: Client, msg: Msg, req: GenerateRequest) -> None:
@@ -119,13 +123,19 @@ async def cut_then_final(nc: Client, msg: Msg, req: GenerateRequest) -> None:
 
 async def test_an_event_cut_into_pieces_is_passed_on_whole_with_its_tokens(nc: Client, ns: str, world: World) -> None:
     d, books, _ = world
-    await Worker(nc, ns, "w1").serve("decode", event_in_pieces)
+    final = asyncio.Event()  # held back: its arrival frees the booking (the engine is done with it)
+    await Worker(nc, ns, "w1").serve("decode", event_in_pieces(final))
     j = job("w1")
     j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_COMPLETIONS, stream=True)
-    chunks = await collect(d, j)
+    chunks = []
+    async for c in d.run(j):
+        chunks.append(c)
+        if c.events:
+            assert books.log == [("prefill_done", "r1#1")], "the first token is when the whole event arrives"
+            final.set()
     assert [(c.events, c.tokens) for c in chunks if c.events] == [([b'{"a":"bcd"}', b'{"e":1}'], 3)]
     assert not any(c.continued for c in chunks)
-    assert books.log[0] == ("prefill_done", "r1#1"), "the first token is when the whole event arrives"
+    assert books.log == [("prefill_done", "r1#1"), ("free", "r1#1")]
 
 
 async def test_a_stream_that_ends_inside_a_cut_event_is_an_error(nc: Client, ns: str, world: World) -> None:

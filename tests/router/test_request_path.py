@@ -12,7 +12,7 @@ from protocol import GenerateRequest, WorkerInfo
 from protocol.messages import ENDPOINT_TOKENIZE
 from router.dispatch import LegError
 from router.planner import PlanError
-from router.request_path import RequestPath, Unknown
+from router.request_path import NO_WORKER_RETRY_S, RECENT_S, RequestPath, Unknown
 from tests.router.builders import worker
 
 
@@ -122,10 +122,64 @@ def test_a_request_may_name_a_model_or_one_of_its_lora_adapters(
         (None, "nope", "The model `nope` does not exist. Registered: m, n, sql, chat"),
         ("m", "chat", "The model `chat` does not exist. This router serves `m` and its LoRA adapters sql"),
         ("n", "m", "The model `m` does not exist. This router serves `n` and its LoRA adapters chat"),
-        ("z", None, "The model `z` does not exist. Registered: m, n, sql, chat"),  # no worker of it yet
     ],
 )
 def test_an_unknown_name_is_a_404_naming_what_is_served(default: str | None, name: str | None, message: str) -> None:
     with pytest.raises(Unknown) as err:
         resolver(default).resolve_model(name)
     assert err.value.code == 404 and str(err.value) == message
+
+
+NO_WORKER = "right now (workers left, or have not registered yet): send the request again later. Registered: "
+
+
+@pytest.mark.parametrize("name", [None, "z"])
+def test_the_routers_own_model_with_no_worker_is_a_503_not_a_404(name: str | None) -> None:
+    """--model z that no worker serves (yet, or any more) is no unknown model: a 503 with Retry-After
+    (audit router_stream D2: a 404 "does not exist" before, which clients do not retry)."""
+    with pytest.raises(Unknown) as err:
+        resolver("z").resolve_model(name)
+    assert err.value.code == 503 and err.value.retry_after_s == NO_WORKER_RETRY_S
+    assert str(err.value) == f"no worker serves the model `z` {NO_WORKER}m, n, sql, chat"
+
+
+def test_a_name_served_lately_whose_workers_left_is_a_503_then_a_404_once_forgotten() -> None:
+    served, now = ["m"], [1000.0]
+    adapters = {"sql": "m"}
+    p = path([], Dispatcher(), models=lambda: served, adapters=lambda: adapters if served else {}, ns="prod")
+    p.clock = lambda: now[0]
+    with pytest.raises(Unknown) as err:
+        p.resolve_model("q")  # never served here
+    assert err.value.code == 404
+    assert p.resolve_model("m") == "m" and p.resolve_model("sql") == "sql"
+    adapters = {}  # the adapter unloaded, its model still served: gone for good, as vLLM says
+    with pytest.raises(Unknown) as err:
+        p.resolve_model("sql")
+    assert err.value.code == 404
+    adapters = {"sql": "m"}
+    served.clear()  # every worker left
+    now[0] += RECENT_S - 1
+    for name in ("m", "sql"):
+        with pytest.raises(Unknown) as err:
+            p.resolve_model(name)
+        said = str(err.value)
+        assert err.value.code == 503 and err.value.retry_after_s == NO_WORKER_RETRY_S, said
+        assert said.startswith(f"no worker serves the model `{name}` {NO_WORKER}none ("), said
+        assert "--namespace" not in said, said  # this router saw workers: no namespace mismatch
+    with pytest.raises(Unknown) as err:
+        p.resolve_model(None)  # the one model it served is gone: no 400 asking for a model
+    assert err.value.code == 503 and "any model (served lately: m, sql)" in str(err.value), str(err.value)
+    with pytest.raises(Unknown) as err:
+        p.resolve_model("q")
+    assert err.value.code == 404 and "--namespace" not in str(err.value), str(err.value)
+    now[0] += 2
+    with pytest.raises(Unknown) as err:
+        p.resolve_model("m")
+    assert err.value.code == 404 and "--namespace" not in str(err.value), str(err.value)
+
+
+def test_a_router_that_never_saw_a_worker_keeps_the_namespace_hint_on_its_503() -> None:
+    p = path([], Dispatcher(), models=list, ns="prod", default_model="m")
+    with pytest.raises(Unknown) as err:
+        p.resolve_model(None)
+    assert err.value.code == 503 and "--namespace is prod" in str(err.value), str(err.value)

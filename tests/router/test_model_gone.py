@@ -1,0 +1,45 @@
+"""A model whose every worker left (a crash, a hung engine deregistered by its shim, a rolling
+restart): its requests are a 503 with Retry-After, which clients retry, not a 404 "does not exist"
+blaming the router's --namespace (audit router_stream D2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from router.request_path import NO_WORKER_RETRY_S
+from router.service import RouterService
+from tests.router.conftest import MODEL, Cluster
+from tests.router.polling import until
+
+
+async def ask(
+    http: aiohttp.ClientSession, router: RouterService, **body: Any
+) -> tuple[int, dict[str, Any], str | None]:
+    payload = {"prompt": "hello", "max_tokens": 3, **body}
+    async with http.post(router.url + "/v1/completions", json=payload) as r:
+        return r.status, await r.json(), r.headers.get("Retry-After")
+
+
+async def test_when_every_worker_of_a_model_left_its_requests_are_a_503_to_retry(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    w = await cluster.add_worker("agg")
+    own = await cluster.add_router(config={"model": MODEL})  # --model
+    other = await cluster.add_router()  # serves what is registered
+    for router in (own, other):
+        await cluster.ready(router)
+        assert (await ask(http, router, model=MODEL))[0] == 200
+    await w.shim.stop()
+    await until(lambda: not own.registry.workers() and not other.registry.workers(), what="the worker gone")
+    asks: list[tuple[RouterService, dict[str, Any]]] = [(own, {"model": MODEL}), (own, {}), (other, {"model": MODEL})]
+    for router, body in asks:
+        status, out, retry = await ask(http, router, **body)
+        error = out["error"]
+        assert (status, error["code"], error["type"]) == (503, 503, "ServiceUnavailableError"), (body, out)
+        assert retry == str(NO_WORKER_RETRY_S), (body, retry)
+        assert "right now" in error["message"] and "does not exist" not in error["message"], error
+        assert "--namespace" not in error["message"], error  # it saw workers: no namespace mismatch
+    status, out, _ = await ask(http, other, model="never-served")
+    assert status == 404 and "does not exist" in out["error"]["message"], out

@@ -1,0 +1,142 @@
+"""A streaming client that stops reading, or reads slower than its worker writes (audit
+router_stream D1): before, its request outlived --request-timeout for as long as its TCP connection
+lived, and the router held the engine's whole answer for it, with its booking, unbounded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from typing import Any
+
+import pytest
+
+import router.dispatch
+from router.dispatch import _Leg
+from router.service import RouterService
+from tests.router.conftest import MODEL, Cluster, Worker
+from tests.router.polling import until
+
+BOUND = 64 << 10  # the queue bound in the test that overflows it
+
+
+async def stalled_stream(router: RouterService, max_tokens: int) -> socket.socket:
+    """A streamed completion from a client with a tiny receive buffer that never reads it."""
+    host, port = router.url.split("//")[1].split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, int(port)))
+    body = {"model": MODEL, "prompt": "hi " * 10, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    data = json.dumps({**body, "logprobs": 5}).encode()  # logprobs: long events
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+    await loop.sock_sendall(sock, head.encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+def counted(router: RouterService, code: int) -> float:
+    labels = {"endpoint": "completions", "code": str(code)}
+    return router.metrics.registry.get_sample_value("kvswitch_router_requests_total", labels) or 0.0
+
+
+def clean(router: RouterService) -> bool:
+    """No leg, no booking here or in the view the peers share, no request in flight."""
+    return (
+        not router.dispatcher.inflight_legs
+        and not router.view._by_request
+        and router.path.planner.ledger.live == 0
+        and router.path.inflight == 0
+    )
+
+
+def generating(w: Worker) -> bool:
+    return bool(w.sim.engine.running or w.sim.engine.waiting)
+
+
+async def test_a_client_that_stops_reading_is_cut_at_its_deadline(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.http_api")
+    await cluster.add_worker("agg", speedup=20.0)
+    router = await cluster.add_router(config={"request_timeout_s": 2.0})
+    await cluster.ready(router)
+    sock = await stalled_stream(router, 30_000)
+    try:
+        await until(lambda: router.dispatcher.inflight_legs == 1, what="the leg sent")
+        # before: the leg, its queue and its booking stayed until the client closed the socket
+        await until(lambda: clean(router), timeout=4.0, what="the request ended at its 2 s deadline")
+        assert counted(router, 504) == 1
+        said = [r.getMessage() for r in caplog.records if "stopped reading its stream" in r.getMessage()]
+        assert len(said) == 1 and "--request-timeout" in said[0], said
+        got = b""
+        async with asyncio.timeout(5):  # the connection closed, without the body's end: aborted
+            with contextlib.suppress(ConnectionResetError):
+                while part := await asyncio.get_running_loop().sock_recv(sock, 1 << 16):
+                    got += part
+        assert b"data: [DONE]" not in got and not got.endswith(b"0\r\n\r\n")
+    finally:
+        sock.close()
+
+
+async def test_a_client_that_falls_too_far_behind_ends_its_leg_at_once(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(router.dispatch, "MAX_QUEUED_BYTES", BOUND)
+    peak = 0
+    push = _Leg.push
+
+    def recording(leg: _Leg, item: Any, size: int = 0) -> None:
+        nonlocal peak
+        push(leg, item, size)
+        peak = max(peak, leg.queued)
+
+    monkeypatch.setattr(_Leg, "push", recording)
+    w = await cluster.add_worker("agg", speedup=20.0)
+    served = await cluster.add_router(config={"request_timeout_s": 30.0})
+    await cluster.ready(served)
+    sock = await stalled_stream(served, 30_000)  # about 8 s of generation at this speedup
+    loop = asyncio.get_running_loop()
+    try:
+        await until(lambda: served.dispatcher.slow_readers == 1, timeout=5.0, what="the leg dropped")
+        # the engine is freed, and so is the booking, while the client still reads nothing
+        assert not served.dispatcher.inflight_legs and served.path.inflight == 1
+        await until(lambda: not generating(w), timeout=3.0, what="the leg cancelled on its worker")
+        assert not served.view._by_request and served.path.planner.ledger.live == 0
+        assert peak <= BOUND + served.dispatcher._nc.max_payload, peak
+        got = b""
+        async with asyncio.timeout(10):
+            while not got.endswith(b"0\r\n\r\n"):  # the chunked body's end
+                got += await loop.sock_recv(sock, 1 << 16)
+    finally:
+        sock.close()
+    events = got.split(b"\r\n\r\n", 1)[1]
+    assert events.rstrip(b"\r\n0").endswith(b"data: [DONE]"), events[-300:]
+    error = json.loads(events.rsplit(b"data: ", 2)[1].split(b"\n")[0])["error"]
+    assert error["code"] == 408 and "read the stream too slowly" in error["message"], error
+    await until(lambda: clean(served), what="the request ended")
+    assert counted(served, 408) == 1
+
+
+async def test_a_booking_is_freed_when_the_answers_last_chunk_arrives_not_when_it_is_read(
+    cluster: Cluster,
+) -> None:
+    w = await cluster.add_worker("agg", speedup=200.0, num_gpu_blocks=2048)  # room for the whole answer's KV
+    router = await cluster.add_router(config={"request_timeout_s": 30.0})
+    await cluster.ready(router)
+    sock = await stalled_stream(router, 15_000)  # about 2.7 MB: more than the sockets hold, less than the bound
+    try:
+        await until(lambda: router.dispatcher.inflight_legs == 1, what="the leg sent")
+        await until(lambda: not generating(w), what="the engine done")
+        # before: held until the client had read it all, up to the deadline or forever
+        await until(
+            lambda: not router.view._by_request and router.path.planner.ledger.live == 0,
+            timeout=2.0,
+            what="the booking freed",
+        )
+        assert router.dispatcher.inflight_legs == 1 and router.path.inflight == 1  # still being sent
+    finally:
+        sock.close()
+    await until(lambda: clean(router), what="the request ended")
