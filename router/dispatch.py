@@ -449,7 +449,9 @@ class Dispatcher:
             leg.tokens_seen = True
         leg.push(chunk, len(msg.data))
         if chunk.final:
-            leg.on_end()
+            # Not at an error: a retry or the KV-transfer fallback books the request again.
+            if chunk.error is None:
+                leg.on_end()
         elif leg.queued > MAX_QUEUED_BYTES and leg.request.stream:  # a whole answer is read as it comes
             await self._slow_reader(leg)
 

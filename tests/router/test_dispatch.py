@@ -273,3 +273,25 @@ async def test_a_worker_that_no_longer_has_the_chunks_ends_the_stream_with_its_e
     with pytest.raises(LegError) as err:
         await collect(d, job("w1"))
     assert err.value.code == 410 and not err.value.refused
+
+
+async def test_a_failed_kv_pull_falls_back_and_its_rebooked_booking_is_freed(nc: Client, ns: str, world: World) -> None:
+    """The decode engine's 500 for a failed pull comes as a final error chunk: freeing the booking
+    there (the early free at a leg's final chunk) left the fallback's re-booking held for good
+    (review of 2026-12-04)."""
+    d, books, _ = world
+    await Worker(nc, ns, "p1").serve("prefill", transfer)
+
+    async def pull_fails_then_bypass(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        if req.disagg is not None:  # the engine's 500 as the shim sends it: a final error chunk
+            error = ErrorInfo(code=500, kind="engine_error", message="KV load failed")
+            await chunk(nc, msg, req, 0, final=True, error=error)
+        else:
+            await answer(nc, msg, req)
+
+    await Worker(nc, ns, "d1").serve("decode", pull_fails_then_bypass)
+    j = job("d1", prefill="p1")
+    chunks = await collect(d, j)
+    assert [c.token_ids for c in chunks] == [[5], [6]] and j.outcome is Outcome.FALLBACK_TRANSFER_FAILED
+    rebook = books.log.index(("rebook_bypass", "r1#1"))
+    assert ("free", "r1#1") in books.log[rebook:], books.log  # freed after the rebook, not only before it
