@@ -26,8 +26,8 @@ it: the client's X-Request-Id, else a routed answer's `id`, else a fresh one. No
 
 Every error is OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: bad input 400,
 unknown route 404, wrong method 405, body not sent in time 408, body or prompt too large 413,
-headers too large 431, queue full 429 with Retry-After, worker failure 502, no worker 503,
-deadline 504. That includes what aiohttp answers before a handler runs: its parser's errors
+headers too large 431, queue full 429 with Retry-After, worker failure 502, no worker 503 with
+Retry-After, deadline 504. That includes what aiohttp answers before a handler runs: its parser's errors
 (`FrontDoorRunner`), unknown routes and methods. Worker ids and internal exception text stay in
 the router's log. A client that disconnects cancels its request on the worker.
 
@@ -77,7 +77,7 @@ from router.dispatch import Job, LegError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
 from router.request_context import RequestShape
-from router.request_path import RequestPath, Unknown
+from router.request_path import NO_WORKER_RETRY_S, RequestPath, Unknown
 from router.tokenization import ChatOptions, Tokenization, TokenizerError, UntrustedTemplate
 
 __all__ = [
@@ -521,6 +521,12 @@ def _with_route(body: bytes, route: dict[str, Any]) -> bytes:
     return head + sep + b'"kvswitch":' + _JSON.encode(route) + b"}"
 
 
+def _plan_error(exc: PlanError) -> ApiError:
+    """No worker can take the request now: a worker excluded for a while, or one not registered
+    yet, may be back in seconds, so clients that honour Retry-After try again."""
+    return ApiError(exc.code, exc.message, retry_after_s=NO_WORKER_RETRY_S if exc.code == 503 else None)
+
+
 def _leg_error(exc: LegError) -> ApiError:
     """The client's view of a failed leg: the engine's own answer for a request it refused, why
     for a client that read too slowly, a generic one for the rest (worker ids and internal errors
@@ -701,7 +707,7 @@ class _Handlers:
             try:
                 raw = await self.path.call(model, endpoint, body)
             except PlanError as exc:
-                raise ApiError(exc.code, exc.message) from exc
+                raise _plan_error(exc) from exc
             except LegError as exc:
                 raise _leg_error(exc) from exc
             status = 200
@@ -734,7 +740,7 @@ class _Handlers:
             try:
                 explained = self.path.explain(model, routed, text=_is_text(parsed), shape=parsed.shape)
             except PlanError as exc:
-                return self._with_bad_records(ApiError(exc.code, exc.message), model)
+                return self._with_bad_records(_plan_error(exc), model)
             # records refused in etcd are no registered workers, so the planner never sees them
             explained["excluded"] += self._bad_records(model)
             return _json_response(explained)
@@ -839,7 +845,7 @@ class _Handlers:
                         leg, span, text=_is_text(parsed), shape=parsed.shape, max_tokens=parsed.max_tokens
                     )
                 except PlanError as exc:
-                    raise ApiError(exc.code, exc.message) from exc
+                    raise _plan_error(exc) from exc
                 except Overloaded as exc:
                     raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
                 timing.planned = time.perf_counter()

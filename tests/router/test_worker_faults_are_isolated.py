@@ -118,8 +118,9 @@ async def test_garbage_from_a_worker_is_logged_once_however_many_requests_it_fai
     monkeypatch.setattr("router.eligibility.MALFORMED_COOLDOWN_S", MALFORMED_COOLDOWN_S)
     assert (await _metrics(http, router))[f'kvswitch_router_worker_malformed_replies_total{{worker="{bad.id}"}}'] == 3
     assert len(_said(caplog, bad.id, "malformed reply")) == 1
-    status, body, _ = await complete(http, router, list(range(64)))
+    status, body, headers = await complete(http, router, list(range(64)))
     assert status == 503 and "malformed" in body["error"]["message"], body  # left out: named, not sent
+    assert headers["Retry-After"] == "5"  # it may be back: a client that honours it tries again
 
 
 async def test_a_prefill_worker_answering_garbage_is_left_out_and_logged_once(
