@@ -110,9 +110,10 @@ class EventHealth:
             self.problem(
                 EventProblem.NO_STORED,
                 f"no Stored event within {2 * self.timeout_s:g}s of serving request {request_id} ({blocks} full "
-                "uncached prompt blocks), nor in the engine's replay buffer: the engine publishes no KV events "
-                "where the shim listens. Check that the engine runs with KV events on (vLLM: --kv-events-config "
-                "with enable_kv_cache_events true) and that the shim has the same endpoint and topic",
+                "uncached prompt blocks), nor from its replay socket where it has one: the engine publishes no KV "
+                "events where the shim listens. Check that the engine runs with KV events on (vLLM: "
+                "--kv-events-config with enable_kv_cache_events true) and that the shim has the same endpoint "
+                "and topic",
             )
 
         self._later(look)
