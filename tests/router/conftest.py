@@ -167,3 +167,20 @@ async def complete(
     payload = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}
     async with http.post(router.url + "/v1/completions", json=payload) as resp:
         return resp.status, await resp.json(), dict(resp.headers)
+
+
+async def busy_decode_fleet(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> tuple[RouterService, Worker, asyncio.Task[tuple[int, dict[str, Any], dict[str, str]]]]:
+    """A prefill worker, one decode worker at H200 speed and a `slo_aware` router whose 1 ms TPOT
+    SLO leaves that worker no room for a second request (a decode step of two sequences alone takes
+    ~6 ms; TTFT SLO 20 s: a request may wait up to 10 s at admission), with a first, long request
+    running on it. Returns the router, the decode worker and the first request's task."""
+    await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode", speedup=1.0)
+    router = await cluster.add_ready_router(
+        conditional_disagg=True, conditional_disagg_policy="slo_aware", slo_itl_s=0.001, slo_ttft_s=20.0
+    )
+    first = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=400, ignore_eos=True))
+    await until(lambda: router.view.load(d.id).running >= 1, what="the first request running on d")
+    return router, d, first

@@ -5,7 +5,6 @@ no model, and the same stream Content-Type (tests/fixtures/vllm-0.32's real capt
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import aiohttp
@@ -14,7 +13,7 @@ import pytest
 from engine_sim.lora import LoraModule
 from router.http_api import HttpLimits
 from tests.router.conftest import MODEL, Cluster
-from tests.router.test_http_api import assert_openai_error, post, without_ids
+from tests.router.test_http_api import answer, assert_openai_error, post, without_ids
 
 _OK = {"model": MODEL, "prompt": "hello world the cache", "max_tokens": 5}
 _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "explain the cache"}], "max_tokens": 4}
@@ -27,20 +26,6 @@ async def one_model(cluster: Cluster) -> Cluster:
                              lora_modules=(LoraModule("sql", "/adapters/sql"),))  # fmt: skip
     await cluster.add_ready_router(disagg="never")
     return cluster
-
-
-async def answer(
-    http: aiohttp.ClientSession, method: str, url: str, body: Any = None, request_id: str | None = None
-) -> tuple[int, Any, dict[str, str]]:
-    headers = {"Content-Type": "application/json"} | ({"X-Request-Id": request_id} if request_id else {})
-    data = None if body is None else body if isinstance(body, str) else json.dumps(body)
-    async with http.request(method, url, data=data, headers=headers) as r:
-        raw = await r.read()
-        try:
-            parsed: Any = json.loads(raw)
-        except ValueError:
-            parsed = raw.decode(errors="replace")
-        return r.status, parsed, {k.lower(): v for k, v in r.headers.items()}
 
 
 # Answered by the engine through the router, or by the router itself as the engine would.

@@ -19,7 +19,7 @@ from protocol.hashing import chain_salt
 from router.policies import Outcome
 from router.service import RouterService
 from runtime.nats_flush import flush
-from tests.router.conftest import BLOCK, MODEL, Cluster, complete
+from tests.router.conftest import BLOCK, MODEL, Cluster, busy_decode_fleet, complete
 from tests.router.polling import until
 
 
@@ -165,16 +165,9 @@ async def test_a_salted_prefix_is_held_only_for_the_same_cache_salt(
 async def test_slo_aware_holds_a_request_while_its_decode_worker_has_no_tpot_room(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
-    # A 1 ms TPOT SLO: a decode step of two sequences alone takes ~6 ms, so once one request runs on
-    # the only decode worker it has no room for another, which waits at admission (TTFT SLO 20 s:
-    # up to 10 s) until the first ends, then is served.
-    await cluster.add_worker("prefill")
-    d = await cluster.add_worker("decode", speedup=1.0)
-    router = await cluster.add_ready_router(
-        conditional_disagg=True, conditional_disagg_policy="slo_aware", slo_itl_s=0.001, slo_ttft_s=20.0
-    )
-    first = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=400, ignore_eos=True))
-    await until(lambda: router.view.load(d.id).running >= 1, what="the first request running on d")
+    # Once one request runs on the only decode worker it has no room for another, which waits at
+    # admission until the first ends, then is served.
+    router, d, first = await busy_decode_fleet(cluster, http)
     second = asyncio.create_task(complete(http, router, list(range(1000, 1064))))
     await until(lambda: router.path.admission.depth == 1, what="the second request waiting at admission")
     await asyncio.sleep(0.3)

@@ -41,8 +41,16 @@ async def agg(cluster: Cluster) -> Cluster:
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any, dict[str, str]]:
-    data = body if isinstance(body, str | bytes) else json.dumps(body)
-    async with http.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+    return await answer(http, "POST", url, body)
+
+
+async def answer(
+    http: aiohttp.ClientSession, method: str, url: str, body: Any = None, request_id: str | None = None
+) -> tuple[int, Any, dict[str, str]]:
+    """Status, body (JSON when it parses, else text) and lower-cased headers of one request."""
+    headers = {"Content-Type": "application/json"} | ({"X-Request-Id": request_id} if request_id else {})
+    data = None if body is None else body if isinstance(body, str | bytes) else json.dumps(body)
+    async with http.request(method, url, data=data, headers=headers) as r:
         raw = await r.read()
         try:
             parsed: Any = json.loads(raw)

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.service import RouterService
 from tests.deploy.test_compose import _router_metric_names, _shim_metric_names
-from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.conftest import MODEL, Cluster, busy_decode_fleet, complete
 from tests.router.polling import until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,15 +136,9 @@ async def test_401_404_and_405_are_counted_under_fixed_labels_never_the_path(
 async def test_route_seconds_times_the_planner_and_the_wait_for_room_is_queue_wait(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
-    # test_e2e_routing's slo_aware case: the only decode worker has no room for a second request
-    # while the first runs, so the second waits at admission until the first ends.
-    await cluster.add_worker("prefill")
-    d = await cluster.add_worker("decode", speedup=1.0)
-    router = await cluster.add_ready_router(
-        conditional_disagg=True, conditional_disagg_policy="slo_aware", slo_itl_s=0.001, slo_ttft_s=20.0
-    )
-    first = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=400, ignore_eos=True))
-    await until(lambda: router.view.load(d.id).running >= 1, what="the first request running on d")
+    # The only decode worker has no room for a second request while the first runs, so the second
+    # waits at admission until the first ends.
+    router, _, first = await busy_decode_fleet(cluster, http)
     second = asyncio.create_task(complete(http, router, list(range(1000, 1064))))
     await until(lambda: router.path.admission.depth == 1, what="the second request waiting at admission")
     await asyncio.sleep(0.3)

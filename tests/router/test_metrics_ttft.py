@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.config import RouterSettings
 from router.metrics import RouterMetrics, StateFigures
-from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.conftest import MODEL, Cluster, busy_decode_fleet
 from tests.router.polling import until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,15 +36,9 @@ async def _sums(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
 async def test_ttft_counts_from_arrival_and_upstream_ttft_from_dispatch(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
-    # test_metrics_honesty's scenario: the only decode worker has no room for a second request
-    # while the first runs, so the second, a stream, waits at admission.
-    await cluster.add_worker("prefill")
-    d = await cluster.add_worker("decode", speedup=1.0)
-    router = await cluster.add_ready_router(
-        conditional_disagg=True, conditional_disagg_policy="slo_aware", slo_itl_s=0.001, slo_ttft_s=20.0
-    )
-    first = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=400, ignore_eos=True))
-    await until(lambda: router.view.load(d.id).running >= 1, what="the first request running on d")
+    # The only decode worker has no room for a second request while the first runs, so the second,
+    # a stream, waits at admission.
+    router, _, first = await busy_decode_fleet(cluster, http)
 
     async def queued_stream() -> float:
         sent = time.monotonic()

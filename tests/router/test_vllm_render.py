@@ -36,12 +36,20 @@ def build_tokenizers(templates: set[str | None], tmp: pytest.TempPathFactory) ->
     return out
 
 
-@pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str | None, Tokenization]]:
-    out = build_tokenizers({c["template"] for c in CASES}, tmp_path_factory)
-    yield out
-    for tok in out.values():
-        tok.close()
+def tokenizers_fixture(cases: list[dict[str, Any]]) -> Any:
+    """A module fixture: build_tokenizers for the templates `cases` name, closed after the module."""
+
+    @pytest.fixture(scope="module")
+    def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str | None, Tokenization]]:
+        out = build_tokenizers({c["template"] for c in cases}, tmp_path_factory)
+        yield out
+        for tok in out.values():
+            tok.close()
+
+    return tokenizers
+
+
+tokenizers = tokenizers_fixture(CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])

@@ -9,7 +9,6 @@ vLLM's own renderer by tests/fixtures/vllm-0.32/chat_render/record_kwargs.py."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +16,13 @@ import pytest
 
 from router.http_api import ApiError, parse_request, prompt_ids
 from router.tokenization import HfPromptTokenizer, Tokenization
-from tests.router.test_vllm_render import build_tokenizers
+from tests.router.test_vllm_render import tokenizers_fixture
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32" / "chat_render"
 CASES = [json.loads(line) for line in (FIXTURES / "kwargs_cases.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str | None, Tokenization]]:
-    out = build_tokenizers({c["template"] for c in CASES}, tmp_path_factory)
-    yield out
-    for tok in out.values():
-        tok.close()
+tokenizers = tokenizers_fixture(CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
