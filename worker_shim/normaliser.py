@@ -91,8 +91,7 @@ class Normaliser:
         self.memo_size = memo_size
         self.stats = stats or NormaliserStats()  # shared by the shim's successive normalisers
         self.exact = True
-        self.needs_rebuild = False
-        # engine hashes of the unknown parents that raised needs_rebuild (a few: enough to tell
+        # engine hashes of the unknown parents that ask for a rebuild (a few: enough to tell
         # whether a rebuild's own replay names the same ones again); the owner takes them
         self.rebuild_parents: set[int] = set()
         # engine hash -> [canonical hash, references]
@@ -163,6 +162,11 @@ class Normaliser:
 
     # --- folding ------------------------------------------------------------------------------
 
+    @property
+    def needs_rebuild(self) -> bool:
+        """The shim lost events (an unknown parent in exact mode): the owner should resync."""
+        return bool(self.rebuild_parents)
+
     def reset(self, *, exact: bool) -> list[KvEvent]:
         """Forget everything (the engine restarted or events were lost): emits Cleared. Dropped
         adapter chains stay dropped: a replay re-sends them."""
@@ -173,7 +177,7 @@ class Normaliser:
         self._retired.clear()
         self.windows.clear()
         self.exact = exact
-        self.needs_rebuild = False
+        self.rebuild_parents = set()
         self.stats.resets += 1
         return [Cleared()]
 
@@ -350,10 +354,8 @@ class Normaliser:
             parent = self._canonical_of(ev.parent)
             if parent is None:
                 self.stats.unknown_parent += 1
-                if self.exact:
-                    self.needs_rebuild = True
-                    if len(self.rebuild_parents) < _REBUILD_PARENTS:
-                        self.rebuild_parents.add(ev.parent)
+                if self.exact and len(self.rebuild_parents) < _REBUILD_PARENTS:
+                    self.rebuild_parents.add(ev.parent)
                 return
             start = parent
         try:

@@ -752,7 +752,6 @@ class WorkerShim:
             if self.registration is not None:
                 self.registration.update()
         if norm.needs_rebuild:
-            norm.needs_rebuild = False
             parents, norm.rebuild_parents = norm.rebuild_parents, set()
             if self.rebuild_guard.ask(parents):
                 log.warning("KV event with an unknown parent: asking the engine for its whole state")

@@ -220,3 +220,12 @@ def test_cached_prefix_blocks_counts_leading_held_blocks_only() -> None:
     assert n.cached_prefix_blocks(block_hashes(prompt, B)) == 2
     assert n.cached_prefix_blocks(block_hashes(list(range(50, 62)), B)) == 0
     assert n.cached_prefix_blocks([]) == 0
+
+
+def test_a_clear_after_an_unknown_parent_in_one_batch_asks_for_no_rebuild() -> None:
+    """The engine's own Cleared starts it afresh: the unknown parent before it names nothing to
+    rebuild (the flag and the parents it kept used to disagree after such a batch)."""
+    n = Normaliser(B)
+    n.reset(exact=True)
+    n.apply([stored([2], [5, 6, 7, 8], parent=999), EngineCleared()])
+    assert not n.needs_rebuild and n.rebuild_parents == set()
