@@ -739,14 +739,18 @@ def _completion_validators(data: dict[str, Any]) -> None:
     _check_cache_salt(data.get("cache_salt"))
 
 
+def _default_tool_choice(tools: Any) -> str:
+    """check_tool_usage's tool_choice when the body gives none: "auto" with tools, else "none"."""
+    return "auto" if tools else "none"
+
+
 def _chat_validators(data: dict[str, Any]) -> None:
     """ChatCompletionRequest's `mode="before"` validators on the raw body, last-defined first."""
     if data.get("continue_final_message") and data.get("add_generation_prompt"):
         raise VllmValidationError(CONTINUE_AND_GENERATE)
     _check_tool_usage(data)
     _check_structured_outputs(data, parameter=None)
-    # check_tool_usage makes a missing tool_choice "auto" when tools are given
-    choice = data.get("tool_choice", "auto" if data.get("tools") else "none")
+    choice = data.get("tool_choice", _default_tool_choice(data.get("tools")))
     if _structured_count(data) and choice not in ("none", "auto", "required"):
         raise VllmValidationError("You can only either use constraints for structured outputs or tools, not both.")
     _check_logprobs(data, "top_logprobs")
@@ -868,10 +872,16 @@ _BEFORE_VALIDATORS: dict[type, Callable[[dict[str, Any]], None]] = {
 }
 
 
+@cache
+def _checked_fields(kind: type[_Sampling]) -> tuple[str, ...]:
+    """The fields of `kind` that _FIELD_CHECKS checks, in vLLM's field order."""
+    order = _VLLM_FIELD_ORDER[kind]
+    return tuple(sorted(_FIELD_CHECKS.keys() & set(kind.__struct_fields__), key=order.index))
+
+
 def _check_body(body: _Sampling) -> None:
     """pydantic's checks of the fields msgspec's types do not make."""
-    order = _VLLM_FIELD_ORDER[type(body)]
-    names = sorted(_FIELD_CHECKS.keys() & set(body.__struct_fields__), key=order.index)
+    names = _checked_fields(type(body))
     details = [e for name in names if (value := getattr(body, name)) is not None for e in _FIELD_CHECKS[name](value)]
     if details:
         raise validation_error(details)
@@ -1200,8 +1210,7 @@ def chat_call(body: ChatRequest, max_model_len: int, *, model: str, tool_parsing
     served model's (first) name, which names it in vLLM's refusal of media. `tool_parsing`: the
     server runs a tool parser (vLLM's --enable-auto-tool-choice)."""
     add_generation_prompt = check_generation_prompt(body.add_generation_prompt, body.continue_final_message)
-    # check_tool_usage's default: "auto" when tools are given
-    tool_choice = ("auto" if body.tools else "none") if body.tool_choice is msgspec.UNSET else body.tool_choice
+    tool_choice = _default_tool_choice(body.tools) if body.tool_choice is msgspec.UNSET else body.tool_choice
     top = body.top_logprobs
     _check_body(body)
     _refuse_logprob_token_ids(body)
