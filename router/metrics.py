@@ -45,6 +45,7 @@ class StateFigures:
     retries: int = 0  # router.dispatch.Dispatcher's counts
     prefill_fallbacks: int = 0
     transfer_fallbacks: int = 0
+    slow_readers: int = 0
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
@@ -81,6 +82,11 @@ class _StateCollector(Collector):
         fallbacks.add_metric(["prefill_failed"], s.prefill_fallbacks)
         fallbacks.add_metric(["transfer_failed"], s.transfer_fallbacks)
         yield fallbacks
+        yield CounterMetricFamily(
+            "kvswitch_router_slow_readers",
+            "Streams cut because their client read too slowly: their queued chunks passed the router's limit",
+            s.slow_readers,
+        )
         malformed = CounterMetricFamily(
             "kvswitch_router_worker_malformed_replies",
             "Replies to a request that did not decode, by worker: each leaves the worker out of routing for a "

@@ -31,7 +31,7 @@ from router.planner import PlanError, Planner
 from router.request_context import RequestContext, RequestShape
 from router.tracing import RequestTracer
 
-__all__ = ["NO_WORKER_RETRY_S", "RequestPath", "Unknown", "refused_records"]
+__all__ = ["NO_WORKER_RETRY_S", "RECENT_S", "RequestPath", "Unknown", "refused_records"]
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ from router.peer_settings import PeerSettings, settings_digest
 from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
 from router.replica_sync import ReplicaSync, SyncStats
-from router.request_path import RequestPath, refused_records
+from router.request_path import RECENT_S, RequestPath, refused_records
 from router.served_names import clash_message
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
@@ -500,7 +500,7 @@ class RouterService:
                     + refused_records(self.ns, every)
                 )
             elif self._path is not None and self._path.seen_workers:  # they left: no namespace mismatch
-                lately = ", ".join(self._path.served_lately()) or "none within 10 min"
+                lately = ", ".join(self._path.served_lately()) or f"none within {RECENT_S / 60:g} min"
                 problems.append(
                     "no decode or agg worker can take requests: every worker this router served requests from "
                     f"has left (served lately: {lately}); requests for them are a 503 with Retry-After until one "
@@ -799,6 +799,7 @@ class RouterService:
             retries=self._dispatcher.retries if self._dispatcher is not None else 0,
             prefill_fallbacks=self._dispatcher.fallbacks if self._dispatcher is not None else 0,
             transfer_fallbacks=self._dispatcher.transfer_fallbacks if self._dispatcher is not None else 0,
+            slow_readers=self._dispatcher.slow_readers if self._dispatcher is not None else 0,
             malformed_replies=dict(self._dispatcher.malformed_replies) if self._dispatcher is not None else {},
             load_malformed=self.load_malformed,
             load_unknown=self.load_unknown,

@@ -278,7 +278,12 @@ class HfPromptTokenizer:
             name = "tool_use" if tools is not None and "tool_use" in self._named else "default"
             if name in self._named:
                 return self._named[name]
-        elif self._source is not None:
+            raise TokenizerError(
+                "chat_template",
+                f"tokenizer {self.name} has named chat templates ({', '.join(sorted(self._named))}) and none is "
+                "`default`, which renders a chat that names none",
+            )
+        if self._source is not None:
             return self._source
         raise TokenizerError("chat_template", f"tokenizer {self.name} has none; use /v1/completions")
 

@@ -20,6 +20,7 @@ from router.tokenization import (
     ChatOptions,
     HfPromptTokenizer,
     PromptTokenizer,
+    TokenizerError,
     load_tokenizer,
     probe_ids,
     tokenizer_fingerprint,
@@ -142,3 +143,14 @@ def test_the_router_fingerprints_with_the_default_kwargs_it_is_given(folders: di
     case = WITH_DEFAULTS["llama31_no_thinking"]
     config = RouterConfig(tokenizer=str(folders[case["variant"]]), default_chat_template_kwargs=case["defaults"])
     assert RouterService(config).fingerprints.mine == case["fingerprint"]
+
+
+def test_named_templates_without_a_default_are_named_when_a_chat_needs_one(tmp_path: Path) -> None:
+    # transformers refuses such a chat naming the templates there are; the router said the
+    # tokenizer had no template at all
+    folder = build_variant("own", tmp_path / "named")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "t"}, {"name": "rag", "template": "r"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerError, match=r"named chat templates \(rag, tool_use\) and none is `default`"):
+        HfPromptTokenizer(folder).render_chat([{"role": "user", "content": "hi"}])

@@ -101,6 +101,7 @@ async def test_a_client_that_falls_too_far_behind_ends_its_leg_at_once(
     loop = asyncio.get_running_loop()
     try:
         await until(lambda: served.dispatcher.slow_readers == 1, timeout=5.0, what="the leg dropped")
+        assert b"kvswitch_router_slow_readers_total 1.0" in served.metrics.render()
         # the engine is freed, and so is the booking, while the client still reads nothing
         assert not served.dispatcher.inflight_legs and served.path.inflight == 1
         await until(lambda: not generating(w), timeout=3.0, what="the leg cancelled on its worker")
