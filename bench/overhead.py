@@ -216,12 +216,17 @@ def client_phase(results: Sequence[RequestResult], *, load: str, target: str, re
     )
 
 
+def rate_lag_bound_s(rate: float) -> float:
+    """The send lag p99 a client at `rate` req/s may have: half the gap between due times. A request
+    sent later than that is nearer its successor's slot than its own: the requests bunched, and the
+    load was not the evenly spaced one the row names. (asyncio's timers wake up to ~1 ms late, so a
+    healthy client keeps within it up to 200 req/s; 500 req/s is at its limit.)"""
+    return 0.5 / rate
+
+
 def lag_bound_s(load: str) -> float | None:
-    """The send lag p99 a client row may have: half the gap between due times. A request sent later
-    than that is nearer its successor's slot than its own: the requests bunched, and the load was
-    not the evenly spaced one the row names. (asyncio's timers wake up to ~1 ms late, so a healthy
-    client keeps within it up to 200 req/s; 500 req/s is at its limit.) None for closed loop."""
-    return 0.5 / float(load.removesuffix("/s")) if load.endswith("/s") else None
+    """rate_lag_bound_s of a row's load ("200/s"); None for closed loop."""
+    return rate_lag_bound_s(float(load.removesuffix("/s"))) if load.endswith("/s") else None
 
 
 def _late(p: Phase) -> bool:

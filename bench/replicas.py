@@ -5,7 +5,7 @@ requests, and a model of N replicas checked at N = 1, 2, 3.
    at rising `--rates`, direct and through the router at each, same prompts, caches reset before
    each phase. The ceiling is the highest rate at which added TTFT p50 <= 2 ms and p99 <= 5 ms
    hold with no failed request and the client on schedule (send lag p99 within half the gap
-   between requests, bench.overhead.lag_bound_s). The router's CPU per request at each rate is
+   between requests, bench.overhead.rate_lag_bound_s). The router's CPU per request at each rate is
    `c_own` (everything one replica does for a request it serves, including the KV events and load
    reports that request causes).
 2. **Peer cost.** N replicas, every request sent to replica 0 at `--check-rate`: each other
@@ -40,7 +40,15 @@ from typing import Any
 
 from bench.cpu import CpuSampler, pin_process
 from bench.flame import ROUTER_RULES, Recording, breakdown, find_py_spy, format_breakdown, read_stacks
-from bench.overhead import ROUTER_ARGS, OverheadSpec, Phase, Target, lag_bound_s, reset_prefix_caches, run_client
+from bench.overhead import (
+    ROUTER_ARGS,
+    OverheadSpec,
+    Phase,
+    Target,
+    rate_lag_bound_s,
+    reset_prefix_caches,
+    run_client,
+)
 from kvswitch.cluster import ClusterSpec, LocalCluster
 
 __all__ = ["ReplicaSpec", "add_replicas_parser", "predicted_cpu", "project", "r_max", "replicas_main"]
@@ -150,13 +158,13 @@ class CeilingStep:
     c_own_s: float  # router CPU seconds per request
     errors: int  # kvswitch's failed requests: the step is missed
     direct_errors: int = 0  # the bare sims' failed requests: the step is not judged
-    send_lag_p99_s: float = 0.0  # the later of the two client phases (bench.overhead.lag_bound_s)
+    send_lag_p99_s: float = 0.0  # the later of the two client phases (bench.overhead.rate_lag_bound_s)
     samples: int = 0  # successful requests in the smaller phase: what p99 rests on
 
     @property
     def late(self) -> bool:
         """The client could not keep to the schedule: the rate was not the one named."""
-        return self.send_lag_p99_s > (lag_bound_s(f"{self.rate:g}/s") or 0.0)
+        return self.send_lag_p99_s > rate_lag_bound_s(self.rate)
 
     @property
     def ok(self) -> bool:
@@ -200,7 +208,7 @@ def _step_line(s: CeilingStep) -> str:
     elif s.direct_errors:
         verdict = f"  (not judged: {s.direct_errors} errors in direct)"
     elif s.late:
-        bound = (lag_bound_s(f"{s.rate:g}/s") or 0.0) * 1e3
+        bound = rate_lag_bound_s(s.rate) * 1e3
         verdict = f"  (not judged: client late, send lag p99 {s.send_lag_p99_s * 1e3:.2f} ms > {bound:.2f} ms)"
     else:
         verdict = "" if s.ok else "  (targets missed)"

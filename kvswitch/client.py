@@ -24,8 +24,8 @@ named with the request and the server, since `bench replay --url` takes any Open
 from __future__ import annotations
 
 import contextlib
-import json
 import time
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -116,6 +116,10 @@ class _Chunk(msgspec.Struct):
 
     choices: list[_Choice] | None = None
     usage: _Usage | None = None
+    error: Any = msgspec.UNSET  # an error event (the server's own shape)
+
+
+_read_chunk = msgspec.json.Decoder(_Chunk)
 
 
 class CompletionClient:
@@ -183,19 +187,12 @@ class CompletionClient:
             if data == b"[DONE]":
                 break
             try:
-                raw_chunk = json.loads(data)
-            except (ValueError, RecursionError):  # ValueError: not JSON or not UTF-8; deep nesting recurses
-                raw_chunk = None
-            if not isinstance(raw_chunk, dict):  # valid JSON that is not an object is as malformed
-                result.error = f"malformed SSE chunk: {data[:100]!r} {where}"
-                return
-            if "error" in raw_chunk:
-                result.error = f"stream error: {raw_chunk['error']}"
-                return
-            try:
-                chunk = msgspec.convert(raw_chunk, _Chunk)
-            except msgspec.ValidationError as exc:
+                chunk = _read_chunk.decode(data)
+            except (msgspec.DecodeError, RecursionError) as exc:  # not JSON or UTF-8, a shape not ours, too deep
                 result.error = f"malformed SSE chunk: {exc}: {data[:100]!r} {where}"
+                return
+            if chunk.error is not msgspec.UNSET:
+                result.error = f"stream error: {chunk.error}"
                 return
             now = time.monotonic()
             if any(c.text or c.token_ids for c in chunk.choices or ()):

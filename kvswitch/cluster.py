@@ -26,7 +26,6 @@ import os
 import secrets
 import shutil
 import signal
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -37,9 +36,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from kvswitch.etcd_auth import enable_auth, namespace_users
+from kvswitch.etcd_auth import EtcdAuthError, EtcdGateway, b64, enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
 from kvswitch.servers import (
     EtcdCluster,
@@ -368,7 +366,11 @@ class LocalCluster:
         if not isinstance(ready, dict) or int(ready.get("routable", 0)) < n:
             return False
         router = ready.get("router")
-        if self._registered_url(router) != url:
+        try:
+            registered = self._registered_url(router)
+        except EtcdAuthError:  # etcd did not answer this time: not known to be ready yet
+            return False
+        if registered != url:
             port = url.rsplit(":", 1)[1]
             raise ServerError(
                 f"{url} answers as router {router!r}, which is not this cluster's: another process serves port "
@@ -384,15 +386,11 @@ class LocalCluster:
             key = subjects.router_key(self.spec.namespace, router if isinstance(router, str) else "")
         except ValueError:  # not an id a router of ours could have
             return None
-        gateway = self.etcd.urls[0] + "/v3/"
-        context = self.spec.tls.client_context() if self.spec.tls is not None else None
-        headers = {"Content-Type": "application/json"}
+        gateway = EtcdGateway(self.etcd.urls[0], self.spec.tls.client_context() if self.spec.tls is not None else None)
         if self._etcd_passwords:
-            login = {"name": "root", "password": self._etcd_passwords["root"]}
-            token = _post_json(gateway + "auth/authenticate", login, headers, context).get("token")
-            headers["Authorization"] = str(token)
-        found = _post_json(gateway + "kv/range", {"key": base64.b64encode(key.encode()).decode()}, headers, context)
-        kvs = found.get("kvs") or []
+            login: dict[str, object] = {"name": "root", "password": self._etcd_passwords["root"]}
+            gateway.token = str(gateway.call("auth/authenticate", login).get("token"))
+        kvs = gateway.call("kv/range", {"key": b64(key)}).get("kvs") or []
         if not kvs:
             return None
         return decode_json(base64.b64decode(kvs[0].get("value", "")), RouterInfo).http_url
@@ -473,15 +471,21 @@ class LocalCluster:
         etcd = self.etcd.members if self.etcd is not None else []
         return [(f"nats-{i}", n) for i, n in enumerate(nats)] + [(f"etcd-{i}", m) for i, m in enumerate(etcd)]
 
+    def dead_server_names(self) -> list[str]:
+        """The servers that exited on their own (one stopped or killed on purpose has no process left)."""
+        return [name for name, server in self.servers() if server.proc is not None and server.proc.poll() is not None]
+
     def dead_servers(self) -> list[tuple[str, str]]:
         """(name, its address, exit status and last lines of output) of each server that exited on
-        its own (one stopped or killed on purpose has no process left)."""
+        its own."""
         dead = []
-        for name, server in self.servers():
-            if server.proc is not None and server.proc.poll() is not None:
-                tail = server.log_tail(12).splitlines()
-                said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
-                dead.append((name, f"{name} {server.url} (status {server.proc.returncode}{said})"))
+        servers = dict(self.servers())
+        for name in self.dead_server_names():
+            server = servers[name]
+            assert server.proc is not None
+            tail = server.log_tail(12).splitlines()
+            said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
+            dead.append((name, f"{name} {server.url} (status {server.proc.returncode}{said})"))
         return dead
 
     def health(self) -> tuple[str, bool]:
@@ -491,19 +495,10 @@ class LocalCluster:
         parts = [f"nats={_members_state(nats)}", f"etcd={_members_state(etcd)}"]
         dead = [c.name for c in self.children if c.proc.poll() is not None]
         parts.append(f"children={len(self.children) - len(dead)}/{len(self.children)} up")
-        dead += [name for name, _ in self.dead_servers()]
+        dead += self.dead_server_names()  # names only: the log tails are up's to read, once
         if dead:
             parts.append("dead=" + ",".join(dead))
         return "health: " + " ".join(parts), all(nats) and all(etcd) and not dead
-
-
-def _post_json(
-    url: str, body: dict[str, str], headers: dict[str, str], context: ssl.SSLContext | None
-) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
-    with urllib.request.urlopen(request, timeout=2.0, context=context) as resp:
-        answer = json.loads(resp.read())
-    return answer if isinstance(answer, dict) else {}
 
 
 def _members_state(up: list[bool]) -> str:

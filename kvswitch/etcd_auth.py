@@ -19,10 +19,11 @@ import ssl
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 from protocol import subjects
 
-__all__ = ["PING_KEY", "EtcdAuthError", "EtcdUser", "enable_auth", "namespace_users"]
+__all__ = ["PING_KEY", "EtcdAuthError", "EtcdGateway", "EtcdUser", "b64", "enable_auth", "namespace_users"]
 
 PING_KEY = "__etcd3aio:ping__"
 
@@ -51,7 +52,8 @@ def namespace_users(ns: str, router_password: str, worker_password: str) -> list
     ]
 
 
-def _b64(text: str) -> str:
+def b64(text: str) -> str:
+    """`text` as etcd's JSON gateway takes keys and values."""
     return base64.b64encode(text.encode()).decode()
 
 
@@ -60,32 +62,38 @@ def _prefix_end(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
-class _Gateway:
+class EtcdGateway:
+    """etcd's JSON gateway (`/v3/...`) at one client URL, for the few calls a supervisor makes
+    without an etcd client; `token` (from `auth/authenticate`) is sent once set."""
+
     def __init__(self, url: str, context: ssl.SSLContext | None) -> None:
         self.url = url.rstrip("/")
         self.context = context
+        self.token: str | None = None
 
-    def call(self, path: str, body: dict[str, object], *, exists_ok: bool = False) -> None:
+    def call(self, path: str, body: dict[str, object], *, exists_ok: bool = False) -> dict[str, Any]:
+        """The answer's JSON object ({} for another JSON value); EtcdAuthError for any failure."""
+        headers = {"Content-Type": "application/json"} | ({"Authorization": self.token} if self.token else {})
         request = urllib.request.Request(
-            f"{self.url}/v3/{path}", data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
+            f"{self.url}/v3/{path}", data=json.dumps(body).encode(), method="POST", headers=headers
+        )
         try:
             with urllib.request.urlopen(request, timeout=5.0, context=self.context) as resp:
-                resp.read()
+                answer = json.loads(resp.read())
+                return answer if isinstance(answer, dict) else {}
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")
             if exists_ok and "already exists" in detail:
-                return
+                return {}
             raise EtcdAuthError(f"etcd {path} at {self.url}: HTTP {exc.code}: {detail[:300]}") from exc
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: an answer not JSON
             raise EtcdAuthError(f"etcd {path} at {self.url}: {exc}") from exc
 
 
 def enable_auth(url: str, root_password: str, users: list[EtcdUser], *, context: ssl.SSLContext | None = None) -> None:
     """Create `root` and `users` with their roles, then enable authentication. Run it once, on a
     fresh cluster (any member's client URL); it is refused once authentication is on."""
-    gw = _Gateway(url, context)
+    gw = EtcdGateway(url, context)
     gw.call("auth/role/add", {"name": "root"}, exists_ok=True)
     gw.call("auth/user/add", {"name": "root", "password": root_password}, exists_ok=True)
     gw.call("auth/user/grant", {"user": "root", "role": "root"})
@@ -95,9 +103,9 @@ def enable_auth(url: str, root_password: str, users: list[EtcdUser], *, context:
         grants += [(p, _prefix_end(p), "READWRITE") for p in user.readwrite]
         grants += [(k, "", "READ") for k in user.keys]
         for key, end, kind in grants:
-            perm: dict[str, str] = {"permType": kind, "key": _b64(key)}
+            perm: dict[str, str] = {"permType": kind, "key": b64(key)}
             if end:
-                perm["range_end"] = _b64(end)
+                perm["range_end"] = b64(end)
             gw.call("auth/role/grant", {"name": user.name, "perm": perm})
         gw.call("auth/user/add", {"name": user.name, "password": user.password}, exists_ok=True)
         gw.call("auth/user/grant", {"user": user.name, "role": user.name})

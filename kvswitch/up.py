@@ -15,7 +15,6 @@ import importlib
 import logging
 import math
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from kvswitch.cluster import STOP_GRACE_S, ClusterSpec, LocalCluster
 from kvswitch.servers import ServerError
 from protocol import ConfigError, subjects
+from protocol.errors import try_listen
 from protocol.timing import profile_names
 
 __all__ = ["PASSES_UNKNOWN_ARGS", "add_arguments", "run"]
@@ -177,16 +177,14 @@ def _check_http_ports(spec: ClusterSpec) -> None:
     in TIME_WAIT is free): one held by another process, another `kvswitch up` most often, is refused
     before anything starts."""
     for port in range(spec.http_port, spec.http_port + spec.routers) if spec.http_port else ():
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError as exc:
-                busy = "; another kvswitch up?" if exc.errno == errno.EADDRINUSE else ""
-                raise SystemExit(
-                    f"kvswitch up: --http-port {spec.http_port}: router {port - spec.http_port} cannot listen on "
-                    f"127.0.0.1:{port} ({exc.strerror or exc}{busy}): choose another --http-port, or 0 for free ones"
-                ) from None
+        try:
+            try_listen("127.0.0.1", port)
+        except OSError as exc:
+            busy = "; another kvswitch up?" if exc.errno == errno.EADDRINUSE else ""
+            raise SystemExit(
+                f"kvswitch up: --http-port {spec.http_port}: router {port - spec.http_port} cannot listen on "
+                f"127.0.0.1:{port} ({exc.strerror or exc}{busy}): choose another --http-port, or 0 for free ones"
+            ) from None
 
 
 # Router flags `kvswitch up` gives every replica itself (LocalCluster._start_router) and has no flag of

@@ -6,7 +6,7 @@ import errno
 import socket
 from collections.abc import Iterable
 
-__all__ = ["ConfigError", "ProtocolError", "listen_error", "without_userinfo"]
+__all__ = ["ConfigError", "ProtocolError", "listen_error", "try_listen", "without_userinfo"]
 
 
 # Settings with a flag and no environment variable: the config file's own path is a flag only.
@@ -59,6 +59,19 @@ class ConfigError(ValueError):
     @classmethod
     def one_of(cls, setting: str, value: object, choices: Iterable[str]) -> ConfigError:
         return cls(setting, value, "allowed values: " + ", ".join(choices))
+
+
+def try_listen(host: str, port: int) -> None:
+    """OSError unless an HTTP server could listen on `host`:`port` now. Binds tried and closed at
+    once, as asyncio's listener will bind: each address the host resolves to, IPv6 ones IPv6-only,
+    SO_REUSEADDR (a port left in TIME_WAIT is free; a listening socket still holds its port)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
 
 
 def listen_error(host: str, port: int, exc: OSError) -> ConfigError:

@@ -25,7 +25,6 @@ import contextlib
 import enum
 import logging
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -42,7 +41,7 @@ from discovery import ConfigWatcher, Discovery, Registration
 from discovery.watch import keep_following
 from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, serving, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
-from protocol.errors import listen_error
+from protocol.errors import listen_error, try_listen
 from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
 from protocol.version import __version__
 from router.admission import Admission, Throughput
@@ -79,17 +78,9 @@ CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
 
 def _check_listen(host: str, port: int) -> None:
     """ConfigError naming --http-host or --http-port when the front door could not listen there: the
-    host does not resolve or is not this machine's, or the port is taken or forbidden. Binds tried
-    and closed at once, as asyncio's listener will bind: each address the host resolves to, IPv6
-    ones IPv6-only, SO_REUSEADDR (a listening socket still holds its port)."""
+    host does not resolve or is not this machine's, or the port is taken or forbidden."""
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                probe.bind(address)
+        try_listen(host, port)
     except OSError as exc:
         raise listen_error(host, port, exc) from exc
 
