@@ -33,6 +33,9 @@ _RECONNECT_OPTIONS = [
 _AUTH_FAILED = "authentication failed, invalid user ID or password"
 _NO_USER = "user name is empty"
 _AUTH_OFF = "authentication is not enabled"
+# gRPC's words for a handshake that failed on a certificate (the CA's, the server's name in it, or
+# the client's): a wrong file, which blaming the endpoints would not fix.
+_TLS_FAILED = ("Tls handshake failed", "is not in peer certificate")
 _PING_KEY = "__etcd3aio:ping__"  # what etcd3aio's ping reads (kvswitch.etcd_auth grants it)
 
 
@@ -58,8 +61,9 @@ def _read(path: str | None) -> bytes | None:
 
 
 def _credentials_error(s: EtcdSettings, exc: BaseException) -> ConfigError | None:
-    """The setting to fix when etcd refused the credentials given (or their absence) at connect:
-    a wrong configuration, which retrying or blaming the endpoints would not fix."""
+    """The setting to fix when etcd refused the credentials given (or their absence) at connect,
+    or its certificate did not verify: a wrong configuration, which retrying or blaming the
+    endpoints would not fix."""
     why = said(exc)
     where = f"etcd at {', '.join(s.endpoints)}"
     flags = "--etcd-user and --etcd-password (or their KVSWITCH_ETCD_* variables)"
@@ -82,6 +86,13 @@ def _credentials_error(s: EtcdSettings, exc: BaseException) -> ConfigError | Non
             f"{where} does not let this user read {_PING_KEY!r}, which every client reads on connect ({why}): "
             "grant its role read on that key (as kvswitch secrets --etcd-endpoint does), or check --etcd-user",
         )
+    if s.tls_ca is not None and any(m in why for m in _TLS_FAILED):
+        return ConfigError(
+            "etcd_tls_ca",
+            s.tls_ca,
+            f"the TLS handshake with {where} failed ({why}): give the CA that signed its certificate, which must "
+            "name the host in --etcd-endpoints (and --etcd-tls-cert/--etcd-tls-key if it asks for a client one)",
+        )
     return None
 
 
@@ -99,6 +110,7 @@ class Discovery:
         self._client: Etcd3Client | None = None
         self._leases: list[Lease] = []
         self.token: TokenKeeper | None = None  # with etcd auth on
+        self._wrote = False  # etcd took a write of ours: a denial after it is a role changed under us
 
     @property
     def client(self) -> Etcd3Client:
@@ -108,7 +120,8 @@ class Discovery:
 
     async def connect(self, timeout: float = 10.0) -> Self:
         """DiscoveryError when etcd cannot be reached; ConfigError naming --etcd-user when it
-        refuses the credentials given, or their absence."""
+        refuses the credentials given, or their absence, and --etcd-tls-ca when the TLS handshake
+        fails on a certificate."""
         s = self.settings
         endpoints = [_endpoint(u) for u in s.endpoints]
         if s.tls_ca:
@@ -138,6 +151,24 @@ class Discovery:
         """An etcd call failed with `exc` (a refused token is renewed at once)."""
         if self.token is not None:
             self.token.rejected(exc)
+
+    def _write_failed(self, what: str, key: str, exc: BaseException) -> ConfigError | DiscoveryError:
+        """The error of a failed write of `key`. etcd denying the first write to the user (another
+        role's credentials: a swapped Secret or variable) is a ConfigError naming --etcd-user, which
+        retrying or blaming the endpoints would not fix. Anything else, a later denial included (the
+        role changed under a running process, whose retries go on), is a DiscoveryError."""
+        if not isinstance(exc, EtcdPermissionDeniedError):
+            return DiscoveryError(f"{what} {key} failed: {exc}")
+        roles = {"router": subjects.routers_prefix(self.ns), "worker": subjects.workers_prefix(self.ns)}
+        role = next((r for r, prefix in roles.items() if key.startswith(prefix)), None)
+        which = f"the {role} user kvswitch secrets made" if role is not None else "a user that may write it"
+        why = f"does not let this user write {key} ({said(exc)}): give {which}"
+        if self._wrote:
+            return DiscoveryError(f"{what} {key} failed: etcd {why} (--etcd-user)")
+        flags = "--etcd-user and --etcd-password (or their KVSWITCH_ETCD_* variables)"
+        return ConfigError(
+            "etcd_user", self.settings.user, f"etcd at {', '.join(self.settings.endpoints)} {why}, with {flags}"
+        )
 
     async def close(self) -> None:
         leases, self._leases = self._leases, []
@@ -178,10 +209,12 @@ class Discovery:
             await self.client.kv.put(key, value, lease=lease.id if lease else 0, timeout=5.0)
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             self._failed(exc)
-            raise DiscoveryError(f"put {key} failed: {exc}") from exc
+            raise self._write_failed("put", key, exc) from exc
+        self._wrote = True
 
     async def create(self, key: str, value: bytes, lease: Lease) -> None:
-        """Put `key` under `lease` only if it does not exist (or is already ours); KeyTaken otherwise."""
+        """Put `key` under `lease` only if it does not exist (or is already ours); KeyTaken otherwise,
+        ConfigError naming --etcd-user when the user may not write it (as from `put`)."""
         kv = self.client.kv
         assert kv is not None
         try:
@@ -193,7 +226,8 @@ class Discovery:
             )
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             self._failed(exc)
-            raise DiscoveryError(f"create {key} failed: {exc}") from exc
+            raise self._write_failed("create", key, exc) from exc
+        self._wrote = True
         if resp.succeeded:
             return
         found = resp.responses[0].response_range.kvs

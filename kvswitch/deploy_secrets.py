@@ -10,8 +10,10 @@
   --api-keys-file` (mode 0600; add or remove lines to rotate, the routers reload it).
 
 Rerunning it keeps every key, certificate and seed already there and adds what is new (a worker
-name added to `--workers` gets a seed; the others keep theirs). It is the docker-compose init job
-and the first step of docs/deployment.md.
+name added to `--workers` gets a seed; the others keep theirs). A kept certificate that lacks a host
+of `--tls-hosts` is refused (exit 2, before anything is written), not replaced: a new one needs a
+new CA, which every client must then trust. It is the docker-compose init job and the first step of
+docs/deployment.md.
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def write_api_keys(out: Path, count: int) -> Path:
-    """`out/api-keys` with at least `count` keys; keys already there are kept."""
+    """`out/api-keys` with at least `count` keys; the keys and comments already there are kept."""
     path = out / "api-keys"
-    held = [k for k in path.read_text().splitlines() if k.strip()] if path.exists() else []
-    keys = held + [f"sk-kvswitch-{secrets.token_urlsafe(32)}" for _ in range(max(0, count - len(held)))]
+    text = path.read_text(encoding="utf-8-sig") if path.exists() else ""  # as router/api_keys.py reads it
+    lines = [line for line in text.splitlines() if line.strip()]
+    held = sum(not line.strip().startswith("#") for line in lines)  # a comment is no key to the router
+    lines += [f"sk-kvswitch-{secrets.token_urlsafe(32)}" for _ in range(max(0, count - held))]
     out.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600)  # private before a key is in it (and a file loosened since, too)
     path.chmod(0o600)
-    path.write_text("".join(k + "\n" for k in keys))
+    path.write_text("".join(line + "\n" for line in lines))
     return path
 
 
@@ -111,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvswitch secrets: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out is not None else Path()
+    plan = None
     if args.routers or args.workers:
         try:
             plan = NatsAuthPlan.generate(
@@ -119,13 +124,20 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvswitch secrets: {exc}", file=sys.stderr)
             return 2
+    tls = None
+    if args.tls_hosts:  # before the NATS files: a kept certificate it refuses leaves no half-done run
+        from kvswitch.certs import KeptCertificateError, certificate_hosts, write_tls
+
+        try:
+            tls = write_tls(out / "tls", args.tls_hosts)
+        except KeptCertificateError as exc:
+            print(f"kvswitch secrets: --tls-hosts: {exc}", file=sys.stderr)
+            return 2
+    if plan is not None:
         written = plan.write(out)
         print(f"NATS: {len(args.routers)} routers, {len(args.workers)} workers -> {written[0]}, {written[1]}")
-    if args.tls_hosts:
-        from kvswitch.certs import write_tls
-
-        tls = write_tls(out / "tls", args.tls_hosts)
-        print(f"TLS: CA {tls.ca}, certificate {tls.cert} for {', '.join(args.tls_hosts)}")
+    if tls is not None:  # the names the certificate holds: a kept one may name more than asked for
+        print(f"TLS: CA {tls.ca}, certificate {tls.cert} for {', '.join(certificate_hosts(tls.cert))}")
     if args.api_keys:
         print(f"API keys: {write_api_keys(out, args.api_keys)}")
     if args.etcd_endpoint:

@@ -217,14 +217,22 @@ def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
     nats, etcd = ("tls", "https") if args.secure else ("nats", "http")
     ns.nats_servers = [f"{nats}://127.0.0.1:{args.nats_port or 4222}"]
     ns.etcd_endpoints = [f"{etcd}://127.0.0.1:{args.etcd_port or 2379}"]
-    if args.secure:
-        # Files up writes only once it starts: any readable file stands in for them here.
-        ns.nats_tls_ca = ns.etcd_tls_ca = ns.nats_nkey_file = __file__
-        ns.etcd_user, ns.etcd_password = "router", "-"  # LocalCluster._child_env
-    try:
-        router_cli.build_config(ns)
-    except ConfigError as exc:
-        raise SystemExit(f"kvswitch up: {exc}") from None
+    with tempfile.TemporaryDirectory(prefix="kvswitch-up-check-") as tmp:
+        if args.secure:
+            # Files up writes only once it starts, and the router reads what they hold: throwaway
+            # ones of the same kinds stand in for them here.
+            from kvswitch.certs import write_tls
+            from kvswitch.nats_auth import NatsIdentity
+
+            seed = Path(tmp, "router.nk")
+            seed.write_text(NatsIdentity.create("check", "router").seed)
+            ns.nats_tls_ca = ns.etcd_tls_ca = str(write_tls(Path(tmp), ["127.0.0.1"]).ca)
+            ns.nats_nkey_file = str(seed)
+            ns.etcd_user, ns.etcd_password = "router", "-"  # LocalCluster._child_env
+        try:
+            router_cli.build_config(ns)
+        except ConfigError as exc:
+            raise SystemExit(f"kvswitch up: {exc}") from None
 
 
 class _HealthLog:

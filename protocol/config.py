@@ -273,6 +273,14 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
             nats_tls_cert=self.tls_cert,
             nats_tls_key=self.tls_key,
         )
+        # Parsed now: nats-py reads these only inside connect(), where a bad one was a traceback
+        # (exit 1) or, for a creds file without a JWT, a loop that never ends.
+        if self.nkey_file is not None:
+            _check_seed("nats_nkey_file", self.nkey_file, Path(self.nkey_file).read_bytes().strip())
+        if self.creds_file is not None:
+            _check_creds(self.creds_file)
+        if self.tls_ca or self.tls_cert:
+            self.ssl_context()
         return self
 
     def shown_servers(self) -> list[str]:
@@ -314,11 +322,13 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
         if self.nkey_file is not None:
             opts["nkeys_seed"] = self.nkey_file
         if self.tls_ca or self.tls_cert:
-            ctx = ssl.create_default_context(cafile=self.tls_ca)
-            if self.tls_cert and self.tls_key:
-                ctx.load_cert_chain(self.tls_cert, self.tls_key)
-            opts["tls"] = ctx
+            opts["tls"] = self.ssl_context()
         return opts
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The client TLS context of --nats-tls-ca (the system's CAs without it) and the client
+        certificate; ConfigError naming the file that does not load."""
+        return _ssl_context("nats_", self.tls_ca, self.tls_cert, self.tls_key)
 
 
 class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -364,6 +374,8 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(
                     "etcd_endpoints", http[0], "with etcd_tls_ca every URL must be https:// (http:// is plaintext)"
                 )
+            # Loaded as gRPC will: it takes the PEM bytes unparsed, and then never connects.
+            _ssl_context("etcd_", self.tls_ca, self.tls_cert, self.tls_key)
         return self
 
 
@@ -380,6 +392,55 @@ def _check_files(**paths: str | None) -> None:
                 pass
         except OSError as exc:
             raise ConfigError(setting, path, f"must name a readable file ({exc.strerror})") from exc
+
+
+def _ssl_context(prefix: str, ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
+    """A client context trusting `ca` (the system's CAs when None) and presenting `cert` and `key`;
+    ConfigError naming `{prefix}tls_ca`, `_cert` or `_key`, whichever does not load."""
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"{prefix}tls_ca", ca, f"holds no PEM CA certificate ({exc})") from exc
+    if cert is None or key is None:
+        return ctx
+    try:  # the certificate alone first: load_cert_chain's error does not say which file it was
+        ssl.create_default_context(cafile=cert)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"{prefix}tls_cert", cert, f"holds no PEM certificate ({exc})") from exc
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            f"{prefix}tls_key",
+            key,
+            f"is not the PEM private key of the certificate in --{prefix[:-1]}-tls-cert ({exc})",
+        ) from exc
+    return ctx
+
+
+def _check_seed(setting: str, path: str, seed: bytes) -> None:
+    """ConfigError unless `seed` is an nkey seed (nats-py signs with it only when it connects)."""
+    import nkeys  # only where a seed is given: processes without NATS need not load it
+
+    try:
+        nkeys.from_seed(bytearray(seed)).wipe()
+    except (nkeys.NkeysError, ValueError, TypeError) as exc:
+        raise ConfigError(
+            setting, path, f"holds no nkey seed ({type(exc).__name__}; kvswitch secrets writes one per identity)"
+        ) from exc
+
+
+def _check_creds(path: str) -> None:
+    """ConfigError unless `path` is a NATS creds file, read as nats-py reads it: the line after
+    each BEGIN marker is the user JWT, then the user's nkey seed."""
+    lines = Path(path).read_bytes().split(b"\n")
+    value = b""
+    for marker in (b"BEGIN NATS USER JWT", b"BEGIN USER NKEY SEED"):
+        at = next((i for i, line in enumerate(lines) if marker in line), None)
+        value = lines[at + 1] if at is not None and at + 1 < len(lines) else b""
+        if not value.strip():
+            raise ConfigError("nats_creds_file", path, f"is no NATS creds file: it has no {marker.decode()} block")
+    _check_seed("nats_creds_file", path, value)  # the seed's line, as is: nats-py strips nothing off it
 
 
 def add_flags(parser: argparse._ActionsContainer, schema: type[msgspec.Struct], prefix: str = "") -> None:

@@ -6,10 +6,16 @@
 Only full blocks are hashed: a trailing partial block has no hash, as no engine caches it. The shim
 computes this for every block an engine reports cached and the router for every prompt, so equal
 prefixes meet in the index whatever engine holds them. Engine hashes stay opaque.
+
+The C extension (protocol/_fasthash.c) and block_hashes_py take the same arguments, errors included:
+token ids are ints, or objects with `__index__` (numpy integers), in [0, 2**32); `parent` likewise
+in [0, 2**64); anything else is a ValueError naming it, never a value wrapped into range. A
+`block_size` must be positive; one past the tokens' length gives [] whatever its size.
 """
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Callable, Sequence
 
@@ -33,6 +39,7 @@ ROOT_SALT = b""
 _xxh3 = xxhash.xxh3_64_intdigest
 _u64 = struct.Struct("<Q")
 _MAX_TOKEN = 0xFFFF_FFFF
+_MAX_HASH = 0xFFFF_FFFF_FFFF_FFFF
 
 
 def chain_salt(lora: str = "", cache_salt: str = "") -> str:
@@ -59,11 +66,19 @@ def endpoint_key(canonical: int) -> int:
     return _xxh3(_u64.pack(canonical) + _ENDPOINT, seed=SEED)
 
 
+def _in_range(value: object, most: int) -> bool:
+    """An int, or an object with `__index__` as struct.pack takes it, in [0, most]."""
+    try:
+        return 0 <= operator.index(value) <= most  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
 def _pack_tokens(tokens: Sequence[int]) -> bytes:
     try:
         return struct.pack(f"<{len(tokens)}I", *tokens)
     except struct.error as exc:
-        bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t <= _MAX_TOKEN), None)
+        bad = next((t for t in tokens if not _in_range(t, _MAX_TOKEN)), None)
         raise ValueError(f"token ids must be integers in [0, 2**32): got {bad!r}") from exc
 
 
@@ -75,14 +90,17 @@ def block_hashes_py(
     parent: int | None = None,
 ) -> list[int]:
     """The pure-Python reference of block_hashes: the definition, spelled out."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    n_full = len(tokens) // block_size
+    size = operator.index(block_size)
+    if size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size!r}")
+    if parent is not None and not _in_range(parent, _MAX_HASH):
+        raise ValueError(f"parent must be an integer in [0, 2**64): got {parent!r}")
+    n_full = len(tokens) // size
     if n_full == 0:
         return []
-    raw = _pack_tokens(tokens[: n_full * block_size])
-    stride = 4 * block_size
-    prev = root_hash(salt) if parent is None else parent
+    raw = _pack_tokens(tokens[: n_full * size])
+    stride = 4 * size
+    prev = root_hash(salt) if parent is None else operator.index(parent)
     out: list[int] = []
     append = out.append
     pack = _u64.pack

@@ -8,6 +8,7 @@ with. NATS payloads are msgpack (`encode_msg`/`decode_msg`); etcd values are JSO
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Mapping
 from typing import Any, Literal, NewType, TypeVar
@@ -533,6 +534,11 @@ class RouterInfo(_Msg, kw_only=True):
 
 _LOAD_COUNTS = ("running", "waiting", "kv_used_blocks", "kv_total_blocks", "prefill_tokens_queued")
 
+# A report's floats must be finite, and all but its wall-clock stamp at least 0: one inf or NaN left
+# the worker's timing fit NaN for good (router.calibration). A shim sends none (it drops an engine
+# reading that holds one: worker_shim.load_reporter).
+_LOAD_FLOATS = ("ts", "engine_ts", "period_s", "kv_usage", "prefill_seconds", "itl_seconds", "decode_context")
+
 # The most KV blocks one engine can say it has: 2**31 blocks of 16 tokens are 34 G tokens, some PB
 # of KV at vLLM's block sizes, far past any GPU. Routers size a worker's index bound from this count
 # (router.kv_ingest), so a larger one is a lie that would lift that bound.
@@ -540,10 +546,17 @@ MAX_KV_TOTAL_BLOCKS = 1 << 31
 
 
 def load_report_problem(report: LoadReport) -> str | None:
-    """Why `report` cannot be true (a count below zero, a KV capacity no engine has), or None."""
+    """Why `report` cannot be true (a count below zero, a KV capacity no engine has, a float
+    not finite), or None."""
     for name in _LOAD_COUNTS:
         value = getattr(report, name)
         if value is not None and value < 0:
+            return f"{name} {value} is negative"
+    for name in _LOAD_FLOATS:
+        value = getattr(report, name)
+        if value is not None and not math.isfinite(value):
+            return f"{name} {value} is not a finite number"
+        if value is not None and value < 0 and name != "ts":
             return f"{name} {value} is negative"
     return _capacity_problem(report.kv_total_blocks)
 
@@ -582,10 +595,17 @@ _msg_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
 _msg_decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}
 _json_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+# msgspec raises RecursionError past the interpreter's limit (~1,000 levels), even in a field it
+# only skips: a ProtocolError (a ValueError) lets each reader isolate that message as malformed.
+_TOO_DEEP = "nested too deeply"
 
 
 def encode_msg(msg: msgspec.Struct) -> bytes:
-    return _msg_encoder.encode(msg)
+    """Encode a NATS payload; raises ProtocolError for a value nested past the recursion limit."""
+    try:
+        return _msg_encoder.encode(msg)
+    except RecursionError:
+        raise ProtocolError(type(msg).__name__, _TOO_DEEP) from None
 
 
 def decode_msg(data: bytes, kind: type[T]) -> T:
@@ -597,6 +617,8 @@ def decode_msg(data: bytes, kind: type[T]) -> T:
         return dec.decode(data)  # type: ignore[no-any-return]
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(kind.__name__, str(exc)) from exc
+    except RecursionError:
+        raise ProtocolError(kind.__name__, _TOO_DEEP) from None
 
 
 def encode_json(msg: msgspec.Struct) -> bytes:
@@ -611,3 +633,5 @@ def decode_json(data: bytes | str, kind: type[T]) -> T:
         return dec.decode(data)  # type: ignore[no-any-return]
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(kind.__name__, str(exc)) from exc
+    except RecursionError:
+        raise ProtocolError(kind.__name__, _TOO_DEEP) from None

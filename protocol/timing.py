@@ -55,6 +55,7 @@ import copy
 import json
 import math
 import os
+import reprlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -92,7 +93,35 @@ def _table_path(name: str) -> Path | None:
 
 
 def _read(path: Path) -> Any:
-    return json.loads(path.read_text())
+    """A table's JSON; ValueError naming the file when it cannot be read (an operator's table is
+    read by every router's planner: any other error would fail each request that plans with it)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
+        raise ValueError(f"timing table {path}: cannot read it: {exc}") from exc
+
+
+def _listed(path: Path, key: str) -> list[dict[str, Any]]:
+    """The table's `key` list of objects (`models`, a mixed table's `steps`); ValueError naming the
+    file when it has none."""
+    data = _read(path)
+    rows = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"timing table {path}: not a JSON object with a `{key}` list of objects")
+    return rows
+
+
+def _number(where: str, row: dict[str, Any], key: str, kind: type[int] | type[float] = int) -> Any:
+    """`row[key]`, an integer (`kind` float: any finite number) >= 0; ValueError naming `where` and
+    the key when it is missing or malformed."""
+    if key not in row:
+        raise ValueError(f"{where}: missing `{key}`")
+    value = row[key]
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float) and math.isfinite(value)
+    if isinstance(value, bool) or not ok or value < 0:
+        what = "an integer" if kind is int else "a finite number"
+        raise ValueError(f"{where}: `{key}` must be {what} >= 0, got {reprlib.repr(value)}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,29 +139,56 @@ class ModelProfile:
 
 
 def profile_names() -> list[str]:
+    """The profiles the tables name. A file that is no profile table (a `_mixed.json`, an operator's
+    notes, a table that does not parse) names none; `load_profile` of its name says what is wrong."""
     names: list[str] = []
     for d in _profile_dirs():
         for path in sorted(d.glob("*.json")):
-            names += [f"{path.stem}:{m['model']}" for m in _read(path).get("models", []) if "model" in m]
+            try:
+                models = _listed(path, "models")
+            except ValueError:
+                continue
+            names += [f"{path.stem}:{m['model']}" for m in models if isinstance(m.get("model"), str)]
     return list(dict.fromkeys(names))
+
+
+def _points(where: str, m: dict[str, Any], key: str, axes: tuple[str, str]) -> tuple[tuple[int, int, float], ...]:
+    """One grid of a model's table; ValueError naming the key that is missing or malformed."""
+    if key not in m:
+        raise ValueError(f"{where}: missing `{key}`")
+    rows = m[key]
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{where}: `{key}` must be a non-empty list of points")
+    points: dict[tuple[int, int], float] = {}
+    for i, p in enumerate(rows):
+        if not isinstance(p, dict):
+            raise ValueError(f"{where}: `{key}[{i}]` is not an object")
+        at = f"{where}: `{key}[{i}]`"
+        x, y, seconds = _number(at, p, axes[0]), _number(at, p, axes[1]), _number(at, p, "seconds", float)
+        if (x, y) in points:  # two values at one point: interpolating between them divides by zero
+            raise ValueError(f"{where}: `{key}[{i}]` repeats {axes[0]} {x}, {axes[1]} {y}")
+        points[x, y] = seconds
+    return tuple((x, y, v) for (x, y), v in points.items())
 
 
 @cache
 def load_profile(name: str = DEFAULT_PROFILE) -> ModelProfile:
-    """`h200:llama-3.1-8b` -> its tables; ValueError naming the known profiles for an unknown one."""
+    """`h200:llama-3.1-8b` -> its tables; ValueError naming the known profiles for an unknown one,
+    and the file and the key for a malformed one."""
     table, _, model = name.partition(":")
     path = _table_path(f"{table}.json") if table else None
     if path is not None:
-        for m in _read(path).get("models", []):
+        for m in _listed(path, "models"):
             if m.get("model") == model:
+                where = f"timing table {path}, model {model!r}"
                 return ModelProfile(
                     name=name,
                     table=table,
                     model=model,
-                    kv_bytes_per_token=int(m["kv_bytes_per_token_bf16"]),
-                    params=int(m.get("params", 0)),
-                    prefill=tuple((p["new_tokens"], p["cached_tokens"], p["seconds"]) for p in m["prefill"]),
-                    decode=tuple((p["batch"], p["context_tokens"], p["seconds"]) for p in m["decode"]),
+                    kv_bytes_per_token=_number(where, m, "kv_bytes_per_token_bf16"),
+                    params=_number(where, m, "params") if "params" in m else 0,
+                    prefill=_points(where, m, "prefill", ("new_tokens", "cached_tokens")),
+                    decode=_points(where, m, "decode", ("batch", "context_tokens")),
                 )
     raise ValueError(f"unknown timing profile {name!r}; known: {', '.join(profile_names())}")
 
@@ -155,19 +211,23 @@ def mixed_marginals(table: str = "h200") -> list[tuple[int, int, int, int, float
     path = _table_path(f"{table}_mixed.json")
     if path is None:
         return []
-    steps = _read(path)["steps"]
-    base = {(s["batch"], s["context_tokens"]): s["seconds"] for s in steps if s["chunk_tokens"] == 0}
-    out = []
-    for s in steps:
-        key = (s["batch"], s["context_tokens"])
-        if s["chunk_tokens"] and key in base:
-            out.append((*key, s["chunk_tokens"], s["cached_tokens"], s["seconds"] - base[key]))
-    return out
+    steps = []
+    for i, s in enumerate(_listed(path, "steps")):
+        at = f"timing table {path}: `steps[{i}]`"
+        counts = tuple(_number(at, s, key) for key in ("batch", "context_tokens", "chunk_tokens", "cached_tokens"))
+        steps.append((*counts, _number(at, s, "seconds", float)))
+    base = {(b, ctx): secs for b, ctx, chunk, _, secs in steps if chunk == 0}
+    return [(b, ctx, chunk, c, secs - base[b, ctx]) for b, ctx, chunk, c, secs in steps if chunk and (b, ctx) in base]
 
 
 def _mixed_model(table: str) -> str | None:
     path = _table_path(f"{table}_mixed.json")
-    return str(_read(path).get("model")) if path is not None else None
+    if path is None:
+        return None
+    data = _read(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"timing table {path}: not a JSON object")
+    return str(data.get("model"))
 
 
 def _least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
@@ -197,7 +257,11 @@ def fit_marginal(table: str = "h200") -> MarginalFit:
     if not rows:
         raise ValueError(f"no mixed-step measurements for table {table!r} ({table}_mixed.json)")
     design = [(n, n * (c + n / 2), b * n) for b, _, n, c, _ in rows]
-    a, b, e = _least_squares(design, [r[4] for r in rows])
+    try:
+        a, b, e = _least_squares(design, [r[4] for r in rows])
+    except ZeroDivisionError:
+        path = _table_path(f"{table}_mixed.json")
+        raise ValueError(f"timing table {path}: too few distinct steps to fit the marginal's three terms") from None
     return MarginalFit(a, b, e)
 
 

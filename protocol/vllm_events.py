@@ -48,6 +48,7 @@ end marker `[b"", b"", END_SEQ, b""]`.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
@@ -176,19 +177,25 @@ _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _shown(value: Any) -> str:
+    """A peer's value for an error message: reprlib's bounded repr, as a full repr of a value nested
+    near the recursion limit raises RecursionError, and of a huge one floods the log."""
+    return reprlib.repr(value)
+
+
 def _hash(value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, bytes | bytearray):
         return int.from_bytes(value, "big")
-    raise ProtocolError(_WHAT, f"block hash {value!r} is neither an integer nor bytes")
+    raise ProtocolError(_WHAT, f"block hash {_shown(value)} is neither an integer nor bytes")
 
 
 def _optional(fields: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
     value = fields.get(name, default)
     if value is None or isinstance(value, kind):
         return value
-    raise ProtocolError(_WHAT, f"{name} {value!r} is not a {kind.__name__}")
+    raise ProtocolError(_WHAT, f"{name} {_shown(value)} is not a {kind.__name__}")
 
 
 def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
@@ -246,7 +253,7 @@ def _named_salt(f: dict[str, Any]) -> str | msgspec.UnsetType:
     """The cache_salt an event names: in SGLang's metadata map, else as a field of its own."""
     metadata = f.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise ProtocolError(_WHAT, f"metadata {metadata!r} is not a map")
+        raise ProtocolError(_WHAT, f"metadata {_shown(metadata)} is not a map")
     salt = _optional(f if metadata is None else metadata, "cache_salt", str)
     return msgspec.UNSET if salt is None else salt
 
@@ -288,6 +295,8 @@ def decode_events(payload: bytes) -> tuple[EventBatch, list[ProtocolError]]:
         raw = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise ProtocolError(_WHAT, f"not msgpack: {exc}") from exc
+    except RecursionError:  # nested past the interpreter's limit: a malformed batch, not a failed reader
+        raise ProtocolError(_WHAT, "nested too deeply") from None
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, list | tuple) and len(raw) >= 2:

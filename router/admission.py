@@ -1,24 +1,26 @@
-"""Admission: requests wait at the router, first come first served, while no worker has room.
+"""Admission: requests wait at the router, first come first served per model, while no worker has room.
 
-A request is taken at once when nobody is waiting and the planner finds a worker with room (its
-predicted prefill backlog under half the TTFT SLO: router.planner); the plan it gets is booked in
-the same synchronous step, so the next request sees it. Otherwise it queues. Waiters are served in
-arrival order, and only as capacity frees: `notify()` (a load report arrived, a request ended, a
-worker appeared) offers the head waiter to the planner, again and again while plans come back.
-A waiter keeps its request context, so nothing is hashed twice.
+A request is taken at once when nobody waits for its model and the planner finds a worker with
+room (its predicted prefill backlog under half the TTFT SLO: router.planner); the plan it gets is
+booked in the same synchronous step, so the next request sees it. Otherwise it queues. Each model
+(the name a request resolved to: a model, one of its other names, a LoRA adapter) has its own
+line, so one model's overload never holds another's requests: its waiters are served in arrival
+order, and only as capacity frees: `notify()` (a load report arrived, a request ended, a worker
+appeared) offers each line's head waiter to the planner, again and again while plans come back,
+one per line in turn. A waiter keeps its request context, so nothing is hashed twice.
 
 An offer that finds no room costs a whole plan, and a plan visits every worker (about 10 ms at
 1,000 workers). While requests wait, every load report would offer the head again: tens of
 thousands a second in a large fleet, more CPU than a replica has. So after an offer that found no
-room, the next one comes no sooner than `RETRY_GAP` times that offer's planning CPU later (at
-most a tenth of a core spent re-planning waiters); notifications inside the gap leave one offer
-scheduled at its end.
+room, the line's next one comes no sooner than `RETRY_GAP` times that offer's planning CPU later
+(at most a tenth of a core spent re-planning each line's head); notifications inside the gap
+leave one offer scheduled at its end.
 
-The queue is bounded so that what waits here drains within half the TTFT SLO: `max_queue` when
-set, else the fleet's measured completion rate times that time (at least `min_queue`). A request
-beyond the bound gets 429 with Retry-After (the seconds the queue ahead needs to drain), and so
-does one that waits longer than the timeout: at 5x overload the admitted requests keep their TTFT
-near the SLO instead of all of them waiting minutes.
+Each line is bounded so that what waits there drains within half the TTFT SLO: `max_queue` when
+set, else the model's measured completion rate times that time (at least `min_queue`). A request
+beyond the bound gets 429 with Retry-After (the seconds its line needs to drain), and so does one
+that waits longer than the timeout: at 5x overload the admitted requests keep their TTFT near the
+SLO instead of all of them waiting minutes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.disagg import RoutePlan
 from router.request_context import RequestContext
@@ -81,120 +83,173 @@ class _Waiter:
     since: float
 
 
+@dataclass(eq=False, slots=True)
+class _Line:
+    """One model's waiters, oldest first, and the pacing of the offers to them."""
+
+    model: str
+    waiters: deque[_Waiter] = field(default_factory=deque)
+    quiet_until: float = -math.inf  # no offer to these waiters before this (the clock's time)
+    deferred: asyncio.TimerHandle | None = None  # the offer at the quiet time's end
+
+
 class Admission:
     def __init__(
         self,
         *,
         max_wait_s: Callable[[], float],
         max_queue: Callable[[], int | None],
-        throughput: Throughput,
         on_abandon: Callable[[RoutePlan], None],
         min_queue: int = 8,
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         """`max_wait_s()`: how long a request may wait here (half the TTFT SLO); `max_queue()`:
-        the configured bound, None to derive it; `on_abandon(plan)`: release a plan whose waiter
-        left (timed out or disconnected) in the instant it was granted. `cpu_clock` times an
-        offer's planning: CPU, not wall time, so a plan preempted on a busy machine does not
-        stretch the quiet time after it."""
+        the configured bound of each model's line, None to derive it; `on_abandon(plan)`: release
+        a plan whose waiter left (timed out or disconnected) in the instant it was granted.
+        `cpu_clock` times an offer's planning: CPU, not wall time, so a plan preempted on a busy
+        machine does not stretch the quiet time after it."""
         self._max_wait_s = max_wait_s
         self._max_queue = max_queue
-        self.throughput = throughput
         self._on_abandon = on_abandon
         self.min_queue = min_queue
         self._clock = clock
         self._cpu_clock = cpu_clock
-        self._waiters: deque[_Waiter] = deque()
-        self._quiet_until = -math.inf  # no offer to waiters before this (the clock's time)
-        self._deferred: asyncio.TimerHandle | None = None  # the offer at the quiet time's end
+        self._lines: dict[str, _Line] = {}  # the models with waiters, and only those
+        self._rates: dict[str, Throughput] = {}  # each model's completions
         self.refused = 0
         self.timed_out = 0
 
     @property
     def depth(self) -> int:
-        return len(self._waiters)
+        """Requests waiting, every model's together."""
+        return sum(len(line.waiters) for line in self._lines.values())
 
-    def bound(self) -> int:
+    def throughput(self, model: str) -> Throughput:
+        """The model's completed requests per second."""
+        rate = self._rates.get(model)
+        if rate is None:
+            rate = self._rates[model] = Throughput(self._clock)
+        return rate
+
+    def completed(self, model: str, n: int = 1) -> None:
+        """`n` requests for `model` ended: its line drains at that rate."""
+        self.throughput(model).completed(n)
+
+    def bound(self, model: str) -> int:
+        """How many requests for `model` may wait."""
         configured = self._max_queue()
         if configured is not None:
             return configured
-        return max(self.min_queue, math.ceil(self.throughput.rate() * self._max_wait_s()))
+        return max(self.min_queue, math.ceil(self.throughput(model).rate() * self._max_wait_s()))
 
-    def _retry_after(self) -> int:
-        rate = self.throughput.rate()
+    def _retry_after(self, model: str, waiting: int) -> int:
+        rate = self.throughput(model).rate()
         if rate <= 0:
             return max(1, math.ceil(self._max_wait_s()))
-        return min(60, max(1, math.ceil((len(self._waiters) + 1) / rate)))
+        return min(60, max(1, math.ceil((waiting + 1) / rate)))
 
     async def admit(self, ctx: RequestContext, take: Callable[[RequestContext], RoutePlan | None]) -> RoutePlan:
-        """A booked plan for `ctx`; Overloaded when the queue is full or the wait too long.
+        """A booked plan for `ctx`; Overloaded when its model's line is full or the wait too long.
         `take(ctx)` plans and books when a worker has room, else returns None (router.planner)."""
-        if not self._waiters:
+        model = ctx.model
+        line = self._lines.get(model)
+        if line is None:
             plan = take(ctx)
             if plan is not None:
                 return plan
-        if len(self._waiters) >= self.bound():
+        waiting = len(line.waiters) if line is not None else 0
+        if waiting >= self.bound(model):
             self.refused += 1
             raise Overloaded(
-                f"every worker is at capacity and {len(self._waiters)} requests are already waiting",
-                self._retry_after(),
+                f"every worker of {model} is at capacity and {waiting} requests for it are already waiting",
+                self._retry_after(model, waiting),
             )
+        if line is None:
+            line = self._lines[model] = _Line(model)
         waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), self._clock())
-        self._waiters.append(waiter)
+        line.waiters.append(waiter)
         wait_s = self._max_wait_s()
         try:
             async with asyncio.timeout(wait_s):
                 return await asyncio.shield(waiter.future)
         except TimeoutError:
-            self._abandon(waiter)
+            self._abandon(line, waiter)
             self.timed_out += 1
-            raise Overloaded(f"no worker had room within {wait_s:.1f}s", self._retry_after()) from None
+            raise Overloaded(
+                f"no worker had room within {wait_s:.1f}s", self._retry_after(model, len(line.waiters))
+            ) from None
         except BaseException:  # the client left
-            self._abandon(waiter)
+            self._abandon(line, waiter)
             raise
 
-    def _abandon(self, waiter: _Waiter) -> None:
+    def _abandon(self, line: _Line, waiter: _Waiter) -> None:
         fut = waiter.future
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             self._on_abandon(fut.result())  # granted in the very instant it gave up
         else:
             fut.cancel()
         with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
-        self.notify()
+            line.waiters.remove(waiter)
+        self.notify()  # the next head's turn, and what an abandoned plan held is free
 
     def notify(self) -> None:
-        """Capacity may have freed: grant plans to waiters in arrival order while they come; inside
-        the quiet time after an offer that found no room, leave one offer for its end instead."""
-        waiters = self._waiters
-        if not waiters:
+        """Capacity may have freed: grant plans to each model's waiters in arrival order while they
+        come, one line after another in turn; inside the quiet time after an offer that found no
+        room, leave one offer for its end instead."""
+        if not self._lines:  # every load report calls this
             return
-        now = self._clock()
-        if now < self._quiet_until:
-            if self._deferred is None:
-                loop = asyncio.get_running_loop()
-                self._deferred = loop.call_later(self._quiet_until - now, self._offer_deferred)
-            return
-        while waiters:
-            head = waiters[0]
-            if head.future.done():
-                waiters.popleft()
-                continue
-            started = self._cpu_clock()
-            try:
-                plan = head.take(head.ctx)
-            except Exception as exc:  # no worker at all any more: the waiter answers with it
-                waiters.popleft()
-                head.future.set_exception(exc)
-                continue
-            if plan is None:
-                self._quiet_until = self._clock() + RETRY_GAP * (self._cpu_clock() - started)
-                return
-            waiters.popleft()
-            head.future.set_result(plan)
+        lines = list(self._lines.values())
+        while lines:
+            lines = [line for line in lines if self._offer(line)]
 
-    def _offer_deferred(self) -> None:
-        self._deferred = None
-        self._quiet_until = -math.inf  # this is the offer the quiet time kept back
-        self.notify()
+    def _offer(self, line: _Line) -> bool:
+        """Offer the line's head waiter a plan; True when one was answered and another waits."""
+        waiters = line.waiters
+        while waiters and waiters[0].future.done():
+            waiters.popleft()
+        if not waiters:
+            self._close(line)
+            return False
+        now = self._clock()
+        if now < line.quiet_until:
+            if line.deferred is None:
+                loop = asyncio.get_running_loop()
+                line.deferred = loop.call_later(line.quiet_until - now, self._offer_deferred, line)
+            return False
+        head = waiters[0]
+        started = self._cpu_clock()
+        try:
+            plan = head.take(head.ctx)
+        except Exception as exc:  # no worker at all any more: the waiter answers with it
+            waiters.popleft()
+            head.future.set_exception(exc)
+            return self._open(line)
+        if plan is None:
+            line.quiet_until = self._clock() + RETRY_GAP * (self._cpu_clock() - started)
+            return False
+        waiters.popleft()
+        head.future.set_result(plan)
+        return self._open(line)
+
+    def _open(self, line: _Line) -> bool:
+        """Whether the line still has waiters; an empty one is closed, so the model's next request
+        is planned at once again."""
+        if line.waiters:
+            return True
+        self._close(line)
+        return False
+
+    def _close(self, line: _Line) -> None:
+        if self._lines.get(line.model) is line:
+            del self._lines[line.model]
+        if line.deferred is not None:
+            line.deferred.cancel()
+            line.deferred = None
+
+    def _offer_deferred(self, line: _Line) -> None:
+        line.deferred = None
+        line.quiet_until = -math.inf  # this is the offer the quiet time kept back
+        if self._lines.get(line.model) is line:
+            while self._offer(line):
+                pass

@@ -1,11 +1,12 @@
 """API keys for the router's front door: `Authorization: Bearer <key>`.
 
-Keys live in a file, one per line (blank lines and `#` comments ignored), so they rotate without a
-restart: the file is re-read when its inode, modification time, change time or size changes, checked
-at most once a second. A file that becomes unreadable or empty keeps the last good keys and logs an
-ERROR (a rotation half-done must not lock every client out, nor let everyone in). One that could not
-be read is tried again at every check (logged once per change), so the chmod or chown that fixes it,
-or a passing EMFILE, brings the new keys in.
+Keys live in a file of UTF-8 text, one per line (blank lines, `#` comments and a leading byte order
+mark ignored), so they rotate without a restart: the file is re-read when its inode, modification
+time, change time or size changes, checked at most once a second. A file that becomes unreadable,
+not UTF-8 or empty keeps the last good keys and logs an ERROR (a rotation half-done must not lock
+every client out, nor let everyone in). One that could not be read is tried again at every check
+(logged once per change), so the chmod or chown that fixes it, or a passing EMFILE, brings the new
+keys in.
 
 Comparison is constant-time per key (hmac.compare_digest), and every key is compared, so neither
 timing nor position tells a caller how close a guess was. Keys are never logged.
@@ -54,9 +55,12 @@ class ApiKeys:
 
     def _read(self) -> list[bytes]:
         try:
-            text = self.path.read_text()
+            text = self.path.read_text(encoding="utf-8-sig")  # -sig: a BOM (Windows editors) is no part of a key
         except OSError as exc:
             raise ApiKeysError(f"{self.path}: cannot read the API keys file: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:  # the line number only: its bytes may be a key
+            line = exc.object[: exc.start].count(b"\n") + 1
+            raise ApiKeysError(f"{self.path}: the API keys file is not UTF-8 text (line {line})") from exc
         keys = [line.strip() for line in text.splitlines()]
         return [k.encode() for k in keys if k and not k.startswith("#")]
 
@@ -91,7 +95,8 @@ class ApiKeys:
         scheme, _, presented = authorization.partition(" ")
         if scheme.lower() != "bearer" or not presented:
             return False
-        candidate = presented.strip().encode()
+        # Never raises: aiohttp hands a byte that is not UTF-8 over as a lone surrogate, which no key equals.
+        candidate = presented.strip().encode("utf-8", "surrogatepass")
         ok = False
         for key in self._keys:
             ok |= hmac.compare_digest(candidate, key)

@@ -304,6 +304,11 @@ class Calibration:
         y = (report.engine_ts or report.ts) - (prev.engine_ts or prev.ts)
         if y <= 0:
             return  # a heartbeat repeating the last engine reading
+        if not (math.isfinite(y) and math.isfinite(prev.decode_context) and math.isfinite(report.decode_context)):
+            # An inf or NaN stamp or context (the router refuses such reports): in the fit's sums it
+            # would stay for good, as decay never clears it. The stretch cannot be read.
+            self._windows.pop(worker, None)
+            return
         started, running = prev.running > 0, report.running > 0
         if not started and not running:
             self._windows.pop(worker, None)  # idle throughout (or too short to tell): nothing to read

@@ -180,7 +180,7 @@ def _tool_call(i: int, call: Any) -> Any:
     if isinstance(arguments, str) and arguments:
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested too deep to parse is no object either
             arguments = {}
     return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
 

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from protocol.config import RouterSettings
 from router.policies import Decision, DecodeGuard, DecodeRoom, Outcome, Path, Policy, make_policy
@@ -39,7 +39,7 @@ from router.request_context import Candidate, RequestContext
 from router.selection import Selector
 from router.transfer_health import TransferHealth
 
-__all__ = ["Disaggregator", "RoutePlan"]
+__all__ = ["Disaggregator", "Learns", "RoutePlan"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,14 @@ class RoutePlan:
         }
 
 
+@runtime_checkable
+class Learns(Protocol):
+    """A policy that learns from the requests admitted (slo_aware: their mean lengths), once each.
+    `max_model_len`: the chosen worker's, None when it does not say."""
+
+    def admitted(self, ctx: RequestContext, max_model_len: int | None, /) -> None: ...
+
+
 class Disaggregator:
     """Owns the current settings, policy and guard, and the outcome counts."""
 
@@ -106,6 +114,7 @@ class Disaggregator:
         self.settings, self.policy = settings, policy
         # Asked per candidate and request: an isinstance against a runtime Protocol costs 5-13 us.
         self._room: DecodeRoom | None = policy if self.policy_decides and isinstance(policy, DecodeRoom) else None
+        self._learns: Learns | None = policy if isinstance(policy, Learns) else None
 
     def record(self, outcome: Outcome) -> None:
         self.counts[outcome] += 1
@@ -117,6 +126,12 @@ class Disaggregator:
         self.record(plan.outcome)
         if plan.path is Path.REMOTE and plan.prefill is not None and self.transfers.any:
             self.transfers.probing(plan.decode.worker, plan.prefill.worker)
+
+    def admitted(self, plan: RoutePlan) -> None:
+        """`plan`'s request was admitted (its first attempt booked): the policy learns from it. Not
+        in plan(): a waiter offered again, a retry and a dry run would count it again."""
+        if self._learns is not None:
+            self._learns.admitted(plan.ctx, plan.decode.info.max_model_len)
 
     @property
     def policy_decides(self) -> bool:

@@ -490,6 +490,9 @@ class Dispatcher:
                 "a number in the request is out of the 64-bit integer range",
                 retryable=False,
             ) from exc
+        except ProtocolError as exc:  # nested past the recursion limit: the body's JSON was just under it
+            span.end()
+            raise LegError(worker, 400, "bad_request", "the body's JSON is nested too deeply", retryable=False) from exc
         if len(data) > self._nc.max_payload:
             span.end()
             raise LegError(

@@ -20,6 +20,12 @@ ours double-counts for the skew (never past the first token), one ahead undercou
 report. A peer's booking is stamped when it arrives here, a little after the peer made it, which
 errs on the side of counting it.
 
+Order. A worker's reports replace each other by stamp, not arrival: one stamped before the one held
+by at most MAX_REORDER_S came late and only proves the worker alive. One older by more is the
+worker's clock stepping back (NTP step, VM resume): it is taken, and `update` says how far back,
+since dropping it would freeze the worker's figures and read it as silent for as long as the step
+while it reports every second.
+
 Bookings are keyed by (router, request_id): None is this router. One request may hold bookings on
 several workers (its prefill and decode legs); `free` drops them all. Synchronous; one event loop.
 
@@ -29,8 +35,9 @@ its time a prefill worker will spend prefilling while a request spilled to it de
 (router.policies.slo_aware).
 
 Cost. Each worker keeps the sums of what no report covers yet, updated as bookings come, finish
-and get covered (a worker's reports only get newer, so coverage never reverts), so `load()` costs
-the same with 5 or 5,000 requests in flight: a router that falls behind does not slow down with it.
+and get covered (by the newest stamp a worker has sent, even once its clock stepped back, so
+coverage never reverts), so `load()` costs the same with 5 or 5,000 requests in flight: a router
+that falls behind does not slow down with it.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import msgspec
 from protocol.config import MAX_LOAD_PERIOD_S
 from protocol.messages import LoadReport
 
-__all__ = ["MAX_CLOCK_SKEW_S", "Liveness", "LoadView", "WorkerLoad"]
+__all__ = ["MAX_CLOCK_SKEW_S", "MAX_REORDER_S", "Liveness", "LoadView", "WorkerLoad"]
 
 INFLOW_TAU_S = 10.0
 """Time constant of `prefill_inflow`, the exponentially weighted rate of prefill tokens booked on
@@ -56,6 +63,11 @@ a worker: long enough to span several requests' lives, short enough to follow a 
 MAX_CLOCK_SKEW_S = 1.0
 """A report stamped further ahead of this router's clock is taken as stamped now (plus this): one
 bad clock or a forged stamp must not hide every later report from that worker."""
+
+MAX_REORDER_S = 1.0
+"""A report stamped before the one held by at most this arrived late and is dropped; by more, the
+worker's clock stepped back and it is taken. A shim publishes from one task and NATS keeps one
+publisher's order, so reports come out of order only from two publishers under one worker name."""
 
 
 class WorkerLoad(msgspec.Struct, frozen=True):
@@ -186,7 +198,8 @@ class _WorkerBookings:
 @dataclass(frozen=True, slots=True)
 class _Report:
     report: LoadReport
-    received_at: float
+    received_at: float  # of the worker's latest report, taken or not
+    covers: float  # the newest stamp taken from the worker: what it covered stays covered
 
 
 _NO_REPORT = float("-inf")
@@ -202,14 +215,23 @@ class LoadView:
 
     # --- reports -------------------------------------------------------------------------------
 
-    def update(self, report: LoadReport) -> None:
-        """The latest report of `report.worker`; an older one than held (reordered) is ignored."""
+    def update(self, report: LoadReport) -> float | None:
+        """The latest report of `report.worker`. One stamped before the one held by at most
+        MAX_REORDER_S (reordered) is dropped, but the worker is alive; one older by more is taken,
+        and the seconds its clock stepped back are returned (None otherwise)."""
         now = self._clock()
         if not report.ts <= now + MAX_CLOCK_SKEW_S:  # also NaN
             report = msgspec.structs.replace(report, ts=now + MAX_CLOCK_SKEW_S)
         held = self._reports.get(report.worker)
-        if held is None or report.ts >= held.report.ts:
-            self._reports[report.worker] = _Report(report, now)
+        if held is None:
+            self._reports[report.worker] = _Report(report, now, report.ts)
+            return None
+        back = held.report.ts - report.ts
+        if 0 < back <= MAX_REORDER_S:
+            self._reports[report.worker] = _Report(held.report, now, held.covers)
+            return None
+        self._reports[report.worker] = _Report(report, now, max(report.ts, held.covers))
+        return back if back > 0 else None
 
     def liveness(self, worker: str) -> Liveness | None:
         """None before the worker's first report."""
@@ -327,9 +349,9 @@ class LoadView:
         prefill = blocks = released = 0
         on_worker = self._by_worker.get(worker)
         if on_worker is not None:
-            report_ts = held.report.ts if held is not None else _NO_REPORT
-            on_worker.cover(report_ts)
-            prefill, blocks, released = on_worker.prefill, on_worker.blocks, on_worker.released(report_ts)
+            on_worker.cover(held.covers if held is not None else _NO_REPORT)
+            released = on_worker.released(held.report.ts) if held is not None else 0
+            prefill, blocks = on_worker.prefill, on_worker.blocks
             if not on_worker.bookings and not on_worker.holds_releases:
                 del self._by_worker[worker]
         now = self._clock()

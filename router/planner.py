@@ -364,12 +364,13 @@ class Planner:
                 return None
             self.disagg.record(plan.outcome)
             self._reached(ctx, held, ctx.cached_tokens(plan.decode), plan)
-            return self._book(ctx, plan)
-        prefill_full = self._keep_room(ctx)
-        if not ctx.decode_pool:
-            return None  # room to decode, but no decode worker the policy lets prefill it
-        plan = self._choose(ctx, prefill_full)
-        self._reached(ctx, held, _longest(ctx), plan)
+        else:
+            prefill_full = self._keep_room(ctx)
+            if not ctx.decode_pool:
+                return None  # room to decode, but no decode worker the policy lets prefill it
+            plan = self._choose(ctx, prefill_full)
+            self._reached(ctx, held, _longest(ctx), plan)
+        self.disagg.admitted(plan)
         return self._book(ctx, plan)
 
     def _reached(self, ctx: RequestContext, held: int, with_room: int, plan: RoutePlan) -> None:

@@ -261,7 +261,7 @@ class RequestPath:
         if job.attempts == 0:  # the dispatcher never ran, so it freed nothing
             self.planner.ledger.free(job.plan.key)
         self.planner.finished(job.plan.ctx)
-        self.admission.throughput.completed()
+        self.admission.completed(job.plan.ctx.model)
         self.admission.notify()
 
     async def stream(self, job: Job, arrived: float) -> AsyncGenerator[ResponseChunk, None]:

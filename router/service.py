@@ -39,12 +39,12 @@ from opentelemetry.trace import TracerProvider
 
 from discovery import ConfigWatcher, Discovery, Registration
 from discovery.watch import keep_following
-from protocol import LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, serving, subjects
+from protocol import ConfigError, LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, serving, subjects
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
 from protocol.errors import listen_error, try_listen
 from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
 from protocol.version import __version__
-from router.admission import Admission, Throughput
+from router.admission import Admission
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
 from router.calibration import Calibration
@@ -68,7 +68,8 @@ from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
 from runtime import background, guarded
 from runtime.nats_connect import connect as nats_connect
-from runtime.nats_connect import error_reporter
+from runtime.nats_connect import error_reporter, refused_subscriptions
+from runtime.nats_flush import flush
 
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
@@ -288,7 +289,6 @@ class RouterService:
         admission = Admission(
             max_wait_s=lambda: self.settings.slo_ttft_s / 2,
             max_queue=lambda: self.settings.max_queue,
-            throughput=Throughput(time.monotonic),
             on_abandon=lambda plan: ledger.free(plan.key),
         )
         self._path = path = RequestPath(
@@ -356,6 +356,18 @@ class RouterService:
         self._sync.rename(self.router_id)
         await self._sync.start()
         await self._ingest.start()
+        # The server refuses a subject of another identity only in an -ERR: such a router would
+        # serve 503s for good, its workers' KV events and load reports never reaching it.
+        await flush(nc)
+        if refused := sorted(refused_subscriptions(nc)):
+            more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
+            raise ConfigError(
+                "namespace",
+                self.ns,
+                f"NATS refuses this identity the subscription to {refused[0]}{more}: the seed in --nats-nkey-file "
+                "(or --nats-creds-file) is not a router's, or --namespace differs from the one kvswitch secrets "
+                "was given",
+            )
         self._registry = WorkerRegistry(self._discovery, self._on_worker_add, self._on_worker_remove)
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
@@ -650,7 +662,7 @@ class RouterService:
         self.clocks.remove(worker)
         self.eligibility.removed(worker)
         self.dispatcher.worker_gone(worker)
-        self._load_logged -= {("malformed", worker), ("unknown", worker)}
+        self._load_logged -= {("malformed", worker), ("unknown", worker), ("clock step", worker)}
 
     def _on_kv_events(self, worker: str, events: list[KvEvent]) -> None:
         pending = self.pending
@@ -691,7 +703,14 @@ class RouterService:
             return
         if (skew := self.clocks.observe(report.worker, report.ts, time.time())) is not None:
             _say_skew(skew, self.config.request_timeout_s)
-        self.view.update(report)
+        if (back := self.view.update(report)) is not None and self._first_said("clock step", report.worker):
+            log.warning(
+                "worker %s's clock stepped back: a load report stamped %.1f s before its last one; its "
+                "reports are taken in the order they come, so it stays routed; keep worker hosts on NTP "
+                "(logged once per worker)",
+                report.worker,
+                back,
+            )
         self.planner.disagg.transfers.reported(report.worker, report.kv_transfers_failed)
         if self.calibration is not None:
             self.calibration.observe(info, report)
@@ -723,8 +742,8 @@ class RouterService:
             )
 
     def _first_said(self, kind: str, worker: str) -> bool:
-        """Whether to log a load report of `worker` dropped as `kind`: the first one, for up to
-        1024 (kind, worker) pairs."""
+        """Whether to log a load report of `worker` dropped (or taken) as `kind`: the first one,
+        for up to 1024 (kind, worker) pairs."""
         key = (kind, worker)
         if key in self._load_logged or len(self._load_logged) >= 1024:
             return False

@@ -13,16 +13,20 @@ In its own module, not in `runtime`'s namespace: processes without NATS (engine_
 from __future__ import annotations
 
 import logging
+import re
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from nats.aio.client import Client
+from nats.aio.client import Client, _default_error_callback
 from nats.errors import AuthorizationError, Error
 
 from runtime import RepeatedErrors
 
-__all__ = ["TlsNotOffered", "connect", "error_reporter"]
+__all__ = ["TlsNotOffered", "connect", "error_reporter", "refused_subscriptions"]
 
+# nats-py's text (lower-cased) of a server's -ERR for a subject this identity may not use.
+_VIOLATION = re.compile(r'permissions violation for (subscription|publish) to "([^"]+)"')
 _NO_CREDENTIALS = (
     "the server wants credentials: give --nats-creds-file, --nats-nkey-file, --nats-token, or --nats-user and "
     "--nats-password"
@@ -30,7 +34,7 @@ _NO_CREDENTIALS = (
 
 
 def error_reporter(
-    log: logging.Logger, servers: Sequence[str], credentials: Sequence[str]
+    log: logging.Logger, servers: Sequence[str], credentials: Sequence[str], names: str = "--namespace"
 ) -> Callable[[Exception], Awaitable[None]]:
     """NATS's error_cb for the router and the shim: each kind of error said once, then counted
     (RepeatedErrors). A server that refuses the credentials (missing, wrong or unknown alike: nats-py
@@ -38,10 +42,27 @@ def error_reporter(
     flags (`credentials`, those given), not --nats-servers, the one setting that was right, and so
     does a connection reset that follows a refusal. Both keep trying (docs/deployment.md): a server
     reloading its authorization takes them a moment later. `servers` are named as given: pass them
-    without the `user:password@` a URL may carry (NatsSettings.shown_servers)."""
+    without the `user:password@` a URL may carry (NatsSettings.shown_servers).
+
+    A permissions violation (a subject this identity may not use) names the credentials and
+    `names`, the flags the subjects are made of (the shim's --worker-name and --namespace): one of
+    them differs from what `kvswitch secrets` was given. A certificate that does not verify names
+    --nats-tls-ca."""
     what = f"NATS {', '.join(servers)}"
     hint = f"the server refused the credentials: check {', '.join(credentials)}" if credentials else _NO_CREDENTIALS
     refused = RepeatedErrors(log, what, hint)
+    forbidden = RepeatedErrors(
+        log,
+        what,
+        f"this identity may not use that subject: check that the credentials ({', '.join(credentials) or 'none'}) "
+        f"are this process's own, and {names} what kvswitch secrets was given",
+    )
+    unverified = RepeatedErrors(
+        log,
+        what,
+        "the server's certificate does not verify: check --nats-tls-ca (the CA that signed it; the system's CAs "
+        "without it) and that the certificate names the host in --nats-servers",
+    )
     # The server closes the socket right behind its -ERR, so some tries read the reset before the
     # refusal: that reset is the refusal again, not a wrong address.
     reset_after_refusal = RepeatedErrors(log, what, f"closed by the server, which refused the credentials; {hint}")
@@ -57,7 +78,12 @@ def error_reporter(
             await reset_after_refusal.on_error(exc)
         else:
             last_refused = False
-            await other.on_error(exc)
+            if _VIOLATION.search(str(exc)):  # the connection stays up: the credentials were taken
+                await forbidden.on_error(exc)
+            elif isinstance(exc, ssl.SSLCertVerificationError):
+                await unverified.on_error(exc)
+            else:
+                await other.on_error(exc)
 
     return on_error
 
@@ -74,6 +100,10 @@ class TlsNotOffered(Error):
 
 
 class _EncryptedOrNothing(Client):
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused_subscriptions: set[str] = set()
+
     def _connect_command(self) -> bytes:
         # Called after nats-py has decided on TLS and before the CONNECT goes out.
         server = self._current_server
@@ -92,7 +122,24 @@ class _EncryptedOrNothing(Client):
 
 async def connect(**options: Any) -> Client:
     """`nats.connect(**options)`, refusing (TlsNotOffered, through `error_cb` while it retries) to
-    connect in the clear when the options ask for TLS."""
+    connect in the clear when the options ask for TLS, and keeping the subjects whose
+    subscriptions the server refused (refused_subscriptions)."""
     nc = _EncryptedOrNothing()
-    await nc.connect(**options)
+    given = options.pop("error_cb", None) or _default_error_callback
+
+    async def on_error(exc: Exception) -> None:
+        # Recorded before `given` awaits anything: nats-py reads the server's -ERR, and awaits
+        # this, before the PONG of a flush sent after the SUB, so a flush that returned has it.
+        if (m := _VIOLATION.search(str(exc))) is not None and m[1] == "subscription":
+            nc.refused_subscriptions.add(m[2])
+        await given(exc)
+
+    await nc.connect(**options, error_cb=on_error)
     return nc
+
+
+def refused_subscriptions(nc: Client) -> set[str]:
+    """The subjects, lower-cased (as nats-py passes the server's -ERR on), whose subscriptions the
+    server refused on `nc` (made by `connect`): it says so only in an -ERR, and the subscription
+    stays, silent, on the client's side. Flush first."""
+    return nc.refused_subscriptions if isinstance(nc, _EncryptedOrNothing) else set()

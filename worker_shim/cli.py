@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import resource
 import sys
 from typing import Any
 
@@ -18,7 +19,7 @@ from protocol import ConfigError
 from protocol.config import EtcdSettings, NatsSettings, add_flags, check_file_keys, file_keys, load_file, resolve
 from worker_shim.config import ENGINES, KV_EVENTS_MODES, ROLES, ShimConfig
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "raise_fd_limit", "run"]
 
 log = logging.getLogger("kvswitch.shim")
 _SHIM_FLAGS: list[tuple[str, type, str]] = [
@@ -57,6 +58,12 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
     ("health_failures", int, "failed health checks in a row that deregister the worker (default 2)"),
     ("busy_limit_s", float, "seconds an engine may leave its health check unanswered before deregistering (30)"),
     ("stall_limit_s", float, "seconds an engine with work may show no progress before deregistering as hung (120)"),
+    (
+        "max_inflight_legs",
+        int,
+        "the most legs served at once, more get a retryable 503 (default: the most the open-file limit allows, "
+        "one descriptor each)",
+    ),
     (
         "bootstrap_host",
         str,
@@ -97,6 +104,23 @@ def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings
     return shim, nats, etcd
 
 
+def raise_fd_limit() -> None:
+    """Raise the soft open-file limit to the hard one, as vLLM raises its own (set_ulimit): each
+    leg in flight holds a connection to the engine, and a common default (1024 under systemd) is
+    below what one engine serves at once."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit (macOS) takes no unlimited soft one: ask for vLLM's number.
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65535)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+        else:
+            # DEBUG: a refused config must stay one line; kvswitch_shim_max_inflight_legs shows the outcome.
+            log.debug("open-file limit raised from %d to %d (the hard limit)", soft, target)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         shim_cfg, nats, etcd = resolve_settings(args)
@@ -110,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     shims: list[WorkerShim] = []  # the one shim, once made: on_abort revokes its lease
 
     async def main(stop: asyncio.Event) -> int:
+        raise_fd_limit()
         shim = WorkerShim(shim_cfg, nats, etcd)
         shims.append(shim)
         try:

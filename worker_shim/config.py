@@ -16,7 +16,7 @@ import msgspec
 
 from protocol import ConfigError, subjects
 from protocol.config import MAX_LOAD_PERIOD_S, url_problem
-from protocol.timing import profile_names
+from protocol.timing import TimingModel, profile_names
 from protocol.vllm_events import rank_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
 
@@ -84,6 +84,9 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     stall_limit_s: how long an engine with work may show no progress (no token, no finished leg, no
         step, no KV change) before the worker deregisters as hung, until it moves again. Longer
         than busy_limit_s: a long prefill on an engine without a step counter shows nothing.
+    max_inflight_legs: the most legs served at once; more are refused with a retryable 503
+        `overloaded`. Each holds a connection to the engine, a file descriptor: None takes the most
+        the open-file limit allows, which a larger value exceeds (refused at start).
     bootstrap_host: SGLang P/D: the address decode engines reach this prefill engine's bootstrap
         server at (default: --engine-url's host, which is right only on one host).
     namespace: the cluster namespace (subjects and keys).
@@ -117,6 +120,7 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     health_failures: int = 2
     busy_limit_s: float = 30.0
     stall_limit_s: float = 120.0
+    max_inflight_legs: int | None = None
     bootstrap_host: str | None = None
     namespace: str = subjects.DEFAULT_NAMESPACE
 
@@ -197,6 +201,11 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(
                 "timing_profile", self.timing_profile, "allowed values: " + ", ".join(names) + " (or unset)"
             )
+        if self.timing_profile is not None:
+            try:  # the model the router builds from it: a malformed table fails there for every request
+                TimingModel.for_profile(self.timing_profile)
+            except ValueError as exc:
+                raise ConfigError("timing_profile", self.timing_profile, str(exc)) from exc
         if self.lease_ttl < 1:
             raise ConfigError("lease_ttl", self.lease_ttl, "must be >= 1 (seconds)")
         for name in _DURATIONS:  # NaN passes every comparison; an infinity waits forever
@@ -226,6 +235,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in ("busy_limit_s", "stall_limit_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0 (seconds)")
+        if self.max_inflight_legs is not None and self.max_inflight_legs < 1:
+            raise ConfigError("max_inflight_legs", self.max_inflight_legs, "must be >= 1 (or unset: the fd limit's)")
         if self.bootstrap_host is not None:
             if self.engine != "sglang":
                 raise ConfigError("bootstrap_host", self.bootstrap_host, "only SGLang's P/D takes it: drop it")

@@ -134,6 +134,14 @@ class _ShimCollector(Collector):
         yield _gauge("requests_inflight", "Legs running", float(len(svc.inflight) if svc else 0))
         yield _counter("heartbeats", "Heartbeat chunks sent", float(svc.heartbeats if svc else 0))
         yield _counter("chunks_held", "Chunks held back to coalesce under load", float(svc.held_chunks if svc else 0))
+        yield _counter(
+            "chunks_unsent",
+            "Response chunks NATS refused (an outage that filled its reconnect buffer), kept for routers to ask "
+            "for again",
+            float(svc.chunks_unsent if svc else 0),
+        )
+        cap = svc.max_legs if svc else None
+        yield _gauge("max_inflight_legs", "Legs served at once, more are refused (0: no bound)", float(cap or 0))
 
     def _credit(self) -> Iterator[Metric]:
         c = self.shim.credit

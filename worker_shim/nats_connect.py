@@ -19,7 +19,7 @@ log = logging.getLogger("kvswitch.shim.nats")
 
 async def connect_nats(settings: NatsSettings, name: str) -> Nats:
     servers = settings.shown_servers()
-    errors = error_reporter(log, servers, settings.credential_flags())
+    errors = error_reporter(log, servers, settings.credential_flags(), "--worker-name and --namespace")
 
     async def reconnected() -> None:
         # The outage was said (error_cb, once, then counted): its end is said too, once.

@@ -43,6 +43,11 @@ until it ends. The load reports carry their mean as `decode_context`.
 Heartbeats: a leg whose request asks for them (`heartbeat_s` > 0) sends an empty, non-final chunk
 with the next seq whenever it has sent nothing for `heartbeat_s`, prefill and non-streaming legs
 included, so a router tells a long prefill from a dead worker.
+
+A chunk NATS refuses (an outage that filled its reconnect buffer) is counted, logged once per
+outage and kept with the leg's others: the router asks for it again (GenerateRequest.resume) and
+the leg runs on. Legs past `max_legs` in flight (leg_cap: each holds a file descriptor) are
+refused at once with a retryable 503 `overloaded`.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import resource
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -57,10 +64,12 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from opentelemetry.trace import Span
 
 from protocol import (
     CancelRequest,
+    ConfigError,
     ErrorInfo,
     GenerateRequest,
     ProtocolError,
@@ -79,10 +88,20 @@ from worker_shim.credit_check import reusable
 from worker_shim.decode_context import DecodeContext
 from worker_shim.tracing import LegTracer
 
-__all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "PREFILL_POLL_S", "RequestService"]
+__all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "FD_RESERVE", "PREFILL_POLL_S", "RequestService", "leg_cap"]
 
 log = logging.getLogger(__name__)
-RECENT_LEGS = 256  # ended legs whose chunks a router may still ask for again
+# Ended legs whose chunks a router may still ask for again, bounded in number, bytes and age. A
+# router asks within MAX_RESUMES (3) x 3 silent heartbeats of the last chunk it got
+# (router.dispatch): 3.6 s at the default stream_heartbeat_s of 0.4; RECENT_S covers heartbeats
+# up to 3.3 s. A resume for chunks dropped by then gets 410 `gone`.
+RECENT_LEGS = 256
+RECENT_BYTES = 64 * 1024 * 1024
+RECENT_S = 30.0
+# File descriptors kept free beside the legs' engine connections (one each) for what the shim
+# opens besides: health probes, load polls, NATS, etcd, ZMQ event sockets, /metrics scrapes.
+FD_RESERVE = 64
+OVERLOAD_LOG_S = 60.0  # refusals past the cap are logged at most this often (all are counted)
 # A cancel can come before its request: nats-py reads the gen and cancel subjects in tasks of
 # their own, and a backlog on one is no backlog on the other. Such a cancel waits this long.
 EARLY_CANCEL_S = 10.0
@@ -115,6 +134,8 @@ class _ChunkWriter:
         self.seq = 0
         self.sent_tokens = 0
         self.sent: list[bytes] = []  # every chunk as published, by seq: a router may ask again
+        self.sent_bytes = 0
+        self.ended = 0.0  # time.monotonic() when the leg ended (RequestService.remember)
         self.done = False
         self._pending: list[int] = []
         self._events: list[bytes] = []
@@ -132,7 +153,8 @@ class _ChunkWriter:
         self._last_sent = time.monotonic()
         data = encode_msg(chunk)
         self.sent.append(data)
-        await self.nc.publish(self.reply, data)
+        self.sent_bytes += len(data)
+        await self.service.publish(self.reply, data)
 
     async def resume(self, reply: str, seq: int) -> bool:
         """Send the chunks from `seq` on again, to `reply`, which gets the rest of the leg too.
@@ -142,7 +164,7 @@ class _ChunkWriter:
         self.reply = reply
         self._last_sent = time.monotonic()
         for data in self.sent[seq:]:
-            await self.nc.publish(reply, data)
+            await self.service.publish(reply, data)
         return True
 
     def _chunk(self, tokens: list[int], events: list[bytes] | None = None, **final: object) -> ResponseChunk:
@@ -184,7 +206,8 @@ class _ChunkWriter:
         self._pending.extend(toks)
         if self._timer is not None:
             return
-        wait = self._last_sent + COALESCE_S - time.monotonic() if self.service.busy() else 0.0
+        # A leg's first chunk follows none, so it never waits (_last_sent is the heartbeat's clock).
+        wait = self._last_sent + COALESCE_S - time.monotonic() if self.seq and self.service.busy() else 0.0
         if wait <= 0:
             await self._flush()
         else:
@@ -216,11 +239,8 @@ class _ChunkWriter:
         tokens: list[int] | None = None,
         body: bytes = b"",
     ) -> None:
-        for task in (self._timer, self._heartbeat):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await _reap(self._timer, f"request {self.request_id}: the coalescing timer")
+        await _reap(self._heartbeat, f"request {self.request_id}: the heartbeat")
         self._timer = self._heartbeat = None
         outcome = error.kind if error is not None else ("abort" if finish_reason == "abort" else "ok")
         self.service.outcomes[(self.role, outcome)] += 1
@@ -245,6 +265,53 @@ class _ChunkWriter:
             )
         )
         self.done = True
+
+
+async def _reap(task: asyncio.Task[None] | None, what: str) -> None:
+    """Cancel a leg's helper task and wait for it. An error it ended with is logged, not raised:
+    the leg's final chunk and bookkeeping come after this."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    except Exception:
+        log.exception("%s failed", what)
+
+
+def _fd_limit() -> int | None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _open_fds() -> int:
+    for path in ("/proc/self/fd", "/dev/fd"):
+        with contextlib.suppress(OSError):
+            return len(os.listdir(path))
+    return 0
+
+
+def leg_cap(configured: int | None) -> int | None:
+    """The most legs in flight at once (None: no bound). Each holds a connection to the engine, a
+    file descriptor: past the open-file limit the shim's own health probes and polls fail, and the
+    engine would be blamed. The most the limit allows leaves FD_RESERVE descriptors beside those
+    open now; that is the default, and a larger `configured` is refused."""
+    limit = _fd_limit()
+    if limit is None:
+        return configured
+    room = limit - _open_fds() - FD_RESERVE
+    if configured is None:
+        return max(room, 1)
+    if configured > room:
+        raise ConfigError(
+            "max_inflight_legs",
+            configured,
+            f"the open-file limit ({limit}) allows at most {max(room, 0)} legs beside the {FD_RESERVE} descriptors "
+            "the shim keeps for itself: lower --max-inflight-legs or raise the limit (ulimit -n)",
+        )
+    return configured
 
 
 @dataclass(slots=True)
@@ -287,6 +354,7 @@ class RequestService:
         block_size: Callable[[], int | None] = lambda: None,
         model: str = "",
         busy_legs: int = BUSY_LEGS,
+        max_legs: int | None = None,
         tracer: LegTracer | None = None,
     ) -> None:
         self.nc = nc
@@ -302,6 +370,7 @@ class RequestService:
         self.model = model  # the engine's own; a leg naming another (not an alias) runs a LoRA adapter
         self.aliases: frozenset[str] = frozenset()  # other names the engine serves `model` under
         self.busy_legs = busy_legs
+        self.max_legs = max_legs  # legs past it are refused at once (503 overloaded): leg_cap
         self.accepting = True
         self.inflight: dict[str, _Leg] = {}
         self.completed = 0
@@ -309,12 +378,16 @@ class RequestService:
         self.malformed = 0
         self.heartbeats = 0
         self.held_chunks = 0  # chunks held back for the coalescing mark (under load only)
+        self.chunks_unsent = 0  # chunks NATS refused (reconnecting with a full buffer, closed): kept for resume
+        self._unsent_since: float | None = None  # the NATS outage chunks went unsent in, logged once
+        self._overload_logged = -OVERLOAD_LOG_S  # when a refusal past max_legs was last logged
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self._queued = 0
         self.contexts = DecodeContext()  # the legs decoding, for LoadReport.decode_context
         self.resumes = 0
         # Legs that ended lately, for a router that lost their last chunks (a NATS node died).
         self.recent: OrderedDict[str, _ChunkWriter] = OrderedDict()
+        self._recent_bytes = 0  # of the chunks in `recent`
         self._early_cancels: OrderedDict[str, float] = OrderedDict()  # request id -> when (EARLY_CANCEL_S)
 
     @property
@@ -324,6 +397,26 @@ class RequestService:
     def busy(self) -> bool:
         """Coalesce only under load: many legs in flight, or NATS not keeping up with the output."""
         return len(self.inflight) >= self.busy_legs or self.nc.pending_data_size >= BEHIND_BYTES
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        """Publish a leg's chunk. A chunk NATS refuses (its reconnect buffer full during an outage,
+        the connection closed) is counted and logged once per outage, not raised: it stays in its
+        writer's `sent`, for the router's resume, and the leg runs on."""
+        try:
+            await self.nc.publish(subject, data)
+        except NatsError as exc:
+            self.chunks_unsent += 1
+            if self._unsent_since is None:
+                self._unsent_since = time.monotonic()
+                log.warning(
+                    "NATS refused a response chunk (%r): chunks go unsent until it takes them again, kept "
+                    "for routers to ask for again (kvswitch_shim_chunks_unsent_total)",
+                    exc,
+                )
+            return
+        if self._unsent_since is not None and self.nc.is_connected:
+            log.info("NATS takes response chunks again after %.1fs", time.monotonic() - self._unsent_since)
+            self._unsent_since = None
 
     # --- NATS handlers --------------------------------------------------------------------------
 
@@ -356,6 +449,14 @@ class RequestService:
         if early is not None and time.monotonic() - early < EARLY_CANCEL_S:
             await writer.final(finish_reason="abort", usage=Usage(prompt_tokens=len(req.token_ids)))
             return
+        if self.max_legs is not None and len(self.inflight) >= self.max_legs:
+            # Refused before any work: the router retries it on another worker.
+            why = f"the worker has {len(self.inflight)} legs in flight (--max-inflight-legs)"
+            if time.monotonic() - self._overload_logged >= OVERLOAD_LOG_S:
+                self._overload_logged = time.monotonic()
+                log.warning("%s: refusing more with 503 overloaded (kvswitch_shim_requests_total)", why)
+            await writer.final(error=ErrorInfo(code=503, kind="overloaded", message=why))
+            return
         if req.endpoint in UTILITY_ENDPOINTS:
             state = _Leg(req.request_id, 0, writer)
             self.inflight[req.request_id] = state
@@ -381,6 +482,7 @@ class RequestService:
     async def _resume(self, req: GenerateRequest, reply: str, worker: str, role: str) -> None:
         assert req.resume is not None
         state = self.inflight.get(req.request_id)
+        self._forget_old()
         writer = state.writer if state is not None else self.recent.get(req.request_id)
         if writer is not None and await writer.resume(reply, req.resume):
             self.resumes += 1
@@ -390,10 +492,22 @@ class RequestService:
         await gone.final(error=ErrorInfo(code=410, kind="gone", message=f"no chunks from {req.resume} to send again"))
 
     def remember(self, writer: _ChunkWriter) -> None:
+        old = self.recent.pop(writer.request_id, None)
+        if old is not None:
+            self._recent_bytes -= old.sent_bytes
+        writer.ended = time.monotonic()
         self.recent[writer.request_id] = writer
-        self.recent.move_to_end(writer.request_id)
-        while len(self.recent) > RECENT_LEGS:
-            self.recent.popitem(last=False)
+        self._recent_bytes += writer.sent_bytes
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Drop ended legs' chunks, oldest first, past RECENT_LEGS, RECENT_BYTES or RECENT_S."""
+        recent, old = self.recent, time.monotonic() - RECENT_S
+        while recent and (
+            len(recent) > RECENT_LEGS or self._recent_bytes > RECENT_BYTES or next(iter(recent.values())).ended < old
+        ):
+            _, writer = recent.popitem(last=False)
+            self._recent_bytes -= writer.sent_bytes
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -541,10 +655,7 @@ class RequestService:
                 self.on_served(req.request_id, req.token_ids, self._salt(req), outcome.usage)
         finally:
             span.end()
-            if watch is not None:
-                watch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watch
+            await _reap(watch, f"request {req.request_id}: the prefill watch")
             self._first_token(state)
             self.contexts.end(req.request_id)
             self.inflight.pop(req.request_id, None)

@@ -46,6 +46,7 @@ from protocol.hashing import block_hashes
 from protocol.version import __version__
 from protocol.vllm_events import RESOLVED_BY_ENGINE
 from runtime import guarded
+from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
 from worker_shim.adapters import (
     EngineAdapter,
@@ -67,7 +68,7 @@ from worker_shim.metrics import render_metrics
 from worker_shim.model_config import kv_bytes_per_token
 from worker_shim.nats_connect import connect_nats
 from worker_shim.normaliser import Normaliser, NormaliserStats
-from worker_shim.request_service import RequestService
+from worker_shim.request_service import RequestService, leg_cap
 from worker_shim.transfer_failures import TransferFailures
 
 __all__ = ["ShimStatus", "WorkerShim"]
@@ -289,6 +290,7 @@ class WorkerShim:
     async def start(self) -> None:
         if self._main is not None:
             return
+        max_legs = leg_cap(self.config.max_inflight_legs)  # before anything opens: a refusal leaks nothing
         try:
             await self.http.start()
         except OSError as exc:
@@ -310,6 +312,7 @@ class WorkerShim:
             on_transfer_failed=self.transfers.leg_failed,
             block_size=lambda: self.limits.block_size,
             model=self.config.model,
+            max_legs=max_legs,
         )
         self.status = ShimStatus.WAITING_ENGINE
         self._main = asyncio.create_task(self._supervise(), name="shim-supervisor")
@@ -948,6 +951,23 @@ class WorkerShim:
             )
         )
         await flush(nc)
+        # The server refuses a subject of another identity only in an -ERR (read before the flush's
+        # PONG): registered, the worker would look healthy and get no request ever.
+        refused = sorted(sub.subject for sub in presence.subs if sub.subject.lower() in refused_subscriptions(nc))
+        if refused:
+            await self._close_presence(presence)
+            name = self.config.worker_name
+            why = (
+                f"the seed in --nats-nkey-file (or --nats-creds-file) is another worker's, or this --worker-name or "
+                f"--namespace ({self.ns}) is not one kvswitch secrets was given"
+                if name is not None
+                else "without --worker-name the worker id is its lease id, which no identity kvswitch secrets makes "
+                "may use: give the name kvswitch secrets --workers was given"
+            )
+            more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
+            raise ConfigError(
+                "worker_name", name, f"NATS refuses this identity the subscription to {refused[0]}{more}: {why}"
+            )
         return presence
 
     async def _close_presence(self, presence: _Presence) -> None:

@@ -6,7 +6,8 @@ the prefill worker the router would pick, each worker's timing T (router.calibra
 profile's shape times its fitted factors), n prompt tokens of which c_d / c_p are cached on d / p,
 Q the prefill tokens queued on a worker, B = running(d), m = d's max_num_batched_tokens, and L and
 C the mean output length (`max_tokens`; a chat request with no limit does not count) and mean
-context (prompt + L / 2) of recent requests:
+context (prompt + L / 2) of recently admitted requests (`admitted`: once per request, each counted
+as no longer than its worker's max_model_len lets it be):
 
     local   = T_d.prefill(Q_d) + T_d.prefill(n - c_d | c_d) + ceil((Q_d + n - c_d) / m) * T_d.decode(B, C)
     remote  = T_p.prefill(Q_p) + T_p.prefill(n - c_p | c_p) + transfer(n - c_d) + T_d.decode(B + 1, C)
@@ -71,12 +72,14 @@ from router.calibration import FULL_BATCH_TOKENS, WorkerTiming, timing_of
 from router.policies.decision import Decision, Outcome
 from router.request_context import Candidate, RequestContext
 
-__all__ = ["NAME", "Forecast", "SloAware", "SloAwareConfig"]
+__all__ = ["NAME", "UNKNOWN_MAX_MODEL_LEN", "Forecast", "SloAware", "SloAwareConfig"]
 
 NAME = "slo_aware"
 _INITIAL_OUTPUT_LEN = 128.0
 _INITIAL_PROMPT_LEN = 4096.0
 _EWMA_WEIGHT = 0.02  # each request's weight in L and C
+UNKNOWN_MAX_MODEL_LEN = 32_768
+"""The context a request counts within in L and C when its worker does not say its max_model_len."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,10 +186,20 @@ class SloAware:
             pushed = running * min(1.0, (f.itl_local_s - itl_budget) / (f.itl_local_s - f.itl_now_s))
         return float(f.local_s > ttft_budget) + pushed, float(f.remote_s > ttft_budget)
 
-    def decide(self, ctx: RequestContext) -> Decision:
+    def admitted(self, ctx: RequestContext, max_model_len: int | None) -> None:
+        """A request was admitted (router.disagg.Learns): it moves L and C, once; decide() and
+        has_room() run on every plan, a waiter's re-offers and /debug/route's included. It counts
+        as no longer than its engine lets it be (`max_model_len`, the chosen worker's): a prompt
+        within that context, an output within what the prompt leaves of it, so one absurd
+        max_tokens cannot price every decode step at a huge context."""
+        limit = max_model_len or UNKNOWN_MAX_MODEL_LEN
+        prompt = min(ctx.isl, limit)
         if ctx.max_tokens is not None:  # a request with no limit says nothing of its length
-            self.output_len += _EWMA_WEIGHT * (ctx.max_tokens - self.output_len)
-        self.prompt_len += _EWMA_WEIGHT * (ctx.isl - self.prompt_len)
+            output = min(max(ctx.max_tokens, 1), max(limit - prompt, 1))
+            self.output_len += _EWMA_WEIGHT * (output - self.output_len)
+        self.prompt_len += _EWMA_WEIGHT * (prompt - self.prompt_len)
+
+    def decide(self, ctx: RequestContext) -> Decision:
         d, p = ctx.decode, ctx.prefill
         if d is None or p is None:
             return Decision(False, Outcome.DECLINED_POLICY, "needs both a decode and a prefill worker")

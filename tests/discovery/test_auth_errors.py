@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from discovery import Discovery
-from kvswitch.etcd_auth import PING_KEY, EtcdUser, enable_auth
+from discovery import Discovery, DiscoveryError
+from kvswitch.etcd_auth import PING_KEY, EtcdUser, enable_auth, namespace_users
 from kvswitch.servers import EtcdServer
-from protocol import ConfigError
+from protocol import ConfigError, RouterInfo, WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings
 
 PASSWORD = "s3cret-pw"
@@ -91,3 +91,60 @@ def test_the_router_and_the_shim_exit_2_with_one_line(
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert out.returncode == 2, lines
     assert len(lines) == 1 and "invalid etcd_user (--etcd-user" in lines[0] and said in lines[0], lines
+
+
+@pytest.fixture(scope="module")
+def etcd_roles() -> Iterator[EtcdServer]:
+    """An etcd with the users kvswitch secrets makes: `router` writes routers, `worker` workers."""
+    with EtcdServer() as server:
+        enable_auth(server.url, "rootpw", namespace_users("kvswitch", "router-pw", "worker-pw"))
+        yield server
+
+
+def _router(rid: str) -> RouterInfo:
+    return RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=0.0, version="test")
+
+
+def _worker(wid: str) -> WorkerInfo:
+    return WorkerInfo(
+        worker=wid, model="m", role="decode", engine="vllm", block_size=16, kv_total_blocks=100,
+        max_num_batched_tokens=8192, kv_bytes_per_token=1, epoch=1, version="test",
+    )  # fmt: skip
+
+
+async def test_credentials_of_the_other_role_name_the_etcd_user(etcd_roles: EtcdServer) -> None:
+    """A router given the worker user (a swapped Secret or variable) exited 1 with "create ...
+    failed: permission denied (check --etcd-endpoints and the server)"."""
+    worker = EtcdSettings(endpoints=[etcd_roles.url], user="worker", password="worker-pw")
+    async with Discovery(worker) as d:
+        with pytest.raises(ConfigError) as caught:
+            await d.register_router(_router)
+    assert caught.value.setting == "etcd_user" and caught.value.value == "worker"
+    said = str(caught.value)
+    assert "does not let this user write /kvswitch/routers/" in said and "give the router user" in said, said
+    router = EtcdSettings(endpoints=[etcd_roles.url], user="router", password="router-pw")
+    async with Discovery(router) as d:
+        lease = await d.grant()
+        with pytest.raises(ConfigError, match=r"write /kvswitch/workers/w1 .*: give the worker user"):
+            await d.create(subjects.worker_key("kvswitch", "w1"), encode_json(_worker("w1")), lease)
+        with pytest.raises(ConfigError, match="give the worker user"):
+            await d.register_worker(_worker)
+
+
+async def test_a_denial_after_a_write_etcd_took_is_a_discovery_error(etcd_roles: EtcdServer) -> None:
+    """The role changed under a running process: its retries go on (Registration catches
+    DiscoveryError), and the message still names the user."""
+    worker = EtcdSettings(endpoints=[etcd_roles.url], user="worker", password="worker-pw")
+    async with Discovery(worker) as d:
+        await d.register_worker(_worker)
+        with pytest.raises(DiscoveryError, match=r"give the router user .*--etcd-user"):
+            await d.put(subjects.router_key("kvswitch", "r1"), b"{}")
+
+
+def test_a_router_with_the_worker_user_exits_2_naming_the_etcd_user(etcd_roles: EtcdServer, nats_url: str) -> None:
+    out = _run(*ROUTER, "--nats-servers", nats_url, "--etcd-endpoints", etcd_roles.url,
+               "--etcd-user", "worker", "--etcd-password", "worker-pw")  # fmt: skip
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert out.returncode == 2, lines
+    assert "invalid etcd_user (--etcd-user" in lines[-1] and "give the router user" in lines[-1], lines
+    assert "--etcd-endpoints and the server" not in out.stdout + out.stderr, lines

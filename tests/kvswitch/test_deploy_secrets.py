@@ -153,3 +153,53 @@ def test_api_keys_are_never_in_a_file_others_may_read(tmp_path: Path, monkeypatc
     finally:
         os.umask(umask)
     assert modes == [0o600, 0o600]
+
+
+def test_a_rerun_asking_for_a_host_the_kept_certificate_lacks_is_refused_naming_it(tmp_path: Path) -> None:
+    """It printed the new host list and kept the old certificate: clients of the new name then failed
+    hostname verification. A new certificate needs a new CA (its key is not kept), so it is refused,
+    before anything is written, naming what the certificate holds and the directory to delete."""
+    first = _secrets("--out", str(tmp_path), "--tls-hosts", "nats,etcd,127.0.0.1")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.rstrip().endswith("for nats, etcd, 127.0.0.1"), first.stdout
+    cert = (tmp_path / "tls" / "tls.crt").read_bytes()
+    again = _secrets("--out", str(tmp_path), "--workers", "w0", "--tls-hosts", "nats,etcd,127.0.0.1,nats.example.com")
+    assert again.returncode == 2, (again.stdout, again.stderr)
+    assert again.stdout == "" and again.stderr.count("\n") == 1, again.stderr
+    assert "names nats, etcd, 127.0.0.1, not nats.example.com" in again.stderr
+    assert f"delete {tmp_path / 'tls'} to issue a new CA" in again.stderr
+    assert (tmp_path / "tls" / "tls.crt").read_bytes() == cert and not (tmp_path / "worker-w0.nk").exists()
+    # Fewer names, in another case: all in the kept certificate.
+    same = _secrets("--out", str(tmp_path), "--tls-hosts", "NATS,127.0.0.1")
+    assert same.returncode == 0 and same.stdout.rstrip().endswith("for nats, etcd, 127.0.0.1"), same.stderr
+
+
+def test_a_kept_certificate_that_is_not_one_is_refused_naming_it(tmp_path: Path) -> None:
+    assert _secrets("--out", str(tmp_path), "--tls-hosts", "nats").returncode == 0
+    (tmp_path / "tls" / "tls.crt").write_text("not a certificate\n")
+    again = _secrets("--out", str(tmp_path), "--tls-hosts", "nats")
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert "tls.crt is not a PEM certificate" in again.stderr and "delete " in again.stderr
+
+
+def test_api_keys_counts_keys_not_comment_lines(tmp_path: Path) -> None:
+    """`--api-keys 2` over a file holding a comment and one key wrote no key: the router took 1."""
+    from router.api_keys import ApiKeys
+
+    path = tmp_path / "api-keys"
+    path.write_text("# team A, rotated 2026-12\nsk-a\n")
+    assert _secrets("--out", str(tmp_path), "--api-keys", "2").returncode == 0
+    lines = path.read_text().splitlines()
+    assert lines[:2] == ["# team A, rotated 2026-12", "sk-a"] and len(lines) == 3
+    keys = ApiKeys(path)
+    assert keys.allows("Bearer sk-a") and keys.allows(f"Bearer {lines[2]}") and lines[2].startswith("sk-kvswitch-")
+
+
+def test_write_tls_compares_hosts_as_the_certificate_names_them(tmp_path: Path) -> None:
+    from kvswitch.certs import KeptCertificateError, certificate_hosts
+
+    tls = write_tls(tmp_path, ["Nats.Example", "::1"])
+    assert certificate_hosts(tls.cert) == ["Nats.Example", "::1"]
+    assert write_tls(tmp_path, ["0:0::1", "nats.example"]) == tls  # the same address, a DNS name in any case
+    with pytest.raises(KeptCertificateError, match=r"names Nats\.Example, ::1, not 127\.0\.0\.1: delete "):
+        write_tls(tmp_path, ["nats.example", "127.0.0.1"])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import stat
+import subprocess
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -15,10 +17,15 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from discovery import Discovery
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from kvswitch.nats_auth import RESPONSE_MAX, NatsAuthPlan, NatsIdentity
 from kvswitch.servers import NatsServer
-from protocol import KvEventBatch, Stored, encode_msg, subjects
+from protocol import ConfigError, KvEventBatch, Stored, encode_msg, subjects
+from protocol.config import EtcdSettings, NatsSettings
+from router.service import RouterConfig, RouterService
+from runtime.nats_connect import connect as nats_connect
+from runtime.nats_connect import error_reporter, refused_subscriptions
 from runtime.nats_flush import flush
 
 NS = "authns"
@@ -309,5 +316,78 @@ def test_a_whole_cluster_serves_under_permissions_and_a_forged_batch_leaves_the_
         assert "permissions violation for publish" in asyncio.run(_forge(cluster.nats.urls[0], seed)).lower()
         time.sleep(1.0)
         assert _index_entries(url) == before
+    finally:
+        cluster.stop()
+
+
+async def test_a_refused_subscription_is_recorded_and_its_warning_names_the_identity_flags(
+    plan: NatsAuthPlan, server: NatsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-py passes a refused SUB to error_cb only; it said "check --nats-servers and the server"."""
+    plan.write(tmp_path)
+    settings = NatsSettings(
+        servers=[server.url], nkey_file=str(tmp_path / plan.identity("worker", "w1").seed_file_name)
+    )
+    log = logging.getLogger("test.nats")
+    errors = error_reporter(log, settings.shown_servers(), settings.credential_flags(), "--worker-name and --namespace")
+    nc = await nats_connect(**settings.connect_options("test"), error_cb=errors)
+    try:
+        with caplog.at_level(logging.WARNING, "test.nats"):
+            await nc.subscribe(subjects.gen(NS, "decode", "w1"))
+            await nc.subscribe(subjects.gen(NS, "decode", "w2"))  # another worker's
+            await flush(nc)
+        assert refused_subscriptions(nc) == {subjects.gen(NS, "decode", "w2")}
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "permissions violation for subscription" in said[0], said
+        assert "--nats-nkey-file" in said[0] and "--worker-name and --namespace" in said[0], said
+        assert "--nats-servers" not in said[0], said
+    finally:
+        await nc.close()
+
+
+async def test_a_router_with_a_workers_identity_refuses_to_start(
+    plan: NatsAuthPlan, server: NatsServer, etcd_url: str, tmp_path: Path
+) -> None:
+    plan.write(tmp_path)
+    seed = tmp_path / plan.identity("worker", "w1").seed_file_name
+    config = RouterConfig(
+        ns=NS, nats=NatsSettings(servers=[server.url], nkey_file=str(seed)), etcd=EtcdSettings(endpoints=[etcd_url])
+    )
+    router = RouterService(config)
+    with pytest.raises(ConfigError, match="NATS refuses this identity the subscription to ") as err:
+        await asyncio.wait_for(router.start(), 30)
+    assert err.value.setting == "namespace" and "--nats-nkey-file" in str(err.value)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), NS) as d:  # its registration is revoked
+        assert await d.holder(subjects.router_key(NS, router.router_id)) is None
+
+
+def test_a_shim_whose_worker_name_is_not_its_identitys_exits_2_before_registering(tmp_path: Path) -> None:
+    """Its nkey is agg-0's, its --worker-name agg-7 (the last flag wins): it registered, said
+    /health 200 "serving", and no request could ever reach it, with one WARNING blaming
+    --nats-servers."""
+    spec = ClusterSpec(
+        namespace=NS, agg=1, speedup=20.0, nats_auth=True, shim_args=["--worker-name", "agg-7"], log_dir=tmp_path
+    )
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        shim = next(c for c in cluster.children if c.kind == "shim")
+        try:
+            status = shim.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            status = None
+        said = shim.log.read_text()
+        assert status == 2, said[-3000:]
+        assert "invalid worker_name (--worker-name, KVSWITCH_WORKER_NAME) = 'agg-7'" in said, said[-3000:]
+        assert "NATS refuses this identity the subscription to authns." in said and "--nats-nkey-file" in said
+        assert "registered worker" not in said and "registered /" not in said, said[-3000:]
+        assert cluster.etcd is not None
+        etcd = EtcdSettings(endpoints=cluster.etcd.urls)
+
+        async def holder() -> int | None:
+            async with Discovery(etcd, NS) as d:
+                return await d.holder(subjects.worker_key(NS, "agg-7"))
+
+        assert asyncio.run(holder()) is None
     finally:
         cluster.stop()

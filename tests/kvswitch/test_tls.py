@@ -18,7 +18,7 @@ from discovery import Discovery, DiscoveryError
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from kvswitch.etcd_auth import enable_auth, namespace_users
 from kvswitch.servers import EtcdServer, NatsServer, TlsFiles
-from protocol import WorkerInfo
+from protocol import ConfigError, WorkerInfo
 from protocol.config import EtcdSettings, NatsSettings
 from router.service import RouterConfig, RouterService
 from runtime.nats_connect import TlsNotOffered
@@ -143,16 +143,34 @@ async def test_discovery_with_the_ca_and_a_user_registers(etcd_tls: EtcdServer, 
     assert lease.hex_id
 
 
-@pytest.mark.parametrize("which_ca", ["none", "other"])
-async def test_discovery_without_the_ca_fails_clearly(etcd_tls: EtcdServer, other_ca: Path, which_ca: str) -> None:
-    endpoint = etcd_tls.url if which_ca == "other" else etcd_tls.url.replace("https://", "http://")
-    settings = EtcdSettings(
-        endpoints=[endpoint], tls_ca=str(other_ca) if which_ca == "other" else None, user="worker", password="worker-pw"
-    )
-    with pytest.raises(DiscoveryError, match=f"etcd at {endpoint} is not reachable") as caught:
+async def test_discovery_without_tls_fails_clearly(etcd_tls: EtcdServer) -> None:
+    endpoint = etcd_tls.url.replace("https://", "http://")
+    settings = EtcdSettings(endpoints=[endpoint], user="worker", password="worker-pw")
+    with pytest.raises(DiscoveryError, match=f"etcd at {endpoint} is not reachable"):
         await Discovery(settings, "tlsns").connect(timeout=3)
-    if which_ca == "other":
-        assert "CERTIFICATE_VERIFY_FAILED" in str(caught.value)
+
+
+async def test_discovery_with_another_ca_names_the_ca_flag(etcd_tls: EtcdServer, other_ca: Path) -> None:
+    """It was a DiscoveryError blaming --etcd-endpoints, the one setting that was right (exit 1)."""
+    settings = EtcdSettings(endpoints=[etcd_tls.url], tls_ca=str(other_ca), user="worker", password="worker-pw")
+    with pytest.raises(ConfigError) as caught:
+        await Discovery(settings, "tlsns").connect(timeout=3)
+    assert caught.value.setting == "etcd_tls_ca", caught.value
+    assert "CERTIFICATE_VERIFY_FAILED" in str(caught.value) and "give the CA that signed its" in str(caught.value)
+
+
+async def test_nats_with_another_ca_names_the_ca_flag(
+    nats_tls: NatsServer, other_ca: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router and the shim retry, saying "check --nats-tls-ca"; it was "check --nats-servers"."""
+    settings = NatsSettings(servers=[nats_tls.url], tls_ca=str(other_ca))
+    router = RouterService(RouterConfig(nats=settings))
+    for name, start in (("router", router.start()), ("shim", connect_nats(settings, "test"))):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), pytest.raises(TimeoutError):
+            await asyncio.wait_for(start, 2)
+        said = [r.getMessage() for r in caplog.records if "SSLCertVerificationError" in r.getMessage()]
+        assert said and all("does not verify: check --nats-tls-ca" in s for s in said), (name, said)
 
 
 def test_etcd_health_needs_the_ca(etcd_tls: EtcdServer, tls: TlsFiles) -> None:

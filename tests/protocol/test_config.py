@@ -8,8 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import nkeys
 import pytest
 
+from kvswitch.certs import write_tls
 from protocol import ConfigError
 from protocol.config import (
     POLICY_NAMES,
@@ -204,22 +206,41 @@ def test_invalid_etcd_settings(cli: dict[str, object], match: str) -> None:
 
 
 def test_etcd_settings_with_auth_and_tls_files(tmp_path: Path) -> None:
-    for n in ("ca", "cert", "key"):
-        (tmp_path / f"{n}.pem").write_text("x")
+    tls = write_tls(tmp_path, ["e"])
     s = resolve(
         EtcdSettings,
         cli={
             "etcd_user": "u",
             "etcd_password": "p",
-            "etcd_tls_ca": str(tmp_path / "ca.pem"),
-            "etcd_tls_cert": str(tmp_path / "cert.pem"),
-            "etcd_tls_key": str(tmp_path / "key.pem"),
+            "etcd_tls_ca": str(tls.ca),
+            "etcd_tls_cert": str(tls.cert),
+            "etcd_tls_key": str(tls.key),
             "etcd_endpoints": ["https://e:2379"],
         },
         env={},
         setting_prefix="etcd_",
     )
-    assert (s.user, s.tls_ca) == ("u", str(tmp_path / "ca.pem"))
+    assert (s.user, s.tls_ca) == ("u", str(tls.ca))
+
+
+def _creds() -> str:
+    """A NATS creds file's layout, with a real seed (its content is parsed at start)."""
+    return (
+        "-----BEGIN NATS USER JWT-----\neyJ0eXAiOiJqd3QifQ.e30.sig\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{_seed()}------END USER NKEY SEED------\n"
+    )
+
+
+def _seed() -> str:
+    seed: bytes = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode() + "\n"
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """What each credential file holds when it is right: a placeholder no longer passes."""
+    ca = write_tls(tmp_path_factory.mktemp("tls"), ["e"]).ca.read_text()
+    return {"nats_nkey_file": _seed(), "nats_creds_file": _creds(), "nats_tls_ca": ca, "etcd_tls_ca": ca}
 
 
 def _said(setting: str, path: str) -> str:
@@ -252,14 +273,16 @@ def _unprivileged() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("setting", ["nats_nkey_file", "nats_creds_file", "nats_tls_ca", "etcd_tls_ca"])
-def test_an_existing_file_the_process_may_not_read_is_refused_naming_the_flag(setting: str) -> None:
+def test_an_existing_file_the_process_may_not_read_is_refused_naming_the_flag(
+    setting: str, valid: dict[str, str]
+) -> None:
     """A Secret file the kubelet wrote root:root 0400, read as uid 10001: is_file() passed it, and
     the process died at its first connect with a traceback and exit status 1."""
     with tempfile.TemporaryDirectory() as directory:
         os.chmod(directory, 0o755)  # nobody must reach both files, so only the mode can refuse one
         readable, secret = Path(directory, "readable"), Path(directory, "secret")
         for path, mode in ((readable, 0o444), (secret, 0o400 if os.geteuid() == 0 else 0)):
-            path.write_text("x")
+            path.write_text(valid[setting])
             path.chmod(mode)
         with _unprivileged():
             ok, refused = _said(setting, str(readable)), _said(setting, str(secret))
@@ -286,8 +309,9 @@ def test_an_existing_file_the_process_may_not_read_is_refused_naming_the_flag(se
 def test_etcd_tls_settings_that_would_not_speak_tls_are_refused(
     cli: dict[str, object], match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for n in ("ca", "cert", "key"):
-        (tmp_path / n).write_text("x")
+    tls = write_tls(tmp_path, ["e"])
+    for n, path in (("ca", tls.ca), ("cert", tls.cert), ("key", tls.key)):
+        (tmp_path / n).write_bytes(path.read_bytes())
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=match):
         resolve(EtcdSettings, cli=cli, env={}, setting_prefix="etcd_")
@@ -317,7 +341,7 @@ def test_conditional_disagg_with_a_fixed_mode_is_refused(disagg: str) -> None:
 
 def test_nats_connect_options_carry_every_setting(tmp_path: Path) -> None:
     creds = tmp_path / "u.creds"
-    creds.write_text("x")
+    creds.write_text(_creds())
     s = resolve(
         NatsSettings,
         cli={"nats_servers": ["nats://h:1"], "nats_user": "u", "nats_password": "p", "nats_token": "t",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import given
@@ -129,3 +131,67 @@ def test_prefix_property(tokens: list[int], block_size: int) -> None:
     cut = len(tokens) // 2
     assert block_hashes(tokens[:cut], block_size) == full[: cut // block_size]
     assert all(0 <= h < 2**64 for h in full)
+
+
+# --- the two paths agree outside the happy path too (audit 2026-12-04) ---------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("parent", [-1, 2**64, 2**64 + 7, 1.5, "7"])
+def test_a_parent_out_of_range_is_a_clear_error_not_wrapped(impl: Callable[..., list[int]], parent: object) -> None:
+    """The C path parsed `parent` with "K", which wraps mod 2**64 (2**64 + 7 hashed as 7); Python
+    raised struct.error. Both check it, with or without a full block to hash."""
+    for tokens in ([1] * 16, [1]):
+        with pytest.raises(
+            ValueError, match=r"parent must be an integer in \[0, 2\*\*64\): got " + re.escape(repr(parent))
+        ):
+            impl(tokens, 16, parent=parent)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_parent_at_the_ends_of_its_range_is_taken(impl: Callable[..., list[int]]) -> None:
+    for parent in (0, 2**64 - 1, np.uint64(2**64 - 1)):
+        assert impl(list(range(32)), 16, parent=parent) == block_hashes_py(list(range(32)), 16, parent=int(parent))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("block_size", [2**40, 2**63 - 1, 2**63, 2**70])
+def test_a_block_size_past_the_tokens_is_no_block_whatever_its_size(
+    impl: Callable[..., list[int]], block_size: int
+) -> None:
+    """The C path allocated 8 + 4 * block_size bytes up front: MemoryError at 2**40, OverflowError
+    past 2**63."""
+    assert impl([1, 2, 3], block_size) == []
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", [np.int64, np.uint32, np.int32, np.uint64])
+def test_numpy_integer_tokens_hash_as_the_ints_they_are(impl: Callable[..., list[int]], kind: type) -> None:
+    """struct.pack takes objects with __index__; the C path refused them (ValueError)."""
+    ints = list(range(40))
+    assert impl([kind(t) for t in ints], 16) == impl(ints[:16] + [kind(t) for t in ints[16:]], 16)
+    assert impl([kind(t) for t in ints], 16) == block_hashes_py(ints, 16)
+    for bad in (np.int64(-1), np.uint64(2**32)):
+        with pytest.raises(
+            ValueError, match=r"token ids must be integers in \[0, 2\*\*32\): got " + re.escape(repr(bad))
+        ):
+            impl([kind(7)] * 15 + [bad], 16)
+
+
+class _Shrinks:
+    """A token whose __index__ empties the list being hashed."""
+
+    def __init__(self, tokens: list[object], value: int) -> None:
+        self.tokens, self.value = tokens, value
+
+    def __index__(self) -> int:
+        self.tokens.clear()
+        return self.value
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_token_that_changes_the_list_hashes_the_list_as_it_was(impl: Callable[..., list[int]]) -> None:
+    """The C path reads the list in place: the rest is read from a copy once a token may run code."""
+    tokens: list[object] = list(range(40))
+    tokens[3] = _Shrinks(tokens, 3)
+    assert impl(tokens, 16) == block_hashes_py(list(range(40)), 16)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -161,3 +165,91 @@ def test_operator_tables_come_from_kvswitch_profile_dir(tmp_path: Path, monkeypa
     assert mine.decode(16, 2048) == pytest.approx(2 * llama.decode(16, 2048))
     # No a100_mixed.json: the reference fit, scaled by the prefill ratio (2x here).
     assert mine.marginal(1024, 0, 64) == pytest.approx(2 * llama.marginal(1024, 0, 64))
+
+
+# --- operators' tables that are malformed (KVSWITCH_PROFILE_DIR) --------------------------------
+
+
+def _table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, content: object) -> Path:
+    path = tmp_path / name
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
+    return path
+
+
+def _broken(change: Callable[[dict[str, Any]], object]) -> dict[str, Any]:
+    model = copy.deepcopy({**_model("llama-3.1-8b"), "model": "m"})
+    change(model)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda m: m.pop("decode"), "missing `decode`"),
+        (lambda m: m.pop("kv_bytes_per_token_bf16"), "missing `kv_bytes_per_token_bf16`"),
+        (lambda m: m.update(kv_bytes_per_token_bf16="128k"), "`kv_bytes_per_token_bf16` must be an integer"),
+        (lambda m: m.update(params=[8]), "`params` must be an integer"),
+        (lambda m: m.update(prefill=[]), "`prefill` must be a non-empty list"),
+        (lambda m: m.update(decode={"batch": 1}), "`decode` must be a non-empty list"),
+        (lambda m: m.update(decode=[1, 2]), "`decode[0]` is not an object"),
+        (lambda m: m["decode"][3].pop("seconds"), "`decode[3]`: missing `seconds`"),
+        (lambda m: m["prefill"][0].update(seconds="fast"), "`prefill[0]`: `seconds` must be a finite number"),
+        (lambda m: m["prefill"][0].update(seconds=float("nan")), "`prefill[0]`: `seconds` must be a finite number"),
+        (lambda m: m["prefill"][1].update(new_tokens=-16), "`prefill[1]`: `new_tokens` must be an integer >= 0"),
+        (lambda m: m["decode"].append(dict(m["decode"][0])), "`decode[36]` repeats batch 1, context_tokens 256"),
+    ],
+)
+def test_a_malformed_operator_table_is_a_value_error_naming_the_file_and_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Callable[[dict[str, Any]], object], words: str
+) -> None:
+    """Audit 2026-12-04: a table without `decode` raised KeyError from load_profile, past the
+    router's `except ValueError`, and every request planned for the model failed with a 500."""
+    path = _table(tmp_path, monkeypatch, "mygpu.json", {"models": [_broken(change)]})
+    assert "mygpu:m" in profile_names()  # the name is known: what is wrong is in the table
+    with pytest.raises(ValueError) as err:
+        load_profile.__wrapped__("mygpu:m")
+    assert f"timing table {path}, model 'm': {words}" in str(err.value)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"models": 3}', '{"models": [1]}', "{not json", '"x"', "\xff"])
+def test_a_json_file_that_is_no_table_names_no_profile_and_loading_it_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str
+) -> None:
+    """A `[1, 2]` notes.json beside the tables raised AttributeError from profile_names()."""
+    path = _table(tmp_path, monkeypatch, "notes.json", content)
+    names = profile_names()
+    assert {LLAMA, QWEN} <= set(names) and not [n for n in names if n.startswith("notes:")]
+    with pytest.raises(ValueError, match=f"timing table {path}: "):
+        load_profile.__wrapped__("notes:x")
+    with pytest.raises(ValueError, match="unknown timing profile 'other:x'"):
+        load_profile.__wrapped__("other:x")
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ([1], "not a JSON object"),
+        ({"model": "m", "steps": 3}, "not a JSON object with a `steps` list"),
+        ({"model": "m", "steps": [{"batch": 1}]}, "`steps[0]`: missing `context_tokens`"),
+        (
+            {
+                "model": "m",
+                "steps": [
+                    {"batch": 1, "context_tokens": 8, "chunk_tokens": 0, "cached_tokens": 0, "seconds": 0.01},
+                    {"batch": 1, "context_tokens": 8, "chunk_tokens": 16, "cached_tokens": 0, "seconds": 0.02},
+                ],
+            },
+            "too few distinct steps",
+        ),
+    ],
+)
+def test_a_malformed_mixed_table_is_a_value_error_for_the_timing_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: object, words: str
+) -> None:
+    """The router builds a TimingModel (which reads `{table}_mixed.json`) and takes only ValueError."""
+    _table(tmp_path, monkeypatch, "mygpu.json", {"models": [_broken(lambda m: None)]})
+    path = _table(tmp_path, monkeypatch, "mygpu_mixed.json", content)
+    with pytest.raises(ValueError, match=re.escape(f"timing table {path}")) as err:
+        TimingModel(load_profile.__wrapped__("mygpu:m"))
+    assert words in str(err.value)

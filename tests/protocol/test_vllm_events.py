@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgspec
@@ -15,6 +16,7 @@ from protocol.vllm_events import (
     BlockRemoved,
     BlockStored,
     decode_batch,
+    decode_events,
     decode_pub_frames,
     decode_replay_frames,
     decode_replay_request,
@@ -126,6 +128,42 @@ def test_unknown_fields_and_event_types_are_ignored() -> None:
 def test_malformed_payloads_raise_a_protocol_error(payload: bytes) -> None:
     with pytest.raises(ProtocolError, match="malformed vLLM KV event"):
         decode_batch(payload)
+
+
+def test_a_batch_nested_too_deeply_is_a_protocol_error() -> None:
+    """msgspec's RecursionError escaped decode_events: it ended the shim's event stream (and
+    re-registered the worker) where a malformed batch is counted and skipped."""
+    with pytest.raises(ProtocolError, match="malformed vLLM KV event: nested too deeply"):
+        decode_events(b"\x93\xcb" + b"\0" * 8 + b"\x91" * 3001 + b"\x01\x00")
+
+
+_MARK = 0x7FFF_ABCD
+_STORED = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [0] * 16,
+           "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "event",
+    [{**_STORED, "medium": _MARK}, {**_STORED, "block_hashes": [_MARK]}, {**_STORED, "metadata": _MARK}],
+    ids=["medium", "hash", "metadata"],
+)
+def test_a_wrong_value_just_under_the_nesting_limit_is_one_malformed_event(event: dict[str, Any]) -> None:
+    """The value decodes, and the error naming it must not repr it whole: that repr, a few frames
+    deeper than the decode, raised RecursionError (and a huge value flooded the log)."""
+    template = msgspec.msgpack.encode([1.0, [event, {"type": "AllBlocksCleared"}], 0])
+    limit = sys.getrecursionlimit()
+    decoded = 0
+    for depth in range(limit - 400, limit + 5):  # past whatever this test's own stack depth is
+        payload = template.replace(msgspec.msgpack.encode(_MARK), b"\x91" * depth + b"\x01")
+        try:
+            batch, errors = decode_events(payload)
+        except ProtocolError as exc:
+            assert "nested too deeply" in str(exc)
+            continue
+        decoded += 1
+        assert batch.events == [AllBlocksCleared()] and len(errors) == 1
+        assert len(str(errors[0])) < 200
+    assert decoded > 300
 
 
 def test_captured_replay_replies_decode_with_and_without_the_topic_frame() -> None:

@@ -43,17 +43,16 @@ def admission(
     fleet: Fleet, *, max_queue: int | None = None, wait_s: float = 5.0, rate: float = 0.0, clock: Clock | None = None
 ) -> Admission:
     clock = clock or Clock()
-    throughput = Throughput(clock, window_s=10.0)
-    throughput.completed(round(rate * 10))
-    return Admission(
+    adm = Admission(
         max_wait_s=lambda: wait_s,
         max_queue=lambda: max_queue,
-        throughput=throughput,
         on_abandon=lambda plan: fleet.abandoned.append(plan.key),
         min_queue=2,
         clock=clock,
         cpu_clock=clock,  # planning takes what the test's clock says it does
     )
+    adm.completed("m", round(rate * 10))  # over the 10 s window: `rate` per second for model m (ctx's)
+    return adm
 
 
 def req(i: int) -> RequestContext:
@@ -125,7 +124,7 @@ async def test_a_new_request_does_not_overtake_waiters() -> None:
 async def test_a_full_queue_answers_429_with_retry_after_from_the_drain_rate() -> None:
     fleet = Fleet(room=0)
     adm = admission(fleet, rate=2.0, wait_s=1.5)  # derived bound: 2/s x 1.5 s = 3 waiters
-    assert adm.bound() == 3
+    assert adm.bound("m") == 3
     tasks = [asyncio.create_task(adm.admit(req(i), fleet.take)) for i in range(3)]
     await asyncio.sleep(0)
     with pytest.raises(Overloaded) as full:

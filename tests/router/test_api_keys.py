@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
+import json
 import logging
 import os
 import stat
@@ -12,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from protocol import ConfigError
 from router import cli
@@ -182,3 +185,74 @@ async def test_missing_or_wrong_key_is_401_openai_json_and_the_right_key_serves(
     for open_path in ("/health", "/ready", "/metrics"):
         async with http.get(router.url + open_path) as r:
             assert r.status == 200, open_path
+
+
+def test_a_rotation_to_a_file_that_is_not_utf8_keeps_the_keys_and_logs_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The UnicodeDecodeError escaped `allows`: every check (once a second) was a 500 with a traceback."""
+    f = tmp_path / "keys"
+    f.write_text("sk-good\n")
+    clock = Clock()
+    keys = ApiKeys(f, clock=clock)
+    f.write_bytes("sk-good\nsk-cl\xe9\n".encode("latin-1"))
+    with caplog.at_level(logging.ERROR, logger="router.api_keys"):
+        for _ in range(3):
+            clock.now += 1.1
+            assert keys.allows("Bearer sk-good")
+    assert len(caplog.records) == 1, caplog.records
+    assert "not UTF-8 text (line 2); keeping the 1 keys read before" in caplog.records[0].getMessage()
+    assert "sk-cl" not in caplog.records[0].getMessage()  # no byte of a key is quoted
+    f.write_text("sk-good\nsk-clé\n")  # the fix, in UTF-8
+    clock.now += 1.1
+    assert keys.allows("Bearer sk-clé") and keys.reloads == 1
+
+
+def test_a_keys_file_that_is_not_utf8_is_refused_at_start_naming_the_flag(tmp_path: Path) -> None:
+    """It was a traceback and exit 1 (a UnicodeDecodeError), not exit 2 naming --api-keys-file."""
+    f = tmp_path / "keys"
+    f.write_bytes("sk-cl\xe9\n".encode("latin-1"))
+    with pytest.raises(ApiKeysError, match="not UTF-8 text"):
+        ApiKeys(f)
+    with pytest.raises(ConfigError, match=r"api_keys_file.*not UTF-8 text"):
+        cli.build_config(_args("--api-keys-file", str(f)))
+
+
+def test_a_byte_order_mark_is_no_part_of_the_first_key(tmp_path: Path) -> None:
+    """A Windows editor's BOM was read into the first key, which then never matched."""
+    f = tmp_path / "keys"
+    f.write_bytes("\ufeffsk-first\nsk-second\n".encode())
+    keys = ApiKeys(f)
+    assert keys.allows("Bearer sk-first") and keys.allows("Bearer sk-second")
+    assert not keys.allows("Bearer \ufeffsk-first")
+
+
+def test_a_presented_key_that_is_not_utf8_is_refused_not_raised(tmp_path: Path) -> None:
+    (tmp_path / "keys").write_text("sk-\xff\n")  # "ÿ", in UTF-8: not the raw byte 0xff
+    keys = ApiKeys(tmp_path / "keys")
+    for bad in ("Bearer sk-\udcff", "Bearer \ud800", "Bearer sk-\udcc3\udcbf"):  # aiohttp's escapes, a lone surrogate
+        assert not keys.allows(bad), ascii(bad)
+    assert keys.allows("Bearer sk-\xff")
+
+
+async def test_an_authorization_header_with_a_byte_not_utf8_is_a_401_not_a_500(
+    cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It was a 500 "the router failed", with an ERROR traceback per request: any client could fill the
+    log. Sent raw, since aiohttp's client would encode the header itself."""
+    (tmp_path / "keys").write_text("sk-right\n")
+    router = await cluster.add_router(api_keys_file=str(tmp_path / "keys"))
+    url = URL(router.url)
+    assert url.host is not None and url.port is not None
+    caplog.set_level(logging.ERROR)
+    for header in (b"Bearer sk-\xff", b"Bearer cl\xe9", b"bearer \xc3"):
+        reader, writer = await asyncio.open_connection(url.host, url.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: %s\r\n\r\n" % header)
+        response = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        await writer.wait_closed()
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401 "), (header, response)
+        err = json.loads(body)["error"]
+        assert err["code"] == 401 and err["type"] == "AuthenticationError", err
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records

@@ -3,6 +3,7 @@ from any starting profile, follows a change, and ignores what cannot be read as 
 
 from __future__ import annotations
 
+import math
 import random
 
 import msgspec
@@ -136,6 +137,27 @@ def test_idle_intervals_and_restarts_teach_nothing() -> None:
     engine.iterations = 0  # a restarted engine's counters start over
     cal.observe(info, engine.report(running=4, context=4096))
     assert cal.warm_s("w") == 0.0 and _fitted(cal, info).decode_scale == 1.0
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("decode_context", math.inf), ("decode_context", math.nan), ("engine_ts", math.inf), ("engine_ts", math.nan),
+     ("ts", math.inf), ("ts", math.nan)],
+)  # fmt: skip
+def test_one_report_not_finite_leaves_the_fit_to_the_honest_ones(name: str, value: float) -> None:
+    """Before, its inf or NaN entered the fit's sums, which decay never clears: the worker read as
+    its raw profile (factors 1.0) for as long as it stayed registered."""
+    cal = Calibration()
+    info = _info()
+    engine = SyntheticEngine(2.5, 0.6)
+    cal.observe(info, engine.report(running=1, context=4096))
+    for i in range(200):
+        running = engine.rng.randrange(1, 64)
+        prefill = engine.rng.choice([0, 0, 4096, 16384, 40000])
+        r = engine.interval(running=running, context=engine.rng.randrange(512, 16384), prefill_tokens=prefill)
+        cal.observe(info, msgspec.structs.replace(r, **{name: value}) if i == 3 else r)
+    t = _fitted(cal, info)
+    assert (t.decode_scale, t.prefill_scale) == pytest.approx((2.5, 0.6), rel=0.02)
 
 
 def test_unknown_workers_are_ignored_and_bad_priors_refused() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -72,3 +73,28 @@ async def test_a_worker_reporting_from_a_clock_ahead_is_named_in_a_warning_and_t
     # The shim's own reports, stamped by a clock that agrees, bring it back.
     await until(lambda: line not in router.metrics.render().decode(), timeout=10, what="the offset gone")
     assert any("agrees with this router's again" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_worker_whose_clock_steps_back_is_named_once_in_a_warning(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, its reports were dropped as reordered until its clock passed the last stamp: it read
+    as silent (out of routing) for the whole step, and the log said nothing of it."""
+    worker = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    caplog.set_level(logging.INFO, logger="router.service")
+    subject = subjects.load(cluster.ns, worker.id)
+    await until(lambda: router.view.liveness(worker.id) is not None, what="the shim's own report")
+    nc = await nats.connect(cluster.nats_url)
+    try:
+        # As the worker's shim would report once its host clock stepped back a minute (NTP step).
+        for _ in range(3):
+            await nc.publish(subject, encode_msg(LoadReport(worker=worker.id, ts=time.time() - 60.0, period_s=0.5)))
+            await asyncio.sleep(0.1)
+        before = router.load_malformed  # a report dropped behind them: the router has read them all
+        await nc.publish(subject, encode_msg(LoadReport(worker=worker.id, ts=time.time(), running=-1)))
+        await until(lambda: router.load_malformed > before, what="the reports read")
+    finally:
+        await nc.close()
+    stepped = [r for r in caplog.records if "clock stepped back" in r.getMessage()]
+    assert len(stepped) == 1 and stepped[0].levelno == logging.WARNING and worker.id in stepped[0].getMessage()

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -163,6 +164,24 @@ async def test_no_responder_marks_the_worker_and_retries_on_the_next_plan(nc: Cl
     assert [c.token_ids for c in chunks] == [[5], [6]]
     assert unreachable == [("dead", "no responder on its subject")]
     assert ("free", "r1#1") in books.log and books.log[-1] == ("free", "r1#2")
+
+
+async def test_a_body_nested_too_deeply_to_encode_is_the_clients_400(nc: Client, ns: str, world: World) -> None:
+    """The HTTP layer's JSON decode took it just under the recursion limit; the leg's encode, a few
+    frames deeper, raised RecursionError: a 500 with a traceback where the client's error is a 400."""
+    d, books, _ = world
+    w = Worker(nc, ns, "w1")
+    await w.serve("decode", answer)
+    deep: list[object] = []
+    for _ in range(3000):
+        deep = [deep]
+    j = job("w1")
+    j.request = msgspec.structs.replace(j.request, params={"prompt": [1], "x": deep})
+    with pytest.raises(LegError) as err:
+        await collect(d, j)
+    assert (err.value.code, err.value.kind, err.value.retryable) == (400, "bad_request", False)
+    assert "nested too deeply" in err.value.message
+    assert w.requests == [] and books.log == [("free", "r1#1")]
 
 
 async def test_an_engine_refusal_on_the_prefill_leg_is_the_clients_error_not_a_fallback(

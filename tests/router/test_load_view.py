@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.messages import LoadReport
-from router.load_view import INFLOW_TAU_S, MAX_CLOCK_SKEW_S, LoadView, WorkerLoad
+from router.load_view import INFLOW_TAU_S, MAX_CLOCK_SKEW_S, MAX_REORDER_S, LoadView, WorkerLoad
 
 
 class Clock:
@@ -59,6 +59,43 @@ def test_an_older_report_does_not_replace_a_newer_one(view: LoadView) -> None:
     view.update(report(ts=10.0, running=5))
     view.update(report(ts=9.0, running=1))
     assert view.load("w1").running == 5
+
+
+def test_a_late_report_is_dropped_but_proves_the_worker_alive(view: LoadView, clock: Clock) -> None:
+    view.update(report(ts=clock.now, running=5))
+    clock.now += 2.0
+    assert view.update(report(ts=clock.now - 2.0 - MAX_REORDER_S, running=1)) is None
+    assert view.load("w1").running == 5
+    live = view.liveness("w1")
+    assert live is not None and live.age_s == 0.0
+
+
+def test_a_worker_whose_clock_steps_back_stays_live_and_its_figures_follow(view: LoadView, clock: Clock) -> None:
+    """An NTP step or a VM resume: before, every report was dropped as reordered until the clock
+    passed the last stamp, so the worker read as silent (eligibility) for the whole step."""
+    view.update(report(ts=clock.now, running=1, kv_used_blocks=10))
+    for i in range(10):
+        clock.now += 1.0
+        back = view.update(report(ts=clock.now - 60.0, running=7, kv_used_blocks=30 + i))
+        assert back == (pytest.approx(59.0) if i == 0 else None)  # said once, at the step
+        live = view.liveness("w1")
+        assert live is not None and live.age_s == 0.0
+        assert (view.load("w1").running, view.load("w1").kv_used_blocks) == (7, 30 + i)
+
+
+def test_what_a_report_covered_stays_covered_after_the_clock_steps_back(view: LoadView, clock: Clock) -> None:
+    """The newer stamp saw the booking: a report from a clock that then stepped back must not make
+    it count again, read or not in between."""
+    view.book("r1", "w1", 2000, 130)
+    view.prefill_done("r1")
+    clock.now += 0.1
+    view.update(report(ts=clock.now, prefill_tokens_queued=0, kv_used_blocks=130))  # covers r1 whole
+    view.update(report(ts=clock.now - 30.0, prefill_tokens_queued=0, kv_used_blocks=131))
+    assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (0, 131)
+    clock.now += 1.0
+    view.book("r2", "w1", 500, 20)  # booked after: counts until the worker's stamps pass it
+    view.update(report(ts=clock.now - 30.0, prefill_tokens_queued=500, kv_used_blocks=131))
+    assert (view.load("w1").prefill_tokens_queued, view.load("w1").active_blocks) == (1000, 151)
 
 
 def test_booking_counts_at_once_on_top_of_an_older_report(view: LoadView, clock: Clock) -> None:
@@ -316,10 +353,12 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
         elif op == "free":
             view.free(args[1], router=args[0])
             ref.drop(keys={(args[0], args[1])})
-        elif op == "report":  # reports may arrive out of order: an older one is ignored
+        elif op == "report":  # late (dropped) or from a clock stepped back (taken): the newest stamp covers
             worker, ts = args[0], min(clock.now + args[1], clock.now + MAX_CLOCK_SKEW_S)  # future stamps clamped
             view.update(LoadReport(worker=worker, ts=ts))
             ref.report_ts[worker] = max(ts, ref.report_ts.get(worker, float("-inf")))
+            live = view.liveness(worker)
+            assert live is not None and live.age_s == 0.0
         elif op == "tick":
             clock.now += args[0]
         elif op == "remove":

@@ -201,8 +201,8 @@ def test_a_chat_request_with_no_limit_leaves_the_mean_output_length_alone() -> N
     _, _, policy, c = _decide(1000)
     learnt = policy.output_len
     c.max_tokens = None
-    policy.decide(c)
+    policy.admitted(c, None)
     assert policy.output_len == learnt
     c.max_tokens = 16
-    policy.decide(c)
+    policy.admitted(c, None)
     assert policy.output_len < learnt

@@ -246,6 +246,32 @@ async def test_refused_worker_records_are_counted_logged_by_key_and_on_ready_unt
         await d.delete(prefix + truncated)
 
 
+async def test_a_record_nested_too_deeply_is_one_bad_record_not_a_dead_worker_watch(
+    cluster: Cluster, http: aiohttp.ClientSession, etcd_url: str
+) -> None:
+    """Audit 2026-12-04: its RecursionError escaped the watch's `except ValueError` while it read the
+    snapshot, so the watch failed on that key again and again: a router started meanwhile never read
+    the worker set (503 to everything), and running ones saw no worker come or go."""
+    good = await cluster.add_worker("agg")
+    prefix = subjects.workers_prefix(cluster.ns)
+    key = "1234abcd"
+    deep = b'{"worker": "1234abcd", "model": "' + MODEL.encode() + b'", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        await d.put_raw(prefix + key, deep)
+        try:
+            router = await cluster.add_ready_router(disagg="never")
+            await until(lambda: router.registry.refused >= 1, what="the record refused")
+            status, body = await _ready(http, router)
+            assert status == 200 and body["routable"] == 1, body
+            bad = _status_of(body, key)
+            assert bad["excluded"] == "bad_record" and "nested too deeply" in bad["why"], bad
+            assert _status_of(body, good.id)["routable"]
+            status, _, _ = await complete(http, router, list(range(64)))
+            assert status == 200
+        finally:
+            await d.delete(prefix + key)
+
+
 async def test_when_every_record_is_refused_the_answers_name_them_not_the_namespace(
     cluster: Cluster, http: aiohttp.ClientSession, etcd_url: str
 ) -> None:

@@ -166,6 +166,18 @@ def test_durations_and_the_timing_profile_are_checked(kw: dict[str, object], wor
     assert err.value.setting == next(iter(kw)) and words in str(err.value)
 
 
+def test_a_malformed_operator_timing_table_is_refused_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit 2026-12-04: only the name was checked, so the worker registered a table (here without
+    `decode`) that the router's planner then failed on for every request of the model."""
+    (tmp_path / "mygpu.json").write_text('{"models": [{"model": "m1", "kv_bytes_per_token_bf16": 1, "prefill": []}]}')
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(model="m", kv_events="tcp://*:1", timing_profile="mygpu:m1").validate()
+    said = str(err.value)
+    assert err.value.setting == "timing_profile" and "--timing-profile" in said, said
+    assert str(tmp_path / "mygpu.json") in said and "model 'm1'" in said and "`prefill`" in said, said
+
+
 def test_the_longest_load_period_and_a_known_profile_are_accepted() -> None:
     cfg = ShimConfig(model="m", kv_events="tcp://*:1", load_period_s=60.0, timing_profile="h200:qwen2.5-32b")
     assert cfg.validate().load_period_s == 60.0

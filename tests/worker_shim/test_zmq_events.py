@@ -239,3 +239,15 @@ async def test_one_malformed_event_is_dropped_alone_counted_and_logged_once(capl
     assert [len(b.events) for b in got] == [2, 2]
     assert source.stats.malformed == 2
     assert len([r for r in caplog.records if "neither an integer nor bytes" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_batch_nested_too_deeply_is_counted_malformed_and_the_stream_goes_on(engine: str) -> None:
+    """Audit 2026-12-04: its RecursionError escaped the decoder and ended the event stream, and the
+    shim re-registered under a new worker id (routers dropped its index entries and bookings)."""
+    source = ZmqEventSource(engine, "tcp://*:5557", "auto", "kv", None, "127.0.0.1")
+    got: list[EngineBatch] = []
+    await _send(source, got, b"kv", 0, b"\x93\xcb" + b"\0" * 8 + b"\x91" * 3001 + b"\x01\x00")
+    await _send(source, got, b"kv", 1, _payload(_stored(-1, [1, 2, 3, 4])))
+    assert source.stats.malformed == 1 and source.stats.gaps == 0
+    assert _stored_hashes(got) == [[-1]]

@@ -2,12 +2,17 @@
 probe and short GETs of its status endpoints, mapped to EngineError.
 
 The session has no connection limit: streams of concurrent requests must not queue behind each
-other. Status reads and the health probe get a short total timeout; generation calls get none
-(only a connect timeout), as a long generation is not a fault.
+other (the request service bounds the legs in flight by the open-file limit instead). Status reads
+and the health probe get a short total timeout; generation calls get none (only a connect timeout),
+as a long generation is not a fault. A probe the shim cannot make for want of a file descriptor
+(EMFILE, ENFILE) is the shim's fault: it says nothing of the engine.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import resource
 from typing import Any
 
 import aiohttp
@@ -22,6 +27,19 @@ PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0)
 # What a connection to the engine can fail with, short of a well-formed HTTP answer.
 _NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
+
+log = logging.getLogger(__name__)
+
+
+def _out_of_fds(exc: BaseException | None) -> bool:
+    """The error, or one it was raised from, says this process (EMFILE) or the host (ENFILE) has
+    no file descriptor left."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in _OUT_OF_FDS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class HttpEngineAdapter(EngineAdapter):
@@ -31,6 +49,8 @@ class HttpEngineAdapter(EngineAdapter):
         super().__init__(config)
         self.base = config.engine_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
+        self._health = EngineHealth.DOWN  # what the last probe that reached the engine found
+        self._out_of_fds = False  # the last probe failed for want of a descriptor (logged once)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -48,14 +68,33 @@ class HttpEngineAdapter(EngineAdapter):
             await session.close()
 
     async def health(self) -> EngineHealth:
+        """The engine's health; a probe the shim could not make (out of file descriptors) repeats
+        the last probe's answer, with an ERROR: the engine is not to blame."""
         try:
             async with self.session.get(self.base + "/health", timeout=PROBE_TIMEOUT) as resp:
                 await resp.read()  # read to the end so the connection is reused
-                return EngineHealth.UP if resp.status == 200 else EngineHealth.DOWN
+                health = EngineHealth.UP if resp.status == 200 else EngineHealth.DOWN
         except TimeoutError:
-            return EngineHealth.BUSY
-        except _NETWORK_ERRORS:
-            return EngineHealth.DOWN
+            health = EngineHealth.BUSY
+        except _NETWORK_ERRORS as exc:
+            if _out_of_fds(exc):
+                if not self._out_of_fds:
+                    self._out_of_fds = True
+                    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                    log.error(
+                        "the shim is out of file descriptors (%r; open-file limit %d, hard %d): it cannot "
+                        "probe the engine at %s, whose health it takes as last seen (%s); lower "
+                        "--max-inflight-legs or raise the limit",
+                        exc,
+                        soft,
+                        hard,
+                        self.base,
+                        self._health.value,
+                    )
+                return self._health
+            health = EngineHealth.DOWN
+        self._health, self._out_of_fds = health, False
+        return health
 
     async def served_models(self) -> dict[str, ModelCard] | None:
         """The engine's /v1/models by id; None when it cannot say."""
