@@ -206,8 +206,9 @@ class _ChunkWriter:
         self._pending.extend(toks)
         if self._timer is not None:
             return
-        # A leg's first chunk follows none, so it never waits (_last_sent is the heartbeat's clock).
-        wait = self._last_sent + COALESCE_S - time.monotonic() if self.seq and self.service.busy() else 0.0
+        # A leg's first output follows none, so it never waits: not after a heartbeat or a prefilled
+        # notice either (_last_sent is the heartbeat's clock).
+        wait = self._last_sent + COALESCE_S - time.monotonic() if self.sent_tokens and self.service.busy() else 0.0
         if wait <= 0:
             await self._flush()
         else:
@@ -380,6 +381,7 @@ class RequestService:
         self.held_chunks = 0  # chunks held back for the coalescing mark (under load only)
         self.chunks_unsent = 0  # chunks NATS refused (reconnecting with a full buffer, closed): kept for resume
         self._unsent_since: float | None = None  # the NATS outage chunks went unsent in, logged once
+        self._unsent_reconnects = 0  # nc.stats["reconnects"] then: a reconnect since ends that outage
         self._overload_logged = -OVERLOAD_LOG_S  # when a refusal past max_legs was last logged
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self._queued = 0
@@ -406,8 +408,9 @@ class RequestService:
             await self.nc.publish(subject, data)
         except NatsError as exc:
             self.chunks_unsent += 1
-            if self._unsent_since is None:
-                self._unsent_since = time.monotonic()
+            reconnects = self.nc.stats["reconnects"]
+            if self._unsent_since is None or reconnects != self._unsent_reconnects:  # a new outage
+                self._unsent_since, self._unsent_reconnects = time.monotonic(), reconnects
                 log.warning(
                     "NATS refused a response chunk (%r): chunks go unsent until it takes them again, kept "
                     "for routers to ask for again (kvswitch_shim_chunks_unsent_total)",
@@ -495,6 +498,8 @@ class RequestService:
         old = self.recent.pop(writer.request_id, None)
         if old is not None:
             self._recent_bytes -= old.sent_bytes
+        if writer.sent_bytes > RECENT_BYTES:
+            return  # kept, it would push out every other leg, then itself
         writer.ended = time.monotonic()
         self.recent[writer.request_id] = writer
         self._recent_bytes += writer.sent_bytes

@@ -934,6 +934,11 @@ class WorkerShim:
         assert self.requests is not None
         presence = _Presence(worker)
         nc = self.nc
+        # A refusal recorded before (a permissions reload since fixed) says nothing of these new
+        # SUBs: the server answers each before the flush below returns.
+        own = [subjects.gen(self.ns, r, worker) for r in ("prefill", "decode", "agg")]
+        own += [subjects.cancel(self.ns, worker), subjects.kvstate(self.ns, worker)]
+        refused_subscriptions(nc).difference_update(s.lower() for s in own)
         for role in ("prefill", "decode", "agg"):
             presence.subs.append(
                 await nc.subscribe(

@@ -1,5 +1,6 @@
 """The shim and its open-file limit: raised to the hard limit at start, legs in flight capped below
-it, and a health probe that fails for want of a descriptor blamed on the shim, not the engine."""
+it, and a health probe that fails for want of a descriptor blamed on the shim, not the engine (for
+up to busy_limit_s: then the shim cannot serve and says the engine is down)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,35 @@ async def test_a_probe_the_shim_cannot_make_for_want_of_fds_does_not_fail_the_en
     finally:
         await adapter.close()
         await runner.cleanup()
+
+
+async def test_out_of_fds_past_the_busy_limit_the_probe_says_down(caplog: pytest.LogCaptureFixture) -> None:
+    async def answer(_req: web.Request) -> web.Response:
+        return web.Response(headers={"Connection": "close"})
+
+    app = web.Application()
+    app.router.add_get("/health", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    adapter = VllmAdapter(ShimConfig(engine_url=f"http://127.0.0.1:{port}", model="m", busy_limit_s=0.2))
+    await adapter.open()
+    try:
+        assert await adapter.health() is EngineHealth.UP
+        await runner.cleanup()  # the engine dies while the shim cannot see it
+        await asyncio.sleep(0.05)
+        with soft_limit(lowest_free_fd()):
+            assert await adapter.health() is EngineHealth.UP  # within the bound: as last seen
+            await asyncio.sleep(0.25)
+            past = [await adapter.health() for _ in range(3)]
+        assert past == [EngineHealth.DOWN] * 3, "out of descriptors, the probe repeats UP with no bound"
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 2 and "the shim, not the engine" in errors[1] and "file descriptors" in errors[1]
+        assert await adapter.health() is EngineHealth.DOWN  # descriptors back: the probe finds it dead
+    finally:
+        await adapter.close()
 
 
 SIM = """

@@ -1,51 +1,32 @@
-"""The request service against a fake NATS and a fake engine: a leg's first token under load, NATS
-refusing chunks (an outage that filled its reconnect buffer), the chunks kept for a resume, the
-cap on legs in flight."""
+"""The request service against a real nats-server and a fake engine: a leg's first token under load,
+NATS refusing chunks (an outage that filled the client's reconnect buffer), the chunks kept for a
+resume, the cap on legs in flight."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
 
+import nats
 import pytest
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.errors import OutboundBufferLimitError
 
-from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, decode_msg, encode_msg
+from kvswitch.servers import NatsServer
+from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, decode_msg, encode_msg, subjects
+from worker_shim import request_service
 from worker_shim.adapters.base import EngineAdapter, LegOutcome, LegRequest, OnOutput
 from worker_shim.request_service import RECENT_BYTES, RequestService, _ChunkWriter
 
 
-class FakeNats:
-    """Takes chunks while up; while down refuses them as nats-py does once its reconnect buffer is full."""
-
-    max_payload = 1 << 20
-
-    def __init__(self) -> None:
-        self.pending_data_size = 0
-        self.down = False
-        self.got: list[tuple[str, ResponseChunk, float]] = []
-
-    @property
-    def is_connected(self) -> bool:
-        return not self.down
-
-    async def publish(self, subject: str, data: bytes) -> None:
-        if self.down:
-            raise OutboundBufferLimitError
-        self.got.append((subject, decode_msg(data, ResponseChunk), time.monotonic()))
-
-    def chunks(self, subject: str) -> list[ResponseChunk]:
-        return [c for s, c, _ in self.got if s == subject]
-
-
 class FakeEngine:
-    """Streams `tokens` tokens `gap_s` apart, then ends once `release` is set."""
+    """Streams `tokens` tokens `gap_s` apart once `go` is set, then ends once `release` is set."""
 
     kind = "vllm"
 
@@ -53,10 +34,13 @@ class FakeEngine:
         self.tokens, self.gap_s = tokens, gap_s
         self.outputs = 0
         self.finished = 0
+        self.go = asyncio.Event()
+        self.go.set()
         self.release = asyncio.Event()
         self.release.set()
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
+        await self.go.wait()
         for i in range(self.tokens):
             await asyncio.sleep(self.gap_s)
             self.outputs += 1
@@ -66,14 +50,100 @@ class FakeEngine:
         return LegOutcome("length", Usage(prompt_tokens=len(leg.token_ids), completion_tokens=self.tokens))
 
 
+class Replies:
+    """What the service publishes to `{ns}.inbox.*`, as a router gets it: over NATS, on the
+    service's own connection (on a reconnect nats-py sends its SUBs before the buffered chunks)."""
+
+    def __init__(self, nc: Nats, ns: str) -> None:
+        self.nc, self.ns = nc, ns
+        self.got: list[tuple[str, ResponseChunk]] = []
+        self._marked = asyncio.Event()
+
+    def inbox(self, name: str) -> str:
+        return f"{self.ns}.inbox.{name}"
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.inbox("*"), cb=self._on)
+        await self.nc.flush()
+
+    async def _on(self, msg: Msg) -> None:
+        if msg.subject == self.inbox("mark"):
+            self._marked.set()
+        else:
+            self.got.append((msg.subject, decode_msg(msg.data, ResponseChunk)))
+
+    async def settled(self) -> None:
+        """Every chunk published so far received: one subscription gets its messages in order."""
+        self._marked.clear()
+        await self.nc.publish(self.inbox("mark"), b"")
+        await asyncio.wait_for(self._marked.wait(), 10)
+
+    def chunks(self, name: str) -> list[ResponseChunk]:
+        return [c for s, c in self.got if s == self.inbox(name)]
+
+
+async def _quiet(_exc: Exception) -> None:
+    pass  # nats-py says each failed reconnect during an outage
+
+
+@pytest.fixture
+def server() -> Iterator[NatsServer]:
+    """A nats-server of the test's own, to kill and start again."""
+    with NatsServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+async def nc(server: NatsServer) -> AsyncIterator[Nats]:
+    conn = await nats.connect(
+        server.url, reconnect_time_wait=0.05, max_reconnect_attempts=-1, error_cb=_quiet, connect_timeout=2
+    )
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+async def replies(nc: Nats, ns: str) -> Replies:
+    out = Replies(nc, ns)
+    await out.start()
+    return out
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def outage(nc: Nats, server: NatsServer) -> None:
+    """NATS gone and the client's reconnect buffer full (as other legs' output fills it): nats-py
+    then refuses every publish with OutboundBufferLimitError."""
+    server.kill()
+    await until(lambda: not nc.is_connected, "the client to see NATS gone")
+    for size in (65536, 4096, 256, 16, 1):
+        with contextlib.suppress(OutboundBufferLimitError):
+            while True:
+                await nc.publish("fill", b"x" * size)
+    with pytest.raises(OutboundBufferLimitError):
+        await nc.publish("fill", b"x")
+
+
+async def back(nc: Nats, server: NatsServer) -> None:
+    """NATS up again on its port, the client reconnected (its buffer sent)."""
+    server.launch()
+    await asyncio.to_thread(server.wait_healthy)
+    await until(lambda: nc.is_connected, "the client to reconnect")
+
+
 def service(
-    nc: FakeNats,
+    nc: Nats,
     engine: FakeEngine | None = None,
     cached: Callable[[list[int], str], int] = lambda _ids, _salt: 0,
     **kw: Any,
 ) -> RequestService:
     return RequestService(
-        cast(Nats, nc),
+        nc,
         cast(EngineAdapter, engine or FakeEngine()),
         lambda: None,
         cached,
@@ -82,152 +152,238 @@ def service(
     )
 
 
-@dataclass
-class FakeMsg:
-    subject: str
-    reply: str
-    data: bytes
+async def serving(svc: RequestService, ns: str) -> str:
+    """The service subscribed as worker w1's agg subject, which it returns."""
+    subject = subjects.gen(ns, "agg", "w1")
+    await svc.nc.subscribe(subject, cb=svc.on_generate)
+    await svc.nc.flush()
+    return subject
 
 
-def request(rid: str, **kw: Any) -> Msg:
+async def send(replies: Replies, subject: str, rid: str, reply: str = "", **kw: Any) -> None:
     req = GenerateRequest(
         request_id=rid, model="m", token_ids=[1] * 8, sampling=SamplingParams(max_tokens=10, ignore_eos=True), **kw
     )
-    return cast(Msg, FakeMsg("ns.gen.agg.w1", f"inbox.{rid}", encode_msg(req)))
+    await replies.nc.publish(subject, encode_msg(req), reply=replies.inbox(reply or rid))
+
+
+async def ask_again(replies: Replies, subject: str, rid: str, reply: str) -> list[ResponseChunk]:
+    """A router's resume of leg `rid` (ended) from seq 0; the chunks it gets, to the final one."""
+    msg = encode_msg(GenerateRequest(request_id=rid, model="m", token_ids=[1], resume=0))
+    await replies.nc.publish(subject, msg, reply=replies.inbox(reply))
+    await until(lambda: any(c.final for c in replies.chunks(reply)), f"the answer to a resume of {rid}")
+    await replies.settled()
+    return replies.chunks(reply)
+
+
+def published(writer: _ChunkWriter) -> list[list[int]]:
+    """The token ids of the chunks the writer has handed to NATS so far."""
+    return [decode_msg(data, ResponseChunk).token_ids for data in writer.sent]
 
 
 async def ended(svc: RequestService, timeout: float = 5.0) -> None:
-    until = time.monotonic() + timeout
-    while svc.inflight:
-        assert time.monotonic() < until, f"legs still in flight: {list(svc.inflight)}"
-        await asyncio.sleep(0.01)
+    await until(lambda: not svc.inflight, f"legs still in flight: {list(svc.inflight)}", timeout)
 
 
 # --- the first token ----------------------------------------------------------------------------
 
 
-async def test_a_legs_first_token_goes_at_once_under_load() -> None:
-    nc = FakeNats()
+async def test_a_legs_first_token_goes_at_once_under_load(nc: Nats, replies: Replies) -> None:
     svc = service(nc, busy_legs=0)  # always busy: every later token waits for the 5 ms mark
     assert svc.busy()
-    writer = _ChunkWriter(svc, "inbox.r1", "r1", "w1", "agg", heartbeat_s=0.2)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.2)
     await asyncio.sleep(0.001)
     await writer.output(1, [], [42])
-    assert [c.token_ids for c in nc.chunks("inbox.r1")] == [[42]], "the first token was held"
+    assert published(writer) == [[42]], "the first token was held"
     await writer.output(1, [], [43])  # right behind it: held for the mark
-    assert len(nc.chunks("inbox.r1")) == 1
+    assert len(writer.sent) == 1
     await asyncio.sleep(0.03)
-    assert [c.token_ids for c in nc.chunks("inbox.r1")] == [[42], [43]]
+    await replies.settled()
+    assert [c.token_ids for c in replies.chunks("r1")] == [[42], [43]]
     assert svc.held_chunks == 1
     await writer.final(finish_reason="length")
 
 
-async def test_the_heartbeat_clock_starts_with_the_leg() -> None:
-    nc = FakeNats()
+async def test_a_first_token_after_a_heartbeat_is_not_held(
+    nc: Nats, replies: Replies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A prefill that outlasts heartbeat_s: the heartbeat (or a `prefilled` notice) is no output.
+    monkeypatch.setattr(request_service, "COALESCE_S", 5.0)  # a held token would wait 5 s
     svc = service(nc, busy_legs=0)
-    writer = _ChunkWriter(svc, "inbox.r1", "r1", "w1", "agg", heartbeat_s=0.1)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.05)
+    await until(lambda: svc.heartbeats == 1, "the heartbeat")
+    await writer.output(1, [], [42])
+    assert published(writer) == [[], [42]] and svc.held_chunks == 0, "the first token was held"
+    await replies.settled()
+    assert [c.token_ids for c in replies.chunks("r1")] == [[], [42]]
+    await writer.output(1, [], [43])  # the next one is held for the mark
+    assert len(writer.sent) == 2
+    await writer.final(finish_reason="length")
+
+
+async def test_the_heartbeat_clock_starts_with_the_leg(nc: Nats, replies: Replies) -> None:
+    svc = service(nc, busy_legs=0)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.1)
     await asyncio.sleep(0.06)
-    assert nc.chunks("inbox.r1") == []
+    await replies.settled()
+    assert replies.chunks("r1") == []
     await asyncio.sleep(0.08)
-    assert [c.seq for c in nc.chunks("inbox.r1")] == [0] and svc.heartbeats == 1
+    await replies.settled()
+    assert [c.seq for c in replies.chunks("r1")] == [0] and svc.heartbeats == 1
     await writer.final(finish_reason="length")
 
 
 # --- NATS refusing chunks -----------------------------------------------------------------------
 
 
-async def test_heartbeats_refused_during_an_outage_leave_the_final_chunk_to_go() -> None:
-    nc = FakeNats()
+async def test_heartbeats_refused_during_an_outage_leave_the_final_chunk_to_go(
+    nc: Nats, server: NatsServer, replies: Replies
+) -> None:
     svc = service(nc)
-    writer = _ChunkWriter(svc, "inbox.r1", "r1", "w1", "agg", heartbeat_s=0.02)
-    nc.down = True
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.02)
+    await outage(nc, server)
     await asyncio.sleep(0.09)
-    nc.down = False
+    await back(nc, server)
     await writer.final(finish_reason="length", usage=Usage(prompt_tokens=8, completion_tokens=0))
-    chunks = nc.chunks("inbox.r1")
+    await replies.settled()
+    chunks = replies.chunks("r1")
     assert chunks[-1].final and chunks[-1].finish_reason == "length"
     assert svc.chunks_unsent >= 2  # heartbeats NATS refused
     # The refused heartbeats are kept: a router asking from seq 0 gets every chunk, in order.
-    assert await writer.resume("inbox.again", 0)
-    assert [c.seq for c in nc.chunks("inbox.again")] == list(range(chunks[-1].seq + 1))
+    assert await writer.resume(replies.inbox("again"), 0)
+    await replies.settled()
+    assert [c.seq for c in replies.chunks("again")] == list(range(chunks[-1].seq + 1))
 
 
-async def test_a_stream_runs_on_through_an_outage_and_ends_with_its_final_chunk() -> None:
-    nc = FakeNats()
+async def test_a_stream_runs_on_through_an_outage_and_ends_with_its_final_chunk(
+    nc: Nats, server: NatsServer, replies: Replies, ns: str
+) -> None:
     engine = FakeEngine(tokens=20, gap_s=0.005)
+    engine.go.clear()
+    engine.release.clear()
     svc = service(nc, engine)
-    nc.down = True
-    await svc.on_generate(request("s1", stream=True, heartbeat_s=0.02))
+    subject = await serving(svc, ns)
+    await send(replies, subject, "s1", stream=True, heartbeat_s=0.02)
+    await until(lambda: "s1" in svc.inflight, "the leg")
+    await outage(nc, server)
+    engine.go.set()
     await asyncio.sleep(0.04)
-    assert engine.outputs > 0
-    nc.down = False
+    assert engine.outputs > 0 and svc.chunks_unsent > 0
+    await back(nc, server)
+    engine.release.set()
     await ended(svc)
     assert engine.outputs == 20 and engine.finished == 1, "the engine request was aborted"
-    final = nc.chunks("inbox.s1")[-1]
+    await replies.settled()
+    final = replies.chunks("s1")[-1]
     assert final.final and final.error is None and final.finish_reason == "length"
     assert svc.chunks_unsent > 0 and svc.failed == 0
     assert len(svc.contexts) == 0 and svc.prefill_tokens_queued == 0
     # Every token reaches a router that asks again from seq 0.
-    assert await svc.recent["s1"].resume("inbox.again", 0)
-    assert sum(len(c.token_ids) for c in nc.chunks("inbox.again")) == 20
+    again = await ask_again(replies, subject, "s1", "again")
+    assert sum(len(c.token_ids) for c in again) == 20
 
 
-async def test_a_prefilled_notice_refused_during_an_outage_leaks_no_bookkeeping() -> None:
-    nc = FakeNats()
+async def test_a_prefilled_notice_refused_during_an_outage_leaks_no_bookkeeping(
+    nc: Nats, server: NatsServer, replies: Replies, ns: str
+) -> None:
     engine = FakeEngine(tokens=0)  # a whole answer: no output until its end
     engine.release.clear()
-    calls = [0]
+    prefilled = [False]
 
-    def cached(ids: list[int], _salt: str) -> int:  # nothing at dispatch; then the prompt's blocks
-        calls[0] += 1
-        return 0 if calls[0] == 1 else len(ids)
+    def cached(ids: list[int], _salt: str) -> int:  # nothing until the test says the prompt's blocks came
+        return len(ids) if prefilled[0] else 0
 
     svc = service(nc, engine, cached)
-    nc.down = True
-    await svc.on_generate(request("whole", stream=False))  # whole answer: the watch sends `prefilled`
+    subject = await serving(svc, ns)
+    await send(replies, subject, "whole", stream=False)  # whole answer: the watch sends `prefilled`
+    await until(lambda: "whole" in svc.inflight, "the leg")
+    await outage(nc, server)
+    prefilled[0] = True
     await asyncio.sleep(0.15)
     assert len(svc.contexts) == 1  # the watch saw the prefill done
-    nc.down = False
+    await back(nc, server)
     engine.release.set()
     await ended(svc)
-    final = nc.chunks("inbox.whole")[-1]
+    await replies.settled()
+    final = replies.chunks("whole")[-1]
     assert final.final and final.finish_reason == "length"
     assert svc.inflight == {} and len(svc.contexts) == 0 and svc.prefill_tokens_queued == 0
     assert "whole" in svc.recent and svc.chunks_unsent >= 1  # the `prefilled` notice among them
 
 
+async def test_each_outage_is_logged_though_no_chunk_went_out_between_them(
+    nc: Nats, server: NatsServer, replies: Replies, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=request_service.__name__)
+    svc = service(nc)
+    data = encode_msg(ResponseChunk(request_id="a", seq=0, final=True))
+    await outage(nc, server)
+    await svc.publish(replies.inbox("a"), data)  # a leg's final chunk refused: the leg ends, kept
+    await back(nc, server)  # nothing published before the next outage
+    await asyncio.sleep(0.3)
+    second = time.monotonic()
+    await outage(nc, server)
+    for _ in range(3):
+        await svc.publish(replies.inbox("b"), data)
+    await back(nc, server)
+    await svc.publish(replies.inbox("c"), data)
+    lasted = time.monotonic() - second
+    assert svc.chunks_unsent == 4
+    records = [r for r in caplog.records if r.name == request_service.__name__]
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("NATS refused a response chunk" in w for w in warnings), warnings
+    [info] = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    took = re.search(r"again after ([\d.]+)s", info)
+    assert took is not None and float(took[1]) <= lasted + 0.05, f"{info}: the second outage lasted {lasted:.2f}s"
+    await replies.settled()
+    assert len(replies.chunks("c")) == 1
+
+
 # --- chunks kept for a resume -------------------------------------------------------------------
 
 
-async def test_ended_legs_chunks_are_bounded_in_bytes_oldest_dropped_first() -> None:
-    nc = FakeNats()
+async def test_ended_legs_chunks_are_bounded_in_bytes_oldest_dropped_first(nc: Nats, replies: Replies, ns: str) -> None:
     svc = service(nc)
+    subject = await serving(svc, ns)
     body = b"x" * (nc.max_payload - 8192)  # one chunk of ~1 MiB per leg
     legs = RECENT_BYTES // len(body) + 16
-    for i in range(legs):
-        writer = _ChunkWriter(svc, f"inbox.r{i}", f"r{i}", "w1", "agg")
+    for i in range(legs):  # to subjects nobody reads: only the kept copies matter here
+        writer = _ChunkWriter(svc, f"{ns}.bulk.r{i}", f"r{i}", "w1", "agg")
         await writer.final(finish_reason="stop", body=body)
         svc.remember(writer)
     held = sum(len(b) for w in svc.recent.values() for b in w.sent)
     assert held <= RECENT_BYTES
     assert f"r{legs - 1}" in svc.recent and "r0" not in svc.recent
     # A resume for dropped chunks gets 410 `gone`.
-    msg = encode_msg(GenerateRequest(request_id="r0", model="m", token_ids=[1], resume=0))
-    await svc.on_generate(cast(Msg, FakeMsg("ns.gen.agg.w1", "inbox.gone", msg)))
-    [gone] = nc.chunks("inbox.gone")
+    [gone] = await ask_again(replies, subject, "r0", "gone")
     assert gone.error is not None and (gone.error.code, gone.error.kind) == (410, "gone")
 
 
-async def test_ended_legs_chunks_are_dropped_past_the_resume_window() -> None:
-    nc = FakeNats()
+async def test_a_leg_too_large_to_keep_pushes_out_no_other(nc: Nats, replies: Replies, ns: str) -> None:
     svc = service(nc)
-    writer = _ChunkWriter(svc, "inbox.old", "old", "w1", "agg")
+    subject = await serving(svc, ns)
+    for i in range(10):
+        writer = _ChunkWriter(svc, replies.inbox(f"r{i}"), f"r{i}", "w1", "agg")
+        await writer.final(finish_reason="stop", body=b"x" * 1000)
+        svc.remember(writer)
+    big = _ChunkWriter(svc, f"{ns}.bulk.big", "big", "w1", "agg")  # e.g. a long stream with logprobs
+    await big.final(finish_reason="stop", body=b"y" * (RECENT_BYTES + (1 << 20)))
+    assert big.sent_bytes > RECENT_BYTES
+    svc.remember(big)
+    assert list(svc.recent) == [f"r{i}" for i in range(10)], "the other legs' chunks were dropped"
+    assert "big" not in svc.recent
+    again = await ask_again(replies, subject, "r9", "again")
+    assert [c.body for c in again] == [b"x" * 1000] and again[0].error is None
+
+
+async def test_ended_legs_chunks_are_dropped_past_the_resume_window(nc: Nats, replies: Replies, ns: str) -> None:
+    svc = service(nc)
+    subject = await serving(svc, ns)
+    writer = _ChunkWriter(svc, replies.inbox("old"), "old", "w1", "agg")
     await writer.final(finish_reason="stop")
     svc.remember(writer)
     writer.ended = time.monotonic() - 60.0  # a minute ago: past any router's MAX_RESUMES x 3 heartbeats
-    msg = encode_msg(GenerateRequest(request_id="old", model="m", token_ids=[1], resume=0))
-    await svc.on_generate(cast(Msg, FakeMsg("ns.gen.agg.w1", "inbox.again", msg)))
-    [again] = nc.chunks("inbox.again")
+    [again] = await ask_again(replies, subject, "old", "again")
     assert again.error is not None and again.error.kind == "gone"
     assert "old" not in svc.recent
 
@@ -235,14 +391,18 @@ async def test_ended_legs_chunks_are_dropped_past_the_resume_window() -> None:
 # --- the cap on legs in flight ------------------------------------------------------------------
 
 
-async def test_a_leg_past_the_cap_is_refused_at_once_with_a_retryable_503(caplog: pytest.LogCaptureFixture) -> None:
-    nc = FakeNats()
+async def test_a_leg_past_the_cap_is_refused_at_once_with_a_retryable_503(
+    nc: Nats, replies: Replies, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
     engine = FakeEngine(tokens=1)
     engine.release.clear()
     svc = service(nc, engine, max_legs=2)
+    subject = await serving(svc, ns)
     for rid in ("a", "b", "c", "c2"):
-        await svc.on_generate(request(rid))
-    [refused] = nc.chunks("inbox.c")
+        await send(replies, subject, rid)
+    await replies.settled()
+    await until(lambda: len(replies.chunks("c2")) == 1, "the second refusal")
+    [refused] = replies.chunks("c")
     assert refused.final and refused.error is not None
     assert (refused.error.code, refused.error.kind) == (503, "overloaded")
     assert "--max-inflight-legs" in refused.error.message
@@ -251,6 +411,8 @@ async def test_a_leg_past_the_cap_is_refused_at_once_with_a_retryable_503(caplog
     assert len(warnings) == 1 and "--max-inflight-legs" in warnings[0]  # once, not per refusal
     engine.release.set()
     await ended(svc)
-    await svc.on_generate(request("d"))  # room again
+    await send(replies, subject, "d")  # room again
+    await until(lambda: "d" in svc.inflight or bool(replies.chunks("d")), "the leg d")
     await ended(svc)
-    assert nc.chunks("inbox.d")[-1].finish_reason == "length"
+    await replies.settled()
+    assert replies.chunks("d")[-1].finish_reason == "length"

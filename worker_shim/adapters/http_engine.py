@@ -5,7 +5,8 @@ The session has no connection limit: streams of concurrent requests must not que
 other (the request service bounds the legs in flight by the open-file limit instead). Status reads
 and the health probe get a short total timeout; generation calls get none (only a connect timeout),
 as a long generation is not a fault. A probe the shim cannot make for want of a file descriptor
-(EMFILE, ENFILE) is the shim's fault: it says nothing of the engine.
+(EMFILE, ENFILE) is the shim's fault: it says nothing of the engine. Such an episode that lasts
+`busy_limit_s` makes the probe say DOWN: the shim cannot serve, and the worker deregisters.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import resource
+import time
 from typing import Any
 
 import aiohttp
@@ -50,7 +52,8 @@ class HttpEngineAdapter(EngineAdapter):
         self.base = config.engine_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
         self._health = EngineHealth.DOWN  # what the last probe that reached the engine found
-        self._out_of_fds = False  # the last probe failed for want of a descriptor (logged once)
+        self._out_of_fds_since: float | None = None  # probes fail for want of a descriptor since (logged once)
+        self._fds_down = False  # that went on past busy_limit_s: DOWN (logged once)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -69,7 +72,8 @@ class HttpEngineAdapter(EngineAdapter):
 
     async def health(self) -> EngineHealth:
         """The engine's health; a probe the shim could not make (out of file descriptors) repeats
-        the last probe's answer, with an ERROR: the engine is not to blame."""
+        the last probe's answer, with an ERROR: the engine is not to blame. Past busy_limit_s of
+        that it is DOWN: the shim's legs fail too, and an engine that died meanwhile goes unseen."""
         try:
             async with self.session.get(self.base + "/health", timeout=PROBE_TIMEOUT) as resp:
                 await resp.read()  # read to the end so the connection is reused
@@ -78,23 +82,41 @@ class HttpEngineAdapter(EngineAdapter):
             health = EngineHealth.BUSY
         except _NETWORK_ERRORS as exc:
             if _out_of_fds(exc):
-                if not self._out_of_fds:
-                    self._out_of_fds = True
-                    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-                    log.error(
-                        "the shim is out of file descriptors (%r; open-file limit %d, hard %d): it cannot "
-                        "probe the engine at %s, whose health it takes as last seen (%s); lower "
-                        "--max-inflight-legs or raise the limit",
-                        exc,
-                        soft,
-                        hard,
-                        self.base,
-                        self._health.value,
-                    )
-                return self._health
+                return self._cannot_probe(exc)
             health = EngineHealth.DOWN
-        self._health, self._out_of_fds = health, False
+        self._health, self._out_of_fds_since, self._fds_down = health, None, False
         return health
+
+    def _cannot_probe(self, exc: BaseException) -> EngineHealth:
+        now, limit = time.monotonic(), self.config.busy_limit_s
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if self._out_of_fds_since is None:
+            self._out_of_fds_since = now
+            log.error(
+                "the shim is out of file descriptors (%r; open-file limit %d, hard %d): it cannot probe the "
+                "engine at %s, whose health it takes as last seen (%s) for up to %.0fs (--busy-limit-s); lower "
+                "--max-inflight-legs or raise the limit",
+                exc,
+                soft,
+                hard,
+                self.base,
+                self._health.value,
+                limit,
+            )
+        if now - self._out_of_fds_since < limit:
+            return self._health
+        if not self._fds_down:
+            self._fds_down = True
+            log.error(
+                "the shim has been out of file descriptors for %.0fs (open-file limit %d, hard %d): the shim, not "
+                "the engine at %s, cannot serve; it reports the engine down, so the worker deregisters until a "
+                "probe reaches the engine again; lower --max-inflight-legs or raise the limit",
+                now - self._out_of_fds_since,
+                soft,
+                hard,
+                self.base,
+            )
+        return EngineHealth.DOWN
 
     async def served_models(self) -> dict[str, ModelCard] | None:
         """The engine's /v1/models by id; None when it cannot say."""
