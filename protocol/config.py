@@ -375,7 +375,7 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
                     "etcd_endpoints", http[0], "with etcd_tls_ca every URL must be https:// (http:// is plaintext)"
                 )
             # Loaded as gRPC will: it takes the PEM bytes unparsed, and then never connects.
-            _ssl_context("etcd_", self.tls_ca, self.tls_cert, self.tls_key)
+            _ssl_context("etcd_", self.tls_ca, self.tls_cert, self.tls_key, grpc=True)
         return self
 
 
@@ -394,27 +394,44 @@ def _check_files(**paths: str | None) -> None:
             raise ConfigError(setting, path, f"must name a readable file ({exc.strerror})") from exc
 
 
-def _ssl_context(prefix: str, ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
+class _Encrypted(Exception):
+    pass
+
+
+def _no_passphrase() -> str:
+    raise _Encrypted  # OpenSSL would prompt on the terminal for it, and wait
+
+
+def _ssl_context(
+    prefix: str, ca: str | None, cert: str | None, key: str | None, *, grpc: bool = False
+) -> ssl.SSLContext:
     """A client context trusting `ca` (the system's CAs when None) and presenting `cert` and `key`;
-    ConfigError naming `{prefix}tls_ca`, `_cert` or `_key`, whichever does not load."""
+    ConfigError naming `{prefix}tls_ca`, `_cert` or `_key`, whichever does not load. `grpc`: the
+    files go to gRPC (etcd), whose TLS has no security level, so OpenSSL's (which refuses an RSA
+    key under 2048 bits or a SHA-1 signature) must not refuse files it takes."""
     try:
         ctx = ssl.create_default_context(cafile=ca)
     except (ssl.SSLError, OSError) as exc:
         raise ConfigError(f"{prefix}tls_ca", ca, f"holds no PEM CA certificate ({exc})") from exc
     if cert is None or key is None:
         return ctx
+    if grpc:
+        ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
     try:  # the certificate alone first: load_cert_chain's error does not say which file it was
         ssl.create_default_context(cafile=cert)
     except (ssl.SSLError, OSError) as exc:
         raise ConfigError(f"{prefix}tls_cert", cert, f"holds no PEM certificate ({exc})") from exc
+    flag = f"--{prefix[:-1]}-tls-cert"
     try:
-        ctx.load_cert_chain(cert, key)
-    except (ssl.SSLError, OSError) as exc:
+        ctx.load_cert_chain(cert, key, password=_no_passphrase)
+    except _Encrypted:
         raise ConfigError(
-            f"{prefix}tls_key",
-            key,
-            f"is not the PEM private key of the certificate in --{prefix[:-1]}-tls-cert ({exc})",
-        ) from exc
+            f"{prefix}tls_key", key, "is encrypted: give it unencrypted (no passphrase is read)"
+        ) from None
+    except (ssl.SSLError, OSError) as exc:
+        mismatch = isinstance(exc, ssl.SSLError) and exc.reason == "KEY_VALUES_MISMATCH"
+        why = f"is not the PEM private key of the certificate in {flag}" if mismatch else f"does not load with {flag}"
+        raise ConfigError(f"{prefix}tls_key", key, f"{why} ({exc})") from exc
     return ctx
 
 

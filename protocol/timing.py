@@ -113,12 +113,16 @@ def _listed(path: Path, key: str) -> list[dict[str, Any]]:
 
 def _number(where: str, row: dict[str, Any], key: str, kind: type[int] | type[float] = int) -> Any:
     """`row[key]`, an integer (`kind` float: any finite number) >= 0; ValueError naming `where` and
-    the key when it is missing or malformed."""
+    the key when it is missing or malformed. A whole float (`8.03e9`, `256.0`: how many tools write
+    a count) is that integer."""
     if key not in row:
         raise ValueError(f"{where}: missing `{key}`")
     value = row[key]
-    ok = isinstance(value, int) if kind is int else isinstance(value, int | float) and math.isfinite(value)
-    if isinstance(value, bool) or not ok or value < 0:
+    finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is int and finite and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    ok = finite and (isinstance(value, int) or kind is float)
+    if not ok or value < 0:
         what = "an integer" if kind is int else "a finite number"
         raise ValueError(f"{where}: `{key}` must be {what} >= 0, got {reprlib.repr(value)}")
     return value

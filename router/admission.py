@@ -7,13 +7,14 @@ booked in the same synchronous step, so the next request sees it. Otherwise it q
 line, so one model's overload never holds another's requests: its waiters are served in arrival
 order, and only as capacity frees: `notify()` (a load report arrived, a request ended, a worker
 appeared) offers each line's head waiter to the planner, again and again while plans come back,
-one per line in turn. A waiter keeps its request context, so nothing is hashed twice.
+one per line in turn, the oldest head first (names that share workers take what frees in arrival
+order, as one FIFO would). A waiter keeps its request context, so nothing is hashed twice.
 
 An offer that finds no room costs a whole plan, and a plan visits every worker (about 10 ms at
 1,000 workers). While requests wait, every load report would offer the head again: tens of
 thousands a second in a large fleet, more CPU than a replica has. So after an offer that found no
-room, the line's next one comes no sooner than `RETRY_GAP` times that offer's planning CPU later
-(at most a tenth of a core spent re-planning each line's head); notifications inside the gap
+room, the line's next one comes no sooner than `RETRY_GAP` times that offer's planning CPU times
+the number of lines later (at most a tenth of a core re-planning all the heads); notifications inside the gap
 leave one offer scheduled at its end.
 
 Each line is bounded so that what waits there drains within half the TTFT SLO: `max_queue` when
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import time
 from collections import deque
@@ -81,6 +83,7 @@ class _Waiter:
     take: Callable[[RequestContext], RoutePlan | None]
     future: asyncio.Future[RoutePlan]
     since: float
+    n: int  # arrival order, across every line
 
 
 @dataclass(eq=False, slots=True)
@@ -117,6 +120,7 @@ class Admission:
         self._cpu_clock = cpu_clock
         self._lines: dict[str, _Line] = {}  # the models with waiters, and only those
         self._rates: dict[str, Throughput] = {}  # each model's completions
+        self._arrivals = itertools.count()
         self.refused = 0
         self.timed_out = 0
 
@@ -167,7 +171,7 @@ class Admission:
             )
         if line is None:
             line = self._lines[model] = _Line(model)
-        waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), self._clock())
+        waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), self._clock(), next(self._arrivals))
         line.waiters.append(waiter)
         wait_s = self._max_wait_s()
         try:
@@ -201,6 +205,9 @@ class Admission:
             return
         lines = list(self._lines.values())
         while lines:
+            # Oldest head first: names that share workers (a model, its aliases, its adapters)
+            # take the capacity that frees in arrival order, as one FIFO would.
+            lines.sort(key=lambda line: line.waiters[0].n if line.waiters else -1)
             lines = [line for line in lines if self._offer(line)]
 
     def _offer(self, line: _Line) -> bool:
@@ -226,7 +233,8 @@ class Admission:
             head.future.set_exception(exc)
             return self._open(line)
         if plan is None:
-            line.quiet_until = self._clock() + RETRY_GAP * (self._cpu_clock() - started)
+            # Times the lines: all of them together re-plan within RETRY_GAP's share of a core.
+            line.quiet_until = self._clock() + RETRY_GAP * len(self._lines) * (self._cpu_clock() - started)
             return False
         waiters.popleft()
         head.future.set_result(plan)

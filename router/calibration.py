@@ -184,8 +184,26 @@ def timing_of(info: WorkerInfo, fitted: WorkerTiming | None) -> WorkerTiming | N
         return fitted
     if not info.timing_profile:
         return None
+    shape = _known_profile(info.timing_profile)
+    return None if shape is None else WorkerTiming(shape, kv_bytes_per_token=info.kv_bytes_per_token)
+
+
+def _readable(engine_s: float, wall_s: float, contexts: tuple[float, float], max_model_len: int | None) -> bool:
+    """Whether a stretch's figures can be true: finite, the engine's time not twice the wall's
+    (a second's leeway: the engine is read every 0.25 s), no mean context past the model's."""
+    if not (math.isfinite(engine_s) and all(math.isfinite(c) for c in contexts)):
+        return False
+    if engine_s > 2 * max(wall_s, 0.0) + 1.0:
+        return False
+    return max_model_len is None or max(contexts) <= max_model_len
+
+
+@functools.cache
+def _known_profile(name: str) -> TimingModel | None:
+    """The profile's model; None when this router cannot load it, remembered: asked per candidate
+    and request, a failed load read every table from disk again each time (~200 µs)."""
     try:
-        return WorkerTiming(TimingModel.for_profile(info.timing_profile), kv_bytes_per_token=info.kv_bytes_per_token)
+        return TimingModel.for_profile(name)
     except ValueError:
         return None
 
@@ -304,9 +322,9 @@ class Calibration:
         y = (report.engine_ts or report.ts) - (prev.engine_ts or prev.ts)
         if y <= 0:
             return  # a heartbeat repeating the last engine reading
-        if not (math.isfinite(y) and math.isfinite(prev.decode_context) and math.isfinite(report.decode_context)):
-            # An inf or NaN stamp or context (the router refuses such reports): in the fit's sums it
-            # would stay for good, as decay never clears it. The stretch cannot be read.
+        if not _readable(y, report.ts - prev.ts, (prev.decode_context, report.decode_context), info.max_model_len):
+            # In the fit's sums it would stay for good (an inf or NaN: decay never clears it) or for
+            # hours (a finite absurdity). The stretch cannot be read.
             self._windows.pop(worker, None)
             return
         started, running = prev.running > 0, report.running > 0

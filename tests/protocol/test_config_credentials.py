@@ -91,3 +91,58 @@ def test_the_right_seed_and_creds_files_pass(tmp_path: Path) -> None:
         setting_prefix="nats_",
     )
     assert s.nkey_file == str(tmp_path / "w.nk")
+
+
+def _rsa_pair(tmp_path: Path, bits: int, passphrase: bytes | None = None) -> tuple[Path, Path]:
+    """A self-signed RSA certificate and its key (encrypted with `passphrase` when given)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=bits)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "etcd-client")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+    crypt = serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption()
+    (tmp_path / "c.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "c.key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, crypt)
+    )
+    return tmp_path / "c.crt", tmp_path / "c.key"
+
+
+def test_an_etcd_client_key_grpc_takes_is_not_refused_by_openssls_security_level(
+    tmp_path: Path, tls: tuple[TlsFiles, TlsFiles]
+) -> None:
+    """gRPC connects to etcd with an RSA-1024 client key; OpenSSL's default security level refuses
+    it, and the check said the key was not the certificate's (review of the credential checks)."""
+    cert, key = _rsa_pair(tmp_path, 1024)
+    given: dict[str, object] = {"etcd_tls_ca": str(tls[0].ca), "etcd_tls_cert": str(cert), "etcd_tls_key": str(key)}
+    assert _resolve(given).tls_key == str(key)
+
+
+@pytest.mark.parametrize("prefix", ["nats_", "etcd_"])
+def test_an_encrypted_key_is_refused_at_once_saying_so(
+    tmp_path: Path, tls: tuple[TlsFiles, TlsFiles], prefix: str
+) -> None:
+    """OpenSSL asked for the passphrase on the terminal and waited; without one it said "Invalid argument"."""
+    cert, key = _rsa_pair(tmp_path, 2048, passphrase=b"secret")
+    given: dict[str, object] = {
+        f"{prefix}tls_ca": str(tls[0].ca),
+        f"{prefix}tls_cert": str(cert),
+        f"{prefix}tls_key": str(key),
+    }
+    with pytest.raises(ConfigError, match=f"invalid {prefix}tls_key .*: is encrypted"):
+        _resolve(given)

@@ -212,6 +212,24 @@ def test_a_malformed_operator_table_is_a_value_error_naming_the_file_and_the_key
     assert f"timing table {path}, model 'm': {words}" in str(err.value)
 
 
+def test_counts_written_as_whole_floats_are_those_integers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`8.03e9` or `256.0` is how many tools write a count: the loader took it before it checked
+    the table, and the check refused the whole table (review of the table checks)."""
+
+    def floats(m: dict[str, Any]) -> None:
+        m.update(kv_bytes_per_token_bf16=float(m["kv_bytes_per_token_bf16"]), params=8.03e9)
+        for p in m["decode"]:
+            p.update(batch=float(p["batch"]), context_tokens=float(p["context_tokens"]))
+
+    _table(tmp_path, monkeypatch, "mygpu.json", {"models": [_broken(floats)]})
+    loaded, llama = load_profile.__wrapped__("mygpu:m"), load_profile.__wrapped__(LLAMA)
+    assert loaded.params == 8_030_000_000 and isinstance(loaded.params, int)
+    assert loaded.kv_bytes_per_token == llama.kv_bytes_per_token and loaded.decode == llama.decode
+    _table(tmp_path, monkeypatch, "mygpu.json", {"models": [_broken(lambda m: m["decode"][0].update(batch=1.5))]})
+    with pytest.raises(ValueError, match=r"`batch` must be an integer >= 0, got 1\.5"):
+        load_profile.__wrapped__("mygpu:m")
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", '{"models": 3}', '{"models": [1]}', "{not json", '"x"', "\xff"])
 def test_a_json_file_that_is_no_table_names_no_profile_and_loading_it_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str

@@ -108,3 +108,46 @@ async def test_a_model_whose_line_emptied_is_taken_at_once_again() -> None:
     fleet.room = 1
     assert (await asyncio.wait_for(adm.admit(req("a", 1), fleet.take), 0.1)).key == "a1#1"
     assert adm.depth == 0
+
+
+async def test_names_that_share_workers_take_freed_capacity_in_arrival_order() -> None:
+    """A model and its adapter (or an alias) have their own lines on the same workers: the older
+    line took every slot that freed while it had waiters (review of the per-model lines)."""
+    fleet = Fleet(room=0)
+    adm = admission(fleet, max_queue=10)
+    tasks = []
+    for i in range(3):  # arrivals: base0, lora0, base1, lora1, base2, lora2
+        for model in ("base", "lora"):
+            tasks.append(asyncio.create_task(adm.admit(req(model, i), fleet.take)))
+            await asyncio.sleep(0)
+    for _ in range(6):  # one request ends at a time: one slot frees
+        fleet.room += 1
+        adm.notify()
+    await asyncio.gather(*tasks)
+    assert fleet.taken == ["base0", "lora0", "base1", "lora1", "base2", "lora2"]
+
+
+@pytest.mark.parametrize("names", [1, 16])
+async def test_waiters_of_many_models_are_replanned_within_a_tenth_of_a_core(names: int) -> None:
+    """The quiet time after an offer that found no room was per line: 16 waiting names re-planned
+    16 times as much, a whole core at 1 ms plans (review of the per-model lines)."""
+    clock = Clock()  # wall and CPU clock at once: a plan takes the time it adds
+    planned = 0.0
+
+    def take(_: RequestContext) -> RoutePlan | None:
+        nonlocal planned
+        clock.now += 0.001  # a plan of 1 ms that finds no room
+        planned += 0.001
+        return None
+
+    adm = Admission(
+        max_wait_s=lambda: 60.0, max_queue=lambda: 100, on_abandon=lambda _: None, clock=clock, cpu_clock=clock
+    )
+    tasks = [asyncio.create_task(adm.admit(req(f"adapter-{n}", 0), take)) for n in range(names)]
+    await asyncio.sleep(0)
+    planned, start = 0.0, clock.now
+    while clock.now - start < 1.0:  # a load report every millisecond for a second
+        clock.now += 0.001
+        adm.notify()
+    assert planned / (clock.now - start) <= 0.12
+    await _cancel(tasks, adm)

@@ -142,13 +142,14 @@ def test_idle_intervals_and_restarts_teach_nothing() -> None:
 @pytest.mark.parametrize(
     ("name", "value"),
     [("decode_context", math.inf), ("decode_context", math.nan), ("engine_ts", math.inf), ("engine_ts", math.nan),
-     ("ts", math.inf), ("ts", math.nan)],
+     ("ts", math.inf), ("ts", math.nan), ("engine_ts", 1e12), ("decode_context", 1e12)],
 )  # fmt: skip
 def test_one_report_not_finite_leaves_the_fit_to_the_honest_ones(name: str, value: float) -> None:
     """Before, its inf or NaN entered the fit's sums, which decay never clears: the worker read as
-    its raw profile (factors 1.0) for as long as it stayed registered."""
+    its raw profile (factors 1.0) for as long as it stayed registered. A finite absurdity (an engine
+    clock in ms, a context past the model's) pinned the fit at its bounds for 1-2 hours."""
     cal = Calibration()
-    info = _info()
+    info = msgspec.structs.replace(_info(), max_model_len=131072)
     engine = SyntheticEngine(2.5, 0.6)
     cal.observe(info, engine.report(running=1, context=4096))
     for i in range(200):
@@ -356,3 +357,27 @@ def test_a_worker_that_never_sends_decode_context_is_logged_once(caplog: pytest.
         counting.with_context = i % 2 == 0
         cal.observe(info, counting.interval(running=16, context=6000, prefill_tokens=0))
     assert not [r for r in caplog.records if "no decode_context" in r.getMessage()]
+
+
+def test_a_profile_this_router_cannot_load_is_not_read_again_for_every_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """timing_of runs per candidate and request: a profile that failed to load read every table
+    from disk again each time, ~200 µs a call (review of the table checks)."""
+    import protocol.timing
+
+    reads = 0
+    read = protocol.timing._read
+
+    def counting(path: object) -> object:
+        nonlocal reads
+        reads += 1
+        return read(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(protocol.timing, "_read", counting)
+    info = _info(profile="h200:no-such-model-for-this-test")
+    assert timing_of(info, None) is None
+    first = reads
+    assert first > 0
+    for _ in range(5):
+        assert timing_of(info, None) is None
+    assert reads == first
+    assert timing_of(_info(), None) is not None  # a known one still loads
