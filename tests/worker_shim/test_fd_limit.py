@@ -93,19 +93,24 @@ async def test_a_cap_above_what_the_limit_allows_is_refused_at_start(ns: str, na
     await shim.stop()
 
 
-async def test_a_probe_the_shim_cannot_make_for_want_of_fds_does_not_fail_the_engine(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+async def _healthy_engine() -> tuple[web.AppRunner, int]:
+    """A stand-in engine whose /health closes each connection, so each probe opens a socket."""
+
     async def answer(_req: web.Request) -> web.Response:
-        return web.Response(headers={"Connection": "close"})  # each probe opens a socket
+        return web.Response(headers={"Connection": "close"})
 
     app = web.Application()
     app.router.add_get("/health", answer)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+async def test_a_probe_the_shim_cannot_make_for_want_of_fds_does_not_fail_the_engine(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    runner, port = await _healthy_engine()
     adapter = VllmAdapter(ShimConfig(engine_url=f"http://127.0.0.1:{port}", model="m"))
     await adapter.open()
     try:
@@ -123,16 +128,7 @@ async def test_a_probe_the_shim_cannot_make_for_want_of_fds_does_not_fail_the_en
 
 
 async def test_out_of_fds_past_the_busy_limit_the_probe_says_down(caplog: pytest.LogCaptureFixture) -> None:
-    async def answer(_req: web.Request) -> web.Response:
-        return web.Response(headers={"Connection": "close"})
-
-    app = web.Application()
-    app.router.add_get("/health", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await _healthy_engine()
     adapter = VllmAdapter(ShimConfig(engine_url=f"http://127.0.0.1:{port}", model="m", busy_limit_s=0.2))
     await adapter.open()
     try:
