@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import signal
 import sys
 import threading
@@ -37,7 +38,7 @@ from bench.workloads import WorkItem, from_trace, multi_turn, shared_prefix
 from protocol.config import url_problem
 from worker_shim.credit_check import SHORT_BELOW, CreditCheck
 
-__all__ = ["DEMO", "add_arguments", "run"]
+__all__ = ["DEMO", "add_arguments", "check_out", "check_out_dir", "run"]
 
 OUT_DIR = Path("bench/out")
 
@@ -317,6 +318,38 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def check_out(flag: str, out: Path) -> Path:
+    """A file written after the run: a place it cannot go is refused before, naming `flag`."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
+    if out.is_dir():
+        raise ValueError(f"{flag} {out}: a directory; give a file name")
+    if not os.access(out if out.exists() else out.parent, os.W_OK):
+        raise ValueError(f"{flag} {out}: not writable")
+    return out
+
+
+def check_out_dir(flag: str, out_dir: Path) -> None:
+    """A directory written into after the run: created, or refused, before it."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"{flag} {out_dir}: not a directory") from None
+    except OSError as exc:
+        raise ValueError(f"{flag} {out_dir}: cannot create it: {exc.strerror or exc}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {out_dir}: not writable")
+
+
+def _check_slo(args: argparse.Namespace) -> None:
+    """Checked here, so that the message names the bench's flags, not the router's they become."""
+    for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-itl", args.slo_itl)):
+        if not 0 < value < math.inf:  # NaN fails too
+            raise ValueError(f"{flag} must be > 0 and finite, got {value:g}")
+
+
 def _check_replay_urls(args: argparse.Namespace) -> None:
     """--url and --metrics-url as aiohttp will take them: http(s), a host, a port in range."""
     for flag, urls in (("--url", args.url), ("--metrics-url", args.metrics_url)):
@@ -416,9 +449,7 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     fleet = VirtualFleet(spec)
     run = fleet.run(items, TokenSynth(args.seed), rate=args.speed)
     results = run.results()
-    out = args.out or OUT_DIR / f"replay-{_stamp()}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_results(out, results)
+    write_results(args.out, results)
     summary = summarize(results, slo=slo, prefix=run.prefix, clock="virtual")
     print(format_summary(summary))
     reach = run.reach
@@ -431,7 +462,7 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
             f"one never-evicting cache {ceiling:.1%}"
         )
     print(_credit_line([shim.credit for shim in fleet.shims.values()]))
-    print(f"per-request results: {out}")
+    print(f"per-request results: {args.out}")
     print(f"virtual clock: {run.virtual_s:.1f} s simulated in {time.monotonic() - started:.1f} s wall")
     return 0 if summary.ok else 1
 
@@ -454,14 +485,12 @@ async def _replay(args: argparse.Namespace, items: list[WorkItem]) -> int:
         )
         after = await scrape_prefix_counters(session, args.metrics_url) if args.metrics_url else None
     prefix: PrefixCounters | None = after - before if after is not None and before is not None else None
-    out = args.out or OUT_DIR / f"replay-{_stamp()}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_results(out, run.results)
+    write_results(args.out, run.results)
     summary = summarize(
         run.results, slo=Slo(args.slo_ttft, args.slo_itl), latency_scale=args.latency_scale, prefix=prefix
     )
     print(format_summary(summary))
-    print(f"per-request results: {out}")
+    print(f"per-request results: {args.out}")
     return 0 if summary.ok else 1
 
 
@@ -483,6 +512,7 @@ def _compare(args: argparse.Namespace) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     rates = _rates(args.rates)
+    check_out_dir("--out-dir", args.out_dir)
     known = {**CONFIGURATIONS, **PEER_CONFIGURATIONS}
     if args.configs == "all":
         names = [*CONFIGURATIONS] if virtual else [*CONFIGURATIONS, *PEER_CONFIGURATIONS]
@@ -532,7 +562,6 @@ def _compare(args: argparse.Namespace) -> int:
     )
     started = time.monotonic()
     measurements = run_compare(spec)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     stamp = _stamp()
     json_path = args.out_dir / f"compare-{stamp}.json"
     json_path.write_bytes(msgspec.json.encode(measurements))
@@ -568,13 +597,15 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.scale_tokens is None:
         args.scale_tokens = 1.0
     rates = _rates(args.rates)
+    fleets = parse_fleets(args.fleets)
+    check_out_dir("--out-dir", args.out_dir)
     items = _replay_items(args)
     if not items:
         raise ValueError("the workload is empty")
     started = time.monotonic()
     points = run_sweep(
         items,
-        parse_fleets(args.fleets),
+        fleets,
         rates,
         [CONFIGURATIONS[n] for n in names],
         slo=Slo(args.slo_ttft, args.slo_itl),
@@ -632,14 +663,19 @@ def _run(args: argparse.Namespace) -> int:
         return chaos.run(args)
     try:
         _refuse_unread(args)
+        if args.bench_command in ("replay", "summary", "compare", "sweep"):
+            _check_slo(args)
         if args.bench_command == "replay":
+            if args.clock == "live":
+                if not args.url:
+                    raise ValueError("--url is required (or --clock virtual)")
+                _check_replay_urls(args)
+                _check_latency_scale(args.latency_scale)
+            items = _replay_items(args)
+            args.out = check_out("--out", args.out or OUT_DIR / f"replay-{_stamp()}.jsonl")
             if args.clock == "virtual":
-                return _replay_virtual(args, _replay_items(args))
-            if not args.url:
-                raise ValueError("--url is required (or --clock virtual)")
-            _check_replay_urls(args)
-            _check_latency_scale(args.latency_scale)
-            return asyncio.run(_replay(args, _replay_items(args)))
+                return _replay_virtual(args, items)
+            return asyncio.run(_replay(args, items))
         if args.bench_command == "summary":
             from bench.replay import read_results
 

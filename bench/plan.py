@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.cli import check_out
 from bench.compare import CONFIGURATIONS, Configuration
 from bench.summary import Slo, Summary, summarize
 from bench.trace import TokenSynth, TraceError, load_trace, shipped_trace
@@ -41,7 +41,7 @@ from bench.workloads import WorkItem, from_trace
 from engine_sim import SimConfig, SimConfigError
 from protocol import ConfigError
 from protocol.config import RouterSettings, flat_names
-from protocol.timing import profile_names
+from protocol.timing import DEFAULT_PROFILE, profile_names
 
 __all__ = ["Candidate", "add_arguments", "run"]
 
@@ -80,7 +80,7 @@ class _Job:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL trace (default: the shipped one)")
     parser.add_argument("--gpus", type=int, required=True, help="engines (GPUs) to split")
-    parser.add_argument("--profile", default="h200:llama-3.1-8b", help="the engines' timing profile")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="the engines' timing profile")
     parser.add_argument(
         "--max-model-len",
         type=int,
@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engines' max_model_len: longer requests are errors (default: the sims' 32768)",
     )
     parser.add_argument("--rate", type=float, default=1.0, help="times the trace's arrival rate")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated `bench compare` configurations")
+    parser.add_argument(
+        "--policies", default=None, help=f"comma-separated `bench compare` configurations (default {DEFAULT_POLICIES})"
+    )
     parser.add_argument("--splits", default=None, help="comma-separated prefill counts to try (default 1 .. N-1)")
     parser.add_argument("--start", type=float, default=0.0, help="skip the trace's first S seconds")
     parser.add_argument("--duration", type=float, default=None, help="only the first S seconds (after --start)")
@@ -198,6 +200,13 @@ def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int 
         f"shim (docker-compose.yml: the sim-prefill/shim-prefill pair x{winner.prefill}, "
         f"sim-decode/shim-decode x{winner.decode})"
     )
+    # The sims and shims default to DEFAULT_PROFILE (the shims by registering none, which the routers
+    # read as it): any other goes on both, as `kvswitch up` gives it, or the fleet is not the one ranked.
+    sim_flags = ("" if profile == DEFAULT_PROFILE else f" --profile {profile}") + engine_len
+    if sim_flags:
+        engines += f", each sim with `{sim_flags.strip()}`"
+    if profile != DEFAULT_PROFILE:
+        engines += f" and each shim with `--timing-profile {profile}`"
     return "\n".join(
         [
             f"winner: {winner.configuration} on {winner.fleet}",
@@ -206,7 +215,7 @@ def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int 
             f"  router env:     {' '.join(env) if env else '(the defaults)'} (routers started without policy flags)",
             "  compose:        router-1's and router-2's `command:` (its flags override any environment):",
             f"                  command: {_compose_router_command(args)}",
-            f"  engines:        {engines}" + (f", each with `{engine_len.strip()}`" if engine_len else ""),
+            f"  engines:        {engines}",
         ]
     )
 
@@ -255,14 +264,24 @@ def _plan(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.out is not None:
-        _check_out(args.out)
+        check_out("--out", args.out)
     _check_max_model_len(args.max_model_len, args.profile)
-    names = list(dict.fromkeys(n.strip() for n in args.policies.split(",") if n.strip()))
+    policies = DEFAULT_POLICIES if args.policies is None else args.policies
+    names = list(dict.fromkeys(n.strip() for n in policies.split(",") if n.strip()))
     if not names:
         raise ValueError(f"--policies: none given; allowed: {', '.join(CONFIGURATIONS)}")
     unknown = [n for n in names if n not in CONFIGURATIONS]
     if unknown:
         raise ValueError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(CONFIGURATIONS)}")
+    if args.gpus < 2 and (split := [n for n in names if CONFIGURATIONS[n].fleet != "agg"]):
+        # Named in --policies they are refused, as one alone always was; the default's are skipped, said so.
+        if args.policies is not None:
+            raise ValueError(
+                f"--policies {','.join(split)}: a split needs --gpus >= 2 (a prefill and a decode engine); "
+                "with --gpus 1 only aggregated configurations fit"
+            )
+        print(f"skipping {', '.join(split)}: a split needs --gpus >= 2", file=sys.stderr)
+        names = [n for n in names if n not in split]
     splits = _splits(args.splits, args.gpus) if args.splits else list(range(1, args.gpus))
     trace = args.trace or shipped_trace()
     records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start)
@@ -273,8 +292,6 @@ def _plan(args: argparse.Namespace) -> int:
     items = from_trace(records, scale_tokens=args.scale_tokens)
     slo = Slo(args.slo_ttft, args.slo_itl)
     todo = candidates(args.gpus, [CONFIGURATIONS[n] for n in names], splits)
-    if not todo:
-        raise ValueError(f"nothing to try: with {args.gpus} GPU(s) only aggregated configurations fit")
     jobs = [_Job(c, items, args.profile, args.rate, slo, args.seed, args.max_model_len) for c in todo]
     started = time.monotonic()
     if args.jobs > 1 and len(jobs) > 1:
@@ -302,18 +319,6 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if in_slo(best.summary) else NO_WINNER
 
 
-def _check_out(out: Path) -> None:
-    """--out is written after every candidate ran: a place it cannot go is refused before."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--out {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
-    if out.is_dir():
-        raise ValueError(f"--out {out}: a directory; give a file name")
-    if not os.access(out if out.exists() else out.parent, os.W_OK):
-        raise ValueError(f"--out {out}: not writable")
-
-
 def _check_max_model_len(tokens: int, profile: str) -> None:
     """As `kvswitch up` checks it, by the sim's own rules: a positive length whose request one
     engine's KV cache holds."""
@@ -338,6 +343,8 @@ def _splits(text: str, gpus: int) -> list[int]:
         splits = list(dict.fromkeys(int(p) for p in text.split(",") if p.strip()))
     except ValueError:
         raise ValueError(f"--splits: comma-separated prefill counts, got {text!r}") from None
+    if not splits:
+        raise ValueError(f"--splits: none given, got {text!r}")
     bad = [p for p in splits if not 1 <= p < gpus]
     if bad:
         raise ValueError(f"--splits: prefill counts must be in 1..{gpus - 1}, got {', '.join(map(str, bad))}")

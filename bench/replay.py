@@ -171,5 +171,15 @@ def write_results(path: str | Path, results: Sequence[RequestResult]) -> None:
 
 def read_results(path: str | Path) -> list[RequestResult]:
     decoder = msgspec.json.Decoder(RequestResult)
+    results = []
     with Path(path).open("rb") as fh:
-        return [decoder.decode(line) for line in fh if line.strip()]
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                results.append(decoder.decode(line))
+            except msgspec.DecodeError as exc:
+                raise ValueError(
+                    f"{path}:{lineno}: not a per-request result of `bench replay` (a results JSONL) ({exc})"
+                ) from None
+    return results

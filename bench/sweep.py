@@ -15,7 +15,7 @@ each configuration's goodput and the two ratios the routing targets are stated i
   always-disagg (`kv_disagg`) (targets >= 1.15x where those two diverge by more than
   `DIVERGE`, and never below 0.95x).
 
-The heat maps (fleet x load) show both ratios. `--out` keeps every measurement as JSON.
+The heat maps (fleet x load) show both ratios. `--out-dir` keeps every measurement as JSON.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def parse_fleets(text: str) -> list[Fleet]:
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         m = _FLEET.match(part)
-        if m is None or int(m.group(2)) < 1:
-            raise ValueError(f"--fleets: {part!r} is not PP+DD with D >= 1 (e.g. 2P+6D)")
+        # P >= 1 too: on 0P the disaggregated configurations would be reported with no prefill engine.
+        if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise ValueError(f"--fleets: {part!r} is not PP+DD with P >= 1 and D >= 1 (e.g. 2P+6D)")
         out.append(Fleet(int(m.group(1)), int(m.group(2))))
     return out
 

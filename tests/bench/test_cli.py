@@ -158,3 +158,75 @@ def test_a_bad_flag_is_named_before_anything_runs(
     assert main(["bench", *argv]) == 2
     out = capsys.readouterr()
     assert message in out.err and out.out == "", out
+
+
+def _not_run(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the run started before its output place was checked")
+
+
+SWEEP = ["sweep", "--fleets", "1P+1D", "--rates", "1", "--configs", "kv", "--policy", "kv", "--jobs", "1"]
+COMPARE = ["compare", "--clock", "virtual", "--configs", "kv", "--prefill", "1", "--decode", "1", "--jobs", "1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "runs", "message"),
+    [
+        ([*SWEEP, "--out-dir", "/proc/nope"], "sweep", "--out-dir /proc/nope: cannot create it"),
+        ([*SWEEP, "--out-dir", "{file}"], "sweep", "--out-dir {file}: not a directory"),
+        ([*COMPARE, "--out-dir", "/proc/nope"], "compare", "--out-dir /proc/nope: cannot create it"),
+        ([*COMPARE, "--out-dir", "{file}"], "compare", "--out-dir {file}: not a directory"),
+        (["replay", "--clock", "virtual", "--agg", "1", "--out", "/proc/nope/r.jsonl"], "virtual", "cannot create"),
+        (["replay", "--clock", "virtual", "--agg", "1", "--out", "{dir}"], "virtual", "--out {dir}: a directory"),
+        (["replay", "--url", "http://127.0.0.1:1", "--out", "/proc/nope/r.jsonl"], "live", "--out /proc/nope/r.jsonl"),
+    ],
+)
+def test_an_output_place_that_cannot_be_written_is_refused_before_the_run(
+    argv: list[str],
+    runs: str,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before, sweep, compare and replay ran everything, then failed on the write with a bare errno
+    line that named no flag, and the results were lost."""
+    import bench.compare
+    import bench.replay
+    import bench.sweep
+
+    run = {
+        "sweep": (bench.sweep, "_measure"),
+        "compare": (bench.compare, "run_compare"),
+        "virtual": (fleet.VirtualFleet, "run"),
+        "live": (bench.replay, "replay"),
+    }[runs]
+    monkeypatch.setattr(*run, _not_run)
+    (tmp_path / "file").write_text("")
+    places = {"file": tmp_path / "file", "dir": tmp_path}
+    assert main(["bench", *(a.format(**places) for a in argv), "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message.format(**places) in err, err
+
+
+@pytest.mark.parametrize(
+    "command", [SWEEP, COMPARE, ["replay", "--clock", "virtual", "--agg", "1"], ["summary", str(DATA)]]
+)
+@pytest.mark.parametrize(("flag", "value"), [("--slo-ttft", "nan"), ("--slo-itl", "-1")])
+def test_a_bad_slo_names_the_benchs_flag(
+    command: list[str], flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, the message named the router's --slo-ttft-s and KVSWITCH_SLO_TTFT_S, which were not typed."""
+    assert main(["bench", *command, "--limit" if command[0] != "summary" else "--latency-scale", "2", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} must be > 0 and finite, got {value}" in err and "KVSWITCH_" not in err, err
+
+
+def test_summary_of_a_file_that_holds_no_results_names_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: `Object missing required field 'ok'`, with no file, no line and nothing of what was expected."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n')
+    assert main(["bench", "summary", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:1: not a per-request result of `bench replay`" in err and "missing required field" in err, err

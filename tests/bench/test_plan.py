@@ -211,3 +211,40 @@ def test_an_empty_trace_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixt
     empty.write_text("")
     assert main(["plan", "--gpus", "2", "--trace", str(empty), "--limit", "20"]) == 2
     assert f"no records in the trace file {empty}" in capsys.readouterr().err
+
+
+def test_a_winner_on_another_profile_prints_it_for_the_sims_and_the_shims() -> None:
+    """Before, only the `kvswitch up` line named the profile: the compose sims ran their default model
+    and the shims registered no timing profile, so the routers' cost model was not the one ranked."""
+    text = settings_text(Candidate("kv_disagg", 1, 1, 0), "h200:qwen2.5-32b", Slo(2.0, 0.025), 16384)
+    engines = next(ln for ln in text.splitlines() if ln.startswith("  engines:"))
+    assert "each sim with `--profile h200:qwen2.5-32b --max-model-len 16384`" in engines
+    assert "each shim with `--timing-profile h200:qwen2.5-32b`" in engines
+    sim = engines.split("each sim with `", 1)[1].split("`")[0].split()
+    assert subcommand_parser("sim").parse_args(sim).profile == "h200:qwen2.5-32b"
+    shim = engines.split("each shim with `", 1)[1].split("`")[0].split()
+    assert shim == ["--timing-profile", "h200:qwen2.5-32b"]
+    # the default profile is the sims' and the routers' own: nothing to add
+    default = settings_text(Candidate("kv_disagg", 1, 1, 0), "h200:llama-3.1-8b", Slo(2.0, 0.025))
+    assert "--timing-profile" not in default and "each sim" not in default
+
+
+def test_disaggregated_policies_named_for_one_gpu_are_refused_as_one_alone_is(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before, `--policies kv,slo_aware --gpus 1` ranked kv alone, exit 0, saying nothing of slo_aware."""
+    argv = ["plan", "--gpus", "1", "--start", "980", "--limit", "5", "--scale-tokens", "0.125", "--jobs", "1"]
+    for policies in ("kv,slo_aware", "slo_aware"):
+        assert main([*argv, "--policies", policies]) == 2
+        out = capsys.readouterr()
+        assert "--policies slo_aware: a split needs --gpus >= 2" in out.err and "[kv on" not in out.err, out
+    # the default policies: the splits are skipped, and said so
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "skipping kv_disagg, slo_aware: a split needs --gpus >= 2" in out.err and "winner: kv on 1 agg" in out.out
+
+
+def test_empty_splits_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, `--splits ,` ran no split at all and said nothing."""
+    assert main(["plan", "--gpus", "2", "--limit", "5", "--splits", ",", "--jobs", "1"]) == 2
+    assert "--splits: none given, got ','" in capsys.readouterr().err
