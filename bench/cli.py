@@ -331,6 +331,12 @@ def check_out(flag: str, out: Path) -> Path:
     return out
 
 
+def _replay_out(args: argparse.Namespace) -> Path:
+    """Where a replay writes, checked once the replay's own flags passed (a refused command
+    creates nothing)."""
+    return check_out("--out", args.out or OUT_DIR / f"replay-{_stamp()}.jsonl")
+
+
 def check_out_dir(flag: str, out_dir: Path) -> None:
     """A directory written into after the run: created, or refused, before it."""
     try:
@@ -429,6 +435,7 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
         raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
     if not args.speed > 0:
         raise ValueError(f"--speed must be > 0, got {args.speed}")
+    args.out = _replay_out(args)
     longest = max((item.input_len + item.output_len for item in items), default=0)
     slo = Slo(args.slo_ttft, args.slo_itl)
     spec = FleetSpec(
@@ -471,6 +478,7 @@ async def _replay(args: argparse.Namespace, items: list[WorkItem]) -> int:
     from bench.replay import replay, write_results
     from bench.trace import TokenSynth
 
+    args.out = _replay_out(args)
     async with aiohttp.ClientSession() as session:
         before = await scrape_prefix_counters(session, args.metrics_url) if args.metrics_url else None
         run = await replay(
@@ -512,7 +520,6 @@ def _compare(args: argparse.Namespace) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     rates = _rates(args.rates)
-    check_out_dir("--out-dir", args.out_dir)
     known = {**CONFIGURATIONS, **PEER_CONFIGURATIONS}
     if args.configs == "all":
         names = [*CONFIGURATIONS] if virtual else [*CONFIGURATIONS, *PEER_CONFIGURATIONS]
@@ -560,6 +567,7 @@ def _compare(args: argparse.Namespace) -> int:
         calibrate=args.calibrate,
         router_profile_error=args.router_profile_error,
     )
+    check_out_dir("--out-dir", args.out_dir)  # last: a command refused before creates nothing
     started = time.monotonic()
     measurements = run_compare(spec)
     stamp = _stamp()
@@ -598,10 +606,15 @@ def _sweep(args: argparse.Namespace) -> int:
         args.scale_tokens = 1.0
     rates = _rates(args.rates)
     fleets = parse_fleets(args.fleets)
-    check_out_dir("--out-dir", args.out_dir)
+    # On 0P the disaggregated configurations would be reported with no prefill engine; aggregated
+    # ones run P + D engines, so 0P+1D is one aggregated engine.
+    disagg = [n for n in names if CONFIGURATIONS[n].fleet == "pd"]
+    if disagg and (bare := [f.name for f in fleets if f.prefill < 1]):
+        raise ValueError(f"--fleets {', '.join(bare)}: {', '.join(disagg)} need a prefill engine (P >= 1)")
     items = _replay_items(args)
     if not items:
         raise ValueError("the workload is empty")
+    check_out_dir("--out-dir", args.out_dir)  # last: a command refused before creates nothing
     started = time.monotonic()
     points = run_sweep(
         items,
@@ -672,7 +685,6 @@ def _run(args: argparse.Namespace) -> int:
                 _check_replay_urls(args)
                 _check_latency_scale(args.latency_scale)
             items = _replay_items(args)
-            args.out = check_out("--out", args.out or OUT_DIR / f"replay-{_stamp()}.jsonl")
             if args.clock == "virtual":
                 return _replay_virtual(args, items)
             return asyncio.run(_replay(args, items))

@@ -57,9 +57,8 @@ def parse_fleets(text: str) -> list[Fleet]:
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         m = _FLEET.match(part)
-        # P >= 1 too: on 0P the disaggregated configurations would be reported with no prefill engine.
-        if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-            raise ValueError(f"--fleets: {part!r} is not PP+DD with P >= 1 and D >= 1 (e.g. 2P+6D)")
+        if m is None or int(m.group(2)) < 1:
+            raise ValueError(f"--fleets: {part!r} is not PP+DD with D >= 1 (e.g. 2P+6D)")
         out.append(Fleet(int(m.group(1)), int(m.group(2))))
     return out
 

@@ -230,3 +230,38 @@ def test_summary_of_a_file_that_holds_no_results_names_its_line(
     assert main(["bench", "summary", str(trace)]) == 2
     err = capsys.readouterr().err
     assert f"{trace}:1: not a per-request result of `bench replay`" in err and "missing required field" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*COMPARE[:4], "bogus", *COMPARE[5:], "--out-dir", "{new}"],
+        ["replay", "--clock", "virtual", "--agg", "1", "--configuration", "bogus", "--out", "{new}/r.jsonl"],
+        ["replay", "--clock", "virtual", "--agg", "1", "--speed", "0", "--out", "{new}/r.jsonl"],
+        [*SWEEP[:6], "bogus", *SWEEP[7:], "--out-dir", "{new}"],
+    ],
+)
+def test_a_command_refused_leaves_no_output_directory_behind(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The output checks created the directory before the other flags were checked (review of the
+    output checks): `bench replay --configuration bogus` left ./bench/out, which then shadowed the
+    bench package for `python -m kvswitch` run from that directory."""
+    new = tmp_path / "new"
+    assert main(["bench", *(a.format(new=new) for a in argv), "--limit", "2"]) == 2
+    assert not new.exists(), capsys.readouterr().err
+
+
+def test_a_sweep_of_aggregated_configurations_may_have_no_prefill_engine(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0P+1D is one aggregated engine: the refusal of 0P is for disaggregated configurations only."""
+    import bench.sweep
+
+    monkeypatch.setattr(bench.sweep, "_measure", _not_run)
+    agg = ["sweep", "--fleets", "0P+1D", "--rates", "1", "--configs", "kv", "--policy", "kv", "--jobs", "1"]
+    with pytest.raises(AssertionError, match="the run started"):
+        main(["bench", *agg, "--out-dir", str(tmp_path), "--limit", "2"])
+    pd = ["sweep", "--fleets", "0P+1D,1P+1D", "--rates", "1", "--configs", "kv,kv_disagg", "--policy", "kv"]
+    assert main(["bench", *pd, "--out-dir", str(tmp_path), "--limit", "2"]) == 2
+    assert "--fleets 0P+1D: kv_disagg need a prefill engine (P >= 1)" in capsys.readouterr().err
