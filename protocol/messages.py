@@ -405,8 +405,12 @@ class WorkerInfo(_Msg, kw_only=True):
 
 def serving(infos: Collection[WorkerInfo], name: str) -> list[WorkerInfo]:
     """The workers a request naming `name` runs on: those of model `name` (or serving it under that
-    alias), else those serving a LoRA adapter of that name (a model's name wins over an adapter's)."""
-    return [i for i in infos if i.model == name or name in i.aliases] or [i for i in infos if name in i.adapters]
+    alias), else those serving it as an alias or a LoRA adapter. A model's own name wins over
+    another model's adapter of that name; an alias does not (a router refuses a name served as
+    several models, or as a model and an adapter: router.served_names)."""
+    if any(i.model == name for i in infos):
+        return [i for i in infos if i.model == name or name in i.aliases]
+    return [i for i in infos if name in i.aliases or name in i.adapters]
 
 
 def adapter_named(name: str, model: str, aliases: Collection[str] = ()) -> str:

@@ -149,6 +149,10 @@ class Eligibility:
         sync = self._sync_state(worker)
         return sync is None or sync[0] != "bootstrapping"
 
+    def takes_text(self, info: WorkerInfo) -> bool:
+        """This router's tokenizer is the worker's: text prompts may go to it."""
+        return self.tokenizer is not None and info.tokenizer == self.tokenizer
+
     def statuses(self, infos: Iterable[WorkerInfo]) -> list[WorkerStatus]:
         infos = list(infos)
         sizes = self.block_sizes(infos)
@@ -158,7 +162,7 @@ class Eligibility:
     def _status(self, info: WorkerInfo, model_block_size: int, now: float) -> WorkerStatus:
         # Runs for every worker on every request: the routable case allocates nothing but the result.
         w = info.worker
-        tok_ok = self.tokenizer is not None and info.tokenizer == self.tokenizer
+        tok_ok = self.takes_text(info)
         sync = self._sync_state(w)
         if sync is not None:
             state, why = sync

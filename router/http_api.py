@@ -523,8 +523,10 @@ def _with_route(body: bytes, route: dict[str, Any]) -> bytes:
 
 def _plan_error(exc: PlanError) -> ApiError:
     """No worker can take the request now: a worker excluded for a while, or one not registered
-    yet, may be back in seconds, so clients that honour Retry-After try again."""
-    return ApiError(exc.code, exc.message, retry_after_s=NO_WORKER_RETRY_S if exc.code == 503 else None)
+    yet, may be back in seconds, so clients that honour Retry-After try again; not where nothing
+    but a new configuration ends it (PlanError.transient)."""
+    retry = exc.code == 503 and exc.transient
+    return ApiError(exc.code, exc.message, retry_after_s=NO_WORKER_RETRY_S if retry else None)
 
 
 def _leg_error(exc: LegError) -> ApiError:
@@ -657,6 +659,8 @@ class _Handlers:
 
     async def ready(self, request: web.Request) -> web.Response:
         ready, body = self._readiness()
+        if refusals := self.path.planner.text_refusals(self.path.default_model):
+            body = {**body, "warnings": [*body["warnings"], *refusals]}
         if self._tokenizer_report is not None:
             body = {**body, "tokenizer": self._tokenizer_report()}
         return _json_response({"ready": ready, **body}, status=200 if ready else 503)

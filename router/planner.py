@@ -24,7 +24,7 @@ import dataclasses
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -41,7 +41,7 @@ from router.pending_prefixes import PendingPrefixes
 from router.policies import Outcome
 from router.request_context import Candidate, RequestContext, RequestShape
 from router.selection import Selector, over_queue_threshold
-from router.served_names import by_model, clash_message
+from router.served_names import clash_message, served_as
 from router.transfer_health import TransferHealth
 
 _NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
@@ -57,11 +57,14 @@ class PrefixIndex(Protocol):
 
 
 class PlanError(Exception):
-    """No worker can take the request; `code` is the HTTP status to answer with."""
+    """No worker can take the request; `code` is the HTTP status to answer with. `transient`: what
+    stops it may pass within seconds (a worker excluded for a while, one not registered yet), so a
+    503 says Retry-After; not where only reconfiguring the fleet or the router ends it."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, *, transient: bool = True) -> None:
         self.code = code
         self.message = message
+        self.transient = transient
         super().__init__(message)
 
 
@@ -211,15 +214,17 @@ class Planner:
         decode, prefill = pools[False], pools[True]
         ctx.decode_pool, ctx.prefill_pool, ctx.excluded = decode, prefill, excluded
         if not decode:
-            raise self._no_decode_worker(ctx)
+            raise self._no_decode_worker(ctx, infos)
 
     def _serving(self, name: str) -> list[WorkerInfo]:
         """The workers a request naming `name` runs on (protocol.serving); PlanError 503 while the
-        name resolves to workers of several models (router.served_names), checked on every plan
-        so a clash that appears while a request waits stops it too, and one that clears ends."""
+        name resolves to workers of several models, or of one model as itself and as a LoRA adapter
+        (router.served_names), checked on every plan so a clash that appears while a request waits
+        stops it too, and one that clears ends."""
         infos = serving(self._workers(), name)
-        if infos and any(i.model != infos[0].model for i in infos):
-            raise PlanError(503, clash_message(name, by_model(infos)))
+        ways = served_as(name, infos)
+        if len(ways) > 1:
+            raise PlanError(503, clash_message(name, ways))
         return infos
 
     def _window_end(self, ctx: RequestContext, worker: str, held: int, *, pending: bool = False) -> int:
@@ -251,12 +256,45 @@ class Planner:
         theirs = info.tokenizer or "unknown (its shim could not read it from the engine)"
         if mine is None:
             return f"text prompts need the served model's tokenizer (the worker's is {theirs}): give --tokenizer"
-        return f"its tokenizer is {theirs}, the router's is {mine}: give the router the served model's tokenizer"
+        return (
+            f"its tokenizer is {theirs}, the router's is {mine}: its text prompts need a router with its "
+            f"tokenizer (one router per tokenizer: --model {info.model} --tokenizer)"
+        )
 
-    def _no_decode_worker(self, ctx: RequestContext) -> PlanError:
+    def text_refusal(self, model: str, infos: Iterable[WorkerInfo]) -> str:
+        """Why no decode or agg worker of `model` (`infos`) takes a text prompt from this router, and
+        what does: a router tokenizes with one tokenizer, so waiting ends nothing, and giving it
+        this model's would refuse the models it tokenizes for now."""
+        theirs = sorted({i.tokenizer or "unknown (its shim could not read the engine's)" for i in infos})
+        return (
+            f"no decode or agg worker of model {model} takes text prompts from this router: it tokenizes "
+            f"with {self.eligibility.tokenizer or 'no tokenizer'}, model {model}'s workers with "
+            f"{', '.join(theirs)}. A router tokenizes with one tokenizer: send {model}'s text requests to a "
+            f"router of its own (`kvswitch router --model {model} --tokenizer` naming {model}'s tokenizer), "
+            "or send token ids (a completion's `prompt` as a list of ids) to this one"
+        )
+
+    def text_refusals(self, model: str | None = None) -> list[str]:
+        """`text_refusal` for each model (with `model`, the one it names) that has decode or agg
+        workers and none of them takes text prompts from this router (/ready's warnings)."""
+        infos = self._workers() if model is None else serving(self._workers(), model)
+        by_model: dict[str, list[WorkerInfo]] = {}
+        for info in infos:
+            if info.role != "prefill":
+                by_model.setdefault(info.model, []).append(info)
+        return [
+            self.text_refusal(m, group)
+            for m, group in sorted(by_model.items())
+            if not any(self.eligibility.takes_text(i) for i in group)
+        ]
+
+    def _no_decode_worker(self, ctx: RequestContext, infos: Sequence[WorkerInfo]) -> PlanError:
         if not ctx.excluded:
             return PlanError(503, f"no decode or agg worker is registered for model {ctx.model}")
         left_out = [e for e in ctx.excluded if e["role"] != "prefill"]
+        if left_out and all(e["excluded"] == "tokenizer" for e in left_out):  # no retry takes it
+            decode = [i for i in infos if i.role != "prefill"]
+            return PlanError(503, self.text_refusal(decode[0].model, decode), transient=False)
         reasons = "; ".join(f"{e['worker']}: {e['excluded']} ({e['why']})" for e in left_out[:_NAMED_IN_503])
         rest = left_out[_NAMED_IN_503:]
         if rest:  # a whole fleet down must not make every 503 as long as the fleet

@@ -1,12 +1,15 @@
 """The names a request may give (models, their other names, LoRA adapters), and the ones that clash.
 
-A request's `model` resolves as protocol.serving does: to the workers of that model or serving it
-under that alias, else to the workers serving a LoRA adapter of that name. A name that resolves to
-workers of more than one model (worker A serves `llama`, worker B serves `qwen` under the alias
-`llama`; an adapter `sql` on two base models) has no one answer: routed, each request went to
-whichever model ranked first, its prompt hashed at one model's block size and chain, and the
-client got another model's answer now and then. So such a name is refused (503) for as long as it
-clashes; the worker registry logs each clash once and /ready lists it.
+A request's `model` resolves as protocol.serving does: to the workers of that model (or serving it
+under that alias), else to the workers serving it as an alias or a LoRA adapter of that name. A
+name that resolves to workers of more than one model (worker A serves `llama`, worker B serves
+`qwen` under the alias `llama`; an adapter `sql` on two base models; an alias `chat` of `qwen`
+and an adapter `chat` on `llama`) has no one answer: routed, each request went to whichever model
+ranked first, its prompt hashed at one model's block size and chain, and the client got another
+model's answer now and then. So such a name is refused (503) for as long as it clashes; the worker
+registry logs each clash once and /ready lists it. So is a name one model serves both as itself
+(an alias) and as a LoRA adapter: other weights, and another chain. Only a model's own name wins
+over another model's adapter of that name (no clash).
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from protocol import WorkerInfo
+from protocol.messages import adapter_named
 
-__all__ = ["Resolved", "by_model", "clash_message", "resolve_names"]
+__all__ = ["Resolved", "clash_message", "resolve_names", "served_as"]
 
 Resolved = dict[str, dict[str, list[str]]]
-"""name -> model -> the workers (sorted) a request naming it runs on, of that model."""
+"""name -> model -> the workers (sorted) a request naming it runs on, of that model (`served_as`)."""
 
 _NAMED = 8  # workers a clash's text names per model; the rest are counted
 
@@ -26,22 +30,34 @@ _NAMED = 8  # workers a clash's text names per model; the rest are counted
 def resolve_names(infos: Iterable[WorkerInfo]) -> Resolved:
     """Every name a request may give, with the workers it resolves to, by model (workers in the
     order given: the registry's is by id)."""
-    named: Resolved = {}  # models and their other names
-    adapters: Resolved = {}
+    infos = list(infos)
+    models = {info.model for info in infos}
+    serving: dict[str, list[WorkerInfo]] = {}
     for info in infos:
-        for name in dict.fromkeys((info.model, *info.aliases)):
-            named.setdefault(name, {}).setdefault(info.model, []).append(info.worker)
-        for name in info.adapters:
-            adapters.setdefault(name, {}).setdefault(info.model, []).append(info.worker)
-    return {**adapters, **named}  # a model's name (or one of its other names) wins over an adapter's
+        # A model's own name wins over another model's adapter of that name; an alias does not.
+        adapters = (name for name in info.adapters if name not in models)
+        for name in dict.fromkeys((info.model, *info.aliases, *adapters)):
+            serving.setdefault(name, []).append(info)
+    return {name: served_as(name, ws) for name, ws in serving.items()}
 
 
-def by_model(infos: Iterable[WorkerInfo]) -> dict[str, list[str]]:
-    """The workers of `infos` by model (for the text of a clash)."""
-    out: dict[str, list[str]] = {}
-    for info in sorted(infos, key=lambda i: i.worker):
-        out.setdefault(info.model, []).append(info.worker)
-    return out
+def served_as(name: str, infos: Iterable[WorkerInfo]) -> dict[str, list[str]]:
+    """The workers of `infos` (each serving `name`) by the model a request naming it runs on there,
+    in the order given. A model serving it both as itself (an alias) and as a LoRA adapter counts
+    as two: the adapter's weights and chain are not the model's."""
+    ways: dict[str, dict[str, list[str]]] = {}  # model -> adapter ("": the model) -> workers
+    for info in infos:
+        adapter = adapter_named(name, info.model, info.aliases)
+        ways.setdefault(info.model, {}).setdefault(adapter, []).append(info.worker)
+    return {
+        model if len(by_adapter) == 1 else _with_adapter(model, adapter): ids
+        for model, by_adapter in ways.items()
+        for adapter, ids in by_adapter.items()
+    }
+
+
+def _with_adapter(model: str, adapter: str) -> str:
+    return f"{model} with its LoRA adapter {adapter}" if adapter else model
 
 
 def clash_message(name: str, models: Mapping[str, Sequence[str]]) -> str:

@@ -572,8 +572,9 @@ class FingerprintWatch:
             )
         return (
             f"its tokenizer is {theirs}, the router's is {self.mine}: give the router the tokenizer "
-            f"{info.model} is served with, and the engine's --default-chat-template-kwargs if it has any "
-            "(token-id prompts still route)"
+            f"{info.model} is served with, and the engine's --default-chat-template-kwargs if it has any, or, "
+            f"when this router's other models need its tokenizer, run {info.model} a router of its own "
+            f"(--model {info.model} --tokenizer ...; token-id prompts still route)"
         )
 
     def report(self) -> dict[str, Any]:

@@ -128,9 +128,10 @@ class WorkerRegistry:
 
     def adapters(self) -> dict[str, str]:
         """The LoRA adapters registered workers serve, each with its base model, by name (an
-        adapter's name that is some worker's model names that model)."""
-        models = self.models()
-        return {name: info.model for info in self.workers() for name in info.adapters if name not in models}
+        adapter's name that is some worker's model names that model; one that is some worker's
+        alias is listed as that, and clashes: router.served_names)."""
+        named = {*self.models(), *self.aliases()}
+        return {name: info.model for info in self.workers() for name in info.adapters if name not in named}
 
     def refusing(self) -> list[Refused]:
         """The records refused now, by name."""

@@ -98,6 +98,11 @@ class _ShimCollector(Collector):
         yield _counter(
             "kv_unknown_parent", "Stored chains dropped for an unknown parent", float(s.norm_stats.unknown_parent)
         )
+        yield _counter(
+            "kv_placeholders_dropped",
+            "Offload tiers' placeholder blocks (vLLM's offloading connector) for blocks not held, dropped",
+            float(s.norm_stats.placeholders_dropped),
+        )
         yield _counter("kv_resets", "State resets (restart, unrepairable gap, rebuild)", float(s.norm_stats.resets))
         yield _counter(
             "kv_rebuilds_held",

@@ -16,7 +16,15 @@ Rules:
   Their engine hashes are remembered (bounded, kept over resets), and so are their descendants':
   an engine hash names fixed content, so a replay sends them malformed again, and a child of one is
   dropped quietly (counted as malformed) instead of raising `needs_rebuild`, whose replay would
-  loop.
+  loop. An engine hash the normaliser knows is never voided: it names fixed content, so a known
+  mapping beats a malformed re-announcement.
+- Offload tiers: a block is on the worker whatever tier holds it. A Stored on a medium other than
+  the GPU's (None or "GPU") adds a reference of that medium, and a Removed on a medium undoes only
+  a reference of that medium (else it is an unknown removal). vLLM's OffloadingConnector (unless
+  `self_describing_kv_events`) and simple_kv_offload send a *placeholder* for an offloaded block:
+  its engine hash only, no tokens, no parent (block_size 0). One of a held block is one more
+  reference; of any other block (and of a sliding-window group's) it is counted and dropped, never
+  voided, and never sets its group's kind (it names none).
 - SGLang with EAGLE sends bigram pages, read as their own tokens (protocol.vllm_events
   BigramTokenIds): SGLang reuses such a page only when the token after it matches too, so the
   last page of a matched prefix can be over-credited; said once per shim at WARNING.
@@ -44,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from protocol import Cleared, KvEvent, Removed, Stored
@@ -68,7 +76,22 @@ class NormaliserStats:
     resets: int = 0
     other_groups: int = 0  # events of a KV cache group kind kvswitch does not model
     bigram_stored: int = 0  # Stored events of SGLang's bigram pages (EAGLE)
+    placeholders_dropped: int = 0  # offload tiers' placeholder blocks the normaliser does not hold
 
+
+_CHAIN = -1  # the group key of the full-attention chain's offload references (its groups fold into one)
+
+
+def _tier_of(medium: str | None) -> str | None:
+    """The offload tier a medium names; None: the engine's own cache (None or "GPU"). A Stored with
+    no tokens on a tier is a placeholder: it names blocks by engine hash only."""
+    return None if medium is None or medium == "GPU" else medium
+
+
+_CREDITED_TIERS = frozenset({"CPU"})
+"""Offload tiers whose placeholders keep a block published: vLLM 0.32's CPU tier reports each
+eviction; its disk tiers (fs, obj: medium STORAGE) report none, so a block only they held would
+stay credited to the worker for the engine's life."""
 
 _REBUILD_PARENTS = 64
 DROPPED_FOR_S = 60.0
@@ -96,6 +119,10 @@ class Normaliser:
         self.rebuild_parents: set[int] = set()
         # engine hash -> [canonical hash, references]
         self._engine: dict[int, list[int]] = {}
+        # (group, engine hash, medium) -> references on that offload tier (group _CHAIN: counted in
+        # _engine too; else a sliding-window group's), and the tiers seen
+        self._tiers: dict[tuple[int, int, str], int] = {}
+        self._media: set[str] = set()
         # canonical hash -> references (over all engine hashes naming it)
         self._canon: dict[int, int] = {}
         # canonical hash -> canonical parent (None: root), for the parent-first dump
@@ -108,7 +135,6 @@ class Normaliser:
         # engine hashes of blocks dropped as malformed, and of their descendants
         self._void: OrderedDict[int, None] = OrderedDict()
         self._clock = clock
-        self._roots: dict[str, int] = {"": root_hash("")}
         self._logged: set[str] = set()
         # KV cache group -> kind, as its Stored events say: the engine's layout, kept over resets.
         self._groups: dict[int, str] = {}
@@ -171,6 +197,7 @@ class Normaliser:
         """Forget everything (the engine restarted or events were lost): emits Cleared. Dropped
         adapter chains stay dropped: a replay re-sends them."""
         self._engine.clear()
+        self._tiers.clear()
         self._adapter_of.clear()
         self._canon.clear()
         self._canon_parent.clear()
@@ -192,14 +219,19 @@ class Normaliser:
                 continue
             kind = self._kind_of(ev)
             if kind == FULL:
-                if isinstance(ev, EngineStored):
-                    self._stored(ev, out)
-                else:
+                if isinstance(ev, EngineRemoved):
                     self._removed(ev, out)
+                elif not ev.token_ids and (tier := _tier_of(ev.medium)) is not None:
+                    self._offloaded(ev.hashes, tier)
+                else:
+                    self._stored(ev, out)
             elif kind == WINDOW:
                 window.append(ev)
-            elif kind is None:
-                self.stats.unknown_removed += len(ev.hashes)
+            elif kind is None:  # a removal or placeholder of a group no Stored has named yet
+                if isinstance(ev, EngineRemoved):
+                    self.stats.unknown_removed += len(ev.hashes)
+                else:
+                    self.stats.placeholders_dropped += len(ev.hashes)
             else:
                 self.stats.other_groups += 1
                 self._say_once(
@@ -210,8 +242,8 @@ class Normaliser:
         return out
 
     def _kind_of(self, ev: EngineStored | EngineRemoved) -> str | None:
-        """The event's group kind; None: a removal from a group no Stored has named yet."""
-        if isinstance(ev, EngineStored):
+        """The event's group kind; None: a removal or placeholder of a group no Stored has named yet."""
+        if isinstance(ev, EngineStored) and (ev.token_ids or _tier_of(ev.medium) is None):
             self._groups[ev.group] = ev.kind
             return ev.kind
         kind = self._groups.get(ev.group)
@@ -225,24 +257,65 @@ class Normaliser:
         windows = self.windows
         for ev in events:
             if isinstance(ev, EngineRemoved):
-                self.stats.unknown_removed += windows.removed(ev.group, ev.hashes)
+                self.stats.unknown_removed += windows.removed(ev.group, self._window_removed(ev))
+                continue
+            if not ev.token_ids and _tier_of(ev.medium) is not None:
+                self.stats.placeholders_dropped += len(ev.hashes)
                 continue
             if ev.block_size != self.block_size:
                 self._malformed(f"window group block_size {ev.block_size} differs from the worker's {self.block_size}")
                 continue
             blocks = []
+            tier = _tier_of(ev.medium)
             for eh in ev.hashes:
                 ch = self._canonical_of(eh)
                 if ch is None:
                     self.stats.unknown_parent += 1
                     continue
                 blocks.append((eh, ch, self._canon_parent.get(ch, UNKNOWN_PARENT)))
+                if tier is not None:
+                    self._add_tier(ev.group, eh, tier)
             windows.stored(ev.group, ev.window, ev.block_size, blocks)
         gained, lost = windows.settle()
         if gained:
             out.append(Stored(hashes=[endpoint_key(c) for c in gained]))
         if lost:
             out.append(Removed(hashes=[endpoint_key(c) for c in lost]))
+
+    def _window_removed(self, ev: EngineRemoved) -> Sequence[int]:
+        """The hashes a window group's removal takes from it: on an offload tier, only those with a
+        reference of that medium (the rest are counted as unknown removals)."""
+        tier = _tier_of(ev.medium)
+        if tier is None:
+            return ev.hashes
+        kept = [eh for eh in ev.hashes if self._untier(ev.group, eh, tier)]
+        self.stats.unknown_removed += len(ev.hashes) - len(kept)
+        return kept
+
+    def _add_tier(self, group: int, engine_hash: int, tier: str) -> None:
+        key = (group, engine_hash, tier)
+        self._tiers[key] = self._tiers.get(key, 0) + 1
+        self._media.add(tier)
+
+    def _untier(self, group: int, engine_hash: int, tier: str) -> bool:
+        """Undo one reference of `engine_hash` on offload tier `tier`; False when it has none."""
+        key = (group, engine_hash, tier)
+        n = self._tiers.get(key)
+        if n is None:
+            return False
+        if n == 1:
+            del self._tiers[key]
+        else:
+            self._tiers[key] = n - 1
+        return True
+
+    def _undo(self, engine_hash: int, refs: int, tier: str | None) -> bool:
+        """Whether a held engine hash (`refs` references) has one on `tier` (None: the engine's own
+        cache) for a removal to undo; a tier's is undone here."""
+        if tier is not None:
+            return self._untier(_CHAIN, engine_hash, tier)
+        tiers = self._tiers
+        return refs > sum(tiers.get((_CHAIN, engine_hash, m), 0) for m in self._media)
 
     def drop_adapter(self, name: str, path: str | None) -> list[KvEvent]:
         """Stop publishing the chains of LoRA adapter `name`, computed with its weights from `path`:
@@ -254,6 +327,8 @@ class Normaliser:
         for eh in [eh for eh, adapter in self._adapter_of.items() if adapter == name]:
             del self._adapter_of[eh]
             ch, refs = engine.pop(eh)
+            for m in self._media:
+                self._tiers.pop((_CHAIN, eh, m), None)
             self._drop(eh, (name, path), now)
             self._release(ch, refs, gone)
         return [Removed(hashes=gone)] if gone else []
@@ -312,6 +387,8 @@ class Normaliser:
     def _voided(self, hashes: Iterable[int]) -> None:
         void = self._void
         for eh in hashes:
+            if self._canonical_of(eh) is not None:
+                continue  # it names fixed content: a known mapping beats a malformed re-announcement
             void[eh] = None
             void.move_to_end(eh)
         while len(void) > self.memo_size:
@@ -347,9 +424,7 @@ class Normaliser:
             return
         if ev.parent is None:
             parent: int | None = None
-            start = self._roots.get(ev.salt)
-            if start is None:
-                start = self._roots[ev.salt] = root_hash(ev.salt)
+            start = root_hash(ev.salt)  # ~100 ns; a cache of it per salt grew with clients' salts
         else:
             parent = self._canonical_of(ev.parent)
             if parent is None:
@@ -376,6 +451,7 @@ class Normaliser:
         adapter: str = "",
     ) -> None:
         engine, counts, parents = self._engine, self._canon, self._canon_parent
+        tier = _tier_of(medium)
         run: list[int] = []
         run_parent = parent
         prev = parent
@@ -388,6 +464,8 @@ class Normaliser:
                     self._adapter_of[eh] = adapter
             else:
                 entry[1] += 1
+            if tier is not None:
+                self._add_tier(_CHAIN, eh, tier)
             c = counts.get(ch, 0)
             counts[ch] = c + 1
             if c == 0:
@@ -403,8 +481,23 @@ class Normaliser:
             out.append(Stored(hashes=run, parent=run_parent, medium=medium))
         self.stats.stored_blocks += len(canon)
 
+    def _offloaded(self, hashes: Iterable[int], tier: str) -> None:
+        """An offload tier's placeholder: one more reference of each block held (already published),
+        of that tier; one not held cannot be hashed and is dropped, and so is one of a tier that
+        never reports an eviction (_CREDITED_TIERS)."""
+        engine, counts = self._engine, self._canon
+        for eh in hashes:
+            entry = engine.get(eh)
+            if entry is None or tier not in _CREDITED_TIERS:
+                self.stats.placeholders_dropped += 1
+                continue
+            entry[1] += 1
+            counts[entry[0]] += 1
+            self._add_tier(_CHAIN, eh, tier)
+
     def _removed(self, ev: EngineRemoved, out: list[KvEvent]) -> None:
         engine = self._engine
+        tier = _tier_of(ev.medium)
         gone: list[int] = []
         for eh in ev.hashes:
             entry = engine.get(eh)
@@ -412,6 +505,9 @@ class Normaliser:
                 # a dropped or malformed chain's eviction is expected
                 if eh not in self._dropped and eh not in self._void:
                     self.stats.unknown_removed += 1
+                continue
+            if (tier is not None or self._media) and not self._undo(eh, entry[1], tier):
+                self.stats.unknown_removed += 1  # no reference of that medium: only other tiers hold it
                 continue
             ch = entry[0]
             entry[1] -= 1

@@ -24,6 +24,7 @@ from router.peer_settings import SETTLE_S, PeerSettings, settings_digest
 from router.service import RouterService
 from tests.router.conftest import MODEL, Cluster, complete
 from tests.router.polling import until
+from worker_shim.shim import WorkerShim
 
 
 async def _get(http: aiohttp.ClientSession, router: RouterService, path: str) -> tuple[int, Any]:
@@ -100,6 +101,49 @@ async def test_a_lora_adapter_of_one_name_on_two_base_models_is_refused(
     assert await _ids(http, router) == ["m1", "m2"]
 
 
+@pytest.mark.parametrize("alias_model", ["qwen", "llama"])
+async def test_an_alias_on_one_worker_and_a_lora_adapter_on_another_clash(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, alias_model: str
+) -> None:
+    # Across models, or within one: the adapter's weights are not the model's. Before, the alias won
+    # silently (every request ran on B's base weights) and /v1/models listed `chat` twice.
+    caplog.set_level(logging.INFO, logger="router.worker_registry")
+    a = await cluster.add_worker(
+        "agg", model="llama", lora_modules=(LoraModule("chat", "/a/chat"),), shim={"model": "llama"}
+    )
+    b = await cluster.add_worker("agg", model=alias_model, aliases=("chat",), shim={"model": alias_model})
+    router = await cluster.add_ready_router()
+    assert router.registry.get(a.id).adapters == ["chat"] and router.registry.get(b.id).aliases == ["chat"]  # type: ignore[union-attr]
+    assert "chat" in router.registry.name_clashes
+    for i in range(3):
+        status, body = await _ask(http, router, "chat", i)
+        assert status == 503, body
+        message = body["error"]["message"]
+        assert "`chat`" in message and a.id in message and b.id in message
+    if alias_model == "llama":
+        assert f"model llama with its LoRA adapter chat on {a.id}" in message and f"model llama on {b.id}" in message
+    ids = await _ids(http, router)
+    assert "chat" not in ids and len(ids) == len(set(ids)) and set(ids) == {"llama", alias_model}
+    status, ready = await _get(http, router, "/ready")
+    assert status == 200 and [w for w in ready["warnings"] if "`chat`" in w and a.id in w and b.id in w]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and "`chat`" in r.getMessage()]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    for model in {"llama", alias_model}:  # their own names serve on
+        assert (await _ask(http, router, model))[0] == 200
+
+
+async def test_a_model_name_still_wins_over_another_models_adapter(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    q = await cluster.add_worker("agg", model="qwen", shim={"model": "qwen"})
+    await cluster.add_worker("agg", model="llama", lora_modules=(LoraModule("qwen", "/a/q"),), shim={"model": "llama"})
+    router = await cluster.add_ready_router()
+    assert router.registry.name_clashes == {}
+    status, body = await _ask(http, router, "qwen")
+    assert status == 200 and body["kvswitch"]["decode_worker"] == q.id
+    assert await _ids(http, router) == ["llama", "qwen"]
+
+
 async def test_a_router_whose_every_name_clashes_is_not_ready(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     # Each worker serves the other's model name as an alias: no name reaches one model.
     await cluster.add_worker("agg", model="a", aliases=("b",), shim={"model": "a"})
@@ -110,6 +154,55 @@ async def test_a_router_whose_every_name_clashes_is_not_ready(cluster: Cluster, 
     status, ready = await _get(http, router, "/ready")
     assert status == 503 and "no decode or agg worker can take requests" in ready["problems"]
     assert [(await _ask(http, router, m))[0] for m in ("a", "b")] == [503, 503]
+
+
+async def test_shims_given_different_names_of_one_engine_setup_register_one_model(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    # Both engines run `--served-model-name llama chat`; the shims are given one name each. Before,
+    # they registered model llama (alias chat) and model chat (alias llama): both names clashed.
+    workers = [
+        await cluster.add_worker(
+            "agg", model="llama", aliases=("chat",), lora_modules=(LoraModule("sql", "/s"),), shim={"model": given}
+        )
+        for given in ("llama", "chat")
+    ]
+    router = await cluster.add_ready_router()
+    registered = [router.registry.get(w.id) for w in workers]
+    assert [(i.model, i.aliases, i.adapters) for i in registered if i] == [("llama", ["chat"], ["sql"])] * 2
+    assert router.registry.name_clashes == {}
+    for i, name in enumerate(("llama", "chat", "sql")):
+        status, body = await _ask(http, router, name, i)
+        assert status == 200, body
+    assert await _ids(http, router) == ["llama", "chat", "sql"]
+    status, ready = await _get(http, router, "/ready")
+    assert status == 200 and ready["warnings"] == []
+
+
+async def test_a_model_of_another_tokenizer_is_refused_text_for_good_naming_a_router_per_tokenizer(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # engine_sim has the built-in tokenizer alone: qwen's engine is made to report another one.
+    probe = WorkerShim._tokenizer
+
+    async def tokenizer(shim: WorkerShim) -> str:
+        return "sha256:qwen" if shim.config.model == "qwen" else await probe(shim)
+
+    monkeypatch.setattr(WorkerShim, "_tokenizer", tokenizer)
+    await cluster.add_worker("agg", model="llama", shim={"model": "llama"})
+    await cluster.add_worker("agg", model="qwen", shim={"model": "qwen"})
+    router = await cluster.add_ready_router()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with http.post(router.url + "/v1/chat/completions", json={**chat, "model": "llama"}) as r:
+        assert r.status == 200, await r.text()
+    async with http.post(router.url + "/v1/chat/completions", json={**chat, "model": "qwen"}) as r:
+        # Before: Retry-After: 5, for ever, and a fix (give the router qwen's tokenizer) that refuses llama.
+        assert r.status == 503 and "Retry-After" not in r.headers
+        message = (await r.json())["error"]["message"]
+    assert "sha256:qwen" in message and "--model qwen --tokenizer" in message and "token ids" in message
+    assert (await _ask(http, router, "qwen"))[0] == 200  # token ids route
+    status, ready = await _get(http, router, "/ready")
+    assert status == 200 and ready["warnings"] == [message]
 
 
 # --- F2: prefill and decode workers of different engines -----------------------------------------------

@@ -180,3 +180,15 @@ async def test_lora_adapters_are_listed_with_their_model_and_limited_by_the_work
     assert await reg.wait_ready(10.0)
     assert reg.adapters() == {"chat": "llama", "sql": "llama"}
     assert [reg.max_model_len(m) for m in ("sql", "chat", "llama")] == [4096, 8192, 4096]
+
+
+async def test_a_name_is_listed_once_an_alias_and_an_adapter_of_it_clash(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls]
+) -> None:
+    reg, _ = registry
+    a = await register(disc, model="llama", adapters=["chat", "sql"])
+    b = await register(disc, model="qwen", aliases=["chat"])
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    assert reg.aliases() == {"chat": "qwen"} and reg.adapters() == {"sql": "llama"}  # before: chat in both
+    assert reg.name_clashes == {"chat": {"llama": [a.hex_id], "qwen": [b.hex_id]}}
