@@ -266,6 +266,12 @@ class Planner:
         what does: a router tokenizes with one tokenizer, so waiting ends nothing, and giving it
         this model's would refuse the models it tokenizes for now."""
         theirs = sorted({i.tokenizer or "unknown (its shim could not read the engine's)" for i in infos})
+        if not any(i.tokenizer for i in infos):  # no router's tokenizer matches one never read
+            return (
+                f"no decode or agg worker of model {model} takes text prompts: their shims could not read "
+                "the engine's tokenizer (SGLang and TensorRT-LLM do not say it; a vLLM probe that failed), so no "
+                f"router tokenizes for them: send token ids (a completion's `prompt` as a list of ids)"
+            )
         return (
             f"no decode or agg worker of model {model} takes text prompts from this router: it tokenizes "
             f"with {self.eligibility.tokenizer or 'no tokenizer'}, model {model}'s workers with "

@@ -216,8 +216,7 @@ class WorkerShim:
         self.tokenizer = ""
         self.adapters: list[str] = []
         self._adapter_paths: dict[str, str | None] = {}  # each adapter's path (its card's `root`)
-        self.model = self.config.model  # the name the engine serves --model's weights first under
-        self.aliases: list[str] = []  # the other names the engine serves them under
+        self.aliases: list[str] = []  # the other names the engine serves --model under
         # vLLM lists `tcp://*:0` as the port it bound: read on /kv_event_sources, like no endpoints.
         given = self.config.kv_events
         self._discovers_events = self.config.engine == "vllm" and (
@@ -608,24 +607,20 @@ class WorkerShim:
         )  # fmt: skip
 
     def _take_served_names(self, cards: dict[str, ModelCard] | None) -> bool:
-        """Take the name the engine serves --model's weights first under (the model the worker
-        registers), the other names it serves them under, and the LoRA adapters on them that the
-        engine lists; True when they changed."""
+        """Take the other names the engine serves --model under and the LoRA adapters on it that
+        the engine lists; True when they changed."""
         if cards is None:
             return False
         c = self.config
-        model, aliases = _served_names(cards, c.model)
-        changed = (model, aliases) != (self.model, self.aliases)
+        aliases = _aliases(cards, c.model)
+        changed = aliases != self.aliases
         if changed:
-            # By the first name, shims given different names of one engine setup register one model
-            # (by the names given: two, each claiming the other's name, which routers refused).
-            others = ", ".join(aliases) or "none"
-            log.info("the engine serves --model %s as %s, under other names too: %s", c.model, model, others)
-            self.model, self.aliases = model, aliases
+            log.info("the engine serves %s under other names too: %s", c.model, ", ".join(aliases) or "none")
+            self.aliases = aliases
             if self.requests is not None:
-                self.requests.aliases = frozenset({model, *aliases})
-        # vLLM names an adapter's parent by the first of the model's names.
-        bases = {model, *aliases}
+                self.requests.aliases = frozenset(aliases)
+        # vLLM names an adapter's parent by the first of the model's names, which need not be --model.
+        bases = {c.model, *aliases}
         listed = sorted(name for name, card in cards.items() if card.parent in bases)
         if listed and not self.adapter.serves_adapters_by_name:
             self._say_once(
@@ -717,7 +712,7 @@ class WorkerShim:
         assert lim.block_size is not None
         return WorkerInfo(
             worker=worker,
-            model=self.model,
+            model=c.model,
             role=c.role,
             engine=c.engine,
             block_size=lim.block_size,
@@ -1183,14 +1178,11 @@ class WorkerShim:
             log.warning("the NATS connection did not close cleanly (%r); stopping anyway", exc)
 
 
-def _served_names(cards: dict[str, ModelCard], model: str) -> tuple[str, list[str]]:
-    """The name the engine serves `model`'s weights first under, and the other names it serves them
-    under (`model` among them where it is not the first): its base cards (no parent) with `model`'s
-    root, in the engine's order. vLLM lists its --served-model-name in order, answers under the first
-    and names adapters' parent by it."""
+def _aliases(cards: dict[str, ModelCard], model: str) -> list[str]:
+    """The other names the engine serves `model` under: base cards (no parent) with its root."""
     own = cards.get(model)
     if own is None or own.root is None:
-        return model, []
-    names = [name for name, card in cards.items() if card.parent is None and card.root == own.root]
-    first = names[0] if names else model
-    return first, sorted(name for name in names if name != first)
+        return []
+    return sorted(
+        name for name, card in cards.items() if name != model and card.parent is None and card.root == own.root
+    )

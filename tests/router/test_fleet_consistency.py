@@ -156,29 +156,6 @@ async def test_a_router_whose_every_name_clashes_is_not_ready(cluster: Cluster, 
     assert [(await _ask(http, router, m))[0] for m in ("a", "b")] == [503, 503]
 
 
-async def test_shims_given_different_names_of_one_engine_setup_register_one_model(
-    cluster: Cluster, http: aiohttp.ClientSession
-) -> None:
-    # Both engines run `--served-model-name llama chat`; the shims are given one name each. Before,
-    # they registered model llama (alias chat) and model chat (alias llama): both names clashed.
-    workers = [
-        await cluster.add_worker(
-            "agg", model="llama", aliases=("chat",), lora_modules=(LoraModule("sql", "/s"),), shim={"model": given}
-        )
-        for given in ("llama", "chat")
-    ]
-    router = await cluster.add_ready_router()
-    registered = [router.registry.get(w.id) for w in workers]
-    assert [(i.model, i.aliases, i.adapters) for i in registered if i] == [("llama", ["chat"], ["sql"])] * 2
-    assert router.registry.name_clashes == {}
-    for i, name in enumerate(("llama", "chat", "sql")):
-        status, body = await _ask(http, router, name, i)
-        assert status == 200, body
-    assert await _ids(http, router) == ["llama", "chat", "sql"]
-    status, ready = await _get(http, router, "/ready")
-    assert status == 200 and ready["warnings"] == []
-
-
 async def test_a_model_of_another_tokenizer_is_refused_text_for_good_naming_a_router_per_tokenizer(
     cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -203,6 +180,27 @@ async def test_a_model_of_another_tokenizer_is_refused_text_for_good_naming_a_ro
     assert (await _ask(http, router, "qwen"))[0] == 200  # token ids route
     status, ready = await _get(http, router, "/ready")
     assert status == 200 and ready["warnings"] == [message]
+
+
+async def test_a_model_whose_tokenizer_no_shim_could_read_is_told_to_send_token_ids(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang and TensorRT-LLM workers register no tokenizer: no router of its own can match one,
+    so the refusal must not advise one (review of the tokenizer refusal)."""
+    probe = WorkerShim._tokenizer
+
+    async def tokenizer(shim: WorkerShim) -> str:
+        return "" if shim.config.model == "qwen" else await probe(shim)
+
+    monkeypatch.setattr(WorkerShim, "_tokenizer", tokenizer)
+    await cluster.add_worker("agg", model="llama", shim={"model": "llama"})
+    await cluster.add_worker("agg", model="qwen", shim={"model": "qwen"})
+    router = await cluster.add_ready_router()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": "qwen"}
+    async with http.post(router.url + "/v1/chat/completions", json=chat) as r:
+        assert r.status == 503 and "Retry-After" not in r.headers
+        message = (await r.json())["error"]["message"]
+    assert "send token ids" in message and "--tokenizer" not in message, message
 
 
 # --- F2: prefill and decode workers of different engines -----------------------------------------------
