@@ -435,7 +435,6 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
         raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
     if not args.speed > 0:
         raise ValueError(f"--speed must be > 0, got {args.speed}")
-    args.out = _replay_out(args)
     longest = max((item.input_len + item.output_len for item in items), default=0)
     slo = Slo(args.slo_ttft, args.slo_itl)
     spec = FleetSpec(
@@ -454,6 +453,7 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
     )
     started = time.monotonic()
     fleet = VirtualFleet(spec)
+    args.out = _replay_out(args)  # once the fleet's flags passed: a refused command creates nothing
     run = fleet.run(items, TokenSynth(args.seed), rate=args.speed)
     results = run.results()
     write_results(args.out, results)

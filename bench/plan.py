@@ -313,7 +313,6 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(settings_text(best.candidate, args.profile, slo, args.max_model_len))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(msgspec.json.encode(ranked))
         print(f"results: {args.out}")
     print(f"{len(jobs)} candidates in {time.monotonic() - started:.0f} s wall")

@@ -144,9 +144,9 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     overlap_weight: weight of prefill work against decode load in the worker cost (default 4: on the
         H200 profiles a block of prefill costs about 3-4x the decode time a block of KV in use adds
         over a request's life; docs/router.md has the derivation and the measurement).
-    max_queue: requests that may wait at the router while no worker has room; beyond it a request
-        gets 429 with Retry-After. None derives it from the fleet's measured throughput: as many as
-        drain in half the TTFT SLO.
+    max_queue: requests of one model that may wait at the router while no worker has room (each
+        model has its own line, router.admission); beyond it a request gets 429 with Retry-After.
+        None derives it from that model's measured throughput: as many as drain in half the TTFT SLO.
     prefill_timeout_s: a remote prefill leg slower than this falls back to a local prefill.
     pending_ttl_s: how long a routed request's prompt blocks count as cached on its workers before
         their KV events confirm them (0: off).

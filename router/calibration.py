@@ -200,11 +200,12 @@ def _readable(engine_s: float, wall_s: float, contexts: tuple[float, float], max
 
 @functools.cache
 def _known_profile(name: str) -> TimingModel | None:
-    """The profile's model; None when this router cannot load it, remembered: asked per candidate
-    and request, a failed load read every table from disk again each time (~200 µs)."""
+    """The profile's model; None when this router cannot load it, said once and remembered: asked
+    per candidate and request, a failed load read every table from disk again each time (~200 µs)."""
     try:
         return TimingModel.for_profile(name)
-    except ValueError:
+    except ValueError as exc:
+        log.warning("a worker registered timing profile %r, which this router cannot use: %s", name, exc)
         return None
 
 
@@ -281,7 +282,6 @@ class Calibration:
         self._windows: dict[str, _Window] = {}
         self._fits: dict[str, _Fit] = {}
         self._prompts: dict[str, _Prompts] = {}
-        self._shapes: dict[str, TimingModel | None] = {}
         # decode_context per worker: who has sent one, and how many decoding readings came without
         # (a counting shim sends 0 for a moment when its legs end between two readings)
         self._context_seen: set[str] = set()
@@ -290,16 +290,7 @@ class Calibration:
     def shape(self, info: WorkerInfo) -> TimingModel | None:
         """The worker's profile, the default one when it registered none; None for a name this
         router does not know (logged once: the policies then say so rather than guess)."""
-        name = info.timing_profile or self.default_profile
-        if name in self._shapes:
-            return self._shapes[name]
-        try:
-            shape: TimingModel | None = TimingModel.for_profile(name)
-        except ValueError as exc:
-            log.warning("worker %s registered timing profile %r, unknown here: %s", info.worker, name, exc)
-            shape = None
-        self._shapes[name] = shape
-        return shape
+        return _known_profile(info.timing_profile or self.default_profile)
 
     def forget(self, worker: str) -> None:
         self._context_seen.discard(worker)

@@ -547,10 +547,11 @@ def _sse_event(payload: bytes) -> bytes:
 async def _sent(request: web.Request, data: bytes, write: Callable[[bytes], Awaitable[None]], deadline: float) -> bool:
     """Whether the client took `data`, written by `write`, before `deadline` (Unix time): aiohttp's
     write waits for the socket to drain, which is forever for a client that stopped reading. It
-    waits only while the transport is paused, over its high-water mark: a write that stays under
-    it cannot wait, and goes without a timer (one costs ~5 µs, on every streamed chunk)."""
+    waits only while the protocol is paused (from over the high-water mark until under the low
+    one): a write while it is not, that stays under the high mark, cannot wait and goes without a
+    timer (one costs ~5 µs, on every streamed chunk)."""
     transport = request.transport
-    if transport is not None:
+    if transport is not None and not request.protocol.writing_paused:
         _, high = transport.get_write_buffer_limits()
         if transport.get_write_buffer_size() + len(data) + _FRAMING <= high:
             await write(data)

@@ -100,7 +100,8 @@ class _ShimCollector(Collector):
         )
         yield _counter(
             "kv_placeholders_dropped",
-            "Offload tiers' placeholder blocks (vLLM's offloading connector) for blocks not held, dropped",
+            "Offload tiers' blocks not credited: placeholders of blocks not held or of a sliding window, "
+            "and every store of a tier that reports no eviction (STORAGE)",
             float(s.norm_stats.placeholders_dropped),
         )
         yield _counter("kv_resets", "State resets (restart, unrepairable gap, rebuild)", float(s.norm_stats.resets))

@@ -24,7 +24,9 @@ Rules:
   `self_describing_kv_events`) and simple_kv_offload send a *placeholder* for an offloaded block:
   its engine hash only, no tokens, no parent (block_size 0). One of a held block is one more
   reference; of any other block (and of a sliding-window group's) it is counted and dropped, never
-  voided, and never sets its group's kind (it names none).
+  voided, and never sets its group's kind (it names none). A tier that never reports an eviction
+  (vLLM 0.32's disk tiers, medium STORAGE) is not credited at all: its stores, placeholders or
+  self-describing, are counted and dropped.
 - SGLang with EAGLE sends bigram pages, read as their own tokens (protocol.vllm_events
   BigramTokenIds): SGLang reuses such a page only when the token after it matches too, so the
   last page of a matched prefix can be over-credited; said once per shim at WARNING.
@@ -221,7 +223,7 @@ class Normaliser:
             if kind == FULL:
                 if isinstance(ev, EngineRemoved):
                     self._removed(ev, out)
-                elif not ev.token_ids and (tier := _tier_of(ev.medium)) is not None:
+                elif (tier := _tier_of(ev.medium)) is not None and (not ev.token_ids or tier not in _CREDITED_TIERS):
                     self._offloaded(ev.hashes, tier)
                 else:
                     self._stored(ev, out)
@@ -483,8 +485,8 @@ class Normaliser:
 
     def _offloaded(self, hashes: Iterable[int], tier: str) -> None:
         """An offload tier's placeholder: one more reference of each block held (already published),
-        of that tier; one not held cannot be hashed and is dropped, and so is one of a tier that
-        never reports an eviction (_CREDITED_TIERS)."""
+        of that tier; one not held cannot be hashed and is dropped. Any store of a tier that never
+        reports an eviction (_CREDITED_TIERS), placeholder or self-describing, is dropped too."""
         engine, counts = self._engine, self._canon
         for eh in hashes:
             entry = engine.get(eh)

@@ -126,7 +126,6 @@ class _ChunkWriter:
         heartbeat_s: float = 0.0,
     ) -> None:
         self.service = service
-        self.nc = service.nc
         self.reply = reply
         self.request_id = request_id
         self.worker = worker
@@ -304,6 +303,13 @@ def leg_cap(configured: int | None) -> int | None:
         return configured
     room = limit - _open_fds() - FD_RESERVE
     if configured is None:
+        if room < 1:
+            log.warning(
+                "the open-file limit (%d) leaves no room for legs beside the %d descriptors the shim keeps for "
+                "itself: serving one leg at a time; raise the limit (ulimit -n)",
+                limit,
+                FD_RESERVE,
+            )
         return max(room, 1)
     if configured > room:
         raise ConfigError(

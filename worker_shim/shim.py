@@ -936,25 +936,15 @@ class WorkerShim:
         nc = self.nc
         # A refusal recorded before (a permissions reload since fixed) says nothing of these new
         # SUBs: the server answers each before the flush below returns.
-        own = [subjects.gen(self.ns, r, worker) for r in ("prefill", "decode", "agg")]
-        own += [subjects.cancel(self.ns, worker), subjects.kvstate(self.ns, worker)]
-        refused_subscriptions(nc).difference_update(s.lower() for s in own)
-        for role in ("prefill", "decode", "agg"):
-            presence.subs.append(
-                await nc.subscribe(
-                    subjects.gen(self.ns, role, worker), cb=guarded(self.requests.on_generate, "the request handler")
-                )
-            )
-        presence.subs.append(
-            await nc.subscribe(
-                subjects.cancel(self.ns, worker), cb=guarded(self.requests.on_cancel, "the cancel handler")
-            )
-        )
-        presence.subs.append(
-            await nc.subscribe(
-                subjects.kvstate(self.ns, worker), cb=guarded(presence.on_kvstate, "the kvstate handler")
-            )
-        )
+        on_generate = guarded(self.requests.on_generate, "the request handler")
+        handlers = [(subjects.gen(self.ns, role, worker), on_generate) for role in ("prefill", "decode", "agg")]
+        handlers += [
+            (subjects.cancel(self.ns, worker), guarded(self.requests.on_cancel, "the cancel handler")),
+            (subjects.kvstate(self.ns, worker), guarded(presence.on_kvstate, "the kvstate handler")),
+        ]
+        refused_subscriptions(nc).difference_update(subject.lower() for subject, _ in handlers)
+        for subject, cb in handlers:
+            presence.subs.append(await nc.subscribe(subject, cb=cb))
         await flush(nc)
         # The server refuses a subject of another identity only in an -ERR (read before the flush's
         # PONG): registered, the worker would look healthy and get no request ever.

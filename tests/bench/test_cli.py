@@ -238,6 +238,7 @@ def test_summary_of_a_file_that_holds_no_results_names_its_line(
         [*COMPARE[:4], "bogus", *COMPARE[5:], "--out-dir", "{new}"],
         ["replay", "--clock", "virtual", "--agg", "1", "--configuration", "bogus", "--out", "{new}/r.jsonl"],
         ["replay", "--clock", "virtual", "--agg", "1", "--speed", "0", "--out", "{new}/r.jsonl"],
+        ["replay", "--clock", "virtual", "--agg", "1", "--routers", "0", "--out", "{new}/r.jsonl"],
         [*SWEEP[:6], "bogus", *SWEEP[7:], "--out-dir", "{new}"],
     ],
 )

@@ -359,9 +359,12 @@ def test_a_worker_that_never_sends_decode_context_is_logged_once(caplog: pytest.
     assert not [r for r in caplog.records if "no decode_context" in r.getMessage()]
 
 
-def test_a_profile_this_router_cannot_load_is_not_read_again_for_every_request(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_profile_this_router_cannot_load_is_not_read_again_for_every_request(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """timing_of runs per candidate and request: a profile that failed to load read every table
-    from disk again each time, ~200 µs a call (review of the table checks)."""
+    from disk again each time, ~200 µs a call, and without calibration said nothing (reviews of
+    the table checks)."""
     import protocol.timing
 
     reads = 0
@@ -380,4 +383,6 @@ def test_a_profile_this_router_cannot_load_is_not_read_again_for_every_request(m
     for _ in range(5):
         assert timing_of(info, None) is None
     assert reads == first
+    said = [r.getMessage() for r in caplog.records if "h200:no-such-model-for-this-test" in r.getMessage()]
+    assert len(said) == 1 and "cannot use" in said[0], said
     assert timing_of(_info(), None) is not None  # a known one still loads

@@ -10,6 +10,7 @@ import json
 import logging
 import socket
 import sys
+import time
 from typing import Any
 
 import aiohttp
@@ -167,3 +168,46 @@ async def test_a_stream_its_client_reads_is_written_without_a_timer_per_chunk(
         events = [line async for line in resp.content if line.startswith(b"data: {")]
     assert resp.status == 200 and len(events) == 40
     assert timers == 0
+
+
+class _Buffered:
+    """A socket transport 20 KiB behind: under asyncio's high-water mark (64 KiB), over its low one."""
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return 16384, 65536
+
+    def get_write_buffer_size(self) -> int:
+        return 20000
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def writelines(self, data: object) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+
+async def test_a_write_while_the_protocol_is_still_paused_keeps_its_deadline() -> None:
+    """Paused over the high-water mark, writing stays paused until the buffer falls under the low
+    one: a client that read down to 20 KiB and stopped held write_eof for good (final read of the
+    per-chunk timer change)."""
+    from aiohttp.base_protocol import BaseProtocol
+    from aiohttp.http_writer import StreamWriter
+
+    from router.http_api import _sent
+
+    loop = asyncio.get_running_loop()
+    transport = _Buffered()
+    protocol = BaseProtocol(loop)
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    protocol.pause_writing()
+    writer = StreamWriter(protocol, loop)
+    writer.enable_chunking()
+    request = type("Request", (), {"transport": transport, "protocol": protocol})()
+    sent = await asyncio.wait_for(_sent(request, b"data: [DONE]\n\n", writer.write_eof, time.time() + 0.3), 3)
+    assert sent is False

@@ -20,6 +20,7 @@ from nats.errors import OutboundBufferLimitError
 
 from kvswitch.servers import NatsServer
 from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, decode_msg, encode_msg, subjects
+from tests.worker_shim.cluster import wait_for
 from worker_shim import request_service
 from worker_shim.adapters.base import EngineAdapter, LegOutcome, LegRequest, OnOutput
 from worker_shim.request_service import RECENT_BYTES, RequestService, _ChunkWriter
@@ -109,18 +110,11 @@ async def replies(nc: Nats, ns: str) -> Replies:
     return out
 
 
-async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
-
-
 async def outage(nc: Nats, server: NatsServer) -> None:
     """NATS gone and the client's reconnect buffer full (as other legs' output fills it): nats-py
     then refuses every publish with OutboundBufferLimitError."""
     server.kill()
-    await until(lambda: not nc.is_connected, "the client to see NATS gone")
+    await wait_for(lambda: not nc.is_connected, what="the client to see NATS gone")
     for size in (65536, 4096, 256, 16, 1):
         with contextlib.suppress(OutboundBufferLimitError):
             while True:
@@ -133,7 +127,7 @@ async def back(nc: Nats, server: NatsServer) -> None:
     """NATS up again on its port, the client reconnected (its buffer sent)."""
     server.launch()
     await asyncio.to_thread(server.wait_healthy)
-    await until(lambda: nc.is_connected, "the client to reconnect")
+    await wait_for(lambda: nc.is_connected, what="the client to reconnect")
 
 
 def service(
@@ -171,7 +165,7 @@ async def ask_again(replies: Replies, subject: str, rid: str, reply: str) -> lis
     """A router's resume of leg `rid` (ended) from seq 0; the chunks it gets, to the final one."""
     msg = encode_msg(GenerateRequest(request_id=rid, model="m", token_ids=[1], resume=0))
     await replies.nc.publish(subject, msg, reply=replies.inbox(reply))
-    await until(lambda: any(c.final for c in replies.chunks(reply)), f"the answer to a resume of {rid}")
+    await wait_for(lambda: any(c.final for c in replies.chunks(reply)), what=f"the answer to a resume of {rid}")
     await replies.settled()
     return replies.chunks(reply)
 
@@ -182,7 +176,7 @@ def published(writer: _ChunkWriter) -> list[list[int]]:
 
 
 async def ended(svc: RequestService, timeout: float = 5.0) -> None:
-    await until(lambda: not svc.inflight, f"legs still in flight: {list(svc.inflight)}", timeout)
+    await wait_for(lambda: not svc.inflight, timeout, what=f"legs still in flight: {list(svc.inflight)}")
 
 
 # --- the first token ----------------------------------------------------------------------------
@@ -211,7 +205,7 @@ async def test_a_first_token_after_a_heartbeat_is_not_held(
     monkeypatch.setattr(request_service, "COALESCE_S", 5.0)  # a held token would wait 5 s
     svc = service(nc, busy_legs=0)
     writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.05)
-    await until(lambda: svc.heartbeats == 1, "the heartbeat")
+    await wait_for(lambda: svc.heartbeats == 1, what="the heartbeat")
     await writer.output(1, [], [42])
     assert published(writer) == [[], [42]] and svc.held_chunks == 0, "the first token was held"
     await replies.settled()
@@ -264,7 +258,7 @@ async def test_a_stream_runs_on_through_an_outage_and_ends_with_its_final_chunk(
     svc = service(nc, engine)
     subject = await serving(svc, ns)
     await send(replies, subject, "s1", stream=True, heartbeat_s=0.02)
-    await until(lambda: "s1" in svc.inflight, "the leg")
+    await wait_for(lambda: "s1" in svc.inflight, what="the leg")
     await outage(nc, server)
     engine.go.set()
     await asyncio.sleep(0.04)
@@ -296,7 +290,7 @@ async def test_a_prefilled_notice_refused_during_an_outage_leaks_no_bookkeeping(
     svc = service(nc, engine, cached)
     subject = await serving(svc, ns)
     await send(replies, subject, "whole", stream=False)  # whole answer: the watch sends `prefilled`
-    await until(lambda: "whole" in svc.inflight, "the leg")
+    await wait_for(lambda: "whole" in svc.inflight, what="the leg")
     await outage(nc, server)
     prefilled[0] = True
     await asyncio.sleep(0.15)
@@ -401,7 +395,7 @@ async def test_a_leg_past_the_cap_is_refused_at_once_with_a_retryable_503(
     for rid in ("a", "b", "c", "c2"):
         await send(replies, subject, rid)
     await replies.settled()
-    await until(lambda: len(replies.chunks("c2")) == 1, "the second refusal")
+    await wait_for(lambda: len(replies.chunks("c2")) == 1, what="the second refusal")
     [refused] = replies.chunks("c")
     assert refused.final and refused.error is not None
     assert (refused.error.code, refused.error.kind) == (503, "overloaded")
@@ -412,7 +406,7 @@ async def test_a_leg_past_the_cap_is_refused_at_once_with_a_retryable_503(
     engine.release.set()
     await ended(svc)
     await send(replies, subject, "d")  # room again
-    await until(lambda: "d" in svc.inflight or bool(replies.chunks("d")), "the leg d")
+    await wait_for(lambda: "d" in svc.inflight or bool(replies.chunks("d")), what="the leg d")
     await ended(svc)
     await replies.settled()
     assert replies.chunks("d")[-1].finish_reason == "length"
