@@ -156,19 +156,24 @@ async def test_a_router_whose_every_name_clashes_is_not_ready(cluster: Cluster, 
     assert [(await _ask(http, router, m))[0] for m in ("a", "b")] == [503, 503]
 
 
-async def test_a_model_of_another_tokenizer_is_refused_text_for_good_naming_a_router_per_tokenizer(
-    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # engine_sim has the built-in tokenizer alone: qwen's engine is made to report another one.
+async def _llama_and_qwen(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, qwens: str) -> RouterService:
+    """A router before llama and qwen workers, qwen's shim reporting the tokenizer `qwens`
+    (engine_sim has the built-in tokenizer alone)."""
     probe = WorkerShim._tokenizer
 
     async def tokenizer(shim: WorkerShim) -> str:
-        return "sha256:qwen" if shim.config.model == "qwen" else await probe(shim)
+        return qwens if shim.config.model == "qwen" else await probe(shim)
 
     monkeypatch.setattr(WorkerShim, "_tokenizer", tokenizer)
     await cluster.add_worker("agg", model="llama", shim={"model": "llama"})
     await cluster.add_worker("agg", model="qwen", shim={"model": "qwen"})
-    router = await cluster.add_ready_router()
+    return await cluster.add_ready_router()
+
+
+async def test_a_model_of_another_tokenizer_is_refused_text_for_good_naming_a_router_per_tokenizer(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router = await _llama_and_qwen(cluster, monkeypatch, "sha256:qwen")
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     async with http.post(router.url + "/v1/chat/completions", json={**chat, "model": "llama"}) as r:
         assert r.status == 200, await r.text()
@@ -187,15 +192,7 @@ async def test_a_model_whose_tokenizer_no_shim_could_read_is_told_to_send_token_
 ) -> None:
     """SGLang and TensorRT-LLM workers register no tokenizer: no router of its own can match one,
     so the refusal must not advise one (review of the tokenizer refusal)."""
-    probe = WorkerShim._tokenizer
-
-    async def tokenizer(shim: WorkerShim) -> str:
-        return "" if shim.config.model == "qwen" else await probe(shim)
-
-    monkeypatch.setattr(WorkerShim, "_tokenizer", tokenizer)
-    await cluster.add_worker("agg", model="llama", shim={"model": "llama"})
-    await cluster.add_worker("agg", model="qwen", shim={"model": "qwen"})
-    router = await cluster.add_ready_router()
+    router = await _llama_and_qwen(cluster, monkeypatch, "")
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": "qwen"}
     async with http.post(router.url + "/v1/chat/completions", json=chat) as r:
         assert r.status == 503 and "Retry-After" not in r.headers
