@@ -11,15 +11,15 @@ import logging
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
 
-from discovery import Deleted, Discovery, DiscoveryError, Put, Snapshot, WatchEvent
+from discovery import Discovery, DiscoveryError, Put, Snapshot
 from kvswitch.servers import EtcdServer
 from protocol import WorkerInfo
 from protocol.config import EtcdSettings
+from tests.discovery.following import follow
 
 
 def _worker(wid: str) -> WorkerInfo:
@@ -97,22 +97,6 @@ async def test_a_lease_is_revoked_on_close_after_etcd_restarts_with_a_new_token(
         etcd.close()
 
 
-async def _follow_until(
-    watch: AsyncGenerator[WatchEvent[WorkerInfo], None], held: dict[str, WorkerInfo], name: str, timeout: float
-) -> None:
-    """Apply the watch's events to `held` until it holds `name`."""
-    async with asyncio.timeout(timeout):
-        while name not in held:
-            match await anext(watch):
-                case Snapshot(items=items):
-                    held.clear()
-                    held.update(items)
-                case Put(name=put, value=info):
-                    held[put] = info
-                case Deleted(name=gone):
-                    held.pop(gone, None)
-
-
 def _grant_worker_read_of_other(url: str) -> None:
     """An auth change through etcd's gateway that concerns no key kvswitch uses."""
 
@@ -143,7 +127,7 @@ async def test_a_watch_etcd_cancels_is_said_and_made_again_with_a_new_token(capl
             held: dict[str, WorkerInfo] = {}
             watch = router.watch_workers()
             first = await shim.register_worker(_worker, ttl=30)
-            await _follow_until(watch, held, first.hex_id, 5)  # the watch stream is open
+            await follow(watch, held, lambda h: first.hex_id in h, 5)  # the watch stream is open
             _grant_worker_read_of_other(etcd.url)
             with caplog.at_level(logging.INFO, logger="discovery.watch"):
                 await asyncio.to_thread(etcd.restart)
@@ -154,7 +138,7 @@ async def test_a_watch_etcd_cancels_is_said_and_made_again_with_a_new_token(capl
                             break
                         except DiscoveryError:
                             await asyncio.sleep(0.1)  # the shim's own token is renewed meanwhile
-                await _follow_until(watch, held, second.hex_id, 10)
+                await follow(watch, held, lambda h: second.hex_id in h, 10)
             await watch.aclose()
             assert router.token is not None and router.token.renewals >= 1
             cancels = [r for r in caplog.records if "etcd cancelled it" in r.getMessage()]

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
+from discovery import Discovery, Snapshot, WatchEvent
 from kvswitch.servers import EtcdServer
 from protocol import WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings
+from tests.discovery.following import follow
 
 
 def _worker(wid: str) -> WorkerInfo:
@@ -26,20 +27,7 @@ async def _follow(
     watch: AsyncGenerator[WatchEvent[WorkerInfo], None], held: dict[str, WorkerInfo], want: set[str], timeout: float
 ) -> list[WatchEvent[WorkerInfo]]:
     """Apply the watch's events to `held` until it holds exactly `want`; the events seen."""
-    seen: list[WatchEvent[WorkerInfo]] = []
-    async with asyncio.timeout(timeout):
-        while set(held) != want:
-            event = await anext(watch)
-            seen.append(event)
-            match event:
-                case Snapshot(items=items):
-                    held.clear()
-                    held.update(items)
-                case Put(name=name, value=info):
-                    held[name] = info
-                case Deleted(name=name):
-                    held.pop(name, None)
-    return seen
+    return await follow(watch, held, lambda h: set(h) == want, timeout)
 
 
 @pytest.mark.parametrize("open_stream", [True, False], ids=["watching", "between-read-and-watch"])
