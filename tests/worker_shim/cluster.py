@@ -11,10 +11,12 @@ from typing import Any
 
 import aiohttp
 import nats
+from aiohttp import web
 from nats.aio.client import Client as Nats
 
 from engine_sim.config import SimConfig
 from engine_sim.server import SimServer
+from kvswitch.servers import free_port
 from protocol import (
     Cleared,
     KvEventBatch,
@@ -65,6 +67,19 @@ def engine_set(sim: SimServer) -> set[int]:
     for prefix in sim.engine.cached_block_prefixes():
         out.add(block_hashes(prefix, BLOCK)[-1])
     return out
+
+
+@asynccontextmanager
+async def served(app: web.Application) -> AsyncIterator[str]:
+    """`app` on a free loopback port (a stand-in engine); its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 async def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

@@ -16,10 +16,10 @@ import pytest
 from aiohttp import web
 from nats.aio.client import Client as Nats
 
-from kvswitch.servers import free_port
 from protocol import SamplingParams, block_hashes
 from protocol.config import EtcdSettings, NatsSettings
 from tests.router.polling import until
+from tests.worker_shim.cluster import served
 from tests.worker_shim.test_trtllm_adapter import CREATED, folded, removed, stored
 from worker_shim import EngineLoad, Normaliser, ShimConfig, ShimStatus, WorkerShim
 from worker_shim.adapters import trtllm
@@ -300,11 +300,5 @@ async def _engine(routes: dict[str, Any]) -> AsyncIterator[str]:
     app = web.Application()
     for path, handler in routes.items():
         app.router.add_route("*", path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with served(app) as url:
+        yield url

@@ -14,9 +14,8 @@ import pytest
 from aiohttp import web
 
 from engine_sim.server import SimServer
-from kvswitch.servers import free_port
 from protocol import ConfigError
-from tests.worker_shim.cluster import shim_for, sim_config
+from tests.worker_shim.cluster import served, shim_for, sim_config
 from tests.worker_shim.test_shim_lifecycle import registered_workers
 from worker_shim import ShimConfig, ShimStatus
 from worker_shim.adapters import EngineError, make_adapter
@@ -114,14 +113,8 @@ async def fake_engine(routes: dict[str, bytes | int]) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with served(app) as url:
+        yield url
 
 
 async def _limits(engine: EngineKind, routes: dict[str, bytes | int]) -> Any:
