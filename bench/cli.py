@@ -693,6 +693,9 @@ def _run(args: argparse.Namespace) -> int:
 
             _check_latency_scale(args.latency_scale)
             results = read_results(args.results)
+            if not results:
+                # A zero goodput printed with rc 0 reads as a measured figure.
+                raise ValueError(f"{args.results} holds no results (a `bench replay` that ran no request?)")
             clock = results_clock(results)
             if clock == "virtual" and args.latency_scale != 1.0:
                 raise ValueError(f"--latency-scale is for live-clock results; {args.results} holds virtual-clock ones")

@@ -232,6 +232,18 @@ def test_summary_of_a_file_that_holds_no_results_names_its_line(
     assert f"{trace}:1: not a per-request result of `bench replay`" in err and "missing required field" in err, err
 
 
+@pytest.mark.parametrize("content", ["", "\n\n"], ids=["empty", "blank-lines"])
+def test_summary_of_a_file_with_no_results_is_refused(
+    content: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: a table of zeros (goodput 0.00 req/s) and rc 0, as if a run had measured it."""
+    path = tmp_path / "results.jsonl"
+    path.write_text(content)
+    assert main(["bench", "summary", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"{path} holds no results" in captured.err and "goodput" not in captured.out, captured
+
+
 @pytest.mark.parametrize(
     "argv",
     [
