@@ -126,8 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speedup", type=pos_float, default=1.0, help="divide all modelled times by this")
     s.add_argument("--role", choices=ROLES, default="agg", help="informational; decode still prefills without params")
     s.add_argument("--kv-transfer-gbps", type=pos_float, default=50.0, help="KV pull bandwidth, GB/s")
-    s.add_argument("--kv-pin-timeout", dest="kv_pin_timeout_s", type=pos_float, default=480.0,
-                   help="seconds a prefill sim holds unpulled KV")  # fmt: skip
+    s.add_argument("--kv-lease-duration", type=pos_float, default=30.0,
+                   help="seconds a prefill sim's lease on unpulled KV lasts unless a decode sim holding "
+                        "the request renews it (vLLM's kv_connector_extra_config.kv_lease_duration)")  # fmt: skip
     s.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="fail",
                    help="a failed KV pull: fail the request with a 500 (vLLM's default) or prefill it locally; "
                         "vLLM's kv_transfer_config.kv_load_failure_policy")  # fmt: skip
@@ -164,7 +165,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         speedup=args.speedup,
         role=args.role,
         kv_transfer_gbps=args.kv_transfer_gbps,
-        kv_pin_timeout_s=args.kv_pin_timeout_s,
+        kv_lease_duration=args.kv_lease_duration,
         kv_load_failure_policy=args.kv_load_failure_policy,
         event_form=args.event_form,
         crash_after=args.crash_after,

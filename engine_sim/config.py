@@ -148,8 +148,12 @@ class SimConfig(msgspec.Struct, kw_only=True):
         `decode` sims are engines started with a KV connector (vLLM's --kv-transfer-config), whose
         `vllm:external_prefix_cache_queries` count every request, an `agg` sim's only those that pull KV.
     kv_transfer_gbps: the link a decode sim pulls KV over, GB/s.
-    kv_pin_timeout_s: a prefill sim frees blocks held for a decode sim after this many wall seconds
-        if nobody pulls them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    kv_lease_duration: vLLM 0.32's `kv_transfer_config.kv_connector_extra_config.kv_lease_duration`
+        (30 s): a prefill sim holds blocks for a decode sim under a lease of this many wall seconds,
+        which a decode sim renews while it holds the request (a heartbeat every lease / 6, each
+        extending the lease to two thirds of the prefill sim's lease from then) until it pulls;
+        a lease nobody renews runs out and frees the blocks. A decode request aborted before its
+        pull frees them at once (engine_sim/disagg.py).
     kv_load_failure_policy: what a decode sim does when its pull fails (the prefill sim is gone,
         the pin expired): `fail` (vLLM 0.32's default) answers the request with vLLM's 500
         "Internal server error" (an error event on a stream); `recompute` prefills it locally.
@@ -191,7 +195,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     speedup: float = 1.0
     role: Role = "agg"
     kv_transfer_gbps: float = 50.0
-    kv_pin_timeout_s: float = 480.0
+    kv_lease_duration: float = 30.0
     kv_load_failure_policy: KvLoadFailurePolicy = "fail"
     event_form: EventForm = "map"
     crash_after: int | None = None
@@ -229,7 +233,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
                 raise SimConfigError(name, getattr(self, name), "must be a positive integer")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks <= 0:
             raise SimConfigError("num_gpu_blocks", self.num_gpu_blocks, "must be a positive integer")
-        for name in ("speedup", "kv_transfer_gbps", "slowdown", "kv_pin_timeout_s", "restart_after_crash_s"):
+        for name in ("speedup", "kv_transfer_gbps", "slowdown", "kv_lease_duration", "restart_after_crash_s"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):  # NaN fails `> 0` too
                 raise SimConfigError(name, value, "must be a finite number > 0")

@@ -11,7 +11,10 @@ as vLLM's (http_context.json_body). A CORS preflight gets the answer of vLLM's C
 which by its default allows no origin.
 
 The sim's own routes (not in vLLM; under /sim/ so they never clash):
-- POST /sim/kv_pull: a decode sim in another process finished reading pinned KV (engine_sim/disagg.py);
+- POST /sim/kv_pull: a decode sim in another process finished reading pinned KV, or gave it up
+  (engine_sim/disagg.py);
+- POST /sim/kv_heartbeat: a decode sim in another process still holds these requests: their
+  leases run on (engine_sim/disagg.py);
 - POST /sim/faults: change fault knobs live (engine_sim/faults.py); `{"crash": true}` or
   `{"restart": true}` act at once (202);
 - GET /sim/state: engine id, blocks in use, prefill tokens computed, queue lengths, event seq, faults;
@@ -175,6 +178,20 @@ async def kv_pull(request: web.Request) -> web.Response:
     return json_response({"released": ok}, 200 if ok else 404)
 
 
+async def kv_heartbeat(request: web.Request) -> web.Response:
+    srv = request.app[SERVER_KEY]
+    try:
+        body = msgspec.json.decode(await request.read())
+    except msgspec.DecodeError:
+        return json_response({"renewed": 0}, 400)
+    if not isinstance(body, dict) or body.get("remote_engine_id") not in (None, srv.engine.engine_id):
+        return json_response({"renewed": 0}, 404)
+    ids = body.get("remote_request_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        return json_response({"renewed": 0}, 400)
+    return json_response({"renewed": srv.runner.renew_pins(ids)})
+
+
 class _FaultsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     crash_after: int | None = None
     hang_after: int | None = None
@@ -254,6 +271,7 @@ def build_app(server: SimServer) -> web.Application:
         app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/sim/kv_pull", kv_pull)
+    app.router.add_post("/sim/kv_heartbeat", kv_heartbeat)
     app.router.add_post("/sim/faults", faults)
     app.router.add_get("/sim/state", state)
     return app

@@ -1,5 +1,6 @@
 """The async driver of one engine: steps the synchronous scheduler in modelled time, delivers
-tokens to request streams, publishes KV events, runs KV transfers and pin timeouts.
+tokens to request streams, publishes KV events, runs KV transfers and the leases on pinned KV
+(vLLM 0.32's NixlConnector: engine_sim/disagg.py).
 
 Time keeping: each step's end is scheduled at an absolute deadline (`previous deadline + modelled
 duration / speedup`), not "now + duration", so timer granularity (the event loop wakes ~1 ms late)
@@ -20,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -34,6 +35,8 @@ from engine_sim.scheduler import Scheduler, StepResult
 __all__ = ["MAX_LAG", "QUANTUM", "EngineRunner", "RequestStream", "StreamClosed"]
 
 log = logging.getLogger("engine_sim.runner")
+
+T = TypeVar("T")
 
 MAX_LAG = 0.25
 QUANTUM = 0.001
@@ -113,8 +116,14 @@ class RequestStream:
 
 
 class EngineRunner:
-    """Owns the step-loop task, transfer tasks and pin timers of one Scheduler; `stop()` ends them
-    all and closes every open stream."""
+    """Owns the step-loop task, transfer and heartbeat tasks and lease timers of one Scheduler;
+    `stop()` ends them all and closes every open stream.
+
+    Leases (vLLM 0.32's NixlConnector, `kv_lease_duration` seconds of wall time): a prefill engine
+    keeps a finished request's blocks pinned for a lease; a decode engine holding a request whose KV
+    it has not pulled renews that lease every `kv_lease_duration / 6` seconds, each heartbeat
+    extending it to at least two thirds of the prefill engine's lease from then. A decode request
+    aborted before its pull frees the prefill pin at once; a lease nobody renews runs out."""
 
     def __init__(
         self,
@@ -124,7 +133,7 @@ class EngineRunner:
         *,
         speedup: float = 1.0,
         kv_transfer_gbps: float = 50.0,
-        kv_pin_timeout_s: float = 480.0,
+        kv_lease_duration: float = 30.0,
         on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
@@ -133,7 +142,7 @@ class EngineRunner:
         self.faults = faults
         self.speedup = speedup
         self.kv_transfer_gbps = kv_transfer_gbps
-        self.kv_pin_timeout_s = kv_pin_timeout_s
+        self.kv_lease_duration = kv_lease_duration
         self.streams: dict[str, RequestStream] = {}
         self.cpu_s = 0.0
         self.sim_s = 0.0
@@ -141,8 +150,13 @@ class EngineRunner:
         self._wake = asyncio.Event()
         self._poked_at = 0.0
         self._task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # Prefill side: when each unpulled pin's lease runs out, and the timer that checks it.
+        self._pin_expiry: dict[str, float] = {}
         self._pin_timers: dict[str, asyncio.TimerHandle] = {}
+        # Decode side: the kv_transfer_params of each request whose KV is not being pulled yet.
+        self._held: dict[str, dict[str, Any]] = {}
+        self._heartbeat: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         faults._on_change = self._poke
 
@@ -165,6 +179,9 @@ class EngineRunner:
 
     async def stop(self) -> None:
         disagg.unregister(self.scheduler.engine_id)
+        # A stopped engine tells no prefill engine anything: the leases it held run out there.
+        self._held.clear()
+        self._heartbeat = None
         tasks = [t for t in (self._task, *self._tasks) if t is not None]
         self._task = None
         for t in tasks:
@@ -175,6 +192,7 @@ class EngineRunner:
         for h in self._pin_timers.values():
             h.cancel()
         self._pin_timers.clear()
+        self._pin_expiry.clear()
         for s in self.streams.values():
             s._close()
         self.streams.clear()
@@ -190,12 +208,21 @@ class EngineRunner:
         # prompt takes milliseconds of Python) does not show up as modelled latency.
         stream = RequestStream(req.request_id, req.num_prompt_tokens, asyncio.get_running_loop().time())
         self.streams[req.request_id] = stream
+        if req.remote_prefill is not None:
+            self._held[req.request_id] = req.remote_prefill
+            if self._heartbeat is None:
+                self._heartbeat = self._spawn(self._heartbeats(), f"kv-heartbeat-{self.scheduler.engine_id[:8]}")
         self._poke()
         return stream
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         stream = self.streams.pop(request_id, None)
         found = self.scheduler.abort(request_id, reason)
+        self._drop_lease(request_id)
+        if (params := self._held.pop(request_id, None)) is not None:
+            # vLLM 0.32 (nixl pull_scheduler.request_finished): a request aborted before its pull
+            # tells the prefill engine to free the blocks now, rather than strand them for a lease.
+            self._spawn(disagg.pull(params, self._session_for(params)), f"kv-release-{request_id}")
         if stream is not None and not stream.finished:
             stream.finish_reason = reason
             stream._event.set()
@@ -204,12 +231,24 @@ class EngineRunner:
 
     def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
         """Called by a decode sim's pull (disagg.PinHolder)."""
-        if request_id is not None and (h := self._pin_timers.pop(request_id, None)) is not None:
-            h.cancel()
+        if request_id is not None:
+            self._drop_lease(request_id)
         ok = self.scheduler.release_pin(request_id, block_ids)
         if ok:
             self._poke()
         return ok
+
+    def renew_pins(self, request_ids: list[str]) -> int:
+        """A decode sim's heartbeat (disagg.PinHolder): it still holds these requests, so each
+        lease runs until at least two thirds of a lease from now (vLLM's _handle_heartbeat).
+        Returns how many leases were still held."""
+        until = asyncio.get_running_loop().time() + self.kv_lease_duration * 2 / 3
+        renewed = 0
+        for rid in request_ids:
+            if (expiry := self._pin_expiry.get(rid)) is not None:
+                self._pin_expiry[rid] = max(expiry, until)
+                renewed += 1
+        return renewed
 
     def reset_prefix_cache(self) -> bool:
         # The AllBlocksCleared event goes out with the engine's next step, as vLLM's does.
@@ -298,34 +337,79 @@ class EngineRunner:
                 stats.e2e.observe((at - stream.arrival) * speedup)
                 del self.streams[out.request_id]
                 if out.kv_transfer_params is not None:
-                    self._pin_timers[out.request_id] = asyncio.get_running_loop().call_later(
-                        self.kv_pin_timeout_s, self._expire_pin, out.request_id
+                    loop = asyncio.get_running_loop()
+                    self._pin_expiry[out.request_id] = loop.time() + self.kv_lease_duration
+                    self._pin_timers[out.request_id] = loop.call_later(
+                        self.kv_lease_duration, self._expire_pin, out.request_id
                     )
             stream._event.set()
 
     def _expire_pin(self, request_id: str) -> None:
-        self._pin_timers.pop(request_id, None)
+        expiry = self._pin_expiry.get(request_id)
+        if expiry is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < expiry:  # renewed since the timer was set
+            self._pin_timers[request_id] = loop.call_at(expiry, self._expire_pin, request_id)
+            return
+        self._drop_lease(request_id)
         if self.scheduler.release_pin(request_id):
-            log.info("kv pin of %s timed out unpulled; blocks freed", request_id)
+            log.info("kv lease of %s expired unpulled; blocks freed", request_id)
             self._poke()
+
+    def _drop_lease(self, request_id: str) -> None:
+        self._pin_expiry.pop(request_id, None)
+        if (h := self._pin_timers.pop(request_id, None)) is not None:
+            h.cancel()
 
     # --- remote KV (decode side) -------------------------------------------------------------------
 
+    def _spawn(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _session_for(self, params: dict[str, Any]) -> aiohttp.ClientSession | None:
+        """The HTTP session to reach the prefill sim `params` name; None when it is in this process."""
+        if disagg.is_local(params):
+            return None
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def _heartbeats(self) -> None:
+        """Renew the leases of the KV this engine holds requests for, one message per prefill
+        engine every `kv_lease_duration / 6`, until it holds none (vLLM's NixlConnector). A hung
+        engine sends none, as a stuck vLLM scheduler builds none."""
+        try:
+            while self._held:
+                if not self.faults.hang:
+                    by_engine: dict[str, tuple[dict[str, Any], list[str]]] = {}
+                    for params in self._held.values():
+                        if (rid := params.get("remote_request_id")) is not None:
+                            by_engine.setdefault(str(params.get("remote_engine_id")), (params, []))[1].append(rid)
+                    await asyncio.gather(
+                        *(disagg.renew(params, ids, self._session_for(params)) for params, ids in by_engine.values())
+                    )
+                await asyncio.sleep(self.kv_lease_duration / 6)
+        finally:
+            if self._heartbeat is asyncio.current_task():
+                self._heartbeat = None
+
     def _start_transfer(self, request_id: str, tokens: int) -> None:
+        self._held.pop(request_id, None)  # its pull starts now: no more heartbeats for it
         req = self.scheduler.requests.get(request_id)
         params = (req.remote_prefill if req is not None else None) or {}
         seconds = self.scheduler.timing.transfer(tokens, self.kv_transfer_gbps) / self.speedup
-        task = asyncio.create_task(self._transfer(request_id, params, seconds), name=f"kv-pull-{request_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._transfer(request_id, params, seconds), f"kv-pull-{request_id}")
 
     async def _transfer(self, request_id: str, params: dict[str, Any], seconds: float) -> None:
         # The pull (which also tells the prefill side to unpin) runs alongside the modelled
         # transfer, so an HTTP round trip to another process hides under the transfer time as a
         # real RDMA read's control messages do; the request resumes when both are done.
-        if self._session is None and disagg._registry.get(str(params.get("remote_engine_id"))) is None:
-            self._session = aiohttp.ClientSession()
-        ok, _ = await asyncio.gather(disagg.pull(params, self._session), asyncio.sleep(seconds))
+        session = self._session_for(params)
+        ok, _ = await asyncio.gather(disagg.pull(params, session), asyncio.sleep(seconds))
         if not self.scheduler.finish_remote_load(request_id, ok):
             log.warning("remote KV for %s unavailable; the request fails (kv_load_failure_policy fail)", request_id)
             self.abort(request_id, "error")

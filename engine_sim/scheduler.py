@@ -17,7 +17,8 @@ Scheduling, as vLLM v1 does it:
 - remote KV (NixlConnector): a request with `do_remote_prefill` takes its local hit, allocates the
   rest of its prompt, waits in WAITING_FOR_REMOTE_KVS for the driver to finish the transfer, then
   recomputes only its last prompt token; a request with `do_remote_decode` finishes after one token
-  and its blocks stay pinned until `release_pin` (the decode side pulled them) or a timeout.
+  and its blocks stay pinned until `release_pin` (the decode side pulled or gave them up, or their
+  lease ran out: engine_sim/runner.py).
 """
 
 from __future__ import annotations

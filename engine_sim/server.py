@@ -215,7 +215,7 @@ class SimServer:
             self.faults,
             speedup=cfg.speedup,
             kv_transfer_gbps=cfg.kv_transfer_gbps,
-            kv_pin_timeout_s=cfg.kv_pin_timeout_s,
+            kv_lease_duration=cfg.kv_lease_duration,
             on_death=lambda exc: self._spawn(self.crash(f"its step loop raised {type(exc).__name__}: {exc}")),
         )
         try:

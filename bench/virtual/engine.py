@@ -10,8 +10,12 @@ freed pin wakes it.
 
 Remote KV (decode side, as the runner's `_transfer`): the pull that frees the prefill engine's pin
 runs alongside the modelled transfer, so the pin goes when the transfer starts and the request
-resumes `transfer_s(tokens)` later; a pin already gone (timed out) makes the request prefill
-locally. A prefill engine frees an unpulled pin after `kv_pin_timeout_s`.
+resumes `transfer_s(tokens)` later; a pin already gone (its lease ran out) makes the request
+prefill locally. Leases as the runner keeps them (vLLM 0.32's NixlConnector): a prefill engine
+pins a finished request's KV for `kv_lease_duration`; a decode engine renews the leases of the
+requests it holds every `kv_lease_duration / 6` until their pulls start (each renewal: at least
+two thirds of a lease from then); a decode request aborted before its pull frees the pin at once;
+an unrenewed lease runs out and frees the blocks.
 
 Timing observations: the engine keeps what vLLM's /metrics histograms would show (their sums and
 counts), which its shim forwards in every LoadReport (router.calibration fits from them):
@@ -26,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from bench.virtual.clock import VirtualClock
 from engine_sim.request import RequestStatus, SimRequest
@@ -61,13 +66,13 @@ class VirtualEngine:
         *,
         peers: Mapping[str, VirtualEngine],
         kv_transfer_gbps: float = 50.0,
-        kv_pin_timeout_s: float = 480.0,
+        kv_lease_duration: float = 30.0,
     ) -> None:
         self.clock = clock
         self.scheduler = scheduler
         self.peers = peers
         self.kv_transfer_gbps = kv_transfer_gbps
-        self.kv_pin_timeout_s = kv_pin_timeout_s
+        self.kv_lease_duration = kv_lease_duration
         self.on_events: Callable[[list[KVEvent]], None] = lambda events: None
         self.timing = EngineTimingStats()
         self.transfers = 0
@@ -79,6 +84,9 @@ class VirtualEngine:
         self._unscheduled: deque[str] = deque()  # submission order: the scheduler admits FIFO
         self._busy = False
         self._woken = False
+        self._pin_expiry: dict[str, float] = {}  # prefill side: when each unpulled pin's lease runs out
+        self._held: dict[str, dict[str, Any]] = {}  # decode side: params of KV not being pulled yet
+        self._beating = False
 
     @property
     def engine_id(self) -> str:
@@ -92,18 +100,51 @@ class VirtualEngine:
         self._sinks[rid] = sink
         self._requests[rid] = req
         self._unscheduled.append(rid)
+        if req.remote_prefill is not None:
+            self._held[rid] = req.remote_prefill
+            if not self._beating:
+                self._beating = True
+                self._heartbeat()
         self._wake()
 
     def abort(self, request_id: str) -> None:
         self._forget(request_id)
+        self._pin_expiry.pop(request_id, None)
+        if (params := self._held.pop(request_id, None)) is not None:
+            # Aborted before its pull: the prefill engine frees the blocks now (vLLM 0.32).
+            source = self.peers.get(str(params.get("remote_engine_id")))
+            if source is not None:
+                source.release_pin(params.get("remote_request_id"), params.get("remote_block_ids"))
         if self.scheduler.abort(request_id):
             self._wake()
 
     def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
+        if request_id is not None:
+            self._pin_expiry.pop(request_id, None)
         ok = self.scheduler.release_pin(request_id, block_ids)
         if ok:
             self._wake()
         return ok
+
+    def renew_pins(self, request_ids: list[str]) -> None:
+        """A decode engine's heartbeat: each lease runs until at least two thirds of a lease from now."""
+        until = self.clock.now + self.kv_lease_duration * 2 / 3
+        for rid in request_ids:
+            if (expiry := self._pin_expiry.get(rid)) is not None:
+                self._pin_expiry[rid] = max(expiry, until)
+
+    def _heartbeat(self) -> None:
+        if not self._held:
+            self._beating = False
+            return
+        by_engine: dict[str, list[str]] = {}
+        for params in self._held.values():
+            if (rid := params.get("remote_request_id")) is not None:
+                by_engine.setdefault(str(params.get("remote_engine_id")), []).append(rid)
+        for engine_id, ids in by_engine.items():
+            if (source := self.peers.get(engine_id)) is not None:
+                source.renew_pins(ids)
+        self.clock.after(self.kv_lease_duration / 6, self._heartbeat)
 
     def _forget(self, rid: str) -> None:
         self._sinks.pop(rid, None)
@@ -163,7 +204,8 @@ class VirtualEngine:
             if out.finish_reason is not None:
                 self._forget(rid)
                 if out.kv_transfer_params is not None:
-                    self.clock.after(self.kv_pin_timeout_s, self._expire_pin, rid)
+                    self._pin_expiry[rid] = now + self.kv_lease_duration
+                    self.clock.at(now + self.kv_lease_duration, self._expire_pin, rid)
             if sink is not None:
                 sink(out, now)
         events = self.scheduler.take_events()
@@ -177,6 +219,12 @@ class VirtualEngine:
         t.prefill_s += now - self._scheduled_at.pop(rid, now)
 
     def _expire_pin(self, rid: str) -> None:
+        expiry = self._pin_expiry.get(rid)
+        if expiry is None:
+            return
+        if self.clock.now < expiry:  # renewed since
+            self.clock.at(expiry, self._expire_pin, rid)
+            return
         self.release_pin(rid)
 
     # --- remote KV (decode side) -----------------------------------------------------------------
@@ -186,6 +234,7 @@ class VirtualEngine:
         return self.scheduler.timing.transfer(tokens, self.kv_transfer_gbps)
 
     def _start_transfer(self, rid: str, tokens: int) -> None:
+        self._held.pop(rid, None)
         req = self.scheduler.requests.get(rid)
         params = (req.remote_prefill if req is not None else None) or {}
         source = self.peers.get(str(params.get("remote_engine_id")))

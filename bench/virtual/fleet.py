@@ -64,7 +64,7 @@ class FleetSpec:
     max_model_len: int = 32768
     num_gpu_blocks: int | None = None
     kv_transfer_gbps: float = 50.0
-    kv_pin_timeout_s: float = 480.0
+    kv_lease_duration: float = 30.0
     seed: int = 0
     calibrate: bool = True
     router_profile_error: float = 0.0
@@ -167,7 +167,7 @@ class VirtualFleet:
                 sched,
                 peers=self.engines,
                 kv_transfer_gbps=spec.kv_transfer_gbps,
-                kv_pin_timeout_s=spec.kv_pin_timeout_s,
+                kv_lease_duration=spec.kv_lease_duration,
             )
             info = WorkerInfo(
                 worker=name,

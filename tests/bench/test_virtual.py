@@ -17,9 +17,13 @@ import pytest
 
 from bench.compare import CONFIGURATIONS, CompareSpec, run_compare
 from bench.trace import TokenSynth, load_trace, shipped_trace
+from bench.virtual.clock import VirtualClock
 from bench.virtual.delays import Delays
+from bench.virtual.engine import VirtualEngine
 from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
 from bench.workloads import WorkItem, from_trace, multi_turn
+from engine_sim.request import SimRequest
+from engine_sim.scheduler import Scheduler, StepOutput
 from protocol.timing import TimingModel
 
 PROFILE = "h200:llama-3.1-8b"
@@ -201,6 +205,63 @@ def test_a_slow_prefill_falls_back_to_a_local_prefill() -> None:
     assert run.fallbacks == 1
     prefill_engine = fleet.engines["prefill-0"].scheduler
     assert not prefill_engine.requests and not prefill_engine.pins  # the prefill leg was cancelled
+
+
+def _prefill_then_queued_decode(lease: float) -> tuple[VirtualClock, VirtualEngine, VirtualEngine, list[str]]:
+    """A prefill engine and a decode engine (max_num_seqs=1) busy with a 2,000-token request (about
+    10 s) from time 0; a request prefilled at time 0 then waits on the decode engine behind it.
+    The list gets the decode request's id once it is submitted."""
+    clock = VirtualClock()
+    engines: dict[str, VirtualEngine] = {}
+    for name, seqs in (("p", 256), ("d", 1)):
+        sched = Scheduler(num_gpu_blocks=2048, max_num_seqs=seqs, engine_id=name, kv_connector=True,
+                          recompute_kv_load_failures=True, timing=TimingModel.for_profile(PROFILE))  # fmt: skip
+        engines[name] = VirtualEngine(clock, sched, peers=engines, kv_lease_duration=lease)
+    p, d = engines["p"], engines["d"]
+    submitted: list[str] = []
+
+    def prefilled(out: StepOutput, at: float) -> None:
+        if out.kv_transfer_params is not None:
+            d.submit(SimRequest("decode", list(range(400)), max_tokens=2, remote_prefill=out.kv_transfer_params),
+                     lambda out, at: None)  # fmt: skip
+            submitted.append("decode")
+
+    d.submit(SimRequest("busy", list(range(5000, 5016)), max_tokens=2000), lambda out, at: None)
+    p.submit(SimRequest("prefill", list(range(400)), max_tokens=1, remote_decode=True), prefilled)
+    return clock, p, d, submitted
+
+
+def test_a_decode_request_aborted_before_its_pull_frees_the_prefill_pin_at_once() -> None:
+    """As the live sims do (vLLM 0.32's NixlConnector): no stranded KV until the lease runs out."""
+    clock, p, d, submitted = _prefill_then_queued_decode(lease=30.0)
+    seen: list[list[str]] = []
+
+    def abort() -> None:
+        seen.append(list(p.scheduler.pins))
+        d.abort(submitted[0])
+        seen.append(list(p.scheduler.pins))
+
+    clock.at(2.0, abort)
+    clock.run()
+    assert seen == [["prefill"], []]
+    assert d.transfers == 0 and not p.scheduler.pins and p.scheduler.pool.num_used == 0
+
+
+def test_a_decode_engine_holding_the_request_renews_the_lease_and_an_unheld_lease_runs_out() -> None:
+    lease = 2.0
+    clock, p, d, _ = _prefill_then_queued_decode(lease)
+    pinned: list[bool] = []
+
+    def unheld(out: StepOutput, at: float) -> None:  # prefilled KV no decode engine ever asks for
+        for t in (at + lease - 0.01, at + lease + 0.01):
+            clock.at(t, lambda: pinned.append("orphan" in p.scheduler.pins))
+
+    p.submit(SimRequest("orphan", list(range(9000, 9400)), max_tokens=1, remote_decode=True), unheld)
+    clock.run()
+    assert d.transfers == 1 and d.failed_pulls == 0  # pulled some 10 s (5 leases) after the prefill
+    assert d.scheduler.stats.external_kv_tokens == 400
+    assert pinned == [True, False]  # pinned until a lease after its prefill, then freed
+    assert not p.scheduler.pins and p.scheduler.pool.num_used == 0
 
 
 def test_replicas_see_each_others_bookings_after_the_sync_delay() -> None:

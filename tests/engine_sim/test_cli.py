@@ -42,6 +42,12 @@ def test_flags_build_the_config() -> None:
     assert not config_from_args(parse()).kv_events.active  # events off by default, as vLLM
 
 
+def test_the_kv_lease_is_vllms_kv_lease_duration() -> None:
+    """vLLM 0.32's kv_transfer_config.kv_connector_extra_config.kv_lease_duration, 30 s by default."""
+    assert config_from_args(parse()).kv_lease_duration == 30.0
+    assert config_from_args(parse("--kv-lease-duration", "12.5")).kv_lease_duration == 12.5
+
+
 def test_served_model_names_are_vllms() -> None:
     """`--model` is then the path (the cards' root), the first name the one answers carry."""
     cfg = config_from_args(parse("--model", "/models/llama", "--served-model-name", "llama", "llama-8b"))
@@ -56,6 +62,7 @@ def test_served_model_names_are_vllms() -> None:
         (["--role", "router"], "--role"),
         (["--event-form", "json"], "--event-form"),
         (["--speedup", "0"], "--speedup"),
+        (["--kv-lease-duration", "0"], "--kv-lease-duration"),
         (["--drop-event-fraction", "2"], "--drop-event-fraction"),
         (["--kv-events-config", "{nope"], "--kv-events-config"),
         (["--kv-events-config", '{"enable_kv_cache_events": true, "bogus": 1}'], "bogus"),

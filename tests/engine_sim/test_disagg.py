@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -91,19 +93,142 @@ async def test_without_params_a_decode_sim_prefills_locally() -> None:
         assert d.engine.prefill_tokens_computed == 500
 
 
-async def test_unpulled_pin_times_out() -> None:
-    async with SimServer(sim_config(kv_pin_timeout_s=0.05)) as p:
+async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_an_unpulled_pin_is_freed_when_its_lease_runs_out() -> None:
+    async with SimServer(sim_config(kv_lease_duration=0.05)) as p:
         await complete(
             p.url, {"prompt": PROMPT[:200], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
         )
         assert p.engine.num_blocks_in_use > 0
-        for _ in range(100):
-            if not p.engine.pins:
-                break
-            import asyncio
-
-            await asyncio.sleep(0.01)
+        await until(lambda: not p.engine.pins, "the lease ran out", timeout=1.0)
         assert p.engine.num_blocks_in_use == 0
+
+
+async def queue_behind_a_busy_request(
+    s: aiohttp.ClientSession, p: SimServer, d: SimServer
+) -> tuple[asyncio.Task[Any], asyncio.Task[tuple[int, Any]], dict[str, Any]]:
+    """A long request running on `d` (max_num_seqs=1), and behind it, waiting on `d`, a decode
+    request whose KV `p` prefilled and pins: (busy, queued, its kv_transfer_params)."""
+
+    async def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            return r.status, await r.json()
+
+    busy = asyncio.create_task(post(d.url, {"prompt": list(range(100, 116)), "max_tokens": 2000}))
+    await until(lambda: len(d.engine.running) == 1, "the busy request running on d")
+    status, pre = await post(
+        p.url, {"prompt": PROMPT[:400], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    )
+    assert status == 200
+    params = pre["kv_transfer_params"]
+    queued = asyncio.create_task(post(d.url, {"prompt": PROMPT[:400], "max_tokens": 2, "kv_transfer_params": params}))
+    await until(lambda: len(d.engine.waiting) == 1, "the decode request waiting on d")
+    assert list(p.engine.pins) == [params["remote_request_id"]]
+    return busy, queued, params
+
+
+@pytest.mark.parametrize("cross_process", [False, True])
+async def test_a_decode_request_aborted_before_its_pull_frees_the_prefill_pin_at_once(
+    cross_process: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.32 (nixl pull_scheduler.request_finished): a decode request aborted before its pull
+    (the client gone, a deadline, a router's cancel) tells the prefill engine to free the blocks
+    now, not when their lease runs out."""
+    async with (
+        SimServer(sim_config(role="prefill")) as p,
+        SimServer(sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512)) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        if cross_process:  # the release goes over HTTP, as between processes
+            monkeypatch.setattr(disagg, "_registry", weakref.WeakValueDictionary())
+        busy, queued, _ = await queue_behind_a_busy_request(s, p, d)
+        queued.cancel()  # the client goes away
+        await until(lambda: not d.engine.waiting, "the decode request aborted on d")
+        await until(lambda: not p.engine.pins, "the prefill pin freed", timeout=1.0)
+        assert p.engine.num_blocks_in_use == 0 and d.engine.stats.failed_transfers == 0
+        busy.cancel()
+        await asyncio.gather(busy, queued, return_exceptions=True)
+
+
+@pytest.mark.parametrize("cross_process", [False, True])
+async def test_a_decode_sim_holding_the_request_renews_the_lease_until_it_pulls(
+    cross_process: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.32's heartbeats: however long the decode request waits in the decode engine's queue,
+    its KV stays pinned on the prefill engine, and the pull finds it."""
+    lease = 0.6
+    async with (
+        SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
+        SimServer(
+            sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512, kv_lease_duration=lease)
+        ) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        if cross_process:  # heartbeats and the pull go over HTTP, as between processes
+            monkeypatch.setattr(disagg, "_registry", weakref.WeakValueDictionary())
+        busy, queued, params = await queue_behind_a_busy_request(s, p, d)
+        await asyncio.sleep(4 * lease)
+        assert list(p.engine.pins) == [params["remote_request_id"]]  # renewed: still pinned
+        busy.cancel()  # the decode engine frees up, and schedules the waiting request
+        status, body = await queued
+        assert (status, body["usage"]["completion_tokens"]) == (200, 2), body
+        assert d.engine.stats.failed_transfers == 0 and d.engine.stats.external_kv_tokens == 400
+        assert not p.engine.pins
+        await asyncio.gather(busy, return_exceptions=True)
+
+
+@pytest.mark.parametrize("gone", ["crashed", "hung"])
+async def test_a_lease_no_decode_sim_renews_runs_out(gone: str) -> None:
+    """A decode engine that died or hung sends no heartbeat: the prefill engine frees the KV within
+    a lease (at most two thirds of one after the last heartbeat)."""
+    lease = 0.6
+    async with (
+        SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
+        SimServer(
+            sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512, kv_lease_duration=lease)
+        ) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        busy, queued, _ = await queue_behind_a_busy_request(s, p, d)
+        await asyncio.sleep(2 * lease)
+        assert p.engine.pins  # renewed while d held the request
+        if gone == "crashed":
+            await d.crash()
+        else:
+            d.faults.hang = True
+        t0 = time.monotonic()
+        await until(lambda: not p.engine.pins, "the lease ran out", timeout=3.0)
+        assert time.monotonic() - t0 < lease + 0.2
+        for t in (busy, queued):
+            t.cancel()
+        await asyncio.gather(busy, queued, return_exceptions=True)
+
+
+async def test_the_heartbeat_route_renews_the_leases_it_names() -> None:
+    lease = 1.5  # a heartbeat extends a lease to 1.0 s from then
+    async with SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p, aiohttp.ClientSession() as s:
+        pre, _ = await complete(
+            p.url, {"prompt": PROMPT[:200], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        )
+        done = time.monotonic()  # just after the prefill finished and its lease began
+        rid, engine = pre["kv_transfer_params"]["remote_request_id"], p.engine.engine_id
+        await asyncio.sleep(0.9)
+        for body, expected in [
+            ({"remote_engine_id": engine, "remote_request_ids": [rid, "unknown"]}, (200, {"renewed": 1})),
+            ({"remote_engine_id": "another", "remote_request_ids": [rid]}, (404, {"renewed": 0})),
+            ({"remote_engine_id": engine, "remote_request_ids": rid}, (400, {"renewed": 0})),
+        ]:
+            async with s.post(p.url + disagg.HEARTBEAT_PATH, json=body) as r:
+                assert (r.status, await r.json()) == expected, body
+        await asyncio.sleep(done + 1.7 - time.monotonic())
+        assert list(p.engine.pins) == [rid]  # past the first lease's end: renewed until >= 1.9 s
+        await until(lambda: not p.engine.pins, "the renewed lease ran out")
 
 
 STALE = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "x",

@@ -90,7 +90,7 @@ async def test_a_retry_before_the_first_token_is_counted(cluster: Cluster, http:
     ("cause", "prefill", "settings"),
     [
         ("prefill_failed", {"hang_after": 0}, {"prefill_timeout_s": 0.3}),  # the prefill leg never answers
-        ("transfer_failed", {"kv_pin_timeout_s": 1e-6}, {}),  # its KV is freed before the pull
+        ("transfer_failed", {"kv_lease_duration": 1e-6}, {}),  # its KV is freed before the pull
     ],
 )
 async def test_a_fallback_to_a_local_prefill_is_counted_by_its_cause(
