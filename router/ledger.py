@@ -72,10 +72,13 @@ class Ledger:
 
     def _pending(self, c: Candidate, ctx: RequestContext) -> None:
         """The prompt's blocks will be on `c`; on a hybrid model's worker, with its window cached
-        where the prompt ends (the hit end its shim will publish, worker_shim.window_endpoints)."""
+        where a resend of it resumes, before its last token (vLLM 0.32 replay_boundaries: a block
+        short of its last full one when it is block-aligned), the hit end its shim will publish
+        (worker_shim.window_endpoints)."""
         self.pending.add(c.worker, ctx.hashes)
-        if c.info.sliding_window and ctx.hashes:
-            self.pending.add(c.worker, [endpoint_key(ctx.hashes[-1])])
+        n = (ctx.isl - 1) // ctx.block_size
+        if c.info.sliding_window and n:
+            self.pending.add(c.worker, [endpoint_key(ctx.hashes[n - 1])])
 
     def rebook_bypass(self, key: str, plan: RoutePlan) -> None:
         """The remote prefill failed: the decode worker prefills the prompt itself."""

@@ -115,6 +115,11 @@ class _ShimCollector(Collector):
             "Events of a KV cache group kind kvswitch does not model, dropped",
             float(s.norm_stats.other_groups),
         )
+        yield _counter(
+            "kv_full_groups_folded",
+            "Full-attention KV cache groups past the first, folded into one chain (may over-credit)",
+            float(s.norm_stats.full_groups_folded),
+        )
         for name, value in sorted(transport.items()):
             yield _counter(f"kv_transport_{name}", f"The event transport's {name} counter", float(value))
 
@@ -126,6 +131,7 @@ class _ShimCollector(Collector):
         kvstate.add_metric(["batches"], float(k.kvstate_batches))
         kvstate.add_metric(["dump"], float(k.kvstate_dumps))
         kvstate.add_metric(["malformed"], float(k.malformed_requests))
+        kvstate.add_metric(["failed"], float(k.kvstate_failures))
         yield kvstate
         yield _counter(
             "load_reports", "LoadReports published since the shim started", float(self.shim.load_reports_sent)

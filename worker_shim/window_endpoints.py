@@ -109,8 +109,9 @@ class WindowEndpoints:
     def settle(self) -> tuple[list[int], list[int]]:
         """The ends gained and lost since the last call (canonical hashes). Each changed block's
         runs are computed again from its parent's (a changed parent first), and a block whose
-        runs moved passes the change to its children: at most the widest window deep, and
-        no deeper than the runs actually move."""
+        runs moved passes the change to its children, again if they were settled already (one
+        settled before an ancestor's change reached its parent): at most the widest window deep,
+        and no deeper than the runs actually move."""
         if not self._dirty:
             return [], []
         groups = list(self._groups.values())
@@ -118,8 +119,7 @@ class WindowEndpoints:
         order = list(queued)
         self._dirty.clear()
         done: set[int] = set()
-        gained: list[int] = []
-        lost: list[int] = []
+        flipped: dict[int, bool] = {}  # block -> an end now; one settled twice may flip back
         for first in order:  # grows as changes reach children
             stack = [first]
             while stack:
@@ -134,17 +134,19 @@ class WindowEndpoints:
                 done.add(block)
                 if self._rerun(groups, block, parent):
                     for child in self._children.get(block, ()):
-                        if child not in queued:
+                        if child not in queued or child in done:
                             queued[child] = None
+                            done.discard(child)
                             order.append(child)
                 ok = bool(groups) and all(g.runs.get(block, 0) >= g.need for g in groups)
-                if ok and block not in self.endpoints:
-                    self.endpoints.add(block)
-                    gained.append(block)
-                elif not ok and block in self.endpoints:
-                    self.endpoints.discard(block)
-                    lost.append(block)
-        return gained, lost
+                if ok != (block in self.endpoints):
+                    if ok:
+                        self.endpoints.add(block)
+                    else:
+                        self.endpoints.discard(block)
+                    if flipped.pop(block, None) is None:
+                        flipped[block] = ok
+        return [b for b, ok in flipped.items() if ok], [b for b, ok in flipped.items() if not ok]
 
     @staticmethod
     def _rerun(groups: list[_Group], block: int, parent: int | None) -> bool:

@@ -69,3 +69,17 @@ def test_a_prompt_routed_to_a_hybrid_worker_is_pending_up_to_where_it_ends(
         f.planner.refresh(ctx)
         credit.append(ctx.cached_tokens(ctx.decode_pool[0]))
     assert credit == [continues, diverges]
+
+
+def test_a_block_aligned_prompt_is_pending_where_vllm_caches_its_window() -> None:
+    # vLLM 0.32 caches the window before a prompt's last token (replay_boundaries): for 288 tokens,
+    # blocks 6 and 7, so a resend and a longer sibling both reuse 8 blocks, neither 0 nor 9.
+    f = Fleet(winfo("w", block_size=BS, sliding_window=64))
+    prompt = list(range(100, 388))  # 9 full blocks and no more; no KV event has come for it yet
+    assert f.planner.take(f.ctx(prompt, "r0")) is not None
+    credit = []
+    for tokens in (prompt, prompt + list(range(1000, 1040))):
+        ctx = f.ctx(tokens, "r1")
+        f.planner.refresh(ctx)
+        credit.append(ctx.cached_tokens(ctx.decode_pool[0]))
+    assert credit == [256, 256]

@@ -71,6 +71,8 @@ async def test_health_and_metrics_of_a_serving_shim(ns: str, nats_url: str, etcd
         assert m[("kvswitch_shim_kv_transport_replays_total", ())] >= 1  # the startup replay
         assert ("kvswitch_shim_kv_transport_gaps_total", ()) in m
         assert m[("kvswitch_shim_kv_other_group_events_total", ())] == 0  # the sim has one full-attention group
+        assert m[("kvswitch_shim_kv_full_groups_folded_total", ())] == 0
+        assert m[("kvswitch_shim_kvstate_requests_total", (("reply", "failed"),))] == 0
         assert m[("kvswitch_shim_registrations_total", ())] == 1
         assert m[("kvswitch_shim_session_failures_total", ())] == 0
         # The engine's load as the reports carry it (the Grafana dashboard charts these).

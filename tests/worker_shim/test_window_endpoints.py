@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -147,6 +147,25 @@ def test_a_group_kind_kvswitch_does_not_model_is_counted_and_named_once(caplog: 
     assert sum("'mamba'" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_second_full_attention_group_is_counted_and_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    # vLLM splits full attention into groups when it has 1.5x the layers of the smallest kind, and
+    # reuses a block only while every full group holds it; the shim folds them into one chain.
+    tokens, canon = _chain(9)
+    engine = list(range(700, 709))
+    norm = Normaliser(BS)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            norm.apply(
+                [
+                    _stored(engine[7:], tokens, WINDOW, 0, 2 * BS),
+                    _stored(engine, tokens, FULL, 1),
+                    _stored(engine, tokens, FULL, 2),
+                ]
+            )
+    assert norm.stats.full_groups_folded == 1 and norm.canonical_hashes() >= set(canon)
+    assert sum("group 2 is another full-attention group" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_a_removal_from_a_group_never_named_is_counted_not_applied() -> None:
     tokens, canon = _chain(1)
     norm = Normaliser(BS)
@@ -162,6 +181,49 @@ def test_a_reset_forgets_the_windows_and_a_dump_holds_the_ends() -> None:
     assert set(norm.dump()) == {canon[0], endpoint_key(canon[0])}
     norm.reset(exact=True)
     assert norm.dump() == [] and not norm.windows.endpoints
+
+
+# A window of 3 blocks and a token: a hit needs the 3 blocks ending there. Small ints iterate a set in
+# value order, so the chains below are named deepest-first: a set of changed blocks lists the child
+# before its ancestor.
+_NEED3 = 3 * BS + 1
+
+
+def test_an_end_settled_before_its_ancestor_was_evicted_is_lost() -> None:
+    b0, b1, b2 = 30, 20, 10
+    assert list({b0, b2}) == [b2, b0]
+    ends = WindowEndpoints()
+    ends.stored(0, _NEED3, BS, [(100, b0, None), (101, b1, b0), (102, b2, b1)])
+    assert set(ends.settle()[0]) == {b0, b1, b2}  # a prefix shorter than the window, from the root
+    # One engine step: b0 evicted, and b2's copy evicted and cached again by another request.
+    ends.removed(0, [100])
+    ends.removed(0, [102])
+    ends.stored(0, _NEED3, BS, [(102, b2, b1)])
+    gained, lost = ends.settle()
+    assert (gained, set(lost), ends.endpoints) == ([], {b0, b1, b2}, set())
+
+
+def test_an_end_settled_before_its_ancestor_was_cached_is_gained() -> None:
+    b0, b1, b2, b3 = 40, 30, 20, 10
+    assert list({b1, b3}) == [b3, b1]
+    ends = WindowEndpoints()
+    ends.stored(0, _NEED3, BS, [(100, b0, None), (102, b2, b1)])
+    assert ends.settle() == ([b0], [])
+    ends.stored(0, _NEED3, BS, [(101, b1, b0), (103, b3, b2)])
+    gained, lost = ends.settle()
+    assert (set(gained), lost, ends.endpoints) == ({b1, b2, b3}, [], {b0, b1, b2, b3})
+
+
+def test_an_end_gained_and_lost_in_one_settle_is_neither() -> None:
+    b0, b1, b2, b3 = 40, 30, 20, 10
+    assert list({b1, b3}) == [b3, b1]
+    ends = WindowEndpoints()
+    ends.stored(0, _NEED3, BS, [(100, b0, None), (101, b1, b0), (102, b2, b1)])
+    ends.settle()
+    ends.stored(0, _NEED3, BS, [(103, b3, b2)])  # its window (b1, b2, b3) held, for a moment
+    ends.removed(0, [101])
+    gained, lost = ends.settle()
+    assert (gained, set(lost), ends.endpoints) == ([], {b1, b2}, {b0})
 
 
 def _brute_ends(held: dict[int, set[int]], need: dict[int, int], parent: dict[int, int | None]) -> set[int]:
@@ -183,25 +245,36 @@ def _brute_ends(held: dict[int, set[int]], need: dict[int, int], parent: dict[in
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_incremental_ends_equal_the_rule_over_random_stores_and_evictions(seed: int) -> None:
+def _random_stores_and_evictions(seed: int, events: int, settle_p: float, name: Callable[[int], int]) -> None:
     rng = random.Random(seed)
     # A tree of 120 blocks: three prompts branching off one another, as chains of blocks do.
     parent: dict[int, int | None] = {}
     for b in range(1, 121):
-        parent[b] = None if b in (1, 50) else (b - 1 if b != 80 else 20)
+        parent[name(b)] = None if b in (1, 50) else name(b - 1 if b != 80 else 20)
     need = {0: 3, 1: 5}
     ends = WindowEndpoints()
     copies: dict[int, dict[int, int]] = {0: {}, 1: {}}
-    for _ in range(400):
-        g, b = rng.choice((0, 1)), rng.randint(1, 120)
+    for _ in range(events):
+        g, b = rng.choice((0, 1)), name(rng.randint(1, 120))
         if rng.random() < 0.6:
             ends.stored(g, need[g] * BS + 1, BS, [(b, b, parent[b])])
             copies[g][b] = copies[g].get(b, 0) + 1
         elif copies[g].get(b):
             assert ends.removed(g, [b]) == 0
             copies[g][b] -= 1
-        if rng.random() < 0.3:
+        if rng.random() < settle_p:
             ends.settle()
             held = {g: {b for b, n in c.items() if n} for g, c in copies.items() if c}
             assert ends.endpoints == _brute_ends(held, {g: need[g] for g in held}, parent)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_ends_equal_the_rule_over_random_stores_and_evictions(seed: int) -> None:
+    _random_stores_and_evictions(seed, 400, 0.3, lambda b: b)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_ends_equal_the_rule_when_children_settle_before_their_ancestors(seed: int) -> None:
+    # Blocks named so a set iterates children before parents, and many changes per settle (as a
+    # batch of a long prefill): a block may be settled before an ancestor's change reaches it.
+    _random_stores_and_evictions(seed, 1000, 0.05, lambda b: 1000 - b)
