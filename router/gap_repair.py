@@ -12,16 +12,22 @@ One loop per worker that needs repair, owned here:
         chunks = fetch(request)                      # every chunk, or None on failure
         ingest.repair_reply(...) or ingest.repair_failed(...)
 
+Waiting: each chunk may take `request_timeout_s` after the one before, and the first one that
+again per `BLOCKS_PER_WAIT` (2 M) blocks the worker may hold (`reply_limit`): 6 s at the defaults
+(2 s, 4 M). A shim copies its set and orders it as it sends (worker_shim.event_log), and may be
+answering another router's dump first (about a second per 4 M blocks). The whole reply may take
+`fetch_timeout_s`, plus `request_timeout_s` per `BLOCKS_PER_WAIT` dump blocks received.
 Failures (no responder yet, timeout, a reply that does not decode, NATS errors) back off
 exponentially from `retry_min_s` to `retry_max_s`. A failed decode asks for a full dump next,
-never the same `since_seq` again. So does a reply that breaks the bounds of one worker's answer: a
-batch naming another worker (it would rewrite that worker's entries), a dump of more blocks than
-the worker can hold (`RepairTarget.reply_limit`), more bytes than such a dump needs, or no final
-chunk within `fetch_timeout_s` (an endless reply, each chunk within the per-chunk timeout, would
-hold the repair and grow memory without end). The third consecutive failure of a worker is logged
-as an ERROR naming it, and then at most every `error_every_s` while it keeps failing; success after
-an ERROR is logged too. Meanwhile only that worker is out of routing (router.eligibility), never
-the fleet.
+never the same `since_seq` again; so does a timeout (a replay that cannot reach this router, e.g.
+over its NATS payload limit, must not be asked for again and again). So does a reply that breaks
+the bounds of one worker's answer: a batch naming another worker (it would rewrite that worker's
+entries), a dump of more blocks than the worker can hold (`RepairTarget.reply_limit`), more bytes
+than such a dump needs, or no final chunk in the whole reply's time (an endless reply, each chunk
+within the per-chunk timeout, would hold the repair and grow memory without end). The third
+consecutive failure of a worker is logged as an ERROR naming it, and then at most every
+`error_every_s` while it keeps failing; success after an ERROR is logged too. Meanwhile only that
+worker is out of routing (router.eligibility), never the fleet.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from protocol import check_hashes, hash_count, subjects
 from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
 
-__all__ = ["LIMIT_HINT", "FetchFailure", "GapRepair", "RepairTarget"]
+__all__ = ["BLOCKS_PER_WAIT", "LIMIT_HINT", "FetchFailure", "GapRepair", "RepairTarget"]
 
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"  # the status header of the empty reply NATS sends when nobody subscribes
@@ -54,6 +60,7 @@ ERROR_AFTER = 3
 _REPLY_BYTES_PER_BLOCK = 32
 _MIN_REPLY_BYTES = 64 << 20
 _REPLIES_BYTES_LIMIT = 1 << 30
+BLOCKS_PER_WAIT = 1 << 21  # a dump's blocks a shim copies, orders and sends in far less than 2 s
 # What an operator does for an honest worker past its bound (router.kv_ingest): said with the refusal.
 LIMIT_HINT = (
     "if the worker is honest (a CPU or disk KV tier holds more than its GPU blocks), "
@@ -62,10 +69,12 @@ LIMIT_HINT = (
 
 
 class FetchFailure(Exception):
-    """A kvstate request that got no complete, valid answer. `malformed`: the reply did not decode."""
+    """A kvstate request that got no complete, valid answer. `malformed`: the reply did not decode;
+    `timed_out`: it did not come whole in time."""
 
-    def __init__(self, why: str, *, malformed: bool = False) -> None:
+    def __init__(self, why: str, *, malformed: bool = False, timed_out: bool = False) -> None:
         self.malformed = malformed
+        self.timed_out = timed_out
         super().__init__(why)
 
 
@@ -177,7 +186,7 @@ class GapRepair:
             loop.last_error_log = now
             log.error(
                 "KV state of worker %s cannot be repaired (%d failures in a row, last: %s); it stays out of "
-                "routing until its shim answers %s",
+                "routing until a request on %s gets a complete answer (see its shim's log)",
                 worker,
                 loop.failures,
                 failure,
@@ -197,7 +206,11 @@ class GapRepair:
         sub: Subscription | None = None
         limit = self._target.reply_limit(worker)
         budget = _ReplyBudget(limit, max(_MIN_REPLY_BYTES, _REPLY_BYTES_PER_BLOCK * limit))
-        deadline = self._clock() + self.fetch_timeout_s
+        per_block = self.request_timeout_s / BLOCKS_PER_WAIT  # see the module docstring
+        slack = per_block * limit  # for the first chunk
+        start = self._clock()
+        deadline = start + self.fetch_timeout_s
+        wait = self.request_timeout_s + slack
         held = 0  # of self.reply_bytes, this reply's
         try:
             sub = await self._nc.subscribe(inbox)
@@ -205,8 +218,9 @@ class GapRepair:
             while True:
                 left = deadline - self._clock()
                 if left <= 0:
-                    raise self._endless()
-                msg = await sub.next_msg(timeout=min(self.request_timeout_s, left))
+                    raise _endless(deadline - start)
+                wait = self.request_timeout_s + (0.0 if chunks else slack)
+                msg = await sub.next_msg(timeout=min(wait, left))
                 if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
                     raise FetchFailure("nobody answers (the shim may be starting)")
                 budget.take_bytes(len(msg.data))
@@ -216,14 +230,15 @@ class GapRepair:
                 held += len(msg.data)
                 chunk = decode_msg(msg.data, KvStateChunk)
                 _check_chunk(worker, chunk, len(chunks), chunks[0].epoch if chunks else chunk.epoch)
-                budget.take_blocks(chunk)
+                deadline += per_block * budget.take_blocks(chunk)
                 chunks.append(chunk)
                 if chunk.final:
                     return chunks
         except TimeoutError:  # nats.errors.TimeoutError is one
             if self._clock() >= deadline:
-                raise self._endless() from None
-            raise FetchFailure(f"no complete answer within {self.request_timeout_s:.1f}s") from None
+                raise _endless(deadline - start) from None
+            seen = f"{len(chunks)} chunks, then none" if chunks else "no reply"
+            raise FetchFailure(f"{seen} within {wait:.1f}s", timed_out=True) from None
         except ProtocolError as exc:
             raise FetchFailure(f"bad reply: {exc}", malformed=True) from None
         except nats.errors.Error as exc:  # reconnecting, draining: try again later
@@ -234,8 +249,9 @@ class GapRepair:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
 
-    def _endless(self) -> FetchFailure:
-        return FetchFailure(f"bad reply: no final chunk within {self.fetch_timeout_s:g}s", malformed=True)
+
+def _endless(seconds: float) -> FetchFailure:
+    return FetchFailure(f"bad reply: no final chunk within {seconds:g}s", malformed=True)
 
 
 def _check_chunk(worker: str, chunk: KvStateChunk, index: int, epoch: int) -> None:
@@ -268,7 +284,10 @@ class _ReplyBudget:
         if self.bytes < 0:
             raise ProtocolError("KvStateChunk", "the reply is larger than any state the worker can hold")
 
-    def take_blocks(self, chunk: KvStateChunk) -> None:
-        self.blocks -= hash_count(chunk.hashes)
+    def take_blocks(self, chunk: KvStateChunk) -> int:
+        """The chunk's dump blocks."""
+        n = hash_count(chunk.hashes)
+        self.blocks -= n
         if self.blocks < 0:
             raise ProtocolError("KvStateChunk", f"the dump holds more blocks than the worker can hold; {LIMIT_HINT}")
+        return n

@@ -545,6 +545,8 @@ class KvIngest:
             state.want_dump = True  # never the same since_seq again
         else:
             self.stats.repair_timeouts += 1
+            # A replay that timed out may never get through (over NATS's max_payload): not again.
+            state.want_dump = state.want_dump or failure.timed_out
 
     def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None:
         state = self._workers.get(worker)

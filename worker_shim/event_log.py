@@ -3,30 +3,52 @@
 One `EventLog` per (worker, epoch): `seal()` stamps the next seq (1, 2, ...) on a batch, keeps it
 in a ring of `ring_size` batches and folds it into `digest` (so the digest is always as of `seq`).
 `reply()` answers a KvStateRequest: the missed batches when the request names this epoch and the
-ring still holds everything after `since_seq`, else a full dump of the canonical set as of the
-last sealed seq, parent-first, in chunks that fit a NATS payload.
-Synchronous: the caller seals pending events and builds the reply without awaiting in between, so a
-dump and its seq always agree.
+ring still holds everything after `since_seq` (each of them fitting a chunk), else a full dump of
+the canonical set as of the last sealed seq, parent-first.
+Every chunk fits the connection's `max_payload` in encoded bytes: sized by upper bounds of what
+msgpack spends (`event_bytes`, `batch_bytes`), never by a count of hashes.
+`reply()` is synchronous in what it takes: the caller seals pending events and calls it without
+awaiting in between, so a reply and its seq always agree. It takes the missed batches, or the dump's
+copy of the set, at once, and builds the chunks as they are drawn, so a large dump can be sent in
+pieces while the loop runs.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
-from protocol import KvEvent, KvEventBatch, KvStateChunk, KvStateRequest, Removed, Stored
+from protocol import Cleared, KvEvent, KvEventBatch, KvStateChunk, KvStateRequest, hash_count
 from worker_shim.kv_digest import KvDigest
 
-__all__ = ["DUMP_CHUNK_HASHES", "RING_SIZE", "EventLog"]
+__all__ = ["MIN_PAYLOAD", "NATS_PAYLOAD", "RING_SIZE", "EventLog", "batch_bytes", "event_bytes"]
 
 RING_SIZE = 4096
-DUMP_CHUNK_HASHES = 20_000  # 20k msgpack uint64s ~ 180 kB, well under NATS's 1 MB default payload
-_REPLY_CHUNK_HASHES = 20_000
+# What msgpack (protocol.encode_msg) spends at most beside the variable parts, every field present:
+# a KvStateChunk ~105 B and a KvEventBatch ~76 B besides their worker's name, a Stored ~53 B besides
+# its medium's name (Removed and Cleared less); and 8 B a hash, packed (protocol.pack_chunk).
+_CHUNK_BYTES = 128
+_BATCH_BYTES = 96
+_EVENT_BYTES = 64
+_HASH_BYTES = 8
+MIN_PAYLOAD = 4096
+"""The least NATS max_payload a shim runs with: a kvstate chunk then holds ~480 hashes."""
+NATS_PAYLOAD = 1 << 20  # nats-server's default max_payload
 
 
-def _weight(batch: KvEventBatch) -> int:
-    return 1 + sum(len(e.hashes) if isinstance(e, Stored | Removed) else 1 for e in batch.events)
+def event_bytes(ev: KvEvent) -> int:
+    """At most what `ev` takes in an encoded batch, its hashes packed."""
+    if isinstance(ev, Cleared):
+        return _EVENT_BYTES
+    medium = len(ev.medium.encode()) if ev.medium else 0
+    return _EVENT_BYTES + medium + _HASH_BYTES * hash_count(ev.hashes)
+
+
+def batch_bytes(worker: str, events: Iterable[KvEvent] = ()) -> int:
+    """At most what a KvEventBatch of `worker` holding `events` takes encoded."""
+    return _BATCH_BYTES + len(worker.encode()) + sum(event_bytes(ev) for ev in events)
 
 
 class EventLog:
@@ -36,13 +58,21 @@ class EventLog:
         self.seq = 0
         self.digest = KvDigest()
         self._ring: deque[KvEventBatch] = deque(maxlen=ring_size)
+        self._sizes: deque[int] = deque(maxlen=ring_size)  # batch_bytes of each batch in the ring
+        self._chunk_bytes = _CHUNK_BYTES + len(worker.encode())
 
-    def seal(self, events: list[KvEvent], ts: float | None = None) -> KvEventBatch:
+    def batch_room(self, max_payload: int) -> int:
+        """The most bytes a batch may take: it then fits a payload alone, and in a replay chunk."""
+        return max_payload - self._chunk_bytes
+
+    def seal(self, events: list[KvEvent], ts: float | None = None, size: int | None = None) -> KvEventBatch:
+        """`size`: batch_bytes of the events, when the caller has it."""
         self.seq += 1
         batch = KvEventBatch(
             worker=self.worker, epoch=self.epoch, seq=self.seq, ts=time.time() if ts is None else ts, events=events
         )
         self._ring.append(batch)
+        self._sizes.append(batch_bytes(self.worker, events) if size is None else size)
         self.digest.apply(events)
         return batch
 
@@ -55,42 +85,49 @@ class EventLog:
         first = self._ring[0].seq
         return list(self._ring)[since_seq + 1 - first :]
 
-    def reply(self, req: KvStateRequest, dump: Callable[[], Sequence[int]]) -> list[KvStateChunk]:
-        """The chunks answering `req`; `dump()` gives the canonical set parent-first (called only if needed)."""
+    def reply(
+        self, req: KvStateRequest, dump: Callable[[], Iterable[int]], max_payload: int = NATS_PAYLOAD
+    ) -> Iterator[KvStateChunk]:
+        """The chunks answering `req`, each at most `max_payload` bytes encoded (the connection's).
+        `dump()` gives the canonical set parent-first (called only if needed, at once: it must take
+        the set as it is now); the chunks are built as they are drawn. A missed batch too large for
+        a chunk (the payload limit shrank since it was sealed) is answered with a dump."""
+        room = self.batch_room(max_payload)
         missed = self.since(req.since_seq) if req.epoch == self.epoch and req.since_seq >= 0 else None
         if missed is not None:
-            return self._batch_chunks(missed)
-        return self._dump_chunks(dump())
+            sizes = list(self._sizes)[len(self._sizes) - len(missed) :]
+            if all(size <= room for size in sizes):
+                return self._batch_chunks(missed, sizes, self.seq, room)
+        per_chunk = max(1, (max_payload - self._chunk_bytes) // _HASH_BYTES)
+        return self._dump_chunks(iter(dump()), self.seq, per_chunk)
 
-    def _batch_chunks(self, batches: list[KvEventBatch]) -> list[KvStateChunk]:
-        chunks: list[KvStateChunk] = []
+    def _batch_chunks(
+        self, batches: list[KvEventBatch], sizes: list[int], seq: int, room: int
+    ) -> Iterator[KvStateChunk]:
+        index = 0
         cur: list[KvEventBatch] = []
-        weight = 0
-        for b in batches:
-            w = _weight(b)
-            if cur and weight + w > _REPLY_CHUNK_HASHES:
-                chunks.append(self._chunk(len(chunks), batches=cur, final=False))
-                cur, weight = [], 0
+        taken = 0
+        for b, size in zip(batches, sizes, strict=True):
+            if cur and taken + size > room:
+                yield self._chunk(index, seq, batches=cur, final=False)
+                index, cur, taken = index + 1, [], 0
             cur.append(b)
-            weight += w
-        chunks.append(self._chunk(len(chunks), batches=cur, final=True))
-        return chunks
+            taken += size
+        yield self._chunk(index, seq, batches=cur, final=True)
 
-    def _dump_chunks(self, hashes: Sequence[int]) -> list[KvStateChunk]:
-        n = max(1, -(-len(hashes) // DUMP_CHUNK_HASHES))
-        return [
-            self._chunk(
-                i,
-                dump=True,
-                hashes=list(hashes[i * DUMP_CHUNK_HASHES : (i + 1) * DUMP_CHUNK_HASHES]),
-                final=i == n - 1,
-            )
-            for i in range(n)
-        ]
+    def _dump_chunks(self, hashes: Iterator[int], seq: int, per_chunk: int) -> Iterator[KvStateChunk]:
+        index = 0
+        cur = list(itertools.islice(hashes, per_chunk))
+        for first in hashes:  # more follow: `cur` is not the final chunk
+            yield self._chunk(index, seq, dump=True, hashes=cur, final=False)
+            index += 1
+            cur = [first, *itertools.islice(hashes, per_chunk - 1)]
+        yield self._chunk(index, seq, dump=True, hashes=cur, final=True)
 
     def _chunk(
         self,
         index: int,
+        seq: int,
         *,
         batches: list[KvEventBatch] | None = None,
         dump: bool = False,
@@ -100,7 +137,7 @@ class EventLog:
         return KvStateChunk(
             worker=self.worker,
             epoch=self.epoch,
-            seq=self.seq,
+            seq=seq,
             batches=batches or [],
             dump=dump,
             hashes=hashes or [],

@@ -1,10 +1,15 @@
 """Publishes canonical KV events on `{ns}.kv.{worker}` and answers `{ns}.kvstate.{worker}`.
 
-Coalescing: events wait at most `COALESCE_S` (5 ms) or until `MAX_EVENTS` (256) events or
-`MAX_HASHES` hashes are pending, then become one KvEventBatch with the next seq. Batches leave in
-seq order from one task, their hashes packed (protocol.packed). A kvstate request first seals what
-is pending, then builds its reply from the ring or the normaliser's dump without awaiting, so the
-dump is exactly the state as of its seq.
+Coalescing: events wait at most `COALESCE_S` (5 ms) or until `MAX_EVENTS` (256) events,
+`MAX_HASHES` hashes or the bytes of a NATS payload are pending, then become one KvEventBatch with
+the next seq. Batches leave in seq order from one task, their hashes packed (protocol.packed).
+Sizes are in encoded bytes, from the connection's `max_payload` (worker_shim.event_log): a batch
+fits a payload alone and in a replay chunk; an event too large for one is split.
+A kvstate request first seals what is pending, then takes its reply (the missed batches, or a copy
+of the normaliser's set) without awaiting, so a dump is exactly the state as of its seq; the
+chunks are then built and sent one by one, the loop running between them (a dump of millions of
+blocks takes about a second to order). A reply NATS refuses as over its payload limit (the server
+changed under the connection) is answered with a dump instead when nothing of it went out yet.
 
 Digest: each batch carries, from its seal, the KvDigest as of its seq; once the batch has been
 handed to NATS, `digest()` returns that one. NATS keeps one connection's messages in order, so a
@@ -19,11 +24,14 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import MaxPayloadError
 
 from protocol import (
+    ConfigError,
     KvEvent,
     KvEventBatch,
     KvStateRequest,
@@ -32,20 +40,33 @@ from protocol import (
     Stored,
     decode_msg,
     encode_msg,
+    hash_count,
     pack_batch,
     pack_chunk,
     subjects,
+    unpack_hashes,
 )
 from runtime import background
-from worker_shim.event_log import EventLog
+from worker_shim.event_log import MIN_PAYLOAD, EventLog, batch_bytes, event_bytes
 from worker_shim.normaliser import Normaliser
 
-__all__ = ["COALESCE_S", "MAX_EVENTS", "KvDigestAt", "KvPublisher", "PublisherCounters"]
+__all__ = ["COALESCE_S", "MAX_EVENTS", "KvDigestAt", "KvPublisher", "PublisherCounters", "check_payload"]
 
 log = logging.getLogger(__name__)
 COALESCE_S = 0.005
 MAX_EVENTS = 256
 MAX_HASHES = 20_000
+
+
+def check_payload(max_payload: int, servers: list[str]) -> None:
+    """ConfigError unless the NATS server's max_payload leaves room for useful kvstate chunks."""
+    if max_payload < MIN_PAYLOAD:
+        raise ConfigError(
+            "nats_servers",
+            servers,
+            f"the server's max_payload is {max_payload} bytes, under the {MIN_PAYLOAD} a shim needs for its "
+            "KV state replies: raise max_payload in the nats-server configuration",
+        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +87,7 @@ class PublisherCounters:
     send_failures: int = 0
     kvstate_batches: int = 0
     kvstate_dumps: int = 0
+    kvstate_failures: int = 0  # replies NATS refused (counted once each, not as batches or dumps)
     malformed_requests: int = 0
 
 
@@ -89,6 +111,8 @@ class KvPublisher:
         self._published = KvDigestAt(epoch, 0, 0, 0)
         self._pending: list[KvEvent] = []
         self._pending_hashes = 0
+        self._empty_batch = batch_bytes(worker)
+        self._pending_bytes = self._empty_batch
         self._outbox: deque[tuple[KvEventBatch, KvDigestAt]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -122,22 +146,46 @@ class KvPublisher:
                 await task
 
     def add(self, events: list[KvEvent]) -> None:
-        """Queue events; a batch is sealed before it would pass MAX_EVENTS or MAX_HASHES, so a large
-        addition (a whole cache's snapshot at registration) becomes several batches that each fit a
-        NATS payload."""
+        """Queue events; a batch is sealed before it would pass MAX_EVENTS, MAX_HASHES or the bytes
+        a batch may take (EventLog.batch_room), so a large addition (a whole cache's snapshot at
+        registration) becomes several batches that each fit a NATS payload; an event larger than a
+        batch may take is split."""
         if not events:
             return
-        pending = self._pending
-        for ev in events:
-            n = len(ev.hashes) if isinstance(ev, Stored | Removed) else 1
-            if pending and (len(pending) >= MAX_EVENTS or self._pending_hashes + n > MAX_HASHES):
-                self.seal()
+        room = self.log.batch_room(self.nc.max_payload)
+        for event in events:
+            size = event_bytes(event)
+            for ev in (event,) if self._empty_batch + size <= room else self._split(event, room):
+                if ev is not event:
+                    size = event_bytes(ev)
+                n = hash_count(ev.hashes) if isinstance(ev, Stored | Removed) else 1
                 pending = self._pending
-            pending.append(ev)
-            self._pending_hashes += n
-        if len(pending) >= MAX_EVENTS or self._pending_hashes >= MAX_HASHES:
+                if pending and (
+                    len(pending) >= MAX_EVENTS
+                    or self._pending_hashes + n > MAX_HASHES
+                    or self._pending_bytes + size > room
+                ):
+                    self.seal()
+                self._pending.append(ev)
+                self._pending_hashes += n
+                self._pending_bytes += size
+        if len(self._pending) >= MAX_EVENTS or self._pending_hashes >= MAX_HASHES:
             self.seal()
         self._wake.set()
+
+    def _split(self, ev: KvEvent, room: int) -> list[KvEvent]:
+        """`ev` as events of as many hashes as a batch of one may take (one at least); a Stored
+        piece's parent is the last hash of the piece before."""
+        if not isinstance(ev, Stored | Removed):
+            return [ev]
+        hashes = unpack_hashes(ev.hashes)
+        framing = event_bytes(ev) - 8 * len(hashes)
+        per = max(1, (room - self._empty_batch - framing) // 8)
+        pieces = [hashes[i : i + per] for i in range(0, len(hashes), per)]
+        if isinstance(ev, Removed):
+            return [msgspec.structs.replace(ev, hashes=p) for p in pieces]
+        parents = [ev.parent] + [p[-1] for p in pieces[:-1]]
+        return [msgspec.structs.replace(ev, hashes=p, parent=q) for p, q in zip(pieces, parents, strict=True)]
 
     def digest(self) -> KvDigestAt:
         """The digest as of the last batch handed to NATS."""
@@ -146,10 +194,11 @@ class KvPublisher:
     def seal(self) -> None:
         if self._pending:
             log_ = self.log
-            batch = log_.seal(self._pending)
+            batch = log_.seal(self._pending, size=self._pending_bytes)
             self._outbox.append((batch, KvDigestAt(log_.epoch, batch.seq, log_.digest.blocks, log_.digest.xor)))
             self._pending = []
             self._pending_hashes = 0
+            self._pending_bytes = self._empty_batch
 
     async def _send_outbox(self) -> None:
         while self._outbox:
@@ -181,11 +230,28 @@ class KvPublisher:
             self.counters.malformed_requests += 1
             log.warning("ignoring malformed kvstate request: %s", exc)
             return
-        self.seal()
-        chunks = self.log.reply(req, self.normaliser.dump)
-        if chunks[0].dump:
-            self.counters.kvstate_dumps += 1
-        else:
-            self.counters.kvstate_batches += 1
-        for chunk in chunks:
-            await self.nc.publish(msg.reply, encode_msg(pack_chunk(chunk)))
+        for request in (req, KvStateRequest()):  # the second, a dump: NATS refused the first whole
+            self.seal()
+            sent, dump = 0, False
+            try:
+                for chunk in self.log.reply(request, self.normaliser.dump_lazily, self.nc.max_payload):
+                    await self.nc.publish(msg.reply, encode_msg(pack_chunk(chunk)))
+                    sent, dump = sent + 1, chunk.dump
+                    await asyncio.sleep(0)  # building the next chunk of a dump takes a while: let the loop run
+            except NatsError as exc:
+                self.counters.kvstate_failures += 1
+                again = isinstance(exc, MaxPayloadError) and not sent and request is req
+                log.warning(
+                    "answering a kvstate request failed after %d chunks (%s); %s",
+                    sent,
+                    exc,
+                    "answering with a full dump" if again else "the router will ask again",
+                )
+                if again:
+                    continue
+                return
+            if dump:
+                self.counters.kvstate_dumps += 1
+            else:
+                self.counters.kvstate_batches += 1
+            return

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
-from protocol import KvStateChunk, KvStateRequest, Stored, decode_msg, encode_msg
-from worker_shim.event_log import DUMP_CHUNK_HASHES, RING_SIZE, EventLog
+from protocol import (
+    Cleared,
+    KvEvent,
+    KvStateChunk,
+    KvStateRequest,
+    Removed,
+    Stored,
+    decode_msg,
+    encode_msg,
+    pack_batch,
+    pack_chunk,
+)
+from worker_shim.event_log import RING_SIZE, EventLog, batch_bytes
+
+PAYLOAD = 1 << 20  # NATS's default max_payload
 
 
 def filled(n: int, ring: int = RING_SIZE) -> EventLog:
@@ -19,48 +32,70 @@ def test_seq_starts_at_one_and_increments_by_one() -> None:
 
 
 def test_reply_within_the_ring_sends_the_missed_batches_in_order() -> None:
-    chunks = filled(10).reply(KvStateRequest(since_seq=6, epoch=7), lambda: [999])
+    chunks = list(filled(10).reply(KvStateRequest(since_seq=6, epoch=7), lambda: [999], PAYLOAD))
     assert len(chunks) == 1 and chunks[0].final and not chunks[0].dump
     assert [b.seq for b in chunks[0].batches] == [7, 8, 9, 10] and chunks[0].seq == 10
 
 
 def test_reply_when_up_to_date_is_one_empty_final_chunk() -> None:
-    chunks = filled(4).reply(KvStateRequest(since_seq=4, epoch=7), lambda: [])
+    chunks = list(filled(4).reply(KvStateRequest(since_seq=4, epoch=7), lambda: [], PAYLOAD))
     assert len(chunks) == 1 and chunks[0].final and chunks[0].batches == [] and not chunks[0].dump
 
 
 def test_a_gap_older_than_the_ring_gets_a_dump_as_of_the_last_seq() -> None:
     log = filled(RING_SIZE + 5)
-    chunks = log.reply(KvStateRequest(since_seq=2, epoch=7), lambda: [1, 2, 3])
+    chunks = list(log.reply(KvStateRequest(since_seq=2, epoch=7), lambda: [1, 2, 3], PAYLOAD))
     assert [(c.dump, c.seq, c.hashes, c.final) for c in chunks] == [(True, RING_SIZE + 5, [1, 2, 3], True)]
-    assert log.reply(KvStateRequest(since_seq=5, epoch=7), lambda: [])[0].batches[0].seq == 6
+    assert next(log.reply(KvStateRequest(since_seq=5, epoch=7), lambda: [], PAYLOAD)).batches[0].seq == 6
 
 
 def test_another_epoch_or_none_gets_a_dump() -> None:
     log = filled(3)
-    assert log.reply(KvStateRequest(since_seq=1, epoch=8), lambda: [5])[0].dump
-    assert log.reply(KvStateRequest(since_seq=1), lambda: [5])[0].dump
+    assert next(log.reply(KvStateRequest(since_seq=1, epoch=8), lambda: [5], PAYLOAD)).dump
+    assert next(log.reply(KvStateRequest(since_seq=1), lambda: [5], PAYLOAD)).dump
 
 
 def test_an_empty_dump_is_still_one_final_chunk() -> None:
-    (chunk,) = filled(0).reply(KvStateRequest(), lambda: [])
+    (chunk,) = filled(0).reply(KvStateRequest(), lambda: [], PAYLOAD)
     assert chunk.dump and chunk.final and chunk.hashes == [] and chunk.seq == 0 and chunk.chunk == 0
 
 
 def test_large_dumps_are_chunked_in_order_and_fit_a_nats_payload() -> None:
-    hashes = [2**64 - 1 - i for i in range(2 * DUMP_CHUNK_HASHES + 3)]
-    chunks = filled(1).reply(KvStateRequest(), lambda: hashes)
+    hashes = [2**64 - 1 - i for i in range(2 * (PAYLOAD // 8) + 3)]  # a chunk holds a bit under PAYLOAD // 8
+    chunks = list(filled(1).reply(KvStateRequest(), lambda: hashes, PAYLOAD))
     assert [c.chunk for c in chunks] == [0, 1, 2] and [c.final for c in chunks] == [False, False, True]
     assert [h for c in chunks for h in c.hashes] == hashes
     for c in chunks:
         raw = encode_msg(c)
-        assert len(raw) < 1_000_000 and decode_msg(raw, KvStateChunk) == c
+        assert len(encode_msg(pack_chunk(c))) <= PAYLOAD and decode_msg(raw, KvStateChunk) == c
 
 
 def test_large_batch_replies_are_chunked() -> None:
     log = EventLog("w1", 7)
     for i in range(5):
         log.seal([Stored(hashes=list(range(i * 10_000, (i + 1) * 10_000)))])
-    chunks = log.reply(KvStateRequest(since_seq=0, epoch=7), lambda: [])
+    chunks = list(log.reply(KvStateRequest(since_seq=0, epoch=7), lambda: [], 200_000))
     assert len(chunks) > 1 and chunks[-1].final and not any(c.final for c in chunks[:-1])
+    assert max(len(encode_msg(pack_chunk(c))) for c in chunks) <= 200_000
     assert [b.seq for c in chunks for b in c.batches] == [1, 2, 3, 4, 5]
+
+
+def test_the_byte_bounds_hold_whatever_the_framing() -> None:
+    # The largest values of each field: long names, 64-bit hashes, epochs and seqs, a medium.
+    for worker in ("w", "w" * 300):
+        log = EventLog(worker, epoch=2**63 - 1)
+        log.seq = 2**63 - 2
+        chunk_framing = PAYLOAD - log.batch_room(PAYLOAD)
+        cases: list[list[KvEvent]] = [
+            [Stored(hashes=[2**64 - 1], parent=2**64 - 1, medium="STORAGE" * 40)],
+            [Stored(hashes=[2**64 - 1 - i for i in range(1000)], parent=None)] * 3,
+            [Removed(hashes=[2**64 - 1], medium="CPU"), Cleared(), Removed(hashes=[])],
+        ]
+        for events in cases:
+            batch = log.seal(events, ts=-1.5e300)
+            bound = batch_bytes(worker, events)
+            assert len(encode_msg(pack_batch(batch))) <= bound
+            (chunk,) = log.reply(KvStateRequest(since_seq=log.seq - 1, epoch=log.epoch), lambda: [], PAYLOAD)
+            assert chunk.batches == [batch] and len(encode_msg(pack_chunk(chunk))) <= chunk_framing + bound
+        (dump,) = log.reply(KvStateRequest(), lambda: [2**64 - 1] * 100, PAYLOAD)
+        assert len(encode_msg(pack_chunk(dump))) <= chunk_framing + 8 * 100
