@@ -5,7 +5,8 @@ around its real prefixes without anyone knowing. So each way events can go missi
 logged at ERROR once per occurrence with the fix, and turns `ok` false (registered as
 WorkerInfo.events_ok and sent in every LoadReport) until events flow:
 
-- NO_CONNECTION (the event transport says so): the event socket has no peer for `timeout_s`.
+- NO_CONNECTION (the event transport says so): the event socket has no peer for `timeout_s`
+  (at WARNING where it had one: the engine is restarting, most likely).
 - WRONG_TOPIC (the event transport says so): the engine's replay socket shows frames under another
   topic than the configured one; the live socket, filtering by topic, shows nothing at all.
 - NO_STORED (the shim says so): a served request whose prompt had at least one full uncached
@@ -16,7 +17,18 @@ WorkerInfo.events_ok and sent in every LoadReport) until events flow:
   any later one's Stored would satisfy it too, so a busy worker costs one timer, and the next
   request served after a check is watched again.
 
+A prompt the engine served from its cache stores nothing, and the shim's index can miss it (the
+shim restarted beside a warm engine): the engine's prefix reuse counter (`hits`, read with the load
+polls) rising by the prompt's reusable blocks between a reading asked before the request started
+and the judgement counts as served from the cache, not as lost events. Other requests' hits in the
+same window count too, so a busy worker's check can be hidden; the next request watched re-checks.
+
 Live events (not replayed ones) clear NO_STORED and WRONG_TOPIC; a connection clears NO_CONNECTION.
+NO_STORED, which withholds the very traffic whose events would clear it, also ends on a connection
+(a restarted engine, maybe fixed) or a Stored from the replay socket; and after `retest_s` without
+either it is lifted with a WARNING, so the next request watched judges the worker again. One
+episode (until events are seen to flow) logs its ERROR and that WARNING once: an engine that really
+publishes nothing costs about one judgement's traffic per `retest_s`.
 `on_change` is called whenever `ok` or `why` changes. Synchronous; expectations are loop timers,
 cancelled by `close()`.
 """
@@ -26,11 +38,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections import deque
 from collections.abc import Callable
 
 __all__ = ["EventHealth", "EventProblem"]
 
 log = logging.getLogger(__name__)
+RETEST_TIMEOUTS = 12  # `retest_s` in events timeouts: 60 s by default
+HITS_KEPT = 256  # readings of the engine's reuse counter kept: a minute at the load polls' 0.25 s
 
 
 class EventProblem(enum.Enum):
@@ -41,16 +56,23 @@ class EventProblem(enum.Enum):
 
 
 class EventHealth:
-    def __init__(self, timeout_s: float = 5.0) -> None:
+    def __init__(self, timeout_s: float = 5.0, *, retest_s: float | None = None) -> None:
         self.timeout_s = timeout_s
+        self.retest_s = RETEST_TIMEOUTS * timeout_s if retest_s is None else retest_s
         self.problems: dict[EventProblem, str] = {}
         self.live_batches = 0
         self.live_stored = 0
         self.reported = 0
+        self.retests = 0  # NO_STORED lifted for want of evidence either way
         self.silent = asyncio.Event()
         self.on_change: Callable[[], None] = lambda: None
         self.holds: Callable[[int], bool] = lambda _h: False
         self._timers: set[asyncio.TimerHandle] = set()
+        self._episode = False  # NO_STORED was raised and nothing has shown events flow since
+        self._lifts = 0  # ... and lifted for a retest this many times
+        self._retest: asyncio.TimerHandle | None = None
+        self._hits: deque[tuple[float, int]] = deque(maxlen=HITS_KEPT)  # (asked, the reuse counter)
+        self._hits_run = 0  # bumped whenever the counter starts over
 
     @property
     def ok(self) -> bool:
@@ -60,18 +82,29 @@ class EventHealth:
     def why(self) -> str:
         return "; ".join(self.problems.values())
 
-    def problem(self, kind: EventProblem, message: str) -> None:
+    def problem(self, kind: EventProblem, message: str, level: int = logging.ERROR) -> None:
         if self.problems.get(kind) == message:
             return
         self.problems[kind] = message
-        self.reported += 1
-        log.error("KV events: %s", message)
         if kind is EventProblem.NO_STORED:
             self.silent.set()
+            self._retest_later()
+            again, self._episode = self._episode, True
+            if again:  # judged again after a retest, still nothing: its ERROR went out already
+                log.info("KV events: still %s", message)
+                self.on_change()
+                return
+        self.reported += 1
+        log.log(level, "KV events: %s", message)
         self.on_change()
 
     def resolved(self, *kinds: EventProblem) -> None:
         gone = [k for k in kinds if self.problems.pop(k, None) is not None]
+        if EventProblem.NO_STORED in kinds and self._episode:
+            self._episode, self._lifts = False, 0
+            self._cancel_retest()
+            if EventProblem.NO_STORED not in gone:
+                log.info("KV events flow again (no_stored, lifted for a retest, resolved)")
         if EventProblem.NO_STORED in gone:
             self.silent.clear()
         if gone:
@@ -85,14 +118,38 @@ class EventHealth:
             self.live_stored += 1
         self.resolved(EventProblem.NO_STORED, EventProblem.WRONG_TOPIC, EventProblem.WRONG_RANK)
 
-    def expect_stored(self, block_hash: int, request_id: str, blocks: int) -> None:
-        """A request was served whose prompt had `blocks` full uncached blocks, the last `block_hash`."""
+    def replayed(self, stored: bool) -> None:
+        """A batch came from the replay socket; one with a Stored shows the engine publishes."""
+        if stored:
+            self.resolved(EventProblem.NO_STORED)
+
+    def hits(self, asked: float, reused: int | None) -> None:
+        """The engine's cumulative prefix reuse counter (tokens), from a load poll asked at `asked`
+        (time.monotonic()); None: it has none, or the poll failed."""
+        kept = self._hits
+        if reused is None or (kept and reused < kept[-1][1]):
+            kept.clear()  # no counter, or it started over (the engine restarted)
+            self._hits_run += 1
+        if reused is not None:
+            kept.append((asked, reused))
+
+    def expect_stored(
+        self, block_hash: int, request_id: str, blocks: int, *, since: float | None = None, hit: int = 0
+    ) -> None:
+        """A request was served whose prompt had `blocks` full uncached blocks, the last `block_hash`;
+        it started at `since` (time.monotonic()), and the engine counts `hit` tokens of reuse when it
+        finds the whole prompt cached."""
         if self._timers:
             return
         seen = self.live_stored
+        before = [n for at, n in self._hits if since is not None and at <= since]
+        base, run = (before[-1] if before and hit > 0 else None), self._hits_run
+
+        def from_cache() -> bool:
+            return base is not None and run == self._hits_run and self._hits[-1][1] - base >= hit
 
         def stored() -> bool:
-            return self.live_stored > seen or self.holds(block_hash)
+            return self.live_stored > seen or self.holds(block_hash) or from_cache()
 
         def look() -> None:
             # Late is not lost: a loaded host can hold a live batch past the timeout. Ask the
@@ -129,7 +186,36 @@ class EventHealth:
         handle = asyncio.get_running_loop().call_later(self.timeout_s, fire)
         self._timers.add(handle)
 
+    def _retest_later(self) -> None:
+        self._cancel_retest()
+        self._retest = asyncio.get_running_loop().call_later(self.retest_s, self._lift)
+
+    def _cancel_retest(self) -> None:
+        if self._retest is not None:
+            self._retest.cancel()
+            self._retest = None
+
+    def _lift(self) -> None:
+        """No evidence either way for `retest_s`: routers send the worker no requests, so none would
+        come. Let them again; the next request watched judges it anew."""
+        self._retest = None
+        if self.problems.pop(EventProblem.NO_STORED, None) is None:
+            return
+        self.silent.clear()
+        self.retests += 1
+        self._lifts += 1
+        log.log(
+            logging.WARNING if self._lifts == 1 else logging.INFO,
+            "KV events: no Stored event, live or replayed, and no new engine connection for %gs since no_stored: "
+            "the worker is routed again so that the next request served with uncached prompt blocks judges it "
+            "anew (an engine that really publishes nothing costs one such judgement every %gs)",
+            self.retest_s,
+            self.retest_s,
+        )
+        self.on_change()
+
     def close(self) -> None:
+        self._cancel_retest()
         for handle in self._timers:
             handle.cancel()
         self._timers.clear()

@@ -341,8 +341,8 @@ class RequestService:
 
     `on_served(request_id, token_ids, salt, usage)` is called after each leg that prefilled its
     prompt locally and ended well (the shim checks that the engine's KV events followed).
-    `on_transfer_failed()` is called for each leg fed by a KV transfer that the engine failed (a
-    5xx) before any output: its pull, most likely (worker_shim.transfer_failures).
+    `on_transfer_failed()` is called for each leg fed by a KV transfer that the engine failed (its
+    own 5xx, `engine_error`) before any output: its pull, most likely (worker_shim.transfer_failures).
     `on_scheduled(dispatched, at, predicted)` is called once the engine has scheduled a leg whose
     prompt it should find `predicted` tokens of cached (worker_shim.credit_check.CreditCheck), with
     the time.monotonic() of its dispatch and of now.
@@ -640,8 +640,11 @@ class RequestService:
                 return
             except EngineError as exc:
                 self.failed += 1
-                if leg.transfer is not None and exc.code >= 500 and writer.sent_tokens == 0:
-                    self.on_transfer_failed()  # most likely its KV pull (vLLM's kv_load_failure_policy fail)
+                # The engine's own 500, as router.dispatch's LegError.engine_failed: most likely its KV
+                # pull (kv_load_failure_policy fail). An engine gone or a stream cut counts no pull.
+                engine_failed = exc.kind == "engine_error" and exc.code >= 500
+                if leg.transfer is not None and engine_failed and writer.sent_tokens == 0:
+                    self.on_transfer_failed()
                 LegTracer.failed(span, f"{exc.kind} ({exc.code})")
                 await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
                 return

@@ -58,11 +58,11 @@ from worker_shim.adapters import (
     make_adapter,
 )
 from worker_shim.config import KvEventsMode, ShimConfig
-from worker_shim.credit_check import CreditCheck
+from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.engine_events import EngineBatch, EngineStored
 from worker_shim.http_server import ShimHttpServer
 from worker_shim.kv_events_config import listed_mode
-from worker_shim.kv_publisher import KvPublisher, PublisherCounters
+from worker_shim.kv_publisher import KvPublisher, PublisherCounters, check_payload
 from worker_shim.load_reporter import LoadReporter
 from worker_shim.metrics import render_metrics
 from worker_shim.model_config import kv_bytes_per_token
@@ -297,6 +297,7 @@ class WorkerShim:
             raise listen_error(self.config.http_host, self.config.http_port, exc) from exc
         try:
             self._nc = await connect_nats(self.nats_settings, f"kvswitch-shim-{self.config.model}")
+            check_payload(self._nc.max_payload, self.nats_settings.shown_servers())
             self._discovery = await Discovery(self.etcd_settings, self.ns).connect()
             await self.adapter.open()
         except BaseException:
@@ -741,8 +742,12 @@ class WorkerShim:
             return
         self.engine_events += len(batch.events)
         self.engine_batches[batch.live] += 1
-        if batch.live and batch.events:
-            self.events.live(any(isinstance(e, EngineStored) for e in batch.events))
+        if batch.events:
+            stored = any(isinstance(e, EngineStored) for e in batch.events)
+            if batch.live:
+                self.events.live(stored)
+            else:
+                self.events.replayed(stored)
         out = norm.reset(exact=batch.complete) if batch.reset else []
         window = norm.windows.window
         out += norm.apply(batch.events)
@@ -776,14 +781,18 @@ class WorkerShim:
             return
         full = len(token_ids) // bs
         uncached = full - usage.cached_tokens // bs
-        if uncached > 0:
+        hit = reusable(full * bs, len(token_ids), bs)  # what the engine counts for a prompt all cached
+        if uncached > 0 and not 0 < hit <= usage.cached_tokens:
             last = block_hashes(token_ids[: full * bs], bs, salt=salt)[-1]
-            self.events.expect_stored(last, request_id, uncached)
+            leg = self.requests.inflight.get(request_id) if self.requests is not None else None
+            since = leg.started if leg is not None else None
+            self.events.expect_stored(last, request_id, uncached, since=since, hit=hit)
 
     def _count_load_report(self) -> None:
         self.load_reports_sent += 1
 
     def _on_engine_reading(self, asked: float, done: float, load: EngineLoad | None) -> None:
+        self.events.hits(asked, load.reused_tokens if load is not None else None)
         if load is None:
             self.credit.lost()
             return

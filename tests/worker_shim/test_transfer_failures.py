@@ -1,13 +1,22 @@
 """TransferFailures: the engine's failed-pull counter, read with the load polls, less the pulls
-whose legs failed (the router saw those)."""
+whose legs failed (the router saw those); and which failed legs the request service counts (a real
+nats-server, an engine adapter that fails every leg)."""
 
 from __future__ import annotations
 
 import logging
+from typing import cast
 
+import nats
 import pytest
+from nats.aio.msg import Msg
 
-from worker_shim.transfer_failures import TransferFailures
+from protocol import GenerateRequest, ResponseChunk, SamplingParams, decode_msg, encode_msg, subjects
+from protocol.messages import TransferHandle
+from tests.worker_shim.cluster import wait_for
+from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest, OnOutput
+from worker_shim.request_service import RequestService
+from worker_shim.transfer_failures import LEG_READINGS, TransferFailures
 
 
 def test_a_rise_no_failed_leg_explains_by_the_next_reading_is_silent() -> None:
@@ -42,3 +51,94 @@ def test_a_warning_when_silent_failures_start_after_a_quiet_minute(caplog: pytes
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2 and "http://engine failed 1 KV pull(s) without failing the request" in warned[0]
     assert t.total == 6
+
+
+def test_a_failed_leg_the_engine_never_counted_hides_no_later_silent_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A leg that failed with a 500 of another cause is forgotten within LEG_READINGS readings, not
+    banked against the silent pull failures that come later."""
+    t = TransferFailures("e")
+    t.reading(0, 0.0)
+    for _ in range(3):
+        t.leg_failed()
+    for i in range(1, 1 + LEG_READINGS):
+        assert not t.reading(0, i * 0.25)  # no rise to match: they age out
+    with caplog.at_level(logging.WARNING, logger="worker_shim.transfer_failures"):
+        assert not t.reading(3, 1.0)  # three silent failures, judged at the next reading
+        assert t.reading(3, 1.25)
+    assert (t.failed_legs, t.total) == (3, 3) and len(caplog.records) == 1
+
+
+def test_the_failed_legs_of_an_engine_run_are_forgotten_when_its_counter_restarts() -> None:
+    t = TransferFailures("e")
+    t.reading(5, 0.0)
+    t.leg_failed()
+    t.leg_failed()
+    assert not t.reading(0, 0.25)  # the engine restarted: those legs died with the old run
+    assert not t.reading(2, 0.5)
+    assert t.reading(2, 0.75) and t.total == 2
+
+
+def test_a_leg_explains_at_most_one_rise_and_only_one_near_it() -> None:
+    t = TransferFailures("e")
+    t.reading(0, 0.0)
+    t.leg_failed()
+    assert not t.reading(1, 0.25) and not t.reading(1, 0.5) and t.total == 0  # its own pull
+    assert not t.reading(2, 0.75) and t.reading(2, 1.0) and t.total == 1  # the next one is silent
+
+
+class _Failing:
+    """An engine adapter whose every leg ends with `error` before any output."""
+
+    kind = "vllm"
+
+    def __init__(self, error: EngineError) -> None:
+        self.error = error
+
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "counted"),
+    [
+        (EngineError(500, "engine_error", "the engine failed the request"), True),  # vLLM's failed pull
+        (EngineError(503, "engine_unavailable", "connection refused"), False),  # the engine is gone
+        (EngineError(502, "engine_protocol", "the stream was cut"), False),
+    ],
+)
+async def test_only_the_engines_own_500_on_a_transfer_fed_leg_counts_as_a_failed_pull(
+    nats_url: str, ns: str, error: EngineError, counted: bool
+) -> None:
+    """An engine that crashes with transfer-fed legs queued fails them with `engine_unavailable`; its
+    failed-pull counter never counts those, so they must not offset later silent failures."""
+    nc = await nats.connect(nats_url)
+    failed: list[str] = []
+    svc = RequestService(
+        nc, cast(EngineAdapter, _Failing(error)), lambda: None, lambda _ids, _salt: 0,
+        on_transfer_failed=lambda: failed.append("leg"), block_size=lambda: 16,
+    )  # fmt: skip
+    try:
+        subject = subjects.gen(ns, "decode", "w1")
+        await nc.subscribe(subject, cb=svc.on_generate)
+        finals: list[ResponseChunk] = []
+
+        async def on_reply(msg: Msg) -> None:
+            chunk = decode_msg(msg.data, ResponseChunk)
+            if chunk.final:
+                finals.append(chunk)
+
+        inbox = f"{ns}.inbox.r1"
+        await nc.subscribe(inbox, cb=on_reply)
+        await nc.flush()
+        req = GenerateRequest(
+            request_id="r1", model="m", token_ids=[1] * 32, sampling=SamplingParams(max_tokens=4),
+            disagg=TransferHandle(engine="vllm", params={"do_remote_prefill": True}),
+        )  # fmt: skip
+        await nc.publish(subject, encode_msg(req), reply=inbox)
+        await wait_for(lambda: bool(finals), what="the leg's final chunk")
+        assert finals[0].error is not None and finals[0].error.kind == error.kind
+        assert failed == (["leg"] if counted else [])
+    finally:
+        await nc.close()

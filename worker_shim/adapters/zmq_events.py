@@ -157,7 +157,7 @@ class ZmqEventSource:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         # Connection events: a peer that reconnects may be a restarted engine whose first batches
         # went out before the link was back, so every reconnection rebuilds from a replay; no peer
-        # for long is a wrong endpoint or side.
+        # for long is a wrong endpoint or side, or, once one was connected, an engine restarting.
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._alone_since = time.monotonic()
         try:
@@ -214,7 +214,8 @@ class ZmqEventSource:
         self._peers += 1
         self._alone_since = None
         self._settle_at = time.monotonic() + SETTLE_S
-        self.health.resolved(EventProblem.NO_CONNECTION)
+        # A new connection may be a restarted engine, its cause fixed: judge its events anew.
+        self.health.resolved(EventProblem.NO_CONNECTION, EventProblem.NO_STORED)
         self._connections += 1
         if self._connections > 1:
             self.stats.reconnects += 1
@@ -224,7 +225,17 @@ class ZmqEventSource:
     def _check_peer(self) -> None:
         since = self._alone_since
         timeout = self.health.timeout_s
-        if since is None or time.monotonic() - since < timeout:
+        if since is None or time.monotonic() - since < timeout or EventProblem.NO_CONNECTION in self.health.problems:
+            return
+        if self._connections:
+            # The endpoint was right a moment ago: the engine went away, most likely restarting.
+            self.health.problem(
+                EventProblem.NO_CONNECTION,
+                f"the engine's KV event connection at {self.address} dropped {time.monotonic() - since:.1f}s ago "
+                "and has not come back (engine restarting?). If the engine is up again, it was restarted without "
+                "its KV events config (vLLM: --kv-events-config) or with another endpoint",
+                logging.WARNING,
+            )
             return
         if self.bind:
             what = f"no engine connected to the KV event socket the shim bound at {self.address} within {timeout:g}s"

@@ -1,0 +1,213 @@
+"""A `no_stored` verdict withholds the traffic whose events would clear it, so it must clear by
+itself: on evidence that the engine publishes (a new engine connection, a Stored from the replay
+socket), on the engine's own word that it served the prompt from its cache (usage, its prefix reuse
+counter), and otherwise by a retest after `retest_s`. And an engine restart is no misconfigured
+endpoint. EventHealth alone, the real ZMQ transport, and the whole shim (real nats, etcd, sim)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from engine_sim.server import SimServer
+from kvswitch.servers import free_port
+from protocol import Usage, subjects
+from protocol.config import EtcdSettings, NatsSettings
+from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
+from tests.worker_shim.test_event_health import _worker_info
+from tests.worker_shim.test_request_service import Collector, gen
+from worker_shim import ShimConfig, WorkerShim
+from worker_shim.adapters.base import EngineLimits
+from worker_shim.adapters.zmq_events import ZmqEventSource
+from worker_shim.event_health import EventHealth, EventProblem
+
+# --- EventHealth alone -------------------------------------------------------------------------------
+
+
+def _said(caplog: pytest.LogCaptureFixture, level: int, text: str) -> int:
+    return sum(1 for r in caplog.records if r.levelno == level and text in r.getMessage())
+
+
+async def test_no_stored_is_lifted_for_a_retest_and_logs_its_error_once_per_episode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    health = EventHealth(timeout_s=0.1)
+    health.retest_s = 0.5
+    changes: list[bool] = []
+    health.on_change = lambda: changes.append(health.ok)
+    with caplog.at_level(logging.INFO, logger="worker_shim.event_health"):
+        health.expect_stored(1, "r1", 1)
+        await asyncio.sleep(0.3)
+        assert not health.ok and health.reported == 1
+        await asyncio.sleep(0.5)  # no evidence either way: routed again, to be judged anew
+        assert health.ok and not health.silent.is_set() and changes == [False, True]
+        health.expect_stored(2, "r2", 1)
+        await asyncio.sleep(0.3)
+        assert not health.ok and "r2" in health.why and health.reported == 1  # the same episode
+        await asyncio.sleep(0.5)
+        assert health.ok and changes == [False, True, False, True]
+        health.live(stored=True)  # events flow: the episode is over
+        health.expect_stored(3, "r3", 1)
+        await asyncio.sleep(0.3)
+        assert not health.ok and health.reported == 2
+        health.close()
+    assert _said(caplog, logging.ERROR, "no Stored event within") == 2  # r1 and r3, not r2
+    assert _said(caplog, logging.WARNING, "the worker is routed again") == 1
+    assert _said(caplog, logging.INFO, "the worker is routed again") == 1
+
+
+async def test_a_stored_from_the_replay_socket_ends_no_stored() -> None:
+    health = EventHealth(timeout_s=0.1)
+    health.expect_stored(1, "r1", 1)
+    await asyncio.sleep(0.3)
+    assert EventProblem.NO_STORED in health.problems
+    health.replayed(stored=False)  # only Removed: says nothing of new blocks
+    assert not health.ok
+    health.replayed(stored=True)
+    assert health.ok and not health.silent.is_set()
+    health.close()
+
+
+async def test_a_prompt_the_engines_reuse_counter_shows_all_cached_is_no_lost_event() -> None:
+    """A restarted shim's index misses what a warm engine holds, and vLLM's usage has no cached
+    tokens by default: the prefix reuse counter rising by the prompt's reusable tokens between a
+    reading before the request and the judgement says it was served from the cache."""
+    health = EventHealth(timeout_s=0.1)
+    health.hits(0.0, 100)
+    health.hits(1.0, 164)  # asked after the request started at 0.5: it holds its 64 hit tokens
+    health.expect_stored(1, "cached", 4, since=0.5, hit=64)
+    await asyncio.sleep(0.3)
+    assert health.ok and health.reported == 0 and not health.silent.is_set()
+    health.hits(2.0, 164)
+    health.hits(3.0, 200)  # 36 tokens reused: not the whole prompt
+    health.expect_stored(2, "short", 4, since=2.5, hit=64)
+    await asyncio.sleep(0.3)
+    assert not health.ok and "short" in health.why
+    health.close()
+
+
+async def test_a_reuse_counter_that_started_over_proves_nothing() -> None:
+    health = EventHealth(timeout_s=0.1)
+    health.hits(0.0, 100)
+    health.expect_stored(1, "r1", 4, since=0.5, hit=64)
+    health.hits(1.0, 0)  # the engine restarted
+    health.hits(1.5, 500)
+    await asyncio.sleep(0.3)
+    assert not health.ok
+    health.close()
+
+
+async def test_a_prompt_usage_shows_all_cached_is_not_watched() -> None:
+    """A prompt of whole blocks all cached: vLLM recomputes its last token, so it reports one block
+    short of the prompt as cached; no Stored is due."""
+    shim = WorkerShim(
+        ShimConfig(engine="vllm", engine_url="http://127.0.0.1:1", model="m", kv_events="tcp://*:5557"),
+        NatsSettings(),
+        EtcdSettings(),
+    )
+    shim.limits = EngineLimits(block_size=16)
+    shim.events.timeout_s = 0.1
+    shim._on_served("cached", list(range(64)), "", Usage(prompt_tokens=64, cached_tokens=48))
+    await asyncio.sleep(0.3)
+    assert shim.events.ok and not shim.events.silent.is_set()
+    shim._on_served("new", list(range(64)), "", Usage(prompt_tokens=64, cached_tokens=32))
+    await asyncio.sleep(0.3)
+    assert not shim.events.ok
+    shim.events.close()
+
+
+# --- the ZMQ transport ---------------------------------------------------------------------------------
+
+
+async def test_an_engine_restart_is_said_as_such_and_its_new_connection_ends_no_stored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port = free_port()
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")  # the engine binds `tcp://*:port`: the shim connects
+    health = EventHealth(timeout_s=0.3)
+    source = ZmqEventSource("vllm", f"tcp://*:{port}", "auto", "kv-events", None, "127.0.0.1", health=health)
+    live = asyncio.Event()
+    run = asyncio.create_task(source.run(lambda _b: None, live))
+    try:
+        await wait_for(lambda: source._connections == 1, 5, "connected")
+        health.expect_stored(1, "r1", 1)  # the engine publishes nothing
+        await wait_for(lambda: EventProblem.NO_STORED in health.problems, 3, "no_stored")
+        with caplog.at_level(logging.WARNING, logger="worker_shim.event_health"):
+            pub.close(linger=0)  # the engine restarts
+            await wait_for(lambda: EventProblem.NO_CONNECTION in health.problems, 5, "no connection")
+        why = health.problems[EventProblem.NO_CONNECTION]
+        assert "dropped" in why and "engine restarting?" in why and "Give --kv-events the endpoint" not in why
+        assert _said(caplog, logging.WARNING, "dropped") == 1 and not _said(caplog, logging.ERROR, "dropped")
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(f"tcp://127.0.0.1:{port}")  # back, maybe with its events fixed: judged anew
+        await wait_for(lambda: health.ok, 5, "a new connection clears both")
+    finally:
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+        health.close()
+        pub.close(linger=0)
+        ctx.term()
+
+
+# --- the whole shim ------------------------------------------------------------------------------------
+
+
+async def _serve(ns: str, nats_url: str, shim: WorkerShim, rid: str, tokens: list[int]) -> None:
+    assert shim.worker_id is not None
+    nc = await connect(nats_url)
+    try:
+        col = Collector(nc)
+        await col.start()
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), gen(rid, tokens, max_tokens=2))
+        assert (await col.final(rid)).error is None
+    finally:
+        await nc.close()
+
+
+async def test_a_restarted_shim_beside_a_warm_engine_keeps_a_worker_that_serves_a_cached_prompt(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """No replay socket and no usage details (vLLM's defaults): the new shim's index is empty, and a
+    prompt the engine holds stores nothing; the engine's reuse counter says why."""
+    prompt = list(range(1, 71))  # 4 full blocks of 16: a repeat is a full hit
+    timeout = 0.3
+    async with SimServer(sim_config()) as sim:
+        for name, rid in (("first", "r1"), ("restarted", "r2")):
+            shim = shim_for(sim, ns, nats_url, etcd_url, kv_replay=None, events_timeout_s=timeout, worker_name="w1")
+            async with shim:
+                await shim.registered.wait()
+                await _serve(ns, nats_url, shim, rid, prompt)
+                await asyncio.sleep(2 * timeout + 0.3)
+                assert shim.events.ok, f"{name} shim: {shim.events.why}"
+        assert sim.engine.stats.prefix_cache_hits >= 64
+
+
+async def test_an_engine_that_publishes_nothing_is_routed_again_each_retest_and_said_once(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every live batch lost and no replay socket: each retest costs one judgement, and the ERROR
+    goes out once."""
+    timeout = 0.3
+    async with SimServer(sim_config(drop_event_fraction=1.0)) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_replay=None, events_timeout_s=timeout)
+        shim.events.retest_s = 1.5
+        async with shim:
+            await shim.registered.wait()
+            assert shim.worker_id is not None
+            await _serve(ns, nats_url, shim, "r1", list(range(1, 65)))
+            await wait_for(lambda: not shim.events.ok, 3, "no_stored")
+            await wait_for(lambda: shim.events.ok, 3, "routed again for a retest")
+            info = await _worker_info(etcd_url, ns, shim.worker_id)
+            assert info is not None and info.events_ok
+            await _serve(ns, nats_url, shim, "r2", list(range(101, 165)))
+            await wait_for(lambda: not shim.events.ok and "r2" in shim.events.why, 3, "judged again")
+        assert _said(caplog, logging.ERROR, "no Stored event within") == 1
+        assert _said(caplog, logging.WARNING, "the worker is routed again") == 1
