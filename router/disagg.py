@@ -12,8 +12,9 @@ when disagg is `never`), and an `agg`-role worker always serves aggregated (`agg
 
 A decode worker is paired only with prefill workers of its own engine kind (WorkerInfo.engine: a
 transfer handle feeds no other), and with none whose KV pulls into it failed lately. With no prefill
-worker of its kind it prefills itself (`no_prefill_pool`); with none whose pulls work it is
-bypassed, in `always` and `conditional` alike (`bypass_transfer_failing`, router.transfer_health).
+worker of its kind it prefills itself (`no_prefill_pool`); with none whose pulls work, or none
+left but those whose prefill legs fail (router.eligibility's `prefill_failing`), it is bypassed, in
+`always` and `conditional` alike (`bypass_transfer_failing`, router.transfer_health).
 
 With every prefill worker of its kind past the planner's room limit (router.planner) it prefills
 itself too (`prefill_pool_full`, decided per engine). Where the policy decides, that local prefill
@@ -192,6 +193,15 @@ class Disaggregator:
                 return done(Path.BYPASS, Outcome.PREFILL_POOL_FULL, self._full(engine))
             prefill_ranked = self.selector.rank(ctx, busy, s)
             ctx.prefill = p = prefill_ranked[0]
+        if p is None and (failing := [e["worker"] for e in ctx.excluded if e["excluded"] == "prefill_failing"]):
+            # Its prefill workers are left out for failing their legs (router.eligibility): d
+            # prefills, rather than each request paying a failed leg first; the guard has no say.
+            return done(
+                Path.BYPASS,
+                Outcome.BYPASS_TRANSFER_FAILING,
+                f"every prefill worker of model {ctx.model} left is failing its prefill legs "
+                f"({', '.join(failing)}): {d.worker} prefills",
+            )
         if (
             p is None
             and (others := [*ctx.prefill_pool, *prefill_full])

@@ -9,9 +9,12 @@ with a `final` chunk or an `error` one.
 - remote path: a prefill leg (max_tokens 1) on the prefill worker; its TransferHandle goes to the
   decode leg in `disagg`. A prefill leg that fails, finds no responder, loses its worker, goes
   silent or takes longer than `prefill_timeout_s` falls back to the bypass path (outcome
-  fallback_prefill_failed). An engine that refuses the request (a 4xx error chunk) refuses it for
-  the decode leg too: that error goes to the client, with no needless local retry; but for a 404,
-  a model (a LoRA adapter) the prefill worker no longer serves, which falls back.
+  fallback_prefill_failed). A prefill leg that fails through its worker's own fault (its time
+  limit, no transfer handle, a server error) is reported (`on_prefill`): the worker is left out of
+  prefill legs for a cooldown (router.eligibility). An engine that refuses the request (a 4xx
+  error chunk) refuses it for the decode leg too: that error goes to the client, with no needless
+  local retry; but for a 404, a model (a LoRA adapter) the prefill worker no longer serves, which
+  falls back.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
   or answers 404 (an adapter unloaded there) before the first token is retried once on the
@@ -348,6 +351,23 @@ def _output(chunk: ResponseChunk) -> bool:
     return bool(chunk.token_ids or chunk.events or chunk.body)
 
 
+def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> str | None:
+    """Why a failed prefill leg is its worker's fault, with the likely fix; None when it is not
+    (the client's deadline, a refusal, a model unloaded) or is judged elsewhere (silent, malformed)."""
+    if exc.kind == "timeout":
+        if timeout_s > left_s:
+            return None  # the client's deadline came first
+        return f"no prefill answer within prefill_timeout_s ({timeout_s:g}s): its engine hangs or is overloaded"
+    if exc.kind == "no_transfer" or (exc.kind == "engine_protocol" and "kv_transfer_params" in exc.message):
+        return (
+            f"its prefill legs return no transfer handle ({exc.message}): its engine most likely runs without a KV "
+            "connector (vLLM: start the prefill engine with --kv-transfer-config)"
+        )
+    if exc.kind == "engine_protocol" or exc.engine_failed:
+        return f"its engine failed a prefill leg ({exc.kind} {exc.code}: {exc.message}): see the engine's log"
+    return None
+
+
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -371,6 +391,8 @@ class Dispatcher:
         on_transfer: Callable[[str, str, bool], None] = lambda decode, prefill, ok: None,
         on_unreachable: Callable[[str, str], None] = lambda worker, why: None,
         on_malformed: Callable[[str, str], None] = lambda worker, why: None,
+        on_pull: Callable[[str, str], Callable[[], None]] = lambda decode, prefill: _nothing,
+        on_prefill: Callable[[str, str | None], None] = lambda worker, fault: None,
         tracer: RequestTracer | None = None,
     ) -> None:
         self._nc = nc
@@ -379,6 +401,10 @@ class Dispatcher:
         self._on_transfer = on_transfer
         self._on_unreachable = on_unreachable
         self._on_malformed = on_malformed
+        # (decode, prefill) per decode leg fed by a transfer; what it returns is called once its pull is over
+        self._on_pull = on_pull
+        # (prefill worker, its fault or None) per prefill leg that worked or failed through that worker
+        self._on_prefill = on_prefill
         self._ns = ns
         self._bookings = bookings
         self._settings = settings  # read per leg: live config changes apply to the next one
@@ -676,22 +702,34 @@ class Dispatcher:
             heartbeat_s=self._settings().stream_heartbeat_s,
         )
         silence = 3 * self._settings().stream_heartbeat_s
-        async with await self._open(plan.decode.worker, role, leg_req, lambda: self._free(job)) as leg:
-            while True:
-                chunk = await leg.next(job.deadline - time.time(), silence)
-                visible = _output(chunk)
-                if visible and job.first_token_at is None:
-                    job.first_token_at = time.monotonic()
-                    self._prefill_done(job)
-                    if job.transfer is not None:
-                        self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
-                elif chunk.prefilled:
-                    self._prefill_done(job)  # a whole answer's prefill, done before any output
-                if not visible and not chunk.final:
-                    continue  # a heartbeat
-                yield chunk
-                if chunk.final:
-                    return
+        # The pull runs until the first token: a rise in the decode engine's failed-pull count is
+        # put down to the pulls under way then (router.transfer_health).
+        pulled = (
+            _nothing
+            if job.transfer is None
+            else self._on_pull(plan.decode.worker, self._prefilled_on(job.transfer, plan))
+        )
+        try:
+            async with await self._open(plan.decode.worker, role, leg_req, lambda: self._free(job)) as leg:
+                while True:
+                    chunk = await leg.next(job.deadline - time.time(), silence)
+                    visible = _output(chunk)
+                    if visible and job.first_token_at is None:
+                        job.first_token_at = time.monotonic()
+                        self._prefill_done(job)
+                        if job.transfer is not None:
+                            pulled()
+                            pulled = _nothing
+                            self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
+                    elif chunk.prefilled:
+                        self._prefill_done(job)  # a whole answer's prefill, done before any output
+                    if not visible and not chunk.final:
+                        continue  # a heartbeat
+                    yield chunk
+                    if chunk.final:
+                        return
+        finally:
+            pulled()
 
     def _prefill_done(self, job: Job) -> None:
         if job.booked is not None:  # freed already when its final chunk came before it was read
@@ -713,7 +751,8 @@ class Dispatcher:
             deadline=min(job.deadline, time.time() + settings.prefill_timeout_s),
             heartbeat_s=settings.stream_heartbeat_s,
         )
-        until = time.time() + min(settings.prefill_timeout_s, job.deadline - time.time())
+        left = job.deadline - time.time()
+        until = time.time() + min(settings.prefill_timeout_s, left)
         try:
             async with await self._open(worker, "prefill", leg_req) as leg:
                 while True:
@@ -723,11 +762,14 @@ class Dispatcher:
                             raise LegError(
                                 worker, 502, "no_transfer", "final chunk without a transfer", retryable=False
                             )
+                        self._on_prefill(worker, None)
                         return chunk.transfer
         except LegError as exc:
             if exc.refused and not exc.unknown_model:
                 raise
             self._blame(exc)
+            if (fault := _prefill_fault(exc, settings.prefill_timeout_s, left)) is not None:
+                self._on_prefill(worker, fault)
             if not exc.malformed:  # that one is logged once per worker (_blame), not per request
                 log.warning(
                     "request %s: remote prefill failed (%s); falling back to local prefill on %s",

@@ -19,6 +19,11 @@ usual. A worker is excluded while (first reason wins):
 - `malformed`: it answered a request with a reply that breaks the protocol (a ResponseChunk that
   does not decode, an event cut across chunks that never ends); it ends `MALFORMED_COOLDOWN_S`
   after the last such reply, not with a load report, as a broken shim's reports go on;
+- `prefill_failing`: a prefill worker whose prefill legs failed through its own fault (no answer
+  within `prefill_timeout_s`, no transfer handle: an engine without a KV connector, a server
+  error); it ends `PREFILL_COOLDOWN_S` after the last such failure, when one request, the probe,
+  tries it again: a leg that works ends the episode, another failure starts a new cooldown. Its
+  requests prefill on the other prefill workers, or, with none left, on their decode worker;
 - `draining`: its shim got SIGTERM (LoadReport.draining): its requests in flight finish, a new one
   would be refused, so none is sent (a rolling restart costs no retry);
 - `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
@@ -37,6 +42,7 @@ Synchronous, with an injected clock; the service feeds it registrations, reports
 from __future__ import annotations
 
 import enum
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,11 +52,22 @@ import msgspec
 from protocol.messages import WorkerInfo
 from router.load_view import Liveness
 
-__all__ = ["DEFAULT_PERIOD_S", "MALFORMED_COOLDOWN_S", "SILENT_PERIODS", "Eligibility", "Exclusion", "WorkerStatus"]
+__all__ = [
+    "DEFAULT_PERIOD_S",
+    "MALFORMED_COOLDOWN_S",
+    "PREFILL_COOLDOWN_S",
+    "SILENT_PERIODS",
+    "Eligibility",
+    "Exclusion",
+    "WorkerStatus",
+]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PERIOD_S = 1.0
 SILENT_PERIODS = 3
 MALFORMED_COOLDOWN_S = 30.0  # one request retried elsewhere per this, per worker sending garbage
+PREFILL_COOLDOWN_S = 30.0  # one prefill leg lost per this, per prefill worker failing them
 
 
 class Exclusion(enum.StrEnum):
@@ -61,6 +78,7 @@ class Exclusion(enum.StrEnum):
     SILENT = "silent"
     UNREACHABLE = "unreachable"
     MALFORMED = "malformed"
+    PREFILL_FAILING = "prefill_failing"
     DRAINING = "draining"
     ENGINE_UNHEALTHY = "engine_unhealthy"
     BAD_RECORD = "bad_record"
@@ -117,6 +135,8 @@ class Eligibility:
         self._added: dict[str, float] = {}
         self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
         self._malformed: dict[str, tuple[float, str]] = {}  # worker -> (last malformed reply at, why)
+        # prefill worker -> (its last failed prefill leg at, why, until when a probe holds it)
+        self._prefill_failing: dict[str, tuple[float, str, float]] = {}
 
     # --- what the service tells it ---------------------------------------------------------------
 
@@ -127,12 +147,42 @@ class Eligibility:
         self._added.pop(worker, None)
         self._unreachable.pop(worker, None)
         self._malformed.pop(worker, None)
+        self._prefill_failing.pop(worker, None)
 
     def mark_unreachable(self, worker: str, why: str) -> None:
         self._unreachable[worker] = (self._clock(), why)
 
     def mark_malformed(self, worker: str, why: str) -> None:
         self._malformed[worker] = (self._clock(), why)
+
+    def prefill_leg(self, worker: str, fault: str | None) -> None:
+        """A prefill leg on `worker` ended: `fault` says why it failed through the worker's own
+        fault (with the likely fix), None when it gave a transfer handle. A failure leaves the
+        worker out for PREFILL_COOLDOWN_S (a WARNING at an episode's start); a leg that works past
+        the cooldown, the probe, ends the episode (one within it was planned before the failure)."""
+        held = self._prefill_failing.get(worker)
+        if fault is None:
+            if held is not None and self._clock() - held[0] >= PREFILL_COOLDOWN_S:
+                del self._prefill_failing[worker]
+                log.info("prefill worker %s serves prefill legs again", worker)
+            return
+        if held is None:
+            log.warning(
+                "prefill worker %s failed a prefill leg through its own fault: %s. Its requests prefill on other "
+                "prefill workers (or on their decode worker when none is left) for %gs after each such failure, "
+                "then one request tries it again (logged once per episode)",
+                worker,
+                fault,
+                PREFILL_COOLDOWN_S,
+            )
+        self._prefill_failing[worker] = (self._clock(), fault, 0.0)
+
+    def prefill_probe(self, worker: str, for_s: float) -> None:
+        """A prefill leg on `worker` was planned: past its cooldown, it is the probe, and no other
+        request goes there for `for_s` (the leg's time limit) unless it reports first."""
+        held = self._prefill_failing.get(worker)
+        if held is not None and (now := self._clock()) - held[0] >= PREFILL_COOLDOWN_S:
+            self._prefill_failing[worker] = (held[0], held[1], now + for_s)
 
     def reported(self, worker: str) -> None:
         """A load report from `worker` arrived: it is alive, whatever was marked before."""
@@ -194,6 +244,15 @@ class Eligibility:
         if mark is not None and now - mark[0] < MALFORMED_COOLDOWN_S:
             why = f"{mark[1]} ({now - mark[0]:.1f}s ago; routed again {MALFORMED_COOLDOWN_S:g}s after it)"
             return WorkerStatus(w, info.model, info.role, Exclusion.MALFORMED, why, tok_ok)
+        held = self._prefill_failing.get(w)
+        if held is not None and (now - held[0] < PREFILL_COOLDOWN_S or now < held[2]):
+            if now - held[0] < PREFILL_COOLDOWN_S:
+                why = (
+                    f"{held[1]} ({now - held[0]:.1f}s ago; one request tries it again {PREFILL_COOLDOWN_S:g}s after it)"
+                )
+            else:
+                why = f"{held[1]} ({now - held[0]:.1f}s ago; one request is trying it again)"
+            return WorkerStatus(w, info.model, info.role, Exclusion.PREFILL_FAILING, why, tok_ok)
         if live is not None and live.draining:
             why = "its shim is shutting down (SIGTERM): requests in flight finish, new ones go elsewhere"
             return WorkerStatus(w, info.model, info.role, Exclusion.DRAINING, why, tok_ok)

@@ -38,7 +38,7 @@ from router.eligibility import Eligibility, Exclusion
 from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
-from router.policies import Outcome
+from router.policies import Outcome, Path
 from router.request_context import Candidate, RequestContext, RequestShape
 from router.selection import Selector, over_queue_threshold
 from router.served_names import clash_message, served_as
@@ -46,7 +46,15 @@ from router.transfer_health import TransferHealth
 
 _NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
 # Workers a utility call (/tokenize) skips: their engine cannot answer now, or answered garbage lately.
-_NO_UTILITY = frozenset({Exclusion.SILENT, Exclusion.UNREACHABLE, Exclusion.MALFORMED, Exclusion.ENGINE_UNHEALTHY})
+_NO_UTILITY = frozenset(
+    {
+        Exclusion.SILENT,
+        Exclusion.UNREACHABLE,
+        Exclusion.MALFORMED,
+        Exclusion.PREFILL_FAILING,
+        Exclusion.ENGINE_UNHEALTHY,
+    }
+)
 
 __all__ = ["PlanError", "Planner", "PrefixIndex", "PrefixReach", "standalone_planner"]
 
@@ -445,6 +453,9 @@ class Planner:
         plan = self.disagg.plan(ctx, prefill_full=prefill_full)
         assert plan is not None  # refresh() guarantees a decode candidate
         self.disagg.chosen(plan)
+        if plan.path is Path.REMOTE and plan.prefill is not None:
+            # past a cooldown, this request probes a prefill worker whose legs failed (router.eligibility)
+            self.eligibility.prefill_probe(plan.prefill.worker, self.settings.prefill_timeout_s)
         return plan
 
     def _book(self, ctx: RequestContext, plan: RoutePlan) -> RoutePlan:

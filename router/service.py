@@ -283,6 +283,8 @@ class RouterService:
             on_transfer=self._on_transfer,
             on_unreachable=self.eligibility.mark_unreachable,
             on_malformed=self.eligibility.mark_malformed,
+            on_pull=planner.disagg.transfers.pulling,
+            on_prefill=self.eligibility.prefill_leg,
             tracer=self.tracer,
         )
         await self._dispatcher.start()

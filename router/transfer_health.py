@@ -1,8 +1,8 @@
 """`TransferHealth`: the pulls that fail, by decode worker and the prefill worker it pulls from.
 
 When a decode engine cannot load the KV a prefill worker computed for it (a NIXL link down, a
-prefill engine whose pins expire or that restarted), vLLM fails the request (its default
-`kv_load_failure_policy`) and the dispatcher has the decode worker prefill the prompt itself
+prefill engine that freed the KV before the pull or that restarted), vLLM fails the request (its
+default `kv_load_failure_policy`) and the dispatcher has the decode worker prefill the prompt itself
 (`fallback_transfer_failed`). Every later remote prefill over that pair would pay the same: a
 prefill leg whose work is thrown away, a failed pull, then the local prefill, so well over twice
 a bypass's TTFT. So after a failed pull from P into D, the planner pairs D with another prefill
@@ -18,14 +18,21 @@ never reports (cancelled, or sent elsewhere after planning) lets the next reques
 Each router replica learns from its own requests, and all of them from the workers' load
 reports: LoadReport.kv_transfers_failed counts the pulls a decode engine failed, which under
 vLLM's `kv_load_failure_policy: "recompute"` is the only sign (the request succeeds, late). That
-count does not say from which prefill worker, so it closes the remote path into D whatever the
-prefill worker. Nor does a probe's first token end such an episode: under `recompute` a failed pull
-gives one too. It ends when a load report sent `CONFIRM_S` after that token shows no new failure
-(the shim forwards a failure within a second of the engine counting it). One WARNING per episode
-names the pair, and an INFO its recovery, however long the fault lasts.
+count names no prefill worker, but the replica knows the pulls it sent into D (`pulling`): a rise
+closes (D, P) for each prefill worker P whose pull into D was under way in the window the rise
+covers (from `CONFIRM_S` before D's previous report until now), and of those, when some pair was
+already failing (its probe, most often), only those: a fault seen before is the likelier cause
+than a pair that worked. A replica that sent no pull into D in that window closes nothing: the
+replica that sent them closes its pairs. Only a replica told of no pull at all (a planner with no
+dispatcher) closes every pair into D (ANY). Nor does a probe's first token end such an episode:
+under `recompute` a failed pull gives one too. It ends when a load report sent `CONFIRM_S` after
+that token shows no new failure (the shim forwards a failure within a second of the engine
+counting it); and D's pairs closed by its count probe one at a time, so that one probe's failure
+is not put down to another's. One WARNING per episode names the pair, and an INFO its recovery,
+however long the fault lasts.
 
-Synchronous, with the planner's clock, which it reads only while some pull is failing (a
-virtual-clock replay, where no pull fails, reads no clock here).
+Synchronous, with the planner's clock, which it reads only while some pull is failing or is
+followed (a virtual-clock replay, where no pull fails, reads no clock here).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 __all__ = ["CONFIRM_S", "PROBE_TIMEOUT_S", "TRANSFER_COOLDOWN_S", "TransferHealth"]
 
@@ -47,6 +55,14 @@ CONFIRM_S = 2.0
 ANY = ""  # a pair's prefill side when the failure does not say which prefill worker
 
 
+@dataclass(slots=True)
+class _Pulls:
+    """This replica's pulls into one decode worker from one prefill worker."""
+
+    running: int = 0  # under way: sent, no first token yet
+    ended: float = float("-inf")  # when the last one ended
+
+
 class TransferHealth:
     def __init__(self, cooldown_s: float = TRANSFER_COOLDOWN_S, clock: Callable[[], float] = time.time) -> None:
         self.cooldown_s = cooldown_s
@@ -54,19 +70,26 @@ class TransferHealth:
         # (decode, prefill or ANY) -> when its last pull failed, while in an episode
         self._last_failure: dict[tuple[str, str], float] = {}
         self._probes: dict[tuple[str, str], float] = {}  # pair in an episode -> when its probe was planned
-        self._confirming: dict[str, float] = {}  # decode worker -> when a probe's pull ended its (D, ANY) cooldown
+        self._counted: set[tuple[str, str]] = set()  # pairs closed by a report's count: a report ends them
+        self._confirming: dict[tuple[str, str], float] = {}  # counted pair -> when its probe's pull gave a token
         self._reported: dict[str, int] = {}  # worker -> its last LoadReport.kv_transfers_failed
+        self._pulls: dict[str, dict[str, _Pulls]] = {}  # decode -> prefill -> this replica's pulls
+        self._heard: dict[str, float] = {}  # decode worker with pulls followed -> when its last report came
+        self._attributes = False  # told of pulls (`pulling`): a count's rise is put down to them
         self.failures = 0
 
-    def failed(self, worker: str, prefill_worker: str = ANY) -> None:
-        """A pull into `worker` of KV computed on `prefill_worker` (ANY: not known) failed."""
+    def failed(self, worker: str, prefill_worker: str = ANY, *, counted: bool = False) -> None:
+        """A pull into `worker` of KV computed on `prefill_worker` (ANY: not known) failed.
+        `counted`: known from the engine's count (a load report), so only a report ends it."""
         self.failures += 1
         key = (worker, prefill_worker)
         if key not in self._last_failure:
             log.warning(
                 "decode worker %s failed to load KV prefilled on %s: for the next %.0fs its requests %s "
-                "(bypass_transfer_failing when no prefill worker is left), then it is tried again. Check the KV "
-                "connector (NIXL) between them and the prefill engine's kv pin timeout",
+                "(bypass_transfer_failing when no prefill worker is left), then it is tried again. The engines' "
+                "logs say why: a failed NIXL read, or a KV lease that ran out (vLLM 0.32: a prefill engine frees "
+                "unpulled KV after --kv-transfer-config's kv_connector_extra_config.kv_lease_duration, 30 s by "
+                "default, unless the decode engine's heartbeats renew it)",
                 worker,
                 prefill_worker or "a prefill worker (its engine's count)",
                 self.cooldown_s,
@@ -74,24 +97,67 @@ class TransferHealth:
             )
         self._last_failure[key] = self._clock()
         self._probes.pop(key, None)
-        if prefill_worker == ANY:
-            self._confirming.pop(worker, None)
+        self._confirming.pop(key, None)
+        if counted:
+            self._counted.add(key)
+
+    def pulling(self, worker: str, prefill_worker: str) -> Callable[[], None]:
+        """A pull into `worker` of KV prefilled on `prefill_worker` starts (a decode leg fed by a
+        transfer handle was sent); call what this returns once it is over (its first token, or
+        the leg's end), so that a rise in `worker`'s count can be put down to its pulls."""
+        self._attributes = True
+        pulls = self._pulls.setdefault(worker, {}).setdefault(prefill_worker, _Pulls())
+        pulls.running += 1
+
+        def ended() -> None:
+            pulls.running -= 1
+            pulls.ended = self._clock()
+
+        return ended
 
     def reported(self, worker: str, failed_total: int) -> None:
-        """A load report's count of the pulls `worker`'s engine failed: a rise is a failure. The
-        first report sets the baseline, and a count that goes down (the shim restarted) another.
-        A report with no rise, `CONFIRM_S` after a probe's pull, ends the worker's episode."""
+        """A load report's count of the pulls `worker`'s engine failed: a rise is a failure, put
+        down to the pairs that can have caused it. The first report sets the baseline, and a count
+        that goes down (the shim restarted) another. A report with no rise, `CONFIRM_S` after a
+        probe's pull, ends that pair's episode."""
         last = self._reported.get(worker)
         self._reported[worker] = failed_total
+        suspects = self._suspects(worker)
         if last is not None and failed_total > last:
-            self.failed(worker)
-        elif (since := self._confirming.get(worker)) is not None and self._clock() - since >= CONFIRM_S:
-            self._end((worker, ANY))
+            if suspects is None:  # told of no pull at all: it cannot say which
+                self.failed(worker, counted=True)
+            for prefill in suspects or ():
+                self.failed(worker, prefill, counted=True)
+        elif self._confirming:
+            now = self._clock()
+            for key in [k for k, since in self._confirming.items() if k[0] == worker and now - since >= CONFIRM_S]:
+                self._end(key)
+
+    def _suspects(self, worker: str) -> list[str] | None:
+        """The prefill workers whose pulls into `worker` were under way in the window a report from
+        it now covers (from CONFIRM_S before its previous report), those already failing first;
+        None when this replica is told of no pull. Reads the clock only while it follows some."""
+        if not self._attributes:
+            return None
+        pulls = self._pulls.get(worker)
+        if not pulls:
+            self._heard.pop(worker, None)
+            return []
+        now = self._clock()
+        since = self._heard.get(worker, float("-inf")) - CONFIRM_S
+        self._heard[worker] = now
+        suspects = [p for p, s in pulls.items() if s.running or s.ended >= since]
+        for p in [p for p, s in pulls.items() if not s.running and s.ended < now - CONFIRM_S]:
+            del pulls[p]  # out of any later report's window
+        if not pulls:
+            del self._pulls[worker]
+        failing = [p for p in suspects if (worker, p) in self._last_failure]
+        return failing or suspects
 
     def succeeded(self, worker: str, prefill_worker: str) -> None:
         """A pull into `worker` from `prefill_worker` gave a first token: out of cooldown, that
-        pair's episode ends, and one of `worker` with no prefill worker named (its engine's count)
-        waits for a report that confirms it."""
+        pair's episode ends, and one known from the engine's count (its own, or `worker`'s with no
+        prefill worker named) waits for a report that confirms it."""
         now = None
         for key in ((worker, prefill_worker), (worker, ANY)):
             last = self._last_failure.get(key)
@@ -100,16 +166,16 @@ class TransferHealth:
             now = self._clock() if now is None else now
             if now - last < self.cooldown_s:
                 continue
-            if key[1] == ANY:
-                self._confirming.setdefault(worker, now)
+            if key in self._counted:
+                self._confirming.setdefault(key, now)
             else:
                 self._end(key)
 
     def _end(self, key: tuple[str, str]) -> None:
         del self._last_failure[key]
         self._probes.pop(key, None)
-        if key[1] == ANY:
-            del self._confirming[key[0]]
+        self._confirming.pop(key, None)
+        self._counted.discard(key)
         log.info("decode worker %s loads KV from %s again", key[0], key[1] or "its prefill workers")
 
     def probing(self, worker: str, prefill_worker: str) -> None:
@@ -124,7 +190,8 @@ class TransferHealth:
 
     def failing(self, worker: str, prefill_worker: str = ANY) -> bool:
         """Whether pulls into `worker` from `prefill_worker` are to be avoided now: that pair's, or
-        any pull into `worker` (ANY) failed within the cooldown, or is being probed."""
+        any pull into `worker` (ANY) failed within the cooldown, or is being probed, or waits for
+        another pair into `worker` closed by its count to finish its probe."""
         if not self._last_failure:
             return False
         now = None
@@ -133,12 +200,23 @@ class TransferHealth:
             if last is None:
                 continue
             now = self._clock() if now is None else now
-            if now - last < self.cooldown_s:
-                return True
-            if key[1] == ANY and worker in self._confirming:
+            if now - last < self.cooldown_s or key in self._confirming:
                 return True
             probe = self._probes.get(key)
             if probe is not None and now - probe < PROBE_TIMEOUT_S:
+                return True
+            if key in self._counted and self._probed_beside(key, now):
+                return True
+        return False
+
+    def _probed_beside(self, key: tuple[str, str], now: float) -> bool:
+        """Another pair into the same decode worker, closed by its count, is being probed: a rise
+        now could not tell the two probes apart."""
+        for k in self._counted:
+            if k[0] != key[0] or k == key:
+                continue
+            probe = self._probes.get(k)
+            if k in self._confirming or (probe is not None and now - probe < PROBE_TIMEOUT_S):
                 return True
         return False
 
@@ -156,5 +234,10 @@ class TransferHealth:
         for key in [k for k in self._last_failure if worker in k]:
             del self._last_failure[key]
             self._probes.pop(key, None)
-        self._confirming.pop(worker, None)
+            self._confirming.pop(key, None)
+            self._counted.discard(key)
+        self._pulls.pop(worker, None)
+        for pulls in self._pulls.values():
+            pulls.pop(worker, None)
+        self._heard.pop(worker, None)
         self._reported.pop(worker, None)

@@ -45,7 +45,7 @@ async def test_a_failed_kv_pull_is_prefilled_on_the_decode_worker_without_client
     """The prefill worker frees its KV before the decode worker pulls it (its pin expires at
     once); the decode engine, as vLLM does by default, fails the request with a 500. The router
     has the same decode worker prefill it: one prefill leg, no second remote prefill, no retry."""
-    p = await cluster.add_worker("prefill", kv_pin_timeout_s=1e-6)
+    p = await cluster.add_worker("prefill", kv_lease_duration=1e-6)
     d = await cluster.add_worker("decode")
     await cluster.add_worker("decode")
     router = await cluster.add_ready_router(disagg="always")
@@ -75,7 +75,7 @@ async def test_a_prefill_worker_whose_kv_cannot_be_pulled_costs_the_fleet_that_w
 ) -> None:
     """One broken prefill worker (its pins expire at once): after one failed pull, the decode
     worker pairs with the other prefill worker, and disaggregation goes on."""
-    bad = await cluster.add_worker("prefill", kv_pin_timeout_s=1e-6)
+    bad = await cluster.add_worker("prefill", kv_lease_duration=1e-6)
     d = await cluster.add_worker("decode")
     router = await cluster.add_ready_router(disagg="always")
     status, body, _ = await complete(http, router, list(range(400)), max_tokens=2)
@@ -105,7 +105,7 @@ async def test_pulls_an_engine_recomputes_silently_close_the_remote_path_through
     """Under vLLM's kv_load_failure_policy "recompute" a failed pull costs the client nothing but
     time: the request succeeds as a remote prefill. Only the engine's failed-pull counter says
     so; the shim forwards it, and the router stops sending that worker remote prefills."""
-    p = await cluster.add_worker("prefill", kv_pin_timeout_s=1e-6)
+    p = await cluster.add_worker("prefill", kv_lease_duration=1e-6)
     d = await cluster.add_worker("decode", kv_load_failure_policy="recompute")
     router = await cluster.add_ready_router(disagg="always")
     # A router counts the failures reported after its first report from a worker.
@@ -114,7 +114,8 @@ async def test_pulls_an_engine_recomputes_silently_close_the_remote_path_through
     assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (200, "remote", "remote_prefill")
     assert d.sim.engine.stats.failed_transfers == 1 and d.sim.engine.prefill_tokens_computed == 400
     await until(lambda: d.shim.transfers.total == 1, what="the shim reading the engine's count")
-    await until(lambda: router.planner.disagg.transfers.failing(d.id), what="the load report reaching the router")
+    # This replica sent d the pull from p: the pair closes (not every pair into d, router.transfer_health).
+    await until(lambda: router.planner.disagg.transfers.failing(d.id, p.id), what="the load report reaching the router")
     status, body, headers = await complete(http, router, list(range(1000, 1400)), max_tokens=2)
     assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (
         200,
@@ -124,6 +125,34 @@ async def test_pulls_an_engine_recomputes_silently_close_the_remote_path_through
     assert p.sim.faults.requests_seen == 1
     async with http.get(d.shim.http.url + "/metrics") as r:
         assert "kvswitch_shim_kv_transfers_failed_total 1.0" in await r.text()
+
+
+async def test_under_recompute_one_broken_prefill_worker_costs_the_fleet_that_worker_only(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Under "recompute" a failed pull reaches the router only as the decode worker's count; the
+    router puts it down to the prefill worker whose KV it had that worker pull, so the decode
+    worker pairs with a healthy prefill worker that joins, rather than taking no remote prefill."""
+    bad = await cluster.add_worker("prefill", kv_lease_duration=1e-6)  # its KV is freed before any pull
+    d = await cluster.add_worker("decode", kv_load_failure_policy="recompute")
+    router = await cluster.add_ready_router(disagg="always")
+    transfers = router.planner.disagg.transfers
+    await until(lambda: router.view.liveness(d.id) is not None, what="a load report of the decode worker")
+    status, body, _ = await complete(http, router, list(range(400)), max_tokens=2)
+    assert (status, body["kvswitch"]["outcome"]) == (200, "remote_prefill")
+    await until(lambda: transfers.failing(d.id, bad.id), what="the load report reaching the router")
+    good = await cluster.add_worker("prefill")
+    await until(
+        lambda: router.path.explain(MODEL, list(range(400)), text=False)["prefill_worker"] == good.id,
+        what="the new prefill worker routable",
+    )
+    assert not transfers.failing(d.id, good.id)
+    outcomes = []
+    for j in range(4):
+        status, body, _ = await complete(http, router, list(range(2000 * (j + 1), 2000 * (j + 1) + 400)), max_tokens=2)
+        outcomes.append((status, body["kvswitch"]["outcome"], body["kvswitch"].get("prefill_worker")))
+    assert outcomes == [(200, "remote_prefill", good.id)] * 4
+    assert bad.sim.faults.requests_seen == 1 and d.sim.engine.stats.failed_transfers == 1
 
 
 async def test_decode_worker_gone_gets_no_new_requests_and_unstarted_ones_are_retried(

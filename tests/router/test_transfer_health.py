@@ -160,3 +160,84 @@ def test_the_clock_is_read_only_while_a_pull_is_failing() -> None:
     assert not t.failing("d1", "p1") and t.workers() == [] and not t.any
     t.succeeded("d1", "p1")
     t.forget("d1")
+
+
+def test_a_rise_closes_only_the_pairs_whose_pulls_this_replica_sent_in_its_window() -> None:
+    """Under `recompute`: the count names no prefill worker, but this replica knows whose KV it
+    had d1 pull just before the rise; the pairs into d1 from other prefill workers stay open."""
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    t.reported("d1", 0)
+    t.reported("d2", 0)
+    t.pulling("d2", "p2")()  # into d2, long before its rise
+    clock.now += 10
+    t.reported("d2", 0)
+    t.pulling("d1", "p1")()
+    clock.now += 0.5
+    t.reported("d1", 1)
+    assert t.failing("d1", "p1") and not t.failing("d1", "p2") and not t.failing("d1")
+    t.reported("d2", 1)  # none of this replica's pulls into d2 can have failed: another replica's did
+    assert not t.failing("d2", "p2") and t.workers() == ["d1"]
+
+
+def test_a_pull_under_way_at_the_rise_is_a_suspect_and_one_ended_before_the_window_is_not() -> None:
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    t.reported("d1", 0)
+    t.pulling("d1", "p1")()
+    clock.now += CONFIRM_S + 0.1
+    t.reported("d1", 0)  # p1's pull ended before this report's window
+    ended = t.pulling("d1", "p2")  # no first token yet
+    clock.now += 5
+    t.reported("d1", 1)
+    assert t.failing("d1", "p2") and not t.failing("d1", "p1")
+    ended()
+
+
+def test_a_rise_while_a_failing_pair_is_probed_is_put_down_to_that_pair_alone() -> None:
+    """A fault seen before is the likelier cause: the healthy pair whose pulls ran beside the
+    probe stays open, so one broken prefill worker costs its own pairs only, episode after episode."""
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    t.reported("d1", 0)
+    t.pulling("d1", "bad")()
+    t.reported("d1", 1)
+    assert t.failing("d1", "bad")
+    clock.now += 30
+    assert not t.failing("d1", "bad")
+    t.probing("d1", "bad")
+    probe = t.pulling("d1", "bad")
+    good = t.pulling("d1", "good")
+    probe()
+    good()
+    t.succeeded("d1", "good")
+    t.succeeded("d1", "bad")  # recomputed: its first token proves nothing
+    clock.now += 0.5
+    t.reported("d1", 2)
+    assert t.failing("d1", "bad") and not t.failing("d1", "good")
+
+
+def test_pairs_closed_by_one_rise_are_probed_one_at_a_time() -> None:
+    """Two pairs closed together (both pulled in the rise's window) are not probed together: a
+    failure then could not tell the two probes apart and would close both again."""
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    t.reported("d1", 0)
+    t.pulling("d1", "p1")()
+    t.pulling("d1", "p2")()
+    t.reported("d1", 1)
+    assert t.failing("d1", "p1") and t.failing("d1", "p2")
+    clock.now += 30
+    assert not t.failing("d1", "p1")
+    t.probing("d1", "p1")
+    assert t.failing("d1", "p2")  # waits for p1's probe
+    t.pulling("d1", "p1")()
+    t.succeeded("d1", "p1")
+    clock.now += CONFIRM_S
+    t.reported("d1", 1)  # no new failure: p1's pulls work
+    assert not t.failing("d1", "p1") and not t.failing("d1", "p2")  # now p2's turn
+    t.probing("d1", "p2")
+    t.pulling("d1", "p2")()
+    clock.now += 0.5
+    t.reported("d1", 2)
+    assert t.failing("d1", "p2") and not t.failing("d1", "p1")

@@ -1,0 +1,198 @@
+"""A prefill worker whose prefill legs fail through its own fault (no transfer handle, its time
+limit, a server error) is left out of prefill legs for a cooldown (`prefill_failing`), then one
+request probes it; healthy prefill workers take its requests, and with none left the decode worker
+prefills them. Unit tests on Eligibility, then end to end against real NATS and etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import pytest
+
+from protocol.messages import WorkerInfo
+from router.eligibility import PREFILL_COOLDOWN_S, Eligibility, Exclusion
+from router.load_view import Liveness
+from tests.router.conftest import MODEL, Cluster, Worker, complete
+from tests.router.polling import until
+
+SYSTEM = list(range(1, 257))  # a shared prefix: the prefill worker that prefilled it first holds it
+NO_CONNECTOR = "--kv-transfer-config"
+
+
+def without_connector(worker: Worker) -> None:
+    """The prefill sim answers as vLLM 0.32 started without --kv-transfer-config does (core.py:
+    "Got kv_transfer_params, but no KVConnector found"): it prefills, pins nothing, and returns
+    kv_transfer_params null."""
+    engine = worker.sim.engine
+    finish = engine._finish
+
+    def no_connector(req, reason, out):  # type: ignore[no-untyped-def]
+        req.remote_decode = False
+        return finish(req, reason, out)
+
+    engine._finish = no_connector  # type: ignore[method-assign]
+
+
+# --- Eligibility -------------------------------------------------------------------------------
+
+
+class World:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.elig = Eligibility(
+            clock=lambda: self.now,
+            sync_state=lambda worker: None,
+            liveness=lambda worker: Liveness(0.0, 0.5, True, True),
+            tokenizer=None,
+        )
+        self.info = WorkerInfo(worker="p1", model=MODEL, role="prefill", engine="vllm", block_size=16)
+        self.elig.added("p1")
+
+    def exclusion(self) -> Exclusion | None:
+        return self.elig.statuses([self.info])[0].exclusion
+
+
+def test_a_prefill_worker_failing_its_legs_is_left_out_then_probed_once_per_cooldown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    w = World()
+    with caplog.at_level(logging.INFO, logger="router.eligibility"):
+        w.elig.prefill_leg("p1", "its prefill legs return no transfer handle (... --kv-transfer-config)")
+        assert w.exclusion() is Exclusion.PREFILL_FAILING
+        w.now += PREFILL_COOLDOWN_S - 0.1
+        w.elig.prefill_leg("p1", None)  # a leg planned before the failure: says nothing
+        assert w.exclusion() is Exclusion.PREFILL_FAILING
+        w.now += 0.1
+        assert w.exclusion() is None  # the next request planned there is the probe
+        w.elig.prefill_probe("p1", 5.0)
+        assert w.exclusion() is Exclusion.PREFILL_FAILING  # one probe, the others keep away
+        w.now += 5.0
+        assert w.exclusion() is None  # the probe never reported (its client left): another may probe
+        w.elig.prefill_probe("p1", 5.0)
+        w.elig.prefill_leg("p1", "no prefill answer within prefill_timeout_s")  # it failed: a new cooldown
+        w.now += PREFILL_COOLDOWN_S - 0.1
+        assert w.exclusion() is Exclusion.PREFILL_FAILING
+        w.now += 0.1
+        w.elig.prefill_probe("p1", 5.0)
+        w.elig.prefill_leg("p1", None)  # the probe worked: the episode ends
+        assert w.exclusion() is None
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO]  # one episode, however long
+    assert "prefill worker p1" in said[0][1] and NO_CONNECTOR in said[0][1]
+
+
+def test_a_worker_that_leaves_takes_its_prefill_episode_with_it() -> None:
+    w = World()
+    w.elig.prefill_leg("p1", "a server error")
+    w.elig.removed("p1")
+    w.elig.added("p1")
+    assert w.exclusion() is None
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+async def test_a_prefill_engine_without_a_kv_connector_is_left_out_and_a_healthy_one_takes_its_requests(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = await cluster.add_worker("prefill")
+    without_connector(bad)
+    await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    with caplog.at_level(logging.WARNING):
+        status, body, _ = await complete(http, router, [*SYSTEM, *range(2000, 2040)], max_tokens=2)
+        assert (status, body["kvswitch"]["outcome"]) == (200, "fallback_prefill_failed")
+        good = await cluster.add_worker("prefill")
+        await cluster.ready(router)
+        await until(
+            lambda: (
+                good.id in {c["worker"] for c in router.path.explain(MODEL, SYSTEM, text=False)["prefill_candidates"]}
+            ),
+            what="the healthy prefill worker routable",
+        )
+        outcomes = []
+        for k in range(8):
+            status, body, _ = await complete(
+                http, router, [*SYSTEM, *range(3000 + 40 * k, 3040 + 40 * k)], max_tokens=2
+            )
+            outcomes.append((status, body["kvswitch"]["outcome"], body["kvswitch"].get("prefill_worker")))
+    assert outcomes == [(200, "remote_prefill", good.id)] * 8
+    assert bad.sim.faults.requests_seen == 1 and good.sim.faults.requests_seen == 8
+    failed = [r.getMessage() for r in caplog.records if "remote prefill failed" in r.getMessage()]
+    episode = [r.getMessage() for r in caplog.records if r.name == "router.eligibility"]
+    assert len(failed) == 1 and len(episode) == 1
+    assert bad.id in episode[0] and NO_CONNECTOR in episode[0]
+    # Shown where operators look: /debug/route's excluded and /ready's worker_status.
+    excluded = {e["worker"]: e for e in router.path.explain(MODEL, SYSTEM, text=False)["excluded"]}
+    assert excluded[bad.id]["excluded"] == "prefill_failing" and NO_CONNECTOR in excluded[bad.id]["why"]
+    _, ready = router.readiness()
+    shown = {st["worker"]: st["excluded"] for st in ready["worker_status"]}
+    assert shown[bad.id] == "prefill_failing" and shown[good.id] is None
+
+
+async def test_a_hung_prefill_engine_costs_one_prefill_timeout_not_one_per_request(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    bad = await cluster.add_worker("prefill", hang_after=1)  # its shim stays up, its engine stops
+    await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always", prefill_timeout_s=1.0)
+    status, body, _ = await complete(http, router, [*SYSTEM, *range(2000, 2040)], max_tokens=2)
+    assert (status, body["kvswitch"]["outcome"]) == (200, "remote_prefill")
+    good = await cluster.add_worker("prefill")
+    await cluster.ready(router)
+    rows = []
+    for k in range(6):
+        start = time.monotonic()
+        status, body, _ = await complete(http, router, [*SYSTEM, *range(3000 + 40 * k, 3040 + 40 * k)], max_tokens=2)
+        rows.append((status, body["kvswitch"]["outcome"], time.monotonic() - start))
+    assert rows[0][:2] == (200, "fallback_prefill_failed")  # it still held the prefix: one timeout
+    assert [r[:2] for r in rows[1:]] == [(200, "remote_prefill")] * 5
+    assert all(r[2] < 0.9 for r in rows[1:]), rows
+    assert bad.sim.faults.requests_seen == 2 and good.sim.faults.requests_seen == 5
+
+
+async def test_with_no_healthy_prefill_worker_requests_prefill_on_their_decode_worker_without_a_failed_leg(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    bad = await cluster.add_worker("prefill")
+    without_connector(bad)
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    outcomes = []
+    for k in range(4):
+        status, body, headers = await complete(http, router, list(range(1000 * k, 1000 * k + 200)), max_tokens=2)
+        outcomes.append((status, headers["x-kvswitch-decode-worker"], body["kvswitch"]["outcome"]))
+    assert outcomes == [(200, d.id, "fallback_prefill_failed")] + [(200, d.id, "bypass_transfer_failing")] * 3
+    assert bad.sim.faults.requests_seen == 1 and router.dispatcher.fallbacks == 1
+    reason = router.path.explain(MODEL, list(range(200)), text=False)["reason"]
+    assert bad.id in reason and "failing its prefill legs" in reason
+
+
+async def test_after_the_cooldown_one_request_probes_the_failing_prefill_worker_while_the_others_keep_away(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("router.eligibility.PREFILL_COOLDOWN_S", 0.5)  # 30 s in service
+    bad = await cluster.add_worker("prefill")
+    without_connector(bad)
+    await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    status, body, _ = await complete(http, router, [*SYSTEM, *range(2000, 2040)], max_tokens=2)
+    assert (status, body["kvswitch"]["outcome"]) == (200, "fallback_prefill_failed")
+    good = await cluster.add_worker("prefill")
+    await cluster.ready(router)
+    await until(
+        lambda: good.id in {c["worker"] for c in router.path.explain(MODEL, SYSTEM, text=False)["prefill_candidates"]},
+        what="the healthy prefill worker routable",
+    )
+    await asyncio.sleep(0.6)  # past the cooldown: bad, holding SYSTEM, ranks first again
+    answers = await asyncio.gather(
+        *(complete(http, router, [*SYSTEM, *range(3000 + 40 * k, 3040 + 40 * k)], max_tokens=2) for k in range(6))
+    )
+    outcomes = sorted(body["kvswitch"]["outcome"] for _, body, _ in answers)
+    assert outcomes == ["fallback_prefill_failed"] + ["remote_prefill"] * 5  # the probe, and the rest
+    assert bad.sim.faults.requests_seen == 2 and good.sim.faults.requests_seen == 5
+    excluded = {e["worker"]: e["excluded"] for e in router.path.explain(MODEL, SYSTEM, text=False)["excluded"]}
+    assert excluded[bad.id] == "prefill_failing"  # the probe failed: another cooldown
