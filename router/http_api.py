@@ -1006,6 +1006,8 @@ async def prompt_ids(
             ids = await tok.encode_chat(parsed.messages, parsed.chat_options)
             if truncate is not None:  # the template wrote the special tokens: plain ids
                 ids = _truncated(ids, *truncate)
+            if not ids:  # a template that renders nothing: vLLM's input processor refuses it, naming no parameter
+                raise ApiError(400, _EMPTY_PROMPT)
             return ids, [ids]
         prompts = []
         for p in parsed.prompts:

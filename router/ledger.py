@@ -77,7 +77,7 @@ class Ledger:
         (worker_shim.window_endpoints)."""
         self.pending.add(c.worker, ctx.hashes)
         n = (ctx.isl - 1) // ctx.block_size
-        if c.info.sliding_window and n:
+        if c.info.sliding_window and n > 0:  # an empty prompt makes n -1
             self.pending.add(c.worker, [endpoint_key(ctx.hashes[n - 1])])
 
     def rebook_bypass(self, key: str, plan: RoutePlan) -> None:

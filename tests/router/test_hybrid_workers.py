@@ -83,3 +83,9 @@ def test_a_block_aligned_prompt_is_pending_where_vllm_caches_its_window() -> Non
         f.planner.refresh(ctx)
         credit.append(ctx.cached_tokens(ctx.decode_pool[0]))
     assert credit == [256, 256]
+
+
+def test_an_empty_prompt_books_no_window_end() -> None:
+    """Before: (0 - 1) // B is -1, and the ledger read hashes[-2] of an empty list (IndexError, a 500)."""
+    f = Fleet(winfo("w", block_size=32, sliding_window=64))
+    assert f.planner.take(f.ctx([], "r0")) is not None

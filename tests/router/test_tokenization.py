@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
+from router.http_api import ApiError, parse_request, prompt_ids
 from router.tokenization import (
     BuiltinPromptTokenizer,
     ChatOptions,
@@ -256,3 +257,15 @@ def test_templates_that_differ_only_in_assistant_turns_differ_in_fingerprint(hf_
     )
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     assert tokenizer_fingerprint(load_tokenizer(other)) != tokenizer_fingerprint(load_tokenizer(hf_dir))
+
+
+async def test_a_chat_template_that_renders_nothing_is_refused_as_vllm_does(hf_dir: Path) -> None:
+    """Before: the empty prompt was routed (and crashed the ledger on a sliding-window worker: a 500)."""
+    tok = Tokenization(load_tokenizer(hf_dir), trust_request_template=True)
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "chat_template": "{{ '' }}"}
+        with pytest.raises(ApiError) as err:
+            await prompt_ids(tok, parse_request(body, chat=True))
+        assert (err.value.code, err.value.message, err.value.param) == (400, "The decoder prompt cannot be empty", None)
+    finally:
+        tok.close()
