@@ -150,8 +150,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     kv_transfer_gbps: the link a decode sim pulls KV over, GB/s.
     kv_lease_duration: vLLM 0.32's `kv_transfer_config.kv_connector_extra_config.kv_lease_duration`
         (30 s): a prefill sim holds blocks for a decode sim under a lease of this many wall seconds,
-        which a decode sim renews while it holds the request (a heartbeat every lease / 6, each
-        extending the lease to two thirds of the prefill sim's lease from then) until it pulls;
+        which a decode sim renews while it holds the request (a heartbeat every `lease // 6`, at
+        least every 0.1 s, each extending the lease to `lease * 2 // 3` (the prefill sim's lease)
+        from then, so on a 1 s lease not at all) until it pulls;
         a lease nobody renews runs out and frees the blocks. A decode request aborted before its
         pull frees them at once (engine_sim/disagg.py).
     kv_load_failure_policy: what a decode sim does when its pull fails (the prefill sim is gone,

@@ -19,6 +19,7 @@ How the messages reach the prefill sim:
   → 200 `{"released": true}` or 404 `{"released": false}`;
   `POST /sim/kv_heartbeat` with JSON `{"remote_engine_id", "remote_request_ids": [...]}`
   → 200 `{"renewed": N}` (the leases still held and renewed), 404 for another engine id.
+Either route answers 400 to a body that is not a JSON object.
 """
 
 from __future__ import annotations
@@ -29,12 +30,38 @@ from typing import Any, Protocol
 
 import aiohttp
 
-__all__ = ["HEARTBEAT_PATH", "PULL_PATH", "PinHolder", "is_local", "pull", "register", "renew", "unregister"]
+__all__ = [
+    "HEARTBEAT_PATH",
+    "MIN_HEARTBEAT_INTERVAL",
+    "PULL_PATH",
+    "PinHolder",
+    "heartbeat_interval",
+    "is_local",
+    "lease_extension",
+    "pull",
+    "register",
+    "renew",
+    "unregister",
+]
 
 log = logging.getLogger("engine_sim.disagg")
 
 PULL_PATH = "/sim/kv_pull"
 HEARTBEAT_PATH = "/sim/kv_heartbeat"
+# vLLM's heartbeat interval is 0 for a lease under 6 s: a heartbeat every scheduler step. The sim
+# beats on its own timer, so it floors the interval here (well under any nonzero extension, 1 s).
+MIN_HEARTBEAT_INTERVAL = 0.1
+
+
+def heartbeat_interval(kv_lease_duration: float) -> float:
+    """How often a decode engine with this lease heartbeats (vLLM 0.32's `lease // 6`)."""
+    return max(kv_lease_duration // 6, MIN_HEARTBEAT_INTERVAL)
+
+
+def lease_extension(kv_lease_duration: float) -> float:
+    """How far a heartbeat extends a lease on a prefill engine with this lease, from when it
+    arrives (vLLM 0.32's `lease * 2 // 3`: 0 for a 1 s lease, whose heartbeats extend nothing)."""
+    return kv_lease_duration * 2 // 3
 
 
 class PinHolder(Protocol):

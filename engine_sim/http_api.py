@@ -171,8 +171,10 @@ async def kv_pull(request: web.Request) -> web.Response:
     try:
         body = msgspec.json.decode(await request.read())
     except msgspec.DecodeError:
+        body = None
+    if not isinstance(body, dict):  # not a JSON object: a bad body, not a message for another engine
         return json_response({"released": False}, 400)
-    if not isinstance(body, dict) or body.get("remote_engine_id") not in (None, srv.engine.engine_id):
+    if body.get("remote_engine_id") not in (None, srv.engine.engine_id):
         return json_response({"released": False}, 404)
     ok = srv.runner.release_pin(body.get("remote_request_id"), body.get("remote_block_ids"))
     return json_response({"released": ok}, 200 if ok else 404)
@@ -183,8 +185,10 @@ async def kv_heartbeat(request: web.Request) -> web.Response:
     try:
         body = msgspec.json.decode(await request.read())
     except msgspec.DecodeError:
+        body = None
+    if not isinstance(body, dict):  # not a JSON object: a bad body, not a message for another engine
         return json_response({"renewed": 0}, 400)
-    if not isinstance(body, dict) or body.get("remote_engine_id") not in (None, srv.engine.engine_id):
+    if body.get("remote_engine_id") not in (None, srv.engine.engine_id):
         return json_response({"renewed": 0}, 404)
     ids = body.get("remote_request_ids")
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):

@@ -121,8 +121,9 @@ class EngineRunner:
 
     Leases (vLLM 0.32's NixlConnector, `kv_lease_duration` seconds of wall time): a prefill engine
     keeps a finished request's blocks pinned for a lease; a decode engine holding a request whose KV
-    it has not pulled renews that lease every `kv_lease_duration / 6` seconds, each heartbeat
-    extending it to at least two thirds of the prefill engine's lease from then. A decode request
+    it has not pulled renews that lease every `kv_lease_duration // 6` seconds (at least
+    disagg.MIN_HEARTBEAT_INTERVAL), each heartbeat extending it to at least `kv_lease_duration * 2 // 3`
+    (the prefill engine's lease) from then, in vLLM's floored arithmetic. A decode request
     aborted before its pull frees the prefill pin at once; a lease nobody renews runs out."""
 
     def __init__(
@@ -157,6 +158,7 @@ class EngineRunner:
         # Decode side: the kv_transfer_params of each request whose KV is not being pulled yet.
         self._held: dict[str, dict[str, Any]] = {}
         self._heartbeat: asyncio.Task[None] | None = None
+        self._beats: dict[str, asyncio.Task[None]] = {}  # the heartbeats in flight, by prefill engine
         self._session: aiohttp.ClientSession | None = None
         faults._on_change = self._poke
 
@@ -182,6 +184,7 @@ class EngineRunner:
         # A stopped engine tells no prefill engine anything: the leases it held run out there.
         self._held.clear()
         self._heartbeat = None
+        self._beats.clear()  # cancelled with the other tasks below
         tasks = [t for t in (self._task, *self._tasks) if t is not None]
         self._task = None
         for t in tasks:
@@ -240,9 +243,9 @@ class EngineRunner:
 
     def renew_pins(self, request_ids: list[str]) -> int:
         """A decode sim's heartbeat (disagg.PinHolder): it still holds these requests, so each
-        lease runs until at least two thirds of a lease from now (vLLM's _handle_heartbeat).
+        lease runs until at least `lease * 2 // 3` from now (vLLM's _handle_heartbeat).
         Returns how many leases were still held."""
-        until = asyncio.get_running_loop().time() + self.kv_lease_duration * 2 / 3
+        until = asyncio.get_running_loop().time() + disagg.lease_extension(self.kv_lease_duration)
         renewed = 0
         for rid in request_ids:
             if (expiry := self._pin_expiry.get(rid)) is not None:
@@ -380,8 +383,10 @@ class EngineRunner:
 
     async def _heartbeats(self) -> None:
         """Renew the leases of the KV this engine holds requests for, one message per prefill
-        engine every `kv_lease_duration / 6`, until it holds none (vLLM's NixlConnector). A hung
-        engine sends none, as a stuck vLLM scheduler builds none."""
+        engine every `disagg.heartbeat_interval`, until it holds none (vLLM's NixlConnector). A hung
+        engine sends none, as a stuck vLLM scheduler builds none. No heartbeat is awaited here, and
+        an engine whose last one is still in flight is skipped (vLLM skips a peer whose handshake
+        is pending): a prefill engine that does not answer delays no other engine's leases."""
         try:
             while self._held:
                 if not self.faults.hang:
@@ -389,10 +394,13 @@ class EngineRunner:
                     for params in self._held.values():
                         if (rid := params.get("remote_request_id")) is not None:
                             by_engine.setdefault(str(params.get("remote_engine_id")), (params, []))[1].append(rid)
-                    await asyncio.gather(
-                        *(disagg.renew(params, ids, self._session_for(params)) for params, ids in by_engine.values())
-                    )
-                await asyncio.sleep(self.kv_lease_duration / 6)
+                    self._beats = {eid: t for eid, t in self._beats.items() if not t.done()}
+                    for eid, (params, ids) in by_engine.items():
+                        if eid not in self._beats:
+                            self._beats[eid] = self._spawn(
+                                disagg.renew(params, ids, self._session_for(params)), f"kv-beat-{eid[:8]}"
+                            )
+                await asyncio.sleep(disagg.heartbeat_interval(self.kv_lease_duration))
         finally:
             if self._heartbeat is asyncio.current_task():
                 self._heartbeat = None

@@ -13,8 +13,9 @@ runs alongside the modelled transfer, so the pin goes when the transfer starts a
 resumes `transfer_s(tokens)` later; a pin already gone (its lease ran out) makes the request
 prefill locally. Leases as the runner keeps them (vLLM 0.32's NixlConnector): a prefill engine
 pins a finished request's KV for `kv_lease_duration`; a decode engine renews the leases of the
-requests it holds every `kv_lease_duration / 6` until their pulls start (each renewal: at least
-two thirds of a lease from then); a decode request aborted before its pull frees the pin at once;
+requests it holds every `kv_lease_duration // 6` (at least engine_sim.disagg.MIN_HEARTBEAT_INTERVAL)
+until their pulls start (each renewal: to at least `kv_lease_duration * 2 // 3` from then, vLLM's
+floored arithmetic); a decode request aborted before its pull frees the pin at once;
 an unrenewed lease runs out and frees the blocks.
 
 Timing observations: the engine keeps what vLLM's /metrics histograms would show (their sums and
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.virtual.clock import VirtualClock
+from engine_sim import disagg
 from engine_sim.request import RequestStatus, SimRequest
 from engine_sim.scheduler import Scheduler, StepOutput, StepResult
 from protocol.vllm_events import KVEvent
@@ -127,8 +129,8 @@ class VirtualEngine:
         return ok
 
     def renew_pins(self, request_ids: list[str]) -> None:
-        """A decode engine's heartbeat: each lease runs until at least two thirds of a lease from now."""
-        until = self.clock.now + self.kv_lease_duration * 2 / 3
+        """A decode engine's heartbeat: each lease runs until at least `lease * 2 // 3` from now."""
+        until = self.clock.now + disagg.lease_extension(self.kv_lease_duration)
         for rid in request_ids:
             if (expiry := self._pin_expiry.get(rid)) is not None:
                 self._pin_expiry[rid] = max(expiry, until)
@@ -144,7 +146,7 @@ class VirtualEngine:
         for engine_id, ids in by_engine.items():
             if (source := self.peers.get(engine_id)) is not None:
                 source.renew_pins(ids)
-        self.clock.after(self.kv_lease_duration / 6, self._heartbeat)
+        self.clock.after(disagg.heartbeat_interval(self.kv_lease_duration), self._heartbeat)
 
     def _forget(self, rid: str) -> None:
         self._sinks.pop(rid, None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import datetime
+import itertools
 import logging
 import sys
 import time
@@ -262,6 +263,31 @@ def test_a_decode_engine_holding_the_request_renews_the_lease_and_an_unheld_leas
     assert d.scheduler.stats.external_kv_tokens == 400
     assert pinned == [True, False]  # pinned until a lease after its prefill, then freed
     assert not p.scheduler.pins and p.scheduler.pool.num_used == 0
+
+
+def test_heartbeats_follow_vllms_floored_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32 heartbeats every `kv_lease_duration // 6`: every 1 s on a 10 s lease."""
+    clock, p, d, _ = _prefill_then_queued_decode(lease=10.0)
+    beats: list[float] = []
+    renew = p.renew_pins
+
+    def beat(request_ids: list[str]) -> None:
+        beats.append(clock.now)
+        renew(request_ids)
+
+    monkeypatch.setattr(p, "renew_pins", beat)
+    clock.run()
+    assert len(beats) > 2 and {round(b - a, 9) for a, b in itertools.pairwise(beats)} == {1.0}
+    assert d.transfers == 1 and d.failed_pulls == 0
+
+
+def test_on_a_1s_lease_heartbeats_extend_nothing_as_in_vllm() -> None:
+    """vLLM 0.32 extends a lease by `kv_lease_duration * 2 // 3`, 0 on a 1 s lease: the KV goes a
+    second after the prefill while the decode engine still holds the request, and its pull fails."""
+    clock, _, d, _ = _prefill_then_queued_decode(lease=1.0)
+    clock.run()
+    assert d.transfers == 1 and d.failed_pulls == 1
+    assert d.scheduler.stats.external_kv_tokens == 0  # prefilled locally instead (recompute)
 
 
 def test_replicas_see_each_others_bookings_after_the_sync_delay() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import socket
 import time
 import weakref
 from collections.abc import Callable
@@ -110,24 +111,26 @@ async def test_an_unpulled_pin_is_freed_when_its_lease_runs_out() -> None:
         assert p.engine.num_blocks_in_use == 0
 
 
+async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with s.post(url + "/v1/completions", json=body) as r:
+        return r.status, await r.json()
+
+
 async def queue_behind_a_busy_request(
     s: aiohttp.ClientSession, p: SimServer, d: SimServer
 ) -> tuple[asyncio.Task[Any], asyncio.Task[tuple[int, Any]], dict[str, Any]]:
     """A long request running on `d` (max_num_seqs=1), and behind it, waiting on `d`, a decode
     request whose KV `p` prefilled and pins: (busy, queued, its kv_transfer_params)."""
-
-    async def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
-        async with s.post(url + "/v1/completions", json=body) as r:
-            return r.status, await r.json()
-
-    busy = asyncio.create_task(post(d.url, {"prompt": list(range(100, 116)), "max_tokens": 2000}))
+    busy = asyncio.create_task(post(s, d.url, {"prompt": list(range(100, 116)), "max_tokens": 2000}))
     await until(lambda: len(d.engine.running) == 1, "the busy request running on d")
     status, pre = await post(
-        p.url, {"prompt": PROMPT[:400], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        s, p.url, {"prompt": PROMPT[:400], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     )
     assert status == 200
     params = pre["kv_transfer_params"]
-    queued = asyncio.create_task(post(d.url, {"prompt": PROMPT[:400], "max_tokens": 2, "kv_transfer_params": params}))
+    queued = asyncio.create_task(
+        post(s, d.url, {"prompt": PROMPT[:400], "max_tokens": 2, "kv_transfer_params": params})
+    )
     await until(lambda: len(d.engine.waiting) == 1, "the decode request waiting on d")
     assert list(p.engine.pins) == [params["remote_request_id"]]
     return busy, queued, params
@@ -162,7 +165,7 @@ async def test_a_decode_sim_holding_the_request_renews_the_lease_until_it_pulls(
 ) -> None:
     """vLLM 0.32's heartbeats: however long the decode request waits in the decode engine's queue,
     its KV stays pinned on the prefill engine, and the pull finds it."""
-    lease = 0.6
+    lease = 2  # vLLM's smallest integer lease a heartbeat extends (by 2 * 2 // 3 = 1 s)
     async with (
         SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
         SimServer(
@@ -173,8 +176,8 @@ async def test_a_decode_sim_holding_the_request_renews_the_lease_until_it_pulls(
         if cross_process:  # heartbeats and the pull go over HTTP, as between processes
             monkeypatch.setattr(disagg, "_registry", weakref.WeakValueDictionary())
         busy, queued, params = await queue_behind_a_busy_request(s, p, d)
-        await asyncio.sleep(4 * lease)
-        assert list(p.engine.pins) == [params["remote_request_id"]]  # renewed: still pinned
+        await asyncio.sleep(lease + 0.5)
+        assert list(p.engine.pins) == [params["remote_request_id"]]  # renewed: pinned past its lease
         busy.cancel()  # the decode engine frees up, and schedules the waiting request
         status, body = await queued
         assert (status, body["usage"]["completion_tokens"]) == (200, 2), body
@@ -185,9 +188,9 @@ async def test_a_decode_sim_holding_the_request_renews_the_lease_until_it_pulls(
 
 @pytest.mark.parametrize("gone", ["crashed", "hung"])
 async def test_a_lease_no_decode_sim_renews_runs_out(gone: str) -> None:
-    """A decode engine that died or hung sends no heartbeat: the prefill engine frees the KV within
-    a lease (at most two thirds of one after the last heartbeat)."""
-    lease = 0.6
+    """A decode engine that died or hung sends no heartbeat: the prefill engine frees the KV at most
+    `lease * 2 // 3` after the last heartbeat."""
+    lease = 2  # each heartbeat extends the lease by 1 s
     async with (
         SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
         SimServer(
@@ -196,22 +199,22 @@ async def test_a_lease_no_decode_sim_renews_runs_out(gone: str) -> None:
         aiohttp.ClientSession() as s,
     ):
         busy, queued, _ = await queue_behind_a_busy_request(s, p, d)
-        await asyncio.sleep(2 * lease)
-        assert p.engine.pins  # renewed while d held the request
+        await asyncio.sleep(lease + 0.5)
+        assert p.engine.pins  # renewed past its lease while d held the request
         if gone == "crashed":
             await d.crash()
         else:
             d.faults.hang = True
         t0 = time.monotonic()
         await until(lambda: not p.engine.pins, "the lease ran out", timeout=3.0)
-        assert time.monotonic() - t0 < lease + 0.2
+        assert time.monotonic() - t0 < disagg.lease_extension(lease) + 0.2
         for t in (busy, queued):
             t.cancel()
         await asyncio.gather(busy, queued, return_exceptions=True)
 
 
 async def test_the_heartbeat_route_renews_the_leases_it_names() -> None:
-    lease = 1.5  # a heartbeat extends a lease to 1.0 s from then
+    lease = 1.5  # a heartbeat extends a lease to 1.5 * 2 // 3 = 1.0 s from then
     async with SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p, aiohttp.ClientSession() as s:
         pre, _ = await complete(
             p.url, {"prompt": PROMPT[:200], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
@@ -229,6 +232,74 @@ async def test_the_heartbeat_route_renews_the_leases_it_names() -> None:
         await asyncio.sleep(done + 1.7 - time.monotonic())
         assert list(p.engine.pins) == [rid]  # past the first lease's end: renewed until >= 1.9 s
         await until(lambda: not p.engine.pins, "the renewed lease ran out")
+
+
+async def test_on_a_1s_lease_heartbeats_extend_nothing_as_in_vllm() -> None:
+    """vLLM 0.32 extends a lease by `kv_lease_duration * 2 // 3` (nixl base_worker.py), 0 on a 1 s
+    lease: the prefill KV goes a second after the prefill however the decode engine heartbeats, and
+    the pull fails (kv_load_failure_policy fail)."""
+    lease = 1
+    async with (
+        SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
+        SimServer(
+            sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512, kv_lease_duration=lease)
+        ) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        busy, queued, _ = await queue_behind_a_busy_request(s, p, d)
+        await until(lambda: not p.engine.pins, "the unextended lease ran out", timeout=lease + 0.5)
+        assert len(d.engine.waiting) == 1  # while d still held the request and heartbeat for it
+        busy.cancel()
+        status, _ = await queued
+        assert status == 500 and d.engine.stats.failed_transfers == 1
+        await asyncio.gather(busy, return_exceptions=True)
+
+
+async def test_a_prefill_peer_that_never_answers_delays_no_other_peers_heartbeats() -> None:
+    """One heartbeat in flight per prefill engine, none waiting on another's (vLLM skips a peer whose
+    handshake is pending): a prefill sim that takes connections but never answers (stopped,
+    partitioned) must not let the leases on a healthy one run out. stop() ends the beat in flight."""
+    lease = 2  # each heartbeat extends a lease by 1 s; one to the silent peer takes 5 s to time out
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # never accept()s
+    bad = {**STALE, "remote_engine_id": "silent", "remote_port": silent.getsockname()[1]}
+    try:
+        async with (
+            SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
+            SimServer(
+                sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512, kv_lease_duration=lease)
+            ) as d,
+            aiohttp.ClientSession() as s,
+        ):
+            busy, queued, params = await queue_behind_a_busy_request(s, p, d)
+            other = asyncio.create_task(
+                post(s, d.url, {"prompt": PROMPT[:100], "max_tokens": 2, "kv_transfer_params": bad})
+            )
+            await until(lambda: len(d.engine.waiting) == 2, "a request for the silent peer waiting on d too")
+            await asyncio.sleep(lease + 0.5)
+            assert list(p.engine.pins) == [params["remote_request_id"]]  # renewed past its lease
+            assert any(t.get_name().startswith("kv-beat-silent") for t in asyncio.all_tasks())
+            busy.cancel()
+            status, body = await queued
+            assert (status, body["usage"]["completion_tokens"]) == (200, 2), body
+            assert d.engine.stats.failed_transfers == 0
+            other.cancel()
+            await asyncio.gather(busy, other, return_exceptions=True)
+        assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("kv-")]
+    finally:
+        silent.close()
+
+
+async def test_the_kv_routes_answer_400_to_a_body_that_is_not_a_json_object() -> None:
+    """A bad body, not a message for another engine (404)."""
+    async with SimServer(sim_config(role="prefill")) as p, aiohttp.ClientSession() as s:
+        for path in (disagg.PULL_PATH, disagg.HEARTBEAT_PATH):
+            for body in (b"[]", b'"x"', b"1", b"null", b"not json"):
+                async with s.post(p.url + path, data=body, headers={"Content-Type": "application/json"}) as r:
+                    assert r.status == 400, (path, body)
+            async with s.post(p.url + path, json={"remote_engine_id": "another", "remote_request_ids": []}) as r:
+                assert r.status == 404, path
 
 
 STALE = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "x",
