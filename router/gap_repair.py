@@ -13,10 +13,12 @@ One loop per worker that needs repair, owned here:
         ingest.repair_reply(...) or ingest.repair_failed(...)
 
 Waiting: each chunk may take `request_timeout_s` after the one before, and the first one that
-again per `BLOCKS_PER_WAIT` (2 M) blocks the worker may hold (`reply_limit`): 6 s at the defaults
-(2 s, 4 M). A shim copies its set and orders it as it sends (worker_shim.event_log), and may be
-answering another router's dump first (about a second per 4 M blocks). The whole reply may take
-`fetch_timeout_s`, plus `request_timeout_s` per `BLOCKS_PER_WAIT` dump blocks received.
+again per `BLOCKS_PER_WAIT` (2 M) blocks the worker's shim last said it holds (`reply_size`, its
+load reports' `kv_blocks`): 6 s for 4 M blocks at the defaults. A shim copies its set and orders
+it as it sends (worker_shim.event_log), and may be answering another router's dump first (about a
+second per 4 M blocks). The whole reply may take `fetch_timeout_s` plus that first-chunk
+allowance, plus `request_timeout_s` per `BLOCKS_PER_WAIT` dump blocks received. A reply that
+never starts is a timeout, whatever the wait.
 Failures (no responder yet, timeout, a reply that does not decode, NATS errors) back off
 exponentially from `retry_min_s` to `retry_max_s`. A failed decode asks for a full dump next,
 never the same `since_seq` again; so does a timeout (a replay that cannot reach this router, e.g.
@@ -84,6 +86,7 @@ class RepairTarget(Protocol):
     def needs_repair(self, worker: str) -> bool: ...
     def repair_request(self, worker: str) -> KvStateRequest: ...
     def reply_limit(self, worker: str) -> int: ...  # the most blocks a dump of the worker may carry
+    def reply_size(self, worker: str) -> int: ...  # the blocks the worker's shim last said it holds
     def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None: ...
     def repair_failed(self, worker: str, failure: FetchFailure) -> None: ...
 
@@ -207,9 +210,11 @@ class GapRepair:
         limit = self._target.reply_limit(worker)
         budget = _ReplyBudget(limit, max(_MIN_REPLY_BYTES, _REPLY_BYTES_PER_BLOCK * limit))
         per_block = self.request_timeout_s / BLOCKS_PER_WAIT  # see the module docstring
-        slack = per_block * limit  # for the first chunk
+        # For the first chunk, by what the worker holds, not what it may: a hung shim holding a
+        # few blocks must not keep a repair slot for the time a 64 M-block dump may take.
+        slack = per_block * self._target.reply_size(worker)
         start = self._clock()
-        deadline = start + self.fetch_timeout_s
+        deadline = start + self.fetch_timeout_s + slack
         wait = self.request_timeout_s + slack
         held = 0  # of self.reply_bytes, this reply's
         try:
@@ -218,7 +223,7 @@ class GapRepair:
             while True:
                 left = deadline - self._clock()
                 if left <= 0:
-                    raise _endless(deadline - start)
+                    raise _endless(deadline - start) if chunks else TimeoutError
                 wait = self.request_timeout_s + (0.0 if chunks else slack)
                 msg = await sub.next_msg(timeout=min(wait, left))
                 if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
@@ -235,7 +240,7 @@ class GapRepair:
                 if chunk.final:
                     return chunks
         except TimeoutError:  # nats.errors.TimeoutError is one
-            if self._clock() >= deadline:
+            if chunks and self._clock() >= deadline:  # chunks that never end; no chunk at all is a timeout
                 raise _endless(deadline - start) from None
             seen = f"{len(chunks)} chunks, then none" if chunks else "no reply"
             raise FetchFailure(f"{seen} within {wait:.1f}s", timed_out=True) from None

@@ -113,6 +113,7 @@ class _Worker:
     registered_epoch: int
     kv_total_blocks: int | None = None  # its KV capacity, as its record or load reports say
     entry_limit: int = MIN_ENTRY_LIMIT  # the most index entries it may have (see _capacity)
+    reported_blocks: int = 0  # the blocks its shim says it holds (LoadReport.kv_blocks, the last one)
     held: list[tuple[int, KvEventBatch]] = field(default_factory=list)  # (arrival no., batch), awaiting a repair
     held_bytes: int = 0  # _held_size of `held`
     want_dump: bool = True
@@ -438,6 +439,7 @@ class KvIngest:
         if state is None:
             return
         self._capacity(state, report.kv_total_blocks)
+        state.reported_blocks = report.kv_blocks
         if not report.kv_epoch or state.sync.state is not SyncState.SYNCED:
             return
         sync = state.sync
@@ -535,6 +537,10 @@ class KvIngest:
     def reply_limit(self, worker: str) -> int:
         state = self._workers.get(worker)
         return self.min_entry_limit if state is None else state.entry_limit
+
+    def reply_size(self, worker: str) -> int:
+        state = self._workers.get(worker)
+        return 0 if state is None else min(state.reported_blocks, state.entry_limit)
 
     def repair_failed(self, worker: str, failure: FetchFailure) -> None:
         state = self._workers.get(worker)

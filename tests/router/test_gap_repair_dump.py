@@ -31,8 +31,14 @@ class _Target:
     def repair_request(self, worker: str) -> KvStateRequest:
         return KvStateRequest()
 
+    def __init__(self, *, limit: int = MIN_ENTRY_LIMIT, holds: int = MIN_ENTRY_LIMIT) -> None:
+        self.limit, self.holds = limit, holds
+
     def reply_limit(self, worker: str) -> int:
-        return MIN_ENTRY_LIMIT
+        return self.limit
+
+    def reply_size(self, worker: str) -> int:
+        return self.holds
 
     def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None:
         pass
@@ -80,7 +86,7 @@ async def ingest(nc: Client, ns: str) -> AsyncIterator[KvIngest]:
 
 async def test_a_dump_whose_first_chunk_takes_seconds_is_waited_for(nc: Client, ns: str) -> None:
     # A shim copies and orders millions of blocks before its first chunk, or answers another
-    # router's dump first: 3 s for a worker the router lets hold 4 M blocks is honest.
+    # router's dump first: 3 s for a worker that says it holds 4 M blocks is honest.
     async def slow(msg: Msg) -> None:
         await asyncio.sleep(3.0)
         chunk = KvStateChunk(worker="w", epoch=5, seq=9, dump=True, hashes=[1, 2])
@@ -90,6 +96,23 @@ async def test_a_dump_whose_first_chunk_takes_seconds_is_waited_for(nc: Client, 
     await flush(nc)
     chunks = await GapRepair(nc, ns, _Target()).fetch("w", KvStateRequest())
     assert [(c.seq, c.hashes) for c in chunks] == [(9, b"\x01" + bytes(7) + b"\x02" + bytes(7))]
+
+
+async def test_a_hung_shim_holding_few_blocks_times_out_soon_whatever_its_limit(nc: Client, ns: str) -> None:
+    """Before: the first chunk's wait grew with the index limit (64 M blocks: 6.4 s more here), so a
+    hung shim held a repair slot that long and then read as `malformed` ('no final chunk')."""
+
+    async def hung(msg: Msg) -> None:
+        pass
+
+    await nc.subscribe(subjects.kvstate(ns, "w"), cb=hung)
+    await flush(nc)
+    repair = GapRepair(nc, ns, _Target(limit=1 << 26, holds=16_384), request_timeout_s=0.2, fetch_timeout_s=1.0)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(FetchFailure) as err:
+        await repair.fetch("w", KvStateRequest())
+    assert (err.value.timed_out, err.value.malformed) == (True, False), err.value
+    assert asyncio.get_running_loop().time() - started < 0.9
 
 
 async def test_a_replay_that_timed_out_is_not_asked_for_again(ingest: KvIngest, nc: Client, ns: str) -> None:

@@ -443,6 +443,9 @@ class _Limits:
     def reply_limit(self, worker: str) -> int:
         return 1 << 22
 
+    def reply_size(self, worker: str) -> int:
+        return 0
+
 
 async def test_the_replies_in_flight_share_one_byte_budget(nc: Client, ns: str) -> None:
     # Each reply was bounded alone: 32 replies in flight of 2 GiB each could hold 64 GiB.
