@@ -289,10 +289,12 @@ UTILITY_ENDPOINTS = frozenset({ENDPOINT_TOKENIZE, ENDPOINT_DETOKENIZE})
 ANNOTATION_BYPASS = "bypass_remote_prefill"
 
 
-class Usage(msgspec.Struct, kw_only=True):
+class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    # The engine's own count of prompt tokens it found cached; None: its answer had none (vLLM
+    # without --enable-prompt-tokens-details). Omitted then, so a reader that wants an int reads 0.
+    cached_tokens: int | None = None
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):

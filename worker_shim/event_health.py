@@ -18,10 +18,14 @@ WorkerInfo.events_ok and sent in every LoadReport) until events flow:
   request served after a check is watched again.
 
 A prompt the engine served from its cache stores nothing, and the shim's index can miss it (the
-shim restarted beside a warm engine): the engine's prefix reuse counter (`hits`, read with the load
-polls) rising by the prompt's reusable blocks between a reading asked before the request started
-and the judgement counts as served from the cache, not as lost events. Other requests' hits in the
-same window count too, so a busy worker's check can be hidden; the next request watched re-checks.
+shim restarted beside a warm engine). Where the engine's usage says how many prompt tokens it found
+cached (vLLM: --enable-prompt-tokens-details), that is final. Where it does not, the engine's
+prefix reuse counter (`hits`, read with the load polls) rising by the prompt's reusable tokens,
+from a reading before the request started to the first one asked after it was served, counts as
+served from the cache, but only when no other leg of this shim was in flight over that window:
+another's hits would hide a silent engine. What remains: requests sent to the engine past the shim
+count in that window too; and a cached prompt served beside other legs, its usage silent, is taken
+for lost events (until a Stored, a connection or the retest).
 
 Live events (not replayed ones) clear NO_STORED and WRONG_TOPIC; a connection clears NO_CONNECTION.
 NO_STORED, which withholds the very traffic whose events would clear it, also ends on a connection
@@ -40,12 +44,20 @@ import enum
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 __all__ = ["EventHealth", "EventProblem"]
 
 log = logging.getLogger(__name__)
 RETEST_TIMEOUTS = 12  # `retest_s` in events timeouts: 60 s by default
 HITS_KEPT = 256  # readings of the engine's reuse counter kept: a minute at the load polls' 0.25 s
+
+
+class _Hits(NamedTuple):
+    asked: float
+    reused: int
+    legs: int
+    quiet: bool
 
 
 class EventProblem(enum.Enum):
@@ -71,8 +83,7 @@ class EventHealth:
         self._episode = False  # NO_STORED was raised and nothing has shown events flow since
         self._lifts = 0  # ... and lifted for a retest this many times
         self._retest: asyncio.TimerHandle | None = None
-        self._hits: deque[tuple[float, int]] = deque(maxlen=HITS_KEPT)  # (asked, the reuse counter)
-        self._hits_run = 0  # bumped whenever the counter starts over
+        self._hits: deque[_Hits] = deque(maxlen=HITS_KEPT)  # this run of the counter's readings
 
     @property
     def ok(self) -> bool:
@@ -123,30 +134,48 @@ class EventHealth:
         if stored:
             self.resolved(EventProblem.NO_STORED)
 
-    def hits(self, asked: float, reused: int | None) -> None:
+    def hits(self, asked: float, reused: int | None, *, legs: int, quiet: bool) -> None:
         """The engine's cumulative prefix reuse counter (tokens), from a load poll asked at `asked`
-        (time.monotonic()); None: it has none, or the poll failed."""
+        (time.monotonic()); None: it has none, or the poll failed. `legs`: the legs the shim had
+        started on the engine when the answer came; `quiet`: none was in flight from `asked` on."""
         kept = self._hits
-        if reused is None or (kept and reused < kept[-1][1]):
+        if reused is None or (kept and reused < kept[-1].reused):
             kept.clear()  # no counter, or it started over (the engine restarted)
-            self._hits_run += 1
         if reused is not None:
-            kept.append((asked, reused))
+            kept.append(_Hits(asked, reused, legs, quiet))
 
     def expect_stored(
-        self, block_hash: int, request_id: str, blocks: int, *, since: float | None = None, hit: int = 0
+        self,
+        block_hash: int,
+        request_id: str,
+        blocks: int,
+        *,
+        leg: int | None = None,
+        served: float = 0.0,
+        hit: int = 0,
     ) -> None:
-        """A request was served whose prompt had `blocks` full uncached blocks, the last `block_hash`;
-        it started at `since` (time.monotonic()), and the engine counts `hit` tokens of reuse when it
-        finds the whole prompt cached."""
+        """A request was served whose prompt had `blocks` full uncached blocks, the last `block_hash`.
+        Where the engine did not say how much of it was cached, `leg` is the request's number among
+        the legs started (`hits`), `served` when it was served (time.monotonic()), and `hit` the
+        tokens of reuse the engine counts when it finds the whole prompt cached."""
         if self._timers:
             return
         seen = self.live_stored
-        before = [n for at, n in self._hits if since is not None and at <= since]
-        base, run = (before[-1] if before and hit > 0 else None), self._hits_run
 
         def from_cache() -> bool:
-            return base is not None and run == self._hits_run and self._hits[-1][1] - base >= hit
+            # The counter's rise is this leg's alone only from a reading before it started with no
+            # other leg in flight to the first one asked after it was served, no other leg started.
+            if leg is None or hit <= 0:
+                return False
+            base = next((h for h in reversed(self._hits) if h.legs == leg - 1), None)
+            end = next((h for h in self._hits if h.asked >= served), None)
+            return (
+                base is not None
+                and base.quiet
+                and end is not None
+                and end.legs == leg
+                and end.reused - base.reused >= hit
+            )
 
         def stored() -> bool:
             return self.live_stored > seen or self.holds(block_hash) or from_cache()

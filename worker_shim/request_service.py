@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import resource
 import time
@@ -333,6 +334,7 @@ class _Leg:
     # cleanup and final chunk never came: until then a cancel only marks the leg (_stop).
     running: bool = False
     started: float = field(default_factory=time.monotonic)
+    number: int = 0  # its place among the legs started (RequestService.legs_started)
     predicted: int = 0  # prompt tokens the engine should find cached, until it has scheduled the leg
 
 
@@ -380,6 +382,9 @@ class RequestService:
         self.max_legs = max_legs  # legs past it are refused at once (503 overloaded): leg_cap
         self.accepting = True
         self.inflight: dict[str, _Leg] = {}
+        # Legs started, and when the last in flight ended: which legs may share an engine counter's rise.
+        self.legs_started = 0
+        self._idle_at = -math.inf
         self.completed = 0
         self.failed = 0
         self.malformed = 0
@@ -468,7 +473,7 @@ class RequestService:
             return
         if req.endpoint in UTILITY_ENDPOINTS:
             state = _Leg(req.request_id, 0, writer)
-            self.inflight[req.request_id] = state
+            self._begin(state)
             state.task = asyncio.create_task(self._call(req, state, writer), name=f"call-{req.request_id}")
             return
         leg = self._leg_request(req, role)
@@ -480,13 +485,26 @@ class RequestService:
             held = self.cached_tokens(req.token_ids, self._salt(req))
             queued, predicted = len(req.token_ids) - held, self._reuse(req, held)
         state = _Leg(req.request_id, max(queued, 0), writer, predicted=predicted)
-        self.inflight[req.request_id] = state
+        self._begin(state)
         self._queued += state.queued_tokens
         self.on_change()
         span = self.tracer.start(req.trace, role, worker, req.request_id)
         engine = {h: v for h, v in req.headers.items() if h in ENGINE_HEADERS}
         leg.headers = {**engine, **LegTracer.headers(span, req.trace)}
         state.task = asyncio.create_task(self._run(req, leg, state, writer, role, span), name=f"leg-{req.request_id}")
+
+    def _begin(self, state: _Leg) -> None:
+        self.legs_started += 1
+        state.number = self.legs_started
+        self.inflight[state.request_id] = state
+
+    def _end(self, request_id: str) -> None:
+        if self.inflight.pop(request_id, None) is not None and not self.inflight:
+            self._idle_at = time.monotonic()
+
+    def idle_since(self, at: float) -> bool:
+        """No leg has been in flight since `at` (time.monotonic())."""
+        return not self.inflight and self._idle_at <= at
 
     async def _resume(self, req: GenerateRequest, reply: str, worker: str, role: str) -> None:
         assert req.resume is not None
@@ -672,7 +690,7 @@ class RequestService:
             await _reap(watch, f"request {req.request_id}: the prefill watch")
             self._first_token(state)
             self.contexts.end(req.request_id)
-            self.inflight.pop(req.request_id, None)
+            self._end(req.request_id)
             self.remember(writer)
 
     async def _call(self, req: GenerateRequest, state: _Leg, writer: _ChunkWriter) -> None:
@@ -699,7 +717,7 @@ class RequestService:
             )
             raise
         finally:
-            self.inflight.pop(req.request_id, None)
+            self._end(req.request_id)
             self.remember(writer)
 
     async def _watch_prefill(self, token_ids: list[int], salt: str, state: _Leg, writer: _ChunkWriter) -> None:

@@ -780,19 +780,27 @@ class WorkerShim:
         if not bs or self.limits.prefix_caching is False:  # no Stored event is due
             return
         full = len(token_ids) // bs
-        uncached = full - usage.cached_tokens // bs
+        cached = usage.cached_tokens
+        uncached = full - (cached or 0) // bs
         hit = reusable(full * bs, len(token_ids), bs)  # what the engine counts for a prompt all cached
-        if uncached > 0 and not 0 < hit <= usage.cached_tokens:
+        if uncached > 0 and not (cached is not None and 0 < hit <= cached):
             last = block_hashes(token_ids[: full * bs], bs, salt=salt)[-1]
-            leg = self.requests.inflight.get(request_id) if self.requests is not None else None
-            since = leg.started if leg is not None else None
-            self.events.expect_stored(last, request_id, uncached, since=since, hit=hit)
+            # The engine's own word on this prompt's cache is final; without it, its reuse counter.
+            leg = self.requests.inflight.get(request_id) if self.requests is not None and cached is None else None
+            number = leg.number if leg is not None else None
+            self.events.expect_stored(last, request_id, uncached, leg=number, served=time.monotonic(), hit=hit)
 
     def _count_load_report(self) -> None:
         self.load_reports_sent += 1
 
     def _on_engine_reading(self, asked: float, done: float, load: EngineLoad | None) -> None:
-        self.events.hits(asked, load.reused_tokens if load is not None else None)
+        requests = self.requests
+        self.events.hits(
+            asked,
+            load.reused_tokens if load is not None else None,
+            legs=requests.legs_started if requests is not None else 0,
+            quiet=requests is not None and requests.idle_since(asked),
+        )
         if load is None:
             self.credit.lost()
             return

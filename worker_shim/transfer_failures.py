@@ -14,9 +14,10 @@ readings of it and nothing later: one the engine never counted (it failed for an
 forgotten, not kept to hide a later silent failure. A WARNING goes out when silent failures start
 after `quiet_s` without any.
 
-A counter that goes down (the engine restarted) starts over from its new value, and the failed
-legs of the old run are forgotten; None (the engine exports no such counter: no NIXL connector, or
-another engine) counts nothing. Synchronous: the caller passes the time in.
+A counter that goes down (the engine restarted) starts over from its new value; the rise seen at
+the old run's last reading is still judged against the old run's failed legs, which are then
+forgotten. None (the engine exports no such counter: no NIXL connector, or another engine) counts
+nothing. Synchronous: the caller passes the time in.
 """
 
 from __future__ import annotations
@@ -56,16 +57,17 @@ class TransferFailures:
         last, self._last = self._last, failed
         judged, self._seen = self._seen, 0
         legs = self._legs
-        if failed is None or last is None or failed < last:
-            legs.clear()  # no counter, a new baseline or a restarted engine: no rise can match them
-        elif failed > last:
-            self._seen = failed - last
-            self.rises += self._seen
         while legs and legs[0] < self.readings - LEG_READINGS:
             legs.popleft()
         explained = min(len(legs), judged)
         for _ in range(explained):
             legs.popleft()
+        # The rise judged was seen at the last reading: that run's legs explain it before a reset.
+        if failed is None or last is None or failed < last:
+            legs.clear()  # no counter, a new baseline or a restarted engine
+        elif failed > last:
+            self._seen = failed - last
+            self.rises += self._seen
         new = judged - explained
         if new <= 0:
             return False

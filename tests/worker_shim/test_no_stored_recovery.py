@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -18,11 +19,12 @@ from engine_sim.server import SimServer
 from kvswitch.servers import free_port
 from protocol import Usage, subjects
 from protocol.config import EtcdSettings, NatsSettings
-from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
+from tests.worker_shim.cluster import complete, connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_event_health import _worker_info
 from tests.worker_shim.test_request_service import Collector, gen
 from worker_shim import ShimConfig, WorkerShim
 from worker_shim.adapters.base import EngineLimits
+from worker_shim.adapters.openai_http import usage_from
 from worker_shim.adapters.zmq_events import ZmqEventSource
 from worker_shim.event_health import EventHealth, EventProblem
 
@@ -75,17 +77,18 @@ async def test_a_stored_from_the_replay_socket_ends_no_stored() -> None:
 
 async def test_a_prompt_the_engines_reuse_counter_shows_all_cached_is_no_lost_event() -> None:
     """A restarted shim's index misses what a warm engine holds, and vLLM's usage has no cached
-    tokens by default: the prefix reuse counter rising by the prompt's reusable tokens between a
-    reading before the request and the judgement says it was served from the cache."""
+    tokens by default: the prefix reuse counter rising by the prompt's reusable tokens, from a
+    reading before the request to the first one after it was served, the request alone on the
+    engine, says it was served from the cache."""
     health = EventHealth(timeout_s=0.1)
-    health.hits(0.0, 100)
-    health.hits(1.0, 164)  # asked after the request started at 0.5: it holds its 64 hit tokens
-    health.expect_stored(1, "cached", 4, since=0.5, hit=64)
+    health.hits(0.0, 100, legs=0, quiet=True)
+    health.expect_stored(1, "cached", 4, leg=1, served=0.5, hit=64)  # the first leg, served at 0.5
+    health.hits(1.0, 164, legs=1, quiet=False)  # it holds its 64 hit tokens
     await asyncio.sleep(0.3)
     assert health.ok and health.reported == 0 and not health.silent.is_set()
-    health.hits(2.0, 164)
-    health.hits(3.0, 200)  # 36 tokens reused: not the whole prompt
-    health.expect_stored(2, "short", 4, since=2.5, hit=64)
+    health.hits(2.0, 164, legs=1, quiet=True)
+    health.expect_stored(2, "short", 4, leg=2, served=2.5, hit=64)
+    health.hits(3.0, 200, legs=2, quiet=False)  # 36 tokens reused: not the whole prompt
     await asyncio.sleep(0.3)
     assert not health.ok and "short" in health.why
     health.close()
@@ -93,13 +96,57 @@ async def test_a_prompt_the_engines_reuse_counter_shows_all_cached_is_no_lost_ev
 
 async def test_a_reuse_counter_that_started_over_proves_nothing() -> None:
     health = EventHealth(timeout_s=0.1)
-    health.hits(0.0, 100)
-    health.expect_stored(1, "r1", 4, since=0.5, hit=64)
-    health.hits(1.0, 0)  # the engine restarted
-    health.hits(1.5, 500)
+    health.hits(0.0, 100, legs=0, quiet=True)
+    health.expect_stored(1, "r1", 4, leg=1, served=0.5, hit=64)
+    health.hits(1.0, 0, legs=1, quiet=True)  # the engine restarted
+    health.hits(1.5, 500, legs=1, quiet=True)
     await asyncio.sleep(0.3)
     assert not health.ok
     health.close()
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ((0.0, 100, 0, False), (1.0, 300, 1)),  # another leg was in flight at the reading before
+        ((0.0, 100, 0, True), (1.0, 300, 2)),  # another leg started before the reading after
+    ],
+)
+async def test_a_reuse_counter_rise_other_legs_may_share_proves_nothing(
+    before: tuple[float, int, int, bool], after: tuple[float, int, int]
+) -> None:
+    """Other legs' hits would hide an engine that publishes nothing: the counter is no evidence."""
+    health = EventHealth(timeout_s=0.1)
+    asked, reused, legs, quiet = before
+    health.hits(asked, reused, legs=legs, quiet=quiet)
+    health.expect_stored(1, "r1", 4, leg=1, served=0.5, hit=64)
+    asked, reused, legs = after
+    health.hits(asked, reused, legs=legs, quiet=False)
+    await asyncio.sleep(0.3)
+    assert not health.ok and "r1" in health.why
+    health.close()
+
+
+async def test_the_reuse_counter_window_ends_at_the_first_reading_after_the_request() -> None:
+    """Hits counted after that reading are not this request's (requests sent to the engine past
+    the shim, say): the judgement, two timeouts later, does not look at them."""
+    health = EventHealth(timeout_s=0.1)
+    health.hits(0.0, 100, legs=0, quiet=True)
+    health.expect_stored(1, "r1", 4, leg=1, served=0.5, hit=64)
+    health.hits(1.0, 100, legs=1, quiet=False)
+    health.hits(1.5, 400, legs=1, quiet=True)
+    await asyncio.sleep(0.3)
+    assert not health.ok and "r1" in health.why
+    health.close()
+
+
+def test_usage_without_cached_tokens_is_no_zero() -> None:
+    """`cached_tokens` 0 is the engine's word that nothing was cached; absent, it said nothing."""
+    assert usage_from({"prompt_tokens": 64}).cached_tokens is None
+    assert usage_from({"prompt_tokens": 64, "prompt_tokens_details": None}).cached_tokens is None
+    assert usage_from({"prompt_tokens": 64, "prompt_tokens_details": {"cached_tokens": 0}}).cached_tokens == 0
+    assert usage_from({"prompt_tokens_details": {"cached_tokens": 48}}).cached_tokens == 48
+    assert msgspec.json.encode(Usage(prompt_tokens=3)) == b'{"prompt_tokens":3}'  # absent: read as 0 by an older router
 
 
 async def test_a_prompt_usage_shows_all_cached_is_not_watched() -> None:
@@ -211,3 +258,40 @@ async def test_an_engine_that_publishes_nothing_is_routed_again_each_retest_and_
             await wait_for(lambda: not shim.events.ok and "r2" in shim.events.why, 3, "judged again")
         assert _said(caplog, logging.ERROR, "no Stored event within") == 1
         assert _said(caplog, logging.WARNING, "the worker is routed again") == 1
+
+
+@pytest.mark.parametrize("details", [False, True])
+async def test_other_legs_prefix_hits_hide_no_engine_that_publishes_nothing(
+    ns: str, nats_url: str, etcd_url: str, details: bool
+) -> None:
+    """Every live batch lost and no replay socket; other legs, started while the watched one runs,
+    hit a prefix the engine holds, so its reuse counter rises by more than the watched prompt's
+    reusable tokens. That is not the watched prompt's hit (review13 R1: until 2026-12-05 such
+    traffic kept the worker events_ok for good): with usage details the engine says it was not
+    cached; without, other legs were in flight."""
+    timeout = 0.3
+    shared = list(range(1000, 1064))  # 4 blocks: each repeat reuses 48 tokens
+    async with SimServer(sim_config(drop_event_fraction=1.0, enable_prompt_tokens_details=details)) as sim:
+        await complete(sim.url, shared)  # past the shim: its legs below are no uncached prompts
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_replay=None, events_timeout_s=timeout)
+        async with shim:
+            await shim.registered.wait()
+            assert shim.worker_id is not None
+            await asyncio.sleep(0.5)  # a few load polls: a reading before the watched leg
+            nc = await connect(nats_url)
+            try:
+                col = Collector(nc)
+                await col.start()
+                subject = subjects.gen(ns, "agg", shim.worker_id)
+                hits = sim.engine.stats.prefix_cache_hits
+                await col.send(subject, gen("watched", list(range(5000, 5064)), max_tokens=2))  # 4 new blocks
+                for i in range(3):  # longer: the watched leg is served first, and watched alone
+                    await col.send(subject, gen(f"other{i}", shared, max_tokens=1000))
+                assert (await col.final("watched")).error is None
+                await wait_for(lambda: not shim.events.ok, 6 * timeout, "no_stored despite others' hits")
+                assert "watched" in shim.events.why
+                assert sim.engine.stats.prefix_cache_hits - hits >= 3 * 48
+                for i in range(3):
+                    assert (await col.final(f"other{i}")).error is None
+            finally:
+                await nc.close()

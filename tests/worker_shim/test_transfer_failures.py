@@ -88,6 +88,26 @@ def test_a_leg_explains_at_most_one_rise_and_only_one_near_it() -> None:
     assert not t.reading(2, 0.75) and t.reading(2, 1.0) and t.total == 1  # the next one is silent
 
 
+@pytest.mark.parametrize("leg_first", [True, False])
+def test_a_rise_its_leg_explained_stays_explained_when_the_engine_restarts_next(
+    leg_first: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine failed a pull with its own 500 and went down before the next good poll: the first
+    reading of its new run still judges that rise against the leg, and finds nothing silent."""
+    t = TransferFailures("e")
+    t.reading(5, 0.0)
+    t.reading(5, 0.25)
+    if leg_first:
+        t.leg_failed()
+    assert not t.reading(6, 0.5)  # the rise, judged at the next reading
+    if not leg_first:
+        t.leg_failed()
+    with caplog.at_level(logging.WARNING, logger="worker_shim.transfer_failures"):
+        assert not t.reading(0, 60.0)  # the restarted engine's first reading
+        assert not t.reading(0, 60.25)
+    assert (t.total, t.rises, t.failed_legs) == (0, 1, 1) and not caplog.records
+
+
 class _Failing:
     """An engine adapter whose every leg ends with `error` before any output."""
 

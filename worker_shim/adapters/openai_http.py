@@ -56,7 +56,7 @@ def usage_from(raw: Any) -> Usage:
     return Usage(
         prompt_tokens=_int(raw.get("prompt_tokens")),
         completion_tokens=_int(raw.get("completion_tokens")),
-        cached_tokens=_int(cached),
+        cached_tokens=_count(cached),
     )
 
 
@@ -83,8 +83,13 @@ def model_cards(raw: bytes) -> dict[str, ModelCard] | None:
     return cards
 
 
+def _count(value: Any) -> int | None:
+    """A count the engine gave (a non-negative int); None where it gave none."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    return _count(value) or 0
 
 
 def error_from(status: int, body: bytes) -> EngineError:

@@ -197,7 +197,7 @@ class StreamFolder:
         self.usage = Usage(
             prompt_tokens=int(meta.get("prompt_tokens") or 0),
             completion_tokens=done,
-            cached_tokens=int(meta.get("cached_tokens") or 0),
+            cached_tokens=None if meta.get("cached_tokens") is None else int(meta["cached_tokens"]),
         )
         return new
 
