@@ -12,9 +12,10 @@ when disagg is `never`), and an `agg`-role worker always serves aggregated (`agg
 
 A decode worker is paired only with prefill workers of its own engine kind (WorkerInfo.engine: a
 transfer handle feeds no other), and with none whose KV pulls into it failed lately. With no prefill
-worker of its kind it prefills itself (`no_prefill_pool`); with none whose pulls work, or none
-left but those whose prefill legs fail (router.eligibility's `prefill_failing`), it is bypassed, in
-`always` and `conditional` alike (`bypass_transfer_failing`, router.transfer_health).
+worker of its kind it prefills itself (`no_prefill_pool`); with none whose pulls work, or none of
+its kind left but those whose prefill legs fail (router.eligibility's `prefill_failing`), it is
+bypassed, in `always` and `conditional` alike (`bypass_transfer_failing`, router.transfer_health),
+unless the request's shape bypasses it already (`bypass_sequences` and the like).
 
 With every prefill worker of its kind past the planner's room limit (router.planner) it prefills
 itself too (`prefill_pool_full`, decided per engine). Where the policy decides, that local prefill
@@ -160,10 +161,15 @@ class Disaggregator:
         return RoutePlan(ctx, ranked[0], None, Path.AGG, Outcome.SPILLED_TO_PREFILL, reason, ranked, [])
 
     def plan(
-        self, ctx: RequestContext, exclude: frozenset[str] = frozenset(), prefill_full: Sequence[Candidate] = ()
+        self,
+        ctx: RequestContext,
+        exclude: frozenset[str] = frozenset(),
+        prefill_full: Sequence[Candidate] = (),
+        prefill_failing: Sequence[Candidate] = (),
     ) -> RoutePlan | None:
         """None when no decode/agg worker (outside `exclude`) can take the request. `prefill_full`: the
-        prefill workers the planner left out of `ctx.prefill_pool` for room."""
+        prefill workers the planner left out of `ctx.prefill_pool` for room; `prefill_failing`: those
+        it left out for failing their prefill legs (router.eligibility)."""
         s = self.settings
         decode_ranked = self.selector.rank(ctx, [c for c in ctx.decode_pool if c.worker not in exclude], s)
         if not decode_ranked:
@@ -193,18 +199,16 @@ class Disaggregator:
                 return done(Path.BYPASS, Outcome.PREFILL_POOL_FULL, self._full(engine))
             prefill_ranked = self.selector.rank(ctx, busy, s)
             ctx.prefill = p = prefill_ranked[0]
-        if p is None and (failing := [e["worker"] for e in ctx.excluded if e["excluded"] == "prefill_failing"]):
-            # Its prefill workers are left out for failing their legs (router.eligibility): d
-            # prefills, rather than each request paying a failed leg first; the guard has no say.
-            return done(
-                Path.BYPASS,
-                Outcome.BYPASS_TRANSFER_FAILING,
-                f"every prefill worker of model {ctx.model} left is failing its prefill legs "
-                f"({', '.join(failing)}): {d.worker} prefills",
-            )
+        # d's engine has prefill workers, but every one left is failing its prefill legs
+        failing = (
+            [c.worker for c in prefill_failing if c.worker not in exclude and c.info.engine == engine]
+            if p is None
+            else []
+        )
         if (
             p is None
-            and (others := [*ctx.prefill_pool, *prefill_full])
+            and not failing
+            and (others := [*ctx.prefill_pool, *prefill_full, *prefill_failing])
             and all(c.info.engine != engine for c in others)
         ):
             return done(
@@ -212,7 +216,7 @@ class Disaggregator:
                 Outcome.NO_PREFILL_POOL,
                 f"no prefill worker for model {ctx.model} runs {engine}, as {d.worker} does: it prefills itself",
             )
-        if p is None:
+        if p is None and not failing:
             return done(Path.AGG, Outcome.NO_PREFILL_POOL, f"no prefill worker for model {ctx.model}")
         if ctx.shape.sequences > 1:
             # A prefill leg's transfer handle names one sequence's blocks; an engine given it for a
@@ -238,6 +242,15 @@ class Disaggregator:
                 Path.BYPASS,
                 Outcome.BYPASS_BEAM_SEARCH,
                 "beam search passes no transfer handle between the legs",
+            )
+        if p is None:
+            # Its prefill workers are left out for failing their legs (router.eligibility): d
+            # prefills, rather than each request paying a failed leg first; the guard has no say.
+            return done(
+                Path.BYPASS,
+                Outcome.BYPASS_TRANSFER_FAILING,
+                f"every {engine} prefill worker of model {ctx.model} left is failing its prefill legs "
+                f"({', '.join(failing)}): {d.worker} prefills",
             )
         if self.transfers.any:
             # A pull that failed lately would fail again, its prefill thrown away and the prompt

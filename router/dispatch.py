@@ -10,8 +10,10 @@ with a `final` chunk or an `error` one.
   decode leg in `disagg`. A prefill leg that fails, finds no responder, loses its worker, goes
   silent or takes longer than `prefill_timeout_s` falls back to the bypass path (outcome
   fallback_prefill_failed). A prefill leg that fails through its worker's own fault (its time
-  limit, no transfer handle, a server error) is reported (`on_prefill`): the worker is left out of
-  prefill legs for a cooldown (router.eligibility). An engine that refuses the request (a 4xx
+  limit, no transfer handle, an engine that broke protocol) is reported (`on_prefill`): the worker
+  is left out of prefill legs for a cooldown (router.eligibility). A server error (5xx) is reported
+  only once the fallback serves the request: one the request itself caused (vLLM 0.32: a grammar
+  that fails to compile) fails the local prefill alike. An engine that refuses the request (a 4xx
   error chunk) refuses it for the decode leg too: that error goes to the client, with no needless
   local retry; but for a 404, a model (a LoRA adapter) the prefill worker no longer serves, which
   falls back.
@@ -168,6 +170,9 @@ class Job:
     transfer: TransferHandle | None = None
     first_token_at: float | None = None
     tried: set[str] = field(default_factory=set)
+    # (prefill worker, fault) of a prefill leg its engine failed with a 5xx: put down to that worker
+    # only once the request is served, as one the request itself caused fails every engine alike
+    prefill_error: tuple[str, str] | None = None
     released: bool = False  # its bookkeeping ended (router.request_path)
     booked: str | None = None  # the attempt's booking, until freed
 
@@ -351,20 +356,23 @@ def _output(chunk: ResponseChunk) -> bool:
     return bool(chunk.token_ids or chunk.events or chunk.body)
 
 
-def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> str | None:
-    """Why a failed prefill leg is its worker's fault, with the likely fix; None when it is not
-    (the client's deadline, a refusal, a model unloaded) or is judged elsewhere (silent, malformed)."""
-    if exc.kind == "timeout":
+def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str, bool] | None:
+    """Why a failed prefill leg is its worker's fault, with the likely fix, and whether its engine
+    still serves whole requests (it only returned no transfer handle); None when it is not its
+    fault (the client's deadline, a refusal, a model unloaded) or is judged elsewhere (silent,
+    malformed)."""
+    # "deadline": the shim enforced the leg's deadline on its own clock before the router's timer fired
+    if exc.kind in ("timeout", "deadline"):
         if timeout_s > left_s:
             return None  # the client's deadline came first
-        return f"no prefill answer within prefill_timeout_s ({timeout_s:g}s): its engine hangs or is overloaded"
+        return f"no prefill answer within prefill_timeout_s ({timeout_s:g}s): its engine hangs or is overloaded", False
     if exc.kind == "no_transfer" or (exc.kind == "engine_protocol" and "kv_transfer_params" in exc.message):
         return (
             f"its prefill legs return no transfer handle ({exc.message}): its engine most likely runs without a KV "
             "connector (vLLM: start the prefill engine with --kv-transfer-config)"
-        )
+        ), True
     if exc.kind == "engine_protocol" or exc.engine_failed:
-        return f"its engine failed a prefill leg ({exc.kind} {exc.code}: {exc.message}): see the engine's log"
+        return f"its engine failed a prefill leg ({exc.kind} {exc.code}: {exc.message}): see the engine's log", False
     return None
 
 
@@ -392,7 +400,7 @@ class Dispatcher:
         on_unreachable: Callable[[str, str], None] = lambda worker, why: None,
         on_malformed: Callable[[str, str], None] = lambda worker, why: None,
         on_pull: Callable[[str, str], Callable[[], None]] = lambda decode, prefill: _nothing,
-        on_prefill: Callable[[str, str | None], None] = lambda worker, fault: None,
+        on_prefill: Callable[[str, str | None, bool], None] = lambda worker, fault, serves_whole: None,
         tracer: RequestTracer | None = None,
     ) -> None:
         self._nc = nc
@@ -403,7 +411,8 @@ class Dispatcher:
         self._on_malformed = on_malformed
         # (decode, prefill) per decode leg fed by a transfer; what it returns is called once its pull is over
         self._on_pull = on_pull
-        # (prefill worker, its fault or None) per prefill leg that worked or failed through that worker
+        # (prefill worker, its fault or None, whether its engine still serves whole requests) per
+        # prefill leg that worked or failed through that worker
         self._on_prefill = on_prefill
         self._ns = ns
         self._bookings = bookings
@@ -607,6 +616,8 @@ class Dispatcher:
                 return
             except LegError as exc:
                 self._blame(exc)
+                if exc.engine_failed and job.first_token_at is None:
+                    job.prefill_error = None  # it failed here too: the request's doing, not the prefill worker's
                 if job.first_token_at is not None or not exc.retryable or job.attempts > 1:
                     raise
                 plan = job.replan(frozenset(job.tried))
@@ -723,6 +734,9 @@ class Dispatcher:
                             self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output
+                    if job.prefill_error is not None and (visible or chunk.final):
+                        self._on_prefill(*job.prefill_error, False)  # served here: the prefill worker failed it
+                        job.prefill_error = None
                     if not visible and not chunk.final:
                         continue  # a heartbeat
                     yield chunk
@@ -762,14 +776,17 @@ class Dispatcher:
                             raise LegError(
                                 worker, 502, "no_transfer", "final chunk without a transfer", retryable=False
                             )
-                        self._on_prefill(worker, None)
+                        self._on_prefill(worker, None, True)
                         return chunk.transfer
         except LegError as exc:
             if exc.refused and not exc.unknown_model:
                 raise
             self._blame(exc)
-            if (fault := _prefill_fault(exc, settings.prefill_timeout_s, left)) is not None:
-                self._on_prefill(worker, fault)
+            fault = _prefill_fault(exc, settings.prefill_timeout_s, left)
+            if fault is not None and exc.engine_failed:
+                job.prefill_error = (worker, fault[0])  # judged by the fallback (_decode, run)
+            elif fault is not None:
+                self._on_prefill(worker, *fault)
             if not exc.malformed:  # that one is logged once per worker (_blame), not per request
                 log.warning(
                     "request %s: remote prefill failed (%s); falling back to local prefill on %s",

@@ -23,7 +23,9 @@ usual. A worker is excluded while (first reason wins):
   within `prefill_timeout_s`, no transfer handle: an engine without a KV connector, a server
   error); it ends `PREFILL_COOLDOWN_S` after the last such failure, when one request, the probe,
   tries it again: a leg that works ends the episode, another failure starts a new cooldown. Its
-  requests prefill on the other prefill workers, or, with none left, on their decode worker;
+  requests prefill on the other prefill workers, or, with none left, on their decode worker. One
+  whose legs only lacked a transfer handle still serves whole requests (`serves_whole`): the
+  planner may spill to it (spill_to_prefill); a hung or failing one takes none;
 - `draining`: its shim got SIGTERM (LoadReport.draining): its requests in flight finish, a new one
   would be refused, so none is sent (a rolling restart costs no retry);
 - `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
@@ -135,8 +137,8 @@ class Eligibility:
         self._added: dict[str, float] = {}
         self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
         self._malformed: dict[str, tuple[float, str]] = {}  # worker -> (last malformed reply at, why)
-        # prefill worker -> (its last failed prefill leg at, why, until when a probe holds it)
-        self._prefill_failing: dict[str, tuple[float, str, float]] = {}
+        # prefill worker -> (its last failed prefill leg at, why, until when a probe holds it, serves whole)
+        self._prefill_failing: dict[str, tuple[float, str, float, bool]] = {}
 
     # --- what the service tells it ---------------------------------------------------------------
 
@@ -155,11 +157,13 @@ class Eligibility:
     def mark_malformed(self, worker: str, why: str) -> None:
         self._malformed[worker] = (self._clock(), why)
 
-    def prefill_leg(self, worker: str, fault: str | None) -> None:
+    def prefill_leg(self, worker: str, fault: str | None, serves_whole: bool = False) -> None:
         """A prefill leg on `worker` ended: `fault` says why it failed through the worker's own
         fault (with the likely fix), None when it gave a transfer handle. A failure leaves the
         worker out for PREFILL_COOLDOWN_S (a WARNING at an episode's start); a leg that works past
-        the cooldown, the probe, ends the episode (one within it was planned before the failure)."""
+        the cooldown, the probe, ends the episode (one within it was planned before the failure).
+        `serves_whole`: its engine answered but gave no transfer handle, so it still serves a whole
+        request (its last failure's say)."""
         held = self._prefill_failing.get(worker)
         if fault is None:
             if held is not None and self._clock() - held[0] >= PREFILL_COOLDOWN_S:
@@ -175,14 +179,24 @@ class Eligibility:
                 fault,
                 PREFILL_COOLDOWN_S,
             )
-        self._prefill_failing[worker] = (self._clock(), fault, 0.0)
+        self._prefill_failing[worker] = (self._clock(), fault, 0.0, serves_whole)
 
     def prefill_probe(self, worker: str, for_s: float) -> None:
         """A prefill leg on `worker` was planned: past its cooldown, it is the probe, and no other
         request goes there for `for_s` (the leg's time limit) unless it reports first."""
         held = self._prefill_failing.get(worker)
         if held is not None and (now := self._clock()) - held[0] >= PREFILL_COOLDOWN_S:
-            self._prefill_failing[worker] = (held[0], held[1], now + for_s)
+            self._prefill_failing[worker] = (held[0], held[1], now + for_s, held[3])
+
+    def serves_whole(self, worker: str) -> bool:
+        """`worker`, left out as `prefill_failing`, failed its legs only by giving no transfer
+        handle: its engine still serves a whole request (spill_to_prefill), unless what that
+        exclusion hides keeps it from one too (draining, engine unhealthy)."""
+        held = self._prefill_failing.get(worker)
+        if held is None or not held[3]:
+            return False
+        live = self._liveness(worker)
+        return live is None or (live.healthy and not live.draining)
 
     def reported(self, worker: str) -> None:
         """A load report from `worker` arrived: it is alive, whatever was marked before."""
@@ -252,6 +266,8 @@ class Eligibility:
                 )
             else:
                 why = f"{held[1]} ({now - held[0]:.1f}s ago; one request is trying it again)"
+            if held[3]:
+                why += "; it still serves whole requests spilled to it"
             return WorkerStatus(w, info.model, info.role, Exclusion.PREFILL_FAILING, why, tok_ok)
         if live is not None and live.draining:
             why = "its shim is shutting down (SIGTERM): requests in flight finish, new ones go elsewhere"

@@ -180,8 +180,10 @@ class Planner:
 
     # --- 2. candidates -------------------------------------------------------------------------
 
-    def refresh(self, ctx: RequestContext, exclude: frozenset[str] = frozenset()) -> None:
-        """Fill the context's pools with the workers that may take it now."""
+    def refresh(self, ctx: RequestContext, exclude: frozenset[str] = frozenset()) -> list[Candidate]:
+        """Fill the context's pools with the workers that may take it now. Returns the prefill
+        workers left out as `prefill_failing` (listed in `ctx.excluded` too): the plan's outcome
+        names them, and those that still serve whole requests may take a spill."""
         infos = self._serving(ctx.model)
         statuses = self.eligibility.statuses(infos)
         overlap = self.index.match(ctx.hashes) if ctx.hashes else {}
@@ -189,6 +191,7 @@ class Planner:
         pools: dict[bool, list[Candidate]] = {True: [], False: []}  # prefill role?
         soft: dict[bool, list[tuple[Candidate, dict[str, Any]]]] = {True: [], False: []}
         excluded: list[dict[str, Any]] = []
+        failing: list[Candidate] = []
         for info, status in zip(infos, statuses, strict=True):
             w = info.worker
             if w in exclude:
@@ -199,7 +202,8 @@ class Planner:
                     {**status.explain(), "routable": False, "excluded": "tokenizer", "why": self._tokenizer_why(info)}
                 )
                 continue
-            if not status.routable and not status.soft:
+            failing_prefill = status.exclusion is Exclusion.PREFILL_FAILING and info.role == "prefill"
+            if not status.routable and not status.soft and not failing_prefill:
                 excluded.append(status.explain())
                 continue
             indexed, routed = overlap.get(w, 0), pending.get(w, 0) if info.prefix_caching else 0
@@ -210,7 +214,10 @@ class Planner:
             if self.calibration is not None:
                 c.timing = self.calibration.timing(info)
             is_prefill = info.role == "prefill"
-            if status.routable:
+            if failing_prefill:
+                excluded.append(status.explain())
+                failing.append(c)
+            elif status.routable:
                 pools[is_prefill].append(c)
             else:
                 soft[is_prefill].append((c, status.explain()))
@@ -223,6 +230,7 @@ class Planner:
         ctx.decode_pool, ctx.prefill_pool, ctx.excluded = decode, prefill, excluded
         if not decode:
             raise self._no_decode_worker(ctx, infos)
+        return failing
 
     def _serving(self, name: str) -> list[WorkerInfo]:
         """The workers a request naming `name` runs on (protocol.serving); PlanError 503 while the
@@ -408,10 +416,10 @@ class Planner:
 
     def take(self, ctx: RequestContext) -> RoutePlan | None:
         """The booked plan for the request's first attempt, or None while no worker has room."""
-        self.refresh(ctx)
+        failing = self.refresh(ctx)
         held = _longest(ctx)
         if not self.admissible(ctx):
-            plan = self._spill_plan(ctx)
+            plan = self._spill_plan(ctx, failing)
             if plan is None:
                 return None
             self.disagg.record(plan.outcome)
@@ -420,7 +428,7 @@ class Planner:
             prefill_full = self._keep_room(ctx)
             if not ctx.decode_pool:
                 return None  # room to decode, but no decode worker the policy lets prefill it
-            plan = self._choose(ctx, prefill_full)
+            plan = self._choose(ctx, prefill_full, failing)
             self._reached(ctx, held, _longest(ctx), plan)
         self.disagg.admitted(plan)
         return self._book(ctx, plan)
@@ -432,25 +440,30 @@ class Planner:
         r.with_room += with_room
         r.chosen += ctx.cached_tokens(plan.decode)
 
-    def _spill_plan(self, ctx: RequestContext) -> RoutePlan | None:
+    def _spill_plan(self, ctx: RequestContext, failing: Sequence[Candidate] = ()) -> RoutePlan | None:
         """With spill_to_prefill on and no decode worker with room: a prefill worker with room
         (backlog, and the policy's room rule counting its own prefill of the prompt) serves the
-        whole request, rather than it waiting while prefill capacity idles."""
+        whole request, rather than it waiting while prefill capacity idles. Of the `failing` ones
+        (`prefill_failing`), those whose legs only gave no transfer handle serve it too: a whole
+        request needs none, where a hung or failing engine would fail it."""
         if not self.settings.conditional.spill_to_prefill:
             return None
-        room = [c for c in ctx.prefill_pool if self._has_room(c) and self.disagg.has_room(ctx, c, local=True)]
+        pool = [*ctx.prefill_pool, *(c for c in failing if self.eligibility.serves_whole(c.worker))]
+        room = [c for c in pool if self._has_room(c) and self.disagg.has_room(ctx, c, local=True)]
         return self.disagg.spill(ctx, room)
 
     def plan_again(self, ctx: RequestContext, exclude: frozenset[str]) -> RoutePlan | None:
         """A booked plan avoiding `exclude` (workers already tried), or None when none is left."""
         try:
-            self.refresh(ctx, exclude)
+            failing = self.refresh(ctx, exclude)
         except PlanError:
             return None
-        return self._book(ctx, self._choose(ctx))
+        return self._book(ctx, self._choose(ctx, prefill_failing=failing))
 
-    def _choose(self, ctx: RequestContext, prefill_full: Sequence[Candidate] = ()) -> RoutePlan:
-        plan = self.disagg.plan(ctx, prefill_full=prefill_full)
+    def _choose(
+        self, ctx: RequestContext, prefill_full: Sequence[Candidate] = (), prefill_failing: Sequence[Candidate] = ()
+    ) -> RoutePlan:
+        plan = self.disagg.plan(ctx, prefill_full=prefill_full, prefill_failing=prefill_failing)
         assert plan is not None  # refresh() guarantees a decode candidate
         self.disagg.chosen(plan)
         if plan.path is Path.REMOTE and plan.prefill is not None:
@@ -476,26 +489,26 @@ class Planner:
 
     def explain(self, ctx: RequestContext) -> dict[str, Any]:
         """/debug/route: the decision the request would get now; books and counts nothing."""
-        self.refresh(ctx)
+        failing = self.refresh(ctx)
         admissible = self.admissible(ctx)
         plan = None
         if admissible:
             prefill_full = self._keep_room(ctx, record=True)
             if ctx.decode_pool:
-                plan = self.disagg.plan(ctx, prefill_full=prefill_full)
+                plan = self.disagg.plan(ctx, prefill_full=prefill_full, prefill_failing=failing)
             if plan is not None:
                 # Where the decode guard vetoes a full pool's local prefill, the plan ranks those
                 # full workers after all (router.disagg): a candidate was not left out for room.
                 ranked = {c.worker for c in plan.prefill_ranked}
                 ctx.excluded = [e for e in ctx.excluded if e["excluded"] != "room" or e["worker"] not in ranked]
         else:
-            plan = self._spill_plan(ctx)
+            plan = self._spill_plan(ctx, failing)
         waits = plan is None
         if plan is None:  # it would wait at admission: show the choice over every candidate
             excluded = ctx.excluded  # with the room exclusions recorded above
-            self.refresh(ctx)
+            failing = self.refresh(ctx)
             ctx.excluded = excluded
-            plan = self.disagg.plan(ctx)
+            plan = self.disagg.plan(ctx, prefill_failing=failing)
         assert plan is not None
         return {
             "model": ctx.model,

@@ -274,6 +274,7 @@ class RouterService:
         self._ingest = KvIngest(
             nc, self.ns, self.index, min_entry_limit=self.config.index_limit_per_worker, on_events=self._on_kv_events
         )
+        planner.disagg.transfers.attribute()  # the dispatcher tells it of every pull, from the first
         self._dispatcher = Dispatcher(
             nc,
             self.ns,

@@ -23,13 +23,14 @@ closes (D, P) for each prefill worker P whose pull into D was under way in the w
 covers (from `CONFIRM_S` before D's previous report until now), and of those, when some pair was
 already failing (its probe, most often), only those: a fault seen before is the likelier cause
 than a pair that worked. A replica that sent no pull into D in that window closes nothing: the
-replica that sent them closes its pairs. Only a replica told of no pull at all (a planner with no
-dispatcher) closes every pair into D (ANY). Nor does a probe's first token end such an episode:
-under `recompute` a failed pull gives one too. It ends when a load report sent `CONFIRM_S` after
-that token shows no new failure (the shim forwards a failure within a second of the engine
-counting it); and D's pairs closed by its count probe one at a time, so that one probe's failure
-is not put down to another's. One WARNING per episode names the pair, and an INFO its recovery,
-however long the fault lasts.
+replica that sent them closes its pairs. That holds from a replica's start (`attribute`, called
+where a dispatcher is wired), before its own first pull; only a planner with no dispatcher (a
+replay, a benchmark), told of no pull at all, closes every pair into D (ANY). Nor does a probe's
+first token end such an episode: under `recompute` a failed pull gives one too. It ends when a
+load report sent `CONFIRM_S` after that token shows no new failure (the shim forwards a failure
+within a second of the engine counting it); and D's pairs closed by its count probe one at a
+time, so that one probe's failure is not put down to another's. One WARNING per episode names
+the pair, and an INFO its recovery, however long the fault lasts.
 
 Synchronous, with the planner's clock, which it reads only while some pull is failing or is
 followed (a virtual-clock replay, where no pull fails, reads no clock here).
@@ -75,7 +76,7 @@ class TransferHealth:
         self._reported: dict[str, int] = {}  # worker -> its last LoadReport.kv_transfers_failed
         self._pulls: dict[str, dict[str, _Pulls]] = {}  # decode -> prefill -> this replica's pulls
         self._heard: dict[str, float] = {}  # decode worker with pulls followed -> when its last report came
-        self._attributes = False  # told of pulls (`pulling`): a count's rise is put down to them
+        self._attributes = False  # told of every pull (`attribute`, `pulling`): a count's rise is put down to them
         self.failures = 0
 
     def failed(self, worker: str, prefill_worker: str = ANY, *, counted: bool = False) -> None:
@@ -100,6 +101,12 @@ class TransferHealth:
         self._confirming.pop(key, None)
         if counted:
             self._counted.add(key)
+
+    def attribute(self) -> None:
+        """Every pull this replica sends will be told (`pulling`: a dispatcher is wired): a rise in
+        a decode worker's count is put down to them alone, so one with none under way closes
+        nothing, from the start, not from the replica's first pull."""
+        self._attributes = True
 
     def pulling(self, worker: str, prefill_worker: str) -> Callable[[], None]:
         """A pull into `worker` of KV prefilled on `prefill_worker` starts (a decode leg fed by a

@@ -8,6 +8,7 @@ from router.disagg import Disaggregator
 from router.policies import Outcome, Path
 from router.request_context import RequestShape
 from tests.router.builders import cand, ctx, settings
+from tests.router.test_planner import MODEL, Fleet, winfo
 
 
 @pytest.mark.parametrize(
@@ -113,3 +114,55 @@ def test_explain_lists_every_candidate_with_overlap_and_cost() -> None:
     assert info["outcome"] == "bypass_isl" and info["bypass"] is True
     assert {c["worker"]: c["overlap_blocks"] for c in info["decode_candidates"]} == {"d1": 3, "d2": 0}
     assert all(c["cost"] > 0 for c in info["decode_candidates"])
+
+
+# --- a prefill pool left out for failing its legs (router.eligibility's prefill_failing) ------------
+
+
+def _failing(*prefill: tuple[str, str]) -> Fleet:
+    """d1 (vllm) and prefill workers (name, engine), each left out as prefill_failing."""
+    f = Fleet(winfo("d1"), *(winfo(w, "prefill", engine=e) for w, e in prefill), disagg="always")
+    for w, _ in prefill:
+        f.planner.eligibility.prefill_leg(w, "its engine failed a prefill leg (engine_error 500)")
+    return f
+
+
+def test_a_failing_prefill_worker_of_another_engine_leaves_no_prefill_pool_as_it_was() -> None:
+    """An SGLang prefill worker's failures say nothing of a vLLM decode worker's pool: it has none."""
+    f = _failing(("p_sg", "sglang"))
+    plan = f.planner.take(f.ctx(list(range(64)), "r0"))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.AGG, Outcome.NO_PREFILL_POOL)
+    assert "runs vllm" in plan.reason
+
+
+def test_a_request_no_transfer_handle_serves_keeps_its_own_outcome_while_the_prefill_pool_is_failing() -> None:
+    f = _failing(("p1", "vllm"))
+    reasons = {}
+    for shape, outcome in [
+        (RequestShape(sequences=2), Outcome.BYPASS_SEQUENCES),
+        (RequestShape(prompt_logprobs=True), Outcome.BYPASS_PROMPT_LOGPROBS),
+        (RequestShape(beam_search=True), Outcome.BYPASS_BEAM_SEARCH),
+        (RequestShape(), Outcome.BYPASS_TRANSFER_FAILING),
+    ]:
+        plan = f.planner.take(f.planner.context(f"r{outcome}", MODEL, list(range(64)), shape=shape))
+        assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, outcome)
+        assert plan.prefill is None
+        reasons[outcome] = plan.reason
+    assert (
+        "every vllm prefill worker of model m left is failing its prefill legs (p1)"
+        in reasons[Outcome.BYPASS_TRANSFER_FAILING]
+    )
+
+
+def test_only_a_same_engine_pool_wholly_failing_bypasses_for_it() -> None:
+    # d1's own engine's prefill worker failing, another engine's healthy: d1 has none to pair with
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), winfo("p_sg", "prefill", engine="sglang"), disagg="always")
+    f.planner.eligibility.prefill_leg("p1", "its engine failed a prefill leg (engine_error 500)")
+    plan = f.planner.take(f.ctx(list(range(64)), "r0"))
+    assert plan is not None and plan.outcome is Outcome.BYPASS_TRANSFER_FAILING and "(p1)" in plan.reason
+    # another engine's failing, d1's own healthy: remote as usual
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), winfo("p_sg", "prefill", engine="sglang"), disagg="always")
+    f.planner.eligibility.prefill_leg("p_sg", "its engine failed a prefill leg (engine_error 500)")
+    plan = f.planner.take(f.ctx(list(range(64)), "r1"))
+    assert plan is not None and plan.outcome is Outcome.REMOTE_PREFILL and plan.prefill is not None
+    assert plan.prefill.worker == "p1"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import types
 
 import aiohttp
 import pytest
@@ -15,8 +16,11 @@ import pytest
 from protocol.messages import WorkerInfo
 from router.eligibility import PREFILL_COOLDOWN_S, Eligibility, Exclusion
 from router.load_view import Liveness
+from router.policies import Outcome, Path
 from tests.router.conftest import MODEL, Cluster, Worker, complete
 from tests.router.polling import until
+from tests.router.test_planner import _spill_fleet
+from worker_shim.adapters.base import EngineError
 
 SYSTEM = list(range(1, 257))  # a shared prefix: the prefill worker that prefilled it first holds it
 NO_CONNECTOR = "--kv-transfer-config"
@@ -34,6 +38,24 @@ def without_connector(worker: Worker) -> None:
         return finish(req, reason, out)
 
     engine._finish = no_connector  # type: ignore[method-assign]
+
+
+POISON = 4242  # a prompt's first token standing for "this request's grammar does not compile"
+
+
+def fails_poisoned_requests(worker: Worker, every: bool = False) -> None:
+    """The engine fails a request with a 500 as vLLM 0.32 does one whose structured-output grammar
+    passes validation but fails to compile (v1/structured_output: "so it can fail only this
+    request"): any engine given it fails it alike. `every`: it fails every request so."""
+    adapter = worker.shim.adapter
+    generate = adapter.generate
+
+    async def patched(leg, on_output):  # type: ignore[no-untyped-def]
+        if every or (leg.token_ids and leg.token_ids[0] == POISON):
+            raise EngineError(500, "engine_error", "Internal server error (grammar compile failed)")
+        return await generate(leg, on_output)
+
+    adapter.generate = patched  # type: ignore[method-assign]
 
 
 # --- Eligibility -------------------------------------------------------------------------------
@@ -196,3 +218,96 @@ async def test_after_the_cooldown_one_request_probes_the_failing_prefill_worker_
     assert bad.sim.faults.requests_seen == 2 and good.sim.faults.requests_seen == 5
     excluded = {e["worker"]: e["excluded"] for e in router.path.explain(MODEL, SYSTEM, text=False)["excluded"]}
     assert excluded[bad.id] == "prefill_failing"  # the probe failed: another cooldown
+
+
+# --- review13 (R1-R3) ------------------------------------------------------------------------------
+
+
+async def test_a_hung_prefill_engine_whose_shim_fires_the_legs_deadline_first_is_left_out_too(
+    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leg's deadline is prefill_timeout_s from its dispatch; the shim enforces it on its own
+    clock and answers a 504 `deadline` when that clock runs ahead of the router's (a skew under the
+    router's 1 s tolerance) or its loop is just first. That is the prefill time limit too."""
+    from worker_shim import request_service
+
+    ahead = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("__")})
+    ahead.time = lambda: time.time() + 0.05
+    monkeypatch.setattr(request_service, "time", ahead)  # the shims' clock only
+    bad = await cluster.add_worker("prefill", hang_after=1)
+    await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always", prefill_timeout_s=1.0)
+    status, body, _ = await complete(http, router, [*SYSTEM, *range(2000, 2040)], max_tokens=2)
+    assert (status, body["kvswitch"]["outcome"]) == (200, "remote_prefill")
+    good = await cluster.add_worker("prefill")
+    await cluster.ready(router)
+    rows = []
+    for k in range(4):
+        status, body, _ = await complete(http, router, [*SYSTEM, *range(3000 + 40 * k, 3040 + 40 * k)], max_tokens=2)
+        rows.append((status, body["kvswitch"]["outcome"]))
+    assert rows == [(200, "fallback_prefill_failed")] + [(200, "remote_prefill")] * 3
+    excluded = {e["worker"]: e for e in router.path.explain(MODEL, SYSTEM, text=False)["excluded"]}
+    assert excluded[bad.id]["excluded"] == "prefill_failing" and "prefill_timeout_s" in excluded[bad.id]["why"]
+    assert bad.sim.faults.requests_seen == 2 and good.sim.faults.requests_seen == 3
+
+
+async def test_a_500_the_request_itself_causes_leaves_the_prefill_worker_in(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """The local prefill fails the same request alike: the client gets its error, and the prefill
+    worker, which did nothing wrong, keeps serving everyone else's prefill legs."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    for w in (p, d):
+        fails_poisoned_requests(w)
+    router = await cluster.add_ready_router(disagg="always")
+    status, _, _ = await complete(http, router, [POISON, *range(1, 100)], max_tokens=2)
+    assert status == 502
+    rows = []
+    for k in range(4):
+        status, body, _ = await complete(http, router, list(range(1000 * (k + 1), 1000 * (k + 1) + 100)), max_tokens=2)
+        rows.append((status, body["kvswitch"]["outcome"]))
+    assert rows == [(200, "remote_prefill")] * 4
+    excluded = {e["worker"] for e in router.path.explain(MODEL, list(range(50)), text=False)["excluded"]}
+    assert p.id not in excluded
+
+
+async def test_a_prefill_engine_failing_every_leg_with_a_500_is_left_out_once_the_fallback_serves(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """The fallback on the decode worker serves the request: the 500 was the prefill engine's."""
+    p = await cluster.add_worker("prefill")
+    fails_poisoned_requests(p, every=True)
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    outcomes = []
+    for k in range(3):
+        status, body, headers = await complete(http, router, list(range(1000 * k, 1000 * k + 200)), max_tokens=2)
+        outcomes.append((status, headers["x-kvswitch-decode-worker"], body["kvswitch"]["outcome"]))
+    assert outcomes == [(200, d.id, "fallback_prefill_failed")] + [(200, d.id, "bypass_transfer_failing")] * 2
+    excluded = {e["worker"]: e for e in router.path.explain(MODEL, list(range(50)), text=False)["excluded"]}
+    assert excluded[p.id]["excluded"] == "prefill_failing" and "engine_error 500" in excluded[p.id]["why"]
+
+
+def test_a_prefill_worker_left_out_for_giving_no_transfer_handle_still_takes_spills_and_a_hung_one_does_not() -> None:
+    """Spill runs a whole request on the prefill worker, which needs no transfer handle: an engine
+    without a KV connector serves it, where one that hangs or fails would not."""
+    f = _spill_fleet()
+    f.report("d1", running=100)  # no decode room
+    plan = f.planner.take(f.ctx(list(range(64)), "r0"))
+    assert plan is not None and (plan.decode.worker, plan.outcome) == ("p1", Outcome.SPILLED_TO_PREFILL)
+    f.planner.eligibility.prefill_leg("p1", "its prefill legs return no transfer handle", True)
+    f.report("d1", running=100)
+    f.report("p1")
+    plan = f.planner.take(f.ctx(list(range(64, 128)), "r1"))
+    assert plan is not None and (plan.decode.worker, plan.path) == ("p1", Path.AGG)
+    assert plan.outcome is Outcome.SPILLED_TO_PREFILL
+    shown = f.planner.explain(f.ctx(list(range(128, 192)), "r2"))
+    assert (shown["decode_worker"], shown["outcome"]) == ("p1", "spilled_to_prefill")
+    assert {e["worker"]: e["excluded"] for e in shown["excluded"]}["p1"] == "prefill_failing"
+    f.report("p1", draining=True)  # what prefill_failing hides from /ready still counts
+    assert f.planner.take(f.ctx(list(range(256, 320)), "r4")) is None
+    f.report("p1")
+    f.planner.eligibility.prefill_leg("p1", "no prefill answer within prefill_timeout_s (30s)")  # now it hangs
+    f.report("p1")
+    assert f.planner.take(f.ctx(list(range(192, 256)), "r3")) is None  # waits for decode room

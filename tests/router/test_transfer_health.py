@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import logging
 
+import aiohttp
 import pytest
 
 from router.transfer_health import CONFIRM_S, PROBE_TIMEOUT_S, TransferHealth
+from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.polling import until
 
 
 class Clock:
@@ -241,3 +244,49 @@ def test_pairs_closed_by_one_rise_are_probed_one_at_a_time() -> None:
     clock.now += 0.5
     t.reported("d1", 2)
     assert t.failing("d1", "p2") and not t.failing("d1", "p1")
+
+
+def test_a_replica_with_a_dispatcher_closes_nothing_on_a_rise_before_its_own_first_pull() -> None:
+    """A replica (re)started moments ago has sent no pull into d1: a rise there is another
+    replica's, and closing every pair into d1 (ANY) would bypass d1 for a cooldown."""
+    clock = Clock()
+    t = TransferHealth(clock=clock)
+    t.attribute()  # RouterService wires a dispatcher, which tells it of every pull
+    t.reported("d1", 0)
+    t.reported("d1", 1)
+    assert not t.failing("d1") and not t.failing("d1", "p1") and t.workers() == []
+
+
+async def test_a_fresh_replica_does_not_close_every_pair_into_a_decode_worker_on_another_replicas_pull(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Under `recompute`, replica A's pull from a broken prefill worker raises d's count; replica B,
+    which sent no pull yet, closes nothing, and pairs d with a healthy prefill worker that joins."""
+    bad = await cluster.add_worker("prefill", kv_lease_duration=1e-6)  # its KV is freed before any pull
+    d = await cluster.add_worker("decode", kv_load_failure_policy="recompute")
+    a = await cluster.add_ready_router(disagg="always")
+    b = await cluster.add_ready_router(disagg="always")
+    await until(lambda: all(r.view.liveness(d.id) is not None for r in (a, b)), what="a load report of d")
+    status, body, _ = await complete(http, a, list(range(400)), max_tokens=2)
+    assert (status, body["kvswitch"]["outcome"], body["kvswitch"].get("prefill_worker")) == (
+        200,
+        "remote_prefill",
+        bad.id,
+    )
+    await until(lambda: a.planner.disagg.transfers.failing(d.id, bad.id), what="A closing (d, bad)")
+    tb = b.planner.disagg.transfers
+    await until(lambda: tb._reported.get(d.id) == 1, what="d's rise reaching B")
+    assert not tb.failing(d.id) and tb.workers() == []
+    good = await cluster.add_worker("prefill")
+    await cluster.ready(b)
+    await until(
+        lambda: (
+            good.id in {c["worker"] for c in b.path.explain(MODEL, list(range(50)), text=False)["prefill_candidates"]}
+        ),
+        what="the healthy prefill worker routable on B",
+    )
+    rows = []
+    for j in range(3):
+        status, body, _ = await complete(http, b, list(range(5000 + 500 * j, 5400 + 500 * j)), max_tokens=2)
+        rows.append((status, body["kvswitch"]["outcome"]))
+    assert rows == [(200, "remote_prefill")] * 3
