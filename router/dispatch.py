@@ -616,7 +616,7 @@ class Dispatcher:
                 return
             except LegError as exc:
                 self._blame(exc)
-                if exc.engine_failed and job.first_token_at is None:
+                if exc.engine_failed:
                     job.prefill_error = None  # it failed here too: the request's doing, not the prefill worker's
                 if job.first_token_at is not None or not exc.retryable or job.attempts > 1:
                     raise
@@ -734,7 +734,9 @@ class Dispatcher:
                             self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output
-                    if job.prefill_error is not None and (visible or chunk.final):
+                    # Generated output, not a chat stream's role chunk, which vLLM sends before a
+                    # request's own error: only then did the prefill worker fail a sound request.
+                    if job.prefill_error is not None and (chunk.token_ids or chunk.tokens or chunk.body or chunk.final):
                         self._on_prefill(*job.prefill_error, False)  # served here: the prefill worker failed it
                         job.prefill_error = None
                     if not visible and not chunk.final:

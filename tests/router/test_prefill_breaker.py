@@ -41,6 +41,10 @@ def without_connector(worker: Worker) -> None:
 
 
 POISON = 4242  # a prompt's first token standing for "this request's grammar does not compile"
+ROLE_CHUNK = (
+    b'{"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"sim-llama","choices":'
+    b'[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
+)
 
 
 def fails_poisoned_requests(worker: Worker, every: bool = False) -> None:
@@ -51,7 +55,10 @@ def fails_poisoned_requests(worker: Worker, every: bool = False) -> None:
     generate = adapter.generate
 
     async def patched(leg, on_output):  # type: ignore[no-untyped-def]
-        if every or (leg.token_ids and leg.token_ids[0] == POISON):
+        chat = leg.params.get("messages") if leg.params else None
+        if every or (leg.token_ids and leg.token_ids[0] == POISON) or (chat and "POISON" in str(chat)):
+            if chat and leg.stream and not leg.prefill_only:
+                await on_output(0, [ROLE_CHUNK], [])  # vLLM's chat stream sends its role chunk first
             raise EngineError(500, "engine_error", "Internal server error (grammar compile failed)")
         return await generate(leg, on_output)
 
@@ -268,6 +275,35 @@ async def test_a_500_the_request_itself_causes_leaves_the_prefill_worker_in(
         status, body, _ = await complete(http, router, list(range(1000 * (k + 1), 1000 * (k + 1) + 100)), max_tokens=2)
         rows.append((status, body["kvswitch"]["outcome"]))
     assert rows == [(200, "remote_prefill")] * 4
+    excluded = {e["worker"] for e in router.path.explain(MODEL, list(range(50)), text=False)["excluded"]}
+    assert p.id not in excluded
+
+
+async def test_a_streamed_chat_500_after_its_role_chunk_leaves_the_prefill_worker_in(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Before: the fallback's role chunk (no token) read as output, so the prefill worker was
+    blamed before the error came, and everyone's requests after were bypassed."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    for w in (p, d):
+        fails_poisoned_requests(w)
+    router = await cluster.add_ready_router(disagg="always")
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "POISON " + " ".join(f"w{i}" for i in range(300))}],
+        "max_tokens": 3,
+        "stream": True,
+    }
+    async with http.post(router.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200 and b'"error"' in await resp.read()  # the error event, mid-stream
+    rows = []
+    for k in range(3):
+        status, answer, _ = await complete(
+            http, router, list(range(1000 * (k + 1), 1000 * (k + 1) + 100)), max_tokens=2
+        )
+        rows.append((status, answer["kvswitch"]["outcome"]))
+    assert rows == [(200, "remote_prefill")] * 3
     excluded = {e["worker"] for e in router.path.explain(MODEL, list(range(50)), text=False)["excluded"]}
     assert p.id not in excluded
 
