@@ -216,7 +216,8 @@ class EventHealth:
         self._timers.add(handle)
 
     def _retest_later(self) -> None:
-        self._cancel_retest()
+        if self._retest is not None:
+            return  # a later judgement of the same episode must not push the retest back
         self._retest = asyncio.get_running_loop().call_later(self.retest_s, self._lift)
 
     def _cancel_retest(self) -> None:

@@ -63,6 +63,21 @@ async def test_no_stored_is_lifted_for_a_retest_and_logs_its_error_once_per_epis
     assert _said(caplog, logging.INFO, "the worker is routed again") == 1
 
 
+async def test_a_second_judgement_in_one_episode_does_not_push_the_retest_back() -> None:
+    """Before: each judgement of another leg restarted the retest's timer, so a worker serving long
+    generations could stay out far past `retest_s`."""
+    health = EventHealth(timeout_s=0.1)
+    health.retest_s = 2.0
+    health.expect_stored(1, "r1", 1)  # judged at 0.2 s: the retest is due at 2.2 s
+    await asyncio.sleep(1.0)
+    health.expect_stored(2, "r2", 1)  # a leg served before the verdict, judged at 1.2 s
+    await asyncio.sleep(0.5)
+    assert not health.ok and "r2" in health.why
+    await asyncio.sleep(1.2)  # 2.7 s: past the first judgement's retest, before a restarted one's (3.2 s)
+    assert health.ok, health.why
+    health.close()
+
+
 async def test_a_stored_from_the_replay_socket_ends_no_stored() -> None:
     health = EventHealth(timeout_s=0.1)
     health.expect_stored(1, "r1", 1)
