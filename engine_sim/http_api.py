@@ -176,7 +176,9 @@ async def kv_pull(request: web.Request) -> web.Response:
         return json_response({"released": False}, 400)
     if body.get("remote_engine_id") not in (None, srv.engine.engine_id):
         return json_response({"released": False}, 404)
-    ok = srv.runner.release_pin(body.get("remote_request_id"), body.get("remote_block_ids"))
+    if not isinstance(body.get("remote_request_id"), str):  # a list or dict would not even hash
+        return json_response({"released": False}, 400)
+    ok = srv.runner.release_pin(body["remote_request_id"], body.get("remote_block_ids"))
     return json_response({"released": ok}, 200 if ok else 404)
 
 

@@ -538,7 +538,15 @@ class RouterInfo(_Msg, kw_only=True):
 # would steer (or break) routing for the whole fleet: the receiver counts such a message as
 # malformed and drops it.
 
-_LOAD_COUNTS = ("running", "waiting", "kv_used_blocks", "kv_total_blocks", "prefill_tokens_queued")
+_LOAD_COUNTS = (
+    "running",
+    "waiting",
+    "kv_used_blocks",
+    "kv_total_blocks",
+    "prefill_tokens_queued",
+    "kv_blocks",
+    "kv_seq",
+)
 
 # A report's floats must be finite, and all but its wall-clock stamp at least 0: one inf or NaN left
 # the worker's timing fit NaN for good (router.calibration). A shim sends none (it drops an engine

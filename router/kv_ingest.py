@@ -113,7 +113,7 @@ class _Worker:
     registered_epoch: int
     kv_total_blocks: int | None = None  # its KV capacity, as its record or load reports say
     entry_limit: int = MIN_ENTRY_LIMIT  # the most index entries it may have (see _capacity)
-    reported_blocks: int = 0  # the blocks its shim says it holds (LoadReport.kv_blocks, the last one)
+    reported_blocks: int | None = None  # the blocks its shim says it holds (LoadReport.kv_blocks, the last one)
     held: list[tuple[int, KvEventBatch]] = field(default_factory=list)  # (arrival no., batch), awaiting a repair
     held_bytes: int = 0  # _held_size of `held`
     want_dump: bool = True
@@ -539,8 +539,13 @@ class KvIngest:
         return self.min_entry_limit if state is None else state.entry_limit
 
     def reply_size(self, worker: str) -> int:
+        """The blocks a dump of `worker` may carry: its last load report's count, or before any (a
+        router starting beside a worker whose offload tier holds millions) its index bound."""
         state = self._workers.get(worker)
-        return 0 if state is None else min(state.reported_blocks, state.entry_limit)
+        if state is None:
+            return 0
+        size = state.entry_limit if state.reported_blocks is None else state.reported_blocks
+        return max(0, min(size, state.entry_limit))
 
     def repair_failed(self, worker: str, failure: FetchFailure) -> None:
         state = self._workers.get(worker)

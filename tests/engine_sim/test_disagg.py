@@ -300,6 +300,8 @@ async def test_the_kv_routes_answer_400_to_a_body_that_is_not_a_json_object() ->
                     assert r.status == 400, (path, body)
             async with s.post(p.url + path, json={"remote_engine_id": "another", "remote_request_ids": []}) as r:
                 assert r.status == 404, path
+        async with s.post(p.url + disagg.PULL_PATH, json={"remote_request_id": ["x"]}) as r:
+            assert r.status == 400  # an id that is no string (a list would not even hash: a 500 with a pin held)
 
 
 STALE = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "x",

@@ -14,7 +14,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from protocol import pack_batch, pack_chunk, subjects
-from protocol.messages import KvEventBatch, KvStateChunk, KvStateRequest, Stored, decode_msg, encode_msg
+from protocol.messages import KvEventBatch, KvStateChunk, KvStateRequest, LoadReport, Stored, decode_msg, encode_msg
 from router.block_index import BlockIndex
 from router.gap_repair import FetchFailure, GapRepair
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
@@ -113,6 +113,15 @@ async def test_a_hung_shim_holding_few_blocks_times_out_soon_whatever_its_limit(
         await repair.fetch("w", KvStateRequest())
     assert (err.value.timed_out, err.value.malformed) == (True, False), err.value
     assert asyncio.get_running_loop().time() - started < 0.9
+
+
+async def test_a_workers_first_dump_before_any_load_report_gets_its_index_bounds_wait(ingest: KvIngest) -> None:
+    """Before: a worker added with no report yet counted as holding 0 blocks, so a router starting
+    beside a 4 M-block worker gave its first dump the plain 2 s (6 routers at once: 41 timeouts)."""
+    ingest.add_worker("a1", 1)
+    assert ingest.reply_size("a1") == ingest.reply_limit("a1") > 500
+    ingest.check_digest(LoadReport(worker="a1", ts=1e9, kv_blocks=500))
+    assert ingest.reply_size("a1") == 500
 
 
 async def test_a_replay_that_timed_out_is_not_asked_for_again(ingest: KvIngest, nc: Client, ns: str) -> None:

@@ -35,6 +35,13 @@ def test_a_negative_float_is_refused_but_a_clock_before_1970_is_only_a_clock(nam
     assert load_report_problem(LoadReport(worker="w", ts=-5.0)) is None
 
 
+@pytest.mark.parametrize("name", ["kv_blocks", "kv_seq"])
+def test_a_negative_digest_count_is_refused(name: str) -> None:
+    """Before: a negative kv_blocks made the router's first-chunk wait negative (router.gap_repair),
+    so every kvstate request of that worker failed at once."""
+    assert load_report_problem(LoadReport(worker="w", ts=1e9, **{name: -5})) == f"{name} -5 is negative"  # type: ignore[arg-type]
+
+
 def test_what_a_shim_sends_passes() -> None:
     honest = LoadReport(
         worker="w", ts=time.time(), engine_ts=time.time() - 0.1, period_s=0.5, kv_usage=0.25, prefill_seconds=12.5,
