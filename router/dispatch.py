@@ -36,7 +36,10 @@ with a `final` chunk or an `error` one.
   cancelled on its worker and its queue dropped, rather than the whole answer piling up here.
 - a leg that NATS cannot carry is refused before it is sent: over the server's payload limit
   (413, naming the limit) or holding an integer no 64-bit field holds (400).
-"Output" is what a client would see: token ids, or a pass-through leg's engine events or body.
+"The first token" is a leg's first generated output: token ids, or a pass-through leg's counted
+tokens or body. The token-less events before it (a chat stream's role chunk, which vLLM sends before
+a request's error, a failed KV pull's too) are held: sent just before it, dropped when a retry or the
+KV-transfer fallback takes over (which sends its own), sent before the error when none does.
 Every attempt's booking is released when the attempt ends, whichever way, or sooner: when its
 decode leg's final chunk arrives (the engine is done with it), not when a slow client has read it.
 """
@@ -168,7 +171,10 @@ class Job:
     attempts: int = 0
     fallback: bool = False
     transfer: TransferHandle | None = None
-    first_token_at: float | None = None
+    first_token_at: float | None = None  # at its first generated output (_generated)
+    # The leg's token-less events before its first generated output (a chat stream's role chunk):
+    # sent with that output, dropped when a retry or fallback takes over (which sends its own)
+    held: list[ResponseChunk] = field(default_factory=list)
     tried: set[str] = field(default_factory=set)
     # (prefill worker, fault) of a prefill leg its engine failed with a 5xx: put down to that worker
     # only once the request is served, as one the request itself caused fails every engine alike
@@ -356,6 +362,12 @@ def _output(chunk: ResponseChunk) -> bool:
     return bool(chunk.token_ids or chunk.events or chunk.body)
 
 
+def _generated(chunk: ResponseChunk) -> bool:
+    """The chunk carries generated output (tokens, a piece of a whole answer), not only token-less
+    events: vLLM's chat stream sends its role chunk before a request's error (a failed KV pull too)."""
+    return bool(chunk.token_ids or chunk.tokens or chunk.body)
+
+
 def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str, bool] | None:
     """Why a failed prefill leg is its worker's fault, with the likely fix, and whether its engine
     still serves whole requests (it only returned no transfer handle); None when it is not its
@@ -480,7 +492,7 @@ class Dispatcher:
         except ProtocolError as exc:
             leg.push(LegError(leg.worker, 502, "malformed_chunk", str(exc), retryable=not leg.tokens_seen))
             return
-        if _output(chunk):
+        if _generated(chunk):
             leg.tokens_seen = True
         leg.push(chunk, len(msg.data))
         if chunk.final:
@@ -618,11 +630,13 @@ class Dispatcher:
                 self._blame(exc)
                 if exc.engine_failed:
                     job.prefill_error = None  # it failed here too: the request's doing, not the prefill worker's
-                if job.first_token_at is not None or not exc.retryable or job.attempts > 1:
-                    raise
-                plan = job.replan(frozenset(job.tried))
+                retry = job.first_token_at is None and exc.retryable and job.attempts == 1
+                plan = job.replan(frozenset(job.tried)) if retry else None
                 if plan is None:
+                    for held in job.held:  # its role chunk goes out before its error, as its engine sent it
+                        yield held
                     raise
+                job.held.clear()  # the retry sends its own
                 log.warning(
                     "request %s: %s before the first token; retrying on %s",
                     job.request.request_id,
@@ -672,6 +686,7 @@ class Dispatcher:
                 extra={"request_id": req.request_id},
             )
             self._on_transfer(plan.decode.worker, prefill, False)
+            job.held.clear()  # the fallback sends its own
             job.transfer = None
             job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_TRANSFER_FAILED, True
             self.transfer_fallbacks += 1
@@ -724,8 +739,8 @@ class Dispatcher:
             async with await self._open(plan.decode.worker, role, leg_req, lambda: self._free(job)) as leg:
                 while True:
                     chunk = await leg.next(job.deadline - time.time(), silence)
-                    visible = _output(chunk)
-                    if visible and job.first_token_at is None:
+                    generated = _generated(chunk)
+                    if generated and job.first_token_at is None:
                         job.first_token_at = time.monotonic()
                         self._prefill_done(job)
                         if job.transfer is not None:
@@ -736,11 +751,16 @@ class Dispatcher:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output
                     # Generated output, not a chat stream's role chunk, which vLLM sends before a
                     # request's own error: only then did the prefill worker fail a sound request.
-                    if job.prefill_error is not None and (chunk.token_ids or chunk.tokens or chunk.body or chunk.final):
+                    if job.prefill_error is not None and (generated or chunk.final):
                         self._on_prefill(*job.prefill_error, False)  # served here: the prefill worker failed it
                         job.prefill_error = None
-                    if not visible and not chunk.final:
-                        continue  # a heartbeat
+                    if not chunk.final and (job.first_token_at is None or not _output(chunk)):
+                        if _output(chunk):
+                            job.held.append(chunk)  # until the leg shows it serves the request
+                        continue  # else a heartbeat
+                    for held in job.held:
+                        yield held
+                    job.held.clear()
                     yield chunk
                     if chunk.final:
                         return

@@ -1,5 +1,7 @@
 """The dispatcher with pass-through legs, against workers played by the test over a real
-nats-server: events and body pieces are output (no retry after them, passed on in order), a whole
+nats-server: events with tokens and body pieces are output (no retry after them, passed on in
+order); token-less events before them (a chat stream's role chunk) are held until they come, or
+dropped for the retry or the KV-transfer fallback that takes over from a failed leg; a whole
 answer's `prefilled` chunk books its prefill as done, an event cut into pieces is passed on whole (a
 stream ending inside one is a 502), and a leg NATS cannot carry is refused before it is sent (413
 naming the payload limit, 400 for an integer no 64-bit field holds)."""
@@ -17,9 +19,10 @@ from nats.aio.msg import Msg
 
 from protocol import GenerateRequest
 from protocol.config import RouterSettings
-from protocol.messages import ENDPOINT_COMPLETIONS, ENDPOINT_TOKENIZE
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, ENDPOINT_TOKENIZE, ErrorInfo
 from router.dispatch import Dispatcher, LegError
-from tests.router.test_dispatch import HB, Behaviour, Books, Worker, World, chunk, collect, job
+from router.policies import Outcome
+from tests.router.test_dispatch import HB, Behaviour, Books, Worker, World, chunk, collect, job, transfer
 
 answer_now = asyncio.Event()
 
@@ -41,8 +44,29 @@ async def whole_answer_in_pieces(nc: Client, msg: Msg, req: GenerateRequest) -> 
     await chunk(nc, msg, req, 3, body=b"[]}", final=True, finish_reason="length")
 
 
+ROLE = b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+TOKEN = b'{"choices":[{"index":0,"delta":{"content":"hi"}}]}'
+
+
 async def event_then_die(nc: Client, msg: Msg, req: GenerateRequest) -> None:
-    await chunk(nc, msg, req, 0, events=[b'{"choices":[{"index":0,"delta":{"role":"assistant"}}]}'])
+    await chunk(nc, msg, req, 0, events=[TOKEN], tokens=1)
+
+
+def roles_then(then: str, n: int = 1) -> Behaviour:
+    """A chat stream's role chunk per choice (no token), a heartbeat, then: `die` (silent), `fail`
+    (vLLM's 500 for a failed KV pull, as the shim sends it), or `answer` (a token, the end)."""
+
+    async def run(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        roles = [ROLE.replace(b'"index":0', b'"index":%d' % i) for i in range(n)]
+        await chunk(nc, msg, req, 0, events=roles)
+        await chunk(nc, msg, req, 1)
+        if then == "fail" and req.disagg is not None:
+            await chunk(nc, msg, req, 2, final=True, error=ErrorInfo(code=500, kind="engine_error", message="x"))
+        elif then != "die":
+            await chunk(nc, msg, req, 2, events=[TOKEN], tokens=1)
+            await chunk(nc, msg, req, 3, final=True, finish_reason="length")
+
+    return run
 
 
 async def test_a_whole_answer_books_its_prefill_done_when_told_and_comes_in_pieces(
@@ -67,7 +91,9 @@ async def test_a_whole_answer_books_its_prefill_done_when_told_and_comes_in_piec
     assert w.requests[0].stream is False, "the leg streams only when the client asked"
 
 
-async def test_an_event_is_output_so_a_death_after_it_is_not_retried(nc: Client, ns: str, world: World) -> None:
+async def test_an_event_with_output_is_output_so_a_death_after_it_is_not_retried(
+    nc: Client, ns: str, world: World
+) -> None:
     d, _, _ = world
     await Worker(nc, ns, "w1").serve("decode", event_then_die)
     other = Worker(nc, ns, "w2")
@@ -79,7 +105,63 @@ async def test_an_event_is_output_so_a_death_after_it_is_not_retried(nc: Client,
             seen.append(c)
     except LegError as exc:
         assert exc.worker_silent
-    assert len(seen) == 1 and other.requests == [], "a client that saw the role chunk must not see it twice"
+    assert len(seen) == 1 and other.requests == [], "a client that saw a token must not see it twice"
+
+
+async def test_a_leg_that_dies_after_token_less_events_is_retried_and_its_events_dropped(
+    nc: Client, ns: str, world: World
+) -> None:
+    """Before: a chat stream's role chunks (n=2) read as output, so the dead leg was not retried
+    and the client got a role chunk and an error."""
+    d, _, _ = world
+    await Worker(nc, ns, "w1").serve("decode", roles_then("die", n=2))
+    await Worker(nc, ns, "w2").serve("decode", roles_then("answer", n=2))
+    j = job("w1", replans=[job("w2").plan])
+    j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_CHAT, stream=True)
+    chunks = await collect(d, j)
+    roles = [ROLE, ROLE.replace(b'"index":0', b'"index":1')]
+    assert [c.events for c in chunks if c.events] == [roles, [TOKEN]], "the retry's role chunks, once"
+    assert j.attempts == 2 and j.first_token_at is not None
+
+
+async def test_a_failed_kv_pull_after_the_role_chunk_falls_back_and_the_client_gets_one_role_chunk(
+    nc: Client, ns: str
+) -> None:
+    """Before: vLLM 0.32's chat stream sends its role chunk before the 500 of a failed pull; the
+    router took it for the first token: the pull counted as a success and nothing fell back."""
+    books = Books()
+    pulls: list[tuple[str, str, bool]] = []
+    d = Dispatcher(
+        nc, ns, books, settings=lambda: RouterSettings(stream_heartbeat_s=HB),
+        on_transfer=lambda dw, pw, ok: pulls.append((dw, pw, ok)),
+    )  # fmt: skip
+    await d.start()
+    try:
+        await Worker(nc, ns, "p1").serve("prefill", transfer)
+        await Worker(nc, ns, "d1").serve("decode", roles_then("fail"))
+        j = job("d1", prefill="p1")
+        j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_CHAT, stream=True)
+        chunks = await collect(d, j)
+    finally:
+        await d.stop()
+    assert [c.events for c in chunks if c.events] == [[ROLE], [TOKEN]]
+    assert j.outcome is Outcome.FALLBACK_TRANSFER_FAILED and pulls == [("d1", "p1", False)]
+    assert d.transfer_fallbacks == 1
+
+
+async def test_a_leg_that_fails_after_its_role_chunk_with_nothing_to_take_over_sends_it_before_the_error(
+    nc: Client, ns: str, world: World
+) -> None:
+    """As the engine answered: the role chunk, then the error (a 200 stream with an error event)."""
+    d, _, _ = world
+    await Worker(nc, ns, "w1").serve("decode", roles_then("die"))
+    j = job("w1")
+    j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_CHAT, stream=True)
+    seen = []
+    with pytest.raises(LegError) as err:
+        async for c in d.run(j):
+            seen.append(c)
+    assert err.value.worker_silent and [c.events for c in seen] == [[ROLE]]
 
 
 async def test_a_leg_nats_cannot_carry_is_refused_before_it_is_sent(nc: Client, ns: str, world: World) -> None:
