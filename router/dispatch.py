@@ -97,6 +97,10 @@ MAX_ANSWER_BYTES = 256 << 20
 # A client that keeps up holds about one chunk; a phone on a slow link falls behind by this much
 # only after tens of seconds of long logprobs.
 MAX_QUEUED_BYTES = 8 << 20
+# Token-less chunks held before a leg's first token (its role chunks: a few hundred bytes). More
+# means an engine streaming on without a counted token (empty deltas while it holds text back for a
+# stop string): it serves the request, and the client must not wait, nor the router hold it all.
+MAX_HELD_BYTES = 64 << 10
 SLOW_READER = "slow_reader"
 _RECONNECT_POLL_S = 0.01
 
@@ -175,6 +179,7 @@ class Job:
     # The leg's token-less events before its first generated output (a chat stream's role chunk):
     # sent with that output, dropped when a retry or fallback takes over (which sends its own)
     held: list[ResponseChunk] = field(default_factory=list)
+    held_bytes: int = 0  # of the events held, this leg's (MAX_HELD_BYTES)
     tried: set[str] = field(default_factory=set)
     # (prefill worker, fault) of a prefill leg its engine failed with a 5xx: put down to that worker
     # only once the request is served, as one the request itself caused fails every engine alike
@@ -637,6 +642,7 @@ class Dispatcher:
                         yield held
                     raise
                 job.held.clear()  # the retry sends its own
+                job.held_bytes = 0
                 log.warning(
                     "request %s: %s before the first token; retrying on %s",
                     job.request.request_id,
@@ -687,6 +693,7 @@ class Dispatcher:
             )
             self._on_transfer(plan.decode.worker, prefill, False)
             job.held.clear()  # the fallback sends its own
+            job.held_bytes = 0
             job.transfer = None
             job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_TRANSFER_FAILED, True
             self.transfer_fallbacks += 1
@@ -735,11 +742,16 @@ class Dispatcher:
             if job.transfer is None
             else self._on_pull(plan.decode.worker, self._prefilled_on(job.transfer, plan))
         )
+        unjudged = job.transfer is not None  # the pull, until the leg shows it worked
         try:
             async with await self._open(plan.decode.worker, role, leg_req, lambda: self._free(job)) as leg:
                 while True:
                     chunk = await leg.next(job.deadline - time.time(), silence)
                     generated = _generated(chunk)
+                    if not generated and job.first_token_at is None and not chunk.final and _output(chunk):
+                        job.held_bytes += sum(map(len, chunk.events))
+                        if job.held_bytes > MAX_HELD_BYTES:
+                            generated = leg.tokens_seen = True
                     if generated and job.first_token_at is None:
                         job.first_token_at = time.monotonic()
                         self._prefill_done(job)
@@ -747,8 +759,14 @@ class Dispatcher:
                             pulled()
                             pulled = _nothing
                             self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
+                            unjudged = False
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output
+                    if chunk.final and unjudged and job.transfer is not None:
+                        # A clean end with no counted token (an EOS-first chat stream): the pull worked.
+                        pulled()
+                        pulled = _nothing
+                        self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
                     # Generated output, not a chat stream's role chunk, which vLLM sends before a
                     # request's own error: only then did the prefill worker fail a sound request.
                     if job.prefill_error is not None and (generated or chunk.final):

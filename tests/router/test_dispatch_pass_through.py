@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from protocol import GenerateRequest
 from protocol.config import RouterSettings
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, ENDPOINT_TOKENIZE, ErrorInfo
-from router.dispatch import Dispatcher, LegError
+from router.dispatch import MAX_HELD_BYTES, Dispatcher, LegError
 from router.policies import Outcome
 from tests.router.test_dispatch import HB, Behaviour, Books, Worker, World, chunk, collect, job, transfer
 
@@ -281,3 +281,58 @@ async def test_a_utility_answer_that_never_ends_is_an_error_not_a_growing_buffer
     finally:
         for t in served.tasks:
             t.cancel()
+
+
+ROLE = b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+EMPTY = b'{"choices":[{"index":0,"delta":{"content":""}}]}' + b" " * 1000  # no text: counted 0 tokens
+
+
+async def test_token_less_events_are_held_only_up_to_a_bound(nc: Client, ns: str, world: World) -> None:
+    """Before: an engine streaming empty deltas (text held back for a stop string) had every one held
+    until its first token, past the slow-reader bound (1 GB in a repro) and with the client waiting."""
+    d, _, _ = world
+
+    async def empty_deltas(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await chunk(nc, msg, req, 0, events=[ROLE])
+        for seq in range(1, 201):  # 200 kB of token-less events
+            await chunk(nc, msg, req, seq, events=[EMPTY])
+        await chunk(nc, msg, req, 201, events=[b'{"choices":[{"index":0,"delta":{"content":"hi"}}]}'], tokens=1)
+        await chunk(nc, msg, req, 202, final=True, finish_reason="length")
+
+    await Worker(nc, ns, "w1").serve("decode", empty_deltas)
+    j = job("w1")
+    j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_CHAT, stream=True)
+    stream = d.run(j)
+    first = await anext(stream)
+    assert first.events == [ROLE] and j.first_token_at is not None
+    assert j.held_bytes <= MAX_HELD_BYTES + len(EMPTY)  # held up to the bound, not to the first token
+    rest = [c async for c in stream]
+    assert sum(len(c.events) for c in [first, *rest]) == 202  # nothing lost, nothing twice
+
+
+async def test_a_stream_ending_with_no_counted_token_reports_its_pull(nc: Client, ns: str) -> None:
+    """Before: an EOS-first chat stream (role chunk, an empty delta with finish_reason, the end)
+    never told transfer health its pull worked, as the same request unstreamed does."""
+    pulls: list[tuple[str, str, bool]] = []
+    d = Dispatcher(
+        nc, ns, Books(), settings=lambda: RouterSettings(stream_heartbeat_s=HB),
+        on_transfer=lambda dw, pw, ok: pulls.append((dw, pw, ok)),
+    )  # fmt: skip
+    await d.start()
+    try:
+
+        async def eos_first(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+            await chunk(nc, msg, req, 0, events=[ROLE])
+            await chunk(
+                nc, msg, req, 1, events=[b'{"choices":[{"index":0,"delta":{"content":""},"finish_reason":"stop"}]}']
+            )
+            await chunk(nc, msg, req, 2, final=True, finish_reason="stop")
+
+        await Worker(nc, ns, "p1").serve("prefill", transfer)
+        await Worker(nc, ns, "d1").serve("decode", eos_first)
+        j = job("d1", prefill="p1")
+        j.request = msgspec.structs.replace(j.request, endpoint=ENDPOINT_CHAT, stream=True)
+        chunks = await collect(d, j)
+        assert sum(len(c.events) for c in chunks) == 2 and pulls == [("d1", "p1", True)]
+    finally:
+        await d.stop()
