@@ -20,12 +20,19 @@ WorkerInfo.events_ok and sent in every LoadReport) until events flow:
 A prompt the engine served from its cache stores nothing, and the shim's index can miss it (the
 shim restarted beside a warm engine). Where the engine's usage says how many prompt tokens it found
 cached (vLLM: --enable-prompt-tokens-details), that is final. Where it does not, the engine's
-prefix reuse counter (`hits`, read with the load polls) rising by the prompt's reusable tokens,
-from a reading before the request started to the first one asked after it was served, counts as
-served from the cache, but only when no other leg of this shim was in flight over that window:
-another's hits would hide a silent engine. What remains: requests sent to the engine past the shim
-count in that window too; and a cached prompt served beside other legs, its usage silent, is taken
-for lost events (until a Stored, a connection or the retest).
+prefix reuse counter (`hits`, read with the load polls) is: each reading bounds the counter less the
+reuse of the shim's legs the engine counted, each leg at most its prompt's reusable tokens (a pulled
+prompt all of it), from above (less the legs settled, their first output seen or ended, by its ask)
+and from below (less every leg started by its answer). A leg that missed reuse lowers that remainder,
+so a bound from below, from the first reading after the request was served on, reaching one from
+above, from the last reading before it started back, says it was served from the cache; each side
+stops at a reading with no leg open, which is exact. Overlapping legs cost nothing so long as some
+reading before the request finds every leg the engine has scheduled settled, and one after finds
+every leg started scheduled. What remains: hits on requests sent to the engine past the shim count
+as its legs' (hence the stops); an engine that has a leg in between at every reading (saturated)
+gives no such pair, and a cached prompt served then, its usage silent, is taken for lost events
+(until a Stored, a connection or the retest); and a busy engine that publishes nothing is judged
+only when the leg watched is one it had to compute, its cached legs being excused one at a time.
 
 Live events (not replayed ones) clear NO_STORED and WRONG_TOPIC; a connection clears NO_CONNECTION.
 NO_STORED, which withholds the very traffic whose events would clear it, also ends on a connection
@@ -43,7 +50,7 @@ import asyncio
 import enum
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 __all__ = ["EventHealth", "EventProblem"]
@@ -56,8 +63,18 @@ HITS_KEPT = 256  # readings of the engine's reuse counter kept: a minute at the 
 class _Hits(NamedTuple):
     asked: float
     reused: int
-    legs: int
-    quiet: bool
+    started: int
+    settled: int
+
+
+def _until_exact(readings: Iterable[_Hits]) -> list[_Hits]:
+    """`readings` up to the first with no leg open (none unsettled at its ask nor started by its answer)."""
+    out = []
+    for h in readings:
+        out.append(h)
+        if h.started == h.settled:
+            break
+    return out
 
 
 class EventProblem(enum.Enum):
@@ -134,15 +151,16 @@ class EventHealth:
         if stored:
             self.resolved(EventProblem.NO_STORED)
 
-    def hits(self, asked: float, reused: int | None, *, legs: int, quiet: bool) -> None:
+    def hits(self, asked: float, reused: int | None, *, started: int, settled: int) -> None:
         """The engine's cumulative prefix reuse counter (tokens), from a load poll asked at `asked`
-        (time.monotonic()); None: it has none, or the poll failed. `legs`: the legs the shim had
-        started on the engine when the answer came; `quiet`: none was in flight from `asked` on."""
+        (time.monotonic()); None: it has none, or the poll failed. `started`: the most reuse the
+        legs the shim had started when the answer came may earn, summed; `settled`: that of the legs
+        the engine had surely counted by `asked` (RequestService.reuse_started, reuse_settled_by)."""
         kept = self._hits
         if reused is None or (kept and reused < kept[-1].reused):
             kept.clear()  # no counter, or it started over (the engine restarted)
         if reused is not None:
-            kept.append(_Hits(asked, reused, legs, quiet))
+            kept.append(_Hits(asked, reused, started, settled))
 
     def expect_stored(
         self,
@@ -150,32 +168,32 @@ class EventHealth:
         request_id: str,
         blocks: int,
         *,
-        leg: int | None = None,
+        before: int | None = None,
         served: float = 0.0,
         hit: int = 0,
     ) -> None:
         """A request was served whose prompt had `blocks` full uncached blocks, the last `block_hash`.
-        Where the engine did not say how much of it was cached, `leg` is the request's number among
-        the legs started (`hits`), `served` when it was served (time.monotonic()), and `hit` the
-        tokens of reuse the engine counts when it finds the whole prompt cached."""
+        Where the engine did not say how much of it was cached, `before` is the `started` sum of the
+        legs started before it (`hits`), `served` when it was served (time.monotonic()), and `hit`
+        the tokens of reuse the engine counts when it finds the whole prompt cached (its share)."""
         if self._timers:
             return
         seen = self.live_stored
 
         def from_cache() -> bool:
-            # The counter's rise is this leg's alone only from a reading before it started with no
-            # other leg in flight to the first one asked after it was served, no other leg started.
-            if leg is None or hit <= 0:
+            # A reading bounds the counter less the reuse of the legs the engine has counted: from
+            # above, its count less what the legs settled by its ask may have earned; from below, less
+            # what all started by its answer may earn. A leg that missed some of its reuse lowers that
+            # remainder from then on, so a bound from below after this leg reaching one from above
+            # before it says this leg hit in full. A reading with no leg open is exact: none further
+            # off is looked at, which keeps hits on requests sent past the shim out.
+            if before is None or hit <= 0:
                 return False
-            base = next((h for h in reversed(self._hits) if h.legs == leg - 1), None)
-            end = next((h for h in self._hits if h.asked >= served), None)
-            return (
-                base is not None
-                and base.quiet
-                and end is not None
-                and end.legs == leg
-                and end.reused - base.reused >= hit
-            )
+            bases = _until_exact(h for h in reversed(self._hits) if h.started <= before)
+            ends = _until_exact(h for h in self._hits if h.asked >= served)
+            if not bases or not ends:
+                return False
+            return max(h.reused - h.started for h in ends) >= min(h.reused - h.settled for h in bases)
 
         def stored() -> bool:
             return self.live_stored > seen or self.holds(block_hash) or from_cache()

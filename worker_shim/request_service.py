@@ -55,11 +55,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import resource
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -106,6 +105,9 @@ OVERLOAD_LOG_S = 60.0  # refusals past the cap are logged at most this often (al
 # A cancel can come before its request: nats-py reads the gen and cancel subjects in tasks of
 # their own, and a backlog on one is no backlog on the other. Such a cancel waits this long.
 EARLY_CANCEL_S = 10.0
+# Legs settled (their prefix reuse surely counted by the engine) kept with when: a load poll's
+# answer looks back to its ask, a round trip.
+SETTLED_KEPT = 1024
 COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
@@ -334,7 +336,9 @@ class _Leg:
     # cleanup and final chunk never came: until then a cancel only marks the leg (_stop).
     running: bool = False
     started: float = field(default_factory=time.monotonic)
-    number: int = 0  # its place among the legs started (RequestService.legs_started)
+    # Prefix reuse (tokens) the engine may count for it, until it surely has (RequestService._settle).
+    reuse: int = 0
+    reuse_before: int = 0  # RequestService.reuse_started as it began
     predicted: int = 0  # prompt tokens the engine should find cached, until it has scheduled the leg
 
 
@@ -382,9 +386,11 @@ class RequestService:
         self.max_legs = max_legs  # legs past it are refused at once (503 overloaded): leg_cap
         self.accepting = True
         self.inflight: dict[str, _Leg] = {}
-        # Legs started, and when the last in flight ended: which legs may share an engine counter's rise.
-        self.legs_started = 0
-        self._idle_at = -math.inf
+        # The prefix reuse the legs started could earn, and that of the legs whose reuse the engine
+        # has surely counted, with when: how much of a reuse counter's rise other legs may hold.
+        self.reuse_started = 0
+        self._reuse_settled = 0
+        self._settled: deque[tuple[float, int]] = deque(maxlen=SETTLED_KEPT)
         self.completed = 0
         self.failed = 0
         self.malformed = 0
@@ -481,10 +487,14 @@ class RequestService:
             await writer.final(error=leg)
             return
         queued = predicted = 0  # a transferred prompt costs this engine no prefill
+        # The most reuse the engine may count for it: a pulled prompt in full (a vLLM without the
+        # by-source series counts pulls in), else its whole blocks short of the last token.
+        reuse, bs = len(req.token_ids), self.block_size()
         if leg.transfer is None:
             held = self.cached_tokens(req.token_ids, self._salt(req))
             queued, predicted = len(req.token_ids) - held, self._reuse(req, held)
-        state = _Leg(req.request_id, max(queued, 0), writer, predicted=predicted)
+            reuse = reusable(reuse, reuse, bs) if bs else reuse
+        state = _Leg(req.request_id, max(queued, 0), writer, predicted=predicted, reuse=reuse)
         self._begin(state)
         self._queued += state.queued_tokens
         self.on_change()
@@ -494,17 +504,26 @@ class RequestService:
         state.task = asyncio.create_task(self._run(req, leg, state, writer, role, span), name=f"leg-{req.request_id}")
 
     def _begin(self, state: _Leg) -> None:
-        self.legs_started += 1
-        state.number = self.legs_started
+        state.reuse_before = self.reuse_started
+        self.reuse_started += state.reuse
         self.inflight[state.request_id] = state
 
-    def _end(self, request_id: str) -> None:
-        if self.inflight.pop(request_id, None) is not None and not self.inflight:
-            self._idle_at = time.monotonic()
+    def _settle(self, state: _Leg) -> None:
+        """The engine has counted the leg's reuse: it does so as it schedules the leg, before its
+        first output; or the leg ended."""
+        if state.reuse:
+            self._reuse_settled += state.reuse
+            state.reuse = 0
+            self._settled.append((time.monotonic(), self._reuse_settled))
 
-    def idle_since(self, at: float) -> bool:
-        """No leg has been in flight since `at` (time.monotonic())."""
-        return not self.inflight and self._idle_at <= at
+    def _end(self, state: _Leg) -> None:
+        self._settle(state)
+        self.inflight.pop(state.request_id, None)
+
+    def reuse_settled_by(self, at: float) -> int:
+        """The prefix reuse of the legs settled by `at` (time.monotonic()); less where that is no
+        longer kept, which overstates what other legs may hold."""
+        return next((total for when, total in reversed(self._settled) if when <= at), 0)
 
     async def _resume(self, req: GenerateRequest, reply: str, worker: str, role: str) -> None:
         assert req.resume is not None
@@ -630,6 +649,7 @@ class RequestService:
     ) -> None:
         async def on_output(tokens: int, events: list[bytes], toks: list[int]) -> None:
             self._first_token(state)
+            self._settle(state)
             self._scheduled(state)
             if not leg.prefill_only:
                 self.contexts.grow(req.request_id, tokens, len(req.token_ids))
@@ -690,7 +710,7 @@ class RequestService:
             await _reap(watch, f"request {req.request_id}: the prefill watch")
             self._first_token(state)
             self.contexts.end(req.request_id)
-            self._end(req.request_id)
+            self._end(state)
             self.remember(writer)
 
     async def _call(self, req: GenerateRequest, state: _Leg, writer: _ChunkWriter) -> None:
@@ -717,7 +737,7 @@ class RequestService:
             )
             raise
         finally:
-            self._end(req.request_id)
+            self._end(state)
             self.remember(writer)
 
     async def _watch_prefill(self, token_ids: list[int], salt: str, state: _Leg, writer: _ChunkWriter) -> None:

@@ -787,8 +787,8 @@ class WorkerShim:
             last = block_hashes(token_ids[: full * bs], bs, salt=salt)[-1]
             # The engine's own word on this prompt's cache is final; without it, its reuse counter.
             leg = self.requests.inflight.get(request_id) if self.requests is not None and cached is None else None
-            number = leg.number if leg is not None else None
-            self.events.expect_stored(last, request_id, uncached, leg=number, served=time.monotonic(), hit=hit)
+            before = leg.reuse_before if leg is not None else None
+            self.events.expect_stored(last, request_id, uncached, before=before, served=time.monotonic(), hit=hit)
 
     def _count_load_report(self) -> None:
         self.load_reports_sent += 1
@@ -798,8 +798,8 @@ class WorkerShim:
         self.events.hits(
             asked,
             load.reused_tokens if load is not None else None,
-            legs=requests.legs_started if requests is not None else 0,
-            quiet=requests is not None and requests.idle_since(asked),
+            started=requests.reuse_started if requests is not None else 0,
+            settled=requests.reuse_settled_by(asked) if requests is not None else 0,
         )
         if load is None:
             self.credit.lost()

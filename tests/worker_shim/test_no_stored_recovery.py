@@ -96,14 +96,14 @@ async def test_a_prompt_the_engines_reuse_counter_shows_all_cached_is_no_lost_ev
     reading before the request to the first one after it was served, the request alone on the
     engine, says it was served from the cache."""
     health = EventHealth(timeout_s=0.1)
-    health.hits(0.0, 100, legs=0, quiet=True)
-    health.expect_stored(1, "cached", 4, leg=1, served=0.5, hit=64)  # the first leg, served at 0.5
-    health.hits(1.0, 164, legs=1, quiet=False)  # it holds its 64 hit tokens
+    health.hits(0.0, 100, started=0, settled=0)
+    health.expect_stored(1, "cached", 4, before=0, served=0.5, hit=64)  # the first leg, served at 0.5
+    health.hits(1.0, 164, started=64, settled=64)  # it holds its 64 hit tokens
     await asyncio.sleep(0.3)
     assert health.ok and health.reported == 0 and not health.silent.is_set()
-    health.hits(2.0, 164, legs=1, quiet=True)
-    health.expect_stored(2, "short", 4, leg=2, served=2.5, hit=64)
-    health.hits(3.0, 200, legs=2, quiet=False)  # 36 tokens reused: not the whole prompt
+    health.hits(2.0, 164, started=64, settled=64)
+    health.expect_stored(2, "short", 4, before=64, served=2.5, hit=64)
+    health.hits(3.0, 200, started=128, settled=128)  # 36 tokens reused: not the whole prompt
     await asyncio.sleep(0.3)
     assert not health.ok and "short" in health.why
     health.close()
@@ -111,10 +111,10 @@ async def test_a_prompt_the_engines_reuse_counter_shows_all_cached_is_no_lost_ev
 
 async def test_a_reuse_counter_that_started_over_proves_nothing() -> None:
     health = EventHealth(timeout_s=0.1)
-    health.hits(0.0, 100, legs=0, quiet=True)
-    health.expect_stored(1, "r1", 4, leg=1, served=0.5, hit=64)
-    health.hits(1.0, 0, legs=1, quiet=True)  # the engine restarted
-    health.hits(1.5, 500, legs=1, quiet=True)
+    health.hits(0.0, 100, started=0, settled=0)
+    health.expect_stored(1, "r1", 4, before=0, served=0.5, hit=64)
+    health.hits(1.0, 0, started=64, settled=64)  # the engine restarted
+    health.hits(1.5, 500, started=64, settled=64)
     await asyncio.sleep(0.3)
     assert not health.ok
     health.close()
@@ -123,20 +123,21 @@ async def test_a_reuse_counter_that_started_over_proves_nothing() -> None:
 @pytest.mark.parametrize(
     ("before", "after"),
     [
-        ((0.0, 100, 0, False), (1.0, 300, 1)),  # another leg was in flight at the reading before
-        ((0.0, 100, 0, True), (1.0, 300, 2)),  # another leg started before the reading after
+        ((0.0, 100, 192, 0), (1.0, 292, 256, 256)),  # another leg, 192 tokens, unsettled at the reading before
+        ((0.0, 100, 0, 0), (1.0, 292, 256, 64)),  # another leg started before the reading after
     ],
 )
 async def test_a_reuse_counter_rise_other_legs_may_share_proves_nothing(
-    before: tuple[float, int, int, bool], after: tuple[float, int, int]
+    before: tuple[float, int, int, int], after: tuple[float, int, int, int]
 ) -> None:
-    """Other legs' hits would hide an engine that publishes nothing: the counter is no evidence."""
+    """Other legs' hits would hide an engine that publishes nothing: the counter rose by more than
+    the watched prompt's 64 reusable tokens, but only by what another leg may have earned."""
     health = EventHealth(timeout_s=0.1)
-    asked, reused, legs, quiet = before
-    health.hits(asked, reused, legs=legs, quiet=quiet)
-    health.expect_stored(1, "r1", 4, leg=1, served=0.5, hit=64)
-    asked, reused, legs = after
-    health.hits(asked, reused, legs=legs, quiet=False)
+    asked, reused, started, settled = before
+    health.hits(asked, reused, started=started, settled=settled)
+    health.expect_stored(1, "r1", 4, before=started, served=0.5, hit=64)
+    asked, reused, started, settled = after
+    health.hits(asked, reused, started=started, settled=settled)
     await asyncio.sleep(0.3)
     assert not health.ok and "r1" in health.why
     health.close()
@@ -146,12 +147,45 @@ async def test_the_reuse_counter_window_ends_at_the_first_reading_after_the_requ
     """Hits counted after that reading are not this request's (requests sent to the engine past
     the shim, say): the judgement, two timeouts later, does not look at them."""
     health = EventHealth(timeout_s=0.1)
-    health.hits(0.0, 100, legs=0, quiet=True)
-    health.expect_stored(1, "r1", 4, leg=1, served=0.5, hit=64)
-    health.hits(1.0, 100, legs=1, quiet=False)
-    health.hits(1.5, 400, legs=1, quiet=True)
+    health.hits(0.0, 100, started=0, settled=0)
+    health.expect_stored(1, "r1", 4, before=0, served=0.5, hit=64)
+    health.hits(1.0, 100, started=64, settled=64)
+    health.hits(1.5, 400, started=64, settled=64)
     await asyncio.sleep(0.3)
     assert not health.ok and "r1" in health.why
+    health.close()
+
+
+async def test_the_reuse_counter_window_starts_at_the_last_exact_reading_before_the_request() -> None:
+    """No reading before that one is looked at: the hits on requests sent past the shim since then
+    (300 here) would otherwise count for the watched one."""
+    health = EventHealth(timeout_s=0.1)
+    health.hits(0.0, 100, started=0, settled=0)
+    health.hits(0.5, 400, started=0, settled=0)
+    health.expect_stored(1, "r1", 4, before=0, served=0.7, hit=64)
+    health.hits(1.0, 400, started=64, settled=64)
+    await asyncio.sleep(0.3)
+    assert not health.ok and "r1" in health.why
+    health.close()
+
+
+@pytest.mark.parametrize("missed", [0, 48])
+async def test_a_busy_worker_whose_overlapping_legs_all_hit_is_no_lost_event(missed: int) -> None:
+    """review14 F1. Before: the counter counted only with no other leg in flight, so a healthy
+    worker restarted beside a warm engine, serving cached prompts with short outputs, was out
+    most of the time. Every reading here has a leg open; 872 tokens of hits came before. The
+    readings around the watched leg (64 reusable tokens) bound the counter less the legs' reuse:
+    at most 1000 - 64 and 1000 - 128 before it (legs A and B, 64 each, started; A settled, then
+    B), at least 1192 - 320 after (C, the watched one and D started too). Equal when every leg hit
+    in full; lower after when the watched one missed some of its reuse."""
+    health = EventHealth(timeout_s=0.1)
+    health.hits(0.0, 1000, started=128, settled=64)  # B scheduled, its first output not seen yet
+    health.hits(0.1, 1000, started=192, settled=128)  # C started, not yet scheduled
+    health.expect_stored(1, "watched", 4, before=192, served=0.25, hit=64)
+    health.hits(0.2, 1064, started=256, settled=192)  # while the watched one runs
+    health.hits(0.3, 1192 - missed, started=320, settled=256)  # D started, scheduled
+    await asyncio.sleep(0.3)
+    assert health.ok is (missed == 0) and ("watched" in health.why) is (missed > 0)
     health.close()
 
 
@@ -250,6 +284,52 @@ async def test_a_restarted_shim_beside_a_warm_engine_keeps_a_worker_that_serves_
                 await asyncio.sleep(2 * timeout + 0.3)
                 assert shim.events.ok, f"{name} shim: {shim.events.why}"
         assert sim.engine.stats.prefix_cache_hits >= 64
+
+
+async def test_a_restarted_shim_beside_a_warm_engine_keeps_a_busy_worker_whose_legs_overlap(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """review14 F1: no replay socket and no usage details (vLLM's defaults), and every prompt one
+    the engine holds, with outputs that fill no block, so no Stored ever comes. Four clients send
+    back to back: some other leg is always in flight. Before, the counter was no evidence then,
+    and the worker was out 82-84% of the time."""
+    prompts = [list(range(1000 * k, 1000 * k + 70)) for k in range(1, 5)]  # 4 full blocks each
+    timeout = 0.3
+    async with SimServer(sim_config()) as sim:
+        for prompt in prompts:
+            await complete(sim.url, prompt)  # the engine holds them; the shim's index will not
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_replay=None, events_timeout_s=timeout)
+        async with shim:
+            await shim.registered.wait()
+            assert shim.worker_id is not None
+            await asyncio.sleep(0.5)  # readings before the first leg
+            nc = await connect(nats_url)
+            try:
+                col = Collector(nc)
+                await col.start()
+                subject = subjects.gen(ns, "agg", shim.worker_id)
+                stop = asyncio.Event()
+                sent: list[str] = []
+
+                async def client(k: int) -> None:
+                    while not stop.is_set():
+                        rid = f"c{k}-{len(sent)}"
+                        sent.append(rid)
+                        await col.send(subject, gen(rid, prompts[len(sent) % 4], max_tokens=2))
+                        assert (await col.final(rid)).error is None
+
+                hits = sim.engine.stats.prefix_cache_hits
+                clients = [asyncio.create_task(client(k)) for k in range(4)]
+                ok: list[bool] = []
+                for _ in range(int(6 * timeout / 0.02)):  # six timeouts: several legs judged
+                    ok.append(shim.events.ok)
+                    await asyncio.sleep(0.02)
+                stop.set()
+                await asyncio.gather(*clients)
+            finally:
+                await nc.close()
+            assert all(ok), f"out {ok.count(False)} of {len(ok)} samples: {shim.events.why}"
+            assert shim.events.live_stored == 0 and sim.engine.stats.prefix_cache_hits - hits == 64 * len(sent)
 
 
 async def test_an_engine_that_publishes_nothing_is_routed_again_each_retest_and_said_once(
