@@ -38,11 +38,15 @@ from dataclasses import dataclass, field
 from router.disagg import RoutePlan
 from router.request_context import RequestContext
 
-__all__ = ["RETRY_GAP", "Admission", "Overloaded", "Throughput"]
+__all__ = ["KEPT_RATES", "RETRY_GAP", "Admission", "Overloaded", "Throughput"]
 
 RETRY_GAP = 10.0
 """After an offer that found no room, the quiet time before the next, as a multiple of the CPU
 that offer's planning took."""
+
+KEPT_RATES = 64
+"""Completion rates held before those decayed to about zero (a LoRA adapter used once and
+unloaded) are dropped: such a rate reads the same as none."""
 
 
 class Overloaded(Exception):
@@ -120,6 +124,7 @@ class Admission:
         self._cpu_clock = cpu_clock
         self._lines: dict[str, _Line] = {}  # the models with waiters, and only those
         self._rates: dict[str, Throughput] = {}  # each model's completions
+        self._rates_pruned_at = KEPT_RATES  # more rates than this: drop the idle ones
         self._arrivals = itertools.count()
         self.refused = 0
         self.timed_out = 0
@@ -139,6 +144,10 @@ class Admission:
     def completed(self, model: str, n: int = 1) -> None:
         """`n` requests for `model` ended: its line drains at that rate."""
         self.throughput(model).completed(n)
+        if len(self._rates) > self._rates_pruned_at:
+            for idle in [m for m, r in self._rates.items() if m not in self._lines and r.rate() < 1e-9]:
+                del self._rates[idle]
+            self._rates_pruned_at = max(KEPT_RATES, 2 * len(self._rates))  # amortized: not a scan per completion
 
     def bound(self, model: str) -> int:
         """How many requests for `model` may wait."""

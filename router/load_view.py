@@ -177,6 +177,10 @@ class _WorkerBookings:
     def holds_releases(self) -> bool:
         return bool(self._by_released)
 
+    def idle_before(self, cutoff: float) -> bool:
+        """No live booking, and every release held is of a prefill done before `cutoff`."""
+        return not self.bookings and all(entry[0] < cutoff for entry in self._by_released)
+
     def _uncount_prefill(self, booking: _Booking) -> None:
         if booking.prefill_counted:
             booking.prefill_counted = False
@@ -310,15 +314,25 @@ class LoadView:
         return sum(self._drop_key(k) for k in keys)
 
     def expire(self, max_age_s: float, *, peers_only: bool = True) -> int:
-        """Drop bookings older than `max_age_s` (a safety net for a `free` that never came).
-        Returns how many went."""
-        cutoff = self._clock() - max_age_s
+        """Drop bookings older than `max_age_s` (a safety net for a `free` that never came), and
+        what is held of a worker with no report, no booking and nothing newer (releases), or
+        nothing left (a decayed `prefill_inflow`): a worker that left before a peer's booking on
+        it arrived, whose releases no report will ever cover. Returns how many bookings went."""
+        now = self._clock()
+        cutoff = now - max_age_s
         stale = [
             key
             for key, bookings in self._by_request.items()
             if (key[0] is not None or not peers_only) and all(b.booked_at < cutoff for b in bookings)
         ]
-        return sum(self._drop_key(k) for k in stale)
+        dropped = sum(self._drop_key(k) for k in stale)
+        for worker in (self._by_worker.keys() | self._inflow.keys()) - self._reports.keys():
+            on_worker = self._by_worker.get(worker)
+            if on_worker is not None and on_worker.idle_before(cutoff):
+                del self._by_worker[worker]
+            if worker in self._inflow and self._inflow_at(worker, now) < 1e-9:  # reads as none
+                del self._inflow[worker]
+        return dropped
 
     def _drop_key(self, key: tuple[str | None, str]) -> int:
         bookings = self._by_request.pop(key, [])

@@ -652,7 +652,8 @@ class RouterService:
         transfers = self.planner.disagg.transfers
         if ok:
             transfers.succeeded(decode, prefill)
-        else:
+        elif (reg := self._registry) is not None and reg.get(decode) is not None and reg.get(prefill) is not None:
+            # Not with a worker gone: forget() ended its pairs, and nothing would end one made now.
             transfers.failed(decode, prefill)
 
     def _on_worker_remove(self, worker: str) -> None:

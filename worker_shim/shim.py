@@ -405,7 +405,7 @@ class WorkerShim:
 
     def _say_once(self, level: int, message: str, *args: object) -> None:
         text = message % args
-        if text not in self._said:
+        if text not in self._said and len(self._said) < 1024:  # a text can name what changes (adapters): capped
             self._said.add(text)
             log.log(level, "%s", text)
 

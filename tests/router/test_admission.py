@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission, Overloaded, Throughput
+from router.admission import KEPT_RATES, Admission, Overloaded, Throughput
 from router.disagg import RoutePlan
 from router.request_context import RequestContext
 from tests.router.builders import cand, ctx
@@ -189,3 +189,14 @@ def test_throughput_decays_without_completions() -> None:
     assert t.rate() == pytest.approx(5.0)
     clock.now = 10.0
     assert t.rate() == pytest.approx(5.0 / 2.718281828, rel=1e-6)
+
+
+def test_rates_of_names_long_idle_are_not_kept_for_good() -> None:
+    clock = Clock()
+    adm = admission(Fleet(), rate=5.0, clock=clock)
+    for i in range(1000):  # adapters loaded, used once and unloaded
+        adm.completed(f"adapter-{i}")
+        adm.completed("m")  # in steady use
+        clock.now += 60.0
+    assert len(adm._rates) <= 2 * KEPT_RATES
+    assert adm.throughput("m").rate() > 0

@@ -233,6 +233,22 @@ def test_expire_drops_old_peer_bookings_and_keeps_ours(view: LoadView, clock: Cl
     assert view.bookings("w1") == 1
 
 
+def test_expire_drops_what_a_peer_booked_on_a_worker_that_had_left(view: LoadView, clock: Clock) -> None:
+    view.update(report("w1", ts=clock.now))
+    view.remove_worker("w9")  # its key went here before the peer's booking on it arrived
+    for worker in ("w1", "w9"):
+        view.book(f"r-{worker}", worker, 512, 4, router="peer")
+        view.prefill_done(f"r-{worker}", router="peer")
+        view.free(f"r-{worker}", router="peer")
+    clock.now += 599
+    view.expire(600)
+    assert view.workers() == ["w1", "w9"]  # a first report of w9 could still need its releases
+    clock.now += 2
+    view.expire(600)
+    assert view.workers() == ["w1"]
+    assert view.load("w9").prefill_inflow == 0.0  # its rate went too, not just decayed
+
+
 def test_remove_worker_drops_its_report_and_bookings(view: LoadView) -> None:
     view.update(report(running=4))
     view.book("r1", "w1", 10, 1)

@@ -290,3 +290,20 @@ async def test_a_fresh_replica_does_not_close_every_pair_into_a_decode_worker_on
         status, body, _ = await complete(http, b, list(range(5000 + 500 * j, 5400 + 500 * j)), max_tokens=2)
         rows.append((status, body["kvswitch"]["outcome"]))
     assert rows == [(200, "remote_prefill")] * 3
+
+
+async def test_a_failed_pull_from_a_prefill_worker_that_already_left_opens_no_pair(cluster: Cluster) -> None:
+    """The decode engine can fail a pull after the prefill worker's key went (a rolling restart):
+    forget() already ended its pairs, and nothing would end one made now."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    transfers = router.planner.disagg.transfers
+    router._on_transfer(d.id, p.id, False)
+    assert transfers.failing(d.id, p.id)
+    p_id = p.id
+    await p.shim.stop()  # revokes its lease: the key goes
+    await until(lambda: router.registry.get(p_id) is None, what="the key to go")
+    assert not transfers.any
+    router._on_transfer(d.id, p_id, False)
+    assert not transfers.any
