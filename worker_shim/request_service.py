@@ -61,6 +61,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
@@ -108,6 +109,9 @@ EARLY_CANCEL_S = 10.0
 # Legs settled (their prefix reuse surely counted by the engine) kept with when: a load poll's
 # answer looks back to its ask, a round trip.
 SETTLED_KEPT = 1024
+# The reuse booked for a leg whose engine requests the shim cannot weigh (a batch of prompts, beam
+# search): no reuse-counter proof can lean on a window it overlaps (worker_shim.event_health).
+UNWEIGHED_REUSE = 1 << 50
 COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
@@ -494,6 +498,8 @@ class RequestService:
             held = self.cached_tokens(req.token_ids, self._salt(req))
             queued, predicted = len(req.token_ids) - held, self._reuse(req, held)
             reuse = reusable(reuse, reuse, bs) if bs else reuse
+        copies = engine_requests(req.params)
+        reuse = UNWEIGHED_REUSE if copies is None else reuse * copies
         state = _Leg(req.request_id, max(queued, 0), writer, predicted=predicted, reuse=reuse)
         self._begin(state)
         self._queued += state.queued_tokens
@@ -786,3 +792,18 @@ class RequestService:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+
+
+def engine_requests(params: dict[str, Any] | None) -> int | None:
+    """How many requests the engine runs for a leg's prompt: the client's `n` (vLLM runs each
+    sample as its own request, and the second counts the first's blocks as hits); None where the
+    shim cannot weigh them: a batch of prompts (routed and hashed by its first) or beam search."""
+    if not params:
+        return 1
+    prompt = params.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (list, str)):
+        return None
+    if params.get("use_beam_search"):
+        return None
+    n = params.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1

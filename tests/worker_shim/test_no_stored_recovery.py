@@ -17,8 +17,9 @@ import zmq.asyncio
 
 from engine_sim.server import SimServer
 from kvswitch.servers import free_port
-from protocol import Usage, subjects
+from protocol import GenerateRequest, Usage, subjects
 from protocol.config import EtcdSettings, NatsSettings
+from protocol.messages import ENDPOINT_COMPLETIONS
 from tests.worker_shim.cluster import complete, connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_event_health import _worker_info
 from tests.worker_shim.test_request_service import Collector, gen
@@ -27,6 +28,7 @@ from worker_shim.adapters.base import EngineLimits
 from worker_shim.adapters.openai_http import usage_from
 from worker_shim.adapters.zmq_events import ZmqEventSource
 from worker_shim.event_health import EventHealth, EventProblem
+from worker_shim.request_service import engine_requests
 
 # --- EventHealth alone -------------------------------------------------------------------------------
 
@@ -390,3 +392,47 @@ async def test_other_legs_prefix_hits_hide_no_engine_that_publishes_nothing(
                     assert (await col.final(f"other{i}")).error is None
             finally:
                 await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("params", "cached_first"),
+    [
+        ({"n": 2}, False),  # the second sample counts the first's blocks as hits
+        ({"prompt": "BATCH"}, True),  # a batch's other prompt, held by the engine, hits
+    ],
+    ids=["n2", "batch"],
+)
+async def test_a_leg_the_engine_runs_as_several_requests_excuses_no_silent_engine(
+    ns: str, nats_url: str, etcd_url: str, params: dict[str, object], cached_first: bool
+) -> None:
+    """Before: a leg was booked as one prompt's reuse, so vLLM's hits on a leg's n-1 other samples
+    (or a batch's other prompts) covered the watched prompt's misses: a silent engine was excused."""
+    watched, other = list(range(5000, 5064)), list(range(7000, 7064))  # 4 full blocks each
+    if params.get("prompt") == "BATCH":
+        params = {"prompt": [watched, other]}
+    async with SimServer(sim_config(drop_event_fraction=1.0)) as sim:
+        if cached_first:  # a client before the shim started
+            await complete(sim.url, other, max_tokens=1)
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_replay=None, events_timeout_s=0.3)
+        async with shim:
+            await shim.registered.wait()
+            assert shim.worker_id is not None
+            nc = await connect(nats_url)
+            col = Collector(nc)
+            await col.start()
+            await asyncio.sleep(0.5)  # counter readings before the leg
+            hits = sim.engine.stats.prefix_cache_hits
+            req = GenerateRequest(
+                request_id="watched", model=sim.config.model, token_ids=watched, endpoint=ENDPOINT_COMPLETIONS,
+                params={"max_tokens": 2, "ignore_eos": True, **params},
+            )  # fmt: skip
+            await col.send(subjects.gen(ns, "agg", shim.worker_id), req)
+            await col.final(req.request_id)
+            await wait_for(lambda: not shim.events.ok, 3, "the silent engine flagged")
+            assert sim.engine.stats.prefix_cache_hits > hits  # the engine did count hits in the window
+            await nc.close()
+
+
+def test_the_engine_requests_a_leg_makes() -> None:
+    assert [engine_requests(p) for p in (None, {}, {"n": 3}, {"n": True}, {"prompt": [1, 2, 3]})] == [1, 1, 3, 1, 1]
+    assert engine_requests({"prompt": [[1], [2]]}) is engine_requests({"use_beam_search": True}) is None
