@@ -23,7 +23,8 @@ cached (vLLM: --enable-prompt-tokens-details), that is final. Where it does not,
 prefix reuse counter (`hits`, read with the load polls) is: each reading bounds the counter less the
 reuse of the shim's legs the engine counted, each leg at most its prompt's reusable tokens (a pulled
 prompt all of it) times the client's `n`, as vLLM runs each sample as a request of its own (a batch of
-prompts or beam search: no bound, so no proof over a window such a leg overlaps), from above (less the legs settled, their first output seen or ended, by its ask)
+prompts or beam search: no bound, so no proof over a window such a leg overlaps), from above (less
+the legs settled, their first output seen or ended, by its ask)
 and from below (less every leg started by its answer). A leg that missed reuse lowers that remainder,
 so a bound from below, from the first reading after the request was served on, reaching one from
 above, from the last reading before it started back, says it was served from the cache; each side
