@@ -166,16 +166,26 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return json_response({"success": ok})
 
 
-async def kv_pull(request: web.Request) -> web.Response:
-    srv = request.app[SERVER_KEY]
+async def _kv_message(request: web.Request) -> dict[str, Any] | int:
+    """The JSON object a peer engine sent to a KV route, or the status that refuses it: 400 for a
+    body that is not a JSON object (a bad body, not a message for another engine), 404 for a
+    message to another engine."""
     try:
         body = msgspec.json.decode(await request.read())
     except msgspec.DecodeError:
-        body = None
-    if not isinstance(body, dict):  # not a JSON object: a bad body, not a message for another engine
-        return json_response({"released": False}, 400)
-    if body.get("remote_engine_id") not in (None, srv.engine.engine_id):
-        return json_response({"released": False}, 404)
+        return 400
+    if not isinstance(body, dict):
+        return 400
+    if body.get("remote_engine_id") not in (None, request.app[SERVER_KEY].engine.engine_id):
+        return 404
+    return body
+
+
+async def kv_pull(request: web.Request) -> web.Response:
+    srv = request.app[SERVER_KEY]
+    body = await _kv_message(request)
+    if isinstance(body, int):
+        return json_response({"released": False}, body)
     if not isinstance(body.get("remote_request_id"), str):  # a list or dict would not even hash
         return json_response({"released": False}, 400)
     ok = srv.runner.release_pin(body["remote_request_id"], body.get("remote_block_ids"))
@@ -184,14 +194,9 @@ async def kv_pull(request: web.Request) -> web.Response:
 
 async def kv_heartbeat(request: web.Request) -> web.Response:
     srv = request.app[SERVER_KEY]
-    try:
-        body = msgspec.json.decode(await request.read())
-    except msgspec.DecodeError:
-        body = None
-    if not isinstance(body, dict):  # not a JSON object: a bad body, not a message for another engine
-        return json_response({"renewed": 0}, 400)
-    if body.get("remote_engine_id") not in (None, srv.engine.engine_id):
-        return json_response({"renewed": 0}, 404)
+    body = await _kv_message(request)
+    if isinstance(body, int):
+        return json_response({"renewed": 0}, body)
     ids = body.get("remote_request_ids")
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         return json_response({"renewed": 0}, 400)

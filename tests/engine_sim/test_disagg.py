@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import socket
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -116,6 +117,21 @@ async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tupl
         return r.status, await r.json()
 
 
+@contextlib.asynccontextmanager
+async def prefill_and_one_seat_decode(
+    lease: float | None = None,
+) -> AsyncIterator[tuple[SimServer, SimServer, aiohttp.ClientSession]]:
+    """A prefill sim, a real-time decode sim that runs one request at a time (for
+    `queue_behind_a_busy_request`), both on `lease` (kv_lease_duration) if given, and a client."""
+    lease_changes = {} if lease is None else {"kv_lease_duration": lease}
+    async with (
+        SimServer(sim_config(role="prefill", **lease_changes)) as p,
+        SimServer(sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512, **lease_changes)) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        yield p, d, s
+
+
 async def queue_behind_a_busy_request(
     s: aiohttp.ClientSession, p: SimServer, d: SimServer
 ) -> tuple[asyncio.Task[Any], asyncio.Task[tuple[int, Any]], dict[str, Any]]:
@@ -143,11 +159,7 @@ async def test_a_decode_request_aborted_before_its_pull_frees_the_prefill_pin_at
     """vLLM 0.32 (nixl pull_scheduler.request_finished): a decode request aborted before its pull
     (the client gone, a deadline, a router's cancel) tells the prefill engine to free the blocks
     now, not when their lease runs out."""
-    async with (
-        SimServer(sim_config(role="prefill")) as p,
-        SimServer(sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512)) as d,
-        aiohttp.ClientSession() as s,
-    ):
+    async with prefill_and_one_seat_decode() as (p, d, s):
         if cross_process:  # the release goes over HTTP, as between processes
             monkeypatch.setattr(disagg, "_registry", weakref.WeakValueDictionary())
         busy, queued, _ = await queue_behind_a_busy_request(s, p, d)
@@ -166,13 +178,7 @@ async def test_a_decode_sim_holding_the_request_renews_the_lease_until_it_pulls(
     """vLLM 0.32's heartbeats: however long the decode request waits in the decode engine's queue,
     its KV stays pinned on the prefill engine, and the pull finds it."""
     lease = 2  # vLLM's smallest integer lease a heartbeat extends (by 2 * 2 // 3 = 1 s)
-    async with (
-        SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
-        SimServer(
-            sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512, kv_lease_duration=lease)
-        ) as d,
-        aiohttp.ClientSession() as s,
-    ):
+    async with prefill_and_one_seat_decode(lease) as (p, d, s):
         if cross_process:  # heartbeats and the pull go over HTTP, as between processes
             monkeypatch.setattr(disagg, "_registry", weakref.WeakValueDictionary())
         busy, queued, params = await queue_behind_a_busy_request(s, p, d)
@@ -191,13 +197,7 @@ async def test_a_lease_no_decode_sim_renews_runs_out(gone: str) -> None:
     """A decode engine that died or hung sends no heartbeat: the prefill engine frees the KV at most
     `lease * 2 // 3` after the last heartbeat."""
     lease = 2  # each heartbeat extends the lease by 1 s
-    async with (
-        SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
-        SimServer(
-            sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512, kv_lease_duration=lease)
-        ) as d,
-        aiohttp.ClientSession() as s,
-    ):
+    async with prefill_and_one_seat_decode(lease) as (p, d, s):
         busy, queued, _ = await queue_behind_a_busy_request(s, p, d)
         await asyncio.sleep(lease + 0.5)
         assert p.engine.pins  # renewed past its lease while d held the request
@@ -239,13 +239,7 @@ async def test_on_a_1s_lease_heartbeats_extend_nothing_as_in_vllm() -> None:
     lease: the prefill KV goes a second after the prefill however the decode engine heartbeats, and
     the pull fails (kv_load_failure_policy fail)."""
     lease = 1
-    async with (
-        SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
-        SimServer(
-            sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512, kv_lease_duration=lease)
-        ) as d,
-        aiohttp.ClientSession() as s,
-    ):
+    async with prefill_and_one_seat_decode(lease) as (p, d, s):
         busy, queued, _ = await queue_behind_a_busy_request(s, p, d)
         await until(lambda: not p.engine.pins, "the unextended lease ran out", timeout=lease + 0.5)
         assert len(d.engine.waiting) == 1  # while d still held the request and heartbeat for it
@@ -265,13 +259,7 @@ async def test_a_prefill_peer_that_never_answers_delays_no_other_peers_heartbeat
     silent.listen(16)  # never accept()s
     bad = {**STALE, "remote_engine_id": "silent", "remote_port": silent.getsockname()[1]}
     try:
-        async with (
-            SimServer(sim_config(role="prefill", kv_lease_duration=lease)) as p,
-            SimServer(
-                sim_config(role="decode", speedup=1, max_num_seqs=1, num_gpu_blocks=512, kv_lease_duration=lease)
-            ) as d,
-            aiohttp.ClientSession() as s,
-        ):
+        async with prefill_and_one_seat_decode(lease) as (p, d, s):
             busy, queued, params = await queue_behind_a_busy_request(s, p, d)
             other = asyncio.create_task(
                 post(s, d.url, {"prompt": PROMPT[:100], "max_tokens": 2, "kv_transfer_params": bad})

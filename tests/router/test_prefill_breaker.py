@@ -17,6 +17,7 @@ from protocol.messages import WorkerInfo
 from router.eligibility import PREFILL_COOLDOWN_S, Eligibility, Exclusion
 from router.load_view import Liveness
 from router.policies import Outcome, Path
+from router.service import RouterService
 from tests.router.conftest import MODEL, Cluster, Worker, complete
 from tests.router.polling import until
 from tests.router.test_planner import _spill_fleet
@@ -162,9 +163,12 @@ async def test_a_prefill_engine_without_a_kv_connector_is_left_out_and_a_healthy
     assert shown[bad.id] == "prefill_failing" and shown[good.id] is None
 
 
-async def test_a_hung_prefill_engine_costs_one_prefill_timeout_not_one_per_request(
+async def a_hung_prefill_worker_then_a_healthy_one(
     cluster: Cluster, http: aiohttp.ClientSession
-) -> None:
+) -> tuple[Worker, Worker, RouterService]:
+    """A prefill worker whose engine hangs after one served leg (so it holds SYSTEM's blocks), a
+    decode worker, a router with a 1 s prefill_timeout_s, then a healthy prefill worker: (bad,
+    good, router)."""
     bad = await cluster.add_worker("prefill", hang_after=1)  # its shim stays up, its engine stops
     await cluster.add_worker("decode")
     router = await cluster.add_ready_router(disagg="always", prefill_timeout_s=1.0)
@@ -172,6 +176,13 @@ async def test_a_hung_prefill_engine_costs_one_prefill_timeout_not_one_per_reque
     assert (status, body["kvswitch"]["outcome"]) == (200, "remote_prefill")
     good = await cluster.add_worker("prefill")
     await cluster.ready(router)
+    return bad, good, router
+
+
+async def test_a_hung_prefill_engine_costs_one_prefill_timeout_not_one_per_request(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    bad, good, router = await a_hung_prefill_worker_then_a_healthy_one(cluster, http)
     rows = []
     for k in range(6):
         start = time.monotonic()
@@ -183,6 +194,18 @@ async def test_a_hung_prefill_engine_costs_one_prefill_timeout_not_one_per_reque
     assert bad.sim.faults.requests_seen == 2 and good.sim.faults.requests_seen == 5
 
 
+async def assert_served_on_the_decode_worker_alone(
+    d: Worker, http: aiohttp.ClientSession, router: RouterService, n: int
+) -> None:
+    """`n` requests all served on `d`: the first by the fallback after its prefill leg failed, the
+    rest bypassing the failing prefill worker."""
+    outcomes = []
+    for k in range(n):
+        status, body, headers = await complete(http, router, list(range(1000 * k, 1000 * k + 200)), max_tokens=2)
+        outcomes.append((status, headers["x-kvswitch-decode-worker"], body["kvswitch"]["outcome"]))
+    assert outcomes == [(200, d.id, "fallback_prefill_failed")] + [(200, d.id, "bypass_transfer_failing")] * (n - 1)
+
+
 async def test_with_no_healthy_prefill_worker_requests_prefill_on_their_decode_worker_without_a_failed_leg(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
@@ -190,11 +213,7 @@ async def test_with_no_healthy_prefill_worker_requests_prefill_on_their_decode_w
     without_connector(bad)
     d = await cluster.add_worker("decode")
     router = await cluster.add_ready_router(disagg="always")
-    outcomes = []
-    for k in range(4):
-        status, body, headers = await complete(http, router, list(range(1000 * k, 1000 * k + 200)), max_tokens=2)
-        outcomes.append((status, headers["x-kvswitch-decode-worker"], body["kvswitch"]["outcome"]))
-    assert outcomes == [(200, d.id, "fallback_prefill_failed")] + [(200, d.id, "bypass_transfer_failing")] * 3
+    await assert_served_on_the_decode_worker_alone(d, http, router, n=4)
     assert bad.sim.faults.requests_seen == 1 and router.dispatcher.fallbacks == 1
     reason = router.path.explain(MODEL, list(range(200)), text=False)["reason"]
     assert bad.id in reason and "failing its prefill legs" in reason
@@ -241,13 +260,7 @@ async def test_a_hung_prefill_engine_whose_shim_fires_the_legs_deadline_first_is
     ahead = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("__")})
     ahead.time = lambda: time.time() + 0.05
     monkeypatch.setattr(request_service, "time", ahead)  # the shims' clock only
-    bad = await cluster.add_worker("prefill", hang_after=1)
-    await cluster.add_worker("decode")
-    router = await cluster.add_ready_router(disagg="always", prefill_timeout_s=1.0)
-    status, body, _ = await complete(http, router, [*SYSTEM, *range(2000, 2040)], max_tokens=2)
-    assert (status, body["kvswitch"]["outcome"]) == (200, "remote_prefill")
-    good = await cluster.add_worker("prefill")
-    await cluster.ready(router)
+    bad, good, router = await a_hung_prefill_worker_then_a_healthy_one(cluster, http)
     rows = []
     for k in range(4):
         status, body, _ = await complete(http, router, [*SYSTEM, *range(3000 + 40 * k, 3040 + 40 * k)], max_tokens=2)
@@ -258,25 +271,40 @@ async def test_a_hung_prefill_engine_whose_shim_fires_the_legs_deadline_first_is
     assert bad.sim.faults.requests_seen == 2 and good.sim.faults.requests_seen == 3
 
 
+async def poisoned_pair(cluster: Cluster) -> tuple[Worker, RouterService]:
+    """A prefill and a decode worker whose engines both fail a poisoned request, behind a
+    disagg="always" router: (the prefill worker, the router)."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    for w in (p, d):
+        fails_poisoned_requests(w)
+    return p, await cluster.add_ready_router(disagg="always")
+
+
+async def assert_prefill_legs_still_go_to(
+    p: Worker, http: aiohttp.ClientSession, router: RouterService, n: int
+) -> None:
+    """`n` clean requests after all take a remote prefill leg: `p` is not left out."""
+    rows = []
+    for k in range(n):
+        status, answer, _ = await complete(
+            http, router, list(range(1000 * (k + 1), 1000 * (k + 1) + 100)), max_tokens=2
+        )
+        rows.append((status, answer["kvswitch"]["outcome"]))
+    assert rows == [(200, "remote_prefill")] * n
+    excluded = {e["worker"] for e in router.path.explain(MODEL, list(range(50)), text=False)["excluded"]}
+    assert p.id not in excluded
+
+
 async def test_a_500_the_request_itself_causes_leaves_the_prefill_worker_in(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
     """The local prefill fails the same request alike: the client gets its error, and the prefill
     worker, which did nothing wrong, keeps serving everyone else's prefill legs."""
-    p = await cluster.add_worker("prefill")
-    d = await cluster.add_worker("decode")
-    for w in (p, d):
-        fails_poisoned_requests(w)
-    router = await cluster.add_ready_router(disagg="always")
+    p, router = await poisoned_pair(cluster)
     status, _, _ = await complete(http, router, [POISON, *range(1, 100)], max_tokens=2)
     assert status == 502
-    rows = []
-    for k in range(4):
-        status, body, _ = await complete(http, router, list(range(1000 * (k + 1), 1000 * (k + 1) + 100)), max_tokens=2)
-        rows.append((status, body["kvswitch"]["outcome"]))
-    assert rows == [(200, "remote_prefill")] * 4
-    excluded = {e["worker"] for e in router.path.explain(MODEL, list(range(50)), text=False)["excluded"]}
-    assert p.id not in excluded
+    await assert_prefill_legs_still_go_to(p, http, router, n=4)
 
 
 async def test_a_streamed_chat_500_after_its_role_chunk_leaves_the_prefill_worker_in(
@@ -284,11 +312,7 @@ async def test_a_streamed_chat_500_after_its_role_chunk_leaves_the_prefill_worke
 ) -> None:
     """Before: the fallback's role chunk (no token) read as output, so the prefill worker was
     blamed before the error came, and everyone's requests after were bypassed."""
-    p = await cluster.add_worker("prefill")
-    d = await cluster.add_worker("decode")
-    for w in (p, d):
-        fails_poisoned_requests(w)
-    router = await cluster.add_ready_router(disagg="always")
+    p, router = await poisoned_pair(cluster)
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "POISON " + " ".join(f"w{i}" for i in range(300))}],
@@ -297,15 +321,7 @@ async def test_a_streamed_chat_500_after_its_role_chunk_leaves_the_prefill_worke
     }
     async with http.post(router.url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200 and b'"error"' in await resp.read()  # the error event, mid-stream
-    rows = []
-    for k in range(3):
-        status, answer, _ = await complete(
-            http, router, list(range(1000 * (k + 1), 1000 * (k + 1) + 100)), max_tokens=2
-        )
-        rows.append((status, answer["kvswitch"]["outcome"]))
-    assert rows == [(200, "remote_prefill")] * 3
-    excluded = {e["worker"] for e in router.path.explain(MODEL, list(range(50)), text=False)["excluded"]}
-    assert p.id not in excluded
+    await assert_prefill_legs_still_go_to(p, http, router, n=3)
 
 
 async def test_a_prefill_engine_failing_every_leg_with_a_500_is_left_out_once_the_fallback_serves(
@@ -316,11 +332,7 @@ async def test_a_prefill_engine_failing_every_leg_with_a_500_is_left_out_once_th
     fails_poisoned_requests(p, every=True)
     d = await cluster.add_worker("decode")
     router = await cluster.add_ready_router(disagg="always")
-    outcomes = []
-    for k in range(3):
-        status, body, headers = await complete(http, router, list(range(1000 * k, 1000 * k + 200)), max_tokens=2)
-        outcomes.append((status, headers["x-kvswitch-decode-worker"], body["kvswitch"]["outcome"]))
-    assert outcomes == [(200, d.id, "fallback_prefill_failed")] + [(200, d.id, "bypass_transfer_failing")] * 2
+    await assert_served_on_the_decode_worker_alone(d, http, router, n=3)
     excluded = {e["worker"]: e for e in router.path.explain(MODEL, list(range(50)), text=False)["excluded"]}
     assert excluded[p.id]["excluded"] == "prefill_failing" and "engine_error 500" in excluded[p.id]["why"]
 
