@@ -33,7 +33,8 @@ reading before the request finds every leg the engine has scheduled settled, and
 every leg started scheduled. What remains: hits on requests sent to the engine past the shim count
 as its legs' (hence the stops); an engine that has a leg in between at every reading (saturated)
 gives no such pair, and a cached prompt served then, its usage silent, is taken for lost events
-(until a Stored, a connection or the retest); and a busy engine that publishes nothing is judged
+(until a Stored, a connection or the retest), as is one whose leg started before the readings kept
+(HITS_KEPT, about a minute); and a busy engine that publishes nothing is judged
 only when the leg watched is one it had to compute, its cached legs being excused one at a time.
 
 Live events (not replayed ones) clear NO_STORED and WRONG_TOPIC; a connection clears NO_CONNECTION.
@@ -264,8 +265,12 @@ class EventHealth:
         )
         self.on_change()
 
-    def close(self) -> None:
-        self._cancel_retest()
+    def close(self, *, keep_retest: bool = False) -> None:
+        """Cancel the pending judgements; and the retest unless `keep_retest` (a session ended, the
+        shim goes on: with no connection event to clear NO_STORED, as TensorRT-LLM's polled events
+        have none, only the retest lets routers send the worker traffic again)."""
+        if not keep_retest:
+            self._cancel_retest()
         for handle in self._timers:
             handle.cancel()
         self._timers.clear()

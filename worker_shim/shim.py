@@ -246,7 +246,7 @@ class WorkerShim:
         self._main: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._stop_task: asyncio.Task[None] | None = None
-        self._said: set[str] = set()
+        self._said: dict[str, None] = {}  # insertion-ordered: the oldest text is dropped first
         self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
         self._engine_load_at: float | None = None  # ... and the time.monotonic() it came back
         self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
@@ -405,9 +405,13 @@ class WorkerShim:
 
     def _say_once(self, level: int, message: str, *args: object) -> None:
         text = message % args
-        if text not in self._said and len(self._said) < 1024:  # a text can name what changes (adapters): capped
-            self._said.add(text)
-            log.log(level, "%s", text)
+        if text in self._said:
+            return
+        # A text can name what changes (adapters): the oldest goes past 1024, so a new one is still said.
+        self._said[text] = None
+        if len(self._said) > 1024:
+            del self._said[next(iter(self._said))]
+        log.log(level, "%s", text)
 
     async def _wait_healthy(self) -> bool:
         """Until the engine's /health says up (True) or the shim stops (False); says that it waits,
@@ -1143,7 +1147,7 @@ class WorkerShim:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self.events.close()
+        self.events.close(keep_retest=not self._stopping.is_set())
         self.worker_id = None
 
     # --- stop -----------------------------------------------------------------------------------

@@ -80,6 +80,20 @@ async def test_a_second_judgement_in_one_episode_does_not_push_the_retest_back()
     health.close()
 
 
+async def test_a_session_that_ends_keeps_the_retest() -> None:
+    """Before: a session's end cancelled the retest; a TensorRT-LLM worker (events polled, so no
+    connection to clear it) then stayed out of routing until its shim restarted."""
+    health = EventHealth(timeout_s=0.05)
+    health.retest_s = 0.3
+    health.expect_stored(1, "r1", 1)
+    await asyncio.sleep(0.2)
+    assert not health.ok
+    health.close(keep_retest=True)  # the session ended; the shim goes on
+    await asyncio.sleep(0.5)
+    assert health.ok and health.retests == 1
+    health.close()
+
+
 async def test_a_stored_from_the_replay_socket_ends_no_stored() -> None:
     health = EventHealth(timeout_s=0.1)
     health.expect_stored(1, "r1", 1)
