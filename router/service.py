@@ -26,6 +26,7 @@ import enum
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -284,8 +285,8 @@ class RouterService:
             on_transfer=self._on_transfer,
             on_unreachable=self.eligibility.mark_unreachable,
             on_malformed=self.eligibility.mark_malformed,
-            on_pull=planner.disagg.transfers.pulling,
-            on_prefill=self.eligibility.prefill_leg,
+            on_pull=self._on_pull,
+            on_prefill=self._on_prefill,
             tracer=self.tracer,
         )
         await self._dispatcher.start()
@@ -648,13 +649,27 @@ class RouterService:
         self.eligibility.added(info.worker)
         self.path.admission.notify()
 
+    def _registered(self, *workers: str) -> bool:
+        """Whether every one of `workers` is still registered. A leg's outcome can come after its
+        worker left: forget() ended that worker's state, and nothing would end state made now."""
+        reg = self._registry
+        return reg is not None and all(reg.get(w) is not None for w in workers)
+
     def _on_transfer(self, decode: str, prefill: str, ok: bool) -> None:
         transfers = self.planner.disagg.transfers
         if ok:
             transfers.succeeded(decode, prefill)
-        elif (reg := self._registry) is not None and reg.get(decode) is not None and reg.get(prefill) is not None:
-            # Not with a worker gone: forget() ended its pairs, and nothing would end one made now.
+        elif self._registered(decode, prefill):
             transfers.failed(decode, prefill)
+
+    def _on_pull(self, decode: str, prefill: str) -> Callable[[], None]:
+        if not self._registered(decode, prefill):
+            return lambda: None
+        return self.planner.disagg.transfers.pulling(decode, prefill)
+
+    def _on_prefill(self, worker: str, fault: str | None, serves_whole: bool) -> None:
+        if self._registered(worker):  # a blame held until the fallback served may outlive the worker
+            self.eligibility.prefill_leg(worker, fault, serves_whole)
 
     def _on_worker_remove(self, worker: str) -> None:
         self.planner.disagg.transfers.forget(worker)

@@ -4,6 +4,7 @@ no prefill worker closes every pair into that decode worker, and a report reopen
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import aiohttp
@@ -12,6 +13,7 @@ import pytest
 from router.transfer_health import CONFIRM_S, PROBE_TIMEOUT_S, TransferHealth
 from tests.router.conftest import MODEL, Cluster, complete
 from tests.router.polling import until
+from worker_shim.adapters.base import EngineError
 
 
 class Clock:
@@ -307,3 +309,63 @@ async def test_a_failed_pull_from_a_prefill_worker_that_already_left_opens_no_pa
     assert not transfers.any
     router._on_transfer(d.id, p_id, False)
     assert not transfers.any
+
+
+async def test_a_pull_into_a_decode_worker_that_left_keeps_no_state(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Before: a decode leg sent after its decode worker left (its prefill leg was running) left a
+    pull entry nothing would trim, one per departed name."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    gate, seen = asyncio.Event(), asyncio.Event()
+    generate = p.shim.adapter.generate
+
+    async def held(leg, on_output):  # type: ignore[no-untyped-def]
+        if leg.prefill_only:
+            seen.set()
+            await gate.wait()
+        return await generate(leg, on_output)
+
+    p.shim.adapter.generate = held  # type: ignore[method-assign]
+    pending = asyncio.create_task(complete(http, router, list(range(100, 400)), max_tokens=2))
+    await asyncio.wait_for(seen.wait(), 10)
+    gone = d.id
+    await d.shim.stop()  # revokes its lease: the key goes
+    await until(lambda: router.registry.get(gone) is None, what="the decode worker's key to go")
+    gate.set()
+    await pending
+    assert gone not in router.planner.disagg.transfers._pulls
+
+
+async def test_a_prefill_blame_held_for_the_fallback_skips_a_worker_that_left(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Before: the blame, held until the fallback served, booked prefill_failing (and a WARNING)
+    for a prefill worker already gone; a restarted one under the same name was left out."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+
+    async def fails(leg, on_output):  # type: ignore[no-untyped-def]
+        raise EngineError(500, "engine_error", "Internal server error (engine crashed)")
+
+    p.shim.adapter.generate = fails  # type: ignore[method-assign]
+    gate, seen = asyncio.Event(), asyncio.Event()
+    generate = d.shim.adapter.generate
+
+    async def held(leg, on_output):  # type: ignore[no-untyped-def]
+        seen.set()
+        await gate.wait()  # the fallback's local prefill of a long prompt
+        return await generate(leg, on_output)
+
+    d.shim.adapter.generate = held  # type: ignore[method-assign]
+    pending = asyncio.create_task(complete(http, router, list(range(100, 400)), max_tokens=2))
+    await asyncio.wait_for(seen.wait(), 10)
+    gone = p.id
+    await p.shim.stop()
+    await until(lambda: router.registry.get(gone) is None, what="the prefill worker's key to go")
+    gate.set()
+    status, _, _ = await pending
+    assert status == 200 and gone not in router.eligibility._prefill_failing
