@@ -173,6 +173,7 @@ async def test_a_replay_sealed_under_a_larger_payload_is_answered_with_a_dump(
     assert pub.counters.kvstate_dumps == 1 and pub.counters.kvstate_batches == 0
 
 
+@pytest.mark.timing  # its bound is wall time: run serially, off a loaded box (make test does)
 async def test_a_dump_of_millions_of_blocks_leaves_the_loop_free(nats_url: str, ns: str) -> None:
     # Ordering 2 M blocks parent-first takes the shim about half a second: never in one go (a chunk's
     # share is ~30 ms).
