@@ -48,6 +48,7 @@ import functools
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -97,9 +98,19 @@ HYBRID_PROMPTS = [
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port and the next one (a data-parallel rank R binds port + R), below the kernel's
+    ephemeral range: vLLM takes its own internal ports with bind(0), which can hand out a port
+    chosen here before the engine binds it ("Address already in use" at a DP engine's start)."""
+    low, _ = (int(p) for p in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    while True:
+        port = random.randrange(max(1024, low - 12_000), low - 2)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
 
 
 def events_config(port: int, replay: int, topic: str = TOPIC) -> str:
