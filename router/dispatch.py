@@ -187,6 +187,10 @@ class Job:
     released: bool = False  # its bookkeeping ended (router.request_path)
     booked: str | None = None  # the attempt's booking, until freed
 
+    def drop_held(self) -> None:
+        self.held.clear()
+        self.held_bytes = 0
+
 
 class _Leg:
     """One leg's reply stream; use as `async with`, iterate chunks; leaving early cancels it.
@@ -641,8 +645,7 @@ class Dispatcher:
                     for held in job.held:  # its role chunk goes out before its error, as its engine sent it
                         yield held
                     raise
-                job.held.clear()  # the retry sends its own
-                job.held_bytes = 0
+                job.drop_held()  # the retry sends its own
                 log.warning(
                     "request %s: %s before the first token; retrying on %s",
                     job.request.request_id,
@@ -692,8 +695,7 @@ class Dispatcher:
                 extra={"request_id": req.request_id},
             )
             self._on_transfer(plan.decode.worker, prefill, False)
-            job.held.clear()  # the fallback sends its own
-            job.held_bytes = 0
+            job.drop_held()  # the fallback sends its own
             job.transfer = None
             job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_TRANSFER_FAILED, True
             self.transfer_fallbacks += 1
@@ -755,18 +757,15 @@ class Dispatcher:
                     if generated and job.first_token_at is None:
                         job.first_token_at = time.monotonic()
                         self._prefill_done(job)
-                        if job.transfer is not None:
-                            pulled()
-                            pulled = _nothing
-                            self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
-                            unjudged = False
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output
-                    if chunk.final and unjudged and job.transfer is not None:
-                        # A clean end with no counted token (an EOS-first chat stream): the pull worked.
+                    # The pull worked at the first token, or at a clean end with none (an EOS-first chat stream).
+                    if unjudged and (job.first_token_at is not None or chunk.final):
+                        assert job.transfer is not None
                         pulled()
                         pulled = _nothing
                         self._on_transfer(plan.decode.worker, self._prefilled_on(job.transfer, plan), True)
+                        unjudged = False
                     # Generated output, not a chat stream's role chunk, which vLLM sends before a
                     # request's own error: only then did the prefill worker fail a sound request.
                     if job.prefill_error is not None and (generated or chunk.final):
@@ -778,7 +777,7 @@ class Dispatcher:
                         continue  # else a heartbeat
                     for held in job.held:
                         yield held
-                    job.held.clear()
+                    job.drop_held()
                     yield chunk
                     if chunk.final:
                         return
