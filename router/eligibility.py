@@ -47,6 +47,7 @@ import enum
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -70,6 +71,16 @@ DEFAULT_PERIOD_S = 1.0
 SILENT_PERIODS = 3
 MALFORMED_COOLDOWN_S = 30.0  # one request retried elsewhere per this, per worker sending garbage
 PREFILL_COOLDOWN_S = 30.0  # one prefill leg lost per this, per prefill worker failing them
+
+
+@dataclass(slots=True)
+class _PrefillEpisode:
+    """A prefill worker's run of failed prefill legs (`prefill_failing`)."""
+
+    failed_at: float  # its last failed leg
+    why: str
+    serves_whole: bool  # it only gave no transfer handle: its engine serves whole requests
+    probe_until: float = 0.0  # a probe holds it until then
 
 
 class Exclusion(enum.StrEnum):
@@ -137,8 +148,7 @@ class Eligibility:
         self._added: dict[str, float] = {}
         self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
         self._malformed: dict[str, tuple[float, str]] = {}  # worker -> (last malformed reply at, why)
-        # prefill worker -> (its last failed prefill leg at, why, until when a probe holds it, serves whole)
-        self._prefill_failing: dict[str, tuple[float, str, float, bool]] = {}
+        self._prefill_failing: dict[str, _PrefillEpisode] = {}
 
     # --- what the service tells it ---------------------------------------------------------------
 
@@ -166,7 +176,7 @@ class Eligibility:
         request (its last failure's say)."""
         held = self._prefill_failing.get(worker)
         if fault is None:
-            if held is not None and self._clock() - held[0] >= PREFILL_COOLDOWN_S:
+            if held is not None and self._clock() - held.failed_at >= PREFILL_COOLDOWN_S:
                 del self._prefill_failing[worker]
                 log.info("prefill worker %s serves prefill legs again", worker)
             return
@@ -179,21 +189,21 @@ class Eligibility:
                 fault,
                 PREFILL_COOLDOWN_S,
             )
-        self._prefill_failing[worker] = (self._clock(), fault, 0.0, serves_whole)
+        self._prefill_failing[worker] = _PrefillEpisode(self._clock(), fault, serves_whole)
 
     def prefill_probe(self, worker: str, for_s: float) -> None:
         """A prefill leg on `worker` was planned: past its cooldown, it is the probe, and no other
         request goes there for `for_s` (the leg's time limit) unless it reports first."""
         held = self._prefill_failing.get(worker)
-        if held is not None and (now := self._clock()) - held[0] >= PREFILL_COOLDOWN_S:
-            self._prefill_failing[worker] = (held[0], held[1], now + for_s, held[3])
+        if held is not None and (now := self._clock()) - held.failed_at >= PREFILL_COOLDOWN_S:
+            held.probe_until = now + for_s
 
     def serves_whole(self, worker: str) -> bool:
         """`worker`, left out as `prefill_failing`, failed its legs only by giving no transfer
         handle: its engine still serves a whole request (spill_to_prefill), unless what that
         exclusion hides keeps it from one too (draining, engine unhealthy)."""
         held = self._prefill_failing.get(worker)
-        if held is None or not held[3]:
+        if held is None or not held.serves_whole:
             return False
         live = self._liveness(worker)
         return live is None or (live.healthy and not live.draining)
@@ -259,14 +269,15 @@ class Eligibility:
             why = f"{mark[1]} ({now - mark[0]:.1f}s ago; routed again {MALFORMED_COOLDOWN_S:g}s after it)"
             return WorkerStatus(w, info.model, info.role, Exclusion.MALFORMED, why, tok_ok)
         held = self._prefill_failing.get(w)
-        if held is not None and (now - held[0] < PREFILL_COOLDOWN_S or now < held[2]):
-            if now - held[0] < PREFILL_COOLDOWN_S:
+        if held is not None and (now - held.failed_at < PREFILL_COOLDOWN_S or now < held.probe_until):
+            if now - held.failed_at < PREFILL_COOLDOWN_S:
                 why = (
-                    f"{held[1]} ({now - held[0]:.1f}s ago; one request tries it again {PREFILL_COOLDOWN_S:g}s after it)"
+                    f"{held.why} ({now - held.failed_at:.1f}s ago; one request tries it again "
+                    f"{PREFILL_COOLDOWN_S:g}s after it)"
                 )
             else:
-                why = f"{held[1]} ({now - held[0]:.1f}s ago; one request is trying it again)"
-            if held[3]:
+                why = f"{held.why} ({now - held.failed_at:.1f}s ago; one request is trying it again)"
+            if held.serves_whole:
                 why += "; it still serves whole requests spilled to it"
             return WorkerStatus(w, info.model, info.role, Exclusion.PREFILL_FAILING, why, tok_ok)
         if live is not None and live.draining:
