@@ -6,6 +6,7 @@ its own 400 body back as it is; and the model cards of vLLM's own /v1/models ans
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -166,6 +167,51 @@ async def test_output_before_an_error_event_in_the_same_read_is_handed_over_firs
     with pytest.raises(EngineError):
         await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m"}), on_output)
     assert seen == [EVENTS[0]]
+
+
+def chat_chunk(index: int, delta: dict[str, Any], **extra: Any) -> bytes:
+    """An event of vLLM 0.32's chat stream, its fields as it writes them."""
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **extra}
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    return json.dumps({**head, "choices": [choice]}, separators=(",", ":")).encode()
+
+
+ROLES = [chat_chunk(i, {"role": "assistant", "content": ""}) for i in (0, 1)]
+KV_PULL_FAILED = b'{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}'
+
+
+async def test_a_chat_echo_is_passed_through_but_counts_no_token(engine: tuple[Engine, VllmAdapter]) -> None:
+    """vLLM streams a chat `echo` (the last message's content, when the reply has its role) after
+    each choice's role chunk, before any output: also before the error of a failed KV pull, which
+    counted as a token made the router take the pull for a success (no fallback)."""
+    eng, adapter = engine
+    seen: list[tuple[int, list[bytes]]] = []
+
+    async def on_output(tokens: int, events: list[bytes], ids: list[int]) -> None:
+        seen.append((tokens, events))
+
+    async def streamed(body: dict[str, Any], *events: bytes) -> tuple[int, list[bytes]]:
+        eng.writes = [b"data: " + e + b"\n\n" for e in events]
+        seen.clear()
+        with contextlib.suppress(EngineError):
+            await adapter.generate(leg(ENDPOINT_CHAT, body, transfer={"remote_engine_id": "e1"}), on_output)
+        return sum(n for n, _ in seen), [e for _, got in seen for e in got]
+
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon"}]
+    chat = {"model": "m", "messages": messages, "n": 2, "echo": True}
+    echoes = [chat_chunk(i, {"content": "Once upon"}) for i in (0, 1)]
+    assert await streamed(chat, *ROLES, *echoes, KV_PULL_FAILED) == (0, [*ROLES, *echoes])  # byte for byte
+    parts = {"role": "assistant", "content": [{"type": "text", "text": "Once"}, {"type": "text", "text": "upon"}]}
+    joined = [chat_chunk(i, {"content": "Once\nupon"}) for i in (0, 1)]  # as vLLM renders text parts
+    assert await streamed({**chat, "messages": [parts]}, *ROLES, *joined, KV_PULL_FAILED) == (0, [*ROLES, *joined])
+
+    # the output after it counts, its own text too; so does a reply that only looks like an echo
+    output = chat_chunk(0, {"content": "Once upon"}, token_ids=None)
+    chat["n"] = 1
+    assert await streamed(chat, ROLES[0], echoes[0], output, b"[DONE]") == (1, [ROLES[0], echoes[0], output])
+    user = {**chat, "messages": [{"role": "user", "content": "Once upon"}]}  # not the reply's role
+    assert await streamed(user, ROLES[0], output, b"[DONE]") == (1, [ROLES[0], output])
+    assert await streamed({**chat, "echo": False}, ROLES[0], output, b"[DONE]") == (1, [ROLES[0], output])
 
 
 async def test_pass_through_bodies_per_leg(engine: tuple[Engine, VllmAdapter]) -> None:

@@ -8,7 +8,8 @@ Two kinds of leg:
   `n` 1, a `min_tokens` clamped to 1, no `stream_options`). The engine's answer comes back byte for byte: each
   SSE payload, or the whole body. Nothing is added to count tokens (vLLM's `return_token_ids`
   would change what it answers: an echo of a token-id prompt comes back empty with it), so an
-  event counts the token ids it carries, else one token per choice with output in it.
+  event counts the token ids it carries, else one token per choice with output in it; a chat
+  `echo` (the last message's content, streamed before any output) is no output.
 - token ids (`leg.endpoint` ""): the router's older leg, a token-id completion built from
   `SamplingParams`, its ids back per choice in `token_ids`; an engine that sends none is a
   protocol error, never silently empty output.
@@ -26,7 +27,7 @@ import aiohttp
 import msgspec
 
 from protocol import Usage
-from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, lax_bool
 from worker_shim.adapters.base import EngineError, LegRequest, ModelCard, OnOutput
 
 __all__ = [
@@ -133,14 +134,49 @@ def pass_through_body(leg: LegRequest) -> dict[str, Any]:
 
 
 class Result:
-    __slots__ = ("body", "finish_reason", "last", "token_ids", "usage")
+    __slots__ = ("body", "echo", "echoing", "finish_reason", "last", "token_ids", "usage")
 
-    def __init__(self) -> None:
+    def __init__(self, echo: tuple[str, str] | None = None) -> None:
         self.finish_reason: str | None = None
         self.usage = Usage()
         self.token_ids: list[int] = []
         self.last: dict[str, Any] = {}
         self.body = b""
+        self.echo = echo  # a streamed chat's echo to come: the last message's role and content (_chat_echo)
+        self.echoing: set[Any] = set()  # the choices whose role chunk had that role: their next event is it
+
+
+def _chat_echo(body: dict[str, Any]) -> tuple[str, str] | None:
+    """The role and content of a chat request's last message when it asks for `echo`: vLLM 0.32
+    streams that content back as a choice's first event after its role chunk, before any output,
+    where the reply has the message's role (text parts joined by newlines, as its renderer does)."""
+    messages = body.get("messages")
+    if lax_bool(body.get("echo")) is not True or not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if not isinstance(last, dict) or not isinstance(last.get("role"), str):
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return (last["role"], content) if isinstance(content, str) and content else None
+
+
+def _echoed(result: Result, choice: dict[str, Any]) -> bool:
+    """`choice` is a streamed chat's echo (Result.echo), which is no output. Where the content
+    differs from the message's (parts other than text), it counts, as before."""
+    if result.echo is None or not isinstance(delta := choice.get("delta"), dict):
+        return False
+    index = choice.get("index")
+    role = delta.get("role")
+    if role is not None:
+        if role == result.echo[0]:
+            result.echoing.add(index)
+        return False
+    if index not in result.echoing:
+        return False
+    result.echoing.discard(index)
+    return delta.get("content") == result.echo[1]
 
 
 def _raise_error_event(data: dict[str, Any]) -> None:
@@ -174,7 +210,7 @@ def _fold(result: Result, data: dict[str, Any], *, require_ids: bool) -> int:
             count += len(ids)
         elif require_ids and choice.get("text"):
             raise EngineError(502, "engine_protocol", "the engine returned text without token_ids")
-        elif _has_output(choice):
+        elif not _echoed(result, choice) and _has_output(choice):
             count += 1
         if choice.get("finish_reason") is not None:
             result.finish_reason = str(choice["finish_reason"])
@@ -254,7 +290,7 @@ async def post_completion(
         async with session.post(url, data=_encode.encode(body), headers=headers) as resp:
             if resp.status != 200:
                 raise error_from(resp.status, await resp.read())
-            result = Result()
+            result = Result(_chat_echo(body) if pass_through and body.get("stream") else None)
             if not body.get("stream"):
                 raw = await resp.read()
                 data = _json.decode(raw)
