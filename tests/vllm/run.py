@@ -75,6 +75,7 @@ from protocol.hashing import chain_salt  # noqa: E402
 from protocol.vllm_events import END_SEQ, decode_replay_reply, replay_request  # noqa: E402
 from router.service import RouterConfig, RouterService  # noqa: E402
 from worker_shim import ShimConfig, WorkerShim  # noqa: E402
+from worker_shim.adapters.vllm_events import decode_payload  # noqa: E402
 
 MODEL = "tiny-llama"
 LORA = "tiny-lora"  # vllm-a serves it from its start; vllm-b loads another name for it at run time
@@ -768,12 +769,19 @@ async def check_hybrid(c: Cluster) -> dict[str, Any]:
     assert worker is not None
     await c.until(lambda: c.routable({worker}), 30, "the hybrid worker routable")
     shim.credit.min_legs = shim.credit.min_tokens = 1  # judge each prompt (worker_shim.credit_check)
+
+    def synced(router: RouterService, digest: tuple[int, int], window: int) -> bool:
+        """`router` holds what the shim published (NATS) and the window it registered (etcd)."""
+        info = router.registry.get(worker)
+        return info is not None and info.sliding_window == window and router.index.digest(worker) == digest
+
     credited, reused = [], []
     for i, prompt in enumerate(HYBRID_PROMPTS):
-        published = shim.canonical_hashes()
+        published, norm = shim.canonical_hashes(), shim.normaliser
+        assert norm is not None
         digest = (len(published), functools.reduce(lambda a, b: a ^ b, published, 0))
         for router in c.routers:
-            await c.until(functools.partial(lambda r, d: r.index.digest(worker) == d, router, digest), 10, "synced")
+            await c.until(functools.partial(synced, router, digest, norm.windows.window), 10, "synced")
         predicted = set()
         for router in c.routers:
             ctx = router.planner.context(f"probe-{i}", MODEL, prompt)
@@ -792,9 +800,15 @@ async def check_hybrid(c: Cluster) -> dict[str, Any]:
             await c.until(lambda: shim.credit.predicted_total >= sum(credited), 10, "the prompt judged")
         else:
             await asyncio.sleep(0.6)
-        # Each batch is delivered to the shim once: caught up when it has taken as many as vLLM sent.
-        sent = len(await _replay_all(hybrid.replay))
-        await c.until(lambda: sum(shim.engine_batches.values()) >= sent, 10, "the shim caught up")  # noqa: B023
+        # The shim took the prompt's batch (vLLM caches each of its full blocks), whenever it comes:
+        # live, or later from the replay socket when the live one dropped it (ZMQ's slow joiner:
+        # found SETTLE_S after the connection). Until then the router that routed the prompt
+        # credits its pending entries, the other nothing. Then every event vLLM sent, counted by
+        # event, not batch: the shim's start took one of its own (its rebuild's reset, no events).
+        blocks = set(block_hashes(prompt, BLOCK))
+        await c.until(lambda: blocks <= shim.canonical_hashes(), 10, "the prompt's blocks taken")  # noqa: B023
+        sent = sum(len(decode_payload(p)) for p in await _replay_all(hybrid.replay))
+        await c.until(lambda: shim.engine_events >= sent, 10, "the shim caught up")  # noqa: B023
     windows = {r.registry.get(worker).sliding_window for r in c.routers}  # type: ignore[union-attr]
     assert windows == {64}, f"registered windows {windows}"
     assert credited == reused, f"credited {credited}, vLLM reused {reused}"
