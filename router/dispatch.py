@@ -156,7 +156,7 @@ class Bookings(Protocol):
     """The ledger's side the dispatcher needs (router.ledger.Ledger): plans arrive booked."""
 
     def rebook_bypass(self, key: str, plan: RoutePlan) -> None: ...  # after a fallback
-    def prefill_done(self, key: str) -> None: ...  # idempotent: the first call counts
+    def prefill_done(self, key: str, worker: str | None = None) -> None: ...  # idempotent: the first call counts
     def free(self, key: str) -> None: ...
 
 
@@ -674,7 +674,9 @@ class Dispatcher:
                 self._bookings.rebook_bypass(plan.key, plan)
                 self._on_fallback(job)
             else:
-                self._bookings.prefill_done(plan.key)
+                # The prefill worker's part only: the decode worker's blocks count until its own first
+                # token (or `prefilled`), as its engine may keep the request waiting for KV room.
+                self._bookings.prefill_done(plan.key, plan.prefill.worker)
         try:
             async for chunk in self._decode(job, plan, annotations):
                 yield chunk

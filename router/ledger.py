@@ -33,7 +33,7 @@ __all__ = ["BookingSink", "Ledger", "LocalSink"]
 
 class BookingSink(Protocol):
     def add(self, key: str, worker: str, tokens: int, blocks: int) -> None: ...
-    def prefill_done(self, key: str) -> None: ...
+    def prefill_done(self, key: str, worker: str | None = None) -> None: ...
     def free(self, key: str) -> None: ...
 
 
@@ -46,8 +46,8 @@ class LocalSink:
     def add(self, key: str, worker: str, tokens: int, blocks: int) -> None:
         self.view.book(key, worker, tokens, blocks)
 
-    def prefill_done(self, key: str) -> None:
-        self.view.prefill_done(key)
+    def prefill_done(self, key: str, worker: str | None = None) -> None:
+        self.view.prefill_done(key, worker=worker)
 
     def free(self, key: str) -> None:
         self.view.free(key)
@@ -87,9 +87,10 @@ class Ledger:
             self.sink.add(key, plan.prefill.worker, 0, 0)
         self.sink.add(key, d.worker, ctx.uncached_tokens(d), ctx.new_blocks(d))
 
-    def prefill_done(self, key: str) -> None:
-        """The first token came: prefill tokens leave every queue the attempt was booked on."""
-        self.sink.prefill_done(key)
+    def prefill_done(self, key: str, worker: str | None = None) -> None:
+        """The first token came: prefill tokens leave every queue the attempt was booked on. With
+        `worker`, only that worker's booking: the prefill worker's, when a remote prefill leg ends."""
+        self.sink.prefill_done(key, worker)
 
     def free(self, key: str) -> None:
         self.live -= 1

@@ -296,11 +296,13 @@ class LoadView:
         rate, at = self._inflow.get(worker, (0.0, now))
         return rate * math.exp(-max(now - at, 0.0) / INFLOW_TAU_S)
 
-    def prefill_done(self, request_id: str, *, router: str | None = None) -> None:
-        """The request's first token came: its prefill tokens leave every queue it was booked on."""
+    def prefill_done(self, request_id: str, *, router: str | None = None, worker: str | None = None) -> None:
+        """The request's first token came: its prefill tokens leave every queue it was booked on.
+        With `worker`, only its booking there: a remote request's prefill leg ended, and its decode
+        worker has yet to schedule it (its blocks count until that worker's own first token)."""
         now = self._clock()
         for booking in self._by_request.get((router, request_id), ()):
-            if booking.prefill_done_at is None:
+            if booking.prefill_done_at is None and worker in (None, booking.worker):
                 self._by_worker[booking.worker].prefill_done(booking, now)
 
     def free(self, request_id: str, *, router: str | None = None) -> None:

@@ -169,9 +169,11 @@ class ReplicaSync:
         self.view.book(request_id, worker, tokens, blocks)
         self._queue(SyncEntry(request_id=request_id, worker=worker, kind="add", tokens=tokens, blocks=blocks))
 
-    def prefill_done(self, request_id: str) -> None:
-        self.view.prefill_done(request_id)
-        self._queue(SyncEntry(request_id=request_id, worker="", kind="prefill_done"))
+    def prefill_done(self, request_id: str, worker: str | None = None) -> None:
+        """The request's prefill is done on `worker`, or with None on every worker it is booked on
+        (sent as worker "", which is how an older peer reads any prefill_done: it ignores the field)."""
+        self.view.prefill_done(request_id, worker=worker)
+        self._queue(SyncEntry(request_id=request_id, worker=worker or "", kind="prefill_done"))
 
     def free(self, request_id: str) -> None:
         self.view.free(request_id)
@@ -254,7 +256,7 @@ class ReplicaSync:
                 except ValueError as exc:
                     self._malformed(exc)
             elif e.kind == "prefill_done":
-                view.prefill_done(e.request_id, router=peer)
+                view.prefill_done(e.request_id, router=peer, worker=e.worker or None)
             else:
                 view.free(e.request_id, router=peer)
 

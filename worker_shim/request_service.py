@@ -663,7 +663,8 @@ class RequestService:
 
         state.running = True
         watch = None
-        if not leg.stream and not leg.prefill_only and state.queued_tokens:
+        # A leg fed by a transfer queues nothing, but the router books its blocks here until `prefilled`.
+        if not leg.stream and not leg.prefill_only and (state.queued_tokens or leg.transfer is not None):
             watch = asyncio.create_task(
                 self._watch_prefill(req.token_ids, self._salt(req), state, writer),
                 name=f"prefill-{req.request_id}",

@@ -150,10 +150,10 @@ class VirtualRouter:
         for peer in self.peers:
             self.clock.after(self.delays.sync_s, peer._peer_add, self.name, key, worker, tokens, blocks)
 
-    def prefill_done(self, key: str) -> None:
-        self.view.prefill_done(key)
+    def prefill_done(self, key: str, worker: str | None = None) -> None:
+        self.view.prefill_done(key, worker=worker)
         for peer in self.peers:
-            self.clock.after(self.delays.sync_s, peer._peer_prefill_done, self.name, key)
+            self.clock.after(self.delays.sync_s, peer._peer_prefill_done, self.name, key, worker)
 
     def free(self, key: str) -> None:
         self.view.free(key)
@@ -163,8 +163,8 @@ class VirtualRouter:
     def _peer_add(self, peer: str, key: str, worker: str, tokens: int, blocks: int) -> None:
         self.view.book(key, worker, tokens, blocks, router=peer)
 
-    def _peer_prefill_done(self, peer: str, key: str) -> None:
-        self.view.prefill_done(key, router=peer)
+    def _peer_prefill_done(self, peer: str, key: str, worker: str | None) -> None:
+        self.view.prefill_done(key, router=peer, worker=worker)
 
     def _peer_free(self, peer: str, key: str) -> None:
         self.view.free(key, router=peer)
@@ -300,7 +300,9 @@ class VirtualRouter:
         if params is None:
             self._fall_back(job)
             return
-        self.planner.ledger.prefill_done(job.plan.key)
+        assert job.plan.prefill is not None
+        # The prefill worker's part only, as router.dispatch: the decode worker's at its first token.
+        self.planner.ledger.prefill_done(job.plan.key, job.plan.prefill.worker)
         self._decode_leg(job, params)
 
     def _prefill_timeout(self, job: _Job) -> None:

@@ -308,6 +308,26 @@ def test_replicas_see_each_others_bookings_after_the_sync_delay() -> None:
     assert r0.planner.ledger.live == 0
 
 
+def test_a_remote_request_waiting_on_its_decode_engine_stays_booked_there() -> None:
+    """As router.dispatch: the end of the prefill leg ends the prefill worker's part of the booking
+    only; the decode worker's blocks count on every replica until its own first token, here ~10 s
+    later, behind a long request on an engine that runs one at a time (bookings audit, D1)."""
+    fleet = _fleet("--disagg", "always", prefill=1, decode=1, routers=2, max_num_seqs=1)
+    items = [WorkItem(0.0, ((7, 64),), 2000, "long"), WorkItem(0.5, ((8, 1600),), 2, "waits")]
+    seen: list[tuple[int, int, int]] = []  # (engine's waiting, view's active_blocks, report's kv_used)
+
+    def probe() -> None:
+        waiting = len(fleet.engines["decode-0"].scheduler.waiting)
+        for router in fleet.routers:
+            load = router.view.load("decode-0")
+            seen.append((waiting, load.active_blocks, load.kv_used_blocks))
+
+    fleet.clock.at(2.0, probe)  # its prefill leg ended long since, and the decode engine has reported
+    run = fleet.run(items, TokenSynth(0))
+    assert all(r.ok for r in run.results())
+    assert len(seen) == 2 and all(w == 1 and active - reported >= 1600 // 16 for w, active, reported in seen), seen
+
+
 def test_a_prompt_over_the_context_limit_is_refused_with_400() -> None:
     fleet = _fleet("--disagg", "always", prefill=1, decode=1, routers=1, max_model_len=4096)
     run = fleet.run([*_one_request(5000, 2), WorkItem(0.1, ((8, 100),), 3, "short")], TokenSynth(0))

@@ -27,13 +27,13 @@ HB = 0.1  # heartbeat period asked of workers; a leg silent for 3 of them ends
 
 class Books:
     def __init__(self) -> None:
-        self.log: list[tuple[str, str]] = []
+        self.log: list[tuple[str, ...]] = []
 
     def rebook_bypass(self, key: str, plan: RoutePlan) -> None:
         self.log.append(("rebook_bypass", key))
 
-    def prefill_done(self, key: str) -> None:
-        self.log.append(("prefill_done", key))
+    def prefill_done(self, key: str, worker: str | None = None) -> None:
+        self.log.append(("prefill_done", key) if worker is None else ("prefill_done", key, worker))
 
     def free(self, key: str) -> None:
         self.log.append(("free", key))
@@ -226,7 +226,36 @@ async def test_the_transfer_handle_reaches_the_decode_leg(nc: Client, ns: str, w
     await decode.serve("decode", answer)
     await collect(d, job("d1", prefill="p1"))
     assert decode.requests[0].disagg is not None and decode.requests[0].disagg.params == {"remote_block_ids": [1]}
-    assert books.log[0] == ("prefill_done", "r1#1")
+    assert books.log[0] == ("prefill_done", "r1#1", "p1")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_remote_prefill_leg_ends_the_prefill_workers_part_only(
+    nc: Client, ns: str, world: World, stream: bool
+) -> None:
+    """The decode worker's blocks count until its own first token, or a whole answer's `prefilled`:
+    its engine may keep the request waiting for KV room long after the prefill worker is done
+    (bookings audit, D1)."""
+    d, books, _ = world
+    await Worker(nc, ns, "p1").serve("prefill", transfer)
+    at_decode_leg: list[list[tuple[str, ...]]] = []
+
+    async def decode(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        at_decode_leg.append(list(books.log))
+        first: dict[str, object] = {"token_ids": [5]} if stream else {"prefilled": True}  # a whole answer's mark
+        await chunk(nc, msg, req, 0, **first)
+        for _ in range(200):  # the router reads it: a final chunk ahead of that would free the booking first
+            if len(books.log) > 1:
+                break
+            await asyncio.sleep(0.01)
+        await chunk(nc, msg, req, 1, token_ids=[6], final=True, finish_reason="length")
+
+    await Worker(nc, ns, "d1").serve("decode", decode)
+    j = job("d1", prefill="p1")
+    j.request = msgspec.structs.replace(j.request, stream=stream)
+    await collect(d, j)
+    assert at_decode_leg == [[("prefill_done", "r1#1", "p1")]], "the decode worker's booking outlives the prefill leg"
+    assert books.log == [("prefill_done", "r1#1", "p1"), ("prefill_done", "r1#1"), ("free", "r1#1")]
 
 
 class Replaying:

@@ -131,6 +131,22 @@ def test_prefill_done_removes_booked_prefill_tokens(view: LoadView, clock: Clock
     assert load.active_blocks == 130
 
 
+def test_prefill_done_on_one_worker_leaves_the_requests_other_bookings_counting(view: LoadView, clock: Clock) -> None:
+    """A remote request's prefill leg ended; its decode worker may not have scheduled it yet, so a
+    report from there must not end its blocks (bookings audit, D1)."""
+    view.book("r1", "p", 2000, 0)
+    view.book("r1", "d", 0, 130)
+    clock.now += 0.1
+    view.prefill_done("r1", worker="p")
+    view.update(report("d", ts=clock.now + 0.05, kv_used_blocks=40, waiting=1))
+    assert view.load("p").prefill_tokens_queued == 0
+    assert view.load("d").active_blocks == 40 + 130
+    clock.now += 0.1
+    view.prefill_done("r1")  # the decode leg's first token
+    view.update(report("d", ts=clock.now, kv_used_blocks=170))
+    assert view.load("d").active_blocks == 170
+
+
 def test_a_report_made_while_the_request_waited_stops_counting_it_once_its_prefill_is_done(
     view: LoadView, clock: Clock
 ) -> None:
@@ -308,9 +324,9 @@ class NaiveView:
         self.live.append({"key": key, "worker": worker, "tokens": tokens, "blocks": blocks,
                           "at": self.clock.now, "done": None})  # fmt: skip
 
-    def prefill_done(self, key: tuple[str | None, str]) -> None:
+    def prefill_done(self, key: tuple[str | None, str], worker: str | None) -> None:
         for b in self.live:
-            if b["key"] == key and b["done"] is None:
+            if b["key"] == key and b["done"] is None and worker in (None, b["worker"]):
                 b["done"] = self.clock.now
 
     def drop(
@@ -341,7 +357,8 @@ LV_OPS = st.lists(
     st.one_of(
         st.tuples(st.just("book"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS),
                   st.sampled_from(LV_WORKERS), st.integers(0, 500), st.integers(0, 50)),
-        st.tuples(st.just("done"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS)),
+        st.tuples(st.just("done"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS),
+                  st.sampled_from([None, *LV_WORKERS])),
         st.tuples(st.just("free"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS)),
         st.tuples(st.just("report"), st.sampled_from(LV_WORKERS), st.integers(-3, 3)),
         st.tuples(st.just("tick"), st.integers(0, 2)),
@@ -364,8 +381,8 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
             view.book(request, worker, tokens, blocks, router=router)
             ref.book((router, request), worker, tokens, blocks)
         elif op == "done":
-            view.prefill_done(args[1], router=args[0])
-            ref.prefill_done((args[0], args[1]))
+            view.prefill_done(args[1], router=args[0], worker=args[2])
+            ref.prefill_done((args[0], args[1]), args[2])
         elif op == "free":
             view.free(args[1], router=args[0])
             ref.drop(keys={(args[0], args[1])})

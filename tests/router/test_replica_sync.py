@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from discovery import Deleted, Discovery, Snapshot
 from protocol import RouterInfo, subjects
 from protocol.config import EtcdSettings
-from protocol.messages import RouterSync, SyncEntry, encode_msg
+from protocol.messages import LoadReport, RouterSync, SyncEntry, encode_msg
 from router.lifecycle import PartStatus
 from router.load_view import LoadView
 from router.replica_sync import ReplicaSync
@@ -46,6 +46,44 @@ async def test_a_booking_reaches_the_peer_and_its_release_follows(pair: tuple[Re
     a.free("req1")
     await until(lambda: b.view.bookings("w1") == 0)
     assert a.view.bookings("w1") == 0
+
+
+async def test_a_prefill_done_for_one_worker_ends_that_bookings_prefill_only(
+    pair: tuple[ReplicaSync, ReplicaSync],
+) -> None:
+    """A remote request's prefill leg ended: its decode worker's blocks count on every replica until
+    that worker's own first token (bookings audit, D1). Sent without a worker (worker ""), as an
+    older replica sends every prefill_done, it still ends them all."""
+    a, b = pair
+    a.add("req1", "p", 2000, 0)
+    a.add("req1", "d", 0, 130)
+    a.prefill_done("req1", "p")
+    await until(lambda: b.stats.entries_received == 3, what="b heard all three")
+    for view in (a.view, b.view):
+        view.update(LoadReport(worker="d", ts=time.time()))  # made after the prefill worker's part ended
+        assert view.load("p").prefill_tokens_queued == 0
+        assert view.load("d").active_blocks == 130
+    a.prefill_done("req1")
+    await until(lambda: b.stats.entries_received == 4, what="b heard the whole request's prefill_done")
+    for view in (a.view, b.view):
+        view.update(LoadReport(worker="d", ts=time.time()))
+        assert view.load("d").active_blocks == 0  # d's report holds them from now on
+
+
+async def test_a_peers_prefill_done_naming_a_worker_applies_to_that_worker_only(
+    pair: tuple[ReplicaSync, ReplicaSync], nc: Client, ns: str
+) -> None:
+    _, b = pair
+    entries = [
+        SyncEntry(request_id="q", worker="p", kind="add", tokens=2000),
+        SyncEntry(request_id="q", worker="d", kind="add", blocks=130),
+        SyncEntry(request_id="q", worker="p", kind="prefill_done"),
+    ]
+    await nc.publish(subjects.sync(ns), encode_msg(RouterSync(router="rx", entries=entries)))
+    await until(lambda: b.stats.entries_received == 3, what="b heard the peer")
+    b.view.update(LoadReport(worker="d", ts=time.time()))
+    assert b.view.load("p").prefill_tokens_queued == 0
+    assert b.view.load("d").active_blocks == 130
 
 
 async def test_own_messages_are_not_booked_twice(pair: tuple[ReplicaSync, ReplicaSync]) -> None:

@@ -27,7 +27,7 @@ from protocol import (
     subjects,
 )
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
-from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
+from tests.worker_shim.cluster import BLOCK, connect, shim_for, sim_config, wait_for
 from worker_shim import ShimConfig, WorkerShim
 from worker_shim.adapters.base import EngineError
 from worker_shim.adapters.trtllm import TrtllmAdapter
@@ -206,6 +206,42 @@ async def test_prefill_decode_through_two_shims_and_the_bypass(ns: str, nats_url
             assert bp.error is None and bp.usage is not None and bp.usage.completion_tokens == 6
             assert dsim.engine.prefill_tokens_computed >= before + len(fresh), "bypass must prefill locally"
             await nc.close()
+
+
+async def test_a_whole_answer_fed_by_a_transfer_says_when_its_prompt_is_in(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """It queues no prefill, but the router counts its blocks on the decode worker until it hears
+    `prefilled` (or the answer): the pulled prompt's blocks in the engine's KV events, which come
+    once the engine has allocated them (bookings audit, D1)."""
+    async with SimServer(sim_config(role="prefill")) as psim, SimServer(sim_config(role="decode", speedup=5.0)) as dsim:
+        pshim = shim_for(psim, ns, nats_url, etcd_url, role="prefill")
+        dshim = shim_for(dsim, ns, nats_url, etcd_url, role="decode")
+        async with pshim, dshim:
+            await pshim.registered.wait()
+            await dshim.registered.wait()
+            assert pshim.worker_id is not None and dshim.worker_id is not None
+            nc = await connect(nats_url)
+            try:
+                col = Collector(nc)
+                await col.start()
+                prompt = list(range(1, 161))  # 10 full blocks
+                await col.send(subjects.gen(ns, "prefill", pshim.worker_id), gen("pd", prompt, max_tokens=1))
+                pre = await col.final("pd")
+                assert pre.transfer is not None
+                col.finals.pop("pd")
+                col.chunks.pop("pd")
+                held_then: list[int] = []
+                col.on_chunk = lambda c: held_then.append(dsim.engine.num_blocks_in_use) if c.prefilled else None
+                leg = gen("pd", prompt, max_tokens=300, disagg=pre.transfer, stream=False)
+                await col.send(subjects.gen(ns, "decode", dshim.worker_id), leg)
+                final = await col.final("pd")
+                assert final.error is None and len(final.token_ids) == 300
+                flags = [c.prefilled for c in col.chunks["pd"]]
+                assert flags.count(True) == 1 and not flags[-1], "one prefilled chunk, before the answer"
+                assert held_then[0] >= len(prompt) // BLOCK, "said once the engine held the pulled prompt"
+            finally:
+                await nc.close()
 
 
 @pytest.mark.timing
