@@ -15,7 +15,11 @@ An offer that finds no room costs a whole plan, and a plan visits every worker (
 thousands a second in a large fleet, more CPU than a replica has. So after an offer that found no
 room, the line's next one comes no sooner than `RETRY_GAP` times that offer's planning CPU times
 the number of lines later (at most a tenth of a core re-planning all the heads); notifications inside the gap
-leave one offer scheduled at its end.
+leave one offer scheduled at its end. Some changes come with no notification: a worker turns
+silent (no load report for 3 periods) or ends a cooldown through time alone. So each line's head
+is also offered every `REOFFER_S` while it waits (one plan per line a second at most, and never
+inside the quiet time): a waiter whose model lost its last worker gets that error within about a
+second of the planner seeing it, not a 429 at the end of its wait.
 
 Each line is bounded so that what waits there drains within half the TTFT SLO: `max_queue` when
 set, else the model's measured completion rate times that time (at least `min_queue`). A request
@@ -38,11 +42,14 @@ from dataclasses import dataclass, field
 from router.disagg import RoutePlan
 from router.request_context import RequestContext
 
-__all__ = ["KEPT_RATES", "RETRY_GAP", "Admission", "Overloaded", "Throughput"]
+__all__ = ["KEPT_RATES", "REOFFER_S", "RETRY_GAP", "Admission", "Overloaded", "Throughput"]
 
 RETRY_GAP = 10.0
 """After an offer that found no room, the quiet time before the next, as a multiple of the CPU
 that offer's planning took."""
+
+REOFFER_S = 1.0
+"""While a line has waiters, its head is offered at least this often (wall seconds), notified or not."""
 
 KEPT_RATES = 64
 """Completion rates held before those decayed to about zero (a LoRA adapter used once and
@@ -98,6 +105,7 @@ class _Line:
     waiters: deque[_Waiter] = field(default_factory=deque)
     quiet_until: float = -math.inf  # no offer to these waiters before this (the clock's time)
     deferred: asyncio.TimerHandle | None = None  # the offer at the quiet time's end
+    nudge: asyncio.TimerHandle | None = None  # the next offer every REOFFER_S, notified or not
 
 
 class Admission:
@@ -110,18 +118,21 @@ class Admission:
         min_queue: int = 8,
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.thread_time,
+        reoffer_s: float = REOFFER_S,
     ) -> None:
         """`max_wait_s()`: how long a request may wait here (half the TTFT SLO); `max_queue()`:
         the configured bound of each model's line, None to derive it; `on_abandon(plan)`: release
         a plan whose waiter left (timed out or disconnected) in the instant it was granted.
         `cpu_clock` times an offer's planning: CPU, not wall time, so a plan preempted on a busy
-        machine does not stretch the quiet time after it."""
+        machine does not stretch the quiet time after it. `reoffer_s`: how often a line's head is
+        offered while it waits, notified or not (on the event loop's timer)."""
         self._max_wait_s = max_wait_s
         self._max_queue = max_queue
         self._on_abandon = on_abandon
         self.min_queue = min_queue
         self._clock = clock
         self._cpu_clock = cpu_clock
+        self._reoffer_s = reoffer_s
         self._lines: dict[str, _Line] = {}  # the models with waiters, and only those
         self._rates: dict[str, Throughput] = {}  # each model's completions
         self._rates_pruned_at = KEPT_RATES  # more rates than this: drop the idle ones
@@ -180,6 +191,7 @@ class Admission:
             )
         if line is None:
             line = self._lines[model] = _Line(model)
+            self._nudge_later(line)
         waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), self._clock(), next(self._arrivals))
         line.waiters.append(waiter)
         wait_s = self._max_wait_s()
@@ -260,9 +272,22 @@ class Admission:
     def _close(self, line: _Line) -> None:
         if self._lines.get(line.model) is line:
             del self._lines[line.model]
-        if line.deferred is not None:
-            line.deferred.cancel()
-            line.deferred = None
+        for timer in (line.deferred, line.nudge):
+            if timer is not None:
+                timer.cancel()
+        line.deferred = line.nudge = None
+
+    def _nudge_later(self, line: _Line) -> None:
+        line.nudge = asyncio.get_running_loop().call_later(self._reoffer_s, self._nudge, line)
+
+    def _nudge(self, line: _Line) -> None:
+        """The periodic offer: what changed with no notification (a worker turned silent) reaches
+        the head. Inside the quiet time it only leaves the deferred offer, as a notification does."""
+        if self._lines.get(line.model) is not line:
+            return
+        self._nudge_later(line)  # first: an offer that empties the line cancels it in _close
+        while self._offer(line):
+            pass
 
     def _offer_deferred(self, line: _Line) -> None:
         line.deferred = None

@@ -682,6 +682,7 @@ class RouterService:
         self.eligibility.removed(worker)
         self.dispatcher.worker_gone(worker)
         self._load_logged -= {("malformed", worker), ("unknown", worker), ("clock step", worker)}
+        self.path.admission.notify()  # a model whose last worker left: its waiters get that 503 now
 
     def _on_kv_events(self, worker: str, events: list[KvEvent]) -> None:
         pending = self.pending

@@ -10,6 +10,7 @@ from router.admission import KEPT_RATES, Admission, Overloaded, Throughput
 from router.disagg import RoutePlan
 from router.request_context import RequestContext
 from tests.router.builders import cand, ctx
+from tests.router.polling import until
 
 
 class Clock:
@@ -180,6 +181,37 @@ async def test_a_planning_error_reaches_the_waiter() -> None:
     adm.notify()
     with pytest.raises(LookupError):
         await waiter
+
+
+async def test_a_waiter_is_offered_again_each_reoffer_s_though_nothing_notifies() -> None:
+    """A worker that turns silent (no load report for 3 periods) does so with no notification: the
+    head was offered again only when capacity freed, so a waiter whose model's last worker went
+    silent waited out its whole wait for a 429 (admission audit, round 6, #1)."""
+    loop = asyncio.get_running_loop()
+    fleet, gone, plans = Fleet(room=0), False, 0
+
+    def take(c: RequestContext) -> RoutePlan | None:
+        nonlocal plans
+        plans += 1
+        if gone:
+            raise LookupError("no decode or agg worker of model m can take the request now: w1: silent")
+        return fleet.take(c)
+
+    adm = Admission(
+        max_wait_s=lambda: 60.0, max_queue=lambda: None, on_abandon=lambda _: None, clock=Clock(), reoffer_s=0.02
+    )
+    started = loop.time()
+    waiter = asyncio.create_task(adm.admit(req(0), take))
+    await until(lambda: plans >= 4, what="the head offered again, never notified")
+    # one plan a period at most: the admitting one, then one per period
+    assert plans <= 2 + (loop.time() - started) / 0.02
+    gone = True
+    with pytest.raises(LookupError, match="silent"):
+        await waiter
+    assert adm.depth == 0
+    plans_then = plans
+    await asyncio.sleep(0.1)
+    assert plans == plans_then  # the line closed, and its periodic offer with it
 
 
 def test_throughput_decays_without_completions() -> None:
