@@ -227,6 +227,8 @@ class EngineRunner:
             # tells the prefill engine to free the blocks now, rather than strand them for a lease.
             self._spawn(disagg.pull(params, self._session_for(params)), f"kv-release-{request_id}")
         if stream is not None and not stream.finished:
+            if reason != "abort":  # ended by the engine: vLLM counts it finished (Scheduler.abort)
+                self._count_prefill_time(stream)
             stream.finish_reason = reason
             stream._event.set()
         self._poke()
@@ -328,8 +330,6 @@ class EngineRunner:
                 stream.num_cached_tokens = out.num_cached_tokens
                 stream.num_cache_creation_tokens = out.num_cache_creation_tokens
                 stats.ttft.observe((at - stream.arrival) * speedup)
-                started = stream.scheduled_at if stream.scheduled_at is not None else stream.arrival
-                stats.prefill_time.observe((at - started) * speedup)
             elif stream.last_at is not None:
                 stats.itl.observe((at - stream.last_at) * speedup)
             stream.last_at = at
@@ -338,6 +338,7 @@ class EngineRunner:
                 stream.finish_reason = out.finish_reason
                 stream.kv_transfer_params = out.kv_transfer_params
                 stats.e2e.observe((at - stream.arrival) * speedup)
+                self._count_prefill_time(stream)
                 del self.streams[out.request_id]
                 if out.kv_transfer_params is not None:
                     loop = asyncio.get_running_loop()
@@ -346,6 +347,17 @@ class EngineRunner:
                         self.kv_lease_duration, self._expire_pin, out.request_id
                     )
             stream._event.set()
+
+    def _count_prefill_time(self, stream: RequestStream) -> None:
+        """vLLM 0.32's request_prefill_time_seconds, first scheduled to first token, observed as the
+        request finishes, with its KV tokens computed (Scheduler._count_prefill). One that ends
+        before its first token (a failed KV load) counts 0 s: vLLM's own figure there is a clock
+        reading, as it never scheduled the request."""
+        seconds = 0.0
+        if stream.first_at is not None:
+            started = stream.scheduled_at if stream.scheduled_at is not None else stream.arrival
+            seconds = (stream.first_at - started) * self.speedup
+        self.scheduler.stats.prefill_time.observe(seconds)
 
     def _expire_pin(self, request_id: str) -> None:
         expiry = self._pin_expiry.get(request_id)

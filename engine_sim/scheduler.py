@@ -152,6 +152,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.stats.finished[reason] += 1
+        if reason != "abort":  # ended by the engine (a stop string, a failed KV load): vLLM counts it finished
+            self._count_prefill(req)
         return True
 
     def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
@@ -409,9 +411,7 @@ class Scheduler:
             out_ids = req.output_token_ids
             created = 0
             if not out_ids:
-                computed = max(req.num_prompt_tokens - req.num_hit_tokens - req.num_external_tokens, 0)
-                st.prefill_kv_computed.observe(computed)
-                prompt_computed += computed
+                prompt_computed += max(req.num_prompt_tokens - req.num_hit_tokens - req.num_external_tokens, 0)
                 # vLLM's PrefillStats.finalize: the prompt's cached blocks less those it found
                 cached = min(req.num_cached_blocks * self.block_size, req.num_prompt_tokens)
                 created = max(cached - req.num_hit_tokens - req.num_external_tokens, 0)
@@ -446,12 +446,21 @@ class Scheduler:
         mean_ctx = decode_ctx / num_decode if num_decode else 0.0
         result.duration = self.timing.step(num_decode, mean_ctx, chunks)
 
+    def _count_prefill(self, req: SimRequest) -> None:
+        """vLLM 0.32's request_prefill_kv_computed_tokens, observed when vLLM observes it: as the
+        request finishes (loggers.py, per finished request; a client's abort is no finish), at its
+        prompt less the cached tokens its first output reported. One that ends before its first
+        output (a failed KV load) reported none: its whole prompt."""
+        cached = req.num_hit_tokens + req.num_external_tokens if req.output_token_ids else 0
+        self.stats.prefill_kv_computed.observe(max(req.num_prompt_tokens - cached, 0))
+
     def _finish(self, req: SimRequest, reason: str, out: StepOutput) -> None:
         self.running.remove(req)
         del self.requests[req.request_id]
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.stats.finished[reason] += 1
+        self._count_prefill(req)
         if req.remote_decode:
             # NixlConnector: the blocks stay allocated for the decode engine to read.
             self.pins[req.request_id] = req

@@ -203,6 +203,10 @@ class LoadReport(_Msg, kw_only=True):
     # Added 2026-12-03: the shim got SIGTERM and drains. Its in-flight legs finish; a new one would
     # be refused (503 draining), so routers send new requests elsewhere.
     draining: bool = False
+    # Added 2026-12-05: vllm:generation_tokens_total, cumulative like the timing counters above: every
+    # token the engine's steps generated (a speculative step's accepted drafts too, which itl_count
+    # counts once). 0 from a shim before the field: calibration then reads generated tokens as itl_count.
+    generation_tokens: int = 0
 
 
 # --- Requests: router -> shim on {ns}.gen.{role}.{worker} ----------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "CACHE_CONFIG_INFO",
     "EXTERNAL_PREFIX_CACHE_HITS",
+    "GENERATION_TOKENS",
     "INTER_TOKEN_LATENCY",
     "ITERATION_TOKENS",
     "KV_CACHE_USAGE_PERC",
@@ -52,6 +53,8 @@ ITERATION_TOKENS = "vllm:iteration_tokens_total"  # tokens per engine step (a hi
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 PREFILL_TIME = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
 PREFILL_KV_COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"  # prompt tokens computed, not cached
+# A counter: tokens generated, every accepted draft token of speculative decoding included.
+GENERATION_TOKENS = "vllm:generation_tokens"
 # A counter: prompt tokens found in the prefix cache (at scheduling); the cached context prefills attend to.
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 # A counter: prompt tokens a KV connector supplied (a CPU offload tier, another instance) instead of

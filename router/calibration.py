@@ -16,8 +16,10 @@ refused; one whose profile this router does not know gets no timing, and the pol
 busy time. Per interval between two of its LoadReports (differences of the reports' cumulative
 counters, protocol.messages LoadReport):
 
-    y   = t2 - t1                                      (t: engine_ts, else ts)
-    S   = iterations, D = itl_count (decode tokens), P = iteration_tokens - D (prefill tokens)
+    y   = t2 - t1                                      (t: engine_ts, else ts; between readings)
+    S   = iterations, D = itl_count (decode tokens), P = iteration_tokens - G (prefill tokens)
+    G   = generation_tokens, else D                    (a speculative step generates several
+                                                        tokens per request, one ITL each)
     x_d = S * decode(D / S, C)                         (C = decode_context: the decoding requests'
                                                         mean prompt + output so far, as the shim
                                                         counts them)
@@ -25,7 +27,8 @@ counters, protocol.messages LoadReport):
         = P * marginal(n, k, D / S) / n                   else (prefill chunks inside decode steps)
 
 where the worker's recent prompt averages n new and k cached tokens (prefill_computed_tokens,
-prefix_hit_tokens and prefill_requests, summed over its last few intervals with prompts): a chunk
+prefix_hit_tokens and prefill_requests, summed over its last PROMPT_INTERVALS intervals in which
+any moved: vLLM counts hits at scheduling and the rest at finish): a chunk
 attends to the prompt's cached tokens and its earlier chunks, and on the profile's linear
 marginal a prompt's chunks cost exactly what `marginal(n, k, B)` charges the whole prompt. An
 engine that reports no prompt counters is read with n = mnbt, k = 0 (one full chunk with no
@@ -47,24 +50,27 @@ later interval than most of its compute. A window sums the intervals of one busy
 counted work, and is one observation: over a window that starts and ends idle every token is
 counted inside it, and a long one splits few prompts at its edges. The interval in which the
 engine started (or went idle) counts half its length, the expected busy part, unless reports went
-missing around it (a gap over MAX_GAP_PERIODS report periods): then the stretch is dropped.
+missing around it (a gap over MAX_GAP_PERIODS report periods, or times the median spacing of the
+worker's recent readings when its /metrics answers slowly): then the stretch is dropped, counted
+(`dropped`), and said once at WARNING when DROPPED_WARN_AFTER were and none was fitted.
 
 The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`), a pseudo-observation of
-each factor alone with weight `prior_weight_s` (in s^2, the units of x^2: one busy window
-outweighs it), and observations older than `half_life_s` weigh half; factors stay in [MIN_SCALE,
-MAX_SCALE]. A profile off by a constant factor is corrected exactly; one of another model or GPU
-to first order (one factor for prefill, one for decode). `prior_scale` != 1 starts the router
-deliberately wrong (robustness runs). The proxies are first-order, and the factors absorb what
-they miss on average (averages of n and k stand for the mix of prompts). Before the prompt
-averages were read, x_p priced every chunk without its cached context, and workers serving the
-shipped trace's long multi-turn prompts fitted k_p of 1.5-2.2 against their own, right profile
-(docs/benchmarks.md, "Self-calibration").
+each factor alone with weight `prior_weight_s` (in s^2, the units of x^2: one busy window outweighs
+it), and observations older than `half_life_s` weigh half; factors stay in [MIN_SCALE, MAX_SCALE]
+(a fit past them is said once at WARNING). A profile off by a constant factor is corrected exactly;
+one of another model or GPU to first order (one factor for prefill, one for decode). `prior_scale`
+!= 1 starts the router deliberately wrong (robustness runs). The proxies are first-order, and the
+factors absorb what they miss on average (averages of n and k stand for the mix of prompts). Before
+the prompt averages were read, x_p priced every chunk without its cached context, and workers
+serving the shipped trace's long multi-turn prompts fitted k_p of 1.5-2.2 against their own, right
+profile (docs/benchmarks.md, "Self-calibration").
 
 What the shim must report (cumulative since the engine started; vLLM /metrics names):
 iterations = vllm:iteration_tokens_total_count, iteration_tokens = its _sum, itl_count =
 vllm:inter_token_latency_seconds_count, prefill_requests and prefill_computed_tokens =
 vllm:request_prefill_kv_computed_tokens_count and _sum (or request_prefill_time's count),
-prefix_hit_tokens = vllm:prefix_cache_hits_total, and engine_ts, when it read them; plus running and
+prefix_hit_tokens = vllm:prefix_cache_hits_total, generation_tokens = vllm:generation_tokens_total,
+and engine_ts, when it read them; plus running and
 kv_used_blocks, which it reports anyway. An engine that exports none of these (SGLang and
 TensorRT-LLM adapters today) reports iterations 0 and is never fitted: the router keeps its prior.
 Synchronous; the owner calls `observe` for every load report it accepts.
@@ -75,6 +81,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -83,6 +91,7 @@ from protocol.messages import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel
 
 __all__ = [
+    "DROPPED_WARN_AFTER",
     "FULL_BATCH_TOKENS",
     "MAX_SCALE",
     "MIN_SCALE",
@@ -97,9 +106,11 @@ MIN_SCALE = 0.2
 MAX_SCALE = 5.0
 WINDOW_S = 10.0
 MAX_GAP_PERIODS = 2.0
-PROMPT_DECAY = 0.8  # per interval with prompts: the average prompt follows the last ten or so
+PROMPT_INTERVALS = 40  # intervals with prompts the average prompt is summed over
 FULL_BATCH_TOKENS = 8192  # a worker's prefill batch when it registered no max_num_batched_tokens
 NO_CONTEXT_WARN_AFTER = 20  # decoding readings without decode_context, and none ever with, before a warning
+DROPPED_WARN_AFTER = 5  # busy stretches dropped, and none ever fitted, before a warning
+SPACINGS = 9  # engine readings whose spacing gives a worker's reading cadence (their median)
 
 
 @dataclass(slots=True)
@@ -113,24 +124,30 @@ class _Window:
 
 @dataclass(slots=True)
 class _Prompts:
-    """A worker's recent prompts: decaying sums of how many finished their prefill, their computed
-    tokens and their cached ones. Decaying, and over several intervals, because vLLM counts cache
-    hits when a prompt is scheduled and its computed tokens when its first token comes out."""
+    """A worker's recent prompts: how many finished their prefill, their computed tokens and their
+    cached ones, summed over its last PROMPT_INTERVALS intervals in which any of them moved. Plain
+    sums, not decaying ones: vLLM counts a prompt's cache hits when it is scheduled and its computed
+    tokens when it finishes, seconds apart, and a decaying sum weighs the two apart (a prompt over
+    8000 cached tokens read as 6400)."""
 
-    n: float = 0.0
-    new: float = 0.0
-    cached: float = 0.0
+    recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=PROMPT_INTERVALS))
+    n: int = 0
+    new: int = 0
+    cached: int = 0
+    last: tuple[int, int] | None = None  # the last mean, while no prompt finished within the intervals
 
     def add(self, n: int, new: int, cached: int) -> None:
-        self.n = self.n * PROMPT_DECAY + n
-        self.new = self.new * PROMPT_DECAY + new
-        self.cached = self.cached * PROMPT_DECAY + cached
+        if len(self.recent) == PROMPT_INTERVALS:
+            n0, new0, cached0 = self.recent[0]
+            self.n, self.new, self.cached = self.n - n0, self.new - new0, self.cached - cached0
+        self.recent.append((n, new, cached))
+        self.n, self.new, self.cached = self.n + n, self.new + new, self.cached + cached
+        if self.n > 0 and self.new > 0:
+            self.last = max(round(self.new / self.n), 1), round(self.cached / self.n)
 
     def mean(self) -> tuple[int, int] | None:
         """(new, cached) tokens of the average prompt; None until one has been counted."""
-        if self.n <= 0 or self.new <= 0:
-            return None
-        return max(round(self.new / self.n), 1), round(self.cached / self.n)
+        return self.last
 
 
 class WorkerTiming(msgspec.Struct, frozen=True):
@@ -225,9 +242,11 @@ class _Fit:
     busy_s: float = 0.0  # busy seconds observed, undecayed (how warm the fit is)
     decode_scale: float = field(init=False)
     prefill_scale: float = field(init=False)
+    estimate: tuple[float, float] = field(init=False)  # (k_d, k_p) before the clamp
 
     def __post_init__(self) -> None:
         self.decode_scale = self.prefill_scale = self.prior
+        self.estimate = (self.prior, self.prior)
 
     def add(self, at: float, y: float, x_d: float, x_p: float, half_life_s: float) -> None:
         if self.updated_at is not None:
@@ -251,8 +270,8 @@ class _Fit:
         det = a11 * a22 - a12 * a12
         if det <= 0:
             return
-        self.decode_scale = _clamp((b1 * a22 - b2 * a12) / det)
-        self.prefill_scale = _clamp((a11 * b2 - a12 * b1) / det)
+        self.estimate = ((b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det)
+        self.decode_scale, self.prefill_scale = _clamp(self.estimate[0]), _clamp(self.estimate[1])
 
 
 def _clamp(k: float) -> float:
@@ -286,6 +305,11 @@ class Calibration:
         # (a counting shim sends 0 for a moment when its legs end between two readings)
         self._context_seen: set[str] = set()
         self._no_context: dict[str, int] = {}
+        # Seconds between a worker's last engine readings: its shim polls /metrics every poll_s plus
+        # the time /metrics takes to answer, which can be far longer than its report period.
+        self._spacings: dict[str, deque[float]] = {}
+        self._dropped: dict[str, int] = {}  # busy stretches that could not be read, per worker
+        self._clamp_warned: set[str] = set()
 
     def shape(self, info: WorkerInfo) -> TimingModel | None:
         """The worker's profile, the default one when it registered none; None for a name this
@@ -295,6 +319,9 @@ class Calibration:
     def forget(self, worker: str) -> None:
         self._context_seen.discard(worker)
         self._no_context.pop(worker, None)
+        self._spacings.pop(worker, None)
+        self._dropped.pop(worker, None)
+        self._clamp_warned.discard(worker)
         self._last.pop(worker, None)
         self._windows.pop(worker, None)
         self._fits.pop(worker, None)
@@ -306,24 +333,44 @@ class Calibration:
             return
         worker = report.worker
         prev = self._last.get(worker)
-        self._last[worker] = report
         if prev is None or report.iterations < prev.iterations:  # first report, or the engine restarted
+            self._last[worker] = report
             self._windows.pop(worker, None)
             return
         y = (report.engine_ts or report.ts) - (prev.engine_ts or prev.ts)
-        if y <= 0:
-            return  # a heartbeat repeating the last engine reading
-        if not _readable(y, report.ts - prev.ts, (prev.decode_context, report.decode_context), info.max_model_len):
+        if y == 0:
+            # A heartbeat repeating the last engine reading. `prev` stays that reading's first report,
+            # so the wall time read below is between two readings, not since the last heartbeat.
+            return
+        self._last[worker] = report
+        started, running = prev.running > 0, report.running > 0
+        contexts = (prev.decode_context, report.decode_context)
+        if y < 0 or not _readable(y, report.ts - prev.ts, contexts, info.max_model_len):
             # In the fit's sums it would stay for good (an inf or NaN: decay never clears it) or for
             # hours (a finite absurdity). The stretch cannot be read.
-            self._windows.pop(worker, None)
+            self._drop(
+                worker,
+                started or running,
+                "its readings cannot be true (the engine's clock running back, or ahead of the wall's, or a "
+                "decode context past max_model_len): check the shim host's clock",
+            )
             return
-        started, running = prev.running > 0, report.running > 0
+        spacings = self._spacings.setdefault(worker, deque(maxlen=SPACINGS))
+        cadence = statistics.median(spacings) if spacings else 0.0
+        spacings.append(y)
         if not started and not running:
             self._windows.pop(worker, None)  # idle throughout (or too short to tell): nothing to read
             return
-        if not (started and running) and y > MAX_GAP_PERIODS * max(report.period_s, 0.05):
-            self._windows.pop(worker, None)  # started or stopped within a long gap: busy for how long?
+        if not (started and running) and y > MAX_GAP_PERIODS * max(report.period_s, cadence, 0.05):
+            # Started or stopped within a gap far longer than the worker's readings are apart: readings
+            # went missing, so how long it was busy cannot be told.
+            self._drop(
+                worker,
+                True,
+                f"its engine started or went idle between two readings {y:.2f} s apart, over {MAX_GAP_PERIODS:g}x "
+                f"its reading cadence ({cadence:.2f} s) and report period ({report.period_s:g} s): check that its "
+                "shim's load polls and reports reach this router (the engine's /metrics latency, NATS)",
+            )
             return
         shape = self.shape(info)
         if shape is None:
@@ -343,16 +390,49 @@ class Calibration:
                 if fit is None:
                     fit = self._fits[worker] = _Fit(self.prior_scale, self.prior_weight_s)
                 fit.add(report.ts, window.y, window.x_d, window.x_p, self.half_life_s)
+                self._warn_clamped(info, fit)
+
+    def _drop(self, worker: str, busy: bool, why: str) -> None:
+        """The current busy stretch cannot be read: it is dropped, counted, and said once when a
+        worker's stretches keep being dropped and none was ever fitted (its timing stays the prior)."""
+        self._windows.pop(worker, None)
+        if not busy:
+            return
+        n = self._dropped[worker] = self._dropped.get(worker, 0) + 1
+        if n == DROPPED_WARN_AFTER and worker not in self._fits:
+            log.warning(
+                "worker %s: %d busy stretches of its engine were dropped and none fitted, so its timing stays "
+                "the prior (its profile's times x%g); the last was dropped because %s",
+                worker, n, self.prior_scale, why,
+            )  # fmt: skip
+
+    def _warn_clamped(self, info: WorkerInfo, fit: _Fit) -> None:
+        """Said once per worker: a fit past the bounds predicts the engine at the bound, wrong."""
+        if info.worker in self._clamp_warned or fit.busy_s < WINDOW_S:
+            return
+        named = zip(("k_d", "k_p"), fit.estimate, strict=True)
+        out = [f"{name}={k:.3g}" for name, k in named if not MIN_SCALE <= k <= MAX_SCALE]
+        if out:
+            self._clamp_warned.add(info.worker)
+            profile = info.timing_profile or f"{self.default_profile} (the default: it registered none)"
+            log.warning(
+                "worker %s's engine fits %s against timing profile %s, outside [%g, %g]: it is predicted at "
+                "the bound, wrongly; give its shim a --timing-profile of its model and GPU",
+                info.worker, ", ".join(out), profile, MIN_SCALE, MAX_SCALE,
+            )  # fmt: skip
 
     def _prompt(self, worker: str, prev: LoadReport, report: LoadReport) -> tuple[int, int] | None:
         """(new, cached) tokens of the worker's average recent prompt, None while it reports none."""
         prompts = self._prompts.get(worker)
         if prompts is None:
             prompts = self._prompts[worker] = _Prompts()
-        n = report.prefill_requests - prev.prefill_requests
-        if n > 0:
-            new = max(report.prefill_computed_tokens - prev.prefill_computed_tokens, 0)
-            prompts.add(n, new, max(report.prefix_hit_tokens - prev.prefix_hit_tokens, 0))
+        n = max(report.prefill_requests - prev.prefill_requests, 0)
+        new = max(report.prefill_computed_tokens - prev.prefill_computed_tokens, 0)
+        cached = max(report.prefix_hit_tokens - prev.prefix_hit_tokens, 0)
+        # vLLM counts a prompt's hits when it is scheduled and its computed tokens when it finishes,
+        # often in different intervals: the sums' ratios are right only if each lands where it moved.
+        if n or new or cached:
+            prompts.add(n, new, cached)
         return prompts.mean()
 
     def _work(self, info: WorkerInfo, shape: TimingModel, prev: LoadReport, report: LoadReport) -> tuple[float, float]:
@@ -362,7 +442,10 @@ class Calibration:
         if steps <= 0:
             return 0.0, 0.0
         decode_tokens = max(report.itl_count - prev.itl_count, 0)
-        prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - decode_tokens, 0)
+        # A step's tokens are what it prefilled and what it generated; under speculative decoding a
+        # request generates several per step but counts one ITL. A shim before generation_tokens: ITLs.
+        generated = report.generation_tokens - prev.generation_tokens if report.generation_tokens else decode_tokens
+        prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - generated, 0)
         mnbt = info.max_num_batched_tokens or FULL_BATCH_TOKENS
         new, cached = prompt if prompt is not None else (mnbt, 0)
         if not decode_tokens:
@@ -399,6 +482,10 @@ class Calibration:
     def factors(self) -> dict[str, tuple[float, float, float]]:
         """Per worker fitted so far: (decode scale, prefill scale, busy seconds observed)."""
         return {w: (f.decode_scale, f.prefill_scale, f.busy_s) for w, f in self._fits.items()}
+
+    def dropped(self) -> dict[str, int]:
+        """Per worker: busy stretches dropped as unreadable (kvswitch_router_timing_dropped_stretches)."""
+        return dict(self._dropped)
 
     def warm_s(self, worker: str) -> float:
         """Busy seconds observed for `worker` so far."""

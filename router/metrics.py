@@ -52,6 +52,7 @@ class StateFigures:
     records_refused: int = 0  # router.worker_registry's `refused`
     sync: SyncStats = field(default_factory=SyncStats)  # router.replica_sync's counts
     timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
+    timing_dropped: Mapping[str, int] = field(default_factory=dict)  # router.calibration's `dropped`
     prompt_tokens: Mapping[str, int] = field(default_factory=dict)  # router.planner.PrefixReach
     clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
     credit_short: Sequence[str] = ()  # workers whose shims report LoadReport.prefix_credit_short
@@ -151,6 +152,15 @@ class _StateCollector(Collector):
             warm.add_metric([worker], busy_s)
         yield scale
         yield warm
+        dropped = CounterMetricFamily(
+            "kvswitch_router_timing_dropped_stretches",
+            "A worker's busy stretches the calibration could not read (readings missing around a start or stop, "
+            "or not true) and dropped",
+            labels=["worker"],
+        )
+        for worker, n in sorted(s.timing_dropped.items()):
+            dropped.add_metric([worker], n)
+        yield dropped
         skew = GaugeMetricFamily(
             "kvswitch_router_worker_clock_offset_seconds",
             "A worker's clock minus this router's, for workers off by more than the tolerance (1 s)",

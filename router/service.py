@@ -836,6 +836,7 @@ class RouterService:
             records_refused=self._registry.refused if self._registry is not None else 0,
             sync=self._sync.stats if self._sync is not None else SyncStats(),
             timing=self.calibration.factors() if self.calibration is not None else {},
+            timing_dropped=self.calibration.dropped() if self.calibration is not None else {},
             clock_offsets=self.clocks.offsets(),
             credit_short=self.view.credit_short(),
             transfers_failing=self._planner.disagg.transfers.workers() if self._planner else [],

@@ -45,7 +45,13 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
     ("max_num_batched_tokens", int, "the engine's per-step token budget (vLLM does not report it)"),
     ("kv_bytes_per_token", int, "KV bytes per token (default: from the model's config.json)"),
     ("model_path", str, "the model's directory, whose config.json gives kv_bytes_per_token"),
-    ("timing_profile", str, "the latency table the router uses for this worker (default: none; the router calibrates)"),
+    (
+        "timing_profile",
+        str,
+        "the latency table the router uses for this worker (default: none: on vLLM the router calibrates the "
+        "default profile's shape to the engine; SGLang and TensorRT-LLM report nothing to calibrate from, so "
+        "theirs is priced at the default profile, with a WARNING)",
+    ),
     ("worker_name", str, "a stable worker id instead of the lease id (one subject token); must be unique"),
     ("lease_ttl", int, "etcd lease TTL in seconds (default 10)"),
     ("reregister_grace_s", float, "seconds the old worker id is still served after a lost lease (default 2 x TTL)"),

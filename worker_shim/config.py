@@ -16,7 +16,7 @@ import msgspec
 
 from protocol import ConfigError, subjects
 from protocol.config import MAX_LOAD_PERIOD_S, url_problem
-from protocol.timing import TimingModel, profile_names
+from protocol.timing import DEFAULT_PROFILE, TimingModel, profile_names
 from protocol.vllm_events import rank_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
 
@@ -28,6 +28,8 @@ ShimRole = Literal["prefill", "decode", "agg"]
 ROLES: tuple[str, ...] = get_args(ShimRole)
 KvEventsMode = Literal["auto", "bind", "connect"]
 KV_EVENTS_MODES: tuple[str, ...] = get_args(KvEventsMode)
+# Engines whose adapters read no timing counters: routers cannot calibrate their workers.
+UNTIMED_ENGINES: tuple[str, ...] = ("sglang", "trtllm")
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 _DURATIONS = (
     "reregister_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s", "busy_limit_s",
@@ -63,7 +65,9 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         model's config.json (model_path, or the served model id when it is a local directory).
     model_path: the model's directory (its config.json gives kv_bytes_per_token).
     timing_profile: the latency table the router's cost model uses for this worker; None: the router
-        calibrates from what the engine reports.
+        calibrates from what the engine reports, on the default profile's shape. SGLang and
+        TensorRT-LLM report nothing to calibrate from: without one they are priced at the default
+        profile, said at start (`timing_warning`).
     worker_name: a stable worker id (a subject token) instead of the lease id, so NATS permissions
         can name it in advance; the key is still leased, and a second shim with the name fails.
     lease_ttl: etcd lease TTL in seconds.
@@ -256,6 +260,21 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         except ValueError as exc:
             raise ConfigError("namespace", self.namespace, str(exc)) from exc
         return self
+
+    def timing_warning(self) -> str | None:
+        """The WARNING a shim gives at start when routers can only price its worker at the default
+        profile: an engine that reports no timing counters, and no timing_profile. A warning, not a
+        refusal: KV-aware routing needs no timing, and a model with no measured table would
+        otherwise not be served at all."""
+        if self.engine not in UNTIMED_ENGINES or self.timing_profile is not None:
+            return None
+        return (
+            f"engine {self.engine} reports no timing counters, so routers cannot calibrate this worker: with no "
+            f"--timing-profile they price its prefills and decode steps at the {DEFAULT_PROFILE} table for as long "
+            "as it runs (ttft_model, slo_aware, the prefill-backlog room check, kv routing's recompute charge); "
+            f"give --timing-profile for its model and GPU (known: {', '.join(profile_names())}; "
+            "your own tables in KVSWITCH_PROFILE_DIR)"
+        )
 
     @property
     def grace_s(self) -> float:

@@ -145,6 +145,7 @@ class LoadReporter:
             prefix_credit_short=self.credit_short(),
             kv_transfers_failed=self.transfers_failed(),
             draining=self.draining(),
+            generation_tokens=t.generation_tokens,
         )
 
     async def _poll_loop(self) -> None:

@@ -291,6 +291,8 @@ class WorkerShim:
         if self._main is not None:
             return
         max_legs = leg_cap(self.config.max_inflight_legs)  # before anything opens: a refusal leaks nothing
+        if (untimed := self.config.timing_warning()) is not None:
+            log.warning("%s", untimed)
         try:
             await self.http.start()
         except OSError as exc:

@@ -22,7 +22,8 @@ Timing observations: the engine keeps what vLLM's /metrics histograms would show
 counts), which its shim forwards in every LoadReport (router.calibration fits from them):
 iterations and their tokens (`vllm:iteration_tokens_total`), per request the PREFILL-phase time,
 from first scheduled to first token (`vllm:request_prefill_time_seconds`) and the KV tokens it
-computed (`vllm:request_prefill_kv_computed_tokens`), and inter-token gaps
+computed (`vllm:request_prefill_kv_computed_tokens`), both observed as the request finishes, as
+vLLM 0.32 observes them (a client's abort is no finish), and inter-token gaps
 (`vllm:inter_token_latency_seconds`).
 """
 
@@ -83,6 +84,7 @@ class VirtualEngine:
         self._requests: dict[str, SimRequest] = {}
         self._last_token_at: dict[str, float] = {}
         self._scheduled_at: dict[str, float] = {}
+        self._prefill_s: dict[str, float] = {}  # first scheduled to first token, counted at the finish
         self._unscheduled: deque[str] = deque()  # submission order: the scheduler admits FIFO
         self._busy = False
         self._woken = False
@@ -153,6 +155,7 @@ class VirtualEngine:
         self._requests.pop(rid, None)
         self._last_token_at.pop(rid, None)
         self._scheduled_at.pop(rid, None)
+        self._prefill_s.pop(rid, None)
 
     # --- the step loop ---------------------------------------------------------------------------
 
@@ -204,6 +207,7 @@ class VirtualEngine:
             last[rid] = now
             sink = sinks.get(rid)
             if out.finish_reason is not None:
+                self._count_prefill(rid)
                 self._forget(rid)
                 if out.kv_transfer_params is not None:
                     self._pin_expiry[rid] = now + self.kv_lease_duration
@@ -216,9 +220,14 @@ class VirtualEngine:
         self._step()
 
     def _first_token(self, rid: str, now: float) -> None:
+        self._prefill_s[rid] = now - self._scheduled_at.pop(rid, now)
+
+    def _count_prefill(self, rid: str) -> None:
+        """The request ended in the engine: its prefill time counts with its computed KV tokens
+        (Scheduler._count_prefill); 0 s for one that ended before its first token."""
         t = self.timing
         t.prefill_requests += 1
-        t.prefill_s += now - self._scheduled_at.pop(rid, now)
+        t.prefill_s += self._prefill_s.pop(rid, 0.0)
 
     def _expire_pin(self, rid: str) -> None:
         expiry = self._pin_expiry.get(rid)
@@ -246,7 +255,8 @@ class VirtualEngine:
         self.clock.after(self.transfer_s(tokens), self._transfer_done, rid, ok)
 
     def _transfer_done(self, rid: str, ok: bool) -> None:
-        self.scheduler.finish_remote_load(rid, ok)
+        if not self.scheduler.finish_remote_load(rid, ok):
+            self._count_prefill(rid)  # failed (kv_load_failure_policy fail): vLLM counts it finished
         self._wake()
 
     # --- what the shim reads -----------------------------------------------------------------------

@@ -65,7 +65,7 @@ class VirtualShim:
         self.credit = CreditCheck(self.worker)
         self._promised: dict[str, tuple[float, int]] = {}  # by leg: dispatched at, promised tokens
         self._sample: tuple[int, int, float] = (0, 0, 0.0)
-        self._timing: tuple[int, int, int, float, int, int, int, float] = (0, 0, 0, 0.0, 0, 0, 0, 0.0)
+        self._timing: tuple[int, int, int, float, int, int, int, float, int] = (0, 0, 0, 0.0, 0, 0, 0, 0.0, 0)
         self._sampled_at = 0.0
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = float("-inf")
@@ -186,6 +186,7 @@ class VirtualShim:
             st.prefix_cache_hits,
             t.itl_tokens,
             t.itl_s,
+            st.generation_tokens,
         )
         self._sampled_at = self.clock.now
         self.credit.reading(self.clock.now, self.clock.now, st.prefix_cache_hits)
@@ -195,7 +196,9 @@ class VirtualShim:
     def report(self) -> LoadReport:
         running, waiting, usage = self._sample
         total = self.info.kv_total_blocks
-        steps, step_tokens, prefill_requests, prefill_s, prefill_tokens, hit_tokens, itl_n, itl_s = self._timing
+        steps, step_tokens, prefill_requests, prefill_s, prefill_tokens, hit_tokens, itl_n, itl_s, generated = (
+            self._timing
+        )
         return LoadReport(
             worker=self.worker,
             ts=self.clock.now,
@@ -213,6 +216,7 @@ class VirtualShim:
             prefix_hit_tokens=hit_tokens,
             itl_count=itl_n,
             itl_seconds=itl_s,
+            generation_tokens=generated,
             period_s=DEFAULT_PERIOD_S,
             engine_ts=self._sampled_at,
             decode_context=self.contexts.mean(),

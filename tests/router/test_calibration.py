@@ -11,7 +11,7 @@ import pytest
 
 from protocol import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel
-from router.calibration import NO_CONTEXT_WARN_AFTER, Calibration, WorkerTiming, timing_of
+from router.calibration import DROPPED_WARN_AFTER, NO_CONTEXT_WARN_AFTER, Calibration, WorkerTiming, timing_of
 
 BLOCK = 16
 MNBT = 8192
@@ -386,3 +386,122 @@ def test_a_profile_this_router_cannot_load_is_not_read_again_for_every_request(
     said = [r.getMessage() for r in caplog.records if "h200:no-such-model-for-this-test" in r.getMessage()]
     assert len(said) == 1 and "cannot use" in said[0], said
     assert timing_of(_info(), None) is not None  # a known one still loads
+
+
+def _polled(k_d: float, *, latency: float, bursty: bool, seconds: float, seed: int = 0) -> list[LoadReport]:
+    """What a shim sends for an engine decoding 16 sequences at k_d times its profile (busy 4-6 s,
+    then idle 2-4 s, in turn, when `bursty`) if /metrics takes `latency` s to answer: a reading
+    every 0.25 s poll plus that (stamped halfway), its first report when it is in, then heartbeats
+    repeating it every 0.5 s period until the next."""
+    rng = random.Random(seed)
+    step, period = k_d * SHAPE.decode(16, 4096), 0.5
+    bursts, t = [], 0.0  # (start, end) of each busy stretch
+    while t < seconds:
+        length = rng.uniform(4.0, 6.0) if bursty else seconds
+        bursts.append((t, t + length))
+        t += length + rng.uniform(2.0, 4.0)
+    reports, asked = [], 0.0
+    while asked < seconds:
+        at, done = asked + latency / 2, asked + latency
+        steps = int(sum(max(min(at, end) - start, 0.0) for start, end in bursts) / step)
+        running = 16 if any(start <= at < end for start, end in bursts) else 0
+        reading = LoadReport(
+            worker="w", ts=done, engine_ts=at, running=running, period_s=period,
+            kv_used_blocks=running * 4096 // BLOCK, decode_context=4096.0 if running else 0.0,
+            iterations=steps, iteration_tokens=16 * steps, itl_count=16 * steps,
+        )  # fmt: skip
+        asked = done + 0.25
+        beats = [done + period * i for i in range(math.ceil((asked + latency - done) / period))]
+        reports += [msgspec.structs.replace(reading, ts=ts) for ts in beats]
+    return reports
+
+
+@pytest.mark.parametrize(("latency", "bursty"), [(0.05, True), (0.9, True), (1.5, True), (2.5, False)])
+def test_a_slow_metrics_endpoint_is_still_fitted(latency: float, bursty: bool) -> None:
+    """The 2026-12-05 calibration audit: with readings over 0.75 s apart on bursty load (2 s on
+    steady load), every busy stretch was dropped and the worker kept its prior, silently. A start
+    or stop was judged against the report period, not how far apart the readings are, and a
+    heartbeat's report time stood for the reading's."""
+    cal = Calibration()
+    for r in _polled(2.0, latency=latency, bursty=bursty, seconds=300.0):
+        cal.observe(_info(), r)
+    assert cal.warm_s("w") > 20.0
+    assert _fitted(cal, _info()).decode_scale == pytest.approx(2.0, rel=0.05)
+    assert cal.dropped() == {}
+
+
+def test_busy_stretches_dropped_are_counted_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Readings every 0.25 s, but the reports of the first 1.5 s after each stop lost: no stretch
+    can be read, and the operator is told why, once."""
+    cal, stopped = Calibration(), None
+    for r in _polled(2.0, latency=0.0, bursty=True, seconds=80.0):
+        if r.running:
+            stopped = None
+        else:
+            stopped = r.engine_ts if stopped is None else stopped
+            if r.engine_ts < stopped + 1.5:
+                continue  # lost
+        cal.observe(_info(), r)
+    assert cal.warm_s("w") == 0.0 and cal.dropped()["w"] >= DROPPED_WARN_AFTER
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "worker w" in said[0] and "dropped" in said[0] and "/metrics latency" in said[0]
+    cal.forget("w")
+    assert cal.dropped() == {}
+
+
+@pytest.mark.parametrize("accepted", [1, 2, 3])
+def test_speculative_decoding_tokens_are_not_read_as_prefill(accepted: int) -> None:
+    """A decode-only engine at its profile's speed whose steps generate `accepted` tokens per
+    request (speculative decoding): vLLM counts them all in iteration_tokens and one ITL per step.
+    Read as prefill, the surplus fitted k_p 0.2 at 3 tokens a step (2026-12-05 audit)."""
+    rng = random.Random(0)
+    cal, info = Calibration(), _info()
+    ts, it, tokens, itl = 0.0, 0, 0, 0
+
+    def report(running: int, context: int) -> LoadReport:
+        return LoadReport(worker="w", ts=ts, running=running, kv_used_blocks=running * context // BLOCK,
+                          iterations=it, iteration_tokens=tokens, itl_count=itl, generation_tokens=tokens,
+                          decode_context=float(context))  # fmt: skip
+
+    cal.observe(info, report(8, 4000))
+    for _ in range(400):
+        b, context, steps = rng.randrange(4, 64), rng.randrange(1000, 16000), 40
+        ts += steps * SHAPE.decode(b, context)
+        it, itl, tokens = it + steps, itl + b * steps, tokens + accepted * b * steps
+        cal.observe(info, report(b, context))
+    t = _fitted(cal, info)
+    assert t.prefill_scale == pytest.approx(1.0, rel=0.05) and t.decode_scale == pytest.approx(1.0, rel=0.05)
+
+
+def test_an_engine_past_the_bounds_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    cal = Calibration()
+    _feed(cal, SyntheticEngine(8.0, 8.0), 300, _info(profile=None))
+    said = [r.getMessage() for r in caplog.records if "outside" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "worker w" in said[0] and "k_d=" in said[0] and DEFAULT_PROFILE in said[0] and "--timing-profile" in said[0]
+    assert _fitted(cal, _info(profile=None)).decode_scale == 5.0
+    caplog.clear()
+    _feed(Calibration(), SyntheticEngine(0.6, 2.0), 300)  # within the bounds: nothing to say
+    assert not [r for r in caplog.records if "outside" in r.getMessage()]
+
+
+@pytest.mark.parametrize("at_finish", [False, True])
+def test_the_average_prompt_keeps_its_cached_context_whenever_its_tokens_are_counted(at_finish: bool) -> None:
+    """vLLM 0.32 counts a prompt's computed tokens when the request finishes and its cache hits
+    when it is scheduled, seconds apart: hits were added only in intervals where a prompt was
+    counted, and the average prompt read as (500 new, 0 cached) (2026-12-05 audit)."""
+    new, cached, duration = 500, 8000, 4.6  # a prompt every 2 s, finishing 4.6 s after it is scheduled
+    cal, info, it = Calibration(), _info(), 0
+    for k in range(1, 400):
+        t = k * 0.3
+        scheduled = sum(1 for j in range(200) if 2 * j < t)
+        counted = sum(1 for j in range(200) if 2 * j + (duration if at_finish else 0.05) < t)
+        it += 20
+        cal.observe(info, LoadReport(
+            worker="w", ts=t, engine_ts=t, running=3, iterations=it, iteration_tokens=3 * it, itl_count=3 * it,
+            decode_context=8800.0, prefill_requests=counted, prefill_computed_tokens=new * counted,
+            prefix_hit_tokens=cached * scheduled,
+        ))  # fmt: skip
+    mean = cal._prompts["w"].mean()
+    assert mean is not None
+    assert mean == pytest.approx((new, cached), rel=0.05)

@@ -120,6 +120,7 @@ async def test_reports_carry_the_engines_timing_counters_and_when_they_were_read
         await nc.close()
     assert (first.iterations, first.iteration_tokens) == (5, 64 + 5)
     assert (first.itl_count, first.prefill_requests, first.prefill_computed_tokens) == (4, 1, 64)
+    assert first.generation_tokens == 5  # engine_sim's vllm:generation_tokens_total
     assert first.itl_seconds > 0 and first.prefill_seconds > 0 and first.prefix_hit_tokens == 0
     assert reports[-1].prefix_hit_tokens == stats.prefix_cache_hits == 48  # all but the last block
     assert all(0 < r.engine_ts <= r.ts for r in reports)

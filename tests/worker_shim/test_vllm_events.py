@@ -264,6 +264,9 @@ def test_limits_and_load_from_captured_metrics() -> None:
     assert (t.iterations, t.iteration_tokens, t.itl_count) == (137, 11288, 186)
     assert (t.prefill_requests, t.prefill_computed_tokens) == (30, 11072)
     assert t.prefix_hit_tokens == 736  # vllm:prefix_cache_hits_total, a counter
+    # vllm:generation_tokens_total: a step's tokens less those it generated are what it prefilled
+    # (itl_count misses each request's first token, and counts a speculative step's drafts once)
+    assert t.generation_tokens == 216 and t.iteration_tokens - t.generation_tokens == t.prefill_computed_tokens
     assert t.prefill_seconds == pytest.approx(0.4404758340008357)
     assert t.itl_seconds == pytest.approx(0.8208445909992861)
     assert load.reused_tokens == 736  # prefix cache hits plus the connector's (0), for the credit check

@@ -119,6 +119,7 @@ class EngineTiming:
     prefix_hit_tokens: int = 0
     itl_count: int = 0
     itl_seconds: float = 0.0
+    generation_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)

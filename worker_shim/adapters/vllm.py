@@ -82,10 +82,11 @@ _PREFIX_HITS = vm.total(vm.PREFIX_CACHE_HITS)
 _EXTERNAL_HITS = vm.total(vm.EXTERNAL_PREFIX_CACHE_HITS)
 _CACHED_BY_SOURCE = vm.total(vm.PROMPT_TOKENS_CACHED_BY_SOURCE)
 _FAILED_TRANSFERS = vm.total(vm.NIXL_NUM_FAILED_TRANSFERS)
+_GENERATION_TOKENS = vm.total(vm.GENERATION_TOKENS)
 _TIMING_HISTOGRAMS = (vm.ITERATION_TOKENS, vm.INTER_TOKEN_LATENCY, vm.PREFILL_TIME, vm.PREFILL_KV_COMPUTED_TOKENS)
 _METRICS = frozenset(
     {vm.CACHE_CONFIG_INFO, vm.NUM_REQUESTS_RUNNING, vm.NUM_REQUESTS_WAITING, vm.KV_CACHE_USAGE_PERC, _PREEMPTIONS}
-    | {_PREFIX_HITS, _EXTERNAL_HITS, _CACHED_BY_SOURCE, _FAILED_TRANSFERS}
+    | {_PREFIX_HITS, _EXTERNAL_HITS, _CACHED_BY_SOURCE, _FAILED_TRANSFERS, _GENERATION_TOKENS}
     | {vm.count(h) for h in _TIMING_HISTOGRAMS}
     | {vm.histogram_sum(h) for h in _TIMING_HISTOGRAMS}
 )
@@ -226,6 +227,7 @@ def _timing(samples: list[Sample]) -> EngineTiming:
         prefix_hit_tokens=int(sum_samples(samples, _PREFIX_HITS) or 0),
         itl_count=count(vm.INTER_TOKEN_LATENCY),
         itl_seconds=total(vm.INTER_TOKEN_LATENCY),
+        generation_tokens=int(sum_samples(samples, _GENERATION_TOKENS) or 0),
     )
 
 
