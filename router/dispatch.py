@@ -675,8 +675,11 @@ class Dispatcher:
                 self._on_fallback(job)
             else:
                 # The prefill worker's part only: the decode worker's blocks count until its own first
-                # token (or `prefilled`), as its engine may keep the request waiting for KV room.
-                self._bookings.prefill_done(plan.key, plan.prefill.worker)
+                # token (or `prefilled`), as its engine may keep the request waiting for KV room. Not
+                # where d's engine announces no blocks (no prefix caching) and the answer comes whole:
+                # no `prefilled` comes, and d's booking would count on top of its reports to the end.
+                scoped = plan.decode.info.prefix_caching or job.request.stream
+                self._bookings.prefill_done(plan.key, plan.prefill.worker if scoped else None)
         try:
             async for chunk in self._decode(job, plan, annotations):
                 yield chunk

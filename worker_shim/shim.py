@@ -829,8 +829,8 @@ class WorkerShim:
 
     def _cached_prompt_tokens(self, token_ids: list[int], salt: str = "") -> int:
         norm, limits = self.normaliser, self.limits
-        if norm is None or not limits.block_size:
-            return 0
+        if norm is None or not limits.block_size or limits.prefix_caching is False:
+            return 0  # with no prefix caching no block is announced: no hashing for a 50 ms watch
         hashes = block_hashes(token_ids, limits.block_size, salt=salt)
         return norm.cached_prefix_blocks(hashes) * limits.block_size
 

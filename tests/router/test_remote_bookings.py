@@ -118,3 +118,19 @@ async def test_the_decode_guard_sees_a_remote_request_waiting_on_its_worker(
     plan = router.path.explain(MODEL, c_prompt, text=False)
     assert d.sim.engine.waiting, "B still waits on d"
     assert (plan["path"], plan["outcome"]) == ("remote", "vetoed_decode_busy"), plan["reason"]
+
+
+async def test_a_whole_answer_on_a_decode_engine_without_prefix_caching_counts_once(
+    cluster: Cluster, http: aiohttp.ClientSession, requests: Requests
+) -> None:
+    """Such an engine announces no blocks, so no `prefilled` comes for a whole answer: the end of
+    the prefill leg ends d's booking too, and d's reports take over (review of the fix above: it
+    counted the request's blocks twice on d, booked and reported, until the answer ended)."""
+    await cluster.add_worker("prefill", speedup=1.0)
+    d = await cluster.add_worker("decode", speedup=1.0, num_gpu_blocks=1024, enable_prefix_caching=False)
+    router = await cluster.add_ready_router(disagg="always")
+    a = _post(requests, http, router, A_PROMPT, stream=False)
+    await until(lambda: router.view.load(d.id).kv_used_blocks >= BLOCKS, what="d's report holding A")
+    await until(lambda: router.view.load(d.id).active_blocks < 2 * BLOCKS, what="A's booking handed over")
+    load = router.view.load(d.id)
+    assert not a.done() and load.active_blocks - load.kv_used_blocks < BLOCKS, load
