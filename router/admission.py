@@ -5,10 +5,11 @@ room (its predicted prefill backlog under half the TTFT SLO: router.planner); th
 booked in the same synchronous step, so the next request sees it. Otherwise it queues. Each model
 (the name a request resolved to: a model, one of its other names, a LoRA adapter) has its own
 line, so one model's overload never holds another's requests: its waiters are served in arrival
-order, and only as capacity frees: `notify()` (a load report arrived, a request ended, a worker
-appeared) offers each line's head waiter to the planner, again and again while plans come back,
-one per line in turn, the oldest head first (names that share workers take what frees in arrival
-order, as one FIFO would). A waiter keeps its request context, so nothing is hashed twice.
+order, as capacity frees: `notify()` (a load report arrived, a request ended, a worker appeared
+or left, and every `REOFFER_S` while any line waits) offers each line's head waiter to the
+planner, again and again while plans come back, one per line in turn, the oldest head first
+(names that share workers take what frees in arrival order, as one FIFO would). A waiter keeps
+its request context, so nothing is hashed twice.
 
 An offer that finds no room costs a whole plan, and a plan visits every worker (about 10 ms at
 1,000 workers). While requests wait, every load report would offer the head again: tens of
@@ -16,9 +17,9 @@ thousands a second in a large fleet, more CPU than a replica has. So after an of
 room, the line's next one comes no sooner than `RETRY_GAP` times that offer's planning CPU times
 the number of lines later (at most a tenth of a core re-planning all the heads); notifications inside the gap
 leave one offer scheduled at its end. Some changes come with no notification: a worker turns
-silent (no load report for 3 periods) or ends a cooldown through time alone. So each line's head
-is also offered every `REOFFER_S` while it waits (one plan per line a second at most, and never
-inside the quiet time): a waiter whose model lost its last worker gets that error within about a
+silent (no load report for 3 periods) or ends a cooldown through time alone. So while any line
+waits, `notify()` also runs every `REOFFER_S` (one plan per line a second at most, the oldest head
+first, and never inside a line's quiet time): a waiter whose model lost its last worker gets that error within about a
 second of the planner seeing it, not a 429 at the end of its wait.
 
 Each line is bounded so that what waits there drains within half the TTFT SLO: `max_queue` when
@@ -105,7 +106,6 @@ class _Line:
     waiters: deque[_Waiter] = field(default_factory=deque)
     quiet_until: float = -math.inf  # no offer to these waiters before this (the clock's time)
     deferred: asyncio.TimerHandle | None = None  # the offer at the quiet time's end
-    nudge: asyncio.TimerHandle | None = None  # the next offer every REOFFER_S, notified or not
 
 
 class Admission:
@@ -134,6 +134,7 @@ class Admission:
         self._cpu_clock = cpu_clock
         self._reoffer_s = reoffer_s
         self._lines: dict[str, _Line] = {}  # the models with waiters, and only those
+        self._nudge: asyncio.TimerHandle | None = None  # the next notify() every REOFFER_S while lines wait
         self._rates: dict[str, Throughput] = {}  # each model's completions
         self._rates_pruned_at = KEPT_RATES  # more rates than this: drop the idle ones
         self._arrivals = itertools.count()
@@ -191,7 +192,8 @@ class Admission:
             )
         if line is None:
             line = self._lines[model] = _Line(model)
-            self._nudge_later(line)
+            if self._nudge is None:
+                self._nudge = asyncio.get_running_loop().call_later(self._reoffer_s, self._nudge_all)
         waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), self._clock(), next(self._arrivals))
         line.waiters.append(waiter)
         wait_s = self._max_wait_s()
@@ -272,22 +274,17 @@ class Admission:
     def _close(self, line: _Line) -> None:
         if self._lines.get(line.model) is line:
             del self._lines[line.model]
-        for timer in (line.deferred, line.nudge):
-            if timer is not None:
-                timer.cancel()
-        line.deferred = line.nudge = None
+        if line.deferred is not None:
+            line.deferred.cancel()
+            line.deferred = None
+        if not self._lines and self._nudge is not None:
+            self._nudge.cancel()
+            self._nudge = None
 
-    def _nudge_later(self, line: _Line) -> None:
-        line.nudge = asyncio.get_running_loop().call_later(self._reoffer_s, self._nudge, line)
-
-    def _nudge(self, line: _Line) -> None:
-        """The periodic offer: what changed with no notification (a worker turned silent) reaches
-        the head. Inside the quiet time it only leaves the deferred offer, as a notification does."""
-        if self._lines.get(line.model) is not line:
-            return
-        self._nudge_later(line)  # first: an offer that empties the line cancels it in _close
-        while self._offer(line):
-            pass
+    def _nudge_all(self) -> None:
+        """The periodic offer, as a notification: every line's head, the oldest first."""
+        self._nudge = asyncio.get_running_loop().call_later(self._reoffer_s, self._nudge_all)
+        self.notify()  # an offer that empties the last line cancels the timer in _close
 
     def _offer_deferred(self, line: _Line) -> None:
         line.deferred = None

@@ -11,6 +11,7 @@ from router.admission import Admission, Overloaded
 from router.disagg import RoutePlan
 from router.request_context import RequestContext
 from tests.router.builders import ctx
+from tests.router.polling import until
 from tests.router.test_admission import Clock, Fleet, admission
 
 
@@ -150,4 +151,26 @@ async def test_waiters_of_many_models_are_replanned_within_a_tenth_of_a_core(nam
         clock.now += 0.001
         adm.notify()
     assert planned / (clock.now - start) <= 0.12
+    await _cancel(tasks, adm)
+
+
+async def test_the_periodic_offer_serves_the_oldest_head_first() -> None:
+    """Room that frees with no notification (a peer router's free, a cooldown's end) goes to the
+    oldest head at the periodic offer, as at a notification (review of the once-a-second offer: each
+    line's own timer gave it to whichever line's fired first, lora1 before base0)."""
+    fleet, clock = Fleet(room=0), Clock()
+    adm = Admission(
+        max_wait_s=lambda: 5.0, max_queue=lambda: 10, on_abandon=lambda _: None, clock=clock, cpu_clock=clock,
+        reoffer_s=0.05,
+    )  # fmt: skip
+    tasks = []
+    for model, i in (("lora", 0), ("base", 0), ("lora", 1)):
+        tasks.append(asyncio.create_task(adm.admit(req(model, i), fleet.take)))
+        await asyncio.sleep(0)
+    fleet.room = 1
+    adm.notify()
+    await until(lambda: fleet.taken == ["lora0"], what="the oldest head served at the notification")
+    fleet.room = 1  # frees with no notification
+    await until(lambda: len(fleet.taken) == 2, what="the periodic offer")
+    assert fleet.taken == ["lora0", "base0"]
     await _cancel(tasks, adm)

@@ -88,3 +88,36 @@ async def test_waiters_of_a_vanished_only_worker_get_its_503_not_a_429(
             shim.kill()
             shim.wait()
         await sim.stop()
+
+
+async def test_waiters_get_the_503_when_their_models_last_worker_leaves_the_registry(
+    cluster: Cluster, http: aiohttp.ClientSession, nats_url: str, etcd_url: str, ns: str
+) -> None:
+    """The removal notifies (service._on_worker_remove): with the periodic offer off, the head is
+    answered 503 'no ... worker is registered' when the lease goes (10 s), not 429 at its 20 s wait."""
+    settings = {**SETTINGS, "slo_ttft_s": 40.0}
+    sim = SimServer(SimConfig(speedup=1.0, num_gpu_blocks=512, block_size=BLOCK, role="decode"))
+    await sim.start()
+    shim = _spawn_shim(sim, nats_url, etcd_url, ns)
+    try:
+        other = await cluster.add_router(**settings)
+        router = await cluster.add_router(**settings)
+        router.path.admission._reoffer_s = 3600.0  # the removal's notify alone
+        for r in (other, router):
+            await until(partial(_sees_one_routable, r), timeout=60, what="the worker routable")
+        (worker,) = [info.worker for info in router.registry.workers()]
+        running = asyncio.create_task(complete(http, other, list(range(64)), max_tokens=3000, ignore_eos=True))
+        await until(lambda: router.view.load(worker).running >= 1, what="the first request running, seen by router")
+        head = asyncio.create_task(complete(http, router, list(range(1000, 1064))))
+        await until(lambda: router.path.admission.depth == 1, what="a request waiting at admission")
+        shim.kill()
+        await asyncio.to_thread(shim.wait, 10)
+        status, body, _ = await head
+        assert status == 503 and "registered" in body["error"]["message"], body
+        assert router.path.admission.timed_out == 0 and router.path.admission.depth == 0
+        await running
+    finally:
+        if shim.poll() is None:
+            shim.kill()
+            shim.wait()
+        await sim.stop()
