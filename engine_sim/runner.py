@@ -65,6 +65,7 @@ class RequestStream:
         "last_at",
         "num_cache_creation_tokens",
         "num_cached_tokens",
+        "prefill_kv_computed",
         "prompt_len",
         "request_id",
         "scheduled_at",
@@ -80,6 +81,7 @@ class RequestStream:
         self.kv_transfer_params: dict[str, Any] | None = None
         self.num_cached_tokens = 0
         self.num_cache_creation_tokens = 0
+        self.prefill_kv_computed = prompt_len  # vLLM's figure for one that ends before its first output
         self.first_at: float | None = None
         self.last_at: float | None = None
         self.scheduled_at: float | None = None
@@ -210,6 +212,7 @@ class EngineRunner:
         # Arrival is stamped after admission so the simulator's own bookkeeping (hashing a long
         # prompt takes milliseconds of Python) does not show up as modelled latency.
         stream = RequestStream(req.request_id, req.num_prompt_tokens, asyncio.get_running_loop().time())
+        stream.prefill_kv_computed = self.scheduler.prefill_kv_computed_unserved(req)
         self.streams[req.request_id] = stream
         if req.remote_prefill is not None:
             self._held[req.request_id] = req.remote_prefill
@@ -227,8 +230,8 @@ class EngineRunner:
             # tells the prefill engine to free the blocks now, rather than strand them for a lease.
             self._spawn(disagg.pull(params, self._session_for(params)), f"kv-release-{request_id}")
         if stream is not None and not stream.finished:
-            if reason != "abort":  # ended by the engine: vLLM counts it finished (Scheduler.abort)
-                self._count_prefill_time(stream)
+            if reason != "abort":  # ended by the engine (a stop string, a failed KV load): vLLM counts it finished
+                self._count_prefill(stream)
             stream.finish_reason = reason
             stream._event.set()
         self._poke()
@@ -329,6 +332,8 @@ class EngineRunner:
                 stream.first_at = at
                 stream.num_cached_tokens = out.num_cached_tokens
                 stream.num_cache_creation_tokens = out.num_cache_creation_tokens
+                if out.prefill_kv_computed is not None:
+                    stream.prefill_kv_computed = out.prefill_kv_computed
                 stats.ttft.observe((at - stream.arrival) * speedup)
             elif stream.last_at is not None:
                 stats.itl.observe((at - stream.last_at) * speedup)
@@ -338,7 +343,7 @@ class EngineRunner:
                 stream.finish_reason = out.finish_reason
                 stream.kv_transfer_params = out.kv_transfer_params
                 stats.e2e.observe((at - stream.arrival) * speedup)
-                self._count_prefill_time(stream)
+                self._count_prefill(stream)
                 del self.streams[out.request_id]
                 if out.kv_transfer_params is not None:
                     loop = asyncio.get_running_loop()
@@ -348,16 +353,19 @@ class EngineRunner:
                     )
             stream._event.set()
 
-    def _count_prefill_time(self, stream: RequestStream) -> None:
-        """vLLM 0.32's request_prefill_time_seconds, first scheduled to first token, observed as the
-        request finishes, with its KV tokens computed (Scheduler._count_prefill). One that ends
-        before its first token (a failed KV load) counts 0 s: vLLM's own figure there is a clock
-        reading, as it never scheduled the request."""
+    def _count_prefill(self, stream: RequestStream) -> None:
+        """vLLM 0.32's request_prefill_time_seconds (first scheduled to first token) and
+        request_prefill_kv_computed_tokens, observed together as the request finishes, as vLLM
+        observes them (loggers.py, per finished request). One that ends before its first token (a
+        failed KV load) counts 0 s: vLLM's own figure there is a clock reading, as it never
+        scheduled the request."""
         seconds = 0.0
         if stream.first_at is not None:
             started = stream.scheduled_at if stream.scheduled_at is not None else stream.arrival
             seconds = (stream.first_at - started) * self.speedup
-        self.scheduler.stats.prefill_time.observe(seconds)
+        stats = self.scheduler.stats
+        stats.prefill_time.observe(seconds)
+        stats.prefill_kv_computed.observe(stream.prefill_kv_computed)
 
     def _expire_pin(self, request_id: str) -> None:
         expiry = self._pin_expiry.get(request_id)

@@ -50,6 +50,11 @@ class StepOutput:
     num_cached_tokens: int = 0
     num_cache_creation_tokens: int = 0
     """Prompt tokens this request wrote to the prefix cache (set on its first output only)."""
+    prefill_kv_computed: int | None = None
+    """vLLM 0.32's request_prefill_kv_computed_tokens for this request (set on its first output
+    only): the driver observes it with the prefill time when it delivers the request's finish, so
+    the two histograms count the same requests at every instant (vLLM observes both per finished
+    request; a client's abort, even in the step that finishes it, counts neither)."""
 
 
 @dataclass(slots=True)
@@ -63,7 +68,8 @@ class StepResult:
     transfers: list[tuple[str, int]] = field(default_factory=list)
     """(request_id, tokens to pull) for remote-KV loads that start now."""
     started: list[str] = field(default_factory=list)
-    """Requests scheduled for the first time in this step (vLLM's prefill time starts here)."""
+    """Requests scheduled for the first time in this step (vLLM's prefill time starts here; a
+    remote-KV load that only starts is not scheduled yet)."""
 
 
 class Scheduler:
@@ -110,6 +116,10 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.pins: dict[str, SimRequest] = {}
+        # Decode side: the prefill engine's own prompt hits, from its kv_transfer_params, until the
+        # request's first output reports them (vLLM 0.32's OutputProcessor takes them over the
+        # decode engine's own cached tokens, a failed or recomputed load included).
+        self.remote_cached: dict[str, int] = {}
         self.stats = EngineStats(max_model_len)
         # Filled in by the driver so kv_transfer_params can say where to pull from.
         self.remote_host = "127.0.0.1"
@@ -123,6 +133,9 @@ class Scheduler:
         req.extend_chain(self.block_size, self._chains(req))
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        params = req.remote_prefill or {}
+        if isinstance(cached := params.get("remote_prefill_cached_tokens"), int):
+            self.remote_cached[req.request_id] = cached
 
     def _chains(self, req: SimRequest) -> HashChains:
         """The chains `req` hashes into: the base model's, or its LoRA adapter's."""
@@ -142,6 +155,7 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self.remote_cached.pop(request_id, None)
         if req in self.running:
             self.running.remove(req)
         else:
@@ -152,8 +166,6 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.stats.finished[reason] += 1
-        if reason != "abort":  # ended by the engine (a stop string, a failed KV load): vLLM counts it finished
-            self._count_prefill(req)
         return True
 
     def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
@@ -312,6 +324,8 @@ class Scheduler:
                 break
             if fresh and req.num_preemptions == 0:
                 self._count_admission(req, hit_tokens, 0, result, looked_up=use_cache)
+            if req.num_preemptions == 0:  # vLLM's SCHEDULED event (a loaded remote request's too)
+                result.started.append(req.request_id)
             waiting.popleft()
             running.append(req)
             req.status = RequestStatus.RUNNING
@@ -323,7 +337,6 @@ class Scheduler:
     def _count_admission(
         self, req: SimRequest, hit_tokens: int, external: int, result: StepResult, *, looked_up: bool
     ) -> None:
-        result.started.append(req.request_id)
         st = self.stats
         if looked_up:  # vLLM's record_prefix_cache_stats: a request that skipped the lookup is no query
             st.prefix_cache_queries += req.num_tokens
@@ -410,8 +423,11 @@ class Scheduler:
                 continue  # a prefill chunk that is not the last: nothing to sample yet
             out_ids = req.output_token_ids
             created = 0
+            computed = None
             if not out_ids:
-                prompt_computed += max(req.num_prompt_tokens - req.num_hit_tokens - req.num_external_tokens, 0)
+                found = req.num_hit_tokens + req.num_external_tokens
+                prompt_computed += max(req.num_prompt_tokens - found, 0)
+                computed = max(req.num_prompt_tokens - self.remote_cached.pop(req.request_id, found), 0)
                 # vLLM's PrefillStats.finalize: the prompt's cached blocks less those it found
                 cached = min(req.num_cached_blocks * self.block_size, req.num_prompt_tokens)
                 created = max(cached - req.num_hit_tokens - req.num_external_tokens, 0)
@@ -428,7 +444,12 @@ class Scheduler:
             if finish is None and (len(out_ids) >= req.max_tokens or len(req.token_ids) >= max_model_len):
                 finish = "length"
             out = StepOutput(
-                req.request_id, [tok], finish, num_cached_tokens=req.num_hit_tokens, num_cache_creation_tokens=created
+                req.request_id,
+                [tok],
+                finish,
+                num_cached_tokens=req.num_hit_tokens,
+                num_cache_creation_tokens=created,
+                prefill_kv_computed=computed,
             )
             if finish is not None:
                 self._finish(req, finish, out)
@@ -446,13 +467,11 @@ class Scheduler:
         mean_ctx = decode_ctx / num_decode if num_decode else 0.0
         result.duration = self.timing.step(num_decode, mean_ctx, chunks)
 
-    def _count_prefill(self, req: SimRequest) -> None:
-        """vLLM 0.32's request_prefill_kv_computed_tokens, observed when vLLM observes it: as the
-        request finishes (loggers.py, per finished request; a client's abort is no finish), at its
-        prompt less the cached tokens its first output reported. One that ends before its first
-        output (a failed KV load) reported none: its whole prompt."""
-        cached = req.num_hit_tokens + req.num_external_tokens if req.output_token_ids else 0
-        self.stats.prefill_kv_computed.observe(max(req.num_prompt_tokens - cached, 0))
+    def prefill_kv_computed_unserved(self, req: SimRequest) -> int:
+        """request_prefill_kv_computed_tokens of `req` (just added) should it end before its first
+        output (a failed KV load): its prompt less the prefill engine's hits its params named, as
+        vLLM 0.32 counts it (the whole prompt without them)."""
+        return max(req.num_prompt_tokens - self.remote_cached.get(req.request_id, 0), 0)
 
     def _finish(self, req: SimRequest, reason: str, out: StepOutput) -> None:
         self.running.remove(req)
@@ -460,7 +479,6 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.stats.finished[reason] += 1
-        self._count_prefill(req)
         if req.remote_decode:
             # NixlConnector: the blocks stay allocated for the decode engine to read.
             self.pins[req.request_id] = req
@@ -473,6 +491,9 @@ class Scheduler:
                 "remote_host": self.remote_host,
                 "remote_port": self.remote_port,
                 "tp_size": 1,
+                # vLLM 0.32 (Scheduler.update_from_output): this engine's own prompt hits, which the
+                # decode engine reports as the prompt's cached tokens
+                "remote_prefill_cached_tokens": req.num_hit_tokens + req.num_external_tokens,
             }
         else:
             self.pool.free(req.blocks)

@@ -23,20 +23,20 @@ counts), which its shim forwards in every LoadReport (router.calibration fits fr
 iterations and their tokens (`vllm:iteration_tokens_total`), per request the PREFILL-phase time,
 from first scheduled to first token (`vllm:request_prefill_time_seconds`) and the KV tokens it
 computed (`vllm:request_prefill_kv_computed_tokens`), both observed as the request finishes, as
-vLLM 0.32 observes them (a client's abort is no finish), and inter-token gaps
+vLLM 0.32 observes them (a client's abort is no finish, even one during the step that finishes
+the request: vLLM ignores that output), and inter-token gaps
 (`vllm:inter_token_latency_seconds`).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from bench.virtual.clock import VirtualClock
 from engine_sim import disagg
-from engine_sim.request import RequestStatus, SimRequest
+from engine_sim.request import SimRequest
 from engine_sim.scheduler import Scheduler, StepOutput, StepResult
 from protocol.vllm_events import KVEvent
 
@@ -84,8 +84,8 @@ class VirtualEngine:
         self._requests: dict[str, SimRequest] = {}
         self._last_token_at: dict[str, float] = {}
         self._scheduled_at: dict[str, float] = {}
-        self._prefill_s: dict[str, float] = {}  # first scheduled to first token, counted at the finish
-        self._unscheduled: deque[str] = deque()  # submission order: the scheduler admits FIFO
+        # (first scheduled to first token, KV tokens computed), observed together at the finish
+        self._prefill: dict[str, tuple[float, int]] = {}
         self._busy = False
         self._woken = False
         self._pin_expiry: dict[str, float] = {}  # prefill side: when each unpulled pin's lease runs out
@@ -103,7 +103,7 @@ class VirtualEngine:
         rid = req.request_id
         self._sinks[rid] = sink
         self._requests[rid] = req
-        self._unscheduled.append(rid)
+        self._prefill[rid] = (0.0, self.scheduler.prefill_kv_computed_unserved(req))
         if req.remote_prefill is not None:
             self._held[rid] = req.remote_prefill
             if not self._beating:
@@ -155,7 +155,7 @@ class VirtualEngine:
         self._requests.pop(rid, None)
         self._last_token_at.pop(rid, None)
         self._scheduled_at.pop(rid, None)
-        self._prefill_s.pop(rid, None)
+        self._prefill.pop(rid, None)
 
     # --- the step loop ---------------------------------------------------------------------------
 
@@ -172,7 +172,9 @@ class VirtualEngine:
             return
         result = self.scheduler.step()
         now = self.clock.now
-        self._mark_scheduled(now)
+        for rid in result.started:
+            if rid in self._requests:
+                self._scheduled_at.setdefault(rid, now)
         for rid, tokens in result.transfers:
             self._start_transfer(rid, tokens)
         if not result.num_scheduled_tokens:
@@ -180,27 +182,19 @@ class VirtualEngine:
         self._busy = True
         self.clock.at(now + result.duration, self._end_step, result)
 
-    def _mark_scheduled(self, now: float) -> None:
-        pending, requests = self._unscheduled, self._requests
-        while pending:
-            req = requests.get(pending[0])
-            if req is not None and req.num_computed_tokens == 0 and req.status is RequestStatus.WAITING:
-                return
-            rid = pending.popleft()
-            if req is not None:
-                self._scheduled_at[rid] = now
-
     def _end_step(self, result: StepResult) -> None:
         now = self.clock.now
         self._busy = False
         t = self.timing
         t.busy_s += result.duration
-        last, sinks = self._last_token_at, self._sinks
+        last, sinks, requests = self._last_token_at, self._sinks, self._requests
         for out in result.outputs:
             rid = out.request_id
+            if rid not in requests:
+                continue  # aborted during the step: vLLM ignores its output (as the runner's _deliver)
             prev = last.get(rid)
             if prev is None:
-                self._first_token(rid, now)
+                self._first_token(rid, now, out)
             else:
                 t.itl_tokens += 1
                 t.itl_s += now - prev
@@ -219,15 +213,18 @@ class VirtualEngine:
             self.on_events(events)
         self._step()
 
-    def _first_token(self, rid: str, now: float) -> None:
-        self._prefill_s[rid] = now - self._scheduled_at.pop(rid, now)
+    def _first_token(self, rid: str, now: float, out: StepOutput) -> None:
+        computed = self._prefill[rid][1] if out.prefill_kv_computed is None else out.prefill_kv_computed
+        self._prefill[rid] = (now - self._scheduled_at.pop(rid, now), computed)
 
     def _count_prefill(self, rid: str) -> None:
-        """The request ended in the engine: its prefill time counts with its computed KV tokens
-        (Scheduler._count_prefill); 0 s for one that ended before its first token."""
+        """The request ended in the engine: its prefill time and computed KV tokens count together
+        (the runner's _count_prefill); 0 s for one that ended before its first token."""
+        seconds, computed = self._prefill.pop(rid)
         t = self.timing
         t.prefill_requests += 1
-        t.prefill_s += self._prefill_s.pop(rid, 0.0)
+        t.prefill_s += seconds
+        self.scheduler.stats.prefill_kv_computed.observe(computed)
 
     def _expire_pin(self, rid: str) -> None:
         expiry = self._pin_expiry.get(rid)
