@@ -110,6 +110,8 @@ PROMPT_INTERVALS = 40  # intervals with prompts the average prompt is summed ove
 FULL_BATCH_TOKENS = 8192  # a worker's prefill batch when it registered no max_num_batched_tokens
 NO_CONTEXT_WARN_AFTER = 20  # decoding readings without decode_context, and none ever with, before a warning
 DROPPED_WARN_AFTER = 5  # busy stretches dropped, and none ever fitted, before a warning
+CLAMP_WARN_FITS = 5  # fits in a row past the bounds before a warning
+CLAMP_WARN_BUSY_S = 60.0  # and busy seconds observed
 SPACINGS = 9  # engine readings whose spacing gives a worker's reading cadence (their median)
 
 
@@ -310,6 +312,7 @@ class Calibration:
         self._spacings: dict[str, deque[float]] = {}
         self._dropped: dict[str, int] = {}  # busy stretches that could not be read, per worker
         self._clamp_warned: set[str] = set()
+        self._out_fits: dict[str, int] = {}  # fits in a row past the bounds, per worker
 
     def shape(self, info: WorkerInfo) -> TimingModel | None:
         """The worker's profile, the default one when it registered none; None for a name this
@@ -322,6 +325,7 @@ class Calibration:
         self._spacings.pop(worker, None)
         self._dropped.pop(worker, None)
         self._clamp_warned.discard(worker)
+        self._out_fits.pop(worker, None)
         self._last.pop(worker, None)
         self._windows.pop(worker, None)
         self._fits.pop(worker, None)
@@ -343,6 +347,11 @@ class Calibration:
             # so the wall time read below is between two readings, not since the last heartbeat.
             return
         self._last[worker] = report
+        if report.engine_ts and not prev.engine_ts:
+            # The shim's first reading after reports without one (sent before its first poll came
+            # back): their report times are no reading to measure against, so this one is the baseline.
+            self._windows.pop(worker, None)
+            return
         started, running = prev.running > 0, report.running > 0
         contexts = (prev.decode_context, report.decode_context)
         if y < 0 or not _readable(y, report.ts - prev.ts, contexts, info.max_model_len):
@@ -357,7 +366,8 @@ class Calibration:
             return
         spacings = self._spacings.setdefault(worker, deque(maxlen=SPACINGS))
         cadence = statistics.median(spacings) if spacings else 0.0
-        spacings.append(y)
+        if started and running:  # the cadence of busy readings: a loaded /metrics is the slow one
+            spacings.append(y)
         if not started and not running:
             self._windows.pop(worker, None)  # idle throughout (or too short to tell): nothing to read
             return
@@ -407,19 +417,24 @@ class Calibration:
             )  # fmt: skip
 
     def _warn_clamped(self, info: WorkerInfo, fit: _Fit) -> None:
-        """Said once per worker: a fit past the bounds predicts the engine at the bound, wrong."""
-        if info.worker in self._clamp_warned or fit.busy_s < WINDOW_S:
-            return
+        """Said once per worker: a settled fit past the bounds predicts the engine at the bound, wrong.
+        Settled: CLAMP_WARN_BUSY_S observed and CLAMP_WARN_FITS fits in a row past them (a fit of one or
+        two windows can land anywhere and come back)."""
         named = zip(("k_d", "k_p"), fit.estimate, strict=True)
         out = [f"{name}={k:.3g}" for name, k in named if not MIN_SCALE <= k <= MAX_SCALE]
-        if out:
-            self._clamp_warned.add(info.worker)
-            profile = info.timing_profile or f"{self.default_profile} (the default: it registered none)"
-            log.warning(
-                "worker %s's engine fits %s against timing profile %s, outside [%g, %g]: it is predicted at "
-                "the bound, wrongly; give its shim a --timing-profile of its model and GPU",
-                info.worker, ", ".join(out), profile, MIN_SCALE, MAX_SCALE,
-            )  # fmt: skip
+        worker = info.worker
+        runs = self._out_fits[worker] = self._out_fits.get(worker, 0) + 1 if out else 0
+        if worker in self._clamp_warned or runs < CLAMP_WARN_FITS or fit.busy_s < CLAMP_WARN_BUSY_S:
+            return
+        self._clamp_warned.add(worker)
+        profile = info.timing_profile or f"{self.default_profile} (the default: it registered none)"
+        log.warning(
+            "worker %s's engine fits %s against timing profile %s, outside [%g, %g], so it is predicted at "
+            "the bound, wrongly: its profile may not be its model and GPU (give its shim a --timing-profile "
+            "of both), or its decode and prefill work trade off in the fit (docs/benchmarks.md, "
+            "Self-calibration)",
+            worker, ", ".join(out), profile, MIN_SCALE, MAX_SCALE,
+        )  # fmt: skip
 
     def _prompt(self, worker: str, prev: LoadReport, report: LoadReport) -> tuple[int, int] | None:
         """(new, cached) tokens of the worker's average recent prompt, None while it reports none."""
@@ -444,7 +459,10 @@ class Calibration:
         decode_tokens = max(report.itl_count - prev.itl_count, 0)
         # A step's tokens are what it prefilled and what it generated; under speculative decoding a
         # request generates several per step but counts one ITL. A shim before generation_tokens: ITLs.
-        generated = report.generation_tokens - prev.generation_tokens if report.generation_tokens else decode_tokens
+        # One outside [0, the step tokens] is no count of this interval (a shim that started sending it).
+        generated = report.generation_tokens - prev.generation_tokens
+        if not report.generation_tokens or not 0 <= generated <= report.iteration_tokens - prev.iteration_tokens:
+            generated = decode_tokens
         prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - generated, 0)
         mnbt = info.max_num_batched_tokens or FULL_BATCH_TOKENS
         new, cached = prompt if prompt is not None else (mnbt, 0)
