@@ -81,7 +81,7 @@ class RequestStream:
         self.kv_transfer_params: dict[str, Any] | None = None
         self.num_cached_tokens = 0
         self.num_cache_creation_tokens = 0
-        self.prefill_kv_computed = prompt_len  # vLLM's figure for one that ends before its first output
+        self.prefill_kv_computed = prompt_len  # replaced at submit (Scheduler.prefill_kv_computed_unserved)
         self.first_at: float | None = None
         self.last_at: float | None = None
         self.scheduled_at: float | None = None

@@ -18,9 +18,10 @@ room, the line's next one comes no sooner than `RETRY_GAP` times that offer's pl
 the number of lines later (at most a tenth of a core re-planning all the heads); notifications inside the gap
 leave one offer scheduled at its end. Some changes come with no notification: a worker turns
 silent (no load report for 3 periods) or ends a cooldown through time alone. So while any line
-waits, `notify()` also runs every `REOFFER_S` (one plan per line a second at most, the oldest head
-first, and never inside a line's quiet time): a waiter whose model lost its last worker gets that error within about a
-second of the planner seeing it, not a 429 at the end of its wait.
+waits, `notify()` also runs every `REOFFER_S` (at most one plan that finds no room per line a
+second, the oldest head first, and never inside a line's quiet time): a waiter whose model lost its
+last worker gets that error within about a second of the planner seeing it, not a 429 at the end
+of its wait.
 
 Each line is bounded so that what waits there drains within half the TTFT SLO: `max_queue` when
 set, else the model's measured completion rate times that time (at least `min_queue`). A request

@@ -19,7 +19,9 @@ counters, protocol.messages LoadReport):
     y   = t2 - t1                                      (t: engine_ts, else ts; between readings)
     S   = iterations, D = itl_count (decode tokens), P = iteration_tokens - G (prefill tokens)
     G   = generation_tokens, else D                    (a speculative step generates several
-                                                        tokens per request, one ITL each)
+                                                        tokens per request, one ITL each; D for a
+                                                        shim without the field, or a difference
+                                                        outside [0, the step tokens])
     x_d = S * decode(D / S, C)                         (C = decode_context: the decoding requests'
                                                         mean prompt + output so far, as the shim
                                                         counts them)
@@ -51,13 +53,15 @@ counted work, and is one observation: over a window that starts and ends idle ev
 counted inside it, and a long one splits few prompts at its edges. The interval in which the
 engine started (or went idle) counts half its length, the expected busy part, unless reports went
 missing around it (a gap over MAX_GAP_PERIODS report periods, or times the median spacing of the
-worker's recent readings when its /metrics answers slowly): then the stretch is dropped, counted
-(`dropped`), and said once at WARNING when DROPPED_WARN_AFTER were and none was fitted.
+worker's recent busy readings, running at both ends: a loaded /metrics is the slow one): then the
+stretch is dropped, counted (`dropped`), and said once at WARNING when DROPPED_WARN_AFTER were and
+none was fitted.
 
 The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`), a pseudo-observation of
 each factor alone with weight `prior_weight_s` (in s^2, the units of x^2: one busy window outweighs
 it), and observations older than `half_life_s` weigh half; factors stay in [MIN_SCALE, MAX_SCALE]
-(a fit past them is said once at WARNING). A profile off by a constant factor is corrected exactly;
+(a fit settled past them, CLAMP_WARN_BUSY_S busy seconds and CLAMP_WARN_FITS fits in a row, is said
+once at WARNING). A profile off by a constant factor is corrected exactly;
 one of another model or GPU to first order (one factor for prefill, one for decode). `prior_scale`
 != 1 starts the router deliberately wrong (robustness runs). The proxies are first-order, and the
 factors absorb what they miss on average (averages of n and k stand for the mix of prompts). Before
@@ -112,7 +116,7 @@ NO_CONTEXT_WARN_AFTER = 20  # decoding readings without decode_context, and none
 DROPPED_WARN_AFTER = 5  # busy stretches dropped, and none ever fitted, before a warning
 CLAMP_WARN_FITS = 5  # fits in a row past the bounds before a warning
 CLAMP_WARN_BUSY_S = 60.0  # and busy seconds observed
-SPACINGS = 9  # engine readings whose spacing gives a worker's reading cadence (their median)
+SPACINGS = 9  # busy intervals (running at both ends) whose median spacing is a worker's reading cadence
 
 
 @dataclass(slots=True)
@@ -126,11 +130,11 @@ class _Window:
 
 @dataclass(slots=True)
 class _Prompts:
-    """A worker's recent prompts: how many finished their prefill, their computed tokens and their
-    cached ones, summed over its last PROMPT_INTERVALS intervals in which any of them moved. Plain
-    sums, not decaying ones: vLLM counts a prompt's cache hits when it is scheduled and its computed
-    tokens when it finishes, seconds apart, and a decaying sum weighs the two apart (a prompt over
-    8000 cached tokens read as 6400)."""
+    """A worker's recent prompts: how many requests finished (vLLM observes their prefill figures
+    then), their computed tokens and their cached ones, summed over its last PROMPT_INTERVALS
+    intervals in which any of them moved. Plain sums, not decaying ones: vLLM counts a prompt's
+    cache hits when it is scheduled and its computed tokens when it finishes, seconds apart, and a
+    decaying sum weighs the two apart (a prompt over 8000 cached tokens read as 6400)."""
 
     recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=PROMPT_INTERVALS))
     n: int = 0
@@ -307,8 +311,9 @@ class Calibration:
         # (a counting shim sends 0 for a moment when its legs end between two readings)
         self._context_seen: set[str] = set()
         self._no_context: dict[str, int] = {}
-        # Seconds between a worker's last engine readings: its shim polls /metrics every poll_s plus
-        # the time /metrics takes to answer, which can be far longer than its report period.
+        # Seconds between a worker's last busy engine readings (running at both ends): its shim polls
+        # /metrics every poll_s plus the time /metrics takes to answer, which can be far longer than
+        # its report period.
         self._spacings: dict[str, deque[float]] = {}
         self._dropped: dict[str, int] = {}  # busy stretches that could not be read, per worker
         self._clamp_warned: set[str] = set()

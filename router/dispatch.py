@@ -156,7 +156,8 @@ class Bookings(Protocol):
     """The ledger's side the dispatcher needs (router.ledger.Ledger): plans arrive booked."""
 
     def rebook_bypass(self, key: str, plan: RoutePlan) -> None: ...  # after a fallback
-    def prefill_done(self, key: str, worker: str | None = None) -> None: ...  # idempotent: the first call counts
+    # idempotent per booking: the first call that reaches it counts
+    def prefill_done(self, key: str, worker: str | None = None) -> None: ...
     def free(self, key: str) -> None: ...
 
 
