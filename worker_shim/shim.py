@@ -494,8 +494,9 @@ class WorkerShim:
         if eng.prefix_caching is False:
             self._say_once(
                 logging.WARNING,
-                "the %s engine at %s runs without prefix caching (vLLM: --no-enable-prefix-caching): it reuses "
-                "no cached prompt and publishes no KV events, so routers route to this worker by load alone",
+                "the %s engine at %s runs without prefix caching (vLLM: --no-enable-prefix-caching; SGLang: "
+                "--disable-radix-cache): it reuses no cached prompt and publishes no KV events, so routers route "
+                "to this worker by load alone",
                 c.engine,
                 c.engine_url,
             )

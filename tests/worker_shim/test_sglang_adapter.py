@@ -116,6 +116,11 @@ def test_limits_and_load() -> None:
     info = json.loads((FIX / "get_server_info.json").read_text())
     lim = limits_from_server_info(info)
     assert (lim.block_size, lim.kv_total_blocks, lim.max_num_batched_tokens) == (16, 401408 // 16, 8192)
+    assert lim.prefix_caching is None  # the fixture's args do not say
+    # --disable-radix-cache (a P/D decode worker's usual flag): no prefix caching, so no KV events, and
+    # the routers wait for none (router.dispatch's whole answers fed by a transfer; the shim's watch).
+    assert limits_from_server_info({**info, "disable_radix_cache": True}).prefix_caching is False
+    assert limits_from_server_info({**info, "disable_radix_cache": False}).prefix_caching is True
     text = (FIX / "metrics.txt").read_text()
     got = load_from_metrics(text, lim.kv_total_blocks, info["max_total_num_tokens"])
     assert (got.running, got.waiting, got.kv_usage) == (5, 3, 100913 / 401408)

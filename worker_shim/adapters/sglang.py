@@ -77,10 +77,13 @@ def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
     page = info.get("page_size")
     tokens = info.get("max_total_num_tokens")
     budget = info.get("chunked_prefill_size")
+    # The server's args: --disable-radix-cache (common on P/D decode workers) caches and publishes nothing.
+    radix_off = info.get("disable_radix_cache")
     return EngineLimits(
         block_size=page if isinstance(page, int) else None,
         kv_total_blocks=tokens // page if isinstance(tokens, int) and isinstance(page, int) and page > 0 else None,
         max_num_batched_tokens=budget if isinstance(budget, int) and budget > 0 else None,
+        prefix_caching=not radix_off if isinstance(radix_off, bool) else None,
     )
 
 
