@@ -88,15 +88,12 @@ class _StateCollector(Collector):
             "Streams cut because their client read too slowly: their queued chunks passed the router's limit",
             s.slow_readers,
         )
-        malformed = CounterMetricFamily(
+        yield _per_worker(
             "kvswitch_router_worker_malformed_replies",
             "Replies to a request that did not decode, by worker: each leaves the worker out of routing for a "
             "cooldown (/ready says so)",
-            labels=["worker"],
+            s.malformed_replies,
         )
-        for worker, n in sorted(s.malformed_replies.items()):
-            malformed.add_metric([worker], n)
-        yield malformed
         yield CounterMetricFamily(
             "kvswitch_router_load_malformed",
             "Load reports dropped: undecodable, naming another worker than their subject's, or a field out of range",
@@ -152,15 +149,12 @@ class _StateCollector(Collector):
             warm.add_metric([worker], busy_s)
         yield scale
         yield warm
-        dropped = CounterMetricFamily(
+        yield _per_worker(
             "kvswitch_router_timing_dropped_stretches",
             "A worker's busy stretches the calibration could not read (readings missing around a start or stop, "
             "or not true) and dropped",
-            labels=["worker"],
+            s.timing_dropped,
         )
-        for worker, n in sorted(s.timing_dropped.items()):
-            dropped.add_metric([worker], n)
-        yield dropped
         skew = GaugeMetricFamily(
             "kvswitch_router_worker_clock_offset_seconds",
             "A worker's clock minus this router's, for workers off by more than the tolerance (1 s)",
@@ -227,6 +221,14 @@ def _sync_counters(s: SyncStats) -> Iterator[Metric]:
         "Peer routers forgotten, their bookings dropped, when their key under /{ns}/routers/ went",
         s.routers_forgotten,
     )
+
+
+def _per_worker(name: str, doc: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    """A counter with a sample for each worker in `counts`."""
+    counter = CounterMetricFamily(name, doc, labels=["worker"])
+    for worker, n in sorted(counts.items()):
+        counter.add_metric([worker], n)
+    return counter
 
 
 def _flagged(name: str, doc: str, workers: Sequence[str], label: str = "worker") -> GaugeMetricFamily:

@@ -7,8 +7,10 @@ turning silent comes with no notification; until 2026-12-05 nothing offered the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -52,17 +54,31 @@ def _sees_one_routable(router: RouterService) -> bool:
     return router.ready and _sees_only(router, None)
 
 
-async def test_waiters_of_a_vanished_only_worker_get_its_503_not_a_429(
-    cluster: Cluster, http: aiohttp.ClientSession, nats_url: str, etcd_url: str, ns: str
-) -> None:
+Answer = tuple[int, dict[str, Any], dict[str, str]]
+
+
+@contextlib.asynccontextmanager
+async def _a_waiter_when_the_worker_dies(
+    cluster: Cluster,
+    http: aiohttp.ClientSession,
+    nats_url: str,
+    etcd_url: str,
+    ns: str,
+    reoffer_s: float | None = None,
+    **settings: Any,
+) -> AsyncIterator[tuple[RouterService, str, asyncio.Task[Answer], asyncio.Task[Answer]]]:
+    """The only worker runs `other`'s request; a request waits for it at `router`, which has none on
+    it (so no request's end wakes its waiters when the worker dies); then the worker's shim is
+    killed. Yields the router, the worker, the waiting request and the running one. `reoffer_s`:
+    the router's periodic offer, its default when None."""
     sim = SimServer(SimConfig(speedup=1.0, num_gpu_blocks=512, block_size=BLOCK, role="decode"))
     await sim.start()
     shim = _spawn_shim(sim, nats_url, etcd_url, ns)
     try:
-        # The worker runs `other`'s request; this router has none on it, so no request's end wakes
-        # its waiters when the worker dies.
-        other = await cluster.add_router(**SETTINGS)
-        router = await cluster.add_router(**SETTINGS)
+        other = await cluster.add_router(**settings)
+        router = await cluster.add_router(**settings)
+        if reoffer_s is not None:
+            router.path.admission._reoffer_s = reoffer_s
         for r in (other, router):
             await until(partial(_sees_one_routable, r), timeout=60, what="the worker routable")
         (worker,) = [info.worker for info in router.registry.workers()]
@@ -72,6 +88,19 @@ async def test_waiters_of_a_vanished_only_worker_get_its_503_not_a_429(
         await until(lambda: router.path.admission.depth == 1, what="a request waiting at admission")
         shim.kill()
         await asyncio.to_thread(shim.wait, 10)
+        yield router, worker, head, running
+    finally:
+        if shim.poll() is None:
+            shim.kill()
+            shim.wait()
+        await sim.stop()
+
+
+async def test_waiters_of_a_vanished_only_worker_get_its_503_not_a_429(
+    cluster: Cluster, http: aiohttp.ClientSession, nats_url: str, etcd_url: str, ns: str
+) -> None:
+    async with _a_waiter_when_the_worker_dies(cluster, http, nats_url, etcd_url, ns, **SETTINGS) as fleet:
+        router, worker, head, running = fleet
         await until(partial(_sees_only, router, Exclusion.SILENT), what="the worker silent to the router")
         behind = asyncio.create_task(complete(http, router, list(range(2000, 2064))))  # queues behind the head
         for task in (head, behind):
@@ -83,11 +112,6 @@ async def test_waiters_of_a_vanished_only_worker_get_its_503_not_a_429(
             assert headers["Retry-After"] == str(NO_WORKER_RETRY_S)
         assert router.path.admission.timed_out == 0 and router.path.admission.depth == 0
         await running  # ended, whichever way, by the worker's death
-    finally:
-        if shim.poll() is None:
-            shim.kill()
-            shim.wait()
-        await sim.stop()
 
 
 async def test_waiters_get_the_503_when_their_models_last_worker_leaves_the_registry(
@@ -96,28 +120,10 @@ async def test_waiters_get_the_503_when_their_models_last_worker_leaves_the_regi
     """The removal notifies (service._on_worker_remove): with the periodic offer off, the head is
     answered 503 'no ... worker is registered' when the lease goes (10 s), not 429 at its 20 s wait."""
     settings = {**SETTINGS, "slo_ttft_s": 40.0}
-    sim = SimServer(SimConfig(speedup=1.0, num_gpu_blocks=512, block_size=BLOCK, role="decode"))
-    await sim.start()
-    shim = _spawn_shim(sim, nats_url, etcd_url, ns)
-    try:
-        other = await cluster.add_router(**settings)
-        router = await cluster.add_router(**settings)
-        router.path.admission._reoffer_s = 3600.0  # the removal's notify alone
-        for r in (other, router):
-            await until(partial(_sees_one_routable, r), timeout=60, what="the worker routable")
-        (worker,) = [info.worker for info in router.registry.workers()]
-        running = asyncio.create_task(complete(http, other, list(range(64)), max_tokens=3000, ignore_eos=True))
-        await until(lambda: router.view.load(worker).running >= 1, what="the first request running, seen by router")
-        head = asyncio.create_task(complete(http, router, list(range(1000, 1064))))
-        await until(lambda: router.path.admission.depth == 1, what="a request waiting at admission")
-        shim.kill()
-        await asyncio.to_thread(shim.wait, 10)
+    # reoffer_s: the removal's notify alone
+    async with _a_waiter_when_the_worker_dies(cluster, http, nats_url, etcd_url, ns, 3600.0, **settings) as fleet:
+        served, _, head, running = fleet
         status, body, _ = await head
         assert status == 503 and "registered" in body["error"]["message"], body
-        assert router.path.admission.timed_out == 0 and router.path.admission.depth == 0
+        assert served.path.admission.timed_out == 0 and served.path.admission.depth == 0
         await running
-    finally:
-        if shim.poll() is None:
-            shim.kill()
-            shim.wait()
-        await sim.stop()
