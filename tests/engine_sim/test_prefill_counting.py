@@ -6,12 +6,11 @@ scheduling, as vLLM counts them) in the same interval, where vLLM's land seconds
 
 from __future__ import annotations
 
-import asyncio
-
 from bench.virtual.clock import VirtualClock
 from bench.virtual.engine import VirtualEngine
 from engine_sim import SimServer
 from engine_sim.request import SimRequest
+from engine_sim.runner import MAX_LAG
 from engine_sim.scheduler import Scheduler, StepOutput
 from tests.engine_sim.conftest import sim_config
 
@@ -92,8 +91,13 @@ async def test_a_client_abort_in_the_step_that_finishes_its_request_counts_neith
     """vLLM 0.32 ignores the output of a request its client aborted (output_processor.py: "Ignore
     output for already-aborted request"): neither histogram counts it. The old scheduler counted
     the computed tokens when it computed the finishing step, so a /metrics read during that step
-    saw one more than the prefill times, and an abort in it left them apart for good."""
-    async with SimServer(sim_config(speedup=1.0)) as sim:
+    saw one more than the prefill times, and an abort in it left them apart for good.
+
+    Steps are slowed to ~0.5 s, longer than the runner's MAX_LAG, so the finishing step is always
+    slept for after the first token goes out: at 5 ms a late event loop ran it back to back and
+    delivered the finish before this test could abort it (seen once under CI load)."""
+    assert MAX_LAG < 0.4
+    async with SimServer(sim_config(speedup=1.0, slowdown=100.0)) as sim:
         st = sim.runner.scheduler.stats
         for i in range(3):
             rid = f"r{i}"
@@ -102,8 +106,9 @@ async def test_a_client_abort_in_the_step_that_finishes_its_request_counts_neith
             assert rid not in sim.runner.scheduler.requests
             assert st.prefill_time.count == st.prefill_kv_computed.count == 0, rid  # old: 0 and 1 (a torn read)
             sim.runner.abort(rid)  # the client goes away
-            await asyncio.sleep(0.05)
-            assert st.prefill_time.count == st.prefill_kv_computed.count == 0, rid  # old: 0 and i + 1, for good
+        # The runner delivers steps in order, so the aborted finishes are all past once this one ends.
+        assert await sim.runner.submit(SimRequest("last", list(range(4000, 4040)), max_tokens=2)).result()
+        assert (st.prefill_time.count, st.prefill_kv_computed.count) == (1, 1)  # old: (1, 4), apart for good
 
 
 def test_a_virtual_abort_during_a_step_leaks_nothing_and_counts_as_the_runner_does() -> None:
