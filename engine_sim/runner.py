@@ -231,7 +231,7 @@ class EngineRunner:
             self._spawn(disagg.pull(params, self._session_for(params)), f"kv-release-{request_id}")
         if stream is not None and not stream.finished:
             if reason != "abort":  # ended by the engine (a stop string, a failed KV load): vLLM counts it finished
-                self._count_prefill(stream)
+                self._count_finish(stream, reason, asyncio.get_running_loop().time())
             stream.finish_reason = reason
             stream._event.set()
         self._poke()
@@ -342,8 +342,7 @@ class EngineRunner:
             if out.finish_reason is not None:
                 stream.finish_reason = out.finish_reason
                 stream.kv_transfer_params = out.kv_transfer_params
-                stats.e2e.observe((at - stream.arrival) * speedup)
-                self._count_prefill(stream)
+                self._count_finish(stream, out.finish_reason, at)
                 del self.streams[out.request_id]
                 if out.kv_transfer_params is not None:
                     loop = asyncio.get_running_loop()
@@ -353,17 +352,21 @@ class EngineRunner:
                     )
             stream._event.set()
 
-    def _count_prefill(self, stream: RequestStream) -> None:
-        """vLLM 0.32's request_prefill_time_seconds (first scheduled to first token) and
-        request_prefill_kv_computed_tokens, observed together as the request finishes, as vLLM
-        observes them (loggers.py, per finished request). One that ends before its first token (a
-        failed KV load) counts 0 s: vLLM's own figure there is a clock reading, as it never
-        scheduled the request."""
+    def _count_finish(self, stream: RequestStream, reason: str, at: float) -> None:
+        """vLLM 0.32's per-finished-request stats, counted together when the front end sees the
+        finish (output_processor.py, _update_stats_from_finished): request_success_total by reason,
+        e2e latency, request_prefill_time_seconds (first scheduled to first token) and
+        request_prefill_kv_computed_tokens. A client's abort is no finish: vLLM drops the request's
+        state first and ignores its outputs, even those of the step that finished it. One that
+        ends before its first token (a failed KV load) counts 0 s of prefill: vLLM's own figure
+        there is a clock reading, as it never scheduled the request."""
         seconds = 0.0
         if stream.first_at is not None:
             started = stream.scheduled_at if stream.scheduled_at is not None else stream.arrival
             seconds = (stream.first_at - started) * self.speedup
         stats = self.scheduler.stats
+        stats.finished[reason] += 1
+        stats.e2e.observe((at - stream.arrival) * self.speedup)
         stats.prefill_time.observe(seconds)
         stats.prefill_kv_computed.observe(stream.prefill_kv_computed)
 

@@ -165,7 +165,6 @@ class Scheduler:
         req.blocks = []
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.stats.finished[reason] += 1
         return True
 
     def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
@@ -478,7 +477,6 @@ class Scheduler:
         del self.requests[req.request_id]
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.stats.finished[reason] += 1
         if req.remote_decode:
             # NixlConnector: the blocks stay allocated for the decode engine to read.
             self.pins[req.request_id] = req

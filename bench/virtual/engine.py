@@ -22,9 +22,9 @@ Timing observations: the engine keeps what vLLM's /metrics histograms would show
 counts), which its shim forwards in every LoadReport (router.calibration fits from them):
 iterations and their tokens (`vllm:iteration_tokens_total`), per request the PREFILL-phase time,
 from first scheduled to first token (`vllm:request_prefill_time_seconds`) and the KV tokens it
-computed (`vllm:request_prefill_kv_computed_tokens`), both observed as the request finishes, as
-vLLM 0.32 observes them (a client's abort is no finish, even one during the step that finishes
-the request: vLLM ignores that output), and inter-token gaps
+computed (`vllm:request_prefill_kv_computed_tokens`), both observed as the request finishes, with
+its `vllm:request_success_total`, as vLLM 0.32 observes them (a client's abort is no finish, even
+one during the step that finishes the request: vLLM ignores that output), and inter-token gaps
 (`vllm:inter_token_latency_seconds`).
 """
 
@@ -201,7 +201,7 @@ class VirtualEngine:
             last[rid] = now
             sink = sinks.get(rid)
             if out.finish_reason is not None:
-                self._count_prefill(rid)
+                self._count_finish(rid, out.finish_reason)
                 self._forget(rid)
                 if out.kv_transfer_params is not None:
                     self._pin_expiry[rid] = now + self.kv_lease_duration
@@ -217,10 +217,11 @@ class VirtualEngine:
         computed = self._prefill[rid][1] if out.prefill_kv_computed is None else out.prefill_kv_computed
         self._prefill[rid] = (now - self._scheduled_at.pop(rid, now), computed)
 
-    def _count_prefill(self, rid: str) -> None:
-        """The request ended in the engine: its prefill time and computed KV tokens count together
-        (the runner's _count_prefill); 0 s for one that ended before its first token."""
+    def _count_finish(self, rid: str, reason: str) -> None:
+        """The request ended in the engine: its finish, prefill time and computed KV tokens count
+        together (the runner's _count_finish); 0 s for one that ended before its first token."""
         seconds, computed = self._prefill.pop(rid)
+        self.scheduler.stats.finished[reason] += 1
         t = self.timing
         t.prefill_requests += 1
         t.prefill_s += seconds
@@ -253,7 +254,13 @@ class VirtualEngine:
 
     def _transfer_done(self, rid: str, ok: bool) -> None:
         if not self.scheduler.finish_remote_load(rid, ok):
-            self._count_prefill(rid)  # failed (kv_load_failure_policy fail): vLLM counts it finished
+            # Failed (kv_load_failure_policy fail): vLLM counts it finished, and its client gets
+            # finish reason "error" with no token, as the runner ends its stream.
+            self._count_finish(rid, "error")
+            sink = self._sinks.get(rid)
+            self._forget(rid)
+            if sink is not None:
+                sink(StepOutput(rid, [], "error"), self.clock.now)
         self._wake()
 
     # --- what the shim reads -----------------------------------------------------------------------

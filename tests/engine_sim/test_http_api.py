@@ -198,7 +198,9 @@ async def test_client_disconnect_aborts_and_frees_blocks() -> None:
                 break
             await asyncio.sleep(0.01)
         assert not sim.engine.running and sim.engine.num_blocks_in_use == 0
-        assert sim.engine.stats.finished["abort"] == 1
+        # vLLM 0.32 drops a client-aborted request's state before its stats: no finish counts it
+        # (output_processor.py abort_requests); old: request_success_total{abort} 1.
+        assert sum(sim.engine.stats.finished.values()) == sim.engine.stats.e2e.count == 0
 
 
 async def test_openai_client_non_streaming_and_streaming(sim: SimServer) -> None:

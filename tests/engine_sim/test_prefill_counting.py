@@ -59,11 +59,18 @@ def test_a_failed_kv_load_counts_its_whole_prompt_at_0s_on_both_engines() -> Non
     assert s.prefill_kv_computed_unserved(req) == 100
     clock = VirtualClock()
     eng = VirtualEngine(clock, Scheduler(num_gpu_blocks=64, kv_connector=True), peers={})
-    eng.submit(SimRequest("d", list(range(100)), max_tokens=3, remote_prefill={"do_remote_prefill": True}), _drop)
+    outs: list[tuple[str, list[int], str | None]] = []
+    eng.submit(
+        SimRequest("d", list(range(100)), max_tokens=3, remote_prefill={"do_remote_prefill": True}),
+        lambda out, at: outs.append((out.request_id, out.new_token_ids, out.finish_reason)),
+    )
     clock.run()  # its pull finds no prefill engine: the request ends with an error
     h = eng.scheduler.stats.prefill_kv_computed
     assert eng.scheduler.stats.finished["error"] == 1
     assert (eng.timing.prefill_requests, eng.timing.prefill_s, h.count, h.sum) == (1, 0.0, 1, 100)
+    # Its client hears the error as the live runner's stream ends (old: never told, and kept)
+    assert outs == [("d", [], "error")]
+    assert not eng._requests and not eng._sinks and not eng._scheduled_at
 
 
 async def test_the_live_engine_observes_both_histograms_as_the_request_finishes() -> None:
@@ -109,6 +116,8 @@ async def test_a_client_abort_in_the_step_that_finishes_its_request_counts_neith
         # The runner delivers steps in order, so the aborted finishes are all past once this one ends.
         assert await sim.runner.submit(SimRequest("last", list(range(4000, 4040)), max_tokens=2)).result()
         assert (st.prefill_time.count, st.prefill_kv_computed.count) == (1, 1)  # old: (1, 4), apart for good
+        # request_success_total and e2e latency count with them (old: length 4, counted when computed)
+        assert (dict(st.finished), st.e2e.count) == ({"length": 1}, 1)
 
 
 def test_a_virtual_abort_during_a_step_leaks_nothing_and_counts_as_the_runner_does() -> None:
@@ -177,3 +186,4 @@ async def test_a_live_failed_kv_load_counts_the_prompt_less_the_prefill_engines_
         assert await stream.next_tokens() == [] and stream.finish_reason == "error"  # no prefill engine to pull from
         assert (st.prefill_time.count, st.prefill_time.sum) == (1, 0.0)
         assert (st.prefill_kv_computed.count, st.prefill_kv_computed.sum) == (1, 70)  # old: (1, 100)
+        assert (dict(st.finished), st.e2e.count) == ({"error": 1}, 1)  # counted as one finish (old e2e: 0)
