@@ -48,6 +48,7 @@ class StepOutput:
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    """The prompt's cached tokens as vLLM reports them in usage (set on its first output only)."""
     num_cache_creation_tokens: int = 0
     """Prompt tokens this request wrote to the prefix cache (set on its first output only)."""
     prefill_kv_computed: int | None = None
@@ -423,10 +424,14 @@ class Scheduler:
             out_ids = req.output_token_ids
             created = 0
             computed = None
+            reported = 0
             if not out_ids:
                 found = req.num_hit_tokens + req.num_external_tokens
                 prompt_computed += max(req.num_prompt_tokens - found, 0)
-                computed = max(req.num_prompt_tokens - self.remote_cached.pop(req.request_id, found), 0)
+                # vLLM's prompt cached tokens (usage, computed KV): its local and pulled tokens, or,
+                # when its params name them, the prefill engine's hits (OutputProcessor)
+                reported = self.remote_cached.pop(req.request_id, found)
+                computed = max(req.num_prompt_tokens - reported, 0)
                 # vLLM's PrefillStats.finalize: the prompt's cached blocks less those it found
                 cached = min(req.num_cached_blocks * self.block_size, req.num_prompt_tokens)
                 created = max(cached - req.num_hit_tokens - req.num_external_tokens, 0)
@@ -446,7 +451,7 @@ class Scheduler:
                 req.request_id,
                 [tok],
                 finish,
-                num_cached_tokens=req.num_hit_tokens,
+                num_cached_tokens=reported,
                 num_cache_creation_tokens=created,
                 prefill_kv_computed=computed,
             )

@@ -176,6 +176,22 @@ def test_a_decode_request_fed_by_a_transfer_counts_as_vllm_counts_it() -> None:
         assert "dec" in resumed.started
         (first,) = resumed.outputs
         assert first.prefill_kv_computed == 400 - 64  # old: 0 (the whole prompt counted as D's hits)
+        assert first.num_cached_tokens == 64  # usage's cached tokens: P's hits (old: D's own, 0 or 128)
+
+
+def test_a_decode_request_without_the_prefill_engines_hits_reports_its_local_and_pulled_tokens() -> None:
+    """vLLM 0.32's PrefillStats: cached = local hits + tokens the connector supplied, when the
+    params name no `remote_prefill_cached_tokens` (an older prefill engine)."""
+    params, d = _prefilled_elsewhere(d_cached=True)
+    (req,) = d.requests.values()
+    req.remote_prefill = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+    d.remote_cached.clear()
+    d.step()
+    assert d.finish_remote_load("dec", ok=True)
+    (first,) = d.step().outputs
+    # 128 local and 272 pulled: the NixlConnector loads the whole prompt (no backoff for plain
+    # attention) and PrefillStats counts it all cached (old: 128)
+    assert (first.num_cached_tokens, first.prefill_kv_computed) == (400, 0)
 
 
 async def test_a_live_failed_kv_load_counts_the_prompt_less_the_prefill_engines_hits_at_0s() -> None:
