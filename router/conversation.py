@@ -83,14 +83,25 @@ def _message(i: int, message: Mapping[str, Any], content_format: ContentFormat) 
         reasoning = message.get("reasoning")
         if reasoning is not None:
             out["reasoning"] = out["reasoning_content"] = reasoning
-    elif role == "tool" and "tool_call_id" in message:
-        out["tool_call_id"] = message["tool_call_id"]
+    elif role == "tool":
+        if "tool_call_id" in message:
+            out["tool_call_id"] = message["tool_call_id"]
+        out["content"] = _tool_content(out["content"])
     for key in ("name", "task"):
         if isinstance(message.get(key), str):
             out[key] = message[key]
     if role == "developer":
         out["tools"] = message.get("tools")
     return out
+
+
+def _tool_content(content: Any) -> Any:
+    """vLLM 0.32 hands an "openai" template a tool result's text parts as one string, joined by
+    newlines (most templates write tool content as a string; agents send it as parts); a list with
+    any other part stays a list (renderers/chat_utils.py, _parse_chat_message_content)."""
+    if not isinstance(content, list) or any(isinstance(p, dict) and p.get("type") != "text" for p in content):
+        return content
+    return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
 
 
 # vLLM's text part types, and the key each keeps its text under.
