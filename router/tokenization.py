@@ -332,7 +332,9 @@ class HfPromptTokenizer:
     def encode_chat(self, messages: Messages, options: ChatOptions = ChatOptions()) -> list[int]:
         # The template writes the special tokens itself (add_special_tokens False, vLLM's default).
         text = self.render_chat(messages, options)
-        return list(self._tok.encode(text, add_special_tokens=options.add_special_tokens).ids)
+        if len(text) > OFFLOAD_CHARS:  # on the pool (Tokenization.encode_chat): leave the loop the GIL
+            return self.encode_large(text, options.add_special_tokens)
+        return self.encode(text, options.add_special_tokens)
 
 
 def _all_dicts(value: Any) -> bool:
@@ -531,7 +533,7 @@ class Tokenization:
     async def encode_chat(self, messages: Messages, options: ChatOptions) -> list[int]:
         if options.chat_template is not None and not self.trust_request_template:
             raise UntrustedTemplate
-        size = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 1024 for m in messages)
+        size = sum(_content_chars(m.get("content")) for m in messages)
         if size <= self.offload_chars and options.chat_template is None:
             return self.tokenizer.encode_chat(messages, options)
         self.offloaded += 1
@@ -540,6 +542,24 @@ class Tokenization:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _content_chars(content: Any) -> int:
+    """A message's text length, however it came: a string, or a list of parts (the OpenAI SDK's,
+    agents' tool results); 1024 for a part whose size is not its text."""
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        return 0
+    total = 0
+    for part in content:
+        if isinstance(part, str):
+            total += len(part)
+        elif isinstance(part, dict) and isinstance(text := part.get("text"), str):
+            total += len(text)
+        else:
+            total += 1024
+    return total
 
 
 class FingerprintWatch:

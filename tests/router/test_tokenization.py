@@ -170,6 +170,31 @@ async def test_large_prompts_are_tokenized_on_a_thread_with_the_same_ids(hf_dir:
             tokenization.close()
 
 
+async def test_a_large_chat_is_tokenized_on_a_thread_that_leaves_the_loop_the_gil(
+    hf_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sized by its text however it comes (a text part too: old, 1024 whatever its length, so
+    never offloaded), and encoded with the tokenizer's batch call, which lets go of the GIL (old:
+    `encode`, which holds the loop for the whole prompt even on the pool)."""
+    tok = load_tokenizer(hf_dir)
+    large: list[str] = []
+
+    def spy(text: str, add_special_tokens: bool) -> list[int]:
+        large.append(text)
+        return tok.encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tok, "encode_large", spy)
+    t = Tokenization(tok, offload_chars=2000)
+    try:
+        text = "hello world " * 3000
+        for content in (text, [{"type": "text", "text": text}]):
+            ids = await t.encode_chat([{"role": "user", "content": content}], ChatOptions())
+            assert ids == tok.encode_chat([{"role": "user", "content": text}])
+        assert t.offloaded == 2 and len(large) == 4  # two on the pool, and the two direct calls above
+    finally:
+        t.close()
+
+
 async def test_a_clients_own_chat_template_is_refused_unless_trusted_and_then_renders_off_the_loop(
     hf_dir: Path,
 ) -> None:
