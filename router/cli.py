@@ -77,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "('string') or a list of parts ('openai'); 'auto' (default) detects it from the template, as vLLM does",
     )
     parser.add_argument(
+        "--exclude-tools-when-tool-choice-none", action="store_true",
+        help="the engines' flag of that name, when they were given it: a request with tool_choice 'none' is "
+        "rendered without its tools, as the engines render it",
+    )  # fmt: skip
+    parser.add_argument(
         "--default-chat-template-kwargs", default=None, metavar="JSON",
         help="the engines' flag of that name, as they were given it (a JSON object): the router renders chats "
         "with it to route them, and its tokenizer fingerprint matches the engines' only with it",
@@ -133,6 +138,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     body_timeout_s: float = 30.0
     no_calibration: bool = False
     chat_template_content_format: str = "auto"
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag of that name
     # vLLM's flag: JSON text from the command line or environment, a mapping from a config file
     default_chat_template_kwargs: dict[str, Any] | str | None = None
     index_limit_per_worker: int = MIN_ENTRY_LIMIT  # router.kv_ingest's floor of a worker's index entries
@@ -222,6 +228,7 @@ def build_config(args: argparse.Namespace) -> Any:
     check_file_keys(file, known | file_keys(ProcessSettings), args.config)
     cli = {k: given.get(k) for k in file_keys(ProcessSettings)}
     cli["no_calibration"] = True if args.no_calibration else None  # an absent store_true flag is not "off"
+    cli["exclude_tools_when_tool_choice_none"] = True if args.exclude_tools_when_tool_choice_none else None
     proc = resolve(ProcessSettings, cli=cli, file=file)
     try:
         limits = HttpLimits(max_body_bytes=proc.max_body_bytes, body_timeout_s=proc.body_timeout_s)
@@ -268,6 +275,7 @@ def build_config(args: argparse.Namespace) -> Any:
         calibrate=not proc.no_calibration,
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template_content_format=proc.chat_template_content_format,
+        exclude_tools_when_tool_choice_none=proc.exclude_tools_when_tool_choice_none,
         default_chat_template_kwargs=proc.default_chat_template_kwargs,
         index_limit_per_worker=proc.index_limit_per_worker,
     )

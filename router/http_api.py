@@ -335,6 +335,7 @@ def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
         add_generation_prompt=_opt(body, "add_generation_prompt", bool, True),
         continue_final_message=_opt(body, "continue_final_message", bool, False),
         tools=_opt(body, "tools", list, None),
+        tool_choice=body.get("tool_choice"),
         raw_tools=raw_tools,
         documents=documents,
         chat_template=_request_template(body, given),

@@ -141,6 +141,7 @@ class RouterConfig:
     calibrate: bool = True  # fit each worker's engine speed from its load reports (router.calibration)
     trust_request_chat_template: bool = False  # render clients' own chat templates (vLLM's flag of that name)
     chat_template_content_format: str = "auto"  # vLLM's flag of that name: auto, string or openai
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag of that name
     default_chat_template_kwargs: Any = None  # vLLM's flag of that name (a dict), as router.cli checked it
     index_limit_per_worker: int = MIN_ENTRY_LIMIT  # KV index entries any worker may have (kv_ingest's floor)
 
@@ -322,6 +323,7 @@ class RouterService:
                 self.tokenizer,
                 offload_chars=self.config.http_limits.offload_chars,
                 trust_request_template=self.config.trust_request_chat_template,
+                exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
             ),
             limits=self.config.http_limits,
             api_keys=self.api_keys,

@@ -31,7 +31,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -85,6 +85,7 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Any] | None = None
+    tool_choice: Any = None
     # `tools` from chat_template_kwargs: vLLM renders these as sent, in place of `tools`
     raw_tools: Any = None
     documents: Any = None
@@ -507,7 +508,8 @@ class Tokenization:
     A client's own chat template is refused unless `trust_request_template` (vLLM's
     `--trust-request-chat-template`, off by default there too): a template is code the router
     would run, and one of a few bytes can loop for minutes. A trusted one renders on the pool, so
-    the event loop keeps its turns."""
+    the event loop keeps its turns. `exclude_tools_when_tool_choice_none`: vLLM's flag of that
+    name, which the engines' must match."""
 
     def __init__(
         self,
@@ -516,10 +518,12 @@ class Tokenization:
         offload_chars: int = OFFLOAD_CHARS,
         threads: int = 2,
         trust_request_template: bool = False,
+        exclude_tools_when_tool_choice_none: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.offload_chars = offload_chars
         self.trust_request_template = trust_request_template
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.offloaded = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvswitch-tokenize")
 
@@ -533,6 +537,9 @@ class Tokenization:
     async def encode_chat(self, messages: Messages, options: ChatOptions) -> list[int]:
         if options.chat_template is not None and not self.trust_request_template:
             raise UntrustedTemplate
+        if self.exclude_tools_when_tool_choice_none and options.tool_choice == "none":
+            # vLLM renders such a request without its `tools` (chat_template_kwargs' tools stay)
+            options = replace(options, tools=None)
         size = sum(_content_chars(m.get("content")) for m in messages)
         if size <= self.offload_chars and options.chat_template is None:
             return self.tokenizer.encode_chat(messages, options)

@@ -216,6 +216,19 @@ def test_default_chat_template_kwargs_from_the_flag_the_environment_or_a_file(
     assert cli.build_config(_args()).default_chat_template_kwargs is None
 
 
+def test_excluding_tools_when_tool_choice_is_none_is_a_setting_off_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cli.build_config(_args()).exclude_tools_when_tool_choice_none is False
+    flag = _args("--exclude-tools-when-tool-choice-none")
+    assert cli.build_config(flag).exclude_tools_when_tool_choice_none is True
+    path = tmp_path / "router.yaml"
+    path.write_text("exclude_tools_when_tool_choice_none: true\n")
+    assert cli.build_config(_args("--config", str(path))).exclude_tools_when_tool_choice_none is True
+    monkeypatch.setenv("KVSWITCH_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE", "true")
+    assert cli.build_config(_args()).exclude_tools_when_tool_choice_none is True
+
+
 def test_trusting_request_chat_templates_is_a_flag_off_by_default() -> None:
     assert cli.build_config(_args()).trust_request_chat_template is False
     assert cli.build_config(_args("--trust-request-chat-template")).trust_request_chat_template is True

@@ -195,6 +195,33 @@ async def test_a_large_chat_is_tokenized_on_a_thread_that_leaves_the_loop_the_gi
         t.close()
 
 
+async def test_tool_choice_none_renders_without_tools_only_under_the_engines_flag(hf_dir: Path) -> None:
+    """vLLM 0.32 with --exclude-tools-when-tool-choice-none renders a tool_choice "none" request
+    without its `tools` (online_renderer.py: tool_dicts None); the router must route on that prompt."""
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    tools_first = "{% for t in tools or [] %}{{ t['function']['name'] }} | {% endfor %}"
+    config["chat_template"] = tools_first + TEMPLATE
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(hf_dir)
+    messages = [{"role": "user", "content": "weather?"}]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    bare, with_tools = tok.encode_chat(messages), tok.encode_chat(messages, ChatOptions(tools=[tool]))
+    assert bare != with_tools
+    for flag, choice, expected in (
+        (True, "none", bare),  # old: with_tools, a prompt the engine never renders
+        (True, "auto", with_tools),
+        (True, None, with_tools),
+        (False, "none", with_tools),
+    ):
+        t = Tokenization(tok, exclude_tools_when_tool_choice_none=flag)
+        try:
+            assert await t.encode_chat(messages, ChatOptions(tools=[tool], tool_choice=choice)) == expected
+            kwargs_tools = ChatOptions(tool_choice=choice, raw_tools=[tool])  # chat_template_kwargs' tools stay
+            assert await t.encode_chat(messages, kwargs_tools) == with_tools
+        finally:
+            t.close()
+
+
 async def test_a_clients_own_chat_template_is_refused_unless_trusted_and_then_renders_off_the_loop(
     hf_dir: Path,
 ) -> None:
