@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import jinja2
+import msgspec
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
@@ -540,7 +541,9 @@ class Tokenization:
         if self.exclude_tools_when_tool_choice_none and options.tool_choice == "none":
             # vLLM renders such a request without its `tools` (chat_template_kwargs' tools stay)
             options = replace(options, tools=None)
-        size = sum(_content_chars(m.get("content")) for m in messages)
+        # All the template is given (a part's text under its own key, tool calls, tools, documents),
+        # as JSON: bytes, not characters, but its order of size.
+        size = len(msgspec.json.encode((messages, options.tools, options.raw_tools, options.documents)))
         if size <= self.offload_chars and options.chat_template is None:
             return self.tokenizer.encode_chat(messages, options)
         self.offloaded += 1
@@ -549,24 +552,6 @@ class Tokenization:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _content_chars(content: Any) -> int:
-    """A message's text length, however it came: a string, or a list of parts (the OpenAI SDK's,
-    agents' tool results); 1024 for a part whose size is not its text."""
-    if isinstance(content, str):
-        return len(content)
-    if not isinstance(content, list):
-        return 0
-    total = 0
-    for part in content:
-        if isinstance(part, str):
-            total += len(part)
-        elif isinstance(part, dict) and isinstance(text := part.get("text"), str):
-            total += len(text)
-        else:
-            total += 1024
-    return total
 
 
 class FingerprintWatch:

@@ -173,9 +173,10 @@ async def test_large_prompts_are_tokenized_on_a_thread_with_the_same_ids(hf_dir:
 async def test_a_large_chat_is_tokenized_on_a_thread_that_leaves_the_loop_the_gil(
     hf_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Sized by its text however it comes (a text part too: old, 1024 whatever its length, so
-    never offloaded), and encoded with the tokenizer's batch call, which lets go of the GIL (old:
-    `encode`, which holds the loop for the whole prompt even on the pool)."""
+    """Sized by all the template is given (a text part too: old, 1024 whatever its length, so
+    never offloaded; and a thinking part, tool call arguments, tools), and encoded with the
+    tokenizer's batch call, which lets go of the GIL (old: `encode`, which holds the loop for the
+    whole prompt even on the pool)."""
     tok = load_tokenizer(hf_dir)
     large: list[str] = []
 
@@ -191,6 +192,16 @@ async def test_a_large_chat_is_tokenized_on_a_thread_that_leaves_the_loop_the_gi
             ids = await t.encode_chat([{"role": "user", "content": content}], ChatOptions())
             assert ids == tok.encode_chat([{"role": "user", "content": text}])
         assert t.offloaded == 2 and len(large) == 4  # two on the pool, and the two direct calls above
+        short: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+        thinking = [{"role": "assistant", "content": [{"type": "thinking", "thinking": text}]}, *short]
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}
+        tool = {"type": "function", "function": {"name": "f", "description": text, "parameters": {}}}
+        await t.encode_chat(thinking, ChatOptions())
+        await t.encode_chat([{"role": "assistant", "content": None, "tool_calls": [call]}, *short], ChatOptions())
+        await t.encode_chat(short, ChatOptions(tools=[tool]))
+        assert t.offloaded == 5  # old: 2, each of these three tokenized on the loop
+        await t.encode_chat(short, ChatOptions())
+        assert t.offloaded == 5
     finally:
         t.close()
 
