@@ -308,9 +308,11 @@ async def test_a_restarted_shim_beside_a_warm_engine_keeps_a_busy_worker_whose_l
     """review14 F1: no replay socket and no usage details (vLLM's defaults), and every prompt one
     the engine holds, with outputs that fill no block, so no Stored ever comes. Four clients send
     back to back: some other leg is always in flight. Before, the counter was no evidence then,
-    and the worker was out 82-84% of the time."""
+    and the worker was out 82-84% of the time. The timeout is 1 s (5 s by default): at 0.3 s a CI
+    run under load once judged a leg before the load polls (every 0.25 s) had brought the readings
+    that prove it, and the worker was out half the time."""
     prompts = [list(range(1000 * k, 1000 * k + 70)) for k in range(1, 5)]  # 4 full blocks each
-    timeout = 0.3
+    timeout = 1.0
     async with SimServer(sim_config()) as sim:
         for prompt in prompts:
             await complete(sim.url, prompt)  # the engine holds them; the shim's index will not
