@@ -2,8 +2,9 @@
 
 Every series has the labels `engine` (the engine's data-parallel rank: "0", as vLLM with one
 engine) and `model_name`; counters come with vLLM's `_created` samples. Values are read from the
-engine at scrape time, so stepping costs nothing for metrics. Latency histograms are in simulated
-seconds (engine_sim/stats.py).
+engine at scrape time: the per-request figures as the driver counts them at delivery, and the
+step series (gauges, token and cache counters) as published at the end of the last step, as
+vLLM's show them (engine_sim/stats.py StepSeries). Latency histograms are in simulated seconds.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class _Collector:
         cfg = srv.config
         sched = srv.engine
         st = sched.stats
+        shown = st.published  # the step series as of the last step's end, as vLLM's /metrics shows them
         lv = [cfg.model, str(cfg.data_parallel_rank)]
         created = st.created
 
@@ -48,54 +50,54 @@ class _Collector:
             c.add_metric(lv, value, created=created)
             return c
 
-        waiting = len(sched.waiting)
-        yield gauge(vm.NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.", len(sched.running))
+        waiting = shown.waiting
+        yield gauge(vm.NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.", shown.running)
         yield gauge(vm.NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.", waiting)
-        yield gauge(vm.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.", sched.pool.usage)
+        yield gauge(vm.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.", shown.kv_usage)
         yield counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-            st.prefix_cache_queries,
+            shown.prefix_cache_queries,
         )
         yield counter(
-            vm.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits
+            vm.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.", shown.prefix_cache_hits
         )
         yield counter(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, "
             "in terms of number of queried tokens.",
-            st.external_prefix_cache_queries,
+            shown.external_prefix_cache_queries,
         )
         yield counter(
             vm.EXTERNAL_PREFIX_CACHE_HITS,
             "External prefix cache hits from KV connector cross-instance cache sharing, "
             "in terms of number of cached tokens.",
-            st.external_prefix_cache_hits,
+            shown.external_prefix_cache_hits,
         )
         if sched.kv_connector:  # vLLM exports its NixlConnector's series only with that connector
             yield counter(
                 vm.NIXL_NUM_FAILED_TRANSFERS,
                 "Number of failed NIXL KV Cache transfers, including handshake and notification failures. "
                 "NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs.",
-                st.failed_transfers,
+                shown.failed_transfers,
             )
-        yield counter(vm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", st.preemptions)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
+        yield counter(vm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", shown.preemptions)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", shown.prompt_tokens)
         by_source = CounterMetricFamily(
             "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", labels=[*_LABELS, "source"]
         )
-        local = max(0, st.prompt_tokens - st.prompt_tokens_cache_hit - st.external_kv_tokens)
+        local = max(0, shown.prompt_tokens - shown.prompt_tokens_cache_hit - shown.external_kv_tokens)
         for source, value in (
             ("local_compute", local),
-            ("local_cache_hit", st.prompt_tokens_cache_hit),
-            ("external_kv_transfer", st.external_kv_tokens),
+            ("local_cache_hit", shown.prompt_tokens_cache_hit),
+            ("external_kv_transfer", shown.external_kv_tokens),
         ):
             by_source.add_metric([*lv, source], value, created=created)
         yield by_source
         yield counter(
             "vllm:prompt_tokens_cached",
             "Number of cached prompt tokens (local + external).",
-            st.prompt_tokens_cache_hit + st.external_kv_tokens,
+            shown.prompt_tokens_cache_hit + shown.external_kv_tokens,
         )
         cached_by_source = CounterMetricFamily(
             vm.PROMPT_TOKENS_CACHED_BY_SOURCE,
@@ -106,15 +108,15 @@ class _Collector:
         )
         # The sim's only connector is its P/D pull (vLLM's NixlConnector, whose hits are "p2p").
         for source, value in (
-            (vm.SOURCE_DEVICE, st.prefix_cache_hits),
+            (vm.SOURCE_DEVICE, shown.prefix_cache_hits),
             ("host", 0),
-            (vm.SOURCE_P2P, st.external_prefix_cache_hits),
+            (vm.SOURCE_P2P, shown.external_prefix_cache_hits),
             ("disk", 0),
             ("external_unspecified", 0),
         ):
             cached_by_source.add_metric([*lv, source], value, created=created)
         yield cached_by_source
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", shown.generation_tokens)
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -127,7 +129,7 @@ class _Collector:
             ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", st.ttft),
             (vm.INTER_TOKEN_LATENCY, "Histogram of inter-token latency in seconds.", st.itl),
             ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", st.e2e),
-            (vm.ITERATION_TOKENS, "Histogram of number of tokens per engine_step.", st.iteration_tokens),
+            (vm.ITERATION_TOKENS, "Histogram of number of tokens per engine_step.", shown.iteration_tokens),
             (
                 vm.PREFILL_TIME,
                 "Histogram of time spent in PREFILL phase for request.",

@@ -315,6 +315,7 @@ class EngineRunner:
                     await asyncio.sleep(0)
             t1 = time.perf_counter()
             self._deliver(result, next_at)
+            sched.stats.publish(len(sched.running), len(sched.waiting), sched.pool.usage)
             events = sched.take_events()
             if events:
                 self.publisher.drop_fraction = self.faults.drop_event_fraction

@@ -10,6 +10,7 @@ import bisect
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 __all__ = [
     "E2E_BUCKETS",
@@ -66,8 +67,33 @@ class Histogram:
         return out
 
 
+@dataclass(slots=True)
+class StepSeries:
+    """What vLLM 0.32's /metrics shows of its steps: its scheduler's gauges and the per-step
+    counters as of the end of its last step (v1/core/sched/scheduler.py: make_stats at the end of
+    update_from_output; v1/metrics/loggers.py records them with that step's outputs). Nothing
+    moves while a step runs, and an idle engine shows its last step's."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    failed_transfers: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_cache_hit: int = 0
+    external_kv_tokens: int = 0
+    generation_tokens: int = 0
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))
+
+
 class EngineStats:
-    """Plain counters; the scheduler and driver bump them, nothing else writes."""
+    """Plain counters; the scheduler and driver bump them, nothing else writes. The scheduler
+    counts a step's series when it computes the step; the driver publishes them (`publish`) as the
+    step ends, and /metrics and the virtual shim read `published`, as vLLM's /metrics shows them."""
 
     def __init__(self, max_model_len: int = 32768) -> None:
         self.created = time.time()
@@ -96,3 +122,26 @@ class EngineStats:
         self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
         self.prefill_time = Histogram(E2E_BUCKETS)  # first scheduled -> first token
         self.prefill_kv_computed = Histogram(one_two_five_buckets(max_model_len))
+        self.published = StepSeries()
+
+    def publish(self, running: int, waiting: int, kv_usage: float) -> None:
+        """A step ended: its gauges (after it) and every step counter so far become what /metrics shows."""
+        it = self.iteration_tokens
+        shown = Histogram(it.bounds)
+        shown.counts, shown.sum = list(it.counts), it.sum
+        self.published = StepSeries(
+            running=running,
+            waiting=waiting,
+            kv_usage=kv_usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            external_prefix_cache_queries=self.external_prefix_cache_queries,
+            external_prefix_cache_hits=self.external_prefix_cache_hits,
+            failed_transfers=self.failed_transfers,
+            preemptions=self.preemptions,
+            prompt_tokens=self.prompt_tokens,
+            prompt_tokens_cache_hit=self.prompt_tokens_cache_hit,
+            external_kv_tokens=self.external_kv_tokens,
+            generation_tokens=self.generation_tokens,
+            iteration_tokens=shown,
+        )

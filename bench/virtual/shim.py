@@ -175,21 +175,22 @@ class VirtualShim:
         if not self.running:
             return
         e = self.engine
-        self._sample = (e.running, e.waiting, e.kv_usage)
-        t, st = e.timing, e.scheduler.stats
+        st = e.scheduler.stats
+        shown, t = st.published, e.timing  # the step series as of its last step's end, as vLLM's /metrics
+        self._sample = (shown.running, shown.waiting, shown.kv_usage)
         self._timing = (
-            st.iteration_tokens.count,
-            int(st.iteration_tokens.sum),
+            shown.iteration_tokens.count,
+            int(shown.iteration_tokens.sum),
             t.prefill_requests,
             t.prefill_s,
             int(st.prefill_kv_computed.sum),
-            st.prefix_cache_hits,
+            shown.prefix_cache_hits,
             t.itl_tokens,
             t.itl_s,
-            st.generation_tokens,
+            shown.generation_tokens,
         )
         self._sampled_at = self.clock.now
-        self.credit.reading(self.clock.now, self.clock.now, st.prefix_cache_hits)
+        self.credit.reading(self.clock.now, self.clock.now, shown.prefix_cache_hits)
         self._publish_if_due()
         self.clock.after(POLL_S, self._poll)
 

@@ -7,8 +7,11 @@ import re
 import aiohttp
 
 from engine_sim import SimServer
+from engine_sim.request import SimRequest
+from engine_sim.runner import MAX_LAG
 from tests.engine_sim.conftest import sim_config
 from tests.protocol.vllm_captures import fixture_path
+from tests.router.polling import until
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$")
 
@@ -118,3 +121,34 @@ async def test_preemptions_and_usage_are_reported() -> None:
             await asyncio.gather(go(1000), go(3000))
         m = parse(await scrape(sim))
     assert one(m, "vllm:num_preemptions_total") >= 1
+
+
+async def test_the_step_series_move_when_a_step_ends_as_vllms_do() -> None:
+    """vLLM 0.32 records its gauges and per-step counters with a step's outputs, after the step ran
+    (scheduler.py make_stats, loggers.py record): a scrape during a step shows the step before.
+    Until 2026-12-05 engine_sim counted a step when it computed it and read its gauges live, so a
+    scrape in the middle of a long step already held its tokens and showed a request that was
+    still running as gone; the routers' calibration read engines differently from vLLM's (the
+    engine_metrics audit: k_d 12-45% apart). Steps of ~0.5-25 s here, so each scrape is mid-step."""
+    async with SimServer(sim_config(speedup=1.0, slowdown=100.0)) as sim:
+        st = sim.runner.scheduler.stats
+        keys = ("vllm:num_requests_running", "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count",
+                "vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total")  # fmt: skip
+
+        async def shown() -> tuple[float, ...]:
+            m = parse(await scrape(sim))
+            return tuple(one(m, k) for k in keys)
+
+        async def computed(steps: int) -> None:  # the runner computed the step and sleeps its modelled time
+            await until(lambda: st.steps >= steps, what=f"step {steps} computed")
+
+        assert MAX_LAG < 0.5
+        stream = sim.runner.submit(SimRequest("r", list(range(3000, 3040)), max_tokens=2))
+        await computed(1)
+        assert await shown() == (0, 0, 0, 0, 0)  # old: (1, 1, 1, 40, 40)
+        assert await stream.next_tokens()
+        assert await shown() == (1, 1, 1, 40, 40)
+        await computed(2)  # its last step: the request left the scheduler's running list
+        assert await shown() == (1, 1, 1, 40, 40)  # old: (0, 2, 2, 40, 40)
+        await stream.result()
+        assert await shown() == (0, 2, 2, 40, 40)
