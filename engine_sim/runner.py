@@ -289,6 +289,9 @@ class EngineRunner:
                 self._start_transfer(rid, tokens)
             if not result.num_scheduled_tokens:
                 self.cpu_s += time.perf_counter() - t0
+                # vLLM steps on while it holds any request (one pulling its KV, one waiting for
+                # room, one just aborted), and an empty step sends its scheduler stats too.
+                sched.stats.publish(len(sched.running), len(sched.waiting), sched.pool.usage)
                 await self._wake.wait()
                 next_at = self._poked_at
                 continue

@@ -129,7 +129,7 @@ async def test_the_step_series_move_when_a_step_ends_as_vllms_do() -> None:
     Until 2026-12-05 engine_sim counted a step when it computed it and read its gauges live, so a
     scrape in the middle of a long step already held its tokens and showed a request that was
     still running as gone; the routers' calibration read engines differently from vLLM's (the
-    engine_metrics audit: k_d 12-45% apart). Steps of ~0.5-25 s here, so each scrape is mid-step."""
+    engine_metrics audit: k_d 12-45% apart). Steps of 0.5-0.7 s here, so each scrape is mid-step."""
     async with SimServer(sim_config(speedup=1.0, slowdown=100.0)) as sim:
         st = sim.runner.scheduler.stats
         keys = ("vllm:num_requests_running", "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count",
@@ -152,3 +152,25 @@ async def test_the_step_series_move_when_a_step_ends_as_vllms_do() -> None:
         assert await shown() == (1, 1, 1, 40, 40)  # old: (0, 2, 2, 40, 40)
         await stream.result()
         assert await shown() == (0, 2, 2, 40, 40)
+
+
+async def test_an_engine_with_nothing_to_compute_shows_its_state_now() -> None:
+    """vLLM 0.32 steps on while it holds any request, and an empty step sends its stats too: a
+    request waiting for its KV pull shows as waiting, and once its client leaves, as gone (review
+    of b18df07: the sim published only after steps that computed, so it showed 0 during the pull
+    and kept showing 1 after the abort)."""
+    stale = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "x",
+             "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}  # fmt: skip
+    async with SimServer(sim_config(role="decode", speedup=1.0, kv_transfer_gbps=0.001)) as sim:
+        sim.runner.submit(SimRequest("b", list(range(3000, 3300)), max_tokens=2, remote_prefill=stale))
+
+        async def waiting() -> float:
+            return one(parse(await scrape(sim)), "vllm:num_requests_waiting")
+
+        await until(lambda: bool(sim.engine.waiting), what="the pull to start")
+        assert await waiting() == 1  # old: 0 until a step computed something
+        sim.runner.abort("b")
+        for _ in range(100):
+            if await waiting() == 0:
+                break
+        assert await waiting() == 0  # old: 1 for good
