@@ -291,7 +291,7 @@ class EngineRunner:
                 self.cpu_s += time.perf_counter() - t0
                 # vLLM steps on while it holds any request (one pulling its KV, one waiting for
                 # room, one just aborted), and an empty step sends its scheduler stats too.
-                sched.stats.publish(len(sched.running), len(sched.waiting), sched.pool.usage)
+                sched.publish_stats()
                 await self._wake.wait()
                 next_at = self._poked_at
                 continue
@@ -318,7 +318,7 @@ class EngineRunner:
                     await asyncio.sleep(0)
             t1 = time.perf_counter()
             self._deliver(result, next_at)
-            sched.stats.publish(len(sched.running), len(sched.waiting), sched.pool.usage)
+            sched.publish_stats()
             events = sched.take_events()
             if events:
                 self.publisher.drop_fraction = self.faults.drop_event_fraction

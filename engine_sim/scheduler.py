@@ -214,6 +214,11 @@ class Scheduler:
     def take_events(self) -> list[Any]:
         return self.pool.take_events()
 
+    def publish_stats(self) -> None:
+        """A step ended (or found nothing to compute): its gauges and counters become what /metrics
+        shows (EngineStats.publish). The driver calls it, as only it knows when a step ends."""
+        self.stats.publish(len(self.running), len(self.waiting), self.pool.usage)
+
     def cached_block_prefixes(self) -> list[list[int]]:
         """For every block now in the prefix cache, the token ids from the start through that
         block (duplicates appear once per physical block)."""
@@ -434,7 +439,7 @@ class Scheduler:
                 computed = max(req.num_prompt_tokens - reported, 0)
                 # vLLM's PrefillStats.finalize: the prompt's cached blocks less those it found
                 cached = min(req.num_cached_blocks * self.block_size, req.num_prompt_tokens)
-                created = max(cached - req.num_hit_tokens - req.num_external_tokens, 0)
+                created = max(cached - found, 0)
             tok = req.sampler.token(len(out_ids))
             finish = None
             if req.stop_token_ids and tok in req.stop_token_ids:

@@ -208,7 +208,7 @@ class VirtualEngine:
                     self.clock.at(now + self.kv_lease_duration, self._expire_pin, rid)
             if sink is not None:
                 sink(out, now)
-        self.scheduler.stats.publish(self.running, self.waiting, self.kv_usage)  # what its /metrics shows
+        self.scheduler.publish_stats()  # what its /metrics shows
         events = self.scheduler.take_events()
         if events:
             self.on_events(events)
