@@ -57,11 +57,31 @@ worker's recent busy readings, running at both ends: a loaded /metrics is the sl
 stretch is dropped, counted (`dropped`), and said once at WARNING when DROPPED_WARN_AFTER were and
 none was fitted.
 
+Each window is weighed by how far its y can be from k_d x_d + k_p x_p: one reading's resolution
+(READ_ERROR_S) and each proxy's own error, DECODE_PROXY_ERROR of x_d and PREFILL_PROXY_ERROR of
+x_p. The decode proxy prices each step as the engine does, within a few percent; the prefill proxy
+prices the worker's average prompt where the attention term is quadratic in a prompt's length, so
+on prompts of 1 k to 100 k tokens a window's x_p is off by half or double, the more so the more
+prefill it holds. Weighed evenly, least squares let those windows trade the factors: decode workers
+serving the shipped trace fitted k_d of 0.2-0.8 and k_p of 1.4-2.5 against their own, right
+profile, so the room rule read their decode steps as up to five times faster than they ran. Weighed
+so, k_d comes from the windows whose decode the proxy prices well and k_p from the spread of the
+prefill-heavy ones (docs/benchmarks.md, "Self-calibration").
+
+Prefill in intervals before the worker had counted any prompt is priced when its window closes,
+at the average prompt counted by then, and weighed as a guess (LATE_PRICE_ERROR): vLLM counts a
+prompt's computed tokens when the request finishes, so a decode worker's first window holds
+prompts none of which is counted yet, and the first to finish need not be like them. Weighed as
+any other, that one window fitted k_p 0.1-0.3 against the worker's own profile in the multi-turn
+fleet; priced as the default prompt (n = mnbt, k = 0, what a worker that counts none is priced at)
+it did too.
+
 The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`), a pseudo-observation of
-each factor alone with weight `prior_weight_s` (in s^2, the units of x^2: one busy window outweighs
-it), and observations older than `half_life_s` weigh half; factors stay in [MIN_SCALE, MAX_SCALE]
-(a fit settled past them, CLAMP_WARN_BUSY_S busy seconds and CLAMP_WARN_FITS fits in a row, is said
-once at WARNING). A profile off by a constant factor is corrected exactly;
+each factor alone with weight `prior_weight` (in the weighed units: a pure decode window adds up to
+1 / DECODE_PROXY_ERROR^2 = 400, a pure prefill one 1 / PREFILL_PROXY_ERROR^2 = 4, so one window
+outweighs it), and observations older than `half_life_s` weigh half; factors stay in
+[MIN_SCALE, MAX_SCALE] (a fit settled past them, CLAMP_WARN_BUSY_S busy seconds and CLAMP_WARN_FITS
+fits in a row, is said once at WARNING). A profile off by a constant factor is corrected exactly;
 one of another model or GPU to first order (one factor for prefill, one for decode). `prior_scale`
 != 1 starts the router deliberately wrong (robustness runs). The proxies are first-order, and the
 factors absorb what they miss on average (averages of n and k stand for the mix of prompts). Before
@@ -116,6 +136,10 @@ NO_CONTEXT_WARN_AFTER = 20  # decoding readings without decode_context, and none
 DROPPED_WARN_AFTER = 5  # busy stretches dropped, and none ever fitted, before a warning
 CLAMP_WARN_FITS = 5  # fits in a row past the bounds before a warning
 CLAMP_WARN_BUSY_S = 60.0  # and busy seconds observed
+READ_ERROR_S = 0.25  # how far a window's busy time can be off: the engine is read every 0.25 s
+DECODE_PROXY_ERROR = 0.05  # x_d's relative error: it prices each step as the engine does
+PREFILL_PROXY_ERROR = 0.5  # x_p's: the average prompt stands for prompts of very different lengths
+LATE_PRICE_ERROR = 2.0  # and of prefill priced at prompts counted after it ran, not its own
 SPACINGS = 9  # busy intervals (running at both ends) whose median spacing is a worker's reading cadence
 
 
@@ -126,6 +150,9 @@ class _Window:
     y: float = 0.0
     x_d: float = 0.0
     x_p: float = 0.0
+    # Prefill of intervals before the worker had counted any prompt, priced when the window closes:
+    # (prefill tokens, steps, decode batch or 0)
+    unpriced: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -221,6 +248,20 @@ def _readable(engine_s: float, wall_s: float, contexts: tuple[float, float], max
     return max_model_len is None or max(contexts) <= max_model_len
 
 
+def _prefill_work(
+    shape: TimingModel, prompt: tuple[int, int] | None, mnbt: int, tokens: int, steps: int, batch: int
+) -> float:
+    """x_p of `tokens` prefilled over `steps` steps beside `batch` decodes (0: a prefill-only
+    engine), the worker's average prompt being `prompt` (new, cached), or one full chunk with no
+    context when it has counted none."""
+    new, cached = prompt if prompt is not None else (mnbt, 0)
+    if not batch:
+        chunk = tokens / steps
+        context = 0 if prompt is None else round(cached + max(new - chunk, 0) / 2)
+        return steps * shape.prefill(round(chunk), context)
+    return tokens * shape.marginal(new, cached, batch) / new
+
+
 @functools.cache
 def _known_profile(name: str) -> TimingModel | None:
     """The profile's model; None when this router cannot load it, said once and remembered: asked
@@ -234,8 +275,9 @@ def _known_profile(name: str) -> TimingModel | None:
 
 @dataclass(slots=True)
 class _Fit:
-    """Weighted least squares of y ~ k_d x_d + k_p x_p, with a prior and exponential forgetting:
-    the normal equations' sums decay by 2^(-dt / half_life)."""
+    """Weighted least squares of y ~ k_d x_d + k_p x_p, each window weighed by the inverse of its
+    expected squared error, with a prior and exponential forgetting: the normal equations' sums
+    decay by 2^(-dt / half_life)."""
 
     prior: float
     prior_weight: float
@@ -254,7 +296,8 @@ class _Fit:
         self.decode_scale = self.prefill_scale = self.prior
         self.estimate = (self.prior, self.prior)
 
-    def add(self, at: float, y: float, x_d: float, x_p: float, half_life_s: float) -> None:
+    def add(self, at: float, y: float, x_d: float, x_p: float, half_life_s: float, late_p: float = 0.0) -> None:
+        """One window; `late_p` of its x_p was priced late (`Calibration.observe`)."""
         if self.updated_at is not None:
             decay = 0.5 ** (max(at - self.updated_at, 0.0) / half_life_s)
             self.a11 *= decay
@@ -264,12 +307,19 @@ class _Fit:
             self.b2 *= decay
         self.updated_at = at
         self.busy_s += y
-        self.a11 += x_d * x_d
-        self.a12 += x_d * x_p
-        self.a22 += x_p * x_p
-        self.b1 += x_d * y
-        self.b2 += x_p * y
-        # The prior as pseudo-observations of each factor alone, weighted in seconds of evidence.
+        error = (
+            READ_ERROR_S,
+            DECODE_PROXY_ERROR * x_d,
+            PREFILL_PROXY_ERROR * (x_p - late_p),
+            LATE_PRICE_ERROR * late_p,
+        )
+        weight = 1.0 / sum(e * e for e in error)
+        self.a11 += weight * x_d * x_d
+        self.a12 += weight * x_d * x_p
+        self.a22 += weight * x_p * x_p
+        self.b1 += weight * x_d * y
+        self.b2 += weight * x_p * y
+        # The prior as pseudo-observations of each factor alone.
         w, k0 = self.prior_weight, self.prior
         a11, a22, a12 = self.a11 + w, self.a22 + w, self.a12
         b1, b2 = self.b1 + w * k0, self.b2 + w * k0
@@ -292,16 +342,16 @@ class Calibration:
         *,
         default_profile: str = DEFAULT_PROFILE,
         prior_scale: float = 1.0,
-        prior_weight_s: float = 0.05,
+        prior_weight: float = 0.05,
         half_life_s: float = 120.0,
     ) -> None:
         if not MIN_SCALE <= prior_scale <= MAX_SCALE:
             raise ValueError(f"prior_scale must be in [{MIN_SCALE}, {MAX_SCALE}], got {prior_scale}")
-        if prior_weight_s <= 0 or half_life_s <= 0:
-            raise ValueError("prior_weight_s and half_life_s must be > 0")
+        if prior_weight <= 0 or half_life_s <= 0:
+            raise ValueError("prior_weight and half_life_s must be > 0")
         self.default_profile = default_profile
         self.prior_scale = prior_scale
-        self.prior_weight_s = prior_weight_s
+        self.prior_weight = prior_weight
         self.half_life_s = half_life_s
         self._last: dict[str, LoadReport] = {}
         self._windows: dict[str, _Window] = {}
@@ -393,18 +443,26 @@ class Calibration:
         window = self._windows.get(worker)
         if window is None or not started:
             window = self._windows[worker] = _Window()
-        x_d, x_p = self._work(info, shape, prev, report)
+        prompt = self._prompt(worker, prev, report)
+        x_d, prefill = self._work(info, shape, prev, report)
+        mnbt = info.max_num_batched_tokens or FULL_BATCH_TOKENS
+        if prefill is not None and prompt is None:
+            window.unpriced.append(prefill)  # priced when the window closes, when its prompts may be counted
+        elif prefill is not None:
+            window.x_p += _prefill_work(shape, prompt, mnbt, *prefill)
         window.y += y if started and running else y / 2  # started or went idle within: half, expected
         window.x_d += x_d
-        window.x_p += x_p
-        worked = window.x_d > 0 or window.x_p > 0  # a window that counted nothing yet holds on
+        worked = window.x_d > 0 or window.x_p > 0 or bool(window.unpriced)  # one that counted nothing holds on
         if not running or (worked and window.y >= WINDOW_S):
             del self._windows[worker]
             if worked:
+                prompt = self._prompts[worker].mean()  # as counted by now
+                priced = sum(_prefill_work(shape, prompt, mnbt, *p) for p in window.unpriced)
+                late_p = priced if prompt is not None else 0.0  # else the default, as for any worker counting none
                 fit = self._fits.get(worker)
                 if fit is None:
-                    fit = self._fits[worker] = _Fit(self.prior_scale, self.prior_weight_s)
-                fit.add(report.ts, window.y, window.x_d, window.x_p, self.half_life_s)
+                    fit = self._fits[worker] = _Fit(self.prior_scale, self.prior_weight)
+                fit.add(report.ts, window.y, window.x_d, window.x_p + priced, self.half_life_s, late_p)
                 self._warn_clamped(info, fit)
 
     def _drop(self, worker: str, busy: bool, why: str) -> None:
@@ -455,12 +513,14 @@ class Calibration:
             prompts.add(n, new, cached)
         return prompts.mean()
 
-    def _work(self, info: WorkerInfo, shape: TimingModel, prev: LoadReport, report: LoadReport) -> tuple[float, float]:
-        """(x_d, x_p) of the interval: its decode and prefill work in units of the profile."""
-        prompt = self._prompt(info.worker, prev, report)
+    def _work(
+        self, info: WorkerInfo, shape: TimingModel, prev: LoadReport, report: LoadReport
+    ) -> tuple[float, tuple[int, int, int] | None]:
+        """The interval's decode work x_d in units of the profile, and its prefill to price
+        (`_prefill_work`): (prefill tokens, steps, decode batch or 0), None without any."""
         steps = report.iterations - prev.iterations
         if steps <= 0:
-            return 0.0, 0.0
+            return 0.0, None
         decode_tokens = max(report.itl_count - prev.itl_count, 0)
         # A step's tokens are what it prefilled and what it generated; under speculative decoding a
         # request generates several per step but counts one ITL. A shim before generation_tokens: ITLs.
@@ -469,12 +529,8 @@ class Calibration:
         if not report.generation_tokens or not 0 <= generated <= report.iteration_tokens - prev.iteration_tokens:
             generated = decode_tokens
         prefill_tokens = max(report.iteration_tokens - prev.iteration_tokens - generated, 0)
-        mnbt = info.max_num_batched_tokens or FULL_BATCH_TOKENS
-        new, cached = prompt if prompt is not None else (mnbt, 0)
         if not decode_tokens:
-            chunk = prefill_tokens / steps
-            context = 0 if prompt is None else round(cached + max(new - chunk, 0) / 2)
-            return 0.0, steps * shape.prefill(round(chunk), context)
+            return 0.0, (prefill_tokens, steps, 0) if prefill_tokens else None
         at = report if report.running > 0 else prev  # went idle: the last busy reading's context
         context_d = at.decode_context
         if context_d:
@@ -490,7 +546,7 @@ class Calibration:
                     info.worker,
                 )
         batch = max(round(decode_tokens / steps), 1)
-        return steps * shape.decode(batch, context_d), prefill_tokens * shape.marginal(new, cached, batch) / new
+        return steps * shape.decode(batch, context_d), (prefill_tokens, steps, batch) if prefill_tokens else None
 
     def timing(self, info: WorkerInfo) -> WorkerTiming | None:
         """The worker's fitted timing; None when its profile is unknown here."""
