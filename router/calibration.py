@@ -49,7 +49,8 @@ Windows, not single intervals, because vLLM counts a prompt's tokens when its fi
 out (and only steps with outputs), not while its chunks run: the tokens of a long prompt land in a
 later interval than most of its compute. A window sums the intervals of one busy stretch (`running`
 > 0 at either end) until the engine goes idle, or until it holds WINDOW_S of busy time and some
-counted work, and is one observation: over a window that starts and ends idle every token is
+counted work and no request is still prefilling (more running than decoding; MAX_WINDOW_S at most),
+and is one observation: over a window that starts and ends idle every token is
 counted inside it, and a long one splits few prompts at its edges. The interval in which the
 engine started (or went idle) counts half its length, the expected busy part, unless reports went
 missing around it (a gap over MAX_GAP_PERIODS report periods, or times the median spacing of the
@@ -129,6 +130,7 @@ log = logging.getLogger(__name__)
 MIN_SCALE = 0.2
 MAX_SCALE = 5.0
 WINDOW_S = 10.0
+MAX_WINDOW_S = 40.0  # a window held open for a prompt in flight closes anyway past this
 MAX_GAP_PERIODS = 2.0
 PROMPT_INTERVALS = 40  # intervals with prompts the average prompt is summed over
 FULL_BATCH_TOKENS = 8192  # a worker's prefill batch when it registered no max_num_batched_tokens
@@ -153,6 +155,13 @@ class _Window:
     # Prefill of intervals before the worker had counted any prompt, priced when the window closes:
     # (prefill tokens, steps, decode batch or 0)
     unpriced: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def _weight(x_d: float, x_p: float, late_p: float) -> float:
+    """The inverse of a window's expected squared error: the reading's resolution, each proxy's
+    error, and that of prefill priced late (`late_p` of x_p)."""
+    errors = (READ_ERROR_S, DECODE_PROXY_ERROR * x_d, PREFILL_PROXY_ERROR * (x_p - late_p), LATE_PRICE_ERROR * late_p)
+    return 1.0 / sum(e * e for e in errors)
 
 
 @dataclass(slots=True)
@@ -296,8 +305,7 @@ class _Fit:
         self.decode_scale = self.prefill_scale = self.prior
         self.estimate = (self.prior, self.prior)
 
-    def add(self, at: float, y: float, x_d: float, x_p: float, half_life_s: float, late_p: float = 0.0) -> None:
-        """One window; `late_p` of its x_p was priced late (`Calibration.observe`)."""
+    def add(self, at: float, y: float, x_d: float, x_p: float, half_life_s: float, weight: float = 1.0) -> None:
         if self.updated_at is not None:
             decay = 0.5 ** (max(at - self.updated_at, 0.0) / half_life_s)
             self.a11 *= decay
@@ -307,13 +315,6 @@ class _Fit:
             self.b2 *= decay
         self.updated_at = at
         self.busy_s += y
-        error = (
-            READ_ERROR_S,
-            DECODE_PROXY_ERROR * x_d,
-            PREFILL_PROXY_ERROR * (x_p - late_p),
-            LATE_PRICE_ERROR * late_p,
-        )
-        weight = 1.0 / sum(e * e for e in error)
         self.a11 += weight * x_d * x_d
         self.a12 += weight * x_d * x_p
         self.a22 += weight * x_p * x_p
@@ -453,7 +454,11 @@ class Calibration:
         window.y += y if started and running else y / 2  # started or went idle within: half, expected
         window.x_d += x_d
         worked = window.x_d > 0 or window.x_p > 0 or bool(window.unpriced)  # one that counted nothing holds on
-        if not running or (worked and window.y >= WINDOW_S):
+        if (
+            not running
+            or (worked and window.y >= WINDOW_S and not self._prefilling(prev, report))
+            or (window.y >= MAX_WINDOW_S)
+        ):
             del self._windows[worker]
             if worked:
                 prompt = self._prompts[worker].mean()  # as counted by now
@@ -462,8 +467,19 @@ class Calibration:
                 fit = self._fits.get(worker)
                 if fit is None:
                     fit = self._fits[worker] = _Fit(self.prior_scale, self.prior_weight)
-                fit.add(report.ts, window.y, window.x_d, window.x_p + priced, self.half_life_s, late_p)
+                x_p = window.x_p + priced
+                fit.add(report.ts, window.y, window.x_d, x_p, self.half_life_s, _weight(window.x_d, x_p, late_p))
                 self._warn_clamped(info, fit)
+
+    @staticmethod
+    def _prefilling(prev: LoadReport, report: LoadReport) -> bool:
+        """Whether the engine holds a request still prefilling: more running than the interval
+        decoded per step. vLLM counts a prompt's tokens at its first token, so a window closed
+        meanwhile would hold the prompt's time but not its work (a decode worker's 80 k-token prompt
+        made two 10 s windows of x_p 0, and the fit read k_d 2.2 and k_p -1.2 from them)."""
+        steps = report.iterations - prev.iterations
+        decoding = (report.itl_count - prev.itl_count) / steps if steps > 0 else 0.0
+        return report.running > math.ceil(decoding)
 
     def _drop(self, worker: str, busy: bool, why: str) -> None:
         """The current busy stretch cannot be read: it is dropped, counted, and said once when a

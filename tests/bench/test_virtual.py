@@ -16,6 +16,7 @@ from types import FrameType, MethodType, ModuleType
 import msgspec
 import pytest
 
+from bench.calibration_check import Fits
 from bench.compare import CONFIGURATIONS, CompareSpec, run_compare
 from bench.trace import TokenSynth, load_trace, shipped_trace
 from bench.virtual.clock import VirtualClock
@@ -355,15 +356,18 @@ def test_decode_workers_serving_a_shared_prefix_fit_their_own_profile() -> None:
 def test_decode_workers_serving_the_trace_fit_their_own_decode_speed() -> None:
     # The trace's prompts run from 1 k to 100 k tokens, so the calibration's prefill proxy (the
     # average prompt) errs by half or double in a window. Weighed evenly, those windows traded the
-    # factors: here two decode workers fitted k_d 0.81 and 0.90 on their own profile.
+    # factors: here the decode workers' fits were 7% off in k_d (RMS of log k), and up to 5x on the
+    # whole trace.
     items = from_trace(load_trace(shipped_trace(), start_s=0, limit=400))
     settings = settings_from_args(CONFIGURATIONS["slo_aware"].router_args)
     fleet = _fleet(prefill=1, decode=4, routers=1, settings=settings, max_model_len=131072, profile=PROFILE)
-    fleet.run(items, TokenSynth(0))
     calibration = fleet.routers[0].planner.calibration
     assert calibration is not None
-    fitted = {w: k_d for w, (k_d, _, _) in calibration.factors().items() if w.startswith("decode")}
-    assert len(fitted) == 4 and all(k == pytest.approx(1.0, abs=0.06) for k in fitted.values()), fitted
+    fits = Fits(lambda: fleet.clock.now)
+    fits.watch(calibration)
+    fleet.run(items, TokenSynth(0))
+    k_d, _, n = fits.rms_log("decode")
+    assert n > 40 and k_d < 0.05, (k_d, n)
 
 
 def test_the_shims_credit_checks_find_the_engines_reusing_what_they_promised() -> None:

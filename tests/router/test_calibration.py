@@ -337,6 +337,34 @@ def test_prefill_before_any_prompt_was_counted_is_priced_at_the_prompts_counted_
     assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.0, 1.0), rel=0.005)
 
 
+def test_a_window_holds_open_while_a_long_prompt_prefills_beside_decodes() -> None:
+    # vLLM counts a prompt's tokens at its first token. A decode worker prefilling an 80 k-token
+    # prompt beside a few decodes for longer than a window: closed meanwhile, a window held the
+    # prompt's time with none of its work, and the fit read it as slow decoding (k_d 2.2, k_p -1.2
+    # on the trace's decode workers under `ttft_model`).
+    cal, info = Calibration(), _info()
+    engine = CachedContextEngine(1.0, 1.0, seed=4)
+    cal.observe(info, engine.report(running=1, context=4096))
+    decodes, steps, new, chunk = 4, 40, 80_000, MNBT - 4
+    for _ in range(12):
+        done = 0
+        while done < new:  # the prompt's chunks: decodes count, the prompt does not yet
+            n = min(chunk, new - done)
+            engine.ts += steps * SHAPE.decode(decodes, 8192) + SHAPE.marginal(n, done, decodes)
+            engine.iterations += steps
+            engine.iteration_tokens += decodes * steps
+            engine.itl_count += decodes * steps
+            done += n
+            cal.observe(info, engine.report(running=decodes + 1, context=8192))
+        engine.prompts += 1  # its first token: vLLM counts it all now
+        engine.computed += new
+        engine.iteration_tokens += new
+        for _ in range(10):  # then decoding alone for a while
+            cal.observe(info, engine.prompt_interval(running=decodes, context=8192, prompts=0, new=1, cached=0))
+    t = _fitted(cal, info)
+    assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.0, 1.0), rel=0.1)
+
+
 class SharedPrefixEngine(SyntheticEngine):
     """Every running sequence shares one `shared`-token prefix, held once in the KV cache."""
 
