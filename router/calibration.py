@@ -67,15 +67,17 @@ prefill it holds. Weighed evenly, least squares let those windows trade the fact
 serving the shipped trace fitted k_d of 0.2-0.8 and k_p of 1.4-2.5 against their own, right
 profile, so the room rule read their decode steps as up to five times faster than they ran. Weighed
 so, k_d comes from the windows whose decode the proxy prices well and k_p from the spread of the
-prefill-heavy ones (docs/benchmarks.md, "Self-calibration").
+prefill-heavy ones. The cost is a prefill worker's: its many short windows now count, and y reads
+each a first chunk short (`running` shows a prompt only once that chunk's step has ended), so its
+k_p fits some 13% low on the trace (docs/benchmarks.md, "Self-calibration").
 
 Prefill in intervals before the worker had counted any prompt is priced when its window closes,
 at the average prompt counted by then, and weighed as a guess (LATE_PRICE_ERROR): vLLM counts a
-prompt's computed tokens when the request finishes, so a decode worker's first window holds
-prompts none of which is counted yet, and the first to finish need not be like them. Weighed as
-any other, that one window fitted k_p 0.1-0.3 against the worker's own profile in the multi-turn
-fleet; priced as the default prompt (n = mnbt, k = 0, what a worker that counts none is priced at)
-it did too.
+prompt's computed tokens when the request finishes, so a decode worker's first window holds prompts
+none of which is counted yet. Priced as the default prompt (n = mnbt, k = 0) instead, on windows
+as collinear as a decode worker's (a steady tenth of prefill each), that one guess kept k_p 1.4%
+off for good in tests/router/test_calibration.py. A worker that has counted none by then is priced
+on the default, as one that exports no prompt counters always is.
 
 The fit starts from the prior (k_d, k_p) = (`prior_scale`, `prior_scale`), a pseudo-observation of
 each factor alone with weight `prior_weight` (in the weighed units: a pure decode window adds up to
@@ -454,11 +456,8 @@ class Calibration:
         window.y += y if started and running else y / 2  # started or went idle within: half, expected
         window.x_d += x_d
         worked = window.x_d > 0 or window.x_p > 0 or bool(window.unpriced)  # one that counted nothing holds on
-        if (
-            not running
-            or (worked and window.y >= WINDOW_S and not self._prefilling(prev, report))
-            or (window.y >= MAX_WINDOW_S)
-        ):
+        full = window.y >= MAX_WINDOW_S or (window.y >= WINDOW_S and not self._prefilling(prev, report))
+        if not running or (worked and full):
             del self._windows[worker]
             if worked:
                 prompt = self._prompts[worker].mean()  # as counted by now

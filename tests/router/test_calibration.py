@@ -14,6 +14,7 @@ from protocol.timing import DEFAULT_PROFILE, TimingModel
 from router.calibration import (
     DROPPED_WARN_AFTER,
     MAX_SCALE,
+    MAX_WINDOW_S,
     MIN_SCALE,
     NO_CONTEXT_WARN_AFTER,
     WINDOW_S,
@@ -363,6 +364,30 @@ def test_a_window_holds_open_while_a_long_prompt_prefills_beside_decodes() -> No
             cal.observe(info, engine.prompt_interval(running=decodes, context=8192, prompts=0, new=1, cached=0))
     t = _fitted(cal, info)
     assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.0, 1.0), rel=0.1)
+
+
+def test_a_prompt_longer_than_any_window_is_fitted_whole() -> None:
+    # One prompt keeps a prefill engine busy for 72 s and is counted only at its first token: the
+    # window that holds its time must still be open then (closed at MAX_WINDOW_S with nothing
+    # counted, its time would be lost and the prompt read five times faster than it ran).
+    cal, info = Calibration(), _info()
+    tokens, k_p = 400_000, 3.0  # an engine three times slower than its profile
+    busy = k_p * SHAPE.prefill(tokens)
+    assert busy > 1.5 * MAX_WINDOW_S
+    t, period, counted = 0.0, 0.5, 0
+    cal.observe(info, LoadReport(worker="w", ts=t, running=0, period_s=period))
+    for _ in range(3):
+        end = t + busy
+        while t < end:
+            t = min(t + period, end)
+            if t == end:
+                counted += 1
+            cal.observe(info, LoadReport(worker="w", ts=t, running=0 if t == end else 1, period_s=period,
+                                         iterations=counted, iteration_tokens=counted * (tokens + 1)))  # fmt: skip
+        t += 5.0
+        cal.observe(info, LoadReport(worker="w", ts=t, running=0, period_s=period, iterations=counted,
+                                     iteration_tokens=counted * (tokens + 1)))  # fmt: skip
+    assert _fitted(cal, info).prefill_scale == pytest.approx(k_p, rel=0.1)
 
 
 class SharedPrefixEngine(SyntheticEngine):
