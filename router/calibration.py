@@ -473,12 +473,16 @@ class Calibration:
     @staticmethod
     def _prefilling(prev: LoadReport, report: LoadReport) -> bool:
         """Whether the engine holds a request still prefilling: more running than the interval
-        decoded per step. vLLM counts a prompt's tokens at its first token, so a window closed
-        meanwhile would hold the prompt's time but not its work (a decode worker's 80 k-token prompt
-        made two 10 s windows of x_p 0, and the fit read k_d 2.2 and k_p -1.2 from them)."""
+        decoded per step, less the requests that finished in it (they decoded, and have left
+        `running`; vLLM counts a request's prefill figures when it finishes, so `prefill_requests`
+        moves with them: a shim without prompt counters leaves a finish uncounted, and a prompt
+        beside it unseen for that interval). vLLM counts a prompt's tokens at its first token, so a
+        window closed meanwhile would hold the prompt's time but not its work (a decode worker's
+        80 k-token prompt made two 10 s windows of x_p 0, and the fit read k_d 2.2 and k_p -1.2)."""
         steps = report.iterations - prev.iterations
         decoding = (report.itl_count - prev.itl_count) / steps if steps > 0 else 0.0
-        return report.running > math.ceil(decoding)
+        finished = max(report.prefill_requests - prev.prefill_requests, 0)
+        return report.running > max(math.ceil(decoding) - finished, 0)
 
     def _drop(self, worker: str, busy: bool, why: str) -> None:
         """The current busy stretch cannot be read: it is dropped, counted, and said once when a

@@ -366,6 +366,39 @@ def test_a_window_holds_open_while_a_long_prompt_prefills_beside_decodes() -> No
     assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.0, 1.0), rel=0.1)
 
 
+def test_a_window_holds_open_over_a_long_prompt_while_the_decodes_beside_it_finish() -> None:
+    # As above, but a decode finishes in every interval the prompt prefills: it decoded in the
+    # interval and has left `running`, so it must not hide the prompt still in flight (before, the
+    # window closed at 10 s with x_p 0 and the fit read k_d 2.6, k_p 0.2).
+    cal, info = Calibration(), _info()
+    engine = CachedContextEngine(1.0, 1.0, seed=4)
+    cal.observe(info, engine.report(running=1, context=4096))
+    new, chunk = 80_000, MNBT - 16
+    for _ in range(12):
+        decodes, done = 16, 0
+        while done < new:
+            n = min(chunk, new - done)
+            left = decodes - 1 if decodes > 2 else decodes  # one finishes halfway through the interval
+            engine.ts += (
+                20 * SHAPE.decode(decodes, 8192) + 20 * SHAPE.decode(left, 8192) + SHAPE.marginal(n, done, left)
+            )
+            engine.iterations += 40
+            engine.iteration_tokens += 20 * (decodes + left)
+            engine.itl_count += 20 * (decodes + left)
+            if left < decodes:  # vLLM counts the finished request's prefill figures now: an earlier long prompt
+                engine.prompts += 1
+                engine.computed += new
+            done, decodes = done + n, left
+            cal.observe(info, engine.report(running=decodes + 1, context=8192))
+        engine.prompts += 1
+        engine.computed += new
+        engine.iteration_tokens += new
+        for _ in range(10):
+            cal.observe(info, engine.prompt_interval(running=16, context=8192, prompts=0, new=1, cached=0))
+    t = _fitted(cal, info)
+    assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.0, 1.0), rel=0.1)
+
+
 def test_a_prompt_longer_than_any_window_is_fitted_whole() -> None:
     # One prompt keeps a prefill engine busy for 72 s and is counted only at its first token: the
     # window that holds its time must still be open then (closed at MAX_WINDOW_S with nothing
