@@ -338,63 +338,39 @@ def test_prefill_before_any_prompt_was_counted_is_priced_at_the_prompts_counted_
     assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.0, 1.0), rel=0.005)
 
 
-def test_a_window_holds_open_while_a_long_prompt_prefills_beside_decodes() -> None:
+@pytest.mark.parametrize(("decodes", "draining"), [(4, False), (16, True)])
+def test_a_window_holds_open_while_a_long_prompt_prefills_beside_decodes(decodes: int, draining: bool) -> None:
     # vLLM counts a prompt's tokens at its first token. A decode worker prefilling an 80 k-token
-    # prompt beside a few decodes for longer than a window: closed meanwhile, a window held the
-    # prompt's time with none of its work, and the fit read it as slow decoding (k_d 2.2, k_p -1.2
-    # on the trace's decode workers under `ttft_model`).
+    # prompt beside decodes for longer than a window: closed meanwhile, a window held the prompt's
+    # time with none of its work, and the fit read it as slow decoding (k_d 2.2, k_p -1.2 on the
+    # trace's decode workers under `ttft_model`). Draining: a decode finishes in every interval; it
+    # decoded there and has left `running`, so it must not hide the prompt still in flight (before,
+    # the window closed at 10 s with x_p 0 and the fit read k_d 2.6, k_p 0.2).
     cal, info = Calibration(), _info()
     engine = CachedContextEngine(1.0, 1.0, seed=4)
     cal.observe(info, engine.report(running=1, context=4096))
-    decodes, steps, new, chunk = 4, 40, 80_000, MNBT - 4
+    new, chunk = 80_000, MNBT - decodes
     for _ in range(12):
-        done = 0
+        running, done = decodes, 0
         while done < new:  # the prompt's chunks: decodes count, the prompt does not yet
             n = min(chunk, new - done)
-            engine.ts += steps * SHAPE.decode(decodes, 8192) + SHAPE.marginal(n, done, decodes)
-            engine.iterations += steps
-            engine.iteration_tokens += decodes * steps
-            engine.itl_count += decodes * steps
-            done += n
-            cal.observe(info, engine.report(running=decodes + 1, context=8192))
+            left = running - 1 if draining and running > 2 else running  # one finishes halfway through
+            engine.ts += (
+                20 * SHAPE.decode(running, 8192) + 20 * SHAPE.decode(left, 8192) + SHAPE.marginal(n, done, left)
+            )
+            engine.iterations += 40
+            engine.iteration_tokens += 20 * (running + left)
+            engine.itl_count += 20 * (running + left)
+            if left < running:  # vLLM counts the finished request's prefill figures now: an earlier long prompt
+                engine.prompts += 1
+                engine.computed += new
+            done, running = done + n, left
+            cal.observe(info, engine.report(running=running + 1, context=8192))
         engine.prompts += 1  # its first token: vLLM counts it all now
         engine.computed += new
         engine.iteration_tokens += new
         for _ in range(10):  # then decoding alone for a while
             cal.observe(info, engine.prompt_interval(running=decodes, context=8192, prompts=0, new=1, cached=0))
-    t = _fitted(cal, info)
-    assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.0, 1.0), rel=0.1)
-
-
-def test_a_window_holds_open_over_a_long_prompt_while_the_decodes_beside_it_finish() -> None:
-    # As above, but a decode finishes in every interval the prompt prefills: it decoded in the
-    # interval and has left `running`, so it must not hide the prompt still in flight (before, the
-    # window closed at 10 s with x_p 0 and the fit read k_d 2.6, k_p 0.2).
-    cal, info = Calibration(), _info()
-    engine = CachedContextEngine(1.0, 1.0, seed=4)
-    cal.observe(info, engine.report(running=1, context=4096))
-    new, chunk = 80_000, MNBT - 16
-    for _ in range(12):
-        decodes, done = 16, 0
-        while done < new:
-            n = min(chunk, new - done)
-            left = decodes - 1 if decodes > 2 else decodes  # one finishes halfway through the interval
-            engine.ts += (
-                20 * SHAPE.decode(decodes, 8192) + 20 * SHAPE.decode(left, 8192) + SHAPE.marginal(n, done, left)
-            )
-            engine.iterations += 40
-            engine.iteration_tokens += 20 * (decodes + left)
-            engine.itl_count += 20 * (decodes + left)
-            if left < decodes:  # vLLM counts the finished request's prefill figures now: an earlier long prompt
-                engine.prompts += 1
-                engine.computed += new
-            done, decodes = done + n, left
-            cal.observe(info, engine.report(running=decodes + 1, context=8192))
-        engine.prompts += 1
-        engine.computed += new
-        engine.iteration_tokens += new
-        for _ in range(10):
-            cal.observe(info, engine.prompt_interval(running=16, context=8192, prompts=0, new=1, cached=0))
     t = _fitted(cal, info)
     assert (t.decode_scale, t.prefill_scale) == pytest.approx((1.0, 1.0), rel=0.1)
 
