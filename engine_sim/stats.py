@@ -55,6 +55,11 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
+    def copy(self) -> Histogram:
+        out = Histogram(self.bounds)
+        out.counts, out.sum = list(self.counts), self.sum
+        return out
+
     @property
     def count(self) -> int:
         return sum(self.counts)
@@ -126,9 +131,6 @@ class EngineStats:
 
     def publish(self, running: int, waiting: int, kv_usage: float) -> None:
         """A step ended: its gauges (after it) and every step counter so far become what /metrics shows."""
-        it = self.iteration_tokens
-        shown = Histogram(it.bounds)
-        shown.counts, shown.sum = list(it.counts), it.sum
         self.published = StepSeries(
             running=running,
             waiting=waiting,
@@ -143,5 +145,5 @@ class EngineStats:
             prompt_tokens_cache_hit=self.prompt_tokens_cache_hit,
             external_kv_tokens=self.external_kv_tokens,
             generation_tokens=self.generation_tokens,
-            iteration_tokens=shown,
+            iteration_tokens=self.iteration_tokens.copy(),
         )

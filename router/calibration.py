@@ -49,7 +49,8 @@ Windows, not single intervals, because vLLM counts a prompt's tokens when its fi
 out (and only steps with outputs), not while its chunks run: the tokens of a long prompt land in a
 later interval than most of its compute. A window sums the intervals of one busy stretch (`running`
 > 0 at either end) until the engine goes idle, or until it holds WINDOW_S of busy time and some
-counted work and no request is still prefilling (more running than decoding; MAX_WINDOW_S at most),
+counted work and no request is still prefilling (more running than decoding, less those that
+finished; MAX_WINDOW_S at most),
 and is one observation: over a window that starts and ends idle every token is
 counted inside it, and a long one splits few prompts at its edges. The interval in which the
 engine started (or went idle) counts half its length, the expected busy part, unless reports went
@@ -307,7 +308,7 @@ class _Fit:
         self.decode_scale = self.prefill_scale = self.prior
         self.estimate = (self.prior, self.prior)
 
-    def add(self, at: float, y: float, x_d: float, x_p: float, half_life_s: float, weight: float = 1.0) -> None:
+    def add(self, at: float, y: float, x_d: float, x_p: float, half_life_s: float, weight: float) -> None:
         if self.updated_at is not None:
             decay = 0.5 ** (max(at - self.updated_at, 0.0) / half_life_s)
             self.a11 *= decay

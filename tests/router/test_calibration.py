@@ -21,6 +21,7 @@ from router.calibration import (
     Calibration,
     WorkerTiming,
     _Fit,
+    _weight,
     timing_of,
 )
 
@@ -630,7 +631,7 @@ def test_a_fit_past_the_bounds_for_a_window_or_two_is_not_said(caplog: pytest.Lo
     # two windows that disagree, then the truth (1, 1) from windows of mixed work
     windows = [(6.0, 3.0, 3.0), (8.0, 4.0, 1.0)] + [(6.0, 5.0, 1.0), (6.0, 1.0, 5.0)] * 20
     for i, (y, x_d, x_p) in enumerate(windows):
-        fit.add(float(i), y, x_d, x_p, cal.half_life_s)
+        fit.add(float(i), y, x_d, x_p, cal.half_life_s, _weight(x_d, x_p, 0.0))
         cal._warn_clamped(info, fit)
         if i == 1:  # out, for a moment, with more than a window's busy time seen
             assert not MIN_SCALE <= fit.estimate[1] <= MAX_SCALE and fit.busy_s >= WINDOW_S, fit.estimate
