@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -17,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from kvswitch.servers import free_port
-from protocol.vllm_events import END_SEQ, decode_pub_frames
+from protocol.vllm_events import END_SEQ, BlockStored, decode_pub_frames, encode_batch
 from tests.protocol.vllm_captures import expected_set, pub_frames, replay_frames
 from tests.worker_shim.cluster import wait_for
 from worker_shim import EngineBatch, EngineStored, Normaliser
@@ -134,6 +135,150 @@ async def test_batches_the_pub_dropped_before_the_subscription_arrived_are_fetch
         await wait_for(lambda: source._last == 3, SETTLE_S + 3, "the dropped batches fetched")
         assert stand_in.replay_requests == [0, 0], "the start's replay, then the settled connection's"
         assert norm.canonical_hashes() == expected_set(published, 32)
+
+
+class BufferedEngine(StandIn):
+    """A stand-in publishing a chain of blocks of its own, one per batch, whose replay buffer holds
+    only the last `buffer` batches (vLLM: deque(maxlen=buffer_steps)), and whose PUB's link can drop
+    while the engine goes on or restarts."""
+
+    def __init__(self, pub_binds: bool) -> None:
+        super().__init__("bs32", pub_binds)
+        self.buffer: int | None = None  # None: every batch of the run
+        self.run = 0
+
+    async def serve_replay(self) -> None:
+        while True:
+            ident, _, seq_frame = await self.router.recv_multipart()
+            start = int.from_bytes(seq_frame, "big")
+            self.replay_requests.append(start)
+            for f in self.sent[-self.buffer :] if self.buffer else self.sent:
+                if decode_pub_frames(f)[1] >= start:
+                    await self.router.send_multipart([ident, b"", *f])
+            await self.router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+
+    async def store(self, n: int, *, live: bool = True) -> None:
+        """`n` more blocks extending the run's chain; `live=False`: buffered, never sent live."""
+        for _ in range(n):
+            seq = len(self.sent)
+            h = (self.run << 32) + seq + 1  # another run stores other blocks
+            stored = BlockStored(
+                block_hashes=[h], parent_block_hash=h - 1 if seq else None, token_ids=[h % 4096] * 32, block_size=32
+            )
+            frames = [b"kv-events", seq.to_bytes(8, "big"), encode_batch(time.time(), [stored])]
+            self.sent.append(frames)
+            if live:
+                await self.pub.send_multipart(frames)
+
+    def restart(self) -> None:
+        self.run, self.sent, self.buffer = self.run + 1, [], None
+
+    def drop_link(self) -> None:
+        self.pub.close(linger=0)
+
+    async def link(self) -> None:
+        self.pub = self.ctx.socket(zmq.PUB)
+        if not self.pub_binds:
+            self.connect_pub()
+            return
+        deadline = time.monotonic() + 5
+        while True:
+            try:  # the closed socket frees its port in ZMQ's I/O thread, a moment later
+                self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+                return
+            except zmq.ZMQError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.02)
+
+
+@pytest.fixture(params=[True, False], ids=["engine-binds", "engine-connects"])
+async def engine(request: pytest.FixtureRequest) -> AsyncIterator[BufferedEngine]:
+    e = BufferedEngine(pub_binds=request.param)
+    yield e
+    e.close()
+
+
+async def test_a_reconnect_to_the_same_engine_run_keeps_the_index_though_its_buffer_wrapped(
+    engine: BufferedEngine,
+) -> None:
+    """Audit: every reconnection rebuilt from a replay from 0. A long-lived engine's buffer no longer
+    starts at 0, so the rebuild reset to a partial state, the replayed blocks' parents were just
+    forgotten (dropped), and so was every later block extending a cached prefix until the engine
+    restarted. The replay holds seq `last` with the payload received live: the run goes on."""
+    await engine.store(20, live=False)  # before the shim: its start's replay delivers them
+    async with connected(engine) as (source, norm):
+        assert (source._last, len(norm), norm.exact) == (19, 20, True)
+        engine.buffer = 4  # wrapped: seq 16..19 only
+        engine.drop_link()  # a network blip; the engine runs on
+        await engine.link()
+        await wait_for(lambda: source.stats.reconnects == 1, 5, "the SUB reconnected")
+        await engine.store(1)  # seq 20, extending the chain (fetched by the settle probe if dropped)
+        await wait_for(lambda: source._last == 20, SETTLE_S + 3, "seq 20 delivered")
+        assert (len(norm), norm.exact, norm.stats.unknown_parent) == (21, True, 0)
+        assert (source.stats.gaps, source.stats.replay_failures) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("batches", "buffer", "exact"),
+    [(5, None, True), (25, None, True), (30, 4, False)],
+    ids=["seq-went-back", "new-run-past-last", "new-run-past-last-buffer-wrapped"],
+)
+async def test_a_reconnect_to_a_restarted_engine_still_rebuilds(
+    engine: BufferedEngine, batches: int, buffer: int | None, exact: bool
+) -> None:
+    """A restart while the link was down: the replay lacks seq `last`, or holds another run's
+    batch there (its payload differs, if only by its timestamp), so the shim rebuilds from 0."""
+    await engine.store(20, live=False)
+    async with connected(engine) as (source, norm):
+        assert (source._last, len(norm)) == (19, 20)
+        engine.drop_link()
+        engine.restart()
+        await engine.store(batches, live=False)  # published while the link was down
+        engine.buffer = buffer
+        await engine.link()
+        await wait_for(lambda: source._last == batches - 1, 5, "the new run's last seq delivered")
+        assert source.stats.reconnects == 1
+        assert norm.exact is exact
+        # Only the new run: all of it from seq 0, or nothing (a wrapped buffer lacks its root).
+        assert len(norm) == (batches if exact else 0)
+
+
+async def test_a_probe_whose_replay_starts_past_the_next_seq_counts_the_gap_and_resets(
+    engine: BufferedEngine,
+) -> None:
+    """Audit: the probe delivered every replayed seq above the last one, even when the buffer had
+    wrapped past the next: the batches between (BlockRemoved among them, maybe) were skipped with no
+    gap counted and no reset, the state still called complete."""
+    await engine.store(3, live=False)  # seq 0..2: the start's replay delivers them
+    async with connected(engine) as (source, norm):
+        await engine.store(9, live=False)  # seq 3..11, dropped before the subscription arrived
+        engine.buffer = 2  # and the buffer wrapped: seq 10..11 only
+        await wait_for(lambda: source._last == 11, SETTLE_S + 3, "the settle probe delivered seq 10..11")
+        assert engine.replay_requests == [0, 3]
+        assert (source.stats.gaps, source.stats.replay_failures) == (1, 1)
+        assert not norm.exact
+
+
+async def test_a_gap_replay_that_times_out_counts_one_replay_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit: `_replay` counted the timeout and `_fill_gap` counted it again."""
+    monkeypatch.setattr(zmq_events, "REPLAY_TIMEOUT_S", 0.2)
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)  # the engine's replay socket, which never answers
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    source = ZmqEventSource("vllm", "tcp://*:5557", "auto", "kv-events", f"tcp://127.0.0.1:{port}", "127.0.0.1")
+    source._ctx = ctx  # as run() sets it: the replay's DEALER is made in it
+    got: list[EngineBatch] = []
+    try:
+        for seq in (0, 3):  # seq 1..2 missing
+            stored = BlockStored(block_hashes=[seq + 1], parent_block_hash=None, token_ids=[seq] * 4, block_size=4)
+            await _send(source, got, b"kv-events", seq, encode_batch(1.0, [stored]))
+    finally:
+        router.close(linger=0)
+        source._ctx = None
+        ctx.term()
+    assert (source.stats.gaps, source.stats.replays, source.stats.replay_failures) == (1, 1, 1)
+    assert [(b.reset, b.complete) for b in got if b.reset] == [(True, False)]
 
 
 @pytest.mark.parametrize(

@@ -15,12 +15,19 @@ Sequence handling (seq is the engine's, per engine run, from 0):
   that starts at 0 rebuilds exactly; one that starts later (the engine's buffer wrapped) or no
   replay at all leaves a partial state (`complete=False`);
 - the next seq is delivered; a gap is filled by replay from the first missing seq; a replay that
-  cannot fill it (it starts later than asked, or times out) resets with `complete=False`;
+  cannot fill it (it starts later than asked, or times out) resets with `complete=False`; so does a
+  probe (below) whose replay starts later than the next seq;
 - a seq at or below the last one outside the window right after a replay means the engine restarted:
   reset, then rebuild from its new run; so does another publisher epoch (SGLang), whatever its seq;
 - a snapshot barrier (SGLang) is counted; it holds no events, but takes a seq like any batch;
-- the SUB socket reconnecting (ZMQ monitor) also rebuilds: a restarted engine's first batches may
-  have gone out before the link was back, and nothing else would reveal them;
+- the SUB socket reconnecting (ZMQ monitor) replays from the last seq delivered: a restarted
+  engine's first batches may have gone out before the link was back, and nothing else would reveal
+  them. If the replay holds that seq with the payload received live (replayed payloads are
+  byte-identical, and each carries its step's timestamp), the engine's run goes on: the batches
+  after it are delivered and nothing is reset. Otherwise (the seq went back, the payload differs,
+  or the buffer no longer holds it) the engine restarted, or cannot be shown not to have: rebuild
+  from 0. Rebuilding on every reconnection wiped the index of a long-lived engine, whose buffer
+  (vLLM: the last `buffer_steps` batches) no longer starts at 0;
 - SETTLE_S after every connection, a replay from the next seq fetches what the PUB dropped before
   the subscription reached it: a later batch would reveal that gap, but an engine that then goes
   quiet sends none, and the index would miss those blocks until it did.
@@ -36,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+import xxhash
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -60,6 +68,12 @@ SETTLE_S = 1.0
 # barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
 EPOCH_MARKER = b"\x00sgl-kv-epoch="
 BARRIER_MARKER = b"\x00sgl-kv-snapshot="
+
+
+def _digest(payload: bytes) -> bytes:
+    """What the source keeps of the last payload delivered (not the payload: a batch may hold a long
+    prompt's tokens): enough to tell a replay of it from another engine run's batch at that seq."""
+    return xxhash.xxh3_128_digest(payload)
 
 
 def engine_binds(endpoint: str, engine: str) -> bool:
@@ -137,6 +151,7 @@ class ZmqEventSource:
         self.stats = stats or ZmqEventStats()
         self._ctx: zmq.asyncio.Context | None = None
         self._last: int | None = None
+        self._last_digest: bytes | None = None  # _digest of seq _last's payload
         self._epoch: bytes | None = None  # the publisher run's, when the topic names one (SGLang)
         self._replayed_until = -1
         self._rebuild = False
@@ -156,8 +171,8 @@ class ZmqEventSource:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         # Connection events: a peer that reconnects may be a restarted engine whose first batches
-        # went out before the link was back, so every reconnection rebuilds from a replay; no peer
-        # for long is a wrong endpoint or side, or, once one was connected, an engine restarting.
+        # went out before the link was back, so every reconnection is checked against a replay; no
+        # peer for long is a wrong endpoint or side, or, once one was connected, an engine restarting.
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._alone_since = time.monotonic()
         try:
@@ -178,8 +193,9 @@ class ZmqEventSource:
             poller.register(monitor, zmq.POLLIN)
             while True:
                 ready = dict(await poller.poll(POLL_MS))
-                if monitor in ready:
-                    self._on_monitor(parse_monitor_message(await monitor.recv_multipart())["event"])
+                if monitor in ready and await self._on_monitor(monitor):
+                    # Before the live socket's batches: they may be a restarted engine's.
+                    await self._on_reconnect(sink)
                 self._check_peer()
                 if self._settle_at is not None and time.monotonic() >= self._settle_at:
                     self._settle_at = None
@@ -205,12 +221,24 @@ class ZmqEventSource:
             ctx.term()
             self._ctx = None
 
-    def _on_monitor(self, event: int) -> None:
+    async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> bool:
+        """Handle every connection event queued; whether one was a reconnection. Every one: a
+        disconnection and the reconnection may be queued together, and the new link's batches must
+        not be read before the reconnection is handled."""
+        reconnected = False
+        while True:
+            try:
+                frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return reconnected
+            reconnected |= self._on_connection_event(parse_monitor_message(frames)["event"])
+
+    def _on_connection_event(self, event: int) -> bool:
         if event == zmq.EVENT_DISCONNECTED:
             self._peers = max(0, self._peers - 1)
             if self._peers == 0:
                 self._alone_since = time.monotonic()
-            return
+            return False
         self._peers += 1
         self._alone_since = None
         self._settle_at = time.monotonic() + SETTLE_S
@@ -219,8 +247,33 @@ class ZmqEventSource:
         self._connections += 1
         if self._connections > 1:
             self.stats.reconnects += 1
-            log.info("%s KV events: peer reconnected: rebuilding from replay", self.engine)
-            self._rebuild = True
+            return True
+        return False
+
+    async def _on_reconnect(self, sink: Callable[[EngineBatch], None]) -> None:
+        """Carry on from the last seq delivered if the engine's run continues it, else rebuild."""
+        if self._rebuild:
+            return  # a requested rebuild, pending, replays from 0 anyway
+        last, digest = self._last, self._last_digest
+        if last is not None and last >= 0 and digest is not None:
+            replayed = await self._replay(last)
+            if replayed is None:
+                self._deliver_rebuild(None, sink)  # no replay: what a rebuild would do
+                return
+            if replayed and replayed[0][0] == last and _digest(replayed[0][1]) == digest:
+                # The same run: the shim holds all up to `last`. A rebuild from 0 would lose it all
+                # once the engine's buffer has wrapped (vLLM keeps only the last buffer_steps).
+                log.info("%s KV events: peer reconnected; the engine's run continues from seq %d", self.engine, last)
+                for s, p in replayed[1:]:
+                    self._deliver(s, p, sink, live=False)
+                self._replayed_until = replayed[-1][0]
+                return
+        # Seq `last` gone (the seq went back, or the buffer wrapped past it) or another run's: a
+        # restart, or nothing to prove there was none.
+        log.info(
+            "%s KV events: peer reconnected, not provably the same engine run: rebuilding from replay", self.engine
+        )
+        self._deliver_rebuild(await self._replay(0), sink)
 
     def _check_peer(self) -> None:
         since = self._alone_since
@@ -270,8 +323,15 @@ class ZmqEventSource:
             self.address,
             when,
         )
-        for s, p in missed:
-            self._deliver(s, p, sink, live=False)
+        reset = self._last is not None and missed[0][0] != start
+        if reset:
+            # The buffer wrapped past what the live socket missed (BlockRemoved among it, maybe):
+            # a gap that cannot be replayed, as in _fill_gap.
+            self.stats.gaps += 1
+            self.stats.replay_failures += 1
+            log.warning("%s KV events: gap %d..%d cannot be replayed: resetting", self.engine, start, missed[0][0] - 1)
+        for i, (s, p) in enumerate(missed):
+            self._deliver(s, p, sink, reset=reset and i == 0, complete=False, live=False)
         self._replayed_until = missed[-1][0]
 
     def _malformed(self, exc: ProtocolError) -> None:
@@ -354,7 +414,8 @@ class ZmqEventSource:
             if seq > self._replayed_until:
                 self._deliver(seq, payload, sink)
             return
-        self.stats.replay_failures += 1
+        if replayed is not None:  # a timeout is counted by _replay
+            self.stats.replay_failures += 1
         log.warning("%s KV events: gap %d..%d cannot be replayed: resetting", self.engine, first_missing, seq - 1)
         self._deliver(seq, payload, sink, reset=True, complete=False)
 
@@ -368,7 +429,7 @@ class ZmqEventSource:
         complete: bool = True,
         live: bool = True,
     ) -> None:
-        self._last = seq
+        self._last, self._last_digest = seq, _digest(payload)
         events: list[EngineEvent] = []
         try:
             events, rank, errors = decode_ranked(payload, self.engine)
@@ -387,7 +448,7 @@ class ZmqEventSource:
         # An empty replay means the engine has published nothing yet: nothing is missing.
         complete = replayed is not None and (not replayed or replayed[0][0] == 0)
         # With replay, the next live seq must follow what it returned (-1: expect seq 0).
-        self._last = None if replayed is None else -1
+        self._last, self._last_digest = (None if replayed is None else -1), None
         sink(EngineBatch(reset=True, complete=complete, live=False))
         for s, p in replayed or []:
             self._deliver(s, p, sink, live=False)
