@@ -121,8 +121,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     priority: int = 0
-    # Names the answer when the client sends no X-Request-Id; "" is unset (vLLM refuses a null).
-    request_id: str = ""
+    # Names the answer when the client sends no X-Request-Id, "" too; absent, vLLM's default_factory
+    # draws a fresh one (UNSET here), and it refuses a null.
+    request_id: str | msgspec.UnsetType = msgspec.UNSET
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
@@ -1177,7 +1178,7 @@ def _call(
         include_usage=include_usage,
         continuous_usage=include_usage and bool(opts is not None and opts.continuous_usage_stats),
         kv_transfer_params=body.kv_transfer_params,
-        request_id=body.request_id,
+        request_id=None if body.request_id is msgspec.UNSET else body.request_id,
         cache_salt=body.cache_salt,
     )
 

@@ -360,3 +360,16 @@ async def test_an_empty_request_id_in_the_body_names_the_request(sim: SimServer)
     """vLLM takes the body's request_id whatever it is when no X-Request-Id header is sent."""
     _, out, _ = await post(sim, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1, "request_id": ""})
     assert out["id"] == "cmpl-"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "prefix"), [("/v1/completions", COMPLETION, "cmpl-"), ("/v1/chat/completions", CHAT, "chatcmpl-")]
+)
+async def test_no_request_id_anywhere_draws_a_fresh_one_per_request(
+    sim: SimServer, path: str, body: dict[str, Any], prefix: str
+) -> None:
+    """vLLM's request_id field has a default_factory (random_uuid): a request naming none in its
+    header or body gets its own id (bs32/completion_nonstream_tokenids.json: cmpl-b7ca7168691cde71),
+    not the empty one an explicit "" gives."""
+    ids = {(await post(sim, path, body))[1]["id"] for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith(prefix) and len(i) > len(prefix) for i in ids)
