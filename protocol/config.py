@@ -37,6 +37,7 @@ __all__ = [
     "RouterSettings",
     "add_flags",
     "check_file_keys",
+    "check_flag_only_env",
     "file_keys",
     "flat_names",
     "load_file",
@@ -501,6 +502,24 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader refusing a key given twice in one mapping: PyYAML keeps the last without a word
+    (TOML refuses it), so an edit to the first copy would do nothing."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` may be overridden by the keys beside it: YAML's merge
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML (.yaml/.yml) or TOML (.toml) config file into a mapping."""
     p = Path(path)
@@ -515,7 +534,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError("config", str(p), f"not valid TOML: {exc}") from exc
     elif p.suffix in (".yaml", ".yml"):
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # a SafeLoader: no arbitrary objects
         except yaml.YAMLError as exc:
             raise ConfigError("config", str(p), f"not valid YAML: {exc}") from exc
     else:
@@ -616,6 +635,25 @@ def _layer(
     return out
 
 
+def check_flag_only_env(
+    flags: Iterable[str], env: Mapping[str, str] | None = None, env_prefix: str = "KVSWITCH_"
+) -> None:
+    """ConfigError for the first of `flags` (dest names of this process's flags that no variable
+    sets, e.g. `no_api_keys`) whose `{env_prefix}{NAME}` is in `env`, whatever its value: `resolve`
+    reads no such variable, so the switch would be ignored while its user believes it on."""
+    env = os.environ if env is None else env
+    for name in flags:
+        env_name = env_prefix + name.upper()
+        if env_name in env:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                name,
+                env[env_name],
+                f"{env_name} is not read: {flag} is a flag only (no variable, no file key); "
+                f"pass {flag} on the command line and unset {env_name}",
+            )
+
+
 def _with_section(file: Mapping[str, Any], name: str, sub: type[msgspec.Struct], prefix: str) -> Mapping[str, Any]:
     """`file` with the keys of its `name:` section (a nested Struct's) laid over it. A section that
     is no mapping, or a key in it no setting reads, is a ConfigError: it would otherwise leave its
@@ -629,6 +667,17 @@ def _with_section(file: Mapping[str, Any], name: str, sub: type[msgspec.Struct],
     if (unknown := _first_unknown(nested, allowed)) is not None:
         key, hint = unknown
         raise ConfigError("config", {name: nested}, f"{key!r} is not a setting of {name!r}{hint}")
+    # A setting given both top-level and in the section is refused, equal values too: either one
+    # winning would leave the other edited in vain without a word.
+    for key in sorted(nested, key=str):
+        bare = key[len(prefix) :] if prefix and key.startswith(prefix) else key
+        top = next((k for k in dict.fromkeys((key, bare, prefix + bare)) if k in file), None)
+        if top is not None:
+            raise ConfigError(
+                "config",
+                {top: file[top], name: {key: nested[key]}},
+                f"{bare!r} is given both top-level and under {name!r}: give it in one place",
+            )
     return {**file, **nested}
 
 

@@ -28,10 +28,12 @@ from protocol.config import (
     RouterSettings,
     add_flags,
     check_file_keys,
+    check_flag_only_env,
     file_keys,
     load_file,
     resolve,
 )
+from protocol.errors import listen_error, try_listen
 from router.api_keys import ApiKeys, ApiKeysError
 from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
@@ -40,7 +42,7 @@ from runtime import run_service, start_or_stop
 if TYPE_CHECKING:
     from router.service import RouterService
 
-__all__ = ["ProcessSettings", "add_arguments", "build_config", "run"]
+__all__ = ["FLAG_ONLY", "ProcessSettings", "add_arguments", "build_config", "run"]
 
 log = logging.getLogger("kvswitch.router")
 
@@ -112,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(conn, NatsSettings, "nats_")
     add_flags(conn, EtcdSettings, "etcd_")
 
+
+# The flags no variable or file key sets (docs/router.md, "Flags"): --config names the file, the
+# others each turn a safeguard off. A KVSWITCH_ variable of one is refused, not ignored.
+FLAG_ONLY = ("config", "no_api_keys", "trust_request_chat_template")
 
 _ROUTER_FIELDS = {f.name for f in msgspec.structs.fields(RouterSettings)} | {
     f.name for f in msgspec.structs.fields(ConditionalDisaggConfig)
@@ -222,6 +228,7 @@ def build_config(args: argparse.Namespace) -> Any:
     from router.http_api import HttpLimits
     from router.service import RouterConfig
 
+    check_flag_only_env(FLAG_ONLY)
     given = vars(args)
     file = load_file(args.config) if args.config else {}
     known = file_keys(RouterSettings) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")
@@ -246,6 +253,7 @@ def build_config(args: argparse.Namespace) -> Any:
             f"must be < --request-timeout ({proc.request_timeout:g} s), else the fallback to a local prefill "
             "never comes before the request's deadline",
         )
+    _check_host(proc.http_host)
     keys_file = proc.api_keys_file
     if keys_file is None and not args.no_api_keys and not _loopback(proc.http_host):
         raise ConfigError(
@@ -279,6 +287,19 @@ def build_config(args: argparse.Namespace) -> Any:
         default_chat_template_kwargs=proc.default_chat_template_kwargs,
         index_limit_per_worker=proc.index_limit_per_worker,
     )
+
+
+def _check_host(host: str) -> None:
+    """ConfigError naming --http-host when it does not resolve or is no address of this machine:
+    checked before the API keys, whose refusal would otherwise blame a bad host on a missing
+    --api-keys-file. Port 0 binds nothing in use; the port itself is checked at start."""
+    try:
+        try_listen(host, 0)
+    except OSError as exc:
+        problem = listen_error(host, 0, exc)
+        if problem.setting == "http_host":
+            raise problem from exc
+        # any other failure is the start's to name, with the real port (router.service)
 
 
 def _loopback(host: str) -> bool:

@@ -16,7 +16,16 @@ import sys
 from typing import Any
 
 from protocol import ConfigError
-from protocol.config import EtcdSettings, NatsSettings, add_flags, check_file_keys, file_keys, load_file, resolve
+from protocol.config import (
+    EtcdSettings,
+    NatsSettings,
+    add_flags,
+    check_file_keys,
+    check_flag_only_env,
+    file_keys,
+    load_file,
+    resolve,
+)
 from worker_shim.config import ENGINES, KV_EVENTS_MODES, ROLES, ShimConfig
 
 __all__ = ["add_arguments", "raise_fd_limit", "run"]
@@ -100,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings, EtcdSettings]:
+    check_flag_only_env(["config"])  # KVSWITCH_CONFIG would be ignored: the file is named by flag only
     cli: dict[str, Any] = dict(vars(args))
     file = load_file(args.config) if args.config else {}
     known = file_keys(ShimConfig) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")

@@ -20,6 +20,7 @@ from protocol.config import (
     NatsSettings,
     RouterSettings,
     check_file_keys,
+    check_flag_only_env,
     file_keys,
     load_file,
     resolve,
@@ -131,10 +132,48 @@ def test_an_unknown_key_in_the_conditional_section_is_refused(tmp_path: Path) ->
         resolve(RouterSettings, file=load_file(path), env={})
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "conditional:\n  eff_isl_threshold: 5\neff_isl_threshold: 7\n",
+        "eff_isl_threshold: 7\nconditional:\n  eff_isl_threshold: 5\n",
+        "eff_isl_threshold: 5\nconditional:\n  eff_isl_threshold: 5\n",  # equal values too
+        "conditional:\n  conditional_disagg: true\nconditional_disagg: false\n",
+    ],
+)
+def test_a_setting_both_top_level_and_in_the_conditional_section_is_refused(tmp_path: Path, text: str) -> None:
+    """The section's value won silently, whichever came first in the file."""
+    path = tmp_path / "router.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"is given both top-level and under 'conditional': give it in one place"):
+        resolve(RouterSettings, file=load_file(path), env={})
+
+
 def test_an_empty_conditional_section_is_none(tmp_path: Path) -> None:
     path = tmp_path / "router.yaml"
     path.write_text("eff_isl_threshold: 300\nconditional:\n")
     assert resolve(RouterSettings, file=load_file(path), env={}).conditional.eff_isl_threshold == 300
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("eff_isl_threshold: 5\nrouting: random\neff_isl_threshold: 7\n", "eff_isl_threshold"),
+        ("conditional:\n  queue_threshold: 1\n  queue_threshold: 2\n", "queue_threshold"),
+    ],
+)
+def test_a_yaml_key_given_twice_is_refused_not_the_last_taken(tmp_path: Path, text: str, key: str) -> None:
+    """PyYAML keeps the last of two equal keys without a word; TOML refuses them."""
+    path = tmp_path / "router.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"found the key '{key}' twice"):
+        load_file(path)
+
+
+def test_yaml_merge_keys_may_be_overridden_beside_them(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("base: &b {queue_threshold: 1, routing: random}\nconditional:\n  <<: *b\n  queue_threshold: 2\n")
+    assert load_file(path)["conditional"] == {"queue_threshold": 2, "routing": "random"}
 
 
 def test_toml_file(tmp_path: Path) -> None:
@@ -400,3 +439,14 @@ def test_a_file_key_no_setting_reads_is_refused_with_the_nearest(tmp_path: Path)
         check_file_keys({"queue_threshod": 2}, allowed, "f.yaml")
     with pytest.raises(ConfigError, match="'zzz' is not a setting \\(the settings"):
         check_file_keys({"zzz": 1}, allowed, "f.yaml")
+
+
+@pytest.mark.parametrize("value", ["true", "false", ""])
+def test_a_variable_of_a_flag_only_switch_is_refused_naming_the_flag(value: str) -> None:
+    """resolve() reads no such variable: ignored, the switch stayed off while its user believed it on."""
+    check_flag_only_env(["no_api_keys"], env={"KVSWITCH_NO_API_KEYS_FILE": "x", "KVSWITCH_HTTP_HOST": "h"})
+    with pytest.raises(ConfigError) as err:
+        check_flag_only_env(["config", "no_api_keys"], env={"KVSWITCH_NO_API_KEYS": value})
+    assert (err.value.setting, err.value.value) == ("no_api_keys", value)
+    assert "KVSWITCH_NO_API_KEYS is not read: --no-api-keys is a flag only" in str(err.value)
+    assert "pass --no-api-keys on the command line and unset KVSWITCH_NO_API_KEYS" in str(err.value)

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+from protocol import ConfigError
+from protocol.config import EtcdSettings, NatsSettings, RouterSettings, file_keys, flat_names
+from router import cli
 
 
 def test_a_tokenizer_that_cannot_be_loaded_is_refused_naming_the_flag() -> None:
@@ -19,3 +28,56 @@ def test_a_tokenizer_that_cannot_be_loaded_is_refused_naming_the_flag() -> None:
         "kvswitch router: invalid tokenizer (--tokenizer, KVSWITCH_TOKENIZER) = '/nonexistent': "
     )
     assert "NATS" not in out.stderr
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("env", "flag"),
+    [
+        ({"KVSWITCH_NO_API_KEYS": "true", "KVSWITCH_HTTP_HOST": "0.0.0.0"}, "--no-api-keys"),
+        ({"KVSWITCH_TRUST_REQUEST_CHAT_TEMPLATE": "true"}, "--trust-request-chat-template"),
+        ({"KVSWITCH_CONFIG": "/etc/kvswitch/router.yaml"}, "--config"),
+    ],
+)
+def test_a_flag_only_switch_set_in_the_environment_is_refused_naming_the_flag(
+    env: dict[str, str], flag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was ignored: KVSWITCH_NO_API_KEYS then got "give ... --no-api-keys", which its user thought given."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=rf"is not read: {flag} is a flag only .*pass {flag} on the command line"):
+        cli.build_config(_args())
+
+
+def test_every_flag_no_setting_reads_is_flag_only() -> None:
+    """A new flag without a variable must be listed, or its variable is ignored without a word."""
+    settings = (
+        file_keys(cli.ProcessSettings)
+        | set(flat_names(RouterSettings))
+        | {f"nats_{n}" for n in flat_names(NatsSettings)}
+        | {f"etcd_{n}" for n in flat_names(EtcdSettings)}
+    )
+    assert set(vars(_args())) - settings == set(cli.FLAG_ONLY)
+
+
+def test_no_deployment_file_sets_a_flag_only_variable() -> None:
+    """Compose and Kubernetes files share one environment between processes: none may be refused."""
+    root = Path(__file__).resolve().parents[2]
+    texts = [p.read_text() for p in (root / "deploy").rglob("*.y*ml")] + [(root / "docker-compose.yml").read_text()]
+    used = {name for text in texts for name in re.findall(r"KVSWITCH_[A-Z0-9_]+", text)}
+    assert used and not used & {f"KVSWITCH_{n.upper()}" for n in cli.FLAG_ONLY}
+
+
+@pytest.mark.parametrize("host", ["999.1.1.1", "bogus.invalid", "192.0.2.1"])
+@pytest.mark.parametrize("no_keys", [[], ["--no-api-keys"]])
+def test_a_host_it_cannot_listen_on_is_refused_as_http_host_before_the_api_keys(host: str, no_keys: list[str]) -> None:
+    """Without --no-api-keys it was blamed on a missing --api-keys-file ("serves beyond this machine")."""
+    with pytest.raises(ConfigError) as err:
+        cli.build_config(_args("--http-host", host, *no_keys))
+    assert (err.value.setting, err.value.value) == ("http_host", host)
+    assert "give a name or address of this host" in str(err.value)

@@ -245,6 +245,17 @@ def test_a_config_file_key_no_setting_reads_is_refused(tmp_path: Path) -> None:
         resolve_settings(parser.parse_args(["--config", str(path)]))
 
 
+def test_kvswitch_config_in_the_environment_is_refused_naming_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--config is a flag only: the file a KVSWITCH_CONFIG names would not be read, unsaid."""
+    path = tmp_path / "shim.yaml"
+    path.write_text("role: decode\n")
+    monkeypatch.setenv("KVSWITCH_CONFIG", str(path))
+    with pytest.raises(ConfigError, match="--config is a flag only"):
+        resolve_settings(parse("--model", "m"))
+
+
 @pytest.mark.parametrize(
     ("events", "replay", "rank", "expected"),
     [
