@@ -1,14 +1,17 @@
-"""Admission: requests wait at the router, first come first served per model, while no worker has room.
+"""Admission: requests wait at the router, by priority then first come first served per model, while
+no worker has room.
 
 A request is taken at once when nobody waits for its model and the planner finds a worker with
 room (its predicted prefill backlog under half the TTFT SLO: router.planner); the plan it gets is
 booked in the same synchronous step, so the next request sees it. Otherwise it queues. Each model
 (the name a request resolved to: a model, one of its other names, a LoRA adapter) has its own
-line, so one model's overload never holds another's requests: its waiters are served in arrival
-order, as capacity frees: `notify()` (a load report arrived, a request ended, a worker appeared
+line, so one model's overload never holds another's requests: its waiters are served in vLLM's
+`priority` order (lower first; the request's X-Vllm-Priority over its body's, as vLLM reads them:
+the order a `--scheduling-policy priority` engine serves them in), arrival order among equals, as
+capacity frees: `notify()` (a load report arrived, a request ended, a worker appeared
 or left, and every `REOFFER_S` while any line waits) offers each line's head waiter to the
-planner, again and again while plans come back, one per line in turn, the oldest head first
-(names that share workers take what frees in arrival order, as one FIFO would). A waiter keeps
+planner, again and again while plans come back, one per line in turn, the most urgent head first,
+then the oldest (names that share workers take what frees in that order, as one queue would). A waiter keeps
 its request context, so nothing is hashed twice.
 
 An offer that finds no room costs a whole plan, and a plan visits every worker (about 10 ms at
@@ -25,8 +28,9 @@ of its wait.
 
 Each line is bounded so that what waits there drains within half the TTFT SLO: `max_queue` when
 set, else the model's measured completion rate times that time (at least `min_queue`). A request
-beyond the bound gets 429 with Retry-After (the seconds its line needs to drain), and so does one
-that waits longer than the timeout: at 5x overload the admitted requests keep their TTFT near the
+beyond the bound gets 429 with Retry-After (the seconds its line needs to drain), unless it is more
+urgent than the line's last waiter, which then gets that 429 in its place; and so does one that
+waits longer than the timeout: at 5x overload the admitted requests keep their TTFT near the
 SLO instead of all of them waiting minutes.
 """
 
@@ -98,15 +102,28 @@ class _Waiter:
     since: float
     n: int  # arrival order, across every line
 
+    @property
+    def order(self) -> tuple[int, int]:
+        return self.ctx.shape.priority, self.n
+
 
 @dataclass(eq=False, slots=True)
 class _Line:
-    """One model's waiters, oldest first, and the pacing of the offers to them."""
+    """One model's waiters, the next to serve first, and the pacing of the offers to them."""
 
     model: str
     waiters: deque[_Waiter] = field(default_factory=deque)
     quiet_until: float = -math.inf  # no offer to these waiters before this (the clock's time)
     deferred: asyncio.TimerHandle | None = None  # the offer at the quiet time's end
+
+
+def _enqueue(waiters: deque[_Waiter], waiter: _Waiter) -> None:
+    """Behind every waiter as urgent or more (equal priorities: arrival order). Most lines hold one
+    priority, so this is an append."""
+    i = len(waiters)
+    while i and waiters[i - 1].order > waiter.order:
+        i -= 1
+    waiters.insert(i, waiter)
 
 
 class Admission:
@@ -185,18 +202,24 @@ class Admission:
             if plan is not None:
                 return plan
         waiting = len(line.waiters) if line is not None else 0
+        waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), self._clock(), next(self._arrivals))
         if waiting >= self.bound(model):
             self.refused += 1
-            raise Overloaded(
+            full = Overloaded(
                 f"every worker of {model} is at capacity and {waiting} requests for it are already waiting",
                 self._retry_after(model, waiting),
             )
+            last = line.waiters[-1] if line is not None and line.waiters else None
+            if last is None or last.order < waiter.order:
+                raise full
+            # More urgent than the last in line: that one leaves with the 429 instead.
+            line.waiters.pop()  # type: ignore[union-attr]
+            last.future.set_exception(full)
         if line is None:
             line = self._lines[model] = _Line(model)
             if self._nudge is None:
                 self._nudge = asyncio.get_running_loop().call_later(self._reoffer_s, self._nudge_all)
-        waiter = _Waiter(ctx, take, asyncio.get_running_loop().create_future(), self._clock(), next(self._arrivals))
-        line.waiters.append(waiter)
+        _enqueue(line.waiters, waiter)
         wait_s = self._max_wait_s()
         try:
             async with asyncio.timeout(wait_s):
@@ -229,9 +252,9 @@ class Admission:
             return
         lines = list(self._lines.values())
         while lines:
-            # Oldest head first: names that share workers (a model, its aliases, its adapters)
-            # take the capacity that frees in arrival order, as one FIFO would.
-            lines.sort(key=lambda line: line.waiters[0].n if line.waiters else -1)
+            # The most urgent head first, then the oldest: names that share workers (a model, its
+            # aliases, its adapters) take the capacity that frees in that order, as one queue would.
+            lines.sort(key=lambda line: line.waiters[0].order if line.waiters else (-math.inf, -1))
             lines = [line for line in lines if self._offer(line)]
 
     def _offer(self, line: _Line) -> bool:

@@ -443,8 +443,21 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
             prompt_logprobs=asks_prompt_logprobs(body, chat=chat),
             cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) else "",
             beam_search=lax_bool(body.get("use_beam_search")) is True,
+            priority=lax_int(body.get("priority")) or 0,
         ),
     )
+
+
+def _header_priority(headers: Mapping[str, str]) -> int | None:
+    """X-Vllm-Priority, which vLLM takes over the body's `priority`; None when absent or no
+    integer (the engine refuses that request itself)."""
+    value = headers.get("X-Vllm-Priority")
+    if value is None:
+        return None
+    try:
+        return int(value.strip())
+    except ValueError:
+        return None
 
 
 def _held_for_output(max_tokens: int | None, chat: bool) -> int:
@@ -840,6 +853,8 @@ class _Handlers:
         try:
             body = await self._json_body(request)
             parsed = parse_request(body, chat=chat)
+            if (priority := _header_priority(request.headers)) is not None:
+                parsed.shape = msgspec.structs.replace(parsed.shape, priority=priority)
             model = self._model(parsed.model)
             routed, prompts = await self._tokens(parsed, model)
             timing.parsed = time.perf_counter()

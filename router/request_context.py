@@ -120,6 +120,9 @@ class RequestShape(msgspec.Struct, frozen=True):
     prompt_logprobs: bool = False  # the prompt's own logits (protocol.asks_prompt_logprobs)
     cache_salt: str = ""  # vLLM's per-tenant cache isolation: its blocks match only the same salt's
     beam_search: bool = False  # use_beam_search: vLLM's beam search passes no kv_transfer_params on
+    # vLLM's `priority` (X-Vllm-Priority over the body's; lower is sooner): the order it waits in at
+    # the router (router.admission), as the engine orders it under --scheduling-policy priority
+    priority: int = 0
 
     @property
     def local_prefill_only(self) -> bool:

@@ -777,6 +777,13 @@ class RouterService:
             if settings == self.settings:
                 continue
             try:
+                if settings.prefill_timeout_s >= self.config.request_timeout_s:
+                    # as refused at startup (router.cli): a prefill leg that outlives the request's
+                    # deadline is never blamed, so a hung prefill worker never falls back to local
+                    raise ValueError(
+                        f"prefill_timeout_s {settings.prefill_timeout_s:g} must be < this replica's "
+                        f"--request-timeout ({self.config.request_timeout_s:g} s)"
+                    )
                 self.planner.configure(settings)
             except ValueError as exc:
                 watcher.refuse(str(exc))

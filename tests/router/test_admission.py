@@ -1,4 +1,5 @@
-"""Admission: FIFO at the router while no worker has room, bounded, woken only as capacity frees."""
+"""Admission: by priority, then FIFO, at the router while no worker has room, bounded, woken only as
+capacity frees."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from router.admission import KEPT_RATES, Admission, Overloaded, Throughput
 from router.disagg import RoutePlan
-from router.request_context import RequestContext
+from router.request_context import RequestContext, RequestShape
 from tests.router.builders import cand, ctx
 from tests.router.polling import until
 
@@ -56,8 +57,10 @@ def admission(
     return adm
 
 
-def req(i: int) -> RequestContext:
-    return ctx(16, request_id=f"r{i}")
+def req(i: int, priority: int = 0) -> RequestContext:
+    c = ctx(16, request_id=f"r{i}")
+    c.shape = RequestShape(priority=priority)
+    return c
 
 
 async def test_taken_at_once_when_a_worker_has_room() -> None:
@@ -84,6 +87,37 @@ async def test_waiters_are_granted_in_arrival_order_as_capacity_frees() -> None:
     adm.notify()
     plans = await asyncio.gather(*tasks)
     assert [p.key for p in plans] == ["r0#1", "r1#1", "r2#1"]
+
+
+async def test_waiters_are_granted_by_priority_then_arrival() -> None:
+    """vLLM's `priority`: lower first, ties in arrival order, as a --scheduling-policy priority
+    engine would serve them; a line of one priority stays FIFO."""
+    fleet = Fleet(room=0)
+    adm = admission(fleet, max_queue=10)
+    order = [(0, 0), (1, 5), (2, -3), (3, 0), (4, -3), (5, 7)]
+    tasks = [asyncio.create_task(adm.admit(req(i, p), fleet.take)) for i, p in order]
+    await asyncio.sleep(0)
+    fleet.room = len(order)
+    adm.notify()
+    await asyncio.gather(*tasks)
+    assert fleet.taken == ["r2", "r4", "r0", "r3", "r1", "r5"]
+
+
+async def test_a_full_line_turns_away_its_least_urgent_waiter_for_a_more_urgent_request() -> None:
+    fleet = Fleet(room=0)
+    adm = admission(fleet, max_queue=2)
+    waiting = [asyncio.create_task(adm.admit(req(i, 5), fleet.take)) for i in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded):  # as urgent as the last: turned away itself
+        await adm.admit(req(8, 5), fleet.take)
+    urgent = asyncio.create_task(adm.admit(req(9, -1), fleet.take))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded):
+        await waiting[1]  # the last in line, the newest of the least urgent, leaves with the 429
+    assert adm.refused == 2 and adm.depth == 2
+    fleet.room = 2
+    adm.notify()
+    assert [(await urgent).key, (await waiting[0]).key] == ["r9#1", "r0#1"]
 
 
 async def test_after_an_offer_finds_no_room_the_next_waits_ten_times_its_planning_time() -> None:

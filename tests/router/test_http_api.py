@@ -25,6 +25,7 @@ from protocol import GenerateRequest, block_hashes, decode_msg, subjects
 from protocol.tokenizer import BuiltinTokenizer
 from protocol.version import __version__
 from router.http_api import HttpLimits
+from router.request_context import RequestShape
 from runtime.nats_flush import flush
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
 from tests.router.polling import until
@@ -219,6 +220,35 @@ async def test_the_headers_vllm_reads_reach_the_engine(agg: Cluster, http: aioht
     (headers,) = seen
     assert headers["X-Vllm-Priority"] == "-3" and headers["X-Session-ID"] == "chat-42"
     assert "X-Other" not in headers
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "priority"),
+    [
+        ({}, {}, 0),
+        ({}, {"priority": "7"}, 7),
+        ({"X-Vllm-Priority": "-3"}, {"priority": 7}, -3),
+        ({"X-Vllm-Priority": "x"}, {"priority": 2}, 2),
+    ],
+)
+async def test_a_request_waits_at_the_router_in_its_vllm_priority(
+    agg: Cluster, http: aiohttp.ClientSession, headers: dict[str, str], body: dict[str, Any], priority: int
+) -> None:
+    """The header over the body's, as vLLM takes them (router.admission orders its line so); a
+    header that is no integer is the engine's to refuse, and the body's is kept meanwhile."""
+    router = agg.routers[0]
+    shapes: list[RequestShape] = []
+    open_job = router.path.open
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        shapes.append(kwargs["shape"])
+        return await open_job(*args, **kwargs)
+
+    router.path.open = recording  # type: ignore[method-assign]
+    req = {"model": MODEL, "prompt": "hello", "max_tokens": 2, **body}
+    async with http.post(router.url + "/v1/completions", json=req, headers=headers) as r:
+        await r.read()
+    assert [s.priority for s in shapes] == [priority]
 
 
 async def test_a_chats_truncation_is_routed_as_the_engine_applies_it(agg: Cluster, http: aiohttp.ClientSession) -> None:

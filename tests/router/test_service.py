@@ -36,6 +36,14 @@ async def test_live_config_valid_is_applied_and_invalid_is_refused(cluster: Clus
         await put_config(d, {"conditional_disagg_policy": "prefill_load"})  # needs a threshold: refused
         await until(lambda: router.config_rejected == 2, what="refused again")
         assert router.disagg.policy.name == "ttft_model"
+        # refused at startup past --request-timeout (router.cli), so live too: else a hung prefill
+        # worker's legs run into the client's deadline and never fall back to a local prefill
+        timeout = router.config.request_timeout_s
+        await put_config(d, {"prefill_timeout_s": timeout})
+        await until(lambda: router.config_rejected == 3, what="a prefill timeout past the request's refused")
+        assert router.settings.prefill_timeout_s < timeout
+        await put_config(d, {"prefill_timeout_s": timeout / 2})
+        await until(lambda: router.settings.prefill_timeout_s == timeout / 2, what="one within it applied")
 
 
 async def test_span_per_request_with_decision_and_context_to_the_shim(
