@@ -443,7 +443,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
             prompt_logprobs=asks_prompt_logprobs(body, chat=chat),
             cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) else "",
             beam_search=lax_bool(body.get("use_beam_search")) is True,
-            priority=lax_int(body.get("priority")) or 0,
+            priority=(lax_int(given) or 0) if (given := body.get("priority")) is not None else 0,
         ),
     )
 
