@@ -482,11 +482,11 @@ class Dispatcher:
         return len(self._legs)
 
     def worker_gone(self, worker: str) -> None:
-        """The worker's etcd key is gone: every leg waiting on it fails now (retryable when no
-        token came yet)."""
-        for leg in list(self._legs.values()):
-            if leg.worker == worker:
-                leg.push(LegError(worker, 503, "worker_gone", "the worker left", retryable=not leg.tokens_seen))
+        """The worker's etcd key is gone. Its legs in flight go on: a shim that lost its lease
+        serves its old id on for --reregister-grace-s (docs/worker_shim.md), and one that died sends
+        no more heartbeats, which ends its legs within three periods (retryable when no token came
+        yet). Failing them here cut healthy streams short whenever a live worker's lease went (a
+        stall past its TTL, an etcd pause, a revoke)."""
         self.malformed_replies.pop(worker, None)
 
     async def _on_reply(self, msg: Msg) -> None:

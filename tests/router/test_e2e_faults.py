@@ -1,12 +1,17 @@
-"""End to end under failure: a prefill worker that dies or hangs, a decode worker that dies."""
+"""End to end under failure: a prefill worker that dies or hangs, a decode worker that dies, a live
+worker whose lease goes."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
+import grpc
 
+from discovery import Discovery
 from protocol import block_hashes
+from protocol.config import EtcdSettings
 from router.policies import Outcome
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
 from tests.router.polling import until
@@ -180,3 +185,27 @@ async def test_decode_worker_gone_gets_no_new_requests_and_unstarted_ones_are_re
     assert all(status == 200 for status, _, _ in results)
     assert {h["x-kvswitch-decode-worker"] for _, _, h in results} == {alive.id}
     assert dead_id not in router.index.workers()
+
+
+async def test_a_live_workers_lost_lease_does_not_cut_its_requests_in_flight(
+    cluster: Cluster, http: aiohttp.ClientSession, etcd_url: str
+) -> None:
+    """A shim whose lease goes (a stall past its TTL, an etcd pause, a revoke) serves its old id for
+    --reregister-grace-s and registers anew (docs/worker_shim.md): routers stop routing to the old id
+    but let its legs finish. They failed every one with worker_gone, tokens already sent or not."""
+    w = await cluster.add_worker("agg", speedup=1.0)
+    router = await cluster.add_ready_router(disagg="never")
+    old = w.id
+    request = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=600, ignore_eos=True))
+    await until(lambda: router.view.load(old).running >= 1, what="the request running")
+    registration = w.shim.registration
+    assert registration is not None and registration.lease is not None
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        assert d.client.lease is not None
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await d.client.lease.revoke(registration.lease.id, timeout=5.0)
+    await until(lambda: router.registry.get(old) is None, what="the old key gone at the router")
+    assert not request.done()
+    status, body, headers = await request
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 600 and headers["x-kvswitch-decode-worker"] == old
