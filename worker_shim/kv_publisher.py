@@ -228,7 +228,12 @@ class KvPublisher:
             req = decode_msg(msg.data, KvStateRequest)
         except ProtocolError as exc:
             self.counters.malformed_requests += 1
-            log.warning("ignoring malformed kvstate request: %s", exc)
+            if self.counters.malformed_requests == 1:  # anyone who may publish there can send any number
+                log.warning(
+                    "ignoring malformed kvstate request (logged once; counted in "
+                    'kvswitch_shim_kvstate_requests_total{reply="malformed"}): %s',
+                    exc,
+                )
             return
         for request in (req, KvStateRequest()):  # the second, a dump: NATS refused the first whole
             self.seal()

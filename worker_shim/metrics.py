@@ -144,6 +144,15 @@ class _ShimCollector(Collector):
             by.add_metric([role, outcome], float(n))
         yield by
         yield _gauge("requests_inflight", "Legs running", float(len(svc.inflight) if svc else 0))
+        bad = CounterMetricFamily(
+            P + "requests_malformed",
+            "Messages on the worker's subjects it could not serve, dropped (generate: no GenerateRequest, answered "
+            "400; no_reply: no reply subject; cancel: no CancelRequest)",
+            labels=["kind"],
+        )
+        for kind in ("generate", "no_reply", "cancel"):
+            bad.add_metric([kind], float(svc.malformed[kind] if svc else 0))
+        yield bad
         yield _counter("heartbeats", "Heartbeat chunks sent", float(svc.heartbeats if svc else 0))
         yield _counter("chunks_held", "Chunks held back to coalesce under load", float(svc.held_chunks if svc else 0))
         yield _counter(

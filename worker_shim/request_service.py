@@ -397,7 +397,10 @@ class RequestService:
         self._settled: deque[tuple[float, int]] = deque(maxlen=SETTLED_KEPT)
         self.completed = 0
         self.failed = 0
-        self.malformed = 0
+        # Messages on the worker's subjects that cannot be served, by kind ("generate": no
+        # GenerateRequest, "no_reply": no reply subject, "cancel"): counted, each kind logged once,
+        # as anyone who may publish there can send any number
+        self.malformed: Counter[str] = Counter()
         self.heartbeats = 0
         self.held_chunks = 0  # chunks held back for the coalescing mark (under load only)
         self.chunks_unsent = 0  # chunks NATS refused (reconnecting with a full buffer, closed): kept for resume
@@ -447,13 +450,12 @@ class RequestService:
     async def on_generate(self, msg: Msg) -> None:
         *_, role, worker = msg.subject.split(".")
         if not msg.reply:
-            self.malformed += 1
-            log.warning("generate request on %s has no reply subject: dropped", msg.subject)
+            self._malformed("no_reply", f"generate request on {msg.subject} has no reply subject: dropped")
             return
         try:
             req = decode_msg(msg.data, GenerateRequest)
         except ProtocolError as exc:
-            self.malformed += 1
+            self._malformed("generate", f"malformed generate request answered with a 400: {exc}")
             writer = _ChunkWriter(self, msg.reply, "", worker, role)
             await writer.final(error=ErrorInfo(code=400, kind="bad_request", message=str(exc)))
             return
@@ -563,12 +565,16 @@ class RequestService:
             _, writer = recent.popitem(last=False)
             self._recent_bytes -= writer.sent_bytes
 
+    def _malformed(self, kind: str, what: str) -> None:
+        self.malformed[kind] += 1
+        if self.malformed[kind] == 1:
+            log.warning("%s (logged once per kind; counted in kvswitch_shim_requests_malformed_total)", what)
+
     async def on_cancel(self, msg: Msg) -> None:
         try:
             req = decode_msg(msg.data, CancelRequest)
         except ProtocolError as exc:
-            self.malformed += 1
-            log.warning("ignoring malformed cancel: %s", exc)
+            self._malformed("cancel", f"ignoring malformed cancel: {exc}")
             return
         state = self.inflight.get(req.request_id)
         if state is None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import aiohttp
+import nats
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from discovery import Discovery
@@ -80,6 +85,40 @@ async def test_health_and_metrics_of_a_serving_shim(ns: str, nats_url: str, etcd
         assert m[("kvswitch_shim_kv_total_blocks", ())] == report.kv_total_blocks and report.kv_total_blocks > 0
         assert (m[("kvswitch_shim_running_requests", ())], m[("kvswitch_shim_waiting_requests", ())]) == (0, 0)
         assert m[("kvswitch_shim_kv_used_blocks", ())] == report.kv_used_blocks
+
+
+async def test_garbage_on_a_workers_subjects_is_counted_by_kind_and_logged_once_each(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone who may publish on a worker's subjects can send any number of these: each kind is
+    counted on /metrics and logged once, not once per message (900 WARNINGs for 900 messages)."""
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+        await shim.registered.wait()
+        assert shim.worker_id is not None and shim.requests is not None
+        nc = await connect(nats_url)
+        gen_subject = subjects.gen(ns, "agg", shim.worker_id)
+        for _ in range(5):
+            await nc.publish(subjects.cancel(ns, shim.worker_id), b"\xc1")
+            await nc.publish(gen_subject, b"\xc1")  # no reply subject
+            await nc.publish(subjects.kvstate(ns, shim.worker_id), b"\xc1", reply=nc.new_inbox())
+        for _ in range(3):
+            with contextlib.suppress(nats.errors.TimeoutError):  # answered with a 400 chunk
+                await nc.request(gen_subject, b"\xc1", timeout=2)
+        await nc.flush()
+        requests = shim.requests
+        await wait_for(
+            lambda: sum(requests.malformed.values()) == 13 and shim.kv_counters.malformed_requests == 5,
+            what="every message read",
+        )
+        await nc.close()
+        m = await scrape(shim.http.url)
+        kinds = ("cancel", "no_reply", "generate")
+        counted = {kind: m.get(("kvswitch_shim_requests_malformed_total", (("kind", kind),))) for kind in kinds}
+        assert counted == {"cancel": 5, "no_reply": 5, "generate": 3}
+        assert m[("kvswitch_shim_kvstate_requests_total", (("reply", "malformed"),))] == 5
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        for what in ("malformed cancel", "has no reply subject", "malformed generate", "malformed kvstate"):
+            assert sum(what in w for w in warned) == 1, (what, warned)
 
 
 async def test_health_is_503_while_the_engine_is_down(ns: str, nats_url: str, etcd_url: str) -> None:
