@@ -266,7 +266,9 @@ class NatsServer(_Server):
 
     tls: clients must speak TLS, and so do cluster routes. authorization: an `authorization {...}`
     block (kvswitch.nats_auth writes one), inlined as is. cluster_port and routes: a cluster member
-    listening for peers on cluster_port and dialling the other members' cluster ports.
+    listening for peers on cluster_port and dialling the other members' cluster ports. max_pending:
+    the bytes a client may fall behind before the server cuts it as a slow consumer (its default:
+    64 MiB).
     """
 
     name = "nats"
@@ -283,6 +285,7 @@ class NatsServer(_Server):
         routes: Sequence[int] = (),
         server_name: str | None = None,
         log: Path | None = None,
+        max_pending: int | None = None,
     ) -> None:
         self.binary = find_nats_server()  # before its store is made: a missing binary leaves nothing behind
         super().__init__(workdir, log)
@@ -293,6 +296,7 @@ class NatsServer(_Server):
         self.cluster_port = cluster_port
         self.routes = list(routes)
         self.server_name = server_name or f"kvswitch-{self.port}"
+        self.max_pending = max_pending
 
     @property
     def url(self) -> str:
@@ -304,6 +308,8 @@ class NatsServer(_Server):
             f"http: {_q(f'127.0.0.1:{self.monitor_port}')}",
             f"server_name: {_q(self.server_name)}",
         ]
+        if self.max_pending is not None:
+            lines.append(f"max_pending: {int(self.max_pending)}")
         tls = ""
         if self.tls is not None:
             tls = (

@@ -49,6 +49,7 @@ class StateFigures:
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
+    kv_disconnects: int = 0  # router.service's KV event connection cut
     records_refused: int = 0  # router.worker_registry's `refused`
     sync: SyncStats = field(default_factory=SyncStats)  # router.replica_sync's counts
     timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
@@ -98,6 +99,12 @@ class _StateCollector(Collector):
             "kvswitch_router_load_malformed",
             "Load reports dropped: undecodable, naming another worker than their subject's, or a field out of range",
             s.load_malformed,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_kv_disconnects",
+            "Times the connection KV events come on dropped (nats-server cuts a slow consumer: some worker "
+            "publishes more than this replica folds); routing and replies go on on another connection",
+            s.kv_disconnects,
         )
         yield CounterMetricFamily(
             "kvswitch_router_load_unknown",

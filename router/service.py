@@ -175,7 +175,9 @@ class RouterService:
         # logged again should it come back.
         self._load_logged: set[tuple[str, str]] = set()
         self.reregistrations = 0
+        self.kv_disconnects = 0  # the KV event connection cut (a slow consumer), kvswitch_router_kv_disconnects_total
         self._nc: Client | None = None
+        self._kv_nc: Client | None = None  # KV events alone (_start)
         self._discovery: Discovery | None = None
         self._registration: Registration | None = None
         self._runner: web.AppRunner | None = None
@@ -258,6 +260,17 @@ class RouterService:
             disconnected_cb=self._nats_disconnected,
             reconnected_cb=self._nats_reconnected,
         )
+        # KV events on a connection of their own: a worker publishing more than this replica can
+        # fold makes nats-server cut the connection it floods as a slow consumer (64 MiB pending),
+        # and on the shared one that took every worker's load reports and every reply stream with it
+        # (/ready 503, requests 503, for one worker's fault). Cut alone, the index falls behind and
+        # each worker's next load report asks for what it missed (router.kv_ingest).
+        self._kv_nc = await nats_connect(
+            **self.config.nats.connect_options(f"kvswitch-router-{self.ns}-kv"),
+            error_cb=error_reporter(log, self.config.nats.shown_servers(), self.config.nats.credential_flags()),
+            disconnected_cb=self._kv_disconnected,
+            reconnected_cb=self._kv_reconnected,
+        )
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
         # Replica sync learns its router id at registration, below; until then nothing is routed.
         self._sync = ReplicaSync(nc, self.ns, "", self.view, discovery=self._discovery, peers=self.peer_settings)
@@ -274,7 +287,11 @@ class RouterService:
             calibration=self.calibration,
         )
         self._ingest = KvIngest(
-            nc, self.ns, self.index, min_entry_limit=self.config.index_limit_per_worker, on_events=self._on_kv_events
+            self._kv_nc,
+            self.ns,
+            self.index,
+            min_entry_limit=self.config.index_limit_per_worker,
+            on_events=self._on_kv_events,
         )
         planner.disagg.transfers.attribute()  # the dispatcher tells it of every pull, from the first
         self._dispatcher = Dispatcher(
@@ -419,10 +436,11 @@ class RouterService:
         if discovery is not None:
             with contextlib.suppress(Exception):
                 await discovery.close()
-        nc, self._nc = self._nc, None
-        if nc is not None and not nc.is_closed:
-            with contextlib.suppress(Exception):
-                await nc.drain()
+        for conn in (self._kv_nc, self._nc):
+            if conn is not None and not conn.is_closed:
+                with contextlib.suppress(Exception):
+                    await conn.drain()
+        self._kv_nc = self._nc = None
         self.status = RouterStatus.STOPPED
 
     async def __aenter__(self) -> Self:
@@ -699,6 +717,16 @@ class RouterService:
         # reconnected callback, and /ready must not say 200 in between (no shim is back yet).
         self._reconnected_at = time.monotonic()
 
+    async def _kv_disconnected(self) -> None:
+        self.kv_disconnects += 1
+        log.warning(
+            "the KV event connection to NATS dropped (nats-server cuts a slow consumer: a worker may publish more "
+            "KV events than this replica folds); routing goes on, the index catches up from each worker once back"
+        )
+
+    async def _kv_reconnected(self) -> None:
+        log.info("the KV event connection to NATS is back")
+
     async def _nats_reconnected(self) -> None:
         self._reconnected_at = time.monotonic()
         log.warning("NATS connection re-established: not ready until a worker reports again")
@@ -842,6 +870,7 @@ class RouterService:
             malformed_replies=dict(self._dispatcher.malformed_replies) if self._dispatcher is not None else {},
             load_malformed=self.load_malformed,
             load_unknown=self.load_unknown,
+            kv_disconnects=self.kv_disconnects,
             records_refused=self._registry.refused if self._registry is not None else 0,
             sync=self._sync.stats if self._sync is not None else SyncStats(),
             timing=self.calibration.factors() if self.calibration is not None else {},

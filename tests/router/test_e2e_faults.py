@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 
 import aiohttp
 import grpc
 
 from discovery import Discovery
-from protocol import block_hashes
+from kvswitch.servers import NatsServer
+from protocol import block_hashes, subjects
 from protocol.config import EtcdSettings
 from router.policies import Outcome
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
@@ -209,3 +211,53 @@ async def test_a_live_workers_lost_lease_does_not_cut_its_requests_in_flight(
     status, body, headers = await request
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == 600 and headers["x-kvswitch-decode-worker"] == old
+
+
+FLOOD = """
+import asyncio, sys, time
+import nats
+from protocol import encode_msg
+from protocol.messages import KvEventBatch, Removed
+
+async def main(url: str, subject: str, worker: str, n: int) -> None:
+    nc = await nats.connect(url)
+    events = [Removed(hashes=[i + 1]) for i in range(30_000)]
+    payload = encode_msg(KvEventBatch(worker=worker, epoch=1, seq=1, ts=time.time(), events=events))
+    for _ in range(n):
+        await nc.publish(subject, payload)
+    await nc.flush()
+    await nc.close()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))
+"""
+
+
+async def test_a_kv_event_flood_cuts_only_the_routers_kv_connection(
+    etcd_url: str, ns: str, http: aiohttp.ClientSession
+) -> None:
+    """One publisher sending more KV events than a router folds makes nats-server cut that router
+    as a slow consumer (64 MiB pending; 1 MiB here). On the one connection a router had, load
+    reports and reply streams went with it: every worker read silent, /ready 503, requests 503."""
+    with NatsServer(max_pending=1 << 20) as server:
+        cluster = Cluster(ns, server.url, etcd_url)
+        try:
+            await cluster.add_worker("agg")
+            router = await cluster.add_ready_router(disagg="never")
+            main = router._nc
+            assert main is not None
+            flood = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", FLOOD, server.url, subjects.kv(ns, "flood"), "flood", "60"
+            )
+            try:
+                assert await asyncio.wait_for(flood.wait(), 60) == 0
+                await until(lambda: router.kv_disconnects >= 1, timeout=30, what="the KV connection cut")
+            finally:
+                if flood.returncode is None:
+                    flood.kill()
+                    await flood.wait()
+            assert main.is_connected and main.stats["reconnects"] == 0
+            assert router.readiness()[0]
+            status, body, _ = await complete(http, router, list(range(200)), max_tokens=2)
+            assert status == 200, body
+        finally:
+            await cluster.close()
