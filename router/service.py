@@ -718,6 +718,8 @@ class RouterService:
         self._reconnected_at = time.monotonic()
 
     async def _kv_disconnected(self) -> None:
+        if self.status in (RouterStatus.STOPPING, RouterStatus.STOPPED):
+            return  # our own drain at stop
         self.kv_disconnects += 1
         log.warning(
             "the KV event connection to NATS dropped (nats-server cuts a slow consumer: a worker may publish more "

@@ -319,6 +319,16 @@ def test_the_helm_charts_pods_pass_the_restricted_level_too() -> None:
     assert "kubectl apply -f deploy/k8s/base/namespace.yaml" in commands[:first_helm]
 
 
+def test_the_etcd_charts_probes_need_no_credentials() -> None:
+    """bitnami/etcd's own readiness and startup probes run `etcdctl endpoint health` with no user
+    when the chart's auth is off, as here; once the etcd-auth Job turns etcd's on, etcd refuses that
+    read ("user name is empty") and every member stays NotReady. Its /readyz needs no credentials."""
+    etcd = yaml.safe_load((K8S / "helm" / "etcd-values.yaml").read_text())
+    assert etcd["auth"]["client"]["enableAuthentication"] is False  # why the chart's probes carry no user
+    for key in ("customReadinessProbe", "customStartupProbe"):
+        assert etcd[key]["httpGet"] == {"path": "/readyz", "port": "client", "scheme": "HTTPS"}, key
+
+
 # --- 5, 6: vLLM's KV connector and the routers' tokenizer ----------------------------------------
 
 
