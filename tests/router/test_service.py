@@ -271,3 +271,12 @@ def test_the_index_limit_per_worker_is_a_process_setting(tmp_path: Path, monkeyp
 async def test_the_router_bounds_each_workers_index_by_its_setting(cluster: Cluster) -> None:
     router = await cluster.add_router(config={"index_limit_per_worker": 1 << 24})
     assert router.ingest.min_entry_limit == 1 << 24
+
+
+async def test_a_routers_own_stop_is_no_kv_connection_cut(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """Its stop drains the KV event connection itself: that is no slow consumer cut to warn of."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    await router.stop()
+    assert router.kv_disconnects == 0
+    assert not [r for r in caplog.records if "KV event connection" in r.getMessage()]
