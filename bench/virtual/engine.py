@@ -178,6 +178,10 @@ class VirtualEngine:
         for rid, tokens in result.transfers:
             self._start_transfer(rid, tokens)
         if not result.num_scheduled_tokens:
+            # As engine_sim.runner: an empty step (a request pulling its KV, one waiting for room,
+            # one just aborted, a pin released) sends its scheduler stats too; the figures read
+            # stale until the next step with work otherwise.
+            self.scheduler.publish_stats()
             return  # idle until woken
         self._busy = True
         self.clock.at(now + result.duration, self._end_step, result)

@@ -180,6 +180,9 @@ class VirtualFleet:
                 kv_bytes_per_token=kv_bytes,
                 timing_profile=registered,
                 tokenizer="builtin",
+                # As a live shim registers its engine's (/v1/models): slo_aware counts a request's
+                # length within it, and without it every prompt over 32 k read as 32 k.
+                max_model_len=spec.max_model_len,
             )
             infos.append(info)
             self.shims[name] = VirtualShim(self.clock, self.engines[name], info, spec.delays, epoch=len(infos))

@@ -297,10 +297,15 @@ class VirtualRouter:
         if not job.prefill_pending:
             return  # timed out already: the request went the bypass way
         job.prefill_pending = False
+        assert job.plan.prefill is not None
+        worker = job.plan.prefill.worker
         if params is None:
+            # As the live dispatcher reports each prefill leg to eligibility (router.dispatch
+            # _prefill_fault): a worker that gives no transfer handle is left out for a cooldown.
+            self.planner.eligibility.prefill_leg(worker, "its prefill legs return no transfer handle", True)
             self._fall_back(job)
             return
-        assert job.plan.prefill is not None
+        self.planner.eligibility.prefill_leg(worker, None, True)
         # The prefill worker's part only, as router.dispatch: the decode worker's at its first token.
         self.planner.ledger.prefill_done(job.plan.key, job.plan.prefill.worker)
         self._decode_leg(job, params)
@@ -311,6 +316,10 @@ class VirtualRouter:
         job.prefill_pending = False
         plan = job.plan
         assert plan.prefill is not None
+        timeout = self.settings.prefill_timeout_s
+        self.planner.eligibility.prefill_leg(
+            plan.prefill.worker, f"no prefill answer within prefill_timeout_s ({timeout:g}s)", False
+        )
         self.clock.after(self.delays.leg_s, self.shims[plan.prefill.worker].cancel, job.req.request_id)
         self._fall_back(job)
 

@@ -381,3 +381,51 @@ def test_the_shims_credit_checks_find_the_engines_reusing_what_they_promised() -
     assert sum(c.windows for c in checks) >= 10
     assert sum(c.predicted_total for c in checks) > 0
     assert all(c.short_windows == 0 and c.reused_total >= c.predicted_total for c in checks)
+
+
+def test_a_prefill_leg_that_times_out_leaves_its_worker_out_as_the_live_router_does() -> None:
+    """router.dispatch reports each prefill leg to eligibility: one that times out leaves the worker
+    out for PREFILL_COOLDOWN_S. The virtual dispatch did not, and sent every later request into the
+    same timeout and fallback."""
+    fleet = _fleet("--disagg", "always", "--prefill-timeout-s", "0.05", prefill=1, decode=1, routers=1)
+    items = [WorkItem(2.0 * i, ((7 + i, 8000),), 2, f"r{i}") for i in range(3)]
+    run = fleet.run(items, TokenSynth(0))
+    outcomes = [r.outcome for r in sorted(run.results(), key=lambda r: r.tag)]
+    assert outcomes[0] == "fallback_prefill_failed" and run.fallbacks == 1
+    assert outcomes[1:] == ["bypass_transfer_failing"] * 2
+
+
+def test_an_empty_step_publishes_the_engines_figures_as_the_runner_does() -> None:
+    """A request waiting on its KV pull makes a step with nothing to compute; engine_sim.runner
+    publishes its scheduler stats then too, so /metrics (and the shim's reports) count it."""
+    clock = VirtualClock()
+    engines: dict[str, VirtualEngine] = {}
+    for name in ("p", "d"):
+        sched = Scheduler(num_gpu_blocks=2048, engine_id=name, kv_connector=True,
+                          recompute_kv_load_failures=True, timing=TimingModel.for_profile(PROFILE))  # fmt: skip
+        engines[name] = VirtualEngine(clock, sched, peers=engines)
+    p, d = engines["p"], engines["d"]
+    seen: list[tuple[int, int, int, int]] = []
+
+    def look() -> None:
+        published, sched = d.scheduler.stats.published, d.scheduler
+        seen.append((published.running, published.waiting, len(sched.running), len(sched.waiting)))
+
+    def prefilled(out: StepOutput, at: float) -> None:
+        if out.kv_transfer_params is not None:
+            d.submit(SimRequest("decode", list(range(20_000)), max_tokens=2, remote_prefill=out.kv_transfer_params),
+                     lambda out, at: None)  # fmt: skip
+            clock.after(1e-6, look)  # the pull of 20 k tokens' KV takes ~50 ms
+
+    p.submit(SimRequest("prefill", list(range(20_000)), max_tokens=1, remote_decode=True), prefilled)
+    clock.run()
+    (figures,) = seen
+    assert figures[:2] == figures[2:] and sum(figures[2:]) == 1
+
+
+def test_workers_register_their_max_model_len_as_live_shims_do() -> None:
+    """A live shim registers its engine's (/v1/models); slo_aware counts each request's length
+    within it. Unregistered, every prompt past 32 k read as 32 k and the virtual slo_aware priced
+    decode steps at contexts far shorter than the live one would."""
+    fleet = _fleet(max_model_len=200_000)
+    assert {shim.info.max_model_len for shim in fleet.shims.values()} == {200_000}
