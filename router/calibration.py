@@ -202,6 +202,7 @@ class WorkerTiming(msgspec.Struct, frozen=True):
     decode_scale: float = 1.0
     prefill_scale: float = 1.0
     kv_bytes_per_token: int | None = None
+    chunk_tokens: int = FULL_BATCH_TOKENS  # its max_num_batched_tokens: the chunks it prefills in
 
     def model(self) -> TimingModel:
         """The whole timing model at this worker's fitted speed (for the ttft_model policy)."""
@@ -210,8 +211,12 @@ class WorkerTiming(msgspec.Struct, frozen=True):
         return self.shape.calibrated(self.decode_scale, self.prefill_scale)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """One prefill of `new_tokens` over `cached_tokens`, alone on the engine."""
-        return self.prefill_scale * self.shape.prefill(new_tokens, cached_tokens)
+        """A prefill of `new_tokens` over `cached_tokens`, alone on the engine, in chunks of
+        `chunk_tokens` as its scheduler runs them (TimingModel.prefill_time, what engine_sim charges).
+        One step's price for the whole prompt read a 191 k-token prompt as 11 s where its chunks
+        take 33 s (the profile's step tables end long before it, and each chunk attends to those
+        before it)."""
+        return self.prefill_scale * self.shape.prefill_time(new_tokens, cached_tokens, budget=self.chunk_tokens)
 
     def decode_s(self, batch: int, context_tokens: float) -> float:
         """One decode step of `batch` sequences over `context_tokens` each."""
@@ -247,7 +252,11 @@ def timing_of(info: WorkerInfo, fitted: WorkerTiming | None) -> WorkerTiming | N
     if not info.timing_profile:
         return None
     shape = _known_profile(info.timing_profile)
-    return None if shape is None else WorkerTiming(shape, kv_bytes_per_token=info.kv_bytes_per_token)
+    if shape is None:
+        return None
+    return WorkerTiming(
+        shape, kv_bytes_per_token=info.kv_bytes_per_token, chunk_tokens=info.max_num_batched_tokens or FULL_BATCH_TOKENS
+    )
 
 
 def _readable(engine_s: float, wall_s: float, contexts: tuple[float, float], max_model_len: int | None) -> bool:
@@ -576,7 +585,7 @@ class Calibration:
         fit = self._fits.get(info.worker)
         k_d = fit.decode_scale if fit is not None else self.prior_scale
         k_p = fit.prefill_scale if fit is not None else self.prior_scale
-        return WorkerTiming(shape, k_d, k_p, info.kv_bytes_per_token)
+        return WorkerTiming(shape, k_d, k_p, info.kv_bytes_per_token, info.max_num_batched_tokens or FULL_BATCH_TOKENS)
 
     def factors(self) -> dict[str, tuple[float, float, float]]:
         """Per worker fitted so far: (decode scale, prefill scale, busy seconds observed)."""

@@ -24,7 +24,15 @@ requests each path loses:
                                                   pushed over their TPOT budget)
     lost_remote = [remote > ttft_b]
 
-    bypass iff lost_local < lost_remote, or lost_local == lost_remote and local < remote
+    bypass iff lost_local < lost_remote, or lost_local == lost_remote and local < remote,
+           or T_p.prefill(Q_p) + T_p.prefill(n - c_p | c_p) >= headroom * prefill_timeout_s
+
+(T.prefill prices a prompt in the chunks of its worker's max_num_batched_tokens, as its engine
+runs it.) The last: a leg predicted past the headroom's share of prefill_timeout_s is no path. It
+would time out, the request prefill here anyway that much later, the prefill worker's work on it
+be lost and the worker left out as failing for a cooldown (router.eligibility), every request then
+prefilling on its decode worker. Without it, on the shipped trace's 191 k-token prompts (33 s of
+prefill each), the virtual replay's prefill worker was left out for 60 s of `make demo`'s 200 s slice.
 
 So a request goes the way it meets its TTFT; between two that both do, the faster one, unless the
 local prefill would cost d's running requests their TPOT; a request that misses either way goes the
@@ -88,9 +96,10 @@ class SloAwareConfig:
     slo_itl_s: float = 0.025
     headroom: float = 0.8
     link_gbps: float = 50.0
+    prefill_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("slo_ttft_s", "slo_itl_s", "link_gbps"):
+        for name in ("slo_ttft_s", "slo_itl_s", "link_gbps", "prefill_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0")
         if not 0 < self.headroom <= 1:
@@ -104,6 +113,7 @@ class SloAwareConfig:
             slo_itl_s=settings.slo_itl_s,
             headroom=c.slo_headroom,
             link_gbps=c.ttft_link_gbps,
+            prefill_timeout_s=settings.prefill_timeout_s,
         )
 
 
@@ -113,6 +123,7 @@ class Forecast:
     remote_s: float
     itl_now_s: float
     itl_local_s: float
+    prefill_answer_s: float = 0.0  # the remote path's wait for its prefill leg's answer
 
 
 class SloAware:
@@ -146,7 +157,7 @@ class SloAware:
         )
         itl_now = self._tpot(td, batch, q_d)
         itl_local = itl_now + td.stall_s(new_d, cd, batch) / self.output_len
-        return Forecast(local, remote, itl_now, itl_local)
+        return Forecast(local, remote, itl_now, itl_local, tp.prefill_s(q_p) + tp.prefill_s(new_p, cp))
 
     def _tpot(self, td: WorkerTiming, batch: int, queued: int) -> float:
         """The TPOT of a worker's running requests with one more: a step, plus the stall of its
@@ -207,6 +218,14 @@ class SloAware:
         if td is None or tp is None:
             return Decision(False, Outcome.DECLINED_POLICY, "no timing for a worker (no profile, no calibration)")
         f = self.forecast(ctx, d, p, td, tp)
+        if f.prefill_answer_s >= self.config.headroom * self.config.prefill_timeout_s:
+            # The leg would time out: the request then prefills here anyway, prefill_timeout_s late,
+            # the prefill worker's work on it is lost, and the worker is left out as failing.
+            why = (
+                f"the prefill worker's answer is predicted in {f.prefill_answer_s:.1f} s, past the headroom's share "
+                f"of prefill_timeout_s ({self.config.prefill_timeout_s:g} s)"
+            )
+            return Decision(True, Outcome.BYPASS_SLO, why)
         lost_local, lost_remote = self.lost(f, d.running)
         why = (
             f"TTFT local {f.local_s * 1e3:.1f} ms vs remote {f.remote_s * 1e3:.1f} ms; decode TPOT "

@@ -190,6 +190,20 @@ def test_worker_timing_scales_the_shape() -> None:
     assert t.prefill_rate(MNBT) == pytest.approx(MNBT / (0.5 * SHAPE.prefill(MNBT)))
 
 
+def test_a_long_prompt_is_priced_in_the_chunks_its_engine_prefills_it_in() -> None:
+    """As engine_sim charges it (protocol.timing.prefill_time: one step per chunk of the worker's
+    max_num_batched_tokens, each over those before it): one step's price for the whole prompt read
+    a 191 k-token prompt as 11 s where its chunks take 33 s, and slo_aware sent such prompts to a
+    prefill worker whose leg then ran past prefill_timeout_s."""
+    info = msgspec.structs.replace(_info(), max_num_batched_tokens=4096)
+    for timing in (timing_of(info, None), Calibration().timing(info)):
+        assert timing is not None and timing.chunk_tokens == 4096
+        want = SHAPE.prefill_time(191_386, 1000, budget=4096)
+        assert timing.prefill_s(191_386, 1000) == pytest.approx(want)
+        assert want > 2.5 * SHAPE.prefill(191_386, 1000)
+        assert timing.prefill_s(3000, 1000) == pytest.approx(SHAPE.prefill(3000, 1000))  # one chunk: one step
+
+
 def test_a_profile_unknown_here_gets_no_timing_rather_than_a_guess() -> None:
     cal = Calibration()
     info = _info(profile="h200:no-such-model")

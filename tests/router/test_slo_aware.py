@@ -206,3 +206,15 @@ def test_a_chat_request_with_no_limit_leaves_the_mean_output_length_alone() -> N
     c.max_tokens = 16
     policy.admitted(c, None)
     assert policy.output_len < learnt
+
+
+@pytest.mark.parametrize(("queued_p", "bypass"), [(229_000, False), (230_100, True)])
+def test_a_remote_prefill_predicted_past_the_headrooms_share_of_prefill_timeout_is_no_path(
+    queued_p: int, bypass: bool
+) -> None:
+    """B = 120, 10,000 uncached tokens: a local prefill pushes d's running decodes over their TPOT,
+    so the remote way wins while it is a way at all. p answers in queued_p x 0.1 ms + 1.0 s; from
+    0.8 x prefill_timeout_s (30 s) = 24 s on its leg would time out, the request prefill here anyway
+    30 s late, and p be left out as failing: 22.9 + 1.0 s stays remote, 23.01 + 1.0 s does not."""
+    got, outcome, _, _ = _decide(10_000, running=120, queued_p=queued_p)
+    assert (got, outcome) == (bypass, Outcome.BYPASS_SLO if bypass else Outcome.DECLINED_POLICY)
