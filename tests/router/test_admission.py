@@ -42,7 +42,13 @@ class Fleet:
 
 
 def admission(
-    fleet: Fleet, *, max_queue: int | None = None, wait_s: float = 5.0, rate: float = 0.0, clock: Clock | None = None
+    fleet: Fleet,
+    *,
+    max_queue: int | None = None,
+    wait_s: float = 5.0,
+    rate: float = 0.0,
+    clock: Clock | None = None,
+    reoffer_s: float = 1.0,
 ) -> Admission:
     clock = clock or Clock()
     adm = Admission(
@@ -52,6 +58,7 @@ def admission(
         min_queue=2,
         clock=clock,
         cpu_clock=clock,  # planning takes what the test's clock says it does
+        reoffer_s=reoffer_s,
     )
     adm.completed("m", round(rate * 10))  # over the 10 s window: `rate` per second for model m (ctx's)
     return adm
@@ -127,7 +134,7 @@ async def test_after_an_offer_finds_no_room_the_next_waits_ten_times_its_plannin
         clock.now += 0.01  # each plan takes 10 ms
         return fleet.take(c)
 
-    adm = admission(fleet, clock=clock)
+    adm = admission(fleet, clock=clock, reoffer_s=60.0)  # no periodic offer to grant it instead
     waiter = asyncio.create_task(adm.admit(req(0), take))
     await asyncio.sleep(0)
     adm.notify()  # no room: 10 ms of planning, so no offer for the next 100 ms

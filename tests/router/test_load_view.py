@@ -284,6 +284,11 @@ def test_a_report_stamped_far_in_the_future_does_not_hide_later_ones() -> None:
     clock.now += 2.0
     view.update(LoadReport(worker="w1", ts=clock.now, running=1))
     assert view.load("w1").running == 1
+    # Clamped to now + MAX_CLOCK_SKEW_S, not kept: a report stamped 10^7 s ahead would read every
+    # booking made before that stamp as counted in it already, and drop it from the load.
+    clock.now += 0.5
+    view.book("r1", "w1", 1000, 5)
+    assert view.load("w1").prefill_tokens_queued == 1000
 
 
 def test_prefill_inflow_is_an_exponentially_weighted_rate_of_booked_prompt_tokens(view: LoadView, clock: Clock) -> None:

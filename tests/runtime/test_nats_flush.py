@@ -40,6 +40,19 @@ async def test_the_flush_ping_goes_out_behind_the_subscription_it_follows() -> N
             await proxy.wait_closed()
 
 
+async def test_the_private_names_the_flush_relies_on_are_still_nats_pys() -> None:
+    """runtime.nats_flush falls back to nats-py's own flush (its PING ahead of a queued SUB) if a
+    release renames these: the wire test above passes on an idle connection either way, as the
+    flusher task often writes the SUB first, so a rename must fail here instead."""
+    with NatsServer() as server:
+        nc = await nats.connect(server.url)
+        try:
+            assert callable(getattr(nc, "_flush_pending", None))
+            assert isinstance(getattr(nc, "_pongs", None), list)
+        finally:
+            await nc.close()
+
+
 async def test_a_flush_cancelled_before_its_pong_leaves_the_connection_reading() -> None:
     with NatsServer() as server:
         assert server.proc is not None

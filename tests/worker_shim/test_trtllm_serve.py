@@ -10,13 +10,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, cast
+from typing import Any
 
+import nats
 import pytest
 from aiohttp import web
-from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
 
-from protocol import SamplingParams, block_hashes
+from protocol import LoadReport, SamplingParams, block_hashes, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings
 from tests.router.polling import until
 from tests.worker_shim.cluster import served
@@ -153,12 +154,7 @@ class _IterStats:
             await asyncio.sleep(0.02)
 
 
-class _Nc:
-    async def publish(self, subject: str, data: bytes) -> None:
-        pass
-
-
-async def test_a_busy_engine_holding_its_metrics_is_not_reported_unhealthy() -> None:
+async def test_a_busy_engine_holding_its_metrics_is_not_reported_unhealthy(nats_url: str) -> None:
     """The load poll gave up after 2 s: every poll under traffic failed, the worker reported
     healthy=False, and each abandoned handler drained the engine's stats into a closed connection."""
     engine = _IterStats()
@@ -171,7 +167,14 @@ async def test_a_busy_engine_holding_its_metrics_is_not_reported_unhealthy() -> 
     async with _engine(routes) as url:
         adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m", engine_url=url))
         await adapter.open()
-        reporter = LoadReporter(cast(Nats, _Nc()), "ns", "w", adapter, lambda: 0, 512, poll_s=0.25)
+        nc = await nats.connect(nats_url)
+        sent: list[LoadReport] = []
+
+        async def on_load(msg: Msg) -> None:
+            sent.append(decode_msg(msg.data, LoadReport))
+
+        await nc.subscribe(subjects.load("ns", "w"), cb=on_load)
+        reporter = LoadReporter(nc, "ns", "w", adapter, lambda: 0, 512, poll_s=0.25)
         events = asyncio.create_task(adapter.run_events(lambda _: None, live := asyncio.Event()))
         try:
             traffic = asyncio.create_task(engine.traffic(3.0))
@@ -191,10 +194,14 @@ async def test_a_busy_engine_holding_its_metrics_is_not_reported_unhealthy() -> 
             await until(lambda: reporter.report().running == 3, 5, "the newest load")
             assert reporter.healthy and reporter.report().waiting == 1
             assert engine.answered[0] == engine.posted  # one read took every stat: none drained for nobody
+            # and the routers heard it so: every report sent said healthy, the newest the engine's load
+            await until(lambda: bool(sent) and sent[-1].running == 3, 5, "the newest load on NATS")
+            assert all(r.healthy for r in sent)
         finally:
             events.cancel()
             await reporter.stop()
             await adapter.close()
+            await nc.close()
 
 
 async def test_load_waits_for_an_answer_held_past_two_seconds() -> None:
