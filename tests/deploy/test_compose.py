@@ -91,6 +91,8 @@ def _router_metric_names() -> set[str]:
     text = RouterMetrics(StateFigures).render().decode()
     names: set[str] = set()
     for name, kind in re.findall(r"# TYPE (kvswitch_router_\S+) (\S+)", text):
+        if name.endswith("_created"):
+            continue  # prometheus_client's creation time of an unlabelled histogram, not a metric of ours
         names |= {f"{name}_{s}" for s in ("bucket", "sum", "count")} if kind == "histogram" else {name}
     return names
 

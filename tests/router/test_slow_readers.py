@@ -145,10 +145,11 @@ async def test_a_booking_is_freed_when_the_answers_last_chunk_arrives_not_when_i
     try:
         await until(lambda: router.dispatcher.inflight_legs == 1, what="the leg sent")
         await until(lambda: not generating(w), what="the engine done")
-        # before: held until the client had read it all, up to the deadline or forever
+        # before: held until the client had read it all, up to the deadline (30 s) or forever; the
+        # last chunks' way from the engine to the router may take seconds on a loaded 2-core box
         await until(
             lambda: not router.view._by_request and router.path.planner.ledger.live == 0,
-            timeout=2.0,
+            timeout=10.0,
             what="the booking freed",
         )
         assert router.dispatcher.inflight_legs == 1 and router.path.inflight == 1  # still being sent
