@@ -102,8 +102,8 @@ class _StateCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvswitch_router_kv_disconnects",
-            "Times the connection KV events come on dropped (nats-server cuts a slow consumer: some worker "
-            "publishes more than this replica folds); routing and replies go on on another connection",
+            "Times the connection KV events come on dropped (a NATS outage, or nats-server cutting a slow consumer: "
+            "some worker publishes more than this replica folds); routing and replies go on on another connection",
             s.kv_disconnects,
         )
         yield CounterMetricFamily(

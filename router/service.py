@@ -722,8 +722,9 @@ class RouterService:
             return  # our own drain at stop
         self.kv_disconnects += 1
         log.warning(
-            "the KV event connection to NATS dropped (nats-server cuts a slow consumer: a worker may publish more "
-            "KV events than this replica folds); routing goes on, the index catches up from each worker once back"
+            "the KV event connection to NATS dropped: NATS is unreachable, or nats-server cut it as a slow consumer "
+            "(a worker may publish more KV events than this replica folds); routing goes on, the index catches up "
+            "from each worker once it is back"
         )
 
     async def _kv_reconnected(self) -> None:
