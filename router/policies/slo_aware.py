@@ -27,12 +27,14 @@ requests each path loses:
     bypass iff lost_local < lost_remote, or lost_local == lost_remote and local < remote,
            or T_p.prefill(Q_p) + T_p.prefill(n - c_p | c_p) >= headroom * prefill_timeout_s
 
-(T.prefill prices a prompt in the chunks of its worker's max_num_batched_tokens, as its engine
-runs it.) The last: a leg predicted past the headroom's share of prefill_timeout_s is no path. It
-would time out, the request prefill here anyway that much later, the prefill worker's work on it
-be lost and the worker left out as failing for a cooldown (router.eligibility), every request then
-prefilling on its decode worker. Without it, on the shipped trace's 191 k-token prompts (33 s of
-prefill each), the virtual replay's prefill worker was left out for 60 s of `make demo`'s 200 s slice.
+(T.prefill prices a prompt in the chunks of its worker's max_num_batched_tokens, as its engine runs
+it, and a queue Q as one such prompt, as ttft_model prices it: more than Q costs where it holds
+several prompts, which do not attend to each other.) The last: a leg predicted past the headroom's
+share of prefill_timeout_s is no path. It would time out, the request prefill here anyway that much
+later, the prefill worker's work on it be lost and the worker left out as failing for a cooldown
+(router.eligibility), every request then prefilling on its decode worker. Without it, on the shipped
+trace's 191 k-token prompts (33 s of prefill each), the virtual replay's prefill worker was left out
+for 60 s of `make demo`'s 200 s slice.
 
 So a request goes the way it meets its TTFT; between two that both do, the faster one, unless the
 local prefill would cost d's running requests their TPOT; a request that misses either way goes the
@@ -149,15 +151,11 @@ class SloAware:
         q_d, q_p = d.queued_prefill_tokens, p.queued_prefill_tokens
         steps = math.ceil((q_d + new_d) / mnbt)
         local = td.prefill_s(q_d) + td.prefill_s(new_d, cd) + steps * td.decode_s(batch, context)
-        remote = (
-            tp.prefill_s(q_p)
-            + tp.prefill_s(new_p, cp)
-            + tp.transfer_s(new_d, self.config.link_gbps)
-            + td.decode_s(batch + 1, context)
-        )
+        answer = tp.prefill_s(q_p) + tp.prefill_s(new_p, cp)
+        remote = answer + tp.transfer_s(new_d, self.config.link_gbps) + td.decode_s(batch + 1, context)
         itl_now = self._tpot(td, batch, q_d)
         itl_local = itl_now + td.stall_s(new_d, cd, batch) / self.output_len
-        return Forecast(local, remote, itl_now, itl_local, tp.prefill_s(q_p) + tp.prefill_s(new_p, cp))
+        return Forecast(local, remote, itl_now, itl_local, answer)
 
     def _tpot(self, td: WorkerTiming, batch: int, queued: int) -> float:
         """The TPOT of a worker's running requests with one more: a step, plus the stall of its
