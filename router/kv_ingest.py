@@ -17,7 +17,9 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   only it is out of routing (router.eligibility); every other worker routes as usual.
 - The digest check: each load report carries the shim's (kv_epoch, kv_seq, kv_blocks, kv_xor). At
   the same (epoch, seq) the index's digest of that worker must match; a report ahead of the index
-  that stays ahead for `behind_grace_s` means the last batches were lost. Either starts a repair.
+  whose seq the index has not reached `behind_grace_s` later means the last batches were lost.
+  Either starts a repair. (An index that trails every report by a few batches, as its own queue
+  drains, reaches each seq watched in time and has lost nothing.)
   So does the index holding a seq of the shim's epoch that the shim's reports, made after it sent
   that seq (their `ts` against the batch's, or the reply's arrival for a dump), stay below for
   `behind_grace_s` of the shim's clock: a reply claimed a seq the shim never sent, and every real
@@ -120,7 +122,7 @@ class _Worker:
     why: str = "waiting for the shim's first full state"
     asked_at: int = 0  # arrival no. of the last batch received before the current request went out
     sent_ts: float = math.inf  # shim time of what brought the index to its seq (see _check_ahead)
-    behind: tuple[int, float] | None = None  # (seq a digest showed, since when) while the index lags it
+    behind: tuple[int, float] | None = None  # (seq a digest showed, since when) until the index reaches it
     ahead: tuple[int, float] | None = None  # (index seq the shim's later reports have not reached, since report ts)
 
 
@@ -446,8 +448,10 @@ class KvIngest:
         if report.kv_epoch != sync.epoch or report.kv_seq > sync.last_seq:
             state.ahead = None
             now = self._clock()
-            if state.behind is None or state.behind[0] != report.kv_seq:
-                state.behind = (report.kv_seq, state.behind[1] if state.behind is not None else now)
+            if state.behind is not None and report.kv_epoch == sync.epoch and sync.last_seq >= state.behind[0]:
+                state.behind = None  # the index reached the seq watched so far: it trails, it lost nothing
+            if state.behind is None:
+                state.behind = (report.kv_seq, now)
             if now - state.behind[1] >= self._behind_grace_s:
                 self.stats.digest_lags += 1
                 why = f"its shim is at epoch {report.kv_epoch:x} seq {report.kv_seq}, the index at seq {sync.last_seq}"

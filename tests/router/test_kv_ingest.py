@@ -12,7 +12,7 @@ import asyncio
 import logging
 import random
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from nats.aio.client import Client
@@ -475,6 +475,39 @@ async def test_a_lost_last_batch_is_caught_by_the_digest_within_the_grace(nc: Cl
         assert ingest.index.dump() == shim.expected() == {"a1": [1, 2]}
         ingest.check_digest(report())  # now equal: nothing to do
         assert ingest.stats.digest_mismatches == 0 and ingest.synced
+    finally:
+        await ingest.stop()
+
+
+async def test_an_index_that_trails_every_report_by_a_batch_has_lost_nothing(
+    nc: Client, ns: str, shim: FakeShim
+) -> None:
+    # Load reports and KV batches come on separate connections: each report may name the batch
+    # still on its way. The index reaches each watched seq at once, so no grace ever runs out.
+    clock = Clock()
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, behind_grace_s=1.0, clock=clock)
+    await ingest.start()
+    try:
+        await synced_with(ingest, shim)
+
+        def applied(n: int) -> Callable[[], bool]:
+            return lambda: ingest.stats.batches_applied == n
+
+        for i in range(1, 8):
+            clock.now = 0.3 * i
+            ingest.check_digest(LoadReport(worker="a1", ts=clock.now, kv_epoch=shim.epoch, kv_seq=shim.seq + 1))
+            await shim.publish(Stored(hashes=[i], parent=i - 1 if i > 1 else None))
+            await until(applied(i))
+        assert ingest.synced and ingest.stats.digest_lags == 0
+        # a batch that never comes is still caught, the grace after the report that first named it
+        clock.now = 3.0
+        ingest.check_digest(LoadReport(worker="a1", ts=clock.now, kv_epoch=shim.epoch, kv_seq=shim.seq + 1))
+        clock.now = 3.9
+        ingest.check_digest(LoadReport(worker="a1", ts=clock.now, kv_epoch=shim.epoch, kv_seq=shim.seq + 2))
+        assert ingest.synced
+        clock.now = 4.0
+        ingest.check_digest(LoadReport(worker="a1", ts=clock.now, kv_epoch=shim.epoch, kv_seq=shim.seq + 2))
+        assert ingest.stats.digest_lags == 1
     finally:
         await ingest.stop()
 
