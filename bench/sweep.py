@@ -41,7 +41,7 @@ DIVERGE = 0.10
 """Always-agg and always-disagg "diverge" where the worse one's goodput is more than 10% below the
 better one's: there the choice of mode matters, and a conditional policy must beat both by 1.15x."""
 
-_FLEET = re.compile(r"^(\d+)P\+(\d+)D$")
+_FLEET = re.compile(r"(\d+)P\+(\d+)D")
 
 
 class Fleet(msgspec.Struct, frozen=True):
@@ -56,7 +56,7 @@ class Fleet(msgspec.Struct, frozen=True):
 def parse_fleets(text: str) -> list[Fleet]:
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        m = _FLEET.match(part)
+        m = _FLEET.fullmatch(part)
         if m is None or int(m.group(2)) < 1:
             raise ValueError(f"--fleets: {part!r} is not PP+DD with D >= 1 (e.g. 2P+6D)")
         out.append(Fleet(int(m.group(1)), int(m.group(2))))

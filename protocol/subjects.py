@@ -25,18 +25,18 @@ __all__ = [
 ]
 
 DEFAULT_NAMESPACE = "kvswitch"
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def validate_namespace(ns: str) -> str:
     """A namespace is one NATS token and one etcd path segment."""
-    if not _TOKEN.match(ns):
+    if not _TOKEN.fullmatch(ns):
         raise ValueError(f"namespace {ns!r} must match [A-Za-z0-9_-]+")
     return ns
 
 
 def _token(value: str, what: str) -> str:
-    if not _TOKEN.match(value):
+    if not _TOKEN.fullmatch(value):
         raise ValueError(f"{what} {value!r} must match [A-Za-z0-9_-]+")
     return value
 

@@ -22,7 +22,7 @@ def test_keys_follow_design() -> None:
     assert subjects.config_key("ns") == "/ns/config/router"
 
 
-@pytest.mark.parametrize("bad", ["a.b", "a*", "a b", "", ">"])
+@pytest.mark.parametrize("bad", ["a.b", "a*", "a b", "", ">", "kvswitch\n", "a\tb"])
 def test_tokens_that_would_break_a_subject_are_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="must match"):
         subjects.kv("ns", bad)
