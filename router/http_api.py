@@ -604,13 +604,14 @@ class Drain:
             async with asyncio.timeout(limit_s):
                 await self._idle.wait()
         self._cut = set(self._running)
+        cut = len(self._cut)  # ended() takes each out of _cut as it answers
         for task in self._cut:
             task.cancel()
-        if self._cut:
+        if cut:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_CUT_S):
                     await self._idle.wait()
-        return len(self._cut)
+        return cut
 
     def ended(self) -> bool:
         """In a handler's `except CancelledError`: True when the drain cut it, which then goes on to

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
@@ -78,7 +79,7 @@ async def test_while_draining_new_requests_and_ready_are_503s_and_a_stream_in_fl
 
 
 async def test_at_the_end_of_the_drain_a_stream_gets_an_error_event_and_done_and_its_leg_is_cancelled(
-    cluster: Cluster, http: aiohttp.ClientSession
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
     worker = await cluster.add_worker("agg", speedup=1.0)
     router = await cluster.add_router(config={"drain_s": 1.0})
@@ -94,7 +95,10 @@ async def test_at_the_end_of_the_drain_a_stream_gets_an_error_event_and_done_and
     assert legs is not None
     await until(lambda: len(legs.inflight) == 2, what="both requests on the worker")
 
-    await asyncio.wait_for(await _stopping(router), 30)
+    with caplog.at_level(logging.WARNING, logger="kvswitch.router"):
+        await asyncio.wait_for(await _stopping(router), 30)
+    # the operator's log says what the drain cut
+    assert "2 requests still running after the 1s drain: ended with a 503" in caplog.text
 
     events = await _events(stream)
     assert events[-1:] == [b"[DONE]"], events[-3:]
