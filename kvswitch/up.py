@@ -172,19 +172,26 @@ def _check_log_dir(log_dir: Path) -> None:
         raise SystemExit(f"kvswitch up: --log-dir {log_dir}: not writable: {exc.strerror or exc}") from None
 
 
-def _check_http_ports(spec: ClusterSpec) -> None:
-    """The routers' ports are free now, bound as the router binds them (SO_REUSEADDR: a port left
-    in TIME_WAIT is free): one held by another process, another `kvswitch up` most often, is refused
-    before anything starts."""
-    for port in range(spec.http_port, spec.http_port + spec.routers) if spec.http_port else ():
-        try:
-            try_listen("127.0.0.1", port)
-        except OSError as exc:
-            busy = "; another kvswitch up?" if exc.errno == errno.EADDRINUSE else ""
-            raise SystemExit(
-                f"kvswitch up: --http-port {spec.http_port}: router {port - spec.http_port} cannot listen on "
-                f"127.0.0.1:{port} ({exc.strerror or exc}{busy}): choose another --http-port, or 0 for free ones"
-            ) from None
+def _check_ports(spec: ClusterSpec) -> None:
+    """The ports asked for are free now, bound as their servers bind them (SO_REUSEADDR: a port
+    left in TIME_WAIT is free): one held by another process, another `kvswitch up` most often, is
+    refused before anything starts, naming its flag (nats-server and etcd would each say it in a
+    log line of their own, after the others started)."""
+    asked = [
+        ("--http-port", spec.http_port, spec.routers, "router"),
+        ("--nats-port", spec.nats_port, spec.nats_nodes, "NATS node"),
+        ("--etcd-port", spec.etcd_port, spec.etcd_members, "etcd member"),
+    ]
+    for flag, first, count, what in asked:
+        for port in range(first, first + count) if first else ():
+            try:
+                try_listen("127.0.0.1", port)
+            except OSError as exc:
+                busy = "; another kvswitch up?" if exc.errno == errno.EADDRINUSE else ""
+                raise SystemExit(
+                    f"kvswitch up: {flag} {first}: {what} {port - first} cannot listen on 127.0.0.1:{port} "
+                    f"({exc.strerror or exc}{busy}): choose another {flag}, or 0 for free ones"
+                ) from None
 
 
 # Router flags `kvswitch up` gives every replica itself (LocalCluster._start_router) and has no flag of
@@ -202,6 +209,15 @@ def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
     parser = argparse.ArgumentParser(prog="kvswitch up (router flags)")
     router_cli.add_arguments(parser)
     ns = parser.parse_args(extra)
+    if ns.tokenizer is not None:
+        # Simulated engines tokenize with the built-in tokenizer alone: a router with another
+        # would refuse every text prompt (its fingerprint matches no worker's) on a cluster up
+        # reports healthy.
+        raise SystemExit(
+            f"kvswitch up: --tokenizer {ns.tokenizer}: the simulated engines of kvswitch up tokenize with the "
+            "built-in tokenizer only, so a router with another would refuse every text prompt: drop --tokenizer "
+            "(give it to `kvswitch router` in front of real engines)"
+        )
     for dest, value in vars(ns).items():
         if value != parser.get_default(dest) and (dest in _UP_SETS or dest.startswith(_UP_SETS_PREFIXES)):
             flag = "--" + dest.replace("_", "-")
@@ -328,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, "extra", []):
             args.extra = ["--conditional-disagg"]
     spec = _spec(args)
-    _check_http_ports(spec)
+    _check_ports(spec)
     from runtime import run_service
 
     cluster = LocalCluster(spec)

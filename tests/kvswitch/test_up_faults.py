@@ -108,14 +108,36 @@ def test_wait_ready_refuses_a_router_of_another_cluster_naming_the_port(other_ro
         cluster.stop()
 
 
-def test_a_busy_http_port_is_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("flag", "extra", "first", "what"),
+    [
+        ("--http-port", [], 0, "router 0"),
+        ("--nats-port", [], 0, "NATS node 0"),
+        ("--etcd-port", [], 0, "etcd member 0"),
+        ("--etcd-port", ["--etcd-members", "3"], 2, "etcd member 2"),  # the third of its consecutive ports
+    ],
+)
+def test_a_busy_port_is_refused_before_anything_starts_naming_its_flag(
+    monkeypatch: pytest.MonkeyPatch, flag: str, extra: list[str], first: int, what: str
+) -> None:
+    # nats-server and etcd said it only in their own logs, after the other server had started
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
+        start = port - first
         monkeypatch.setattr(kvswitch.up, "LocalCluster", lambda spec: pytest.fail("a cluster was started"))
-        with pytest.raises(SystemExit, match=rf"--http-port {port}: router 0 cannot listen on 127.0.0.1:{port}"):
-            kvswitch.up.run(_up_args(["--agg", "1", "--http-port", str(port)]))
+        with pytest.raises(
+            SystemExit,
+            match=rf"{flag} {start}: {what} cannot listen on 127.0.0.1:{port} .*choose another {flag}, or 0",
+        ):
+            kvswitch.up.run(_up_args(["--agg", "1", flag, str(start), *extra]))
+
+
+def test_a_router_tokenizer_is_refused_since_the_simulated_engines_have_only_the_builtin(tmp_path: Path) -> None:
+    # It started, reported healthy, and every text prompt got a 503 (no worker shares its fingerprint)
+    with pytest.raises(SystemExit, match=r"--tokenizer .*built-in tokenizer only.*drop --tokenizer"):
+        _spec(_up_args(["--agg", "1", "--tokenizer", str(tmp_path)]))
 
 
 def test_routers_without_workers_are_refused_naming_the_flags() -> None:
