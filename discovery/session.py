@@ -35,7 +35,7 @@ _NO_USER = "user name is empty"
 _AUTH_OFF = "authentication is not enabled"
 # gRPC's words for a handshake that failed on a certificate (the CA's, the server's name in it, or
 # the client's): a wrong file, which blaming the endpoints would not fix.
-_TLS_FAILED = ("Tls handshake failed", "is not in peer certificate")
+_TLS_FAILED = ("Tls handshake failed", "is not in peer certificate", "Hostname Verification Check failed")
 _PING_KEY = "__etcd3aio:ping__"  # what etcd3aio's ping reads (kvswitch.etcd_auth grants it)
 
 
@@ -52,8 +52,21 @@ class KeyTaken(DiscoveryError):
         super().__init__(f"{key} is already registered by lease {holder:x}")
 
 
-def _endpoint(url: str) -> str:
-    return url.split("://", 1)[-1].rstrip("/")
+def channel_target(settings: EtcdSettings) -> tuple[str, str | None]:
+    """The gRPC target of etcd's endpoints, and the name the servers' TLS certificates are checked
+    against where the target cannot say it.
+
+    One DNS name: gRPC's resolver takes every address it resolves to, balances over them and
+    resolves again when they fail. Several IP addresses: a static list (etcd3aio's own `ipv4:`
+    target, which takes nothing else: a name there never connects). A list names no one host, so
+    its TLS check uses the first endpoint's, which every member's certificate must name (kvswitch
+    secrets gives all members one certificate)."""
+    version, addresses = settings.members()
+    if version is None:
+        host, port = addresses[0]
+        return f"dns:///{host}:{port}", None
+    listed = ",".join(f"[{h}]:{p}" if version == 6 else f"{h}:{p}" for h, p in addresses)
+    return f"ipv{version}:{listed}", addresses[0][0] if len(addresses) > 1 else None
 
 
 def _read(path: str | None) -> bytes | None:
@@ -123,13 +136,13 @@ class Discovery:
         refuses the credentials given, or their absence, and --etcd-tls-ca when the TLS handshake
         fails on a certificate."""
         s = self.settings
-        endpoints = [_endpoint(u) for u in s.endpoints]
+        target, tls_name = channel_target(s)
         if s.tls_ca:
-            client = Etcd3Client(
-                endpoints, ca_cert=_read(s.tls_ca), cert_key=_read(s.tls_key), cert_chain=_read(s.tls_cert)
-            )
+            ca, key, chain = _read(s.tls_ca), _read(s.tls_key), _read(s.tls_cert)
+            client = Etcd3Client(tls_server_name=tls_name, ca_cert=ca, cert_key=key, cert_chain=chain)
         else:
-            client = Etcd3Client(endpoints)
+            client = Etcd3Client()
+        client._manager.target = target  # etcd3aio builds an ipv4: target, where a DNS name never connects
         client._manager.grpc_options.extend(_RECONNECT_OPTIONS)
         await client.connect()
         token = TokenKeeper(client, s.user, s.password) if s.user is not None and s.password is not None else None

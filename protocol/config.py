@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import math
 import os
 import ssl
@@ -224,6 +225,13 @@ def _check_finite(settings: msgspec.Struct) -> None:
             raise ConfigError(f.name, value, "must be a finite number")
 
 
+def _ip_version(host: str) -> int | None:
+    try:
+        return ipaddress.ip_address(host).version
+    except ValueError:
+        return None
+
+
 def url_problem(url: str) -> str | None:
     """What is wrong with `url`'s host and port (a port that is not a number in 1..65535, no
     host), or None. Such a URL otherwise fails at the first connection, in a library's words."""
@@ -340,6 +348,25 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
     tls_cert: str | None = None
     tls_key: str | None = None
 
+    def members(self) -> tuple[int | None, list[tuple[str, int]]]:
+        """The endpoints' (host, port)s and their IP version: None for one DNS name. A client
+        balances over a static list of addresses, or over what one name resolves to (a Service, or
+        a pod's new IP) as often as it asks: several names cannot be balanced over."""
+        addresses = [(urlsplit(u).hostname or "", urlsplit(u).port or 2379) for u in self.endpoints]
+        families = {_ip_version(host) for host, _ in addresses}
+        if families == {None} and len(addresses) == 1:
+            return None, addresses
+        if None in families:
+            raise ConfigError(
+                "etcd_endpoints",
+                self.endpoints,
+                "several endpoints must be IP addresses: give one DNS name that resolves to every member (a "
+                "Service, as etcd.kvswitch.svc.cluster.local) or the members' IPs",
+            )
+        if len(families) > 1:
+            raise ConfigError("etcd_endpoints", self.endpoints, "give IPv4 or IPv6 addresses, not both")
+        return families.pop(), addresses
+
     def validate(self) -> EtcdSettings:
         if not self.endpoints:
             raise ConfigError("etcd_endpoints", self.endpoints, "at least one http:// or https:// URL")
@@ -377,6 +404,7 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
                 )
             # Loaded as gRPC will: it takes the PEM bytes unparsed, and then never connects.
             _ssl_context("etcd_", self.tls_ca, self.tls_cert, self.tls_key, grpc=True)
+        self.members()
         return self
 
 

@@ -26,6 +26,7 @@ from cryptography import x509
 
 from kvswitch.certs import write_tls
 from kvswitch.servers import free_port
+from protocol.config import EtcdSettings
 from router.service import RouterConfig
 from tests.deploy.commands import kv_endpoints, parse
 from worker_shim.config import ShimConfig
@@ -174,6 +175,21 @@ def test_the_documented_certificate_names_every_host_clients_and_peers_check(
     assert {"nats.kvswitch.svc", "etcd-0.etcd-headless.kvswitch.svc"} <= dialled
     for host in sorted(dialled | _names_the_charts_use()):
         assert any(_go_matches(san, host) for san in sans), f"{host} is not in --tls-hosts {hosts}"
+
+
+def test_every_etcd_endpoint_list_is_one_a_client_can_balance_over(objects: list[dict[str, Any]]) -> None:
+    # the members' three DNS names were given: etcd3aio's ipv4: target never connects to a name
+    lists = [
+        c_args.etcd_endpoints
+        for pod in _pods(objects).values()
+        for c in _containers(pod).values()
+        if c["image"].startswith("kvswitch:") and "args" in c
+        for c_args in [parse(c["args"])[1]]
+        if getattr(c_args, "etcd_endpoints", None)
+    ]
+    assert len(lists) >= 3  # the router and both kinds of engine pod
+    for endpoints in lists:
+        EtcdSettings(endpoints=endpoints).members()
 
 
 def test_the_name_check_is_gos() -> None:
