@@ -31,6 +31,7 @@ KV_EVENTS_MODES: tuple[str, ...] = get_args(KvEventsMode)
 # Engines whose adapters read no timing counters: routers cannot calibrate their workers.
 UNTIMED_ENGINES: tuple[str, ...] = ("sglang", "trtllm")
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL: "too large lease TTL" past it
 _DURATIONS = (
     "reregister_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s", "busy_limit_s",
     "stall_limit_s",
@@ -210,8 +211,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 TimingModel.for_profile(self.timing_profile)
             except ValueError as exc:
                 raise ConfigError("timing_profile", self.timing_profile, str(exc)) from exc
-        if self.lease_ttl < 1:
-            raise ConfigError("lease_ttl", self.lease_ttl, "must be >= 1 (seconds)")
+        if not 1 <= self.lease_ttl <= MAX_LEASE_TTL:  # etcd refuses a longer one at every grant
+            raise ConfigError("lease_ttl", self.lease_ttl, f"must be in 1..{MAX_LEASE_TTL} (seconds)")
         for name in _DURATIONS:  # NaN passes every comparison; an infinity waits forever
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):

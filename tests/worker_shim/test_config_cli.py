@@ -290,3 +290,13 @@ def test_a_data_parallel_rank_vllm_would_not_take_is_refused(kw: dict[str, objec
     with pytest.raises(ConfigError) as err:
         ShimConfig(**base).validate()  # type: ignore[arg-type]
     assert err.value.setting == setting and words in str(err.value)
+
+
+@pytest.mark.parametrize("ttl", [0, 9_000_000_001, 2**63])
+def test_a_lease_ttl_etcd_would_not_grant_is_refused_at_start(ttl: int) -> None:
+    # past etcd's MaxLeaseTTL every grant failed, and the shim retried for ever without naming the flag
+    with pytest.raises(ConfigError, match=r"must be in 1\.\.9000000000") as err:
+        ShimConfig(model="m", kv_events="tcp://*:5557", lease_ttl=ttl).validate()
+    assert err.value.setting == "lease_ttl"
+    longest = ShimConfig(model="m", kv_events="tcp://*:5557", lease_ttl=9_000_000_000)
+    assert longest.validate().lease_ttl == 9_000_000_000
