@@ -10,6 +10,7 @@ from typing import Self, TypeVar
 import grpc
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError, EtcdPermissionDeniedError
+from etcd3aio.watch import WatchService
 
 from discovery.auth_token import TokenKeeper
 from discovery.lease import Lease, said
@@ -36,6 +37,7 @@ _AUTH_OFF = "authentication is not enabled"
 # gRPC's words for a handshake that failed on a certificate (the CA's, the server's name in it, or
 # the client's): a wrong file, which blaming the endpoints would not fix.
 _TLS_FAILED = ("Tls handshake failed", "is not in peer certificate", "Hostname Verification Check failed")
+_REQUIRE_LEADER = ("hasleader", "true")
 _PING_KEY = "__etcd3aio:ping__"  # what etcd3aio's ping reads (kvswitch.etcd_auth grants it)
 
 
@@ -67,6 +69,23 @@ def channel_target(settings: EtcdSettings) -> tuple[str, str | None]:
         return f"dns:///{host}:{port}", None
     listed = ",".join(f"[{h}]:{p}" if version == 6 else f"{h}:{p}" for h, p in addresses)
     return f"ipv{version}:{listed}", addresses[0][0] if len(addresses) > 1 else None
+
+
+class _LeaderWatch(WatchService):
+    """Watches that ask for a member with a leader (etcd's WithRequireLeader, the `hasleader`
+    metadata): a member cut off from its cluster keeps a plain watch open and silent for as long as
+    the cut lasts, its workers and routers stale; with it etcd fails the watch, which is logged and
+    made again through the channel (another member of a list, or a name resolved again)."""
+
+    def set_token(self, token: str | None) -> None:
+        super().set_token(token)
+        self._metadata = (*self._metadata, _REQUIRE_LEADER)
+
+
+def _require_leader(client: Etcd3Client) -> None:
+    assert client.watch is not None
+    client.watch.__class__ = _LeaderWatch
+    client.watch._metadata = (*client.watch._metadata, _REQUIRE_LEADER)
 
 
 def _read(path: str | None) -> bytes | None:
@@ -145,6 +164,7 @@ class Discovery:
         client._manager.target = target  # etcd3aio builds an ipv4: target, where a DNS name never connects
         client._manager.grpc_options.extend(_RECONNECT_OPTIONS)
         await client.connect()
+        _require_leader(client)
         token = TokenKeeper(client, s.user, s.password) if s.user is not None and s.password is not None else None
         try:
             if token is not None:
