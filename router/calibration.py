@@ -231,6 +231,17 @@ class WorkerTiming(msgspec.Struct, frozen=True):
         per_token = self.kv_bytes_per_token or self.shape.profile.kv_bytes_per_token
         return max(tokens, 0) * per_token / (gbps * 1e9)
 
+    def queue_s(self, tokens: int) -> float:
+        """The prefill of `tokens` queued on the worker: prompts, which do not attend to each
+        other, run in full steps of `chunk_tokens` and one of the rest, none over a cached context.
+        Priced as one prompt (prefill_s), a queue of ten 4 k-token prompts read as a 40 k-token
+        prompt, each chunk attending to all before it."""
+        if tokens <= 0:
+            return 0.0
+        full, rest = divmod(tokens, self.chunk_tokens)
+        steps = full * _alone_s(self.shape, self.chunk_tokens) + (_alone_s(self.shape, rest) if rest else 0.0)
+        return self.prefill_scale * steps
+
     def prefill_rate(self, batch: int) -> float | None:
         """Prompt tokens per second at full batches of `batch` tokens."""
         seconds = self.prefill_scale * _alone_s(self.shape, batch)

@@ -9,8 +9,8 @@ C the mean output length (`max_tokens`; a chat request with no limit does not co
 context (prompt + L / 2) of recently admitted requests (`admitted`: once per request, each counted
 as no longer than its worker's max_model_len lets it be):
 
-    local   = T_d.prefill(Q_d) + T_d.prefill(n - c_d | c_d) + ceil((Q_d + n - c_d) / m) * T_d.decode(B, C)
-    remote  = T_p.prefill(Q_p) + T_p.prefill(n - c_p | c_p) + transfer(n - c_d) + T_d.decode(B + 1, C)
+    local   = T_d.queue(Q_d) + T_d.prefill(n - c_d | c_d) + ceil((Q_d + n - c_d) / m) * T_d.decode(B, C)
+    remote  = T_p.queue(Q_p) + T_p.prefill(n - c_p | c_p) + transfer(n - c_d) + T_d.decode(B + 1, C)
     itl_now = T_d.decode(B + 1, C) + T_d.stall(Q_d) / L      (d's running requests' TPOT)
     itl_loc = itl_now + T_d.stall(n - c_d | c_d) / L         (... after this local prefill: its stall,
                                                               spread over their tokens)
@@ -25,12 +25,14 @@ requests each path loses:
     lost_remote = [remote > ttft_b]
 
     bypass iff lost_local < lost_remote, or lost_local == lost_remote and local < remote,
-           or T_p.prefill(Q_p) + T_p.prefill(n - c_p | c_p) >= headroom * prefill_timeout_s
+           or T_p.queue(Q_p) + T_p.prefill(n - c_p | c_p) >= headroom * prefill_timeout_s
 
 (T.prefill prices a prompt in the chunks of its worker's max_num_batched_tokens, as its engine runs
-it, and a queue Q as one such prompt, as ttft_model prices it: more than Q costs where it holds
-several prompts, which do not attend to each other.) The last: a leg predicted past the headroom's
-share of prefill_timeout_s is no path. It would time out, the request prefill here anyway that much
+it, each chunk attending to those before it; T.queue prices the queued prompts, which do not attend
+to each other, in full chunks over no cached context. Priced as one prompt, as ttft_model still
+prices it, a queue of many prompts read dearer than it runs: on the sweep's 4P+12D x4 point
+`slo_spill` went from 1.05x to 1.29x the better fixed mode with this price, docs/benchmarks.md.)
+The last: a leg predicted past the headroom's share of prefill_timeout_s is no path. It would time out, the request prefill here anyway that much
 later, the prefill worker's work on it be lost and the worker left out as failing for a cooldown
 (router.eligibility), every request then prefilling on its decode worker. Without it, on the shipped
 trace's 191 k-token prompts (33 s of prefill each), the virtual replay's prefill worker was left out
@@ -150,8 +152,8 @@ class SloAware:
         mnbt = d.info.max_num_batched_tokens or FULL_BATCH_TOKENS
         q_d, q_p = d.queued_prefill_tokens, p.queued_prefill_tokens
         steps = math.ceil((q_d + new_d) / mnbt)
-        local = td.prefill_s(q_d) + td.prefill_s(new_d, cd) + steps * td.decode_s(batch, context)
-        answer = tp.prefill_s(q_p) + tp.prefill_s(new_p, cp)
+        local = td.queue_s(q_d) + td.prefill_s(new_d, cd) + steps * td.decode_s(batch, context)
+        answer = tp.queue_s(q_p) + tp.prefill_s(new_p, cp)
         remote = answer + tp.transfer_s(new_d, self.config.link_gbps) + td.decode_s(batch + 1, context)
         itl_now = self._tpot(td, batch, q_d)
         itl_local = itl_now + td.stall_s(new_d, cd, batch) / self.output_len

@@ -7,6 +7,7 @@ prefill at most 2,048 tokens per step (the builders' max_num_batched_tokens)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,10 @@ def linear_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     decode = [{"context_tokens": x, "batch": b, "seconds": 0.005 + 1e-4 * b} for x in (0, 100_000) for b in (1, 101)]
     table = {"models": [{"model": "lin", "kv_bytes_per_token_bf16": 100_000, "prefill": prefill, "decode": decode}]}
     (tmp_path / "slolinear.json").write_text(json.dumps(table))
+    # the same, but a new token costs more over a cached context: 0.1 ms x (1 + cached / 100,000)
+    attending = [{**row, "seconds": row["seconds"] * (1 + row["cached_tokens"] / 100_000)} for row in prefill]
+    ctx = {"models": [{"model": "ctx", "kv_bytes_per_token_bf16": 100_000, "prefill": attending, "decode": decode}]}
+    (tmp_path / "sloctx.json").write_text(json.dumps(ctx))
     monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
     load_profile.cache_clear()
     yield
@@ -86,6 +91,35 @@ def test_a_local_prefill_that_pushes_running_decodes_over_their_tpot_goes_remote
     assert c.decode.timing.stall_s(4000, 6000, 120) == pytest.approx(0.4146, abs=1e-4)
     assert policy.lost(f, 120) == pytest.approx((12.56, 0.0), abs=0.01)
     assert bypass is False
+
+
+def test_a_queue_is_priced_as_prompts_that_do_not_attend_to_each_other() -> None:
+    t = WorkerTiming(TimingModel(load_profile("sloctx:ctx")), chunk_tokens=2048)
+    # 20,000 queued tokens: 9 full steps of 2,048 and one of 1,568, none over a cached context
+    assert t.queue_s(20_000) == pytest.approx(20_000 * 1e-4)
+    # one prompt of as many tokens: each chunk attends to those before it, 0.1 ms x (1 + c / 100,000)
+    one_prompt = sum(n * 1e-4 * (1 + c / 100_000) for n, c in [(2048, 2048 * k) for k in range(9)] + [(1568, 18_432)])
+    assert t.prefill_s(20_000) == pytest.approx(one_prompt)
+    assert t.queue_s(0) == 0.0
+
+
+def test_the_forecast_prices_each_queue_as_queued_prompts() -> None:
+    d = cand("d1", running=10, queued_prefill_tokens=30_000)
+    p = cand("p1", "prefill", queued_prefill_tokens=12_000)
+    td = WorkerTiming(TimingModel(load_profile("sloctx:ctx")), chunk_tokens=2048)
+    d.timing = p.timing = td
+    c = ctx(1000, [d], [p])
+    c.max_tokens = 128
+    c.decode, c.prefill = d, p
+    policy = SloAware(SloAwareConfig())
+    f = policy.forecast(c, d, p, td, td)
+    # local: d's 30,000 queued at 0.1 ms a token (3.0 s), its own 1,000 (0.1 s), 16 steps beside 10 decodes
+    steps = math.ceil(31_000 / 2048)
+    assert f.local_s == pytest.approx(3.0 + 0.1 + steps * td.decode_s(10, policy.context))
+    # remote: p's 12,000 queued (1.2 s) and the prompt (0.1 s): 1.3 s, under the 1.6 s budget, where
+    # pricing the queue as one prompt read 1.26 s + 0.1 s
+    assert f.prefill_answer_s == pytest.approx(1.2 + 0.1)
+    assert td.prefill_s(12_000) == pytest.approx(1.26, abs=0.001)  # as one prompt: its chunks over 0..10 k cached
 
 
 def test_a_saturated_prefill_worker_sends_the_request_local() -> None:
