@@ -32,9 +32,10 @@ it, each chunk attending to those before it; T.queue prices the queued prompts, 
 to each other, in full chunks over no cached context. Priced as one prompt, as ttft_model still
 prices it, a queue of many prompts read dearer than it runs: on the sweep's 4P+12D x4 point
 `slo_spill` went from 1.05x to 1.29x the better fixed mode with this price, docs/benchmarks.md.)
-The last: a leg predicted past the headroom's share of prefill_timeout_s is no path. It would time out, the request prefill here anyway that much
-later, the prefill worker's work on it be lost and the worker left out as failing for a cooldown
-(router.eligibility), every request then prefilling on its decode worker. Without it, on the shipped
+The last: a leg predicted past the headroom's share of prefill_timeout_s is no path. It would time
+out, the request prefill here anyway that much later, the prefill worker's work on it be lost and
+the worker left out as failing for a cooldown (router.eligibility), every request then prefilling
+on its decode worker. Without it, on the shipped
 trace's 191 k-token prompts (33 s of prefill each), the virtual replay's prefill worker was left out
 for 60 s of `make demo`'s 200 s slice.
 
