@@ -9,7 +9,7 @@ from typing import Self, TypeVar
 
 import grpc
 import msgspec
-from etcd3aio import Etcd3Client, EtcdError, EtcdPermissionDeniedError
+from etcd3aio import Etcd3Client, EtcdError, EtcdPermissionDeniedError, prefix_range_end
 from etcd3aio.watch import WatchService
 
 from discovery.auth_token import TokenKeeper
@@ -331,6 +331,19 @@ class Discovery:
         return watch_prefix(
             self.client, subjects.routers_prefix(self.ns), self._parser(RouterInfo), failed=self._failed
         )
+
+    async def readable(self, prefix: str) -> bool:
+        """Whether this user may read `prefix` (a role may lack it: a watch of it would be refused
+        and retried for good); DiscoveryError when etcd cannot say."""
+        assert self.client.kv is not None
+        try:
+            await self.client.kv.get(prefix.encode(), prefix_range_end(prefix.encode()), timeout=5.0)
+        except EtcdPermissionDeniedError:
+            return False
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            self._failed(exc)
+            raise DiscoveryError(f"reading {prefix} failed: {said(exc)}") from exc
+        return True
 
     def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:
         return watch_prefix(self.client, prefix, lambda raw: raw, failed=self._failed)

@@ -275,6 +275,10 @@ class GenerateRequest(_Msg, kw_only=True):
     # own X-Request-Id or body `request_id` when it gave one, as vLLM takes them; "": `request_id`.
     # Only `request_id` is unique: it keys the leg everywhere else.
     engine_request_id: str = ""
+    # The sending router process (RouterInfo.instance): a shim aborts the legs of an instance no
+    # key under /{ns}/routers/ has named for its --orphan-grace-s (a router killed without its
+    # drain cannot cancel them). "": never aborted so (a router that predates it, a test client).
+    origin: str = ""
     # Request headers the engine reads, as the client sent them (ENGINE_HEADERS only): vLLM takes
     # a priority and a session id from headers as well as from the body.
     headers: dict[str, str] = {}
@@ -535,6 +539,9 @@ class RouterInfo(_Msg, kw_only=True):
     # again when they change: replicas compare it with their own and warn when a peer routes
     # differently. "" from a router that predates it.
     settings_digest: str = ""
+    # A random id of the router process, kept when it registers anew under another id (a lost
+    # lease): its legs carry it (GenerateRequest.origin). "" from a router that predates it.
+    instance: str = ""
 
 
 # --- Plausibility: what decodes but cannot be true ----------------------------------------------------

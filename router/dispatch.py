@@ -424,8 +424,10 @@ class Dispatcher:
         on_pull: Callable[[str, str], Callable[[], None]] = lambda decode, prefill: _nothing,
         on_prefill: Callable[[str, str | None, bool], None] = lambda worker, fault, serves_whole: None,
         tracer: RequestTracer | None = None,
+        origin: str = "",
     ) -> None:
         self._nc = nc
+        self._origin = origin  # RouterInfo.instance: a shim aborts the legs of a router gone from etcd
         self._on_fallback = on_fallback
         # (decode worker, prefill worker, whether its pull worked) per decode leg fed by a transfer
         self._on_transfer = on_transfer
@@ -534,7 +536,7 @@ class Dispatcher:
     async def _open(self, worker: str, role: str, req: GenerateRequest, on_end: Callable[[], None] = _nothing) -> _Leg:
         token = str(next(self._ids))
         span = self._tracer.leg(role, worker, req.request_id)
-        req = msgspec.structs.replace(req, trace=self._tracer.carrier(span))
+        req = msgspec.structs.replace(req, trace=self._tracer.carrier(span), origin=self._origin)
         leg = _Leg(self, token, worker, role, req, span, on_end)
         try:
             data = encode_msg(req)

@@ -25,6 +25,7 @@ import contextlib
 import enum
 import logging
 import random
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,6 +160,7 @@ class RouterService:
         self.status = RouterStatus.NEW
         self.started_at = time.time()
         self.router_id = ""
+        self.instance = secrets.token_hex(8)  # kept across registrations: its legs name it (GenerateRequest.origin)
         self.url = ""
         self.index = BlockIndex()
         self.view = LoadView()
@@ -306,6 +308,7 @@ class RouterService:
             on_pull=self._on_pull,
             on_prefill=self._on_prefill,
             tracer=self.tracer,
+            origin=self.instance,
         )
         await self._dispatcher.start()
         admission = Admission(
@@ -371,6 +374,7 @@ class RouterService:
                 started_at=self.started_at,
                 version=__version__,
                 settings_digest=self.peer_settings.digest,
+                instance=self.instance,
             ),
             ttl=self.config.lease_ttl_s,
             on_registered=self._registered_anew,

@@ -64,6 +64,11 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
     ("worker_name", str, "a stable worker id instead of the lease id (one subject token); must be unique"),
     ("lease_ttl", int, "etcd lease TTL in seconds (default 10)"),
     ("reregister_grace_s", float, "seconds the old worker id is still served after a lost lease (default 2 x TTL)"),
+    (
+        "orphan_grace_s",
+        float,
+        "seconds a router process may have no key in etcd before its legs here are cancelled (default 20)",
+    ),
     ("load_period_s", float, "load reports go out on change and at least this often (default 0.5)"),
     ("events_timeout_s", float, "seconds without KV events before events_ok is false (x2 after a request; default 5)"),
     ("http_host", str, "the shim's /health and /metrics listen here (default 127.0.0.1)"),

@@ -33,8 +33,8 @@ UNTIMED_ENGINES: tuple[str, ...] = ("sglang", "trtllm")
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL: "too large lease TTL" past it
 _DURATIONS = (
-    "reregister_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s", "busy_limit_s",
-    "stall_limit_s",
+    "reregister_grace_s", "orphan_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s",
+    "busy_limit_s", "stall_limit_s",
 )  # fmt: skip
 
 
@@ -74,6 +74,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     lease_ttl: etcd lease TTL in seconds.
     reregister_grace_s: after a lost lease, how long the old worker id's subjects are still served
         (None: 2 x lease_ttl).
+    orphan_grace_s: the legs of a router process whose every key under /{ns}/routers/ has been gone
+        this long are cancelled (worker_shim.orphaned_legs): it died without its drain.
     load_period_s: a LoadReport goes out on every change and at least this often (at most
         protocol.config.MAX_LOAD_PERIOD_S, the longest a router waits for).
     events_timeout_s: seconds without a connection on the event socket before the shim reports
@@ -116,6 +118,7 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     worker_name: str | None = None
     lease_ttl: int = 10
     reregister_grace_s: float | None = None
+    orphan_grace_s: float = 20.0
     load_period_s: float = 0.5
     events_timeout_s: float = 5.0
     http_host: str = "127.0.0.1"
@@ -219,6 +222,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(name, value, "must be a finite number of seconds")
         if self.reregister_grace_s is not None and not self.reregister_grace_s >= 0:
             raise ConfigError("reregister_grace_s", self.reregister_grace_s, "must be >= 0 (seconds)")
+        if not self.orphan_grace_s >= 0:
+            raise ConfigError("orphan_grace_s", self.orphan_grace_s, "must be >= 0 (seconds)")
         for name in ("load_period_s", "events_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0 (seconds)")

@@ -153,6 +153,11 @@ class _ShimCollector(Collector):
         for kind in ("generate", "no_reply", "cancel"):
             bad.add_metric([kind], float(svc.malformed[kind] if svc else 0))
         yield bad
+        yield _counter(
+            "legs_orphaned",
+            "Legs cancelled because the router process that sent them had no key in etcd for --orphan-grace-s",
+            float(self.shim.orphans.cancelled if self.shim.orphans else 0),
+        )
         yield _counter("heartbeats", "Heartbeat chunks sent", float(svc.heartbeats if svc else 0))
         yield _counter("chunks_held", "Chunks held back to coalesce under load", float(svc.held_chunks if svc else 0))
         yield _counter(

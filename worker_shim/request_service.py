@@ -344,6 +344,7 @@ class _Leg:
     reuse: int = 0
     reuse_before: int = 0  # RequestService.reuse_started as it began
     predicted: int = 0  # prompt tokens the engine should find cached, until it has scheduled the leg
+    origin: str = ""  # the router process that sent it (GenerateRequest.origin)
 
 
 class RequestService:
@@ -484,7 +485,7 @@ class RequestService:
             await writer.final(error=ErrorInfo(code=503, kind="overloaded", message=why))
             return
         if req.endpoint in UTILITY_ENDPOINTS:
-            state = _Leg(req.request_id, 0, writer)
+            state = _Leg(req.request_id, 0, writer, origin=req.origin)
             self._begin(state)
             state.task = asyncio.create_task(self._call(req, state, writer), name=f"call-{req.request_id}")
             return
@@ -502,7 +503,7 @@ class RequestService:
             reuse = reusable(reuse, reuse, bs) if bs else reuse
         copies = engine_requests(req.params)
         reuse = UNWEIGHED_REUSE if copies is None else reuse * copies
-        state = _Leg(req.request_id, max(queued, 0), writer, predicted=predicted, reuse=reuse)
+        state = _Leg(req.request_id, max(queued, 0), writer, predicted=predicted, reuse=reuse, origin=req.origin)
         self._begin(state)
         self._queued += state.queued_tokens
         self.on_change()
@@ -583,6 +584,18 @@ class RequestService:
         elif not state.cancelled:
             state.cancelled = True
             self._stop(state)
+
+    def origins(self) -> set[str]:
+        """The routers (RouterInfo.instance) with legs in flight here that a cancel could end."""
+        return {s.origin for s in self.inflight.values() if s.origin and not s.cancelled}
+
+    def cancel_from(self, origin: str) -> int:
+        """Cancel every leg in flight that router `origin` sent, as its cancels would; how many."""
+        legs = [s for s in self.inflight.values() if s.origin == origin and not s.cancelled]
+        for state in legs:
+            state.cancelled = True
+            self._stop(state)
+        return len(legs)
 
     def _remember_cancel(self, request_id: str) -> None:
         now = time.monotonic()

@@ -38,6 +38,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
+from discovery.watch import keep_following
 from protocol import Cleared, ConfigError, KvEvent, Removed, Usage, WorkerInfo, subjects
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.errors import listen_error
@@ -68,6 +69,7 @@ from worker_shim.metrics import render_metrics
 from worker_shim.model_config import kv_bytes_per_token
 from worker_shim.nats_connect import connect_nats
 from worker_shim.normaliser import Normaliser, NormaliserStats
+from worker_shim.orphaned_legs import OrphanedLegs
 from worker_shim.request_service import RequestService, leg_cap
 from worker_shim.transfer_failures import TransferFailures
 
@@ -86,6 +88,7 @@ STALE_READINGS = 3
 STALE_MIN_S = 3.0
 # Rebuilds an unknown parent asks for (see _RebuildGuard): one this soon after the last is a repeat.
 REBUILD_REPEAT_S = 5.0
+ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
 REBUILD_BACKOFF_S = 5.0
 REBUILD_BACKOFF_MAX_S = 300.0
 
@@ -251,6 +254,8 @@ class WorkerShim:
         self._engine_load_at: float | None = None  # ... and the time.monotonic() it came back
         self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
         self._name_held_since: float | None = None  # when --worker-name was first found held by another lease
+        self.orphans: OrphanedLegs | None = None  # the legs of routers that died (worker_shim.orphaned_legs)
+        self._orphans_task: asyncio.Task[None] | None = None
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -317,6 +322,8 @@ class WorkerShim:
             model=self.config.model,
             max_legs=max_legs,
         )
+        self.orphans = OrphanedLegs(self.requests.origins, self.requests.cancel_from, self.config.orphan_grace_s)
+        self._orphans_task = asyncio.create_task(self._follow_routers(self.orphans), name="shim-routers")
         self.status = ShimStatus.WAITING_ENGINE
         self._main = asyncio.create_task(self._supervise(), name="shim-supervisor")
 
@@ -1155,11 +1162,42 @@ class WorkerShim:
 
     # --- stop -----------------------------------------------------------------------------------
 
+    async def _follow_routers(self, orphans: OrphanedLegs) -> None:
+        """The routers' keys, and their legs here checked against them every ORPHAN_CHECK_S."""
+        discovery, prefix = self._discovery, subjects.routers_prefix(self.ns)
+        assert discovery is not None
+
+        async def follow() -> None:
+            if not await discovery.readable(prefix):
+                log.error(
+                    "this worker's etcd user may not read %s: the legs of a router that dies without its drain "
+                    "run on here until they end. Grant it read there (kvswitch secrets --etcd-endpoint does, "
+                    "from 2026-12-06; or etcdctl role grant-permission <role> --prefix=true read %s)",
+                    prefix,
+                    prefix,
+                )
+                return
+            async for event in discovery.watch_routers():
+                orphans.update(event)
+
+        watch = asyncio.create_task(keep_following(follow, "the routers' watch"), name="shim-routers-watch")
+        try:
+            while True:
+                await asyncio.sleep(ORPHAN_CHECK_S)
+                orphans.check()
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+
     async def _stop(self) -> None:
         self._stopping.set()
         if self.requests is not None:
             self.requests.accepting = False
         self._poke_load()  # `draining`: routers stop sending new requests now, not at the next period
+        orphans, self._orphans_task = self._orphans_task, None
+        if orphans is not None:
+            orphans.cancel()
+            await asyncio.gather(orphans, return_exceptions=True)
         main, self._main = self._main, None
         if main is not None:
             with contextlib.suppress(asyncio.CancelledError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 
 import aiohttp
 import grpc
@@ -211,6 +212,34 @@ async def test_a_live_workers_lost_lease_does_not_cut_its_requests_in_flight(
     status, body, headers = await request
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == 600 and headers["x-kvswitch-decode-worker"] == old
+
+
+async def test_a_routers_legs_name_it_and_outlive_its_lost_lease(
+    cluster: Cluster, http: aiohttp.ClientSession, etcd_url: str
+) -> None:
+    """A router's legs carry its process's instance (GenerateRequest.origin), which its key keeps
+    when it registers anew after a lost lease: the shim, which cancels the legs of an instance gone
+    from etcd for --orphan-grace-s (a router killed without its drain), lets these run."""
+    grace = 3.0  # past the router's re-registration (its keep-alive notices the loss within TTL / 3)
+    w = await cluster.add_worker("agg", shim={"orphan_grace_s": grace}, speedup=0.5)
+    router = await cluster.add_ready_router(disagg="never")
+    request = asyncio.create_task(complete(http, router, list(range(64)), max_tokens=1200, ignore_eos=True))
+    legs, orphans = w.shim.requests, w.shim.orphans
+    assert legs is not None and orphans is not None and router.instance
+    await until(lambda: len(legs.inflight) == 1, what="the leg on the worker")
+    assert [leg.origin for leg in legs.inflight.values()] == [router.instance]
+    old = router.router_id
+    registration = router._registration
+    assert registration is not None and registration.lease is not None
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        assert d.client.lease is not None
+        await d.client.lease.revoke(registration.lease.id, timeout=5.0)
+    revoked = time.monotonic()
+    await until(lambda: router.router_id != old, what="the router registered anew")
+    status, body, _ = await request
+    assert status == 200 and body["usage"]["completion_tokens"] == 1200, body
+    assert time.monotonic() - revoked > grace + 2  # the shim judged it, more than once
+    assert orphans.cancelled == 0
 
 
 FLOOD = """

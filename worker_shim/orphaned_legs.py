@@ -1,0 +1,86 @@
+"""OrphanedLegs: a router that died leaves no legs running here.
+
+A router stopped by SIGTERM drains and cancels what it still runs. One killed (kill -9, OOM, its
+node lost) cancels nothing: heartbeats go from shim to router only, and NATS drops a chunk sent to a
+dead inbox without a word, so its legs ran on, prefilling and decoding for nobody, until they ended
+or reached their deadline. Each leg names its router process (GenerateRequest.origin, the
+RouterInfo.instance it registers under /{ns}/routers/, kept when it registers anew after a lost
+lease). The shim follows those keys; the legs of an instance it has seen registered and that no key
+has named for `grace_s` are cancelled as the router's own cancel would, counted and logged once per
+instance.
+
+Never on less: an instance never seen registered (a router that started while this watch was down,
+a client without one) is not judged, and while etcd is unreachable no key goes, so nothing is. A
+router's key goes `--lease-ttl` after it died, so its legs end within that and `grace_s`; a router
+alive but cut from etcd for longer than both loses its legs here, as it loses its workers' keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from discovery import Deleted, Put, Snapshot, WatchEvent
+from protocol import RouterInfo
+
+__all__ = ["OrphanedLegs"]
+
+log = logging.getLogger(__name__)
+
+
+class OrphanedLegs:
+    """`update` with each event of a /{ns}/routers/ watch, `check` now and then. `origins()` are the
+    instances with legs in flight, `cancel(origin)` cancels those legs and says how many."""
+
+    def __init__(
+        self,
+        origins: Callable[[], set[str]],
+        cancel: Callable[[str], int],
+        grace_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._origins = origins
+        self._cancel = cancel
+        self.grace_s = grace_s
+        self._clock = clock
+        self._routers: dict[str, str] = {}  # key name -> instance
+        self._seen: set[str] = set()  # instances seen registered, while they have legs here or a key
+        self._missing: dict[str, float] = {}  # instance with legs and no key -> since when
+        self.cancelled = 0  # legs cancelled so (kvswitch_shim_legs_orphaned_total)
+
+    def live(self) -> set[str]:
+        """The router instances some key names now."""
+        return set(self._routers.values())
+
+    def update(self, event: WatchEvent[RouterInfo]) -> None:
+        if isinstance(event, Snapshot):
+            self._routers = {name: info.instance for name, info in event.items.items()}
+        elif isinstance(event, Put):
+            self._routers[event.name] = event.value.instance
+        elif isinstance(event, Deleted):
+            self._routers.pop(event.name, None)
+        self._seen.update(i for i in self._routers.values() if i)
+
+    def check(self) -> None:
+        now = self._clock()
+        live = self.live()
+        origins = self._origins()
+        for origin in origins & self._seen:
+            if origin in live:
+                self._missing.pop(origin, None)
+                continue
+            since = self._missing.setdefault(origin, now)
+            if now - since >= self.grace_s:
+                cancelled = self._cancel(origin)
+                self.cancelled += cancelled
+                log.warning(
+                    "router instance %s has had no key under /routers/ for %.0f s (it died without its drain): "
+                    "cancelled its %d legs in flight here (kvswitch_shim_legs_orphaned_total)",
+                    origin,
+                    now - since,
+                    cancelled,
+                )
+        for origin in set(self._missing) - origins:
+            del self._missing[origin]
+        self._seen &= live | origins
