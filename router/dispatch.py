@@ -745,8 +745,9 @@ class Dispatcher:
             heartbeat_s=self._settings().stream_heartbeat_s,
         )
         silence = 3 * self._settings().stream_heartbeat_s
-        # The pull runs until the first token: a rise in the decode engine's failed-pull count is
-        # put down to the pulls under way then (router.transfer_health).
+        # The pull runs until the first token (a whole answer's: its `prefilled` chunk): a rise in
+        # the decode engine's failed-pull count is put down to the pulls under way then
+        # (router.transfer_health).
         pulled = (
             _nothing
             if job.transfer is None
@@ -767,8 +768,9 @@ class Dispatcher:
                         self._prefill_done(job)
                     elif chunk.prefilled:
                         self._prefill_done(job)  # a whole answer's prefill, done before any output
-                    # The pull worked at the first token, or at a clean end with none (an EOS-first chat stream).
-                    if unjudged and (job.first_token_at is not None or chunk.final):
+                    # The pull worked at the first token, or at a whole answer's prefill, or at a clean end
+                    # with none (an EOS-first chat stream).
+                    if unjudged and (job.first_token_at is not None or chunk.prefilled or chunk.final):
                         assert job.transfer is not None
                         pulled()
                         pulled = _nothing

@@ -369,3 +369,33 @@ async def test_a_prefill_blame_held_for_the_fallback_skips_a_worker_that_left(
     gate.set()
     status, _, _ = await pending
     assert status == 200 and gone not in router.eligibility._prefill_failing
+
+
+async def test_a_whole_answers_pull_ends_at_its_prefill_not_at_its_last_token(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """A non-streamed answer has no first token until its body comes: its pull counted as under
+    way for the whole generation, so under `recompute` a broken prefill worker's failed pull into d
+    also blamed the healthy one whose long answer was decoding there, and d lost disaggregation."""
+    good = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode", kv_load_failure_policy="recompute", speedup=1.0)
+    router = await cluster.add_ready_router(disagg="always")
+    transfers = router.planner.disagg.transfers
+    await until(lambda: router.view.liveness(d.id) is not None, what="a load report of d")
+    long = asyncio.create_task(complete(http, router, list(range(300)), max_tokens=3000, ignore_eos=True))
+    await until(lambda: len(d.sim.engine.running) == 1, what="the long answer decoding on d")
+    await until(lambda: len(d.sim.engine.running[0].output_token_ids) > 10, what="its prefill done")
+    await asyncio.sleep(CONFIRM_S + 0.5)  # its pull ended before any later report's window
+    bad = await cluster.add_worker("prefill", kv_lease_duration=1e-6)  # its KV is freed before any pull
+    await cluster.ready(router)
+    for k in range(20):
+        _, body, _ = await complete(http, router, list(range(5000 + 400 * k, 5300 + 400 * k)), max_tokens=2)
+        if body["kvswitch"].get("prefill_worker") == bad.id:
+            break
+    else:
+        pytest.fail("no request went through the broken prefill worker")
+    await until(lambda: transfers.failing(d.id, bad.id), what="(d, bad) closed")
+    assert not transfers.failing(d.id, good.id)
+    assert not long.done()
+    long.cancel()
+    await asyncio.gather(long, return_exceptions=True)
