@@ -23,9 +23,14 @@ with a `final` chunk or an `error` one.
   next-best worker (a new plan, booked by the planner); after the first token the error goes to
   the client.
 - liveness: every leg asks for a heartbeat every `stream_heartbeat_s`; a leg silent for three of them
-  ends (its worker is reported unreachable), so a killed worker costs a stream at most 3x that.
-  A leg that finds no responder reports its worker unreachable at once; so does one whose chunks
-  stay lost after MAX_RESUMES asks (a stream gap), retried before the first token.
+  ends (its worker is reported unreachable), so a worker that dies before the first token costs a
+  stream at most 3x that. After the first token, silence may be chunks lost on the way (a NATS
+  node died under the stream), so they are asked for again, up to MAX_RESUMES times, each after
+  three more periods of silence: a worker frozen mid-stream with its NATS connection up ends the
+  leg after 12 periods (4.8 s at the default 0.4 s); a killed one's no-responder answer ends it at
+  once. A leg that finds no responder reports its worker unreachable at once; so does one whose
+  chunks stay lost after MAX_RESUMES asks (a stream gap, or a resend that has not come within
+  three periods while later chunks do), retried before the first token.
 - a malformed reply (a broken or hostile shim: a chunk that does not decode, an event cut across
   chunks that never ends) ends the leg; one that does not decode is retried before the first token
   like a dead worker's, a prefill leg falls back. The worker is reported malformed (left out for a
@@ -221,6 +226,7 @@ class _Leg:
         self.on_end = on_end
         self.resumes = 0
         self.resuming = False  # chunks after a gap are dropped until the resent ones arrive
+        self.resumed_at = 0.0  # time.monotonic() of the last ask
         self._items: deque[tuple[ResponseChunk | LegError, int]] = deque()  # with its size on the wire
         self.queued = 0  # bytes waiting in _items
         self._waiter: asyncio.Future[None] | None = None
@@ -302,8 +308,11 @@ class _Leg:
             if item.seq < self.next_seq:
                 continue  # sent again after a resume
             if item.seq > self.next_seq:
-                if self.resuming:
+                if self.resuming and time.monotonic() - self.resumed_at < silence_s:
                     continue  # sent before our request to resend arrived: it comes again
+                # A gap, or a resend that has not come while later chunks do (the ask or its answer
+                # lost): each dropped chunk restarted the silence, so the stream stalled until the
+                # worker had ended the whole leg.
                 if self.resumes >= MAX_RESUMES:
                     why = f"chunk {item.seq}, expected {self.next_seq}"
                     raise LegError(self.worker, 502, "stream_gap", why, retryable=not self.tokens_seen)
@@ -349,6 +358,7 @@ class _Leg:
 
     async def _resume(self) -> None:
         self.resuming = True
+        self.resumed_at = time.monotonic()
         self.resumes += 1
         self.owner.resumes += 1
         log.warning(
