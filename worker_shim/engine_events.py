@@ -44,7 +44,10 @@ class EngineStored:
     """Blocks cached in chain order; `parent` is the engine hash before hashes[0] (None: root).
 
     `token_ids` holds every block's tokens back to back; `salt` separates chains that share tokens
-    but not KV (a LoRA adapter name). A hybrid model's engine caches each block once per KV cache
+    but not KV (a LoRA adapter name) from their root; `media` separates these blocks from their
+    parent on (the keys of images or other media whose placeholder tokens they hold: routers hash
+    prompts by token ids alone, so such blocks are credited to no request, and their children link
+    as usual). A hybrid model's engine caches each block once per KV cache
     `group`: `kind` FULL (full attention: what the prefix index holds), WINDOW (sliding window of
     `window` tokens: its events list only the blocks inside the window, `token_ids` still covering
     the whole range), or the engine's own name of a kind kvswitch does not model.
@@ -59,6 +62,7 @@ class EngineStored:
     group: int = 0
     kind: str = FULL
     window: int = 0
+    media: str = ""
 
 
 @dataclass(slots=True, frozen=True)

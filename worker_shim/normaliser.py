@@ -108,10 +108,11 @@ def _tier_of(medium: str | None) -> str | None:
     return None if medium is None or medium == "GPU" else medium
 
 
-_CREDITED_TIERS = frozenset({"CPU"})
+_CREDITED_TIERS = frozenset({"CPU", "CPU_PINNED"})
 """Offload tiers whose placeholders keep a block published: vLLM 0.32's CPU tier reports each
-eviction; its disk tiers (fs, obj: medium STORAGE) report none, so a block only they held would
-stay credited to the worker for the engine's life."""
+eviction, as SGLang's HiCache host tier (medium CPU_PINNED, its StorageMedium.CPU) does; vLLM's
+disk tiers (fs, obj: medium STORAGE) report none, so a block only they held would stay credited to
+the worker for the engine's life."""
 
 _REBUILD_PARENTS = 64
 DROPPED_FOR_S = 60.0
@@ -452,6 +453,8 @@ class Normaliser:
                     self.rebuild_parents.add(ev.parent)
                 return
             start = parent
+        if ev.media:  # blocks of media placeholders: a domain no prompt's chain reaches
+            start = root_hash(f"{start}\x01{ev.media}")
         try:
             canon = block_hashes(ev.token_ids, bs, parent=start)
         except ValueError as exc:

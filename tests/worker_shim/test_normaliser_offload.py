@@ -58,6 +58,21 @@ def test_a_placeholder_offload_keeps_the_chain_growing_from_the_block_even_after
     assert n.canonical_hashes() == {a, child}
 
 
+def test_sglangs_host_tier_keeps_a_block_published_as_vllms_cpu_tier_does() -> None:
+    """SGLang's HiCache names its host tier CPU_PINNED (StorageMedium.CPU) and stores there with the
+    tokens and parent once the copy is written; it reports each eviction from it. The shim left
+    CPU_PINNED uncredited, so the GPU copy's eviction took a prefix SGLang loads back from host."""
+    n = Normaliser(B)
+    (a,) = block_hashes(TURN1, B)
+    host = BlockStored(block_hashes=[A], parent_block_hash=None, token_ids=TURN1, block_size=B, medium="CPU_PINNED")
+    wire(n, [gpu([A], TURN1), host], "array")
+    assert wire(n, [BlockRemoved(block_hashes=[A], medium="GPU")], "array") == []
+    assert n.holds(a) and n.stats.placeholders_dropped == 0
+    assert wire(n, [BlockRemoved(block_hashes=[A], medium="CPU_PINNED")], "array") == [
+        Removed(hashes=[a], medium="CPU_PINNED")
+    ]
+
+
 @pytest.mark.parametrize("form", ["array", "map"])
 def test_evicting_the_cpu_copy_leaves_the_gpu_copy_published(form: str) -> None:
     n = Normaliser(B)

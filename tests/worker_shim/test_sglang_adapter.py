@@ -253,18 +253,21 @@ def test_token_ids_that_are_not_all_int_pairs_stay_malformed(tokens: list[Any]) 
 
 @pytest.mark.parametrize("endpoint", [ENDPOINT_COMPLETIONS, ENDPOINT_CHAT])
 @pytest.mark.parametrize("prefill_only", [False, True])
-def test_sglang_refuses_a_clients_extra_key(endpoint: str, prefill_only: bool) -> None:
+@pytest.mark.parametrize("name", ["extra_key", "lora_path"])
+def test_sglang_refuses_a_clients_extra_key_or_lora_path(endpoint: str, prefill_only: bool, name: str) -> None:
     """SGLang caches an extra_key's prompts apart from all others' and its KV events do not name
-    it: the shim indexed them as plain prompts, and routers credited plain requests with them."""
+    it: the shim indexed them as plain prompts, and routers credited plain requests with them. A
+    lora_path is one too (SGLang appends the adapter to the request's extra_key; its events send
+    lora_id None)."""
     params = {"prompt": [5, 6, 7]} if endpoint == ENDPOINT_COMPLETIONS else {"messages": []}
     leg = LegRequest("r", "m", [5, 6, 7], SamplingParams(), endpoint=endpoint, prefill_only=prefill_only, params=params)
-    assert "extra_key" not in openai_body(leg, None)
-    refused = replace(leg, params={**params, "extra_key": "tenant-a"})
+    assert name not in openai_body(leg, None)
+    refused = replace(leg, params={**params, name: "tenant-a"})
     with pytest.raises(EngineError) as caught:
         openai_body(refused, None)
     err = caught.value
     assert err.code == 400 and err.kind == "bad_request"
-    assert err.message.startswith("extra_key: SGLang keeps a separate prefix cache per extra_key")
+    assert err.message.startswith(f"{name}: SGLang keeps a separate prefix cache per {name}")
 
 
 TOO_LONG = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."

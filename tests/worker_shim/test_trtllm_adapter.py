@@ -14,11 +14,11 @@ from aiohttp import web
 from kvswitch.servers import free_port
 from protocol import BlockHasher, ConfigError, SamplingParams, block_hashes
 from protocol.config import EtcdSettings, NatsSettings
-from protocol.hashing import chain_salt
+from protocol.hashing import chain_salt, root_hash
 from tests.worker_shim.test_wrong_engine import fake_engine
 from worker_shim import EngineLoad, Normaliser, ShimConfig, ShimStatus, WorkerShim
 from worker_shim.adapters import trtllm
-from worker_shim.adapters.base import LegRequest
+from worker_shim.adapters.base import EngineError, LegRequest
 from worker_shim.adapters.trtllm import TrtllmAdapter, disagg_body, limits_from_stats, load_from_stats
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker
 from worker_shim.engine_events import EngineBatch
@@ -129,6 +129,44 @@ def test_a_salted_chain_is_credited_to_the_routers_salted_prompt() -> None:
     router = BlockHasher(4, chain_salt("", "tenant-A"))(prompt)  # as router/planner.py hashes it
     assert norm.canonical_hashes() == set(router)
     assert not norm.holds(block_hashes(prompt, 4)[0])  # another tenant's prompt does not hit
+
+
+def test_a_lora_tasks_chain_is_credited_to_no_base_model_prompt() -> None:
+    """TensorRT-LLM caches a LoRA task's blocks apart (each stored block carries its `lora_id`); the
+    shim folded them unsalted, so routers credited base-model prompts of the same tokens with them."""
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    prompt = list(range(30, 38))
+    blocks = [{"block_hash": 900 + i, "tokens": _tok(prompt[4 * i : 4 * i + 4]), "lora_id": 7} for i in (0, 1)]
+    folded(tracker, norm, [CREATED, {"event_id": 1, "data": {"type": "stored", "parent_hash": None, "blocks": blocks}}])
+    assert len(norm) == 2 and not norm.holds(block_hashes(prompt, 4)[0])
+    assert norm.canonical_hashes() == set(block_hashes(prompt, 4, parent=root_hash("7")))
+
+
+def test_blocks_holding_media_go_apart_from_their_text_prefix() -> None:
+    """Blocks with `mm_keys` (an image's placeholder tokens, as trtllm-serve stores them): routers
+    hash prompts by token ids alone, so two requests with the same placeholders and different
+    images were one canonical chain, and its text prefix before them must still be credited."""
+    tracker, norm = TrtllmEventTracker(), Normaliser(4)
+    text, image, after = [1, 2, 3, 4], [9, 9, 9, 9], [5, 6, 7, 8]
+
+    def request(eid: int, base: int, media: str) -> dict[str, Any]:
+        blocks = [
+            {"block_hash": base, "tokens": _tok(text), "mm_keys": []},
+            {
+                "block_hash": base + 1,
+                "tokens": _tok(image),
+                "mm_keys": [{"type": "mm_key", "hash": media, "start_offset": 0}],
+            },
+            {"block_hash": base + 2, "tokens": _tok(after), "mm_keys": []},
+        ]
+        return {"event_id": eid, "data": {"type": "stored", "parent_hash": None, "blocks": blocks}, "window_size": 4096}
+
+    folded(tracker, norm, [CREATED, request(1, 100, "aa" * 32), request(2, 200, "bb" * 32)])
+    plain = block_hashes(text + image + after, 4)
+    assert norm.holds(plain[0])  # the text prefix, credited as a prompt's
+    assert not norm.holds(plain[1]) and not norm.holds(plain[2])  # no prompt of token ids holds an image
+    assert len(norm) == 5  # the shared text block, and each image's two blocks apart
+    assert tracker.malformed == 0
 
 
 def test_a_malformed_event_is_dropped_alone_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -264,6 +302,17 @@ def test_disaggregated_params_per_leg() -> None:
     assert disagg_body(LegRequest("r", "m", [1], s))["disaggregated_params"] == {
         "request_type": "context_and_generation"
     }
+
+
+@pytest.mark.parametrize("endpoint", ["", "completions"])
+def test_a_lora_request_is_refused(endpoint: str) -> None:
+    """TensorRT-LLM caches an adapter's prompts apart; routers hash this request as the base
+    model's and would credit it with prefixes the engine will not reuse for it."""
+    params = {"prompt": [1, 2], "lora_request": {"lora_name": "a", "lora_int_id": 7, "lora_path": "/a"}}
+    leg = LegRequest("r", "m", [1, 2], SamplingParams(max_tokens=2), endpoint=endpoint, params=params)
+    with pytest.raises(EngineError) as caught:
+        disagg_body(leg)
+    assert caught.value.code == 400 and caught.value.message.startswith("lora_request: TensorRT-LLM caches")
 
 
 async def test_a_poll_the_engine_holds_past_two_seconds_keeps_its_events(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -152,18 +152,21 @@ def openai_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, 
     ignores it, so it would serve the whole prompt where the router counted the truncated ids. And
     for `extra_key`: SGLang caches such a prompt apart from every other extra_key's, and its KV
     events do not name it (mem_cache/utils.py: "omit extra_key"), so the shim would index it as a
-    plain prompt's and routers credit plain requests with a prefix SGLang never reuses for them."""
+    plain prompt's and routers credit plain requests with a prefix SGLang never reuses for them.
+    And for `lora_path`, for the same reason: SGLang keys an adapter's cache by it as by an
+    extra_key, and its events name no adapter (`lora_id` None)."""
     if leg.params.get("truncate_prompt_tokens") is not None and _text_prompt(leg):
         raise EngineError(
             400, "bad_request", "truncate_prompt_tokens: SGLang cannot truncate a text prompt or chat messages"
         )
-    if leg.params.get("extra_key") is not None:
-        raise EngineError(
-            400,
-            "bad_request",
-            "extra_key: SGLang keeps a separate prefix cache per extra_key and its KV events do not name it, "
-            "so routers would credit the wrong prefixes",
-        )
+    for name in ("extra_key", "lora_path"):
+        if leg.params.get(name) is not None:
+            raise EngineError(
+                400,
+                "bad_request",
+                f"{name}: SGLang keeps a separate prefix cache per {name} and its KV events do not name it, "
+                "so routers would credit the wrong prefixes",
+            )
     body = pass_through_body(leg)
     body["rid"] = leg.request_id
     if bootstrap:

@@ -94,7 +94,17 @@ _MAX_TOKENS = ("max_tokens", "max_completion_tokens")
 def disagg_body(leg: LegRequest) -> dict[str, Any]:
     """The body for one leg; EngineError (400) for a token-id leg with a `cache_salt`, which
     TensorRT-LLM's CompletionRequest has no field for: the request service counts the prompt as
-    salted, and the engine would cache it unsalted."""
+    salted, and the engine would cache it unsalted. And for a `lora_request`: TensorRT-LLM caches an
+    adapter's prompts apart from the base model's, and routers hash this one as the base model's,
+    so they would credit it with the base model's prefixes (and its blocks, salted by the task id
+    the events carry, to no request)."""
+    if leg.params.get("lora_request") is not None:
+        raise EngineError(
+            400,
+            "bad_request",
+            "lora_request: TensorRT-LLM caches an adapter's prompts apart from the base model's, and routers hash "
+            "this request as the base model's, so they would credit it with prefixes the engine will not reuse",
+        )
     if leg.endpoint:
         body = pass_through_body(leg)
         if leg.prefill_only and leg.endpoint == ENDPOINT_CHAT:

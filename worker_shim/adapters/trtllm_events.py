@@ -22,7 +22,14 @@ folded. `updated` (a block moving between cache levels or priorities) does not c
 cached and is ignored. Each read drains the engine's queue: the shim must be the only reader.
 
 A stored block's `cache_salt` (the request's, TensorRT-LLM's per-tenant cache isolation) salts
-its chain as the router salts such a prompt (protocol.hashing.chain_salt).
+its chain as the router salts such a prompt (protocol.hashing.chain_salt). Its `lora_id` (a LoRA
+task's blocks, cached apart from the base model's) salts it as the adapter's id in text, as vLLM's
+events without a name do: a router salts an adapter's prompt with the adapter's name, so such a
+chain is credited to no request, where unsalted it was credited to base-model prompts of the same
+tokens. Blocks with `mm_keys` (the hashes of the images or other media whose placeholder tokens
+they hold) go apart from the first of them on (EngineStored.media): routers hash prompts by token
+ids alone, so two requests with the same placeholders and different images were one canonical
+chain, credited to both.
 
 A released sequence's `stored` event ends with its partly filled last block
 (kvCacheManager.cpp `storeBlocksForReuse` chops with allowPartial): that block is a leaf no
@@ -105,15 +112,41 @@ def _stored(data: dict[str, Any], block_size: int | None) -> EngineStored | None
             return None
     sizes = {len(ids) for ids in per_block}
     parent = data.get("parent_hash")
-    # One request's blocks: its cache_salt is on each (None when it gave none).
-    salt = blocks[0].get("cache_salt")
     return EngineStored(
         hashes=hashes,
         parent=None if parent is None else _key(parent),
         token_ids=[t for ids in per_block for t in ids],
         block_size=sizes.pop() if len(sizes) == 1 else -1,  # uneven blocks: the normaliser rejects them
-        salt=chain_salt("", salt) if isinstance(salt, str) else "",
+        salt=_salt(blocks[0]),
+        media=",".join(str(k.get("hash") if isinstance(k, dict) else k) for b in blocks for k in _media(b)),
     )
+
+
+def _salt(block: dict[str, Any]) -> str:
+    """One request's blocks: its cache_salt and LoRA task are on each (None when it gave none)."""
+    lora_id, cache_salt = block.get("lora_id"), block.get("cache_salt")
+    lora = str(lora_id) if isinstance(lora_id, int) and not isinstance(lora_id, bool) else ""
+    return chain_salt(lora, cache_salt if isinstance(cache_salt, str) else "")
+
+
+def _media(block: dict[str, Any]) -> list[Any]:
+    keys = block.get("mm_keys")
+    return keys if isinstance(keys, list) else []
+
+
+def _split_at_media(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stored event as the part before its first block with media keys and the part from it on
+    (whose parent is the last block before it): the first part's blocks hold text only."""
+    blocks = data.get("blocks")
+    if not isinstance(blocks, list):
+        return [data]
+    cut = next((i for i, b in enumerate(blocks) if isinstance(b, dict) and _media(b)), None)
+    if not cut:  # none, or from the first block on
+        return [data]
+    last_text = blocks[cut - 1]
+    if not isinstance(last_text, dict) or "block_hash" not in last_text:
+        return [data]  # malformed: _stored says so
+    return [{**data, "blocks": blocks[:cut]}, {**data, "parent_hash": last_text["block_hash"], "blocks": blocks[cut:]}]
 
 
 def _removed(data: dict[str, Any]) -> EngineRemoved:
@@ -202,11 +235,12 @@ class TrtllmEventTracker:
         elif kind == "removed":
             batch.events.append(_removed(data))
         else:
-            stored = _stored(data, self.block_size)
-            if stored is None or len(stored.hashes) < len(data["blocks"]):
-                self.partial += 1
-            if stored is not None:
-                batch.events.append(stored)
+            for part in _split_at_media(data):
+                stored = _stored(part, self.block_size)
+                if stored is None or len(stored.hashes) < len(part["blocks"]):
+                    self.partial += 1
+                if stored is not None:
+                    batch.events.append(stored)
 
     @staticmethod
     def _reset(batch: EngineBatch, *, complete: bool) -> None:
