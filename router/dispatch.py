@@ -258,7 +258,7 @@ class _Leg:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.owner._legs.pop(self.token, None)
-        if e is not None:
+        if e is not None and not (self.done and isinstance(e, GeneratorExit)):  # a reader done with it
             RequestTracer.failed(self.span, str(e) or type(e).__name__)
         self.span.end()
         if not self.done:
@@ -645,8 +645,11 @@ class Dispatcher:
             job.tried.add(plan.decode.worker)
             job.path, job.outcome, job.fallback, job.transfer = plan.path, plan.outcome, False, None
             try:
-                async for chunk in self._attempt(job, plan):
-                    yield chunk
+                # Closed when this is (a reader that stops at the final chunk, or leaves): nested
+                # generators left suspended end at the collector, their legs open until then.
+                async with contextlib.aclosing(self._attempt(job, plan)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 return
             except LegError as exc:
                 self._blame(exc)
@@ -694,8 +697,9 @@ class Dispatcher:
                 scoped = plan.decode.info.prefix_caching or job.request.stream
                 self._bookings.prefill_done(plan.key, plan.prefill.worker if scoped else None)
         try:
-            async for chunk in self._decode(job, plan, annotations):
-                yield chunk
+            async with contextlib.aclosing(self._decode(job, plan, annotations)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except LegError as exc:
             if job.transfer is None or job.first_token_at is not None or not exc.engine_failed:
                 raise
@@ -719,8 +723,9 @@ class Dispatcher:
             self.transfer_fallbacks += 1
             self._bookings.rebook_bypass(plan.key, plan)
             self._on_fallback(job)
-            async for chunk in self._decode(job, plan, annotations):
-                yield chunk
+            async with contextlib.aclosing(self._decode(job, plan, annotations)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     def _prefilled_on(self, transfer: TransferHandle, plan: RoutePlan) -> str:
         """The prefill worker a transfer's outcome is put down to: the one this router sent the leg

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 
 import aiohttp
@@ -11,6 +12,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from discovery import Discovery, put_config
 from protocol import ConfigError, GenerateRequest, decode_msg, subjects
@@ -18,7 +20,7 @@ from protocol.config import EtcdSettings
 from router import cli
 from router.http_api import ApiError
 from runtime.nats_flush import flush
-from tests.router.conftest import Cluster, complete
+from tests.router.conftest import MODEL, Cluster, complete
 from tests.router.polling import until
 
 
@@ -280,3 +282,31 @@ async def test_a_routers_own_stop_is_no_kv_connection_cut(cluster: Cluster, capl
     await router.stop()
     assert router.kv_disconnects == 0
     assert not [r for r in caplog.records if "KV event connection" in r.getMessage()]
+
+
+async def test_a_streamed_requests_leg_ends_with_it_and_is_no_failure(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """The handler stops reading at the final chunk and closes the dispatcher's generator: the
+    generators nested in it were left suspended, their leg open until collected, and its span then
+    ended after the request's, marked failed with GeneratorExit."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    await cluster.add_worker("agg")
+    router = await cluster.add_router(tracer_provider=provider, disagg="never")
+    await cluster.ready(router)
+    body = {"model": MODEL, "prompt": list(range(64)), "max_tokens": 4, "stream": True}
+    gc.disable()  # the collector must not be what ends the leg
+    try:
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200 and (await resp.read()).endswith(b"data: [DONE]\n\n")
+        await until(lambda: any(s.name.startswith("POST") for s in exporter.get_finished_spans()), what="the span")
+        assert router.dispatcher.inflight_legs == 0
+    finally:
+        gc.enable()
+    spans = exporter.get_finished_spans()
+    (span,) = [s for s in spans if s.name.startswith("POST")]
+    (leg,) = [s for s in spans if s.name == "kvswitch leg agg"]
+    assert leg.status.status_code is not StatusCode.ERROR, leg.status.description
+    assert leg.end_time is not None and span.end_time is not None and leg.end_time <= span.end_time
