@@ -551,7 +551,9 @@ def _leg_error(exc: LegError) -> ApiError:
         return ApiError(exc.code, exc.message, body=exc.body)
     code = exc.code if exc.code in (503, 504) else 502
     what = {503: "no worker could serve the request", 504: "the request's deadline passed"}
-    return ApiError(code, what.get(code, "the worker failed while serving the request"))
+    # A worker gone, silent or draining passes as one planning finds excluded does: retry later.
+    retry = NO_WORKER_RETRY_S if code == 503 else None
+    return ApiError(code, what.get(code, "the worker failed while serving the request"), retry_after_s=retry)
 
 
 def _sse_event(payload: bytes) -> bytes:

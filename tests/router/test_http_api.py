@@ -658,6 +658,25 @@ async def test_errors_mid_stream_carry_no_internal_text(agg: Cluster, http: aioh
     assert worker.id not in raw and worker.sim.url not in raw and "Error(" not in raw
 
 
+async def test_a_503_found_by_the_leg_says_retry_after_as_one_found_by_planning(
+    agg: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """A worker that answers 503 (draining) with no other to retry on: the client got the same "no
+    worker" 503 as planning gives, without its Retry-After."""
+    router, worker = agg.routers[0], agg.workers[0]
+    legs = worker.shim.requests
+    assert legs is not None
+    legs.accepting = False
+    try:
+        async with http.post(
+            router.url + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
+        ) as resp:
+            assert resp.status == 503 and resp.headers.get("Retry-After") == "5", await resp.text()
+            assert (await resp.json())["error"]["message"] == "no worker could serve the request"
+    finally:
+        legs.accepting = True
+
+
 async def test_a_prefill_legs_400_comes_back_as_the_engines_400(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     await cluster.add_worker("prefill")
     decode = await cluster.add_worker("decode")
