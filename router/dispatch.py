@@ -192,6 +192,7 @@ class Job:
     prefill_error: tuple[str, str] | None = None
     released: bool = False  # its bookkeeping ended (router.request_path)
     booked: str | None = None  # the attempt's booking, until freed
+    sequences: int = 1  # the engine's sequences for it: its prompts times `n` (RequestShape.sequences)
 
     def drop_held(self) -> None:
         self.held.clear()

@@ -217,6 +217,7 @@ class RequestPath:
             plan=plan,
             replan=lambda exclude: self.planner.plan_again(ctx, exclude),
             deadline=req.deadline or math.inf,
+            sequences=shape.sequences,
         )
 
     async def call(self, model: str, endpoint: str, params: dict[str, Any]) -> bytes:
@@ -283,7 +284,10 @@ class RequestPath:
                         if last is None:
                             metrics.observe_ttft(job.path, now - arrived, now - start)
                         else:
-                            metrics.observe_itl((now - last) / n, n)
+                            # A chunk carries a token of each sequence (n > 1, a batch) per step: the
+                            # gap is each sequence's, over its share of the tokens.
+                            steps = max(n // job.sequences, 1)
+                            metrics.observe_itl((now - last) / steps, steps)
                         last = now
                     yield chunk
         finally:

@@ -677,7 +677,7 @@ class RequestService:
             self._settle(state)
             self._scheduled(state)
             if not leg.prefill_only:
-                self.contexts.grow(req.request_id, tokens, len(req.token_ids))
+                self.contexts.grow(req.request_id, tokens, len(req.token_ids), engine_requests(req.params) or 1)
             await writer.output(tokens, events, toks)
 
         state.running = True

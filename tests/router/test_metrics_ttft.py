@@ -116,3 +116,33 @@ def test_the_dashboards_bypass_rate_counts_decisions_alike_above_and_below() -> 
     assert numerator.startswith("sum(rate(kvswitch_router_decisions_total{") and "retries" not in numerator
     assert denominator == 'sum(rate(kvswitch_router_decisions_total{outcome!~"fallback_.*"}[5m]))', denominator
     assert "routing decisions" in bypass["description"]
+
+
+async def test_the_itl_of_n_sequences_is_each_sequences(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    """A chunk carries a token of each of a request's n sequences per step: the gap over all n
+    tokens read as a quarter of the real inter-token latency at n = 4."""
+    await cluster.add_worker("agg", speedup=1.0)
+    router = await cluster.add_ready_router(disagg="never")
+
+    def itl() -> tuple[float, float]:
+        families = text_string_to_metric_families(router.metrics.render().decode())
+        samples = {s.name: s.value for f in families for s in f.samples if s.name.startswith("kvswitch_router_itl")}
+        return samples["kvswitch_router_itl_seconds_sum"], samples["kvswitch_router_itl_seconds_count"]
+
+    means = []
+    for n in (1, 4):
+        before = itl()
+        body = {
+            "model": MODEL,
+            "prompt": list(range(64)),
+            "max_tokens": 120,
+            "ignore_eos": True,
+            "stream": True,
+            "n": n,
+        }
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+        after = itl()
+        means.append((after[0] - before[0]) / (after[1] - before[1]))
+    assert means[1] > 0.6 * means[0], means  # each sequence steps as often as one alone, give or take

@@ -20,3 +20,19 @@ def test_a_leg_counts_from_its_first_token_at_its_prompt_plus_what_it_streamed()
     assert c.mean() == 203.0
     c.end("b")
     assert c.mean() == 0.0 and len(c) == 0
+
+
+def test_a_leg_of_n_sequences_counts_n_times_at_its_share_of_the_tokens() -> None:
+    # n = 4: the engine decodes four sequences; the tokens streamed are theirs together. Counted as
+    # one, it read as one sequence at the prompt plus all four's tokens.
+    c = DecodeContext()
+    c.grow("n4", 8, 200, sequences=4)  # two steps of four sequences
+    c.grow("one", 2, 600)
+    assert len(c) == 2
+    assert c.mean() == (4 * 200 + 8 + 602) / 5
+    c.grow("n4", 4, 200, sequences=4)
+    assert c.mean() == (4 * 203 + 602) / 5
+    c.end("one")
+    assert c.mean() == 203.0
+    c.end("n4")
+    assert c.mean() == 0.0

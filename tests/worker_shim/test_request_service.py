@@ -26,7 +26,7 @@ from protocol import (
     encode_msg,
     subjects,
 )
-from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
+from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_COMPLETIONS, ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
 from tests.worker_shim.cluster import BLOCK, connect, shim_for, sim_config, wait_for
 from worker_shim import ShimConfig, WorkerShim
 from worker_shim.adapters.base import EngineError
@@ -420,3 +420,22 @@ async def test_an_engine_without_the_route_refuses_a_utility_call() -> None:
         await adapter.call(ENDPOINT_TOKENIZE, {"prompt": "x"})
     assert err.value.code == 404 and "trtllm engine serves no /tokenize" in err.value.message
     assert VllmAdapter.utility_paths == {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}
+
+
+async def test_a_leg_of_n_sequences_counts_as_n_in_the_decode_context(ns: str, nats_url: str, etcd_url: str) -> None:
+    """LoadReport.decode_context is the mean context of the sequences an engine decodes: a leg with
+    n = 4 counted as one sequence at its prompt plus all four's tokens."""
+    async with SimServer(sim_config(speedup=2.0)) as sim, agg_shim(sim, ns, nats_url, etcd_url) as (shim, col):
+        assert shim.worker_id is not None and shim.requests is not None
+        prompt = list(range(1, 101))
+        params = {"model": "sim-llama", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "n": 4, "stream": True}
+        req = GenerateRequest(
+            request_id="n4", model="sim-llama", token_ids=prompt, endpoint=ENDPOINT_COMPLETIONS, params=params
+        )
+        await col.send(subjects.gen(ns, "agg", shim.worker_id), req)
+        contexts = shim.requests.contexts
+        await wait_for(lambda: contexts.mean() > 100 + 40, what="forty steps decoded")
+        assert sim.engine.running and len(sim.engine.running) == 4
+        each = max(len(r.output_token_ids) for r in sim.engine.running)
+        assert contexts.mean() <= 100 + each + 8  # each sequence's context, not four sequences' tokens
+        await col.final("n4", timeout=60)
