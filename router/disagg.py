@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from protocol.config import RouterSettings
-from router.policies import Decision, DecodeGuard, DecodeRoom, Outcome, Path, Policy, make_policy
+from router.policies import SEED_POLICIES, Decision, DecodeGuard, DecodeRoom, Outcome, Path, Policy, make_policy
 from router.request_context import Candidate, RequestContext
 from router.selection import Selector
 from router.transfer_health import TransferHealth
@@ -134,6 +134,11 @@ class Disaggregator:
         in plan(): a waiter offered again, a retry and a dry run would count it again."""
         if self._learns is not None:
             self._learns.admitted(plan.ctx, plan.decode.info.max_model_len)
+
+    @property
+    def seed_decides(self) -> bool:
+        """One of DESIGN.md's seed policies chooses the path, by its rule alone."""
+        return self.policy_decides and self.policy.name in SEED_POLICIES
 
     @property
     def policy_decides(self) -> bool:

@@ -394,7 +394,12 @@ class Planner:
         worker in the pool, as the seed does (selection ranks it last): the policy judges the one it
         would pick (prefill_load calls it busy by the same threshold when it inherits it), then the
         decode guard. Pre-empting them here would count its bypass as `prefill_pool_full`, take a
-        worker under a larger prefill_busy_threshold off the remote path, and skip the guard."""
+        worker under a larger prefill_busy_threshold off the remote path, and skip the guard. A seed
+        policy (DESIGN.md: bypass iff its rule says so) is never pre-empted: the backlog limit too
+        would have bypassed long uncached prompts isl_bounding sends remote, and capped
+        prefill_load's threshold at half the TTFT SLO."""
+        if self.disagg.seed_decides:
+            return True
         if self.settings.conditional.queue_threshold is not None and self.disagg.policy_decides:
             return True
         return self._has_room(c)

@@ -15,7 +15,17 @@ from router.policies import isl_bounding, isl_or_load, prefill_load, slo_aware, 
 from router.policies.decision import Decision, DecodeRoom, Outcome, Path, Policy
 from router.policies.decode_guard import DecodeGuard
 
-__all__ = ["POLICIES", "Decision", "DecodeGuard", "DecodeRoom", "Outcome", "Path", "Policy", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "SEED_POLICIES",
+    "Decision",
+    "DecodeGuard",
+    "DecodeRoom",
+    "Outcome",
+    "Path",
+    "Policy",
+    "make_policy",
+]
 
 POLICIES: dict[str, Callable[[ConditionalDisaggConfig, RouterSettings], Policy]] = {
     isl_bounding.NAME: lambda cfg, _: isl_bounding.IslBounding(isl_bounding.IslBoundingConfig.from_settings(cfg)),
@@ -25,6 +35,9 @@ POLICIES: dict[str, Callable[[ConditionalDisaggConfig, RouterSettings], Policy]]
     slo_aware.NAME: lambda _, settings: slo_aware.SloAware(slo_aware.SloAwareConfig.from_settings(settings)),
 }
 assert set(POLICIES) == set(POLICY_NAMES), "the registry and protocol.config must list the same policies"
+SEED_POLICIES = frozenset({isl_bounding.NAME, prefill_load.NAME, isl_or_load.NAME})
+"""DESIGN.md's policies, "the seed's semantics, exactly": bypass iff their rule says so. No room
+rule of the router's takes a prefill worker away from them (router.planner)."""
 
 
 def make_policy(cfg: ConditionalDisaggConfig, settings: RouterSettings | None = None) -> Policy:

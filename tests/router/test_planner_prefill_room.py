@@ -60,9 +60,10 @@ def test_isl_bounding_decides_over_a_prefill_pool_past_queue_threshold() -> None
 
 
 def test_the_guard_vetoes_the_local_prefill_of_a_prefill_pool_past_the_ttft_backlog() -> None:
-    # No queue_threshold: admission's backlog limit (half the TTFT SLO) makes the pool full and d1
-    # prefills, as a bypass the decode guard may veto like the policy's own.
-    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, decode_busy_threshold=0.5)
+    # No queue_threshold, kvswitch's own policy: admission's backlog limit (half the TTFT SLO) makes
+    # the pool full and d1 prefills, as a bypass the decode guard may veto like the policy's own.
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="ttft_model",
+              decode_busy_threshold=0.5)  # fmt: skip
     f.report("p1", prefill_tokens_queued=200_000)
     plan = f.planner.take(f.ctx(LONG))
     assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
@@ -76,7 +77,7 @@ def test_the_guard_vetoes_the_local_prefill_of_a_prefill_pool_past_the_ttft_back
 def test_debug_route_does_not_list_the_vetoed_full_pools_prefill_worker_as_left_out_for_room() -> None:
     # The dry run said prefill_worker p1 and, in `excluded`, that p1 was left out for room (review1 D2).
     f = Fleet(winfo("d1"), winfo("p1", "prefill"), winfo("p2", "prefill", engine="sglang"), conditional_disagg=True,
-              decode_busy_threshold=0.5)  # fmt: skip
+              conditional_disagg_policy="ttft_model", decode_busy_threshold=0.5)  # fmt: skip
     f.report("p1", prefill_tokens_queued=200_000)
     f.report("p2", prefill_tokens_queued=200_000)
     f.report("d1", kv_used_blocks=9000)
@@ -86,6 +87,29 @@ def test_debug_route_does_not_list_the_vetoed_full_pools_prefill_worker_as_left_
     # p2 (another engine's, never a candidate for d1) was left out for room, and still says why
     assert [(e["worker"], e["excluded"]) for e in info["excluded"]] == [("p2", "room")]
     assert "over half the TTFT SLO" in info["excluded"][0]["why"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "busy", "outcome"),
+    [
+        ("isl_bounding", None, Outcome.DECLINED_POLICY),  # eff_isl 4096 >= 2048: remote, however busy p1 is
+        ("prefill_load", 100.0, Outcome.DECLINED_POLICY),  # 300,000 <= 100 x 8192
+        ("prefill_load", 30.0, Outcome.BYPASS_LOAD),  # 300,000 > 30 x 8192
+        ("isl_or_load", 100.0, Outcome.DECLINED_POLICY),
+    ],
+)
+def test_a_seed_policy_decides_over_a_prefill_worker_past_the_ttft_backlog(
+    policy: str, busy: float | None, outcome: Outcome
+) -> None:
+    """DESIGN.md's seed policies bypass iff their rule says so: the router's backlog limit (half the
+    TTFT SLO, with no queue_threshold) made the pool full first, so isl_bounding bypassed long
+    uncached prompts and prefill_load's own threshold was capped at a 1 s backlog."""
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy=policy,
+              prefill_busy_threshold=busy)  # fmt: skip
+    f.report("p1", prefill_tokens_queued=300_000)  # seconds of prefill, past half the 2 s TTFT SLO
+    plan = f.planner.take(f.ctx(LONG))
+    assert plan is not None and plan.outcome is outcome, plan.reason if plan else None
+    assert plan.prefill is not None and plan.prefill.worker == "p1"
 
 
 def test_without_a_policy_a_prefill_pool_past_queue_threshold_is_full_and_says_so() -> None:
