@@ -130,10 +130,14 @@ class Disaggregator:
             self.transfers.probing(plan.decode.worker, plan.prefill.worker)
 
     def admitted(self, plan: RoutePlan) -> None:
-        """`plan`'s request was admitted (its first attempt booked): the policy learns from it. Not
-        in plan(): a waiter offered again, a retry and a dry run would count it again."""
+        """`plan`'s request was admitted (its first attempt booked): the policy learns from it and
+        round robin moves on in each pool it took a worker from. Not in plan(): a waiter offered
+        again, a retry and a dry run would count it again."""
         if self._learns is not None:
             self._learns.admitted(plan.ctx, plan.decode.info.max_model_len)
+        self.selector.advance("spill" if plan.outcome is Outcome.SPILLED_TO_PREFILL else "decode")
+        if plan.path is Path.REMOTE and plan.prefill is not None:
+            self.selector.advance("prefill")
 
     @property
     def seed_decides(self) -> bool:
@@ -158,7 +162,7 @@ class Disaggregator:
     def spill(self, ctx: RequestContext, pool: list[Candidate]) -> RoutePlan | None:
         """The whole request on the best of `pool` (prefill workers with room, while no decode
         worker has any); None when the pool is empty."""
-        ranked = self.selector.rank(ctx, pool, self.settings)
+        ranked = self.selector.rank(ctx, pool, self.settings, "spill")
         if not ranked:
             return None
         ctx.decode, ctx.prefill = ranked[0], None
@@ -185,7 +189,7 @@ class Disaggregator:
         engine = d.info.engine
         pool = [c for c in ctx.prefill_pool if c.worker not in exclude and c.info.engine == engine]
         busy = [] if pool else [c for c in prefill_full if c.worker not in exclude and c.info.engine == engine]
-        prefill_ranked = self.selector.rank(ctx, pool, s)
+        prefill_ranked = self.selector.rank(ctx, pool, s, "prefill")
         ctx.prefill = p = prefill_ranked[0] if prefill_ranked else None
 
         def done(path: Path, outcome: Outcome, reason: str) -> RoutePlan:
@@ -202,7 +206,7 @@ class Disaggregator:
             veto = self.guard.veto(ctx) if self.policy_decides else None
             if veto is None:
                 return done(Path.BYPASS, Outcome.PREFILL_POOL_FULL, self._full(engine))
-            prefill_ranked = self.selector.rank(ctx, busy, s)
+            prefill_ranked = self.selector.rank(ctx, busy, s, "prefill")
             ctx.prefill = p = prefill_ranked[0]
         # d's engine has prefill workers, but every one left is failing its prefill legs
         failing = (

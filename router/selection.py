@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 
 from protocol.config import RouterSettings
@@ -100,15 +101,25 @@ def over_queue_threshold(c: Candidate, queue_threshold: float | None) -> bool:
 
 
 class Selector:
-    """Ranks a pool for one request. Holds the round-robin cursor and the random source."""
+    """Ranks a pool for one request. Holds the round-robin cursors and the random source."""
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
-        self._rr = 0
+        # One cursor per pool ("decode", "prefill", "spill"), moved only by a request routed
+        # (`advance`): one shared by both pools moved twice per request, so with two prefill
+        # workers every request took the same decode worker, and a dry run moved it too.
+        self._rr: Counter[str] = Counter()
 
-    def rank(self, ctx: RequestContext, pool: Sequence[Candidate], settings: RouterSettings) -> list[Candidate]:
+    def advance(self, kind: str) -> None:
+        """A request was routed with the `kind` pool's choice: round robin moves on there."""
+        self._rr[kind] += 1
+
+    def rank(
+        self, ctx: RequestContext, pool: Sequence[Candidate], settings: RouterSettings, kind: str = "decode"
+    ) -> list[Candidate]:
         """The pool, best first (the first is the choice). Workers over the queue threshold go
-        last while any other is below it. Costs are written onto every candidate."""
+        last while any other is below it. Costs are written onto every candidate. `kind`: which
+        pool it is, for round robin's cursor."""
         if not pool:
             return []
         rho = settings.recompute_weight if settings.routing == "kv" else 0.0
@@ -118,16 +129,15 @@ class Selector:
         qt = settings.conditional.queue_threshold
         open_ = [c for c in pool if not over_queue_threshold(c, qt)]
         busy = [c for c in pool if over_queue_threshold(c, qt)]
-        return self._order(open_, settings) + self._order(busy, settings)
+        return self._order(open_, settings, kind) + self._order(busy, settings, kind)
 
-    def _order(self, pool: list[Candidate], settings: RouterSettings) -> list[Candidate]:
+    def _order(self, pool: list[Candidate], settings: RouterSettings, kind: str) -> list[Candidate]:
         if len(pool) <= 1:
             return list(pool)
         mode = settings.routing
         if mode == "round_robin":
             ordered = sorted(pool, key=lambda c: c.worker)
-            start = self._rr % len(ordered)
-            self._rr += 1
+            start = self._rr[kind] % len(ordered)
             return ordered[start:] + ordered[:start]
         if mode == "random":
             shuffled = list(pool)

@@ -139,3 +139,17 @@ def test_queue_threshold_is_strict_at_a_limit_the_float_product_rounds_below(que
     f.report("p1", prefill_tokens_queued=queued)
     plan = f.planner.take(f.ctx(LONG))
     assert plan is not None and plan.outcome is outcome
+
+
+def test_round_robin_rotates_each_pool_once_per_request_routed() -> None:
+    """One cursor moved by both pools' rankings went two steps a request: with two decode and two
+    prefill workers every request took d1 and p2. A dry run (/debug/route) moved it too."""
+    f = Fleet(winfo("d1"), winfo("d2"), winfo("p1", "prefill"), winfo("p2", "prefill"), routing="round_robin",
+              disagg="always")  # fmt: skip
+    pairs = []
+    for i in range(4):
+        f.planner.explain(f.ctx(LONG, f"dry{i}"))
+        plan = f.planner.take(f.ctx(LONG, f"r{i}"))
+        assert plan is not None and plan.prefill is not None
+        pairs.append((plan.decode.worker, plan.prefill.worker))
+    assert pairs == [("d1", "p1"), ("d2", "p2"), ("d1", "p1"), ("d2", "p2")]

@@ -58,10 +58,14 @@ def test_temperature_spreads_near_ties_but_not_clear_losers() -> None:
     assert picks["far"] == 0
 
 
-def test_round_robin_rotates_over_the_pool() -> None:
+def test_round_robin_rotates_over_the_pool_as_requests_are_routed() -> None:
     sel = Selector()
     pool = [cand("c"), cand("a", overlap=60), cand("b")]
-    firsts = [sel.rank(ctx(1000, pool), pool, settings(routing="round_robin"))[0].worker for _ in range(6)]
+    firsts = []
+    for _ in range(6):
+        firsts.append(sel.rank(ctx(1000, pool), pool, settings(routing="round_robin"))[0].worker)
+        assert sel.rank(ctx(1000, pool), pool, settings(routing="round_robin"))[0].worker == firsts[-1]  # a dry run
+        sel.advance("decode")
     assert firsts == ["a", "b", "c", "a", "b", "c"]
 
 
