@@ -83,6 +83,14 @@ def test_ratio_bounds_are_inclusive(ratio: float) -> None:
 
 
 @pytest.mark.parametrize(
+    "name", ["eff_isl_threshold", "prefill_busy_threshold", "queue_threshold", "decode_busy_threshold"]
+)
+def test_thresholds_of_zero_are_accepted(name: str) -> None:
+    # DESIGN.md: thresholds >= 0 (a `<= 0` check refusing 0 passed every other test)
+    assert getattr(resolve(RouterSettings, cli={name: 0}, env={}).conditional, name) == 0
+
+
+@pytest.mark.parametrize(
     ("cli", "busy"),
     [
         ({"prefill_busy_threshold": 2.0}, 2.0),
