@@ -364,9 +364,9 @@ async def test_load_reports_carry_the_decoding_legs_mean_context(
         grown: list[str] = []
         grow = contexts.grow
 
-        def recording(leg: str, tokens: int, prompt_tokens: int) -> None:
+        def recording(leg: str, tokens: int, prompt_tokens: int, sequences: int = 1) -> None:
             grown.append(leg)
-            grow(leg, tokens, prompt_tokens)
+            grow(leg, tokens, prompt_tokens, sequences)
 
         monkeypatch.setattr(contexts, "grow", recording)
         await col.send(subjects.gen(ns, "prefill", shim.worker_id), gen("p", list(range(1, 65)), max_tokens=1))
