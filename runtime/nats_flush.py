@@ -30,22 +30,27 @@ async def flush(nc: Client, timeout: int = 10) -> None:
     the flush outlives a cancelled caller; one that times out has its future taken out of the PONG
     queue. FlushTimeoutError after about `timeout` seconds (twice that at worst)."""
     flushing = asyncio.ensure_future(_flush(nc, timeout))
+    # A cancelled caller leaves its outcome to nobody: retrieved here, not logged as never retrieved.
+    flushing.add_done_callback(lambda t: t.cancelled() or t.exception())
+    await asyncio.shield(flushing)
+
+
+async def _flush(nc: Client, timeout: int) -> None:
+    """The flush itself, shielded. A timeout takes its future out of the PONG queue here, in the
+    shielded task, so that it is done whether or not the caller still waits (done in the caller,
+    a caller cancelled before the timeout left it there)."""
     try:
-        await asyncio.shield(flushing)
+        # Private too: write the queued commands and wait until they are on the socket, so the
+        # PING goes out behind them. Without it (a renamed method) the flush is what nats-py gives.
+        write_queued = getattr(nc, "_flush_pending", None)
+        if write_queued is not None:
+            try:
+                await asyncio.wait_for(write_queued(force_flush=True), timeout)
+            except TimeoutError:
+                raise FlushTimeoutError from None
+        await nc.flush(timeout)
     except FlushTimeoutError:
         pongs = getattr(nc, "_pongs", None)  # private: no-op should a nats-py release rename it
         if isinstance(pongs, list):
             pongs[:] = [f for f in pongs if not f.cancelled()]
         raise
-
-
-async def _flush(nc: Client, timeout: int) -> None:
-    # Private too: write the queued commands and wait until they are on the socket, so the PING
-    # goes out behind them. Without it (a renamed method) the flush is what nats-py gives.
-    write_queued = getattr(nc, "_flush_pending", None)
-    if write_queued is not None:
-        try:
-            await asyncio.wait_for(write_queued(force_flush=True), timeout)
-        except TimeoutError:
-            raise FlushTimeoutError from None
-    await nc.flush(timeout)
