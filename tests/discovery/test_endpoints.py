@@ -14,17 +14,12 @@ from discovery.session import channel_target
 from kvswitch.servers import EtcdCluster, EtcdServer, TlsFiles
 from protocol import ConfigError
 from protocol.config import EtcdSettings
+from tests.kvswitch.test_tls import _tls_files
 
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    ca, out = trustme.CA(), tmp_path_factory.mktemp("tls")
-    leaf = ca.issue_cert("127.0.0.1", "localhost")
-    files = TlsFiles(out / "ca.pem", out / "tls.crt", out / "tls.key")
-    ca.cert_pem.write_to_path(str(files.ca))
-    leaf.cert_chain_pems[0].write_to_path(str(files.cert))
-    leaf.private_key_pem.write_to_path(str(files.key))
-    return files
+    return _tls_files(trustme.CA(), tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
