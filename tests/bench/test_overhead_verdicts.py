@@ -199,3 +199,28 @@ def test_a_peer_that_failed_requests_is_no_best_peer() -> None:
         "aiperf c=64: added ttft p50 +0.00 ms vs best peer slow_peer +100.00 ms (within 1 ms): met; "
         "fast_but_failing left out: 9 errors"
     )
+
+
+def test_the_open_loop_clients_throughput_is_not_judged() -> None:
+    # At a fixed sending rate tokens per second is the load offered: a router adding 100 ms to
+    # every request read 0.980x, "met"
+    direct = [_result(i, 0.004) for i in range(1000)]
+    slow = [_result(i, 0.104) for i in range(1000)]
+    phases = [
+        client_phase(direct, load=LOAD, target=DIRECT, repeat=0, cpu=CPU),
+        client_phase(slow, load=LOAD, target=KVSWITCH, repeat=0, cpu=CPU),
+    ]
+    (line,) = [line for line in _lines_for(phases) if "throughput" in line]
+    assert line.endswith("(>= 0.97): not judged: open loop, the rate is the client's")
+
+
+def test_a_time_to_second_token_never_measured_gets_no_verdict() -> None:
+    # one output token per request (--client-osl 1): no second token, no TTST line (it read
+    # "+nan ms: MISSED")
+    one = [_result(i, 0.004, gaps=()) for i in range(100)]
+    phases = [
+        client_phase(one, load=LOAD, target=DIRECT, repeat=0, cpu=CPU),
+        client_phase(one, load=LOAD, target=KVSWITCH, repeat=0, cpu=CPU),
+    ]
+    assert not [line for line in _lines_for(phases) if "second token" in line]
+    assert not [line for line in _lines_for(phases) if "nan" in line]
