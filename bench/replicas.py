@@ -45,6 +45,7 @@ from bench.overhead import (
     OverheadSpec,
     Phase,
     Target,
+    lag_bound_s,
     rate_lag_bound_s,
     reset_prefix_caches,
     run_client,
@@ -238,10 +239,12 @@ def measure_replicas(spec: ReplicaSpec, n: int) -> ReplicaRun:
             if spec.py_spy is not None and n > 1:
                 stack.enter_context(Recording(spec.py_spy, c.pid(1), spec.profile_dir / f"peer-replica-n{n}"))
             one_sided, cpu_one = c.phase(spec, c.routers[:1], rate, "router-0 only")
+        _check_served(one_sided, "router-0 only", n)
         peers = [
             (cpu_one[f"router-{i}"] - idle[f"router-{i}"]) / one_sided.requests for i in range(1, n)
         ]  # fmt: skip
         spread, cpu_spread = c.phase(spec, c.routers, rate, "spread")
+        _check_served(spread, "spread", n)
         wall = spread.window_s
         return ReplicaRun(
             n=n,
@@ -252,6 +255,27 @@ def measure_replicas(spec: ReplicaSpec, n: int) -> ReplicaRun:
             nats_s_per_request=cpu_spread["nats"] / spread.requests,
             wall_s=wall,
         )
+
+
+class ModelPhaseError(ValueError):
+    """A phase the N-replica model is built from was not served as asked: its per-request CPU
+    would be that of failures, or of a load the client did not deliver."""
+
+
+def _check_served(phase: Phase, name: str, n: int) -> None:
+    if phase.errors:
+        raise ModelPhaseError(
+            f"{phase.errors} of {phase.requests} requests failed in the {name!r} phase with {n} replicas: the model "
+            "divides CPU by requests served; rerun at a lower --check-rate"
+        )
+    bound = lag_bound_s(phase.load)
+    if bound is not None and phase.send_lag_p99 is not None and phase.send_lag_p99 > bound:
+        raise ModelPhaseError(
+            f"the client fell behind its schedule in the {name!r} phase with {n} replicas (send lag p99 "
+            f"{(phase.send_lag_p99 or 0) * 1e3:.1f} ms): rerun at a lower --check-rate or on a quieter machine"
+        )
+    if not phase.requests:
+        raise ModelPhaseError(f"the {name!r} phase with {n} replicas sent no request: give more --seconds")
 
 
 def add_replicas_parser(sub: Any) -> None:
@@ -295,6 +319,11 @@ def replicas_main(args: argparse.Namespace) -> int:
     base = runs[0]
     assert base.c_own_s is not None
     c_own = base.c_own_s
+    if c_own <= 0:  # /proc counts CPU in clock ticks (10 ms): none in the whole phase
+        raise ModelPhaseError(
+            f"router-0 used no measurable CPU (under one {1e3 / os.sysconf('SC_CLK_TCK'):g} ms clock tick) over "
+            f"{base.requests} requests: give more --seconds or a higher --check-rate"
+        )
     c_peer = statistics.median(p for r in runs for p in r.c_peer_s) if any(r.c_peer_s for r in runs) else 0.0
     held = [s.rate for s in steps if s.ok]
     r1 = max(held) if held else 0.0

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replicas import CeilingStep, ReplicaSpec, measure_replicas, predicted_cpu, project, r_max
+from bench.overhead import Phase
+from bench.replicas import (
+    CeilingStep,
+    ModelPhaseError,
+    ReplicaSpec,
+    _check_served,
+    measure_replicas,
+    predicted_cpu,
+    project,
+    r_max,
+)
 
 
 def test_one_replica_spends_its_own_cost_per_request() -> None:
@@ -43,3 +53,23 @@ def test_two_replicas_on_a_real_cluster_both_work_when_spread_and_the_idle_one_p
     assert run.n == 2 and run.requests == 40
     assert len(run.c_peer_s) == 1 and len(run.spread_cpu_s) == 2
     assert all(cpu > 0 for cpu in run.spread_cpu_s)
+
+
+def _phase(errors: int = 0, requests: int = 100, lag: float | None = 0.0) -> Phase:
+    return Phase(
+        tool="client", load="50/s", target="router-0", repeat=0, ttft_p50=0.01, ttft_p99=0.02, itl_p50=0.001,
+        itl_p99=0.002, ttst_p50=0.001, ttst_p99=0.002, tokens_per_s=100.0, requests=requests, tokens=1000,
+        errors=errors, cpu_s={}, window_s=2.0, send_lag_p99=lag,
+    )  # fmt: skip
+
+
+def test_the_model_is_built_only_from_phases_served_as_asked() -> None:
+    """Its CPU per request divided by requests sent, failed ones included: a router failing every
+    request fast read as a tiny c_own and a projection of 10,000+ req/s, with no word of the errors."""
+    _check_served(_phase(), "spread", 2)
+    with pytest.raises(ModelPhaseError, match=r"200 of 200 requests failed in the 'spread' phase"):
+        _check_served(_phase(errors=200, requests=200), "spread", 2)
+    with pytest.raises(ModelPhaseError, match=r"fell behind its schedule in the 'router-0 only' phase"):
+        _check_served(_phase(lag=0.5), "router-0 only", 1)
+    with pytest.raises(ModelPhaseError, match="sent no request"):
+        _check_served(_phase(requests=0), "spread", 1)
