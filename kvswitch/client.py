@@ -179,12 +179,14 @@ class CompletionClient:
         last: float | None = None
         chunks = 0
         usage_tokens: int | None = None
+        done = False
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
+                done = True
                 break
             try:
                 chunk = _read_chunk.decode(data)
@@ -209,5 +211,10 @@ class CompletionClient:
         result.output_tokens = usage_tokens if usage_tokens is not None else chunks
         if result.ttft_s is None:
             result.error = "stream ended without a token"
+            return
+        if not done and usage_tokens is None:
+            # vLLM's stream always ends with its usage chunk (asked for) and [DONE]: one without
+            # either was cut short, however cleanly its connection closed
+            result.error = f"stream ended without [DONE] or its usage, after {chunks} chunks {where}"
             return
         result.ok = True

@@ -176,3 +176,26 @@ async def test_a_model_list_that_is_not_one_is_an_error_naming_the_url(
     finally:
         await runner.cleanup()
     assert f"{url}/v1/models" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("tail", "ok"),
+    [
+        (b"", False),  # cut short, the connection closed cleanly: it counted as a whole answer
+        (b"data: [DONE]\n\n", True),
+        (b'data: {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 1}}\n\n', True),
+    ],
+)
+async def test_a_stream_ended_without_done_or_its_usage_is_a_failed_result(
+    tail: bytes, ok: bool, session: aiohttp.ClientSession
+) -> None:
+    two = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\n'
+    runner = await _serve(200, two + tail)
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        result = await CompletionClient(session, "m").complete(url, [300], 16, request_id="t-7")
+    finally:
+        await runner.cleanup()
+    assert result.ok is ok, result.error
+    if not ok:
+        assert result.error is not None and result.error.startswith("stream ended without [DONE] or its usage")
