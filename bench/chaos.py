@@ -100,6 +100,7 @@ class Scenario:
     capacity_factor: float | None = None  # instead of the steady rate: this many times the fleet's capacity
     prompt_tokens: int | None = None  # instead of the steady mix: prompts this long (a shared 512 first)
     speedup: float | None = None  # instead of the cluster's
+    heal_after_s: float | None = None  # the fault is healed this long after it starts (None: at the window's end)
 
 
 async def _hanging_worker(c: Chaos) -> None:
@@ -182,7 +183,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("forged_epoch", "a batch of an unknown epoch for one worker", lambda c: _forged(c, epoch_change=True)),
         Scenario("kill_decode_shim", "kill -9 of a decode worker's shim", lambda c: _kill_shim(c, "decode")),
         Scenario("kill_prefill_shim", "kill -9 of the prefill worker's shim", lambda c: _kill_shim(c, "prefill")),
-        Scenario("etcd_down_15s", "etcd stopped for 15 s", _etcd_outage),
+        Scenario("etcd_down_15s", "etcd stopped for 15 s", _etcd_outage, heal_after_s=15.0),
         Scenario("nats_restart", "nats-server restarted", _nats_restart),
         Scenario(
             "event_loss_10pct", "every engine drops 10% of its KV batches", None, ("--drop-event-fraction", "0.1")
@@ -310,10 +311,13 @@ async def _measure(
         fault_at = time.monotonic()
         if scenario.fault is not None:
             await scenario.fault(c)
-        await asyncio.sleep(window_s)
+        # The fault lasts what its name says (etcd_down_15s was down for --window, 20 s by default)
+        heal_at = scenario.heal_after_s if scenario.heal_after_s is not None else window_s
+        await asyncio.sleep(heal_at)
         if c.heal is not None:
             await c.heal()
-            c.notes.append("healed")
+            c.notes.append(f"healed after {heal_at:g} s")
+        await asyncio.sleep(max(window_s - heal_at, 0.0))
         await load
         await _quiet(c)
         ok, detail = await _truth_matches(c)

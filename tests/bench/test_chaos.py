@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bench.chaos import SCENARIOS, format_table, run_scenario
+import time
+
+from bench.chaos import SCENARIOS, Chaos, Scenario, format_table, run_scenario
 
 
 def test_a_forged_batch_costs_no_request_and_the_index_stays_the_engines_truth() -> None:
@@ -19,3 +21,22 @@ def test_kill_9_of_a_decode_shim_fails_only_its_streams_and_recovers_in_seconds(
     assert r.failed <= 4, r.errors  # only what was streaming on the killed worker (6/s, ~0.5 s each)
     assert r.recovery_s <= 3.0
     assert r.index_ok, r.index_detail
+
+
+def test_a_fault_lasts_what_its_scenario_says_not_the_window() -> None:
+    # etcd_down_15s was down for --window (20 s by default, 10 s with --window 10: not past the TTL)
+    marks: list[float] = []
+
+    async def fault(c: Chaos) -> None:
+        marks.append(time.monotonic())
+
+        async def heal() -> None:
+            marks.append(time.monotonic())
+
+        c.heal = heal
+
+    timed = Scenario("timed", "a fault healed after 1 s", fault, heal_after_s=1.0)
+    r = run_scenario(timed, rate=2.0, warmup_s=1.0, window_s=3.0, settle_s=1.0)
+    assert len(marks) == 2 and 0.9 <= marks[1] - marks[0] < 1.5
+    assert "healed after 1 s" in r.notes
+    assert SCENARIOS["etcd_down_15s"].heal_after_s == 15.0
