@@ -352,7 +352,8 @@ class EtcdSettings(msgspec.Struct, kw_only=True, frozen=True):
         """The endpoints' (host, port)s and their IP version: None for one DNS name. A client
         balances over a static list of addresses, or over what one name resolves to (a Service, or
         a pod's new IP) as often as it asks: several names cannot be balanced over."""
-        addresses = [(urlsplit(u).hostname or "", urlsplit(u).port or 2379) for u in self.endpoints]
+        parts = [urlsplit(u) for u in self.endpoints]
+        addresses = [(p.hostname or "", p.port or 2379) for p in parts]
         families = {_ip_version(host) for host, _ in addresses}
         if families == {None} and len(addresses) == 1:
             return None, addresses

@@ -88,9 +88,9 @@ STALE_READINGS = 3
 STALE_MIN_S = 3.0
 # Rebuilds an unknown parent asks for (see _RebuildGuard): one this soon after the last is a repeat.
 REBUILD_REPEAT_S = 5.0
-ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
 REBUILD_BACKOFF_S = 5.0
 REBUILD_BACKOFF_MAX_S = 300.0
+ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
 
 
 class ShimStatus(enum.Enum):
@@ -1160,7 +1160,7 @@ class WorkerShim:
         self.events.close(keep_retest=not self._stopping.is_set())
         self.worker_id = None
 
-    # --- stop -----------------------------------------------------------------------------------
+    # --- routers that died ----------------------------------------------------------------------
 
     async def _follow_routers(self, orphans: OrphanedLegs) -> None:
         """The routers' keys, and their legs here checked against them every ORPHAN_CHECK_S."""
@@ -1188,6 +1188,8 @@ class WorkerShim:
         finally:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
+
+    # --- stop -----------------------------------------------------------------------------------
 
     async def _stop(self) -> None:
         self._stopping.set()
