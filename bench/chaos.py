@@ -31,11 +31,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import msgspec
 
+from bench.results_file import ResultsFile
 from discovery import Discovery, put_config
 from kvswitch.client import Completion, CompletionClient
 from kvswitch.cluster import ClusterSpec, LocalCluster
@@ -416,23 +418,22 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"kvswitch bench chaos: unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
-    results = []
-    for name in names:
-        print(f"[chaos {name}] {SCENARIOS[name].what}", file=sys.stderr, flush=True)
-        results.append(
-            run_scenario(
-                SCENARIOS[name], rate=args.rate, warmup_s=args.warmup, window_s=args.window, settle_s=args.settle
+    path = Path(args.out) / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    saved = ResultsFile[ChaosResult](path, indent=2)
+    results = saved.items
+    with saved.kept_on_failure("kvswitch bench chaos"):
+        for name in names:
+            print(f"[chaos {name}] {SCENARIOS[name].what}", file=sys.stderr, flush=True)
+            saved.add(
+                run_scenario(
+                    SCENARIOS[name], rate=args.rate, warmup_s=args.warmup, window_s=args.window, settle_s=args.settle
+                )
             )
-        )
-        print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+            print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(format_table(results))
     for r in results:
         if r.errors or r.index_detail != "equal":
             print(f"{r.scenario}: {'; '.join(r.notes)}; errors: {r.errors}; index: {r.index_detail}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"chaos-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "wb") as fh:
-        fh.write(msgspec.json.format(msgspec.json.encode(results), indent=2))
     print(f"results: {path}")
     bad = [r for r in results if not r.index_ok or (r.failed and r.scenario not in _FAILS_BY_DESIGN)]
     return 1 if bad else 0

@@ -507,12 +507,14 @@ def _compare(args: argparse.Namespace) -> int:
         CONFIGURATIONS,
         PEER_CONFIGURATIONS,
         CompareSpec,
+        Measurement,
         format_table,
         headline_ratios,
         run_compare,
     )
     from bench.peers import missing_binaries
     from bench.plot import plot_compare
+    from bench.results_file import ResultsFile
 
     virtual = args.clock == "virtual"
     preset = (VIRTUAL_DEMO if virtual else DEMO) if args.demo else (VIRTUAL_DEFAULTS if virtual else COMPARE_DEFAULTS)
@@ -569,10 +571,11 @@ def _compare(args: argparse.Namespace) -> int:
     )
     check_out_dir("--out-dir", args.out_dir)  # last: a command refused before creates nothing
     started = time.monotonic()
-    measurements = run_compare(spec)
     stamp = _stamp()
     json_path = args.out_dir / f"compare-{stamp}.json"
-    json_path.write_bytes(msgspec.json.encode(measurements))
+    saved = ResultsFile[Measurement](json_path)
+    with saved.kept_on_failure("kvswitch bench compare"):
+        measurements = run_compare(spec, on_measurement=saved.add)
     engines = "virtual clock" if args.clock == "virtual" else f"sims at {args.speedup:g}x"
     title = (
         f"{len(spec.items)} trace requests, scale {args.scale_tokens}, {args.prefill}P+{args.decode}D "

@@ -79,6 +79,7 @@ from bench.flame import (
 )
 from bench.peers import PEERS, Peer, PeerProcess, missing_binaries
 from bench.replay import RequestResult, replay
+from bench.results_file import ResultsFile
 from bench.trace import TokenSynth
 from bench.workloads import WorkItem
 from kvswitch.cluster import ClusterSpec, LocalCluster
@@ -691,8 +692,11 @@ def overhead_main(args: argparse.Namespace) -> int:
         profile_dir=args.profile or Path("bench/out/profiles"),
     )  # fmt: skip
     started = time.monotonic()
+    path = spec.out_dir / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    saved = ResultsFile[Phase](path)
 
     def progress(p: Phase) -> None:
+        saved.add(p)
         lag = f", send lag p99 {p.send_lag_p99 * 1e3:.2f} ms" if p.send_lag_p99 is not None else ""
         print(
             f"[repeat {p.repeat + 1}/{spec.repeats}] {p.tool} {p.load} {p.target}: TTFT p50 {p.ttft_p50 * 1e3:.2f} ms, "
@@ -701,10 +705,8 @@ def overhead_main(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    phases = run_overhead(spec, on_phase=progress)
-    spec.out_dir.mkdir(parents=True, exist_ok=True)
-    path = spec.out_dir / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_bytes(msgspec.json.encode(phases))
+    with saved.kept_on_failure("kvswitch bench overhead"):
+        phases = run_overhead(spec, on_phase=progress)
     print(
         f"\n2 agg sims at {spec.speedup:g}x; aiperf ISL {spec.isl} OSL {spec.osl}; client ISL {spec.client_isl} "
         f"OSL {spec.client_osl}, {spec.seconds:g} s per rate; {spec.repeats} repeat(s). Latencies: ms added over "

@@ -278,3 +278,31 @@ def test_a_sweep_of_aggregated_configurations_may_have_no_prefill_engine(
     pd = ["sweep", "--fleets", "0P+1D,1P+1D", "--rates", "1", "--configs", "kv,kv_disagg", "--policy", "kv"]
     assert main(["bench", *pd, "--out-dir", str(tmp_path), "--limit", "2"]) == 2
     assert "--fleets 0P+1D: kv_disagg need a prefill engine (P >= 1)" in capsys.readouterr().err
+
+
+def test_a_compare_that_fails_midway_keeps_what_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the JSON was written once, at the end: a run whose last configuration failed kept nothing
+    from bench import compare
+
+    real = compare.run_virtual
+
+    def second_fails(
+        spec: compare.CompareSpec, config: compare.Configuration, rate: float, run: int
+    ) -> compare.Measurement:
+        if config.name == "slo_aware":
+            raise RuntimeError("engine lost")
+        return real(spec, config, rate, run)
+
+    monkeypatch.setattr(compare, "run_virtual", second_fails)
+    argv = ["bench", "compare", "--clock", "virtual", "--configs", "kv,slo_aware", "--prefill", "1", "--decode", "1"]
+    argv += ["--start", "990", "--limit", "4", "--scale-tokens", "0.125", "--out-dir", str(tmp_path), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "engine lost" in err
+    (saved,) = tmp_path.glob("compare-*.json")
+    assert f"kvswitch bench compare stopped early: 1 results measured before the failure are in {saved}" in err
+    kept = json.loads(saved.read_text())
+    assert [m["configuration"] for m in kept] == ["kv"] and kept[0]["summary"]["requests"] == 4
+    assert not list(tmp_path.glob(".*.tmp"))
