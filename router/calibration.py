@@ -57,7 +57,11 @@ engine started (or went idle) counts half its length, the expected busy part, un
 missing around it (a gap over MAX_GAP_PERIODS report periods, or times the median spacing of the
 worker's recent busy readings, running at both ends: a loaded /metrics is the slow one): then the
 stretch is dropped, counted (`dropped`), and said once at WARNING when DROPPED_WARN_AFTER were and
-none was fitted.
+none was fitted. An interval busy at both ends is dropped too when it is over MAX_BUSY_GAP_PERIODS
+times that (once CADENCE_KNOWN busy spacings are seen): reports lost for tens of seconds, or a step
+of the shim host's wall clock, would read as busy time an engine may have spent mostly idle. A
+worker registered again under another profile starts a fresh fit: its factors were against the old
+profile's shape.
 
 Each window is weighed by how far its y can be from k_d x_d + k_p x_p: one reading's resolution
 (READ_ERROR_S) and each proxy's own error, DECODE_PROXY_ERROR of x_d and PREFILL_PROXY_ERROR of
@@ -135,6 +139,9 @@ MAX_SCALE = 5.0
 WINDOW_S = 10.0
 MAX_WINDOW_S = 40.0  # a window held open for a prompt in flight closes anyway past this
 MAX_GAP_PERIODS = 2.0
+# Busy at both ends: a report or two lost in between costs nothing (busy throughout, surely), but
+# tens of seconds could be mostly idle, or a step of the shim host's wall clock.
+MAX_BUSY_GAP_PERIODS = 4.0
 PROMPT_INTERVALS = 40  # intervals with prompts the average prompt is summed over
 FULL_BATCH_TOKENS = 8192  # a worker's prefill batch when it registered no max_num_batched_tokens
 NO_CONTEXT_WARN_AFTER = 20  # decoding readings without decode_context, and none ever with, before a warning
@@ -146,6 +153,7 @@ DECODE_PROXY_ERROR = 0.05  # x_d's relative error: it prices each step as the en
 PREFILL_PROXY_ERROR = 0.5  # x_p's: the average prompt stands for prompts of very different lengths
 LATE_PRICE_ERROR = 2.0  # and of prefill priced at prompts counted after it ran, not its own
 SPACINGS = 9  # busy intervals (running at both ends) whose median spacing is a worker's reading cadence
+CADENCE_KNOWN = 3  # busy intervals seen before a gap is judged against their cadence
 
 
 @dataclass(slots=True)
@@ -392,6 +400,7 @@ class Calibration:
         self._dropped: dict[str, int] = {}  # busy stretches that could not be read, per worker
         self._clamp_warned: set[str] = set()
         self._out_fits: dict[str, int] = {}  # fits in a row past the bounds, per worker
+        self._profile: dict[str, str | None] = {}  # the profile each worker's fit is against
 
     def shape(self, info: WorkerInfo) -> TimingModel | None:
         """The worker's profile, the default one when it registered none; None for a name this
@@ -409,12 +418,19 @@ class Calibration:
         self._windows.pop(worker, None)
         self._fits.pop(worker, None)
         self._prompts.pop(worker, None)
+        self._profile.pop(worker, None)
 
     def observe(self, info: WorkerInfo | None, report: LoadReport) -> None:
         """A load report of `info`'s worker arrived (None: unknown worker, ignored)."""
         if info is None:
             return
         worker = report.worker
+        profile = info.timing_profile or self.default_profile
+        if self._profile.setdefault(worker, profile) != profile:
+            # Re-registered under another profile (the fix a clamp warning asks for): its factors were
+            # fitted against the old profile's shape.
+            self.forget(worker)
+            self._profile[worker] = profile
         prev = self._last.get(worker)
         if prev is None or report.iterations < prev.iterations:  # first report, or the engine restarted
             self._last[worker] = report
@@ -446,7 +462,18 @@ class Calibration:
         spacings = self._spacings.setdefault(worker, deque(maxlen=SPACINGS))
         cadence = statistics.median(spacings) if spacings else 0.0
         if started and running:  # the cadence of busy readings: a loaded /metrics is the slow one
+            known = len(spacings) >= CADENCE_KNOWN
             spacings.append(y)
+            if known and y > MAX_BUSY_GAP_PERIODS * max(report.period_s, cadence, 0.05):
+                self._drop(
+                    worker,
+                    True,
+                    f"its engine was busy at two readings {y:.2f} s apart, over {MAX_BUSY_GAP_PERIODS:g}x its reading "
+                    f"cadence ({cadence:.2f} s) and report period ({report.period_s:g} s), so how long it was busy "
+                    "between cannot be told: check that its shim's load reports reach this router (NATS) and that "
+                    "the shim host's clock does not step",
+                )
+                return
         if not started and not running:
             self._windows.pop(worker, None)  # idle throughout (or too short to tell): nothing to read
             return

@@ -138,6 +138,39 @@ def test_the_fit_follows_an_engine_that_slows_down() -> None:
     assert (t.decode_scale, t.prefill_scale) == pytest.approx((2.0, 2.0), rel=0.05)
 
 
+def test_a_long_gap_busy_at_both_ends_is_dropped_not_read_as_busy() -> None:
+    # Reports lost for 30 s (a NATS reconnect) or the shim host's clock stepping: the engine was busy
+    # at both readings, mostly idle between. Read whole, it put k_d at 1.36 for minutes.
+    for lost in ("reports", "clock step"):
+        cal = Calibration()
+        engine = SyntheticEngine(1.0, 1.0)
+        _feed(cal, engine, 200)
+        before = _fitted(cal, _info()).decode_scale
+        if lost == "reports":
+            engine.ts += 26.0  # idle, unseen: the router got no report of it
+            report = engine.interval(running=8, context=4096, prefill_tokens=0)
+        else:
+            report = engine.interval(running=8, context=4096, prefill_tokens=0)
+            report = msgspec.structs.replace(report, ts=report.ts + 30.0)
+            engine.ts += 30.0
+        cal.observe(_info(), report)
+        _feed(cal, engine, 20)
+        assert _fitted(cal, _info()).decode_scale == pytest.approx(before, rel=0.01), lost
+        assert cal.dropped() == {"w": 1}, lost
+
+
+def test_a_worker_registered_again_under_another_profile_starts_a_fresh_fit() -> None:
+    # The fix a clamp warning asks for: factors fitted against the old profile's shape must not
+    # carry over to the new one (the registry re-adds a changed record without removing it first).
+    cal = Calibration()
+    wrong, right = _info(profile="h200:qwen2.5-32b"), _info()
+    _feed(cal, SyntheticEngine(1.0, 1.0), 200, wrong)
+    assert _fitted(cal, wrong).decode_scale < 0.7
+    cal.observe(right, SyntheticEngine(1.0, 1.0).report(running=1, context=4096))
+    t = _fitted(cal, right)
+    assert (t.decode_scale, t.prefill_scale) == (1.0, 1.0) and cal.warm_s("w") == 0.0
+
+
 def test_idle_intervals_and_restarts_teach_nothing() -> None:
     cal = Calibration()
     engine = SyntheticEngine(1.0, 1.0)
@@ -146,9 +179,16 @@ def test_idle_intervals_and_restarts_teach_nothing() -> None:
     cal.observe(info, engine.idle(30.0))  # 30 s with nothing running: not busy time
     cal.observe(info, engine.interval(running=8, context=4096, prefill_tokens=0))  # starts from an idle report
     assert cal.warm_s("w") == 0.0
-    engine.iterations = 0  # a restarted engine's counters start over
+    # A restarted engine's counters start over, read later (at the same instant a report repeats the
+    # last reading and is skipped before the restart check, which the test then did not reach).
+    engine.iterations = engine.iteration_tokens = engine.itl_count = 0
+    engine.ts += 2.0
     cal.observe(info, engine.report(running=4, context=4096))
     assert cal.warm_s("w") == 0.0 and _fitted(cal, info).decode_scale == 1.0
+    # The restarted engine's report is a baseline: its 2 s of restart are no busy time of the next window.
+    while cal.warm_s("w") == 0.0:
+        cal.observe(info, engine.interval(running=8, context=4096, prefill_tokens=0))
+    assert _fitted(cal, info).decode_scale == pytest.approx(1.0, rel=1e-6)
 
 
 @pytest.mark.parametrize(
