@@ -6,9 +6,16 @@ Invariants:
   as in vLLM's initial free queue, ahead of every block freed since.
 - A free block keeps its hash and stays findable in the prefix cache until it is handed out again
   (eviction); only then does it leave the cache, and a `BlockRemoved` event names its hash.
-- The free queue is least-recently-used first: allocation pops the head; freeing appends at the
-  tail. Callers free a request's blocks tail-first, so a prefix's last blocks are evicted before
-  its first ones, as in vLLM.
+- Block 0 is the null block, as vLLM's: never handed out, so `num_gpu_blocks - 1` blocks hold
+  KV, and usage is over those (vLLM's `get_usage`). The 0.32 captures need exactly that many: with
+  one more, the sim evicted nothing where vLLM evicted a block.
+- The free queue is least-recently-used first: allocation pops the head; freeing appends a cached
+  block at the tail. Callers free a request's blocks tail-first, so a prefix's last blocks are
+  evicted before its first ones, as in vLLM. A freed block that caches nothing (a request's last,
+  partial block) goes to the head instead, ahead of even the never-used blocks, as vLLM does since
+  its "LRU only for proper cache entries" change: no cached block is evicted while one is free.
+  Before, such blocks queued behind cached ones, and the sim evicted prefixes vLLM keeps (on the
+  0.32 captures, six blocks where vLLM evicted one).
 - Blocks become cached (hashed, `BlockStored`) when they are full and their tokens are about to
   be computed. A `BlockStored` names the LoRA adapter of the request whose blocks it stores
   (`lora_id`, `lora_name`), as vLLM's does. Two requests computing the same block at once make two
@@ -44,7 +51,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.emit_events = emit_events
-        self.blocks: list[Block] = []  # materialised so far, by block id
+        if num_blocks < 2:
+            raise ValueError(f"a pool needs 2 blocks or more (one is the null block), got {num_blocks}")
+        self.blocks: list[Block] = [Block(0)]  # materialised so far, by block id; block 0 is the null block
+        self._head: OrderedDict[int, Block] = OrderedDict()  # freed caching nothing: reused first
         self._free: OrderedDict[int, Block] = OrderedDict()  # freed at least once, LRU first
         # digest -> {block_id: block}: every physical block holding that hash.
         self._cached: dict[bytes, dict[int, Block]] = {}
@@ -54,15 +64,16 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + self.num_blocks - len(self.blocks)
+        return len(self._head) + len(self._free) + self.num_blocks - len(self.blocks)
 
     @property
     def num_used(self) -> int:
-        return len(self.blocks) - len(self._free)
+        """Blocks held by requests (the null block is not one)."""
+        return len(self.blocks) - 1 - len(self._head) - len(self._free)
 
     @property
     def usage(self) -> float:
-        return self.num_used / self.num_blocks
+        return self.num_used / (self.num_blocks - 1)
 
     def longest_hit(self, chain: Sequence[HashedBlock], max_blocks: int) -> list[Block]:
         """The cached blocks for the longest prefix of `chain` (at most `max_blocks`)."""
@@ -95,7 +106,9 @@ class BlockPool:
         out: list[Block] = []
         blocks = self.blocks
         for _ in range(n):
-            if len(blocks) < self.num_blocks:
+            if self._head:
+                _, b = self._head.popitem(last=False)
+            elif len(blocks) < self.num_blocks:
                 b = Block(len(blocks))
                 blocks.append(b)
             else:
@@ -119,11 +132,19 @@ class BlockPool:
             self.events.append(BlockRemoved(block_hashes=[hb.ext]))
 
     def free(self, blocks: Sequence[Block]) -> None:
-        """Drop one reference from each block, tail first (so tails are evicted first)."""
+        """Drop one reference from each block, tail first (so tails are evicted first); those that
+        cache nothing go ahead of every free block, in the order freed."""
+        uncached: list[Block] = []
         for b in reversed(blocks):
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self._free[b.block_id] = b
+                if b.hashed is None:
+                    uncached.append(b)
+                else:
+                    self._free[b.block_id] = b
+        for b in reversed(uncached):
+            self._head[b.block_id] = b
+            self._head.move_to_end(b.block_id, last=False)
 
     def cache(
         self,

@@ -232,8 +232,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise SimConfigError(name, getattr(self, name), "must be a positive integer")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks <= 0:
-            raise SimConfigError("num_gpu_blocks", self.num_gpu_blocks, "must be a positive integer")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise SimConfigError(
+                "num_gpu_blocks", self.num_gpu_blocks, "must be an integer >= 2 (block 0 is vLLM's null block)"
+            )
         for name in ("speedup", "kv_transfer_gbps", "slowdown", "kv_lease_duration", "restart_after_crash_s"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):  # NaN fails `> 0` too
@@ -266,7 +268,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
         (vllm.v1.core.kv_cache_utils, "KV cache is needed"); a sim that started anyway would leave
         such a request waiting for blocks forever. Checked where the sim starts as vLLM does (the
         CLI), not in `validate()`: tests build small pools under the default max_model_len."""
-        blocks = self.resolved_num_gpu_blocks
+        blocks = self.resolved_num_gpu_blocks - 1  # block 0 is the null block
         needed = -(-self.max_model_len // self.block_size)
         if needed > blocks:
             raise SimConfigError(
@@ -290,7 +292,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
             return self.num_gpu_blocks
         prof = load_profile(self.profile)
         free = _H200_BYTES * _GPU_UTIL - 2 * prof.params - _RUNTIME_OVERHEAD
-        return max(1, int(free // (prof.kv_bytes_per_token * self.block_size)))
+        return max(2, int(free // (prof.kv_bytes_per_token * self.block_size)))
 
     def replace(self, **changes: object) -> SimConfig:
         return msgspec.structs.replace(self, **changes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine_sim.block_hash import HashedBlock, root_hash
 from engine_sim.block_pool import BlockPool
 from protocol.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -30,7 +32,7 @@ def test_stored_event_names_parent_and_tokens() -> None:
 
 
 def test_freed_blocks_stay_cached_until_evicted_lru() -> None:
-    pool = BlockPool(4, 4)
+    pool = BlockPool(5, 4)  # 4 hold KV: block 0 is the null block
     a, b = chain(list(range(8))), chain(list(range(100, 108)))
     ba = pool.allocate(2)
     pool.cache(ba, a, 0, 2)
@@ -47,7 +49,7 @@ def test_freed_blocks_stay_cached_until_evicted_lru() -> None:
 
 
 def test_touch_protects_a_hit_from_eviction() -> None:
-    pool = BlockPool(2, 4)
+    pool = BlockPool(3, 4)
     a = chain(list(range(8)))
     blocks = pool.allocate(2)
     pool.cache(blocks, a, 0, 2)
@@ -61,7 +63,7 @@ def test_touch_protects_a_hit_from_eviction() -> None:
 
 
 def test_duplicate_blocks_are_stored_and_removed_twice() -> None:
-    pool = BlockPool(2, 4)
+    pool = BlockPool(3, 4)
     a = chain([7] * 4)
     b1, b2 = pool.allocate(1), pool.allocate(1)
     pool.cache(b1, a, 0, 1)
@@ -109,3 +111,35 @@ def test_block_pool_emits_no_events_when_disabled() -> None:
     pool = BlockPool(4, 16, emit_events=False)
     pool.allocate(2)
     assert pool.take_events() == []
+
+
+def test_block_0_is_the_null_block_and_usage_is_over_the_rest() -> None:
+    # vLLM's BlockPool takes block 0 out as its null block; get_usage() is over num_gpu_blocks - 1
+    pool = BlockPool(5, 4)
+    assert pool.num_free == 4
+    blocks = pool.allocate(4)
+    assert 0 not in [b.block_id for b in blocks]
+    assert (pool.num_free, pool.num_used, pool.usage) == (0, 4, 1.0)
+    pool.free(blocks)
+    assert (pool.num_free, pool.num_used, pool.usage) == (4, 0, 0.0)
+    assert pool.reset() is True  # the null block is not "in use"
+
+
+def test_a_freed_block_caching_nothing_is_reused_before_any_cached_block_is_evicted() -> None:
+    # vLLM reuses unhashed free blocks first (LRU only for proper cache entries): a request's partial
+    # last block went behind the cached ones, and the next allocation evicted a prefix vLLM keeps.
+    pool = BlockPool(4, 4)
+    a = chain(list(range(8)))
+    blocks = pool.allocate(3)  # two full blocks cached, one partial
+    pool.cache(blocks, a, 0, 2)
+    pool.free(blocks)
+    pool.take_events()
+    (reused,) = pool.allocate(1)
+    assert reused is blocks[2] and pool.take_events() == [] and len(pool.longest_hit(a, 2)) == 2
+    pool.allocate(1)  # then the LRU cached block, the tail
+    assert [e.block_hashes for e in pool.take_events() if isinstance(e, BlockRemoved)] == [[a[1].ext]]
+
+
+def test_a_pool_needs_room_besides_its_null_block() -> None:
+    with pytest.raises(ValueError, match="2 blocks or more"):
+        BlockPool(1, 4)

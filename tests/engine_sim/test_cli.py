@@ -92,7 +92,8 @@ def test_non_finite_durations_and_factors_exit_2(argv: list[str], capsys: pytest
 
 
 def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_as_vllm_does(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ("--num-gpu-blocks", "64", "--block-size", "16", "--max-model-len", "1025")
+    # 65 blocks: 64 hold KV, block 0 is vLLM's null block
+    argv = ("--num-gpu-blocks", "65", "--block-size", "16", "--max-model-len", "1025")
     assert run(parse(*argv)) == 2
     err = capsys.readouterr().err
     assert "--max-model-len = 1025: To serve at least one request with the model's max seq len (1025)" in err
@@ -161,7 +162,7 @@ def test_cli_fleet_serves_and_stops_on_sigterm() -> None:
     events = '{"enable_kv_cache_events": true, "endpoint": "tcp://[::ffff:127.0.0.1]:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvswitch", "sim", "--count", "2", "--port", "0", "--speedup", "100",
-         "--num-gpu-blocks", "64", "--max-model-len", "1024", "--kv-events-config", events],
+         "--num-gpu-blocks", "65", "--max-model-len", "1024", "--kv-events-config", events],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     try:
@@ -195,7 +196,7 @@ def test_cli_rejects_bad_flag_with_exit_2() -> None:
 def test_single_engine_exits_1_when_it_crashes() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvswitch", "sim", "--port", "0", "--speedup", "100", "--num-gpu-blocks", "64",
+        [sys.executable, "-m", "kvswitch", "sim", "--port", "0", "--speedup", "100", "--num-gpu-blocks", "65",
          "--max-model-len", "1024", "--crash-after", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )  # fmt: skip

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @contextmanager
 def _sim_cli(events: dict[str, object]) -> Iterator[tuple[subprocess.Popen[str], dict[str, object]]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvswitch", "sim", "--port", "0", "--speedup", "100", "--num-gpu-blocks", "256",
+        [sys.executable, "-m", "kvswitch", "sim", "--port", "0", "--speedup", "100", "--num-gpu-blocks", "257",
          "--max-model-len", "4096",
          "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", **events})],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,

@@ -108,7 +108,7 @@ async def test_shared_prefix_workload_reports_hit_counts(sim: SimServer) -> None
 
 
 async def test_preemptions_and_usage_are_reported() -> None:
-    async with SimServer(sim_config(num_gpu_blocks=6, max_num_batched_tokens=512)) as sim:
+    async with SimServer(sim_config(num_gpu_blocks=7, max_num_batched_tokens=512)) as sim:
         async with aiohttp.ClientSession() as s:
 
             async def go(base: int) -> None:

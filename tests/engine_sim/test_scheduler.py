@@ -91,7 +91,7 @@ def test_cached_canonical_hashes_are_each_cached_blocks_chain_hash_once() -> Non
 
 
 def test_preemption_by_recompute_when_blocks_run_out() -> None:
-    s = make(num_gpu_blocks=6, max_num_batched_tokens=512)
+    s = make(num_gpu_blocks=7, max_num_batched_tokens=512)  # 6 hold KV: block 0 is the null block
     s.add_request(req("a", 40, max_tokens=30))
     s.add_request(req("b", 40, base=3000, max_tokens=30))
     steps = run(s)
@@ -102,7 +102,7 @@ def test_preemption_by_recompute_when_blocks_run_out() -> None:
 
 
 def test_eviction_emits_removed_for_exactly_the_evicted_hashes() -> None:
-    s = make(num_gpu_blocks=8)
+    s = make(num_gpu_blocks=9)  # 8 hold KV
     s.add_request(req("a", 64, max_tokens=1))
     run(s)
     stored_a = [h for e in s.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
