@@ -84,9 +84,12 @@ def listen_error(host: str, port: int, exc: OSError) -> ConfigError:
 
 
 class ProtocolError(ValueError):
-    """Bytes that do not decode to the message the subject promises."""
+    """Bytes that do not decode to the message the subject promises. `kind` names the fault without
+    the peer's values (what "logged once per kind" keys on; the detail itself when it has none):
+    keyed on the detail, a peer sending ever new values logged each one and grew the key set."""
 
-    def __init__(self, what: str, detail: str) -> None:
+    def __init__(self, what: str, detail: str, kind: str | None = None) -> None:
         self.what = what
         self.detail = detail
+        self.kind = kind or detail
         super().__init__(f"malformed {what}: {detail}")

@@ -188,14 +188,14 @@ def _hash(value: Any) -> int:
         return value
     if isinstance(value, bytes | bytearray):
         return int.from_bytes(value, "big")
-    raise ProtocolError(_WHAT, f"block hash {_shown(value)} is neither an integer nor bytes")
+    raise ProtocolError(_WHAT, f"block hash {_shown(value)} is neither an integer nor bytes", "block hash type")
 
 
 def _optional(fields: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
     value = fields.get(name, default)
     if value is None or isinstance(value, kind):
         return value
-    raise ProtocolError(_WHAT, f"{name} {_shown(value)} is not a {kind.__name__}")
+    raise ProtocolError(_WHAT, f"{name} {_shown(value)} is not a {kind.__name__}", f"{name} type")
 
 
 def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
@@ -209,7 +209,7 @@ def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
         metadata = values.pop() if values and isinstance(values[-1], dict) else None
         fields = dict(zip(_ARRAY_FIELDS.get(raw[0], ()), values, strict=False))
         return raw[0], fields if metadata is None else {**fields, "metadata": metadata}
-    raise ProtocolError(_WHAT, f"an event must be a map or a tagged array, got {type(raw).__name__}")
+    raise ProtocolError(_WHAT, f"an event must be a map or a tagged array, got {type(raw).__name__}", "event type")
 
 
 class BigramTokenIds(list[int]):
@@ -253,7 +253,7 @@ def _named_salt(f: dict[str, Any]) -> str | msgspec.UnsetType:
     """The cache_salt an event names: in SGLang's metadata map, else as a field of its own."""
     metadata = f.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise ProtocolError(_WHAT, f"metadata {_shown(metadata)} is not a map")
+        raise ProtocolError(_WHAT, f"metadata {_shown(metadata)} is not a map", "metadata type")
     salt = _optional(f if metadata is None else metadata, "cache_salt", str)
     return msgspec.UNSET if salt is None else salt
 
@@ -294,7 +294,7 @@ def decode_events(payload: bytes) -> tuple[EventBatch, list[ProtocolError]]:
     try:
         raw = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
-        raise ProtocolError(_WHAT, f"not msgpack: {exc}") from exc
+        raise ProtocolError(_WHAT, f"not msgpack: {exc}", "not msgpack") from exc
     except RecursionError:  # nested past the interpreter's limit: a malformed batch, not a failed reader
         raise ProtocolError(_WHAT, "nested too deeply") from None
     if isinstance(raw, dict):
@@ -331,7 +331,7 @@ def encode_seq(seq: int) -> bytes:
 
 def decode_seq(frame: bytes) -> int:
     if len(frame) != 8:
-        raise ProtocolError(_WHAT, f"sequence frame has {len(frame)} bytes, not 8")
+        raise ProtocolError(_WHAT, f"sequence frame has {len(frame)} bytes, not 8", "sequence frame length")
     return int.from_bytes(frame, "big")
 
 
@@ -341,7 +341,7 @@ REPLAY_END: list[bytes] = [b"", b"", encode_seq(END_SEQ), b""]
 def decode_pub_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
     """A PUB message to (topic, seq, payload)."""
     if len(frames) != 3:
-        raise ProtocolError(_WHAT, f"a PUB message has 3 frames (topic, seq, payload), got {len(frames)}")
+        raise ProtocolError(_WHAT, f"a PUB message has 3 frames (topic, seq, payload), got {len(frames)}", "PUB frames")
     return bytes(frames[0]), decode_seq(frames[1]), bytes(frames[2])
 
 
@@ -356,7 +356,9 @@ def decode_replay_request(frames: Sequence[bytes]) -> int:
     big-endian whatever its length (vLLM 0.32 `_service_replay`: an empty one is 0).
     """
     if len(frames) != 2:
-        raise ProtocolError(_WHAT, f"a replay request has 2 frames (b'', seq), got {len(frames)}")
+        raise ProtocolError(
+            _WHAT, f"a replay request has 2 frames (b'', seq), got {len(frames)}", "replay request frames"
+        )
     return int.from_bytes(frames[1], "big")
 
 
@@ -372,7 +374,9 @@ def decode_replay_frames(frames: Sequence[bytes]) -> tuple[int, bytes]:
     if len(parts) == 3:
         parts = parts[1:]
     if len(parts) != 2:
-        raise ProtocolError(_WHAT, f"a replay reply has [b'', (topic,) seq, payload], got {len(frames)} frames")
+        raise ProtocolError(
+            _WHAT, f"a replay reply has [b'', (topic,) seq, payload], got {len(frames)} frames", "replay reply frames"
+        )
     return decode_seq(parts[0]), bytes(parts[1])
 
 

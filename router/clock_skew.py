@@ -9,7 +9,9 @@ expires every deadline early by its offset (past `--request-timeout`, every requ
 The offset is read from load reports, stamped when sent: (stamp - receipt) is the worker's offset
 minus the transit. Transit only delays, so the largest of the last WINDOW readings is the best
 estimate: one report stamped ahead is proof, while a clock is judged behind only when WINDOW
-reports in a row are.
+reports in a row are. A worker judged off agrees again only within AGREE_FRACTION of the
+tolerance: one whose offset sits at the tolerance flipped on every few milliseconds of transit
+jitter, a WARNING and an INFO a minute and its gauge series coming and going.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["WINDOW", "ClockSkew", "Skew"]
+__all__ = ["AGREE_FRACTION", "WINDOW", "ClockSkew", "Skew"]
 
 WINDOW = 3
+AGREE_FRACTION = 0.5
 
 
 @dataclass(slots=True)
@@ -52,7 +55,8 @@ class ClockSkew:
             r = self._workers[worker] = _Readings()
         r.offsets.append(stamped - received)
         offset = max(r.offsets)
-        skewed = abs(offset) > self.tolerance_s and (offset > 0 or len(r.offsets) == WINDOW)
+        limit = self.tolerance_s * (AGREE_FRACTION if r.skewed else 1.0)
+        skewed = abs(offset) > limit and (offset > 0 or len(r.offsets) == WINDOW)
         if skewed == r.skewed:
             return None
         r.skewed = skewed

@@ -436,8 +436,12 @@ class Dispatcher:
         on_prefill: Callable[[str, str | None, bool], None] = lambda worker, fault, serves_whole: None,
         tracer: RequestTracer | None = None,
         origin: str = "",
+        registered: Callable[[str], bool] = lambda worker: True,
     ) -> None:
         self._nc = nc
+        # A departed worker's legs run on (worker_gone): what they show of it is no routing state to
+        # keep, which nothing would then remove (a metric series, an exclusion).
+        self._registered = registered
         self._origin = origin  # RouterInfo.instance: a shim aborts the legs of a router gone from etcd
         self._on_fallback = on_fallback
         # (decode worker, prefill worker, whether its pull worked) per decode leg fed by a transfer
@@ -507,7 +511,8 @@ class Dispatcher:
         if leg is None:
             return  # a leg already finished or cancelled: late chunks are expected then
         if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
-            self._on_unreachable(leg.worker, "no responder on its subject")
+            if self._registered(leg.worker):
+                self._on_unreachable(leg.worker, "no responder on its subject")
             leg.push(LegError(leg.worker, 503, "no_responders", "nobody serves it", retryable=True))
             return
         try:
@@ -617,6 +622,8 @@ class Dispatcher:
         """Leave out the worker a failed leg shows at fault: a silent one or one whose chunks stay
         lost until it reports again, one whose reply is malformed for a cooldown (its load
         reports go on: they say nothing of its replies)."""
+        if not self._registered(exc.worker):
+            return
         if exc.worker_silent or exc.kind == "stream_gap":
             self._on_unreachable(exc.worker, str(exc))
         elif exc.malformed:

@@ -181,7 +181,10 @@ class KvIngest:
         self._workers: dict[str, _Worker] = {}
         self._unsynced: set[str] = set()  # workers bootstrapping or repairing: `synced` in O(1)
         self._unknown: dict[str, deque[tuple[float, int, KvEventBatch]]] = {}  # (arrival time, size, batch)
-        self._malformed_logged: set[str] = set()
+        # Kinds of malformed input logged, per registered worker (forgotten when it leaves: a worker
+        # back under its name is logged again), and "" for names no registered worker has (a shared
+        # entry: those names are whoever can publish on the subject's).
+        self._malformed_logged: dict[str, set[str]] = {}
         self._refused: dict[str, None] = {}  # workers the full index had no slot for, oldest first
         self._arrivals = 0
         self._sub: Subscription | None = None
@@ -248,6 +251,7 @@ class KvIngest:
         self.stats.unknown_held -= len(unknown)
         self._held_total -= sum(size for _, size, _ in unknown)
         self.stats.workers.pop(worker, None)
+        self._malformed_logged.pop(worker, None)
         self.index.clear(worker)
         self._on_events(worker, [Cleared()])
         self.repairs.cancel(worker)
@@ -306,7 +310,7 @@ class KvIngest:
             if batch.worker != subject_worker:
                 raise ProtocolError("KvEventBatch", f"names worker {batch.worker!r} on {subject_worker!r}'s subject")
         except ProtocolError as exc:
-            self._malformed(subject_worker, exc)
+            self._malformed(subject_worker, exc, "payload")
             return
         state = self._workers.get(batch.worker)
         if state is None:
@@ -329,11 +333,14 @@ class KvIngest:
             self._apply(batch, state)
             self.stats.last_lag_s = max(0.0, time.time() - batch.ts)
 
-    def _malformed(self, worker: str, exc: Exception) -> None:
+    def _malformed(self, worker: str, exc: Exception, kind: str) -> None:
         self.stats.malformed += 1
-        if worker not in self._malformed_logged and len(self._malformed_logged) < 1024:
-            self._malformed_logged.add(worker)
-            log.warning("dropping malformed KV events from worker %s (logged once per worker): %s", worker, exc)
+        logged = self._malformed_logged.setdefault(worker if worker in self._workers else "", set())
+        if kind not in logged:
+            logged.add(kind)
+            log.warning(
+                "dropping malformed KV events from worker %s (logged once per worker and kind): %s", worker, exc
+            )
 
     def _apply(self, batch: KvEventBatch, state: _Worker) -> bool:
         """Apply `batch` to `state`'s worker (never to the worker the batch names: a repair reply's
@@ -349,7 +356,7 @@ class KvIngest:
             # A hash out of range, or packed bytes that are not whole u64s: checked by the index, so
             # the well-formed batches pay nothing. The batch still takes its seq; the events before
             # the bad one are in, and the next load report's digest check repairs the difference.
-            self._malformed(worker, exc)
+            self._malformed(worker, exc, "hash")
         else:
             self._on_events(worker, batch.events)
         state.sync.last_seq, state.sent_ts = batch.seq, _shim_time(batch.ts)
@@ -368,7 +375,7 @@ class KvIngest:
         self.index.clear(state.name)
         limit, total = state.entry_limit, state.kv_total_blocks
         why = f"it claims {held} blocks, more than its KV capacity allows ({limit}; kv_total_blocks {total})"
-        self._malformed(state.name, ProtocolError("KvEventBatch", f"{why}; {LIMIT_HINT}"))
+        self._malformed(state.name, ProtocolError("KvEventBatch", f"{why}; {LIMIT_HINT}"), "capacity")
         self._open_repair(state, dump=True, why=why)
         state.why = why
 
@@ -556,7 +563,7 @@ class KvIngest:
         if state is None:
             return
         if failure.malformed:
-            self._malformed(worker, failure)
+            self._malformed(worker, failure, "repair")
             state.want_dump = True  # never the same since_seq again
         else:
             self.stats.repair_timeouts += 1

@@ -309,6 +309,7 @@ class RouterService:
             on_prefill=self._on_prefill,
             tracer=self.tracer,
             origin=self.instance,
+            registered=self._registered,
         )
         await self._dispatcher.start()
         admission = Admission(

@@ -30,9 +30,9 @@ __all__ = [
 class EventDecodeError(ProtocolError):
     """An engine event payload that does not have the engine's documented shape."""
 
-    def __init__(self, engine: str, detail: str) -> None:
+    def __init__(self, engine: str, detail: str, kind: str | None = None) -> None:
         self.engine = engine
-        super().__init__(f"{engine} KV event", detail)
+        super().__init__(f"{engine} KV event", detail, kind)
 
 
 FULL = "full"

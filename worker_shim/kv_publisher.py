@@ -109,6 +109,7 @@ class KvPublisher:
         self.normaliser = normaliser
         self.counters = counters or PublisherCounters()
         self._published = KvDigestAt(epoch, 0, 0, 0)
+        self._failing_since: int | None = None  # the first batch NATS refused, while it refuses them
         self._pending: list[KvEvent] = []
         self._pending_hashes = 0
         self._empty_batch = batch_bytes(worker)
@@ -209,7 +210,18 @@ class KvPublisher:
             except NatsError as exc:
                 # The batch stays in the ring: subscribers see the seq gap (or the digest) and repair.
                 self.counters.send_failures += 1
-                log.warning("publishing KV batch %d failed (%s); subscribers will repair", batch.seq, exc)
+                if self._failing_since is None:  # once per outage, as response chunks: a line per batch flooded
+                    self._failing_since = batch.seq
+                    log.warning(
+                        "publishing KV batch %d failed (%s); subscribers will repair. Batches go unsent until "
+                        "NATS takes them again (kvswitch_shim_kv_publish_failures_total)",
+                        batch.seq,
+                        exc,
+                    )
+            else:
+                if self._failing_since is not None:
+                    log.info("NATS takes KV batches again from %d (unsent from %d)", batch.seq, self._failing_since)
+                    self._failing_since = None
             self._published = digest
 
     async def _run(self) -> None:

@@ -283,7 +283,10 @@ class Normaliser:
                 self.stats.placeholders_dropped += len(ev.hashes)
                 continue
             if ev.block_size != self.block_size:
-                self._malformed(f"window group block_size {ev.block_size} differs from the worker's {self.block_size}")
+                self._malformed(
+                    "window block_size",
+                    f"window group block_size {ev.block_size} differs from the worker's {self.block_size}",
+                )
                 continue
             blocks = []
             tier = _tier_of(ev.medium)
@@ -396,12 +399,13 @@ class Normaliser:
             self._logged.add(why)
             log.warning("%s", why)
 
-    def _malformed(self, why: str, void: Iterable[int] = ()) -> None:
-        """Count and drop a malformed event; `void`: its engine hashes, whose children are dropped too."""
+    def _malformed(self, kind: str, why: str, void: Iterable[int] = ()) -> None:
+        """Count and drop a malformed event; `void`: its engine hashes, whose children are dropped too.
+        Logged once per `kind`, with the first one's `why` (which names its values)."""
         self.stats.malformed += 1
         self._voided(void)
-        if why not in self._logged:
-            self._logged.add(why)
+        if kind not in self._logged:
+            self._logged.add(kind)
             log.warning("dropping malformed KV event (logged once per kind): %s", why)
 
     def _voided(self, hashes: Iterable[int]) -> None:
@@ -435,10 +439,10 @@ class Normaliser:
             self._voided(ev.hashes)
             return
         if ev.block_size != bs:
-            self._malformed(f"block_size {ev.block_size} differs from the worker's {bs}", ev.hashes)
+            self._malformed("block_size", f"block_size {ev.block_size} differs from the worker's {bs}", ev.hashes)
             return
         if len(ev.token_ids) != n * bs:
-            self._malformed(f"{len(ev.token_ids)} token ids for {n} blocks of {bs}", ev.hashes)
+            self._malformed("token count", f"{len(ev.token_ids)} token ids for {n} blocks of {bs}", ev.hashes)
             return
         if self._still_dropped(ev):
             return
@@ -458,7 +462,7 @@ class Normaliser:
         try:
             canon = block_hashes(ev.token_ids, bs, parent=start)
         except ValueError as exc:
-            self._malformed(str(exc), ev.hashes)
+            self._malformed("token ids", str(exc), ev.hashes)
             return
         adapter = ev.salt.partition("\x00")[0]  # chain_salt(lora, cache_salt)
         self._link(ev.hashes, canon, parent, ev.medium, out, adapter)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 import nats
 import pytest
 
 from protocol import LoadReport, encode_msg, subjects
-from router.clock_skew import WINDOW, ClockSkew
+from router.clock_skew import AGREE_FRACTION, WINDOW, ClockSkew
 from tests.router.conftest import Cluster
 from tests.router.polling import until
 
@@ -42,6 +43,22 @@ def test_the_clock_back_in_agreement_is_said_and_the_worker_leaves_the_offsets()
     back = clocks.observe("w", 110.0, 110.0)
     assert back is not None and not back.skewed
     assert clocks.offsets() == {}
+
+
+def test_a_clock_at_the_tolerance_is_not_said_on_every_jitter() -> None:
+    # offset 1.003 s, transit 1-8 ms: off and back in turn, 239 log lines in 10 minutes
+    clocks = ClockSkew(1.0)
+    rng = random.Random(0)
+    said = [
+        skew
+        for i in range(1200)
+        if (skew := clocks.observe("w", 100.0 + i / 2 + 1.003, 100.0 + i / 2 + rng.uniform(0.001, 0.008)))
+    ]
+    assert [s.skewed for s in said] == [True]
+    # it agrees again once well within the tolerance
+    for i in range(WINDOW):
+        back = clocks.observe("w", 800.0 + i + AGREE_FRACTION - 0.01, 800.0 + i)
+    assert back is not None and not back.skewed
 
 
 def test_a_broken_stamp_and_a_gone_worker_are_forgotten() -> None:

@@ -541,3 +541,58 @@ async def test_repairing_worker_is_reported_with_its_reason_and_others_stay_sync
     await until(lambda: "failed kvstate requests" in (ingest.sync_state("a1") or ("", ""))[1], what="failures")
     shim.answering = True
     await until(lambda: ingest.sync_state("a1") is None, what="repaired")
+
+
+async def _bad_hash(nc: Client, ns: str, shim: FakeShim) -> None:
+    shim.seq += 1
+    bad = Stored(hashes=b"\x02" * 9)  # not whole u64s
+    batch = KvEventBatch(worker=shim.worker, epoch=shim.epoch, seq=shim.seq, ts=0.0, events=[bad])
+    await nc.publish(subjects.kv(ns, shim.worker), encode_msg(batch))
+
+
+def _malformed_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "malformed KV events" in r.getMessage()]
+
+
+async def test_a_worker_back_under_its_name_is_logged_again(
+    nc: Client, ns: str, ingest: KvIngest, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the "logged once" set was never cleared: a StatefulSet pod back as w-0 was never logged again
+    shim = FakeShim(nc, ns, "a1")
+    await shim.start()
+    await synced_with(ingest, shim)
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    await _bad_hash(nc, ns, shim)
+    await until(lambda: ingest.stats.malformed == 1)
+    ingest.remove_worker("a1")
+    shim.answering = False
+    again = FakeShim(nc, ns, "a1")
+    await again.start()
+    await synced_with(ingest, again)
+    await _bad_hash(nc, ns, again)
+    await until(lambda: ingest.stats.malformed == 2)
+    assert len(_malformed_lines(caplog)) == 2
+
+
+async def test_another_kind_of_fault_from_a_worker_already_logged_is_logged(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # one bad hash used up the worker's one line: its later refusal past its KV capacity, whose line
+    # names the flag to raise, never came
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, min_entry_limit=4096)
+    await ingest.start()
+    try:
+        shim = FakeShim(nc, ns, "a1")
+        await shim.start()
+        await synced_with(ingest, shim)
+        caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+        ingest.check_digest(LoadReport(worker="a1", ts=0.0, kv_total_blocks=100))
+        await shim.publish(Stored(hashes=[1, 2]))
+        await _bad_hash(nc, ns, shim)
+        await until(lambda: ingest.stats.malformed == 1)
+        await shim.publish(Stored(hashes=list(range(10, 10 + 4096))))  # past its capacity
+        await until(lambda: ingest.stats.malformed >= 2, what="the worker refused")
+        lines = _malformed_lines(caplog)
+        assert len(lines) == 2 and "more than its KV capacity allows" in lines[1]
+    finally:
+        await ingest.stop()

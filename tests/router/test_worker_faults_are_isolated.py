@@ -22,6 +22,7 @@ from discovery import Discovery
 from protocol import LoadReport, WorkerInfo, encode_json, encode_msg, subjects
 from protocol.config import EtcdSettings
 from protocol.messages import load_report_problem
+from router.dispatch import Dispatcher, LegError
 from router.eligibility import MALFORMED_COOLDOWN_S, Eligibility, Exclusion
 from router.load_view import Liveness
 from router.service import RouterService
@@ -304,3 +305,23 @@ async def test_when_every_record_is_refused_the_answers_name_them_not_the_namesp
             assert [(e["worker"], e["excluded"]) for e in answer["excluded"]] == [(key, "bad_record")], answer
         finally:
             await d.delete(prefix + key)
+
+
+def test_a_departed_workers_malformed_reply_leaves_no_state_behind() -> None:
+    # its legs run on after it leaves; a bad reply from one re-created its per-worker series (and
+    # exclusion), which nothing removed again
+    marked: list[str] = []
+    d = Dispatcher(
+        None,  # type: ignore[arg-type]  # _blame touches no connection
+        "ns",
+        None,  # type: ignore[arg-type]
+        on_malformed=lambda worker, why: marked.append(worker),
+        on_unreachable=lambda worker, why: marked.append(worker),
+        registered=lambda worker: worker != "w-old",
+    )
+    d.worker_gone("w-old")
+    d._blame(LegError("w-old", 502, "malformed_chunk", "bad chunk", retryable=True))
+    d._blame(LegError("w-old", 503, "worker_silent", "no heartbeat", retryable=True))
+    assert (dict(d.malformed_replies), marked) == ({}, [])
+    d._blame(LegError("w-new", 502, "malformed_chunk", "bad chunk", retryable=True))
+    assert (dict(d.malformed_replies), marked) == ({"w-new": 1}, ["w-new"])

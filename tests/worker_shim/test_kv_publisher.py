@@ -4,8 +4,10 @@ batches that each fit a NATS payload, in order, and a subscriber rebuilds the sa
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import nats
+import pytest
 from nats.aio.msg import Msg
 
 from protocol import KvEvent, KvEventBatch, Stored, decode_msg, hash_count, subjects, unpack_hashes
@@ -43,3 +45,28 @@ async def test_a_snapshot_larger_than_a_payload_is_split_into_batches_that_fit(n
     assert all(sum(hash_count(e.hashes) for e in s) <= MAX_HASHES for s in stored)
     assert max(sizes) < nc.max_payload
     assert [h for s in stored for e in s for h in unpack_hashes(e.hashes)] == list(range(40_000))
+
+
+async def test_batches_nats_refuses_are_counted_and_logged_once_per_outage(
+    nats_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a WARNING per batch flooded the log (142 lines in 4 s from one shim) while NATS was away
+    nc = await nats.connect(nats_url)
+    pub = KvPublisher(nc, ns, "w1", 7, Normaliser(16))
+    await nc.close()  # every publish now raises, as with the reconnect buffer full
+    with caplog.at_level(logging.INFO, logger="worker_shim.kv_publisher"):
+        for h in range(5):
+            pub.add([Stored(hashes=[h], parent=None)])
+            pub.seal()
+            await pub._send_outbox()
+        assert pub.counters.send_failures == 5
+        assert len([r for r in caplog.records if "publishing KV batch" in r.getMessage()]) == 1
+        pub.nc = back = await nats.connect(nats_url)
+        try:
+            pub.add([Stored(hashes=[9], parent=None)])
+            pub.seal()
+            await pub._send_outbox()
+        finally:
+            await back.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert pub.counters.batches == 1 and "NATS takes KV batches again from 6 (unsent from 1)" in messages

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -116,6 +117,18 @@ def test_malformed_stores_are_counted_and_dropped(event: EngineStored, why: str)
     n = Normaliser(B)
     assert n.apply([event]) == [], why
     assert n.stats.malformed == 1 and not n.canonical_hashes()
+
+
+def test_malformed_stores_are_logged_once_per_kind_whatever_their_values(caplog: pytest.LogCaptureFixture) -> None:
+    # keyed on the message, which names the event's values: one line and one set entry per event
+    n = Normaliser(B)
+    with caplog.at_level(logging.WARNING):
+        for i in range(1, 41):
+            n.apply([EngineStored(hashes=[i], parent=None, token_ids=[1] * (B + i), block_size=B)])  # token count
+            n.apply([EngineStored(hashes=[100 + i], parent=None, token_ids=[1, 2, -i, 4], block_size=B)])  # token id
+    lines = [r.getMessage() for r in caplog.records if "malformed KV event" in r.getMessage()]
+    assert len(lines) == 2 and n.stats.malformed == 80
+    assert "5 token ids for 1 blocks of 4" in lines[0]
 
 
 @pytest.mark.parametrize(

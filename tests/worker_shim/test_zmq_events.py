@@ -23,7 +23,7 @@ from tests.protocol.vllm_captures import expected_set, pub_frames, replay_frames
 from tests.worker_shim.cluster import wait_for
 from worker_shim import EngineBatch, EngineStored, Normaliser
 from worker_shim.adapters import zmq_events
-from worker_shim.adapters.zmq_events import SETTLE_S, ZmqEventSource, resolve_endpoint
+from worker_shim.adapters.zmq_events import QUIET_PROBE_S, SETTLE_S, ZmqEventSource, resolve_endpoint
 
 
 class StandIn:
@@ -110,6 +110,7 @@ async def test_captured_stream_with_a_hole_is_filled_by_the_captured_replay(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)  # the gap is the live stream's to find here
+    monkeypatch.setattr(zmq_events, "QUIET_PROBE_S", 60.0)
     async with connected(stand_in) as (source, norm):
         await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
         for i, f in enumerate(stand_in.frames):
@@ -242,6 +243,25 @@ async def test_a_reconnect_to_a_restarted_engine_still_rebuilds(
         assert norm.exact is exact
         # Only the new run: all of it from seq 0, or nothing (a wrapped buffer lacks its root).
         assert len(norm) == (batches if exact else 0)
+
+
+async def test_the_last_batch_before_a_quiet_spell_lost_on_the_way_is_fetched(
+    engine: BufferedEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost batch shows as a gap when the next one comes; the last before the engine went quiet
+    had none after it, and its blocks stayed out of the index until the engine stored again (the
+    chaos bench's event_loss_10pct: one block short on every router)."""
+    monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)
+    await engine.store(2, live=False)  # seq 0..1: the start's replay delivers them
+    async with connected(engine) as (source, norm):
+        await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
+        await engine.store(3)  # seq 2..4 live
+        await engine.store(1, live=False)  # seq 5, lost on the way; then quiet
+        await wait_for(lambda: source._last == 5, QUIET_PROBE_S + 3, "the quiet probe fetched seq 5")
+        assert engine.replay_requests == [0, 5]
+        assert (len(norm), norm.exact, source.stats.gaps) == (6, True, 0)
+        await asyncio.sleep(QUIET_PROBE_S + 0.5)
+        assert engine.replay_requests == [0, 5], "one probe per quiet spell"
 
 
 async def test_a_probe_whose_replay_starts_past_the_next_seq_counts_the_gap_and_resets(
@@ -383,6 +403,13 @@ async def test_one_malformed_event_is_dropped_alone_counted_and_logged_once(capl
             await _send(source, got, b"kv-events", seq, batch)
     assert [len(b.events) for b in got] == [2, 2]
     assert source.stats.malformed == 2
+    assert len([r for r in caplog.records if "neither an integer nor bytes" in r.getMessage()]) == 1
+    # once per kind, not per value: each new bad hash was a new line, kept for good in the "once" set
+    with caplog.at_level(logging.WARNING):
+        for seq in range(2, 40):
+            batch = _payload({"type": "BlockRemoved", "block_hashes": [f"h{seq}"]})
+            await _send(source, got, b"kv-events", seq, batch)
+    assert source.stats.malformed == 40
     assert len([r for r in caplog.records if "neither an integer nor bytes" in r.getMessage()]) == 1
 
 

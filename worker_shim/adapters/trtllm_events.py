@@ -249,6 +249,6 @@ class TrtllmEventTracker:
 
     def _malformed(self, exc: EventDecodeError) -> None:
         self.malformed += 1
-        if exc.detail not in self._logged:
-            self._logged.add(exc.detail)
+        if exc.kind not in self._logged:
+            self._logged.add(exc.kind)
             log.warning("dropping a malformed TensorRT-LLM KV event (logged once per kind): %s", exc.detail)

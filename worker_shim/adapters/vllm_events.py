@@ -92,6 +92,6 @@ def decode_ranked(payload: bytes, engine: str = "vllm") -> tuple[list[EngineEven
     try:
         batch, errors = decode_events(payload)
     except ProtocolError as exc:
-        raise EventDecodeError(engine, exc.detail) from exc
+        raise EventDecodeError(engine, exc.detail, exc.kind) from exc
     events = [to_engine_event(e) for e in batch.events]
-    return events, batch.data_parallel_rank, [EventDecodeError(engine, exc.detail) for exc in errors]
+    return events, batch.data_parallel_rank, [EventDecodeError(engine, exc.detail, exc.kind) for exc in errors]

@@ -30,7 +30,9 @@ Sequence handling (seq is the engine's, per engine run, from 0):
   (vLLM: the last `buffer_steps` batches) no longer starts at 0;
 - SETTLE_S after every connection, a replay from the next seq fetches what the PUB dropped before
   the subscription reached it: a later batch would reveal that gap, but an engine that then goes
-  quiet sends none, and the index would miss those blocks until it did.
+  quiet sends none, and the index would miss those blocks until it did. For the same reason a
+  replay from the next seq follows every QUIET_PROBE_S of quiet after a live batch: the last batch
+  before a quiet spell, lost on the way, has no later one to reveal it.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ POLL_MS = 250
 # After a connection, the PUB drops batches until the SUB's subscription reaches it (ZMQ's slow
 # joiner); a replay this long after the connection fetches what went out in that window.
 SETTLE_S = 1.0
+# Once the live socket has been quiet this long after a batch, a replay from the next seq: a batch
+# lost on the way (the PUB's high-water mark) shows as a gap only when a later one comes, and the
+# last before the engine goes quiet has none after it. The index lacked its blocks until then.
+QUIET_PROBE_S = 1.0
 # SGLang with a snapshot_endpoint: live topic = topic + EPOCH_MARKER + epoch, and a snapshot
 # barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
 EPOCH_MARKER = b"\x00sgl-kv-epoch="
@@ -160,6 +166,7 @@ class ZmqEventSource:
         self._alone_since: float | None = None
         self._probed = False
         self._settle_at: float | None = None
+        self._quiet_probe_at: float | None = None  # due after the last live batch, once
         self._logged: set[str] = set()
 
     def request_rebuild(self) -> None:
@@ -200,6 +207,9 @@ class ZmqEventSource:
                 if self._settle_at is not None and time.monotonic() >= self._settle_at:
                     self._settle_at = None
                     await self._probe(sink, "after the connection settled")
+                if self._quiet_probe_at is not None and time.monotonic() >= self._quiet_probe_at:
+                    self._quiet_probe_at = None
+                    await self._probe(sink, f"after {QUIET_PROBE_S:g} s of quiet")
                 if sub in ready:
                     while True:
                         try:
@@ -336,12 +346,14 @@ class ZmqEventSource:
 
     def _malformed(self, exc: ProtocolError) -> None:
         self.stats.malformed += 1
-        if exc.detail not in self._logged:
-            self._logged.add(exc.detail)
+        if exc.kind not in self._logged:
+            self._logged.add(exc.kind)
             log.warning("%s KV events: %s (logged once per kind)", self.engine, exc)
 
     async def _on_message(self, frames: list[bytes], sink: Callable[[EngineBatch], None]) -> None:
         self.stats.messages += 1
+        if self.replay_address is not None:
+            self._quiet_probe_at = time.monotonic() + QUIET_PROBE_S
         try:
             topic, seq, payload = decode_pub_frames(frames)
         except ProtocolError as exc:
