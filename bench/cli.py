@@ -18,9 +18,7 @@ import argparse
 import asyncio
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ import msgspec
 
 from bench.overhead import add_overhead_parser, overhead_main
 from bench.replicas import add_replicas_parser, replicas_main
+from bench.sigterm import sigterm_unwinds
 from bench.summary import PrefixCounters, Slo, format_summary, results_clock, scrape_prefix_counters, summarize
 from bench.trace import TraceError, load_trace, shipped_trace
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
@@ -373,10 +372,14 @@ def _check_latency_scale(scale: float) -> None:
 
 def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
     trace = args.trace or shipped_trace()
-    records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=args.start or 0.0)
+    start = 0.0 if args.start is None else args.start
+    if not 0 <= start < math.inf:  # `or` defaults read 0 as unset: --scale-tokens 0 ran at 1.0
+        raise ValueError(f"--start must be >= 0 and finite, got {start:g}")
+    records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=start)
     if not records:
         raise ValueError("the trace selection is empty (check --start/--duration/--limit)")
-    return from_trace(records, scale_tokens=args.scale_tokens or 1.0, max_input_len=args.max_input_len)
+    scale = 1.0 if args.scale_tokens is None else args.scale_tokens
+    return from_trace(records, scale_tokens=scale, max_input_len=args.max_input_len)
 
 
 def _replay_items(args: argparse.Namespace) -> list[WorkItem]:
@@ -514,7 +517,7 @@ def _compare(args: argparse.Namespace) -> int:
     )
     from bench.peers import missing_binaries
     from bench.plot import plot_compare
-    from bench.results_file import ResultsFile
+    from bench.results_file import ResultsFile, fresh_path
 
     virtual = args.clock == "virtual"
     preset = (VIRTUAL_DEMO if virtual else DEMO) if args.demo else (VIRTUAL_DEFAULTS if virtual else COMPARE_DEFAULTS)
@@ -571,8 +574,7 @@ def _compare(args: argparse.Namespace) -> int:
     )
     check_out_dir("--out-dir", args.out_dir)  # last: a command refused before creates nothing
     started = time.monotonic()
-    stamp = _stamp()
-    json_path = args.out_dir / f"compare-{stamp}.json"
+    json_path = fresh_path(args.out_dir, "compare", ".json")
     saved = ResultsFile[Measurement](json_path)
     with saved.kept_on_failure("kvswitch bench compare"):
         measurements = run_compare(spec, on_measurement=saved.add)
@@ -581,7 +583,7 @@ def _compare(args: argparse.Namespace) -> int:
         f"{len(spec.items)} trace requests, scale {args.scale_tokens}, {args.prefill}P+{args.decode}D "
         f"{args.profile} {engines}"
     )
-    png = plot_compare(measurements, args.out_dir / f"compare-{stamp}.png", title=title)
+    png = plot_compare(measurements, json_path.with_suffix(".png"), title=title)
     print()
     print(title)
     print(format_table(measurements))
@@ -594,6 +596,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from bench.compare import CONFIGURATIONS
     from bench.plot import plot_sweep
+    from bench.results_file import fresh_path
     from bench.sweep import format_sweep, parse_fleets, run_sweep, write_points
     from bench.ttft_floor import floor_p90
     from bench.virtual.fleet import FleetSpec
@@ -629,11 +632,10 @@ def _sweep(args: argparse.Namespace) -> int:
         seed=args.seed,
         jobs=args.jobs,
     )
-    stamp = _stamp()
-    json_path = args.out_dir / f"sweep-{stamp}.json"
+    json_path = fresh_path(args.out_dir, "sweep", ".json")
     write_points(json_path, points)
     title = f"{len(items)} requests ({args.workload}), scale {args.scale_tokens}, {args.profile}, virtual clock"
-    png = plot_sweep(points, args.policy, args.out_dir / f"sweep-{stamp}.png", title=title)
+    png = plot_sweep(points, args.policy, json_path.with_suffix(".png"), title=title)
     print()
     print(title)
     engine = FleetSpec()
@@ -654,22 +656,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """SIGTERM unwinds like Ctrl-C, through the benchmarks' `finally: cluster.stop()`: by Python's
-    default it killed the process there, leaving NATS and etcd to be SIGKILLed under draining
-    shims and their directories in $TMPDIR. A second one is ignored, so that stop runs to its end
-    (each tier's grace bounds it)."""
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
-
-    if threading.current_thread() is not threading.main_thread():
+    with sigterm_unwinds():
         return _run(args)
-    before = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        return _run(args)
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 def _run(args: argparse.Namespace) -> int:

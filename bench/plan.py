@@ -34,6 +34,7 @@ import msgspec
 
 from bench.cli import check_out
 from bench.compare import CONFIGURATIONS, Configuration
+from bench.sigterm import sigterm_unwinds
 from bench.summary import Slo, Summary, summarize
 from bench.trace import TokenSynth, TraceError, load_trace, shipped_trace
 from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
@@ -241,7 +242,8 @@ def _flat(settings: RouterSettings, name: str) -> object:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return _plan(args)
+        with sigterm_unwinds():  # a pool's workers outlived a plain SIGTERM
+            return _plan(args)
     except (TraceError, ValueError, ConfigError, OSError) as exc:
         print(f"kvswitch plan: {exc}", file=sys.stderr)
         return 2

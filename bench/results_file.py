@@ -10,17 +10,35 @@ it kept and where.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Generic, TypeVar
 
 import msgspec
 
-__all__ = ["ResultsFile"]
+__all__ = ["ResultsFile", "fresh_path"]
 
 T = TypeVar("T")
+
+
+def fresh_path(directory: Path, prefix: str, suffix: str) -> Path:
+    """`directory/prefix-<stamp><suffix>`, a name no other run has: created empty here, so that two
+    runs started in the same second (the stamp's resolution) do not write one file, the second
+    silently replacing the first's results. A name taken gets `-2`, `-3`, ... after the stamp."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    directory.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = directory / f"{prefix}-{stamp}{'' if n == 1 else f'-{n}'}{suffix}"
+        try:
+            path.open("xb").close()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
 
 
 class ResultsFile(Generic[T]):
@@ -50,5 +68,7 @@ class ResultsFile(Generic[T]):
         except BaseException:
             n = len(self.items)
             kept = f"{n} results measured before the failure are in {self.path}" if n else "nothing was measured"
+            if not n:
+                self.path.unlink(missing_ok=True)  # the name fresh_path reserved
             print(f"{what} stopped early: {kept}", file=sys.stderr, flush=True)
             raise

@@ -60,6 +60,8 @@ def parse_fleets(text: str) -> list[Fleet]:
         if m is None or int(m.group(2)) < 1:
             raise ValueError(f"--fleets: {part!r} is not PP+DD with D >= 1 (e.g. 2P+6D)")
         out.append(Fleet(int(m.group(1)), int(m.group(2))))
+    if not out:  # zero points ran, a `[]` results file was written, and only the plot refused
+        raise ValueError(f"--fleets {text!r} names no fleet (e.g. 1P+3D,2P+6D)")
     return out
 
 

@@ -116,6 +116,8 @@ def load_trace(
 
 
 def _check(raw: _RawRecord, path: str | Path, lineno: int, previous: float) -> None:
+    if raw.timestamp < 0:  # before the trace's start: it was dropped with no word, as before --start
+        raise TraceError(path, lineno, f"timestamp {raw.timestamp:g} must be >= 0 (ms from the trace's start)")
     if raw.timestamp < previous:
         raise TraceError(path, lineno, f"timestamp {raw.timestamp} goes back in time (previous {previous})")
     if raw.output_length < 1:

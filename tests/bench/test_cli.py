@@ -39,6 +39,14 @@ def test_a_bad_trace_names_its_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert f"{trace}:1: input_length 9999" in capsys.readouterr().err
 
 
+def test_a_timestamp_before_the_traces_start_names_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # dropped with no word: a 5-line trace ran as 3 requests
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": -1000, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    assert main(["bench", "replay", "--url", "http://127.0.0.1:1", "--trace", str(trace)]) == 2
+    assert f"{trace}:1: timestamp -1000 must be >= 0" in capsys.readouterr().err
+
+
 def test_an_empty_selection_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "replay", "--url", "http://127.0.0.1:1", "--start", "5000"]) == 2
     assert "selection is empty" in capsys.readouterr().err
@@ -148,6 +156,11 @@ def _children_running(pid: int, command: str) -> bool:
         (["replay", "--url", "http://127.0.0.1:1", "--latency-scale", "-1"], "--latency-scale must be a finite"),
         (["replay", "--url", "http://127.0.0.1:1", "--latency-scale", "inf"], "number > 0, got inf"),
         (["summary", str(DATA), "--latency-scale", "inf"], "--latency-scale must be a finite number > 0, got inf"),
+        # read as unset by an `or` default, they ran at scale 1.0 and from 0 (plan's audit, 2026-12-06)
+        (["sweep", "--scale-tokens", "0", "--limit", "5"], "--scale-tokens must be > 0 and finite, got 0"),
+        (["compare", "--clock", "virtual", "--scale-tokens", "0", "--limit", "5"], "--scale-tokens must be > 0"),
+        (["sweep", "--start", "-5", "--limit", "5"], "--start must be >= 0 and finite, got -5"),
+        (["sweep", "--fleets", ",", "--limit", "5"], "--fleets ',' names no fleet"),
     ],
 )
 def test_a_bad_flag_is_named_before_anything_runs(

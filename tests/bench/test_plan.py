@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -248,3 +254,33 @@ def test_empty_splits_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     """Before, `--splits ,` ran no split at all and said nothing."""
     assert main(["plan", "--gpus", "2", "--limit", "5", "--splits", ",", "--jobs", "1"]) == 2
     assert "--splits: none given, got ','" in capsys.readouterr().err
+
+
+def test_sigterm_leaves_no_pool_worker_behind(tmp_path: Path) -> None:
+    # plan died at once on SIGTERM and its --jobs workers, reparented to init, waited for ever
+    argv = [sys.executable, "-m", "kvswitch", "plan", "--gpus", "4", "--start", "900", "--duration", "60"]
+    argv += ["--jobs", "2", "--out", str(tmp_path / "plan.json")]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None
+            out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False)
+            workers = [int(p) for p in out.stdout.split()]
+            time.sleep(0.1)
+        assert len(workers) >= 2, "the pool's workers never started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+            time.sleep(0.1)
+        left = [w for w in workers if Path(f"/proc/{w}").exists()]
+        assert not left, f"pool workers {left} outlived plan"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from bench.results_file import ResultsFile
+from bench.results_file import ResultsFile, fresh_path
 
 
 class Row(msgspec.Struct):
@@ -42,3 +43,19 @@ def test_a_failure_says_what_was_kept_and_propagates(tmp_path: Path, capsys: pyt
         raise RuntimeError("first phase")
     assert "bench y stopped early: nothing was measured" in capsys.readouterr().err
     assert not (tmp_path / "s.json").exists()
+
+
+def test_fresh_paths_in_one_second_are_distinct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # two sweeps finishing in the same second wrote one file: the second's results replaced the first's
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261206-020000")
+    paths = [fresh_path(tmp_path / "out", "sweep", ".json") for _ in range(3)]
+    assert [p.name for p in paths] == ["sweep-20261206-020000.json", "sweep-20261206-020000-2.json",
+                                       "sweep-20261206-020000-3.json"]  # fmt: skip
+    assert all(p.exists() for p in paths)
+
+
+def test_a_reserved_path_with_nothing_measured_is_removed(tmp_path: Path) -> None:
+    saved = ResultsFile[Row](fresh_path(tmp_path, "compare", ".json"))
+    with pytest.raises(RuntimeError), saved.kept_on_failure("bench z"):
+        raise RuntimeError("refused")
+    assert list(tmp_path.iterdir()) == []
