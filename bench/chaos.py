@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from bench.results_file import ResultsFile
+from bench.results_file import ResultsFile, fresh_path
 from discovery import Discovery, put_config
 from kvswitch.client import Completion, CompletionClient
 from kvswitch.cluster import ClusterSpec, LocalCluster
@@ -418,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"kvswitch bench chaos: unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
-    path = Path(args.out) / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = fresh_path(Path(args.out), "chaos", ".json")
     saved = ResultsFile[ChaosResult](path, indent=2)
     results = saved.items
     with saved.kept_on_failure("kvswitch bench chaos"):

@@ -79,7 +79,7 @@ from bench.flame import (
 )
 from bench.peers import PEERS, Peer, PeerProcess, missing_binaries
 from bench.replay import RequestResult, replay
-from bench.results_file import ResultsFile
+from bench.results_file import ResultsFile, fresh_path
 from bench.trace import TokenSynth
 from bench.workloads import WorkItem
 from kvswitch.cluster import ClusterSpec, LocalCluster
@@ -692,7 +692,7 @@ def overhead_main(args: argparse.Namespace) -> int:
         profile_dir=args.profile or Path("bench/out/profiles"),
     )  # fmt: skip
     started = time.monotonic()
-    path = spec.out_dir / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = fresh_path(spec.out_dir, "overhead", ".json")
     saved = ResultsFile[Phase](path)
 
     def progress(p: Phase) -> None:
