@@ -28,6 +28,9 @@ class KeptCertificateError(ValueError):
     """The certificate already in the directory is unreadable or lacks a host asked for."""
 
 
+_CN_MAX = 64
+
+
 def _name(common: str) -> x509.Name:
     return x509.Name(
         [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "kvswitch"), x509.NameAttribute(NameOID.COMMON_NAME, common)]
@@ -109,7 +112,8 @@ def write_tls(out: Path, hosts: list[str], *, days: int = 365) -> TlsFiles:
     usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     cert = (
         x509.CertificateBuilder()
-        .subject_name(_name(hosts[0]))
+        # X.509 caps a common name at 64 characters, a DNS name at 253: clients check the SAN list
+        .subject_name(_name(hosts[0] if len(hosts[0]) <= _CN_MAX else "kvswitch server"))
         .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())

@@ -24,10 +24,12 @@ import secrets
 import ssl
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kvswitch.etcd_auth import EtcdAuthError, enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
 from protocol import subjects
+from protocol.errors import without_userinfo
 
 __all__ = ["add_arguments", "run"]
 
@@ -80,6 +82,25 @@ def _etcd_context(ca: str) -> ssl.SSLContext:
         raise ValueError(f"--etcd-ca {ca}: cannot load it as a CA ({exc.strerror or exc})") from exc
 
 
+def _check_etcd_endpoint(url: str, ca: str | None) -> None:
+    """ValueError naming the flag for an endpoint the run would send passwords to unsafely or echo:
+    with --etcd-ca it must be https:// (urllib ignores a TLS context for http://, so the three
+    passwords went in the clear under a run that said nothing), and credentials in it would be
+    printed with any error."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--etcd-endpoint {without_userinfo(url)!r}: must be an http:// or https:// URL")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            "--etcd-endpoint: credentials in the URL are refused (they would be shown in errors): the root "
+            f"password comes from {PASSWORD_ENV['root']}"
+        )
+    if ca is not None and parts.scheme != "https":
+        raise ValueError(
+            f"--etcd-endpoint {url}: with --etcd-ca it must be https:// (http:// sends the passwords in the clear)"
+        )
+
+
 def _enable_etcd_auth(args: argparse.Namespace, context: ssl.SSLContext | None) -> str:
     missing = [env for env in PASSWORD_ENV.values() if not os.environ.get(env)]
     if missing:
@@ -111,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:  # before anything is written: a bad flag leaves no half-done run
         etcd_context = _etcd_context(args.etcd_ca) if args.etcd_endpoint and args.etcd_ca else None
+        if args.etcd_endpoint:
+            _check_etcd_endpoint(args.etcd_endpoint, args.etcd_ca)
     except ValueError as exc:
         print(f"kvswitch secrets: {exc}", file=sys.stderr)
         return 2

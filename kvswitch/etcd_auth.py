@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol import subjects
+from protocol.errors import without_userinfo
 
 __all__ = ["PING_KEY", "EtcdAuthError", "EtcdGateway", "EtcdUser", "b64", "enable_auth", "namespace_users"]
 
@@ -69,8 +70,19 @@ class EtcdGateway:
 
     def __init__(self, url: str, context: ssl.SSLContext | None) -> None:
         self.url = url.rstrip("/")
+        self.shown = without_userinfo(self.url)  # in errors, which reach job logs
         self.context = context
         self.token: str | None = None
+
+    def created(self, path: str, body: dict[str, object]) -> bool:
+        """An `add` call: False when etcd says what it adds already exists."""
+        try:
+            self.call(path, body)
+        except EtcdAuthError as exc:
+            if "already exists" in str(exc):
+                return False
+            raise
+        return True
 
     def call(self, path: str, body: dict[str, object], *, exists_ok: bool = False) -> dict[str, Any]:
         """The answer's JSON object ({} for another JSON value); EtcdAuthError for any failure."""
@@ -86,20 +98,39 @@ class EtcdGateway:
             detail = exc.read().decode(errors="replace")
             if exists_ok and "already exists" in detail:
                 return {}
-            raise EtcdAuthError(f"etcd {path} at {self.url}: HTTP {exc.code}: {detail[:300]}") from exc
+            raise EtcdAuthError(f"etcd {path} at {self.shown}: HTTP {exc.code}: {detail[:300]}") from exc
         except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: an answer not JSON
-            raise EtcdAuthError(f"etcd {path} at {self.url}: {exc}") from exc
+            raise EtcdAuthError(f"etcd {path} at {self.shown}: {exc}") from exc
+
+
+def _user(gw: EtcdGateway, name: str, password: str) -> None:
+    """`name` with `password`, whether or not an earlier run that stopped part-way made it: added
+    with exists_ok alone, a rerun's new password was ignored and the old one kept working."""
+    if not gw.created("auth/user/add", {"name": name, "password": password}):
+        gw.call("auth/user/changepw", {"name": name, "password": password})
+
+
+def _role(gw: EtcdGateway, name: str) -> None:
+    """`name` with no permission, whether or not it existed: one left with wider grants kept them."""
+    if gw.created("auth/role/add", {"name": name}):
+        return
+    for perm in gw.call("auth/role/get", {"role": name}).get("perm", []):
+        revoke = {"role": name, "key": perm.get("key", "")}
+        if perm.get("range_end"):
+            revoke["range_end"] = perm["range_end"]
+        gw.call("auth/role/revoke", revoke)
 
 
 def enable_auth(url: str, root_password: str, users: list[EtcdUser], *, context: ssl.SSLContext | None = None) -> None:
     """Create `root` and `users` with their roles, then enable authentication. Run it once, on a
-    fresh cluster (any member's client URL); it is refused once authentication is on."""
+    fresh cluster (any member's client URL); it is refused once authentication is on. A rerun after
+    one that stopped part-way sets the passwords and permissions given, whatever that one left."""
     gw = EtcdGateway(url, context)
     gw.call("auth/role/add", {"name": "root"}, exists_ok=True)
-    gw.call("auth/user/add", {"name": "root", "password": root_password}, exists_ok=True)
+    _user(gw, "root", root_password)
     gw.call("auth/user/grant", {"user": "root", "role": "root"})
     for user in users:
-        gw.call("auth/role/add", {"name": user.name}, exists_ok=True)
+        _role(gw, user.name)
         grants = [(p, _prefix_end(p), "READ") for p in user.read]
         grants += [(p, _prefix_end(p), "READWRITE") for p in user.readwrite]
         grants += [(k, "", "READ") for k in user.keys]
@@ -108,6 +139,6 @@ def enable_auth(url: str, root_password: str, users: list[EtcdUser], *, context:
             if end:
                 perm["range_end"] = b64(end)
             gw.call("auth/role/grant", {"name": user.name, "perm": perm})
-        gw.call("auth/user/add", {"name": user.name, "password": user.password}, exists_ok=True)
+        _user(gw, user.name, user.password)
         gw.call("auth/user/grant", {"user": user.name, "role": user.name})
     gw.call("auth/enable", {})

@@ -13,6 +13,7 @@ import difflib
 import ipaddress
 import math
 import os
+import re
 import ssl
 import tomllib
 import types
@@ -266,6 +267,15 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
     def validate(self) -> NatsSettings:
         if not self.servers:
             raise ConfigError("nats_servers", self.servers, "at least one nats:// or tls:// URL")
+        if any("@" in url and "://" not in url for url in self.servers):
+            # A comma in a URL's password split it in two: the first piece, shown by the error below,
+            # was the scheme, user and the password's start, with no `@` for the redaction to find.
+            raise ConfigError(
+                "nats_servers",
+                "(not shown: it may hold a password)",
+                "a comma inside a URL's user or password splits the list there: percent-encode it as %2C, "
+                "or give the credentials with --nats-user and --nats-password",
+            )
         for url in self.servers:
             if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
                 raise ConfigError("nats_servers", url, "URLs must start with nats://, tls://, ws:// or wss://")
@@ -565,12 +575,24 @@ def load_file(path: str | Path) -> dict[str, Any]:
         try:
             data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # a SafeLoader: no arbitrary objects
         except yaml.YAMLError as exc:
-            raise ConfigError("config", str(p), f"not valid YAML: {exc}") from exc
+            raise ConfigError("config", str(p), f"not valid YAML: {_yaml_problem(exc)}") from None
     else:
         raise ConfigError("config", str(p), "the file name must end in .yaml, .yml or .toml")
     if not isinstance(data, dict):
         raise ConfigError("config", str(p), "the top level must be a mapping")
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """Where and what, as TOML's errors say it: PyYAML's own text quotes the offending line, which
+    printed a password to the log when it began with `@` or had an unclosed quote. Quoted values in
+    the problem (an alias's name, a character) are left out too, but for a constructor's (a key
+    given twice, a tag): those name keys, not values."""
+    problem = getattr(exc, "problem", None) or type(exc).__name__
+    if not isinstance(exc, yaml.constructor.ConstructorError):
+        problem = re.sub(r"'[^']*'|\"[^\"]*\"", "'...'", problem)
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} (at line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def file_keys(schema: type[msgspec.Struct], setting_prefix: str = "") -> set[str]:

@@ -16,7 +16,7 @@ import pytest
 from etcd3aio import Etcd3Client
 
 from discovery import Discovery
-from kvswitch.certs import write_tls
+from kvswitch.certs import certificate_hosts, write_tls
 from kvswitch.servers import EtcdServer, NatsServer
 from protocol.config import EtcdSettings, NatsSettings
 
@@ -203,3 +203,53 @@ def test_write_tls_compares_hosts_as_the_certificate_names_them(tmp_path: Path) 
     assert write_tls(tmp_path, ["0:0::1", "nats.example"]) == tls  # the same address, a DNS name in any case
     with pytest.raises(KeptCertificateError, match=r"names Nats\.Example, ::1, not 127\.0\.0\.1: delete "):
         write_tls(tmp_path, ["nats.example", "127.0.0.1"])
+
+
+def test_a_first_host_longer_than_a_common_name_may_be_is_still_certified(tmp_path: Path) -> None:
+    # the CN is capped at 64 characters: a Kubernetes FQDN of 68 was a traceback and an empty tls/
+    long = "etcd-0.etcd-headless.kvswitch-production-inference.svc.cluster.local"
+    tls = write_tls(tmp_path, [long, "nats"])
+    assert certificate_hosts(tls.cert) == [long, "nats"]
+
+
+def _etcd_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "KVSWITCH_ETCD_ROOT_PASSWORD": "rootNEW",
+        "KVSWITCH_ETCD_ROUTER_PASSWORD": "routerNEW",
+        "KVSWITCH_ETCD_WORKER_PASSWORD": "workerNEW",
+    }
+
+
+def test_an_etcd_ca_with_a_plaintext_endpoint_is_refused(tmp_path: Path) -> None:
+    # urllib ignores a TLS context for http://: the run said "authentication on" and had sent all
+    # three passwords in the clear
+    tls = write_tls(tmp_path / "tls", ["127.0.0.1"])
+    out = _secrets("--etcd-endpoint", "http://127.0.0.1:9", "--etcd-ca", str(tls.ca), env=_etcd_env())
+    assert out.returncode == 2 and "with --etcd-ca it must be https://" in out.stderr, out.stderr
+
+
+def test_credentials_in_the_etcd_endpoint_are_refused_unshown() -> None:
+    # they were printed with any error, into the job's log
+    out = _secrets("--etcd-endpoint", "http://root:rootSECRET@127.0.0.1:9", env=_etcd_env())
+    assert out.returncode == 2 and "credentials in the URL are refused" in out.stderr
+    assert "rootSECRET" not in out.stderr + out.stdout
+
+
+def test_a_rerun_after_one_that_stopped_part_way_sets_the_passwords_and_grants_given() -> None:
+    from kvswitch.etcd_auth import EtcdAuthError, EtcdGateway, b64
+
+    with EtcdServer() as etcd:
+        left = EtcdGateway(etcd.url, None)  # what an earlier run (or an operator) left, auth still off
+        left.call("auth/user/add", {"name": "router", "password": "OLDpw"})
+        left.call("auth/role/add", {"name": "router"})
+        left.call("auth/role/grant", {"name": "router", "perm": {"permType": "READWRITE", "key": b64("/other/")}})
+        out = _secrets("--namespace", "sc", "--etcd-endpoint", etcd.url, env=_etcd_env())
+        assert out.returncode == 0 and "etcd authentication on" in out.stdout, out.stderr
+        EtcdGateway(etcd.url, None).call("auth/authenticate", {"name": "router", "password": "routerNEW"})
+        with pytest.raises(EtcdAuthError, match="authentication failed"):
+            EtcdGateway(etcd.url, None).call("auth/authenticate", {"name": "router", "password": "OLDpw"})
+        root = EtcdGateway(etcd.url, None)
+        root.token = root.call("auth/authenticate", {"name": "root", "password": "rootNEW"})["token"]
+        keys = {p["key"] for p in root.call("auth/role/get", {"role": "router"})["perm"]}
+        assert b64("/other/") not in keys and b64("/sc/") in keys

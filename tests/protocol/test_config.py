@@ -207,6 +207,20 @@ def test_bad_config_file_is_refused(tmp_path: Path, name: str, text: str, match:
         load_file(path)
 
 
+@pytest.mark.parametrize(
+    "line",
+    ["nats_password: @Hunter2secret", 'nats_password: "Hunter2secret', "nats_password: *Hunter2secret"],
+)
+def test_a_yaml_error_says_where_without_the_line_it_is_on(tmp_path: Path, line: str) -> None:
+    # PyYAML's text quotes the offending line: a password that began with `@` or had an unclosed
+    # quote was printed to stderr, into the logs
+    path = tmp_path / "r.yaml"
+    path.write_text(f"routing: kv\n{line}\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML: .*\(at line \d+, column \d+\)") as err:
+        load_file(path)
+    assert "Hunter2" not in str(err.value)
+
+
 def test_missing_config_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read") as err:
         load_file(tmp_path / "nope.yaml")
@@ -235,6 +249,14 @@ def test_nats_settings_from_env_list() -> None:
 def test_invalid_nats_settings(cli: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         resolve(NatsSettings, cli=cli, env={}, setting_prefix="nats_")
+
+
+def test_a_comma_in_a_urls_password_is_refused_without_showing_it() -> None:
+    # the list was split there and the first piece, with no `@` to redact at, was shown
+    env = {"KVSWITCH_NATS_SERVERS": "nats://alice:Hunter2,secret@127.0.0.1:4222"}
+    with pytest.raises(ConfigError, match="percent-encode it as %2C") as err:
+        resolve(NatsSettings, env=env, setting_prefix="nats_")
+    assert "Hunter2" not in str(err.value) and "secret@" not in str(err.value)
 
 
 @pytest.mark.parametrize(
