@@ -29,6 +29,10 @@ sysdeps:
 	elif $(ROOT); then $(call apt_get,etcd-server) && command -v etcd >/dev/null || exit 1; \
 	else echo "etcd missing; run: $(APT_HINT) etcd-server"; exit 1; \
 	fi; \
+	v=$$(etcd --version 2>/dev/null | sed -n 's/^etcd Version: \([0-9]*\)\.\([0-9]*\).*/\1 \2/p'); set -- $$v; \
+	if [ -z "$$2" ] || [ "$$1" -lt 3 ] || { [ "$$1" = 3 ] && [ "$$2" -lt 4 ]; }; then \
+		echo "$$(command -v etcd) is etcd $${1:-?}.$${2:-?}: kvswitch needs 3.4 or newer (--log-level, the /v3 gateway)"; exit 1; \
+	fi; \
 	if [ -f /usr/include/xxhash.h ]; then :; \
 	elif $(ROOT); then $(call apt_get,libxxhash-dev) || echo "libxxhash-dev could not be installed: $(NO_XXHASH)"; \
 	else echo "no xxhash.h: $(NO_XXHASH) ($(APT_HINT) libxxhash-dev)"; \
@@ -105,4 +109,4 @@ $(BENCH_VENV)/.installed: Makefile
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache protocol/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache protocol/*.so router/*.so

