@@ -267,7 +267,7 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
     def validate(self) -> NatsSettings:
         if not self.servers:
             raise ConfigError("nats_servers", self.servers, "at least one nats:// or tls:// URL")
-        if any("@" in url and "://" not in url for url in self.servers):
+        if len(self.servers) > 1 and any("@" in url and "://" not in url for url in self.servers[1:]):
             # A comma in a URL's password split it in two: the first piece, shown by the error below,
             # was the scheme, user and the password's start, with no `@` for the redaction to find.
             raise ConfigError(

@@ -86,6 +86,7 @@ async def test_a_stored_event_the_shim_cannot_read_does_not_rebuild_at_poll_rate
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)  # no probe replay in the window
+    monkeypatch.setattr(zmq_events, "QUIET_PROBE_S", 60.0)
     shim = _shim(stand_in.shim_endpoint, stand_in.replay_endpoint)
     asks: list[None] = []
     real = shim.adapter.request_rebuild
