@@ -11,12 +11,7 @@ figures are the request context's own arithmetic:
 - a remote prefill that falls back becomes the bypass booking (the prefill worker's claim goes).
 
 The prompt's blocks also become pending prefixes on the workers that will hold them
-(router.pending_prefixes), so requests routed before the KV events arrive already see them: at
-once on a worker that computes them, but on a remote request's decode worker only from its first
-token. vLLM caches blocks loaded from another engine once their transfer has landed
-(`delay_cache_blocks`), so until then a request sharing the prefix finds none of it there; counted
-from the booking, it read the decode worker as holding a prefix the policy had just sent away to
-be computed, and was bypassed onto it to compute it all again (routing audit, 2026-12-06).
+(router.pending_prefixes), so requests routed before the KV events arrive already see them.
 
 Bookings go to a `BookingSink`: the replica's load view plus its peers (router.replica_sync), or in
 the virtual-clock replay a sink that delivers to peers after a modelled delay.
@@ -63,7 +58,6 @@ class Ledger:
         self.sink = sink
         self.pending = pending
         self.live = 0  # bookings not yet freed
-        self._landing: dict[str, tuple[Candidate, RequestContext]] = {}  # remote attempts before d's first token
 
     def book(self, key: str, plan: RoutePlan) -> None:
         ctx, d, p = plan.ctx, plan.decode, plan.prefill
@@ -72,10 +66,9 @@ class Ledger:
             self.sink.add(key, p.worker, ctx.uncached_tokens(p), 0)
             self.sink.add(key, d.worker, 0, ctx.new_blocks(d))
             self._pending(p, ctx)
-            self._landing[key] = (d, ctx)
         else:
             self.sink.add(key, d.worker, ctx.uncached_tokens(d), ctx.new_blocks(d))
-            self._pending(d, ctx)
+        self._pending(d, ctx)
 
     def _pending(self, c: Candidate, ctx: RequestContext) -> None:
         """The prompt's blocks will be on `c`; on a hybrid model's worker, with its window cached
@@ -93,18 +86,12 @@ class Ledger:
         if plan.prefill is not None:
             self.sink.add(key, plan.prefill.worker, 0, 0)
         self.sink.add(key, d.worker, ctx.uncached_tokens(d), ctx.new_blocks(d))
-        if self._landing.pop(key, None) is not None:
-            self._pending(d, ctx)
 
     def prefill_done(self, key: str, worker: str | None = None) -> None:
         """The first token came: prefill tokens leave every queue the attempt was booked on. With
-        `worker`, only that worker's booking: the prefill worker's, when a remote prefill leg ends.
-        Without, a remote attempt's blocks have landed on its decode worker."""
+        `worker`, only that worker's booking: the prefill worker's, when a remote prefill leg ends."""
         self.sink.prefill_done(key, worker)
-        if worker is None and (landed := self._landing.pop(key, None)) is not None:
-            self._pending(*landed)
 
     def free(self, key: str) -> None:
         self.live -= 1
-        self._landing.pop(key, None)
         self.sink.free(key)
