@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,47 +60,45 @@ def _fresh(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(4096, 100_000) for _ in range(n)]
 
 
-# Per capture: the prompts that were text or chat, rebuilt from the batches they stored (by seq).
-def _bs16_text(c: Capture, rng: random.Random) -> dict[str, list[int]]:
-    text_1 = c.stored(5) + c.stored(6)[:9]
-    chat = c.stored(8) + c.stored(9)[:12]
-    return {
-        "text_0": c.stored(4) + _fresh(7, rng),
-        "text_1": text_1,
-        "text_2": text_1[:120] + c.stored(7)[8:16] + _fresh(5, rng),
-        "chat": chat,
-        "chat_stream": chat,
-    }
+@dataclass(frozen=True)
+class Rebuild:
+    """How a capture's text and chat prompts are rebuilt from the batches they stored (by seq):
+    text_1 is batch 5's tokens and the first `text_1_tail` of batch 6's; text_2 is text_1's first
+    120 and `text_2_own` of batch 7's; chat is the first `chat_len` of batches 8 and 9's."""
+
+    block_size: int
+    num_gpu_blocks: int  # its cache_config_info's
+    text_1_tail: int
+    text_2_own: slice
+    chat_len: int
+
+    def prompts(self, c: Capture, rng: random.Random) -> dict[str, list[int]]:
+        text_1 = c.stored(5) + c.stored(6)[: self.text_1_tail]
+        chat = (c.stored(8) + c.stored(9))[: self.chat_len]
+        return {
+            "text_0": c.stored(4) + _fresh(7, rng),
+            "text_1": text_1,
+            "text_2": text_1[:120] + c.stored(7)[self.text_2_own] + _fresh(5, rng),
+            "chat": chat,
+            "chat_stream": chat,
+        }
 
 
-def _bs32_text(c: Capture, rng: random.Random) -> dict[str, list[int]]:
-    text_1 = c.stored(5) + c.stored(6)[:25]
-    chat = c.stored(8)[:28]
-    return {
-        "text_0": c.stored(4) + _fresh(7, rng),
-        "text_1": text_1,
-        "text_2": text_1[:120] + c.stored(7)[24:32] + _fresh(5, rng),
-        "chat": chat,
-        "chat_stream": chat,
-    }
-
-
-CAPTURES: dict[str, tuple[int, int, Callable[[Capture, random.Random], dict[str, list[int]]]]] = {
-    # name: (block size, num_gpu_blocks from its cache_config_info, text prompts)
-    "bs16_patched": (16, 160, _bs16_text),
-    "bs32": (32, 80, _bs32_text),
+CAPTURES = {
+    "bs16_patched": Rebuild(16, 160, text_1_tail=9, text_2_own=slice(8, 16), chat_len=28),
+    "bs32": Rebuild(32, 80, text_1_tail=25, text_2_own=slice(24, 32), chat_len=28),
 }
 
 
 def _serve(name: str) -> tuple[Capture, Scheduler, list[list[KVEvent]]]:
     capture = Capture(name)
-    block_size, blocks, text = CAPTURES[name]
-    prompts = text(capture, random.Random(1))
+    rebuild = CAPTURES[name]
+    prompts = rebuild.prompts(capture, random.Random(1))
     # served, cut at max_model_len after 8 tokens (not an error: the capture's README)
     prompts["err_prompt_plus_max_tokens"] = [7] * 2040
     max_tokens = dict.fromkeys(prompts, 8)
-    s = Scheduler(hash_seed="0", block_size=block_size, num_gpu_blocks=blocks, max_num_batched_tokens=2048,
-                  max_model_len=2048)  # fmt: skip
+    s = Scheduler(hash_seed="0", block_size=rebuild.block_size, num_gpu_blocks=rebuild.num_gpu_blocks,
+                  max_num_batched_tokens=2048, max_model_len=2048)  # fmt: skip
     batches: list[list[KVEvent]] = []
 
     def add(req: str) -> None:
