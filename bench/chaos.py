@@ -206,6 +206,8 @@ SCENARIOS: dict[str, Scenario] = {
 class ChaosResult(msgspec.Struct, kw_only=True):
     scenario: str
     requests: int
+    asked_rps: float = 0.0  # the load asked for
+    sent_rps: float = 0.0  # what the generator sent: below asked, the box could not keep up
     failed: int
     refused: int
     calm_ttft_p50_s: float | None
@@ -306,9 +308,8 @@ async def _measure(
         sent: list[_Sent] = []
         rng = random.Random(seed)
         t0 = time.monotonic()
-        load = asyncio.create_task(
-            _load(c, rate, t0 + warmup_s + window_s + settle_s, sent, rng, prompt_tokens=scenario.prompt_tokens)
-        )
+        load_s = warmup_s + window_s + settle_s
+        load = asyncio.create_task(_load(c, rate, t0 + load_s, sent, rng, prompt_tokens=scenario.prompt_tokens))
         await asyncio.sleep(warmup_s)
         fault_at = time.monotonic()
         if scenario.fault is not None:
@@ -339,6 +340,8 @@ async def _measure(
     return ChaosResult(
         scenario=scenario.name,
         requests=len(sent),
+        asked_rps=rate,
+        sent_rps=len(sent) / load_s if load_s > 0 else 0.0,
         failed=len(failed),
         refused=len(refused),
         calm_ttft_p50_s=p50,
@@ -390,10 +393,20 @@ def format_table(results: list[ChaosResult]) -> str:
     def s(v: float | None, unit: str = "s") -> str:
         return "-" if v is None else f"{v:.2f}{unit}"
 
-    header = ["scenario", "requests", "failed", "429", "max added", "recovery", "TTFT p99", "index ok"]
+    header = [
+        "scenario",
+        "requests",
+        "sent/asked r/s",
+        "failed",
+        "429",
+        "max added",
+        "recovery",
+        "TTFT p99",
+        "index ok",
+    ]
     rows = [
-        [r.scenario, str(r.requests), str(r.failed), str(r.refused), s(r.max_added_s), s(r.recovery_s),
-         s(r.admitted_ttft_p99_s), "yes" if r.index_ok else "NO"]
+        [r.scenario, str(r.requests), f"{r.sent_rps:.1f}/{r.asked_rps:.1f}", str(r.failed), str(r.refused),
+         s(r.max_added_s), s(r.recovery_s), s(r.admitted_ttft_p99_s), "yes" if r.index_ok else "NO"]
         for r in results
     ]  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]

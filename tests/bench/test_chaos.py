@@ -9,8 +9,12 @@ from bench.chaos import SCENARIOS, Chaos, Scenario, format_table, run_scenario
 
 def test_a_forged_batch_costs_no_request_and_the_index_stays_the_engines_truth() -> None:
     r = run_scenario(SCENARIOS["forged_seq"], rate=6.0, warmup_s=3.0, window_s=5.0, settle_s=2.0)
-    print(format_table([r]))
+    table = format_table([r])
+    print(table)
     assert r.requests >= 50 and r.failed == 0 and r.refused == 0
+    # the load sent, beside the load asked: a generator that fell behind said nothing of it
+    assert r.asked_rps == 6.0 and 0.8 * 6.0 <= r.sent_rps <= 6.0 * 1.05
+    assert f"{r.sent_rps:.1f}/6.0" in table.splitlines()[-1]
     assert r.index_ok, r.index_detail
 
 
