@@ -58,6 +58,9 @@ __all__ = ["STOP_GRACE_S", "ClusterSpec", "LocalCluster"]
 
 POOLS = ("prefill", "decode", "agg")
 STOP_GRACE_S = 35.0  # per tier of children at stop: the shim drains for 30 s at most
+# Draws of the sims' ports: a port free when drawn can be bound by another process (a parallel
+# test worker's server) before a sim binds it, and the sim then exits "address already in use".
+PORT_DRAWS = 3
 
 
 @dataclass
@@ -205,12 +208,18 @@ class LocalCluster:
             # the sims and shims start (the shims bind the event ports, after every pool is up).
             engines = sum(getattr(self.spec, role) for role in POOLS)
             routers = 0 if self.spec.http_port else self.spec.routers
-            base = free_ports(3 * engines + routers) if 3 * engines + routers else 0
-            for role in POOLS:
-                count = getattr(self.spec, role)
-                if count:
-                    self._start_pool(role, count, base)
-                    base += 3 * count
+            for draw in range(1, PORT_DRAWS + 1):
+                base = free_ports(3 * engines + routers) if 3 * engines + routers else 0
+                try:
+                    base = self._start_pools(base)
+                    break
+                except ServerError as exc:
+                    if "address already in use" not in str(exc) or draw == PORT_DRAWS:
+                        raise
+                    log.warning(
+                        "a sim's port was taken before it bound it: drawing others (%d of %d)", draw, PORT_DRAWS
+                    )
+                    self._kill_children()
             for engine in self.engines:
                 self._start_shim(engine)
             base = self.spec.http_port or base
@@ -219,6 +228,25 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def _start_pools(self, base: int) -> int:
+        """Every pool's sims on the ports from `base`; the first port none of them took."""
+        for role in POOLS:
+            count = getattr(self.spec, role)
+            if count:
+                self._start_pool(role, count, base)
+                base += 3 * count
+        return base
+
+    def _kill_children(self) -> None:
+        """Before any shim or router: the sims of a draw whose ports another process took."""
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(5)
+        self.children = []
+        self.engines = []
 
     def _start_pool(self, role: str, count: int, base: int) -> None:
         """`count` sims on the free ports from `base`: HTTP, then KV events, then replay."""

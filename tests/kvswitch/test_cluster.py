@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvswitch.cluster import ClusterSpec, LocalCluster
-from kvswitch.servers import ServerError
+from kvswitch.servers import ServerError, free_ports
 from tests.engine_sim.listening import listening
 
 
@@ -71,6 +72,36 @@ def test_a_child_that_dies_at_start_is_named_with_its_status_and_last_words() ->
     assert "sim-agg (status 2; its last output:" in message
     assert "argument --speedup: 0.0 must be a finite number > 0" in message  # the sim's own error, not just "exited"
     assert cluster.children == [] and cluster.nats is None  # and nothing left running
+
+
+def test_a_sim_port_taken_before_the_sim_binds_it_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # free_ports checks a port, the sim binds it a moment later: a parallel test worker's server took
+    # it in between once (CI, test_ha's cluster: "address already in use"), and the start failed
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    draws: list[int] = []
+    real = free_ports
+
+    def first_taken(count: int, host: str = "127.0.0.1") -> int:
+        draws.append(count)
+        return taken.getsockname()[1] if len(draws) == 1 else real(count, host)
+
+    monkeypatch.setattr("kvswitch.cluster.free_ports", first_taken)
+    cluster = LocalCluster(ClusterSpec(agg=1, routers=0))
+    try:
+        cluster.start()
+        assert len(draws) == 2 and len(cluster.engines) == 1
+        assert _get(cluster.engines[0].url + "/health") == 200
+        assert sum(c.name == "sim-agg" for c in cluster.children) == 1
+    finally:
+        cluster.stop()
+        taken.close()
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return int(r.status)
 
 
 def test_stop_lets_a_streamed_request_in_flight_finish() -> None:
