@@ -372,8 +372,9 @@ def _check_latency_scale(scale: float) -> None:
 
 def _trace_items(args: argparse.Namespace) -> list[WorkItem]:
     trace = args.trace or shipped_trace()
+    # `is None`, not `or`: an `or` default read 0 as unset (--scale-tokens 0 ran at 1.0)
     start = 0.0 if args.start is None else args.start
-    if not 0 <= start < math.inf:  # `or` defaults read 0 as unset: --scale-tokens 0 ran at 1.0
+    if not 0 <= start < math.inf:
         raise ValueError(f"--start must be >= 0 and finite, got {start:g}")
     records = load_trace(trace, limit=args.limit, duration_s=args.duration, start_s=start)
     if not records:
@@ -516,9 +517,9 @@ def _compare(args: argparse.Namespace) -> int:
         run_compare,
     )
     from bench.peers import missing_binaries
+    from bench.results_file import ResultsFile, fresh_path
 
     plot_compare = _plotting().plot_compare
-    from bench.results_file import ResultsFile, fresh_path
 
     virtual = args.clock == "virtual"
     preset = (VIRTUAL_DEMO if virtual else DEMO) if args.demo else (VIRTUAL_DEFAULTS if virtual else COMPARE_DEFAULTS)
@@ -606,13 +607,13 @@ def _plotting() -> Any:
 
 def _sweep(args: argparse.Namespace) -> int:
     from bench.compare import CONFIGURATIONS
-
-    plot_sweep = _plotting().plot_sweep
     from bench.results_file import fresh_path
     from bench.sweep import format_sweep, parse_fleets, run_sweep, write_points
     from bench.ttft_floor import floor_p90
     from bench.virtual.fleet import FleetSpec
     from protocol.timing import TimingModel
+
+    plot_sweep = _plotting().plot_sweep
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGURATIONS]
