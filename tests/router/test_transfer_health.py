@@ -392,6 +392,9 @@ async def test_a_whole_answers_pull_ends_at_its_prefill_not_at_its_last_token(
         _, body, _ = await complete(http, router, list(range(5000 + 400 * k, 5300 + 400 * k)), max_tokens=2)
         if body["kvswitch"].get("prefill_worker") == bad.id:
             break
+        # A short request through `good` ended its pull just now: a failure counted in a report
+        # covering that instant is put down to it too, by design. Not what this test is about.
+        await asyncio.sleep(CONFIRM_S + 0.5)
     else:
         pytest.fail("no request went through the broken prefill worker")
     await until(lambda: transfers.failing(d.id, bad.id), what="(d, bad) closed")
