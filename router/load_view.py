@@ -86,6 +86,7 @@ class WorkerLoad(msgspec.Struct, frozen=True):
     events_ok: bool = True
     prefill_inflow: float = 0.0  # prompt tokens per second booked here lately (INFLOW_TAU_S), any router's
     decode_context: float = 0.0  # the decoding requests' mean length, as its shim last reported (0: unknown)
+    booked_requests: int = 0  # requests booked here (any router's) that no report counts yet in running or waiting
 
 
 class Liveness(msgspec.Struct, frozen=True):
@@ -109,13 +110,16 @@ class _Booking:
     prefill_done_at: float | None = None
     prefill_counted: bool = True  # in its worker's `prefill` sum: not done, no report covers it
     blocks_counted: bool = True  # in its worker's `blocks` sum
+    request_counted: bool = True  # in its worker's `requests` count: no report covers it
 
 
 class _WorkerBookings:
     """One worker's live bookings and the sums of what no report covers yet.
 
     A booking's prefill tokens stop counting when its prefill is done or a report with
-    `ts >= booked_at` arrives; its blocks when a report with `ts >= prefill_done_at` arrives. Two
+    `ts >= booked_at` arrives; the request itself (`requests`, beside the report's running and
+    waiting) when such a report arrives; its blocks when a report with `ts >= prefill_done_at`
+    arrives. Two
     heaps order the bookings by those times so `cover(report_ts)` pops exactly the ones a report
     covers; entries of bookings that stopped counting otherwise are skipped when popped, and the
     heaps are rebuilt when such entries outnumber the live ones (a worker that never reports).
@@ -126,13 +130,14 @@ class _WorkerBookings:
     entries go once a report with `ts >= prefill_done_at` arrives.
     """
 
-    __slots__ = ("_by_booked", "_by_done", "_by_released", "_order", "blocks", "bookings", "prefill")
+    __slots__ = ("_by_booked", "_by_done", "_by_released", "_order", "blocks", "bookings", "prefill", "requests")
 
     def __init__(self) -> None:
         self.bookings: set[_Booking] = set()
         self.prefill = 0
         self.blocks = 0
-        self._by_booked: list[tuple[float, int, _Booking]] = []  # prefill counted, by booked_at
+        self.requests = 0
+        self._by_booked: list[tuple[float, int, _Booking]] = []  # prefill or request counted, by booked_at
         self._by_done: list[tuple[float, int, _Booking]] = []  # prefill done, blocks counted, by prefill_done_at
         self._by_released: list[tuple[float, int, float, int]] = []  # (prefill_done_at, order, booked_at, tokens)
         self._order = itertools.count()  # heap tie-break: bookings themselves do not compare
@@ -141,6 +146,7 @@ class _WorkerBookings:
         self.bookings.add(booking)
         self.prefill += booking.prefill_tokens
         self.blocks += booking.decode_blocks
+        self.requests += 1
         heapq.heappush(self._by_booked, (booking.booked_at, next(self._order), booking))
         self._compact()
 
@@ -157,12 +163,15 @@ class _WorkerBookings:
         self.bookings.discard(booking)
         self._uncount_prefill(booking)
         self._uncount_blocks(booking)
+        self._uncount_request(booking)
 
     def cover(self, report_ts: float) -> None:
         """Stop counting what a report generated at `report_ts` includes."""
         by_booked, by_done = self._by_booked, self._by_done
         while by_booked and by_booked[0][0] <= report_ts:
-            self._uncount_prefill(heapq.heappop(by_booked)[2])
+            booking = heapq.heappop(by_booked)[2]
+            self._uncount_prefill(booking)
+            self._uncount_request(booking)
         while by_done and by_done[0][0] <= report_ts:
             self._uncount_blocks(heapq.heappop(by_done)[2])
         by_released = self._by_released
@@ -191,9 +200,14 @@ class _WorkerBookings:
             booking.blocks_counted = False
             self.blocks -= booking.decode_blocks
 
+    def _uncount_request(self, booking: _Booking) -> None:
+        if booking.request_counted:
+            booking.request_counted = False
+            self.requests -= 1
+
     def _compact(self) -> None:
         if len(self._by_booked) + len(self._by_done) > 4 * len(self.bookings) + 64:
-            self._by_booked = [e for e in self._by_booked if e[2].prefill_counted]
+            self._by_booked = [e for e in self._by_booked if e[2].prefill_counted or e[2].request_counted]
             self._by_done = [e for e in self._by_done if e[2].blocks_counted]
             heapq.heapify(self._by_booked)
             heapq.heapify(self._by_done)
@@ -362,18 +376,20 @@ class LoadView:
     def load(self, worker: str) -> WorkerLoad:
         """Report plus uncovered bookings; zeros (and `kv_total_blocks` None) before any report."""
         held = self._reports.get(worker)
-        prefill = blocks = released = 0
+        prefill = blocks = released = requests = 0
         on_worker = self._by_worker.get(worker)
         if on_worker is not None:
             on_worker.cover(held.covers if held is not None else _NO_REPORT)
             released = on_worker.released(held.report.ts) if held is not None else 0
-            prefill, blocks = on_worker.prefill, on_worker.blocks
+            prefill, blocks, requests = on_worker.prefill, on_worker.blocks, on_worker.requests
             if not on_worker.bookings and not on_worker.holds_releases:
                 del self._by_worker[worker]
         now = self._clock()
         inflow = self._inflow_at(worker, now) if worker in self._inflow else 0.0
         if held is None:
-            return WorkerLoad(worker, 0, 0, 0, None, prefill, blocks, None, prefill_inflow=inflow)
+            return WorkerLoad(
+                worker, 0, 0, 0, None, prefill, blocks, None, prefill_inflow=inflow, booked_requests=requests
+            )
         r = held.report
         return WorkerLoad(
             worker=worker,
@@ -389,6 +405,7 @@ class LoadView:
             events_ok=r.events_ok,
             prefill_inflow=inflow,
             decode_context=r.decode_context,
+            booked_requests=requests,
         )
 
     def bookings(self, worker: str) -> int:

@@ -40,6 +40,8 @@ class LoadLike(Protocol):
     def prefill_inflow(self) -> float: ...
     @property
     def decode_context(self) -> float: ...
+    @property
+    def booked_requests(self) -> int: ...
 
 
 class Candidate(msgspec.Struct):
@@ -52,6 +54,8 @@ class Candidate(msgspec.Struct):
     only pending (routed there, not in the index yet: router.pending_prefixes). `prefill_inflow`:
     prompt tokens per second booked on it lately, any router's (router.load_view). `decode_context`:
     its decoding requests' mean length as its shim last reported, 0.0 when unknown.
+    `booked_requests`: requests booked on it (any router's) that its last report does not count yet
+    in `running` or `waiting`.
     """
 
     info: WorkerInfo
@@ -63,6 +67,7 @@ class Candidate(msgspec.Struct):
     active_blocks: int = 0
     prefill_inflow: float = 0.0
     decode_context: float = 0.0
+    booked_requests: int = 0
     kv_used_blocks: int = 0
     kv_total_blocks: int | None = None
     healthy: bool = True
@@ -93,6 +98,7 @@ class Candidate(msgspec.Struct):
             active_blocks=load.active_blocks,
             prefill_inflow=load.prefill_inflow,
             decode_context=load.decode_context,
+            booked_requests=load.booked_requests,
             kv_used_blocks=load.kv_used_blocks,
             kv_total_blocks=load.kv_total_blocks or info.kv_total_blocks,
         )

@@ -40,8 +40,8 @@ with T = 0.1 a worker 10% costlier than the best is picked e^-1 as often, one 50
 e^-5 as often. Replicas that see the same state thus spread near-ties instead of herding.
 
 Comparison modes (`routing`): `kv` (the cost above), `round_robin` (rotates over the pool sorted
-by worker id), `random` (uniform), `least_loaded` (fewest running + waiting requests, then fewest
-active blocks; ignores the cache).
+by worker id), `random` (uniform), `least_loaded` (fewest running + waiting requests, with those
+routed there since its last report, then fewest active blocks; ignores the cache).
 """
 
 from __future__ import annotations
@@ -144,7 +144,9 @@ class Selector:
             self._rng.shuffle(shuffled)
             return shuffled
         if mode == "least_loaded":
-            return sorted(pool, key=lambda c: (c.running + c.waiting, c.active_blocks, self._rng.random()))
+            return sorted(
+                pool, key=lambda c: (c.running + c.waiting + c.booked_requests, c.active_blocks, self._rng.random())
+            )
         by_cost = sorted(pool, key=lambda c: (c.cost, self._rng.random()))
         if settings.temperature > 0:
             chosen = self._sample(by_cost, settings.temperature)

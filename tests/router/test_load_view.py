@@ -180,6 +180,22 @@ def test_a_report_made_while_waiting_that_arrives_after_the_first_token_does_not
     assert view.load("w1").prefill_tokens_queued == 9
 
 
+def test_a_booked_request_counts_until_a_report_covers_it_whether_its_prefill_is_done_or_not(
+    view: LoadView, clock: Clock
+) -> None:
+    """Its shim's next report counts it in running or waiting; until then only the booking does."""
+    view.update(report(ts=clock.now - 1, running=3))
+    view.book("r1", "w1", 1000, 10)
+    view.book("r2", "w1", 1000, 10)
+    view.prefill_done("r1")  # its first token came: running on the engine, still in no report
+    assert view.load("w1").booked_requests == 2
+    view.free("r2")
+    assert view.load("w1").booked_requests == 1
+    clock.now += 0.01
+    view.update(report(ts=clock.now, running=4))
+    assert (view.load("w1").running, view.load("w1").booked_requests) == (4, 0)
+
+
 def test_prefill_done_before_any_covering_report_releases_nothing(view: LoadView, clock: Clock) -> None:
     view.update(report(ts=clock.now - 1, prefill_tokens_queued=300))
     view.book("r1", "w1", prefill_tokens=1000, decode_blocks=10)
@@ -347,12 +363,12 @@ class NaiveView:
         now = self.clock.now
         return sum(t / INFLOW_TAU_S * math.exp(-(now - at) / INFLOW_TAU_S) for w, at, t in self.arrivals if w == worker)
 
-    def sums(self, worker: str) -> tuple[int, int]:
+    def sums(self, worker: str) -> tuple[int, int, int]:
         ts = self.report_ts.get(worker, float("-inf"))
         mine = [b for b in self.live if b["worker"] == worker]
         prefill = sum(b["tokens"] for b in mine if b["done"] is None and b["at"] > ts)
         blocks = sum(b["blocks"] for b in mine if not (b["done"] is not None and ts >= b["done"]))
-        return prefill, blocks
+        return prefill, blocks, sum(b["at"] > ts for b in mine)
 
 
 LV_WORKERS = ["w1", "w2", "w3"]
@@ -419,7 +435,8 @@ def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> 
             ref.drop(keys=stale)
         for worker in LV_WORKERS:
             load = view.load(worker)
-            assert (load.prefill_tokens_queued, load.active_blocks) == ref.sums(worker), (op, worker)
+            sums = (load.prefill_tokens_queued, load.active_blocks, load.booked_requests)
+            assert sums == ref.sums(worker), (op, worker)
             assert view.bookings(worker) == sum(b["worker"] == worker for b in ref.live)
             assert load.prefill_inflow == pytest.approx(ref.inflow(worker), rel=1e-9, abs=1e-12), (op, worker)
 

@@ -182,6 +182,27 @@ def test_a_booking_is_seen_by_the_next_request_at_once() -> None:
     assert loads[first.decode.worker].active_blocks == 4096 // BLOCK
 
 
+def test_least_loaded_counts_the_requests_routed_since_each_workers_last_report() -> None:
+    """A burst between two reports: each request sees the ones routed before it, so the requests even
+    out, instead of all landing on the worker that reported the fewest."""
+    f = Fleet(winfo("d1"), winfo("d2"), routing="least_loaded")
+    f.report("d1", running=2, kv_used_blocks=4000)  # fewer requests, longer ones
+    f.report("d2", running=4, kv_used_blocks=100)
+    f.clock.now += 0.001
+    chosen: Counter[str] = Counter()
+    for i in range(6):
+        plan = f.planner.take(f.ctx(list(range(i * 64, i * 64 + 64)), f"r{i}"))
+        assert plan is not None
+        f.planner.ledger.prefill_done(plan.key)  # running now, and in no report yet
+        chosen[plan.decode.worker] += 1
+    assert (2 + chosen["d1"], 4 + chosen["d2"]) == (6, 6), chosen
+    f.report("d1", running=6, kv_used_blocks=4100)
+    f.report("d2", running=6, kv_used_blocks=150)
+    plan = f.planner.take(f.ctx(list(range(64)), "next"))
+    assert plan is not None
+    assert [c.booked_requests for c in plan.ctx.decode_pool] == [0, 0]  # the reports count them now
+
+
 def _follow_ups(f: Fleet, n: int) -> Counter[str]:
     """`n` requests on one new 4,096-token prefix, each prefilled (first token seen) before the next
     arrives, and no KV event yet: only the pending prefixes know where the prefix went."""

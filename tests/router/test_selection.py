@@ -80,6 +80,9 @@ def test_least_loaded_counts_requests_then_blocks() -> None:
     pool = [cand("a", overlap=60, running=3), cand("b", running=1, waiting=1, active_blocks=9), cand("c", running=2)]
     ranked = Selector().rank(ctx(1000, pool), pool, settings(routing="least_loaded"))
     assert [c.worker for c in ranked] == ["c", "b", "a"]
+    pool[2].booked_requests = 2  # routed to c since its last report: 4 requests, not 2
+    ranked = Selector().rank(ctx(1000, pool), pool, settings(routing="least_loaded"))
+    assert [c.worker for c in ranked] == ["b", "a", "c"]
 
 
 @pytest.mark.parametrize(("queued", "over"), [(2048, False), (2049, True)])
