@@ -114,19 +114,22 @@ class HashChains:
     def __init__(self, root: bytes, lora: LoraRequest | None = None) -> None:
         self.root = root
         self.lora = lora
-        self._first: dict[str | None, weakref.WeakValueDictionary[tuple[int, ...], HashedBlock]] = {}
+        # First blocks by (cache_salt, tokens) in one weak table: a table per salt outlived its blocks,
+        # one entry for every salt a client ever sent.
+        self._first: weakref.WeakValueDictionary[tuple[str | None, tuple[int, ...]], HashedBlock] = (
+            weakref.WeakValueDictionary()
+        )
 
     def child(self, parent: HashedBlock | None, tokens: tuple[int, ...], salt: str | None = None) -> HashedBlock:
         """The block after `parent` holding `tokens`; `salt` (a request's cache_salt) starts a chain."""
         if parent is None:
-            table = self._first.get(salt)
-            if table is None:
-                table = self._first[salt] = weakref.WeakValueDictionary()
-        else:
-            if parent.children is None:
-                parent.children = weakref.WeakValueDictionary()
-            table = parent.children
-        node = table.get(tokens)
+            first = self._first.get((salt, tokens))
+            if first is None:
+                first = self._first[salt, tokens] = HashedBlock(None, tokens, self.root, salt, self.lora)
+            return first
+        if parent.children is None:
+            parent.children = weakref.WeakValueDictionary()
+        node = parent.children.get(tokens)
         if node is None:
-            node = table[tokens] = HashedBlock(parent, tokens, self.root, salt, self.lora)
+            node = parent.children[tokens] = HashedBlock(parent, tokens, self.root, salt, self.lora)
         return node
