@@ -77,6 +77,8 @@ __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
 CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
+UNREGISTERED_SAID = 1024  # load report senders with no record, logged at once at most
+UNREGISTERED_SAID_S = 600.0  # ... each for this long, then it may be logged again
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -172,10 +174,13 @@ class RouterService:
         self.tracer = RequestTracer(config.tracer_provider)
         self.load_malformed = 0
         self.load_unknown = 0
-        # (malformed or unknown, sender) of the dropped load reports logged: once per worker and
-        # kind, bounded (anyone may publish on {ns}.load.<any name>); a worker that leaves is
-        # logged again should it come back.
+        # (kind, worker) of the load reports logged, once per registered worker and kind, cleared
+        # when it leaves. Senders with no record (anyone may publish on {ns}.load.<any name>; a shim
+        # that lost its lease reports under its old id for a while) are kept apart, bounded and
+        # for UNREGISTERED_SAID_S each, oldest first: kept together and for good, 1,024 such ids had
+        # silenced these warnings for every worker, registered ones too, for the process's life.
         self._load_logged: set[tuple[str, str]] = set()
+        self._unregistered_said: dict[tuple[str, str], float] = {}  # insertion-ordered: by when said
         self.reregistrations = 0
         self.kv_disconnects = 0  # the KV event connection cut (a slow consumer), kvswitch_router_kv_disconnects_total
         self._nc: Client | None = None
@@ -800,12 +805,21 @@ class RouterService:
             )
 
     def _first_said(self, kind: str, worker: str) -> bool:
-        """Whether to log a load report of `worker` dropped (or taken) as `kind`: the first one,
-        for up to 1024 (kind, worker) pairs."""
+        """Whether to log a load report of `worker` dropped (or taken) as `kind`: the first one of a
+        registered worker; of a sender with no record, the first one within UNREGISTERED_SAID_S, for
+        up to UNREGISTERED_SAID such senders at a time."""
         key = (kind, worker)
-        if key in self._load_logged or len(self._load_logged) >= 1024:
+        if self._registry is not None and self._registry.get(worker) is not None:
+            if key in self._load_logged:
+                return False
+            self._load_logged.add(key)
+            return True
+        said, now = self._unregistered_said, time.monotonic()
+        while said and now - next(iter(said.values())) > UNREGISTERED_SAID_S:
+            del said[next(iter(said))]
+        if key in said or len(said) >= UNREGISTERED_SAID:
             return False
-        self._load_logged.add(key)
+        said[key] = now
         return True
 
     async def _follow_config(self, watcher: ConfigWatcher) -> None:

@@ -76,6 +76,41 @@ async def test_a_load_report_naming_another_worker_is_dropped_and_counted(
     assert len(said) == 1 and b.id in said[0] and a.id in said[0]
 
 
+async def test_senders_with_no_record_cannot_silence_the_warnings_of_registered_workers(
+    cluster: Cluster, nc: Client, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reports from ids with no record (anyone may publish them; a shim that lost its lease sends
+    them under its old id) are logged once each, for a while, and at most 1,024 at a time; they
+    used to share one bound with the registered workers' warnings and, once it filled, stopped
+    those for good."""
+    w = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    caplog.set_level(logging.INFO, logger="router.service")
+    before = router.load_unknown
+    for i in range(1100):
+        sender = f"gone{i:05d}"
+        await nc.publish(subjects.load(cluster.ns, sender), encode_msg(LoadReport(worker=sender, ts=time.time())))
+    await flush(nc)
+    await until(lambda: router.load_unknown >= before + 1100, what="every report from an id with no record dropped")
+    unknown = [r for r in caplog.records if "dropped: it has no usable record" in r.getMessage()]
+    assert len(unknown) == 1024
+
+    forged = LoadReport(worker="someone-else", ts=time.time())  # malformed: another name on w's subject
+    await nc.publish(subjects.load(cluster.ns, w.id), encode_msg(forged))
+    await flush(nc)
+    await until(
+        lambda: any("malformed load report from worker " + w.id in r.getMessage() for r in caplog.records),
+        what="the registered worker's malformed report logged",
+    )
+
+    monkeypatch.setattr("router.service.UNREGISTERED_SAID_S", 0.0)  # each said long ago: room again
+    await nc.publish(subjects.load(cluster.ns, "gone00001"), encode_msg(LoadReport(worker="gone00001", ts=time.time())))
+    await flush(nc)
+    await until(
+        lambda: sum("gone00001" in r.getMessage() for r in caplog.records) == 2, what="an id logged again later"
+    )
+
+
 async def test_a_load_report_with_a_negative_count_is_dropped_and_counted(
     cluster: Cluster, nc: Client, http: aiohttp.ClientSession
 ) -> None:
