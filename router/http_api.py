@@ -964,6 +964,8 @@ class _Handlers:
         except StopAsyncIteration:
             failed = ApiError(502, "the worker ended the stream early")
             why = failed.message
+        except ConnectionResetError:
+            raise  # the client left (a write met its reset before its handler was cancelled): 499, _generate
         except Exception:
             log.exception("request %s: the stream failed", job.request.request_id)
             failed = ApiError(502, "the stream failed")

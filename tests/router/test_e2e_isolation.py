@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 from nats.aio.client import Client
 from prometheus_client.parser import text_string_to_metric_families
 
+import router.http_api as router_http_api
 from discovery import Discovery
 from kvswitch.servers import EtcdServer, NatsServer
 from protocol import KvEventBatch, Stored, WorkerInfo, encode_msg, subjects
@@ -176,6 +180,45 @@ async def test_a_client_that_leaves_is_counted_as_499_not_as_a_server_error(
 
     await until(lambda: count("499") == 1, what="499 counted")
     assert count("500") == 0
+
+
+async def test_a_client_reset_met_in_a_write_is_a_client_that_left_not_a_failed_stream(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiohttp raises ClientConnectionResetError from a write once the client's reset closed the
+    transport, when that comes before the handler is cancelled: it was logged as a failed stream,
+    traceback and all, at ERROR, for a client that left."""
+    worker = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    caplog.set_level(logging.INFO, logger="router.http_api")
+    sent = router_http_api._sent
+    writes = 0
+
+    async def reset_on_the_second(request: web.Request, data: bytes, write: Any, deadline: float) -> bool:
+        nonlocal writes
+        writes += 1
+        if writes == 2:  # the client's reset closed the transport: what StreamResponse.write raises then
+            assert request.transport is not None
+            request.transport.close()
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        return await sent(request, data, write, deadline)
+
+    monkeypatch.setattr(router_http_api, "_sent", reset_on_the_second)
+    body = {"model": MODEL, "prompt": list(range(50)), "max_tokens": 30000, "stream": True, "ignore_eos": True}
+    with contextlib.suppress(aiohttp.ClientError):
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            await resp.read()
+    await until(lambda: not worker.sim.engine.running, what="the cancel")
+    await until(
+        lambda: (
+            router.metrics.registry.get_sample_value(
+                "kvswitch_router_requests_total", {"endpoint": "completions", "code": "499"}
+            )
+            == 1
+        ),
+        what="499 counted",
+    )
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 async def _unready_because(http: aiohttp.ClientSession, router: RouterService, reason: str) -> None:
