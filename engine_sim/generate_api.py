@@ -257,6 +257,10 @@ async def _admit(
         return await respond(request, job)
     except StreamClosed:
         return engine_gone(request)
+    except ConnectionResetError:
+        # The client left: a choice's write (n > 1 writes from a task each) met its reset before the
+        # handler was cancelled. vLLM aborts it and logs nothing; raised on, aiohttp logged a traceback.
+        raise web.HTTPException() from None
     finally:
         job.abort_unfinished()
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 from multidict import CIMultiDict
 
 from engine_sim import KVEventsConfig, SimConfig, SimServer
@@ -201,6 +204,44 @@ async def test_client_disconnect_aborts_and_frees_blocks() -> None:
         # vLLM 0.32 drops a client-aborted request's state before its stats: no finish counts it
         # (output_processor.py abort_requests); old: request_success_total{abort} 1.
         assert sum(sim.engine.stats.finished.values()) == sim.engine.stats.e2e.count == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_client_reset_met_in_a_write_of_n_streams_aborts_without_an_error(
+    path: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With n > 1 each choice writes from its own task: once the client's reset closed the transport,
+    another choice's write in the same turn raises ClientConnectionResetError before the handler is
+    cancelled. vLLM logs nothing for a client that left; the sim logged an "Error handling request"
+    traceback for it."""
+    write = web.StreamResponse.write
+    writes = 0
+
+    async def reset_on_the_third(self: web.StreamResponse, data: bytes) -> None:
+        nonlocal writes
+        writes += 1
+        if writes == 3:
+            assert self._req is not None and self._req.transport is not None
+            self._req.transport.close()
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", reset_on_the_third)
+    caplog.set_level(logging.DEBUG)
+    chat = "chat" in path
+    req: dict[str, Any] = {"max_tokens": 10_000, "stream": True, "n": 4, "ignore_eos": True}
+    req.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": list(range(1000, 1200))})
+    async with SimServer(sim_config(speedup=1.0)) as sim, aiohttp.ClientSession() as s:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with s.post(sim.url + path, json=req) as r:
+                await r.read()
+        for _ in range(200):
+            if not sim.engine.running:
+                break
+            await asyncio.sleep(0.01)
+        assert not sim.engine.running and sim.engine.num_blocks_in_use == 0
+    assert writes >= 3
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 async def test_openai_client_non_streaming_and_streaming(sim: SimServer) -> None:
