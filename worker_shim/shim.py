@@ -1055,9 +1055,23 @@ class WorkerShim:
 
     async def _retire_later(self, presence: _Presence, grace: float) -> None:
         await asyncio.sleep(grace)
+        # Its cancels are heard until the legs in flight now have ended: a router cancels a leg on the
+        # subject of the id it sent it to, and with nobody on it a client that left had the engine
+        # decode for nobody up to the request's deadline.
+        cancel = subjects.cancel(self.ns, presence.worker)
+        kept = [sub for sub in presence.subs if sub.subject == cancel]
+        presence.subs = [sub for sub in presence.subs if sub.subject != cancel]
+        await self._close_presence(presence)
+        presence.subs = kept
+        legs = [leg.task for leg in self.requests.inflight.values() if leg.task] if kept and self.requests else []
+        log.info(
+            "stopped serving the old worker id %s%s", presence.worker,
+            f"; its cancels are heard until the {len(legs)} legs in flight end" if legs else "",
+        )  # fmt: skip
+        if legs:
+            await asyncio.wait(legs)
         self._retired.pop(presence.worker, None)
         await self._close_presence(presence)
-        log.info("stopped serving the old worker id %s", presence.worker)
 
     async def _monitor(self) -> None:
         failures = 0

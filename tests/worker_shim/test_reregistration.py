@@ -13,6 +13,7 @@ from discovery import Discovery, RegistrationState
 from engine_sim.server import SimServer
 from kvswitch.servers import EtcdServer
 from protocol import (
+    CancelRequest,
     Cleared,
     ConfigError,
     KvEventBatch,
@@ -138,6 +139,43 @@ async def test_a_lost_lease_registers_anew_and_the_old_id_is_served_for_the_grac
             assert (await col.final("new")).error is None
     finally:
         await nc.close()
+
+
+async def test_a_leg_sent_to_the_old_id_is_cancelled_there_after_the_grace(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """Its router cancels a leg on the subject of the id it sent it to. When the old id stopped being
+    served, its cancel subject went too: a client that left after the grace had the engine decode
+    for nobody up to the request's deadline."""
+    nc = await connect(nats_url)
+    col = Collector(nc)
+    await col.start()
+    try:
+        async with (
+            SimServer(sim_config(speedup=1.0)) as sim,
+            shim_for(sim, ns, nats_url, etcd_url, reregister_grace_s=0.5) as shim,
+        ):
+            await shim.registered.wait()
+            old = shim.worker_id
+            assert old is not None and shim.requests is not None
+            await col.send(subjects.gen(ns, "agg", old), gen("long", [9] * 40, max_tokens=20000))
+            await wait_for(lambda: len(col.chunks["long"]) >= 2, what="streaming")
+            await _revoke_behind_its_back(shim, etcd_url, ns)
+            await wait_for(lambda: shim.registered.is_set() and shim.worker_id != old, 10, "registered anew")
+            with pytest.raises(nats.errors.NoRespondersError):  # the grace is over: no longer served
+                await _until_refused(nc, subjects.gen(ns, "agg", old))
+            assert "long" in shim.requests.inflight and sim.engine.running
+            await nc.publish(subjects.cancel(ns, old), encode_msg(CancelRequest(request_id="long")))
+            await wait_for(lambda: not sim.engine.running and not shim.requests.inflight, 5, "the leg cancelled")  # type: ignore[union-attr]
+            await wait_for(lambda: old not in shim.health_report()[1]["retired_workers"], 5, "the old id gone")
+    finally:
+        await nc.close()
+
+
+async def _until_refused(nc: Any, subject: str) -> None:
+    for _ in range(100):
+        await nc.request(subject, encode_msg(gen("probe", [5] * 40, max_tokens=1)), timeout=2)
+        await asyncio.sleep(0.1)
 
 
 async def test_a_worker_name_is_the_id_unique_and_kept_across_a_lost_lease(
