@@ -46,6 +46,9 @@ from protocol.vllm_events import RESOLVED_BY_ENGINE, publisher_binds, rank_endpo
 __all__ = ["ServerStatus", "SimServer"]
 
 log = logging.getLogger("engine_sim.server")
+# vLLM's OpenAI server listens with uvicorn's default backlog; aiohttp's 128 reset the connections of
+# a burst (a shim opens one per leg) while the event loop was busy.
+LISTEN_BACKLOG = 2048
 
 
 class ServerStatus(enum.Enum):
@@ -223,7 +226,7 @@ class SimServer:
             http = web.AppRunner(build_app(self), handler_cancellation=True, access_log=None, shutdown_timeout=0.2)
             await http.setup()
             try:
-                site = web.TCPSite(http, cfg.host, self._port or 0)
+                site = web.TCPSite(http, cfg.host, self._port or 0, backlog=LISTEN_BACKLOG)
                 await site.start()
             except BaseException:
                 await http.cleanup()

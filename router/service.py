@@ -77,6 +77,9 @@ __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
 CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
+# The front door's listen backlog, as vLLM's (uvicorn's default): aiohttp's 128 reset the
+# connections of a burst of new clients while the event loop was busy.
+LISTEN_BACKLOG = 2048
 UNREGISTERED_SAID = 1024  # load report senders with no record, logged at once at most
 UNREGISTERED_SAID_S = 600.0  # ... each for this long, then it may be logged again
 
@@ -364,7 +367,7 @@ class RouterService:
         # The drain itself is the Drain's (stop()); aiohttp's own waits twice its timeout per connection.
         self._runner = FrontDoorRunner(app, handler_cancellation=True, shutdown_timeout=CLOSE_S, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port)
+        site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port, backlog=LISTEN_BACKLOG)
         try:
             await site.start()
         except OSError as exc:

@@ -20,6 +20,7 @@ from engine_sim.errors import SimConfigError
 from engine_sim.lora import LoraModule, LoraRequest
 from kvswitch.servers import free_ports
 from tests.engine_sim.conftest import sim_config
+from tests.listen_backlog import connected_while_blocked
 from tests.protocol.vllm_captures import fixture_json, fixture_path
 
 
@@ -242,6 +243,13 @@ async def test_a_client_reset_met_in_a_write_of_n_streams_aborts_without_an_erro
         assert not sim.engine.running and sim.engine.num_blocks_in_use == 0
     assert writes >= 3
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+async def test_a_burst_of_connections_waits_in_the_listen_backlog_while_the_engine_is_busy(sim: SimServer) -> None:
+    """vLLM listens with uvicorn's backlog of 2048; with aiohttp's default of 128 a shim's burst of
+    legs (a connection each) was reset while the sim's loop was busy."""
+    host, port = sim.url.removeprefix("http://").split(":")
+    assert connected_while_blocked(host, int(port), 300) == 300
 
 
 async def test_openai_client_non_streaming_and_streaming(sim: SimServer) -> None:

@@ -12,6 +12,7 @@ import pytest
 from protocol import ConfigError
 from protocol.config import EtcdSettings, NatsSettings
 from router.service import RouterConfig, RouterService
+from tests.listen_backlog import connected_while_blocked
 
 
 async def _start(nats_url: str, etcd_url: str, host: str, port: int = 0) -> ConfigError:
@@ -80,3 +81,19 @@ async def test_an_ipv6_wildcard_host_beside_an_ipv4_listener_on_its_port_starts(
             await router.start()
         finally:
             await router.stop()
+
+
+async def test_a_burst_of_new_clients_waits_in_the_listen_backlog_while_the_router_is_busy(
+    nats_url: str, etcd_url: str
+) -> None:
+    """vLLM's front door listens with uvicorn's backlog of 2048; with aiohttp's default of 128 the
+    router reset the connections of a burst of new clients while its loop was busy."""
+    router = RouterService(
+        RouterConfig(nats=NatsSettings(servers=[nats_url]), etcd=EtcdSettings(endpoints=[etcd_url]), http_port=0)
+    )
+    await router.start()
+    try:
+        host, port = router.url.removeprefix("http://").split(":")
+        assert connected_while_blocked(host, int(port), 300) == 300
+    finally:
+        await router.stop()
