@@ -556,6 +556,14 @@ def _leg_error(exc: LegError) -> ApiError:
     return ApiError(code, what.get(code, "the worker failed while serving the request"), retry_after_s=retry)
 
 
+_UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
+# vLLM's body for it (its validation handler: "1 validation error:" and the error, type "Bad Request").
+_UNSUPPORTED_MEDIA_TYPE_BODY = _JSON.encode(
+    {"error": {"message": f"1 validation error:\n  {_UNSUPPORTED_MEDIA_TYPE}", "type": "Bad Request", "param": None,
+               "code": 400}}
+)  # fmt: skip
+
+
 def _sse_event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
@@ -789,6 +797,12 @@ class _Handlers:
     # --- reading the request ------------------------------------------------------------------
 
     async def _json_body(self, request: web.Request) -> Any:
+        # vLLM's validate_json_request guards its JSON routes: any other media type (none included)
+        # is a 400, before the body is read. It is also what keeps a web page from having a browser
+        # post a text/plain body here, which needs no CORS preflight.
+        if request.headers.get("Content-Type", "").lower().split(";", 1)[0] != "application/json":
+            # Its body unread, the connection cannot serve another request.
+            raise ApiError(400, _UNSUPPORTED_MEDIA_TYPE, body=_UNSUPPORTED_MEDIA_TYPE_BODY, close=request.can_read_body)
         limit = self.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"the request body is {request.content_length} bytes, over the limit of {limit}",

@@ -509,6 +509,26 @@ async def test_the_routers_own_400s_are_openai_json(
     assert_openai_error(status, out, 400, param)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", None, "application/json ;x"]
+)
+async def test_a_body_not_sent_as_application_json_is_refused_as_vllm_refuses_it(
+    agg: Cluster, http: aiohttp.ClientSession, path: str, content_type: str | None
+) -> None:
+    """vLLM's JSON routes take application/json alone (a browser may post text/plain from any web
+    page without a CORS preflight); the router read any body as JSON."""
+    body = {"model": MODEL, "prompt": "abc", "messages": [{"role": "user", "content": "hi"}], "tokens": [1, 2]}
+    answers = []
+    for url in (agg.routers[0].url, agg.workers[0].sim.url):
+        headers = {"Content-Type": content_type} if content_type else {}
+        async with http.post(url + path, data=json.dumps(body).encode(), headers=headers,
+                             skip_auto_headers=["Content-Type"]) as r:  # fmt: skip
+            answers.append((r.status, await r.json(content_type=None)))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == 400 and "Unsupported Media Type" in answers[0][1]["error"]["message"]
+
+
 async def test_tokenize_and_detokenize_are_a_workers_engines_own(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     """vLLM's /tokenize and /detokenize through the router: the engine's own answers and refusals,
     every form, an answer over NATS's payload limit whole, on whichever worker, prefill included."""
@@ -580,7 +600,8 @@ async def test_bodies_and_headers_over_the_limits_are_413_and_431(
         for _ in range(limit // (1 << 20) + 2):
             yield b" " * (1 << 20)
 
-    async with http.post(router.url + "/v1/completions", data=chunked()) as r:
+    json_type = {"Content-Type": "application/json"}
+    async with http.post(router.url + "/v1/completions", data=chunked(), headers=json_type) as r:
         assert_openai_error(r.status, await r.json(), 413)
     async with http.get(router.url + "/v1/models", headers={"X-Big": "x" * 20_000}) as r:
         assert_openai_error(r.status, await r.json(), 431)
