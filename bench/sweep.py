@@ -134,7 +134,7 @@ def ratios(
     """Per (fleet, rate): `kv/rr` (round_robin TTFT p90 / kv's), `rr/floor` (round_robin's TTFT p90
     over `floor_p90`, when given), `policy/best` (the policy's goodput over max(kv, kv_disagg)),
     `diverge` (1 - min/max of those two goodputs) and `ceiling` (every request the better one was
-    sent, errors and 429s included, per second of its run, over its goodput: what a policy could
+    sent, errors and 429s included, per second of the arrival window, over its goodput: what a policy could
     reach over it with every request within the SLOs; where it is under 1.15, the 1.15x target
     cannot be met)."""
     out: dict[tuple[str, float], dict[str, float | None]] = {}
@@ -152,7 +152,7 @@ def ratios(
                 if best > 0:
                     cell["diverge"] = 1 - min(kv.goodput_rps, disagg.goodput_rps) / best
                     fixed = max(kv, disagg, key=lambda x: x.goodput_rps)
-                    cell["ceiling"] = fixed.requests / fixed.duration_s / best
+                    cell["ceiling"] = fixed.requests / fixed.window_s / best
                     if mine is not None:
                         cell["policy/best"] = mine.goodput_rps / best
             out[fleet.name, rate] = cell

@@ -11,7 +11,7 @@ import pytest
 
 from bench import compare
 from bench.compare import CONFIGURATIONS, CompareSpec, Measurement, format_table, headline_ratios, run_compare
-from bench.plot import plot_compare
+from bench.plot import plot_compare, ttft_cdf
 from bench.summary import Percentiles, Slo, Summary
 from bench.trace import load_trace, shipped_trace
 from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
@@ -177,3 +177,10 @@ def test_a_live_compare_starts_its_routers_with_the_slo(monkeypatch: pytest.Monk
     settings = settings_from_args(started[0].router_args)  # the flags `kvswitch router` is given
     assert (settings.slo_ttft_s, settings.slo_itl_s) == (1.0, 0.05)
     assert started[0].router_args[:-4] == list(CONFIGURATIONS["slo_aware"].router_args)
+
+
+def test_the_ttft_cdf_is_over_every_request_sent() -> None:
+    # 3 of 4 served: the curve tops out at 0.75, not 1.0 as if the refused one were served
+    x, y = ttft_cdf([0.3, 0.1, 0.2], sent=4)
+    assert list(x) == [0.1, 0.2, 0.3]
+    assert list(y) == [0.25, 0.5, 0.75]

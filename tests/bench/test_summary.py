@@ -41,10 +41,40 @@ def test_counts_throughput_and_goodput(results: list[RequestResult]) -> None:
     assert s.duration_s == pytest.approx(5.01)
     assert s.output_tokens_per_s == pytest.approx(10 / 5.01)
     assert s.requests_per_s == pytest.approx(4 / 5.01)
-    assert s.goodput_rps == pytest.approx(2 / 5.01)
+    assert s.window_s == pytest.approx(4.0)  # the arrivals: due at 0 to 4 s
+    assert s.goodput_rps == pytest.approx(2 / 4.0)
     assert s.goodput_fraction == pytest.approx(0.4)
     assert s.send_lag_p99_s == pytest.approx(0.096)
     assert s.prefill_mix == {"bypass": 0.5, "remote": 0.5}
+
+
+def test_goodput_is_per_second_of_the_arrivals_so_a_late_miss_stretches_nothing() -> None:
+    """At one offered load two configurations compare as their counts within the SLOs: per second
+    of each run's own duration, one request that missed them and ended late read the configuration
+    with more requests within them as the worse."""
+
+    def run(last_e2e_s: float, good: int) -> list[RequestResult]:
+        return [
+            RequestResult(
+                ok=True,
+                status=200,
+                output_tokens=1,
+                ttft_s=0.1 if i < good else 3.0,
+                e2e_s=last_e2e_s if i == 9 else 0.1,
+                index=i,
+                tag="t",
+                url="u",
+                due_s=float(i),
+                sent_s=float(i),
+            )
+            for i in range(10)
+        ]
+
+    slo = Slo(ttft_s=2.0, itl_s=0.025)
+    more, fewer = summarize(run(60.0, 8), slo=slo), summarize(run(0.1, 7), slo=slo)
+    assert more.duration_s > 6 * fewer.duration_s
+    assert (more.window_s, fewer.window_s) == (9.0, 9.0)
+    assert more.goodput_rps / fewer.goodput_rps == pytest.approx(8 / 7)
 
 
 def test_tpot_counts_tokens_not_chunks() -> None:
