@@ -40,6 +40,7 @@ __all__ = [
     "add_flags",
     "check_file_keys",
     "check_flag_only_env",
+    "check_shared_keys",
     "file_keys",
     "flat_names",
     "load_file",
@@ -612,6 +613,20 @@ def check_file_keys(file: Mapping[str, Any], allowed: set[str], path: str) -> No
     if (unknown := _first_unknown(file, allowed)) is not None:
         key, hint = unknown
         raise ConfigError("config", path, f"{key!r} is not a setting{hint} (the settings are the flags' names)")
+
+
+def check_shared_keys(file: Mapping[str, Any], path: str, *schemas: tuple[type[msgspec.Struct], str]) -> None:
+    """ConfigError naming a bare key of `file` that fields of more than one of the prefixed `schemas`
+    read (`user`: both `nats_user` and `etcd_user`): `resolve` takes a field's bare name too, so one
+    key would set both, an etcd password sent to the NATS server beside its nkey, without a word."""
+    readers: dict[str, list[str]] = {}
+    for schema, prefix in schemas:
+        for field in msgspec.structs.fields(schema):
+            readers.setdefault(field.name, []).append(prefix + field.name)
+    for key in sorted(file, key=str):
+        names = readers.get(key, [])
+        if len(names) > 1 and key not in names:
+            raise ConfigError("config", path, f"{key!r} would set {' and '.join(names)}: write the one you mean")
 
 
 def _first_unknown(keys: Iterable[Any], allowed: Collection[str]) -> tuple[Any, str] | None:

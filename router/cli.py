@@ -29,6 +29,7 @@ from protocol.config import (
     add_flags,
     check_file_keys,
     check_flag_only_env,
+    check_shared_keys,
     file_keys,
     load_file,
     resolve,
@@ -233,6 +234,7 @@ def build_config(args: argparse.Namespace) -> Any:
     file = load_file(args.config) if args.config else {}
     known = file_keys(RouterSettings) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")
     check_file_keys(file, known | file_keys(ProcessSettings), args.config)
+    check_shared_keys(file, args.config, (NatsSettings, "nats_"), (EtcdSettings, "etcd_"))
     cli = {k: given.get(k) for k in file_keys(ProcessSettings)}
     cli["no_calibration"] = True if args.no_calibration else None  # an absent store_true flag is not "off"
     cli["exclude_tools_when_tool_choice_none"] = True if args.exclude_tools_when_tool_choice_none else None

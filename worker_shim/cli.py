@@ -22,6 +22,7 @@ from protocol.config import (
     add_flags,
     check_file_keys,
     check_flag_only_env,
+    check_shared_keys,
     file_keys,
     load_file,
     resolve,
@@ -119,6 +120,7 @@ def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings
     file = load_file(args.config) if args.config else {}
     known = file_keys(ShimConfig) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")
     check_file_keys(file, known, args.config)
+    check_shared_keys(file, args.config, (NatsSettings, "nats_"), (EtcdSettings, "etcd_"))
     shim = resolve(ShimConfig, cli=cli, file=file)
     nats = resolve(NatsSettings, cli=cli, file=file, setting_prefix="nats_")
     etcd = resolve(EtcdSettings, cli=cli, file=file, setting_prefix="etcd_")

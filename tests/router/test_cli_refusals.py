@@ -81,3 +81,18 @@ def test_a_host_it_cannot_listen_on_is_refused_as_http_host_before_the_api_keys(
         cli.build_config(_args("--http-host", host, *no_keys))
     assert (err.value.setting, err.value.value) == ("http_host", host)
     assert "give a name or address of this host" in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["user", "password", "tls_ca", "tls_cert", "tls_key"])
+def test_a_file_key_that_would_set_both_nats_and_etcd_is_refused_without_its_value(key: str, tmp_path: Path) -> None:
+    # A bare field name is read too: `password` set the NATS and the etcd password alike, silently.
+    path = tmp_path / "router.yaml"
+    path.write_text(f"{key}: s3cret\n")
+    with pytest.raises(ConfigError) as err:
+        cli.build_config(_args("--config", str(path)))
+    assert f"'{key}' would set nats_{key} and etcd_{key}" in str(err.value)
+    assert "s3cret" not in str(err.value)
+    path.write_text(f"etcd_{key}: s3cret\nservers: [nats://127.0.0.1:4222]\n")  # one reader: as before
+    with pytest.raises(ConfigError) as err:
+        cli.build_config(_args("--config", str(path)))
+    assert "would set" not in str(err.value)

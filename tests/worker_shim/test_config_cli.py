@@ -300,3 +300,11 @@ def test_a_lease_ttl_etcd_would_not_grant_is_refused_at_start(ttl: int) -> None:
     assert err.value.setting == "lease_ttl"
     longest = ShimConfig(model="m", kv_events="tcp://*:5557", lease_ttl=9_000_000_000)
     assert longest.validate().lease_ttl == 9_000_000_000
+
+
+def test_a_file_key_that_would_set_both_nats_and_etcd_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "shim.yaml"
+    path.write_text("password: s3cret\n")
+    with pytest.raises(ConfigError, match="'password' would set nats_password and etcd_password") as err:
+        resolve_settings(parse("--model", "m", "--engine-url", "http://h:9", "--config", str(path)))
+    assert "s3cret" not in str(err.value)
