@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from discovery.session import Discovery
 from discovery.watch import Deleted, Put, Snapshot
-from protocol import ConfigError, subjects
+from protocol import subjects
 from protocol.config import RouterSettings, flat_names, resolve
 
 __all__ = ["ConfigWatcher", "put_config"]
@@ -28,6 +28,17 @@ _SETTINGS = frozenset(flat_names(RouterSettings))
 async def put_config(discovery: Discovery, overrides: dict[str, object]) -> None:
     """Write flat overrides (flag names, e.g. {"eff_isl_threshold": 1024}) as the live config."""
     await discovery.put_raw(subjects.config_key(discovery.ns), json.dumps(overrides).encode())
+
+
+def _once_each(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object whose keys are each given once: json.loads takes the last of a key given twice
+    without a word, where a config file's twice-given key is refused."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"{key!r} is given twice: give it once")
+        out[key] = value
+    return out
 
 
 class ConfigWatcher:
@@ -44,43 +55,58 @@ class ConfigWatcher:
         self._base_cli = base_cli
         self._base_file = base_file
         self.current = resolve(RouterSettings, cli=base_cli, file=base_file)
+        self._before = self.current  # what the last settings yielded replaced
         self.rejected = 0
         self.last_error = ""
+        self.refused_now = False  # the value stored at the key is refused: the last good settings serve
 
     def refuse(self, why: str) -> None:
-        """The owner could not apply the last settings yielded: count and log it like our own refusals."""
+        """The owner could not apply the last settings yielded: count and log it like our own refusals,
+        and go back to the settings it kept, so that the same value stored again is judged again
+        (taken as current, it passed unseen: neither logged nor counted)."""
+        self.current = self._before
+        self._refused(why)
+
+    def _refused(self, why: str) -> None:
         self.rejected += 1
         self.last_error = why
-        log.error("live config refused, keeping the previous one: %s", why)
+        self.refused_now = True
+        log.error("live config at %s refused, keeping the previous one: %s", self._key, why)
+
+    @property
+    def _key(self) -> str:
+        return subjects.config_key(self._discovery.ns)
 
     def _apply(self, raw: bytes | None) -> bool:
         overrides: dict[str, object] = {}
         try:
             if raw is not None:
-                parsed = json.loads(raw)
+                try:
+                    parsed = json.loads(raw, object_pairs_hook=_once_each)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"it is not JSON ({exc}): it holds a JSON object of flag names") from None
                 if not isinstance(parsed, dict):
-                    raise ConfigError("config", parsed, "the live config must be a JSON object")
+                    raise ValueError(f"it holds a {type(parsed).__name__}, not a JSON object of flag names")
                 unknown = sorted(set(parsed) - _SETTINGS)
                 if unknown:
-                    raise ConfigError(
-                        unknown[0],
-                        parsed[unknown[0]],
-                        f"not a router setting; settings: {', '.join(sorted(_SETTINGS))}",
+                    raise ValueError(
+                        f"{unknown[0]!r} is not a router setting (the live config takes the flags' flat names, "
+                        f"a nested section none): {', '.join(sorted(_SETTINGS))}"
                     )
                 overrides = parsed
             settings = resolve(RouterSettings, cli=self._base_cli, file=self._base_file, live=overrides)
         except Exception as exc:  # not only ValueError: a value nested too deep raises RecursionError
-            self.refuse(str(exc) or type(exc).__name__)
+            self._refused(str(exc) or type(exc).__name__)
             return False
+        self.refused_now = False  # judged again by the owner when yielded
         changed = settings != self.current
-        self.current = settings
+        self._before, self.current = self.current, settings
         if changed:
-            log.info("live config applied: %s", overrides)
+            log.debug("live config read: %s", overrides)  # the owner says whether it applied it
         return changed
 
     async def __aiter__(self) -> AsyncIterator[RouterSettings]:
-        key = subjects.config_key(self._discovery.ns)
-        async for event in self._discovery.watch_raw(key):
+        async for event in self._discovery.watch_raw(self._key):
             match event:
                 case Snapshot(items=items):
                     self._apply(items.get(""))

@@ -49,6 +49,7 @@ class StateFigures:
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
+    config_rejected: int = 0
     kv_disconnects: int = 0  # router.service's KV event connection cut
     records_refused: int = 0  # router.worker_registry's `refused`
     sync: SyncStats = field(default_factory=SyncStats)  # router.replica_sync's counts
@@ -110,6 +111,12 @@ class _StateCollector(Collector):
             "kvswitch_router_load_unknown",
             "Load reports dropped as from no registered worker (not yet, no longer, or its record refused)",
             s.load_unknown,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_config_rejected",
+            "Live config values refused (each PUT of one; the last good settings kept); /ready warns while the "
+            "stored one is refused",
+            s.config_rejected,
         )
         yield CounterMetricFamily(
             "kvswitch_router_worker_records_refused",

@@ -2,7 +2,8 @@
 compares its peers' with its own.
 
 Replicas of one namespace split the same clients, so one with other settings (`--routing
-round_robin` beside `kv`, another policy, thresholds from a forgotten environment variable) makes
+round_robin` beside `kv`, another policy, thresholds from a forgotten environment variable,
+`--no-calibration`) makes
 the fleet's routing depend on which replica a request reached, and nothing said so. The digest is
 of the effective settings, live config (/{ns}/config/router) included, and is put again whenever
 they change. A peer whose digest or version differs from ours for `settle_s` is a WARNING once
@@ -34,10 +35,16 @@ SETTLE_S = 2.0
 """How long a peer must differ before it counts: replicas apply a live change within milliseconds."""
 
 
-def settings_digest(settings: RouterSettings) -> str:
+def settings_digest(settings: RouterSettings, *, calibrated: bool = True) -> str:
     """12 hex digits of a SHA-256 over the settings' JSON, keys sorted: equal settings give equal
-    digests in every process."""
-    raw = msgspec.json.encode(msgspec.to_builtins(settings), order="sorted")
+    digests in every process. `calibrated`: the process flag `--no-calibration` off; a replica that
+    prices workers by their profiles alone admits and chooses paths otherwise than one that fits
+    them (a forgotten KVSWITCH_NO_CALIBRATION was no difference a peer saw). Counted only when off,
+    so a calibrating replica's digest is what it was before."""
+    fields = msgspec.to_builtins(settings)
+    if not calibrated:
+        fields["calibration"] = False
+    raw = msgspec.json.encode(fields, order="sorted")
     return hashlib.sha256(raw).hexdigest()[:12]
 
 

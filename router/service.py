@@ -173,7 +173,8 @@ class RouterService:
         self.calibration = Calibration() if config.calibrate else None
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.time)
         self.metrics = RouterMetrics(self._figures)
-        self.peer_settings = PeerSettings(self.ns, settings_digest(self.settings), __version__)
+        calibrated = self.calibration is not None
+        self.peer_settings = PeerSettings(self.ns, settings_digest(self.settings, calibrated=calibrated), __version__)
         self.tracer = RequestTracer(config.tracer_provider)
         self.load_malformed = 0
         self.load_unknown = 0
@@ -522,6 +523,11 @@ class RouterService:
             if m[f"soft_{pool}"] and not m[f"routable_{pool}"]
         ]
         warnings += self._fleet_warnings(infos)
+        if self._watcher is not None and self._watcher.refused_now:
+            warnings.append(
+                f"the live config at {subjects.config_key(self.ns)} is refused, so the last good settings serve: "
+                f"{self._watcher.last_error}"
+            )
         unreachable = self._registry.unreachable_models if self._registry is not None else set()
         problems = []
         if self.status is RouterStatus.STOPPING:
@@ -843,7 +849,7 @@ class RouterService:
                 continue
             self.settings = settings
             log.info("live config applied: %s", msgspec.to_builtins(settings))
-            digest = settings_digest(settings)
+            digest = settings_digest(settings, calibrated=self.calibration is not None)
             if digest != self.peer_settings.digest:  # peers compare theirs with it
                 self.peer_settings.mine(digest)
                 if self._registration is not None:
@@ -906,4 +912,5 @@ class RouterService:
             prompt_tokens=self._planner.reach.as_dict() if self._planner else {},
             peer_settings_mismatch=self.peer_settings.settings_mismatch(),
             peer_version_mismatch=self.peer_settings.version_mismatch(),
+            config_rejected=self.config_rejected,
         )

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import types
 from typing import cast
 
 import pytest
 
 from discovery import ConfigWatcher, Discovery
 
-NO_DISCOVERY = cast(Discovery, object())  # _apply reads no key
+NO_DISCOVERY = cast(Discovery, types.SimpleNamespace(ns="ns"))  # _apply reads no key, names it in its refusals
 
 
 @pytest.mark.parametrize(

@@ -353,6 +353,14 @@ async def test_replicas_with_different_settings_or_versions_warn_until_they_agre
         await until(lambda: not kv.readiness()[1]["warnings"], what="the old peer gone")
 
 
+def test_a_replica_without_calibration_has_another_digest_and_a_calibrating_one_keeps_its_own() -> None:
+    # --no-calibration (or a forgotten KVSWITCH_NO_CALIBRATION) prices workers by their profiles
+    # alone: admission and the path choice differ from a calibrating peer's, which no digest showed.
+    default = settings_digest(RouterSettings())
+    assert settings_digest(RouterSettings(), calibrated=True) == default
+    assert settings_digest(RouterSettings(), calibrated=False) != default
+
+
 def test_a_peer_counts_as_different_only_after_it_stays_so_and_is_warned_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -44,8 +44,18 @@ async def test_live_config_valid_is_applied_and_invalid_is_refused(cluster: Clus
         await put_config(d, {"prefill_timeout_s": timeout})
         await until(lambda: router.config_rejected == 3, what="a prefill timeout past the request's refused")
         assert router.settings.prefill_timeout_s < timeout
+        # The same refused value stored again is judged, logged and counted again (it had passed for
+        # current, unseen), and /ready warns, while it stays, that the last good settings serve.
+        await put_config(d, {"prefill_timeout_s": timeout})
+        await until(lambda: router.config_rejected == 4, what="the same refused value refused again")
+        body = router.readiness()[1]
+        assert any("live config" in w and "refused" in w for w in body["warnings"]), body["warnings"]
+        assert "kvswitch_router_config_rejected_total 4.0" in router.metrics.render().decode()
+        await d.put_raw(subjects.config_key(cluster.ns), b'{"temperature": 0.1, "temperature": 0.9}')
+        await until(lambda: router.config_rejected == 5, what="a key given twice refused")
         await put_config(d, {"prefill_timeout_s": timeout / 2})
         await until(lambda: router.settings.prefill_timeout_s == timeout / 2, what="one within it applied")
+        assert not [w for w in router.readiness()[1]["warnings"] if "live config" in w]
 
 
 async def test_span_per_request_with_decision_and_context_to_the_shim(
