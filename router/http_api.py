@@ -839,7 +839,11 @@ class _Handlers:
              headers: Mapping[str, str]) -> GenerateRequest:  # fmt: skip
         params = parsed.params
         params["model"] = model
-        if not parsed.chat and not (parsed.engine_tokenizes and _is_text(parsed)):
+        if (
+            not parsed.chat
+            and not (parsed.engine_tokenizes and _is_text(parsed))
+            and not self._over_context(parsed, model, prompts)
+        ):
             # The engine computes the very ids that were routed; one prompt rides in token_ids.
             # Some requests keep the client's text (ParsedRequest.engine_tokenizes): vLLM echoes a
             # text prompt as written but token ids as it decodes them, special tokens and all.
@@ -860,6 +864,15 @@ class _Handlers:
             params=params,
             headers={h: v for h in ENGINE_HEADERS if (v := headers.get(h)) is not None},
         )
+
+    def _over_context(self, parsed: ParsedRequest, model: str, prompts: list[list[int]]) -> bool:
+        """A text prompt longer than the model's context: sent as the client's text, so the engine
+        refuses it in its own words. vLLM tokenizes text only to max_model_len + 1 and says "at
+        least" that many; as ids, it named the whole count the router had computed."""
+        if not _is_text(parsed):
+            return False
+        limit = self.path.max_model_len(model)
+        return limit is not None and any(len(p) > limit for p in prompts)
 
     # --- one request ----------------------------------------------------------------------------
 

@@ -529,6 +529,20 @@ async def test_a_body_not_sent_as_application_json_is_refused_as_vllm_refuses_it
     assert answers[0][0] == 400 and "Unsupported Media Type" in answers[0][1]["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_text_prompt_past_the_context_gets_the_engines_own_error(
+    agg: Cluster, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """vLLM tokenizes a text prompt only to max_model_len + 1 and says "at least" that many tokens;
+    sent as the router's ids, the engine named the whole count instead."""
+    request = {"model": MODEL, "prompt": "hello there world " * 12_000, "max_tokens": 3, "stream": stream}
+    s1, via_router, _ = await post(http, agg.routers[0].url + "/v1/completions", request)
+    s2, direct, _ = await post(http, agg.workers[0].sim.url + "/v1/completions", request)
+    assert s1 == s2 == 400
+    assert via_router == direct
+    assert "at least" in via_router["error"]["message"]
+
+
 async def test_tokenize_and_detokenize_are_a_workers_engines_own(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     """vLLM's /tokenize and /detokenize through the router: the engine's own answers and refusals,
     every form, an answer over NATS's payload limit whole, on whichever worker, prefill included."""
