@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import random
 import signal
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +49,7 @@ from protocol.config import EtcdSettings
 from protocol.timing import TimingModel
 from runtime.nats_flush import flush
 
-__all__ = ["SCENARIOS", "ChaosResult", "add_arguments", "format_table", "run", "run_scenario"]
+__all__ = ["SCENARIOS", "ChaosResult", "add_arguments", "error_kind", "format_table", "run", "run_scenario"]
 
 MODEL = "sim-llama"
 BLOCK = 16
@@ -217,7 +220,7 @@ class ChaosResult(msgspec.Struct, kw_only=True):
     index_ok: bool
     index_detail: str
     notes: list[str]
-    errors: list[str]
+    errors: dict[str, int]  # the failed requests by kind (status and message), most first
 
 
 @dataclass
@@ -351,8 +354,17 @@ async def _measure(
         index_ok=ok,
         index_detail=detail,
         notes=c.notes,
-        errors=sorted({(s.done.error or "")[:120] for s in failed})[:5],
+        errors=dict(Counter(error_kind(s.done.error or "") for s in failed).most_common(8)),
     )
+
+
+def error_kind(error: str) -> str:
+    """A failed request's kind: its status and the OpenAI error's message, or the client's exception."""
+    head, sep, body = error.partition(": ")
+    if sep and head.startswith("HTTP "):
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            return f"{head}: {json.loads(body)['error']['message']}"
+    return error[:80]
 
 
 def fleet_capacity(engines: int, prompt_tokens: int, speedup: float, profile: str = "h200:llama-3.1-8b") -> float:

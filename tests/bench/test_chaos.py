@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bench.chaos import SCENARIOS, Chaos, Scenario, format_table, run_scenario
+from bench.chaos import SCENARIOS, Chaos, Scenario, error_kind, format_table, run_scenario
 
 
 def test_a_forged_batch_costs_no_request_and_the_index_stays_the_engines_truth() -> None:
@@ -44,3 +44,11 @@ def test_a_fault_lasts_what_its_scenario_says_not_the_window() -> None:
     assert len(marks) == 2 and 0.9 <= marks[1] - marks[0] < 1.5
     assert "healed after 1 s" in r.notes
     assert SCENARIOS["etcd_down_15s"].heal_after_s == 15.0
+
+
+def test_failures_are_counted_by_kind() -> None:
+    # the table's `failed` said nothing of what failed: overload_5x's were 503s and client timeouts
+    body = '{"error":{"message":"no worker could serve the request","type":"ServiceUnavailableError"}}'
+    assert error_kind(f"HTTP 503: {body}") == "HTTP 503: no worker could serve the request"
+    assert error_kind("TimeoutError: ") == "TimeoutError: "
+    assert error_kind('HTTP 502: {"error": cut sh') == 'HTTP 502: {"error": cut sh'
