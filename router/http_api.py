@@ -515,6 +515,23 @@ class _Ids:
         return cls(request_id, engine, sent or ("chatcmpl-" if chat else "cmpl-") + engine)
 
 
+def _check_passed_headers(request: web.Request) -> None:
+    """ApiError 400 for a header the engine gets that is not UTF-8 text: aiohttp hands bytes that are
+    not as lone surrogates, which no message to the worker can carry (each such request was a 500
+    with an ERROR traceback). vLLM reads header bytes as latin-1; the id the engine would be given is
+    not the one the client sent either way, so it is refused, named."""
+    for name in _PASSED_HEADERS:
+        value = request.headers.get(name)
+        if value is not None and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise ApiError(400, f"the {name} header is not UTF-8 text", name) from None
+
+
+_PASSED_HEADERS = ("X-Request-Id", *ENGINE_HEADERS)
+
+
 def _route_headers(job: Job, ids: _Ids, timing: _Timing) -> dict[str, str]:
     return {
         "x-kvswitch-decode-worker": job.plan.decode.worker,
@@ -881,6 +898,7 @@ class _Handlers:
         status = 500
         timing = _Timing(time.perf_counter())
         try:
+            _check_passed_headers(request)
             body = await self._json_body(request)
             parsed = parse_request(body, chat=chat)
             if (priority := _header_priority(request.headers)) is not None:

@@ -5,6 +5,7 @@ router must never answer 5xx, and every error it answers is OpenAI JSON."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -176,3 +177,22 @@ async def test_raw_bytes_methods_and_paths_get_no_5xx(
     if method == "GET" and path == "/v1/models":
         return  # the one 200 without an OpenAI body shape to check here
     await check(http, method, router_url + path, data)
+
+
+@pytest.mark.parametrize("header", ["X-Request-Id", "X-Vllm-Priority", "X-Session-ID"])
+async def test_a_passed_header_that_is_not_utf8_is_a_400_naming_it_not_a_500(cluster: Cluster, header: str) -> None:
+    # aiohttp hands such bytes on as lone surrogates, which no message to the worker can carry: each
+    # request was a 500 with an ERROR traceback
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(disagg="never")
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 3}).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + header.encode() + b": ab\xff\xfecd\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )  # fmt: skip
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 400"), head
