@@ -1059,10 +1059,13 @@ class WorkerShim:
         # subject of the id it sent it to, and with nobody on it a client that left had the engine
         # decode for nobody up to the request's deadline.
         cancel = subjects.cancel(self.ns, presence.worker)
-        kept = [sub for sub in presence.subs if sub.subject == cancel]
-        presence.subs = [sub for sub in presence.subs if sub.subject != cancel]
-        await self._close_presence(presence)
-        presence.subs = kept
+        dropped = [sub for sub in presence.subs if sub.subject != cancel]
+        presence.subs = kept = [sub for sub in presence.subs if sub.subject == cancel]  # before any await:
+        # a session ending meanwhile closes what the presence still holds
+        for sub in dropped:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await self._end_epoch(presence, cleared=True)
         legs = [leg.task for leg in self.requests.inflight.values() if leg.task] if kept and self.requests else []
         log.info(
             "stopped serving the old worker id %s%s", presence.worker,

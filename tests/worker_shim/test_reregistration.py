@@ -4,6 +4,8 @@ id is still served for a grace period, and a stable --worker-name keeps its id (
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 import nats.errors
@@ -31,6 +33,7 @@ from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, 
 from tests.worker_shim.test_http_server import health
 from tests.worker_shim.test_request_service import Collector, gen
 from worker_shim import ShimStatus, WorkerShim
+from worker_shim.shim import _Presence
 
 
 async def _info(etcd_url: str, ns: str, worker: str) -> WorkerInfo | None:
@@ -226,3 +229,45 @@ def _fold(batches: list[KvEventBatch]) -> set[int]:
             elif isinstance(e, Removed):
                 held.difference_update(unpack_hashes(e.hashes))
     return held
+
+
+async def test_a_session_ending_while_an_old_id_retires_leaves_none_of_its_subscriptions(nats_url: str) -> None:
+    """The retire took the cancel subscription out of the presence, then awaited the end of the old
+    id's KV stream: a session ending in that await closed a presence without it, and the old id's
+    cancel subject stayed subscribed for the process's life."""
+
+    class SlowPublisher:  # the old id's KV stream ending: a flush that takes a moment
+        def add(self, events: Any) -> None:
+            pass
+
+        async def stop(self) -> None:
+            await asyncio.sleep(0.3)
+
+    class Leg:
+        def __init__(self, task: asyncio.Task[None]) -> None:
+            self.task = task
+
+    async def ignore(msg: Any) -> None:
+        pass
+
+    nc = await connect(nats_url)
+    shim = object.__new__(WorkerShim)  # the two methods under test read `ns` and `requests` alone
+    shim.ns = "ns"
+    leg = asyncio.create_task(asyncio.sleep(30))
+    shim.requests = SimpleNamespace(inflight={"long": Leg(leg)})  # type: ignore[assignment]
+    try:
+        presence = _Presence("old")
+        for subject in (*(subjects.gen("ns", r, "old") for r in ("prefill", "decode", "agg")),
+                        subjects.cancel("ns", "old"), subjects.kvstate("ns", "old")):  # fmt: skip
+            presence.subs.append(await nc.subscribe(subject, cb=ignore))
+        presence.publisher = SlowPublisher()  # type: ignore[assignment]
+        retire = asyncio.create_task(shim._retire_later(presence, 0.05))
+        await asyncio.sleep(0.15)  # the grace is over; the retire waits on the stream's end
+        retire.cancel()  # the session ends, as _end_session does it
+        with contextlib.suppress(asyncio.CancelledError):
+            await retire
+        await shim._close_presence(presence)
+        assert nc._subs == {}, [s.subject for s in nc._subs.values()]
+    finally:
+        leg.cancel()
+        await nc.close()
