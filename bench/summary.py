@@ -13,7 +13,8 @@ Definitions (so figures can be checked by hand):
 - throughput: output tokens and successful requests per second of that duration;
 - goodput (DistServe's): requests that succeeded with TTFT <= `slo_ttft_s` and a mean inter-token
   latency (TPOT) <= `slo_itl_s`, per second of `window_s`, the arrival window (from the first
-  request due to the last; the run's duration when they are all due at once); a one-token request
+  request due to the last, and one mean gap more; the run's duration for a burst, requests all due
+  within the time one took); a one-token request
   has no TPOT and is judged on TTFT. At one offered load every configuration shares that window,
   so goodput is the offered rate times the share within both SLOs, and two configurations compare
   as their counts within the SLOs. Until 2026-12-06 it was per second of `duration_s`, which a
@@ -146,10 +147,9 @@ def summarize(
     if results:
         ends = [r.sent_s + (r.e2e_s or 0.0) for r in results]
         duration = (max(ends) - min(r.sent_s for r in results)) * latency_scale
-        window = (max(r.due_s for r in results) - min(r.due_s for r in results)) * latency_scale
+        window = _arrival_window(results) * latency_scale
     else:
         duration = window = 0.0
-    window = window if window > 0 else duration
     per_s = 1.0 / duration if duration > 0 else 0.0
     good = sum(_meets_slo(r, slo, latency_scale) for r in results)
     mix = Counter(r.prefill for r in results if r.prefill is not None)
@@ -165,7 +165,7 @@ def summarize(
         e2e_s=_percentiles([r.e2e_s for r in ok if r.e2e_s is not None], latency_scale),
         output_tokens_per_s=sum(r.output_tokens for r in ok) * per_s,
         requests_per_s=len(ok) * per_s,
-        goodput_rps=good / window if window > 0 else 0.0,
+        goodput_rps=good / (window or duration) if window or duration else 0.0,
         goodput_fraction=good / len(results) if results else 0.0,
         send_lag_p99_s=float(np.percentile([r.sent_s - r.due_s for r in results], 99)) if results else None,
         prefill_mix={mode: n / reported for mode, n in sorted(mix.items())},
@@ -173,8 +173,21 @@ def summarize(
         latency_scale=latency_scale,
         slo=slo,
         clock=clock,
-        window_s=window,
+        window_s=window or duration,
     )
+
+
+def _arrival_window(results: Sequence[RequestResult]) -> float:
+    """Unscaled seconds of the arrival window: first request due to last, and one mean gap more
+    (first to last spans n - 1 gaps: a run of n requests at rate r is n / r long, so goodput with
+    every request within the SLOs is r). 0.0 for a burst, requests due within the time a request
+    took (the median end to end): it has no rate to speak of, and its goodput is per second of the
+    run; one request due a millisecond after the rest read as 1,000 times the goodput."""
+    n = len(results)
+    due = [r.due_s for r in results]
+    window = (max(due) - min(due)) * n / (n - 1) if n > 1 else 0.0
+    took = float(np.median([r.e2e_s or 0.0 for r in results]))
+    return window if window > took else 0.0
 
 
 def _ms(p: Percentiles | None) -> str:

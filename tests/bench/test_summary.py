@@ -41,8 +41,8 @@ def test_counts_throughput_and_goodput(results: list[RequestResult]) -> None:
     assert s.duration_s == pytest.approx(5.01)
     assert s.output_tokens_per_s == pytest.approx(10 / 5.01)
     assert s.requests_per_s == pytest.approx(4 / 5.01)
-    assert s.window_s == pytest.approx(4.0)  # the arrivals: due at 0 to 4 s
-    assert s.goodput_rps == pytest.approx(2 / 4.0)
+    assert s.window_s == pytest.approx(5.0)  # due at 0 to 4 s: four gaps, and one more for the fifth
+    assert s.goodput_rps == pytest.approx(2 / 5.0)
     assert s.goodput_fraction == pytest.approx(0.4)
     assert s.send_lag_p99_s == pytest.approx(0.096)
     assert s.prefill_mix == {"bypass": 0.5, "remote": 0.5}
@@ -73,8 +73,31 @@ def test_goodput_is_per_second_of_the_arrivals_so_a_late_miss_stretches_nothing(
     slo = Slo(ttft_s=2.0, itl_s=0.025)
     more, fewer = summarize(run(60.0, 8), slo=slo), summarize(run(0.1, 7), slo=slo)
     assert more.duration_s > 6 * fewer.duration_s
-    assert (more.window_s, fewer.window_s) == (9.0, 9.0)
+    assert (more.window_s, fewer.window_s) == pytest.approx((10.0, 10.0))
     assert more.goodput_rps / fewer.goodput_rps == pytest.approx(8 / 7)
+    assert summarize(run(0.1, 10), slo=slo).goodput_rps == pytest.approx(1.0)  # the offered rate, all within
+
+
+def test_a_burst_has_no_rate_and_its_goodput_is_per_second_of_the_run() -> None:
+    # 99 requests due at once and one a millisecond later, each 10 s long: the arrival window
+    # (0.001 s) read 100,000 r/s
+    results = [
+        RequestResult(
+            ok=True,
+            status=200,
+            output_tokens=1,
+            ttft_s=0.1,
+            e2e_s=10.0,
+            index=i,
+            tag="t",
+            url="u",
+            due_s=0.001 if i == 99 else 0.0,
+            sent_s=0.0,
+        )
+        for i in range(100)
+    ]
+    s = summarize(results, slo=Slo(ttft_s=2.0, itl_s=0.025))
+    assert s.window_s == pytest.approx(s.duration_s) and s.goodput_rps == pytest.approx(100 / 10.0, rel=1e-3)
 
 
 def test_tpot_counts_tokens_not_chunks() -> None:
