@@ -102,7 +102,7 @@ class Summary(msgspec.Struct, kw_only=True):
     latency_scale: float
     slo: Slo
     clock: str = "live"
-    window_s: float = 0.0  # the arrival window, goodput's denominator (0.0: no request)
+    window_s: float = 0.0  # goodput's denominator: the arrival window, a burst's duration (0.0: no request)
 
 
 def _percentiles(values: Sequence[float], scale: float) -> Percentiles | None:
@@ -147,7 +147,7 @@ def summarize(
     if results:
         ends = [r.sent_s + (r.e2e_s or 0.0) for r in results]
         duration = (max(ends) - min(r.sent_s for r in results)) * latency_scale
-        window = _arrival_window(results) * latency_scale
+        window = _arrival_window(results) * latency_scale or duration
     else:
         duration = window = 0.0
     per_s = 1.0 / duration if duration > 0 else 0.0
@@ -165,7 +165,7 @@ def summarize(
         e2e_s=_percentiles([r.e2e_s for r in ok if r.e2e_s is not None], latency_scale),
         output_tokens_per_s=sum(r.output_tokens for r in ok) * per_s,
         requests_per_s=len(ok) * per_s,
-        goodput_rps=good / (window or duration) if window or duration else 0.0,
+        goodput_rps=good / window if window > 0 else 0.0,
         goodput_fraction=good / len(results) if results else 0.0,
         send_lag_p99_s=float(np.percentile([r.sent_s - r.due_s for r in results], 99)) if results else None,
         prefill_mix={mode: n / reported for mode, n in sorted(mix.items())},
@@ -173,7 +173,7 @@ def summarize(
         latency_scale=latency_scale,
         slo=slo,
         clock=clock,
-        window_s=window or duration,
+        window_s=window,
     )
 
 

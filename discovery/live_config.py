@@ -2,8 +2,11 @@
 
 A change is validated like a startup flag; a valid one replaces the current settings at once, an
 invalid one is refused, logged with the reason, and the last valid settings stay. Refused: a value
-that is not a JSON object, a key that is no setting (a typo must not pass for applied), a value
-of the wrong type or range, NaN and infinities, JSON nested too deep to read. Deleting the key
+that is not a JSON object, a key that is no setting (a typo must not pass for applied) or is given
+twice, a value of the wrong type or range, NaN and infinities, JSON nested too deep to read. The
+owner (the router) may refuse what passed here too: `refuse()` then goes back to the settings it
+kept, so the same value stored again is judged again; `refused_now` says whether the stored value
+stands refused. Deleting the key
 returns to the settings the process started with. Exactly that key: `/{ns}/config/router-canary`
 and the like are other keys, and ignored here.
 """

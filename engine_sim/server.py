@@ -42,13 +42,11 @@ from engine_sim.sampler import word_ids
 from engine_sim.scheduler import Scheduler
 from protocol.timing import TimingModel
 from protocol.vllm_events import RESOLVED_BY_ENGINE, publisher_binds, rank_endpoint
+from runtime import LISTEN_BACKLOG
 
 __all__ = ["ServerStatus", "SimServer"]
 
 log = logging.getLogger("engine_sim.server")
-# vLLM's OpenAI server listens with uvicorn's default backlog; aiohttp's 128 reset the connections of
-# a burst (a shim opens one per leg) while the event loop was busy.
-LISTEN_BACKLOG = 2048
 
 
 class ServerStatus(enum.Enum):

@@ -68,7 +68,7 @@ from router.served_names import clash_message
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
-from runtime import background, guarded
+from runtime import LISTEN_BACKLOG, background, guarded
 from runtime.nats_connect import connect as nats_connect
 from runtime.nats_connect import error_reporter, refused_subscriptions
 from runtime.nats_flush import flush
@@ -77,9 +77,6 @@ __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
 CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
-# The front door's listen backlog, as vLLM's (uvicorn's default): aiohttp's 128 reset the
-# connections of a burst of new clients while the event loop was busy.
-LISTEN_BACKLOG = 2048
 UNREGISTERED_SAID = 1024  # load report senders with no record, logged at once at most
 UNREGISTERED_SAID_S = 600.0  # ... each for this long, then it may be logged again
 

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NoReturn
 
 __all__ = [
+    "LISTEN_BACKLOG",
     "JsonFormatter",
     "LogConfigError",
     "RepeatedErrors",
@@ -33,6 +34,11 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 2048
+"""The listen backlog of the HTTP servers clients burst into (the router's front door, engine_sim):
+vLLM's server listens with uvicorn's default of 2048; aiohttp's 128 reset the connections of a burst
+while the event loop was busy (a shim opens one per leg, bench chaos's overload_5x)."""
 _STD_ATTRS = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 
 
