@@ -9,7 +9,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from protocol.version import __version__
+from protocol.version import BUILD
 
 __all__ = ["main", "subcommand_parser"]
 
@@ -31,7 +31,7 @@ def _top_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="subcommands:\n" + "\n".join(f"  {n:<8} {h}" for n, (_, h) in SUBCOMMANDS.items()),
     )
-    parser.add_argument("--version", action="version", version=f"kvswitch {__version__}")
+    parser.add_argument("--version", action="version", version=f"kvswitch {BUILD}")
     parser.add_argument(
         "command", choices=list(SUBCOMMANDS), metavar="COMMAND", help="one of: " + ", ".join(SUBCOMMANDS)
     )

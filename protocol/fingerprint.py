@@ -11,7 +11,14 @@ Equal fingerprints mean equal ids for every probe:
 - `tools` with a user turn, and an assistant tool call with the tool's reply: the tool layout.
 A probe the engine refuses (no chat template, a template that raises) counts as refused, on both
 sides alike. engine_sim's built-in vocabulary advertises `BUILTIN` instead. Changing a probe changes
-every fingerprint: routers and shims must then be upgraded together (a mismatch refuses text, loudly).
+every fingerprint: a router and a shim of different probe sets disagree on every tokenizer.
+
+The probe set changed on `PROBES_SINCE` (2026-12-04). Before, a shim probed the probe text and the
+system + user chat alone (`PROBES[0]`, `PROBES[2]`, the chat left out when refused):
+`legacy_fingerprint` computes that from the same results, so a router can tell a shim that predates
+the change (its tokenizer matching under the old probes) from a tokenizer that differs. It never
+accepts such a worker for text: the old probes cannot tell apart tokenizers the new ones do
+(docs/deployment.md, "Upgrades").
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 __all__ = [
     "BUILTIN",
     "PROBES",
+    "PROBES_SINCE",
     "PROBE_MESSAGES",
     "PROBE_TEXT",
     "SPECIAL_SPELLINGS",
@@ -37,6 +45,7 @@ __all__ = [
     "TextProbe",
     "builtin_fingerprint",
     "fingerprint",
+    "legacy_fingerprint",
 ]
 
 BUILTIN = "builtin"
@@ -137,6 +146,27 @@ PROBES: tuple[Probe, ...] = (
         tools=(_TOOL,),
     ),
 )
+
+
+PROBES_SINCE = "2026-12-04"
+"""When `PROBES` took their present form: shims of before advertise `legacy_fingerprint`s."""
+_LEGACY_TEXT, _LEGACY_CHAT = 0, 2  # the probes of before, in today's set
+
+
+def legacy_fingerprint(results: Sequence[Sequence[int] | None]) -> str:
+    """The fingerprint a shim older than `PROBES_SINCE` advertises for the tokenizer whose probe
+    results (in `PROBES` order) are `results`: xxh3 over the probe text's ids and, unless refused
+    (no chat template), the system + user chat's with the generation prompt."""
+    if len(results) != len(PROBES):
+        raise ValueError(f"{len(results)} probe results for {len(PROBES)} probes")
+    text, chat = results[_LEGACY_TEXT], results[_LEGACY_CHAT]
+    if text is None:
+        raise ValueError("the probe text has no ids: a text probe is never refused")
+    h = xxhash.xxh3_64(seed=_SEED)
+    h.update(struct.pack(f"<I{len(text)}I", len(text), *text))
+    if chat is not None:
+        h.update(struct.pack(f"<I{len(chat)}I", len(chat), *chat))
+    return f"tok-{h.hexdigest()}"
 
 
 def fingerprint(results: Sequence[Sequence[int] | None]) -> str:

@@ -2,8 +2,8 @@
 
 All are msgspec Structs encoded as maps: unknown fields are ignored on decode, so a newer peer can
 add fields without breaking an older one, and each carries the schema version `v` it was written
-with. NATS payloads are msgpack (`encode_msg`/`decode_msg`); etcd values are JSON
-(`encode_json`/`decode_json`).
+with: a reader refuses one above its own SCHEMA_VERSION. NATS payloads are msgpack
+(`encode_msg`/`decode_msg`); etcd values are JSON (`encode_json`/`decode_json`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+"""The schema every message here is written with (`_Msg.v`). It goes up only on a change an older
+reader would misread (a field repurposed or dropped, a meaning changed); a field added with a
+default keeps it, since decoders ignore what they do not know. A reader refuses a message whose `v`
+is above its own (`decode_msg`, `decode_json`): applying what it cannot understand would be silent.
+docs/deployment.md, "Upgrades"."""
 
 WorkerId = NewType("WorkerId", str)
 """The shim's etcd lease id, lowercase hex."""
@@ -633,17 +638,34 @@ def encode_msg(msg: msgspec.Struct) -> bytes:
         raise ProtocolError(type(msg).__name__, _TOO_DEEP) from None
 
 
+_NEWER_SCHEMA = "written with a newer schema version"
+
+
+def _readable(msg: T, kind: type[T]) -> T:
+    """`msg`, unless it was written with a schema newer than this process reads."""
+    if isinstance(msg, _Msg) and msg.v > SCHEMA_VERSION:
+        raise ProtocolError(
+            kind.__name__,
+            f"{_NEWER_SCHEMA} ({msg.v}) than this process reads ({SCHEMA_VERSION}): its sender runs a newer, "
+            "incompatible kvswitch; upgrade this process (docs/deployment.md, Upgrades)",
+            _NEWER_SCHEMA,
+        )
+    return msg
+
+
 def decode_msg(data: bytes, kind: type[T]) -> T:
-    """Decode a NATS payload; raises ProtocolError naming the type for anything malformed."""
+    """Decode a NATS payload; raises ProtocolError naming the type for anything malformed, and for
+    a message whose schema version `v` is above SCHEMA_VERSION."""
     dec = _msg_decoders.get(kind)
     if dec is None:
         dec = _msg_decoders[kind] = msgspec.msgpack.Decoder(kind)
     try:
-        return dec.decode(data)  # type: ignore[no-any-return]
+        msg: T = dec.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(kind.__name__, str(exc)) from exc
     except RecursionError:
         raise ProtocolError(kind.__name__, _TOO_DEEP) from None
+    return _readable(msg, kind)
 
 
 def encode_json(msg: msgspec.Struct) -> bytes:
@@ -651,12 +673,14 @@ def encode_json(msg: msgspec.Struct) -> bytes:
 
 
 def decode_json(data: bytes | str, kind: type[T]) -> T:
+    """Decode an etcd value; raises ProtocolError as `decode_msg` does."""
     dec = _json_decoders.get(kind)
     if dec is None:
         dec = _json_decoders[kind] = msgspec.json.Decoder(kind)
     try:
-        return dec.decode(data)  # type: ignore[no-any-return]
+        msg: T = dec.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(kind.__name__, str(exc)) from exc
     except RecursionError:
         raise ProtocolError(kind.__name__, _TOO_DEEP) from None
+    return _readable(msg, kind)

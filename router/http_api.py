@@ -70,7 +70,7 @@ from protocol.messages import (
     ENGINE_HEADERS,
     lax_int,
 )
-from protocol.version import __version__
+from protocol.version import BUILD
 from router.admission import Overloaded
 from router.api_keys import ApiKeys
 from router.dispatch import Job, LegError
@@ -781,8 +781,9 @@ class _Handlers:
             self.path.metrics.count_request(endpoint, status)
 
     async def version(self, request: web.Request) -> web.Response:
-        """The router's own version (vLLM's /version names the engine's: ask a worker for that)."""
-        return _json_response({"version": __version__})
+        """The router's own build, release and wire (protocol.version.BUILD; vLLM's /version names the
+        engine's: ask a worker for that)."""
+        return _json_response({"version": BUILD})
 
     async def debug_route(self, request: web.Request) -> web.Response:
         try:

@@ -61,6 +61,7 @@ class StateFigures:
     transfers_failing: Sequence[str] = ()  # decode workers with a KV pull that failed lately (router.transfer_health)
     peer_settings_mismatch: Sequence[str] = ()  # peer routers with other routing settings (router.peer_settings)
     peer_version_mismatch: Sequence[str] = ()  # peer routers of another version
+    workers_other_version: int = 0  # registered workers of another build (router.worker_versions)
 
 
 class _StateCollector(Collector):
@@ -140,6 +141,12 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvswitch_router_queue_depth", "Requests waiting for admission", s.queue_depth)
         yield GaugeMetricFamily("kvswitch_router_inflight_requests", "Requests being served", s.inflight)
         yield GaugeMetricFamily("kvswitch_router_workers", "Registered workers", s.workers)
+        yield GaugeMetricFamily(
+            "kvswitch_router_workers_other_version",
+            "Registered workers whose shims run another kvswitch build (WorkerInfo.version) than this router: "
+            "a rolling upgrade in progress, or workers it left behind",
+            s.workers_other_version,
+        )
         reach = CounterMetricFamily(
             "kvswitch_router_prompt_tokens",
             "Prompt tokens routed (reach=prompt), and of them cached on the decode candidate holding the longest "

@@ -42,6 +42,7 @@ from router.policies import Outcome, Path
 from router.request_context import Candidate, RequestContext, RequestShape
 from router.selection import Selector, over_queue_threshold
 from router.served_names import clash_message, served_as
+from router.tokenization import shim_predates_probes
 from router.transfer_health import TransferHealth
 
 _NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
@@ -113,10 +114,14 @@ class Planner:
         clock: Callable[[], float] = time.time,
         calibration: Calibration | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        legacy_tokenizer: str | None = None,
     ) -> None:
         """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
         it every load report) and admission reads prefill rates from it. `timer` times the policy
-        at DEBUG (a virtual-clock replay passes its own clock: it reads no wall time)."""
+        at DEBUG (a virtual-clock replay passes its own clock: it reads no wall time).
+        `legacy_tokenizer`: the router's tokenizer's fingerprint under the probes of before
+        protocol.fingerprint.PROBES_SINCE; a worker refused text for advertising it is told to
+        upgrade its shim, not to change the router's tokenizer."""
         self.disagg = Disaggregator(
             settings, Selector(rng or random.Random()), TransferHealth(clock=clock), timer=timer
         )
@@ -128,6 +133,7 @@ class Planner:
         self.ledger = ledger
         self.clock = clock
         self.calibration = calibration
+        self.legacy_tokenizer = legacy_tokenizer
         self._hashers: dict[int, BlockHasher] = {}
         self._attempts: dict[str, int] = {}
         self.reach = PrefixReach()
@@ -267,7 +273,13 @@ class Planner:
         ]
         return [i for i in ok if i.role != "prefill"] + [i for i in ok if i.role == "prefill"]
 
+    def _stale_shim(self, info: WorkerInfo) -> bool:
+        """Whether `info`'s shim advertises this router's tokenizer under the old probes."""
+        return self.legacy_tokenizer is not None and info.tokenizer == self.legacy_tokenizer
+
     def _tokenizer_why(self, info: WorkerInfo) -> str:
+        if self._stale_shim(info):
+            return shim_predates_probes([info.worker])
         mine = self.eligibility.tokenizer
         theirs = info.tokenizer or "unknown (its shim could not read it from the engine)"
         if mine is None:
@@ -281,8 +293,13 @@ class Planner:
         """Why no decode or agg worker of `model` (`infos`) takes a text prompt from this router, and
         what does: a router tokenizes with one tokenizer, so waiting ends nothing, and giving it
         this model's would refuse the models it tokenizes for now."""
-        theirs = sorted({i.tokenizer or "unknown (its shim could not read the engine's)" for i in infos})
-        if not any(i.tokenizer for i in infos):  # no router's tokenizer matches one never read
+        group = list(infos)
+        stale = [i.worker for i in group if self._stale_shim(i)]
+        if stale and len(stale) == len(group):  # the tokenizer may well be the same: the shims are old
+            return f"no decode or agg worker of model {model} takes text prompts: {shim_predates_probes(stale)}"
+        also = f" Of them, {shim_predates_probes(stale)}" if stale else ""
+        theirs = sorted({i.tokenizer or "unknown (its shim could not read the engine's)" for i in group})
+        if not any(i.tokenizer for i in group):  # no router's tokenizer matches one never read
             return (
                 f"no decode or agg worker of model {model} takes text prompts: their shims could not read "
                 "the engine's tokenizer (SGLang and TensorRT-LLM do not say it; a vLLM probe that failed), so no "
@@ -293,7 +310,7 @@ class Planner:
             f"with {self.eligibility.tokenizer or 'no tokenizer'}, model {model}'s workers with "
             f"{', '.join(theirs)}. A router tokenizes with one tokenizer: send {model}'s text requests to a "
             f"router of its own (`kvswitch router --model {model} --tokenizer` naming {model}'s tokenizer), "
-            "or send token ids (a completion's `prompt` as a list of ids) to this one"
+            f"or send token ids (a completion's `prompt` as a list of ids) to this one.{also}"
         )
 
     def text_refusals(self, model: str | None = None) -> list[str]:
@@ -542,6 +559,7 @@ def standalone_planner(
     tokenizer: str | None = None,
     calibration: Calibration | None = None,
     timer: Callable[[], float] = time.perf_counter,
+    legacy_tokenizer: str | None = None,
 ) -> Planner:
     """A planner with its own pending prefixes, eligibility and ledger, for callers without a
     replica around it (benchmarks, the virtual-clock replay, tests). By default every worker is
@@ -562,6 +580,7 @@ def standalone_planner(
         clock=clock,
         calibration=calibration,
         timer=timer,
+        legacy_tokenizer=legacy_tokenizer,
     )
 
 

@@ -45,7 +45,7 @@ from protocol import ConfigError, LoadReport, ProtocolError, RouterInfo, WorkerI
 from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
 from protocol.errors import listen_error, try_listen
 from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
-from protocol.version import __version__
+from protocol.version import BUILD
 from router.admission import Admission
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
@@ -65,9 +65,10 @@ from router.planner import Planner
 from router.replica_sync import ReplicaSync, SyncStats
 from router.request_path import RECENT_S, RequestPath, refused_records
 from router.served_names import clash_message
-from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprint
+from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprints
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
+from router.worker_versions import WorkerVersions
 from runtime import LISTEN_BACKLOG, background, guarded
 from runtime.nats_connect import connect as nats_connect
 from runtime.nats_connect import error_reporter, refused_subscriptions
@@ -157,7 +158,7 @@ class RouterService:
         self.tokenizer: PromptTokenizer = load_tokenizer(
             config.tokenizer, config.chat_template_content_format, config.default_chat_template_kwargs
         )
-        self.fingerprints = FingerprintWatch(tokenizer_fingerprint(self.tokenizer))
+        self.fingerprints = FingerprintWatch(*tokenizer_fingerprints(self.tokenizer))
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.status = RouterStatus.NEW
         self.started_at = time.time()
@@ -171,7 +172,8 @@ class RouterService:
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.time)
         self.metrics = RouterMetrics(self._figures)
         calibrated = self.calibration is not None
-        self.peer_settings = PeerSettings(self.ns, settings_digest(self.settings, calibrated=calibrated), __version__)
+        self.peer_settings = PeerSettings(self.ns, settings_digest(self.settings, calibrated=calibrated), BUILD)
+        self.worker_versions = WorkerVersions(BUILD)
         self.tracer = RequestTracer(config.tracer_provider)
         self.load_malformed = 0
         self.load_unknown = 0
@@ -293,6 +295,7 @@ class RouterService:
             ledger=ledger,
             rng=random.Random(self.config.seed),
             calibration=self.calibration,
+            legacy_tokenizer=self.fingerprints.legacy,
         )
         self._ingest = KvIngest(
             self._kv_nc,
@@ -379,7 +382,7 @@ class RouterService:
                 router=rid,
                 http_url=self.url,
                 started_at=self.started_at,
-                version=__version__,
+                version=BUILD,
                 settings_digest=self.peer_settings.digest,
                 instance=self.instance,
             ),
@@ -681,6 +684,7 @@ class RouterService:
 
     def _on_worker_add(self, info: WorkerInfo) -> None:
         self.fingerprints.check(info)
+        self.worker_versions.check(info)
         self.ingest.add_worker(info.worker, info.epoch, info.kv_total_blocks)
         self.eligibility.added(info.worker)
         self.path.admission.notify()
@@ -712,6 +716,7 @@ class RouterService:
         if self.calibration is not None:
             self.calibration.forget(worker)
         self.fingerprints.forget(worker)
+        self.worker_versions.forget(worker)
         self.ingest.remove_worker(worker)
         self.view.remove_worker(worker)
         self.clocks.remove(worker)
@@ -909,5 +914,6 @@ class RouterService:
             prompt_tokens=self._planner.reach.as_dict() if self._planner else {},
             peer_settings_mismatch=self.peer_settings.settings_mismatch(),
             peer_version_mismatch=self.peer_settings.version_mismatch(),
+            workers_other_version=len(self.worker_versions.others()),
             config_rejected=self.config_rejected,
         )

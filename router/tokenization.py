@@ -13,7 +13,9 @@ engine_sim speaks.
 
 Whether the router's tokenizer is a worker's is decided by fingerprints (protocol.fingerprint):
 the planner sends text prompts only to workers whose fingerprint equals the router's, and
-`FingerprintWatch` says once per worker, at ERROR, which workers will get no text prompt and why.
+`FingerprintWatch` says once per worker, at ERROR, which workers will get no text prompt and why: a
+worker whose shim predates the present probe set (protocol.fingerprint.PROBES_SINCE) is told apart
+from one with another tokenizer by the fingerprint the old probes give this router's tokenizer.
 A chat prompt's ids serve routing only: the engine renders the messages itself.
 
 Large prompts are tokenized off the event loop (`Tokenization`): Hugging Face's `encode_batch`
@@ -33,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import jinja2
 import msgspec
@@ -43,7 +45,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfRawTokenizer
 
-from protocol.fingerprint import BUILTIN, PROBES, ChatProbe, Probe, fingerprint
+from protocol.fingerprint import BUILTIN, PROBES, PROBES_SINCE, ChatProbe, Probe, fingerprint, legacy_fingerprint
 from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.content_format import CONTENT_FORMATS, ContentFormat, detect_content_format
@@ -54,6 +56,7 @@ __all__ = [
     "BuiltinPromptTokenizer",
     "ChatOptions",
     "FingerprintWatch",
+    "Fingerprints",
     "HfPromptTokenizer",
     "PromptTokenizer",
     "Tokenization",
@@ -61,7 +64,9 @@ __all__ = [
     "load_tokenizer",
     "probe_ids",
     "resolve_tokenizer_path",
+    "shim_predates_probes",
     "tokenizer_fingerprint",
+    "tokenizer_fingerprints",
 ]
 
 log = logging.getLogger(__name__)
@@ -455,12 +460,42 @@ def resolve_tokenizer_path(spec: str | Path) -> Path:
     )
 
 
+class Fingerprints(NamedTuple):
+    """A tokenizer's fingerprint (`current`), and the one a shim older than the probe set of
+    protocol.fingerprint.PROBES_SINCE advertises for the same tokenizer (`legacy`; None for the
+    built-in vocabulary, which such shims advertised as `builtin` too)."""
+
+    current: str
+    legacy: str | None
+
+
+def tokenizer_fingerprints(tok: PromptTokenizer) -> Fingerprints:
+    """The router's tokenizer's fingerprints, both from one run of the probes."""
+    if isinstance(tok, BuiltinPromptTokenizer):
+        return Fingerprints(BUILTIN, None)
+    results = [probe_ids(tok, probe) for probe in PROBES]
+    return Fingerprints(fingerprint(results), legacy_fingerprint(results))
+
+
 def tokenizer_fingerprint(tok: PromptTokenizer) -> str:
     """What the router's tokenizer must equal in a worker's record for text prompts to go there
     (protocol.fingerprint): `builtin` for the built-in vocabulary, else the probes' fingerprint."""
-    if isinstance(tok, BuiltinPromptTokenizer):
-        return BUILTIN
-    return fingerprint([probe_ids(tok, probe) for probe in PROBES])
+    return tokenizer_fingerprints(tok).current
+
+
+def shim_predates_probes(workers: Sequence[str]) -> str:
+    """Why `workers` get no text prompts when each advertises this router's tokenizer under the
+    probes of before PROBES_SINCE: their shims are older, not their tokenizer another. Not taken for
+    a match: the old probes cannot tell apart tokenizers the new ones do."""
+    one = len(workers) == 1
+    named = f"worker{'' if one else 's'} {', '.join(workers)}"
+    return (
+        f"the shim{'' if one else 's'} of {named} predate{'s' if one else ''} the {PROBES_SINCE} tokenizer "
+        f"probe set, and the fingerprint {'it advertises' if one else 'they advertise'} is this router's "
+        "tokenizer's under the old probes, which cannot tell apart tokenizers the new ones do: upgrade the "
+        f"shim{'' if one else 's'} of {named} (docs/deployment.md, Upgrades); text prompts resume as each "
+        "registers again (token-id prompts still route)"
+    )
 
 
 def probe_ids(tok: PromptTokenizer, probe: Probe) -> list[int] | None:
@@ -559,8 +594,11 @@ class FingerprintWatch:
     worker, at ERROR, that it gets no text prompts and how to fix it, and reports the mismatches
     (for /ready)."""
 
-    def __init__(self, mine: str) -> None:
+    def __init__(self, mine: str, legacy: str | None = None) -> None:
+        """`legacy`: this router's tokenizer's fingerprint under the old probes
+        (`Fingerprints.legacy`); a worker that advertises it is refused still, as a shim to upgrade."""
         self.mine = mine
+        self.legacy = legacy
         self._mismatched: dict[str, str] = {}  # worker -> why
 
     def check(self, info: WorkerInfo) -> None:
@@ -576,6 +614,8 @@ class FingerprintWatch:
         self._mismatched.pop(worker, None)
 
     def _why(self, info: WorkerInfo) -> str:
+        if self.legacy is not None and info.tokenizer == self.legacy:
+            return shim_predates_probes([info.worker])
         theirs = info.tokenizer or "unknown (its shim could not read it from the engine)"
         if self.mine == BUILTIN:
             return (

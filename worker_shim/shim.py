@@ -44,7 +44,7 @@ from protocol.config import EtcdSettings, NatsSettings
 from protocol.errors import listen_error
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
-from protocol.version import __version__
+from protocol.version import BUILD
 from protocol.vllm_events import RESOLVED_BY_ENGINE
 from runtime import guarded
 from runtime.nats_connect import refused_subscriptions
@@ -736,7 +736,7 @@ class WorkerShim:
             kv_bytes_per_token=self.kv_bytes_per_token,
             timing_profile=c.timing_profile,
             epoch=self.epoch,
-            version=__version__,
+            version=BUILD,
             engine_url=c.engine_url,
             tokenizer=self.tokenizer,
             events_ok=self.events.ok,

@@ -143,6 +143,28 @@ def test_older_message_without_version_still_decodes() -> None:
     assert decode_msg(msgspec.msgpack.encode(raw), CancelRequest).request_id == "r9"
 
 
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_a_message_of_a_newer_schema_version_is_refused_naming_both_and_the_fix(msg: msgspec.Struct) -> None:
+    # `v` goes up only on an incompatible change: read as if it were ours, such a message would
+    # be applied silently and wrongly.
+    raw = msgspec.msgpack.decode(encode_msg(msg))
+    raw["v"] = SCHEMA_VERSION + 1
+    for decode, data in ((decode_msg, msgspec.msgpack.encode(raw)), (decode_json, msgspec.json.encode(raw))):
+        with pytest.raises(ProtocolError) as err:
+            decode(data, type(msg))
+        said = str(err.value)
+        assert f"newer schema version ({SCHEMA_VERSION + 1})" in said and f"({SCHEMA_VERSION})" in said
+        assert "upgrade this process" in said and type(msg).__name__ in said
+        assert err.value.kind == "written with a newer schema version"  # no peer value: logged once per kind
+
+
+def test_a_message_of_this_schema_version_or_an_older_one_decodes() -> None:
+    for v in (0, SCHEMA_VERSION):
+        raw = msgspec.msgpack.decode(encode_msg(BATCH))
+        raw["v"] = v
+        assert decode_msg(msgspec.msgpack.encode(raw), KvEventBatch).events == BATCH.events
+
+
 @pytest.mark.parametrize(
     ("payload", "match"),
     [

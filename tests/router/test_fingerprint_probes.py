@@ -8,6 +8,7 @@ their own; the same files from another path keep theirs."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,12 @@ from typing import Any
 
 import pytest
 
-from protocol.fingerprint import PROBES
+from protocol import WorkerInfo
+from protocol.config import RouterSettings
+from protocol.fingerprint import PROBES, legacy_fingerprint
+from router.block_index import BlockIndex
+from router.load_view import LoadView
+from router.planner import standalone_planner
 from router.tokenization import (
     ChatOptions,
     HfPromptTokenizer,
@@ -24,6 +30,7 @@ from router.tokenization import (
     load_tokenizer,
     probe_ids,
     tokenizer_fingerprint,
+    tokenizer_fingerprints,
 )
 from tests.router.fingerprint_variants import VARIANTS, build_variant
 
@@ -154,3 +161,51 @@ def test_named_templates_without_a_default_are_named_when_a_chat_needs_one(tmp_p
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(TokenizerError, match=r"named chat templates \(rag, tool_use\) and none is `default`"):
         HfPromptTokenizer(folder).render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_a_shim_of_the_old_probe_set_is_refused_text_and_told_to_upgrade_not_to_change_the_tokenizer(
+    folders: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A rolling upgrade: the router probes with the 2026-12-04 set, a worker's shim still with the
+    # old one (what it advertises: tests/protocol/test_fingerprint.py's LEGACY, the old code's).
+    from router.service import RouterConfig, RouterService
+
+    router = RouterService(RouterConfig(tokenizer=str(folders["llama31"])))
+    watch = router.fingerprints
+    assert (watch.mine, watch.legacy) == tokenizer_fingerprints(_tok(folders, "llama31"))
+    assert watch.legacy == "tok-c613de59c2625531" != watch.mine
+
+    def info(worker: str, tokenizer: str) -> WorkerInfo:
+        return WorkerInfo(worker=worker, model="m", role="agg", engine="vllm", block_size=16, tokenizer=tokenizer)
+
+    with caplog.at_level(logging.ERROR, logger="router.tokenization"):
+        # Same files, old shim; and another tokenizer the old probes could not tell apart: both refused,
+        # never taken for a match on the weaker check.
+        watch.check(info("old", "tok-c613de59c2625531"))
+        watch.check(info("added", legacy_fingerprint(RECORDED["llama31_added_token"]["ids"])))
+        watch.check(info("gemma", legacy_fingerprint(RECORDED["gemma"]["ids"])))  # differs under either set
+    why = {r["worker"]: r["why"] for r in watch.report()["text_refused"]}
+    assert set(why) == {"old", "added", "gemma"}
+    for worker in ("old", "added"):
+        assert why[worker].startswith(f"the shim of worker {worker} predates the 2026-12-04 tokenizer probe set")
+        assert f"upgrade the shim of worker {worker}" in why[worker] and "--tokenizer" not in why[worker]
+    assert "give the router the tokenizer" in why["gemma"] and "predates" not in why["gemma"]
+    assert len([r for r in caplog.records if "predates the 2026-12-04" in r.getMessage()]) == 2
+
+    watch.check(info("old", watch.mine))  # its shim upgraded: it registers again with the new fingerprint
+    assert "old" not in {r["worker"] for r in watch.report()["text_refused"]}
+
+    # The planner's words (/debug/route, a text request's 503, /ready) say the same.
+    stale = [info("old", watch.legacy), info("added", watch.legacy)]
+    planner = standalone_planner(
+        RouterSettings(),
+        lambda: stale,
+        index=BlockIndex(),
+        view=LoadView(),
+        tokenizer=watch.mine,
+        legacy_tokenizer=watch.legacy,
+    )
+    assert planner.text_refusals() == [planner.text_refusal("m", stale)]
+    refusal = planner.text_refusal("m", stale)
+    assert "the shims of workers old, added predate the 2026-12-04" in refusal and "--tokenizer" not in refusal
+    assert planner._tokenizer_why(stale[0]).startswith("the shim of worker old predates")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -18,8 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from discovery import Discovery
 from engine_sim.lora import LoraModule
-from protocol import RouterInfo, subjects
+from protocol import RouterInfo, WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings, RouterSettings
+from protocol.version import BUILD, __version__
 from router.peer_settings import SETTLE_S, PeerSettings, settings_digest
 from router.service import RouterService
 from tests.router.conftest import MODEL, Cluster, complete
@@ -342,15 +344,54 @@ async def test_replicas_with_different_settings_or_versions_warn_until_they_agre
         assert not kv.readiness()[1]["warnings"] and not rr.readiness()[1]["warnings"]
         assert not [r for r in caplog.records if r.name == "router.peer_settings" and r.levelno >= logging.WARNING]
 
-        # A peer of another release (its digest may mean other settings, or the same ones) is named too.
+        # A peer of another build (its digest may mean other settings, or the same ones) is named
+        # too: one of this release that speaks another wire, as real builds between releases do.
+        other = f"{__version__}+wire.000000000000"
+        assert kv.peer_settings.version == BUILD != other
         lease = await disc.register_router(
-            lambda rid: RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=time.time(), version="0.0.1"),
+            lambda rid: RouterInfo(router=rid, http_url="http://127.0.0.1:1", started_at=time.time(), version=other),
             ttl=5,
         )
-        await until(lambda: any("version 0.0.1" in w for w in kv.readiness()[1]["warnings"]), what="the old peer")
+        await until(lambda: any(f"version {other}" in w for w in kv.readiness()[1]["warnings"]), what="the old peer")
         assert _gauge(kv, "kvswitch_router_peer_version_mismatch") == {lease.hex_id: 1.0}
         await disc.release(lease)
         await until(lambda: not kv.readiness()[1]["warnings"], what="the old peer gone")
+
+
+async def test_a_worker_of_another_build_is_warned_once_and_counted_while_registered(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A rolling upgrade: a real shim of this build, and a worker whose shim speaks another wire.
+    caplog.set_level(logging.INFO, logger="router.worker_versions")
+    same = await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    assert router.registry.get(same.id) is not None and router.registry.get(same.id).version == BUILD  # type: ignore[union-attr]
+    assert _scalar(router, "kvswitch_router_workers_other_version") == 0.0
+    other = f"{__version__}+wire.000000000000"
+    info = partial(WorkerInfo, model=MODEL, role="agg", engine="vllm", block_size=16, version=other)
+    async with Discovery(EtcdSettings(endpoints=[cluster.etcd_url]), cluster.ns) as disc:
+        lease = await disc.register_worker(lambda wid: info(worker=wid), ttl=5)
+        await until(lambda: router.registry.get(lease.hex_id) is not None, what="the old worker")
+        await until(lambda: _scalar(router, "kvswitch_router_workers_other_version") == 1.0)
+        key = subjects.worker_key(cluster.ns, lease.hex_id)
+        await disc.put_raw(key, encode_json(info(worker=lease.hex_id, epoch=1)))  # its record changes: no new line
+        await until(lambda: getattr(router.registry.get(lease.hex_id), "epoch", 0) == 1, what="the record changed")
+        (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert f"worker {lease.hex_id} runs kvswitch {other}, this router {BUILD}" in warned
+        assert "rolling upgrade" in warned and "docs/deployment.md, Upgrades" in warned
+        await disc.delete(key)
+        await disc.release(lease)
+        await until(lambda: _scalar(router, "kvswitch_router_workers_other_version") == 0.0, what="the old worker gone")
+
+
+def _scalar(router: RouterService, name: str) -> float:
+    (value,) = [
+        s.value
+        for family in text_string_to_metric_families(router.metrics.render().decode())
+        for s in family.samples
+        if s.name == name
+    ]
+    return value
 
 
 def test_a_replica_without_calibration_has_another_digest_and_a_calibrating_one_keeps_its_own() -> None:

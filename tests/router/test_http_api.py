@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from protocol import GenerateRequest, block_hashes, decode_msg, subjects
 from protocol.tokenizer import BuiltinTokenizer
-from protocol.version import __version__
+from protocol.version import BUILD
 from router.http_api import HttpLimits
 from router.request_context import RequestShape
 from runtime.nats_flush import flush
@@ -568,7 +568,7 @@ async def test_tokenize_and_detokenize_are_a_workers_engines_own(cluster: Cluste
     status, out, _ = await post(http, router.url + "/detokenize", [1, 2])
     assert_openai_error(status, out, 400)
     async with http.get(router.url + "/version") as r:
-        assert r.status == 200 and await r.json() == {"version": __version__}
+        assert r.status == 200 and await r.json() == {"version": BUILD}
 
 
 async def test_a_lax_boolean_stream_streams_through_the_router(agg: Cluster, http: aiohttp.ClientSession) -> None:

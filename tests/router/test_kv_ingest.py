@@ -294,6 +294,23 @@ async def test_malformed_payloads_are_counted_logged_once_and_dropped(
     assert "a1" in warnings[0].getMessage()
 
 
+async def test_a_batch_of_a_newer_schema_version_is_counted_malformed_not_applied(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A shim of a future, incompatible schema (v 2): its events may mean something else, so they
+    # must not reach the index; the operator is told which process to upgrade.
+    await synced_with(ingest, shim)
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    newer = KvEventBatch(worker="a1", epoch=shim.epoch, seq=shim.seq + 1, ts=0.0, events=[Stored(hashes=[5])], v=2)
+    await nc.publish(subjects.kv(ns, "a1"), encode_msg(newer))
+    await until(lambda: ingest.stats.malformed == 1, what="the v 2 batch counted malformed")
+    await shim.publish(Stored(hashes=[1]))  # the same seq at this schema: taken
+    await until(lambda: ingest.stats.batches_applied == 1)
+    assert ingest.index.dump() == {"a1": [1]} and ingest.stats.malformed == 1
+    (line,) = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert "a1" in line and "newer schema version (2)" in line and "upgrade this process" in line
+
+
 async def test_late_replica_bootstraps_to_an_identical_index(nc: Client, ns: str, ingest: KvIngest) -> None:
     shims = [FakeShim(nc, ns, name, dump_chunk=2) for name in ("d1", "d2", "d3")]
     for s in shims:
