@@ -107,6 +107,10 @@ MAX_QUEUED_BYTES = 8 << 20
 # stop string): it serves the request, and the client must not wait, nor the router hold it all.
 MAX_HELD_BYTES = 64 << 10
 SLOW_READER = "slow_reader"
+# A silence timer that runs this much past its time ran late because this process stalled (a GC
+# pause, a long synchronous step): the chunks and heartbeats the worker sent meanwhile may still be
+# unread in the socket, so the leg looks again after LATE_TIMER_S, at most silence_s more in all.
+LATE_TIMER_S = 0.05
 _RECONNECT_POLL_S = 0.01
 
 
@@ -265,15 +269,27 @@ class _Leg:
         if not self.done:
             await self.owner._cancel(self.worker, self.request_id)
 
-    async def _wait(self, timeout_s: float) -> None:
+    async def _wait(self, timeout_s: float) -> bool:
+        """Until a chunk comes or `timeout_s` passes; False when the loop woke it late (a stall of
+        this process: libuv runs due timers before it reads the sockets that filled meanwhile)."""
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(max(timeout_s, 0.0), _wake, waiter)
+        due = loop.time() + max(timeout_s, 0.0)
+        timer = loop.call_at(due, _wake, waiter)
         try:
             await waiter
         finally:
             timer.cancel()
             self._waiter = None
+        return loop.time() - due < LATE_TIMER_S
+
+    async def _wait_heard(self, timeout_s: float, silence_s: float) -> None:
+        """`_wait`, then, while its timer ran late and nothing came, a look again once the loop has
+        read its sockets: what the worker sent while this process stalled is no silence of its."""
+        on_time = await self._wait(timeout_s)
+        recheck_until = time.monotonic() + silence_s
+        while not self._items and not on_time and time.monotonic() < recheck_until:
+            on_time = await self._wait(LATE_TIMER_S)
 
     async def next(self, deadline_s: float, silence_s: float) -> ResponseChunk:
         """The next chunk; LegError 504 once `deadline_s` (seconds from now) passes, 503 (the worker
@@ -286,7 +302,7 @@ class _Leg:
         while True:
             if not self._items:
                 left = until - time.monotonic()
-                await self._wait(min(left, silence_s))
+                await self._wait_heard(min(left, silence_s), silence_s)
                 if not self._items:
                     if left <= silence_s:
                         raise LegError(

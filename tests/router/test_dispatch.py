@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import msgspec
+import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -135,6 +137,44 @@ async def test_heartbeats_keep_a_long_prefill_alive_and_are_not_passed_on(nc: Cl
     assert [c.token_ids for c in chunks] == [[5]] and chunks[-1].final
     assert w.requests[0].heartbeat_s == HB
     assert unreachable == [] and books.log[-1] == ("free", "r1#1")
+
+
+def _worker_on_its_own_loop(
+    url: str, ns: str, behaviour: Behaviour, ready: threading.Event, stop: threading.Event
+) -> None:
+    async def main() -> None:
+        nc = await nats.connect(url)
+        await Worker(nc, ns, "w1").serve("decode", behaviour)
+        ready.set()
+        await asyncio.to_thread(stop.wait)
+        await nc.close()
+
+    asyncio.run(main())
+
+
+async def test_a_stall_of_the_routers_own_loop_is_no_silence_of_the_worker(
+    nats_url: str, ns: str, world: World
+) -> None:
+    """The worker heartbeats from its own thread while the router's loop is blocked past the
+    silence limit: its timer then runs before the loop reads the heartbeats in its socket, which
+    ended a healthy leg as worker_silent and marked the worker unreachable."""
+    d, _, unreachable = world
+    ready, stop = threading.Event(), threading.Event()
+    worker = threading.Thread(
+        target=_worker_on_its_own_loop, args=(nats_url, ns, heartbeats_then_answer(12 * HB), ready, stop)
+    )
+    worker.start()
+    try:
+        assert await asyncio.to_thread(ready.wait, 5)
+        first = asyncio.ensure_future(collect(d, job("w1")))
+        await asyncio.sleep(2.5 * HB)  # the leg is open and heartbeats flow
+        time.sleep(6 * HB)  # the router's loop stalls for twice the silence limit (a GC pause, a long step)
+        chunks = await first
+        assert [c.token_ids for c in chunks] == [[5]] and chunks[-1].final
+        assert unreachable == []
+    finally:
+        stop.set()
+        await asyncio.to_thread(worker.join)
 
 
 async def test_a_worker_silent_mid_stream_is_asked_again_then_ends_the_stream(
