@@ -6,6 +6,9 @@ the reports (router.load_view). A worker whose clock is off breaks both without 
 expires every deadline early by its offset (past `--request-timeout`, every request it gets is a
 504 "deadline passed") and has its stamps clamped; one behind double counts bookings.
 
+The router sends each deadline on the worker's clock (router.dispatch: the deadline plus the
+offset of a worker judged off), so a clock that is off no longer expires requests there early.
+
 The offset is read from load reports, stamped when sent: (stamp - receipt) is the worker's offset
 minus the transit. Transit only delays, so the largest of the last WINDOW readings is the best
 estimate: one report stamped ahead is proof, while a clock is judged behind only when WINDOW
@@ -61,6 +64,12 @@ class ClockSkew:
             return None
         r.skewed = skewed
         return Skew(worker, offset, skewed)
+
+    def offset(self, worker: str) -> float:
+        """The worker's estimated offset when its clock is off, else 0: what a deadline sent to it
+        is moved by, so that it expires there when it does here."""
+        r = self._workers.get(worker)
+        return max(r.offsets) if r is not None and r.skewed else 0.0
 
     def offsets(self) -> dict[str, float]:
         """Each worker's estimated offset, for the ones whose clock is off."""

@@ -453,8 +453,12 @@ class Dispatcher:
         tracer: RequestTracer | None = None,
         origin: str = "",
         registered: Callable[[str], bool] = lambda worker: True,
+        clock_offset: Callable[[str], float] = lambda worker: 0.0,
     ) -> None:
         self._nc = nc
+        # A worker's clock less this router's (router.clock_skew): a leg's deadline goes out on the
+        # worker's clock, which checks it, or one ahead by the request timeout fails every request.
+        self._clock_offset = clock_offset
         # A departed worker's legs run on (worker_gone): what they show of it is no routing state to
         # keep, which nothing would then remove (a metric series, an exclusion).
         self._registered = registered
@@ -615,7 +619,9 @@ class Dispatcher:
     async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
         """A utility call (`req.endpoint` one of UTILITY_ENDPOINTS) on one worker: the engine's whole
         answer; LegError when it failed (retryable: the worker did nothing for it)."""
-        req = msgspec.structs.replace(req, deadline=deadline, heartbeat_s=self._settings().stream_heartbeat_s)
+        req = msgspec.structs.replace(
+            req, deadline=deadline + self._clock_offset(worker), heartbeat_s=self._settings().stream_heartbeat_s
+        )
         silence = 3 * self._settings().stream_heartbeat_s
         parts: list[bytes] = []
         size = 0
@@ -780,7 +786,7 @@ class Dispatcher:
             req,
             annotations=annotations,
             disagg=job.transfer,
-            deadline=job.deadline,
+            deadline=job.deadline + self._clock_offset(plan.decode.worker),
             heartbeat_s=self._settings().stream_heartbeat_s,
         )
         silence = 3 * self._settings().stream_heartbeat_s
@@ -850,7 +856,7 @@ class Dispatcher:
             stream=False,
             annotations=[a for a in req.annotations if a != ANNOTATION_BYPASS],
             disagg=None,
-            deadline=min(job.deadline, time.time() + settings.prefill_timeout_s),
+            deadline=min(job.deadline, time.time() + settings.prefill_timeout_s) + self._clock_offset(worker),
             heartbeat_s=settings.stream_heartbeat_s,
         )
         left = job.deadline - time.time()

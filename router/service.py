@@ -96,13 +96,10 @@ def _say_skew(skew: Skew, request_timeout_s: float) -> None:
         log.info("worker %s's clock agrees with this router's again (%+.1f s)", skew.worker, skew.offset_s)
         return
     if skew.offset_s > 0:
-        harm = (
-            f"every request it gets is a 504 (past --request-timeout {request_timeout_s:g} s)"
-            if skew.offset_s >= request_timeout_s
-            else "the deadlines this router sets expire that much early there"
-        )
+        harm = "its load reports' stamps are clamped to this router's clock"
     else:
-        harm = "its requests' load is counted twice for that long, and deadlines expire that much late there"
+        harm = "its requests' load is counted twice for that long"
+    harm += "; the deadlines this router sends it are moved by the offset as measured"
     log.warning(
         "worker %s's clock is %.1f s %s this router's: %s; keep router and worker hosts on NTP",
         skew.worker, abs(skew.offset_s), "ahead of" if skew.offset_s > 0 else "behind", harm,
@@ -319,6 +316,7 @@ class RouterService:
             tracer=self.tracer,
             origin=self.instance,
             registered=self._registered,
+            clock_offset=self.clocks.offset,
         )
         await self._dispatcher.start()
         admission = Admission(

@@ -177,6 +177,36 @@ async def test_a_stall_of_the_routers_own_loop_is_no_silence_of_the_worker(
         await asyncio.to_thread(worker.join)
 
 
+async def test_deadlines_go_out_on_the_workers_clock(nc: Client, ns: str) -> None:
+    """Workers whose clocks are 700 s ahead (past the request timeout) check each deadline on that
+    clock, as the shim does: sent on the router's, every leg they got was a 504."""
+    ahead = 700.0
+
+    def checking(then: Behaviour) -> Behaviour:
+        async def run(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+            if req.deadline is not None and req.deadline <= time.time() + ahead:
+                error = ErrorInfo(code=504, kind="deadline", message="the request's deadline passed")
+                await chunk(nc, msg, req, 0, final=True, error=error)
+            else:
+                await then(nc, msg, req)
+
+        return run
+
+    books = Books()
+    d = Dispatcher(nc, ns, books, settings=lambda: RouterSettings(stream_heartbeat_s=HB), clock_offset=lambda w: ahead)
+    await d.start()
+    try:
+        await Worker(nc, ns, "w1").serve("decode", checking(answer))
+        await Worker(nc, ns, "p1").serve("prefill", checking(transfer))
+        chunks = await collect(d, job("w1", prefill="p1"))
+        assert [c.token_ids for c in chunks] == [[5], [6]]
+        assert ("rebook_bypass", "r1#1") not in books.log  # the prefill leg served, no local fallback
+        utility = GenerateRequest(request_id="u", model="m", token_ids=[], stream=False, endpoint="tokenize")
+        assert await d.call("w1", "decode", utility, time.time() + 30) == b""  # not a 504
+    finally:
+        await d.stop()
+
+
 async def test_a_worker_silent_mid_stream_is_asked_again_then_ends_the_stream(
     nc: Client, ns: str, world: World
 ) -> None:
