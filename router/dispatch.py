@@ -308,7 +308,7 @@ class _Leg:
                         raise LegError(
                             self.worker, 504, "timeout", f"no answer within {deadline_s:.2f}s", retryable=False
                         )
-                    if self.tokens_seen and self.resumes < MAX_RESUMES:
+                    if self._heard_from() and self.resumes < MAX_RESUMES:
                         await self._resume()
                         continue
                     raise LegError(
@@ -372,6 +372,14 @@ class _Leg:
                 self.worker, 502, "malformed_chunk", "the stream ended inside a cut-short event", retryable=False
             )
         return msgspec.structs.replace(chunk, events=events, tokens=tokens, continued=False)
+
+    def _heard_from(self) -> bool:
+        """Whether silence now means chunks lost on the way rather than a dead worker: a stream's
+        tokens came, or a whole answer's (a prefill leg's included) heartbeats did. A whole answer
+        has no token until its end, so one that lost chunks for three heartbeats was failed as a
+        silent worker after minutes of work that a resume recovers; a stream with no token yet is
+        retried elsewhere at once instead."""
+        return self.tokens_seen or (not self.request.stream and self.next_seq > 0)
 
     async def _resume(self) -> None:
         self.resuming = True

@@ -415,6 +415,35 @@ async def test_lost_last_chunks_are_asked_for_after_silence(nc: Client, ns: str,
     assert worker.resumes == [3]
 
 
+class HeartbeatsThenWhole(Replaying):
+    """A whole answer: heartbeats, of which a run longer than the silence limit is lost, then the body."""
+
+    def chunks(self, req: GenerateRequest) -> list[ResponseChunk]:
+        beats = [ResponseChunk(request_id=req.request_id, seq=i) for i in range(8)]
+        body = b'{"choices": []}'
+        return [*beats, ResponseChunk(request_id=req.request_id, seq=8, final=True, finish_reason="length", body=body)]
+
+    async def __call__(self, nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        if req.resume is not None:
+            await super().__call__(nc, msg, req)
+            return
+        for c in self.chunks(req):
+            if c.seq not in self.lose:
+                await nc.publish(msg.reply, encode_msg(c))
+            await asyncio.sleep(req.heartbeat_s)
+
+
+async def test_a_whole_answer_that_lost_heartbeats_is_asked_again_not_failed(nc: Client, ns: str, world: World) -> None:
+    d, _, unreachable = world
+    worker = HeartbeatsThenWhole(lose={2, 3, 4, 5, 6, 7, 8})  # 0.7 s of chunks lost, the body among them
+    await Worker(nc, ns, "w1").serve("decode", worker)
+    j = job("w1")
+    j.request = msgspec.structs.replace(j.request, stream=False)
+    chunks = await collect(d, j)
+    assert chunks[-1].final and chunks[-1].body == b'{"choices": []}'
+    assert worker.resumes and unreachable == []
+
+
 async def test_a_worker_that_no_longer_has_the_chunks_ends_the_stream_with_its_error(
     nc: Client, ns: str, world: World
 ) -> None:
