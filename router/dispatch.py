@@ -179,7 +179,7 @@ class Job:
     request: GenerateRequest
     plan: RoutePlan
     replan: Callable[[frozenset[str]], RoutePlan | None]
-    deadline: float  # Unix time
+    deadline: float  # time.monotonic() at which the request's time is up (on the wire: _wall)
     path: Path = Path.AGG
     outcome: Outcome = Outcome.AGGREGATED
     attempts: int = 0
@@ -622,13 +622,19 @@ class Dispatcher:
         with contextlib.suppress(Exception):  # best effort: the worker may be gone already
             await self._nc.publish(subjects.cancel(self._ns, worker), encode_msg(CancelRequest(request_id=request_id)))
 
+    def _wall(self, worker: str, deadline: float) -> float:
+        """A deadline on time.monotonic() as the worker checks it: Unix time on its clock. The router
+        times its own waits on the monotonic clock, which no step of the host's wall clock (NTP, a
+        VM resumed) moves: one 60 s forward ended every stream with less left at once."""
+        return time.time() + (deadline - time.monotonic()) + self._clock_offset(worker)
+
     # --- a utility call -------------------------------------------------------------------------
 
     async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
         """A utility call (`req.endpoint` one of UTILITY_ENDPOINTS) on one worker: the engine's whole
         answer; LegError when it failed (retryable: the worker did nothing for it)."""
         req = msgspec.structs.replace(
-            req, deadline=deadline + self._clock_offset(worker), heartbeat_s=self._settings().stream_heartbeat_s
+            req, deadline=self._wall(worker, deadline), heartbeat_s=self._settings().stream_heartbeat_s
         )
         silence = 3 * self._settings().stream_heartbeat_s
         parts: list[bytes] = []
@@ -636,7 +642,7 @@ class Dispatcher:
         try:
             async with await self._open(worker, role, req) as leg:
                 while True:
-                    chunk = await leg.next(deadline - time.time(), silence)
+                    chunk = await leg.next(deadline - time.monotonic(), silence)
                     parts.append(chunk.body)
                     size += len(chunk.body)
                     if size > MAX_ANSWER_BYTES:
@@ -794,7 +800,7 @@ class Dispatcher:
             req,
             annotations=annotations,
             disagg=job.transfer,
-            deadline=job.deadline + self._clock_offset(plan.decode.worker),
+            deadline=self._wall(plan.decode.worker, job.deadline),
             heartbeat_s=self._settings().stream_heartbeat_s,
         )
         silence = 3 * self._settings().stream_heartbeat_s
@@ -810,7 +816,7 @@ class Dispatcher:
         try:
             async with await self._open(plan.decode.worker, role, leg_req, lambda: self._free(job)) as leg:
                 while True:
-                    chunk = await leg.next(job.deadline - time.time(), silence)
+                    chunk = await leg.next(job.deadline - time.monotonic(), silence)
                     generated = _generated(chunk)
                     if not generated and job.first_token_at is None and not chunk.final and _output(chunk):
                         job.held_bytes += sum(map(len, chunk.events))
@@ -864,15 +870,15 @@ class Dispatcher:
             stream=False,
             annotations=[a for a in req.annotations if a != ANNOTATION_BYPASS],
             disagg=None,
-            deadline=min(job.deadline, time.time() + settings.prefill_timeout_s) + self._clock_offset(worker),
+            deadline=self._wall(worker, min(job.deadline, time.monotonic() + settings.prefill_timeout_s)),
             heartbeat_s=settings.stream_heartbeat_s,
         )
-        left = job.deadline - time.time()
-        until = time.time() + min(settings.prefill_timeout_s, left)
+        left = job.deadline - time.monotonic()
+        until = time.monotonic() + min(settings.prefill_timeout_s, left)
         try:
             async with await self._open(worker, "prefill", leg_req) as leg:
                 while True:
-                    chunk = await leg.next(until - time.time(), 3 * settings.stream_heartbeat_s)
+                    chunk = await leg.next(until - time.monotonic(), 3 * settings.stream_heartbeat_s)
                     if chunk.final:
                         if chunk.transfer is None:
                             raise LegError(

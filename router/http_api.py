@@ -586,7 +586,7 @@ def _sse_event(payload: bytes) -> bytes:
 
 
 async def _sent(request: web.Request, data: bytes, write: Callable[[bytes], Awaitable[None]], deadline: float) -> bool:
-    """Whether the client took `data`, written by `write`, before `deadline` (Unix time): aiohttp's
+    """Whether the client took `data`, written by `write`, before `deadline` (time.monotonic()): aiohttp's
     write waits for the socket to drain, which is forever for a client that stopped reading. It
     waits only while the protocol is paused (from over the high-water mark until under the low
     one): a write while it is not, that stays under the high mark, cannot wait and goes without a
@@ -598,7 +598,7 @@ async def _sent(request: web.Request, data: bytes, write: Callable[[bytes], Awai
             await write(data)
             return True
     try:
-        async with asyncio.timeout(deadline - time.time()):
+        async with asyncio.timeout(deadline - time.monotonic()):
             await write(data)
     except TimeoutError:
         return False

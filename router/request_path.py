@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -209,14 +208,13 @@ class RequestPath:
         req = msgspec.structs.replace(
             request,
             annotations=[a for a in request.annotations if a != ANNOTATION_BYPASS],  # the router's alone
-            deadline=time.time() + self.request_timeout_s,
             trace=self.tracer.carrier(span),
         )
         return Job(
             request=req,
             plan=plan,
             replan=lambda exclude: self.planner.plan_again(ctx, exclude),
-            deadline=req.deadline or math.inf,
+            deadline=time.monotonic() + self.request_timeout_s,
             sequences=shape.sequences,
         )
 
@@ -234,7 +232,7 @@ class RequestPath:
         req = GenerateRequest(
             request_id=uuid.uuid4().hex, model=model, token_ids=[], stream=False, endpoint=endpoint, params=params
         )
-        deadline = time.time() + self.request_timeout_s
+        deadline = time.monotonic() + self.request_timeout_s
         *before, last = (workers[first:] + workers[:first])[:2]
         for info in before:
             try:

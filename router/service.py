@@ -166,7 +166,7 @@ class RouterService:
         self.view = LoadView()
         self.clocks = ClockSkew(MAX_CLOCK_SKEW_S)
         self.calibration = Calibration() if config.calibrate else None
-        self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.time)
+        self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.monotonic)
         self.metrics = RouterMetrics(self._figures)
         calibrated = self.calibration is not None
         self.peer_settings = PeerSettings(self.ns, settings_digest(self.settings, calibrated=calibrated), BUILD)
@@ -205,7 +205,7 @@ class RouterService:
         # the connection drops (and again when it is back), None once a decode or agg worker reported.
         self._reconnected_at: float | None = None
         self.eligibility = Eligibility(
-            clock=time.time,
+            clock=time.monotonic,  # cooldowns no step of the host's wall clock stretches
             sync_state=self._sync_state,
             liveness=self.view.liveness,
             tokenizer=self.fingerprints.mine,

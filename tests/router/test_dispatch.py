@@ -122,7 +122,9 @@ def job(*decode: str, prefill: str | None = None, replans: list[RoutePlan] | Non
     plan = RoutePlan(c, d, p, path, Outcome.DECLINED_POLICY, "", c.decode_pool, c.prefill_pool, key="r1#1")
     queue = list(replans or [])
     req = GenerateRequest(request_id="r1", model="m", token_ids=list(range(64)))
-    return Job(request=req, plan=plan, replan=lambda ex: queue.pop(0) if queue else None, deadline=time.time() + 30)
+    return Job(
+        request=req, plan=plan, replan=lambda ex: queue.pop(0) if queue else None, deadline=time.monotonic() + 30
+    )
 
 
 async def collect(d: Dispatcher, j: Job) -> list[ResponseChunk]:
@@ -202,9 +204,27 @@ async def test_deadlines_go_out_on_the_workers_clock(nc: Client, ns: str) -> Non
         assert [c.token_ids for c in chunks] == [[5], [6]]
         assert ("rebook_bypass", "r1#1") not in books.log  # the prefill leg served, no local fallback
         utility = GenerateRequest(request_id="u", model="m", token_ids=[], stream=False, endpoint="tokenize")
-        assert await d.call("w1", "decode", utility, time.time() + 30) == b""  # not a 504
+        assert await d.call("w1", "decode", utility, time.monotonic() + 30) == b""  # not a 504
     finally:
         await d.stop()
+
+
+async def test_a_step_of_the_routers_wall_clock_ends_no_leg(
+    nc: Client, ns: str, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's wall clock steps 60 s forward (NTP, a VM resumed) while a leg with 30 s left runs:
+    timed on it, the leg ended at once with a 504."""
+    d, _, _ = world
+    w = Worker(nc, ns, "w1")
+    await w.serve("decode", heartbeats_then_answer(4 * HB))
+    wall = time.time
+    stepped = asyncio.get_running_loop().call_later(HB, lambda: monkeypatch.setattr(time, "time", lambda: wall() + 60))
+    try:
+        chunks = await collect(d, job("w1"))
+    finally:
+        stepped.cancel()
+    assert [c.token_ids for c in chunks] == [[5]] and chunks[-1].final
+    assert w.requests[0].deadline == pytest.approx(wall() + 30, abs=1)  # the worker still gets Unix time
 
 
 async def test_a_worker_silent_mid_stream_is_asked_again_then_ends_the_stream(

@@ -221,5 +221,5 @@ async def test_a_write_while_the_protocol_is_still_paused_keeps_its_deadline() -
     writer = StreamWriter(protocol, loop)
     writer.enable_chunking()
     request = type("Request", (), {"transport": transport, "protocol": protocol})()
-    sent = await asyncio.wait_for(_sent(request, b"data: [DONE]\n\n", writer.write_eof, time.time() + 0.3), 3)
+    sent = await asyncio.wait_for(_sent(request, b"data: [DONE]\n\n", writer.write_eof, time.monotonic() + 0.3), 3)
     assert sent is False
