@@ -7,7 +7,9 @@ version and no mismatch could show. `BUILD` adds the wire they speak as a PEP 44
 `0.1.0+wire.<WIRE_DIGEST>`: the digest is over the JSON schema of every message Struct in
 protocol.messages (their fields, types, tags and defaults; docstrings left out), so any change to
 what crosses a process boundary changes it, and processes that report equal `BUILD`s read each
-other's messages alike. It lives in protocol because it travels on the wire.
+other's messages alike. It lives in protocol because it travels on the wire. The schema is
+msgspec's rendering, so one build installed with another msgspec (pyproject pins ~=0.23) could read
+as another wire: a false warning, never a silent one.
 """
 
 from __future__ import annotations
