@@ -35,9 +35,11 @@ __all__ = ["NO_WORKER_RETRY_S", "RECENT_S", "RequestPath", "Unknown", "refused_r
 log = logging.getLogger(__name__)
 
 
-# The router's --model, or a name a request resolved within RECENT_S whose model no worker serves
-# now, is a 503 (its workers left: a crash, a hung engine, a rolling restart), not a 404. (A LoRA
-# adapter unloaded from workers still serving its model is a 404, as vLLM answers it.)
+# The router's --model, or a name a request resolved within RECENT_S that no worker serves now
+# because its workers left (a crash, a hung engine, a rolling restart), is a 503, not a 404: its
+# model is served by none, or the workers that served it (an adapter, an alias) left while others
+# serving the model without it stay. (A LoRA adapter unloaded from workers still serving its model
+# is a 404, as vLLM answers it.)
 RECENT_S = 600.0
 _RECENT_MAX = 256  # names remembered; the oldest goes first
 NO_WORKER_RETRY_S = 5  # Retry-After: a shim that restarts registers again within seconds
@@ -70,6 +72,8 @@ class RequestPath:
     ns: str = subjects.DEFAULT_NAMESPACE  # where the workers register: named when none has
     # worker records refused in etcd (key, why), of a model (None: all): named when they explain a 404
     refused: Callable[[str | None], Sequence[tuple[str, str]]] = lambda _model: ()
+    # when a worker serving a name (model, alias, adapter) last left (time.monotonic; None: none did)
+    left_at: Callable[[str], float | None] = lambda _name: None
     request_timeout_s: float = 600.0
     inflight: int = 0
     calls: int = 0  # utility calls so far: the next one starts at the next worker
@@ -126,9 +130,15 @@ class RequestPath:
         return {name: model for name, (_, model) in self._recent.items()}
 
     def _model_gone(self, name: str) -> bool:
-        """A request resolved `name` lately, and no worker serves its model now."""
+        """A request resolved `name` lately, and no worker serves it now: none serves its model, or
+        the workers that served it (an adapter, an alias some served) left within RECENT_S while
+        others serving the model without it stay. One unloaded from workers still serving its
+        model is not gone but unknown, a 404 as vLLM answers it."""
         model = self.served_lately().get(name)
-        return model is not None and model not in self.models()
+        if model is None:
+            return False
+        left = self.left_at(name)
+        return model not in self.models() or (left is not None and self.clock() - left < RECENT_S)
 
     def _no_worker(self, name: str | None) -> Unknown:
         """No worker serves `name` (None: any model served within RECENT_S) right now."""

@@ -338,6 +338,7 @@ class RouterService:
             default_model=self.config.model,
             ns=self.ns,
             refused=self._refused,
+            left_at=self._left_at,
             request_timeout_s=self.config.request_timeout_s,
         )
         self._load_sub = await nc.subscribe(
@@ -862,6 +863,9 @@ class RouterService:
 
     def adapters(self) -> dict[str, str]:
         return self.registry.adapters() if self._registry is not None else {}
+
+    def _left_at(self, name: str) -> float | None:
+        return self.registry.left_at(name) if self._registry is not None else None
 
     def aliases(self) -> dict[str, str]:
         return self.registry.aliases() if self._registry is not None else {}

@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -42,6 +44,8 @@ from runtime import background
 __all__ = ["Refused", "WorkerRegistry"]
 
 log = logging.getLogger(__name__)
+
+_LEFT_MAX = 1024  # names of departed workers remembered; the oldest goes first
 
 
 class Refused(msgspec.Struct, frozen=True):
@@ -69,6 +73,8 @@ class WorkerRegistry:
         self.unreachable_models: set[str] = set()  # every name they are served under clashes
         self.refused = 0  # records refused so far
         self._refusing: dict[str, Refused] = {}  # by key name, while its record is refused
+        # every name (model, alias, adapter) a worker whose key went served, with when (monotonic)
+        self._left: OrderedDict[str, float] = OrderedDict()
         self.status = PartStatus.NEW
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -132,6 +138,13 @@ class WorkerRegistry:
         alias is listed as that, and clashes: router.served_names)."""
         named = {*self.models(), *self.aliases()}
         return {name: info.model for info in self.workers() for name in info.adapters if name not in named}
+
+    def left_at(self, name: str) -> float | None:
+        """When a worker serving `name` (its model, an alias or a LoRA adapter) last left: its key
+        went (a crash, a lease lost, a restart, a record refused). None: none has, as far as the
+        last _LEFT_MAX names go. A name no worker serves now that one left with may be back; one a
+        worker still registered stopped serving (an adapter unloaded) is gone."""
+        return self._left.get(name)
 
     def refusing(self) -> list[Refused]:
         """The records refused now, by name."""
@@ -206,7 +219,13 @@ class WorkerRegistry:
 
     def _delete(self, name: str) -> None:
         self._refusing.pop(name, None)
-        if self._workers.pop(name, None) is not None:
+        if (info := self._workers.pop(name, None)) is not None:
+            now, left = time.monotonic(), self._left
+            for served in (info.model, *info.aliases, *info.adapters):
+                left[served] = now
+                left.move_to_end(served)
+            while len(left) > _LEFT_MAX:
+                left.popitem(last=False)
             self._sorted = None
             self._call(self._on_remove, name)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 
+from engine_sim import LoraModule
 from router.request_path import NO_WORKER_RETRY_S
 from router.service import RouterService
 from tests.router.conftest import MODEL, Cluster
@@ -42,4 +43,32 @@ async def test_when_every_worker_of_a_model_left_its_requests_are_a_503_to_retry
         assert "right now" in error["message"] and "does not exist" not in error["message"], error
         assert "--namespace" not in error["message"], error  # it saw workers: no namespace mismatch
     status, out, _ = await ask(http, other, model="never-served")
+    assert status == 404 and "does not exist" in out["error"]["message"], out
+
+
+async def test_an_adapter_whose_workers_left_is_a_503_while_others_serve_its_base_model(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Its base model is still served, by a worker without the adapter: the router answered 404
+    "does not exist", which clients do not retry, through a rolling restart of the adapter's
+    workers. Unloaded from a worker still registered, it is a 404, as vLLM answers."""
+    sql = await cluster.add_worker("agg", lora_modules=(LoraModule("sql", "/adapters/sql"),))
+    chat = await cluster.add_worker(
+        "agg", lora_modules=(LoraModule("chat", "/adapters/chat"),), runtime_lora_updating=True
+    )
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    for name in ("sql", "chat"):
+        status, out, _ = await ask(http, router, model=name)
+        assert status == 200, out
+    await sql.shim.stop()
+    await until(lambda: "sql" not in router.adapters(), what="the adapter's worker gone")
+    status, out, retry = await ask(http, router, model="sql")
+    assert (status, retry) == (503, str(NO_WORKER_RETRY_S)) and "right now" in out["error"]["message"], out
+    assert (await ask(http, router, model=MODEL))[0] == 200
+
+    async with http.post(chat.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "chat"}) as r:
+        assert r.status == 200
+    await until(lambda: "chat" not in router.adapters(), what="the unloaded adapter gone")
+    status, out, _ = await ask(http, router, model="chat")
     assert status == 404 and "does not exist" in out["error"]["message"], out
