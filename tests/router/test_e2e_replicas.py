@@ -44,7 +44,17 @@ async def test_two_replicas_under_a_shared_prefix_keep_worker_load_balanced(
         complete(http, routers[i % 2], shared + list(range(20_000 + 64 * i, 20_064 + 64 * i)), max_tokens=40)
         for i in range(60)
     ]
-    results = await asyncio.gather(*requests)
+    # All 60 in flight at once, however a loaded box spreads their arrival: the engines hold them
+    # until every one is routed. Else the first ones finish (speedup 200) before the last arrive,
+    # the fleet is idle again, and the late ones rightly go to the prefix's holders alone.
+    seen = sum(w.sim.faults.requests_seen for w in cluster.workers)
+    for w in cluster.workers:
+        w.sim.faults.hang = True
+    sent = asyncio.gather(*requests)
+    await until(lambda: sum(w.sim.faults.requests_seen for w in cluster.workers) == seen + 60, what="all 60 routed")
+    for w in cluster.workers:
+        w.sim.faults.hang = False
+    results = await sent
     assert all(status == 200 for status, _, _ in results)
     per_worker = Counter(h["x-kvswitch-decode-worker"] for _, _, h in results)
     counts = [per_worker.get(w.id, 0) for w in cluster.workers]

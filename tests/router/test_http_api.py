@@ -324,24 +324,32 @@ async def test_server_timing_puts_the_engines_wait_in_worker_not_in_the_routers_
     router, sim = agg.routers[0], agg.workers[0].sim
     sim.faults.hang_after = sim.faults.requests_seen  # the next request hangs in the engine
 
-    async def resume() -> None:
+    async def resume() -> float:
+        """The ms from sending the request to seeing the engine hold it."""
         await until(lambda: sim.faults.hang, what="the engine to hang on the request")
+        reached = time.perf_counter()
         await asyncio.sleep(0.3)
         sim.faults.hang_after = None
         sim.faults.hang = False
+        return (reached - sent) * 1e3
 
+    sent = time.perf_counter()  # the router's clock too: all in this process
     resumed = asyncio.create_task(resume())
     request = {"model": MODEL, "prompt": list(range(1, 40)), "max_tokens": 4}
     if streamed:
         status, _, headers = await stream(http, router.url + "/v1/completions", request)
     else:
         status, _, headers = await post(http, router.url + "/v1/completions", request)
-    await resumed
+    reached_engine_ms = await resumed
     assert status == 200
     timing = server_timing(headers)
     assert set(timing) == {"parse", "route", "worker"}
     assert timing["worker"] >= 300.0  # ms: the engine held the prefill that long
-    assert 0 < timing["parse"] < 100 and 0 < timing["route"] < 100
+    # The router's parts ended before the engine had the request, so none of its wait is in them.
+    # Bounded by that, not by a fixed figure: a loaded box that stalls this process (all of the
+    # cluster shares its loop) for 100 ms between the request's arrival and its plan is no bug.
+    assert timing["parse"] > 0 and timing["route"] > 0
+    assert timing["parse"] + timing["route"] <= reached_engine_ms, (timing, reached_engine_ms)
 
 
 async def test_stop_strings_are_cut_and_reported(agg: Cluster, http: aiohttp.ClientSession) -> None:
