@@ -116,7 +116,10 @@ COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
 PREFILL_POLL_S = 0.05
-_ENVELOPE = 4096  # room left in a chunk for everything but its events or body
+_ENVELOPE = 4096  # room left in a chunk for everything but its events, token ids or body
+# msgpack's most bytes around one event (a bin 32 header) or for one token id (a uint 32): a full
+# chunk of ~230-byte events held ~10 kB of framing, past the envelope, and NATS refused it for good
+_FRAME = 5
 _ENDPOINTS = frozenset({"", ENDPOINT_COMPLETIONS, ENDPOINT_CHAT})
 
 
@@ -196,20 +199,23 @@ class _ChunkWriter:
     async def output(self, tokens: int, events: list[bytes], toks: list[int]) -> None:
         counted = tokens  # one read's tokens go with the first chunk that carries its events
         room = self._room
+        piece = room - _FRAME
         for event in events:
-            if self._events and self._event_bytes + len(event) > room:
+            if self._events and self._event_bytes + len(event) + _FRAME > room:
                 await self._flush()
             self._counted += counted
             counted = 0
             cut = 0
-            while len(event) - cut > room:  # over a whole chunk: in pieces the router joins
-                self._events.append(event[cut : cut + room])
-                cut += room
+            while len(event) - cut > piece:  # over a whole chunk: in pieces the router joins
+                self._events.append(event[cut : cut + piece])
+                cut += piece
                 await self._flush(continued=True)
             rest = event[cut:] if cut else event
             self._events.append(rest)
-            self._event_bytes += len(rest)
+            self._event_bytes += len(rest) + _FRAME
         self._pending.extend(toks)
+        if len(self._pending) * _FRAME > room:
+            await self._flush()
         if self._timer is not None:
             return
         # A leg's first output follows none, so it never waits: not after a heartbeat or a prefilled
@@ -233,8 +239,22 @@ class _ChunkWriter:
     async def _flush(self, *, continued: bool = False) -> None:
         if self._pending or self._events:
             toks, self._pending = self._pending, []
-            events, self._events, self._event_bytes = self._events, [], 0
+            events, used = self._events, self._event_bytes
+            self._events, self._event_bytes = [], 0
+            toks = await self._send_ids_over(toks, used)
             await self._send(self._chunk(toks, events, continued=continued))
+
+    async def _send_ids_over(self, toks: list[int], used: int) -> list[int]:
+        """Sends the leading token ids past what a chunk holds beside `used` bytes, in chunks of
+        their own (a whole token-id answer is every id of it); the rest, for the chunk to come."""
+        fit = max(self._room - used, 0) // _FRAME
+        if len(toks) <= fit:
+            return toks
+        head, rest = toks[: len(toks) - fit], toks[len(toks) - fit :]
+        per = self._room // _FRAME
+        for i in range(0, len(head), per):
+            await self._send(self._chunk(head[i : i + per]))
+        return rest
 
     async def final(
         self,
@@ -252,13 +272,19 @@ class _ChunkWriter:
         outcome = error.kind if error is not None else ("abort" if finish_reason == "abort" else "ok")
         self.service.outcomes[(self.role, outcome)] += 1
         toks, self._pending = self._pending + (tokens or []), []
-        events, self._events, self._event_bytes = self._events, [], 0
+        events, used = self._events, self._event_bytes
+        self._events, self._event_bytes = [], 0
         if events and error is not None:
-            await self._send(self._chunk(toks, events))  # what the engine said before it failed
-            toks, events = [], []
+            await self._send(self._chunk(await self._send_ids_over(toks, used), events))  # said before it failed
+            toks, events, used = [], [], 0
         pieces = [body[i : i + self._room] for i in range(0, len(body), self._room)] or [b""]
         for piece in pieces[:-1]:
             await self._send(self._chunk([], body=piece))
+        if events and len(pieces[-1]) + used > self._room:
+            await self._send(self._chunk(await self._send_ids_over(toks, used), events))
+            toks, events, used = [], [], 0
+        used += len(pieces[-1]) + (len(encode_msg(transfer)) if transfer is not None else 0)
+        toks = await self._send_ids_over(toks, used)
         await self._send(
             self._chunk(
                 toks,

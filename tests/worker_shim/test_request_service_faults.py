@@ -227,6 +227,39 @@ async def test_the_heartbeat_clock_starts_with_the_leg(nc: Nats, replies: Replie
     await writer.final(finish_reason="length")
 
 
+# --- chunk sizes ---------------------------------------------------------------------------------
+
+
+async def test_a_backlog_of_small_events_goes_in_chunks_nats_takes(nc: Nats, replies: Replies) -> None:
+    """20,000 engine events of ~230 bytes in one read while busy (the engine's backlog after NATS
+    was slow): counted by their bytes alone, a chunk held ~10 kB of msgpack framing past its
+    envelope, and NATS refused it for good; the router's resumes got the same refusal."""
+    svc = service(nc, busy_legs=0)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    event = b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"x","logprobs":null}]}'
+    event += b" " * (230 - len(event))
+    await writer.output(1, [b"first"], [])  # the first output goes at once; the backlog is held
+    await writer.output(20_000, [event] * 20_000, [])
+    await writer.final(finish_reason="length")
+    assert max(len(d) for d in writer.sent) <= nc.max_payload and svc.chunks_unsent == 0
+    await wait_for(lambda: any(c.final for c in replies.chunks("r1")), what="the final chunk")
+    chunks = replies.chunks("r1")
+    assert [c.seq for c in chunks] == list(range(len(writer.sent)))
+    assert sum(len(c.events) for c in chunks) == 20_001 and sum(c.tokens for c in chunks) == 20_001
+
+
+async def test_a_whole_token_id_answer_goes_in_chunks_nats_takes(nc: Nats, replies: Replies) -> None:
+    """Every id of a whole answer went in its final chunk: 220 k of them, 1.1 MB, refused."""
+    svc = service(nc)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    ids = [100_000 + i for i in range(220_000)]
+    await writer.final(finish_reason="length", tokens=ids)
+    assert len(writer.sent) > 1 and max(len(d) for d in writer.sent) <= nc.max_payload and svc.chunks_unsent == 0
+    await wait_for(lambda: any(c.final for c in replies.chunks("r1")), what="the final chunk")
+    chunks = replies.chunks("r1")
+    assert [t for c in chunks for t in c.token_ids] == ids and chunks[-1].final
+
+
 # --- NATS refusing chunks -----------------------------------------------------------------------
 
 
