@@ -11,6 +11,13 @@ chunks are then built and sent one by one, the loop running between them (a dump
 blocks takes about a second to order). A reply NATS refuses as over its payload limit (the server
 changed under the connection) is answered with a dump instead when nothing of it went out yet.
 
+Outbox: batches sealed but not yet handed to NATS wait in seq order, at most RING_SIZE of them (a
+kvstate request can fetch no older batch anyway). While NATS takes nothing (a stalled server: nats-py
+blocks each publish once its buffer is full, and notices the stall only minutes later), the oldest
+are dropped as sent and failed, counted in send_failures and said once per outage: subscribers see
+the seq gap and repair. Before 2026-12-06 the outbox grew without a bound or a word (8.5 GB in 90 s
+of a stalled server under a heavy event rate).
+
 Digest: each batch carries, from its seal, the KvDigest as of its seq; once the batch has been
 handed to NATS, `digest()` returns that one. NATS keeps one connection's messages in order, so a
 LoadReport carrying it reaches a router after the batch it names.
@@ -47,7 +54,7 @@ from protocol import (
     unpack_hashes,
 )
 from runtime import background
-from worker_shim.event_log import MIN_PAYLOAD, EventLog, batch_bytes, event_bytes
+from worker_shim.event_log import MIN_PAYLOAD, RING_SIZE, EventLog, batch_bytes, event_bytes
 from worker_shim.normaliser import Normaliser
 
 __all__ = ["COALESCE_S", "MAX_EVENTS", "KvDigestAt", "KvPublisher", "PublisherCounters", "check_payload"]
@@ -197,9 +204,23 @@ class KvPublisher:
             log_ = self.log
             batch = log_.seal(self._pending, size=self._pending_bytes)
             self._outbox.append((batch, KvDigestAt(log_.epoch, batch.seq, log_.digest.blocks, log_.digest.xor)))
+            if len(self._outbox) > RING_SIZE:
+                dropped, _ = self._outbox.popleft()
+                self._failed(dropped.seq, "NATS takes nothing: the oldest unsent batch was dropped")
             self._pending = []
             self._pending_hashes = 0
             self._pending_bytes = self._empty_batch
+
+    def _failed(self, seq: int, why: str) -> None:
+        self.counters.send_failures += 1
+        if self._failing_since is None:  # once per outage, as response chunks: a line per batch flooded
+            self._failing_since = seq
+            log.warning(
+                "publishing KV batch %d failed (%s); subscribers will repair. Batches go unsent until "
+                "NATS takes them again (kvswitch_shim_kv_publish_failures_total)",
+                seq,
+                why,
+            )
 
     async def _send_outbox(self) -> None:
         while self._outbox:
@@ -209,15 +230,7 @@ class KvPublisher:
                 self.counters.batches += 1
             except NatsError as exc:
                 # The batch stays in the ring: subscribers see the seq gap (or the digest) and repair.
-                self.counters.send_failures += 1
-                if self._failing_since is None:  # once per outage, as response chunks: a line per batch flooded
-                    self._failing_since = batch.seq
-                    log.warning(
-                        "publishing KV batch %d failed (%s); subscribers will repair. Batches go unsent until "
-                        "NATS takes them again (kvswitch_shim_kv_publish_failures_total)",
-                        batch.seq,
-                        exc,
-                    )
+                self._failed(batch.seq, str(exc))
             else:
                 if self._failing_since is not None:
                     log.info("NATS takes KV batches again from %d (unsent from %d)", batch.seq, self._failing_since)

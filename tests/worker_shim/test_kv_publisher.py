@@ -11,6 +11,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from protocol import KvEvent, KvEventBatch, Stored, decode_msg, hash_count, subjects, unpack_hashes
+from worker_shim.event_log import RING_SIZE
 from worker_shim.kv_publisher import MAX_EVENTS, MAX_HASHES, KvPublisher
 from worker_shim.normaliser import Normaliser
 
@@ -70,3 +71,25 @@ async def test_batches_nats_refuses_are_counted_and_logged_once_per_outage(
             await back.close()
     messages = [r.getMessage() for r in caplog.records]
     assert pub.counters.batches == 1 and "NATS takes KV batches again from 6 (unsent from 1)" in messages
+
+
+async def test_batches_waiting_for_a_stalled_nats_are_bounded_counted_and_said_once(
+    nats_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While NATS takes nothing (a stalled server: nats-py blocks the publish that would overfill its
+    buffer, here the publisher's task never runs), the engine's events go on: sealed batches waited
+    without a bound or a word (8.5 GB in 90 s). Past the ring, the oldest are dropped as failed, and
+    subscribers repair by the seq gap as for any batch NATS refused."""
+    nc = await nats.connect(nats_url)
+    try:
+        pub = KvPublisher(nc, ns, "w1", 7, Normaliser(16))
+        with caplog.at_level(logging.WARNING, logger="worker_shim.kv_publisher"):
+            for h in range(RING_SIZE + 500):
+                pub.add([Stored(hashes=[h], parent=None)])
+                pub.seal()
+        assert len(pub._outbox) == RING_SIZE and pub.counters.send_failures == 500
+        assert [b.seq for b, _ in pub._outbox][:1] == [501]  # the newest kept, in order
+        warned = [r for r in caplog.records if "subscribers will repair" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in warned]
+    finally:
+        await nc.close()
