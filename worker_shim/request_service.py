@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import resource
@@ -99,6 +100,10 @@ log = logging.getLogger(__name__)
 RECENT_LEGS = 256
 RECENT_BYTES = 64 * 1024 * 1024
 RECENT_S = 30.0
+# One leg's chunks kept for a resume, at most: seconds of any stream's output (1 MB/s with logprobs),
+# where a router asks within a few silent heartbeats; an eighth of RECENT_BYTES, so one ended leg
+# never pushes out every other.
+LEG_KEPT_BYTES = RECENT_BYTES // 8
 # File descriptors kept free beside the legs' engine connections (one each) for what the shim
 # opens besides: health probes, load polls, NATS, etcd, ZMQ event sockets, /metrics scrapes.
 FD_RESERVE = 64
@@ -142,7 +147,11 @@ class _ChunkWriter:
         self.role = role
         self.seq = 0
         self.sent_tokens = 0
-        self.sent: list[bytes] = []  # every chunk as published, by seq: a router may ask again
+        # The chunks a router may still ask for again, from seq `first` (_keep): those published
+        # within RECENT_S, at most LEG_KEPT_BYTES of the newest; `sent_bytes` is their size.
+        self.sent: deque[bytes] = deque()
+        self._sent_at: deque[float] = deque()
+        self.first = 0
         self.sent_bytes = 0
         self.ended = 0.0  # time.monotonic() when the leg ended (RequestService.remember)
         self.done = False
@@ -159,20 +168,32 @@ class _ChunkWriter:
 
     async def _send(self, chunk: ResponseChunk) -> None:
         self.seq += 1
-        self._last_sent = time.monotonic()
+        self._last_sent = now = time.monotonic()
         data = encode_msg(chunk)
         self.sent.append(data)
+        self._sent_at.append(now)
         self.sent_bytes += len(data)
+        self._keep(now)
         await self.service.publish(self.reply, data)
+
+    def _keep(self, now: float) -> None:
+        """Forget the chunks no router can ask for again: it asks within a few silent heartbeats of
+        the last chunk it got, so not for one published over RECENT_S ago, as for an ended leg's.
+        A leg in flight kept every chunk since its first (74 MiB in 10 s for 8 legs with logprobs)."""
+        sent, at = self.sent, self._sent_at
+        while len(sent) > 1 and (at[0] < now - RECENT_S or self.sent_bytes > LEG_KEPT_BYTES):
+            self.sent_bytes -= len(sent.popleft())
+            at.popleft()
+            self.first += 1
 
     async def resume(self, reply: str, seq: int) -> bool:
         """Send the chunks from `seq` on again, to `reply`, which gets the rest of the leg too.
-        False when `seq` is not one this leg has sent or will send next."""
-        if not 0 <= seq <= len(self.sent):
+        False when `seq` is not one this leg still keeps or will send next."""
+        if not self.first <= seq <= self.first + len(self.sent):
             return False
         self.reply = reply
         self._last_sent = time.monotonic()
-        for data in self.sent[seq:]:
+        for data in list(itertools.islice(self.sent, seq - self.first, None)):  # sends go on meanwhile
             await self.service.publish(reply, data)
         return True
 

@@ -23,7 +23,7 @@ from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, deco
 from tests.worker_shim.cluster import wait_for
 from worker_shim import request_service
 from worker_shim.adapters.base import EngineAdapter, LegOutcome, LegRequest, OnOutput
-from worker_shim.request_service import RECENT_BYTES, RequestService, _ChunkWriter
+from worker_shim.request_service import LEG_KEPT_BYTES, RECENT_BYTES, RequestService, _ChunkWriter
 
 
 class FakeEngine:
@@ -260,6 +260,28 @@ async def test_a_whole_token_id_answer_goes_in_chunks_nats_takes(nc: Nats, repli
     assert [t for c in chunks for t in c.token_ids] == ids and chunks[-1].final
 
 
+async def test_a_leg_in_flight_keeps_only_the_chunks_a_router_may_ask_for_again(
+    nc: Nats, replies: Replies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leg in flight kept every chunk since its first for a resume (74 MiB in 10 s for 8 legs
+    with logprobs): now, as an ended leg, those of the last RECENT_S, at most LEG_KEPT_BYTES."""
+    monkeypatch.setattr(request_service, "LEG_KEPT_BYTES", 64 * 1024)
+    monkeypatch.setattr(request_service, "RECENT_S", 0.2)
+    svc = service(nc)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    event = b"x" * 1000
+    for _ in range(200):  # 200 kB, over the bytes kept
+        await writer.output(1, [event], [])
+    assert writer.sent_bytes <= 64 * 1024 and writer.first > 0
+    assert writer.first + len(writer.sent) == writer.seq == 200
+    assert not await writer.resume(replies.inbox("again"), 0), "chunks forgotten are gone (410)"
+    assert await writer.resume(replies.inbox("again"), writer.first)
+    await asyncio.sleep(0.25)  # past RECENT_S
+    await writer.output(1, [event], [])
+    assert (writer.first, len(writer.sent)) == (200, 1), "older than RECENT_S: none kept but the newest"
+    await writer.final(finish_reason="length")
+
+
 # --- NATS refusing chunks -----------------------------------------------------------------------
 
 
@@ -395,10 +417,9 @@ async def test_a_leg_too_large_to_keep_pushes_out_no_other(nc: Nats, replies: Re
         svc.remember(writer)
     big = _ChunkWriter(svc, f"{ns}.bulk.big", "big", "w1", "agg")  # e.g. a long stream with logprobs
     await big.final(finish_reason="stop", body=b"y" * (RECENT_BYTES + (1 << 20)))
-    assert big.sent_bytes > RECENT_BYTES
+    assert big.sent_bytes <= LEG_KEPT_BYTES < RECENT_BYTES and big.first > 0, "only its newest chunks kept"
     svc.remember(big)
-    assert list(svc.recent) == [f"r{i}" for i in range(10)], "the other legs' chunks were dropped"
-    assert "big" not in svc.recent
+    assert list(svc.recent) == [*(f"r{i}" for i in range(10)), "big"], "the other legs' chunks were dropped"
     again = await ask_again(replies, subject, "r9", "again")
     assert [c.body for c in again] == [b"x" * 1000] and again[0].error is None
 
