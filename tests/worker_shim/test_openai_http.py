@@ -19,6 +19,7 @@ from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from tests.protocol.vllm_captures import FIXTURES
 from tests.router.polling import until
 from worker_shim import ShimConfig
+from worker_shim.adapters import openai_http
 from worker_shim.adapters.base import EngineError, LegRequest, ModelCard
 from worker_shim.adapters.openai_http import model_cards
 from worker_shim.adapters.vllm import PREFILL_TRANSFER_PARAMS, VllmAdapter
@@ -167,6 +168,24 @@ async def test_output_before_an_error_event_in_the_same_read_is_handed_over_firs
     with pytest.raises(EngineError):
         await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m"}), on_output)
     assert seen == [EVENTS[0]]
+
+
+async def test_a_line_that_never_ends_is_the_engines_protocol_error(
+    engine: tuple[Engine, VllmAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine or proxy streaming one line with no newline was buffered until the deadline."""
+    monkeypatch.setattr(openai_http, "MAX_LINE_BYTES", 4 << 20)
+    eng, adapter = engine
+    eng.writes = [b"data: " + b"x" * (1 << 20)] + [b"x" * (1 << 20)] * 8  # 9 MiB of one line
+    seen: list[bytes] = []
+
+    async def on_output(tokens: int, events: list[bytes], ids: list[int]) -> None:
+        seen.extend(events)
+
+    with pytest.raises(EngineError) as err:
+        await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m"}), on_output)
+    assert (err.value.code, err.value.kind) == (502, "engine_protocol") and "without a newline" in err.value.message
+    assert seen == []
 
 
 def chat_chunk(index: int, delta: dict[str, Any], **extra: Any) -> bytes:

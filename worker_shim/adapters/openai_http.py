@@ -47,6 +47,10 @@ _encode = msgspec.json.Encoder()
 ENDPOINT_PATHS = {ENDPOINT_COMPLETIONS: "/v1/completions", ENDPOINT_CHAT: "/v1/chat/completions"}
 # A utility call is no generation, but tokenizing a long prompt with a chat template takes a while.
 UTILITY_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
+# The longest SSE line read before its newline, the router's bound on one event (its
+# MAX_ANSWER_BYTES): a streamed echo of a long prompt with logprobs is megabytes, but an engine or
+# proxy that never ends its line was buffered until the request's deadline, growing all the while.
+MAX_LINE_BYTES = 256 << 20
 
 
 def usage_from(raw: Any) -> Usage:
@@ -245,14 +249,20 @@ def _fold_lines(
 
 async def _line_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[bytes], None]:
     """The stream's lines, each batch what one read brought (the last line may end at EOF without
-    a newline); a line split over reads comes whole with the read that ends it."""
+    a newline); a line split over reads comes whole with the read that ends it. EngineError 502 for
+    a line past MAX_LINE_BYTES."""
     partial: list[bytes] = []
+    held = 0
     async for data in content.iter_any():
         partial.append(data)
+        held += len(data)
         if b"\n" not in data:
+            if held > MAX_LINE_BYTES:
+                raise EngineError(502, "engine_protocol", f"an SSE line over {MAX_LINE_BYTES} bytes without a newline")
             continue
         *lines, rest = b"".join(partial).split(b"\n")
         partial = [rest] if rest else []
+        held = len(rest)
         yield lines
     if partial:
         yield [b"".join(partial)]
