@@ -45,7 +45,8 @@ Rules:
   chain holds) and their engine hashes remembered (bounded, as the removed mappings are), so that
   what the engine still says of them is dropped quietly: a replay re-storing them, a request begun
   before the change adding blocks to them (no unknown parent, no rebuild), their eviction (no
-  unknown removal). They outlive resets, since a replay re-sends them, and are forgotten when the
+  unknown removal). They outlive resets and the shim's sessions (`after`), since a replay re-sends
+  them, and are forgotten when the
   adapter is loaded from that path again (`revive_adapter`).
 
 Synchronous and single-owner: the shim's event pump calls `apply`; nothing here awaits.
@@ -128,7 +129,10 @@ class Normaliser:
         memo_size: int = 1 << 16,
         stats: NormaliserStats | None = None,
         clock: Callable[[], float] = time.monotonic,
+        after: Normaliser | None = None,
     ) -> None:
+        """`after`: the normaliser of the engine's previous session; the adapter chains it dropped
+        stay dropped here (the new session's replay re-sends them), as within one."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -152,7 +156,9 @@ class Normaliser:
         # engine hash -> the LoRA adapter whose chain holds it (adapters' chains only)
         self._adapter_of: dict[int, str] = {}
         # engine hash -> ((adapter, path), when) of chains dropped as the engine reuses them no more
-        self._dropped: OrderedDict[int, tuple[tuple[str, str | None], float]] = OrderedDict()
+        self._dropped: OrderedDict[int, tuple[tuple[str, str | None], float]] = (
+            OrderedDict(after._dropped) if after is not None and after.block_size == block_size else OrderedDict()
+        )
         # engine hashes of blocks dropped as malformed, and of their descendants
         self._void: OrderedDict[int, None] = OrderedDict()
         self._clock = clock

@@ -658,10 +658,15 @@ class WorkerShim:
         the engine was last read: vLLM 0.32 hashes an adapter's blocks by its name and path, so the
         engine reuses them no more, while its KV events name the adapter alone. An adapter loaded
         again from a path it was dropped from gets its chains back from the engine's replay."""
-        before, self._adapter_paths = self._adapter_paths, paths
         norm = self.normaliser
-        if norm is None or self.registration is None:  # between sessions: the next one starts afresh
+        if norm is None:  # before the first session: what the engine serves is where it starts
+            self._adapter_paths = paths
             return
+        if self.registration is None:
+            # Between sessions: a change is judged once the next one runs, its replay read (the
+            # paths taken now, a path changed meanwhile was never dropped).
+            return
+        before, self._adapter_paths = self._adapter_paths, paths
         out: list[KvEvent] = []
         for name, path in before.items():
             if name in paths and paths[name] == path:
@@ -856,7 +861,7 @@ class WorkerShim:
     async def _session(self) -> None:
         assert self.limits.block_size is not None and self._discovery is not None
         self.sessions += 1
-        self.normaliser = Normaliser(self.limits.block_size, stats=self.norm_stats)
+        self.normaliser = Normaliser(self.limits.block_size, stats=self.norm_stats, after=self.normaliser)
         live = asyncio.Event()
         self._events_task = asyncio.create_task(self.adapter.run_events(self._sink, live), name="engine-events")
         try:
