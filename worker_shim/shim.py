@@ -561,6 +561,14 @@ class WorkerShim:
             raise EngineError(
                 503, "engine_unavailable", f"GET {c.engine_url}/v1/models failed: --model is checked before registering"
             )
+        if models is not None and c.model in models and (parent := models[c.model].parent) is not None:
+            # Registered as a model of its own, its prompts were hashed unsalted while its engine's
+            # events name the adapter: base-model blocks were credited to its requests.
+            why = (
+                f"the engine at {c.engine_url} serves it as a LoRA adapter of {parent}: give --model {parent}, "
+                "whose adapters the shim registers and routers route by name"
+            )
+            raise ConfigError("model", c.model, why)
         if models is None or c.model in models:
             self._take_served_names(models)
             return models[c.model].max_model_len if models else None
@@ -688,8 +696,8 @@ class WorkerShim:
 
     async def _poll_adapters(self) -> None:
         """Register adapters loaded or unloaded at run time (vLLM's /v1/load_lora_adapter); check
-        --model again as at the start: an engine restarted faster than the health checks notice, or
-        an adapter named by --model unloaded, would otherwise leave a worker every request 404s on."""
+        --model again as at the start: an engine restarted faster than the health checks notice
+        would otherwise leave a worker every request 404s on."""
         models = await self.adapter.served_models()
         if models is not None and self.config.model not in models and self.adapter.requires_served_model:
             raise self._not_served(models)

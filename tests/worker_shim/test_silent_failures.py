@@ -24,6 +24,7 @@ from aiohttp import web
 from nats.aio.client import Client as Nats
 
 from discovery import Discovery
+from engine_sim import LoraModule
 from engine_sim.server import SimServer
 from kvswitch.servers import NatsServer, free_port
 from protocol import (
@@ -170,6 +171,21 @@ async def test_a_models_blip_at_the_start_does_not_skip_the_model_check(ns: str,
             assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "model"
             assert f"serves {sim.config.model}: give --model one of them" in str(shim.failure)
             assert shim.session_failures == 1  # the blip: one session failed, then the check ran
+
+
+async def test_a_model_the_engine_serves_as_a_lora_adapter_is_refused_naming_its_base(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """--model sql, an adapter vLLM lists with `parent`: registered as a model of its own, its
+    prompts were hashed unsalted while the engine's events name the adapter, so base-model blocks
+    were credited to its requests and its own cached prefix was never found."""
+    async with SimServer(sim_config(lora_modules=(LoraModule("sql", "/adapters/sql"),))) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, model="sql")
+        async with shim:
+            await registered_or_done(shim)
+            assert shim.status is ShimStatus.FAILED and shim.registration_count == 0
+            assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "model"
+            assert f"LoRA adapter of {sim.config.model}: give --model {sim.config.model}" in str(shim.failure)
 
 
 async def test_a_model_the_engine_stops_listing_while_serving_ends_the_shim_as_at_the_start(
