@@ -13,7 +13,8 @@ usual. A worker is excluded while (first reason wins):
   never match. A record with no shim behind it never bootstraps, so it cannot outvote the workers
   that serve;
 - `silent`: no load report for 3 of its report periods (reports double as heartbeats), or none
-  within 3 default periods of registering;
+  within 3 default periods of registering, counted only while this router's loop was awake to read
+  one (a stall of its own left the reports unread in its socket: every worker read as silent);
 - `unreachable`: a request to it found no responder or its stream stopped; it ends with the next
   load report received after the mark;
 - `malformed`: it answered a request with a reply that breaks the protocol (a ResponseChunk that
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -137,11 +139,15 @@ class Eligibility:
         sync_state: Callable[[str], tuple[str, str] | None],
         liveness: Callable[[str], Liveness | None],
         tokenizer: str | None,
+        awake_for: Callable[[], float] = lambda: math.inf,
     ) -> None:
         """`sync_state(worker)`: None when the index is synced with it, else (state, why).
         `liveness(worker)`: None before its first report. `tokenizer`: the router's fingerprint,
-        None when it has no tokenizer (text prompts are then refused for every worker)."""
+        None when it has no tokenizer (text prompts are then refused for every worker). `awake_for()`:
+        seconds since this router's loop last stalled (runtime.loop_watch): a worker is silent for
+        no longer than the router could have heard it."""
         self._clock = clock
+        self._awake_for = awake_for
         self._sync_state = sync_state
         self._liveness = liveness
         self.tokenizer = tokenizer
@@ -230,10 +236,10 @@ class Eligibility:
     def statuses(self, infos: Iterable[WorkerInfo]) -> list[WorkerStatus]:
         infos = list(infos)
         sizes = self.block_sizes(infos)
-        now = self._clock()
-        return [self._status(info, sizes.get(info.model, info.block_size), now) for info in infos]
+        now, awake = self._clock(), self._awake_for()
+        return [self._status(info, sizes.get(info.model, info.block_size), now, awake) for info in infos]
 
-    def _status(self, info: WorkerInfo, model_block_size: int, now: float) -> WorkerStatus:
+    def _status(self, info: WorkerInfo, model_block_size: int, now: float, awake: float) -> WorkerStatus:
         # Runs for every worker on every request: the routable case allocates nothing but the result.
         w = info.worker
         tok_ok = self.takes_text(info)
@@ -254,10 +260,10 @@ class Eligibility:
             return WorkerStatus(w, info.model, info.role, Exclusion.BLOCK_SIZE, why, tok_ok)
         if live is None:
             since = now - self._added.get(w, now)
-            if since > SILENT_PERIODS * DEFAULT_PERIOD_S:
+            if min(since, awake) > SILENT_PERIODS * DEFAULT_PERIOD_S:
                 why = f"no load report in {since:.1f}s since it registered"
                 return WorkerStatus(w, info.model, info.role, Exclusion.SILENT, why, tok_ok)
-        elif live.age_s > SILENT_PERIODS * live.period_s:
+        elif min(live.age_s, awake) > SILENT_PERIODS * live.period_s:
             why = f"last load report {live.age_s:.1f}s ago (period {live.period_s:g}s)"
             return WorkerStatus(w, info.model, info.role, Exclusion.SILENT, why, tok_ok)
         mark = self._unreachable.get(w)

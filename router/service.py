@@ -70,6 +70,7 @@ from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry
 from router.worker_versions import WorkerVersions
 from runtime import LISTEN_BACKLOG, background, guarded
+from runtime.loop_watch import LoopWatch
 from runtime.nats_connect import connect as nats_connect
 from runtime.nats_connect import error_reporter, refused_subscriptions
 from runtime.nats_flush import flush
@@ -204,8 +205,10 @@ class RouterService:
         # report older than the reconnect says nothing about whether its shim is back yet. Set when
         # the connection drops (and again when it is back), None once a decode or agg worker reported.
         self._reconnected_at: float | None = None
+        self.loop_watch = LoopWatch()
         self.eligibility = Eligibility(
             clock=time.monotonic,  # cooldowns no step of the host's wall clock stretches
+            awake_for=self.loop_watch.awake_for,
             sync_state=self._sync_state,
             liveness=self.view.liveness,
             tokenizer=self.fingerprints.mine,
@@ -248,6 +251,7 @@ class RouterService:
         if self.status is not RouterStatus.NEW:
             raise RuntimeError(f"RouterService.start() called while {self.status.value}")
         self.status = RouterStatus.STARTING
+        self.loop_watch.start()
         try:
             await self._start()
         except BaseException:
@@ -433,6 +437,7 @@ class RouterService:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.loop_watch.stop()
         for part in (self._registry, self._ingest, self._sync, self._dispatcher):
             if part is not None:
                 with contextlib.suppress(Exception):

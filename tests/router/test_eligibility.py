@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from protocol.messages import WorkerInfo
@@ -23,8 +25,13 @@ class World:
         self.now = 1000.0
         self.sync: dict[str, tuple[str, str]] = {}
         self.live: dict[str, Liveness] = {}
+        self.awake = math.inf  # the router's loop has not stalled
         self.elig = Eligibility(
-            clock=lambda: self.now, sync_state=self.sync.get, liveness=self.live.get, tokenizer="builtin"
+            clock=lambda: self.now,
+            sync_state=self.sync.get,
+            liveness=self.live.get,
+            tokenizer="builtin",
+            awake_for=lambda: self.awake,
         )
 
     def report(
@@ -81,6 +88,20 @@ def test_a_worker_that_never_reports_is_silent_three_default_periods_after_regis
     world.now += 3.01
     exclusion, why = world.status(info("w2"))
     assert exclusion is Exclusion.SILENT and "since it registered" in why
+
+
+def test_silence_counts_only_while_the_router_was_awake_to_hear_it(world: World) -> None:
+    """After a stall of the router's own loop, its workers' reports wait unread in its socket: every
+    worker read as silent until they were read."""
+    world.report("w1", age=2.0, period=0.5)
+    world.elig.added("w2")
+    world.now += 3.01
+    world.awake = 1.0  # the router came out of a stall 1 s ago
+    assert world.status(info("w1"))[0] is None and world.status(info("w2"))[0] is None
+    world.awake = 1.51
+    assert world.status(info("w1"))[0] is Exclusion.SILENT
+    world.awake = 3.02
+    assert world.status(info("w2"))[0] is Exclusion.SILENT
 
 
 def test_unreachable_until_the_next_report(world: World) -> None:
