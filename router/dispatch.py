@@ -55,6 +55,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable
@@ -107,10 +108,6 @@ MAX_QUEUED_BYTES = 8 << 20
 # stop string): it serves the request, and the client must not wait, nor the router hold it all.
 MAX_HELD_BYTES = 64 << 10
 SLOW_READER = "slow_reader"
-# A silence timer that runs this much past its time ran late because this process stalled (a GC
-# pause, a long synchronous step): the chunks and heartbeats the worker sent meanwhile may still be
-# unread in the socket, so the leg looks again after LATE_TIMER_S, at most silence_s more in all.
-LATE_TIMER_S = 0.05
 _RECONNECT_POLL_S = 0.01
 
 
@@ -269,27 +266,24 @@ class _Leg:
         if not self.done:
             await self.owner._cancel(self.worker, self.request_id)
 
-    async def _wait(self, timeout_s: float) -> bool:
-        """Until a chunk comes or `timeout_s` passes; False when the loop woke it late (a stall of
-        this process: libuv runs due timers before it reads the sockets that filled meanwhile)."""
+    async def _wait(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
-        due = loop.time() + max(timeout_s, 0.0)
-        timer = loop.call_at(due, _wake, waiter)
+        timer = loop.call_later(max(timeout_s, 0.0), _wake, waiter)
         try:
             await waiter
         finally:
             timer.cancel()
             self._waiter = None
-        return loop.time() - due < LATE_TIMER_S
 
-    async def _wait_heard(self, timeout_s: float, silence_s: float) -> None:
-        """`_wait`, then, while its timer ran late and nothing came, a look again once the loop has
-        read its sockets: what the worker sent while this process stalled is no silence of its."""
-        on_time = await self._wait(timeout_s)
-        recheck_until = time.monotonic() + silence_s
-        while not self._items and not on_time and time.monotonic() < recheck_until:
-            on_time = await self._wait(LATE_TIMER_S)
+    async def _wait_heard(self, timeout_s: float, silence_s: float, until: float) -> None:
+        """`_wait`, then, while nothing came, on until this router has been awake for `silence_s`
+        (runtime.loop_watch) or `until` (monotonic) passes: after a stall of its own, libuv runs the
+        due timer before it reads the heartbeats that filled the socket meanwhile, and a 1 s stall
+        ended every leg in flight as worker_silent."""
+        await self._wait(timeout_s)
+        while not self._items and (awake := self.owner.awake_for()) < silence_s and time.monotonic() < until:
+            await self._wait(min(silence_s - awake, until - time.monotonic()))
 
     async def next(self, deadline_s: float, silence_s: float) -> ResponseChunk:
         """The next chunk; LegError 504 once `deadline_s` (seconds from now) passes, 503 (the worker
@@ -302,7 +296,7 @@ class _Leg:
         while True:
             if not self._items:
                 left = until - time.monotonic()
-                await self._wait_heard(min(left, silence_s), silence_s)
+                await self._wait_heard(min(left, silence_s), silence_s, until)
                 if not self._items:
                     if left <= silence_s:
                         raise LegError(
@@ -462,8 +456,10 @@ class Dispatcher:
         origin: str = "",
         registered: Callable[[str], bool] = lambda worker: True,
         clock_offset: Callable[[str], float] = lambda worker: 0.0,
+        awake_for: Callable[[], float] = lambda: math.inf,
     ) -> None:
         self._nc = nc
+        self.awake_for = awake_for  # seconds since this router's loop last stalled (runtime.loop_watch)
         # A worker's clock less this router's (router.clock_skew): a leg's deadline goes out on the
         # worker's clock, which checks it, or one ahead by the request timeout fails every request.
         self._clock_offset = clock_offset

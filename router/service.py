@@ -321,6 +321,7 @@ class RouterService:
             origin=self.instance,
             registered=self._registered,
             clock_offset=self.clocks.offset,
+            awake_for=self.loop_watch.awake_for,
         )
         await self._dispatcher.start()
         admission = Admission(

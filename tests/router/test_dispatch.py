@@ -22,6 +22,7 @@ from protocol.messages import ErrorInfo
 from router.disagg import RoutePlan
 from router.dispatch import MAX_RESUMES, Dispatcher, Job, LegError
 from router.policies import Outcome, Path
+from runtime.loop_watch import LoopWatch
 from runtime.nats_flush import flush
 from tests.router.builders import cand, ctx
 
@@ -154,13 +155,22 @@ def _worker_on_its_own_loop(
     asyncio.run(main())
 
 
+@pytest.fixture
+async def watch() -> AsyncIterator[LoopWatch]:
+    w = LoopWatch()
+    w.start()
+    yield w
+    await w.stop()
+
+
 async def test_a_stall_of_the_routers_own_loop_is_no_silence_of_the_worker(
-    nats_url: str, ns: str, world: World
+    nats_url: str, ns: str, world: World, watch: LoopWatch
 ) -> None:
     """The worker heartbeats from its own thread while the router's loop is blocked past the
     silence limit: its timer then runs before the loop reads the heartbeats in its socket, which
     ended a healthy leg as worker_silent and marked the worker unreachable."""
     d, _, unreachable = world
+    d.awake_for = watch.awake_for
     ready, stop = threading.Event(), threading.Event()
     worker = threading.Thread(
         target=_worker_on_its_own_loop, args=(nats_url, ns, heartbeats_then_answer(12 * HB), ready, stop)
