@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from protocol import WorkerInfo
 from protocol.messages import adapter_named
 
-__all__ = ["Resolved", "clash_message", "resolve_names", "served_as"]
+__all__ = ["Resolved", "clash_message", "resolve_names", "served_as", "shadow_message", "shadowed"]
 
 Resolved = dict[str, dict[str, list[str]]]
 """name -> model -> the workers (sorted) a request naming it runs on, of that model (`served_as`)."""
@@ -34,11 +34,40 @@ def resolve_names(infos: Iterable[WorkerInfo]) -> Resolved:
     models = {info.model for info in infos}
     serving: dict[str, list[WorkerInfo]] = {}
     for info in infos:
-        # A model's own name wins over another model's adapter of that name; an alias does not.
+        # A model's own name wins over another model's alias or adapter of that name.
+        aliases = (name for name in info.aliases if name not in models)
         adapters = (name for name in info.adapters if name not in models)
-        for name in dict.fromkeys((info.model, *info.aliases, *adapters)):
+        for name in dict.fromkeys((info.model, *aliases, *adapters)):
             serving.setdefault(name, []).append(info)
     return {name: served_as(name, ws) for name, ws in serving.items()}
+
+
+def shadowed(infos: Iterable[WorkerInfo]) -> Resolved:
+    """The aliases that are another registered model's own name, each with the workers serving it
+    so, by their model (workers in the order given): requests naming it go to that model's workers,
+    never to these."""
+    infos = list(infos)
+    models = {info.model for info in infos}
+    out: Resolved = {}
+    for info in infos:
+        for name in info.aliases:
+            if name in models and name != info.model:
+                out.setdefault(name, {}).setdefault(info.model, []).append(info.worker)
+    return out
+
+
+def shadow_message(name: str, models: Mapping[str, Sequence[str]]) -> str:
+    """Why workers serving another model under the name of model `name` are not routed for it."""
+    each = "; ".join(f"model {model} on {_workers(ids)}" for model, ids in sorted(models.items()))
+    return (
+        f"workers serve the model `{name}`'s own name as an alias of another model ({each}): requests naming "
+        f"`{name}` go to model {name}'s workers only (check those workers' --served-model-name)"
+    )
+
+
+def _workers(ids: Sequence[str]) -> str:
+    more = f" and {len(ids) - _NAMED} more" if len(ids) > _NAMED else ""
+    return ", ".join(ids[:_NAMED]) + more
 
 
 def served_as(name: str, infos: Iterable[WorkerInfo]) -> dict[str, list[str]]:
@@ -62,12 +91,7 @@ def _with_adapter(model: str, adapter: str) -> str:
 
 def clash_message(name: str, models: Mapping[str, Sequence[str]]) -> str:
     """Why requests naming `name` are refused, naming the models and (up to 8 of each's) workers."""
-
-    def workers(ids: Sequence[str]) -> str:
-        more = f" and {len(ids) - _NAMED} more" if len(ids) > _NAMED else ""
-        return ", ".join(ids[:_NAMED]) + more
-
-    each = "; ".join(f"model {model} on {workers(ids)}" for model, ids in sorted(models.items()))
+    each = "; ".join(f"model {model} on {_workers(ids)}" for model, ids in sorted(models.items()))
     return (
         f"the name `{name}` is served as {len(models)} different models ({each}): requests naming it are "
         "refused until one model alone serves it (a worker's model, alias or LoRA adapter names another's)"

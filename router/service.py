@@ -64,10 +64,10 @@ from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
 from router.replica_sync import ReplicaSync, SyncStats
 from router.request_path import RECENT_S, RequestPath, refused_records
-from router.served_names import clash_message
+from router.served_names import clash_message, shadow_message
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprints
 from router.tracing import RequestTracer
-from router.worker_registry import WorkerRegistry
+from router.worker_registry import WorkerRegistry, context_message
 from router.worker_versions import WorkerVersions
 from runtime import LISTEN_BACKLOG, background, guarded
 from runtime.loop_watch import LoopWatch
@@ -612,12 +612,17 @@ class RouterService:
 
     def _fleet_warnings(self, infos: list[WorkerInfo]) -> list[str]:
         """What the registered workers (and peer routers) get wrong that does not stop this router:
-        names that resolve to several models, prefill workers no decode worker can use, peers that
-        route with other settings."""
+        names that resolve to several models, a model's own name another model's workers serve as
+        an alias, workers of one model that disagree on max_model_len, prefill workers no decode
+        worker can use, peers that route with other settings."""
         out: list[str] = []
         clashes = self._registry.name_clashes if self._registry is not None else {}
         mine = {i.model for i in infos}
         out += [clash_message(name, models) for name, models in sorted(clashes.items()) if mine.intersection(models)]
+        if self._registry is not None:
+            shadows, contexts = self._registry.shadowed_aliases, self._registry.context_conflicts
+            out += [shadow_message(name, by) for name, by in sorted(shadows.items()) if mine & {name, *by}]
+            out += [context_message(model, seen) for model, seen in sorted(contexts.items()) if model in mine]
         pools: dict[str, list[WorkerInfo]] = {}
         for info in infos:
             pools.setdefault(info.model, []).append(info)

@@ -18,7 +18,19 @@ Workers of one model that disagree on block size are a configuration error (DESI
 registry logs it as an error on every change of the conflict and exposes it in
 `block_size_conflicts`, model -> the block sizes seen. So is a name that resolves to workers of
 more than one model (router.served_names): an ERROR once per clash, exposed in `name_clashes`,
-name -> model -> workers; the planner refuses requests naming it while it lasts.
+name -> model -> workers; the planner refuses requests naming it while it lasts. A model's own
+name wins over another model's alias of it: `workers()` lists such a worker without that alias
+(it is not routed for the name), and the registry reports it as an ERROR once per change, exposed
+in `shadowed_aliases`, name -> the aliasing model -> workers.
+
+Workers of one model that disagree on `max_model_len` are a configuration error too: the model's
+context is the length most of its workers register (ties: the longest), and `workers()` leaves out
+the workers that register another (a worker that registers none is not counted and stays), so a
+request's `truncate_prompt_tokens: -1` resolves to the context of every worker it may go to, and no
+worker gets a prompt its engine refuses as too long for its context: an ERROR once per change,
+exposed in `context_conflicts`, model -> length -> workers. Before, the least length of a model's
+workers resolved -1 for all of them: one worker registering 64 cut every such prompt to 63
+tokens on its 32k peers too. `get()` still returns the worker's record as registered.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -38,10 +50,10 @@ from discovery.watch import keep_following
 from protocol import WorkerInfo, serving, subjects
 from protocol.messages import worker_info_problem
 from router.lifecycle import PartStatus
-from router.served_names import Resolved, clash_message, resolve_names
+from router.served_names import Resolved, clash_message, resolve_names, shadow_message, shadowed
 from runtime import background
 
-__all__ = ["Refused", "WorkerRegistry"]
+__all__ = ["Refused", "WorkerRegistry", "context_message", "model_contexts"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +82,8 @@ class WorkerRegistry:
         self._sorted: list[WorkerInfo] | None = None  # by id; every request reads it, membership rarely changes
         self.block_size_conflicts: dict[str, set[int]] = {}
         self.name_clashes: Resolved = {}
+        self.shadowed_aliases: Resolved = {}  # a model's own name served by another model's workers as an alias
+        self.context_conflicts: dict[str, dict[int, list[str]]] = {}  # model -> max_model_len -> workers
         self.unreachable_models: set[str] = set()  # every name they are served under clashes
         self.refused = 0  # records refused so far
         self._refusing: dict[str, Refused] = {}  # by key name, while its record is refused
@@ -111,9 +125,17 @@ class WorkerRegistry:
     # --- reads ---------------------------------------------------------------------------------
 
     def workers(self, model: str | None = None, role: str | None = None) -> list[WorkerInfo]:
-        """Registered workers, optionally of one model and/or role, sorted by id."""
+        """Registered workers, optionally of one model and/or role, sorted by id, as routed: without
+        an alias that is another model's own name, and without those whose max_model_len is not
+        their model's (the module's docstring)."""
         if self._sorted is None:
-            self._sorted = [info for _, info in sorted(self._workers.items())]
+            raw = [info for _, info in sorted(self._workers.items())]
+            models, contexts = {info.model for info in raw}, model_contexts(raw)
+            self._sorted = [
+                _unshadowed(info, models)
+                for info in raw
+                if info.max_model_len is None or info.max_model_len == contexts[info.model]
+            ]
         return [
             info
             for info in self._sorted
@@ -124,7 +146,7 @@ class WorkerRegistry:
         return self._workers.get(worker)
 
     def models(self) -> list[str]:
-        return sorted({info.model for info in self._workers.values()})
+        return sorted({info.model for info in self.workers()})
 
     def aliases(self) -> dict[str, str]:
         """The other names registered workers serve their model under, each with that model (a
@@ -151,10 +173,10 @@ class WorkerRegistry:
         return [r for _, r in sorted(self._refusing.items())]
 
     def max_model_len(self, model: str) -> int | None:
-        """The longest request every worker serving `model` (a model, or a LoRA adapter) takes,
-        the least of their `max_model_len`, or None when one of them does not say: a request may go
-        to any of them."""
-        lengths = [info.max_model_len for info in serving(self._workers.values(), model)]
+        """The longest request every worker routed for `model` (a model, or a LoRA adapter) takes:
+        their `max_model_len` (one model's workers routed agree on it), or None when one of them
+        does not say: a request may go to any of them."""
+        lengths = [info.max_model_len for info in serving(self.workers(), model)]
         known = [n for n in lengths if n is not None]
         return min(known) if known and len(known) == len(lengths) else None
 
@@ -176,6 +198,7 @@ class WorkerRegistry:
                         self._delete(name)
                 self._check_block_sizes()
                 self._check_names()
+                self._check_contexts()
         finally:
             if isinstance(events, AsyncGenerator):
                 with contextlib.suppress(Exception):
@@ -257,7 +280,30 @@ class WorkerRegistry:
                 log.warning("workers of model %s agree on block size again", model)
             self.block_size_conflicts = conflicts
 
+    def _check_contexts(self) -> None:
+        by_model: dict[str, dict[int, list[str]]] = {}
+        for _, info in sorted(self._workers.items()):
+            if info.max_model_len is not None:
+                by_model.setdefault(info.model, {}).setdefault(info.max_model_len, []).append(info.worker)
+        conflicts = {model: dict(sorted(seen.items())) for model, seen in by_model.items() if len(seen) > 1}
+        if conflicts == self.context_conflicts:
+            return
+        for model, seen in sorted(conflicts.items()):
+            if self.context_conflicts.get(model) != seen:
+                log.error("configuration error: %s", context_message(model, seen))
+        for model in sorted(self.context_conflicts.keys() - conflicts.keys()):
+            log.warning("workers of model %s agree on max_model_len again: all of them are routed", model)
+        self.context_conflicts = conflicts
+
     def _check_names(self) -> None:
+        shadows = shadowed(info for _, info in sorted(self._workers.items()))
+        if shadows != self.shadowed_aliases:
+            for name, models in sorted(shadows.items()):
+                if self.shadowed_aliases.get(name) != models:
+                    log.error("configuration error: %s", shadow_message(name, models))
+            for name in sorted(self.shadowed_aliases.keys() - shadows.keys()):
+                log.warning("no worker of another model serves the model name %s as an alias any more", name)
+            self.shadowed_aliases = shadows
         resolved = resolve_names(self.workers())
         clashes = {name: models for name, models in resolved.items() if len(models) > 1}
         reachable = {model for models in resolved.values() if len(models) == 1 for model in models}
@@ -270,3 +316,33 @@ class WorkerRegistry:
         for name in sorted(self.name_clashes.keys() - clashes.keys()):
             log.warning("the name %s is served as one model again: requests naming it are routed", name)
         self.name_clashes = clashes
+
+
+def model_contexts(infos: list[WorkerInfo]) -> dict[str, int | None]:
+    """Each model's max_model_len: the one most of its workers that register one register (ties:
+    the longest), None where none does."""
+    counts: dict[str, Counter[int]] = {}
+    for info in infos:
+        seen = counts.setdefault(info.model, Counter())
+        if info.max_model_len is not None:
+            seen[info.max_model_len] += 1
+    return {model: max(seen, key=lambda n: (seen[n], n)) if seen else None for model, seen in counts.items()}
+
+
+def context_message(model: str, workers: dict[int, list[str]]) -> str:
+    """Why workers of `model` registering another max_model_len than most (`workers`: length ->
+    worker ids) are not routed."""
+    chosen = max(workers, key=lambda n: (len(workers[n]), n))
+    left = "; ".join(f"{n} on {', '.join(ids)}" for n, ids in sorted(workers.items()) if n != chosen)
+    return (
+        f"workers of model {model} disagree on max_model_len: it is served with {chosen}, the length most "
+        f"register (ties: the longest), and the workers registering another are not routed ({left})"
+    )
+
+
+def _unshadowed(info: WorkerInfo, models: set[str]) -> WorkerInfo:
+    """`info` without its aliases that are another model's own name (router.served_names.shadowed)."""
+    if not any(name in models and name != info.model for name in info.aliases):
+        return info
+    kept = [name for name in info.aliases if name not in models or name == info.model]
+    return msgspec.structs.replace(info, aliases=kept)

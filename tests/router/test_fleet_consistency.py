@@ -61,31 +61,64 @@ def _gauge(router: RouterService, name: str) -> dict[str, float]:
 async def test_a_name_served_as_two_models_is_refused_logged_once_and_served_again_when_it_clears(
     cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # Two aliases of different models, neither a model's own name: no one answer.
     caplog.set_level(logging.INFO, logger="router.worker_registry")
-    a = await cluster.add_worker("agg", model="llama", shim={"model": "llama"})
-    b = await cluster.add_worker("agg", model="qwen", aliases=("llama",), shim={"model": "qwen"})
+    a = await cluster.add_worker("agg", model="llama", aliases=("chat",), shim={"model": "llama"})
+    b = await cluster.add_worker("agg", model="qwen", aliases=("chat",), shim={"model": "qwen"})
     router = await cluster.add_ready_router()
     for i in range(4):  # before: about half went to qwen's worker and answered as qwen
-        status, body = await _ask(http, router, "llama", i)
+        status, body = await _ask(http, router, "chat", i)
         assert status == 503, body
         message = body["error"]["message"]
-        assert "`llama`" in message and "model llama on " + a.id in message and "model qwen on " + b.id in message
+        assert "`chat`" in message and "model llama on " + a.id in message and "model qwen on " + b.id in message
     status, body = await _ask(http, router, "qwen")
     assert status == 200 and body["model"] == "qwen"
-    assert await _ids(http, router) == ["qwen"]  # the clashing name is not offered
+    assert await _ids(http, router) == ["llama", "qwen"]  # the clashing name is not offered
     status, ready = await _get(http, router, "/ready")
-    assert status == 200 and ready["problems"] == []  # qwen serves on: one bad name does not stop the router
-    assert [w for w in ready["warnings"] if "`llama`" in w and a.id in w and b.id in w]
-    errors = [r for r in caplog.records if r.levelno == logging.ERROR and "`llama`" in r.getMessage()]
+    assert status == 200 and ready["problems"] == []  # both serve on: one bad name does not stop the router
+    assert [w for w in ready["warnings"] if "`chat`" in w and a.id in w and b.id in w]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and "`chat`" in r.getMessage()]
     assert len(errors) == 1, [r.getMessage() for r in errors]  # once per clash, not per request
 
     await b.shim.stop()  # the clash clears
     await until(lambda: len(router.registry.workers()) == 1, what="qwen's worker to leave")
-    status, body = await _ask(http, router, "llama")
-    assert status == 200 and body["model"] == "llama" and body["kvswitch"]["decode_worker"] == a.id
-    assert await _ids(http, router) == ["llama"]
+    status, body = await _ask(http, router, "chat")
+    assert status == 200 and body["kvswitch"]["decode_worker"] == a.id
+    assert await _ids(http, router) == ["llama", "chat"]
     assert (await _get(http, router, "/ready"))[1]["warnings"] == []
     assert any("served as one model again" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_models_own_name_wins_over_another_models_alias_logged_once_and_warned_until_it_goes(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One qwen worker aliasing `llama` (--served-model-name qwen llama, or a faulty shim) made every
+    # request for llama a 503 on every router, and a router with --model llama served nothing while
+    # /ready said 200. Now llama's workers serve it; the qwen worker serves qwen and is reported.
+    caplog.set_level(logging.INFO, logger="router.worker_registry")
+    llamas = [await cluster.add_worker("agg", model="llama", shim={"model": "llama"}) for _ in range(2)]
+    b = await cluster.add_worker("agg", model="qwen", aliases=("llama",), shim={"model": "qwen"})
+    router = await cluster.add_ready_router(config={"model": "llama"})
+    anyone = await cluster.add_ready_router()
+    for r in (router, anyone):
+        assert r.registry.name_clashes == {} and r.registry.get(b.id).aliases == ["llama"]  # type: ignore[union-attr]
+        for i in range(4):
+            status, body = await _ask(http, r, "llama", i)
+            assert status == 200 and body["model"] == "llama", body
+            assert body["kvswitch"]["decode_worker"] in {w.id for w in llamas}
+        status, ready = await _get(http, r, "/ready")
+        assert status == 200 and ready["problems"] == []
+        assert [w for w in ready["warnings"] if "`llama`" in w and b.id in w], ready["warnings"]
+    status, body = await _ask(http, anyone, "qwen")
+    assert status == 200 and body["kvswitch"]["decode_worker"] == b.id
+    assert await _ids(http, anyone) == ["llama", "qwen"] and await _ids(http, router) == ["llama"]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and "`llama`" in r.getMessage()]
+    assert len(errors) == 2, [r.getMessage() for r in errors]  # once per router, not per request
+
+    await b.shim.stop()
+    await until(lambda: len(router.registry.workers()) == 2, what="qwen's worker to leave")
+    assert (await _get(http, router, "/ready"))[1]["warnings"] == []
+    assert any("as an alias any more" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_lora_adapter_of_one_name_on_two_base_models_is_refused(
@@ -146,16 +179,21 @@ async def test_a_model_name_still_wins_over_another_models_adapter(
     assert await _ids(http, router) == ["llama", "qwen"]
 
 
-async def test_a_router_whose_every_name_clashes_is_not_ready(cluster: Cluster, http: aiohttp.ClientSession) -> None:
-    # Each worker serves the other's model name as an alias: no name reaches one model.
-    await cluster.add_worker("agg", model="a", aliases=("b",), shim={"model": "a"})
-    await cluster.add_worker("agg", model="b", aliases=("a",), shim={"model": "b"})
+async def test_workers_serving_each_others_model_names_as_aliases_serve_their_own(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    # Each worker serves the other's model name as an alias. Before, no name reached one model and
+    # the router was not ready; a model's own name wins over another model's alias now.
+    a = await cluster.add_worker("agg", model="a", aliases=("b",), shim={"model": "a"})
+    b = await cluster.add_worker("agg", model="b", aliases=("a",), shim={"model": "b"})
     router = await cluster.add_router()
     await until(lambda: router.readiness()[1]["routable"] == 2, what="both workers routable")
     assert sorted(router.registry.get(w.id).aliases[0] for w in cluster.workers) == ["a", "b"]  # type: ignore[union-attr]
     status, ready = await _get(http, router, "/ready")
-    assert status == 503 and "no decode or agg worker can take requests" in ready["problems"]
-    assert [(await _ask(http, router, m))[0] for m in ("a", "b")] == [503, 503]
+    assert status == 200 and ready["problems"] == [] and len(ready["warnings"]) == 2
+    for model, worker in (("a", a), ("b", b)):
+        status, body = await _ask(http, router, model)
+        assert status == 200 and body["kvswitch"]["decode_worker"] == worker.id
 
 
 async def _llama_and_qwen(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, qwens: str) -> RouterService:

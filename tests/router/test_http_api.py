@@ -259,18 +259,30 @@ async def test_a_chats_truncation_is_routed_as_the_engine_applies_it(agg: Cluste
     assert whole["isl"] > 60 and cut["isl"] == 4
 
 
-async def test_models_show_the_least_max_model_len_of_the_workers(
+async def test_one_small_context_worker_neither_truncates_other_workers_prompts_nor_takes_them(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
-    await cluster.add_worker("agg", max_model_len=4096)
-    short = await cluster.add_worker("agg", max_model_len=2048)
+    # Before, the model's context was the least its workers registered: one worker registering 64
+    # cut every `truncate_prompt_tokens: -1` prompt to 63 tokens, on its 4096 peers too, and
+    # /v1/models said 64. Now the length most register serves, and the odd worker is left out.
+    big = [await cluster.add_worker("agg", max_model_len=4096) for _ in range(2)]
     router = await cluster.add_ready_router(disagg="never")
+    small = await cluster.add_worker("agg", max_model_len=64)
+    await until(lambda: MODEL in router.registry.context_conflicts, what="the small worker's record")
+    prompt = list(range(100, 400))
+    body = {"model": MODEL, "max_tokens": 2, "truncate_prompt_tokens": -1}
+    for i in range(6):
+        async with http.post(router.url + "/v1/completions", json={**body, "prompt": prompt[i:]}) as r:
+            answer = await r.json()
+        assert r.status == 200 and answer["usage"]["prompt_tokens"] == 300 - i, answer
+        assert answer["kvswitch"]["decode_worker"] in {w.id for w in big}
     async with http.get(router.url + "/v1/models") as r:
         (card,) = (await r.json())["data"]
-    async with http.get(short.sim.url + "/v1/models") as r:
-        (engine_card,) = (await r.json())["data"]
-    assert card["id"] == engine_card["id"] == MODEL
-    assert card["max_model_len"] == engine_card["max_model_len"] == 2048, "a request may go to either"
+    assert card["id"] == MODEL and card["max_model_len"] == 4096
+    async with http.get(router.url + "/ready") as r:
+        assert r.status == 200
+        warnings = (await r.json())["warnings"]
+    assert [w for w in warnings if "max_model_len" in w and f"64 on {small.id}" in w], warnings
 
 
 @pytest.mark.parametrize("named_by", ["header", "body"])

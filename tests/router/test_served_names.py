@@ -4,7 +4,7 @@ wins over another model's adapter; an alias and an adapter of one name clash, wi
 from __future__ import annotations
 
 from protocol import WorkerInfo, serving
-from router.served_names import clash_message, resolve_names, served_as
+from router.served_names import clash_message, resolve_names, served_as, shadow_message, shadowed
 
 
 def w(worker: str, model: str, aliases: tuple[str, ...] = (), adapters: tuple[str, ...] = ()) -> WorkerInfo:
@@ -34,3 +34,11 @@ def test_a_models_own_name_still_wins_over_another_models_adapter() -> None:
     resolved = resolve_names([q, m])
     assert resolved["qwen"] == {"qwen": ["q"]} and resolved["sql"] == {"llama": ["m"]}
     assert not [name for name, models in resolved.items() if len(models) > 1]
+
+
+def test_a_models_own_name_wins_over_another_models_alias() -> None:
+    a, q = w("a", "llama"), w("q", "qwen", aliases=("llama", "chat"))
+    resolved = resolve_names([a, q])
+    assert resolved["llama"] == {"llama": ["a"]} and resolved["chat"] == {"qwen": ["q"]}  # before: llama clashed
+    assert shadowed([a, q]) == {"llama": {"qwen": ["q"]}} and shadowed([q]) == {}
+    assert "model qwen on q" in shadow_message("llama", shadowed([a, q])["llama"])

@@ -100,17 +100,43 @@ async def test_filters_by_model_and_role(disc: Discovery, registry: tuple[Worker
     assert reg.workers(model="nope") == []
 
 
-async def test_a_models_max_model_len_is_its_workers_least_and_none_unless_all_say(
+async def test_a_models_max_model_len_is_its_workers_and_none_unless_all_say(
     disc: Discovery, registry: tuple[WorkerRegistry, Calls]
 ) -> None:
     reg, _ = registry
-    await register(disc, model="llama", max_model_len=8192)
+    await register(disc, model="llama", max_model_len=4096)
     await register(disc, model="llama", role="prefill", max_model_len=4096)
     await register(disc, model="qwen", max_model_len=32768)
     await register(disc, model="qwen")  # says nothing
     await reg.start()
     assert await reg.wait_ready(10.0)
     assert [reg.max_model_len(m) for m in ("llama", "qwen", "nope")] == [4096, None, None]
+    assert reg.context_conflicts == {} and len(reg.workers()) == 4
+
+
+async def test_workers_of_another_max_model_len_than_most_of_their_models_are_left_out_and_reported(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, the least length served the model: one worker registering 64 cut every prompt a
+    # client truncated to the context (truncate_prompt_tokens -1) to 63 tokens on its 32k peers.
+    reg, _ = registry
+    caplog.set_level(logging.ERROR, logger="router.worker_registry")
+    big = [await register(disc, model="llama", max_model_len=32768) for _ in range(2)]
+    small = await register(disc, model="llama", max_model_len=64, adapters=["sql"])
+    silent = await register(disc, model="llama")  # says nothing: not counted, routed
+    tie = [await register(disc, model="qwen", max_model_len=n) for n in (2048, 4096)]
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    assert [i.worker for i in reg.workers(model="llama")] == sorted([*(b.hex_id for b in big), silent.hex_id])
+    assert [i.worker for i in reg.workers(model="qwen")] == [tie[1].hex_id]  # a tie: the longest
+    assert reg.get(small.hex_id) is not None and reg.adapters() == {}  # registered, not routed
+    assert [reg.max_model_len(m) for m in ("llama", "qwen")] == [None, 4096]
+    assert reg.context_conflicts == {
+        "llama": {64: [small.hex_id], 32768: sorted(b.hex_id for b in big)},
+        "qwen": {2048: [tie[0].hex_id], 4096: [tie[1].hex_id]},
+    }
+    errors = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
+    assert len(errors) == 2 and "served with 32768" in errors[0] and f"64 on {small.hex_id}" in errors[0]
 
 
 async def test_block_size_disagreement_is_reported_until_resolved(
@@ -174,12 +200,13 @@ async def test_lora_adapters_are_listed_with_their_model_and_limited_by_the_work
 ) -> None:
     reg, _ = registry
     await register(disc, model="llama", max_model_len=8192, adapters=["sql", "chat"])
-    await register(disc, model="llama", role="prefill", max_model_len=4096, adapters=["sql"])
+    await register(disc, model="llama", role="prefill", max_model_len=8192, adapters=["sql"])
+    await register(disc, model="llama", role="prefill")  # says nothing
     await register(disc, model="qwen", max_model_len=2048, adapters=["llama"])  # a model's name stays the model's
     await reg.start()
     assert await reg.wait_ready(10.0)
     assert reg.adapters() == {"chat": "llama", "sql": "llama"}
-    assert [reg.max_model_len(m) for m in ("sql", "chat", "llama")] == [4096, 8192, 4096]
+    assert [reg.max_model_len(m) for m in ("sql", "chat", "llama")] == [8192, 8192, None]
 
 
 async def test_a_name_is_listed_once_an_alias_and_an_adapter_of_it_clash(
@@ -192,3 +219,22 @@ async def test_a_name_is_listed_once_an_alias_and_an_adapter_of_it_clash(
     assert await reg.wait_ready(10.0)
     assert reg.aliases() == {"chat": "qwen"} and reg.adapters() == {"sql": "llama"}  # before: chat in both
     assert reg.name_clashes == {"chat": {"llama": [a.hex_id], "qwen": [b.hex_id]}}
+
+
+async def test_a_models_own_name_wins_over_another_models_alias_and_the_alias_is_reported(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, one qwen worker aliasing `llama` made `llama` a clash: every request for it a 503.
+    reg, _ = registry
+    caplog.set_level(logging.ERROR, logger="router.worker_registry")
+    a = await register(disc, model="llama")
+    q = await register(disc, model="qwen", aliases=["llama", "chat", "qwen"])
+    await reg.start()
+    assert await reg.wait_ready(10.0)
+    assert reg.name_clashes == {} and reg.unreachable_models == set()
+    assert reg.shadowed_aliases == {"llama": {"qwen": [q.hex_id]}}
+    assert [i.aliases for i in reg.workers(model="qwen")] == [["chat", "qwen"]]  # not routed for llama
+    assert reg.get(q.hex_id).aliases == ["llama", "chat", "qwen"]  # type: ignore[union-attr]  # as registered
+    assert reg.aliases() == {"chat": "qwen"} and [i.worker for i in reg.workers(model="llama")] == [a.hex_id]
+    errors = [r.getMessage() for r in caplog.records if "`llama`" in r.getMessage()]
+    assert len(errors) == 1 and q.hex_id in errors[0], errors
