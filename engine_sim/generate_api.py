@@ -266,15 +266,17 @@ async def _admit(
 
 
 def _check_rank(srv: SimServer, request: web.Request) -> None:
-    """vLLM's X-data-parallel-rank picks the engine of a server running several ranks (a value that
-    is no integer is ignored). The sim is one rank's engine: a request for another is a 400, as
-    vLLM answers a rank out of its range."""
+    """vLLM's X-data-parallel-rank picks one of the engines its API server manages, by index (a
+    value that is no integer is ignored). The sim is a server managing one engine (one
+    `--data-parallel-rank R` server of an external load-balanced deployment, or a server without
+    data parallelism): index 0 is its engine whatever its rank; any other is vLLM's 400
+    (input_processor bounds the header to [0, data_parallel_size_local))."""
     value = request.headers.get("X-data-parallel-rank", "")
     if not value.lstrip("-").isdigit():
         return
-    rank = int(value)
-    if rank != srv.config.data_parallel_rank:
-        raise SimRequestError(f"data_parallel_rank {rank} is not this engine's ({srv.config.data_parallel_rank}).")
+    index = int(value)
+    if index != 0:
+        raise SimRequestError(f"data_parallel_rank {index} is out of range [0, 1).")
     srv.ranked_requests += 1
 
 

@@ -55,11 +55,11 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_replay: the engine's replay endpoint (vLLM's `replay_endpoint`), None disables replay.
     kv_events_config: the engine's own `--kv-events-config` JSON (vLLM or SGLang), verbatim; it sets
         kv_events, kv_replay and kv_events_topic (an explicit flag that disagrees is an error).
-    data_parallel_rank: vLLM serving several data-parallel ranks behind one HTTP server: the rank
-        this shim serves. Its legs name the rank (vLLM's X-data-parallel-rank header), its load and
-        limits are that rank's (/metrics `engine` label), and its event endpoints are the engine's
-        offset by the rank, as vLLM offsets each rank's (TCP port + rank). None: the engine's only
-        rank, 0.
+    data_parallel_rank: vLLM data parallelism: the rank this shim serves. Its legs name the rank
+        (vLLM's X-data-parallel-rank header, its index among the ranks that server runs), its load
+        and limits are that rank's (/metrics `engine` label), and its event endpoints are the
+        engine's offset by the rank, as vLLM offsets each rank's (TCP port + rank). None: the
+        engine's only rank, whose events its batches must name.
     block_size, kv_total_blocks, max_num_batched_tokens: from the engine when it says; a flag that
         disagrees with the engine is a startup error.
     kv_bytes_per_token: registered for the router's transfer-time estimate; None computes it from the

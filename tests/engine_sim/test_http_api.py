@@ -398,7 +398,9 @@ async def test_adapters_load_and_unload_at_run_time_only_where_vllm_allows_it() 
 
 async def test_a_sim_as_one_data_parallel_rank_names_it_as_vllms_ranks_do() -> None:
     """Rank 1 of a vLLM given these endpoints publishes and replays on their ports plus 1, labels
-    its metrics engine="1", and runs what names its rank (a header that is no integer is ignored)."""
+    its metrics engine="1", and, as vLLM's server for that one rank (external load balancing), reads
+    X-data-parallel-rank as an index into its one engine: 0 runs, 1 is out of range (a header that is
+    no integer is ignored)."""
     events, replay = free_ports(2), free_ports(2)
     given = KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{events}", replay_endpoint=f"tcp://*:{replay}"
@@ -409,9 +411,9 @@ async def test_a_sim_as_one_data_parallel_rank_names_it_as_vllms_ranks_do() -> N
         assert sim.replay_endpoint == f"tcp://127.0.0.1:{replay + 1}"
         _, text, _ = await get(sim, "/metrics")
         assert 'engine="1"' in text and 'engine="0"' not in text
-        status, err, _ = await post(sim, "/v1/completions", body, **{"X-data-parallel-rank": "0"})
-        assert status == 400 and "data_parallel_rank 0" in err["error"]["message"]
-        for header in ("1", "any"):
+        status, err, _ = await post(sim, "/v1/completions", body, **{"X-data-parallel-rank": "1"})
+        assert status == 400 and err["error"]["message"] == "data_parallel_rank 1 is out of range [0, 1)."
+        for header in ("0", "any"):
             assert (await post(sim, "/v1/completions", body, **{"X-data-parallel-rank": header}))[0] == 200
         assert sim.ranked_requests == 1
 

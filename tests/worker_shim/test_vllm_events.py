@@ -247,10 +247,25 @@ def test_a_server_of_several_ranks_takes_a_shim_per_rank() -> None:
     assert err.value.setting == "data_parallel_rank"
     with pytest.raises(ConfigError, match=r"runs data-parallel ranks 0, 1$"):
         check_rank(dp2, 2, "http://e")
-    check_rank(dp2, 1, "http://e")
+    assert check_rank(dp2, 1, "http://e") == (1, 1)
     one = (FIXTURES / "bs32" / "metrics_after.txt").read_text()
-    check_rank(one, None, "http://e")
-    check_rank(one.replace('engine="0"', 'engine="3"'), None, "http://e")
+    assert check_rank(one, None, "http://e") == (None, 0)
+    assert check_rank(one.replace('engine="0"', 'engine="3"'), None, "http://e") == (None, 3), "its events' rank"
+
+
+def test_the_rank_header_is_the_ranks_place_among_the_servers_engines() -> None:
+    """vLLM reads X-data-parallel-rank as an index into the engines its API server manages: on an
+    external load-balanced rank's server (only engine="1") rank 1 is index 0, on a hybrid one
+    managing ranks 1 and 2, rank 2 is index 1; ranks with a gap cannot be placed."""
+    dp2 = (FIXTURES / "bs32" / "metrics_dp2.txt").read_text()
+    one = (FIXTURES / "bs32" / "metrics_after.txt").read_text()
+    assert check_rank(one.replace('engine="0"', 'engine="1"'), 1, "http://e") == (0, 1)
+    hybrid = dp2.replace('engine="1"', 'engine="2"').replace('engine="0"', 'engine="1"')
+    assert [check_rank(hybrid, r, "http://e") for r in (1, 2)] == [(0, 1), (1, 2)]
+    gap = dp2.replace('engine="1"', 'engine="3"')
+    with pytest.raises(ConfigError, match="ranks 0, 3, not a contiguous range") as err:
+        check_rank(gap, 3, "http://e")
+    assert err.value.setting == "data_parallel_rank"
 
 
 def test_limits_and_load_from_captured_metrics() -> None:

@@ -54,6 +54,7 @@ from worker_shim.adapters.base import (
 )
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion, post_utility
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
+from worker_shim.config import ShimConfig
 from worker_shim.engine_kind import check_engine_kind
 from worker_shim.prom_text import Sample, mean_samples, parse_samples, sum_samples
 
@@ -127,21 +128,42 @@ def _kv_blocks(samples: list[Sample], rank: int | None) -> int | None:
     return _cache_config(samples, vm.LABEL_NUM_GPU_BLOCKS)
 
 
-def check_rank(text: str, rank: int | None, url: str) -> None:
+def check_rank(text: str, rank: int | None, url: str) -> tuple[int | None, int | None]:
     """ConfigError unless `rank` is one the engine at `url` runs (its /metrics `engine` labels), or,
     with no rank, unless it runs one: a shim for a server of several ranks would index their caches
-    as one while vLLM places each request on any of them."""
-    ranks = sorted({s[1].get(vm.LABEL_ENGINE, "") for s in parse_samples(text, _METRICS)} - {""}, key=int)
+    as one while vLLM places each request on any of them.
+
+    Returns the X-data-parallel-rank to send for `rank` and the rank whose KV events these are.
+    vLLM reads the header as an index into the engines that API server manages, which are the ranks
+    it lists: all N on one server (0..N-1, the header is the rank), only its own on an external or
+    hybrid load-balanced one (`--data-parallel-rank R`, or `--data-parallel-start-rank S
+    --data-parallel-size-local L`: input_processor bounds it to [0, L), the client picks
+    core_engines[header] over ranks S..S+L-1). So the header is the rank's position among the
+    listed ranks, which must be contiguous. Without `rank`, no header and the one listed rank."""
+    listed = sorted({s[1].get(vm.LABEL_ENGINE, "") for s in parse_samples(text, _METRICS)} - {""}, key=int)
+    ranks = [int(r) for r in listed]
     if rank is None and len(ranks) > 1:
         why = (
-            f"the engine at {url} runs data-parallel ranks {', '.join(ranks)}, each with a cache of its own: "
+            f"the engine at {url} runs data-parallel ranks {', '.join(listed)}, each with a cache of its own: "
             "run one shim per rank, each with --data-parallel-rank R"
         )
         raise ConfigError("data_parallel_rank", None, why)
-    if rank is not None and ranks and str(rank) not in ranks:
+    if rank is None:
+        return None, ranks[0] if ranks else None
+    if not ranks:
+        return rank, rank
+    if rank not in ranks:
         raise ConfigError(
-            "data_parallel_rank", rank, f"the engine at {url} runs data-parallel ranks {', '.join(ranks)}"
+            "data_parallel_rank", rank, f"the engine at {url} runs data-parallel ranks {', '.join(listed)}"
         )
+    if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+        why = (
+            f"the engine at {url} runs data-parallel ranks {', '.join(listed)}, not a contiguous range: vLLM's "
+            "X-data-parallel-rank indexes the engines that server manages, and which index is rank "
+            f"{rank} cannot be told"
+        )
+        raise ConfigError("data_parallel_rank", rank, why)
+    return rank - ranks[0], rank
 
 
 def limits_from_metrics(text: str, rank: int | None = None) -> EngineLimits:
@@ -293,6 +315,12 @@ class VllmAdapter(ZmqEventsAdapter):
     checks_rank: ClassVar[bool] = True
     utility_paths: ClassVar[Mapping[str, str]] = {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}
 
+    def __init__(self, config: ShimConfig) -> None:
+        super().__init__(config)
+        # The header naming this shim's rank: its index among the server's ranks, read with the
+        # limits (check_rank); the rank itself until then.
+        self._rank_header = config.data_parallel_rank
+
     async def limits(self) -> EngineLimits:
         """The limits on /metrics, whose load series are checked here too: routers use a worker
         only while its load reports are healthy. A /metrics that answers 404 has none; one of
@@ -307,7 +335,7 @@ class VllmAdapter(ZmqEventsAdapter):
             raise
         check_engine_kind(self.kind, self.base, raw)
         text = raw.decode()
-        check_rank(text, self.config.data_parallel_rank, self.base)
+        self._rank_header, self.events_rank = check_rank(text, self.config.data_parallel_rank, self.base)
         check_load_series(text, self.config.data_parallel_rank, self.base)
         return limits_from_metrics(text, self.config.data_parallel_rank)
 
@@ -353,8 +381,8 @@ class VllmAdapter(ZmqEventsAdapter):
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}
-        if self.config.data_parallel_rank is not None:
-            headers["X-data-parallel-rank"] = str(self.config.data_parallel_rank)
+        if self._rank_header is not None:
+            headers["X-data-parallel-rank"] = str(self._rank_header)
         path, body = engine_body(leg)
         with self.watch_pull(leg, on_output) as output:
             result = await post_completion(

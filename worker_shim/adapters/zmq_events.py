@@ -143,11 +143,13 @@ class ZmqEventSource:
         health: EventHealth | None = None,
         stats: ZmqEventStats | None = None,
         rank: int | None = None,
+        rank_given: bool = True,
     ) -> None:
         """`rank`: the data-parallel rank whose events these must be (vLLM's batches name it); None
-        checks nothing."""
+        checks nothing. `rank_given`: whether --data-parallel-rank named it (else the server's one rank)."""
         self.engine = engine
         self.rank = rank
+        self.rank_given = rank_given
         self.endpoint = endpoint
         self.mode = mode
         self.address, self.bind = resolve_endpoint(endpoint, mode, engine_host, engine)
@@ -479,11 +481,20 @@ class ZmqEventSource:
 
     def _wrong_rank(self, rank: int) -> None:
         self.stats.other_rank += 1
+        if self.rank_given:
+            fix = (
+                f"give --data-parallel-rank {rank}, or the endpoint the engine was given (the shim offsets it "
+                "by its rank, as vLLM does)"
+            )
+        else:  # the server's one rank (an external load-balanced vLLM: an API server per rank)
+            fix = (
+                f"give --data-parallel-rank {self.rank} with the engine's --kv-events-config (the shim offsets "
+                f"its endpoints by the rank, as vLLM does), or the endpoints rank {self.rank} publishes on"
+            )
         self.health.problem(
             EventProblem.WRONG_RANK,
             f"the KV events on {self.endpoint} come from data-parallel rank {rank}, but this shim serves rank "
-            f"{self.rank}, whose requests go to another rank's cache: give --data-parallel-rank {rank}, or the "
-            "endpoint the engine was given (the shim offsets it by its rank, as vLLM does)",
+            f"{self.rank}, whose requests go to another rank's cache: {fix}",
         )
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
@@ -533,6 +544,9 @@ class ZmqEventsAdapter(HttpEngineAdapter):
         super().__init__(config)
         self._events: ZmqEventSource | None = None
         self.stats = ZmqEventStats()
+        # The rank whose events these must be: the shim's, or the one rank its server lists (an
+        # external load-balanced vLLM rank's shim given the shared endpoints would read rank 0's).
+        self.events_rank = config.data_parallel_rank
 
     async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
         c = self.config
@@ -546,7 +560,8 @@ class ZmqEventsAdapter(HttpEngineAdapter):
             c.engine_host,
             health=self.event_health,
             stats=self.stats,
-            rank=c.data_parallel_rank if self.checks_rank else None,
+            rank=self.events_rank if self.checks_rank else None,
+            rank_given=c.data_parallel_rank is not None,
         )
         await self._events.run(sink, live)
 
