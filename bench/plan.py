@@ -215,19 +215,22 @@ def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int 
             f"  router flags:   kvswitch router ... {' '.join(args)}",
             f"  router env:     {' '.join(env) if env else '(the defaults)'} (routers started without policy flags)",
             "  compose:        router-1's and router-2's `command:` (its flags override any environment):",
-            f"                  command: {_compose_router_command(args)}",
+            *(f"    {router}:      command: {_compose_router_command(args, router)}" for router in COMPOSE_ROUTERS),
             f"  engines:        {engines}",
         ]
     )
 
 
-def _compose_router_command(args: list[str]) -> str:
-    """docker-compose.yml's router command with the winner's flags in place of its --conditional-disagg;
-    JSON strings, so YAML reads every item as a string."""
+COMPOSE_ROUTERS = ("router-1", "router-2")  # docker-compose.yml's, each its own NATS identity
+
+
+def _compose_router_command(args: list[str], router: str) -> str:
+    """docker-compose.yml's command for `router` with the winner's flags in place of its
+    --conditional-disagg; JSON strings, so YAML reads every item as a string."""
     command = ["router", "--http-host", "0.0.0.0", "--http-port", "8080", "--model", "sim-llama", *args]
     command += [
         "--nats-nkey-file",
-        "/var/lib/kvswitch/router-router.nk",
+        f"/var/lib/kvswitch/router-{router}.nk",
         "--api-keys-file",
         "/var/lib/kvswitch/api-keys",
     ]

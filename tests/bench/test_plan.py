@@ -98,14 +98,19 @@ def test_the_compose_router_command_is_docker_composes_with_the_winners_flags(co
     # an environment variable cannot override docker-compose.yml's --conditional-disagg (the router
     # refuses the conflict), so plan prints the routers' whole command with its flags in that place
     text = settings_text(Candidate(configuration, 1, 1, 0), "h200:llama-3.1-8b", Slo(2.0, 0.025))
-    printed = json.loads(next(ln for ln in text.splitlines() if "command: [" in ln).split("command: ", 1)[1])
+    printed = {
+        ln.split(":", 1)[0].strip(): json.loads(ln.split("command: ", 1)[1])
+        for ln in text.splitlines()
+        if "command: [" in ln
+    }
     compose = yaml.safe_load((Path(__file__).parents[2] / "docker-compose.yml").read_text())["services"]
     flags = text.split("router flags:   kvswitch router ... ", 1)[1].splitlines()[0].split()
-    for router in ("router-1", "router-2"):
-        command = compose[router]["command"]
-        at = command.index("--conditional-disagg")
-        assert printed == [*command[:at], *flags, *command[at + 1 :]]
-    subcommand_parser("router").parse_args(printed[1:])  # `kvswitch router` takes these flags
+    assert set(printed) == {"router-1", "router-2"}  # each with its own NATS identity
+    for router, command in printed.items():
+        theirs = compose[router]["command"]
+        at = theirs.index("--conditional-disagg")
+        assert command == [*theirs[:at], *flags, *theirs[at + 1 :]]
+        subcommand_parser("router").parse_args(command[1:])  # `kvswitch router` takes these flags
 
 
 def test_a_small_plan_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
