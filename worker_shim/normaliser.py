@@ -281,6 +281,13 @@ class Normaliser:
         """Fold window groups' events, after the batch's full-attention ones, and publish the
         hit ends they moved."""
         windows = self.windows
+        if events and FULL not in self._groups.values():
+            self._say_once(
+                f"KV cache group {events[0].group} is a sliding window and the engine has no full-attention group: "
+                "kvswitch chains a window's blocks through the full-attention ones, so none of this worker's "
+                "cached prefixes is published and routers give it no prefix credit (counted in "
+                "kvswitch_shim_kv_unknown_parent_total)"
+            )
         for ev in events:
             if isinstance(ev, EngineRemoved):
                 self.stats.unknown_removed += windows.removed(ev.group, self._window_removed(ev))

@@ -84,6 +84,22 @@ def test_a_window_cached_before_the_full_blocks_in_one_batch_is_resolved_through
     assert _ends(out)[0] == {endpoint_key(canon[3])}
 
 
+def test_a_model_with_only_a_window_group_is_said_once_not_silently_uncredited(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM accepts an all-sliding-window model as one group; kvswitch chains window blocks through
+    a full-attention group, so such a worker publishes nothing and gets no prefix credit: that was
+    said nowhere but a counter."""
+    tokens, _ = _chain(4)
+    norm = Normaliser(BS)
+    with caplog.at_level(logging.WARNING, logger="worker_shim.normaliser"):
+        for base in (0, 100):
+            assert norm.apply([_stored([base + i for i in range(4)], tokens, WINDOW, 0, 4096)]) == []
+    said = [r.getMessage() for r in caplog.records if "no full-attention group" in r.getMessage()]
+    assert len(said) == 1 and "no prefix credit" in said[0]
+    assert norm.stats.unknown_parent == 8
+
+
 def test_a_prefix_shorter_than_the_window_is_an_end_when_every_block_from_the_root_is_held() -> None:
     ends = WindowEndpoints()
     _, canon = _chain(2)
