@@ -278,10 +278,12 @@ class _Leg:
 
     async def _wait_heard(self, timeout_s: float, silence_s: float, until: float) -> None:
         """`_wait`, then, while nothing came, on until this router has been awake for `silence_s`
-        (runtime.loop_watch) or `until` (monotonic) passes: after a stall of its own, libuv runs the
-        due timer before it reads the heartbeats that filled the socket meanwhile, and a 1 s stall
-        ended every leg in flight as worker_silent."""
+        (runtime.loop_watch), one more silence window at most (a loop that stalls again and again
+        must not hide a dead worker), or `until` (monotonic) passes: after a stall of its own, libuv
+        runs the due timer before it reads the heartbeats that filled the socket meanwhile, and a
+        1 s stall ended every leg in flight as worker_silent."""
         await self._wait(timeout_s)
+        until = min(until, time.monotonic() + silence_s)
         while not self._items and (awake := self.owner.awake_for()) < silence_s and time.monotonic() < until:
             await self._wait(min(silence_s - awake, until - time.monotonic()))
 

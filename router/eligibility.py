@@ -260,10 +260,10 @@ class Eligibility:
             return WorkerStatus(w, info.model, info.role, Exclusion.BLOCK_SIZE, why, tok_ok)
         if live is None:
             since = now - self._added.get(w, now)
-            if min(since, awake) > SILENT_PERIODS * DEFAULT_PERIOD_S:
+            if _silent(since, awake, SILENT_PERIODS * DEFAULT_PERIOD_S):
                 why = f"no load report in {since:.1f}s since it registered"
                 return WorkerStatus(w, info.model, info.role, Exclusion.SILENT, why, tok_ok)
-        elif min(live.age_s, awake) > SILENT_PERIODS * live.period_s:
+        elif _silent(live.age_s, awake, SILENT_PERIODS * live.period_s):
             why = f"last load report {live.age_s:.1f}s ago (period {live.period_s:g}s)"
             return WorkerStatus(w, info.model, info.role, Exclusion.SILENT, why, tok_ok)
         mark = self._unreachable.get(w)
@@ -316,3 +316,10 @@ def model_block_sizes(
         first = min((i for i in voters if i.block_size in tied), key=lambda i: (added.get(i.worker, 0.0), i.worker))
         out[model] = first.block_size
     return out
+
+
+def _silent(age: float, awake: float, limit: float) -> bool:
+    """Nothing heard for `age` past `limit`, counted while this router was awake to hear it; a stall
+    of its own excuses one more `limit` at most, so a loop that stalls again and again (overload)
+    still finds a dead worker."""
+    return age > limit and (awake > limit or age > 2 * limit)

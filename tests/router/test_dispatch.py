@@ -237,6 +237,24 @@ async def test_a_step_of_the_routers_wall_clock_ends_no_leg(
     assert w.requests[0].deadline == pytest.approx(wall() + 30, abs=1)  # the worker still gets Unix time
 
 
+async def test_a_router_loop_that_keeps_stalling_still_finds_a_silent_worker(nc: Client, ns: str, world: World) -> None:
+    """Its stalls excuse one more silence window at most: under overload (a tick late every time)
+    a dead worker's leg would otherwise wait out the request's deadline."""
+    d, _, unreachable = world
+    d.awake_for = lambda: 0.0  # never awake for long
+    w = Worker(nc, ns, "w1")
+
+    async def say_nothing(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        return None
+
+    await w.serve("decode", say_nothing)
+    started = time.monotonic()
+    with pytest.raises(LegError) as err:
+        await collect(d, job("w1"))  # its deadline is 30 s away
+    assert err.value.kind == "worker_silent" and time.monotonic() - started < 10 * 3 * HB
+    assert [u[0] for u in unreachable] == ["w1"]
+
+
 async def test_a_worker_silent_mid_stream_is_asked_again_then_ends_the_stream(
     nc: Client, ns: str, world: World
 ) -> None:

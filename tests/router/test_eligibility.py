@@ -102,6 +102,11 @@ def test_silence_counts_only_while_the_router_was_awake_to_hear_it(world: World)
     assert world.status(info("w1"))[0] is Exclusion.SILENT
     world.awake = 3.02
     assert world.status(info("w2"))[0] is Exclusion.SILENT
+    # A loop that stalls again and again (overload) excuses one more window at most: a dead worker
+    # is still found.
+    world.awake = 0.1
+    world.report("w1", age=3.01, period=0.5)
+    assert world.status(info("w1"))[0] is Exclusion.SILENT
 
 
 def test_unreachable_until_the_next_report(world: World) -> None:
