@@ -421,8 +421,8 @@ class WorkerInfo(_Msg, kw_only=True):
 def serving(infos: Collection[WorkerInfo], name: str) -> list[WorkerInfo]:
     """The workers a request naming `name` runs on: those of model `name` (or serving it under that
     alias), else those serving it as an alias or a LoRA adapter. A model's own name wins over
-    another model's adapter of that name; an alias does not (a router refuses a name served as
-    several models, or as a model and an adapter: router.served_names)."""
+    another model's adapter or alias of that name (a router lists such an alias on no worker, and
+    refuses a name served as several models otherwise: router.served_names)."""
     if any(i.model == name for i in infos):
         return [i for i in infos if i.model == name or name in i.aliases]
     return [i for i in infos if name in i.aliases or name in i.adapters]

@@ -533,7 +533,6 @@ class RouterService:
                 f"the live config at {subjects.config_key(self.ns)} is refused, so the last good settings serve: "
                 f"{self._watcher.last_error}"
             )
-        unreachable = self._registry.unreachable_models if self._registry is not None else set()
         problems = []
         if self.status is RouterStatus.STOPPING:
             problems.append("draining (SIGTERM): requests in flight finish, new ones are refused (503)")
@@ -570,9 +569,7 @@ class RouterService:
                 + ", ".join(names)
                 + (f"; {refused_records(self.ns, refused)}" if refused else "")
             )
-        elif not any(
-            (m["routable_decode"] or m["soft_decode"]) and model not in unreachable for model, m in models.items()
-        ):
+        elif not any(m["routable_decode"] or m["soft_decode"] for m in models.values()):
             problems.append(
                 "no decode or agg worker can take requests"
                 + (f"; {refused_records(self.ns, refused)}" if refused else "")

@@ -84,7 +84,6 @@ class WorkerRegistry:
         self.name_clashes: Resolved = {}
         self.shadowed_aliases: Resolved = {}  # a model's own name served by another model's workers as an alias
         self.context_conflicts: dict[str, dict[int, list[str]]] = {}  # model -> max_model_len -> workers
-        self.unreachable_models: set[str] = set()  # every name they are served under clashes
         self.refused = 0  # records refused so far
         self._refusing: dict[str, Refused] = {}  # by key name, while its record is refused
         # every name (model, alias, adapter) a worker whose key went served, with when (monotonic)
@@ -306,8 +305,6 @@ class WorkerRegistry:
             self.shadowed_aliases = shadows
         resolved = resolve_names(self.workers())
         clashes = {name: models for name, models in resolved.items() if len(models) > 1}
-        reachable = {model for models in resolved.values() if len(models) == 1 for model in models}
-        self.unreachable_models = {info.model for info in self._workers.values()} - reachable
         if clashes == self.name_clashes:
             return
         for name, models in sorted(clashes.items()):

@@ -231,7 +231,7 @@ async def test_a_models_own_name_wins_over_another_models_alias_and_the_alias_is
     q = await register(disc, model="qwen", aliases=["llama", "chat", "qwen"])
     await reg.start()
     assert await reg.wait_ready(10.0)
-    assert reg.name_clashes == {} and reg.unreachable_models == set()
+    assert reg.name_clashes == {}
     assert reg.shadowed_aliases == {"llama": {"qwen": [q.hex_id]}}
     assert [i.aliases for i in reg.workers(model="qwen")] == [["chat", "qwen"]]  # not routed for llama
     assert reg.get(q.hex_id).aliases == ["llama", "chat", "qwen"]  # type: ignore[union-attr]  # as registered
