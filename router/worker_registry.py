@@ -162,9 +162,10 @@ class WorkerRegistry:
 
     def left_at(self, name: str) -> float | None:
         """When a worker serving `name` (its model, an alias or a LoRA adapter) last left: its key
-        went (a crash, a lease lost, a restart, a record refused). None: none has, as far as the
-        last _LEFT_MAX names go. A name no worker serves now that one left with may be back; one a
-        worker still registered stopped serving (an adapter unloaded) is gone."""
+        went (a crash, a lease lost, a restart, a record refused). None: none has since a worker
+        registered serving it, as far as the last _LEFT_MAX names go. A name no worker serves now
+        that one left with may be back; one a worker still registered stopped serving (an adapter
+        unloaded) is gone."""
         return self._left.get(name)
 
     def refusing(self) -> list[Refused]:
@@ -219,6 +220,8 @@ class WorkerRegistry:
         if self._workers.get(name) == info:
             return
         self._workers[name] = info
+        for served in (info.model, *info.aliases, *info.adapters):  # served again: no longer gone
+            self._left.pop(served, None)
         self._sorted = None
         self._call(self._on_add, info)
 
