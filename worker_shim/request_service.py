@@ -100,10 +100,12 @@ log = logging.getLogger(__name__)
 RECENT_LEGS = 256
 RECENT_BYTES = 64 * 1024 * 1024
 RECENT_S = 30.0
-# One leg's chunks kept for a resume, at most: seconds of any stream's output (1 MB/s with logprobs),
-# where a router asks within a few silent heartbeats; an eighth of RECENT_BYTES, so one ended leg
-# never pushes out every other.
+# One leg's chunks kept for a resume past the window in which a router asks for them (RESUME_HEARTBEATS
+# of its heartbeats: MAX_RESUMES + 1 silences of three), at most: an eighth of RECENT_BYTES, so one
+# ended leg never pushes out every other. Within that window every chunk is kept, so a burst (a whole
+# answer's 20 MiB body, sent in milliseconds) can still be asked for again.
 LEG_KEPT_BYTES = RECENT_BYTES // 8
+RESUME_HEARTBEATS = 12
 # File descriptors kept free beside the legs' engine connections (one each) for what the shim
 # opens besides: health probes, load polls, NATS, etcd, ZMQ event sockets, /metrics scrapes.
 FD_RESERVE = 64
@@ -153,6 +155,7 @@ class _ChunkWriter:
         self._sent_at: deque[float] = deque()
         self.first = 0
         self.sent_bytes = 0
+        self._resume_s = min(RECENT_S, RESUME_HEARTBEATS * heartbeat_s) if heartbeat_s > 0 else RECENT_S
         self.ended = 0.0  # time.monotonic() when the leg ended (RequestService.remember)
         self.done = False
         self._pending: list[int] = []
@@ -177,11 +180,14 @@ class _ChunkWriter:
         await self.service.publish(self.reply, data)
 
     def _keep(self, now: float) -> None:
-        """Forget the chunks no router can ask for again: it asks within a few silent heartbeats of
-        the last chunk it got, so not for one published over RECENT_S ago, as for an ended leg's.
-        A leg in flight kept every chunk since its first (74 MiB in 10 s for 8 legs with logprobs)."""
+        """Forget the chunks no router will ask for again: it asks within a few silent heartbeats of
+        the last chunk it got, so not for one published over RECENT_S ago, as for an ended leg's, nor,
+        past LEG_KEPT_BYTES, for one published before its resume window. A leg in flight kept every
+        chunk since its first (74 MiB in 10 s for 8 legs with logprobs)."""
         sent, at = self.sent, self._sent_at
-        while len(sent) > 1 and (at[0] < now - RECENT_S or self.sent_bytes > LEG_KEPT_BYTES):
+        while len(sent) > 1 and (
+            at[0] < now - RECENT_S or (self.sent_bytes > LEG_KEPT_BYTES and at[0] < now - self._resume_s)
+        ):
             self.sent_bytes -= len(sent.popleft())
             at.popleft()
             self.first += 1

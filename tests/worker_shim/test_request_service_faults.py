@@ -264,22 +264,40 @@ async def test_a_leg_in_flight_keeps_only_the_chunks_a_router_may_ask_for_again(
     nc: Nats, replies: Replies, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A leg in flight kept every chunk since its first for a resume (74 MiB in 10 s for 8 legs
-    with logprobs): now, as an ended leg, those of the last RECENT_S, at most LEG_KEPT_BYTES."""
+    with logprobs): now those of its resume window (RESUME_HEARTBEATS heartbeats), and of the
+    last RECENT_S at most LEG_KEPT_BYTES."""
     monkeypatch.setattr(request_service, "LEG_KEPT_BYTES", 64 * 1024)
-    monkeypatch.setattr(request_service, "RECENT_S", 0.2)
+    monkeypatch.setattr(request_service, "RECENT_S", 0.5)
     svc = service(nc)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.01)  # resume window 0.12 s
     event = b"x" * 1000
-    for _ in range(200):  # 200 kB, over the bytes kept
-        await writer.output(1, [event], [])
-    assert writer.sent_bytes <= 64 * 1024 and writer.first > 0
-    assert writer.first + len(writer.sent) == writer.seq == 200
+
+    async def burst() -> None:
+        for _ in range(100):  # 100 kB in a moment, over the bytes kept
+            await writer.output(1, [event], [])
+
+    await burst()
+    assert writer.first == 0, "a burst is kept whole through its resume window"
+    await asyncio.sleep(0.15)
+    await burst()
+    assert writer.first >= 100 and writer.first + len(writer.sent) == writer.seq  # heartbeats too
+    end = writer.seq
     assert not await writer.resume(replies.inbox("again"), 0), "chunks forgotten are gone (410)"
     assert await writer.resume(replies.inbox("again"), writer.first)
-    await asyncio.sleep(0.25)  # past RECENT_S
+    await asyncio.sleep(0.55)  # past RECENT_S
     await writer.output(1, [event], [])
-    assert (writer.first, len(writer.sent)) == (200, 1), "older than RECENT_S: none kept but the newest"
+    assert writer.first >= end, "older than RECENT_S: none of the bursts kept"
     await writer.final(finish_reason="length")
+
+
+async def test_a_whole_answer_larger_than_a_legs_keep_can_still_be_asked_for_again(nc: Nats, replies: Replies) -> None:
+    """A whole answer's body goes out in milliseconds, max_payload pieces at a time: a router that
+    sees a gap asks within its resume window, and the piece is still kept (review, 2026-12-06)."""
+    svc = service(nc)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
+    await writer.final(finish_reason="stop", body=b"z" * (LEG_KEPT_BYTES + (8 << 20)))
+    assert writer.first == 0 and writer.sent_bytes > LEG_KEPT_BYTES
+    assert await writer.resume(replies.inbox("again"), 2)
 
 
 # --- NATS refusing chunks -----------------------------------------------------------------------
@@ -417,9 +435,10 @@ async def test_a_leg_too_large_to_keep_pushes_out_no_other(nc: Nats, replies: Re
         svc.remember(writer)
     big = _ChunkWriter(svc, f"{ns}.bulk.big", "big", "w1", "agg")  # e.g. a long stream with logprobs
     await big.final(finish_reason="stop", body=b"y" * (RECENT_BYTES + (1 << 20)))
-    assert big.sent_bytes <= LEG_KEPT_BYTES < RECENT_BYTES and big.first > 0, "only its newest chunks kept"
+    assert big.sent_bytes > RECENT_BYTES  # all of it within its resume window
     svc.remember(big)
-    assert list(svc.recent) == [*(f"r{i}" for i in range(10)), "big"], "the other legs' chunks were dropped"
+    assert list(svc.recent) == [f"r{i}" for i in range(10)], "the other legs' chunks were dropped"
+    assert "big" not in svc.recent
     again = await ask_again(replies, subject, "r9", "again")
     assert [c.body for c in again] == [b"x" * 1000] and again[0].error is None
 
