@@ -235,6 +235,7 @@ class _ChunkWriter:
             cut = 0
             while len(event) - cut > piece:  # over a whole chunk: in pieces the router joins
                 self._events.append(event[cut : cut + piece])
+                self._event_bytes += piece + _FRAME  # so that token ids pending go in chunks of their own
                 cut += piece
                 await self._flush(continued=True)
             rest = event[cut:] if cut else event

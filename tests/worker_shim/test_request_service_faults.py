@@ -248,6 +248,18 @@ async def test_a_backlog_of_small_events_goes_in_chunks_nats_takes(nc: Nats, rep
     assert sum(len(c.events) for c in chunks) == 20_001 and sum(c.tokens for c in chunks) == 20_001
 
 
+async def test_token_ids_held_beside_an_event_cut_in_pieces_go_in_chunks_nats_takes(nc: Nats, replies: Replies) -> None:
+    """A piece of a cut event counted nothing against the chunk's room, so token ids held beside it
+    filled that chunk past max_payload (review, 2026-12-06)."""
+    svc = service(nc, busy_legs=0)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    await writer.output(1, [], [1])  # the first goes at once; the rest are held for the mark
+    await writer.output(1000, [], list(range(100_000, 101_000)))
+    await writer.output(1, [b"x" * (2 << 20)], [])
+    await writer.final(finish_reason="length")
+    assert max(len(d) for d in writer.sent) <= nc.max_payload and svc.chunks_unsent == 0
+
+
 async def test_a_whole_token_id_answer_goes_in_chunks_nats_takes(nc: Nats, replies: Replies) -> None:
     """Every id of a whole answer went in its final chunk: 220 k of them, 1.1 MB, refused."""
     svc = service(nc)
