@@ -4,6 +4,7 @@ cluster serves, routers without workers, a stop during --demo, a missing binary,
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import json
 import logging
@@ -109,6 +110,32 @@ def test_wait_ready_refuses_a_router_of_another_cluster_naming_the_port(other_ro
         cluster.stop()
 
 
+@contextlib.contextmanager
+def _held_after_free(free: int) -> Iterator[socket.socket]:
+    """A listening socket on a port whose `free` ports below it are free now: the ports the cluster
+    takes before the busy one (a parallel test's port among them failed the check on another)."""
+    for _ in range(50):
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        if all(_bindable(port - k) for k in range(1, free + 1)):
+            held.listen()
+            with held:
+                yield held
+            return
+        held.close()
+    pytest.fail(f"no port with {free} free ports below it")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @pytest.mark.parametrize(
     ("flag", "extra", "first", "what"),
     [
@@ -122,9 +149,7 @@ def test_a_busy_port_is_refused_before_anything_starts_naming_its_flag(
     monkeypatch: pytest.MonkeyPatch, flag: str, extra: list[str], first: int, what: str
 ) -> None:
     # nats-server and etcd said it only in their own logs, after the other server had started
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
+    with _held_after_free(first) as held:
         port = held.getsockname()[1]
         start = port - first
         monkeypatch.setattr(kvswitch.up, "LocalCluster", lambda spec: pytest.fail("a cluster was started"))
