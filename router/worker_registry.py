@@ -40,8 +40,8 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -58,6 +58,7 @@ __all__ = ["Refused", "WorkerRegistry", "context_message", "model_contexts"]
 log = logging.getLogger(__name__)
 
 _LEFT_MAX = 1024  # names of departed workers remembered; the oldest goes first
+T = TypeVar("T")
 
 
 class Refused(msgspec.Struct, frozen=True):
@@ -288,34 +289,44 @@ class WorkerRegistry:
             if info.max_model_len is not None:
                 by_model.setdefault(info.model, {}).setdefault(info.max_model_len, []).append(info.worker)
         conflicts = {model: dict(sorted(seen.items())) for model, seen in by_model.items() if len(seen) > 1}
-        if conflicts == self.context_conflicts:
-            return
-        for model, seen in sorted(conflicts.items()):
-            if self.context_conflicts.get(model) != seen:
-                log.error("configuration error: %s", context_message(model, seen))
-        for model in sorted(self.context_conflicts.keys() - conflicts.keys()):
-            log.warning("workers of model %s agree on max_model_len again: all of them are routed", model)
+        _say_changes(
+            self.context_conflicts,
+            conflicts,
+            context_message,
+            lambda model: f"workers of model {model} agree on max_model_len again: all of them are routed",
+        )
         self.context_conflicts = conflicts
 
     def _check_names(self) -> None:
         shadows = shadowed(info for _, info in sorted(self._workers.items()))
-        if shadows != self.shadowed_aliases:
-            for name, models in sorted(shadows.items()):
-                if self.shadowed_aliases.get(name) != models:
-                    log.error("configuration error: %s", shadow_message(name, models))
-            for name in sorted(self.shadowed_aliases.keys() - shadows.keys()):
-                log.warning("no worker of another model serves the model name %s as an alias any more", name)
-            self.shadowed_aliases = shadows
+        _say_changes(
+            self.shadowed_aliases,
+            shadows,
+            shadow_message,
+            lambda name: f"no worker of another model serves the model name {name} as an alias any more",
+        )
+        self.shadowed_aliases = shadows
         resolved = resolve_names(self.workers())
         clashes = {name: models for name, models in resolved.items() if len(models) > 1}
-        if clashes == self.name_clashes:
-            return
-        for name, models in sorted(clashes.items()):
-            if self.name_clashes.get(name) != models:  # once per clash, again only when its workers change
-                log.error("configuration error: %s", clash_message(name, models))
-        for name in sorted(self.name_clashes.keys() - clashes.keys()):
-            log.warning("the name %s is served as one model again: requests naming it are routed", name)
+        _say_changes(
+            self.name_clashes,
+            clashes,
+            clash_message,
+            lambda name: f"the name {name} is served as one model again: requests naming it are routed",
+        )
         self.name_clashes = clashes
+
+
+def _say_changes(
+    before: Mapping[str, T], now: Mapping[str, T], message: Callable[[str, T], str], again: Callable[[str], str]
+) -> None:
+    """A configuration ERROR for each conflict new since `before`, or whose parties changed (once,
+    not on every change of the fleet), and a WARNING for each one gone."""
+    for key, seen in sorted(now.items()):
+        if before.get(key) != seen:
+            log.error("configuration error: %s", message(key, seen))
+    for key in sorted(before.keys() - now.keys()):
+        log.warning("%s", again(key))
 
 
 def model_contexts(infos: list[WorkerInfo]) -> dict[str, int | None]:
