@@ -1,13 +1,12 @@
 """Whether each worker's clock agrees with this router's.
 
-Router and shims compare wall-clock times across hosts: a request's `deadline` is set by the
-router and checked by the shim, and a load report's stamp decides when a booking hands over to
-the reports (router.load_view). A worker whose clock is off breaks both without a word: one ahead
-expires every deadline early by its offset (past `--request-timeout`, every request it gets is a
-504 "deadline passed") and has its stamps clamped; one behind double counts bookings.
-
-The router sends each deadline on the worker's clock (router.dispatch: the deadline plus the
-offset of a worker judged off), so a clock that is off no longer expires requests there early.
+Router and shims compare wall-clock times across hosts: a request's `deadline` goes to the shim
+as Unix time and the shim checks it, and a load report's stamp decides when a booking hands over
+to the reports (router.load_view). A worker whose clock is off has its stamps clamped (ahead) or
+double counts bookings (behind), and would expire deadlines early or late by its offset (ahead by
+`--request-timeout`, every request it got was a 504 "deadline passed"), so the router sends each
+deadline on the worker's clock (router.dispatch: the deadline plus the offset of a worker judged
+off) and says the offset (a WARNING, a gauge).
 
 The offset is read from load reports, stamped when sent: (stamp - receipt) is the worker's offset
 minus the transit. Transit only delays, so the largest of the last WINDOW readings is the best

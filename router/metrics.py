@@ -50,6 +50,7 @@ class StateFigures:
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
     config_rejected: int = 0
+    loop_stalls: int = 0  # runtime.loop_watch's: stalls of this router's own event loop
     kv_disconnects: int = 0  # router.service's KV event connection cut
     records_refused: int = 0  # router.worker_registry's `refused`
     sync: SyncStats = field(default_factory=SyncStats)  # router.replica_sync's counts
@@ -118,6 +119,12 @@ class _StateCollector(Collector):
             "Live config values refused (each PUT of one; the last good settings kept); /ready warns while the "
             "stored one is refused",
             s.config_rejected,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_loop_stalls",
+            "Stalls of this router's event loop (a tick over 100 ms late): each excuses its workers' and legs' "
+            "silence for one more window",
+            s.loop_stalls,
         )
         yield CounterMetricFamily(
             "kvswitch_router_worker_records_refused",

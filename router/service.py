@@ -92,7 +92,7 @@ def _check_listen(host: str, port: int) -> None:
         raise listen_error(host, port, exc) from exc
 
 
-def _say_skew(skew: Skew, request_timeout_s: float) -> None:
+def _say_skew(skew: Skew) -> None:
     if not skew.skewed:
         log.info("worker %s's clock agrees with this router's again (%+.1f s)", skew.worker, skew.offset_s)
         return
@@ -783,7 +783,7 @@ class RouterService:
                 )
             return
         if (skew := self.clocks.observe(report.worker, report.ts, time.time())) is not None:
-            _say_skew(skew, self.config.request_timeout_s)
+            _say_skew(skew)
         if (back := self.view.update(report)) is not None and self._first_said("clock step", report.worker):
             log.warning(
                 "worker %s's clock stepped back: a load report stamped %.1f s before its last one; its "
@@ -926,4 +926,5 @@ class RouterService:
             peer_version_mismatch=self.peer_settings.version_mismatch(),
             workers_other_version=len(self.worker_versions.others()),
             config_rejected=self.config_rejected,
+            loop_stalls=self.loop_watch.stalls,
         )

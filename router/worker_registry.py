@@ -337,13 +337,18 @@ def model_contexts(infos: list[WorkerInfo]) -> dict[str, int | None]:
         seen = counts.setdefault(info.model, Counter())
         if info.max_model_len is not None:
             seen[info.max_model_len] += 1
-    return {model: max(seen, key=lambda n: (seen[n], n)) if seen else None for model, seen in counts.items()}
+    return {model: _most_registered(seen) if seen else None for model, seen in counts.items()}
+
+
+def _most_registered(counts: Mapping[int, int]) -> int:
+    """The max_model_len most workers register, of `counts` (length -> workers); ties: the longest."""
+    return max(counts, key=lambda n: (counts[n], n))
 
 
 def context_message(model: str, workers: dict[int, list[str]]) -> str:
     """Why workers of `model` registering another max_model_len than most (`workers`: length ->
     worker ids) are not routed."""
-    chosen = max(workers, key=lambda n: (len(workers[n]), n))
+    chosen = _most_registered({n: len(ids) for n, ids in workers.items()})
     left = "; ".join(f"{n} on {', '.join(ids)}" for n, ids in sorted(workers.items()) if n != chosen)
     return (
         f"workers of model {model} disagree on max_model_len: it is served with {chosen}, the length most "

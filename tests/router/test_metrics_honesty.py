@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,16 @@ async def test_401_404_and_405_are_counted_under_fixed_labels_never_the_path(
         assert r.status == 405
     counted = _requests(await _scrape(http, router))
     assert counted == {("auth", "401"): 3.0, ("unrouted", "404"): 3.0, ("unrouted", "405"): 1.0}, counted
+
+
+async def test_a_stall_of_the_routers_own_loop_is_counted(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    """A stall excuses its workers' silence for a window (runtime.loop_watch): it is no silent thing."""
+    router = await cluster.add_router()
+    stall: tuple[str, frozenset[tuple[str, str]]] = ("kvswitch_router_loop_stalls_total", frozenset())
+    before = (await _scrape(http, router))[stall]
+    time.sleep(0.3)  # the loop blocked: a GC pause, a long synchronous step
+    await asyncio.sleep(0.2)
+    assert (await _scrape(http, router))[stall] >= before + 1
 
 
 async def test_route_seconds_times_the_planner_and_the_wait_for_room_is_queue_wait(
