@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import Self
 
 __all__ = [
+    "FREE_PORTS_ENV",
     "EtcdCluster",
     "EtcdServer",
     "NatsCluster",
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1
+FREE_PORTS_ENV = "KVSWITCH_FREE_PORTS"
 
 
 class ServerError(RuntimeError):
@@ -65,6 +67,17 @@ def _ephemeral_low() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+def _port_range() -> tuple[int, int]:
+    """[low, high) of the ports `free_ports` draws from."""
+    given = os.environ.get(FREE_PORTS_ENV)
+    if not given:
+        return 10000, _ephemeral_low()
+    low, sep, high = given.partition("-")
+    if not (sep and low.isdigit() and high.isdigit() and 1024 <= int(low) < int(high) <= 65536):
+        raise ServerError(f"{FREE_PORTS_ENV}={given!r}: give LOW-HIGH, 1024 <= LOW < HIGH <= 65536")
+    return int(low), int(high)
 
 
 def _bindable(port: int, host: str) -> bool:
@@ -81,12 +94,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
 
     Drawn below the kernel's ephemeral range: a port from bind(0) sits among those the kernel hands
     to outgoing connections, so with many processes connecting (shims to NATS, etcd and engines)
-    one of them often takes it, or its neighbour, before the server binds.
+    one of them often takes it, or its neighbour, before the server binds. `KVSWITCH_FREE_PORTS`
+    (`LOW-HIGH`) narrows the draw: the test suite gives each xdist worker a range of its own, as two
+    drawing from one range took the same port between one's check and its server's bind.
     """
     rng = random.Random()
-    high = _ephemeral_low() - count
+    low, high = _port_range()
+    high -= count
     for _ in range(200):
-        base = rng.randrange(10000, max(high, 10001))
+        base = rng.randrange(low, max(high, low + 1))
         if all(_bindable(base + i, host) for i in range(count)):
             return base
     raise ServerError(f"no {count} consecutive free ports on {host}")

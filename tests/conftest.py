@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from kvswitch.servers import EtcdServer, NatsServer
+from kvswitch.servers import FREE_PORTS_ENV, EtcdServer, NatsServer
+
+
+def _own_ports() -> None:
+    """Each xdist worker draws its servers' ports from a range of its own (children inherit it):
+    from one range, two workers took the same port between one's check and its server's bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None or FREE_PORTS_ENV in os.environ:
+        return
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    low, high = 10000, 32768  # below the kernel's default ephemeral range
+    span = (high - low) // max(count, 1)
+    n = int(worker.removeprefix("gw"))
+    os.environ[FREE_PORTS_ENV] = f"{low + n * span}-{low + (n + 1) * span}"
+
+
+_own_ports()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvswitch.cluster import ClusterSpec, LocalCluster
-from kvswitch.servers import ServerError, free_ports
+from kvswitch.servers import FREE_PORTS_ENV, ServerError, free_ports
 from tests.engine_sim.listening import listening
 
 
@@ -136,3 +136,13 @@ def test_stop_lets_a_streamed_request_in_flight_finish() -> None:
     chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["length"]
     assert len(chunks) == 300
+
+
+def test_free_ports_are_drawn_from_the_range_given_and_a_bad_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each xdist worker draws from a range of its own (tests/conftest.py): two drawing from one
+    took the same port between one's check and its server's bind."""
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20100")
+    assert all(20000 <= free_ports(3) <= 20097 for _ in range(50))
+    monkeypatch.setenv(FREE_PORTS_ENV, "20100-20000")
+    with pytest.raises(ServerError, match=FREE_PORTS_ENV):
+        free_ports(1)
