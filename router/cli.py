@@ -100,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a client has to send its request body (else 408; default 30)",
     )  # fmt: skip
     parser.add_argument(
+        "--idle-timeout-s", type=float, default=None,
+        help="seconds a connection may go without completing a request head, first or next, before it "
+        "is closed (default 75)",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-calibration", action="store_true",
         help="predict engine times from the workers' timing profiles as registered (default: fit each "
         "worker's speed against its profile from its load reports)",
@@ -143,6 +148,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     request_timeout: float = 600.0
     max_body_bytes: int = 16 * 1024 * 1024
     body_timeout_s: float = 30.0
+    idle_timeout_s: float = 75.0
     no_calibration: bool = False
     chat_template_content_format: str = "auto"
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag of that name
@@ -240,9 +246,11 @@ def build_config(args: argparse.Namespace) -> Any:
     cli["exclude_tools_when_tool_choice_none"] = True if args.exclude_tools_when_tool_choice_none else None
     proc = resolve(ProcessSettings, cli=cli, file=file)
     try:
-        limits = HttpLimits(max_body_bytes=proc.max_body_bytes, body_timeout_s=proc.body_timeout_s)
+        limits = HttpLimits(
+            max_body_bytes=proc.max_body_bytes, body_timeout_s=proc.body_timeout_s, idle_timeout_s=proc.idle_timeout_s
+        )
     except ValueError as exc:
-        name = "max_body_bytes" if "max_body_bytes" in str(exc) else "body_timeout_s"
+        name = str(exc).split(" ", 1)[0]  # each HttpLimits refusal starts with its field's name
         raise ConfigError(name, getattr(proc, name), str(exc)) from exc
     overrides = {k: v for k, v in given.items() if k in _ROUTER_FIELDS and v is not None}
     nats = resolve(NatsSettings, cli=given, file=file, setting_prefix="nats_")

@@ -130,10 +130,14 @@ _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1  # what a msgpack integer holds
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
     """What the front door accepts: bodies up to `max_body_bytes` (else 413), sent within
-    `body_timeout_s` (else 408); prompt text above `offload_chars` is tokenized off the loop."""
+    `body_timeout_s` (else 408); a connection that completes no request head for `idle_timeout_s`,
+    first or next, is closed (aiohttp's keep-alive timer, which since 3.14.4 also runs from the
+    connect: a client sending nothing, or its headers a byte at a time, held a socket for ever);
+    prompt text above `offload_chars` is tokenized off the loop."""
 
     max_body_bytes: int = 16 * 1024 * 1024
     body_timeout_s: float = 30.0
+    idle_timeout_s: float = 75.0  # aiohttp's default keep-alive
     offload_chars: int = 32 * 1024
 
     def __post_init__(self) -> None:
@@ -141,6 +145,8 @@ class HttpLimits:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 < self.body_timeout_s < math.inf:  # an infinity lets a client hold a connection forever
             raise ValueError(f"body_timeout_s must be a finite number of seconds > 0, got {self.body_timeout_s}")
+        if not 0 < self.idle_timeout_s < math.inf:
+            raise ValueError(f"idle_timeout_s must be a finite number of seconds > 0, got {self.idle_timeout_s}")
 
 
 class ApiError(Exception):

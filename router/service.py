@@ -370,7 +370,13 @@ class RouterService:
             drain=self._drain,
         )
         # The drain itself is the Drain's (stop()); aiohttp's own waits twice its timeout per connection.
-        self._runner = FrontDoorRunner(app, handler_cancellation=True, shutdown_timeout=CLOSE_S, access_log=None)
+        self._runner = FrontDoorRunner(
+            app,
+            handler_cancellation=True,
+            shutdown_timeout=CLOSE_S,
+            access_log=None,
+            keepalive_timeout=self.config.http_limits.idle_timeout_s,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port, backlog=LISTEN_BACKLOG)
         try:

@@ -96,3 +96,11 @@ def test_a_file_key_that_would_set_both_nats_and_etcd_is_refused_without_its_val
     with pytest.raises(ConfigError) as err:
         cli.build_config(_args("--config", str(path)))
     assert "would set" not in str(err.value)
+
+
+@pytest.mark.parametrize("flag", ["--body-timeout-s", "--idle-timeout-s"])
+@pytest.mark.parametrize("value", ["0", "inf", "-1"])
+def test_a_front_door_timeout_that_is_not_finite_and_positive_is_refused_naming_it(flag: str, value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        cli.build_config(_args(flag, value))
+    assert flag in str(err.value)

@@ -644,6 +644,31 @@ async def test_bodies_and_headers_over_the_limits_are_413_and_431(
         assert_openai_error(r.status, await r.json(), 431)
 
 
+@pytest.mark.parametrize("trickle", [False, True], ids=["silent", "one-header-line-at-a-time"])
+async def test_a_connection_that_completes_no_request_head_is_closed_at_the_idle_timeout(
+    cluster: Cluster, trickle: bool
+) -> None:
+    await cluster.add_worker("agg")
+    router = await cluster.add_router(config={"http_limits": HttpLimits(idle_timeout_s=0.5)}, disagg="never")
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    started = time.monotonic()
+    try:
+        if trickle:  # each line well inside the timeout: the head as a whole is what is timed
+            writer.write(b"GET /v1/models HTTP/1.1\r\n")
+            for i in range(40):
+                await asyncio.sleep(0.1)
+                if reader.at_eof():
+                    break
+                writer.write(b"X-Slow-%d: 1\r\n" % i)
+        assert await asyncio.wait_for(reader.read(), timeout=5.0) == b""  # closed, nothing answered
+    except ConnectionResetError:
+        pass
+    finally:
+        writer.close()
+    assert time.monotonic() - started < 0.5 + 1.5  # the timeout, slack
+
+
 async def test_a_half_sent_body_is_answered_within_the_body_timeout(cluster: Cluster) -> None:
     await cluster.add_worker("agg")
     router = await cluster.add_router(config={"http_limits": HttpLimits(body_timeout_s=0.5)}, disagg="never")
