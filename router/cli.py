@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="clients must send `Authorization: Bearer <key>` with a key from FILE (one per line; reloaded on change)",
     )  # fmt: skip
     parser.add_argument(
+        "--debug-api-keys-file", default=None, metavar="FILE",
+        help="operator keys for /debug/route and /debug/index, one per line; with --api-keys-file and "
+        "without this, /debug/* is closed (403)",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-api-keys", action="store_true",
         help="serve a non-loopback --http-host without API keys (behind a gateway that authenticates)",
     )  # fmt: skip
@@ -143,6 +148,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     api_keys_file: str | None = None
+    debug_api_keys_file: str | None = None
     tokenizer: str | None = None
     model: str | None = None
     request_timeout: float = 600.0
@@ -182,6 +188,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             "model": "leave it out to serve every registered model",  # "" would 404 every request
             "tokenizer": "leave it out for the built-in tokenizer",
             "api_keys_file": "name a file",
+            "debug_api_keys_file": "name a file",
         }
         for name, hint in unset.items():
             if getattr(self, name) == "":
@@ -272,11 +279,12 @@ def build_config(args: argparse.Namespace) -> Any:
             f"--http-host {proc.http_host} serves beyond this machine: give --api-keys-file FILE, or --no-api-keys "
             "behind a gateway that authenticates",
         )
-    if keys_file is not None:
-        try:
-            ApiKeys(keys_file)
-        except ApiKeysError as exc:
-            raise ConfigError("api_keys_file", keys_file, str(exc)) from exc
+    for name, path in (("api_keys_file", keys_file), ("debug_api_keys_file", proc.debug_api_keys_file)):
+        if path is not None:
+            try:
+                ApiKeys(path)
+            except ApiKeysError as exc:
+                raise ConfigError(name, path, str(exc)) from exc
     return RouterConfig(
         ns=proc.namespace,
         nats=nats,
@@ -289,6 +297,7 @@ def build_config(args: argparse.Namespace) -> Any:
         file_settings=file,
         request_timeout_s=proc.request_timeout,
         api_keys_file=keys_file,
+        debug_api_keys_file=proc.debug_api_keys_file,
         http_limits=limits,
         calibrate=not proc.no_calibration,
         trust_request_chat_template=args.trust_request_chat_template,

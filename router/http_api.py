@@ -97,6 +97,7 @@ log = logging.getLogger(__name__)
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
@@ -1133,11 +1134,24 @@ def _is_text(parsed: ParsedRequest) -> bool:
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
 
 
-def _auth_middleware(keys: ApiKeys, metrics: RouterMetrics) -> Callable[..., Any]:
+def _auth_middleware(keys: ApiKeys | None, debug_keys: ApiKeys | None, metrics: RouterMetrics) -> Callable[..., Any]:
+    """API keys for the API; `/debug/*` takes only an operator key (`--debug-api-keys-file`), as its
+    answers show which prefixes of every client's prompts the fleet holds; with API keys and no
+    operator keys it is closed."""
+
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
-        if request.path not in _OPEN_PATHS and not keys.allows(request.headers.get("Authorization")):
-            metrics.count_request("auth", 401)  # a fixed label: one per path would let clients mint series
+        path, presented = request.path, request.headers.get("Authorization")
+        if path.startswith("/debug/"):
+            if debug_keys is not None and not debug_keys.allows(presented):
+                metrics.count_request("auth", 401)  # a fixed label: one per path would let clients mint series
+                return ApiError(401, "/debug/* needs an operator key (--debug-api-keys-file)").response()
+            if debug_keys is None and keys is not None:
+                metrics.count_request("auth", 403)
+                why = "/debug/* is closed: the router was started with API keys and no --debug-api-keys-file"
+                return ApiError(403, why).response()
+        elif keys is not None and path not in _OPEN_PATHS and not keys.allows(presented):
+            metrics.count_request("auth", 401)
             return ApiError(401, "a valid API key is required: send `Authorization: Bearer <key>`").response()
         response: web.StreamResponse = await handler(request)
         return response
@@ -1272,6 +1286,7 @@ def make_app(
     *,
     limits: HttpLimits | None = None,
     api_keys: ApiKeys | None = None,
+    debug_keys: ApiKeys | None = None,
     health: Callable[[], dict[str, Any]],
     readiness: Callable[[], tuple[bool, dict[str, Any]]],
     index_state: Callable[[], dict[str, Any]],
@@ -1294,7 +1309,8 @@ def make_app(
         bad_records=bad_records,
         drain=drain,
     )
-    auth = [_auth_middleware(api_keys, path.metrics)] if api_keys is not None else []
+    keyed = api_keys is not None or debug_keys is not None
+    auth = [_auth_middleware(api_keys, debug_keys, path.metrics)] if keyed else []
     middlewares = [_openai_errors(path.metrics), *auth, _drain_gate(drain, path.metrics)]
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     app.on_response_prepare.append(_echo_request_id)

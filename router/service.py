@@ -139,6 +139,7 @@ class RouterConfig:
     seed: int | None = None
     tracer_provider: TracerProvider | None = None
     api_keys_file: str | None = None
+    debug_api_keys_file: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     calibrate: bool = True  # fit each worker's engine speed from its load reports (router.calibration)
     trust_request_chat_template: bool = False  # render clients' own chat templates (vLLM's flag of that name)
@@ -158,6 +159,7 @@ class RouterService:
         )
         self.fingerprints = FingerprintWatch(*tokenizer_fingerprints(self.tokenizer))
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
+        self.debug_keys = ApiKeys(config.debug_api_keys_file) if config.debug_api_keys_file else None
         self.status = RouterStatus.NEW
         self.started_at = time.time()
         self.router_id = ""
@@ -361,6 +363,7 @@ class RouterService:
             ),
             limits=self.config.http_limits,
             api_keys=self.api_keys,
+            debug_keys=self.debug_keys,
             health=self.health,
             readiness=self.readiness,
             index_state=self.index_state,

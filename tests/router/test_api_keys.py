@@ -187,6 +187,57 @@ async def test_missing_or_wrong_key_is_401_openai_json_and_the_right_key_serves(
             assert r.status == 200, open_path
 
 
+@pytest.mark.parametrize("api_keys", [True, False], ids=["with-api-keys", "loopback-without"])
+async def test_debug_paths_take_only_operator_keys(
+    cluster: Cluster, http: aiohttp.ClientSession, tmp_path: Path, api_keys: bool
+) -> None:
+    (tmp_path / "keys").write_text("sk-client\n")
+    (tmp_path / "debug-keys").write_text("sk-operator\n")
+    await cluster.add_worker("agg")
+    router = await cluster.add_router(
+        api_keys_file=str(tmp_path / "keys") if api_keys else None,
+        config={"debug_api_keys_file": str(tmp_path / "debug-keys")},
+        disagg="never",
+    )
+    await cluster.ready(router)
+    client, operator = {"Authorization": "Bearer sk-client"}, {"Authorization": "Bearer sk-operator"}
+    route = {"model": MODEL, "prompt": list(range(40)), "max_tokens": 2}
+    for headers in ({}, client):  # a client's API key reads no other client's cached prefixes
+        async with http.get(router.url + "/debug/index", headers=headers) as r:
+            assert r.status == 401
+            err = (await r.json())["error"]
+            assert err["type"] == "AuthenticationError" and "--debug-api-keys-file" in err["message"]
+        async with http.post(router.url + "/debug/route", json=route, headers=headers) as r:
+            assert r.status == 401
+    async with http.get(router.url + "/debug/index", headers=operator) as r:
+        assert r.status == 200
+    async with http.post(router.url + "/debug/route", json=route, headers=operator) as r:
+        assert r.status == 200
+    async with http.get(router.url + "/v1/models", headers=operator) as r:  # an operator key is no API key
+        assert r.status == (401 if api_keys else 200)
+    async with http.get(router.url + "/v1/models", headers=client) as r:
+        assert r.status == 200
+
+
+async def test_debug_paths_are_closed_with_api_keys_and_no_operator_keys(
+    cluster: Cluster, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    (tmp_path / "keys").write_text("sk-client\n")
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(api_keys_file=str(tmp_path / "keys"), disagg="never")
+    async with http.get(router.url + "/debug/index", headers={"Authorization": "Bearer sk-client"}) as r:
+        assert r.status == 403
+        err = (await r.json())["error"]
+        assert err["type"] == "PermissionDeniedError" and "--debug-api-keys-file" in err["message"]
+    async with http.get(router.url + "/v1/models", headers={"Authorization": "Bearer sk-client"}) as r:
+        assert r.status == 200
+
+
+def test_an_operator_keys_file_that_cannot_be_read_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="debug_api_keys_file"):
+        cli.build_config(_args("--debug-api-keys-file", str(tmp_path / "none")))
+
+
 def test_a_rotation_to_a_file_that_is_not_utf8_keeps_the_keys_and_logs_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
