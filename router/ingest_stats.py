@@ -1,5 +1,6 @@
-"""Counters and per-worker sync state of the KV event ingest (router.kv_ingest), for /metrics and
-/debug. Plain data: the ingest mutates it, readers only read."""
+"""Counters and per-worker sync state of the KV event ingest (router.kv_ingest). Plain data: the
+ingest mutates it, readers only read. router.metrics exports every counter below on /metrics
+(`kvswitch_router_kv_*`); /debug/index reads `workers`."""
 
 from __future__ import annotations
 
@@ -37,10 +38,9 @@ class IngestStats:
     repairs_batches: int = 0  # repairs answered with the missed batches
     repairs_dumps: int = 0  # repairs (and bootstraps) answered with a full dump
     repair_timeouts: int = 0  # kvstate requests that got no (complete) answer in time
-    dropped_stale: int = 0  # batches of an epoch that is no longer the shim's
     dropped_unknown: int = 0  # batches of a worker that never registered (or already left)
     unknown_held: int = 0  # batches waiting for their worker to register
-    dropped_overflow: int = 0  # buffered batches dropped because a buffer was full
+    dropped_overflow: int = 0  # held batches dropped past a worker's bound or the shared byte budget
     dropped_impossible: int = 0  # held batches a repair reply showed the shim never sent
     digest_mismatches: int = 0  # load-report digests that disagreed with the index at the same seq
     digest_lags: int = 0  # load-report digests that stayed ahead of the index: lost last batches

@@ -28,7 +28,8 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   behind), never a contradiction.
 - One worker cannot grow a replica's memory without bound: its held batches are bounded in count
   and bytes (and all workers' together, with those of unknown workers, in bytes); past a bound
-  they are dropped and a full dump catches up. Its index entries are bounded by
+  they are dropped (counted, and a WARNING once until the worker is synced) and a full dump
+  catches up. Its index entries are bounded by
   `min_entry_limit` (the router's --index-limit-per-worker, 4 M entries by default, ~170 MB of
   index), or `CAPACITY_SLACK` times its KV capacity (WorkerInfo / LoadReport `kv_total_blocks`)
   when that is more, but no more than `MAX_CLAIMED_ENTRIES` on the worker's own word. The floor is
@@ -118,6 +119,7 @@ class _Worker:
     reported_blocks: int | None = None  # the blocks its shim says it holds (LoadReport.kv_blocks, the last one)
     held: list[tuple[int, KvEventBatch]] = field(default_factory=list)  # (arrival no., batch), awaiting a repair
     held_bytes: int = 0  # _held_size of `held`
+    overflow_logged: bool = False  # held batches dropped and said so since it was last synced
     want_dump: bool = True
     why: str = "waiting for the shim's first full state"
     asked_at: int = 0  # arrival no. of the last batch received before the current request went out
@@ -397,17 +399,39 @@ class KvIngest:
         if len(state.held) >= self._held_limit or state.held_bytes + size > self._held_bytes_limit or over_total:
             # Too far behind to replay, or too many bytes held (a worker that never answers kvstate
             # would otherwise keep all it sends): drop what is held and let a full dump catch up.
-            self.stats.dropped_overflow += len(state.held)
+            dropped = len(state.held)
+            self.stats.dropped_overflow += dropped
             self._set_held(state, [])
             state.want_dump = True
-            if self._held_total + size > self._held_total_bytes_limit:  # the others' fill the budget
+            others_full = self._held_total + size > self._held_total_bytes_limit  # the others' fill the budget
+            if others_full:
                 self.stats.dropped_overflow += 1
+                dropped += 1
+            self._overflowed(state, dropped, "all workers'" if over_total else "its own")
+            if others_full:
                 return
         self._arrivals += 1
         state.held.append((self._arrivals, batch))
         state.held_bytes += size
         self._held_total += size
         state.sync.buffered = len(state.held)
+
+    def _overflowed(self, state: _Worker, dropped: int, whose: str) -> None:
+        """A WARNING for the first overflow of a repair: the rest until it is synced again only count."""
+        if state.overflow_logged:
+            return
+        state.overflow_logged = True
+        log.warning(
+            "worker %s: dropped %d held KV batches, past %s bound on batches held while it repairs (%d batches, "
+            "%d MiB a worker; %d MiB all workers); a full dump catches up (logged once until it is synced; "
+            'kvswitch_router_kv_dropped_total{reason="overflow"} counts each)',
+            state.name,
+            dropped,
+            whose,
+            self._held_limit,
+            self._held_bytes_limit >> 20,
+            self._held_total_bytes_limit >> 20,
+        )
 
     def _set_held(self, state: _Worker, held: list[tuple[int, KvEventBatch]]) -> None:
         self._held_total -= state.held_bytes
@@ -610,6 +634,7 @@ class KvIngest:
                 sync.repairs += 1
             sync.state = SyncState.SYNCED
             state.why = ""
+            state.overflow_logged = False
             self._unsynced.discard(worker)
             self._refresh_synced()
 

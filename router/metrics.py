@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.ingest_stats import IngestStats
 from router.replica_sync import SyncStats
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics", "StateFigures"]
@@ -34,11 +35,7 @@ class StateFigures:
     index_blocks: int = 0
     index_entries: int = 0
     index_memory_bytes: int = 0
-    event_lag_s: float = 0.0
-    kv_batches: int = 0
-    kv_malformed: int = 0
-    kv_gaps: int = 0
-    kv_repairs: int = 0
+    ingest: IngestStats = field(default_factory=IngestStats)  # router.kv_ingest's counts
     queue_depth: int = 0
     inflight: int = 0
     workers: int = 0
@@ -138,13 +135,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvswitch_router_index_memory_bytes", "Bytes the prefix index holds, by its own count", s.index_memory_bytes
         )
-        yield GaugeMetricFamily(
-            "kvswitch_router_kv_event_lag_seconds", "Receive time minus send time of the last KV batch", s.event_lag_s
-        )
-        yield CounterMetricFamily("kvswitch_router_kv_batches", "KV event batches applied", s.kv_batches)
-        yield CounterMetricFamily("kvswitch_router_kv_malformed", "KV payloads dropped as malformed", s.kv_malformed)
-        yield CounterMetricFamily("kvswitch_router_kv_gaps", "KV sequence gaps detected", s.kv_gaps)
-        yield CounterMetricFamily("kvswitch_router_kv_repairs", "KV state repairs (replays and dumps)", s.kv_repairs)
+        yield from _ingest_counters(s.ingest)
         yield GaugeMetricFamily("kvswitch_router_queue_depth", "Requests waiting for admission", s.queue_depth)
         yield GaugeMetricFamily("kvswitch_router_inflight_requests", "Requests being served", s.inflight)
         yield GaugeMetricFamily("kvswitch_router_workers", "Registered workers", s.workers)
@@ -214,6 +205,61 @@ class _StateCollector(Collector):
             s.peer_version_mismatch,
             label="peer",
         )
+
+
+def _ingest_counters(s: IngestStats) -> Iterator[Metric]:
+    """The KV event ingest's: what it applied, and each batch it dropped or repaired for."""
+    yield GaugeMetricFamily(
+        "kvswitch_router_kv_event_lag_seconds", "Receive time minus send time of the last KV batch", s.last_lag_s
+    )
+    yield CounterMetricFamily("kvswitch_router_kv_batches", "KV event batches applied", s.batches_applied)
+    yield CounterMetricFamily("kvswitch_router_kv_events", "KV events applied", s.events_applied)
+    yield CounterMetricFamily("kvswitch_router_kv_malformed", "KV payloads dropped as malformed", s.malformed)
+    yield CounterMetricFamily(
+        "kvswitch_router_kv_duplicates",
+        "KV batches dropped as already applied (seq not past the index's)",
+        s.duplicates,
+    )
+    dropped = CounterMetricFamily(
+        "kvswitch_router_kv_dropped",
+        "KV batches dropped unapplied: of a worker not registered within unknown_ttl_s, or past the bounds on "
+        "such batches (unknown); held during a repair past a worker's bound or the shared byte budget, a full dump "
+        "catching up (overflow); held ones a repair reply showed the shim never sent (impossible)",
+        labels=["reason"],
+    )
+    dropped.add_metric(["unknown"], s.dropped_unknown)
+    dropped.add_metric(["overflow"], s.dropped_overflow)
+    dropped.add_metric(["impossible"], s.dropped_impossible)
+    yield dropped
+    yield GaugeMetricFamily(
+        "kvswitch_router_kv_unknown_held", "KV batches held for a worker not (yet) registered", s.unknown_held
+    )
+    yield CounterMetricFamily("kvswitch_router_kv_gaps", "KV sequence gaps detected", s.gaps)
+    yield CounterMetricFamily(
+        "kvswitch_router_kv_epoch_changes",
+        "Workers seen at a new epoch (a restarted shim, or a batch of another epoch): each takes a full dump",
+        s.epoch_changes,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_kv_digest_mismatches",
+        "Load reports whose KV digest disagreed with the index at the same seq, or stayed below the index's seq "
+        "past the grace: each takes a full dump",
+        s.digest_mismatches,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_kv_digest_lags",
+        "Load reports whose KV seq stayed ahead of the index past the grace (its last batches lost): each starts "
+        "a repair",
+        s.digest_lags,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_kv_repairs", "KV state repairs (replays and dumps)", s.repairs_batches + s.repairs_dumps
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_kv_repair_timeouts",
+        "kvstate requests that got no complete answer in time, or no responder: each is retried after a backoff",
+        s.repair_timeouts,
+    )
 
 
 def _sync_counters(s: SyncStats) -> Iterator[Metric]:

@@ -55,6 +55,7 @@ from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility, Exclusion, WorkerStatus
 from router.http_api import Drain, FrontDoorRunner, HttpLimits, make_app
+from router.ingest_stats import IngestStats
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger
 from router.load_view import MAX_CLOCK_SKEW_S, LoadView
@@ -901,17 +902,12 @@ class RouterService:
     # --- metrics -------------------------------------------------------------------------------
 
     def _figures(self) -> StateFigures:
-        stats = self._ingest.stats if self._ingest is not None else None
         return StateFigures(
             decisions={str(k): v for k, v in self._planner.disagg.counts.items()} if self._planner else {},
             index_blocks=len(self.index),
             index_entries=self.index.entries,
             index_memory_bytes=self.index.memory_bytes(),
-            event_lag_s=stats.last_lag_s if stats else 0.0,
-            kv_batches=stats.batches_applied if stats else 0,
-            kv_malformed=stats.malformed if stats else 0,
-            kv_gaps=stats.gaps if stats else 0,
-            kv_repairs=(stats.repairs_batches + stats.repairs_dumps) if stats else 0,
+            ingest=self._ingest.stats if self._ingest is not None else IngestStats(),
             queue_depth=self._path.admission.depth if self._path is not None else 0,
             inflight=self._path.inflight if self._path is not None else 0,
             workers=len(self._registry.workers()) if self._registry is not None else 0,
