@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from protocol.errors import ConfigError, without_userinfo
+from protocol.errors import FLAG_ONLY, ConfigError, without_userinfo
 
 __all__ = [
     "DISAGG_MODES",
@@ -704,11 +704,11 @@ def _layer(
 def check_flag_only_env(
     flags: Iterable[str], env: Mapping[str, str] | None = None, env_prefix: str = "KVSWITCH_"
 ) -> None:
-    """ConfigError for the first of `flags` (dest names of this process's flags that no variable
-    sets, e.g. `no_api_keys`) whose `{env_prefix}{NAME}` is in `env`, whatever its value: `resolve`
-    reads no such variable, so the switch would be ignored while its user believes it on."""
+    """ConfigError for the first of `flags` (dest names of this process's flags, e.g. `no_api_keys`)
+    in FLAG_ONLY whose `{env_prefix}{NAME}` is in `env`, whatever its value: `resolve` reads no
+    such variable, so the switch would be ignored while its user believes it on."""
     env = os.environ if env is None else env
-    for name in flags:
+    for name in sorted(FLAG_ONLY.intersection(flags)):
         env_name = env_prefix + name.upper()
         if env_name in env:
             flag = "--" + name.replace("_", "-")

@@ -6,11 +6,14 @@ import errno
 import socket
 from collections.abc import Iterable
 
-__all__ = ["ConfigError", "ProtocolError", "listen_error", "try_listen", "without_userinfo"]
+__all__ = ["FLAG_ONLY", "ConfigError", "ProtocolError", "listen_error", "try_listen", "without_userinfo"]
 
 
-# Settings with a flag and no environment variable: the config file's own path is a flag only.
-_FLAG_ONLY = frozenset({"config"})
+# The settings a flag alone sets, with no variable or file key (docs/router.md, "Flags"), of every
+# process: --config names the file; the router's others each turn a safeguard off, so must be asked
+# for on the command line. A ConfigError names no variable for them, and each process refuses a
+# KVSWITCH_ variable of those it has (protocol.config.check_flag_only_env) rather than ignore it.
+FLAG_ONLY = frozenset({"config", "no_api_keys", "trust_request_chat_template"})
 # Settings whose values are secrets: a ConfigError shows only their type.
 _SECRETS = frozenset({"nats_password", "nats_token", "etcd_password"})
 
@@ -47,7 +50,7 @@ class ConfigError(ValueError):
         self.value = value
         self.allowed = allowed
         names = "--" + setting.replace("_", "-")
-        if setting not in _FLAG_ONLY:
+        if setting not in FLAG_ONLY:
             names += f", KVSWITCH_{setting.upper()}"
         if setting in _SECRETS and value is not None:
             kind = type(value).__name__

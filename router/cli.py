@@ -43,7 +43,7 @@ from runtime import run_service, start_or_stop
 if TYPE_CHECKING:
     from router.service import RouterService
 
-__all__ = ["FLAG_ONLY", "ProcessSettings", "add_arguments", "build_config", "run"]
+__all__ = ["ProcessSettings", "add_arguments", "build_config", "run"]
 
 log = logging.getLogger("kvswitch.router")
 
@@ -125,10 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(conn, NatsSettings, "nats_")
     add_flags(conn, EtcdSettings, "etcd_")
 
-
-# The flags no variable or file key sets (docs/router.md, "Flags"): --config names the file, the
-# others each turn a safeguard off. A KVSWITCH_ variable of one is refused, not ignored.
-FLAG_ONLY = ("config", "no_api_keys", "trust_request_chat_template")
 
 _ROUTER_FIELDS = {f.name for f in msgspec.structs.fields(RouterSettings)} | {
     f.name for f in msgspec.structs.fields(ConditionalDisaggConfig)
@@ -242,8 +238,8 @@ def build_config(args: argparse.Namespace) -> Any:
     from router.http_api import HttpLimits
     from router.service import RouterConfig
 
-    check_flag_only_env(FLAG_ONLY)
     given = vars(args)
+    check_flag_only_env(given)  # those of protocol.errors.FLAG_ONLY this process has: --config and two switches
     file = load_file(args.config) if args.config else {}
     known = file_keys(RouterSettings) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")
     check_file_keys(file, known | file_keys(ProcessSettings), args.config)

@@ -115,8 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings, EtcdSettings]:
-    check_flag_only_env(["config"])  # KVSWITCH_CONFIG would be ignored: the file is named by flag only
     cli: dict[str, Any] = dict(vars(args))
+    check_flag_only_env(cli)  # KVSWITCH_CONFIG would be ignored: the file is named by flag only
     file = load_file(args.config) if args.config else {}
     known = file_keys(ShimConfig) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")
     check_file_keys(file, known, args.config)

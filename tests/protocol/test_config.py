@@ -475,8 +475,12 @@ def test_a_file_key_no_setting_reads_is_refused_with_the_nearest(tmp_path: Path)
 def test_a_variable_of_a_flag_only_switch_is_refused_naming_the_flag(value: str) -> None:
     """resolve() reads no such variable: ignored, the switch stayed off while its user believed it on."""
     check_flag_only_env(["no_api_keys"], env={"KVSWITCH_NO_API_KEYS_FILE": "x", "KVSWITCH_HTTP_HOST": "h"})
+    check_flag_only_env(["http_host"], env={"KVSWITCH_HTTP_HOST": "h"})  # a process's other flags have variables
     with pytest.raises(ConfigError) as err:
-        check_flag_only_env(["config", "no_api_keys"], env={"KVSWITCH_NO_API_KEYS": value})
+        check_flag_only_env(["http_host", "config", "no_api_keys"], env={"KVSWITCH_NO_API_KEYS": value})
     assert (err.value.setting, err.value.value) == ("no_api_keys", value)
+    # It named the variable as a way to set it, then said it was not read (ConfigError kept a list of
+    # its own, which had --config alone).
+    assert str(err.value).startswith(f"invalid no_api_keys (--no-api-keys) = {value!r}: KVSWITCH_NO_API_KEYS is not")
     assert "KVSWITCH_NO_API_KEYS is not read: --no-api-keys is a flag only" in str(err.value)
     assert "pass --no-api-keys on the command line and unset KVSWITCH_NO_API_KEYS" in str(err.value)
