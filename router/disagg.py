@@ -61,12 +61,6 @@ class RoutePlan:
     prefill_ranked: list[Candidate] = field(default_factory=list)
     key: str = ""  # its booking in the ledger, once booked
 
-    def as_bypass(self) -> RoutePlan:
-        """This plan with the prompt prefilled on its decode worker (a failed remote prefill)."""
-        return RoutePlan(
-            self.ctx, self.decode, None, Path.BYPASS, self.outcome, self.reason, self.decode_ranked, [], self.key
-        )
-
     def explain(self) -> dict[str, Any]:
         return {
             "decode_worker": self.decode.worker,
