@@ -263,7 +263,20 @@ def _ingest_counters(s: IngestStats) -> Iterator[Metric]:
 
 
 def _sync_counters(s: SyncStats) -> Iterator[Metric]:
-    """Replica sync's drops and losses: each skews this replica's or its peers' load view."""
+    """Replica sync's traffic, and its drops and losses: each skews this replica's or its peers' load view."""
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_messages_sent",
+        "Sync messages this router published to its peers (its bookings, batched)",
+        s.messages_sent,
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_entries_sent", "Booking entries this router published to its peers", s.entries_sent
+    )
+    yield CounterMetricFamily(
+        "kvswitch_router_sync_entries_received",
+        "Booking entries taken from registered peer routers (none while peers route: their sync does not arrive)",
+        s.entries_received,
+    )
     yield CounterMetricFamily(
         "kvswitch_router_sync_malformed",
         "Peer routers' sync messages that did not decode, and bookings in them no request makes: dropped",

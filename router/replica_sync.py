@@ -65,6 +65,8 @@ MAX_BOOKING = 2**31
 
 @dataclass
 class SyncStats:
+    """Every count is on /metrics (router.metrics, kvswitch_router_sync_*)."""
+
     messages_sent: int = 0
     entries_sent: int = 0
     entries_received: int = 0

@@ -92,7 +92,6 @@ class EventHealth:
         self.timeout_s = timeout_s
         self.retest_s = RETEST_TIMEOUTS * timeout_s if retest_s is None else retest_s
         self.problems: dict[EventProblem, str] = {}
-        self.live_batches = 0
         self.live_stored = 0
         self.reported = 0
         self.retests = 0  # NO_STORED lifted for want of evidence either way
@@ -144,7 +143,6 @@ class EventHealth:
 
     def live(self, stored: bool) -> None:
         """A live (not replayed) batch of engine events arrived; `stored` if it held a Stored."""
-        self.live_batches += 1
         if stored:
             self.live_stored += 1
         self.resolved(EventProblem.NO_STORED, EventProblem.WRONG_TOPIC, EventProblem.WRONG_RANK)

@@ -74,8 +74,6 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class NormaliserStats:
-    stored_blocks: int = 0
-    removed_blocks: int = 0
     malformed: int = 0
     unknown_parent: int = 0
     unknown_removed: int = 0
@@ -518,7 +516,6 @@ class Normaliser:
             prev = ch
         if run:
             out.append(Stored(hashes=run, parent=run_parent, medium=medium))
-        self.stats.stored_blocks += len(canon)
 
     def _offloaded(self, hashes: Iterable[int], tier: str) -> None:
         """An offload tier's placeholder: one more reference of each block held (already published),
@@ -555,7 +552,6 @@ class Normaliser:
                 self._adapter_of.pop(eh, None)
                 self._retire(eh, ch)
             self._release(ch, 1, gone)
-            self.stats.removed_blocks += 1
         if gone:
             out.append(Removed(hashes=gone, medium=ev.medium))
 

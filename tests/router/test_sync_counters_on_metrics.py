@@ -1,5 +1,6 @@
 """Replica sync's drops and losses are on /metrics (2026-12-04 audit: they were Python attributes
-only, so a stream of forged sync messages or a peer's lost frees could not be seen)."""
+only, so a stream of forged sync messages or a peer's lost frees could not be seen), and its
+traffic (2026-12-06: a replica hearing nothing from peers that route could not be seen either)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.router.conftest import Cluster
 from tests.router.polling import until
 
 SYNC = ("malformed", "unregistered", "departed", "send_failures", "peer_bookings_expired", "peers_forgotten")
+TRAFFIC = ("messages_sent", "entries_sent", "entries_received")  # until 2026-12-06 read by tests alone
 
 
 def _sync_samples(text: str) -> dict[str, float]:
@@ -32,9 +34,19 @@ def _sync_samples(text: str) -> dict[str, float]:
 
 
 def test_every_sync_count_is_rendered() -> None:
-    stats = SyncStats(malformed=1, unregistered=2, departed=3, send_failures=4, bookings_expired=5, routers_forgotten=6)
+    stats = SyncStats(
+        malformed=1,
+        unregistered=2,
+        departed=3,
+        send_failures=4,
+        bookings_expired=5,
+        routers_forgotten=6,
+        messages_sent=7,
+        entries_sent=8,
+        entries_received=9,
+    )
     text = RouterMetrics(lambda: StateFigures(sync=stats)).render().decode()
-    assert _sync_samples(text) == dict(zip(SYNC, (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), strict=True))
+    assert _sync_samples(text) == dict(zip(SYNC + TRAFFIC, (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0), strict=True))
 
 
 async def test_dropped_sync_messages_are_on_metrics(
@@ -66,4 +78,7 @@ async def test_dropped_sync_messages_are_on_metrics(
         "send_failures": 0.0,
         "peer_bookings_expired": 0.0,
         "peers_forgotten": 1.0,
+        "messages_sent": 0.0,  # no request booked: nothing to tell
+        "entries_sent": 0.0,
+        "entries_received": 0.0,  # every message dropped before its entries are read
     }
