@@ -19,6 +19,8 @@ import grpc
 from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError, prefix_range_end
 from etcd3aio._protobuf import RangeResponse, WatchResponse
 
+from protocol import subjects
+
 __all__ = ["Deleted", "Put", "Snapshot", "WatchEvent", "keep_following", "watch_prefix"]
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ async def watch_prefix(
         items: dict[str, V] = {}
         skipped: dict[str, str] = {}
         for kv in resp.kvs:
-            name = _name(kv.key, start)
+            name = subjects.name_from_key(prefix, kv.key)
             try:
                 items[name] = parse(kv.value)
             except ValueError as exc:
@@ -133,7 +135,7 @@ async def watch_prefix(
                     cancelled = ""
                 latest = max(latest, wr.header.revision)
                 for ev in wr.events:
-                    name = _name(ev.kv.key, start)
+                    name = subjects.name_from_key(prefix, ev.kv.key)
                     rev = ev.kv.mod_revision
                     if ev.type == ev.DELETE:
                         yield Deleted(name, rev)
@@ -200,8 +202,3 @@ def _skipped(prefix: str, name: str, exc: ValueError, say: bool) -> str:
     if say:
         log.warning("watch %s: ignoring the value under key %r: %s", prefix, name, why)
     return why
-
-
-def _name(key: bytes, prefix: bytes) -> str:
-    # Never raises: one undecodable key must not end the watch, and with it every consumer's view.
-    return key[len(prefix) :].decode(errors="backslashreplace")

@@ -9,17 +9,16 @@ __all__ = [
     "cancel",
     "config_key",
     "gen",
-    "gen_wildcard",
     "kv",
     "kv_all",
     "kvstate",
     "load",
     "load_all",
+    "name_from_key",
     "router_key",
     "routers_prefix",
     "sync",
     "validate_namespace",
-    "worker_from_key",
     "worker_key",
     "workers_prefix",
 ]
@@ -68,10 +67,6 @@ def gen(ns: str, role: str, worker: str) -> str:
     return f"{ns}.gen.{_token(role, 'role')}.{_token(worker, 'worker id')}"
 
 
-def gen_wildcard(ns: str) -> str:
-    return f"{ns}.gen.*.*"
-
-
 def cancel(ns: str, worker: str) -> str:
     return f"{ns}.cancel.{_token(worker, 'worker id')}"
 
@@ -91,11 +86,14 @@ def worker_key(ns: str, worker: str) -> str:
     return workers_prefix(ns) + _token(worker, "worker id")
 
 
-def worker_from_key(ns: str, key: str) -> str:
-    prefix = workers_prefix(ns)
-    if not key.startswith(prefix):
-        raise ValueError(f"{key!r} is not under {prefix!r}")
-    return key[len(prefix) :]
+def name_from_key(prefix: str, key: bytes) -> str:
+    """The name `key` has under `prefix` (`workers_prefix`, `routers_prefix`): the key with the
+    prefix cut off. Never raises (one bad key must not end a watch, and with it every consumer's
+    view): a key that is not UTF-8, which anyone who may write under the prefix can put, has its bad
+    bytes escaped (`\\xff`), and one not under `prefix` is named whole (it starts with `/`); both
+    are names no id has, for the consumer to refuse."""
+    start = prefix.encode()
+    return (key[len(start) :] if key.startswith(start) else key).decode(errors="backslashreplace")
 
 
 def routers_prefix(ns: str) -> str:

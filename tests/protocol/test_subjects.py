@@ -17,7 +17,6 @@ def test_subjects_follow_design() -> None:
 
 def test_keys_follow_design() -> None:
     assert subjects.worker_key("ns", "ab12") == "/ns/workers/ab12"
-    assert subjects.worker_from_key("ns", "/ns/workers/ab12") == "ab12"
     assert subjects.router_key("ns", "r1") == "/ns/routers/r1"
     assert subjects.config_key("ns") == "/ns/config/router"
 
@@ -30,6 +29,23 @@ def test_tokens_that_would_break_a_subject_are_refused(bad: str) -> None:
         subjects.validate_namespace(bad)
 
 
-def test_worker_from_key_rejects_foreign_prefix() -> None:
-    with pytest.raises(ValueError, match="is not under"):
-        subjects.worker_from_key("ns", "/other/workers/ab")
+def test_a_key_is_named_by_what_follows_its_prefix() -> None:
+    worker, router = subjects.worker_key("ns", "ab12").encode(), subjects.router_key("ns", "ab12").encode()
+    assert subjects.name_from_key(subjects.workers_prefix("ns"), worker) == "ab12"
+    assert subjects.name_from_key(subjects.routers_prefix("ns"), router) == "ab12"
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        (b"/ns/workers/ab\xff", "ab\\xff"),  # not UTF-8: escaped
+        (b"/other/workers/ab", "/other/workers/ab"),  # not under the prefix: named whole
+        (b"/ns/workers/a.b", "a.b"),
+    ],
+)
+def test_a_key_no_id_has_is_named_for_the_consumer_to_refuse_never_raised_on(key: bytes, name: str) -> None:
+    """One bad key raised out of a watch would end it, and with it every consumer's view of etcd."""
+    got = subjects.name_from_key(subjects.workers_prefix("ns"), key)
+    assert got == name
+    with pytest.raises(ValueError, match="must match"):
+        subjects.worker_key("ns", got)  # no id has it
