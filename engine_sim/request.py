@@ -114,7 +114,3 @@ class SimRequest:
             start = len(chain) * block_size
             parent = chain[-1] if chain else None
             chain.append(chains.child(parent, tuple(toks[start : start + block_size]), self.cache_salt))
-
-    def append_output(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-        self.output_token_ids.append(token_id)
