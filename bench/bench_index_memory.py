@@ -111,8 +111,23 @@ def run(workers: int, blocks: int, sharings: list[str], native: bool) -> list[di
     return out
 
 
+def verdict(row: dict[str, Any]) -> str:
+    """The row's RSS per entry against TARGET_BYTES_PER_ENTRY, and its peak's (a table doubling)."""
+    per_entry, peak = row["rss"] / row["entries"], row["peak"] / row["entries"]
+    met = "met" if per_entry <= TARGET_BYTES_PER_ENTRY else "missed"
+    return (
+        f"{row['sharing']} sharing, {row['core']} core: {per_entry:.1f} B of RSS per entry (peak {peak:.1f}), "
+        f"target <= {TARGET_BYTES_PER_ENTRY} B: {met}"
+        + (f" ({TARGET_BYTES_PER_ENTRY / per_entry:.2f}x margin)" if per_entry > 0 else "")
+    )
+
+
 def report(rows: list[dict[str, Any]], workers: int, blocks: int) -> None:
-    print(f"{workers} workers x {blocks} blocks = {workers * blocks:,} (worker, block) entries; target <= 2 GB RSS")
+    budget = workers * blocks * TARGET_BYTES_PER_ENTRY
+    print(
+        f"{workers} workers x {blocks} blocks = {workers * blocks:,} (worker, block) entries; "
+        f"target <= {TARGET_BYTES_PER_ENTRY} B of RSS per entry ({budget / 1e9:.2f} GB in all)"
+    )
     print(
         f"{'sharing':>7} {'core':>6} {'distinct':>11} {'holders':>7} {'RSS MB':>7} {'B/entry':>7} {'peak MB':>7}"
         f" {'index MB':>8} {'B/entry':>7} {'build s':>7} {'M/s':>5} {'own us':>6} {'miss us':>7}"
@@ -126,6 +141,8 @@ def report(rows: list[dict[str, Any]], workers: int, blocks: int) -> None:
             f" {r['entries'] / r['build_s'] / 1e6:>5.1f} {r['match_own_us']:>6.2f} {r['match_miss_us']:>7.2f}"
             f" {r['clear_ms']:>8.1f} {r['list_ms']:>7.1f}"
         )
+    for r in rows:
+        print(verdict(r))
 
 
 def main(argv: list[str] | None = None) -> None:
