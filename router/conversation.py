@@ -81,6 +81,8 @@ def _message(i: int, message: Mapping[str, Any], content_format: ContentFormat) 
         if isinstance(calls, list) and calls:
             out["tool_calls"] = [_tool_call(i, c) for c in calls]
         reasoning = message.get("reasoning")
+        if reasoning is None:  # the older name, which vLLM renames (ChatCompletionRequest, before validation)
+            reasoning = message.get("reasoning_content")
         if reasoning is not None:
             out["reasoning"] = out["reasoning_content"] = reasoning
     elif role == "tool":
@@ -91,8 +93,25 @@ def _message(i: int, message: Mapping[str, Any], content_format: ContentFormat) 
         if isinstance(message.get(key), str):
             out[key] = message[key]
     if role == "developer":
-        out["tools"] = message.get("tools")
+        tools = message.get("tools")
+        out["tools"] = [_developer_tool(t) for t in tools] if isinstance(tools, list) else tools
     return out
+
+
+def _schema_order(d: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """`d` as pydantic rebuilds a TypedDict vLLM validates it against: the schema's keys in the
+    schema's order, then the others in the client's; a template's `tojson` prints that order."""
+    return {**{k: d[k] for k in keys if k in d}, **{k: v for k, v in d.items() if k not in keys}}
+
+
+def _developer_tool(tool: Any) -> Any:
+    """A developer message's tool as vLLM's ChatCompletionFunctionToolParam holds it."""
+    if not isinstance(tool, Mapping):
+        return tool
+    function = tool.get("function")
+    if isinstance(function, Mapping):
+        tool = {**tool, "function": _schema_order(function, ("name", "description", "parameters", "strict"))}
+    return _schema_order(tool, ("function", "type"))
 
 
 def _tool_content(content: Any) -> Any:
@@ -181,7 +200,9 @@ def _without_billing_header(parts: list[Any]) -> list[Any]:
 
 def _tool_call(i: int, call: Any) -> Any:
     """One assistant tool call with its arguments as an object: a JSON string parsed, anything
-    that is not an object (bad JSON, a list, empty) as `{}`, as vLLM coerces them."""
+    that is not an object (bad JSON, a list, empty) as `{}`, as vLLM coerces them; its keys in
+    the order of vLLM's ChatCompletionMessageFunctionToolCallParam (id, function, type; the
+    function's arguments, name), not the client's (OpenAI's own order is id, type, function)."""
     function = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(function, Mapping) or call.get("type", "function") != "function":
         raise ConversationError(
@@ -193,7 +214,10 @@ def _tool_call(i: int, call: Any) -> Any:
             arguments = json.loads(arguments)
         except (json.JSONDecodeError, RecursionError):  # nested too deep to parse is no object either
             arguments = {}
-    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
+    function = _schema_order(
+        {**function, "arguments": arguments if isinstance(arguments, dict) else {}}, ("arguments", "name")
+    )
+    return _schema_order({**call, "function": function}, ("id", "function", "type"))
 
 
 def _system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
