@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from protocol import SamplingParams
+from protocol import SamplingParams, Usage
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from tests.protocol.vllm_captures import FIXTURES
 from tests.router.polling import until
@@ -40,6 +41,7 @@ class Engine:
         # a streamed answer: each item one write, and the write after it waits for `between()`
         self.writes = [b"data: " + e + b"\n\n" for e in EVENTS] + [b"data: [DONE]\n\n"]
         self.between: Callable[[], Awaitable[None]] = _next_loop_turn
+        self.whole: bytes | None = None  # a whole answer's body as it is, in place of the default
 
     async def tokenize(self, request: web.Request) -> web.Response:
         if request.content_type != "application/json":  # vLLM: 400 Unsupported Media Type
@@ -60,6 +62,8 @@ class Engine:
                     await self.between()
                 await resp.write(data)
             return resp
+        if self.whole is not None:
+            return web.Response(body=self.whole, content_type="application/json")
         answer: dict[str, Any] = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": 1}}
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
             answer["kv_transfer_params"] = {"remote_engine_id": "e1"}
@@ -235,10 +239,6 @@ async def test_a_chat_echo_is_passed_through_but_counts_no_token(engine: tuple[E
 
 async def test_pass_through_bodies_per_leg(engine: tuple[Engine, VllmAdapter]) -> None:
     eng, adapter = engine
-
-    async def ignore(tokens: int, events: list[bytes], ids: list[int]) -> None:
-        pass
-
     chat = {
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
@@ -262,14 +262,102 @@ async def test_pass_through_bodies_per_leg(engine: tuple[Engine, VllmAdapter]) -
 
 async def test_the_engines_own_400_body_comes_back(engine: tuple[Engine, VllmAdapter]) -> None:
     _, adapter = engine
-
-    async def ignore(tokens: int, events: list[bytes], ids: list[int]) -> None:
-        pass
-
     with pytest.raises(EngineError) as caught:
         await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m", "logprobs": 21}), ignore)
     assert caught.value.code == 400 and caught.value.message == "logprobs too big"
     assert json.loads(caught.value.body)["error"]["param"] == "logprobs"
+
+
+async def ignore(tokens: int, events: list[bytes], ids: list[int]) -> None:
+    pass
+
+
+_CACHED = (
+    b'{"choices":[{"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}}'
+)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "raw", "read"),
+    [
+        # vLLM 0.32's own whole answers
+        (
+            ENDPOINT_COMPLETIONS,
+            (FIXTURES / "bs32" / "completion_nonstream_tokenids.json").read_bytes(),
+            ("length", Usage(prompt_tokens=85, completion_tokens=8), []),
+        ),
+        (
+            ENDPOINT_COMPLETIONS,
+            (FIXTURES / "bs32" / "completion_nonstream_text.json").read_bytes(),
+            ("length", Usage(prompt_tokens=103, completion_tokens=8), []),
+        ),
+        (
+            ENDPOINT_CHAT,
+            (FIXTURES / "bs32" / "chat_completion.json").read_bytes(),
+            ("length", Usage(prompt_tokens=28, completion_tokens=8), []),
+        ),
+        (ENDPOINT_COMPLETIONS, _CACHED, ("stop", Usage(prompt_tokens=9, cached_tokens=4), [])),
+        # the token-id leg: the ids per choice, bools and all, as the plain decode had them
+        (
+            "",
+            b'{"choices":[{"text":"a","token_ids":[5,true,2.5,6],"finish_reason":"stop"},{"token_ids":[7]}]}',
+            ("stop", Usage(), [5, True, 6, 7]),
+        ),
+        ("", b'{"choices":[{"text":"a","finish_reason":"stop"}]}', (502, "engine_protocol", "without token_ids")),
+        # shapes the schema does not take read as they always did
+        (
+            ENDPOINT_COMPLETIONS,
+            b'{"choices":null,"usage":{"prompt_tokens":3,"completion_tokens":1}}',
+            (None, Usage(prompt_tokens=3, completion_tokens=1), []),
+        ),
+        (ENDPOINT_COMPLETIONS, b'{"choices":[1,{"finish_reason":7}],"usage":"no"}', ("7", Usage(), [])),
+        (ENDPOINT_COMPLETIONS, b'{"error":{"message":"boom","code":507}}', (507, "engine_error", "boom")),
+        (ENDPOINT_COMPLETIONS, b'{"error":null,"choices":[]}', (500, "engine_error", '{"error":null,"choices":[]}')),
+        (ENDPOINT_COMPLETIONS, b'[{"choices":[]}]', (502, "engine_protocol", "not a JSON object")),
+        (ENDPOINT_COMPLETIONS, b'{"choices":[{"finish_reason":"stop"', (502, "engine_protocol", "malformed JSON")),
+    ],
+)
+async def test_a_whole_answer_reads_as_it_always_did(
+    engine: tuple[Engine, VllmAdapter], endpoint: str, raw: bytes, read: tuple[Any, ...]
+) -> None:
+    """The shim reads a whole answer's finish_reason, usage and token ids alone (the rest is
+    skipped, never built): each reads as the plain decode read it, and fails as it failed."""
+    eng, adapter = engine
+    eng.whole = raw
+    params = (
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]} if endpoint == ENDPOINT_CHAT else {"model": "m"}
+    )
+    if isinstance(read[0], int):
+        with pytest.raises(EngineError) as err:
+            await adapter.generate(leg(endpoint, params, stream=False), ignore)
+        assert (err.value.code, err.value.kind) == read[:2] and read[2] in err.value.message
+        return
+    out = await adapter.generate(leg(endpoint, params, stream=False), ignore)
+    assert (out.finish_reason, out.usage, out.token_ids) == read
+    assert out.body == (raw if endpoint else b"")  # a pass-through answer goes on byte for byte
+
+
+async def test_a_long_prompts_logprobs_are_not_built_to_read_a_whole_answer(engine: tuple[Engine, VllmAdapter]) -> None:
+    """A completion on a long prompt with prompt_logprobs (193 MB at 130k tokens and 20): decoded
+    into Python objects it held 8 times its size and the shim's loop for seconds, its heartbeats
+    stopped, and the router asked for chunks it was still sending. Read, it holds its bytes."""
+    eng, adapter = engine
+    entry = {str(t): {"logprob": -1.25, "rank": r + 1, "decoded_token": " tok"} for r, t in enumerate(range(100, 120))}
+    choice = {"index": 0, "text": " a", "finish_reason": "length", "prompt_logprobs": [None, *[entry] * 8000]}
+    eng.whole = json.dumps({"choices": [choice], "usage": {"prompt_tokens": 8001, "completion_tokens": 1}}).encode()
+    tracemalloc.start()
+    try:
+        out = await adapter.generate(
+            leg(ENDPOINT_COMPLETIONS, {"model": "m", "prompt_logprobs": 20}, stream=False), ignore
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.body == eng.whole and (out.finish_reason, out.usage) == (
+        "length",
+        Usage(prompt_tokens=8001, completion_tokens=1),
+    )
+    assert len(eng.whole) > 10_000_000 and peak < 3 * len(eng.whole)  # the read buffer and the body; decoded: 5.6x
 
 
 def test_model_cards_are_read_from_vllms_own_models_answer() -> None:
