@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import resource
@@ -131,7 +130,11 @@ _ENDPOINTS = frozenset({"", ENDPOINT_COMPLETIONS, ENDPOINT_CHAT})
 
 
 class _ChunkWriter:
-    """Numbers, coalesces and heartbeats one leg's chunks to its reply subject."""
+    """Numbers, coalesces and heartbeats one leg's chunks to its reply subject.
+
+    Chunks go out in seq order, one coroutine publishing at a time (`_pump`): a chunk numbered
+    while another coroutine publishes (a heartbeat's, a resume's) goes out with it. A resume moves
+    the next chunk to publish back to the one asked for; what was not yet published goes once."""
 
     def __init__(
         self,
@@ -141,20 +144,25 @@ class _ChunkWriter:
         worker: str,
         role: str,
         heartbeat_s: float = 0.0,
+        *,
+        first_seq: int = 0,
     ) -> None:
         self.service = service
         self.reply = reply
         self.request_id = request_id
         self.worker = worker
         self.role = role
-        self.seq = 0
+        self.seq = first_seq
         self.sent_tokens = 0
         # The chunks a router may still ask for again, from seq `first` (_keep): those published
-        # within RECENT_S, at most LEG_KEPT_BYTES of the newest; `sent_bytes` is their size.
+        # within RECENT_S, at most LEG_KEPT_BYTES of the newest; `sent_bytes` is their size. The
+        # chunks from `_next` on are not yet published (each before it was, to one reply or another).
         self.sent: deque[bytes] = deque()
         self._sent_at: deque[float] = deque()
-        self.first = 0
+        self.first = self._next = first_seq
         self.sent_bytes = 0
+        self._pumping = False
+        self._resent_from: int | None = None  # a resume's re-send under way, from this seq
         self._resume_s = min(RECENT_S, RESUME_HEARTBEATS * heartbeat_s) if heartbeat_s > 0 else RECENT_S
         self.ended = 0.0  # time.monotonic() when the leg ended (RequestService.remember)
         self.done = False
@@ -177,7 +185,25 @@ class _ChunkWriter:
         self._sent_at.append(now)
         self.sent_bytes += len(data)
         self._keep(now)
-        await self.service.publish(self.reply, data)
+        await self._pump()
+
+    async def _pump(self) -> None:
+        """Publish the chunks from `_next` on, in seq order, unless another coroutine is at it (it
+        publishes these too before it returns). A resume published what it had while the leg went
+        on publishing its newest chunks: the router got new chunks amid the old, dropped them as
+        sent before its ask, and asked again, and each ask sent a whole answer's burst again."""
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self._next < self.seq:
+                data = self.sent[self._next - self.first]
+                self._next += 1
+                await self.service.publish(self.reply, data)
+        finally:
+            self._pumping = False
+            if self._next >= self.seq:
+                self._resent_from = None
 
     def _keep(self, now: float) -> None:
         """Forget the chunks no router will ask for again: it asks within a few silent heartbeats of
@@ -185,22 +211,28 @@ class _ChunkWriter:
         past LEG_KEPT_BYTES, for one published before its resume window. A leg in flight kept every
         chunk since its first (74 MiB in 10 s for 8 legs with logprobs)."""
         sent, at = self.sent, self._sent_at
-        while len(sent) > 1 and (
-            at[0] < now - RECENT_S or (self.sent_bytes > LEG_KEPT_BYTES and at[0] < now - self._resume_s)
+        while (
+            len(sent) > 1
+            and self.first < self._next
+            and (at[0] < now - RECENT_S or (self.sent_bytes > LEG_KEPT_BYTES and at[0] < now - self._resume_s))
         ):
             self.sent_bytes -= len(sent.popleft())
             at.popleft()
             self.first += 1
 
     async def resume(self, reply: str, seq: int) -> bool:
-        """Send the chunks from `seq` on again, to `reply`, which gets the rest of the leg too.
-        False when `seq` is not one this leg still keeps or will send next."""
-        if not self.first <= seq <= self.first + len(self.sent):
+        """Send the chunks from `seq` on again, to `reply`, which gets the rest of the leg too:
+        those published go again, those not yet published (a whole answer's burst under way) once.
+        An ask that a re-send under way to the same reply covers (a router that asked twice) adds
+        nothing. False when `seq` is not one this leg still keeps or will send next."""
+        if not self.first <= seq <= self.seq:
             return False
+        covered = reply == self.reply and self._resent_from is not None and self._resent_from <= seq
         self.reply = reply
         self._last_sent = time.monotonic()
-        for data in list(itertools.islice(self.sent, seq - self.first, None)):  # sends go on meanwhile
-            await self.service.publish(reply, data)
+        if seq < self._next and not covered:
+            self._next = self._resent_from = seq
+        await self._pump()
         return True
 
     def _chunk(self, tokens: list[int], events: list[bytes] | None = None, **final: object) -> ResponseChunk:
@@ -596,8 +628,7 @@ class RequestService:
         if writer is not None and await writer.resume(reply, req.resume):
             self.resumes += 1
             return
-        gone = _ChunkWriter(self, reply, req.request_id, worker, role)
-        gone.seq = req.resume
+        gone = _ChunkWriter(self, reply, req.request_id, worker, role, first_seq=req.resume)
         await gone.final(error=ErrorInfo(code=410, kind="gone", message=f"no chunks from {req.resume} to send again"))
 
     def remember(self, writer: _ChunkWriter) -> None:

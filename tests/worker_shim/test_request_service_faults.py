@@ -312,6 +312,36 @@ async def test_a_whole_answer_larger_than_a_legs_keep_can_still_be_asked_for_aga
     assert await writer.resume(replies.inbox("again"), 2)
 
 
+async def test_a_resume_during_a_whole_answers_burst_sends_each_chunk_once_more_in_order(
+    nc: Nats, replies: Replies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router asked for chunks from seq 2 while a whole answer's body was still going out (the
+    shim's heartbeats had stopped while it read a long answer): the resume re-sent what was out as
+    the leg went on with the rest to the same subject, the router dropped the new chunks amid the
+    old and asked again, and a second ask sent everything again on top of the burst."""
+    svc = service(nc)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
+    publish, published, taken = svc.publish, list[str](), asyncio.Event()
+
+    async def slow(subject: str, data: bytes) -> None:  # NATS slow to take the fifth piece
+        published.append(subject)
+        if len(published) == 5:
+            await taken.wait()
+        await publish(subject, data)
+
+    monkeypatch.setattr(svc, "publish", slow)
+    burst = asyncio.create_task(writer.final(finish_reason="stop", body=b"z" * (12 * nc.max_payload)))
+    await wait_for(lambda: len(published) == 5, what="the burst's fifth piece")
+    assert await writer.resume(replies.inbox("again"), 2) and await writer.resume(replies.inbox("again"), 2)
+    taken.set()
+    await burst
+    await replies.settled()
+    assert [c.seq for c in replies.chunks("r1")] == [0, 1, 2, 3, 4]  # out before the asks
+    again = [c.seq for c in replies.chunks("again")]
+    assert again == list(range(2, writer.seq)) and writer.seq > 12  # each once more, in order, to the end
+    assert replies.chunks("again")[-1].final
+
+
 # --- NATS refusing chunks -----------------------------------------------------------------------
 
 
