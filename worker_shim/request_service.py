@@ -89,7 +89,17 @@ from worker_shim.credit_check import reusable
 from worker_shim.decode_context import DecodeContext
 from worker_shim.tracing import LegTracer
 
-__all__ = ["BEHIND_BYTES", "BUSY_LEGS", "COALESCE_S", "FD_RESERVE", "PREFILL_POLL_S", "RequestService", "leg_cap"]
+__all__ = [
+    "BEHIND_BYTES",
+    "BURST_BYTES",
+    "BURST_BYTES_S",
+    "BUSY_LEGS",
+    "COALESCE_S",
+    "FD_RESERVE",
+    "PREFILL_POLL_S",
+    "RequestService",
+    "leg_cap",
+]
 
 log = logging.getLogger(__name__)
 # Ended legs whose chunks a router may still ask for again, bounded in number, bytes and age. A
@@ -121,12 +131,35 @@ UNWEIGHED_REUSE = 1 << 50
 COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
+# One leg's output goes to its router at once up to BURST_BYTES, then at BURST_BYTES_S (a token
+# bucket, _Pace). A whole answer's body (or an event cut in pieces: a long prompt's prompt_logprobs,
+# 193 MB at 130k tokens and 20) went out as fast as NATS took it, faster than a router with other
+# work reads, and nats-server cut the router's connection, every leg on it, past its max_pending
+# (64 MiB by default). At 128 MiB/s a 193 MB answer takes 1.3 s more to send; a token stream never
+# comes near either bound.
+BURST_BYTES = 16 << 20
+BURST_BYTES_S = 128 << 20
 PREFILL_POLL_S = 0.05
 _ENVELOPE = 4096  # room left in a chunk for everything but its events, token ids or body
 # msgpack's most bytes around one event (a bin 32 header) or for one token id (a uint 32): a full
 # chunk of ~230-byte events held ~10 kB of framing, past the envelope, and NATS refused it for good
 _FRAME = 5
 _ENDPOINTS = frozenset({"", ENDPOINT_COMPLETIONS, ENDPOINT_CHAT})
+
+
+class _Pace:
+    """A token bucket of BURST_BYTES, filled at BURST_BYTES_S: `delay(now, size)` books `size` bytes
+    to publish at `now` (time.monotonic()) and says how long to wait first (0 within the bucket)."""
+
+    def __init__(self, burst: int, rate: float, now: float) -> None:
+        self.burst, self.rate = burst, rate
+        self.left = float(burst)
+        self.at = now
+
+    def delay(self, now: float, size: int) -> float:
+        self.left = min(float(self.burst), self.left + (now - self.at) * self.rate) - size
+        self.at = now
+        return max(0.0, -self.left / self.rate)
 
 
 class _ChunkWriter:
@@ -163,6 +196,7 @@ class _ChunkWriter:
         self.sent_bytes = 0
         self._pumping = False
         self._resent_from: int | None = None  # a resume's re-send under way, from this seq
+        self._pace = _Pace(BURST_BYTES, BURST_BYTES_S, time.monotonic())
         self._resume_s = min(RECENT_S, RESUME_HEARTBEATS * heartbeat_s) if heartbeat_s > 0 else RECENT_S
         self.ended = 0.0  # time.monotonic() when the leg ended (RequestService.remember)
         self.done = False
@@ -188,15 +222,18 @@ class _ChunkWriter:
         await self._pump()
 
     async def _pump(self) -> None:
-        """Publish the chunks from `_next` on, in seq order, unless another coroutine is at it (it
-        publishes these too before it returns). A resume published what it had while the leg went
-        on publishing its newest chunks: the router got new chunks amid the old, dropped them as
-        sent before its ask, and asked again, and each ask sent a whole answer's burst again."""
+        """Publish the chunks from `_next` on, in seq order and at the leg's pace (_Pace), unless
+        another coroutine is at it (it publishes these too before it returns). A resume published
+        what it had while the leg went on publishing its newest chunks: the router got new chunks
+        amid the old, dropped them as sent before its ask, and asked again, and each ask sent a
+        whole answer's burst again."""
         if self._pumping:
             return
         self._pumping = True
         try:
             while self._next < self.seq:
+                if (wait := self._pace.delay(time.monotonic(), len(self.sent[self._next - self.first]))) > 0:
+                    await asyncio.sleep(wait)  # a resume may move _next meanwhile: read it after
                 data = self.sent[self._next - self.first]
                 self._next += 1
                 await self.service.publish(self.reply, data)

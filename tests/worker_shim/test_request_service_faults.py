@@ -342,6 +342,47 @@ async def test_a_resume_during_a_whole_answers_burst_sends_each_chunk_once_more_
     assert replies.chunks("again")[-1].final
 
 
+@pytest.mark.parametrize(
+    ("steps", "waits"),
+    [
+        ([(0.0, 4), (0.0, 6)], [0.0, 0.0]),  # the bucket at once
+        ([(0.0, 10), (0.0, 5)], [0.0, 1.0]),  # past it, at the rate
+        ([(0.0, 10), (1.0, 5), (1.0, 5)], [0.0, 0.0, 1.0]),  # what the rate filled meanwhile goes at once
+        ([(0.0, 10), (100.0, 10), (100.0, 1)], [0.0, 0.0, 0.2]),  # idle, it fills up to the bucket only
+    ],
+)
+def test_a_legs_pace_lets_a_bucket_go_at_once_then_the_rate(steps: list[tuple[float, int]], waits: list[float]) -> None:
+    pace = request_service._Pace(10, 5.0, 0.0)
+    assert [pace.delay(now, size) for now, size in steps] == pytest.approx(waits)
+
+
+async def test_a_whole_answers_burst_goes_out_at_the_legs_pace(
+    nc: Nats, replies: Replies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole answer's body went out as fast as NATS took it (193 MB for a long prompt's
+    prompt_logprobs), faster than a router with other work reads: nats-server cut the router's
+    connection, every leg on it, past its max_pending. Now BURST_BYTES at once, then BURST_BYTES_S."""
+    burst, rate = 2 << 20, 32 << 20
+    monkeypatch.setattr(request_service, "BURST_BYTES", burst)
+    monkeypatch.setattr(request_service, "BURST_BYTES_S", rate)
+    svc = service(nc)
+    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
+    publish, out, total = svc.publish, list[tuple[float, int]](), [0]
+
+    async def timed(subject: str, data: bytes) -> None:
+        total[0] += len(data)
+        out.append((time.monotonic(), total[0]))  # when, and the bytes out with this chunk
+        await publish(subject, data)
+
+    monkeypatch.setattr(svc, "publish", timed)
+    body = bytes(range(256)) * (8 << 12)  # 8 MiB
+    start = time.monotonic()
+    await writer.final(finish_reason="stop", body=body)
+    assert all(sent <= burst + rate * (at - start) + nc.max_payload for at, sent in out)
+    await replies.settled()
+    assert b"".join(c.body for c in replies.chunks("r1")) == body
+
+
 # --- NATS refusing chunks -----------------------------------------------------------------------
 
 
