@@ -549,14 +549,27 @@ def _route_headers(job: Job, ids: _Ids, timing: _Timing) -> dict[str, str]:
     }
 
 
-def _with_route(body: bytes, route: dict[str, Any]) -> bytes:
-    """The engine's JSON object with the router's `kvswitch` member added as its last one."""
-    trimmed = body.rstrip()
-    if not trimmed.endswith(b"}"):
+def _with_route(parts: list[bytes], route: dict[str, Any]) -> bytes:
+    """The engine's JSON object, in the pieces it came in, with the router's `kvswitch` member added
+    as its last one: one copy of the body (trimmed, sliced and concatenated whole, it was copied five
+    times on the loop: 0.42 s for 150 MB)."""
+    body = list(parts)
+    _rstrip(body)
+    if not body or not body[-1].endswith(b"}"):
         raise ApiError(502, "the worker's answer is not a JSON object")
-    head = trimmed[:-1].rstrip()
-    sep = b"" if head.endswith(b"{") else b","
-    return head + sep + b'"kvswitch":' + _JSON.encode(route) + b"}"
+    body[-1] = body[-1][:-1]
+    _rstrip(body)
+    sep = b"" if body and body[-1].endswith(b"{") else b","
+    return b"".join([*body, sep, b'"kvswitch":', _JSON.encode(route), b"}"])
+
+
+def _rstrip(parts: list[bytes]) -> None:
+    """The whitespace that ends the bytes `parts` make, off them (a piece left empty dropped)."""
+    while parts:
+        if last := parts[-1].rstrip():
+            parts[-1] = last
+            return
+        parts.pop()
 
 
 def _plan_error(exc: PlanError) -> ApiError:
@@ -967,7 +980,7 @@ class _Handlers:
                     parts.append(chunk.body)
         except LegError as exc:
             raise _leg_error(exc) from exc
-        body = _with_route(b"".join(parts), _route_info(job))
+        body = _with_route(parts, _route_info(job))
         headers = _route_headers(job, ids, timing)
         return web.Response(body=body, headers=headers, content_type="application/json")
 
