@@ -563,6 +563,19 @@ def _with_route(parts: list[bytes], route: dict[str, Any]) -> bytes:
     return b"".join([*body, sep, b'"kvswitch":', _JSON.encode(route), b"}"])
 
 
+def _prompt_too_long(limit: int, count: int) -> ApiError:
+    """vLLM 0.32's 400 for a prompt of `count` token ids past a context of `limit` (its renderer's
+    words, "at least" for limit + 1 as for text, which it tokenizes only that far). vLLM says it
+    after its checks of the sampling parameters: a request that fails one of those too gets this."""
+    shown = f"at least {count}" if count == limit + 1 else str(count)
+    message = (
+        f"This model's maximum context length is {limit} tokens. However, your prompt contains {shown} input "
+        "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+        f"prompt. (parameter=input_tokens, value={count})"
+    )
+    return ApiError(400, message, "input_tokens")
+
+
 def _rstrip(parts: list[bytes]) -> None:
     """The whitespace that ends the bytes `parts` make, off them (a piece left empty dropped)."""
     while parts:
@@ -877,11 +890,8 @@ class _Handlers:
              headers: Mapping[str, str]) -> GenerateRequest:  # fmt: skip
         params = parsed.params
         params["model"] = model
-        if (
-            not parsed.chat
-            and not (parsed.engine_tokenizes and _is_text(parsed))
-            and not self._over_context(parsed, model, prompts)
-        ):
+        limit = self._over_context(parsed, model, prompts)
+        if not parsed.chat and not (parsed.engine_tokenizes and _is_text(parsed)) and limit is None:
             # The engine computes the very ids that were routed; one prompt rides in token_ids.
             # Some requests keep the client's text (ParsedRequest.engine_tokenizes): vLLM echoes a
             # text prompt as written but token ids as it decodes them, special tokens and all.
@@ -893,7 +903,7 @@ class _Handlers:
             request_id=ids.request_id,
             engine_request_id=ids.engine,
             model=model,
-            token_ids=routed,
+            token_ids=routed if limit is None else routed[: limit + 1],
             # The engine reads `params`; `sampling` is for engines driven by token ids alone.
             sampling=SamplingParams() if parsed.max_tokens is None else SamplingParams(max_tokens=parsed.max_tokens),
             stream=parsed.stream,
@@ -903,14 +913,21 @@ class _Handlers:
             headers={h: v for h in ENGINE_HEADERS if (v := headers.get(h)) is not None},
         )
 
-    def _over_context(self, parsed: ParsedRequest, model: str, prompts: list[list[int]]) -> bool:
-        """A text prompt longer than the model's context: sent as the client's text, so the engine
-        refuses it in its own words. vLLM tokenizes text only to max_model_len + 1 and says "at
-        least" that many; as ids, it named the whole count the router had computed."""
-        if not _is_text(parsed):
-            return False
+    def _over_context(self, parsed: ParsedRequest, model: str, prompts: list[list[int]]) -> int | None:
+        """The model's context when a prompt is longer, else None. A text prompt (a chat's too) is
+        sent as the client's text, so the engine refuses it in its own words (vLLM tokenizes text
+        only to max_model_len + 1 and says "at least" that many; as ids, it named the whole count
+        the router had computed), its leg carrying only the routed ids the engine reads of it: all
+        of them beside the text made a 150k-token prompt a 1 MB leg, NATS's 413. A token-id prompt
+        is refused here in vLLM's words (_prompt_too_long), its count the engine's own: sent, past
+        ~349k ids it was NATS's 413 too."""
         limit = self.path.max_model_len(model)
-        return limit is not None and any(len(p) > limit for p in prompts)
+        over = None if limit is None else next((len(p) for p in prompts if len(p) > limit), None)
+        if limit is None or over is None:
+            return None
+        if not _is_text(parsed):
+            raise _prompt_too_long(limit, over)
+        return limit
 
     # --- one request ----------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from router.policies import Outcome
 from router.policies import Path as RoutePath
 from router.request_context import RequestShape
 from runtime.nats_flush import flush
+from tests.protocol.vllm_captures import FIXTURES
 from tests.router.conftest import BLOCK, MODEL, Cluster, complete
 from tests.router.polling import until
 from tests.router.test_tokenization import VOCAB
@@ -569,6 +570,36 @@ async def test_a_text_prompt_past_the_context_gets_the_engines_own_error(
     assert "at least" in via_router["error"]["message"]
 
 
+_LONG_TEXT = "hello" + " the" * 150_000  # 150k tokens: with every routed id beside it, a 1 MB leg
+
+
+@pytest.mark.parametrize(
+    ("path", "request_body"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": _LONG_TEXT, "max_tokens": 3}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": _LONG_TEXT}]}),
+        ("/v1/completions", {"model": MODEL, "prompt": [300 + i % 20_000 for i in range(400_000)]}),
+        ("/v1/completions", {"model": MODEL, "prompt": [300] * 32_769, "stream": True}),  # "at least" the limit + 1
+    ],
+)
+async def test_a_prompt_far_past_the_context_gets_the_engines_own_400(
+    agg: Cluster, http: aiohttp.ClientSession, path: str, request_body: dict[str, Any]
+) -> None:
+    """A text or chat prompt past the context went to the engine as the client's text with every
+    routed id beside it, and a 150k-token one was NATS's 413 (1,050,427 bytes); so was a token-id
+    prompt past ~349k ids. Each gets vLLM's 400, as the engine answers it directly."""
+    s1, via_router, _ = await post(http, agg.routers[0].url + path, request_body)
+    s2, direct, _ = await post(http, agg.workers[0].sim.url + path, request_body)
+    assert s1 == s2 == 400 and via_router == direct
+    assert via_router["error"]["message"].startswith("This model's maximum context length is 32768 tokens")
+
+
+def test_a_token_id_prompt_past_the_context_is_refused_in_vllms_words() -> None:
+    """vLLM 0.32's own refusal of 2,100 token ids at a context of 2,048, byte for byte."""
+    captured = json.loads((FIXTURES / "bs32" / "error_prompt_too_long_tokenids.json").read_bytes())
+    assert http_api._prompt_too_long(2048, 2100).body() == captured
+
+
 async def test_tokenize_and_detokenize_are_a_workers_engines_own(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     """vLLM's /tokenize and /detokenize through the router: the engine's own answers and refusals,
     every form, an answer over NATS's payload limit whole, on whichever worker, prefill included."""
@@ -699,8 +730,8 @@ async def test_a_half_sent_body_is_answered_within_the_body_timeout(cluster: Clu
 async def test_a_prompt_over_the_nats_payload_limit_is_413_naming_it(agg: Cluster, http: aiohttp.ClientSession) -> None:
     router = agg.routers[0]
     limit = router.dispatcher._nc.max_payload
-    prompt = [300 + i % 20000 for i in range(limit // 2)]  # ~3 bytes an id in msgpack
-    status, out, _ = await post(http, router.url + "/v1/completions", {"model": MODEL, "prompt": prompt})
+    request = {"model": MODEL, "prompt": [300] * 1000, "user": "u" * limit}  # within the context
+    status, out, _ = await post(http, router.url + "/v1/completions", request)
     assert_openai_error(status, out, 413)
     assert str(limit) in out["error"]["message"] and "max_payload" in out["error"]["message"]
     assert agg.workers[0].id not in json.dumps(out)
