@@ -36,6 +36,11 @@ with a `final` chunk or an `error` one.
   like a dead worker's, a prefill leg falls back. The worker is reported malformed (left out for a
   cooldown, router.eligibility), counted per worker in `malformed_replies`, logged once per worker.
 - leaving early (client gone, deadline) cancels the leg on its worker (`{ns}.cancel.{worker}`).
+  A cancel can be lost: sent while NATS is down it waits in nats-py's reconnect buffer, which
+  goes out on reconnect, maybe before the worker's shim has subscribed again, and NATS drops it. So
+  a leg cancelled (or given up on) is remembered until its deadline (CANCELLED_KEPT legs at most):
+  a chunk of it that arrives later says its engine still runs it, and sends the cancel again, at
+  most once per CANCEL_AGAIN_S per leg; its final chunk forgets it.
 - a client that reads a stream slower than its worker writes it: the chunks waiting for it are
   bounded (MAX_QUEUED_BYTES); past that the leg ends at once with a 408 `slow_reader` LegError, is
   cancelled on its worker and its queue dropped, rather than the whole answer piling up here.
@@ -57,7 +62,7 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -107,6 +112,11 @@ MAX_QUEUED_BYTES = 8 << 20
 # means an engine streaming on without a counted token (empty deltas while it holds text back for a
 # stop string): it serves the request, and the client must not wait, nor the router hold it all.
 MAX_HELD_BYTES = 64 << 10
+# A cancelled leg's late chunks send its cancel again at most this often (a flood of late chunks is
+# no flood of cancels); cancelled legs remembered for that, the oldest forgotten first.
+CANCEL_AGAIN_S = 1.0
+CANCELLED_KEPT = 4096
+CANCEL_KEPT_S = 600.0  # a cancelled leg without a deadline is remembered this long (--request-timeout's default)
 SLOW_READER = "slow_reader"
 _RECONNECT_POLL_S = 0.01
 
@@ -264,7 +274,7 @@ class _Leg:
             RequestTracer.failed(self.span, str(e) or type(e).__name__)
         self.span.end()
         if not self.done:
-            await self.owner._cancel(self.worker, self.request_id)
+            await self.owner._cancel(self)
 
     async def _wait(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -398,6 +408,16 @@ class _Leg:
             )
 
 
+def _ends_leg(msg: Msg) -> bool:
+    """A reply that says its leg runs no more on its worker: its final chunk. (Not a no-responder
+    answer: after an outage one comes for each ask for lost chunks the router sent before the
+    worker had subscribed again, and says nothing of the leg.)"""
+    try:
+        return bool(msg.data) and decode_msg(msg.data, ResponseChunk).final
+    except ProtocolError:
+        return False
+
+
 def _output(chunk: ResponseChunk) -> bool:
     """The chunk carries something a client would see."""
     return bool(chunk.token_ids or chunk.events or chunk.body)
@@ -427,6 +447,16 @@ def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str,
     if exc.kind == "engine_protocol" or exc.engine_failed:
         return f"its engine failed a prefill leg ({exc.kind} {exc.code}: {exc.message}): see the engine's log", False
     return None
+
+
+@dataclass(slots=True)
+class _Cancelled:
+    """A leg this router cancelled, while its worker may still run it (Dispatcher._cancelled)."""
+
+    worker: str
+    request_id: str
+    sent_at: float  # time.monotonic() of its last cancel
+    until: float  # time.monotonic() past which its worker no longer runs it (its deadline)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -486,6 +516,8 @@ class Dispatcher:
         self._prefix = ""
         self._sub: Subscription | None = None
         self._legs: dict[str, _Leg] = {}
+        self._cancelled: OrderedDict[str, _Cancelled] = OrderedDict()  # by leg token, oldest first
+        self.cancels_again = 0  # cancels sent again on a cancelled leg's late chunks
         self._ids = itertools.count()
         self.retries = 0
         self.fallbacks = 0
@@ -533,9 +565,13 @@ class Dispatcher:
         self.malformed_replies.pop(worker, None)
 
     async def _on_reply(self, msg: Msg) -> None:
-        leg = self._legs.get(msg.subject.rpartition(".")[2])
+        token = msg.subject.rpartition(".")[2]
+        leg = self._legs.get(token)
         if leg is None:
-            return  # a leg already finished or cancelled: late chunks are expected then
+            # a leg already finished or cancelled: late chunks are expected then
+            if token in self._cancelled:
+                await self._late(token, msg)
+            return
         if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
             if self._registered(leg.worker):
                 self._on_unreachable(leg.worker, "no responder on its subject")
@@ -573,7 +609,30 @@ class Dispatcher:
             leg.worker,
             extra={"request_id": leg.request_id},
         )
-        await self._cancel(leg.worker, leg.request_id)
+        await self._cancel(leg)
+
+    async def _late(self, token: str, msg: Msg) -> None:
+        """A chunk of a leg this router cancelled: its engine still runs it, so the cancel was lost
+        (or is still on its way); sent again, at most once per CANCEL_AGAIN_S."""
+        gone = self._cancelled[token]
+        now = time.monotonic()
+        if now >= gone.until or _ends_leg(msg):
+            del self._cancelled[token]  # its worker is done with it
+            return
+        if now - gone.sent_at < CANCEL_AGAIN_S:
+            return
+        if any(leg.worker == gone.worker and leg.request_id == gone.request_id for leg in self._legs.values()):
+            del self._cancelled[token]  # its request runs there anew: the cancel would end that
+            return
+        gone.sent_at = now
+        self.cancels_again += 1
+        log.info(
+            "request %s: its leg on worker %s, cancelled, still sends chunks; cancelling it again",
+            gone.request_id,
+            gone.worker,
+            extra={"request_id": gone.request_id},
+        )
+        await self._publish_cancel(gone.worker, gone.request_id)
 
     async def _open(self, worker: str, role: str, req: GenerateRequest, on_end: Callable[[], None] = _nothing) -> _Leg:
         token = str(next(self._ids))
@@ -614,7 +673,20 @@ class Dispatcher:
             raise
         return leg
 
-    async def _cancel(self, worker: str, request_id: str) -> None:
+    async def _cancel(self, leg: _Leg) -> None:
+        """Cancel `leg` on its worker, and remember it until its deadline (_late)."""
+        now = time.monotonic()
+        deadline = leg.request.deadline
+        # Its deadline as the worker checks it (_wall), on this router's monotonic clock
+        left = CANCEL_KEPT_S if deadline is None else deadline - time.time() - self._clock_offset(leg.worker)
+        if left > 0:
+            self._cancelled[leg.token] = _Cancelled(leg.worker, leg.request_id, now, now + left)
+            kept = self._cancelled
+            while kept and (len(kept) > CANCELLED_KEPT or next(iter(kept.values())).until <= now):
+                kept.popitem(last=False)
+        await self._publish_cancel(leg.worker, leg.request_id)
+
+    async def _publish_cancel(self, worker: str, request_id: str) -> None:
         if self._nc.is_closed:
             return
         with contextlib.suppress(Exception):  # best effort: the worker may be gone already

@@ -4,6 +4,7 @@ no responders, an engine's refusal on the prefill leg, and the bookings each att
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -16,15 +17,16 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from protocol import GenerateRequest, ResponseChunk, TransferHandle, decode_msg, encode_msg, subjects
+from protocol import CancelRequest, GenerateRequest, ResponseChunk, TransferHandle, decode_msg, encode_msg, subjects
 from protocol.config import RouterSettings
 from protocol.messages import ErrorInfo
 from router.disagg import RoutePlan
-from router.dispatch import MAX_RESUMES, Dispatcher, Job, LegError
+from router.dispatch import CANCEL_AGAIN_S, MAX_RESUMES, Dispatcher, Job, LegError
 from router.policies import Outcome, Path
 from runtime.loop_watch import LoopWatch
 from runtime.nats_flush import flush
 from tests.router.builders import cand, ctx
+from tests.router.polling import until
 
 HB = 0.1  # heartbeat period asked of workers; a leg silent for 3 of them ends
 
@@ -531,3 +533,58 @@ async def test_a_failed_kv_pull_falls_back_and_its_rebooked_booking_is_freed(nc:
     assert [c.token_ids for c in chunks] == [[5], [6]] and j.outcome is Outcome.FALLBACK_TRANSFER_FAILED
     rebook = books.log.index(("rebook_bypass", "r1#1"))
     assert ("free", "r1#1") in books.log[rebook:], books.log  # freed after the rebook, not only before it
+
+
+async def test_a_cancel_lost_on_the_way_is_sent_again_on_the_legs_late_chunks(
+    nc: Client, ns: str, world: World
+) -> None:
+    """The client leaves while the worker's shim has no subscription on its cancel subject (after a
+    NATS outage nats-py sends the router's reconnect buffer, the cancel in it, before the shim has
+    subscribed again): NATS drops the cancel. The leg's later chunks were dropped here as late, so
+    its engine generated for nobody until the deadline (outage audit: ~37 s of 8000 tokens). They
+    now send the cancel again, once per CANCEL_AGAIN_S however many come, not stopped by a
+    no-responder answer on the leg's subject, and no more once the leg's final chunk has come."""
+    d, _, _ = world
+    cancels: list[str] = []
+    sent = [0]
+    ended = asyncio.Event()
+    replies: list[str] = []
+
+    async def streams_until_told(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        replies.append(msg.reply)
+        while not ended.is_set():
+            await chunk(nc, msg, req, sent[0], token_ids=[sent[0]])
+            sent[0] += 1
+            await asyncio.sleep(0.01)
+        await chunk(nc, msg, req, sent[0], final=True, finish_reason="abort")
+        for seq in range(sent[0] + 1, sent[0] + 50):  # copies after its end (a resend's): no cancel
+            await chunk(nc, msg, req, seq, token_ids=[seq])
+            await asyncio.sleep(0.01)
+        sent[0] = -1
+
+    w = Worker(nc, ns, "w1")
+    await w.serve("decode", streams_until_told)
+    async with contextlib.aclosing(d.run(job("w1"))) as stream:
+        async for first in stream:
+            assert first.token_ids == [0]
+            break  # the client leaves: the leg is cancelled, on a subject nobody serves yet
+    # an ask for lost chunks, sent in the outage, reaches NATS before the worker is back: NATS
+    # answers no-responders to the leg's reply subject, which says nothing of the leg
+    await nc.publish(subjects.gen(ns, "decode", "w1-not-back"), b"", reply=replies[0])
+
+    async def on_cancel(msg: Msg) -> None:
+        cancels.append(decode_msg(msg.data, CancelRequest).request_id)
+
+    await nc.subscribe(subjects.cancel(ns, "w1"), cb=on_cancel)  # the shim back on NATS
+    await flush(nc)
+    await until(lambda: bool(cancels), timeout=5 * CANCEL_AGAIN_S, what="the cancel sent again")
+    before = sent[0]
+    await asyncio.sleep(1.5 * CANCEL_AGAIN_S)
+    assert sent[0] - before > 50  # a flood of late chunks meanwhile...
+    assert cancels == ["r1", "r1"]  # ...sent it once per CANCEL_AGAIN_S
+    ended.set()  # the engine aborts the request: its final chunk comes
+    await until(lambda: sent[0] == -1, what="the worker's copies after the final chunk")
+    await flush(nc)
+    await asyncio.sleep(CANCEL_AGAIN_S)
+    assert cancels == ["r1", "r1"] and d.cancels_again == 2
+    assert not d._cancelled  # forgotten at its final chunk
