@@ -14,6 +14,13 @@ estimate: one report stamped ahead is proof, while a clock is judged behind only
 reports in a row are. A worker judged off agrees again only within AGREE_FRACTION of the
 tolerance: one whose offset sits at the tolerance flipped on every few milliseconds of transit
 jitter, a WARNING and an INFO a minute and its gauge series coming and going.
+
+A report stamped behind that arrives less than half as long after the worker's last one as it was
+stamped after it waited in a queue on the way: a shim's NATS reconnect buffer sent in one burst once
+NATS is back (a shim older than 2026-12-06 kept its reports there through an outage), this
+router's loop stalled with reports in its socket. Its offset is that wait, not the clock, and it
+is not read (the first of such a burst is, one reading of the WINDOW): after any outage over
+WINDOW periods such bursts judged every worker's clock behind by the outage's length.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class Skew:
 class _Readings:
     offsets: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     skewed: bool = False
+    last: tuple[float, float] | None = None  # the last report's stamp and receipt
 
 
 class ClockSkew:
@@ -55,6 +63,9 @@ class ClockSkew:
         r = self._workers.get(worker)
         if r is None:
             r = self._workers[worker] = _Readings()
+        last, r.last = r.last, (stamped, received)
+        if last is not None and stamped < received and 0 <= received - last[1] < (stamped - last[0]) / 2:
+            return None  # it waited in a queue on the way (module docstring)
         r.offsets.append(stamped - received)
         offset = max(r.offsets)
         limit = self.tolerance_s * (AGREE_FRACTION if r.skewed else 1.0)

@@ -8,6 +8,12 @@ shim's own numbers (prompt tokens not yet at first token, events_ok) change with
 KV digest as of the last batch handed to NATS (kv_epoch 0 when there is none yet). `healthy` is
 what the reports say of the engine and `error` why its last poll failed: the shim's /health and
 /metrics show both, so the state routers act on is not hidden from whoever looks at the shim.
+
+While the NATS connection is down no report is published: nats-py would keep it in its reconnect
+buffer and send it, stale, once NATS is back, where the newest report supersedes every older one (a
+router read three stale stamps in a row as the worker's clock behind by the outage: a false "keep
+hosts on NTP" WARNING for every worker, and its deadlines moved by that much). The first report after
+it goes at the next poll.
 """
 
 from __future__ import annotations
@@ -175,6 +181,9 @@ class LoadReporter:
             await asyncio.sleep(self.poll_s)
 
     async def _publish_if_due(self) -> None:
+        if not self.nc.is_connected:  # it would go out stale from the reconnect buffer (module docstring)
+            self._last_key, self._last_sent = None, time.monotonic()  # the first after it goes at once
+            return
         rep = self.report()
         key = (
             rep.running,

@@ -62,6 +62,20 @@ def test_a_clock_at_the_tolerance_is_not_said_on_every_jitter() -> None:
     assert back is not None and not back.skewed
 
 
+def test_reports_sent_in_a_burst_after_an_outage_say_nothing_of_the_clock() -> None:
+    """A shim older than 2026-12-06 kept its reports in nats-py's reconnect buffer through a 6 s NATS
+    outage and sent them in one burst once back: three in a row stamped seconds before they came
+    judged its clock behind (a false WARNING for every worker, and its deadlines moved)."""
+    clocks = ClockSkew(1.0)
+    said = [clocks.observe("w", 100.0 + i / 2, 100.001 + i / 2) for i in range(20)]  # live, every 0.5 s
+    burst = [clocks.observe("w", 110.0 + i / 2, 116.0 + i / 1000) for i in range(12)]  # 110-115.5, at 116
+    said += burst + [clocks.observe("w", 116.0 + i / 2, 116.001 + i / 2) for i in range(1, 10)]
+    assert [s for s in said if s is not None] == [] and clocks.offsets() == {}
+    # A clock truly behind still is, its reports spaced as they were sent
+    behind = [clocks.observe("w", 120.0 + i / 2 - 5.0, 120.001 + i / 2) for i in range(WINDOW)]
+    assert behind[-1] is not None and behind[-1].skewed and behind[-1].offset_s == pytest.approx(-5.001)
+
+
 def test_a_broken_stamp_and_a_gone_worker_are_forgotten() -> None:
     clocks = ClockSkew(1.0)
     assert clocks.observe("w", float("nan"), 100.0) is None
