@@ -205,6 +205,11 @@ class Job:
     booked: str | None = None  # the attempt's booking, until freed
     sequences: int = 1  # the engine's sequences for it: its prompts times `n` (RequestShape.sequences)
 
+    @property
+    def prefill_worker(self) -> str | None:
+        """The worker whose prefill its decode leg pulled; None when its decode worker prefilled it."""
+        return self.plan.prefill.worker if self.transfer is not None and self.plan.prefill else None
+
     def drop_held(self) -> None:
         self.held.clear()
         self.held_bytes = 0

@@ -482,7 +482,7 @@ def _route_info(job: Job) -> dict[str, Any]:
     return {
         "decode_worker": job.plan.decode.worker,
         "prefill": str(job.path),
-        "prefill_worker": job.plan.prefill.worker if job.transfer is not None and job.plan.prefill else None,
+        "prefill_worker": job.prefill_worker,
         "outcome": str(job.outcome),
         "attempts": job.attempts,
     }
@@ -973,6 +973,7 @@ class _Handlers:
                         status = resp.status
                 finally:
                     self.path.release(job)  # a no-op once its stream ended
+                    self.path.tracer.routed(span, job)
                 return resp
         except ApiError as exc:
             status = exc.code

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from router.disagg import RoutePlan
+
+if TYPE_CHECKING:
+    from router.dispatch import Job
 
 __all__ = ["RequestTracer"]
 
@@ -40,16 +43,27 @@ class RequestTracer:
 
     @staticmethod
     def decision(span: Span, plan: RoutePlan, isl: int, cached_tokens: int) -> None:
+        """The first plan's reasons; where the request went is `routed`'s, at its end."""
         span.set_attributes(
             {
-                "kvswitch.decode_worker": plan.decode.worker,
-                "kvswitch.prefill_worker": plan.prefill.worker if plan.prefill is not None else "",
-                "kvswitch.path": str(plan.path),
-                "kvswitch.outcome": str(plan.outcome),
                 "kvswitch.reason": plan.reason,
                 "kvswitch.isl": isl,
                 "kvswitch.cached_tokens": cached_tokens,
                 "kvswitch.decode_cost": plan.decode.cost,
+            }
+        )
+
+    @staticmethod
+    def routed(span: Span, job: Job) -> None:
+        """Where the request really went, after retries and fallbacks (as its x-kvswitch-* headers
+        and `kvswitch` member say): set when it ends. Each attempt's worker is its leg span's."""
+        span.set_attributes(
+            {
+                "kvswitch.decode_worker": job.plan.decode.worker,
+                "kvswitch.prefill_worker": job.prefill_worker or "",
+                "kvswitch.path": str(job.path),
+                "kvswitch.outcome": str(job.outcome),
+                "kvswitch.attempts": job.attempts,
             }
         )
 

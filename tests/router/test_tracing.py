@@ -1,0 +1,89 @@
+"""The request's SERVER span says what its client was told: where the request went after retries
+and fallbacks, and how it ended (2026-12-06 audit). End to end against the session's real NATS and
+etcd, the spans kept in memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.polling import until
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    out = InMemorySpanExporter()
+    yield out
+    out.shutdown()
+
+
+def _provider(exporter: InMemorySpanExporter) -> TracerProvider:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
+async def _request_span(exporter: InMemorySpanExporter) -> ReadableSpan:
+    await until(lambda: any(s.name.startswith("POST") for s in exporter.get_finished_spans()), what="the span")
+    (span,) = [s for s in exporter.get_finished_spans() if s.name.startswith("POST")]
+    return span
+
+
+def _routed(span: ReadableSpan) -> dict[str, Any]:
+    assert span.attributes is not None
+    keys = ("decode_worker", "prefill_worker", "path", "outcome", "attempts")
+    return {k: span.attributes[f"kvswitch.{k}"] for k in keys}
+
+
+async def test_a_retried_requests_span_names_the_worker_that_served_it(
+    cluster: Cluster, http: aiohttp.ClientSession, exporter: InMemorySpanExporter
+) -> None:
+    doomed = await cluster.add_worker("agg", crash_after=1)  # serves one request, then its engine dies
+    alive = await cluster.add_worker("agg")
+    router = await cluster.add_router(tracer_provider=_provider(exporter), disagg="never")
+    await cluster.ready(router)
+    prompt = list(range(800))
+    # Warm the doomed worker's cache directly, so the router prefers it for this prompt.
+    async with http.post(doomed.sim.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}):
+        pass
+    await until(lambda: len(router.index.worker_hashes(doomed.id)) >= 50, what="the prefix indexed")
+    status, out, headers = await complete(http, router, prompt, max_tokens=3)
+    assert (status, headers["x-kvswitch-decode-worker"], out["kvswitch"]["attempts"]) == (200, alive.id, 2), out
+    span = await _request_span(exporter)
+    assert _routed(span) == {
+        "decode_worker": alive.id,
+        "prefill_worker": "",
+        "path": "agg",
+        "outcome": out["kvswitch"]["outcome"],
+        "attempts": 2,
+    }
+    # Each attempt's worker is its leg's.
+    legs = [s for s in exporter.get_finished_spans() if s.name == "kvswitch leg agg"]
+    assert [leg.attributes["kvswitch.worker"] for leg in legs if leg.attributes] == [doomed.id, alive.id]
+
+
+async def test_a_fallen_back_requests_span_names_the_local_prefill(
+    cluster: Cluster, http: aiohttp.ClientSession, exporter: InMemorySpanExporter
+) -> None:
+    await cluster.add_worker("prefill", hang_after=0)  # the prefill leg never answers
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_router(tracer_provider=_provider(exporter), disagg="always", prefill_timeout_s=0.3)
+    await cluster.ready(router)
+    status, out, headers = await complete(http, router, list(range(200)))
+    assert status == 200, out
+    assert (headers["x-kvswitch-prefill"], out["kvswitch"]["outcome"]) == ("bypass", "fallback_prefill_failed")
+    span = await _request_span(exporter)
+    assert _routed(span) == {
+        "decode_worker": d.id,
+        "prefill_worker": "",
+        "path": "bypass",
+        "outcome": "fallback_prefill_failed",
+        "attempts": 1,
+    }
