@@ -967,7 +967,9 @@ class _Handlers:
                 timing.planned = time.perf_counter()
                 try:
                     if parsed.stream:
-                        resp, status = await self._stream(request, job, ids, timing)
+                        resp, status, broke = await self._stream(request, job, ids, timing)
+                        if broke:  # after its 200 went out: the client got an error event, or nothing more
+                            self.path.tracer.failed(span, broke)
                     else:
                         resp = await self._whole(job, ids, timing)
                         status = resp.status
@@ -1004,9 +1006,9 @@ class _Handlers:
 
     async def _stream(
         self, request: web.Request, job: Job, ids: _Ids, timing: _Timing
-    ) -> tuple[web.StreamResponse, int]:
-        """The stream, and the code it counts as: 200, or its error event's when it failed after
-        its headers (their 200 went out before the failure)."""
+    ) -> tuple[web.StreamResponse, int, str]:
+        """The stream, the code it counts as: 200, or its error event's when it failed after its
+        headers (their 200 went out before the failure), and why it failed then ("" if it did not)."""
         chunks = self.path.stream(job, timing.start)
         try:
             first = await anext(chunks)
@@ -1061,7 +1063,7 @@ class _Handlers:
             await chunks.aclose()
         if unread:
             _abort_unread(request, job)
-            return resp, 504
+            return resp, 504, _UNREAD
         if failed is not None:
             if why:
                 rid = job.request.request_id
@@ -1076,8 +1078,11 @@ class _Handlers:
         out.append(_SSE_DONE)
         if not await _sent(request, b"".join(out), resp.write_eof, job.deadline):
             _abort_unread(request, job)
-            return resp, 504
-        return resp, 200 if failed is None else failed.code
+            return resp, 504, _UNREAD
+        return (resp, 200, "") if failed is None else (resp, failed.code, failed.message)
+
+
+_UNREAD = "the client stopped reading its stream until the request's deadline: its connection was aborted"
 
 
 def _abort_unread(request: web.Request, job: Job) -> None:

@@ -4,6 +4,7 @@ etcd, the spans kept in memory."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,9 +13,11 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from tests.router.conftest import MODEL, Cluster, complete
 from tests.router.polling import until
+from tests.router.test_slow_readers import clean, stalled_stream
 
 
 @pytest.fixture
@@ -87,3 +90,39 @@ async def test_a_fallen_back_requests_span_names_the_local_prefill(
         "outcome": "fallback_prefill_failed",
         "attempts": 1,
     }
+
+
+async def test_a_stream_that_fails_after_its_headers_is_an_error_span(
+    cluster: Cluster, http: aiohttp.ClientSession, exporter: InMemorySpanExporter
+) -> None:
+    worker = await cluster.add_worker("agg")
+    router = await cluster.add_router(tracer_provider=_provider(exporter), disagg="never")
+    await cluster.ready(router)
+    body = {"model": MODEL, "prompt": list(range(50)), "max_tokens": 30000, "stream": True, "ignore_eos": True}
+    async with http.post(router.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.content.readline()  # tokens are flowing
+        await worker.sim.crash()
+        tail = (await resp.read()).decode()
+    (event,) = [line for line in tail.splitlines() if '"error"' in line]
+    error = json.loads(event.removeprefix("data: "))["error"]
+    span = await _request_span(exporter)
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == error["message"]
+
+
+async def test_a_stream_its_client_stopped_reading_is_an_error_span(
+    cluster: Cluster, exporter: InMemorySpanExporter
+) -> None:
+    await cluster.add_worker("agg", speedup=20.0)
+    router = await cluster.add_router(tracer_provider=_provider(exporter), config={"request_timeout_s": 2.0})
+    await cluster.ready(router)
+    sock = await stalled_stream(router, 30_000)
+    try:
+        await until(lambda: router.dispatcher.inflight_legs == 1, what="the leg sent")
+        await until(lambda: clean(router), timeout=4.0, what="the request ended at its 2 s deadline")
+        span = await _request_span(exporter)
+    finally:
+        sock.close()
+    assert span.status.status_code is StatusCode.ERROR
+    assert "stopped reading its stream" in (span.status.description or "")
