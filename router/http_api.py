@@ -934,27 +934,24 @@ class _Handlers:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
         status = 500
+        why = ""  # why it failed, for its span
+        broke = False  # a stream that failed after its 200 went out
         timing = _Timing(time.perf_counter())
-        try:
-            _check_passed_headers(request)
-            body = await self._json_body(request)
-            parsed = parse_request(body, chat=chat)
-            if (priority := _header_priority(request.headers)) is not None:
-                parsed.shape = msgspec.structs.replace(parsed.shape, priority=priority)
-            model = self._model(parsed.model)
-            routed, prompts = await self._tokens(parsed, model)
-            timing.parsed = time.perf_counter()
-            ids = _Ids.of(request, body, chat=chat)
-            # The router's id (its logs, NATS) and the engine's (the client's X-Request-Id when given)
-            # on the span, so one finds the other.
-            attrs = {
-                "kvswitch.model": model,
-                "kvswitch.request_id": ids.request_id,
-                "kvswitch.engine_request_id": ids.engine,
-            }
-            with self.path.tracer.request(
-                f"POST /v1/{'chat/' if chat else ''}completions", request.headers, **attrs
-            ) as span:
+        # The span comes first: a request refused before it is routed (a 400, an unknown model) has
+        # one too, what is known only later set on it then.
+        with self.path.tracer.request(_SPAN_NAMES[chat], request.headers) as span:
+            try:
+                _check_passed_headers(request)
+                body = await self._json_body(request)
+                parsed = parse_request(body, chat=chat)
+                if (priority := _header_priority(request.headers)) is not None:
+                    parsed.shape = msgspec.structs.replace(parsed.shape, priority=priority)
+                ids = _Ids.of(request, body, chat=chat)
+                self.path.tracer.named(span, ids.request_id, ids.engine)
+                model = self._model(parsed.model)
+                self.path.tracer.model(span, model)
+                routed, prompts = await self._tokens(parsed, model)
+                timing.parsed = time.perf_counter()
                 leg = self._leg(parsed, ids, model, routed, prompts, request.headers)
                 try:
                     job = await self.path.open(
@@ -967,9 +964,8 @@ class _Handlers:
                 timing.planned = time.perf_counter()
                 try:
                     if parsed.stream:
-                        resp, status, broke = await self._stream(request, job, ids, timing)
-                        if broke:  # after its 200 went out: the client got an error event, or nothing more
-                            self.path.tracer.failed(span, broke)
+                        resp, status, why = await self._stream(request, job, ids, timing)
+                        broke = bool(why)  # the client got an error event, or nothing more
                     else:
                         resp = await self._whole(job, ids, timing)
                         status = resp.status
@@ -977,20 +973,25 @@ class _Handlers:
                     self.path.release(job)  # a no-op once its stream ended
                     self.path.tracer.routed(span, job)
                 return resp
-        except ApiError as exc:
-            status = exc.code
-            return exc.response()
-        except asyncio.CancelledError:
-            if not self.drain.ended():
+            except ApiError as exc:
+                status, why = exc.code, exc.message
+                return exc.response()
+            except asyncio.CancelledError:
+                if not self.drain.ended():
+                    status = CLIENT_CLOSED
+                    raise
+                status, why = 503, SHUT_DOWN
+                return ApiError(503, SHUT_DOWN, close=True).response()
+            except ConnectionResetError:  # the client left while we wrote to it
                 status = CLIENT_CLOSED
+                raise web.HTTPException() from None
+            except Exception as exc:  # a bug: aiohttp answers 500 and logs it
+                span.record_exception(exc)
+                why = f"{type(exc).__name__}: {exc}"
                 raise
-            status = 503
-            return ApiError(503, SHUT_DOWN, close=True).response()
-        except ConnectionResetError:  # the client left while we wrote to it
-            status = CLIENT_CLOSED
-            raise web.HTTPException() from None
-        finally:
-            self.path.metrics.count_request(endpoint, status)
+            finally:
+                self.path.metrics.count_request(endpoint, status)
+                self.path.tracer.answered(span, status, why, broke=broke)
 
     async def _whole(self, job: Job, ids: _Ids, timing: _Timing) -> web.Response:
         parts: list[bytes] = []
@@ -1082,6 +1083,7 @@ class _Handlers:
         return (resp, 200, "") if failed is None else (resp, failed.code, failed.message)
 
 
+_SPAN_NAMES = {False: "POST /v1/completions", True: "POST /v1/chat/completions"}
 _UNREAD = "the client stopped reading its stream until the request's deadline: its connection was aborted"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
@@ -32,14 +32,34 @@ class RequestTracer:
         self._tracer = (provider or trace.get_tracer_provider()).get_tracer("kvswitch.router")
 
     @contextmanager
-    def request(self, name: str, headers: Mapping[str, str], **attrs: Any) -> Iterator[Span]:
+    def request(self, name: str, headers: Mapping[str, str]) -> Iterator[Span]:
         """A server span, child of the client's traceparent header when it sent one (`headers` may
-        be aiohttp's case-insensitive mapping as it is: no copy per request)."""
+        be aiohttp's case-insensitive mapping as it is: no copy per request). Its status is the
+        caller's (`answered`): an exception through it is no error when it is a client that left."""
         parent = _PROPAGATOR.extract(headers)
         with self._tracer.start_as_current_span(
-            name, context=parent, kind=SpanKind.SERVER, attributes=attrs, record_exception=True
+            name, context=parent, kind=SpanKind.SERVER, record_exception=False, set_status_on_exception=False
         ) as span:
             yield span
+
+    @staticmethod
+    def named(span: Span, request_id: str, engine_request_id: str) -> None:
+        """The router's id (its logs, NATS) and the engine's (the client's X-Request-Id when given),
+        so one finds the other."""
+        span.set_attributes({"kvswitch.request_id": request_id, "kvswitch.engine_request_id": engine_request_id})
+
+    @staticmethod
+    def model(span: Span, model: str) -> None:
+        span.set_attribute("kvswitch.model", model)
+
+    @staticmethod
+    def answered(span: Span, code: int, why: str = "", *, broke: bool = False) -> None:
+        """The response's status code; the span's status ERROR, with `why`, for a 5xx or a stream
+        that `broke` after its 200 went out. A 4xx (the client's fault) or a client that left (499)
+        is no error of a server span (OpenTelemetry's HTTP semantic conventions)."""
+        span.set_attribute("http.response.status_code", code)
+        if code >= 500 or broke:
+            span.set_status(Status(StatusCode.ERROR, why or None))
 
     @staticmethod
     def decision(span: Span, plan: RoutePlan, isl: int, cached_tokens: int) -> None:

@@ -126,3 +126,38 @@ async def test_a_stream_its_client_stopped_reading_is_an_error_span(
         sock.close()
     assert span.status.status_code is StatusCode.ERROR
     assert "stopped reading its stream" in (span.status.description or "")
+
+
+CLIENT_TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"model": MODEL, "max_tokens": 2}, 400),  # refused as it is parsed: no prompt
+        ({"model": "nope", "prompt": [1, 2, 3]}, 404),  # a model this router does not serve
+        ({"prompt": [1, 2, 3]}, 503),  # its --model, which no worker serves (yet, or any more)
+    ],
+)
+async def test_a_request_refused_before_it_is_routed_has_its_span(
+    cluster: Cluster, http: aiohttp.ClientSession, exporter: InMemorySpanExporter, body: dict[str, Any], code: int
+) -> None:
+    await cluster.add_worker("agg")
+    config = {"model": "other"} if code == 503 else {}
+    router = await cluster.add_router(tracer_provider=_provider(exporter), config=config)
+    await until(lambda: len(router.registry.workers()) == 1, what="the worker seen")  # not ready with --model other
+    headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+    async with http.post(router.url + "/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == code
+        message = (await resp.json())["error"]["message"]
+    span = await _request_span(exporter)
+    assert span.name == "POST /v1/completions" and span.attributes is not None
+    assert span.parent is not None and span.parent.span_id == int(CLIENT_SPAN, 16)
+    assert span.context.trace_id == int(CLIENT_TRACE, 16)
+    assert span.attributes["http.response.status_code"] == code
+    assert ("kvswitch.request_id" in span.attributes) is (code != 400)  # a body that parses gets its ids
+    # OpenTelemetry's HTTP conventions: a 4xx is the client's fault, no error of the server's span.
+    if code >= 500:
+        assert (span.status.status_code, span.status.description) == (StatusCode.ERROR, message)
+    else:
+        assert span.status.status_code is StatusCode.UNSET
