@@ -84,7 +84,8 @@ class RepeatedLines(logging.Filter):
     """A handler filter for libraries that log every retry: a line of theirs (same logger, same
     format) goes through the first time, then at most every `every_s`, saying how many like it were
     held back. etcd3aio's three watches each warn every 5 s while etcd is down; our lease's own
-    lines say when it went and when it came back."""
+    lines say when it went and when it came back. OpenTelemetry's exporter logs every batch it
+    fails to send, twice a second while its collector is unreachable or refuses it."""
 
     def __init__(
         self, prefixes: tuple[str, ...], every_s: float = 30.0, clock: Callable[[], float] = time.monotonic
@@ -132,7 +133,7 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.Formatter.converter = time.gmtime
-    handler.addFilter(RepeatedLines(("etcd3aio",)))
+    handler.addFilter(RepeatedLines(("etcd3aio", "opentelemetry")))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -250,7 +251,8 @@ def run_service(
     loop's thread, for what `main`'s own cleanup (skipped then) must not leave behind: a
     supervisor's children and temporary directories. With `service` named, traces are exported over OTLP when
     the OTEL_* environment asks for it (runtime.telemetry), and flushed at the end. An invalid
-    KVSWITCH_LOG_LEVEL or KVSWITCH_LOG_FORMAT is one line on stderr and status 2.
+    KVSWITCH_LOG_LEVEL or KVSWITCH_LOG_FORMAT, or an OTEL_* value it cannot export with, is one
+    line on stderr and status 2.
     """
     try:
         configure_logging()
@@ -260,9 +262,13 @@ def run_service(
     tune_gc()
     provider = None
     if service is not None:
-        from runtime.telemetry import configure_tracing
+        from runtime.telemetry import TracingConfigError, configure_tracing
 
-        provider = configure_tracing(service)
+        try:
+            provider = configure_tracing(service)
+        except TracingConfigError as exc:
+            print(f"kvswitch: {exc}", file=sys.stderr)
+            return 2
     try:
         return _run(main, drain_limit_s, on_abort)
     finally:

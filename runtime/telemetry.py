@@ -4,31 +4,75 @@
 The exporter reads the rest of the standard OTEL_* environment itself (headers, timeout,
 certificate). Spans are batched off the event loop by the SDK's exporter thread; `shutdown()`
 flushes them when the process drains, so the last requests' spans are not lost on SIGTERM.
+
+An endpoint that is no http(s) URL with a host is refused at startup (TracingConfigError): the
+exporter took `localhost:4318` and failed every batch, twice a second, for the life of the process.
+Its failures are logged through runtime.RepeatedLines: the first, then at most every 30 s.
 """
 
 from __future__ import annotations
 
 import os
+from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-__all__ = ["configure_tracing"]
+__all__ = ["TracingConfigError", "configure_tracing", "tracer_provider"]
 
-_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")  # the first set wins
 
 
-def configure_tracing(service: str) -> TracerProvider | None:
-    """Install a global tracer provider that exports to the configured OTLP endpoint, naming this
-    process `service` (unless OTEL_SERVICE_NAME says otherwise); None when no endpoint is set."""
-    if not any(os.environ.get(v) for v in _ENDPOINT_VARS):
+class TracingConfigError(ValueError):
+    """An OTEL_* variable has a value this process cannot export with; names it and what is allowed."""
+
+    def __init__(self, variable: str, value: str, allowed: str) -> None:
+        self.variable = variable
+        super().__init__(f"invalid {variable} = {_shown(value)!r}: {allowed}")
+
+
+def tracer_provider(service: str) -> TracerProvider | None:
+    """A tracer provider that exports to the configured OTLP endpoint, naming this process
+    `service` (unless OTEL_SERVICE_NAME says otherwise); None when no endpoint is set.
+    TracingConfigError for an endpoint it cannot export to."""
+    endpoint = next(((v, value) for v in _ENDPOINT_VARS if (value := os.environ.get(v))), None)
+    if endpoint is None:
         return None
+    _check_endpoint(*endpoint)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     name = os.environ.get("OTEL_SERVICE_NAME") or service
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=500))
-    trace.set_tracer_provider(provider)
     return provider
+
+
+def configure_tracing(service: str) -> TracerProvider | None:
+    """`tracer_provider(service)`, installed as the global one."""
+    provider = tracer_provider(service)
+    if provider is not None:
+        trace.set_tracer_provider(provider)
+    return provider
+
+
+def _check_endpoint(variable: str, value: str) -> None:
+    try:
+        url = urlsplit(value)
+        ok = url.scheme in ("http", "https") and bool(url.hostname) and (url.port or 0) >= 0
+    except ValueError:  # a port that is no number, or out of range
+        ok = False
+    if not ok:
+        raise TracingConfigError(
+            variable, value, "allowed: an http:// or https:// URL with a host, such as http://collector:4318"
+        )
+
+
+def _shown(value: str) -> str:
+    """`value` without the user and password a URL may carry."""
+    scheme, sep, rest = value.partition("://") if "://" in value else ("", "", value)
+    authority, slash, path = rest.partition("/")
+    if "@" not in authority:
+        return value
+    return f"{scheme}{sep}<redacted>@{authority.rpartition('@')[2]}{slash}{path}"
