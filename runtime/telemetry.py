@@ -1,13 +1,17 @@
-"""OpenTelemetry export for a long-running process: OTLP over HTTP when the standard
-`OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, nothing otherwise.
+"""OpenTelemetry export for a long-running process: OTLP over HTTP (protobuf) when the standard
+`OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, or
+`OTEL_TRACES_EXPORTER=otlp` asks for it (then to the SDK's default, http://localhost:4318), nothing
+otherwise; `OTEL_TRACES_EXPORTER=none` turns it off whatever else is set.
 
 The exporter reads the rest of the standard OTEL_* environment itself (headers, timeout,
 certificate). Spans are batched off the event loop by the SDK's exporter thread; `shutdown()`
 flushes them when the process drains, so the last requests' spans are not lost on SIGTERM.
 
-An endpoint that is no http(s) URL with a host is refused at startup (TracingConfigError): the
-exporter took `localhost:4318` and failed every batch, twice a second, for the life of the process.
-Its failures are logged through runtime.RepeatedLines: the first, then at most every 30 s.
+What it cannot do is refused at startup (TracingConfigError), naming the variable: an exporter
+other than otlp or none, a protocol other than http/protobuf (the only exporter installed), an
+endpoint that is no http(s) URL with a host. Each was taken: grpc and none were ignored, and
+`localhost:4318` failed every batch, twice a second, for the life of the process. The exporter's
+failures are logged through runtime.RepeatedLines: the first, then at most every 30 s.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 __all__ = ["TracingConfigError", "configure_tracing", "tracer_provider"]
 
-_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")  # the first set wins
+# Of each pair, the first set wins (the signal's own, then the general one), as the SDK reads them.
+_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_PROTOCOL_VARS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+_EXPORTERS = ("otlp", "none")
 
 
 class TracingConfigError(ValueError):
@@ -35,12 +42,21 @@ class TracingConfigError(ValueError):
 
 def tracer_provider(service: str) -> TracerProvider | None:
     """A tracer provider that exports to the configured OTLP endpoint, naming this process
-    `service` (unless OTEL_SERVICE_NAME says otherwise); None when no endpoint is set.
-    TracingConfigError for an endpoint it cannot export to."""
-    endpoint = next(((v, value) for v in _ENDPOINT_VARS if (value := os.environ.get(v))), None)
-    if endpoint is None:
+    `service` (unless OTEL_SERVICE_NAME says otherwise); None when no export is asked for.
+    TracingConfigError for a setting it cannot export by."""
+    exporter = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter and exporter not in _EXPORTERS:
+        raise TracingConfigError(
+            "OTEL_TRACES_EXPORTER", os.environ["OTEL_TRACES_EXPORTER"], f"allowed values: {', '.join(_EXPORTERS)}"
+        )
+    endpoint = _first_set(_ENDPOINT_VARS)
+    if exporter == "none" or (endpoint is None and exporter != "otlp"):
         return None
-    _check_endpoint(*endpoint)
+    protocol = _first_set(_PROTOCOL_VARS)
+    if protocol is not None and protocol[1].strip() != "http/protobuf":
+        raise TracingConfigError(*protocol, "only http/protobuf is built in")
+    if endpoint is not None:
+        _check_endpoint(*endpoint)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     name = os.environ.get("OTEL_SERVICE_NAME") or service
@@ -55,6 +71,11 @@ def configure_tracing(service: str) -> TracerProvider | None:
     if provider is not None:
         trace.set_tracer_provider(provider)
     return provider
+
+
+def _first_set(variables: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first of `variables` set (not empty), and its value."""
+    return next(((v, value) for v in variables if (value := os.environ.get(v))), None)
 
 
 def _check_endpoint(variable: str, value: str) -> None:

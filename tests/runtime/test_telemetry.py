@@ -18,11 +18,14 @@ from tests.runtime.otlp_receiver import OtlpReceiver
 
 ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+EXPORTER = "OTEL_TRACES_EXPORTER"
 
 
 @pytest.fixture(autouse=True)
 def no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (ENDPOINT, TRACES_ENDPOINT):
+    for name in (ENDPOINT, TRACES_ENDPOINT, PROTOCOL, TRACES_PROTOCOL, EXPORTER):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -105,3 +108,52 @@ def test_a_failed_export_is_said_once_not_at_every_batch(
         assert receiver.requests == 0
     said = [line for line in capsys.readouterr().err.splitlines() if "opentelemetry" in line]
     assert len(said) == 1 and "Failed to export spans batch code: 404" in said[0], said
+
+
+@pytest.mark.parametrize(
+    ("settings", "exports"),
+    [
+        ({}, False),
+        ({ENDPOINT: "http://collector:4318"}, True),
+        ({EXPORTER: "otlp"}, True),  # to the SDK's default, http://localhost:4318
+        ({EXPORTER: "OTLP", TRACES_PROTOCOL: "http/protobuf"}, True),
+        ({EXPORTER: "none", ENDPOINT: "http://collector:4318"}, False),
+        ({EXPORTER: "none", ENDPOINT: "localhost:4318", PROTOCOL: "grpc"}, False),  # not exporting: not read
+    ],
+)
+def test_traces_are_exported_as_the_standard_environment_says(
+    settings: dict[str, str], exports: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    provider = tracer_provider("kvswitch-test")
+    assert (provider is not None) is exports
+    if provider is not None:
+        provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("settings", "name", "allowed"),
+    [
+        ({EXPORTER: "zipkin"}, EXPORTER, "allowed values: otlp, none"),
+        ({EXPORTER: "otlp,console", ENDPOINT: "http://collector:4318"}, EXPORTER, "allowed values: otlp, none"),
+        ({PROTOCOL: "grpc", ENDPOINT: "http://collector:4317"}, PROTOCOL, "only http/protobuf is built in"),
+        ({TRACES_PROTOCOL: "http/json", EXPORTER: "otlp"}, TRACES_PROTOCOL, "only http/protobuf is built in"),
+        # the signal's own wins, as the SDK reads it
+        ({TRACES_PROTOCOL: "grpc", PROTOCOL: "http/protobuf", EXPORTER: "otlp"}, TRACES_PROTOCOL, "only"),
+    ],
+)
+def test_an_exporter_or_protocol_not_built_in_is_refused_naming_the_variable(
+    settings: dict[str, str],
+    name: str,
+    allowed: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for variable, value in settings.items():
+        monkeypatch.setenv(variable, value)
+    expected = f"invalid {name} = {settings[name]!r}: {allowed}"
+    with pytest.raises(TracingConfigError) as err:
+        tracer_provider("kvswitch-test")
+    assert err.value.variable == name and str(err.value).startswith(expected)
+    assert refused(capsys).startswith(f"kvswitch: {expected}")
