@@ -76,6 +76,12 @@ class Lease:
         return self._state
 
     @property
+    def unrenewed_s(self) -> float:
+        """Seconds since etcd last renewed it: past `ttl` while etcd does not answer, the key is
+        gone for whoever still reaches etcd."""
+        return time.monotonic() - self._renewed_at
+
+    @property
     def hex_id(self) -> str:
         return f"{self.id:x}"
 

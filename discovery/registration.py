@@ -110,6 +110,13 @@ class Registration:
         return self._phase
 
     @property
+    def unrenewed_s(self) -> float | None:
+        """Seconds since etcd last renewed the lease while it does not answer (state "unknown");
+        None otherwise."""
+        lease = self.lease
+        return lease.unrenewed_s if self.state is RegistrationState.UNKNOWN and lease is not None else None
+
+    @property
     def key(self) -> str:
         return self._key(self.id)
 

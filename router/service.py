@@ -538,6 +538,15 @@ class RouterService:
             if m[f"soft_{pool}"] and not m[f"routable_{pool}"]
         ]
         warnings += self._fleet_warnings(infos)
+        unrenewed = self._registration.unrenewed_s if self._registration is not None else None
+        if unrenewed is not None and unrenewed > self.config.lease_ttl_s:
+            # Not a problem: with etcd down for every process too, no worker sees the key go and the
+            # fleet routes on; only this router cut off from a live etcd loses its legs.
+            warnings.append(
+                f"etcd has not renewed this router's lease for {unrenewed:.0f} s (TTL {self.config.lease_ttl_s} s): "
+                "where the workers still reach etcd, its key is gone, and they cancel its legs once their "
+                "--orphan-grace-s passes (20 s by default); each such request ends in an error"
+            )
         if self._watcher is not None and self._watcher.refused_now:
             warnings.append(
                 f"the live config at {subjects.config_key(self.ns)} is refused, so the last good settings serve: "

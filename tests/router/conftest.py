@@ -93,13 +93,17 @@ class Cluster:
         new ids; legs silent for 3 x 0.4 s were retried elsewhere). So leases of 10 s and stream
         heartbeats every 2 s, as liveness is not what these tests test; the subprocess clusters of
         test_e2e_liveness.py and tests/worker_shim test it with the real defaults."""
-        cfg: dict[str, Any] = {"lease_ttl_s": 10, "seed": len(self.routers), **(config or {})}
+        cfg: dict[str, Any] = {
+            "lease_ttl_s": 10,
+            "seed": len(self.routers),
+            "etcd": EtcdSettings(endpoints=[self.etcd_url]),
+            **(config or {}),
+        }
         overrides = {"stream_heartbeat_s": 2.0, **overrides}
         router = RouterService(
             RouterConfig(
                 ns=self.ns,
                 nats=NatsSettings(servers=[self.nats_url]),
-                etcd=EtcdSettings(endpoints=[self.etcd_url]),
                 overrides=overrides,
                 tracer_provider=tracer_provider,
                 api_keys_file=api_keys_file,
