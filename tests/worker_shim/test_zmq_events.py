@@ -423,3 +423,61 @@ async def test_a_batch_nested_too_deeply_is_counted_malformed_and_the_stream_goe
     await _send(source, got, b"kv", 1, _payload(_stored(-1, [1, 2, 3, 4])))
     assert source.stats.malformed == 1 and source.stats.gaps == 0
     assert _stored_hashes(got) == [[-1]]
+
+
+async def test_a_replay_of_many_batches_gives_the_loop_turns_while_it_is_received_and_delivered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rebuild fetches and delivers the engine's whole buffer (vLLM keeps 10,000 batches):
+    awaiting a reply the socket holds already, and the synchronous sink, never yield, so every
+    leg's chunks and heartbeats waited for all of it (236 ms for 5,000 batches)."""
+    monkeypatch.setattr(zmq_events, "SLICE_S", 0.0, raising=False)  # a turn after every batch: counted, not timed
+    ctx = zmq.asyncio.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port = free_port()
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    batches = [
+        [
+            b"kv-events",
+            seq.to_bytes(8, "big"),
+            encode_batch(
+                time.time(),
+                [BlockStored(block_hashes=[seq + 1], parent_block_hash=seq or None, token_ids=[1] * 16, block_size=16)],
+            ),
+        ]
+        for seq in range(200)
+    ]
+
+    async def serve() -> None:
+        while True:
+            ident, _, _start = await router.recv_multipart()
+            for frames in batches:  # queued at once: the shim finds every reply waiting
+                router.send_multipart([ident, b"", *frames])
+            await router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+
+    turns = 0
+    seen: list[int] = []  # the turns other tasks had had when each replayed batch was delivered
+
+    async def other_task() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+
+    def sink(batch: EngineBatch) -> None:
+        if batch.events:
+            seen.append(turns)
+
+    source = ZmqEventSource("vllm", f"tcp://*:{port}", "auto", "kv-events", f"tcp://*:{replay_port}", "127.0.0.1")
+    tasks = [asyncio.create_task(t) for t in (serve(), other_task(), source.run(sink, asyncio.Event()))]
+    try:
+        await wait_for(lambda: len(seen) == len(batches), timeout=10)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        pub.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+    assert seen[-1] - seen[0] >= len(batches) - 1  # another task ran between each two batches

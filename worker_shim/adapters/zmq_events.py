@@ -70,6 +70,10 @@ SETTLE_S = 1.0
 # lost on the way (the PUB's high-water mark) shows as a gap only when a later one comes, and the
 # last before the engine goes quiet has none after it. The index lacked its blocks until then.
 QUIET_PROBE_S = 1.0
+# The longest run of event work between two turns of the shim's loop: a replay of the engine's
+# buffer (vLLM keeps 10,000 batches) or a queued burst handled in one go held every leg's chunks and
+# heartbeats, and /health, for hundreds of milliseconds (loop audit of 2026-12-06).
+SLICE_S = 0.005
 # SGLang with a snapshot_endpoint: live topic = topic + EPOCH_MARKER + epoch, and a snapshot
 # barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
 EPOCH_MARKER = b"\x00sgl-kv-epoch="
@@ -193,7 +197,7 @@ class ZmqEventSource:
                 replayed = await self._replay(0)
                 if replayed is None:
                     raise ConnectionError(f"{self.engine} replay endpoint {self.replay_address} does not answer")
-                self._deliver_rebuild(replayed, sink)
+                await self._deliver_rebuild(replayed, sink)
             else:
                 sink(EngineBatch(reset=True, complete=False))
             live.set()
@@ -213,15 +217,17 @@ class ZmqEventSource:
                     self._quiet_probe_at = None
                     await self._probe(sink, f"after {QUIET_PROBE_S:g} s of quiet")
                 if sub in ready:
+                    turn = _Turns()
                     while True:
                         try:
                             frames = await sub.recv_multipart(flags=zmq.NOBLOCK, copy=True)
                         except zmq.Again:
                             break
                         await self._on_message(frames, sink)
+                        await turn.take()
                 if self._rebuild:
                     self._rebuild = False
-                    self._deliver_rebuild(await self._replay(0), sink)
+                    await self._deliver_rebuild(await self._replay(0), sink)
                 if self.health.silent.is_set() != self._probed:
                     self._probed = self.health.silent.is_set()
                     if self._probed:
@@ -270,14 +276,16 @@ class ZmqEventSource:
         if last is not None and last >= 0 and digest is not None:
             replayed = await self._replay(last)
             if replayed is None:
-                self._deliver_rebuild(None, sink)  # no replay: what a rebuild would do
+                await self._deliver_rebuild(None, sink)  # no replay: what a rebuild would do
                 return
             if replayed and replayed[0][0] == last and _digest(replayed[0][1]) == digest:
                 # The same run: the shim holds all up to `last`. A rebuild from 0 would lose it all
                 # once the engine's buffer has wrapped (vLLM keeps only the last buffer_steps).
                 log.info("%s KV events: peer reconnected; the engine's run continues from seq %d", self.engine, last)
+                turn = _Turns()
                 for s, p in replayed[1:]:
                     self._deliver(s, p, sink, live=False)
+                    await turn.take()
                 self._replayed_until = replayed[-1][0]
                 return
         # Seq `last` gone (the seq went back, or the buffer wrapped past it) or another run's: a
@@ -285,7 +293,7 @@ class ZmqEventSource:
         log.info(
             "%s KV events: peer reconnected, not provably the same engine run: rebuilding from replay", self.engine
         )
-        self._deliver_rebuild(await self._replay(0), sink)
+        await self._deliver_rebuild(await self._replay(0), sink)
 
     def _check_peer(self) -> None:
         since = self._alone_since
@@ -412,7 +420,7 @@ class ZmqEventSource:
         if seq == 0:
             self._deliver(seq, payload, sink, reset=True, complete=True)
         else:  # missed the start of the new run
-            self._deliver_rebuild(await self._replay(0), sink)
+            await self._deliver_rebuild(await self._replay(0), sink)
             if self._last is None or seq > self._last:
                 self._deliver(seq, payload, sink)
 
@@ -458,14 +466,18 @@ class ZmqEventSource:
         if events or reset:
             sink(EngineBatch(events=events, reset=reset, complete=complete, live=live))
 
-    def _deliver_rebuild(self, replayed: list[tuple[int, bytes]] | None, sink: Callable[[EngineBatch], None]) -> None:
+    async def _deliver_rebuild(
+        self, replayed: list[tuple[int, bytes]] | None, sink: Callable[[EngineBatch], None]
+    ) -> None:
         # An empty replay means the engine has published nothing yet: nothing is missing.
         complete = replayed is not None and (not replayed or replayed[0][0] == 0)
         # With replay, the next live seq must follow what it returned (-1: expect seq 0).
         self._last, self._last_digest = (None if replayed is None else -1), None
         sink(EngineBatch(reset=True, complete=complete, live=False))
+        turn = _Turns()
         for s, p in replayed or []:
             self._deliver(s, p, sink, live=False)
+            await turn.take()
         if replayed:
             self._replayed_until = replayed[-1][0]
 
@@ -509,7 +521,9 @@ class ZmqEventSource:
             dealer.connect(self.replay_address)
             await dealer.send_multipart(replay_request(start))
             async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                turn = _Turns()
                 while True:
+                    await turn.take()
                     frames = await dealer.recv_multipart()
                     try:
                         topic, seq, payload = decode_replay_reply(frames)
@@ -571,3 +585,16 @@ class ZmqEventsAdapter(HttpEngineAdapter):
     def request_rebuild(self) -> None:
         if self._events is not None:
             self._events.request_rebuild()
+
+
+class _Turns:
+    """Gives the loop a turn once SLICE_S of work has run since the last: awaiting a message the
+    socket holds already, or a synchronous sink, never does."""
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    async def take(self) -> None:
+        if time.perf_counter() - self._since >= SLICE_S:
+            await asyncio.sleep(0)
+            self._since = time.perf_counter()
