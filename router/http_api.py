@@ -1122,13 +1122,14 @@ async def prompt_ids(
                 raise ApiError(400, _EMPTY_PROMPT)
             return ids, [ids]
         prompts = []
+        offload = sum(len(p) for p in parsed.prompts if isinstance(p, str)) > tok.offload_chars
         for p in parsed.prompts:
             if isinstance(p, list):
                 ids = p if truncate is None else _truncated(p, *truncate)
             elif truncate is not None and truncate[1] is None and parsed.add_special_tokens:
-                ids = await keep_specials_truncated(tok, p, truncate[0])
+                ids = await keep_specials_truncated(tok, p, truncate[0], offload=offload)
             else:
-                ids = await tok.encode(p, parsed.add_special_tokens)
+                ids = await tok.encode(p, parsed.add_special_tokens, offload=offload)
                 if truncate is not None:
                     ids = _truncated(ids, *truncate)
             prompts.append(ids)
@@ -1141,11 +1142,11 @@ async def prompt_ids(
     return prompts[0], prompts
 
 
-async def keep_specials_truncated(tok: Tokenization, text: str, keep: int) -> list[int]:
+async def keep_specials_truncated(tok: Tokenization, text: str, keep: int, *, offload: bool = False) -> list[int]:
     """vLLM's truncation with no side: its tokenizer keeps the last `keep` tokens *with* the
     special tokens it adds (a BOS stays first), where slicing the encoded ids would drop them."""
-    marked = await tok.encode(text, True)
-    bare = await tok.encode(text, False)
+    marked = await tok.encode(text, True, offload=offload)
+    bare = await tok.encode(text, False, offload=offload)
     added = len(marked) - len(bare)
     start = next((i for i in range(added + 1) if marked[i : i + len(bare)] == bare), None)
     # Not specials + text + specials, or nothing to cut: a plain slice, which can only cost a

@@ -563,8 +563,10 @@ class Tokenization:
         self.offloaded = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvswitch-tokenize")
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) <= self.offload_chars:
+    async def encode(self, text: str, add_special_tokens: bool = True, *, offload: bool = False) -> list[int]:
+        """`offload`: on the pool whatever its length (a batch of prompts each under the bound
+        whose sum is over it: inline, they held the loop one after another)."""
+        if not offload and len(text) <= self.offload_chars:
             return self.tokenizer.encode(text, add_special_tokens)
         self.offloaded += 1
         loop = asyncio.get_running_loop()

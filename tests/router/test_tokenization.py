@@ -170,6 +170,25 @@ async def test_large_prompts_are_tokenized_on_a_thread_with_the_same_ids(hf_dir:
             tokenization.close()
 
 
+async def test_a_batch_of_prompts_each_under_the_bound_but_over_it_together_is_tokenized_on_the_pool(
+    hf_dir: Path,
+) -> None:
+    """Each prompt was sized alone: 40 prompts of 32 KiB were tokenized inline one after another,
+    the router's loop held for 2.2 s (loop audit of 2026-12-06)."""
+    tok = load_tokenizer(hf_dir)
+    tokenization = Tokenization(tok, offload_chars=100)
+    try:
+        batch = parse_request({"model": "m", "prompt": ["hello world " * 5] * 4}, chat=False)  # 60 chars each
+        routed, prompts = await prompt_ids(tokenization, batch)
+        assert prompts == [tok.encode("hello world " * 5)] * 4 and routed == prompts[0]
+        assert tokenization.offloaded == 4
+        small = parse_request({"model": "m", "prompt": ["hello world"] * 4}, chat=False)
+        await prompt_ids(tokenization, small)
+        assert tokenization.offloaded == 4  # 44 chars in all: inline
+    finally:
+        tokenization.close()
+
+
 async def test_a_large_chat_is_tokenized_on_a_thread_that_leaves_the_loop_the_gil(
     hf_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
