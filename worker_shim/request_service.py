@@ -451,6 +451,14 @@ def leg_cap(configured: int | None) -> int | None:
     return configured
 
 
+_ORPHANED = ErrorInfo(
+    code=503,
+    kind="router_gone",
+    message="the worker cancelled this leg: its router's keys had been gone from etcd for the shim's "
+    "--orphan-grace-s (a router cut off from etcd, or one that died)",
+)
+
+
 @dataclass(slots=True)
 class _Leg:
     request_id: str
@@ -458,6 +466,10 @@ class _Leg:
     writer: _ChunkWriter | None = None
     task: asyncio.Task[None] | None = None
     cancelled: bool = False
+    # Cancelled as its router's orphan (cancel_from), not by that router: it ends in an error, as
+    # a router cut off from etcd only is alive and reading, and an abort ended its client's stream
+    # as if the answer were whole.
+    orphaned: bool = False
     shutdown: bool = False
     # The task took its first step. A task cancelled before that never runs its body, so its
     # cleanup and final chunk never came: until then a cancel only marks the leg (_stop).
@@ -715,7 +727,7 @@ class RequestService:
         """Cancel every leg in flight that router `origin` sent, as its cancels would; how many."""
         legs = [s for s in self.inflight.values() if s.origin == origin and not s.cancelled]
         for state in legs:
-            state.cancelled = True
+            state.cancelled = state.orphaned = True
             self._stop(state)
         return len(legs)
 
@@ -835,6 +847,9 @@ class RequestService:
                 await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
                 return
             except asyncio.CancelledError:
+                if state.orphaned:
+                    await writer.final(error=_ORPHANED)
+                    return
                 if state.cancelled:
                     await writer.final(finish_reason="abort", usage=Usage(prompt_tokens=len(req.token_ids)))
                     return
@@ -877,6 +892,9 @@ class RequestService:
         except EngineError as exc:
             await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
         except asyncio.CancelledError:
+            if state.orphaned:
+                await writer.final(error=_ORPHANED)
+                return
             if state.cancelled:
                 await writer.final(finish_reason="abort")
                 return
