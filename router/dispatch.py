@@ -121,6 +121,10 @@ SLOW_READER = "slow_reader"
 _RECONNECT_POLL_S = 0.01
 
 
+NATS_LOST = "nats_lost"
+NATS_LOST_WHY = "the router has lost its NATS connection and is reconnecting: no worker can be reached"
+
+
 class LegError(Exception):
     """A leg ended without a final chunk. `retryable`: the worker failed before doing any work a
     client saw, so another worker may take the request."""
@@ -155,6 +159,12 @@ class LegError(Exception):
     @property
     def worker_silent(self) -> bool:
         return self.kind == "worker_silent"
+
+    @property
+    def nats_lost(self) -> bool:
+        """The router's own NATS connection dropped while it waited: no worker is at fault, and
+        none other can be reached either."""
+        return self.kind == NATS_LOST
 
     @property
     def slow_reader(self) -> bool:
@@ -250,10 +260,12 @@ class _Leg:
         self.next_seq = 0
         self.done = False
         self.tokens_seen = False
+        self.heard_at = time.monotonic()  # when it opened, or its last chunk came
         self._cut: list[bytes] = []  # the pieces of an event cut short (ResponseChunk.continued), and its tokens
         self._cut_tokens = 0
 
     def push(self, item: ResponseChunk | LegError, size: int = 0) -> None:
+        self.heard_at = time.monotonic()
         self._items.append((item, size))
         self.queued += size
         waiter = self._waiter
@@ -322,6 +334,7 @@ class _Leg:
                     if self._heard_from() and self.resumes < MAX_RESUMES:
                         await self._resume()
                         continue
+                    self._check_nats()
                     raise LegError(
                         self.worker,
                         503,
@@ -342,6 +355,7 @@ class _Leg:
                 # lost): each dropped chunk restarted the silence, so the stream stalled until the
                 # worker had ended the whole leg.
                 if self.resumes >= MAX_RESUMES:
+                    self._check_nats()
                     why = f"chunk {item.seq}, expected {self.next_seq}"
                     raise LegError(self.worker, 502, "stream_gap", why, retryable=not self.tokens_seen)
                 await self._resume()
@@ -383,6 +397,14 @@ class _Leg:
                 self.worker, 502, "malformed_chunk", "the stream ended inside a cut-short event", retryable=False
             )
         return msgspec.structs.replace(chunk, events=events, tokens=tokens, continued=False)
+
+    def _check_nats(self) -> None:
+        """Silence or lost chunks that this router's own NATS outage explains fail the request as
+        that, blaming no worker: each leg in flight through an outage ended as worker_silent, its
+        worker was left out as unreachable, and the request was retried or fell back across the
+        fleet into the same dead connection, to end in "no worker could serve the request"."""
+        if self.owner.nats_lost_since(self.heard_at):
+            raise LegError(self.worker, 503, NATS_LOST, NATS_LOST_WHY, retryable=False)
 
     def _heard_from(self) -> bool:
         """Whether silence now means chunks lost on the way rather than a dead worker: a stream's
@@ -496,6 +518,7 @@ class Dispatcher:
         awake_for: Callable[[], float] = lambda: math.inf,
     ) -> None:
         self._nc = nc
+        self._nats_lost_at: float | None = None  # time.monotonic() the connection last dropped
         self.awake_for = awake_for  # seconds since this router's loop last stalled (runtime.loop_watch)
         # A worker's clock less this router's (router.clock_skew): a leg's deadline goes out on the
         # worker's clock, which checks it, or one ahead by the request timeout fails every request.
@@ -545,6 +568,15 @@ class Dispatcher:
         if sub is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    def nats_lost(self) -> None:
+        """The router's NATS connection dropped (its disconnected callback)."""
+        self._nats_lost_at = time.monotonic()
+
+    def nats_lost_since(self, since: float) -> bool:
+        """NATS is down now, or dropped after `since` (time.monotonic())."""
+        lost = self._nats_lost_at
+        return not self._nc.is_connected or (lost is not None and lost >= since)
 
     async def connected(self) -> bool:
         """NATS is up, or comes back within the time a leg waits for a silent worker (three
@@ -962,7 +994,7 @@ class Dispatcher:
                         self._on_prefill(worker, None, True)
                         return chunk.transfer
         except LegError as exc:
-            if exc.refused and not exc.unknown_model:
+            if (exc.refused and not exc.unknown_model) or exc.nats_lost:
                 raise
             self._blame(exc)
             fault = _prefill_fault(exc, settings.prefill_timeout_s, left)

@@ -599,6 +599,8 @@ def _leg_error(exc: LegError) -> ApiError:
     stay in the router's log)."""
     if exc.refused or exc.slow_reader:
         return ApiError(exc.code, exc.message, body=exc.body)
+    if exc.nats_lost:  # the router's own state, as a request planned during the outage is told
+        return ApiError(503, exc.message, retry_after_s=NO_WORKER_RETRY_S)
     code = exc.code if exc.code in (503, 504) else 502
     what = {503: "no worker could serve the request", 504: "the request's deadline passed"}
     # A worker gone, silent or draining passes as one planning finds excluded does: retry later.

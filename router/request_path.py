@@ -24,7 +24,7 @@ from protocol import GenerateRequest, subjects
 from protocol.messages import ANNOTATION_BYPASS, ResponseChunk
 from router.admission import Admission
 from router.disagg import RoutePlan
-from router.dispatch import Dispatcher, Job, LegError
+from router.dispatch import NATS_LOST_WHY, Dispatcher, Job, LegError
 from router.metrics import RouterMetrics
 from router.planner import PlanError, Planner
 from router.request_context import RequestContext, RequestShape
@@ -257,9 +257,7 @@ class RequestPath:
         # A leg sent while NATS stays down waits in the client's buffer until its worker looks
         # silent, and the client hears only that no worker could serve it: name the cause.
         if not await self.dispatcher.connected():
-            raise PlanError(
-                503, "the router has lost its NATS connection and is reconnecting: no worker can be reached"
-            )
+            raise PlanError(503, NATS_LOST_WHY)
 
     def release(self, job: Job) -> None:
         """End the job's bookkeeping unless its stream did: the handler calls it whatever happened

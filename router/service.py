@@ -763,6 +763,8 @@ class RouterService:
         # Marked here, not only on reconnect: nats-py reports the connection up before it runs the
         # reconnected callback, and /ready must not say 200 in between (no shim is back yet).
         self._reconnected_at = time.monotonic()
+        if self._dispatcher is not None:
+            self._dispatcher.nats_lost()
 
     async def _kv_disconnected(self) -> None:
         if self.status in (RouterStatus.STOPPING, RouterStatus.STOPPED):
