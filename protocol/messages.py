@@ -60,6 +60,7 @@ __all__ = [
     "lax_int",
     "load_report_problem",
     "serving",
+    "transfer_handle_bound",
     "worker_info_problem",
 ]
 
@@ -237,6 +238,32 @@ class TransferHandle(msgspec.Struct, kw_only=True):
     engine: str
     params: dict[str, Any]
     prefill_worker: str = ""
+
+
+HANDLE_FIELDS_BYTES = 2048
+"""At most what a transfer handle holds besides a vLLM handle's block ids, encoded: vLLM 0.32's
+NixlConnector's other fields (engine and request ids, host, port, sizes: ~400 B), or the whole of
+another engine's (TensorRT-LLM's `disaggregated_params`, SGLang's bootstrap triple)."""
+
+
+def _int_bytes(n: int) -> int:
+    """msgpack's bytes for the unsigned integer `n`."""
+    return 1 if n < 128 else 2 if n < 256 else 3 if n < 1 << 16 else 5 if n < 1 << 32 else 9
+
+
+def transfer_handle_bound(info: WorkerInfo, prompt_tokens: int, kv_blocks: int | None = None) -> int:
+    """At most the bytes the TransferHandle of a prefill leg of `prompt_tokens` on the worker `info`
+    takes encoded, in a decode leg's `disagg`: a vLLM handle names one block id per prompt block
+    (`remote_block_ids`), each below the worker's `kv_blocks` (its record's when not given; any
+    32-bit id when unknown), and HANDLE_FIELDS_BYTES hold the rest. A hybrid model's vLLM handle
+    names ids per KV cache group, more than this counts."""
+    fixed = HANDLE_FIELDS_BYTES + len(info.worker.encode()) + len(info.engine.encode())
+    if info.engine != "vllm":
+        return fixed
+    ids = -(-prompt_tokens // max(info.block_size, 1))
+    capacity = kv_blocks if kv_blocks is not None else info.kv_total_blocks
+    width = _int_bytes(capacity - 1) if capacity else 5
+    return fixed + 5 + ids * width  # 5: the array's header
 
 
 class GenerateRequest(_Msg, kw_only=True):

@@ -46,6 +46,11 @@ with a `final` chunk or an `error` one.
   cancelled on its worker and its queue dropped, rather than the whole answer piling up here.
 - a leg that NATS cannot carry is refused before it is sent: over the server's payload limit
   (413, naming the limit) or holding an integer no 64-bit field holds (400).
+- a remote prefill whose decode leg NATS could not carry with its transfer handle (a vLLM handle
+  names a block id per prompt block: protocol.transfer_handle_bound) takes the bypass path before
+  its prefill leg is sent (outcome fallback_handle_too_large): its prefill leg is refused with
+  that room kept. A decode leg over the limit all the same (a handle larger than the bound) falls
+  back to the bypass path alike, rather than answering 413 for a prompt the bypass leg carries.
 "The first token" is a leg's first generated output: token ids, or a pass-through leg's counted
 tokens or body. The token-less events before it (a chat stream's role chunk, which vLLM sends before
 a request's error, a failed KV pull's too) are held: sent just before it, dropped when a retry or the
@@ -86,7 +91,7 @@ from protocol import (
     subjects,
 )
 from protocol.config import RouterSettings
-from protocol.messages import ANNOTATION_BYPASS
+from protocol.messages import ANNOTATION_BYPASS, transfer_handle_bound
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
 from router.policies import Outcome, Path
@@ -120,6 +125,13 @@ CANCEL_KEPT_S = 600.0  # a cancelled leg without a deadline is remembered this l
 SLOW_READER = "slow_reader"
 _RECONNECT_POLL_S = 0.01
 
+
+PAYLOAD_TOO_LARGE = "payload_too_large"
+# A prefill leg refused for its decode leg: that one, with the transfer handle, would not fit
+HANDLE_TOO_LARGE = "handle_too_large"
+# What a decode leg may take beyond its prefill leg besides the handle: its own max_tokens (the
+# prefill leg's is 1), with room to spare
+_DECODE_LEG_EXTRA = 64
 
 NATS_LOST = "nats_lost"
 NATS_LOST_WHY = "the router has lost its NATS connection and is reconnecting: no worker can be reached"
@@ -550,6 +562,8 @@ class Dispatcher:
         self.retries = 0
         self.fallbacks = 0
         self.transfer_fallbacks = 0  # decode legs whose KV pull failed, prefilled locally instead
+        # remote prefills whose decode leg NATS could not carry with its handle, prefilled locally instead
+        self.handle_fallbacks = 0
         self.resumes = 0
         self.slow_readers = 0  # legs dropped because their client read too slowly (MAX_QUEUED_BYTES)
         self.malformed_replies: Counter[str] = Counter()  # by worker, while it is registered
@@ -671,7 +685,11 @@ class Dispatcher:
         )
         await self._publish_cancel(gone.worker, gone.request_id)
 
-    async def _open(self, worker: str, role: str, req: GenerateRequest, on_end: Callable[[], None] = _nothing) -> _Leg:
+    async def _open(
+        self, worker: str, role: str, req: GenerateRequest, on_end: Callable[[], None] = _nothing, keep: int = 0
+    ) -> _Leg:
+        """Send a leg; `keep`: bytes under the payload limit it must leave (a prefill leg: for its
+        decode leg's transfer handle), else a 413 HANDLE_TOO_LARGE."""
         token = str(next(self._ids))
         span = self._tracer.leg(role, worker, req.request_id)
         req = msgspec.structs.replace(req, trace=self._tracer.carrier(span), origin=self._origin)
@@ -695,9 +713,19 @@ class Dispatcher:
             raise LegError(
                 worker,
                 413,
-                "payload_too_large",
+                PAYLOAD_TOO_LARGE,
                 f"the request is {len(data)} bytes on the wire, over the NATS server's payload limit of "
                 f"{self._nc.max_payload} bytes (its max_payload setting): send a shorter prompt",
+                retryable=False,
+            )
+        if len(data) + keep > self._nc.max_payload:
+            span.end()
+            raise LegError(
+                worker,
+                413,
+                HANDLE_TOO_LARGE,
+                f"its decode leg would be up to {len(data) + keep} bytes with the transfer handle, over the NATS "
+                f"server's payload limit of {self._nc.max_payload} bytes (its max_payload setting)",
                 retryable=False,
             )
         self._legs[token] = leg
@@ -830,28 +858,60 @@ class Dispatcher:
         if key is not None:
             self._bookings.free(key)
 
+    def _fall_back(self, job: Job, plan: RoutePlan, outcome: Outcome) -> None:
+        """The attempt takes the bypass path after all: counted, its booking moved to its decode worker."""
+        job.transfer = None
+        job.path, job.outcome, job.fallback = Path.BYPASS, outcome, True
+        self._bookings.rebook_bypass(plan.key, plan)
+        self._on_fallback(job)
+
+    def _handle_too_large(self, job: Job, plan: RoutePlan, exc: LegError) -> None:
+        self.handle_fallbacks += 1
+        self._fall_back(job, plan, Outcome.FALLBACK_HANDLE_TOO_LARGE)
+        log.warning(
+            "request %s: %s; prefilling it on %s instead (a larger max_payload in nats-server's configuration "
+            "lets such prompts prefill remotely)",
+            job.request.request_id,
+            exc,
+            plan.decode.worker,
+            extra={"request_id": job.request.request_id},
+        )
+
     async def _attempt(self, job: Job, plan: RoutePlan) -> AsyncGenerator[ResponseChunk, None]:
         req = job.request
         annotations = [a for a in req.annotations if a != ANNOTATION_BYPASS]
         if plan.path is Path.REMOTE and plan.prefill is not None:
-            job.transfer = await self._prefill(job, plan)
-            if job.transfer is None:
-                job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_PREFILL_FAILED, True
-                self.fallbacks += 1
-                self._bookings.rebook_bypass(plan.key, plan)
-                self._on_fallback(job)
+            try:
+                job.transfer = await self._prefill(job, plan)
+            except LegError as exc:
+                if exc.kind != HANDLE_TOO_LARGE:
+                    raise
+                self._handle_too_large(job, plan, exc)  # decided before the prefill leg went out
             else:
-                # The prefill worker's part only: the decode worker's blocks count until its own first
-                # token (or `prefilled`), as its engine may keep the request waiting for KV room. Not
-                # where d's engine announces no blocks (no prefix caching) and the answer comes whole:
-                # no `prefilled` comes, and d's booking would count on top of its reports to the end.
-                scoped = plan.decode.info.prefix_caching or job.request.stream
-                self._bookings.prefill_done(plan.key, plan.prefill.worker if scoped else None)
+                if job.transfer is None:
+                    self.fallbacks += 1
+                    self._fall_back(job, plan, Outcome.FALLBACK_PREFILL_FAILED)
+                else:
+                    # The prefill worker's part only: the decode worker's blocks count until its own first
+                    # token (or `prefilled`), as its engine may keep the request waiting for KV room. Not
+                    # where d's engine announces no blocks (no prefix caching) and the answer comes whole:
+                    # no `prefilled` comes, and d's booking would count on top of its reports to the end.
+                    scoped = plan.decode.info.prefix_caching or job.request.stream
+                    self._bookings.prefill_done(plan.key, plan.prefill.worker if scoped else None)
         try:
             async with contextlib.aclosing(self._decode(job, plan, annotations)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except LegError as exc:
+            if job.transfer is not None and job.first_token_at is None and exc.kind == PAYLOAD_TOO_LARGE:
+                # Refused before it was sent: a handle larger than its bound. The bypass leg, no
+                # larger than the prefill leg that went, carries the prompt.
+                job.drop_held()
+                self._handle_too_large(job, plan, exc)
+                async with contextlib.aclosing(self._decode(job, plan, annotations)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                return
             if job.transfer is None or job.first_token_at is not None or not exc.engine_failed:
                 raise
             # The decode engine took the handle and failed before any output: its KV pull failed
@@ -869,11 +929,8 @@ class Dispatcher:
             )
             self._on_transfer(plan.decode.worker, prefill, False)
             job.drop_held()  # the fallback sends its own
-            job.transfer = None
-            job.path, job.outcome, job.fallback = Path.BYPASS, Outcome.FALLBACK_TRANSFER_FAILED, True
             self.transfer_fallbacks += 1
-            self._bookings.rebook_bypass(plan.key, plan)
-            self._on_fallback(job)
+            self._fall_back(job, plan, Outcome.FALLBACK_TRANSFER_FAILED)
             async with contextlib.aclosing(self._decode(job, plan, annotations)) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -982,8 +1039,10 @@ class Dispatcher:
         )
         left = job.deadline - time.monotonic()
         until = time.monotonic() + min(settings.prefill_timeout_s, left)
+        # Its decode leg is this one with the handle in `disagg` (_decode): room kept for that
+        keep = transfer_handle_bound(plan.prefill.info, len(req.token_ids), plan.prefill.kv_total_blocks)
         try:
-            async with await self._open(worker, "prefill", leg_req) as leg:
+            async with await self._open(worker, "prefill", leg_req, keep=keep + _DECODE_LEG_EXTRA) as leg:
                 while True:
                     chunk = await leg.next(until - time.monotonic(), 3 * settings.stream_heartbeat_s)
                     if chunk.final:

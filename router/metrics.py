@@ -42,6 +42,7 @@ class StateFigures:
     retries: int = 0  # router.dispatch.Dispatcher's counts
     prefill_fallbacks: int = 0
     transfer_fallbacks: int = 0
+    handle_fallbacks: int = 0
     slow_readers: int = 0
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
     load_malformed: int = 0  # router.service's load reports dropped
@@ -77,12 +78,14 @@ class _StateCollector(Collector):
         )
         fallbacks = CounterMetricFamily(
             "kvswitch_router_fallbacks",
-            "Remote prefills given up for a local one: the prefill leg failed (prefill_failed), or the decode "
-            "engine failed to pull its KV (transfer_failed)",
+            "Remote prefills given up for a local one: the prefill leg failed (prefill_failed), the decode "
+            "engine failed to pull its KV (transfer_failed), or the decode leg with its transfer handle would be "
+            "over NATS's max_payload (handle_too_large)",
             labels=["cause"],
         )
         fallbacks.add_metric(["prefill_failed"], s.prefill_fallbacks)
         fallbacks.add_metric(["transfer_failed"], s.transfer_fallbacks)
+        fallbacks.add_metric(["handle_too_large"], s.handle_fallbacks)
         yield fallbacks
         yield CounterMetricFamily(
             "kvswitch_router_slow_readers",

@@ -925,6 +925,7 @@ class RouterService:
             retries=self._dispatcher.retries if self._dispatcher is not None else 0,
             prefill_fallbacks=self._dispatcher.fallbacks if self._dispatcher is not None else 0,
             transfer_fallbacks=self._dispatcher.transfer_fallbacks if self._dispatcher is not None else 0,
+            handle_fallbacks=self._dispatcher.handle_fallbacks if self._dispatcher is not None else 0,
             slow_readers=self._dispatcher.slow_readers if self._dispatcher is not None else 0,
             malformed_replies=dict(self._dispatcher.malformed_replies) if self._dispatcher is not None else {},
             load_malformed=self.load_malformed,

@@ -23,6 +23,8 @@ class Outcome(StrEnum):
     REMOTE_PREFILL = "remote_prefill"  # disagg=always (or conditional switched off): remote, no policy
     FALLBACK_PREFILL_FAILED = "fallback_prefill_failed"  # remote prefill failed or timed out -> bypass
     FALLBACK_TRANSFER_FAILED = "fallback_transfer_failed"  # the decode engine failed to load the KV -> bypass
+    # the decode leg with its transfer handle would be over NATS's max_payload -> bypass (router.dispatch)
+    FALLBACK_HANDLE_TOO_LARGE = "fallback_handle_too_large"
     AGGREGATED = "aggregated"  # disagg=never, or the chosen worker is an agg worker
     NO_PREFILL_POOL = "no_prefill_pool"  # disaggregation wanted but the model has no prefill worker
     PREFILL_POOL_FULL = "prefill_pool_full"  # every prefill worker of its engine past the room limit -> local

@@ -108,8 +108,7 @@ async def test_a_fallback_to_a_local_prefill_is_counted_by_its_cause(
         for (name, labels), value in samples.items()
         if name == "kvswitch_router_fallbacks_total"
     }
-    other = "transfer_failed" if cause == "prefill_failed" else "prefill_failed"
-    assert fallbacks == {cause: 1.0, other: 0.0}, fallbacks
+    assert fallbacks == {"prefill_failed": 0.0, "transfer_failed": 0.0, "handle_too_large": 0.0, cause: 1.0}, fallbacks
     assert samples[("kvswitch_router_retries_total", frozenset())] == 0.0
 
 
