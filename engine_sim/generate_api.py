@@ -26,7 +26,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
@@ -53,6 +53,7 @@ from engine_sim.logprobs import (
 )
 from engine_sim.openai_format import SSE_DONE, Output, sse
 from engine_sim.openai_request import (
+    VALIDATION_ERROR,
     ChatRequest,
     CompletionRequest,
     GenerateCall,
@@ -72,6 +73,7 @@ __all__ = ["chat_completions", "completions"]
 
 _tokenizer = BuiltinTokenizer()
 Respond = Callable[[web.Request, "_Job"], Awaitable[web.StreamResponse]]
+Body = TypeVar("Body", CompletionRequest, ChatRequest)
 
 
 @dataclass(slots=True)
@@ -221,37 +223,48 @@ def _ids(job: _Job, ids: list[int]) -> list[int] | None:
 
 async def _serve(
     request: web.Request,
-    parse: Callable[[bytes, SimServer], GenerateCall],
+    kind: type[Body],
+    make: Callable[[Body, SimServer], GenerateCall],
     id_prefix: str,
     respond: Respond,
 ) -> web.StreamResponse:
-    """Admit and submit one generate call, then `respond`; the engine requests end with the call.
-    With --enable-server-load-tracking, GET /load counts it until answered (vLLM's load_aware_call)."""
+    """Admit and submit one generate call (its body as `kind`, the call `make` makes of it), then
+    `respond`; the engine requests end with the call. With --enable-server-load-tracking, GET /load
+    counts it until answered (vLLM's load_aware_call)."""
     srv: SimServer = request.app[SERVER_KEY]
     if not srv.config.enable_server_load_tracking:
-        return await _admit(request, parse, id_prefix, respond)
+        return await _admit(request, kind, make, id_prefix, respond)
     srv.server_load += 1
     try:
-        return await _admit(request, parse, id_prefix, respond)
+        return await _admit(request, kind, make, id_prefix, respond)
     finally:
         srv.server_load -= 1
 
 
 async def _admit(
     request: web.Request,
-    parse: Callable[[bytes, SimServer], GenerateCall],
+    kind: type[Body],
+    make: Callable[[Body, SimServer], GenerateCall],
     id_prefix: str,
     respond: Respond,
 ) -> web.StreamResponse:
     srv: SimServer = request.app[SERVER_KEY]
     try:
-        call = parse(await json_body(request), srv)
+        body = parse_body(await json_body(request), kind)
+    except SimRequestError as exc:
+        return error_response(exc)  # vLLM's request validation: its endpoint never runs
+    try:
+        call = make(body, srv)
         _check_rank(srv, request)
         if fault_gate(srv, request):
             return web.Response(status=500)
         job = _Job(srv, call, f"{id_prefix}-{request_id(request, call.request_id)}")
         job.submit()
     except SimRequestError as exc:
+        if exc.kind != VALIDATION_ERROR:  # pydantic's checks that msgspec's types do not make: vLLM's too
+            # vLLM 0.32's _with_kv_transfer_rejection_cleanup: a refused request frees the prefill
+            # blocks its kv_transfer_params pin, rather than leave them to their lease
+            srv.runner.reject(body.kv_transfer_params)
         return error_response(exc)
     try:
         return await respond(request, job)
@@ -280,16 +293,14 @@ def _check_rank(srv: SimServer, request: web.Request) -> None:
     srv.ranked_requests += 1
 
 
-def _parse_completion(raw: bytes, srv: SimServer) -> GenerateCall:
-    body = parse_body(raw, CompletionRequest)
+def _completion_call(body: CompletionRequest, srv: SimServer) -> GenerateCall:
     lora = check_model(srv, body.model)
     call = completion_call(body, srv.config.max_model_len)
     call.lora = lora
     return call
 
 
-def _parse_chat(raw: bytes, srv: SimServer) -> GenerateCall:
-    body = parse_body(raw, ChatRequest)
+def _chat_call(body: ChatRequest, srv: SimServer) -> GenerateCall:
     lora = check_model(srv, body.model)
     cfg = srv.config
     call = chat_call(body, cfg.max_model_len, model=cfg.model, tool_parsing=cfg.enable_auto_tool_choice)
@@ -298,11 +309,11 @@ def _parse_chat(raw: bytes, srv: SimServer) -> GenerateCall:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, _parse_completion, "cmpl", _respond_completion)
+    return await _serve(request, CompletionRequest, _completion_call, "cmpl", _respond_completion)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, _parse_chat, "chatcmpl", _respond_chat)
+    return await _serve(request, ChatRequest, _chat_call, "chatcmpl", _respond_chat)
 
 
 async def _open_sse(request: web.Request) -> web.StreamResponse:

@@ -34,6 +34,7 @@ from protocol.tokenizer import VOCAB_SIZE, BuiltinTokenizer, apply_chat_template
 
 __all__ = [
     "CONTINUE_AND_GENERATE",
+    "VALIDATION_ERROR",
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",
@@ -191,6 +192,10 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
+VALIDATION_ERROR = "Bad Request"
+"""The error `type` of vLLM's 400 for a body its pydantic model refuses (before its endpoint runs)."""
+
+
 def validation_error(details: list[dict[str, Any]] | list[str]) -> SimRequestError:
     """vLLM's 400 for a body its pydantic model refuses, as its validation handler writes it
     (vllm/entrypoints/serve/exception_handling/handlers/validation.py): the first ten errors, a
@@ -202,7 +207,7 @@ def validation_error(details: list[dict[str, Any]] | list[str]) -> SimRequestErr
         message += f"  ...and {count - _MAX_REPORTED_ERRORS} more {label}\n"
     first = details[0]
     return SimRequestError(
-        message.rstrip(), kind="Bad Request", param=first["loc"] if isinstance(first, dict) else None
+        message.rstrip(), kind=VALIDATION_ERROR, param=first["loc"] if isinstance(first, dict) else None
     )
 
 

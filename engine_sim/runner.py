@@ -237,6 +237,13 @@ class EngineRunner:
         self._poke()
         return found
 
+    def reject(self, params: dict[str, Any] | None) -> None:
+        """A request refused before it reached the engine (a 400, a 404): vLLM 0.32's
+        notify_kv_transfer_request_rejected submits it pre-aborted, so its connector frees the
+        prefill blocks its `kv_transfer_params` pin at once (do_remote_prefill), as for an abort."""
+        if params and params.get("do_remote_prefill"):
+            self._spawn(disagg.pull(params, self._session_for(params)), f"kv-release-{params.get('remote_request_id')}")
+
     def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
         """Called by a decode sim's pull (disagg.PinHolder)."""
         if request_id is not None:

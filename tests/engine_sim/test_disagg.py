@@ -171,6 +171,60 @@ async def test_a_decode_request_aborted_before_its_pull_frees_the_prefill_pin_at
         await asyncio.gather(busy, queued, return_exceptions=True)
 
 
+WORDS = " ".join(f"word{i}" for i in range(300))
+
+
+@pytest.mark.parametrize("cross_process", [False, True])
+@pytest.mark.parametrize(("path", "bad"), [
+    ("/v1/completions", {"prompt": WORDS, "max_tokens": -1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": WORDS}], "max_tokens": -1}),
+    ("/v1/completions", {"prompt": WORDS, "model": "no-such-model"}),  # vLLM's 404, from its endpoint too
+])  # fmt: skip
+async def test_a_decode_request_refused_frees_the_prefill_pin_at_once(
+    cross_process: bool, path: str, bad: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.32's _with_kv_transfer_rejection_cleanup: an error answer to a request whose
+    kv_transfer_params pin prefill blocks (do_remote_prefill) submits it pre-aborted
+    (notify_kv_transfer_request_rejected), and the connector frees those blocks at once. The sim
+    answered the 400 and left them pinned for the whole 30 s lease."""
+    async with (
+        SimServer(sim_config(role="prefill")) as p,
+        SimServer(sim_config(role="decode")) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        if cross_process:  # the release goes over HTTP, as between processes
+            monkeypatch.setattr(disagg, "_registry", weakref.WeakValueDictionary())
+        first = {k: v for k, v in bad.items() if k not in ("max_tokens", "model")}
+        async with s.post(
+            p.url + path, json={**first, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        ) as r:
+            assert r.status == 200, await r.text()
+            params = (await r.json())["kv_transfer_params"]
+        assert list(p.engine.pins) == [params["remote_request_id"]] and p.engine.num_blocks_in_use > 0
+        async with s.post(d.url + path, json={**bad, "kv_transfer_params": params}) as r:
+            assert r.status in (400, 404), await r.text()
+        await until(lambda: not p.engine.pins, "the prefill pin freed", timeout=1.0)  # its lease: 30 s
+        assert p.engine.num_blocks_in_use == 0 and not d.engine.running and not d.engine.waiting
+
+
+async def test_a_body_vllms_validation_refuses_frees_no_pin_as_in_vllm() -> None:
+    """vLLM's pydantic refuses such a body before its endpoint runs, where the cleanup is: the
+    blocks stay pinned for their lease, and a good request's pull still finds them."""
+    async with (
+        SimServer(sim_config(role="prefill")) as p,
+        SimServer(sim_config(role="decode")) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        pre = {"prompt": PROMPT[:400], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        status, out = await post(s, p.url, pre)
+        params = out["kv_transfer_params"]
+        status, out = await post(s, d.url, {"prompt": PROMPT[:400], "max_tokens": "two", "kv_transfer_params": params})
+        assert (status, out["error"]["type"]) == (400, "Bad Request"), out
+        status, out = await post(s, d.url, {"prompt": PROMPT[:400], "max_tokens": 2, "kv_transfer_params": params})
+        assert status == 200 and d.engine.stats.external_kv_tokens == 400 and d.engine.stats.failed_transfers == 0
+        assert not p.engine.pins
+
+
 @pytest.mark.parametrize("cross_process", [False, True])
 async def test_a_decode_sim_holding_the_request_renews_the_lease_until_it_pulls(
     cross_process: bool, monkeypatch: pytest.MonkeyPatch

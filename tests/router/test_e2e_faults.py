@@ -78,6 +78,23 @@ async def test_a_failed_kv_pull_is_prefilled_on_the_decode_worker_without_client
         assert f'kvswitch_router_worker_transfers_failing{{worker="{served.id}"}} 1.0' in await r.text()
 
 
+async def test_a_decode_leg_its_engine_refuses_frees_the_prefill_workers_blocks_at_once(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """max_tokens -1 passes the prefill leg (its max_tokens is 1) and is refused on the decode leg:
+    the client gets the engine's 400, and the decode engine frees the blocks the prefill engine
+    pinned for it, as vLLM 0.32 does (its _with_kv_transfer_rejection_cleanup), not at the end of
+    their 30 s lease."""
+    p = await cluster.add_worker("prefill")
+    await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    prompt = " ".join(f"word{i}" for i in range(300))
+    status, body, _ = await complete(http, router, prompt, max_tokens=-1)
+    assert status == 400 and "max_tokens" in body["error"]["message"], body
+    assert p.sim.engine.prefill_tokens_computed > 0, "the prefill leg ran"
+    await until(lambda: not p.sim.engine.pins and p.sim.engine.num_blocks_in_use == 0, what="the pin freed", timeout=2)
+
+
 async def test_a_prefill_worker_whose_kv_cannot_be_pulled_costs_the_fleet_that_worker_only(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
