@@ -11,8 +11,8 @@ no side, which vLLM's tokenizer applies keeping the BOS): then as its text. A ch
 reaches it as its messages, which the engine renders with the template the router's tokenizer
 fingerprint matched. The router validates only the fields it
 reads, refuses the ones only it may set (`kv_transfer_params`, `disaggregated_params`, the
-bootstrap triple, `ec_transfer_params`, and the transfer handles in `vllm_xargs`), and passes
-everything else on. So stop strings, `n`, `echo`, logprobs,
+bootstrap triple, `ec_transfer_params`, and the transfer handles in `vllm_xargs`; a null, which the
+engines read as unset, is no handle: taken), and passes everything else on. So stop strings, `n`, `echo`, logprobs,
 penalties, tools, `response_format`, usage details and the engine's own 400s are the engine's.
 It writes the engine's SSE payloads out unchanged; a whole answer gets one thing added, the
 `kvswitch` route object. Batched prompts go to one worker, routed by the first prompt.
@@ -111,7 +111,8 @@ _ERROR_TYPES = {
     504: "TimeoutError",
 }
 # Set by the router for the engine, never by a client: transfer handles name hosts the engine
-# would pull KV from.
+# would pull KV from. A null is none: vLLM 0.32 (like TensorRT-LLM and SGLang) reads it as unset
+# (CompletionRequest.to_sampling_params passes on only a truthy one), so it is taken, and dropped.
 # ec_transfer_params: the encoder-cache handle, which the router never sets.
 _ROUTER_ONLY = (
     "kv_transfer_params", "disaggregated_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
@@ -373,11 +374,11 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name in _ROUTER_ONLY:
-        if name in body:
+        if body.get(name) is not None:
             raise ApiError(400, f"'{name}' is set by the router, not by clients", name)
     xargs = body.get("vllm_xargs")
     for name in _HANDLES:
-        if isinstance(xargs, dict) and name in xargs:
+        if isinstance(xargs, dict) and xargs.get(name) is not None:
             raise ApiError(
                 400, f"'vllm_xargs.{name}' is a transfer handle, set by the router, not by clients", "vllm_xargs"
             )
@@ -419,7 +420,10 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
         raise ApiError(400, "'annotations' must be a list of strings", "annotations")
     stream_options = _opt(body, "stream_options", dict, {})
     _opt(stream_options, "include_usage", bool)
-    params = {k: v for k, v in body.items() if k != "annotations"}
+    # The router's own fields the client sent as null (none other passed the refusal above) are
+    # none: not passed on, as the adapters set them per leg. A null in vllm_xargs goes on as sent:
+    # vLLM 0.32 refuses it there itself (its values are strings, numbers or lists).
+    params = {k: v for k, v in body.items() if k != "annotations" and k not in _ROUTER_ONLY}
     return ParsedRequest(
         chat=chat,
         model=_opt(body, "model", str, None),

@@ -89,6 +89,21 @@ async def test_bypass_and_remote_prefill_produce_the_same_output_as_the_engine(
     assert d.sim.engine.stats.external_kv_tokens == transferred, "no kv_transfer_params on the bypass path"
 
 
+async def test_a_null_transfer_handle_from_a_client_is_served_on_the_remote_path(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """vLLM 0.32 reads `"kv_transfer_params": null` as unset; the router refused it with a 400
+    ("set by the router, not by clients"), though a null names no host to pull KV from."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    nulls = {"kv_transfer_params": None, "ec_transfer_params": None, "disaggregated_params": None}
+    status, body, headers = await complete(http, router, list(range(2000, 2200)), **nulls)
+    assert status == 200, body
+    assert headers["x-kvswitch-prefill"] == "remote" and body["kvswitch"]["prefill_worker"] == p.id
+    assert d.sim.engine.stats.external_kv_tokens > 0, "the router's own handle reached the decode engine"
+
+
 async def test_conditional_bypass_prefills_on_the_decode_worker(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     p = await cluster.add_worker("prefill")
     d = await cluster.add_worker("decode")

@@ -48,3 +48,33 @@ def test_a_transfer_handle_in_vllm_xargs_is_the_routers_alone(chat: bool, name: 
         with pytest.raises(ApiError) as caught:
             parse_request(body, chat=chat)
         assert caught.value.code == 400 and name in caught.value.body()["error"]["message"]
+
+
+_ROUTERS_FIELDS = [
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "disaggregated_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name", _ROUTERS_FIELDS)
+def test_a_null_transfer_handle_is_none_taken_and_passed_to_no_engine(chat: bool, name: str) -> None:
+    # vLLM 0.32 reads a null as unset (to_sampling_params passes on only a truthy one), as TRT-LLM's
+    # and SGLang's defaults are null: it names no host, so the router's refusal has nothing to guard
+    parsed = parse_request(_body(chat, **{name: None}), chat=chat)
+    assert name not in parsed.params and parsed.params["model"] == "m"
+    with pytest.raises(ApiError) as caught:  # a value, even an empty one, is still the router's alone
+        parse_request(_body(chat, **{name: {} if name.endswith("params") else ""}), chat=chat)
+    assert caught.value.code == 400 and caught.value.body()["error"]["param"] == name
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name", ["kv_transfer_params", "ec_transfer_params"])
+def test_a_null_transfer_handle_in_vllm_xargs_goes_to_the_engine_as_sent(chat: bool, name: str) -> None:
+    # vLLM 0.32 refuses it there itself (vllm_xargs values are strings, numbers or lists): its 400
+    parsed = parse_request(_body(chat, vllm_xargs={name: None, "k": "v"}), chat=chat)
+    assert parsed.params["vllm_xargs"] == {name: None, "k": "v"}
