@@ -244,7 +244,7 @@ class EngineRunner:
         if params and params.get("do_remote_prefill"):
             self._spawn(disagg.pull(params, self._session_for(params)), f"kv-release-{params.get('remote_request_id')}")
 
-    def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
+    def release_pin(self, request_id: str | None, block_ids: list[list[int]] | None = None) -> bool:
         """Called by a decode sim's pull (disagg.PinHolder)."""
         if request_id is not None:
             self._drop_lease(request_id)

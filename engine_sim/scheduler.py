@@ -168,12 +168,13 @@ class Scheduler:
         req.finish_reason = reason
         return True
 
-    def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
+    def release_pin(self, request_id: str | None, block_ids: list[list[int]] | None = None) -> bool:
         """The decode side pulled (or gave up on) a prefilled request's KV: free its blocks.
-        Found by request id, or by its exact block ids when the params carry no request id."""
+        Found by request id, or by its exact block ids (one list per KV cache group, as the params
+        carry them) when the params carry no request id."""
         req = self.pins.pop(request_id, None) if request_id is not None else None
         if req is None and request_id is None and block_ids:
-            rid = next((k for k, r in self.pins.items() if [b.block_id for b in r.blocks] == block_ids), None)
+            rid = next((k for k, r in self.pins.items() if [[b.block_id for b in r.blocks]] == block_ids), None)
             req = self.pins.pop(rid, None) if rid is not None else None
         if req is None:
             return False
@@ -490,15 +491,22 @@ class Scheduler:
         if req.remote_decode:
             # NixlConnector: the blocks stay allocated for the decode engine to read.
             self.pins[req.request_id] = req
+            # vLLM 0.32's NixlConnector (nixl/pull_scheduler.py request_finished), key for key:
+            # block ids one list per KV cache group (the sim's one full-attention group).
             out.kv_transfer_params = req.kv_transfer_params = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
-                "remote_block_ids": [b.block_id for b in req.blocks],
+                "remote_block_ids": [[b.block_id for b in req.blocks]],
                 "remote_engine_id": self.engine_id,
                 "remote_request_id": req.request_id,
                 "remote_host": self.remote_host,
                 "remote_port": self.remote_port,
                 "tp_size": 1,
+                "dcp_size": 1,
+                "pp_size": 1,
+                "remote_num_tokens": req.num_computed_tokens,
+                "remote_blocks_expiry_time": None,  # set on a decode engine's own pins only
+                "transfer_mode": "pull",
                 # vLLM 0.32 (Scheduler.update_from_output): this engine's own prompt hits, which the
                 # decode engine reports as the prompt's cached tokens
                 "remote_prefill_cached_tokens": req.num_hit_tokens + req.num_external_tokens,

@@ -122,7 +122,7 @@ class VirtualEngine:
         if self.scheduler.abort(request_id):
             self._wake()
 
-    def release_pin(self, request_id: str | None, block_ids: list[int] | None = None) -> bool:
+    def release_pin(self, request_id: str | None, block_ids: list[list[int]] | None = None) -> bool:
         if request_id is not None:
             self._pin_expiry.pop(request_id, None)
         ok = self.scheduler.release_pin(request_id, block_ids)

@@ -62,7 +62,13 @@ async def test_prefill_then_decode_on_another_sim(cross_process: bool, monkeypat
         assert params["do_remote_prefill"] is True and params["remote_engine_id"] == p.engine.engine_id
         assert (params["remote_host"], params["remote_port"], params["tp_size"]) == ("127.0.0.1", p.port, 1)
         n_blocks = len(PROMPT) // 16
-        assert len(params["remote_block_ids"]) == n_blocks and p.engine.num_blocks_in_use == n_blocks  # pinned
+        (group,) = params["remote_block_ids"]
+        assert len(group) == n_blocks and p.engine.num_blocks_in_use == n_blocks  # pinned
+        # the rest of vLLM 0.32's NixlConnector params (nixl/pull_scheduler.py request_finished)
+        assert {k: params[k] for k in ("dcp_size", "pp_size", "remote_blocks_expiry_time", "transfer_mode")} == {
+            "dcp_size": 1, "pp_size": 1, "remote_blocks_expiry_time": None, "transfer_mode": "pull"
+        }  # fmt: skip
+        assert params["remote_num_tokens"] == len(PROMPT)
 
         gc.collect()  # earlier tests' garbage (a virtual replay's heap) must not be collected in the request
         ttft = await stream_ttft(d.url, {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params})
@@ -347,7 +353,7 @@ async def test_the_kv_routes_answer_400_to_a_body_that_is_not_a_json_object() ->
 
 
 STALE = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "x",
-         "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}  # fmt: skip
+         "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}  # fmt: skip
 
 
 async def test_stale_params_fall_back_to_local_prefill_when_recomputing() -> None:

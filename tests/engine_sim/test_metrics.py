@@ -160,7 +160,7 @@ async def test_an_engine_with_nothing_to_compute_shows_its_state_now() -> None:
     of b18df07: the sim published only after steps that computed, so it showed 0 during the pull
     and kept showing 1 after the abort)."""
     stale = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "x",
-             "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}  # fmt: skip
+             "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}  # fmt: skip
     async with SimServer(sim_config(role="decode", speedup=1.0, kv_transfer_gbps=0.001)) as sim:
         sim.runner.submit(SimRequest("b", list(range(3000, 3300)), max_tokens=2, remote_prefill=stale))
 

@@ -172,7 +172,8 @@ def test_remote_decode_pins_blocks_until_released() -> None:
     (step,) = run(s)
     params = step.outputs[0].kv_transfer_params
     assert params is not None and params["do_remote_prefill"] is True
-    assert params["remote_block_ids"] and s.num_blocks_in_use == len(params["remote_block_ids"])
+    (group,) = params["remote_block_ids"]  # one list per KV cache group, as vLLM 0.32's NixlConnector
+    assert group and s.num_blocks_in_use == len(group)
     assert s.release_pin(None, params["remote_block_ids"]) is True
     assert s.num_blocks_in_use == 0 and s.release_pin("p") is False
 
