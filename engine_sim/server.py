@@ -47,6 +47,9 @@ from runtime import LISTEN_BACKLOG
 __all__ = ["ServerStatus", "SimServer"]
 
 log = logging.getLogger("engine_sim.server")
+# vLLM's uvicorn closes a connection idle this long between requests (VLLM_HTTP_TIMEOUT_KEEP_ALIVE);
+# aiohttp's default is 75 s, which hid a client pool that kept connections past it.
+KEEPALIVE_S = 5.0
 
 
 class ServerStatus(enum.Enum):
@@ -221,7 +224,13 @@ class SimServer:
         )
         try:
             await publisher.start()
-            http = web.AppRunner(build_app(self), handler_cancellation=True, access_log=None, shutdown_timeout=0.2)
+            http = web.AppRunner(
+                build_app(self),
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=0.2,
+                keepalive_timeout=KEEPALIVE_S,
+            )
             await http.setup()
             try:
                 site = web.TCPSite(http, cfg.host, self._port or 0, backlog=LISTEN_BACKLOG)

@@ -466,3 +466,24 @@ async def test_a_priority_is_served_as_vllm_032_serves_it_under_fcfs(sim: SimSer
     status_p, prioritised, _ = await post(sim, "/v1/completions", {**base, "priority": 5})
     assert (status, status_p) == (200, 200)
     assert prioritised["choices"] == plain["choices"]
+
+
+async def test_an_idle_keep_alive_connection_is_closed_as_vllm_s_uvicorn_closes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s) between requests; the sim
+    kept it for aiohttp's 75 s, so no client pool that outlived vLLM's timeout was ever caught."""
+    import engine_sim.server
+
+    monkeypatch.setattr(engine_sim.server, "KEEPALIVE_S", 0.5, raising=False)
+    async with SimServer(sim_config()) as sim:
+        host, port = sim.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200")
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed once idle, within the test's 5 s
+        finally:
+            writer.close()

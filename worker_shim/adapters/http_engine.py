@@ -27,6 +27,10 @@ __all__ = ["PROBE_TIMEOUT", "HttpEngineAdapter"]
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0)
+# An idle pooled connection is dropped before vLLM's uvicorn closes it (VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+# 5 s): with aiohttp's 15 s, a leg sent on one the engine was closing that moment failed as
+# engine_unavailable (ServerDisconnectedError), the request never read by the engine.
+POOL_KEEPALIVE_S = 4.0
 # What a connection to the engine can fail with, short of a well-formed HTTP answer.
 _NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
@@ -63,7 +67,8 @@ class HttpEngineAdapter(EngineAdapter):
 
     async def open(self) -> None:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=_SESSION_TIMEOUT, connector=aiohttp.TCPConnector(limit=0))
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(timeout=_SESSION_TIMEOUT, connector=connector)
 
     async def close(self) -> None:
         session, self._session = self._session, None
