@@ -5,14 +5,12 @@ request, and with /ready as the readinessProbe every router pod went NotReady un
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import aiohttp
 import pytest
 
 from protocol.config import EtcdSettings
 from router.service import RouterService
+from tests.relay import Relay
 from tests.router.conftest import MODEL, Cluster, Worker, complete
 from tests.router.polling import until
 from worker_shim.adapters import EngineError, EngineLoad
@@ -63,53 +61,15 @@ async def test_an_unhealthy_engine_beside_a_healthy_one_is_no_warning(
     assert body["models"][MODEL]["soft_decode"] == 1  # left out while the healthy one serves
 
 
-class _FrozenEtcd:
-    """A TCP relay to etcd that can stop relaying, its connections left open: etcd is up for
-    every other process, and this router hears nothing from it (a partition, not a crash)."""
-
-    def __init__(self, target: str) -> None:
-        self.host, port = target.removeprefix("http://").rsplit(":", 1)
-        self.port = int(port)
-        self.frozen = asyncio.Event()
-        self._server: asyncio.Server | None = None
-        self.url = ""
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection(self.host, self.port)
-
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(ConnectionError):
-                while data := await r.read(65536):
-                    if self.frozen.is_set():
-                        await asyncio.Event().wait()  # held open, never answered
-                    w.write(data)
-                    await w.drain()
-
-        try:
-            await asyncio.gather(pipe(client_r, up_w), pipe(up_r, client_w))
-        finally:
-            client_w.close()
-            up_w.close()
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-
 async def test_a_router_cut_off_from_a_live_etcd_past_its_lease_ttl_warns_that_workers_will_cancel_its_legs(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
     await cluster.add_worker("agg")
-    relay = _FrozenEtcd(cluster.etcd_url)
+    relay = Relay(int(cluster.etcd_url.rsplit(":", 1)[1]))  # etcd up for all, this router cut off
     await relay.start()
     try:
-        router = await cluster.add_router(
-            config={"lease_ttl_s": 2, "etcd": EtcdSettings(endpoints=[relay.url])}, disagg="never"
-        )
+        etcd = EtcdSettings(endpoints=[f"http://127.0.0.1:{relay.port}"])
+        router = await cluster.add_router(config={"lease_ttl_s": 2, "etcd": etcd}, disagg="never")
         await cluster.ready(router)
         assert not any("lease" in w for w in router.readiness()[1]["warnings"])
         relay.frozen.set()

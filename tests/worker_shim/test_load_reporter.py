@@ -18,6 +18,7 @@ from engine_sim.server import SimServer
 from kvswitch.servers import NatsServer
 from protocol import Cleared, KvEventBatch, LoadReport, decode_msg, subjects
 from runtime.nats_flush import flush
+from tests.relay import Relay
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
 from tests.worker_shim.test_kv_digest import replayed, xor_of
 from worker_shim import ShimConfig
@@ -183,50 +184,6 @@ async def test_a_reading_the_shim_cannot_use_marks_the_worker_unhealthy_and_the_
     assert len(complaints) == 1 and said in complaints[0].getMessage(), [r.getMessage() for r in complaints]
 
 
-class _Gate:
-    """A TCP relay to a nats-server that takes no connection while shut: the order in which
-    clients come back after an outage is the test's."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.open = True
-        self.server: asyncio.Server | None = None
-
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return f"nats://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        if not self.open:
-            client_w.close()
-            return
-        try:
-            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            client_w.close()
-            return
-        await asyncio.gather(_pipe(client_r, server_w), _pipe(server_r, client_w))
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except ConnectionError:
-        pass
-    finally:
-        writer.close()
-
-
 async def _quiet(_exc: Exception) -> None:
     pass  # nats-py says each failed reconnect during the outage
 
@@ -239,21 +196,21 @@ def own_nats() -> Iterator[NatsServer]:
 
 
 @pytest.fixture
-async def gate(own_nats: NatsServer) -> AsyncIterator[_Gate]:
-    g = _Gate(own_nats.port)
+async def gate(own_nats: NatsServer) -> AsyncIterator[Relay]:
+    g = Relay(own_nats.port)
     await g.start()
     yield g
     await g.close()
 
 
-async def test_no_report_goes_out_stale_after_a_nats_outage(own_nats: NatsServer, gate: _Gate, ns: str) -> None:
+async def test_no_report_goes_out_stale_after_a_nats_outage(own_nats: NatsServer, gate: Relay, ns: str) -> None:
     """NATS restarted after 1 s down; a router back before the shim. The reports made meanwhile
     waited in nats-py's reconnect buffer and reached it on the shim's reconnect, stamped up to the
     outage's length ago: three in a row read as the worker's clock behind (a false "keep hosts on
     NTP" WARNING for every worker, its deadlines moved by the outage, outage audit). A report is
     state the next supersedes: none is queued while NATS is down."""
     options: dict[str, Any] = {"reconnect_time_wait": 0.05, "max_reconnect_attempts": -1, "error_cb": _quiet}
-    shim_nc = await nats.connect(gate.url, **options)
+    shim_nc = await nats.connect(f"nats://127.0.0.1:{gate.port}", **options)
     router_nc = await nats.connect(own_nats.url, **options)
     got: list[tuple[float, LoadReport]] = []
 
@@ -268,7 +225,7 @@ async def test_no_report_goes_out_stale_after_a_nats_outage(own_nats: NatsServer
     reporter.start()
     try:
         await wait_for(lambda: len(got) >= 3, what="reports before the outage")
-        gate.open = False
+        gate.accepting = False
         own_nats.kill()
         await wait_for(lambda: not shim_nc.is_connected, what="the shim to see NATS gone")
         down_at = time.time()
@@ -278,7 +235,7 @@ async def test_no_report_goes_out_stale_after_a_nats_outage(own_nats: NatsServer
         await wait_for(lambda: router_nc.is_connected, what="the router back on NATS")
         await flush(router_nc)  # its subscription is on the server again
         up_at = time.time()
-        gate.open = True  # the shim comes back after it
+        gate.accepting = True  # the shim comes back after it
         await wait_for(lambda: any(r.ts > up_at for _, r in got), timeout=5, what="a report after the outage")
         first = next(received for received, r in got if r.ts > up_at)
         assert first - up_at < 1.0  # the first after it is not held back
