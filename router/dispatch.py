@@ -273,6 +273,7 @@ class _Leg:
         self.done = False
         self.tokens_seen = False
         self.heard_at = time.monotonic()  # when it opened, or its last chunk came
+        self._graced_for: float | None = None  # the outage (Dispatcher.lost_at) it waited one more window for
         self._cut: list[bytes] = []  # the pieces of an event cut short (ResponseChunk.continued), and its tokens
         self._cut_tokens = 0
 
@@ -343,10 +344,11 @@ class _Leg:
                         raise LegError(
                             self.worker, 504, "timeout", f"no answer within {deadline_s:.2f}s", retryable=False
                         )
+                    if await self._through_outage(silence_s):
+                        continue
                     if self._heard_from() and self.resumes < MAX_RESUMES:
                         await self._resume()
                         continue
-                    self._check_nats()
                     raise LegError(
                         self.worker,
                         503,
@@ -366,8 +368,7 @@ class _Leg:
                 # A gap, or a resend that has not come while later chunks do (the ask or its answer
                 # lost): each dropped chunk restarted the silence, so the stream stalled until the
                 # worker had ended the whole leg.
-                if self.resumes >= MAX_RESUMES:
-                    self._check_nats()
+                if self.resumes >= MAX_RESUMES and not await self._through_outage(silence_s):
                     why = f"chunk {item.seq}, expected {self.next_seq}"
                     raise LegError(self.worker, 502, "stream_gap", why, retryable=not self.tokens_seen)
                 await self._resume()
@@ -410,13 +411,25 @@ class _Leg:
             )
         return msgspec.structs.replace(chunk, events=events, tokens=tokens, continued=False)
 
-    def _check_nats(self) -> None:
-        """Silence or lost chunks that this router's own NATS outage explains fail the request as
-        that, blaming no worker: each leg in flight through an outage ended as worker_silent, its
-        worker was left out as unreachable, and the request was retried or fell back across the
-        fleet into the same dead connection, to end in "no worker could serve the request"."""
-        if self.owner.nats_lost_since(self.heard_at):
+    async def _through_outage(self, silence_s: float) -> bool:
+        """Silence, or chunks lost, that this router's own NATS outage explains, blaming no worker:
+        each leg in flight through an outage ended as worker_silent, its worker was left out as
+        unreachable, and the request was retried or fell back across the fleet into the same dead
+        connection, to end in "no worker could serve the request". With the connection down past
+        the wait a new request gets (Dispatcher.connected), the leg fails as that (LegError
+        nats_lost). Back within a silence window of an outage that began since the worker was last
+        heard, the worker gets another window, and lost chunks are asked for again, uncounted: the
+        asks sent into the outage, or before the shim subscribed again, were lost with it. True
+        when the leg should wait again."""
+        owner = self.owner
+        if not owner.is_connected() and not await owner.connected():
             raise LegError(self.worker, 503, NATS_LOST, NATS_LOST_WHY, retryable=False)
+        if not owner.back_within(silence_s, since=self.heard_at) or self._graced_for == owner.lost_at:
+            return False
+        self._graced_for = owner.lost_at  # one more window, once per outage
+        if self._heard_from():
+            await self._resume(counted=False)
+        return True
 
     def _heard_from(self) -> bool:
         """Whether silence now means chunks lost on the way rather than a dead worker: a stream's
@@ -426,10 +439,10 @@ class _Leg:
         retried elsewhere at once instead."""
         return self.tokens_seen or (not self.request.stream and self.next_seq > 0)
 
-    async def _resume(self) -> None:
+    async def _resume(self, *, counted: bool = True) -> None:
         self.resuming = True
         self.resumed_at = time.monotonic()
-        self.resumes += 1
+        self.resumes += counted
         self.owner.resumes += 1
         log.warning(
             "request %s: chunks from %d lost on the way from worker %s; asking for them again",
@@ -531,6 +544,7 @@ class Dispatcher:
     ) -> None:
         self._nc = nc
         self._nats_lost_at: float | None = None  # time.monotonic() the connection last dropped
+        self._nats_back_at: float | None = None  # ... and came back
         self.awake_for = awake_for  # seconds since this router's loop last stalled (runtime.loop_watch)
         # A worker's clock less this router's (router.clock_skew): a leg's deadline goes out on the
         # worker's clock, which checks it, or one ahead by the request timeout fails every request.
@@ -587,10 +601,33 @@ class Dispatcher:
         """The router's NATS connection dropped (its disconnected callback)."""
         self._nats_lost_at = time.monotonic()
 
-    def nats_lost_since(self, since: float) -> bool:
-        """NATS is down now, or dropped after `since` (time.monotonic())."""
-        lost = self._nats_lost_at
-        return not self._nc.is_connected or (lost is not None and lost >= since)
+    @property
+    def lost_at(self) -> float | None:
+        """time.monotonic() the router's NATS connection last dropped."""
+        return self._nats_lost_at
+
+    def nats_back(self) -> None:
+        """The router's NATS connection is back (its reconnected callback)."""
+        self._nats_back_at = time.monotonic()
+
+    def is_connected(self) -> bool:
+        return self._nc.is_connected
+
+    def _not_back_for(self, heard_at: float) -> bool:
+        """NATS is down, or the router came back after a leg last heard from its worker."""
+        lost, back = self._nats_lost_at, self._nats_back_at
+        if not self._nc.is_connected:
+            return True
+        return lost is not None and (back is None or back < lost or heard_at < back)
+
+    def back_within(self, window_s: float, since: float | None = None) -> bool:
+        """The router's NATS connection dropped (after `since`, time.monotonic(), when given) and
+        is back, less than `window_s` ago (or so lately that its reconnected callback has not run:
+        nats-py reports the connection up first)."""
+        lost, back = self._nats_lost_at, self._nats_back_at
+        if lost is None or (since is not None and lost < since):
+            return False
+        return back is None or back < lost or time.monotonic() - back < window_s
 
     async def connected(self) -> bool:
         """NATS is up, or comes back within the time a leg waits for a silent worker (three
@@ -624,6 +661,13 @@ class Dispatcher:
                 await self._late(token, msg)
             return
         if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+            if self._not_back_for(leg.heard_at):
+                # Sent as this router came back, before the shim subscribed again (nothing heard on
+                # the leg since): no worker's fault. An ask to resend is asked again at the next
+                # silence; a new leg is retried.
+                if not leg.resuming:
+                    leg.push(LegError(leg.worker, 503, "no_responders", "nobody serves it yet", retryable=True))
+                return
             if self._registered(leg.worker):
                 self._on_unreachable(leg.worker, "no responder on its subject")
             leg.push(LegError(leg.worker, 503, "no_responders", "nobody serves it", retryable=True))

@@ -781,6 +781,8 @@ class RouterService:
 
     async def _nats_reconnected(self) -> None:
         self._reconnected_at = time.monotonic()
+        if self._dispatcher is not None:
+            self._dispatcher.nats_back()
         log.warning("NATS connection re-established: not ready until a worker reports again")
 
     async def _on_load(self, msg: Msg) -> None:

@@ -12,11 +12,23 @@ import json
 from collections.abc import Iterator
 
 import aiohttp
+import nats
 import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from kvswitch.servers import NatsServer
+from protocol import GenerateRequest
+from protocol.config import RouterSettings
+from router.disagg import RoutePlan
+from router.dispatch import Dispatcher
+from router.policies import Outcome, Path
+from tests.relay import Relay
+from tests.router.builders import cand, ctx
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
+from tests.router.test_dispatch import HB, Books, answer, job
+from tests.router.test_dispatch import Worker as DispatchWorker
 
 
 @pytest.fixture
@@ -58,3 +70,104 @@ async def test_a_stream_in_flight_through_the_routers_nats_outage_fails_as_that_
     own_nats.launch()
     await asyncio.to_thread(own_nats.wait_healthy)
     await until(lambda: router.readiness()[0], what="the router ready again")
+
+
+async def test_a_stream_through_a_nats_restart_goes_on_when_its_shim_is_back_after_the_router(
+    cluster: Cluster, http: aiohttp.ClientSession, own_nats: NatsServer
+) -> None:
+    """The leg's asks to resend, sent as the router came back and before the shim had subscribed
+    again, were answered "no responders": the worker was left out as unreachable and the stream
+    failed with "no worker could serve the request" (2 of 4 restarts of 1 s or less, review of
+    2026-12-06). Here the shim reaches NATS through a relay that lets it back 1 s after the router."""
+    relay = Relay(own_nats.port)
+    await relay.start()
+    router_nats, cluster.nats_url = cluster.nats_url, f"nats://127.0.0.1:{relay.port}"
+    try:
+        worker = await cluster.add_worker("agg", speedup=2.0)
+    finally:
+        cluster.nats_url = router_nats
+    router = await cluster.add_router(disagg="never", stream_heartbeat_s=0.2)
+    await cluster.ready(router)
+    body = {"model": MODEL, "prompt": list(range(40)), "max_tokens": 400, "stream": True}
+    events: list[str] = []
+    restarted: asyncio.Task[None] | None = None
+
+    async def restart() -> None:
+        relay.accepting = False
+        own_nats.kill()
+        await asyncio.sleep(0.3)
+        own_nats.launch()
+        await asyncio.to_thread(own_nats.wait_healthy)
+        await until(router.dispatcher.is_connected, what="the router back on NATS")
+        await asyncio.sleep(1.0)  # its asks to resend meanwhile find no responder
+        relay.accepting = True
+
+    try:
+        async with http.post(router.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                text = line.decode().strip()
+                if text.startswith("data: "):
+                    events.append(text.removeprefix("data: "))
+                    if len(events) == 3:
+                        restarted = asyncio.create_task(restart())
+        assert restarted is not None
+        await restarted
+    finally:
+        await relay.close()
+    assert not [e for e in events if e.startswith('{"error"')], events[-3:]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    (status,) = [s for s in router.readiness()[1]["worker_status"] if s["worker"] == worker.id]
+    assert status["excluded"] is None, status
+
+
+async def test_a_nats_blip_long_reconnected_does_not_excuse_a_dead_worker(own_nats: NatsServer) -> None:
+    """A connection that dropped and came back at once, early in a dead worker's silence: the leg
+    failed as the router's NATS outage (503, not retried) while the router was connected, and the
+    dead worker was never left out (review of 2026-12-06). Now the outage buys one more silence
+    window at most; then the worker is silent, left out, and the request retried elsewhere."""
+    holder: dict[str, Dispatcher] = {}
+
+    async def lost() -> None:
+        holder["d"].nats_lost()
+
+    async def back() -> None:
+        holder["d"].nats_back()
+
+    nc = await nats.connect(own_nats.url, disconnected_cb=lost, reconnected_cb=back, reconnect_time_wait=0.01)
+    workers_nc = await nats.connect(own_nats.url)
+    unreachable: list[str] = []
+    d = Dispatcher(
+        nc,
+        "ns1",
+        Books(),
+        settings=lambda: RouterSettings(stream_heartbeat_s=HB),
+        on_unreachable=lambda w, why: unreachable.append(w),
+    )
+    holder["d"] = d
+    await d.start()
+
+    async def dead(_nc: Client, _msg: Msg, _req: GenerateRequest) -> None:
+        return None  # took the leg, then its process died
+
+    await DispatchWorker(workers_nc, "ns1", "w1").serve("decode", dead)
+    await DispatchWorker(workers_nc, "ns1", "w2").serve("decode", answer)
+    c = ctx(64, [cand("w2")], [])
+    retry = RoutePlan(
+        c, c.decode_pool[0], None, Path.BYPASS, Outcome.DECLINED_POLICY, "", c.decode_pool, [], key="r1#2"
+    )
+
+    async def blip() -> None:
+        await asyncio.sleep(0.05)
+        await nc._process_op_err(ConnectionResetError("a blip"))  # as a dropped socket reports it
+
+    task = asyncio.create_task(blip())
+    try:
+        out = [chunk async for chunk in d.run(job("w1", replans=[retry]))]
+        await task
+        assert [c.token_ids for c in out] == [[5], [6]]  # w2's answer
+        assert d.retries == 1 and unreachable == ["w1"]
+    finally:
+        await d.stop()
+        await nc.close()
+        await workers_nc.close()
