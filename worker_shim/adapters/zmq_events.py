@@ -350,8 +350,10 @@ class ZmqEventSource:
             self.stats.gaps += 1
             self.stats.replay_failures += 1
             log.warning("%s KV events: gap %d..%d cannot be replayed: resetting", self.engine, start, missed[0][0] - 1)
+        turn = _Turns()
         for i, (s, p) in enumerate(missed):
             self._deliver(s, p, sink, reset=reset and i == 0, complete=False, live=False)
+            await turn.take()
         self._replayed_until = missed[-1][0]
 
     def _malformed(self, exc: ProtocolError) -> None:
@@ -430,8 +432,10 @@ class ZmqEventSource:
         # The SUB socket queues what arrives meanwhile; replayed seqs are then skipped as duplicates.
         replayed = await self._replay(first_missing)
         if replayed and replayed[0][0] == first_missing:
+            turn = _Turns()
             for s, p in replayed:
                 self._deliver(s, p, sink, live=False)
+                await turn.take()
             self._replayed_until = replayed[-1][0]
             if seq > self._replayed_until:
                 self._deliver(seq, payload, sink)
