@@ -942,6 +942,7 @@ class _Handlers:
         status = 500
         why = ""  # why it failed, for its span
         broke = False  # a stream that failed after its 200 went out
+        sent: int | None = None  # the status a stream went out with; `status` is its outcome's
         timing = _Timing(time.perf_counter())
         # The span comes first: a request refused before it is routed (a 400, an unknown model) has
         # one too, what is known only later set on it then.
@@ -971,6 +972,7 @@ class _Handlers:
                 try:
                     if parsed.stream:
                         resp, status, why = await self._stream(request, job, ids, timing)
+                        sent = resp.status
                         broke = bool(why)  # the client got an error event, or nothing more
                     else:
                         resp = await self._whole(job, ids, timing)
@@ -997,7 +999,7 @@ class _Handlers:
                 raise
             finally:
                 self.path.metrics.count_request(endpoint, status)
-                self.path.tracer.answered(span, status, why, broke=broke)
+                self.path.tracer.answered(span, status if sent is None else sent, why, broke=broke)
 
     async def _whole(self, job: Job, ids: _Ids, timing: _Timing) -> web.Response:
         parts: list[bytes] = []

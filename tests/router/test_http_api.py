@@ -975,6 +975,7 @@ async def test_a_whole_answer_is_built_with_one_copy_of_its_body() -> None:
         transfer=None,
         outcome=Outcome.AGGREGATED,
         attempts=1,
+        prefill_worker=None,
     )
     chunks = [ResponseChunk(request_id="r1", seq=i, body=p, final=i == len(parts) - 1) for i, p in enumerate(parts)]
 
