@@ -442,7 +442,8 @@ class _Leg:
     async def _resume(self, *, counted: bool = True) -> None:
         self.resuming = True
         self.resumed_at = time.monotonic()
-        self.resumes += counted
+        if counted:  # an ask sent into the router's own outage does not count against the leg
+            self.resumes += 1
         self.owner.resumes += 1
         log.warning(
             "request %s: chunks from %d lost on the way from worker %s; asking for them again",
