@@ -15,7 +15,6 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from kvswitch.servers import NatsServer
 from protocol import GenerateRequest, TransferHandle
 from protocol.messages import ANNOTATION_BYPASS, HANDLE_FIELDS_BYTES, transfer_handle_bound
 from router.disagg import RoutePlan
@@ -24,23 +23,15 @@ from router.policies import Outcome, Path
 from tests.router.builders import cand, ctx, worker
 from tests.router.conftest import Cluster, complete
 from tests.router.test_dispatch import Behaviour, Books, Worker, answer, chunk
+from tests.small_nats import SmallNats
 
 SMALL = 64 << 10
 PROMPT = [300 + i % 5000 for i in range(21_000)]  # ~63 KB of ids: the prefill leg fits, with a handle it does not
 
 
-class _Nats(NatsServer):
-    def __init__(self, max_payload: int) -> None:
-        super().__init__()
-        self.max_payload = max_payload
-
-    def config_text(self) -> str:
-        return super().config_text() + f"max_payload: {self.max_payload}\n"
-
-
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[str]:
-    with _Nats(SMALL) as server:
+    with SmallNats(SMALL) as server:
         yield server.url
 
 

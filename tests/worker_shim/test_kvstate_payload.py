@@ -14,7 +14,6 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from kvswitch.servers import NatsServer
 from protocol import (
     ConfigError,
     KvEvent,
@@ -28,6 +27,7 @@ from protocol import (
     unpack_hashes,
 )
 from protocol.config import EtcdSettings, NatsSettings
+from tests.small_nats import SmallNats
 from worker_shim import ShimConfig, WorkerShim
 from worker_shim.engine_events import EngineStored
 from worker_shim.kv_publisher import KvPublisher
@@ -37,18 +37,9 @@ EPOCH = 7
 SMALL = 64 << 10
 
 
-class _Nats(NatsServer):
-    def __init__(self, max_payload: int) -> None:
-        super().__init__()
-        self.max_payload = max_payload
-
-    def config_text(self) -> str:
-        return super().config_text() + f"max_payload: {self.max_payload}\n"
-
-
 @pytest.fixture(scope="module")
 def small_url() -> Iterator[str]:
-    with _Nats(SMALL) as server:
+    with SmallNats(SMALL) as server:
         yield server.url
 
 
@@ -206,7 +197,7 @@ async def test_a_dump_of_millions_of_blocks_leaves_the_loop_free(nats_url: str, 
 
 
 async def test_a_server_max_payload_too_small_is_refused_at_start(ns: str, etcd_url: str) -> None:
-    with _Nats(2048) as server:
+    with SmallNats(2048) as server:
         cfg = ShimConfig(model="m", namespace=ns)
         shim = WorkerShim(cfg, NatsSettings(servers=[server.url]), EtcdSettings(endpoints=[etcd_url]))
         with pytest.raises(ConfigError) as err:
