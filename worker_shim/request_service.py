@@ -59,7 +59,7 @@ import os
 import resource
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,7 @@ from protocol import (
 )
 from protocol.hashing import chain_salt
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, ENGINE_HEADERS, UTILITY_ENDPOINTS
+from runtime import background
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 from worker_shim.credit_check import reusable
 from worker_shim.decode_context import DecodeContext
@@ -269,7 +270,11 @@ class _ChunkWriter:
         self._last_sent = time.monotonic()
         if seq < self._next and not covered:
             self._next = self._resent_from = seq
-        await self._pump()
+        if not self._pumping:
+            # In a task of its own: the ask came in the shim's generate handler, which NATS runs one
+            # call at a time, and a paced resend there held every new request to this shim back
+            # (a 60 MiB answer: 245 ms; review of 2026-12-06).
+            self.service.resend(self._pump(), self.request_id)
         return True
 
     def _chunk(self, tokens: list[int], events: list[bytes] | None = None, **final: object) -> ResponseChunk:
@@ -547,6 +552,7 @@ class RequestService:
         self._queued = 0
         self.contexts = DecodeContext()  # the legs decoding, for LoadReport.decode_context
         self.resumes = 0
+        self._resends: set[asyncio.Task[None]] = set()  # legs' resends under way (resend)
         # Legs that ended lately, for a router that lost their last chunks (a NATS node died).
         self.recent: OrderedDict[str, _ChunkWriter] = OrderedDict()
         self._recent_bytes = 0  # of the chunks in `recent`
@@ -559,6 +565,12 @@ class RequestService:
     def busy(self) -> bool:
         """Coalesce only under load: many legs in flight, or NATS not keeping up with the output."""
         return len(self.inflight) >= self.busy_legs or self.nc.pending_data_size >= BEHIND_BYTES
+
+    def resend(self, pump: Coroutine[Any, Any, None], request_id: str) -> None:
+        """Run a leg's resend (_ChunkWriter.resume) in a task, kept until it ends, and cancelled at stop."""
+        task = background(pump, f"resend-{request_id}", f"request {request_id}'s chunks are not sent again")
+        self._resends.add(task)
+        task.add_done_callback(self._resends.discard)
 
     async def publish(self, subject: str, data: bytes) -> None:
         """Publish a leg's chunk. A chunk NATS refuses (its reconnect buffer full during an outage,
@@ -943,6 +955,8 @@ class RequestService:
 
     async def abort_all(self) -> None:
         """End every in-flight leg with an error chunk (the engine went away or the shim stops)."""
+        for resend in list(self._resends):
+            resend.cancel()
         tasks = []
         for s in list(self.inflight.values()):
             if s.task is not None and not s.task.done():

@@ -566,3 +566,26 @@ async def test_a_leg_past_the_cap_is_refused_at_once_with_a_retryable_503(
     await ended(svc)
     await replies.settled()
     assert replies.chunks("d")[-1].finish_reason == "length"
+
+
+async def test_a_paced_resend_does_not_hold_back_the_next_request(
+    nc: Nats, replies: Replies, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume's resend went out at the leg's pace inside the shim's generate handler, which NATS
+    runs one call at a time: every request to the shim waited for it (a 60 MiB answer at 128 MiB/s
+    past its 16 MiB burst: 245 ms; review of 2026-12-06). Now it runs in a task of its own, and the
+    next request's chunks go out amid the resent ones."""
+    monkeypatch.setattr(request_service, "BURST_BYTES_S", 32 << 20)  # the resend takes over a second
+    svc = service(nc, FakeEngine(tokens=3, gap_s=0.001))
+    subject = await serving(svc, ns)
+    ended = _ChunkWriter(svc, f"{ns}.nobody.big", "big", "w1", "agg", heartbeat_s=0.4)
+    await ended.final(finish_reason="stop", body=b"z" * (48 << 20))
+    svc.remember(ended)
+    await asyncio.sleep(0.6)  # its burst allowance back
+    resume = GenerateRequest(request_id="big", model="m", token_ids=[1], resume=0)
+    await nc.publish(subject, encode_msg(resume), reply=replies.inbox("again"))
+    await send(replies, subject, "r2")
+    await wait_for(lambda: any(c.final for c in replies.chunks("again")), 20, what="the resend's end")
+    await wait_for(lambda: any(c.final for c in replies.chunks("r2")), 10, what="r2's end")
+    order = [s.rpartition(".")[2] for s, _ in replies.got]
+    assert order.index("r2") < len(order) - 1 - order[::-1].index("again")  # r2 began before the resend ended
