@@ -368,10 +368,11 @@ class _Leg:
                 # A gap, or a resend that has not come while later chunks do (the ask or its answer
                 # lost): each dropped chunk restarted the silence, so the stream stalled until the
                 # worker had ended the whole leg.
-                if self.resumes >= MAX_RESUMES and not await self._through_outage(silence_s):
+                if self.resumes < MAX_RESUMES:
+                    await self._resume()
+                elif not await self._through_outage(silence_s):  # that asks again itself
                     why = f"chunk {item.seq}, expected {self.next_seq}"
                     raise LegError(self.worker, 502, "stream_gap", why, retryable=not self.tokens_seen)
-                await self._resume()
                 continue
             self.resuming = False
             self.next_seq += 1
