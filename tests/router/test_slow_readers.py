@@ -40,6 +40,13 @@ async def stalled_stream(router: RouterService, max_tokens: int) -> socket.socke
     return sock
 
 
+def writes_stuck(router: RouterService) -> bool:
+    """The router's writes to the client have stopped: its leg's chunks pile up unread. Waited for
+    before the deadline, so the deadline finds the writer stuck (under load a slower sim had not
+    filled the sockets by then, and the request ended at its deadline as a leg timeout instead)."""
+    return any(leg.queued > 64 << 10 for leg in router.dispatcher._legs.values())
+
+
 def counted(router: RouterService, code: int) -> float:
     labels = {"endpoint": "completions", "code": str(code)}
     return router.metrics.registry.get_sample_value("kvswitch_router_requests_total", labels) or 0.0
@@ -64,13 +71,13 @@ async def test_a_client_that_stops_reading_is_cut_at_its_deadline(
 ) -> None:
     caplog.set_level(logging.INFO, logger="router.http_api")
     await cluster.add_worker("agg", speedup=20.0)
-    router = await cluster.add_router(config={"request_timeout_s": 2.0})
+    router = await cluster.add_router(config={"request_timeout_s": 5.0})
     await cluster.ready(router)
     sock = await stalled_stream(router, 30_000)
     try:
-        await until(lambda: router.dispatcher.inflight_legs == 1, what="the leg sent")
+        await until(lambda: writes_stuck(router), timeout=4.5, what="the router's writes to the client stuck")
         # before: the leg, its queue and its booking stayed until the client closed the socket
-        await until(lambda: clean(router), timeout=4.0, what="the request ended at its 2 s deadline")
+        await until(lambda: clean(router), timeout=7.0, what="the request ended at its 5 s deadline")
         assert counted(router, 504) == 1
         said = [r.getMessage() for r in caplog.records if "stopped reading its stream" in r.getMessage()]
         assert len(said) == 1 and "--request-timeout" in said[0], said

@@ -17,7 +17,7 @@ from opentelemetry.trace import StatusCode
 
 from tests.router.conftest import MODEL, Cluster, complete
 from tests.router.polling import until
-from tests.router.test_slow_readers import clean, stalled_stream
+from tests.router.test_slow_readers import clean, stalled_stream, writes_stuck
 
 
 @pytest.fixture
@@ -117,12 +117,12 @@ async def test_a_stream_its_client_stopped_reading_is_an_error_span(
     cluster: Cluster, exporter: InMemorySpanExporter
 ) -> None:
     await cluster.add_worker("agg", speedup=20.0)
-    router = await cluster.add_router(tracer_provider=_provider(exporter), config={"request_timeout_s": 2.0})
+    router = await cluster.add_router(tracer_provider=_provider(exporter), config={"request_timeout_s": 5.0})
     await cluster.ready(router)
     sock = await stalled_stream(router, 30_000)
     try:
-        await until(lambda: router.dispatcher.inflight_legs == 1, what="the leg sent")
-        await until(lambda: clean(router), timeout=4.0, what="the request ended at its 2 s deadline")
+        await until(lambda: writes_stuck(router), timeout=4.5, what="the router's writes to the client stuck")
+        await until(lambda: clean(router), timeout=7.0, what="the request ended at its 5 s deadline")
         span = await _request_span(exporter)
     finally:
         sock.close()
