@@ -40,6 +40,13 @@ def etcd_server() -> Iterator[EtcdServer]:
 
 
 @pytest.fixture
+def own_nats() -> Iterator[NatsServer]:
+    """A nats-server of the test's own, to kill and start again (the session's is shared)."""
+    with NatsServer() as server:
+        yield server
+
+
+@pytest.fixture
 def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 
 import aiohttp
 import nats
@@ -29,12 +28,6 @@ from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
 from tests.router.test_dispatch import HB, Books, answer, job
 from tests.router.test_dispatch import Worker as DispatchWorker
-
-
-@pytest.fixture
-def own_nats() -> Iterator[NatsServer]:
-    with NatsServer() as srv:
-        yield srv
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -186,13 +186,6 @@ async def test_a_reading_the_shim_cannot_use_marks_the_worker_unhealthy_and_the_
 
 async def _quiet(_exc: Exception) -> None:
     pass  # nats-py says each failed reconnect during the outage
-
-
-@pytest.fixture
-def own_nats() -> Iterator[NatsServer]:
-    """A nats-server of the test's own, to kill and start again."""
-    with NatsServer() as srv:
-        yield srv
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import nats
@@ -88,16 +88,9 @@ async def _quiet(_exc: Exception) -> None:
 
 
 @pytest.fixture
-def server() -> Iterator[NatsServer]:
-    """A nats-server of the test's own, to kill and start again."""
-    with NatsServer() as srv:
-        yield srv
-
-
-@pytest.fixture
-async def nc(server: NatsServer) -> AsyncIterator[Nats]:
+async def nc(own_nats: NatsServer) -> AsyncIterator[Nats]:
     conn = await nats.connect(
-        server.url, reconnect_time_wait=0.05, max_reconnect_attempts=-1, error_cb=_quiet, connect_timeout=2
+        own_nats.url, reconnect_time_wait=0.05, max_reconnect_attempts=-1, error_cb=_quiet, connect_timeout=2
     )
     yield conn
     await conn.close()
@@ -110,10 +103,10 @@ async def replies(nc: Nats, ns: str) -> Replies:
     return out
 
 
-async def outage(nc: Nats, server: NatsServer) -> None:
+async def outage(nc: Nats, own_nats: NatsServer) -> None:
     """NATS gone and the client's reconnect buffer full (as other legs' output fills it): nats-py
     then refuses every publish with OutboundBufferLimitError."""
-    server.kill()
+    own_nats.kill()
     await wait_for(lambda: not nc.is_connected, what="the client to see NATS gone")
     for size in (65536, 4096, 256, 16, 1):
         with contextlib.suppress(OutboundBufferLimitError):
@@ -123,10 +116,10 @@ async def outage(nc: Nats, server: NatsServer) -> None:
         await nc.publish("fill", b"x")
 
 
-async def back(nc: Nats, server: NatsServer) -> None:
+async def back(nc: Nats, own_nats: NatsServer) -> None:
     """NATS up again on its port, the client reconnected (its buffer sent)."""
-    server.launch()
-    await asyncio.to_thread(server.wait_healthy)
+    own_nats.launch()
+    await asyncio.to_thread(own_nats.wait_healthy)
     await wait_for(lambda: nc.is_connected, what="the client to reconnect")
 
 
@@ -387,13 +380,13 @@ async def test_a_whole_answers_burst_goes_out_at_the_legs_pace(
 
 
 async def test_heartbeats_refused_during_an_outage_leave_the_final_chunk_to_go(
-    nc: Nats, server: NatsServer, replies: Replies
+    nc: Nats, own_nats: NatsServer, replies: Replies
 ) -> None:
     svc = service(nc)
     writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.02)
-    await outage(nc, server)
+    await outage(nc, own_nats)
     await asyncio.sleep(0.09)
-    await back(nc, server)
+    await back(nc, own_nats)
     await writer.final(finish_reason="length", usage=Usage(prompt_tokens=8, completion_tokens=0))
     await replies.settled()
     chunks = replies.chunks("r1")
@@ -406,7 +399,7 @@ async def test_heartbeats_refused_during_an_outage_leave_the_final_chunk_to_go(
 
 
 async def test_a_stream_runs_on_through_an_outage_and_ends_with_its_final_chunk(
-    nc: Nats, server: NatsServer, replies: Replies, ns: str
+    nc: Nats, own_nats: NatsServer, replies: Replies, ns: str
 ) -> None:
     engine = FakeEngine(tokens=20, gap_s=0.005)
     engine.go.clear()
@@ -415,11 +408,11 @@ async def test_a_stream_runs_on_through_an_outage_and_ends_with_its_final_chunk(
     subject = await serving(svc, ns)
     await send(replies, subject, "s1", stream=True, heartbeat_s=0.02)
     await wait_for(lambda: "s1" in svc.inflight, what="the leg")
-    await outage(nc, server)
+    await outage(nc, own_nats)
     engine.go.set()
     await asyncio.sleep(0.04)
     assert engine.outputs > 0 and svc.chunks_unsent > 0
-    await back(nc, server)
+    await back(nc, own_nats)
     engine.release.set()
     await ended(svc)
     assert engine.outputs == 20 and engine.finished == 1, "the engine request was aborted"
@@ -434,7 +427,7 @@ async def test_a_stream_runs_on_through_an_outage_and_ends_with_its_final_chunk(
 
 
 async def test_a_prefilled_notice_refused_during_an_outage_leaks_no_bookkeeping(
-    nc: Nats, server: NatsServer, replies: Replies, ns: str
+    nc: Nats, own_nats: NatsServer, replies: Replies, ns: str
 ) -> None:
     engine = FakeEngine(tokens=0)  # a whole answer: no output until its end
     engine.release.clear()
@@ -447,11 +440,11 @@ async def test_a_prefilled_notice_refused_during_an_outage_leaks_no_bookkeeping(
     subject = await serving(svc, ns)
     await send(replies, subject, "whole", stream=False)  # whole answer: the watch sends `prefilled`
     await wait_for(lambda: "whole" in svc.inflight, what="the leg")
-    await outage(nc, server)
+    await outage(nc, own_nats)
     prefilled[0] = True
     await asyncio.sleep(0.15)
     assert len(svc.contexts) == 1  # the watch saw the prefill done
-    await back(nc, server)
+    await back(nc, own_nats)
     engine.release.set()
     await ended(svc)
     await replies.settled()
@@ -462,20 +455,20 @@ async def test_a_prefilled_notice_refused_during_an_outage_leaks_no_bookkeeping(
 
 
 async def test_each_outage_is_logged_though_no_chunk_went_out_between_them(
-    nc: Nats, server: NatsServer, replies: Replies, caplog: pytest.LogCaptureFixture
+    nc: Nats, own_nats: NatsServer, replies: Replies, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=request_service.__name__)
     svc = service(nc)
     data = encode_msg(ResponseChunk(request_id="a", seq=0, final=True))
-    await outage(nc, server)
+    await outage(nc, own_nats)
     await svc.publish(replies.inbox("a"), data)  # a leg's final chunk refused: the leg ends, kept
-    await back(nc, server)  # nothing published before the next outage
+    await back(nc, own_nats)  # nothing published before the next outage
     await asyncio.sleep(0.3)
     second = time.monotonic()
-    await outage(nc, server)
+    await outage(nc, own_nats)
     for _ in range(3):
         await svc.publish(replies.inbox("b"), data)
-    await back(nc, server)
+    await back(nc, own_nats)
     await svc.publish(replies.inbox("c"), data)
     lasted = time.monotonic() - second
     assert svc.chunks_unsent == 4
