@@ -258,7 +258,7 @@ class _ChunkWriter:
             at.popleft()
             self.first += 1
 
-    async def resume(self, reply: str, seq: int) -> bool:
+    def resume(self, reply: str, seq: int) -> bool:
         """Send the chunks from `seq` on again, to `reply`, which gets the rest of the leg too:
         those published go again, those not yet published (a whole answer's burst under way) once.
         An ask that a re-send under way to the same reply covers (a router that asked twice) adds
@@ -686,7 +686,7 @@ class RequestService:
         state = self.inflight.get(req.request_id)
         self._forget_old()
         writer = state.writer if state is not None else self.recent.get(req.request_id)
-        if writer is not None and await writer.resume(reply, req.resume):
+        if writer is not None and writer.resume(reply, req.resume):
             self.resumes += 1
             return
         gone = _ChunkWriter(self, reply, req.request_id, worker, role, first_seq=req.resume)

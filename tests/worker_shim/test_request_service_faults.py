@@ -287,8 +287,8 @@ async def test_a_leg_in_flight_keeps_only_the_chunks_a_router_may_ask_for_again(
     await burst()
     assert writer.first >= 100 and writer.first + len(writer.sent) == writer.seq  # heartbeats too
     end = writer.seq
-    assert not await writer.resume(replies.inbox("again"), 0), "chunks forgotten are gone (410)"
-    assert await writer.resume(replies.inbox("again"), writer.first)
+    assert not writer.resume(replies.inbox("again"), 0), "chunks forgotten are gone (410)"
+    assert writer.resume(replies.inbox("again"), writer.first)
     await asyncio.sleep(0.55)  # past RECENT_S
     await writer.output(1, [event], [])
     assert writer.first >= end, "older than RECENT_S: none of the bursts kept"
@@ -302,7 +302,7 @@ async def test_a_whole_answer_larger_than_a_legs_keep_can_still_be_asked_for_aga
     writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
     await writer.final(finish_reason="stop", body=b"z" * (LEG_KEPT_BYTES + (8 << 20)))
     assert writer.first == 0 and writer.sent_bytes > LEG_KEPT_BYTES
-    assert await writer.resume(replies.inbox("again"), 2)
+    assert writer.resume(replies.inbox("again"), 2)
 
 
 async def test_a_resume_during_a_whole_answers_burst_sends_each_chunk_once_more_in_order(
@@ -325,7 +325,7 @@ async def test_a_resume_during_a_whole_answers_burst_sends_each_chunk_once_more_
     monkeypatch.setattr(svc, "publish", slow)
     burst = asyncio.create_task(writer.final(finish_reason="stop", body=b"z" * (12 * nc.max_payload)))
     await wait_for(lambda: len(published) == 5, what="the burst's fifth piece")
-    assert await writer.resume(replies.inbox("again"), 2) and await writer.resume(replies.inbox("again"), 2)
+    assert writer.resume(replies.inbox("again"), 2) and writer.resume(replies.inbox("again"), 2)
     taken.set()
     await burst
     await replies.settled()
@@ -393,7 +393,7 @@ async def test_heartbeats_refused_during_an_outage_leave_the_final_chunk_to_go(
     assert chunks[-1].final and chunks[-1].finish_reason == "length"
     assert svc.chunks_unsent >= 2  # heartbeats NATS refused
     # The refused heartbeats are kept: a router asking from seq 0 gets every chunk, in order.
-    assert await writer.resume(replies.inbox("again"), 0)
+    assert writer.resume(replies.inbox("again"), 0)
     await replies.settled()
     assert [c.seq for c in replies.chunks("again")] == list(range(chunks[-1].seq + 1))
 
