@@ -597,21 +597,23 @@ def _plan_error(exc: PlanError) -> ApiError:
     return ApiError(exc.code, exc.message, retry_after_s=NO_WORKER_RETRY_S if retry else None)
 
 
-def _leg_error(exc: LegError) -> ApiError:
+def _leg_error(exc: LegError, *, streaming: bool = False) -> ApiError:
     """The client's view of a failed leg: the engine's own answer for a request it refused, why
     for a client that read too slowly, a generic one for the rest (worker ids and internal errors
-    stay in the router's log)."""
+    stay in the router's log). `streaming`: after the stream's first event, where a worker was
+    serving it, not "no worker could" (what a crashed engine mid-stream was told until 2026-12-06)."""
     if exc.refused or exc.slow_reader:
         return ApiError(exc.code, exc.message, body=exc.body)
     if exc.nats_lost:  # the router's own state, as a request planned during the outage is told
         return ApiError(503, exc.message, retry_after_s=NO_WORKER_RETRY_S)
     code = exc.code if exc.code in (503, 504) else 502
-    what = {503: "no worker could serve the request", 504: "the request's deadline passed"}
+    what = {503: _MIDWAY if streaming else "no worker could serve the request", 504: "the request's deadline passed"}
     # A worker gone, silent or draining passes as one planning finds excluded does: retry later.
     retry = NO_WORKER_RETRY_S if code == 503 else None
     return ApiError(code, what.get(code, "the worker failed while serving the request"), retry_after_s=retry)
 
 
+_MIDWAY = "the worker serving the request failed while streaming it"
 _UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
 # vLLM's body for it (its validation handler: "1 validation error:" and the error, type "Bad Request").
 _UNSUPPORTED_MEDIA_TYPE_BODY = _JSON.encode(
@@ -1054,7 +1056,7 @@ class _Handlers:
                     out.clear()
                 chunk = await anext(chunks)
         except LegError as exc:
-            failed = _leg_error(exc)
+            failed = _leg_error(exc, streaming=True)
             why = "" if exc.slow_reader else str(exc)  # that one the dispatcher said, at INFO
         except StopAsyncIteration:
             failed = ApiError(502, "the worker ended the stream early")
