@@ -44,6 +44,7 @@ class StateFigures:
     transfer_fallbacks: int = 0
     handle_fallbacks: int = 0
     slow_readers: int = 0
+    cancels_again: int = 0
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
@@ -91,6 +92,12 @@ class _StateCollector(Collector):
             "kvswitch_router_slow_readers",
             "Streams cut because their client read too slowly: their queued chunks passed the router's limit",
             s.slow_readers,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_cancels_again",
+            "Cancels sent again because a cancelled leg's chunks still came (the first lost: an engine kept "
+            "generating for nobody meanwhile)",
+            s.cancels_again,
         )
         yield _per_worker(
             "kvswitch_router_worker_malformed_replies",

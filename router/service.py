@@ -929,6 +929,7 @@ class RouterService:
             transfer_fallbacks=self._dispatcher.transfer_fallbacks if self._dispatcher is not None else 0,
             handle_fallbacks=self._dispatcher.handle_fallbacks if self._dispatcher is not None else 0,
             slow_readers=self._dispatcher.slow_readers if self._dispatcher is not None else 0,
+            cancels_again=self._dispatcher.cancels_again if self._dispatcher is not None else 0,
             malformed_replies=dict(self._dispatcher.malformed_replies) if self._dispatcher is not None else {},
             load_malformed=self.load_malformed,
             load_unknown=self.load_unknown,

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.metrics import RouterMetrics, StateFigures
 from router.service import RouterService
 from tests.deploy.test_compose import _router_metric_names, _shim_metric_names
 from tests.router.conftest import MODEL, Cluster, busy_decode_fleet, complete
@@ -194,3 +195,10 @@ def test_the_dashboards_bypass_rate_leaves_fallbacks_out_of_its_denominator() ->
     charted = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     for metric in ("kvswitch_router_retries_total", "kvswitch_router_fallbacks_total", "queue_wait_seconds"):
         assert metric in charted, metric
+
+
+def test_cancels_sent_again_are_on_metrics() -> None:
+    """Each is a cancel lost on the way while an engine generated for nobody: it was counted in a
+    Python attribute only (the final read of 2026-12-06)."""
+    text = RouterMetrics(lambda: StateFigures(cancels_again=3)).render().decode()
+    assert "kvswitch_router_cancels_again_total 3.0" in text
