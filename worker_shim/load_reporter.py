@@ -182,7 +182,7 @@ class LoadReporter:
 
     async def _publish_if_due(self) -> None:
         if not self.nc.is_connected:  # it would go out stale from the reconnect buffer (module docstring)
-            self._last_key, self._last_sent = None, time.monotonic()  # the first after it goes at once
+            self._last_key = None  # so the first after it goes at once
             return
         rep = self.report()
         key = (
