@@ -112,7 +112,8 @@ _ERROR_TYPES = {
 }
 # Set by the router for the engine, never by a client: transfer handles name hosts the engine
 # would pull KV from. A null is none: vLLM 0.32 (like TensorRT-LLM and SGLang) reads it as unset
-# (CompletionRequest.to_sampling_params passes on only a truthy one), so it is taken, and dropped.
+# (CompletionRequest.to_sampling_params passes on only a truthy one), so it is taken, and dropped;
+# so is an empty vLLM handle.
 # ec_transfer_params: the encoder-cache handle, which the router never sets.
 _ROUTER_ONLY = (
     "kv_transfer_params", "disaggregated_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
@@ -124,6 +125,14 @@ _HANDLES = ("kv_transfer_params", "ec_transfer_params")
 # blocks as new BlockStored events, with no BlockRemoved to match, so the shim's counts keep them
 # after eviction. Only its default, "incremental", is safe.
 _REPORT_MODE = "kv_cache_report_mode"
+
+
+def _names_nothing(name: str, value: Any) -> bool:
+    """Whether a router-only field names nothing: a null, or for vLLM's handles an empty object,
+    which vLLM 0.32 passes on only when truthy (CompletionRequest.to_sampling_params)."""
+    return value is None or (name in _HANDLES and value == {})
+
+
 _TOKEN_ID_LIMIT = 2**32  # canonical block hashes pack ids as u32
 _TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=_TOKEN_ID_LIMIT)]]
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1  # what a msgpack integer holds
@@ -374,11 +383,11 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name in _ROUTER_ONLY:
-        if body.get(name) is not None:
+        if not _names_nothing(name, body.get(name)):
             raise ApiError(400, f"'{name}' is set by the router, not by clients", name)
     xargs = body.get("vllm_xargs")
     for name in _HANDLES:
-        if isinstance(xargs, dict) and xargs.get(name) is not None:
+        if isinstance(xargs, dict) and not _names_nothing(name, xargs.get(name)):
             raise ApiError(
                 400, f"'vllm_xargs.{name}' is a transfer handle, set by the router, not by clients", "vllm_xargs"
             )

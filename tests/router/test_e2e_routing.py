@@ -104,6 +104,23 @@ async def test_a_null_transfer_handle_from_a_client_is_served_on_the_remote_path
     assert d.sim.engine.stats.external_kv_tokens > 0, "the router's own handle reached the decode engine"
 
 
+async def test_an_empty_transfer_handle_from_a_client_is_served_on_the_remote_path(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """vLLM 0.32 passes a handle on only when truthy: `{}` is unset to it, as a null is, and names
+    no host. The router refused it with its 400 until 2026-12-06."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    empties: dict[str, Any] = {"kv_transfer_params": {}, "ec_transfer_params": {}}
+    status, body, headers = await complete(http, router, list(range(2300, 2500)), **empties)
+    assert status == 200, body
+    assert headers["x-kvswitch-prefill"] == "remote" and body["kvswitch"]["prefill_worker"] == p.id
+    assert d.sim.engine.stats.external_kv_tokens > 0, "the router's own handle reached the decode engine"
+    status, body, _ = await complete(http, router, [1, 2, 3], disaggregated_params={})
+    assert status == 400 and body["error"]["param"] == "disaggregated_params", "TensorRT-LLM's is no vLLM handle"
+
+
 async def test_conditional_bypass_prefills_on_the_decode_worker(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     p = await cluster.add_worker("prefill")
     d = await cluster.add_worker("decode")
