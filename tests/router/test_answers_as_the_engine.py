@@ -73,7 +73,7 @@ async def test_the_routers_own_refusals_echo_the_clients_request_id(cluster: Clu
     async with aiohttp.ClientSession() as http:
         for body, code, param in (
             ({**_OK, "prompt": "x" * 2000}, 413, "body"),
-            ({**_OK, "kv_transfer_params": {}}, 400, "kv_transfer_params"),
+            ({**_OK, "kv_transfer_params": {"remote_host": "10.0.0.1"}}, 400, "kv_transfer_params"),
         ):
             status, out, headers = await answer(http, "POST", router.url + "/v1/completions", body, "gw-7")
             assert_openai_error(status, out, code, param)
