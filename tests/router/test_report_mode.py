@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from router.http_api import ApiError, parse_request
+from router.api_errors import ApiError
+from router.request_parsing import parse_request
 
 USER_X = [{"role": "user", "content": "x"}]
 
@@ -67,8 +68,13 @@ def test_a_null_transfer_handle_is_none_taken_and_passed_to_no_engine(chat: bool
     # and SGLang's defaults are null: it names no host, so the router's refusal has nothing to guard
     parsed = parse_request(_body(chat, **{name: None}), chat=chat)
     assert name not in parsed.params and parsed.params["model"] == "m"
-    with pytest.raises(ApiError) as caught:  # a value, even an empty one, is still the router's alone
-        parse_request(_body(chat, **{name: {} if name.endswith("params") else ""}), chat=chat)
+    empty: Any = {} if name.endswith("params") else ""
+    if name in ("kv_transfer_params", "ec_transfer_params"):  # vLLM passes on only a truthy handle: {} is unset
+        parsed = parse_request(_body(chat, **{name: empty}), chat=chat)
+        assert name not in parsed.params and parsed.params["model"] == "m"
+        empty = {"remote_host": "10.0.0.1"}
+    with pytest.raises(ApiError) as caught:  # any other value, even an empty one, is still the router's alone
+        parse_request(_body(chat, **{name: empty}), chat=chat)
     assert caught.value.code == 400 and caught.value.body()["error"]["param"] == name
 
 
