@@ -37,9 +37,9 @@ from protocol.config import RouterSettings, resolve
 from protocol.tokenizer import BuiltinTokenizer
 from router.block_index import BlockIndex
 from router.calibration import Calibration
-from router.http_api import parse_request
 from router.load_view import LoadView
 from router.planner import standalone_planner
+from router.request_parsing import parse_request
 from router.tokenization import BuiltinPromptTokenizer
 
 BLOCK = 16

@@ -9,11 +9,7 @@ prefix match, accounting). A completions prompt reaches the engine as the very t
 were routed, unless its answer depends on the text (an echo, a FIM `suffix`, a truncation with
 no side, which vLLM's tokenizer applies keeping the BOS): then as its text. A chat request
 reaches it as its messages, which the engine renders with the template the router's tokenizer
-fingerprint matched. The router validates only the fields it
-reads, refuses the ones only it may set (`kv_transfer_params`, `disaggregated_params`, the
-bootstrap triple, `ec_transfer_params`, and the transfer handles in `vllm_xargs`; a null, which the
-engines read as unset, is no handle: taken), and passes everything else on. So stop strings, `n`, `echo`, logprobs,
-penalties, tools, `response_format`, usage details and the engine's own 400s are the engine's.
+fingerprint matched. What the router reads of the body, and refuses, is router.request_parsing's.
 It writes the engine's SSE payloads out unchanged; a whole answer gets one thing added, the
 `kvswitch` route object. Batched prompts go to one worker, routed by the first prompt.
 
@@ -24,12 +20,9 @@ Every answer, errors included, carries `x-request-id` as vLLM's --enable-request
 it: the client's X-Request-Id, else a routed answer's `id`, else a fresh one. Not aiohttp's own
 400/414/431 to a request that does not parse as HTTP, which no handler sees (nor does vLLM's).
 
-Every error is OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: bad input 400,
-unknown route 404, wrong method 405, body not sent in time 408, body or prompt too large 413,
-headers too large 431, queue full 429 with Retry-After, worker failure 502, no worker 503 with
-Retry-After, deadline 504. That includes what aiohttp answers before a handler runs: its parser's errors
-(`FrontDoorRunner`), unknown routes and methods. Worker ids and internal exception text stay in
-the router's log. A client that disconnects cancels its request on the worker.
+Every error is OpenAI JSON (router.api_errors), including what aiohttp answers before a handler
+runs: its parser's errors (`FrontDoorRunner`), unknown routes and methods. A client that
+disconnects cancels its request on the worker.
 
 A streaming client that stops reading holds its request no longer than its deadline: each write
 waits at most until then, and then the connection is aborted (counted 504). One that reads slower
@@ -51,16 +44,13 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
 
-from protocol import GenerateRequest, SamplingParams, asks_prompt_logprobs, lax_bool
+from protocol import GenerateRequest, SamplingParams
 from protocol.messages import (
     ANNOTATION_BYPASS,
     ENDPOINT_CHAT,
@@ -68,74 +58,31 @@ from protocol.messages import (
     ENDPOINT_DETOKENIZE,
     ENDPOINT_TOKENIZE,
     ENGINE_HEADERS,
-    lax_int,
 )
 from protocol.version import BUILD
 from router.admission import Overloaded
+from router.api_errors import (
+    ApiError,
+    json_response,
+    leg_error,
+    openai_errors,
+    plan_error,
+    prompt_too_long,
+    unsupported_media_type,
+)
 from router.api_keys import ApiKeys
 from router.dispatch import Job, LegError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
-from router.request_context import RequestShape
-from router.request_path import NO_WORKER_RETRY_S, RequestPath, Unknown
-from router.tokenization import ChatOptions, Tokenization, TokenizerError, UntrustedTemplate
+from router.request_parsing import ParsedRequest, header_priority, is_text, parse_request, prompt_ids, typed_field
+from router.request_path import RequestPath, Unknown
+from router.tokenization import Tokenization
 
-__all__ = [
-    "ApiError",
-    "Drain",
-    "FrontDoorRunner",
-    "HttpLimits",
-    "ParsedRequest",
-    "keep_specials_truncated",
-    "make_app",
-    "parse_request",
-    "prompt_ids",
-]
+__all__ = ["Drain", "HttpLimits", "make_app"]
 
 log = logging.getLogger(__name__)
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "RequestTimeoutError",
-    413: "RequestTooLargeError",
-    414: "RequestTooLargeError",
-    429: "RateLimitError",
-    431: "RequestTooLargeError",
-    499: "ClientClosedRequest",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "TimeoutError",
-}
-# Set by the router for the engine, never by a client: transfer handles name hosts the engine
-# would pull KV from. A null is none: vLLM 0.32 (like TensorRT-LLM and SGLang) reads it as unset
-# (CompletionRequest.to_sampling_params passes on only a truthy one), so it is taken, and dropped;
-# so is an empty vLLM handle.
-# ec_transfer_params: the encoder-cache handle, which the router never sets.
-_ROUTER_ONLY = (
-    "kv_transfer_params", "disaggregated_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-    "ec_transfer_params",
-)  # fmt: skip
-# vLLM 0.32 takes transfer handles from `vllm_xargs` too (v1/request.py reads them from extra_args).
-_HANDLES = ("kv_transfer_params", "ec_transfer_params")
-# vLLM 0.32 reads it from `vllm_xargs` (v1/request.py); "full" re-announces a prefix-cache hit's
-# blocks as new BlockStored events, with no BlockRemoved to match, so the shim's counts keep them
-# after eviction. Only its default, "incremental", is safe.
-_REPORT_MODE = "kv_cache_report_mode"
-
-
-def _names_nothing(name: str, value: Any) -> bool:
-    """Whether a router-only field names nothing: a null, or for vLLM's handles an empty object,
-    which vLLM 0.32 passes on only when truthy (CompletionRequest.to_sampling_params)."""
-    return value is None or (name in _HANDLES and value == {})
-
-
-_TOKEN_ID_LIMIT = 2**32  # canonical block hashes pack ids as u32
-_TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=_TOKEN_ID_LIMIT)]]
-_INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1  # what a msgpack integer holds
+_JSON = msgspec.json.Encoder()
+_DECODE_JSON = msgspec.json.Decoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,334 +105,6 @@ class HttpLimits:
             raise ValueError(f"body_timeout_s must be a finite number of seconds > 0, got {self.body_timeout_s}")
         if not 0 < self.idle_timeout_s < math.inf:
             raise ValueError(f"idle_timeout_s must be a finite number of seconds > 0, got {self.idle_timeout_s}")
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        code: int,
-        message: str,
-        param: str | None = None,
-        *,
-        retry_after_s: int | None = None,
-        close: bool = False,
-        body: bytes = b"",
-    ) -> None:
-        self.code = code
-        self.message = message
-        self.param = param
-        self.retry_after_s = retry_after_s
-        self.close = close  # the connection cannot be reused (a body left half read)
-        self.own_body = body  # an engine's own error body, passed on as it is
-        super().__init__(message)
-
-    def body(self) -> dict[str, Any]:
-        kind = _ERROR_TYPES.get(self.code, "InternalServerError")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        payload = self.own_body or _JSON.encode(self.body())
-        resp = web.Response(body=payload, status=self.code, headers=headers, content_type="application/json")
-        if self.close:
-            resp.force_close()
-        return resp
-
-
-_JSON = msgspec.json.Encoder()
-_DECODE_JSON = msgspec.json.Decoder()
-
-
-def _json_response(obj: Any, *, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
-    # msgspec instead of aiohttp's json.dumps: several times faster, and UTF-8 unescaped as vLLM writes it
-    return web.Response(body=_JSON.encode(obj), status=status, headers=headers, content_type="application/json")
-
-
-# --- parsing ----------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class ParsedRequest:
-    """A validated request: what routing reads, and `params`, the body for the engine."""
-
-    chat: bool
-    model: str | None
-    prompts: list[str | list[int]]  # completions: one per prompt of a batch; chat: none
-    messages: list[dict[str, Any]] | None
-    chat_options: ChatOptions | None
-    add_special_tokens: bool
-    # (tokens to keep, side) when the router can apply it; side None: the tokenizer's (left for
-    # generation, as vLLM loads it), and a text prompt keeps its special tokens
-    truncate: tuple[int, str | None] | None
-    stream: bool
-    max_tokens: int | None  # None: a chat request with no limit (vLLM then generates to the context's end)
-    annotations: list[str]
-    params: dict[str, Any] = field(default_factory=dict)
-    shape: RequestShape = field(default_factory=RequestShape)
-    engine_tokenizes: bool = False  # the engine gets the text: its answer depends on the text itself
-    # truncate_prompt_tokens -1, vLLM's "the context": (tokens held back for output, side), resolved
-    # into `truncate` from the model's max_model_len (prompt_ids); the context less one token, the
-    # whole context when no output is asked for (its TokenizeParams.max_truncation_tokens)
-    truncate_to_context: tuple[int, str | None] | None = None
-
-
-_KINDS: dict[type | tuple[type, ...], str] = {
-    bool: "a boolean",
-    int: "an integer",
-    str: "a string",
-    list: "a list",
-    dict: "an object",
-    (int, float): "a number",
-}
-
-
-def _opt(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-    """`body[name]` as `kind`. Integers and booleans are read as vLLM's pydantic models read them
-    (so as engine_sim does): 512.0, "512" and " 512 " are 512, true is 1 ("1e3" and 3.5 are not);
-    "true", "yes" and 1 are True."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
-        return value
-    if kind is bool and (flag := lax_bool(value)) is not None:  # "yes", "on", "t", 1, ... as pydantic reads them
-        return flag
-    if kind is int and (number := lax_int(value)) is not None:
-        if not _INT_MIN <= number <= _UINT_MAX:  # text holds any size; _check_ints sees ints only
-            raise ApiError(400, f"'{name}' is out of the 64-bit integer range", name)
-        return number
-    raise ApiError(400, f"'{name}' must be {_KINDS.get(kind, kind)}, got {type(value).__name__}", name)
-
-
-def _valid_ids(raw: list[Any]) -> list[int] | None:
-    """`raw` as token ids when every one is an integer in [0, 2^32), else None. In C: a Python
-    loop over a 4 k-token prompt cost the router 0.9 ms of every request."""
-    try:
-        return msgspec.convert(raw, _TokenIds)
-    except msgspec.ValidationError:
-        return None
-
-
-def _token_ids(raw: list[Any], param: str) -> list[int]:
-    """`raw` as token ids, read as vLLM's pydantic model reads them: 2.0, "2" and true are ids too
-    (lax_int), one by one in Python only when the strict reading in C fails."""
-    ids = _valid_ids(raw)
-    if ids is not None:
-        return ids
-    ids = []
-    for t in raw:
-        tid = lax_int(t)
-        if tid is None or not 0 <= tid < _TOKEN_ID_LIMIT:
-            raise ApiError(400, f"token ids must be integers in [0, 2^32), got {t!r}", param)
-        ids.append(tid)
-    return ids
-
-
-# vLLM's words (its InputProcessor's; it names no parameter, the router names the prompt)
-_EMPTY_PROMPT = "The decoder prompt cannot be empty"
-
-
-def _prompts(raw: Any) -> list[str | list[int]]:
-    """vLLM's prompt forms: a string, token ids, or a non-empty list of strings or of token-id
-    lists, picked as its pydantic union picks: all strings are texts (["1", "2"] too), all lists
-    are id lists, lists among other things are refused (vLLM 0.32 too), and anything else is one
-    prompt of ids ([1, "2"] is [1, 2])."""
-    if raw == "":  # vLLM's validator refuses it before rendering (a BOS alone would be served)
-        raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-    if isinstance(raw, str):
-        return [raw]
-    if raw == []:
-        raise ApiError(400, "You must pass at least one prompt", "prompt")  # vLLM's renderer's words
-    if isinstance(raw, list):
-        ids = _valid_ids(raw)
-        if ids is not None:
-            return [ids]
-        if all(isinstance(item, str) for item in raw):
-            return list(raw)
-        if all(isinstance(item, list) for item in raw):
-            batch: list[str | list[int]] = []
-            for item in raw:
-                if not item:
-                    raise ApiError(400, _EMPTY_PROMPT, "prompt")
-                batch.append(_token_ids(item, "prompt"))
-            return batch
-        if any(isinstance(item, list) for item in raw):  # ["text", [6, 7, 8]]
-            raise ApiError(400, "a batch of prompts must be all strings or all token-id lists", "prompt")
-        return [_token_ids(raw, "prompt")]
-    raise ApiError(
-        400,
-        "'prompt' must be a string, a non-empty list of token ids, or a list of strings or token-id lists",
-        "prompt",
-    )
-
-
-def _check_ints(params: Mapping[str, Any]) -> None:
-    """Top-level integers must fit a 64-bit field (deeper ones are caught when the leg is sent)."""
-    for name, value in params.items():
-        if isinstance(value, int) and not isinstance(value, bool) and not _INT_MIN <= value <= _UINT_MAX:
-            raise ApiError(400, f"'{name}' is out of the 64-bit integer range", name)
-
-
-def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
-    given = _opt(body, "chat_template_kwargs", dict, {})
-    if not all(isinstance(k, str) for k in given):
-        raise ApiError(400, "'chat_template_kwargs' keys must be strings", "chat_template_kwargs")
-    # vLLM 0.32's merge (build_chat_params, then ChatParams.with_defaults): the client's kwargs
-    # without their null or "auto" values; the top-level values that are set override them,
-    # except `tools`, where the kwargs' win; the kwargs' special tokens override the tokenizer's.
-    kwargs = {k: v for k, v in given.items() if k not in _RENDER_ARGS and v not in _UNSET}
-    if "messages" in kwargs:  # vLLM's 400: its template gets `messages` twice
-        raise ApiError(
-            400,
-            "jinja2.environment.Template.render() got multiple values for keyword argument 'messages'",
-            "chat_template_kwargs",
-        )
-    raw_tools = kwargs.pop("tools", None)
-    documents = kwargs.pop("documents", None)
-    documents = _opt(body, "documents", list, documents)
-    effort = body.get("reasoning_effort")
-    if effort not in _UNSET:
-        kwargs["reasoning_effort"] = effort
-    if effort is not None and "enable_thinking" not in given:
-        kwargs["enable_thinking"] = effort != "none"
-    return ChatOptions(
-        add_generation_prompt=_opt(body, "add_generation_prompt", bool, True),
-        continue_final_message=_opt(body, "continue_final_message", bool, False),
-        tools=_opt(body, "tools", list, None),
-        tool_choice=body.get("tool_choice"),
-        raw_tools=raw_tools,
-        documents=documents,
-        chat_template=_request_template(body, given),
-        chat_template_kwargs=kwargs,
-        add_special_tokens=_opt(body, "add_special_tokens", bool, False),
-    )
-
-
-def _request_template(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
-    """The client's own chat template: vLLM takes one in chat_template_kwargs as the request's too,
-    and refuses it alike. Both given would leave one unused: refused rather than one dropped."""
-    own: str | None = _opt(body, "chat_template", str, None)
-    in_kwargs: str | None = _opt(kwargs, "chat_template", str, None)
-    if own is not None and in_kwargs is not None:
-        raise ApiError(400, "give the chat template once: 'chat_template' or 'chat_template_kwargs'", "chat_template")
-    return own if own is not None else in_kwargs
-
-
-# Kwargs the router passes by its own fields: the request's flags always override them (vLLM's
-# too), and a template in the kwargs is the request's template.
-_RENDER_ARGS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template"})
-_UNSET = (None, "auto")  # vLLM's merge_kwargs skips these values
-
-
-def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
-    """Validate what the router reads of an OpenAI request body; ApiError(400) naming the
-    parameter for anything wrong. Everything else goes to the engine unread."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    for name in _ROUTER_ONLY:
-        if not _names_nothing(name, body.get(name)):
-            raise ApiError(400, f"'{name}' is set by the router, not by clients", name)
-    xargs = body.get("vllm_xargs")
-    for name in _HANDLES:
-        if isinstance(xargs, dict) and not _names_nothing(name, xargs.get(name)):
-            raise ApiError(
-                400, f"'vllm_xargs.{name}' is a transfer handle, set by the router, not by clients", "vllm_xargs"
-            )
-    if isinstance(xargs, dict) and xargs.get(_REPORT_MODE, "incremental") != "incremental":
-        raise ApiError(
-            400,
-            f'\'vllm_xargs.{_REPORT_MODE}\' must be "incremental", got {xargs[_REPORT_MODE]!r}: under "full" vLLM '
-            "announces a cache hit's blocks again but removes them once, so kvswitch's index would keep them after "
-            "eviction",
-            "vllm_xargs",
-        )
-    _check_ints(body)
-    messages = options = None
-    prompts: list[str | list[int]] = []
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "'messages' must be a non-empty list of message objects", "messages")
-        options = _chat_options(body)
-    else:
-        # vLLM prefills the embeddings as prompts of their own, ahead of `prompt`: a batch whose
-        # first prompt the router cannot see (an empty list is no embeddings to vLLM).
-        if body.get("prompt_embeds") not in (None, []):
-            raise ApiError(
-                400,
-                "kvswitch routes text or token-id prompts, not 'prompt_embeds': send embeddings to an engine directly",
-                "prompt_embeds",
-            )
-        if body.get("prompt") is None:
-            raise ApiError(400, "'prompt' is required (the router routes text or token ids, not embeddings)", "prompt")
-        prompts = _prompts(body["prompt"])
-    max_tokens = _opt(body, "max_completion_tokens", int, None) if chat else None
-    max_tokens = max_tokens if max_tokens is not None else _opt(body, "max_tokens", int, None)
-    n = _opt(body, "n", int, 1)
-    truncate = _opt(body, "truncate_prompt_tokens", int, None)
-    side = _opt(body, "truncation_side", str, None)
-    annotations = _opt(body, "annotations", list, [])
-    if not all(isinstance(a, str) for a in annotations):
-        raise ApiError(400, "'annotations' must be a list of strings", "annotations")
-    stream_options = _opt(body, "stream_options", dict, {})
-    _opt(stream_options, "include_usage", bool)
-    # The router's own fields the client sent as null (none other passed the refusal above) are
-    # none: not passed on, as the adapters set them per leg. A null in vllm_xargs goes on as sent:
-    # vLLM 0.32 refuses it there itself (its values are strings, numbers or lists).
-    params = {k: v for k, v in body.items() if k != "annotations" and k not in _ROUTER_ONLY}
-    return ParsedRequest(
-        chat=chat,
-        model=_opt(body, "model", str, None),
-        prompts=prompts,
-        messages=messages,
-        chat_options=options,
-        add_special_tokens=_opt(body, "add_special_tokens", bool, not chat),
-        truncate=(truncate, side) if truncate is not None and truncate > 0 else None,
-        stream=_opt(body, "stream", bool, False),
-        # vLLM's defaults: completions 16 tokens (a null too: its normalize_null_max_tokens), chat
-        # no limit. Booking 16 for chat would tell routing that every such request is short.
-        max_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else (None if chat else 16),
-        # vLLM echoes a text prompt as written and a FIM `suffix` needs the text; a truncation with
-        # no side keeps the prompt's special tokens (its tokenizer truncates): ids would lose them.
-        engine_tokenizes=not chat
-        and (
-            lax_bool(body.get("echo")) is True
-            or body.get("suffix") is not None
-            or (truncate is not None and side is None)
-        ),
-        annotations=annotations,
-        params=params,
-        truncate_to_context=None if truncate is None or truncate >= 0 else (_held_for_output(max_tokens, chat), side),
-        # Read without validating: the engine judges these fields, and a wrong value the engine
-        # refuses costs nothing on the local path.
-        shape=RequestShape(
-            sequences=max(len(prompts), 1) * max(n, 1),
-            prompt_logprobs=asks_prompt_logprobs(body, chat=chat),
-            cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) else "",
-            beam_search=lax_bool(body.get("use_beam_search")) is True,
-            priority=(lax_int(given) or 0) if (given := body.get("priority")) is not None else 0,
-        ),
-    )
-
-
-def _header_priority(headers: Mapping[str, str]) -> int | None:
-    """X-Vllm-Priority, which vLLM takes over the body's `priority`; None when absent or no
-    integer (the engine refuses that request itself)."""
-    value = headers.get("X-Vllm-Priority")
-    if value is None:
-        return None
-    try:
-        return int(value.strip())
-    except ValueError:
-        return None
-
-
-def _held_for_output(max_tokens: int | None, chat: bool) -> int:
-    """The tokens vLLM holds back from a truncation to the context: one when the request asks for
-    output (its max_output_tokens: a completion's max_tokens, 16 when null; a chat request's
-    max_completion_tokens else max_tokens, 0 when neither), none when it does not."""
-    asked = max_tokens if max_tokens is not None else (0 if chat else 16)
-    return 1 if asked else 0
 
 
 # --- answers ----------------------------------------------------------------------------------------
@@ -576,19 +195,6 @@ def _with_route(parts: list[bytes], route: dict[str, Any]) -> bytes:
     return b"".join([*body, sep, b'"kvswitch":', _JSON.encode(route), b"}"])
 
 
-def _prompt_too_long(limit: int, count: int) -> ApiError:
-    """vLLM 0.32's 400 for a prompt of `count` token ids past a context of `limit` (its renderer's
-    words, "at least" for limit + 1 as for text, which it tokenizes only that far). vLLM says it
-    after its checks of the sampling parameters: a request that fails one of those too gets this."""
-    shown = f"at least {count}" if count == limit + 1 else str(count)
-    message = (
-        f"This model's maximum context length is {limit} tokens. However, your prompt contains {shown} input "
-        "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
-        f"prompt. (parameter=input_tokens, value={count})"
-    )
-    return ApiError(400, message, "input_tokens")
-
-
 def _rstrip(parts: list[bytes]) -> None:
     """The whitespace that ends the bytes `parts` make, off them (a piece left empty dropped)."""
     while parts:
@@ -596,39 +202,6 @@ def _rstrip(parts: list[bytes]) -> None:
             parts[-1] = last
             return
         parts.pop()
-
-
-def _plan_error(exc: PlanError) -> ApiError:
-    """No worker can take the request now: a worker excluded for a while, or one not registered
-    yet, may be back in seconds, so clients that honour Retry-After try again; not where nothing
-    but a new configuration ends it (PlanError.transient)."""
-    retry = exc.code == 503 and exc.transient
-    return ApiError(exc.code, exc.message, retry_after_s=NO_WORKER_RETRY_S if retry else None)
-
-
-def _leg_error(exc: LegError, *, streaming: bool = False) -> ApiError:
-    """The client's view of a failed leg: the engine's own answer for a request it refused, why
-    for a client that read too slowly, a generic one for the rest (worker ids and internal errors
-    stay in the router's log). `streaming`: after the stream's first event, where a worker was
-    serving it, not "no worker could" (what a crashed engine mid-stream was told until 2026-12-06)."""
-    if exc.refused or exc.slow_reader:
-        return ApiError(exc.code, exc.message, body=exc.body)
-    if exc.nats_lost:  # the router's own state, as a request planned during the outage is told
-        return ApiError(503, exc.message, retry_after_s=NO_WORKER_RETRY_S)
-    code = exc.code if exc.code in (503, 504) else 502
-    what = {503: _MIDWAY if streaming else "no worker could serve the request", 504: "the request's deadline passed"}
-    # A worker gone, silent or draining passes as one planning finds excluded does: retry later.
-    retry = NO_WORKER_RETRY_S if code == 503 else None
-    return ApiError(code, what.get(code, "the worker failed while serving the request"), retry_after_s=retry)
-
-
-_MIDWAY = "the worker serving the request failed while streaming it"
-_UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
-# vLLM's body for it (its validation handler: "1 validation error:" and the error, type "Bad Request").
-_UNSUPPORTED_MEDIA_TYPE_BODY = _JSON.encode(
-    {"error": {"message": f"1 validation error:\n  {_UNSUPPORTED_MEDIA_TYPE}", "type": "Bad Request", "param": None,
-               "code": 400}}
-)  # fmt: skip
 
 
 def _sse_event(payload: bytes) -> bytes:
@@ -745,10 +318,10 @@ class _Handlers:
         self.drain = drain
 
     async def debug_index(self, request: web.Request) -> web.Response:
-        return _json_response(self._index_state())
+        return json_response(self._index_state())
 
     async def health(self, request: web.Request) -> web.Response:
-        return _json_response(self._health())
+        return json_response(self._health())
 
     async def ready(self, request: web.Request) -> web.Response:
         ready, body = self._readiness()
@@ -756,7 +329,7 @@ class _Handlers:
             body = {**body, "warnings": [*body["warnings"], *refusals]}
         if self._tokenizer_report is not None:
             body = {**body, "tokenizer": self._tokenizer_report()}
-        return _json_response({"ready": ready, **body}, status=200 if ready else 503)
+        return json_response({"ready": ready, **body}, status=200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.path.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -787,7 +360,7 @@ class _Handlers:
             if length is not None:  # as vLLM's card has it
                 card["max_model_len"] = length
             data.append(card)
-        return _json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -809,13 +382,13 @@ class _Handlers:
             body = await self._json_body(request)
             if not isinstance(body, dict):
                 raise ApiError(400, "the request body must be a JSON object")
-            model = self._model(_opt(body, "model", str, None))
+            model = self._model(typed_field(body, "model", str, None))
             try:
                 raw = await self.path.call(model, endpoint, body)
             except PlanError as exc:
-                raise _plan_error(exc) from exc
+                raise plan_error(exc) from exc
             except LegError as exc:
-                raise _leg_error(exc) from exc
+                raise leg_error(exc) from exc
             status = 200
             return web.Response(body=raw, content_type="application/json")
         except ApiError as exc:
@@ -833,7 +406,7 @@ class _Handlers:
     async def version(self, request: web.Request) -> web.Response:
         """The router's own build, release and wire (protocol.version.BUILD; vLLM's /version names the
         engine's: ask a worker for that)."""
-        return _json_response({"version": BUILD})
+        return json_response({"version": BUILD})
 
     async def debug_route(self, request: web.Request) -> web.Response:
         try:
@@ -845,12 +418,12 @@ class _Handlers:
                 return self._with_bad_records(exc, parsed.model)
             routed, _ = await self._tokens(parsed, model)
             try:
-                explained = self.path.explain(model, routed, text=_is_text(parsed), shape=parsed.shape)
+                explained = self.path.explain(model, routed, text=is_text(parsed), shape=parsed.shape)
             except PlanError as exc:
-                return self._with_bad_records(_plan_error(exc), model)
+                return self._with_bad_records(plan_error(exc), model)
             # records refused in etcd are no registered workers, so the planner never sees them
             explained["excluded"] += self._bad_records(model)
-            return _json_response(explained)
+            return json_response(explained)
         except ApiError as exc:
             return exc.response()
 
@@ -860,7 +433,7 @@ class _Handlers:
         bad = self._bad_records(model)
         if not bad:
             return exc.response()
-        return _json_response({**exc.body(), "excluded": bad}, status=exc.code)
+        return json_response({**exc.body(), "excluded": bad}, status=exc.code)
 
     # --- reading the request ------------------------------------------------------------------
 
@@ -870,7 +443,7 @@ class _Handlers:
         # post a text/plain body here, which needs no CORS preflight.
         if request.headers.get("Content-Type", "").lower().split(";", 1)[0] != "application/json":
             # Its body unread, the connection cannot serve another request.
-            raise ApiError(400, _UNSUPPORTED_MEDIA_TYPE, body=_UNSUPPORTED_MEDIA_TYPE_BODY, close=request.can_read_body)
+            raise unsupported_media_type(close=request.can_read_body)
         limit = self.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"the request body is {request.content_length} bytes, over the limit of {limit}",
@@ -908,7 +481,7 @@ class _Handlers:
         params = parsed.params
         params["model"] = model
         limit = self._over_context(parsed, model, prompts)
-        if not parsed.chat and not (parsed.engine_tokenizes and _is_text(parsed)) and limit is None:
+        if not parsed.chat and not (parsed.engine_tokenizes and is_text(parsed)) and limit is None:
             # The engine computes the very ids that were routed; one prompt rides in token_ids.
             # Some requests keep the client's text (ParsedRequest.engine_tokenizes): vLLM echoes a
             # text prompt as written but token ids as it decodes them, special tokens and all.
@@ -936,14 +509,14 @@ class _Handlers:
         only to max_model_len + 1 and says "at least" that many; as ids, it named the whole count
         the router had computed), its leg carrying only the routed ids the engine reads of it: all
         of them beside the text made a 150k-token prompt a 1 MB leg, NATS's 413. A token-id prompt
-        is refused here in vLLM's words (_prompt_too_long), its count the engine's own: sent, past
+        is refused here in vLLM's words (prompt_too_long), its count the engine's own: sent, past
         ~349k ids it was NATS's 413 too."""
         limit = self.path.max_model_len(model)
         over = None if limit is None else next((len(p) for p in prompts if len(p) > limit), None)
         if limit is None or over is None:
             return None
-        if not _is_text(parsed):
-            raise _prompt_too_long(limit, over)
+        if not is_text(parsed):
+            raise prompt_too_long(limit, over)
         return limit
 
     # --- one request ----------------------------------------------------------------------------
@@ -962,7 +535,7 @@ class _Handlers:
                 _check_passed_headers(request)
                 body = await self._json_body(request)
                 parsed = parse_request(body, chat=chat)
-                if (priority := _header_priority(request.headers)) is not None:
+                if (priority := header_priority(request.headers)) is not None:
                     parsed.shape = msgspec.structs.replace(parsed.shape, priority=priority)
                 ids = _Ids.of(request, body, chat=chat)
                 self.path.tracer.named(span, ids.request_id, ids.engine)
@@ -973,10 +546,10 @@ class _Handlers:
                 leg = self._leg(parsed, ids, model, routed, prompts, request.headers)
                 try:
                     job = await self.path.open(
-                        leg, span, text=_is_text(parsed), shape=parsed.shape, max_tokens=parsed.max_tokens
+                        leg, span, text=is_text(parsed), shape=parsed.shape, max_tokens=parsed.max_tokens
                     )
                 except PlanError as exc:
-                    raise _plan_error(exc) from exc
+                    raise plan_error(exc) from exc
                 except Overloaded as exc:
                     raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
                 timing.planned = time.perf_counter()
@@ -1019,7 +592,7 @@ class _Handlers:
                 if chunk.body:
                     parts.append(chunk.body)
         except LegError as exc:
-            raise _leg_error(exc) from exc
+            raise leg_error(exc) from exc
         body = _with_route(parts, _route_info(job))
         headers = _route_headers(job, ids, timing)
         return web.Response(body=body, headers=headers, content_type="application/json")
@@ -1033,7 +606,7 @@ class _Handlers:
         try:
             first = await anext(chunks)
         except LegError as exc:
-            raise _leg_error(exc) from exc
+            raise leg_error(exc) from exc
         except StopAsyncIteration:
             raise ApiError(502, "the worker ended the stream without a chunk") from None
         headers = {
@@ -1065,7 +638,7 @@ class _Handlers:
                     out.clear()
                 chunk = await anext(chunks)
         except LegError as exc:
-            failed = _leg_error(exc, streaming=True)
+            failed = leg_error(exc, streaming=True)
             why = "" if exc.slow_reader else str(exc)  # that one the dispatcher said, at INFO
         except StopAsyncIteration:
             failed = ApiError(502, "the worker ended the stream early")
@@ -1120,73 +693,6 @@ def _abort_unread(request: web.Request, job: Job) -> None:
     )
 
 
-async def prompt_ids(
-    tok: Tokenization, parsed: ParsedRequest, max_model_len: int | None = None
-) -> tuple[list[int], list[list[int]]]:
-    """The routed prompt's ids (the first prompt of a batch) and every prompt's ids: those the
-    engine computes (tests/router/test_vllm_render.py holds them to vLLM 0.32's own renderer).
-    `max_model_len`, the model's, resolves a truncate_prompt_tokens of -1 as vLLM does; without it
-    such a prompt is routed whole."""
-    truncate = parsed.truncate
-    if truncate is None and parsed.truncate_to_context is not None and max_model_len is not None:
-        held, side = parsed.truncate_to_context
-        truncate = (max(0, max_model_len - held), side)
-    try:
-        if parsed.chat:
-            assert parsed.messages is not None and parsed.chat_options is not None
-            ids = await tok.encode_chat(parsed.messages, parsed.chat_options)
-            if truncate is not None:  # the template wrote the special tokens: plain ids
-                ids = _truncated(ids, *truncate)
-            if not ids:  # a template that renders nothing: vLLM's input processor refuses it, naming no parameter
-                raise ApiError(400, _EMPTY_PROMPT)
-            return ids, [ids]
-        prompts = []
-        offload = sum(len(p) for p in parsed.prompts if isinstance(p, str)) > tok.offload_chars
-        for p in parsed.prompts:
-            if isinstance(p, list):
-                ids = p if truncate is None else _truncated(p, *truncate)
-            elif truncate is not None and truncate[1] is None and parsed.add_special_tokens:
-                ids = await keep_specials_truncated(tok, p, truncate[0], offload=offload)
-            else:
-                ids = await tok.encode(p, parsed.add_special_tokens, offload=offload)
-                if truncate is not None:
-                    ids = _truncated(ids, *truncate)
-            prompts.append(ids)
-    except UntrustedTemplate as exc:
-        raise ApiError(400, exc.why, "chat_template") from exc
-    except TokenizerError as exc:
-        raise ApiError(400, str(exc), "messages" if parsed.chat else "prompt") from exc
-    if not prompts[0]:
-        raise ApiError(400, _EMPTY_PROMPT, "prompt")
-    return prompts[0], prompts
-
-
-async def keep_specials_truncated(tok: Tokenization, text: str, keep: int, *, offload: bool = False) -> list[int]:
-    """vLLM's truncation with no side: its tokenizer keeps the last `keep` tokens *with* the
-    special tokens it adds (a BOS stays first), where slicing the encoded ids would drop them."""
-    marked = await tok.encode(text, True, offload=offload)
-    bare = await tok.encode(text, False, offload=offload)
-    added = len(marked) - len(bare)
-    start = next((i for i in range(added + 1) if marked[i : i + len(bare)] == bare), None)
-    # Not specials + text + specials, or nothing to cut: a plain slice, which can only cost a
-    # routing guess (the engine gets the text and truncates it itself).
-    if start is None or len(marked) <= keep:
-        return _truncated(marked, keep, "left")
-    body = bare[len(bare) - (keep - added) :] if keep > added else []
-    return marked[:start] + body + marked[start + len(bare) :]
-
-
-def _truncated(ids: list[int], keep: int, side: str | None) -> list[int]:
-    """vLLM's slice: the first `keep` ids for side "right" (cut at the end), else the last `keep`
-    (no side: the tokenizer's, "left" for generation)."""
-    return ids[:keep] if side == "right" else ids[max(len(ids) - keep, 0) :]
-
-
-def _is_text(parsed: ParsedRequest) -> bool:
-    """The prompt needs the router's tokenizer (chat always; completions unless token ids)."""
-    return parsed.chat or any(isinstance(p, str) for p in parsed.prompts)
-
-
 # --- errors before a handler runs ---------------------------------------------------------------
 
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
@@ -1239,103 +745,12 @@ def _drain_gate(drain: Drain, metrics: RouterMetrics) -> Callable[..., Any]:
     return gate
 
 
-# vLLM 0.32 serves these; kvswitch does not route them (docs/router.md, "Endpoints").
-_ENGINE_ONLY = (
-    "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/rerank",
-    "/score", "/pooling", "/classify", "/v1/audio/", "/v1/realtime", "/invocations",
-    "/v1/chat/completions/", "/v1/completions/", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-)  # fmt: skip
-
-
-def _no_route(path: str) -> str:
-    """A 404's message; a vLLM endpoint the router does not route is named as one, so a client
-    pointed at the router learns where to send it."""
-    if path.startswith(_ENGINE_ONLY):
-        return (
-            f"no route {path}: kvswitch routes /v1/completions and /v1/chat/completions (and answers "
-            "/v1/models, /tokenize and /detokenize); send other vLLM endpoints to an engine directly"
-        )
-    return f"no route {path}"
-
-
-def _openai_errors(metrics: RouterMetrics) -> Callable[..., Any]:
-    @web.middleware
-    async def answer(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
-        """aiohttp's own answers (unknown route, wrong method, body too large) and anything a
-        handler did not expect, as OpenAI JSON."""
-        try:
-            response: web.StreamResponse = await handler(request)
-            return response
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            if request.match_info.http_exception is not None:  # no route: one label, never the raw path
-                metrics.count_request("unrouted", exc.status)
-            what = {404: _no_route(request.path), 405: f"{request.method} is not allowed on {request.path}"}
-            err = ApiError(exc.status, what.get(exc.status, exc.reason), close=exc.status == 413)
-            resp = err.response()
-            if exc.status == 405 and "Allow" in exc.headers:
-                resp.headers["Allow"] = exc.headers["Allow"]
-            return resp
-        except (asyncio.CancelledError, ConnectionError):
-            raise
-        except Exception:
-            log.exception("%s %s failed", request.method, request.path)
-            return ApiError(500, "the router failed to handle the request").response()
-
-    return answer
-
-
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """vLLM's --enable-request-id-headers on every answer, errors included: the client's
     X-Request-Id, else a fresh one, unless the handler named the answer (a routed one's `id`)."""
     if "x-request-id" not in response.headers:
         sent = request.headers.get("X-Request-Id")
         response.headers["x-request-id"] = sent if sent is not None else uuid.uuid4().hex
-
-
-class _JsonErrorHandler(RequestHandler):
-    """aiohttp's connection handler, answering what its parser refuses as OpenAI JSON:
-    oversized header lines or too many headers are 431, an oversized request line 414, the rest
-    400. (aiohttp answers these in plain text before any middleware runs.)"""
-
-    def handle_error(
-        self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
-    ) -> web.StreamResponse:
-        if request.writer.output_size > 0:
-            raise ConnectionError("an answer is on its way already: the connection is dropped")
-        if isinstance(exc, LineTooLong):
-            status = 414 if "status line" in str(exc).lower() or "request line" in str(exc).lower() else 431
-            text = "the request line is too long" if status == 414 else "a request header is too large"
-        elif isinstance(exc, BadHttpMessage) and "too many headers" in str(exc).lower():
-            status, text = 431, "too many request headers"
-        elif isinstance(exc, BadHttpMessage):
-            status, text = 400, f"malformed HTTP request: {exc.message}"
-        else:
-            if status >= 500:
-                log.error("HTTP connection error", exc_info=exc)
-            text = "the router failed to handle the request" if status >= 500 else (message or "bad request")
-        resp = ApiError(status, text, close=True).response()
-        return resp
-
-
-class _JsonErrorServer(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
-
-
-class FrontDoorRunner(web.AppRunner):
-    """An AppRunner whose connections answer HTTP parse errors as OpenAI JSON (431, 414, 400), and
-    close `lingering_s` after answering a request whose body was left unread (aiohttp's default
-    waits 10 s for the rest of it: a client that stopped sending would hold the connection)."""
-
-    def __init__(self, app: web.Application, *, lingering_s: float = 1.0, **kwargs: Any) -> None:
-        super().__init__(app, lingering_time=lingering_s, **kwargs)
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = _JsonErrorServer  # aiohttp builds the Server itself; this only swaps its handler class
-        return server
 
 
 def make_app(
@@ -1369,7 +784,7 @@ def make_app(
     )
     keyed = api_keys is not None or debug_keys is not None
     auth = [_auth_middleware(api_keys, debug_keys, path.metrics)] if keyed else []
-    middlewares = [_openai_errors(path.metrics), *auth, _drain_gate(drain, path.metrics)]
+    middlewares = [openai_errors(path.metrics), *auth, _drain_gate(drain, path.metrics)]
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     app.on_response_prepare.append(_echo_request_id)
     app.router.add_get("/health", h.health)

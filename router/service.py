@@ -47,6 +47,7 @@ from protocol.errors import listen_error, try_listen
 from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
 from protocol.version import BUILD
 from router.admission import Admission
+from router.api_errors import FrontDoorRunner
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
 from router.calibration import Calibration
@@ -54,7 +55,7 @@ from router.clock_skew import ClockSkew, Skew
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility, Exclusion, WorkerStatus
-from router.http_api import Drain, FrontDoorRunner, HttpLimits, make_app
+from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger

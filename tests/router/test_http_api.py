@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from protocol import GenerateRequest, ResponseChunk, block_hashes, decode_msg, subjects
 from protocol.tokenizer import BuiltinTokenizer
 from protocol.version import BUILD
-from router import http_api
+from router import api_errors, http_api
 from router.http_api import HttpLimits
 from router.policies import Outcome
 from router.policies import Path as RoutePath
@@ -597,7 +597,7 @@ async def test_a_prompt_far_past_the_context_gets_the_engines_own_400(
 def test_a_token_id_prompt_past_the_context_is_refused_in_vllms_words() -> None:
     """vLLM 0.32's own refusal of 2,100 token ids at a context of 2,048, byte for byte."""
     captured = json.loads((FIXTURES / "bs32" / "error_prompt_too_long_tokenids.json").read_bytes())
-    assert http_api._prompt_too_long(2048, 2100).body() == captured
+    assert api_errors.prompt_too_long(2048, 2100).body() == captured
 
 
 async def test_tokenize_and_detokenize_are_a_workers_engines_own(cluster: Cluster, http: aiohttp.ClientSession) -> None:
@@ -964,7 +964,7 @@ def test_the_route_goes_on_a_whole_answer_as_its_last_member(parts: list[bytes],
 
 @pytest.mark.parametrize("parts", [[], [b" ", b"\n"], [b"[1]"], [b'{"a":1}', b" x"]])
 def test_a_whole_answer_that_is_no_object_is_a_502(parts: list[bytes]) -> None:
-    with pytest.raises(http_api.ApiError) as err:
+    with pytest.raises(api_errors.ApiError) as err:
         http_api._with_route(parts, _ROUTE)
     assert err.value.code == 502
 

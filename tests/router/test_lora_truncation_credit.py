@@ -15,7 +15,7 @@ import pytest
 from protocol import block_hashes
 from protocol.hashing import chain_salt
 from protocol.tokenizer import BuiltinTokenizer
-from router.http_api import parse_request, prompt_ids
+from router.request_parsing import parse_request, prompt_ids
 from router.service import RouterService
 from router.tokenization import BuiltinPromptTokenizer, Tokenization
 from tests.router.conftest import BLOCK, MODEL, Cluster, Worker

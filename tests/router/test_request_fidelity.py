@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-import router.http_api
-from router.http_api import ApiError, parse_request
+import router.request_parsing
+from router.api_errors import ApiError
+from router.request_parsing import parse_request
 
 # vLLM 0.32's CompletionRequest (pydantic, lax mode) on each value of `max_tokens`; ERR is its 400.
 # Recorded with `.venv-vllm/bin/python`: CompletionRequest.model_validate({"model": "m", "prompt":
@@ -99,7 +100,7 @@ def test_a_prompt_of_plain_ids_is_read_in_c(monkeypatch: pytest.MonkeyPatch) -> 
     def no_loop(value: object) -> int | None:
         raise AssertionError("lax_int on the common path")
 
-    monkeypatch.setattr(router.http_api, "lax_int", no_loop)
+    monkeypatch.setattr(router.request_parsing, "lax_int", no_loop)
     ids = list(range(4096))
     assert parse_request({"prompt": ids}, chat=False).prompts == [ids]
     assert parse_request({"prompt": [ids[:5], ids[5:9]]}, chat=False).prompts == [ids[:5], ids[5:9]]

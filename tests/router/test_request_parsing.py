@@ -11,8 +11,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from protocol import asks_prompt_logprobs
-from router.http_api import ApiError, keep_specials_truncated, parse_request
+from router.api_errors import ApiError
 from router.request_context import RequestShape
+from router.request_parsing import keep_specials_truncated, parse_request
 from router.tokenization import Tokenization, load_tokenizer
 
 

@@ -18,7 +18,7 @@ from discovery import Discovery, put_config
 from protocol import ConfigError, GenerateRequest, decode_msg, subjects
 from protocol.config import EtcdSettings
 from router import cli
-from router.http_api import ApiError
+from router.api_errors import ApiError
 from runtime.nats_flush import flush
 from tests.router.conftest import MODEL, Cluster, complete
 from tests.router.polling import until

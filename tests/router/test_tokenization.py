@@ -16,7 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
-from router.http_api import ApiError, parse_request, prompt_ids
+from router.api_errors import ApiError
+from router.request_parsing import parse_request, prompt_ids
 from router.tokenization import (
     BuiltinPromptTokenizer,
     ChatOptions,

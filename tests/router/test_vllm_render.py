@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from router.http_api import parse_request, prompt_ids
+from router.request_parsing import parse_request, prompt_ids
 from router.tokenization import Tokenization, load_tokenizer
 from tests.vllm.make_model import build_tokenizer
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from router.http_api import ApiError, parse_request, prompt_ids
+from router.api_errors import ApiError
+from router.request_parsing import parse_request, prompt_ids
 from router.tokenization import HfPromptTokenizer, Tokenization
 from tests.router.test_vllm_render import tokenizers_fixture
 

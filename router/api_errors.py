@@ -1,0 +1,238 @@
+"""OpenAI-style errors: `ApiError` and its JSON `{"error": {"message", "type", "param", "code"}}`,
+the client's view of a planning or a leg failure, and aiohttp's own answers (its parser's errors,
+unknown routes, wrong methods, anything a handler did not expect) in the same JSON.
+
+Bad input 400, unknown route 404, wrong method 405, body not sent in time 408, body or prompt too
+large 413, headers too large 431, queue full 429 with Retry-After, worker failure 502, no worker 503
+with Retry-After, deadline 504. Worker ids and internal exception text stay in the router's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from router.dispatch import LegError
+from router.metrics import RouterMetrics
+from router.planner import PlanError
+from router.request_path import NO_WORKER_RETRY_S
+
+__all__ = [
+    "ApiError",
+    "FrontDoorRunner",
+    "json_response",
+    "leg_error",
+    "openai_errors",
+    "plan_error",
+    "prompt_too_long",
+    "unsupported_media_type",
+]
+
+log = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    414: "RequestTooLargeError",
+    429: "RateLimitError",
+    431: "RequestTooLargeError",
+    499: "ClientClosedRequest",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "TimeoutError",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        code: int,
+        message: str,
+        param: str | None = None,
+        *,
+        retry_after_s: int | None = None,
+        close: bool = False,
+        body: bytes = b"",
+    ) -> None:
+        self.code = code
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.close = close  # the connection cannot be reused (a body left half read)
+        self.own_body = body  # an engine's own error body, passed on as it is
+        super().__init__(message)
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.code, "InternalServerError")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        payload = self.own_body or _JSON.encode(self.body())
+        resp = web.Response(body=payload, status=self.code, headers=headers, content_type="application/json")
+        if self.close:
+            resp.force_close()
+        return resp
+
+
+_JSON = msgspec.json.Encoder()
+
+
+def json_response(obj: Any, *, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    # msgspec instead of aiohttp's json.dumps: several times faster, and UTF-8 unescaped as vLLM writes it
+    return web.Response(body=_JSON.encode(obj), status=status, headers=headers, content_type="application/json")
+
+
+def prompt_too_long(limit: int, count: int) -> ApiError:
+    """vLLM 0.32's 400 for a prompt of `count` token ids past a context of `limit` (its renderer's
+    words, "at least" for limit + 1 as for text, which it tokenizes only that far). vLLM says it
+    after its checks of the sampling parameters: a request that fails one of those too gets this."""
+    shown = f"at least {count}" if count == limit + 1 else str(count)
+    message = (
+        f"This model's maximum context length is {limit} tokens. However, your prompt contains {shown} input "
+        "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+        f"prompt. (parameter=input_tokens, value={count})"
+    )
+    return ApiError(400, message, "input_tokens")
+
+
+def plan_error(exc: PlanError) -> ApiError:
+    """No worker can take the request now: a worker excluded for a while, or one not registered
+    yet, may be back in seconds, so clients that honour Retry-After try again; not where nothing
+    but a new configuration ends it (PlanError.transient)."""
+    retry = exc.code == 503 and exc.transient
+    return ApiError(exc.code, exc.message, retry_after_s=NO_WORKER_RETRY_S if retry else None)
+
+
+def leg_error(exc: LegError, *, streaming: bool = False) -> ApiError:
+    """The client's view of a failed leg: the engine's own answer for a request it refused, why
+    for a client that read too slowly, a generic one for the rest (worker ids and internal errors
+    stay in the router's log). `streaming`: after the stream's first event, where a worker was
+    serving it, not "no worker could" (what a crashed engine mid-stream was told until 2026-12-06)."""
+    if exc.refused or exc.slow_reader:
+        return ApiError(exc.code, exc.message, body=exc.body)
+    if exc.nats_lost:  # the router's own state, as a request planned during the outage is told
+        return ApiError(503, exc.message, retry_after_s=NO_WORKER_RETRY_S)
+    code = exc.code if exc.code in (503, 504) else 502
+    what = {503: _MIDWAY if streaming else "no worker could serve the request", 504: "the request's deadline passed"}
+    # A worker gone, silent or draining passes as one planning finds excluded does: retry later.
+    retry = NO_WORKER_RETRY_S if code == 503 else None
+    return ApiError(code, what.get(code, "the worker failed while serving the request"), retry_after_s=retry)
+
+
+_MIDWAY = "the worker serving the request failed while streaming it"
+_UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
+# vLLM's body for it (its validation handler: "1 validation error:" and the error, type "Bad Request").
+_UNSUPPORTED_MEDIA_TYPE_BODY = _JSON.encode(
+    {"error": {"message": f"1 validation error:\n  {_UNSUPPORTED_MEDIA_TYPE}", "type": "Bad Request", "param": None,
+               "code": 400}}
+)  # fmt: skip
+
+
+# vLLM 0.32 serves these; kvswitch does not route them (docs/router.md, "Endpoints").
+_ENGINE_ONLY = (
+    "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/rerank",
+    "/score", "/pooling", "/classify", "/v1/audio/", "/v1/realtime", "/invocations",
+    "/v1/chat/completions/", "/v1/completions/", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+)  # fmt: skip
+
+
+def _no_route(path: str) -> str:
+    """A 404's message; a vLLM endpoint the router does not route is named as one, so a client
+    pointed at the router learns where to send it."""
+    if path.startswith(_ENGINE_ONLY):
+        return (
+            f"no route {path}: kvswitch routes /v1/completions and /v1/chat/completions (and answers "
+            "/v1/models, /tokenize and /detokenize); send other vLLM endpoints to an engine directly"
+        )
+    return f"no route {path}"
+
+
+def openai_errors(metrics: RouterMetrics) -> Callable[..., Any]:
+    @web.middleware
+    async def answer(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        """aiohttp's own answers (unknown route, wrong method, body too large) and anything a
+        handler did not expect, as OpenAI JSON."""
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            if request.match_info.http_exception is not None:  # no route: one label, never the raw path
+                metrics.count_request("unrouted", exc.status)
+            what = {404: _no_route(request.path), 405: f"{request.method} is not allowed on {request.path}"}
+            err = ApiError(exc.status, what.get(exc.status, exc.reason), close=exc.status == 413)
+            resp = err.response()
+            if exc.status == 405 and "Allow" in exc.headers:
+                resp.headers["Allow"] = exc.headers["Allow"]
+            return resp
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return ApiError(500, "the router failed to handle the request").response()
+
+    return answer
+
+
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering what its parser refuses as OpenAI JSON:
+    oversized header lines or too many headers are 431, an oversized request line 414, the rest
+    400. (aiohttp answers these in plain text before any middleware runs.)"""
+
+    def handle_error(
+        self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer is on its way already: the connection is dropped")
+        if isinstance(exc, LineTooLong):
+            status = 414 if "status line" in str(exc).lower() or "request line" in str(exc).lower() else 431
+            text = "the request line is too long" if status == 414 else "a request header is too large"
+        elif isinstance(exc, BadHttpMessage) and "too many headers" in str(exc).lower():
+            status, text = 431, "too many request headers"
+        elif isinstance(exc, BadHttpMessage):
+            status, text = 400, f"malformed HTTP request: {exc.message}"
+        else:
+            if status >= 500:
+                log.error("HTTP connection error", exc_info=exc)
+            text = "the router failed to handle the request" if status >= 500 else (message or "bad request")
+        resp = ApiError(status, text, close=True).response()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class FrontDoorRunner(web.AppRunner):
+    """An AppRunner whose connections answer HTTP parse errors as OpenAI JSON (431, 414, 400), and
+    close `lingering_s` after answering a request whose body was left unread (aiohttp's default
+    waits 10 s for the rest of it: a client that stopped sending would hold the connection)."""
+
+    def __init__(self, app: web.Application, *, lingering_s: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(app, lingering_time=lingering_s, **kwargs)
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # aiohttp builds the Server itself; this only swaps its handler class
+        return server
+
+
+def unsupported_media_type(*, close: bool) -> ApiError:
+    """vLLM's 400, in its body, for a body on a JSON route sent as another media type."""
+    return ApiError(400, _UNSUPPORTED_MEDIA_TYPE, body=_UNSUPPORTED_MEDIA_TYPE_BODY, close=close)
