@@ -10,7 +10,7 @@ they say nothing about whether the live stream works.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from protocol.errors import ProtocolError
@@ -24,6 +24,7 @@ __all__ = [
     "EngineRemoved",
     "EngineStored",
     "EventDecodeError",
+    "EventSink",
 ]
 
 
@@ -86,3 +87,8 @@ class EngineBatch:
     reset: bool = False
     complete: bool = True
     live: bool = True
+
+
+EventSink = Callable[[EngineBatch], Awaitable[None]]
+"""What an adapter hands its batches to, in order, awaiting each: the shim folds a long prompt's
+stored chain in parts, its loop running between them."""

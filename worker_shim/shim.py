@@ -765,7 +765,7 @@ class WorkerShim:
 
     # --- engine events ------------------------------------------------------------------------------
 
-    def _sink(self, batch: EngineBatch) -> None:
+    async def _sink(self, batch: EngineBatch) -> None:
         norm = self.normaliser
         if norm is None:
             return
@@ -779,7 +779,12 @@ class WorkerShim:
                 self.events.replayed(stored)
         out = norm.reset(exact=batch.complete) if batch.reset else []
         window = norm.windows.window
-        out += norm.apply(batch.events)
+        for _ in norm.folding(batch.events, out):
+            # Part of a long chain folded (a 128 k-token prompt's one Stored is 8,192 blocks):
+            # published before the loop runs, as what runs may read the set (a kvstate dump).
+            self._publish(out)
+            out.clear()
+            await asyncio.sleep(0)
         self.owner.batch()
         if norm.windows.window != window:
             log.info(

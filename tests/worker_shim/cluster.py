@@ -31,7 +31,8 @@ from protocol import (
     unpack_hashes,
 )
 from protocol.config import EtcdSettings, NatsSettings
-from worker_shim import ShimConfig, WorkerShim
+from worker_shim import EngineBatch, ShimConfig, WorkerShim
+from worker_shim.engine_events import EventSink
 
 BLOCK = 16
 
@@ -80,6 +81,15 @@ async def served(app: web.Application) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+def collector(into: list[EngineBatch]) -> EventSink:
+    """An event sink that keeps every batch it is given in `into`."""
+
+    async def sink(batch: EngineBatch) -> None:
+        into.append(batch)
+
+    return sink
 
 
 async def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

@@ -17,7 +17,7 @@ from engine_sim.server import SimServer
 from kvswitch.servers import free_port
 from protocol import LoadReport, WorkerInfo, decode_json, decode_msg, subjects
 from protocol.config import EtcdSettings
-from tests.worker_shim.cluster import connect, engine_set, shim_for, sim_config, wait_for
+from tests.worker_shim.cluster import collector, connect, engine_set, shim_for, sim_config, wait_for
 from tests.worker_shim.test_request_service import Collector, gen
 from tests.worker_shim.test_zmq_events import StandIn
 from worker_shim import EngineBatch
@@ -83,7 +83,7 @@ async def test_a_stored_event_late_past_one_timeout_is_no_problem() -> None:
 async def _run(source: ZmqEventSource) -> asyncio.Task[None]:
     batches: list[EngineBatch] = []
     live = asyncio.Event()
-    task = asyncio.create_task(source.run(batches.append, live))
+    task = asyncio.create_task(source.run(collector(batches), live))
     await asyncio.wait_for(live.wait(), 5)
     return task
 
@@ -142,7 +142,7 @@ async def test_another_data_parallel_ranks_events_are_reported_and_dropped() -> 
     )  # fmt: skip
     replay = asyncio.create_task(stand_in.serve_replay())
     live = asyncio.Event()
-    run = asyncio.create_task(source.run(batches.append, live))
+    run = asyncio.create_task(source.run(collector(batches), live))
     try:
         await wait_for(lambda: EventProblem.WRONG_RANK in health.problems, 5, "wrong rank reported")
         assert "data-parallel rank 0, but this shim serves rank 1" in health.why

@@ -20,7 +20,7 @@ from kvswitch.servers import free_port
 from protocol import GenerateRequest, Usage, subjects
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.messages import ENDPOINT_COMPLETIONS
-from tests.worker_shim.cluster import complete, connect, shim_for, sim_config, wait_for
+from tests.worker_shim.cluster import collector, complete, connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_event_health import _worker_info
 from tests.worker_shim.test_request_service import Collector, gen
 from worker_shim import ShimConfig, WorkerShim
@@ -246,7 +246,7 @@ async def test_an_engine_restart_is_said_as_such_and_its_new_connection_ends_no_
     health = EventHealth(timeout_s=0.3)
     source = ZmqEventSource("vllm", f"tcp://*:{port}", "auto", "kv-events", None, "127.0.0.1", health=health)
     live = asyncio.Event()
-    run = asyncio.create_task(source.run(lambda _b: None, live))
+    run = asyncio.create_task(source.run(collector([]), live))
     try:
         await wait_for(lambda: source._connections == 1, 5, "connected")
         health.expect_stored(1, "r1", 1)  # the engine publishes nothing

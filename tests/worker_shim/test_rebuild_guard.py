@@ -131,7 +131,7 @@ class _Sink:
         self.shim.rebuild_guard.clock = lambda: self.now
         self.asks = 0
         monkeypatch.setattr(self.shim.adapter, "request_rebuild", self._ask)
-        self.shim._sink(EngineBatch(reset=True, complete=True, live=False))
+        asyncio.run(self.shim._sink(EngineBatch(reset=True, complete=True, live=False)))
 
     def _ask(self) -> None:
         self.asks += 1
@@ -139,13 +139,13 @@ class _Sink:
     def at(self, dt: float, *events: EngineStored, live: bool = True) -> int:
         """Deliver `events` dt seconds on; the rebuilds asked so far."""
         self.now += dt
-        self.shim._sink(EngineBatch(events=list(events), live=live))
+        asyncio.run(self.shim._sink(EngineBatch(events=list(events), live=live)))
         return self.asks
 
     def rebuild(self, dt: float, *events: EngineStored) -> int:
         """The replay of a rebuild, dt seconds on: a complete reset and the engine's batches."""
         self.now += dt
-        self.shim._sink(EngineBatch(reset=True, complete=True, live=False))
+        asyncio.run(self.shim._sink(EngineBatch(reset=True, complete=True, live=False)))
         return self.at(0.0, *events, live=False)
 
 

@@ -15,6 +15,7 @@ from kvswitch.servers import free_port
 from protocol import BlockHasher, ConfigError, SamplingParams, block_hashes
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.hashing import chain_salt, root_hash
+from tests.worker_shim.cluster import collector
 from tests.worker_shim.test_wrong_engine import fake_engine
 from worker_shim import EngineLoad, Normaliser, ShimConfig, ShimStatus, WorkerShim
 from worker_shim.adapters import trtllm
@@ -214,7 +215,7 @@ async def test_run_events_keeps_the_state_through_malformed_polls(
     monkeypatch.setattr(adapter, "_json", answer)
     got: list[EngineBatch] = []
     with caplog.at_level(logging.WARNING):
-        task = asyncio.create_task(adapter.run_events(got.append, asyncio.Event()))
+        task = asyncio.create_task(adapter.run_events(collector(got), asyncio.Event()))
         await asyncio.sleep(0.2)
         task.cancel()
     assert [(b.reset, b.complete, len(b.events)) for b in got] == [(True, False, 0), (True, True, 0), (False, True, 1)]
@@ -341,7 +342,7 @@ async def test_a_poll_the_engine_holds_past_two_seconds_keeps_its_events(monkeyp
     await adapter.open()
     got: list[EngineBatch] = []
     try:
-        task = asyncio.create_task(adapter.run_events(got.append, asyncio.Event()))
+        task = asyncio.create_task(adapter.run_events(collector(got), asyncio.Event()))
         await asyncio.sleep(3.0)
         assert not task.done(), task.exception()
         task.cancel()

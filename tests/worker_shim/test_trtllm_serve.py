@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from protocol import LoadReport, SamplingParams, block_hashes, decode_msg, subjects
 from protocol.config import EtcdSettings, NatsSettings
 from tests.router.polling import until
-from tests.worker_shim.cluster import served
+from tests.worker_shim.cluster import collector, served
 from tests.worker_shim.test_trtllm_adapter import CREATED, folded, removed, stored
 from worker_shim import EngineLoad, Normaliser, ShimConfig, ShimStatus, WorkerShim
 from worker_shim.adapters import trtllm
@@ -175,7 +175,7 @@ async def test_a_busy_engine_holding_its_metrics_is_not_reported_unhealthy(nats_
 
         await nc.subscribe(subjects.load("ns", "w"), cb=on_load)
         reporter = LoadReporter(nc, "ns", "w", adapter, lambda: 0, 512, poll_s=0.25)
-        events = asyncio.create_task(adapter.run_events(lambda _: None, live := asyncio.Event()))
+        events = asyncio.create_task(adapter.run_events(collector([]), live := asyncio.Event()))
         try:
             traffic = asyncio.create_task(engine.traffic(3.0))
             reporter.start()

@@ -20,7 +20,7 @@ import zmq.asyncio
 from kvswitch.servers import free_port
 from protocol.vllm_events import END_SEQ, BlockStored, decode_pub_frames, encode_batch
 from tests.protocol.vllm_captures import expected_set, pub_frames, replay_frames
-from tests.worker_shim.cluster import wait_for
+from tests.worker_shim.cluster import collector, wait_for
 from worker_shim import EngineBatch, EngineStored, Normaliser
 from worker_shim.adapters import zmq_events
 from worker_shim.adapters.zmq_events import QUIET_PROBE_S, SETTLE_S, ZmqEventSource, resolve_endpoint
@@ -85,7 +85,7 @@ async def connected(stand_in: StandIn) -> AsyncIterator[tuple[ZmqEventSource, No
     assert source.bind is (not stand_in.pub_binds)
     norm = Normaliser(32)
 
-    def sink(batch: EngineBatch) -> None:
+    async def sink(batch: EngineBatch) -> None:
         if batch.reset:
             norm.reset(exact=batch.complete)
         norm.apply(batch.events)
@@ -357,7 +357,7 @@ def _stored(hash_: int, tokens: list[int], parent: int | None = None) -> list[ob
 
 
 async def _send(source: ZmqEventSource, sink: list[EngineBatch], topic: bytes, seq: int, payload: bytes) -> None:
-    await source._on_message([topic, seq.to_bytes(8, "big"), payload], sink.append)
+    await source._on_message([topic, seq.to_bytes(8, "big"), payload], collector(sink))
 
 
 async def test_sglangs_epoch_topics_are_the_shims_topic_and_its_barriers_hold_no_events() -> None:
@@ -472,7 +472,7 @@ async def test_a_replay_of_many_batches_gives_the_loop_turns_while_it_is_receive
             await asyncio.sleep(0)
             turns += 1
 
-    def sink(batch: EngineBatch) -> None:
+    async def sink(batch: EngineBatch) -> None:
         if batch.events:
             seen.append(turns)
 

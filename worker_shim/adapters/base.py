@@ -7,7 +7,7 @@ HTTP API and its P/D handle. The shim owns everything else (normalisation, NATS,
   loaded, or hung) or DOWN (refused, reset, or an error status).
 - `limits()`: block size, KV capacity and batch budget, as far as the engine tells them.
 - `load()`: running/waiting requests and KV use.
-- `run_events(sink, live)`: deliver `EngineBatch`es to the synchronous `sink` until cancelled; set
+- `run_events(sink, live)`: deliver `EngineBatch`es to `sink`, awaiting each, until cancelled; set
   `live` once the event stream is known to work. `request_rebuild()` asks for the engine's whole
   state again (the normaliser met an unknown parent). Transport faults the adapter can see (no
   peer on the event socket, frames under another topic) go to `event_health`, which the shim also
@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 from protocol import SamplingParams, Usage
 from worker_shim.config import ShimConfig
-from worker_shim.engine_events import EngineBatch
+from worker_shim.engine_events import EventSink
 from worker_shim.event_health import EventHealth
 
 __all__ = [
@@ -218,7 +218,7 @@ class EngineAdapter(ABC):
     async def load(self) -> EngineLoad: ...
 
     @abstractmethod
-    async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None: ...
+    async def run_events(self, sink: EventSink, live: asyncio.Event) -> None: ...
 
     @abstractmethod
     def request_rebuild(self) -> None: ...

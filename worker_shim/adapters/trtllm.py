@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import aiohttp
@@ -39,7 +38,7 @@ from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, 
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker, attention_dp_error
 from worker_shim.adapters.vllm import completion_body
 from worker_shim.config import ShimConfig
-from worker_shim.engine_events import EngineBatch
+from worker_shim.engine_events import EngineBatch, EventSink
 from worker_shim.engine_kind import check_engine_kind
 
 __all__ = ["POLL_S", "TrtllmAdapter", "disagg_body", "limits_from_stats", "load_from_stats"]
@@ -212,14 +211,14 @@ class TrtllmAdapter(HttpEngineAdapter):
             )
         return self._load
 
-    async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
-        sink(EngineBatch(reset=True, complete=False))  # what the engine cached before this reader is unknown
+    async def run_events(self, sink: EventSink, live: asyncio.Event) -> None:
+        await sink(EngineBatch(reset=True, complete=False))  # what the engine cached before this reader is unknown
         while True:
             events = await self._json("POST", "/kv_cache_events", EVENTS_TIMEOUT)
             live.set()
             batch = self.tracker.fold(events)  # malformed events: counted, logged once, dropped
             if batch.events or batch.reset:
-                sink(batch)
+                await sink(batch)
             await asyncio.sleep(POLL_S)
 
     def request_rebuild(self) -> None:

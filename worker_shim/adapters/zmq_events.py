@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -55,7 +54,7 @@ from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_ranked
 from worker_shim.config import KvEventsMode, ShimConfig
-from worker_shim.engine_events import EngineBatch, EngineEvent
+from worker_shim.engine_events import EngineBatch, EngineEvent, EventSink
 from worker_shim.event_health import EventHealth, EventProblem
 
 __all__ = ["ZmqEventSource", "ZmqEventStats", "ZmqEventsAdapter", "engine_binds", "resolve_endpoint"]
@@ -178,7 +177,7 @@ class ZmqEventSource:
     def request_rebuild(self) -> None:
         self._rebuild = True
 
-    async def run(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
+    async def run(self, sink: EventSink, live: asyncio.Event) -> None:
         ctx = self._ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -199,7 +198,7 @@ class ZmqEventSource:
                     raise ConnectionError(f"{self.engine} replay endpoint {self.replay_address} does not answer")
                 await self._deliver_rebuild(replayed, sink)
             else:
-                sink(EngineBatch(reset=True, complete=False))
+                await sink(EngineBatch(reset=True, complete=False))
             live.set()
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
@@ -268,7 +267,7 @@ class ZmqEventSource:
             return True
         return False
 
-    async def _on_reconnect(self, sink: Callable[[EngineBatch], None]) -> None:
+    async def _on_reconnect(self, sink: EventSink) -> None:
         """Carry on from the last seq delivered if the engine's run continues it, else rebuild."""
         if self._rebuild:
             return  # a requested rebuild, pending, replays from 0 anyway
@@ -284,7 +283,7 @@ class ZmqEventSource:
                 log.info("%s KV events: peer reconnected; the engine's run continues from seq %d", self.engine, last)
                 turn = _Turns()
                 for s, p in replayed[1:]:
-                    self._deliver(s, p, sink, live=False)
+                    await self._deliver(s, p, sink, live=False)
                     await turn.take()
                 self._replayed_until = replayed[-1][0]
                 return
@@ -326,7 +325,7 @@ class ZmqEventSource:
             "--engine-url is where its PUB socket is",
         )
 
-    async def _probe(self, sink: Callable[[EngineBatch], None], when: str) -> None:
+    async def _probe(self, sink: EventSink, when: str) -> None:
         """Ask the replay socket what the engine sent after the last seq delivered, and deliver what
         the live socket missed (the engine looked silent after a served request, or a connection
         has just settled)."""
@@ -352,7 +351,7 @@ class ZmqEventSource:
             log.warning("%s KV events: gap %d..%d cannot be replayed: resetting", self.engine, start, missed[0][0] - 1)
         turn = _Turns()
         for i, (s, p) in enumerate(missed):
-            self._deliver(s, p, sink, reset=reset and i == 0, complete=False, live=False)
+            await self._deliver(s, p, sink, reset=reset and i == 0, complete=False, live=False)
             await turn.take()
         self._replayed_until = missed[-1][0]
 
@@ -362,7 +361,7 @@ class ZmqEventSource:
             self._logged.add(exc.kind)
             log.warning("%s KV events: %s (logged once per kind)", self.engine, exc)
 
-    async def _on_message(self, frames: list[bytes], sink: Callable[[EngineBatch], None]) -> None:
+    async def _on_message(self, frames: list[bytes], sink: EventSink) -> None:
         self.stats.messages += 1
         if self.replay_address is not None:
             self._quiet_probe_at = time.monotonic() + QUIET_PROBE_S
@@ -403,7 +402,7 @@ class ZmqEventSource:
             self.stats.gaps += 1
             await self._fill_gap(last + 1, seq, payload, sink)
             return
-        self._deliver(seq, payload, sink)
+        await self._deliver(seq, payload, sink)
 
     def _topic_parts(self, topic: bytes) -> tuple[bytes | None, bool] | None:
         """(publisher epoch, whether a snapshot barrier) of a live message's topic; None for
@@ -416,40 +415,38 @@ class ZmqEventSource:
             return epoch, bool(marker)
         return (None, False) if not rest or not self.topic else None
 
-    async def _restarted(self, seq: int, payload: bytes, sink: Callable[[EngineBatch], None]) -> None:
+    async def _restarted(self, seq: int, payload: bytes, sink: EventSink) -> None:
         self.stats.restarts += 1
         self._replayed_until = -1
         if seq == 0:
-            self._deliver(seq, payload, sink, reset=True, complete=True)
+            await self._deliver(seq, payload, sink, reset=True, complete=True)
         else:  # missed the start of the new run
             await self._deliver_rebuild(await self._replay(0), sink)
             if self._last is None or seq > self._last:
-                self._deliver(seq, payload, sink)
+                await self._deliver(seq, payload, sink)
 
-    async def _fill_gap(
-        self, first_missing: int, seq: int, payload: bytes, sink: Callable[[EngineBatch], None]
-    ) -> None:
+    async def _fill_gap(self, first_missing: int, seq: int, payload: bytes, sink: EventSink) -> None:
         # The SUB socket queues what arrives meanwhile; replayed seqs are then skipped as duplicates.
         replayed = await self._replay(first_missing)
         if replayed and replayed[0][0] == first_missing:
             turn = _Turns()
             for s, p in replayed:
-                self._deliver(s, p, sink, live=False)
+                await self._deliver(s, p, sink, live=False)
                 await turn.take()
             self._replayed_until = replayed[-1][0]
             if seq > self._replayed_until:
-                self._deliver(seq, payload, sink)
+                await self._deliver(seq, payload, sink)
             return
         if replayed is not None:  # a timeout is counted by _replay
             self.stats.replay_failures += 1
         log.warning("%s KV events: gap %d..%d cannot be replayed: resetting", self.engine, first_missing, seq - 1)
-        self._deliver(seq, payload, sink, reset=True, complete=False)
+        await self._deliver(seq, payload, sink, reset=True, complete=False)
 
-    def _deliver(
+    async def _deliver(
         self,
         seq: int,
         payload: bytes,
-        sink: Callable[[EngineBatch], None],
+        sink: EventSink,
         *,
         reset: bool = False,
         complete: bool = True,
@@ -468,19 +465,17 @@ class ZmqEventSource:
                 self._wrong_rank(rank)
                 events = []
         if events or reset:
-            sink(EngineBatch(events=events, reset=reset, complete=complete, live=live))
+            await sink(EngineBatch(events=events, reset=reset, complete=complete, live=live))
 
-    async def _deliver_rebuild(
-        self, replayed: list[tuple[int, bytes]] | None, sink: Callable[[EngineBatch], None]
-    ) -> None:
+    async def _deliver_rebuild(self, replayed: list[tuple[int, bytes]] | None, sink: EventSink) -> None:
         # An empty replay means the engine has published nothing yet: nothing is missing.
         complete = replayed is not None and (not replayed or replayed[0][0] == 0)
         # With replay, the next live seq must follow what it returned (-1: expect seq 0).
         self._last, self._last_digest = (None if replayed is None else -1), None
-        sink(EngineBatch(reset=True, complete=complete, live=False))
+        await sink(EngineBatch(reset=True, complete=complete, live=False))
         turn = _Turns()
         for s, p in replayed or []:
-            self._deliver(s, p, sink, live=False)
+            await self._deliver(s, p, sink, live=False)
             await turn.take()
         if replayed:
             self._replayed_until = replayed[-1][0]
@@ -566,7 +561,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
         # external load-balanced vLLM rank's shim given the shared endpoints would read rank 0's).
         self.events_rank = config.data_parallel_rank
 
-    async def run_events(self, sink: Callable[[EngineBatch], None], live: asyncio.Event) -> None:
+    async def run_events(self, sink: EventSink, live: asyncio.Event) -> None:
         c = self.config
         assert c.kv_events is not None  # ShimConfig requires it for these engines
         self._events = ZmqEventSource(
@@ -593,7 +588,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
 
 class _Turns:
     """Gives the loop a turn once SLICE_S of work has run since the last: awaiting a message the
-    socket holds already, or a synchronous sink, never does."""
+    socket holds already never does, nor the sink, but within a long prompt's chain."""
 
     def __init__(self) -> None:
         self._since = time.perf_counter()
