@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from protocol.tokenizer import _SPECIALS, BOS_ID, EOS_ID, VOCAB_SIZE, _pieces
+from protocol.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, VOCAB_SIZE, vocabulary_pieces
 
 __all__ = ["HUB_NAME", "tokenizer_json", "write_hub_cache"]
 
@@ -40,14 +40,14 @@ _SPLIT = r"<\|(?:bos|eos|im_start|im_end)\|>| ?\w+| +|\s|."
 def tokenizer_json() -> dict[str, Any]:
     """The `tokenizer.json` (Hugging Face tokenizers' serialisation) of the built-in tokenizer."""
     vocab = {f"<0x{b:02X}>": b for b in range(256)}
-    for tid, piece in enumerate(_pieces()):
+    for tid, piece in enumerate(vocabulary_pieces()):
         if tid >= 256:
             vocab[piece.decode()] = tid
     assert len(vocab) == VOCAB_SIZE
     added = [
         {"id": tid, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": True}
-        for s, tid in _SPECIALS.items()
+        for s, tid in SPECIAL_TOKENS.items()
     ]  # fmt: skip
     return {
         "version": "1.0",
@@ -79,7 +79,7 @@ def tokenizer_json() -> dict[str, Any]:
 
 
 def _tokenizer_config() -> dict[str, Any]:
-    pieces = _pieces()
+    pieces = vocabulary_pieces()
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": pieces[BOS_ID].decode(),

@@ -1,4 +1,4 @@
-"""How far behind one whole answer's burst puts a router's NATS connection: a shim's _ChunkWriter
+"""How far behind one whole answer's burst puts a router's NATS connection: a shim's ChunkWriter
 sends a body of `--mb` MB to a router-like reader in another process (nats-py, the dispatcher's
 subscription and msgpack decode per chunk; `--busy-ms` of other work on its loop every 100 ms),
 while nats-server's pending bytes for the reader are sampled every 5 ms. nats-server cuts a
@@ -24,7 +24,7 @@ import nats
 from kvswitch.servers import NatsServer
 from protocol import ResponseChunk, decode_msg
 from worker_shim.adapters.base import EngineAdapter
-from worker_shim.request_service import RequestService, _ChunkWriter
+from worker_shim.request_service import ChunkWriter, RequestService
 
 _READER = "bench-whole-reader"
 
@@ -94,7 +94,7 @@ async def _rounds(server: NatsServer, mb: float, rounds: int, busy_ms: float) ->
         stop, peak = threading.Event(), [0]
         sampler = threading.Thread(target=_sample, args=(server.monitor_port, stop, peak))
         sampler.start()
-        writer = _ChunkWriter(svc, f"bench.inbox.r{i}", f"r{i}", "w1", "agg", heartbeat_s=0.4)
+        writer = ChunkWriter(svc, f"bench.inbox.r{i}", f"r{i}", "w1", "agg", heartbeat_s=0.4)
         start = time.monotonic()
         await writer.final(finish_reason="stop", body=body)
         sent = time.monotonic() - start

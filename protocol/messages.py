@@ -18,6 +18,7 @@ import msgspec
 from protocol.errors import ProtocolError
 
 __all__ = [
+    "ANNOTATION_BYPASS",
     "ENDPOINT_CHAT",
     "ENDPOINT_COMPLETIONS",
     "ENDPOINT_DETOKENIZE",

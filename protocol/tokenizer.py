@@ -25,14 +25,16 @@ from functools import cache
 __all__ = [
     "BOS_ID",
     "EOS_ID",
+    "SPECIAL_TOKENS",
     "VOCAB_SIZE",
     "BuiltinTokenizer",
     "apply_chat_template",
+    "vocabulary_pieces",
 ]
 
 VOCAB_SIZE = 32000
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 256, 257, 258, 259
-_SPECIALS = {"<|bos|>": BOS_ID, "<|eos|>": EOS_ID, "<|im_start|>": IM_START_ID, "<|im_end|>": IM_END_ID}
+SPECIAL_TOKENS = {"<|bos|>": BOS_ID, "<|eos|>": EOS_ID, "<|im_start|>": IM_START_ID, "<|im_end|>": IM_END_ID}
 _COMMON = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but have an "
     "they you were her she there been one all we their has would when if so no will can more other what "
@@ -50,9 +52,9 @@ _SPLIT = re.compile(r"<\|(?:bos|eos|im_start|im_end)\|>| ?\w+| +|\s|.", re.DOTAL
 
 
 @cache
-def _pieces() -> tuple[bytes, ...]:
+def vocabulary_pieces() -> tuple[bytes, ...]:
     out: list[bytes] = [bytes([b]) for b in range(256)]
-    out += [s.encode() for s in _SPECIALS]
+    out += [s.encode() for s in SPECIAL_TOKENS]
     seen = set(out)
     # Only space-led words: then any sequence of word ids decodes to text that re-encodes to it.
     words = [(" " + word).encode() for word in _COMMON]
@@ -79,7 +81,7 @@ def _pieces() -> tuple[bytes, ...]:
 @cache
 def _index() -> Mapping[str, int]:
     # Keyed by str: every piece from 256 up is ASCII, so no per-piece UTF-8 encode on the hot path.
-    return {piece.decode(): i for i, piece in enumerate(_pieces()) if i >= 256}
+    return {piece.decode(): i for i, piece in enumerate(vocabulary_pieces()) if i >= 256}
 
 
 class BuiltinTokenizer:
@@ -106,7 +108,7 @@ class BuiltinTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
-        pieces = _pieces()
+        pieces = vocabulary_pieces()
         buf = bytearray()
         for tid in ids:
             if not 0 <= tid < VOCAB_SIZE:
@@ -117,7 +119,7 @@ class BuiltinTokenizer:
         return buf.decode("utf-8", errors="replace")
 
     def piece(self, tid: int) -> str:
-        return _pieces()[tid].decode("utf-8", errors="replace")
+        return vocabulary_pieces()[tid].decode("utf-8", errors="replace")
 
 
 def apply_chat_template(messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True) -> str:

@@ -61,6 +61,7 @@ __all__ = [
     "EVENT_FORMS",
     "MEDIUM_GPU",
     "REPLAY_END",
+    "RESOLVED_BY_ENGINE",
     "AllBlocksCleared",
     "BigramTokenIds",
     "BlockRemoved",

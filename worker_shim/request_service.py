@@ -98,6 +98,7 @@ __all__ = [
     "COALESCE_S",
     "FD_RESERVE",
     "PREFILL_POLL_S",
+    "ChunkWriter",
     "RequestService",
     "leg_cap",
 ]
@@ -163,7 +164,7 @@ class _Pace:
         return max(0.0, -self.left / self.rate)
 
 
-class _ChunkWriter:
+class ChunkWriter:
     """Numbers, coalesces and heartbeats one leg's chunks to its reply subject.
 
     Chunks go out in seq order, one coroutine publishing at a time (`_pump`): a chunk numbered
@@ -468,7 +469,7 @@ _ORPHANED = ErrorInfo(
 class _Leg:
     request_id: str
     queued_tokens: int
-    writer: _ChunkWriter | None = None
+    writer: ChunkWriter | None = None
     task: asyncio.Task[None] | None = None
     cancelled: bool = False
     # Cancelled as its router's orphan (cancel_from), not by that router: it ends in an error, as
@@ -555,7 +556,7 @@ class RequestService:
         self.resumes = 0
         self._resends: set[asyncio.Task[None]] = set()  # legs' resends under way (resend)
         # Legs that ended lately, for a router that lost their last chunks (a NATS node died).
-        self.recent: OrderedDict[str, _ChunkWriter] = OrderedDict()
+        self.recent: OrderedDict[str, ChunkWriter] = OrderedDict()
         self._recent_bytes = 0  # of the chunks in `recent`
         self._early_cancels: OrderedDict[str, float] = OrderedDict()  # request id -> when (EARLY_CANCEL_S)
 
@@ -568,7 +569,7 @@ class RequestService:
         return len(self.inflight) >= self.busy_legs or self.nc.pending_data_size >= BEHIND_BYTES
 
     def resend(self, pump: Coroutine[Any, Any, None], request_id: str) -> None:
-        """Run a leg's resend (_ChunkWriter.resume) in a task, kept until it ends, and cancelled at stop."""
+        """Run a leg's resend (ChunkWriter.resume) in a task, kept until it ends, and cancelled at stop."""
         task = background(pump, f"resend-{request_id}", f"request {request_id}'s chunks are not sent again")
         self._resends.add(task)
         task.add_done_callback(self._resends.discard)
@@ -605,13 +606,13 @@ class RequestService:
             req = decode_msg(msg.data, GenerateRequest)
         except ProtocolError as exc:
             self._malformed("generate", f"malformed generate request answered with a 400: {exc}")
-            writer = _ChunkWriter(self, msg.reply, "", worker, role)
+            writer = ChunkWriter(self, msg.reply, "", worker, role)
             await writer.final(error=ErrorInfo(code=400, kind="bad_request", message=str(exc)))
             return
         if req.resume is not None:
             await self._resume(req, msg.reply, worker, role)
             return
-        writer = _ChunkWriter(self, msg.reply, req.request_id, worker, role, req.heartbeat_s)
+        writer = ChunkWriter(self, msg.reply, req.request_id, worker, role, req.heartbeat_s)
         if not self.accepting:
             await writer.final(error=ErrorInfo(code=503, kind="draining", message="the worker is shutting down"))
             return
@@ -692,10 +693,10 @@ class RequestService:
         if writer is not None and writer.resume(reply, req.resume):
             self.resumes += 1
             return
-        gone = _ChunkWriter(self, reply, req.request_id, worker, role, first_seq=req.resume)
+        gone = ChunkWriter(self, reply, req.request_id, worker, role, first_seq=req.resume)
         await gone.final(error=ErrorInfo(code=410, kind="gone", message=f"no chunks from {req.resume} to send again"))
 
-    def remember(self, writer: _ChunkWriter) -> None:
+    def remember(self, writer: ChunkWriter) -> None:
         old = self.recent.pop(writer.request_id, None)
         if old is not None:
             self._recent_bytes -= old.sent_bytes
@@ -819,7 +820,7 @@ class RequestService:
             self.on_change()
 
     async def _run(
-        self, req: GenerateRequest, leg: LegRequest, state: _Leg, writer: _ChunkWriter, role: str, span: Span
+        self, req: GenerateRequest, leg: LegRequest, state: _Leg, writer: ChunkWriter, role: str, span: Span
     ) -> None:
         async def on_output(tokens: int, events: list[bytes], toks: list[int]) -> None:
             self._first_token(state)
@@ -891,7 +892,7 @@ class RequestService:
             self._end(state)
             self.remember(writer)
 
-    async def _call(self, req: GenerateRequest, state: _Leg, writer: _ChunkWriter) -> None:
+    async def _call(self, req: GenerateRequest, state: _Leg, writer: ChunkWriter) -> None:
         """A utility call (no generation: nothing queued, nothing decoding): the engine's whole
         answer in the final chunk's body, or its refusal."""
         state.running = True
@@ -921,7 +922,7 @@ class RequestService:
             self._end(state)
             self.remember(writer)
 
-    async def _watch_prefill(self, token_ids: list[int], salt: str, state: _Leg, writer: _ChunkWriter) -> None:
+    async def _watch_prefill(self, token_ids: list[int], salt: str, state: _Leg, writer: ChunkWriter) -> None:
         """Until the engine's KV events hold every full block of the prompt; then the prompt no
         longer counts as queued and the router hears that its prefill is done."""
         while True:
@@ -935,7 +936,7 @@ class RequestService:
                 await writer.prefilled()
                 return
 
-    async def _finish(self, writer: _ChunkWriter, outcome: LegOutcome, role: str, leg: LegRequest) -> None:
+    async def _finish(self, writer: ChunkWriter, outcome: LegOutcome, role: str, leg: LegRequest) -> None:
         if role == "prefill":
             # The prefill leg's sampled token is not part of the answer: the decode leg produces it all.
             handle = TransferHandle(

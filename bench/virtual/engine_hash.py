@@ -15,21 +15,11 @@ block by block).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 from engine_sim.block_hash import HashChains, HashedBlock
 from engine_sim.request import SimRequest
-from protocol.hashing import SEED, block_hashes, root_hash
+from protocol.hashing import block_hashes, root_hash
 
 __all__ = ["ChainedRequest", "XxhChains"]
-
-_chain: Callable[[Sequence[int], int, int, int], list[int]]
-try:
-    from protocol._fasthash import block_hashes as _chain
-except ImportError:  # no C extension: the Python reference, same values
-
-    def _chain(tokens: Sequence[int], block_size: int, parent: int, seed: int, /) -> list[int]:
-        return block_hashes(tokens, block_size, parent=parent)
 
 
 class _XxhBlock(HashedBlock):
@@ -59,7 +49,7 @@ class XxhChains(HashChains):
 
     def child(self, parent: HashedBlock | None, tokens: tuple[int, ...], salt: str | None = None) -> HashedBlock:
         start = parent.ext if parent is not None else self._root_for(salt)
-        return _XxhBlock(parent, tokens, _chain(tokens, len(tokens), start, SEED)[0], salt)
+        return _XxhBlock(parent, tokens, block_hashes(tokens, len(tokens), parent=start)[0], salt)
 
     def _root_for(self, salt: str | None) -> int:
         return root_hash(f"{self._engine}\x00{salt}") if salt else self._root
@@ -71,7 +61,9 @@ class XxhChains(HashChains):
             return
         parent = chain[-1] if chain else None
         start = have * block_size
-        values = _chain(tokens[start : full * block_size], block_size, parent.ext if parent else self._root, SEED)
+        values = block_hashes(
+            tokens[start : full * block_size], block_size, parent=parent.ext if parent else self._root
+        )
         for value in values:
             parent = _XxhBlock(parent, tuple(tokens[start : start + block_size]), value)
             chain.append(parent)

@@ -23,7 +23,7 @@ from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, deco
 from tests.worker_shim.cluster import wait_for
 from worker_shim import request_service
 from worker_shim.adapters.base import EngineAdapter, LegOutcome, LegRequest, OnOutput
-from worker_shim.request_service import LEG_KEPT_BYTES, RECENT_BYTES, RequestService, _ChunkWriter
+from worker_shim.request_service import LEG_KEPT_BYTES, RECENT_BYTES, ChunkWriter, RequestService
 
 
 class FakeEngine:
@@ -163,7 +163,7 @@ async def ask_again(replies: Replies, subject: str, rid: str, reply: str) -> lis
     return replies.chunks(reply)
 
 
-def published(writer: _ChunkWriter) -> list[list[int]]:
+def published(writer: ChunkWriter) -> list[list[int]]:
     """The token ids of the chunks the writer has handed to NATS so far."""
     return [decode_msg(data, ResponseChunk).token_ids for data in writer.sent]
 
@@ -178,7 +178,7 @@ async def ended(svc: RequestService, timeout: float = 5.0) -> None:
 async def test_a_legs_first_token_goes_at_once_under_load(nc: Nats, replies: Replies) -> None:
     svc = service(nc, busy_legs=0)  # always busy: every later token waits for the 5 ms mark
     assert svc.busy()
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.2)
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.2)
     await asyncio.sleep(0.001)
     await writer.output(1, [], [42])
     assert published(writer) == [[42]], "the first token was held"
@@ -197,7 +197,7 @@ async def test_a_first_token_after_a_heartbeat_is_not_held(
     # A prefill that outlasts heartbeat_s: the heartbeat (or a `prefilled` notice) is no output.
     monkeypatch.setattr(request_service, "COALESCE_S", 5.0)  # a held token would wait 5 s
     svc = service(nc, busy_legs=0)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.05)
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.05)
     await wait_for(lambda: svc.heartbeats == 1, what="the heartbeat")
     await writer.output(1, [], [42])
     assert published(writer) == [[], [42]] and svc.held_chunks == 0, "the first token was held"
@@ -210,7 +210,7 @@ async def test_a_first_token_after_a_heartbeat_is_not_held(
 
 async def test_the_heartbeat_clock_starts_with_the_leg(nc: Nats, replies: Replies) -> None:
     svc = service(nc, busy_legs=0)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.1)
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.1)
     await asyncio.sleep(0.06)
     await replies.settled()
     assert replies.chunks("r1") == []
@@ -228,7 +228,7 @@ async def test_a_backlog_of_small_events_goes_in_chunks_nats_takes(nc: Nats, rep
     was slow): counted by their bytes alone, a chunk held ~10 kB of msgpack framing past its
     envelope, and NATS refused it for good; the router's resumes got the same refusal."""
     svc = service(nc, busy_legs=0)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
     event = b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"x","logprobs":null}]}'
     event += b" " * (230 - len(event))
     await writer.output(1, [b"first"], [])  # the first output goes at once; the backlog is held
@@ -245,7 +245,7 @@ async def test_token_ids_held_beside_an_event_cut_in_pieces_go_in_chunks_nats_ta
     """A piece of a cut event counted nothing against the chunk's room, so token ids held beside it
     filled that chunk past max_payload (review, 2026-12-06)."""
     svc = service(nc, busy_legs=0)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
     await writer.output(1, [], [1])  # the first goes at once; the rest are held for the mark
     await writer.output(1000, [], list(range(100_000, 101_000)))
     await writer.output(1, [b"x" * (2 << 20)], [])
@@ -256,7 +256,7 @@ async def test_token_ids_held_beside_an_event_cut_in_pieces_go_in_chunks_nats_ta
 async def test_a_whole_token_id_answer_goes_in_chunks_nats_takes(nc: Nats, replies: Replies) -> None:
     """Every id of a whole answer went in its final chunk: 220 k of them, 1.1 MB, refused."""
     svc = service(nc)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg")
     ids = [100_000 + i for i in range(220_000)]
     await writer.final(finish_reason="length", tokens=ids)
     assert len(writer.sent) > 1 and max(len(d) for d in writer.sent) <= nc.max_payload and svc.chunks_unsent == 0
@@ -274,7 +274,7 @@ async def test_a_leg_in_flight_keeps_only_the_chunks_a_router_may_ask_for_again(
     monkeypatch.setattr(request_service, "LEG_KEPT_BYTES", 64 * 1024)
     monkeypatch.setattr(request_service, "RECENT_S", 0.5)
     svc = service(nc)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.01)  # resume window 0.12 s
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.01)  # resume window 0.12 s
     event = b"x" * 1000
 
     async def burst() -> None:
@@ -299,7 +299,7 @@ async def test_a_whole_answer_larger_than_a_legs_keep_can_still_be_asked_for_aga
     """A whole answer's body goes out in milliseconds, max_payload pieces at a time: a router that
     sees a gap asks within its resume window, and the piece is still kept (review, 2026-12-06)."""
     svc = service(nc)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
     await writer.final(finish_reason="stop", body=b"z" * (LEG_KEPT_BYTES + (8 << 20)))
     assert writer.first == 0 and writer.sent_bytes > LEG_KEPT_BYTES
     assert writer.resume(replies.inbox("again"), 2)
@@ -313,7 +313,7 @@ async def test_a_resume_during_a_whole_answers_burst_sends_each_chunk_once_more_
     the leg went on with the rest to the same subject, the router dropped the new chunks amid the
     old and asked again, and a second ask sent everything again on top of the burst."""
     svc = service(nc)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
     publish, published, taken = svc.publish, list[str](), asyncio.Event()
 
     async def slow(subject: str, data: bytes) -> None:  # NATS slow to take the fifth piece
@@ -359,7 +359,7 @@ async def test_a_whole_answers_burst_goes_out_at_the_legs_pace(
     monkeypatch.setattr(request_service, "BURST_BYTES", burst)
     monkeypatch.setattr(request_service, "BURST_BYTES_S", rate)
     svc = service(nc)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.4)
     publish, out, total = svc.publish, list[tuple[float, int]](), [0]
 
     async def timed(subject: str, data: bytes) -> None:
@@ -383,7 +383,7 @@ async def test_heartbeats_refused_during_an_outage_leave_the_final_chunk_to_go(
     nc: Nats, own_nats: NatsServer, replies: Replies
 ) -> None:
     svc = service(nc)
-    writer = _ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.02)
+    writer = ChunkWriter(svc, replies.inbox("r1"), "r1", "w1", "agg", heartbeat_s=0.02)
     await outage(nc, own_nats)
     await asyncio.sleep(0.09)
     await back(nc, own_nats)
@@ -491,7 +491,7 @@ async def test_ended_legs_chunks_are_bounded_in_bytes_oldest_dropped_first(nc: N
     body = b"x" * (nc.max_payload - 8192)  # one chunk of ~1 MiB per leg
     legs = RECENT_BYTES // len(body) + 16
     for i in range(legs):  # to subjects nobody reads: only the kept copies matter here
-        writer = _ChunkWriter(svc, f"{ns}.bulk.r{i}", f"r{i}", "w1", "agg")
+        writer = ChunkWriter(svc, f"{ns}.bulk.r{i}", f"r{i}", "w1", "agg")
         await writer.final(finish_reason="stop", body=body)
         svc.remember(writer)
     held = sum(len(b) for w in svc.recent.values() for b in w.sent)
@@ -506,10 +506,10 @@ async def test_a_leg_too_large_to_keep_pushes_out_no_other(nc: Nats, replies: Re
     svc = service(nc)
     subject = await serving(svc, ns)
     for i in range(10):
-        writer = _ChunkWriter(svc, replies.inbox(f"r{i}"), f"r{i}", "w1", "agg")
+        writer = ChunkWriter(svc, replies.inbox(f"r{i}"), f"r{i}", "w1", "agg")
         await writer.final(finish_reason="stop", body=b"x" * 1000)
         svc.remember(writer)
-    big = _ChunkWriter(svc, f"{ns}.bulk.big", "big", "w1", "agg")  # e.g. a long stream with logprobs
+    big = ChunkWriter(svc, f"{ns}.bulk.big", "big", "w1", "agg")  # e.g. a long stream with logprobs
     await big.final(finish_reason="stop", body=b"y" * (RECENT_BYTES + (1 << 20)))
     assert big.sent_bytes > RECENT_BYTES  # all of it within its resume window
     svc.remember(big)
@@ -522,7 +522,7 @@ async def test_a_leg_too_large_to_keep_pushes_out_no_other(nc: Nats, replies: Re
 async def test_ended_legs_chunks_are_dropped_past_the_resume_window(nc: Nats, replies: Replies, ns: str) -> None:
     svc = service(nc)
     subject = await serving(svc, ns)
-    writer = _ChunkWriter(svc, replies.inbox("old"), "old", "w1", "agg")
+    writer = ChunkWriter(svc, replies.inbox("old"), "old", "w1", "agg")
     await writer.final(finish_reason="stop")
     svc.remember(writer)
     writer.ended = time.monotonic() - 60.0  # a minute ago: past any router's MAX_RESUMES x 3 heartbeats
@@ -571,7 +571,7 @@ async def test_a_paced_resend_does_not_hold_back_the_next_request(
     monkeypatch.setattr(request_service, "BURST_BYTES_S", 32 << 20)  # the resend takes over a second
     svc = service(nc, FakeEngine(tokens=3, gap_s=0.001))
     subject = await serving(svc, ns)
-    ended = _ChunkWriter(svc, f"{ns}.nobody.big", "big", "w1", "agg", heartbeat_s=0.4)
+    ended = ChunkWriter(svc, f"{ns}.nobody.big", "big", "w1", "agg", heartbeat_s=0.4)
     await ended.final(finish_reason="stop", body=b"z" * (48 << 20))
     svc.remember(ended)
     await asyncio.sleep(0.6)  # its burst allowance back
