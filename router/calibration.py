@@ -115,6 +115,7 @@ import logging
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -131,6 +132,7 @@ __all__ = [
     "Calibration",
     "WorkerTiming",
     "timing_of",
+    "unusable_profiles",
 ]
 
 log = logging.getLogger(__name__)
@@ -302,15 +304,39 @@ def _prefill_work(
     return tokens * shape.marginal(new, cached, batch) / new
 
 
-@functools.cache
 def _known_profile(name: str) -> TimingModel | None:
-    """The profile's model; None when this router cannot load it, said once and remembered: asked
-    per candidate and request, a failed load read every table from disk again each time (~200 µs)."""
+    """The profile's model; None when this router cannot load it."""
+    loaded = _loaded_profile(name)
+    return loaded if isinstance(loaded, TimingModel) else None
+
+
+@functools.cache
+def _loaded_profile(name: str) -> TimingModel | str:
+    """The profile's model, or why this router cannot load it, said once and remembered: asked per
+    candidate and request, a failed load read every table from disk again each time (~200 µs)."""
     try:
         return TimingModel.for_profile(name)
     except ValueError as exc:
-        log.warning("a worker registered timing profile %r, which this router cannot use: %s", name, exc)
-        return None
+        log.warning("a worker registered timing profile %r, which this router cannot use: %s; %s", name, exc, _FIX)
+        return str(exc)
+
+
+_FIX = "give the routers the profile tables the shims have (the same KVSWITCH_PROFILE_DIR)"
+
+
+def unusable_profiles(infos: Iterable[WorkerInfo]) -> list[str]:
+    """One line per timing profile that workers of `infos` registered and this router cannot load,
+    naming them and the fix: their timing predictions are then missing, silently but for this."""
+    workers: dict[str, list[str]] = {}
+    for info in infos:
+        if info.timing_profile and _known_profile(info.timing_profile) is None:
+            workers.setdefault(info.timing_profile, []).append(info.worker)
+    return [
+        f"workers {', '.join(sorted(names))} registered timing profile {name!r}, which this router cannot load "
+        f"({_loaded_profile(name)}): nothing it decides by predicted time (ttft_model, slo_aware, admission's "
+        f"backlog) can read them; {_FIX}"
+        for name, names in sorted(workers.items())
+    ]
 
 
 @dataclass(slots=True)

@@ -50,7 +50,7 @@ from router.admission import Admission
 from router.api_errors import FrontDoorRunner
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
-from router.calibration import Calibration
+from router.calibration import Calibration, unusable_profiles
 from router.clock_skew import ClockSkew, Skew
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
@@ -631,7 +631,7 @@ class RouterService:
         """What the registered workers (and peer routers) get wrong that does not stop this router:
         names that resolve to several models, a model's own name another model's workers serve as
         an alias, workers of one model that disagree on max_model_len, prefill workers no decode
-        worker can use, peers that route with other settings."""
+        worker can use, timing profiles this router cannot load, peers that route with other settings."""
         out: list[str] = []
         clashes = self._registry.name_clashes if self._registry is not None else {}
         mine = {i.model for i in infos}
@@ -662,7 +662,7 @@ class RouterService:
                     f"{', '.join(sorted(engines))}), and a transfer handle feeds only its own engine kind: "
                     "they get no request"
                 )
-        return out + self.peer_settings.warnings()
+        return out + unusable_profiles(infos) + self.peer_settings.warnings()
 
     def index_state(self) -> dict[str, Any]:
         """Per registered worker: what the index holds of it (the chaos bench compares this with the

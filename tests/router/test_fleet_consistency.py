@@ -478,3 +478,23 @@ def test_a_peer_counts_as_different_only_after_it_stays_so_and_is_warned_once(
     assert peers.version_mismatch() == ["p"] and peers.settings_mismatch() == []
     peers.gone("p")
     assert peers.warnings() == []
+
+
+async def test_a_timing_profile_the_router_cannot_load_is_a_ready_warning_naming_the_workers_and_the_fix(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """A shim given its own tables (KVSWITCH_PROFILE_DIR) and a router without them: the router
+    logged it once, naming neither worker nor fix, and /ready said nothing while every timing
+    decision for those workers went without a model (bounds audit, 2026-12-06)."""
+    a = await cluster.add_worker("agg")
+    b = await cluster.add_worker("agg")
+    for w in (a, b):  # as a shim that loads its profile from its own KVSWITCH_PROFILE_DIR registers
+        w.shim.config = msgspec.structs.replace(w.shim.config, timing_profile="mybox:llama-3.1-8b")
+        assert w.shim.registration is not None
+        w.shim.registration.update()
+    router = await cluster.add_ready_router()
+    await until(lambda: all(router.registry.get(w.id).timing_profile == "mybox:llama-3.1-8b" for w in (a, b)))  # type: ignore[union-attr]
+    status, ready = await _get(http, router, "/ready")
+    assert status == 200
+    said = [w for w in ready["warnings"] if "'mybox:llama-3.1-8b'" in w]
+    assert len(said) == 1 and a.id in said[0] and b.id in said[0] and "KVSWITCH_PROFILE_DIR" in said[0], ready
