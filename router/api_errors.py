@@ -20,7 +20,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from router.dispatch import LegError
+from router.leg import LegError
 from router.metrics import RouterMetrics
 from router.planner import PlanError
 from router.request_path import NO_WORKER_RETRY_S

@@ -1,9 +1,9 @@
 """Dispatch: a routed request's legs over NATS, streamed back.
 
-A leg is one GenerateRequest on `{ns}.gen.{role}.{worker}`; its ResponseChunks come back on a
-reply subject under one wildcard inbox this dispatcher subscribes once (a subscription per request
-would cost a SUB/UNSUB round per request). Chunks must arrive in `seq` order from 0; the leg ends
-with a `final` chunk or an `error` one.
+A leg (router.leg) is one GenerateRequest on `{ns}.gen.{role}.{worker}`; its ResponseChunks come
+back on a reply subject under one wildcard inbox this dispatcher subscribes once (a subscription
+per request would cost a SUB/UNSUB round per request). Chunks must arrive in `seq` order from 0;
+the leg ends with a `final` chunk or an `error` one.
 
 `Dispatcher.run()` drives a whole request from its first plan, which the planner has booked:
 - remote path: a prefill leg (max_tokens 1) on the prefill worker; its TransferHandle goes to the
@@ -67,10 +67,9 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Protocol
 
 import msgspec
@@ -78,7 +77,6 @@ import nats.js.api
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from opentelemetry.trace import Span
 
 from protocol import (
     CancelRequest,
@@ -94,20 +92,15 @@ from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS, transfer_handle_bound
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
+from router.leg import MAX_ANSWER_BYTES, SLOW_READER, Leg, LegError
 from router.policies import Outcome, Path
 from router.tracing import RequestTracer
 from runtime import guarded
 
-__all__ = ["Bookings", "Dispatcher", "Job", "LegError"]
+__all__ = ["Bookings", "Dispatcher", "Job"]
 
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"
-MAX_RESUMES = 3  # times one leg may ask for lost chunks again
-# The most a worker's whole utility answer, or one SSE event cut across chunks, may hold: the
-# router keeps either until it is complete, so a shim that never completes one would otherwise
-# grow the replica's memory until the request's deadline. An honest /tokenize of the largest body
-# the router takes (16 MiB) answers about 30 MB; one event with a long prompt's logprobs, tens.
-MAX_ANSWER_BYTES = 256 << 20
 # The most a streamed leg's chunks may wait for their reader (a client that stopped reading: its
 # handler blocks on the socket while NATS goes on delivering): past it the leg ends (`slow_reader`).
 # A client that keeps up holds about one chunk; a phone on a slow link falls behind by this much
@@ -122,7 +115,6 @@ MAX_HELD_BYTES = 64 << 10
 CANCEL_AGAIN_S = 1.0
 CANCELLED_KEPT = 4096
 CANCEL_KEPT_S = 600.0  # a cancelled leg without a deadline is remembered this long (--request-timeout's default)
-SLOW_READER = "slow_reader"
 _RECONNECT_POLL_S = 0.01
 
 
@@ -132,62 +124,6 @@ HANDLE_TOO_LARGE = "handle_too_large"
 # What a decode leg may take beyond its prefill leg besides the handle: its own max_tokens (the
 # prefill leg's is 1), with room to spare
 _DECODE_LEG_EXTRA = 64
-
-NATS_LOST = "nats_lost"
-NATS_LOST_WHY = "the router has lost its NATS connection and is reconnecting: no worker can be reached"
-
-
-class LegError(Exception):
-    """A leg ended without a final chunk. `retryable`: the worker failed before doing any work a
-    client saw, so another worker may take the request."""
-
-    def __init__(self, worker: str, code: int, kind: str, message: str, *, retryable: bool, body: bytes = b"") -> None:
-        self.worker = worker
-        self.code = code
-        self.kind = kind
-        self.message = message
-        self.retryable = retryable
-        self.body = body  # the engine's own error body, when it refused the request
-        super().__init__(f"worker {worker}: {kind}: {message}")
-
-    @property
-    def refused(self) -> bool:
-        """The engine refused the request itself (bad input, too long): no other worker would
-        take it either."""
-        return 400 <= self.code < 500 and self.code not in (408, 409, 410, 429)
-
-    @property
-    def unknown_model(self) -> bool:
-        """The engine does not serve the model named: a LoRA adapter unloaded since its shim last
-        read /v1/models (every 5 s). Another worker may still serve it."""
-        return self.code == 404
-
-    @property
-    def engine_failed(self) -> bool:
-        """The engine itself answered with a server error (vLLM's 500 for a request that failed in
-        the engine), not a worker gone, silent or unreachable."""
-        return self.kind == "engine_error" and self.code >= 500
-
-    @property
-    def worker_silent(self) -> bool:
-        return self.kind == "worker_silent"
-
-    @property
-    def nats_lost(self) -> bool:
-        """The router's own NATS connection dropped while it waited: no worker is at fault, and
-        none other can be reached either."""
-        return self.kind == NATS_LOST
-
-    @property
-    def slow_reader(self) -> bool:
-        """The client read the stream too slowly (MAX_QUEUED_BYTES): its fault, not the worker's."""
-        return self.kind == SLOW_READER
-
-    @property
-    def malformed(self) -> bool:
-        """The worker's reply broke the protocol: a chunk that does not decode, or an event cut
-        across chunks that never ends."""
-        return self.kind == "malformed_chunk"
 
 
 class Bookings(Protocol):
@@ -235,231 +171,6 @@ class Job:
     def drop_held(self) -> None:
         self.held.clear()
         self.held_bytes = 0
-
-
-class _Leg:
-    """One leg's reply stream; use as `async with`, iterate chunks; leaving early cancels it.
-
-    Chunks wait in a deque and wake the reader through one future, not an asyncio.Queue read under
-    `wait_for`, which would cost a task per chunk. `on_end` runs when the final chunk arrives or the
-    leg is dropped (`drop`): the engine is done with it, whether or not it was read. (Not at an error
-    chunk: one may be followed by a retry or a fallback that keeps the attempt's booking.)"""
-
-    def __init__(
-        self,
-        owner: Dispatcher,
-        token: str,
-        worker: str,
-        role: str,
-        request: GenerateRequest,
-        span: Span,
-        on_end: Callable[[], None],
-    ) -> None:
-        self.owner = owner
-        self.token = token
-        self.worker = worker
-        self.role = role
-        self.request = request
-        self.request_id = request.request_id
-        self.span = span
-        self.on_end = on_end
-        self.resumes = 0
-        self.resuming = False  # chunks after a gap are dropped until the resent ones arrive
-        self.resumed_at = 0.0  # time.monotonic() of the last ask
-        self._items: deque[tuple[ResponseChunk | LegError, int]] = deque()  # with its size on the wire
-        self.queued = 0  # bytes waiting in _items
-        self._waiter: asyncio.Future[None] | None = None
-        self.next_seq = 0
-        self.done = False
-        self.tokens_seen = False
-        self.heard_at = time.monotonic()  # when it opened, or its last chunk came
-        self._graced_for: float | None = None  # the outage (Dispatcher.lost_at) it waited one more window for
-        self._cut: list[bytes] = []  # the pieces of an event cut short (ResponseChunk.continued), and its tokens
-        self._cut_tokens = 0
-
-    def push(self, item: ResponseChunk | LegError, size: int = 0) -> None:
-        self.heard_at = time.monotonic()
-        self._items.append((item, size))
-        self.queued += size
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def drop(self, error: LegError) -> None:
-        """End the leg with `error` at the reader's next read, dropping the chunks it has not read."""
-        self._items.clear()
-        self.queued = 0
-        self.done = True  # cancelled by whoever dropped it
-        self.push(error)
-        self.on_end()
-
-    async def __aenter__(self) -> _Leg:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.owner._legs.pop(self.token, None)
-        if e is not None and not (self.done and isinstance(e, GeneratorExit)):  # a reader done with it
-            RequestTracer.failed(self.span, str(e) or type(e).__name__)
-        self.span.end()
-        if not self.done:
-            await self.owner._cancel(self)
-
-    async def _wait(self, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(max(timeout_s, 0.0), _wake, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-
-    async def _wait_heard(self, timeout_s: float, silence_s: float, until: float) -> None:
-        """`_wait`, then, while nothing came, on until this router has been awake for `silence_s`
-        (runtime.loop_watch), one more silence window at most (a loop that stalls again and again
-        must not hide a dead worker), or `until` (monotonic) passes: after a stall of its own, libuv
-        runs the due timer before it reads the heartbeats that filled the socket meanwhile, and a
-        1 s stall ended every leg in flight as worker_silent."""
-        await self._wait(timeout_s)
-        until = min(until, time.monotonic() + silence_s)
-        while not self._items and (awake := self.owner.awake_for()) < silence_s and time.monotonic() < until:
-            await self._wait(min(silence_s - awake, until - time.monotonic()))
-
-    async def next(self, deadline_s: float, silence_s: float) -> ResponseChunk:
-        """The next chunk; LegError 504 once `deadline_s` (seconds from now) passes, 503 (the worker
-        went silent, retryable before the first token) after `silence_s` without any chunk.
-
-        Chunks lost on the way (a NATS node died under the stream: a seq gap, or silence after the
-        first token) are asked for again (GenerateRequest.resume) up to MAX_RESUMES times; copies
-        of chunks already read are dropped."""
-        until = time.monotonic() + deadline_s
-        while True:
-            if not self._items:
-                left = until - time.monotonic()
-                await self._wait_heard(min(left, silence_s), silence_s, until)
-                if not self._items:
-                    if left <= silence_s:
-                        raise LegError(
-                            self.worker, 504, "timeout", f"no answer within {deadline_s:.2f}s", retryable=False
-                        )
-                    if await self._through_outage(silence_s):
-                        continue
-                    if self._heard_from() and self.resumes < MAX_RESUMES:
-                        await self._resume()
-                        continue
-                    raise LegError(
-                        self.worker,
-                        503,
-                        "worker_silent",
-                        f"no chunk or heartbeat for {silence_s:.2f}s",
-                        retryable=not self.tokens_seen,
-                    )
-            item, size = self._items.popleft()
-            self.queued -= size
-            if isinstance(item, LegError):
-                raise item
-            if item.seq < self.next_seq:
-                continue  # sent again after a resume
-            if item.seq > self.next_seq:
-                if self.resuming and time.monotonic() - self.resumed_at < silence_s:
-                    continue  # sent before our request to resend arrived: it comes again
-                # A gap, or a resend that has not come while later chunks do (the ask or its answer
-                # lost): each dropped chunk restarted the silence, so the stream stalled until the
-                # worker had ended the whole leg.
-                if self.resumes < MAX_RESUMES:
-                    await self._resume()
-                elif not await self._through_outage(silence_s):  # that asks again itself
-                    why = f"chunk {item.seq}, expected {self.next_seq}"
-                    raise LegError(self.worker, 502, "stream_gap", why, retryable=not self.tokens_seen)
-                continue
-            self.resuming = False
-            self.next_seq += 1
-            if item.error is not None:
-                self.done = True  # the worker ended it itself: nothing to cancel
-                err = item.error
-                retryable = (err.code >= 500 and err.code != 504) or err.code == 404  # see unknown_model
-                raise LegError(self.worker, err.code, err.kind, err.message, retryable=retryable, body=err.body)
-            if item.continued or self._cut:
-                item = self._joined(item)
-            if item.final:
-                self.done = True
-            return item
-
-    def _joined(self, chunk: ResponseChunk) -> ResponseChunk:
-        """`chunk` with whole events only: a piece cut short waits for the rest, with the tokens
-        of a chunk left without a whole event. An event's pieces are joined once, at its end (joined
-        at each piece, a long event cost its size squared)."""
-        events, tokens = list(chunk.events), chunk.tokens + self._cut_tokens
-        if self._cut and events:
-            if chunk.continued and len(events) == 1:
-                self._cut.append(events.pop())  # the same event goes on
-            else:
-                events[0] = b"".join([*self._cut, events[0]])
-                self._cut = []
-        if chunk.continued and events:
-            self._cut = [events.pop()]
-        if sum(map(len, self._cut)) > MAX_ANSWER_BYTES:
-            why = f"an event cut across chunks passed {MAX_ANSWER_BYTES} bytes"
-            raise LegError(self.worker, 502, "malformed_chunk", why, retryable=False)
-        self._cut_tokens = 0
-        if self._cut and not events:
-            self._cut_tokens, tokens = tokens, 0
-        if chunk.final and self._cut:
-            raise LegError(
-                self.worker, 502, "malformed_chunk", "the stream ended inside a cut-short event", retryable=False
-            )
-        return msgspec.structs.replace(chunk, events=events, tokens=tokens, continued=False)
-
-    async def _through_outage(self, silence_s: float) -> bool:
-        """Silence, or chunks lost, that this router's own NATS outage explains, blaming no worker:
-        each leg in flight through an outage ended as worker_silent, its worker was left out as
-        unreachable, and the request was retried or fell back across the fleet into the same dead
-        connection, to end in "no worker could serve the request". With the connection down past
-        the wait a new request gets (Dispatcher.connected), the leg fails as that (LegError
-        nats_lost). Back within a silence window of an outage that began since the worker was last
-        heard, the worker gets another window, and lost chunks are asked for again, uncounted: the
-        asks sent into the outage, or before the shim subscribed again, were lost with it. True
-        when the leg should wait again."""
-        owner = self.owner
-        if not owner.is_connected() and not await owner.connected():
-            raise LegError(self.worker, 503, NATS_LOST, NATS_LOST_WHY, retryable=False)
-        if not owner.back_within(silence_s, since=self.heard_at) or self._graced_for == owner.lost_at:
-            return False
-        self._graced_for = owner.lost_at  # one more window, once per outage
-        if self._heard_from():
-            await self._resume(counted=False)
-        return True
-
-    def _heard_from(self) -> bool:
-        """Whether silence now means chunks lost on the way rather than a dead worker: a stream's
-        tokens came, or a whole answer's (a prefill leg's included) heartbeats did. A whole answer
-        has no token until its end, so one that lost chunks for three heartbeats was failed as a
-        silent worker after minutes of work that a resume recovers; a stream with no token yet is
-        retried elsewhere at once instead."""
-        return self.tokens_seen or (not self.request.stream and self.next_seq > 0)
-
-    async def _resume(self, *, counted: bool = True) -> None:
-        self.resuming = True
-        self.resumed_at = time.monotonic()
-        if counted:  # an ask sent into the router's own outage does not count against the leg
-            self.resumes += 1
-        self.owner.resumes += 1
-        log.warning(
-            "request %s: chunks from %d lost on the way from worker %s; asking for them again",
-            self.request_id,
-            self.next_seq,
-            self.worker,
-            extra={"request_id": self.request_id},
-        )
-        again = msgspec.structs.replace(self.request, resume=self.next_seq)
-        with contextlib.suppress(Exception):  # NATS reconnecting: the next silence asks again
-            await self.owner._nc.publish(
-                subjects.gen(self.owner._ns, self.role, self.worker),
-                encode_msg(again),
-                reply=f"{self.owner._prefix}.{self.token}",
-            )
 
 
 def _ends_leg(msg: Msg) -> bool:
@@ -511,11 +222,6 @@ class _Cancelled:
     request_id: str
     sent_at: float  # time.monotonic() of its last cancel
     until: float  # time.monotonic() past which its worker no longer runs it (its deadline)
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _nothing() -> None:
@@ -571,7 +277,7 @@ class Dispatcher:
         self._tracer = tracer or RequestTracer()
         self._prefix = ""
         self._sub: Subscription | None = None
-        self._legs: dict[str, _Leg] = {}
+        self._legs: dict[str, Leg] = {}
         self._cancelled: OrderedDict[str, _Cancelled] = OrderedDict()  # by leg token, oldest first
         self.cancels_again = 0  # cancels sent again on a cancelled leg's late chunks
         self._ids = itertools.count()
@@ -689,7 +395,7 @@ class Dispatcher:
         elif leg.queued > MAX_QUEUED_BYTES and leg.request.stream:  # a whole answer is read as it comes
             await self._slow_reader(leg)
 
-    async def _slow_reader(self, leg: _Leg) -> None:
+    async def _slow_reader(self, leg: Leg) -> None:
         """The leg's reader (a streaming client) fell MAX_QUEUED_BYTES behind its worker: the leg
         ends now and is cancelled there, rather than its whole answer piling up in this replica."""
         self._legs.pop(leg.token, None)  # its later chunks are dropped
@@ -733,13 +439,13 @@ class Dispatcher:
 
     async def _open(
         self, worker: str, role: str, req: GenerateRequest, on_end: Callable[[], None] = _nothing, keep: int = 0
-    ) -> _Leg:
+    ) -> Leg:
         """Send a leg; `keep`: bytes under the payload limit it must leave (a prefill leg: for its
         decode leg's transfer handle), else a 413 HANDLE_TOO_LARGE."""
         token = str(next(self._ids))
         span = self._tracer.leg(role, worker, req.request_id)
         req = msgspec.structs.replace(req, trace=self._tracer.carrier(span), origin=self._origin)
-        leg = _Leg(self, token, worker, role, req, span, on_end)
+        leg = Leg(self, token, worker, role, req, span, on_end)
         try:
             data = encode_msg(req)
         except (OverflowError, msgspec.EncodeError) as exc:
@@ -784,7 +490,19 @@ class Dispatcher:
             raise
         return leg
 
-    async def _cancel(self, leg: _Leg) -> None:
+    async def send(self, leg: Leg, request: GenerateRequest) -> None:
+        """`request` to `leg`'s worker, its replies to the leg (an ask for lost chunks)."""
+        await self._nc.publish(
+            subjects.gen(self._ns, leg.role, leg.worker), encode_msg(request), reply=f"{self._prefix}.{leg.token}"
+        )
+
+    async def closed(self, leg: Leg) -> None:
+        """`leg`'s reader is done with it: forgotten, and cancelled on its worker unless it ended."""
+        self._legs.pop(leg.token, None)
+        if not leg.done:
+            await self._cancel(leg)
+
+    async def _cancel(self, leg: Leg) -> None:
         """Cancel `leg` on its worker, and remember it until its deadline (_late)."""
         now = time.monotonic()
         deadline = leg.request.deadline

@@ -71,7 +71,8 @@ from router.api_errors import (
     unsupported_media_type,
 )
 from router.api_keys import ApiKeys
-from router.dispatch import Job, LegError
+from router.dispatch import Job
+from router.leg import LegError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
 from router.request_parsing import ParsedRequest, header_priority, is_text, parse_request, prompt_ids, typed_field

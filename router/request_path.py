@@ -24,7 +24,8 @@ from protocol import GenerateRequest, subjects
 from protocol.messages import ANNOTATION_BYPASS, ResponseChunk
 from router.admission import Admission
 from router.disagg import RoutePlan
-from router.dispatch import NATS_LOST_WHY, Dispatcher, Job, LegError
+from router.dispatch import Dispatcher, Job
+from router.leg import NATS_LOST_WHY, LegError
 from router.metrics import RouterMetrics
 from router.planner import PlanError, Planner
 from router.request_context import RequestContext, RequestShape

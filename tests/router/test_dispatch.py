@@ -21,7 +21,8 @@ from protocol import CancelRequest, GenerateRequest, ResponseChunk, TransferHand
 from protocol.config import RouterSettings
 from protocol.messages import ErrorInfo
 from router.disagg import RoutePlan
-from router.dispatch import CANCEL_AGAIN_S, MAX_RESUMES, Dispatcher, Job, LegError
+from router.dispatch import CANCEL_AGAIN_S, Dispatcher, Job
+from router.leg import MAX_RESUMES, LegError
 from router.policies import Outcome, Path
 from runtime.loop_watch import LoopWatch
 from runtime.nats_flush import flush

@@ -20,7 +20,8 @@ from nats.aio.msg import Msg
 from protocol import GenerateRequest
 from protocol.config import RouterSettings
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, ENDPOINT_TOKENIZE, ErrorInfo
-from router.dispatch import MAX_HELD_BYTES, Dispatcher, LegError
+from router.dispatch import MAX_HELD_BYTES, Dispatcher
+from router.leg import LegError
 from router.policies import Outcome
 from tests.router.test_dispatch import HB, Behaviour, Books, Worker, World, chunk, collect, job, transfer
 
@@ -249,7 +250,7 @@ async def test_an_event_that_never_ends_is_an_error_not_a_growing_buffer(
 ) -> None:
     # The router keeps a cut event until its end comes: a worker that never sends it grew the
     # replica's memory until the request's deadline.
-    monkeypatch.setattr("router.dispatch.MAX_ANSWER_BYTES", 1 << 20)
+    monkeypatch.setattr("router.leg.MAX_ANSWER_BYTES", 1 << 20)
     d, _, _ = world
     served = Worker(nc, ns, "w1")
     await served.serve("decode", endless(events=[b"x" * 65536], tokens=0, continued=True))

@@ -10,7 +10,7 @@ import pytest
 
 from protocol import GenerateRequest, WorkerInfo
 from protocol.messages import ENDPOINT_TOKENIZE
-from router.dispatch import LegError
+from router.leg import LegError
 from router.planner import PlanError
 from router.request_path import NO_WORKER_RETRY_S, RECENT_S, RequestPath, Unknown
 from tests.router.builders import worker

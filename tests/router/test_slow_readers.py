@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 import router.dispatch
-from router.dispatch import LegError, _Leg
+from router.leg import Leg, LegError
 from router.service import RouterService
 from tests.router.conftest import MODEL, Cluster, Worker
 from tests.router.polling import until
@@ -96,28 +96,28 @@ async def test_a_client_that_falls_too_far_behind_ends_its_leg_at_once(
 ) -> None:
     monkeypatch.setattr(router.dispatch, "MAX_QUEUED_BYTES", BOUND)
     peak = 0
-    push = _Leg.push
+    push = Leg.push
 
-    def recording(leg: _Leg, item: Any, size: int = 0) -> None:
+    def recording(leg: Leg, item: Any, size: int = 0) -> None:
         nonlocal peak
         push(leg, item, size)
         peak = max(peak, leg.queued)
 
-    monkeypatch.setattr(_Leg, "push", recording)
+    monkeypatch.setattr(Leg, "push", recording)
     w = await cluster.add_worker("agg", speedup=20.0)
     served = await cluster.add_router(config={"request_timeout_s": 30.0})
     await cluster.ready(served)
     # What the drop left, seen before the request's handler runs again: once it reads the 408 the
     # request ends, at once when it was not stuck writing to the client (a loaded host).
     at_drop: list[tuple[int, int, int, int]] = []
-    drop = _Leg.drop
+    drop = Leg.drop
 
-    def dropping(leg: _Leg, error: LegError) -> None:
+    def dropping(leg: Leg, error: LegError) -> None:
         drop(leg, error)
         legs, path = served.dispatcher.inflight_legs, served.path
         at_drop.append((legs, path.inflight, path.planner.ledger.live, len(served.view._by_request)))
 
-    monkeypatch.setattr(_Leg, "drop", dropping)
+    monkeypatch.setattr(Leg, "drop", dropping)
     sock = await stalled_stream(served, 30_000)  # about 8 s of generation at this speedup
     loop = asyncio.get_running_loop()
     try:

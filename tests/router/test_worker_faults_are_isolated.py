@@ -22,8 +22,9 @@ from discovery import Discovery
 from protocol import LoadReport, WorkerInfo, encode_json, encode_msg, subjects
 from protocol.config import EtcdSettings
 from protocol.messages import load_report_problem
-from router.dispatch import Dispatcher, LegError
+from router.dispatch import Dispatcher
 from router.eligibility import MALFORMED_COOLDOWN_S, Eligibility, Exclusion
+from router.leg import LegError
 from router.load_view import Liveness
 from router.service import RouterService
 from runtime.nats_flush import flush
