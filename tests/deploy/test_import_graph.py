@@ -72,6 +72,51 @@ def test_the_package_graph_has_no_cycle() -> None:
         visit(package, ())
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))  # __version__ is public
+
+
+def _private_imports(path: Path, package: str) -> list[str]:
+    """Names `path` (in `package`) takes from another package that are not public: a `_name`, or
+    anything from a `_module` (the brief: a package uses another only through its public names)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] == package or parts[0] not in LAYERS:
+                continue
+            found += [f"{node.module}.{a.name}" for a in node.names if _private(a.name)]
+            if any(_private(part) for part in parts[1:]):
+                found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [
+                a.name
+                for a in node.names
+                if a.name.split(".")[0] in LAYERS.keys() - {package}
+                and any(_private(part) for part in a.name.split(".")[1:])
+            ]
+    return found
+
+
+def test_no_package_takes_another_packages_private_names() -> None:
+    wrong = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for package in LAYERS
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in _private_imports(path, package)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_checker_sees_a_private_import(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from protocol.tokenizer import _SPLIT, BOS_ID\nfrom protocol._fasthash import f\nimport router._x\n"
+    )
+    assert _private_imports(module, "bench") == ["protocol.tokenizer._SPLIT", "protocol._fasthash", "router._x"]
+    assert _private_imports(module, "protocol") == ["router._x"]
+
+
 def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from kvswitch.cluster import LocalCluster\n    import bench.cli\n")
