@@ -121,13 +121,16 @@ def leg_error(exc: LegError, *, streaming: bool = False) -> ApiError:
     """The client's view of a failed leg: the engine's own answer for a request it refused, why
     for a client that read too slowly, a generic one for the rest (worker ids and internal errors
     stay in the router's log). `streaming`: after the stream's first event, where a worker was
-    serving it, not "no worker could" (what a crashed engine mid-stream was told until 2026-12-06)."""
+    serving it: a worker gone or silent then is a 502, the worker failed, not a 503 "no worker
+    could" (the message until 2026-12-06, the code, and so requests_total's, until its second session)."""
     if exc.refused or exc.slow_reader:
         return ApiError(exc.code, exc.message, body=exc.body)
     if exc.nats_lost:  # the router's own state, as a request planned during the outage is told
         return ApiError(503, exc.message, retry_after_s=NO_WORKER_RETRY_S)
     code = exc.code if exc.code in (503, 504) else 502
-    what = {503: _MIDWAY if streaming else "no worker could serve the request", 504: "the request's deadline passed"}
+    if streaming and code == 503:  # a worker was serving it: it failed (502), not "no worker could" (503)
+        return ApiError(502, _MIDWAY)
+    what = {503: "no worker could serve the request", 504: "the request's deadline passed"}
     # A worker gone, silent or draining passes as one planning finds excluded does: retry later.
     retry = NO_WORKER_RETRY_S if code == 503 else None
     return ApiError(code, what.get(code, "the worker failed while serving the request"), retry_after_s=retry)

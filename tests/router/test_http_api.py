@@ -761,6 +761,8 @@ async def test_a_streamed_event_over_the_nats_payload_limit_reaches_the_client_w
 
 async def test_errors_mid_stream_carry_no_internal_text(agg: Cluster, http: aiohttp.ClientSession) -> None:
     router, worker = agg.routers[0], agg.workers[0]
+    labels = {"endpoint": "completions", "code": "502"}
+    before = router.metrics.registry.get_sample_value("kvswitch_router_requests_total", labels) or 0.0
     body = {"model": MODEL, "prompt": "the cache", "max_tokens": 30000, "stream": True, "ignore_eos": True}
     async with http.post(router.url + "/v1/completions", json=body) as resp:
         assert resp.status == 200
@@ -770,12 +772,10 @@ async def test_errors_mid_stream_carry_no_internal_text(agg: Cluster, http: aioh
     events = raw.strip().split("\n\n")
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
-    # not "no worker could serve the request", as it was until 2026-12-06: one was serving it
-    generic = {
-        502: "the worker failed while serving the request",
-        503: "the worker serving the request failed while streaming it",
-    }
-    assert generic.get(error["code"]) == error["message"], error
+    # not a 503 "no worker could serve the request", as it was until 2026-12-06: one was serving it
+    assert (error["code"], error["message"]) == (502, "the worker serving the request failed while streaming it")
+    counted = router.metrics.registry.get_sample_value("kvswitch_router_requests_total", labels)
+    assert counted == before + 1, "counted as the worker's failure, as docs/router.md's Metrics says"
     assert worker.id not in raw and worker.sim.url not in raw and "Error(" not in raw
 
 
