@@ -22,9 +22,8 @@ before the window. Once a window holds `min_legs` legs and `min_tokens` predicte
 judged: reused / predicted below `low` is a shortfall, logged at WARNING once with the figures and
 the likely causes, until a window reaches `recover`. Reuse the index did not predict (events still
 in flight, legs fed by a transfer, legs left out) only raises the ratio, so the check never blames
-a worker for reusing more (so two shims reading each other's events can offset each other's
-shortfall: worker_shim.event_owner catches that); blocks evicted between dispatch and scheduling
-lower it, hence the wide margin.
+a worker for reusing more; blocks evicted between dispatch and scheduling lower it, hence the wide
+margin.
 
 A counter that goes down (the engine restarted) or a failed poll starts over. Synchronous: the
 caller passes times in, so it is tested without a clock.
@@ -126,9 +125,7 @@ class CreditCheck:
                 "over %.1fs (%.2f, below %.2f): routers credit its worker with prefixes it recomputes. "
                 "Likely causes: a KV cache kind kvswitch does not model (Mamba, chunked local attention: "
                 "see kvswitch_shim_kv_other_group_events_total), speculative decoding, a router that tokenizes "
-                "differently from the engine, a cache so full that blocks are evicted while requests wait, or "
-                "KV events that are another engine's (--kv-events / --kv-replay may be another engine's: check each "
-                "shim's endpoints; /health's events_why says other_engine once enough prompts are watched)",
+                "differently from the engine, or a cache so full that blocks are evicted while requests wait",
                 self.engine or "?",
                 reused,
                 predicted,

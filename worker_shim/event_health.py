@@ -37,9 +37,6 @@ gives no such pair, and a cached prompt served then, its usage silent, is taken 
 (HITS_KEPT, about a minute); and a busy engine that publishes nothing is judged
 only when the leg watched is one it had to compute, its cached legs being excused one at a time.
 
-- OTHER_ENGINE (worker_shim.event_owner says so): Stored events flow, but not of the prompts the
-  shim serves: another engine's events (swapped endpoints). Live events do not clear it.
-
 Live events (not replayed ones) clear NO_STORED and WRONG_TOPIC; a connection clears NO_CONNECTION.
 NO_STORED, which withholds the very traffic whose events would clear it, also ends on a connection
 (a restarted engine, maybe fixed) or a Stored from the replay socket; and after `retest_s` without
@@ -88,7 +85,6 @@ class EventProblem(enum.Enum):
     WRONG_TOPIC = "wrong_topic"
     WRONG_RANK = "wrong_rank"
     NO_STORED = "no_stored"
-    OTHER_ENGINE = "other_engine"  # worker_shim.event_owner: the events flow, but not of the prompts served
 
 
 class EventHealth:

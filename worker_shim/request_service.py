@@ -485,7 +485,6 @@ class _Leg:
     reuse: int = 0
     reuse_before: int = 0  # RequestService.reuse_started as it began
     predicted: int = 0  # prompt tokens the engine should find cached, until it has scheduled the leg
-    held: int = 0  # leading prompt tokens the shim's index held at dispatch
     origin: str = ""  # the router process that sent it (GenerateRequest.origin)
 
 
@@ -642,7 +641,7 @@ class RequestService:
         if isinstance(leg, ErrorInfo):
             await writer.final(error=leg)
             return
-        queued = predicted = held = 0  # a transferred prompt costs this engine no prefill
+        queued = predicted = 0  # a transferred prompt costs this engine no prefill
         # The most reuse the engine may count for it: a pulled prompt in full (a vLLM without the
         # by-source series counts pulls in), else its whole blocks short of the last token.
         reuse, bs = len(req.token_ids), self.block_size()
@@ -652,9 +651,7 @@ class RequestService:
             reuse = reusable(reuse, reuse, bs) if bs else reuse
         copies = engine_requests(req.params)
         reuse = UNWEIGHED_REUSE if copies is None else reuse * copies
-        state = _Leg(
-            req.request_id, max(queued, 0), writer, predicted=predicted, held=held, reuse=reuse, origin=req.origin
-        )
+        state = _Leg(req.request_id, max(queued, 0), writer, predicted=predicted, reuse=reuse, origin=req.origin)
         self._begin(state)
         self._queued += state.queued_tokens
         self.on_change()

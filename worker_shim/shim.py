@@ -61,7 +61,6 @@ from worker_shim.adapters import (
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.engine_events import EngineBatch, EngineStored
-from worker_shim.event_owner import EventOwner
 from worker_shim.http_server import ShimHttpServer
 from worker_shim.kv_events_config import listed_mode
 from worker_shim.kv_publisher import KvPublisher, PublisherCounters, check_payload
@@ -207,7 +206,6 @@ class WorkerShim:
         self.events = self.adapter.event_health
         self.events.on_change = self._on_events_change
         self.events.holds = self._holds
-        self.owner = EventOwner(self.events)  # are the events read this engine's?
         self.credit = CreditCheck(self.config.engine_url)
         self.transfers = TransferFailures(self.config.engine_url)
         self.status = ShimStatus.NEW
@@ -785,7 +783,6 @@ class WorkerShim:
             self._publish(out)
             out.clear()
             await asyncio.sleep(0)
-        self.owner.batch()
         if norm.windows.window != window:
             log.info(
                 "the engine runs a hybrid model (a sliding window of %d tokens): its cached prefixes are "
@@ -820,12 +817,10 @@ class WorkerShim:
         hit = reusable(full * bs, len(token_ids), bs)  # what the engine counts for a prompt all cached
         if uncached > 0 and not (cached is not None and 0 < hit <= cached):
             last = block_hashes(token_ids[: full * bs], bs, salt=salt)[-1]
-            leg = self.requests.inflight.get(request_id) if self.requests is not None else None
             # The engine's own word on this prompt's cache is final; without it, its reuse counter.
-            before = leg.reuse_before if leg is not None and cached is None else None
+            leg = self.requests.inflight.get(request_id) if self.requests is not None and cached is None else None
+            before = leg.reuse_before if leg is not None else None
             self.events.expect_stored(last, request_id, uncached, before=before, served=time.monotonic(), hit=hit)
-            if leg is not None and leg.held < full * bs and not self.norm_stats.bigram_stored:
-                self.owner.served(last, request_id)  # its engine stores that block: is it in the events read?
 
     def _count_load_report(self) -> None:
         self.load_reports_sent += 1
@@ -1198,7 +1193,6 @@ class WorkerShim:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.events.close(keep_retest=not self._stopping.is_set())
-        self.owner.close(keep_retest=not self._stopping.is_set())
         self.worker_id = None
 
     # --- routers that died ----------------------------------------------------------------------
