@@ -1,16 +1,18 @@
-"""How far behind one whole answer's burst puts a router's NATS connection: a shim's ChunkWriter
-sends a body of `--mb` MB to a router-like reader in another process (nats-py, the dispatcher's
-subscription and msgpack decode per chunk; `--busy-ms` of other work on its loop every 100 ms),
-while nats-server's pending bytes for the reader are sampled every 5 ms. nats-server cuts a
-client past max_pending (64 MiB by default) as a slow consumer: the reader's every leg is lost.
+"""How far behind whole answers' bursts put a router's NATS connection: a shim's ChunkWriters
+send `--concurrent` bodies of `--mb` MB at once, each a leg of its own, to one router-like reader
+in another process (nats-py, the dispatcher's one wildcard inbox and msgpack decode per chunk;
+`--busy-ms` of other work on its loop every 100 ms), while nats-server's pending bytes for the
+reader are sampled every 5 ms. nats-server cuts a client past max_pending (64 MiB by default) as a
+slow consumer: the reader's every leg is lost.
 
-    .venv/bin/python -m bench.whole_answer_burst [--mb 193] [--rounds 5] [--busy-ms 0]
+    .venv/bin/python -m bench.whole_answer_burst [--mb 193] [--rounds 5] [--busy-ms 0] [--concurrent 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -42,17 +44,16 @@ async def _reader(url: str, busy_ms: float) -> None:
     nc = await nats.connect(
         url, name=_READER, disconnected_cb=on_disconnect, error_cb=on_error, max_reconnect_attempts=0
     )
-    got: list[int] = []
-    started = [0.0]
+    got: dict[str, int] = {}  # bytes by leg (reply subject)
+    started: dict[str, float] = {}
 
     async def on_chunk(msg: Any) -> None:
         chunk = decode_msg(msg.data, ResponseChunk)
-        if not got:
-            started[0] = time.monotonic()
-        got.append(len(chunk.body))
+        started.setdefault(msg.subject, time.monotonic())
+        got[msg.subject] = got.get(msg.subject, 0) + len(chunk.body)
         if chunk.final:
-            print(json.dumps({"bytes": sum(got), "s": round(time.monotonic() - started[0], 3)}), flush=True)
-            got.clear()
+            s = round(time.monotonic() - started.pop(msg.subject), 3)
+            print(json.dumps({"bytes": got.pop(msg.subject), "s": s}), flush=True)
 
     async def busy() -> None:
         while True:
@@ -80,7 +81,7 @@ def _sample(monitor: int, stop: threading.Event, peak: list[int]) -> None:
         time.sleep(0.005)
 
 
-async def _rounds(server: NatsServer, mb: float, rounds: int, busy_ms: float) -> None:
+async def _rounds(server: NatsServer, mb: float, rounds: int, busy_ms: float, concurrent: int) -> None:
     reader = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.whole_answer_burst", "--reader", server.url, "--busy-ms", str(busy_ms),
         stdout=subprocess.PIPE,
@@ -94,27 +95,36 @@ async def _rounds(server: NatsServer, mb: float, rounds: int, busy_ms: float) ->
         stop, peak = threading.Event(), [0]
         sampler = threading.Thread(target=_sample, args=(server.monitor_port, stop, peak))
         sampler.start()
-        writer = ChunkWriter(svc, f"bench.inbox.r{i}", f"r{i}", "w1", "agg", heartbeat_s=0.4)
+        writers = [
+            ChunkWriter(svc, f"bench.inbox.r{i}x{k}", f"r{i}x{k}", "w1", "agg", heartbeat_s=0.4)
+            for k in range(concurrent)
+        ]
         start = time.monotonic()
-        await writer.final(finish_reason="stop", body=body)
+        await asyncio.gather(*(w.final(finish_reason="stop", body=body) for w in writers))
         sent = time.monotonic() - start
-        line = json.loads(await asyncio.wait_for(reader.stdout.readline(), 60))
+        lines = []
+        for _ in writers:
+            lines.append(line := json.loads(await asyncio.wait_for(reader.stdout.readline(), 120)))
+            if line.get("cut"):
+                break
         stop.set()
         sampler.join()
+        cut = any(line.get("cut") for line in lines)
         print(
-            f"round {i}: {mb:g} MB sent in {sent:.3f} s; reader: "
+            f"round {i}: {concurrent} x {mb:g} MB sent in {sent:.3f} s; reader: "
             + (
                 "cut off as a slow consumer"
-                if line.get("cut")
-                else f"{line['bytes'] / 1e6:.1f} MB in {line['s']:.3f} s"
+                if cut
+                else ", ".join(f"{line['bytes'] / 1e6:.1f} MB in {line['s']:.3f} s" for line in lines)
             )
             + f"; peak pending at nats-server {peak[0] / 2**20:.1f} MiB",
             flush=True,
         )
-        if line.get("cut"):
+        if cut:
             break
     await nc.close()
-    reader.kill()
+    with contextlib.suppress(ProcessLookupError):  # a reader cut off has ended
+        reader.kill()
     await reader.wait()
 
 
@@ -125,13 +135,14 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--busy-ms", type=float, default=0.0, help="the reader's loop busy this long every 100 ms")
+    ap.add_argument("--concurrent", type=int, default=1, help="whole answers at once, each a leg, to the one reader")
     ap.add_argument("--reader", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reader:
         asyncio.run(_reader(args.reader, args.busy_ms))
         return
     with NatsServer() as server:
-        asyncio.run(_rounds(server, args.mb, args.rounds, args.busy_ms))
+        asyncio.run(_rounds(server, args.mb, args.rounds, args.busy_ms, args.concurrent))
 
 
 if __name__ == "__main__":

@@ -133,12 +133,14 @@ UNWEIGHED_REUSE = 1 << 50
 COALESCE_S = 0.005
 BUSY_LEGS = 32
 BEHIND_BYTES = 256 * 1024
-# One leg's output goes to its router at once up to BURST_BYTES, then at BURST_BYTES_S (a token
-# bucket, _Pace). A whole answer's body (or an event cut in pieces: a long prompt's prompt_logprobs,
-# 193 MB at 130k tokens and 20) went out as fast as NATS took it, faster than a router with other
-# work reads, and nats-server cut the router's connection, every leg on it, past its max_pending
-# (64 MiB by default). At 128 MiB/s a 193 MB answer takes 1.3 s more to send; a token stream never
-# comes near either bound.
+# The legs' output to one router (reply subjects under one inbox prefix: `destination`) goes out
+# at once up to BURST_BYTES, then at BURST_BYTES_S, however many legs send it (a token bucket per
+# router, _Pace, that its legs share). A whole answer's body (or an event cut in pieces: a long
+# prompt's prompt_logprobs, 193 MB at 130k tokens and 20) went out as fast as NATS took it, faster
+# than a router with other work reads, and nats-server cut the router's connection, every leg on
+# it, past its max_pending (64 MiB by default). At 128 MiB/s a 193 MB answer takes 1.3 s more to
+# send; a token stream never comes near either bound. The first pace (2026-12-06) had a bucket per
+# leg: 3 whole answers at once to one router went at 3 x 128 MiB/s, and the router was cut.
 BURST_BYTES = 16 << 20
 BURST_BYTES_S = 128 << 20
 PREFILL_POLL_S = 0.05
@@ -149,9 +151,21 @@ _FRAME = 5
 _ENDPOINTS = frozenset({"", ENDPOINT_COMPLETIONS, ENDPOINT_CHAT})
 
 
+def destination(reply: str) -> str:
+    """The router a reply subject goes to: its inbox prefix. A router's dispatcher subscribes one
+    wildcard inbox, `prefix.*`, on its NATS connection, and each leg replies to `prefix.token`
+    (router.dispatch), so nats-server's max_pending for that connection bounds all of them."""
+    return reply.rpartition(".")[0]
+
+
 class _Pace:
     """A token bucket of BURST_BYTES, filled at BURST_BYTES_S: `delay(now, size)` books `size` bytes
-    to publish at `now` (time.monotonic()) and says how long to wait first (0 within the bucket)."""
+    to publish at `now` (time.monotonic()) and says how long to wait first (0 within the bucket).
+
+    One per router, shared by its legs: each leg books its next chunk only once it has published the
+    one before (ChunkWriter._pump), and a booking waits for every byte booked before it, so legs
+    in debt take turns a chunk each, and a leg that sends little (a token stream) waits at most one
+    chunk per other leg sending."""
 
     def __init__(self, burst: int, rate: float, now: float) -> None:
         self.burst, self.rate = burst, rate
@@ -162,6 +176,10 @@ class _Pace:
         self.left = min(float(self.burst), self.left + (now - self.at) * self.rate) - size
         self.at = now
         return max(0.0, -self.left / self.rate)
+
+    def full(self, now: float) -> bool:
+        """Filled up again: no different from a new bucket."""
+        return self.left + (now - self.at) * self.rate >= self.burst
 
 
 class ChunkWriter:
@@ -198,7 +216,6 @@ class ChunkWriter:
         self.sent_bytes = 0
         self._pumping = False
         self._resent_from: int | None = None  # a resume's re-send under way, from this seq
-        self._pace = _Pace(BURST_BYTES, BURST_BYTES_S, time.monotonic())
         self._resume_s = min(RECENT_S, RESUME_HEARTBEATS * heartbeat_s) if heartbeat_s > 0 else RECENT_S
         self.ended = 0.0  # time.monotonic() when the leg ended (RequestService.remember)
         self.done = False
@@ -224,8 +241,9 @@ class ChunkWriter:
         await self._pump()
 
     async def _pump(self) -> None:
-        """Publish the chunks from `_next` on, in seq order and at the leg's pace (_Pace), unless
-        another coroutine is at it (it publishes these too before it returns). A resume published
+        """Publish the chunks from `_next` on, in seq order and at its router's pace (_Pace, shared
+        with that router's other legs), unless another coroutine is at it (it publishes these too
+        before it returns). A resume published
         what it had while the leg went on publishing its newest chunks: the router got new chunks
         amid the old, dropped them as sent before its ask, and asked again, and each ask sent a
         whole answer's burst again."""
@@ -234,7 +252,8 @@ class ChunkWriter:
         self._pumping = True
         try:
             while self._next < self.seq:
-                if (wait := self._pace.delay(time.monotonic(), len(self.sent[self._next - self.first]))) > 0:
+                pace = self.service.pace(self.reply)  # a resume may name another router
+                if (wait := pace.delay(time.monotonic(), len(self.sent[self._next - self.first]))) > 0:
                     await asyncio.sleep(wait)  # a resume may move _next meanwhile: read it after
                 data = self.sent[self._next - self.first]
                 self._next += 1
@@ -554,6 +573,7 @@ class RequestService:
         self.contexts = DecodeContext()  # the legs decoding, for LoadReport.decode_context
         self.resumes = 0
         self._resends: set[asyncio.Task[None]] = set()  # legs' resends under way (resend)
+        self._paces: dict[str, _Pace] = {}  # by router (destination), while not full again
         # Legs that ended lately, for a router that lost their last chunks (a NATS node died).
         self.recent: OrderedDict[str, ChunkWriter] = OrderedDict()
         self._recent_bytes = 0  # of the chunks in `recent`
@@ -566,6 +586,17 @@ class RequestService:
     def busy(self) -> bool:
         """Coalesce only under load: many legs in flight, or NATS not keeping up with the output."""
         return len(self.inflight) >= self.busy_legs or self.nc.pending_data_size >= BEHIND_BYTES
+
+    def pace(self, reply: str) -> _Pace:
+        """The pace of the router `reply` goes to, which every leg to it shares. Routers whose bucket
+        has filled up again are forgotten as another router's is made (a new one is the same)."""
+        to, now = destination(reply), time.monotonic()
+        pace = self._paces.get(to)
+        if pace is None:
+            for gone in [d for d, p in self._paces.items() if p.full(now)]:
+                del self._paces[gone]
+            pace = self._paces[to] = _Pace(BURST_BYTES, BURST_BYTES_S, now)
+        return pace
 
     def resend(self, pump: Coroutine[Any, Any, None], request_id: str) -> None:
         """Run a leg's resend (ChunkWriter.resume) in a task, kept until it ends, and cancelled at stop."""

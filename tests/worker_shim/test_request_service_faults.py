@@ -376,6 +376,48 @@ async def test_a_whole_answers_burst_goes_out_at_the_legs_pace(
     assert b"".join(c.body for c in replies.chunks("r1")) == body
 
 
+async def test_legs_to_one_router_share_one_burst_and_a_leg_to_another_goes_at_once(
+    nc: Nats, replies: Replies, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pace was per leg: whole answers to one router at once each went out with a burst and a
+    rate of their own, and together passed the router's max_pending, where one could not. Now the
+    legs to one router (reply subjects under its inbox prefix) share one bucket, and take turns in
+    it; a leg to another router has its own."""
+    burst, rate = 2 << 20, 8 << 20
+    monkeypatch.setattr(request_service, "BURST_BYTES", burst)
+    monkeypatch.setattr(request_service, "BURST_BYTES_S", rate)
+    svc = service(nc)
+    publish, out = svc.publish, list[tuple[str, float, int]]()
+
+    async def timed(subject: str, data: bytes) -> None:
+        out.append((subject, time.monotonic(), len(data)))
+        await publish(subject, data)
+
+    monkeypatch.setattr(svc, "publish", timed)
+    body = b"a" * (6 << 20)
+    start = time.monotonic()
+    legs = [
+        asyncio.create_task(ChunkWriter(svc, replies.inbox(name), name, "w1", "agg").final(body=body))
+        for name in ("a", "b")
+    ]
+    await wait_for(lambda: sum(size for _, _, size in out) >= burst, what="the router's burst")
+    other = f"{ns}.elsewhere.c"  # another router's inbox
+    await ChunkWriter(svc, other, "c", "w1", "agg").final(body=b"c" * (burst - nc.max_payload))
+    after = [subject for subject, _, _ in out[[s for s, _, _ in out].index(other) :]]
+    assert after[: after.count(other)] == [other] * after.count(other)  # at once, before the next of a or b
+    await asyncio.gather(*legs)
+    ours = [(subject, at, size) for subject, at, size in out if subject != other]
+    sent = 0
+    for _, at, size in ours:
+        sent += size
+        assert sent <= burst + rate * (at - start) + (64 << 10)  # one burst, not two, then one rate
+    # in turns once the bucket is spent: neither leg waits for the other's whole answer
+    late = [subject for subject, _, _ in ours[len(ours) // 2 :]]
+    assert replies.inbox("a") in late and replies.inbox("b") in late
+    await replies.settled()
+    assert all(b"".join(c.body for c in replies.chunks(name)) == body for name in ("a", "b"))
+
+
 # --- NATS refusing chunks -----------------------------------------------------------------------
 
 
