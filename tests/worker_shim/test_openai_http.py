@@ -360,6 +360,58 @@ async def test_a_long_prompts_logprobs_are_not_built_to_read_a_whole_answer(engi
     assert len(eng.whole) > 10_000_000 and peak < 3 * len(eng.whole)  # the read buffer and the body; decoded: 5.6x
 
 
+async def test_a_long_prompts_logprobs_are_not_built_to_read_a_streamed_event(
+    engine: tuple[Engine, VllmAdapter],
+) -> None:
+    """vLLM streams a prompt's prompt_logprobs in the first event (37 MB for 32k tokens at 20): the
+    shim decoded each event whole into Python objects, 8 times its size, and held its loop 0.5 s
+    (2 s at 128k tokens) with every other leg's chunks and heartbeats. Read, it holds its bytes; the
+    event still goes on byte for byte and counts its token."""
+    eng, adapter = engine
+    entry = {str(t): {"logprob": -1.25, "rank": r + 1, "decoded_token": " tok"} for r, t in enumerate(range(100, 120))}
+    choice = {"index": 0, "text": " a", "logprobs": None, "prompt_logprobs": [None, *[entry] * 8000]}
+    first = json.dumps({"id": "cmpl-r1", "choices": [choice]}).encode()
+    data = b"data: " + first + b"\n\n"
+    eng.writes = [data[i : i + (1 << 20)] for i in range(0, len(data), 1 << 20)]
+    eng.writes += [b"data: " + EVENTS[1] + b"\n\ndata: [DONE]\n\n"]
+    seen: list[tuple[int, list[bytes]]] = []
+
+    async def on_output(tokens: int, events: list[bytes], ids: list[int]) -> None:
+        seen.append((tokens, events))
+
+    tracemalloc.start()
+    try:
+        out = await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m", "prompt_logprobs": 20}), on_output)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [e for _, events in seen for e in events] == [first, EVENTS[1]] and out.finish_reason == "stop"
+    assert sum(tokens for tokens, _ in seen) == 2  # " a", then " b"
+    assert len(first) > 10_000_000 and peak < 3 * len(first)  # the line and its payload; decoded: 6.6x
+
+
+@pytest.mark.parametrize(
+    ("event", "tokens"),
+    [
+        ({"choices": [{"index": 0, "text": "", "logprobs": {"tokens": ["x"], "token_logprobs": [-1.0]}}]}, 1),
+        ({"choices": [{"index": 0, "text": "", "logprobs": None}]}, 0),
+        ({"choices": [{"index": 0, "text": "", "logprobs": {}}]}, 0),
+        ({"choices": [{"index": 0, "delta": {"content": "hi"}, "logprobs": {"content": []}}]}, 1),
+        ({"choices": [{"index": 0, "text": "ab", "token_ids": [5, 6], "prompt_logprobs": [None]}]}, 2),
+        ({"choices": "none", "usage": None}, 0),  # no shape the schema takes: read whole, as before
+    ],
+)
+def test_a_streamed_events_tokens_are_counted_from_the_fields_read(event: dict[str, Any], tokens: int) -> None:
+    """An event is read for its choices' ids, text, delta and whether their logprobs are empty; the
+    rest (a long prompt's prompt_logprobs) is skipped unbuilt."""
+    payload = json.dumps(event).encode()
+    assert openai_http._fold_lines(openai_http.Result(), [b"data: " + payload], pass_through=True) == (
+        tokens,
+        [payload],
+        False,
+    )
+
+
 def test_model_cards_are_read_from_vllms_own_models_answer() -> None:
     cards = model_cards((FIXTURES / "bs32" / "v1_models.json").read_bytes())
     assert cards == {"tiny-llama": ModelCard(2048, root="tiny-llama")}

@@ -68,6 +68,34 @@ class _Whole(msgspec.Struct):
 
 
 _whole = msgspec.json.Decoder(_Whole)
+
+
+class _EventChoice(msgspec.Struct):
+    """What `_fold` reads of a streamed event's choice (a completion's or a chat delta's)."""
+
+    index: Any = msgspec.UNSET
+    token_ids: Any = msgspec.UNSET
+    text: Any = msgspec.UNSET
+    delta: Any = msgspec.UNSET
+    # Read only for whether it is empty (_has_output), where a choice has no text: a streamed echo of
+    # a long prompt with `logprobs` carries the prompt's in the first event, and it has the text.
+    logprobs: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    finish_reason: Any = msgspec.UNSET
+    disaggregated_params: Any = msgspec.UNSET
+
+
+class _Event(msgspec.Struct):
+    """What the shim reads of a streamed SSE event; the event's bytes go on as they came. Every other
+    field is skipped unbuilt: vLLM streams a prompt's `prompt_logprobs` in the first event (37 MB for
+    32k tokens at 20), which decoded into Python objects held the shim's loop 0.5 s."""
+
+    choices: list[_EventChoice] | msgspec.UnsetType = msgspec.UNSET
+    usage: Any = msgspec.UNSET
+    error: Any = msgspec.UNSET
+    kv_transfer_params: Any = msgspec.UNSET
+
+
+_event = msgspec.json.Decoder(_Event)
 ENDPOINT_PATHS = {ENDPOINT_COMPLETIONS: "/v1/completions", ENDPOINT_CHAT: "/v1/chat/completions"}
 # A utility call is no generation, but tokenizing a long prompt with a chat template takes a while.
 UTILITY_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
@@ -219,15 +247,24 @@ def _has_output(choice: dict[str, Any]) -> bool:
     if isinstance(delta, dict):
         return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
                     or delta.get("tool_calls"))  # fmt: skip
-    return bool(choice.get("text") or choice.get("logprobs"))
+    if choice.get("text"):
+        return True
+    logprobs = choice.get("logprobs")
+    return bool(_json.decode(logprobs) if isinstance(logprobs, msgspec.Raw) else logprobs)
 
 
 def _whole_answer(raw: bytes) -> Any:
-    """A whole answer as `_fold` reads it: its fields in `_Whole` alone, as the plain decode has
-    them. An error answer (small) and a shape the schema does not take (choices that are no list of
-    objects, no object at all) are decoded whole, so that they read and fail as they always did."""
+    """A whole answer as `_fold` reads it (`_read` with `_Whole`)."""
+    return _read(raw, _whole)
+
+
+def _read(raw: bytes, schema: msgspec.json.Decoder[Any]) -> Any:
+    """An answer or a streamed event as `_fold` reads it: its fields in `schema` (`_Whole`,
+    `_Event`) alone, as the plain decode has them. An error answer (small) and a shape the schema
+    does not take (choices that are no list of objects, no object at all) are decoded whole, so that
+    they read and fail as they always did."""
     try:
-        answer = _whole.decode(raw)
+        answer = schema.decode(raw)
     except msgspec.ValidationError:
         return _json.decode(raw)
     if answer.error is not msgspec.UNSET and not answer.choices:
@@ -277,11 +314,13 @@ def _fold_lines(
     for line in lines:
         if not line.startswith(b"data:"):
             continue
-        payload = line[5:].strip()
+        # one copy of the payload, not two (a space after the colon, then the rest): a long prompt's
+        # first event is tens of MB
+        payload = (line[6:] if line.startswith(b"data: ") else line[5:]).strip()
         if payload == b"[DONE]":
             return count, events, True
         try:
-            data = _json.decode(payload)
+            data = _read(payload, _event)
             if not isinstance(data, dict):
                 continue
             count += _fold(result, data, require_ids=not pass_through)
@@ -298,13 +337,16 @@ async def _line_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[by
     partial: list[bytes] = []
     held = 0
     async for data in content.iter_any():
-        partial.append(data)
         held += len(data)
         if b"\n" not in data:
+            partial.append(data)
             if held > MAX_LINE_BYTES:
                 raise EngineError(502, "engine_protocol", f"an SSE line over {MAX_LINE_BYTES} bytes without a newline")
             continue
-        *lines, rest = b"".join(partial).split(b"\n")
+        # only this read is split, and the line it ends joined to what came before it, once: a long
+        # line (a long prompt's first event, tens of MB) was joined whole, then copied again by the split
+        head, *lines, rest = data.split(b"\n")
+        lines.insert(0, b"".join([*partial, head]) if partial else head)
         partial = [rest] if rest else []
         held = len(rest)
         yield lines
