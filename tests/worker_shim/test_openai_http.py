@@ -401,9 +401,14 @@ async def test_a_long_prompts_logprobs_are_not_built_to_read_a_streamed_event(
         ({"choices": "none", "usage": None}, 0),  # no shape the schema takes: read whole, as before
     ],
 )
-def test_a_streamed_events_tokens_are_counted_from_the_fields_read(event: dict[str, Any], tokens: int) -> None:
+@pytest.mark.parametrize("schema_bytes", [0, 1 << 30])
+def test_a_streamed_events_tokens_are_counted_from_the_fields_read(
+    event: dict[str, Any], tokens: int, schema_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An event is read for its choices' ids, text, delta and whether their logprobs are empty; the
-    rest (a long prompt's prompt_logprobs) is skipped unbuilt."""
+    rest (a long prompt's prompt_logprobs) is skipped unbuilt. A large event is read through the
+    schema, a small one (every token's) decoded plainly, which costs it less: the same count."""
+    monkeypatch.setattr(openai_http, "_SCHEMA_BYTES", schema_bytes)
     payload = json.dumps(event).encode()
     assert openai_http._fold_lines(openai_http.Result(), [b"data: " + payload], pass_through=True) == (
         tokens,
