@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from engine_sim import KVEventsConfig, SimConfig, SimServer
 from engine_sim.config import LOOPBACK_PUB_ENDPOINT
-from kvswitch.servers import free_port
+from kvswitch.servers import free_ports
 from protocol.vllm_events import publisher_binds
 from tests.engine_sim.conftest import replay
 from tests.engine_sim.listening import listening
@@ -39,8 +39,10 @@ def _sim_cli(events: dict[str, object]) -> Iterator[tuple[subprocess.Popen[str],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        yield proc, json.loads(proc.stdout.readline())
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        assert line, f"the sim exited before saying where it listens: {proc.stderr.read()[-2000:]}"
+        yield proc, json.loads(line)
     finally:
         proc.terminate()
         proc.wait(15)
@@ -87,7 +89,8 @@ async def _complete_until_received(url: str, rx: _Receiver) -> None:
 
 
 async def test_pub_connects_to_a_bound_subscriber_and_binds_replay() -> None:
-    events_port, replay_port = free_port(), free_port()
+    events_port = free_ports(2)  # two draws of free_port() can give one port twice
+    replay_port = events_port + 1
     rx = _Receiver(f"tcp://127.0.0.1:{events_port}", bind=True)  # as the bs32 capture's subscriber did
     try:
         events = {"endpoint": f"tcp://127.0.0.1:{events_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
@@ -107,7 +110,8 @@ async def test_pub_connects_to_a_bound_subscriber_and_binds_replay() -> None:
 
 
 async def test_pub_binds_a_double_colon_endpoint_on_loopback_only() -> None:
-    events_port, replay_port = free_port(), free_port()
+    events_port = free_ports(2)  # two draws of free_port() can give one port twice
+    replay_port = events_port + 1
     events = {
         "endpoint": f"tcp://[::ffff:127.0.0.1]:{events_port}",
         "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
