@@ -11,6 +11,12 @@ NATS and etcd behind TLS, `etcd_auth` turns etcd's users on (router and worker, 
 handed to children in the environment, never on a command line), `nats_auth` gives every router
 and shim its own nkey with kvswitch.nats_auth's permissions (shims then need `--worker-name`).
 Secrets live in a private temporary directory removed on stop.
+
+Restarts (`spec.restart`, on in `kvswitch up` unless --no-restart): a child or server that exits
+while the cluster runs is started again as it was first (the same argv, environment and ports, its
+log appended; a server with its store) after a back-off (`RestartPolicy`). Whoever supervises calls
+`note_exits` and `restart_due` from one thread; `stop` and `kill` hold the same lock, so a restart
+never races a stop: once stopping, nothing is restarted, and what was restarted before is stopped.
 """
 
 from __future__ import annotations
@@ -54,13 +60,42 @@ from protocol.messages import RouterInfo, decode_json
 
 log = logging.getLogger("kvswitch.cluster")
 
-__all__ = ["STOP_GRACE_S", "ClusterSpec", "LocalCluster"]
+__all__ = ["STOP_GRACE_S", "ClusterSpec", "LocalCluster", "RestartPolicy"]
 
 POOLS = ("prefill", "decode", "agg")
 STOP_GRACE_S = 35.0  # per tier of children at stop: the shim drains for 30 s at most
 # Draws of the sims' ports: a port free when drawn can be bound by another process (a parallel
 # test worker's server) before a sim binds it, and the sim then exits "address already in use".
 PORT_DRAWS = 3
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a child or server that exited is started again: `first_s` after its exit, doubling at
+    each exit in a row up to `most_s`. An exit after it ran `settled_s` starts the count again. The
+    `failures`-th exit in a row (each before it settled) is given up: a child that can never start,
+    a bad flag or a port another process took, must not loop forever."""
+
+    first_s: float = 1.0
+    most_s: float = 30.0
+    settled_s: float = 60.0
+    failures: int = 5
+
+    def delay(self, failures: int) -> float:
+        """The back-off before the restart after the `failures`-th exit in a row."""
+        return min(self.most_s, self.first_s * 2.0 ** (failures - 1))
+
+
+@dataclass
+class _Backoff:
+    """One supervised process's restarts (LocalCluster.note_exits, restart_due)."""
+
+    started_at: float = field(default_factory=time.monotonic)
+    failures: int = 0  # exits in a row, each before it settled
+    restart_at: float | None = None  # when it is due to start again; None when not waiting
+    noted: bool = False  # its exit is known (reported once)
+    given_up: bool = False
+    restarts: int = 0  # in all, for the log
 
 
 @dataclass
@@ -95,6 +130,7 @@ class ClusterSpec:
     # too (bench.virtual.measure_delays). Otherwise each sim's PUB connects to 127.0.0.1 and its shim
     # binds, as a shim beside vLLM usually runs.
     engines_bind_events: bool = False
+    restart: RestartPolicy | None = None  # None: a child or server that exits stays down
 
 
 @dataclass
@@ -103,6 +139,19 @@ class _Child:
     kind: str  # the kvswitch command it runs: router, shim, sim ...
     proc: subprocess.Popen[bytes]
     log: Path  # its output
+    argv: list[str] = field(default_factory=list)  # after `python -m kvswitch`, to start it again
+    env: dict[str, str] = field(default_factory=dict)
+    # URLs that answer 200 once it serves: a restarted child counts as restarting until they do (a
+    # shim has none: its HTTP port is a free one; the router's /ready says whether it registered).
+    probes: list[str] = field(default_factory=list)
+    serving: bool = True
+    backoff: _Backoff = field(default_factory=_Backoff)
+
+    def state(self) -> str:
+        """up, restarting (waiting for its restart, or restarted and not serving yet) or dead."""
+        if self.proc.poll() is None:
+            return "up" if self.serving else "restarting"
+        return "restarting" if self.backoff.restart_at is not None else "dead"
 
     def died(self) -> str:
         """Its exit status and last lines of output, for an error that says why it went."""
@@ -145,6 +194,9 @@ class LocalCluster:
         self._etcd_passwords: dict[str, str] = {}
         self._nats_auth: NatsAuthPlan | None = None
         self._abandon = threading.Event()  # set from another thread: starting stops at its next wait
+        self._lock = threading.Lock()  # a restart against `stop` and `kill`
+        self._stopping = False
+        self._server_backoff: dict[str, _Backoff] = {}
 
     @property
     def sim_urls(self) -> list[str]:
@@ -202,6 +254,7 @@ class LocalCluster:
             enable_auth(self.etcd.urls[0], self._etcd_passwords["root"], users, context=context)
 
     def start(self) -> None:
+        self._stopping = False
         try:
             self._start_servers()
             # Every port in one draw: ports drawn apart may overlap, since nothing binds them until
@@ -269,13 +322,14 @@ class LocalCluster:
             "--block-size", str(self.spec.block_size), "--kv-events-config", json.dumps(kv_config),
             "--max-num-batched-tokens", str(self.spec.max_num_batched_tokens), *self.spec.sim_args,
         ]  # fmt: skip
-        self.spawn(f"sim-{role}", argv)
+        fleet = self.spawn(f"sim-{role}", argv)
         for i in range(count):
             # The shim takes the endpoints as the engine was given them: by vLLM's rule the sim's PUB
             # connects to 127.0.0.1 and the shim binds it (an ipc:// one the sim binds); the sim binds
             # replay there, the shim connects.
             engine = _Engine(role, f"http://127.0.0.1:{http + i}", event_endpoints[i], f"tcp://127.0.0.1:{replay + i}")
             self.engines.append(engine)
+            fleet.probes.append(engine.url + "/health")
         for engine in self.engines[-count:]:
             self._wait_http(engine.url + "/health", what=f"sim {engine.url}")
 
@@ -295,8 +349,9 @@ class LocalCluster:
             "router", "--http-host", "127.0.0.1", "--http-port", str(port), "--model", self.spec.model,
             *self._connection_args("router", f"router-{index}"), *self.spec.router_args,
         ]  # fmt: skip
-        self.spawn(f"router-{index}", argv, self._child_env("router"))
+        router = self.spawn(f"router-{index}", argv, self._child_env("router"))
         self.router_urls.append(f"http://127.0.0.1:{port}")
+        router.probes.append(f"http://127.0.0.1:{port}/health")
 
     def _scratch_dir(self) -> Path:
         """A directory of this cluster's own, removed at `stop`."""
@@ -324,21 +379,83 @@ class LocalCluster:
         not a pipe: reading a pipe would cost this process CPU, and benchmarks run their client in
         it.)"""
         log = self._log(name)
+        child = _Child(name, argv[0], self._popen(argv, env or {}, log), log, argv, env or {})
+        self.children.append(child)
+        return child
+
+    def _popen(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv], signal.SIGTERM)
         with log.open("ab") as out:
             proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
                 # A supervisor killed outright must not orphan its children: they drain on SIGTERM.
                 preexec_fn=preexec,  # noqa: PLW1509
                 # Out of the terminal's process group: a Ctrl-C is for `kvswitch up` alone, which
                 # stops its children in tiers (signalled at once, the sims cut what the rest drain).
                 start_new_session=True,
             )  # fmt: skip
-        child = _Child(name, argv[0], proc, log)
-        self.children.append(child)
-        return child
+        return proc
+
+    def note_exits(self, now: float) -> list[tuple[str, str, _Backoff]]:
+        """(name, its exit status and last output, its back-off) of each child and server whose exit
+        is new since the last call; with a restart policy, each is due again after its back-off, or
+        given up (`given_up`) at its policy's bound. Nothing is scheduled once stopping."""
+        exits = []
+        with self._lock:
+            for child in self.children:
+                if not child.backoff.noted and child.proc.poll() is not None:
+                    exits.append((child.name, child.died(), child.backoff))
+            for name, died in self.dead_servers():
+                backoff = self._server_backoff.setdefault(name, _Backoff())
+                if not backoff.noted:
+                    exits.append((name, died, backoff))
+            for _, _, backoff in exits:
+                backoff.noted = True
+                if self.spec.restart is not None and not self._stopping:
+                    self._schedule(backoff, self.spec.restart, now)
+        return exits
+
+    @staticmethod
+    def _schedule(backoff: _Backoff, policy: RestartPolicy, now: float) -> None:
+        settled = now - backoff.started_at >= policy.settled_s
+        backoff.failures = 1 if settled else backoff.failures + 1
+        if backoff.failures >= policy.failures:
+            backoff.given_up = True
+        else:
+            backoff.restart_at = now + policy.delay(backoff.failures)
+
+    def restart_due(self, now: float) -> list[str]:
+        """Start again, as each was started first, every child and server whose back-off ended; their
+        names. Nothing once stopping: `stop` takes down what this restarted before it."""
+        restarted = []
+        with self._lock:
+            if self._stopping:
+                return []
+            for child in self.children:
+                if child.backoff.restart_at is not None and child.backoff.restart_at <= now:
+                    child.proc = self._popen(child.argv, child.env, child.log)
+                    child.serving = not child.probes
+                    self._restarted(child.backoff, now)
+                    restarted.append(child.name)
+            for name, server in self.servers():
+                backoff = self._server_backoff.get(name)
+                if backoff is not None and backoff.restart_at is not None and backoff.restart_at <= now:
+                    server.launch()  # its ports and store, its log appended
+                    self._restarted(backoff, now)
+                    restarted.append(name)
+        return restarted
+
+    @staticmethod
+    def _restarted(backoff: _Backoff, now: float) -> None:
+        backoff.restart_at, backoff.noted, backoff.started_at = None, False, now
+        backoff.restarts += 1
+
+    def next_restart(self) -> float | None:
+        """When the next restart is due (time.monotonic), None when none waits."""
+        due = [c.backoff.restart_at for c in self.children] + [b.restart_at for b in self._server_backoff.values()]
+        return min((d for d in due if d is not None), default=None)
 
     def _wait_http(
         self, url: str, what: str, timeout: float = 60.0, ok: Callable[[bytes], bool] = lambda _body: True
@@ -428,6 +545,8 @@ class LocalCluster:
         sims), each tier drained before the next is signalled: requests in flight finish on
         engines that are still up. A tier gets `grace_s` (the shim drains for 30 s at most), then
         is killed. Then the servers go."""
+        with self._lock:  # a restart meanwhile: none after this, and the one before is stopped here
+            self._stopping = True
         for tier in _tiers(list(reversed(self.children))):
             for child in tier:
                 if child.proc.poll() is None:
@@ -449,6 +568,8 @@ class LocalCluster:
         """SIGKILL every child and server now and remove the cluster's directories: for a
         supervisor that must exit at once, even while `stop` drains on another thread (whose
         directories a plain exit would leave behind)."""
+        with self._lock:
+            self._stopping = True
         children = list(self.children)
         for child in children:
             if child.proc.poll() is None:
@@ -471,6 +592,7 @@ class LocalCluster:
         self.secrets_dir = self._scratch = None
         self.engines = []
         self.router_urls = []
+        self._server_backoff = {}
 
     def healthy(self) -> bool:
         return self.health()[1]
@@ -500,7 +622,8 @@ class LocalCluster:
         return [(f"nats-{i}", n) for i, n in enumerate(nats)] + [(f"etcd-{i}", m) for i, m in enumerate(etcd)]
 
     def dead_server_names(self) -> list[str]:
-        """The servers that exited on their own (one stopped or killed on purpose has no process left)."""
+        """The servers that exited on their own (one stopped or killed on purpose has no process left),
+        waiting for a restart or not."""
         return [name for name, server in self.servers() if server.proc is not None and server.proc.poll() is not None]
 
     def dead_servers(self) -> list[tuple[str, str]]:
@@ -521,12 +644,31 @@ class LocalCluster:
         nats = [n.healthy() for n in self.nats.nodes] if self.nats is not None else [False]
         etcd = [m.healthy() for m in self.etcd.members] if self.etcd is not None else [False]
         parts = [f"nats={_members_state(nats)}", f"etcd={_members_state(etcd)}"]
-        dead = [c.name for c in self.children if c.proc.poll() is not None]
-        parts.append(f"children={len(self.children) - len(dead)}/{len(self.children)} up")
-        dead += self.dead_server_names()  # names only: the log tails are up's to read, once
+        for child in self.children:
+            if not child.serving and child.proc.poll() is None:
+                child.serving = all(_answers(url) for url in child.probes)
+        states = [(c.name, c.state()) for c in self.children]
+        up = sum(state == "up" for _, state in states)
+        parts.append(f"children={up}/{len(self.children)} up")
+        restarting = [name for name, state in states if state == "restarting"]
+        dead = [name for name, state in states if state == "dead"]
+        for name in self.dead_server_names():  # names only: the log tails are up's to read, once
+            backoff = self._server_backoff.get(name)
+            (restarting if backoff is not None and backoff.restart_at is not None else dead).append(name)
+        if restarting:
+            parts.append("restarting=" + ",".join(restarting))
         if dead:
             parts.append("dead=" + ",".join(dead))
-        return "health: " + " ".join(parts), all(nats) and all(etcd) and not dead
+        return "health: " + " ".join(parts), all(nats) and all(etcd) and not dead and not restarting
+
+
+def _answers(url: str) -> bool:
+    """Whether `url` answers 200 now (a restarted child's probe)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def _members_state(up: list[bool]) -> str:

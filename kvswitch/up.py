@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvswitch.cluster import STOP_GRACE_S, ClusterSpec, LocalCluster
+from kvswitch.cluster import STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy
 from kvswitch.servers import ServerError
 from protocol import ConfigError, subjects
 from protocol.errors import try_listen
@@ -62,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "router-0, ...; default: a temporary directory removed at exit)",
     )
     parser.add_argument("--demo", action="store_true", help="bring the cluster up, show it healthy, take it down")
+    default = RestartPolicy()
+    parser.add_argument("--no-restart", action="store_true",
+                        help="leave a child (sim, shim, router) or a nats/etcd server that exits down, as "
+                             "dead in the health line (default: restart it as it was started)")  # fmt: skip
+    parser.add_argument("--restart-backoff-s", type=float, default=default.first_s, metavar="SECONDS",
+                        help=f"wait before restarting what exited, doubled at each exit in a row up to "
+                             f"{default.most_s:.0f} s (or SECONDS if more); after {default.failures} exits in a "
+                             f"row, each within {default.settled_s:.0f} s of its start, it is given up "
+                             f"(default {default.first_s})")  # fmt: skip
     ha = parser.add_argument_group("high availability and security")
     ha.add_argument("--nats-nodes", type=int, default=1, metavar="N", help="NATS cluster members (3 for HA)")
     ha.add_argument("--etcd-members", type=int, default=1, metavar="N", help="etcd cluster members (3 for HA)")
@@ -106,6 +115,7 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     for name in ("nats_nodes", "etcd_members"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    restart = _restart_policy(args)
     sim_args = [*_max_model_len_args(args), *_lora_args(args.lora_modules, args.model)]
     extra: list[str] = list(getattr(args, "extra", []))
     if extra:
@@ -117,7 +127,19 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         profile=args.profile, router_args=extra, sim_args=sim_args,
         log_dir=log_dir,
         nats_nodes=args.nats_nodes, etcd_members=args.etcd_members, etcd_auth=args.secure, nats_auth=args.secure,
+        restart=restart,
     )  # fmt: skip
+
+
+def _restart_policy(args: argparse.Namespace) -> RestartPolicy | None:
+    first = args.restart_backoff_s
+    if not 0 < first < math.inf:
+        raise SystemExit(f"kvswitch up: --restart-backoff-s must be a finite number > 0, got {first}")
+    if args.no_restart:
+        if first != RestartPolicy.first_s:
+            raise SystemExit("kvswitch up: --restart-backoff-s has no effect with --no-restart: drop one")
+        return None
+    return RestartPolicy(first_s=first, most_s=max(RestartPolicy.most_s, first))
 
 
 def _max_model_len_args(args: argparse.Namespace) -> list[str]:
@@ -254,7 +276,9 @@ def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
 class _HealthLog:
     """What `kvswitch up` says of its cluster's health at each check: a change at once (a child or
     a server that died, with its exit status and last output), the same trouble again at most every
-    `every_s`, with how many checks found it meanwhile."""
+    `every_s`, with how many checks found it meanwhile. `watch`, between checks, restarts what
+    exited when the cluster has a restart policy: a WARNING for each exit it restarts, an ERROR for
+    one given up."""
 
     def __init__(
         self, cluster: LocalCluster, said: str, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic
@@ -265,17 +289,33 @@ class _HealthLog:
         self._line = said  # the health line said last
         self._said_at = clock()
         self._held = 0
-        self._dead: set[str] = set()
+
+    def watch(self) -> None:
+        """Say each new exit once, and restart what is due (cheap: no probe, for every tick)."""
+        now, policy = self._clock(), self.cluster.spec.restart
+        for name, died, backoff in self.cluster.note_exits(now):
+            self._line = ""  # the next check says the health line, "healthy again" once restarted
+            what = "server" if name in dict(self.cluster.servers()) else "child"
+            if policy is None:
+                log.error("%s exited: %s", what, died)
+            elif backoff.given_up:
+                log.error(
+                    "%s exited: %s; given up: it exited %d times in a row, each within %.0fs of its start: see its "
+                    "output above (a bad flag? a port another process holds?); the rest of the cluster runs on, "
+                    "restart kvswitch up to try it again",
+                    what, died, backoff.failures, policy.settled_s,
+                )  # fmt: skip
+            else:
+                assert backoff.restart_at is not None
+                log.warning(
+                    "%s exited: %s; restarting it in %.1fs (exit %d in a row; given up at %d)",
+                    what, died, backoff.restart_at - now, backoff.failures, policy.failures,
+                )  # fmt: skip
+        for name in self.cluster.restart_due(now):
+            log.info("restarted %s", name)
 
     def check(self) -> None:
-        for child in self.cluster.children:
-            if child.name not in self._dead and child.proc.poll() is not None:
-                self._dead.add(child.name)
-                log.error("child exited: %s", child.died())
-        for name, died in self.cluster.dead_servers():
-            if name not in self._dead:
-                self._dead.add(name)
-                log.error("server exited: %s", died)
+        self.watch()
         (line, healthy), now = self.cluster.health(), self._clock()
         if line != self._line:
             if healthy:
@@ -377,11 +417,18 @@ def run(args: argparse.Namespace) -> int:
                 return await _demo(cluster, spec, stop)
             print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)
             health = _HealthLog(cluster, said)
+            # Exits are looked for each tick (a poll of each process), health probed every 5 s.
+            tick = 5.0 if spec.restart is None else min(1.0, spec.restart.first_s / 2)
+            next_check = time.monotonic() + 5.0
             while not stop.is_set():
                 try:
-                    await asyncio.wait_for(stop.wait(), timeout=5.0)
+                    await asyncio.wait_for(stop.wait(), timeout=tick)
                 except TimeoutError:
-                    health.check()
+                    if time.monotonic() >= next_check:
+                        health.check()
+                        next_check = time.monotonic() + 5.0
+                    else:
+                        health.watch()
             return 0
         finally:
             # On a thread: a stop takes up to a tier's grace per tier, and a second SIGTERM

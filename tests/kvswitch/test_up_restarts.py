@@ -1,0 +1,230 @@
+"""`kvswitch up` restarts a child or server that exits while the cluster runs: as it was started (its
+ports, argv, environment, log), after a back-off, given up after `RestartPolicy.failures` exits in a
+row; never during or after a stop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvswitch.cluster import ClusterSpec, LocalCluster, RestartPolicy
+from kvswitch.servers import free_port
+from kvswitch.up import _HealthLog, _spec
+from tests.kvswitch.test_up import _alive, _cmdline, _descendants, _up_args
+
+
+def _until(what: str, ok: Callable[[], object], timeout: float = 20.0) -> object:
+    deadline = time.monotonic() + timeout
+    while not (got := ok()):
+        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
+        time.sleep(0.05)
+    return got
+
+
+def _watched(health: _HealthLog) -> bool:
+    health.watch()
+    return True
+
+
+class _Up:
+    """A real `kvswitch up` in a session of its own, its log (stderr) in a file to read as it runs."""
+
+    def __init__(self, argv: list[str], tmp_path: Path) -> None:
+        self.err = tmp_path / "up.err"
+        with self.err.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvswitch", "up", "--speedup", "20", *argv],
+                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+            )  # fmt: skip
+        assert self.proc.stdout is not None
+        out = ""
+        while "health:" not in out:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.kill()
+                pytest.fail(f"kvswitch up exited: {out}{self.said()}")
+            out += line
+
+    def said(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def pid(self, command: str) -> int | None:
+        """The live child running `kvswitch <command>`."""
+        pids = [p for p in _descendants(self.proc.pid) if f"-m kvswitch {command} " in _cmdline(p) and _alive(p)]
+        return pids[0] if pids else None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _complete(url: str) -> bool:
+    body = json.dumps({"model": "sim-llama", "prompt": list(range(300, 340)), "max_tokens": 2}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return bool(json.loads(r.read())["usage"]["completion_tokens"] == 2)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+            return bool(json.loads(r.read()).get("routable", 0) >= 1)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def test_a_killed_engine_and_its_shim_are_restarted_and_requests_route_again(tmp_path: Path) -> None:
+    # Each stayed dead ("dead=sim-agg,shim-agg-P" in the health line) until an operator restarted
+    # kvswitch up by hand.
+    http = free_port()
+    up = _Up(["--agg", "1", "--http-port", str(http), "--restart-backoff-s", "0.2"], tmp_path)
+    try:
+        sim, shim = up.pid("sim"), up.pid("shim")
+        assert sim and shim
+        os.kill(sim, signal.SIGKILL)
+        os.kill(shim, signal.SIGKILL)
+        _until("both restarted", lambda: {up.pid("sim"), up.pid("shim")}.isdisjoint({sim, shim, None}))
+        said = up.said()
+        for name in ("sim-agg", r"shim-agg-\d+"):
+            exited = rf"WARNING .*child exited: {name} \(status -9.*restarting it in 0\.\ds"
+            assert re.search(exited, said, re.DOTALL), said
+        # the shim registers again and points at its engine's port, which the sim listens on again
+        _until("a request routed", lambda: _complete(f"http://127.0.0.1:{http}"), timeout=30)
+        _until("healthy again", lambda: "healthy again: health: nats=ok etcd=ok children=3/3 up" in up.said())
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.close()
+
+
+def test_a_killed_router_is_restarted_on_its_port_and_ready(tmp_path: Path) -> None:
+    http = free_port()
+    up = _Up(["--agg", "1", "--http-port", str(http), "--restart-backoff-s", "0.2"], tmp_path)
+    try:
+        router = up.pid("router")
+        assert router
+        os.kill(router, signal.SIGKILL)
+        again = _until("restarted", lambda: (p := up.pid("router")) not in (None, router) and p)
+        assert isinstance(again, int) and f"--http-port {http} " in _cmdline(again)
+        assert re.search(r"WARNING .*child exited: router-0 \(status -9.*restarting it in", up.said(), re.DOTALL)
+        _until("ready", lambda: _ready(f"http://127.0.0.1:{http}"), timeout=30)
+        assert _complete(f"http://127.0.0.1:{http}")
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.close()
+
+
+def test_a_sigterm_during_a_back_off_stops_cleanly_and_restarts_nothing(tmp_path: Path) -> None:
+    up = _Up(["--agg", "1", "--routers", "0", "--restart-backoff-s", "30"], tmp_path)
+    try:
+        everything = _descendants(up.proc.pid)
+        shim = up.pid("shim")
+        assert shim
+        os.kill(shim, signal.SIGKILL)
+        _until("the back-off", lambda: "restarting it in 30.0s" in up.said())
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(30) == 0
+        assert "kvswitch up: stopped" in up.said() and "restarted " not in up.said(), up.said()
+        time.sleep(0.3)
+        assert not [p for p in everything + _descendants(up.proc.pid) if _alive(p)], "children left behind"
+    finally:
+        up.close()
+
+
+def test_a_child_that_fails_at_once_every_time_is_given_up_and_the_rest_runs_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    policy = RestartPolicy(first_s=0.1, failures=5)
+    cluster = LocalCluster(ClusterSpec(log_dir=tmp_path, restart=policy))
+    try:
+        cluster.start()  # the servers alone
+        bad = cluster.spawn("sim-agg", ["sim", "--no-such-flag"])
+        health = _HealthLog(cluster, cluster.health_line())
+        with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+            _until("given up", lambda: _watched(health) and bad.backoff.given_up)
+            for _ in range(3):  # and no more restarts after
+                time.sleep(policy.first_s)
+                health.watch()
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(warnings) == 4 and bad.backoff.restarts == 4, warnings
+        assert "restarting it in 0.1s (exit 1 in a row; given up at 5)" in warnings[0]
+        assert "restarting it in 0.8s (exit 4 in a row; given up at 5)" in warnings[3]
+        assert len(errors) == 1, errors
+        assert errors[0].startswith("child exited: sim-agg (status 2; its last output:")
+        assert "unrecognized arguments: --no-such-flag" in errors[0]
+        assert "given up: it exited 5 times in a row, each within 60s of its start" in errors[0]
+        assert "a bad flag?" in errors[0]
+        assert (tmp_path / "sim-agg.log").read_text().count("--no-such-flag\n") == 5  # one log, appended
+        line, healthy = cluster.health()
+        assert line == "health: nats=ok etcd=ok children=0/1 up dead=sim-agg" and not healthy
+    finally:
+        cluster.stop()
+
+
+def test_a_killed_nats_server_is_restarted_on_its_port(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cluster = LocalCluster(ClusterSpec(log_dir=tmp_path, restart=RestartPolicy(first_s=0.05)))
+    try:
+        cluster.start()  # the servers alone
+        assert cluster.nats is not None
+        nats = cluster.nats.nodes[0]
+        assert nats.proc is not None
+        url, first = nats.url, nats.proc.pid
+        nats.proc.kill()
+        nats.proc.wait(10)
+        health = _HealthLog(cluster, cluster.health_line())
+        with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+            health.watch()
+            assert "restarting=nats-0" in cluster.health_line()
+            _until("restarted", lambda: _watched(health) and nats.proc is not None and nats.proc.pid != first)
+        _until("healthy", nats.healthy)
+        assert nats.url == url and cluster.health() == ("health: nats=ok etcd=ok children=0/0 up", True)
+        said = [r.getMessage()[:34] for r in caplog.records]
+        assert said == ["server exited: nats-0 nats://127.0", "restarted nats-0"]
+    finally:
+        cluster.stop()
+
+
+def test_a_stop_ends_restarts(tmp_path: Path) -> None:
+    cluster = LocalCluster(ClusterSpec(log_dir=tmp_path, restart=RestartPolicy(first_s=0.01)))
+    child = cluster.spawn("sim-agg", ["sim", "--no-such-flag"])
+    child.proc.wait(30)
+    cluster.note_exits(time.monotonic())
+    cluster.stop()
+    assert cluster.restart_due(time.monotonic() + 1) == [] and child.proc.poll() is not None
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--restart-backoff-s", "0"], "kvswitch up: --restart-backoff-s must be a finite number > 0, got 0.0"),
+        (["--restart-backoff-s", "nan"], "kvswitch up: --restart-backoff-s must be a finite number > 0, got nan"),
+        (["--no-restart", "--restart-backoff-s", "2"], "--restart-backoff-s has no effect with --no-restart"),
+    ],
+)
+def test_a_bad_restart_flag_is_refused_naming_it(argv: list[str], said: str) -> None:
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        _spec(_up_args(["--agg", "1", *argv]))
+
+
+def test_restarts_are_on_unless_no_restart() -> None:
+    assert _spec(_up_args(["--agg", "1"])).restart == RestartPolicy()
+    assert _spec(_up_args(["--agg", "1", "--restart-backoff-s", "45"])).restart == RestartPolicy(45.0, 45.0)
+    assert _spec(_up_args(["--agg", "1", "--no-restart"])).restart is None
