@@ -86,6 +86,7 @@ from router.gap_repair import LIMIT_HINT, FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
 from runtime import guarded
+from runtime.turns import Turns
 
 __all__ = ["KvIngest"]
 
@@ -157,6 +158,7 @@ class KvIngest:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nc = nc
+        self._turns = Turns()
         self._ns = subjects.validate_namespace(ns)
         self.index = index
         self.min_entry_limit = min_entry_limit
@@ -303,6 +305,7 @@ class KvIngest:
     # --- live batches ----------------------------------------------------------------------------
 
     async def _on_msg(self, msg: Msg) -> None:
+        await self._turns.take()  # nats-py hands a backlog over without yielding: a turn every slice
         self._on_payload(msg.subject.rpartition(".")[2], msg.data)
 
     def _on_payload(self, subject_worker: str, data: bytes) -> None:

@@ -51,6 +51,7 @@ from router.lifecycle import PartStatus
 from router.load_view import LoadView
 from router.peer_settings import PeerSettings
 from runtime import background, guarded
+from runtime.turns import Turns
 
 __all__ = ["ReplicaSync", "SyncStats"]
 
@@ -93,6 +94,7 @@ class ReplicaSync:
     ) -> None:
         self._nc = nc
         self._ns = subjects.validate_namespace(ns)
+        self._turns = Turns()
         self._subject = subjects.sync(self._ns)
         self.router_id = router_id
         self.view = view
@@ -226,6 +228,7 @@ class ReplicaSync:
     # --- peers' bookings -----------------------------------------------------------------------
 
     async def _on_msg(self, msg: Msg) -> None:
+        await self._turns.take()  # nats-py hands a backlog over without yielding: a turn every slice
         self._on_payload(msg.data)
 
     def _on_payload(self, data: bytes) -> None:

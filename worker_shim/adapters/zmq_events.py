@@ -51,6 +51,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from protocol.errors import ProtocolError
 from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply, publisher_binds, replay_request
+from runtime.turns import Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_ranked
 from worker_shim.config import KvEventsMode, ShimConfig
@@ -216,7 +217,7 @@ class ZmqEventSource:
                     self._quiet_probe_at = None
                     await self._probe(sink, f"after {QUIET_PROBE_S:g} s of quiet")
                 if sub in ready:
-                    turn = _Turns()
+                    turn = Turns(SLICE_S)
                     while True:
                         try:
                             frames = await sub.recv_multipart(flags=zmq.NOBLOCK, copy=True)
@@ -281,7 +282,7 @@ class ZmqEventSource:
                 # The same run: the shim holds all up to `last`. A rebuild from 0 would lose it all
                 # once the engine's buffer has wrapped (vLLM keeps only the last buffer_steps).
                 log.info("%s KV events: peer reconnected; the engine's run continues from seq %d", self.engine, last)
-                turn = _Turns()
+                turn = Turns(SLICE_S)
                 for s, p in replayed[1:]:
                     await self._deliver(s, p, sink, live=False)
                     await turn.take()
@@ -349,7 +350,7 @@ class ZmqEventSource:
             self.stats.gaps += 1
             self.stats.replay_failures += 1
             log.warning("%s KV events: gap %d..%d cannot be replayed: resetting", self.engine, start, missed[0][0] - 1)
-        turn = _Turns()
+        turn = Turns(SLICE_S)
         for i, (s, p) in enumerate(missed):
             await self._deliver(s, p, sink, reset=reset and i == 0, complete=False, live=False)
             await turn.take()
@@ -429,7 +430,7 @@ class ZmqEventSource:
         # The SUB socket queues what arrives meanwhile; replayed seqs are then skipped as duplicates.
         replayed = await self._replay(first_missing)
         if replayed and replayed[0][0] == first_missing:
-            turn = _Turns()
+            turn = Turns(SLICE_S)
             for s, p in replayed:
                 await self._deliver(s, p, sink, live=False)
                 await turn.take()
@@ -473,7 +474,7 @@ class ZmqEventSource:
         # With replay, the next live seq must follow what it returned (-1: expect seq 0).
         self._last, self._last_digest = (None if replayed is None else -1), None
         await sink(EngineBatch(reset=True, complete=complete, live=False))
-        turn = _Turns()
+        turn = Turns(SLICE_S)
         for s, p in replayed or []:
             await self._deliver(s, p, sink, live=False)
             await turn.take()
@@ -520,7 +521,7 @@ class ZmqEventSource:
             dealer.connect(self.replay_address)
             await dealer.send_multipart(replay_request(start))
             async with asyncio.timeout(REPLAY_TIMEOUT_S):
-                turn = _Turns()
+                turn = Turns(SLICE_S)
                 while True:
                     await turn.take()
                     frames = await dealer.recv_multipart()
@@ -584,16 +585,3 @@ class ZmqEventsAdapter(HttpEngineAdapter):
     def request_rebuild(self) -> None:
         if self._events is not None:
             self._events.request_rebuild()
-
-
-class _Turns:
-    """Gives the loop a turn once SLICE_S of work has run since the last: awaiting a message the
-    socket holds already never does, nor the sink, but within a long prompt's chain."""
-
-    def __init__(self) -> None:
-        self._since = time.perf_counter()
-
-    async def take(self) -> None:
-        if time.perf_counter() - self._since >= SLICE_S:
-            await asyncio.sleep(0)
-            self._since = time.perf_counter()
