@@ -21,6 +21,7 @@ BACKLOG = 200
 def _callbacks(router: RouterService) -> dict[str, tuple[Any, Callable[[Any], Awaitable[None]], str]]:
     """(the object whose Turns paces it, the callback, a subject it reads) per subscription."""
     sync = router._sync
+    assert sync is not None
     return {
         "load": (router, router._on_load, "kvswitch.load.w1"),
         "kv": (router.ingest, router.ingest._on_msg, "kvswitch.kv.w1"),
