@@ -214,11 +214,6 @@ class LoadReport(_Msg, kw_only=True):
     # token the engine's steps generated (a speculative step's accepted drafts too, which itl_count
     # counts once). 0 from a shim before the field: calibration then reads generated tokens as itl_count.
     generation_tokens: int = 0
-    # Added 2026-12-06: true while the shim finds the KV events it reads are another engine's (its
-    # own prompts' blocks are not stored in them, others' are: swapped --kv-events / --kv-replay). It
-    # then publishes a Cleared and none of them, so routers give the worker no prefix credit; they
-    # keep routing it by load and say so in /ready's warnings (worker_shim.event_owner).
-    events_foreign: bool = False
 
 
 # --- Requests: router -> shim on {ns}.gen.{role}.{worker} ----------------------------------------

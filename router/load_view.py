@@ -272,11 +272,6 @@ class LoadView:
         promise (LoadReport.prefix_credit_short)."""
         return sorted(w for w, held in self._reports.items() if held.report.prefix_credit_short)
 
-    def events_foreign(self) -> list[str]:
-        """The workers whose last report says their shim reads another engine's KV events
-        (LoadReport.events_foreign): it publishes none, so they get no prefix credit."""
-        return sorted(w for w, held in self._reports.items() if held.report.events_foreign)
-
     def remove_worker(self, worker: str) -> None:
         """`worker` left: its report and every booking on it go."""
         self._reports.pop(worker, None)

@@ -633,8 +633,7 @@ class RouterService:
         """What the registered workers (and peer routers) get wrong that does not stop this router:
         names that resolve to several models, a model's own name another model's workers serve as
         an alias, workers of one model that disagree on max_model_len, prefill workers no decode
-        worker can use, timing profiles this router cannot load, workers whose shims read another
-        engine's KV events, peers that route with other settings."""
+        worker can use, timing profiles this router cannot load, peers that route with other settings."""
         out: list[str] = []
         clashes = self._registry.name_clashes if self._registry is not None else {}
         mine = {i.model for i in infos}
@@ -665,14 +664,6 @@ class RouterService:
                     f"{', '.join(sorted(engines))}), and a transfer handle feeds only its own engine kind: "
                     "they get no request"
                 )
-        names = {i.worker for i in infos}
-        if foreign := [w for w in self.view.events_foreign() if w in names]:
-            out.append(
-                f"workers {', '.join(foreign)}: their shims find the KV events they read are another engine's (their "
-                "own prompts' blocks are not stored in them, other prompts' are), so they publish none and are routed "
-                "by load with no prefix credit: --kv-events / --kv-replay may be another engine's: check each shim's "
-                "endpoints"
-            )
         return out + unusable_profiles(infos) + self.peer_settings.warnings()
 
     def index_state(self) -> dict[str, Any]:

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -110,16 +109,11 @@ class KvPublisher:
         epoch: int,
         normaliser: Normaliser,
         counters: PublisherCounters | None = None,
-        *,
-        muted: Callable[[], bool] = lambda: False,
     ) -> None:
-        """`muted()`: the shim publishes none of the events it reads (another engine's:
-        worker_shim.event_owner), so a dump is empty."""
         self.nc = nc
         self.subject = subjects.kv(ns, worker)
         self.log = EventLog(worker, epoch)
         self.normaliser = normaliser
-        self.muted = muted
         self.counters = counters or PublisherCounters()
         self._published = KvDigestAt(epoch, 0, 0, 0)
         self._failing_since: int | None = None  # the first batch NATS refused, while it refuses them
@@ -252,9 +246,6 @@ class KvPublisher:
             self.seal()
             await self._send_outbox()
 
-    def _dump(self) -> Iterable[int]:
-        return () if self.muted() else self.normaliser.dump_lazily()
-
     async def on_kvstate(self, msg: Msg) -> None:
         if not msg.reply:
             return
@@ -273,7 +264,7 @@ class KvPublisher:
             self.seal()
             sent, dump = 0, False
             try:
-                for chunk in self.log.reply(request, self._dump, self.nc.max_payload):
+                for chunk in self.log.reply(request, self.normaliser.dump_lazily, self.nc.max_payload):
                     await self.nc.publish(msg.reply, encode_msg(pack_chunk(chunk)))
                     sent, dump = sent + 1, chunk.dump
                     await asyncio.sleep(0)  # building the next chunk of a dump takes a while: let the loop run

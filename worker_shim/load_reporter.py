@@ -59,7 +59,6 @@ class LoadReporter:
         events_ok: Callable[[], bool] = lambda: True,
         decode_context: Callable[[], float] = lambda: 0.0,
         credit_short: Callable[[], bool] = lambda: False,
-        events_foreign: Callable[[], bool] = lambda: False,
         transfers_failed: Callable[[], int] = lambda: 0,
         draining: Callable[[], bool] = lambda: False,
         on_reading: Callable[[float, float, EngineLoad | None], None] = lambda _asked, _done, _load: None,
@@ -77,7 +76,6 @@ class LoadReporter:
         self.events_ok = events_ok
         self.decode_context = decode_context
         self.credit_short = credit_short
-        self.events_foreign = events_foreign
         self.transfers_failed = transfers_failed
         self.draining = draining
         # Each poll's result (None: it failed), with the time.monotonic() it was asked for and came back.
@@ -151,7 +149,6 @@ class LoadReporter:
             engine_ts=self._engine_at,
             decode_context=self.decode_context(),
             prefix_credit_short=self.credit_short(),
-            events_foreign=self.events_foreign(),
             kv_transfers_failed=self.transfers_failed(),
             draining=self.draining(),
             generation_tokens=t.generation_tokens,
@@ -197,7 +194,6 @@ class LoadReporter:
             rep.kv_total_blocks,
             rep.events_ok,
             rep.prefix_credit_short,
-            rep.events_foreign,
             rep.kv_transfers_failed,
             rep.draining,
         )

@@ -87,20 +87,6 @@ class _ShimCollector(Collector):
         for p in EventProblem:
             problems.add_metric([p.value], float(p in s.events.problems))
         yield problems
-        o = s.owner
-        yield _gauge(
-            "events_foreign",
-            "1 while the KV events read seem another engine's (none published: --kv-events / --kv-replay swapped?)",
-            float(o.foreign),
-        )
-        stored = CounterMetricFamily(
-            P + "kv_stored_blocks_owned",
-            "Live full-attention blocks stored, by whether a prompt this shim dispatched holds them",
-            labels=["own"],
-        )
-        stored.add_metric(["true"], float(o.own_blocks))
-        stored.add_metric(["false"], float(o.foreign_blocks))
-        yield stored
         yield _counter("kv_events_received", "Engine KV events received", float(s.engine_events))
         batches = CounterMetricFamily(P + "kv_batches_received", "Engine event batches", labels=["live"])
         for live, n in s.engine_batches.items():

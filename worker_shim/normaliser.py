@@ -168,10 +168,6 @@ class Normaliser:
         # KV cache group -> kind, as its Stored events say: the engine's layout, kept over resets.
         self._groups: dict[int, str] = {}
         self.windows = WindowEndpoints()
-        # Given each GPU-tier full-attention chain a Stored folds (its canonical hashes, text only:
-        # not a media chain), whether or not it was held: the owner counts whose blocks the engine
-        # stores (worker_shim.event_owner). None: not told.
-        self.on_chain: Callable[[list[int]], None] | None = None
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -491,8 +487,6 @@ class Normaliser:
         except ValueError as exc:
             self._malformed("token ids", str(exc), ev.hashes)
             return
-        if self.on_chain is not None and not ev.media and _tier_of(ev.medium) is None:
-            self.on_chain(canon)
         adapter = ev.salt.partition("\x00")[0]  # chain_salt(lora, cache_salt)
         yield from self._link(ev.hashes, canon, parent, ev.medium, out, adapter)
 

@@ -510,8 +510,6 @@ class _Leg:
 class RequestService:
     """Runs legs against one adapter; serves every worker id it is subscribed under.
 
-    `dispatched(token_ids, salt)` gives the cached tokens of a leg's prompt as it is dispatched to
-    prefill locally (`cached_tokens` unless given: the shim notes its blocks as its own, too).
     `on_served(request_id, token_ids, salt, usage)` is called after each leg that prefilled its
     prompt locally and ended well (the shim checks that the engine's KV events followed).
     `on_transfer_failed()` is called for each leg fed by a KV transfer that the engine failed (its
@@ -528,7 +526,6 @@ class RequestService:
         on_change: Callable[[], None],
         cached_tokens: Callable[[list[int], str], int] = lambda _ids, _salt: 0,
         *,
-        dispatched: Callable[[list[int], str], int] | None = None,
         on_served: Callable[[str, list[int], str, Usage], None] = lambda _rid, _ids, _salt, _usage: None,
         on_scheduled: Callable[[float, float, int], None] = lambda _dispatched, _at, _predicted: None,
         on_transfer_failed: Callable[[], None] = lambda: None,
@@ -542,7 +539,6 @@ class RequestService:
         self.tracer = tracer or LegTracer()
         # Prompt tokens the engine already caches: they cost no prefill, so they are not "queued".
         self.cached_tokens = cached_tokens
-        self.dispatched = cached_tokens if dispatched is None else dispatched
         self.adapter = adapter
         self.on_change = on_change
         self.on_served = on_served
@@ -681,7 +677,7 @@ class RequestService:
         # by-source series counts pulls in), else its whole blocks short of the last token.
         reuse, bs = len(req.token_ids), self.block_size()
         if leg.transfer is None:
-            held = self.dispatched(req.token_ids, self._salt(req))
+            held = self.cached_tokens(req.token_ids, self._salt(req))
             queued, predicted = len(req.token_ids) - held, self._reuse(req, held)
             reuse = reusable(reuse, reuse, bs) if bs else reuse
         copies = engine_requests(req.params)

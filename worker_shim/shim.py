@@ -61,8 +61,6 @@ from worker_shim.adapters import (
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.engine_events import EngineBatch, EngineStored
-from worker_shim.event_health import EventProblem
-from worker_shim.event_owner import EventOwner
 from worker_shim.http_server import ShimHttpServer
 from worker_shim.kv_events_config import listed_mode
 from worker_shim.kv_publisher import KvPublisher, PublisherCounters, check_payload
@@ -208,8 +206,6 @@ class WorkerShim:
         self.events = self.adapter.event_health
         self.events.on_change = self._on_events_change
         self.events.holds = self._holds
-        self.owner = EventOwner(self.events.timeout_s)  # are the events read this engine's?
-        self.owner.on_change = self._on_owner_change
         self.credit = CreditCheck(self.config.engine_url)
         self.transfers = TransferFailures(self.config.engine_url)
         self.status = ShimStatus.NEW
@@ -319,7 +315,6 @@ class WorkerShim:
             self.adapter,
             self._poke_load,
             self._cached_prompt_tokens,
-            dispatched=self._dispatched_prompt,
             on_served=self._on_served,
             on_scheduled=self.credit.scheduled,
             on_transfer_failed=self.transfers.leg_failed,
@@ -371,8 +366,6 @@ class WorkerShim:
             "engine_error": reporter.error if reporter is not None else "",
             "events_ok": self.events.ok,
             "events_why": self.events.why,
-            "events_foreign": self.owner.foreign,
-            "events_foreign_why": self.owner.why,
             "prefix_credit_short": self.credit.short,
             "nats": self.nats_state,
             "etcd": lease.state.value if lease is not None else "none",
@@ -784,15 +777,12 @@ class WorkerShim:
                 self.events.replayed(stored)
         out = norm.reset(exact=batch.complete) if batch.reset else []
         window = norm.windows.window
-        norm.on_chain = self.owner.stored if batch.live else None  # whose blocks does the engine store?
         for _ in norm.folding(batch.events, out):
             # Part of a long chain folded (a 128 k-token prompt's one Stored is 8,192 blocks):
             # published before the loop runs, as what runs may read the set (a kvstate dump).
             self._publish(out)
             out.clear()
             await asyncio.sleep(0)
-        norm.on_chain = None
-        self.owner.batch()
         if norm.windows.window != window:
             log.info(
                 "the engine runs a hybrid model (a sliding window of %d tokens): its cached prefixes are "
@@ -809,13 +799,10 @@ class WorkerShim:
         self._publish(out)
 
     def _publish(self, out: list[KvEvent]) -> None:
-        if out and not self.owner.foreign:  # another engine's events: routers hold none of them
+        if out:
             for presence in self._presences():
                 if presence.publisher is not None:
                     presence.publisher.add(out)
-
-    def _muted(self) -> bool:
-        return self.owner.foreign
 
     def _holds(self, canonical: int) -> bool:
         return self.normaliser is not None and self.normaliser.holds(canonical)
@@ -833,10 +820,7 @@ class WorkerShim:
             # The engine's own word on this prompt's cache is final; without it, its reuse counter.
             leg = self.requests.inflight.get(request_id) if self.requests is not None and cached is None else None
             before = leg.reuse_before if leg is not None else None
-            if not self.owner.foreign:  # else the events read are not its engine's: none is due in them
-                self.events.expect_stored(last, request_id, uncached, before=before, served=time.monotonic(), hit=hit)
-            if not self.norm_stats.bigram_stored:  # SGLang's bigram pages hash other tokens than the prompt's
-                self.owner.served(last)  # is its block stored in the events read?
+            self.events.expect_stored(last, request_id, uncached, before=before, served=time.monotonic(), hit=hit)
 
     def _count_load_report(self) -> None:
         self.load_reports_sent += 1
@@ -868,33 +852,6 @@ class WorkerShim:
         if self.registration is not None and self.registration.state is not RegistrationState.STOPPED:
             self.registration.update()
         self._poke_load()
-
-    def _on_owner_change(self) -> None:
-        """The events read turned out another engine's (`owner.foreign`): routers drop what this
-        shim published of them; or its own again: they get the whole set back."""
-        norm = self.normaliser
-        events: list[KvEvent] = [Cleared()]
-        if self.owner.foreign:
-            # The more exact diagnosis, and a soft one: another engine's events need not carry this
-            # engine's Stored, and no_stored would exclude the worker (the whole pool, swapped).
-            self.events.resolved(EventProblem.NO_STORED)
-        elif norm is not None:
-            events += norm.snapshot()
-        for presence in self._presences():
-            if presence.publisher is not None:
-                presence.publisher.add(events)
-        self._poke_load()
-
-    def _dispatched_prompt(self, token_ids: list[int], salt: str) -> int:
-        """`_cached_prompt_tokens` of a prompt dispatched to prefill here, its blocks noted as this
-        shim's own (worker_shim.event_owner)."""
-        norm, limits = self.normaliser, self.limits
-        if norm is None or not limits.block_size or limits.prefix_caching is False:
-            return 0
-        hashes = block_hashes(token_ids, limits.block_size, salt=salt)
-        held = norm.cached_prefix_blocks(hashes)
-        self.owner.dispatched(hashes, held)
-        return held * limits.block_size
 
     def _cached_prompt_tokens(self, token_ids: list[int], salt: str = "") -> int:
         norm, limits = self.normaliser, self.limits
@@ -987,13 +944,10 @@ class WorkerShim:
     async def _start_epoch(self, presence: _Presence) -> None:
         assert self.normaliser is not None and self.requests is not None
         requests = self.requests
-        publisher = KvPublisher(
-            self.nc, self.ns, presence.worker, self.epoch, self.normaliser, self.kv_counters, muted=self._muted
-        )
+        publisher = KvPublisher(self.nc, self.ns, presence.worker, self.epoch, self.normaliser, self.kv_counters)
         publisher.start()
-        # Routers that follow from seq 1 must see what the engine held before registration (none
-        # of another engine's).
-        publisher.add([Cleared()] if self.owner.foreign else [Cleared(), *self.normaliser.snapshot()])
+        # Routers that follow from seq 1 must see what the engine held before registration.
+        publisher.add([Cleared(), *self.normaliser.snapshot()])
         presence.publisher = publisher
         presence.reporter = LoadReporter(
             self.nc,
@@ -1006,7 +960,6 @@ class WorkerShim:
             poll_s=min(0.25, self.config.health_interval_s),
             digest=publisher.digest,
             events_ok=lambda: self.events.ok,
-            events_foreign=self._muted,
             decode_context=requests.contexts.mean,
             credit_short=lambda: self.credit.short,
             transfers_failed=lambda: self.transfers.total,
@@ -1288,7 +1241,6 @@ class WorkerShim:
                 await main
         if self.requests is not None:
             await self.requests.abort_all()
-        self.owner.close()
         await self._close_clients()
         if self.status is not ShimStatus.FAILED:
             self.status = ShimStatus.STOPPED
