@@ -333,7 +333,7 @@ class _Handlers:
         return json_response({"ready": ready, **body}, status=200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.path.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=await self.path.metrics.render_off_loop(), headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(self.started_at)

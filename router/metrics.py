@@ -8,8 +8,10 @@ queue) are read from their owners at scrape time, so each has exactly one source
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -407,3 +409,21 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def render_off_loop(self) -> bytes:
+        """`render`, its text formatted on a thread: the figures are collected here, on the loop
+        (they read routing state), and formatting them is most of the time. At 1,000 workers (three
+        per-worker samples each) a render took 24 ms, 14 ms of it formatting, and a scrape held the
+        replica's loop 18-75 ms (scale audit of 2026-12-06)."""
+        families = list(self.registry.collect())
+        return await asyncio.to_thread(generate_latest, cast(CollectorRegistry, _Collected(families)))
+
+
+class _Collected:
+    """Metric families collected already, for generate_latest to format."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)

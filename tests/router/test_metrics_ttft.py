@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import router.metrics
 from protocol.config import RouterSettings
 from router.metrics import RouterMetrics, StateFigures
 from tests.router.conftest import MODEL, Cluster, busy_decode_fleet
@@ -146,3 +151,23 @@ async def test_the_itl_of_n_sequences_is_each_sequences(cluster: Cluster, http: 
         after = itl()
         means.append((after[0] - before[0]) / (after[1] - before[1]))
     assert means[1] > 0.6 * means[0], means  # each sequence steps as often as one alone, give or take
+
+
+async def test_a_scrape_is_formatted_off_the_loop_and_reads_as_the_plain_render(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 1,000 workers a render took 24 ms, 14 of them formatting, all on the replica's loop: the
+    figures are collected on the loop (they read routing state) and formatted on a thread."""
+    figures = StateFigures(timing={f"w{i:04d}": (1.0, 1.1, 30.0) for i in range(1000)})
+    metrics = RouterMetrics(lambda: figures)
+    threads: list[str] = []
+
+    def recording(registry: Any) -> bytes:
+        threads.append(threading.current_thread().name)
+        return generate_latest(registry)
+
+    monkeypatch.setattr(router.metrics, "generate_latest", recording)
+    served = await metrics.render_off_loop()
+    assert threads and threads[0] != threading.main_thread().name
+    assert served == metrics.render()
+    assert served.count(b"kvswitch_router_timing_scale{") == 2000
