@@ -97,6 +97,7 @@ __all__ = [
     "BUSY_LEGS",
     "COALESCE_S",
     "FD_RESERVE",
+    "PACED_BYTES",
     "PREFILL_POLL_S",
     "ChunkWriter",
     "RequestService",
@@ -143,6 +144,12 @@ BEHIND_BYTES = 256 * 1024
 # leg: 3 whole answers at once to one router went at 3 x 128 MiB/s, and the router was cut.
 BURST_BYTES = 16 << 20
 BURST_BYTES_S = 128 << 20
+# Only chunks this large are paced: a whole answer's pieces and a long event's (about max_payload
+# each). A token stream's chunks go at once: booked in its router's bucket behind whole answers, a
+# stream got one chunk through per chunk of theirs and fell ever further behind (1.7 s at 100
+# tokens a second beside three 193 MB answers; review of the shared pace, 2026-12-06).
+PACED_BYTES = 64 << 10
+_PACES_KEPT = 64  # routers' buckets kept before those filled up again are forgotten
 PREFILL_POLL_S = 0.05
 _ENVELOPE = 4096  # room left in a chunk for everything but its events, token ids or body
 # msgpack's most bytes around one event (a bin 32 header) or for one token id (a uint 32): a full
@@ -162,10 +169,10 @@ class _Pace:
     """A token bucket of BURST_BYTES, filled at BURST_BYTES_S: `delay(now, size)` books `size` bytes
     to publish at `now` (time.monotonic()) and says how long to wait first (0 within the bucket).
 
-    One per router, shared by its legs: each leg books its next chunk only once it has published the
-    one before (ChunkWriter._pump), and a booking waits for every byte booked before it, so legs
-    in debt take turns a chunk each, and a leg that sends little (a token stream) waits at most one
-    chunk per other leg sending."""
+    One per router, shared by its legs' large chunks (PACED_BYTES): each leg books its next chunk
+    only once it has published the one before (ChunkWriter._pump), and a booking waits for every byte
+    booked before it, so legs in debt take turns a chunk each. A token stream's small chunks are
+    not booked: they go at once."""
 
     def __init__(self, burst: int, rate: float, now: float) -> None:
         self.burst, self.rate = burst, rate
@@ -252,8 +259,9 @@ class ChunkWriter:
         self._pumping = True
         try:
             while self._next < self.seq:
-                pace = self.service.pace(self.reply)  # a resume may name another router
-                if (wait := pace.delay(time.monotonic(), len(self.sent[self._next - self.first]))) > 0:
+                size = len(self.sent[self._next - self.first])
+                # the router's pace is read for each chunk: a resume may name another router
+                if size >= PACED_BYTES and (wait := self.service.pace(self.reply).delay(time.monotonic(), size)) > 0:
                     await asyncio.sleep(wait)  # a resume may move _next meanwhile: read it after
                 data = self.sent[self._next - self.first]
                 self._next += 1
@@ -588,13 +596,16 @@ class RequestService:
         return len(self.inflight) >= self.busy_legs or self.nc.pending_data_size >= BEHIND_BYTES
 
     def pace(self, reply: str) -> _Pace:
-        """The pace of the router `reply` goes to, which every leg to it shares. Routers whose bucket
-        has filled up again are forgotten as another router's is made (a new one is the same)."""
-        to, now = destination(reply), time.monotonic()
+        """The pace of the router `reply` goes to, which every leg to it shares. Past _PACES_KEPT
+        routers, those whose bucket has filled up again are forgotten (a new one is the same); on
+        each new router, they were remade for every chunk where two routers take turns."""
+        to = destination(reply)
         pace = self._paces.get(to)
         if pace is None:
-            for gone in [d for d, p in self._paces.items() if p.full(now)]:
-                del self._paces[gone]
+            now = time.monotonic()
+            if len(self._paces) >= _PACES_KEPT:
+                for gone in [d for d, p in self._paces.items() if p.full(now)]:
+                    del self._paces[gone]
             pace = self._paces[to] = _Pace(BURST_BYTES, BURST_BYTES_S, now)
         return pace
 

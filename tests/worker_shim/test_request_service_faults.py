@@ -418,6 +418,45 @@ async def test_legs_to_one_router_share_one_burst_and_a_leg_to_another_goes_at_o
     assert all(b"".join(c.body for c in replies.chunks(name)) == body for name in ("a", "b"))
 
 
+async def test_a_token_stream_beside_whole_answers_to_its_router_is_not_paced(
+    nc: Nats, replies: Replies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Booked in its router's bucket behind whole answers, a stream got one chunk through per chunk of
+    theirs and fell ever further behind (1.7 s at 100 tokens a second beside three 193 MB answers):
+    only large chunks are paced."""
+    burst, rate = 2 << 20, 4 << 20
+    monkeypatch.setattr(request_service, "BURST_BYTES", burst)
+    monkeypatch.setattr(request_service, "BURST_BYTES_S", rate)
+    svc = service(nc)
+    publish, out = svc.publish, list[tuple[str, int]]()
+
+    async def counted(subject: str, data: bytes) -> None:
+        out.append((subject, len(data)))
+        await publish(subject, data)
+
+    monkeypatch.setattr(svc, "publish", counted)
+    answer = asyncio.create_task(ChunkWriter(svc, replies.inbox("a"), "a", "w1", "agg").final(body=b"a" * (8 << 20)))
+    await wait_for(lambda: sum(size for _, size in out) >= burst, what="the router's burst")
+    stream = ChunkWriter(svc, replies.inbox("s"), "s", "w1", "agg")
+    for token in range(20):
+        await stream.output(1, [], [token])
+        await stream._pump()  # what a lone token's flush does: it goes now, or waits for the pace
+    sent_before_the_answer_ended = [s for s, _ in out].count(replies.inbox("s"))
+    assert not answer.done()
+    assert sent_before_the_answer_ended == 20, "each token went at once, not behind the answer's pieces"
+    await answer
+    assert len(svc._paces) == 1  # one router, one bucket, kept
+
+
+def test_two_routers_keep_their_buckets_as_their_legs_take_turns(nc: Nats) -> None:
+    """A bucket was forgotten whenever another router's was made: with two routers in turn, every
+    chunk made one anew (800 for 800 chunks)."""
+    svc = service(nc)
+    first = svc.pace("_INBOX.r1.1"), svc.pace("_INBOX.r2.1")
+    for i in range(100):
+        assert (svc.pace(f"_INBOX.r1.{i}"), svc.pace(f"_INBOX.r2.{i}")) == first
+
+
 # --- NATS refusing chunks -----------------------------------------------------------------------
 
 
