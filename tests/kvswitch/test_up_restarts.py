@@ -214,8 +214,16 @@ def test_a_stop_ends_restarts(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["--restart-backoff-s", "0"], "kvswitch up: --restart-backoff-s must be a finite number > 0, got 0.0"),
-        (["--restart-backoff-s", "nan"], "kvswitch up: --restart-backoff-s must be a finite number > 0, got nan"),
+        (
+            ["--restart-backoff-s", "0"],
+            "--restart-backoff-s must be a finite number of seconds >= 0.1, got 0.0",
+        ),
+        (
+            ["--restart-backoff-s", "nan"],
+            "--restart-backoff-s must be a finite number of seconds >= 0.1, got nan",
+        ),
+        # a supervisor that looks for exits every half back-off spun at 92% of a core at 0.001
+        (["--restart-backoff-s", "0.001"], "--restart-backoff-s must be a finite number of seconds >= 0.1, got 0.001"),
         (["--no-restart", "--restart-backoff-s", "2"], "--restart-backoff-s has no effect with --no-restart"),
     ],
 )
