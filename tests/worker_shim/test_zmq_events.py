@@ -498,3 +498,71 @@ async def test_a_replay_of_many_batches_gives_the_loop_turns_while_it_is_receive
         ctx.term()
     replayed = seen[:200] if how == "rebuild" else seen[1:201]
     assert replayed[-1] - replayed[0] >= len(replayed) - 1  # another task ran between each two batches
+
+
+class PublishesWhileReplayIsAsked(BufferedEngine):
+    """An engine that publishes a batch while the shim's probe waits for its replay: vLLM's
+    publisher thread sends a batch on the PUB, then buffers it, and answers a replay request only
+    between batches, so the probe's replay holds a batch the live socket has already delivered."""
+
+    def __init__(self, pub_binds: bool) -> None:
+        super().__init__(pub_binds)
+        self.publish_on_probe = False
+
+    async def serve_replay(self) -> None:
+        while True:
+            ident, _, seq_frame = await self.router.recv_multipart()
+            start = int.from_bytes(seq_frame, "big")
+            self.replay_requests.append(start)
+            if start and self.publish_on_probe:
+                self.publish_on_probe = False
+                await self.store(1)  # live, before the replay answer
+                await asyncio.sleep(0.2)  # ... on the shim's side well before it
+            for f in self.sent:
+                if decode_pub_frames(f)[1] >= start:
+                    await self.router.send_multipart([ident, b"", *f])
+            await self.router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+
+
+@pytest.mark.parametrize("pub_binds", [True, False], ids=["engine-binds", "engine-connects"])
+async def test_a_batch_the_live_socket_delivered_while_a_probe_waited_is_live_not_missed(
+    pub_binds: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Against real vLLM 0.32 (make test-vllm, 2026-12-06), a batch sent as a quiet probe asked for
+    the replay came in the replay and was delivered as replayed (live false), its live copy then
+    dropped as a duplicate, with a WARNING that the live socket never delivered it: about one batch
+    a second per shim (a replayed batch proves nothing of the live stream: event_health). A batch
+    the live socket holds is live."""
+    monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)
+    engine = PublishesWhileReplayIsAsked(pub_binds)
+    batches: list[EngineBatch] = []
+    source = ZmqEventSource("vllm", engine.shim_endpoint, "auto", "kv-events", engine.replay_endpoint, "127.0.0.1")
+
+    async def sink(batch: EngineBatch) -> None:
+        batches.append(batch)
+
+    replay = asyncio.create_task(engine.serve_replay())
+    live = asyncio.Event()
+    run = asyncio.create_task(source.run(sink, live))
+    try:
+        await asyncio.wait_for(live.wait(), 5)
+        engine.connect_pub()
+        await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
+        await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
+        engine.publish_on_probe = True
+        with caplog.at_level(logging.WARNING, logger=zmq_events.__name__):
+            await engine.store(1)  # seq 0 live; the quiet probe follows a second later, and seq 1 with it
+            await wait_for(lambda: source._last == 1, QUIET_PROBE_S + 3, "seq 1 delivered")
+            await asyncio.sleep(0.3)
+        assert engine.replay_requests == [0, 1]
+        stored = [b for b in batches if b.events]
+        assert [b.live for b in stored] == [True, True], "seq 1 came on the live socket"
+        assert not [r for r in caplog.records if "never delivered" in r.getMessage()]
+        assert source.stats.gaps == 0
+    finally:
+        run.cancel()
+        replay.cancel()
+        for t in (run, replay):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        engine.close()
