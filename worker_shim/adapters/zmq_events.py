@@ -51,7 +51,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from protocol.errors import ProtocolError
 from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply, publisher_binds, replay_request
-from runtime.turns import Turns
+from runtime.turns import SLICE_S, Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_ranked
 from worker_shim.config import KvEventsMode, ShimConfig
@@ -70,10 +70,6 @@ SETTLE_S = 1.0
 # lost on the way (the PUB's high-water mark) shows as a gap only when a later one comes, and the
 # last before the engine goes quiet has none after it. The index lacked its blocks until then.
 QUIET_PROBE_S = 1.0
-# The longest run of event work between two turns of the shim's loop: a replay of the engine's
-# buffer (vLLM keeps 10,000 batches) or a queued burst handled in one go held every leg's chunks and
-# heartbeats, and /health, for hundreds of milliseconds (loop audit of 2026-12-06).
-SLICE_S = 0.005
 # SGLang with a snapshot_endpoint: live topic = topic + EPOCH_MARKER + epoch, and a snapshot
 # barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
 EPOCH_MARKER = b"\x00sgl-kv-epoch="
