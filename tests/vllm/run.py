@@ -33,7 +33,13 @@ real nats-server and etcd. It checks, in order:
    a full-attention layer): its worker registers the window, and for each of capture_hybrid.py's
    five prompts, sent through a router, the prefix each router credits the worker with is what
    vLLM then reports cached (`prompt_tokens_details.cached_tokens`), and the shim's credit check
-   (worker_shim/credit_check.py) finds vLLM's reuse counters equal to what it promised.
+   (worker_shim/credit_check.py) finds vLLM's reuse counters equal to what it promised;
+11. long_prompt: a 1,040-block prompt prefilled in one step, so that vLLM sends one BlockStored past
+   the shim's FOLD_BLOCKS: the shim folds it in parts and the routers' index is exactly the
+   engine's (--skip-long skips it);
+12. no_false_events_problem: from the healthy shims' start to the end, none of them raised an
+   events problem (but vllm-a's while kill_restart had its engine killed), and none logged a
+   WARNING that the replay socket held a seq the live socket never delivered.
 
 Run with the project's venv (`.venv/bin/python tests/vllm/run.py --vllm-venv .venv-vllm`); prints one
 line per check and a JSON summary (also written to `--out`). Exit status 0 when every check passed.
@@ -76,6 +82,7 @@ from protocol.vllm_events import END_SEQ, decode_replay_reply, replay_request  #
 from router.service import RouterConfig, RouterService  # noqa: E402
 from worker_shim import ShimConfig, WorkerShim  # noqa: E402
 from worker_shim.adapters.vllm_events import decode_payload  # noqa: E402
+from worker_shim.normaliser import FOLD_BLOCKS  # noqa: E402
 
 MODEL = "tiny-llama"
 LORA = "tiny-lora"  # vllm-a serves it from its start; vllm-b loads another name for it at run time
@@ -83,6 +90,8 @@ ALIAS = "tiny-alias"  # vllm-b serves the model under this name too
 BLOCK = 32
 UNTRUSTED_TEMPLATE_ERROR = {"message": UNTRUSTED_TEMPLATE, "type": "BadRequestError", "param": None, "code": 400}
 TOPIC = "kv-events"
+LONG_BLOCKS = FOLD_BLOCKS + 16  # long_prompt: one BlockStored of more blocks than the shim folds at once
+MISSED_LIVE = "never delivered"  # worker_shim.adapters.zmq_events' WARNING: a seq the live socket missed
 log = logging.getLogger("test-vllm")
 
 
@@ -144,7 +153,10 @@ class Engine:
     lora_module: str | None = None
     data_parallel_size: int = 1  # ranks behind the one API server; rank r publishes on port + r
     blocks: int = 80
+    max_model_len: int = 2048
+    max_batched: int = 2048  # --max-num-batched-tokens
     flags: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     start_s: list[float] = field(default_factory=list)
 
@@ -169,9 +181,9 @@ class Engine:
             "--block-size",
             str(BLOCK),
             "--max-model-len",
-            "2048",
+            str(self.max_model_len),
             "--max-num-batched-tokens",
-            "2048",
+            str(self.max_batched),
             "--max-num-seqs",
             "8",
             "--num-gpu-blocks-override",
@@ -183,7 +195,7 @@ class Engine:
             events_config(self.events, self.replay),
             *self.flags,
         ]
-        env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **self.env}
         if self.data_parallel_size > 1:
             cmd += ["--data-parallel-size", str(self.data_parallel_size)]
         if self.lora_dir is not None:
@@ -216,9 +228,11 @@ class Engine:
 class Results:
     def __init__(self) -> None:
         self.checks: dict[str, dict[str, Any]] = {}
+        self.current = "setup"  # the check running now
 
     async def run(self, name: str, check: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         started = time.monotonic()
+        self.current = name
         try:
             detail = await check()
             ok = True
@@ -266,7 +280,7 @@ class Cluster:
             model=MODEL,
             kv_events_config=None if discover else events_config(events or engine.events, engine.replay, topic),
             model_path=str(engine.model_dir),
-            max_num_batched_tokens=2048,
+            max_num_batched_tokens=engine.max_batched,
             namespace=self.ns,
             lease_ttl=3,
             health_interval_s=0.5,
@@ -321,6 +335,57 @@ class ErrorLog(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
+
+
+class MissedLiveLog(logging.Handler):
+    """worker_shim.adapters.zmq_events' WARNINGs that the replay socket held a seq the live socket
+    never delivered, with the check running when each came (the message names the live address)."""
+
+    def __init__(self, results: Results) -> None:
+        super().__init__(logging.WARNING)
+        self.results = results
+        self.lines: list[tuple[str, str]] = []  # (check, message)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if MISSED_LIVE in message and "replay socket holds seq" in message:
+            self.lines.append((self.results.current, message))
+
+
+class ProblemWatch:
+    """Every KV events problem (worker_shim.event_health's `problems`) that a healthy worker's shim
+    (one in `Cluster.shims`: each reads its own engine's events) raises while the checks run, with
+    the check running then. Sampled every 50 ms: a problem stays raised for seconds at least (until
+    events flow again, or 12 x --events-timeout-s)."""
+
+    def __init__(self, c: Cluster, results: Results) -> None:
+        self.c, self.results = c, results
+        self.seen: dict[tuple[str, str, str], str] = {}  # (check, shim, problem) -> why
+        self.shims: dict[str, WorkerShim] = {}  # every healthy shim seen, kept after it stops
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll())
+
+    def sample(self) -> None:
+        for name, shim in self.c.shims.items():
+            key = name if self.shims.get(name, shim) is shim else f"{name}#{id(shim)}"
+            self.shims[key] = shim
+            for kind, why in shim.events.problems.items():
+                self.seen.setdefault((self.results.current, key, kind.value), why[:200])
+
+    async def _poll(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.sample()
 
 
 async def check_wrong_topic(c: Cluster, errors: ErrorLog) -> dict[str, Any]:
@@ -825,15 +890,93 @@ async def check_hybrid(c: Cluster) -> dict[str, Any]:
     }
 
 
+async def check_long_prompt(c: Cluster) -> dict[str, Any]:
+    """One prompt of LONG_BLOCKS full blocks, prefilled in one step (--max-num-batched-tokens past
+    it), so that vLLM sends one BlockStored of more than FOLD_BLOCKS blocks: the shim folds it in
+    parts (worker_shim.normaliser `folding`), and both routers' index of the worker is exactly what
+    the engine's events say it holds. The tiny model's context is 2,048 tokens; vLLM takes a longer
+    --max-model-len with VLLM_ALLOW_LONG_MAX_MODEL_LEN (random weights: the answer does not matter)."""
+    for name in list(c.shims):
+        await c.shims.pop(name).stop()
+    for engine in c.engines:
+        engine.kill()
+    tokens = LONG_BLOCKS * BLOCK + 8
+    long = Engine(
+        "vllm-long", Path(c.args.vllm_venv), Path(c.args.model_dir), Path(c.args.logs),
+        blocks=LONG_BLOCKS + 64, max_model_len=tokens + 64, max_batched=tokens + 64,
+        env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
+    )  # fmt: skip
+    c.engines.append(long)
+    long.start()
+    await long.ready(c.http)
+    c.shims[long.name] = shim = c.shim(long)
+    await shim.start()
+    await asyncio.wait_for(shim.registered.wait(), 60)
+    worker = shim.worker_id
+    assert worker is not None
+    await c.until(lambda: c.routable({worker}), 30, "the long-context worker routable")
+    prompt = [4 + (j * 7919) % 4000 for j in range(tokens)]
+    sent = time.monotonic()
+    status, out, _ = await c.post(
+        c.routers[0].url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    )
+    assert status == 200, out
+    served_s = round(time.monotonic() - sent, 1)
+    blocks = set(block_hashes(prompt, BLOCK))
+    taken_s = await c.until(lambda: blocks <= shim.canonical_hashes(), 30, "the long prompt's blocks taken")
+    batches = await _replay_all(long.replay)
+    longest = max(
+        (
+            len(ev["block_hashes"])
+            for p in batches
+            for ev in msgspec.msgpack.decode(p)[1]
+            if ev["type"] == "BlockStored"
+        ),
+        default=0,
+    )
+    assert longest > FOLD_BLOCKS, f"the longest BlockStored had {longest} blocks: nothing to fold"
+    expected, _ = _canonical_set(batches)
+    digest = (len(expected), functools.reduce(lambda x, y: x ^ y, expected, 0))
+    for router in c.routers:
+        held = functools.partial(lambda i, w, d: i.digest(w) == d, router.index, worker, digest)
+        await c.until(held, 10, f"the long prompt's hashes in {router.router_id}")
+        assert set(router.index.worker_hashes(worker)) == expected
+    return {
+        "prompt_tokens": tokens,
+        "longest_stored_blocks": longest,
+        "served_s": served_s,
+        "blocks_taken_after_s": taken_s,
+        "long_start_s": long.start_s[-1],
+    }
+
+
+async def check_no_false_events_problem(watch: ProblemWatch, missed: MissedLiveLog) -> dict[str, Any]:
+    """From the healthy shims' start to the end, none of them (each reading its own engine's
+    events) raised an events problem but vllm-a's while kill_restart had its engine killed, and
+    none logged a WARNING that its replay socket held a seq the live socket never delivered."""
+    await watch.stop()
+    allowed = {k: v for k, v in watch.seen.items() if k[0] == "kill_restart" and k[1] == "vllm-a"}
+    false = {"/".join(k): v for k, v in watch.seen.items() if k not in allowed}
+    live = {s.config.kv_events: n for n, s in watch.shims.items()}
+    warnings = [
+        (check, next((n for a, n in live.items() if a and a in line), "?"), line[:200]) for check, line in missed.lines
+    ]
+    assert not false and not warnings, f"false events problems {false}; missed-live WARNINGs {warnings[:5]}"
+    return {"shims": sorted(watch.shims), "allowed": {"/".join(k): v for k, v in allowed.items()}}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     errors = ErrorLog()
     logging.getLogger().addHandler(errors)
     results = Results()
+    missed = MissedLiveLog(results)
+    logging.getLogger().addHandler(missed)
     wall = time.monotonic()
     with NatsServer() as nats_server, EtcdServer() as etcd_server:
         async with aiohttp.ClientSession() as http:
             c = Cluster(args, nats_server.url, etcd_server.url, http)
+            watch = ProblemWatch(c, results)
             try:
                 for engine in c.engines:
                     engine.start()
@@ -841,10 +984,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"vLLM up: {[e.start_s for e in c.engines]} s")
                 await results.run("wrong_topic", lambda: check_wrong_topic(c, errors))
                 await results.run("wrong_endpoint", lambda: check_wrong_endpoint(c, errors))
+                results.current = "setup"
+                missed.lines.clear()  # the healthy shims' alone from here
                 for engine in c.engines:
                     c.shims[engine.name] = shim = c.shim(engine)
                     await shim.start()
                     await asyncio.wait_for(shim.registered.wait(), 60)
+                watch.start()
                 for _ in range(2):
                     router = RouterService(
                         RouterConfig(
@@ -870,7 +1016,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await results.run("kill_restart", lambda: check_kill_restart(c))
                 await results.run("data_parallel", lambda: check_data_parallel(c))
                 await results.run("hybrid", lambda: check_hybrid(c))
+                if not args.skip_long:
+                    await results.run("long_prompt", lambda: check_long_prompt(c))
+                await results.run("no_false_events_problem", lambda: check_no_false_events_problem(watch, missed))
             finally:
+                await watch.stop()
                 for router in c.routers:
                     await router.stop()
                 for shim in c.shims.values():
@@ -895,6 +1045,7 @@ def main() -> int:
     parser.add_argument("--hybrid-dir", default=str(ROOT / ".venv-vllm" / "tiny-hybrid"), help="from make_hybrid.py")
     parser.add_argument("--logs", default=str(ROOT / ".venv-vllm" / "logs"), help="vLLM logs go here")
     parser.add_argument("--out", default=None, help="write the JSON summary here too")
+    parser.add_argument("--skip-long", action="store_true", help="skip long_prompt (a 33k-token prefill)")
     args = parser.parse_args()
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run(args))
