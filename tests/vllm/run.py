@@ -316,6 +316,20 @@ class Cluster:
                 return False
         return True
 
+    async def serve_alone(self, engine: Engine, what: str) -> tuple[WorkerShim, str]:
+        """Start `engine` and a shim beside it, the only worker: its shim and worker id once every
+        router may route to it."""
+        self.engines.append(engine)
+        engine.start()
+        await engine.ready(self.http)
+        self.shims[engine.name] = shim = self.shim(engine)
+        await shim.start()
+        await asyncio.wait_for(shim.registered.wait(), 60)
+        worker = shim.worker_id
+        assert worker is not None
+        await self.until(lambda: self.routable({worker}), 30, f"the {what} worker routable")
+        return shim, worker
+
     async def until(self, cond: Callable[[], bool], timeout: float, what: str) -> float:
         started = time.monotonic()
         while not cond():
@@ -824,15 +838,7 @@ async def check_hybrid(c: Cluster) -> dict[str, Any]:
         "vllm-hybrid", Path(c.args.vllm_venv), Path(c.args.hybrid_dir), Path(c.args.logs),
         blocks=200, flags=("--enable-prompt-tokens-details",),
     )  # fmt: skip
-    c.engines.append(hybrid)
-    hybrid.start()
-    await hybrid.ready(c.http)
-    c.shims[hybrid.name] = shim = c.shim(hybrid)
-    await shim.start()
-    await asyncio.wait_for(shim.registered.wait(), 60)
-    worker = shim.worker_id
-    assert worker is not None
-    await c.until(lambda: c.routable({worker}), 30, "the hybrid worker routable")
+    shim, worker = await c.serve_alone(hybrid, "hybrid")
     shim.credit.min_legs = shim.credit.min_tokens = 1  # judge each prompt (worker_shim.credit_check)
 
     def synced(router: RouterService, digest: tuple[int, int], window: int) -> bool:
@@ -906,15 +912,7 @@ async def check_long_prompt(c: Cluster) -> dict[str, Any]:
         blocks=LONG_BLOCKS + 64, max_model_len=tokens + 64, max_batched=tokens + 64,
         env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
     )  # fmt: skip
-    c.engines.append(long)
-    long.start()
-    await long.ready(c.http)
-    c.shims[long.name] = shim = c.shim(long)
-    await shim.start()
-    await asyncio.wait_for(shim.registered.wait(), 60)
-    worker = shim.worker_id
-    assert worker is not None
-    await c.until(lambda: c.routable({worker}), 30, "the long-context worker routable")
+    shim, worker = await c.serve_alone(long, "long-context")
     prompt = [4 + (j * 7919) % 4000 for j in range(tokens)]
     sent = time.monotonic()
     status, out, _ = await c.post(
