@@ -95,7 +95,7 @@ class _Backoff:
     restart_at: float | None = None  # when it is due to start again; None when not waiting
     noted: bool = False  # its exit is known (reported once)
     given_up: bool = False
-    restarts: int = 0  # in all, for the log
+    restarts: int = 0  # in all
 
 
 @dataclass
