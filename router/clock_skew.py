@@ -21,18 +21,46 @@ NATS is back (a shim older than 2026-12-06 kept its reports there through an out
 router's loop stalled with reports in its socket. Its offset is that wait, not the clock, and it
 is not read (the first of such a burst is, one reading of the WINDOW): after any outage over
 WINDOW periods such bursts judged every worker's clock behind by the outage's length.
+
+What is said (SkewNews) is judged over the fleet, not worker by worker: when this router's clock is
+the one off (or the fleet's), every worker is off by about the same offset: until 2026-12-06 1,000
+workers gave 1,000 WARNINGs, each telling the operator to fix that worker's NTP. The changes of a burst are held
+until SETTLE_REPORTS report periods after its first (time for every worker's WINDOW reports to
+come), then judged together: when more than half of the workers whose offset is known, and at least
+FLEET_AT_LEAST, are off by offsets within AGREE_FRACTION of the tolerance of their median, the fleet
+is said once (this router's clock is probably off), and only the workers off on their own are named.
+At most SAY_AT_MOST workers are named per judgement, the rest counted; a worker is said to agree again
+only if it was said off. With fewer than FLEET_AT_LEAST workers heard from, no fleet can outvote
+one: a change is said at once.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["AGREE_FRACTION", "WINDOW", "ClockSkew", "Skew"]
+from protocol.config import MAX_LOAD_PERIOD_S
+
+__all__ = [
+    "AGREE_FRACTION",
+    "FLEET_AT_LEAST",
+    "SAY_AT_MOST",
+    "SETTLE_REPORTS",
+    "WINDOW",
+    "ClockSkew",
+    "Fleet",
+    "Skew",
+    "SkewNews",
+    "Verdict",
+]
 
 WINDOW = 3
 AGREE_FRACTION = 0.5
+FLEET_AT_LEAST = 3
+SAY_AT_MOST = 8
+SETTLE_REPORTS = WINDOW + 1
 
 
 @dataclass(slots=True)
@@ -85,5 +113,86 @@ class ClockSkew:
         """Each worker's estimated offset, for the ones whose clock is off."""
         return {w: max(r.offsets) for w, r in self._workers.items() if r.skewed}
 
+    def known(self) -> int:
+        """How many workers' offsets are known: judged off, or a whole WINDOW read."""
+        return sum(r.skewed or len(r.offsets) == WINDOW for r in self._workers.values())
+
     def remove(self, worker: str) -> None:
         self._workers.pop(worker, None)
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+
+@dataclass(slots=True)
+class Fleet:
+    """Most workers' clocks agree on an offset beyond the tolerance: this router's is probably off."""
+
+    offset_s: float  # the agreeing workers' median offset, their clocks minus ours
+    agreeing: list[str]  # sorted
+    known: int  # workers whose offset is known (ClockSkew.known)
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What one judgement has to say."""
+
+    fleet: Fleet | None  # the fleet's state now
+    fleet_changed: bool  # the fleet was judged off and no longer is, or the reverse
+    off: list[Skew]  # workers judged off on their own, newly: at most SAY_AT_MOST
+    off_more: int  # ... and how many more
+    back: list[Skew]  # workers said off whose clock agrees again: at most SAY_AT_MOST
+    back_more: int
+
+
+class SkewNews:
+    """The changes ClockSkew reports, held and judged over the fleet (module docstring). Times are
+    monotonic: this router's wall clock may be the one that is off."""
+
+    def __init__(self, clocks: ClockSkew) -> None:
+        self.clocks = clocks
+        self._pending: dict[str, Skew] = {}  # the burst's changes, the latest per worker
+        self._due: float | None = None
+        self._said: set[str] = set()  # workers said off on their own (named or counted)
+        self._fleet: Fleet | None = None
+
+    def heard(self, skew: Skew, now: float, period_s: float) -> None:
+        """A change from `ClockSkew.observe`, seen in a report sent every `period_s`."""
+        self._pending[skew.worker] = skew
+        if self._due is None:
+            settle = SETTLE_REPORTS * min(period_s, MAX_LOAD_PERIOD_S)
+            self._due = now + (settle if len(self.clocks) >= FLEET_AT_LEAST else 0.0)
+
+    def due(self, now: float) -> Verdict | None:
+        """The judgement of the burst once it has settled, else None (cheap: called per report)."""
+        if self._due is None or now < self._due:
+            return None
+        pending, self._pending, self._due = self._pending, {}, None
+        offsets = self.clocks.offsets()
+        fleet = _fleet(offsets, self.clocks.known(), self.clocks.tolerance_s)
+        changed = (fleet is None) != (self._fleet is None)
+        self._fleet = fleet
+        covered = set(fleet.agreeing) if fleet is not None else set()
+        alone = {w: o for w, o in offsets.items() if w not in covered}
+        off = [Skew(w, alone[w], True) for w in sorted(alone.keys() - self._said)]
+        back = [pending[w] for w in sorted(self._said - offsets.keys()) if w in pending]
+        self._said = set(alone)
+        return Verdict(
+            fleet, changed, off[:SAY_AT_MOST], len(off[SAY_AT_MOST:]), back[:SAY_AT_MOST], len(back[SAY_AT_MOST:])
+        )
+
+    def remove(self, worker: str) -> None:
+        self._pending.pop(worker, None)
+        self._said.discard(worker)
+
+
+def _fleet(offsets: dict[str, float], known: int, tolerance_s: float) -> Fleet | None:
+    """The fleet judged off, when more than half of the `known` workers, and FLEET_AT_LEAST, are
+    off by offsets that agree; else None."""
+    if len(offsets) < FLEET_AT_LEAST or 2 * len(offsets) <= known:
+        return None
+    median = statistics.median(offsets.values())
+    agreeing = sorted(w for w, o in offsets.items() if abs(o - median) <= tolerance_s * AGREE_FRACTION)
+    if len(agreeing) < FLEET_AT_LEAST or 2 * len(agreeing) <= known:
+        return None
+    return Fleet(statistics.median(offsets[w] for w in agreeing), agreeing, known)

@@ -51,7 +51,7 @@ from router.api_errors import FrontDoorRunner
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
 from router.calibration import Calibration, unusable_profiles
-from router.clock_skew import ClockSkew, Skew
+from router.clock_skew import ClockSkew, Skew, SkewNews, Verdict
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility, Exclusion, WorkerStatus
@@ -95,19 +95,50 @@ def _check_listen(host: str, port: int) -> None:
         raise listen_error(host, port, exc) from exc
 
 
+def _skew_harm(offset_s: float, *, many: bool) -> str:
+    """What a worker clock `offset_s` ahead of this router's (behind if negative) breaks, for one or `many`."""
+    its, it = ("their", "them") if many else ("its", "it")
+    if offset_s > 0:
+        harm = f"{its} load reports' stamps are clamped to this router's clock"
+    else:
+        harm = f"{its} requests' load is counted twice for that long"
+    return f"{harm}; the deadlines this router sends {it} are moved by the offset as measured"
+
+
 def _say_skew(skew: Skew) -> None:
     if not skew.skewed:
         log.info("worker %s's clock agrees with this router's again (%+.1f s)", skew.worker, skew.offset_s)
         return
-    if skew.offset_s > 0:
-        harm = "its load reports' stamps are clamped to this router's clock"
-    else:
-        harm = "its requests' load is counted twice for that long"
-    harm += "; the deadlines this router sends it are moved by the offset as measured"
     log.warning(
         "worker %s's clock is %.1f s %s this router's: %s; keep router and worker hosts on NTP",
-        skew.worker, abs(skew.offset_s), "ahead of" if skew.offset_s > 0 else "behind", harm,
+        skew.worker, abs(skew.offset_s), "ahead of" if skew.offset_s > 0 else "behind",
+        _skew_harm(skew.offset_s, many=False),
     )  # fmt: skip
+
+
+def _say_skews(said: Verdict) -> None:
+    """One judgement of router.clock_skew.SkewNews: the fleet once, then the workers off on their own."""
+    if said.fleet_changed and (fleet := said.fleet) is not None:
+        named = ", ".join(fleet.agreeing[:3]) + (", ..." if len(fleet.agreeing) > 3 else "")
+        log.warning(
+            "this router's clock is probably off, by about %.1f s %s the fleet's: %d of the %d workers whose "
+            "offset is known agree (%s): %s; fix this router host's NTP (or the fleet's), not each "
+            "worker's; only workers whose clocks disagree with the fleet are named on their own",
+            abs(fleet.offset_s), "behind" if fleet.offset_s > 0 else "ahead of", len(fleet.agreeing), fleet.known,
+            named, _skew_harm(fleet.offset_s, many=True),
+        )  # fmt: skip
+    elif said.fleet_changed:
+        log.info("this router's clock agrees with most workers' again")
+    for skew in said.off + said.back:
+        _say_skew(skew)
+    if said.off_more:
+        log.warning(
+            "and %d more workers' clocks are off from this router's, each on its own (not named: see "
+            "kvswitch_router_worker_clock_offset_seconds); keep router and worker hosts on NTP",
+            said.off_more,
+        )
+    if said.back_more:
+        log.info("and %d more workers' clocks agree with this router's again", said.back_more)
 
 
 class RouterStatus(enum.Enum):
@@ -171,6 +202,7 @@ class RouterService:
         self.index = BlockIndex()
         self.view = LoadView()
         self.clocks = ClockSkew(MAX_CLOCK_SKEW_S)
+        self.skew_news = SkewNews(self.clocks)
         self.calibration = Calibration() if config.calibrate else None
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.monotonic)
         self.metrics = RouterMetrics(self._figures)
@@ -749,6 +781,7 @@ class RouterService:
         self.ingest.remove_worker(worker)
         self.view.remove_worker(worker)
         self.clocks.remove(worker)
+        self.skew_news.remove(worker)
         self.eligibility.removed(worker)
         self.dispatcher.worker_gone(worker)
         self._load_logged -= {("malformed", worker), ("unknown", worker), ("clock step", worker)}
@@ -811,8 +844,11 @@ class RouterService:
                     subjects.workers_prefix(self.ns),
                 )
             return
+        now = time.monotonic()
         if (skew := self.clocks.observe(report.worker, report.ts, time.time())) is not None:
-            _say_skew(skew)
+            self.skew_news.heard(skew, now, report.period_s)
+        if (said := self.skew_news.due(now)) is not None:
+            _say_skews(said)
         if (back := self.view.update(report)) is not None and self._first_said("clock step", report.worker):
             log.warning(
                 "worker %s's clock stepped back: a load report stamped %.1f s before its last one; its "

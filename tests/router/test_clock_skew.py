@@ -9,10 +9,22 @@ import time
 
 import nats
 import pytest
+from nats.aio.client import Client
 
-from protocol import LoadReport, encode_msg, subjects
-from router.clock_skew import AGREE_FRACTION, WINDOW, ClockSkew
-from tests.router.conftest import Cluster
+from discovery import Discovery
+from protocol import LoadReport, WorkerInfo, encode_json, encode_msg, subjects
+from protocol.config import EtcdSettings
+from router.clock_skew import (
+    AGREE_FRACTION,
+    FLEET_AT_LEAST,
+    SAY_AT_MOST,
+    SETTLE_REPORTS,
+    WINDOW,
+    ClockSkew,
+    SkewNews,
+    Verdict,
+)
+from tests.router.conftest import BLOCK, MODEL, Cluster
 from tests.router.polling import until
 
 
@@ -131,3 +143,142 @@ async def test_a_worker_whose_clock_steps_back_is_named_once_in_a_warning(
         await nc.close()
     stepped = [r for r in caplog.records if "clock stepped back" in r.getMessage()]
     assert len(stepped) == 1 and stepped[0].levelno == logging.WARNING and worker.id in stepped[0].getMessage()
+
+
+# --- said over the fleet (SkewNews) ---------------------------------------------------------------
+
+
+def _reports(
+    news: SkewNews, offsets: dict[str, float], start: float, rounds: int, period_s: float = 0.5
+) -> list[Verdict]:
+    """`rounds` reports from each worker, every `period_s`, stamped by a clock `offsets[worker]` off
+    ours, 2 ms in transit; the judgements they bring (time is both the wall and the monotonic clock)."""
+    said = []
+    for i in range(rounds):
+        for n, (worker, offset) in enumerate(offsets.items()):
+            at = start + i * period_s + n * period_s / len(offsets)
+            if (skew := news.clocks.observe(worker, at + offset, at + 0.002)) is not None:
+                news.heard(skew, at, period_s)
+            if (verdict := news.due(at)) is not None:
+                said.append(verdict)
+    return said
+
+
+def _fleet(n: int, offset: float) -> dict[str, float]:
+    return {f"w{i:02}": offset for i in range(n)}
+
+
+def test_a_fleet_off_by_one_offset_blames_this_routers_clock_once_and_names_no_worker() -> None:
+    """20 workers stamped 5 s behind: this router's clock is off, not theirs (before, 20 WARNINGs,
+    1,000 at 1,000 workers, each telling the operator to fix that worker's NTP)."""
+    news = SkewNews(ClockSkew(1.0))
+    assert _reports(news, _fleet(20, 0.0), 100.0, WINDOW) == []
+    said = _reports(news, _fleet(20, -5.0), 110.0, 10)
+    assert len(said) == 1 and said[0].fleet_changed and said[0].fleet is not None
+    assert said[0].fleet.offset_s == pytest.approx(-5.002) and len(said[0].fleet.agreeing) == 20
+    assert said[0].fleet.known == 20 and said[0].off == [] and said[0].off_more == 0
+    assert len(news.clocks.offsets()) == 20 and news.clocks.offset("w07") == pytest.approx(-5.002)  # deadlines move
+    # fixed: one line again, none per worker
+    back = [v for v in _reports(news, _fleet(20, 0.0), 200.0, 10) if v.fleet_changed or v.off or v.back]
+    assert len(back) == 1 and back[0].fleet is None and back[0].back == [] and back[0].back_more == 0
+
+
+def test_one_worker_off_of_twenty_is_named_on_its_own() -> None:
+    news = SkewNews(ClockSkew(1.0))
+    said = _reports(news, {**_fleet(19, 0.0), "odd": -5.0}, 100.0, 10)
+    assert [(v.fleet, [s.worker for s in v.off]) for v in said] == [(None, ["odd"])]
+    assert said[0].off[0].offset_s == pytest.approx(-5.002)
+    back = _reports(news, _fleet(19, 0.0) | {"odd": 0.0}, 200.0, 10)
+    assert [[(s.worker, s.skewed) for s in v.back] for v in back] == [[("odd", False)]]
+
+
+def test_a_worker_that_disagrees_with_a_fleet_off_is_named_on_its_own() -> None:
+    news = SkewNews(ClockSkew(1.0))
+    said = _reports(news, {**_fleet(20, -5.0), "odd": 3.0}, 100.0, 10)
+    assert len(said) == 1 and said[0].fleet is not None and len(said[0].fleet.agreeing) == 20
+    assert [(s.worker, s.skewed) for s in said[0].off] == [("odd", True)]
+
+
+def test_workers_off_apart_from_the_fleet_are_named_eight_at_a_time_then_counted() -> None:
+    # 9 of 20 off: no majority, so no fleet; one line per worker would be 900 at 1,000 workers
+    news = SkewNews(ClockSkew(1.0))
+    off = {f"off{i}": 5.0 for i in range(9)}
+    said = _reports(news, {**_fleet(11, 0.0), **off}, 100.0, 10)
+    assert len(said) == 1 and said[0].fleet is None
+    assert len(said[0].off) == SAY_AT_MOST and said[0].off_more == 9 - SAY_AT_MOST
+    back = _reports(news, {**_fleet(11, 0.0), **dict.fromkeys(off, 0.0)}, 200.0, 10)
+    assert len(back) == 1 and len(back[0].back) == SAY_AT_MOST and back[0].back_more == 9 - SAY_AT_MOST
+
+
+def test_changes_wait_for_the_fleets_reports_unless_too_few_workers_could_outvote_one() -> None:
+    news = SkewNews(ClockSkew(1.0))
+    _reports(news, _fleet(5, 0.0), 100.0, WINDOW)
+    skew = news.clocks.observe("w00", 120.0, 110.0)
+    assert skew is not None
+    news.heard(skew, 110.0, 0.5)
+    assert news.due(110.0 + SETTLE_REPORTS * 0.5 - 0.01) is None
+    said = news.due(110.0 + SETTLE_REPORTS * 0.5)
+    assert said is not None and [s.worker for s in said.off] == ["w00"]
+    # two workers: no fleet to wait for
+    news = SkewNews(ClockSkew(1.0))
+    _reports(news, _fleet(FLEET_AT_LEAST - 1, 0.0), 100.0, WINDOW)
+    skew = news.clocks.observe("w00", 120.0, 110.0)
+    assert skew is not None
+    news.heard(skew, 110.0, 0.5)
+    said = news.due(110.0)
+    assert said is not None and [s.worker for s in said.off] == ["w00"]
+
+
+def test_a_departed_worker_is_not_said_to_agree_again() -> None:
+    news = SkewNews(ClockSkew(1.0))
+    _reports(news, {**_fleet(19, 0.0), "odd": 5.0}, 100.0, 10)
+    news.clocks.remove("odd")
+    news.remove("odd")
+    assert all(not v.back for v in _reports(news, _fleet(19, 0.0), 200.0, 10))
+
+
+async def test_a_fleet_of_twenty_stamped_behind_is_one_warning_about_this_routers_clock(
+    cluster: Cluster, nc: Client, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    caplog.set_level(logging.INFO, logger="router.service")
+    fleet = [f"feed{i:04x}" for i in range(20)]
+    prefix = subjects.workers_prefix(cluster.ns)
+
+    async def report(offset: float) -> None:
+        # each worker's shim reporting every 0.5 s, its host clock `offset` off the router's
+        for worker in fleet:
+            stamp = time.time() + offset
+            await nc.publish(
+                subjects.load(cluster.ns, worker), encode_msg(LoadReport(worker=worker, ts=stamp, period_s=0.5))
+            )
+        await asyncio.sleep(0.1)
+
+    def said(*words: str, level: int) -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if r.levelno == level]
+        return [line for line in lines if all(w in line for w in words)]
+
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        for worker in fleet:
+            info = WorkerInfo(
+                worker=worker, model=MODEL, role="agg", engine="vllm", block_size=BLOCK, tokenizer="builtin"
+            )
+            await d.put_raw(prefix + worker, encode_json(info))
+        await until(lambda: all(router.registry.get(w) for w in fleet), what="the fleet registered")
+        for _ in range(WINDOW):
+            await report(0.0)
+        deadline = time.monotonic() + 20
+        while not said("this router's clock is probably off", level=logging.WARNING):
+            assert time.monotonic() < deadline, "no WARNING about this router's clock"
+            await report(-5.0)
+        assert len(router.clocks.offsets()) == 20  # each one's deadlines still move
+        while not said("this router's clock agrees", level=logging.INFO):
+            assert time.monotonic() < deadline, "no INFO that this router's clock agrees again"
+            await report(0.0)
+        for worker in fleet:
+            await d.delete(prefix + worker)
+    [warning] = said("this router's clock is probably off", level=logging.WARNING)
+    assert "5.0 s ahead of the fleet's: 20 of the 21 workers" in warning and "feed0000, feed0001" in warning
+    assert not said("keep router and worker hosts on NTP", level=logging.WARNING)  # no worker's: theirs are right
+    assert not said("'s clock agrees with this router's again", level=logging.INFO)
