@@ -12,6 +12,7 @@ import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -315,6 +316,12 @@ _CACHED = (
         (ENDPOINT_COMPLETIONS, b'{"error":null,"choices":[]}', (500, "engine_error", '{"error":null,"choices":[]}')),
         (ENDPOINT_COMPLETIONS, b'[{"choices":[]}]', (502, "engine_protocol", "not a JSON object")),
         (ENDPOINT_COMPLETIONS, b'{"choices":[{"finish_reason":"stop"', (502, "engine_protocol", "malformed JSON")),
+        # not UTF-8 in a field the schema skips: the schema does not check it (before 2026-12-06, a 200)
+        (
+            ENDPOINT_COMPLETIONS,
+            b'{"choices":[{"text":"x","finish_reason":"stop","prompt_logprobs":[null,{"7":"\xff"}]}]}',
+            (502, "engine_protocol", "Invalid UTF-8"),
+        ),
     ],
 )
 async def test_a_whole_answer_reads_as_it_always_did(
@@ -388,6 +395,53 @@ async def test_a_long_prompts_logprobs_are_not_built_to_read_a_streamed_event(
     assert [e for _, events in seen for e in events] == [first, EVENTS[1]] and out.finish_reason == "stop"
     assert sum(tokens for tokens, _ in seen) == 2  # " a", then " b"
     assert len(first) > 10_000_000 and peak < 3 * len(first)  # the line and its payload; decoded: 6.6x
+
+
+def _prompt_logprobs_event(tokens: int, decoded: str) -> bytes:
+    """A completion's first streamed event with `prompt_logprobs` 20, each entry's token `decoded`."""
+    entry = {str(t): {"logprob": -1.25, "rank": r + 1, "decoded_token": decoded} for r, t in enumerate(range(100, 120))}
+    choice = {"index": 0, "text": " a", "logprobs": None, "prompt_logprobs": [None, *[entry] * (tokens - 1)]}
+    return json.dumps({"id": "cmpl-r1", "choices": [choice]}, ensure_ascii=False).encode()
+
+
+@pytest.mark.parametrize("tokens", [2, 100])
+async def test_an_event_not_utf8_in_a_field_the_shim_skips_is_the_engines_protocol_error_at_any_size(
+    engine: tuple[Engine, VllmAdapter], tokens: int
+) -> None:
+    """A small event is decoded plainly, which checks every string: not UTF-8 is a 502. A large one
+    is read through a schema that skips the prompt's logprobs unchecked, and went on to the client
+    as it was (before 2026-12-06). Both stop the stream where the event is, what came before sent."""
+    eng, adapter = engine
+    bad = _prompt_logprobs_event(tokens, "\u00e9").replace("\u00e9".encode(), b"\xe9")  # Latin-1, not UTF-8
+    assert (len(bad) > openai_http._SCHEMA_BYTES) == (tokens > 2)
+    eng.writes = [b"data: " + EVENTS[0] + b"\n\n", b"data: " + bad + b"\n\n", b"data: " + EVENTS[1] + b"\n\n"]
+    seen: list[bytes] = []
+
+    async def on_output(tokens: int, events: list[bytes], ids: list[int]) -> None:
+        seen.extend(events)
+
+    with pytest.raises(EngineError) as err:
+        await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m", "prompt_logprobs": 20}), on_output)
+    assert (err.value.code, err.value.kind) == (502, "engine_protocol") and "Invalid UTF-8" in err.value.message
+    assert seen == [EVENTS[0]]
+
+
+@pytest.mark.parametrize("piece", [5, 1 << 20])
+def test_a_large_event_in_utf8_is_read_whatever_the_pieces_it_is_checked_in(
+    piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Characters of 2, 3 and 4 bytes, cut by the edges of the pieces its UTF-8 is checked in."""
+    monkeypatch.setattr(openai_http, "_UTF8_PIECE", piece)
+    payload = _prompt_logprobs_event(100, "\u00e9\u2014\U0001f600")
+    assert len(payload) > openai_http._SCHEMA_BYTES
+    assert openai_http._fold_lines(openai_http.Result(), [b"data: " + payload], pass_through=True) == (
+        1,
+        [payload],
+        False,
+    )
+    cut = payload[: -len('\U0001f600"}}]}]}'.encode()) + 1] + b'"}}]}]}'  # the 4-byte character's first byte alone
+    count, events, end = openai_http._fold_lines(openai_http.Result(), [b"data: " + cut], pass_through=True)
+    assert (count, events) == (0, []) and isinstance(end, msgspec.DecodeError) and "UTF-8" in str(end)
 
 
 @pytest.mark.parametrize(
