@@ -12,8 +12,14 @@
    share this process's CPU; both sides are measured in the same run. Every process runs uvloop,
    as `kvswitch` services do.
 
+3. Registrations: a fleet of N workers registering one at a time (each shim puts its own etcd
+   key), fed in-process to the router's worker registry as single Put events: CPU for all N, per
+   put, and per put against the smallest fleet (1.0 where a put costs the same however many are
+   registered); `with_reads` reads `workers()` after each put too, as a request per put would.
+
     .venv/bin/python -m bench.bench_router decision
     .venv/bin/python -m bench.bench_router overhead --rates 50,200,500 --seconds 5
+    .venv/bin/python -m bench.bench_router registrations --sizes 250,500,1000
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ import aiohttp
 import msgspec
 import uvloop
 
+from discovery import Discovery, Put, Snapshot
 from protocol import LoadReport, WorkerInfo, block_hashes
-from protocol.config import RouterSettings, resolve
+from protocol.config import EtcdSettings, RouterSettings, resolve
 from protocol.tokenizer import BuiltinTokenizer
 from router.block_index import BlockIndex
 from router.calibration import Calibration
@@ -41,6 +48,7 @@ from router.load_view import LoadView
 from router.planner import standalone_planner
 from router.request_parsing import parse_request
 from router.tokenization import BuiltinPromptTokenizer
+from router.worker_registry import WorkerRegistry
 
 BLOCK = 16
 
@@ -303,6 +311,38 @@ def bench_overhead(rates: list[float], seconds: float, agg: int, speedup: float)
                     proc.kill()
 
 
+def bench_registrations(sizes: list[int], repeats: int) -> dict[str, Any]:
+    disc = Discovery(EtcdSettings(), "bench")  # never connected: the events are fed to the registry here
+
+    def cpu(infos: list[WorkerInfo], read: bool) -> float:
+        reg = WorkerRegistry(disc, lambda _: None, lambda _: None)
+        reg.apply(Snapshot(items={}, revision=1))
+        t0 = time.process_time()
+        for revision, info in enumerate(infos, 2):
+            reg.apply(Put(info.worker, info, revision))
+            if read:
+                reg.workers()
+        return time.process_time() - t0
+
+    out: dict[str, Any] = {}
+    for read in (False, True):
+        runs: dict[str, Any] = {}
+        for n in sizes:
+            infos = [  # the scale audit's fleet (docs/router.md, "2026-12-06, the rest of a replica at 1,000 workers")
+                WorkerInfo(worker=f"w{i:04d}", model="m", role="prefill" if i % 4 == 0 else "decode", engine="vllm",
+                           block_size=BLOCK, kv_total_blocks=100_000, max_num_batched_tokens=8192,
+                           timing_profile="h200:llama-3.1-8b", epoch=1, max_model_len=32768)
+                for i in range(n)
+            ]  # fmt: skip
+            best = min(cpu(infos, read) for _ in range(repeats))
+            runs[str(n)] = {"cpu_s": round(best, 4), "us_per_put": round(best / n * 1e6, 2)}
+        smallest = runs[str(sizes[0])]["us_per_put"]
+        for run in runs.values():
+            run["per_put_vs_smallest"] = round(run["us_per_put"] / smallest, 2)
+        out["with_reads" if read else "puts"] = runs
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -315,6 +355,9 @@ def main() -> None:
     o.add_argument("--seconds", type=float, default=5.0)
     o.add_argument("--agg", type=int, default=2)
     o.add_argument("--speedup", type=float, default=1000.0)
+    r = sub.add_parser("registrations")
+    r.add_argument("--sizes", default="250,500,1000", help="fleet sizes, the smallest first")
+    r.add_argument("--repeats", type=int, default=3, help="runs per size; the least CPU counts")
     w = sub.add_parser("workers", help="(internal) sims and shims for the overhead benchmark")
     w.add_argument("nats")
     w.add_argument("etcd")
@@ -329,6 +372,8 @@ def main() -> None:
         return
     if args.what == "decision":
         result = bench_decision(args.workers, args.iterations, args.policy)
+    elif args.what == "registrations":
+        result = bench_registrations([int(n) for n in args.sizes.split(",")], args.repeats)
     else:
         result = bench_overhead([float(r) for r in args.rates.split(",")], args.seconds, args.agg, args.speedup)
     print(json.dumps(result, indent=2))

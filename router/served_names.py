@@ -10,6 +10,9 @@ model's answer now and then. So such a name is refused (503) for as long as it c
 registry logs each clash once and /ready lists it. So is a name one model serves both as itself
 (an alias) and as a LoRA adapter: other weights, and another chain. Only a model's own name wins
 over another model's adapter of that name (no clash).
+
+`resolve_names` and `shadowed` say this of a whole fleet at once; the worker registry keeps the
+same one record at a time (router.worker_registry), and its tests check it against them.
 """
 
 from __future__ import annotations

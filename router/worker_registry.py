@@ -40,17 +40,17 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Container, Mapping
 from typing import Any, TypeVar
 
 import msgspec
 
-from discovery import Deleted, Discovery, Put, Snapshot
+from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
 from discovery.watch import keep_following
 from protocol import WorkerInfo, serving, subjects
-from protocol.messages import worker_info_problem
+from protocol.messages import adapter_named, worker_info_problem
 from router.lifecycle import PartStatus
-from router.served_names import Resolved, clash_message, resolve_names, shadow_message, shadowed
+from router.served_names import Resolved, clash_message, served_as, shadow_message
 from runtime import background
 
 __all__ = ["Refused", "WorkerRegistry", "context_message", "model_contexts"]
@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 _LEFT_MAX = 1024  # names of departed workers remembered; the oldest goes first
 T = TypeVar("T")
+K = TypeVar("K")
+Way = tuple[str, str]  # (model, LoRA adapter or ""): what a request naming a name runs on a worker
 
 
 class Refused(msgspec.Struct, frozen=True):
@@ -70,6 +72,23 @@ class Refused(msgspec.Struct, frozen=True):
 
 
 class WorkerRegistry:
+    """The registered workers, and what is wrong with them, as of the last watch event applied.
+
+    A watch event is applied whole (`apply`: a Snapshot's every record, then the checks) before
+    the loop runs anything else, so a request is never planned against a record whose conflicts are
+    not yet known. Its cost is what it touches, not the fleet: each record is indexed by model, by
+    block size, by max_model_len and by the names it serves as it comes and goes, and the checks
+    then look again only at the models and names an event touched. Besides the record itself, an
+    event touches the workers whose routing it changes: those naming a model (alias or adapter)
+    that came or went, and those of a model whose context moved to or from their max_model_len.
+    Where the fleet agrees (one block size and max_model_len per model, each name one model's), a
+    put costs the same whatever the fleet's size; where it does not, about the workers of the
+    models and names in conflict, which the conflict's message names anyway. Before, each event ran
+    the checks over the whole fleet and sorted it again: 1,000 workers registering one by one cost
+    1.9-2.4 s of CPU (docs/router.md, "2026-12-06, the rest of a replica at 1,000 workers").
+    `workers()` sorts the routed records again, once read after a change (every request reads it).
+    """
+
     def __init__(
         self,
         discovery: Discovery,
@@ -81,6 +100,20 @@ class WorkerRegistry:
         self._on_remove = on_remove
         self._workers: dict[str, WorkerInfo] = {}
         self._sorted: list[WorkerInfo] | None = None  # by id; every request reads it, membership rarely changes
+        # Indexes of _workers kept one record at a time, so that a watch event costs what it touches,
+        # not the fleet (the class docstring):
+        self._of_model: dict[str, set[str]] = {}  # model -> its workers; the keys are the models registered
+        self._sizes: dict[str, dict[int, set[str]]] = {}  # model -> block size -> workers
+        self._lengths: dict[str, dict[int, set[str]]] = {}  # model -> max_model_len -> workers (those registering one)
+        self._context: dict[str, int | None] = {}  # model -> its max_model_len (model_contexts)
+        self._naming: dict[str, set[str]] = {}  # name -> workers of another model with it as an alias or adapter
+        self._routed: dict[str, WorkerInfo] = {}  # what workers() lists, unsorted
+        self._serves: dict[str, dict[str, Way]] = {}  # routed worker -> each name it is routed for -> how
+        self._served: dict[str, dict[Way, set[str]]] = {}  # name -> way -> routed workers (resolve_names)
+        # since the checks last ran: models, names routed otherwise, aliases registered or dropped
+        self._touched_models: set[str] = set()
+        self._touched_names: set[str] = set()
+        self._touched_aliases: set[str] = set()
         self.block_size_conflicts: dict[str, set[int]] = {}
         self.name_clashes: Resolved = {}
         self.shadowed_aliases: Resolved = {}  # a model's own name served by another model's workers as an alias
@@ -129,13 +162,7 @@ class WorkerRegistry:
         an alias that is another model's own name, and without those whose max_model_len is not
         their model's (the module's docstring)."""
         if self._sorted is None:
-            raw = [info for _, info in sorted(self._workers.items())]
-            models, contexts = {info.model for info in raw}, model_contexts(raw)
-            self._sorted = [
-                _unshadowed(info, models)
-                for info in raw
-                if info.max_model_len is None or info.max_model_len == contexts[info.model]
-            ]
+            self._sorted = [info for _, info in sorted(self._routed.items())]
         return [
             info
             for info in self._sorted
@@ -187,23 +214,31 @@ class WorkerRegistry:
         events = self._discovery.watch_workers()
         try:
             async for event in events:
-                match event:
-                    case Snapshot(items=items, skipped=skipped):
-                        self._replace(items, skipped)
-                        self._ready.set()
-                    case Put(name=name, value=info):
-                        self._put(name, info)
-                    case Deleted(name=name, why=why) if why:
-                        self._refuse(name, why)  # it does not decode
-                    case Deleted(name=name):
-                        self._delete(name)
-                self._check_block_sizes()
-                self._check_names()
-                self._check_contexts()
+                self.apply(event)
         finally:
             if isinstance(events, AsyncGenerator):
                 with contextlib.suppress(Exception):
                     await events.aclose()
+
+    def apply(self, event: WatchEvent[WorkerInfo]) -> None:
+        """One watch event, whole: its records, then the checks of what it touched (the class
+        docstring). The watch calls it; tests and `bench.bench_router registrations` feed it."""
+        match event:
+            case Snapshot(items=items, skipped=skipped):
+                self._replace(items, skipped)
+                self._ready.set()
+            case Put(name=name, value=info):
+                self._put(name, info)
+            case Deleted(name=name, why=why) if why:
+                self._refuse(name, why)  # it does not decode
+            case Deleted(name=name):
+                self._delete(name)
+        models, self._touched_models = self._touched_models, set()
+        names, self._touched_names = self._touched_names, set()
+        aliases, self._touched_aliases = self._touched_aliases, set()
+        self._check_block_sizes(models)
+        self._check_names(names, aliases)
+        self._check_contexts(models)
 
     def _replace(self, items: dict[str, WorkerInfo], skipped: dict[str, str]) -> None:
         for name in [n for n in self._workers.keys() | self._refusing.keys() if n not in items and n not in skipped]:
@@ -218,9 +253,10 @@ class WorkerRegistry:
             self._refuse(name, problem, info)
             return
         self._refusing.pop(name, None)
-        if self._workers.get(name) == info:
+        if (old := self._workers.get(name)) == info:
             return
         self._workers[name] = info
+        self._reindex(name, old, info)
         for served in (info.model, *info.aliases, *info.adapters):  # served again: no longer gone
             self._left.pop(served, None)
         self._sorted = None
@@ -246,6 +282,7 @@ class WorkerRegistry:
     def _delete(self, name: str) -> None:
         self._refusing.pop(name, None)
         if (info := self._workers.pop(name, None)) is not None:
+            self._reindex(name, info, None)
             now, left = time.monotonic(), self._left
             for served in (info.model, *info.aliases, *info.adapters):
                 left[served] = now
@@ -261,60 +298,175 @@ class WorkerRegistry:
         except Exception:
             log.exception("worker registry callback %s(%r) failed", getattr(callback, "__name__", callback), arg)
 
-    def _check_block_sizes(self) -> None:
-        sizes: dict[str, set[int]] = {}
-        for info in self._workers.values():
-            sizes.setdefault(info.model, set()).add(info.block_size)
-        conflicts = {model: s for model, s in sizes.items() if len(s) > 1}
-        if conflicts != self.block_size_conflicts:
-            for model, seen in sorted(conflicts.items()):
-                holders = {
-                    size: sorted(i.worker for i in self._workers.values() if i.model == model and i.block_size == size)
-                    for size in sorted(seen)
-                }
-                log.error(
-                    "configuration error: workers of model %s disagree on block size %s; prefix matches "
-                    "across them are meaningless. Workers by block size: %s",
-                    model,
-                    sorted(seen),
-                    holders,
-                )
-            for model in self.block_size_conflicts.keys() - conflicts.keys():
-                log.warning("workers of model %s agree on block size again", model)
-            self.block_size_conflicts = conflicts
+    # --- the indexes: one record at a time --------------------------------------------------------
 
-    def _check_contexts(self) -> None:
-        by_model: dict[str, dict[int, list[str]]] = {}
-        for _, info in sorted(self._workers.items()):
-            if info.max_model_len is not None:
-                by_model.setdefault(info.model, {}).setdefault(info.max_model_len, []).append(info.worker)
-        conflicts = {model: dict(sorted(seen.items())) for model, seen in by_model.items() if len(seen) > 1}
-        _say_changes(
+    def _reindex(self, worker: str, old: WorkerInfo | None, new: WorkerInfo | None) -> None:
+        """Bring the indexes up to date with `worker`'s record changed from `old` to `new` (None:
+        absent), and mark the models and names the checks must look at again."""
+        routing = {worker}  # the workers whose routing may change
+        if old is not None:
+            self._unindex(old)
+        if new is not None:
+            self._index(new)
+        for model in {info.model for info in (old, new) if info is not None}:
+            self._touched_models.add(model)
+            if (model in self._of_model) != (model in self._context):
+                # a model came or went: another model's alias of its name is shadowed or no longer,
+                # and its aliases and adapters of that name are routed for it or no longer
+                routing |= self._naming.get(model, set())
+                self._touched_aliases.add(model)
+            if model not in self._of_model:
+                del self._context[model]
+                continue
+            lengths = self._lengths.get(model, {})
+            context = _most_registered({n: len(ids) for n, ids in lengths.items()}) if lengths else None
+            if model in self._context and context != (was := self._context[model]):
+                # the workers registering the old context or the new one are routed no longer, or now
+                routing.update(*(lengths.get(n, ()) for n in (was, context) if n is not None))
+            self._context[model] = context
+        for info in (old, new):
+            if info is not None:
+                self._touched_aliases.update(info.aliases)  # shadowed or not: as registered
+        for each in routing:
+            self._route(each)
+
+    def _index(self, info: WorkerInfo) -> None:
+        worker, model = info.worker, info.model
+        self._of_model.setdefault(model, set()).add(worker)
+        self._sizes.setdefault(model, {}).setdefault(info.block_size, set()).add(worker)
+        if info.max_model_len is not None:
+            self._lengths.setdefault(model, {}).setdefault(info.max_model_len, set()).add(worker)
+        for name in {*info.aliases, *info.adapters} - {model}:
+            self._naming.setdefault(name, set()).add(worker)
+
+    def _unindex(self, info: WorkerInfo) -> None:
+        worker, model = info.worker, info.model
+        _drop(self._of_model, model, worker)
+        _drop_under(self._sizes, model, info.block_size, worker)
+        if info.max_model_len is not None:
+            _drop_under(self._lengths, model, info.max_model_len, worker)
+        for name in {*info.aliases, *info.adapters} - {model}:
+            _drop(self._naming, name, worker)
+
+    def _route(self, worker: str) -> None:
+        """Route `worker` as its record, its model's context and the models registered say now:
+        listed in workers() or not, and for which names (router.served_names.resolve_names)."""
+        self._routed.pop(worker, None)
+        for name, way in self._serves.pop(worker, {}).items():
+            _drop_under(self._served, name, way, worker)
+            self._touched_names.add(name)
+        info = self._workers.get(worker)
+        if info is None or info.max_model_len not in (None, self._context[info.model]):
+            return
+        info = self._routed[worker] = _unshadowed(info, self._of_model)
+        serves: dict[str, Way] = {}
+        for name in (info.model, *info.aliases, *info.adapters):
+            if name == info.model or name not in self._of_model:  # a model's own name wins
+                serves.setdefault(name, (info.model, adapter_named(name, info.model, info.aliases)))
+        for name, way in serves.items():
+            self._served.setdefault(name, {}).setdefault(way, set()).add(worker)
+        self._serves[worker] = serves
+        self._touched_names.update(serves)
+
+    # --- the checks: the models and names an event touched -----------------------------------------
+
+    def _check_block_sizes(self, models: set[str]) -> None:
+        now = {model: set(sizes) for model in models if len(sizes := self._sizes.get(model, {})) > 1}
+        if all(now.get(model) == self.block_size_conflicts.get(model) for model in models):
+            return
+        conflicts = _with(self.block_size_conflicts, models, now)
+        for model, seen in conflicts.items():  # every conflict again, as when one changes
+            log.error(
+                "configuration error: workers of model %s disagree on block size %s; prefix matches "
+                "across them are meaningless. Workers by block size: %s",
+                model,
+                sorted(seen),
+                {size: sorted(ids) for size, ids in sorted(self._sizes[model].items())},
+            )
+        for model in sorted(self.block_size_conflicts.keys() - conflicts.keys()):
+            log.warning("workers of model %s agree on block size again", model)
+        self.block_size_conflicts = conflicts
+
+    def _check_contexts(self, models: set[str]) -> None:
+        now = {
+            model: {n: sorted(ids) for n, ids in sorted(lengths.items())}
+            for model in models
+            if len(lengths := self._lengths.get(model, {})) > 1
+        }
+        self.context_conflicts = _said(
             self.context_conflicts,
-            conflicts,
+            models,
+            now,
             context_message,
             lambda model: f"workers of model {model} agree on max_model_len again: all of them are routed",
         )
-        self.context_conflicts = conflicts
 
-    def _check_names(self) -> None:
-        shadows = shadowed(info for _, info in sorted(self._workers.items()))
-        _say_changes(
+    def _check_names(self, names: set[str], aliases: set[str]) -> None:
+        self.shadowed_aliases = _said(
             self.shadowed_aliases,
-            shadows,
+            aliases,
+            {name: shadows for name in aliases if (shadows := self._shadows(name))},
             shadow_message,
             lambda name: f"no worker of another model serves the model name {name} as an alias any more",
         )
-        self.shadowed_aliases = shadows
-        resolved = resolve_names(self.workers())
-        clashes = {name: models for name, models in resolved.items() if len(models) > 1}
-        _say_changes(
+        self.name_clashes = _said(
             self.name_clashes,
-            clashes,
+            names,
+            {name: clash for name in names if (clash := self._clash(name))},
             clash_message,
             lambda name: f"the name {name} is served as one model again: requests naming it are routed",
         )
-        self.name_clashes = clashes
+
+    def _shadows(self, name: str) -> dict[str, list[str]]:
+        """The workers of other models serving model `name`'s own name as an alias, by their model
+        (router.served_names.shadowed); {} unless `name` is a model's."""
+        out: dict[str, list[str]] = {}
+        if name in self._of_model:
+            for worker in sorted(self._naming.get(name, ())):
+                if name in (info := self._workers[worker]).aliases:
+                    out.setdefault(info.model, []).append(worker)
+        return out
+
+    def _clash(self, name: str) -> dict[str, list[str]]:
+        """`name`'s routed workers by model, where it resolves to more than one; else {}."""
+        ways = self._served.get(name, {})
+        if len(ways) < 2:
+            return {}
+        resolved = served_as(name, [self._routed[w] for w in sorted(set[str]().union(*ways.values()))])
+        return resolved if len(resolved) > 1 else {}
+
+
+def _said(
+    before: dict[str, T],
+    keys: set[str],
+    now: dict[str, T],
+    message: Callable[[str, T], str],
+    again: Callable[[str], str],
+) -> dict[str, T]:
+    """`before` with `keys` as `now` has them (a key absent from `now`: no conflict any more),
+    having said what changed (_say_changes)."""
+    _say_changes({k: before[k] for k in keys if k in before}, now, message, again)
+    return _with(before, keys, now)
+
+
+def _with(before: dict[str, T], keys: set[str], now: dict[str, T]) -> dict[str, T]:
+    """`before` with `keys` as `now` has them, a new dict where anything changed (a reader may hold
+    the last one), by key."""
+    if all(now.get(k) == before.get(k) for k in keys):
+        return before
+    return dict(sorted({**{k: v for k, v in before.items() if k not in keys}, **now}.items()))
+
+
+def _drop(index: dict[K, set[str]], key: K, worker: str) -> None:
+    (ids := index[key]).discard(worker)
+    if not ids:
+        del index[key]
+
+
+def _drop_under(index: dict[str, dict[K, set[str]]], key: str, sub: K, worker: str) -> None:
+    _drop(inner := index[key], sub, worker)
+    if not inner:
+        del index[key]
 
 
 def _say_changes(
@@ -331,7 +483,8 @@ def _say_changes(
 
 def model_contexts(infos: list[WorkerInfo]) -> dict[str, int | None]:
     """Each model's max_model_len: the one most of its workers that register one register (ties:
-    the longest), None where none does."""
+    the longest), None where none does. The registry keeps it one record at a time; its tests
+    check that against this."""
     counts: dict[str, Counter[int]] = {}
     for info in infos:
         seen = counts.setdefault(info.model, Counter())
@@ -356,7 +509,7 @@ def context_message(model: str, workers: dict[int, list[str]]) -> str:
     )
 
 
-def _unshadowed(info: WorkerInfo, models: set[str]) -> WorkerInfo:
+def _unshadowed(info: WorkerInfo, models: Container[str]) -> WorkerInfo:
     """`info` without its aliases that are another model's own name (router.served_names.shadowed)."""
     if not any(name in models and name != info.model for name in info.aliases):
         return info
