@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--debug-api-keys-file", default=None, metavar="FILE",
-        help="operator keys for /debug/route and /debug/index, one per line; with --api-keys-file and "
+        help="operator keys for /debug/route, /debug/index and /debug/workers, one per line; with --api-keys-file and "
         "without this, /debug/* is closed (403)",
     )  # fmt: skip
     parser.add_argument(

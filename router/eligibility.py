@@ -1,8 +1,9 @@
 """Which registered workers may take a request now, and why each other one may not.
 
 One worker's fault never stops the fleet: a worker that cannot be trusted is left out of the
-candidates, its reason is shown on `/ready` and `/debug/route`, and every other worker routes as
-usual. A worker is excluded while (first reason wins):
+candidates, its reason is shown on `/ready` (counted, the first eight named: `name_few`),
+`/debug/workers` and `/debug/route`, and every other worker routes as usual. A worker is excluded
+while (first reason wins):
 
 - `bootstrapping`: the index has not yet received its first state from the shim;
 - `repairing`: a gap, an unknown epoch, an impossible seq or a digest mismatch is being repaired;
@@ -48,9 +49,9 @@ import enum
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -60,11 +61,13 @@ from router.load_view import Liveness
 __all__ = [
     "DEFAULT_PERIOD_S",
     "MALFORMED_COOLDOWN_S",
+    "NAMED_AT_MOST",
     "PREFILL_COOLDOWN_S",
     "SILENT_PERIODS",
     "Eligibility",
     "Exclusion",
     "WorkerStatus",
+    "name_few",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,16 @@ DEFAULT_PERIOD_S = 1.0
 SILENT_PERIODS = 3
 MALFORMED_COOLDOWN_S = 30.0  # one request retried elsewhere per this, per worker sending garbage
 PREFILL_COOLDOWN_S = 30.0  # one prefill leg lost per this, per prefill worker failing them
+NAMED_AT_MOST = 8  # workers a no-worker 503 or /ready names with their reason; the rest are counted
+
+_T = TypeVar("_T")
+
+
+def name_few(items: Sequence[_T], reason: Callable[[_T], str]) -> tuple[Sequence[_T], Counter[str]]:
+    """The first NAMED_AT_MOST of `items` and the rest counted by `reason`: what a no-worker 503
+    and /ready say of the workers left out, so that a whole fleet down makes neither as long as
+    the fleet."""
+    return items[:NAMED_AT_MOST], Counter(reason(i) for i in items[NAMED_AT_MOST:])
 
 
 @dataclass(slots=True)

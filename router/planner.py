@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -34,7 +33,7 @@ from protocol.config import RouterSettings
 from protocol.hashing import chain_salt, endpoint_key
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
-from router.eligibility import Eligibility, Exclusion
+from router.eligibility import Eligibility, Exclusion, name_few
 from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
@@ -45,7 +44,6 @@ from router.served_names import clash_message, served_as
 from router.tokenization import shim_predates_probes
 from router.transfer_health import TransferHealth
 
-_NAMED_IN_503 = 8  # workers a no-worker 503 names with their reason; the rest are counted by kind
 # Workers a utility call (/tokenize) skips: their engine cannot answer now, or answered garbage lately.
 _NO_UTILITY = frozenset(
     {
@@ -334,11 +332,10 @@ class Planner:
         if left_out and all(e["excluded"] == "tokenizer" for e in left_out):  # no retry takes it
             decode = [i for i in infos if i.role != "prefill"]
             return PlanError(503, self.text_refusal(decode[0].model, decode), transient=False)
-        reasons = "; ".join(f"{e['worker']}: {e['excluded']} ({e['why']})" for e in left_out[:_NAMED_IN_503])
-        rest = left_out[_NAMED_IN_503:]
-        if rest:  # a whole fleet down must not make every 503 as long as the fleet
-            kinds = Counter(str(e["excluded"]) for e in rest)
-            reasons += f"; and {len(rest)} more ({', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))})"
+        named, rest = name_few(left_out, lambda e: str(e["excluded"]))
+        reasons = "; ".join(f"{e['worker']}: {e['excluded']} ({e['why']})" for e in named)
+        if rest:
+            reasons += f"; and {rest.total()} more ({', '.join(f'{k}: {n}' for k, n in sorted(rest.items()))})"
         return PlanError(503, f"no decode or agg worker of model {ctx.model} can take the request now: {reasons}")
 
     # --- admission ------------------------------------------------------------------------------

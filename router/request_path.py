@@ -309,7 +309,7 @@ def refused_records(ns: str, refused: Sequence[tuple[str, str]], shown: int = 5)
     more = f"; and {len(refused) - shown} more" if len(refused) > shown else ""
     return (
         f"{len(refused)} worker record(s) under {subjects.workers_prefix(ns)} refused ({listed}{more}); "
-        "bad_record in /ready's worker_status"
+        "bad_record on /ready and /debug/workers"
     )
 
 

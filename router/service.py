@@ -27,6 +27,7 @@ import logging
 import random
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -54,7 +55,7 @@ from router.calibration import Calibration, unusable_profiles
 from router.clock_skew import ClockSkew, Skew, SkewNews, Verdict
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
-from router.eligibility import Eligibility, Exclusion, WorkerStatus
+from router.eligibility import Eligibility, Exclusion, WorkerStatus, name_few
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
@@ -403,7 +404,8 @@ class RouterService:
             health=self.health,
             readiness=self.readiness,
             index_state=self.index_state,
-            tokenizer_report=self.fingerprints.report,
+            tokenizer_report=self.fingerprints.summary,
+            worker_listing=self.worker_listing,
             started_at=self.started_at,
             bad_records=lambda model: [st.explain() for st in self.bad_records(model)],
             drain=self._drain,
@@ -543,16 +545,20 @@ class RouterService:
         softly (`engine_unhealthy`: router.eligibility), which the planner then uses, said in
         `warnings`. With --model only the workers serving it count. A model no request can name
         (every name it is served under clashes: router.served_names) does not count either. The
-        body says, per worker, whether it is routable and why not; `warnings` what the fleet gets
+        body counts the workers left out by reason (`excluded_by_reason`) and names the first of
+        them, refused records first, with why (`worker_status`, `name_few`: as a no-worker 503
+        does), never a routable one, so a probe stays small and cheap at any fleet size;
+        `worker_listing` (/debug/workers) has every worker. `warnings` says what the fleet gets
         wrong without stopping this router (names that clash, pools that cannot pair, peers that
-        route otherwise). A worker record refused in etcd is listed too, as `bad_record`: its
+        route otherwise). A worker record refused in etcd is left out too, as `bad_record`: its
         shim may be up, and the router never routes to it."""
         running = self.status is RouterStatus.RUNNING and self._registry is not None and self._ingest is not None
         nats_up = self._nc is not None and self._nc.is_connected
-        registered = self._registry.workers() if self._registry is not None else []
         served = self.config.model
-        infos = registered if served is None else serving(registered, served)
+        registered, infos = self._counted()
         statuses = self.eligibility.statuses(infos)
+        bad = self.bad_records(served)
+        left_out = [*bad]
         models: dict[str, dict[str, int]] = {}
         for st in statuses:
             m = models.setdefault(
@@ -563,7 +569,9 @@ class RouterService:
             pool = "prefill" if st.role == "prefill" else "decode"
             if st.routable:
                 m[f"routable_{pool}"] += 1
-            elif st.soft:
+                continue
+            left_out.append(st)
+            if st.soft:
                 m[f"soft_{pool}"] += 1
         warnings = [
             f"model {model}: no {said} worker is routable; its {m[f'soft_{pool}']} engine_unhealthy ones (their "
@@ -596,7 +604,7 @@ class RouterService:
             problems.append("NATS is not connected: requests cannot reach any worker")
         if running and not self._registry_ready:
             problems.append("the worker set has not been read from etcd yet")
-        refused = self._refused(served)
+        refused = [(st.worker, st.detail) for st in bad]
         if self._registry_ready and not registered:
             if every := refused or self._refused(None):  # the records are there: no namespace mismatch
                 problems.append(
@@ -642,10 +650,27 @@ class RouterService:
             "models": models,
             "problems": problems,
             "warnings": warnings,
-            "worker_status": [st.explain() for st in [*statuses, *self.bad_records(served)]],
+            "excluded_by_reason": dict(sorted(Counter(str(st.exclusion) for st in left_out).items())),
+            "worker_status": [st.explain() for st in name_few(left_out, lambda st: str(st.exclusion))[0]],
             "index_synced": self._ingest.synced if self._ingest is not None else False,
         }
         return not problems, body
+
+    def worker_listing(self) -> dict[str, Any]:
+        """Every worker /ready counts, routable or not, with why not, then each refused record
+        (`worker_status`), and every worker that gets no text prompts from this router
+        (`text_refused`): /debug/workers, what /ready names only the first of."""
+        listed = [*self.eligibility.statuses(self._counted()[1]), *self.bad_records(self.config.model)]
+        return {
+            "worker_status": [st.explain() for st in listed],
+            "text_refused": self.fingerprints.report()["text_refused"],
+        }
+
+    def _counted(self) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+        """The registered workers, and those /ready counts (with --model, those serving it)."""
+        registered = self._registry.workers() if self._registry is not None else []
+        served = self.config.model
+        return registered, registered if served is None else serving(registered, served)
 
     def _refused(self, model: str | None) -> list[tuple[str, str]]:
         return [(st.worker, st.detail) for st in self.bad_records(model)]
@@ -718,6 +743,8 @@ class RouterService:
 
     @property
     def ready(self) -> bool:
+        """Whether /ready says 200: the whole rule, a status per worker (tests poll it; nothing on
+        the request or event path calls it)."""
         return self.readiness()[0]
 
     async def wait_ready(self, timeout: float = 30.0) -> bool:

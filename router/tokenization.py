@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import functools
+import heapq
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.content_format import CONTENT_FORMATS, ContentFormat, detect_content_format
 from router.conversation import ConversationError, conversation, tool_definitions
+from router.eligibility import NAMED_AT_MOST
 
 __all__ = [
     "OFFLOAD_CHARS",
@@ -594,7 +596,7 @@ class Tokenization:
 class FingerprintWatch:
     """Compares each registered worker's tokenizer fingerprint with the router's; says once per
     worker, at ERROR, that it gets no text prompts and how to fix it, and reports the mismatches
-    (for /ready)."""
+    (the first on /ready, every one on /debug/workers)."""
 
     def __init__(self, mine: str, legacy: str | None = None) -> None:
         """`legacy`: this router's tokenizer's fingerprint under the old probes
@@ -635,4 +637,14 @@ class FingerprintWatch:
         return {
             "router": self.mine,
             "text_refused": [{"worker": w, "why": why} for w, why in sorted(self._mismatched.items())],
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """`report` as /ready gives it: the first NAMED_AT_MOST workers by name and how many in all,
+        so that a fleet of another tokenizer does not make every probe as long as the fleet."""
+        named = heapq.nsmallest(NAMED_AT_MOST, self._mismatched)
+        return {
+            "router": self.mine,
+            "text_refused": [{"worker": w, "why": self._mismatched[w]} for w in named],
+            "text_refused_total": len(self._mismatched),
         }

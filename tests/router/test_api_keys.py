@@ -209,8 +209,12 @@ async def test_debug_paths_take_only_operator_keys(
             assert err["type"] == "AuthenticationError" and "--debug-api-keys-file" in err["message"]
         async with http.post(router.url + "/debug/route", json=route, headers=headers) as r:
             assert r.status == 401
+        async with http.get(router.url + "/debug/workers", headers=headers) as r:  # /ready says less, keyless
+            assert r.status == 401
     async with http.get(router.url + "/debug/index", headers=operator) as r:
         assert r.status == 200
+    async with http.get(router.url + "/debug/workers", headers=operator) as r:
+        assert r.status == 200 and [w["routable"] for w in (await r.json())["worker_status"]] == [True]
     async with http.post(router.url + "/debug/route", json=route, headers=operator) as r:
         assert r.status == 200
     async with http.get(router.url + "/v1/models", headers=operator) as r:  # an operator key is no API key
@@ -229,6 +233,8 @@ async def test_debug_paths_are_closed_with_api_keys_and_no_operator_keys(
         assert r.status == 403
         err = (await r.json())["error"]
         assert err["type"] == "PermissionDeniedError" and "--debug-api-keys-file" in err["message"]
+    async with http.get(router.url + "/debug/workers", headers={"Authorization": "Bearer sk-client"}) as r:
+        assert r.status == 403
     async with http.get(router.url + "/v1/models", headers={"Authorization": "Bearer sk-client"}) as r:
         assert r.status == 200
 

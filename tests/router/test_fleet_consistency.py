@@ -244,7 +244,7 @@ async def test_a_model_whose_tokenizer_no_shim_could_read_is_told_to_send_token_
 
 
 def _routable(router: RouterService, worker: str) -> bool:
-    return any(st["worker"] == worker and st["routable"] for st in router.readiness()[1]["worker_status"])
+    return any(st["worker"] == worker and st["routable"] for st in router.worker_listing()["worker_status"])
 
 
 def _count(router: RouterService, outcome: str) -> float:

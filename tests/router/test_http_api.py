@@ -878,8 +878,12 @@ async def test_no_worker_is_503_and_ready_follows_the_registry(cluster: Cluster,
     async with http.get(router.url + "/ready") as r:
         assert r.status == 200
         body = await r.json()
-    assert [w["worker"] for w in body["worker_status"] if w["routable"]] == [worker.id]
-    assert body["tokenizer"] == {"router": "builtin", "text_refused": []}
+    assert body["worker_status"] == [] and body["excluded_by_reason"] == {}  # a routable worker is not listed
+    async with http.get(router.url + "/debug/workers") as r:
+        assert r.status == 200
+        listing = await r.json()
+    assert [w["worker"] for w in listing["worker_status"] if w["routable"]] == [worker.id]
+    assert body["tokenizer"] == {"router": "builtin", "text_refused": [], "text_refused_total": 0}
     await worker.shim.stop()
     await until(lambda: not router.registry.workers(), what="the worker to leave")
     async with http.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:

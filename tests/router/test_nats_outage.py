@@ -58,7 +58,7 @@ async def test_a_stream_in_flight_through_the_routers_nats_outage_fails_as_that_
         "the router has lost its NATS connection and is reconnecting: no worker can be reached"
     )
     assert router.dispatcher.retries == 0
-    (status,) = [s for s in router.readiness()[1]["worker_status"] if s["worker"] == worker.id]
+    (status,) = [s for s in router.worker_listing()["worker_status"] if s["worker"] == worker.id]
     assert status["excluded"] is None, status  # not left out as unreachable
     own_nats.launch()
     await asyncio.to_thread(own_nats.wait_healthy)
@@ -110,7 +110,7 @@ async def test_a_stream_through_a_nats_restart_goes_on_when_its_shim_is_back_aft
         await relay.close()
     assert not [e for e in events if e.startswith('{"error"')], events[-3:]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-    (status,) = [s for s in router.readiness()[1]["worker_status"] if s["worker"] == worker.id]
+    (status,) = [s for s in router.worker_listing()["worker_status"] if s["worker"] == worker.id]
     assert status["excluded"] is None, status
 
 

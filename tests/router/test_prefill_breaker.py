@@ -155,12 +155,14 @@ async def test_a_prefill_engine_without_a_kv_connector_is_left_out_and_a_healthy
     episode = [r.getMessage() for r in caplog.records if r.name == "router.eligibility"]
     assert len(failed) == 1 and len(episode) == 1
     assert bad.id in episode[0] and NO_CONNECTOR in episode[0]
-    # Shown where operators look: /debug/route's excluded and /ready's worker_status.
+    # Shown where operators look: /debug/route's excluded, /ready's worker_status (the workers left
+    # out only) and /debug/workers (every one).
     excluded = {e["worker"]: e for e in router.path.explain(MODEL, SYSTEM, text=False)["excluded"]}
     assert excluded[bad.id]["excluded"] == "prefill_failing" and NO_CONNECTOR in excluded[bad.id]["why"]
     _, ready = router.readiness()
-    shown = {st["worker"]: st["excluded"] for st in ready["worker_status"]}
-    assert shown[bad.id] == "prefill_failing" and shown[good.id] is None
+    assert {st["worker"]: st["excluded"] for st in ready["worker_status"]} == {bad.id: "prefill_failing"}
+    listed = {st["worker"]: st["excluded"] for st in router.worker_listing()["worker_status"]}
+    assert listed[bad.id] == "prefill_failing" and listed[good.id] is None
 
 
 async def a_hung_prefill_worker_then_a_healthy_one(

@@ -24,7 +24,7 @@ def _fail_load_polls(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _excluded(router: RouterService, worker: Worker) -> str | None:
-    (st,) = [s for s in router.readiness()[1]["worker_status"] if s["worker"] == worker.id]
+    (st,) = [s for s in router.worker_listing()["worker_status"] if s["worker"] == worker.id]
     return st["excluded"]  # type: ignore[no-any-return]
 
 

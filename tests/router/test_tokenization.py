@@ -301,6 +301,19 @@ def test_a_fingerprint_mismatch_is_logged_once_per_worker(hf_dir: Path, caplog: 
     assert "--tokenizer" in builtin.report()["text_refused"][0]["why"]
 
 
+def test_ready_names_the_first_workers_refused_text_and_counts_them_all() -> None:
+    """/ready's `tokenizer`: a fleet of another tokenizer made it as long as the fleet (259 KB of the
+    360 KB at 1,000 workers); /debug/workers (`report`) still lists every one."""
+    watch = FingerprintWatch("builtin")
+    for i in range(20):
+        watch.check(WorkerInfo(worker=f"w{i:02d}", model="m", role="agg", engine="vllm", block_size=16))
+    summary = watch.summary()
+    assert [w["worker"] for w in summary["text_refused"]] == [f"w{i:02d}" for i in range(8)]
+    assert summary["text_refused_total"] == 20 and summary["router"] == "builtin"
+    assert "--tokenizer" in summary["text_refused"][0]["why"]
+    assert len(watch.report()["text_refused"]) == 20
+
+
 def test_a_tool_call_vllm_would_refuse_is_a_named_error(hf_dir: Path) -> None:
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": "hello"},

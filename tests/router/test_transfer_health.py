@@ -322,7 +322,7 @@ async def test_a_pull_into_a_decode_worker_that_left_keeps_no_state(
     # A router is ready with its decode worker; the prefill worker may still be syncing, and a
     # request then prefills on the decode worker (a clean-clone CI run timed out so, waiting here).
     await until(
-        lambda: all(st["routable"] for st in router.readiness()[1]["worker_status"]), what="both workers routable"
+        lambda: all(st["routable"] for st in router.worker_listing()["worker_status"]), what="both workers routable"
     )
     gate, seen = asyncio.Event(), asyncio.Event()
     generate = p.shim.adapter.generate

@@ -40,6 +40,13 @@ async def _ready(http: aiohttp.ClientSession, router: RouterService) -> tuple[in
         return r.status, await r.json()
 
 
+async def _listing(http: aiohttp.ClientSession, router: RouterService) -> dict[str, Any]:
+    """/debug/workers: every worker, routable or not (/ready names only those left out)."""
+    async with http.get(router.url + "/debug/workers") as r:
+        assert r.status == 200
+        return await r.json()  # type: ignore[no-any-return]
+
+
 async def _metrics(http: aiohttp.ClientSession, router: RouterService) -> dict[str, float]:
     async with http.get(router.url + "/metrics") as r:
         text = await r.text()
@@ -222,7 +229,9 @@ async def test_refused_worker_records_are_counted_logged_by_key_and_on_ready_unt
         assert set(bad) == {zero.hex_id, truncated, missing} and not any(w["routable"] for w in bad.values())
         assert "block_size 0" in bad[zero.hex_id]["why"] and bad[zero.hex_id]["model"] == MODEL
         assert "truncated" in bad[truncated]["why"] and "model" in bad[missing]["why"]
-        assert _status_of(body, good.id)["routable"]
+        assert body["excluded_by_reason"] == {"bad_record": 3}
+        assert good.id not in {w["worker"] for w in body["worker_status"]}
+        assert _status_of(await _listing(http, router), good.id)["routable"]
         assert (await _metrics(http, router))["kvswitch_router_worker_records_refused_total"] == 3
         for key in (zero.hex_id, truncated, missing):
             assert len(_said(caplog, "worker record under key", repr(key), level=logging.ERROR)) == 1, key
@@ -244,7 +253,8 @@ async def test_refused_worker_records_are_counted_logged_by_key_and_on_ready_unt
         await until(lambda: not router.registry.refusing(), what="every bad record fixed or gone")
         body = (await _ready(http, router))[1]
         assert not [w for w in body["worker_status"] if w["excluded"] == "bad_record"]
-        assert _status_of(body, truncated)["excluded"] != "bad_record"
+        assert "bad_record" not in body["excluded_by_reason"]
+        assert _status_of(await _listing(http, router), truncated)["excluded"] != "bad_record"
         await d.delete(prefix + truncated)
 
 
@@ -267,7 +277,7 @@ async def test_a_record_nested_too_deeply_is_one_bad_record_not_a_dead_worker_wa
             assert status == 200 and body["routable"] == 1, body
             bad = _status_of(body, key)
             assert bad["excluded"] == "bad_record" and "nested too deeply" in bad["why"], bad
-            assert _status_of(body, good.id)["routable"]
+            assert _status_of(await _listing(http, router), good.id)["routable"]
             status, _, _ = await complete(http, router, list(range(64)))
             assert status == 200
         finally:
