@@ -122,6 +122,7 @@ import msgspec
 
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel
+from router.eligibility import few_ids
 
 __all__ = [
     "DROPPED_WARN_AFTER",
@@ -332,7 +333,7 @@ def unusable_profiles(infos: Iterable[WorkerInfo]) -> list[str]:
         if info.timing_profile and _known_profile(info.timing_profile) is None:
             workers.setdefault(info.timing_profile, []).append(info.worker)
     return [
-        f"workers {', '.join(sorted(names))} registered timing profile {name!r}, which this router cannot load "
+        f"workers {few_ids(sorted(names))} registered timing profile {name!r}, which this router cannot load "
         f"({_loaded_profile(name)}): nothing it decides by predicted time (ttft_model, slo_aware, admission's "
         f"backlog) can read them; {_FIX}"
         for name, names in sorted(workers.items())

@@ -67,6 +67,7 @@ __all__ = [
     "Eligibility",
     "Exclusion",
     "WorkerStatus",
+    "few_ids",
     "name_few",
 ]
 
@@ -86,6 +87,13 @@ def name_few(items: Sequence[_T], reason: Callable[[_T], str]) -> tuple[Sequence
     and /ready say of the workers left out, so that a whole fleet down makes neither as long as
     the fleet."""
     return items[:NAMED_AT_MOST], Counter(reason(i) for i in items[NAMED_AT_MOST:])
+
+
+def few_ids(ids: Sequence[str]) -> str:
+    """`ids` joined for a message, the first NAMED_AT_MOST named and the rest counted: a warning or
+    a 503 about a whole fleet of 1,000 names no more than one about a few."""
+    named = ", ".join(ids[:NAMED_AT_MOST])
+    return named if len(ids) <= NAMED_AT_MOST else f"{named} and {len(ids) - NAMED_AT_MOST} more"
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ from router.calibration import Calibration, unusable_profiles
 from router.clock_skew import ClockSkew, Skew, SkewNews, Verdict
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
-from router.eligibility import Eligibility, Exclusion, WorkerStatus, name_few
+from router.eligibility import Eligibility, Exclusion, WorkerStatus, few_ids, name_few
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
@@ -708,7 +708,7 @@ class RouterService:
                 continue
             if all(i.role == "prefill" for i in pool):
                 out.append(
-                    f"model {model} has prefill workers ({', '.join(i.worker for i in prefill)}) but no decode or "
+                    f"model {model} has prefill workers ({few_ids([i.worker for i in prefill])}) but no decode or "
                     "agg worker: every request for it is refused (503) until one registers"
                 )
                 continue
@@ -717,7 +717,7 @@ class RouterService:
             if idle and engines:
                 out.append(
                     f"model {model}: no decode worker runs the engine of prefill workers "
-                    f"{', '.join(f'{i.worker} ({i.engine})' for i in idle)} (its decode workers run "
+                    f"{few_ids([f'{i.worker} ({i.engine})' for i in idle])} (its decode workers run "
                     f"{', '.join(sorted(engines))}), and a transfer handle feeds only its own engine kind: "
                     "they get no request"
                 )

@@ -51,7 +51,7 @@ from protocol.messages import WorkerInfo
 from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.content_format import CONTENT_FORMATS, ContentFormat, detect_content_format
 from router.conversation import ConversationError, conversation, tool_definitions
-from router.eligibility import NAMED_AT_MOST
+from router.eligibility import NAMED_AT_MOST, few_ids
 
 __all__ = [
     "OFFLOAD_CHARS",
@@ -490,7 +490,7 @@ def shim_predates_probes(workers: Sequence[str]) -> str:
     probes of before PROBES_SINCE: their shims are older, not their tokenizer another. Not taken for
     a match: the old probes cannot tell apart tokenizers the new ones do."""
     one = len(workers) == 1
-    named = f"worker{'' if one else 's'} {', '.join(workers)}"
+    named = f"worker{'' if one else 's'} {few_ids(workers)}"
     return (
         f"the shim{'' if one else 's'} of {named} predate{'s' if one else ''} the {PROBES_SINCE} tokenizer "
         f"probe set, and the fingerprint {'it advertises' if one else 'they advertise'} is this router's "
