@@ -461,7 +461,8 @@ class LocalCluster:
         self, url: str, what: str, timeout: float = 60.0, ok: Callable[[bytes], bool] = lambda _body: True
     ) -> None:
         """Poll `url` until it answers 200 with a body `ok` accepts; fail early if a child died. The
-        error quotes the last body seen, which for /ready says why each worker is left out."""
+        error quotes the last body seen, which for /ready says why the router is not ready and why the
+        first eight workers left out are."""
         deadline = time.monotonic() + timeout
         last = b""
         while time.monotonic() < deadline:

@@ -137,8 +137,8 @@ class _StateCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvswitch_router_worker_records_refused",
-            "Worker records in etcd refused (undecodable or impossible), each time one is read; /ready lists "
-            "those refused now as bad_record",
+            "Worker records in etcd refused (undecodable or impossible), each time one is read; /ready counts "
+            "those refused now as bad_record and names the first eight, /debug/workers lists them all",
             s.records_refused,
         )
         yield from _sync_counters(s.sync)

@@ -21,13 +21,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from protocol import WorkerInfo
 from protocol.messages import adapter_named
+from router.eligibility import few_ids
 
 __all__ = ["Resolved", "clash_message", "resolve_names", "served_as", "shadow_message", "shadowed"]
 
 Resolved = dict[str, dict[str, list[str]]]
 """name -> model -> the workers (sorted) a request naming it runs on, of that model (`served_as`)."""
-
-_NAMED = 8  # workers a clash's text names per model; the rest are counted
 
 
 def resolve_names(infos: Iterable[WorkerInfo]) -> Resolved:
@@ -61,16 +60,11 @@ def shadowed(infos: Iterable[WorkerInfo]) -> Resolved:
 
 def shadow_message(name: str, models: Mapping[str, Sequence[str]]) -> str:
     """Why workers serving another model under the name of model `name` are not routed for it."""
-    each = "; ".join(f"model {model} on {_workers(ids)}" for model, ids in sorted(models.items()))
+    each = "; ".join(f"model {model} on {few_ids(ids)}" for model, ids in sorted(models.items()))
     return (
         f"workers serve the model `{name}`'s own name as an alias of another model ({each}): requests naming "
         f"`{name}` go to model {name}'s workers only (check those workers' --served-model-name)"
     )
-
-
-def _workers(ids: Sequence[str]) -> str:
-    more = f" and {len(ids) - _NAMED} more" if len(ids) > _NAMED else ""
-    return ", ".join(ids[:_NAMED]) + more
 
 
 def served_as(name: str, infos: Iterable[WorkerInfo]) -> dict[str, list[str]]:
@@ -94,7 +88,7 @@ def _with_adapter(model: str, adapter: str) -> str:
 
 def clash_message(name: str, models: Mapping[str, Sequence[str]]) -> str:
     """Why requests naming `name` are refused, naming the models and (up to 8 of each's) workers."""
-    each = "; ".join(f"model {model} on {_workers(ids)}" for model, ids in sorted(models.items()))
+    each = "; ".join(f"model {model} on {few_ids(ids)}" for model, ids in sorted(models.items()))
     return (
         f"the name `{name}` is served as {len(models)} different models ({each}): requests naming it are "
         "refused until one model alone serves it (a worker's model, alias or LoRA adapter names another's)"

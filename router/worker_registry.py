@@ -49,6 +49,7 @@ from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
 from discovery.watch import keep_following
 from protocol import WorkerInfo, serving, subjects
 from protocol.messages import adapter_named, worker_info_problem
+from router.eligibility import few_ids
 from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, served_as, shadow_message
 from runtime import background
@@ -502,7 +503,7 @@ def context_message(model: str, workers: dict[int, list[str]]) -> str:
     """Why workers of `model` registering another max_model_len than most (`workers`: length ->
     worker ids) are not routed."""
     chosen = _most_registered({n: len(ids) for n, ids in workers.items()})
-    left = "; ".join(f"{n} on {', '.join(ids)}" for n, ids in sorted(workers.items()) if n != chosen)
+    left = "; ".join(f"{n} on {few_ids(ids)}" for n, ids in sorted(workers.items()) if n != chosen)
     return (
         f"workers of model {model} disagree on max_model_len: it is served with {chosen}, the length most "
         f"register (ties: the longest), and the workers registering another are not routed ({left})"

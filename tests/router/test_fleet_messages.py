@@ -11,6 +11,7 @@ from router.calibration import unusable_profiles
 from router.eligibility import NAMED_AT_MOST, few_ids
 from router.service import RouterConfig, RouterService
 from router.tokenization import shim_predates_probes
+from router.worker_registry import context_message
 
 IDS = [f"w{i:04d}" for i in range(1000)]
 
@@ -51,3 +52,8 @@ def test_unpaired_prefill_workers_of_a_whole_fleet_are_named_a_few() -> None:
     infos = [_info(w, "prefill", engine="sglang") for w in IDS] + [_info("d", "decode")]
     [idle] = router._fleet_warnings(infos)
     assert _named(idle) == IDS[:NAMED_AT_MOST] and f"and {1000 - NAMED_AT_MOST} more" in idle
+
+
+def test_a_context_conflict_of_a_whole_fleet_names_a_few_per_length() -> None:
+    said = context_message("m", {32768: IDS[:10], 8192: IDS[10:]})  # 8192 wins: most register it
+    assert _named(said) == IDS[:NAMED_AT_MOST] and "and 2 more" in said
