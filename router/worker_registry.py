@@ -101,6 +101,7 @@ class WorkerRegistry:
         self._on_remove = on_remove
         self._workers: dict[str, WorkerInfo] = {}
         self._sorted: list[WorkerInfo] | None = None  # by id; every request reads it, membership rarely changes
+        self._named: tuple[list[str], dict[str, str], dict[str, str]] | None = None  # _names(), as _sorted
         # Indexes of _workers kept one record at a time, so that a watch event costs what it touches,
         # not the fleet (the class docstring):
         self._of_model: dict[str, set[str]] = {}  # model -> its workers; the keys are the models registered
@@ -174,20 +175,30 @@ class WorkerRegistry:
         return self._workers.get(worker)
 
     def models(self) -> list[str]:
-        return sorted({info.model for info in self.workers()})
+        return list(self._names()[0])
 
     def aliases(self) -> dict[str, str]:
         """The other names registered workers serve their model under, each with that model (a
         name that is some worker's model names that model)."""
-        models = self.models()
-        return {name: info.model for info in self.workers() for name in info.aliases if name not in models}
+        return dict(self._names()[1])
 
     def adapters(self) -> dict[str, str]:
         """The LoRA adapters registered workers serve, each with its base model, by name (an
         adapter's name that is some worker's model names that model; one that is some worker's
         alias is listed as that, and clashes: router.served_names)."""
-        named = {*self.models(), *self.aliases()}
-        return {name: info.model for info in self.workers() for name in info.adapters if name not in named}
+        return dict(self._names()[2])
+
+    def _names(self) -> tuple[list[str], dict[str, str], dict[str, str]]:
+        """models(), aliases() and adapters(), kept until the routed records change: every request
+        resolves its model's name by them, and each was a pass over the fleet."""
+        if self._named is None:
+            routed = self.workers()
+            models = sorted({info.model for info in routed})
+            aliases = {name: info.model for info in routed for name in info.aliases if name not in models}
+            named = {*models, *aliases}
+            adapters = {name: info.model for info in routed for name in info.adapters if name not in named}
+            self._named = (models, aliases, adapters)
+        return self._named
 
     def left_at(self, name: str) -> float | None:
         """When a worker serving `name` (its model, an alias or a LoRA adapter) last left: its key
@@ -260,7 +271,7 @@ class WorkerRegistry:
         self._reindex(name, old, info)
         for served in (info.model, *info.aliases, *info.adapters):  # served again: no longer gone
             self._left.pop(served, None)
-        self._sorted = None
+        self._sorted = self._named = None
         self._call(self._on_add, info)
 
     def _problem(self, name: str, info: WorkerInfo) -> str | None:
@@ -290,7 +301,7 @@ class WorkerRegistry:
                 left.move_to_end(served)
             while len(left) > _LEFT_MAX:
                 left.popitem(last=False)
-            self._sorted = None
+            self._sorted = self._named = None
             self._call(self._on_remove, name)
 
     def _call(self, callback: Callable[[Any], None], arg: WorkerInfo | str) -> None:

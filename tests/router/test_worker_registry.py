@@ -293,6 +293,25 @@ async def test_a_put_costs_the_same_however_many_workers_are_registered(disc: Di
     assert two < 2.5 * one, (one, two)  # twice the puts, twice the work: 4 times, were it quadratic
 
 
+async def test_the_names_a_request_resolves_by_are_read_once_per_change(disc: Discovery) -> None:
+    # Every request resolves its model's name by models(), aliases() and adapters(): each was a
+    # pass over the fleet's records, three per request.
+    reg = WorkerRegistry(disc, lambda _: None, lambda _: None)
+    reg.apply(Snapshot(items={}, revision=1))
+    for i in range(50):
+        w = f"w{i:04d}"
+        reg.apply(Put(w, Counted(worker=w, model="llama", role="decode", engine="sim", block_size=16,
+                                 aliases=["chat"], adapters=["sql"]), revision=i + 2))  # fmt: skip
+    assert (reg.models(), reg.aliases(), reg.adapters()) == (["llama"], {"chat": "llama"}, {"sql": "llama"})
+    Counted.reads[0] = 0
+    for _ in range(10):
+        reg.models(), reg.aliases(), reg.adapters()
+    assert Counted.reads[0] == 0
+    reg.apply(Put("q", WorkerInfo(worker="q", model="qwen", role="decode", engine="sim", block_size=16,
+                                  aliases=["chat2"]), revision=100))  # fmt: skip
+    assert (reg.models(), reg.aliases()["chat2"]) == (["llama", "qwen"], "qwen")
+
+
 def whole_fleet(raw: dict[str, WorkerInfo]) -> tuple[list[WorkerInfo], dict[str, Any]]:
     """What the registry routes and reports for `raw` (worker -> record), from scratch: the
     definitions (the module's docstring) the registry keeps up to date one record at a time."""
@@ -383,6 +402,10 @@ async def test_what_each_event_changes_is_what_the_whole_fleet_says(
             reg.apply(event)
             routed, now = whole_fleet(raw)
             assert reg.workers() == routed, (seed, revision)
+            models = sorted({i.model for i in routed})  # kept between events: each must renew them
+            aliases = {n: i.model for i in routed for n in i.aliases if n not in models}
+            adapters = {n: i.model for i in routed for n in i.adapters if n not in {*models, *aliases}}
+            assert (reg.models(), reg.aliases(), reg.adapters()) == (models, aliases, adapters), (seed, revision)
             assert {attr: getattr(reg, attr) for attr in now} == now, (seed, revision)
             lines = [(r.levelname, r.getMessage()) for r in caplog.records if "ignored" not in r.getMessage()]
             due = said(before, now)
