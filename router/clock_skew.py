@@ -24,14 +24,22 @@ WINDOW periods such bursts judged every worker's clock behind by the outage's le
 
 What is said (SkewNews) is judged over the fleet, not worker by worker: when this router's clock is
 the one off (or the fleet's), every worker is off by about the same offset: until 2026-12-06 1,000
-workers gave 1,000 WARNINGs, each telling the operator to fix that worker's NTP. The changes of a burst are held
-until SETTLE_REPORTS report periods after its first (time for every worker's WINDOW reports to
-come), then judged together: when more than half of the workers whose offset is known, and at least
-FLEET_AT_LEAST, are off by offsets within AGREE_FRACTION of the tolerance of their median, the fleet
-is said once (this router's clock is probably off), and only the workers off on their own are named.
-At most SAY_AT_MOST workers are named per judgement, the rest counted; a worker is said to agree again
-only if it was said off. With fewer than FLEET_AT_LEAST workers heard from, no fleet can outvote
-one: a change is said at once.
+workers gave 1,000 WARNINGs, each telling the operator to fix that worker's NTP. The changes of a burst
+are held until SETTLE_REPORTS report periods after its first (time for every worker's WINDOW reports
+to come), then judged together: when more than half of the workers whose offset is known, and at
+least FLEET_AT_LEAST, are off by offsets within AGREE_FRACTION of the tolerance of their median, the
+fleet is said (this router's clock is probably off), and only the workers off on their own are named.
+The fleet is said again only when the verdict changed in substance: judged off or no longer, its
+offset moved by more than AGREE_FRACTION of the tolerance, or fewer than half of its workers were in
+the last verdict's. Workers leaving are judged too, held as a burst is (a 1,000-worker redeploy is a
+judgement a settle, not one a removal). Until 2026-12-06 they were not, and verdicts were compared
+as None or not: a fleet judged off that left (a redeploy) kept its verdict, no INFO came, and a
+later fleet-wide skew (this router's clock stepping) counted as unchanged, said nowhere, every
+worker covered by the stale verdict. At most SAY_AT_MOST workers are named per judgement, the rest
+counted; a worker is said to agree again only if it was said off. With fewer than FLEET_AT_LEAST
+workers registered, no fleet can outvote one: a change is said at once. Registered, not heard from:
+until 2026-12-06 the first two workers to report to a router started with its clock off were each
+named on their own before the fleet was said.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.config import MAX_LOAD_PERIOD_S
@@ -138,7 +147,7 @@ class Verdict:
     """What one judgement has to say."""
 
     fleet: Fleet | None  # the fleet's state now
-    fleet_changed: bool  # the fleet was judged off and no longer is, or the reverse
+    fleet_changed: bool  # the fleet's verdict changed in substance (SkewNews: the module docstring)
     off: list[Skew]  # workers judged off on their own, newly: at most SAY_AT_MOST
     off_more: int  # ... and how many more
     back: list[Skew]  # workers said off whose clock agrees again: at most SAY_AT_MOST
@@ -147,21 +156,24 @@ class Verdict:
 
 class SkewNews:
     """The changes ClockSkew reports, held and judged over the fleet (module docstring). Times are
-    monotonic: this router's wall clock may be the one that is off."""
+    monotonic: this router's wall clock may be the one that is off. `registered` counts the workers
+    registered (cheap: read on every change heard)."""
 
-    def __init__(self, clocks: ClockSkew) -> None:
+    def __init__(self, clocks: ClockSkew, registered: Callable[[], int]) -> None:
         self.clocks = clocks
+        self._registered = registered
         self._pending: dict[str, Skew] = {}  # the burst's changes, the latest per worker
         self._due: float | None = None
+        self._period_s = 1.0  # the report period of the last change heard: a removal's hold is in it
         self._said: set[str] = set()  # workers said off on their own (named or counted)
-        self._fleet: Fleet | None = None
+        self._fleet: Fleet | None = None  # the last judgement's
 
     def heard(self, skew: Skew, now: float, period_s: float) -> None:
         """A change from `ClockSkew.observe`, seen in a report sent every `period_s`."""
+        self._period_s = min(period_s, MAX_LOAD_PERIOD_S)
+        if not self._pending:  # a burst's first change; a judgement a removal set waits for it
+            self._due = now + self._hold()
         self._pending[skew.worker] = skew
-        if self._due is None:
-            settle = SETTLE_REPORTS * min(period_s, MAX_LOAD_PERIOD_S)
-            self._due = now + (settle if len(self.clocks) >= FLEET_AT_LEAST else 0.0)
 
     def due(self, now: float) -> Verdict | None:
         """The judgement of the burst once it has settled, else None (cheap: called per report)."""
@@ -170,7 +182,7 @@ class SkewNews:
         pending, self._pending, self._due = self._pending, {}, None
         offsets = self.clocks.offsets()
         fleet = _fleet(offsets, self.clocks.known(), self.clocks.tolerance_s)
-        changed = (fleet is None) != (self._fleet is None)
+        changed = _moved(self._fleet, fleet, self.clocks.tolerance_s)
         self._fleet = fleet
         covered = set(fleet.agreeing) if fleet is not None else set()
         alone = {w: o for w, o in offsets.items() if w not in covered}
@@ -181,9 +193,17 @@ class SkewNews:
             fleet, changed, off[:SAY_AT_MOST], len(off[SAY_AT_MOST:]), back[:SAY_AT_MOST], len(back[SAY_AT_MOST:])
         )
 
-    def remove(self, worker: str) -> None:
+    def remove(self, worker: str, now: float) -> None:
+        """A worker gone (after `ClockSkew.remove`): what was said is judged again, with the next
+        burst or a settle after the first removal (a redeploy's removals are one judgement)."""
         self._pending.pop(worker, None)
         self._said.discard(worker)
+        if self._due is None and (self._fleet is not None or self._said):  # else no clock is off: nothing to say
+            self._due = now + self._hold()
+
+    def _hold(self) -> float:
+        """How long a burst is held: not at all where too few workers are registered to outvote one."""
+        return SETTLE_REPORTS * self._period_s if self._registered() >= FLEET_AT_LEAST else 0.0
 
 
 def _fleet(offsets: dict[str, float], known: int, tolerance_s: float) -> Fleet | None:
@@ -196,3 +216,13 @@ def _fleet(offsets: dict[str, float], known: int, tolerance_s: float) -> Fleet |
     if len(agreeing) < FLEET_AT_LEAST or 2 * len(agreeing) <= known:
         return None
     return Fleet(statistics.median(offsets[w] for w in agreeing), agreeing, known)
+
+
+def _moved(was: Fleet | None, now: Fleet | None, tolerance_s: float) -> bool:
+    """Whether the fleet's verdict changed in substance: judged off or no longer, off by another
+    offset, or mostly other workers agreeing."""
+    if was is None or now is None:
+        return (was is None) != (now is None)
+    if abs(now.offset_s - was.offset_s) > tolerance_s * AGREE_FRACTION:
+        return True
+    return 2 * len(set(now.agreeing).intersection(was.agreeing)) < len(now.agreeing)

@@ -203,7 +203,7 @@ class RouterService:
         self.index = BlockIndex()
         self.view = LoadView()
         self.clocks = ClockSkew(MAX_CLOCK_SKEW_S)
-        self.skew_news = SkewNews(self.clocks)
+        self.skew_news = SkewNews(self.clocks, lambda: len(self._registry) if self._registry is not None else 0)
         self.calibration = Calibration() if config.calibrate else None
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.monotonic)
         self.metrics = RouterMetrics(self._figures)
@@ -808,7 +808,7 @@ class RouterService:
         self.ingest.remove_worker(worker)
         self.view.remove_worker(worker)
         self.clocks.remove(worker)
-        self.skew_news.remove(worker)
+        self.skew_news.remove(worker, time.monotonic())
         self.eligibility.removed(worker)
         self.dispatcher.worker_gone(worker)
         self._load_logged -= {("malformed", worker), ("unknown", worker), ("clock step", worker)}

@@ -174,6 +174,10 @@ class WorkerRegistry:
     def get(self, worker: str) -> WorkerInfo | None:
         return self._workers.get(worker)
 
+    def __len__(self) -> int:
+        """How many workers are registered, routed or not (those `get` finds)."""
+        return len(self._workers)
+
     def models(self) -> list[str]:
         return list(self._names()[0])
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Iterable
 
 import nats
 import pytest
@@ -168,10 +169,15 @@ def _fleet(n: int, offset: float) -> dict[str, float]:
     return {f"w{i:02}": offset for i in range(n)}
 
 
+def _news(registered: int) -> SkewNews:
+    """Judged for a router with `registered` workers in its registry."""
+    return SkewNews(ClockSkew(1.0), lambda: registered)
+
+
 def test_a_fleet_off_by_one_offset_blames_this_routers_clock_once_and_names_no_worker() -> None:
     """20 workers stamped 5 s behind: this router's clock is off, not theirs (before, 20 WARNINGs,
     1,000 at 1,000 workers, each telling the operator to fix that worker's NTP)."""
-    news = SkewNews(ClockSkew(1.0))
+    news = _news(20)
     assert _reports(news, _fleet(20, 0.0), 100.0, WINDOW) == []
     said = _reports(news, _fleet(20, -5.0), 110.0, 10)
     assert len(said) == 1 and said[0].fleet_changed and said[0].fleet is not None
@@ -184,7 +190,7 @@ def test_a_fleet_off_by_one_offset_blames_this_routers_clock_once_and_names_no_w
 
 
 def test_one_worker_off_of_twenty_is_named_on_its_own() -> None:
-    news = SkewNews(ClockSkew(1.0))
+    news = _news(20)
     said = _reports(news, {**_fleet(19, 0.0), "odd": -5.0}, 100.0, 10)
     assert [(v.fleet, [s.worker for s in v.off]) for v in said] == [(None, ["odd"])]
     assert said[0].off[0].offset_s == pytest.approx(-5.002)
@@ -193,7 +199,7 @@ def test_one_worker_off_of_twenty_is_named_on_its_own() -> None:
 
 
 def test_a_worker_that_disagrees_with_a_fleet_off_is_named_on_its_own() -> None:
-    news = SkewNews(ClockSkew(1.0))
+    news = _news(21)
     said = _reports(news, {**_fleet(20, -5.0), "odd": 3.0}, 100.0, 10)
     assert len(said) == 1 and said[0].fleet is not None and len(said[0].fleet.agreeing) == 20
     assert [(s.worker, s.skewed) for s in said[0].off] == [("odd", True)]
@@ -201,7 +207,7 @@ def test_a_worker_that_disagrees_with_a_fleet_off_is_named_on_its_own() -> None:
 
 def test_workers_off_apart_from_the_fleet_are_named_eight_at_a_time_then_counted() -> None:
     # 9 of 20 off: no majority, so no fleet; one line per worker would be 900 at 1,000 workers
-    news = SkewNews(ClockSkew(1.0))
+    news = _news(20)
     off = {f"off{i}": 5.0 for i in range(9)}
     said = _reports(news, {**_fleet(11, 0.0), **off}, 100.0, 10)
     assert len(said) == 1 and said[0].fleet is None
@@ -211,7 +217,7 @@ def test_workers_off_apart_from_the_fleet_are_named_eight_at_a_time_then_counted
 
 
 def test_changes_wait_for_the_fleets_reports_unless_too_few_workers_could_outvote_one() -> None:
-    news = SkewNews(ClockSkew(1.0))
+    news = _news(5)
     _reports(news, _fleet(5, 0.0), 100.0, WINDOW)
     skew = news.clocks.observe("w00", 120.0, 110.0)
     assert skew is not None
@@ -220,7 +226,7 @@ def test_changes_wait_for_the_fleets_reports_unless_too_few_workers_could_outvot
     said = news.due(110.0 + SETTLE_REPORTS * 0.5)
     assert said is not None and [s.worker for s in said.off] == ["w00"]
     # two workers: no fleet to wait for
-    news = SkewNews(ClockSkew(1.0))
+    news = _news(FLEET_AT_LEAST - 1)
     _reports(news, _fleet(FLEET_AT_LEAST - 1, 0.0), 100.0, WINDOW)
     skew = news.clocks.observe("w00", 120.0, 110.0)
     assert skew is not None
@@ -230,11 +236,126 @@ def test_changes_wait_for_the_fleets_reports_unless_too_few_workers_could_outvot
 
 
 def test_a_departed_worker_is_not_said_to_agree_again() -> None:
-    news = SkewNews(ClockSkew(1.0))
+    news = _news(20)
     _reports(news, {**_fleet(19, 0.0), "odd": 5.0}, 100.0, 10)
     news.clocks.remove("odd")
-    news.remove("odd")
+    news.remove("odd", 110.0)
     assert all(not v.back for v in _reports(news, _fleet(19, 0.0), 200.0, 10))
+
+
+def _leave(news: SkewNews, workers: Iterable[str], start: float, every_s: float) -> list[Verdict]:
+    """The workers' keys deleted one by one as a redeploy deletes them, `every_s` apart, others'
+    reports coming between (as RouterService removes them); the judgements they bring."""
+    said = []
+    for i, worker in enumerate(workers):
+        news.clocks.remove(worker)
+        news.remove(worker, start + i * every_s)
+        if (verdict := news.due(start + i * every_s)) is not None:
+            said.append(verdict)
+    return said
+
+
+def test_a_fleet_off_that_leaves_agrees_again_and_the_next_fleet_skew_is_said() -> None:
+    """40 workers 5 s ahead (a bad image) leave, replaced by 40 whose clocks agree; later this
+    router's clock steps 5 s ahead. Before, workers leaving were never judged: the verdict outlived
+    them (no INFO), and the step counted as no change, so nothing at all was said of it (every
+    worker covered by a fleet said off)."""
+    news = _news(40)
+    assert _reports(news, _fleet(40, 0.0), 90.0, WINDOW) == []
+    assert [v.fleet_changed for v in _reports(news, _fleet(40, 5.0), 100.0, 10)] == [True]
+    # one judgement a settle, not one a removal: 40 removals over 4 s
+    during = _leave(news, _fleet(40, 5.0), 106.0, every_s=0.1)
+    assert [(v.fleet_changed, v.off, v.back) for v in during] == [(False, [], [])]  # half left: still the fleet
+    fresh = {f"n{i:02}": 0.0 for i in range(40)}
+    again = _reports(news, fresh, 200.0, 10)
+    assert [(v.fleet_changed, v.fleet, v.off) for v in again] == [(True, None, [])]  # the INFO
+    stepped = _reports(news, dict.fromkeys(fresh, -5.0), 300.0, 10)
+    assert len(stepped) == 1 and stepped[0].fleet_changed and stepped[0].fleet is not None
+    assert stepped[0].fleet.offset_s == pytest.approx(-5.002) and len(stepped[0].fleet.agreeing) == 40
+
+
+def test_a_fleet_off_by_another_offset_is_said_again() -> None:
+    """The fleet judged 5 s ahead, then this router's clock steps 10 s ahead: every worker reads 5 s
+    behind, still off, so none changes state; the next judgement (a worker joining) found a fleet
+    off again and, before, said nothing: the WARNING on record had the wrong sign."""
+    news = _news(21)
+    assert _reports(news, _fleet(20, 0.0), 90.0, WINDOW) == []
+    assert [v.fleet_changed for v in _reports(news, _fleet(20, 5.0), 100.0, 10)] == [True]
+    assert _reports(news, _fleet(20, -5.0), 110.0, 10) == []  # no worker's state changed: not judged
+    said = _reports(news, {**_fleet(20, -5.0), "late": -5.0}, 120.0, 10)
+    assert len(said) == 1 and said[0].fleet_changed and said[0].fleet is not None
+    assert said[0].fleet.offset_s == pytest.approx(-5.002) and said[0].off == []
+    # within AGREE_FRACTION of the tolerance, it is the same verdict
+    said = _reports(news, {**_fleet(20, -5.3), "late": -5.3, "later": -5.3}, 130.0, 10)
+    assert [(v.fleet_changed, v.off) for v in said] == [(False, [])]
+
+
+def test_a_fleet_off_replaced_by_other_workers_off_alike_is_said_of_them() -> None:
+    """The workers the WARNING named are gone, and others off alike took their place before the
+    removals were judged: a verdict about other hosts (say, a new image) is said again."""
+    news = _news(20)
+    assert _reports(news, _fleet(20, 0.0), 90.0, WINDOW) == []
+    assert [v.fleet_changed for v in _reports(news, _fleet(20, 5.0), 100.0, 10)] == [True]
+    assert _leave(news, _fleet(20, 5.0), 106.0, every_s=0.01) == []
+    other = {f"n{i:02}": 5.0 for i in range(20)}
+    said = _reports(news, other, 106.5, 10)
+    assert len(said) == 1 and said[0].fleet_changed and said[0].fleet is not None
+    assert said[0].fleet.agreeing == sorted(other) and said[0].off == []
+
+
+def test_the_first_workers_to_report_are_held_for_the_fleet_registered() -> None:
+    """A router started with its clock 5 s behind its 20 registered workers. Before, the hold began
+    once 3 workers were heard from: the first two to report were each named ("fix NTP") before the
+    fleet WARNING."""
+    news = _news(20)
+    said = _reports(news, _fleet(20, 5.0), 100.0, 10)
+    assert len(said) == 1 and said[0].fleet_changed and said[0].fleet is not None
+    assert len(said[0].fleet.agreeing) == 20 and said[0].off == []
+    # two registered: no fleet to wait for, each is said at once
+    news = _news(FLEET_AT_LEAST - 1)
+    said = _reports(news, _fleet(FLEET_AT_LEAST - 1, 5.0), 100.0, 1)
+    assert [(v.fleet, [s.worker for s in v.off]) for v in said] == [(None, ["w00"]), (None, ["w01"])]
+
+
+async def test_a_router_behind_its_registered_fleet_says_it_once_and_agrees_again_once_it_leaves(
+    cluster: Cluster, nc: Client, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fleet registered before it reports, 5 s ahead of this router; then its keys go (a redeploy).
+    Before, the first of them to report was named on its own, and once they left nothing said so."""
+    await cluster.add_worker("agg")  # its shim's reports, on time, keep coming after the fleet left
+    router = await cluster.add_ready_router()
+    caplog.set_level(logging.INFO, logger="router.service")
+    fleet = [f"feed{i:04x}" for i in range(20)]
+    prefix = subjects.workers_prefix(cluster.ns)
+
+    def said(*words: str, level: int) -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if r.levelno == level]
+        return [line for line in lines if all(w in line for w in words)]
+
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        for worker in fleet:
+            info = WorkerInfo(
+                worker=worker, model=MODEL, role="agg", engine="vllm", block_size=BLOCK, tokenizer="builtin"
+            )
+            await d.put_raw(prefix + worker, encode_json(info))
+        await until(lambda: all(router.registry.get(w) for w in fleet), what="the fleet registered")
+        deadline = time.monotonic() + 20
+        while not said("this router's clock is probably off", level=logging.WARNING):
+            assert time.monotonic() < deadline, "no WARNING about this router's clock"
+            for worker in fleet:
+                report = LoadReport(worker=worker, ts=time.time() + 5.0, period_s=0.5)
+                await nc.publish(subjects.load(cluster.ns, worker), encode_msg(report))
+            await asyncio.sleep(0.1)
+        for worker in fleet:
+            await d.delete(prefix + worker)
+        await until(
+            lambda: bool(said("this router's clock agrees with most workers' again", level=logging.INFO)),
+            timeout=15,
+            what="the INFO once the fleet left",
+        )
+    [warning] = said("this router's clock is probably off", level=logging.WARNING)
+    assert "5.0 s behind the fleet's: 20 of the 21 workers" in warning
+    assert not said("keep router and worker hosts on NTP", level=logging.WARNING)  # no worker named
 
 
 async def test_a_fleet_of_twenty_stamped_behind_is_one_warning_about_this_routers_clock(
