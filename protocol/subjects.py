@@ -12,6 +12,7 @@ __all__ = [
     "kv",
     "kv_all",
     "kvstate",
+    "kvstate_all",
     "load",
     "load_all",
     "name_from_key",
@@ -53,6 +54,10 @@ def kv_all(ns: str) -> str:
 
 def kvstate(ns: str, worker: str) -> str:
     return f"{ns}.kvstate.{_token(worker, 'worker id')}"
+
+
+def kvstate_all(ns: str) -> str:
+    return f"{ns}.kvstate.*"
 
 
 def load(ns: str, worker: str) -> str:

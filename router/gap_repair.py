@@ -28,7 +28,11 @@ entries), a dump of more blocks than the worker can hold (`RepairTarget.reply_li
 than such a dump needs, or no final chunk in the whole reply's time (an endless reply, each chunk
 within the per-chunk timeout, would hold the repair and grow memory without end). The third
 consecutive failure of a worker is logged as an ERROR naming it, and then at most every
-`error_every_s` while it keeps failing; success after an ERROR is logged too. Meanwhile only that
+`error_every_s` while it keeps failing; success after an ERROR is logged too. Each of these lines
+names at most NAMED_AT_MOST workers per window, the rest counted in one summary
+(router.fleet_lines); when more than half of the workers being repaired fail alike, the summary
+says the cause is likely shared (NATS permissions on the kvstate subject, or the shims not
+answering) rather than any one worker's. Meanwhile only that
 worker is out of routing (router.eligibility), never the fleet.
 """
 
@@ -39,6 +43,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -51,6 +56,7 @@ from nats.aio.subscription import Subscription
 from protocol import check_hashes, hash_count, subjects
 from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
+from router.fleet_lines import FleetLines
 
 __all__ = ["BLOCKS_PER_WAIT", "LIMIT_HINT", "FetchFailure", "GapRepair", "RepairTarget"]
 
@@ -96,6 +102,7 @@ class _Loop:
     task: asyncio.Task[None]
     failures: int = 0
     last_error_log: float = field(default=-1e18)
+    last_failure: str = ""  # of the failures in a row, the last one's why
 
 
 class GapRepair:
@@ -132,6 +139,22 @@ class GapRepair:
         # budget would otherwise be tens of GiB.
         self.replies_bytes_limit = replies_bytes_limit
         self.reply_bytes = 0  # what the replies in flight hold now
+        # A shared cause (every kvstate request unanswered) was one line per worker per failure.
+        self._retry_lines = FleetLines(
+            log, logging.INFO, self._shared("kvstate requests failed; retrying"), clock=clock
+        )
+        self._error_lines = FleetLines(
+            log,
+            logging.ERROR,
+            self._shared(
+                "KV state cannot be repaired; each stays out of routing until a request on its kvstate "
+                "subject gets a complete answer"
+            ),
+            clock=clock,
+        )
+        self._recovered_lines = FleetLines(
+            log, logging.WARNING, f"KV repair succeeded after {ERROR_AFTER} or more failures", clock=clock
+        )
 
     def ensure(self, worker: str) -> None:
         """Run the worker's repair loop unless it runs already."""
@@ -178,16 +201,20 @@ class GapRepair:
                 delay = min(delay * 2, self.retry_max_s)
                 continue
             if loop.failures >= ERROR_AFTER:
-                log.warning("KV repair of worker %s succeeded after %d failures", worker, loop.failures)
+                self._recovered_lines.say(
+                    worker, "KV repair of worker %s succeeded after %d failures", worker, loop.failures
+                )
             loop.failures = 0
             delay = self.retry_min_s
             self._target.repair_reply(worker, chunks)
 
     def _log_failure(self, worker: str, loop: _Loop, failure: FetchFailure) -> None:
         now = self._clock()
+        loop.last_failure = str(failure)
         if loop.failures >= ERROR_AFTER and now - loop.last_error_log >= self.error_every_s:
             loop.last_error_log = now
-            log.error(
+            self._error_lines.say(
+                worker,
                 "KV state of worker %s cannot be repaired (%d failures in a row, last: %s); it stays out of "
                 "routing until a request on %s gets a complete answer (see its shim's log)",
                 worker,
@@ -196,7 +223,26 @@ class GapRepair:
                 subjects.kvstate(self._ns, worker),
             )
         else:
-            log.info("kvstate of worker %s: %s; retrying", worker, failure)
+            self._retry_lines.say(worker, "kvstate of worker %s: %s; retrying", worker, failure)
+
+    def _shared(self, cause: str) -> Callable[[int], str]:
+        """A summary's cause, judged when it is said: when more than half of the workers being
+        repaired fail alike, the cause is likely one for all of them, not each worker's shim."""
+
+        def judged(held: int) -> str:
+            alike = Counter(loop.last_failure for loop in self._loops.values() if loop.failures)
+            if not alike:
+                return cause
+            why, failing = alike.most_common(1)[0]
+            if failing * 2 <= len(self._loops):
+                return cause
+            return (
+                f"{cause}; {failing} of the {len(self._loops)} workers being repaired fail alike ({why}): the cause "
+                f"is likely shared, not any one worker's: NATS permissions on {subjects.kvstate_all(self._ns)}, "
+                "or the workers' shims not answering"
+            )
+
+        return judged
 
     async def fetch(self, worker: str, request: KvStateRequest) -> list[KvStateChunk]:
         """Every chunk of one kvstate reply, in order; FetchFailure otherwise."""

@@ -19,7 +19,10 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   the same (epoch, seq) the index's digest of that worker must match; a report ahead of the index
   whose seq the index has not reached `behind_grace_s` later means the last batches were lost.
   Either starts a repair. (An index that trails every report by a few batches, as its own queue
-  drains, reaches each seq watched in time and has lost nothing.)
+  drains, reaches each seq watched in time and has lost nothing.) A digest that disagrees is a
+  WARNING once per worker until it agrees again (a lasting disagreement resyncs on every report,
+  each counted in `digest_mismatches`), at most NAMED_AT_MOST workers named per window and the
+  rest counted (router.fleet_lines).
   So does the index holding a seq of the shim's epoch that the shim's reports, made after it sent
   that seq (their `ts` against the batch's, or the reply's arrival for a dump), stay below for
   `behind_grace_s` of the shim's clock: a reply claimed a seq the shim never sent, and every real
@@ -82,6 +85,7 @@ from protocol.messages import (
     decode_msg,
 )
 from router.block_index import BlockIndex, IndexFullError
+from router.fleet_lines import FleetLines
 from router.gap_repair import LIMIT_HINT, FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
@@ -121,6 +125,7 @@ class _Worker:
     held: list[tuple[int, KvEventBatch]] = field(default_factory=list)  # (arrival no., batch), awaiting a repair
     held_bytes: int = 0  # _held_size of `held`
     overflow_logged: bool = False  # held batches dropped and said so since it was last synced
+    digest_said: bool = False  # its digest's disagreement said, until the digest agrees again
     want_dump: bool = True
     why: str = "waiting for the shim's first full state"
     asked_at: int = 0  # arrival no. of the last batch received before the current request went out
@@ -180,6 +185,13 @@ class KvIngest:
         self._held_total_bytes_limit = held_total_bytes_limit
         self._held_total = 0  # bytes of every worker's held batches and of those of unknown workers
         self._behind_grace_s = behind_grace_s
+        self._digest_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "their KV digests disagree with the index; resyncing (one cause for many workers: their shims' "
+            "digests or this router's index; every resync is counted in kvswitch_router_kv_digest_mismatches_total)",
+            clock=clock,
+        )
         self._on_events = on_events
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
@@ -497,9 +509,14 @@ class KvIngest:
             return
         state.ahead = None
         count, xor = self.index.digest(report.worker)
-        if (count, xor) != (report.kv_blocks, report.kv_xor):
-            self.stats.digest_mismatches += 1
-            log.warning(
+        if (count, xor) == (report.kv_blocks, report.kv_xor):
+            state.digest_said = False
+            return
+        self.stats.digest_mismatches += 1
+        if not state.digest_said:  # once per episode: a lasting disagreement resyncs on every report
+            state.digest_said = True
+            self._digest_lines.say(
+                report.worker,
                 "KV digest of worker %s disagrees at seq %d: index %d blocks xor %x, shim %d xor %x; resyncing",
                 report.worker,
                 sync.last_seq,
@@ -508,7 +525,7 @@ class KvIngest:
                 report.kv_blocks,
                 report.kv_xor,
             )
-            self._open_repair(state, dump=True, why="its KV digest disagrees with the index")
+        self._open_repair(state, dump=True, why="its KV digest disagrees with the index")
 
     def _check_ahead(self, state: _Worker, report: LoadReport) -> None:
         """A report below the index's seq. Judged on the shim's clock, never on arrival: load

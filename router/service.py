@@ -56,6 +56,7 @@ from router.clock_skew import ClockSkew, Skew, SkewNews, Verdict
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility, Exclusion, WorkerStatus, few_ids, name_few
+from router.fleet_lines import FleetLines
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
@@ -220,6 +221,13 @@ class RouterService:
         # silenced these warnings for every worker, registered ones too, for the process's life.
         self._load_logged: set[tuple[str, str]] = set()
         self._unregistered_said: dict[tuple[str, str], float] = {}  # insertion-ordered: by when said
+        # A fleet restart sends every worker's reports before its record: the first few named, the rest counted
+        self._unregistered_lines = FleetLines(
+            log,
+            logging.INFO,
+            f"load reports dropped: no usable record under {subjects.workers_prefix(self.ns)} (counted in "
+            "kvswitch_router_load_unknown_total)",
+        )
         self.reregistrations = 0
         self.kv_disconnects = 0  # the KV event connection cut (a slow consumer), kvswitch_router_kv_disconnects_total
         self._nc: Client | None = None
@@ -864,7 +872,8 @@ class RouterService:
         if info is None:
             self.load_unknown += 1  # not (yet) registered: holding it would let anyone grow our memory
             if self._registry_ready and self._first_said("unknown", report.worker):  # not each worker at startup
-                log.info(
+                self._unregistered_lines.say(
+                    report.worker,
                     "load reports from worker %s dropped: it has no usable record under %s (logged once per "
                     "worker, counted in kvswitch_router_load_unknown_total)",
                     report.worker,

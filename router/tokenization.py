@@ -52,6 +52,7 @@ from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.content_format import CONTENT_FORMATS, ContentFormat, detect_content_format
 from router.conversation import ConversationError, conversation, tool_definitions
 from router.eligibility import NAMED_AT_MOST, few_ids
+from router.fleet_lines import FleetLines, LastSaid
 
 __all__ = [
     "OFFLOAD_CHARS",
@@ -596,7 +597,10 @@ class Tokenization:
 class FingerprintWatch:
     """Compares each registered worker's tokenizer fingerprint with the router's; says once per
     worker, at ERROR, that it gets no text prompts and how to fix it, and reports the mismatches
-    (the first on /ready, every one on /debug/workers)."""
+    (the first on /ready, every one on /debug/workers). The fix is the router's, so a fleet of
+    another tokenizer is said as /ready says it: the first NAMED_AT_MOST workers by name, the rest
+    counted (router.fleet_lines); a worker back under its name (a fleet restart) with the same
+    mismatch is not said again."""
 
     def __init__(self, mine: str, legacy: str | None = None) -> None:
         """`legacy`: this router's tokenizer's fingerprint under the old probes
@@ -604,14 +608,28 @@ class FingerprintWatch:
         self.mine = mine
         self.legacy = legacy
         self._mismatched: dict[str, str] = {}  # worker -> why
+        self._said = LastSaid()
+        self._lines = FleetLines(
+            log,
+            logging.ERROR,
+            f"get no text prompts from this router: their tokenizers differ from its {mine} (the first named "
+            "above say how to fix it; /ready counts them, /debug/workers lists them)",
+        )
 
     def check(self, info: WorkerInfo) -> None:
         if info.tokenizer == self.mine:
             self._mismatched.pop(info.worker, None)
+            self._said.clear(info.worker)
             return
         why = self._why(info)
-        if self._mismatched.get(info.worker) != why:
-            log.error("worker %s (model %s) gets no text prompts from this router: %s", info.worker, info.model, why)
+        if self._said.news(info.worker, why):
+            self._lines.say(
+                info.worker,
+                "worker %s (model %s) gets no text prompts from this router: %s",
+                info.worker,
+                info.model,
+                why,
+            )
         self._mismatched[info.worker] = why
 
     def forget(self, worker: str) -> None:

@@ -4,16 +4,21 @@ Each registered worker's record names its shim's build (WorkerInfo.version, prot
 the release and a digest of the wire). One that differs from this router's is a rolling upgrade in
 progress, or a worker left behind by one: the two may read some of each other's messages otherwise
 (docs/deployment.md, "Upgrades", lists what each order breaks). Routing goes on; each such worker
-is a WARNING once per worker and build, and `others()` (the gauge
-kvswitch_router_workers_other_version) counts them while they last. A record without a version is
-counted as another build ("unknown"): every shim has written one.
+is a WARNING once per worker and build (a worker back under its name after a restart, of the same
+build, is not said again), and `others()` (the gauge kvswitch_router_workers_other_version) counts
+them while they last. A record without a version is counted as another build ("unknown"): every
+shim has written one. At most NAMED_AT_MOST workers are named per window, the rest counted in one
+summary (router.fleet_lines); when more than half of the registered workers run one build and this
+router another, the summary says once that the router is the odd one out.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from protocol import WorkerInfo
+from router.fleet_lines import FleetLines, LastSaid
 
 __all__ = ["WorkerVersions"]
 
@@ -24,18 +29,28 @@ class WorkerVersions:
     def __init__(self, mine: str) -> None:
         self.mine = mine
         self._others: dict[str, str] = {}  # worker -> its build, while it differs from ours
+        self._builds: dict[str, str] = {}  # every registered worker's build
+        self._said = LastSaid()
+        self._odd_said: str | None = None  # the fleet's build this router was said to differ from
+        self._lines = FleetLines(log, logging.WARNING, self._verdict)
+        self._again_lines = FleetLines(log, logging.INFO, f"run kvswitch {mine}, as this router does, again")
 
     def check(self, info: WorkerInfo) -> None:
         """`info` registered or changed."""
         theirs = info.version
+        self._builds[info.worker] = theirs
         if theirs == self.mine:
+            self._said.clear(info.worker)
             if self._others.pop(info.worker, None) is not None:
-                log.info("worker %s runs kvswitch %s, as this router does, again", info.worker, theirs)
-            return
-        if self._others.get(info.worker) == theirs:
+                self._again_lines.say(
+                    info.worker, "worker %s runs kvswitch %s, as this router does, again", info.worker, theirs
+                )
             return
         self._others[info.worker] = theirs
-        log.warning(
+        if not self._said.news(info.worker, theirs):
+            return
+        self._lines.say(
+            info.worker,
             "worker %s runs kvswitch %s, this router %s: a rolling upgrade is in progress, or %s was left "
             "behind; docs/deployment.md, Upgrades",
             info.worker,
@@ -45,8 +60,28 @@ class WorkerVersions:
         )
 
     def forget(self, worker: str) -> None:
-        """`worker`'s key is gone: a worker back under its name is said again."""
+        """`worker`'s key is gone: a worker back under its name is said again if its build changed."""
         self._others.pop(worker, None)
+        self._builds.pop(worker, None)
+
+    def _verdict(self, held: int) -> str:
+        """The summary's cause: when most registered workers run one build and this router another,
+        it is the router that differs, said once per such build."""
+        cause = f"run another kvswitch build than this router's {self.mine}; docs/deployment.md, Upgrades"
+        if not self._builds:
+            return cause
+        theirs, count = Counter(self._builds.values()).most_common(1)[0]
+        if theirs == self.mine or count * 2 <= len(self._builds):
+            self._odd_said = None
+            return cause
+        if self._odd_said == theirs:
+            return cause
+        self._odd_said = theirs
+        return (
+            f"{cause}. {count} of the {len(self._builds)} registered workers run kvswitch "
+            f"{theirs or 'unknown (their records name none)'}: this router is the odd one out; upgrade it (or "
+            "roll the fleet back) rather than the workers"
+        )
 
     def others(self) -> dict[str, str]:
         """The registered workers of another build, each with its build, by id."""

@@ -1,0 +1,122 @@
+"""Per-worker log lines of one cause, capped for the fleet.
+
+A cause the whole fleet shares (a NATS permission change, a router started without the fleet's
+tokenizer, a fleet restart, a router an upgrade left behind) was one line per worker: 1,000 at
+1,000 workers, and the cause lost among them (log-volume audit of 2026-12-06, docs/router.md).
+A `FleetLines` is one such line. Within a window of `window_s` from the first line, the first
+NAMED_AT_MOST (router.eligibility) workers are logged as before, by name; the rest are held and
+counted, and one summary line per window, "and N more workers: <cause>", is logged when the window
+ends (a timer on the running loop; `flush()` says it at once). Nothing is lost: every worker held
+is in a summary. A named worker said again within its window is named again (it is one of the
+few); a held one is counted once per window, its lines beside it when they were more. The cause
+may be judged when the summary is said (a callable given the count), e.g. whether the fleet
+shares it.
+
+`LastSaid` is what was said of each worker, kept when its key goes: a worker back under its name
+after a fleet restart, with the same thing to say, is not news.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from router.eligibility import NAMED_AT_MOST
+
+__all__ = ["REMEMBERED", "WINDOW_S", "FleetLines", "LastSaid"]
+
+WINDOW_S = 10.0
+REMEMBERED = 16384  # workers whose last word LastSaid keeps (a bounded memory of ids that left)
+
+
+class FleetLines:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        level: int,
+        cause: str | Callable[[int], str],
+        *,
+        window_s: float = WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self._level = level
+        self._cause = cause
+        self.window_s = window_s
+        self._clock = clock
+        self._opened = -float("inf")  # when the current window began
+        self._named: set[str] = set()  # this window's
+        self._held: set[str] = set()  # since the last summary
+        self._held_lines = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def say(self, worker: str, msg: str, *args: object) -> bool:
+        """Log `msg % args`, a line naming `worker`, unless NAMED_AT_MOST others were named in this
+        window: then count it for the summary. Whether it was logged."""
+        now = self._clock()
+        if now - self._opened >= self.window_s:
+            self.flush()
+            self._opened = now
+            self._named.clear()
+        if worker in self._named or len(self._named) < NAMED_AT_MOST:
+            self._named.add(worker)
+            self._log.log(self._level, msg, *args, stacklevel=2)
+            return True
+        self._held.add(worker)
+        self._held_lines += 1
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a synchronous caller): the next line or flush() says it
+                return False
+            self._timer = loop.call_later(max(0.0, self._opened + self.window_s - now), self._due)
+        return False
+
+    def held(self) -> int:
+        """Workers held since the last summary."""
+        return len(self._held)
+
+    def flush(self) -> None:
+        """Say the summary of the workers held, if any, now."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._held:
+            return
+        workers, lines = len(self._held), self._held_lines
+        self._held.clear()
+        self._held_lines = 0
+        cause = self._cause(workers) if callable(self._cause) else self._cause
+        more = f" ({lines} lines)" if lines > workers else ""
+        self._log.log(self._level, "and %d more workers%s: %s", workers, more, cause)
+
+    def _due(self) -> None:
+        self._timer = None
+        self.flush()
+
+
+class LastSaid:
+    """What was last said of each worker, for the REMEMBERED workers said of last."""
+
+    def __init__(self, limit: int = REMEMBERED) -> None:
+        self._limit = limit
+        self._said: dict[str, object] = {}  # insertion-ordered: oldest first
+
+    def news(self, worker: str, what: object) -> bool:
+        """Whether `what` differs from what was last said of `worker`; it is what was said now."""
+        if self._said.get(worker, _NOTHING) == what:
+            return False
+        self._said.pop(worker, None)
+        self._said[worker] = what
+        if len(self._said) > self._limit:
+            del self._said[next(iter(self._said))]
+        return True
+
+    def clear(self, worker: str) -> None:
+        """`worker` is back to what needs no saying: saying it again is news."""
+        self._said.pop(worker, None)
+
+
+_NOTHING = object()

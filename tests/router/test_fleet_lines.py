@@ -1,0 +1,225 @@
+"""A cause the whole fleet shares is said for the first NAMED_AT_MOST workers and counted for the
+rest (router.fleet_lines), at each site that logged it once per worker: the KV digest check, gap
+repair, the tokenizer and build checks (the service's unregistered load reports are in
+test_isolation_peers). One worker alone is named as before. Log-volume audit of 2026-12-06."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client
+
+from protocol import WorkerInfo
+from protocol.messages import LoadReport
+from router.block_index import BlockIndex
+from router.eligibility import NAMED_AT_MOST
+from router.fleet_lines import FleetLines
+from router.kv_ingest import KvIngest
+from router.tokenization import FingerprintWatch
+from router.worker_versions import WorkerVersions
+from tests.router.polling import until
+from tests.router.test_kv_ingest import FakeShim
+
+FLEET = 20
+WORKERS = [f"w{i:04d}" for i in range(FLEET)]
+
+
+def _lines(caplog: pytest.LogCaptureFixture, logger: str, level: int, marker: str) -> tuple[list[str], list[str]]:
+    """(lines naming a worker and holding `marker`, summary lines) of `logger` at `level`."""
+    said = [r.getMessage() for r in caplog.records if r.name == logger and r.levelno == level]
+    return [m for m in said if marker in m and not m.startswith("and ")], [m for m in said if m.startswith("and ")]
+
+
+async def test_the_first_workers_are_named_and_the_rest_counted_by_the_loop_timer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = logging.getLogger("tests.fleet_lines")
+    lines = FleetLines(log, logging.WARNING, "the cause", window_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="tests.fleet_lines"):
+        for worker in WORKERS:
+            lines.say(worker, "worker %s hit it", worker)
+        lines.say(WORKERS[-1], "worker %s hit it", WORKERS[-1])  # held again: one worker, two lines
+        lines.say(WORKERS[0], "worker %s hit it", WORKERS[0])  # named again: it is one of the few
+        assert lines.held() == FLEET - NAMED_AT_MOST
+        await until(lambda: lines.held() == 0, what="the window's summary said by the loop's timer")
+    named, summary = _lines(caplog, "tests.fleet_lines", logging.WARNING, "hit it")
+    assert len(named) == NAMED_AT_MOST + 1 and named[0] == named[-1] == "worker w0000 hit it"
+    assert summary == [f"and {FLEET - NAMED_AT_MOST} more workers ({FLEET - NAMED_AT_MOST + 1} lines): the cause"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tests.fleet_lines"):
+        await asyncio.sleep(0.25)  # a new window names again
+        lines.say("w0019", "worker %s hit it", "w0019")
+    assert [r.getMessage() for r in caplog.records] == ["worker w0019 hit it"]
+
+
+@pytest.fixture
+async def fleet_ingest(nc: Client, ns: str) -> AsyncIterator[tuple[KvIngest, list[FakeShim]]]:
+    ing = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.5, retry_max_s=0.2)
+    await ing.start()
+    shims = [FakeShim(nc, ns, w) for w in WORKERS]
+    for shim in shims:
+        await shim.start()
+        ing.add_worker(shim.worker, shim.epoch)
+    assert await ing.wait_synced(20.0)
+    yield ing, shims
+    await ing.stop()
+
+
+def _wrong_digest(shim: FakeShim) -> LoadReport:
+    """A report at the index's seq whose digest the index cannot have (the shim's dump holds nothing)."""
+    return LoadReport(worker=shim.worker, ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=1, kv_xor=1)
+
+
+async def test_a_fleet_whose_digests_disagree_is_said_once_per_worker_and_capped(
+    fleet_ingest: tuple[KvIngest, list[FakeShim]], caplog: pytest.LogCaptureFixture
+) -> None:
+    ingest, shims = fleet_ingest
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    for _ in range(3):  # a lasting disagreement: every report resyncs
+        for shim in shims:
+            ingest.check_digest(_wrong_digest(shim))
+        assert await ingest.wait_synced(20.0)
+    assert ingest.stats.digest_mismatches == 3 * FLEET  # every resync counted
+    ingest._digest_lines.flush()
+    named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "disagrees at seq")
+    assert len(named) == NAMED_AT_MOST
+    assert len(summary) == 1 and summary[0].startswith(f"and {FLEET - NAMED_AT_MOST} more workers: their KV digests")
+
+
+async def test_one_worker_whose_digest_disagrees_is_named_once_per_episode(
+    fleet_ingest: tuple[KvIngest, list[FakeShim]], caplog: pytest.LogCaptureFixture
+) -> None:
+    ingest, shims = fleet_ingest
+    shim = shims[0]
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    for _ in range(2):
+        ingest.check_digest(_wrong_digest(shim))
+        assert await ingest.wait_synced(20.0)
+    agrees = LoadReport(worker=shim.worker, ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=0, kv_xor=0)
+    ingest.check_digest(agrees)  # the episode ends
+    ingest.check_digest(_wrong_digest(shim))
+    assert await ingest.wait_synced(20.0)
+    ingest._digest_lines.flush()
+    named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "disagrees at seq")
+    assert (
+        named
+        == [f"KV digest of worker {shim.worker} disagrees at seq 0: index 0 blocks xor 0, shim 1 xor 1; resyncing"] * 2
+    )
+    assert summary == [] and ingest.stats.digest_mismatches == 3
+
+
+async def test_a_fleet_whose_kvstate_goes_unanswered_is_capped_and_called_shared(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No shim answers (nobody subscribes: what a NATS permission change looks like to the router)."""
+    caplog.set_level(logging.INFO, logger="router.gap_repair")
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.1)
+    await ingest.start()
+    try:
+        for worker in WORKERS:
+            ingest.add_worker(worker, 1)
+        await until(lambda: all(ingest.repairs.failures(w) >= 4 for w in WORKERS), what="every worker's ERROR")
+        ingest.repairs._error_lines.flush()
+        ingest.repairs._retry_lines.flush()
+    finally:
+        await ingest.stop()
+    named, summary = _lines(caplog, "router.gap_repair", logging.ERROR, "cannot be repaired")
+    assert len(named) == NAMED_AT_MOST
+    assert len(summary) == 1 and summary[0].startswith(f"and {FLEET - NAMED_AT_MOST} more workers: KV state cannot")
+    assert f"{FLEET} of the {FLEET} workers being repaired fail alike" in summary[0]
+    assert "likely shared" in summary[0] and f"{ns}.kvstate.*" in summary[0]
+    retried, _ = _lines(caplog, "router.gap_repair", logging.INFO, "; retrying")
+    assert len({m.split()[3] for m in retried}) <= NAMED_AT_MOST
+
+
+async def test_one_worker_whose_kvstate_goes_unanswered_is_named_as_before(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.gap_repair")
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.1)
+    await ingest.start()
+    try:
+        ingest.add_worker("w0000", 1)
+        await until(lambda: ingest.repairs.failures("w0000") >= 4, what="the worker's ERROR")
+        ingest.repairs._error_lines.flush()
+    finally:
+        await ingest.stop()
+    named, summary = _lines(caplog, "router.gap_repair", logging.ERROR, "cannot be repaired")
+    assert len(named) == 1 and named[0].startswith("KV state of worker w0000 cannot be repaired (3 failures in a row")
+    assert summary == []
+
+
+def _info(worker: str, tokenizer: str = "tok-other", version: str = "9.9.9") -> WorkerInfo:
+    return WorkerInfo(worker=worker, model="m", role="agg", engine="vllm", block_size=16, tokenizer=tokenizer,
+                      version=version)  # fmt: skip
+
+
+def test_a_fleet_of_another_tokenizer_is_named_for_a_few_and_counted_and_a_restart_is_no_news(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    watch = FingerprintWatch("builtin")
+    with caplog.at_level(logging.ERROR, logger="router.tokenization"):
+        for worker in WORKERS:
+            watch.check(_info(worker))
+        watch._lines.flush()
+        for worker in WORKERS:  # a fleet restart: every key deleted, then registered again
+            watch.forget(worker)
+        assert watch.summary()["text_refused_total"] == 0
+        for worker in WORKERS:
+            watch.check(_info(worker))
+        watch._lines.flush()
+    named, summary = _lines(caplog, "router.tokenization", logging.ERROR, "gets no text prompts")
+    assert len(named) == NAMED_AT_MOST and named[0].startswith("worker w0000 (model m) gets no text prompts")
+    assert len(summary) == 1 and summary[0].startswith(f"and {FLEET - NAMED_AT_MOST} more workers: get no text")
+    assert watch.summary()["text_refused_total"] == FLEET
+
+
+def test_one_worker_of_another_tokenizer_is_named_as_before(caplog: pytest.LogCaptureFixture) -> None:
+    watch = FingerprintWatch("builtin")
+    with caplog.at_level(logging.ERROR, logger="router.tokenization"):
+        watch.check(_info("w0000"))
+        watch.check(_info("w0000", tokenizer="builtin"))  # it is fixed, then breaks again: news
+        watch.check(_info("w0000"))
+        watch._lines.flush()
+    named, summary = _lines(caplog, "router.tokenization", logging.ERROR, "gets no text prompts")
+    assert len(named) == 2 and all(m.startswith("worker w0000 (model m) gets no text prompts") for m in named)
+    assert summary == []
+
+
+def test_a_router_of_another_build_than_its_fleet_is_said_to_be_the_odd_one_out_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    versions = WorkerVersions("1.0.0")
+    with caplog.at_level(logging.INFO, logger="router.worker_versions"):
+        for worker in WORKERS:
+            versions.check(_info(worker))
+        versions._lines.flush()
+        for worker in WORKERS:  # a fleet restart
+            versions.forget(worker)
+        for worker in WORKERS:
+            versions.check(_info(worker))
+        versions._lines.flush()
+    named, summary = _lines(caplog, "router.worker_versions", logging.WARNING, "was left behind")
+    assert len(named) == NAMED_AT_MOST and named[0].startswith("worker w0000 runs kvswitch 9.9.9, this router 1.0.0")
+    assert len(summary) == 1 and summary[0].startswith(f"and {FLEET - NAMED_AT_MOST} more workers: run another")
+    assert f"{FLEET} of the {FLEET} registered workers run kvswitch 9.9.9: this router is the odd one out" in summary[0]
+    assert len(versions.others()) == FLEET
+
+
+def test_one_worker_of_another_build_is_named_as_before(caplog: pytest.LogCaptureFixture) -> None:
+    versions = WorkerVersions("1.0.0")
+    with caplog.at_level(logging.INFO, logger="router.worker_versions"):
+        for worker in WORKERS[1:4]:
+            versions.check(_info(worker, version="1.0.0"))
+        versions.check(_info("w0000"))
+        versions.check(_info("w0000", version="1.0.0"))
+        versions._lines.flush()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "worker w0000 runs kvswitch 9.9.9, this router 1.0.0: a rolling upgrade is in progress, or w0000 was left "
+        "behind; docs/deployment.md, Upgrades",
+        "worker w0000 runs kvswitch 1.0.0, as this router does, again",
+    ]
