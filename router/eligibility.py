@@ -41,6 +41,9 @@ so the worker is not registered at all.
 to be the worker's (fingerprints equal); a token-id prompt needs no tokenizer.
 
 Synchronous, with an injected clock; the service feeds it registrations, reports and marks.
+Exclusions are computed when read and never logged here, one worker at a time: a model's whole
+fleet going out of routing (all `silent`, all `events_down`...) and back is router.fleet_news's one
+line, from the service's check every second.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@
 
 Start order: settings (a bad one fails here, and an HTTP host or port it cannot listen on), NATS,
 etcd, HTTP (to know its URL), the RouterInfo lease (its id is the router id), replica sync, ingest,
-registry, live config. `stop()` is
-idempotent and drains in reverse: HTTP first (http_api.Drain: the listener stays open, /ready and
+registry (and a check of each model's fleet every second: router.fleet_news), live config. `stop()`
+is idempotent and drains in reverse: HTTP first (http_api.Drain: the listener stays open, /ready and
 new requests answer 503, requests in flight get `drain_s` and are then cut with a 503), then the
 subscriptions and tasks, the lease, etcd and NATS. A lost lease (etcd said it expired, e.g. after
 this process stalled past its TTL) is replaced by a new registration under a new router id
@@ -57,6 +57,7 @@ from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility, Exclusion, WorkerStatus, few_ids, name_few
 from router.fleet_lines import FleetLines
+from router.fleet_news import CHECK_S, FleetNews
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
@@ -253,6 +254,7 @@ class RouterService:
         # the connection drops (and again when it is back), None once a decode or agg worker reported.
         self._reconnected_at: float | None = None
         self.loop_watch = LoopWatch()
+        self.fleet_news = FleetNews()
         self.eligibility = Eligibility(
             clock=time.monotonic,  # cooldowns no step of the host's wall clock stretches
             awake_for=self.loop_watch.awake_for,
@@ -467,6 +469,13 @@ class RouterService:
         self._registry = WorkerRegistry(self._discovery, self._on_worker_add, self._on_worker_remove)
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
+        self._tasks.append(
+            background(
+                self._check_fleet(),
+                "router-fleet-news",
+                "a model's fleet going out of routing, or back, is not logged until the router restarts",
+            )
+        )
         self._watcher = watcher = ConfigWatcher(
             self._discovery, dict(self.config.overrides), dict(self.config.file_settings)
         )
@@ -772,6 +781,14 @@ class RouterService:
         if self._ingest is None:
             return ("bootstrapping", "the KV ingest is not started")
         return self._ingest.sync_state(worker)
+
+    async def _check_fleet(self) -> None:
+        """Every CHECK_S, what the workers /ready counts say of each model (router.fleet_news):
+        exclusions are computed only when read, and nothing else logs them for a whole fleet."""
+        while True:
+            await asyncio.sleep(CHECK_S)
+            if self.status is RouterStatus.RUNNING and self._registry_ready:
+                self.fleet_news.check(self.eligibility.statuses(self._counted()[1]), time.monotonic())
 
     async def _await_registry(self) -> None:
         while not await self.registry.wait_ready(3600.0):

@@ -15,22 +15,27 @@ negative count: protocol.messages.worker_info_problem). One such record would ot
 routing for its whole model; the shim behind it may be alive, so it must not vanish unseen.
 
 Workers of one model that disagree on block size are a configuration error (DESIGN.md): the
-registry logs it as an error on every change of the conflict and exposes it in
-`block_size_conflicts`, model -> the block sizes seen. So is a name that resolves to workers of
-more than one model (router.served_names): an ERROR once per clash, exposed in `name_clashes`,
-name -> model -> workers; the planner refuses requests naming it while it lasts. A model's own
+registry logs it as an error on every change of the block sizes in conflict (naming eight workers
+per size and counting the rest) and exposes it in `block_size_conflicts`, model -> the block sizes
+seen. So is a name that resolves to workers of more than one model (router.served_names): an
+ERROR once per clash, exposed in `name_clashes`, name -> model -> workers; the planner refuses
+requests naming it while it lasts. A model's own
 name wins over another model's alias of it: `workers()` lists such a worker without that alias
-(it is not routed for the name), and the registry reports it as an ERROR once per change, exposed
-in `shadowed_aliases`, name -> the aliasing model -> workers.
+(it is not routed for the name), and the registry reports it as an ERROR once per change of the
+models aliasing it, exposed in `shadowed_aliases`, name -> the aliasing model -> workers. A clash
+too is said again only when the models it resolves to change.
 
 Workers of one model that disagree on `max_model_len` are a configuration error too: the model's
 context is the length most of its workers register (ties: the longest), and `workers()` leaves out
 the workers that register another (a worker that registers none is not counted and stays), so a
 request's `truncate_prompt_tokens: -1` resolves to the context of every worker it may go to, and no
-worker gets a prompt its engine refuses as too long for its context: an ERROR once per change,
-exposed in `context_conflicts`, model -> length -> workers. Before, the least length of a model's
-workers resolved -1 for all of them: one worker registering 64 cut every such prompt to 63
-tokens on its 32k peers too. `get()` still returns the worker's record as registered.
+worker gets a prompt its engine refuses as too long for its context: an ERROR once per change of
+the lengths at odds or of the one served, exposed in `context_conflicts`, model -> length ->
+workers. Which workers register each length is no change: a rolling change of the fleet's length,
+one worker at a time, says it when it starts and when most workers have moved, not per worker.
+The reports keep every worker; the messages name eight per group and count the rest. Before,
+the least length of a model's workers resolved -1 for all of them: one worker registering 64 cut
+every such prompt to 63 tokens on its 32k peers too. `get()` still returns the worker's record as registered.
 """
 
 from __future__ import annotations
@@ -397,7 +402,7 @@ class WorkerRegistry:
                 "across them are meaningless. Workers by block size: %s",
                 model,
                 sorted(seen),
-                {size: sorted(ids) for size, ids in sorted(self._sizes[model].items())},
+                "; ".join(f"{size} on {few_ids(sorted(ids))}" for size, ids in sorted(self._sizes[model].items())),
             )
         for model in sorted(self.block_size_conflicts.keys() - conflicts.keys()):
             log.warning("workers of model %s agree on block size again", model)
@@ -415,6 +420,7 @@ class WorkerRegistry:
             now,
             context_message,
             lambda model: f"workers of model {model} agree on max_model_len again: all of them are routed",
+            _context_substance,
         )
 
     def _check_names(self, names: set[str], aliases: set[str]) -> None:
@@ -424,6 +430,7 @@ class WorkerRegistry:
             {name: shadows for name in aliases if (shadows := self._shadows(name))},
             shadow_message,
             lambda name: f"no worker of another model serves the model name {name} as an alias any more",
+            _models_involved,
         )
         self.name_clashes = _said(
             self.name_clashes,
@@ -431,6 +438,7 @@ class WorkerRegistry:
             {name: clash for name in names if (clash := self._clash(name))},
             clash_message,
             lambda name: f"the name {name} is served as one model again: requests naming it are routed",
+            _models_involved,
         )
 
     def _shadows(self, name: str) -> dict[str, list[str]]:
@@ -458,10 +466,11 @@ def _said(
     now: dict[str, T],
     message: Callable[[str, T], str],
     again: Callable[[str], str],
+    substance: Callable[[T], object],
 ) -> dict[str, T]:
     """`before` with `keys` as `now` has them (a key absent from `now`: no conflict any more),
-    having said what changed (_say_changes)."""
-    _say_changes({k: before[k] for k in keys if k in before}, now, message, again)
+    having said what changed in substance (_say_changes)."""
+    _say_changes({k: before[k] for k in keys if k in before}, now, message, again, substance)
     return _with(before, keys, now)
 
 
@@ -486,12 +495,19 @@ def _drop_under(index: dict[str, dict[K, set[str]]], key: str, sub: K, worker: s
 
 
 def _say_changes(
-    before: Mapping[str, T], now: Mapping[str, T], message: Callable[[str, T], str], again: Callable[[str], str]
+    before: Mapping[str, T],
+    now: Mapping[str, T],
+    message: Callable[[str, T], str],
+    again: Callable[[str], str],
+    substance: Callable[[T], object],
 ) -> None:
-    """A configuration ERROR for each conflict new since `before`, or whose parties changed (once,
-    not on every change of the fleet), and a WARNING for each one gone."""
+    """A configuration ERROR for each conflict new since `before`, or whose `substance` changed
+    (once, not on every change of the fleet), and a WARNING for each one gone. The substance is
+    what the conflict is (the lengths or models at odds), never which workers take part: each
+    worker of a rolling change joining the minority logged the conflict again, 999 ERRORs (2 MB)
+    at 1,000 workers (log-volume audit, 2026-12-07)."""
     for key, seen in sorted(now.items()):
-        if before.get(key) != seen:
+        if key not in before or substance(before[key]) != substance(seen):
             log.error("configuration error: %s", message(key, seen))
     for key in sorted(before.keys() - now.keys()):
         log.warning("%s", again(key))
@@ -514,10 +530,21 @@ def _most_registered(counts: Mapping[int, int]) -> int:
     return max(counts, key=lambda n: (counts[n], n))
 
 
+def _context_substance(workers: dict[int, list[str]]) -> tuple[frozenset[int], int]:
+    """What a context conflict is (`workers`: length -> worker ids): the lengths at odds and the one
+    the model is served with; which workers register each is not."""
+    return frozenset(workers), _most_registered({n: len(ids) for n, ids in workers.items()})
+
+
+def _models_involved(by_model: dict[str, list[str]]) -> frozenset[str]:
+    """What a shadowed alias or a clash is (`by_model`: model -> worker ids): the models at odds."""
+    return frozenset(by_model)
+
+
 def context_message(model: str, workers: dict[int, list[str]]) -> str:
     """Why workers of `model` registering another max_model_len than most (`workers`: length ->
     worker ids) are not routed."""
-    chosen = _most_registered({n: len(ids) for n, ids in workers.items()})
+    chosen = _context_substance(workers)[1]
     left = "; ".join(f"{n} on {few_ids(ids)}" for n, ids in sorted(workers.items()) if n != chosen)
     return (
         f"workers of model {model} disagree on max_model_len: it is served with {chosen}, the length most "

@@ -263,6 +263,50 @@ async def test_a_models_own_name_wins_over_another_models_alias_and_the_alias_is
     assert len(errors) == 1 and q.hex_id in errors[0], errors
 
 
+def test_a_rolling_change_of_the_fleet_says_each_conflict_once_not_per_worker(
+    disc: Discovery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, a conflict's workers were part of what was compared: every worker that joined the
+    # minority logged it again, 999 ERRORs (2 MB) at 1,000 workers (log-volume audit, 2026-12-07).
+    caplog.set_level(logging.WARNING, logger="router.worker_registry")
+    reg = WorkerRegistry(disc, lambda _: None, lambda _: None)
+    ids = [f"w{i:02d}" for i in range(20)]
+    reg.apply(Snapshot(items={w: info(w, max_model_len=4096) for w in ids}, revision=1))
+    for revision, w in enumerate(ids[:10], 2):  # half the fleet, one at a time, to a shorter length
+        reg.apply(Put(w, info(w, max_model_len=2048), revision))
+    assert reg.context_conflicts == {"m": {2048: ids[:10], 4096: ids[10:]}}  # every worker, as before
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "served with 4096" in errors[0] and "2048 on w00" in errors[0], errors
+    caplog.clear()
+    reg.apply(Put(ids[10], info(ids[10], max_model_len=2048), 20))  # most register 2048 now: it is served
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "served with 2048" in errors[0], errors
+
+    caplog.clear()
+    reg.apply(Snapshot(items={w: info(w) for w in ids}, revision=30))
+    for revision, w in enumerate(ids[:10], 31):  # half the fleet to model m2, serving `m` as an alias
+        reg.apply(Put(w, info(w, model="m2", aliases=["m"]), revision))
+    assert reg.shadowed_aliases == {"m": {"m2": ids[:10]}}
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "`m`" in errors[0], errors
+
+
+def test_a_block_size_conflict_names_eight_workers_per_size_and_counts_the_rest(
+    disc: Discovery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, every worker id: a line of 9,206 characters at 1,000 workers (log-volume audit, 2026-12-07).
+    caplog.set_level(logging.ERROR, logger="router.worker_registry")
+    reg = WorkerRegistry(disc, lambda _: None, lambda _: None)
+    items = {f"a{i:02d}": info(f"a{i:02d}") for i in range(20)}
+    items |= {f"b{i:02d}": info(f"b{i:02d}", block_size=32) for i in range(20)}
+    reg.apply(Snapshot(items=items, revision=1))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "16 on a00, a01, a02, a03, a04, a05, a06, a07 and 12 more" in line, line
+    assert "32 on b00, b01, b02, b03, b04, b05, b06, b07 and 12 more" in line, line
+    assert "a08" not in line and "b19" not in line
+    assert reg.block_size_conflicts == {"m": {16, 32}}
+
+
 class Counted(WorkerInfo):
     """A worker record that counts the reads of its fields, by anyone."""
 
@@ -336,8 +380,18 @@ def whole_fleet(raw: dict[str, WorkerInfo]) -> tuple[list[WorkerInfo], dict[str,
     }
 
 
+def substance(attr: str, conflict: dict[Any, list[str]]) -> object:
+    """What a reported conflict is, which a change of must be said again: a name's models (shadows,
+    clashes); a model's lengths at odds and the one it is served with, the length most register
+    (ties: the longest). Which workers take part is not."""
+    if attr == "context_conflicts":
+        return set(conflict), max(conflict, key=lambda n: (len(conflict[n]), n))
+    return set(conflict)
+
+
 def said(before: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, str]]:
-    """The log lines due from `before` to `now` (whole_fleet's reports): (level, a text in it)."""
+    """The log lines due from `before` to `now` (whole_fleet's reports): (level, a text in it). A
+    conflict is said when it begins and when its substance changes (`substance`), and its end."""
     out: list[tuple[str, str]] = []
     if now["block_size_conflicts"] != before["block_size_conflicts"]:  # every conflict again
         out += [("ERROR", f"model {m} disagree on block size") for m in sorted(now["block_size_conflicts"])]
@@ -352,7 +406,11 @@ def said(before: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, str]]:
     }
     for attr, message in messages.items():
         was, seen = before[attr], now[attr]
-        out += [("ERROR", message(k, v)) for k, v in sorted(seen.items()) if was.get(k) != v]
+        out += [
+            ("ERROR", message(k, v))
+            for k, v in sorted(seen.items())
+            if k not in was or substance(attr, was[k]) != substance(attr, v)
+        ]
         out += [("WARNING", f" {k} ") for k in sorted(was.keys() - seen.keys())]
     return out
 

@@ -1,0 +1,125 @@
+"""A model's fleet going out of routing, and back, is one line each (router.fleet_news)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from router.eligibility import Exclusion, WorkerStatus
+from router.fleet_news import BOOTSTRAP_GRACE_S, FleetNews
+from tests.router.conftest import Cluster
+from tests.router.polling import until
+
+
+def fleet(n: int, **excluded: Exclusion | None) -> list[WorkerStatus]:
+    """`n` decode workers of model m (w00...), routable unless named in `excluded`, and a prefill one."""
+    ids = [f"w{i:02d}" for i in range(n)]
+    out = [WorkerStatus(w, "m", "decode", excluded.get(w), "", True) for w in ids]
+    return [*out, WorkerStatus("p", "m", "prefill", Exclusion.SILENT, "", True)]
+
+
+def every(n: int, reason: Exclusion | None, first: int | None = None) -> list[WorkerStatus]:
+    """`n` decode workers, the first `first` (all: None) excluded as `reason`."""
+    cut = n if first is None else first
+    return fleet(n, **{f"w{i:02d}": reason for i in range(cut)})
+
+
+def lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    out = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.fleet_news"]
+    caplog.clear()
+    return out
+
+
+def test_a_fleet_gone_silent_is_one_warning_counting_it_and_its_recovery_one_info(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    news = FleetNews()
+    news.check(every(20, None), 0.0)
+    assert lines(caplog) == []
+    news.check(every(20, Exclusion.SILENT), 1.0)
+    ((level, text),) = lines(caplog)
+    assert level == "WARNING" and "model m: none of its 20 decode or agg workers" in text, text
+    assert "silent: 20" in text and "w07 (silent)" in text and "w08" not in text and "and 12 more" in text
+    for t in range(2, 10):  # once per episode
+        news.check(every(20, Exclusion.SILENT), float(t))
+    assert lines(caplog) == []
+    news.check(every(20, Exclusion.SILENT, first=19), 10.0)
+    ((level, text),) = lines(caplog)
+    assert level == "INFO" and "1 of its 20 decode or agg workers take requests again" in text, text
+
+
+def test_a_fleet_left_out_softly_still_takes_requests(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="router.fleet_news")
+    news = FleetNews()
+    news.check(every(4, Exclusion.ENGINE_UNHEALTHY), 0.0)  # /ready's rule: they take its requests
+    assert lines(caplog) == []
+
+
+def test_a_fleet_bootstrapping_is_said_only_once_it_has_had_the_grace(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    news = FleetNews()
+    news.check(every(20, Exclusion.BOOTSTRAPPING), 100.0)  # a fresh router
+    news.check(every(20, Exclusion.BOOTSTRAPPING), 100.0 + BOOTSTRAP_GRACE_S - 1)
+    assert lines(caplog) == []
+    news.check(every(20, Exclusion.BOOTSTRAPPING), 100.0 + BOOTSTRAP_GRACE_S)
+    ((level, text),) = lines(caplog)
+    assert level == "WARNING" and "bootstrapping: 20" in text, text
+    # A reason other than bootstrapping is said at once.
+    news.check(fleet(2, w00=Exclusion.BOOTSTRAPPING, w01=Exclusion.EVENTS_DOWN), 0.0)
+    news.check(fleet(2), 1.0)
+    news.check(fleet(2, w00=Exclusion.BOOTSTRAPPING, w01=Exclusion.EVENTS_DOWN), 2.0)
+    assert [level for level, _ in lines(caplog)] == ["INFO", "WARNING"]
+
+
+def test_more_than_half_of_a_fleet_out_for_one_reason_at_once_is_a_fleet_wide_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    news = FleetNews()
+    news.check(every(20, None), 0.0)
+    news.check(every(20, Exclusion.EVENTS_DOWN, first=10), 1.0)  # half: each worker's own, maybe
+    assert lines(caplog) == []
+    news.check(every(20, None), 2.0)
+    news.check(every(20, Exclusion.EVENTS_DOWN, first=11), 3.0)
+    ((level, text),) = lines(caplog)
+    assert level == "WARNING" and "11 of its 20 decode or agg workers went from routable to events_down" in text
+    news.check(every(20, Exclusion.EVENTS_DOWN, first=15), 4.0)  # the same episode
+    assert lines(caplog) == []
+    news.check(every(20, Exclusion.EVENTS_DOWN, first=10), 5.0)
+    assert [level for level, _ in lines(caplog)] == ["INFO"]
+
+
+def test_a_model_whose_workers_left_while_out_says_so() -> None:
+    news = FleetNews()
+    news.check(every(2, Exclusion.SILENT), 0.0)
+    news.check([], 1.0)
+    news.check(every(2, Exclusion.SILENT), 2.0)  # new workers: a new episode, said again
+    assert news._models["m"].said_down
+
+
+async def test_workers_that_stop_reporting_are_one_warning_naming_the_model_then_one_info(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, a whole fleet going silent took /ready to 503 with no line at INFO or above, nor
+    # its recovery (log-volume audit, 2026-12-07): exclusions are computed only when read.
+    workers = [await cluster.add_worker("decode") for _ in range(2)]
+    router = await cluster.add_ready_router()
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    (model,) = router.models()
+    reporters = [w.shim.load_reporter for w in workers]
+    for reporter in reporters:
+        assert reporter is not None
+        await reporter.stop()
+    await until(lambda: any(r.levelname == "WARNING" for r in caplog.records), timeout=15, what="the warning")
+    await until(lambda: not router.ready, what="/ready 503")
+    for reporter in reporters:
+        assert reporter is not None
+        reporter.start()
+    await until(lambda: any(r.levelname == "INFO" for r in caplog.records), timeout=15, what="the recovery")
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.fleet_news"]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert f"model {model}: none of its 2 decode or agg workers" in said[0][1] and "silent: 2" in said[0][1], said
+    assert all(w.id in said[0][1] for w in workers), said
+    assert f"model {model}: 2 of its 2" in said[1][1] or f"model {model}: 1 of its 2" in said[1][1], said
