@@ -3,7 +3,7 @@
 A worker's exclusion (router.eligibility) is computed when read: by /ready, /debug/workers and each
 request's planning, none of which logs it. So a whole fleet going silent (its load reports stopped)
 or reporting `events_ok` false took a model from 1,000 routable workers to none, and /ready to 503,
-with no line at INFO or above, and its recovery too (log-volume audit, 2026-12-07). RouterService
+with no line at INFO or above, and its recovery too (log-volume audit, 2026-12-06). RouterService
 hands `FleetNews.check` the statuses of the workers /ready counts every CHECK_S (O(workers), not per
 request):
 

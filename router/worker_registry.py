@@ -505,7 +505,7 @@ def _say_changes(
     (once, not on every change of the fleet), and a WARNING for each one gone. The substance is
     what the conflict is (the lengths or models at odds), never which workers take part: each
     worker of a rolling change joining the minority logged the conflict again, 999 ERRORs (2 MB)
-    at 1,000 workers (log-volume audit, 2026-12-07)."""
+    at 1,000 workers (log-volume audit, 2026-12-06)."""
     for key, seen in sorted(now.items()):
         if key not in before or substance(before[key]) != substance(seen):
             log.error("configuration error: %s", message(key, seen))

@@ -103,7 +103,7 @@ async def test_workers_that_stop_reporting_are_one_warning_naming_the_model_then
     cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Before, a whole fleet going silent took /ready to 503 with no line at INFO or above, nor
-    # its recovery (log-volume audit, 2026-12-07): exclusions are computed only when read.
+    # its recovery (log-volume audit, 2026-12-06): exclusions are computed only when read.
     workers = [await cluster.add_worker("decode") for _ in range(2)]
     router = await cluster.add_ready_router()
     caplog.set_level(logging.INFO, logger="router.fleet_news")

@@ -267,7 +267,7 @@ def test_a_rolling_change_of_the_fleet_says_each_conflict_once_not_per_worker(
     disc: Discovery, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Before, a conflict's workers were part of what was compared: every worker that joined the
-    # minority logged it again, 999 ERRORs (2 MB) at 1,000 workers (log-volume audit, 2026-12-07).
+    # minority logged it again, 999 ERRORs (2 MB) at 1,000 workers (log-volume audit, 2026-12-06).
     caplog.set_level(logging.WARNING, logger="router.worker_registry")
     reg = WorkerRegistry(disc, lambda _: None, lambda _: None)
     ids = [f"w{i:02d}" for i in range(20)]
@@ -294,7 +294,7 @@ def test_a_rolling_change_of_the_fleet_says_each_conflict_once_not_per_worker(
 def test_a_block_size_conflict_names_eight_workers_per_size_and_counts_the_rest(
     disc: Discovery, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Before, every worker id: a line of 9,206 characters at 1,000 workers (log-volume audit, 2026-12-07).
+    # Before, every worker id: a line of 9,206 characters at 1,000 workers (log-volume audit, 2026-12-06).
     caplog.set_level(logging.ERROR, logger="router.worker_registry")
     reg = WorkerRegistry(disc, lambda _: None, lambda _: None)
     items = {f"a{i:02d}": info(f"a{i:02d}") for i in range(20)}
