@@ -6,7 +6,8 @@ tokenizer, a fleet restart, a router an upgrade left behind) was one line per wo
 A `FleetLines` is one such line. Within a window of `window_s` from the first line, the first
 NAMED_AT_MOST (router.eligibility) workers are logged as before, by name; the rest are held and
 counted, and one summary line per window, "and N more workers: <cause>", is logged when the window
-ends (a timer on the running loop; `flush()` says it at once). Nothing is lost: every worker held
+ends (a timer on the running loop; `flush()` says it at once, `flush_all()` every one's, as a
+router stops). Nothing is lost: every worker held
 is in a summary. A named worker said again within its window is named again (it is one of the
 few); a held one is counted once per window, its lines beside it when they were more. The cause
 may be judged when the summary is said (a callable given the count), e.g. whether the fleet
@@ -21,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 from router.eligibility import NAMED_AT_MOST
 
-__all__ = ["REMEMBERED", "WINDOW_S", "FleetLines", "LastSaid"]
+__all__ = ["REMEMBERED", "WINDOW_S", "FleetLines", "LastSaid", "flush_all"]
 
 WINDOW_S = 10.0
 REMEMBERED = 16384  # workers whose last word LastSaid keeps (a bounded memory of ids that left)
@@ -51,6 +53,7 @@ class FleetLines:
         self._held: set[str] = set()  # since the last summary
         self._held_lines = 0
         self._timer: asyncio.TimerHandle | None = None
+        _LIVE.add(self)
 
     def say(self, worker: str, msg: str, *args: object) -> bool:
         """Log `msg % args`, a line naming `worker`, unless NAMED_AT_MOST others were named in this
@@ -95,6 +98,15 @@ class FleetLines:
     def _due(self) -> None:
         self._timer = None
         self.flush()
+
+
+_LIVE: weakref.WeakSet[FleetLines] = weakref.WeakSet()  # for flush_all; a router's parts hold theirs
+
+
+def flush_all() -> None:
+    """Say every held summary now: a stopping router's timers would never fire."""
+    for lines in list(_LIVE):
+        lines.flush()
 
 
 class LastSaid:

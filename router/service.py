@@ -56,7 +56,7 @@ from router.clock_skew import ClockSkew, Skew, SkewNews, Verdict
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
 from router.eligibility import Eligibility, Exclusion, WorkerStatus, few_ids, name_few
-from router.fleet_lines import FleetLines
+from router.fleet_lines import FleetLines, flush_all
 from router.fleet_news import CHECK_S, FleetNews
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
@@ -524,6 +524,7 @@ class RouterService:
                 with contextlib.suppress(Exception):
                     await conn.drain()
         self._kv_nc = self._nc = None
+        flush_all()
         self.status = RouterStatus.STOPPED
 
     async def __aenter__(self) -> Self:

@@ -16,7 +16,7 @@ from protocol import WorkerInfo
 from protocol.messages import LoadReport
 from router.block_index import BlockIndex
 from router.eligibility import NAMED_AT_MOST
-from router.fleet_lines import FleetLines
+from router.fleet_lines import FleetLines, flush_all
 from router.kv_ingest import KvIngest
 from router.tokenization import FingerprintWatch
 from router.worker_versions import WorkerVersions
@@ -53,6 +53,18 @@ async def test_the_first_workers_are_named_and_the_rest_counted_by_the_loop_time
         await asyncio.sleep(0.25)  # a new window names again
         lines.say("w0019", "worker %s hit it", "w0019")
     assert [r.getMessage() for r in caplog.records] == ["worker w0019 hit it"]
+
+
+def test_a_stopping_router_says_what_it_held(caplog: pytest.LogCaptureFixture) -> None:
+    # RouterService.stop calls flush_all: the window's timer would never fire after it.
+    lines = FleetLines(logging.getLogger("tests.fleet_lines"), logging.WARNING, "the cause", window_s=3600)
+    with caplog.at_level(logging.WARNING, logger="tests.fleet_lines"):
+        for worker in WORKERS:
+            lines.say(worker, "worker %s hit it", worker)
+        flush_all()
+    assert _lines(caplog, "tests.fleet_lines", logging.WARNING, "hit it")[1] == [
+        f"and {FLEET - NAMED_AT_MOST} more workers: the cause"
+    ]
 
 
 @pytest.fixture
