@@ -35,7 +35,11 @@ the last verdict's. Workers leaving are judged too, held as a burst is (a 1,000-
 judgement a settle, not one a removal). Until 2026-12-06 they were not, and verdicts were compared
 as None or not: a fleet judged off that left (a redeploy) kept its verdict, no INFO came, and a
 later fleet-wide skew (this router's clock stepping) counted as unchanged, said nowhere, every
-worker covered by the stale verdict. At most SAY_AT_MOST workers are named per judgement, the rest
+worker covered by the stale verdict. A verdict ends only when clocks are seen to agree with this
+router's: one that finds no fleet because the fleet shrank below FLEET_AT_LEAST, or was replaced
+and no new offset is known yet (judged again once they may be), stands, over the workers still off
+alike; before, either said this router's clock agreed again, then named each worker left or said the
+fleet anew. At most SAY_AT_MOST workers are named per judgement, the rest
 counted; a worker is said to agree again only if it was said off. With fewer than FLEET_AT_LEAST
 workers registered, no fleet can outvote one: a change is said at once. Registered, not heard from:
 until 2026-12-06 the first two workers to report to a router started with its clock off were each
@@ -180,9 +184,17 @@ class SkewNews:
         if self._due is None or now < self._due:
             return None
         pending, self._pending, self._due = self._pending, {}, None
-        offsets = self.clocks.offsets()
-        fleet = _fleet(offsets, self.clocks.known(), self.clocks.tolerance_s)
-        changed = _moved(self._fleet, fleet, self.clocks.tolerance_s)
+        offsets, known, tolerance_s = self.clocks.offsets(), self.clocks.known(), self.clocks.tolerance_s
+        fleet = _fleet(offsets, known, tolerance_s)
+        if fleet is None and (was := self._fleet) is not None and _stands(offsets, known):
+            # a fleet that shrank below FLEET_AT_LEAST, or was replaced and no new offset is known yet:
+            # no clock was seen to agree with this router's, so its verdict stands, over who is still off alike
+            close = sorted(w for w, o in offsets.items() if abs(o - was.offset_s) <= tolerance_s * AGREE_FRACTION)
+            fleet, changed = Fleet(was.offset_s, close, known), False
+            if known < self._registered():  # offsets still to learn (a new fleet's first reports): judge again
+                self._due = now + self._hold()
+        else:
+            changed = _moved(self._fleet, fleet, tolerance_s)
         self._fleet = fleet
         covered = set(fleet.agreeing) if fleet is not None else set()
         alone = {w: o for w, o in offsets.items() if w not in covered}
@@ -218,6 +230,12 @@ def _fleet(offsets: dict[str, float], known: int, tolerance_s: float) -> Fleet |
     return Fleet(statistics.median(offsets[w] for w in agreeing), agreeing, known)
 
 
+def _stands(offsets: dict[str, float], known: int) -> bool:
+    """Whether a fleet verdict stands though no fleet is judged off now: no worker's offset is
+    known, or some are off and fewer than FLEET_AT_LEAST known clocks agree with this router's."""
+    return known == 0 or (bool(offsets) and known - len(offsets) < FLEET_AT_LEAST)
+
+
 def _moved(was: Fleet | None, now: Fleet | None, tolerance_s: float) -> bool:
     """Whether the fleet's verdict changed in substance: judged off or no longer, off by another
     offset, or mostly other workers agreeing."""
@@ -225,4 +243,6 @@ def _moved(was: Fleet | None, now: Fleet | None, tolerance_s: float) -> bool:
         return (was is None) != (now is None)
     if abs(now.offset_s - was.offset_s) > tolerance_s * AGREE_FRACTION:
         return True
+    if not was.agreeing:  # a verdict that stood over no worker (_stands): its offset is its substance
+        return False
     return 2 * len(set(now.agreeing).intersection(was.agreeing)) < len(now.agreeing)

@@ -267,11 +267,41 @@ def test_a_fleet_off_that_leaves_agrees_again_and_the_next_fleet_skew_is_said() 
     during = _leave(news, _fleet(40, 5.0), 106.0, every_s=0.1)
     assert [(v.fleet_changed, v.off, v.back) for v in during] == [(False, [], [])]  # half left: still the fleet
     fresh = {f"n{i:02}": 0.0 for i in range(40)}
-    again = _reports(news, fresh, 200.0, 10)
-    assert [(v.fleet_changed, v.fleet, v.off) for v in again] == [(True, None, [])]  # the INFO
+    # the first judgement knows no new offset yet (it stands, says nothing); the next, the INFO
+    again = [v for v in _reports(news, fresh, 200.0, 10) if v.fleet_changed or v.off or v.back]
+    assert [(v.fleet_changed, v.fleet, v.off) for v in again] == [(True, None, [])]
     stepped = _reports(news, dict.fromkeys(fresh, -5.0), 300.0, 10)
     assert len(stepped) == 1 and stepped[0].fleet_changed and stepped[0].fleet is not None
     assert stepped[0].fleet.offset_s == pytest.approx(-5.002) and len(stepped[0].fleet.agreeing) == 40
+
+
+def test_a_fleet_off_that_shrinks_below_a_fleet_stands_and_names_no_worker() -> None:
+    """3 workers 5 s ahead, one scaled away: the two left are still off alike and no clock agrees
+    with this router's. Before, the removal's judgement found no fleet (too few) and said this
+    router's clock agreed again, then named both workers for their NTP (review of 463d815)."""
+    registered = [3]
+    news = SkewNews(ClockSkew(1.0), lambda: registered[0])
+    assert [v.fleet_changed for v in _reports(news, _fleet(3, 5.0), 100.0, 10)] == [True]
+    registered[0] = 2
+    news.clocks.remove("w02")
+    news.remove("w02", 106.0)
+    after = _reports(news, _fleet(2, 5.0), 106.0, 10)
+    assert all(not v.fleet_changed and v.off == [] and v.off_more == 0 for v in after), after
+    # the clocks fixed: now it agrees again, once
+    fixed = [v for v in _reports(news, _fleet(2, 0.0), 200.0, 10) if v.fleet_changed or v.off or v.back]
+    assert len(fixed) == 1 and fixed[0].fleet is None and fixed[0].off == []
+
+
+def test_a_fleet_off_replaced_before_any_new_offset_is_known_is_no_news() -> None:
+    """40 workers 5 s behind, every key deleted, 40 new ones report, as off: the first new report
+    found no offset known yet. Before, that judgement said this router's clock agreed again, and
+    2 s later the same WARNING again (review of 463d815)."""
+    news = _news(40)
+    assert [v.fleet_changed for v in _reports(news, _fleet(40, -5.0), 100.0, 10)] == [True]
+    _leave(news, _fleet(40, -5.0), 106.0, every_s=0.01)
+    fresh = {f"n{i:02}": -5.0 for i in range(40)}
+    again = _reports(news, fresh, 110.0, 10)
+    assert all(not v.fleet_changed and v.off == [] for v in again), again
 
 
 def test_a_fleet_off_by_another_offset_is_said_again() -> None:
