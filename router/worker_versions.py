@@ -9,7 +9,8 @@ build, is not said again), and `others()` (the gauge kvswitch_router_workers_oth
 them while they last. A record without a version is counted as another build ("unknown"): every
 shim has written one. At most NAMED_AT_MOST workers are named per window, the rest counted in one
 summary (router.fleet_lines); when more than half of the registered workers run one build and this
-router another, the summary says once that the router is the odd one out.
+router another, the summary says once that the router differs from most of the fleet, and what
+that means in the documented upgrade order (routers first) and outside it.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class WorkerVersions:
 
     def _verdict(self, held: int) -> str:
         """The summary's cause: when most registered workers run one build and this router another,
-        it is the router that differs, said once per such build."""
+        it is the router that differs, said once per such build. Not that the router is the one to
+        change: the documented upgrade order has a new router before old shims."""
         cause = f"run another kvswitch build than this router's {self.mine}; docs/deployment.md, Upgrades"
         if not self._builds:
             return cause
@@ -79,8 +81,9 @@ class WorkerVersions:
         self._odd_said = theirs
         return (
             f"{cause}. {count} of the {len(self._builds)} registered workers run kvswitch "
-            f"{theirs or 'unknown (their records name none)'}: this router is the odd one out; upgrade it (or "
-            "roll the fleet back) rather than the workers"
+            f"{theirs or 'unknown (their records name none)'}: this router differs from most of the fleet. "
+            "Routers are upgraded first, then shims (docs/deployment.md, Upgrades): in an upgrade, go on with "
+            "the shims; otherwise this router was deployed alone or left behind: give it the fleet's build"
         )
 
     def others(self) -> dict[str, str]:
