@@ -324,7 +324,9 @@ def decode_events(payload: bytes) -> tuple[EventBatch, list[ProtocolError]]:
             continue
         if event is not None:
             decoded.append(event)
-    # Nothing downstream reads ts or the rank, so odd values there do not void the events.
+    # Odd values of ts or the rank do not void the events: a ts that is no number reads as 0.0,
+    # which the shim's endpoint probe takes as no evidence (earlier than any request), and no rank
+    # is checked against none.
     batch = EventBatch(
         float(ts) if isinstance(ts, int | float) else 0.0, decoded, rank if isinstance(rank, int) else None
     )

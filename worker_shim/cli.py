@@ -104,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, help="engine kind (default vllm; engine_sim is vllm)")
     parser.add_argument("--role", choices=ROLES, help="prefill, decode or agg (default agg)")
     parser.add_argument(
+        "--no-endpoint-probe",
+        action="store_true",
+        help="send the engine no endpoint probe (one tiny request per KV event connection or reset, whose "
+        "block must show on the events read; default: sent, so event endpoints that are another engine's are "
+        "reported as other_engine); for engines where every request is accounted",
+    )
+    parser.add_argument(
         "--kv-events-mode",
         choices=KV_EVENTS_MODES,
         help="auto (default): bind when the engine's endpoint has no `*`, connect when it has; or force one",
@@ -116,6 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings, EtcdSettings]:
     cli: dict[str, Any] = dict(vars(args))
+    cli["no_endpoint_probe"] = True if args.no_endpoint_probe else None  # absent is not "off": env, file
     check_flag_only_env(cli)  # KVSWITCH_CONFIG would be ignored: the file is named by flag only
     file = load_file(args.config) if args.config else {}
     known = file_keys(ShimConfig) | file_keys(NatsSettings, "nats_") | file_keys(EtcdSettings, "etcd_")

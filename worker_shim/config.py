@@ -81,6 +81,10 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     events_timeout_s: seconds without a connection on the event socket before the shim reports
         events_ok false; a served request with a full block and no Stored event gets two of them,
         the second after a read of the replay socket.
+    no_endpoint_probe: send the engine no endpoint probe (worker_shim.endpoint_probe: one request
+        of a random prompt per event connection or reset, whose block must show on the stream), so
+        event endpoints that are another engine's go undetected; for engines whose every request
+        is accounted (quotas, billing).
     http_host, http_port: the shim's own HTTP server (/health, /metrics); port 0 picks a free one.
     drain_grace_s: on SIGTERM, how long in-flight requests may run before they are aborted.
     health_interval_s: how often the engine's /health and load are polled.
@@ -121,6 +125,7 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     orphan_grace_s: float = 20.0
     load_period_s: float = 0.5
     events_timeout_s: float = 5.0
+    no_endpoint_probe: bool = False
     http_host: str = "127.0.0.1"
     http_port: int = 0
     drain_grace_s: float = 30.0

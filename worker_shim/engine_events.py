@@ -5,7 +5,9 @@ size_t): only equality matters. `EngineBatch.reset` says the adapter lost track 
 restarted, or a gap could not be filled): everything known so far is void, and `complete` says
 whether the events that follow rebuild the engine's whole state (a replay from its first batch) or
 only what happens from now on. `live` is false for batches the adapter fetched again (a replay):
-they say nothing about whether the live stream works.
+they say nothing about whether the live stream works. `ts` is when the engine made the batch, by
+its own clock (vLLM's batch timestamp; None where the engine sends none): the endpoint probe
+(worker_shim.endpoint_probe) compares it with the engine's `created` of a request it served.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class EngineBatch:
     reset: bool = False
     complete: bool = True
     live: bool = True
+    ts: float | None = None
 
 
 EventSink = Callable[[EngineBatch], Awaitable[None]]

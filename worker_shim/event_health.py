@@ -37,14 +37,20 @@ gives no such pair, and a cached prompt served then, its usage silent, is taken 
 (HITS_KEPT, about a minute); and a busy engine that publishes nothing is judged
 only when the leg watched is one it had to compute, its cached legs being excused one at a time.
 
+- OTHER_ENGINE (worker_shim.endpoint_probe says so): the stream is another engine's. A request
+  the shim sent its own engine with a random prompt was served, its block never showed on the
+  stream, and the stream delivered a Stored in a batch its engine made after that request was
+  answered; cleared only when a probe's block shows on the stream. Not raised here: by the probe.
+
 Live events (not replayed ones) clear NO_STORED and WRONG_TOPIC; a connection clears NO_CONNECTION.
 NO_STORED, which withholds the very traffic whose events would clear it, also ends on a connection
 (a restarted engine, maybe fixed) or a Stored from the replay socket; and after `retest_s` without
 either it is lifted with a WARNING, so the next request watched judges the worker again. One
 episode (until events are seen to flow) logs its ERROR and that WARNING once: an engine that really
 publishes nothing costs about one judgement's traffic per `retest_s`.
-`on_change` is called whenever `ok` or `why` changes. Synchronous; expectations are loop timers,
-cancelled by `close()`.
+`on_change` is called whenever `ok` or `why` changes; `on_connected` on every connection of the
+event socket to an engine (`connected()`, from the transport). Synchronous; expectations are loop
+timers, cancelled by `close()`.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class EventProblem(enum.Enum):
     WRONG_TOPIC = "wrong_topic"
     WRONG_RANK = "wrong_rank"
     NO_STORED = "no_stored"
+    OTHER_ENGINE = "other_engine"
 
 
 class EventHealth:
@@ -97,6 +104,7 @@ class EventHealth:
         self.retests = 0  # NO_STORED lifted for want of evidence either way
         self.silent = asyncio.Event()
         self.on_change: Callable[[], None] = lambda: None
+        self.on_connected: Callable[[], None] = lambda: None
         self.holds: Callable[[int], bool] = lambda _h: False
         self._timers: set[asyncio.TimerHandle] = set()
         self._episode = False  # NO_STORED was raised and nothing has shown events flow since
@@ -140,6 +148,12 @@ class EventHealth:
         if gone:
             log.info("KV events flow again (%s resolved)", ", ".join(k.value for k in gone))
             self.on_change()
+
+    def connected(self) -> None:
+        """The event socket has a new peer: maybe a restarted engine, its cause fixed, so its
+        events are judged anew."""
+        self.resolved(EventProblem.NO_CONNECTION, EventProblem.NO_STORED)
+        self.on_connected()
 
     def live(self, stored: bool) -> None:
         """A live (not replayed) batch of engine events arrived; `stored` if it held a Stored."""

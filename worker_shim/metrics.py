@@ -184,6 +184,15 @@ class _ShimCollector(Collector):
         yield _gauge(
             "prefix_credit_short", "1 while the engine reuses far less than its KV events promise", float(c.short)
         )
+        probe = self.shim.probe
+        yield _counter(
+            "endpoint_probes",
+            "Endpoint probe requests sent the engine (one block + 1 prompt tokens, one output token each)",
+            float(probe.sent),
+        )
+        yield _counter(
+            "endpoint_probes_confirmed", "Endpoint probes whose block showed on the KV events", float(probe.confirmed)
+        )
         yield _counter(
             "kv_transfers_failed",
             "KV pulls the engine failed without failing their request (its vllm:nixl_num_failed_transfers, less "

@@ -60,6 +60,7 @@ from worker_shim.adapters import (
 )
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
+from worker_shim.endpoint_probe import EndpointProbe
 from worker_shim.engine_events import EngineBatch, EngineStored
 from worker_shim.http_server import ShimHttpServer
 from worker_shim.kv_events_config import listed_mode
@@ -206,6 +207,17 @@ class WorkerShim:
         self.events = self.adapter.event_health
         self.events.on_change = self._on_events_change
         self.events.holds = self._holds
+        self.probe = EndpointProbe(
+            self.events,
+            self.adapter.serve_probe,
+            block_size=lambda: self.limits.block_size,
+            prefix_caching=lambda: self.limits.prefix_caching,
+            where=self._event_endpoints,
+            on_foreign=self._on_foreign_events,
+            engine_url=self.config.engine_url,
+            enabled=not self.config.no_endpoint_probe,
+        )
+        self.events.on_connected = self.probe.connected
         self.credit = CreditCheck(self.config.engine_url)
         self.transfers = TransferFailures(self.config.engine_url)
         self.status = ShimStatus.NEW
@@ -770,11 +782,14 @@ class WorkerShim:
         self.engine_events += len(batch.events)
         self.engine_batches[batch.live] += 1
         if batch.events:
-            stored = any(isinstance(e, EngineStored) for e in batch.events)
+            stored = any(isinstance(e, EngineStored) and not self.probe.owns(e) for e in batch.events)
             if batch.live:
                 self.events.live(stored)
             else:
                 self.events.replayed(stored)
+        self.probe.batch(batch)
+        if self.probe.foreign:
+            return  # another engine's: withheld (_on_foreign_events cleared what was published)
         out = norm.reset(exact=batch.complete) if batch.reset else []
         window = norm.windows.window
         for _ in norm.folding(batch.events, out):
@@ -797,6 +812,19 @@ class WorkerShim:
                 log.warning("KV event with an unknown parent: asking the engine for its whole state")
                 self.adapter.request_rebuild()
         self._publish(out)
+
+    def _event_endpoints(self) -> str:
+        c = self.config
+        return f"--kv-events {c.kv_events}" + (f" (--kv-replay {c.kv_replay})" if c.kv_replay else "")
+
+    def _on_foreign_events(self, foreign: bool) -> None:
+        """The endpoint probe found the stream another engine's (withhold it: routers forget what
+        it said) or, after that, this engine's (rebuild the index from the engine's replay)."""
+        norm = self.normaliser
+        if foreign and norm is not None:
+            self._publish(norm.reset(exact=False))
+        elif not foreign:
+            self.adapter.request_rebuild()
 
     def _publish(self, out: list[KvEvent]) -> None:
         if out:
@@ -1193,6 +1221,7 @@ class WorkerShim:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.events.close(keep_retest=not self._stopping.is_set())
+        self.probe.close()
         self.worker_id = None
 
     # --- routers that died ----------------------------------------------------------------------

@@ -37,6 +37,12 @@ class Worker:
         assert self.shim.worker_id is not None
         return self.shim.worker_id
 
+    @property
+    def requests_served(self) -> int:
+        """The engine's generate requests less its shim's endpoint probes (add_worker): the ones
+        routers and tests sent."""
+        return self.sim.faults.requests_seen - self.shim.probe.sent
+
 
 @dataclass
 class Cluster:
@@ -47,7 +53,12 @@ class Cluster:
     routers: list[RouterService] = field(default_factory=list)
 
     async def add_worker(self, role: str = "decode", shim: dict[str, Any] | None = None, **sim_kw: Any) -> Worker:
-        """A sim (`sim_kw`: SimConfig fields) and a registered shim beside it (`shim`: ShimConfig fields)."""
+        """A sim (`sim_kw`: SimConfig fields) and a registered shim beside it (`shim`: ShimConfig
+        fields), its endpoint probe settled: the sim's counters hold the probe's whole work (the
+        shim's `probe.sent`, `probe.prompt_tokens`, `probe.output_tokens`), which tests that count
+        engine work add, and the fault knobs `crash_after` / `hang_after` count the requests sent
+        after it, as they counted a test's own before there was a probe."""
+        faults = {k: sim_kw.pop(k) for k in ("crash_after", "hang_after") if k in sim_kw}
         cfg: dict[str, Any] = {"speedup": 200.0, "num_gpu_blocks": 512, "block_size": BLOCK, "role": role}
         cfg.update(sim_kw)
         sim = SimServer(SimConfig(**cfg))
@@ -75,6 +86,9 @@ class Cluster:
         )
         await worker_shim.start()
         await asyncio.wait_for(worker_shim.registered.wait(), 20)
+        await probe_settled(worker_shim)
+        for knob, n in faults.items():
+            setattr(sim.faults, knob, None if n is None else sim.faults.requests_seen + n)
         worker = Worker(role, sim, worker_shim)
         self.workers.append(worker)
         return worker
@@ -140,6 +154,12 @@ class Cluster:
         for w in self.workers:
             await w.shim.stop()
             await w.sim.stop()
+
+
+async def probe_settled(shim: WorkerShim) -> None:
+    """Until `shim`'s endpoint probe has settled (worker_shim.endpoint_probe: one request on its
+    engine per event connection), so that a test counts its engine's work from a known point."""
+    await until(lambda: shim.probe.settled, what="the shim's endpoint probe settled")
 
 
 @pytest.fixture

@@ -8,36 +8,41 @@ real nats-server and etcd. It checks, in order:
 1. wrong_topic: a shim given another topic than the engine's is reported (events_ok false,
    `wrong_topic`, an ERROR) within 10 s;
 2. wrong_endpoint: a shim given an event endpoint no engine publishes to is reported within 10 s;
-3. same_text: completions (text and token ids, stop strings, echo with logprobs, n with a seed,
+3. endpoint_probe: each healthy shim's endpoint probe (worker_shim.endpoint_probe) is confirmed, its
+   block seen on its own engine's events, and never other_engine; in vLLM's own replay the probe's
+   block is a root BlockStored of its token ids, in a batch stamped from the answer's `created` to
+   `created + 1 + rtt` (the premise of the other_engine proof: vLLM publishes a step's events before
+   it answers the request);
+4. same_text: completions (text and token ids, stop strings, echo with logprobs, n with a seed,
    a batch), chat and streams give the same answer through either router as from vLLM directly
    (temperature 0 or a seed);
-4. index_hashes: each router's index holds exactly the canonical hashes computed here, from the
+5. index_hashes: each router's index holds exactly the canonical hashes computed here, from the
    engine's own event stream (read again through its replay socket), evictions included;
-5. stickiness: follow-ups sharing a prefix go to the worker that holds it;
-6. lora: both engines run with LoRA on (make_lora.py's adapter); vllm-a serves it as `tiny-lora`
+6. stickiness: follow-ups sharing a prefix go to the worker that holds it;
+7. lora: both engines run with LoRA on (make_lora.py's adapter); vllm-a serves it as `tiny-lora`
    from its start. A request naming it goes to vllm-a through either router and answers as vLLM
    does, and the routers index its prompt under the adapter's chain, not the model's; vllm-b loads
    it as `tiny-lora-2` at run time: the routers list and route it once its shim reads /v1/models
    again, and refuse it with a 404 once it is unloaded;
-7. aliases: vllm-b serves the model under a second name (`--served-model-name tiny-llama
+8. aliases: vllm-b serves the model under a second name (`--served-model-name tiny-llama
    tiny-alias`): its worker registers the alias, a request naming it goes to vllm-b alone through
    either router and answers as vLLM does, and the routers credit vllm-b with its prompt under the
    model's own name (one cache);
-8. kill_restart: SIGKILL one engine: requests keep succeeding on the other; restart it on the same
+9. kill_restart: SIGKILL one engine: requests keep succeeding on the other; restart it on the same
    ports: it registers again and serves;
-9. data_parallel: one vLLM running two data-parallel ranks and a shim per rank
+10. data_parallel: one vLLM running two data-parallel ranks and a shim per rank
    (`--data-parallel-rank`; rank 0's given the server's --kv-events-config, rank 1's reading its
    endpoints from the engine's /kv_event_sources): each registers its rank's capacity, and each
    router's index of a rank's worker is exactly what that rank's own events say it holds;
-10. hybrid: one vLLM of a tiny hybrid model (make_hybrid.py: a sliding-window layer of 64 tokens and
+11. hybrid: one vLLM of a tiny hybrid model (make_hybrid.py: a sliding-window layer of 64 tokens and
    a full-attention layer): its worker registers the window, and for each of capture_hybrid.py's
    five prompts, sent through a router, the prefix each router credits the worker with is what
    vLLM then reports cached (`prompt_tokens_details.cached_tokens`), and the shim's credit check
    (worker_shim/credit_check.py) finds vLLM's reuse counters equal to what it promised;
-11. long_prompt: a 1,040-block prompt prefilled in one step, so that vLLM sends one BlockStored past
+12. long_prompt: a 1,040-block prompt prefilled in one step, so that vLLM sends one BlockStored past
    the shim's FOLD_BLOCKS: the shim folds it in parts and the routers' index is exactly the
    engine's (--skip-long skips it);
-12. no_false_events_problem: from the healthy shims' start to the end, none of them raised an
+13. no_false_events_problem: from the healthy shims' start to the end, none of them raised an
    events problem (but vllm-a's while kill_restart had its engine killed), and none logged a
    WARNING that the replay socket held a seq the live socket never delivered.
 
@@ -78,10 +83,17 @@ from kvswitch.servers import EtcdServer, NatsServer  # noqa: E402
 from protocol import block_hashes  # noqa: E402
 from protocol.config import EtcdSettings, NatsSettings  # noqa: E402
 from protocol.hashing import chain_salt  # noqa: E402
-from protocol.vllm_events import END_SEQ, decode_replay_reply, replay_request  # noqa: E402
+from protocol.vllm_events import (  # noqa: E402
+    END_SEQ,
+    BlockStored,
+    decode_events,
+    decode_replay_reply,
+    replay_request,
+)
 from router.service import RouterConfig, RouterService  # noqa: E402
 from worker_shim import ShimConfig, WorkerShim  # noqa: E402
 from worker_shim.adapters.vllm_events import decode_payload  # noqa: E402
+from worker_shim.event_health import EventProblem  # noqa: E402
 from worker_shim.normaliser import FOLD_BLOCKS  # noqa: E402
 
 MODEL = "tiny-llama"
@@ -948,6 +960,49 @@ async def check_long_prompt(c: Cluster) -> dict[str, Any]:
     }
 
 
+@dataclass
+class ProbeLog:
+    """What vLLM answered each healthy shim's endpoint probe: (prompt, `created`, rtt in s) by engine."""
+
+    answers: dict[str, list[tuple[list[int], int, float]]] = field(default_factory=dict)
+
+    def watch(self, name: str, shim: WorkerShim) -> None:
+        serve, answers = shim.probe.serve, self.answers.setdefault(name, [])
+
+        async def recorded(token_ids: list[int], request_id: str) -> int | None:
+            sent = time.time()
+            created = await serve(token_ids, request_id)
+            if created is not None:
+                answers.append((token_ids, created, time.time() - sent))
+            return created
+
+        shim.probe.serve = recorded
+
+
+async def check_endpoint_probe(c: Cluster, probes: ProbeLog) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for engine in c.engines:
+        shim = c.shims[engine.name]
+        probe = shim.probe
+        settled = functools.partial(lambda p: p.confirmed >= 1 and p.settled, probe)
+        await c.until(settled, 60, f"{engine.name}'s probe confirmed")
+        assert EventProblem.OTHER_ENGINE not in shim.events.problems, shim.events.why
+        stamps: dict[tuple[int, ...], float] = {}
+        for payload in await _replay_all(engine.replay):
+            batch, _ = decode_events(payload)
+            for ev in batch.events:
+                if isinstance(ev, BlockStored) and ev.parent_block_hash is None:
+                    stamps.setdefault(tuple(ev.token_ids[: ev.block_size]), batch.ts)
+        after = []
+        for prompt, created, rtt in probes.answers[engine.name]:
+            ts = stamps.get(tuple(prompt[:BLOCK]))
+            assert ts is not None, f"{engine.name}: the probe's block is in no root BlockStored of the replay"
+            assert created <= ts <= created + 1 + rtt, f"{engine.name}: batch ts {ts}, created {created}, rtt {rtt}"
+            after.append(round(ts - created, 3))
+        out[engine.name] = {"sent": probe.sent, "confirmed": probe.confirmed, "ts_minus_created_s": after}
+    return out
+
+
 async def check_no_false_events_problem(watch: ProblemWatch, missed: MissedLiveLog) -> dict[str, Any]:
     """From the healthy shims' start to the end, none of them (each reading its own engine's
     events) raised an events problem but vllm-a's while kill_restart had its engine killed, and
@@ -975,6 +1030,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         async with aiohttp.ClientSession() as http:
             c = Cluster(args, nats_server.url, etcd_server.url, http)
             watch = ProblemWatch(c, results)
+            probes = ProbeLog()
             try:
                 for engine in c.engines:
                     engine.start()
@@ -986,6 +1042,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 missed.lines.clear()  # the healthy shims' alone from here
                 for engine in c.engines:
                     c.shims[engine.name] = shim = c.shim(engine)
+                    probes.watch(engine.name, shim)
                     await shim.start()
                     await asyncio.wait_for(shim.registered.wait(), 60)
                 watch.start()
@@ -1006,6 +1063,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     lambda: all(r.ready and len(r.registry.workers()) == 2 for r in c.routers), 30, "routers ready"
                 )
                 assert all(not r.fingerprints.report()["text_refused"] for r in c.routers), "tokenizer mismatch"
+                await results.run("endpoint_probe", lambda: check_endpoint_probe(c, probes))
                 await results.run("same_text", lambda: check_same_text(c))
                 await results.run("stickiness", lambda: check_stickiness(c))
                 await results.run("index_hashes", lambda: check_index_hashes(c))

@@ -308,3 +308,16 @@ def test_a_file_key_that_would_set_both_nats_and_etcd_is_refused(tmp_path: Path)
     with pytest.raises(ConfigError, match="'password' would set nats_password and etcd_password") as err:
         resolve_settings(parse("--model", "m", "--engine-url", "http://h:9", "--config", str(path)))
     assert "s3cret" not in str(err.value)
+
+
+def test_no_endpoint_probe_is_a_flag_a_variable_and_a_file_key_and_off_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVSWITCH_NO_ENDPOINT_PROBE", raising=False)
+    assert resolve_settings(parse("--model", "m"))[0].no_endpoint_probe is False  # the probe is sent
+    assert resolve_settings(parse("--model", "m", "--no-endpoint-probe"))[0].no_endpoint_probe is True
+    path = tmp_path / "shim.yaml"
+    path.write_text("no_endpoint_probe: true\n")
+    assert resolve_settings(parse("--model", "m", "--config", str(path)))[0].no_endpoint_probe is True
+    monkeypatch.setenv("KVSWITCH_NO_ENDPOINT_PROBE", "true")
+    assert resolve_settings(parse("--model", "m"))[0].no_endpoint_probe is True

@@ -116,16 +116,22 @@ async def test_reports_carry_the_engines_timing_counters_and_when_they_were_read
             reports.append(decode_msg(msg.data, LoadReport))
 
         await nc.subscribe(subjects.load(ns, shim.worker_id), cb=on)
-        await complete(sim.url, list(range(100, 164)), max_tokens=5)
         stats = sim.engine.stats
+        # The engine's counters hold the shim's endpoint probe too (one step: 17 prompt tokens and
+        # one output token), so the legs' figures are read from its report on.
+        await wait_for(lambda: shim.probe.confirmed == 1)
+        await wait_for(lambda: bool(reports) and reports[-1].iterations == stats.iteration_tokens.count == 1)
+        base = reports[-1]
+        await complete(sim.url, list(range(100, 164)), max_tokens=5)
         await wait_for(lambda: bool(reports) and reports[-1].iterations == stats.iteration_tokens.count)
         first = reports[-1]
         await complete(sim.url, list(range(100, 164)), max_tokens=5)  # the same prompt: its blocks are cached
-        await wait_for(lambda: reports[-1].prefill_requests == 2)
+        await wait_for(lambda: reports[-1].prefill_requests == 3)
         await nc.close()
-    assert (first.iterations, first.iteration_tokens) == (5, 64 + 5)
-    assert (first.itl_count, first.prefill_requests, first.prefill_computed_tokens) == (4, 1, 64)
-    assert first.generation_tokens == 5  # engine_sim's vllm:generation_tokens_total
+    assert (base.iterations, base.iteration_tokens, base.prefill_requests, base.prefix_hit_tokens) == (1, 17 + 1, 1, 0)
+    assert (first.iterations - 1, first.iteration_tokens - 18) == (5, 64 + 5)
+    assert (first.itl_count, first.prefill_requests - 1, first.prefill_computed_tokens - 17) == (4, 1, 64)
+    assert first.generation_tokens - 1 == 5  # engine_sim's vllm:generation_tokens_total
     assert first.itl_seconds > 0 and first.prefill_seconds > 0 and first.prefix_hit_tokens == 0
     assert reports[-1].prefix_hit_tokens == stats.prefix_cache_hits == 48  # all but the last block
     assert all(0 < r.engine_ts <= r.ts for r in reports)

@@ -45,6 +45,7 @@ from worker_shim.engine_events import EventSink
 from worker_shim.event_health import EventHealth
 
 __all__ = [
+    "PROBE_OUTPUT_TOKENS",
     "EngineAdapter",
     "EngineError",
     "EngineHealth",
@@ -57,6 +58,8 @@ __all__ = [
     "ModelCard",
     "OnOutput",
 ]
+
+PROBE_OUTPUT_TOKENS = 1  # serve_probe's max_tokens: one prefill step, no decoding
 
 
 class EngineHealth(enum.Enum):
@@ -237,6 +240,13 @@ class EngineAdapter(ABC):
 
     async def event_sources(self) -> dict[int, EventSource] | None:
         """The engine's KV event endpoints by data-parallel rank; None when it does not list them."""
+        return None
+
+    async def serve_probe(self, token_ids: list[int], request_id: str) -> int | None:
+        """Have the engine serve `token_ids` as a PROBE_OUTPUT_TOKENS completion of the base model, on the
+        rank the shim serves (worker_shim.endpoint_probe); the answer's `created`, the engine's
+        clock in whole seconds. None: this engine is not probed (its events or its answer do not
+        let the probe be matched). EngineError when the engine fails it."""
         return None
 
     # vLLM answers 404 to a request naming a model it does not serve: a shim whose --model it does

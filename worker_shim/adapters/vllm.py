@@ -25,6 +25,9 @@
 - Abort: closing the HTTP connection (vLLM aborts a request whose client went away).
 - Utility calls a router forwards: `/tokenize` and `/detokenize`, the client's body with `model`
   set, the answer as the engine gives it.
+- Endpoint probe (worker_shim.endpoint_probe): a token-id `/v1/completions` of one token, the
+  rank's header as on every leg, X-Request-Id the probe's; its answer's `created` is the engine's
+  clock, which its KV batches' timestamps are read against.
 - Tokenizer fingerprint: `POST /tokenize` with each of protocol.fingerprint's probes (texts, and
   chats with and without the generation prompt and with `tools`); a 4xx for a chat probe counts
   as refused (no chat template, or one that raises for it), as the router counts it.
@@ -43,6 +46,7 @@ from protocol import vllm_metrics as vm
 from protocol.fingerprint import PROBES, ChatProbe, fingerprint
 from protocol.messages import ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
 from worker_shim.adapters.base import (
+    PROBE_OUTPUT_TOKENS,
     EngineError,
     EngineLimits,
     EngineLoad,
@@ -52,7 +56,13 @@ from worker_shim.adapters.base import (
     LegRequest,
     OnOutput,
 )
-from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion, post_utility
+from worker_shim.adapters.openai_http import (
+    ENDPOINT_PATHS,
+    error_from,
+    pass_through_body,
+    post_completion,
+    post_utility,
+)
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_kind import check_engine_kind
@@ -94,6 +104,7 @@ _METRICS = frozenset(
 
 
 _TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=30.0)  # one block's prefill, behind a queue maybe
 
 
 def _cache_config(samples: list[Sample], label: str) -> int | None:
@@ -378,6 +389,29 @@ class VllmAdapter(ZmqEventsAdapter):
                     raise
                 results.append(None)  # no chat template, or one that refuses this chat (the router's too)
         return fingerprint(results)
+
+    async def serve_probe(self, token_ids: list[int], request_id: str) -> int | None:
+        url = self.base + "/v1/completions"
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        if self._rank_header is not None:
+            headers["X-data-parallel-rank"] = str(self._rank_header)
+        body = {"model": self.config.model, "prompt": token_ids, "max_tokens": PROBE_OUTPUT_TOKENS, "temperature": 0.0}
+        try:
+            async with self.session.post(
+                url, data=msgspec.json.encode(body), headers=headers, timeout=_PROBE_TIMEOUT
+            ) as resp:
+                raw = await resp.read()
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
+        if resp.status != 200:
+            raise error_from(resp.status, raw)
+        try:
+            created = msgspec.json.decode(raw, type=dict[str, Any]).get("created")
+        except msgspec.DecodeError as exc:
+            raise EngineError(502, "engine_protocol", f"{url} answered no JSON object: {exc}") from exc
+        if not isinstance(created, int):
+            raise EngineError(502, "engine_protocol", f"{url} answered without an integer `created`")
+        return created
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}

@@ -23,7 +23,7 @@ from worker_shim.engine_events import (
     EventDecodeError,
 )
 
-__all__ = ["decode_payload", "decode_ranked", "to_engine_event"]
+__all__ = ["decode_payload", "decode_ranked", "decode_stamped", "to_engine_event"]
 
 
 def to_engine_event(event: KVEvent) -> EngineEvent:
@@ -89,9 +89,19 @@ def decode_ranked(payload: bytes, engine: str = "vllm") -> tuple[list[EngineEven
     (None: an older engine's batch, which names none), and an EventDecodeError for each event left
     out as malformed: the batch's other events still count. Raises EventDecodeError (naming
     `engine`) when the batch as a whole is malformed."""
+    events, rank, _, errors = decode_stamped(payload, engine)
+    return events, rank, errors
+
+
+def decode_stamped(
+    payload: bytes, engine: str = "vllm"
+) -> tuple[list[EngineEvent], int | None, float, list[EventDecodeError]]:
+    """As decode_ranked, with the batch's timestamp (the engine's time.time() when it made the
+    batch; 0.0 where the batch has none that reads as a number)."""
     try:
         batch, errors = decode_events(payload)
     except ProtocolError as exc:
         raise EventDecodeError(engine, exc.detail, exc.kind) from exc
     events = [to_engine_event(e) for e in batch.events]
-    return events, batch.data_parallel_rank, [EventDecodeError(engine, exc.detail, exc.kind) for exc in errors]
+    decoded = [EventDecodeError(engine, exc.detail, exc.kind) for exc in errors]
+    return events, batch.data_parallel_rank, batch.ts, decoded

@@ -53,7 +53,7 @@ from protocol.errors import ProtocolError
 from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply, publisher_binds, replay_request
 from runtime.turns import SLICE_S, Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
-from worker_shim.adapters.vllm_events import decode_ranked
+from worker_shim.adapters.vllm_events import decode_stamped
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineEvent, EventSink
 from worker_shim.event_health import EventHealth, EventProblem
@@ -257,8 +257,7 @@ class ZmqEventSource:
         self._peers += 1
         self._alone_since = None
         self._settle_at = time.monotonic() + SETTLE_S
-        # A new connection may be a restarted engine, its cause fixed: judge its events anew.
-        self.health.resolved(EventProblem.NO_CONNECTION, EventProblem.NO_STORED)
+        self.health.connected()
         self._connections += 1
         if self._connections > 1:
             self.stats.reconnects += 1
@@ -484,8 +483,9 @@ class ZmqEventSource:
     ) -> None:
         self._last, self._last_digest = seq, _digest(payload)
         events: list[EngineEvent] = []
+        ts: float | None = None
         try:
-            events, rank, errors = decode_ranked(payload, self.engine)
+            events, rank, ts, errors = decode_stamped(payload, self.engine)
         except ProtocolError as exc:
             self._malformed(exc)
         else:
@@ -495,7 +495,7 @@ class ZmqEventSource:
                 self._wrong_rank(rank)
                 events = []
         if events or reset:
-            await sink(EngineBatch(events=events, reset=reset, complete=complete, live=live))
+            await sink(EngineBatch(events=events, reset=reset, complete=complete, live=live, ts=ts))
 
     async def _deliver_rebuild(self, replayed: list[tuple[int, bytes]] | None, sink: EventSink) -> None:
         # An empty replay means the engine has published nothing yet: nothing is missing.
