@@ -280,6 +280,25 @@ def _index_entries(router_url: str) -> float:
     return float(next(x for x in lines if x.startswith("kvswitch_router_index_entries")).rsplit(" ", 1)[1])
 
 
+def _probed_blocks(router_url: str, sim_urls: list[str], timeout: float = 20.0) -> float:
+    """The router's index entries once each shim's endpoint probe (worker_shim.endpoint_probe: one
+    request on its engine as the event socket connects, one block) is served and indexed: every
+    engine served a request and holds one block per request served, and the index holds them all."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for sim in sim_urls:
+            with urllib.request.urlopen(sim + "/sim/state?canonical=1", timeout=5) as resp:
+                states.append(json.loads(resp.read()))
+        blocks = [len(st["cached_canonical_hashes"]) for st in states]
+        served = [st["faults"]["requests_seen"] for st in states]
+        entries = _index_entries(router_url)
+        if all(n >= 1 for n in served) and blocks == served and entries == sum(blocks):
+            return entries
+        assert time.monotonic() < deadline, f"probes not settled: served {served}, blocks {blocks}, index {entries}"
+        time.sleep(0.05)
+
+
 def _complete(router_url: str) -> int:
     body = json.dumps({"model": "sim-llama", "prompt": list(range(300, 364)), "max_tokens": 2}).encode()
     request = urllib.request.Request(
@@ -305,12 +324,13 @@ def test_a_whole_cluster_serves_under_permissions_and_a_forged_batch_leaves_the_
         cluster.start()
         cluster.wait_ready(timeout=60)
         url = cluster.router_urls[0]
+        probed = _probed_blocks(url, cluster.sim_urls)
         assert _complete(url) == 200
         deadline = time.monotonic() + 20
-        while _index_entries(url) < 4 and time.monotonic() < deadline:  # the prompt's 4 blocks, by KV events
+        while _index_entries(url) < probed + 4 and time.monotonic() < deadline:  # the prompt's 4 blocks, by KV events
             time.sleep(0.05)
         before = _index_entries(url)
-        assert before == 4
+        assert before == probed + 4
         assert cluster.secrets_dir is not None and cluster.nats is not None
         seed = cluster.secrets_dir / "worker-agg-0.nk"
         assert "permissions violation for publish" in asyncio.run(_forge(cluster.nats.urls[0], seed)).lower()

@@ -27,7 +27,7 @@ async def test_prefill_worker_killed_mid_request_falls_back_without_client_error
     d = await cluster.add_worker("decode")
     router = await cluster.add_ready_router(disagg="always", prefill_timeout_s=20.0)
     request = asyncio.create_task(complete(http, router, list(range(400)), max_tokens=5))
-    await until(lambda: p.sim.faults.requests_seen == 1, what="the prefill leg to reach the engine")
+    await until(lambda: p.sim.faults.requests_seen == p.shim.probe.sent + 1, what="the prefill leg to reach the engine")
     await p.sim.crash()  # the engine dies under the in-flight prefill
     status, body, headers = await request
     assert status == 200, body
@@ -64,8 +64,9 @@ async def test_a_failed_kv_pull_is_prefilled_on_the_decode_worker_without_client
     assert d.sim.engine.stats.failed_transfers + cluster.workers[2].sim.engine.stats.failed_transfers == 1
     served = d if d.sim.engine.stats.failed_transfers else cluster.workers[2]
     assert headers["x-kvswitch-decode-worker"] == served.id
-    assert served.sim.engine.prefill_tokens_computed == 400  # the prompt, prefilled where the pull failed
-    assert p.sim.faults.requests_seen == 1
+    # The prompt, prefilled where the pull failed (beside the shims' endpoint probes: conftest.add_worker).
+    assert served.sim.engine.prefill_tokens_computed == 400 + served.shim.probe.prompt_tokens
+    assert p.sim.faults.requests_seen == p.shim.probe.sent + 1
     assert router.disagg.counts[Outcome.FALLBACK_TRANSFER_FAILED] == 1
     assert router.dispatcher.retries == 0 and router.dispatcher.transfer_fallbacks == 1
     # The next request for that worker (its prompt is cached there now) takes no remote prefill:
@@ -73,7 +74,7 @@ async def test_a_failed_kv_pull_is_prefilled_on_the_decode_worker_without_client
     status, body, headers = await complete(http, router, [*range(400), 7], max_tokens=2)
     assert status == 200, body
     assert (headers["x-kvswitch-decode-worker"], body["kvswitch"]["outcome"]) == (served.id, "bypass_transfer_failing")
-    assert p.sim.faults.requests_seen == 1
+    assert p.sim.faults.requests_seen == p.shim.probe.sent + 1
     async with http.get(router.url + "/metrics") as r:
         assert f'kvswitch_router_worker_transfers_failing{{worker="{served.id}"}} 1.0' in await r.text()
 
@@ -121,7 +122,7 @@ async def test_a_prefill_worker_whose_kv_cannot_be_pulled_costs_the_fleet_that_w
         status, body, headers = await complete(http, router, list(range(2000 * (i + 1), 2000 * (i + 1) + 400)))
         assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (200, "remote", "remote_prefill")
         assert body["kvswitch"]["prefill_worker"] == good.id
-    assert bad.sim.faults.requests_seen == 1 and d.sim.engine.stats.external_kv_tokens == 3 * 400
+    assert bad.sim.faults.requests_seen == bad.shim.probe.sent + 1 and d.sim.engine.stats.external_kv_tokens == 3 * 400
 
 
 async def test_pulls_an_engine_recomputes_silently_close_the_remote_path_through_its_load_reports(
@@ -137,7 +138,8 @@ async def test_pulls_an_engine_recomputes_silently_close_the_remote_path_through
     await until(lambda: router.view.liveness(d.id) is not None, what="a load report of the decode worker")
     status, body, headers = await complete(http, router, list(range(400)), max_tokens=2)
     assert (status, headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == (200, "remote", "remote_prefill")
-    assert d.sim.engine.stats.failed_transfers == 1 and d.sim.engine.prefill_tokens_computed == 400
+    assert d.sim.engine.stats.failed_transfers == 1
+    assert d.sim.engine.prefill_tokens_computed == 400 + d.shim.probe.prompt_tokens  # and its endpoint probe
     await until(lambda: d.shim.transfers.total == 1, what="the shim reading the engine's count")
     # This replica sent d the pull from p: the pair closes (not every pair into d, router.transfer_health).
     await until(lambda: router.planner.disagg.transfers.failing(d.id, p.id), what="the load report reaching the router")
@@ -147,7 +149,7 @@ async def test_pulls_an_engine_recomputes_silently_close_the_remote_path_through
         "bypass",
         "bypass_transfer_failing",
     )
-    assert p.sim.faults.requests_seen == 1
+    assert p.sim.faults.requests_seen == p.shim.probe.sent + 1
     async with http.get(d.shim.http.url + "/metrics") as r:
         assert "kvswitch_shim_kv_transfers_failed_total 1.0" in await r.text()
 
@@ -177,7 +179,7 @@ async def test_under_recompute_one_broken_prefill_worker_costs_the_fleet_that_wo
         status, body, _ = await complete(http, router, list(range(2000 * (j + 1), 2000 * (j + 1) + 400)), max_tokens=2)
         outcomes.append((status, body["kvswitch"]["outcome"], body["kvswitch"].get("prefill_worker")))
     assert outcomes == [(200, "remote_prefill", good.id)] * 4
-    assert bad.sim.faults.requests_seen == 1 and d.sim.engine.stats.failed_transfers == 1
+    assert bad.sim.faults.requests_seen == bad.shim.probe.sent + 1 and d.sim.engine.stats.failed_transfers == 1
 
 
 async def test_decode_worker_gone_gets_no_new_requests_and_unstarted_ones_are_retried(
@@ -193,7 +195,7 @@ async def test_decode_worker_gone_gets_no_new_requests_and_unstarted_ones_are_re
     hashes = block_hashes(prompt, BLOCK)
     await until(lambda: router.index.find_matches(hashes).get(dead.id, 0) == len(hashes), what="kv events")
     pending = asyncio.create_task(complete(http, router, prompt, max_tokens=3))
-    await until(lambda: dead.sim.faults.requests_seen == 2, what="dispatch to the hung worker")
+    await until(lambda: dead.sim.faults.requests_seen == dead.shim.probe.sent + 2, what="dispatch to the hung worker")
     dead_id = dead.id
     await dead.shim.stop()  # revokes its lease: the key goes
     status, body, headers = await pending

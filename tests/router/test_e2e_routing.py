@@ -164,7 +164,7 @@ async def test_what_a_transfer_handle_cannot_serve_prefills_on_the_decode_worker
             direct = await r.json()
         for key in ("text", "logprobs", "prompt_logprobs"):
             assert [c[key] for c in routed["choices"]] == [c[key] for c in direct["choices"]], key
-    assert p.sim.engine.stats.prompt_tokens == 0, "no prefill leg"
+    assert p.sim.engine.stats.prompt_tokens == p.shim.probe.prompt_tokens, "no prefill leg (its endpoint probe only)"
     assert d.sim.engine.stats.external_kv_tokens == 0, "no transfer handle"
     status, body, headers = await complete(http, router, list(range(3000, 3300)))
     assert (status, headers["x-kvswitch-prefill"]) == (200, "remote"), "one sequence still goes remote"
@@ -232,7 +232,7 @@ async def test_with_spill_on_the_prefill_worker_serves_a_whole_request_while_the
     assert not first.done(), "the spilled request must not have waited for the first one"
     assert (headers["x-kvswitch-decode-worker"], headers["x-kvswitch-prefill"]) == (p.id, "agg")
     assert body["usage"]["completion_tokens"] == 32  # decoded there, not a one-token prefill leg
-    assert p.sim.engine.stats.generation_tokens == 32
+    assert p.sim.engine.stats.generation_tokens == 32 + p.shim.probe.output_tokens  # and its endpoint probe's
     assert router.disagg.counts[Outcome.SPILLED_TO_PREFILL] == 1
     status, body, _ = await first
     assert status == 200 and body["usage"]["completion_tokens"] == 400
@@ -354,7 +354,8 @@ async def test_an_adapters_prefill_leg_goes_only_to_a_prefill_worker_serving_it(
     body = {"model": "sql", "prompt": list(range(2000, 2300)), "max_tokens": 3}
     status, out, worker = await _post(http, router.url + "/v1/completions", body)
     assert (status, worker, out["kvswitch"]["outcome"]) == (200, d.id, "no_prefill_pool"), out
-    assert p.sim.engine.stats.prompt_tokens == 0 and d.sim.engine.stats.external_kv_tokens == 0
+    assert p.sim.engine.stats.prompt_tokens == p.shim.probe.prompt_tokens  # its endpoint probe only
+    assert d.sim.engine.stats.external_kv_tokens == 0
     async with http.post(p.sim.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/s"}) as r:
         assert r.status == 200
     await until(lambda: router.registry.get(p.id).adapters == ["sql"], what="the prefill worker's adapter")  # type: ignore[union-attr]
@@ -429,7 +430,7 @@ async def test_a_chat_echo_or_a_beam_search_prefills_on_the_decode_worker(
             routed = await r.json()
             assert r.status == 200, routed
             assert (r.headers["x-kvswitch-prefill"], routed["kvswitch"]["outcome"]) == ("bypass", outcome), body
-    assert p.sim.engine.stats.prompt_tokens == 0, "no prefill leg"
+    assert p.sim.engine.stats.prompt_tokens == p.shim.probe.prompt_tokens, "no prefill leg (its endpoint probe only)"
     assert d.sim.engine.stats.external_kv_tokens == 0, "no transfer handle"
     assert router.disagg.counts[Outcome.BYPASS_BEAM_SEARCH] == 2
     for path in ("/v1/completions", "/debug/route"):

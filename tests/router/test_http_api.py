@@ -617,7 +617,8 @@ async def test_tokenize_and_detokenize_are_a_workers_engines_own(cluster: Cluste
         direct = await post(http, prefill.sim.url + path, {"model": MODEL, **body})
         routed = await post(http, router.url + path, {"model": MODEL, **body})
         assert routed[:2] == direct[:2], (path, str(body)[:80])
-    assert [w.sim.engine.prefill_tokens_computed for w in cluster.workers] == [0, 0], "no generation"
+    probes = [w.shim.probe.prompt_tokens for w in cluster.workers]  # conftest.add_worker
+    assert [w.sim.engine.prefill_tokens_computed for w in cluster.workers] == probes, "no generation"
     served = [sum(w.shim.requests.outcomes.values()) for w in cluster.workers if w.shim.requests is not None]
     assert served == [len(cases), len(cases)], "each worker in turn"
     status, out, _ = await post(http, router.url + "/tokenize", {"model": "no-such-model", "prompt": "x"})

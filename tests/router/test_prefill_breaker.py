@@ -150,7 +150,7 @@ async def test_a_prefill_engine_without_a_kv_connector_is_left_out_and_a_healthy
             )
             outcomes.append((status, body["kvswitch"]["outcome"], body["kvswitch"].get("prefill_worker")))
     assert outcomes == [(200, "remote_prefill", good.id)] * 8
-    assert bad.sim.faults.requests_seen == 1 and good.sim.faults.requests_seen == 8
+    assert bad.requests_served == 1 and good.requests_served == 8
     failed = [r.getMessage() for r in caplog.records if "remote prefill failed" in r.getMessage()]
     episode = [r.getMessage() for r in caplog.records if r.name == "router.eligibility"]
     assert len(failed) == 1 and len(episode) == 1
@@ -191,7 +191,7 @@ async def test_a_hung_prefill_engine_costs_one_prefill_timeout_not_one_per_reque
         rows.append((status, body["kvswitch"]["outcome"]))
     assert rows[0] == (200, "fallback_prefill_failed")  # it still held the prefix: one timeout
     assert rows[1:] == [(200, "remote_prefill")] * 5  # none waited prefill_timeout_s
-    assert bad.sim.faults.requests_seen == 2 and good.sim.faults.requests_seen == 5
+    assert bad.requests_served == 2 and good.requests_served == 5
 
 
 async def assert_served_on_the_decode_worker_alone(
@@ -214,7 +214,7 @@ async def test_with_no_healthy_prefill_worker_requests_prefill_on_their_decode_w
     d = await cluster.add_worker("decode")
     router = await cluster.add_ready_router(disagg="always")
     await assert_served_on_the_decode_worker_alone(d, http, router, n=4)
-    assert bad.sim.faults.requests_seen == 1 and router.dispatcher.fallbacks == 1
+    assert bad.requests_served == 1 and router.dispatcher.fallbacks == 1
     reason = router.path.explain(MODEL, list(range(200)), text=False)["reason"]
     assert bad.id in reason and "failing its prefill legs" in reason
 
@@ -241,7 +241,7 @@ async def test_after_the_cooldown_one_request_probes_the_failing_prefill_worker_
     )
     outcomes = sorted(body["kvswitch"]["outcome"] for _, body, _ in answers)
     assert outcomes == ["fallback_prefill_failed"] + ["remote_prefill"] * 5  # the probe, and the rest
-    assert bad.sim.faults.requests_seen == 2 and good.sim.faults.requests_seen == 5
+    assert bad.requests_served == 2 and good.requests_served == 5
     excluded = {e["worker"]: e["excluded"] for e in router.path.explain(MODEL, SYSTEM, text=False)["excluded"]}
     assert excluded[bad.id] == "prefill_failing"  # the probe failed: another cooldown
 
@@ -268,7 +268,7 @@ async def test_a_hung_prefill_engine_whose_shim_fires_the_legs_deadline_first_is
     assert rows == [(200, "fallback_prefill_failed")] + [(200, "remote_prefill")] * 3
     excluded = {e["worker"]: e for e in router.path.explain(MODEL, SYSTEM, text=False)["excluded"]}
     assert excluded[bad.id]["excluded"] == "prefill_failing" and "prefill_timeout_s" in excluded[bad.id]["why"]
-    assert bad.sim.faults.requests_seen == 2 and good.sim.faults.requests_seen == 3
+    assert bad.requests_served == 2 and good.requests_served == 3
 
 
 async def poisoned_pair(cluster: Cluster) -> tuple[Worker, RouterService]:

@@ -79,9 +79,12 @@ def gen(rid: str, tokens: list[int], max_tokens: int = 8, **kw: Any) -> Generate
 async def agg_shim(
     sim: SimServer, ns: str, nats_url: str, etcd_url: str
 ) -> AsyncIterator[tuple[WorkerShim, Collector]]:
-    """A registered agg shim beside `sim` and a Collector on its own NATS connection; both closed on exit."""
+    """A registered agg shim beside `sim`, its endpoint probe settled (its one request on the engine
+    served, so a test reads the engine's counters from after it), and a Collector on its own NATS
+    connection; both closed on exit."""
     async with shim_for(sim, ns, nats_url, etcd_url) as shim:
         await shim.registered.wait()
+        await wait_for(lambda: shim.probe.settled, what="the endpoint probe settled")
         assert shim.worker_id is not None
         nc = await connect(nats_url)
         try:
