@@ -5,22 +5,33 @@ request's planning, none of which logs it. So a whole fleet going silent (its lo
 or reporting `events_ok` false took a model from 1,000 routable workers to none, and /ready to 503,
 with no line at INFO or above, and its recovery too (log-volume audit, 2026-12-06). RouterService
 hands `FleetNews.check` the statuses of the workers /ready counts every CHECK_S (O(workers), not per
-request):
+request), with the longest report period among them:
 
 - A model with decode or agg workers registered of which none takes requests (none routable, none
   excluded softly: /ready's rule) is a WARNING naming the model and counting its workers by reason
   (the first NAMED_AT_MOST named with theirs, as /ready does: `name_few`), once per episode; an
-  INFO when one takes requests again, or when its last decode or agg worker has left. A model of
-  prefill workers only is /ready's warning, not this.
+  INFO when one takes requests again. A model of prefill workers only is /ready's warning, not this.
+- A model that had decode or agg workers and has none registered any more (they left: scaled away,
+  or crashed shims whose leases expired, often after going silent) is /ready's 503 too: it opens
+  that episode with a WARNING saying so, or keeps the one already said, and its INFO comes only
+  when one of its workers takes requests again. Such a model is followed until then, or until more
+  than DEPARTED_AT_MOST models are (a model name may never come back): the one that left longest
+  ago is then forgotten with an INFO saying so, and a worker of it that registers later starts
+  afresh.
 - Startup: while every decode or agg worker of such a model is `bootstrapping` (a fresh router, a
   model's first workers, each fetching its shim's KV state), the WARNING waits until the model has
   had none for BOOTSTRAP_GRACE_S: a fleet of 1,000 was routable 2.6-8.7 s after registering (scale
   audit of 2026-12-06), and an operator starting a router learns within 30 s that nothing became
   routable. Any other reason is said at the first check that finds it.
-- More than half of a model's decode or agg workers routable at the last check and excluded for
-  one same reason at this one (a fleet-wide cause: NATS, the network, a setting pushed everywhere)
-  is a WARNING too, once per episode, which ends (an INFO) when no more than half are left out for
-  that reason. A model that no longer has any worker taking requests says so instead.
+- More than half of a model's decode or agg workers excluded for one same reason that were
+  routable at a check within the window (the longer of SILENT_PERIODS times the longest report
+  period and WINDOW_CHECKS checks) is a WARNING too: a fleet-wide cause (NATS, the network, a
+  setting pushed everywhere), once per episode, which ends (an INFO) when no more than half are left
+  out for that reason. A window, not the last check: a cut reaches the workers over one report
+  period (each goes `silent` when its own last report ages past SILENT_PERIODS periods, and reports
+  are spread across the period), so between two checks half or fewer went out, and 90% of a fleet
+  of 2 s reporters cut at once was never said (review of 2026-12-06). A model that no longer has
+  any worker taking requests says so instead.
 """
 
 from __future__ import annotations
@@ -30,24 +41,27 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from router.eligibility import Exclusion, WorkerStatus, name_few
+from router.eligibility import DEFAULT_PERIOD_S, SILENT_PERIODS, Exclusion, WorkerStatus, name_few
 
-__all__ = ["BOOTSTRAP_GRACE_S", "CHECK_S", "FleetNews"]
+__all__ = ["BOOTSTRAP_GRACE_S", "CHECK_S", "DEPARTED_AT_MOST", "WINDOW_CHECKS", "FleetNews"]
 
 log = logging.getLogger(__name__)
 
 CHECK_S = 1.0  # how often RouterService checks
 BOOTSTRAP_GRACE_S = 30.0  # a model's workers all bootstrapping: how long before that is said
+WINDOW_CHECKS = 3  # the fleet-wide window is at least this many checks
+DEPARTED_AT_MOST = 64  # models with no decode or agg worker left that are followed until one returns
 
 
 @dataclass(slots=True)
 class _Model:
-    """What the last check saw of one model's decode and agg workers."""
+    """What the checks saw of one model's decode and agg workers."""
 
-    routable: set[str] = field(default_factory=set)
+    routable_at: dict[str, float] = field(default_factory=dict)  # worker -> the last check it was routable at
     down_since: float | None = None  # when it was first found with none taking requests
     said_down: bool = False
     fleet_wide: set[Exclusion] = field(default_factory=set)  # reasons said to hold more than half
+    left_at: float | None = None  # when its last decode or agg worker left
 
 
 class FleetNews:
@@ -55,31 +69,58 @@ class FleetNews:
 
     def __init__(self) -> None:
         self._models: dict[str, _Model] = {}
-        self._last: float | None = None  # when the last check ran
 
-    def check(self, statuses: Iterable[WorkerStatus], now: float) -> None:
+    def check(self, statuses: Iterable[WorkerStatus], now: float, period_s: float = DEFAULT_PERIOD_S) -> None:
         """Say what began or ended since the last check, of the models in `statuses` (the workers
-        /ready counts, as `Eligibility.statuses` reads them at monotonic `now`)."""
+        /ready counts, as `Eligibility.statuses` reads them at monotonic `now`). `period_s`: the
+        longest report period among them."""
         pools: dict[str, list[WorkerStatus]] = {}
+        prefill: Counter[str] = Counter()
         for st in statuses:
-            if st.role != "prefill":
+            if st.role == "prefill":
+                prefill[st.model] += 1
+            else:
                 pools.setdefault(st.model, []).append(st)
         for model in sorted(self._models.keys() - pools.keys()):
-            if (gone := self._models.pop(model)).said_down:
-                log.info(
-                    "model %s has no decode or agg worker registered any more (none took requests for %.0f s)",
-                    model,
-                    now - (gone.down_since or now),
-                )
-        since, self._last = now - (self._last if self._last is not None else now), now
+            self._left(model, self._models[model], prefill[model], now)
+        departed = sorted((m.left_at, name) for name, m in self._models.items() if m.left_at is not None)
+        for left_at, model in departed[: max(0, len(departed) - DEPARTED_AT_MOST)]:
+            del self._models[model]
+            log.info(
+                "model %s has had no decode or agg worker for %.0f s; no longer followed (%d models without one "
+                "are), so a worker of it that registers later starts afresh",
+                model,
+                now - left_at,
+                DEPARTED_AT_MOST,
+            )
+        window = max(SILENT_PERIODS * period_s, WINDOW_CHECKS * CHECK_S)
         for model, pool in sorted(pools.items()):
-            self._check(model, pool, self._models.setdefault(model, _Model()), now, since)
+            self._check(model, pool, self._models.setdefault(model, _Model()), now, window)
 
-    def _check(self, model: str, pool: list[WorkerStatus], seen: _Model, now: float, since: float) -> None:
-        routable = {st.worker for st in pool if st.routable}
+    def _left(self, model: str, seen: _Model, prefill: int, now: float) -> None:
+        if seen.left_at is not None:
+            return
+        seen.left_at, seen.routable_at = now, {}
+        if seen.down_since is None:
+            seen.down_since = now
+        if seen.said_down:
+            return  # the episode said goes on: /ready's 503 now says they left
+        seen.said_down = True
+        log.warning(
+            "model %s: no decode or agg worker registered any more (%s), so every request for it is refused (503) "
+            "until one registers and can take requests (logged once until one can)",
+            model,
+            f"{prefill} prefill workers remain" if prefill else "nor any prefill worker",
+        )
+
+    def _check(self, model: str, pool: list[WorkerStatus], seen: _Model, now: float, window: float) -> None:
+        seen.left_at = None
+        last = seen.routable_at
+        recent = {st.worker: at for st in pool if (at := last.get(st.worker)) is not None and now - at <= window}
+        seen.routable_at = recent | {st.worker: now for st in pool if st.routable}
         out = [st for st in pool if st.exclusion is not None]
         by_reason = Counter(st.exclusion for st in out if st.exclusion is not None)
-        taking = len(routable) + sum(st.soft for st in out)  # a soft one takes requests while none is routable
+        taking = len(pool) - len(out) + sum(st.soft for st in out)  # a soft one takes requests while none is routable
         if not taking:
             if seen.down_since is None:
                 seen.down_since = now
@@ -97,7 +138,6 @@ class FleetNews:
                     ", ".join(f"{st.worker} ({st.exclusion})" for st in named),
                     f" and {more.total()} more" if more else "",
                 )
-            seen.routable = routable
             return  # which reasons hold more than half is said above
         if seen.down_since is not None:
             if seen.said_down:
@@ -112,17 +152,19 @@ class FleetNews:
         for reason in sorted(seen.fleet_wide - {r for r, n in by_reason.items() if 2 * n > len(pool)}):
             seen.fleet_wide.discard(reason)
             log.info("model %s: no more than half of its decode or agg workers are left out as %s now", model, reason)
-        went = Counter(st.exclusion for st in out if st.worker in seen.routable and st.exclusion is not None)
-        for reason, n in sorted(went.items()):
-            if 2 * n > len(pool) and reason not in seen.fleet_wide:
+        went: dict[Exclusion, list[float]] = {}
+        for st in out:
+            if st.exclusion is not None and (at := recent.get(st.worker)) is not None:
+                went.setdefault(st.exclusion, []).append(at)
+        for reason, ats in sorted(went.items()):
+            if 2 * len(ats) > len(pool) and reason not in seen.fleet_wide:
                 seen.fleet_wide.add(reason)
                 log.warning(
                     "model %s: %d of its %d decode or agg workers went from routable to %s within %.1f s, a cause "
                     "common to the fleet (NATS, the network, a setting pushed to every worker), not each "
                     "worker's; %d take requests (logged once until no more than half are %s)",
-                    model, n, len(pool), reason, since, taking, reason,
+                    model, len(ats), len(pool), reason, now - min(ats), taking, reason,
                 )  # fmt: skip
-        seen.routable = routable
 
 
 def _counts(by_reason: Counter[Exclusion]) -> str:

@@ -30,7 +30,8 @@ within the per-chunk timeout, would hold the repair and grow memory without end)
 consecutive failure of a worker is logged as an ERROR naming it, and then at most every
 `error_every_s` while it keeps failing; success after an ERROR is logged too. Each of these lines
 names at most NAMED_AT_MOST workers per window, the rest counted in one summary
-(router.fleet_lines); when more than half of the workers being repaired fail alike, the summary
+(router.fleet_lines); when more than half of the workers being repaired fail alike (of one kind:
+timed out, no responders, a malformed reply, a NATS error, whatever each one's wait), the summary
 says the cause is likely shared (NATS permissions on the kvstate subject, or the shims not
 answering) rather than any one worker's. Meanwhile only that
 worker is out of routing (router.eligibility), never the fleet.
@@ -77,10 +78,13 @@ LIMIT_HINT = (
 
 
 class FetchFailure(Exception):
-    """A kvstate request that got no complete, valid answer. `malformed`: the reply did not decode;
-    `timed_out`: it did not come whole in time."""
+    """A kvstate request that got no complete, valid answer. `kind`: what failed, without what
+    varies by worker (a timeout's wait grows with the blocks its shim holds), for judging whether
+    workers fail alike. `malformed`: the reply did not decode; `timed_out`: it did not come whole
+    in time."""
 
-    def __init__(self, why: str, *, malformed: bool = False, timed_out: bool = False) -> None:
+    def __init__(self, why: str, *, kind: str, malformed: bool = False, timed_out: bool = False) -> None:
+        self.kind = kind
         self.malformed = malformed
         self.timed_out = timed_out
         super().__init__(why)
@@ -103,6 +107,7 @@ class _Loop:
     failures: int = 0
     last_error_log: float = field(default=-1e18)
     last_failure: str = ""  # of the failures in a row, the last one's why
+    last_kind: str = ""  # and its FetchFailure.kind
 
 
 class GapRepair:
@@ -210,7 +215,7 @@ class GapRepair:
 
     def _log_failure(self, worker: str, loop: _Loop, failure: FetchFailure) -> None:
         now = self._clock()
-        loop.last_failure = str(failure)
+        loop.last_failure, loop.last_kind = str(failure), failure.kind
         if loop.failures >= ERROR_AFTER and now - loop.last_error_log >= self.error_every_s:
             loop.last_error_log = now
             self._error_lines.say(
@@ -227,19 +232,22 @@ class GapRepair:
 
     def _shared(self, cause: str) -> Callable[[int], str]:
         """A summary's cause, judged when it is said: when more than half of the workers being
-        repaired fail alike, the cause is likely one for all of them, not each worker's shim."""
+        repaired fail alike, the cause is likely one for all of them, not each worker's shim. Alike:
+        of one kind (FetchFailure.kind), not one text: a fleet of hung shims of several sizes times
+        out after several waits."""
 
         def judged(held: int) -> str:
-            alike = Counter(loop.last_failure for loop in self._loops.values() if loop.failures)
+            alike = Counter(loop.last_kind for loop in self._loops.values() if loop.failures)
             if not alike:
                 return cause
-            why, failing = alike.most_common(1)[0]
+            kind, failing = alike.most_common(1)[0]
             if failing * 2 <= len(self._loops):
                 return cause
+            why = next(loop.last_failure for loop in self._loops.values() if loop.failures and loop.last_kind == kind)
             return (
-                f"{cause}; {failing} of the {len(self._loops)} workers being repaired fail alike ({why}): the cause "
-                f"is likely shared, not any one worker's: NATS permissions on {subjects.kvstate_all(self._ns)}, "
-                "or the workers' shims not answering"
+                f"{cause}; {failing} of the {len(self._loops)} workers being repaired fail alike ({kind}, e.g. "
+                f"{why}): the cause is likely shared, not any one worker's: NATS permissions on "
+                f"{subjects.kvstate_all(self._ns)}, or the workers' shims not answering"
             )
 
         return judged
@@ -273,10 +281,13 @@ class GapRepair:
                 wait = self.request_timeout_s + (0.0 if chunks else slack)
                 msg = await sub.next_msg(timeout=min(wait, left))
                 if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
-                    raise FetchFailure("nobody answers (the shim may be starting)")
+                    raise FetchFailure("nobody answers (the shim may be starting)", kind="no responders")
                 budget.take_bytes(len(msg.data))
                 if self.reply_bytes > held and self.reply_bytes + len(msg.data) > self.replies_bytes_limit:
-                    raise FetchFailure(f"the replies in flight hold {self.reply_bytes} bytes already; later")
+                    raise FetchFailure(
+                        f"the replies in flight hold {self.reply_bytes} bytes already; later",
+                        kind="this router's replies in flight at their byte limit",
+                    )
                 self.reply_bytes += len(msg.data)
                 held += len(msg.data)
                 chunk = decode_msg(msg.data, KvStateChunk)
@@ -289,11 +300,11 @@ class GapRepair:
             if chunks and self._clock() >= deadline:  # chunks that never end; no chunk at all is a timeout
                 raise _endless(deadline - start) from None
             seen = f"{len(chunks)} chunks, then none" if chunks else "no reply"
-            raise FetchFailure(f"{seen} within {wait:.1f}s", timed_out=True) from None
+            raise FetchFailure(f"{seen} within {wait:.1f}s", kind="timed out", timed_out=True) from None
         except ProtocolError as exc:
-            raise FetchFailure(f"bad reply: {exc}", malformed=True) from None
+            raise FetchFailure(f"bad reply: {exc}", kind="malformed reply", malformed=True) from None
         except nats.errors.Error as exc:  # reconnecting, draining: try again later
-            raise FetchFailure(f"NATS error: {exc}") from None
+            raise FetchFailure(f"NATS error: {exc}", kind="NATS error") from None
         finally:
             self.reply_bytes -= held
             if sub is not None:
@@ -302,7 +313,7 @@ class GapRepair:
 
 
 def _endless(seconds: float) -> FetchFailure:
-    return FetchFailure(f"bad reply: no final chunk within {seconds:g}s", malformed=True)
+    return FetchFailure(f"bad reply: no final chunk within {seconds:g}s", kind="malformed reply", malformed=True)
 
 
 def _check_chunk(worker: str, chunk: KvStateChunk, index: int, epoch: int) -> None:

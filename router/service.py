@@ -55,7 +55,7 @@ from router.calibration import Calibration, unusable_profiles
 from router.clock_skew import ClockSkew, Skew, SkewNews, Verdict
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
-from router.eligibility import Eligibility, Exclusion, WorkerStatus, few_ids, name_few
+from router.eligibility import DEFAULT_PERIOD_S, Eligibility, Exclusion, WorkerStatus, few_ids, name_few
 from router.fleet_lines import FleetLines, flush_all
 from router.fleet_news import CHECK_S, FleetNews
 from router.http_api import Drain, HttpLimits, make_app
@@ -789,7 +789,10 @@ class RouterService:
         while True:
             await asyncio.sleep(CHECK_S)
             if self.status is RouterStatus.RUNNING and self._registry_ready:
-                self.fleet_news.check(self.eligibility.statuses(self._counted()[1]), time.monotonic())
+                counted = self._counted()[1]
+                lives = [live for info in counted if (live := self.view.liveness(info.worker)) is not None]
+                longest = max((live.period_s for live in lives), default=DEFAULT_PERIOD_S)
+                self.fleet_news.check(self.eligibility.statuses(counted), time.monotonic(), longest)
 
     async def _await_registry(self) -> None:
         while not await self.registry.wait_ready(3600.0):

@@ -147,6 +147,35 @@ async def test_a_fleet_whose_kvstate_goes_unanswered_is_capped_and_called_shared
     assert len({m.split()[3] for m in retried}) <= NAMED_AT_MOST
 
 
+async def test_a_fleet_of_hung_shims_of_several_sizes_fails_alike(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every shim hears its kvstate request and never answers; half hold 2 M blocks, so each waits
+    longer (0.2 s, then 0.4 s). The verdict grouped failures by their text and said nothing shared."""
+    caplog.set_level(logging.ERROR, logger="router.gap_repair")
+
+    async def hung(msg: object) -> None:
+        pass
+
+    await nc.subscribe(f"{ns}.kvstate.*", cb=hung)
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.1)
+    await ingest.start()
+    try:
+        for i, worker in enumerate(WORKERS):
+            blocks = 2_000_000 if i % 2 else 0
+            ingest.add_worker(worker, 1, blocks)
+            ingest.check_digest(LoadReport(worker=worker, ts=0.0, kv_blocks=blocks, kv_total_blocks=blocks))
+        await until(lambda: all(ingest.repairs.failures(w) >= 4 for w in WORKERS), what="every worker's ERROR")
+        texts = {loop.last_failure for loop in ingest.repairs._loops.values()}
+        assert texts == {"no reply within 0.2s", "no reply within 0.4s"}
+        ingest.repairs._error_lines.flush()
+    finally:
+        await ingest.stop()
+    _, summary = _lines(caplog, "router.gap_repair", logging.ERROR, "cannot be repaired")
+    assert len(summary) == 1 and f"{FLEET} of the {FLEET} workers being repaired fail alike (timed out" in summary[0]
+    assert "likely shared" in summary[0], summary
+
+
 async def test_one_worker_whose_kvstate_goes_unanswered_is_named_as_before(
     nc: Client, ns: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from router.eligibility import Exclusion, WorkerStatus
-from router.fleet_news import BOOTSTRAP_GRACE_S, FleetNews
+from router.fleet_news import BOOTSTRAP_GRACE_S, CHECK_S, DEPARTED_AT_MOST, WINDOW_CHECKS, FleetNews
 from tests.router.conftest import Cluster
 from tests.router.polling import until
 
@@ -91,12 +91,90 @@ def test_more_than_half_of_a_fleet_out_for_one_reason_at_once_is_a_fleet_wide_wa
     assert [level for level, _ in lines(caplog)] == ["INFO"]
 
 
-def test_a_model_whose_workers_left_while_out_says_so() -> None:
+def test_a_cut_that_reaches_the_fleet_over_two_checks_is_a_fleet_wide_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A cut reaches the workers over one report period: each goes silent when its own last report
+    # ages past SILENT_PERIODS periods. Judged between two checks, 9 of 20 then 9 more were each
+    # half or fewer, and nothing was said while 2 of 20 served (review of 2026-12-06).
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    news = FleetNews()
+    news.check(every(20, None), 0.0)
+    news.check(every(20, Exclusion.SILENT, first=9), 1.0)
+    assert lines(caplog) == []
+    news.check(every(20, Exclusion.SILENT, first=18), 2.0)
+    ((level, text),) = lines(caplog)
+    assert level == "WARNING" and "18 of its 20 decode or agg workers went from routable to silent within 2.0 s" in text
+    assert "2 take requests" in text, text
+    news.check(every(20, Exclusion.SILENT, first=18), 3.0)  # the same episode
+    assert lines(caplog) == []
+
+
+def test_the_fleet_wide_window_is_as_long_as_the_longest_report_period_takes_to_go_silent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    slow = FleetNews()  # shims reporting every 2 s go silent over 2 s, said within SILENT_PERIODS of them
+    slow.check(every(20, None), 0.0, period_s=2.0)
+    slow.check(every(20, Exclusion.SILENT, first=9), 1.0, period_s=2.0)
+    slow.check(every(20, Exclusion.SILENT, first=18), 6.0, period_s=2.0)
+    assert [level for level, _ in lines(caplog)] == ["WARNING"]
+    # Workers going out one by one, slower than the window, are each worker's own cause.
+    churn = FleetNews()
+    churn.check(every(20, None), 0.0)
+    churn.check(every(20, Exclusion.SILENT, first=9), 1.0)
+    churn.check(every(20, Exclusion.SILENT, first=18), 1.0 + WINDOW_CHECKS * CHECK_S + 1)
+    assert lines(caplog) == []
+
+
+def test_a_model_whose_workers_left_while_out_keeps_its_episode_until_one_takes_requests(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
     news = FleetNews()
     news.check(every(2, Exclusion.SILENT), 0.0)
-    news.check([], 1.0)
-    news.check(every(2, Exclusion.SILENT), 2.0)  # new workers: a new episode, said again
-    assert news._models["m"].said_down
+    assert [level for level, _ in lines(caplog)] == ["WARNING"]
+    news.check([], 1.0)  # their leases expired: /ready is still 503, nothing recovered
+    assert lines(caplog) == []
+    news.check(every(2, Exclusion.BOOTSTRAPPING), 2.0)  # new workers, not yet taking requests
+    assert lines(caplog) == []
+    news.check(every(2, Exclusion.BOOTSTRAPPING, first=1), 4.0)
+    ((level, text),) = lines(caplog)
+    assert (
+        level == "INFO" and "model m: 1 of its 2 decode or agg workers take requests again (none did for 4 s)" in text
+    ), text
+
+
+def test_a_model_whose_workers_all_left_is_a_warning_and_its_return_an_info(caplog: pytest.LogCaptureFixture) -> None:
+    # Before, the model was dropped without a line while /ready said 503 for it.
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    news = FleetNews()
+    news.check(every(3, None), 0.0)
+    news.check([WorkerStatus("p", "m", "prefill", None, "", True)], 1.0)
+    ((level, text),) = lines(caplog)
+    assert level == "WARNING" and "model m: no decode or agg worker registered any more (1 prefill workers" in text
+    for t in range(2, 5):  # once per episode
+        news.check([], float(t))
+    assert lines(caplog) == []
+    news.check(every(3, None), 5.0)
+    ((level, text),) = lines(caplog)
+    assert level == "INFO", text
+    assert "model m: 3 of its 3 decode or agg workers take requests again (none did for 4 s)" in text
+
+
+def test_models_gone_for_good_are_forgotten_past_a_cap(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    news = FleetNews()
+    models = [f"m{i:03d}" for i in range(DEPARTED_AT_MOST + 2)]
+    for t, model in enumerate(models):  # a model renamed again and again: each name never comes back
+        news.check([WorkerStatus("w", model, "agg", None, "", True)], float(t))
+    news.check([], float(len(models)))
+    said = lines(caplog)
+    assert [level for level, _ in said].count("WARNING") == len(models)
+    forgot = [text for level, text in said if level == "INFO"]
+    assert len(forgot) == 2, forgot
+    assert forgot[0].startswith(f"model m000 has had no decode or agg worker for {DEPARTED_AT_MOST} s"), forgot
+    assert len(news._models) == DEPARTED_AT_MOST
 
 
 async def test_workers_that_stop_reporting_are_one_warning_naming_the_model_then_one_info(

@@ -291,6 +291,27 @@ def test_a_rolling_change_of_the_fleet_says_each_conflict_once_not_per_worker(
     assert len(errors) == 1 and "`m`" in errors[0], errors
 
 
+def test_a_third_length_joining_a_context_conflict_is_said_though_the_served_one_stays(
+    disc: Discovery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A context conflict's substance is the lengths at odds and the one served: a worker at a
+    # third length is left out too, and the line said before did not name it.
+    caplog.set_level(logging.WARNING, logger="router.worker_registry")
+    reg = WorkerRegistry(disc, lambda _: None, lambda _: None)
+    ids = [f"w{i:02d}" for i in range(6)]
+    reg.apply(Snapshot(items={w: info(w, max_model_len=2048 if w == "w00" else 4096) for w in ids}, revision=1))
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "served with 4096" in errors[0], errors
+    caplog.clear()
+    reg.apply(Put("w01", info("w01", max_model_len=8192), 2))
+    assert reg.context_conflicts == {"m": {2048: ["w00"], 4096: ids[2:], 8192: ["w01"]}}
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "served with 4096" in errors[0] and "8192 on w01" in errors[0], errors
+    caplog.clear()
+    reg.apply(Put("w02", info("w02", max_model_len=8192), 3))  # another worker at a length said: no news
+    assert [r for r in caplog.records if r.levelname == "ERROR"] == []
+
+
 def test_a_block_size_conflict_names_eight_workers_per_size_and_counts_the_rest(
     disc: Discovery, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -421,7 +442,7 @@ def random_event(rng: random.Random, revision: int) -> WatchEvent[WorkerInfo]:
             w if rng.random() > 0.03 else "w9",  # now and then a record naming another worker: refused
             model=rng.choice(["llama", "qwen", "mist"]),
             block_size=rng.choice([16, 16, 16, 32]),
-            max_model_len=rng.choice([None, 4096, 4096, 8192]),
+            max_model_len=rng.choice([None, 4096, 4096, 8192, 2048]),  # three lengths: a conflict of several
             aliases=rng.sample(["llama", "qwen", "chat", "code"], rng.choice([0, 0, 1, 2])),
             adapters=rng.sample(["llama", "chat", "sql"], rng.choice([0, 0, 1, 2])),
         )
