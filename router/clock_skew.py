@@ -191,8 +191,9 @@ class SkewNews:
             # no clock was seen to agree with this router's, so its verdict stands, over who is still off alike
             close = sorted(w for w, o in offsets.items() if abs(o - was.offset_s) <= tolerance_s * AGREE_FRACTION)
             fleet, changed = Fleet(was.offset_s, close, known), False
-            if known < self._registered():  # offsets still to learn (a new fleet's first reports): judge again
-                self._due = now + self._hold()
+            # judged again a settle later, and so on while it stands: offsets still to learn (a new
+            # fleet's first reports), or workers joining with clocks that agree, which no change brings
+            self._due = now + self._hold()
         else:
             changed = _moved(self._fleet, fleet, tolerance_s)
         self._fleet = fleet

@@ -107,8 +107,9 @@ class FleetNews:
             return  # the episode said goes on: /ready's 503 now says they left
         seen.said_down = True
         log.warning(
-            "model %s: no decode or agg worker registered any more (%s), so every request for it is refused (503) "
-            "until one registers and can take requests (logged once until one can)",
+            "model %s: no decode or agg worker registered any more (%s), so every request for it is refused "
+            "(a 503; without --model, a 404 once no request has named it for 10 min) until one registers and can "
+            "take requests (logged once until one can)",
             model,
             f"{prefill} prefill workers remain" if prefill else "nor any prefill worker",
         )

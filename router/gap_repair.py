@@ -77,6 +77,9 @@ LIMIT_HINT = (
 )
 
 
+_AT_BYTE_LIMIT = "this router's replies in flight at their byte limit"  # a FetchFailure kind
+
+
 class FetchFailure(Exception):
     """A kvstate request that got no complete, valid answer. `kind`: what failed, without what
     varies by worker (a timeout's wait grows with the blocks its shim holds), for judging whether
@@ -246,11 +249,24 @@ class GapRepair:
             why = next(loop.last_failure for loop in self._loops.values() if loop.failures and loop.last_kind == kind)
             return (
                 f"{cause}; {failing} of the {len(self._loops)} workers being repaired fail alike ({kind}, e.g. "
-                f"{why}): the cause is likely shared, not any one worker's: NATS permissions on "
-                f"{subjects.kvstate_all(self._ns)}, or the workers' shims not answering"
+                f"{why}): the cause is likely shared, not any one worker's: {self._shared_cause(kind)}"
             )
 
         return judged
+
+    def _shared_cause(self, kind: str) -> str:
+        """What a fleet failing alike by `kind` most likely shares: only a reply that never comes
+        points at NATS or the shims; a byte limit is this router's own, a malformed reply a build's."""
+        if kind == _AT_BYTE_LIMIT:
+            return (
+                "this router repairing more workers at once than its replies in flight may hold; each is "
+                "retried as they drain"
+            )
+        if kind == "malformed reply":
+            return "the shims answer in a form this router cannot read (another kvswitch build? docs/deployment.md)"
+        if kind == "NATS error":
+            return "this router's NATS connection (its log says how)"
+        return f"NATS permissions on {subjects.kvstate_all(self._ns)}, or the workers' shims not answering"
 
     async def fetch(self, worker: str, request: KvStateRequest) -> list[KvStateChunk]:
         """Every chunk of one kvstate reply, in order; FetchFailure otherwise."""
@@ -286,7 +302,7 @@ class GapRepair:
                 if self.reply_bytes > held and self.reply_bytes + len(msg.data) > self.replies_bytes_limit:
                     raise FetchFailure(
                         f"the replies in flight hold {self.reply_bytes} bytes already; later",
-                        kind="this router's replies in flight at their byte limit",
+                        kind=_AT_BYTE_LIMIT,
                     )
                 self.reply_bytes += len(msg.data)
                 held += len(msg.data)

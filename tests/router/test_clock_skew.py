@@ -292,6 +292,24 @@ def test_a_fleet_off_that_shrinks_below_a_fleet_stands_and_names_no_worker() -> 
     assert len(fixed) == 1 and fixed[0].fleet is None and fixed[0].off == []
 
 
+def test_a_fleet_off_that_shrank_ends_when_agreeing_clocks_join() -> None:
+    """3 workers 5 s ahead, one scaled away (the verdict stands over the two), then 20 workers whose
+    clocks agree join: they change no state, so no judgement came, and the verdict stood for good
+    where a fresh router names the two (review of d2d9193)."""
+    registered = [3]
+    news = SkewNews(ClockSkew(1.0), lambda: registered[0])
+    off = _fleet(3, 5.0)
+    assert [v.fleet_changed for v in _reports(news, off, 100.0, 10)] == [True]
+    registered[0] = 2
+    news.clocks.remove("w02")
+    news.remove("w02", 106.0)
+    del off["w02"]
+    _reports(news, off, 106.0, 4)
+    registered[0] = 22
+    said = [v for v in _reports(news, {**off, **{f"g{i:02}": 0.0 for i in range(20)}}, 110.0, 10) if v.fleet_changed]
+    assert len(said) == 1 and said[0].fleet is None and [s.worker for s in said[0].off] == ["w00", "w01"]
+
+
 def test_a_fleet_off_replaced_before_any_new_offset_is_known_is_no_news() -> None:
     """40 workers 5 s behind, every key deleted, 40 new ones report, as off: the first new report
     found no offset known yet. Before, that judgement said this router's clock agreed again, and

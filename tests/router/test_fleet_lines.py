@@ -17,6 +17,7 @@ from protocol.messages import LoadReport
 from router.block_index import BlockIndex
 from router.eligibility import NAMED_AT_MOST
 from router.fleet_lines import FleetLines, flush_all
+from router.gap_repair import GapRepair
 from router.kv_ingest import KvIngest
 from router.tokenization import FingerprintWatch
 from router.worker_versions import WorkerVersions
@@ -24,6 +25,7 @@ from tests.router.polling import until
 from tests.router.test_kv_ingest import FakeShim
 
 FLEET = 20
+BYTE_LIMIT = "this router's replies in flight at their byte limit"  # gap_repair's FetchFailure kind
 WORKERS = [f"w{i:04d}" for i in range(FLEET)]
 
 
@@ -266,3 +268,14 @@ def test_one_worker_of_another_build_is_named_as_before(caplog: pytest.LogCaptur
         "behind; docs/deployment.md, Upgrades",
         "worker w0000 runs kvswitch 1.0.0, as this router does, again",
     ]
+
+
+def test_a_fleet_failing_alike_is_pointed_at_what_that_kind_of_failure_shares() -> None:
+    # Only a reply that never comes points at NATS permissions or the shims: this router's own
+    # byte limit and an unreadable reply (another build) did too (review of the 2026-12-06 work).
+    repair = GapRepair(None, "ns", None)  # type: ignore[arg-type]  # never fetches here
+    for kind in ("timed out", "no responders"):
+        assert "NATS permissions on ns.kvstate.*" in repair._shared_cause(kind)
+    assert "this router repairing more workers at once" in repair._shared_cause(BYTE_LIMIT)
+    assert "another kvswitch build" in repair._shared_cause("malformed reply")
+    assert "NATS permissions" not in repair._shared_cause(BYTE_LIMIT) + repair._shared_cause("malformed reply")
