@@ -43,6 +43,7 @@ class _ShimCollector(Collector):
         yield from self._publishing()
         yield from self._requests()
         yield from self._credit()
+        yield from self._probe()
 
     def _identity(self) -> Iterator[Metric]:
         s, c = self.shim, self.shim.config
@@ -184,6 +185,8 @@ class _ShimCollector(Collector):
         yield _gauge(
             "prefix_credit_short", "1 while the engine reuses far less than its KV events promise", float(c.short)
         )
+
+    def _probe(self) -> Iterator[Metric]:
         probe = self.shim.probe
         yield _counter(
             "endpoint_probes",
