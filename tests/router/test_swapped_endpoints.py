@@ -1,5 +1,5 @@
 """Two shims given each other's `--kv-events` / `--kv-replay` (a copy-paste slip) each read a live
-stream of Stored events: until 2026-12-07 nothing fired, each published the other engine's cache
+stream of Stored events: until 2026-12-06 nothing fired, each published the other engine's cache
 as its own worker's, and /ready said nothing. The endpoint probe (worker_shim.endpoint_probe) has
 each shim's own engine serve a random prompt and looks for its block on the stream it reads.
 Real sims, shims, router, NATS and etcd; the sims' traffic is sent to them directly, past the
