@@ -39,8 +39,8 @@ cleared and nothing of the foreign engine is published. A probe's block is an or
 block of the engine: published like any other. The probe is no leg of the request service, so the
 credit check, the load the shim reports and the engine's reuse counter (the block is new: no hit)
 do not count it, nor does the event health's count of Stored events (`owns`). At most one probe is
-sent per `timeout_s`, and a probe request is never aborted by its confirmation or a reset (only by
-the session's end): each one sent (`sent`) is one whole request on the engine, one block + 1
+sent per `timeout_s`, and a probe request is never aborted by its confirmation, a reset or a
+timeout (only by the session's end): each one sent (`sent`) is one whole request on the engine, one block + 1
 prompt tokens and one output token, which `settled` says have all ended.
 
 `--no-endpoint-probe` (ShimConfig.no_endpoint_probe; `enabled` False) sends none, for operators
@@ -73,7 +73,7 @@ _TOKEN_LOW, _TOKEN_HIGH = 1, 1000
 _TRANSIENT_STATUS = (408, 429)
 _RECENT = 8  # probes whose blocks `owns` still knows (a late one, a replay re-sending it)
 
-Serve = Callable[[list[int], str], Awaitable[int | None]]
+Serve = Callable[[list[int], str], Awaitable[int]]
 
 
 @dataclass(slots=True)
@@ -101,7 +101,7 @@ class EndpointProbe:
     def __init__(
         self,
         health: EventHealth,
-        serve: Serve,
+        serve: Serve | None,
         *,
         block_size: Callable[[], int | None],
         prefix_caching: Callable[[], bool | None],
@@ -112,7 +112,8 @@ class EndpointProbe:
     ) -> None:
         """`where`: the endpoints read, as the messages name them; `on_foreign(True)` when
         OTHER_ENGINE is raised, `on_foreign(False)` when a probe clears it. `enabled` False
-        (`--no-endpoint-probe`): no probe is ever sent, so no verdict either."""
+        (`--no-endpoint-probe`): no probe is ever sent, so no verdict either; nor where `serve` is
+        None (the adapter does not probe its engine: EngineAdapter.serves_probe)."""
         self.health = health
         self.serve = serve
         self.block_size = block_size
@@ -129,11 +130,11 @@ class EndpointProbe:
         self._task: asyncio.Task[None] | None = None
         # Probe requests the engine is serving: never aborted by a confirmation or a reset, so
         # each probe sent is one whole request on the engine (its accounting, its log).
-        self._serving: set[asyncio.Future[int | None]] = set()
+        self._serving: set[asyncio.Future[int]] = set()
         self._connected = False  # a connection was seen: resets re-probe from then on
         self._delivered = False  # a batch of this connection was delivered
         self._last_sent = float("-inf")
-        self._unprobed = False  # the adapter does not probe this engine
+        self._unprobed = serve is None  # the adapter does not probe this engine
         self._said: set[str] = set()
         self._recent: deque[_Probe] = deque(maxlen=_RECENT)
 
@@ -164,6 +165,12 @@ class EndpointProbe:
             )
             return
         self._connected, self._delivered = True, False
+        if self._unprobed:
+            self._say_once(
+                logging.INFO,
+                "KV event endpoints not checked: the shim cannot match a probe request in this engine's events",
+            )
+            return
         self._restart()
 
     def batch(self, batch: EngineBatch) -> None:
@@ -218,6 +225,8 @@ class EndpointProbe:
             log.log(level, "%s", text)
 
     async def _send(self) -> None:
+        serve = self.serve
+        assert serve is not None  # _restart starts no task where the adapter does not probe
         while True:
             # At most one probe per events timeout, however often the stream resets.
             await asyncio.sleep(max(0.0, self._last_sent + self.health.timeout_s - time.monotonic()))
@@ -238,7 +247,7 @@ class EndpointProbe:
             self.sent += 1
             self.prompt_tokens += len(prompt)
             self.output_tokens += PROBE_OUTPUT_TOKENS
-            serving = asyncio.ensure_future(self.serve(prompt, p.request_id))
+            serving = asyncio.ensure_future(serve(prompt, p.request_id))
             self._serving.add(serving)
             serving.add_done_callback(self._served)
             try:
@@ -256,19 +265,12 @@ class EndpointProbe:
                 log.info("KV event endpoint probe failed (%s): trying again in %.0fs", exc, RETRY_S)
                 await asyncio.sleep(RETRY_S)
                 continue
-            if created is None:
-                self._probe, self._unprobed = None, True
-                self._say_once(
-                    logging.INFO,
-                    "KV event endpoints not checked: the shim cannot match a probe request in this engine's events",
-                )
-                return
             if self._probe is p:
                 p.answered_at = time.monotonic()
                 p.after = created + 1 + (p.answered_at - sent)
             return
 
-    def _served(self, serving: asyncio.Future[int | None]) -> None:
+    def _served(self, serving: asyncio.Future[int]) -> None:
         self._serving.discard(serving)
         if not serving.cancelled():
             serving.exception()  # retrieved: a probe no task awaits any more failed quietly

@@ -209,7 +209,7 @@ class WorkerShim:
         self.events.holds = self._holds
         self.probe = EndpointProbe(
             self.events,
-            self.adapter.serve_probe,
+            self.adapter.serve_probe if self.adapter.serves_probe else None,
             block_size=lambda: self.limits.block_size,
             prefix_caching=lambda: self.limits.prefix_caching,
             where=self._event_endpoints,

@@ -968,12 +968,12 @@ class ProbeLog:
 
     def watch(self, name: str, shim: WorkerShim) -> None:
         serve, answers = shim.probe.serve, self.answers.setdefault(name, [])
+        assert serve is not None, f"{name}: the vLLM adapter probes its engine"
 
-        async def recorded(token_ids: list[int], request_id: str) -> int | None:
+        async def recorded(token_ids: list[int], request_id: str) -> int:
             sent = time.time()
             created = await serve(token_ids, request_id)
-            if created is not None:
-                answers.append((token_ids, created, time.time() - sent))
+            answers.append((token_ids, created, time.time() - sent))
             return created
 
         shim.probe.serve = recorded

@@ -5,7 +5,14 @@ end-to-end cases (swapped shims, a healthy pair, a refused probe): tests/router/
 from __future__ import annotations
 
 import asyncio
+import logging
 
+import pytest
+
+from worker_shim.adapters import vllm
+from worker_shim.adapters.sglang import SglangAdapter
+from worker_shim.adapters.trtllm import TrtllmAdapter
+from worker_shim.adapters.vllm import VllmAdapter
 from worker_shim.endpoint_probe import EndpointProbe
 from worker_shim.engine_events import EngineBatch, EngineStored
 from worker_shim.event_health import EventHealth, EventProblem
@@ -15,7 +22,7 @@ CREATED = 1000
 
 
 def _probe(health: EventHealth, prompts: list[list[int]], verdicts: list[bool]) -> EndpointProbe:
-    async def serve(prompt: list[int], request_id: str) -> int | None:
+    async def serve(prompt: list[int], request_id: str) -> int:
         prompts.append(prompt)
         return CREATED
 
@@ -98,3 +105,28 @@ async def test_a_probe_sent_before_any_batch_of_its_connection_is_sent_again_not
     assert health.ok and verdicts == []
     await _answered(prompts, 2)
     probe.close()
+
+
+async def test_an_engine_whose_adapter_does_not_probe_gets_no_probe_and_none_is_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # SGLang and TensorRT-LLM shims read 1 probe sent where none was (review of the probe).
+    probe = EndpointProbe(
+        EventHealth(timeout_s=0.05), None, block_size=lambda: BS, prefix_caching=lambda: True,
+        where=lambda: "--kv-events tcp://x:1", on_foreign=lambda _: None, engine_url="http://e",
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="worker_shim.endpoint_probe"):
+        probe.connected()
+        await asyncio.sleep(0.1)
+        probe.connected()
+    assert (probe.sent, probe.prompt_tokens, probe.output_tokens) == (0, 0, 0) and probe.settled
+    assert [r.getMessage() for r in caplog.records] == [
+        "KV event endpoints not checked: the shim cannot match a probe request in this engine's events"
+    ]
+    assert not SglangAdapter.serves_probe and not TrtllmAdapter.serves_probe and VllmAdapter.serves_probe
+
+
+def test_a_probe_has_no_total_timeout() -> None:
+    # A probe queued past 30 s behind a saturated engine was aborted by the shim's own timeout:
+    # vLLM aborts a request whose client went, and the engine never did the work counted.
+    assert vllm._PROBE_TIMEOUT.total is None

@@ -242,12 +242,11 @@ class EngineAdapter(ABC):
         """The engine's KV event endpoints by data-parallel rank; None when it does not list them."""
         return None
 
-    async def serve_probe(self, token_ids: list[int], request_id: str) -> int | None:
+    async def serve_probe(self, token_ids: list[int], request_id: str) -> int:
         """Have the engine serve `token_ids` as a PROBE_OUTPUT_TOKENS completion of the base model, on the
         rank the shim serves (worker_shim.endpoint_probe); the answer's `created`, the engine's
-        clock in whole seconds. None: this engine is not probed (its events or its answer do not
-        let the probe be matched). EngineError when the engine fails it."""
-        return None
+        clock in whole seconds. EngineError when the engine fails it. Only where `serves_probe`."""
+        raise NotImplementedError(f"the {self.kind} adapter does not probe its engine")
 
     # vLLM answers 404 to a request naming a model it does not serve: a shim whose --model it does
     # not list would register a worker no request can use.
@@ -255,6 +254,8 @@ class EngineAdapter(ABC):
     # The engine runs a LoRA adapter for a request whose `model` names it, as vLLM does: only then
     # may the shim register the adapters its /v1/models lists.
     serves_adapters_by_name: ClassVar[bool] = False
+    # serve_probe is implemented: the engine's events and answer let an endpoint probe be matched.
+    serves_probe: ClassVar[bool] = False
 
     @abstractmethod
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome: ...

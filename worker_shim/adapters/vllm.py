@@ -104,7 +104,9 @@ _METRICS = frozenset(
 
 
 _TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
-_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=30.0)  # one block's prefill, behind a queue maybe
+# No total: a probe queued behind a saturated engine is served in its turn. A timeout would close
+# the connection, vLLM would abort it, and the engine's counters miss a probe the shim counted.
+_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
 
 
 def _cache_config(samples: list[Sample], label: str) -> int | None:
@@ -323,6 +325,7 @@ class VllmAdapter(ZmqEventsAdapter):
     kind: ClassVar[str] = "vllm"
     requires_served_model: ClassVar[bool] = True
     serves_adapters_by_name: ClassVar[bool] = True
+    serves_probe: ClassVar[bool] = True
     checks_rank: ClassVar[bool] = True
     utility_paths: ClassVar[Mapping[str, str]] = {ENDPOINT_TOKENIZE: "/tokenize", ENDPOINT_DETOKENIZE: "/detokenize"}
 
@@ -390,7 +393,7 @@ class VllmAdapter(ZmqEventsAdapter):
                 results.append(None)  # no chat template, or one that refuses this chat (the router's too)
         return fingerprint(results)
 
-    async def serve_probe(self, token_ids: list[int], request_id: str) -> int | None:
+    async def serve_probe(self, token_ids: list[int], request_id: str) -> int:
         url = self.base + "/v1/completions"
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         if self._rank_header is not None:
