@@ -34,7 +34,8 @@ the leg ends with a `final` chunk or an `error` one.
 - a malformed reply (a broken or hostile shim: a chunk that does not decode, an event cut across
   chunks that never ends) ends the leg; one that does not decode is retried before the first token
   like a dead worker's, a prefill leg falls back. The worker is reported malformed (left out for a
-  cooldown, router.eligibility), counted per worker in `malformed_replies`, logged once per worker.
+  cooldown, router.eligibility), counted per worker in `malformed_replies`, logged once per worker
+  (a fleet's first few named, the rest counted in one line: router.fleet_lines).
 - leaving early (client gone, deadline) cancels the leg on its worker (`{ns}.cancel.{worker}`).
   A cancel can be lost: sent while NATS is down it waits in nats-py's reconnect buffer, which
   goes out on reconnect, maybe before the worker's shim has subscribed again, and NATS drops it. So
@@ -92,6 +93,7 @@ from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS, transfer_handle_bound
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
+from router.fleet_lines import FleetLines
 from router.leg import MAX_ANSWER_BYTES, SLOW_READER, Leg, LegError
 from router.policies import Outcome, Path
 from router.tracing import RequestTracer
@@ -289,6 +291,13 @@ class Dispatcher:
         self.resumes = 0
         self.slow_readers = 0  # legs dropped because their client read too slowly (MAX_QUEUED_BYTES)
         self.malformed_replies: Counter[str] = Counter()  # by worker, while it is registered
+        self._malformed_lines = FleetLines(  # a fleet on a build whose replies this router cannot read
+            log,
+            logging.WARNING,
+            f"sent malformed replies, left out of routing for {MALFORMED_COOLDOWN_S:g}s after each (one cause for "
+            "many workers: shims of a build whose replies this router cannot read; counted in "
+            "kvswitch_router_worker_malformed_replies_total)",
+        )
         self._handle_mismatch_logged = False
 
     async def start(self) -> None:
@@ -566,7 +575,8 @@ class Dispatcher:
             self.malformed_replies[exc.worker] += 1
             self._on_malformed(exc.worker, f"it sent a malformed reply: {exc.message}")
             if first:
-                log.warning(
+                self._malformed_lines.say(
+                    exc.worker,
                     "worker %s sent a malformed reply (%s): its requests go to other workers, and it "
                     "is left out of routing for %gs after each such reply (logged once per worker, counted in "
                     "kvswitch_router_worker_malformed_replies_total)",

@@ -26,9 +26,9 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   So does the index holding a seq of the shim's epoch that the shim's reports, made after it sent
   that seq (their `ts` against the batch's, or the reply's arrival for a dump), stay below for
   `behind_grace_s` of the shim's clock: a reply claimed a seq the shim never sent, and every real
-  batch would read as a duplicate for good. That takes a full dump. Reports made before are only
-  late (they come through another queue than the batches, which an overloaded router drains
-  behind), never a contradiction.
+  batch would read as a duplicate for good. That takes a full dump, and a WARNING capped the same
+  way. Reports made before are only late (they come through another queue than the batches, which
+  an overloaded router drains behind), never a contradiction.
 - One worker cannot grow a replica's memory without bound: its held batches are bounded in count
   and bytes (and all workers' together, with those of unknown workers, in bytes); past a bound
   they are dropped (counted, and a WARNING once until the worker is synced) and a full dump
@@ -48,7 +48,8 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   whenever a registered worker's batch would not fit the shared byte budget, so stale ones never
   keep it from a worker under repair. Workers are only ever added by the registry, never by
   a batch, so a worker whose key is gone cannot be resurrected by its last events in flight.
-- Malformed payloads are counted, logged once per worker and dropped; they never reach the index.
+- Malformed payloads are counted, logged once per worker and kind (capped the same way) and dropped;
+  they never reach the index.
   A batch that decodes but holds a bad hash (packed bytes that are not whole u64s, an int out of
   range) is counted the same way; the events before the bad one are applied, the batch takes its
   seq, and the next load report's digest check repairs the difference.
@@ -190,6 +191,20 @@ class KvIngest:
             logging.WARNING,
             "their KV digests disagree with the index; resyncing (one cause for many workers: their shims' "
             "digests or this router's index; every resync is counted in kvswitch_router_kv_digest_mismatches_total)",
+            clock=clock,
+        )
+        self._ahead_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "their KV index is at a seq their shims have not reached; resyncing (one cause for many workers: their "
+            "shims or this router's index; every resync is counted in kvswitch_router_kv_digest_mismatches_total)",
+            clock=clock,
+        )
+        self._malformed_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "dropping malformed KV events (one cause for many workers: shims of a build whose events this router "
+            "cannot read; every payload counted in kvswitch_router_kv_malformed_total)",
             clock=clock,
         )
         self._on_events = on_events
@@ -355,8 +370,8 @@ class KvIngest:
         logged = self._malformed_logged.setdefault(worker if worker in self._workers else "", set())
         if kind not in logged:
             logged.add(kind)
-            log.warning(
-                "dropping malformed KV events from worker %s (logged once per worker and kind): %s", worker, exc
+            self._malformed_lines.say(
+                worker, "dropping malformed KV events from worker %s (logged once per worker and kind): %s", worker, exc
             )
 
     def _apply(self, batch: KvEventBatch, state: _Worker) -> bool:
@@ -543,7 +558,8 @@ class KvIngest:
             state.ahead = (seq, report.ts)
         elif report.ts - state.ahead[1] >= self._behind_grace_s:
             self.stats.digest_mismatches += 1
-            log.warning(
+            self._ahead_lines.say(
+                state.name,
                 "KV index of worker %s is at seq %d, which its shim has not reached in %.1fs of its reports "
                 "(it is at %d); resyncing",
                 state.name,

@@ -229,6 +229,20 @@ class RouterService:
             f"load reports dropped: no usable record under {subjects.workers_prefix(self.ns)} (counted in "
             "kvswitch_router_load_unknown_total)",
         )
+        # Causes a whole fleet shares, capped alike: hosts stepped back by one NTP correction, a
+        # fleet on a build whose reports this router cannot read
+        self._clock_step_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "their clocks stepped back: load reports stamped before their last ones, taken in the order they come "
+            "(one cause for many hosts at once: a step of their time source; keep worker hosts on NTP)",
+        )
+        self._malformed_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "malformed load reports dropped (one cause for many workers: shims of a build whose reports this router "
+            "cannot read; every one counted in kvswitch_router_load_malformed_total)",
+        )
         self.reregistrations = 0
         self.kv_disconnects = 0  # the KV event connection cut (a slow consumer), kvswitch_router_kv_disconnects_total
         self._nc: Client | None = None
@@ -907,7 +921,8 @@ class RouterService:
         if (said := self.skew_news.due(now)) is not None:
             _say_skews(said)
         if (back := self.view.update(report)) is not None and self._first_said("clock step", report.worker):
-            log.warning(
+            self._clock_step_lines.say(
+                report.worker,
                 "worker %s's clock stepped back: a load report stamped %.1f s before its last one; its "
                 "reports are taken in the order they come, so it stays routed; keep worker hosts on NTP "
                 "(logged once per worker)",
@@ -937,7 +952,8 @@ class RouterService:
         self.load_malformed += 1
         sender = subject.rpartition(".")[2]
         if self._first_said("malformed", sender):
-            log.warning(
+            self._malformed_lines.say(
+                sender,
                 "malformed load report from worker %s dropped (logged once per worker, counted in "
                 "kvswitch_router_load_malformed_total): %s",
                 sender,

@@ -1,28 +1,37 @@
 """A cause the whole fleet shares is said for the first NAMED_AT_MOST workers and counted for the
 rest (router.fleet_lines), at each site that logged it once per worker: the KV digest check, gap
-repair, the tokenizer and build checks (the service's unregistered load reports are in
-test_isolation_peers). One worker alone is named as before. Log-volume audit of 2026-12-06."""
+repair, the tokenizer and build checks, a KV index ahead of its shim, malformed KV events, malformed
+replies, and the service's clock steps and malformed load reports (its unregistered load reports are
+in test_isolation_peers). One worker alone is named as before. Log-volume audit of 2026-12-06."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 
-from protocol import WorkerInfo
+from discovery import Discovery
+from protocol import WorkerInfo, encode_msg, subjects
+from protocol.config import EtcdSettings
 from protocol.messages import LoadReport
 from router.block_index import BlockIndex
+from router.dispatch import Dispatcher
 from router.eligibility import NAMED_AT_MOST
 from router.fleet_lines import FleetLines, flush_all
 from router.gap_repair import GapRepair
 from router.kv_ingest import KvIngest
+from router.leg import LegError
 from router.tokenization import FingerprintWatch
 from router.worker_versions import WorkerVersions
+from runtime.nats_flush import flush
+from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
-from tests.router.test_kv_ingest import FakeShim
+from tests.router.test_kv_ingest import FakeShim, _bad_hash
 
 FLEET = 20
 BYTE_LIMIT = "this router's replies in flight at their byte limit"  # gap_repair's FetchFailure kind
@@ -279,3 +288,112 @@ def test_a_fleet_failing_alike_is_pointed_at_what_that_kind_of_failure_shares() 
     assert "this router repairing more workers at once" in repair._shared_cause(BYTE_LIMIT)
     assert "another kvswitch build" in repair._shared_cause("malformed reply")
     assert "NATS permissions" not in repair._shared_cause(BYTE_LIMIT) + repair._shared_cause("malformed reply")
+
+
+def _summarised(summary: list[str], n: int, *causes: str) -> bool:
+    """Whether `summary` is what `n` workers hitting each cause get: a line per cause (in any order:
+    flush_all's) counting those past NAMED_AT_MOST, none while it names them all."""
+    heads = [f"and {n - NAMED_AT_MOST} more workers: {cause}" for cause in causes] if n > NAMED_AT_MOST else []
+    return len(summary) == len(heads) and all(any(m.startswith(h) for m in summary) for h in heads)
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+async def test_a_fleet_whose_index_runs_ahead_of_its_shims_is_capped(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture, fleet: int
+) -> None:
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.5, retry_max_s=0.2, behind_grace_s=1.0)
+    await ingest.start()
+    try:
+        shims = [FakeShim(nc, ns, w) for w in WORKERS[:fleet]]
+        for shim in shims:
+            await shim.start()
+            ingest.add_worker(shim.worker, shim.epoch)
+        assert await ingest.wait_synced(20.0)
+        for shim in shims:
+            await shim.publish()
+        await until(lambda: ingest.stats.batches_applied == fleet, what="every worker's batch applied")
+        caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+        for ts in (10.0, 11.0):  # made after seq 1 went, still at seq 0, for the grace: the index is ahead
+            for shim in shims:
+                ingest.check_digest(LoadReport(worker=shim.worker, ts=ts, kv_epoch=shim.epoch, kv_seq=0))
+        assert ingest.stats.digest_mismatches == fleet  # every resync counted
+        flush_all()
+    finally:
+        await ingest.stop()
+    named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "which its shim has not reached")
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert named[0] == (
+        "KV index of worker w0000 is at seq 1, which its shim has not reached in 1.0s of its reports (it is at 0); "
+        "resyncing"
+    )
+    assert _summarised(summary, fleet, "their KV index")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+async def test_a_fleet_sending_malformed_kv_events_is_capped(
+    fleet_ingest: tuple[KvIngest, list[FakeShim]], nc: Client, ns: str, caplog: pytest.LogCaptureFixture, fleet: int
+) -> None:
+    ingest, shims = fleet_ingest
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    for shim in shims[:fleet]:
+        await _bad_hash(nc, ns, shim)
+    await until(lambda: ingest.stats.malformed == fleet, what="every bad batch counted")
+    flush_all()
+    named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "dropping malformed KV events from")
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert named[0].startswith("dropping malformed KV events from worker w0000 (logged once per worker and kind): ")
+    assert _summarised(summary, fleet, "dropping malformed KV events")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+def test_a_fleet_sending_malformed_replies_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+    d = Dispatcher(None, "ns", None)  # type: ignore[arg-type]  # _blame touches no connection
+    with caplog.at_level(logging.WARNING, logger="router.dispatch"):
+        for _ in range(2):  # a second reply each: counted, not said
+            for worker in WORKERS[:fleet]:
+                d._blame(LegError(worker, 502, "malformed_chunk", "bad chunk", retryable=True))
+        flush_all()
+    assert sum(d.malformed_replies.values()) == 2 * fleet
+    named, summary = _lines(caplog, "router.dispatch", logging.WARNING, "sent a malformed reply")
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert named[0] == (
+        "worker w0000 sent a malformed reply (bad chunk): its requests go to other workers, and it is left out of "
+        "routing for 30s after each such reply (logged once per worker, counted in "
+        "kvswitch_router_worker_malformed_replies_total)"
+    )
+    assert _summarised(summary, fleet, "sent malformed replies,")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+async def test_a_fleet_whose_clocks_step_back_or_whose_load_reports_are_malformed_is_capped(
+    cluster: Cluster, nc: Client, caplog: pytest.LogCaptureFixture, fleet: int
+) -> None:
+    """Records alone (no shim): this router takes the load reports the test publishes as theirs."""
+    router = await cluster.add_router()
+    caplog.set_level(logging.WARNING, logger="router.service")
+    info = WorkerInfo(worker="", model=MODEL, role="agg", engine="vllm", block_size=16)
+    async with Discovery(EtcdSettings(endpoints=[cluster.etcd_url]), cluster.ns) as disc:
+        record = lambda wid: msgspec.structs.replace(info, worker=wid)  # noqa: E731
+        leases = [await disc.register_worker(record, ttl=10) for _ in range(fleet)]
+        workers = [lease.hex_id for lease in leases]
+        try:
+            await until(lambda: all(router.registry.get(w) is not None for w in workers), what="every record read")
+            now = time.time()
+            for stamp in (now, now - 60.0):  # every host stepped back a minute at once (an NTP correction)
+                for w in workers:
+                    await nc.publish(subjects.load(cluster.ns, w), encode_msg(LoadReport(worker=w, ts=stamp)))
+            for w in workers:  # malformed: a negative count
+                await nc.publish(subjects.load(cluster.ns, w), encode_msg(LoadReport(worker=w, ts=now, running=-1)))
+            await flush(nc)
+            await until(lambda: router.load_malformed == fleet, what="every report read")
+            flush_all()
+        finally:
+            for lease in leases:
+                await disc.release(lease)
+    stepped, summary = _lines(caplog, "router.service", logging.WARNING, "clock stepped back")
+    assert len(stepped) == min(fleet, NAMED_AT_MOST)
+    assert stepped[0].startswith(f"worker {workers[0]}'s clock stepped back: a load report stamped 60.0 s before")
+    malformed, _ = _lines(caplog, "router.service", logging.WARNING, "malformed load report")
+    assert len(malformed) == min(fleet, NAMED_AT_MOST)
+    assert malformed[0].startswith(f"malformed load report from worker {workers[0]} dropped (logged once per worker")
+    assert _summarised(summary, fleet, "their clocks stepped back", "malformed load reports")
