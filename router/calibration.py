@@ -106,6 +106,10 @@ and engine_ts, when it read them; plus running and
 kv_used_blocks, which it reports anyway. An engine that exports none of these (SGLang and
 TensorRT-LLM adapters today) reports iterations 0 and is never fitted: the router keeps its prior.
 Synchronous; the owner calls `observe` for every load report it accepts.
+
+Each of the three WARNINGs above (no decode_context, stretches dropped, a fit past the bounds) is
+said once per worker, and a whole fleet can share its cause (one shim build, one wrong profile): in
+a window of 10 s the first eight workers are named, the rest counted in one line (router.fleet_lines).
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ import msgspec
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel
 from router.eligibility import few_ids
+from router.fleet_lines import FleetLines
 
 __all__ = [
     "DROPPED_WARN_AFTER",
@@ -428,6 +433,29 @@ class Calibration:
         self._clamp_warned: set[str] = set()
         self._out_fits: dict[str, int] = {}  # fits in a row past the bounds, per worker
         self._profile: dict[str, str | None] = {}  # the profile each worker's fit is against
+        # Each said once per worker, and a fleet can share each cause (one old shim build, one wrong
+        # profile, one lossy NATS path): the first workers named, the rest counted. Only said lines
+        # reach these, never a load report that says nothing.
+        self._dropped_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "busy stretches of their engines dropped and none fitted, so their timing stays the prior (one cause "
+            "for many workers at once: load reports or readings lost on a path they share, NATS or slow /metrics, "
+            "or a step of their hosts' clocks; counted in kvswitch_router_timing_dropped_stretches)",
+        )
+        self._clamped_lines = FleetLines(
+            log,
+            logging.WARNING,
+            f"fit outside [{MIN_SCALE:g}, {MAX_SCALE:g}] against their timing profiles, so they are predicted at the "
+            "bound, wrongly (one cause for many workers at once: a profile not their model and GPU; give their shims "
+            "a --timing-profile of both)",
+        )
+        self._no_context_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "decode but their load reports carry no decode_context, so their decode timing is fitted against KV use "
+            "and may read slow (one cause for many workers at once: shims of a build that does not count it)",
+        )
 
     def shape(self, info: WorkerInfo) -> TimingModel | None:
         """The worker's profile, the default one when it registered none; None for a name this
@@ -567,7 +595,8 @@ class Calibration:
             return
         n = self._dropped[worker] = self._dropped.get(worker, 0) + 1
         if n == DROPPED_WARN_AFTER and worker not in self._fits:
-            log.warning(
+            self._dropped_lines.say(
+                worker,
                 "worker %s: %d busy stretches of its engine were dropped and none fitted, so its timing stays "
                 "the prior (its profile's times x%g); the last was dropped because %s",
                 worker, n, self.prior_scale, why,
@@ -585,7 +614,8 @@ class Calibration:
             return
         self._clamp_warned.add(worker)
         profile = info.timing_profile or f"{self.default_profile} (the default: it registered none)"
-        log.warning(
+        self._clamped_lines.say(
+            worker,
             "worker %s's engine fits %s against timing profile %s, outside [%g, %g], so it is predicted at "
             "the bound, wrongly: its profile may not be its model and GPU (give its shim a --timing-profile "
             "of both), or its decode and prefill work trade off in the fit (docs/benchmarks.md, "
@@ -633,7 +663,8 @@ class Calibration:
             context_d = at.kv_used_blocks * info.block_size / max(at.running, 1)
             missed = self._no_context[info.worker] = self._no_context.get(info.worker, 0) + 1
             if missed == NO_CONTEXT_WARN_AFTER and info.worker not in self._context_seen:
-                log.warning(
+                self._no_context_lines.say(
+                    info.worker,
                     "worker %s decodes but its load reports carry no decode_context (a shim that does not "
                     "count it, or requests that bypass the shim): its decode timing is fitted against KV "
                     "use, which counts a prefix its requests share once, so it may read slow",

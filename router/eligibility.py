@@ -27,7 +27,9 @@ while (first reason wins):
   tries it again: a leg that works ends the episode, another failure starts a new cooldown. Its
   requests prefill on the other prefill workers, or, with none left, on their decode worker. One
   whose legs only lacked a transfer handle still serves whole requests (`serves_whole`): the
-  planner may spill to it (spill_to_prefill); a hung or failing one takes none;
+  planner may spill to it (spill_to_prefill); a hung or failing one takes none. An episode's start
+  is a WARNING naming the worker; a prefill fleet misconfigured alike fails every worker's legs, so
+  in a window of 10 s the first eight are named, the rest counted in one line (router.fleet_lines);
 - `draining`: its shim got SIGTERM (LoadReport.draining): its requests in flight finish, a new one
   would be refused, so none is sent (a rolling restart costs no retry);
 - `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
@@ -59,6 +61,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.messages import WorkerInfo
+from router.fleet_lines import NAMED_AT_MOST, FleetLines
 from router.load_view import Liveness
 
 __all__ = [
@@ -80,7 +83,6 @@ DEFAULT_PERIOD_S = 1.0
 SILENT_PERIODS = 3
 MALFORMED_COOLDOWN_S = 30.0  # one request retried elsewhere per this, per worker sending garbage
 PREFILL_COOLDOWN_S = 30.0  # one prefill leg lost per this, per prefill worker failing them
-NAMED_AT_MOST = 8  # workers a no-worker 503 or /ready names with their reason; the rest are counted
 
 _T = TypeVar("_T")
 
@@ -179,6 +181,14 @@ class Eligibility:
         self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
         self._malformed: dict[str, tuple[float, str]] = {}  # worker -> (last malformed reply at, why)
         self._prefill_failing: dict[str, _PrefillEpisode] = {}
+        # A prefill fleet misconfigured alike (no KV connector, one bad flag) fails every worker's legs
+        self._prefill_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "failed prefill legs through their own fault (one cause for many prefill workers at once: a "
+            "configuration they share, such as no --kv-transfer-config; the named workers' lines say what failed). "
+            f"Their requests prefill elsewhere for {PREFILL_COOLDOWN_S:g}s after each such failure",
+        )
 
     # --- what the service tells it ---------------------------------------------------------------
 
@@ -211,7 +221,8 @@ class Eligibility:
                 log.info("prefill worker %s serves prefill legs again", worker)
             return
         if held is None:
-            log.warning(
+            self._prefill_lines.say(
+                worker,
                 "prefill worker %s failed a prefill leg through its own fault: %s. Its requests prefill on other "
                 "prefill workers (or on their decode worker when none is left) for %gs after each such failure, "
                 "then one request tries it again (logged once per episode)",

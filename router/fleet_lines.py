@@ -4,14 +4,13 @@ A cause the whole fleet shares (a NATS permission change, a router started witho
 tokenizer, a fleet restart, a router an upgrade left behind) was one line per worker: 1,000 at
 1,000 workers, and the cause lost among them (log-volume audit of 2026-12-06, docs/router.md).
 A `FleetLines` is one such line. Within a window of `window_s` from the first line, the first
-NAMED_AT_MOST (router.eligibility) workers are logged as before, by name; the rest are held and
-counted, and one summary line per window, "and N more workers: <cause>", is logged when the window
-ends (a timer on the running loop; `flush()` says it at once, `flush_all()` every one's, as a
-router stops). Nothing is lost: every worker held
-is in a summary. A named worker said again within its window is named again (it is one of the
-few); a held one is counted once per window, its lines beside it when they were more. The cause
-may be judged when the summary is said (a callable given the count), e.g. whether the fleet
-shares it.
+NAMED_AT_MOST workers (as many as /ready names: router.eligibility) are logged as before, by name;
+the rest are held and counted, and one summary line per window, "and N more workers: <cause>", is
+logged when the window ends (a timer on the running loop; `flush()` says it at once, `flush_all()`
+every one's, as a router stops). Nothing is lost: every worker held is in a summary. A named
+worker said again within its window is named again (it is one of the few); a held one is counted
+once per window, its lines beside it when they were more. The cause may be judged when the
+summary is said (a callable given the count), e.g. whether the fleet shares it.
 
 `LastSaid` is what was said of each worker, kept when its key goes: a worker back under its name
 after a fleet restart, with the same thing to say, is not news.
@@ -25,9 +24,11 @@ import time
 import weakref
 from collections.abc import Callable
 
-from router.eligibility import NAMED_AT_MOST
+__all__ = ["NAMED_AT_MOST", "REMEMBERED", "WINDOW_S", "FleetLines", "LastSaid", "flush_all"]
 
-__all__ = ["REMEMBERED", "WINDOW_S", "FleetLines", "LastSaid", "flush_all"]
+# Workers named in a window; a no-worker 503 and /ready name as many (router.eligibility, which
+# logs through a FleetLines too, so it is defined here, where nothing of the router is imported)
+NAMED_AT_MOST = 8
 
 WINDOW_S = 10.0
 REMEMBERED = 16384  # workers whose last word LastSaid keeps (a bounded memory of ids that left)

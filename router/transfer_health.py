@@ -30,7 +30,9 @@ first token end such an episode: under `recompute` a failed pull gives one too. 
 load report sent `CONFIRM_S` after that token shows no new failure (the shim forwards a failure
 within a second of the engine counting it); and D's pairs closed by its count probe one at a
 time, so that one probe's failure is not put down to another's. One WARNING per episode names
-the pair, and an INFO its recovery, however long the fault lasts.
+the pair, and an INFO its recovery, however long the fault lasts. A KV connector misconfigured
+across the fleet fails every pair at once: in a window of 10 s, the first eight decode workers are
+named (each for its pairs), the rest counted in one line (router.fleet_lines).
 
 Synchronous, with the planner's clock, which it reads only while some pull is failing or is
 followed (a virtual-clock replay, where no pull fails, reads no clock here).
@@ -42,6 +44,8 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from router.fleet_lines import FleetLines
 
 __all__ = ["CONFIRM_S", "PROBE_TIMEOUT_S", "TRANSFER_COOLDOWN_S", "TransferHealth"]
 
@@ -78,6 +82,14 @@ class TransferHealth:
         self._heard: dict[str, float] = {}  # decode worker with pulls followed -> when its last report came
         self._attributes = False  # told of every pull (`attribute`, `pulling`): a count's rise is put down to them
         self.failures = 0
+        # A KV connector misconfigured across the fleet fails every pair: the first decode workers named
+        self._failed_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "decode workers failed to load KV prefilled for them, each pair avoided for its cooldown (one cause for "
+            "many decode workers at once: a KV connector configured alike and wrongly, --kv-transfer-config or its "
+            "NIXL link, or KV leases that run out before the pull; the engines' logs say which)",
+        )
 
     def failed(self, worker: str, prefill_worker: str = ANY, *, counted: bool = False) -> None:
         """A pull into `worker` of KV computed on `prefill_worker` (ANY: not known) failed.
@@ -85,7 +97,8 @@ class TransferHealth:
         self.failures += 1
         key = (worker, prefill_worker)
         if key not in self._last_failure:
-            log.warning(
+            self._failed_lines.say(
+                worker,
                 "decode worker %s failed to load KV prefilled on %s: for the next %.0fs its requests %s "
                 "(bypass_transfer_failing when no prefill worker is left), then it is tried again. The engines' "
                 "logs say why: a failed NIXL read, or a KV lease that ran out (vLLM 0.32: a prefill engine frees "

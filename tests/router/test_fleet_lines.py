@@ -1,8 +1,9 @@
 """A cause the whole fleet shares is said for the first NAMED_AT_MOST workers and counted for the
 rest (router.fleet_lines), at each site that logged it once per worker: the KV digest check, gap
 repair, the tokenizer and build checks, a KV index ahead of its shim, malformed KV events, malformed
-replies, and the service's clock steps and malformed load reports (its unregistered load reports are
-in test_isolation_peers). One worker alone is named as before. Log-volume audit of 2026-12-06."""
+replies, the service's clock steps and malformed load reports (its unregistered load reports are in
+test_isolation_peers), calibration's three warnings, a failed KV pull and a prefill worker's failing
+legs. One worker alone is named as before. Log-volume audit of 2026-12-06."""
 
 from __future__ import annotations
 
@@ -19,18 +20,23 @@ from discovery import Discovery
 from protocol import WorkerInfo, encode_msg, subjects
 from protocol.config import EtcdSettings
 from protocol.messages import LoadReport
+from protocol.timing import DEFAULT_PROFILE
 from router.block_index import BlockIndex
+from router.calibration import DROPPED_WARN_AFTER, NO_CONTEXT_WARN_AFTER, Calibration
 from router.dispatch import Dispatcher
-from router.eligibility import NAMED_AT_MOST
+from router.eligibility import NAMED_AT_MOST, Eligibility, Exclusion
 from router.fleet_lines import FleetLines, flush_all
 from router.gap_repair import GapRepair
 from router.kv_ingest import KvIngest
 from router.leg import LegError
 from router.tokenization import FingerprintWatch
+from router.transfer_health import TransferHealth
 from router.worker_versions import WorkerVersions
 from runtime.nats_flush import flush
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
+from tests.router.test_calibration import SharedPrefixEngine, SyntheticEngine, _polled
+from tests.router.test_calibration import _info as _timed_info
 from tests.router.test_kv_ingest import FakeShim, _bad_hash
 
 FLEET = 20
@@ -397,3 +403,128 @@ async def test_a_fleet_whose_clocks_step_back_or_whose_load_reports_are_malforme
     assert len(malformed) == min(fleet, NAMED_AT_MOST)
     assert malformed[0].startswith(f"malformed load report from worker {workers[0]} dropped (logged once per worker")
     assert _summarised(summary, fleet, "their clocks stepped back", "malformed load reports")
+
+
+def _as(worker: str, report: LoadReport) -> LoadReport:
+    return msgspec.structs.replace(report, worker=worker)
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+def test_a_fleet_whose_busy_stretches_are_dropped_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+    """Readings every 0.25 s, but the reports of the first 1.5 s after each stop lost on a path
+    every worker shares: no stretch of any can be read."""
+    cal, reports = Calibration(), _polled(2.0, latency=0.0, bursty=True, seconds=40.0)
+    with caplog.at_level(logging.WARNING, logger="router.calibration"):
+        for worker in WORKERS[:fleet]:
+            stopped = None
+            for r in reports:
+                if r.running:
+                    stopped = None
+                else:
+                    stopped = r.engine_ts if stopped is None else stopped
+                    if r.engine_ts < stopped + 1.5:
+                        continue  # lost
+                cal.observe(_timed_info(worker), _as(worker, r))
+        flush_all()
+    dropped = cal.dropped()
+    assert sorted(dropped) == WORKERS[:fleet] and min(dropped.values()) >= DROPPED_WARN_AFTER
+    assert len(set(dropped.values())) == 1  # every one counted alike: the cap holds no count back
+    named, summary = _lines(caplog, "router.calibration", logging.WARNING, "busy stretches of its engine")
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert named[0].startswith(
+        f"worker w0000: {DROPPED_WARN_AFTER} busy stretches of its engine were dropped and none fitted, so its "
+        "timing stays the prior (its profile's times x1); the last was dropped because its engine started or went "
+        "idle between two readings"
+    )
+    assert _summarised(summary, fleet, "busy stretches of their engines dropped")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+def test_a_fleet_fitted_past_the_bounds_of_its_profile_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+    """Every engine 8x slower than the default profile, registered by none of them another (one
+    wrong profile for the fleet)."""
+    cal = Calibration()
+    with caplog.at_level(logging.WARNING, logger="router.calibration"):
+        for worker in WORKERS[:fleet]:
+            engine, info = SyntheticEngine(8.0, 8.0), _timed_info(worker, profile=None)
+            cal.observe(info, _as(worker, engine.report(running=1, context=4096)))
+            for _ in range(120):
+                running = engine.rng.randrange(1, 64)
+                prefill = engine.rng.choice([0, 0, 4096, 16384, 40000])
+                context = engine.rng.randrange(512, 16384)
+                report = engine.interval(running=running, context=context, prefill_tokens=prefill)
+                cal.observe(info, msgspec.structs.replace(report, worker=worker, decode_context=float(context)))
+        flush_all()
+    assert sorted(cal.factors()) == WORKERS[:fleet] and all(k_d == 5.0 for k_d, _, _ in cal.factors().values())
+    named, summary = _lines(caplog, "router.calibration", logging.WARNING, "'s engine fits")
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert named[0].startswith("worker w0000's engine fits k_d=") and DEFAULT_PROFILE in named[0]
+    assert "outside [0.2, 5], so it is predicted at the bound, wrongly" in named[0]
+    assert _summarised(summary, fleet, "fit outside [0.2, 5] against their timing profiles")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+def test_a_fleet_of_shims_without_decode_context_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+    cal = Calibration()
+    with caplog.at_level(logging.WARNING, logger="router.calibration"):
+        for worker in WORKERS[:fleet]:
+            old_shim, info = SharedPrefixEngine(shared=4096, with_context=False), _timed_info(worker)
+            cal.observe(info, _as(worker, old_shim.report(running=1, context=4608)))
+            for _ in range(NO_CONTEXT_WARN_AFTER * 2):
+                cal.observe(info, _as(worker, old_shim.interval(running=16, context=6000, prefill_tokens=0)))
+        flush_all()
+    named, summary = _lines(caplog, "router.calibration", logging.WARNING, "carry no decode_context")
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert named[0] == (
+        "worker w0000 decodes but its load reports carry no decode_context (a shim that does not count it, or "
+        "requests that bypass the shim): its decode timing is fitted against KV use, which counts a prefix its "
+        "requests share once, so it may read slow"
+    )
+    assert _summarised(summary, fleet, "decode but their load reports carry no decode_context")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+def test_a_fleet_failing_to_load_kv_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+    """Every decode worker fails its pulls from both prefill workers (a KV connector misconfigured
+    fleet-wide): a named decode worker is named for each of its pairs, the rest counted."""
+    transfers = TransferHealth(clock=lambda: 100.0)
+    with caplog.at_level(logging.WARNING, logger="router.transfer_health"):
+        for prefill in ("p1", "p2"):
+            for worker in WORKERS[:fleet]:
+                transfers.failed(worker, prefill)
+                transfers.failed(worker, prefill)  # within its episode: counted, not said
+        flush_all()
+    assert transfers.failures == 4 * fleet and transfers.workers() == WORKERS[:fleet]
+    named, summary = _lines(caplog, "router.transfer_health", logging.WARNING, "failed to load KV prefilled on")
+    assert len(named) == 2 * min(fleet, NAMED_AT_MOST)
+    assert named[0].startswith(
+        "decode worker w0000 failed to load KV prefilled on p1: for the next 30s its requests pair with other "
+        "prefill workers than p1 (bypass_transfer_failing when no prefill worker is left), then it is tried again."
+    )
+    held = fleet - NAMED_AT_MOST
+    heads = [f"and {held} more workers ({2 * held} lines): decode workers failed to load KV"] if held > 0 else []
+    assert len(summary) == len(heads) and all(m.startswith(h) for m, h in zip(summary, heads, strict=True))
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+def test_a_prefill_fleet_failing_its_legs_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+    """Every prefill engine started without a KV connector."""
+    now = 1000.0
+    elig = Eligibility(clock=lambda: now, sync_state=lambda w: None, liveness=lambda w: None, tokenizer=None)
+    fault = "its prefill legs return no transfer handle: its engine most likely runs without a KV connector"
+    with caplog.at_level(logging.WARNING, logger="router.eligibility"):
+        for _ in range(2):  # a second failure in its episode: not said
+            for worker in WORKERS[:fleet]:
+                elig.added(worker)
+                elig.prefill_leg(worker, fault, serves_whole=True)
+        flush_all()
+    infos = [WorkerInfo(worker=w, model="m", role="prefill", engine="vllm", block_size=16) for w in WORKERS[:fleet]]
+    assert {s.exclusion for s in elig.statuses(infos)} == {Exclusion.PREFILL_FAILING}
+    named, summary = _lines(caplog, "router.eligibility", logging.WARNING, "failed a prefill leg through its own")
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert named[0] == (
+        f"prefill worker w0000 failed a prefill leg through its own fault: {fault}. Its requests prefill on other "
+        "prefill workers (or on their decode worker when none is left) for 30s after each such failure, then one "
+        "request tries it again (logged once per episode)"
+    )
+    assert _summarised(summary, fleet, "failed prefill legs through their own fault")
