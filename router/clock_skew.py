@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.config import MAX_LOAD_PERIOD_S
+from router.fleet_lines import NAMED_AT_MOST
 
 __all__ = [
     "AGREE_FRACTION",
@@ -72,7 +73,7 @@ __all__ = [
 WINDOW = 3
 AGREE_FRACTION = 0.5
 FLEET_AT_LEAST = 3
-SAY_AT_MOST = 8
+SAY_AT_MOST = NAMED_AT_MOST  # as every message naming workers: router.fleet_lines
 SETTLE_REPORTS = WINDOW + 1
 
 

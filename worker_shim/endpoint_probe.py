@@ -134,7 +134,6 @@ class EndpointProbe:
         self._connected = False  # a connection was seen: resets re-probe from then on
         self._delivered = False  # a batch of this connection was delivered
         self._last_sent = float("-inf")
-        self._unprobed = serve is None  # the adapter does not probe this engine
         self._said: set[str] = set()
         self._recent: deque[_Probe] = deque(maxlen=_RECENT)
 
@@ -165,7 +164,7 @@ class EndpointProbe:
             )
             return
         self._connected, self._delivered = True, False
-        if self._unprobed:
+        if self.serve is None:  # the adapter does not probe this engine
             self._say_once(
                 logging.INFO,
                 "KV event endpoints not checked: the shim cannot match a probe request in this engine's events",
@@ -215,7 +214,7 @@ class EndpointProbe:
 
     def _restart(self) -> None:
         self._drop()
-        if self._unprobed:
+        if self.serve is None:  # the adapter does not probe this engine
             return
         self._task = asyncio.get_running_loop().create_task(self._send(), name="endpoint-probe")
 
