@@ -8,7 +8,7 @@ hands `FleetNews.check` the statuses of the workers /ready counts every CHECK_S 
 request), with the longest report period among them:
 
 - A model with decode or agg workers registered of which none takes requests (none routable, none
-  excluded softly: /ready's rule) is a WARNING naming the model and counting its workers by reason
+  excluded softly: /ready's rule, `taking_requests`) is a WARNING naming the model and counting its workers by reason
   (the first NAMED_AT_MOST named with theirs, as /ready does: `name_few`), once per episode; an
   INFO when one takes requests again. A model of prefill workers only is /ready's warning, not this.
 - A model that had decode or agg workers and has none registered any more (they left: scaled away,
@@ -32,6 +32,11 @@ request), with the longest report period among them:
   are spread across the period), so between two checks half or fewer went out, and 90% of a fleet
   of 2 s reporters cut at once was never said (review of 2026-12-06). A model that no longer has
   any worker taking requests says so instead.
+
+Each check also keeps its figures by model, for /metrics (`routable`, `excluded`: a scrape reads
+them, it computes no status): the decode and agg workers taking requests, and those left out by
+reason, only the reasons present. A model gone from the check is gone from them, but one whose
+decode and agg workers all left reads 0 taking requests while it is followed (above).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from router.eligibility import DEFAULT_PERIOD_S, SILENT_PERIODS, Exclusion, WorkerStatus, name_few
+from router.eligibility import DEFAULT_PERIOD_S, SILENT_PERIODS, Exclusion, WorkerStatus, name_few, taking_requests
+from router.request_path import RECENT_S
 
 __all__ = ["BOOTSTRAP_GRACE_S", "CHECK_S", "DEPARTED_AT_MOST", "WINDOW_CHECKS", "FleetNews"]
 
@@ -69,6 +75,10 @@ class FleetNews:
 
     def __init__(self) -> None:
         self._models: dict[str, _Model] = {}
+        # The last check's figures, for /metrics (kvswitch_router_workers_*): a scrape reads them,
+        # never the statuses, and a model or reason gone since is gone from them.
+        self.routable: dict[str, int] = {}  # model -> its decode or agg workers taking requests
+        self.excluded: dict[str, Counter[Exclusion]] = {}  # model -> its decode or agg workers left out, by reason
 
     def check(self, statuses: Iterable[WorkerStatus], now: float, period_s: float = DEFAULT_PERIOD_S) -> None:
         """Say what began or ended since the last check, of the models in `statuses` (the workers
@@ -94,6 +104,9 @@ class FleetNews:
                 DEPARTED_AT_MOST,
             )
         window = max(SILENT_PERIODS * period_s, WINDOW_CHECKS * CHECK_S)
+        # A model whose workers all left reads 0 while it is followed: crashed shims' leases expire,
+        # and its figures must not vanish as if it had recovered.
+        self.routable, self.excluded = dict.fromkeys(self._models, 0), {}
         for model, pool in sorted(pools.items()):
             self._check(model, pool, self._models.setdefault(model, _Model()), now, window)
 
@@ -108,10 +121,11 @@ class FleetNews:
         seen.said_down = True
         log.warning(
             "model %s: no decode or agg worker registered any more (%s), so every request for it is refused "
-            "(a 503; without --model, a 404 once no request has named it for 10 min) until one registers and can "
+            "(a 503; without --model, a 404 once no request has named it for %g min) until one registers and can "
             "take requests (logged once until one can)",
             model,
             f"{prefill} prefill workers remain" if prefill else "nor any prefill worker",
+            RECENT_S / 60,
         )
 
     def _check(self, model: str, pool: list[WorkerStatus], seen: _Model, now: float, window: float) -> None:
@@ -121,7 +135,8 @@ class FleetNews:
         seen.routable_at = recent | {st.worker: now for st in pool if st.routable}
         out = [st for st in pool if st.exclusion is not None]
         by_reason = Counter(st.exclusion for st in out if st.exclusion is not None)
-        taking = len(pool) - len(out) + sum(st.soft for st in out)  # a soft one takes requests while none is routable
+        taking = self.routable[model] = taking_requests(pool)
+        self.excluded[model] = by_reason
         if not taking:
             if seen.down_since is None:
                 seen.down_since = now

@@ -64,6 +64,9 @@ class StateFigures:
     peer_settings_mismatch: Sequence[str] = ()  # peer routers with other routing settings (router.peer_settings)
     peer_version_mismatch: Sequence[str] = ()  # peer routers of another version
     workers_other_version: int = 0  # registered workers of another build (router.worker_versions)
+    # router.fleet_news's last check, by model: decode and agg workers taking requests, and left out by reason
+    workers_routable: Mapping[str, int] = field(default_factory=dict)
+    workers_excluded: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 class _StateCollector(Collector):
@@ -157,6 +160,25 @@ class _StateCollector(Collector):
             "a rolling upgrade in progress, or workers it left behind",
             s.workers_other_version,
         )
+        routable = GaugeMetricFamily(
+            "kvswitch_router_workers_routable",
+            "A model's decode and agg workers taking requests: its routable ones, or while none is its "
+            "engine_unhealthy ones, which the planner then uses; 0: every request for it is refused (503)",
+            labels=["model"],
+        )
+        for model, n in sorted(s.workers_routable.items()):
+            routable.add_metric([model], n)
+        yield routable
+        excluded = GaugeMetricFamily(
+            "kvswitch_router_workers_excluded",
+            "A model's decode and agg workers left out of routing, by reason (router.eligibility); a reason "
+            "no worker has has no sample",
+            labels=["model", "reason"],
+        )
+        for model, reasons in sorted(s.workers_excluded.items()):
+            for reason, n in sorted(reasons.items()):
+                excluded.add_metric([model, reason], n)
+        yield excluded
         reach = CounterMetricFamily(
             "kvswitch_router_prompt_tokens",
             "Prompt tokens routed (reach=prompt), and of them cached on the decode candidate holding the longest "

@@ -55,7 +55,15 @@ from router.calibration import Calibration, unusable_profiles
 from router.clock_skew import ClockSkew, Skew, SkewNews, Verdict
 from router.disagg import Disaggregator
 from router.dispatch import Dispatcher
-from router.eligibility import DEFAULT_PERIOD_S, Eligibility, Exclusion, WorkerStatus, few_ids, name_few
+from router.eligibility import (
+    DEFAULT_PERIOD_S,
+    Eligibility,
+    Exclusion,
+    WorkerStatus,
+    few_ids,
+    name_few,
+    taking_requests,
+)
 from router.fleet_lines import FleetLines, flush_all
 from router.fleet_news import CHECK_S, FleetNews
 from router.http_api import Drain, HttpLimits, make_app
@@ -592,6 +600,7 @@ class RouterService:
         bad = self.bad_records(served)
         left_out = [*bad]
         models: dict[str, dict[str, int]] = {}
+        decode_pools: dict[str, list[WorkerStatus]] = {}
         for st in statuses:
             m = models.setdefault(
                 st.model,
@@ -599,6 +608,8 @@ class RouterService:
             )
             m["workers"] += 1
             pool = "prefill" if st.role == "prefill" else "decode"
+            if pool == "decode":
+                decode_pools.setdefault(st.model, []).append(st)
             if st.routable:
                 m[f"routable_{pool}"] += 1
                 continue
@@ -663,7 +674,7 @@ class RouterService:
                 + ", ".join(names)
                 + (f"; {refused_records(self.ns, refused)}" if refused else "")
             )
-        elif not any(m["routable_decode"] or m["soft_decode"] for m in models.values()):
+        elif not any(taking_requests(pool) for pool in decode_pools.values()):
             problems.append(
                 "no decode or agg worker can take requests"
                 + (f"; {refused_records(self.ns, refused)}" if refused else "")
@@ -799,7 +810,8 @@ class RouterService:
 
     async def _check_fleet(self) -> None:
         """Every CHECK_S, what the workers /ready counts say of each model (router.fleet_news):
-        exclusions are computed only when read, and nothing else logs them for a whole fleet."""
+        exclusions are computed only when read, and nothing else logs them for a whole fleet. Its
+        figures are /metrics' kvswitch_router_workers_routable and _excluded."""
         while True:
             await asyncio.sleep(CHECK_S)
             if self.status is RouterStatus.RUNNING and self._registry_ready:
@@ -1060,6 +1072,8 @@ class RouterService:
             peer_settings_mismatch=self.peer_settings.settings_mismatch(),
             peer_version_mismatch=self.peer_settings.version_mismatch(),
             workers_other_version=len(self.worker_versions.others()),
+            workers_routable=dict(self.fleet_news.routable),
+            workers_excluded={m: {str(r): n for r, n in by.items()} for m, by in self.fleet_news.excluded.items()},
             config_rejected=self.config_rejected,
             loop_stalls=self.loop_watch.stalls,
         )
