@@ -19,7 +19,8 @@ it as it sends (worker_shim.event_log), and may be answering another router's du
 second per 4 M blocks). The whole reply may take `fetch_timeout_s` plus that first-chunk
 allowance, plus `request_timeout_s` per `BLOCKS_PER_WAIT` dump blocks received. A reply that
 never starts is a timeout, whatever the wait.
-Failures (no responder yet, timeout, a reply that does not decode, NATS errors) back off
+Failures (no responder yet, timeout, a reply that does not decode, NATS errors, this router's
+replies in flight at their byte limit: FailureKind, each counted by the ingest) back off
 exponentially from `retry_min_s` to `retry_max_s`. A failed decode asks for a full dump next,
 never the same `since_seq` again; so does a timeout (a replay that cannot reach this router, e.g.
 over its NATS payload limit, must not be asked for again and again). So does a reply that breaks
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
 import logging
 import time
@@ -59,7 +61,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
 from router.fleet_lines import FleetLines
 
-__all__ = ["BLOCKS_PER_WAIT", "LIMIT_HINT", "FetchFailure", "GapRepair", "RepairTarget"]
+__all__ = ["BLOCKS_PER_WAIT", "LIMIT_HINT", "FailureKind", "FetchFailure", "GapRepair", "RepairTarget"]
 
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"  # the status header of the empty reply NATS sends when nobody subscribes
@@ -77,19 +79,27 @@ LIMIT_HINT = (
 )
 
 
-_AT_BYTE_LIMIT = "this router's replies in flight at their byte limit"  # a FetchFailure kind
+class FailureKind(enum.StrEnum):
+    """What failed in a kvstate request, without what varies by worker (a timeout's wait grows with
+    the blocks its shim holds): for judging whether workers fail alike, and for the failures' metric
+    (its `kind` label is the member's name, lowercased)."""
+
+    TIMED_OUT = "timed out"  # no reply, or chunks that stopped: the shim, or NATS between
+    NO_RESPONDERS = "no responders"  # nobody subscribes to the worker's kvstate subject
+    MALFORMED = "malformed reply"  # a reply that does not decode, or breaks one worker's bounds
+    NATS_ERROR = "NATS error"  # this router's connection (reconnecting, draining)
+    BYTE_LIMIT = "this router's replies in flight at their byte limit"  # this router's own budget
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
 class FetchFailure(Exception):
-    """A kvstate request that got no complete, valid answer. `kind`: what failed, without what
-    varies by worker (a timeout's wait grows with the blocks its shim holds), for judging whether
-    workers fail alike. `malformed`: the reply did not decode; `timed_out`: it did not come whole
-    in time."""
+    """A kvstate request that got no complete, valid answer, and what failed (`kind`)."""
 
-    def __init__(self, why: str, *, kind: str, malformed: bool = False, timed_out: bool = False) -> None:
+    def __init__(self, why: str, *, kind: FailureKind) -> None:
         self.kind = kind
-        self.malformed = malformed
-        self.timed_out = timed_out
         super().__init__(why)
 
 
@@ -110,7 +120,7 @@ class _Loop:
     failures: int = 0
     last_error_log: float = field(default=-1e18)
     last_failure: str = ""  # of the failures in a row, the last one's why
-    last_kind: str = ""  # and its FetchFailure.kind
+    last_kind: FailureKind | None = None  # and its FetchFailure.kind
 
 
 class GapRepair:
@@ -240,7 +250,7 @@ class GapRepair:
         out after several waits."""
 
         def judged(held: int) -> str:
-            alike = Counter(loop.last_kind for loop in self._loops.values() if loop.failures)
+            alike = Counter(loop.last_kind for loop in self._loops.values() if loop.failures and loop.last_kind)
             if not alike:
                 return cause
             kind, failing = alike.most_common(1)[0]
@@ -254,19 +264,21 @@ class GapRepair:
 
         return judged
 
-    def _shared_cause(self, kind: str) -> str:
+    def _shared_cause(self, kind: FailureKind) -> str:
         """What a fleet failing alike by `kind` most likely shares: only a reply that never comes
         points at NATS or the shims; a byte limit is this router's own, a malformed reply a build's."""
-        if kind == _AT_BYTE_LIMIT:
-            return (
-                "this router repairing more workers at once than its replies in flight may hold; each is "
-                "retried as they drain"
-            )
-        if kind == "malformed reply":
-            return "the shims answer in a form this router cannot read (another kvswitch build? docs/deployment.md)"
-        if kind == "NATS error":
-            return "this router's NATS connection (its log says how)"
-        return f"NATS permissions on {subjects.kvstate_all(self._ns)}, or the workers' shims not answering"
+        match kind:
+            case FailureKind.BYTE_LIMIT:
+                return (
+                    "this router repairing more workers at once than its replies in flight may hold; each is "
+                    "retried as they drain"
+                )
+            case FailureKind.MALFORMED:
+                return "the shims answer in a form this router cannot read (another kvswitch build? docs/deployment.md)"
+            case FailureKind.NATS_ERROR:
+                return "this router's NATS connection (its log says how)"
+            case FailureKind.TIMED_OUT | FailureKind.NO_RESPONDERS:
+                return f"NATS permissions on {subjects.kvstate_all(self._ns)}, or the workers' shims not answering"
 
     async def fetch(self, worker: str, request: KvStateRequest) -> list[KvStateChunk]:
         """Every chunk of one kvstate reply, in order; FetchFailure otherwise."""
@@ -297,12 +309,12 @@ class GapRepair:
                 wait = self.request_timeout_s + (0.0 if chunks else slack)
                 msg = await sub.next_msg(timeout=min(wait, left))
                 if not msg.data and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
-                    raise FetchFailure("nobody answers (the shim may be starting)", kind="no responders")
+                    raise FetchFailure("nobody answers (the shim may be starting)", kind=FailureKind.NO_RESPONDERS)
                 budget.take_bytes(len(msg.data))
                 if self.reply_bytes > held and self.reply_bytes + len(msg.data) > self.replies_bytes_limit:
                     raise FetchFailure(
                         f"the replies in flight hold {self.reply_bytes} bytes already; later",
-                        kind=_AT_BYTE_LIMIT,
+                        kind=FailureKind.BYTE_LIMIT,
                     )
                 self.reply_bytes += len(msg.data)
                 held += len(msg.data)
@@ -316,11 +328,11 @@ class GapRepair:
             if chunks and self._clock() >= deadline:  # chunks that never end; no chunk at all is a timeout
                 raise _endless(deadline - start) from None
             seen = f"{len(chunks)} chunks, then none" if chunks else "no reply"
-            raise FetchFailure(f"{seen} within {wait:.1f}s", kind="timed out", timed_out=True) from None
+            raise FetchFailure(f"{seen} within {wait:.1f}s", kind=FailureKind.TIMED_OUT) from None
         except ProtocolError as exc:
-            raise FetchFailure(f"bad reply: {exc}", kind="malformed reply", malformed=True) from None
+            raise FetchFailure(f"bad reply: {exc}", kind=FailureKind.MALFORMED) from None
         except nats.errors.Error as exc:  # reconnecting, draining: try again later
-            raise FetchFailure(f"NATS error: {exc}", kind="NATS error") from None
+            raise FetchFailure(f"NATS error: {exc}", kind=FailureKind.NATS_ERROR) from None
         finally:
             self.reply_bytes -= held
             if sub is not None:
@@ -329,7 +341,7 @@ class GapRepair:
 
 
 def _endless(seconds: float) -> FetchFailure:
-    return FetchFailure(f"bad reply: no final chunk within {seconds:g}s", kind="malformed reply", malformed=True)
+    return FetchFailure(f"bad reply: no final chunk within {seconds:g}s", kind=FailureKind.MALFORMED)
 
 
 def _check_chunk(worker: str, chunk: KvStateChunk, index: int, epoch: int) -> None:

@@ -5,6 +5,7 @@ ingest mutates it, readers only read. router.metrics exports every counter below
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 
 __all__ = ["IngestStats", "SyncState", "WorkerSync"]
@@ -38,11 +39,13 @@ class IngestStats:
     repairs_batches: int = 0  # repairs answered with the missed batches
     repairs_dumps: int = 0  # repairs (and bootstraps) answered with a full dump
     repair_timeouts: int = 0  # kvstate requests that got no (complete) answer in time
+    repair_failures: Counter[str] = field(default_factory=Counter)  # failed kvstate requests by FailureKind
     dropped_unknown: int = 0  # batches of a worker that never registered (or already left)
     unknown_held: int = 0  # batches waiting for their worker to register
     dropped_overflow: int = 0  # held batches dropped past a worker's bound or the shared byte budget
     dropped_impossible: int = 0  # held batches a repair reply showed the shim never sent
     digest_mismatches: int = 0  # load-report digests that disagreed with the index at the same seq
+    digest_unfixed: int = 0  # workers whose digest disagreed right after a dump taken for it, until it agrees
     digest_lags: int = 0  # load-report digests that stayed ahead of the index: lost last batches
     last_lag_s: float = 0.0  # receive time - batch.ts of the last live batch applied
     workers: dict[str, WorkerSync] = field(default_factory=dict)

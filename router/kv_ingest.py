@@ -22,7 +22,14 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   drains, reaches each seq watched in time and has lost nothing.) A digest that disagrees is a
   WARNING once per worker until it agrees again (a lasting disagreement resyncs on every report,
   each counted in `digest_mismatches`), at most NAMED_AT_MOST workers named per window and the
-  rest counted (router.fleet_lines).
+  rest counted (router.fleet_lines). A digest that disagrees again at the first comparison after
+  the dump taken for a disagreement (with only well-formed batches applied since, the index is the
+  shim's own state) means the shim's digest and its dump disagree (another build computing it
+  otherwise): no dump fixes that, so it is not taken on every report. The worker's disagreements
+  are left alone for `digest_backoff_min_s`, doubling after each dump that does not help up to
+  `digest_backoff_max_s`, until its digest agrees; an ERROR once per worker until then (capped the
+  same way), counted in `stats.digest_unfixed`. It stays routable: its index is as fresh as a dump
+  can make it.
   So does the index holding a seq of the shim's epoch that the shim's reports, made after it sent
   that seq (their `ts` against the batch's, or the reply's arrival for a dump), stay below for
   `behind_grace_s` of the shim's clock: a reply claimed a seq the shim never sent, and every real
@@ -87,7 +94,7 @@ from protocol.messages import (
 )
 from router.block_index import BlockIndex, IndexFullError
 from router.fleet_lines import FleetLines
-from router.gap_repair import LIMIT_HINT, FetchFailure, GapRepair
+from router.gap_repair import LIMIT_HINT, FailureKind, FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
 from runtime import guarded
@@ -127,6 +134,11 @@ class _Worker:
     held_bytes: int = 0  # _held_size of `held`
     overflow_logged: bool = False  # held batches dropped and said so since it was last synced
     digest_said: bool = False  # its digest's disagreement said, until the digest agrees again
+    digest_repair: bool = False  # the repair open is for a digest disagreement
+    digest_dumped: bool = False  # that repair's dump is in, and its digest has not been compared since
+    digest_unfixed: bool = False  # its digest disagreed right after such a dump, and has not agreed since
+    digest_backoff_s: float = 0.0  # how long its disagreements are left alone after that (0: not at all)
+    digest_held_until: float = -math.inf  # and till when
     want_dump: bool = True
     why: str = "waiting for the shim's first full state"
     asked_at: int = 0  # arrival no. of the last batch received before the current request went out
@@ -158,6 +170,8 @@ class KvIngest:
         held_bytes_limit: int = 32 << 20,
         held_total_bytes_limit: int = 512 << 20,
         behind_grace_s: float = 1.0,
+        digest_backoff_min_s: float = 2.0,
+        digest_backoff_max_s: float = 64.0,
         min_entry_limit: int = MIN_ENTRY_LIMIT,
         max_kvstate_in_flight: int = 32,
         on_events: Callable[[str, list[KvEvent]], None] = lambda worker, events: None,
@@ -186,11 +200,21 @@ class KvIngest:
         self._held_total_bytes_limit = held_total_bytes_limit
         self._held_total = 0  # bytes of every worker's held batches and of those of unknown workers
         self._behind_grace_s = behind_grace_s
+        self._digest_backoff_min_s = digest_backoff_min_s
+        self._digest_backoff_max_s = digest_backoff_max_s
         self._digest_lines = FleetLines(
             log,
             logging.WARNING,
             "their KV digests disagree with the index; resyncing (one cause for many workers: their shims' "
             "digests or this router's index; every resync is counted in kvswitch_router_kv_digest_mismatches_total)",
+            clock=clock,
+        )
+        self._unfixed_lines = FleetLines(
+            log,
+            logging.ERROR,
+            "their KV digests still disagree right after a full dump; each stays routable, dumped again with a "
+            "backoff (one cause for many workers: shims of another kvswitch build, whose digest this router computes "
+            'otherwise: docs/deployment.md, "Upgrades"; kvswitch_router_kv_digest_unfixed_workers counts them)',
             clock=clock,
         )
         self._ahead_lines = FleetLines(
@@ -277,6 +301,8 @@ class KvIngest:
         state = self._workers.pop(worker, None)
         if state is not None:
             self._set_held(state, [])
+            if state.digest_unfixed:
+                self.stats.digest_unfixed -= 1
         self._unsynced.discard(worker)
         unknown = self._unknown.pop(worker, ())
         self.stats.unknown_held -= len(unknown)
@@ -389,6 +415,7 @@ class KvIngest:
             # the well-formed batches pay nothing. The batch still takes its seq; the events before
             # the bad one are in, and the next load report's digest check repairs the difference.
             self._malformed(worker, exc, "hash")
+            state.digest_dumped = False  # the index now differs from the shim's by this batch: not the shim's digest
         else:
             self._on_events(worker, batch.events)
         state.sync.last_seq, state.sent_ts = batch.seq, _shim_time(batch.ts)
@@ -524,9 +551,16 @@ class KvIngest:
             return
         state.ahead = None
         count, xor = self.index.digest(report.worker)
+        dumped, state.digest_dumped = state.digest_dumped, False
         if (count, xor) == (report.kv_blocks, report.kv_xor):
-            state.digest_said = False
+            self._digest_agrees(state)
             return
+        now = self._clock()
+        if dumped:
+            self._digest_unfixed(state, report, count, xor, now)
+            return
+        if now < state.digest_held_until:
+            return  # backing off: the last dump did not make it agree, and the next may not either
         self.stats.digest_mismatches += 1
         if not state.digest_said:  # once per episode: a lasting disagreement resyncs on every report
             state.digest_said = True
@@ -541,6 +575,44 @@ class KvIngest:
                 report.kv_xor,
             )
         self._open_repair(state, dump=True, why="its KV digest disagrees with the index")
+        state.digest_repair = True
+
+    def _digest_unfixed(self, state: _Worker, report: LoadReport, count: int, xor: int, now: float) -> None:
+        """The first digest compared after a dump taken for a disagreement disagrees again: the
+        index is the shim's own dump plus its own well-formed batches since, so the shim's digest
+        and its KV state disagree, and another dump would not help. Backing off, not dumping on
+        every report; the worker stays routable on the dump's state (see the module docstring)."""
+        state.digest_backoff_s = min(
+            2 * state.digest_backoff_s or self._digest_backoff_min_s, self._digest_backoff_max_s
+        )
+        state.digest_held_until = now + state.digest_backoff_s
+        if state.digest_unfixed:
+            return
+        state.digest_unfixed = True
+        self.stats.digest_unfixed += 1
+        self._unfixed_lines.say(
+            state.name,
+            "KV digest of worker %s still disagrees right after a full dump (seq %d: index %d blocks xor %x, shim "
+            "%d xor %x): its shim's digest and its own KV dump disagree (another kvswitch build? docs/deployment.md, "
+            '"Upgrades"); it stays routable on its dump\'s state and is dumped again at most every %gs, doubling '
+            "to %gs, until its digest agrees (logged once until then)",
+            state.name,
+            state.sync.last_seq,
+            count,
+            xor,
+            report.kv_blocks,
+            report.kv_xor,
+            state.digest_backoff_s,
+            self._digest_backoff_max_s,
+        )
+
+    def _digest_agrees(self, state: _Worker) -> None:
+        state.digest_said = False
+        state.digest_backoff_s, state.digest_held_until = 0.0, -math.inf
+        if state.digest_unfixed:
+            state.digest_unfixed = False
+            self.stats.digest_unfixed -= 1
+            log.warning("KV digest of worker %s agrees with the index again", state.name)
 
     def _check_ahead(self, state: _Worker, report: LoadReport) -> None:
         """A report below the index's seq. Judged on the shim's clock, never on arrival: load
@@ -622,13 +694,14 @@ class KvIngest:
         state = self._workers.get(worker)
         if state is None:
             return
-        if failure.malformed:
+        self.stats.repair_failures[failure.kind] += 1
+        if failure.kind is FailureKind.MALFORMED:
             self._malformed(worker, failure, "repair")
             state.want_dump = True  # never the same since_seq again
-        else:
+        elif failure.kind is FailureKind.TIMED_OUT:
             self.stats.repair_timeouts += 1
             # A replay that timed out may never get through (over NATS's max_payload): not again.
-            state.want_dump = state.want_dump or failure.timed_out
+            state.want_dump = True
 
     def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None:
         state = self._workers.get(worker)
@@ -652,6 +725,7 @@ class KvIngest:
             # reading its late reports as later; one whose clock lags is caught that much later.
             state.sent_ts = time.time() + CLOCK_ALLOWANCE_S
             state.want_dump = False
+            state.digest_dumped, state.digest_repair = state.digest_repair, False
             self.stats.repairs_dumps += 1
         elif first.epoch != sync.epoch:
             state.want_dump = True  # asked for batches of an epoch the shim no longer has

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.gap_repair import FailureKind
 from router.ingest_stats import IngestStats
 from router.replica_sync import SyncStats
 
@@ -280,6 +281,12 @@ def _ingest_counters(s: IngestStats) -> Iterator[Metric]:
         "past the grace: each takes a full dump",
         s.digest_mismatches,
     )
+    yield GaugeMetricFamily(
+        "kvswitch_router_kv_digest_unfixed_workers",
+        "Workers whose KV digest disagreed again right after the full dump taken for it (their shims' digest and "
+        "dump disagree: another build?): each stays routable, dumped again with a backoff up to 64 s, until it agrees",
+        s.digest_unfixed,
+    )
     yield CounterMetricFamily(
         "kvswitch_router_kv_digest_lags",
         "Load reports whose KV seq stayed ahead of the index past the grace (its last batches lost): each starts "
@@ -291,9 +298,19 @@ def _ingest_counters(s: IngestStats) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "kvswitch_router_kv_repair_timeouts",
-        "kvstate requests that got no complete answer in time, or no responder: each is retried after a backoff",
+        "kvstate requests that got no complete answer in time (the shim, or NATS between): each is retried after a "
+        "backoff, with a full dump",
         s.repair_timeouts,
     )
+    failures = CounterMetricFamily(
+        "kvswitch_router_kv_repair_failures",
+        "kvstate requests that failed, by kind: timed_out, no_responders, malformed, nats_error, byte_limit (this "
+        "router's replies in flight at their byte budget): each is retried after a backoff",
+        labels=["kind"],
+    )
+    for kind in FailureKind:
+        failures.add_metric([kind.label], s.repair_failures[kind])
+    yield failures
 
 
 def _sync_counters(s: SyncStats) -> Iterator[Metric]:

@@ -26,7 +26,7 @@ from router.calibration import DROPPED_WARN_AFTER, NO_CONTEXT_WARN_AFTER, Calibr
 from router.dispatch import Dispatcher
 from router.eligibility import NAMED_AT_MOST, Eligibility, Exclusion
 from router.fleet_lines import FleetLines, flush_all
-from router.gap_repair import GapRepair
+from router.gap_repair import FailureKind, GapRepair
 from router.kv_ingest import KvIngest
 from router.leg import LegError
 from router.tokenization import FingerprintWatch
@@ -40,7 +40,6 @@ from tests.router.test_calibration import _info as _timed_info
 from tests.router.test_kv_ingest import FakeShim, _bad_hash
 
 FLEET = 20
-BYTE_LIMIT = "this router's replies in flight at their byte limit"  # gap_repair's FetchFailure kind
 WORKERS = [f"w{i:04d}" for i in range(FLEET)]
 
 
@@ -107,15 +106,20 @@ async def test_a_fleet_whose_digests_disagree_is_said_once_per_worker_and_capped
 ) -> None:
     ingest, shims = fleet_ingest
     caplog.set_level(logging.WARNING, logger="router.kv_ingest")
-    for _ in range(3):  # a lasting disagreement: every report resyncs
+    for _ in range(3):  # a lasting disagreement: a resync, then (no dump fixes it) a back-off
         for shim in shims:
             ingest.check_digest(_wrong_digest(shim))
         assert await ingest.wait_synced(20.0)
-    assert ingest.stats.digest_mismatches == 3 * FLEET  # every resync counted
+    assert ingest.stats.digest_mismatches == FLEET  # every resync counted
+    assert ingest.stats.digest_unfixed == FLEET
     ingest._digest_lines.flush()
     named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "disagrees at seq")
     assert len(named) == NAMED_AT_MOST
     assert len(summary) == 1 and summary[0].startswith(f"and {FLEET - NAMED_AT_MOST} more workers: their KV digests")
+    ingest._unfixed_lines.flush()
+    named, summary = _lines(caplog, "router.kv_ingest", logging.ERROR, "right after a full dump")
+    assert len(named) == NAMED_AT_MOST
+    assert len(summary) == 1 and "another kvswitch build" in summary[0]
 
 
 async def test_one_worker_whose_digest_disagrees_is_named_once_per_episode(
@@ -124,11 +128,11 @@ async def test_one_worker_whose_digest_disagrees_is_named_once_per_episode(
     ingest, shims = fleet_ingest
     shim = shims[0]
     caplog.set_level(logging.WARNING, logger="router.kv_ingest")
-    for _ in range(2):
+    for _ in range(2):  # a resync, then a back-off: the dump did not make it agree
         ingest.check_digest(_wrong_digest(shim))
         assert await ingest.wait_synced(20.0)
     agrees = LoadReport(worker=shim.worker, ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=0, kv_xor=0)
-    ingest.check_digest(agrees)  # the episode ends
+    ingest.check_digest(agrees)  # the episode ends, and its back-off
     ingest.check_digest(_wrong_digest(shim))
     assert await ingest.wait_synced(20.0)
     ingest._digest_lines.flush()
@@ -137,7 +141,7 @@ async def test_one_worker_whose_digest_disagrees_is_named_once_per_episode(
         named
         == [f"KV digest of worker {shim.worker} disagrees at seq 0: index 0 blocks xor 0, shim 1 xor 1; resyncing"] * 2
     )
-    assert summary == [] and ingest.stats.digest_mismatches == 3
+    assert summary == [] and ingest.stats.digest_mismatches == 2
 
 
 async def test_a_fleet_whose_kvstate_goes_unanswered_is_capped_and_called_shared(
@@ -289,11 +293,13 @@ def test_a_fleet_failing_alike_is_pointed_at_what_that_kind_of_failure_shares() 
     # Only a reply that never comes points at NATS permissions or the shims: this router's own
     # byte limit and an unreadable reply (another build) did too (review of the 2026-12-06 work).
     repair = GapRepair(None, "ns", None)  # type: ignore[arg-type]  # never fetches here
-    for kind in ("timed out", "no responders"):
+    for kind in (FailureKind.TIMED_OUT, FailureKind.NO_RESPONDERS):
         assert "NATS permissions on ns.kvstate.*" in repair._shared_cause(kind)
-    assert "this router repairing more workers at once" in repair._shared_cause(BYTE_LIMIT)
-    assert "another kvswitch build" in repair._shared_cause("malformed reply")
-    assert "NATS permissions" not in repair._shared_cause(BYTE_LIMIT) + repair._shared_cause("malformed reply")
+    assert "this router repairing more workers at once" in repair._shared_cause(FailureKind.BYTE_LIMIT)
+    assert "another kvswitch build" in repair._shared_cause(FailureKind.MALFORMED)
+    assert "NATS permissions" not in repair._shared_cause(FailureKind.BYTE_LIMIT) + repair._shared_cause(
+        FailureKind.MALFORMED
+    )
 
 
 def _summarised(summary: list[str], n: int, *causes: str) -> bool:

@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import pack_batch, pack_chunk, subjects
 from protocol.messages import KvEventBatch, KvStateChunk, KvStateRequest, LoadReport, Stored, decode_msg, encode_msg
 from router.block_index import BlockIndex
-from router.gap_repair import FetchFailure, GapRepair
+from router.gap_repair import FailureKind, FetchFailure, GapRepair
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
+from router.metrics import RouterMetrics, StateFigures
 from runtime.nats_flush import flush
 from tests.router.polling import until
 
@@ -110,7 +112,7 @@ async def test_a_hung_shim_holding_few_blocks_times_out_soon_whatever_its_limit(
     repair = GapRepair(nc, ns, _Target(limit=1 << 26, holds=16_384), request_timeout_s=0.2, fetch_timeout_s=1.0)
     with pytest.raises(FetchFailure) as err:
         await repair.fetch("w", KvStateRequest())
-    assert (err.value.timed_out, err.value.malformed) == (True, False), err.value
+    assert err.value.kind is FailureKind.TIMED_OUT, err.value
 
 
 async def test_a_workers_first_dump_before_any_load_report_gets_its_index_bounds_wait(ingest: KvIngest) -> None:
@@ -150,3 +152,43 @@ async def test_the_error_says_what_was_seen(
     (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert "last: no reply within 0.2s" in error and "until a request on" in error
     assert "gets a complete answer" in error and "until its shim answers" not in error
+
+
+async def test_failed_repairs_are_counted_by_kind_and_only_timeouts_as_timeouts(
+    ingest: KvIngest, nc: Client, ns: str
+) -> None:
+    """Before: every failure that was not a malformed reply counted in kvswitch_router_kv_repair_timeouts
+    (this router's own byte limit, NATS errors and no responders too), pointing an operator alerting
+    on timeouts at the shims and NATS when the cause was this router's replies budget."""
+
+    async def silent(msg: Msg) -> None:  # takes the request, answers nothing: a timeout
+        pass
+
+    async def garbage(msg: Msg) -> None:
+        await nc.publish(msg.reply, b"\x01not msgpack of a chunk")
+
+    await nc.subscribe(subjects.kvstate(ns, "hung"), cb=silent)
+    await nc.subscribe(subjects.kvstate(ns, "junk"), cb=garbage)
+    await flush(nc)
+    for worker in ("hung", "junk", "gone"):  # "gone": nobody subscribes, no responders
+        ingest.add_worker(worker, 1)
+    await until(lambda: all(ingest.repairs.failures(w) >= 2 for w in ("hung", "junk", "gone")), timeout=10.0)
+    await ingest.stop()  # the counts stand still from here
+    # What a fetch alone cannot be made to meet here: this router's byte limit, its NATS connection.
+    for kind in (FailureKind.BYTE_LIMIT, FailureKind.NATS_ERROR, FailureKind.NATS_ERROR):
+        ingest.repair_failed("gone", FetchFailure("made here", kind=kind))
+    failures = ingest.stats.repair_failures
+    assert failures[FailureKind.TIMED_OUT] >= 2 and failures[FailureKind.MALFORMED] >= 2
+    assert failures[FailureKind.NO_RESPONDERS] >= 2
+    assert (failures[FailureKind.BYTE_LIMIT], failures[FailureKind.NATS_ERROR]) == (1, 2)
+    assert ingest.stats.repair_timeouts == failures[FailureKind.TIMED_OUT]
+
+    text = RouterMetrics(lambda: StateFigures(ingest=ingest.stats)).render().decode()
+    samples = {
+        (s.name, tuple(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    for kind in FailureKind:
+        assert samples["kvswitch_router_kv_repair_failures_total", (("kind", kind.label),)] == failures[kind]
+    assert samples["kvswitch_router_kv_repair_timeouts_total", ()] == failures[FailureKind.TIMED_OUT]

@@ -34,7 +34,7 @@ from protocol.messages import (
     encode_msg,
 )
 from router.block_index import BlockIndex
-from router.gap_repair import FetchFailure, GapRepair
+from router.gap_repair import FailureKind, FetchFailure, GapRepair
 from router.kv_ingest import CLOCK_ALLOWANCE_S, MAX_CLAIMED_ENTRIES, KvIngest
 from runtime.nats_flush import flush
 from tests.router.polling import until
@@ -458,7 +458,7 @@ async def test_the_replies_in_flight_share_one_byte_budget(nc: Client, ns: str) 
         await until(lambda: repair.reply_bytes > 1 << 20, what="the first reply past the shared budget")
         with pytest.raises(FetchFailure, match="the replies in flight hold") as err:
             await repair.fetch("a2", KvStateRequest())
-        assert not err.value.malformed  # no fault of a2's: it is asked again later
+        assert err.value.kind is FailureKind.BYTE_LIMIT  # no fault of a2's: it is asked again later
         assert not first.done(), "the first reply goes on to its own bound"
     finally:
         for s in shims:
