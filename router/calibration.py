@@ -118,8 +118,9 @@ import functools
 import logging
 import math
 import statistics
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -408,7 +409,10 @@ class Calibration:
         prior_scale: float = 1.0,
         prior_weight: float = 0.05,
         half_life_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` times only the windows of the warnings said per worker (router.fleet_lines): a
+        fit reads the reports' own stamps."""
         if not MIN_SCALE <= prior_scale <= MAX_SCALE:
             raise ValueError(f"prior_scale must be in [{MIN_SCALE}, {MAX_SCALE}], got {prior_scale}")
         if prior_weight <= 0 or half_life_s <= 0:
@@ -442,6 +446,7 @@ class Calibration:
             "busy stretches of their engines dropped and none fitted, so their timing stays the prior (one cause "
             "for many workers at once: load reports or readings lost on a path they share, NATS or slow /metrics, "
             "or a step of their hosts' clocks; counted in kvswitch_router_timing_dropped_stretches)",
+            clock=clock,
         )
         self._clamped_lines = FleetLines(
             log,
@@ -449,12 +454,14 @@ class Calibration:
             f"fit outside [{MIN_SCALE:g}, {MAX_SCALE:g}] against their timing profiles, so they are predicted at the "
             "bound, wrongly (one cause for many workers at once: a profile not their model and GPU; give their shims "
             "a --timing-profile of both)",
+            clock=clock,
         )
         self._no_context_lines = FleetLines(
             log,
             logging.WARNING,
             "decode but their load reports carry no decode_context, so their decode timing is fitted against KV use "
             "and may read slow (one cause for many workers at once: shims of a build that does not count it)",
+            clock=clock,
         )
 
     def shape(self, info: WorkerInfo) -> TimingModel | None:

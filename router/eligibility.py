@@ -203,6 +203,7 @@ class Eligibility:
             "failed prefill legs through their own fault (one cause for many prefill workers at once: a "
             "configuration they share, such as no --kv-transfer-config; the named workers' lines say what failed). "
             f"Their requests prefill elsewhere for {PREFILL_COOLDOWN_S:g}s after each such failure",
+            clock=clock,
         )
 
     # --- what the service tells it ---------------------------------------------------------------

@@ -20,8 +20,8 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   whose seq the index has not reached `behind_grace_s` later means the last batches were lost.
   Either starts a repair. (An index that trails every report by a few batches, as its own queue
   drains, reaches each seq watched in time and has lost nothing.) A digest that disagrees is a
-  WARNING once per worker until it agrees again (a lasting disagreement resyncs on every report,
-  each counted in `digest_mismatches`), at most NAMED_AT_MOST workers named per window and the
+  WARNING once per worker until it agrees again (each resync it takes counted in
+  `digest_mismatches`), at most NAMED_AT_MOST workers named per window and the
   rest counted (router.fleet_lines). A digest that disagrees again at the first comparison after
   the dump taken for a disagreement (with only well-formed batches applied since, the index is the
   shim's own state) means the shim's digest and its dump disagree (another build computing it
@@ -231,6 +231,15 @@ class KvIngest:
             "cannot read; every payload counted in kvswitch_router_kv_malformed_total)",
             clock=clock,
         )
+        self._capacity_lines = FleetLines(  # a fleet sharing one large offload tier goes past together
+            log,
+            logging.WARNING,
+            f"holding more blocks than their KV capacity allows, their entries dropped ({LIMIT_HINT})",
+            clock=clock,
+        )
+        self._agrees_lines = FleetLines(
+            log, logging.INFO, "KV digests agree with the index again (their shims' and this router's)", clock=clock
+        )
         self._on_events = on_events
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
@@ -396,7 +405,7 @@ class KvIngest:
         logged = self._malformed_logged.setdefault(worker if worker in self._workers else "", set())
         if kind not in logged:
             logged.add(kind)
-            self._malformed_lines.say(
+            (self._capacity_lines if kind == "capacity" else self._malformed_lines).say(
                 worker, "dropping malformed KV events from worker %s (logged once per worker and kind): %s", worker, exc
             )
 
@@ -562,7 +571,7 @@ class KvIngest:
         if now < state.digest_held_until:
             return  # backing off: the last dump did not make it agree, and the next may not either
         self.stats.digest_mismatches += 1
-        if not state.digest_said:  # once per episode: a lasting disagreement resyncs on every report
+        if not state.digest_said:  # once per episode, though each disagreement not held back resyncs
             state.digest_said = True
             self._digest_lines.say(
                 report.worker,
@@ -612,7 +621,7 @@ class KvIngest:
         if state.digest_unfixed:
             state.digest_unfixed = False
             self.stats.digest_unfixed -= 1
-            log.warning("KV digest of worker %s agrees with the index again", state.name)
+            self._agrees_lines.say(state.name, "KV digest of worker %s agrees with the index again", state.name)
 
     def _check_ahead(self, state: _Worker, report: LoadReport) -> None:
         """A report below the index's seq. Judged on the shim's clock, never on arrival: load

@@ -89,6 +89,7 @@ class TransferHealth:
             "decode workers failed to load KV prefilled for them, each pair avoided for its cooldown (one cause for "
             "many decode workers at once: a KV connector configured alike and wrongly, --kv-transfer-config or its "
             "NIXL link, or KV leases that run out before the pull; the engines' logs say which)",
+            clock=clock,
         )
 
     def failed(self, worker: str, prefill_worker: str = ANY, *, counted: bool = False) -> None:

@@ -213,7 +213,7 @@ class VirtualFleet:
         spec = self.spec
         if not spec.calibrate and not spec.router_profile_error:
             return None
-        return Calibration(prior_scale=1.0 + spec.router_profile_error)
+        return Calibration(prior_scale=1.0 + spec.router_profile_error, clock=self.clock.time)
 
     def run(self, items: Sequence[WorkItem], synth: TokenSynth, *, rate: float = 1.0) -> VirtualRun:
         """Replay `items` at `rate` times their arrival rate; returns when every request ended."""

@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from discovery import Discovery
 from protocol import WorkerInfo, encode_msg, subjects
 from protocol.config import EtcdSettings
-from protocol.messages import LoadReport
+from protocol.messages import LoadReport, Stored
 from protocol.timing import DEFAULT_PROFILE
 from router.block_index import BlockIndex
 from router.calibration import DROPPED_WARN_AFTER, NO_CONTEXT_WARN_AFTER, Calibration
@@ -534,3 +534,29 @@ def test_a_prefill_fleet_failing_its_legs_is_capped(caplog: pytest.LogCaptureFix
         "request tries it again (logged once per episode)"
     )
     assert _summarised(summary, fleet, "failed prefill legs through their own fault")
+
+
+async def test_a_fleet_past_its_kv_capacity_is_summarised_with_the_capacity_hint(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A fleet sharing one large offload tier goes past its capacity together: the summary named
+    # another build as the cause, where the named lines said to raise --index-limit-per-worker.
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.5, retry_max_s=0.2, min_entry_limit=4)
+    await ingest.start()
+    shims = [FakeShim(nc, ns, w) for w in WORKERS]
+    try:
+        for shim in shims:
+            await shim.start()
+            ingest.add_worker(shim.worker, shim.epoch)
+        assert await ingest.wait_synced(20.0)
+        with caplog.at_level(logging.WARNING, logger="router.kv_ingest"):
+            for shim in shims:
+                await shim.publish(Stored(hashes=list(range(1, 7))))
+            await until(lambda: ingest.stats.malformed >= FLEET, what="every worker past its capacity")
+            flush_all()
+        named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "more than its KV capacity allows")
+        assert len(named) == NAMED_AT_MOST and len(summary) == 1, summary
+        assert summary[0].startswith(f"and {FLEET - NAMED_AT_MOST} more workers: holding more blocks")
+        assert "--index-limit-per-worker" in summary[0] and "another build" not in summary[0]
+    finally:
+        await ingest.stop()

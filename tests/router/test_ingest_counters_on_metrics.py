@@ -55,6 +55,7 @@ def test_every_ingest_count_is_rendered() -> None:
         dropped_impossible=13,
         digest_mismatches=14,
         digest_lags=15,
+        digest_unfixed=16,
         last_lag_s=0.5,
     )
     samples = _kv_samples(RouterMetrics(lambda: StateFigures(ingest=stats)).render().decode())
@@ -72,6 +73,7 @@ def test_every_ingest_count_is_rendered() -> None:
         "unknown_held": 11.0,
         "digest_mismatches": 14.0,
         "digest_lags": 15.0,
+        "digest_unfixed_workers": 16.0,
         "disconnects": 0.0,  # the service's, not the ingest's
     }
     assert _dropped(samples) == {"unknown": 10.0, "overflow": 12.0, "impossible": 13.0}

@@ -565,10 +565,15 @@ async def test_a_digest_no_dump_can_fix_backs_off_instead_of_dumping_on_every_re
         assert ingest.stats.digest_unfixed == 1
         (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert "worker a1" in error and "another kvswitch build" in error
+        # three dumps in one episode, one WARNING: it is said once per episode
+        assert len([r for r in caplog.records if "disagrees at seq" in r.getMessage()]) == 1
+        caplog.set_level(logging.INFO, logger="router.kv_ingest")
         ingest.check_digest(
             LoadReport(worker="a1", ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq, kv_blocks=n, kv_xor=x)
         )
         assert ingest.stats.digest_unfixed == 0
+        again = [r for r in caplog.records if "agrees with the index again" in r.getMessage()]
+        assert [r.levelno for r in again] == [logging.INFO]
     finally:
         await ingest.stop()
 
