@@ -25,6 +25,7 @@ from router.clock_skew import (
     SkewNews,
     Verdict,
 )
+from router.service import RouterService
 from tests.router.conftest import BLOCK, MODEL, Cluster
 from tests.router.polling import until
 
@@ -365,6 +366,20 @@ def test_the_first_workers_to_report_are_held_for_the_fleet_registered() -> None
     assert [(v.fleet, [s.worker for s in v.off]) for v in said] == [(None, ["w00"]), (None, ["w01"])]
 
 
+def _said(caplog: pytest.LogCaptureFixture, *words: str, level: int) -> list[str]:
+    """The lines logged at `level` holding every one of `words`."""
+    lines = [r.getMessage() for r in caplog.records if r.levelno == level]
+    return [line for line in lines if all(w in line for w in words)]
+
+
+async def _register(d: Discovery, router: RouterService, prefix: str, fleet: list[str]) -> None:
+    """Worker records for `fleet`, no shim behind them (their reports are the test's), until routed."""
+    for worker in fleet:
+        info = WorkerInfo(worker=worker, model=MODEL, role="agg", engine="vllm", block_size=BLOCK, tokenizer="builtin")
+        await d.put_raw(prefix + worker, encode_json(info))
+    await until(lambda: all(router.registry.get(w) for w in fleet), what="the fleet registered")
+
+
 async def test_a_router_behind_its_registered_fleet_says_it_once_and_agrees_again_once_it_leaves(
     cluster: Cluster, nc: Client, etcd_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -377,16 +392,10 @@ async def test_a_router_behind_its_registered_fleet_says_it_once_and_agrees_agai
     prefix = subjects.workers_prefix(cluster.ns)
 
     def said(*words: str, level: int) -> list[str]:
-        lines = [r.getMessage() for r in caplog.records if r.levelno == level]
-        return [line for line in lines if all(w in line for w in words)]
+        return _said(caplog, *words, level=level)
 
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
-        for worker in fleet:
-            info = WorkerInfo(
-                worker=worker, model=MODEL, role="agg", engine="vllm", block_size=BLOCK, tokenizer="builtin"
-            )
-            await d.put_raw(prefix + worker, encode_json(info))
-        await until(lambda: all(router.registry.get(w) for w in fleet), what="the fleet registered")
+        await _register(d, router, prefix, fleet)
         deadline = time.monotonic() + 20
         while not said("this router's clock is probably off", level=logging.WARNING):
             assert time.monotonic() < deadline, "no WARNING about this router's clock"
@@ -425,16 +434,10 @@ async def test_a_fleet_of_twenty_stamped_behind_is_one_warning_about_this_router
         await asyncio.sleep(0.1)
 
     def said(*words: str, level: int) -> list[str]:
-        lines = [r.getMessage() for r in caplog.records if r.levelno == level]
-        return [line for line in lines if all(w in line for w in words)]
+        return _said(caplog, *words, level=level)
 
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
-        for worker in fleet:
-            info = WorkerInfo(
-                worker=worker, model=MODEL, role="agg", engine="vllm", block_size=BLOCK, tokenizer="builtin"
-            )
-            await d.put_raw(prefix + worker, encode_json(info))
-        await until(lambda: all(router.registry.get(w) for w in fleet), what="the fleet registered")
+        await _register(d, router, prefix, fleet)
         for _ in range(WINDOW):
             await report(0.0)
         deadline = time.monotonic() + 20
