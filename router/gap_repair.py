@@ -79,6 +79,10 @@ LIMIT_HINT = (
 )
 
 
+class _OverCapacity(ProtocolError):
+    """A dump of more blocks than the worker's index bound: an honest offload tier, most often."""
+
+
 class FailureKind(enum.StrEnum):
     """What failed in a kvstate request, without what varies by worker (a timeout's wait grows with
     the blocks its shim holds): for judging whether workers fail alike, and for the failures' metric
@@ -89,6 +93,7 @@ class FailureKind(enum.StrEnum):
     MALFORMED = "malformed reply"  # a reply that does not decode, or breaks one worker's bounds
     NATS_ERROR = "NATS error"  # this router's connection (reconnecting, draining)
     BYTE_LIMIT = "this router's replies in flight at their byte limit"  # this router's own budget
+    OVER_CAPACITY = "a dump past the worker's index bound"  # an offload tier past --index-limit-per-worker
 
     @property
     def label(self) -> str:
@@ -275,6 +280,8 @@ class GapRepair:
                 )
             case FailureKind.MALFORMED:
                 return "the shims answer in a form this router cannot read (another kvswitch build? docs/deployment.md)"
+            case FailureKind.OVER_CAPACITY:
+                return f"KV tiers larger than this router's index bound per worker ({LIMIT_HINT})"
             case FailureKind.NATS_ERROR:
                 return "this router's NATS connection (its log says how)"
             case FailureKind.TIMED_OUT | FailureKind.NO_RESPONDERS:
@@ -329,6 +336,8 @@ class GapRepair:
                 raise _endless(deadline - start) from None
             seen = f"{len(chunks)} chunks, then none" if chunks else "no reply"
             raise FetchFailure(f"{seen} within {wait:.1f}s", kind=FailureKind.TIMED_OUT) from None
+        except _OverCapacity as exc:
+            raise FetchFailure(f"bad reply: {exc}", kind=FailureKind.OVER_CAPACITY) from None
         except ProtocolError as exc:
             raise FetchFailure(f"bad reply: {exc}", kind=FailureKind.MALFORMED) from None
         except nats.errors.Error as exc:  # reconnecting, draining: try again later
@@ -379,5 +388,5 @@ class _ReplyBudget:
         n = hash_count(chunk.hashes)
         self.blocks -= n
         if self.blocks < 0:
-            raise ProtocolError("KvStateChunk", f"the dump holds more blocks than the worker can hold; {LIMIT_HINT}")
+            raise _OverCapacity("KvStateChunk", f"the dump holds more blocks than the worker can hold; {LIMIT_HINT}")
         return n

@@ -704,8 +704,9 @@ class KvIngest:
         if state is None:
             return
         self.stats.repair_failures[failure.kind] += 1
-        if failure.kind is FailureKind.MALFORMED:
-            self._malformed(worker, failure, "repair")
+        if failure.kind in (FailureKind.MALFORMED, FailureKind.OVER_CAPACITY):
+            # over capacity: the batches' own capacity line and cause (an offload tier), not a build's
+            self._malformed(worker, failure, "capacity" if failure.kind is FailureKind.OVER_CAPACITY else "repair")
             state.want_dump = True  # never the same since_seq again
         elif failure.kind is FailureKind.TIMED_OUT:
             self.stats.repair_timeouts += 1

@@ -129,9 +129,14 @@ class Cluster:
         return router
 
     async def ready(self, router: RouterService, workers: int | None = None) -> None:
-        """The router sees `workers` workers (default: all) and its index is synced."""
+        """The router sees `workers` workers (default: all) and its index is synced with every one: a
+        router is ready with one decode worker routable, and a request before a prefill worker had
+        synced found no prefill pool (clean-clone CI runs, twice in two sessions)."""
         n = len(self.workers) if workers is None else workers
-        await until(lambda: router.ready and len(router.registry.workers()) == n, what="router ready")
+        await until(
+            lambda: router.ready and len(router.registry.workers()) == n and router.ingest.synced,
+            what="router ready, its index synced",
+        )
 
     async def add_ready_router(self, api_keys_file: str | None = None, **overrides: Any) -> RouterService:
         """A router that sees every worker added so far, its index synced."""

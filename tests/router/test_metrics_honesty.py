@@ -101,6 +101,11 @@ async def test_a_fallback_to_a_local_prefill_is_counted_by_its_cause(
     await cluster.add_worker("prefill", **prefill)
     await cluster.add_worker("decode")
     router = await cluster.add_ready_router(disagg="always", **settings)
+    # a router is ready with its decode worker alone; a prefill worker still syncing is no pool (a
+    # clean-clone CI run got `no_prefill_pool` once)
+    await until(
+        lambda: all(st["routable"] for st in router.worker_listing()["worker_status"]), what="both workers routable"
+    )
     status, out, _ = await complete(http, router, list(range(400)), max_tokens=2)
     assert (status, out["kvswitch"]["outcome"]) == (200, f"fallback_{cause}"), out
     samples = await _scrape(http, router)
