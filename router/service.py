@@ -492,8 +492,8 @@ class RouterService:
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
         self._tasks.append(
-            background(
-                self._check_fleet(),
+            background(  # a check that raises is an ERROR and runs again: its gauges must not freeze
+                keep_following(self._check_fleet, "the fleet check (router.fleet_news)"),
                 "router-fleet-news",
                 "a model's fleet going out of routing, or back, is not logged until the router restarts",
             )

@@ -1,13 +1,14 @@
 """Each model's decode and agg workers taking requests, and left out by reason, are gauges an alert
 can read (kvswitch_router_workers_routable, kvswitch_router_workers_excluded), fed from the
 fleet check's last figures (router.fleet_news): on a router of several models /ready stays 200
-while one of them has no worker taking requests, and until 2026-12-07 only a WARNING said so."""
+while one of them has no worker taking requests, and until 2026-12-06 only a WARNING said so."""
 
 from __future__ import annotations
 
 import asyncio
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.eligibility import Exclusion, WorkerStatus
@@ -98,3 +99,25 @@ async def _gauges_until(
                 seen = await _gauges(http, router)
     except TimeoutError:
         raise AssertionError(f"timed out waiting for {what}: last scrape {seen}, want {want}") from None
+
+
+async def test_a_fleet_check_that_raises_is_logged_and_runs_again(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, one exception ended the check's task for good: its gauges froze at their last values.
+    calls = {"n": 0}
+
+    def check_once_broken(statuses: list[WorkerStatus], now: float, period_s: float) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a broken check")
+        real(statuses, now, period_s)
+
+    await cluster.add_worker("decode")
+    router = await cluster.add_router()
+    real = router.fleet_news.check
+    monkeypatch.setattr(router.fleet_news, "check", check_once_broken)
+    await cluster.ready(router)
+    await _gauges_until(http, router, ({MODEL: 1.0}, {}), "the check running again")
+    assert calls["n"] >= 2
+    assert any("fleet check" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
