@@ -28,8 +28,9 @@ while (first reason wins):
   requests prefill on the other prefill workers, or, with none left, on their decode worker. One
   whose legs only lacked a transfer handle still serves whole requests (`serves_whole`): the
   planner may spill to it (spill_to_prefill); a hung or failing one takes none. An episode's start
-  is a WARNING naming the worker; a prefill fleet misconfigured alike fails every worker's legs, so
-  in a window of 10 s the first eight are named, the rest counted in one line (router.fleet_lines);
+  is a WARNING naming the worker, its end an INFO; a prefill fleet misconfigured alike fails every
+  worker's legs (and, fixed, serves again all at once), so in a window of 10 s the first eight are
+  named, the rest counted in one line (router.fleet_lines), for the failures and the ends alike;
 - `draining`: its shim got SIGTERM (LoadReport.draining): its requests in flight finish, a new one
   would be refused, so none is sent (a rolling restart costs no retry);
 - `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
@@ -205,6 +206,10 @@ class Eligibility:
             f"Their requests prefill elsewhere for {PREFILL_COOLDOWN_S:g}s after each such failure",
             clock=clock,
         )
+        # and, that configuration fixed, every one serves again: as capped
+        self._prefill_again_lines = FleetLines(
+            log, logging.INFO, "prefill workers serve prefill legs again", clock=clock
+        )
 
     # --- what the service tells it ---------------------------------------------------------------
 
@@ -234,7 +239,7 @@ class Eligibility:
         if fault is None:
             if held is not None and self._clock() - held.failed_at >= PREFILL_COOLDOWN_S:
                 del self._prefill_failing[worker]
-                log.info("prefill worker %s serves prefill legs again", worker)
+                self._prefill_again_lines.say(worker, "prefill worker %s serves prefill legs again", worker)
             return
         if held is None:
             self._prefill_lines.say(

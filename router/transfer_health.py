@@ -31,8 +31,9 @@ load report sent `CONFIRM_S` after that token shows no new failure (the shim for
 within a second of the engine counting it); and D's pairs closed by its count probe one at a
 time, so that one probe's failure is not put down to another's. One WARNING per episode names
 the pair, and an INFO its recovery, however long the fault lasts. A KV connector misconfigured
-across the fleet fails every pair at once: in a window of 10 s, the first eight decode workers are
-named (each for its pairs), the rest counted in one line (router.fleet_lines).
+across the fleet fails every pair at once, and its fix ends every episode at once: in a window of
+10 s, the first eight decode workers are named (each for its pairs), the rest counted in one line
+(router.fleet_lines), for the failures and for the recoveries alike.
 
 Synchronous, with the planner's clock, which it reads only while some pull is failing or is
 followed (a virtual-clock replay, where no pull fails, reads no clock here).
@@ -90,6 +91,10 @@ class TransferHealth:
             "many decode workers at once: a KV connector configured alike and wrongly, --kv-transfer-config or its "
             "NIXL link, or KV leases that run out before the pull; the engines' logs say which)",
             clock=clock,
+        )
+        # and, that cause fixed, every pair recovers: as capped
+        self._recovered_lines = FleetLines(
+            log, logging.INFO, "decode workers load KV from their prefill workers again", clock=clock
         )
 
     def failed(self, worker: str, prefill_worker: str = ANY, *, counted: bool = False) -> None:
@@ -197,7 +202,9 @@ class TransferHealth:
         self._probes.pop(key, None)
         self._confirming.pop(key, None)
         self._counted.discard(key)
-        log.info("decode worker %s loads KV from %s again", key[0], key[1] or "its prefill workers")
+        self._recovered_lines.say(
+            key[0], "decode worker %s loads KV from %s again", key[0], key[1] or "its prefill workers"
+        )
 
     def probing(self, worker: str, prefill_worker: str) -> None:
         """A request was planned to pull into `worker` from `prefill_worker`: past a cooldown, it is

@@ -3,7 +3,7 @@ rest (router.fleet_lines), at each site that logged it once per worker: the KV d
 repair, the tokenizer and build checks, a KV index ahead of its shim, malformed KV events, malformed
 replies, the service's clock steps and malformed load reports (its unregistered load reports are in
 test_isolation_peers), calibration's three warnings, a failed KV pull and a prefill worker's failing
-legs. One worker alone is named as before. Log-volume audit of 2026-12-06."""
+legs, and the ends of those two. One worker alone is named as before. Log-volume audit of 2026-12-06."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from protocol.timing import DEFAULT_PROFILE
 from router.block_index import BlockIndex
 from router.calibration import DROPPED_WARN_AFTER, NO_CONTEXT_WARN_AFTER, Calibration
 from router.dispatch import Dispatcher
-from router.eligibility import NAMED_AT_MOST, Eligibility, Exclusion
+from router.eligibility import NAMED_AT_MOST, PREFILL_COOLDOWN_S, Eligibility, Exclusion
 from router.fleet_lines import FleetLines, flush_all
 from router.gap_repair import FailureKind, GapRepair
 from router.kv_ingest import KvIngest
@@ -534,6 +534,51 @@ def test_a_prefill_fleet_failing_its_legs_is_capped(caplog: pytest.LogCaptureFix
         "request tries it again (logged once per episode)"
     )
     assert _summarised(summary, fleet, "failed prefill legs through their own fault")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+def test_a_fleet_loading_kv_again_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+    """The KV connector fixed fleet-wide: every pair's probe works at once, and each said its
+    recovery (1,000 INFO lines at 1,000 decode workers)."""
+    now = [100.0]
+    transfers = TransferHealth(clock=lambda: now[0])
+    for worker in WORKERS[:fleet]:
+        for prefill in ("p1", "p2"):
+            transfers.failed(worker, prefill)
+    now[0] += transfers.cooldown_s
+    with caplog.at_level(logging.INFO, logger="router.transfer_health"):
+        for worker in WORKERS[:fleet]:
+            for prefill in ("p1", "p2"):
+                transfers.succeeded(worker, prefill)
+        transfers._recovered_lines.flush()
+    assert not transfers.any
+    named, summary = _lines(caplog, "router.transfer_health", logging.INFO, "loads KV from")
+    assert named[:2] == ["decode worker w0000 loads KV from p1 again", "decode worker w0000 loads KV from p2 again"]
+    assert len(named) == 2 * min(fleet, NAMED_AT_MOST)
+    held = fleet - NAMED_AT_MOST
+    assert summary == ([f"and {held} more workers ({2 * held} lines): decode workers load KV from their prefill "
+                        "workers again"] if held > 0 else [])  # fmt: skip
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+def test_a_prefill_fleet_serving_its_legs_again_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+    """Every prefill engine restarted with its KV connector: each one's probe works at once."""
+    now = [1000.0]
+    elig = Eligibility(clock=lambda: now[0], sync_state=lambda w: None, liveness=lambda w: None, tokenizer=None)
+    for worker in WORKERS[:fleet]:
+        elig.added(worker)
+        elig.prefill_leg(worker, "its prefill legs return no transfer handle", serves_whole=True)
+    now[0] += PREFILL_COOLDOWN_S
+    with caplog.at_level(logging.INFO, logger="router.eligibility"):
+        for worker in WORKERS[:fleet]:
+            elig.prefill_leg(worker, None)
+        elig._prefill_again_lines.flush()
+    infos = [WorkerInfo(worker=w, model="m", role="prefill", engine="vllm", block_size=16) for w in WORKERS[:fleet]]
+    assert Exclusion.PREFILL_FAILING not in {s.exclusion for s in elig.statuses(infos)}
+    named, summary = _lines(caplog, "router.eligibility", logging.INFO, "serves prefill legs again")
+    assert named[0] == "prefill worker w0000 serves prefill legs again"
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert _summarised(summary, fleet, "prefill workers serve prefill legs again")
 
 
 async def test_a_fleet_past_its_kv_capacity_is_summarised_with_the_capacity_hint(
