@@ -38,8 +38,9 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   an overloaded router drains behind), never a contradiction.
 - One worker cannot grow a replica's memory without bound: its held batches are bounded in count
   and bytes (and all workers' together, with those of unknown workers, in bytes); past a bound
-  they are dropped (counted, and a WARNING once until the worker is synced) and a full dump
-  catches up. Its index entries are bounded by
+  they are dropped (counted, and a WARNING once until the worker is synced, capped the same way:
+  a fleet whose repairs all fail fills every bound) and a full dump catches up. Its index entries
+  are bounded by
   `min_entry_limit` (the router's --index-limit-per-worker, 4 M entries by default, ~170 MB of
   index), or `CAPACITY_SLACK` times its KV capacity (WorkerInfo / LoadReport `kv_total_blocks`)
   when that is more, but no more than `MAX_CLAIMED_ENTRIES` on the worker's own word. The floor is
@@ -235,6 +236,14 @@ class KvIngest:
             log,
             logging.WARNING,
             f"holding more blocks than their KV capacity allows, their entries dropped ({LIMIT_HINT})",
+            clock=clock,
+        )
+        self._overflow_lines = FleetLines(  # a fleet whose kvstate goes unanswered fills every bound
+            log,
+            logging.WARNING,
+            "dropped held KV batches past a bound on batches held while they repair; a full dump catches up each "
+            "(one cause for many workers at once: their repairs failing alike, as gap repair's lines say; "
+            'kvswitch_router_kv_dropped_total{reason="overflow"} counts each)',
             clock=clock,
         )
         self._agrees_lines = FleetLines(
@@ -487,7 +496,8 @@ class KvIngest:
         if state.overflow_logged:
             return
         state.overflow_logged = True
-        log.warning(
+        self._overflow_lines.say(
+            state.name,
             "worker %s: dropped %d held KV batches, past %s bound on batches held while it repairs (%d batches, "
             "%d MiB a worker; %d MiB all workers); a full dump catches up (logged once until it is synced; "
             'kvswitch_router_kv_dropped_total{reason="overflow"} counts each)',

@@ -7,12 +7,14 @@ index drops the worker's entries. Callbacks run on the event loop, in watch orde
 is logged and does not stop the watch, and a watch that crashes is started again (a new Snapshot).
 
 A record that cannot be true is refused as if its key were absent, logged as an ERROR once per key
-and problem, counted in `refused` (every time one is read) and listed in `refusing()` while it
-lasts (/ready and /debug/route show it as `bad_record`): it does not decode as a WorkerInfo (not
-JSON, a field missing or of the wrong type), its name is not a worker id (a key that is not UTF-8
-or not one subject token), it names another worker, or a field is out of range (block size 0, a
-negative count: protocol.messages.worker_info_problem). One such record would otherwise break
-routing for its whole model; the shim behind it may be alive, so it must not vanish unseen.
+and problem (a fleet of records one build or flag got wrong: the first eight in a window named, the
+rest counted in one line, router.fleet_lines), counted in `refused` (every time one is read) and
+listed in `refusing()` while it lasts (/ready and /debug/route show it as `bad_record`): it does not
+decode as a WorkerInfo (not JSON, a field missing or of the wrong type), its name is not a worker id
+(a key that is not UTF-8 or not one subject token), it names another worker, or a field is out of
+range (block size 0, a negative count: protocol.messages.worker_info_problem). One such record would
+otherwise break routing for its whole model; the shim behind it may be alive, so it must not vanish
+unseen.
 
 Workers of one model that disagree on block size are a configuration error (DESIGN.md): the
 registry logs it as an error on every change of the block sizes in conflict (naming eight workers
@@ -55,6 +57,7 @@ from discovery.watch import keep_following
 from protocol import WorkerInfo, serving, subjects
 from protocol.messages import adapter_named, worker_info_problem
 from router.eligibility import few_ids
+from router.fleet_lines import FleetLines
 from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, served_as, shadow_message
 from runtime import background
@@ -127,6 +130,13 @@ class WorkerRegistry:
         self.context_conflicts: dict[str, dict[int, list[str]]] = {}  # model -> max_model_len -> workers
         self.refused = 0  # records refused so far
         self._refusing: dict[str, Refused] = {}  # by key name, while its record is refused
+        self._refused_lines = FleetLines(
+            log,
+            logging.ERROR,
+            "worker records ignored (one cause for many records at once: shims of a build whose records this router "
+            "cannot read, or a flag they share; each is bad_record on /debug/workers, counted in "
+            "kvswitch_router_worker_records_refused_total)",
+        )
         # every name (model, alias, adapter) a worker whose key went served, with when (monotonic)
         self._left: OrderedDict[str, float] = OrderedDict()
         self.status = PartStatus.NEW
@@ -298,7 +308,7 @@ class WorkerRegistry:
         self._delete(name)  # a record that was good before goes: routing must not keep a stale one
         self._refusing[name] = Refused(name, problem, info)
         if said is None or said.why != problem:
-            log.error("worker record under key %r ignored: %s", name, problem)
+            self._refused_lines.say(name, "worker record under key %r ignored: %s", name, problem)
 
     def _delete(self, name: str) -> None:
         self._refusing.pop(name, None)

@@ -3,7 +3,8 @@ rest (router.fleet_lines), at each site that logged it once per worker: the KV d
 repair, the tokenizer and build checks, a KV index ahead of its shim, malformed KV events, malformed
 replies, the service's clock steps and malformed load reports (its unregistered load reports are in
 test_isolation_peers), calibration's three warnings, a failed KV pull and a prefill worker's failing
-legs, and the ends of those two. One worker alone is named as before. Log-volume audit of 2026-12-06."""
+legs, and the ends of those two, KV batches held past their bound, and refused worker records. One
+worker alone is named as before. Log-volume audit of 2026-12-06."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from discovery import Discovery
+from discovery import Discovery, Snapshot
 from protocol import WorkerInfo, encode_msg, subjects
 from protocol.config import EtcdSettings
 from protocol.messages import LoadReport, Stored
@@ -31,6 +32,7 @@ from router.kv_ingest import KvIngest
 from router.leg import LegError
 from router.tokenization import FingerprintWatch
 from router.transfer_health import TransferHealth
+from router.worker_registry import WorkerRegistry
 from router.worker_versions import WorkerVersions
 from runtime.nats_flush import flush
 from tests.router.conftest import MODEL, Cluster
@@ -579,6 +581,51 @@ def test_a_prefill_fleet_serving_its_legs_again_is_capped(caplog: pytest.LogCapt
     assert named[0] == "prefill worker w0000 serves prefill legs again"
     assert len(named) == min(fleet, NAMED_AT_MOST)
     assert _summarised(summary, fleet, "prefill workers serve prefill legs again")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+async def test_a_fleet_whose_held_kv_batches_overflow_is_capped(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture, fleet: int
+) -> None:
+    """No shim answers its kvstate request (a NATS permission change): every worker's batches are
+    held while it repairs, past the bound, and each said so."""
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.2, held_limit=2)
+    await ingest.start()
+    shims = [FakeShim(nc, ns, w) for w in WORKERS[:fleet]]
+    try:
+        for shim in shims:
+            shim.answering = False
+            await shim.start()
+            ingest.add_worker(shim.worker, shim.epoch)
+        with caplog.at_level(logging.WARNING, logger="router.kv_ingest"):
+            for i in range(4):
+                for shim in shims:
+                    await shim.publish(Stored(hashes=[i + 1]))
+            await flush(nc)
+            await until(lambda: ingest.stats.dropped_overflow >= 2 * fleet, what="every worker's batches dropped")
+            ingest._overflow_lines.flush()
+    finally:
+        await ingest.stop()
+    named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "held KV batches, past")
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert named[0].startswith("worker w0000: dropped 2 held KV batches, past its own bound")
+    assert _summarised(summary, fleet, "dropped held KV batches past a bound")
+
+
+@pytest.mark.parametrize("fleet", [1, FLEET])
+def test_a_fleet_of_records_this_router_cannot_read_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+    """Shims of a build whose records do not decode here: every record refused, each said."""
+    registry = WorkerRegistry(None, lambda info: None, lambda worker: None)  # type: ignore[arg-type]  # fed here
+    why = "it does not decode as a WorkerInfo: Object missing required field `worker`"
+    with caplog.at_level(logging.ERROR, logger="router.worker_registry"):
+        for _ in range(2):  # the second watch snapshot says nothing: once per key and problem
+            registry.apply(Snapshot(items={}, revision=1, skipped=dict.fromkeys(WORKERS[:fleet], why)))
+        registry._refused_lines.flush()
+    assert registry.refused == 2 * fleet and len(registry.refusing()) == fleet
+    named, summary = _lines(caplog, "router.worker_registry", logging.ERROR, "ignored: it does not decode")
+    assert named[0] == f"worker record under key 'w0000' ignored: {why}"
+    assert len(named) == min(fleet, NAMED_AT_MOST)
+    assert _summarised(summary, fleet, "worker records ignored")
 
 
 async def test_a_fleet_past_its_kv_capacity_is_summarised_with_the_capacity_hint(
