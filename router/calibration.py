@@ -128,7 +128,7 @@ import msgspec
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.timing import DEFAULT_PROFILE, TimingModel
 from router.eligibility import few_ids
-from router.fleet_lines import FleetLines
+from router.fleet_lines import FleetLines, FleetLog
 
 __all__ = [
     "DROPPED_WARN_AFTER",
@@ -410,6 +410,7 @@ class Calibration:
         prior_weight: float = 0.05,
         half_life_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        fleet_log: FleetLog | None = None,
     ) -> None:
         """`clock` times only the windows of the warnings said per worker (router.fleet_lines): a
         fit reads the reports' own stamps."""
@@ -447,6 +448,7 @@ class Calibration:
             "for many workers at once: load reports or readings lost on a path they share, NATS or slow /metrics, "
             "or a step of their hosts' clocks; counted in kvswitch_router_timing_dropped_stretches)",
             clock=clock,
+            fleet_log=fleet_log,
         )
         self._clamped_lines = FleetLines(
             log,
@@ -455,6 +457,7 @@ class Calibration:
             "bound, wrongly (one cause for many workers at once: a profile not their model and GPU; give their shims "
             "a --timing-profile of both)",
             clock=clock,
+            fleet_log=fleet_log,
         )
         self._no_context_lines = FleetLines(
             log,
@@ -462,6 +465,7 @@ class Calibration:
             "decode but their load reports carry no decode_context, so their decode timing is fitted against KV use "
             "and may read slow (one cause for many workers at once: shims of a build that does not count it)",
             clock=clock,
+            fleet_log=fleet_log,
         )
 
     def shape(self, info: WorkerInfo) -> TimingModel | None:

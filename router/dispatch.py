@@ -93,7 +93,7 @@ from protocol.config import RouterSettings
 from protocol.messages import ANNOTATION_BYPASS, transfer_handle_bound
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
-from router.fleet_lines import FleetLines
+from router.fleet_lines import FleetLines, FleetLog
 from router.leg import MAX_ANSWER_BYTES, SLOW_READER, Leg, LegError
 from router.policies import Outcome, Path
 from router.tracing import RequestTracer
@@ -251,6 +251,7 @@ class Dispatcher:
         registered: Callable[[str], bool] = lambda worker: True,
         clock_offset: Callable[[str], float] = lambda worker: 0.0,
         awake_for: Callable[[], float] = lambda: math.inf,
+        fleet_log: FleetLog | None = None,
     ) -> None:
         self._nc = nc
         self._nats_lost_at: float | None = None  # time.monotonic() the connection last dropped
@@ -297,6 +298,7 @@ class Dispatcher:
             f"sent malformed replies, left out of routing for {MALFORMED_COOLDOWN_S:g}s after each (one cause for "
             "many workers: shims of a build whose replies this router cannot read; counted in "
             "kvswitch_router_worker_malformed_replies_total)",
+            fleet_log=fleet_log,
         )
         self._handle_mismatch_logged = False
 

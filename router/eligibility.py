@@ -62,7 +62,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.messages import WorkerInfo
-from router.fleet_lines import NAMED_AT_MOST, FleetLines
+from router.fleet_lines import NAMED_AT_MOST, FleetLines, FleetLog
 from router.load_view import Liveness
 
 __all__ = [
@@ -182,12 +182,13 @@ class Eligibility:
         liveness: Callable[[str], Liveness | None],
         tokenizer: str | None,
         awake_for: Callable[[], float] = lambda: math.inf,
+        fleet_log: FleetLog | None = None,
     ) -> None:
         """`sync_state(worker)`: None when the index is synced with it, else (state, why).
         `liveness(worker)`: None before its first report. `tokenizer`: the router's fingerprint,
         None when it has no tokenizer (text prompts are then refused for every worker). `awake_for()`:
         seconds since this router's loop last stalled (runtime.loop_watch): a worker is silent for
-        no longer than the router could have heard it."""
+        no longer than the router could have heard it. `fleet_log`: its router's (router.fleet_lines)."""
         self._clock = clock
         self._awake_for = awake_for
         self._sync_state = sync_state
@@ -205,10 +206,11 @@ class Eligibility:
             "configuration they share, such as no --kv-transfer-config; the named workers' lines say what failed). "
             f"Their requests prefill elsewhere for {PREFILL_COOLDOWN_S:g}s after each such failure",
             clock=clock,
+            fleet_log=fleet_log,
         )
         # and, that configuration fixed, every one serves again: as capped
         self._prefill_again_lines = FleetLines(
-            log, logging.INFO, "prefill workers serve prefill legs again", clock=clock
+            log, logging.INFO, "prefill workers serve prefill legs again", clock=clock, fleet_log=fleet_log
         )
 
     # --- what the service tells it ---------------------------------------------------------------

@@ -6,11 +6,13 @@ tokenizer, a fleet restart, a router an upgrade left behind) was one line per wo
 A `FleetLines` is one such line. Within a window of `window_s` from the first line, the first
 NAMED_AT_MOST workers (as many as /ready names: router.eligibility) are logged as before, by name;
 the rest are held and counted, and one summary line per window, "and N more workers: <cause>", is
-logged when the window ends (a timer on the running loop; `flush()` says it at once, `flush_all()`
-every one's, as a router stops). Nothing is lost: every worker held is in a summary. A named
-worker said again within its window is named again (it is one of the few); a held one is counted
-once per window, its lines beside it when they were more. The cause may be judged when the
-summary is said (a callable given the count), e.g. whether the fleet shares it.
+logged when the window ends (a timer on the running loop; `flush()` says it at once). A router's
+parts make theirs in its `FleetLog`, which says every one's as it stops, when no timer of its loop
+would: its own alone, as another router in the process (tests, the embedded local cluster) holds
+its own. Nothing is lost: every worker held is in a summary. A named worker said again within its
+window is named again (it is one of the few); a held one is counted once per window, its lines
+beside it when they were more. The cause may be judged when the summary is said (a callable given
+the count), e.g. whether the fleet shares it.
 
 `LastSaid` is what was said of each worker, kept when its key goes: a worker back under its name
 after a fleet restart, with the same thing to say, is not news.
@@ -21,10 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections.abc import Callable
 
-__all__ = ["NAMED_AT_MOST", "REMEMBERED", "WINDOW_S", "FleetLines", "LastSaid", "flush_all"]
+__all__ = ["NAMED_AT_MOST", "REMEMBERED", "WINDOW_S", "FleetLines", "FleetLog", "LastSaid"]
 
 # Workers named in a window; a no-worker 503 and /ready name as many (router.eligibility, which
 # logs through a FleetLines too, so it is defined here, where nothing of the router is imported)
@@ -43,7 +44,10 @@ class FleetLines:
         *,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        fleet_log: FleetLog | None = None,
     ) -> None:
+        """`fleet_log`: its router's, which says what it holds as the router stops; None where no
+        router stops it (a part on its own: tests, benchmarks), its window's timer alone says it."""
         self._log = logger
         self._level = level
         self._cause = cause
@@ -54,7 +58,8 @@ class FleetLines:
         self._held: set[str] = set()  # since the last summary
         self._held_lines = 0
         self._timer: asyncio.TimerHandle | None = None
-        _LIVE.add(self)
+        if fleet_log is not None:
+            fleet_log.add(self)
 
     def say(self, worker: str, msg: str, *args: object) -> bool:
         """Log `msg % args`, a line naming `worker`, unless NAMED_AT_MOST others were named in this
@@ -101,13 +106,19 @@ class FleetLines:
         self.flush()
 
 
-_LIVE: weakref.WeakSet[FleetLines] = weakref.WeakSet()  # for flush_all; a router's parts hold theirs
+class FleetLog:
+    """One router's FleetLines, each made with it: said together as the router stops."""
 
+    def __init__(self) -> None:
+        self._lines: list[FleetLines] = []
 
-def flush_all() -> None:
-    """Say every held summary now: a stopping router's timers would never fire."""
-    for lines in list(_LIVE):
-        lines.flush()
+    def add(self, lines: FleetLines) -> None:
+        self._lines.append(lines)
+
+    def flush(self) -> None:
+        """Say every held summary now: a stopping router's timers would never fire."""
+        for lines in self._lines:
+            lines.flush()
 
 
 class LastSaid:

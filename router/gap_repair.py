@@ -59,7 +59,7 @@ from nats.aio.subscription import Subscription
 from protocol import check_hashes, hash_count, subjects
 from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
-from router.fleet_lines import FleetLines
+from router.fleet_lines import FleetLines, FleetLog
 
 __all__ = ["BLOCKS_PER_WAIT", "LIMIT_HINT", "FailureKind", "FetchFailure", "GapRepair", "RepairTarget"]
 
@@ -143,6 +143,7 @@ class GapRepair:
         max_in_flight: int = 32,
         replies_bytes_limit: int = _REPLIES_BYTES_LIMIT,
         clock: Callable[[], float] = time.monotonic,
+        fleet_log: FleetLog | None = None,
     ) -> None:
         self._nc = nc
         self._ns = ns
@@ -164,7 +165,7 @@ class GapRepair:
         self.reply_bytes = 0  # what the replies in flight hold now
         # A shared cause (every kvstate request unanswered) was one line per worker per failure.
         self._retry_lines = FleetLines(
-            log, logging.INFO, self._shared("kvstate requests failed; retrying"), clock=clock
+            log, logging.INFO, self._shared("kvstate requests failed; retrying"), clock=clock, fleet_log=fleet_log
         )
         self._error_lines = FleetLines(
             log,
@@ -174,9 +175,14 @@ class GapRepair:
                 "subject gets a complete answer"
             ),
             clock=clock,
+            fleet_log=fleet_log,
         )
         self._recovered_lines = FleetLines(
-            log, logging.WARNING, f"KV repair succeeded after {ERROR_AFTER} or more failures", clock=clock
+            log,
+            logging.WARNING,
+            f"KV repair succeeded after {ERROR_AFTER} or more failures",
+            clock=clock,
+            fleet_log=fleet_log,
         )
 
     def ensure(self, worker: str) -> None:

@@ -94,7 +94,7 @@ from protocol.messages import (
     decode_msg,
 )
 from router.block_index import BlockIndex, IndexFullError
-from router.fleet_lines import FleetLines
+from router.fleet_lines import FleetLines, FleetLog
 from router.gap_repair import LIMIT_HINT, FailureKind, FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
@@ -177,6 +177,7 @@ class KvIngest:
         max_kvstate_in_flight: int = 32,
         on_events: Callable[[str, list[KvEvent]], None] = lambda worker, events: None,
         clock: Callable[[], float] = time.monotonic,
+        fleet_log: FleetLog | None = None,
     ) -> None:
         self._nc = nc
         self._turns = Turns()
@@ -193,6 +194,7 @@ class KvIngest:
             fetch_timeout_s=fetch_timeout_s,
             retry_max_s=retry_max_s,
             max_in_flight=max_kvstate_in_flight,
+            fleet_log=fleet_log,
         )
         self._unknown_ttl_s = unknown_ttl_s
         self._unknown_limit = unknown_limit
@@ -209,6 +211,7 @@ class KvIngest:
             "their KV digests disagree with the index; resyncing (one cause for many workers: their shims' "
             "digests or this router's index; every resync is counted in kvswitch_router_kv_digest_mismatches_total)",
             clock=clock,
+            fleet_log=fleet_log,
         )
         self._unfixed_lines = FleetLines(
             log,
@@ -217,6 +220,7 @@ class KvIngest:
             "backoff (one cause for many workers: shims of another kvswitch build, whose digest this router computes "
             'otherwise: docs/deployment.md, "Upgrades"; kvswitch_router_kv_digest_unfixed_workers counts them)',
             clock=clock,
+            fleet_log=fleet_log,
         )
         self._ahead_lines = FleetLines(
             log,
@@ -224,6 +228,7 @@ class KvIngest:
             "their KV index is at a seq their shims have not reached; resyncing (one cause for many workers: their "
             "shims or this router's index; every resync is counted in kvswitch_router_kv_digest_mismatches_total)",
             clock=clock,
+            fleet_log=fleet_log,
         )
         self._malformed_lines = FleetLines(
             log,
@@ -231,12 +236,14 @@ class KvIngest:
             "dropping malformed KV events (one cause for many workers: shims of a build whose events this router "
             "cannot read; every payload counted in kvswitch_router_kv_malformed_total)",
             clock=clock,
+            fleet_log=fleet_log,
         )
         self._capacity_lines = FleetLines(  # a fleet sharing one large offload tier goes past together
             log,
             logging.WARNING,
             f"holding more blocks than their KV capacity allows, their entries dropped ({LIMIT_HINT})",
             clock=clock,
+            fleet_log=fleet_log,
         )
         self._overflow_lines = FleetLines(  # a fleet whose kvstate goes unanswered fills every bound
             log,
@@ -245,9 +252,14 @@ class KvIngest:
             "(one cause for many workers at once: their repairs failing alike, as gap repair's lines say; "
             'kvswitch_router_kv_dropped_total{reason="overflow"} counts each)',
             clock=clock,
+            fleet_log=fleet_log,
         )
         self._agrees_lines = FleetLines(
-            log, logging.INFO, "KV digests agree with the index again (their shims' and this router's)", clock=clock
+            log,
+            logging.INFO,
+            "KV digests agree with the index again (their shims' and this router's)",
+            clock=clock,
+            fleet_log=fleet_log,
         )
         self._on_events = on_events
         self._clock = clock

@@ -34,6 +34,7 @@ from protocol.hashing import chain_salt, endpoint_key
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
 from router.eligibility import Eligibility, Exclusion, name_few
+from router.fleet_lines import FleetLog
 from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
 from router.pending_prefixes import PendingPrefixes
@@ -113,15 +114,17 @@ class Planner:
         calibration: Calibration | None = None,
         timer: Callable[[], float] = time.perf_counter,
         legacy_tokenizer: str | None = None,
+        fleet_log: FleetLog | None = None,
     ) -> None:
         """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
         it every load report) and admission reads prefill rates from it. `timer` times the policy
         at DEBUG (a virtual-clock replay passes its own clock: it reads no wall time).
         `legacy_tokenizer`: the router's tokenizer's fingerprint under the probes of before
         protocol.fingerprint.PROBES_SINCE; a worker refused text for advertising it is told to
-        upgrade its shim, not to change the router's tokenizer."""
+        upgrade its shim, not to change the router's tokenizer. `fleet_log`: its router's, for the
+        lines of the parts it makes (router.fleet_lines)."""
         self.disagg = Disaggregator(
-            settings, Selector(rng or random.Random()), TransferHealth(clock=clock), timer=timer
+            settings, Selector(rng or random.Random()), TransferHealth(clock=clock, fleet_log=fleet_log), timer=timer
         )
         self._workers = workers
         self.index = index

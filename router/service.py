@@ -64,7 +64,7 @@ from router.eligibility import (
     name_few,
     taking_requests,
 )
-from router.fleet_lines import FleetLines, flush_all
+from router.fleet_lines import FleetLines, FleetLog
 from router.fleet_news import CHECK_S, FleetNews
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
@@ -202,7 +202,8 @@ class RouterService:
         self.tokenizer: PromptTokenizer = load_tokenizer(
             config.tokenizer, config.chat_template_content_format, config.default_chat_template_kwargs
         )
-        self.fingerprints = FingerprintWatch(*tokenizer_fingerprints(self.tokenizer))
+        self.fleet_log = FleetLog()  # its parts' per-worker lines, said as it stops (router.fleet_lines)
+        self.fingerprints = FingerprintWatch(*tokenizer_fingerprints(self.tokenizer), fleet_log=self.fleet_log)
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.debug_keys = ApiKeys(config.debug_api_keys_file) if config.debug_api_keys_file else None
         self.status = RouterStatus.NEW
@@ -214,12 +215,12 @@ class RouterService:
         self.view = LoadView()
         self.clocks = ClockSkew(MAX_CLOCK_SKEW_S)
         self.skew_news = SkewNews(self.clocks, lambda: len(self._registry) if self._registry is not None else 0)
-        self.calibration = Calibration() if config.calibrate else None
+        self.calibration = Calibration(fleet_log=self.fleet_log) if config.calibrate else None
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.monotonic)
         self.metrics = RouterMetrics(self._figures)
         calibrated = self.calibration is not None
         self.peer_settings = PeerSettings(self.ns, settings_digest(self.settings, calibrated=calibrated), BUILD)
-        self.worker_versions = WorkerVersions(BUILD)
+        self.worker_versions = WorkerVersions(BUILD, fleet_log=self.fleet_log)
         self.tracer = RequestTracer(config.tracer_provider)
         self.load_malformed = 0
         self.load_unknown = 0
@@ -236,6 +237,7 @@ class RouterService:
             logging.INFO,
             f"load reports dropped: no usable record under {subjects.workers_prefix(self.ns)} (counted in "
             "kvswitch_router_load_unknown_total)",
+            fleet_log=self.fleet_log,
         )
         # Causes a whole fleet shares, capped alike: hosts stepped back by one NTP correction, a
         # fleet on a build whose reports this router cannot read
@@ -244,12 +246,14 @@ class RouterService:
             logging.WARNING,
             "their clocks stepped back: load reports stamped before their last ones, taken in the order they come "
             "(one cause for many hosts at once: a step of their time source; keep worker hosts on NTP)",
+            fleet_log=self.fleet_log,
         )
         self._malformed_lines = FleetLines(
             log,
             logging.WARNING,
             "malformed load reports dropped (one cause for many workers: shims of a build whose reports this router "
             "cannot read; every one counted in kvswitch_router_load_malformed_total)",
+            fleet_log=self.fleet_log,
         )
         self.reregistrations = 0
         self.kv_disconnects = 0  # the KV event connection cut (a slow consumer), kvswitch_router_kv_disconnects_total
@@ -283,6 +287,7 @@ class RouterService:
             sync_state=self._sync_state,
             liveness=self.view.liveness,
             tokenizer=self.fingerprints.mine,
+            fleet_log=self.fleet_log,
         )
 
     # --- parts, once started -------------------------------------------------------------------
@@ -368,6 +373,7 @@ class RouterService:
             rng=random.Random(self.config.seed),
             calibration=self.calibration,
             legacy_tokenizer=self.fingerprints.legacy,
+            fleet_log=self.fleet_log,
         )
         self._ingest = KvIngest(
             self._kv_nc,
@@ -375,6 +381,7 @@ class RouterService:
             self.index,
             min_entry_limit=self.config.index_limit_per_worker,
             on_events=self._on_kv_events,
+            fleet_log=self.fleet_log,
         )
         planner.disagg.transfers.attribute()  # the dispatcher tells it of every pull, from the first
         self._dispatcher = Dispatcher(
@@ -393,6 +400,7 @@ class RouterService:
             registered=self._registered,
             clock_offset=self.clocks.offset,
             awake_for=self.loop_watch.awake_for,
+            fleet_log=self.fleet_log,
         )
         await self._dispatcher.start()
         admission = Admission(
@@ -488,7 +496,9 @@ class RouterService:
                 "(or --nats-creds-file) is not a router's, or --namespace differs from the one kvswitch secrets "
                 "was given",
             )
-        self._registry = WorkerRegistry(self._discovery, self._on_worker_add, self._on_worker_remove)
+        self._registry = WorkerRegistry(
+            self._discovery, self._on_worker_add, self._on_worker_remove, fleet_log=self.fleet_log
+        )
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
         self._tasks.append(
@@ -546,7 +556,7 @@ class RouterService:
                 with contextlib.suppress(Exception):
                     await conn.drain()
         self._kv_nc = self._nc = None
-        flush_all()
+        self.fleet_log.flush()  # its windows' timers never fire now
         self.status = RouterStatus.STOPPED
 
     async def __aenter__(self) -> Self:

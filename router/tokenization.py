@@ -52,7 +52,7 @@ from protocol.tokenizer import BuiltinTokenizer, apply_chat_template
 from router.content_format import CONTENT_FORMATS, ContentFormat, detect_content_format
 from router.conversation import ConversationError, conversation, tool_definitions
 from router.eligibility import NAMED_AT_MOST, few_ids
-from router.fleet_lines import FleetLines, LastSaid
+from router.fleet_lines import FleetLines, FleetLog, LastSaid
 
 __all__ = [
     "OFFLOAD_CHARS",
@@ -602,9 +602,10 @@ class FingerprintWatch:
     counted (router.fleet_lines); a worker back under its name (a fleet restart) with the same
     mismatch is not said again."""
 
-    def __init__(self, mine: str, legacy: str | None = None) -> None:
+    def __init__(self, mine: str, legacy: str | None = None, fleet_log: FleetLog | None = None) -> None:
         """`legacy`: this router's tokenizer's fingerprint under the old probes
-        (`Fingerprints.legacy`); a worker that advertises it is refused still, as a shim to upgrade."""
+        (`Fingerprints.legacy`); a worker that advertises it is refused still, as a shim to upgrade.
+        `fleet_log`: its router's (router.fleet_lines)."""
         self.mine = mine
         self.legacy = legacy
         self._mismatched: dict[str, str] = {}  # worker -> why
@@ -614,6 +615,7 @@ class FingerprintWatch:
             logging.ERROR,
             f"get no text prompts from this router: their tokenizers differ from its {mine} (the first named "
             "above say how to fix it; /ready counts them, /debug/workers lists them)",
+            fleet_log=fleet_log,
         )
 
     def check(self, info: WorkerInfo) -> None:

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.fleet_lines import FleetLines
+from router.fleet_lines import FleetLines, FleetLog
 
 __all__ = ["CONFIRM_S", "PROBE_TIMEOUT_S", "TRANSFER_COOLDOWN_S", "TransferHealth"]
 
@@ -70,7 +70,13 @@ class _Pulls:
 
 
 class TransferHealth:
-    def __init__(self, cooldown_s: float = TRANSFER_COOLDOWN_S, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cooldown_s: float = TRANSFER_COOLDOWN_S,
+        clock: Callable[[], float] = time.time,
+        fleet_log: FleetLog | None = None,
+    ) -> None:
+        """`fleet_log`: its router's (router.fleet_lines)."""
         self.cooldown_s = cooldown_s
         self._clock = clock
         # (decode, prefill or ANY) -> when its last pull failed, while in an episode
@@ -91,10 +97,15 @@ class TransferHealth:
             "many decode workers at once: a KV connector configured alike and wrongly, --kv-transfer-config or its "
             "NIXL link, or KV leases that run out before the pull; the engines' logs say which)",
             clock=clock,
+            fleet_log=fleet_log,
         )
         # and, that cause fixed, every pair recovers: as capped
         self._recovered_lines = FleetLines(
-            log, logging.INFO, "decode workers load KV from their prefill workers again", clock=clock
+            log,
+            logging.INFO,
+            "decode workers load KV from their prefill workers again",
+            clock=clock,
+            fleet_log=fleet_log,
         )
 
     def failed(self, worker: str, prefill_worker: str = ANY, *, counted: bool = False) -> None:

@@ -57,7 +57,7 @@ from discovery.watch import keep_following
 from protocol import WorkerInfo, serving, subjects
 from protocol.messages import adapter_named, worker_info_problem
 from router.eligibility import few_ids
-from router.fleet_lines import FleetLines
+from router.fleet_lines import FleetLines, FleetLog
 from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, served_as, shadow_message
 from runtime import background
@@ -103,6 +103,7 @@ class WorkerRegistry:
         discovery: Discovery,
         on_add: Callable[[WorkerInfo], None],
         on_remove: Callable[[str], None],
+        fleet_log: FleetLog | None = None,
     ) -> None:
         self._discovery = discovery
         self._on_add = on_add
@@ -136,6 +137,7 @@ class WorkerRegistry:
             "worker records ignored (one cause for many records at once: shims of a build whose records this router "
             "cannot read, or a flag they share; each is bad_record on /debug/workers, counted in "
             "kvswitch_router_worker_records_refused_total)",
+            fleet_log=fleet_log,
         )
         # every name (model, alias, adapter) a worker whose key went served, with when (monotonic)
         self._left: OrderedDict[str, float] = OrderedDict()

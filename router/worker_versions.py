@@ -19,7 +19,7 @@ import logging
 from collections import Counter
 
 from protocol import WorkerInfo
-from router.fleet_lines import FleetLines, LastSaid
+from router.fleet_lines import FleetLines, FleetLog, LastSaid
 
 __all__ = ["WorkerVersions"]
 
@@ -27,14 +27,16 @@ log = logging.getLogger(__name__)
 
 
 class WorkerVersions:
-    def __init__(self, mine: str) -> None:
+    def __init__(self, mine: str, fleet_log: FleetLog | None = None) -> None:
         self.mine = mine
         self._others: dict[str, str] = {}  # worker -> its build, while it differs from ours
         self._builds: dict[str, str] = {}  # every registered worker's build
         self._said = LastSaid()
         self._odd_said: str | None = None  # the fleet's build this router was said to differ from
-        self._lines = FleetLines(log, logging.WARNING, self._verdict)
-        self._again_lines = FleetLines(log, logging.INFO, f"run kvswitch {mine}, as this router does, again")
+        self._lines = FleetLines(log, logging.WARNING, self._verdict, fleet_log=fleet_log)
+        self._again_lines = FleetLines(
+            log, logging.INFO, f"run kvswitch {mine}, as this router does, again", fleet_log=fleet_log
+        )
 
     def check(self, info: WorkerInfo) -> None:
         """`info` registered or changed."""

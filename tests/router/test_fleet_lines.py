@@ -9,8 +9,11 @@ worker alone is named as before. Log-volume audit of 2026-12-06."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
+import types
+from collections import deque
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -26,7 +29,7 @@ from router.block_index import BlockIndex
 from router.calibration import DROPPED_WARN_AFTER, NO_CONTEXT_WARN_AFTER, Calibration
 from router.dispatch import Dispatcher
 from router.eligibility import NAMED_AT_MOST, PREFILL_COOLDOWN_S, Eligibility, Exclusion
-from router.fleet_lines import FleetLines, flush_all
+from router.fleet_lines import FleetLines, FleetLog
 from router.gap_repair import FailureKind, GapRepair
 from router.kv_ingest import KvIngest
 from router.leg import LegError
@@ -74,15 +77,80 @@ async def test_the_first_workers_are_named_and_the_rest_counted_by_the_loop_time
 
 
 def test_a_stopping_router_says_what_it_held(caplog: pytest.LogCaptureFixture) -> None:
-    # RouterService.stop calls flush_all: the window's timer would never fire after it.
-    lines = FleetLines(logging.getLogger("tests.fleet_lines"), logging.WARNING, "the cause", window_s=3600)
+    # RouterService.stop flushes its FleetLog: the window's timer would never fire after it.
+    held_by = FleetLog()
+    lines = FleetLines(
+        logging.getLogger("tests.fleet_lines"),
+        logging.WARNING,
+        "the cause",
+        window_s=3600,
+        fleet_log=held_by,
+    )
     with caplog.at_level(logging.WARNING, logger="tests.fleet_lines"):
         for worker in WORKERS:
             lines.say(worker, "worker %s hit it", worker)
-        flush_all()
+        held_by.flush()
     assert _lines(caplog, "tests.fleet_lines", logging.WARNING, "hit it")[1] == [
         f"and {FLEET - NAMED_AT_MOST} more workers: the cause"
     ]
+
+
+async def test_a_stopping_router_says_its_own_held_lines_and_no_other_routers(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two routers in one process (tests, the embedded local cluster): stopping one said every
+    router's held lines (a process-wide flush), the other's before its window ended."""
+    first, second = await cluster.add_router(), await cluster.add_router()
+    fault = "its prefill legs return no transfer handle"
+    caplog.set_level(logging.WARNING, logger="router.eligibility")
+    for router, fleet in ((first, FLEET), (second, FLEET + 10)):
+        for worker in [f"w{i:04d}" for i in range(fleet)]:
+            router.eligibility.prefill_leg(worker, fault)
+    await first.stop()
+
+    def summaries() -> list[str]:
+        return _lines(caplog, "router.eligibility", logging.WARNING, fault)[1]
+
+    assert summaries() == [f"and {FLEET - NAMED_AT_MOST} more workers: failed prefill legs through their own fault"
+                           f" (one cause for many prefill workers at once: a configuration they share, such as no "
+                           "--kv-transfer-config; the named workers' lines say what failed). Their requests prefill "
+                           "elsewhere for 30s after each such failure"]  # fmt: skip
+    await second.stop()
+    assert [m.split(":")[0] for m in summaries()] == [
+        f"and {FLEET - NAMED_AT_MOST} more workers",
+        f"and {FLEET + 10 - NAMED_AT_MOST} more workers",
+    ]
+
+
+def _reachable_fleet_lines(root: object) -> list[FleetLines]:
+    """Every FleetLines reachable from `root` through the attributes of kvswitch's objects (their
+    containers and bound methods too)."""
+    ours = ("router", "runtime", "discovery", "protocol")
+    containers = (dict, list, tuple, set, frozenset, deque)
+    seen: set[int] = set()
+    found: list[FleetLines] = []
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, FleetLines):
+            found.append(obj)
+        elif isinstance(obj, types.MethodType):
+            todo.append(obj.__self__)
+        elif isinstance(obj, containers) or type(obj).__module__.split(".")[0] in ours:
+            todo.extend(gc.get_referents(obj))
+    return found
+
+
+async def test_every_per_worker_line_of_a_router_is_said_as_it_stops(cluster: Cluster) -> None:
+    """A part made without the router's FleetLog would keep what it holds past the router's stop."""
+    router = await cluster.add_router()
+    reachable = _reachable_fleet_lines(router)
+    owned = {id(lines) for lines in router.fleet_log._lines}
+    assert [lines._cause for lines in reachable if id(lines) not in owned] == []
+    assert len(reachable) == len(owned)  # and the walk reached every part that makes one
 
 
 @pytest.fixture
@@ -306,7 +374,7 @@ def test_a_fleet_failing_alike_is_pointed_at_what_that_kind_of_failure_shares() 
 
 def _summarised(summary: list[str], n: int, *causes: str) -> bool:
     """Whether `summary` is what `n` workers hitting each cause get: a line per cause (in any order:
-    flush_all's) counting those past NAMED_AT_MOST, none while it names them all."""
+    a FleetLog's) counting those past NAMED_AT_MOST, none while it names them all."""
     heads = [f"and {n - NAMED_AT_MOST} more workers: {cause}" for cause in causes] if n > NAMED_AT_MOST else []
     return len(summary) == len(heads) and all(any(m.startswith(h) for m in summary) for h in heads)
 
@@ -315,7 +383,16 @@ def _summarised(summary: list[str], n: int, *causes: str) -> bool:
 async def test_a_fleet_whose_index_runs_ahead_of_its_shims_is_capped(
     nc: Client, ns: str, caplog: pytest.LogCaptureFixture, fleet: int
 ) -> None:
-    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.5, retry_max_s=0.2, behind_grace_s=1.0)
+    held_by = FleetLog()
+    ingest = KvIngest(
+        nc,
+        ns,
+        BlockIndex(),
+        request_timeout_s=0.5,
+        retry_max_s=0.2,
+        behind_grace_s=1.0,
+        fleet_log=held_by,
+    )
     await ingest.start()
     try:
         shims = [FakeShim(nc, ns, w) for w in WORKERS[:fleet]]
@@ -331,7 +408,7 @@ async def test_a_fleet_whose_index_runs_ahead_of_its_shims_is_capped(
             for shim in shims:
                 ingest.check_digest(LoadReport(worker=shim.worker, ts=ts, kv_epoch=shim.epoch, kv_seq=0))
         assert ingest.stats.digest_mismatches == fleet  # every resync counted
-        flush_all()
+        held_by.flush()
     finally:
         await ingest.stop()
     named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "which its shim has not reached")
@@ -352,7 +429,7 @@ async def test_a_fleet_sending_malformed_kv_events_is_capped(
     for shim in shims[:fleet]:
         await _bad_hash(nc, ns, shim)
     await until(lambda: ingest.stats.malformed == fleet, what="every bad batch counted")
-    flush_all()
+    ingest._malformed_lines.flush()
     named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "dropping malformed KV events from")
     assert len(named) == min(fleet, NAMED_AT_MOST)
     assert named[0].startswith("dropping malformed KV events from worker w0000 (logged once per worker and kind): ")
@@ -361,12 +438,13 @@ async def test_a_fleet_sending_malformed_kv_events_is_capped(
 
 @pytest.mark.parametrize("fleet", [1, FLEET])
 def test_a_fleet_sending_malformed_replies_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
-    d = Dispatcher(None, "ns", None)  # type: ignore[arg-type]  # _blame touches no connection
+    held_by = FleetLog()
+    d = Dispatcher(None, "ns", None, fleet_log=held_by)  # type: ignore[arg-type]  # _blame touches no connection
     with caplog.at_level(logging.WARNING, logger="router.dispatch"):
         for _ in range(2):  # a second reply each: counted, not said
             for worker in WORKERS[:fleet]:
                 d._blame(LegError(worker, 502, "malformed_chunk", "bad chunk", retryable=True))
-        flush_all()
+        held_by.flush()
     assert sum(d.malformed_replies.values()) == 2 * fleet
     named, summary = _lines(caplog, "router.dispatch", logging.WARNING, "sent a malformed reply")
     assert len(named) == min(fleet, NAMED_AT_MOST)
@@ -400,7 +478,7 @@ async def test_a_fleet_whose_clocks_step_back_or_whose_load_reports_are_malforme
                 await nc.publish(subjects.load(cluster.ns, w), encode_msg(LoadReport(worker=w, ts=now, running=-1)))
             await flush(nc)
             await until(lambda: router.load_malformed == fleet, what="every report read")
-            flush_all()
+            router.fleet_log.flush()
         finally:
             for lease in leases:
                 await disc.release(lease)
@@ -421,7 +499,8 @@ def _as(worker: str, report: LoadReport) -> LoadReport:
 def test_a_fleet_whose_busy_stretches_are_dropped_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
     """Readings every 0.25 s, but the reports of the first 1.5 s after each stop lost on a path
     every worker shares: no stretch of any can be read."""
-    cal, reports = Calibration(), _polled(2.0, latency=0.0, bursty=True, seconds=40.0)
+    held_by = FleetLog()
+    cal, reports = Calibration(fleet_log=held_by), _polled(2.0, latency=0.0, bursty=True, seconds=40.0)
     with caplog.at_level(logging.WARNING, logger="router.calibration"):
         for worker in WORKERS[:fleet]:
             stopped = None
@@ -433,7 +512,7 @@ def test_a_fleet_whose_busy_stretches_are_dropped_is_capped(caplog: pytest.LogCa
                     if r.engine_ts < stopped + 1.5:
                         continue  # lost
                 cal.observe(_timed_info(worker), _as(worker, r))
-        flush_all()
+        held_by.flush()
     dropped = cal.dropped()
     assert sorted(dropped) == WORKERS[:fleet] and min(dropped.values()) >= DROPPED_WARN_AFTER
     assert len(set(dropped.values())) == 1  # every one counted alike: the cap holds no count back
@@ -451,7 +530,8 @@ def test_a_fleet_whose_busy_stretches_are_dropped_is_capped(caplog: pytest.LogCa
 def test_a_fleet_fitted_past_the_bounds_of_its_profile_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
     """Every engine 8x slower than the default profile, registered by none of them another (one
     wrong profile for the fleet)."""
-    cal = Calibration()
+    held_by = FleetLog()
+    cal = Calibration(fleet_log=held_by)
     with caplog.at_level(logging.WARNING, logger="router.calibration"):
         for worker in WORKERS[:fleet]:
             engine, info = SyntheticEngine(8.0, 8.0), _timed_info(worker, profile=None)
@@ -462,7 +542,7 @@ def test_a_fleet_fitted_past_the_bounds_of_its_profile_is_capped(caplog: pytest.
                 context = engine.rng.randrange(512, 16384)
                 report = engine.interval(running=running, context=context, prefill_tokens=prefill)
                 cal.observe(info, msgspec.structs.replace(report, worker=worker, decode_context=float(context)))
-        flush_all()
+        held_by.flush()
     assert sorted(cal.factors()) == WORKERS[:fleet] and all(k_d == 5.0 for k_d, _, _ in cal.factors().values())
     named, summary = _lines(caplog, "router.calibration", logging.WARNING, "'s engine fits")
     assert len(named) == min(fleet, NAMED_AT_MOST)
@@ -473,14 +553,15 @@ def test_a_fleet_fitted_past_the_bounds_of_its_profile_is_capped(caplog: pytest.
 
 @pytest.mark.parametrize("fleet", [1, FLEET])
 def test_a_fleet_of_shims_without_decode_context_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
-    cal = Calibration()
+    held_by = FleetLog()
+    cal = Calibration(fleet_log=held_by)
     with caplog.at_level(logging.WARNING, logger="router.calibration"):
         for worker in WORKERS[:fleet]:
             old_shim, info = SharedPrefixEngine(shared=4096, with_context=False), _timed_info(worker)
             cal.observe(info, _as(worker, old_shim.report(running=1, context=4608)))
             for _ in range(NO_CONTEXT_WARN_AFTER * 2):
                 cal.observe(info, _as(worker, old_shim.interval(running=16, context=6000, prefill_tokens=0)))
-        flush_all()
+        held_by.flush()
     named, summary = _lines(caplog, "router.calibration", logging.WARNING, "carry no decode_context")
     assert len(named) == min(fleet, NAMED_AT_MOST)
     assert named[0] == (
@@ -495,13 +576,14 @@ def test_a_fleet_of_shims_without_decode_context_is_capped(caplog: pytest.LogCap
 def test_a_fleet_failing_to_load_kv_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
     """Every decode worker fails its pulls from both prefill workers (a KV connector misconfigured
     fleet-wide): a named decode worker is named for each of its pairs, the rest counted."""
-    transfers = TransferHealth(clock=lambda: 100.0)
+    held_by = FleetLog()
+    transfers = TransferHealth(clock=lambda: 100.0, fleet_log=held_by)
     with caplog.at_level(logging.WARNING, logger="router.transfer_health"):
         for prefill in ("p1", "p2"):
             for worker in WORKERS[:fleet]:
                 transfers.failed(worker, prefill)
                 transfers.failed(worker, prefill)  # within its episode: counted, not said
-        flush_all()
+        held_by.flush()
     assert transfers.failures == 4 * fleet and transfers.workers() == WORKERS[:fleet]
     named, summary = _lines(caplog, "router.transfer_health", logging.WARNING, "failed to load KV prefilled on")
     assert len(named) == 2 * min(fleet, NAMED_AT_MOST)
@@ -518,14 +600,21 @@ def test_a_fleet_failing_to_load_kv_is_capped(caplog: pytest.LogCaptureFixture, 
 def test_a_prefill_fleet_failing_its_legs_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
     """Every prefill engine started without a KV connector."""
     now = 1000.0
-    elig = Eligibility(clock=lambda: now, sync_state=lambda w: None, liveness=lambda w: None, tokenizer=None)
+    held_by = FleetLog()
+    elig = Eligibility(
+        clock=lambda: now,
+        sync_state=lambda w: None,
+        liveness=lambda w: None,
+        tokenizer=None,
+        fleet_log=held_by,
+    )
     fault = "its prefill legs return no transfer handle: its engine most likely runs without a KV connector"
     with caplog.at_level(logging.WARNING, logger="router.eligibility"):
         for _ in range(2):  # a second failure in its episode: not said
             for worker in WORKERS[:fleet]:
                 elig.added(worker)
                 elig.prefill_leg(worker, fault, serves_whole=True)
-        flush_all()
+        held_by.flush()
     infos = [WorkerInfo(worker=w, model="m", role="prefill", engine="vllm", block_size=16) for w in WORKERS[:fleet]]
     assert {s.exclusion for s in elig.statuses(infos)} == {Exclusion.PREFILL_FAILING}
     named, summary = _lines(caplog, "router.eligibility", logging.WARNING, "failed a prefill leg through its own")
@@ -633,7 +722,10 @@ async def test_a_fleet_past_its_kv_capacity_is_summarised_with_the_capacity_hint
 ) -> None:
     # A fleet sharing one large offload tier goes past its capacity together: the summary named
     # another build as the cause, where the named lines said to raise --index-limit-per-worker.
-    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.5, retry_max_s=0.2, min_entry_limit=4)
+    held_by = FleetLog()
+    ingest = KvIngest(
+        nc, ns, BlockIndex(), request_timeout_s=0.5, retry_max_s=0.2, min_entry_limit=4, fleet_log=held_by
+    )
     await ingest.start()
     shims = [FakeShim(nc, ns, w) for w in WORKERS]
     try:
@@ -645,7 +737,7 @@ async def test_a_fleet_past_its_kv_capacity_is_summarised_with_the_capacity_hint
             for shim in shims:
                 await shim.publish(Stored(hashes=list(range(1, 7))))
             await until(lambda: ingest.stats.malformed >= FLEET, what="every worker past its capacity")
-            flush_all()
+            held_by.flush()
         named, summary = _lines(caplog, "router.kv_ingest", logging.WARNING, "more than its KV capacity allows")
         assert len(named) == NAMED_AT_MOST and len(summary) == 1, summary
         assert summary[0].startswith(f"and {FLEET - NAMED_AT_MOST} more workers: holding more blocks")
