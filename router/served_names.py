@@ -11,8 +11,8 @@ registry logs each clash once and /ready lists it. So is a name one model serves
 (an alias) and as a LoRA adapter: other weights, and another chain. Only a model's own name wins
 over another model's adapter of that name (no clash).
 
-`resolve_names` and `shadowed` say this of a whole fleet at once; the worker registry keeps the
-same one record at a time (router.worker_registry), and its tests check it against them.
+The worker registry keeps this one record at a time (router.worker_registry); its tests check it
+against the whole fleet's, worked out from scratch (tests/router/oracles.py).
 """
 
 from __future__ import annotations
@@ -23,39 +23,10 @@ from protocol import WorkerInfo
 from protocol.messages import adapter_named
 from router.eligibility import few_ids
 
-__all__ = ["Resolved", "clash_message", "resolve_names", "served_as", "shadow_message", "shadowed"]
+__all__ = ["Resolved", "clash_message", "served_as", "shadow_message"]
 
 Resolved = dict[str, dict[str, list[str]]]
 """name -> model -> the workers (sorted) a request naming it runs on, of that model (`served_as`)."""
-
-
-def resolve_names(infos: Iterable[WorkerInfo]) -> Resolved:
-    """Every name a request may give, with the workers it resolves to, by model (workers in the
-    order given: the registry's is by id)."""
-    infos = list(infos)
-    models = {info.model for info in infos}
-    serving: dict[str, list[WorkerInfo]] = {}
-    for info in infos:
-        # A model's own name wins over another model's alias or adapter of that name.
-        aliases = (name for name in info.aliases if name not in models)
-        adapters = (name for name in info.adapters if name not in models)
-        for name in dict.fromkeys((info.model, *aliases, *adapters)):
-            serving.setdefault(name, []).append(info)
-    return {name: served_as(name, ws) for name, ws in serving.items()}
-
-
-def shadowed(infos: Iterable[WorkerInfo]) -> Resolved:
-    """The aliases that are another registered model's own name, each with the workers serving it
-    so, by their model (workers in the order given): requests naming it go to that model's workers,
-    never to these."""
-    infos = list(infos)
-    models = {info.model for info in infos}
-    out: Resolved = {}
-    for info in infos:
-        for name in info.aliases:
-            if name in models and name != info.model:
-                out.setdefault(name, {}).setdefault(info.model, []).append(info.worker)
-    return out
 
 
 def shadow_message(name: str, models: Mapping[str, Sequence[str]]) -> str:

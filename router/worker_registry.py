@@ -46,7 +46,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Container, Mapping
 from typing import Any, TypeVar
 
@@ -62,7 +62,7 @@ from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, served_as, shadow_message
 from runtime import background
 
-__all__ = ["Refused", "WorkerRegistry", "context_message", "model_contexts"]
+__all__ = ["Refused", "WorkerRegistry", "context_message"]
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,11 @@ class WorkerRegistry:
         self._of_model: dict[str, set[str]] = {}  # model -> its workers; the keys are the models registered
         self._sizes: dict[str, dict[int, set[str]]] = {}  # model -> block size -> workers
         self._lengths: dict[str, dict[int, set[str]]] = {}  # model -> max_model_len -> workers (those registering one)
-        self._context: dict[str, int | None] = {}  # model -> its max_model_len (model_contexts)
+        self._context: dict[str, int | None] = {}  # model -> its max_model_len (_most_registered)
         self._naming: dict[str, set[str]] = {}  # name -> workers of another model with it as an alias or adapter
         self._routed: dict[str, WorkerInfo] = {}  # what workers() lists, unsorted
         self._serves: dict[str, dict[str, Way]] = {}  # routed worker -> each name it is routed for -> how
-        self._served: dict[str, dict[Way, set[str]]] = {}  # name -> way -> routed workers (resolve_names)
+        self._served: dict[str, dict[Way, set[str]]] = {}  # name -> way -> routed workers (served_as)
         # since the checks last ran: models, names routed otherwise, aliases registered or dropped
         self._touched_models: set[str] = set()
         self._touched_names: set[str] = set()
@@ -383,7 +383,7 @@ class WorkerRegistry:
 
     def _route(self, worker: str) -> None:
         """Route `worker` as its record, its model's context and the models registered say now:
-        listed in workers() or not, and for which names (router.served_names.resolve_names)."""
+        listed in workers() or not, and for which names (router.served_names)."""
         self._routed.pop(worker, None)
         for name, way in self._serves.pop(worker, {}).items():
             _drop_under(self._served, name, way, worker)
@@ -455,7 +455,7 @@ class WorkerRegistry:
 
     def _shadows(self, name: str) -> dict[str, list[str]]:
         """The workers of other models serving model `name`'s own name as an alias, by their model
-        (router.served_names.shadowed); {} unless `name` is a model's."""
+        (router.served_names: a model's own name wins); {} unless `name` is a model's."""
         out: dict[str, list[str]] = {}
         if name in self._of_model:
             for worker in sorted(self._naming.get(name, ())):
@@ -525,18 +525,6 @@ def _say_changes(
         log.warning("%s", again(key))
 
 
-def model_contexts(infos: list[WorkerInfo]) -> dict[str, int | None]:
-    """Each model's max_model_len: the one most of its workers that register one register (ties:
-    the longest), None where none does. The registry keeps it one record at a time; its tests
-    check that against this."""
-    counts: dict[str, Counter[int]] = {}
-    for info in infos:
-        seen = counts.setdefault(info.model, Counter())
-        if info.max_model_len is not None:
-            seen[info.max_model_len] += 1
-    return {model: _most_registered(seen) if seen else None for model, seen in counts.items()}
-
-
 def _most_registered(counts: Mapping[int, int]) -> int:
     """The max_model_len most workers register, of `counts` (length -> workers); ties: the longest."""
     return max(counts, key=lambda n: (counts[n], n))
@@ -565,7 +553,7 @@ def context_message(model: str, workers: dict[int, list[str]]) -> str:
 
 
 def _unshadowed(info: WorkerInfo, models: Container[str]) -> WorkerInfo:
-    """`info` without its aliases that are another model's own name (router.served_names.shadowed)."""
+    """`info` without its aliases that are another model's own name (router.served_names: its own name wins)."""
     if not any(name in models and name != info.model for name in info.aliases):
         return info
     kept = [name for name in info.aliases if name not in models or name == info.model]

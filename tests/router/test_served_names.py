@@ -1,10 +1,12 @@
-"""How request names resolve to workers (protocol.serving, router.served_names): a model's own name
-wins over another model's adapter; an alias and an adapter of one name clash, within a model too."""
+"""How request names resolve to workers (protocol.serving, router.served_names, and the whole-fleet
+oracle the registry is checked against, tests/router/oracles.py): a model's own name wins over
+another model's adapter; an alias and an adapter of one name clash, within a model too."""
 
 from __future__ import annotations
 
 from protocol import WorkerInfo, serving
-from router.served_names import clash_message, resolve_names, served_as, shadow_message, shadowed
+from router.served_names import clash_message, served_as, shadow_message
+from tests.router.oracles import resolve_names, shadowed
 
 
 def w(worker: str, model: str, aliases: tuple[str, ...] = (), adapters: tuple[str, ...] = ()) -> WorkerInfo:

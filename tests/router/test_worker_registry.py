@@ -15,8 +15,9 @@ from discovery import Deleted, Discovery, Lease, Put, Snapshot, WatchEvent
 from protocol import WorkerInfo
 from protocol.config import EtcdSettings
 from router.lifecycle import PartStatus
-from router.served_names import clash_message, resolve_names, shadow_message, shadowed
-from router.worker_registry import WorkerRegistry, context_message, model_contexts
+from router.served_names import clash_message, shadow_message
+from router.worker_registry import WorkerRegistry, context_message
+from tests.router.oracles import model_contexts, resolve_names, shadowed
 from tests.router.polling import until
 
 

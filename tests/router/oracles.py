@@ -1,0 +1,50 @@
+"""Whole-fleet answers, worked out from scratch, that router.worker_registry keeps one record at a
+time: its tests check the registry against these. Nothing routes by them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from protocol import WorkerInfo
+from router.served_names import Resolved, served_as
+
+
+def resolve_names(infos: Iterable[WorkerInfo]) -> Resolved:
+    """Every name a request may give, with the workers it resolves to, by model (workers in the
+    order given: the registry's is by id)."""
+    infos = list(infos)
+    models = {info.model for info in infos}
+    serving: dict[str, list[WorkerInfo]] = {}
+    for info in infos:
+        # A model's own name wins over another model's alias or adapter of that name.
+        aliases = (name for name in info.aliases if name not in models)
+        adapters = (name for name in info.adapters if name not in models)
+        for name in dict.fromkeys((info.model, *aliases, *adapters)):
+            serving.setdefault(name, []).append(info)
+    return {name: served_as(name, ws) for name, ws in serving.items()}
+
+
+def shadowed(infos: Iterable[WorkerInfo]) -> Resolved:
+    """The aliases that are another registered model's own name, each with the workers serving it
+    so, by their model (workers in the order given): requests naming it go to that model's workers,
+    never to these."""
+    infos = list(infos)
+    models = {info.model for info in infos}
+    out: Resolved = {}
+    for info in infos:
+        for name in info.aliases:
+            if name in models and name != info.model:
+                out.setdefault(name, {}).setdefault(info.model, []).append(info.worker)
+    return out
+
+
+def model_contexts(infos: Iterable[WorkerInfo]) -> dict[str, int | None]:
+    """Each model's max_model_len: the one most of its workers that register one register (ties:
+    the longest), None where none does."""
+    counts: dict[str, Counter[int]] = {}
+    for info in infos:
+        seen = counts.setdefault(info.model, Counter())
+        if info.max_model_len is not None:
+            seen[info.max_model_len] += 1
+    return {model: max(seen, key=lambda n: (seen[n], n)) if seen else None for model, seen in counts.items()}
