@@ -89,11 +89,11 @@ PREFILL_COOLDOWN_S = 30.0  # one prefill leg lost per this, per prefill worker f
 _T = TypeVar("_T")
 
 
-def name_few(items: Sequence[_T], reason: Callable[[_T], str]) -> tuple[Sequence[_T], Counter[str]]:
-    """The first NAMED_AT_MOST of `items` and the rest counted by `reason`: what a no-worker 503
-    and /ready say of the workers left out, so that a whole fleet down makes neither as long as
-    the fleet."""
-    return items[:NAMED_AT_MOST], Counter(reason(i) for i in items[NAMED_AT_MOST:])
+def name_few(items: Sequence[_T]) -> tuple[Sequence[_T], Sequence[_T]]:
+    """The first NAMED_AT_MOST of `items`, to name, and the rest, to count: what a no-worker 503,
+    /ready and router.fleet_news say of the workers left out, so that a whole fleet down makes
+    none as long as the fleet. Each counts the rest as it says them (the 503 by reason)."""
+    return items[:NAMED_AT_MOST], items[NAMED_AT_MOST:]
 
 
 def few_ids(ids: Sequence[str]) -> str:

@@ -143,7 +143,7 @@ class FleetNews:
             waits = set(by_reason) == {Exclusion.BOOTSTRAPPING} and now - seen.down_since < BOOTSTRAP_GRACE_S
             if not seen.said_down and not waits:
                 seen.said_down = True
-                named, more = name_few(out, lambda st: str(st.exclusion))
+                named, more = name_few(out)
                 log.warning(
                     "model %s: none of its %d decode or agg workers can take requests (%s), so every request for "
                     "it is refused (503) until one can: %s%s (logged once until one can; /debug/workers has each "
@@ -152,7 +152,7 @@ class FleetNews:
                     len(pool),
                     _counts(by_reason),
                     ", ".join(f"{st.worker} ({st.exclusion})" for st in named),
-                    f" and {more.total()} more" if more else "",
+                    f" and {len(more)} more" if more else "",
                 )
             return  # which reasons hold more than half is said above
         if seen.down_since is not None:

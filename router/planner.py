@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -335,10 +336,11 @@ class Planner:
         if left_out and all(e["excluded"] == "tokenizer" for e in left_out):  # no retry takes it
             decode = [i for i in infos if i.role != "prefill"]
             return PlanError(503, self.text_refusal(decode[0].model, decode), transient=False)
-        named, rest = name_few(left_out, lambda e: str(e["excluded"]))
+        named, rest = name_few(left_out)
         reasons = "; ".join(f"{e['worker']}: {e['excluded']} ({e['why']})" for e in named)
         if rest:
-            reasons += f"; and {rest.total()} more ({', '.join(f'{k}: {n}' for k, n in sorted(rest.items()))})"
+            by_reason = sorted(Counter(str(e["excluded"]) for e in rest).items())
+            reasons += f"; and {len(rest)} more ({', '.join(f'{k}: {n}' for k, n in by_reason)})"
         return PlanError(503, f"no decode or agg worker of model {ctx.model} can take the request now: {reasons}")
 
     # --- admission ------------------------------------------------------------------------------

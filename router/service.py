@@ -704,7 +704,7 @@ class RouterService:
             "problems": problems,
             "warnings": warnings,
             "excluded_by_reason": dict(sorted(Counter(str(st.exclusion) for st in left_out).items())),
-            "worker_status": [st.explain() for st in name_few(left_out, lambda st: str(st.exclusion))[0]],
+            "worker_status": [st.explain() for st in name_few(left_out)[0]],
             "index_synced": self._ingest.synced if self._ingest is not None else False,
         }
         return not problems, body
