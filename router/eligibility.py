@@ -110,6 +110,7 @@ class _PrefillEpisode:
     failed_at: float  # its last failed leg
     why: str
     serves_whole: bool  # it only gave no transfer handle: its engine serves whole requests
+    named: bool  # its start's WARNING was logged (not counted in a summary): so is its end
     probe_until: float = 0.0  # a probe holds it until then
 
 
@@ -208,7 +209,7 @@ class Eligibility:
             clock=clock,
             fleet_log=fleet_log,
         )
-        # and, that configuration fixed, every one serves again: as capped
+        # and, that configuration fixed, every one serves again: as capped, but for those named failing
         self._prefill_again_lines = FleetLines(
             log, logging.INFO, "prefill workers serve prefill legs again", clock=clock, fleet_log=fleet_log
         )
@@ -241,10 +242,13 @@ class Eligibility:
         if fault is None:
             if held is not None and self._clock() - held.failed_at >= PREFILL_COOLDOWN_S:
                 del self._prefill_failing[worker]
-                self._prefill_again_lines.say(worker, "prefill worker %s serves prefill legs again", worker)
+                if held.named:  # a fleet's recoveries in another order than its failures must not hide it
+                    log.info("prefill worker %s serves prefill legs again", worker)
+                else:
+                    self._prefill_again_lines.say(worker, "prefill worker %s serves prefill legs again", worker)
             return
         if held is None:
-            self._prefill_lines.say(
+            named = self._prefill_lines.say(
                 worker,
                 "prefill worker %s failed a prefill leg through its own fault: %s. Its requests prefill on other "
                 "prefill workers (or on their decode worker when none is left) for %gs after each such failure, "
@@ -253,7 +257,9 @@ class Eligibility:
                 fault,
                 PREFILL_COOLDOWN_S,
             )
-        self._prefill_failing[worker] = _PrefillEpisode(self._clock(), fault, serves_whole)
+        else:
+            named = held.named
+        self._prefill_failing[worker] = _PrefillEpisode(self._clock(), fault, serves_whole, named)
 
     def prefill_probe(self, worker: str, for_s: float) -> None:
         """A prefill leg on `worker` was planned: past its cooldown, it is the probe, and no other

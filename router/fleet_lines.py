@@ -12,7 +12,12 @@ would: its own alone, as another router in the process (tests, the embedded loca
 its own. Nothing is lost: every worker held is in a summary. A named worker said again within its
 window is named again (it is one of the few); a held one is counted once per window, its lines
 beside it when they were more. The cause may be judged when the summary is said (a callable given
-the count), e.g. whether the fleet shares it.
+the count), e.g. whether the fleet shares it. A clock that steps back opens a new window: on a
+running loop, a summary is said at most `window_s` after its first held line.
+
+`say` returns whether it named the worker: a part that ends an episode (a recovery, through capped
+lines of its own) names the end of every episode whose start was named, so that no worker named
+failing is left unnamed when it recovers.
 
 `LastSaid` is what was said of each worker, kept when its key goes: a worker back under its name
 after a fleet restart, with the same thing to say, is not news.
@@ -65,7 +70,9 @@ class FleetLines:
         """Log `msg % args`, a line naming `worker`, unless NAMED_AT_MOST others were named in this
         window: then count it for the summary. Whether it was logged."""
         now = self._clock()
-        if now - self._opened >= self.window_s:
+        # A clock stepped back (time.time under an NTP correction) opens one too: the window it
+        # left would hold every line, and its summary, for as long as the step.
+        if now - self._opened >= self.window_s or now < self._opened:
             self.flush()
             self._opened = now
             self._named.clear()
@@ -80,7 +87,8 @@ class FleetLines:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (a synchronous caller): the next line or flush() says it
                 return False
-            self._timer = loop.call_later(max(0.0, self._opened + self.window_s - now), self._due)
+            # in (0, window_s]: the window opened at or before now, and has not ended
+            self._timer = loop.call_later(self._opened + self.window_s - now, self._due)
         return False
 
     def held(self) -> int:

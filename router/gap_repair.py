@@ -31,11 +31,11 @@ within the per-chunk timeout, would hold the repair and grow memory without end)
 consecutive failure of a worker is logged as an ERROR naming it, and then at most every
 `error_every_s` while it keeps failing; success after an ERROR is logged too. Each of these lines
 names at most NAMED_AT_MOST workers per window, the rest counted in one summary
-(router.fleet_lines); when more than half of the workers being repaired fail alike (of one kind:
-timed out, no responders, a malformed reply, a NATS error, whatever each one's wait), the summary
-says the cause is likely shared (NATS permissions on the kvstate subject, or the shims not
-answering) rather than any one worker's. Meanwhile only that
-worker is out of routing (router.eligibility), never the fleet.
+(router.fleet_lines), but a worker an ERROR named is named when it succeeds; when more than half
+of the workers being repaired fail alike (of one kind: timed out, no responders, a malformed
+reply, a NATS error, whatever each one's wait), the summary says the cause is likely shared (NATS
+permissions on the kvstate subject, or the shims not answering) rather than any one worker's.
+Meanwhile only that worker is out of routing (router.eligibility), never the fleet.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class _Loop:
     last_error_log: float = field(default=-1e18)
     last_failure: str = ""  # of the failures in a row, the last one's why
     last_kind: FailureKind | None = None  # and its FetchFailure.kind
+    named: bool = False  # an ERROR of these failures named the worker: its success does too
 
 
 class GapRepair:
@@ -229,11 +230,12 @@ class GapRepair:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.retry_max_s)
                 continue
-            if loop.failures >= ERROR_AFTER:
-                self._recovered_lines.say(
-                    worker, "KV repair of worker %s succeeded after %d failures", worker, loop.failures
-                )
-            loop.failures = 0
+            msg = "KV repair of worker %s succeeded after %d failures"
+            if loop.named:  # a fleet's repairs succeeding in another order than they failed must not hide it
+                log.warning(msg, worker, loop.failures)
+            elif loop.failures >= ERROR_AFTER:
+                self._recovered_lines.say(worker, msg, worker, loop.failures)
+            loop.failures, loop.named = 0, False
             delay = self.retry_min_s
             self._target.repair_reply(worker, chunks)
 
@@ -242,7 +244,7 @@ class GapRepair:
         loop.last_failure, loop.last_kind = str(failure), failure.kind
         if loop.failures >= ERROR_AFTER and now - loop.last_error_log >= self.error_every_s:
             loop.last_error_log = now
-            self._error_lines.say(
+            loop.named |= self._error_lines.say(
                 worker,
                 "KV state of worker %s cannot be repaired (%d failures in a row, last: %s); it stays out of "
                 "routing until a request on %s gets a complete answer (see its shim's log)",

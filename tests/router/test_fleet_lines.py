@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import re
 import time
 import types
 from collections import deque
@@ -76,6 +77,25 @@ async def test_the_first_workers_are_named_and_the_rest_counted_by_the_loop_time
     assert [r.getMessage() for r in caplog.records] == ["worker w0019 hit it"]
 
 
+async def test_a_clock_stepped_back_opens_a_new_window(caplog: pytest.LogCaptureFixture) -> None:
+    """TransferHealth's lines read the planner's clock, time.time by default: a host stepped back an
+    hour (NTP) left the window open for the hour, naming no worker, and set the summary's timer an
+    hour and the window ahead (review of 2026-12-06, /tmp/audit/revA_step.py)."""
+    wall = [1_000_000.0]
+    lines = FleetLines(logging.getLogger("tests.fleet_lines"), logging.WARNING, "the cause", window_s=0.2,
+                       clock=lambda: wall[0])  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="tests.fleet_lines"):
+        for worker in WORKERS[:NAMED_AT_MOST]:
+            lines.say(worker, "worker %s hit it", worker)
+        wall[0] -= 3600
+        said = [lines.say(worker, "worker %s hit it", worker) for worker in WORKERS[NAMED_AT_MOST:]]
+        assert said == [True] * NAMED_AT_MOST + [False] * (FLEET - 2 * NAMED_AT_MOST)
+        await until(lambda: lines.held() == 0, timeout=2.0, what="the summary within the window, on the loop's time")
+    named, summary = _lines(caplog, "tests.fleet_lines", logging.WARNING, "hit it")
+    assert named == [f"worker {w} hit it" for w in WORKERS[: 2 * NAMED_AT_MOST]]
+    assert summary == [f"and {FLEET - 2 * NAMED_AT_MOST} more workers: the cause"]
+
+
 def test_a_stopping_router_says_what_it_held(caplog: pytest.LogCaptureFixture) -> None:
     # RouterService.stop flushes its FleetLog: the window's timer would never fire after it.
     held_by = FleetLog()
@@ -122,12 +142,12 @@ async def test_a_stopping_router_says_its_own_held_lines_and_no_other_routers(
     ]
 
 
-def _reachable_fleet_lines(root: object) -> list[FleetLines]:
+def _reachable_fleet_lines(root: object, *, besides: object) -> list[FleetLines]:
     """Every FleetLines reachable from `root` through the attributes of kvswitch's objects (their
-    containers and bound methods too)."""
+    containers and bound methods too), but not through `besides`."""
     ours = ("router", "runtime", "discovery", "protocol")
     containers = (dict, list, tuple, set, frozenset, deque)
-    seen: set[int] = set()
+    seen: set[int] = {id(besides)}
     found: list[FleetLines] = []
     todo = [root]
     while todo:
@@ -147,10 +167,10 @@ def _reachable_fleet_lines(root: object) -> list[FleetLines]:
 async def test_every_per_worker_line_of_a_router_is_said_as_it_stops(cluster: Cluster) -> None:
     """A part made without the router's FleetLog would keep what it holds past the router's stop."""
     router = await cluster.add_router()
-    reachable = _reachable_fleet_lines(router)
+    reachable = _reachable_fleet_lines(router, besides=router.fleet_log)  # the parts' own, not the log's list
     owned = {id(lines) for lines in router.fleet_log._lines}
     assert [lines._cause for lines in reachable if id(lines) not in owned] == []
-    assert len(reachable) == len(owned)  # and the walk reached every part that makes one
+    assert {id(lines) for lines in reachable} == owned  # and the walk reached every part that makes one
 
 
 @pytest.fixture
@@ -627,49 +647,111 @@ def test_a_prefill_fleet_failing_its_legs_is_capped(caplog: pytest.LogCaptureFix
     assert _summarised(summary, fleet, "failed prefill legs through their own fault")
 
 
+def _recovered(fleet: int) -> tuple[int, int]:
+    """(workers named, workers counted) of `fleet` recovering in one window: those named failing,
+    then as many again of the rest, the others counted."""
+    rest = fleet - min(fleet, NAMED_AT_MOST)
+    return fleet - rest + min(rest, NAMED_AT_MOST), rest - min(rest, NAMED_AT_MOST)
+
+
+@pytest.mark.parametrize("order", ["as they failed", "reversed"])
 @pytest.mark.parametrize("fleet", [1, FLEET])
-def test_a_fleet_loading_kv_again_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
+def test_a_fleet_loading_kv_again_is_capped_but_names_each_pair_named_failing(
+    caplog: pytest.LogCaptureFixture, fleet: int, order: str
+) -> None:
     """The KV connector fixed fleet-wide: every pair's probe works at once, and each said its
-    recovery (1,000 INFO lines at 1,000 decode workers)."""
+    recovery (1,000 INFO lines at 1,000 decode workers). The probes need not end in the order the
+    failures began: capped on their own, the recoveries named the first eight to recover, so a
+    decode worker named failing could be counted recovering, its log ending on the WARNING (review
+    of 2026-12-06, /tmp/audit/revA_recover.py)."""
     now = [100.0]
     transfers = TransferHealth(clock=lambda: now[0])
-    for worker in WORKERS[:fleet]:
-        for prefill in ("p1", "p2"):
-            transfers.failed(worker, prefill)
+    with caplog.at_level(logging.WARNING, logger="router.transfer_health"):
+        for worker in WORKERS[:fleet]:
+            for prefill in ("p1", "p2"):
+                transfers.failed(worker, prefill)
+    failing = _pairs(_lines(caplog, "router.transfer_health", logging.WARNING, "failed to load KV")[0])
+    assert failing == {(w, p) for w in WORKERS[:NAMED_AT_MOST][:fleet] for p in ("p1", "p2")}
+    caplog.clear()
     now[0] += transfers.cooldown_s
     with caplog.at_level(logging.INFO, logger="router.transfer_health"):
-        for worker in WORKERS[:fleet]:
+        for worker in WORKERS[:fleet] if order == "as they failed" else WORKERS[:fleet][::-1]:
             for prefill in ("p1", "p2"):
                 transfers.succeeded(worker, prefill)
         transfers._recovered_lines.flush()
     assert not transfers.any
     named, summary = _lines(caplog, "router.transfer_health", logging.INFO, "loads KV from")
-    assert named[:2] == ["decode worker w0000 loads KV from p1 again", "decode worker w0000 loads KV from p2 again"]
-    assert len(named) == 2 * min(fleet, NAMED_AT_MOST)
-    held = fleet - NAMED_AT_MOST
+    assert failing <= _pairs(named)
+    workers, held = _recovered(fleet)
+    assert len(named) == len(_pairs(named)) == 2 * workers
     assert summary == ([f"and {held} more workers ({2 * held} lines): decode workers load KV from their prefill "
                         "workers again"] if held > 0 else [])  # fmt: skip
 
 
+def _pairs(lines: list[str]) -> set[tuple[str, str]]:
+    """The (decode, prefill) pairs TransferHealth's lines name."""
+    found = [re.match(r"decode worker (\S+) (?:failed to load KV prefilled on|loads KV from) (\w+)", m) for m in lines]
+    return {(m[1], m[2]) for m in found if m is not None}
+
+
+@pytest.mark.parametrize("order", ["as they failed", "reversed"])
 @pytest.mark.parametrize("fleet", [1, FLEET])
-def test_a_prefill_fleet_serving_its_legs_again_is_capped(caplog: pytest.LogCaptureFixture, fleet: int) -> None:
-    """Every prefill engine restarted with its KV connector: each one's probe works at once."""
+def test_a_prefill_fleet_serving_its_legs_again_is_capped_but_names_each_one_named_failing(
+    caplog: pytest.LogCaptureFixture, fleet: int, order: str
+) -> None:
+    """Every prefill engine restarted with its KV connector: each one's probe works at once, in any
+    order (review of 2026-12-06, as for TransferHealth above)."""
     now = [1000.0]
     elig = Eligibility(clock=lambda: now[0], sync_state=lambda w: None, liveness=lambda w: None, tokenizer=None)
-    for worker in WORKERS[:fleet]:
-        elig.added(worker)
-        elig.prefill_leg(worker, "its prefill legs return no transfer handle", serves_whole=True)
+    with caplog.at_level(logging.WARNING, logger="router.eligibility"):
+        for worker in WORKERS[:fleet]:
+            elig.added(worker)
+            elig.prefill_leg(worker, "its prefill legs return no transfer handle", serves_whole=True)
+            elig.prefill_leg(worker, "its prefill legs return no transfer handle")  # its episode goes on
+    failing = {m.split()[2] for m in _lines(caplog, "router.eligibility", logging.WARNING, "failed a prefill leg")[0]}
+    assert failing == set(WORKERS[:NAMED_AT_MOST][:fleet])
+    caplog.clear()
     now[0] += PREFILL_COOLDOWN_S
     with caplog.at_level(logging.INFO, logger="router.eligibility"):
-        for worker in WORKERS[:fleet]:
+        for worker in WORKERS[:fleet] if order == "as they failed" else WORKERS[:fleet][::-1]:
             elig.prefill_leg(worker, None)
         elig._prefill_again_lines.flush()
     infos = [WorkerInfo(worker=w, model="m", role="prefill", engine="vllm", block_size=16) for w in WORKERS[:fleet]]
     assert Exclusion.PREFILL_FAILING not in {s.exclusion for s in elig.statuses(infos)}
     named, summary = _lines(caplog, "router.eligibility", logging.INFO, "serves prefill legs again")
-    assert named[0] == "prefill worker w0000 serves prefill legs again"
-    assert len(named) == min(fleet, NAMED_AT_MOST)
-    assert _summarised(summary, fleet, "prefill workers serve prefill legs again")
+    assert failing <= {m.split()[2] for m in named}
+    workers, held = _recovered(fleet)
+    assert len(named) == len(set(named)) == workers
+    assert summary == ([f"and {held} more workers: prefill workers serve prefill legs again"] if held > 0 else [])
+
+
+async def test_a_fleet_repaired_in_another_order_than_it_failed_names_each_one_named_failing(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No shim answers its kvstate request, then each answers again, the last to fail first: the
+    successes, capped on their own, named the first eight to succeed, so a worker whose ERROR was
+    named was counted when it was repaired (review of 2026-12-06)."""
+    caplog.set_level(logging.WARNING, logger="router.gap_repair")
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=0.2, retry_max_s=0.1)
+    await ingest.start()
+    shims = [FakeShim(nc, ns, w) for w in WORKERS]
+    try:
+        for shim in shims:
+            ingest.add_worker(shim.worker, shim.epoch)
+        await until(lambda: all(ingest.repairs.failures(w) >= 3 for w in WORKERS), what="every worker's ERROR")
+        for shim in reversed(shims):
+            await shim.start()
+            await until(lambda: not ingest.needs_repair(shim.worker), what=f"{shim.worker} repaired")  # noqa: B023
+        ingest.repairs._recovered_lines.flush()
+    finally:
+        await ingest.stop()
+    failing = {m.split()[4] for m in _lines(caplog, "router.gap_repair", logging.ERROR, "cannot be repaired")[0]}
+    assert len(failing) == NAMED_AT_MOST
+    named, summary = _lines(caplog, "router.gap_repair", logging.WARNING, "succeeded after")
+    assert failing <= {m.split()[4] for m in named}
+    workers, held = _recovered(FLEET)
+    assert len(named) == workers
+    assert summary == [f"and {held} more workers: KV repair succeeded after 3 or more failures"]
 
 
 @pytest.mark.parametrize("fleet", [1, FLEET])
