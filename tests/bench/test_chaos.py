@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
 import time
 
-from bench.chaos import SCENARIOS, Chaos, Scenario, error_kind, format_table, run_scenario
+from bench.chaos import MODEL, SCENARIOS, Chaos, Scenario, error_kind, format_table, run_scenario
+from kvswitch.client import CompletionClient
 
 
 def test_a_forged_batch_costs_no_request_and_the_index_stays_the_engines_truth() -> None:
@@ -25,6 +27,28 @@ def test_kill_9_of_a_decode_shim_fails_only_its_streams_and_recovers_in_seconds(
     assert r.failed <= 4, r.errors  # only what was streaming on the killed worker (6/s, ~0.5 s each)
     assert r.recovery_s <= 3.0
     assert r.index_ok, r.index_detail
+
+
+def test_a_killed_shims_worker_is_compared_only_once_it_has_left_the_routers() -> None:
+    # CI, 2026-12-06: kill_decode_shim killed the shim while a request was in flight there, its engine
+    # cached 9 blocks the dead shim never published, and the index was compared 10 s after the kill,
+    # as the worker's 10 s lease ran out: both routers still listed it, 159 blocks against 168. Here
+    # the engine caches blocks after the kill for sure, and the load ends seconds before the lease can.
+    kill = SCENARIOS["kill_decode_shim"].fault
+    assert kill is not None
+
+    async def kill_then_cache(c: Chaos) -> None:
+        worker, info = await c.decode_worker()  # the worker kill_decode_shim kills
+        await kill(c)
+        assert c.notes[-1].endswith(f"(worker {worker})")
+        prompt = [random.randrange(1, 30_000) for _ in range(256)]  # 16 blocks in no cache
+        done = await CompletionClient(c.http, MODEL).complete(info["engine_url"], prompt, 1, request_id="after-kill")
+        assert done.ok, done.error
+
+    scenario = Scenario("kill_then_cache", "a shim killed, then its engine caches more", kill_then_cache)
+    r = run_scenario(scenario, rate=2.0, warmup_s=1.0, window_s=1.0, settle_s=0.0)
+    assert r.index_ok, r.index_detail
+    assert r.index_detail == "equal"
 
 
 def test_a_fault_lasts_what_its_scenario_says_not_the_window() -> None:
