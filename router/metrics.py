@@ -51,6 +51,12 @@ class StateFigures:
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
+    load_over_budget: int = 0  # router.load_budget's: past their sender's budget, from any sender
+    worker_load_over_budget: Mapping[str, int] = field(default_factory=dict)  # the same, registered workers'
+    load_disconnects: int = 0  # router.service's load report connection cut
+    load_quarantined: int = 0  # router.load_subscriptions: senders unheard now
+    load_quarantines: int = 0  # ... and each time one was quarantined
+    slow_consumer_dropped: Mapping[str, int] = field(default_factory=dict)  # nats-py's drops, by subscription
     config_rejected: int = 0
     loop_stalls: int = 0  # runtime.loop_watch's: stalls of this router's own event loop
     kv_disconnects: int = 0  # router.service's KV event connection cut
@@ -122,6 +128,44 @@ class _StateCollector(Collector):
             "some worker publishes more than this replica folds); routing and replies go on on another connection",
             s.kv_disconnects,
         )
+        yield CounterMetricFamily(
+            "kvswitch_router_load_over_budget",
+            "Load reports dropped before decoding, past their sender's budget (router.load_budget: 40 a second, "
+            "bursts of 120; a shim sends at most 20): something other than a shim publishes on its subject",
+            s.load_over_budget,
+        )
+        yield _per_worker(
+            "kvswitch_router_worker_load_over_budget",
+            "Load reports dropped past their sender's budget, by registered worker (the worker whose subject they "
+            "came on)",
+            s.worker_load_over_budget,
+        )
+        yield GaugeMetricFamily(
+            "kvswitch_router_load_senders_quarantined",
+            "Load report senders past their budget whose subjects this router does not hear now (each for 15 s at "
+            "a time, router.load_subscriptions): they read silent",
+            s.load_quarantined,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_load_quarantines",
+            "Times a load report sender past its budget was quarantined (its subject unheard for 15 s)",
+            s.load_quarantines,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_load_disconnects",
+            "Times the connection load reports come on dropped (a NATS outage, or nats-server cutting a slow "
+            "consumer: reports come faster than this replica reads them); replies go on on another connection",
+            s.load_disconnects,
+        )
+        dropped = CounterMetricFamily(
+            "kvswitch_router_nats_slow_consumer_dropped",
+            "Messages the NATS client dropped because a subscription's handler fell behind its pending limit, by "
+            "subscription (load, kv, sync, replies, kvstate)",
+            labels=["subscription"],
+        )
+        for which, n in sorted(s.slow_consumer_dropped.items()):
+            dropped.add_metric([which], n)
+        yield dropped
         yield CounterMetricFamily(
             "kvswitch_router_load_unknown",
             "Load reports dropped as from no registered worker (not yet, no longer, or its record refused)",

@@ -1,8 +1,9 @@
 """RouterService: one router replica, wired (docs/router.md, "Architecture"). It only wires.
 
-    NATS ── {ns}.kv.*   ─▶ KvIngest (+ GapRepair) ─▶ BlockIndex, PendingPrefixes
-         ── {ns}.load.* ─▶ LoadView, Eligibility, KvIngest.check_digest, Admission.notify
-         ◀▶ {ns}.router.sync ── ReplicaSync (the Ledger's sink)
+    NATS ── {ns}.kv.*   ─▶ KvIngest (+ GapRepair) ─▶ BlockIndex, PendingPrefixes    (a connection of its own)
+         ── {ns}.load.* ─▶ LoadBudget ─▶ LoadView, Eligibility, KvIngest.check_digest, Admission.notify
+            (a connection of its own; past its budget a sender goes unheard: LoadSubscriptions)
+         ◀▶ {ns}.router.sync ── ReplicaSync (the Ledger's sink)         (the main connection, with the replies)
     etcd ── /{ns}/workers/ ─▶ WorkerRegistry ─▶ (ingest, eligibility, view, dispatcher)
          ── /{ns}/config/router ─▶ ConfigWatcher ─▶ Planner.configure
     HTTP ─▶ http_api ─▶ RequestPath: Planner (context, candidates, choice, booking) ─▶ Admission
@@ -28,7 +29,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -37,7 +38,7 @@ import msgspec
 from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.errors import SlowConsumerError
 from opentelemetry.trace import TracerProvider
 
 from discovery import ConfigWatcher, Discovery, Registration
@@ -64,12 +65,14 @@ from router.eligibility import (
     name_few,
     taking_requests,
 )
-from router.fleet_lines import FleetLines, FleetLog
+from router.fleet_lines import NAMED_AT_MOST, FleetLines, FleetLog
 from router.fleet_news import CHECK_S, FleetNews
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger
+from router.load_budget import LoadBudget
+from router.load_subscriptions import LoadSubscriptions
 from router.load_view import MAX_CLOCK_SKEW_S, LoadView
 from router.metrics import RouterMetrics, StateFigures
 from router.peer_settings import PeerSettings, settings_digest
@@ -82,7 +85,7 @@ from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization,
 from router.tracing import RequestTracer
 from router.worker_registry import WorkerRegistry, context_message
 from router.worker_versions import WorkerVersions
-from runtime import LISTEN_BACKLOG, background, guarded
+from runtime import LISTEN_BACKLOG, RepeatedErrors, background, guarded
 from runtime.loop_watch import LoopWatch
 from runtime.nats_connect import connect as nats_connect
 from runtime.nats_connect import error_reporter, refused_subscriptions
@@ -224,6 +227,8 @@ class RouterService:
         self.tracer = RequestTracer(config.tracer_provider)
         self.load_malformed = 0
         self.load_unknown = 0
+        self.load_budget = LoadBudget()  # checked before decoding: one sender's flood costs a dict lookup a report
+        self.load_over_budget: Counter[str] = Counter()  # by worker, while it is registered
         # (kind, worker) of the load reports logged, once per registered worker and kind, cleared
         # when it leaves. Senders with no record (anyone may publish on {ns}.load.<any name>; a shim
         # that lost its lease reports under its old id for a while) are kept apart, bounded and
@@ -255,15 +260,27 @@ class RouterService:
             "cannot read; every one counted in kvswitch_router_load_malformed_total)",
             fleet_log=self.fleet_log,
         )
+        self._over_budget_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "load reports over their senders' budget dropped (one cause for many workers: something other than "
+            "their shims publishing on their subjects; counted in kvswitch_router_load_over_budget_total)",
+            fleet_log=self.fleet_log,
+        )
         self.reregistrations = 0
         self.kv_disconnects = 0  # the KV event connection cut (a slow consumer), kvswitch_router_kv_disconnects_total
+        self.load_disconnects = 0  # the load report connection cut, kvswitch_router_load_disconnects_total
+        # Messages nats-py dropped because a subscription's handler fell behind, by subscription (_nats_errors)
+        self.slow_consumer_dropped: Counter[str] = Counter()
+        self._slow_consumer_said: dict[str, RepeatedErrors] = {}
         self._nc: Client | None = None
         self._kv_nc: Client | None = None  # KV events alone (_start)
+        self._load_nc: Client | None = None  # load reports alone (_start)
         self._discovery: Discovery | None = None
         self._registration: Registration | None = None
         self._runner: web.AppRunner | None = None
         self._drain = Drain()
-        self._load_sub: Subscription | None = None
+        self._load_subs: LoadSubscriptions | None = None
         self._load_turns = Turns()
         self._ingest: KvIngest | None = None
         self._sync: ReplicaSync | None = None
@@ -343,7 +360,7 @@ class RouterService:
         _check_listen(self.config.http_host, self.config.http_port)
         self._nc = nc = await nats_connect(
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"),
-            error_cb=error_reporter(log, self.config.nats.shown_servers(), self.config.nats.credential_flags()),
+            error_cb=self._nats_errors("main"),
             disconnected_cb=self._nats_disconnected,
             reconnected_cb=self._nats_reconnected,
         )
@@ -354,9 +371,21 @@ class RouterService:
         # each worker's next load report asks for what it missed (router.kv_ingest).
         self._kv_nc = await nats_connect(
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}-kv"),
-            error_cb=error_reporter(log, self.config.nats.shown_servers(), self.config.nats.credential_flags()),
+            error_cb=self._nats_errors("kv"),
             disconnected_cb=self._kv_disconnected,
             reconnected_cb=self._kv_reconnected,
+        )
+        # Load reports on one of their own too: a worker flooding its own {ns}.load.NAME (isolation
+        # audit of 2026-12-06) sent its bytes down the socket every reply stream came on, and its
+        # reports into the queue the other workers' waited in. Past its budget (_on_load) its excess is
+        # dropped before decoding and it is quarantined, so nats-server sends it no more
+        # (router.load_subscriptions); a flood faster than this replica reads meanwhile gets this
+        # connection cut as a slow consumer, not the replies'.
+        self._load_nc = await nats_connect(
+            **self.config.nats.connect_options(f"kvswitch-router-{self.ns}-load"),
+            error_cb=self._nats_errors("load"),
+            disconnected_cb=self._load_disconnected,
+            reconnected_cb=self._load_reconnected,
         )
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
         # Replica sync learns its router id at registration, below; until then nothing is routed.
@@ -425,9 +454,13 @@ class RouterService:
             left_at=self._left_at,
             request_timeout_s=self.config.request_timeout_s,
         )
-        self._load_sub = await nc.subscribe(
-            subjects.load_all(self.ns), cb=guarded(self._on_load, "the load report handler")
+        self._load_subs = LoadSubscriptions(
+            self._load_nc,
+            self.ns,
+            guarded(self._on_load, "the load report handler"),
+            lambda: (info.worker for info in self._registry.workers()) if self._registry is not None else (),
         )
+        await self._load_subs.start()
         # No per-request access log: /metrics counts requests, and a log line per request costs more
         # than routing it.
         app = make_app(
@@ -486,8 +519,10 @@ class RouterService:
         await self._ingest.start()
         # The server refuses a subject of another identity only in an -ERR: such a router would
         # serve 503s for good, its workers' KV events and load reports never reaching it.
-        await flush(nc)
-        if refused := sorted(refused_subscriptions(nc)):
+        conns = (nc, self._kv_nc, self._load_nc)
+        for conn in conns:
+            await flush(conn)
+        if refused := sorted(set().union(*(refused_subscriptions(conn) for conn in conns))):
             more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
             raise ConfigError(
                 "namespace",
@@ -539,10 +574,9 @@ class RouterService:
             if part is not None:
                 with contextlib.suppress(Exception):
                     await part.stop()
-        sub, self._load_sub = self._load_sub, None
-        if sub is not None and self._nc is not None and not self._nc.is_closed:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        subs, self._load_subs = self._load_subs, None
+        if subs is not None:
+            await subs.stop()
         registration, self._registration = self._registration, None
         if registration is not None:
             with contextlib.suppress(Exception):
@@ -551,11 +585,11 @@ class RouterService:
         if discovery is not None:
             with contextlib.suppress(Exception):
                 await discovery.close()
-        for conn in (self._kv_nc, self._nc):
+        for conn in (self._load_nc, self._kv_nc, self._nc):
             if conn is not None and not conn.is_closed:
                 with contextlib.suppress(Exception):
                     await conn.drain()
-        self._kv_nc = self._nc = None
+        self._load_nc = self._kv_nc = self._nc = None
         self.fleet_log.flush()  # its windows' timers never fire now
         self.status = RouterStatus.STOPPED
 
@@ -634,6 +668,13 @@ class RouterService:
             if m[f"soft_{pool}"] and not m[f"routable_{pool}"]
         ]
         warnings += self._fleet_warnings(infos)
+        if self._load_subs is not None and (unheard := self._load_subs.quarantined()):
+            named = sorted(unheard)
+            warnings.append(
+                f"load reports of {len(named)} senders unheard, quarantined for sending more than their budget "
+                f"({', '.join(named[:NAMED_AT_MOST])}{', ...' if len(named) > NAMED_AT_MOST else ''}): they read "
+                "silent; something other than their shims publishes on their subjects"
+            )
         unrenewed = self._registration.unrenewed_s if self._registration is not None else None
         if unrenewed is not None and unrenewed > self.config.lease_ttl_s:
             # Not a problem: with etcd down for every process too, no worker sees the key go and the
@@ -840,6 +881,8 @@ class RouterService:
         self.worker_versions.check(info)
         self.ingest.add_worker(info.worker, info.epoch, info.kv_total_blocks)
         self.eligibility.added(info.worker)
+        if self._load_subs is not None:
+            self._load_subs.workers_changed()
         self.path.admission.notify()
 
     def _registered(self, *workers: str) -> bool:
@@ -876,7 +919,10 @@ class RouterService:
         self.skew_news.remove(worker, time.monotonic())
         self.eligibility.removed(worker)
         self.dispatcher.worker_gone(worker)
-        self._load_logged -= {("malformed", worker), ("unknown", worker), ("clock step", worker)}
+        self._load_logged -= {("malformed", worker), ("unknown", worker), ("clock step", worker), ("budget", worker)}
+        self.load_over_budget.pop(worker, None)
+        if self._load_subs is not None:
+            self._load_subs.workers_changed()
         self.path.admission.notify()  # a model whose last worker left: its waiters get that 503 now
 
     def _on_kv_events(self, worker: str, events: list[KvEvent]) -> None:
@@ -907,6 +953,48 @@ class RouterService:
     async def _kv_reconnected(self) -> None:
         log.info("the KV event connection to NATS is back")
 
+    async def _load_disconnected(self) -> None:
+        if self.status in (RouterStatus.STOPPING, RouterStatus.STOPPED):
+            return  # our own drain at stop
+        self.load_disconnects += 1
+        log.warning(
+            "the load report connection to NATS dropped: NATS is unreachable, or nats-server cut it as a slow "
+            "consumer (load reports coming faster than this replica reads them: a sender over its budget is named "
+            "in a WARNING of its own); replies go on on the main connection, workers read silent until it is back"
+        )
+
+    async def _load_reconnected(self) -> None:
+        log.info("the load report connection to NATS is back")
+
+    def _nats_errors(self, conn: str) -> Callable[[Exception], Awaitable[None]]:
+        """The error_cb of connection `conn`: messages nats-py dropped as a slow consumer (a handler
+        behind by its subscription's pending limit) counted by subscription, a WARNING for each at
+        most every 30 s; the rest as every NATS client says them (runtime.nats_connect)."""
+        others = error_reporter(log, self.config.nats.shown_servers(), self.config.nats.credential_flags())
+
+        async def on_error(exc: Exception) -> None:
+            if not isinstance(exc, SlowConsumerError):
+                await others(exc)
+                return
+            which = self._subscription(conn, exc.sub.subject)
+            self.slow_consumer_dropped[which] += 1
+            if (said := self._slow_consumer_said.get(which)) is None:
+                said = self._slow_consumer_said[which] = RepeatedErrors(
+                    log,
+                    f"NATS subscription {exc.sub.subject} ({which})",
+                    "its handler falls behind what comes: messages dropped, counted in "
+                    "kvswitch_router_nats_slow_consumer_dropped_total"
+                    + ("; a sender over its budget is named in a WARNING of its own" if which == "load" else ""),
+                )
+            await said.on_error(exc)
+
+        return on_error
+
+    def _subscription(self, conn: str, subject: str) -> str:
+        """The kind of subscription (a metric label) `subject` is on connection `conn`."""
+        named = {subjects.load_all(self.ns): "load", subjects.kv_all(self.ns): "kv", subjects.sync(self.ns): "sync"}
+        return named.get(subject) or {"main": "replies", "kv": "kvstate"}.get(conn, "other")
+
     async def _nats_reconnected(self) -> None:
         self._reconnected_at = time.monotonic()
         if self._dispatcher is not None:
@@ -914,6 +1002,10 @@ class RouterService:
         log.warning("NATS connection re-established: not ready until a worker reports again")
 
     async def _on_load(self, msg: Msg) -> None:
+        sender = msg.subject.rpartition(".")[2]
+        if not self.load_budget.admit(sender, time.monotonic()):
+            self._over_budget(sender, msg.subject)
+            return
         # nats-py runs the callbacks of a queued backlog back to back: folded in one turn, 1,000
         # workers' reports held the loop for 0.2-0.3 s at a time (scale audit of 2026-12-06)
         await self._load_turns.take()
@@ -980,6 +1072,26 @@ class RouterService:
                 "kvswitch_router_load_malformed_total): %s",
                 sender,
                 why,
+            )
+
+    def _over_budget(self, sender: str, subject: str) -> None:
+        if self._registry is not None and self._registry.get(sender) is not None:
+            self.load_over_budget[sender] += 1
+        if self._load_subs is not None:
+            self._load_subs.quarantine(sender)
+        if self._first_said("budget", sender):
+            budget = self.load_budget
+            self._over_budget_lines.say(
+                sender,
+                "load reports from worker %s come faster than %g a second (bursts of %g; a shim sends at most 20): "
+                "the rest dropped unread, and %s unheard for %g s at a time, so it reads silent (logged once per "
+                "worker, counted in kvswitch_router_load_over_budget_total); something other than its shim "
+                "publishes there",
+                sender,
+                budget.rate_per_s,
+                budget.burst,
+                subject,
+                self._load_subs.quarantine_s if self._load_subs is not None else 0,
             )
 
     def _first_said(self, kind: str, worker: str) -> bool:
@@ -1070,7 +1182,13 @@ class RouterService:
             malformed_replies=dict(self._dispatcher.malformed_replies) if self._dispatcher is not None else {},
             load_malformed=self.load_malformed,
             load_unknown=self.load_unknown,
+            load_over_budget=self.load_budget.over,
+            worker_load_over_budget=dict(self.load_over_budget),
             kv_disconnects=self.kv_disconnects,
+            load_disconnects=self.load_disconnects,
+            load_quarantined=len(self._load_subs.quarantined()) if self._load_subs is not None else 0,
+            load_quarantines=self._load_subs.quarantines if self._load_subs is not None else 0,
+            slow_consumer_dropped=dict(self.slow_consumer_dropped),
             records_refused=self._registry.refused if self._registry is not None else 0,
             sync=self._sync.stats if self._sync is not None else SyncStats(),
             timing=self.calibration.factors() if self.calibration is not None else {},

@@ -1,0 +1,126 @@
+"""The subscriptions load reports come on, and the quarantine of a sender past its budget.
+
+A budget (router.load_budget) drops a flooding sender's excess for a dict lookup each, but every
+report still crosses the socket and is parsed by nats-py, about 10 µs each: a Python publisher
+sends faster than a router reads (isolation audit of 2026-12-06: 80,000 a second against some
+75,000), so the other workers' reports queued behind the flood in the socket and were read seconds
+late (silent, a false clock skew). Only nats-server can stop sending them: a sender past its
+budget is quarantined for `quarantine_s`, while which the router hears load reports on one
+subscription per registered worker, the quarantined ones left out, instead of `{ns}.load.*`. Once
+no sender is quarantined, `{ns}.load.*` again. A sender that floods on lets through one budget's
+burst each `quarantine_s`. Reports of senders with no record are not heard meanwhile (the router
+drops them anyway: only the load_unknown count and its INFO lines miss them).
+
+One task makes every change, in order: each change subscribes before it unsubscribes, so no report
+of a worker heard before and after is missed (one may come twice: the same report again changes
+nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from discovery.watch import keep_following
+from protocol import subjects
+from runtime import background
+
+__all__ = ["QUARANTINE_S", "LoadSubscriptions"]
+
+QUARANTINE_S = 15.0
+
+
+class LoadSubscriptions:
+    def __init__(
+        self,
+        nc: Client,
+        ns: str,
+        handler: Callable[[Msg], Awaitable[None]],
+        workers: Callable[[], Iterable[str]],
+        *,
+        quarantine_s: float = QUARANTINE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`workers`: the registered workers' ids, whose subjects are heard while a sender is quarantined."""
+        self._nc = nc
+        self._ns = ns
+        self._handler = handler
+        self._workers = workers
+        self.quarantine_s = quarantine_s
+        self._clock = clock
+        self._all: Subscription | None = None  # {ns}.load.*, while no sender is quarantined
+        self._each: dict[str, Subscription] = {}  # by worker, while one is
+        self._until: dict[str, float] = {}  # quarantined senders: until when
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.quarantines = 0  # senders quarantined, each time
+
+    async def start(self) -> None:
+        self._all = await self._nc.subscribe(subjects.load_all(self._ns), cb=self._handler)
+        self._task = background(  # a change that raises (NATS away) is an ERROR, and tried again
+            keep_following(self._follow, "the load report subscriptions (router.load_subscriptions)"),
+            "router-load-subscriptions",
+            "senders past their budget are no longer quarantined, nor heard again, until the router restarts",
+        )
+
+    def quarantine(self, sender: str) -> None:
+        """Leave `sender`'s subject unheard for `quarantine_s` from now (once: a report of it still
+        queued changes nothing)."""
+        if sender in self._until:
+            return
+        self._until[sender] = self._clock() + self.quarantine_s
+        self.quarantines += 1
+        self._changed.set()
+
+    def quarantined(self) -> dict[str, float]:
+        """The senders unheard now, with the seconds left."""
+        now = self._clock()
+        return {s: until - now for s, until in self._until.items() if until > now}
+
+    def workers_changed(self) -> None:
+        """A worker registered or left: while some sender is quarantined, its subject is heard or no longer."""
+        if self._until:
+            self._changed.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for sub in [*self._each.values(), *([self._all] if self._all is not None else [])]:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._all, self._each = None, {}
+
+    async def _follow(self) -> None:
+        while True:
+            self._changed.clear()
+            await self._settle()
+            wait = min(self._until.values(), default=self._clock() + 3600.0) - self._clock()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, wait)):
+                    await self._changed.wait()
+
+    async def _settle(self) -> None:
+        now = self._clock()
+        for sender in [s for s, until in self._until.items() if until <= now]:
+            del self._until[sender]
+        if not self._until:
+            if self._all is None:
+                self._all = await self._nc.subscribe(subjects.load_all(self._ns), cb=self._handler)
+            heard: set[str] = set()
+        else:
+            heard = set(self._workers()) - self._until.keys()
+        for worker in heard - self._each.keys():
+            self._each[worker] = await self._nc.subscribe(subjects.load(self._ns, worker), cb=self._handler)
+        if self._until and self._all is not None:
+            all_, self._all = self._all, None
+            await all_.unsubscribe()
+        for worker in self._each.keys() - heard:
+            await self._each.pop(worker).unsubscribe()
