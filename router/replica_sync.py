@@ -15,7 +15,9 @@ bookings older than `peer_ttl_s` expire.
 
 A peer's booking no request could make (more tokens than MAX_BOOKING, more blocks than the
 worker's KV capacity as its load reports say, or than MAX_BOOKING) is malformed: counted, logged
-once, dropped. Kept, it would shun the worker for `peer_ttl_s`.
+once per peer (a message that does not decode names none: once for all of them), dropped. Kept,
+it would shun the worker for `peer_ttl_s`. Until 2026-12-06 one line per process said the first
+peer's, and a second peer gone wrong was only a count.
 
 A router whose lease was lost registers anew under a new id (`rename`): peers dropped the old id's
 bookings with its key, and count the new id's from its registration on.
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 _MAX_ENTRIES_PER_MESSAGE = 2000  # ~100 KB of msgpack, well under NATS's 1 MB default payload limit
 _DEPARTED_MEMORY = 1024
 _LOGGED_SENDERS = 64  # unregistered senders named in the log; a forger minting ids gets no more lines
+_LOGGED_MALFORMED = 64  # peers (registered ones) whose malformed bookings are logged, at a time
 MAX_BOOKING = 2**31
 """Tokens or blocks beyond any request's: no model's context, no engine's KV cache holds as many."""
 
@@ -109,7 +112,7 @@ class ReplicaSync:
         self._peers: set[str] = set()
         self._registered: set[str] | None = None  # None: not watching (no discovery), or no snapshot yet
         self._departed: deque[str] = deque(maxlen=_DEPARTED_MEMORY)
-        self._malformed_logged = False
+        self._malformed_logged: set[str | None] = set()  # peers logged (None: undecodable), until they go
         self._sent = False  # a peer may hold our bookings: every free must go out (module docstring)
         self._logged_senders: set[str] = set()
         self._sub: Subscription | None = None
@@ -190,6 +193,7 @@ class ReplicaSync:
         if router not in self._departed:
             self._departed.append(router)
         self._peers.discard(router)
+        self._malformed_logged.discard(router)
         dropped = self.view.forget_router(router)
         self.stats.routers_forgotten += 1
         if dropped:
@@ -235,7 +239,7 @@ class ReplicaSync:
         try:
             sync = decode_msg(data, RouterSync)
         except ProtocolError as exc:
-            self._malformed(exc)
+            self._malformed(None, exc)
             return
         peer = sync.router
         if peer == self.router_id:
@@ -254,12 +258,12 @@ class ReplicaSync:
             self.stats.entries_received += 1
             if e.kind == "add":
                 if (why := self._implausible(e)) is not None:
-                    self._malformed(f"router {peer} booked {why}")
+                    self._malformed(peer, f"booked {why}")
                     continue
                 try:
                     view.book(e.request_id, e.worker, e.tokens, e.blocks, router=peer)
                 except ValueError as exc:
-                    self._malformed(exc)
+                    self._malformed(peer, exc)
             elif e.kind == "prefill_done":
                 view.prefill_done(e.request_id, router=peer, worker=e.worker or None)
             else:
@@ -286,14 +290,21 @@ class ReplicaSync:
             return f"{e.tokens} tokens and {e.blocks} blocks on {e.worker} (at most {MAX_BOOKING} and {blocks})"
         return None
 
-    def _malformed(self, why: object) -> None:
+    def _malformed(self, peer: str | None, why: object) -> None:
+        """`peer`: the router that sent it, None when the message did not decode (no name to trust)."""
         self.stats.malformed += 1
-        if not self._malformed_logged:
-            self._malformed_logged = True
-            log.warning(
-                "dropping malformed router sync (logged once, counted in kvswitch_router_sync_malformed_total): %s",
-                why,
-            )
+        logged = self._malformed_logged
+        if peer in logged or len(logged) >= _LOGGED_MALFORMED:
+            return
+        logged.add(peer)
+        last = ", and no further peer is named until one goes" if len(logged) == _LOGGED_MALFORMED else ""
+        log.warning(
+            "dropping malformed router sync from %s (logged once per peer%s, all counted in "
+            "kvswitch_router_sync_malformed_total): %s",
+            f"router {peer}" if peer is not None else "a sender it does not name (it did not decode)",
+            last,
+            why,
+        )
 
     async def _expirer(self) -> None:
         period = max(self._peer_ttl_s / 10.0, 0.05)

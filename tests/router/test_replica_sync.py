@@ -290,3 +290,30 @@ async def test_a_router_whose_key_comes_back_in_a_fresh_snapshot_is_heard_again(
         assert b.view.bookings("w1") == 1 and b.stats.departed == 0
     finally:
         await b.stop()
+
+
+async def test_malformed_sync_is_logged_once_per_peer(nc: Client, ns: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Until 2026-12-06 one line per process: a second peer gone wrong was only a count."""
+    caplog.set_level(logging.WARNING, logger="router.replica_sync")
+    b = ReplicaSync(nc, ns, "rb", LoadView(), flush_ms=1.0)
+    await b.start()
+    try:
+        for peer in ("rx", "ry", "rx"):
+            bad = RouterSync(router=peer, entries=[SyncEntry(request_id="q", worker="w1", kind="add", tokens=-1)])
+            await nc.publish(subjects.sync(ns), encode_msg(bad))
+        await nc.publish(subjects.sync(ns), b"\x00garbage")
+        await until(lambda: b.stats.malformed == 4)
+        said = [r.getMessage() for r in caplog.records if "malformed router sync" in r.getMessage()]
+        assert [line.split(" (")[0] for line in said] == [
+            "dropping malformed router sync from router rx",
+            "dropping malformed router sync from router ry",
+            "dropping malformed router sync from a sender it does not name",
+        ]
+        b.forget_router("rx")  # gone, then back under its name: said again
+        b._departed.remove("rx")
+        bad = RouterSync(router="rx", entries=[SyncEntry(request_id="q2", worker="w1", kind="add", tokens=-1)])
+        await nc.publish(subjects.sync(ns), encode_msg(bad))
+        await until(lambda: b.stats.malformed == 5)
+        assert sum("from router rx" in r.getMessage() for r in caplog.records) == 2
+    finally:
+        await b.stop()
