@@ -38,7 +38,9 @@ while (first reason wins):
   since a whole fleet too busy to answer its probes must still serve rather than refuse everything.
 
 `bad_record` is shown, never decided here: its etcd record was refused (router.worker_registry),
-so the worker is not registered at all.
+so the worker is not registered at all. So is `context_conflict`: the worker is registered, but
+its max_model_len is not the one most of its model's workers register, and the registry routes
+it to no request (`WorkerRegistry.unrouted`).
 
 `tokenizer` is not an exclusion but a per-request check: a text prompt needs the router's tokenizer
 to be the worker's (fingerprints equal); a token-id prompt needs no tokenizer.
@@ -126,6 +128,7 @@ class Exclusion(enum.StrEnum):
     DRAINING = "draining"
     ENGINE_UNHEALTHY = "engine_unhealthy"
     BAD_RECORD = "bad_record"
+    CONTEXT_CONFLICT = "context_conflict"
 
 
 class WorkerStatus(msgspec.Struct, frozen=True):

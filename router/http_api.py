@@ -307,7 +307,7 @@ class _Handlers:
         tokenizer_report: Callable[[], dict[str, Any]] | None,
         worker_listing: Callable[[], dict[str, Any]],
         started_at: float,
-        bad_records: Callable[[str | None], list[dict[str, Any]]],
+        unplanned: Callable[[str | None], list[dict[str, Any]]],
         drain: Drain,
     ) -> None:
         self.path = path
@@ -319,7 +319,7 @@ class _Handlers:
         self._tokenizer_report = tokenizer_report
         self._worker_listing = worker_listing
         self.started_at = started_at
-        self._bad_records = bad_records
+        self._unplanned = unplanned
         self.drain = drain
 
     async def debug_index(self, request: web.Request) -> web.Response:
@@ -423,25 +423,26 @@ class _Handlers:
             try:
                 model = self._model(parsed.model)
             except ApiError as exc:
-                return self._with_bad_records(exc, parsed.model)
+                return self._with_unplanned(exc, parsed.model)
             routed, _ = await self._tokens(parsed, model)
             try:
                 explained = self.path.explain(model, routed, text=is_text(parsed), shape=parsed.shape)
             except PlanError as exc:
-                return self._with_bad_records(plan_error(exc), model)
-            # records refused in etcd are no registered workers, so the planner never sees them
-            explained["excluded"] += self._bad_records(model)
+                return self._with_unplanned(plan_error(exc), model)
+            # the planner never sees records refused in etcd, nor workers the registry does not route
+            explained["excluded"] += self._unplanned(model)
             return json_response(explained)
         except ApiError as exc:
             return exc.response()
 
-    def _with_bad_records(self, exc: ApiError, model: str | None) -> web.Response:
+    def _with_unplanned(self, exc: ApiError, model: str | None) -> web.Response:
         """A model with no worker, or none to route to, may be one whose records etcd holds but
-        were refused: listed beside the error as on an answer."""
-        bad = self._bad_records(model)
-        if not bad:
+        were refused, or whose workers the registry does not route: listed beside the error as on
+        an answer."""
+        left_out = self._unplanned(model)
+        if not left_out:
             return exc.response()
-        return json_response({**exc.body(), "excluded": bad}, status=exc.code)
+        return json_response({**exc.body(), "excluded": left_out}, status=exc.code)
 
     # --- reading the request ------------------------------------------------------------------
 
@@ -776,7 +777,7 @@ def make_app(
     worker_listing: Callable[[], dict[str, Any]],
     tokenizer_report: Callable[[], dict[str, Any]] | None = None,
     started_at: float | None = None,
-    bad_records: Callable[[str | None], list[dict[str, Any]]] = lambda model: [],
+    unplanned: Callable[[str | None], list[dict[str, Any]]] = lambda model: [],
     drain: Drain | None = None,
 ) -> web.Application:
     limits = limits or HttpLimits()
@@ -791,7 +792,7 @@ def make_app(
         tokenizer_report=tokenizer_report,
         worker_listing=worker_listing,
         started_at=time.time() if started_at is None else started_at,
-        bad_records=bad_records,
+        unplanned=unplanned,
         drain=drain,
     )
     keyed = api_keys is not None or debug_keys is not None

@@ -480,7 +480,7 @@ class RouterService:
             tokenizer_report=self.fingerprints.summary,
             worker_listing=self.worker_listing,
             started_at=self.started_at,
-            bad_records=lambda model: [st.explain() for st in self.bad_records(model)],
+            unplanned=lambda model: [st.explain() for st in (*self.unrouted(model), *self.bad_records(model))],
             drain=self._drain,
         )
         # The drain itself is the Drain's (stop()); aiohttp's own waits twice its timeout per connection.
@@ -635,12 +635,13 @@ class RouterService:
         `worker_listing` (/debug/workers) has every worker. `warnings` says what the fleet gets
         wrong without stopping this router (names that clash, pools that cannot pair, peers that
         route otherwise). A worker record refused in etcd is left out too, as `bad_record`: its
-        shim may be up, and the router never routes to it."""
+        shim may be up, and the router never routes to it; a worker the registry does not route
+        (its max_model_len not its model's) is counted as `context_conflict`."""
         running = self.status is RouterStatus.RUNNING and self._registry is not None and self._ingest is not None
         nats_up = self._nc is not None and self._nc.is_connected
         served = self.config.model
         registered, infos = self._counted()
-        statuses = self.eligibility.statuses(infos)
+        statuses = self._statuses(infos)
         bad = self.bad_records(served)
         left_out = [*bad]
         models: dict[str, dict[str, int]] = {}
@@ -754,7 +755,7 @@ class RouterService:
         """Every worker /ready counts, routable or not, with why not, then each refused record
         (`worker_status`), and every worker that gets no text prompts from this router
         (`text_refused`): /debug/workers, what /ready names only the first of."""
-        listed = [*self.eligibility.statuses(self._counted()[1]), *self.bad_records(self.config.model)]
+        listed = [*self._statuses(self._counted()[1]), *self.bad_records(self.config.model)]
         return {
             "worker_status": [st.explain() for st in listed],
             "text_refused": self.fingerprints.report()["text_refused"],
@@ -765,6 +766,22 @@ class RouterService:
         registered = self._registry.workers() if self._registry is not None else []
         served = self.config.model
         return registered, registered if served is None else serving(registered, served)
+
+    def _statuses(self, infos: list[WorkerInfo]) -> list[WorkerStatus]:
+        """Every registered worker /ready counts: `infos` (_counted's, routed) as eligibility reads
+        them, then those the registry routes to no request (`unrouted`)."""
+        return [*self.eligibility.statuses(infos), *self.unrouted(self.config.model)]
+
+    def unrouted(self, model: str | None = None) -> list[WorkerStatus]:
+        """The registered workers the registry leaves out of routing (`WorkerRegistry.unrouted`: a
+        max_model_len not their model's), as excluded workers; with `model`, those that serve it."""
+        return [
+            WorkerStatus(
+                info.worker, info.model, info.role, Exclusion.CONTEXT_CONFLICT, why, self.eligibility.takes_text(info)
+            )
+            for info, why in (self._registry.unrouted() if self._registry is not None else [])
+            if model is None or serving([info], model)
+        ]
 
     def _refused(self, model: str | None) -> list[tuple[str, str]]:
         return [(st.worker, st.detail) for st in self.bad_records(model)]
@@ -869,7 +886,7 @@ class RouterService:
                 counted = self._counted()[1]
                 lives = [live for info in counted if (live := self.view.liveness(info.worker)) is not None]
                 longest = max((live.period_s for live in lives), default=DEFAULT_PERIOD_S)
-                self.fleet_news.check(self.eligibility.statuses(counted), time.monotonic(), longest)
+                self.fleet_news.check(self._statuses(counted), time.monotonic(), longest)
 
     async def _await_registry(self) -> None:
         while not await self.registry.wait_ready(3600.0):
@@ -1172,7 +1189,7 @@ class RouterService:
             ingest=self._ingest.stats if self._ingest is not None else IngestStats(),
             queue_depth=self._path.admission.depth if self._path is not None else 0,
             inflight=self._path.inflight if self._path is not None else 0,
-            workers=len(self._registry.workers()) if self._registry is not None else 0,
+            workers=len(self._registry) if self._registry is not None else 0,  # routed or not
             retries=self._dispatcher.retries if self._dispatcher is not None else 0,
             prefill_fallbacks=self._dispatcher.fallbacks if self._dispatcher is not None else 0,
             transfer_fallbacks=self._dispatcher.transfer_fallbacks if self._dispatcher is not None else 0,

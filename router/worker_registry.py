@@ -31,7 +31,8 @@ Workers of one model that disagree on `max_model_len` are a configuration error 
 context is the length most of its workers register (ties: the longest), and `workers()` leaves out
 the workers that register another (a worker that registers none is not counted and stays), so a
 request's `truncate_prompt_tokens: -1` resolves to the context of every worker it may go to, and no
-worker gets a prompt its engine refuses as too long for its context: an ERROR once per change of
+worker gets a prompt its engine refuses as too long for its context (`unrouted()` lists them, each
+with why, for the views of the fleet to show as excluded): an ERROR once per change of
 the lengths at odds or of the one served, exposed in `context_conflicts`, model -> length ->
 workers. Which workers register each length is no change: a rolling change of the fleet's length,
 one worker at a time, says it when it starts and when most workers have moved, not per worker.
@@ -119,6 +120,7 @@ class WorkerRegistry:
         self._context: dict[str, int | None] = {}  # model -> its max_model_len (_most_registered)
         self._naming: dict[str, set[str]] = {}  # name -> workers of another model with it as an alias or adapter
         self._routed: dict[str, WorkerInfo] = {}  # what workers() lists, unsorted
+        self._unrouted: dict[str, WorkerInfo] = {}  # the rest of _workers: a max_model_len not their model's
         self._serves: dict[str, dict[str, Way]] = {}  # routed worker -> each name it is routed for -> how
         self._served: dict[str, dict[Way, set[str]]] = {}  # name -> way -> routed workers (served_as)
         # since the checks last ran: models, names routed otherwise, aliases registered or dropped
@@ -232,6 +234,19 @@ class WorkerRegistry:
     def refusing(self) -> list[Refused]:
         """The records refused now, by name."""
         return [r for _, r in sorted(self._refusing.items())]
+
+    def unrouted(self) -> list[tuple[WorkerInfo, str]]:
+        """The registered workers `workers()` leaves out, by id, each with why: a max_model_len
+        other than their model's (the module's docstring). The views of the fleet list them as
+        excluded (`context_conflict`), as a router that counted only the routed ones showed none."""
+        return [
+            (
+                info,
+                f"max_model_len {info.max_model_len}, but model {info.model} is served with "
+                f"{self._context[info.model]}, the length most of its workers register: a configuration error",
+            )
+            for _, info in sorted(self._unrouted.items())
+        ]
 
     def max_model_len(self, model: str) -> int | None:
         """The longest request every worker routed for `model` (a model, or a LoRA adapter) takes:
@@ -388,8 +403,12 @@ class WorkerRegistry:
         for name, way in self._serves.pop(worker, {}).items():
             _drop_under(self._served, name, way, worker)
             self._touched_names.add(name)
+        self._unrouted.pop(worker, None)
         info = self._workers.get(worker)
-        if info is None or info.max_model_len not in (None, self._context[info.model]):
+        if info is None:
+            return
+        if info.max_model_len not in (None, self._context[info.model]):
+            self._unrouted[worker] = info
             return
         info = self._routed[worker] = _unshadowed(info, self._of_model)
         serves: dict[str, Way] = {}

@@ -7,10 +7,12 @@ stay `bootstrapping`."""
 from __future__ import annotations
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from discovery import Discovery
 from protocol import WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings
+from router.service import RouterService
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
 
@@ -60,3 +62,53 @@ async def test_ready_names_the_first_workers_left_out_and_counts_them_by_reason_
         finally:
             await d.delete(prefix + "0badbeef")
             await d.release(lease)
+
+
+async def test_a_worker_left_out_for_its_max_model_len_is_in_every_view_with_its_reason(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    # The registry routes no request to a worker registering another max_model_len than most of its
+    # model's (router.worker_registry). Before (ops review of 2026-12-06), every view counted the
+    # routed workers alone: /ready said workers 2, excluded_by_reason {} and named none of it,
+    # /debug/workers, /debug/route and kvswitch_router_workers_excluded had no word of it, and
+    # kvswitch_router_workers said 2: only a warning's text named it.
+    big = [await cluster.add_worker("agg", max_model_len=4096) for _ in range(2)]
+    router = await cluster.add_ready_router(disagg="never")
+    small = await cluster.add_worker("agg", max_model_len=64)
+    await until(lambda: MODEL in router.registry.context_conflicts, what="the small worker's record")
+
+    async with http.get(router.url + "/ready") as r:
+        assert r.status == 200  # one misconfigured worker never stops the router
+        body = await r.json()
+    assert body["workers"] == 3 and body["routable"] == 2 and body["models"][MODEL]["workers"] == 3, body
+    assert body["excluded_by_reason"] == {"context_conflict": 1}, body
+    (named,) = body["worker_status"]
+    assert named["worker"] == small.id and named["excluded"] == "context_conflict" and not named["routable"]
+    assert "max_model_len 64, but model" in named["why"] and "served with 4096" in named["why"], named
+
+    async with http.get(router.url + "/debug/workers") as r:
+        every = {w["worker"]: w for w in (await r.json())["worker_status"]}
+    assert set(every) == {small.id, *(w.id for w in big)}
+    assert every[small.id]["excluded"] == "context_conflict" and every[small.id]["why"] == named["why"]
+
+    route = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    async with http.post(router.url + "/debug/route", json=route) as r:
+        assert r.status == 200
+        excluded = (await r.json())["excluded"]
+    assert [(e["worker"], e["excluded"]) for e in excluded] == [(small.id, "context_conflict")], excluded
+
+    await until(
+        lambda: _samples(router, "kvswitch_router_workers_excluded") == {(MODEL, "context_conflict"): 1.0},
+        what="kvswitch_router_workers_excluded counting it",
+    )
+    assert _samples(router, "kvswitch_router_workers") == {(): 3.0}
+
+
+def _samples(router: RouterService, name: str) -> dict[tuple[str, ...], float]:
+    """The samples of metric `name` on the router's /metrics, by their label values."""
+    return {
+        tuple(s.labels.values()): s.value
+        for family in text_string_to_metric_families(router.metrics.render().decode())
+        for s in family.samples
+        if s.name == name
+    }

@@ -482,6 +482,13 @@ async def test_what_each_event_changes_is_what_the_whole_fleet_says(
             reg.apply(event)
             routed, now = whole_fleet(raw)
             assert reg.workers() == routed, (seed, revision)
+            # the rest, each named with the context it misses, for the views to list as excluded
+            contexts = model_contexts(list(raw.values()))
+            unrouted = [(i, f"{i.max_model_len}, but model {i.model} is served with {contexts[i.model]},")
+                        for _, i in sorted(raw.items()) if i.worker not in {r.worker for r in routed}]  # fmt: skip
+            got = reg.unrouted()
+            assert [i for i, _ in got] == [i for i, _ in unrouted], (seed, revision)
+            assert all(text in why for (_, why), (_, text) in zip(got, unrouted, strict=True)), (seed, revision)
             models = sorted({i.model for i in routed})  # kept between events: each must renew them
             aliases = {n: i.model for i in routed for n in i.aliases if n not in models}
             adapters = {n: i.model for i in routed for n in i.adapters if n not in {*models, *aliases}}
