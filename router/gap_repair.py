@@ -204,6 +204,11 @@ class GapRepair:
         loop = self._loops.get(worker)
         return loop.failures if loop is not None else 0
 
+    def last_failure(self, worker: str) -> FailureKind | None:
+        """How `worker`'s last kvstate request failed, while its requests fail in a row; else None."""
+        loop = self._loops.get(worker)
+        return loop.last_kind if loop is not None and loop.failures else None
+
     async def stop(self) -> None:
         loops, self._loops = list(self._loops.values()), {}
         for loop in loops:
@@ -247,11 +252,15 @@ class GapRepair:
             loop.named |= self._error_lines.say(
                 worker,
                 "KV state of worker %s cannot be repaired (%d failures in a row, last: %s); it stays out of "
-                "routing until a request on %s gets a complete answer (see its shim's log)",
+                "routing until a request on %s gets a complete answer (%s)",
                 worker,
                 loop.failures,
                 failure,
                 subjects.kvstate(self._ns, worker),
+                # no responders: the shim's log may be clean, its NATS another than this router's
+                "nobody subscribes to it on this router's NATS: is its shim running, and on this NATS?"
+                if failure.kind is FailureKind.NO_RESPONDERS
+                else "see its shim's log",
             )
         else:
             self._retry_lines.say(worker, "kvstate of worker %s: %s; retrying", worker, failure)

@@ -67,6 +67,7 @@ from router.eligibility import (
 )
 from router.fleet_lines import NAMED_AT_MOST, FleetLines, FleetLog
 from router.fleet_news import CHECK_S, FleetNews
+from router.gap_repair import FailureKind
 from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
@@ -83,6 +84,7 @@ from router.request_path import RECENT_S, RequestPath, refused_records
 from router.served_names import clash_message, shadow_message
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprints
 from router.tracing import RequestTracer
+from router.unheard import Unheard
 from router.worker_registry import WorkerRegistry, context_message
 from router.worker_versions import WorkerVersions
 from runtime import LISTEN_BACKLOG, RepeatedErrors, background, guarded
@@ -304,6 +306,14 @@ class RouterService:
             sync_state=self._sync_state,
             liveness=self.view.liveness,
             tokenizer=self.fingerprints.mine,
+            fleet_log=self.fleet_log,
+        )
+        self.unheard = Unheard(
+            config.nats.shown_servers(),
+            heard=self._heard,
+            nobody_subscribes=lambda w: (
+                self._ingest is not None and self._ingest.repairs.last_failure(w) is FailureKind.NO_RESPONDERS
+            ),
             fleet_log=self.fleet_log,
         )
 
@@ -636,7 +646,8 @@ class RouterService:
         wrong without stopping this router (names that clash, pools that cannot pair, peers that
         route otherwise). A worker record refused in etcd is left out too, as `bad_record`: its
         shim may be up, and the router never routes to it; a worker the registry does not route
-        (its max_model_len not its model's) is counted as `context_conflict`."""
+        (its max_model_len not its model's) is counted as `context_conflict`. Every registered
+        worker unheard over NATS (router.unheard) is a problem naming --nats-servers."""
         running = self.status is RouterStatus.RUNNING and self._registry is not None and self._ingest is not None
         nats_up = self._nc is not None and self._nc.is_connected
         served = self.config.model
@@ -737,6 +748,8 @@ class RouterService:
                 f"NATS reconnected {ago:.1f} s ago and no decode or agg worker has reported since: "
                 "their shims may not be back yet"
             )
+        if self._registry_ready and (silent := self.unheard.problem([i.worker for i in registered])):
+            problems.append(silent)
         body = {
             "status": self.status.value,
             "router": self.router_id,
@@ -871,6 +884,11 @@ class RouterService:
 
     # --- events from the parts -----------------------------------------------------------------
 
+    def _heard(self, worker: str) -> bool:
+        """Anything of `worker` reached this router over NATS: a load report, its shim's KV state."""
+        sync = self._sync_state(worker)
+        return self.view.liveness(worker) is not None or sync is None or sync[0] != "bootstrapping"
+
     def _sync_state(self, worker: str) -> tuple[str, str] | None:
         if self._ingest is None:
             return ("bootstrapping", "the KV ingest is not started")
@@ -883,7 +901,8 @@ class RouterService:
         while True:
             await asyncio.sleep(CHECK_S)
             if self.status is RouterStatus.RUNNING and self._registry_ready:
-                counted = self._counted()[1]
+                registered, counted = self._counted()
+                self.unheard.check([info.worker for info in registered])
                 lives = [live for info in counted if (live := self.view.liveness(info.worker)) is not None]
                 longest = max((live.period_s for live in lives), default=DEFAULT_PERIOD_S)
                 self.fleet_news.check(self._statuses(counted), time.monotonic(), longest)
@@ -900,6 +919,7 @@ class RouterService:
         self.eligibility.added(info.worker)
         if self._load_subs is not None:
             self._load_subs.workers_changed()
+        self.unheard.added(info.worker)
         self.path.admission.notify()
 
     def _registered(self, *workers: str) -> bool:
@@ -935,6 +955,7 @@ class RouterService:
         self.clocks.remove(worker)
         self.skew_news.remove(worker, time.monotonic())
         self.eligibility.removed(worker)
+        self.unheard.removed(worker)
         self.dispatcher.worker_gone(worker)
         self._load_logged -= {("malformed", worker), ("unknown", worker), ("clock step", worker), ("budget", worker)}
         self.load_over_budget.pop(worker, None)
