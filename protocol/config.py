@@ -31,6 +31,8 @@ __all__ = [
     "DISAGG_MODES",
     "MAX_LOAD_PERIOD_S",
     "MIN_STREAM_HEARTBEAT_S",
+    "PINGS_UNANSWERED",
+    "PING_INTERVAL_S",
     "POLICY_NAMES",
     "ROUTING_MODES",
     "ConditionalDisaggConfig",
@@ -62,6 +64,14 @@ MIN_STREAM_HEARTBEAT_S = 0.05
 # The longest LoadReport period a router honours (router.load_view clamps to it): a shim reporting
 # less often would be taken as silent between its reports, so a longer --load-period-s is refused.
 MAX_LOAD_PERIOD_S = 60.0
+# A NATS connection leaves a server that answered none of this many PINGs in a row: at the next
+# interval, 3-4 intervals after it went silent (15-20 s at the default 5 s). A PONG is read by
+# nats-py's reader task and the PINGs are sent by a timer task on the same loop, so a stalled loop
+# delays both alike: only a server (or path) silent for 3 whole intervals is left.
+PINGS_UNANSWERED = 3
+# Below 0.5 s a loaded server's or client's hiccup could pass for a dead server; above 120 s (nats-py's
+# own default) a frozen node holds its clients for over 6 minutes.
+PING_INTERVAL_S = (0.5, 120.0)
 
 
 class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -264,6 +274,10 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # How often each connection PINGs its server; PINGS_UNANSWERED in a row unanswered and it leaves
+    # for another server. nats-py's own 120 s x 2 let a frozen or cut-off node hold a connection,
+    # with no error, for 4-6 minutes.
+    ping_interval_s: float = 5.0
 
     def validate(self) -> NatsSettings:
         if not self.servers:
@@ -284,6 +298,13 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError("nats_servers", url, problem)
         if (self.user is None) != (self.password is None):
             raise ConfigError("nats_user", self.user, "nats_user and nats_password go together")
+        if not PING_INTERVAL_S[0] <= self.ping_interval_s <= PING_INTERVAL_S[1]:  # NaN fails both
+            raise ConfigError(
+                "nats_ping_interval_s",
+                self.ping_interval_s,
+                f"must be in [{PING_INTERVAL_S[0]:g}, {PING_INTERVAL_S[1]:g}] seconds (a silent server is left after "
+                f"{PINGS_UNANSWERED}-{PINGS_UNANSWERED + 1} of them)",
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("nats_tls_cert", self.tls_cert, "nats_tls_cert and nats_tls_key go together")
         _check_files(
@@ -326,12 +347,16 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
         return flags
 
     def connect_options(self, name: str) -> dict[str, Any]:
-        """Keyword arguments for `nats.connect()`: every setting, reconnecting forever."""
+        """Keyword arguments for `nats.connect()`: every setting, reconnecting forever, and leaving a
+        server that answers no PING for PINGS_UNANSWERED+1 intervals (a frozen or cut-off node:
+        its TCP connection stays open, so nothing else would notice it)."""
         opts: dict[str, Any] = {
             "servers": self.servers,
             "name": name,
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": 0.5,
+            "ping_interval": self.ping_interval_s,
+            "max_outstanding_pings": PINGS_UNANSWERED,
         }
         if self.user is not None:
             opts["user"], opts["password"] = self.user, self.password

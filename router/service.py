@@ -369,6 +369,7 @@ class RouterService:
         # listener itself starts once there is a router to serve.
         _check_listen(self.config.http_host, self.config.http_port)
         self._nc = nc = await nats_connect(
+            log,
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"),
             error_cb=self._nats_errors("main"),
             disconnected_cb=self._nats_disconnected,
@@ -380,10 +381,10 @@ class RouterService:
         # (/ready 503, requests 503, for one worker's fault). Cut alone, the index falls behind and
         # each worker's next load report asks for what it missed (router.kv_ingest).
         self._kv_nc = await nats_connect(
+            log,
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}-kv"),
             error_cb=self._nats_errors("kv"),
             disconnected_cb=self._kv_disconnected,
-            reconnected_cb=self._kv_reconnected,
         )
         # Load reports on one of their own too: a worker flooding its own {ns}.load.NAME (isolation
         # audit of 2026-12-06) sent its bytes down the socket every reply stream came on, and its
@@ -392,10 +393,10 @@ class RouterService:
         # (router.load_subscriptions); a flood faster than this replica reads meanwhile gets this
         # connection cut as a slow consumer, not the replies'.
         self._load_nc = await nats_connect(
+            log,
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}-load"),
             error_cb=self._nats_errors("load"),
             disconnected_cb=self._load_disconnected,
-            reconnected_cb=self._load_reconnected,
         )
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
         # Replica sync learns its router id at registration, below; until then nothing is routed.
@@ -988,9 +989,6 @@ class RouterService:
             "from each worker once it is back"
         )
 
-    async def _kv_reconnected(self) -> None:
-        log.info("the KV event connection to NATS is back")
-
     async def _load_disconnected(self) -> None:
         if self.status in (RouterStatus.STOPPING, RouterStatus.STOPPED):
             return  # our own drain at stop
@@ -1000,9 +998,6 @@ class RouterService:
             "consumer (load reports coming faster than this replica reads them: a sender over its budget is named "
             "in a WARNING of its own); replies go on on the main connection, workers read silent until it is back"
         )
-
-    async def _load_reconnected(self) -> None:
-        log.info("the load report connection to NATS is back")
 
     def _nats_errors(self, conn: str) -> Callable[[Exception], Awaitable[None]]:
         """The error_cb of connection `conn`: messages nats-py dropped as a slow consumer (a handler

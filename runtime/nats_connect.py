@@ -7,6 +7,11 @@ impostor on the path) got the CONNECT in plaintext, with a user and password in 
 connection stops before the CONNECT is written, and the error names both ways out. The router and
 the shim connect through `connect` (benchmarks and tests against local plain servers need not).
 
+It also leaves a server that stops answering (frozen, or cut off with its TCP connection up) at
+once: nats-py noticed it (PINGs unanswered, protocol.config.PINGS_UNANSWERED) and then awaited the
+old socket's graceful close, which with bytes still queued for that server waited until the kernel
+gave up on it, ~15 minutes (nats-io/nats.py#671). Both the leaving and the server joined are said.
+
 In its own module, not in `runtime`'s namespace: processes without NATS (engine_sim) import runtime.
 """
 
@@ -18,12 +23,16 @@ import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from nats.aio.client import Client, _default_error_callback
+from nats.aio.client import Client, Srv, _default_error_callback
+from nats.aio.errors import ErrStaleConnection
+from nats.aio.transport import TcpTransport
 from nats.errors import AuthorizationError, Error
 
 from runtime import RepeatedErrors
 
 __all__ = ["TlsNotOffered", "connect", "error_reporter", "refused_subscriptions"]
+
+_log = logging.getLogger("kvswitch.nats")
 
 # nats-py's text (lower-cased) of a server's -ERR for a subject this identity may not use.
 _VIOLATION = re.compile(r'permissions violation for (subscription|publish) to "([^"]+)"')
@@ -100,9 +109,46 @@ class TlsNotOffered(Error):
 
 
 class _EncryptedOrNothing(Client):
-    def __init__(self) -> None:
+    def __init__(self, log: logging.Logger) -> None:
         super().__init__()
         self.refused_subscriptions: set[str] = set()
+        self._log = log
+        self.left_stale: str | None = None  # the server last left for answering no PING, until one is joined
+
+    def server(self) -> str:
+        """The server of this connection (or of its last try), without a `user:password@`."""
+        assert self._current_server is not None, "called only once connect() began"
+        return _shown(self._current_server)
+
+    async def _process_op_err(self, e: Exception) -> None:
+        # ErrStaleConnection: our own PINGs went unanswered (the server's -ERR 'Stale Connection' and
+        # an EOF are other classes); nats-py says it to no callback.
+        if isinstance(e, ErrStaleConnection) and self.is_connected:
+            self.left_stale = self.server()
+            self._log.warning(
+                "NATS connection %s: %s answered none of its last %d PINGs (one every %g s, --nats-ping-interval-s): "
+                "the server is frozen or overloaded, or the path to it cut; leaving it for another of --nats-servers",
+                self.options["name"],
+                self.left_stale,
+                self.options["max_outstanding_pings"],
+                self.options["ping_interval"],
+            )
+        await super()._process_op_err(e)
+
+    async def _attempt_reconnect(self) -> None:
+        # nats-py then closes the old socket gracefully and awaits it: with bytes queued for a server
+        # that reads none, until the kernel gives up (~15 min). Aborted, its queue is dropped now
+        # (that server would never have read it).
+        if isinstance(self._transport, TcpTransport) and self._transport._io_writer is not None:
+            self._transport._io_writer.transport.abort()
+        await super()._attempt_reconnect()
+
+    async def _select_next_server(self) -> None:
+        # nats-py shuffled the pool and tries it in turn: a server just left for answering no PING
+        # goes behind the others, else the first try could be its connect timeout (2 s) again.
+        if self.left_stale is not None:
+            self._server_pool.sort(key=lambda s: _shown(s) == self.left_stale)  # stable: the rest as shuffled
+        await super()._select_next_server()
 
     def _connect_command(self) -> bytes:
         # Called after nats-py has decided on TLS and before the CONNECT goes out.
@@ -116,16 +162,35 @@ class _EncryptedOrNothing(Client):
             or (scheme != "ws" and bool(self._server_info.get("tls_required")))
         )
         if wanted and not encrypted:
-            raise TlsNotOffered(f"{scheme}://{server.uri.hostname}:{server.uri.port}")
+            raise TlsNotOffered(_shown(server))
         return super()._connect_command()
 
 
-async def connect(**options: Any) -> Client:
+def _shown(server: Srv) -> str:
+    return f"{server.uri.scheme}://{server.uri.hostname}:{server.uri.port}"
+
+
+async def connect(log: logging.Logger = _log, **options: Any) -> Client:
     """`nats.connect(**options)`, refusing (TlsNotOffered, through `error_cb` while it retries) to
     connect in the clear when the options ask for TLS, and keeping the subjects whose
-    subscriptions the server refused (refused_subscriptions)."""
-    nc = _EncryptedOrNothing()
+    subscriptions the server refused (refused_subscriptions). A server left for answering no PING
+    is said on `log` (WARNING), and so is the server joined after it; any other reconnection is
+    said at INFO (what ended it was said by `error_cb`)."""
+    nc = _EncryptedOrNothing(log)
     given = options.pop("error_cb", None) or _default_error_callback
+    given_reconnected = options.pop("reconnected_cb", None)
+
+    async def on_reconnected() -> None:
+        name, joined, left = options.get("name"), nc.server(), nc.left_stale
+        nc.left_stale = None
+        if left == joined:
+            log.warning("NATS connection %s: back on %s, which had answered no PING", name, joined)
+        elif left is not None:
+            log.warning("NATS connection %s: moved from %s, which answered no PING, to %s", name, left, joined)
+        else:
+            log.info("NATS connection %s: re-established, to %s", name, joined)
+        if given_reconnected is not None:
+            await given_reconnected()
 
     async def on_error(exc: Exception) -> None:
         # Recorded before `given` awaits anything: nats-py reads the server's -ERR, and awaits
@@ -134,7 +199,7 @@ async def connect(**options: Any) -> Client:
             nc.refused_subscriptions.add(m[2])
         await given(exc)
 
-    await nc.connect(**options, error_cb=on_error)
+    await nc.connect(**options, error_cb=on_error, reconnected_cb=on_reconnected)
     return nc
 
 

@@ -52,7 +52,7 @@ async def _warnings(start: Coroutine[Any, Any, object], caplog: pytest.LogCaptur
     ],
 )  # fmt: skip
 async def test_a_refused_credential_names_the_credential_flags(
-    nats_token: NatsServer, caplog: pytest.LogCaptureFixture, credentials: dict[str, str], hint: str
+    nats_token: NatsServer, caplog: pytest.LogCaptureFixture, credentials: dict[str, Any], hint: str
 ) -> None:
     for name, start in _starts(NatsSettings(servers=[nats_token.url], **credentials)).items():
         said = await _warnings(start, caplog, "'Authorization Violation'")
@@ -136,6 +136,6 @@ async def test_the_shim_says_once_that_nats_is_back(caplog: pytest.LogCaptureFix
                         await asyncio.sleep(0.05)
                 await asyncio.sleep(0.5)  # and said once
             back = [r.getMessage() for r in caplog.records if "re-established" in r.getMessage()]
-            assert back == [f"NATS {server.url}: connection re-established"], back
+            assert back == [f"NATS connection test: re-established, to {server.url}"], back
         finally:
             await nc.close()

@@ -423,6 +423,30 @@ def test_nats_connect_options_carry_every_setting(tmp_path: Path) -> None:
     assert opts["user_credentials"] == str(creds)
     assert opts["max_reconnect_attempts"] == -1
     assert "tls" not in opts
+    # nats-py's own 120 s x 2 held a frozen server's clients for 4-6 minutes
+    assert (opts["ping_interval"], opts["max_outstanding_pings"]) == (5.0, 3)
+
+
+def test_the_nats_ping_interval_comes_from_the_flag_or_the_environment() -> None:
+    flag = resolve(NatsSettings, cli={"nats_ping_interval_s": 1.5}, env={}, setting_prefix="nats_")
+    assert flag.connect_options("me")["ping_interval"] == 1.5
+    env = resolve(NatsSettings, env={"KVSWITCH_NATS_PING_INTERVAL_S": "30"}, setting_prefix="nats_")
+    assert env.connect_options("me")["ping_interval"] == 30.0
+
+
+@pytest.mark.parametrize("value", [0.0, 0.4, 120.5, -1.0, float("nan"), float("inf")])
+def test_a_nats_ping_interval_out_of_range_is_refused(value: float) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"nats_ping_interval_s \(--nats-ping-interval-s, KVSWITCH_NATS_PING_INTERVAL_S\) = .*: "
+        r"must be in \[0.5, 120\] seconds",
+    ):
+        resolve(NatsSettings, cli={"nats_ping_interval_s": value}, env={}, setting_prefix="nats_")
+    for edge in (0.5, 120.0):
+        assert (
+            resolve(NatsSettings, cli={"nats_ping_interval_s": edge}, env={}, setting_prefix="nats_").ping_interval_s
+            == edge
+        )
 
 
 def test_add_flags_gives_every_setting_a_flag_that_resolve_reads() -> None:

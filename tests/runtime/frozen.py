@@ -1,0 +1,21 @@
+"""A process stopped with SIGSTOP for a block: a frozen server, or one behind a partition that drops
+its packets. Its TCP connections stay open, so only the peers' own timers can notice it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """`pid` stopped for the block and continued however the block ends: a server left stopped
+    would hold its ports and leave its SIGTERM at teardown pending for good."""
+    assert pid > 0, pid  # 0 or -1 would stop this test's own process group
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
