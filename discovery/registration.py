@@ -11,6 +11,7 @@ Usage (a worker shim; a router registers its RouterInfo the same way)::
         on_lost=on_lost,            # async (old_id) -> None, awaited before registering anew
         on_registered=on_new,       # async (new_id) -> None, awaited after each re-registration
         before_create=ready,        # async (id) -> None, awaited before the key is created
+        claims=claim,               # (id) -> {key: Struct}: more keys under the same lease, each unique
     )
     my_id = await reg.start()       # registers once: KeyTaken if `name` is held, DiscoveryError if etcd is down
     reg.update()                    # value(id) changed (a field flipped): re-put it, in the background
@@ -21,6 +22,11 @@ Identity: `reg.id` is the lease id in lowercase hex, or `name` when one is given
 created with a create-if-absent transaction, so a second holder of the same name fails loudly
 (KeyTaken) instead of overwriting the first; the key's holder is checked before `before_create` too,
 so a second owner never acts under a name a live one holds.
+
+Claims: `claims(id)` names more keys created under the same lease, each with a create-if-absent
+transaction before `before_create`: a key another lease holds fails the registration as a held name
+does (KeyTaken naming the key, its holder and the holder's value). A shim claims its engine so
+(worker_shim.engine_claim). They go with the lease, and are created again with each new one.
 
 Loss: only etcd's own answer is loss (the lease expired or is unknown, e.g. the process stalled past
 its TTL or someone revoked it). Then the owner hears `on_lost(old_id)`, a new lease is granted and
@@ -45,7 +51,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
@@ -83,6 +89,7 @@ class Registration:
         on_lost: Callable[[str], Awaitable[None]] | None = None,
         on_registered: Callable[[str], Awaitable[None]] | None = None,
         before_create: Callable[[str], Awaitable[None]] | None = None,
+        claims: Callable[[str], Mapping[str, msgspec.Struct]] | None = None,
     ) -> None:
         self._discovery = discovery
         self._key = key
@@ -92,6 +99,7 @@ class Registration:
         self._on_lost = on_lost
         self._on_registered = on_registered
         self._before_create = before_create
+        self._claims = claims
         self.id = ""
         self.lease: Lease | None = None
         self.registrations = 0
@@ -161,6 +169,8 @@ class Registration:
                 holder = await self._discovery.holder(self._key(rid))
                 if holder is not None and holder != lease.id:
                     raise KeyTaken(self._key(rid), holder)
+            for key, claim in self._claimed(rid).items():
+                await self._discovery.create(key, encode_json(claim), lease)
             if self._before_create is not None:
                 await self._before_create(rid)
             await self._discovery.create(self._key(rid), encode_json(self._value(rid)), lease)
@@ -171,6 +181,9 @@ class Registration:
         self.registrations += 1
         self._phase = RegistrationState.REGISTERED
         log.info("registered %s under lease %s", self._key(rid), lease.hex_id)
+
+    def _claimed(self, rid: str) -> Mapping[str, msgspec.Struct]:
+        return self._claims(rid) if self._claims is not None else {}
 
     async def _supervise(self) -> None:
         outages = 0
@@ -210,18 +223,22 @@ class Registration:
             log.warning("re-putting %s failed (%s); retrying", self.key, exc)
 
     async def _check_key(self, lease: Lease) -> None:
-        """Put the key back when someone deleted it while its lease lives (an operator's `etcdctl
-        del`, a broad prefix delete): nothing else would, and routers would pass this live owner
-        over for good. A read each keep-alive tick rather than a watch of the key: a watch can go
-        quiet (cancelled, resumed past changes) where a read cannot, and one key's read costs etcd
-        about what the keep-alive does."""
-        try:
-            if await self._discovery.holder(self.key) is not None:
-                return
-            await self._discovery.create(self.key, encode_json(self._value(self.id)), lease)
-        except DiscoveryError:
-            return  # etcd not answering (the lease says so), or the lease just went: its loss handles it
-        log.warning("%s was deleted while its lease %s lives (by someone else): put it back", self.key, lease.hex_id)
+        """Put the key (and each claim) back when someone deleted it while its lease lives (an
+        operator's `etcdctl del`, a broad prefix delete): nothing else would, and routers would pass
+        this live owner over for good (a claim gone lets a second owner in). A read each keep-alive
+        tick rather than a watch of the key: a watch can go quiet (cancelled, resumed past changes)
+        where a read cannot, and one key's read costs etcd about what the keep-alive does."""
+        for key, value in {self.key: self._value(self.id), **self._claimed(self.id)}.items():
+            try:
+                if await self._discovery.holder(key) is not None:
+                    continue
+                await self._discovery.create(key, encode_json(value), lease)
+            except KeyTaken as exc:  # taken in between: two owners now, which only an operator can settle
+                log.error("%s was deleted while its lease %s lives, and %s", key, lease.hex_id, exc)
+                continue
+            except DiscoveryError:
+                return  # etcd not answering (the lease says so), or the lease just went: its loss handles it
+            log.warning("%s was deleted while its lease %s lives (by someone else): put it back", key, lease.hex_id)
 
     async def _reregister(self, lost: Lease) -> bool:
         old = self.id

@@ -46,11 +46,13 @@ class DiscoveryError(RuntimeError):
 
 
 class KeyTaken(DiscoveryError):
-    """A create-if-absent put found the key held by another lease (a stable name used twice)."""
+    """A create-if-absent put found the key held by another lease (a stable name used twice, or
+    an engine claimed twice); `value` is the holder's (b"" when not read)."""
 
-    def __init__(self, key: str, holder: int) -> None:
+    def __init__(self, key: str, holder: int, value: bytes = b"") -> None:
         self.key = key
         self.holder = holder
+        self.value = value
         super().__init__(f"{key} is already registered by lease {holder:x}")
 
 
@@ -192,10 +194,20 @@ class Discovery:
         role changed under a running process, whose retries go on), is a DiscoveryError."""
         if not isinstance(exc, EtcdPermissionDeniedError):
             return DiscoveryError(f"{what} {key} failed: {exc}")
-        roles = {"router": subjects.routers_prefix(self.ns), "worker": subjects.workers_prefix(self.ns)}
-        role = next((r for r, prefix in roles.items() if key.startswith(prefix)), None)
+        roles = {
+            subjects.routers_prefix(self.ns): "router",
+            subjects.workers_prefix(self.ns): "worker",
+            subjects.engines_prefix(self.ns): "worker",
+        }
+        role = next((r for prefix, r in roles.items() if key.startswith(prefix)), None)
         which = f"the {role} user kvswitch secrets made" if role is not None else "a user that may write it"
         why = f"does not let this user write {key} ({said(exc)}): give {which}"
+        if key.startswith(engines := subjects.engines_prefix(self.ns)):
+            # Granted from 2026-12-06 (the engine claim): a worker user made before lacks it.
+            why += (
+                f"; one made before 2026-12-06 lacks it: run kvswitch secrets --etcd-endpoint again, or "
+                f"etcdctl role grant-permission worker --prefix=true readwrite {engines}"
+            )
         if self._wrote:
             return DiscoveryError(f"{what} {key} failed: etcd {why} (--etcd-user)")
         flags = "--etcd-user and --etcd-password (or their KVSWITCH_ETCD_* variables)"
@@ -266,7 +278,7 @@ class Discovery:
         found = resp.responses[0].response_range.kvs
         holder = found[0].lease if found else 0
         if holder != lease.id:
-            raise KeyTaken(key, holder)
+            raise KeyTaken(key, holder, bytes(found[0].value) if found else b"")
         # Ours already (an earlier attempt whose answer was lost): write the current value.
         await self._put(key, value, lease)
 

@@ -3,8 +3,9 @@
 Two users, each scoped to what its processes touch (DESIGN.md's keys):
 - `router` reads the whole namespace (`/{ns}/`: workers, routers, live config) and writes its own
   registration under `/{ns}/routers/`;
-- `worker` reads and writes `/{ns}/workers/` (its leased registration) and reads `/{ns}/routers/`
-  (the legs of a router that died are cancelled: worker_shim.orphaned_legs).
+- `worker` reads and writes `/{ns}/workers/` (its leased registration) and `/{ns}/engines/` (its
+  claim on its engine: worker_shim.engine_claim), and reads `/{ns}/routers/` (the legs of a router
+  that died are cancelled: worker_shim.orphaned_legs).
 Both may read etcd3aio's health-check key, which every client reads on connect. `root` exists
 because etcd requires it before authentication can be enabled; operators keep its password.
 
@@ -48,9 +49,10 @@ class EtcdUser:
 def namespace_users(ns: str, router_password: str, worker_password: str) -> list[EtcdUser]:
     subjects.validate_namespace(ns)
     workers, routers = subjects.workers_prefix(ns), subjects.routers_prefix(ns)
+    engines = subjects.engines_prefix(ns)
     return [
         EtcdUser("router", router_password, read=[f"/{ns}/"], readwrite=[routers], keys=[PING_KEY]),
-        EtcdUser("worker", worker_password, read=[routers], readwrite=[workers], keys=[PING_KEY]),
+        EtcdUser("worker", worker_password, read=[routers], readwrite=[workers, engines], keys=[PING_KEY]),
     ]
 
 

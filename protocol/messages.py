@@ -30,6 +30,7 @@ __all__ = [
     "BlockHash",
     "CancelRequest",
     "Cleared",
+    "EngineClaim",
     "ErrorInfo",
     "GenerateRequest",
     "Hashes",
@@ -575,6 +576,15 @@ class RouterInfo(_Msg, kw_only=True):
     # A random id of the router process, kept when it registers anew under another id (a lost
     # lease): its legs carry it (GenerateRequest.origin). "" from a router that predates it.
     instance: str = ""
+
+
+class EngineClaim(_Msg, kw_only=True):
+    """/{ns}/engines/{engine}: the worker that serves one engine, under that worker's lease
+    (worker_shim.engine_claim). Read only to name the holder when a second shim claims it."""
+
+    worker: str
+    engine_url: str  # the holder's --engine-url, as given
+    host: str  # the holder's host name (a pod's name on Kubernetes)
 
 
 # --- Plausibility: what decodes but cannot be true ----------------------------------------------------

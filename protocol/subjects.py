@@ -8,6 +8,8 @@ __all__ = [
     "DEFAULT_NAMESPACE",
     "cancel",
     "config_key",
+    "engine_key",
+    "engines_prefix",
     "gen",
     "kv",
     "kv_all",
@@ -107,6 +109,18 @@ def routers_prefix(ns: str) -> str:
 
 def router_key(ns: str, router: str) -> str:
     return routers_prefix(ns) + _token(router, "router id")
+
+
+def engines_prefix(ns: str) -> str:
+    return f"/{ns}/engines/"
+
+
+def engine_key(ns: str, engine: str) -> str:
+    """The claim on one engine (worker_shim.engine_claim): `engine` is its identity, `host:port`
+    and path, with `/` in it, so it is not a token; it is only ever a key's last part."""
+    if not engine or any(c.isspace() for c in engine):
+        raise ValueError(f"engine identity {engine!r} must be non-empty with no whitespace")
+    return engines_prefix(ns) + engine
 
 
 def config_key(ns: str) -> str:

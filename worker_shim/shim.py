@@ -39,7 +39,7 @@ from nats.aio.subscription import Subscription
 
 from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
 from discovery.watch import keep_following
-from protocol import Cleared, ConfigError, KvEvent, Removed, Usage, WorkerInfo, subjects
+from protocol import Cleared, ConfigError, EngineClaim, KvEvent, Removed, Usage, WorkerInfo, subjects
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.errors import listen_error
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
@@ -49,6 +49,7 @@ from protocol.vllm_events import RESOLVED_BY_ENGINE
 from runtime import guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
+from worker_shim import engine_claim
 from worker_shim.adapters import (
     EngineAdapter,
     EngineError,
@@ -81,7 +82,7 @@ LIVE_TIMEOUT_S = 30.0
 WAIT_SAID_S = 30.0  # how often a shim waiting for its engine says so
 ADAPTERS_POLL_S = 5.0  # how often the engine's /v1/models is read for LoRA adapters loaded or unloaded
 SESSION_RETRY_MAX_S = 30.0  # the longest wait before a new session after sessions that failed
-NAME_WAIT_MARGIN_S = 5.0  # past a held --worker-name's lease TTL, before the name is taken for another shim's
+NAME_WAIT_MARGIN_S = 5.0  # past a held name's (or engine claim's) lease TTL, before it is taken for another shim's
 _TRANSIENT_STATUS = (408, 429)  # refusals that pass, like a 5xx: retried
 # The engine's load reading older than this many health intervals (and than STALE_MIN_S, beyond a
 # slow /metrics' probe timeout) is unknown: the progress watchdog takes no silence from it.
@@ -265,7 +266,7 @@ class WorkerShim:
         self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
         self._engine_load_at: float | None = None  # ... and the time.monotonic() it came back
         self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
-        self._name_held_since: float | None = None  # when --worker-name was first found held by another lease
+        self._held_since: float | None = None  # when --worker-name or the engine was first found held by another lease
         self.orphans: OrphanedLegs | None = None  # the legs of routers that died (worker_shim.orphaned_legs)
         self._orphans_task: asyncio.Task[None] | None = None
 
@@ -919,39 +920,51 @@ class WorkerShim:
                 on_lost=self._on_lease_lost,
                 on_registered=self._on_registered,
                 before_create=self._before_announce,
+                claims=self._engine_claim,
             )
             try:
                 worker = await self.registration.start()
             except KeyTaken as exc:
-                if not self._name_may_free(exc):
-                    raise ConfigError(
-                        "worker_name",
-                        self.config.worker_name,
-                        f"{exc}: another shim serves under this name (a crashed one's lease would have expired "
-                        f"within {self.config.lease_ttl}s)",
-                    ) from exc
+                if not self._held_may_free(exc):
+                    raise self._taken(exc) from exc
                 await asyncio.sleep(self.config.health_interval_s)
                 return
             except DiscoveryError as exc:
                 log.warning("registration failed (%s); retrying", exc)
                 await asyncio.sleep(self.config.health_interval_s)
                 return
-            self._name_held_since = None
+            self._held_since = None
             await self._on_registered(worker)
             await self._monitor()
         finally:
             await self._end_session()
 
-    def _name_may_free(self, exc: KeyTaken) -> bool:
-        """Whether a held --worker-name may still come free: for one lease TTL (and a margin) it
-        may be a crashed shim's, or this one's own from a session whose revoke did not reach etcd,
-        and its lease expires. Past that, another live shim holds it."""
+    def _engine_claim(self, worker: str) -> dict[str, EngineClaim]:
+        c = self.config
+        return engine_claim.claim(self.ns, c.engine_url, c.data_parallel_rank, worker)
+
+    def _held_may_free(self, exc: KeyTaken) -> bool:
+        """Whether a held --worker-name or engine claim may still come free: for one lease TTL (and
+        a margin) it may be a crashed shim's, or this one's own from a session whose revoke did not
+        reach etcd, and its lease expires. Past that, another live shim holds it."""
         now = time.monotonic()
-        if self._name_held_since is None:
-            self._name_held_since = now
+        if self._held_since is None:
+            self._held_since = now
             log.warning("%s; waiting up to %.0fs for it to expire (a crashed shim's lease does)",
                         exc, self.config.lease_ttl + NAME_WAIT_MARGIN_S)  # fmt: skip
-        return now - self._name_held_since < self.config.lease_ttl + NAME_WAIT_MARGIN_S
+        return now - self._held_since < self.config.lease_ttl + NAME_WAIT_MARGIN_S
+
+    def _taken(self, exc: KeyTaken) -> ConfigError:
+        """The startup error of a key another live shim holds: this worker's name, or its engine."""
+        c = self.config
+        if exc.key.startswith(subjects.engines_prefix(self.ns)):
+            return engine_claim.taken(exc, c.engine_url, c.lease_ttl)
+        return ConfigError(
+            "worker_name",
+            c.worker_name,
+            f"{exc}: another shim serves under this name (a crashed one's lease would have expired "
+            f"within {c.lease_ttl}s)",
+        )
 
     async def _wait_live(self, live: asyncio.Event) -> bool:
         assert self._events_task is not None
@@ -1137,7 +1150,7 @@ class WorkerShim:
             if self.registration.failed.is_set():
                 failure = self.registration.failure
                 if isinstance(failure, KeyTaken):
-                    raise ConfigError("worker_name", self.config.worker_name, str(failure))
+                    raise self._taken(failure)
                 log.error("re-registration failed (%s): starting a new session", failure)
                 return
             if self._events_task.done():

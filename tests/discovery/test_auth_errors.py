@@ -70,6 +70,19 @@ async def test_the_right_credentials_still_connect(etcd_auth: EtcdServer) -> Non
         assert d.token is not None
 
 
+async def test_a_worker_user_without_the_engines_grant_is_told_how_to_grant_it(etcd_auth: EtcdServer) -> None:
+    """A worker user made before 2026-12-06 may not write /{ns}/engines/ (the shim's engine
+    claim): "give the worker user" alone would not fix it, its own user being given."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_auth.url], user="worker", password=PASSWORD)) as d:
+        lease = await d.grant()
+        with pytest.raises(ConfigError) as caught:
+            await d.create(subjects.engine_key("kvswitch", "h:8000"), b"{}", lease)
+    said = str(caught.value)
+    assert caught.value.setting == "etcd_user" and "write /kvswitch/engines/h:8000" in said, said
+    assert "give the worker user" in said and "run kvswitch secrets --etcd-endpoint again" in said, said
+    assert "etcdctl role grant-permission worker --prefix=true readwrite /kvswitch/engines/" in said, said
+
+
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvswitch", *argv], capture_output=True, text=True, timeout=60)
 

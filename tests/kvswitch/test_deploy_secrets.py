@@ -78,6 +78,7 @@ def test_etcd_auth_through_the_cli_scopes_each_user_to_its_prefixes(etcd_server_
         await worker.connect()
         try:
             await worker.put_raw("/sc/workers/x", b"{}")
+            await worker.put_raw("/sc/engines/x", b"{}")  # its claim on its engine (worker_shim.engine_claim)
             with pytest.raises(Exception, match="permission denied"):
                 await worker.put_raw("/sc/routers/x", b"{}")
             with pytest.raises(Exception, match="permission denied"):

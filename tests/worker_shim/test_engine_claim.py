@@ -1,0 +1,122 @@
+"""A shim claims its engine (/{ns}/engines/{engine}, under its lease): a second shim started
+beside an engine that one serves fails at startup naming --engine-url and the holder, instead of
+both registering and the engine's capacity and cache counting twice (ops audit, 2026-12-06)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from etcd3aio import prefix_range_end
+
+from discovery import Discovery, KeyTaken, Registration
+from engine_sim.server import SimServer
+from protocol import ConfigError, EngineClaim, WorkerInfo, encode_json, subjects
+from protocol.config import EtcdSettings
+from tests.worker_shim.cluster import shim_for, sim_config
+from worker_shim.engine_claim import claim, engine_id
+from worker_shim.shim import ShimStatus
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("http://127.0.0.1:8000", "http://localhost:8000/"),
+        ("http://127.0.0.1:8000", "https://0.0.0.0:8000"),
+        ("http://[::1]:8000", "http://127.0.0.2:8000"),
+        ("http://Engine-1.svc:80", "http://engine-1.svc"),
+        ("https://engine-1.svc", "http://engine-1.svc:443"),
+        ("http://10.0.0.5:8000/v", "http://10.0.0.5:8000/v/"),
+    ],
+)
+def test_one_engine_spelled_two_ways_is_one_identity(a: str, b: str) -> None:
+    assert engine_id(a, None, "pod-a") == engine_id(b, None, "pod-a")
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (("http://127.0.0.1:8000", None, "pod-a"), ("http://127.0.0.1:8000", None, "pod-b")),  # two pods' sidecars
+        (("http://127.0.0.1:8000", None, "h"), ("http://127.0.0.1:8001", None, "h")),
+        (("http://10.0.0.5:8000", 1, "h"), ("http://10.0.0.5:8000", 2, "h")),  # two data-parallel ranks
+        (("http://10.0.0.5:8000", None, "h"), ("http://10.0.0.5:8000", 1, "h")),
+        (("http://10.0.0.5:8000/a", None, "h"), ("http://10.0.0.5:8000/b", None, "h")),  # behind one proxy
+    ],
+)
+def test_two_engines_are_two_identities(a: tuple[str, int | None, str], b: tuple[str, int | None, str]) -> None:
+    assert engine_id(*a) != engine_id(*b)
+
+
+def test_no_rank_and_rank_0_are_one_engine_and_a_remote_host_is_not_qualified() -> None:
+    assert engine_id("http://10.0.0.5:8000", 0, "h") == engine_id("http://10.0.0.5:8000", None, "h") == "10.0.0.5:8000"
+    assert engine_id("http://localhost:8000", 2, "pod-a") == "localhost@pod-a:8000#dp2"
+
+
+async def _workers(etcd_url: str, ns: str) -> list[str]:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        kv = d.client.kv
+        assert kv is not None
+        prefix = subjects.workers_prefix(ns).encode()
+        resp = await kv.get(prefix, prefix_range_end(prefix))
+        return sorted(bytes(k.key)[len(prefix) :].decode() for k in resp.kvs)
+
+
+async def test_a_second_shim_on_one_engine_fails_naming_engine_url_and_the_holder(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """The audit's case: two shims on one sim, --worker-name w1 and w2: both registered and were
+    routed to, one engine counted as two workers."""
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, worker_name="w1") as shim:
+        await asyncio.wait_for(shim.registered.wait(), 20)
+        url = sim.url.replace("127.0.0.1", "localhost") + "/"  # the same engine, spelled otherwise
+        async with shim_for(sim, ns, nats_url, etcd_url, worker_name="w2", engine_url=url) as twin:
+            await asyncio.wait_for(twin.done.wait(), 30)
+            assert twin.status is ShimStatus.FAILED and isinstance(twin.failure, ConfigError)
+            assert twin.failure.setting == "engine_url" and twin.failure.value == url
+            said = str(twin.failure)
+            assert "already served by worker w1" in said and sim.url in said and socket.gethostname() in said
+            assert await _workers(etcd_url, ns) == ["w1"], "the twin never registered"
+        assert shim.status is ShimStatus.REGISTERED and shim.failure is None
+
+
+async def test_an_engine_held_by_a_crashed_shims_lease_is_claimed_once_that_lease_expires(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """A shim restarted within its old lease's TTL (killed without its stop) waits for the old
+    claim to go, as a held --worker-name is waited for, rather than being locked out."""
+    async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        lease = await d.grant(2)
+        [(key, old)] = claim(ns, sim.url, None, "old-run").items()
+        await d.create(key, encode_json(old), lease)
+        await lease.stop_keep_alive()  # the holder crashed: nothing keeps its lease alive
+        async with shim_for(sim, ns, nats_url, etcd_url) as shim:
+            await asyncio.wait_for(shim.registered.wait(), 20)
+            assert shim.failure is None and await d.holder(key) == shim.registration.lease.id  # type: ignore[union-attr]
+
+
+async def test_each_data_parallel_rank_of_one_server_claims_its_own_engine(etcd_url: str, ns: str) -> None:
+    """vLLM data parallelism serves every rank from one URL, a shim per rank: neither is refused,
+    and a second shim of one rank is."""
+
+    def registration(d: Discovery, rank: int, worker: str) -> Registration:
+        return Registration(
+            d,
+            key=lambda _: subjects.worker_key(ns, worker),
+            value=lambda _: WorkerInfo(worker=worker, model="m", role="agg", engine="vllm", block_size=16),
+            name=worker,
+            claims=lambda wid: claim(ns, "http://10.0.0.5:8000", rank, wid),
+        )
+
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        first, second = registration(d, 1, "r1"), registration(d, 2, "r2")
+        assert await first.start() == "r1" and await second.start() == "r2"
+        with pytest.raises(KeyTaken) as taken:
+            await registration(d, 2, "r2-twin").start()
+        assert taken.value.key.endswith("10.0.0.5:8000#dp2")
+        assert taken.value.value == encode_json(
+            EngineClaim(worker="r2", engine_url="http://10.0.0.5:8000", host=socket.gethostname())
+        )
+        assert await _workers(etcd_url, ns) == ["r1", "r2"]
+        await first.stop()
+        await second.stop()
