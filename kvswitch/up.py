@@ -2,7 +2,7 @@
 
 Flags it does not know itself are router flags (e.g. `--conditional-disagg`,
 `--conditional-disagg-policy ttft_model`): they are checked against the router's own parser at
-once and passed to every replica.
+once and passed to every replica. A flag refused is one line and exit status 2, as argparse's own.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import errno
 import importlib
 import logging
@@ -20,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from kvswitch.cluster import STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy
 from kvswitch.servers import ServerError
@@ -27,7 +29,7 @@ from protocol import ConfigError, subjects
 from protocol.errors import try_listen
 from protocol.timing import profile_names
 
-__all__ = ["PASSES_UNKNOWN_ARGS", "add_arguments", "run"]
+__all__ = ["PASSES_UNKNOWN_ARGS", "UpFlagError", "add_arguments", "run"]
 
 PASSES_UNKNOWN_ARGS = True
 # How often the supervisor looks for children and servers that exited (it wakes at each restart
@@ -36,12 +38,31 @@ PASSES_UNKNOWN_ARGS = True
 WATCH_S = 0.5
 MIN_BACKOFF_S = 0.1
 log = logging.getLogger("kvswitch.up")
+_EPILOG = (
+    "Any other flag is a router flag, given to every router replica: `kvswitch router --help` lists them "
+    "(e.g. kvswitch up --agg 2 --conditional-disagg). Without --agg, --prefill or --decode only NATS and etcd "
+    "start, for shims and routers of your own."
+)
+_NO_WORKERS = (
+    "kvswitch up: no workers, so no routers: add simulated ones with --agg N (or --prefill P --decode D), "
+    "or start `kvswitch shim` and `kvswitch router` against the NATS and etcd above"
+)
+
+
+class UpFlagError(SystemExit):
+    """A flag `kvswitch up` refuses before anything starts: exit status 2, as argparse's own
+    refusals; `run` prints the message (str of it)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine_sim import SimConfig  # here, not at import: only `kvswitch up` itself pays for it
 
     max_model_len = SimConfig().max_model_len
+    parser.epilog = _EPILOG
     parser.add_argument("--nats-port", type=int, default=0, help="NATS client port (0: a free one)")
     parser.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: a free one)")
     parser.add_argument("--namespace", default="kvswitch", help="prefix of every subject and key")
@@ -86,40 +107,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _spec(args: argparse.Namespace) -> ClusterSpec:
     for name in ("prefill", "decode", "agg"):
         if getattr(args, name) < 0:
-            raise SystemExit(f"kvswitch up: --{name} must be >= 0, got {getattr(args, name)}")
+            raise UpFlagError(f"kvswitch up: --{name} must be >= 0, got {getattr(args, name)}")
     workers = args.prefill + args.decode + args.agg
     routers = args.routers if args.routers is not None else (1 if workers else 0)
     if routers < 0:
-        raise SystemExit(f"kvswitch up: --routers must be >= 0, got {routers}")
+        raise UpFlagError(f"kvswitch up: --routers must be >= 0, got {routers}")
+    if args.demo and not routers:
+        raise UpFlagError("kvswitch up: --demo sends its requests through a router: drop --routers 0 or --demo")
     if routers and not workers:
         # A router is ready only once a worker registers: up would wait for one that never comes.
-        raise SystemExit(
+        raise UpFlagError(
             f"kvswitch up: --routers {routers} needs simulated workers: add --agg, --prefill or --decode "
             "(or drop --routers to run NATS and etcd alone, for routers and shims of your own)"
         )
     if not 0 < args.speedup < math.inf:
-        raise SystemExit(f"kvswitch up: --speedup must be a finite number > 0, got {args.speedup}")
+        raise UpFlagError(f"kvswitch up: --speedup must be a finite number > 0, got {args.speedup}")
     for name in ("nats_port", "etcd_port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
-            raise SystemExit(f"kvswitch up: --{name.replace('_', '-')} must be in 0..65535 (0: a free one), "
+            raise UpFlagError(f"kvswitch up: --{name.replace('_', '-')} must be in 0..65535 (0: a free one), "
                              f"got {getattr(args, name)}")  # fmt: skip
     if args.http_port and args.http_port + routers - 1 > 65535:
-        raise SystemExit(
+        raise UpFlagError(
             f"kvswitch up: --http-port {args.http_port} leaves no port for router {routers - 1} of --routers "
             f"{routers} (router i listens on --http-port + i): at most {65536 - routers}"
         )
     try:
         subjects.validate_namespace(args.namespace)  # as the router and the shims check it
     except ValueError:
-        raise SystemExit(f"kvswitch up: --namespace must match [A-Za-z0-9_-]+, got {args.namespace!r}") from None
+        raise UpFlagError(f"kvswitch up: --namespace must match [A-Za-z0-9_-]+, got {args.namespace!r}") from None
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir is not None:
         _check_log_dir(log_dir)
     if not args.model.strip():
-        raise SystemExit("kvswitch up: --model must name the served model, got an empty name")
+        raise UpFlagError("kvswitch up: --model must name the served model, got an empty name")
     for name in ("nats_nodes", "etcd_members"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UpFlagError(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     restart = _restart_policy(args)
     sim_args = [*_max_model_len_args(args), *_lora_args(args.lora_modules, args.model)]
     extra: list[str] = list(getattr(args, "extra", []))
@@ -139,12 +162,12 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
 def _restart_policy(args: argparse.Namespace) -> RestartPolicy | None:
     first = args.restart_backoff_s
     if not MIN_BACKOFF_S <= first < math.inf:
-        raise SystemExit(
+        raise UpFlagError(
             f"kvswitch up: --restart-backoff-s must be a finite number of seconds >= {MIN_BACKOFF_S:g}, got {first}"
         )
     if args.no_restart:
         if first != RestartPolicy.first_s:
-            raise SystemExit("kvswitch up: --restart-backoff-s has no effect with --no-restart: drop one")
+            raise UpFlagError("kvswitch up: --restart-backoff-s has no effect with --no-restart: drop one")
         return None
     return RestartPolicy(first_s=first, most_s=max(RestartPolicy.most_s, first))
 
@@ -159,12 +182,12 @@ def _max_model_len_args(args: argparse.Namespace) -> list[str]:
     try:
         config.validate()
     except SimConfigError as exc:
-        raise SystemExit(f"kvswitch up: {exc}") from None
+        raise UpFlagError(f"kvswitch up: {exc}") from None
     try:
         config.check_kv_fits_max_model_len()
     except SimConfigError:
         most = config.resolved_num_gpu_blocks * config.block_size
-        raise SystemExit(
+        raise UpFlagError(
             f"kvswitch up: --max-model-len {args.max_model_len} does not fit one simulated engine's KV cache "
             f"({config.resolved_num_gpu_blocks} blocks of {config.block_size} tokens for --profile {args.profile}): "
             f"at most {most}"
@@ -182,7 +205,7 @@ def _lora_args(modules: list[str], model: str) -> list[str]:
     try:
         SimConfig(model=model, lora_modules=tuple(LoraModule.parse(m) for m in modules)).validate()
     except SimConfigError as exc:
-        raise SystemExit(f"kvswitch up: {exc}") from None
+        raise UpFlagError(f"kvswitch up: {exc}") from None
     return ["--enable-lora", "--lora-modules", *modules]
 
 
@@ -193,12 +216,12 @@ def _check_log_dir(log_dir: Path) -> None:
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise SystemExit(f"kvswitch up: --log-dir {log_dir}: cannot create it: {exc.strerror or exc}") from None
+        raise UpFlagError(f"kvswitch up: --log-dir {log_dir}: cannot create it: {exc.strerror or exc}") from None
     try:
         with tempfile.NamedTemporaryFile(dir=log_dir, prefix=".kvswitch-probe-"):
             pass
     except OSError as exc:
-        raise SystemExit(f"kvswitch up: --log-dir {log_dir}: not writable: {exc.strerror or exc}") from None
+        raise UpFlagError(f"kvswitch up: --log-dir {log_dir}: not writable: {exc.strerror or exc}") from None
 
 
 def _check_ports(spec: ClusterSpec) -> None:
@@ -217,7 +240,7 @@ def _check_ports(spec: ClusterSpec) -> None:
                 try_listen("127.0.0.1", port)
             except OSError as exc:
                 busy = "; another kvswitch up?" if exc.errno == errno.EADDRINUSE else ""
-                raise SystemExit(
+                raise UpFlagError(
                     f"kvswitch up: {flag} {first}: {what} {port - first} cannot listen on 127.0.0.1:{port} "
                     f"({exc.strerror or exc}{busy}): choose another {flag}, or 0 for free ones"
                 ) from None
@@ -230,19 +253,46 @@ _UP_SETS = ("http_host",)
 _UP_SETS_PREFIXES = ("nats_", "etcd_")
 
 
+class _RouterFlags(argparse.ArgumentParser):
+    """The router's parser, for the flags `up` passes on: a refusal is one line (argparse's own
+    printed the router's whole usage, 54 lines, before it)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UpFlagError(f"kvswitch up: {message} (a router flag: see kvswitch router --help)")
+
+
+def _unknown_flags(unknown: list[str], router: argparse.ArgumentParser) -> str:
+    """Why `unknown` (what neither parser took) is refused, with the nearest flag of either for each
+    flag in it."""
+    own = argparse.ArgumentParser()
+    add_arguments(own)
+    known = [f for p in (own, router) for a in p._actions for f in a.option_strings if f.startswith("--")]
+    said = []
+    for flag in (u.split("=", 1)[0] for u in unknown if u.startswith("-")):
+        near = difflib.get_close_matches(flag, known, n=1)
+        said.append(f"{flag} (did you mean {near[0]}?)" if near else flag)
+    flags = ", ".join(said) or " ".join(unknown)
+    return (
+        f"kvswitch up: unrecognized arguments: {' '.join(unknown)}: {flags} is neither a flag of kvswitch up "
+        "(kvswitch up --help) nor a router flag it passes on (kvswitch router --help)"
+    )
+
+
 def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
     try:
         router_cli = importlib.import_module("router.cli")
     except ImportError as exc:
-        raise SystemExit(f"kvswitch up: unknown arguments {extra} (the router is not installed)") from exc
-    parser = argparse.ArgumentParser(prog="kvswitch up (router flags)")
+        raise UpFlagError(f"kvswitch up: unknown arguments {extra} (the router is not installed)") from exc
+    parser = _RouterFlags(prog="kvswitch up (router flags)")
     router_cli.add_arguments(parser)
-    ns = parser.parse_args(extra)
+    ns, unknown = parser.parse_known_args(extra)
+    if unknown:
+        raise UpFlagError(_unknown_flags(unknown, parser))
     if ns.tokenizer is not None:
         # Simulated engines tokenize with the built-in tokenizer alone: a router with another
         # would refuse every text prompt (its fingerprint matches no worker's) on a cluster up
         # reports healthy.
-        raise SystemExit(
+        raise UpFlagError(
             f"kvswitch up: --tokenizer {ns.tokenizer}: the simulated engines of kvswitch up tokenize with the "
             "built-in tokenizer only, so a router with another would refuse every text prompt: drop --tokenizer "
             "(give it to `kvswitch router` in front of real engines)"
@@ -250,7 +300,7 @@ def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
     for dest, value in vars(ns).items():
         if value != parser.get_default(dest) and (dest in _UP_SETS or dest.startswith(_UP_SETS_PREFIXES)):
             flag = "--" + dest.replace("_", "-")
-            raise SystemExit(
+            raise UpFlagError(
                 f"kvswitch up: {flag} is set by kvswitch up itself (its own NATS and etcd, the routers on "
                 "127.0.0.1 from --http-port): drop it"
             )
@@ -277,7 +327,7 @@ def _check_router_args(extra: list[str], args: argparse.Namespace) -> None:
         try:
             router_cli.build_config(ns)
         except ConfigError as exc:
-            raise SystemExit(f"kvswitch up: {exc}") from None
+            raise UpFlagError(f"kvswitch up: {exc}") from None
 
 
 class _HealthLog:
@@ -390,8 +440,12 @@ def run(args: argparse.Namespace) -> int:
         args.speedup = args.speedup if args.speedup != 1.0 else 10.0
         if not getattr(args, "extra", []):
             args.extra = ["--conditional-disagg"]
-    spec = _spec(args)
-    _check_ports(spec)
+    try:
+        spec = _spec(args)
+        _check_ports(spec)
+    except UpFlagError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        return 2
     from runtime import run_service
 
     cluster = LocalCluster(spec)
@@ -420,6 +474,8 @@ def run(args: argparse.Namespace) -> int:
             print(cluster.describe(), flush=True)
             said = cluster.health_line()
             print(said, flush=True)
+            if not spec.prefill + spec.decode + spec.agg:
+                print(_NO_WORKERS, flush=True)
             if args.demo:
                 return await _demo(cluster, spec, stop)
             print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)

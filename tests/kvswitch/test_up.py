@@ -57,6 +57,8 @@ def test_up_serves_healthy_servers_and_leaves_nothing_after_sigterm() -> None:
             if line.startswith("health:") or not line:
                 break
         out = "".join(lines)
+        hint = proc.stdout.readline()  # bare `up` said nothing of how to add workers (ops audit)
+        assert hint.startswith("kvswitch up: no workers") and "--agg N" in hint and "kvswitch shim" in hint, hint
         assert f"nats://127.0.0.1:{nats_port}" in out
         assert f"http://127.0.0.1:{etcd_port}" in out
         assert "health: nats=ok etcd=ok" in out
@@ -191,15 +193,34 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
         (["--agg", "1", "--namespace", "a.b"], "kvswitch up: --namespace must match [A-Za-z0-9_-]+, got 'a.b'"),
         (["--agg", "1", "--routers", "3", "--http-port", "65534"], "--http-port 65534 leaves no port for router 2"),
         (["--agg", "1", "--disagg", "never", "--conditional-disagg"], "kvswitch up: invalid conditional_disagg"),
+        (
+            ["--agg", "1", "--routers", "0", "--demo"],
+            "kvswitch up: --demo sends its requests through a router: drop --routers 0 or --demo",
+        ),
+        (
+            ["--decode-workers", "1"],
+            "unrecognized arguments: --decode-workers 1: --decode-workers (did you mean --decode?) is neither",
+        ),
+        (["--agg", "1", "--routing", "nope"], "kvswitch up: argument --routing: invalid choice: 'nope'"),
     ],
 )
 def test_a_bad_cluster_flag_is_refused_before_anything_starts(argv: list[str], said: str) -> None:
-    """Before, each started NATS and etcd and failed in the first child that read the flag."""
+    """Before, each started NATS and etcd and failed in the first child that read the flag. Each is
+    exit status 2, as argparse's own refusals (up's own were 1), and a router flag's refusal is one
+    line (it printed the router's whole usage, 54 lines, first; ops audit); `--demo --routers 0`
+    sent no request and exited 0."""
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "kvswitch", "up", *argv], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and said in out.stderr, out.stderr
+    assert out.returncode == 2 and said in out.stderr, out.stderr
+    assert "usage: kvswitch up (router flags)" not in out.stderr, out.stderr
     assert "nats" not in out.stdout and time.monotonic() - started < 20
     assert "Traceback" not in out.stderr and "exited while waiting" not in out.stderr, out.stderr
+
+
+def test_up_help_says_other_flags_go_to_every_router() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvswitch", "up", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "router flag, given to every router replica" in out.stdout, out.stdout
+    assert "kvswitch router --help" in " ".join(out.stdout.split()), out.stdout
 
 
 def _up_args(argv: list[str]) -> argparse.Namespace:
