@@ -24,6 +24,7 @@ from engine_sim.errors import SimConfigError
 from engine_sim.fleet import SimFleet, fleet_config
 from engine_sim.lora import LoraModule
 from engine_sim.server import ServerStatus
+from protocol.errors import listen_error, try_listen
 from protocol.timing import DEFAULT_PROFILE, profile_names
 from runtime import tune_gc
 
@@ -193,23 +194,47 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return config.check_kv_fits_max_model_len()
 
 
+def _listen_refused(config: SimConfig, count: int, index: int | None, exc: OSError) -> SimConfigError:
+    """The flag a failed listen of engine `index` (None: not known) is the fault of, by
+    protocol.errors.listen_error's rule: a host that does not resolve or is not this machine's is
+    --host's, anything else --port's. It was "cannot listen: [Errno 98] ...", exit 1, naming neither."""
+    host, port = config.host, config.port + (index or 0) if config.port else 0
+    if listen_error(host, port, exc).setting == "http_host":
+        return SimConfigError("host", host, f"cannot listen there: {exc}: give a name or address of this host")
+    where = f"engine {index} of --count {count} listens on --port + {index}: " if count > 1 and index else ""
+    ports = "free ones" if count > 1 else "a free one"
+    said = f"{where}cannot listen on {host}:{port} ({exc.strerror or exc})" if port else f"cannot listen: {exc}"
+    return SimConfigError("port", config.port, f"{said}: choose another --port, or --port 0 for {ports}")
+
+
+def _check_listen(config: SimConfig, count: int) -> None:
+    """Every engine's HTTP address can be listened on now (engine i on --port + i), so a port taken
+    or a host not this machine's is refused before any engine starts, naming the flag."""
+    for i in range(count):
+        try:
+            try_listen(config.host, config.port + i if config.port else 0)
+        except OSError as exc:
+            raise _listen_refused(config, count, i, exc) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from runtime import run_service
 
+    count = int(args.count)
     try:
         config = config_from_args(args)
+        _check_listen(config, count)
     except SimConfigError as exc:
         print(f"kvswitch sim: error: {exc}", file=sys.stderr)
         return 2
-    count = int(args.count)
 
     async def main(stop: asyncio.Event) -> int:
         fleet = SimFleet(config, count)
         try:
             await fleet.start()
-        except OSError as exc:
-            print(f"kvswitch sim: error: cannot listen: {exc}", file=sys.stderr)
-            return 1
+        except OSError as exc:  # taken since _check_listen
+            print(f"kvswitch sim: error: {_listen_refused(config, count, None, exc)}", file=sys.stderr)
+            return 2
         except zmq.ZMQError as exc:
             print(
                 f"kvswitch sim: error: --kv-events-config: cannot bind or connect its endpoints: {exc}", file=sys.stderr

@@ -267,7 +267,7 @@ class LocalCluster:
                     base = self._start_pools(base)
                     break
                 except ServerError as exc:
-                    if "address already in use" not in str(exc) or draw == PORT_DRAWS:
+                    if "address already in use" not in str(exc).lower() or draw == PORT_DRAWS:  # the sim: "Address ..."
                         raise
                     log.warning(
                         "a sim's port was taken before it bound it: drawing others (%d of %d)", draw, PORT_DRAWS

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -18,6 +19,7 @@ import pytest
 from engine_sim import KVEventsConfig, SimConfig, SimConfigError, SimFleet, SimServer, fleet_config
 from engine_sim.cli import add_arguments, config_from_args, run
 from engine_sim.lora import LoraModule
+from kvswitch.servers import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,6 +193,32 @@ def test_cli_rejects_bad_flag_with_exit_2() -> None:
     res = subprocess.run([sys.executable, "-m", "kvswitch", "sim", "--role", "nope"], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=60)  # fmt: skip
     assert res.returncode == 2 and "--role" in res.stderr and "prefill" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "held", "said"),
+    [
+        (["--port", "{p}"], 0, "invalid --port = {p}: cannot listen on 127.0.0.1:{p} (Address already in use): "
+         "choose another --port, or --port 0 for a free one"),
+        (["--port", "{p}", "--count", "3"], 2, "invalid --port = {p}: engine 2 of --count 3 listens on --port + 2: "
+         "cannot listen on 127.0.0.1:{h} (Address already in use): choose another --port, or --port 0 for free ones"),
+        (["--host", "10.99.99.99", "--port", "{p}"], None, "invalid --host = '10.99.99.99': cannot listen there: "),
+    ],
+)  # fmt: skip
+def test_an_address_it_cannot_listen_on_exits_2_naming_the_flag(
+    argv: list[str], held: int | None, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was "cannot listen: [Errno 98] ... address already in use", exit 1, naming no flag (ops
+    audit); a fleet is refused before any of its engines starts."""
+    port = free_ports(3)
+    with socket.socket() as holder:
+        if held is not None:
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            holder.bind(("127.0.0.1", port + held))
+            holder.listen()
+        assert run(parse(*(a.format(p=port) for a in argv))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvswitch sim: error: " + said.format(p=port, h=port + (held or 0))), err
 
 
 def test_single_engine_exits_1_when_it_crashes() -> None:
