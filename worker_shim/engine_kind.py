@@ -8,6 +8,11 @@ for --block-size, or, given it, registered a worker every router excluded. A bod
 matches says nothing (no body, or an engine's own series absent: a vLLM with
 --disable-log-stats), so a real engine that is still starting is left to the checks and retries
 that handle it.
+
+kvswitch's own processes are recognised too, a router's (`kvswitch_router_*`) or a shim's
+(`kvswitch_shim_*`): `--engine-url` given a router's address (a slip: both serve /v1/models) was
+told that a vLLM started with --disable-log-stats exports no load series, a fix that does nothing.
+Such a /metrics is no engine's: the error names `--engine-url`.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ __all__ = ["SIGNATURES", "Signature", "check_engine_kind", "recognise"]
 
 @dataclass(frozen=True, slots=True)
 class Signature:
-    kinds: tuple[str, ...]  # the --engine values whose engines serve such a /metrics
-    looks: str  # what the engine serves, as the error says it
+    kinds: tuple[str, ...]  # the --engine values whose engines serve such a /metrics; () for none: no engine
+    looks: str  # what the engine serves, as the error says it (for no engine: what --engine-url points at)
     matches: Callable[[bytes], bool]
 
 
@@ -53,8 +58,10 @@ def _series_of(prefix: str) -> Callable[[bytes], bool]:
 
 _PROMETHEUS = re.compile(rb"^# (?:HELP|TYPE) [a-zA-Z_:]", re.MULTILINE)
 
-# First match wins: the engines' own series before Prometheus text in general.
+# First match wins: the engines' own series and kvswitch's before Prometheus text in general.
 SIGNATURES: tuple[Signature, ...] = (
+    Signature((), "a kvswitch router (its /metrics has kvswitch_router_* series)", _series_of("kvswitch_router_")),
+    Signature((), "a kvswitch shim (its /metrics has kvswitch_shim_* series)", _series_of("kvswitch_shim_")),
     Signature(("trtllm",), "TensorRT-LLM's iteration stats (JSON) on /metrics", _json_list),
     Signature(("vllm",), "vLLM's metrics (vllm:*)", _series_of("vllm:")),
     Signature(("sglang",), "SGLang's metrics (sglang:*)", _series_of("sglang:")),
@@ -73,8 +80,12 @@ def recognise(metrics: bytes) -> Signature | None:
 
 def check_engine_kind(engine: str, url: str, metrics: bytes) -> None:
     """ConfigError naming --engine when `metrics`, the /metrics body of the engine at `url`, is
-    another kind of engine's than `engine`."""
+    another kind of engine's than `engine`; naming --engine-url when it is kvswitch's own."""
     sig = recognise(metrics)
+    if sig is not None and not sig.kinds:
+        raise ConfigError(
+            "engine_url", url, f"--engine-url points at {sig.looks}; it must be the engine's own URL, not kvswitch's"
+        )
     if sig is not None and engine not in sig.kinds:
         give = " or ".join(f"--engine {kind}" for kind in sig.kinds)
         raise ConfigError("engine", engine, f"the engine at {url} serves {sig.looks}: give {give}")

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from engine_sim.server import SimServer
 from protocol import ConfigError
+from tests.router.conftest import Cluster
 from tests.worker_shim.cluster import served, shim_for, sim_config
 from tests.worker_shim.test_shim_lifecycle import registered_workers
 from worker_shim import ShimConfig, ShimStatus
@@ -198,3 +199,29 @@ async def test_a_shim_told_the_wrong_engine_exits_naming_engine(
             )
             assert shim.registration_count == 0 and shim.session_failures == 0
             assert await registered_workers(etcd_url, ns) == set()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_shim_pointed_at_kvswitch_instead_of_its_engine_exits_naming_engine_url(
+    engine: EngineKind, ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """--engine-url given a router's address (both serve /v1/models) was told that a vLLM started
+    with --disable-log-stats exports no load series (ops audit, 2026-12-06); another shim's
+    address the same."""
+    cluster = Cluster(ns, nats_url, etcd_url)
+    try:
+        router = await cluster.add_router()
+        async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as first:
+            await asyncio.wait_for(first.registered.wait(), 20)
+            for url, what in ((router.url, "router"), (first.http.url, "shim")):
+                kv = "tcp://127.0.0.1:9" if engine == "sglang" else sim.events_endpoint
+                async with shim_for(sim, ns, nats_url, etcd_url, engine=engine, engine_url=url, kv_events=kv) as shim:
+                    await asyncio.wait_for(shim.done.wait(), 20)
+                    assert shim.status is ShimStatus.FAILED and isinstance(shim.failure, ConfigError), shim.failure
+                    assert shim.failure.setting == "engine_url" and shim.failure.value == url
+                    assert f"--engine-url points at a kvswitch {what} (its /metrics has kvswitch_{what}_*" in str(
+                        shim.failure
+                    )
+                    assert "disable-log-stats" not in str(shim.failure)
+    finally:
+        await cluster.close()
