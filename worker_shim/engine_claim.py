@@ -9,7 +9,9 @@ Identity (`engine_id`): where `--engine-url` leads, not how it is spelled. The s
 (one port serves one of them), the host lowercased, the port made explicit (80, 443) and a trailing
 `/` cut. A loopback or unspecified host (`localhost`, `127.0.0.1`, `::1`, `0.0.0.0`) names an
 engine on this host only: it is qualified by the host name (a Kubernetes sidecar reaches its
-engine at localhost, and every pod's localhost is another engine). vLLM data parallelism runs a
+engine at localhost, and every pod's localhost is another engine), and by the machine id
+(/etc/machine-id, when there is one: machines cloned from one image may share a host name, even
+`localhost`, and refusing a second machine's shim would take its engine out). vLLM data parallelism runs a
 shim per rank beside one server (`--data-parallel-rank R`): each rank is an engine of its own
 (`#dpR`); no rank and rank 0 are one engine (a server with more ranks refuses a shim without one).
 Not caught: one engine named by two hosts (its loopback and its own IP address, or two DNS names).
@@ -23,12 +25,15 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from discovery import KeyTaken
 from protocol import ConfigError, EngineClaim, ProtocolError, decode_json, subjects
 
-__all__ = ["claim", "engine_id", "taken"]
+__all__ = ["claim", "engine_id", "taken", "this_host"]
+
+MACHINE_ID = "/etc/machine-id"  # systemd's; absent in most containers, where the host name tells pods apart
 
 
 def _local(host: str) -> bool:
@@ -41,8 +46,18 @@ def _local(host: str) -> bool:
     return address.is_loopback or address.is_unspecified
 
 
+def this_host() -> str:
+    """This host's name, and its machine id's first 12 digits when it has one (`name~id`)."""
+    try:
+        machine = Path(MACHINE_ID).read_text().strip()[:12]
+    except OSError:
+        machine = ""
+    return socket.gethostname() + (f"~{machine}" if machine else "")
+
+
 def engine_id(url: str, rank: int | None, hostname: str) -> str:
-    """The engine `url` (a validated `--engine-url`) leads to, seen from `hostname`, and its rank."""
+    """The engine `url` (a validated `--engine-url`) leads to, seen from `hostname` (this_host()),
+    and its rank."""
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -52,9 +67,8 @@ def engine_id(url: str, rank: int | None, hostname: str) -> str:
 
 def claim(ns: str, url: str, rank: int | None, worker: str) -> dict[str, EngineClaim]:
     """The claim `worker` makes on the engine at `url` (Registration's `claims`)."""
-    hostname = socket.gethostname()
-    key = subjects.engine_key(ns, engine_id(url, rank, hostname))
-    return {key: EngineClaim(worker=worker, engine_url=url, host=hostname)}
+    key = subjects.engine_key(ns, engine_id(url, rank, this_host()))
+    return {key: EngineClaim(worker=worker, engine_url=url, host=socket.gethostname())}
 
 
 def taken(exc: KeyTaken, url: str, ttl: int) -> ConfigError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 
 import pytest
 from etcd3aio import prefix_range_end
@@ -15,7 +16,8 @@ from engine_sim.server import SimServer
 from protocol import ConfigError, EngineClaim, WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings
 from tests.worker_shim.cluster import shim_for, sim_config
-from worker_shim.engine_claim import claim, engine_id
+from worker_shim import engine_claim
+from worker_shim.engine_claim import claim, engine_id, this_host
 from worker_shim.shim import ShimStatus
 
 
@@ -51,6 +53,22 @@ def test_two_engines_are_two_identities(a: tuple[str, int | None, str], b: tuple
 def test_no_rank_and_rank_0_are_one_engine_and_a_remote_host_is_not_qualified() -> None:
     assert engine_id("http://10.0.0.5:8000", 0, "h") == engine_id("http://10.0.0.5:8000", None, "h") == "10.0.0.5:8000"
     assert engine_id("http://localhost:8000", 2, "pod-a") == "localhost@pod-a:8000#dp2"
+
+
+def test_machines_that_share_a_host_name_are_told_apart_by_their_machine_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Machines cloned from one image may share a host name (even `localhost`): a shim on the
+    second, beside its own engine at 127.0.0.1:8000, must not be refused as the first's twin."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu")
+    ids = []
+    for machine in ("3d1219c7c4c5404aaa1f6d2a48adfda4", "9f00aa11bb22cc33dd44ee55ff667788"):
+        (tmp_path / "machine-id").write_text(machine + "\n")
+        monkeypatch.setattr(engine_claim, "MACHINE_ID", str(tmp_path / "machine-id"))
+        ids.append(next(iter(claim("ns", "http://127.0.0.1:8000", None, "w"))))
+    assert ids == ["/ns/engines/localhost@gpu~3d1219c7c4c5:8000", "/ns/engines/localhost@gpu~9f00aa11bb22:8000"]
+    monkeypatch.setattr(engine_claim, "MACHINE_ID", str(tmp_path / "none"))  # most containers have none
+    assert this_host() == "gpu"
 
 
 async def _workers(etcd_url: str, ns: str) -> list[str]:
