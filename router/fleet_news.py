@@ -23,6 +23,11 @@ request), with the longest report period among them:
   had none for BOOTSTRAP_GRACE_S: a fleet of 1,000 was routable 2.6-8.7 s after registering (scale
   audit of 2026-12-06), and an operator starting a router learns within 30 s that nothing became
   routable. Any other reason is said at the first check that finds it.
+- Workers left out of routing for their max_model_len (`context_conflict`: WorkerRegistry.unrouted,
+  a configuration error the registry logs) count in the figures below, but no rule judges them: they
+  are no part of the pool a model's workers are counted from ("none of its N"), so a fresh router
+  with one keeps its startup grace, and they never dilute the half below (review of 2026-12-06: a
+  pool of 3 routed and 2 such workers, 2 of the 3 gone silent, was not more than half).
 - More than half of a model's decode or agg workers excluded for one same reason that were
   routable at a check within the window (the longer of SILENT_PERIODS times the longest report
   period and WINDOW_CHECKS checks) is a WARNING too: a fleet-wide cause (NATS, the network, a
@@ -86,12 +91,15 @@ class FleetNews:
         longest report period among them."""
         pools: dict[str, list[WorkerStatus]] = {}
         prefill: Counter[str] = Counter()
+        unrouted: Counter[str] = Counter()  # model -> its context_conflict workers: in the figures, not the rules
         for st in statuses:
             if st.role == "prefill":
                 prefill[st.model] += 1
+            elif st.exclusion is Exclusion.CONTEXT_CONFLICT:
+                unrouted[st.model] += 1
             else:
                 pools.setdefault(st.model, []).append(st)
-        for model in sorted(self._models.keys() - pools.keys()):
+        for model in sorted(self._models.keys() - pools.keys() - unrouted.keys()):
             self._left(model, self._models[model], prefill[model], now)
         departed = sorted((m.left_at, name) for name, m in self._models.items() if m.left_at is not None)
         for left_at, model in departed[: max(0, len(departed) - DEPARTED_AT_MOST)]:
@@ -109,6 +117,9 @@ class FleetNews:
         self.routable, self.excluded = dict.fromkeys(self._models, 0), {}
         for model, pool in sorted(pools.items()):
             self._check(model, pool, self._models.setdefault(model, _Model()), now, window)
+        for model, n in unrouted.items():
+            self.routable.setdefault(model, 0)
+            self.excluded.setdefault(model, Counter())[Exclusion.CONTEXT_CONFLICT] = n
 
     def _left(self, model: str, seen: _Model, prefill: int, now: float) -> None:
         if seen.left_at is not None:

@@ -793,8 +793,7 @@ class RouterService:
             WorkerStatus(
                 info.worker, info.model, info.role, Exclusion.CONTEXT_CONFLICT, why, self.eligibility.takes_text(info)
             )
-            for info, why in (self._registry.unrouted() if self._registry is not None else [])
-            if model is None or serving([info], model)
+            for info, why in (self._registry.unrouted(model) if self._registry is not None else [])
         ]
 
     def _refused(self, model: str | None) -> list[tuple[str, str]]:

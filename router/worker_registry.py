@@ -235,17 +235,25 @@ class WorkerRegistry:
         """The records refused now, by name."""
         return [r for _, r in sorted(self._refusing.items())]
 
-    def unrouted(self) -> list[tuple[WorkerInfo, str]]:
+    def unrouted(self, model: str | None = None) -> list[tuple[WorkerInfo, str]]:
         """The registered workers `workers()` leaves out, by id, each with why: a max_model_len
         other than their model's (the module's docstring). The views of the fleet list them as
-        excluded (`context_conflict`), as a router that counted only the routed ones showed none."""
+        excluded (`context_conflict`), as a router that counted only the routed ones showed none.
+        With `model`, those a request naming it would run on were they routed: `serving` over every
+        registered worker as routing reads it, since one record alone does not say whether its
+        alias or adapter `model` is another model's own name, which wins (router.served_names)."""
+        left = sorted(self._unrouted.items())
+        if model is not None and left:
+            every = [*self._routed.values(), *(_unshadowed(info, self._of_model) for _, info in left)]
+            theirs = {info.worker for info in serving(every, model)}
+            left = [(worker, info) for worker, info in left if worker in theirs]
         return [
             (
                 info,
                 f"max_model_len {info.max_model_len}, but model {info.model} is served with "
                 f"{self._context[info.model]}, the length most of its workers register: a configuration error",
             )
-            for _, info in sorted(self._unrouted.items())
+            for _, info in left
         ]
 
     def max_model_len(self, model: str) -> int | None:

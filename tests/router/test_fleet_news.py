@@ -73,6 +73,42 @@ def test_a_fleet_bootstrapping_is_said_only_once_it_has_had_the_grace(caplog: py
     assert [level for level, _ in lines(caplog)] == ["INFO", "WARNING"]
 
 
+def unrouted(*ids: str) -> list[WorkerStatus]:
+    """Decode workers of model m left out of routing for their max_model_len: they take no request, ever."""
+    return [WorkerStatus(w, "m", "decode", Exclusion.CONTEXT_CONFLICT, "", True) for w in ids]
+
+
+def test_a_worker_left_out_for_its_max_model_len_leaves_a_fresh_router_its_startup_grace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # In the pool, its reason (not bootstrapping) ended the grace at the first check: a fresh
+    # router said every request was refused (review of 2026-12-06).
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    news = FleetNews()
+    news.check([*every(2, Exclusion.BOOTSTRAPPING), *unrouted("c1")], 100.0)  # a fresh router
+    news.check([*every(2, Exclusion.BOOTSTRAPPING), *unrouted("c1")], 100.0 + BOOTSTRAP_GRACE_S - 1)
+    assert lines(caplog) == []
+    assert news.excluded["m"] == {Exclusion.BOOTSTRAPPING: 2, Exclusion.CONTEXT_CONFLICT: 1}  # the figures keep it
+    news.check([*every(2, Exclusion.BOOTSTRAPPING), *unrouted("c1")], 100.0 + BOOTSTRAP_GRACE_S)
+    ((level, text),) = lines(caplog)
+    assert level == "WARNING" and "none of its 2 decode or agg workers" in text, text
+    assert "(bootstrapping: 2)" in text and "c1" not in text, text
+
+
+def test_workers_left_out_for_their_max_model_len_are_no_part_of_the_half_rules_fleet(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # 2 of the 3 routed workers gone silent at once, beside 2 never routed: counted in the pool,
+    # 2 of 5 was not more than half, and nothing was said (review of 2026-12-06).
+    caplog.set_level(logging.INFO, logger="router.fleet_news")
+    news = FleetNews()
+    news.check([*every(3, None), *unrouted("c1", "c2")], 0.0)
+    news.check([*every(3, Exclusion.SILENT, first=2), *unrouted("c1", "c2")], 1.0)
+    ((level, text),) = lines(caplog)
+    assert level == "WARNING" and "2 of its 3 decode or agg workers went from routable to silent" in text, text
+    assert news.routable == {"m": 1} and news.excluded["m"] == {Exclusion.SILENT: 2, Exclusion.CONTEXT_CONFLICT: 2}
+
+
 def test_more_than_half_of_a_fleet_out_for_one_reason_at_once_is_a_fleet_wide_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

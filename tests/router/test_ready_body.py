@@ -6,13 +6,16 @@ stay `bootstrapping`."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from discovery import Discovery
+from discovery import Discovery, Put
 from protocol import WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings
-from router.service import RouterService
+from router.service import RouterConfig, RouterService
+from router.worker_registry import WorkerRegistry
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
 
@@ -102,6 +105,46 @@ async def test_a_worker_left_out_for_its_max_model_len_is_in_every_view_with_its
         what="kvswitch_router_workers_excluded counting it",
     )
     assert _samples(router, "kvswitch_router_workers") == {(): 3.0}
+
+
+def test_a_model_router_counts_no_other_models_worker_left_out_that_names_it_as_an_alias_or_adapter() -> None:
+    # Another model's alias or adapter of a model's own name is not that model (router.served_names).
+    # Judged one record at a time (review of 2026-12-06), q3 and q4 were llama's: a --model llama
+    # router listed them as its context_conflict workers, and its fleet check said model qwen
+    # refused every request.
+    def info(
+        worker: str, model: str, max_model_len: int, adapters: tuple[str, ...] = (), alias: str = ""
+    ) -> WorkerInfo:
+        return WorkerInfo(
+            worker=worker,
+            model=model,
+            role="agg",
+            engine="sim",
+            block_size=16,
+            max_model_len=max_model_len,
+            adapters=list(adapters),
+            aliases=[alias] if alias else [],
+        )
+
+    discovery = SimpleNamespace(ns="kvswitch")  # fed here: no etcd
+    registry = WorkerRegistry(discovery, lambda info: None, lambda worker: None)  # type: ignore[arg-type]
+    records = [
+        info("l1", "llama", 4096),
+        info("l2", "llama", 4096),
+        info("l3", "llama", 2048),  # llama's own, left out
+        info("q1", "qwen", 8192),
+        info("q2", "qwen", 8192),
+        info("q3", "qwen", 2048, adapters=("llama", "chat")),
+        info("q4", "qwen", 2048, alias="llama"),
+    ]
+    for revision, record in enumerate(records, 1):
+        registry.apply(Put(record.worker, record, revision))
+    assert [i.worker for i, _ in registry.unrouted()] == ["l3", "q3", "q4"]
+    router = RouterService(RouterConfig(model="llama"))
+    router._registry = registry
+    assert [st.worker for st in router.unrouted("llama")] == ["l3"]
+    assert [st.worker for st in router._statuses(router._counted()[1])] == ["l1", "l2", "l3"]
+    assert [st.worker for st in router.unrouted("chat")] == ["q3"]  # no model's name: its adapter serves it
 
 
 def _samples(router: RouterService, name: str) -> dict[tuple[str, ...], float]:
