@@ -16,9 +16,12 @@ to send (its dump is no failure, and its reports come), or for this router's NAT
 error, not no responders).
 
 `check` (RouterService's fleet check, every CHECK_S) says each worker found unheard once, a
-WARNING, until it is heard or its key goes, capped for the fleet (router.fleet_lines: a fleet on
-another NATS names eight and counts the rest). `problem` is /ready's when every worker registered
-is unheard: then it is this router's NATS, not a worker's.
+WARNING naming this router's --nats-servers, until it is heard or its key goes, capped for the
+fleet (router.fleet_lines: a fleet on another NATS names eight and counts the rest). `problem` is
+/ready's when every worker routed is unheard: then it is this router's NATS, not a worker's. Both
+judge the routed workers only (WorkerRegistry.workers()): one left out for its max_model_len is
+registered but judged by neither. /ready names the flag and leaves the URLs to the log: it carries
+no key, and docs/security.md keeps infrastructure addresses for operators.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class Unheard:
         return now - since
 
     def check(self, workers: Sequence[str]) -> None:
-        """Say each of the registered `workers` found unheard, once until it is heard or gone."""
+        """Say each of the routed `workers` found unheard, once until it is heard or gone."""
         now = self._clock()
         self._said = {w for w in self._said if w in self._since and not self._heard(w)}
         for worker in workers:
@@ -99,14 +102,16 @@ class Unheard:
             )
 
     def problem(self, workers: Sequence[str]) -> str | None:
-        """/ready's problem when every one of the registered `workers` (some) is unheard; else None."""
+        """/ready's problem when every one of the routed `workers` (some) is unheard; else None. It
+        names the flag, not the servers: /ready carries no key, and infrastructure addresses are
+        for operators (docs/security.md); the WARNING in the log names them."""
         now = self._clock()
         if not workers or any(self._unheard_for(w, now) is None for w in workers):
             return None
         who = "the one worker" if len(workers) == 1 else f"none of the {len(workers)} workers"
         return (
-            f"{who} registered in etcd {'has not' if len(workers) == 1 else 'has'} been heard over NATS in the "
+            f"{who} this router routes {'has not' if len(workers) == 1 else 'has'} been heard over NATS in the "
             f"{UNHEARD_S:g} s or more since this router read its record (no load report; nobody subscribes to its "
-            f"kvstate subject on this router's NATS): this router's --nats-servers ({self.servers}) may not be the "
-            "NATS the shims use"
+            "kvstate subject on this router's NATS): this router's --nats-servers may not be the shims' NATS (its "
+            "log names the URLs)"
         )

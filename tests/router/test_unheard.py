@@ -6,6 +6,7 @@ the shim's log, a clean one, and no message named --nats-servers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -58,7 +59,8 @@ def test_a_worker_unheard_past_the_grace_is_said_once_and_a_young_one_is_not(cap
     assert "worker w1 has been registered in etcd for 10 s" in line and "nats://10.0.0.9:4222" in line, line
     assert "--nats-servers" in line
     problem = watch.problem(["w1"])
-    assert problem is not None and "--nats-servers (nats://10.0.0.9:4222)" in problem, problem
+    assert problem is not None and "this router's --nats-servers may not be the shims' NATS" in problem, problem
+    assert "10.0.0.9" not in problem and "its log names the URLs" in problem, problem  # /ready carries no key
     fleet.now += 60
     watch.check(["w1"])
     assert said(caplog) == []  # once, until it is heard
@@ -82,7 +84,7 @@ def test_what_is_heard_or_answered_or_registered_anew_is_not_unheard(caplog: pyt
     assert watch.problem(["reports", "silent"]) is None and watch.problem([]) is None
     fleet.now = 3 * UNHEARD_S
     problem = watch.problem(["old", "silent"])
-    assert problem is not None and problem.startswith("none of the 2 workers registered in etcd has been heard")
+    assert problem is not None and problem.startswith("none of the 2 workers this router routes has been heard")
 
 
 @pytest.fixture
@@ -125,10 +127,12 @@ async def test_a_router_on_another_nats_than_its_shims_names_its_nats_servers(
         )
         async with http.get(wrong.url + "/ready") as r:
             assert r.status == 503
-            problems = (await r.json())["problems"]
+            text = await r.text()
+        problems = json.loads(text)["problems"]
         (problem,) = [p for p in problems if "--nats-servers" in p]
-        assert f"this router's --nats-servers ({own_nats.url})" in problem, problem
-        assert problem.startswith("the one worker registered in etcd has not been heard over NATS"), problem
+        assert "this router's --nats-servers may not be the shims' NATS (its log names the URLs)" in problem, problem
+        assert own_nats.url.split("://")[-1] not in text, text  # /ready carries no key: the URLs are the log's
+        assert problem.startswith("the one worker this router routes has not been heard over NATS"), problem
         await until(lambda: any(r.name == "router.unheard" for r in caplog.records), what="the wrong router's WARNING")
         await asyncio.sleep(3 * CHECK_S)  # more checks of both routers: nothing more is said
         (line,) = [r for r in caplog.records if r.name == "router.unheard"]
