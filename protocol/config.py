@@ -30,6 +30,7 @@ from protocol.errors import FLAG_ONLY, ConfigError, without_userinfo
 __all__ = [
     "DISAGG_MODES",
     "MAX_LOAD_PERIOD_S",
+    "MIN_LOAD_PERIOD_S",
     "MIN_STREAM_HEARTBEAT_S",
     "PINGS_UNANSWERED",
     "PING_INTERVAL_S",
@@ -64,6 +65,11 @@ MIN_STREAM_HEARTBEAT_S = 0.05
 # The longest LoadReport period a router honours (router.load_view clamps to it): a shim reporting
 # less often would be taken as silent between its reports, so a longer --load-period-s is refused.
 MAX_LOAD_PERIOD_S = 60.0
+# The shortest: a shim sends a report at most this often, on its period and on a change alike
+# (worker_shim.load_reporter), and a router budgets each sender at twice that rate
+# (router.load_budget): a shim that sent faster was quarantined as a flood, so a shorter
+# --load-period-s is refused. A router also reads a shorter period_s as this one.
+MIN_LOAD_PERIOD_S = 0.05
 # A NATS connection leaves a server that answered none of this many PINGs in a row: at the next
 # interval, 3-4 intervals after it went silent (15-20 s at the default 5 s). A PONG is read by
 # nats-py's reader task and the PINGs are sent by a timer task on the same loop, so a stalled loop

@@ -186,17 +186,21 @@ class Eligibility:
         liveness: Callable[[str], Liveness | None],
         tokenizer: str | None,
         awake_for: Callable[[], float] = lambda: math.inf,
+        quarantined_for: Callable[[str], float | None] = lambda _worker: None,
         fleet_log: FleetLog | None = None,
     ) -> None:
         """`sync_state(worker)`: None when the index is synced with it, else (state, why).
         `liveness(worker)`: None before its first report. `tokenizer`: the router's fingerprint,
         None when it has no tokenizer (text prompts are then refused for every worker). `awake_for()`:
         seconds since this router's loop last stalled (runtime.loop_watch): a worker is silent for
-        no longer than the router could have heard it. `fleet_log`: its router's (router.fleet_lines)."""
+        no longer than the router could have heard it. `quarantined_for(worker)`: the seconds its
+        load reports are unheard for yet, sent past their budget (router.load_subscriptions), None
+        when they are heard. `fleet_log`: its router's (router.fleet_lines)."""
         self._clock = clock
         self._awake_for = awake_for
         self._sync_state = sync_state
         self._liveness = liveness
+        self._quarantined_for = quarantined_for
         self.tokenizer = tokenizer
         self._added: dict[str, float] = {}
         self._unreachable: dict[str, tuple[float, str]] = {}  # worker -> (marked at, why)
@@ -306,6 +310,15 @@ class Eligibility:
         now, awake = self._clock(), self._awake_for()
         return [self._status(info, sizes.get(info.model, info.block_size), now, awake) for info in infos]
 
+    def _quarantine(self, worker: str) -> str:
+        """Why a silent worker is unheard, where it is quarantined (else it reads as a shim dead or cut off)."""
+        if (left := self._quarantined_for(worker)) is None:
+            return ""
+        return (
+            f"; its reports are quarantined for {left:.1f}s more, sent faster than their budget (the router's "
+            "WARNING names the subject)"
+        )
+
     def _status(self, info: WorkerInfo, model_block_size: int, now: float, awake: float) -> WorkerStatus:
         # Runs for every worker on every request: the routable case allocates nothing but the result.
         w = info.worker
@@ -328,10 +341,10 @@ class Eligibility:
         if live is None:
             since = now - self._added.get(w, now)
             if _silent(since, awake, SILENT_PERIODS * DEFAULT_PERIOD_S):
-                why = f"no load report in {since:.1f}s since it registered"
+                why = f"no load report in {since:.1f}s since it registered{self._quarantine(w)}"
                 return WorkerStatus(w, info.model, info.role, Exclusion.SILENT, why, tok_ok)
         elif _silent(live.age_s, awake, SILENT_PERIODS * live.period_s):
-            why = f"last load report {live.age_s:.1f}s ago (period {live.period_s:g}s)"
+            why = f"last load report {live.age_s:.1f}s ago (period {live.period_s:g}s){self._quarantine(w)}"
             return WorkerStatus(w, info.model, info.role, Exclusion.SILENT, why, tok_ok)
         mark = self._unreachable.get(w)
         if mark is not None:

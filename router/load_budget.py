@@ -1,7 +1,8 @@
 """A budget of load reports per sender, checked before a report is decoded.
 
-A shim sends a report on every change, at most every worker_shim.load_reporter.MIN_GAP_S (20 a
-second), and at least every period. Anyone allowed a `{ns}.load.NAME` can send far more: one worker
+A shim sends a report on every change and at least every period, at most every
+protocol.config.MIN_LOAD_PERIOD_S (20 a second: it refuses a shorter --load-period-s, and waits as
+long after a change). Anyone allowed a `{ns}.load.NAME` can send far more: one worker
 flooding its own subject at 50,000 reports a second (isolation audit of 2026-12-06) took a router's
 loop (13.5 µs a report, decoded and folded), so the other workers' reports were read seconds late
 (silent, a false clock skew) and their replies too (unreachable): 503s for a fault of one worker.
@@ -18,9 +19,11 @@ more than MAX_SENDERS (anyone may publish on any name).
 
 from __future__ import annotations
 
+from protocol.config import MIN_LOAD_PERIOD_S
+
 __all__ = ["BURST", "MAX_SENDERS", "RATE_PER_S", "LoadBudget"]
 
-RATE_PER_S = 40.0
+RATE_PER_S = 2 / MIN_LOAD_PERIOD_S
 BURST = 120.0
 MAX_SENDERS = 65536
 

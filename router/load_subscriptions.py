@@ -13,7 +13,11 @@ drops them anyway: only the load_unknown count and its INFO lines miss them).
 
 One task makes every change, in order: each change subscribes before it unsubscribes, so no report
 of a worker heard before and after is missed (one may come twice: the same report again changes
-nothing).
+nothing). None is made while the connection is down: nats-py queues a SUB made then and sends it
+on reconnect, while an unsubscribe then only forgets it here, so a subscription made and dropped
+within an outage stayed at nats-server, unseen (review of 2026-12-06: a worker that left during the
+outage was heard again, and `{ns}.load.*` beside the per-worker ones, the quarantine undone). The
+changes wait for `reconnected()`.
 """
 
 from __future__ import annotations
@@ -78,10 +82,19 @@ class LoadSubscriptions:
         self.quarantines += 1
         self._changed.set()
 
+    def quarantined_for(self, sender: str) -> float | None:
+        """The seconds `sender` is unheard for yet; None when it is heard."""
+        until, now = self._until.get(sender), self._clock()
+        return until - now if until is not None and until > now else None
+
     def quarantined(self) -> dict[str, float]:
         """The senders unheard now, with the seconds left."""
         now = self._clock()
         return {s: until - now for s, until in self._until.items() if until > now}
+
+    def reconnected(self) -> None:
+        """The connection is back (its reconnected callback): make the changes held meanwhile."""
+        self._changed.set()
 
     def workers_changed(self) -> None:
         """A worker registered or left: while some sender is quarantined, its subject is heard or no longer."""
@@ -101,10 +114,12 @@ class LoadSubscriptions:
     async def _follow(self) -> None:
         while True:
             self._changed.clear()
-            await self._settle()
-            wait = min(self._until.values(), default=self._clock() + 3600.0) - self._clock()
+            wait: float | None = None  # while the connection is down: until reconnected()
+            if self._nc.is_connected:
+                await self._settle()
+                wait = max(0.0, min(self._until.values(), default=self._clock() + 3600.0) - self._clock())
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, wait)):
+                async with asyncio.timeout(wait):
                     await self._changed.wait()
 
     async def _settle(self) -> None:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from protocol.config import MAX_LOAD_PERIOD_S
+from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S
 from protocol.messages import LoadReport
 
 __all__ = ["MAX_CLOCK_SKEW_S", "MAX_REORDER_S", "Liveness", "LoadView", "WorkerLoad"]
@@ -257,7 +257,8 @@ class LoadView:
         if held is None:
             return None
         r = held.report
-        period = min(max(r.period_s, 0.05), MAX_LOAD_PERIOD_S) if r.period_s == r.period_s else 1.0  # NaN: the default
+        # NaN: the default
+        period = min(max(r.period_s, MIN_LOAD_PERIOD_S), MAX_LOAD_PERIOD_S) if r.period_s == r.period_s else 1.0
         return Liveness(max(0.0, self._clock() - held.received_at), period, r.events_ok, r.healthy, r.draining)
 
     def capacity(self, worker: str) -> int | None:

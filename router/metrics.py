@@ -17,8 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from protocol.config import MIN_LOAD_PERIOD_S
 from router.gap_repair import FailureKind
 from router.ingest_stats import IngestStats
+from router.load_budget import BURST, RATE_PER_S
 from router.replica_sync import SyncStats
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics", "StateFigures"]
@@ -130,8 +132,9 @@ class _StateCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvswitch_router_load_over_budget",
-            "Load reports dropped before decoding, past their sender's budget (router.load_budget: 40 a second, "
-            "bursts of 120; a shim sends at most 20): something other than a shim publishes on its subject",
+            f"Load reports dropped before decoding, past their sender's budget (router.load_budget: {RATE_PER_S:g} a "
+            f"second, bursts of {BURST:g}; a shim sends at most {1 / MIN_LOAD_PERIOD_S:g}): something other than a "
+            f"shim (or an older shim given a --load-period-s under {MIN_LOAD_PERIOD_S:g} s) publishes on its subject",
             s.load_over_budget,
         )
         yield _per_worker(

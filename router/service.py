@@ -44,7 +44,7 @@ from opentelemetry.trace import TracerProvider
 from discovery import ConfigWatcher, Discovery, Registration
 from discovery.watch import keep_following
 from protocol import ConfigError, LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, serving, subjects
-from protocol.config import EtcdSettings, NatsSettings, RouterSettings, resolve
+from protocol.config import MIN_LOAD_PERIOD_S, EtcdSettings, NatsSettings, RouterSettings, resolve
 from protocol.errors import listen_error, try_listen
 from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
 from protocol.version import BUILD
@@ -306,6 +306,7 @@ class RouterService:
             sync_state=self._sync_state,
             liveness=self.view.liveness,
             tokenizer=self.fingerprints.mine,
+            quarantined_for=lambda w: self._load_subs.quarantined_for(w) if self._load_subs is not None else None,
             fleet_log=self.fleet_log,
         )
         self.unheard = Unheard(
@@ -397,6 +398,7 @@ class RouterService:
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}-load"),
             error_cb=self._nats_errors("load"),
             disconnected_cb=self._load_disconnected,
+            reconnected_cb=self._load_reconnected,
         )
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
         # Replica sync learns its router id at registration, below; until then nothing is routed.
@@ -469,7 +471,8 @@ class RouterService:
             self._load_nc,
             self.ns,
             guarded(self._on_load, "the load report handler"),
-            lambda: (info.worker for info in self._registry.workers()) if self._registry is not None else (),
+            # every registered worker, routed or not: _on_load takes the reports of each
+            lambda: self._registry.ids() if self._registry is not None else (),
         )
         await self._load_subs.start()
         # No per-request access log: /metrics counts requests, and a log line per request costs more
@@ -686,7 +689,9 @@ class RouterService:
             warnings.append(
                 f"load reports of {len(named)} senders unheard, quarantined for sending more than their budget "
                 f"({', '.join(named[:NAMED_AT_MOST])}{', ...' if len(named) > NAMED_AT_MOST else ''}): they read "
-                "silent; something other than their shims publishes on their subjects"
+                f"silent; something other than their shims publishes on their subjects (a shim sends at most "
+                f"{1 / MIN_LOAD_PERIOD_S:g} a second; an older one given a --load-period-s under {MIN_LOAD_PERIOD_S:g} "
+                "s sent more)"
             )
         unrenewed = self._registration.unrenewed_s if self._registration is not None else None
         if unrenewed is not None and unrenewed > self.config.lease_ttl_s:
@@ -998,6 +1003,10 @@ class RouterService:
             "in a WARNING of its own); replies go on on the main connection, workers read silent until it is back"
         )
 
+    async def _load_reconnected(self) -> None:
+        if self._load_subs is not None:  # the quarantine's changes held while it was down
+            self._load_subs.reconnected()
+
     def _nats_errors(self, conn: str) -> Callable[[Exception], Awaitable[None]]:
         """The error_cb of connection `conn`: messages nats-py dropped as a slow consumer (a handler
         behind by its subscription's pending limit) counted by subscription, a WARNING for each at
@@ -1024,7 +1033,9 @@ class RouterService:
 
     def _subscription(self, conn: str, subject: str) -> str:
         """The kind of subscription (a metric label) `subject` is on connection `conn`."""
-        named = {subjects.load_all(self.ns): "load", subjects.kv_all(self.ns): "kv", subjects.sync(self.ns): "sync"}
+        if conn == "load":  # {ns}.load.*, or a worker's own subject during a quarantine
+            return "load"
+        named = {subjects.kv_all(self.ns): "kv", subjects.sync(self.ns): "sync"}
         return named.get(subject) or {"main": "replies", "kv": "kvstate"}.get(conn, "other")
 
     async def _nats_reconnected(self) -> None:
@@ -1115,15 +1126,17 @@ class RouterService:
             budget = self.load_budget
             self._over_budget_lines.say(
                 sender,
-                "load reports from worker %s come faster than %g a second (bursts of %g; a shim sends at most 20): "
+                "load reports from worker %s come faster than %g a second (bursts of %g; a shim sends at most %g): "
                 "the rest dropped unread, and %s unheard for %g s at a time, so it reads silent (logged once per "
                 "worker, counted in kvswitch_router_load_over_budget_total); something other than its shim "
-                "publishes there",
+                "publishes there (or an older shim given a --load-period-s under %g s, which shims now refuse)",
                 sender,
                 budget.rate_per_s,
                 budget.burst,
+                1 / MIN_LOAD_PERIOD_S,
                 subject,
                 self._load_subs.quarantine_s if self._load_subs is not None else 0,
+                MIN_LOAD_PERIOD_S,
             )
 
     def _first_said(self, kind: str, worker: str) -> bool:

@@ -48,7 +48,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Container, Mapping
+from collections.abc import AsyncGenerator, Callable, Container, KeysView, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -196,6 +196,10 @@ class WorkerRegistry:
     def __len__(self) -> int:
         """How many workers are registered, routed or not (those `get` finds)."""
         return len(self._workers)
+
+    def ids(self) -> KeysView[str]:
+        """Every registered worker's id, routed or not (those `get` finds), unsorted."""
+        return self._workers.keys()
 
     def models(self) -> list[str]:
         return list(self._names()[0])

@@ -70,7 +70,7 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
         float,
         "seconds a router process may have no key in etcd before its legs here are cancelled (default 20)",
     ),
-    ("load_period_s", float, "load reports go out on change and at least this often (default 0.5)"),
+    ("load_period_s", float, "load reports go out on change and at least this often (default 0.5; 0.05..60)"),
     ("events_timeout_s", float, "seconds without KV events before events_ok is false (x2 after a request; default 5)"),
     ("http_host", str, "the shim's /health and /metrics listen here (default 127.0.0.1)"),
     ("http_port", int, "... on this port (default 0: a free port, registered as shim_url)"),

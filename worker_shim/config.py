@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from protocol import ConfigError, subjects
-from protocol.config import MAX_LOAD_PERIOD_S, url_problem
+from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S, url_problem
 from protocol.timing import DEFAULT_PROFILE, TimingModel, profile_names
 from protocol.vllm_events import rank_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
@@ -77,7 +77,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     orphan_grace_s: the legs of a router process whose every key under /{ns}/routers/ has been gone
         this long are cancelled (worker_shim.orphaned_legs): it died without its drain.
     load_period_s: a LoadReport goes out on every change and at least this often (at most
-        protocol.config.MAX_LOAD_PERIOD_S, the longest a router waits for).
+        protocol.config.MAX_LOAD_PERIOD_S, the longest a router waits for; at least
+        MIN_LOAD_PERIOD_S, as no shim sends more often than that, which routers budget for).
     events_timeout_s: seconds without a connection on the event socket before the shim reports
         events_ok false; a served request with a full block and no Stored event gets two of them,
         the second after a read of the replay socket.
@@ -229,11 +230,17 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("reregister_grace_s", self.reregister_grace_s, "must be >= 0 (seconds)")
         if not self.orphan_grace_s >= 0:
             raise ConfigError("orphan_grace_s", self.orphan_grace_s, "must be >= 0 (seconds)")
-        for name in ("load_period_s", "events_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(name, getattr(self, name), "must be > 0 (seconds)")
-        if self.load_period_s > MAX_LOAD_PERIOD_S:  # routers wait for no longer period (router.load_view)
-            raise ConfigError("load_period_s", self.load_period_s, f"must be <= {MAX_LOAD_PERIOD_S} (seconds)")
+        if not self.events_timeout_s > 0:
+            raise ConfigError("events_timeout_s", self.events_timeout_s, "must be > 0 (seconds)")
+        # Routers wait for no longer period (router.load_view), and quarantine a sender of more
+        # reports than a shorter one sends (router.load_budget): the shim read silent on and off.
+        if not MIN_LOAD_PERIOD_S <= self.load_period_s <= MAX_LOAD_PERIOD_S:
+            raise ConfigError(
+                "load_period_s",
+                self.load_period_s,
+                f"must be in [{MIN_LOAD_PERIOD_S}, {MAX_LOAD_PERIOD_S}] (seconds; routers take more than "
+                f"{1 / MIN_LOAD_PERIOD_S:g} reports a second from one worker for a flood)",
+            )
         if not 0 <= self.http_port <= 65535:
             raise ConfigError("http_port", self.http_port, "must be in [0, 65535] (0 picks a free port)")
         if self.worker_name is not None:

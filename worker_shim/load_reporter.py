@@ -29,6 +29,7 @@ from nats.aio.client import Client as Nats
 from nats.errors import Error as NatsError
 
 from protocol import LoadReport, encode_msg, subjects
+from protocol.config import MIN_LOAD_PERIOD_S
 from runtime import background
 from worker_shim.adapters.base import EngineAdapter, EngineError, EngineLoad
 from worker_shim.kv_publisher import KvDigestAt
@@ -36,7 +37,7 @@ from worker_shim.kv_publisher import KvDigestAt
 __all__ = ["DEFAULT_PERIOD_S", "MIN_GAP_S", "LoadReporter"]
 
 log = logging.getLogger(__name__)
-MIN_GAP_S = 0.05
+MIN_GAP_S = MIN_LOAD_PERIOD_S  # routers budget a sender at twice this rate (router.load_budget)
 DEFAULT_PERIOD_S = 0.5  # the heartbeat: a report at least this often, changed or not
 ERROR_CHARS = 200  # the most of a failed poll's error the shim's /health shows
 

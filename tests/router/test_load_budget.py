@@ -5,18 +5,25 @@ subscription (router.service)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
+import urllib.request
+from typing import Any
 
 import nats
 import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 
-from protocol import subjects
+from kvswitch.servers import NatsServer
+from protocol import LoadReport, encode_msg, subjects
 from protocol.config import NatsSettings
 from router.load_budget import LoadBudget
 from router.load_subscriptions import LoadSubscriptions
 from router.service import RouterConfig, RouterService
+from tests.router.conftest import Cluster
 from tests.router.polling import until
 
 
@@ -91,8 +98,135 @@ async def test_slow_consumer_drops_are_counted_by_subscription(caplog: pytest.Lo
         await load(SlowConsumerError(subject="t.load.a", reply="", sid=1, sub=_Sub("t.load.*")))  # type: ignore[arg-type]
     await main(SlowConsumerError(subject="_INBOX.x.1", reply="", sid=2, sub=_Sub("_INBOX.x.*")))  # type: ignore[arg-type]
     await main(SlowConsumerError(subject="t.router.sync", reply="", sid=3, sub=_Sub(subjects.sync("t"))))  # type: ignore[arg-type]
-    assert router.slow_consumer_dropped == {"load": 3, "replies": 1, "sync": 1}
+    # a worker's own subscription, while a sender is quarantined, is load too (it was `other`)
+    await load(SlowConsumerError(subject="t.load.b", reply="", sid=4, sub=_Sub(subjects.load("t", "b"))))  # type: ignore[arg-type]
+    assert router.slow_consumer_dropped == {"load": 4, "replies": 1, "sync": 1}
     said = [r.getMessage() for r in caplog.records if "SlowConsumerError" in r.getMessage()]
     assert len(said) == 3 and "(load)" in said[0]  # each subscription once, then counted
     text = router.metrics.render().decode()
-    assert 'kvswitch_router_nats_slow_consumer_dropped_total{subscription="load"} 3.0' in text
+    assert 'kvswitch_router_nats_slow_consumer_dropped_total{subscription="load"} 4.0' in text
+
+
+def _server_subjects(server: NatsServer, name: str) -> list[str]:
+    """The subjects nats-server holds subscribed for the client connection named `name`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor_port}/connz?subs=1") as r:
+        conns = json.load(r)["connections"]
+    return sorted(s for c in conns if c.get("name") == name for s in c.get("subscriptions_list", []))
+
+
+async def test_a_subscription_made_and_dropped_while_nats_is_down_is_not_left_at_the_server(
+    own_nats: NatsServer, ns: str
+) -> None:
+    """nats-py queues a SUB made while it reconnects and sends it once back, while an unsubscribe
+    meanwhile only forgets it on the client's side (review of 2026-12-06): a worker that came and
+    went during the outage, its quarantine over, left `{ns}.load.d` at the server beside
+    `{ns}.load.*`, heard twice and out of the quarantine's reach. No change is made while the
+    connection is down; once it is back, the changes held are made."""
+    subs: LoadSubscriptions | None = None
+
+    async def back() -> None:
+        assert subs is not None
+        subs.reconnected()
+
+    nc = await nats.connect(
+        own_nats.url, name="load", reconnect_time_wait=0.2, max_reconnect_attempts=-1, reconnected_cb=back
+    )
+    heard: list[str] = []
+
+    async def handler(msg: Msg) -> None:
+        heard.append(msg.subject.rpartition(".")[2])
+
+    workers = ["a", "b", "c"]
+    subs = LoadSubscriptions(nc, ns, handler, lambda: list(workers), quarantine_s=1.0)
+    await subs.start()
+    try:
+        subs.quarantine("a")
+        await until(lambda: subs._all is None and sorted(subs._each) == ["b", "c"], what="the per-worker subscriptions")
+        await nc.flush()
+        assert _server_subjects(own_nats, "load") == [subjects.load(ns, "b"), subjects.load(ns, "c")]
+        own_nats.kill()
+        await until(lambda: not nc.is_connected, what="the connection down")
+        workers.append("d")  # registers during the outage,
+        subs.workers_changed()
+        await asyncio.sleep(0.2)
+        workers.remove("d")  # and leaves
+        subs.workers_changed()
+        await until(lambda: not subs.quarantined(), what="the quarantine over during the outage")
+        await asyncio.sleep(0.2)
+        own_nats.launch()
+        await asyncio.to_thread(own_nats.wait_healthy)
+        await until(lambda: nc.is_connected and subs._all is not None and not subs._each, what="load.* again")
+        await nc.flush()
+        assert _server_subjects(own_nats, "load") == [subjects.load_all(ns)]
+        async with await nats.connect(own_nats.url) as pub:
+            for sender in ("a", "b", "d"):
+                await pub.publish(subjects.load(ns, sender), b"x")
+        await until(lambda: len(heard) >= 3, what="the reports")
+        await asyncio.sleep(0.1)
+        assert sorted(heard) == ["a", "b", "d"]  # each once
+    finally:
+        await subs.stop()
+        await nc.close()
+
+
+async def _flood(nc: Client, ns: str, worker: str, n: int = 400) -> None:
+    """Past any budget: the worker's own valid report, over and over."""
+    for _ in range(n):
+        report = LoadReport(worker=worker, ts=time.time(), period_s=0.5, kv_total_blocks=512)
+        await nc.publish(subjects.load(ns, worker), encode_msg(report))
+    await nc.flush()
+
+
+async def test_during_a_quarantine_every_registered_worker_is_heard_and_the_quarantined_one_says_why(
+    cluster: Cluster, nc: Client
+) -> None:
+    """A worker left out of routing (here its max_model_len not its model's) is still registered,
+    and its reports (its KV digest among them) are taken: during a quarantine only the routed
+    workers' subjects were heard, so its reports were dropped (review of 2026-12-06). And the
+    quarantined worker's exclusion on /debug/workers says why it is silent, not only since when."""
+    flooded = await cluster.add_worker("agg")
+    await cluster.add_worker("agg")
+    odd = await cluster.add_worker("agg", max_model_len=4096)
+    router = await cluster.add_router(disagg="never")
+    await until(lambda: router.ready and len(router.registry) == 3, what="the router ready with three workers")
+    assert odd.id not in {info.worker for info in router.registry.workers()}  # not routed
+    await until(lambda: router.view.liveness(odd.id) is not None, what="the unrouted worker heard")
+    await _flood(nc, cluster.ns, flooded.id)
+    await until(lambda: flooded.id in router._load_subs.quarantined(), what="the quarantine")  # type: ignore[union-attr]
+    await asyncio.sleep(2.0)  # its shim reports every 0.5 s
+
+    def status(worker: str) -> dict[str, Any]:
+        return next(s for s in router.worker_listing()["worker_status"] if s["worker"] == worker)
+
+    why = status(flooded.id)["why"]
+    assert why.startswith("last load report") and "its reports are quarantined for" in why, why
+    live = router.view.liveness(odd.id)
+    assert live is not None and live.age_s < 1.5, live  # heard on through the quarantine
+
+
+async def test_a_quarantine_that_ends_while_the_routers_nats_is_down_ends_once_it_is_back(
+    etcd_url: str, ns: str, own_nats: NatsServer
+) -> None:
+    """No change to the load subscriptions is made while their connection is down (see above); the
+    router's reconnected callback makes them once it is back, so the quarantined worker is heard
+    again and not left out until some worker comes or goes."""
+    cluster = Cluster(ns, own_nats.url, etcd_url)
+    try:
+        flooded = await cluster.add_worker("agg")
+        await cluster.add_worker("agg")
+        router = await cluster.add_ready_router(disagg="never")
+        subs = router._load_subs
+        assert subs is not None
+        subs.quarantine_s = 1.0
+        async with await nats.connect(own_nats.url) as pub:
+            await _flood(pub, ns, flooded.id)
+        await until(lambda: subs._all is None, what="the per-worker subscriptions")
+        own_nats.kill()
+        await until(lambda: not router._load_nc.is_connected, what="the load connection down")  # type: ignore[union-attr]
+        await until(lambda: not subs.quarantined(), what="the quarantine over during the outage")
+        own_nats.launch()
+        await asyncio.to_thread(own_nats.wait_healthy)
+        await until(lambda: subs._all is not None and not subs._each, what="load.* heard again")
+        await until(lambda: (live := router.view.liveness(flooded.id)) is not None and live.age_s < 0.6, what="heard")
+    finally:
+        await cluster.close()

@@ -17,6 +17,8 @@ import pytest
 from engine_sim.server import SimServer
 from kvswitch.servers import NatsServer
 from protocol import Cleared, KvEventBatch, LoadReport, decode_msg, subjects
+from protocol.config import MIN_LOAD_PERIOD_S
+from router.load_budget import LoadBudget
 from runtime.nats_flush import flush
 from tests.relay import Relay
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
@@ -246,3 +248,42 @@ async def test_no_report_goes_out_stale_after_a_nats_outage(own_nats: NatsServer
             await router_nc.close()
     stale = [round(received - r.ts, 2) for received, r in got if down_at < r.ts < up_at]
     assert stale == [], f"reports made during the outage reached the router, this many seconds old: {stale}"
+
+
+class _CountingNats:
+    """The publishing side of a NATS client: when each report went out."""
+
+    is_connected = True
+
+    def __init__(self) -> None:
+        self.sent: list[float] = []
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        self.sent.append(time.monotonic())
+
+
+class _Steady:
+    async def load(self) -> EngineLoad:
+        return EngineLoad(running=1)
+
+
+async def test_a_shim_at_its_shortest_period_poked_on_every_change_stays_within_a_routers_budget() -> None:
+    """Routers take a sender's reports past router.load_budget's rate for a flood (quarantined, read
+    silent): a shim at the shortest --load-period-s it takes, every report a change and poked
+    without pause, sends at most 1 / MIN_LOAD_PERIOD_S a second, and a router admits every one."""
+    nc = _CountingNats()
+    tokens = itertools.count()
+    reporter = LoadReporter(nc, "t", "w1", _Steady(), lambda: next(tokens), 100, period_s=MIN_LOAD_PERIOD_S)  # type: ignore[arg-type]
+    reporter.start()
+    try:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            reporter.poke()
+            await asyncio.sleep(0.001)
+    finally:
+        await reporter.stop()
+    sent = [t for t in nc.sent if t < end]
+    assert len(sent) >= 20  # it did report on changes
+    assert len(sent) <= 2.0 / MIN_LOAD_PERIOD_S + 1, len(sent)
+    budget = LoadBudget()
+    assert all(budget.admit("w1", t) for t in sent) and budget.over == 0
