@@ -9,12 +9,13 @@
     HTTP ─▶ http_api ─▶ RequestPath: Planner (context, candidates, choice, booking) ─▶ Admission
                                      ─▶ Dispatcher ─▶ {ns}.gen.*
 
-Start order: settings (a bad one fails here, and an HTTP host or port it cannot listen on), NATS,
-etcd, HTTP (to know its URL), the RouterInfo lease (its id is the router id), replica sync, ingest,
-registry (and a check of each model's fleet every second: router.fleet_news), live config. `stop()`
-is idempotent and drains in reverse: HTTP first (http_api.Drain: the listener stays open, /ready and
-new requests answer 503, requests in flight get `drain_s` and are then cut with a 503), then the
-subscriptions and tasks, the lease, etcd and NATS. A lost lease (etcd said it expired, e.g. after
+Start order: settings (a bad one fails here), the listener (router.start_door: /health answers, /ready
+and requests a 503 naming what the start waits for; a host or port it cannot listen on fails here),
+NATS, etcd, the HTTP app (taking over the listener), the RouterInfo lease (its id is the router id),
+replica sync, ingest, registry (and a check of each model's fleet every second: router.fleet_news),
+live config. `stop()` is idempotent and drains in reverse: HTTP first (http_api.Drain: the listener
+stays open, /ready and new requests answer 503, requests in flight get `drain_s` and are then cut
+with a 503), then the subscriptions and tasks, the lease, etcd and NATS. A lost lease (etcd said it expired, e.g. after
 this process stalled past its TTL) is replaced by a new registration under a new router id
 (discovery.Registration); etcd merely unreachable changes nothing.
 """
@@ -45,7 +46,6 @@ from discovery import ConfigWatcher, Discovery, Registration
 from discovery.watch import keep_following
 from protocol import ConfigError, LoadReport, ProtocolError, RouterInfo, WorkerInfo, decode_msg, serving, subjects
 from protocol.config import MIN_LOAD_PERIOD_S, EtcdSettings, NatsSettings, RouterSettings, resolve
-from protocol.errors import listen_error, try_listen
 from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
 from protocol.version import BUILD
 from router.admission import Admission
@@ -82,12 +82,13 @@ from router.planner import Planner
 from router.replica_sync import ReplicaSync, SyncStats
 from router.request_path import RECENT_S, RequestPath, refused_records
 from router.served_names import clash_message, shadow_message
+from router.start_door import StartDoor
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprints
 from router.tracing import RequestTracer
 from router.unheard import Unheard
 from router.worker_registry import WorkerRegistry, context_message
 from router.worker_versions import WorkerVersions
-from runtime import LISTEN_BACKLOG, RepeatedErrors, background, guarded
+from runtime import RepeatedErrors, background, guarded
 from runtime.loop_watch import LoopWatch
 from runtime.nats_connect import connect as nats_connect
 from runtime.nats_connect import error_reporter, refused_subscriptions
@@ -100,15 +101,6 @@ log = logging.getLogger(__name__)
 CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
 UNREGISTERED_SAID = 1024  # load report senders with no record, logged at once at most
 UNREGISTERED_SAID_S = 600.0  # ... each for this long, then it may be logged again
-
-
-def _check_listen(host: str, port: int) -> None:
-    """ConfigError naming --http-host or --http-port when the front door could not listen there: the
-    host does not resolve or is not this machine's, or the port is taken or forbidden."""
-    try:
-        try_listen(host, port)
-    except OSError as exc:
-        raise listen_error(host, port, exc) from exc
 
 
 def _skew_harm(offset_s: float, *, many: bool) -> str:
@@ -281,6 +273,8 @@ class RouterService:
         self._discovery: Discovery | None = None
         self._registration: Registration | None = None
         self._runner: web.AppRunner | None = None
+        self._door: StartDoor | None = None  # the listener until the router's app takes it over
+        self._connecting = ""  # what the start waits for, said by /ready and the start door's 503s
         self._drain = Drain()
         self._load_subs: LoadSubscriptions | None = None
         self._load_turns = Turns()
@@ -366,9 +360,21 @@ class RouterService:
         return self
 
     async def _start(self) -> None:
-        # Refused now, not after NATS and etcd (which may be down for minutes) were reached: the
-        # listener itself starts once there is a router to serve.
-        _check_listen(self.config.http_host, self.config.http_port)
+        # The listener first: NATS may be down for minutes (it is retried for good) and etcd slow,
+        # and meanwhile /health must answer, or a liveness probe kills a router rightly waiting
+        # (router.start_door). A port it cannot have is refused now, naming the flag.
+        self._door = door = StartDoor(
+            self.config.http_host,
+            self.config.http_port,
+            health=self.health,
+            readiness=self.readiness,
+            waiting=lambda: self._connecting,
+            metrics=self.metrics,
+        )
+        self.url = await door.open()
+        # The flags, not the URLs: /ready and these 503s carry no key, and infrastructure addresses
+        # are for operators (docs/security.md); the connection WARNINGs in the log name them.
+        self._connecting = "connecting to NATS (--nats-servers; the log names the servers and the error)"
         self._nc = nc = await nats_connect(
             log,
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}"),
@@ -400,7 +406,9 @@ class RouterService:
             disconnected_cb=self._load_disconnected,
             reconnected_cb=self._load_reconnected,
         )
+        self._connecting = "connecting to etcd (--etcd-endpoints)"
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
+        self._connecting = ""
         # Replica sync learns its router id at registration, below; until then nothing is routed.
         self._sync = ReplicaSync(nc, self.ns, "", self.view, discovery=self._discovery, peers=self.peer_settings)
         ledger = Ledger(self._sync, self.pending)
@@ -506,13 +514,7 @@ class RouterService:
             keepalive_timeout=self.config.http_limits.idle_timeout_s,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port, backlog=LISTEN_BACKLOG)
-        try:
-            await site.start()
-        except OSError as exc:
-            raise listen_error(self.config.http_host, self.config.http_port, exc) from exc
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        await door.hand_over(self._runner)
         self._registration = Registration(
             self._discovery,
             key=lambda rid: subjects.router_key(self.ns, rid),
@@ -573,6 +575,8 @@ class RouterService:
         if self.status in (RouterStatus.STOPPING, RouterStatus.STOPPED):
             return
         self.status = RouterStatus.STOPPING
+        if self._door is not None:
+            await self._door.close()  # a no-op once it handed over; before, nothing runs long there
         runner, self._runner = self._runner, None
         if runner is not None:
             # The listener stays open meanwhile: a client (or a load balancer that has not yet
@@ -711,7 +715,8 @@ class RouterService:
         if self.status is RouterStatus.STOPPING:
             problems.append("draining (SIGTERM): requests in flight finish, new ones are refused (503)")
         elif not running:
-            problems.append(f"the router is {self.status.value}")
+            waiting = f": {self._connecting}" if self._connecting else ""
+            problems.append(f"the router is {self.status.value}{waiting}")
         if not nats_up:
             problems.append("NATS is not connected: requests cannot reach any worker")
         if running and not self._registry_ready:

@@ -1,0 +1,151 @@
+"""The router listens before NATS and etcd answer (router.start_door): `/health` 200 while it waits,
+`/ready` and requests a 503 naming what it waits for, then its own app on the same port with no
+refused connection between. Until 2026-12-06 nothing listened until NATS and then etcd had answered,
+so a router started while NATS was down failed its liveness probe and was restarted for as long as
+NATS stayed down (deploy/k8s/base/router.yaml: CrashLoopBackOff)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvswitch.servers import NatsServer, dying_with_parent, free_port
+from protocol.config import EtcdSettings, NatsSettings
+from router.service import RouterConfig, RouterService
+from tests.router.conftest import MODEL, Cluster
+from tests.router.polling import until
+
+
+async def _get(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, Any]]:
+    async with http.get(url) as resp:
+        return resp.status, await resp.json()
+
+
+async def _until(check: Callable[[], Awaitable[bool]], timeout: float) -> None:
+    """Polls `check` (an HTTP answer: no event to wait on) until it holds."""
+    async with asyncio.timeout(timeout):
+        while True:
+            if await check():
+                return
+            await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def _router_process(port: int, nats_url: str, etcd_url: str, ns: str) -> AsyncIterator[subprocess.Popen[bytes]]:
+    argv = ["router", "--http-port", str(port), "--namespace", ns, "--nats-servers", nats_url,
+            "--etcd-endpoints", etcd_url]  # fmt: skip
+    command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv])
+    proc = subprocess.Popen(command, preexec_fn=preexec, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: PLW1509
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def test_a_router_waiting_for_nats_is_alive_says_why_it_is_not_ready_and_serves_once_nats_is_up(
+    etcd_url: str, ns: str, http: aiohttp.ClientSession
+) -> None:
+    nats = NatsServer()  # its port chosen, nothing listening on it yet
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    async with _router_process(port, nats.url, etcd_url, ns) as proc:
+        refused_after_up: list[str] = []
+        answered = asyncio.Event()
+
+        async def probe_health() -> None:
+            """As a liveness probe: once /health has answered, it must never fail (nor the hand-over)."""
+            while True:
+                try:
+                    async with http.get(f"{base}/health") as resp:
+                        if resp.status != 200:
+                            refused_after_up.append(f"/health {resp.status}")
+                        answered.set()
+                except aiohttp.ClientConnectionError as exc:
+                    if answered.is_set():
+                        refused_after_up.append(repr(exc))
+                await asyncio.sleep(0.01)
+
+        prober = asyncio.create_task(probe_health())
+        try:
+            async with asyncio.timeout(30):
+                await answered.wait()
+            assert proc.poll() is None
+            waiting = "connecting to NATS (--nats-servers; the log names the servers and the error)"
+            status, health = await _get(http, f"{base}/health")
+            assert (status, health) == (200, {"status": "starting"})
+            status, ready = await _get(http, f"{base}/ready")
+            assert status == 503 and ready["ready"] is False
+            assert f"the router is starting: {waiting}" in ready["problems"], ready
+            assert nats.url.split("//")[1] not in str(ready)  # no key on /ready: the flag, not the address
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+                error = (await resp.json())["error"]
+            assert error["type"] == "ServiceUnavailableError" and waiting in error["message"], error
+            assert nats.url.split("//")[1] not in error["message"]
+            async with http.get(f"{base}/metrics") as resp:
+                assert resp.status == 200
+                assert 'kvswitch_router_requests_total{code="503",endpoint="starting"} 1.0' in await resp.text()
+
+            await asyncio.to_thread(nats.start)
+            cluster = Cluster(ns, nats.url, etcd_url)
+            try:
+                await cluster.add_worker("agg")
+
+                async def ready_now() -> bool:
+                    assert proc.poll() is None, "the router exited"
+                    return (await _get(http, f"{base}/ready"))[0] == 200
+
+                await _until(ready_now, 30)
+                async with http.post(f"{base}/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+            finally:
+                await cluster.close()
+        finally:
+            prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await prober
+            nats.stop()
+        assert refused_after_up == [], refused_after_up[:5]
+
+
+async def test_a_router_waiting_for_etcd_says_so_on_ready(nats_url: str, ns: str, http: aiohttp.ClientSession) -> None:
+    with socket.socket() as silent:  # accepts connections and never answers: the etcd client waits
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        etcd = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        router = RouterService(
+            RouterConfig(ns=ns, nats=NatsSettings(servers=[nats_url]), etcd=EtcdSettings(endpoints=[etcd]))
+        )
+        start = asyncio.create_task(router.start())
+        try:
+            await until(lambda: bool(router.url), what="the router listening")
+            want = "the router is starting: connecting to etcd (--etcd-endpoints)"
+
+            async def names_etcd() -> bool:
+                status, body = await _get(http, f"{router.url}/ready")
+                assert status == 503
+                assert etcd.split("//")[1] not in str(body)
+                return want in body["problems"]
+
+            await _until(names_etcd, 8)  # the etcd client gives up after 10 s
+            assert (await _get(http, f"{router.url}/health")) == (200, {"status": "starting"})
+        finally:
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await start
+    with pytest.raises(aiohttp.ClientConnectionError):  # stopped while it started: the port is closed
+        await _get(http, f"{router.url}/health")
