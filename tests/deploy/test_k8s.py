@@ -78,6 +78,98 @@ def test_the_router_has_service_autoscaler_disruption_budget_and_readiness(objec
     assert all(o["metadata"].get("namespace") == "kvswitch" for o in objects if o["kind"] != "Namespace")
 
 
+def test_the_autoscaler_alone_sets_the_router_count(objects: list[dict[str, Any]]) -> None:
+    """A `replicas` on the Deployment beside its autoscaler set the count back to it on every
+    `kubectl apply -k`; the autoscaler's minReplicas is the floor (2: one replica is not HA)."""
+    router = next(o for o in _by_kind(objects, "Deployment") if o["metadata"]["name"] == "router")
+    (hpa,) = _by_kind(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "router"}
+    assert "replicas" not in router["spec"]
+    assert 2 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+
+
+def test_the_router_disruption_budget_lets_a_drain_evict_unready_routers(objects: list[dict[str, Any]]) -> None:
+    """/ready is 503 on every replica alike when NATS is down or no worker is routable: under the
+    default policy (IfHealthyBudget) none could be evicted then, and `kubectl drain` hung."""
+    (pdb,) = _by_kind(objects, "PodDisruptionBudget")
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_the_routers_liveness_and_startup_probes_ask_only_whether_it_answers(objects: list[dict[str, Any]]) -> None:
+    """/health answers from the moment the router listens, before NATS and etcd are reached
+    (tests/router/test_start_door.py); /ready says whether it serves."""
+    router = next(o for o in _by_kind(objects, "Deployment") if o["metadata"]["name"] == "router")
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    for probe in ("startupProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health", probe
+
+
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def _bytes(quantity: str | int) -> int:
+    """A Kubernetes memory quantity in bytes (`16Gi`, `512Mi`, `1G`, a plain number)."""
+    text = str(quantity)
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), "")
+    return int(float(text.removesuffix(unit)) * _UNITS.get(unit, 1))
+
+
+def test_the_quantities_parse() -> None:
+    assert [_bytes(q) for q in ("16Gi", "512Mi", "1G", 1024)] == [16 * 2**30, 512 * 2**20, 10**9, 1024]
+
+
+def test_every_long_running_container_requests_cpu_and_memory(objects: list[dict[str, Any]]) -> None:
+    """The scheduler places a pod by its requests: a container without any (the vLLM engines until
+    2026-12-06) counts as needing nothing, and lands on a node without the memory to load its model."""
+    missing = [
+        f"{o['metadata']['name']}/{c['name']}: {sorted(c.get('resources', {}).get('requests', {}))}"
+        for o in _by_kind(objects, "Deployment")
+        for c in o["spec"]["template"]["spec"]["containers"]
+        if not {"cpu", "memory"} <= c.get("resources", {}).get("requests", {}).keys()
+    ]
+    assert missing == [], missing
+
+
+def test_a_memory_backed_volume_fits_in_its_containers_memory_request(objects: list[dict[str, Any]]) -> None:
+    """A `medium: Memory` emptyDir (vLLM's /dev/shm) is tmpfs: what is written there counts against
+    the memory of the container writing it, so its request must hold the volume and the process."""
+    checked = 0
+    for o in _by_kind(objects, "Deployment"):
+        pod = o["spec"]["template"]["spec"]
+        in_memory = {
+            v["name"]: _bytes(v["emptyDir"]["sizeLimit"])
+            for v in pod.get("volumes", [])
+            if v.get("emptyDir", {}).get("medium") == "Memory"
+        }
+        for c in pod["containers"]:
+            for mount in c.get("volumeMounts", []):
+                if (size := in_memory.get(mount["name"])) is not None:
+                    checked += 1
+                    request = _bytes(c["resources"]["requests"]["memory"])
+                    assert request > size, f"{o['metadata']['name']}/{c['name']}: {request} <= {mount['name']} {size}"
+    vllm = [o for o in _by_kind(objects, "Deployment") if o["metadata"]["name"].startswith("engine-vllm")]
+    assert checked == len(vllm)  # one /dev/shm each; the sim's pods have none
+
+
+def test_every_container_with_a_writable_root_filesystem_is_named_in_the_security_doc(
+    objects: list[dict[str, Any]],
+) -> None:
+    """docs/security.md said every pod runs with a read-only root filesystem while the vLLM engines
+    did not: each image that does not must be named there as the exception it is."""
+    lines = (ROOT / "docs" / "security.md").read_text().splitlines()
+    row = next(line for line in lines if line.startswith("| the runtime image"))
+    pods = [o["spec"]["template"]["spec"] for o in objects if o["kind"] in ("Deployment", "Job")]
+    writable = {
+        c["image"].rsplit(":", 1)[0]
+        for pod in pods
+        for c in [*pod.get("initContainers", []), *pod["containers"]]
+        if c.get("securityContext", {}).get("readOnlyRootFilesystem") is not True
+    }
+    assert "kvswitch" not in writable
+    assert all(f"`{image}`" in row for image in writable), (writable, row)
+
+
 def test_every_kvswitch_command_parses_with_the_cli(objects: list[dict[str, Any]]) -> None:
     parsed = [parse(c["args"])[0] for c in _containers(objects) if c["image"].startswith("kvswitch:")]
     assert {"router", "shim", "secrets"} <= set(parsed)
