@@ -342,12 +342,13 @@ class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ErrorInfo(msgspec.Struct, kw_only=True):
     """Why a stream ended badly. `code` is an HTTP-like status; `kind` a short machine word.
     `body`: the engine's own JSON error body when it refused the request (4xx), passed to the
-    client as it is."""
+    client as it is. `retry_after_s`: the engine's Retry-After (a 429's), in seconds."""
 
     code: int
     kind: str
     message: str
     body: bytes = b""
+    retry_after_s: int | None = None
 
 
 class ResponseChunk(_Msg, kw_only=True):

@@ -3,8 +3,9 @@ the client's view of a planning or a leg failure, and aiohttp's own answers (its
 unknown routes, wrong methods, anything a handler did not expect) in the same JSON.
 
 Bad input 400, unknown route 404, wrong method 405, body not sent in time 408, body or prompt too
-large 413, headers too large 431, queue full 429 with Retry-After, worker failure 502, no worker 503
-with Retry-After, deadline 504. Worker ids and internal exception text stay in the router's log.
+large 413, headers too large 431, queue full 429 with Retry-After, an engine's 429 on every worker
+tried 429 with the engine's Retry-After, worker failure 502, no worker 503 with Retry-After (an
+engine's 408 too), deadline 504. Worker ids and internal exception text stay in the router's log.
 """
 
 from __future__ import annotations
@@ -127,7 +128,13 @@ def leg_error(exc: LegError, *, streaming: bool = False) -> ApiError:
         return ApiError(exc.code, exc.message, body=exc.body)
     if exc.nats_lost:  # the router's own state, as a request planned during the outage is told
         return ApiError(503, exc.message, retry_after_s=NO_WORKER_RETRY_S)
-    code = exc.code if exc.code in (503, 504) else 502
+    if exc.busy and exc.code == 429:
+        # Every worker tried turned it away for now: the engine's 429 with its own Retry-After.
+        # Until 2026-12-06 a 502 "the worker failed", never retried on another worker.
+        # Its own JSON body where it sent one; else ours (its text may be a proxy's HTML page).
+        message = exc.message if exc.body else "the engine turned the request away: too many requests"
+        return ApiError(429, message, retry_after_s=exc.retry_after_s, body=exc.body)
+    code = 503 if exc.busy else exc.code if exc.code in (503, 504) else 502
     if streaming and code == 503:  # a worker was serving it: it failed (502), not "no worker could" (503)
         return ApiError(502, _MIDWAY)
     what = {503: "no worker could serve the request", 504: "the request's deadline passed"}

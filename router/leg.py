@@ -52,13 +52,24 @@ class LegError(Exception):
     """A leg ended without a final chunk. `retryable`: the worker failed before doing any work a
     client saw, so another worker may take the request."""
 
-    def __init__(self, worker: str, code: int, kind: str, message: str, *, retryable: bool, body: bytes = b"") -> None:
+    def __init__(
+        self,
+        worker: str,
+        code: int,
+        kind: str,
+        message: str,
+        *,
+        retryable: bool,
+        body: bytes = b"",
+        retry_after_s: int | None = None,
+    ) -> None:
         self.worker = worker
         self.code = code
         self.kind = kind
         self.message = message
         self.retryable = retryable
         self.body = body  # the engine's own error body, when it refused the request
+        self.retry_after_s = retry_after_s  # the engine's Retry-After (its 429's)
         super().__init__(f"worker {worker}: {kind}: {message}")
 
     @property
@@ -66,6 +77,12 @@ class LegError(Exception):
         """The engine refused the request itself (bad input, too long): no other worker would
         take it either."""
         return 400 <= self.code < 500 and self.code not in (408, 409, 410, 429)
+
+    @property
+    def busy(self) -> bool:
+        """The engine turned the request away for now (its 429, or a 408 from it or a proxy before
+        it): another worker may take it, and this one is no worse for it (nothing is blamed)."""
+        return self.code in (408, 429) and self.kind == "engine_rejected"
 
     @property
     def unknown_model(self) -> bool:
@@ -256,8 +273,17 @@ class Leg:
             if item.error is not None:
                 self.done = True  # the worker ended it itself: nothing to cancel
                 err = item.error
-                retryable = (err.code >= 500 and err.code != 504) or err.code == 404  # see unknown_model
-                raise LegError(self.worker, err.code, err.kind, err.message, retryable=retryable, body=err.body)
+                # see unknown_model and busy: another worker may serve it
+                retryable = (err.code >= 500 and err.code != 504) or err.code in (404, 408, 429)
+                raise LegError(
+                    self.worker,
+                    err.code,
+                    err.kind,
+                    err.message,
+                    retryable=retryable,
+                    body=err.body,
+                    retry_after_s=err.retry_after_s,
+                )
             if item.continued or self._cut:
                 item = self._joined(item)
             if item.final:

@@ -9,7 +9,8 @@ says what the leg is:
 Responses go to the message's reply subject as ResponseChunks, `seq` from 0, stamped with the worker
 id of the subject the request came on (during a re-registration's grace period that is the old id).
 Every leg ends with exactly one final chunk: finish_reason and usage, or `error` (engine failure,
-deadline, draining, bad request; an engine's refusal carries its own error body), or
+an engine the shim took out of service as hung or down, deadline, draining, bad request; an
+engine's refusal carries its own error body and, a 429's, its Retry-After), or
 finish_reason "abort" on cancel. A cancel read before its leg's task takes its first step only
 marks the leg (a task cancelled then skips its body: the leg stayed in flight, its prompt queued
 and its heartbeats beating, for good); one read before its request is kept EARLY_CANCEL_S and
@@ -484,6 +485,7 @@ def leg_cap(configured: int | None) -> int | None:
     return configured
 
 
+_SHUTDOWN = ErrorInfo(code=503, kind="shutdown", message="the worker shut down before the request ended")
 _ORPHANED = ErrorInfo(
     code=503,
     kind="router_gone",
@@ -503,7 +505,8 @@ class _Leg:
     # a router cut off from etcd only is alive and reading, and an abort ended its client's stream
     # as if the answer were whole.
     orphaned: bool = False
-    shutdown: bool = False
+    # Ended by the service itself (abort_all): the shim stops, or its engine hangs or is down.
+    ended: ErrorInfo | None = None
     # The task took its first step. A task cancelled before that never runs its body, so its
     # cleanup and final chunk never came: until then a cancel only marks the leg (_stop).
     running: bool = False
@@ -879,7 +882,7 @@ class RequestService:
             )
         try:
             try:
-                if state.cancelled or state.shutdown:
+                if state.cancelled or state.ended is not None:
                     raise asyncio.CancelledError  # asked before this task took its first step
                 remaining = None if req.deadline is None else req.deadline - time.time()
                 if remaining is not None and remaining <= 0:
@@ -899,7 +902,7 @@ class RequestService:
                 if leg.transfer is not None and engine_failed and writer.sent_tokens == 0:
                     self.on_transfer_failed()
                 LegTracer.failed(span, f"{exc.kind} ({exc.code})")
-                await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
+                await writer.final(error=_error_info(exc))
                 return
             except asyncio.CancelledError:
                 if state.orphaned:
@@ -908,9 +911,10 @@ class RequestService:
                 if state.cancelled:
                     await writer.final(finish_reason="abort", usage=Usage(prompt_tokens=len(req.token_ids)))
                     return
-                await writer.final(
-                    error=ErrorInfo(code=503, kind="shutdown", message="the worker shut down before the request ended")
-                )
+                if state.ended is not None and state.ended is not _SHUTDOWN:  # its engine's failure
+                    self.failed += 1
+                    LegTracer.failed(span, f"{state.ended.kind} ({state.ended.code})")
+                await writer.final(error=state.ended or _SHUTDOWN)
                 raise
             except Exception as exc:
                 self.failed += 1
@@ -936,7 +940,7 @@ class RequestService:
         answer in the final chunk's body, or its refusal."""
         state.running = True
         try:
-            if state.cancelled or state.shutdown:
+            if state.cancelled or state.ended is not None:
                 raise asyncio.CancelledError  # asked before this task took its first step
             remaining = None if req.deadline is None else req.deadline - time.time()
             async with asyncio.timeout(remaining):
@@ -945,7 +949,7 @@ class RequestService:
         except TimeoutError:
             await writer.final(error=ErrorInfo(code=504, kind="deadline", message="the request's deadline passed"))
         except EngineError as exc:
-            await writer.final(error=ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body))
+            await writer.final(error=_error_info(exc))
         except asyncio.CancelledError:
             if state.orphaned:
                 await writer.final(error=_ORPHANED)
@@ -953,9 +957,7 @@ class RequestService:
             if state.cancelled:
                 await writer.final(finish_reason="abort")
                 return
-            await writer.final(
-                error=ErrorInfo(code=503, kind="shutdown", message="the worker shut down before the request ended")
-            )
+            await writer.final(error=state.ended or _SHUTDOWN)
             raise
         finally:
             self._end(state)
@@ -996,19 +998,25 @@ class RequestService:
             await asyncio.wait(tasks, timeout=grace_s)
         await self.abort_all()
 
-    async def abort_all(self) -> None:
-        """End every in-flight leg with an error chunk (the engine went away or the shim stops)."""
+    async def abort_all(self, error: ErrorInfo = _SHUTDOWN) -> None:
+        """End every in-flight leg with `error` (the shim stops: `shutdown`; its engine hangs or is
+        down: a retryable 503 that says so), closing its engine connection, which the engines
+        take for an abort."""
         for resend in list(self._resends):
             resend.cancel()
         tasks = []
         for s in list(self.inflight.values()):
             if s.task is not None and not s.task.done():
-                s.shutdown = True
+                s.ended = s.ended or error
                 self._stop(s)
                 tasks.append(s.task)
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+
+
+def _error_info(exc: EngineError) -> ErrorInfo:
+    return ErrorInfo(code=exc.code, kind=exc.kind, message=exc.message, body=exc.body, retry_after_s=exc.retry_after_s)
 
 
 def engine_requests(params: dict[str, Any] | None) -> int | None:

@@ -4,9 +4,10 @@ A session lasts while the engine is healthy: the shim waits until the engine ans
 its limits against the flags, starts the engine's event stream and waits until it is live, asks the
 engine for its tokenizer fingerprint, then registers (a `discovery.Registration`: worker id = the
 lease id, or `worker_name`; a fresh random epoch), publishes its state so far, subscribes its
-subjects and serves. A session ends when the engine fails `health_failures` checks in a row
-(Cleared, deregister, wait for it to come back) or when the shim stops (stop taking requests,
-finish in-flight within `drain_grace_s`, revoke the lease, close).
+subjects and serves. A session ends when the engine fails `health_failures` checks in a row, or
+is taken for hung (`busy_limit_s`, `stall_limit_s`): Cleared, deregister, end the legs in flight
+with a retryable 503 `engine_unavailable`, wait for it to come back. It also ends when the shim
+stops (stop taking requests, finish in-flight within `drain_grace_s`, revoke the lease, close).
 
 A lost lease does not end the session. etcd merely unreachable changes nothing at all. When etcd
 says the lease is gone, the Registration registers anew and the shim takes a new epoch and
@@ -39,7 +40,18 @@ from nats.aio.subscription import Subscription
 
 from discovery import Discovery, DiscoveryError, KeyTaken, Registration, RegistrationState
 from discovery.watch import keep_following
-from protocol import Cleared, ConfigError, EngineClaim, KvEvent, Removed, Usage, WorkerInfo, subjects
+from protocol import (
+    Cleared,
+    ConfigError,
+    EngineClaim,
+    ErrorInfo,
+    KvEvent,
+    Removed,
+    SamplingParams,
+    Usage,
+    WorkerInfo,
+    subjects,
+)
 from protocol.config import EtcdSettings, NatsSettings
 from protocol.errors import listen_error
 from protocol.fingerprint import BUILTIN, builtin_fingerprint
@@ -59,6 +71,7 @@ from worker_shim.adapters import (
     ModelCard,
     make_adapter,
 )
+from worker_shim.adapters.base import LegRequest
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.endpoint_probe import EndpointProbe
@@ -92,6 +105,7 @@ STALE_MIN_S = 3.0
 REBUILD_REPEAT_S = 5.0
 REBUILD_BACKOFF_S = 5.0
 REBUILD_BACKOFF_MAX_S = 300.0
+ALIVE_TOKEN = 1  # the prompt of the one-token request that tells a hung engine with nothing to do serves again
 ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
 
 
@@ -459,15 +473,17 @@ class WorkerShim:
         return True
 
     async def _wait_progress(self) -> bool:
-        """After a session ended on a hung engine: until it moves again or has nothing left to do
-        (True), or the shim stops (False). Its /health answers all along, and registering at once
-        would hand it new requests to hang on."""
+        """After a session ended on a hung engine: until it moves again, or, with nothing left to
+        do, serves a one-token request within the stall limit (True), or the shim stops (False).
+        Its /health answers all along, and registering at once would hand it new requests to hang
+        on. Nothing left to do is no sign of life: its legs were failed as the session ended, and
+        a hung engine's stats can stay at what it last reported (0 running, 0 waiting)."""
         while (stalled := self._stalled) is not None:
             with contextlib.suppress(EngineError):
                 self._engine_load = await self.adapter.load()
                 self._engine_load_at = time.monotonic()
             mark = self._progress()
-            if mark is None or mark.moved_since(stalled):
+            if (mark is None and await self._serves_one_token()) or (mark is not None and mark.moved_since(stalled)):
                 log.info("the engine at %s makes progress again", self.config.engine_url)
                 self._stalled = None
                 break
@@ -476,6 +492,23 @@ class WorkerShim:
                     await self._stopping.wait()
             if self._stopping.is_set():
                 return False
+        return True
+
+    async def _serves_one_token(self) -> bool:
+        """Whether the engine serves a one-token completion of a one-token prompt within the stall
+        limit (cancelled past it: its connection closed, which the engines take for an abort)."""
+        leg = LegRequest(
+            request_id=f"kvswitch-alive-{secrets.token_hex(8)}",
+            model=self.config.model,
+            token_ids=[ALIVE_TOKEN],
+            sampling=SamplingParams(max_tokens=1),
+            stream=False,
+        )
+        try:
+            async with asyncio.timeout(self.config.stall_limit_s):
+                await self.adapter.generate(leg, _no_output)
+        except (TimeoutError, EngineError):
+            return False
         return True
 
     def _progress(self) -> _Progress | None:
@@ -904,6 +937,7 @@ class WorkerShim:
         assert self.limits.block_size is not None and self._discovery is not None
         self.sessions += 1
         self.normaliser = Normaliser(self.limits.block_size, stats=self.norm_stats, after=self.normaliser)
+        lost: str | None = None  # why the engine was taken out of service, when it was
         live = asyncio.Event()
         self._events_task = asyncio.create_task(self.adapter.run_events(self._sink, live), name="engine-events")
         try:
@@ -935,9 +969,9 @@ class WorkerShim:
                 return
             self._held_since = None
             await self._on_registered(worker)
-            await self._monitor()
+            lost = await self._monitor()
         finally:
-            await self._end_session()
+            await self._end_session(lost)
 
     def _engine_claim(self, worker: str) -> dict[str, EngineClaim]:
         c = self.config
@@ -1135,7 +1169,9 @@ class WorkerShim:
         self._retired.pop(presence.worker, None)
         await self._close_presence(presence)
 
-    async def _monitor(self) -> None:
+    async def _monitor(self) -> str | None:
+        """Until the session ends; why, where it ends because the engine hangs or is down (its
+        legs in flight are then failed: _end_session), else None."""
         failures = 0
         busy_since: float | None = None
         progress, moved_at = self._progress(), time.monotonic()  # the watchdog's last move
@@ -1146,16 +1182,16 @@ class WorkerShim:
                 async with asyncio.timeout(self.config.health_interval_s):
                     await self._stopping.wait()
             if self._stopping.is_set():
-                return
+                return None
             if self.registration.failed.is_set():
                 failure = self.registration.failure
                 if isinstance(failure, KeyTaken):
                     raise self._taken(failure)
                 log.error("re-registration failed (%s): starting a new session", failure)
-                return
+                return None
             if self._events_task.done():
                 log.warning("engine event stream ended: %s", self._events_task.exception())
-                return
+                return None
             health = await self.adapter.health()
             now = time.monotonic()
             if health is EngineHealth.UP:
@@ -1172,7 +1208,7 @@ class WorkerShim:
                 )
             if failures >= self.config.health_failures:
                 log.warning("engine at %s failed %d health checks: deregistering", self.config.engine_url, failures)
-                return
+                return f"it failed {failures} health checks in a row"
             # A loaded engine answers late; only one that stays silent this long is taken for hung.
             if busy_since is not None and now - busy_since >= self.config.busy_limit_s:
                 log.error(
@@ -1180,14 +1216,15 @@ class WorkerShim:
                     self.config.engine_url,
                     now - busy_since,
                 )
-                return
+                return f"it has not answered a health check for {now - busy_since:.0f}s (hung)"
             # A hung engine answers /health and /metrics; only the work it does not do shows it.
             mark, known_at = self._progress(), self._known_at(now)
             if mark is None or progress is None or known_at is None or mark.moved_since(progress):
                 progress, moved_at = mark, now
             elif known_at - moved_at >= self.config.stall_limit_s:
                 self._stall(mark, now - moved_at)
-                return
+                return f"it made no progress for {now - moved_at:.0f}s (hung)"
+        return None
 
     def _known_at(self, now: float) -> float | None:
         """Until when the engine's progress is known: its last load reading's time; None while that
@@ -1209,7 +1246,9 @@ class WorkerShim:
         )
         self._stalled = mark
 
-    async def _end_session(self) -> None:
+    async def _end_session(self, lost: str | None = None) -> None:
+        """Deregister and close what the session opened; `lost`: why the engine was taken out of
+        service, and then its legs in flight end too, once no new one can arrive."""
         if self.status is ShimStatus.REGISTERED:
             self.status = ShimStatus.DRAINING if self._stopping.is_set() else ShimStatus.WAITING_ENGINE
         self.registered.clear()
@@ -1228,6 +1267,8 @@ class WorkerShim:
         presence, self._presence = self._presence, None
         if presence is not None:
             await self._close_presence(presence)
+        if lost is not None and self.requests is not None:
+            await self._fail_legs(lost)
         task, self._events_task = self._events_task, None
         if task is not None:
             task.cancel()
@@ -1236,6 +1277,21 @@ class WorkerShim:
         self.events.close(keep_retest=not self._stopping.is_set())
         self.probe.close()
         self.worker_id = None
+
+    async def _fail_legs(self, lost: str) -> None:
+        """End the legs in flight on an engine taken out of service with a retryable 503 (their
+        engine connections closed): the router retries one with no output yet on another worker,
+        and a stream under way gets an error event. Left to run, each waited out its deadline
+        (--request-timeout, 600 s), heartbeats beating, as the router read the leg alive."""
+        assert self.requests is not None
+        legs = len(self.requests.inflight)
+        if legs:
+            log.error("ending the %d legs in flight on the engine at %s with 503 engine_unavailable",
+                      legs, self.config.engine_url)  # fmt: skip
+        error = ErrorInfo(
+            code=503, kind="engine_unavailable", message=f"the worker's engine was taken out of service: {lost}"
+        )
+        await self.requests.abort_all(error)
 
     # --- routers that died ----------------------------------------------------------------------
 
@@ -1307,6 +1363,10 @@ class WorkerShim:
             # NATS down at stop: nats-py's close writes to a socket that is gone (uvloop raises).
             # Nothing is left to flush; the shim stops cleanly rather than with a traceback.
             log.warning("the NATS connection did not close cleanly (%r); stopping anyway", exc)
+
+
+async def _no_output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+    pass
 
 
 def _aliases(cards: dict[str, ModelCard], model: str) -> list[str]:

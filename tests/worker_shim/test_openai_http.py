@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import email.utils
 import json
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +28,8 @@ from worker_shim.adapters.base import EngineError, LegRequest, ModelCard
 from worker_shim.adapters.openai_http import model_cards
 from worker_shim.adapters.vllm import PREFILL_TRANSFER_PARAMS, VllmAdapter
 
+FINISHED_0 = b'{"choices":[{"index":0,"text":"","finish_reason":"stop"}]}'
+BUSY = b'{"error":{"message":"busy","type":"RateLimitError","param":null,"code":429}}'
 EVENTS = [
     b'{"id":"cmpl-r1","choices":[{"index":0,"text":" a","token_ids":null}]}',
     b'{"id":"cmpl-r1","choices":[{"index":1,"text":" b"},{"index":0,"text":"","finish_reason":"stop"}]}',
@@ -43,6 +47,8 @@ class Engine:
         self.writes = [b"data: " + e + b"\n\n" for e in EVENTS] + [b"data: [DONE]\n\n"]
         self.between: Callable[[], Awaitable[None]] = _next_loop_turn
         self.whole: bytes | None = None  # a whole answer's body as it is, in place of the default
+        self.status = 200  # another: answered with BUSY and `retry_after`
+        self.retry_after = ""
 
     async def tokenize(self, request: web.Request) -> web.Response:
         if request.content_type != "application/json":  # vLLM: 400 Unsupported Media Type
@@ -55,6 +61,9 @@ class Engine:
         self.bodies.append((request.path, body))
         if body.get("logprobs") == 21:
             return web.json_response({"error": {"message": "logprobs too big", "param": "logprobs"}}, status=400)
+        if self.status != 200:
+            headers = {"Retry-After": self.retry_after}
+            return web.Response(status=self.status, body=BUSY, content_type="application/json", headers=headers)
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -122,8 +131,7 @@ async def test_a_stream_passes_the_engines_events_through_and_counts_tokens(
         before = len(seen)
         await until(lambda: len(seen) > before)
 
-    eng.between = handed_over
-    eng.writes = eng.writes[:2]  # the stream ends without [DONE]: the last event still counts
+    eng.between = handed_over  # [DONE] too waits for the last event to be handed over
     params = {"model": "m", "stop": ["x"], "n": 2, "echo": True, "logprobs": 2, "seed": 3}
     out = await adapter.generate(leg(ENDPOINT_COMPLETIONS, params), on_output)
     path, body = eng.bodies[-1]
@@ -173,6 +181,66 @@ async def test_output_before_an_error_event_in_the_same_read_is_handed_over_firs
     with pytest.raises(EngineError):
         await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m"}), on_output)
     assert seen == [EVENTS[0]]
+
+
+@pytest.mark.parametrize(
+    ("params", "events"),
+    [
+        # n=2: choice 0 finished, choice 1 never did
+        ({"n": 2}, [b'{"choices":[{"index":0,"text":" a"},{"index":1,"text":" b"}]}', FINISHED_0]),
+        # the usage event asked for never came
+        ({"stream_options": {"include_usage": True}}, [EVENTS[0], FINISHED_0]),
+    ],
+    ids=["n2_one_choice_unfinished", "usage_never_sent"],
+)  # fmt: skip
+async def test_a_stream_cut_after_a_finish_reason_without_done_is_the_engines_protocol_error(
+    engine: tuple[Engine, VllmAdapter], params: dict[str, Any], events: list[bytes]
+) -> None:
+    """vLLM 0.32, SGLang and TensorRT-LLM end every stream they finish with [DONE]: a clean EOF
+    before it is a cut answer, whatever finish_reason came (until 2026-12-06 one was enough, and
+    the router gave the client the cut answer as a whole one). What came is still handed over."""
+    eng, adapter = engine
+    eng.writes = [b"data: " + e + b"\n\n" for e in events]
+    seen: list[bytes] = []
+
+    async def on_output(tokens: int, got: list[bytes], ids: list[int]) -> None:
+        seen.extend(got)
+
+    with pytest.raises(EngineError) as err:
+        await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m", "stream": True, **params}), on_output)
+    assert (err.value.code, err.value.kind) == (502, "engine_protocol") and "without [DONE]" in err.value.message
+    assert seen == events
+    eng.writes.append(b"data: [DONE]\n\n")  # the same stream, whole
+    out = await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m", "stream": True, **params}), on_output)
+    assert out.finish_reason == "stop"
+
+
+async def test_an_engines_429_carries_its_retry_after(engine: tuple[Engine, VllmAdapter]) -> None:
+    """The router passes it on when no worker takes the request (router.api_errors.leg_error)."""
+    eng, adapter = engine
+    eng.status, eng.retry_after = 429, "3"
+    with pytest.raises(EngineError) as err:
+        await adapter.generate(leg(ENDPOINT_COMPLETIONS, {"model": "m"}), _ignore)
+    assert (err.value.code, err.value.kind, err.value.retry_after_s) == (429, "engine_rejected", 3)
+    assert err.value.body == BUSY and err.value.message == "busy"
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [(None, None), ("0", 0), (" 120 ", 120), ("-1", None), ("soon", None), ("1.5", None),
+     ("Wed, 21 Oct 2015 07:28:00 GMT", 0)],
+)  # fmt: skip
+def test_retry_after_is_read_as_rfc_9110_says(header: str | None, seconds: int | None) -> None:
+    assert openai_http.retry_after_s(header) == seconds
+
+
+def test_a_retry_after_date_is_a_delay_from_now() -> None:
+    when = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=30)
+    assert 29 <= (openai_http.retry_after_s(email.utils.format_datetime(when, usegmt=True)) or 0) <= 31
+
+
+async def _ignore(tokens: int, events: list[bytes], ids: list[int]) -> None:
+    pass
 
 
 async def test_a_line_that_never_ends_is_the_engines_protocol_error(

@@ -420,7 +420,7 @@ async def test_a_stream_cut_before_done_and_any_finish_reason_is_an_engine_error
                     last = (await _leg_chunks(nc, ns, shim.worker_id, req))[-1]
                     # Before: a final chunk with no error and no finish_reason, counted ok.
                     assert last.error is not None and (last.error.code, last.error.kind) == (502, "engine_protocol")
-                    assert "without [DONE] or a finish_reason" in last.error.message
+                    assert "the stream ended without [DONE]" in last.error.message
                 assert shim.requests.outcomes[("agg", "engine_protocol")] == 2
                 assert shim.requests.outcomes[("agg", "ok")] == 0
                 proxy.cut_after = 0

@@ -70,13 +70,17 @@ class EngineHealth(enum.Enum):
 
 class EngineError(Exception):
     """An engine leg failed. `code` is HTTP-like, `kind` a short machine word for ErrorInfo;
-    `body` the engine's own JSON error body when it refused the request."""
+    `body` the engine's own JSON error body when it refused the request; `retry_after_s` its
+    Retry-After in seconds, where it gave one (a 429's)."""
 
-    def __init__(self, code: int, kind: str, message: str, body: bytes = b"") -> None:
+    def __init__(
+        self, code: int, kind: str, message: str, body: bytes = b"", *, retry_after_s: int | None = None
+    ) -> None:
         self.code = code
         self.kind = kind
         self.message = message
         self.body = body
+        self.retry_after_s = retry_after_s
         super().__init__(f"{kind} ({code}): {message}")
 
 

@@ -14,13 +14,18 @@ Two kinds of leg:
   `SamplingParams`, its ids back per choice in `token_ids`; an engine that sends none is a
   protocol error, never silently empty output.
 
-Cancelling the coroutine closes the connection, which these engines treat as an abort.
+A streamed answer is whole only at its `[DONE]`: a clean EOF before it is a 502 `engine_protocol`.
+An engine's 429 keeps its Retry-After (EngineError.retry_after_s). Cancelling the coroutine
+closes the connection, which these engines treat as an abort.
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
+import datetime
+import email.utils
+import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -40,6 +45,7 @@ __all__ = [
     "pass_through_body",
     "post_completion",
     "post_utility",
+    "retry_after_s",
     "usage_from",
 ]
 
@@ -152,8 +158,26 @@ def _int(value: Any) -> int:
     return _count(value) or 0
 
 
-def error_from(status: int, body: bytes) -> EngineError:
-    """An engine's error answer as an EngineError: its own message, and for a 4xx its body as is."""
+def retry_after_s(value: str | None) -> int | None:
+    """A Retry-After header in whole seconds (RFC 9110: delta-seconds, or an HTTP-date made a delay
+    from now, rounded up); None where there is none or it is neither."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return int(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # RFC 9110's IMF-fixdate is GMT; an obsolete form without a zone is too
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0, math.ceil((when - datetime.datetime.now(datetime.UTC)).total_seconds()))
+
+
+def error_from(status: int, body: bytes, retry_after: str | None = None) -> EngineError:
+    """An engine's error answer as an EngineError: its own message, for a 4xx its body as is, and
+    its `Retry-After` header (a 429's: the router passes it on when no worker takes the request)."""
     message = body.decode(errors="replace")[:500]
     own = b""
     try:
@@ -168,7 +192,7 @@ def error_from(status: int, body: bytes) -> EngineError:
     except msgspec.DecodeError:
         pass
     kind = "engine_rejected" if 400 <= status < 500 else "engine_error"
-    return EngineError(status, kind, message, own)
+    return EngineError(status, kind, message, own, retry_after_s=retry_after_s(retry_after))
 
 
 def pass_through_body(leg: LegRequest) -> dict[str, Any]:
@@ -389,7 +413,7 @@ async def post_utility(
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc
     if resp.status != 200:
-        raise error_from(resp.status, raw)
+        raise error_from(resp.status, raw, resp.headers.get("Retry-After"))
     return raw
 
 
@@ -408,7 +432,7 @@ async def post_completion(
     try:
         async with session.post(url, data=_encode.encode(body), headers=headers) as resp:
             if resp.status != 200:
-                raise error_from(resp.status, await resp.read())
+                raise error_from(resp.status, await resp.read(), resp.headers.get("Retry-After"))
             result = Result(_chat_echo(body) if pass_through and body.get("stream") else None)
             if not body.get("stream"):
                 raw = await resp.read()
@@ -434,10 +458,14 @@ async def post_completion(
                     if end:
                         done = True
                         break
-            if not done and result.finish_reason is None:
-                # A clean EOF with neither is a cut answer (the engine or a proxy ended it early):
-                # taken as a success, it reached the client as a whole answer, only shorter.
-                raise EngineError(502, "engine_protocol", f"{url}: the stream ended without [DONE] or a finish_reason")
+            if not done:
+                # vLLM, SGLang and TensorRT-LLM end every stream they finish with [DONE] (after an
+                # error event too; one that fails otherwise drops the connection): a clean EOF
+                # without it is a cut answer (the engine or a proxy ended it early), whatever
+                # finish_reason came. Taken as a success, it reached the client as a whole answer,
+                # only shorter: with n=2 and one choice unfinished, or the usage event asked for
+                # and never sent (until 2026-12-06 one finish_reason was enough).
+                raise EngineError(502, "engine_protocol", f"{url}: the stream ended without [DONE]")
             return result
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
         raise EngineError(503, "engine_unavailable", f"{url}: {exc!r}") from exc

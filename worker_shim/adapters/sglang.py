@@ -285,7 +285,7 @@ class SglangAdapter(ZmqEventsAdapter):
         try:
             async with self.session.post(self.base + "/generate", data=msgspec.json.encode(body), headers=headers) as r:
                 if r.status != 200:
-                    raise error_from(r.status, await r.read())
+                    raise error_from(r.status, await r.read(), r.headers.get("Retry-After"))
                 if not body["stream"]:
                     folder.fold(msgspec.json.decode(await r.read()))
                     return folder

@@ -1,0 +1,270 @@
+"""End to end, faults between a shim and its engine that the router must see through: an engine
+the shim takes for hung with legs in flight on it, an engine that answers 429, and a stream the
+engine (or a proxy before it) cuts after a finish_reason, without [DONE]."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from engine_sim.config import SimConfig
+from engine_sim.server import SimServer
+from kvswitch.servers import free_port
+from protocol.config import EtcdSettings, NatsSettings
+from router.service import RouterService
+from tests.router.conftest import BLOCK, MODEL, Cluster, Worker, complete, probe_settled
+from tests.router.polling import until
+from worker_shim import ShimConfig, WorkerShim
+
+# vLLM's error body, as its create_error_response writes it, for a 429 (a gateway's or a rate
+# limiter's before the engine; vLLM itself answers with this shape)
+BUSY = b'{"error":{"message":"too many requests in flight","type":"RateLimitError","param":null,"code":429}}'
+Answer = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse | None]]
+
+
+class EngineProxy:
+    """A pass-through in front of a sim; while `answer` is set, it answers the generation requests
+    itself (None: passed on)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.answer: Answer | None = None
+        self.answered = 0
+        self.url = ""
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if self.answer is not None and request.path in ("/v1/completions", "/v1/chat/completions"):
+            own = await self.answer(request, json.loads(raw))
+            if own is not None:
+                self.answered += 1
+                return own
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        async with self._session.request(
+            request.method, self.upstream + str(request.rel_url), data=raw, headers=headers
+        ) as up:
+            resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
+            await resp.prepare(request)
+            async for data in up.content.iter_any():
+                await resp.write(data)
+            await resp.write_eof()
+            return resp
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+        await self._session.close()
+
+
+async def proxied_worker(cluster: Cluster) -> tuple[Worker, EngineProxy]:
+    """An agg worker whose shim reaches its sim through an EngineProxy (cluster.add_worker's
+    settings otherwise); the proxy stops with the cluster's workers (the caller's finally)."""
+    sim = SimServer(SimConfig(speedup=200.0, num_gpu_blocks=512, block_size=BLOCK, role="agg"))
+    await sim.start()
+    proxy = EngineProxy(sim.url)
+    await proxy.start()
+    shim = WorkerShim(
+        ShimConfig(
+            engine="vllm",
+            engine_url=proxy.url,
+            role="agg",
+            model=sim.config.model,
+            kv_events=sim.events_endpoint,
+            kv_events_mode="connect",
+            kv_replay=sim.replay_endpoint,
+            namespace=cluster.ns,
+            lease_ttl=10,
+            health_interval_s=0.1,
+            drain_grace_s=1.0,
+            timing_profile="h200:llama-3.1-8b",
+        ),
+        NatsSettings(servers=[cluster.nats_url]),
+        EtcdSettings(endpoints=[cluster.etcd_url]),
+    )
+    await shim.start()
+    await asyncio.wait_for(shim.registered.wait(), 20)
+    await probe_settled(shim)
+    worker = Worker("agg", sim, shim)
+    cluster.workers.append(worker)
+    return worker, proxy
+
+
+def all_routable(router: RouterService) -> bool:
+    return all(s.routable for s in router.eligibility.statuses(router.registry.workers()))
+
+
+async def stream(http: aiohttp.ClientSession, url: str, **body: Any) -> tuple[int, list[bytes], float]:
+    """A streamed completion: its status, its SSE payloads, and how long it took."""
+    started = time.monotonic()
+    payload = {"model": MODEL, "prompt": list(range(1, 400)), "max_tokens": 8, "stream": True, **body}
+    async with http.post(url + "/v1/completions", json=payload) as resp:
+        raw = await resp.read()
+    events = [line[6:] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    return resp.status, events, time.monotonic() - started
+
+
+# --- an engine the shim takes for hung, with legs in flight ----------------------------------------
+
+
+async def test_a_leg_on_an_engine_taken_for_hung_is_retried_on_another_worker_at_once(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Before: the hung worker's shim deregistered it after its stall limit, but its legs ran on,
+    heartbeats beating, so the router read them alive until the request's deadline: a 504 at 25 s
+    where a healthy second worker could have answered at once."""
+    shim = {"stall_limit_s": 2.0}
+    workers = [await cluster.add_worker("agg", shim=shim), await cluster.add_worker("agg", shim=shim)]
+    router = await cluster.add_router(config={"request_timeout_s": 25.0})
+    await cluster.ready(router)
+    prompt = list(range(1, 400))
+    status, _, headers = await complete(http, router, prompt)  # its blocks now cached on one worker
+    assert status == 200
+    hung = next(w for w in workers if w.id == headers["x-kvswitch-decode-worker"])
+    healthy = next(w for w in workers if w is not hung)
+    hung.sim.faults.hang_after = hung.sim.faults.requests_seen  # the next request hangs its engine
+    started = time.monotonic()
+    status, body, headers = await complete(http, router, prompt, max_tokens=8)
+    took = time.monotonic() - started
+    assert status == 200, body
+    assert hung.sim.faults.hang and hung.sim.faults.requests_seen > 0  # it went to the hung engine first
+    assert headers["x-kvswitch-decode-worker"] == healthy.id
+    assert body["kvswitch"]["attempts"] == 2 and body["usage"]["completion_tokens"] == 8
+    assert took < 12.0, took  # the stall limit (2 s) and the watchdog's look, not the 25 s deadline
+    assert hung.shim.requests is not None
+    assert hung.shim.requests.outcomes[("agg", "engine_unavailable")] == 1
+    assert not hung.shim.requests.inflight
+    hung.sim.faults.hang = False
+
+
+async def test_a_stream_under_way_on_an_engine_taken_for_hung_ends_with_an_error_event(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """A leg that had streamed tokens cannot be retried: its client gets an error event and [DONE]
+    once the shim takes the engine for hung, not at the request's deadline."""
+    w = await cluster.add_worker("agg", shim={"stall_limit_s": 2.0}, speedup=1.0)
+    router = await cluster.add_router(config={"request_timeout_s": 25.0})
+    await cluster.ready(router)
+    payload = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    started = time.monotonic()
+    events: list[bytes] = []
+    async with http.post(router.url + "/v1/completions", json=payload) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+                if len(events) == 3:
+                    w.sim.faults.hang = True  # the engine stops mid-stream
+    took = time.monotonic() - started
+    assert events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 502 and "failed while streaming" in error["message"], error
+    assert took < 15.0, took
+    assert w.shim.requests is not None and w.shim.requests.outcomes[("agg", "engine_unavailable")] == 1
+    w.sim.faults.hang = False
+
+
+# --- an engine's 429 ---------------------------------------------------------------------------------
+
+
+async def refuse(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    return web.Response(status=429, body=BUSY, content_type="application/json", headers={"Retry-After": "1"})
+
+
+async def test_an_engines_429_is_retried_on_another_worker(cluster: Cluster, http: aiohttp.ClientSession) -> None:
+    """Before: a 502 "the worker failed while serving the request", never retried."""
+    busy, proxy = await proxied_worker(cluster)
+    try:
+        await cluster.add_worker("agg")
+        router = await cluster.add_ready_router()
+        proxy.answer = refuse
+        answers = [await complete(http, router, list(range(i * 100, i * 100 + 40)), max_tokens=2) for i in range(6)]
+        assert [status for status, _, _ in answers] == [200] * 6, answers
+        assert proxy.answered > 0  # some went to the busy engine first
+        assert router.dispatcher.retries == proxy.answered
+        assert all(headers["x-kvswitch-decode-worker"] != busy.id for _, _, headers in answers)
+        assert all_routable(router), "a busy engine is no failed worker"
+    finally:
+        await proxy.stop()
+
+
+async def test_an_engines_429_on_every_worker_is_the_clients_429_with_its_retry_after(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    _, proxy = await proxied_worker(cluster)
+    try:
+        router = await cluster.add_ready_router()
+        proxy.answer = refuse
+        for streamed in (False, True):
+            payload = {"model": MODEL, "prompt": list(range(1, 40)), "max_tokens": 2, "stream": streamed}
+            async with http.post(router.url + "/v1/completions", json=payload) as resp:
+                assert resp.status == 429, await resp.text()
+                assert resp.headers["Retry-After"] == "1"
+                assert await resp.read() == BUSY  # the engine's own words, as for its other refusals
+        assert all_routable(router)
+    finally:
+        await proxy.stop()
+
+
+# --- a stream cut after a finish_reason, without [DONE] ----------------------------------------------
+
+
+def cut_after(*events: bytes) -> Answer:
+    """The engine's stream: `events`, then a clean EOF with no [DONE] (and no usage event)."""
+
+    async def answer(request: web.Request, body: dict[str, Any]) -> web.StreamResponse | None:
+        if not body.get("stream"):
+            return None
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in events:
+            await resp.write(b"data: " + event + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    return answer
+
+
+def event(index: int, text: str, finish: str | None) -> bytes:
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+    return json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+                       "choices": [choice]}).encode()  # fmt: skip
+
+
+async def test_a_stream_cut_after_one_finish_reason_is_no_whole_answer(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """n=2 with choice 1 unfinished, and include_usage asked with its usage event never sent: before,
+    the router added [DONE] and the client took the cut answer for a whole one."""
+    w, proxy = await proxied_worker(cluster)
+    try:
+        router = await cluster.add_ready_router()
+        assert w.shim.requests is not None
+        cases: list[tuple[dict[str, Any], Answer]] = [
+            ({"n": 2}, cut_after(event(0, " a", None), event(1, " b", None), event(0, " c", "length"))),
+            ({"stream_options": {"include_usage": True}}, cut_after(event(0, " a", None), event(0, " c", "length"))),
+        ]
+        for extra, answer in cases:
+            proxy.answer = answer
+            status, events, _ = await stream(http, router.url, max_tokens=2, **extra)
+            assert status == 200 and events[-1] == b"[DONE]"
+            error = json.loads(events[-2])["error"]  # after the events it did send, an error, not a whole answer
+            assert error["code"] == 502, events
+        assert w.shim.requests.outcomes[("agg", "engine_protocol")] == 2
+        await until(lambda: w.shim.requests is not None and not w.shim.requests.inflight, what="legs ended")
+    finally:
+        await proxy.stop()
