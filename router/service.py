@@ -11,7 +11,7 @@
 
 Start order: settings (a bad one fails here), the listener (router.start_door: /health answers, /ready
 and requests a 503 naming what the start waits for; a host or port it cannot listen on fails here),
-NATS, etcd, the HTTP app (taking over the listener), the RouterInfo lease (its id is the router id),
+NATS, etcd, the HTTP app (taking over the listener's requests), the RouterInfo lease (its id is the router id),
 replica sync, ingest, registry (and a check of each model's fleet every second: router.fleet_news),
 live config. `stop()` is idempotent and drains in reverse: HTTP first (http_api.Drain: the listener
 stays open, /ready and new requests answer 503, requests in flight get `drain_s` and are then cut
@@ -49,7 +49,6 @@ from protocol.config import MIN_LOAD_PERIOD_S, EtcdSettings, NatsSettings, Route
 from protocol.messages import Cleared, KvEvent, Removed, Stored, load_report_problem
 from protocol.version import BUILD
 from router.admission import Admission
-from router.api_errors import FrontDoorRunner
 from router.api_keys import ApiKeys
 from router.block_index import BlockIndex
 from router.calibration import Calibration, unusable_profiles
@@ -98,7 +97,6 @@ from runtime.turns import Turns
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
-CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
 UNREGISTERED_SAID = 1024  # load report senders with no record, logged at once at most
 UNREGISTERED_SAID_S = 600.0  # ... each for this long, then it may be logged again
 
@@ -370,6 +368,7 @@ class RouterService:
             readiness=self.readiness,
             waiting=lambda: self._connecting,
             metrics=self.metrics,
+            idle_timeout_s=self.config.http_limits.idle_timeout_s,
         )
         self.url = await door.open()
         # The flags, not the URLs: /ready and these 503s carry no key, and infrastructure addresses
@@ -505,16 +504,7 @@ class RouterService:
             unplanned=lambda model: [st.explain() for st in (*self.unrouted(model), *self.bad_records(model))],
             drain=self._drain,
         )
-        # The drain itself is the Drain's (stop()); aiohttp's own waits twice its timeout per connection.
-        self._runner = FrontDoorRunner(
-            app,
-            handler_cancellation=True,
-            shutdown_timeout=CLOSE_S,
-            access_log=None,
-            keepalive_timeout=self.config.http_limits.idle_timeout_s,
-        )
-        await self._runner.setup()
-        await door.hand_over(self._runner)
+        self._runner = await door.hand_over(app)  # the same server: no connection cut
         self._registration = Registration(
             self._discovery,
             key=lambda rid: subjects.router_key(self.ns, rid),

@@ -1,4 +1,4 @@
-"""The front door while the router starts: it listens before NATS and etcd are reached.
+"""The router's one listener, open before NATS and etcd are reached: the start door, then its app.
 
 NATS is retried for as long as it is down (docs/deployment.md, "Starting before NATS or etcd is
 up"). A router that opened its listener only once NATS and then etcd had answered left `/health`
@@ -6,7 +6,9 @@ unanswered all that while, so Kubernetes' liveness probe killed a router that wa
 again and again (CrashLoopBackOff) for as long as NATS was down.
 
 `StartDoor.open()` binds the listening sockets at once (a port it cannot have is refused before
-anything else, naming --http-port or --http-host) and answers on them:
+anything else, naming --http-port or --http-host) and serves on them the server the router keeps
+for its whole life (its keep-alive `--idle-timeout-s`, its parse errors as OpenAI JSON), whose
+requests the door answers until the router's app is ready:
 
 - `/health` 200 with the router's own `health()`: the process is alive and trying;
 - `/ready` 503 with the router's own `readiness()`, whose problems name what it waits for;
@@ -14,14 +16,17 @@ anything else, naming --http-port or --http-host) and answers on them:
 - any other request an OpenAI 503 with `Retry-After: 1` naming the same, counted as
   `endpoint="starting"` (a fixed label, as `draining`).
 
-`hand_over(runner)` then serves the router's own app on the same sockets: a connection that comes
-meanwhile waits in the kernel's backlog, none is refused. As the shim does (worker_shim.shim), the
-listener opens first; unlike the shim's `/health`, which says whether it serves, the router's says
-only that it lives, and `/ready` whether it serves.
+`hand_over(app)` then gives every request read from then on to the router's app, on the same
+server and the same connections: none is refused or cut at the switch (until 2026-12-06 the app got
+a server of its own and the door's connections were closed, a request sent on one just after the
+switch answered by a reset). As the shim does (worker_shim.shim), the listener opens first; unlike
+the shim's `/health`, which says whether it serves, the router's says only that it lives, and
+`/ready` whether it serves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +40,8 @@ from runtime import LISTEN_BACKLOG
 
 __all__ = ["StartDoor"]
 
-CLOSE_S = 1.0  # for the connections the start door still holds to close at the hand-over
+CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
+_APP = web.RequestKey("kvswitch.app", web.Application)  # the app that read a request: its handler too
 
 
 def _listen(host: str, port: int) -> list[socket.socket]:
@@ -60,8 +66,52 @@ def _listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+class _Switch(FrontDoorRunner):
+    """One server whose requests go to the door's app until `to(app)`, then to `app`: each request
+    to the app current when it was read, a connection opened before the switch included."""
+
+    def __init__(self, door: web.Application, **kwargs: Any) -> None:
+        super().__init__(door, **kwargs)
+        self._now = door
+        self._then: web.Application | None = None
+
+    async def to(self, app: web.Application) -> None:
+        # Started as AppRunner starts its own app.
+        app._set_loop(asyncio.get_running_loop())
+        app.on_startup.freeze()
+        await app.startup()
+        app.freeze()
+        self._then = self._now = app
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.request_factory = self._make_request
+        server.request_handler = self._handle
+        return server
+
+    def _make_request(self, *args: Any) -> web.BaseRequest:
+        app = self._now
+        request = app._make_request(*args)
+        request[_APP] = app  # read by the door just before the switch, answered by the door
+        return request
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        return await request[_APP]._handle(request)  # type: ignore[arg-type]
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        if self._then is not None:
+            await self._then.shutdown()
+
+    async def _cleanup_server(self) -> None:
+        if self._then is not None:
+            await self._then.cleanup()
+        await super()._cleanup_server()
+
+
 class StartDoor:
-    """`open()` once; then `hand_over(runner)` or `close()` (either safe after the other)."""
+    """`open()` once; then `hand_over(app)`, after which the runner is the caller's and `close()`
+    does nothing, or `close()`."""
 
     def __init__(
         self,
@@ -72,6 +122,7 @@ class StartDoor:
         readiness: Callable[[], tuple[bool, dict[str, Any]]],
         waiting: Callable[[], str],
         metrics: RouterMetrics,
+        idle_timeout_s: float,
     ) -> None:
         self.host = host
         self.port = port
@@ -79,44 +130,52 @@ class StartDoor:
         self._readiness = readiness
         self._waiting = waiting
         self._metrics = metrics
-        self._sockets: list[socket.socket] = []
-        self._runner: web.AppRunner | None = None
+        self._idle_timeout_s = idle_timeout_s
+        self._runner: _Switch | None = None
 
     async def open(self) -> str:
         """Listens and answers; the URL of the first address (a wildcard host as it is bound)."""
-        self._sockets = _listen(self.host, self.port)
+        sockets = _listen(self.host, self.port)
         app = web.Application(middlewares=[openai_errors(self._metrics)])
         app.router.add_get("/health", self._on_health)
         app.router.add_get("/ready", self._on_ready)
         app.router.add_get("/metrics", self._on_metrics)
         app.router.add_route("*", "/{path:.*}", self._on_request)
-        self._runner = runner = FrontDoorRunner(app, access_log=None, shutdown_timeout=CLOSE_S)
-        await runner.setup()
-        # A duplicate of each socket: stopping this site closes it, and the router's app is served
-        # on the original (hand_over).
-        for sock in self._sockets:
-            await web.SockSite(runner, sock.dup(), backlog=LISTEN_BACKLOG).start()
-        host, port = self._sockets[0].getsockname()[:2]
+        # The router's server from the start: the door's connections are its own. The drain itself
+        # is the router's (http_api.Drain); aiohttp's own waits twice its timeout per connection.
+        self._runner = runner = _Switch(
+            app,
+            handler_cancellation=True,
+            shutdown_timeout=CLOSE_S,
+            access_log=None,
+            keepalive_timeout=self._idle_timeout_s,
+        )
+        try:
+            await runner.setup()
+            for sock in sockets:
+                await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
+        except BaseException:
+            for sock in sockets:  # those a site holds are closed again by close(): no harm
+                sock.close()
+            raise
+        host, port = sockets[0].getsockname()[:2]
         return f"http://{host}:{port}"
 
-    async def hand_over(self, runner: web.AppRunner) -> None:
-        """Serves `runner`'s app on the sockets from now on; this door's connections are closed."""
-        door, self._runner = self._runner, None
-        assert door is not None, "hand_over() before open()"
-        for site in list(door.sites):
-            await site.stop()  # the duplicate closes; the socket listens on, its backlog kept
-        sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
-        await door.cleanup()
+    async def hand_over(self, app: web.Application) -> web.AppRunner:
+        """Gives `app` every request read from now on; the runner is the caller's to clean up."""
+        runner, self._runner = self._runner, None
+        assert runner is not None, "hand_over() before open()"
+        try:
+            await runner.to(app)
+        except BaseException:
+            await runner.cleanup()
+            raise
+        return runner
 
     async def close(self) -> None:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-        sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            sock.close()
 
     def _starting(self) -> str:
         waiting = self._waiting()

@@ -11,6 +11,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -19,7 +20,8 @@ import pytest
 
 from kvswitch.servers import NatsServer, dying_with_parent, free_port
 from protocol.config import EtcdSettings, NatsSettings
-from router.service import RouterConfig, RouterService
+from router.http_api import HttpLimits
+from router.service import RouterConfig, RouterService, RouterStatus
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
 
@@ -149,3 +151,85 @@ async def test_a_router_waiting_for_etcd_says_so_on_ready(nats_url: str, ns: str
                 await start
     with pytest.raises(aiohttp.ClientConnectionError):  # stopped while it started: the port is closed
         await _get(http, f"{router.url}/health")
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bytes]:
+    """One request on a connection of the caller's (kept alive), its status and body."""
+    writer.write(request)
+    await writer.drain()
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        length = next(int(line.split(":")[1]) for line in lines if line.lower().startswith("content-length:"))
+        return int(lines[0].split()[1]), await reader.readexactly(length)
+
+
+async def test_a_connection_opened_while_the_router_starts_is_answered_by_the_router_once_started(
+    etcd_url: str, ns: str
+) -> None:
+    """The door and the router's app are one server: until 2026-12-06 the app got a server of its
+    own at the switch and the door closed every connection it held, so a request sent on one just
+    after (a client's keep-alive, or one it had just opened) met a reset, not an answer."""
+    nats = NatsServer()  # its port chosen, nothing listening on it yet
+    router = RouterService(
+        RouterConfig(ns=ns, nats=NatsSettings(servers=[nats.url]), etcd=EtcdSettings(endpoints=[etcd_url]))
+    )
+    start = asyncio.create_task(router.start())
+    conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        await until(lambda: bool(router.url), what="the router listening")
+        host, port = router.url.removeprefix("http://").rsplit(":", 1)
+        conns = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        health = b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n"
+        assert await _exchange(*conns[0], health) == (200, b'{"status":"starting"}')  # the door's, kept alive
+        # conns[1] sends nothing yet: open, its request to come after the switch
+        await asyncio.to_thread(nats.start)
+        async with asyncio.timeout(30):
+            await start
+        body = b'{"model":"' + MODEL.encode() + b'","prompt":"hello","max_tokens":2}'
+        post = b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        post += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        for conn in conns:
+            status, answer = await _exchange(*conn, post)
+            # the router's own answer (no worker serves the model), where the door's is a 503 "starting"
+            assert status == 404 and b"does not exist" in answer, answer
+            assert await _exchange(*conn, health) == (200, b'{"status":"running"}')
+    finally:
+        for _, writer in conns:
+            writer.close()
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await start
+        await router.stop()
+        nats.stop()
+
+
+async def test_the_start_door_closes_a_connection_idle_for_idle_timeout_s(ns: str) -> None:
+    """docs/security.md: a connection that sends nothing is closed after --idle-timeout-s, while the
+    router starts too (the start door kept aiohttp's 75 s until 2026-12-06)."""
+    down = [f"nats://127.0.0.1:{free_port()}"]  # nothing listens: the start waits for NATS for good
+    router = RouterService(
+        RouterConfig(
+            ns=ns,
+            http_limits=HttpLimits(idle_timeout_s=1.0),
+            nats=NatsSettings(servers=down),
+            etcd=EtcdSettings(endpoints=[f"http://127.0.0.1:{free_port()}"]),
+        )
+    )
+    start = asyncio.create_task(router.start())
+    try:
+        await until(lambda: bool(router.url), what="the router listening")
+        host, port = router.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        opened = time.monotonic()
+        try:
+            async with asyncio.timeout(5):
+                assert await reader.read() == b""  # closed by the router, nothing said
+            assert time.monotonic() - opened < 3
+        finally:
+            writer.close()
+        assert router.status is RouterStatus.STARTING  # still waiting for NATS all the while
+    finally:
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await start
