@@ -88,6 +88,19 @@ def test_the_autoscaler_alone_sets_the_router_count(objects: list[dict[str, Any]
     assert 2 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
 
 
+def test_the_upgrade_notes_drop_the_remembered_router_count_before_the_first_apply() -> None:
+    """The manifests of before 2026-12-06 said `replicas: 2`, which a client-side `kubectl apply`
+    keeps in its last-applied annotation: the first `apply -k` without it deletes the field and the
+    Deployment falls to 1 router. docs/deployment.md's Upgrades must say to drop it first."""
+    base = K8S / "base"
+    namespace = yaml.safe_load((base / "kustomization.yaml").read_text())["namespace"]
+    router = next(d for d in yaml.safe_load_all((base / "router.yaml").read_text()) if d["kind"] == "Deployment")
+    upgrades = (ROOT / "docs" / "deployment.md").read_text().split("\n## Upgrades\n", 1)[1].split("\n## ", 1)[0]
+    commands = [line for block in upgrades.split("```")[1::2] for line in block.splitlines()]
+    edit = f"kubectl apply edit-last-applied deployment/{router['metadata']['name']} -n {namespace}"
+    assert edit in commands, "docs/deployment.md, Upgrades: no command dropping the router's remembered replicas"
+
+
 def test_the_router_disruption_budget_lets_a_drain_evict_unready_routers(objects: list[dict[str, Any]]) -> None:
     """/ready is 503 on every replica alike when NATS is down or no worker is routable: under the
     default policy (IfHealthyBudget) none could be evicted then, and `kubectl drain` hung."""
