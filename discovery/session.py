@@ -293,6 +293,21 @@ class Discovery:
             raise DiscoveryError(f"get {key} failed: {exc}") from exc
         return int(resp.kvs[0].lease) if resp.kvs else None
 
+    async def revoke(self, lease_id: int) -> None:
+        """Revoke a lease this process does not hold (a dead holder's: worker_shim.takeover); one
+        already gone is no failure. DiscoveryError otherwise."""
+        assert self.client.lease is not None
+        try:
+            await self.client.lease.revoke(lease_id, timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return
+            self._failed(exc)
+            raise DiscoveryError(f"revoking lease {lease_id:x} failed: {said(exc)}") from exc
+        except (EtcdError, TimeoutError) as exc:
+            self._failed(exc)
+            raise DiscoveryError(f"revoking lease {lease_id:x} failed: {said(exc)}") from exc
+
     async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
         await self._put(key, value, lease)
 

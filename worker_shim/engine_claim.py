@@ -16,9 +16,11 @@ shim per rank beside one server (`--data-parallel-rank R`): each rank is an engi
 (`#dpR`); no rank and rank 0 are one engine (a server with more ranks refuses a shim without one).
 Not caught: one engine named by two hosts (its loopback and its own IP address, or two DNS names).
 
-A held claim is met as a held `--worker-name` is (worker_shim.shim): for one lease TTL and a margin
-it may be a crashed shim's, whose lease expires, so the shim waits; past that it exits 2 naming
-`--engine-url` and the worker, host and lease that hold the engine.
+A held claim is met as a held `--worker-name` is (worker_shim.shim): a holder proven gone (killed
+without its stop) has its lease revoked and the claim is made at once (worker_shim.takeover);
+otherwise, for one lease TTL and a margin, it may be a crashed shim's whose lease expires, so the
+shim waits; past that it exits 2 naming `--engine-url` and the worker, host and lease that hold
+the engine.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ from protocol.vllm_events import RESOLVED_BY_ENGINE
 from runtime import guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
-from worker_shim import engine_claim
+from worker_shim import engine_claim, takeover
 from worker_shim.adapters import (
     EngineAdapter,
     EngineError,
@@ -956,15 +956,8 @@ class WorkerShim:
                 before_create=self._before_announce,
                 claims=self._engine_claim,
             )
-            try:
-                worker = await self.registration.start()
-            except KeyTaken as exc:
-                if not self._held_may_free(exc):
-                    raise self._taken(exc) from exc
-                await asyncio.sleep(self.config.health_interval_s)
-                return
-            except DiscoveryError as exc:
-                log.warning("registration failed (%s); retrying", exc)
+            worker = await self._register()
+            if worker is None:
                 await asyncio.sleep(self.config.health_interval_s)
                 return
             self._held_since = None
@@ -977,10 +970,45 @@ class WorkerShim:
         c = self.config
         return engine_claim.claim(self.ns, c.engine_url, c.data_parallel_rank, worker)
 
+    async def _register(self) -> str | None:
+        """The worker id once registered (its key and engine claim created); None when a key is
+        held by a lease that may yet expire, or etcd does not answer: the session starts over."""
+        assert self.registration is not None
+        try:
+            try:
+                return await self.registration.start()
+            except KeyTaken as exc:
+                if not await self._took_over(exc):
+                    raise
+            return await self.registration.start()  # at once: the holder's lease is gone
+        except KeyTaken as exc:
+            if not self._held_may_free(exc):
+                raise self._taken(exc) from exc
+        except DiscoveryError as exc:
+            log.warning("registration failed (%s); retrying", exc)
+        return None
+
+    async def _took_over(self, exc: KeyTaken) -> bool:
+        """Whether the holder of a held --worker-name or engine claim was proven gone and its lease
+        revoked (worker_shim.takeover); why not is said once, with the wait."""
+        if credentials := self.nats_settings.credential_flags():
+            why = f"with NATS credentials ({credentials[0]}) the shim may not probe another worker's subjects"
+        else:
+            assert self._discovery is not None
+            try:
+                await takeover.take_over(self.nc, self._discovery, self.ns, exc)
+                return True
+            except takeover.NotProven as not_proven:
+                why = str(not_proven)
+        if self._held_since is None:
+            log.info("%s: its holder is not proven gone: %s", exc.key, why)
+        return False
+
     def _held_may_free(self, exc: KeyTaken) -> bool:
         """Whether a held --worker-name or engine claim may still come free: for one lease TTL (and
-        a margin) it may be a crashed shim's, or this one's own from a session whose revoke did not
-        reach etcd, and its lease expires. Past that, another live shim holds it."""
+        a margin) it may be a crashed shim's that was not proven gone (worker_shim.takeover), or
+        this one's own from a session whose revoke did not reach etcd, and its lease expires. Past
+        that, another live shim holds it."""
         now = time.monotonic()
         if self._held_since is None:
             self._held_since = now
