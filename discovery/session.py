@@ -205,7 +205,8 @@ class Discovery:
         if key.startswith(engines := subjects.engines_prefix(self.ns)):
             # Granted from 2026-12-06 (the engine claim): a worker user made before lacks it.
             why += (
-                f"; one made before 2026-12-06 lacks it: run kvswitch secrets --etcd-endpoint again, or "
+                f"; one made before 2026-12-06 lacks it: run kvswitch secrets --etcd-endpoint again with this "
+                f"release (it signs in as root, KVSWITCH_ETCD_ROOT_PASSWORD, and grants it), or "
                 f"etcdctl role grant-permission worker --prefix=true readwrite {engines}"
             )
         if self._wrote:

@@ -5,7 +5,8 @@
   `nats-auth-values.yaml` for the NATS Helm chart, `router-NAME.nk` / `worker-NAME.nk` seeds.
 - TLS (`--tls-hosts`): a private CA and one certificate for NATS and etcd (kvswitch.certs).
 - etcd (`--etcd-endpoint`): creates the `router` and `worker` users and turns authentication on,
-  with the passwords from KVSWITCH_ETCD_{ROOT,ROUTER,WORKER}_PASSWORD.
+  with the passwords from KVSWITCH_ETCD_{ROOT,ROUTER,WORKER}_PASSWORD; where it is on already, it
+  signs in as root and sets the users' grants as this release makes them (an upgrade's step).
 - Router API keys (`--api-keys N`): `api-keys`, N random bearer keys for `kvswitch router
   --api-keys-file` (mode 0600; add or remove lines to rotate, the routers reload it).
 
@@ -106,14 +107,13 @@ def _enable_etcd_auth(args: argparse.Namespace, context: ssl.SSLContext | None) 
     if missing:
         raise SystemExit(f"kvswitch secrets: --etcd-endpoint needs {', '.join(missing)} set")
     pw = {role: os.environ[env] for role, env in PASSWORD_ENV.items()}
-    try:
-        enable_auth(args.etcd_endpoint, pw["root"], namespace_users(args.namespace, pw["router"], pw["worker"]),
-                    context=context)  # fmt: skip
-    except EtcdAuthError as exc:
-        if "user name is empty" in str(exc):  # etcd answers so once authentication is on
-            return f"etcd authentication was already on at {args.etcd_endpoint}"
-        raise
-    return f"etcd authentication on at {args.etcd_endpoint}: users router, worker (namespace {args.namespace})"
+    users = namespace_users(args.namespace, pw["router"], pw["worker"])
+    if enable_auth(args.etcd_endpoint, pw["root"], users, context=context):
+        return f"etcd authentication on at {args.etcd_endpoint}: users router, worker (namespace {args.namespace})"
+    return (
+        f"etcd authentication was already on at {args.etcd_endpoint}: users router, worker and their grants "
+        f"set as this release makes them (namespace {args.namespace})"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,6 +8,9 @@ Two users, each scoped to what its processes touch (DESIGN.md's keys):
   that died are cancelled: worker_shim.orphaned_legs).
 Both may read etcd3aio's health-check key, which every client reads on connect. `root` exists
 because etcd requires it before authentication can be enabled; operators keep its password.
+Run again once authentication is on (an upgrade whose release grants more: `/{ns}/engines/` from
+2026-12-06), it signs in as root and sets the roles' grants and the users as this release makes
+them; before 2026-12-06 such a rerun changed nothing.
 
 It speaks etcd's JSON gateway (`/v3/auth/...`) over plain urllib, so it runs before any asyncio
 loop exists (a test fixture, `kvswitch up` before its services start, a compose init job).
@@ -112,35 +115,76 @@ def _user(gw: EtcdGateway, name: str, password: str) -> None:
         gw.call("auth/user/changepw", {"name": name, "password": password})
 
 
-def _role(gw: EtcdGateway, name: str) -> None:
-    """`name` with no permission, whether or not it existed: one left with wider grants kept them."""
-    if gw.created("auth/role/add", {"name": name}):
-        return
-    for perm in gw.call("auth/role/get", {"role": name}).get("perm", []):
-        revoke = {"role": name, "key": perm.get("key", "")}
-        if perm.get("range_end"):
-            revoke["range_end"] = perm["range_end"]
-        gw.call("auth/role/revoke", revoke)
+def _grants(user: EtcdUser) -> list[dict[str, str]]:
+    """The permissions of `user`'s role, as etcd's gateway takes them."""
+    ranges = [(p, _prefix_end(p), "READ") for p in user.read]
+    ranges += [(p, _prefix_end(p), "READWRITE") for p in user.readwrite]
+    ranges += [(k, "", "READ") for k in user.keys]
+    return [{"permType": kind, "key": b64(key)} | ({"range_end": b64(end)} if end else {}) for key, end, kind in ranges]
 
 
-def enable_auth(url: str, root_password: str, users: list[EtcdUser], *, context: ssl.SSLContext | None = None) -> None:
-    """Create `root` and `users` with their roles, then enable authentication. Run it once, on a
-    fresh cluster (any member's client URL); it is refused once authentication is on. A rerun after
-    one that stopped part-way sets the passwords and permissions given, whatever that one left."""
+def _role(gw: EtcdGateway, name: str, grants: list[dict[str, str]]) -> None:
+    """`name` with exactly `grants`, whether or not it existed: each granted (etcd updates a grant
+    of the same range in place), then every other grant revoked (one left wider was kept). In that
+    order: a role that users of a running cluster hold never lacks a grant it keeps."""
+    held = []
+    if not gw.created("auth/role/add", {"name": name}):
+        held = gw.call("auth/role/get", {"role": name}).get("perm", [])
+    for perm in grants:
+        gw.call("auth/role/grant", {"name": name, "perm": perm})
+    wanted = {(perm["key"], perm.get("range_end", "")) for perm in grants}
+    for perm in held:
+        if (perm.get("key", ""), perm.get("range_end", "")) not in wanted:
+            revoke = {"role": name, "key": perm.get("key", "")}
+            if perm.get("range_end"):
+                revoke["range_end"] = perm["range_end"]
+            gw.call("auth/role/revoke", revoke)
+
+
+def _as_root(gw: EtcdGateway, root_password: str) -> bool:
+    """Whether authentication is on (then `gw` carries root's token); EtcdAuthError when it is and
+    refuses `root_password`."""
+    try:
+        gw.token = gw.call("auth/authenticate", {"name": "root", "password": root_password})["token"]
+    except EtcdAuthError as exc:
+        if "authentication is not enabled" in str(exc):
+            return False
+        if "authentication failed" in str(exc):
+            raise EtcdAuthError(f"etcd authentication is on at {gw.shown} and refuses root's password") from exc
+        raise
+    except KeyError as exc:
+        raise EtcdAuthError(f"etcd auth/authenticate at {gw.shown}: the answer holds no token") from exc
+    return True
+
+
+def _password_works(gw: EtcdGateway, user: EtcdUser) -> bool:
+    try:
+        EtcdGateway(gw.url, gw.context).call("auth/authenticate", {"name": user.name, "password": user.password})
+    except EtcdAuthError as exc:
+        if "authentication failed" in str(exc):
+            return False
+        raise
+    return True
+
+
+def enable_auth(url: str, root_password: str, users: list[EtcdUser], *, context: ssl.SSLContext | None = None) -> bool:
+    """Create `root` and `users` with their roles, then enable authentication (any member's client
+    URL); True when this turned it on. A rerun after one that stopped part-way sets the passwords
+    and permissions given, whatever that one left. Once authentication is on (an upgrade's rerun,
+    whose release may grant more), it signs in as root and sets each role's grants and each user as
+    given, and nothing else: a user's password that already works is left alone, since changing
+    it ends the tokens every running process holds."""
     gw = EtcdGateway(url, context)
-    gw.call("auth/role/add", {"name": "root"}, exists_ok=True)
-    _user(gw, "root", root_password)
-    gw.call("auth/user/grant", {"user": "root", "role": "root"})
+    already = _as_root(gw, root_password)
+    if not already:
+        gw.call("auth/role/add", {"name": "root"}, exists_ok=True)
+        _user(gw, "root", root_password)
+        gw.call("auth/user/grant", {"user": "root", "role": "root"})
     for user in users:
-        _role(gw, user.name)
-        grants = [(p, _prefix_end(p), "READ") for p in user.read]
-        grants += [(p, _prefix_end(p), "READWRITE") for p in user.readwrite]
-        grants += [(k, "", "READ") for k in user.keys]
-        for key, end, kind in grants:
-            perm: dict[str, str] = {"permType": kind, "key": b64(key)}
-            if end:
-                perm["range_end"] = b64(end)
-            gw.call("auth/role/grant", {"name": user.name, "perm": perm})
-        _user(gw, user.name, user.password)
+        _role(gw, user.name, _grants(user))
+        if not already or not _password_works(gw, user):
+            _user(gw, user.name, user.password)
         gw.call("auth/user/grant", {"user": user.name, "role": user.name})
-    gw.call("auth/enable", {})
+    if not already:
+        gw.call("auth/enable", {})
+    return not already

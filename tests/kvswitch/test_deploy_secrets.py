@@ -254,3 +254,42 @@ def test_a_rerun_after_one_that_stopped_part_way_sets_the_passwords_and_grants_g
         root.token = root.call("auth/authenticate", {"name": "root", "password": "rootNEW"})["token"]
         keys = {p["key"] for p in root.call("auth/role/get", {"role": "router"})["perm"]}
         assert b64("/other/") not in keys and b64("/sc/") in keys
+
+
+def test_a_rerun_once_auth_is_on_grants_what_this_release_needs_and_keeps_working_tokens() -> None:
+    """The upgrade step of docs/deployment.md: a cluster whose worker role an older release made
+    (no /{ns}/engines/) is rerun; the rerun said "already on" and granted nothing, so upgraded
+    shims exited 2 on their engine claim (review of 2026-12-06)."""
+    from kvswitch.etcd_auth import EtcdGateway, b64
+
+    env = _etcd_env()
+    with EtcdServer() as etcd:
+        args = ("--namespace", "sc", "--etcd-endpoint", etcd.url)
+        assert _secrets(*args, env=env).returncode == 0
+        root = EtcdGateway(etcd.url, None)
+        root.token = root.call("auth/authenticate", {"name": "root", "password": "rootNEW"})["token"]
+        old: dict[str, object] = {"role": "worker", "key": b64("/sc/engines/"), "range_end": b64("/sc/engines0")}
+        root.call("auth/role/revoke", old)  # the worker role as a release before 2026-12-06 made it
+        worker = EtcdGateway(etcd.url, None)
+        worker.token = worker.call("auth/authenticate", {"name": "worker", "password": "workerNEW"})["token"]
+
+        async def claim() -> None:
+            settings = EtcdSettings(endpoints=[etcd.url], user="worker", password="workerNEW")
+            async with Discovery(settings, "sc") as d:
+                await d.create("/sc/engines/localhost@h:8000", b"{}", await d.grant(5))
+
+        with pytest.raises(Exception, match="does not let this user write /sc/engines/"):
+            asyncio.run(claim())
+        out = _secrets(*args, env=env)
+        assert out.returncode == 0 and "already on" in out.stdout and "grants" in out.stdout, out.stderr
+        asyncio.run(claim())
+        # The worker's password was right: left alone, so the token a running shim holds still works.
+        worker.call("kv/range", {"key": b64("/sc/workers/x")})
+
+
+def test_a_rerun_once_auth_is_on_with_another_root_password_fails_naming_root() -> None:
+    with EtcdServer() as etcd:
+        args = ("--namespace", "sc", "--etcd-endpoint", etcd.url)
+        assert _secrets(*args, env=_etcd_env()).returncode == 0
+        out = _secrets(*args, env={**_etcd_env(), "KVSWITCH_ETCD_ROOT_PASSWORD": "wrong"})
+        assert out.returncode == 1 and "authentication is on" in out.stderr and "root's password" in out.stderr
