@@ -30,10 +30,56 @@ from worker_shim.shim import ShimStatus
         ("http://Engine-1.svc:80", "http://engine-1.svc"),
         ("https://engine-1.svc", "http://engine-1.svc:443"),
         ("http://10.0.0.5:8000/v", "http://10.0.0.5:8000/v/"),
+        ("http://127.0.0.1:8000", "http://[::ffff:127.0.0.1]:8000"),  # IPv4-mapped loopback
+        ("http://10.0.0.5:8000", "http://[::FFFF:10.0.0.5]:8000"),
+        ("http://[2001:db8:0::1]:8000", "http://[2001:DB8::1]:8000"),
+        ("http://Host.Docker.Internal:8000", "http://host.docker.internal:8000"),
     ],
 )
 def test_one_engine_spelled_two_ways_is_one_identity(a: str, b: str) -> None:
     assert engine_id(a, None, "pod-a") == engine_id(b, None, "pod-a")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8000",
+        "http://[::ffff:127.0.0.1]:8000",
+        "http://host.docker.internal:8000",  # each machine's container reaching its own host's engine
+        "http://gateway.docker.internal:8000",
+        "http://host.containers.internal:8000",  # Podman's
+        "http://host.lima.internal:8000",
+        "http://172.17.0.1:8000",  # the docker bridge's gateway: each docker host
+        "http://172.18.0.5:8000",  # a compose network's container: each machine's own
+        "http://192.168.0.10:8000",
+        "http://10.0.0.5:8000",  # a private address: another machine's on another network
+        "http://100.64.0.7:8000",  # shared address space (carrier-grade NAT)
+        "http://169.254.10.1:8000",  # link-local
+        "http://[fe80::1]:8000",
+        "http://[fd00::5]:8000",  # unique local
+        "http://vllm:8000",  # one label: a compose service, an /etc/hosts entry, a search domain
+    ],
+)
+def test_a_host_that_may_be_another_machine_from_each_machine_is_qualified_by_this_one(url: str) -> None:
+    """The second machine's shim beside its own engine was refused as the first's twin for these
+    (review of 2026-12-06): a false refusal takes an engine out, so any host not proven the same
+    from every machine is qualified."""
+    assert engine_id(url, None, "gpu-a~aaaaaaaaaaaa") != engine_id(url, None, "gpu-b~bbbbbbbbbbbb")
+    assert "@gpu-a~aaaaaaaaaaaa:8000" in engine_id(url, None, "gpu-a~aaaaaaaaaaaa")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://8.8.8.8:8000",
+        "http://[2001:4860::8888]:8000",
+        "http://vllm-0.vllm.ns.svc:8000",
+        "http://gpu-3.example.com",
+    ],
+)
+def test_a_global_address_or_a_dotted_name_is_one_engine_from_every_machine(url: str) -> None:
+    assert engine_id(url, None, "gpu-a~aaaaaaaaaaaa") == engine_id(url, None, "gpu-b~bbbbbbbbbbbb")
+    assert "@" not in engine_id(url, None, "gpu-a~aaaaaaaaaaaa")
 
 
 @pytest.mark.parametrize(
@@ -51,8 +97,10 @@ def test_two_engines_are_two_identities(a: tuple[str, int | None, str], b: tuple
 
 
 def test_no_rank_and_rank_0_are_one_engine_and_a_remote_host_is_not_qualified() -> None:
-    assert engine_id("http://10.0.0.5:8000", 0, "h") == engine_id("http://10.0.0.5:8000", None, "h") == "10.0.0.5:8000"
+    url = "http://engine-1.ns.svc:8000"
+    assert engine_id(url, 0, "h") == engine_id(url, None, "h") == "engine-1.ns.svc:8000"
     assert engine_id("http://localhost:8000", 2, "pod-a") == "localhost@pod-a:8000#dp2"
+    assert engine_id("http://[fe80::1]:8000", 1, "pod-a") == "[fe80::1]@pod-a:8000#dp1"
 
 
 def test_machines_that_share_a_host_name_are_told_apart_by_their_machine_id(
@@ -123,7 +171,7 @@ async def test_each_data_parallel_rank_of_one_server_claims_its_own_engine(etcd_
             key=lambda _: subjects.worker_key(ns, worker),
             value=lambda _: WorkerInfo(worker=worker, model="m", role="agg", engine="vllm", block_size=16),
             name=worker,
-            claims=lambda wid: claim(ns, "http://10.0.0.5:8000", rank, wid),
+            claims=lambda wid: claim(ns, "http://engine-1.ns.svc:8000", rank, wid),
         )
 
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
@@ -131,9 +179,9 @@ async def test_each_data_parallel_rank_of_one_server_claims_its_own_engine(etcd_
         assert await first.start() == "r1" and await second.start() == "r2"
         with pytest.raises(KeyTaken) as taken:
             await registration(d, 2, "r2-twin").start()
-        assert taken.value.key.endswith("10.0.0.5:8000#dp2")
+        assert taken.value.key.endswith("engine-1.ns.svc:8000#dp2")
         assert taken.value.value == encode_json(
-            EngineClaim(worker="r2", engine_url="http://10.0.0.5:8000", host=socket.gethostname())
+            EngineClaim(worker="r2", engine_url="http://engine-1.ns.svc:8000", host=socket.gethostname())
         )
         assert await _workers(etcd_url, ns) == ["r1", "r2"]
         await first.stop()
