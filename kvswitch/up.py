@@ -2,7 +2,10 @@
 
 Flags it does not know itself are router flags (e.g. `--conditional-disagg`,
 `--conditional-disagg-policy ttft_model`): they are checked against the router's own parser at
-once and passed to every replica. A flag refused is one line and exit status 2, as argparse's own.
+once and passed to every replica. A flag refused before anything starts is one line and exit
+status 2, as argparse's own. A log it cannot open in --log-dir when a process starts (a directory
+of that name) is exit 1 naming --log-dir, as any failure to start: a shim's log is named by its
+port, known only then.
 """
 
 from __future__ import annotations
@@ -261,16 +264,26 @@ class _RouterFlags(argparse.ArgumentParser):
         raise UpFlagError(f"kvswitch up: {message} (a router flag: see kvswitch router --help)")
 
 
+def _nearest(flag: str, known: list[str]) -> list[str]:
+    """The flags of `known` nearest `flag` (difflib's ratio, 0.6 at least, as get_close_matches), all
+    of them on a tie: `--port` is as near `--etcd-port`, `--http-port` and `--nats-port`, and
+    get_close_matches named the last alone, by its spelling."""
+    scores = {k: difflib.SequenceMatcher(None, flag, k).ratio() for k in set(known)}
+    best = max(scores.values(), default=0.0)
+    return sorted(k for k, score in scores.items() if score == best) if best >= 0.6 else []
+
+
 def _unknown_flags(unknown: list[str], router: argparse.ArgumentParser) -> str:
-    """Why `unknown` (what neither parser took) is refused, with the nearest flag of either for each
-    flag in it."""
+    """Why `unknown` (what neither parser took) is refused, with the nearest flags of either for
+    each flag in it."""
     own = argparse.ArgumentParser()
     add_arguments(own)
     known = [f for p in (own, router) for a in p._actions for f in a.option_strings if f.startswith("--")]
     said = []
     for flag in (u.split("=", 1)[0] for u in unknown if u.startswith("-")):
-        near = difflib.get_close_matches(flag, known, n=1)
-        said.append(f"{flag} (did you mean {near[0]}?)" if near else flag)
+        near = _nearest(flag, known)
+        either = f"{', '.join(near[:-1])} or {near[-1]}" if len(near) > 1 else near[0] if near else ""
+        said.append(f"{flag} (did you mean {either}?)" if near else flag)
     flags = ", ".join(said) or " ".join(unknown)
     return (
         f"kvswitch up: unrecognized arguments: {' '.join(unknown)}: {flags} is neither a flag of kvswitch up "

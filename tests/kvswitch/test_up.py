@@ -201,6 +201,10 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
             ["--decode-workers", "1"],
             "unrecognized arguments: --decode-workers 1: --decode-workers (did you mean --decode?) is neither",
         ),
+        (  # a tie: it named --nats-port alone, by its spelling
+            ["--port", "8000"],
+            "--port (did you mean --etcd-port, --http-port or --nats-port?) is neither",
+        ),
         (["--agg", "1", "--routing", "nope"], "kvswitch up: argument --routing: invalid choice: 'nope'"),
     ],
 )
