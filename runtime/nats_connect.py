@@ -11,22 +11,30 @@ It also leaves a server that stops answering (frozen, or cut off with its TCP co
 once: nats-py noticed it (PINGs unanswered, protocol.config.PINGS_UNANSWERED) and then awaited the
 old socket's graceful close, which with bytes still queued for that server waited until the kernel
 gave up on it, ~15 minutes (nats-io/nats.py#671). Both the leaving and the server joined are said.
+Any bytes read from the server count as its answer: nats-py counted only PONGs, which are read in
+order behind everything the server sent before them, so a process busy while a burst of messages
+waited read them late and left a healthy server (every 0.5 s, 6 times in 30 s, a burst of 20 MB
+every 5 s; its backlog lost each time).
 
 In its own module, not in `runtime`'s namespace: processes without NATS (engine_sim) import runtime.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 import re
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from nats.aio.client import Client, Srv, _default_error_callback
 from nats.aio.errors import ErrStaleConnection
-from nats.aio.transport import TcpTransport
+from nats.aio.transport import TcpTransport, Transport, WebSocketTransport
 from nats.errors import AuthorizationError, Error
+from nats.protocol.parser import Parser
 
 from runtime import RepeatedErrors
 
@@ -114,6 +122,9 @@ class _EncryptedOrNothing(Client):
         self.refused_subscriptions: set[str] = set()
         self._log = log
         self.left_stale: str | None = None  # the server last left for answering no PING, until one is joined
+        self._left_address: _Address | None = None  # its socket's peer, until one is joined
+        self._to_move_back: _Address | None = None  # the same, until the pool was reordered once
+        self._ps = _AliveWhenRead(self)
 
     def server(self) -> str:
         """The server of this connection (or of its last try), without a `user:password@`."""
@@ -121,10 +132,11 @@ class _EncryptedOrNothing(Client):
         return _shown(self._current_server)
 
     async def _process_op_err(self, e: Exception) -> None:
-        # ErrStaleConnection: our own PINGs went unanswered (the server's -ERR 'Stale Connection' and
-        # an EOF are other classes); nats-py says it to no callback.
+        # ErrStaleConnection: nothing read from the server over our last PINGs (the server's -ERR
+        # 'Stale Connection' and an EOF are other classes); nats-py says it to no callback.
         if isinstance(e, ErrStaleConnection) and self.is_connected:
             self.left_stale = self.server()
+            self._left_address = self._to_move_back = _peer(self._transport)
             self._log.warning(
                 "NATS connection %s: %s answered none of its last %d PINGs (one every %g s, --nats-ping-interval-s): "
                 "the server is frozen or overloaded, or the path to it cut; leaving it for another of --nats-servers",
@@ -145,9 +157,18 @@ class _EncryptedOrNothing(Client):
 
     async def _select_next_server(self) -> None:
         # nats-py shuffled the pool and tries it in turn: a server just left for answering no PING
-        # goes behind the others, else the first try could be its connect timeout (2 s) again.
-        if self.left_stale is not None:
-            self._server_pool.sort(key=lambda s: _shown(s) == self.left_stale)  # stable: the rest as shuffled
+        # goes behind the others, else the first try could be its connect timeout (2 s) again. It is
+        # known by its address, not its name: a cluster adds the addresses it advertises to the pool
+        # ('127.0.0.1:4222' beside a given 'localhost:4222'). Once per leaving, after nats-py's
+        # shuffle: sorted before every try, one other server that takes the TCP connection but never
+        # completes the CONNECT (frozen too, or refusing the credentials) would be tried for good.
+        if (left := self._to_move_back) is not None:
+            self._to_move_back = None
+            timeout = self.options["connect_timeout"]
+            pool = list(self._server_pool)
+            found = await asyncio.gather(*(_resolves_to(s, left, timeout) for s in pool))
+            at_left = {id(s) for s, hit in zip(pool, found, strict=True) if hit}
+            self._server_pool.sort(key=lambda s: id(s) in at_left)  # stable: the rest as shuffled
         await super()._select_next_server()
 
     def _connect_command(self) -> bytes:
@@ -170,6 +191,55 @@ def _shown(server: Srv) -> str:
     return f"{server.uri.scheme}://{server.uri.hostname}:{server.uri.port}"
 
 
+_Address = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
+
+
+class _AliveWhenRead(Parser):
+    """nats-py's parser, which its reader task feeds every chunk read from the server: each one
+    answers the PINGs outstanding, as their PONG would, which comes behind it. A frozen server or a
+    cut path sends nothing new (TCP sends no more than a window unacknowledged), so only a busy
+    reader's healthy server is kept. tests/runtime/test_nats_stale.py checks that nats-py still
+    reads through `_ps.parse` and counts `_pings_outstanding`."""
+
+    async def parse(self, data: bytes = b"") -> None:
+        if data:
+            self.nc._pings_outstanding = 0
+        await super().parse(data)
+
+
+def _address(sockaddr: tuple[Any, ...]) -> _Address:
+    return ipaddress.ip_address(sockaddr[0].partition("%")[0]), int(sockaddr[1])  # no IPv6 scope
+
+
+def _peer(transport: Transport | None) -> _Address | None:
+    """The address `transport` is connected to (None before it is)."""
+    if isinstance(transport, TcpTransport) and transport._io_writer is not None:
+        peer = transport._io_writer.get_extra_info("peername")
+    elif isinstance(transport, WebSocketTransport) and transport._ws is not None:
+        peer = transport._ws.get_extra_info("peername")
+    else:
+        return None
+    return None if peer is None else _address(peer)
+
+
+async def _resolves_to(server: Srv, address: _Address, timeout: float) -> bool:
+    """Whether `server` names `address`. A name that does not resolve in `timeout` is taken for
+    another server: nats-py's own try of it then fails and says why (error_cb)."""
+    host, port = server.uri.hostname, server.uri.port
+    if host is None or port != address[1]:
+        return False
+    try:
+        return ipaddress.ip_address(host) == address[0]
+    except ValueError:  # a name, not an address
+        pass
+    try:
+        async with asyncio.timeout(timeout):
+            found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, TimeoutError):
+        return False
+    return any(_address(sockaddr) == address for *_, sockaddr in found)
+
+
 async def connect(log: logging.Logger = _log, **options: Any) -> Client:
     """`nats.connect(**options)`, refusing (TlsNotOffered, through `error_cb` while it retries) to
     connect in the clear when the options ask for TLS, and keeping the subjects whose
@@ -182,8 +252,9 @@ async def connect(log: logging.Logger = _log, **options: Any) -> Client:
 
     async def on_reconnected() -> None:
         name, joined, left = options.get("name"), nc.server(), nc.left_stale
-        nc.left_stale = None
-        if left == joined:
+        back = nc._left_address is not None and _peer(nc._transport) == nc._left_address
+        nc.left_stale = nc._left_address = None
+        if back:  # by another of its names, maybe
             log.warning("NATS connection %s: back on %s, which had answered no PING", name, joined)
         elif left is not None:
             log.warning("NATS connection %s: moved from %s, which answered no PING, to %s", name, left, joined)

@@ -3,21 +3,24 @@ stops answering with its TCP connection up (SIGSTOP: frozen, or cut off by a par
 for another member within a few PING intervals, with bytes still queued for the frozen one, and
 says which server it left and which it joined. nats-py's defaults (a PING every 120 s, 2 unanswered)
 held it there for 4-6 minutes; its graceful close of the old socket, with bytes queued, held it
-until the kernel gave up (nats-io/nats.py#671)."""
+until the kernel gave up (nats-io/nats.py#671). The other side: a healthy server whose PONGs wait
+behind a burst of messages, read by a busy process, is kept."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
+import time
 
 import nats
 import nats.aio.client
 import pytest
 from nats.aio.client import Client
 
-from kvswitch.servers import NatsCluster
-from protocol.config import PINGS_UNANSWERED, NatsSettings
+from kvswitch.servers import NatsCluster, NatsServer
+from protocol.config import PING_INTERVAL_S, PINGS_UNANSWERED, NatsSettings
 from runtime.nats_connect import connect
 from tests.runtime.frozen import frozen
 
@@ -103,5 +106,165 @@ async def test_a_frozen_server_is_left_for_another_with_bytes_queued_for_it(
                 assert (await sub.next_msg(timeout=5)).data == b"here"
             finally:
                 await watcher.close()
+        finally:
+            await nc.close()
+
+
+def test_nats_py_reads_and_counts_pings_where_runtime_nats_connect_hooks_in() -> None:
+    # runtime.nats_connect takes every chunk read for an answer by replacing the parser its reader
+    # task feeds, and resets the count its PING timer keeps: a nats-py that renamed either would
+    # leave a busy reader's healthy server again, silently. Upgrading nats-py: check both.
+    assert "await self._ps.parse(b)" in inspect.getsource(Client._read_loop)
+    ping_timer = inspect.getsource(Client._ping_interval)
+    assert "self._pings_outstanding += 1" in ping_timer
+    assert 'if self._pings_outstanding > self.options["max_outstanding_pings"]' in ping_timer
+
+
+BURSTS, BURST, SIZE = 2, 20_000, 1024
+BUSY_SLICE_S = 0.02
+
+
+async def _bursts(url: str) -> None:
+    """BURSTS bursts of BURST messages, 1 s apart: 20 MB each, faster than a busy reader reads."""
+    nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
+    try:
+        for i in range(BURSTS):
+            if i:
+                await asyncio.sleep(1.0)
+            for _ in range(BURST):
+                await nc.publish("burst", b"y" * SIZE)
+            await nc.flush()
+    finally:
+        await nc.close()
+
+
+async def test_a_busy_reader_behind_a_burst_keeps_its_healthy_server(caplog: pytest.LogCaptureFixture) -> None:
+    # A PONG is read behind every message the server sent before it: a process whose loop is busy
+    # (20 ms slices, a router decoding reports) read it seconds late. At the shortest interval
+    # each burst was taken for a frozen server, the connection dropped and its backlog lost.
+    with NatsServer() as server:
+        left: list[float] = []
+        received = 0
+
+        async def on_msg(_: object) -> None:
+            nonlocal received
+            received += 1
+
+        async def disconnected() -> None:
+            left.append(time.monotonic())
+
+        async def on_error(exc: Exception) -> None:
+            pass
+
+        settings = NatsSettings(servers=[server.url], ping_interval_s=PING_INTERVAL_S[0])
+        log = logging.getLogger("test.nats.busy")
+        nc = await connect(log, **settings.connect_options("busy"), disconnected_cb=disconnected, error_cb=on_error)
+        try:
+            await nc.subscribe("burst", cb=on_msg)
+            await nc.flush()
+            with caplog.at_level(logging.INFO, logger="test.nats.busy"):
+                publisher = asyncio.create_task(asyncio.to_thread(asyncio.run, _bursts(server.url)))
+                deadline = time.monotonic() + 60
+                while not left and (received < BURSTS * BURST or not publisher.done()) and time.monotonic() < deadline:
+                    time.sleep(BUSY_SLICE_S)  # the process's own work, on the loop
+                    await asyncio.sleep(0)
+                await publisher
+            stale = [r.getMessage() for r in caplog.records if "answered none" in r.getMessage()]
+            assert (stale, left) == ([], []), "a healthy server was left"
+            assert received == BURSTS * BURST
+        finally:
+            await nc.close()
+
+
+async def test_a_server_left_is_tried_last_under_any_of_its_names(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given by name, the cluster's members advertise their addresses, which nats-py adds to the pool
+    # ('127.0.0.1:P' beside 'localhost:P'): the frozen member's address is tried last as well.
+    with NatsCluster(2) as cluster:
+        moved = asyncio.Event()
+        errors: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(exc)
+
+        async def reconnected() -> None:
+            moved.set()
+
+        urls = [u.replace("127.0.0.1", "localhost") for u in cluster.urls]
+        log = logging.getLogger("test.nats.names")
+        nc = await connect(
+            log,
+            **NatsSettings(servers=urls, ping_interval_s=PING_S).connect_options("named"),
+            error_cb=on_error,
+            reconnected_cb=reconnected,
+        )
+        try:
+            # The routes were up: the first INFO named both members' addresses.
+            assert [s.uri.hostname for s in nc._server_pool if s.discovered] == ["127.0.0.1"] * 2, nc._server_pool
+            assert nc.connected_url is not None and nc.connected_url.hostname == "localhost"
+            victim = next(n for n in cluster.nodes if n.port == nc.connected_url.port)
+            healthy = next(n for n in cluster.nodes if n is not victim)
+            assert victim.pid is not None
+            # The unlucky draw: the frozen member by its advertised address first.
+            monkeypatch.setattr(
+                nats.aio.client,
+                "shuffle",
+                lambda pool: pool.sort(key=lambda s: not (s.uri.port == victim.port and s.discovered)),
+            )
+            with caplog.at_level(logging.INFO, logger="test.nats.names"), frozen(victim.pid):
+                async with asyncio.timeout(MOVED_WITHIN_S):
+                    await moved.wait()
+                assert nc.connected_url is not None and nc.connected_url.port == healthy.port
+            # Not tried again first: its connect timeout (2 s) would have been an error.
+            assert not [e for e in errors if isinstance(e, TimeoutError)], errors
+            said = [r.getMessage() for r in caplog.records]
+            assert any(m.startswith("NATS connection named: moved from nats://localhost:") for m in said), said
+        finally:
+            await nc.close()
+
+
+async def test_a_server_left_is_tried_again_while_the_other_never_completes_the_connect(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Both members freeze; the one left first is continued. The other still takes TCP connections
+    # (its kernel does) and never sends its INFO: put last before every try, the continued member
+    # was never tried again while the other stayed frozen.
+    with NatsCluster(2) as cluster:
+        left, back = asyncio.Event(), asyncio.Event()
+
+        async def on_error(exc: Exception) -> None:
+            pass
+
+        async def disconnected() -> None:
+            left.set()
+
+        async def reconnected() -> None:
+            back.set()
+
+        log = logging.getLogger("test.nats.both")
+        nc = await connect(
+            log,
+            **NatsSettings(servers=cluster.urls, ping_interval_s=PING_S).connect_options("both"),
+            error_cb=on_error,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+        )
+        try:
+            assert nc.connected_url is not None
+            first = next(n for n in cluster.nodes if n.port == nc.connected_url.port)
+            other = next(n for n in cluster.nodes if n is not first)
+            assert first.pid is not None and other.pid is not None
+            with caplog.at_level(logging.INFO, logger="test.nats.both"), frozen(other.pid):
+                with frozen(first.pid):
+                    async with asyncio.timeout(MOVED_WITHIN_S):
+                        await left.wait()
+                    await asyncio.sleep(3 * 2.0)  # a few connect timeouts (2 s) on the other
+                # Up to a try of the other (2 s), then the continued one.
+                async with asyncio.timeout(2.0 + 5.0):
+                    await back.wait()
+                assert nc.connected_url is not None and nc.connected_url.port == first.port
+            said = [(r.levelno, r.getMessage()) for r in caplog.records]
+            assert (logging.WARNING, f"NATS connection both: back on {first.url}, which had answered no PING") in said
         finally:
             await nc.close()
