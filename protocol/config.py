@@ -70,11 +70,14 @@ MAX_LOAD_PERIOD_S = 60.0
 # (router.load_budget): a shim that sent faster was quarantined as a flood, so a shorter
 # --load-period-s is refused. A router also reads a shorter period_s as this one.
 MIN_LOAD_PERIOD_S = 0.05
-# A NATS connection leaves a server it read nothing from, PONG or message, over this many PINGs in
-# a row: at the next interval, 3-4 intervals after it went silent (15-20 s at the default 5 s). Any
-# bytes count (runtime.nats_connect): a PONG comes behind all the server sent before it, so a
-# process busy reading a burst of messages read it late and left a healthy server (at 0.5 s, 6 times
-# in 30 s).
+# A NATS connection leaves a server that answered none of this many PINGs in a row: at the next
+# interval, 3-4 intervals after it went silent (15-20 s at the default 5 s). Other bytes it sends
+# (its own PINGs, +OK, messages) are no answer: a server may send and read nothing. But a read that
+# fills nats-py's buffer (32 KiB) answers the PINGs outstanding too, for at most 3x this many
+# intervals in a row without a PONG (runtime.nats_connect): a PONG comes behind all the server sent
+# before it, so a process busy reading a burst of messages read it late and left a healthy server
+# (at 0.5 s, 6 times in 30 s). A server that floods and reads nothing is left at most 13 intervals
+# after its last PONG (65 s at 5 s).
 PINGS_UNANSWERED = 3
 # Below 0.5 s a loaded server's or client's hiccup could pass for a dead server; above 120 s (nats-py's
 # own default) a frozen node holds its clients for over 6 minutes.
