@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection, Mapping
-from typing import Any, Literal, NewType, TypeVar
+from typing import Annotated, Any, Literal, NewType, TypeVar
 
 import msgspec
 
@@ -25,6 +25,7 @@ __all__ = [
     "ENDPOINT_TOKENIZE",
     "ENGINE_HEADERS",
     "MAX_KV_TOTAL_BLOCKS",
+    "RETRY_AFTER_MAX_S",
     "SCHEMA_VERSION",
     "UTILITY_ENDPOINTS",
     "BlockHash",
@@ -339,16 +340,22 @@ class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int | None = None
 
 
+RETRY_AFTER_MAX_S = 86_400
+"""The longest Retry-After an ErrorInfo carries (a day): an engine's larger one is cut to it. Its
+99999999999999999999 overflowed the encoder (past 2**64 - 1), and the leg got no final chunk."""
+
+
 class ErrorInfo(msgspec.Struct, kw_only=True):
     """Why a stream ended badly. `code` is an HTTP-like status; `kind` a short machine word.
     `body`: the engine's own JSON error body when it refused the request (4xx), passed to the
-    client as it is. `retry_after_s`: the engine's Retry-After (a 429's), in seconds."""
+    client as it is. `retry_after_s`: the engine's Retry-After (a 429's), in seconds, at most
+    RETRY_AFTER_MAX_S."""
 
     code: int
     kind: str
     message: str
     body: bytes = b""
-    retry_after_s: int | None = None
+    retry_after_s: Annotated[int, msgspec.Meta(ge=0, le=RETRY_AFTER_MAX_S)] | None = None
 
 
 class ResponseChunk(_Msg, kw_only=True):

@@ -292,6 +292,7 @@ class Dispatcher:
         self.resumes = 0
         self.slow_readers = 0  # legs dropped because their client read too slowly (MAX_QUEUED_BYTES)
         self.malformed_replies: Counter[str] = Counter()  # by worker, while it is registered
+        self.engine_refusals: Counter[int] = Counter()  # legs an engine turned away for now, by status (408, 429)
         self._malformed_lines = FleetLines(  # a fleet on a build whose replies this router cannot read
             log,
             logging.WARNING,
@@ -567,7 +568,10 @@ class Dispatcher:
     def _blame(self, exc: LegError) -> None:
         """Leave out the worker a failed leg shows at fault: a silent one or one whose chunks stay
         lost until it reports again, one whose reply is malformed for a cooldown (its load
-        reports go on: they say nothing of its replies)."""
+        reports go on: they say nothing of its replies). An engine that turned it away for now
+        is at no fault: counted, apart from the router's own 429s (admission)."""
+        if exc.busy:
+            self.engine_refusals[exc.code] += 1
         if not self._registered(exc.worker):
             return
         if exc.worker_silent or exc.kind == "stream_gap":

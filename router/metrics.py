@@ -45,6 +45,7 @@ class StateFigures:
     inflight: int = 0
     workers: int = 0
     retries: int = 0  # router.dispatch.Dispatcher's counts
+    engine_refusals: Mapping[int, int] = field(default_factory=dict)  # by the engine's status, 408 or 429
     prefill_fallbacks: int = 0
     transfer_fallbacks: int = 0
     handle_fallbacks: int = 0
@@ -91,6 +92,16 @@ class _StateCollector(Collector):
         yield CounterMetricFamily(
             "kvswitch_router_retries", "Requests retried on another worker before their first token", s.retries
         )
+        refusals = CounterMetricFamily(
+            "kvswitch_router_engine_refusals",
+            "Legs an engine turned away for now, by its status: its 429 (or a 408 from it or a proxy before it); "
+            "each retried on another worker before the first token, or, with none left, the client's 429 (503 for "
+            'a 408). kvswitch_router_requests_total{code="429"} counts these and the router\'s own admission 429s',
+            labels=["status"],
+        )
+        for status in sorted({408, 429, *s.engine_refusals}):
+            refusals.add_metric([str(status)], s.engine_refusals.get(status, 0))
+        yield refusals
         fallbacks = CounterMetricFamily(
             "kvswitch_router_fallbacks",
             "Remote prefills given up for a local one: the prefill leg failed (prefill_failed), the decode "

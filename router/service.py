@@ -1214,6 +1214,7 @@ class RouterService:
             inflight=self._path.inflight if self._path is not None else 0,
             workers=len(self._registry) if self._registry is not None else 0,  # routed or not
             retries=self._dispatcher.retries if self._dispatcher is not None else 0,
+            engine_refusals=dict(self._dispatcher.engine_refusals) if self._dispatcher is not None else {},
             prefill_fallbacks=self._dispatcher.fallbacks if self._dispatcher is not None else 0,
             transfer_fallbacks=self._dispatcher.transfer_fallbacks if self._dispatcher is not None else 0,
             handle_fallbacks=self._dispatcher.handle_fallbacks if self._dispatcher is not None else 0,

@@ -122,9 +122,13 @@ class EndpointProbe:
         self.on_foreign = on_foreign
         self.engine_url = engine_url
         self.enabled = enabled
-        self.sent = 0  # probe requests sent the engine (kvswitch_shim_endpoint_probes_total)
+        # Requests of the shim's own sent the engine: `sent` probes and `alive` one-token requests
+        # after a hang (WorkerShim._serves_one_token), and the work they cost it, so that what the
+        # engine served less these is exactly what clients asked.
+        self.sent = 0
+        self.alive = 0  # of `sent` (kvswitch_shim_alive_requests_total; the rest, endpoint_probes_total)
         self.confirmed = 0
-        self.prompt_tokens = 0  # of the probes sent: the work they cost the engine, with output_tokens
+        self.prompt_tokens = 0
         self.output_tokens = 0
         self._probe: _Probe | None = None
         self._task: asyncio.Task[None] | None = None
@@ -155,6 +159,13 @@ class EndpointProbe:
         """Whether `ev` announces a probe's block: the event health's count of Stored events leaves
         it out (a probe is no request the shim served)."""
         return ev.parent is None and any(p.announced_by(ev) for p in self._recent)
+
+    def alive_sent(self, prompt_tokens: int, output_tokens: int) -> None:
+        """The shim sent its engine a one-token request of its own after a hang: counted with the probes."""
+        self.sent += 1
+        self.alive += 1
+        self.prompt_tokens += prompt_tokens
+        self.output_tokens += output_tokens
 
     def connected(self) -> None:
         """A new connection of the event socket: probe anew."""

@@ -191,7 +191,13 @@ class _ShimCollector(Collector):
         yield _counter(
             "endpoint_probes",
             "Endpoint probe requests sent the engine (one block + 1 prompt tokens, one output token each)",
-            float(probe.sent),
+            float(probe.sent - probe.alive),
+        )
+        yield _counter(
+            "alive_requests",
+            "One-token requests sent an engine taken for hung, with nothing left to run, to tell whether it serves "
+            "again (one prompt token, one output token each)",
+            float(probe.alive),
         )
         yield _counter(
             "endpoint_probes_confirmed", "Endpoint probes whose block showed on the KV events", float(probe.confirmed)

@@ -239,9 +239,9 @@ class ChunkWriter:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat_s), name=f"heartbeat-{request_id}")
 
     async def _send(self, chunk: ResponseChunk) -> None:
+        data = encode_msg(chunk)  # first: a chunk that cannot be encoded takes no seq
         self.seq += 1
         self._last_sent = now = time.monotonic()
-        data = encode_msg(chunk)
         self.sent.append(data)
         self._sent_at.append(now)
         self.sent_bytes += len(data)
@@ -397,6 +397,31 @@ class ChunkWriter:
         tokens: list[int] | None = None,
         body: bytes = b"",
     ) -> None:
+        """The leg's last chunks. One that fails to go is said with its traceback, and the leg ends
+        with a 500 `internal` final chunk instead: raised, it ended the leg's task silently ("Task
+        exception was never retrieved"), heartbeats stopped, and the router, hearing nothing, took
+        the worker for unreachable (an engine's Retry-After past the encoder's bounds did it)."""
+        try:
+            await self._final(finish_reason, usage, transfer, error, tokens, body)
+        except Exception as exc:
+            log.exception("request %s: its final chunk could not be sent; ending it with an error", self.request_id)
+            why = ErrorInfo(code=500, kind="internal", message=f"shim error: the final chunk failed: {exc!r}")
+            try:
+                await self._send(self._chunk([], final=True, error=why))
+            except Exception:
+                log.exception("request %s: its error chunk could not be sent either", self.request_id)
+        finally:
+            self.done = True
+
+    async def _final(
+        self,
+        finish_reason: str | None,
+        usage: Usage | None,
+        transfer: TransferHandle | None,
+        error: ErrorInfo | None,
+        tokens: list[int] | None,
+        body: bytes,
+    ) -> None:
         await _reap(self._timer, f"request {self.request_id}: the coalescing timer")
         await _reap(self._heartbeat, f"request {self.request_id}: the heartbeat")
         self._timer = self._heartbeat = None
@@ -428,7 +453,6 @@ class ChunkWriter:
                 body=pieces[-1],
             )
         )
-        self.done = True
 
 
 async def _reap(task: asyncio.Task[None] | None, what: str) -> None:

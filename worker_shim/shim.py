@@ -5,8 +5,9 @@ its limits against the flags, starts the engine's event stream and waits until i
 engine for its tokenizer fingerprint, then registers (a `discovery.Registration`: worker id = the
 lease id, or `worker_name`; a fresh random epoch), publishes its state so far, subscribes its
 subjects and serves. A session ends when the engine fails `health_failures` checks in a row, or
-is taken for hung (`busy_limit_s`, `stall_limit_s`): Cleared, deregister, end the legs in flight
-with a retryable 503 `engine_unavailable`, wait for it to come back. It also ends when the shim
+is taken for hung (`busy_limit_s`, `stall_limit_s`): Cleared, deregister, wait for it to come
+back. The legs in flight end with a retryable 503 `engine_unavailable` where its work stopped too
+(stalled; or no progress since its checks began to fail); otherwise they run on. It also ends when the shim
 stops (stop taking requests, finish in-flight within `drain_grace_s`, revoke the lease, close).
 
 A lost lease does not end the session. etcd merely unreachable changes nothing at all. When etcd
@@ -27,11 +28,11 @@ import enum
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import msgspec
 from nats.aio.client import Client as Nats
@@ -91,6 +92,7 @@ from worker_shim.transfer_failures import TransferFailures
 __all__ = ["ShimStatus", "WorkerShim"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 LIVE_TIMEOUT_S = 30.0
 WAIT_SAID_S = 30.0  # how often a shim waiting for its engine says so
 ADAPTERS_POLL_S = 5.0  # how often the engine's /v1/models is read for LoRA adapters loaded or unloaded
@@ -106,6 +108,7 @@ REBUILD_REPEAT_S = 5.0
 REBUILD_BACKOFF_S = 5.0
 REBUILD_BACKOFF_MAX_S = 300.0
 ALIVE_TOKEN = 1  # the prompt of the one-token request that tells a hung engine with nothing to do serves again
+ALIVE_OUTPUT_TOKENS = 1
 ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
 
 
@@ -477,13 +480,34 @@ class WorkerShim:
         do, serves a one-token request within the stall limit (True), or the shim stops (False).
         Its /health answers all along, and registering at once would hand it new requests to hang
         on. Nothing left to do is no sign of life: its legs were failed as the session ended, and
-        a hung engine's stats can stay at what it last reported (0 running, 0 waiting)."""
+        a hung engine's stats can stay at what it last reported (0 running, 0 waiting). With
+        --no-endpoint-probe no such request is sent: its step counter or KV usage must move."""
+        said = False
         while (stalled := self._stalled) is not None:
             with contextlib.suppress(EngineError):
                 self._engine_load = await self.adapter.load()
                 self._engine_load_at = time.monotonic()
             mark = self._progress()
-            if (mark is None and await self._serves_one_token()) or (mark is not None and mark.moved_since(stalled)):
+            if mark is not None:
+                moved = mark.moved_since(stalled)
+            elif self._idle_reading().moved_since(stalled):
+                moved = True
+            elif self.config.no_endpoint_probe:
+                moved = False
+                if not said:
+                    said = True
+                    log.warning(
+                        "the engine at %s has nothing to run: --no-endpoint-probe sends it no one-token request to "
+                        "tell whether it serves again, so it stays deregistered until its step counter or KV usage "
+                        "moves (a request sent to it directly does it)",
+                        self.config.engine_url,
+                    )
+            else:
+                served = await self._unless_stopping(self._serves_one_token())
+                if served is None:
+                    return False
+                moved = served
+            if moved:
                 log.info("the engine at %s makes progress again", self.config.engine_url)
                 self._stalled = None
                 break
@@ -494,22 +518,49 @@ class WorkerShim:
                 return False
         return True
 
+    async def _unless_stopping(self, work: Coroutine[Any, Any, _T]) -> _T | None:
+        """`work`'s result; None, `work` cancelled, as soon as the shim stops: a stop waited out a
+        hung engine's one-token request, up to the stall limit (120 s), before."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, stop):
+                t.cancel()
+            await asyncio.gather(task, stop, return_exceptions=True)
+        return None if task.cancelled() else task.result()  # an error it ended with is raised
+
     async def _serves_one_token(self) -> bool:
         """Whether the engine serves a one-token completion of a one-token prompt within the stall
-        limit (cancelled past it: its connection closed, which the engines take for an abort)."""
+        limit (cancelled past it: its connection closed, which the engines take for an abort).
+        Counted with the endpoint probes' work (EndpointProbe.alive_sent): it is no client's."""
         leg = LegRequest(
             request_id=f"kvswitch-alive-{secrets.token_hex(8)}",
             model=self.config.model,
             token_ids=[ALIVE_TOKEN],
-            sampling=SamplingParams(max_tokens=1),
+            sampling=SamplingParams(max_tokens=ALIVE_OUTPUT_TOKENS),
             stream=False,
+            transfer=self.adapter.alive_transfer(),
         )
+        self.probe.alive_sent(len(leg.token_ids), ALIVE_OUTPUT_TOKENS)
         try:
             async with asyncio.timeout(self.config.stall_limit_s):
                 await self.adapter.generate(leg, _no_output)
         except (TimeoutError, EngineError):
             return False
         return True
+
+    def _idle_reading(self) -> _Progress:
+        """Where an engine with no work stands: its step counter and KV usage as last read."""
+        load = self._engine_load
+        assert self.requests is not None
+        return _Progress(
+            completed=self.requests.completed,
+            sent={},
+            iterations=load.timing.iterations if load is not None else 0,
+            kv_usage=load.kv_usage if load is not None else None,
+        )
 
     def _progress(self) -> _Progress | None:
         """Where the engine stands while it has work (legs in flight, or requests it reports
@@ -1198,11 +1249,13 @@ class WorkerShim:
         await self._close_presence(presence)
 
     async def _monitor(self) -> str | None:
-        """Until the session ends; why, where it ends because the engine hangs or is down (its
-        legs in flight are then failed: _end_session), else None."""
+        """Until the session ends; why, where it ends because the engine hangs or is down and its
+        work stopped too (its legs in flight are then failed: _end_session), else None."""
         failures = 0
         busy_since: float | None = None
+        down_since: float | None = None
         progress, moved_at = self._progress(), time.monotonic()  # the watchdog's last move
+        seen, seen_at = progress, moved_at  # the last move seen, the engine's readings stale or not
         adapters_due = time.monotonic() + ADAPTERS_POLL_S
         assert self._events_task is not None and self.registration is not None
         while not self._stopping.is_set():
@@ -1222,21 +1275,26 @@ class WorkerShim:
                 return None
             health = await self.adapter.health()
             now = time.monotonic()
+            mark = self._progress()
+            if mark is None or seen is None or mark.moved_since(seen):
+                seen, seen_at = mark, now
             if health is EngineHealth.UP:
-                failures, busy_since = 0, None
+                failures, busy_since, down_since = 0, None, None
                 if now >= adapters_due:
                     adapters_due = now + ADAPTERS_POLL_S
                     await self._poll_adapters()
             elif health is EngineHealth.DOWN:
                 failures, busy_since = failures + 1, None
+                down_since = down_since or now
             elif busy_since is None:
                 busy_since = now
                 log.warning(
                     "engine at %s does not answer its health check in time: busy, or hung", self.config.engine_url
                 )
             if failures >= self.config.health_failures:
+                assert down_since is not None
                 log.warning("engine at %s failed %d health checks: deregistering", self.config.engine_url, failures)
-                return f"it failed {failures} health checks in a row"
+                return self._lost(f"it failed {failures} health checks in a row", seen_at <= down_since)
             # A loaded engine answers late; only one that stays silent this long is taken for hung.
             if busy_since is not None and now - busy_since >= self.config.busy_limit_s:
                 log.error(
@@ -1244,14 +1302,30 @@ class WorkerShim:
                     self.config.engine_url,
                     now - busy_since,
                 )
-                return f"it has not answered a health check for {now - busy_since:.0f}s (hung)"
+                return self._lost(
+                    f"it has not answered a health check for {now - busy_since:.0f}s (hung)", seen_at <= busy_since
+                )
             # A hung engine answers /health and /metrics; only the work it does not do shows it.
-            mark, known_at = self._progress(), self._known_at(now)
+            known_at = self._known_at(now)
             if mark is None or progress is None or known_at is None or mark.moved_since(progress):
                 progress, moved_at = mark, now
             elif known_at - moved_at >= self.config.stall_limit_s:
                 self._stall(mark, now - moved_at)
                 return f"it made no progress for {now - moved_at:.0f}s (hung)"
+        return None
+
+    def _lost(self, why: str, stopped: bool) -> str | None:
+        """`why`, where the engine's work stopped too since its health checks began to fail: its legs
+        in flight are then ended. Else None: deregistered only, they run on. A busy engine answers
+        /health late while it streams (vLLM under saturation misses 2 s deadlines), and one draining
+        refuses it while it finishes them (SGLang on SIGTERM): both had live streams cut. One that
+        dies drops their connections, and they fail by themselves."""
+        if stopped:
+            return why
+        legs = len(self.requests.inflight) if self.requests is not None else 0
+        if legs:
+            log.warning("the %d legs in flight on the engine at %s still make progress: left to finish",
+                        legs, self.config.engine_url)  # fmt: skip
         return None
 
     def _known_at(self, now: float) -> float | None:

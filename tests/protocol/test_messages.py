@@ -32,7 +32,7 @@ from protocol import (
     encode_msg,
     serving,
 )
-from protocol.messages import ANNOTATION_BYPASS
+from protocol.messages import ANNOTATION_BYPASS, RETRY_AFTER_MAX_S
 
 BATCH = KvEventBatch(
     worker="1a2b",
@@ -231,3 +231,17 @@ def test_a_worker_serves_its_model_else_the_lora_adapters_it_lists() -> None:
     assert serving([a, b, c], "other") == []
     older = msgspec.json.encode({k: v for k, v in msgspec.to_builtins(b).items() if k != "adapters"})
     assert decode_json(older, WorkerInfo).adapters == [], "a shim from before adapters serves none"
+
+
+@pytest.mark.parametrize("seconds", [-1, RETRY_AFTER_MAX_S + 1, 2**64 - 1])
+def test_an_error_infos_retry_after_is_bounded_to_a_day(seconds: int) -> None:
+    """A reader refuses one past the bound: a shim cuts an engine's to RETRY_AFTER_MAX_S before."""
+    error = {"code": 429, "kind": "engine_rejected", "message": "busy", "retry_after_s": seconds}
+    raw = msgspec.msgpack.encode({"v": SCHEMA_VERSION, "request_id": "r", "seq": 0, "final": True, "error": error})
+    with pytest.raises(ProtocolError):
+        decode_msg(raw, ResponseChunk)
+    error["retry_after_s"] = RETRY_AFTER_MAX_S
+    chunk = decode_msg(
+        msgspec.msgpack.encode({"v": SCHEMA_VERSION, "request_id": "r", "seq": 0, "error": error}), ResponseChunk
+    )
+    assert chunk.error is not None and chunk.error.retry_after_s == RETRY_AFTER_MAX_S

@@ -1,22 +1,26 @@
 """End to end, faults between a shim and its engine that the router must see through: an engine
-the shim takes for hung with legs in flight on it, an engine that answers 429, and a stream the
-engine (or a proxy before it) cuts after a finish_reason, without [DONE]."""
+the shim takes for hung with legs in flight on it (and one it takes out while they still move, busy
+or draining, whose streams run on), an engine that answers 429, and a stream the engine (or a proxy
+before it) cuts after a finish_reason, without [DONE]."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from engine_sim.config import SimConfig
 from engine_sim.server import SimServer
 from kvswitch.servers import free_port
 from protocol.config import EtcdSettings, NatsSettings
+from protocol.messages import RETRY_AFTER_MAX_S
 from router.service import RouterService
 from tests.router.conftest import BLOCK, MODEL, Cluster, Worker, complete, probe_settled
 from tests.router.polling import until
@@ -36,9 +40,12 @@ class EngineProxy:
         self.upstream = upstream
         self.answer: Answer | None = None
         self.answered = 0
+        self.health: int | None = None  # set: /health answers this status itself
         self.url = ""
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/health" and self.health is not None:
+            return web.Response(status=self.health)
         raw = await request.read()
         if self.answer is not None and request.path in ("/v1/completions", "/v1/chat/completions"):
             own = await self.answer(request, json.loads(raw))
@@ -178,6 +185,102 @@ async def test_a_stream_under_way_on_an_engine_taken_for_hung_ends_with_an_error
     w.sim.faults.hang = False
 
 
+async def read_stream(
+    http: aiohttp.ClientSession, url: str, payload: dict[str, Any], on_event: Callable[[int], None]
+) -> list[bytes]:
+    """A streamed completion's SSE payloads; `on_event(n)` after the n-th."""
+    events: list[bytes] = []
+    async with http.post(url + "/v1/completions", json=payload) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+                on_event(len(events))
+    return events
+
+
+def whole(events: list[bytes], tokens: int) -> None:
+    """A stream of `tokens` tokens that ended well: no error event, finish_reason length."""
+    assert events[-1] == b"[DONE]"
+    bodies = [json.loads(e) for e in events[:-1]]
+    assert not [b for b in bodies if "error" in b], bodies[-1]
+    assert bodies[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for b in bodies if b["choices"] and b["choices"][0]["text"]) == tokens
+
+
+async def test_a_busy_engine_late_on_its_health_checks_keeps_its_streams(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """/health unanswered past --busy-limit-s while the engine streams steadily (vLLM under
+    saturation misses 2 s deadlines): deregistered, its streams left to finish. Before, they were cut
+    with an error event: with the default limits at 33 s, after 6,086 tokens, no gap over 0.12 s."""
+    w = await cluster.add_worker("agg", shim={"busy_limit_s": 3.0, "health_interval_s": 0.5}, speedup=1.0)
+    router = await cluster.add_ready_router()
+    payload = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 6000, "ignore_eos": True, "stream": True}
+    w.sim.faults.health_delay_s = 2.5  # past the shim's 2 s probe: busy; generation untouched
+
+    out_at: list[int] = []  # the events read while the worker was deregistered
+
+    def taken_out(n: int) -> None:
+        if not w.shim.registered.is_set():
+            out_at.append(n)
+
+    with caplog.at_level(logging.WARNING, logger="worker_shim.shim"):
+        events = await read_stream(http, router.url, payload, taken_out)
+    whole(events, 6000)
+    assert out_at and out_at[0] < 5000, out_at[:1]  # it streamed on, deregistered
+    assert w.shim.requests is not None and w.shim.requests.outcomes[("agg", "ok")] == 1
+    assert w.shim.requests.outcomes[("agg", "engine_unavailable")] == 0
+    assert "has not answered a health check" in caplog.text and "still make progress: left to finish" in caplog.text
+    w.sim.faults.health_delay_s = 0.0
+
+
+async def test_a_draining_engine_refusing_its_health_checks_keeps_its_streams(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """SGLang on SIGTERM: /health 503 while it finishes the requests it has. Before, the shim took it
+    for down after --health-failures checks and cut its streams within 2 s."""
+    w, proxy = await proxied_worker(cluster)
+    try:
+        w.sim.faults.slowdown = 100.0  # about half a real H200's speed: some seconds of stream
+        router = await cluster.add_ready_router()
+        payload = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 1000, "ignore_eos": True,
+                   "stream": True}  # fmt: skip
+
+        def drain(n: int) -> None:
+            if n == 20:
+                proxy.health = 503
+
+        events = await read_stream(http, router.url, payload, drain)
+        whole(events, 1000)
+        assert not w.shim.registered.is_set()
+        assert w.shim.requests is not None and w.shim.requests.outcomes[("agg", "ok")] == 1
+    finally:
+        await proxy.stop()
+
+
+async def test_a_leg_on_an_engine_down_whose_work_stopped_is_ended_at_once(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """/health failing and nothing moving: the legs still end with a retryable 503 at once."""
+    w, proxy = await proxied_worker(cluster)
+    try:
+        router = await cluster.add_router(config={"request_timeout_s": 25.0})
+        await cluster.ready(router)
+        w.sim.faults.hang = True
+        started = time.monotonic()
+        task = asyncio.create_task(complete(http, router, list(range(1, 40)), max_tokens=4))
+        assert w.shim.requests is not None
+        await until(lambda: bool(w.shim.requests and w.shim.requests.inflight), what="the leg")
+        proxy.health = 503
+        status, _, _ = await task
+        assert status == 503 and time.monotonic() - started < 10.0
+        assert w.shim.requests.outcomes[("agg", "engine_unavailable")] == 1
+        w.sim.faults.hang = False
+    finally:
+        await proxy.stop()
+
+
 # --- an engine's 429 ---------------------------------------------------------------------------------
 
 
@@ -216,6 +319,37 @@ async def test_an_engines_429_on_every_worker_is_the_clients_429_with_its_retry_
                 assert resp.headers["Retry-After"] == "1"
                 assert await resp.read() == BUSY  # the engine's own words, as for its other refusals
         assert all_routable(router)
+        # Told apart from the router's own admission 429s (requests_total counts both alike).
+        async with http.get(router.url + "/metrics") as resp:
+            text = await resp.text()
+        assert 'kvswitch_router_engine_refusals_total{status="429"} 2.0' in text
+        assert 'kvswitch_router_engine_refusals_total{status="408"} 0.0' in text
+    finally:
+        await proxy.stop()
+
+
+async def test_an_engines_retry_after_past_a_day_is_a_day_and_the_worker_stays_routable(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Retry-After 99999999999999999999: the shim's final chunk overflowed its encoder and never went
+    ("Task exception was never retrieved"), and the router, hearing nothing after the last
+    heartbeat, took the worker for unreachable."""
+
+    async def far_off(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        headers = {"Retry-After": "99999999999999999999"}
+        return web.Response(status=429, body=BUSY, content_type="application/json", headers=headers)
+
+    w, proxy = await proxied_worker(cluster)
+    try:
+        router = await cluster.add_ready_router()
+        proxy.answer = far_off
+        started = time.monotonic()
+        payload = {"model": MODEL, "prompt": list(range(1, 40)), "max_tokens": 2}
+        async with http.post(router.url + "/v1/completions", json=payload) as resp:
+            assert resp.status == 429 and resp.headers["Retry-After"] == str(RETRY_AFTER_MAX_S)
+        assert time.monotonic() - started < 5.0
+        assert all_routable(router)
+        assert w.shim.requests is not None and not w.shim.requests.inflight
     finally:
         await proxy.stop()
 

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from protocol import SamplingParams, Usage
-from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RETRY_AFTER_MAX_S
 from tests.protocol.vllm_captures import FIXTURES
 from tests.router.polling import until
 from worker_shim import ShimConfig
@@ -579,3 +579,15 @@ def test_a_model_served_under_two_names_has_a_card_per_name_and_one_root() -> No
 )
 def test_a_models_answer_without_lengths_or_ids(raw: bytes, cards: dict[str, ModelCard] | None) -> None:
     assert model_cards(raw) == cards
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [("99999999999999999999", RETRY_AFTER_MAX_S), (str(RETRY_AFTER_MAX_S + 1), RETRY_AFTER_MAX_S),
+     ("\u00b2", None), ("\u0663", None), ("Fri, 31 Dec 9999 23:59:59 GMT", RETRY_AFTER_MAX_S)],
+)  # fmt: skip
+def test_a_retry_after_past_a_day_is_a_day_and_only_ascii_digits_are_seconds(header: str, seconds: int | None) -> None:
+    """'99999999999999999999' overflowed the final chunk's encoder (past 2**64 - 1): the leg got no
+    final chunk and the router took the worker for unreachable; '²' (a digit to str.isdigit) raised
+    ValueError."""
+    assert openai_http.retry_after_s(header) == seconds

@@ -22,7 +22,7 @@ from kvswitch.servers import NatsServer
 from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, decode_msg, encode_msg, subjects
 from tests.worker_shim.cluster import wait_for
 from worker_shim import request_service
-from worker_shim.adapters.base import EngineAdapter, LegOutcome, LegRequest, OnOutput
+from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest, OnOutput
 from worker_shim.request_service import LEG_KEPT_BYTES, RECENT_BYTES, ChunkWriter, RequestService
 
 
@@ -663,3 +663,28 @@ async def test_a_paced_resend_does_not_hold_back_the_next_request(
     await wait_for(lambda: any(c.final for c in replies.chunks("r2")), 10, what="r2's end")
     order = [s.rpartition(".")[2] for s, _ in replies.got]
     assert order.index("r2") < len(order) - 1 - order[::-1].index("again")  # r2 began before the resend ended
+
+
+class UnencodableRefusal(FakeEngine):
+    """A refusal whose Retry-After no chunk can carry (past msgpack's 2**64 - 1)."""
+
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
+        raise EngineError(429, "engine_rejected", "busy", retry_after_s=10**20)
+
+
+async def test_a_final_chunk_that_cannot_go_ends_the_leg_with_an_error_said_with_its_traceback(
+    nc: Nats, replies: Replies, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: OverflowError ended the leg's task ("Task exception was never retrieved"), no final
+    chunk went and its heartbeats had stopped, so the router took the worker for unreachable."""
+    svc = service(nc, UnencodableRefusal())
+    subject = await serving(svc, ns)
+    await send(replies, subject, "r1", heartbeat_s=0.2)
+    await wait_for(lambda: bool(replies.chunks("r1")), what="the final chunk")
+    await ended(svc)
+    await replies.settled()
+    [final] = replies.chunks("r1")
+    assert final.final and final.seq == 0 and final.error is not None
+    assert (final.error.code, final.error.kind) == (500, "internal") and "OverflowError" in final.error.message
+    said = [r for r in caplog.records if "its final chunk could not be sent" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is not None

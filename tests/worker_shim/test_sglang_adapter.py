@@ -29,7 +29,7 @@ from worker_shim.adapters.sglang import (
     openai_body,
 )
 from worker_shim.adapters.vllm_events import decode_payload
-from worker_shim.config import ShimConfig
+from worker_shim.config import ShimConfig, ShimRole
 from worker_shim.engine_events import EngineRemoved, EngineStored
 from worker_shim.kv_events_config import EngineEventsConfig, parse_kv_events_config
 from worker_shim.normaliser import NormaliserStats
@@ -321,3 +321,82 @@ def test_an_error_after_tokens_were_sent_is_still_the_engines() -> None:
     with pytest.raises(EngineError) as caught:
         folder.fold({"error": {"message": "boom"}})
     assert (caught.value.code, caught.value.kind, caught.value.message) == (500, "engine_error", "boom")
+
+
+def _event(ids: list[int], finish: str | None) -> bytes:
+    meta = {"completion_tokens": len(ids), "prompt_tokens": 3, "finish_reason": finish and {"type": finish}}
+    return b"data: " + json.dumps({"output_ids": ids, "meta_info": meta}).encode() + b"\n\n"
+
+
+@pytest.fixture
+async def streams() -> AsyncIterator[tuple[str, list[list[bytes]], list[dict[str, Any]]]]:
+    """A /generate that streams the next of `answers` (its writes, then a clean EOF) and keeps each
+    request's body."""
+    answers: list[list[bytes]] = []
+    bodies: list[dict[str, Any]] = []
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        if not body["stream"]:
+            return web.json_response({"output_ids": [7], "meta_info": {"completion_tokens": 1}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for data in answers.pop(0):
+            await resp.write(data)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", answers, bodies
+    await runner.cleanup()
+
+
+async def test_a_generate_stream_cut_before_done_is_no_answer(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]],
+) -> None:
+    """SGLang's /generate ends every stream with [DONE] (http_server.generate_request, after an
+    error event too). Before, a stream cut after 2 of the 8 tokens asked, no finish_reason, passed
+    as a whole answer."""
+    url, answers, _ = streams
+    adapter = SglangAdapter(ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9"))
+    await adapter.open()
+    leg = LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=8), stream=True)
+    try:
+        answers.append([_event([11, 12], None)])
+        with pytest.raises(EngineError) as caught:
+            await adapter.generate(leg, _ignore)
+        assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+        assert "without [DONE]" in caught.value.message
+        answers.append([_event([11, 12], "length"), b"data: [DONE]\n\n"])  # a whole one still is
+        outcome = await adapter.generate(leg, _ignore)
+        assert (outcome.finish_reason, outcome.token_ids) == ("length", [11, 12])
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize(("role", "bootstrap"), [("agg", None), ("prefill", "2.2.2.2"), ("decode", "2.2.2.2")])
+async def test_the_alive_request_on_a_pd_worker_goes_as_sglangs_own_health_generation(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]], role: ShimRole, bootstrap: str | None
+) -> None:
+    """On a prefill or decode server a request without a bootstrap host cannot be served (a decode
+    waits for a peer that never comes): the shim's one-token request after a hang goes with
+    SGLang's fake bootstrap host (disaggregation/utils.py FAKE_BOOTSTRAP_HOST), as its /health's
+    own generation does, which moves no KV."""
+    url, _, bodies = streams
+    config = ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9", role=role)
+    adapter = SglangAdapter(config.validate())
+    await adapter.open()
+    try:
+        transfer = adapter.alive_transfer()
+        leg = LegRequest("alive", "m", [1], SamplingParams(max_tokens=1), stream=False, transfer=transfer)
+        await adapter.generate(leg, _ignore)
+    finally:
+        await adapter.close()
+    assert bodies[-1].get("bootstrap_host") == bootstrap
+    if bootstrap is not None:
+        assert bodies[-1]["bootstrap_room"] == 0

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -324,6 +325,69 @@ async def test_a_hung_engine_is_deregistered_until_it_moves_again_and_a_slow_one
                     await wait_for(shim.registered.is_set, what="registered again once it moves")
                     assert "makes progress again" in caplog.text
                     assert await registered_workers(etcd_url, ns) == {shim.worker_id}
+                    # Its one-token requests are counted with the probes: the engine served the two legs besides.
+                    assert shim.probe.alive >= 1
+                    await wait_for(lambda: shim.probe.settled, what="the endpoint probe to settle")
+                    assert sim.faults.requests_seen == shim.probe.sent + 2
+                    metric = f"kvswitch_shim_alive_requests_total {float(shim.probe.alive)}"
+                    assert metric in shim.metrics_text().decode()
+    finally:
+        await nc.close()
+
+
+async def test_a_stop_while_a_hung_engine_holds_the_alive_request_returns_at_once(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """Before: the stop waited for the one-token request, up to the stall limit (19 s of 20)."""
+    nc = await nats.connect(nats_url)
+    try:
+        async with SimServer(sim_config(speedup=1.0)) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, stall_limit_s=8.0)
+            async with shim:
+                await asyncio.wait_for(shim.registered.wait(), 20)
+                assert shim.worker_id is not None
+                await wait_for(lambda: shim.probe.settled, what="the endpoint probe to settle")
+                seen = sim.faults.requests_seen
+                sim.faults.hang = True
+                await _send_leg(nc, ns, shim.worker_id, "hung", max_tokens=4)
+                await wait_for(lambda: not shim.registered.is_set(), timeout=20, what="deregistered as hung")
+                await wait_for(lambda: sim.faults.requests_seen == seen + 2, what="the one-token request")
+                started = time.monotonic()
+                await shim.stop()
+                assert time.monotonic() - started < 3.0
+                sim.faults.hang = False
+    finally:
+        await nc.close()
+
+
+async def test_with_no_endpoint_probe_a_hung_engine_with_nothing_to_run_is_sent_nothing(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--no-endpoint-probe (an engine whose every request is accounted): the shim sends no one-token
+    request of its own; it waits for the engine to move. Before, it sent one per health interval."""
+    nc = await nats.connect(nats_url)
+    try:
+        async with SimServer(sim_config(speedup=1.0)) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, stall_limit_s=1.0, no_endpoint_probe=True)
+            with caplog.at_level(logging.INFO, logger="worker_shim.shim"):
+                async with shim, aiohttp.ClientSession() as http:
+                    await asyncio.wait_for(shim.registered.wait(), 20)
+                    assert shim.worker_id is not None
+                    seen = sim.faults.requests_seen
+                    sim.faults.hang = True
+                    await _send_leg(nc, ns, shim.worker_id, "hung", max_tokens=4)
+                    await wait_for(lambda: not shim.registered.is_set(), timeout=10, what="deregistered as hung")
+                    await asyncio.sleep(1.0)
+                    sim.faults.hang = False
+                    await asyncio.sleep(2.0)  # idle: nothing moves, nothing tells
+                    assert not shim.registered.is_set() and sim.faults.requests_seen == seen + 1
+                    assert (shim.probe.sent, shim.probe.alive) == (0, 0)
+                    assert "--no-endpoint-probe sends it no one-token request" in caplog.text
+                    body = {"model": sim.config.model, "prompt": [5, 6, 7], "max_tokens": 2}
+                    async with http.post(sim.url + "/v1/completions", json=body) as resp:  # its own client's
+                        assert resp.status == 200
+                    await wait_for(shim.registered.is_set, what="registered again once it moves")
+                    assert sim.faults.requests_seen == seen + 2
     finally:
         await nc.close()
 

@@ -252,6 +252,11 @@ class EngineAdapter(ABC):
         clock in whole seconds. EngineError when the engine fails it. Only where `serves_probe`."""
         raise NotImplementedError(f"the {self.kind} adapter does not probe its engine")
 
+    def alive_transfer(self) -> dict[str, Any] | None:
+        """The `transfer` of the shim's one-token request to an engine taken for hung with nothing
+        to run (WorkerShim._serves_one_token): None, a plain request, unless its role needs more."""
+        return None
+
     # vLLM answers 404 to a request naming a model it does not serve: a shim whose --model it does
     # not list would register a worker no request can use.
     requires_served_model: ClassVar[bool] = False

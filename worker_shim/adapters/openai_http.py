@@ -33,7 +33,7 @@ import aiohttp
 import msgspec
 
 from protocol import Usage
-from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, lax_bool
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RETRY_AFTER_MAX_S, lax_bool
 from worker_shim.adapters.base import EngineError, LegRequest, ModelCard, OnOutput
 
 __all__ = [
@@ -160,19 +160,20 @@ def _int(value: Any) -> int:
 
 def retry_after_s(value: str | None) -> int | None:
     """A Retry-After header in whole seconds (RFC 9110: delta-seconds, or an HTTP-date made a delay
-    from now, rounded up); None where there is none or it is neither."""
+    from now, rounded up), at most RETRY_AFTER_MAX_S; None where there is none or it is neither.
+    Digits are ASCII ones ('²' is a digit to str.isdigit, and int() refuses it)."""
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
-        return int(value)
+    if value.isascii() and value.isdigit():
+        return min(int(value), RETRY_AFTER_MAX_S)
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     if when.tzinfo is None:  # RFC 9110's IMF-fixdate is GMT; an obsolete form without a zone is too
         when = when.replace(tzinfo=datetime.UTC)
-    return max(0, math.ceil((when - datetime.datetime.now(datetime.UTC)).total_seconds()))
+    return min(max(0, math.ceil((when - datetime.datetime.now(datetime.UTC)).total_seconds())), RETRY_AFTER_MAX_S)
 
 
 def error_from(status: int, body: bytes, retry_after: str | None = None) -> EngineError:

@@ -31,7 +31,8 @@
   the last (completion_tokens - sent) ids, which holds whether the engine streams incrementally or
   cumulatively. A request it refuses (a ValueError: validation, such as a prompt longer than the
   context) is a 400 `{"error": {"message"}}`, or with streaming that object as the only event
-  before `[DONE]`. Abort: closing the stream and `POST /abort_request {"rid"}`.
+  before `[DONE]`. A stream is whole only at its `[DONE]`: an EOF before it is a 502
+  `engine_protocol`. Abort: closing the stream and `POST /abort_request {"rid"}`.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ _LOAD = ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage
 _USED = "sglang:num_used_tokens"
 _METRICS = frozenset({*_LOAD, _USED})
 DEFAULT_BOOTSTRAP_PORT = 8998
+# SGLang's own (disaggregation/utils.py): a P/D request bootstrapped from this host moves no KV
+# (a fake sender or receiver); its /health generates its one token so on a prefill or decode server.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
 def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
@@ -247,6 +251,14 @@ class SglangAdapter(ZmqEventsAdapter):
                 self._bootstrap_port,
             )
 
+    def alive_transfer(self) -> dict[str, Any] | None:
+        """On a prefill or decode server a request without a bootstrap host waits for a peer that
+        never comes (decode) or has none to send to (prefill): the one-token request goes as SGLang's
+        own health generation does, with its fake bootstrap host, which moves no KV."""
+        if self.config.role not in ("prefill", "decode"):
+            return None
+        return {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0}
+
     async def limits(self) -> EngineLimits:
         try:
             raw = await self.fetch("/get_server_info")
@@ -290,11 +302,17 @@ class SglangAdapter(ZmqEventsAdapter):
                     folder.fold(msgspec.json.decode(await r.read()))
                     return folder
                 async for line in r.content:
-                    if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                        new = folder.fold(msgspec.json.decode(line[5:].strip()))
-                        if new and on_tokens is not None:
-                            await on_tokens(new)
-                return folder
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        return folder
+                    new = folder.fold(msgspec.json.decode(payload))
+                    if new and on_tokens is not None:
+                        await on_tokens(new)
+                # SGLang's /generate ends every stream with [DONE], after an error event too
+                # (http_server.generate_request): one cut short (the engine gone, a proxy) is no answer.
+                raise EngineError(502, "engine_protocol", f"{self.base}/generate: the stream ended without [DONE]")
         except asyncio.CancelledError:
             await self._abort(leg.request_id)
             raise
