@@ -6,7 +6,15 @@ import errno
 import socket
 from collections.abc import Iterable
 
-__all__ = ["FLAG_ONLY", "ConfigError", "ProtocolError", "listen_error", "try_listen", "without_userinfo"]
+__all__ = [
+    "FLAG_ONLY",
+    "ConfigError",
+    "ProtocolError",
+    "bind_sockets",
+    "listen_error",
+    "try_listen",
+    "without_userinfo",
+]
 
 
 # The settings a flag alone sets, with no variable or file key (docs/router.md, "Flags"), of every
@@ -64,17 +72,32 @@ class ConfigError(ValueError):
         return cls(setting, value, "allowed values: " + ", ".join(choices))
 
 
-def try_listen(host: str, port: int) -> None:
-    """OSError unless an HTTP server could listen on `host`:`port` now. Binds tried and closed at
-    once, as asyncio's listener will bind: each address the host resolves to, IPv6 ones IPv6-only,
-    SO_REUSEADDR (a port left in TIME_WAIT is free; a listening socket still holds its port)."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    for family, kind, proto, _, address in dict.fromkeys(infos):
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound, not listening, as asyncio's listener binds them: one for each address `host`
+    resolves to, IPv6 ones IPv6-only, SO_REUSEADDR (a port left in TIME_WAIT is free; a listening
+    socket still holds its port). OSError, with every socket bound so far closed, when one cannot
+    be had."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            probe.bind(address)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def try_listen(host: str, port: int) -> None:
+    """OSError unless an HTTP server could listen on `host`:`port` now: `bind_sockets`, closed at once."""
+    for sock in bind_sockets(host, port):
+        sock.close()
 
 
 def listen_error(host: str, port: int, exc: OSError) -> ConfigError:

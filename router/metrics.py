@@ -21,6 +21,7 @@ from protocol.config import MIN_LOAD_PERIOD_S
 from router.gap_repair import FailureKind
 from router.ingest_stats import IngestStats
 from router.load_budget import BURST, RATE_PER_S
+from router.load_subscriptions import QUARANTINE_S
 from router.replica_sync import SyncStats
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics", "StateFigures"]
@@ -156,13 +157,13 @@ class _StateCollector(Collector):
         )
         yield GaugeMetricFamily(
             "kvswitch_router_load_senders_quarantined",
-            "Load report senders past their budget whose subjects this router does not hear now (each for 15 s at "
-            "a time, router.load_subscriptions): they read silent",
+            "Load report senders past their budget whose subjects this router does not hear now (each for "
+            f"{QUARANTINE_S:g} s at a time, router.load_subscriptions): they read silent",
             s.load_quarantined,
         )
         yield CounterMetricFamily(
             "kvswitch_router_load_quarantines",
-            "Times a load report sender past its budget was quarantined (its subject unheard for 15 s)",
+            f"Times a load report sender past its budget was quarantined (its subject unheard for {QUARANTINE_S:g} s)",
             s.load_quarantines,
         )
         yield CounterMetricFamily(

@@ -644,8 +644,9 @@ class RouterService:
         wrong without stopping this router (names that clash, pools that cannot pair, peers that
         route otherwise). A worker record refused in etcd is left out too, as `bad_record`: its
         shim may be up, and the router never routes to it; a worker the registry does not route
-        (its max_model_len not its model's) is counted as `context_conflict`. Every registered
-        worker unheard over NATS (router.unheard) is a problem naming --nats-servers."""
+        (its max_model_len not its model's) is counted as `context_conflict`. Every routed worker
+        (of any model; not a `context_conflict` one) unheard over NATS (router.unheard) is a problem
+        naming --nats-servers."""
         running = self.status is RouterStatus.RUNNING and self._registry is not None and self._ingest is not None
         nats_up = self._nc is not None and self._nc.is_connected
         served = self.config.model

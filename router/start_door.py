@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from protocol.errors import listen_error
+from protocol.errors import bind_sockets, listen_error
 from router.api_errors import ApiError, FrontDoorRunner, json_response, openai_errors
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from runtime import LISTEN_BACKLOG
@@ -45,18 +45,12 @@ _APP = web.RequestKey("kvswitch.app", web.Application)  # the app that read a re
 
 
 def _listen(host: str, port: int) -> list[socket.socket]:
-    """Listening sockets as asyncio's create_server binds them (each address `host` resolves to,
-    IPv6 ones IPv6-only, SO_REUSEADDR); ConfigError naming the flag when one cannot be had."""
+    """Listening sockets as asyncio's create_server makes them (protocol.errors.bind_sockets);
+    ConfigError naming the flag when one cannot be had."""
     sockets: list[socket.socket] = []
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
+        sockets = bind_sockets(host, port)
+        for sock in sockets:
             sock.listen(LISTEN_BACKLOG)
             sock.setblocking(False)
     except OSError as exc:
