@@ -6,7 +6,9 @@
 - TLS (`--tls-hosts`): a private CA and one certificate for NATS and etcd (kvswitch.certs).
 - etcd (`--etcd-endpoint`): creates the `router` and `worker` users and turns authentication on,
   with the passwords from KVSWITCH_ETCD_{ROOT,ROUTER,WORKER}_PASSWORD; where it is on already, it
-  signs in as root and sets the users' grants as this release makes them (an upgrade's step).
+  signs in as root and sets the users' grants under that --namespace as this release makes them
+  (an upgrade's step; rerun it with the same --namespace), saying each grant it revoked. Another
+  namespace sharing the etcd keeps its grants (the users and passwords are etcd-wide).
 - Router API keys (`--api-keys N`): `api-keys`, N random bearer keys for `kvswitch router
   --api-keys-file` (mode 0600; add or remove lines to rotate, the routers reload it).
 
@@ -108,12 +110,16 @@ def _enable_etcd_auth(args: argparse.Namespace, context: ssl.SSLContext | None) 
         raise SystemExit(f"kvswitch secrets: --etcd-endpoint needs {', '.join(missing)} set")
     pw = {role: os.environ[env] for role, env in PASSWORD_ENV.items()}
     users = namespace_users(args.namespace, pw["router"], pw["worker"])
-    if enable_auth(args.etcd_endpoint, pw["root"], users, context=context):
-        return f"etcd authentication on at {args.etcd_endpoint}: users router, worker (namespace {args.namespace})"
-    return (
-        f"etcd authentication was already on at {args.etcd_endpoint}: users router, worker and their grants "
-        f"set as this release makes them (namespace {args.namespace})"
-    )
+    setup = enable_auth(args.etcd_endpoint, pw["root"], users, context=context)
+    if setup.turned_on:
+        said = f"etcd authentication on at {args.etcd_endpoint}: users router, worker (namespace {args.namespace})"
+    else:
+        said = (
+            f"etcd authentication was already on at {args.etcd_endpoint}: users router, worker and their grants "
+            f"under /{args.namespace}/ set as this release makes them (namespace {args.namespace}; another "
+            f"namespace's grants are kept)"
+        )
+    return "\n".join([said, *(f"revoked a grant this release does not make: {grant}" for grant in setup.revoked)])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,12 @@ Run again once authentication is on (an upgrade whose release grants more: `/{ns
 2026-12-06), it signs in as root and sets the roles' grants and the users as this release makes
 them; before 2026-12-06 such a rerun changed nothing.
 
+The roles and users are etcd-wide, the grants per namespace: two namespaces sharing an etcd share
+the `router` and `worker` users (and their passwords), each role holding both namespaces' grants. A
+run revokes only grants inside its own namespace's prefix that this release does not make; until
+2026-12-06 it revoked every grant it did not make, so a run for a second namespace took the first
+one's away from its running processes.
+
 It speaks etcd's JSON gateway (`/v3/auth/...`) over plain urllib, so it runs before any asyncio
 loop exists (a test fixture, `kvswitch up` before its services start, a compose init job).
 """
@@ -29,7 +35,7 @@ from typing import Any
 from protocol import subjects
 from protocol.errors import without_userinfo
 
-__all__ = ["PING_KEY", "EtcdAuthError", "EtcdGateway", "EtcdUser", "b64", "enable_auth", "namespace_users"]
+__all__ = ["PING_KEY", "AuthSetup", "EtcdAuthError", "EtcdGateway", "EtcdUser", "b64", "enable_auth", "namespace_users"]
 
 PING_KEY = "__etcd3aio:ping__"
 
@@ -40,22 +46,35 @@ class EtcdAuthError(RuntimeError):
 
 @dataclass(frozen=True)
 class EtcdUser:
-    """A user with one role of the same name: `read` prefixes, `readwrite` prefixes, `keys` read."""
+    """A user with one role of the same name: `read` prefixes, `readwrite` prefixes, `keys` read.
+    `scope`: the prefix (a namespace's `/{ns}/`) inside which a grant the role holds and these do
+    not make is revoked; grants outside it are another namespace's, and kept."""
 
     name: str
     password: str
     read: list[str] = field(default_factory=list)
     readwrite: list[str] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    scope: str = ""
+
+
+@dataclass(frozen=True)
+class AuthSetup:
+    """What `enable_auth` did: whether it turned authentication on (False: it was on already), and
+    the grants it revoked, one line each ("worker READWRITE /ns/old/ (prefix)")."""
+
+    turned_on: bool
+    revoked: list[str]
 
 
 def namespace_users(ns: str, router_password: str, worker_password: str) -> list[EtcdUser]:
     subjects.validate_namespace(ns)
     workers, routers = subjects.workers_prefix(ns), subjects.routers_prefix(ns)
     engines = subjects.engines_prefix(ns)
+    scope = f"/{ns}/"
     return [
-        EtcdUser("router", router_password, read=[f"/{ns}/"], readwrite=[routers], keys=[PING_KEY]),
-        EtcdUser("worker", worker_password, read=[routers], readwrite=[workers, engines], keys=[PING_KEY]),
+        EtcdUser("router", router_password, read=[scope], readwrite=[routers], keys=[PING_KEY], scope=scope),
+        EtcdUser("worker", worker_password, read=[routers], readwrite=[workers, engines], keys=[PING_KEY], scope=scope),
     ]
 
 
@@ -123,22 +142,41 @@ def _grants(user: EtcdUser) -> list[dict[str, str]]:
     return [{"permType": kind, "key": b64(key)} | ({"range_end": b64(end)} if end else {}) for key, end, kind in ranges]
 
 
-def _role(gw: EtcdGateway, name: str, grants: list[dict[str, str]]) -> None:
-    """`name` with exactly `grants`, whether or not it existed: each granted (etcd updates a grant
-    of the same range in place), then every other grant revoked (one left wider was kept). In that
-    order: a role that users of a running cluster hold never lacks a grant it keeps."""
-    held = []
-    if not gw.created("auth/role/add", {"name": name}):
-        held = gw.call("auth/role/get", {"role": name}).get("perm", [])
+def _role(gw: EtcdGateway, user: EtcdUser) -> list[str]:
+    """`user`'s role with its grants, whether or not it existed: each granted (etcd updates a grant
+    of the same range in place), then every other grant inside `user.scope` revoked (one left wider
+    was kept); returns those revoked. In that order: a role that users of a running cluster hold
+    never lacks a grant it keeps. A grant outside the scope is another namespace's: kept."""
+    grants, held = _grants(user), []
+    if not gw.created("auth/role/add", {"name": user.name}):
+        held = gw.call("auth/role/get", {"role": user.name}).get("perm", [])
     for perm in grants:
-        gw.call("auth/role/grant", {"name": name, "perm": perm})
+        gw.call("auth/role/grant", {"name": user.name, "perm": perm})
     wanted = {(perm["key"], perm.get("range_end", "")) for perm in grants}
+    revoked = []
     for perm in held:
-        if (perm.get("key", ""), perm.get("range_end", "")) not in wanted:
-            revoke = {"role": name, "key": perm.get("key", "")}
-            if perm.get("range_end"):
-                revoke["range_end"] = perm["range_end"]
-            gw.call("auth/role/revoke", revoke)
+        key, end = perm.get("key", ""), perm.get("range_end", "")
+        if (key, end) in wanted or not _inside(user.scope, _unb64(key), _unb64(end)):
+            continue
+        gw.call("auth/role/revoke", {"role": user.name, "key": key} | ({"range_end": end} if end else {}))
+        revoked.append(f"{user.name} {perm.get('permType', 'READ')} {_shown(_unb64(key), _unb64(end))}")
+    return revoked
+
+
+def _inside(scope: str, key: str, end: str) -> bool:
+    """Whether the range [key, end) (a single key when `end` is empty) lies inside prefix `scope`."""
+    return bool(scope) and key.startswith(scope) and (not end or end <= _prefix_end(scope))
+
+
+def _shown(key: str, end: str) -> str:
+    """A grant's range as etcdctl's flags say it."""
+    if not end:
+        return key
+    return f"{key} (prefix)" if end == _prefix_end(key) else f"[{key}, {end})"
+
+
+def _unb64(text: str) -> str:
+    return base64.b64decode(text).decode(errors="replace")
 
 
 def _as_root(gw: EtcdGateway, root_password: str) -> bool:
@@ -167,12 +205,14 @@ def _password_works(gw: EtcdGateway, user: EtcdUser) -> bool:
     return True
 
 
-def enable_auth(url: str, root_password: str, users: list[EtcdUser], *, context: ssl.SSLContext | None = None) -> bool:
+def enable_auth(
+    url: str, root_password: str, users: list[EtcdUser], *, context: ssl.SSLContext | None = None
+) -> AuthSetup:
     """Create `root` and `users` with their roles, then enable authentication (any member's client
-    URL); True when this turned it on. A rerun after one that stopped part-way sets the passwords
-    and permissions given, whatever that one left. Once authentication is on (an upgrade's rerun,
-    whose release may grant more), it signs in as root and sets each role's grants and each user as
-    given, and nothing else: a user's password that already works is left alone, since changing
+    URL). A rerun after one that stopped part-way sets the passwords and permissions given,
+    whatever that one left. Once authentication is on (an upgrade's rerun, whose release may grant
+    more), it signs in as root and sets each role's grants (inside `EtcdUser.scope`) and each user
+    as given, and nothing else: a user's password that already works is left alone, since changing
     it ends the tokens every running process holds."""
     gw = EtcdGateway(url, context)
     already = _as_root(gw, root_password)
@@ -180,11 +220,12 @@ def enable_auth(url: str, root_password: str, users: list[EtcdUser], *, context:
         gw.call("auth/role/add", {"name": "root"}, exists_ok=True)
         _user(gw, "root", root_password)
         gw.call("auth/user/grant", {"user": "root", "role": "root"})
+    revoked = []
     for user in users:
-        _role(gw, user.name, _grants(user))
+        revoked += _role(gw, user)
         if not already or not _password_works(gw, user):
             _user(gw, user.name, user.password)
         gw.call("auth/user/grant", {"user": user.name, "role": user.name})
     if not already:
         gw.call("auth/enable", {})
-    return not already
+    return AuthSetup(turned_on=not already, revoked=revoked)

@@ -244,16 +244,19 @@ def test_a_rerun_after_one_that_stopped_part_way_sets_the_passwords_and_grants_g
         left = EtcdGateway(etcd.url, None)  # what an earlier run (or an operator) left, auth still off
         left.call("auth/user/add", {"name": "router", "password": "OLDpw"})
         left.call("auth/role/add", {"name": "router"})
+        left.call("auth/role/grant", {"name": "router", "perm": {"permType": "READWRITE", "key": b64("/sc/old")}})
+        # another namespace's grant on the shared role: kept (kvswitch.etcd_auth)
         left.call("auth/role/grant", {"name": "router", "perm": {"permType": "READWRITE", "key": b64("/other/")}})
         out = _secrets("--namespace", "sc", "--etcd-endpoint", etcd.url, env=_etcd_env())
         assert out.returncode == 0 and "etcd authentication on" in out.stdout, out.stderr
+        assert "revoked a grant this release does not make: router READWRITE /sc/old\n" in out.stdout + "\n"
         EtcdGateway(etcd.url, None).call("auth/authenticate", {"name": "router", "password": "routerNEW"})
         with pytest.raises(EtcdAuthError, match="authentication failed"):
             EtcdGateway(etcd.url, None).call("auth/authenticate", {"name": "router", "password": "OLDpw"})
         root = EtcdGateway(etcd.url, None)
         root.token = root.call("auth/authenticate", {"name": "root", "password": "rootNEW"})["token"]
         keys = {p["key"] for p in root.call("auth/role/get", {"role": "router"})["perm"]}
-        assert b64("/other/") not in keys and b64("/sc/") in keys
+        assert b64("/sc/old") not in keys and b64("/other/") in keys and b64("/sc/") in keys
 
 
 def test_a_rerun_once_auth_is_on_grants_what_this_release_needs_and_keeps_working_tokens() -> None:
@@ -285,6 +288,37 @@ def test_a_rerun_once_auth_is_on_grants_what_this_release_needs_and_keeps_workin
         asyncio.run(claim())
         # The worker's password was right: left alone, so the token a running shim holds still works.
         worker.call("kv/range", {"key": b64("/sc/workers/x")})
+
+
+def test_a_run_for_a_second_namespace_on_one_etcd_keeps_the_first_ones_grants() -> None:
+    """The roles are etcd-wide, the grants per namespace: a run with --namespace staging revoked
+    every grant it does not make, /kvswitch/'s among them, and the running namespace's worker was
+    refused /kvswitch/workers/ (review of 2026-12-06). Only grants inside the run's namespace are
+    revoked, and each is said."""
+    from kvswitch.etcd_auth import EtcdAuthError, EtcdGateway, b64
+
+    env = _etcd_env()
+    with EtcdServer() as etcd:
+        assert _secrets("--namespace", "kvswitch", "--etcd-endpoint", etcd.url, env=env).returncode == 0
+        worker = EtcdGateway(etcd.url, None)
+        worker.token = worker.call("auth/authenticate", {"name": "worker", "password": "workerNEW"})["token"]
+        root = EtcdGateway(etcd.url, None)
+        root.token = root.call("auth/authenticate", {"name": "root", "password": "rootNEW"})["token"]
+        extra = {"permType": "READ", "key": b64("/staging/old/"), "range_end": b64("/staging/old0")}
+        root.call("auth/role/grant", {"name": "worker", "perm": extra})  # one staging's older release made
+
+        out = _secrets("--namespace", "staging", "--etcd-endpoint", etcd.url, env=env)
+        assert out.returncode == 0 and "already on" in out.stdout, out.stderr
+        for ns in ("kvswitch", "staging"):  # the running namespace's token still writes its workers
+            worker.call("kv/put", {"key": b64(f"/{ns}/workers/w1"), "value": b64("{}")})
+            worker.call("kv/put", {"key": b64(f"/{ns}/engines/e1"), "value": b64("{}")})
+        assert out.stdout.count("revoked a grant") == 1, out.stdout
+        assert "revoked a grant this release does not make: worker READ /staging/old/ (prefix)" in out.stdout
+        with pytest.raises(EtcdAuthError, match="permission denied"):
+            worker.call("kv/range", {"key": b64("/staging/old/x")})
+        again = _secrets("--namespace", "kvswitch", "--etcd-endpoint", etcd.url, env=env)
+        assert again.returncode == 0 and "revoked" not in again.stdout, again.stdout
+        worker.call("kv/put", {"key": b64("/staging/workers/w2"), "value": b64("{}")})
 
 
 def test_a_rerun_once_auth_is_on_with_another_root_password_fails_naming_root() -> None:
