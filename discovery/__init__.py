@@ -12,7 +12,7 @@ import os
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from discovery.lease import Lease, LeaseLost, LeaseState
+from discovery.lease import Lease, LeaseLost, LeaseState, renewal_interval
 from discovery.live_config import ConfigWatcher, put_config
 from discovery.registration import Registration, RegistrationState
 from discovery.session import Discovery, DiscoveryError, KeyTaken
@@ -33,4 +33,5 @@ __all__ = [
     "Snapshot",
     "WatchEvent",
     "put_config",
+    "renewal_interval",
 ]

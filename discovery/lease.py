@@ -22,11 +22,17 @@ from etcd3aio._protobuf import LeaseKeepAliveRequest, LeaseRevokeRequest, LeaseS
 
 from discovery.auth_token import rejects_token
 
-__all__ = ["Lease", "LeaseLost", "LeaseState"]
+__all__ = ["Lease", "LeaseLost", "LeaseState", "renewal_interval"]
 
 log = logging.getLogger(__name__)
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 1.0
+
+
+def renewal_interval(ttl: float) -> float:
+    """Seconds between a lease's renewals while etcd answers: what a live holder's lease never goes
+    much longer without (worker_shim.takeover reads a holder as gone by it)."""
+    return max(ttl / 3.0, 0.2)
 
 
 class LeaseLost(RuntimeError):
@@ -43,7 +49,7 @@ class LeaseState(enum.Enum):
 
 
 class Lease:
-    """Renews every ttl/3 s over one keep-alive stream, reopening it when etcd goes away.
+    """Renews every ttl/3 s (renewal_interval) over one keep-alive stream, reopening it when etcd goes away.
 
     `lost` is set once etcd says the lease is gone (then the owner must register anew); `state`
     says where renewal stands. `revoke()` deletes the attached keys at once; it is safe to call twice.
@@ -90,7 +96,7 @@ class Lease:
             self._task = asyncio.create_task(self._keep_alive(), name=f"lease-{self.hex_id}")
 
     async def _keep_alive(self) -> None:
-        interval = max(self.ttl / 3.0, 0.2)
+        interval = renewal_interval(self.ttl)
         while not self.lost.is_set():
             try:
                 await self._stream(interval)

@@ -294,6 +294,17 @@ class Discovery:
             raise DiscoveryError(f"get {key} failed: {exc}") from exc
         return int(resp.kvs[0].lease) if resp.kvs else None
 
+    async def time_to_live(self, lease_id: int) -> tuple[int, int] | None:
+        """(seconds left, TTL granted) of any lease, as etcd's leader counts them, the seconds left
+        rounded down; None once it is gone. DiscoveryError when etcd does not answer."""
+        assert self.client.lease is not None
+        try:
+            resp = await self.client.lease.time_to_live(lease_id, timeout=5.0)
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            self._failed(exc)
+            raise DiscoveryError(f"reading lease {lease_id:x} failed: {said(exc)}") from exc
+        return (int(resp.TTL), int(resp.grantedTTL)) if resp.TTL >= 0 else None
+
     async def revoke(self, lease_id: int) -> None:
         """Revoke a lease this process does not hold (a dead holder's: worker_shim.takeover); one
         already gone is no failure. DiscoveryError otherwise."""

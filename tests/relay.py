@@ -1,7 +1,8 @@
 """A TCP relay between the test's clients and a real server (nats-server, etcd), for outages the
 test orders: `accepting = False` refuses new connections (who comes back first after a restart is
 the test's choice), `frozen` holds every connection open and relays nothing (a partition, not a
-crash: the server is up for everyone else)."""
+crash: the server is up for everyone else), `cut()` closes every connection open (a link that
+drops: both ends see it closed)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class Relay:
         self.accepting = True
         self.frozen = asyncio.Event()
         self._server: asyncio.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()
 
     @property
     def port(self) -> int:
@@ -29,6 +31,11 @@ class Relay:
         if self._server is not None:
             self._server.close()
 
+    def cut(self) -> None:
+        """Close every connection relayed now; new ones follow `accepting`."""
+        for writer in list(self._open):
+            writer.close()
+
     async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         if not self.accepting:
             client_w.close()
@@ -38,9 +45,11 @@ class Relay:
         except OSError:
             client_w.close()
             return
+        self._open |= {client_w, server_w}
         try:
             await asyncio.gather(self._pipe(client_r, server_w), self._pipe(server_r, client_w))
         finally:
+            self._open -= {client_w, server_w}
             client_w.close()
             server_w.close()
 

@@ -1041,18 +1041,27 @@ class WorkerShim:
 
     async def _took_over(self, exc: KeyTaken) -> bool:
         """Whether the holder of a held --worker-name or engine claim was proven gone and its lease
-        revoked (worker_shim.takeover); why not is said once, with the wait."""
-        if credentials := self.nats_settings.credential_flags():
-            why = f"with NATS credentials ({credentials[0]}) the shim may not probe another worker's subjects"
-        else:
-            assert self._discovery is not None
-            try:
-                await takeover.take_over(self.nc, self._discovery, self.ns, exc)
-                return True
-            except takeover.NotProven as not_proven:
-                why = str(not_proven)
+        revoked (worker_shim.takeover); why not is said once, with the wait. The proof may wait a
+        few seconds for a missed renewal to show: a stop meanwhile ends it, nothing revoked."""
+        assert self._discovery is not None
+        # NATS credentials: an identity kvswitch secrets makes may not probe another worker's subjects
+        nc = None if self.nats_settings.credential_flags() else self.nc
+        proof = asyncio.create_task(takeover.take_over(nc, self._discovery, self.ns, exc), name="takeover")
+        stopping = asyncio.create_task(self._stopping.wait())
+        try:
+            await asyncio.wait([proof, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (proof, stopping):
+                task.cancel()
+            await asyncio.gather(proof, stopping, return_exceptions=True)
+        if proof.cancelled():
+            return False
+        if (failure := proof.exception()) is None:
+            return True
+        if not isinstance(failure, takeover.NotProven):
+            raise failure
         if self._held_since is None:
-            log.info("%s: its holder is not proven gone: %s", exc.key, why)
+            log.info("%s: its holder is not proven gone: %s", exc.key, failure)
         return False
 
     def _held_may_free(self, exc: KeyTaken) -> bool:

@@ -6,72 +6,91 @@ A shim killed without its stop (kill -9, the OOM killer) leaves its lease to exp
 place (`kvswitch up` restarts one at once, as do a pod's or a compose service's restart) waited
 that out, its engine serving nothing (worker_shim.engine_claim, the held --worker-name).
 
-The proof that the holder of lease L is gone, both parts needed:
+The proof that the holder of lease L is gone is etcd's: a live holder renews L every
+renewal_interval(TTL) (TTL/3: discovery.lease), so etcd's leader never counts less than TTL - that
+interval - RENEWAL_MARGIN_S left on it. Less left is a renewal missed, read once or after waiting
+(at most that interval and the margin) for it to show; a renewal meanwhile proves the holder
+alive. A holder that misses renewals that long, cut off from etcd, was losing its lease anyway
+unless etcd came back in time. Where NATS may be asked (no NATS credentials), the holder must
+also be silent there:
 (a) its worker key `/{ns}/workers/{worker}` is held by L. A shim creates that key last, after
     subscribing to its subjects and flushing (Registration's before_create), and unsubscribes only
     after revoking its lease (a session's end, a stop): while the key lives under L, a live holder
-    is subscribed to `{ns}.cancel.{worker}`.
+    is subscribed to `{ns}.cancel.{worker}`;
 (b) a CancelRequest for a request id nobody sent, on `{ns}.cancel.{worker}`, is answered "no
-    responders" by NATS PROBES times in a row, PROBE_GAP_S apart (a subscription made on another
-    server of a NATS cluster reaches this one within them). A live shim answers no cancel (an
-    unknown id is noted, and nothing sent back), so the request times out, which proves nothing.
+    responders" by NATS PROBES times in a row, PROBE_GAP_S apart. A live shim answers no cancel (an
+    unknown id is noted, and nothing sent back), so the request times out: alive.
+NATS alone proved nothing: a NATS cluster whose route between two servers drops forgets, on each
+side, the other side's subscriptions until the route is back (seconds), so a live holder on the
+other server was "no responders". With NATS credentials it is not asked (an identity
+`kvswitch secrets` makes may not publish on another worker's cancel subject, nor hear the answer):
+etcd's proof alone, which a holder that keeps renewing its lease never meets.
 Then L alone is revoked (the holder's worker key and claim go with it) and the registration made
 at once. Anything else proves nothing and the lease is waited out as before: no worker key, or one
-under another lease, a timeout, NATS or etcd failing, and NATS credentials (an identity
-`kvswitch secrets` makes may not publish on another's cancel subject, nor hear the answer).
+under another lease, a timeout or a renewal, NATS or etcd failing.
 
-A live holder cut off from NATS for all of a probe (its server gone, no other joined yet) looks
-gone. Revoked, it registers again, finds the name or the engine taken and exits 2 naming the
-holder (worker_shim.shim), so one shim still serves the engine, never two.
+A live holder evicted all the same (cut off from etcd's leader for over the interval and margin,
+and from NATS) registers again, finds the name or the engine taken and exits 2 naming the holder
+(worker_shim.shim), so one shim still serves the engine, never two.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 
 from nats.aio.client import Client as Nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from discovery import Discovery, DiscoveryError, KeyTaken
+from discovery import Discovery, DiscoveryError, KeyTaken, renewal_interval
 from protocol import CancelRequest, EngineClaim, ProtocolError, decode_json, encode_msg, subjects
 
-__all__ = ["PROBES", "PROBE_GAP_S", "NotProven", "take_over"]
+__all__ = ["PROBES", "PROBE_GAP_S", "RENEWAL_MARGIN_S", "NotProven", "take_over"]
 
 log = logging.getLogger(__name__)
 
 PROBES = 3
 PROBE_GAP_S = 0.4
 PROBE_TIMEOUT_S = 0.5  # a live holder's silence: the wait for an answer that never comes
+# How late a live holder's renewal may reach etcd's leader: its event loop busy, the network, a
+# keep-alive stream reopened after a member restarted (discovery.lease retries within 0.1-1 s).
+RENEWAL_MARGIN_S = 1.0
+READ_AFTER_S = 0.05  # past the moment a missed renewal must show, against rounding
 
 
 class NotProven(Exception):
     """The holder of a taken key is not proven gone; the message says why (the wait's warning)."""
 
 
-async def take_over(nc: Nats, discovery: Discovery, ns: str, taken: KeyTaken) -> str:
+async def take_over(nc: Nats | None, discovery: Discovery, ns: str, taken: KeyTaken) -> str:
     """Revoke `taken`'s lease once its holder is proven gone; returns the holder's worker id.
-    NotProven, naming why, when it is not (nothing is changed then)."""
+    NotProven, naming why, when it is not (nothing is changed then). `nc` None: NATS may not be
+    asked (NATS credentials), etcd's proof alone."""
     if not taken.holder:
         raise NotProven(f"{taken.key} is held by no lease")
     worker = _holder_worker(ns, taken)
-    try:
-        held_by = await discovery.holder(subjects.worker_key(ns, worker))
-    except DiscoveryError as exc:
-        raise NotProven(f"etcd: {exc}") from exc
-    if held_by != taken.holder:
-        raise NotProven(f"the worker key of {worker} is not held by lease {taken.holder:x}")
-    await _no_responders(nc, subjects.cancel(ns, worker))
+    nats_said = "NATS not asked (NATS credentials)"
+    if nc is not None:
+        try:
+            held_by = await discovery.holder(subjects.worker_key(ns, worker))
+        except DiscoveryError as exc:
+            raise NotProven(f"etcd: {exc}") from exc
+        if held_by != taken.holder:
+            raise NotProven(f"the worker key of {worker} is not held by lease {taken.holder:x}")
+        await _no_responders(nc, subjects.cancel(ns, worker))
+        nats_said = f"NATS says nobody is on {subjects.cancel(ns, worker)}"
+    unrenewed = await _missed_renewal(discovery, taken.holder)
     try:
         await discovery.revoke(taken.holder)
     except DiscoveryError as exc:
         raise NotProven(f"etcd: {exc}") from exc
     log.warning(
-        "%s was held by worker %s, which NATS says has nobody on %s: it is gone (killed without its stop); "
-        "revoked its lease %x rather than wait for it to expire",
-        taken.key, worker, subjects.cancel(ns, worker), taken.holder,
+        "%s was held by worker %s, whose lease %x etcd has not seen renewed for %s, and %s: it is gone "
+        "(killed without its stop); revoked its lease rather than wait for it to expire",
+        taken.key, worker, taken.holder, unrenewed, nats_said,
     )  # fmt: skip
     return worker
 
@@ -84,6 +103,35 @@ def _holder_worker(ns: str, taken: KeyTaken) -> str:
         return decode_json(taken.value, EngineClaim).worker
     except ProtocolError as exc:
         raise NotProven(f"{taken.key} does not name its worker: {exc}") from exc
+
+
+async def _missed_renewal(discovery: Discovery, lease_id: int) -> str:
+    """How long etcd has not seen `lease_id` renewed ("over 5s", "it expired"), once that is longer
+    than its holder's renewal interval and RENEWAL_MARGIN_S; NotProven when the lease was renewed
+    meanwhile. Waits, at most that interval and the margin and a second, for a missed one to show."""
+    waited = False
+    while True:
+        try:
+            ttl = await discovery.time_to_live(lease_id)
+        except DiscoveryError as exc:
+            raise NotProven(f"etcd: {exc}") from exc
+        if ttl is None:
+            return "its whole TTL (it expired)"
+        left, granted = ttl
+        interval = renewal_interval(granted)
+        # A live holder's lease has at least `bound` s left, so etcd's count (rounded down) at
+        # least floor(bound); less is a renewal missed.
+        shown = math.floor(granted - interval - RENEWAL_MARGIN_S)
+        if left < shown:
+            return f"over {granted - left - 1}s (it renews every {interval:.1f}s)"
+        if waited:
+            raise NotProven(
+                f"etcd saw lease {lease_id:x} renewed within the last {granted - left}s (its holder renews every "
+                f"{interval:.1f}s): alive"
+            )
+        # Fewer than left + 1 s are left: unrenewed, it shows less than `shown` by then.
+        await asyncio.sleep(left + 1 - shown + READ_AFTER_S)
+        waited = True
 
 
 async def _no_responders(nc: Nats, subject: str) -> None:

@@ -45,7 +45,8 @@ def sim_config(**kw: Any) -> SimConfig:
 
 def shim_for(sim: SimServer, ns: str, nats_url: str, etcd_url: str, **kw: Any) -> WorkerShim:
     """A shim beside `sim` (its resolved endpoints unless `kw` names others; None: the shim reads
-    them from the sim's /kv_event_sources)."""
+    them from the sim's /kv_event_sources). `nats_token`: NATS credentials."""
+    nats = NatsSettings(servers=[nats_url], token=kw.pop("nats_token", None))
     cfg = ShimConfig(
         engine=kw.pop("engine", "vllm"),
         engine_url=kw.pop("engine_url", sim.url),
@@ -59,7 +60,7 @@ def shim_for(sim: SimServer, ns: str, nats_url: str, etcd_url: str, **kw: Any) -
         drain_grace_s=kw.pop("drain_grace_s", 2.0),
         **kw,
     )
-    return WorkerShim(cfg, NatsSettings(servers=[nats_url]), EtcdSettings(endpoints=[etcd_url]))
+    return WorkerShim(cfg, nats, EtcdSettings(endpoints=[etcd_url]))
 
 
 def engine_set(sim: SimServer) -> set[int]:

@@ -1,7 +1,9 @@
 """A shim restarted after its predecessor was killed without its stop (kill -9) takes the worker
-name or engine claim over at once once the holder is proven gone (worker_shim.takeover): it waited
-out the dead shim's lease, 10 s and more with the engine serving nothing (review of 2026-12-06).
-A holder not proven gone is waited for as before, and a live one is never evicted."""
+name or engine claim over once the holder is proven gone (worker_shim.takeover): it waited out the
+dead shim's lease, 10 s and more with the engine serving nothing (review of 2026-12-06). The proof
+is etcd's (the holder's lease missed a renewal) and, where NATS may be asked, NATS's: a live holder
+that NATS alone took for gone (a dropped route in a NATS cluster) was evicted. A holder not proven
+gone is waited for as before, and a live one is never evicted."""
 
 from __future__ import annotations
 
@@ -11,24 +13,32 @@ import time
 
 import nats
 import pytest
+from nats.aio.client import Client as Nats
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
-from discovery import Discovery, KeyTaken
+from discovery import Discovery, renewal_interval
 from discovery.lease import Lease
 from engine_sim.server import SimServer
+from kvswitch.servers import NatsServer, free_ports
 from protocol import ConfigError, WorkerInfo, encode_json, subjects
-from protocol.config import EtcdSettings, NatsSettings
+from protocol.config import EtcdSettings
 from runtime.nats_flush import flush
-from tests.worker_shim.cluster import shim_for, sim_config
-from worker_shim import ShimConfig
+from tests.relay import Relay
+from tests.worker_shim.cluster import shim_for, sim_config, wait_for
+from worker_shim import takeover
 from worker_shim.engine_claim import claim
 from worker_shim.shim import ShimStatus, WorkerShim
 
 DEAD_TTL = 10  # the dead shim's lease: the default --lease-ttl, which the restarted shim waited out
+# From the dead shim's last renewal to the proof: its renewal interval and margin, etcd's whole
+# seconds, and the restarted shim's registration (slack for a loaded machine): well under DEAD_TTL.
+TAKEN_WITHIN_S = renewal_interval(DEAD_TTL) + takeover.RENEWAL_MARGIN_S + 1 + 1.5
 
 
 async def _dead_shim(d: Discovery, ns: str, engine_url: str, worker: str, ttl: int = DEAD_TTL) -> Lease:
     """What a shim killed without its stop leaves: its engine claim and worker key under a lease
-    nobody renews, and nobody subscribed to its subjects."""
+    nobody renews (last renewed at its grant), and nobody subscribed to its subjects."""
     lease = await d.grant(ttl)
     [(key, value)] = claim(ns, engine_url, None, worker).items()
     await d.create(key, encode_json(value), lease)
@@ -42,15 +52,16 @@ async def test_a_killed_shims_engine_claim_is_taken_over_without_waiting_out_its
     ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        renewed = time.monotonic()
         dead = await _dead_shim(d, ns, sim.url, "deadbeef01")
-        started = time.monotonic()
         async with shim_for(sim, ns, nats_url, etcd_url, lease_ttl=DEAD_TTL) as shim:
-            await asyncio.wait_for(shim.registered.wait(), DEAD_TTL / 2)
-            assert time.monotonic() - started < DEAD_TTL / 2 and shim.failure is None
+            await asyncio.wait_for(shim.registered.wait(), DEAD_TTL)
+            assert time.monotonic() - renewed < TAKEN_WITHIN_S and shim.failure is None
             [key] = claim(ns, sim.url, None, "x")
             assert await d.holder(key) == shim.registration.lease.id  # type: ignore[union-attr]
             assert await d.holder(subjects.worker_key(ns, "deadbeef01")) is None, "the dead worker's key went too"
-    assert f"revoked its lease {dead.id:x}" in caplog.text
+    assert f"whose lease {dead.id:x} etcd has not seen renewed for over" in caplog.text
+    assert "NATS says nobody is on" in caplog.text and "revoked its lease" in caplog.text
 
 
 async def test_a_killed_shims_worker_name_is_taken_over_without_waiting_out_its_lease(
@@ -58,10 +69,28 @@ async def test_a_killed_shims_worker_name_is_taken_over_without_waiting_out_its_
 ) -> None:
     """A sidecar restarted in its pod (Kubernetes, compose) under the same --worker-name."""
     async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        renewed = time.monotonic()
         await _dead_shim(d, ns, sim.url, "gpu-11")
         async with shim_for(sim, ns, nats_url, etcd_url, worker_name="gpu-11", lease_ttl=DEAD_TTL) as shim:
-            await asyncio.wait_for(shim.registered.wait(), DEAD_TTL / 2)
+            await asyncio.wait_for(shim.registered.wait(), DEAD_TTL)
+            assert time.monotonic() - renewed < TAKEN_WITHIN_S
             assert shim.worker_id == "gpu-11" and shim.failure is None
+
+
+async def test_with_nats_credentials_a_killed_shim_is_taken_over_on_etcds_proof_alone(
+    ns: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An identity kvswitch secrets makes may publish on no other worker's subject, nor hear the
+    answer: NATS is not asked, and the missed renewal proves the holder gone (it waited the lease
+    out before)."""
+    with NatsServer(authorization='authorization { token: "t0k" }') as server:
+        async with SimServer(sim_config()) as sim, Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+            renewed = time.monotonic()
+            await _dead_shim(d, ns, sim.url, "deadbeef03")
+            async with shim_for(sim, ns, server.url, etcd_url, lease_ttl=DEAD_TTL, nats_token="t0k") as shim:
+                await asyncio.wait_for(shim.registered.wait(), DEAD_TTL)
+                assert time.monotonic() - renewed < TAKEN_WITHIN_S and shim.failure is None
+    assert "NATS not asked (NATS credentials)" in caplog.text and "revoked its lease" in caplog.text
 
 
 @pytest.mark.parametrize("why", ["subscribed", "key under another lease"])
@@ -114,12 +143,88 @@ async def test_a_live_holder_revoked_behind_its_back_finds_its_engine_taken_and_
             await d.release(new)
 
 
-async def test_with_nats_credentials_nothing_is_probed() -> None:
-    """An identity kvswitch secrets makes may publish on no other worker's subject, nor hear the
-    answer: the holder cannot be proven gone, and its lease is waited out."""
-    shim = WorkerShim(
-        ShimConfig(engine="vllm", engine_url="http://127.0.0.1:1", model="m"),
-        NatsSettings(servers=["nats://127.0.0.1:4222"], token="t"),
-        EtcdSettings(endpoints=["http://127.0.0.1:2379"]),
-    )
-    assert not await shim._took_over(KeyTaken("/ns/workers/w", 7))
+async def _answered(nc: Nats, subject: str, answer: type[Exception]) -> None:
+    """Wait until a cancel on `subject` from `nc` meets `answer` (the holder's subscription known
+    to its server: a timeout; forgotten: no responders)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            await nc.request(subject, b"{}", timeout=0.3)
+        except (NoRespondersError, NatsTimeout) as exc:
+            if isinstance(exc, answer):
+                return
+        assert time.monotonic() < deadline, f"{subject} never answered {answer.__name__}"
+        await asyncio.sleep(0.1)
+
+
+async def _newcomer_leaves_the_live_holder(
+    holder: WorkerShim, newcomer: WorkerShim, d: Discovery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`newcomer` (the holder's engine, or its --worker-name) sees the holder's lease renewed and
+    waits, the holder serving on, its lease and claim its own."""
+    assert holder.registration is not None and (lease := holder.registration.lease) is not None
+    async with newcomer:
+        await wait_for(lambda: "renewed within the last" in caplog.text, 20, what="the newcomer's proof to fail")
+        assert not newcomer.registered.is_set() and "revoked its lease" not in caplog.text
+        assert holder.failure is None and holder.serving and holder.registration.lease is lease
+        [key] = claim(holder.ns, holder.config.engine_url, None, "x")
+        assert await d.holder(key) == lease.id
+        assert await d.holder(subjects.worker_key(holder.ns, holder.worker_id or "")) == lease.id
+
+
+@pytest.mark.parametrize("worker_name", [None, "gpu-21"])
+async def test_a_live_holder_that_a_dropped_nats_route_hides_is_not_evicted(
+    ns: str, etcd_url: str, worker_name: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NATS cluster whose route between its two servers drops: each forgets the other's
+    subscriptions until the route is back (nats-server retries it after a second or more), so a
+    shim on B given the engine (or the --worker-name) of a live shim on A met "no responders" on
+    its cancel subject three times, revoked its lease and cut its streams (review of 2026-12-06).
+    etcd sees the holder renew its lease: no proof, the newcomer waits."""
+    caplog.set_level(logging.INFO, logger="worker_shim.shim")
+    port = free_ports(2)
+    route = Relay(port)
+    await route.start()
+    name = {"worker_name": worker_name, "lease_ttl": DEAD_TTL}
+    try:
+        with (
+            NatsServer(cluster_port=port, server_name="A") as a,
+            NatsServer(cluster_port=port + 1, routes=[route.port], server_name="B") as b,
+        ):
+            async with (
+                SimServer(sim_config()) as sim,
+                Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d,
+                shim_for(sim, ns, a.url, etcd_url, **name) as holder,
+            ):
+                await asyncio.wait_for(holder.registered.wait(), 20)
+                on_b = await nats.connect(b.url)
+                try:
+                    subject = subjects.cancel(ns, holder.worker_id or "")
+                    await _answered(on_b, subject, NatsTimeout)  # B knows the holder's subscription
+                    route.accepting = False
+                    route.cut()
+                    await _answered(on_b, subject, NoRespondersError)  # and forgot it: "gone" to NATS
+                    await _newcomer_leaves_the_live_holder(
+                        holder, shim_for(sim, ns, b.url, etcd_url, **name), d, caplog
+                    )
+                finally:
+                    await on_b.close()
+    finally:
+        await route.close()
+
+
+async def test_with_nats_credentials_a_live_holder_is_not_evicted(
+    ns: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under NATS credentials etcd's proof stands alone: a holder renewing its lease keeps it."""
+    caplog.set_level(logging.INFO, logger="worker_shim.shim")
+    with NatsServer(authorization='authorization { token: "t0k" }') as server:
+        token = {"lease_ttl": DEAD_TTL, "nats_token": "t0k"}
+        async with (
+            SimServer(sim_config()) as sim,
+            Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d,
+            shim_for(sim, ns, server.url, etcd_url, **token) as holder,
+        ):
+            await asyncio.wait_for(holder.registered.wait(), 20)
+            newcomer = shim_for(sim, ns, server.url, etcd_url, **token)
+            await _newcomer_leaves_the_live_holder(holder, newcomer, d, caplog)
