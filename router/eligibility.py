@@ -64,7 +64,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.messages import WorkerInfo
-from router.fleet_lines import NAMED_AT_MOST, FleetLines, FleetLog
+from router.fleet_lines import NAMED_AT_MOST, FleetEpisodes, FleetLines, FleetLog
 from router.load_view import Liveness
 
 __all__ = [
@@ -112,7 +112,6 @@ class _PrefillEpisode:
     failed_at: float  # its last failed leg
     why: str
     serves_whole: bool  # it only gave no transfer handle: its engine serves whole requests
-    named: bool  # its start's WARNING was logged (not counted in a summary): so is its end
     probe_until: float = 0.0  # a probe holds it until then
 
 
@@ -220,6 +219,7 @@ class Eligibility:
         self._prefill_again_lines = FleetLines(
             log, logging.INFO, "prefill workers serve prefill legs again", clock=clock, fleet_log=fleet_log
         )
+        self._prefill_episodes = FleetEpisodes(self._prefill_lines, self._prefill_again_lines)
 
     # --- what the service tells it ---------------------------------------------------------------
 
@@ -231,6 +231,7 @@ class Eligibility:
         self._unreachable.pop(worker, None)
         self._malformed.pop(worker, None)
         self._prefill_failing.pop(worker, None)
+        self._prefill_episodes.forget(worker)
 
     def mark_unreachable(self, worker: str, why: str) -> None:
         self._unreachable[worker] = (self._clock(), why)
@@ -249,13 +250,10 @@ class Eligibility:
         if fault is None:
             if held is not None and self._clock() - held.failed_at >= PREFILL_COOLDOWN_S:
                 del self._prefill_failing[worker]
-                if held.named:  # a fleet's recoveries in another order than its failures must not hide it
-                    log.info("prefill worker %s serves prefill legs again", worker)
-                else:
-                    self._prefill_again_lines.say(worker, "prefill worker %s serves prefill legs again", worker)
+                self._prefill_episodes.ended(worker, "prefill worker %s serves prefill legs again", worker)
             return
         if held is None:
-            named = self._prefill_lines.say(
+            self._prefill_episodes.began(
                 worker,
                 "prefill worker %s failed a prefill leg through its own fault: %s. Its requests prefill on other "
                 "prefill workers (or on their decode worker when none is left) for %gs after each such failure, "
@@ -264,9 +262,7 @@ class Eligibility:
                 fault,
                 PREFILL_COOLDOWN_S,
             )
-        else:
-            named = held.named
-        self._prefill_failing[worker] = _PrefillEpisode(self._clock(), fault, serves_whole, named)
+        self._prefill_failing[worker] = _PrefillEpisode(self._clock(), fault, serves_whole)
 
     def prefill_probe(self, worker: str, for_s: float) -> None:
         """A prefill leg on `worker` was planned: past its cooldown, it is the probe, and no other

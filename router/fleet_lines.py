@@ -15,9 +15,11 @@ beside it when they were more. The cause may be judged when the summary is said 
 the count), e.g. whether the fleet shares it. A clock that steps back opens a new window: on a
 running loop, a summary is said at most `window_s` after its first held line.
 
-`say` returns whether it named the worker: a part that ends an episode (a recovery, through capped
-lines of its own) names the end of every episode whose start was named, so that no worker named
-failing is left unnamed when it recovers.
+`FleetEpisodes` says episodes (a failure, then its recovery) on two FleetLines, one for their
+starts and one for their ends, and names the end of every episode whose start was named: capped on
+their own, the ends named the first NAMED_AT_MOST to end, and a fleet's episodes need not end in the
+order they began, so a worker named failing could be counted recovering, its log ending on the
+failure (review of 2026-12-06).
 
 `LastSaid` is what was said of each worker, kept when its key goes: a worker back under its name
 after a fleet restart, with the same thing to say, is not news.
@@ -30,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 
-__all__ = ["NAMED_AT_MOST", "REMEMBERED", "WINDOW_S", "FleetLines", "FleetLog", "LastSaid"]
+__all__ = ["NAMED_AT_MOST", "REMEMBERED", "WINDOW_S", "FleetEpisodes", "FleetLines", "FleetLog", "LastSaid"]
 
 # Workers named in a window; a no-worker 503 and /ready name as many (router.eligibility, which
 # logs through a FleetLines too, so it is defined here, where nothing of the router is imported)
@@ -66,9 +68,10 @@ class FleetLines:
         if fleet_log is not None:
             fleet_log.add(self)
 
-    def say(self, worker: str, msg: str, *args: object) -> bool:
+    def say(self, worker: str, msg: str, *args: object, stacklevel: int = 2) -> bool:
         """Log `msg % args`, a line naming `worker`, unless NAMED_AT_MOST others were named in this
-        window: then count it for the summary. Whether it was logged."""
+        window: then count it for the summary. Whether it was logged. `stacklevel`: the caller the
+        line is put down to (2: say's own caller)."""
         now = self._clock()
         # A clock stepped back (time.time under an NTP correction) opens one too: the window it
         # left would hold every line, and its summary, for as long as the step.
@@ -78,7 +81,7 @@ class FleetLines:
             self._named.clear()
         if worker in self._named or len(self._named) < NAMED_AT_MOST:
             self._named.add(worker)
-            self._log.log(self._level, msg, *args, stacklevel=2)
+            self._log.log(self._level, msg, *args, stacklevel=stacklevel)
             return True
         self._held.add(worker)
         self._held_lines += 1
@@ -112,6 +115,40 @@ class FleetLines:
     def _due(self) -> None:
         self._timer = None
         self.flush()
+
+
+# An episode's key: its worker, or a tuple of its worker and what else tells it apart (a pair)
+Episode = str | tuple[str, str]
+
+
+class FleetEpisodes:
+    """Episodes said on `start_lines` as they begin and `end_lines` as they end, the end of one
+    whose start was named named beside the end lines' own few."""
+
+    def __init__(self, start_lines: FleetLines, end_lines: FleetLines) -> None:
+        self._start, self._end = start_lines, end_lines
+        self._named: set[Episode] = set()  # episodes going on whose start was named
+
+    def began(self, key: Episode, msg: str, *args: object) -> None:
+        """Say that episode `key` began (or goes on: named once, its end is named)."""
+        if self._start.say(_worker(key), msg, *args, stacklevel=3):
+            self._named.add(key)
+
+    def ended(self, key: Episode, msg: str, *args: object) -> None:
+        """Say that episode `key` ended: by name if its start was named, else on the end lines."""
+        if key in self._named:
+            self._named.discard(key)
+            self._end._log.log(self._end._level, msg, *args, stacklevel=2)
+        else:
+            self._end.say(_worker(key), msg, *args, stacklevel=3)
+
+    def forget(self, key: Episode) -> None:
+        """Episode `key` is gone unsaid (its worker left)."""
+        self._named.discard(key)
+
+
+def _worker(key: Episode) -> str:
+    return key if isinstance(key, str) else key[0]
 
 
 class FleetLog:

@@ -59,7 +59,7 @@ from nats.aio.subscription import Subscription
 from protocol import check_hashes, hash_count, subjects
 from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
-from router.fleet_lines import FleetLines, FleetLog
+from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
 
 __all__ = ["BLOCKS_PER_WAIT", "LIMIT_HINT", "FailureKind", "FetchFailure", "GapRepair", "RepairTarget"]
 
@@ -126,7 +126,6 @@ class _Loop:
     last_error_log: float = field(default=-1e18)
     last_failure: str = ""  # of the failures in a row, the last one's why
     last_kind: FailureKind | None = None  # and its FetchFailure.kind
-    named: bool = False  # an ERROR of these failures named the worker: its success does too
 
 
 class GapRepair:
@@ -185,6 +184,8 @@ class GapRepair:
             clock=clock,
             fleet_log=fleet_log,
         )
+        # an ERROR, then the success: a worker named failing is named succeeding (kept while its loop is)
+        self._episodes = FleetEpisodes(self._error_lines, self._recovered_lines)
 
     def ensure(self, worker: str) -> None:
         """Run the worker's repair loop unless it runs already."""
@@ -199,6 +200,7 @@ class GapRepair:
         loop = self._loops.pop(worker, None)
         if loop is not None:
             loop.task.cancel()
+            self._episodes.forget(worker)
 
     def failures(self, worker: str) -> int:
         loop = self._loops.get(worker)
@@ -210,6 +212,8 @@ class GapRepair:
         return loop.last_kind if loop is not None and loop.failures else None
 
     async def stop(self) -> None:
+        for worker in self._loops:
+            self._episodes.forget(worker)
         loops, self._loops = list(self._loops.values()), {}
         for loop in loops:
             loop.task.cancel()
@@ -219,6 +223,7 @@ class GapRepair:
         loop = self._loops.get(worker)
         if loop is not None and loop.task is task:
             del self._loops[worker]
+            self._episodes.forget(worker)
         if not task.cancelled() and task.exception() is not None:
             log.error("KV repair of worker %s crashed: %r", worker, task.exception())
 
@@ -235,12 +240,11 @@ class GapRepair:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.retry_max_s)
                 continue
-            msg = "KV repair of worker %s succeeded after %d failures"
-            if loop.named:  # a fleet's repairs succeeding in another order than they failed must not hide it
-                log.warning(msg, worker, loop.failures)
-            elif loop.failures >= ERROR_AFTER:
-                self._recovered_lines.say(worker, msg, worker, loop.failures)
-            loop.failures, loop.named = 0, False
+            if loop.failures >= ERROR_AFTER:
+                self._episodes.ended(
+                    worker, "KV repair of worker %s succeeded after %d failures", worker, loop.failures
+                )
+            loop.failures = 0
             delay = self.retry_min_s
             self._target.repair_reply(worker, chunks)
 
@@ -249,7 +253,7 @@ class GapRepair:
         loop.last_failure, loop.last_kind = str(failure), failure.kind
         if loop.failures >= ERROR_AFTER and now - loop.last_error_log >= self.error_every_s:
             loop.last_error_log = now
-            loop.named |= self._error_lines.say(
+            self._episodes.began(
                 worker,
                 "KV state of worker %s cannot be repaired (%d failures in a row, last: %s); it stays out of "
                 "routing until a request on %s gets a complete answer (%s)",

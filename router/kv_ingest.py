@@ -94,7 +94,7 @@ from protocol.messages import (
     decode_msg,
 )
 from router.block_index import BlockIndex, IndexFullError
-from router.fleet_lines import FleetLines, FleetLog
+from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
 from router.gap_repair import LIMIT_HINT, FailureKind, FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
@@ -261,6 +261,8 @@ class KvIngest:
             clock=clock,
             fleet_log=fleet_log,
         )
+        # an unfixed digest's ERROR, then its agreeing again: capped alike, but for those named unfixed
+        self._unfixed = FleetEpisodes(self._unfixed_lines, self._agrees_lines)
         self._on_events = on_events
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
@@ -333,6 +335,7 @@ class KvIngest:
             self._set_held(state, [])
             if state.digest_unfixed:
                 self.stats.digest_unfixed -= 1
+                self._unfixed.forget(worker)
         self._unsynced.discard(worker)
         unknown = self._unknown.pop(worker, ())
         self.stats.unknown_held -= len(unknown)
@@ -621,7 +624,7 @@ class KvIngest:
             return
         state.digest_unfixed = True
         self.stats.digest_unfixed += 1
-        self._unfixed_lines.say(
+        self._unfixed.began(
             state.name,
             "KV digest of worker %s still disagrees right after a full dump (seq %d: index %d blocks xor %x, shim "
             "%d xor %x): its shim's digest and its own KV dump disagree (another kvswitch build? docs/deployment.md, "
@@ -643,7 +646,7 @@ class KvIngest:
         if state.digest_unfixed:
             state.digest_unfixed = False
             self.stats.digest_unfixed -= 1
-            self._agrees_lines.say(state.name, "KV digest of worker %s agrees with the index again", state.name)
+            self._unfixed.ended(state.name, "KV digest of worker %s agrees with the index again", state.name)
 
     def _check_ahead(self, state: _Worker, report: LoadReport) -> None:
         """A report below the index's seq. Judged on the shim's clock, never on arrival: load

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.fleet_lines import FleetLines, FleetLog
+from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
 
 __all__ = ["CONFIRM_S", "PROBE_TIMEOUT_S", "TRANSFER_COOLDOWN_S", "TransferHealth"]
 
@@ -86,7 +86,6 @@ class TransferHealth:
         self._probes: dict[tuple[str, str], float] = {}  # pair in an episode -> when its probe was planned
         self._counted: set[tuple[str, str]] = set()  # pairs closed by a report's count: a report ends them
         self._confirming: dict[tuple[str, str], float] = {}  # counted pair -> when its probe's pull gave a token
-        self._named: set[tuple[str, str]] = set()  # pairs in an episode whose WARNING was logged: their end is too
         self._reported: dict[str, int] = {}  # worker -> its last LoadReport.kv_transfers_failed
         self._pulls: dict[str, dict[str, _Pulls]] = {}  # decode -> prefill -> this replica's pulls
         self._heard: dict[str, float] = {}  # decode worker with pulls followed -> when its last report came
@@ -110,25 +109,26 @@ class TransferHealth:
             clock=clock,
             fleet_log=fleet_log,
         )
+        self._episodes = FleetEpisodes(self._failed_lines, self._recovered_lines)
 
     def failed(self, worker: str, prefill_worker: str = ANY, *, counted: bool = False) -> None:
         """A pull into `worker` of KV computed on `prefill_worker` (ANY: not known) failed.
         `counted`: known from the engine's count (a load report), so only a report ends it."""
         self.failures += 1
         key = (worker, prefill_worker)
-        if key not in self._last_failure and self._failed_lines.say(
-            worker,
-            "decode worker %s failed to load KV prefilled on %s: for the next %.0fs its requests %s "
-            "(bypass_transfer_failing when no prefill worker is left), then it is tried again. The engines' "
-            "logs say why: a failed NIXL read, or a KV lease that ran out (vLLM 0.32: a prefill engine frees "
-            "unpulled KV after --kv-transfer-config's kv_connector_extra_config.kv_lease_duration, 30 s by "
-            "default, unless the decode engine's heartbeats renew it)",
-            worker,
-            prefill_worker or "a prefill worker (its engine's count)",
-            self.cooldown_s,
-            f"pair with other prefill workers than {prefill_worker}" if prefill_worker else "prefill there",
-        ):
-            self._named.add(key)
+        if key not in self._last_failure:
+            self._episodes.began(
+                key,
+                "decode worker %s failed to load KV prefilled on %s: for the next %.0fs its requests %s "
+                "(bypass_transfer_failing when no prefill worker is left), then it is tried again. The engines' "
+                "logs say why: a failed NIXL read, or a KV lease that ran out (vLLM 0.32: a prefill engine frees "
+                "unpulled KV after --kv-transfer-config's kv_connector_extra_config.kv_lease_duration, 30 s by "
+                "default, unless the decode engine's heartbeats renew it)",
+                worker,
+                prefill_worker or "a prefill worker (its engine's count)",
+                self.cooldown_s,
+                f"pair with other prefill workers than {prefill_worker}" if prefill_worker else "prefill there",
+            )
         self._last_failure[key] = self._clock()
         self._probes.pop(key, None)
         self._confirming.pop(key, None)
@@ -216,12 +216,7 @@ class TransferHealth:
         self._probes.pop(key, None)
         self._confirming.pop(key, None)
         self._counted.discard(key)
-        msg, args = "decode worker %s loads KV from %s again", (key[0], key[1] or "its prefill workers")
-        if key in self._named:  # its failure was named: a fleet's recoveries in another order must not hide it
-            self._named.discard(key)
-            log.info(msg, *args)
-        else:
-            self._recovered_lines.say(key[0], msg, *args)
+        self._episodes.ended(key, "decode worker %s loads KV from %s again", key[0], key[1] or "its prefill workers")
 
     def probing(self, worker: str, prefill_worker: str) -> None:
         """A request was planned to pull into `worker` from `prefill_worker`: past a cooldown, it is
@@ -281,7 +276,7 @@ class TransferHealth:
             self._probes.pop(key, None)
             self._confirming.pop(key, None)
             self._counted.discard(key)
-            self._named.discard(key)
+            self._episodes.forget(key)
         self._pulls.pop(worker, None)
         for pulls in self._pulls.values():
             pulls.pop(worker, None)

@@ -3,8 +3,8 @@ rest (router.fleet_lines), at each site that logged it once per worker: the KV d
 repair, the tokenizer and build checks, a KV index ahead of its shim, malformed KV events, malformed
 replies, the service's clock steps and malformed load reports (its unregistered load reports are in
 test_isolation_peers), calibration's three warnings, a failed KV pull and a prefill worker's failing
-legs, and the ends of those two, KV batches held past their bound, and refused worker records. One
-worker alone is named as before. Log-volume audit of 2026-12-06."""
+legs, and the ends of those two and of the KV ERRORs, KV batches held past their bound, and refused
+worker records. One worker alone is named as before. Log-volume audit of 2026-12-06."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from router.block_index import BlockIndex
 from router.calibration import DROPPED_WARN_AFTER, NO_CONTEXT_WARN_AFTER, Calibration
 from router.dispatch import Dispatcher
 from router.eligibility import NAMED_AT_MOST, PREFILL_COOLDOWN_S, Eligibility, Exclusion
-from router.fleet_lines import FleetLines, FleetLog
+from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
 from router.gap_repair import FailureKind, GapRepair
 from router.kv_ingest import KvIngest
 from router.leg import LegError
@@ -94,6 +94,24 @@ async def test_a_clock_stepped_back_opens_a_new_window(caplog: pytest.LogCapture
     named, summary = _lines(caplog, "tests.fleet_lines", logging.WARNING, "hit it")
     assert named == [f"worker {w} hit it" for w in WORKERS[: 2 * NAMED_AT_MOST]]
     assert summary == [f"and {FLEET - 2 * NAMED_AT_MOST} more workers: the cause"]
+
+
+def test_an_episode_named_as_it_began_is_named_as_it_ends_unless_its_worker_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = logging.getLogger("tests.fleet_lines")
+    episodes = FleetEpisodes(FleetLines(log, logging.WARNING, "failed"), FleetLines(log, logging.INFO, "recovered"))
+    with caplog.at_level(logging.INFO, logger="tests.fleet_lines"):
+        for worker in WORKERS:
+            episodes.began(worker, "worker %s failed", worker)
+        episodes.forget("w0000")  # it left, its episode unended: back, it is a worker as any other
+        for worker in WORKERS[::-1]:
+            episodes.ended(worker, "worker %s recovered", worker)
+        episodes._end.flush()
+    said = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert {r.getMessage().split()[1] for r in said[:-1]} == set(WORKERS[1:NAMED_AT_MOST] + WORKERS[-NAMED_AT_MOST:])
+    assert said[-1].getMessage() == f"and {FLEET - 2 * NAMED_AT_MOST + 1} more workers: recovered"
+    assert {r.pathname for r in caplog.records if "worker w" in r.getMessage()} == {__file__}  # put down to here
 
 
 def test_a_stopping_router_says_what_it_held(caplog: pytest.LogCaptureFixture) -> None:
@@ -752,6 +770,34 @@ async def test_a_fleet_repaired_in_another_order_than_it_failed_names_each_one_n
     workers, held = _recovered(FLEET)
     assert len(named) == workers
     assert summary == [f"and {held} more workers: KV repair succeeded after 3 or more failures"]
+
+
+@pytest.mark.parametrize("order", ["as they failed", "reversed"])
+async def test_a_fleet_whose_digests_agree_again_names_each_one_named_unfixed(
+    fleet_ingest: tuple[KvIngest, list[FakeShim]], caplog: pytest.LogCaptureFixture, order: str
+) -> None:
+    """Every digest disagrees right after its dump (shims of another build), then each agrees again
+    (the fleet upgraded), in any order: capped on their own, the agreements named the first eight
+    to agree, so a worker whose ERROR was named was counted agreeing (review of 2026-12-06)."""
+    ingest, shims = fleet_ingest
+    caplog.set_level(logging.INFO, logger="router.kv_ingest")
+    for _ in range(2):  # a resync, then its dump did not make it agree
+        for shim in shims:
+            ingest.check_digest(_wrong_digest(shim))
+        assert await ingest.wait_synced(20.0)
+    assert ingest.stats.digest_unfixed == FLEET
+    for shim in shims if order == "as they failed" else shims[::-1]:
+        ingest.check_digest(LoadReport(worker=shim.worker, ts=0.0, kv_epoch=shim.epoch, kv_seq=shim.seq))
+    ingest._agrees_lines.flush()
+    assert ingest.stats.digest_unfixed == 0
+    failing = {m.split()[4] for m in _lines(caplog, "router.kv_ingest", logging.ERROR, "right after a full dump")[0]}
+    assert failing == set(WORKERS[:NAMED_AT_MOST])
+    named, summary = _lines(caplog, "router.kv_ingest", logging.INFO, "agrees with the index again")
+    assert failing <= {m.split()[4] for m in named}
+    workers, held = _recovered(FLEET)
+    assert len(named) == len(set(named)) == workers
+    assert summary == [f"and {held} more workers: KV digests agree with the index again (their shims' and this "
+                       "router's)"]  # fmt: skip
 
 
 @pytest.mark.parametrize("fleet", [1, FLEET])
