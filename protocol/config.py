@@ -71,17 +71,13 @@ MAX_LOAD_PERIOD_S = 60.0
 # --load-period-s is refused. A router also reads a shorter period_s as this one.
 MIN_LOAD_PERIOD_S = 0.05
 # A NATS connection leaves a server that answered none of this many PINGs in a row: at the next
-# interval, 3-4 intervals after it went silent (15-20 s at the default 5 s). Other bytes it sends
-# (its own PINGs, +OK, messages) are no answer: a server may send and read nothing. But a read that
-# fills nats-py's buffer (32 KiB) answers the PINGs outstanding too, for at most 3x this many
-# intervals in a row without a PONG (runtime.nats_connect): a PONG comes behind all the server sent
-# before it, so a process busy reading a burst of messages read it late and left a healthy server
-# (at 0.5 s, 6 times in 30 s). A server that floods and reads nothing is left at most 13 intervals
-# after its last PONG (65 s at 5 s).
+# interval, 3-4 intervals after it went silent (15-20 s at the default 5 s). Only a PONG answers.
 PINGS_UNANSWERED = 3
-# Below 0.5 s a loaded server's or client's hiccup could pass for a dead server; above 120 s (nats-py's
-# own default) a frozen node holds its clients for over 6 minutes.
-PING_INTERVAL_S = (0.5, 120.0)
+# A PONG is read behind everything the server sent before it, so a process behind on reading (a
+# burst of messages waiting, its loop busy) reads it late: at 0.5 s such a reader left a healthy
+# server 6 times in 30 s, at 1 s once; at 2 s and over, never (tests/runtime/test_nats_stale.py).
+# Above 120 s (nats-py's own default) a frozen node holds its clients for over 6 minutes.
+PING_INTERVAL_S = (2.0, 120.0)
 
 
 class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -313,7 +309,8 @@ class NatsSettings(msgspec.Struct, kw_only=True, frozen=True):
                 "nats_ping_interval_s",
                 self.ping_interval_s,
                 f"must be in [{PING_INTERVAL_S[0]:g}, {PING_INTERVAL_S[1]:g}] seconds (a silent server is left after "
-                f"{PINGS_UNANSWERED}-{PINGS_UNANSWERED + 1} of them)",
+                f"{PINGS_UNANSWERED}-{PINGS_UNANSWERED + 1} of them; below {PING_INTERVAL_S[0]:g} s, a process "
+                "behind on reading reads a healthy server's PONG late and leaves it)",
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("nats_tls_cert", self.tls_cert, "nats_tls_cert and nats_tls_key go together")

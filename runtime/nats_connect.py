@@ -11,11 +11,6 @@ It also leaves a server that stops answering (frozen, or cut off with its TCP co
 once: nats-py noticed it (PINGs unanswered, protocol.config.PINGS_UNANSWERED) and then awaited the
 old socket's graceful close, which with bytes still queued for that server waited until the kernel
 gave up on it, ~15 minutes (nats-io/nats.py#671). Both the leaving and the server joined are said.
-A chunk read that fills nats-py's read buffer (the process is behind) answers the PINGs too, for
-a bounded number of intervals (_AliveWhenRead): nats-py counted only PONGs, which are read in order
-behind everything the server sent before them, so a process busy while a burst of messages waited
-read them late and left a healthy server (every 0.5 s, 6 times in 30 s, a burst of 20 MB every 5 s;
-its backlog lost each time).
 
 In its own module, not in `runtime`'s namespace: processes without NATS (engine_sim) import runtime.
 """
@@ -31,11 +26,10 @@ import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from nats.aio.client import DEFAULT_BUFFER_SIZE, Client, Srv, _default_error_callback
+from nats.aio.client import Client, Srv, _default_error_callback
 from nats.aio.errors import ErrStaleConnection
 from nats.aio.transport import TcpTransport, Transport, WebSocketTransport
 from nats.errors import AuthorizationError, Error
-from nats.protocol.parser import Parser
 
 from runtime import RepeatedErrors
 
@@ -125,7 +119,6 @@ class _EncryptedOrNothing(Client):
         self.left_stale: str | None = None  # the server last left for answering no PING, until one is joined
         self._left_address: _Address | None = None  # its socket's peer, until one is joined
         self._to_move_back: _Address | None = None  # the same, until the pool was reordered once
-        self._ps = _AliveWhenRead(self)
 
     def server(self) -> str:
         """The server of this connection (or of its last try), without a `user:password@`."""
@@ -189,42 +182,11 @@ class _EncryptedOrNothing(Client):
 
 
 def _shown(server: Srv) -> str:
-    return f"{server.uri.scheme}://{server.uri.hostname}:{server.uri.port}"
+    # As protocol.errors.without_userinfo shows --nats-servers: brackets and case kept.
+    return f"{server.uri.scheme}://{server.uri.netloc.rpartition('@')[2]}"
 
 
 _Address = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
-
-
-class _AliveWhenRead(Parser):
-    """nats-py's parser, which its reader task feeds what it reads from the server, at most
-    DEFAULT_BUFFER_SIZE (32 KiB) at a time (over ws://, a WebSocket frame, of any size). A full
-    chunk means more was waiting: this process is behind, and the PONGs it awaits are queued behind
-    that backlog, so a full chunk answers the PINGs outstanding, as their PONG would. Any other
-    chunk answers nothing: a server that keeps sending (its own PINGs, +OK, a trickle of messages)
-    but reads nothing from this connection is left by nats-py's rule. At most
-    FORGIVEN_PER_UNANSWERED x max_outstanding_pings PING intervals in a row are answered so without
-    a PONG; then nats-py's rule runs out as ever, so a server that floods this connection and reads
-    nothing is left too, 4 x max_outstanding_pings + 1 intervals after its last PONG at most.
-    tests/runtime/test_nats_stale.py checks the nats-py internals this reads and writes."""
-
-    # The backlog read at the shortest interval (20 MB bursts behind a loop busy 20 ms at a time:
-    # 6-7 intervals without a PONG) fits with room; a longer one is cut short as a silent server.
-    FORGIVEN_PER_UNANSWERED = 3
-
-    def reset(self) -> None:  # nats-py's, as a connection ends and as the next one starts
-        super().reset()
-        self.forgiven = 0  # PING intervals answered by full chunks since the last PONG
-
-    async def parse(self, data: bytes = b"") -> None:
-        nc = self.nc
-        cap = self.FORGIVEN_PER_UNANSWERED * nc.options["max_outstanding_pings"]
-        if len(data) >= DEFAULT_BUFFER_SIZE and 0 < nc._pings_outstanding <= cap - self.forgiven:
-            self.forgiven += nc._pings_outstanding
-            nc._pings_outstanding = 0
-        pongs = nc._pongs_received
-        await super().parse(data)
-        if nc._pongs_received != pongs:
-            self.forgiven = 0
 
 
 def _address(sockaddr: tuple[Any, ...]) -> _Address:

@@ -20,15 +20,15 @@ import pytest
 
 from kvswitch.client import CompletionClient
 from kvswitch.cluster import ClusterSpec, LocalCluster
-from protocol.config import PINGS_UNANSWERED
+from protocol.config import PING_INTERVAL_S, PINGS_UNANSWERED
 from tests.runtime.frozen import frozen
 
 NS = "frozen"
 WORKERS = 3
-PING_S = 1.0
+PING_S = PING_INTERVAL_S[0]  # the shortest allowed, 2 s
 # Noticed PINGS_UNANSWERED+1 intervals after the freeze at most, a connect try that may pick the
-# frozen node again (2 s), each worker's next load report, and slack for a loaded machine: far below
-# the 240 s the old defaults needed at best.
+# frozen node again (2 s), each worker's next load report, and slack for a loaded machine: 30 s, far
+# below the 240 s the old defaults needed at best (their first PING goes 120 s in).
 SERVING_WITHIN_S = (PINGS_UNANSWERED + 1) * PING_S + 2.0 + 20.0
 
 
