@@ -1041,12 +1041,21 @@ class WorkerShim:
 
     async def _took_over(self, exc: KeyTaken) -> bool:
         """Whether the holder of a held --worker-name or engine claim was proven gone and its lease
-        revoked (worker_shim.takeover); why not is said once, with the wait. The proof may wait a
-        few seconds for a missed renewal to show: a stop meanwhile ends it, nothing revoked."""
+        revoked (worker_shim.takeover); why not is said once, with the wait. Never under NATS
+        credentials: the lease is waited out. The proof may wait a few seconds for a missed renewal
+        to show: a stop meanwhile ends it, nothing revoked."""
         assert self._discovery is not None
-        # NATS credentials: an identity kvswitch secrets makes may not probe another worker's subjects
-        nc = None if self.nats_settings.credential_flags() else self.nc
-        proof = asyncio.create_task(takeover.take_over(nc, self._discovery, self.ns, exc), name="takeover")
+        if credentials := self.nats_settings.credential_flags():
+            # etcd alone cannot tell a holder whose event loop stalled past a renewal from a dead
+            # one, and an identity kvswitch secrets makes may not probe another worker's subjects
+            if self._held_since is None:
+                log.info(
+                    "%s: its holder is not proven gone: with NATS credentials (%s) NATS is not asked "
+                    "whether it is alive, and etcd alone cannot tell a stalled holder from a dead one",
+                    exc.key, credentials[0],
+                )  # fmt: skip
+            return False
+        proof = asyncio.create_task(takeover.take_over(self.nc, self._discovery, self.ns, exc), name="takeover")
         stopping = asyncio.create_task(self._stopping.wait())
         try:
             await asyncio.wait([proof, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -10,9 +10,8 @@ The proof that the holder of lease L is gone is etcd's: a live holder renews L e
 renewal_interval(TTL) (TTL/3: discovery.lease), so etcd's leader never counts less than TTL - that
 interval - RENEWAL_MARGIN_S left on it. Less left is a renewal missed, read once or after waiting
 (at most that interval and the margin) for it to show; a renewal meanwhile proves the holder
-alive. A holder that misses renewals that long, cut off from etcd, was losing its lease anyway
-unless etcd came back in time. Where NATS may be asked (no NATS credentials), the holder must
-also be silent there:
+alive. A holder may miss renewals alive: its event loop stalled (a long synchronous step, a GC
+pause, a starved CPU) or cut off from etcd's leader. So the holder must also be silent on NATS:
 (a) its worker key `/{ns}/workers/{worker}` is held by L. A shim creates that key last, after
     subscribing to its subjects and flushing (Registration's before_create), and unsubscribes only
     after revoking its lease (a session's end, a stop): while the key lives under L, a live holder
@@ -20,18 +19,23 @@ also be silent there:
 (b) a CancelRequest for a request id nobody sent, on `{ns}.cancel.{worker}`, is answered "no
     responders" by NATS PROBES times in a row, PROBE_GAP_S apart. A live shim answers no cancel (an
     unknown id is noted, and nothing sent back), so the request times out: alive.
+A stalled holder stays subscribed until its server drops its connection (PINGs unanswered:
+minutes at nats-server's defaults; or writes to it blocked past the server's write_deadline, a
+slow consumer), so short of that it is not evicted, however long it stalls within its lease.
 NATS alone proved nothing: a NATS cluster whose route between two servers drops forgets, on each
 side, the other side's subscriptions until the route is back (seconds), so a live holder on the
-other server was "no responders". With NATS credentials it is not asked (an identity
-`kvswitch secrets` makes may not publish on another worker's cancel subject, nor hear the answer):
-etcd's proof alone, which a holder that keeps renewing its lease never meets.
+other server was "no responders"; etcd's proof does not depend on it.
 Then L alone is revoked (the holder's worker key and claim go with it) and the registration made
 at once. Anything else proves nothing and the lease is waited out as before: no worker key, or one
-under another lease, a timeout or a renewal, NATS or etcd failing.
+under another lease, a timeout or a renewal, NATS or etcd failing. With NATS credentials there is
+no takeover (worker_shim.shim waits the lease out): an identity `kvswitch secrets` makes may not
+publish on another worker's cancel subject, nor hear the answer, and etcd's proof alone evicted a
+live, streaming holder whose event loop stalled 2.5 s across a renewal (review of 2026-12-06).
 
-A live holder evicted all the same (cut off from etcd's leader for over the interval and margin,
-and from NATS) registers again, finds the name or the engine taken and exits 2 naming the holder
-(worker_shim.shim), so one shim still serves the engine, never two.
+A live holder evicted all the same (missing renewals, and unknown to the newcomer's NATS server:
+cut off from NATS too, or its server's route to the newcomer's down) registers again, finds the
+name or the engine taken and exits 2 naming the holder (worker_shim.shim), so one shim still
+serves the engine, never two.
 """
 
 from __future__ import annotations
@@ -65,32 +69,29 @@ class NotProven(Exception):
     """The holder of a taken key is not proven gone; the message says why (the wait's warning)."""
 
 
-async def take_over(nc: Nats | None, discovery: Discovery, ns: str, taken: KeyTaken) -> str:
+async def take_over(nc: Nats, discovery: Discovery, ns: str, taken: KeyTaken) -> str:
     """Revoke `taken`'s lease once its holder is proven gone; returns the holder's worker id.
-    NotProven, naming why, when it is not (nothing is changed then). `nc` None: NATS may not be
-    asked (NATS credentials), etcd's proof alone."""
+    NotProven, naming why, when it is not (nothing is changed then)."""
     if not taken.holder:
         raise NotProven(f"{taken.key} is held by no lease")
     worker = _holder_worker(ns, taken)
-    nats_said = "NATS not asked (NATS credentials)"
-    if nc is not None:
-        try:
-            held_by = await discovery.holder(subjects.worker_key(ns, worker))
-        except DiscoveryError as exc:
-            raise NotProven(f"etcd: {exc}") from exc
-        if held_by != taken.holder:
-            raise NotProven(f"the worker key of {worker} is not held by lease {taken.holder:x}")
-        await _no_responders(nc, subjects.cancel(ns, worker))
-        nats_said = f"NATS says nobody is on {subjects.cancel(ns, worker)}"
+    try:
+        held_by = await discovery.holder(subjects.worker_key(ns, worker))
+    except DiscoveryError as exc:
+        raise NotProven(f"etcd: {exc}") from exc
+    if held_by != taken.holder:
+        raise NotProven(f"the worker key of {worker} is not held by lease {taken.holder:x}")
+    cancel = subjects.cancel(ns, worker)
+    await _no_responders(nc, cancel)
     unrenewed = await _missed_renewal(discovery, taken.holder)
     try:
         await discovery.revoke(taken.holder)
     except DiscoveryError as exc:
         raise NotProven(f"etcd: {exc}") from exc
     log.warning(
-        "%s was held by worker %s, whose lease %x etcd has not seen renewed for %s, and %s: it is gone "
-        "(killed without its stop); revoked its lease rather than wait for it to expire",
-        taken.key, worker, taken.holder, unrenewed, nats_said,
+        "%s was held by worker %s, which missed its lease renewals for %s and NATS has nobody on %s: "
+        "revoked its lease %x rather than wait for it to expire",
+        taken.key, worker, unrenewed, cancel, taken.holder,
     )  # fmt: skip
     return worker
 
