@@ -8,7 +8,9 @@
   with the passwords from KVSWITCH_ETCD_{ROOT,ROUTER,WORKER}_PASSWORD; where it is on already, it
   signs in as root and sets the users' grants under that --namespace as this release makes them
   (an upgrade's step; rerun it with the same --namespace), saying each grant it revoked. Another
-  namespace sharing the etcd keeps its grants (the users and passwords are etcd-wide).
+  namespace sharing the etcd keeps its grants (the users and passwords are etcd-wide): a password
+  that does not work for an existing user is refused (exit 2, nothing changed) unless
+  --rotate-etcd-passwords is given.
 - Router API keys (`--api-keys N`): `api-keys`, N random bearer keys for `kvswitch router
   --api-keys-file` (mode 0600; add or remove lines to rotate, the routers reload it).
 
@@ -29,7 +31,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvswitch.etcd_auth import EtcdAuthError, enable_auth, namespace_users
+from kvswitch.etcd_auth import EtcdAuthError, PasswordsRefused, enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
 from protocol import subjects
 from protocol.errors import without_userinfo
@@ -56,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--etcd-endpoint", default=None, metavar="URL",
                         help="turn etcd authentication on there; passwords from KVSWITCH_ETCD_*_PASSWORD")  # fmt: skip
     parser.add_argument("--etcd-ca", default=None, metavar="FILE", help="CA that signed etcd's certificate")
+    parser.add_argument("--rotate-etcd-passwords", action="store_true",
+                        help="with etcd authentication on, change the router and worker passwords that differ from "
+                             "KVSWITCH_ETCD_*_PASSWORD (shared by every namespace on that etcd: all their "
+                             "processes need the new ones)")  # fmt: skip
     parser.add_argument("--api-keys", type=int, default=0, metavar="N",
                         help="write N router API keys to OUT/api-keys (kept on rerun)")  # fmt: skip
 
@@ -110,7 +116,9 @@ def _enable_etcd_auth(args: argparse.Namespace, context: ssl.SSLContext | None) 
         raise SystemExit(f"kvswitch secrets: --etcd-endpoint needs {', '.join(missing)} set")
     pw = {role: os.environ[env] for role, env in PASSWORD_ENV.items()}
     users = namespace_users(args.namespace, pw["router"], pw["worker"])
-    setup = enable_auth(args.etcd_endpoint, pw["root"], users, context=context)
+    setup = enable_auth(
+        args.etcd_endpoint, pw["root"], users, context=context, rotate_passwords=args.rotate_etcd_passwords
+    )
     if setup.turned_on:
         said = f"etcd authentication on at {args.etcd_endpoint}: users router, worker (namespace {args.namespace})"
     else:
@@ -119,7 +127,26 @@ def _enable_etcd_auth(args: argparse.Namespace, context: ssl.SSLContext | None) 
             f"under /{args.namespace}/ set as this release makes them (namespace {args.namespace}; another "
             f"namespace's grants are kept)"
         )
-    return "\n".join([said, *(f"revoked a grant this release does not make: {grant}" for grant in setup.revoked)])
+    changed = [
+        f"changed etcd user {user}'s password to {PASSWORD_ENV[user]}'s: every process signing in as {user}, in "
+        "every namespace on this etcd, needs the new one"
+        for user in setup.changed
+    ]
+    return "\n".join(
+        [said, *(f"revoked a grant this release does not make: {grant}" for grant in setup.revoked), *changed]
+    )
+
+
+def _refused(exc: PasswordsRefused) -> str:
+    """Why a rerun with other passwords stops, and the two ways on."""
+    given = ", ".join(f"{user} (from {PASSWORD_ENV[user]})" for user in exc.users)
+    return (
+        f"etcd authentication is on at {exc.shown} and refuses the password given for {given}; nothing was "
+        "changed: the router and worker users and their passwords are shared by "
+        "every namespace on this etcd, and a new password ends the tokens of every process signing in as that "
+        "user, in each of them. Give the passwords they have, or --rotate-etcd-passwords to change them (then "
+        "give every such process the new ones)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
     if args.etcd_endpoint:
         try:
             print(_enable_etcd_auth(args, etcd_context))
+        except PasswordsRefused as exc:
+            print(f"kvswitch secrets: {_refused(exc)}", file=sys.stderr)
+            return 2
         except EtcdAuthError as exc:
             print(f"kvswitch secrets: {exc}", file=sys.stderr)
             return 1

@@ -16,7 +16,9 @@ The roles and users are etcd-wide, the grants per namespace: two namespaces shar
 the `router` and `worker` users (and their passwords), each role holding both namespaces' grants. A
 run revokes only grants inside its own namespace's prefix that this release does not make; until
 2026-12-06 it revoked every grant it did not make, so a run for a second namespace took the first
-one's away from its running processes.
+one's away from its running processes. For the same reason a rerun given a password that does not
+work for an existing user is refused (PasswordsRefused) unless asked to rotate it: it changed it,
+and every process of every namespace signing in as that user lost its token and its password.
 
 It speaks etcd's JSON gateway (`/v3/auth/...`) over plain urllib, so it runs before any asyncio
 loop exists (a test fixture, `kvswitch up` before its services start, a compose init job).
@@ -35,13 +37,32 @@ from typing import Any
 from protocol import subjects
 from protocol.errors import without_userinfo
 
-__all__ = ["PING_KEY", "AuthSetup", "EtcdAuthError", "EtcdGateway", "EtcdUser", "b64", "enable_auth", "namespace_users"]
+__all__ = [
+    "PING_KEY",
+    "AuthSetup",
+    "EtcdAuthError",
+    "EtcdGateway",
+    "EtcdUser",
+    "PasswordsRefused",
+    "b64",
+    "enable_auth",
+    "namespace_users",
+]
 
 PING_KEY = "__etcd3aio:ping__"
 
 
 class EtcdAuthError(RuntimeError):
     """etcd refused a step of the authentication setup."""
+
+
+class PasswordsRefused(EtcdAuthError):
+    """Authentication is on and etcd refuses the passwords given for `users`, which exist: changing
+    them was not asked for (enable_auth's rotate_passwords). Nothing was changed."""
+
+    def __init__(self, shown: str, users: list[str]) -> None:
+        super().__init__(f"etcd authentication is on at {shown} and refuses the password given for {', '.join(users)}")
+        self.shown, self.users = shown, users
 
 
 @dataclass(frozen=True)
@@ -60,11 +81,13 @@ class EtcdUser:
 
 @dataclass(frozen=True)
 class AuthSetup:
-    """What `enable_auth` did: whether it turned authentication on (False: it was on already), and
-    the grants it revoked, one line each ("worker READWRITE /ns/old/ (prefix)")."""
+    """What `enable_auth` did: whether it turned authentication on (False: it was on already), the
+    grants it revoked, one line each ("worker READWRITE /ns/old/ (prefix)"), and the users whose
+    password it changed while authentication was on (rotate_passwords)."""
 
     turned_on: bool
     revoked: list[str]
+    changed: list[str]
 
 
 def namespace_users(ns: str, router_password: str, worker_password: str) -> list[EtcdUser]:
@@ -163,15 +186,20 @@ def _role(gw: EtcdGateway, user: EtcdUser) -> list[str]:
     return revoked
 
 
+FROM_KEY = "\0"  # a range end meaning every key from `key` on (etcdctl --from-key)
+
+
 def _inside(scope: str, key: str, end: str) -> bool:
     """Whether the range [key, end) (a single key when `end` is empty) lies inside prefix `scope`."""
-    return bool(scope) and key.startswith(scope) and (not end or end <= _prefix_end(scope))
+    return bool(scope) and key.startswith(scope) and end != FROM_KEY and (not end or end <= _prefix_end(scope))
 
 
 def _shown(key: str, end: str) -> str:
     """A grant's range as etcdctl's flags say it."""
     if not end:
         return key
+    if end == FROM_KEY:
+        return f"{key} (from key)"
     return f"{key} (prefix)" if end == _prefix_end(key) else f"[{key}, {end})"
 
 
@@ -206,26 +234,40 @@ def _password_works(gw: EtcdGateway, user: EtcdUser) -> bool:
 
 
 def enable_auth(
-    url: str, root_password: str, users: list[EtcdUser], *, context: ssl.SSLContext | None = None
+    url: str,
+    root_password: str,
+    users: list[EtcdUser],
+    *,
+    context: ssl.SSLContext | None = None,
+    rotate_passwords: bool = False,
 ) -> AuthSetup:
     """Create `root` and `users` with their roles, then enable authentication (any member's client
     URL). A rerun after one that stopped part-way sets the passwords and permissions given,
     whatever that one left. Once authentication is on (an upgrade's rerun, whose release may grant
-    more), it signs in as root and sets each role's grants (inside `EtcdUser.scope`) and each user
-    as given, and nothing else: a user's password that already works is left alone, since changing
-    it ends the tokens every running process holds."""
+    more), it signs in as root and sets each role's grants (inside `EtcdUser.scope`), and creates a
+    user that is missing. An existing user's password is left alone when it works; one that does
+    not is PasswordsRefused, before anything is changed, unless `rotate_passwords`: the users are
+    shared by every namespace on the etcd, and a new password ends the tokens of all their
+    processes, which then sign in with the old one in vain."""
     gw = EtcdGateway(url, context)
     already = _as_root(gw, root_password)
-    if not already:
+    to_set, stale = {user.name for user in users}, []
+    if already:
+        held = set(gw.call("auth/user/list", {}).get("users", []))
+        stale = [user.name for user in users if user.name in held and not _password_works(gw, user)]
+        if stale and not rotate_passwords:
+            raise PasswordsRefused(gw.shown, stale)
+        to_set -= held - set(stale)
+    else:
         gw.call("auth/role/add", {"name": "root"}, exists_ok=True)
         _user(gw, "root", root_password)
         gw.call("auth/user/grant", {"user": "root", "role": "root"})
     revoked = []
     for user in users:
         revoked += _role(gw, user)
-        if not already or not _password_works(gw, user):
+        if user.name in to_set:
             _user(gw, user.name, user.password)
         gw.call("auth/user/grant", {"user": user.name, "role": user.name})
     if not already:
         gw.call("auth/enable", {})
-    return AuthSetup(turned_on=not already, revoked=revoked)
+    return AuthSetup(turned_on=not already, revoked=revoked, changed=stale)

@@ -327,3 +327,71 @@ def test_a_rerun_once_auth_is_on_with_another_root_password_fails_naming_root() 
         assert _secrets(*args, env=_etcd_env()).returncode == 0
         out = _secrets(*args, env={**_etcd_env(), "KVSWITCH_ETCD_ROOT_PASSWORD": "wrong"})
         assert out.returncode == 1 and "authentication is on" in out.stderr and "root's password" in out.stderr
+
+
+def test_a_run_with_other_passwords_once_auth_is_on_is_refused_unless_rotating() -> None:
+    """The users and passwords are etcd-wide: a run for another namespace with other passwords
+    changed the router's, and the running namespace's router lost its token (401) and could not
+    sign in again (review of 2026-12-06). Refused, naming the variable, and nothing changed;
+    --rotate-etcd-passwords changes it, saying so for each user."""
+    from kvswitch.etcd_auth import EtcdAuthError, EtcdGateway, b64
+
+    with EtcdServer() as etcd:
+        assert _secrets("--namespace", "kvswitch", "--etcd-endpoint", etcd.url, env=_etcd_env()).returncode == 0
+        router = EtcdGateway(etcd.url, None)
+        router.token = router.call("auth/authenticate", {"name": "router", "password": "routerNEW"})["token"]
+        other = {**_etcd_env(), "KVSWITCH_ETCD_ROUTER_PASSWORD": "routerOTHER"}
+        staging = ("--namespace", "staging", "--etcd-endpoint", etcd.url)
+        out = _secrets(*staging, env=other)
+        assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+        assert "refuses the password given for router (from KVSWITCH_ETCD_ROUTER_PASSWORD)" in out.stderr
+        assert "WORKER" not in out.stderr and "routerOTHER" not in out.stderr
+        assert "shared by every namespace on this etcd" in out.stderr and "--rotate-etcd-passwords" in out.stderr
+        router.call("kv/range", {"key": b64("/kvswitch/routers/r1")})  # the running router's token works
+        EtcdGateway(etcd.url, None).call("auth/authenticate", {"name": "router", "password": "routerNEW"})
+        root = EtcdGateway(etcd.url, None)
+        root.token = root.call("auth/authenticate", {"name": "root", "password": "rootNEW"})["token"]
+        assert b64("/staging/") not in {p["key"] for p in root.call("auth/role/get", {"role": "router"})["perm"]}
+
+        rotated = _secrets(*staging, "--rotate-etcd-passwords", env=other)
+        assert rotated.returncode == 0, rotated.stderr
+        assert rotated.stdout.count("changed etcd user") == 1, rotated.stdout
+        assert "changed etcd user router's password to KVSWITCH_ETCD_ROUTER_PASSWORD's" in rotated.stdout
+        EtcdGateway(etcd.url, None).call("auth/authenticate", {"name": "router", "password": "routerOTHER"})
+        with pytest.raises(EtcdAuthError, match="authentication failed"):
+            EtcdGateway(etcd.url, None).call("auth/authenticate", {"name": "router", "password": "routerNEW"})
+        again = _secrets(*staging, "--rotate-etcd-passwords", env=other)
+        assert again.returncode == 0 and "changed" not in again.stdout, again.stdout
+
+
+def test_a_user_missing_once_auth_is_on_is_created_not_refused() -> None:
+    from kvswitch.etcd_auth import EtcdGateway
+
+    with EtcdServer() as etcd:
+        args = ("--namespace", "sc", "--etcd-endpoint", etcd.url)
+        assert _secrets(*args, env=_etcd_env()).returncode == 0
+        root = EtcdGateway(etcd.url, None)
+        root.token = root.call("auth/authenticate", {"name": "root", "password": "rootNEW"})["token"]
+        root.call("auth/user/delete", {"name": "worker"})
+        out = _secrets(*args, env=_etcd_env())
+        assert out.returncode == 0 and "changed" not in out.stdout, out.stdout + out.stderr
+        EtcdGateway(etcd.url, None).call("auth/authenticate", {"name": "worker", "password": "workerNEW"})
+
+
+def test_a_from_key_grant_reaches_past_the_namespace_and_is_kept() -> None:
+    """A grant of every key from /sc/z on (etcdctl --from-key: range end "\\0") was taken for one
+    inside /sc/ and revoked, shown with a raw NUL (review of 2026-12-06)."""
+    from kvswitch.etcd_auth import EtcdGateway, _shown, b64
+
+    with EtcdServer() as etcd:
+        args = ("--namespace", "sc", "--etcd-endpoint", etcd.url)
+        assert _secrets(*args, env=_etcd_env()).returncode == 0
+        root = EtcdGateway(etcd.url, None)
+        root.token = root.call("auth/authenticate", {"name": "root", "password": "rootNEW"})["token"]
+        from_key = {"permType": "READ", "key": b64("/sc/z"), "range_end": b64("\0")}
+        root.call("auth/role/grant", {"name": "worker", "perm": from_key})
+        out = _secrets(*args, env=_etcd_env())
+        assert out.returncode == 0 and "revoked" not in out.stdout, out.stdout
+        held = {(p["key"], p.get("range_end")) for p in root.call("auth/role/get", {"role": "worker"})["perm"]}
+        assert (b64("/sc/z"), b64("\0")) in held
+    assert _shown("/sc/z", "\0") == "/sc/z (from key)"
