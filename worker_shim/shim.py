@@ -5,10 +5,11 @@ its limits against the flags, starts the engine's event stream and waits until i
 engine for its tokenizer fingerprint, then registers (a `discovery.Registration`: worker id = the
 lease id, or `worker_name`; a fresh random epoch), publishes its state so far, subscribes its
 subjects and serves. A session ends when the engine fails `health_failures` checks in a row, or
-is taken for hung (`busy_limit_s`, `stall_limit_s`): Cleared, deregister, wait for it to come
-back. The legs in flight end with a retryable 503 `engine_unavailable` where its work stopped too
-(stalled; or no progress since its checks began to fail); otherwise they run on. It also ends when the shim
-stops (stop taking requests, finish in-flight within `drain_grace_s`, revoke the lease, close).
+leaves /health unanswered for `busy_limit_s`, or makes no progress for `stall_limit_s`: Cleared,
+deregister, wait for it to come back. Only the stall, a proven hang, ends the legs in flight (a
+retryable 503 `engine_unavailable`); on the other two they run on, still watched for a stall. It
+also ends when the shim stops (stop taking requests, finish in-flight within `drain_grace_s`,
+revoke the lease, close).
 
 A lost lease does not end the session. etcd merely unreachable changes nothing at all. When etcd
 says the lease is gone, the Registration registers anew and the shim takes a new epoch and
@@ -125,6 +126,16 @@ def _checked(setting: str, flag: int | None, engine: int | None) -> int | None:
     if flag is not None and engine is not None and flag != engine:
         raise ConfigError(setting, flag, f"the engine reports {engine}; drop the flag or make them agree")
     return engine if engine is not None else flag
+
+
+@dataclass(slots=True)
+class _Watch:
+    """The stall watchdog's last sight of a move: where the engine's work stood, and when. The
+    shim's, not a session's: legs left running when a session ends on a busy or down engine stay
+    watched while the shim waits for it and in the next session."""
+
+    progress: _Progress | None
+    moved_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +294,7 @@ class WorkerShim:
         self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
         self._engine_load_at: float | None = None  # ... and the time.monotonic() it came back
         self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
+        self._watch = _Watch(None, time.monotonic())  # the stall watchdog's count (_hung), across sessions
         self._held_since: float | None = None  # when --worker-name or the engine was first found held by another lease
         self.orphans: OrphanedLegs | None = None  # the legs of routers that died (worker_shim.orphaned_legs)
         self._orphans_task: asyncio.Task[None] | None = None
@@ -460,6 +472,8 @@ class WorkerShim:
         since = time.monotonic()
         said: float | None = None
         while (health := await self.adapter.health()) is not EngineHealth.UP:
+            if self.requests is not None and self.requests.inflight:
+                await self._watch_left_legs()
             now = time.monotonic()
             if said is None or now - said >= WAIT_SAID_S:
                 waited = f" for {now - since:.0f}s" if said is not None else ""
@@ -517,6 +531,17 @@ class WorkerShim:
             if self._stopping.is_set():
                 return False
         return True
+
+    async def _watch_left_legs(self) -> None:
+        """The stall watchdog over legs left running when the session ended on a busy or down
+        engine: one that hangs later still has them ended after the stall limit. No load reporter
+        runs between sessions, so the engine's load is read here."""
+        with contextlib.suppress(EngineError):
+            self._engine_load = await self.adapter.load()
+            self._engine_load_at = time.monotonic()
+        why = self._hung(time.monotonic())
+        if why is not None:
+            await self._fail_legs(why)
 
     async def _unless_stopping(self, work: Coroutine[Any, Any, _T]) -> _T | None:
         """`work`'s result; None, `work` cancelled, as soon as the shim stops: a stop waited out a
@@ -1267,13 +1292,10 @@ class WorkerShim:
         await self._close_presence(presence)
 
     async def _monitor(self) -> str | None:
-        """Until the session ends; why, where it ends because the engine hangs or is down and its
-        work stopped too (its legs in flight are then failed: _end_session), else None."""
+        """Until the session ends; why, where it ends on a hang the stall watchdog proved (its legs
+        in flight are then failed: _end_session), else None."""
         failures = 0
         busy_since: float | None = None
-        down_since: float | None = None
-        progress, moved_at = self._progress(), time.monotonic()  # the watchdog's last move
-        seen, seen_at = progress, moved_at  # the last move seen, the engine's readings stale or not
         adapters_due = time.monotonic() + ADAPTERS_POLL_S
         assert self._events_task is not None and self.registration is not None
         while not self._stopping.is_set():
@@ -1293,26 +1315,25 @@ class WorkerShim:
                 return None
             health = await self.adapter.health()
             now = time.monotonic()
-            mark = self._progress()
-            if mark is None or seen is None or mark.moved_since(seen):
-                seen, seen_at = mark, now
             if health is EngineHealth.UP:
-                failures, busy_since, down_since = 0, None, None
+                failures, busy_since = 0, None
                 if now >= adapters_due:
                     adapters_due = now + ADAPTERS_POLL_S
                     await self._poll_adapters()
             elif health is EngineHealth.DOWN:
                 failures, busy_since = failures + 1, None
-                down_since = down_since or now
             elif busy_since is None:
                 busy_since = now
                 log.warning(
                     "engine at %s does not answer its health check in time: busy, or hung", self.config.engine_url
                 )
+            # A hung engine answers /health and /metrics; only the work it does not do shows it.
+            if (why := self._hung(now)) is not None:
+                return why
             if failures >= self.config.health_failures:
-                assert down_since is not None
                 log.warning("engine at %s failed %d health checks: deregistering", self.config.engine_url, failures)
-                return self._lost(f"it failed {failures} health checks in a row", seen_at <= down_since)
+                self._leave_legs()
+                return None
             # A loaded engine answers late; only one that stays silent this long is taken for hung.
             if busy_since is not None and now - busy_since >= self.config.busy_limit_s:
                 log.error(
@@ -1320,31 +1341,34 @@ class WorkerShim:
                     self.config.engine_url,
                     now - busy_since,
                 )
-                return self._lost(
-                    f"it has not answered a health check for {now - busy_since:.0f}s (hung)", seen_at <= busy_since
-                )
-            # A hung engine answers /health and /metrics; only the work it does not do shows it.
-            known_at = self._known_at(now)
-            if mark is None or progress is None or known_at is None or mark.moved_since(progress):
-                progress, moved_at = mark, now
-            elif known_at - moved_at >= self.config.stall_limit_s:
-                self._stall(mark, now - moved_at)
-                return f"it made no progress for {now - moved_at:.0f}s (hung)"
+                self._leave_legs()
+                return None
         return None
 
-    def _lost(self, why: str, stopped: bool) -> str | None:
-        """`why`, where the engine's work stopped too since its health checks began to fail: its legs
-        in flight are then ended. Else None: deregistered only, they run on. A busy engine answers
-        /health late while it streams (vLLM under saturation misses 2 s deadlines), and one draining
-        refuses it while it finishes them (SGLang on SIGTERM): both had live streams cut. One that
-        dies drops their connections, and they fail by themselves."""
-        if stopped:
-            return why
+    def _leave_legs(self) -> None:
+        """Deregistered as down or busy, the legs in flight run on: neither proves a hang. A loaded
+        engine answers /health late while it streams (vLLM under saturation misses 2 s deadlines),
+        one draining refuses it while it finishes them (SGLang on SIGTERM), and a dead one drops
+        their connections, so they fail by themselves. They stay watched (_wait_healthy, the next
+        session): one that then makes no progress for the stall limit is ended as hung."""
         legs = len(self.requests.inflight) if self.requests is not None else 0
         if legs:
-            log.warning("the %d legs in flight on the engine at %s still make progress: left to finish",
-                        legs, self.config.engine_url)  # fmt: skip
-        return None
+            log.warning("the %d legs in flight on the engine at %s are left to finish, watched for a stall "
+                        "(--stall-limit-s)", legs, self.config.engine_url)  # fmt: skip
+
+    def _hung(self, now: float) -> str | None:
+        """The stall watchdog's look: why the engine is hung (it was marked stalled), where its work
+        has not moved for the stall limit on fresh readings; else None. Stale readings, or no work
+        to judge, start the count again."""
+        watch, mark, known_at = self._watch, self._progress(), self._known_at(now)
+        if mark is None or watch.progress is None or known_at is None or mark.moved_since(watch.progress):
+            watch.progress, watch.moved_at = mark, now
+            return None
+        if known_at - watch.moved_at < self.config.stall_limit_s:
+            return None
+        still_s, watch.progress = now - watch.moved_at, None  # its legs end: the count starts again
+        self._stall(mark, still_s)
+        return f"it made no progress for {still_s:.0f}s (hung)"
 
     def _known_at(self, now: float) -> float | None:
         """Until when the engine's progress is known: its last load reading's time; None while that
@@ -1357,7 +1381,7 @@ class WorkerShim:
         load = self._engine_load
         log.error(
             "engine at %s made no progress for %.0fs (%d legs in flight; it reports %s running, %s waiting): "
-            "hung, deregistering until it moves again",
+            "hung: its legs end, and it is kept deregistered until it moves again",
             self.config.engine_url,
             still_s,
             len(self.requests.inflight) if self.requests is not None else 0,

@@ -1,7 +1,7 @@
 """End to end, faults between a shim and its engine that the router must see through: an engine
-the shim takes for hung with legs in flight on it (and one it takes out while they still move, busy
-or draining, whose streams run on), an engine that answers 429, and a stream the engine (or a proxy
-before it) cuts after a finish_reason, without [DONE]."""
+the shim takes for hung (no progress for --stall-limit-s) with legs in flight on it, one it takes
+out as busy or down, whose legs run on, watched, until they end or it hangs, an engine that answers
+429, and a stream the engine (or a proxy before it) cuts after a finish_reason, without [DONE]."""
 
 from __future__ import annotations
 
@@ -41,9 +41,12 @@ class EngineProxy:
         self.answer: Answer | None = None
         self.answered = 0
         self.health: int | None = None  # set: /health answers this status itself
+        self.probe_delay_s = 0.0  # /health and /metrics answer this late (an API server too loaded)
         self.url = ""
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path in ("/health", "/metrics") and self.probe_delay_s:
+            await asyncio.sleep(self.probe_delay_s)
         if request.path == "/health" and self.health is not None:
             return web.Response(status=self.health)
         raw = await request.read()
@@ -78,9 +81,10 @@ class EngineProxy:
         await self._session.close()
 
 
-async def proxied_worker(cluster: Cluster) -> tuple[Worker, EngineProxy]:
+async def proxied_worker(cluster: Cluster, **settings: Any) -> tuple[Worker, EngineProxy]:
     """An agg worker whose shim reaches its sim through an EngineProxy (cluster.add_worker's
-    settings otherwise); the proxy stops with the cluster's workers (the caller's finally)."""
+    settings otherwise, `settings`: ShimConfig fields over them); the proxy stops with the cluster's
+    workers (the caller's finally)."""
     sim = SimServer(SimConfig(speedup=200.0, num_gpu_blocks=512, block_size=BLOCK, role="agg"))
     await sim.start()
     proxy = EngineProxy(sim.url)
@@ -99,6 +103,7 @@ async def proxied_worker(cluster: Cluster) -> tuple[Worker, EngineProxy]:
             health_interval_s=0.1,
             drain_grace_s=1.0,
             timing_profile="h200:llama-3.1-8b",
+            **settings,
         ),
         NatsSettings(servers=[cluster.nats_url]),
         EtcdSettings(endpoints=[cluster.etcd_url]),
@@ -231,16 +236,86 @@ async def test_a_busy_engine_late_on_its_health_checks_keeps_its_streams(
     assert out_at and out_at[0] < 5000, out_at[:1]  # it streamed on, deregistered
     assert w.shim.requests is not None and w.shim.requests.outcomes[("agg", "ok")] == 1
     assert w.shim.requests.outcomes[("agg", "engine_unavailable")] == 0
-    assert "has not answered a health check" in caplog.text and "still make progress: left to finish" in caplog.text
+    assert "has not answered a health check" in caplog.text and "left to finish, watched for a stall" in caplog.text
     w.sim.faults.health_delay_s = 0.0
 
 
-async def test_a_draining_engine_refusing_its_health_checks_keeps_its_streams(
+async def test_a_busy_engine_late_on_health_and_metrics_keeps_its_non_streamed_leg(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
+    """One API server too loaded to answer /health or /metrics in time, its engine working. Before,
+    a non-streamed leg (no output to show until its end) was cut past --busy-limit-s: the late
+    step and KV readings read as "nothing moved since the checks began to fail"."""
+    w, proxy = await proxied_worker(cluster, busy_limit_s=3.0)
+    try:
+        w.sim.faults.slowdown = 100.0  # about half a real H200's speed: some seconds of decode
+        router = await cluster.add_ready_router()
+        payload = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 2500, "ignore_eos": True}
+        started = time.monotonic()
+        task = asyncio.create_task(http.post(router.url + "/v1/completions", json=payload))
+        assert w.shim.requests is not None
+        await until(lambda: bool(w.shim.requests and w.shim.requests.inflight), what="the leg")
+        proxy.probe_delay_s = 2.5  # past the shim's 2 s health probe: busy
+        await until(lambda: not w.shim.registered.is_set(), timeout=20, what="deregistered as busy")
+        async with await task as resp:
+            assert resp.status == 200, await resp.text()
+            body = await resp.json()
+        assert body["usage"]["completion_tokens"] == 2500
+        assert time.monotonic() - started > 5.0  # it ran past the busy limit's deregistration
+        assert w.shim.requests.outcomes[("agg", "ok")] == 1
+        assert w.shim.requests.outcomes[("agg", "engine_unavailable")] == 0
+    finally:
+        proxy.probe_delay_s = 0.0
+        await proxy.stop()
+
+
+async def test_a_leg_left_running_on_a_busy_engine_is_ended_once_that_engine_hangs(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """Deregistered as busy, its stream left to run: the engine then stops stepping. The stall
+    watchdog still watches the legs left running, and ends this one about --stall-limit-s after the
+    hang. Before, legs left running were watched no more: it hung to the request's deadline."""
+    stall_limit_s = 4.0
+    w = await cluster.add_worker(
+        "agg", shim={"busy_limit_s": 3.0, "health_interval_s": 0.5, "stall_limit_s": stall_limit_s}, speedup=1.0
+    )
+    router = await cluster.add_router(config={"request_timeout_s": 60.0})
+    await cluster.ready(router)
+    payload = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 6000, "ignore_eos": True, "stream": True}
+    w.sim.faults.health_delay_s = 2.5  # past the shim's 2 s probe: busy; generation untouched
+    hung_at: list[float] = []
+    left_running: list[int] = []
+
+    def hang_once_left_running(n: int) -> None:
+        if not w.shim.registered.is_set() and not hung_at:
+            left_running.append(n)
+            if len(left_running) == 100:  # a hundred events streamed after the deregistration
+                w.sim.faults.hang = True
+                hung_at.append(time.monotonic())
+
+    try:
+        events = await asyncio.wait_for(read_stream(http, router.url, payload, hang_once_left_running), 40)
+        ended_at = time.monotonic()
+        assert hung_at, "the stream ended before the engine hung"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 502 and "failed while streaming" in error["message"], error
+        assert w.shim.requests is not None
+        assert w.shim.requests.outcomes[("agg", "engine_unavailable")] == 1
+        # The stall limit, the watchdog's looks 2.5 s apart (/health late) and fresh readings.
+        assert stall_limit_s - 0.5 < ended_at - hung_at[0] < stall_limit_s + 8.0, ended_at - hung_at[0]
+    finally:
+        w.sim.faults.hang = False
+        w.sim.faults.health_delay_s = 0.0
+
+
+@pytest.mark.parametrize("failures", [2, 1])
+async def test_a_draining_engine_refusing_its_health_checks_keeps_its_streams(
+    cluster: Cluster, http: aiohttp.ClientSession, failures: int
+) -> None:
     """SGLang on SIGTERM: /health 503 while it finishes the requests it has. Before, the shim took it
-    for down after --health-failures checks and cut its streams within 2 s."""
-    w, proxy = await proxied_worker(cluster)
+    for down after --health-failures checks and cut its streams within 2 s; later (2026-12-06) still
+    with --health-failures 1, the first failed check its own "since the checks began to fail"."""
+    w, proxy = await proxied_worker(cluster, health_failures=failures)
     try:
         w.sim.faults.slowdown = 100.0  # about half a real H200's speed: some seconds of stream
         router = await cluster.add_ready_router()
@@ -259,26 +334,64 @@ async def test_a_draining_engine_refusing_its_health_checks_keeps_its_streams(
         await proxy.stop()
 
 
-async def test_a_leg_on_an_engine_down_whose_work_stopped_is_ended_at_once(
+async def test_a_leg_on_an_engine_down_and_hung_is_ended_by_the_stall_watchdog(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:
-    """/health failing and nothing moving: the legs still end with a retryable 503 at once."""
-    w, proxy = await proxied_worker(cluster)
+    """/health failing and nothing moving: deregistered at once, the leg ended with a retryable 503
+    by the stall watchdog, --stall-limit-s on. Failed checks prove no hang (a draining engine
+    fails them while it finishes its work): before, such a leg was ended at once."""
+    stall_limit_s = 3.0
+    w, proxy = await proxied_worker(cluster, stall_limit_s=stall_limit_s)
     try:
         router = await cluster.add_router(config={"request_timeout_s": 25.0})
         await cluster.ready(router)
         w.sim.faults.hang = True
-        started = time.monotonic()
         task = asyncio.create_task(complete(http, router, list(range(1, 40)), max_tokens=4))
         assert w.shim.requests is not None
         await until(lambda: bool(w.shim.requests and w.shim.requests.inflight), what="the leg")
+        started = time.monotonic()
         proxy.health = 503
+        await until(lambda: not w.shim.registered.is_set(), what="deregistered as down")
+        assert w.shim.requests.inflight, "the down path ended the leg"
         status, _, _ = await task
-        assert status == 503 and time.monotonic() - started < 10.0
+        assert status == 503
+        assert stall_limit_s - 0.5 < time.monotonic() - started < stall_limit_s + 6.0
         assert w.shim.requests.outcomes[("agg", "engine_unavailable")] == 1
         w.sim.faults.hang = False
     finally:
         await proxy.stop()
+
+
+async def test_a_decode_leg_pulling_on_an_engine_that_hangs_is_ended_by_the_stall_watchdog(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """A decode engine hung (and late on /health: deregistered as busy) while its leg waits for its
+    KV pull. A pull is exempt for one stall limit from its start, then judged like any other work:
+    the leg ends with a 503 after one more stall limit without progress. Before, the pull's exempt
+    leg counted as "moved", the busy path left it running, unwatched, to the request's deadline."""
+    stall_limit_s = 4.0
+    await cluster.add_worker("prefill")
+    d = await cluster.add_worker(
+        "decode", shim={"busy_limit_s": 3.0, "health_interval_s": 0.5, "stall_limit_s": stall_limit_s}
+    )
+    router = await cluster.add_router(config={"request_timeout_s": 60.0}, disagg="always")
+    await cluster.ready(router)
+    d.sim.faults.hang = True
+    try:
+        request = asyncio.create_task(complete(http, router, list(range(400)), max_tokens=5))
+        assert d.shim.requests is not None
+        await until(lambda: bool(d.shim.adapter.pulling), timeout=20, what="the decode leg's pull")
+        started = time.monotonic()
+        d.sim.faults.health_delay_s = 2.5
+        status, body, _ = await asyncio.wait_for(request, 40)
+        took = time.monotonic() - started
+        assert status == 503, body
+        assert d.shim.requests.outcomes[("decode", "engine_unavailable")] == 1
+        # Exempt for one stall limit, judged for a second; the watchdog looks 2.5 s apart.
+        assert 2 * stall_limit_s - 0.5 < took < 2 * stall_limit_s + 8.0, took
+    finally:
+        d.sim.faults.hang = False
+        d.sim.faults.health_delay_s = 0.0
 
 
 # --- an engine's 429 ---------------------------------------------------------------------------------
