@@ -9,7 +9,7 @@ says what the leg is:
 Responses go to the message's reply subject as ResponseChunks, `seq` from 0, stamped with the worker
 id of the subject the request came on (during a re-registration's grace period that is the old id).
 Every leg ends with exactly one final chunk: finish_reason and usage, or `error` (engine failure,
-an engine the shim took out of service as hung or down, deadline, draining, bad request; an
+an engine the shim found hung (its stall watchdog), deadline, draining, bad request; an
 engine's refusal carries its own error body and, a 429's, its Retry-After), or
 finish_reason "abort" on cancel. A cancel read before its leg's task takes its first step only
 marks the leg (a task cancelled then skips its body: the leg stayed in flight, its prompt queued
@@ -529,7 +529,7 @@ class _Leg:
     # a router cut off from etcd only is alive and reading, and an abort ended its client's stream
     # as if the answer were whole.
     orphaned: bool = False
-    # Ended by the service itself (abort_all): the shim stops, or its engine hangs or is down.
+    # Ended by the service itself (abort_all): the shim stops, or its stall watchdog finds its engine hung.
     ended: ErrorInfo | None = None
     # The task took its first step. A task cancelled before that never runs its body, so its
     # cleanup and final chunk never came: until then a cancel only marks the leg (_stop).
