@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed
-JOBS ?= 2
+JOBS ?= 3  # the suite waits on real servers more than it computes: three workers on two cores
 
 BENCH_VENV := .venv-bench
 
