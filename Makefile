@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed
-JOBS ?= 3  # the suite waits on real servers more than it computes: three workers on two cores
+# The suite waits on real servers more than it computes: three pytest workers on two cores.
+JOBS ?= 3
 
 BENCH_VENV := .venv-bench
 
