@@ -59,6 +59,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from runtime import background
 from worker_shim.adapters.base import PROBE_OUTPUT_TOKENS, EngineError
 from worker_shim.engine_events import FULL, WINDOW, EngineBatch, EngineStored
 from worker_shim.event_health import EventHealth, EventProblem
@@ -227,7 +228,11 @@ class EndpointProbe:
         self._drop()
         if self.serve is None:  # the adapter does not probe this engine
             return
-        self._task = asyncio.get_running_loop().create_task(self._send(), name="endpoint-probe")
+        self._task = background(
+            self._send(),
+            "endpoint-probe",
+            "the KV event endpoints are not checked until the event stream reconnects or resets",
+        )
 
     def _say_once(self, level: int, text: str) -> None:
         if text not in self._said:

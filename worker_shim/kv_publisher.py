@@ -131,8 +131,16 @@ class KvPublisher:
             self._task = background(
                 self._run(),
                 f"kv-publisher-{self.log.worker}",
-                "no KV event is published until the shim's next session (an engine restart or a new lease)",
+                "no KV event is published: the shim ends the session and starts a new one",
             )
+
+    def crashed(self) -> BaseException | None:
+        """The error its task ended with before stop() (runtime.background logged it); None while it
+        runs or once stopped. The shim ends the session on one: its KV stream is frozen otherwise."""
+        task = self._task
+        if task is None or not task.done() or task.cancelled():  # only stop() cancels it
+            return None
+        return task.exception()
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Seal and send what is pending, then stop; safe to call twice.

@@ -98,12 +98,24 @@ class LoadReporter:
                 background(
                     self._poll_loop(),
                     f"load-poll-{self.worker}",
-                    "the engine's load is not read until the shim's next session",
+                    "the engine's load is not read: the shim ends the session and starts a new one",
                 ),
                 background(
-                    self._publish_loop(), f"load-{self.worker}", "no load report is sent until the shim's next session"
+                    self._publish_loop(),
+                    f"load-{self.worker}",
+                    "no load report is sent: the shim ends the session and starts a new one",
                 ),
             ]
+
+    def crashed(self) -> BaseException | None:
+        """The error one of its tasks ended with before stop() (runtime.background logged it); None
+        while they run or once stopped. The shim ends the session on one: a worker that sends no
+        reports, or stale ones, stays registered otherwise."""
+        for task in self._tasks:
+            # only stop() cancels them
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                return exc
+        return None
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []

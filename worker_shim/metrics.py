@@ -65,6 +65,16 @@ class _ShimCollector(Collector):
         yield _counter(
             "session_failures", "Sessions ended by an error no rule expected, each logged", float(s.session_failures)
         )
+        tasks = CounterMetricFamily(
+            P + "task_failures",
+            "Work beside the requests that failed with an error no rule expected, each logged at ERROR with its "
+            "traceback: a crashed kv_publisher or load_reporter ends the session (a new one registers), a failed "
+            "orphan_check is run again a second later, a crashed retire closes the old worker id at once",
+            labels=["task"],
+        )
+        for task, n in s.task_failures.items():
+            tasks.add_metric([task], float(n))
+        yield tasks
         lease_state = reg.lease.state if reg is not None and reg.lease is not None else None
         states = GaugeMetricFamily(P + "etcd_lease_state", "1 for the lease's current state", labels=["state"])
         for state in LeaseState:

@@ -9,7 +9,8 @@ leaves /health unanswered for `busy_limit_s`, or makes no progress for `stall_li
 deregister, wait for it to come back. Only the stall, a proven hang, ends the legs in flight (a
 retryable 503 `engine_unavailable`); on the other two they run on, still watched for a stall. It
 also ends when the shim stops (stop taking requests, finish in-flight within `drain_grace_s`,
-revoke the lease, close).
+revoke the lease, close), and, as a failed session, when the worker id's KV publisher or load
+reporter crashed: a new session registers from a clean state.
 
 A lost lease does not end the session. etcd merely unreachable changes nothing at all. When etcd
 says the lease is gone, the Registration registers anew and the shim takes a new epoch and
@@ -60,7 +61,7 @@ from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import BUILD
 from protocol.vllm_events import RESOLVED_BY_ENGINE
-from runtime import guarded
+from runtime import background, guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
 from worker_shim import engine_claim, takeover
@@ -111,6 +112,19 @@ REBUILD_BACKOFF_MAX_S = 300.0
 ALIVE_TOKEN = 1  # the prompt of the one-token request that tells a hung engine with nothing to do serves again
 ALIVE_OUTPUT_TOKENS = 1
 ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
+ORPHAN_ERROR_SAID_S = 60.0  # a check that keeps failing with one kind of error is said at most this often
+# Work beside the session's that failed with an error no rule expected (kvswitch_shim_task_failures_total).
+TASKS = ("kv_publisher", "load_reporter", "orphan_check", "retire")
+
+
+class _TaskCrashed(Exception):
+    """A task of the session (`task`, one of TASKS) ended with `error`; runtime.background logged its
+    traceback as it crashed, so the session's end needs none."""
+
+    def __init__(self, task: str, error: BaseException) -> None:
+        super().__init__(f"the {task} task crashed: {error!r}")
+        self.task = task
+        self.error = error
 
 
 class ShimStatus(enum.Enum):
@@ -274,6 +288,7 @@ class WorkerShim:
         self.registration: Registration | None = None
         self.sessions = 0
         self.session_failures = 0  # sessions ended by an error no rule expected (logged at ERROR)
+        self.task_failures = dict.fromkeys(TASKS, 0)  # each logged at ERROR with its traceback
         self.registration_count = 0
         self.norm_stats = NormaliserStats()
         self.kv_counters = PublisherCounters()
@@ -365,7 +380,11 @@ class WorkerShim:
             max_legs=max_legs,
         )
         self.orphans = OrphanedLegs(self.requests.origins, self.requests.cancel_from, self.config.orphan_grace_s)
-        self._orphans_task = asyncio.create_task(self._follow_routers(self.orphans), name="shim-routers")
+        self._orphans_task = background(
+            self._follow_routers(self.orphans),
+            "shim-routers",
+            "the legs of routers that died are no longer cancelled until the shim restarts",
+        )
         self.status = ShimStatus.WAITING_ENGINE
         self._main = asyncio.create_task(self._supervise(), name="shim-supervisor")
 
@@ -441,7 +460,8 @@ class WorkerShim:
                     failed += 1
                     self.session_failures += 1
                     wait = min(SESSION_RETRY_MAX_S, self.config.health_interval_s * 2 ** min(failed - 1, 10))
-                    trace = None if isinstance(exc, EngineError) else exc  # the engine's fault needs none
+                    # The engine's fault needs none; a crashed task's was logged as it crashed.
+                    trace = None if isinstance(exc, EngineError | _TaskCrashed) else exc
                     log.error("the session with the engine at %s failed: %r; a new one starts in %.1fs",
                               self.config.engine_url, exc, wait, exc_info=trace)  # fmt: skip
                     with contextlib.suppress(TimeoutError):
@@ -1262,13 +1282,29 @@ class WorkerShim:
             return
         # Retired first, so the old stream misses no event while its load reports stop.
         grace = self.config.grace_s
-        self._retired[old] = (presence, asyncio.create_task(self._retire_later(presence, grace), name=f"retire-{old}"))
+        retire = background(
+            self._retire_later(presence, grace), f"retire-{old}", f"the old worker id {old} is closed at once"
+        )
+        self._retired[old] = (presence, retire)
         log.warning("serving the old worker id %s for %.1fs more while registering anew", old, grace)
         reporter, presence.reporter = presence.reporter, None
         if reporter is not None:
             await reporter.stop()
 
     async def _retire_later(self, presence: _Presence, grace: float) -> None:
+        """Serve the old id for `grace`, then close it. Its id leaves `_retired` (/health's
+        retired_workers) however this ends; a crash closes what it still holds, counted."""
+        try:
+            await self._retire(presence, grace)
+        except Exception:
+            self.task_failures["retire"] += 1
+            await self._close_presence(presence)
+            raise
+        finally:
+            self._retired.pop(presence.worker, None)
+        await self._close_presence(presence)
+
+    async def _retire(self, presence: _Presence, grace: float) -> None:
         await asyncio.sleep(grace)
         # Its cancels are heard until the legs in flight now have ended: a router cancels a leg on the
         # subject of the id it sent it to, and with nobody on it a client that left had the engine
@@ -1288,8 +1324,6 @@ class WorkerShim:
         )  # fmt: skip
         if legs:
             await asyncio.wait(legs)
-        self._retired.pop(presence.worker, None)
-        await self._close_presence(presence)
 
     async def _monitor(self) -> str | None:
         """Until the session ends; why, where it ends on a hang the stall watchdog proved (its legs
@@ -1313,6 +1347,7 @@ class WorkerShim:
             if self._events_task.done():
                 log.warning("engine event stream ended: %s", self._events_task.exception())
                 return None
+            self._check_tasks()
             health = await self.adapter.health()
             now = time.monotonic()
             if health is EngineHealth.UP:
@@ -1344,6 +1379,19 @@ class WorkerShim:
                 self._leave_legs()
                 return None
         return None
+
+    def _check_tasks(self) -> None:
+        """_TaskCrashed, counted, when the worker id's KV publisher or load reporter crashed: the
+        session ends as failed and a new one registers. Left to run, routers kept routing on a KV
+        index that changed no more (the load reports' digest stayed at the last batch, so no repair
+        came), or on a worker that sent no load report while its /health said serving."""
+        presence = self._presence
+        if presence is None:
+            return
+        for task, part in (("kv_publisher", presence.publisher), ("load_reporter", presence.reporter)):
+            if part is not None and (error := part.crashed()) is not None:
+                self.task_failures[task] += 1
+                raise _TaskCrashed(task, error)
 
     def _leave_legs(self) -> None:
         """Deregistered as down or busy, the legs in flight run on: neither proves a hang. A loaded
@@ -1405,7 +1453,8 @@ class WorkerShim:
         retired, self._retired = self._retired, {}
         for old, grace in retired.values():
             grace.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A crash was logged as it happened (runtime.background): the teardown goes on.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await grace
             await self._close_presence(old)
         presence, self._presence = self._presence, None
@@ -1458,10 +1507,23 @@ class WorkerShim:
                 orphans.update(event)
 
         watch = asyncio.create_task(keep_following(follow, "the routers' watch"), name="shim-routers-watch")
+        said: dict[str, float] = {}  # each kind of error a check failed with -> when it was last said
         try:
             while True:
                 await asyncio.sleep(ORPHAN_CHECK_S)
-                orphans.check()
+                try:
+                    orphans.check()
+                except Exception as exc:
+                    # One check's bug must not end the watchdog for good (it did, without a word).
+                    self.task_failures["orphan_check"] += 1
+                    now = time.monotonic()
+                    if now - said.get(type(exc).__name__, float("-inf")) >= ORPHAN_ERROR_SAID_S:
+                        said[type(exc).__name__] = now
+                        log.error(
+                            "checking the legs of routers gone from etcd failed (%d times so far, said at most "
+                            "every %.0fs per kind of error); checking again every %.0fs",
+                            self.task_failures["orphan_check"], ORPHAN_ERROR_SAID_S, ORPHAN_CHECK_S, exc_info=exc,
+                        )  # fmt: skip
         finally:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)

@@ -251,8 +251,9 @@ async def test_a_session_ending_while_an_old_id_retires_leaves_none_of_its_subsc
         pass
 
     nc = await connect(nats_url)
-    shim = object.__new__(WorkerShim)  # the two methods under test read `ns` and `requests` alone
+    shim = object.__new__(WorkerShim)  # the two methods under test read `ns`, `requests` and `_retired` alone
     shim.ns = "ns"
+    shim._retired = {}
     leg = asyncio.create_task(asyncio.sleep(30))
     shim.requests = SimpleNamespace(inflight={"long": Leg(leg)})  # type: ignore[assignment]
     try:

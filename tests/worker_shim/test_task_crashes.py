@@ -1,0 +1,230 @@
+"""A task of the shim's that crashes is said and acted on, never left dead behind a worker that
+looks well: the worker id's KV publisher or load reporter (the session ends as failed and a new one
+registers), the orphaned-leg watchdog (a failing check is said, throttled, and the next one runs),
+the old worker id's retirement (its id leaves /health, the teardown still ends with Cleared) and
+the endpoint probe. Each fault is injected into one method, against real nats, etcd and the sim;
+until 2026-12-06 each left the shim serving with one line, or none, as the audit showed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import pytest
+from nats.aio.msg import Msg
+
+from discovery import Discovery
+from engine_sim.server import SimServer
+from protocol import (
+    Cleared,
+    GenerateRequest,
+    KvEventBatch,
+    LoadReport,
+    SamplingParams,
+    decode_msg,
+    encode_msg,
+    subjects,
+)
+from protocol.config import EtcdSettings
+from runtime.nats_flush import flush
+from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
+from tests.worker_shim.test_shim_lifecycle import registered_workers
+from worker_shim import ShimStatus, WorkerShim, orphaned_legs
+from worker_shim import shim as shim_module
+from worker_shim.endpoint_probe import EndpointProbe
+from worker_shim.event_health import EventHealth
+from worker_shim.kv_publisher import KvPublisher
+from worker_shim.load_reporter import LoadReporter
+
+RESTART_S = 10.0  # a new session comes within a few health intervals (0.1 s here)
+
+
+def _failures(shim: WorkerShim, task: str) -> float:
+    line = f'kvswitch_shim_task_failures_total{{task="{task}"}} '
+    values = [float(x.removeprefix(line)) for x in shim.metrics_text().decode().splitlines() if x.startswith(line)]
+    assert len(values) == 1, f"{line.strip()} not exported once"
+    return values[0]
+
+
+def _errors(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno == logging.ERROR and text in r.getMessage()]
+
+
+async def _leg(shim: WorkerShim, ns: str, rid: str, first: int) -> None:
+    req = GenerateRequest(
+        request_id=rid,
+        model="sim-llama",
+        token_ids=list(range(first, first + 70)),
+        sampling=SamplingParams(max_tokens=2, ignore_eos=True),
+    )
+    nc = shim.nc
+    assert shim.worker_id is not None
+    await nc.publish(subjects.gen(ns, "agg", shim.worker_id), encode_msg(req), reply=nc.new_inbox())
+    await flush(nc)
+
+
+async def test_a_crashed_kv_publisher_ends_the_session_and_a_new_one_registers_and_publishes(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = KvPublisher._send_outbox
+    armed = asyncio.Event()
+
+    async def send_once_bad(self: KvPublisher) -> None:
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected: a bug in the KV publisher")
+        await real(self)
+
+    monkeypatch.setattr(KvPublisher, "_send_outbox", send_once_bad)
+    caplog.set_level(logging.INFO)
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+        await asyncio.wait_for(shim.registered.wait(), 20)
+        old = shim.worker_id
+        armed.set()
+        await _leg(shim, ns, "a", 1000)  # its KV events wake the publisher, whose send raises
+        await wait_for(
+            lambda: shim.worker_id not in (None, old) and shim.serving, RESTART_S, "a new session, registered"
+        )
+        assert shim.sessions == 2 and shim.session_failures == 1
+        new = shim.worker_id
+        assert new is not None and await registered_workers(etcd_url, ns) == {new}
+        assert _failures(shim, "kv_publisher") == 1 and _failures(shim, "load_reporter") == 0
+        assert _errors(caplog, "task kv-publisher-") and _errors(caplog, "the kv_publisher task crashed")
+        # The new id's stream runs: a new leg's blocks are published there.
+        batches: list[KvEventBatch] = []
+        nc = await connect(nats_url)
+        try:
+
+            async def on_kv(msg: Msg) -> None:
+                batches.append(decode_msg(msg.data, KvEventBatch))
+
+            await nc.subscribe(subjects.kv(ns, new), cb=on_kv)
+            await flush(nc)
+            await _leg(shim, ns, "b", 2000)
+            await wait_for(lambda: any(b.events for b in batches), what="a KV batch of the new worker id")
+        finally:
+            await nc.close()
+
+
+async def test_a_crashed_load_reporter_ends_the_session_and_the_new_worker_id_reports(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = LoadReporter._publish_if_due
+    armed = asyncio.Event()
+
+    async def publish_once_bad(self: LoadReporter) -> None:
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected: a bug in the load report")
+        await real(self)
+
+    monkeypatch.setattr(LoadReporter, "_publish_if_due", publish_once_bad)
+    caplog.set_level(logging.INFO)
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+        await asyncio.wait_for(shim.registered.wait(), 20)
+        old = shim.worker_id
+        armed.set()
+        await wait_for(
+            lambda: shim.worker_id not in (None, old) and shim.serving, RESTART_S, "a new session, registered"
+        )
+        new = shim.worker_id
+        assert new is not None and await registered_workers(etcd_url, ns) == {new}
+        assert _failures(shim, "load_reporter") == 1 and _failures(shim, "kv_publisher") == 0
+        assert _errors(caplog, "the load_reporter task crashed")
+        reports: list[LoadReport] = []
+        nc = await connect(nats_url)
+        try:
+
+            async def on_report(msg: Msg) -> None:
+                reports.append(decode_msg(msg.data, LoadReport))
+
+            await nc.subscribe(subjects.load(ns, new), cb=on_report)
+            await wait_for(lambda: len(reports) >= 2, what="load reports of the new worker id")
+        finally:
+            await nc.close()
+
+
+async def test_a_failing_orphan_check_is_said_once_per_kind_counted_and_checked_again(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = orphaned_legs.OrphanedLegs.check
+    calls = 0
+
+    def check(self: orphaned_legs.OrphanedLegs) -> None:
+        nonlocal calls
+        calls += 1
+        if calls in (2, 3):
+            raise RuntimeError("injected: a bug in OrphanedLegs.check")
+        real(self)
+
+    monkeypatch.setattr(orphaned_legs.OrphanedLegs, "check", check)
+    caplog.set_level(logging.INFO)
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
+        await asyncio.wait_for(shim.registered.wait(), 20)
+        await wait_for(lambda: calls >= 5, 10.0, "checks after the failing ones")  # ORPHAN_CHECK_S = 1
+        said = _errors(caplog, "checking the legs of routers gone from etcd failed")
+        assert len(said) == 1 and said[0].exc_info is not None  # the second, within a minute, held back
+        assert _failures(shim, "orphan_check") == 2
+        assert shim._orphans_task is not None and not shim._orphans_task.done()
+
+
+async def test_a_crashed_retirement_drops_the_old_id_and_the_teardown_still_ends_with_cleared(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = shim_module.WorkerShim._end_epoch
+    crash: dict[str, str | None] = {"worker": None}
+
+    async def end_epoch(self: WorkerShim, presence: shim_module._Presence, *, cleared: bool) -> None:
+        if presence.worker == crash["worker"]:
+            crash["worker"] = None
+            raise RuntimeError("injected: ending the old id's epoch failed")
+        await real(self, presence, cleared=cleared)
+
+    monkeypatch.setattr(shim_module.WorkerShim, "_end_epoch", end_epoch)
+    caplog.set_level(logging.INFO)
+    cleared: list[int] = []
+    nc = await connect(nats_url)
+    try:
+        async with SimServer(sim_config()) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, reregister_grace_s=0.5)
+            async with shim:
+                await asyncio.wait_for(shim.registered.wait(), 20)
+                old = crash["worker"] = shim.worker_id
+                assert old is not None
+                async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+                    await d.revoke(int(old, 16))
+                await wait_for(lambda: shim.worker_id not in (None, old) and shim.serving, what="re-registered")
+                new = shim.worker_id
+                assert new is not None
+
+                async def on_kv(msg: Msg) -> None:
+                    batch = decode_msg(msg.data, KvEventBatch)
+                    cleared.extend(batch.seq for e in batch.events if isinstance(e, Cleared))
+
+                await nc.subscribe(subjects.kv(ns, new), cb=on_kv)
+                await flush(nc)
+                await wait_for(lambda: crash["worker"] is None and not shim._retired, 10.0, "the retirement ended")
+                async with aiohttp.ClientSession() as s, s.get(shim.http.url + "/health") as r:
+                    assert (await r.json())["retired_workers"] == []
+                assert _errors(caplog, f"task retire-{old} crashed")
+                assert _failures(shim, "retire") == 1
+            # The stop did not raise the crash out of the teardown: the new id's stream ends with Cleared.
+            assert shim.status is ShimStatus.STOPPED
+            await wait_for(lambda: bool(cleared), 5.0, "Cleared on the new worker id at stop")
+    finally:
+        await nc.close()
+
+
+async def test_an_endpoint_probe_that_crashes_is_said_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    async def serve(prompt: list[int], request_id: str) -> int:
+        raise TypeError("injected: a bug in the probe request")
+
+    probe = EndpointProbe(
+        EventHealth(timeout_s=0.05), serve, block_size=lambda: 4, prefix_caching=lambda: True,
+        where=lambda: "--kv-events tcp://x:1", on_foreign=lambda _: None, engine_url="http://e",
+    )  # fmt: skip
+    with caplog.at_level(logging.ERROR):
+        probe.connected()
+        await wait_for(lambda: bool(_errors(caplog, "task endpoint-probe crashed")), 5.0, "the crash said")
+    probe.close()
