@@ -33,7 +33,14 @@ its TTL or someone revoked it). Then the owner hears `on_lost(old_id)`, a new le
 the key created again (a new id, or the same `name`), retrying with backoff while etcd does not
 answer, and the owner hears `on_registered(new_id)`; `reg.id` is the new id from then on. If a
 named key was taken meanwhile (`failure` is KeyTaken, naming the holder), or an owner's hook raised,
-`failed` is set: the owner must act (stop, or start over with a new Registration).
+`failed` is set: the owner must act (stop, or start over with a new Registration). From etcd's
+answer until the supervisor registers anew, `state` is "lost".
+
+The supervisor is the registration for the life of the process: an unexpected error in one of its
+ticks (a bug, a value() that raises) is an ERROR with its traceback (the first, then at most every
+30 s with a count: runtime.TickErrors) and the next tick runs after a backoff; should the supervisor end
+anyway, `failed` is set with a `failure` naming it (an audit of 2026-12-06 found one raise ended it
+for good: a deleted key never put back, a lost lease never replaced, and `state` still "registered").
 etcd merely not answering changes nothing (`state` is "unknown"): the key keeps its lease, and once
 etcd answers again the value is put once more, so an `update()` made during the outage lands.
 
@@ -48,7 +55,6 @@ the lease is released: `start()` raises it; during re-registration `failed` is s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -58,6 +64,7 @@ import msgspec
 from discovery.lease import Lease, LeaseState
 from discovery.session import DEFAULT_TTL, Discovery, DiscoveryError, KeyTaken
 from protocol import encode_json
+from runtime import TickErrors, background
 
 __all__ = ["Registration", "RegistrationState"]
 
@@ -70,6 +77,7 @@ class RegistrationState(enum.Enum):
     NEW = "new"
     REGISTERED = "registered"  # etcd renewed the lease on its last try
     UNKNOWN = "unknown"  # etcd does not answer; the key is presumed held
+    LOST = "lost"  # etcd said the lease is gone, and the supervisor has not registered anew yet
     REREGISTERING = "reregistering"  # the lease was lost; registering anew
     FAILED = "failed"  # a named key was taken by someone else while re-registering
     STOPPED = "stopped"
@@ -109,12 +117,17 @@ class Registration:
         self._dirty = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._outages = 0  # the lease's outages the supervisor has seen end (a new lease's start at 0)
+        self._tick_errors = TickErrors(log, "the registration's supervisor")
 
     @property
     def state(self) -> RegistrationState:
         lease = self.lease
-        if self._phase is RegistrationState.REGISTERED and lease is not None and lease.state is LeaseState.UNKNOWN:
-            return RegistrationState.UNKNOWN
+        if self._phase is RegistrationState.REGISTERED and lease is not None:
+            if lease.state is LeaseState.UNKNOWN:
+                return RegistrationState.UNKNOWN
+            if lease.lost.is_set():
+                return RegistrationState.LOST
         return self._phase
 
     @property
@@ -132,7 +145,12 @@ class Registration:
         """Register once and start supervising; returns the id."""
         if self._task is None:
             await self._register()
-            self._task = asyncio.create_task(self._supervise(), name=f"registration-{self.id}")
+            self._task = background(
+                self._supervise(),
+                f"registration-{self.id}",
+                "the key is no longer kept registered (put back, re-put, registered anew): the registration failed",
+            )
+            self._task.add_done_callback(self._supervisor_ended)
         return self.id
 
     def update(self) -> None:
@@ -144,8 +162,8 @@ class Registration:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # a crash of it was said as it came (and failed the registration): the lease goes anyway
+            await asyncio.gather(task, return_exceptions=True)
         lease, self.lease = self.lease, None
         if lease is not None:
             await self._discovery.release(lease)
@@ -185,33 +203,57 @@ class Registration:
     def _claimed(self, rid: str) -> Mapping[str, msgspec.Struct]:
         return self._claims(rid) if self._claims is not None else {}
 
+    def _supervisor_ended(self, task: asyncio.Task[None]) -> None:
+        """The supervisor ended, though it runs until stop() cancels it: fail, so the owner acts."""
+        if task.cancelled() or self.failed.is_set():
+            return  # stopped, or it failed already (and said why)
+        exc = task.exception()
+        how = f"crashed ({exc!r})" if exc is not None else "returned"
+        self.failure = DiscoveryError(f"the registration's supervisor of {self.key} {how}")
+        self._phase = RegistrationState.FAILED
+        log.error("%s: it is no longer kept registered", self.failure)
+        self.failed.set()
+
     async def _supervise(self) -> None:
-        outages = 0
+        retry = RETRY_MIN_S
         while True:
-            lease = self.lease
-            assert lease is not None
-            lost = asyncio.create_task(lease.lost.wait())
-            woken = asyncio.create_task(self._wake.wait())
             try:
-                await asyncio.wait(
-                    {lost, woken}, timeout=max(lease.ttl / 3.0, 0.2), return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                lost.cancel()
-                woken.cancel()
-            self._wake.clear()
-            if lease.lost.is_set():
-                if not await self._reregister(lease):
+                if not await self._tick():
                     return
-                outages = 0
-                continue
-            if lease.outages != outages and lease.state is LeaseState.ALIVE:
-                outages = lease.outages  # etcd is back: make sure the key holds the current value
-                self._dirty = True
-            if self._dirty:
-                await self._put()
-            elif lease.state is LeaseState.ALIVE:
-                await self._check_key(lease)
+                retry = RETRY_MIN_S
+            except Exception as exc:
+                self._tick_errors.what = f"keeping {self.key} registered"  # the key changes with a new lease
+                self._tick_errors(exc)
+                # A tick that fails at once each time (a lost lease wakes it straightaway) must not spin.
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, RETRY_MAX_S)
+
+    async def _tick(self) -> bool:
+        """One round: wait for the lease's loss, an update() or the next check, then act. False once
+        the registration failed."""
+        lease = self.lease
+        assert lease is not None
+        lost = asyncio.create_task(lease.lost.wait())
+        woken = asyncio.create_task(self._wake.wait())
+        try:
+            await asyncio.wait({lost, woken}, timeout=max(lease.ttl / 3.0, 0.2), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            woken.cancel()
+        self._wake.clear()
+        if lease.lost.is_set():
+            if not await self._reregister(lease):
+                return False
+            self._outages = 0
+            return True
+        if lease.outages != self._outages and lease.state is LeaseState.ALIVE:
+            self._outages = lease.outages  # etcd is back: make sure the key holds the current value
+            self._dirty = True
+        if self._dirty:
+            await self._put()
+        elif lease.state is LeaseState.ALIVE:
+            await self._check_key(lease)
+        return True
 
     async def _put(self) -> None:
         assert self.lease is not None

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NoReturn
 
@@ -25,8 +26,10 @@ __all__ = [
     "LogConfigError",
     "RepeatedErrors",
     "RepeatedLines",
+    "TickErrors",
     "background",
     "configure_logging",
+    "ended",
     "guarded",
     "run_service",
     "start_or_stop",
@@ -175,14 +178,30 @@ def background(coro: Coroutine[Any, Any, None], name: str, stops: str) -> asynci
     ERROR with its traceback and `stops` (what no longer happens, and until when), rather than kept in the task
     until its owner's stop() awaits it, or lost if that never comes."""
     task = asyncio.create_task(coro, name=name)
+    _stops[task] = stops
     task.add_done_callback(lambda t: _crashed(t, stops))
     return task
+
+
+# what each background task's end stops (its owner's readiness names it: ended())
+_stops: weakref.WeakKeyDictionary[asyncio.Task[None], str] = weakref.WeakKeyDictionary()
 
 
 def _crashed(task: asyncio.Task[None], stops: str) -> None:
     if task.cancelled() or (exc := task.exception()) is None:
         return
     _log.error("task %s crashed: %s", task.get_name(), stops, exc_info=exc)
+
+
+def ended(task: asyncio.Task[None] | None) -> str | None:
+    """Why `task`, a background() task meant to run for the life of its owner, no longer runs, and
+    what that stops; None while it runs, was cancelled (its owner stopping it), or never started.
+    For an owner's readiness: a loop that crashed, or returned, leaves it no longer correct."""
+    if task is None or not task.done() or task.cancelled():
+        return None
+    exc = task.exception()
+    how = f"crashed ({type(exc).__name__}: {exc})" if exc is not None else "ended"
+    return f"task {task.get_name()} {how}: {_stops.get(task, 'what it did no longer happens')}"
 
 
 _handler_errors = _Throttle(30.0)
@@ -205,6 +224,30 @@ def guarded(cb: Callable[[Any], Awaitable[None]], what: str) -> Callable[[Any], 
                 _log.error("%s failed on a message of %s%s", what, getattr(msg, "subject", "?"), more, exc_info=exc)
 
     return handle
+
+
+class TickErrors:
+    """What a loop that must outlive a failing tick says of one: an ERROR with the traceback and
+    `what`, the first, then at most every `every_s` with how many came meanwhile; the caller goes on
+    with its next tick. For a loop whose tick may fail on its data (or a bug) while the loop itself
+    is what keeps its owner correct: ending it would stop that for good (background())."""
+
+    def __init__(
+        self, logger: logging.Logger, what: str, *, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.log = logger
+        self.what = what
+        self.count = 0
+        self._throttle = _Throttle(every_s, clock)
+
+    def __call__(self, exc: Exception) -> None:
+        self.count += 1
+        said = self._throttle(None)
+        if said is None:
+            return
+        held, ago = said
+        more = f" ({held} more in {ago:.0f}s)" if held else ""
+        self.log.error("%s failed%s; going on with its next round", self.what, more, exc_info=exc)
 
 
 class RepeatedErrors:

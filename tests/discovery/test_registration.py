@@ -248,3 +248,79 @@ async def test_a_key_deleted_while_its_lease_lives_is_put_back(
         assert await d.holder(reg.key) == lease and reg.lease.id == lease  # the same lease: no re-registration
         assert reg.state is RegistrationState.REGISTERED and reg.registrations == 1
         await reg.stop()
+
+
+async def test_a_supervisor_tick_that_raises_is_an_error_and_the_next_tick_still_puts_the_key_back(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One raise in the supervisor ended it for good (audit of 2026-12-06): a key deleted after it
+    stayed deleted while its owner's /health said registered, and nothing was logged."""
+    real = Registration._check_key
+    raised: list[bool] = []
+
+    async def check_once_bad(self: Registration, lease: object) -> None:
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("injected: a bug in the supervisor")
+        await real(self, lease)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Registration, "_check_key", check_once_bad)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=1)
+        await reg.start()
+        assert reg.lease is not None
+        lease = reg.lease.id
+        with caplog.at_level(logging.WARNING, logger="discovery.registration"):
+            await _until(lambda: bool(raised), 3, "the tick that raises")
+            await d.delete(reg.key)
+            await _until(lambda: any("put it back" in r.getMessage() for r in caplog.records), 5, "the key put back")
+        assert await d.holder(reg.key) == lease
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1, [r.getMessage() for r in errors]
+        assert reg.key in errors[0].getMessage() and errors[0].exc_info is not None  # its traceback
+        assert not reg.failed.is_set() and reg.state is RegistrationState.REGISTERED
+        await reg.stop()
+
+
+async def test_a_supervisor_that_ends_fails_the_registration(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever ends the supervisor (it runs until stop()), the owner hears it through `failed`."""
+
+    async def supervise(self: Registration) -> None:
+        raise RuntimeError("injected: the supervisor ended")
+
+    monkeypatch.setattr(Registration, "_supervise", supervise)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns)
+        with caplog.at_level(logging.ERROR, logger="discovery.registration"):
+            await reg.start()
+            await asyncio.wait_for(reg.failed.wait(), 3)
+        assert reg.state is RegistrationState.FAILED
+        assert reg.failure is not None and "supervisor" in str(reg.failure) and reg.key in str(reg.failure)
+        assert any("no longer kept registered" in r.getMessage() for r in caplog.records)
+        await reg.stop()
+
+
+async def test_the_state_is_lost_once_etcd_says_the_lease_is_gone(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until the supervisor registers anew, the state says so: "registered" with the lease gone
+    told a shim's /health it was still routed."""
+    supervising = asyncio.Event()
+
+    async def idle(self: Registration) -> None:  # a supervisor that has not acted on the loss (yet)
+        supervising.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(Registration, "_supervise", idle)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=2)
+        await reg.start()
+        await supervising.wait()
+        assert reg.lease is not None
+        before = reg.state
+        await d.revoke(reg.lease.id)
+        await _until(lambda: reg.lease is not None and reg.lease.lost.is_set(), 5, "the lease lost")
+        assert (before, reg.state) == (RegistrationState.REGISTERED, RegistrationState.LOST)
+        await reg.stop()

@@ -10,7 +10,7 @@ from typing import Any
 import nats
 import pytest
 
-from runtime import background, guarded
+from runtime import TickErrors, background, ended, guarded
 from runtime.nats_flush import flush
 
 
@@ -43,6 +43,45 @@ async def test_a_cancelled_or_finished_task_says_nothing(caplog: pytest.LogCaptu
         await asyncio.wait({stopped, finished})
         await asyncio.sleep(0)
     assert [r for r in caplog.records if r.name == "runtime"] == []
+
+
+async def test_ended_says_which_task_no_longer_runs_and_what_that_stops() -> None:
+    async def crash() -> None:
+        raise ValueError("a bug")
+
+    async def done() -> None:
+        return None
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    crashed, returned, running = (
+        background(crash(), "sync-flush", "peers get no booking"),
+        background(done(), "sync-expire", "stale bookings stay"),
+        background(forever(), "loop-watch", "stalls count"),
+    )
+    await asyncio.wait({crashed, returned})
+    assert ended(crashed) == "task sync-flush crashed (ValueError: a bug): peers get no booking"
+    assert ended(returned) == "task sync-expire ended: stale bookings stay"
+    assert ended(running) is None and ended(None) is None
+    running.cancel()
+    await asyncio.wait({running})
+    assert ended(running) is None  # its owner stopped it
+
+
+def test_tick_errors_say_the_first_then_once_a_while_with_a_count(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    errors = TickErrors(logging.getLogger("t"), "a flush", every_s=30.0, clock=lambda: now[0])
+    with caplog.at_level(logging.ERROR, logger="t"):
+        for t in (0.0, 1.0, 2.0, 40.0):
+            now[0] = t
+            errors(RuntimeError(f"at {t}"))
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "a flush failed; going on with its next round",
+        "a flush failed (2 more in 40s); going on with its next round",
+    ]
+    assert errors.count == 4 and all(r.exc_info is not None for r in caplog.records)
 
 
 async def test_a_handler_that_raises_is_logged_as_its_own_and_the_next_message_is_handled(
