@@ -75,6 +75,11 @@ class TokenKeeper:
         if rejects_token(exc):
             self._kick.set()
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """Its loop, while started: its owner's readiness names it should it end (runtime.ended)."""
+        return self._task
+
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:

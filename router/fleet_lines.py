@@ -68,10 +68,12 @@ class FleetLines:
         if fleet_log is not None:
             fleet_log.add(self)
 
-    def say(self, worker: str, msg: str, *args: object, stacklevel: int = 2) -> bool:
+    def say(
+        self, worker: str, msg: str, *args: object, stacklevel: int = 2, exc_info: BaseException | None = None
+    ) -> bool:
         """Log `msg % args`, a line naming `worker`, unless NAMED_AT_MOST others were named in this
         window: then count it for the summary. Whether it was logged. `stacklevel`: the caller the
-        line is put down to (2: say's own caller)."""
+        line is put down to (2: say's own caller); `exc_info`: a traceback to log with the line."""
         now = self._clock()
         # A clock stepped back (time.time under an NTP correction) opens one too: the window it
         # left would hold every line, and its summary, for as long as the step.
@@ -81,7 +83,7 @@ class FleetLines:
             self._named.clear()
         if worker in self._named or len(self._named) < NAMED_AT_MOST:
             self._named.add(worker)
-            self._log.log(self._level, msg, *args, stacklevel=stacklevel)
+            self._log.log(self._level, msg, *args, stacklevel=stacklevel, exc_info=exc_info)
             return True
         self._held.add(worker)
         self._held_lines += 1

@@ -36,6 +36,12 @@ of the workers being repaired fail alike (of one kind: timed out, no responders,
 reply, a NATS error, whatever each one's wait), the summary says the cause is likely shared (NATS
 permissions on the kvstate subject, or the shims not answering) rather than any one worker's.
 Meanwhile only that worker is out of routing (router.eligibility), never the fleet.
+
+A loop that crashes (a bug: the target's or this module's code raised) is counted as a failure of
+kind `crashed` and logged as an ERROR with its traceback, naming the worker and that it stays out of
+routing: per worker at most every `error_every_s` (with how many more), and as one of the few workers
+a FleetLines names per window. The loop is not restarted: the next ensure() of the worker starts it
+(a later gap while synced; a worker the crash left repairing waits for its next registration).
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class FailureKind(enum.StrEnum):
     NATS_ERROR = "NATS error"  # this router's connection (reconnecting, draining)
     BYTE_LIMIT = "this router's replies in flight at their byte limit"  # this router's own budget
     OVER_CAPACITY = "a dump past the worker's index bound"  # an offload tier past --index-limit-per-worker
+    CRASHED = "a crash of this router's repair loop"  # a bug: its ERROR line has the traceback
 
     @property
     def label(self) -> str:
@@ -186,6 +193,16 @@ class GapRepair:
         )
         # an ERROR, then the success: a worker named failing is named succeeding (kept while its loop is)
         self._episodes = FleetEpisodes(self._error_lines, self._recovered_lines)
+        self._crash_lines = FleetLines(
+            log,
+            logging.ERROR,
+            "their KV repair crashed (a bug in this router: the workers named have its traceback); each stays out "
+            "of routing",
+            clock=clock,
+            fleet_log=fleet_log,
+        )
+        # per worker, until it leaves: when its crash was last logged, and the crashes held back since
+        self._crashes: dict[str, tuple[float, int]] = {}
 
     def ensure(self, worker: str) -> None:
         """Run the worker's repair loop unless it runs already."""
@@ -197,6 +214,7 @@ class GapRepair:
         task.add_done_callback(functools.partial(self._done, worker))
 
     def cancel(self, worker: str) -> None:
+        self._crashes.pop(worker, None)
         loop = self._loops.pop(worker, None)
         if loop is not None:
             loop.task.cancel()
@@ -224,8 +242,24 @@ class GapRepair:
         if loop is not None and loop.task is task:
             del self._loops[worker]
             self._episodes.forget(worker)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("KV repair of worker %s crashed: %r", worker, task.exception())
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        self._target.repair_failed(worker, FetchFailure(f"the repair loop crashed: {exc!r}", kind=FailureKind.CRASHED))
+        now = self._clock()
+        said, held = self._crashes.get(worker, (-float("inf"), 0))
+        if now - said < self.error_every_s:  # ensure() starts it again on the next gap: one line a while
+            self._crashes[worker] = (said, held + 1)
+            return
+        self._crashes[worker] = (now, 0)
+        self._crash_lines.say(
+            worker,
+            "KV repair of worker %s crashed%s (a bug in this router); it stays out of routing until a repair of "
+            "it runs again and succeeds (on its next gap; one the crash left repairing waits for its next "
+            "registration or this router's restart)",
+            worker,
+            f" again, {held + 1} times in {now - said:.0f}s" if held else "",
+            exc_info=exc,
+        )
 
     async def _run(self, worker: str) -> None:
         delay = self.retry_min_s
@@ -305,6 +339,8 @@ class GapRepair:
                 return f"KV tiers larger than this router's index bound per worker ({LIMIT_HINT})"
             case FailureKind.NATS_ERROR:
                 return "this router's NATS connection (its log says how)"
+            case FailureKind.CRASHED:  # never shared so (a crashed loop is no longer among them); for the match
+                return "a bug in this router's repair loop (its traceback is in this log)"
             case FailureKind.TIMED_OUT | FailureKind.NO_RESPONDERS:
                 return f"NATS permissions on {subjects.kvstate_all(self._ns)}, or the workers' shims not answering"
 

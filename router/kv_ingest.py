@@ -729,7 +729,9 @@ class KvIngest:
         if state is None:
             return
         self.stats.repair_failures[failure.kind] += 1
-        if failure.kind in (FailureKind.MALFORMED, FailureKind.OVER_CAPACITY):
+        if failure.kind is FailureKind.CRASHED:
+            state.want_dump = True  # what the crash left of the worker's entries is unknown: all of it next
+        elif failure.kind in (FailureKind.MALFORMED, FailureKind.OVER_CAPACITY):
             # over capacity: the batches' own capacity line and cause (an offload tier), not a build's
             self._malformed(worker, failure, "capacity" if failure.kind is FailureKind.OVER_CAPACITY else "repair")
             state.want_dump = True  # never the same since_seq again

@@ -73,6 +73,11 @@ class LoadSubscriptions:
             "senders past their budget are no longer quarantined, nor heard again, until the router restarts",
         )
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """Its loop, while started: its owner's readiness names it should it end (runtime.ended)."""
+        return self._task
+
     def quarantine(self, sender: str) -> None:
         """Leave `sender`'s subject unheard for `quarantine_s` from now (once: a report of it still
         queued changes nothing)."""

@@ -52,7 +52,7 @@ from protocol.messages import RouterInfo, RouterSync, SyncEntry, decode_msg, enc
 from router.lifecycle import PartStatus
 from router.load_view import LoadView
 from router.peer_settings import PeerSettings
-from runtime import background, guarded
+from runtime import TickErrors, background, guarded
 from runtime.turns import Turns
 
 __all__ = ["ReplicaSync", "SyncStats"]
@@ -117,6 +117,8 @@ class ReplicaSync:
         self._logged_senders: set[str] = set()
         self._sub: Subscription | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._flush_errors = TickErrors(log, "router sync: a flush (its bookings unsent; peers drop them at their TTL)")
+        self._expire_errors = TickErrors(log, "router sync: expiring peers' stale bookings")
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -157,6 +159,11 @@ class ReplicaSync:
         if sub is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """Its loops, each meant to run until stop(): its owner's readiness names one that ended."""
+        return list(self._tasks)
 
     def registered(self, router: str) -> bool | None:
         """Whether `router` has a key in etcd now; None before the first snapshot (or without
@@ -210,7 +217,10 @@ class ReplicaSync:
             await self._wake.wait()
             await asyncio.sleep(self._flush_s)  # gather what else arrives within the window
             self._wake.clear()
-            await self._send()
+            try:
+                await self._send()
+            except Exception as exc:  # one flush's entries (a bug, bad data) must not end the bookings sent
+                self._flush_errors(exc)
 
     async def _send(self) -> None:
         entries, self._pending = self._pending, []
@@ -310,7 +320,10 @@ class ReplicaSync:
         period = max(self._peer_ttl_s / 10.0, 0.05)
         while True:
             await asyncio.sleep(period)
-            self.stats.bookings_expired += self.view.expire(self._peer_ttl_s)
+            try:
+                self.stats.bookings_expired += self.view.expire(self._peer_ttl_s)
+            except Exception as exc:  # a booking that breaks expire() must not keep every stale one
+                self._expire_errors(exc)
 
     async def _watch_routers(self, discovery: Discovery) -> None:
         async for event in discovery.watch_routers():

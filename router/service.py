@@ -87,7 +87,7 @@ from router.tracing import RequestTracer
 from router.unheard import Unheard
 from router.worker_registry import WorkerRegistry, context_message
 from router.worker_versions import WorkerVersions
-from runtime import RepeatedErrors, background, guarded
+from runtime import RepeatedErrors, background, ended, guarded
 from runtime.loop_watch import LoopWatch
 from runtime.nats_connect import connect as nats_connect
 from runtime.nats_connect import error_reporter, refused_subscriptions
@@ -284,6 +284,7 @@ class RouterService:
         self._path: RequestPath | None = None
         self._watcher: ConfigWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._loops: list[asyncio.Task[None]] = []  # of _tasks, those meant to run until stop() (_ended_loops)
         self._registry_ready = False
         # After NATS comes back, workers count as reachable for readiness only once one of them has
         # reported over the new connection: a shim re-subscribes before it publishes again, and a
@@ -520,6 +521,13 @@ class RouterService:
             on_registered=self._registered_anew,
         )
         self.router_id = await self._registration.start()
+        self._tasks.append(
+            background(
+                self._watch_registration(self._registration),
+                "router-registration-watch",
+                "a failed registration is not logged (/ready still names it)",
+            )
+        )
         self._sync.rename(self.router_id)
         await self._sync.start()
         await self._ingest.start()
@@ -542,7 +550,7 @@ class RouterService:
         )
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
-        self._tasks.append(
+        self._loops.append(
             background(  # a check that raises is an ERROR and runs again: its gauges must not freeze
                 keep_following(self._check_fleet, "the fleet check (router.fleet_news)"),
                 "router-fleet-news",
@@ -552,7 +560,7 @@ class RouterService:
         self._watcher = watcher = ConfigWatcher(
             self._discovery, dict(self.config.overrides), dict(self.config.file_settings)
         )
-        self._tasks.append(
+        self._loops.append(
             background(
                 # A crash costs a backoff and a new watch (its Snapshot re-applied), not live config for good.
                 keep_following(lambda: self._follow_config(watcher), "the live config watch"),
@@ -574,9 +582,9 @@ class RouterService:
             if cut := await self._drain.finish(self.config.drain_s):
                 log.warning("%d requests still running after the %gs drain: ended with a 503", cut, self.config.drain_s)
             await runner.cleanup()
-        for task in self._tasks:
+        for task in (*self._tasks, *self._loops):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._loops, return_exceptions=True)
         await self.loop_watch.stop()
         for part in (self._registry, self._ingest, self._sync, self._dispatcher):
             if part is not None:
@@ -587,8 +595,15 @@ class RouterService:
             await subs.stop()
         registration, self._registration = self._registration, None
         if registration is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await registration.stop()  # revokes the RouterInfo lease: peers forget our bookings
+            except Exception:
+                log.exception(
+                    "revoking router %s's lease failed: peers keep its bookings, and workers its legs, until its "
+                    "TTL (%d s) passes",
+                    self.router_id,
+                    self.config.lease_ttl_s,
+                )
         discovery, self._discovery = self._discovery, None
         if discovery is not None:
             with contextlib.suppress(Exception):
@@ -626,7 +641,32 @@ class RouterService:
         self.reregistrations += 1
         log.warning("router %s lost its lease: registered anew as %s", old, router_id)
 
+    async def _watch_registration(self, registration: Registration) -> None:
+        """Say a failed registration once, as it fails (/ready names it from then on)."""
+        await registration.failed.wait()
+        log.error("%s; /ready answers 503 until this router is restarted", self._registration_failed(registration))
+
+    def _registration_failed(self, registration: Registration) -> str:
+        return (
+            f"router {self.router_id}'s registration in etcd failed ({registration.failure}): its key is no longer "
+            "kept, so once it goes workers cancel this router's legs and peers drop its bookings"
+        )
+
     # --- readiness -----------------------------------------------------------------------------
+
+    def _ended_loops(self) -> list[str]:
+        """Each loop this router needs for as long as it runs (its own, its parts', its etcd auth
+        token's) that no longer runs, with what that stops: the router is no longer correct."""
+        token = self._discovery.token if self._discovery is not None else None
+        loops = [
+            self.loop_watch.task,
+            token.task if token is not None else None,
+            *(self._sync.tasks if self._sync is not None else ()),
+            self._registry.task if self._registry is not None else None,
+            self._load_subs.task if self._load_subs is not None else None,
+            *self._loops,
+        ]
+        return [why for task in loops if (why := ended(task)) is not None]
 
     def health(self) -> dict[str, Any]:
         return {"status": self.status.value}
@@ -646,7 +686,9 @@ class RouterService:
         shim may be up, and the router never routes to it; a worker the registry does not route
         (its max_model_len not its model's) is counted as `context_conflict`. Every routed worker
         (of any model; not a `context_conflict` one) unheard over NATS (router.unheard) is a problem
-        naming --nats-servers."""
+        naming --nats-servers. So is a failed registration (its RouterInfo key no longer kept) and
+        each loop the router needs that no longer runs (`_ended_loops`, by task name): either leaves
+        the router incorrect until it is restarted."""
         running = self.status is RouterStatus.RUNNING and self._registry is not None and self._ingest is not None
         nats_up = self._nc is not None and self._nc.is_connected
         served = self.config.model
@@ -752,6 +794,9 @@ class RouterService:
             )
         if self._registry_ready and (silent := self.unheard.problem([i.worker for i in registered])):
             problems.append(silent)
+        if self._registration is not None and self._registration.failed.is_set():
+            problems.append(self._registration_failed(self._registration) + "; restart this router")
+        problems += [f"{why}; restart this router" for why in self._ended_loops()]
         body = {
             "status": self.status.value,
             "router": self.router_id,

@@ -157,6 +157,11 @@ class WorkerRegistry:
         )
         self.status = PartStatus.RUNNING
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """Its watch, while started: its owner's readiness names it should it end (runtime.ended)."""
+        return self._task
+
     async def stop(self) -> None:
         """Stop watching (idempotent). The workers known stay readable; no callback runs any more."""
         if self.status is PartStatus.STOPPED:

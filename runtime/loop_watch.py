@@ -35,6 +35,11 @@ class LoopWatch:
         self._awake_since = self._ticked = loop.time()
         self._task = background(self._run(), "loop-watch", "stalls of this process count as its peers' silence")
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """Its loop, while started: its owner's readiness names it should it end (runtime.ended)."""
+        return self._task
+
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
