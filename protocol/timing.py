@@ -3,7 +3,10 @@ it for every step it runs, and the router's ttft_model policy predicts with the 
 
 Profiles. A name `{table}:{model}` (WorkerInfo.timing_profile, `--profile`) names the table
 `protocol/profiles/{table}.json` and one of its `models`; `KVSWITCH_PROFILE_DIR` adds a directory
-searched first, for operators' own tables in the same format. `h200.json` was measured on one
+searched first, for operators' own tables in the same format (`load_profile` refuses a table the
+model cannot use, naming the file and the key: `kv_bytes_per_token_bf16` must be >= 1, and every
+row of a grid, the points at one `cached_tokens` or `context_tokens`, needs >= 2 points, a slope to
+interpolate along). `h200.json` was measured on one
 NVIDIA H200 (profiles/README.md has the method): batch-1 prefill by new x cached tokens, decode by
 batch x context. `{table}_mixed.json` (h200_mixed.json: Llama-3.1-8B) measures mixed steps.
 
@@ -172,7 +175,33 @@ def _points(where: str, m: dict[str, Any], key: str, axes: tuple[str, str]) -> t
         if (x, y) in points:  # two values at one point: interpolating between them divides by zero
             raise ValueError(f"{where}: `{key}[{i}]` repeats {axes[0]} {x}, {axes[1]} {y}")
         points[x, y] = seconds
+    _check_rows(where, key, axes, points)
     return tuple((x, y, v) for (x, y), v in points.items())
+
+
+def _kv_bytes(where: str, m: dict[str, Any]) -> int:
+    """`kv_bytes_per_token_bf16`, >= 1: an engine's KV pool is its free memory over it, and a 0 was
+    a ZeroDivisionError in every sim that sized one and in the routers' admission."""
+    value: int = _number(where, m, "kv_bytes_per_token_bf16")
+    if value < 1:
+        raise ValueError(f"{where}: `kv_bytes_per_token_bf16` must be an integer >= 1, got {value}")
+    return value
+
+
+def _check_rows(where: str, key: str, axes: tuple[str, str], points: dict[tuple[int, int], float]) -> None:
+    """Every row of the grid (its points at one `axes[1]`) holds >= 2 points: one point has no slope
+    to interpolate along, and _Grid divided by zero past it. Refused rather than read as a constant:
+    a prefill or decode step that costs the same at any size is a model no engine follows, and the
+    sims and the routers' admission would run on it with nothing said."""
+    rows: dict[int, list[int]] = {}
+    for x, y in points:
+        rows.setdefault(y, []).append(x)
+    for y, xs in rows.items():
+        if len(xs) < 2:
+            raise ValueError(
+                f"{where}: `{key}` has one point at {axes[1]} {y} ({axes[0]} {xs[0]}); "
+                f"each {axes[1]} needs >= 2 {axes[0]} values"
+            )
 
 
 @cache
@@ -189,7 +218,7 @@ def load_profile(name: str = DEFAULT_PROFILE) -> ModelProfile:
                     name=name,
                     table=table,
                     model=model,
-                    kv_bytes_per_token=_number(where, m, "kv_bytes_per_token_bf16"),
+                    kv_bytes_per_token=_kv_bytes(where, m),
                     params=_number(where, m, "params") if "params" in m else 0,
                     prefill=_points(where, m, "prefill", ("new_tokens", "cached_tokens")),
                     decode=_points(where, m, "decode", ("batch", "context_tokens")),
@@ -284,8 +313,9 @@ class _Grid:
 
     @staticmethod
     def _lerp(xs: Sequence[float], vs: Sequence[float], x: float, floor: bool) -> float:
+        """Along xs, >= 2 points (load_profile refuses a row with fewer)."""
         if x <= xs[0]:
-            if floor or len(xs) == 1:
+            if floor:
                 return vs[0]
             i = 1
         elif x >= xs[-1]:

@@ -198,6 +198,19 @@ def _broken(change: Callable[[dict[str, Any]], object]) -> dict[str, Any]:
         (lambda m: m["prefill"][0].update(seconds=float("nan")), "`prefill[0]`: `seconds` must be a finite number"),
         (lambda m: m["prefill"][1].update(new_tokens=-16), "`prefill[1]`: `new_tokens` must be an integer >= 0"),
         (lambda m: m["decode"].append(dict(m["decode"][0])), "`decode[36]` repeats batch 1, context_tokens 256"),
+        # review of 2026-12-06: these loaded, then divided by zero in the sims and the routers' admission
+        (lambda m: m.update(kv_bytes_per_token_bf16=0), "`kv_bytes_per_token_bf16` must be an integer >= 1, got 0"),
+        (
+            lambda m: m.update(
+                prefill=[p for p in m["prefill"] if p["cached_tokens"] != 16384 or p["new_tokens"] == 1024]
+            ),
+            "`prefill` has one point at cached_tokens 16384 (new_tokens 1024); "
+            "each cached_tokens needs >= 2 new_tokens values",
+        ),
+        (
+            lambda m: m.update(decode=[p for p in m["decode"] if p["context_tokens"] != 256 or p["batch"] == 1]),
+            "`decode` has one point at context_tokens 256 (batch 1); each context_tokens needs >= 2 batch values",
+        ),
     ],
 )
 def test_a_malformed_operator_table_is_a_value_error_naming_the_file_and_the_key(
