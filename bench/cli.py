@@ -196,6 +196,49 @@ def _add_clock_args(p: argparse.ArgumentParser, owned: Owned) -> None:
     owned += [("clock", VIRTUAL, a) for a in virtual]
 
 
+def _add_max_model_len(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> argparse.Action:
+    return p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="virtual engines' max_model_len: longer requests are errors (default: the sims' 32768, raised to"
+        " the workload's longest request, and said so; `kvswitch plan` and `kvswitch up` keep 32768)",
+    )
+
+
+def _check_engines(args: argparse.Namespace) -> None:
+    """--profile, --router-profile and --max-model-len, before anything runs: an unknown --profile
+    failed at the first measurement, naming no flag, and an unknown --router-profile ran to the end
+    (exit 0) with routers that had no cost model."""
+    from bench.virtual.fleet import check_max_model_len, check_profile
+
+    check_profile("--profile", args.profile)
+    if getattr(args, "router_profile", None) is not None:
+        check_profile("--router-profile", args.router_profile, none=True)
+    if getattr(args, "max_model_len", None) is not None:
+        check_max_model_len(args.max_model_len, args.profile)
+
+
+def _max_model_len(args: argparse.Namespace, items: list[WorkItem]) -> tuple[int, str | None]:
+    """--max-model-len, or the sims' 32768 raised to the workload's longest request (what the
+    published virtual figures ran with); and, when raised, the line that says so, printed with the
+    results: the engines are then unlike `kvswitch up`'s, and `kvswitch plan`'s rows, at 32768,
+    count those requests as errors."""
+    from bench.virtual.fleet import SIMS_MAX_MODEL_LEN
+
+    if args.max_model_len is not None:
+        return int(args.max_model_len), None
+    longest = max((item.input_len + item.output_len for item in items), default=0)
+    if longest <= SIMS_MAX_MODEL_LEN:
+        return SIMS_MAX_MODEL_LEN, None
+    over = sum(item.input_len + item.output_len > SIMS_MAX_MODEL_LEN for item in items)
+    return longest, (
+        f"max_model_len {longest}: raised from the sims' {SIMS_MAX_MODEL_LEN} to the longest request ({over} of "
+        f"{len(items)} requests are longer; `kvswitch plan` and `kvswitch up` refuse them); --max-model-len sets it"
+    )
+
+
 def _delays(args: argparse.Namespace) -> Delays:
     given = {name: getattr(args, name) for name in Delays.__struct_fields__ if getattr(args, name) is not None}
     return msgspec.structs.replace(DEFAULT_DELAYS, **given).validate()
@@ -254,6 +297,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         fg.add_argument("--profile", default="h200:llama-3.1-8b", help="the engines' timing profile"),
         fg.add_argument("--configuration", default="kv", help="router settings: a `compare` configuration's flags"),
         fg.add_argument("--router-arg", action="append", default=[], help="one more `kvswitch router` flag (repeat)"),
+        _add_max_model_len(fg),
     ]
     owned += [("clock", VIRTUAL, a) for a in fleet]
     _add_workload_args(rp, owned, compare=False)
@@ -284,7 +328,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     owned = [("clock", LIVE, a) for a in (speedup, sim_arg, keep_logs)]
     _add_clock_args(cp, owned)
     jobs = cp.add_argument("--jobs", type=int, default=2, help="virtual clock: measurements run in this many processes")
-    owned.append(("clock", VIRTUAL, jobs))
+    owned += [("clock", VIRTUAL, jobs), ("clock", VIRTUAL, _add_max_model_len(cp))]
     _add_workload_args(cp, owned, compare=True)
     _add_slo_args(cp)
     cp.set_defaults(owned_flags=owned)
@@ -299,6 +343,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wp.add_argument("--profile", default="h200:llama-3.1-8b")
     wp.add_argument("--jobs", type=int, default=2, help="measurements run in this many processes")
     wp.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    _add_max_model_len(wp)
     owned = []
     _add_workload_args(wp, owned, compare=False)
     _add_slo_args(wp)
@@ -428,7 +473,7 @@ def _credit_line(checks: list[CreditCheck]) -> str:
 
 
 def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
-    from bench.compare import CONFIGURATIONS, slo_router_args
+    from bench.compare import CONFIGURATIONS, check_prefill_engines, slo_router_args
     from bench.replay import write_results
     from bench.trace import TokenSynth
     from bench.ttft_floor import ceiling_cached
@@ -439,7 +484,8 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
         raise ValueError(f"--configuration: unknown {args.configuration}; allowed: {', '.join(CONFIGURATIONS)}")
     if not args.speed > 0:
         raise ValueError(f"--speed must be > 0, got {args.speed}")
-    longest = max((item.input_len + item.output_len for item in items), default=0)
+    check_prefill_engines(f"--prefill {args.prefill}", args.prefill, [config], args.router_arg)
+    engine_len, raised = _max_model_len(args, items)
     slo = Slo(args.slo_ttft, args.slo_itl)
     spec = FleetSpec(
         prefill=args.prefill,
@@ -450,7 +496,7 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
         delays=_delays(args),
         profile=args.profile,
         router_profile=_router_profile(args),
-        max_model_len=max(32768, longest),
+        max_model_len=engine_len,
         seed=args.router_seed,
         calibrate=args.calibrate,
         router_profile_error=args.router_profile_error,
@@ -473,6 +519,8 @@ def _replay_virtual(args: argparse.Namespace, items: list[WorkItem]) -> int:
             f"one never-evicting cache {ceiling:.1%}"
         )
     print(_credit_line([shim.credit for shim in fleet.shims.values()]))
+    if raised:
+        print(raised)
     print(f"per-request results: {args.out}")
     print(f"virtual clock: {run.virtual_s:.1f} s simulated in {time.monotonic() - started:.1f} s wall")
     return 0 if summary.ok else 1
@@ -512,12 +560,14 @@ def _compare(args: argparse.Namespace) -> int:
         PEER_CONFIGURATIONS,
         CompareSpec,
         Measurement,
+        check_spec,
         format_table,
         headline_ratios,
         run_compare,
     )
     from bench.peers import missing_binaries
     from bench.results_file import ResultsFile, fresh_path
+    from bench.virtual.fleet import SIMS_MAX_MODEL_LEN
 
     plot_compare = _plotting().plot_compare
 
@@ -550,6 +600,7 @@ def _compare(args: argparse.Namespace) -> int:
     sim_args = list(args.sim_arg)
     if "--max-model-len" not in sim_args and longest > 32768:
         sim_args += ["--max-model-len", str(longest)]
+    engine_len, raised = _max_model_len(args, items) if virtual else (SIMS_MAX_MODEL_LEN, None)
     spec = CompareSpec(
         items=items,
         configurations=configurations,
@@ -568,12 +619,13 @@ def _compare(args: argparse.Namespace) -> int:
         clock=args.clock,
         delays=_delays(args),
         router_profile=_router_profile(args),
-        max_model_len=max(32768, longest),
+        max_model_len=engine_len,
         seed=args.router_seed,
         jobs=args.jobs,
         calibrate=args.calibrate,
         router_profile_error=args.router_profile_error,
     )
+    check_spec(spec)
     check_out_dir("--out-dir", args.out_dir)  # last: a command refused before creates nothing
     started = time.monotonic()
     json_path = fresh_path(args.out_dir, "compare", ".json")
@@ -591,6 +643,8 @@ def _compare(args: argparse.Namespace) -> int:
     print(format_table(measurements))
     for line in headline_ratios(measurements):
         print(line)
+    if raised:
+        print(raised)
     print(f"results: {json_path}\nfigure:  {png}\ntotal {time.monotonic() - started:.0f} s wall")
     return 0
 
@@ -606,7 +660,7 @@ def _plotting() -> Any:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from bench.compare import CONFIGURATIONS
+    from bench.compare import CONFIGURATIONS, check_prefill_engines
     from bench.results_file import fresh_path
     from bench.sweep import format_sweep, parse_fleets, run_sweep, write_points
     from bench.ttft_floor import floor_p90
@@ -625,14 +679,15 @@ def _sweep(args: argparse.Namespace) -> int:
         args.scale_tokens = 1.0
     rates = _rates(args.rates)
     fleets = parse_fleets(args.fleets)
-    # On 0P the disaggregated configurations would be reported with no prefill engine; aggregated
-    # ones run P + D engines, so 0P+1D is one aggregated engine.
-    disagg = [n for n in names if CONFIGURATIONS[n].fleet == "pd"]
-    if disagg and (bare := [f.name for f in fleets if f.prefill < 1]):
-        raise ValueError(f"--fleets {', '.join(bare)}: {', '.join(disagg)} need a prefill engine (P >= 1)")
+    # Aggregated configurations run P + D engines, so 0P+1D is one aggregated engine for them.
+    bare = [f for f in fleets if f.prefill < 1]
+    if bare:
+        where = f"--fleets {','.join(f.name for f in bare)}"
+        check_prefill_engines(where, 0, [CONFIGURATIONS[n] for n in names])
     items = _replay_items(args)
     if not items:
         raise ValueError("the workload is empty")
+    engine_len, raised = _max_model_len(args, items)
     check_out_dir("--out-dir", args.out_dir)  # last: a command refused before creates nothing
     started = time.monotonic()
     points = run_sweep(
@@ -641,6 +696,7 @@ def _sweep(args: argparse.Namespace) -> int:
         rates,
         [CONFIGURATIONS[n] for n in names],
         slo=Slo(args.slo_ttft, args.slo_itl),
+        max_model_len=engine_len,
         profile=args.profile,
         seed=args.seed,
         jobs=args.jobs,
@@ -664,6 +720,8 @@ def _sweep(args: argparse.Namespace) -> int:
         f"TTFT floor p90 {floor:.3g} s: every request on an engine holding every earlier prefix "
         "(bench.ttft_floor); rr/floor is the most any router could beat round_robin by"
     )
+    if raised:
+        print(raised)
     print(f"results: {json_path}\nfigure:  {png}\ntotal {time.monotonic() - started:.0f} s wall")
     return 0
 
@@ -682,6 +740,8 @@ def _run(args: argparse.Namespace) -> int:
         _refuse_unread(args)
         if args.bench_command in ("replay", "summary", "compare", "sweep"):
             _check_slo(args)
+        if args.bench_command in ("compare", "sweep") or (args.bench_command == "replay" and args.clock == "virtual"):
+            _check_engines(args)
         if args.bench_command == "replay":
             if args.clock == "live":
                 if not args.url:

@@ -27,8 +27,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,11 +36,12 @@ import aiohttp
 import msgspec
 
 from bench.peers import PEERS, Peer, PeerProcess
+from bench.process_pool import process_pool
 from bench.replay import replay
 from bench.summary import PrefixCounters, Slo, Summary, scrape_prefix_counters, summarize
 from bench.trace import TokenSynth
 from bench.virtual.delays import DEFAULT_DELAYS, Delays
-from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
+from bench.virtual.fleet import SIMS_MAX_MODEL_LEN, FleetSpec, VirtualFleet, settings_from_args
 from bench.workloads import WorkItem
 from kvswitch.cluster import ClusterSpec, LocalCluster
 
@@ -51,6 +51,8 @@ __all__ = [
     "CompareSpec",
     "Configuration",
     "Measurement",
+    "check_prefill_engines",
+    "check_spec",
     "format_table",
     "headline_ratios",
     "run_compare",
@@ -114,7 +116,7 @@ class CompareSpec:
     clock: Clock = "live"
     delays: Delays = DEFAULT_DELAYS  # virtual clock only
     router_profile: str | None = None  # virtual: what workers register ("" none; None the engines' own)
-    max_model_len: int = 32768  # virtual: the engines' context limit (live: --sim-arg --max-model-len)
+    max_model_len: int = SIMS_MAX_MODEL_LEN  # virtual: the engines' context limit (live: --sim-arg --max-model-len)
     seed: int = 0  # virtual: routers' random choices (run r uses seed + r)
     calibrate: bool = True  # virtual: routers fit engine timing from load reports
     router_profile_error: float = 0.0  # virtual: routers start with engine times (1 + e) x the profile's
@@ -129,6 +131,7 @@ class Measurement(msgspec.Struct, kw_only=True):
     ttft_s: list[float]  # simulated seconds, successful requests, for the CDF
     setup_s: float  # wall seconds to bring the cluster up (0 on the virtual clock: results stay deterministic)
     clock: str = "live"
+    max_model_len: int | None = None  # virtual clock: the engines' (None: live, or a file from before 2026-12-06)
 
 
 def slo_router_args(slo: Slo) -> list[str]:
@@ -227,7 +230,14 @@ def run_virtual(spec: CompareSpec, config: Configuration, rate: float, run: int)
     summary = summarize(results, slo=spec.slo, prefix=result.prefix, clock="virtual")
     ttfts = sorted(r.ttft_s for r in results if r.ok and r.ttft_s is not None)
     return Measurement(
-        configuration=config.name, rate=rate, run=run, summary=summary, ttft_s=ttfts, setup_s=0.0, clock="virtual"
+        configuration=config.name,
+        rate=rate,
+        run=run,
+        summary=summary,
+        ttft_s=ttfts,
+        setup_s=0.0,
+        clock="virtual",
+        max_model_len=spec.max_model_len,
     )
 
 
@@ -239,9 +249,37 @@ def _measure_one(job: tuple[CompareSpec, Configuration, float, int]) -> Measurem
     return run_one(spec, config, rate, run)
 
 
-def _check_fleets(spec: CompareSpec) -> None:
-    """Every configuration's fleet, checked before the first runs: an impossible one surfaced at its
-    turn, after the earlier configurations had run, and their results were lost."""
+def check_prefill_engines(
+    where: str, prefill: int, configs: Iterable[Configuration], router_args: Sequence[str] = ()
+) -> None:
+    """Disaggregating configurations on a fleet with no prefill engine, refused before anything runs
+    (replay, compare and sweep alike): their routers found no prefill worker, prefilled every request
+    on its decode engine, and the run was reported under the disaggregated configuration's name.
+    `where`: the flag that gave the fleet; `router_args`: replay's --router-arg, which can make any
+    configuration disaggregate."""
+    if prefill >= 1:
+        return
+    names = [c.name for c in configs if _disaggregates(c, router_args)]
+    if names:
+        raise ValueError(f"{where}: disaggregated configurations need at least one prefill engine: {', '.join(names)}")
+
+
+def _disaggregates(config: Configuration, router_args: Sequence[str]) -> bool:
+    if config.peer is not None:
+        return config.fleet == "pd"
+    return settings_from_args([*config.router_args, *router_args]).disagg != "never"
+
+
+def check_spec(spec: CompareSpec) -> None:
+    """The run's settings and every configuration's fleet, checked before the first runs (and before
+    the CLI creates its output): an impossible fleet surfaced at its turn, after the earlier
+    configurations had run, and their results were lost."""
+    if spec.runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {spec.runs}")
+    if spec.clock not in CLOCKS:
+        raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {spec.clock!r}")
+    if spec.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {spec.jobs}")
     if min(spec.prefill, spec.decode) < 0:
         raise ValueError(f"--prefill and --decode must be >= 0, got {spec.prefill} and {spec.decode}")
     if spec.routers < 1:
@@ -250,6 +288,7 @@ def _check_fleets(spec: CompareSpec) -> None:
         raise ValueError(f"--decode must be >= 1 for disaggregated configurations ({', '.join(pd)})")
     if spec.prefill + spec.decode < 1 and (agg := [c.name for c in spec.configurations if c.fleet == "agg"]):
         raise ValueError(f"--prefill + --decode must be >= 1 for aggregated configurations ({', '.join(agg)})")
+    check_prefill_engines(f"--prefill {spec.prefill}", spec.prefill, spec.configurations)
     if spec.clock == "virtual":
         for config in spec.configurations:
             if config.peer is None:
@@ -259,17 +298,11 @@ def _check_fleets(spec: CompareSpec) -> None:
 def run_compare(spec: CompareSpec, *, on_measurement: Callable[[Measurement], None] | None = None) -> list[Measurement]:
     """Every (rate, configuration, run), in that nesting, so a partial result still compares
     every configuration at the first rate."""
-    if spec.runs < 1:
-        raise ValueError(f"--runs must be >= 1, got {spec.runs}")
-    if spec.clock not in CLOCKS:
-        raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {spec.clock!r}")
-    if spec.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {spec.jobs}")
-    _check_fleets(spec)
+    check_spec(spec)
     jobs = [(spec, c, rate, run) for rate in spec.rates for run in range(spec.runs) for c in spec.configurations]
     out = []
     if spec.clock == "virtual" and spec.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(min(spec.jobs, len(jobs))) as pool:
+        with process_pool(min(spec.jobs, len(jobs))) as pool:
             measured = pool.map(_measure_one, jobs)
             for m in measured:
                 out.append(m)

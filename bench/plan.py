@@ -11,7 +11,8 @@ docker-compose.yml start, at their max_model_len (`--max-model-len`, 32768 as th
 longer requests are errors, as they would be there.
 Every candidate replays the same requests, so they are ranked by how many finish within both SLOs,
 then by fewer errors, then by TTFT p90; the winner's exact `kvswitch up` command, router flags and
-docker-compose router command follow the table. The routers are given the SLOs the ranking uses.
+docker-compose router command follow the table, and `reproduce:`, the `kvswitch bench replay
+--clock virtual` that measures its row again. The routers are given the SLOs the ranking uses.
 When no candidate serves a single request within the SLOs there is no winner: the table, a line
 saying so, and exit status 1.
 
@@ -24,9 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,20 +35,25 @@ import msgspec
 
 from bench.cli import check_out
 from bench.compare import CONFIGURATIONS, Configuration
+from bench.process_pool import process_pool
 from bench.sigterm import sigterm_unwinds
 from bench.summary import Slo, Summary, summarize
 from bench.trace import TokenSynth, TraceError, load_trace, shipped_trace
-from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
+from bench.virtual.fleet import (
+    SIMS_MAX_MODEL_LEN,
+    FleetSpec,
+    VirtualFleet,
+    check_max_model_len,
+    settings_from_args,
+)
 from bench.workloads import WorkItem, from_trace
-from engine_sim import SimConfig, SimConfigError
 from protocol import ConfigError
 from protocol.config import RouterSettings, flat_names
-from protocol.timing import DEFAULT_PROFILE, profile_names
+from protocol.timing import DEFAULT_PROFILE
 
-__all__ = ["Candidate", "add_arguments", "run"]
+__all__ = ["Candidate", "add_arguments", "reproduce_command", "run"]
 
 DEFAULT_POLICIES = "kv,kv_disagg,slo_aware"
-DEFAULT_MAX_MODEL_LEN = SimConfig().max_model_len  # the sims' and so `kvswitch up`'s
 NO_WINNER = 1  # exit status when no candidate serves any request within the SLOs (2: bad arguments)
 
 
@@ -85,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-model-len",
         type=int,
-        default=DEFAULT_MAX_MODEL_LEN,
+        default=SIMS_MAX_MODEL_LEN,
         metavar="TOKENS",
         help="the engines' max_model_len: longer requests are errors (default: the sims' 32768)",
     )
@@ -115,8 +121,14 @@ def candidates(gpus: int, policies: list[Configuration], splits: list[int]) -> l
     return out
 
 
+def _number(x: float) -> str:
+    """`x` as a flag's value that reads back as `x`: short (`2`, `0.025`) where that is exact."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
+
+
 def _router_args(config: Configuration, slo: Slo) -> list[str]:
-    return [*config.router_args, "--slo-ttft-s", f"{slo.ttft_s:g}", "--slo-itl-s", f"{slo.itl_s:g}"]
+    return [*config.router_args, "--slo-ttft-s", _number(slo.ttft_s), "--slo-itl-s", _number(slo.itl_s)]
 
 
 def _measure(job: _Job) -> Result:
@@ -141,9 +153,10 @@ def in_slo(s: Summary) -> int:
 
 
 def rank(results: list[Result]) -> list[Result]:
-    """Most requests within the SLOs, then fewest errors, then lowest TTFT p90. Not goodput per
-    second: its denominator ends at each candidate's last finish, so fewer requests in SLO that end
-    sooner would outrank more."""
+    """Most requests within the SLOs, then fewest errors, then lowest TTFT p90. The count, not goodput
+    per second: the candidates replay the same arrivals, so goodput's denominator (the arrival window,
+    since 2026-12-06 05:15) is the same for all and orders them as the count does, but as a float
+    two equal candidates could differ in its last digit and skip the tie-breaks."""
 
     def key(r: Result) -> tuple[int, int, float]:
         p90 = r.summary.ttft_s.p90 if r.summary.ttft_s is not None else float("inf")
@@ -180,7 +193,7 @@ def format_ranking(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> str:
+def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int = SIMS_MAX_MODEL_LEN) -> str:
     """The winner as commands: the local cluster, the routers' flags and environment, docker-compose.yml's
     router command, the engines."""
     config = CONFIGURATIONS[winner.configuration]
@@ -193,7 +206,7 @@ def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int 
         if value != _flat(defaults, name):
             env.append(f"KVSWITCH_{name.upper()}={str(value).lower() if isinstance(value, bool) else value}")
     fleet = f"--agg {winner.agg}" if winner.agg else f"--prefill {winner.prefill} --decode {winner.decode}"
-    engine_len = "" if max_model_len == DEFAULT_MAX_MODEL_LEN else f" --max-model-len {max_model_len}"
+    engine_len = "" if max_model_len == SIMS_MAX_MODEL_LEN else f" --max-model-len {max_model_len}"
     engines = (
         f"{winner.agg} engines in the agg role (`--role agg`), each with its shim"
         if winner.agg
@@ -219,6 +232,27 @@ def settings_text(winner: Candidate, profile: str, slo: Slo, max_model_len: int 
             f"  engines:        {engines}",
         ]
     )
+
+
+def reproduce_command(winner: Candidate, args: argparse.Namespace) -> str:
+    """The `kvswitch bench replay --clock virtual` that measures the winner's row again: the same
+    requests, rate, fleet, router flags, engines (`--max-model-len`: replay's own default raises it
+    to the longest request) and seeds (plan's --seed is both the synthesis's and the routers')."""
+    fleet = (
+        ["--agg", str(winner.agg)] if winner.agg else ["--prefill", str(winner.prefill), "--decode", str(winner.decode)]
+    )
+    argv = ["kvswitch", "bench", "replay", "--clock", "virtual", *fleet, "--configuration", winner.configuration]
+    argv += ["--profile", args.profile, "--max-model-len", str(args.max_model_len), "--speed", _number(args.rate)]
+    argv += ["--seed", str(args.seed), "--router-seed", str(args.seed)]
+    if args.trace is not None:
+        argv += ["--trace", str(args.trace)]
+    argv += ["--start", _number(args.start), "--scale-tokens", _number(args.scale_tokens)]
+    if args.duration is not None:
+        argv += ["--duration", _number(args.duration)]
+    if args.limit is not None:
+        argv += ["--limit", str(args.limit)]
+    argv += ["--slo-ttft", _number(args.slo_ttft), "--slo-itl", _number(args.slo_itl)]
+    return shlex.join(argv)
 
 
 COMPOSE_ROUTERS = ("router-1", "router-2")  # docker-compose.yml's, each its own NATS identity
@@ -270,7 +304,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.out is not None:
         check_out("--out", args.out)
-    _check_max_model_len(args.max_model_len, args.profile)
+    check_max_model_len(args.max_model_len, args.profile)
     policies = DEFAULT_POLICIES if args.policies is None else args.policies
     names = list(dict.fromkeys(n.strip() for n in policies.split(",") if n.strip()))
     if not names:
@@ -300,7 +334,7 @@ def _plan(args: argparse.Namespace) -> int:
     jobs = [_Job(c, items, args.profile, args.rate, slo, args.seed, args.max_model_len) for c in todo]
     started = time.monotonic()
     if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
+        with process_pool(min(args.jobs, len(jobs))) as pool:
             results = list(pool.map(_measure, jobs))
     else:
         results = [_measure(job) for job in jobs]
@@ -317,28 +351,12 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"no candidate meets the SLO (TTFT {slo.ttft_s:g} s, TPOT {slo.itl_s * 1e3:g} ms) for any request")
     else:
         print(settings_text(best.candidate, args.profile, slo, args.max_model_len))
+        print(f"  reproduce:      {reproduce_command(best.candidate, args)}")
     if args.out is not None:
         args.out.write_bytes(msgspec.json.encode(ranked))
         print(f"results: {args.out}")
     print(f"{len(jobs)} candidates in {time.monotonic() - started:.0f} s wall")
     return 0 if in_slo(best.summary) else NO_WINNER
-
-
-def _check_max_model_len(tokens: int, profile: str) -> None:
-    """As `kvswitch up` checks it, by the sim's own rules: a positive length whose request one
-    engine's KV cache holds."""
-    if tokens < 1:
-        raise ValueError(f"--max-model-len must be >= 1, got {tokens}")
-    if profile not in profile_names():
-        raise ValueError(f"--profile: unknown {profile}; allowed: {', '.join(profile_names())}")
-    config = SimConfig(profile=profile, max_model_len=tokens, block_size=FleetSpec.block_size)
-    try:
-        config.check_kv_fits_max_model_len()
-    except SimConfigError:
-        most = config.resolved_num_gpu_blocks * config.block_size
-        raise ValueError(
-            f"--max-model-len {tokens} does not fit one engine's KV cache for --profile {profile}: at most {most}"
-        ) from None
 
 
 def _splits(text: str, gpus: int) -> list[int]:

@@ -23,16 +23,16 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from bench.compare import Configuration, slo_router_args
+from bench.process_pool import process_pool
 from bench.summary import Slo, Summary, summarize
 from bench.trace import TokenSynth
-from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
+from bench.virtual.fleet import SIMS_MAX_MODEL_LEN, FleetSpec, VirtualFleet, settings_from_args
 from bench.workloads import WorkItem
 
 __all__ = ["DIVERGE", "Fleet", "SweepPoint", "format_sweep", "parse_fleets", "ratios", "run_sweep"]
@@ -70,6 +70,7 @@ class SweepPoint(msgspec.Struct, frozen=True):
     rate: float
     configuration: str
     summary: Summary
+    max_model_len: int | None = None  # the engines' (None: a file from before 2026-12-06)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ def _measure(job: _Job) -> SweepPoint:
         seed=job.seed,
     )
     run = VirtualFleet(spec).run(job.items, TokenSynth(job.seed), rate=job.rate)
-    return SweepPoint(f, job.rate, c.name, summarize(run.results(), slo=job.slo, prefix=run.prefix, clock="virtual"))
+    summary = summarize(run.results(), slo=job.slo, prefix=run.prefix, clock="virtual")
+    return SweepPoint(f, job.rate, c.name, summary, job.max_model_len)
 
 
 def run_sweep(
@@ -108,18 +110,16 @@ def run_sweep(
     configs: Sequence[Configuration],
     *,
     slo: Slo,
+    max_model_len: int = SIMS_MAX_MODEL_LEN,
     profile: str = "h200:llama-3.1-8b",
     seed: int = 0,
     jobs: int = 2,
 ) -> list[SweepPoint]:
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    longest = max((i.input_len + i.output_len for i in items), default=0)
-    todo = [
-        _Job(f, r, c, items, slo, profile, seed, max(32768, longest)) for f in fleets for r in rates for c in configs
-    ]
+    todo = [_Job(f, r, c, items, slo, profile, seed, max_model_len) for f in fleets for r in rates for c in configs]
     if jobs > 1 and len(todo) > 1:
-        with ProcessPoolExecutor(min(jobs, len(todo))) as pool:
+        with process_pool(min(jobs, len(todo))) as pool:
             return list(pool.map(_measure, todo))
     return [_measure(j) for j in todo]
 

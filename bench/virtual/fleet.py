@@ -29,17 +29,27 @@ from bench.virtual.router import VirtualRequest, VirtualRouter
 from bench.virtual.shim import VirtualShim
 from bench.workloads import WorkItem
 from engine_sim.config import SimConfig
+from engine_sim.errors import SimConfigError
 from engine_sim.scheduler import Scheduler
 from protocol import WorkerInfo
 from protocol.config import RouterSettings, add_flags, resolve
 from protocol.messages import Role
-from protocol.timing import TimingModel
+from protocol.timing import TimingModel, profile_names
 from router.calibration import MAX_SCALE, MIN_SCALE, Calibration
 from router.planner import PrefixReach
 
-__all__ = ["FleetSpec", "VirtualFleet", "VirtualRun", "settings_from_args"]
+__all__ = [
+    "SIMS_MAX_MODEL_LEN",
+    "FleetSpec",
+    "VirtualFleet",
+    "VirtualRun",
+    "check_max_model_len",
+    "check_profile",
+    "settings_from_args",
+]
 
 DEFAULT_PROFILE = "h200:llama-3.1-8b"
+SIMS_MAX_MODEL_LEN = SimConfig().max_model_len  # the sims', so `kvswitch up`'s and docker-compose.yml's
 
 
 @dataclass
@@ -61,7 +71,7 @@ class FleetSpec:
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
-    max_model_len: int = 32768
+    max_model_len: int = SIMS_MAX_MODEL_LEN
     num_gpu_blocks: int | None = None
     kv_transfer_gbps: float = 50.0
     kv_lease_duration: float = 30.0
@@ -120,6 +130,30 @@ def _result(r: VirtualRequest) -> RequestResult:
         due_s=r.due,
         sent_s=r.due,
     )
+
+
+def check_profile(flag: str, name: str, *, none: bool = False) -> None:
+    """`name` is a profile the timing tables define (with `none`, or "none"); else a ValueError naming
+    `flag` and the allowed values, before anything runs."""
+    known = profile_names()
+    if name not in known and not (none and name == "none"):
+        raise ValueError(f"{flag}: unknown {name}; allowed: {', '.join(['none', *known] if none else known)}")
+
+
+def check_max_model_len(tokens: int, profile: str) -> None:
+    """--max-model-len as `kvswitch up` checks it, by the sim's own rules: a positive length whose
+    request one engine's KV cache holds."""
+    if tokens < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {tokens}")
+    check_profile("--profile", profile)
+    config = SimConfig(profile=profile, max_model_len=tokens, block_size=FleetSpec.block_size)
+    try:
+        config.check_kv_fits_max_model_len()
+    except SimConfigError:
+        most = config.resolved_num_gpu_blocks * config.block_size
+        raise ValueError(
+            f"--max-model-len {tokens} does not fit one engine's KV cache for --profile {profile}: at most {most}"
+        ) from None
 
 
 def settings_from_args(args: Sequence[str]) -> RouterSettings:

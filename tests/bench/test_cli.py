@@ -290,7 +290,9 @@ def test_a_sweep_of_aggregated_configurations_may_have_no_prefill_engine(
         main(["bench", *agg, "--out-dir", str(tmp_path), "--limit", "2"])
     pd = ["sweep", "--fleets", "0P+1D,1P+1D", "--rates", "1", "--configs", "kv,kv_disagg", "--policy", "kv"]
     assert main(["bench", *pd, "--out-dir", str(tmp_path), "--limit", "2"]) == 2
-    assert "--fleets 0P+1D: kv_disagg need a prefill engine (P >= 1)" in capsys.readouterr().err
+    assert "--fleets 0P+1D: disaggregated configurations need at least one prefill engine: kv_disagg" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_compare_that_fails_midway_keeps_what_it_measured(
@@ -333,3 +335,100 @@ def test_without_matplotlib_the_extra_is_named_before_any_run(
     monkeypatch.delattr(bench, "plot", raising=False)  # an earlier test's import leaves it on the package
     assert main(["bench", *argv]) == 2
     assert "the figures need matplotlib: pip install 'kvswitch[plot]'" in capsys.readouterr().err
+
+
+V_REPLAY = ["replay", "--clock", "virtual", "--limit", "2", "--scale-tokens", "0.125"]
+V_COMPARE = ["compare", "--clock", "virtual", "--limit", "2", "--scale-tokens", "0.125", "--jobs", "1"]
+V_SWEEP = ["sweep", "--limit", "2", "--fleets", "1P+1D", "--rates", "1", "--jobs", "1"]
+PROFILES = "allowed: h200:llama-3.1-8b, h200:qwen2.5-32b"
+NO_PREFILL = "--prefill 0: disaggregated configurations need at least one prefill engine:"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([*V_SWEEP, "--profile", "h200:nope"], f"--profile: unknown h200:nope; {PROFILES}"),
+        ([*V_COMPARE, "--profile", "h200:nope"], f"--profile: unknown h200:nope; {PROFILES}"),
+        ([*V_REPLAY, "--agg", "1", "--profile", "h200:nope"], f"--profile: unknown h200:nope; {PROFILES}"),
+        ([*V_COMPARE, "--router-profile", "h200:llama"], "--router-profile: unknown h200:llama; allowed: none, h200:"),
+        ([*V_REPLAY, "--agg", "1", "--router-profile", "None"], "--router-profile: unknown None; allowed: none, h200:"),
+        ([*V_REPLAY, "--agg", "1", "--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+        ([*V_COMPARE, "--max-model-len", "-1"], "--max-model-len must be >= 1, got -1"),
+        (
+            [*V_SWEEP, "--max-model-len", "100000000"],
+            "--max-model-len 100000000 does not fit one engine's KV cache for --profile h200:llama-3.1-8b: at most",
+        ),
+        (
+            [*V_COMPARE, "--prefill", "0", "--decode", "2", "--configs", "kv,kv_disagg,slo_aware"],
+            f"{NO_PREFILL} kv_disagg, slo_aware",
+        ),
+        ([*V_REPLAY, "--decode", "1", "--configuration", "slo_aware"], f"{NO_PREFILL} slo_aware"),
+        ([*V_REPLAY, "--agg", "1", "--router-arg=--disagg=always"], f"{NO_PREFILL} kv"),
+        (
+            ["sweep", "--fleets", "0P+1D,1P+1D", "--rates", "1", "--configs", "kv,kv_disagg", "--policy", "kv"],
+            "--fleets 0P+1D: disaggregated configurations need at least one prefill engine: kv_disagg",
+        ),
+    ],
+)
+def test_engines_and_fleets_a_run_cannot_have_are_refused_by_flag_before_it(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review of 2026-12-06: an unknown --profile failed at sweep's and compare's first measurement,
+    naming no flag; a --router-profile typo ran to the end (exit 0) with routers that had no cost
+    model; a disaggregated configuration on no prefill engine ran under compare and replay (sweep
+    alone refused it), reported as disaggregated; replay, compare and sweep had no --max-model-len."""
+    import bench.compare
+    import bench.sweep
+
+    monkeypatch.setattr(bench.sweep, "_measure", _not_run)
+    monkeypatch.setattr(bench.compare, "_measure_one", _not_run)
+    monkeypatch.setattr(fleet, "VirtualFleet", _not_run)
+    out = ["--out", str(tmp_path / "r.jsonl")] if argv[0] == "replay" else ["--out-dir", str(tmp_path / "out")]
+    assert main(["bench", *argv, *out]) == 2
+    printed = capsys.readouterr()
+    assert message in printed.err and printed.out == "", printed
+    assert not (tmp_path / "out").exists()
+
+
+# The trace's first second: 8 requests, 3 of them over the sims' 32768 tokens (the longest 42615).
+LONG = ["--start", "0", "--duration", "1"]
+RAISED = "max_model_len 42615: raised from the sims' 32768 to the longest request (3 of 8 requests are longer;"
+
+
+def test_virtual_replay_says_when_it_raises_max_model_len_and_the_flag_sets_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review of 2026-12-06: replay raised its engines' max_model_len to the longest request and said
+    nothing, so a replay of a `kvswitch plan` row (its engines at 32768) differed from it (52 in SLO
+    against 15) with no way to ask for plan's engines."""
+    from bench.replay import read_results
+
+    out = tmp_path / "r.jsonl"
+    argv = ["bench", "replay", "--clock", "virtual", "--agg", "1", *LONG, "--out", str(out), "--no-progress"]
+    main([*argv, "--router-profile", "none"])
+    assert RAISED in capsys.readouterr().out
+    assert not [r for r in read_results(out) if r.status == 400]
+    main([*argv, "--max-model-len", "32768"])
+    assert "raised" not in capsys.readouterr().out
+    too_long = [r for r in read_results(out) if r.status == 400]
+    assert [r.prompt_tokens for r in too_long] == [40160, 36640]  # the third was refused (429) before
+    assert all("maximum context length is 32768" in (r.error or "") for r in too_long)
+
+
+def test_compare_and_sweep_record_their_engines_max_model_len(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.compare import Measurement
+    from bench.sweep import read_points
+
+    sweep = ["bench", "sweep", *LONG, "--fleets", "1P+1D", "--rates", "1", "--configs", "kv", "--policy", "kv"]
+    assert main([*sweep, "--jobs", "1", "--out-dir", str(tmp_path / "s")]) == 0
+    assert RAISED in capsys.readouterr().out
+    [points] = [read_points(p) for p in (tmp_path / "s").glob("sweep-*.json")]
+    assert [p.max_model_len for p in points] == [42615]
+    compare = ["bench", "compare", "--clock", "virtual", *LONG, "--configs", "kv", "--prefill", "1", "--decode", "1"]
+    assert main([*compare, "--jobs", "1", "--max-model-len", "40000", "--out-dir", str(tmp_path / "c")]) == 0
+    assert "raised" not in capsys.readouterr().out
+    [path] = (tmp_path / "c").glob("compare-*.json")
+    measured = json.loads(path.read_text())
+    assert [Measurement(**m).max_model_len for m in measured] == [40000]
