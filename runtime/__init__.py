@@ -173,13 +173,15 @@ async def start_or_stop(start: Awaitable[object], stop: asyncio.Event) -> bool:
     return False
 
 
-def background(coro: Coroutine[Any, Any, None], name: str, stops: str) -> asyncio.Task[None]:
+def background(
+    coro: Coroutine[Any, Any, None], name: str, stops: str, on_crash: Callable[[], None] = lambda: None
+) -> asyncio.Task[None]:
     """A task that runs for the life of its owner. Should it crash, the crash is said at once, as an
     ERROR with its traceback and `stops` (what no longer happens, and until when), rather than kept in the task
-    until its owner's stop() awaits it, or lost if that never comes."""
+    until its owner's stop() awaits it, or lost if that never comes; then `on_crash` (its owner counts it)."""
     task = asyncio.create_task(coro, name=name)
     _stops[task] = stops
-    task.add_done_callback(lambda t: _crashed(t, stops))
+    task.add_done_callback(lambda t: _crashed(t, stops, on_crash))
     return task
 
 
@@ -187,10 +189,11 @@ def background(coro: Coroutine[Any, Any, None], name: str, stops: str) -> asynci
 _stops: weakref.WeakKeyDictionary[asyncio.Task[None], str] = weakref.WeakKeyDictionary()
 
 
-def _crashed(task: asyncio.Task[None], stops: str) -> None:
+def _crashed(task: asyncio.Task[None], stops: str, on_crash: Callable[[], None]) -> None:
     if task.cancelled() or (exc := task.exception()) is None:
         return
     _log.error("task %s crashed: %s", task.get_name(), stops, exc_info=exc)
+    on_crash()
 
 
 def ended(task: asyncio.Task[None] | None) -> str | None:

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -109,8 +110,10 @@ class KvPublisher:
         epoch: int,
         normaliser: Normaliser,
         counters: PublisherCounters | None = None,
+        on_crash: Callable[[], None] = lambda: None,
     ) -> None:
         self.nc = nc
+        self.on_crash = on_crash  # its task crashed (said at ERROR): the shim counts it
         self.subject = subjects.kv(ns, worker)
         self.log = EventLog(worker, epoch)
         self.normaliser = normaliser
@@ -131,7 +134,10 @@ class KvPublisher:
             self._task = background(
                 self._run(),
                 f"kv-publisher-{self.log.worker}",
-                "no KV event is published: the shim ends the session and starts a new one",
+                f"no KV event of worker id {self.log.worker} is published: the shim ends the session if it is "
+                "the current id (a new one registers); an old id in its re-registration grace serves on without "
+                "its KV stream until the grace ends",
+                self.on_crash,
             )
 
     def crashed(self) -> BaseException | None:

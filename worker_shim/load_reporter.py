@@ -64,6 +64,7 @@ class LoadReporter:
         draining: Callable[[], bool] = lambda: False,
         on_reading: Callable[[float, float, EngineLoad | None], None] = lambda _asked, _done, _load: None,
         on_published: Callable[[], None] = lambda: None,
+        on_crash: Callable[[], None] = lambda: None,
     ) -> None:
         self.nc = nc
         self.subject = subjects.load(ns, worker)
@@ -83,6 +84,7 @@ class LoadReporter:
         self.on_reading = on_reading
         # Each report sent: the shim counts them over its lifetime, not this worker id's.
         self.on_published = on_published
+        self.on_crash = on_crash  # one of its tasks crashed (said at ERROR): the shim counts it
         self._engine = EngineLoad()
         self._engine_at = 0.0
         self.healthy = True  # what the reports say of the engine: False while its load polls fail
@@ -99,11 +101,13 @@ class LoadReporter:
                     self._poll_loop(),
                     f"load-poll-{self.worker}",
                     "the engine's load is not read: the shim ends the session and starts a new one",
+                    self.on_crash,
                 ),
                 background(
                     self._publish_loop(),
                     f"load-{self.worker}",
                     "no load report is sent: the shim ends the session and starts a new one",
+                    self.on_crash,
                 ),
             ]
 

@@ -233,7 +233,9 @@ class ChunkWriter:
         self._counted = 0  # tokens the pending events carry
         self._room = max(service.nc.max_payload - _ENVELOPE, 1024)
         self._last_sent = time.monotonic()
-        self._timer: asyncio.Task[None] | None = None
+        self._timer: asyncio.Task[None] | None = None  # the coalescing timer, until it fires
+        self._flushing: set[asyncio.Task[None]] = set()  # timers that fired, their flush under way
+        self._lost: Exception | None = None  # what a timer's flush failed with, for the leg to end on
         self._heartbeat: asyncio.Task[None] | None = None
         if heartbeat_s > 0:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat_s), name=f"heartbeat-{request_id}")
@@ -327,6 +329,9 @@ class ChunkWriter:
                 await self._send(self._chunk([]))
 
     async def output(self, tokens: int, events: list[bytes], toks: list[int]) -> None:
+        if (lost := self._lost) is not None:  # the leg ends with a 500, as when a flush here fails
+            self._lost = None
+            raise lost
         counted = tokens  # one read's tokens go with the first chunk that carries its events
         room = self._room
         piece = room - _FRAME
@@ -355,13 +360,25 @@ class ChunkWriter:
         if wait <= 0:
             await self._flush()
         else:
-            self._timer = asyncio.create_task(self._flush_later(wait))
+            self._timer = asyncio.create_task(self._flush_later(wait), name=f"coalesce-{self.request_id}")
 
     async def _flush_later(self, wait: float) -> None:
+        """The held chunk after `wait`. A flush that fails has taken the tokens and events pending:
+        its error ends the leg with a 500 at its next output() or final(). Left in this task, the
+        leg's final chunk said the answer was whole with tokens missing ("Task exception was never
+        retrieved" alone said otherwise; review of 2026-12-06)."""
         await asyncio.sleep(wait)
-        self._timer = None
-        self.service.held_chunks += 1
-        await self._flush()
+        task = asyncio.current_task()
+        assert task is not None
+        self._timer = None  # output() sets a new one for what comes while this flush waits on NATS
+        self._flushing.add(task)  # final() waits for it: a cancel mid-publish would lose a chunk
+        try:
+            self.service.held_chunks += 1
+            await self._flush()
+        except Exception as exc:
+            self._lost = self._lost or exc
+        finally:
+            self._flushing.discard(task)
 
     async def prefilled(self) -> None:
         await self._flush()
@@ -425,6 +442,16 @@ class ChunkWriter:
         await _reap(self._timer, f"request {self.request_id}: the coalescing timer")
         await _reap(self._heartbeat, f"request {self.request_id}: the heartbeat")
         self._timer = self._heartbeat = None
+        if self._flushing:
+            await asyncio.wait(self._flushing)
+        if (lost := self._lost) is not None:
+            self._lost = None
+            log.error("request %s: a chunk of its answer could not be sent; it ends with an error", self.request_id,
+                      exc_info=lost)  # fmt: skip
+            if error is None:  # the answer is not whole: none of it is said to be
+                finish_reason = usage = transfer = tokens = None
+                body = b""
+                error = ErrorInfo(code=500, kind="internal", message=f"shim error: {lost!r}")
         outcome = error.kind if error is not None else ("abort" if finish_reason == "abort" else "ok")
         self.service.outcomes[(self.role, outcome)] += 1
         toks, self._pending = self._pending + (tokens or []), []

@@ -10,14 +10,17 @@ deregister, wait for it to come back. Only the stall, a proven hang, ends the le
 retryable 503 `engine_unavailable`); on the other two they run on, still watched for a stall. It
 also ends when the shim stops (stop taking requests, finish in-flight within `drain_grace_s`,
 revoke the lease, close), and, as a failed session, when the worker id's KV publisher or load
-reporter crashed: a new session registers from a clean state.
+reporter crashed: a new session registers from a clean state. Legs a session leaves running keep
+the old id's cancel subject heard until they end (routers cancel on the id they sent a leg to); a
+session that served SESSION_SERVED_S before it failed starts the backoff before the next over.
 
 A lost lease does not end the session. etcd merely unreachable changes nothing at all. When etcd
 says the lease is gone, the Registration registers anew and the shim takes a new epoch and
 publishes Cleared plus its state on the new id's subjects; the old id's subscriptions (gen, cancel,
 kvstate) and its KV stream stay for `grace_s` so routers still routing there are served, then they
-end with Cleared. In-flight requests are never touched. With a stable `worker_name` the subjects
-stay the same and only the epoch changes.
+end with Cleared (the session's end cuts the grace short), all but the cancel subject, kept while
+the legs in flight then run. In-flight requests are never touched. With a stable `worker_name` the
+subjects stay the same and only the epoch changes.
 
 Everything the shim starts is kept on `self` and ended by `stop()`, which is safe to call twice.
 """
@@ -99,6 +102,9 @@ LIVE_TIMEOUT_S = 30.0
 WAIT_SAID_S = 30.0  # how often a shim waiting for its engine says so
 ADAPTERS_POLL_S = 5.0  # how often the engine's /v1/models is read for LoRA adapters loaded or unloaded
 SESSION_RETRY_MAX_S = 30.0  # the longest wait before a new session after sessions that failed
+# A session that served this long after registering starts the wait after its failure over: it is
+# no failing streak (rare crashes days apart added up to SESSION_RETRY_MAX_S out of routing).
+SESSION_SERVED_S = 60.0
 NAME_WAIT_MARGIN_S = 5.0  # past a held name's (or engine claim's) lease TTL, before it is taken for another shim's
 _TRANSIENT_STATUS = (408, 429)  # refusals that pass, like a 5xx: retried
 # The engine's load reading older than this many health intervals (and than STALE_MIN_S, beyond a
@@ -232,6 +238,7 @@ class _Presence:
         self.subs: list[Subscription] = []
         self.publisher: KvPublisher | None = None
         self.reporter: LoadReporter | None = None
+        self.ended = asyncio.Event()  # its session ended: a retired id's grace is over
 
     async def on_kvstate(self, msg: Msg) -> None:
         if self.publisher is not None:
@@ -300,7 +307,10 @@ class WorkerShim:
         self._nc: Nats | None = None
         self._discovery: Discovery | None = None
         self._presence: _Presence | None = None
-        self._retired: dict[str, tuple[_Presence, asyncio.Task[None]]] = {}
+        # Old worker ids still heard, each with the task that closes it (_retire); with --worker-name
+        # one id may be here twice, from two sessions.
+        self._retired: dict[_Presence, asyncio.Task[None]] = {}
+        self._registered_at: float | None = None  # when the session first registered
         self._events_task: asyncio.Task[None] | None = None
         self._main: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -431,7 +441,7 @@ class WorkerShim:
             "nats": self.nats_state,
             "etcd": lease.state.value if lease is not None else "none",
             "engine_url": self.config.engine_url,
-            "retired_workers": sorted(self._retired),
+            "retired_workers": sorted({p.worker for p in self._retired}),
         }
 
     def metrics_text(self) -> bytes:
@@ -457,7 +467,8 @@ class WorkerShim:
                 except Exception as exc:
                     # Say it, then start over as after an engine restart: a NATS flush that timed
                     # out or an engine's odd answer must not end the process with a traceback.
-                    failed += 1
+                    at = self._registered_at
+                    failed = 1 if at is not None and time.monotonic() - at >= SESSION_SERVED_S else failed + 1
                     self.session_failures += 1
                     wait = min(SESSION_RETRY_MAX_S, self.config.health_interval_s * 2 ** min(failed - 1, 10))
                     # The engine's fault needs none; a crashed task's was logged as it crashed.
@@ -1025,13 +1036,14 @@ class WorkerShim:
 
     def _presences(self) -> list[_Presence]:
         current = [self._presence] if self._presence is not None else []
-        return current + [p for p, _ in self._retired.values()]
+        return current + list(self._retired)
 
     # --- one session ------------------------------------------------------------------------------
 
     async def _session(self) -> None:
         assert self.limits.block_size is not None and self._discovery is not None
         self.sessions += 1
+        self._registered_at = None
         self.normaliser = Normaliser(self.limits.block_size, stats=self.norm_stats, after=self.normaliser)
         lost: str | None = None  # why the engine was taken out of service, when it was
         live = asyncio.Event()
@@ -1161,7 +1173,10 @@ class WorkerShim:
     async def _start_epoch(self, presence: _Presence) -> None:
         assert self.normaliser is not None and self.requests is not None
         requests = self.requests
-        publisher = KvPublisher(self.nc, self.ns, presence.worker, self.epoch, self.normaliser, self.kv_counters)
+        publisher = KvPublisher(
+            self.nc, self.ns, presence.worker, self.epoch, self.normaliser, self.kv_counters,
+            on_crash=lambda: self._count_task_failure("kv_publisher"),
+        )  # fmt: skip
         publisher.start()
         # Routers that follow from seq 1 must see what the engine held before registration.
         publisher.add([Cleared(), *self.normaliser.snapshot()])
@@ -1183,6 +1198,7 @@ class WorkerShim:
             draining=self._stopping.is_set,
             on_reading=self._on_engine_reading,
             on_published=self._count_load_report,
+            on_crash=lambda: self._count_task_failure("load_reporter"),
         )
         presence.reporter.start()
 
@@ -1260,6 +1276,8 @@ class WorkerShim:
         assert presence.publisher is not None, "its epoch started by _before_announce"
         self.worker_id = worker
         self.registration_count += 1
+        if self._registered_at is None:
+            self._registered_at = time.monotonic()
         self.status = ShimStatus.REGISTERED
         self.registered.set()
         log.info(
@@ -1282,48 +1300,67 @@ class WorkerShim:
             return
         # Retired first, so the old stream misses no event while its load reports stop.
         grace = self.config.grace_s
-        retire = background(
-            self._retire_later(presence, grace), f"retire-{old}", f"the old worker id {old} is closed at once"
-        )
-        self._retired[old] = (presence, retire)
+        self._retire(presence, grace)
         log.warning("serving the old worker id %s for %.1fs more while registering anew", old, grace)
         reporter, presence.reporter = presence.reporter, None
         if reporter is not None:
             await reporter.stop()
 
+    def _retire(self, presence: _Presence, grace: float) -> None:
+        """Serve `presence`'s old id for `grace` more (until its session ends, at most), then close it
+        but for its cancel subject, kept until the legs in flight then have ended. /health lists it
+        in retired_workers until then."""
+        self._retired[presence] = background(
+            self._retire_later(presence, grace),
+            f"retire-{presence.worker}",
+            f"the old worker id {presence.worker} is closed at once",
+            lambda: self._count_task_failure("retire"),
+        )
+
     async def _retire_later(self, presence: _Presence, grace: float) -> None:
-        """Serve the old id for `grace`, then close it. Its id leaves `_retired` (/health's
-        retired_workers) however this ends; a crash closes what it still holds, counted."""
+        """Its id leaves `_retired` however this ends; a crash closes what it still holds."""
         try:
-            await self._retire(presence, grace)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await presence.ended.wait()
+            legs = await self._close_but_cancels(presence)
+            log.info(
+                "stopped serving the old worker id %s%s", presence.worker,
+                f"; its cancels are heard until the {len(legs)} legs in flight end" if legs else "",
+            )  # fmt: skip
+            if legs:
+                await asyncio.wait(legs)
         except Exception:
-            self.task_failures["retire"] += 1
             await self._close_presence(presence)
             raise
         finally:
-            self._retired.pop(presence.worker, None)
+            self._retired.pop(presence, None)
         await self._close_presence(presence)
 
-    async def _retire(self, presence: _Presence, grace: float) -> None:
-        await asyncio.sleep(grace)
-        # Its cancels are heard until the legs in flight now have ended: a router cancels a leg on the
-        # subject of the id it sent it to, and with nobody on it a client that left had the engine
-        # decode for nobody up to the request's deadline.
+    async def _close_but_cancels(self, presence: _Presence) -> list[asyncio.Task[None]]:
+        """Close `presence` but for its cancel subject: no request comes on its id any more and its
+        KV stream ends (Cleared). The legs in flight now, which its cancels are heard for until they
+        end: a router cancels a leg on the subject of the id it sent it to (router.dispatch), and
+        with nobody on it a client that left had the engine decode for nobody up to the request's
+        deadline. Called again, it closes nothing more."""
         cancel = subjects.cancel(self.ns, presence.worker)
         dropped = [sub for sub in presence.subs if sub.subject != cancel]
         presence.subs = kept = [sub for sub in presence.subs if sub.subject == cancel]  # before any await:
-        # a session ending meanwhile closes what the presence still holds
+        # a stop meanwhile closes what the presence still holds
         for sub in dropped:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         await self._end_epoch(presence, cleared=True)
-        legs = [leg.task for leg in self.requests.inflight.values() if leg.task] if kept and self.requests else []
-        log.info(
-            "stopped serving the old worker id %s%s", presence.worker,
-            f"; its cancels are heard until the {len(legs)} legs in flight end" if legs else "",
-        )  # fmt: skip
-        if legs:
-            await asyncio.wait(legs)
+        return [leg.task for leg in self.requests.inflight.values() if leg.task] if kept and self.requests else []
+
+    async def _close_retired(self) -> None:
+        """At stop: every old id's retirement ends now, and what it held is closed."""
+        retired, self._retired = self._retired, {}
+        for presence, task in retired.items():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await self._close_presence(presence)
 
     async def _monitor(self) -> str | None:
         """Until the session ends; why, where it ends on a hang the stall watchdog proved (its legs
@@ -1380,8 +1417,11 @@ class WorkerShim:
                 return None
         return None
 
+    def _count_task_failure(self, task: str) -> None:
+        self.task_failures[task] += 1
+
     def _check_tasks(self) -> None:
-        """_TaskCrashed, counted, when the worker id's KV publisher or load reporter crashed: the
+        """_TaskCrashed when the worker id's KV publisher or load reporter crashed: the
         session ends as failed and a new one registers. Left to run, routers kept routing on a KV
         index that changed no more (the load reports' digest stayed at the last batch, so no repair
         came), or on a worker that sent no load report while its /health said serving."""
@@ -1390,8 +1430,7 @@ class WorkerShim:
             return
         for task, part in (("kv_publisher", presence.publisher), ("load_reporter", presence.reporter)):
             if part is not None and (error := part.crashed()) is not None:
-                self.task_failures[task] += 1
-                raise _TaskCrashed(task, error)
+                raise _TaskCrashed(task, error)  # counted as it crashed
 
     def _leave_legs(self) -> None:
         """Deregistered as down or busy, the legs in flight run on: neither proves a hang. A loaded
@@ -1450,16 +1489,18 @@ class WorkerShim:
         registration, self.registration = self.registration, None
         if registration is not None:
             await registration.stop()
-        retired, self._retired = self._retired, {}
-        for old, grace in retired.values():
-            grace.cancel()
-            # A crash was logged as it happened (runtime.background): the teardown goes on.
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await grace
-            await self._close_presence(old)
+        if self._stopping.is_set():
+            await self._close_retired()
+        for old in self._retired:
+            old.ended.set()  # no grace past the session: cancels alone are heard on the old ids
         presence, self._presence = self._presence, None
         if presence is not None:
-            await self._close_presence(presence)
+            if self._stopping.is_set() or self.requests is None or not self.requests.inflight:
+                await self._close_presence(presence)
+            else:  # its legs run on, and a router cancels one on the subject of the id it sent it to
+                await self._close_but_cancels(presence)  # now: no new leg comes before _fail_legs
+                presence.ended.set()
+                self._retire(presence, 0.0)
         if lost is not None and self.requests is not None:
             await self._fail_legs(lost)
         task, self._events_task = self._events_task, None
@@ -1545,6 +1586,7 @@ class WorkerShim:
                 await main
         if self.requests is not None:
             await self.requests.abort_all()
+        await self._close_retired()  # those a session that ended before the stop left hearing cancels
         await self._close_clients()
         if self.status is not ShimStatus.FAILED:
             self.status = ShimStatus.STOPPED

@@ -688,3 +688,46 @@ async def test_a_final_chunk_that_cannot_go_ends_the_leg_with_an_error_said_with
     assert (final.error.code, final.error.kind) == (500, "internal") and "OverflowError" in final.error.message
     said = [r for r in caplog.records if "its final chunk could not be sent" in r.getMessage()]
     assert len(said) == 1 and said[0].exc_info is not None
+
+
+class HeldUnencodableToken(FakeEngine):
+    """Under load: a token, then at once one no chunk can carry (past msgpack's 2**64 - 1), held for
+    the coalescing mark; its timer's flush fails. Then `more` tokens, and the answer's end."""
+
+    def __init__(self, more: int) -> None:
+        super().__init__()
+        self.more = more
+
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
+        await on_output(1, [], [1])
+        await on_output(1, [], [2**64])
+        await asyncio.sleep(0.05)  # past the mark: the held chunk's timer has fired
+        for i in range(self.more):
+            await on_output(1, [], [3 + i])
+        return LegOutcome("length", Usage(prompt_tokens=len(leg.token_ids), completion_tokens=2 + self.more))
+
+
+@pytest.mark.parametrize(("more", "said"), [(2, "request r1 failed"), (0, "a chunk of its answer could not be sent")])
+async def test_a_held_chunk_that_cannot_go_ends_the_leg_with_an_error_not_a_truncated_answer(
+    nc: Nats, replies: Replies, ns: str, caplog: pytest.LogCaptureFixture, more: int, said: str
+) -> None:
+    """The coalescing timer's flush had taken the held tokens when it failed: the error stayed in
+    its task ("Task exception was never retrieved") and the leg ended with finish_reason "length",
+    no error, its answer short of the lost tokens (review of 2026-12-06: 179 of 200). It now ends
+    as a failed flush inline does, with a 500, at its next output (the engine's stream is cut) or
+    at its end."""
+    engine = HeldUnencodableToken(more)
+    svc = service(nc, engine, busy_legs=0)  # always busy: the second token is held
+    subject = await serving(svc, ns)
+    await send(replies, subject, "r1")
+    await wait_for(lambda: any(c.final for c in replies.chunks("r1")), what="the final chunk")
+    await ended(svc)
+    await replies.settled()
+    chunks = replies.chunks("r1")
+    final = chunks[-1]
+    assert final.final and final.error is not None and final.finish_reason is None, final
+    assert (final.error.code, final.error.kind) == (500, "internal") and "OverflowError" in final.error.message
+    assert [t for c in chunks for t in c.token_ids] == [1], "a token after the lost one went as if none were lost"
+    assert svc.held_chunks == 1 and svc.outcomes[("agg", "internal")] == 1
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and said in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is not None and isinstance(errors[0].exc_info[1], OverflowError)
