@@ -70,6 +70,7 @@ class Lease:
         self.lost_reason = ""
         self.outages = 0
         self._state = LeaseState.ALIVE
+        self._revoked = False  # etcd said so (state REVOKED is set as the revoke begins: once is enough)
         self._renewed_at = time.monotonic()
         self._retry = RETRY_MIN_S
         self._task: asyncio.Task[None] | None = None
@@ -149,10 +150,15 @@ class Lease:
             log.warning("lease %s lost: %s", self.hex_id, why)
             self.lost.set()
 
-    async def revoke(self, timeout: float = 3.0) -> None:
+    async def revoke(self, timeout: float = 3.0) -> bool:
+        """Whether the lease is gone (revoked now, or already revoked, lost or expired); False after
+        a WARNING naming why etcd did not revoke it: its keys then stay until its TTL passes, and an
+        owner whose peers act on them says what that costs (router.service)."""
         await self.stop_keep_alive()
-        if self._state in (LeaseState.REVOKED, LeaseState.LOST):
-            return
+        if self._state is LeaseState.LOST:
+            return True
+        if self._state is LeaseState.REVOKED:
+            return self._revoked
         self._state = LeaseState.REVOKED
         failure = await self._revoke(timeout)
         # Keep-alives carry no token check, so after an etcd restart the revoke may be the first
@@ -160,8 +166,10 @@ class Lease:
         renew = self._renew_token
         if failure is not None and rejects_token(failure) and renew is not None and await renew():
             failure = await self._revoke(timeout)
+        self._revoked = failure is None
         if failure is not None:
             log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, said(failure), self.ttl)
+        return self._revoked
 
     def revoke_now(self, timeout: float = 1.0) -> None:
         """Revoke without the event loop, for a process about to exit at once (a second SIGTERM):
@@ -178,6 +186,7 @@ class Lease:
             log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, why, self.ttl)
             return
         self._state = LeaseState.REVOKED
+        self._revoked = True
         log.info("lease %s revoked", self.hex_id)
 
     def _revoke_blocking(self, timeout: float, failure: list[BaseException]) -> None:

@@ -15,7 +15,8 @@ Usage (a worker shim; a router registers its RouterInfo the same way)::
     )
     my_id = await reg.start()       # registers once: KeyTaken if `name` is held, DiscoveryError if etcd is down
     reg.update()                    # value(id) changed (a field flipped): re-put it, in the background
-    await reg.stop()                # revoke: the key disappears for every watcher at once (safe twice)
+    await reg.stop()                # revoke: the key disappears for every watcher at once (safe twice);
+                                    # False when etcd did not revoke the lease (the key stays until its TTL)
     reg.revoke_now()                # the same, blocking for at most ~1 s, off the loop (an exit at once)
 
 Identity: `reg.id` is the lease id in lowercase hex, or `name` when one is given. A named key is
@@ -158,16 +159,18 @@ class Registration:
         self._dirty = True
         self._wake.set()
 
-    async def stop(self) -> None:
+    async def stop(self) -> bool:
+        """Stop supervising and revoke the lease; whether it is gone (none held counts): False when etcd
+        did not revoke it (a WARNING says why), its keys then kept until its TTL passes."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             # a crash of it was said as it came (and failed the registration): the lease goes anyway
             await asyncio.gather(task, return_exceptions=True)
         lease, self.lease = self.lease, None
-        if lease is not None:
-            await self._discovery.release(lease)
+        revoked = lease is None or await self._discovery.release(lease)
         self._phase = RegistrationState.STOPPED
+        return revoked
 
     def revoke_now(self, timeout: float = 1.0) -> None:
         """Revoke the lease without the event loop, within about `timeout` (Lease.revoke_now): for a
@@ -257,12 +260,17 @@ class Registration:
 
     async def _put(self) -> None:
         assert self.lease is not None
+        # Cleared first, so an update() made during the put is put next; set again unless the put
+        # succeeds: a value() or a put that raises (the supervisor's ERROR) must not lose the update.
         self._dirty = False
+        put = False
         try:
             await self._discovery.put(self.key, encode_json(self._value(self.id)), self.lease)
+            put = True
         except DiscoveryError as exc:
-            self._dirty = True
             log.warning("re-putting %s failed (%s); retrying", self.key, exc)
+        finally:
+            self._dirty = self._dirty or not put
 
     async def _check_key(self, lease: Lease) -> None:
         """Put the key (and each claim) back when someone deleted it while its lease lives (an

@@ -341,11 +341,12 @@ class Discovery:
         await self._put(subjects.router_key(self.ns, info.router), encode_json(info), lease)
         return lease
 
-    async def release(self, lease: Lease) -> None:
-        """Revoke `lease` now: its keys disappear for every watcher at once."""
+    async def release(self, lease: Lease) -> bool:
+        """Revoke `lease` now: its keys disappear for every watcher at once. False when etcd did not
+        revoke it (Lease.revoke: a WARNING said why; its keys stay until its TTL passes)."""
         if lease in self._leases:
             self._leases.remove(lease)
-        await lease.revoke()
+        return await lease.revoke()
 
     # --- watches --------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The router: prefix index, load view, worker selection, conditional disaggregation, dispatch,
 the OpenAI front door, replica sync, metrics and traces (docs/router.md).
 
-In-process: `async with RouterService(RouterConfig(ns=..., nats=..., etcd=...)) as r: r.url`.
+In-process: `async with RouterService(RouterConfig(ns=..., nats=..., etcd=...)) as r: r.url`; its
+`broken` event is set once it is no longer correct (a failed registration, a loop it needs that
+ended), and `await r.serve(stop)` runs it as `kvswitch router` does: stopped then, returning 1.
 """
 
 from router.block_index import BlockIndex

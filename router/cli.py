@@ -359,13 +359,8 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             log.error("%s", exc)
             return 2
-        try:
-            log.info("router %s listening on %s", service.router_id, service.url)
-            await stop.wait()
-            log.info("draining")
-        finally:
-            await service.stop()
-        return 0
+        log.info("router %s listening on %s", service.router_id, service.url)
+        return await service.serve(stop)  # 1 when it broke (RouterService.broken): for its supervisor to restart it
 
     # The drain, then the lease revocation and the NATS drain (docs/deployment.md, "Stopping a
     # router"); past that, exit 130 with the lease revoked, before Kubernetes' 30 s grace kills it.

@@ -40,8 +40,11 @@ Meanwhile only that worker is out of routing (router.eligibility), never the fle
 A loop that crashes (a bug: the target's or this module's code raised) is counted as a failure of
 kind `crashed` and logged as an ERROR with its traceback, naming the worker and that it stays out of
 routing: per worker at most every `error_every_s` (with how many more), and as one of the few workers
-a FleetLines names per window. The loop is not restarted: the next ensure() of the worker starts it
-(a later gap while synced; a worker the crash left repairing waits for its next registration).
+a FleetLines names per window. While the worker still needs repair, its loop starts again after a
+wait of its own, from `retry_min_s` doubling to `retry_max_s` with each crash in a row (reset by a
+loop that ends without one): nothing else would start it, since a worker that is not synced holds
+its batches and has its digests ignored, so a one-off crash would leave it out of routing until it
+registered anew. A bug that crashes every round costs one kvstate request per `retry_max_s`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from protocol import check_hashes, hash_count, subjects
 from protocol.errors import ProtocolError
 from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_msg
 from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
+from runtime import Throttle
 
 __all__ = ["BLOCKS_PER_WAIT", "LIMIT_HINT", "FailureKind", "FetchFailure", "GapRepair", "RepairTarget"]
 
@@ -201,20 +205,30 @@ class GapRepair:
             clock=clock,
             fleet_log=fleet_log,
         )
-        # per worker, until it leaves: when its crash was last logged, and the crashes held back since
-        self._crashes: dict[str, tuple[float, int]] = {}
+        self._crash_said = Throttle(error_every_s, clock)  # per worker, until it leaves
+        # per worker whose loop crashed while it needed repair: the wait before the next crash's retry,
+        # and the retry due (until a loop of it ends without crashing, or it leaves)
+        self._crash_waits: dict[str, float] = {}
+        self._retries: dict[str, asyncio.TimerHandle] = {}
 
     def ensure(self, worker: str) -> None:
         """Run the worker's repair loop unless it runs already."""
         loop = self._loops.get(worker)
         if loop is not None and not loop.task.done():
             return
+        retry = self._retries.pop(worker, None)
+        if retry is not None:
+            retry.cancel()
         task = asyncio.create_task(self._run(worker), name=f"kv-repair-{worker}")
         self._loops[worker] = _Loop(task)
         task.add_done_callback(functools.partial(self._done, worker))
 
     def cancel(self, worker: str) -> None:
-        self._crashes.pop(worker, None)
+        self._crash_said.forget(worker)
+        self._crash_waits.pop(worker, None)
+        retry = self._retries.pop(worker, None)
+        if retry is not None:
+            retry.cancel()
         loop = self._loops.pop(worker, None)
         if loop is not None:
             loop.task.cancel()
@@ -233,33 +247,50 @@ class GapRepair:
         for worker in self._loops:
             self._episodes.forget(worker)
         loops, self._loops = list(self._loops.values()), {}
+        retries, self._retries = list(self._retries.values()), {}
+        for retry in retries:
+            retry.cancel()
         for loop in loops:
             loop.task.cancel()
         await asyncio.gather(*(loop.task for loop in loops), return_exceptions=True)
 
     def _done(self, worker: str, task: asyncio.Task[None]) -> None:
         loop = self._loops.get(worker)
-        if loop is not None and loop.task is task:
+        owned = loop is not None and loop.task is task  # not cancelled, nor stopped, nor replaced since
+        if owned:
             del self._loops[worker]
             self._episodes.forget(worker)
-        if task.cancelled() or (exc := task.exception()) is None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            self._crash_waits.pop(worker, None)
             return
         self._target.repair_failed(worker, FetchFailure(f"the repair loop crashed: {exc!r}", kind=FailureKind.CRASHED))
-        now = self._clock()
-        said, held = self._crashes.get(worker, (-float("inf"), 0))
-        if now - said < self.error_every_s:  # ensure() starts it again on the next gap: one line a while
-            self._crashes[worker] = (said, held + 1)
+        retry = ""
+        if owned and self._target.needs_repair(worker):
+            wait = self._crash_waits.get(worker, self.retry_min_s)
+            self._crash_waits[worker] = min(wait * 2, self.retry_max_s)
+            self._retries[worker] = asyncio.get_running_loop().call_later(wait, self._retry, worker)
+            retry = f"; retried in {wait:g}s, the wait doubling to {self.retry_max_s:g}s while it crashes"
+        said = self._crash_said(worker)
+        if said is None:
             return
-        self._crashes[worker] = (now, 0)
+        held, ago = said
         self._crash_lines.say(
             worker,
-            "KV repair of worker %s crashed%s (a bug in this router); it stays out of routing until a repair of "
-            "it runs again and succeeds (on its next gap; one the crash left repairing waits for its next "
-            "registration or this router's restart)",
+            "KV repair of worker %s crashed%s (a bug in this router); it stays out of routing until a repair of it "
+            "succeeds%s",
             worker,
-            f" again, {held + 1} times in {now - said:.0f}s" if held else "",
+            f" again, {held + 1} times in {ago:.0f}s" if held else "",
+            retry,
             exc_info=exc,
         )
+
+    def _retry(self, worker: str) -> None:
+        del self._retries[worker]
+        if self._target.needs_repair(worker):
+            self.ensure(worker)
 
     async def _run(self, worker: str) -> None:
         delay = self.retry_min_s

@@ -365,7 +365,7 @@ def _ingest_counters(s: IngestStats) -> Iterator[Metric]:
         "kvswitch_router_kv_repair_failures",
         "kvstate requests that failed, by kind: timed_out, no_responders, malformed, nats_error, byte_limit (this "
         "router's replies in flight at their byte budget), over_capacity, crashed (a bug in this router's repair loop: "
-        "an ERROR with its traceback): each is retried after a backoff, a crashed one by the next repair started",
+        "an ERROR with its traceback): each is retried after a backoff, a crashed one by its loop started again",
         labels=["kind"],
     )
     for kind in FailureKind:

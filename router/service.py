@@ -17,7 +17,8 @@ live config. `stop()` is idempotent and drains in reverse: HTTP first (http_api.
 stays open, /ready and new requests answer 503, requests in flight get `drain_s` and are then cut
 with a 503), then the subscriptions and tasks, the lease, etcd and NATS. A lost lease (etcd said it expired, e.g. after
 this process stalled past its TTL) is replaced by a new registration under a new router id
-(discovery.Registration); etcd merely unreachable changes nothing.
+(discovery.Registration); etcd merely unreachable changes nothing. A failed registration, or a loop
+the router needs that ended, sets `broken`: `serve()` (`kvswitch router`) then stops it, exit status 1.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ from runtime.turns import Turns
 __all__ = ["RouterConfig", "RouterService", "RouterStatus"]
 
 log = logging.getLogger(__name__)
+BROKEN_CHECK_S = 1.0  # how often the router looks for a failed registration or a loop that ended
 UNREGISTERED_SAID = 1024  # load report senders with no record, logged at once at most
 UNREGISTERED_SAID_S = 600.0  # ... each for this long, then it may be logged again
 
@@ -285,6 +287,10 @@ class RouterService:
         self._watcher: ConfigWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._loops: list[asyncio.Task[None]] = []  # of _tasks, those meant to run until stop() (_ended_loops)
+        # Set once the router is no longer correct (a failed registration, a loop it needs that ended),
+        # with why: serve() then stops it, exit status 1; an owner running it in-process acts itself.
+        self.broken = asyncio.Event()
+        self.broken_by: list[str] = []
         self._registry_ready = False
         # After NATS comes back, workers count as reachable for readiness only once one of them has
         # reported over the new connection: a shim re-subscribes before it publishes again, and a
@@ -523,9 +529,9 @@ class RouterService:
         self.router_id = await self._registration.start()
         self._tasks.append(
             background(
-                self._watch_registration(self._registration),
-                "router-registration-watch",
-                "a failed registration is not logged (/ready still names it)",
+                self._watch_broken(),
+                "router-broken-watch",
+                "a failed registration or an ended loop no longer stops this router (/ready still names it)",
             )
         )
         self._sync.rename(self.router_id)
@@ -595,14 +601,19 @@ class RouterService:
             await subs.stop()
         registration, self._registration = self._registration, None
         if registration is not None:
+            failure: Exception | None = None
             try:
-                await registration.stop()  # revokes the RouterInfo lease: peers forget our bookings
-            except Exception:
-                log.exception(
-                    "revoking router %s's lease failed: peers keep its bookings, and workers its legs, until its "
-                    "TTL (%d s) passes",
+                revoked = await registration.stop()  # revokes the RouterInfo lease: peers forget our bookings
+            except Exception as exc:  # a bug: said with its traceback, and the rest of the stop goes on
+                revoked, failure = False, exc
+            if not revoked:
+                log.error(
+                    "revoking router %s's lease failed (%s): peers keep its bookings, and workers its legs, until "
+                    "its TTL (%d s) passes",
                     self.router_id,
+                    "the traceback below" if failure is not None else "discovery.lease's WARNING says why",
                     self.config.lease_ttl_s,
+                    exc_info=failure,
                 )
         discovery, self._discovery = self._discovery, None
         if discovery is not None:
@@ -615,6 +626,20 @@ class RouterService:
         self._load_nc = self._kv_nc = self._nc = None
         self.fleet_log.flush()  # its windows' timers never fire now
         self.status = RouterStatus.STOPPED
+
+    async def serve(self, stop: asyncio.Event) -> int:
+        """Run until `stop` is set, or until the router is `broken`; then stop() it (the drain, then the
+        lease revoked). 0, or 1 when broken: its process's supervisor restarts it."""
+        stopped = asyncio.ensure_future(stop.wait())
+        broken = asyncio.ensure_future(self.broken.wait())
+        try:
+            await asyncio.wait({stopped, broken}, return_when=asyncio.FIRST_COMPLETED)
+            log.info("draining")
+        finally:
+            stopped.cancel()
+            broken.cancel()
+            await self.stop()
+        return 1 if self.broken.is_set() else 0
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -641,10 +666,29 @@ class RouterService:
         self.reregistrations += 1
         log.warning("router %s lost its lease: registered anew as %s", old, router_id)
 
-    async def _watch_registration(self, registration: Registration) -> None:
-        """Say a failed registration once, as it fails (/ready names it from then on)."""
-        await registration.failed.wait()
-        log.error("%s; /ready answers 503 until this router is restarted", self._registration_failed(registration))
+    async def _watch_broken(self) -> None:
+        """Once the registration failed or a loop the router needs ended, say why as an ERROR and
+        set `broken`, for serve() to stop the router: only a restart makes it correct again, and a
+        /ready 503 restarts nothing (Kubernetes' liveness probe is /health; `kvswitch up` restarts a
+        process that exited). Polled: the loops' tasks come and go with their parts."""
+        while not (why := self._broken_by()):  # noqa: ASYNC110 (tasks, no event to wait on)
+            await asyncio.sleep(BROKEN_CHECK_S)
+        self.broken_by = why
+        log.error(
+            "router %s is no longer correct: %s; it stops (a drain, then its lease revoked) and exits with status 1, "
+            "for its supervisor to restart it",
+            self.router_id,
+            "; ".join(why),
+        )
+        self.broken.set()
+
+    def _broken_by(self) -> list[str]:
+        """What leaves this router incorrect for as long as it runs: a failed registration, each
+        loop it needs that ended."""
+        why = self._ended_loops()
+        if self._registration is not None and self._registration.failed.is_set():
+            why.insert(0, self._registration_failed(self._registration))
+        return why
 
     def _registration_failed(self, registration: Registration) -> str:
         return (
@@ -794,9 +838,10 @@ class RouterService:
             )
         if self._registry_ready and (silent := self.unheard.problem([i.worker for i in registered])):
             problems.append(silent)
-        if self._registration is not None and self._registration.failed.is_set():
-            problems.append(self._registration_failed(self._registration) + "; restart this router")
-        problems += [f"{why}; restart this router" for why in self._ended_loops()]
+        problems += [
+            f"{why}; this router stops and exits with status 1, for its supervisor to restart it"
+            for why in self._broken_by()
+        ]
         body = {
             "status": self.status.value,
             "router": self.router_id,

@@ -26,6 +26,7 @@ __all__ = [
     "LogConfigError",
     "RepeatedErrors",
     "RepeatedLines",
+    "Throttle",
     "TickErrors",
     "background",
     "configure_logging",
@@ -63,7 +64,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-class _Throttle:
+class Throttle:
     """Whether a repeated thing is said now: the first time, then at most every `every_s`."""
 
     def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -82,6 +83,10 @@ class _Throttle:
         self._said[key] = (now, 0)
         return (0, 0.0) if seen is None else (seen[1], now - seen[0])
 
+    def forget(self, key: object) -> None:
+        """`key` is gone (a worker left): its next time is a first time, and it holds no memory."""
+        self._said.pop(key, None)
+
 
 class RepeatedLines(logging.Filter):
     """A handler filter for libraries that log every retry: a line of theirs (same logger, same
@@ -95,7 +100,7 @@ class RepeatedLines(logging.Filter):
     ) -> None:
         super().__init__()
         self.prefixes = prefixes
-        self._throttle = _Throttle(every_s, clock)
+        self._throttle = Throttle(every_s, clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith(self.prefixes):
@@ -207,7 +212,7 @@ def ended(task: asyncio.Task[None] | None) -> str | None:
     return f"task {task.get_name()} {how}: {_stops.get(task, 'what it did no longer happens')}"
 
 
-_handler_errors = _Throttle(30.0)
+_handler_errors = Throttle(30.0)
 
 
 def guarded(cb: Callable[[Any], Awaitable[None]], what: str) -> Callable[[Any], Awaitable[None]]:
@@ -241,7 +246,7 @@ class TickErrors:
         self.log = logger
         self.what = what
         self.count = 0
-        self._throttle = _Throttle(every_s, clock)
+        self._throttle = Throttle(every_s, clock)
 
     def __call__(self, exc: Exception) -> None:
         self.count += 1
@@ -264,7 +269,7 @@ class RepeatedErrors:
         self.what = what
         self.hint = hint
         self.count = 0
-        self._throttle = _Throttle(every_s)
+        self._throttle = Throttle(every_s)
 
     async def on_error(self, exc: Exception) -> None:  # nats-py takes coroutine functions only
         self.count += 1

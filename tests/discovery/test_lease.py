@@ -65,10 +65,21 @@ async def test_a_revoke_etcd_never_answers_says_what_failed(ns: str, caplog: pyt
             os.kill(etcd.pid, signal.SIGSTOP)
             try:
                 with caplog.at_level(logging.WARNING, logger="discovery.lease"):
-                    await lease.revoke(timeout=0.3)
+                    revoked = await lease.revoke(timeout=0.3)
+                    again = await lease.revoke(timeout=0.3)  # once is enough, and it still did not go
             finally:
                 os.kill(etcd.pid, signal.SIGCONT)
         (said,) = [r.getMessage() for r in caplog.records if "revoke failed" in r.getMessage()]
         assert f"lease {lease.hex_id}: revoke failed (TimeoutError); it expires within 5s" == said
+        # its owner is told, not only the log: until the review of 2026-12-06 it returned as if it went
+        assert (revoked, again) == (False, False)
     finally:
         etcd.close()
+
+
+async def test_a_revoke_says_the_lease_went(etcd_url: str, ns: str) -> None:
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        lease = await d.grant(ttl=5)
+        assert await lease.revoke() is True and await lease.revoke() is True
+        assert d.client.lease is not None
+        assert (await d.client.lease.time_to_live(lease.id, timeout=5)).TTL <= 0, "etcd still holds the lease"

@@ -186,8 +186,8 @@ async def test_a_failing_before_create_releases_the_lease_and_creates_no_key(etc
         with pytest.raises(RuntimeError, match="not ready"):
             await reg.start()
         assert d.client.lease is not None
-        leases = await d.client.lease.leases()
-        assert int(ids[0], 16) not in {lease.id for lease in leases.leases}, "the lease outlived the failure"
+        leases = await d.client.lease.leases()  # each a LeaseStatus: `ID`, not `id`
+        assert int(ids[0], 16) not in {lease.ID for lease in leases.leases}, "the lease outlived the failure"
         assert await _get(d, subjects.worker_key(ns, ids[0])) is None
         # During re-registration the owner hears it through `failed`.
         second = await reg.start()
@@ -324,3 +324,54 @@ async def test_the_state_is_lost_once_etcd_says_the_lease_is_gone(
         await _until(lambda: reg.lease is not None and reg.lease.lost.is_set(), 5, "the lease lost")
         assert (before, reg.state) == (RegistrationState.REGISTERED, RegistrationState.LOST)
         await reg.stop()
+
+
+async def test_an_update_whose_value_raises_once_is_put_by_a_later_round(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """update()'s flag was cleared before value() ran: a value() that raised once lost the update
+    for good, etcd keeping the old value (review of 2026-12-06)."""
+    version = [1]
+    bad = [False]
+
+    def value(wid: str) -> WorkerInfo:
+        if bad[0]:
+            bad[0] = False
+            raise RuntimeError("injected: value() raises once")
+        return WorkerInfo(worker=wid, model="m", role="agg", engine="vllm", block_size=16, events_ok=version[0] == 1)
+
+    async def stored() -> bool:
+        raw = await _get(d, reg.key)
+        return raw is not None and decode_json(raw, WorkerInfo).events_ok
+
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = Registration(d, key=lambda wid: subjects.worker_key(ns, wid), value=value, ttl=3)
+        await reg.start()
+        with caplog.at_level(logging.ERROR, logger="discovery.registration"):
+            version[0], bad[0] = 2, True
+            reg.update()
+            await _until(lambda: any(r.exc_info for r in caplog.records), 3, "the round whose value() raised")
+            deadline = time.monotonic() + 5  # the next round: at most ttl/3 = 1 s after the backoff's 0.2 s
+            while await stored() and time.monotonic() < deadline:  # noqa: ASYNC110 (a value in etcd)
+                await asyncio.sleep(0.05)
+        assert not await stored(), "the update() was lost: etcd still holds the old value"
+        await reg.stop()
+
+
+async def test_stop_says_whether_the_lease_went(etcd_url: str, ns: str) -> None:
+    """stop() with etcd gone returned as if the lease went, a WARNING its only word (review of
+    2026-12-06): an owner whose peers act on the key (a router's bookings) could not say so."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns)
+        await reg.start()
+        assert await reg.stop() is True and await reg.stop() is True  # stopped: no lease left to revoke
+    etcd = EtcdServer().start()
+    try:
+        async with Discovery(EtcdSettings(endpoints=[etcd.url]), ns) as d:
+            reg = _worker_reg(d, ns, ttl=5)
+            await reg.start()
+            await asyncio.to_thread(etcd.stop)
+            assert await reg.stop() is False
+            assert reg.state is RegistrationState.STOPPED
+    finally:
+        etcd.stop()

@@ -1,7 +1,8 @@
-"""A repair loop that crashes (a bug, not a failed kvstate request) is said loudly and counted:
-before 2026-12-06 it was one ERROR without its traceback, said again on every restart of the loop
-and counted nowhere (router.gap_repair's module docstring). Real nats-server (the ingest's
-connection; the fetch itself is stubbed)."""
+"""A repair loop that crashes (a bug, not a failed kvstate request) is said loudly, counted, and
+started again after a backoff: before 2026-12-06 it was one ERROR without its traceback, said again on
+every restart of the loop and counted nowhere; then (review of 2026-12-06) nothing restarted it, and
+a worker one crash left repairing stayed out of routing until it registered anew (router.gap_repair's
+module docstring). Real nats-server (the ingest's connection; the fetch itself is stubbed)."""
 
 from __future__ import annotations
 
@@ -38,15 +39,12 @@ async def test_a_crashed_repair_is_an_error_with_its_traceback_counted_and_said_
         with caplog.at_level(logging.INFO, logger="router.gap_repair"):
             ingest.add_worker("w1", epoch=1)  # bootstraps: its repair loop starts and crashes
             crashes = ingest.stats.repair_failures
-            await until(lambda: crashes[FailureKind.CRASHED] == 1, what="the crash counted")
-            for n in (2, 3):  # each later repair of the worker crashes alike (kv_ingest ensures one per gap)
-                ingest.repairs.ensure("w1")
-                await until(lambda n=n: crashes[FailureKind.CRASHED] == n, what="the crash counted again")  # type: ignore[misc]
-            await asyncio.sleep(0)
+            # nothing but the repair's own backoff starts it again (0.05 s, then 0.1 s at the defaults)
+            await until(lambda: crashes[FailureKind.CRASHED] >= 3, what="the crash counted, retried, again")
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1, [r.getMessage() for r in errors]  # once a while per worker, not per crash
         said = errors[0].getMessage()
-        assert "w1" in said and "crashed" in said and "out of routing" in said, said
+        assert "w1" in said and "crashed" in said and "out of routing" in said and "retried in 0.05s" in said, said
         assert errors[0].exc_info is not None and isinstance(errors[0].exc_info[1], KeyError)
         assert ingest.stats.workers["w1"].state is not SyncState.SYNCED and not ingest.synced  # out of routing
 
@@ -56,7 +54,9 @@ async def test_a_crashed_repair_is_an_error_with_its_traceback_counted_and_said_
             for family in text_string_to_metric_families(text)
             for s in family.samples
         }
-        assert samples["kvswitch_router_kv_repair_failures_total", (("kind", "crashed"),)] == 3
+        assert (
+            samples["kvswitch_router_kv_repair_failures_total", (("kind", "crashed"),)] == crashes[FailureKind.CRASHED]
+        )
     finally:
         await ingest.stop()
 
@@ -89,7 +89,8 @@ async def test_a_repair_crashing_again_after_the_interval_says_how_often_it_did(
             self.failed.append(failure.kind)  # type: ignore[attr-defined]
 
     target = Target()
-    repair = GapRepair(None, "ns", target, error_every_s=30.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    # retries (a crashed loop of a worker that still needs repair) wait past this test: it starts each
+    repair = GapRepair(None, "ns", target, error_every_s=30.0, retry_min_s=60.0, clock=lambda: now[0])  # type: ignore[arg-type]
     with caplog.at_level(logging.ERROR, logger="router.gap_repair"):
         for t in (0.0, 1.0, 2.0, 31.0):
             now[0] = t
@@ -100,3 +101,84 @@ async def test_a_repair_crashing_again_after_the_interval_says_how_often_it_did(
     assert len(said) == 2, said
     assert "again, 3 times in 31s" in said[1], said
     assert target.failed == [FailureKind.CRASHED] * 4
+
+
+async def test_a_worker_one_crash_left_repairing_is_repaired_again_and_routed(
+    nc: Client, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once not synced, nothing else starts its repair: its batches are held, its digests ignored,
+    a re-put of its record (same epoch) changes nothing. It was out of routing until it registered
+    anew or this router restarted (review of 2026-12-06)."""
+    fetches = [0]
+
+    async def fetch(self: GapRepair, worker: str, request: KvStateRequest) -> list[KvStateChunk]:
+        fetches[0] += 1
+        return [KvStateChunk(worker=worker, epoch=1, seq=0, chunk=0, dump=True, final=True)]
+
+    real = KvIngest.repair_reply
+    crashed = [False]
+
+    def repair_reply(self: KvIngest, worker: str, chunks: list[KvStateChunk]) -> None:
+        if not crashed[0]:
+            crashed[0] = True
+            raise KeyError("injected: a one-off bug (a race)")
+        real(self, worker, chunks)
+
+    monkeypatch.setattr(GapRepair, "fetch", fetch)
+    monkeypatch.setattr(KvIngest, "repair_reply", repair_reply)
+    ingest = KvIngest(nc, ns, BlockIndex(), min_entry_limit=1000)
+    await ingest.start()
+    try:
+        ingest.add_worker("w1", epoch=1)
+        await until(lambda: ingest.synced, what="the worker synced after its one crash")
+        assert ingest.stats.workers["w1"].state is SyncState.SYNCED
+        assert ingest.stats.repair_failures[FailureKind.CRASHED] == 1 and fetches[0] == 2
+    finally:
+        await ingest.stop()
+
+
+async def test_a_repair_that_crashes_every_time_backs_off_to_retry_max(caplog: pytest.LogCaptureFixture) -> None:
+    """One kvstate request per retry_max_s for a bug that crashes every round, not a request storm;
+    the wait starts over once a loop of the worker ends without crashing, and stop() leaves no retry."""
+    healthy = [False]
+
+    class Target:
+        def needs_repair(self, worker: str) -> bool:
+            return not healthy[0]
+
+        def repair_request(self, worker: str) -> KvStateRequest:
+            raise RuntimeError("injected: a bug in repair_request")
+
+        def reply_limit(self, worker: str) -> int:
+            return 1000
+
+        def reply_size(self, worker: str) -> int:
+            return 0
+
+        def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None:
+            raise AssertionError("never reached")
+
+        def repair_failed(self, worker: str, failure: object) -> None:
+            pass
+
+    repair = GapRepair(None, "ns", Target(), retry_min_s=0.01, retry_max_s=0.04, error_every_s=0.0)  # type: ignore[arg-type]
+
+    def waits() -> list[str]:
+        return [r.getMessage().partition("retried in ")[2].partition("s,")[0] for r in caplog.records]
+
+    with caplog.at_level(logging.ERROR, logger="router.gap_repair"):
+        repair.ensure("w1")
+        await until(lambda: len(waits()) >= 5, what="five crashes, each retried")
+        assert waits()[:5] == ["0.01", "0.02", "0.04", "0.04", "0.04"], waits()
+        healthy[0] = True
+        repair.ensure("w1")  # its loop ends without crashing (and the retry due is dropped)
+        await asyncio.sleep(0.05)
+        healthy[0] = False
+        before = len(waits())
+        repair.ensure("w1")
+        await until(lambda: len(waits()) > before, what="a crash after a loop that did not")
+        assert waits()[before] == "0.01", waits()  # the wait started over
+        await repair.stop()
+        stopped = len(waits())
+        await asyncio.sleep(0.1)
+    assert len(waits()) == stopped, waits()  # no retry outlives stop()

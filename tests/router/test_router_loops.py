@@ -1,9 +1,11 @@
 """The router's own loops and its registration fail loudly (docs/router.md, "The router's loops"):
 a loop whose round can fail on its data (replica sync's flush and expiry) says an ERROR and goes
 on; a loop the router needs that ends anyway (the loop watch, etcd's auth token, the worker watch)
-and a failed registration each make /ready a 503 naming it. Before 2026-12-06 each was one ERROR
-at most, /ready stayed 200, and a lease the stop could not revoke was not said. Real nats-server
-and etcd."""
+and a failed registration each make /ready a 503 naming it, and the router stop (its drain, its
+lease revoked) and exit with status 1 for its supervisor to restart it (RouterService.serve, as
+`kvswitch router` runs it). Before 2026-12-06 each was one ERROR at most, /ready stayed 200, and a
+lease the stop could not revoke was not said; until that day's review, the 503 was all, and nothing
+restarted the router (Kubernetes' liveness probe is /health). Real nats-server and etcd."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import aiohttp
 import pytest
 from nats.aio.client import Client
 
-from discovery import Registration
+from discovery import Discovery, Registration
+from discovery.lease import Lease
 from protocol import subjects
+from protocol.config import EtcdSettings
+from router import RouterStatus
 from router.load_view import LoadView
 from router.replica_sync import ReplicaSync
 from runtime.loop_watch import LoopWatch
@@ -44,7 +49,12 @@ def _router_supervisor_ends(monkeypatch: pytest.MonkeyPatch, ns: str) -> asyncio
     return ended
 
 
-async def test_a_failed_registration_makes_ready_503_naming_it(
+async def _router_key_held(cluster: Cluster, router_id: str) -> bool:
+    async with Discovery(EtcdSettings(endpoints=[cluster.etcd_url]), cluster.ns) as d:
+        return await d.holder(subjects.router_key(cluster.ns, router_id)) is not None
+
+
+async def test_a_failed_registration_makes_ready_503_and_the_router_exit_1(
     cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await cluster.add_worker("agg")
@@ -52,34 +62,60 @@ async def test_a_failed_registration_makes_ready_503_naming_it(
     caplog.set_level(logging.INFO)
     router = await cluster.add_router()
     await ended.wait()
-    await until(lambda: any("/ready answers 503" in r.getMessage() for r in caplog.records), what="the ERROR")
-    said = next(r for r in caplog.records if "/ready answers 503" in r.getMessage())
-    assert said.levelno == logging.ERROR and router.router_id in said.getMessage()
+    await until(lambda: router._registration is not None and router._registration.failed.is_set(), what="failed")
     status, problems = await _ready(http, router.url)
     assert status == 503
-    assert any("registration in etcd failed" in p and "supervisor" in p for p in problems), problems
+    assert any("registration in etcd failed" in p and "supervisor" in p and "status 1" in p for p in problems), problems
+    await asyncio.wait_for(router.broken.wait(), 5)
+    said = [r for r in caplog.records if "no longer correct" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR, [r.getMessage() for r in caplog.records]
+    assert router.router_id in said[0].getMessage() and "registration in etcd failed" in said[0].getMessage()
+    assert "exits with status 1" in said[0].getMessage()
+    assert await _router_key_held(cluster, router.router_id)  # its lease lives on: peers still count its bookings
+    assert await asyncio.wait_for(router.serve(asyncio.Event()), 20) == 1
+    assert router.status is RouterStatus.STOPPED
+    assert not await _router_key_held(cluster, router.router_id)  # stopped as on SIGTERM: its lease revoked
 
 
+def _revoke_fails(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    if how == "etcd refuses":  # what etcd answers, through the real Lease.revoke and Registration.stop
+
+        async def revoke(self: Lease, timeout: float) -> BaseException | None:
+            return TimeoutError("injected: etcd does not answer the revoke")
+
+        monkeypatch.setattr(Lease, "_revoke", revoke)
+    else:
+        real = Registration.stop
+
+        async def stop(self: Registration) -> bool:
+            await real(self)
+            raise RuntimeError("injected: a bug in Registration.stop")
+
+        monkeypatch.setattr(Registration, "stop", stop)
+
+
+@pytest.mark.parametrize("how", ["etcd refuses", "a bug"])
 async def test_a_lease_the_stop_cannot_revoke_is_an_error(
-    cluster: Cluster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
+    """Lease.revoke said a failed revoke as a WARNING and returned as if it went (review of
+    2026-12-06): the router's ERROR fired only on an injected raise."""
     router = await cluster.add_router()
-    real = Registration.stop
-
-    async def stop(self: Registration) -> None:
-        await real(self)
-        raise RuntimeError("injected: etcd refused the revoke")
-
-    monkeypatch.setattr(Registration, "stop", stop)
+    _revoke_fails(monkeypatch, how)
     caplog.set_level(logging.INFO)
     await router.stop()
     errors = [r for r in caplog.records if r.levelno == logging.ERROR and "revoking router" in r.getMessage()]
-    assert len(errors) == 1 and errors[0].exc_info is not None, [r.getMessage() for r in caplog.records]
-    assert router.router_id in errors[0].getMessage() and "TTL" in errors[0].getMessage()
+    assert len(errors) == 1, [r.getMessage() for r in caplog.records]
+    said = errors[0].getMessage()
+    assert router.router_id in said and "TTL (10 s)" in said and "bookings" in said and "legs" in said, said
+    if how == "a bug":
+        assert errors[0].exc_info is not None and "traceback" in said
+    else:
+        assert any(r.levelno == logging.WARNING and "revoke failed" in r.getMessage() for r in caplog.records)
 
 
-async def test_a_loop_the_router_needs_that_crashes_makes_ready_503_naming_it(
-    cluster: Cluster, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+async def test_a_loop_the_router_needs_that_crashes_makes_ready_503_and_the_router_exit_1(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await cluster.add_worker("agg")
     router = await cluster.add_ready_router()
@@ -89,12 +125,30 @@ async def test_a_loop_the_router_needs_that_crashes_makes_ready_503_naming_it(
         raise RuntimeError("injected: a bug in the loop watch")
 
     monkeypatch.setattr(LoopWatch, "_run", run)
+    caplog.set_level(logging.ERROR)
     await router.loop_watch.stop()
     router.loop_watch.start()  # the same watch, started again: its loop now crashes at once
     await until(lambda: router.loop_watch.task is not None and router.loop_watch.task.done(), what="the crash")
     status, problems = await _ready(http, router.url)
     assert status == 503
     assert any("task loop-watch crashed" in p and "RuntimeError" in p for p in problems), problems
+    assert await asyncio.wait_for(router.serve(asyncio.Event()), 20) == 1  # as `kvswitch router` runs it
+    assert router.status is RouterStatus.STOPPED
+    said = [r.getMessage() for r in caplog.records if "no longer correct" in r.getMessage()]
+    assert len(said) == 1 and "task loop-watch crashed" in said[0] and "status 1" in said[0], said
+
+
+async def test_a_router_stopped_by_its_owner_exits_0(cluster: Cluster) -> None:
+    """The control: `stop` set (a SIGTERM) is no failure."""
+    router = await cluster.add_router()
+    stop = asyncio.Event()
+    serving = asyncio.create_task(router.serve(stop))
+    await asyncio.sleep(0.1)
+    assert not serving.done()
+    stop.set()
+    assert await asyncio.wait_for(serving, 20) == 0
+    assert router.status is RouterStatus.STOPPED and not router.broken.is_set()
+    assert not await _router_key_held(cluster, router.router_id)
 
 
 async def test_a_sync_flush_that_raises_is_an_error_and_later_bookings_still_go(
