@@ -203,7 +203,8 @@ def _add_max_model_len(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
         default=None,
         metavar="TOKENS",
         help="virtual engines' max_model_len: longer requests are errors (default: the sims' 32768, raised to"
-        " the workload's longest request, and said so; `kvswitch plan` and `kvswitch up` keep 32768)",
+        " the workload's longest request, and said so, if one engine's KV cache holds it; `kvswitch plan` and"
+        " `kvswitch up` keep 32768)",
     )
 
 
@@ -224,14 +225,21 @@ def _max_model_len(args: argparse.Namespace, items: list[WorkItem]) -> tuple[int
     """--max-model-len, or the sims' 32768 raised to the workload's longest request (what the
     published virtual figures ran with); and, when raised, the line that says so, printed with the
     results: the engines are then unlike `kvswitch up`'s, and `kvswitch plan`'s rows, at 32768,
-    count those requests as errors."""
-    from bench.virtual.fleet import SIMS_MAX_MODEL_LEN
+    count those requests as errors. A raised value one engine's KV cache cannot hold is refused
+    as --max-model-len's is: its request waited for blocks for ever, and the run never ended."""
+    from bench.virtual.fleet import SIMS_MAX_MODEL_LEN, check_max_model_len
 
     if args.max_model_len is not None:
         return int(args.max_model_len), None
     longest = max((item.input_len + item.output_len for item in items), default=0)
     if longest <= SIMS_MAX_MODEL_LEN:
         return SIMS_MAX_MODEL_LEN, None
+    raised_from = f"max_model_len {longest}, raised from the sims' {SIMS_MAX_MODEL_LEN} to the longest request,"
+    try:
+        check_max_model_len(longest, args.profile, what=raised_from)
+    except ValueError as exc:
+        hint = "set --max-model-len (longer requests are then errors) or lower --scale-tokens"
+        raise ValueError(f"{exc}; {hint}") from None
     over = sum(item.input_len + item.output_len > SIMS_MAX_MODEL_LEN for item in items)
     return longest, (
         f"max_model_len {longest}: raised from the sims' {SIMS_MAX_MODEL_LEN} to the longest request ({over} of "

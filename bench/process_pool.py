@@ -3,7 +3,7 @@
 `with ProcessPoolExecutor(...)` shuts down with wait=True: on SIGTERM (bench.sigterm raises
 SystemExit) or Ctrl-C it waited for every running measurement and started the queued ones, and
 `kvswitch plan --jobs 2` took 31 s to exit. Here a raise cancels what has not started, SIGTERMs
-the workers and waits at most `STOP_S` for them (then SIGKILLs the rest) before it goes on.
+the workers and waits at most `STOP_S` for them all (then SIGKILLs the rest) before it goes on.
 
 The workers take SIGTERM's default action, death: a virtual-clock measurement is in-process and
 holds nothing to unwind, and bench.sigterm's SystemExit, inherited through fork, would be caught
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
@@ -36,8 +37,10 @@ def process_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
         pool.shutdown(wait=False, cancel_futures=True)
         for p in processes:
             p.terminate()
+        deadline = time.monotonic() + STOP_S  # one for them all: each its own made it workers x STOP_S
         for p in processes:
-            p.join(STOP_S)
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in processes:
             if p.is_alive():
                 p.kill()
                 p.join()

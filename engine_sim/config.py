@@ -268,7 +268,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
         (vllm.v1.core.kv_cache_utils, "KV cache is needed"); a sim that started anyway would leave
         such a request waiting for blocks forever. Checked where the sim starts as vLLM does (the
         CLI), not in `validate()`: tests build small pools under the default max_model_len."""
-        blocks = self.resolved_num_gpu_blocks - 1  # block 0 is the null block
+        blocks = self.usable_gpu_blocks
         needed = -(-self.max_model_len // self.block_size)
         if needed > blocks:
             raise SimConfigError(
@@ -277,7 +277,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
                 f"To serve at least one request with the model's max seq len ({self.max_model_len}), "
                 f"{needed} KV cache blocks are needed, which is larger than the available KV cache "
                 f"({blocks} blocks of {self.block_size} tokens). Based on the available KV cache, the "
-                f"estimated maximum model length is {blocks * self.block_size}. Try increasing "
+                f"estimated maximum model length is {self.longest_max_model_len}. Try increasing "
                 f"--num-gpu-blocks or decreasing --max-model-len when initializing the engine.",
             )
         return self
@@ -293,6 +293,16 @@ class SimConfig(msgspec.Struct, kw_only=True):
         prof = load_profile(self.profile)
         free = _H200_BYTES * _GPU_UTIL - 2 * prof.params - _RUNTIME_OVERHEAD
         return max(2, int(free // (prof.kv_bytes_per_token * self.block_size)))
+
+    @property
+    def usable_gpu_blocks(self) -> int:
+        """The blocks a request can hold: all but block 0, vLLM's null block."""
+        return self.resolved_num_gpu_blocks - 1
+
+    @property
+    def longest_max_model_len(self) -> int:
+        """The longest max_model_len `check_kv_fits_max_model_len` accepts."""
+        return self.usable_gpu_blocks * self.block_size
 
     def replace(self, **changes: object) -> SimConfig:
         return msgspec.structs.replace(self, **changes)

@@ -189,11 +189,10 @@ def _max_model_len_args(args: argparse.Namespace) -> list[str]:
     try:
         config.check_kv_fits_max_model_len()
     except SimConfigError:
-        most = config.resolved_num_gpu_blocks * config.block_size
         raise UpFlagError(
             f"kvswitch up: --max-model-len {args.max_model_len} does not fit one simulated engine's KV cache "
-            f"({config.resolved_num_gpu_blocks} blocks of {config.block_size} tokens for --profile {args.profile}): "
-            f"at most {most}"
+            f"({config.usable_gpu_blocks} blocks of {config.block_size} tokens for --profile {args.profile}): "
+            f"at most {config.longest_max_model_len}"
         ) from None
     return ["--max-model-len", str(args.max_model_len)]
 

@@ -91,7 +91,19 @@ class FleetSpec:
             raise ValueError(f"--router-profile-error must be in {allowed}, got {self.router_profile_error}")
         self.delays.validate()
         self.settings.validate()
+        # As vLLM refuses to start: a request of max_model_len tokens that no pool can hold would
+        # wait for its blocks for ever, and the virtual clock with it.
+        self.engine_config().check_kv_fits_max_model_len()
         return self
+
+    def engine_config(self) -> SimConfig:
+        """One engine, as `kvswitch sim` would be configured (its pool sized by the profile)."""
+        return SimConfig(
+            profile=self.profile,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+        )
 
 
 @dataclass
@@ -133,26 +145,35 @@ def _result(r: VirtualRequest) -> RequestResult:
 
 
 def check_profile(flag: str, name: str, *, none: bool = False) -> None:
-    """`name` is a profile the timing tables define (with `none`, or "none"); else a ValueError naming
-    `flag` and the allowed values, before anything runs."""
+    """`name` is a profile the timing tables define (with `none`, or "none") and that loads; else a
+    ValueError naming `flag` (and the allowed values, or what is wrong with its table), before
+    anything runs. A table the loader refuses passed a check of names alone: the routers then ran
+    without a cost model, or the first measurement failed after --out-dir was created."""
     known = profile_names()
-    if name not in known and not (none and name == "none"):
+    if none and name == "none":
+        return
+    if name not in known:
         raise ValueError(f"{flag}: unknown {name}; allowed: {', '.join(['none', *known] if none else known)}")
+    try:
+        TimingModel.for_profile(name)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {name}: {exc}") from None
 
 
-def check_max_model_len(tokens: int, profile: str) -> None:
+def check_max_model_len(tokens: int, profile: str, *, what: str | None = None) -> None:
     """--max-model-len as `kvswitch up` checks it, by the sim's own rules: a positive length whose
-    request one engine's KV cache holds."""
+    request one engine's KV cache holds. `what` says where `tokens` came from when no flag set it."""
+    what = what or f"--max-model-len {tokens}"
     if tokens < 1:
         raise ValueError(f"--max-model-len must be >= 1, got {tokens}")
     check_profile("--profile", profile)
-    config = SimConfig(profile=profile, max_model_len=tokens, block_size=FleetSpec.block_size)
+    config = FleetSpec(profile=profile, max_model_len=tokens).engine_config()
     try:
         config.check_kv_fits_max_model_len()
     except SimConfigError:
-        most = config.resolved_num_gpu_blocks * config.block_size
         raise ValueError(
-            f"--max-model-len {tokens} does not fit one engine's KV cache for --profile {profile}: at most {most}"
+            f"{what} does not fit one engine's KV cache for --profile {profile}: at most "
+            f"{config.longest_max_model_len} ({config.usable_gpu_blocks} blocks of {config.block_size} tokens)"
         ) from None
 
 
@@ -173,7 +194,7 @@ class VirtualFleet:
         self.shims: dict[str, VirtualShim] = {}
         infos: list[WorkerInfo] = []
         timing = TimingModel.for_profile(spec.profile)
-        blocks = spec.num_gpu_blocks or SimConfig(profile=spec.profile).resolved_num_gpu_blocks
+        blocks = spec.engine_config().resolved_num_gpu_blocks
         kv_bytes = timing.profile.kv_bytes_per_token
         registered = spec.profile if spec.router_profile is None else (spec.router_profile or None)
         pools: list[tuple[Role, int]] = [("prefill", spec.prefill), ("decode", spec.decode), ("agg", spec.agg)]

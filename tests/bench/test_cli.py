@@ -342,6 +342,13 @@ V_COMPARE = ["compare", "--clock", "virtual", "--limit", "2", "--scale-tokens", 
 V_SWEEP = ["sweep", "--limit", "2", "--fleets", "1P+1D", "--rates", "1", "--jobs", "1"]
 PROFILES = "allowed: h200:llama-3.1-8b, h200:qwen2.5-32b"
 NO_PREFILL = "--prefill 0: disaggregated configurations need at least one prefill engine:"
+# One request of 321286 tokens (prompt and output): more than one h200:qwen2.5-32b engine's KV cache holds.
+HUGE = ["--start", "0", "--limit", "1", "--scale-tokens", "8", "--profile", "h200:qwen2.5-32b"]
+TOO_LONG = (
+    "max_model_len 321286, raised from the sims' 32768 to the longest request, does not fit one engine's KV cache"
+    " for --profile h200:qwen2.5-32b: at most 217712 (13607 blocks of 16 tokens); set --max-model-len (longer"
+    " requests are then errors) or lower --scale-tokens"
+)
 
 
 @pytest.mark.parametrize(
@@ -362,6 +369,10 @@ NO_PREFILL = "--prefill 0: disaggregated configurations need at least one prefil
             [*V_COMPARE, "--prefill", "0", "--decode", "2", "--configs", "kv,kv_disagg,slo_aware"],
             f"{NO_PREFILL} kv_disagg, slo_aware",
         ),
+        # review of 2026-12-06: the default raised to a request no engine holds ran for ever (timeout 60: rc 124)
+        (["replay", "--clock", "virtual", "--agg", "1", *HUGE], TOO_LONG),
+        (["compare", "--clock", "virtual", "--configs", "kv", "--jobs", "1", *HUGE], TOO_LONG),
+        (["sweep", "--fleets", "1P+1D", "--rates", "1", "--configs", "kv", "--policy", "kv", *HUGE], TOO_LONG),
         ([*V_REPLAY, "--decode", "1", "--configuration", "slo_aware"], f"{NO_PREFILL} slo_aware"),
         ([*V_REPLAY, "--agg", "1", "--router-arg=--disagg=always"], f"{NO_PREFILL} kv"),
         (
@@ -388,6 +399,44 @@ def test_engines_and_fleets_a_run_cannot_have_are_refused_by_flag_before_it(
     printed = capsys.readouterr()
     assert message in printed.err and printed.out == "", printed
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        ([*V_REPLAY, "--agg", "1", "--router-profile", "mygpu:one"], "--router-profile"),
+        ([*V_COMPARE, "--router-profile", "mygpu:one"], "--router-profile"),
+        ([*V_REPLAY, "--agg", "1", "--profile", "mygpu:one"], "--profile"),
+        ([*V_SWEEP, "--profile", "mygpu:one"], "--profile"),
+    ],
+)
+def test_a_profile_whose_table_the_loader_refuses_is_refused_by_flag_before_it(
+    argv: list[str], flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review of 2026-12-06: the check looked at names only, so an operator's table with a one-point
+    decode row passed: replay ran to exit 0 with routers without a cost model, compare and sweep
+    failed at their first measurement, --out-dir created, naming no flag."""
+    import bench.compare
+    import bench.sweep
+    import protocol
+
+    builtin = json.loads((Path(protocol.__file__).parent / "profiles" / "h200.json").read_text())
+    [model] = [m for m in builtin["models"] if m["model"] == "llama-3.1-8b"]
+    model["model"] = "one"
+    model["decode"] = [p for p in model["decode"] if p["context_tokens"] != 256 or p["batch"] == 1]
+    table = tmp_path / "tables" / "mygpu.json"
+    table.parent.mkdir()
+    table.write_text(json.dumps({"models": [model]}))
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(table.parent))
+    monkeypatch.setattr(bench.sweep, "_measure", _not_run)
+    monkeypatch.setattr(bench.compare, "_measure_one", _not_run)
+    monkeypatch.setattr(fleet, "VirtualFleet", _not_run)
+    out = ["--out", str(tmp_path / "r.jsonl")] if argv[0] == "replay" else ["--out-dir", str(tmp_path / "out")]
+    assert main(["bench", *argv, *out]) == 2
+    printed = capsys.readouterr()
+    message = f"{flag} mygpu:one: timing table {table}, model 'one': `decode` has one point at context_tokens 256"
+    assert message in printed.err and printed.out == "", printed
+    assert not (tmp_path / "out").exists() and not (tmp_path / "r.jsonl").exists()
 
 
 # The trace's first second: 8 requests, 3 of them over the sims' 32768 tokens (the longest 42615).

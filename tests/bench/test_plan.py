@@ -257,16 +257,23 @@ def test_empty_splits_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--splits: none given, got ','" in capsys.readouterr().err
 
 
-def test_the_winners_reproduce_line_replays_its_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("policies", [[], ["--policies", "slo_aware"]], ids=["default", "slo_aware"])
+def test_the_winners_reproduce_line_replays_its_row(
+    policies: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Review of 2026-12-06: replay raised its engines' max_model_len to the longest request where
     plan keeps the sims' 32768, so replaying a plan row by hand gave other figures (52 against 15
-    in SLO). The slice has 3 requests over 32768: errors in plan's row, as in the replay."""
-    argv = ["plan", "--gpus", "2", "--start", "0", "--duration", "4", "--jobs", "1", "--seed", "3"]
+    in SLO). The slice has 3 requests over 32768: errors in plan's row, as in the replay. slo_aware:
+    a disaggregated winner, whose line names --prefill and --decode."""
+    argv = ["plan", "--gpus", "2", "--start", "0", "--duration", "4", "--jobs", "1", "--seed", "3", *policies]
     assert main([*argv, "--slo-itl", "0.0123456789", "--out", str(tmp_path / "plan.json")]) == 0
     printed = capsys.readouterr().out
     [line] = [ln.split("reproduce:", 1)[1].strip() for ln in printed.splitlines() if "reproduce:" in ln]
     assert "--max-model-len 32768" in line and "--seed 3 --router-seed 3" in line and "0.0123456789" in line
     winner = msgspec.json.decode((tmp_path / "plan.json").read_bytes(), type=list[Result])[0]
+    if policies:
+        assert winner.candidate.configuration == "slo_aware"
+        assert "--prefill 1 --decode 1 --configuration slo_aware" in line
     assert winner.summary.errors >= 3  # the 3 over 32768 among them
     command = shlex.split(line)
     assert command[:3] == ["kvswitch", "bench", "replay"]

@@ -29,6 +29,31 @@ def test_a_raise_stops_the_running_workers_and_starts_no_queued_one() -> None:
     assert all(f.cancelled() or f.exception() is not None for f in futures)  # none ran to its end
 
 
+def _sleep_through_sigterm(ready: Path) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.touch()
+    time.sleep(60)
+
+
+def test_workers_that_outlive_sigterm_share_one_stop_s_then_are_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of 2026-12-06: each worker was given STOP_S in turn, so 4 hung ones held the exit 4 x STOP_S."""
+    import bench.process_pool
+
+    monkeypatch.setattr(bench.process_pool, "STOP_S", 1.0)
+    with pytest.raises(KeyboardInterrupt), process_pool(4) as pool:
+        for i in range(4):
+            pool.submit(_sleep_through_sigterm, tmp_path / str(i))
+        while len(list(tmp_path.iterdir())) < 4:
+            time.sleep(0.01)
+        workers = list(pool._processes.values())
+        started = time.monotonic()
+        raise KeyboardInterrupt
+    assert time.monotonic() - started < 3.0  # 4 s and more when each worker had its own STOP_S
+    assert len(workers) == 4 and not any(p.is_alive() for p in workers)
+
+
 def test_without_a_raise_every_measurement_is_waited_for() -> None:
     with process_pool(2) as pool:
         out = list(pool.map(abs, [-1, -2, -3]))

@@ -429,3 +429,23 @@ def test_workers_register_their_max_model_len_as_live_shims_do() -> None:
     decode steps at contexts far shorter than the live one would."""
     fleet = _fleet(max_model_len=200_000)
     assert {shim.info.max_model_len for shim in fleet.shims.values()} == {200_000}
+
+
+def test_a_max_model_len_no_engine_holds_is_refused_as_vllm_refuses_to_start() -> None:
+    """Review of 2026-12-06: a fleet built with engines whose KV cache cannot hold one request of
+    max_model_len tokens let such a request wait for its blocks for ever, and the clock ran on
+    (`bench replay --clock virtual --profile h200:qwen2.5-32b --scale-tokens 8`: killed at 60 s).
+    The longest length accepted is the one check_max_model_len's message offers (it said one block
+    more, a length it then refused)."""
+    from bench.virtual.fleet import check_max_model_len
+
+    qwen = "h200:qwen2.5-32b"
+    with pytest.raises(ValueError, match=r"at most \d+") as refused:
+        check_max_model_len(10**6, qwen)
+    most = int(refused.value.args[0].split("at most ")[1].split()[0])
+    check_max_model_len(most, qwen)
+    _fleet(profile=qwen, max_model_len=most)
+    with pytest.raises(ValueError, match=f"estimated maximum model length is {most}"):
+        _fleet(profile=qwen, max_model_len=most + 1)
+    with pytest.raises(ValueError, match="larger than the available KV cache"):
+        _fleet(num_gpu_blocks=2048, max_model_len=32768)  # 2047 blocks for requests, 2048 needed

@@ -227,6 +227,16 @@ def test_up_help_says_other_flags_go_to_every_router() -> None:
     assert "kvswitch router --help" in " ".join(out.stdout.split()), out.stdout
 
 
+def test_the_longest_max_model_len_a_refusal_offers_is_accepted() -> None:
+    """Review of 2026-12-06: `at most N` counted block 0, vLLM's null block, so N was refused too."""
+    from kvswitch.up import UpFlagError, _max_model_len_args
+
+    with pytest.raises(UpFlagError) as refused:
+        _max_model_len_args(_up_args(["--agg", "1", "--max-model-len", "1000000"]))
+    most = int(str(refused.value).rsplit("at most ", 1)[1])
+    assert _max_model_len_args(_up_args(["--agg", "1", "--max-model-len", str(most)])) == ["--max-model-len", str(most)]
+
+
 def _up_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
