@@ -467,7 +467,8 @@ class WorkerShim:
                 except Exception as exc:
                     # Say it, then start over as after an engine restart: a NATS flush that timed
                     # out or an engine's odd answer must not end the process with a traceback.
-                    at = self._registered_at
+                    # Read once: a step before the next session that fails is no session that served.
+                    at, self._registered_at = self._registered_at, None
                     failed = 1 if at is not None and time.monotonic() - at >= SESSION_SERVED_S else failed + 1
                     self.session_failures += 1
                     wait = min(SESSION_RETRY_MAX_S, self.config.health_interval_s * 2 ** min(failed - 1, 10))
@@ -1267,6 +1268,9 @@ class WorkerShim:
             presence = None
         if presence is None:
             presence = self._presence = await self._open_presence(worker)
+            # A --worker-name's id, retired by the last session's end with legs running: the new
+            # presence hears its cancels now (with both, one cancel was handled twice).
+            await self._close_retired(worker)
         if presence.publisher is None:
             await self._start_epoch(presence)
 
@@ -1353,9 +1357,12 @@ class WorkerShim:
         await self._end_epoch(presence, cleared=True)
         return [leg.task for leg in self.requests.inflight.values() if leg.task] if kept and self.requests else []
 
-    async def _close_retired(self) -> None:
-        """At stop: every old id's retirement ends now, and what it held is closed."""
-        retired, self._retired = self._retired, {}
+    async def _close_retired(self, worker: str | None = None) -> None:
+        """At stop: every old id's retirement ends now, and what it held is closed; `worker`: only
+        that id's."""
+        retired = {p: t for p, t in self._retired.items() if worker in (None, p.worker)}
+        for presence in retired:
+            del self._retired[presence]
         for presence, task in retired.items():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -1584,8 +1591,8 @@ class WorkerShim:
         if main is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await main
-        if self.requests is not None:
-            await self.requests.abort_all()
+        if self.requests is not None:  # stopped between sessions, the legs a session's end left running
+            await self.requests.drain(self.config.drain_grace_s)  # are drained too, not cut at once
         await self._close_retired()  # those a session that ended before the stop left hearing cancels
         await self._close_clients()
         if self.status is not ShimStatus.FAILED:

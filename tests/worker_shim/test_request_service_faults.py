@@ -731,3 +731,52 @@ async def test_a_held_chunk_that_cannot_go_ends_the_leg_with_an_error_not_a_trun
     assert svc.held_chunks == 1 and svc.outcomes[("agg", "internal")] == 1
     errors = [r for r in caplog.records if r.levelno == logging.ERROR and said in r.getMessage()]
     assert len(errors) == 1 and errors[0].exc_info is not None and isinstance(errors[0].exc_info[1], OverflowError)
+
+
+class HeldOverTwoChunks(FakeEngine):
+    """Under load: a token, then at once events filling a chunk nearly whole and 30 token ids, held
+    for the coalescing mark. Their flush sends the leading ids in a chunk of their own, then the
+    rest with the events, the last id one no chunk can carry (past msgpack's 2**64 - 1). The answer
+    ends while the first of those two chunks is being published."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+        self.held = False
+
+    async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
+        await on_output(1, [], [1])
+        await on_output(30, [b"e" * (self.room - 100)], [*range(2, 31), 2**64])
+        self.held = True
+        await asyncio.sleep(0.3)  # past the mark: the held chunk's flush is publishing
+        return LegOutcome("length", Usage(prompt_tokens=len(leg.token_ids), completion_tokens=31))
+
+
+async def test_a_leg_that_ends_while_a_held_chunk_is_published_waits_for_that_flush(
+    nc: Nats, replies: Replies, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leg's end does not outrun the coalescing timer's flush: one still publishing when the
+    answer ended failed after the final chunk had said the answer whole ("length", its last ids
+    missing); final() now waits for it and ends the leg with a 500."""
+    real = RequestService.publish
+
+    async def slow(self: RequestService, subject: str, data: bytes) -> None:
+        if engine.held:
+            await asyncio.sleep(1.0)  # NATS taking a moment: the engine's answer ends meanwhile
+        await real(self, subject, data)
+
+    monkeypatch.setattr(RequestService, "publish", slow)
+    monkeypatch.setattr(request_service, "COALESCE_S", 0.1)  # the second output is held on a slow host too
+    engine = HeldOverTwoChunks(nc.max_payload - request_service._ENVELOPE)
+    svc = service(nc, engine, busy_legs=0)  # always busy: the second output is held
+    subject = await serving(svc, ns)
+    await send(replies, subject, "r1")
+    await wait_for(lambda: any(c.final for c in replies.chunks("r1")), what="the final chunk")
+    await ended(svc)
+    await replies.settled()
+    chunks = replies.chunks("r1")
+    final = chunks[-1]
+    assert final.final and final.error is not None and final.finish_reason is None, final
+    assert (final.error.code, final.error.kind) == (500, "internal") and "OverflowError" in final.error.message
+    assert [t for c in chunks for t in c.token_ids] == list(range(1, 13)), "the flush's first chunk went"
+    assert svc.held_chunks == 1 and svc.outcomes[("agg", "internal")] == 1

@@ -4,7 +4,6 @@ id is still served for a grace period, and a stable --worker-name keeps its id (
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -233,8 +232,9 @@ def _fold(batches: list[KvEventBatch]) -> set[int]:
 
 async def test_a_session_ending_while_an_old_id_retires_leaves_none_of_its_subscriptions(nats_url: str) -> None:
     """The retire took the cancel subscription out of the presence, then awaited the end of the old
-    id's KV stream: a session ending in that await closed a presence without it, and the old id's
-    cancel subject stayed subscribed for the process's life."""
+    id's KV stream: a session ending in that await (it then cancelled the retirements; the shim's
+    stop, or a --worker-name's next presence, does now) closed a presence without it, and the old
+    id's cancel subject stayed subscribed for the process's life."""
 
     class SlowPublisher:  # the old id's KV stream ending: a flush that takes a moment
         def add(self, events: Any) -> None:
@@ -262,12 +262,10 @@ async def test_a_session_ending_while_an_old_id_retires_leaves_none_of_its_subsc
                         subjects.cancel("ns", "old"), subjects.kvstate("ns", "old")):  # fmt: skip
             presence.subs.append(await nc.subscribe(subject, cb=ignore))
         presence.publisher = SlowPublisher()  # type: ignore[assignment]
-        retire = asyncio.create_task(shim._retire_later(presence, 0.05))
+        retire = shim._retired[presence] = asyncio.create_task(shim._retire_later(presence, 0.05))
         await asyncio.sleep(0.15)  # the grace is over; the retire waits on the stream's end
-        retire.cancel()  # the session ends, as _end_session does it
-        with contextlib.suppress(asyncio.CancelledError):
-            await retire
-        await shim._close_presence(presence)
+        await shim._close_retired()  # the shim stops
+        assert retire.cancelled() and shim._retired == {}
         assert nc._subs == {}, [s.subject for s in nc._subs.values()]
     finally:
         leg.cancel()

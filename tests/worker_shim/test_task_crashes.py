@@ -1,7 +1,9 @@
 """A task of the shim's that crashes is said and acted on, never left dead behind a worker that
 looks well: the worker id's KV publisher or load reporter (the session ends as failed and a new one
-registers; the legs it leaves running are still cancelled on the old id; a session that served a
-while starts the wait before the next over; an old id's publisher in its grace is counted too), the
+registers; the legs it leaves running are still cancelled on the old id, and drained by a stop in
+the wait before the next session; a session that served a while starts the wait before the next
+over, a step before the next that keeps failing backs off again; with --worker-name the next session
+takes over the cancels; an old id's publisher in its grace is counted too), the
 orphaned-leg watchdog (a failing check is said, throttled, and the next one runs),
 the old worker id's retirement (its id leaves /health, the teardown still ends with Cleared) and
 the endpoint probe. Each fault is injected into one method, against real nats, etcd and the sim;
@@ -38,6 +40,7 @@ from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_shim_lifecycle import registered_workers
 from worker_shim import ShimStatus, WorkerShim, orphaned_legs
 from worker_shim import shim as shim_module
+from worker_shim.adapters.base import EngineLimits
 from worker_shim.endpoint_probe import EndpointProbe
 from worker_shim.event_health import EventHealth
 from worker_shim.kv_publisher import KvPublisher
@@ -188,6 +191,114 @@ async def test_a_session_that_served_a_while_starts_the_wait_after_its_crash_ove
             await wait_for(_registered_anew(shim, old), RESTART_S, "a new session, registered")
         waits = [r.getMessage().rpartition("a new one starts in ")[2] for r in _errors(caplog, "a new one starts in")]
         assert waits == ["0.2s", "0.4s", "0.2s"]
+
+
+async def test_steps_before_a_session_that_keep_failing_after_one_that_served_still_back_off(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served session's registration time was cleared only as the next session began: a step
+    before it (the engine's limits, its event endpoints, its progress) that kept failing read it at
+    each failure, took itself for a session that served and waited one health interval, so an
+    engine that kept answering oddly got an ERROR with its traceback every interval for good,
+    never the backoff (review of 2026-12-06)."""
+    monkeypatch.setattr(shim_module, "SESSION_SERVED_S", 1.0)
+    armed = _crash_kv_publisher_when_armed(monkeypatch)
+    caplog.set_level(logging.INFO)
+    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, health_interval_s=0.2) as shim:
+        await asyncio.wait_for(shim.registered.wait(), 20)
+        await asyncio.sleep(1.5)  # served past SESSION_SERVED_S
+        real = shim._check_limits
+        fails = 0
+
+        async def odd_answer() -> EngineLimits:
+            nonlocal fails
+            if fails < 3:
+                fails += 1
+                raise RuntimeError("injected: an engine's odd answer")
+            return await real()
+
+        monkeypatch.setattr(shim, "_check_limits", odd_answer)
+        old = shim.worker_id
+        armed.set()
+        await _leg(shim, ns, "r0", 1000)
+        await wait_for(_registered_anew(shim, old), RESTART_S, "a new session, registered")
+        waits = [r.getMessage().rpartition("a new one starts in ")[2] for r in _errors(caplog, "a new one starts in")]
+        assert fails == 3 and waits == ["0.2s", "0.4s", "0.8s", "1.6s"]
+
+
+async def test_a_stop_in_the_wait_after_a_failed_session_drains_the_legs_it_left_running(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop between sessions aborted the legs a crash-ended session left running on a well engine
+    at once (503 shutdown), past --drain-grace-s, which a stop during a session gives them (review
+    of 2026-12-06)."""
+    armed = _crash_kv_publisher_when_armed(monkeypatch)
+    caplog.set_level(logging.INFO)
+    chunks: list[ResponseChunk] = []
+    nc = await connect(nats_url)
+    try:
+
+        async def on_chunk(msg: Msg) -> None:
+            chunks.append(decode_msg(msg.data, ResponseChunk))
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=on_chunk)
+        await flush(nc)
+        async with SimServer(sim_config(speedup=1.0)) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, health_interval_s=1.0, drain_grace_s=20.0)
+            async with shim:
+                await asyncio.wait_for(shim.registered.wait(), 20)
+                armed.set()
+                await _leg(shim, ns, "long", 1000, max_tokens=1000, reply=inbox)  # a few seconds' decode
+                await _said(caplog, "a new one starts in 1.0s")  # the stop comes in that wait
+                assert shim.requests is not None and "long" in shim.requests.inflight
+            assert shim.sessions == 1
+        await wait_for(lambda: any(c.final for c in chunks), 5.0, "the leg's final chunk")
+        final = chunks[-1]
+        assert final.final and final.error is None and final.finish_reason == "length", final
+        assert sum(len(c.token_ids) for c in chunks) == 1000
+    finally:
+        await nc.close()
+
+
+async def test_a_worker_names_next_session_takes_over_the_cancels_the_last_one_kept(
+    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --worker-name each session has the same id: a session end that left legs running kept
+    the id's cancel subject for them, and the next session subscribed it too, so one cancel was
+    handled twice (a malformed one counted twice) and /health listed the live id in
+    retired_workers until those legs ended (review of 2026-12-06)."""
+    armed = _crash_kv_publisher_when_armed(monkeypatch)
+    chunks: list[ResponseChunk] = []
+    nc = await connect(nats_url)
+    try:
+
+        async def on_chunk(msg: Msg) -> None:
+            chunks.append(decode_msg(msg.data, ResponseChunk))
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=on_chunk)
+        await flush(nc)
+        async with (
+            SimServer(sim_config(speedup=1.0)) as sim,
+            shim_for(sim, ns, nats_url, etcd_url, worker_name="w1") as shim,
+        ):
+            await asyncio.wait_for(shim.registered.wait(), 20)
+            armed.set()
+            await _leg(shim, ns, "long", 1000, max_tokens=4000, reply=inbox)  # its KV events meet the crash
+            await wait_for(lambda: shim.sessions == 2 and shim.serving, RESTART_S, "the second session registered")
+            requests = shim.requests
+            assert requests is not None and "long" in requests.inflight
+            assert shim.health_report()[1]["retired_workers"] == []
+            cancel = subjects.cancel(ns, "w1")
+            await nc.publish(cancel, b"not msgpack")
+            await nc.publish(cancel, encode_msg(CancelRequest(request_id="long")))
+            await wait_for(lambda: any(c.final for c in chunks), 5.0, "the cancelled leg's final chunk")
+            assert chunks[-1].finish_reason == "abort" and chunks[-1].error is None
+            await asyncio.sleep(0.2)  # a second handling of the malformed one would have come by now
+            assert requests.malformed["cancel"] == 1
+    finally:
+        await nc.close()
 
 
 async def test_a_crashed_kv_publisher_of_an_old_id_in_its_grace_is_counted_and_said_truly(
