@@ -100,6 +100,9 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
         much as a second of this request's first-token wait).
     slo_headroom: slo_aware's share of each SLO (RouterSettings.slo_ttft_s, slo_itl_s) its
         predictions may use, in (0, 1].
+    slo_prefill_fit: with slo_aware deciding, a prefill worker past the router's backlog bound (half
+        the TTFT SLO) still takes a request remotely while its queue plus the request's uncached
+        rest is predicted within this share of the TTFT SLO, in [0, 1]; 0 turns it off.
     spill_to_prefill: while no decode worker has room, a prefill worker with room serves the whole
         request (prefill and decode) instead of the request waiting at admission. Its engine must
         accept whole requests: vLLM with `kv_role` kv_both (the NixlConnector's usual setting),
@@ -118,6 +121,7 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
     ttft_link_gbps: float = 50.0
     ttft_stall_weight: float = 0.1
     slo_headroom: float = 0.8
+    slo_prefill_fit: float = 0.8
     spill_to_prefill: bool = False
 
     def validate(self) -> ConditionalDisaggConfig:
@@ -138,6 +142,8 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
             raise ConfigError("ttft_stall_weight", self.ttft_stall_weight, "must be >= 0")
         if not 0 < self.slo_headroom <= 1:
             raise ConfigError("slo_headroom", self.slo_headroom, "must be in (0, 1]")
+        if not 0 <= self.slo_prefill_fit <= 1:
+            raise ConfigError("slo_prefill_fit", self.slo_prefill_fit, "must be in [0, 1]")
         if self.conditional_disagg_policy in LOAD_POLICIES and self.effective_prefill_busy_threshold is None:
             raise ConfigError(
                 "prefill_busy_threshold",

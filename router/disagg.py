@@ -36,7 +36,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from protocol.config import RouterSettings
-from router.policies import SEED_POLICIES, Decision, DecodeGuard, DecodeRoom, Outcome, Path, Policy, make_policy
+from router.policies import (
+    SEED_POLICIES,
+    Decision,
+    DecodeGuard,
+    DecodeRoom,
+    Outcome,
+    Path,
+    Policy,
+    PrefillRoom,
+    make_policy,
+)
 from router.request_context import Candidate, RequestContext
 from router.selection import Selector
 from router.transfer_health import TransferHealth
@@ -110,6 +120,7 @@ class Disaggregator:
         self.settings, self.policy = settings, policy
         # Asked per candidate and request: an isinstance against a runtime Protocol costs 5-13 us.
         self._room: DecodeRoom | None = policy if self.policy_decides and isinstance(policy, DecodeRoom) else None
+        self._fits: PrefillRoom | None = policy if self.policy_decides and isinstance(policy, PrefillRoom) else None
         self._learns: Learns | None = policy if isinstance(policy, Learns) else None
 
     def record(self, outcome: Outcome) -> None:
@@ -152,6 +163,18 @@ class Disaggregator:
         if room is None or c.info.role == "agg":
             return True
         return room.has_room(ctx, c, local=local)
+
+    def prefill_fits(self, ctx: RequestContext, c: Candidate) -> bool:
+        """Whether prefill worker `c`, past the router's backlog bound, may still take the request's
+        remote prefill by the policy's rule (router.policies.PrefillRoom). False where the policy
+        has none or does not decide."""
+        return self._fits is not None and self._fits.prefill_fits(ctx, c)
+
+    @property
+    def prefill_rule(self) -> str | None:
+        """What a prefill worker past the backlog bound misses by the policy's PrefillRoom rule;
+        None where no such rule is on."""
+        return None if self._fits is None else self._fits.prefill_rule
 
     def spill(self, ctx: RequestContext, pool: list[Candidate]) -> RoutePlan | None:
         """The whole request on the best of `pool` (prefill workers with room, while no decode
@@ -304,4 +327,6 @@ class Disaggregator:
             limit = f"queue is over queue_threshold {qt} x max_num_batched_tokens"
         else:
             limit = f"predicted prefill backlog is past half the TTFT SLO ({s.slo_ttft_s / 2:g} s)"
+            if self.prefill_rule is not None:
+                limit += f", and {self.prefill_rule}"
         return f"every {engine} prefill worker's {limit}"

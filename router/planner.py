@@ -365,7 +365,7 @@ class Planner:
         for c in ctx.decode_pool:
             (decode if self._decode_room(ctx, c) else no_room).append(c)
         for c in ctx.prefill_pool:
-            (prefill if self._prefill_room(c) else prefill_full).append(c)
+            (prefill if self._prefill_room(ctx, c) else prefill_full).append(c)
         if record:
             ctx.excluded += [self._no_room(ctx, c) for c in (*no_room, *prefill_full)]
         local_only = ctx.shape.local_prefill_only and bool(ctx.prefill_pool)  # prefilled locally (router.disagg)
@@ -400,6 +400,9 @@ class Planner:
             )
         elif qt is None and backlog is not None and backlog > s.slo_ttft_s / 2:
             why = f"predicted prefill backlog {backlog:.2f} s over half the TTFT SLO ({s.slo_ttft_s / 2:g} s)"
+            rule = self.disagg.prefill_rule if c.info.role == "prefill" else None
+            if rule is not None:
+                why += f", and {rule}"
         else:
             why = f"the {self.disagg.policy.name} policy's room rule: its running requests would miss their TPOT budget"
         return {**c.explain(), "excluded": "room", "why": why}
@@ -408,20 +411,22 @@ class Planner:
         """Its predicted prefill backlog fits, and the policy's own room rule lets it decode one more."""
         return self._has_room(c) and self.disagg.has_room(ctx, c, local=False)
 
-    def _prefill_room(self, c: Candidate) -> bool:
-        """Room for a remote prefill. Where the policy decides, queue_threshold leaves a prefill
-        worker in the pool, as the seed does (selection ranks it last): the policy judges the one it
-        would pick (prefill_load calls it busy by the same threshold when it inherits it), then the
-        decode guard. Pre-empting them here would count its bypass as `prefill_pool_full`, take a
-        worker under a larger prefill_busy_threshold off the remote path, and skip the guard. A seed
-        policy (DESIGN.md: bypass iff its rule says so) is never pre-empted: the backlog limit too
-        would have bypassed long uncached prompts isl_bounding sends remote, and capped
-        prefill_load's threshold at half the TTFT SLO."""
+    def _prefill_room(self, ctx: RequestContext, c: Candidate) -> bool:
+        """Room for a remote prefill: under the backlog bound, or past it where the policy predicts
+        this request's answer in time (router.policies.PrefillRoom: slo_aware's slo_prefill_fit).
+        Where the policy decides, queue_threshold leaves a prefill worker in the pool, as the seed
+        does (selection ranks it last): the policy judges the one it would pick (prefill_load calls
+        it busy by the same threshold when it inherits it), then the decode guard. Pre-empting them
+        here would count its bypass as `prefill_pool_full`, take a worker under a larger
+        prefill_busy_threshold off the remote path, and skip the guard. A seed policy (DESIGN.md:
+        bypass iff its rule says so) is never pre-empted: the backlog limit too would have bypassed
+        long uncached prompts isl_bounding sends remote, and capped prefill_load's threshold at half
+        the TTFT SLO."""
         if self.disagg.seed_decides:
             return True
         if self.settings.conditional.queue_threshold is not None and self.disagg.policy_decides:
             return True
-        return self._has_room(c)
+        return self._has_room(c) or self.disagg.prefill_fits(ctx, c)
 
     def _backlog_s(self, c: Candidate) -> float | None:
         """Seconds of prefill queued on `c` at its full-batch rate; None when its rate is unknown."""

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from protocol import ConfigError
 from protocol.config import POLICY_NAMES, ConditionalDisaggConfig, RouterSettings
 from router.policies import isl_bounding, isl_or_load, prefill_load, slo_aware, ttft_model
-from router.policies.decision import Decision, DecodeRoom, Outcome, Path, Policy
+from router.policies.decision import Decision, DecodeRoom, Outcome, Path, Policy, PrefillRoom
 from router.policies.decode_guard import DecodeGuard
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Outcome",
     "Path",
     "Policy",
+    "PrefillRoom",
     "make_policy",
 ]
 

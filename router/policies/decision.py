@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 from router.request_context import Candidate, RequestContext
 
-__all__ = ["Decision", "DecodeRoom", "Outcome", "Path", "Policy"]
+__all__ = ["Decision", "DecodeRoom", "Outcome", "Path", "Policy", "PrefillRoom"]
 
 
 class Outcome(StrEnum):
@@ -67,3 +67,15 @@ class DecodeRoom(Protocol):
     requests their service level. `local`: the worker would prefill the request too."""
 
     def has_room(self, ctx: RequestContext, c: Candidate, *, local: bool) -> bool: ...
+
+
+@runtime_checkable
+class PrefillRoom(Protocol):
+    """A policy that lets a prefill worker past the router's backlog bound (router.planner) still
+    take the request's remote prefill when it predicts that worker's answer in time. `prefill_rule`:
+    what a worker it refuses misses, for the reasons the router gives; None while the rule is off."""
+
+    @property
+    def prefill_rule(self) -> str | None: ...
+
+    def prefill_fits(self, ctx: RequestContext, c: Candidate) -> bool: ...

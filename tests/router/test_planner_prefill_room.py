@@ -153,3 +153,43 @@ def test_round_robin_rotates_each_pool_once_per_request_routed() -> None:
         assert plan is not None and plan.prefill is not None
         pairs.append((plan.decode.worker, plan.prefill.worker))
     assert pairs == [("d1", "p1"), ("d2", "p2"), ("d1", "p1"), ("d2", "p2")]
+
+
+@pytest.mark.parametrize(
+    ("queued", "fit", "remote"),
+    [
+        (40_000, 0.8, True),  # backlog 1.22 s > 1 s; answer 1.22 + 0.24 s of the prompt = 1.46 s <= 1.6 s
+        (46_000, 0.8, False),  # 1.40 + 0.24 = 1.65 s > 1.6 s: full, and a local prefill breaks d1's TPOT
+        (40_000, 0.0, False),  # slo_prefill_fit 0: the backlog bound alone
+    ],
+)
+def test_slo_aware_keeps_a_prefill_worker_past_the_backlog_bound_while_its_answer_fits(
+    queued: int, fit: float, remote: bool
+) -> None:
+    """The backlog bound (half the TTFT SLO) made p1 full, so the request waited for room to prefill
+    on d1 while p1 would have answered it in time (docs/benchmarks.md, `make demo`'s slice)."""
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="slo_aware",
+              slo_prefill_fit=fit)  # fmt: skip
+    f.report("d1", running=60)  # a local prefill of 8,000 tokens would push them over their TPOT
+    f.report("p1", prefill_tokens_queued=queued)  # h200:llama-3.1-8b prefills 32.7 k tokens/s
+    prompt = list(range(8000))
+    plan = f.planner.take(f.ctx(prompt))
+    if remote:
+        assert plan is not None and (plan.path, plan.outcome) == (Path.REMOTE, Outcome.DECLINED_POLICY)
+        assert plan.prefill is not None and plan.prefill.worker == "p1"
+        return
+    assert plan is None  # it waits at admission
+    why = {e["worker"]: e["why"] for e in f.planner.explain(f.ctx(prompt, "r2"))["excluded"]}
+    rule = ", and its queue and the prompt are predicted past slo_prefill_fit 0.8 x the TTFT SLO"
+    assert why["p1"].endswith("over half the TTFT SLO (1 s)" + (rule if fit else ""))
+
+
+def test_slo_aware_says_a_full_prefill_pool_missed_the_fit_too() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="slo_aware")
+    f.report("p1", prefill_tokens_queued=46_000)
+    plan = f.planner.take(f.ctx(list(range(8000))))  # idle d1: room to prefill it
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
+    assert plan.reason == (
+        "every vllm prefill worker's predicted prefill backlog is past half the TTFT SLO (1 s), and its queue "
+        "and the prompt are predicted past slo_prefill_fit 0.8 x the TTFT SLO"
+    )

@@ -252,3 +252,37 @@ def test_a_remote_prefill_predicted_past_the_headrooms_share_of_prefill_timeout_
     30 s late, and p be left out as failing: 22.9 + 1.0 s stays remote, 23.01 + 1.0 s does not."""
     got, outcome, _, _ = _decide(10_000, running=120, queued_p=queued_p)
     assert (got, outcome) == (bypass, Outcome.BYPASS_SLO if bypass else Outcome.DECLINED_POLICY)
+
+
+@pytest.mark.parametrize(
+    ("queued", "isl", "cached", "fit", "fits"),
+    [
+        (5_000, 10_000, 0, 0.8, True),  # 0.5 s of queue + 1.0 s of prompt = 1.5 s <= 0.8 x 2 s
+        (7_000, 10_000, 0, 0.8, False),  # 0.7 + 1.0 = 1.7 s > 1.6 s
+        (7_000, 10_000, 0, 1.0, True),  # ... <= 1.0 x 2 s
+        (5_000, 20_000, 10_000, 0.8, True),  # half the prompt cached on p: 0.5 + 1.0 s of the rest
+        (5_000, 20_000, 0, 0.8, False),  # ... none: 0.5 + 2.0 s
+        (0, 64, 0, 0.0, False),  # 0 turns the rule off, however idle p is
+    ],
+)
+def test_a_prefill_worker_fits_while_its_queue_and_the_uncached_rest_answer_within_the_fit(
+    queued: int, isl: int, cached: int, fit: float, fits: bool
+) -> None:
+    # the planner asks only past its backlog bound: half the TTFT SLO, 10,000 tokens at 0.1 ms each
+    p = _timed(cand("p1", "prefill", queued_prefill_tokens=queued, overlap=cached // 16))
+    policy = SloAware(SloAwareConfig(prefill_fit=fit))
+    assert policy.prefill_fits(ctx(isl, [], [p]), p) is fits
+    assert (policy.prefill_rule is None) is (fit == 0)
+
+
+def test_a_prefill_worker_without_timing_never_fits() -> None:
+    p = cand("p1", "prefill", timing_profile=None)
+    assert not SloAware(SloAwareConfig()).prefill_fits(ctx(64, [], [p]), p)
+
+
+@pytest.mark.parametrize("fit", [-0.1, 1.5])
+def test_a_prefill_fit_outside_0_1_is_refused(fit: float) -> None:
+    with pytest.raises(ValueError, match="slo_prefill_fit"):
+        ConditionalDisaggConfig(conditional_disagg_policy="slo_aware", slo_prefill_fit=fit).validate()
+    with pytest.raises(ValueError, match="slo_prefill_fit"):
+        SloAwareConfig(prefill_fit=fit)
