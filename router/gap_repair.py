@@ -41,10 +41,14 @@ A loop that crashes (a bug: the target's or this module's code raised) is counte
 kind `crashed` and logged as an ERROR with its traceback, naming the worker and that it stays out of
 routing: per worker at most every `error_every_s` (with how many more), and as one of the few workers
 a FleetLines names per window. While the worker still needs repair, its loop starts again after a
-wait of its own, from `retry_min_s` doubling to `retry_max_s` with each crash in a row (reset by a
-loop that ends without one): nothing else would start it, since a worker that is not synced holds
-its batches and has its digests ignored, so a one-off crash would leave it out of routing until it
-registered anew. A bug that crashes every round costs one kvstate request per `retry_max_s`.
+wait of its own, from `retry_min_s` doubling to `crash_retry_max_s` (30 s) with each crash in a row
+(reset by a loop that ends without one), each wait up to `CRASH_JITTER` longer at random: nothing
+else would start it, since a worker that is not synced holds its batches and has its digests
+ignored, so a one-off crash would leave it out of routing until it registered anew. A crash asks
+for a full dump next (router.kv_ingest), so a bug that crashes every round costs each worker it hits
+one full dump per router every 30 s at most; capped at `retry_max_s` (2 s) as failed requests are,
+R routers asked each such worker for R/2 full dumps a second, for as long as the bug lasted
+(review of 2026-12-06). The jitter spreads routers that crash alike.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import contextlib
 import enum
 import functools
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -71,7 +76,7 @@ from protocol.messages import KvStateChunk, KvStateRequest, decode_msg, encode_m
 from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
 from runtime import Throttle
 
-__all__ = ["BLOCKS_PER_WAIT", "LIMIT_HINT", "FailureKind", "FetchFailure", "GapRepair", "RepairTarget"]
+__all__ = ["BLOCKS_PER_WAIT", "CRASH_JITTER", "LIMIT_HINT", "FailureKind", "FetchFailure", "GapRepair", "RepairTarget"]
 
 log = logging.getLogger(__name__)
 _NO_RESPONDERS = "503"  # the status header of the empty reply NATS sends when nobody subscribes
@@ -81,6 +86,9 @@ ERROR_AFTER = 3
 _REPLY_BYTES_PER_BLOCK = 32
 _MIN_REPLY_BYTES = 64 << 20
 _REPLIES_BYTES_LIMIT = 1 << 30
+# A crashed loop's retry waits up to this fraction longer, at random: routers that one bug hits
+# alike would otherwise ask the same workers for their dumps in step.
+CRASH_JITTER = 0.2
 BLOCKS_PER_WAIT = 1 << 21  # a dump's blocks a shim copies, orders and sends in far less than 2 s
 # What an operator does for an honest worker past its bound (router.kv_ingest): said with the refusal.
 LIMIT_HINT = (
@@ -150,6 +158,7 @@ class GapRepair:
         fetch_timeout_s: float = 30.0,
         retry_min_s: float = 0.05,
         retry_max_s: float = 2.0,
+        crash_retry_max_s: float = 30.0,
         error_every_s: float = 30.0,
         max_in_flight: int = 32,
         replies_bytes_limit: int = _REPLIES_BYTES_LIMIT,
@@ -163,6 +172,7 @@ class GapRepair:
         self.fetch_timeout_s = fetch_timeout_s
         self.retry_min_s = retry_min_s
         self.retry_max_s = retry_max_s
+        self.crash_retry_max_s = crash_retry_max_s
         self.error_every_s = error_every_s
         self._clock = clock
         self._loops: dict[str, _Loop] = {}
@@ -269,10 +279,11 @@ class GapRepair:
         self._target.repair_failed(worker, FetchFailure(f"the repair loop crashed: {exc!r}", kind=FailureKind.CRASHED))
         retry = ""
         if owned and self._target.needs_repair(worker):
-            wait = self._crash_waits.get(worker, self.retry_min_s)
-            self._crash_waits[worker] = min(wait * 2, self.retry_max_s)
+            base = self._crash_waits.get(worker, self.retry_min_s)
+            self._crash_waits[worker] = min(base * 2, self.crash_retry_max_s)
+            wait = base * random.uniform(1.0, 1.0 + CRASH_JITTER)
             self._retries[worker] = asyncio.get_running_loop().call_later(wait, self._retry, worker)
-            retry = f"; retried in {wait:g}s, the wait doubling to {self.retry_max_s:g}s while it crashes"
+            retry = f"; retried in {wait:.3g}s, the wait doubling to {self.crash_retry_max_s:g}s while it crashes"
         said = self._crash_said(worker)
         if said is None:
             return

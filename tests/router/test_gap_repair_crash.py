@@ -15,11 +15,40 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.messages import KvStateChunk, KvStateRequest
 from router.block_index import BlockIndex
-from router.gap_repair import FailureKind, GapRepair
+from router.gap_repair import CRASH_JITTER, FailureKind, GapRepair
 from router.ingest_stats import SyncState
 from router.kv_ingest import KvIngest
 from router.metrics import RouterMetrics, StateFigures
 from tests.router.polling import until
+
+
+def _retried_in(said: str) -> float:
+    return float(said.partition("retried in ")[2].partition("s,")[0])
+
+
+class _CrashingTarget:
+    """A target whose every repair round crashes (a bug in repair_request) while `healthy` is False."""
+
+    def __init__(self) -> None:
+        self.healthy = False
+
+    def needs_repair(self, worker: str) -> bool:
+        return not self.healthy
+
+    def repair_request(self, worker: str) -> KvStateRequest:
+        raise RuntimeError("injected: a bug in repair_request")
+
+    def reply_limit(self, worker: str) -> int:
+        return 1000
+
+    def reply_size(self, worker: str) -> int:
+        return 0
+
+    def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None:
+        raise AssertionError("never reached")
+
+    def repair_failed(self, worker: str, failure: object) -> None:
+        pass
 
 
 async def test_a_crashed_repair_is_an_error_with_its_traceback_counted_and_said_once_a_while(
@@ -44,7 +73,8 @@ async def test_a_crashed_repair_is_an_error_with_its_traceback_counted_and_said_
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1, [r.getMessage() for r in errors]  # once a while per worker, not per crash
         said = errors[0].getMessage()
-        assert "w1" in said and "crashed" in said and "out of routing" in said and "retried in 0.05s" in said, said
+        assert "w1" in said and "crashed" in said and "out of routing" in said, said
+        assert 0.05 <= _retried_in(said) <= 0.05 * (1 + CRASH_JITTER), said
         assert errors[0].exc_info is not None and isinstance(errors[0].exc_info[1], KeyError)
         assert ingest.stats.workers["w1"].state is not SyncState.SYNCED and not ingest.synced  # out of routing
 
@@ -137,48 +167,56 @@ async def test_a_worker_one_crash_left_repairing_is_repaired_again_and_routed(
         await ingest.stop()
 
 
-async def test_a_repair_that_crashes_every_time_backs_off_to_retry_max(caplog: pytest.LogCaptureFixture) -> None:
-    """One kvstate request per retry_max_s for a bug that crashes every round, not a request storm;
-    the wait starts over once a loop of the worker ends without crashing, and stop() leaves no retry."""
-    healthy = [False]
+async def test_a_repair_that_crashes_every_time_backs_off_to_its_own_cap(caplog: pytest.LogCaptureFixture) -> None:
+    """For a bug that crashes every round, one kvstate request (a full dump: a crash asks for one) per
+    crash_retry_max_s, each wait up to CRASH_JITTER longer at random, not one per retry_max_s; the wait
+    starts over once a loop of the worker ends without crashing, and stop() leaves no retry."""
+    target = _CrashingTarget()
+    repair = GapRepair(
+        None,  # type: ignore[arg-type]
+        "ns",
+        target,
+        retry_min_s=0.01,
+        retry_max_s=0.01,  # failed requests' cap: not a crash's
+        crash_retry_max_s=0.04,
+        error_every_s=0.0,
+    )
 
-    class Target:
-        def needs_repair(self, worker: str) -> bool:
-            return not healthy[0]
-
-        def repair_request(self, worker: str) -> KvStateRequest:
-            raise RuntimeError("injected: a bug in repair_request")
-
-        def reply_limit(self, worker: str) -> int:
-            return 1000
-
-        def reply_size(self, worker: str) -> int:
-            return 0
-
-        def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None:
-            raise AssertionError("never reached")
-
-        def repair_failed(self, worker: str, failure: object) -> None:
-            pass
-
-    repair = GapRepair(None, "ns", Target(), retry_min_s=0.01, retry_max_s=0.04, error_every_s=0.0)  # type: ignore[arg-type]
-
-    def waits() -> list[str]:
-        return [r.getMessage().partition("retried in ")[2].partition("s,")[0] for r in caplog.records]
+    def waits() -> list[float]:
+        return [_retried_in(r.getMessage()) for r in caplog.records]
 
     with caplog.at_level(logging.ERROR, logger="router.gap_repair"):
         repair.ensure("w1")
         await until(lambda: len(waits()) >= 5, what="five crashes, each retried")
-        assert waits()[:5] == ["0.01", "0.02", "0.04", "0.04", "0.04"], waits()
-        healthy[0] = True
+        for wait, base in zip(waits()[:5], [0.01, 0.02, 0.04, 0.04, 0.04], strict=True):
+            assert base <= wait <= base * (1 + CRASH_JITTER), waits()
+        target.healthy = True
         repair.ensure("w1")  # its loop ends without crashing (and the retry due is dropped)
         await asyncio.sleep(0.05)
-        healthy[0] = False
+        target.healthy = False
         before = len(waits())
         repair.ensure("w1")
         await until(lambda: len(waits()) > before, what="a crash after a loop that did not")
-        assert waits()[before] == "0.01", waits()  # the wait started over
+        assert waits()[before] <= 0.01 * (1 + CRASH_JITTER), waits()  # the wait started over
         await repair.stop()
         stopped = len(waits())
         await asyncio.sleep(0.1)
     assert len(waits()) == stopped, waits()  # no retry outlives stop()
+
+
+async def test_crash_retries_reach_30_s_with_jitter_at_the_defaults(caplog: pytest.LogCaptureFixture) -> None:
+    """At the defaults a repair crashing every round was retried every 2 s (retry_max_s) with a full
+    dump each time: R routers asked each worker it hit for R/2 full dumps a second (review of
+    2026-12-06). Each crash here starts the loop at once (ensure), so no retry is waited for."""
+    repair = GapRepair(None, "ns", _CrashingTarget(), error_every_s=0.0)  # type: ignore[arg-type]
+    with caplog.at_level(logging.ERROR, logger="router.gap_repair"):
+        for _ in range(14):  # 50 ms doubling: 30 s from the 11th crash on
+            repair.ensure("w1")
+            await asyncio.sleep(0.01)
+        await repair.stop()
+    waits = [_retried_in(r.getMessage()) for r in caplog.records]
+    assert len(waits) == 14, waits
+    capped = waits[10:]
+    assert all(30.0 <= wait <= 30.0 * (1 + CRASH_JITTER) for wait in capped), waits
+    assert len(set(capped)) > 1, capped  # jittered: routers that crash alike do not ask in step
+    assert "doubling to 30s" in caplog.records[-1].getMessage()
