@@ -364,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The drain, then the lease revocation and the NATS drain (docs/deployment.md, "Stopping a
     # router"); past that, exit 130 with the lease revoked, before Kubernetes' 30 s grace kills it.
+    # A broken router's stop too: serve() sets `stop`, which starts this limit as a SIGTERM does.
     return run_service(
         main,
         service="kvswitch-router",

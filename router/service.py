@@ -628,12 +628,14 @@ class RouterService:
         self.status = RouterStatus.STOPPED
 
     async def serve(self, stop: asyncio.Event) -> int:
-        """Run until `stop` is set, or until the router is `broken`; then stop() it (the drain, then the
-        lease revoked). 0, or 1 when broken: its process's supervisor restarts it."""
+        """Run until `stop` is set, or until the router is `broken`, which sets `stop` (under
+        runtime.run_service that starts the drain limit a SIGTERM starts); then stop() it (the drain,
+        then the lease revoked). 0, or 1 when broken: its process's supervisor restarts it."""
         stopped = asyncio.ensure_future(stop.wait())
         broken = asyncio.ensure_future(self.broken.wait())
         try:
             await asyncio.wait({stopped, broken}, return_when=asyncio.FIRST_COMPLETED)
+            stop.set()
             log.info("draining")
         finally:
             stopped.cancel()

@@ -298,10 +298,12 @@ def run_service(
 
     A second signal while draining exits at once with status 130; so does a drain that takes longer
     than `drain_limit_s` (logged as an ERROR): a process whose NATS or etcd vanished under it must
-    still go when its supervisor says so. `on_abort` runs just before such an exit, on the event
-    loop's thread, for what `main`'s own cleanup (skipped then) must not leave behind: a
-    supervisor's children and temporary directories. With `service` named, traces are exported over OTLP when
-    the OTEL_* environment asks for it (runtime.telemetry), and flushed at the end. An invalid
+    still go when its supervisor says so. The limit runs from whenever `stop` is set, by a signal or
+    by `main` itself (a router that broke stops as on SIGTERM): one path bounds every stop; a signal
+    then is the first. `on_abort` runs just before such an exit, on the event loop's thread, for
+    what `main`'s own cleanup (skipped then) must not leave behind: a supervisor's children and
+    temporary directories. With `service` named, traces are exported over OTLP when the OTEL_*
+    environment asks for it (runtime.telemetry), and flushed at the end. An invalid
     KVSWITCH_LOG_LEVEL or KVSWITCH_LOG_FORMAT, or an OTEL_* value it cannot export with, is one
     line on stderr and status 2.
     """
@@ -346,21 +348,33 @@ def _run(
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
+        signalled = False
+
         def on_signal(signum: int) -> None:
-            if stop.is_set():
+            nonlocal signalled
+            if signalled:
                 log.warning("second %s: exiting now", signal.Signals(signum).name)
                 exit_now()
+            signalled = True
             log.info("%s: draining", signal.Signals(signum).name)
             stop.set()
-            loop.call_later(drain_limit_s, too_slow)
 
-        def too_slow() -> None:
+        async def limit_drain() -> None:
+            # Not started by the signal handler alone: `main` may set `stop` itself, and its stop
+            # must not be bounded only by its libraries' timeouts (31 s for a broken router with
+            # NATS frozen, against 20 s after SIGTERM: review of 2026-12-06).
+            await stop.wait()
+            await asyncio.sleep(drain_limit_s)
             log.error("still draining after %.0fs: exiting now", drain_limit_s)
             exit_now()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-        return int(await main(stop) or 0)
+        limit = asyncio.create_task(limit_drain(), name="drain-limit")
+        try:
+            return int(await main(stop) or 0)
+        finally:
+            limit.cancel()
 
     try:
         import uvloop

@@ -25,8 +25,11 @@ def on_abort():
 
 async def main(stop):
     loop = asyncio.get_running_loop()
-    loop.call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
-    if sys.argv[3] == "second":
+    if sys.argv[3].startswith("self"):  # main stops itself (a router that broke)
+        loop.call_later(0.1, stop.set)
+    else:
+        loop.call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
+    if sys.argv[3] in ("second", "self, then SIGTERM"):
         loop.call_later(0.3, os.kill, os.getpid(), signal.SIGTERM)
     await stop.wait()
     try:
@@ -38,7 +41,18 @@ raise SystemExit(run_service(main, drain_limit_s={limit}, on_abort=on_abort))
 """
 
 
-@pytest.mark.parametrize(("how", "said"), [("second", "second SIGTERM: exiting now"), ("slow", "still draining after")])
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("second", "second SIGTERM: exiting now"),
+        ("slow", "still draining after"),
+        # the limit runs from `stop` set by main itself too: before, only a signal started it, and
+        # this drain never ended (review of 2026-12-06)
+        ("self", "still draining after"),
+        # a SIGTERM then is the first signal, not a second: the drain goes on to its limit
+        ("self, then SIGTERM", "still draining after"),
+    ],
+)
 def test_an_exit_at_once_runs_on_abort_first(tmp_path: Path, how: str, said: str) -> None:
     marker = tmp_path / "marker"
     code = textwrap.dedent(_SERVICE).replace("{limit}", "30" if how == "second" else "0.5")
