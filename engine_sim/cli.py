@@ -265,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
                     t.cancel()
             loop.remove_signal_handler(signal.SIGHUP)
             died = single is not None and single.status is ServerStatus.CRASHED
+            stop.set()  # a crash stops it as SIGTERM does: within run_service's drain limit
             await fleet.stop()
         return 1 if died else 0
 

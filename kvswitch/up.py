@@ -509,6 +509,9 @@ def run(args: argparse.Namespace) -> int:
                         health.watch()
             return 0
         finally:
+            # A stop of up's own (the demo done, a start that failed) is bounded as a SIGTERM's:
+            # setting `stop` starts run_service's drain limit.
+            stop.set()
             # On a thread: a stop takes up to a tier's grace per tier, and a second SIGTERM
             # meanwhile must still be heard (it exits at once, after `abort`).
             await asyncio.to_thread(cluster.stop)

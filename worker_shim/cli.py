@@ -185,13 +185,17 @@ def run(args: argparse.Namespace) -> int:
             stopped.cancel()
             done.cancel()
         finally:
+            # A shim that gave up (shim.done) stops as on SIGTERM: setting `stop` starts
+            # run_service's drain limit, which bounds its stop as it bounds a signal's.
+            stop.set()
             await shim.stop()
         if isinstance(shim.failure, ConfigError):
             print(f"kvswitch shim: {shim.failure}", file=sys.stderr)
             return 2
         return 0
 
-    # The in-flight grace, then the lease revocation and NATS drain, each bounded by their own timeouts.
+    # The in-flight grace, then the lease revocation and NATS drain, each bounded by their own timeouts;
+    # past that, exit 130 with the lease revoked, whether a signal or the shim itself began the stop.
     return run_service(
         main,
         service="kvswitch-shim",
