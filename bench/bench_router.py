@@ -17,9 +17,16 @@
    put, and per put against the smallest fleet (1.0 where a put costs the same however many are
    registered); `with_reads` reads `workers()` after each put too, as a request per put would.
 
+4. Prefill room: slo_aware's `slo_prefill_fit` rule (router.policies.PrefillRoom) asked of every
+   prefill worker past the backlog bound, on each request: Planner.take of one long uncached prompt
+   with `--prefill` prefill workers all 40 k tokens queued (past the 1 s bound, within the fit),
+   beside 4 decode workers, with the rule on (0.8) and off (0); a fresh request each time, so the
+   rule's per-request memo starts empty.
+
     .venv/bin/python -m bench.bench_router decision
     .venv/bin/python -m bench.bench_router overhead --rates 50,200,500 --seconds 5
     .venv/bin/python -m bench.bench_router registrations --sizes 250,500,1000
+    .venv/bin/python -m bench.bench_router prefill-room --prefill 16 --isl 128000
 """
 
 from __future__ import annotations
@@ -343,6 +350,40 @@ def bench_registrations(sizes: list[int], repeats: int) -> dict[str, Any]:
     return out
 
 
+def bench_prefill_room(prefill: int, isl: int, iterations: int) -> dict[str, Any]:
+    infos = [
+        WorkerInfo(worker=f"{'p' if i < prefill else 'd'}{i}", model="m", role="prefill" if i < prefill else "decode",
+                   engine="vllm", block_size=BLOCK, kv_total_blocks=100_000, max_num_batched_tokens=8192,
+                   timing_profile="h200:llama-3.1-8b")
+        for i in range(prefill + 4)
+    ]  # fmt: skip
+    prompt = list(range(isl))
+    out: dict[str, Any] = {"prefill_workers": prefill, "isl": isl}
+    for fit in (0.8, 0.0):
+        view = LoadView()
+        for info in infos:
+            queued = 40_000 if info.role == "prefill" else 0
+            view.update(LoadReport(worker=info.worker, ts=time.time(), kv_total_blocks=100_000,
+                                   prefill_tokens_queued=queued))  # fmt: skip
+        settings = resolve(RouterSettings, cli={"conditional_disagg": True, "conditional_disagg_policy": "slo_aware",
+                                                "slo_prefill_fit": fit}, env={})  # fmt: skip
+        planner = standalone_planner(settings, lambda: infos, index=BlockIndex(), view=view)
+        times: list[float] = []
+        for n in range(iterations):
+            ctx = planner.context(f"r{n}", "m", prompt)  # the prompt's hashing is not the rule's
+            start = time.perf_counter()
+            plan = planner.take(ctx)
+            times.append(time.perf_counter() - start)
+            assert plan is not None
+            planner.ledger.free(plan.key)
+            planner.finished(ctx)
+        out[f"take_fit_{fit:g}"] = {
+            "p50_us": round(_pct(times, 0.5) * 1e6, 1),
+            "p99_us": round(_pct(times, 0.99) * 1e6, 1),
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -358,6 +399,10 @@ def main() -> None:
     r = sub.add_parser("registrations")
     r.add_argument("--sizes", default="250,500,1000", help="fleet sizes, the smallest first")
     r.add_argument("--repeats", type=int, default=3, help="runs per size; the least CPU counts")
+    pr = sub.add_parser("prefill-room")
+    pr.add_argument("--prefill", type=int, default=16, help="prefill workers, all past the backlog bound")
+    pr.add_argument("--isl", type=int, default=128_000)
+    pr.add_argument("--iterations", type=int, default=300)
     w = sub.add_parser("workers", help="(internal) sims and shims for the overhead benchmark")
     w.add_argument("nats")
     w.add_argument("etcd")
@@ -372,6 +417,8 @@ def main() -> None:
         return
     if args.what == "decision":
         result = bench_decision(args.workers, args.iterations, args.policy)
+    elif args.what == "prefill-room":
+        result = bench_prefill_room(args.prefill, args.isl, args.iterations)
     elif args.what == "registrations":
         result = bench_registrations([int(n) for n in args.sizes.split(",")], args.repeats)
     else:

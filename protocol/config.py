@@ -102,7 +102,9 @@ class ConditionalDisaggConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_
         predictions may use, in (0, 1].
     slo_prefill_fit: with slo_aware deciding, a prefill worker past the router's backlog bound (half
         the TTFT SLO) still takes a request remotely while its queue plus the request's uncached
-        rest is predicted within this share of the TTFT SLO, in [0, 1]; 0 turns it off.
+        rest is predicted within this share of the TTFT SLO, in [0, 1]; 0 turns it off. At 0.5 or
+        less it keeps a worker only where its queue's last partial chunk prices under the backlog
+        bound's full-batch rate (router.policies.slo_aware), which is within one chunk's time.
     spill_to_prefill: while no decode worker has room, a prefill worker with room serves the whole
         request (prefill and decode) instead of the request waiting at admission. Its engine must
         accept whole requests: vLLM with `kv_role` kv_both (the NixlConnector's usual setting),

@@ -66,6 +66,14 @@ Without it a request the prefill worker would answer in time prefilled on its de
 costing that worker's running requests their TPOT, or waited at admission for room to: on `make
 demo`'s slice, 0.8 read 3.40 r/s against 3.26 without (0.6, 0.7, 1.0: 3.24, 3.31, 3.31;
 docs/benchmarks.md).
+The rule is asked only past the bound, Q_p / rate_p > slo_ttft_s / 2 (rate_p: full batches of
+m_p, p's max_num_batched_tokens), while T_p.queue prices Q_p as full chunks and one partial chunk
+r = Q_p mod m_p. A prefill_fit of 0.5 or less therefore keeps a worker only where that partial
+chunk runs faster per token than a full one, T_p.prefill(r) < r / rate_p, and only above
+0.5 - (Q_p / rate_p - T_p.queue(Q_p)) / slo_ttft_s, a gap under one chunk's time. h200:llama-3.1-8b
+at m_p 8192 prices a partial chunk at most 13 ms under the rate (0.007 of a 2 s SLO), so there
+(0, 0.5] acts as 0; larger chunks open it wider (h200:qwen2.5-32b at 32768: up to 0.5 s, and 0.45
+keeps a worker with 6,200 tokens queued; tests/router/test_planner_prefill_room.py).
 
 Spill (`--spill-to-prefill`): while no decode worker has room, the planner asks the same of prefill
 workers, which would prefill and decode the request themselves. A prefill worker keeps prefilling
@@ -80,7 +88,8 @@ alone there never exceeds the budget.
 
 Parameters: slo_ttft_s, slo_itl_s (RouterSettings); headroom (`--slo-headroom`, in (0, 1],
 default 0.8: the share of each SLO the predictions may use, for what they do not see);
-prefill_fit (`--slo-prefill-fit`, in [0, 1], default 0.8; 0 turns the prefill room rule off);
+prefill_fit (`--slo-prefill-fit`, in [0, 1], default 0.8; 0 turns the prefill room rule off, and
+0.5 or less acts only as above);
 link_gbps (`--ttft-link-gbps`, shared with ttft_model). A worker without timing (no profile and
 no calibration) keeps the remote prefill and says so.
 """
@@ -153,6 +162,8 @@ class SloAware:
         self.config = config
         self.output_len = _INITIAL_OUTPUT_LEN
         self.prompt_len = _INITIAL_PROMPT_LEN
+        self._priced_for = 0  # id() of the request _priced holds prompt prices for
+        self._priced: dict[tuple[WorkerTiming, int, int], float] = {}
 
     @property
     def context(self) -> float:
@@ -219,9 +230,25 @@ class SloAware:
         tp = timing_of(p.info, p.timing)
         if not fit or tp is None:
             return False
+        limit = fit * self.config.slo_ttft_s
+        queue = tp.queue_s(p.queued_prefill_tokens)
+        if queue > limit:  # the prompt's price (never negative) could only add to it: skip its chunk loop
+            return False
         cached = ctx.cached_tokens(p)
-        answer = tp.queue_s(p.queued_prefill_tokens) + tp.prefill_s(ctx.isl - cached, cached)
-        return answer <= fit * self.config.slo_ttft_s
+        return queue + self._prompt_s(ctx, tp, ctx.isl - cached, cached) <= limit
+
+    def _prompt_s(self, ctx: RequestContext, tp: WorkerTiming, new: int, cached: int) -> float:
+        """tp.prefill_s(new, cached), priced once per request for each timing and cache: the planner
+        asks prefill_fits of every prefill worker past the bound, and a 128 k-token prompt's chunk
+        loop cost 20 us a worker (bench.bench_router prefill-room). The key is all the price depends
+        on; the request only bounds the memo's size."""
+        if self._priced_for != id(ctx):
+            self._priced_for, self._priced = id(ctx), {}
+        key = (tp, new, cached)
+        price = self._priced.get(key)
+        if price is None:
+            price = self._priced[key] = tp.prefill_s(new, cached)
+        return price
 
     def lost(self, f: Forecast, running: int) -> tuple[float, float]:
         """Requests expected to miss their SLO: (on the local path, on the remote path)."""

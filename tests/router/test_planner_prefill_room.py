@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from protocol import block_hashes
@@ -193,3 +195,54 @@ def test_slo_aware_says_a_full_prefill_pool_missed_the_fit_too() -> None:
         "every vllm prefill worker's predicted prefill backlog is past half the TTFT SLO (1 s), and its queue "
         "and the prompt are predicted past slo_prefill_fit 0.8 x the TTFT SLO"
     )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"disagg": "always", "conditional_disagg_policy": "slo_aware"},
+        {"disagg": "conditional", "conditional_disagg": False, "conditional_disagg_policy": "slo_aware"},
+    ],
+)
+def test_the_prefill_room_rule_is_off_where_slo_aware_does_not_decide(flags: dict[str, Any]) -> None:
+    """slo_prefill_fit is slo_aware's judgement: with no policy choosing the path, p1 past the
+    backlog bound is full however well the request's answer would fit there (the first case above)."""
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), **flags)
+    f.report("p1", prefill_tokens_queued=40_000)  # fits 0.8 x the TTFT SLO where slo_aware decides
+    plan = f.planner.take(f.ctx(list(range(8000))))
+    assert plan is not None and (plan.path, plan.outcome) == (Path.BYPASS, Outcome.PREFILL_POOL_FULL)
+    assert plan.reason == "every vllm prefill worker's predicted prefill backlog is past half the TTFT SLO (1 s)"
+
+
+QWEN: dict[str, Any] = {"timing_profile": "h200:qwen2.5-32b", "max_num_batched_tokens": 32_768}
+
+
+@pytest.mark.parametrize(("fit", "kept"), [(0.45, True), (0.3, False), (0.0, False)])
+def test_a_prefill_fit_at_most_half_keeps_a_worker_only_where_its_queue_prices_under_its_backlog(
+    fit: float, kept: bool
+) -> None:
+    """The rule sees p1 only past the bound (its backlog over half the TTFT SLO at full batches),
+    so a fit <= 0.5 keeps it only where its queue's partial chunk runs faster per token than a full
+    one (slo_aware's docstring): qwen2.5-32b at 32,768 prefills 6,200 tokens in 0.73 s, 1.03 s at
+    its full-batch rate."""
+    f = Fleet(winfo("d1", **QWEN), winfo("p1", "prefill", **QWEN), conditional_disagg=True,
+              conditional_disagg_policy="slo_aware", slo_prefill_fit=fit)  # fmt: skip
+    f.report("p1", prefill_tokens_queued=6_200)
+    excluded = [e["worker"] for e in f.planner.explain(f.ctx(list(range(16))))["excluded"]]
+    assert excluded == ([] if kept else ["p1"])
+
+
+def test_a_prefill_fit_under_half_keeps_no_worker_past_the_bound_at_llamas_8192_chunks() -> None:
+    """h200:llama-3.1-8b prices a partial chunk of 8,192 at most 13 ms under its full-batch rate:
+    below 0.5 - 0.013 / 2 the rule keeps nothing, whatever the queue."""
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), conditional_disagg=True, conditional_disagg_policy="slo_aware",
+              slo_prefill_fit=0.49)  # fmt: skip
+    kept = []
+    for queued in range(32_000, 32_000 + 2 * 8192, 97):  # the bound is at 32.7 k
+        f.report("p1", prefill_tokens_queued=queued)
+        c = f.ctx(list(range(16)), f"r{queued}")
+        f.planner.refresh(c)
+        (p,) = c.prefill_pool
+        if p.queued_prefill_tokens / (p.prefill_rate() or 1) > 1.0 and f.planner.disagg.prefill_fits(c, p):
+            kept.append(queued)
+    assert kept == []

@@ -275,6 +275,47 @@ def test_a_prefill_worker_fits_while_its_queue_and_the_uncached_rest_answer_with
     assert (policy.prefill_rule is None) is (fit == 0)
 
 
+def test_the_prefill_room_rule_prices_a_prompt_once_per_timing_and_cache_and_not_past_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The planner asks the rule of every prefill worker past the bound on each request, and each
+    priced the prompt chunk by chunk: 16 workers x a 128 k-token prompt cost 324 us of 22."""
+    priced: list[tuple[int, int]] = []
+    real = WorkerTiming.prefill_s
+
+    def counting(self: WorkerTiming, new_tokens: int, cached_tokens: int = 0) -> float:
+        priced.append((new_tokens, cached_tokens))
+        return real(self, new_tokens, cached_tokens)
+
+    monkeypatch.setattr(WorkerTiming, "prefill_s", counting)
+    timing = WorkerTiming(TimingModel(load_profile(PROFILE)))
+    same = [cand(f"p{i}", "prefill", queued_prefill_tokens=5_000) for i in range(4)]
+    cached = cand("p4", "prefill", queued_prefill_tokens=5_000, overlap=10_000 // 16)
+    past = cand("p5", "prefill", queued_prefill_tokens=17_000)  # 1.7 s of queue alone > 1.6 s
+    for w in (*same, cached, past):
+        w.timing = timing
+    policy = SloAware(SloAwareConfig())
+    c = ctx(20_000, [], [*same, cached, past])
+    assert [policy.prefill_fits(c, p) for p in (*same, cached, past)] == [False] * 4 + [True, False]
+    assert priced == [(20_000, 0), (10_000, 10_000)]
+    again = ctx(20_000, [], [*same, cached, past])  # a new request prices afresh
+    assert not policy.prefill_fits(again, same[0])
+    assert priced[2:] == [(20_000, 0)]
+
+
+@pytest.mark.parametrize("fit", [0.55, 0.8, 1.0])
+def test_the_prefill_room_rule_decides_as_its_formula(fit: float) -> None:
+    policy = SloAware(SloAwareConfig(prefill_fit=fit))
+    for queued in range(0, 24_000, 1_500):
+        for isl, cached in ((64, 0), (8_000, 0), (8_000, 4_000), (30_000, 16)):
+            p = _timed(cand("p1", "prefill", queued_prefill_tokens=queued, overlap=cached // 16))
+            tp = p.timing
+            assert tp is not None
+            c = ctx(isl, [], [p])
+            want = tp.queue_s(queued) + tp.prefill_s(isl - cached, cached) <= fit * 2.0
+            assert policy.prefill_fits(c, p) is want, (queued, isl, cached)
+
+
 def test_a_prefill_worker_without_timing_never_fits() -> None:
     p = cand("p1", "prefill", timing_profile=None)
     assert not SloAware(SloAwareConfig()).prefill_fits(ctx(64, [], [p]), p)
