@@ -64,7 +64,7 @@ from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import BUILD
 from protocol.vllm_events import RESOLVED_BY_ENGINE
-from runtime import background, guarded
+from runtime import Throttle, background, guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
 from worker_shim import engine_claim, takeover
@@ -1555,7 +1555,7 @@ class WorkerShim:
                 orphans.update(event)
 
         watch = asyncio.create_task(keep_following(follow, "the routers' watch"), name="shim-routers-watch")
-        said: dict[str, float] = {}  # each kind of error a check failed with -> when it was last said
+        said = Throttle(ORPHAN_ERROR_SAID_S)  # per kind of error a check failed with
         try:
             while True:
                 await asyncio.sleep(ORPHAN_CHECK_S)
@@ -1564,9 +1564,7 @@ class WorkerShim:
                 except Exception as exc:
                     # One check's bug must not end the watchdog for good (it did, without a word).
                     self.task_failures["orphan_check"] += 1
-                    now = time.monotonic()
-                    if now - said.get(type(exc).__name__, float("-inf")) >= ORPHAN_ERROR_SAID_S:
-                        said[type(exc).__name__] = now
+                    if said(type(exc).__name__) is not None:
                         log.error(
                             "checking the legs of routers gone from etcd failed (%d times so far, said at most "
                             "every %.0fs per kind of error); checking again every %.0fs",
