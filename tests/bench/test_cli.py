@@ -351,6 +351,19 @@ TOO_LONG = (
 )
 
 
+def _refused_before_running(argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvswitch bench *argv` with an output place under tmp_path exits 2 before any run starts
+    (sweep's, compare's and a virtual fleet's would raise)."""
+    import bench.compare
+    import bench.sweep
+
+    monkeypatch.setattr(bench.sweep, "_measure", _not_run)
+    monkeypatch.setattr(bench.compare, "_measure_one", _not_run)
+    monkeypatch.setattr(fleet, "VirtualFleet", _not_run)
+    out = ["--out", str(tmp_path / "r.jsonl")] if argv[0] == "replay" else ["--out-dir", str(tmp_path / "out")]
+    assert main(["bench", *argv, *out]) == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -388,14 +401,7 @@ def test_engines_and_fleets_a_run_cannot_have_are_refused_by_flag_before_it(
     naming no flag; a --router-profile typo ran to the end (exit 0) with routers that had no cost
     model; a disaggregated configuration on no prefill engine ran under compare and replay (sweep
     alone refused it), reported as disaggregated; replay, compare and sweep had no --max-model-len."""
-    import bench.compare
-    import bench.sweep
-
-    monkeypatch.setattr(bench.sweep, "_measure", _not_run)
-    monkeypatch.setattr(bench.compare, "_measure_one", _not_run)
-    monkeypatch.setattr(fleet, "VirtualFleet", _not_run)
-    out = ["--out", str(tmp_path / "r.jsonl")] if argv[0] == "replay" else ["--out-dir", str(tmp_path / "out")]
-    assert main(["bench", *argv, *out]) == 2
+    _refused_before_running(argv, tmp_path, monkeypatch)
     printed = capsys.readouterr()
     assert message in printed.err and printed.out == "", printed
     assert not (tmp_path / "out").exists()
@@ -416,8 +422,6 @@ def test_a_profile_whose_table_the_loader_refuses_is_refused_by_flag_before_it(
     """Review of 2026-12-06: the check looked at names only, so an operator's table with a one-point
     decode row passed: replay ran to exit 0 with routers without a cost model, compare and sweep
     failed at their first measurement, --out-dir created, naming no flag."""
-    import bench.compare
-    import bench.sweep
     import protocol
 
     builtin = json.loads((Path(protocol.__file__).parent / "profiles" / "h200.json").read_text())
@@ -428,11 +432,7 @@ def test_a_profile_whose_table_the_loader_refuses_is_refused_by_flag_before_it(
     table.parent.mkdir()
     table.write_text(json.dumps({"models": [model]}))
     monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(table.parent))
-    monkeypatch.setattr(bench.sweep, "_measure", _not_run)
-    monkeypatch.setattr(bench.compare, "_measure_one", _not_run)
-    monkeypatch.setattr(fleet, "VirtualFleet", _not_run)
-    out = ["--out", str(tmp_path / "r.jsonl")] if argv[0] == "replay" else ["--out-dir", str(tmp_path / "out")]
-    assert main(["bench", *argv, *out]) == 2
+    _refused_before_running(argv, tmp_path, monkeypatch)
     printed = capsys.readouterr()
     message = f"{flag} mygpu:one: timing table {table}, model 'one': `decode` has one point at context_tokens 256"
     assert message in printed.err and printed.out == "", printed

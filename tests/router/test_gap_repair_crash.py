@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.messages import KvStateChunk, KvStateRequest
 from router.block_index import BlockIndex
-from router.gap_repair import CRASH_JITTER, FailureKind, GapRepair
+from router.gap_repair import CRASH_JITTER, FailureKind, FetchFailure, GapRepair
 from router.ingest_stats import SyncState
 from router.kv_ingest import KvIngest
 from router.metrics import RouterMetrics, StateFigures
@@ -27,10 +27,12 @@ def _retried_in(said: str) -> float:
 
 
 class _CrashingTarget:
-    """A target whose every repair round crashes (a bug in repair_request) while `healthy` is False."""
+    """A target whose every repair round crashes (a bug in repair_request) while `healthy` is False;
+    `failed` has the kind of each failure it was told of."""
 
     def __init__(self) -> None:
         self.healthy = False
+        self.failed: list[FailureKind] = []
 
     def needs_repair(self, worker: str) -> bool:
         return not self.healthy
@@ -47,8 +49,8 @@ class _CrashingTarget:
     def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None:
         raise AssertionError("never reached")
 
-    def repair_failed(self, worker: str, failure: object) -> None:
-        pass
+    def repair_failed(self, worker: str, failure: FetchFailure) -> None:
+        self.failed.append(failure.kind)
 
 
 async def test_a_crashed_repair_is_an_error_with_its_traceback_counted_and_said_once_a_while(
@@ -96,29 +98,7 @@ async def test_a_repair_crashing_again_after_the_interval_says_how_often_it_did(
 ) -> None:
     now = [0.0]
 
-    class Target:
-        def __init__(self) -> None:
-            self.failed: list[FailureKind] = []
-
-        def needs_repair(self, worker: str) -> bool:
-            return True
-
-        def repair_request(self, worker: str) -> KvStateRequest:
-            raise RuntimeError("injected: a bug in repair_request")
-
-        def reply_limit(self, worker: str) -> int:
-            return 1000
-
-        def reply_size(self, worker: str) -> int:
-            return 0
-
-        def repair_reply(self, worker: str, chunks: list[KvStateChunk]) -> None:
-            raise AssertionError("never reached")
-
-        def repair_failed(self, worker: str, failure: object) -> None:
-            self.failed.append(failure.kind)  # type: ignore[attr-defined]
-
-    target = Target()
+    target = _CrashingTarget()  # never healthy: every worker needs repair
     # retries (a crashed loop of a worker that still needs repair) wait past this test: it starts each
     repair = GapRepair(None, "ns", target, error_every_s=30.0, retry_min_s=60.0, clock=lambda: now[0])  # type: ignore[arg-type]
     with caplog.at_level(logging.ERROR, logger="router.gap_repair"):

@@ -711,17 +711,10 @@ class HeldUnencodableToken(FakeEngine):
         return LegOutcome("length", Usage(prompt_tokens=len(leg.token_ids), completion_tokens=2 + self.more))
 
 
-@pytest.mark.parametrize(("more", "said"), [(2, "request r1 failed"), (0, "a chunk of its answer could not be sent")])
-async def test_a_held_chunk_that_cannot_go_ends_the_leg_with_an_error_not_a_truncated_answer(
-    nc: Nats, replies: Replies, ns: str, caplog: pytest.LogCaptureFixture, more: int, said: str
-) -> None:
-    """The coalescing timer's flush had taken the held tokens when it failed: the error stayed in
-    its task ("Task exception was never retrieved") and the leg ended with finish_reason "length",
-    no error, its answer short of the lost tokens (review of 2026-12-06: 179 of 200). It now ends
-    as a failed flush inline does, with a 500, at its next output (the engine's stream is cut) or
-    at its end."""
-    engine = HeldUnencodableToken(more)
-    svc = service(nc, engine, busy_legs=0)  # always busy: the second token is held
+async def held_leg_ended_by_overflow(nc: Nats, replies: Replies, ns: str, engine: FakeEngine) -> list[ResponseChunk]:
+    """Leg r1 on `engine` under a service always busy (every output after the first is held), run to
+    its end, which must be a 500 for the OverflowError of its one held chunk; r1's chunks."""
+    svc = service(nc, engine, busy_legs=0)
     subject = await serving(svc, ns)
     await send(replies, subject, "r1")
     await wait_for(lambda: any(c.final for c in replies.chunks("r1")), what="the final chunk")
@@ -731,8 +724,21 @@ async def test_a_held_chunk_that_cannot_go_ends_the_leg_with_an_error_not_a_trun
     final = chunks[-1]
     assert final.final and final.error is not None and final.finish_reason is None, final
     assert (final.error.code, final.error.kind) == (500, "internal") and "OverflowError" in final.error.message
-    assert [t for c in chunks for t in c.token_ids] == [1], "a token after the lost one went as if none were lost"
     assert svc.held_chunks == 1 and svc.outcomes[("agg", "internal")] == 1
+    return chunks
+
+
+@pytest.mark.parametrize(("more", "said"), [(2, "request r1 failed"), (0, "a chunk of its answer could not be sent")])
+async def test_a_held_chunk_that_cannot_go_ends_the_leg_with_an_error_not_a_truncated_answer(
+    nc: Nats, replies: Replies, ns: str, caplog: pytest.LogCaptureFixture, more: int, said: str
+) -> None:
+    """The coalescing timer's flush had taken the held tokens when it failed: the error stayed in
+    its task ("Task exception was never retrieved") and the leg ended with finish_reason "length",
+    no error, its answer short of the lost tokens (review of 2026-12-06: 179 of 200). It now ends
+    as a failed flush inline does, with a 500, at its next output (the engine's stream is cut) or
+    at its end."""
+    chunks = await held_leg_ended_by_overflow(nc, replies, ns, HeldUnencodableToken(more))
+    assert [t for c in chunks for t in c.token_ids] == [1], "a token after the lost one went as if none were lost"
     errors = [r for r in caplog.records if r.levelno == logging.ERROR and said in r.getMessage()]
     assert len(errors) == 1 and errors[0].exc_info is not None and isinstance(errors[0].exc_info[1], OverflowError)
 
@@ -772,15 +778,5 @@ async def test_a_leg_that_ends_while_a_held_chunk_is_published_waits_for_that_fl
     monkeypatch.setattr(RequestService, "publish", slow)
     monkeypatch.setattr(request_service, "COALESCE_S", 0.1)  # the second output is held on a slow host too
     engine = HeldOverTwoChunks(nc.max_payload - request_service._ENVELOPE)
-    svc = service(nc, engine, busy_legs=0)  # always busy: the second output is held
-    subject = await serving(svc, ns)
-    await send(replies, subject, "r1")
-    await wait_for(lambda: any(c.final for c in replies.chunks("r1")), what="the final chunk")
-    await ended(svc)
-    await replies.settled()
-    chunks = replies.chunks("r1")
-    final = chunks[-1]
-    assert final.final and final.error is not None and final.finish_reason is None, final
-    assert (final.error.code, final.error.kind) == (500, "internal") and "OverflowError" in final.error.message
+    chunks = await held_leg_ended_by_overflow(nc, replies, ns, engine)
     assert [t for c in chunks for t in c.token_ids] == list(range(1, 13)), "the flush's first chunk went"
-    assert svc.held_chunks == 1 and svc.outcomes[("agg", "internal")] == 1

@@ -12,15 +12,19 @@ until 2026-12-06 each left the shim serving with one line, or none, as the audit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from discovery import Discovery
+from engine_sim.config import SimConfig
 from engine_sim.server import SimServer
 from protocol import (
     CancelRequest,
@@ -47,6 +51,8 @@ from worker_shim.kv_publisher import KvPublisher
 from worker_shim.load_reporter import LoadReporter
 
 RESTART_S = 10.0  # a new session comes within a few health intervals (0.1 s here)
+
+T = TypeVar("T")
 
 
 def _failures(shim: WorkerShim, task: str) -> float:
@@ -78,23 +84,64 @@ async def _leg(shim: WorkerShim, ns: str, rid: str, first: int, max_tokens: int 
     await flush(nc)
 
 
-def _registered_anew(shim: WorkerShim, old: str | None) -> Callable[[], bool]:
-    return lambda: shim.worker_id not in (None, old) and shim.serving
+async def _new_session(shim: WorkerShim, old: str | None) -> None:
+    """Waits for a session registered under another worker id than `old`, serving."""
+    await wait_for(lambda: shim.worker_id not in (None, old) and shim.serving, RESTART_S, "a new session, registered")
+
+
+@contextlib.asynccontextmanager
+async def _registered_shim(
+    ns: str, nats_url: str, etcd_url: str, sim: SimConfig | None = None, **shim_kw: Any
+) -> AsyncIterator[WorkerShim]:
+    """A shim (`shim_kw`: shim_for's) on a sim of `sim` (sim_config()'s by default), registered."""
+    async with SimServer(sim or sim_config()) as server, shim_for(server, ns, nats_url, etcd_url, **shim_kw) as shim:
+        await asyncio.wait_for(shim.registered.wait(), 20)
+        yield shim
+
+
+@contextlib.asynccontextmanager
+async def _received(nats_url: str, kind: type[T], subject: str = "") -> AsyncIterator[tuple[Nats, str, list[T]]]:
+    """A connection of its own subscribed to `subject` (a new inbox of its own if none): the
+    connection, the subject, and the messages of `kind` that come there."""
+    got: list[T] = []
+    nc = await connect(nats_url)
+    try:
+
+        async def on_msg(msg: Msg) -> None:
+            got.append(decode_msg(msg.data, kind))
+
+        subject = subject or nc.new_inbox()
+        await nc.subscribe(subject, cb=on_msg)
+        await flush(nc)
+        yield nc, subject, got
+    finally:
+        await nc.close()
+
+
+def _crash_when_armed(monkeypatch: pytest.MonkeyPatch, owner: type, method: str, what: str) -> asyncio.Event:
+    """Set, the next call of the coroutine method `owner.method` raises ("a bug in `what`"), once."""
+    real = getattr(owner, method)
+    armed = asyncio.Event()
+
+    async def once_bad(self: object) -> None:
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError(f"injected: a bug in {what}")
+        await real(self)
+
+    monkeypatch.setattr(owner, method, once_bad)
+    return armed
 
 
 def _crash_kv_publisher_when_armed(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
     """Set, the next send of a KV publisher raises, once."""
-    real = KvPublisher._send_outbox
-    armed = asyncio.Event()
+    return _crash_when_armed(monkeypatch, KvPublisher, "_send_outbox", "the KV publisher")
 
-    async def send_once_bad(self: KvPublisher) -> None:
-        if armed.is_set():
-            armed.clear()
-            raise RuntimeError("injected: a bug in the KV publisher")
-        await real(self)
 
-    monkeypatch.setattr(KvPublisher, "_send_outbox", send_once_bad)
-    return armed
+async def _crash_under_a_leg(shim: WorkerShim, ns: str, armed: asyncio.Event, rid: str, first: int, **leg: Any) -> None:
+    """Arms the KV publisher's crash and sends a leg (`leg`: _leg's), whose KV events meet it."""
+    armed.set()
+    await _leg(shim, ns, rid, first, **leg)
 
 
 async def test_a_crashed_kv_publisher_ends_the_session_and_a_new_one_registers_and_publishes(
@@ -102,33 +149,19 @@ async def test_a_crashed_kv_publisher_ends_the_session_and_a_new_one_registers_a
 ) -> None:
     armed = _crash_kv_publisher_when_armed(monkeypatch)
     caplog.set_level(logging.INFO)
-    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
-        await asyncio.wait_for(shim.registered.wait(), 20)
+    async with _registered_shim(ns, nats_url, etcd_url) as shim:
         old = shim.worker_id
-        armed.set()
-        await _leg(shim, ns, "a", 1000)  # its KV events wake the publisher, whose send raises
-        await wait_for(
-            lambda: shim.worker_id not in (None, old) and shim.serving, RESTART_S, "a new session, registered"
-        )
+        await _crash_under_a_leg(shim, ns, armed, "a", 1000)  # its KV events wake the publisher, whose send raises
+        await _new_session(shim, old)
         assert shim.sessions == 2 and shim.session_failures == 1
         new = shim.worker_id
         assert new is not None and await registered_workers(etcd_url, ns) == {new}
         assert _failures(shim, "kv_publisher") == 1 and _failures(shim, "load_reporter") == 0
         assert _errors(caplog, "task kv-publisher-") and _errors(caplog, "the kv_publisher task crashed")
         # The new id's stream runs: a new leg's blocks are published there.
-        batches: list[KvEventBatch] = []
-        nc = await connect(nats_url)
-        try:
-
-            async def on_kv(msg: Msg) -> None:
-                batches.append(decode_msg(msg.data, KvEventBatch))
-
-            await nc.subscribe(subjects.kv(ns, new), cb=on_kv)
-            await flush(nc)
+        async with _received(nats_url, KvEventBatch, subjects.kv(ns, new)) as (_, _, batches):
             await _leg(shim, ns, "b", 2000)
             await wait_for(lambda: any(b.events for b in batches), what="a KV batch of the new worker id")
-        finally:
-            await nc.close()
 
 
 async def test_a_leg_left_running_by_a_crash_ended_session_is_still_cancelled_on_its_old_id(
@@ -139,36 +172,23 @@ async def test_a_leg_left_running_by_a_crash_ended_session_is_still_cancelled_on
     client that left had the engine decode for nobody up to the request's deadline (review of
     2026-12-06). The subject is now kept until those legs end, as an old id's retirement does."""
     armed = _crash_kv_publisher_when_armed(monkeypatch)
-    chunks: list[ResponseChunk] = []
-    nc = await connect(nats_url)
-    try:
-
-        async def on_chunk(msg: Msg) -> None:
-            chunks.append(decode_msg(msg.data, ResponseChunk))
-
-        inbox = nc.new_inbox()
-        await nc.subscribe(inbox, cb=on_chunk)
-        await flush(nc)
-        async with SimServer(sim_config(speedup=1.0)) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
-            await asyncio.wait_for(shim.registered.wait(), 20)
-            old = shim.worker_id
-            assert old is not None
-            armed.set()
-            await _leg(shim, ns, "long", 1000, max_tokens=4000, reply=inbox)  # its KV events meet the crash
-            await wait_for(
-                lambda: shim.worker_id not in (None, old) and shim.serving, RESTART_S, "a new session, registered"
-            )
-            assert shim.requests is not None and "long" in shim.requests.inflight
-            assert not any(c.final for c in chunks)
-            assert shim.health_report()[1]["retired_workers"] == [old]
-            await nc.publish(subjects.cancel(ns, old), encode_msg(CancelRequest(request_id="long")))
-            await wait_for(lambda: any(c.final for c in chunks), 5.0, "the cancelled leg's final chunk")
-            assert chunks[-1].finish_reason == "abort" and chunks[-1].error is None
-            await wait_for(lambda: not shim.health_report()[1]["retired_workers"], 5.0, "the old id closed")
-            with pytest.raises(NoRespondersError):  # its leg ended: nothing is left on the old id
-                await nc.request(subjects.cancel(ns, old), b"", timeout=2.0)
-    finally:
-        await nc.close()
+    async with (
+        _received(nats_url, ResponseChunk) as (nc, inbox, chunks),
+        _registered_shim(ns, nats_url, etcd_url, sim_config(speedup=1.0)) as shim,
+    ):
+        old = shim.worker_id
+        assert old is not None
+        await _crash_under_a_leg(shim, ns, armed, "long", 1000, max_tokens=4000, reply=inbox)
+        await _new_session(shim, old)
+        assert shim.requests is not None and "long" in shim.requests.inflight
+        assert not any(c.final for c in chunks)
+        assert shim.health_report()[1]["retired_workers"] == [old]
+        await nc.publish(subjects.cancel(ns, old), encode_msg(CancelRequest(request_id="long")))
+        await wait_for(lambda: any(c.final for c in chunks), 5.0, "the cancelled leg's final chunk")
+        assert chunks[-1].finish_reason == "abort" and chunks[-1].error is None
+        await wait_for(lambda: not shim.health_report()[1]["retired_workers"], 5.0, "the old id closed")
+        with pytest.raises(NoRespondersError):  # its leg ended: nothing is left on the old id
+            await nc.request(subjects.cancel(ns, old), b"", timeout=2.0)
 
 
 async def test_a_session_that_served_a_while_starts_the_wait_after_its_crash_over(
@@ -181,14 +201,12 @@ async def test_a_session_that_served_a_while_starts_the_wait_after_its_crash_ove
     monkeypatch.setattr(shim_module, "SESSION_SERVED_S", 2.0)
     armed = _crash_kv_publisher_when_armed(monkeypatch)
     caplog.set_level(logging.INFO)
-    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, health_interval_s=0.2) as shim:
-        await asyncio.wait_for(shim.registered.wait(), 20)
+    async with _registered_shim(ns, nats_url, etcd_url, health_interval_s=0.2) as shim:
         for i, served_s in enumerate((2.5, 0.0, 2.5)):  # the second crash comes at once: a streak
             await asyncio.sleep(served_s)
             old = shim.worker_id
-            armed.set()
-            await _leg(shim, ns, f"r{i}", 1000 + 100 * i)
-            await wait_for(_registered_anew(shim, old), RESTART_S, "a new session, registered")
+            await _crash_under_a_leg(shim, ns, armed, f"r{i}", 1000 + 100 * i)
+            await _new_session(shim, old)
         waits = [r.getMessage().rpartition("a new one starts in ")[2] for r in _errors(caplog, "a new one starts in")]
         assert waits == ["0.2s", "0.4s", "0.2s"]
 
@@ -204,8 +222,7 @@ async def test_steps_before_a_session_that_keep_failing_after_one_that_served_st
     monkeypatch.setattr(shim_module, "SESSION_SERVED_S", 1.0)
     armed = _crash_kv_publisher_when_armed(monkeypatch)
     caplog.set_level(logging.INFO)
-    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url, health_interval_s=0.2) as shim:
-        await asyncio.wait_for(shim.registered.wait(), 20)
+    async with _registered_shim(ns, nats_url, etcd_url, health_interval_s=0.2) as shim:
         await asyncio.sleep(1.5)  # served past SESSION_SERVED_S
         real = shim._check_limits
         fails = 0
@@ -219,9 +236,8 @@ async def test_steps_before_a_session_that_keep_failing_after_one_that_served_st
 
         monkeypatch.setattr(shim, "_check_limits", odd_answer)
         old = shim.worker_id
-        armed.set()
-        await _leg(shim, ns, "r0", 1000)
-        await wait_for(_registered_anew(shim, old), RESTART_S, "a new session, registered")
+        await _crash_under_a_leg(shim, ns, armed, "r0", 1000)
+        await _new_session(shim, old)
         waits = [r.getMessage().rpartition("a new one starts in ")[2] for r in _errors(caplog, "a new one starts in")]
         assert fails == 3 and waits == ["0.2s", "0.4s", "0.8s", "1.6s"]
 
@@ -234,22 +250,14 @@ async def test_a_stop_in_the_wait_after_a_failed_session_drains_the_legs_it_left
     of 2026-12-06)."""
     armed = _crash_kv_publisher_when_armed(monkeypatch)
     caplog.set_level(logging.INFO)
-    chunks: list[ResponseChunk] = []
-    nc = await connect(nats_url)
-    try:
-
-        async def on_chunk(msg: Msg) -> None:
-            chunks.append(decode_msg(msg.data, ResponseChunk))
-
-        inbox = nc.new_inbox()
-        await nc.subscribe(inbox, cb=on_chunk)
-        await flush(nc)
+    async with _received(nats_url, ResponseChunk) as (_, inbox, chunks):
         async with SimServer(sim_config(speedup=1.0)) as sim:
             shim = shim_for(sim, ns, nats_url, etcd_url, health_interval_s=1.0, drain_grace_s=20.0)
             async with shim:
                 await asyncio.wait_for(shim.registered.wait(), 20)
-                armed.set()
-                await _leg(shim, ns, "long", 1000, max_tokens=1000, reply=inbox)  # a few seconds' decode
+                await _crash_under_a_leg(
+                    shim, ns, armed, "long", 1000, max_tokens=1000, reply=inbox
+                )  # a few seconds' decode
                 await _said(caplog, "a new one starts in 1.0s")  # the stop comes in that wait
                 assert shim.requests is not None and "long" in shim.requests.inflight
             assert shim.sessions == 1
@@ -257,8 +265,6 @@ async def test_a_stop_in_the_wait_after_a_failed_session_drains_the_legs_it_left
         final = chunks[-1]
         assert final.final and final.error is None and final.finish_reason == "length", final
         assert sum(len(c.token_ids) for c in chunks) == 1000
-    finally:
-        await nc.close()
 
 
 async def test_a_worker_names_next_session_takes_over_the_cancels_the_last_one_kept(
@@ -269,36 +275,22 @@ async def test_a_worker_names_next_session_takes_over_the_cancels_the_last_one_k
     handled twice (a malformed one counted twice) and /health listed the live id in
     retired_workers until those legs ended (review of 2026-12-06)."""
     armed = _crash_kv_publisher_when_armed(monkeypatch)
-    chunks: list[ResponseChunk] = []
-    nc = await connect(nats_url)
-    try:
-
-        async def on_chunk(msg: Msg) -> None:
-            chunks.append(decode_msg(msg.data, ResponseChunk))
-
-        inbox = nc.new_inbox()
-        await nc.subscribe(inbox, cb=on_chunk)
-        await flush(nc)
-        async with (
-            SimServer(sim_config(speedup=1.0)) as sim,
-            shim_for(sim, ns, nats_url, etcd_url, worker_name="w1") as shim,
-        ):
-            await asyncio.wait_for(shim.registered.wait(), 20)
-            armed.set()
-            await _leg(shim, ns, "long", 1000, max_tokens=4000, reply=inbox)  # its KV events meet the crash
-            await wait_for(lambda: shim.sessions == 2 and shim.serving, RESTART_S, "the second session registered")
-            requests = shim.requests
-            assert requests is not None and "long" in requests.inflight
-            assert shim.health_report()[1]["retired_workers"] == []
-            cancel = subjects.cancel(ns, "w1")
-            await nc.publish(cancel, b"not msgpack")
-            await nc.publish(cancel, encode_msg(CancelRequest(request_id="long")))
-            await wait_for(lambda: any(c.final for c in chunks), 5.0, "the cancelled leg's final chunk")
-            assert chunks[-1].finish_reason == "abort" and chunks[-1].error is None
-            await asyncio.sleep(0.2)  # a second handling of the malformed one would have come by now
-            assert requests.malformed["cancel"] == 1
-    finally:
-        await nc.close()
+    async with (
+        _received(nats_url, ResponseChunk) as (nc, inbox, chunks),
+        _registered_shim(ns, nats_url, etcd_url, sim_config(speedup=1.0), worker_name="w1") as shim,
+    ):
+        await _crash_under_a_leg(shim, ns, armed, "long", 1000, max_tokens=4000, reply=inbox)
+        await wait_for(lambda: shim.sessions == 2 and shim.serving, RESTART_S, "the second session registered")
+        requests = shim.requests
+        assert requests is not None and "long" in requests.inflight
+        assert shim.health_report()[1]["retired_workers"] == []
+        cancel = subjects.cancel(ns, "w1")
+        await nc.publish(cancel, b"not msgpack")
+        await nc.publish(cancel, encode_msg(CancelRequest(request_id="long")))
+        await wait_for(lambda: any(c.final for c in chunks), 5.0, "the cancelled leg's final chunk")
+        assert chunks[-1].finish_reason == "abort" and chunks[-1].error is None
+        await asyncio.sleep(0.2)  # a second handling of the malformed one would have come by now
+        assert requests.malformed["cancel"] == 1
 
 
 async def test_a_crashed_kv_publisher_of_an_old_id_in_its_grace_is_counted_and_said_truly(
@@ -318,11 +310,7 @@ async def test_a_crashed_kv_publisher_of_an_old_id_in_its_grace_is_counted_and_s
 
     monkeypatch.setattr(KvPublisher, "_send_outbox", send)
     caplog.set_level(logging.INFO)
-    async with (
-        SimServer(sim_config()) as sim,
-        shim_for(sim, ns, nats_url, etcd_url, reregister_grace_s=3.0) as shim,
-    ):
-        await asyncio.wait_for(shim.registered.wait(), 20)
+    async with _registered_shim(ns, nats_url, etcd_url, reregister_grace_s=3.0) as shim:
         old = shim.worker_id
         assert old is not None
         async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
@@ -346,39 +334,18 @@ async def test_a_crashed_kv_publisher_of_an_old_id_in_its_grace_is_counted_and_s
 async def test_a_crashed_load_reporter_ends_the_session_and_the_new_worker_id_reports(
     ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = LoadReporter._publish_if_due
-    armed = asyncio.Event()
-
-    async def publish_once_bad(self: LoadReporter) -> None:
-        if armed.is_set():
-            armed.clear()
-            raise RuntimeError("injected: a bug in the load report")
-        await real(self)
-
-    monkeypatch.setattr(LoadReporter, "_publish_if_due", publish_once_bad)
+    armed = _crash_when_armed(monkeypatch, LoadReporter, "_publish_if_due", "the load report")
     caplog.set_level(logging.INFO)
-    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
-        await asyncio.wait_for(shim.registered.wait(), 20)
+    async with _registered_shim(ns, nats_url, etcd_url) as shim:
         old = shim.worker_id
         armed.set()
-        await wait_for(
-            lambda: shim.worker_id not in (None, old) and shim.serving, RESTART_S, "a new session, registered"
-        )
+        await _new_session(shim, old)
         new = shim.worker_id
         assert new is not None and await registered_workers(etcd_url, ns) == {new}
         assert _failures(shim, "load_reporter") == 1 and _failures(shim, "kv_publisher") == 0
         assert _errors(caplog, "the load_reporter task crashed")
-        reports: list[LoadReport] = []
-        nc = await connect(nats_url)
-        try:
-
-            async def on_report(msg: Msg) -> None:
-                reports.append(decode_msg(msg.data, LoadReport))
-
-            await nc.subscribe(subjects.load(ns, new), cb=on_report)
+        async with _received(nats_url, LoadReport, subjects.load(ns, new)) as (_, _, reports):
             await wait_for(lambda: len(reports) >= 2, what="load reports of the new worker id")
-        finally:
-            await nc.close()
 
 
 async def test_a_failing_orphan_check_is_said_once_per_kind_counted_and_checked_again(
@@ -396,8 +363,7 @@ async def test_a_failing_orphan_check_is_said_once_per_kind_counted_and_checked_
 
     monkeypatch.setattr(orphaned_legs.OrphanedLegs, "check", check)
     caplog.set_level(logging.INFO)
-    async with SimServer(sim_config()) as sim, shim_for(sim, ns, nats_url, etcd_url) as shim:
-        await asyncio.wait_for(shim.registered.wait(), 20)
+    async with _registered_shim(ns, nats_url, etcd_url) as shim:
         await wait_for(lambda: calls >= 5, 10.0, "checks after the failing ones")  # ORPHAN_CHECK_S = 1
         said = _errors(caplog, "checking the legs of routers gone from etcd failed")
         assert len(said) == 1 and said[0].exc_info is not None  # the second, within a minute, held back
