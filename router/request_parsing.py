@@ -12,7 +12,7 @@ and passes everything else on. So stop strings, `n`, `echo`, logprobs, penalties
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 import msgspec
@@ -353,7 +353,12 @@ async def prompt_ids(
         if parsed.chat:
             assert parsed.messages is not None and parsed.chat_options is not None
             ids = await tok.encode_chat(parsed.messages, parsed.chat_options)
-            if truncate is not None:  # the template wrote the special tokens: plain ids
+            options = parsed.chat_options
+            if truncate is not None and truncate[1] is None and options.add_special_tokens:
+                # vLLM's tokenizer truncates the rendered text, keeping the specials it adds to it
+                bare = await tok.encode_chat(parsed.messages, replace(options, add_special_tokens=False))
+                ids = _keep_specials(ids, bare, truncate[0])
+            elif truncate is not None:  # the template wrote the special tokens: plain ids
                 ids = _truncated(ids, *truncate)
             if not ids:  # a template that renders nothing: vLLM's input processor refuses it, naming no parameter
                 raise ApiError(400, _EMPTY_PROMPT)
@@ -383,7 +388,12 @@ async def keep_specials_truncated(tok: Tokenization, text: str, keep: int, *, of
     """vLLM's truncation with no side: its tokenizer keeps the last `keep` tokens *with* the
     special tokens it adds (a BOS stays first), where slicing the encoded ids would drop them."""
     marked = await tok.encode(text, True, offload=offload)
-    bare = await tok.encode(text, False, offload=offload)
+    return _keep_specials(marked, await tok.encode(text, False, offload=offload), keep)
+
+
+def _keep_specials(marked: list[int], bare: list[int], keep: int) -> list[int]:
+    """The last `keep` of `marked` (a text's ids with the tokenizer's specials) with those
+    specials kept, `bare` being the same text's ids without them."""
     added = len(marked) - len(bare)
     start = next((i for i in range(added + 1) if marked[i : i + len(bare)] == bare), None)
     # Not specials + text + specials, or nothing to cut: a plain slice, which can only cost a

@@ -13,8 +13,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from protocol import asks_prompt_logprobs
 from router.api_errors import ApiError
 from router.request_context import RequestShape
-from router.request_parsing import keep_specials_truncated, parse_request
-from router.tokenization import Tokenization, load_tokenizer
+from router.request_parsing import keep_specials_truncated, parse_request, prompt_ids
+from router.tokenization import HfPromptTokenizer, Tokenization, load_tokenizer
+from tests.vllm.make_model import build_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -197,3 +198,39 @@ async def test_a_truncation_with_no_side_keeps_the_special_tokens_as_the_engines
     assert got == expected
     if keep < 9:
         assert got[0] == 1, "the BOS stays first"
+
+
+@pytest.mark.parametrize("keep", [1, 2, 6, 12])
+async def test_a_chat_truncation_with_no_side_keeps_the_special_tokens_the_tokenizer_adds(
+    tmp_path: Path, keep: int
+) -> None:
+    """A chat with add_special_tokens: vLLM's tokenizer truncates the rendered text and keeps the
+    BOS it adds, where slicing the ids dropped it. No vLLM capture holds this case: the engine's
+    tokenizer's own truncation stands for it, as for completions above."""
+    build_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog again and again"}]
+    body = {"model": "m", "messages": messages, "truncate_prompt_tokens": keep, "add_special_tokens": True}
+    parsed = parse_request(body, chat=True)
+    assert parsed.chat_options is not None
+    hf = load_tokenizer(tmp_path)
+    assert isinstance(hf, HfPromptTokenizer)
+    tok = Tokenization(hf)
+    try:
+        routed, _ = await prompt_ids(tok, parsed)
+        text = hf.render_chat(messages, parsed.chat_options)
+    finally:
+        tok.close()
+    engine = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    engine.enable_truncation(keep, direction="left")
+    assert routed == engine.encode(text, add_special_tokens=True).ids
+    assert routed[0] == engine.token_to_id("<s>"), "the BOS stays first"
+    # without the specials, or with a side given, vLLM slices the rendered ids as before
+    for extra in ({"add_special_tokens": False}, {"truncation_side": "left"}):
+        plain = parse_request({**body, **extra}, chat=True)
+        assert plain.chat_options is not None
+        tok = Tokenization(load_tokenizer(tmp_path))
+        try:
+            whole = await tok.encode_chat(plain.messages or [], plain.chat_options)
+            assert (await prompt_ids(tok, plain))[0] == whole[-keep:]
+        finally:
+            tok.close()
