@@ -17,8 +17,8 @@ Scheduling, as vLLM v1 does it:
 - remote KV (NixlConnector): a request with `do_remote_prefill` takes its local hit, allocates the
   rest of its prompt, waits in WAITING_FOR_REMOTE_KVS for the driver to finish the transfer, then
   recomputes only its last prompt token; a request with `do_remote_decode` finishes after one token
-  and its blocks stay pinned until `release_pin` (the decode side pulled or gave them up, or their
-  lease ran out: engine_sim/runner.py).
+  and, where it ended on its length (not on a stop token id), its blocks stay pinned until
+  `release_pin` (the decode side pulled or gave them up, or their lease ran out: engine_sim/runner.py).
 """
 
 from __future__ import annotations
@@ -488,8 +488,10 @@ class Scheduler:
         del self.requests[req.request_id]
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        if req.remote_decode:
-            # NixlConnector: the blocks stay allocated for the decode engine to read.
+        if req.remote_decode and reason == "length":
+            # NixlConnector: the blocks stay allocated for the decode engine to read. Only for a
+            # request that ended on its length (request_finished: FINISHED_LENGTH_CAPPED); one that
+            # stopped on its token gets no params, and its blocks go as any request's.
             self.pins[req.request_id] = req
             # vLLM 0.32's NixlConnector (nixl/pull_scheduler.py request_finished), key for key:
             # block ids one list per KV cache group (the sim's one full-attention group).

@@ -345,6 +345,12 @@ RETRY_AFTER_MAX_S = 86_400
 99999999999999999999 overflowed the encoder (past 2**64 - 1), and the leg got no final chunk."""
 
 
+PREFILL_STOPPED = "prefill_stopped"
+"""The ErrorInfo kind of a prefill leg that ended "stop" on its one token with no transfer handle
+(vLLM's connectors give one only for a leg that ended on its length): its request's token did
+it, not the worker's engine, which routers do not hold against it."""
+
+
 class ErrorInfo(msgspec.Struct, kw_only=True):
     """Why a stream ended badly. `code` is an HTTP-like status; `kind` a short machine word.
     `body`: the engine's own JSON error body when it refused the request (4xx), passed to the

@@ -11,7 +11,9 @@ the leg ends with a `final` chunk or an `error` one.
   silent or takes longer than `prefill_timeout_s` falls back to the bypass path (outcome
   fallback_prefill_failed). A prefill leg that fails through its worker's own fault (its time
   limit, no transfer handle, an engine that broke protocol) is reported (`on_prefill`): the worker
-  is left out of prefill legs for a cooldown (router.eligibility). A server error (5xx) is reported
+  is left out of prefill legs for a cooldown (router.eligibility). Not one that stopped on its one
+  token with no handle (`prefill_stopped`: an EOS or a client's stop id; vLLM gives a handle only
+  for a leg that ended on its length), which is the request's doing. A server error (5xx) is reported
   only once the fallback serves the request: one the request itself caused (vLLM 0.32: a grammar
   that fails to compile) fails the local prefill alike. An engine that refuses the request (a 4xx
   error chunk) refuses it for the decode leg too: that error goes to the client, with no needless
@@ -90,7 +92,7 @@ from protocol import (
     subjects,
 )
 from protocol.config import RouterSettings
-from protocol.messages import ANNOTATION_BYPASS, transfer_handle_bound
+from protocol.messages import ANNOTATION_BYPASS, PREFILL_STOPPED, transfer_handle_bound
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
 from router.fleet_lines import FleetLines, FleetLog
@@ -201,6 +203,8 @@ def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str,
     still serves whole requests (it only returned no transfer handle); None when it is not its
     fault (the client's deadline, a refusal, a model unloaded) or is judged elsewhere (silent,
     malformed)."""
+    if exc.kind == PREFILL_STOPPED:
+        return None  # its one token was an EOS or a stop id: the request's, the engine answered
     # "deadline": the shim enforced the leg's deadline on its own clock before the router's timer fired
     if exc.kind in ("timeout", "deadline"):
         if timeout_s > left_s:

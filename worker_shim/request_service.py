@@ -592,6 +592,7 @@ class RequestService:
         on_scheduled: Callable[[float, float, int], None] = lambda _dispatched, _at, _predicted: None,
         on_transfer_failed: Callable[[], None] = lambda: None,
         block_size: Callable[[], int | None] = lambda: None,
+        max_model_len: Callable[[], int | None] = lambda: None,
         model: str = "",
         busy_legs: int = BUSY_LEGS,
         max_legs: int | None = None,
@@ -607,6 +608,7 @@ class RequestService:
         self.on_scheduled = on_scheduled
         self.on_transfer_failed = on_transfer_failed
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.model = model  # the engine's own; a leg naming another (not an alias) runs a LoRA adapter
         self.aliases: frozenset[str] = frozenset()  # other names the engine serves `model` under
         self.busy_legs = busy_legs
@@ -887,6 +889,7 @@ class RequestService:
             endpoint=req.endpoint,
             params=req.params,
             engine_request_id=req.engine_request_id,
+            max_model_len=self.max_model_len(),
         )
         if not req.token_ids:
             return ErrorInfo(code=400, kind="bad_request", message="token_ids is empty")

@@ -386,6 +386,7 @@ class WorkerShim:
             on_scheduled=self.credit.scheduled,
             on_transfer_failed=self.transfers.leg_failed,
             block_size=lambda: self.limits.block_size,
+            max_model_len=lambda: self.limits.max_model_len,
             model=self.config.model,
             max_legs=max_legs,
         )

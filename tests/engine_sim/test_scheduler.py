@@ -178,6 +178,23 @@ def test_remote_decode_pins_blocks_until_released() -> None:
     assert s.num_blocks_in_use == 0 and s.release_pin("p") is False
 
 
+def test_remote_decode_returns_params_only_for_a_request_that_ended_on_its_length() -> None:
+    """vLLM 0.32's NixlConnector.request_finished: no params unless FINISHED_LENGTH_CAPPED. A
+    prefill whose one token is a stop token id ends "stop", with none, and frees its blocks;
+    min_tokens 1 masks the stop id, and the request ends on its length with them."""
+    prompt = list(range(100))
+    first = SimRequest("probe", prompt, max_tokens=1).sampler.token(0)
+    for least, finish in ((0, "stop"), (1, "length")):
+        s = make()
+        stops = frozenset({first})
+        s.add_request(SimRequest("p", prompt, max_tokens=1, stop_token_ids=stops, min_tokens=least, remote_decode=True))
+        (step,) = run(s)
+        (out,) = step.outputs
+        assert out.finish_reason == finish
+        assert (out.kv_transfer_params is not None) is (finish == "length")
+        assert (s.num_blocks_in_use > 0) is (finish == "length") and not s.requests
+
+
 def test_abort_frees_blocks() -> None:
     s = make()
     s.add_request(req("a", 300))

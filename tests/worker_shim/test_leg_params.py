@@ -22,8 +22,9 @@ BOOT = {"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def leg(endpoint: str, params: dict[str, Any], **kw: Any) -> LegRequest:
-    return LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=64), endpoint=endpoint, params=params, **kw)
+def leg(endpoint: str, params: dict[str, Any], sampling: SamplingParams | None = None, **kw: Any) -> LegRequest:
+    sampling = sampling or SamplingParams(max_tokens=64)
+    return LegRequest("r", "m", [1, 2, 3], sampling, endpoint=endpoint, params=params, **kw)
 
 
 BUILDERS = {
@@ -45,7 +46,82 @@ def test_a_prefill_leg_keeps_min_tokens_clamped_to_its_one_token(engine: str, en
     pre = build(leg(endpoint, dict(params), prefill_only=True))
     assert pre["min_tokens"] == 1 and pre["max_tokens"] == 1
     assert build(leg(endpoint, dict(params), transfer={"ctx_request_id": 1}))["min_tokens"] == 8
-    assert "min_tokens" not in build(leg(endpoint, {"model": "m", "messages": MESSAGES}, prefill_only=True))
+    bare = build(leg(endpoint, {"model": "m", "messages": MESSAGES}, prefill_only=True))
+    # vLLM's prefill leg asks for one whatever the client sent (test_a_vllm_prefill_leg_...)
+    assert bare.get("min_tokens") == (1 if engine == "vllm" else None)
+
+
+@pytest.mark.parametrize("endpoint", ["", ENDPOINT_COMPLETIONS, ENDPOINT_CHAT])
+@pytest.mark.parametrize("client", [{}, {"min_tokens": 0}, {"min_tokens": 3}], ids=["none", "zero", "three"])
+def test_a_vllm_prefill_leg_always_asks_for_min_tokens_1(endpoint: str, client: dict[str, Any]) -> None:
+    """vLLM's connectors return kv_transfer_params only for a leg that ended on its length: one
+    token that was an EOS or a client's stop id ended it "stop", with none, and the router took
+    the prefill worker for one without a KV connector. min_tokens 1 masks those for that token."""
+    params = {"model": "m", "max_tokens": 64, "stop_token_ids": [5], **client}
+    if endpoint == ENDPOINT_CHAT:
+        params["messages"] = MESSAGES
+    sampling = SamplingParams(max_tokens=64, stop_token_ids=[5])  # a token-id leg's
+    pre = engine_body(leg(endpoint, params, prefill_only=True, sampling=sampling))[1]
+    assert pre["min_tokens"] == 1 and pre["max_tokens"] == 1 and pre["stop_token_ids"] == [5]
+    for kw in ({}, {"transfer": {"remote_engine_id": "e"}}):  # no other leg gets one
+        other = engine_body(leg(endpoint, params, sampling=sampling, **kw))[1]
+        assert other.get("min_tokens") == (client.get("min_tokens") if endpoint else None)
+
+
+VALID_REWRITTEN: list[tuple[str, dict[str, Any]]] = [
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "min_tokens": 5, "n": 1}),
+    (ENDPOINT_COMPLETIONS, {"min_tokens": 16}),  # vLLM's 16 when no max_tokens is given
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 100, "stream": True, "stream_options": {"include_usage": True}}),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 100, "stream_options": {}}),  # falsy: vLLM's validator passes it
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 100}),  # its context, 100 tokens, is no bound on the client's
+    (ENDPOINT_CHAT, {"min_tokens": 500}),  # a chat's limit is the context's room
+    (ENDPOINT_CHAT, {"max_completion_tokens": 8, "max_tokens": 2, "min_tokens": 8}),  # the first is read
+]
+# each refused by vLLM 0.32 (engine_sim.openai_request holds its checks) as the client sent it
+INVALID_KEPT: list[tuple[str, dict[str, Any], str]] = [
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "min_tokens": 10}, "min_tokens"),
+    (ENDPOINT_COMPLETIONS, {"min_tokens": 17}, "min_tokens"),
+    (ENDPOINT_COMPLETIONS, {"min_tokens": -1}, "min_tokens"),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 0}, "max_tokens"),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 101}, "max_tokens"),  # past max_model_len
+    (ENDPOINT_CHAT, {"max_completion_tokens": 101, "max_tokens": 2}, "max_completion_tokens"),
+    (ENDPOINT_CHAT, {"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "n": 0}, "n"),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "stream_options": {"include_usage": True}}, "stream_options"),
+    (ENDPOINT_CHAT, {"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
+]
+
+
+def _client(endpoint: str, fields: dict[str, Any]) -> dict[str, Any]:
+    extra = {"messages": MESSAGES} if endpoint == ENDPOINT_CHAT else {}
+    return {"model": "m", **extra, **fields}
+
+
+@pytest.mark.parametrize("engine", sorted(BUILDERS))
+@pytest.mark.parametrize(("endpoint", "fields"), VALID_REWRITTEN)
+def test_a_prefill_leg_makes_a_valid_request_one_token(engine: str, endpoint: str, fields: dict[str, Any]) -> None:
+    pre = BUILDERS[engine](leg(endpoint, _client(endpoint, fields), prefill_only=True, max_model_len=100))
+    assert pre["stream"] is False and pre["n"] == 1 and "stream_options" not in pre
+    assert max(pre.get("max_tokens", 1), pre.get("max_completion_tokens", 1)) == 1
+    assert pre.get("min_tokens", 0) <= 1
+
+
+@pytest.mark.parametrize("engine", sorted(BUILDERS))
+@pytest.mark.parametrize(("endpoint", "fields", "refused"), INVALID_KEPT)
+def test_a_prefill_leg_keeps_a_value_the_engine_refuses_as_the_client_sent_it(
+    engine: str, endpoint: str, fields: dict[str, Any], refused: str
+) -> None:
+    """Made valid (max_tokens 1, n 1, min_tokens 1, stream_options dropped), such a request ran a
+    whole remote prefill before the decode engine refused it: as the client sent it, the prefill
+    engine refuses it at once, in the words the decode engine would use."""
+    client = _client(endpoint, fields)
+    pre = BUILDERS[engine](leg(endpoint, dict(client), prefill_only=True, max_model_len=100))
+    assert pre[refused] == client[refused]
+    if refused in ("min_tokens", "max_tokens", "max_completion_tokens"):
+        # the limit and min_tokens checked together stay the client's, as it gave them
+        assert {k: pre.get(k) for k in ("max_tokens", "min_tokens")} == {
+            k: client.get(k) for k in ("max_tokens", "min_tokens")
+        }
 
 
 def test_a_vllm_token_id_leg_carries_the_clients_cache_salt() -> None:

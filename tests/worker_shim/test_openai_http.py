@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from protocol import SamplingParams, Usage
-from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RETRY_AFTER_MAX_S
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, PREFILL_STOPPED, RETRY_AFTER_MAX_S
 from tests.protocol.vllm_captures import FIXTURES
 from tests.router.polling import until
 from worker_shim import ShimConfig
@@ -313,6 +313,7 @@ async def test_pass_through_bodies_per_leg(engine: tuple[Engine, VllmAdapter]) -
         "messages": [{"role": "user", "content": "hi"}],
         "min_tokens": 4,
         "max_tokens": 50,
+        "stream": True,
         "stream_options": {"include_usage": True},
         "n": 3,
         "tools": [{"type": "function"}],
@@ -327,6 +328,24 @@ async def test_pass_through_bodies_per_leg(engine: tuple[Engine, VllmAdapter]) -
     _, body = eng.bodies[-1]
     assert body == {**chat, "stream": False, "kv_transfer_params": {"remote_engine_id": "e1"}}
     assert json.loads(whole.body)["choices"][0]["text"] == "x"  # the engine's body, kept for the client
+
+
+@pytest.mark.parametrize("endpoint", ["", ENDPOINT_COMPLETIONS])
+async def test_a_prefill_leg_that_stopped_without_a_handle_is_the_requests_not_the_engines(
+    engine: tuple[Engine, VllmAdapter], endpoint: str
+) -> None:
+    """vLLM answers a prefill leg whose one token was an EOS or a stop id (where min_tokens did not
+    mask it) with `kv_transfer_params: null` and finish_reason "stop": a kind routers do not hold
+    against the worker. Ended on its length with none, the engine has no KV connector."""
+    eng, adapter = engine
+    for reason, kind in (("stop", PREFILL_STOPPED), ("length", "engine_protocol")):
+        choice = {"index": 0, "text": "x", "token_ids": [5], "finish_reason": reason}
+        eng.whole = json.dumps({"choices": [choice], "kv_transfer_params": None}).encode()
+        with pytest.raises(EngineError) as caught:
+            await adapter.generate(leg(endpoint, {"model": "m"}, prefill_only=True, stream=False), ignore)
+        assert (caught.value.code, caught.value.kind) == (502, kind)
+        assert "no kv_transfer_params" in caught.value.message
+        assert eng.bodies[-1][1]["min_tokens"] == 1
 
 
 async def test_the_engines_own_400_body_comes_back(engine: tuple[Engine, VllmAdapter]) -> None:

@@ -157,6 +157,9 @@ class LegRequest:
     endpoint: str = ""  # "" a token-id leg; else protocol's ENDPOINT_COMPLETIONS / ENDPOINT_CHAT
     params: dict[str, Any] = field(default_factory=dict)  # the client's body (GenerateRequest.params)
     engine_request_id: str = ""  # the engine's X-Request-Id (GenerateRequest.engine_request_id)
+    # The engine's context, where it reports one: a prefill leg sends a max_tokens past it unchanged
+    # (openai_http.pass_through_body), for the engine to refuse.
+    max_model_len: int | None = None
 
     @property
     def engine_id(self) -> str:

@@ -5,11 +5,13 @@ Two kinds of leg:
 - pass-through (`leg.endpoint` set): the client's own request goes to the engine's
   `/v1/completions` or `/v1/chat/completions` with only what the shim must force (`model`, the
   routed token ids as a completions prompt, `stream`, the P/D fields; a prefill leg one token,
-  `n` 1, a `min_tokens` clamped to 1, no `stream_options`). The engine's answer comes back byte for byte: each
-  SSE payload, or the whole body. Nothing is added to count tokens (vLLM's `return_token_ids`
-  would change what it answers: an echo of a token-id prompt comes back empty with it), so an
-  event counts the token ids it carries, else one token per choice with output in it; a chat
-  `echo` (the last message's content, streamed before any output) is no output.
+  `n` 1, a `min_tokens` clamped to 1, no `stream_options`, each only where the client's value is
+  one the engine takes: one it refuses goes as it is, for the engine to refuse at once). The
+  engine's answer comes back byte for byte: each SSE payload, or the whole body. Nothing is added
+  to count tokens (vLLM's `return_token_ids` would change what it answers: an echo of a token-id
+  prompt comes back empty with it), so an event counts the token ids it carries, else one token per
+  choice with output in it; a chat `echo` (the last message's content, streamed before any output)
+  is no output.
 - token ids (`leg.endpoint` ""): the router's older leg, a token-id completion built from
   `SamplingParams`, its ids back per choice in `token_ids`; an engine that sends none is a
   protocol error, never silently empty output.
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 _json = msgspec.json.Decoder()
+_DEFAULT_MAX_TOKENS = 16  # vLLM's completion max_tokens when the client gives none
 _encode = msgspec.json.Encoder()
 
 
@@ -196,25 +199,55 @@ def error_from(status: int, body: bytes, retry_after: str | None = None) -> Engi
     return EngineError(status, kind, message, own, retry_after_s=retry_after_s(retry_after))
 
 
-def pass_through_body(leg: LegRequest) -> dict[str, Any]:
-    """The engine's body for a pass-through leg, P/D fields aside."""
+def pass_through_body(leg: LegRequest, *, min_one: bool = False) -> dict[str, Any]:
+    """The engine's body for a pass-through leg, P/D fields aside. `min_one`: a prefill leg asks
+    for min_tokens 1 whatever the client sent (vLLM's: see vllm.engine_body)."""
     body = dict(leg.params)
     body["model"] = leg.model
     if leg.endpoint == ENDPOINT_COMPLETIONS and "prompt" not in body:
         body["prompt"] = leg.token_ids
     if leg.prefill_only:
-        # The prefill leg's output is thrown away: one token, one choice, nothing streamed.
-        body.update(max_tokens=1, stream=False, n=1)
-        if leg.endpoint == ENDPOINT_CHAT:
-            body["max_completion_tokens"] = 1
-        if body.get("min_tokens"):
-            # SGLang's and TensorRT-LLM's prefill samples the client's first token: it must not
-            # be an EOS or stop either. One fits vLLM's min_tokens <= max_tokens.
-            body["min_tokens"] = 1
-        body.pop("stream_options", None)
+        _one_token(body, leg, min_one)
         return body
     body["stream"] = leg.stream
     return body
+
+
+def _one_token(body: dict[str, Any], leg: LegRequest, min_one: bool) -> None:
+    """A prefill leg's output is thrown away: one token, one choice, nothing streamed. A value the
+    engine refuses stays as the client sent it, so that the engine refuses the prefill leg at once,
+    in the words it will refuse the decode leg with: rewritten into a valid one, it cost a whole
+    remote prefill before that refusal (vLLM 0.32's checks: SamplingParams._verify_args,
+    TokenizeParams, the `stream_options` validator)."""
+    body["stream"] = False
+    n = body.get("n")
+    if n is None or (_is_int(n) and n >= 1):
+        body["n"] = 1
+    # the raw values' truthiness, as vLLM's validator reads them; the decode leg sends the same stream
+    if not (body.get("stream_options") and not leg.params.get("stream")):
+        body.pop("stream_options", None)
+    chat = leg.endpoint == ENDPOINT_CHAT
+    # vLLM: a chat request's max_completion_tokens when given, else max_tokens; a completion's
+    # 16 when neither is (normalize_null_max_tokens), a chat's up to the context
+    given = body.get("max_completion_tokens") if chat else None
+    asked = given if given is not None else body.get("max_tokens")
+    limit = asked if asked is not None or chat else _DEFAULT_MAX_TOKENS
+    if asked is not None and not (_is_int(asked) and 1 <= asked <= (leg.max_model_len or asked)):
+        return
+    least = body.get("min_tokens")
+    if least is not None and not (_is_int(least) and 0 <= least <= (limit if limit is not None else least)):
+        return
+    body["max_tokens"] = 1
+    if chat:
+        body["max_completion_tokens"] = 1
+    if min_one or least:
+        # SGLang's and TensorRT-LLM's prefill samples the client's first token: it must not be an
+        # EOS or stop either. One fits min_tokens <= max_tokens.
+        body["min_tokens"] = 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Result:

@@ -15,8 +15,11 @@
   (openai_http.pass_through_body), the engine's answer passed back as it is; token-id legs
   (`leg.endpoint` "") as a token-id completion, with the client's `cache_salt` when its body has one.
 - P/D as vLLM's NixlConnector expects from its proxy: the prefill leg sends `kv_transfer_params
-  {do_remote_decode: true, do_remote_prefill: false, remote_*: null}`, `max_tokens 1`, non-streaming,
-  and returns the response's `kv_transfer_params`; the decode leg sends those params back unchanged.
+  {do_remote_decode: true, do_remote_prefill: false, remote_*: null}`, `max_tokens 1`, `min_tokens
+  1` (engine_body), non-streaming, and returns the response's `kv_transfer_params`; the decode leg
+  sends those params back unchanged. A prefill leg that answers none is a 502 `engine_protocol`
+  (an engine without a KV connector), or `prefill_stopped` where it ended "stop" (its request's
+  token, which routers do not hold against the worker).
   With --data-parallel-rank, every leg names that rank (`X-data-parallel-rank`: vLLM's API server
   sends it to that rank's engine) and load and limits are that rank's (`engine` label).
   X-Request-Id is the leg's engine id on both legs (the client's own X-Request-Id or body
@@ -44,7 +47,7 @@ import msgspec
 from protocol import ConfigError, SamplingParams
 from protocol import vllm_metrics as vm
 from protocol.fingerprint import PROBES, ChatProbe, fingerprint
-from protocol.messages import ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE
+from protocol.messages import ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE, PREFILL_STOPPED
 from worker_shim.adapters.base import (
     PROBE_OUTPUT_TOKENS,
     EngineError,
@@ -310,10 +313,17 @@ def completion_body(leg: LegRequest) -> dict[str, Any]:
 
 
 def engine_body(leg: LegRequest) -> tuple[str, dict[str, Any]]:
-    """The endpoint path and body for one leg."""
+    """The endpoint path and body for one leg. A prefill leg asks for min_tokens 1: vLLM's KV
+    connectors return kv_transfer_params only for a request that ended on its length
+    (NixlConnector.request_finished: FINISHED_LENGTH_CAPPED), and one whose token was an EOS or a
+    client's stop token id ends "stop", with none. min_tokens masks those for its one token (and
+    leaves stop strings unchecked); the decode leg samples the client's first token itself."""
     if not leg.endpoint:
-        return "/v1/completions", completion_body(leg)
-    body = pass_through_body(leg)
+        body = completion_body(leg)
+        if leg.prefill_only:
+            body["min_tokens"] = 1
+        return "/v1/completions", body
+    body = pass_through_body(leg, min_one=True)
     if leg.prefill_only:
         body["kv_transfer_params"] = dict(PREFILL_TRANSFER_PARAMS)
     elif leg.transfer is not None:
@@ -427,6 +437,15 @@ class VllmAdapter(ZmqEventsAdapter):
             )
         transfer = result.last.get("kv_transfer_params") if leg.prefill_only else None
         if leg.prefill_only and not isinstance(transfer, dict):
+            if result.finish_reason == "stop":
+                # The request's token (an EOS or a stop id min_tokens did not mask), not the engine:
+                # a kind routers do not hold against the worker (router.dispatch._prefill_fault).
+                raise EngineError(
+                    502,
+                    PREFILL_STOPPED,
+                    "the prefill leg stopped on its one token and returned no kv_transfer_params (vLLM's "
+                    "connectors return them only for a leg that ends on its length)",
+                )
             raise EngineError(502, "engine_protocol", "the prefill leg returned no kv_transfer_params")
         return LegOutcome(
             finish_reason=result.finish_reason,
