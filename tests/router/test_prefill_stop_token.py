@@ -38,8 +38,11 @@ def _left_in(router: RouterService, worker: Worker) -> None:
     assert worker.id in {c["worker"] for c in router.path.explain(MODEL, [1, 2, 3], text=False)["prefill_candidates"]}
 
 
+# vLLM's pydantic reads "8" and 8.0 as 8 (the router too): until 2026-12-06 the shim took them for
+# values the engine refuses and sent the leg the client's limit, without min_tokens 1
+@pytest.mark.parametrize("limit", [8, "8", 8.0], ids=["int", "text", "float"])
 async def test_a_prefill_whose_first_token_is_a_stop_id_still_runs_remotely(
-    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, limit: Any
 ) -> None:
     p = await cluster.add_worker("prefill")
     d = await cluster.add_worker("decode")
@@ -47,7 +50,7 @@ async def test_a_prefill_whose_first_token_is_a_stop_id_still_runs_remotely(
     first = await _first_token(http, router)
     pulled = d.sim.engine.stats.external_kv_tokens
     with caplog.at_level(logging.WARNING):
-        answer, outcome = await _post(http, router, {"max_tokens": 8, "stop_token_ids": [first]})
+        answer, outcome = await _post(http, router, {"max_tokens": limit, "stop_token_ids": [first]})
     # the decode leg samples the client's first token, the stop id: an empty answer, as vLLM's
     assert outcome == "remote_prefill"
     assert (answer["choices"][0]["finish_reason"], answer["choices"][0]["text"]) == ("stop", "")

@@ -5,11 +5,14 @@ cannot do, and TensorRT-LLM's chat prefill body as trtllm-serve validates it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine_sim import SimRequestError
+from engine_sim.openai_request import ChatRequest, CompletionRequest, chat_call, completion_call, parse_body
 from protocol import SamplingParams
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from worker_shim import ShimConfig
@@ -71,11 +74,22 @@ def test_a_vllm_prefill_leg_always_asks_for_min_tokens_1(endpoint: str, client: 
 VALID_REWRITTEN: list[tuple[str, dict[str, Any]]] = [
     (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "min_tokens": 5, "n": 1}),
     (ENDPOINT_COMPLETIONS, {"min_tokens": 16}),  # vLLM's 16 when no max_tokens is given
+    (ENDPOINT_COMPLETIONS, {"max_tokens": None, "min_tokens": 16}),  # and when it is null
     (ENDPOINT_COMPLETIONS, {"max_tokens": 100, "stream": True, "stream_options": {"include_usage": True}}),
     (ENDPOINT_COMPLETIONS, {"max_tokens": 100, "stream_options": {}}),  # falsy: vLLM's validator passes it
     (ENDPOINT_COMPLETIONS, {"max_tokens": 100}),  # its context, 100 tokens, is no bound on the client's
-    (ENDPOINT_CHAT, {"min_tokens": 500}),  # a chat's limit is the context's room
+    (ENDPOINT_CHAT, {"min_tokens": 50}),  # a chat's limit is the context's room (79 here)
     (ENDPOINT_CHAT, {"max_completion_tokens": 8, "max_tokens": 2, "min_tokens": 8}),  # the first is read
+    (ENDPOINT_CHAT, {"max_completion_tokens": None, "max_tokens": 8, "min_tokens": 8}),  # null: the second
+    (ENDPOINT_CHAT, {"max_tokens": 8, "n": None}),  # a chat's n may be null (1)
+    # integers as vLLM's pydantic models read them (protocol.messages.lax_int)
+    (ENDPOINT_COMPLETIONS, {"max_tokens": "64"}),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 64.0, "min_tokens": 0.0}),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": " +8 ", "min_tokens": "8"}),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": True, "min_tokens": True, "n": True}),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "min_tokens": False, "n": "1"}),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "n": 1.0}),
+    (ENDPOINT_CHAT, {"max_completion_tokens": "8", "min_tokens": 8.0}),
 ]
 # each refused by vLLM 0.32 (engine_sim.openai_request holds its checks) as the client sent it
 INVALID_KEPT: list[tuple[str, dict[str, Any], str]] = [
@@ -86,9 +100,21 @@ INVALID_KEPT: list[tuple[str, dict[str, Any], str]] = [
     (ENDPOINT_COMPLETIONS, {"max_tokens": 101}, "max_tokens"),  # past max_model_len
     (ENDPOINT_CHAT, {"max_completion_tokens": 101, "max_tokens": 2}, "max_completion_tokens"),
     (ENDPOINT_CHAT, {"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    (ENDPOINT_CHAT, {"min_tokens": 500}, "min_tokens"),  # past the context, so past any room in it
     (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "n": 0}, "n"),
     (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "stream_options": {"include_usage": True}}, "stream_options"),
     (ENDPOINT_CHAT, {"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
+    # a null where vLLM types the field `int`: a completion's n, min_tokens on both endpoints
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "n": None}, "n"),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "min_tokens": None}, "min_tokens"),
+    (ENDPOINT_CHAT, {"max_completion_tokens": 5, "min_tokens": None}, "min_tokens"),
+    # lax values vLLM reads as ints that it refuses, and values it cannot read as ints
+    (ENDPOINT_COMPLETIONS, {"max_tokens": "5", "min_tokens": "10"}, "min_tokens"),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": False}, "max_tokens"),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": "1e3"}, "max_tokens"),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5.5}, "max_tokens"),
+    (ENDPOINT_COMPLETIONS, {"max_tokens": 5, "n": "0"}, "n"),
+    (ENDPOINT_CHAT, {"max_completion_tokens": 8, "max_tokens": "eight"}, "max_tokens"),  # read though unused
 ]
 
 
@@ -104,6 +130,44 @@ def test_a_prefill_leg_makes_a_valid_request_one_token(engine: str, endpoint: st
     assert pre["stream"] is False and pre["n"] == 1 and "stream_options" not in pre
     assert max(pre.get("max_tokens", 1), pre.get("max_completion_tokens", 1)) == 1
     assert pre.get("min_tokens", 0) <= 1
+    # the rewritten values go as ints, whatever form of them the client sent
+    assert all(type(pre[k]) is int for k in ("n", "max_tokens", "max_completion_tokens", "min_tokens") if k in pre)
+
+
+def _engine_refusal(endpoint: str, body: dict[str, Any]) -> str | None:
+    """engine_sim's refusal of `body` (vLLM 0.32's request checks, max_model_len 100), None where
+    it takes it."""
+    raw = json.dumps(body).encode()
+    try:
+        if endpoint == ENDPOINT_CHAT:
+            chat_call(parse_body(raw, ChatRequest), 100, model="m")
+        else:
+            completion_call(parse_body(raw, CompletionRequest), 100)
+    except SimRequestError as exc:
+        return exc.message
+    return None
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields"), VALID_REWRITTEN + [(endpoint, fields) for endpoint, fields, _ in INVALID_KEPT]
+)
+def test_the_engine_refuses_a_prefill_leg_exactly_when_it_refuses_the_clients_request(
+    endpoint: str, fields: dict[str, Any]
+) -> None:
+    """The shim's copy of vLLM's rules judged by engine_sim's own validation: a request the engine
+    takes becomes a prefill leg it takes, of one token; one it refuses stays one it refuses, in the
+    same words, so that no remote prefill runs before the refusal."""
+    client = (
+        {"prompt": [1, 2, 3], **_client(endpoint, fields)}
+        if endpoint == ENDPOINT_COMPLETIONS
+        else _client(endpoint, fields)
+    )
+    pre = engine_body(leg(endpoint, dict(client), prefill_only=True, max_model_len=100))[1]
+    refusal = _engine_refusal(endpoint, client)
+    assert _engine_refusal(endpoint, pre) == refusal
+    assert (refusal is None) == ((endpoint, fields) in VALID_REWRITTEN)  # the tables say which is which
+    if refusal is None:
+        assert pre["max_tokens"] == 1 and pre["n"] == 1 and pre["min_tokens"] == 1
 
 
 @pytest.mark.parametrize("engine", sorted(BUILDERS))

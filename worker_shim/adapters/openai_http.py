@@ -29,13 +29,13 @@ import datetime
 import email.utils
 import math
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
 
 from protocol import Usage
-from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RETRY_AFTER_MAX_S, lax_bool
+from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RETRY_AFTER_MAX_S, lax_bool, lax_int
 from worker_shim.adapters.base import EngineError, LegRequest, ModelCard, OnOutput
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
 _json = msgspec.json.Decoder()
 _DEFAULT_MAX_TOKENS = 16  # vLLM's completion max_tokens when the client gives none
 _encode = msgspec.json.Encoder()
+_T = TypeVar("_T")
 
 
 class _WholeChoice(msgspec.Struct):
@@ -217,25 +218,31 @@ def _one_token(body: dict[str, Any], leg: LegRequest, min_one: bool) -> None:
     """A prefill leg's output is thrown away: one token, one choice, nothing streamed. A value the
     engine refuses stays as the client sent it, so that the engine refuses the prefill leg at once,
     in the words it will refuse the decode leg with: rewritten into a valid one, it cost a whole
-    remote prefill before that refusal (vLLM 0.32's checks: SamplingParams._verify_args,
-    TokenizeParams, the `stream_options` validator)."""
+    remote prefill before that refusal (vLLM 0.32's checks: its request models' integer fields,
+    SamplingParams._verify_args, TokenizeParams, the `stream_options` validator; engine_sim's copy
+    of them judges these rules in tests/worker_shim/test_leg_params.py)."""
     body["stream"] = False
-    n = body.get("n")
-    if n is None or (_is_int(n) and n >= 1):
-        body["n"] = 1
+    chat = leg.endpoint == ENDPOINT_CHAT
     # the raw values' truthiness, as vLLM's validator reads them; the decode leg sends the same stream
     if not (body.get("stream_options") and not leg.params.get("stream")):
         body.pop("stream_options", None)
-    chat = leg.endpoint == ENDPOINT_CHAT
-    # vLLM: a chat request's max_completion_tokens when given, else max_tokens; a completion's
-    # 16 when neither is (normalize_null_max_tokens), a chat's up to the context
-    given = body.get("max_completion_tokens") if chat else None
-    asked = given if given is not None else body.get("max_tokens")
-    limit = asked if asked is not None or chat else _DEFAULT_MAX_TOKENS
-    if asked is not None and not (_is_int(asked) and 1 <= asked <= (leg.max_model_len or asked)):
+    with contextlib.suppress(_Refused):
+        if _int_field(body, "n", 1, nullable=chat) >= 1:  # a chat's n may be null, a completion's not
+            body["n"] = 1
+    try:
+        # vLLM: a chat request's max_completion_tokens when given, else max_tokens (null: up to the
+        # context); a completion's max_tokens, 16 when absent or null (normalize_null_max_tokens).
+        # Its model reads each field, the one not used too.
+        given = _int_field(body, "max_completion_tokens", None, nullable=True) if chat else None
+        asked = _int_field(body, "max_tokens", None if chat else _DEFAULT_MAX_TOKENS, nullable=True)
+        least = _int_field(body, "min_tokens", 0, nullable=False)
+    except _Refused:
         return
-    least = body.get("min_tokens")
-    if least is not None and not (_is_int(least) and 0 <= least <= (limit if limit is not None else least)):
+    limit = given if given is not None else asked
+    if limit is not None and not 1 <= limit <= (leg.max_model_len or limit):
+        return
+    # with no limit a chat's is the room its prompt leaves, less than the context
+    if not 0 <= least <= (limit if limit is not None else leg.max_model_len or least):
         return
     body["max_tokens"] = 1
     if chat:
@@ -244,10 +251,24 @@ def _one_token(body: dict[str, Any], leg: LegRequest, min_one: bool) -> None:
         # SGLang's and TensorRT-LLM's prefill samples the client's first token: it must not be an
         # EOS or stop either. One fits min_tokens <= max_tokens.
         body["min_tokens"] = 1
+    elif "min_tokens" in body:
+        body["min_tokens"] = 0  # the client's 0 as an int ("0", 0.0 and false are 0 to vLLM)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+class _Refused(ValueError):
+    """An integer field's value vLLM's request model refuses: the leg sends it as the client did."""
+
+
+def _int_field(body: dict[str, Any], name: str, default: _T, *, nullable: bool) -> int | _T:
+    """`body[name]` as vLLM 0.32's request model reads an integer field (protocol.messages.lax_int:
+    "64", 64.0 and true are ints): `default` when absent, or null where the field takes a null. A
+    null it types `int` (a completion's n, min_tokens) is refused as any unreadable value is."""
+    if name not in body or (body[name] is None and nullable):
+        return default
+    value = lax_int(body[name])  # None for a null too
+    if value is None:
+        raise _Refused(name)
+    return value
 
 
 class Result:
