@@ -128,7 +128,7 @@ class _Job:
                 req = SimRequest(
                     rid if call.n == 1 else f"{j}_{rid}",
                     p.token_ids,
-                    max_tokens=1 if remote_decode else call.max_tokens[i],
+                    max_tokens=call.max_tokens[i],  # vLLM's too: its proxies ask a prefill for one
                     stop_token_ids=call.stop_token_ids,
                     seed=call.seed,
                     choice=j,

@@ -16,8 +16,8 @@ Scheduling, as vLLM v1 does it:
   waiting queue) until it fits; no waiting request is admitted in a step that preempted;
 - remote KV (NixlConnector): a request with `do_remote_prefill` takes its local hit, allocates the
   rest of its prompt, waits in WAITING_FOR_REMOTE_KVS for the driver to finish the transfer, then
-  recomputes only its last prompt token; a request with `do_remote_decode` finishes after one token
-  and, where it ended on its length (not on a stop token id), its blocks stay pinned until
+  recomputes only its last prompt token; a request with `do_remote_decode` runs to its max_tokens
+  (one, as P/D proxies ask) and, where it ended on its length (not on a stop token id), its blocks stay pinned until
   `release_pin` (the decode side pulled or gave them up, or their lease ran out: engine_sim/runner.py).
 """
 

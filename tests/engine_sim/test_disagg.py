@@ -55,7 +55,7 @@ async def test_prefill_then_decode_on_another_sim(cross_process: bool, monkeypat
         if cross_process:  # force the HTTP pull path a separate process would take
             monkeypatch.setattr(disagg, "_registry", weakref.WeakValueDictionary())
         pre, _ = await complete(
-            p.url, {"prompt": PROMPT, "max_tokens": 50, "kv_transfer_params": {"do_remote_decode": True}}
+            p.url, {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
         )
         params = pre["kv_transfer_params"]
         assert pre["usage"]["completion_tokens"] == 1
@@ -106,6 +106,18 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) 
     while not condition():
         assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
         await asyncio.sleep(0.01)
+
+
+async def test_a_prefill_request_runs_to_its_own_max_tokens() -> None:
+    """vLLM forces no limit on a `do_remote_decode` request (its P/D proxies ask for one token).
+    Until 2026-12-06 the sim made every such request one token, so no test saw a prefill leg that
+    kept the client's limit generate the whole answer."""
+    async with SimServer(sim_config(role="prefill")) as p:
+        pre, _ = await complete(
+            p.url, {"prompt": PROMPT[:200], "max_tokens": 5, "kv_transfer_params": {"do_remote_decode": True}}
+        )
+        assert (pre["usage"]["completion_tokens"], pre["choices"][0]["finish_reason"]) == (5, "length")
+        assert pre["kv_transfer_params"]["do_remote_prefill"] is True and p.engine.pins
 
 
 async def test_an_unpulled_pin_is_freed_when_its_lease_runs_out() -> None:
