@@ -286,7 +286,7 @@ class RouterService:
         self._path: RequestPath | None = None
         self._watcher: ConfigWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._loops: list[asyncio.Task[None]] = []  # of _tasks, those meant to run until stop() (_ended_loops)
+        self._loops: list[asyncio.Task[None]] = []  # beside _tasks: loops meant to run until stop() (_ended_loops)
         # Set once the router is no longer correct (a failed registration, a loop it needs that ended),
         # with why: serve() then stops it, exit status 1; an owner running it in-process acts itself.
         self.broken = asyncio.Event()

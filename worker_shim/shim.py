@@ -1359,8 +1359,8 @@ class WorkerShim:
         return [leg.task for leg in self.requests.inflight.values() if leg.task] if kept and self.requests else []
 
     async def _close_retired(self, worker: str | None = None) -> None:
-        """At stop: every old id's retirement ends now, and what it held is closed; `worker`: only
-        that id's."""
+        """Every old id's retirement ends now, and what it held is closed: at stop; and, for
+        `worker` only, when a --worker-name's next session takes over the cancels its id kept."""
         retired = {p: t for p, t in self._retired.items() if worker in (None, p.worker)}
         for presence in retired:
             del self._retired[presence]
