@@ -40,15 +40,16 @@ Meanwhile only that worker is out of routing (router.eligibility), never the fle
 A loop that crashes (a bug: the target's or this module's code raised) is counted as a failure of
 kind `crashed` and logged as an ERROR with its traceback, naming the worker and that it stays out of
 routing: per worker at most every `error_every_s` (with how many more), and as one of the few workers
-a FleetLines names per window. While the worker still needs repair, its loop starts again after a
-wait of its own, from `retry_min_s` doubling to `crash_retry_max_s` (30 s) with each crash in a row
-(reset by a loop that ends without one), each wait up to `CRASH_JITTER` longer at random: nothing
-else would start it, since a worker that is not synced holds its batches and has its digests
-ignored, so a one-off crash would leave it out of routing until it registered anew. A crash asks
-for a full dump next (router.kv_ingest), so a bug that crashes every round costs each worker it hits
-one full dump per router every 30 s at most; capped at `retry_max_s` (2 s) as failed requests are,
-R routers asked each such worker for R/2 full dumps a second, for as long as the bug lasted
-(review of 2026-12-06). The jitter spreads routers that crash alike.
+a FleetLines names per window. While the worker still needs repair, a new loop starts at once and
+waits before its first request, from `retry_min_s` doubling to `crash_retry_max_s` (30 s) with each
+crash in a row (reset by a loop that ends without one), each wait up to `CRASH_JITTER` longer at
+random. A gap seen meanwhile finds that loop running and does not cut its wait short, which would
+bypass the backoff. Nothing else would start it, since a worker that is not synced holds its batches
+and has its digests ignored, so a one-off crash would leave it out of routing until it registered
+anew. A crash asks for a full dump next (router.kv_ingest), so a bug that crashes every round costs
+each worker it hits one full dump per router every 30 s at most; capped at `retry_max_s` (2 s) as
+failed requests are, R routers asked each such worker for R/2 full dumps a second, for as long as
+the bug lasted (review of 2026-12-06). The jitter spreads routers that crash alike.
 """
 
 from __future__ import annotations
@@ -216,29 +217,25 @@ class GapRepair:
             fleet_log=fleet_log,
         )
         self._crash_said = Throttle(error_every_s, clock)  # per worker, until it leaves
-        # per worker whose loop crashed while it needed repair: the wait before the next crash's retry,
-        # and the retry due (until a loop of it ends without crashing, or it leaves)
+        # per worker whose loop crashed while it needed repair: the wait after its next crash (until a
+        # loop of it ends without crashing, or it leaves); the waiting loop itself is in _loops
         self._crash_waits: dict[str, float] = {}
-        self._retries: dict[str, asyncio.TimerHandle] = {}
 
     def ensure(self, worker: str) -> None:
         """Run the worker's repair loop unless it runs already."""
         loop = self._loops.get(worker)
         if loop is not None and not loop.task.done():
             return
-        retry = self._retries.pop(worker, None)
-        if retry is not None:
-            retry.cancel()
-        task = asyncio.create_task(self._run(worker), name=f"kv-repair-{worker}")
+        self._start(worker, 0.0)
+
+    def _start(self, worker: str, first_wait: float) -> None:
+        task = asyncio.create_task(self._run(worker, first_wait), name=f"kv-repair-{worker}")
         self._loops[worker] = _Loop(task)
         task.add_done_callback(functools.partial(self._done, worker))
 
     def cancel(self, worker: str) -> None:
         self._crash_said.forget(worker)
         self._crash_waits.pop(worker, None)
-        retry = self._retries.pop(worker, None)
-        if retry is not None:
-            retry.cancel()
         loop = self._loops.pop(worker, None)
         if loop is not None:
             loop.task.cancel()
@@ -257,9 +254,6 @@ class GapRepair:
         for worker in self._loops:
             self._episodes.forget(worker)
         loops, self._loops = list(self._loops.values()), {}
-        retries, self._retries = list(self._retries.values()), {}
-        for retry in retries:
-            retry.cancel()
         for loop in loops:
             loop.task.cancel()
         await asyncio.gather(*(loop.task for loop in loops), return_exceptions=True)
@@ -282,7 +276,7 @@ class GapRepair:
             base = self._crash_waits.get(worker, self.retry_min_s)
             self._crash_waits[worker] = min(base * 2, self.crash_retry_max_s)
             wait = base * random.uniform(1.0, 1.0 + CRASH_JITTER)
-            self._retries[worker] = asyncio.get_running_loop().call_later(wait, self._retry, worker)
+            self._start(worker, wait)
             retry = f"; retried in {wait:.3g}s, the wait doubling to {self.crash_retry_max_s:g}s while it crashes"
         said = self._crash_said(worker)
         if said is None:
@@ -298,12 +292,9 @@ class GapRepair:
             exc_info=exc,
         )
 
-    def _retry(self, worker: str) -> None:
-        del self._retries[worker]
-        if self._target.needs_repair(worker):
-            self.ensure(worker)
-
-    async def _run(self, worker: str) -> None:
+    async def _run(self, worker: str, first_wait: float) -> None:
+        if first_wait:  # a crashed loop's successor: its crash backoff
+            await asyncio.sleep(first_wait)
         delay = self.retry_min_s
         while self._target.needs_repair(worker):
             loop = self._loops[worker]
@@ -381,7 +372,7 @@ class GapRepair:
                 return f"KV tiers larger than this router's index bound per worker ({LIMIT_HINT})"
             case FailureKind.NATS_ERROR:
                 return "this router's NATS connection (its log says how)"
-            case FailureKind.CRASHED:  # never shared so (a crashed loop is no longer among them); for the match
+            case FailureKind.CRASHED:  # never shared so (a crashed loop's successor has no failures); for the match
                 return "a bug in this router's repair loop (its traceback is in this log)"
             case FailureKind.TIMED_OUT | FailureKind.NO_RESPONDERS:
                 return f"NATS permissions on {subjects.kvstate_all(self._ns)}, or the workers' shims not answering"

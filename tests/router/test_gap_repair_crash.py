@@ -98,12 +98,17 @@ async def test_a_repair_crashing_again_after_the_interval_says_how_often_it_did(
 ) -> None:
     now = [0.0]
 
-    target = _CrashingTarget()  # never healthy: every worker needs repair
-    # retries (a crashed loop of a worker that still needs repair) wait past this test: it starts each
-    repair = GapRepair(None, "ns", target, error_every_s=30.0, retry_min_s=60.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    class _CrashOnce(_CrashingTarget):  # each crash leaves the worker repaired: no retry, the test starts each
+        def repair_failed(self, worker: str, failure: FetchFailure) -> None:
+            super().repair_failed(worker, failure)
+            self.healthy = True
+
+    target = _CrashOnce()
+    repair = GapRepair(None, "ns", target, error_every_s=30.0, clock=lambda: now[0])  # type: ignore[arg-type]
     with caplog.at_level(logging.ERROR, logger="router.gap_repair"):
         for t in (0.0, 1.0, 2.0, 31.0):
             now[0] = t
+            target.healthy = False
             repair.ensure("w1")
             await asyncio.sleep(0.01)
         await repair.stop()
@@ -170,9 +175,8 @@ async def test_a_repair_that_crashes_every_time_backs_off_to_its_own_cap(caplog:
         await until(lambda: len(waits()) >= 5, what="five crashes, each retried")
         for wait, base in zip(waits()[:5], [0.01, 0.02, 0.04, 0.04, 0.04], strict=True):
             assert base <= wait <= base * (1 + CRASH_JITTER), waits()
-        target.healthy = True
-        repair.ensure("w1")  # its loop ends without crashing (and the retry due is dropped)
-        await asyncio.sleep(0.05)
+        target.healthy = True  # the waiting loop wakes (within 0.048 s) and ends without crashing
+        await asyncio.sleep(0.1)
         target.healthy = False
         before = len(waits())
         repair.ensure("w1")
@@ -184,19 +188,52 @@ async def test_a_repair_that_crashes_every_time_backs_off_to_its_own_cap(caplog:
     assert len(waits()) == stopped, waits()  # no retry outlives stop()
 
 
-async def test_crash_retries_reach_30_s_with_jitter_at_the_defaults(caplog: pytest.LogCaptureFixture) -> None:
-    """At the defaults a repair crashing every round was retried every 2 s (retry_max_s) with a full
-    dump each time: R routers asked each worker it hit for R/2 full dumps a second (review of
-    2026-12-06). Each crash here starts the loop at once (ensure), so no retry is waited for."""
-    repair = GapRepair(None, "ns", _CrashingTarget(), error_every_s=0.0)  # type: ignore[arg-type]
+async def test_a_gap_during_the_crash_wait_does_not_cut_it_short(caplog: pytest.LogCaptureFixture) -> None:
+    """The ingest asks for a repair on every gap it sees; until 2026-12-06 such an ensure() during a
+    crash's wait started the loop at once, bypassing the backoff that keeps a crashing bug from asking
+    the worker for a full dump on every gap."""
+    target = _CrashingTarget()
+    repair = GapRepair(None, "ns", target, retry_min_s=60.0, error_every_s=0.0)  # type: ignore[arg-type]
     with caplog.at_level(logging.ERROR, logger="router.gap_repair"):
-        for _ in range(14):  # 50 ms doubling: 30 s from the 11th crash on
+        repair.ensure("w1")
+        await until(lambda: len(target.failed) == 1, what="the first crash")
+        for _ in range(5):  # gaps seen while its successor waits 60 s
             repair.ensure("w1")
             await asyncio.sleep(0.01)
         await repair.stop()
-    waits = [_retried_in(r.getMessage()) for r in caplog.records]
-    assert len(waits) == 14, waits
-    capped = waits[10:]
-    assert all(30.0 <= wait <= 30.0 * (1 + CRASH_JITTER) for wait in capped), waits
+    assert target.failed == [FailureKind.CRASHED], target.failed
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+
+
+async def test_crash_retries_reach_30_s_with_jitter_at_the_defaults(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the defaults a repair crashing every round was retried every 2 s (retry_max_s) with a full
+    dump each time: R routers asked each worker it hit for R/2 full dumps a second (review of
+    2026-12-06). The first 13 waits pass at once here (asyncio.sleep stubbed), each recorded: the loop
+    waits what its ERROR line says; the 14th lasts until stop()."""
+    real_sleep = asyncio.sleep
+    slept: list[float] = []
+
+    async def no_wait(delay: float) -> None:
+        slept.append(delay)
+        await real_sleep(0 if len(slept) < 14 else 3600)
+
+    monkeypatch.setattr(asyncio, "sleep", no_wait)
+    repair = GapRepair(None, "ns", _CrashingTarget(), error_every_s=0.0)  # type: ignore[arg-type]
+
+    def waits() -> list[float]:
+        return [_retried_in(r.getMessage()) for r in caplog.records]
+
+    with caplog.at_level(logging.ERROR, logger="router.gap_repair"):
+        repair.ensure("w1")
+        async with asyncio.timeout(20):
+            while len(slept) < 14:  # 50 ms doubling: 30 s from the 11th crash on
+                await real_sleep(0.001)
+        await repair.stop()
+    assert [float(f"{s:.3g}") for s in slept] == waits(), (slept, waits())
+    assert len(waits()) == 14, waits()
+    capped = waits()[10:]
+    assert all(30.0 <= wait <= 30.0 * (1 + CRASH_JITTER) for wait in capped), waits()
     assert len(set(capped)) > 1, capped  # jittered: routers that crash alike do not ask in step
     assert "doubling to 30s" in caplog.records[-1].getMessage()
