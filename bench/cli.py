@@ -603,12 +603,12 @@ def _compare(args: argparse.Namespace) -> int:
             continue
         configurations.append(known[name])
     items = _trace_items(args)
-    # The sims' default max_model_len (32k) is shorter than the longest Mooncake prompts.
-    longest = max(item.input_len + item.output_len for item in items)
     sim_args = list(args.sim_arg)
-    if "--max-model-len" not in sim_args and longest > 32768:
-        sim_args += ["--max-model-len", str(longest)]
-    engine_len, raised = _max_model_len(args, items) if virtual else (SIMS_MAX_MODEL_LEN, None)
+    engine_len, raised = SIMS_MAX_MODEL_LEN, None
+    if virtual or "--max-model-len" not in sim_args:  # live: one given by --sim-arg is the user's, as given
+        engine_len, raised = _max_model_len(args, items)
+    if not virtual and raised:  # the live sims run at the length the raised line says, checked alike
+        sim_args += ["--max-model-len", str(engine_len)]
     spec = CompareSpec(
         items=items,
         configurations=configurations,
@@ -627,7 +627,7 @@ def _compare(args: argparse.Namespace) -> int:
         clock=args.clock,
         delays=_delays(args),
         router_profile=_router_profile(args),
-        max_model_len=engine_len,
+        max_model_len=engine_len if virtual else SIMS_MAX_MODEL_LEN,
         seed=args.router_seed,
         jobs=args.jobs,
         calibrate=args.calibrate,

@@ -464,6 +464,38 @@ def test_virtual_replay_says_when_it_raises_max_model_len_and_the_flag_sets_it(
     assert all("maximum context length is 32768" in (r.error or "") for r in too_long)
 
 
+def test_live_compare_raises_its_sims_max_model_len_as_the_virtual_clock_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review of 2026-12-06: live compare raised its sims' max_model_len to the longest request on
+    its own, with no KV-fit check and no line saying so: a length no engine holds started the
+    cluster, and the table did not say its engines were unlike `kvswitch up`'s. No cluster starts
+    here: run_compare records the spec and measures nothing."""
+    import types
+
+    import bench.cli
+    import bench.compare
+
+    specs: list[bench.compare.CompareSpec] = []
+
+    def recorded(spec: bench.compare.CompareSpec, **kwargs: object) -> list[bench.compare.Measurement]:
+        specs.append(spec)
+        return []
+
+    monkeypatch.setattr(bench.compare, "run_compare", recorded)
+    monkeypatch.setattr(bench.cli, "_plotting", lambda: types.SimpleNamespace(plot_compare=lambda *a, **k: "f.png"))
+    live = ["bench", "compare", "--configs", "kv", "--no-progress", "--scale-tokens", "1"]
+    live += ["--out-dir", str(tmp_path / "out")]
+    assert main([*live, *LONG]) == 0
+    assert RAISED in capsys.readouterr().out
+    assert specs[-1].sim_args == ["--max-model-len", "42615"]
+    assert main([*live, *LONG, "--sim-arg=--max-model-len", "--sim-arg=40000"]) == 0
+    assert "raised" not in capsys.readouterr().out
+    assert specs[-1].sim_args == ["--max-model-len", "40000"]  # the user's, as given
+    assert main([*live, *HUGE]) == 2
+    assert TOO_LONG in capsys.readouterr().err and len(specs) == 2  # refused before the cluster
+
+
 def test_compare_and_sweep_record_their_engines_max_model_len(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
