@@ -150,8 +150,8 @@ class Registration:
                 self._supervise(),
                 f"registration-{self.id}",
                 "the key is no longer kept registered (put back, re-put, registered anew): the registration failed",
+                self._supervisor_crashed,
             )
-            self._task.add_done_callback(self._supervisor_ended)
         return self.id
 
     def update(self) -> None:
@@ -206,15 +206,13 @@ class Registration:
     def _claimed(self, rid: str) -> Mapping[str, msgspec.Struct]:
         return self._claims(rid) if self._claims is not None else {}
 
-    def _supervisor_ended(self, task: asyncio.Task[None]) -> None:
-        """The supervisor ended, though it runs until stop() cancels it: fail, so the owner acts."""
-        if task.cancelled() or self.failed.is_set():
-            return  # stopped, or it failed already (and said why)
-        exc = task.exception()
-        how = f"crashed ({exc!r})" if exc is not None else "returned"
-        self.failure = DiscoveryError(f"the registration's supervisor of {self.key} {how}")
+    def _supervisor_crashed(self) -> None:
+        """The supervisor crashed (background() said it), though it runs until stop() cancels it:
+        fail, so the owner acts. (It returns only once the registration failed, and said why.)"""
+        if self.failed.is_set():
+            return
+        self.failure = DiscoveryError(f"the registration's supervisor of {self.key} crashed")
         self._phase = RegistrationState.FAILED
-        log.error("%s: it is no longer kept registered", self.failure)
         self.failed.set()
 
     async def _supervise(self) -> None:

@@ -236,21 +236,29 @@ def guarded(cb: Callable[[Any], Awaitable[None]], what: str) -> Callable[[Any], 
 
 class TickErrors:
     """What a loop that must outlive a failing tick says of one: an ERROR with the traceback and
-    `what`, the first, then at most every `every_s` with how many came meanwhile; the caller goes on
-    with its next tick. For a loop whose tick may fail on its data (or a bug) while the loop itself
-    is what keeps its owner correct: ending it would stop that for good (background())."""
+    `what`, the first, then at most every `every_s` with how many came meanwhile (`per_kind`: per
+    type of exception, so a new kind of failure is said at once); the caller goes on with its next
+    tick. For a loop whose tick may fail on its data (or a bug) while the loop itself is what keeps
+    its owner correct: ending it would stop that for good (background())."""
 
     def __init__(
-        self, logger: logging.Logger, what: str, *, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+        self,
+        logger: logging.Logger,
+        what: str,
+        *,
+        every_s: float = 30.0,
+        per_kind: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.log = logger
         self.what = what
         self.count = 0
+        self.per_kind = per_kind
         self._throttle = Throttle(every_s, clock)
 
     def __call__(self, exc: Exception) -> None:
         self.count += 1
-        said = self._throttle(None)
+        said = self._throttle(type(exc).__name__ if self.per_kind else None)
         if said is None:
             return
         held, ago = said

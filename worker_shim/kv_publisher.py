@@ -140,13 +140,11 @@ class KvPublisher:
                 self.on_crash,
             )
 
-    def crashed(self) -> BaseException | None:
-        """The error its task ended with before stop() (runtime.background logged it); None while it
-        runs or once stopped. The shim ends the session on one: its KV stream is frozen otherwise."""
-        task = self._task
-        if task is None or not task.done() or task.cancelled():  # only stop() cancels it
-            return None
-        return task.exception()
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """Its loop, from start() until stop() (which alone ends it): the shim ends the session should
+        it end before (runtime.ended), as its KV stream is frozen otherwise."""
+        return self._task
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Seal and send what is pending, then stop; safe to call twice.

@@ -111,15 +111,12 @@ class LoadReporter:
                 ),
             ]
 
-    def crashed(self) -> BaseException | None:
-        """The error one of its tasks ended with before stop() (runtime.background logged it); None
-        while they run or once stopped. The shim ends the session on one: a worker that sends no
-        reports, or stale ones, stays registered otherwise."""
-        for task in self._tasks:
-            # only stop() cancels them
-            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
-                return exc
-        return None
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """Its loops, from start() until stop() (which alone ends them): the shim ends the session should
+        one end before (runtime.ended), as a worker that sends no reports, or stale ones, stays
+        registered otherwise."""
+        return list(self._tasks)
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []

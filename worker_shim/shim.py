@@ -64,7 +64,7 @@ from protocol.fingerprint import BUILTIN, builtin_fingerprint
 from protocol.hashing import block_hashes
 from protocol.version import BUILD
 from protocol.vllm_events import RESOLVED_BY_ENGINE
-from runtime import Throttle, background, guarded
+from runtime import TickErrors, background, ended, guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
 from worker_shim import engine_claim, takeover
@@ -124,13 +124,12 @@ TASKS = ("kv_publisher", "load_reporter", "orphan_check", "retire")
 
 
 class _TaskCrashed(Exception):
-    """A task of the session (`task`, one of TASKS) ended with `error`; runtime.background logged its
-    traceback as it crashed, so the session's end needs none."""
+    """A task of the session (`task`, one of TASKS) no longer runs, `why` (runtime.ended);
+    runtime.background logged its traceback as it crashed, so the session's end needs none."""
 
-    def __init__(self, task: str, error: BaseException) -> None:
-        super().__init__(f"the {task} task crashed: {error!r}")
+    def __init__(self, task: str, why: str) -> None:
+        super().__init__(f"the {task} {why}")
         self.task = task
-        self.error = error
 
 
 class ShimStatus(enum.Enum):
@@ -1429,16 +1428,20 @@ class WorkerShim:
         self.task_failures[task] += 1
 
     def _check_tasks(self) -> None:
-        """_TaskCrashed when the worker id's KV publisher or load reporter crashed: the
-        session ends as failed and a new one registers. Left to run, routers kept routing on a KV
-        index that changed no more (the load reports' digest stayed at the last batch, so no repair
-        came), or on a worker that sent no load report while its /health said serving."""
+        """_TaskCrashed when a loop of the worker id's KV publisher or load reporter no longer runs
+        (runtime.ended; each runs until its stop(), which takes it away first): the session ends as
+        failed and a new one registers. Left to run, routers kept routing on a KV index that changed
+        no more (the load reports' digest stayed at the last batch, so no repair came), or on a
+        worker that sent no load report while its /health said serving."""
         presence = self._presence
         if presence is None:
             return
-        for task, part in (("kv_publisher", presence.publisher), ("load_reporter", presence.reporter)):
-            if part is not None and (error := part.crashed()) is not None:
-                raise _TaskCrashed(task, error)  # counted as it crashed
+        publisher, reporter = presence.publisher, presence.reporter
+        loops = [("kv_publisher", publisher.task)] if publisher is not None else []
+        loops += [("load_reporter", task) for task in (reporter.tasks if reporter is not None else ())]
+        for name, task in loops:
+            if (why := ended(task)) is not None:
+                raise _TaskCrashed(name, why)  # counted as it crashed
 
     def _leave_legs(self) -> None:
         """Deregistered as down or busy, the legs in flight run on: neither proves a hang. A loaded
@@ -1556,7 +1559,9 @@ class WorkerShim:
                 orphans.update(event)
 
         watch = asyncio.create_task(keep_following(follow, "the routers' watch"), name="shim-routers-watch")
-        said = Throttle(ORPHAN_ERROR_SAID_S)  # per kind of error a check failed with
+        errors = TickErrors(
+            log, "checking the legs of routers gone from etcd", every_s=ORPHAN_ERROR_SAID_S, per_kind=True
+        )
         try:
             while True:
                 await asyncio.sleep(ORPHAN_CHECK_S)
@@ -1565,12 +1570,7 @@ class WorkerShim:
                 except Exception as exc:
                     # One check's bug must not end the watchdog for good (it did, without a word).
                     self.task_failures["orphan_check"] += 1
-                    if said(type(exc).__name__) is not None:
-                        log.error(
-                            "checking the legs of routers gone from etcd failed (%d times so far, said at most "
-                            "every %.0fs per kind of error); checking again every %.0fs",
-                            self.task_failures["orphan_check"], ORPHAN_ERROR_SAID_S, ORPHAN_CHECK_S, exc_info=exc,
-                        )  # fmt: skip
+                    errors(exc)
         finally:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)

@@ -84,6 +84,21 @@ def test_tick_errors_say_the_first_then_once_a_while_with_a_count(caplog: pytest
     assert errors.count == 4 and all(r.exc_info is not None for r in caplog.records)
 
 
+def test_tick_errors_per_kind_say_a_new_kind_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    errors = TickErrors(logging.getLogger("t"), "a check", every_s=60.0, per_kind=True, clock=lambda: now[0])
+    with caplog.at_level(logging.ERROR, logger="t"):
+        for t, exc in ((0.0, RuntimeError("a")), (1.0, RuntimeError("b")), (2.0, KeyError("c")), (3.0, KeyError("d"))):
+            now[0] = t
+            errors(exc)
+    said = [(r.getMessage(), type(r.exc_info[1]).__name__ if r.exc_info else None) for r in caplog.records]
+    assert said == [
+        ("a check failed; going on with its next round", "RuntimeError"),
+        ("a check failed; going on with its next round", "KeyError"),  # within the minute, a new kind
+    ]
+    assert errors.count == 4
+
+
 async def test_a_handler_that_raises_is_logged_as_its_own_and_the_next_message_is_handled(
     nats_url: str, ns: str, caplog: pytest.LogCaptureFixture
 ) -> None:

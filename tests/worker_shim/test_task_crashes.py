@@ -157,7 +157,8 @@ async def test_a_crashed_kv_publisher_ends_the_session_and_a_new_one_registers_a
         new = shim.worker_id
         assert new is not None and await registered_workers(etcd_url, ns) == {new}
         assert _failures(shim, "kv_publisher") == 1 and _failures(shim, "load_reporter") == 0
-        assert _errors(caplog, "task kv-publisher-") and _errors(caplog, "the kv_publisher task crashed")
+        assert [r for r in _errors(caplog, "task kv-publisher-") if r.name == "runtime"]  # said as it crashed
+        assert _errors(caplog, f"the kv_publisher task kv-publisher-{old} crashed (RuntimeError")  # the session's end
         # The new id's stream runs: a new leg's blocks are published there.
         async with _received(nats_url, KvEventBatch, subjects.kv(ns, new)) as (_, _, batches):
             await _leg(shim, ns, "b", 2000)
@@ -343,7 +344,7 @@ async def test_a_crashed_load_reporter_ends_the_session_and_the_new_worker_id_re
         new = shim.worker_id
         assert new is not None and await registered_workers(etcd_url, ns) == {new}
         assert _failures(shim, "load_reporter") == 1 and _failures(shim, "kv_publisher") == 0
-        assert _errors(caplog, "the load_reporter task crashed")
+        assert _errors(caplog, f"the load_reporter task load-{old} crashed (RuntimeError")
         async with _received(nats_url, LoadReport, subjects.load(ns, new)) as (_, _, reports):
             await wait_for(lambda: len(reports) >= 2, what="load reports of the new worker id")
 
