@@ -58,7 +58,9 @@ def test_up_serves_healthy_servers_and_leaves_nothing_after_sigterm() -> None:
                 break
         out = "".join(lines)
         hint = proc.stdout.readline()  # bare `up` said nothing of how to add workers (ops audit)
-        assert hint.startswith("kvswitch up: no workers") and "--agg N" in hint and "kvswitch shim" in hint, hint
+        # An exit before the health line (a port another process took meanwhile) says why.
+        said = hint or out + (proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
+        assert hint.startswith("kvswitch up: no workers") and "--agg N" in hint and "kvswitch shim" in hint, said
         assert f"nats://127.0.0.1:{nats_port}" in out
         assert f"http://127.0.0.1:{etcd_port}" in out
         assert "health: nats=ok etcd=ok" in out
