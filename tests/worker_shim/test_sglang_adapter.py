@@ -18,6 +18,7 @@ from protocol.hashing import chain_salt
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from protocol.vllm_events import decode_pub_frames
 from tests.protocol.vllm_captures import frames
+from tests.worker_shim.cluster import served
 from worker_shim import Normaliser
 from worker_shim.adapters.base import EngineError, LegRequest
 from worker_shim.adapters.sglang import (
@@ -290,11 +291,8 @@ async def generate_url() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
+    async with served(app) as url:
+        yield url
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -349,11 +347,8 @@ async def streams() -> AsyncIterator[tuple[str, list[list[bytes]], list[dict[str
 
     app = web.Application()
     app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}", answers, bodies
-    await runner.cleanup()
+    async with served(app) as url:
+        yield url, answers, bodies
 
 
 async def test_a_generate_stream_cut_before_done_is_no_answer(
