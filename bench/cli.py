@@ -178,7 +178,12 @@ def _add_clock_args(p: argparse.ArgumentParser, owned: Owned) -> None:
             help="the timing profile workers register for the routers' cost model"
             " ('none': none; default: the engines')",
         ),
-        g.add_argument("--router-seed", type=int, default=0, help="routers' random choices (run r uses seed + r)"),
+        g.add_argument(
+            "--router-seed",
+            type=int,
+            default=0,
+            help="routers' random choices and the virtual shims' poll phases (run r uses seed + r)",
+        ),
         g.add_argument(
             "--calibrate",
             action=argparse.BooleanOptionalAction,

@@ -9,7 +9,11 @@ What each one stands for (live: `kvswitch up` on one machine, engines at 1x):
   flush window, then NATS);
 - `leg_s`: a router sends a leg -> the engine has the request (NATS to the shim, HTTP to the engine);
 - `token_s`: an engine emits a token -> the router has it (HTTP stream to the shim, NATS);
-- `client_s`: client <-> router, one way (HTTP in, server-sent events out).
+- `client_s`: client <-> router, one way (HTTP in, server-sent events out);
+- `engine_read_s`: a shim asks its engine for its load -> it has the reading (HTTP GET /metrics,
+  parsed); its next poll starts `POLL_S` after that. Measured as the live poll period's mean
+  overrun of `POLL_S` (the read, and the event loop's lateness waking from the sleep), as those add
+  up to the poll's drift.
 
 The defaults were measured from the live stack by `python -m bench.virtual.measure_delays`
 (docs/benchmarks.md, "Virtual clock", gives the command, the machine and what it printed).
@@ -29,6 +33,7 @@ class Delays(msgspec.Struct, frozen=True, kw_only=True):
     leg_s: float = 0.0040
     token_s: float = 0.0040
     client_s: float = 0.0018
+    engine_read_s: float = 0.0049
 
     def validate(self) -> Delays:
         for name in self.__struct_fields__:

@@ -26,7 +26,7 @@ from bench.virtual.delays import DEFAULT_DELAYS, Delays
 from bench.virtual.engine import VirtualEngine
 from bench.virtual.engine_hash import XxhChains
 from bench.virtual.router import VirtualRequest, VirtualRouter
-from bench.virtual.shim import VirtualShim
+from bench.virtual.shim import POLL_S, VirtualShim
 from bench.workloads import WorkItem
 from engine_sim.config import SimConfig
 from engine_sim.errors import SimConfigError
@@ -57,7 +57,8 @@ class FleetSpec:
     """The fleet and its routers. `router_profile` is the timing profile the workers register
     (what the routers' cost models read); "" registers none, None the engines' own `profile`.
     `calibrate`: routers fit each worker's timing from its reports (router.calibration);
-    `router_profile_error` e: routers start with every engine time (1 + e) times the profile's."""
+    `router_profile_error` e: routers start with every engine time (1 + e) times the profile's.
+    `seed`: the routers' random choices and each shim's first poll, uniform over one poll period."""
 
     prefill: int = 0
     decode: int = 0
@@ -200,6 +201,11 @@ class VirtualFleet:
         pools: list[tuple[Role, int]] = [("prefill", spec.prefill), ("decode", spec.decode), ("agg", spec.agg)]
         roles = [role for role, count in pools for _ in range(count)]
         counts: dict[str, int] = {}
+        # Live shims start at moments of their own, well before a replay: each one's first poll comes
+        # at a phase of its own in its period, drawn from the run's seed (a stream of its own, so the
+        # routers' draws are as they were).
+        period = POLL_S + spec.delays.engine_read_s
+        phases = random.Random(f"shim-polls:{spec.seed}")
         for role in roles:
             n = counts[role] = counts.get(role, -1) + 1
             name = f"{role}-{n}"
@@ -240,7 +246,14 @@ class VirtualFleet:
                 max_model_len=spec.max_model_len,
             )
             infos.append(info)
-            self.shims[name] = VirtualShim(self.clock, self.engines[name], info, spec.delays, epoch=len(infos))
+            self.shims[name] = VirtualShim(
+                self.clock,
+                self.engines[name],
+                info,
+                spec.delays,
+                epoch=len(infos),
+                poll_offset_s=phases.uniform(0.0, period),
+            )
         self.routers = [
             VirtualRouter(
                 f"router-{i}",

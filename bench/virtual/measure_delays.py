@@ -13,9 +13,13 @@ router, and measures what each hop costs here:
 - `leg_s` + `token_s`: the router's TTFT (from dispatch to the first chunk) minus the engine's own
   (`vllm:time_to_first_token_seconds`), means over the requests, split evenly;
 - `client_s`: half of the client's TTFT minus the router's (HTTP both ways, and the router's
-  planning, which the virtual clock otherwise counts as instant).
+  planning, which the virtual clock otherwise counts as instant);
+- `engine_read_s`: each engine's load polled as the shim's poll loop (worker_shim.load_reporter)
+  polls it, GET /metrics and its parse, then POLL_S asleep, throughout the requests: the mean of
+  each period beyond POLL_S (the read, and the event loop's lateness waking from the sleep). A
+  mean: the overruns add up to the poll's drift, which the virtual shim models.
 
-Medians of each, in seconds, printed as the flags `compare --clock virtual` takes. Our subscribers
+Medians of each (but where said), in seconds, printed as the flags `compare --clock virtual` takes. Our subscribers
 run in this process, so NATS and ZMQ delivery to them stands in for delivery to the router.
 """
 
@@ -35,10 +39,12 @@ import zmq.asyncio
 from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.virtual.shim import POLL_S
 from kvswitch.client import CompletionClient
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from protocol import KvEventBatch, LoadReport, decode_msg, subjects
 from protocol.vllm_events import decode_batch, decode_pub_frames
+from worker_shim.adapters.vllm import load_from_metrics
 
 __all__ = ["main"]
 
@@ -78,6 +84,20 @@ async def _zmq_lags(endpoints: list[str], lags: list[float], stop: asyncio.Event
         ctx.term()
 
 
+async def _poll_overruns(session: aiohttp.ClientSession, url: str, out: list[float], stop: asyncio.Event) -> None:
+    """worker_shim.load_reporter's poll loop against one engine (the read, then POLL_S asleep):
+    each period's overrun of POLL_S."""
+    last: float | None = None
+    while not stop.is_set():
+        asked = time.monotonic()
+        if last is not None:
+            out.append(asked - last - POLL_S)
+        last = asked
+        async with session.get(f"{url}/metrics") as resp:
+            load_from_metrics(await resp.text())
+        await asyncio.sleep(POLL_S)
+
+
 async def _measure(cluster: LocalCluster, requests: int) -> dict[str, float]:
     assert cluster.nats is not None
     ns = cluster.spec.namespace
@@ -99,10 +119,12 @@ async def _measure(cluster: LocalCluster, requests: int) -> dict[str, float]:
     router = cluster.router_urls[0]
     rng = random.Random(0)
     client_ttft: list[float] = []
+    overruns: list[float] = []
     async with aiohttp.ClientSession() as session:
         client = CompletionClient(session, cluster.spec.model)
         r0 = await _histogram_mean(session, router, "kvswitch_router_upstream_ttft_seconds")
         e0 = [await _histogram_mean(session, u, "vllm:time_to_first_token_seconds") for u in cluster.sim_urls]
+        pollers = [asyncio.create_task(_poll_overruns(session, u, overruns, stop)) for u in cluster.sim_urls]
         for i in range(requests):
             prompt = [rng.randrange(300, 30000) for _ in range(64)]
             done = await client.complete(router, prompt, 3, request_id=f"delay-{i}")
@@ -112,7 +134,8 @@ async def _measure(cluster: LocalCluster, requests: int) -> dict[str, float]:
             await asyncio.sleep(0.05)  # let events and reports settle: no request queues behind another
         r1 = await _histogram_mean(session, router, "kvswitch_router_upstream_ttft_seconds")
         e1 = [await _histogram_mean(session, u, "vllm:time_to_first_token_seconds") for u in cluster.sim_urls]
-    stop.set()
+        stop.set()
+        await asyncio.gather(*pollers)
     await zmq_task
     await nc.close()
     router_ttft = (r1[0] - r0[0]) / max(r1[1] - r0[1], 1)
@@ -128,6 +151,7 @@ async def _measure(cluster: LocalCluster, requests: int) -> dict[str, float]:
         "leg_s": legs / 2,
         "token_s": legs / 2,
         "client_s": max(0.0, statistics.mean(client_ttft) - router_ttft) / 2,
+        "engine_read_s": statistics.mean(overruns),
     }
 
 

@@ -4,9 +4,14 @@
   `Normaliser` (engine hash -> canonical hash, reference counted), so the routers' indexes see
   exactly the canonical hashes a live shim would publish; each non-empty result is one
   KvEventBatch (seq +1), delivered to every router `kv_event_s` later.
-- Load: a LoadReport on every change and at least every DEFAULT_PERIOD_S (the heartbeat), the
-  engine's figures polled every POLL_S, a change of the shim's own queued prefill tokens published after MIN_GAP_S
-  (worker_shim.load_reporter's timing); each delivered to every router `load_report_s` later.
+- Load: worker_shim.load_reporter's two loops. The poll reads the engine (`engine_read_s` from
+  asking to the answer, the engine's figures as of half way, which the live shim stamps as the
+  reading's engine_ts) and sleeps POLL_S after each answer, so its period is POLL_S plus the read
+  and its phase drifts; each shim's first poll comes at its own `poll_offset_s` (live shims start at
+  their own moments). The publish loop: a poke (each reading, each change of the shim's own queued
+  prefill tokens) publishes MIN_GAP_S later, pokes in that gap folded in, and a report goes at
+  least every DEFAULT_PERIOD_S (the heartbeat), changed or not, cutting the gap short at that
+  deadline; each report delivered to every router `load_report_s` later.
 - Legs: a leg becomes a SimRequest as the vLLM adapter and engine_sim's HTTP API build it: a prefill
   leg with `do_remote_decode` and one output token, a decode leg with the prefill leg's
   kv_transfer_params (unless bypassed), anything else prefilled locally. While a leg waits for
@@ -43,10 +48,21 @@ __all__ = ["POLL_S", "VirtualShim"]
 
 POLL_S = 0.25  # the shim's engine poll (worker_shim.shim: min(0.25, health_interval_s))
 
+_Sample = tuple[int, int, float]  # running, waiting, KV usage
+_Timing = tuple[int, int, int, float, int, int, int, float, int]  # the reports' timing fields, in order
+_Reading = tuple[_Sample, _Timing]
+
 
 class VirtualShim:
     def __init__(
-        self, clock: VirtualClock, engine: VirtualEngine, info: WorkerInfo, delays: Delays, *, epoch: int
+        self,
+        clock: VirtualClock,
+        engine: VirtualEngine,
+        info: WorkerInfo,
+        delays: Delays,
+        *,
+        epoch: int,
+        poll_offset_s: float = 0.0,
     ) -> None:
         self.clock = clock
         self.engine = engine
@@ -54,6 +70,7 @@ class VirtualShim:
         self.worker = info.worker
         self.delays = delays
         self.epoch = epoch
+        self.poll_offset_s = poll_offset_s
         self.routers: list[VirtualRouter] = []
         self.normaliser = Normaliser(info.block_size, clock=clock.time)
         self.seq = 0
@@ -64,12 +81,13 @@ class VirtualShim:
         self.contexts = DecodeContext()
         self.credit = CreditCheck(self.worker)
         self._promised: dict[str, tuple[float, int]] = {}  # by leg: dispatched at, promised tokens
-        self._sample: tuple[int, int, float] = (0, 0, 0.0)
-        self._timing: tuple[int, int, int, float, int, int, int, float, int] = (0, 0, 0, 0.0, 0, 0, 0, 0.0, 0)
+        self._sample: _Sample = (0, 0, 0.0)
+        self._timing: _Timing = (0, 0, 0, 0.0, 0, 0, 0, 0.0, 0)
         self._sampled_at = 0.0
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = float("-inf")
-        self._poke_due = False
+        self._gap = False  # the publish loop sleeps MIN_GAP_S after a poke (else it waits for one)
+        self._wake_gen = 0  # the publish loop's pending wake-up; an older one is stale
         engine.on_events = self._on_engine_events
 
     # --- KV events -------------------------------------------------------------------------------
@@ -160,25 +178,52 @@ class VirtualShim:
     # --- load reports ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.clock.at(self.clock.now, self._poll)
+        """The replay begins: the shim has read its idle engine and published, as a live shim
+        running before the replay has; its next poll comes `poll_offset_s` later."""
+        self._take(self.clock.now, self.clock.now, self._read())
+        self._publish_if_due()
+        self._arm()
+        self.clock.after(self.poll_offset_s, self._poll)
 
     def poke(self) -> None:
-        if not self._poke_due:
-            self._poke_due = True
-            self.clock.after(MIN_GAP_S, self._poked)
+        if not self._gap:
+            self._gap = True
+            self._wake_gen += 1
+            wake = min(self.clock.now + MIN_GAP_S, self._last_sent + DEFAULT_PERIOD_S)
+            self.clock.at(wake, self._wake, self._wake_gen)
 
-    def _poked(self) -> None:
-        self._poke_due = False
+    def _arm(self) -> None:
+        """The publish loop waits for a poke, or for the heartbeat's deadline."""
+        self._gap = False
+        self._wake_gen += 1
+        self.clock.at(self._last_sent + DEFAULT_PERIOD_S, self._wake, self._wake_gen)
+
+    def _wake(self, gen: int) -> None:
+        if gen != self._wake_gen:
+            return
         self._publish_if_due()
+        if self.running:
+            self._arm()
+        else:
+            self._gap = False  # the replay is over: no heartbeat, a poke still publishes
 
     def _poll(self) -> None:
-        if not self.running:
-            return
+        if self.running:
+            self.clock.after(self.delays.engine_read_s / 2, self._rendered, self.clock.now)
+
+    def _rendered(self, asked: float) -> None:
+        self.clock.after(self.delays.engine_read_s / 2, self._answered, asked, self._read())
+
+    def _answered(self, asked: float, reading: _Reading) -> None:
+        self._take(asked, self.clock.now, reading)
+        self.poke()
+        self.clock.after(POLL_S, self._poll)
+
+    def _read(self) -> _Reading:
         e = self.engine
         st = e.scheduler.stats
         shown, t = st.published, e.timing  # the step series as of its last step's end, as vLLM's /metrics
-        self._sample = (shown.running, shown.waiting, shown.kv_usage)
-        self._timing = (
+        timing = (
             shown.iteration_tokens.count,
             int(shown.iteration_tokens.sum),
             t.prefill_requests,
@@ -189,10 +234,12 @@ class VirtualShim:
             t.itl_s,
             shown.generation_tokens,
         )
-        self._sampled_at = self.clock.now
-        self.credit.reading(self.clock.now, self.clock.now, shown.prefix_cache_hits)
-        self._publish_if_due()
-        self.clock.after(POLL_S, self._poll)
+        return (shown.running, shown.waiting, shown.kv_usage), timing
+
+    def _take(self, asked: float, done: float, reading: _Reading) -> None:
+        self._sample, self._timing = reading
+        self._sampled_at = (asked + done) / 2  # the live shim's engine_ts: rendered in between
+        self.credit.reading(asked, done, self._timing[5])
 
     def report(self) -> LoadReport:
         running, waiting, usage = self._sample
@@ -227,7 +274,8 @@ class VirtualShim:
         rep = self.report()
         key = (rep.running, rep.waiting, rep.kv_used_blocks, rep.prefill_tokens_queued)
         now = self.clock.now
-        if key == self._last_key and now - self._last_sent < DEFAULT_PERIOD_S:
+        # The deadline as _arm computes it: `now - last_sent` may round below the period there.
+        if key == self._last_key and now < self._last_sent + DEFAULT_PERIOD_S:
             return
         self._last_key, self._last_sent = key, now
         self.reports += 1

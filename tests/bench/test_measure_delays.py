@@ -13,7 +13,9 @@ def test_every_delay_is_measured_on_a_live_cluster(capsys: pytest.CaptureFixture
     assert measure_delays.main(["--requests", "5", "--agg", "1", "--routers", "1"]) == 0
     flags = dict(line.split() for line in capsys.readouterr().out.splitlines()[1:])
     assert set(flags) == {
-        "--kv-event-delay", "--load-report-delay", "--sync-delay", "--leg-delay", "--token-delay", "--client-delay"
+        "--kv-event-delay", "--load-report-delay", "--sync-delay", "--leg-delay", "--token-delay", "--client-delay",
+        "--engine-read-delay",
     }  # fmt: skip
     assert float(flags["--kv-event-delay"]) > 0 and float(flags["--load-report-delay"]) > 0
+    assert float(flags["--engine-read-delay"]) > 0
     assert all(0 <= float(v) < 1 for v in flags.values())
