@@ -21,6 +21,7 @@ from nats.aio.client import Client, Srv
 from kvswitch.servers import NatsCluster, NatsServer
 from protocol.config import PING_INTERVAL_S, PINGS_UNANSWERED, NatsSettings
 from runtime.nats_connect import _shown, connect
+from runtime.nats_flush import flush
 from tests.runtime.frozen import frozen
 
 PING_S = PING_INTERVAL_S[0]
@@ -98,11 +99,13 @@ async def test_a_frozen_server_is_left_for_another_with_bytes_queued_for_it(
             joined = f"NATS connection publisher: moved from {victim.url}, which answered no PING, to {healthy.url}"
             assert (logging.WARNING, joined) in said, said
 
-            # What it publishes now reaches a subscriber on the healthy member.
+            # What it publishes now reaches a subscriber on the healthy member. Its subscription at
+            # the server first (runtime.nats_flush): nats-py's flush() PINGs ahead of the queued SUB,
+            # and a PUB the server took before that SUB was lost (4 runs in 150).
             watcher = await nats.connect(healthy.url, allow_reconnect=False)
             try:
                 sub = await watcher.subscribe("stale.after")
-                await watcher.flush()
+                await flush(watcher)
                 await nc.publish("stale.after", b"here")
                 assert (await sub.next_msg(timeout=5)).data == b"here"
             finally:
@@ -124,7 +127,7 @@ async def _bursts(url: str) -> None:
                 await asyncio.sleep(1.0)
             for _ in range(BURST):
                 await nc.publish("burst", b"y" * SIZE)
-            await nc.flush()
+            await flush(nc)
     finally:
         await nc.close()
 
@@ -153,7 +156,7 @@ async def test_a_busy_reader_behind_a_burst_keeps_its_healthy_server(caplog: pyt
         nc = await connect(log, **settings.connect_options("busy"), disconnected_cb=disconnected, error_cb=on_error)
         try:
             await nc.subscribe("burst", cb=on_msg)
-            await nc.flush()
+            await flush(nc)  # at the server before the bursts
             with caplog.at_level(logging.INFO, logger="test.nats.busy"):
                 publisher = asyncio.create_task(asyncio.to_thread(asyncio.run, _bursts(server.url)))
                 deadline = time.monotonic() + 60
