@@ -25,6 +25,7 @@ import nats
 
 from kvswitch.servers import NatsServer
 from protocol import ResponseChunk, decode_msg
+from runtime.nats_flush import flush
 from worker_shim.adapters.base import EngineAdapter
 from worker_shim.request_service import ChunkWriter, RequestService
 
@@ -63,7 +64,7 @@ async def _reader(url: str, busy_ms: float) -> None:
                 pass
 
     await nc.subscribe("bench.inbox.*", cb=on_chunk, pending_msgs_limit=-1)
-    await nc.flush()
+    await flush(nc)
     task = asyncio.create_task(busy()) if busy_ms > 0 else None
     print(json.dumps({"ready": True}), flush=True)
     await cut.wait()

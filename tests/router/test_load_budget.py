@@ -23,6 +23,7 @@ from protocol.config import NatsSettings
 from router.load_budget import LoadBudget
 from router.load_subscriptions import LoadSubscriptions
 from router.service import RouterConfig, RouterService
+from runtime.nats_flush import flush
 from tests.router.conftest import Cluster
 from tests.router.polling import until
 
@@ -59,10 +60,10 @@ async def test_a_quarantined_sender_is_unheard_and_the_others_heard(nats_url: st
     try:
 
         async def send_all() -> None:
-            await nc.flush()  # its subscriptions at the server before anything is sent
+            await flush(nc)  # its subscriptions at the server before anything is sent
             for sender in ("a", "b", "stranger"):
                 await pub.publish(subjects.load(ns, sender), b"x")
-            await pub.flush()
+            await flush(pub)
 
         await send_all()
         await until(lambda: sorted(heard) == ["a", "b", "stranger"], what="every sender heard")
@@ -142,7 +143,7 @@ async def test_a_subscription_made_and_dropped_while_nats_is_down_is_not_left_at
     try:
         subs.quarantine("a")
         await until(lambda: subs._all is None and sorted(subs._each) == ["b", "c"], what="the per-worker subscriptions")
-        await nc.flush()
+        await flush(nc)
         assert _server_subjects(own_nats, "load") == [subjects.load(ns, "b"), subjects.load(ns, "c")]
         own_nats.kill()
         await until(lambda: not nc.is_connected, what="the connection down")
@@ -156,7 +157,7 @@ async def test_a_subscription_made_and_dropped_while_nats_is_down_is_not_left_at
         own_nats.launch()
         await asyncio.to_thread(own_nats.wait_healthy)
         await until(lambda: nc.is_connected and subs._all is not None and not subs._each, what="load.* again")
-        await nc.flush()
+        await flush(nc)
         assert _server_subjects(own_nats, "load") == [subjects.load_all(ns)]
         async with await nats.connect(own_nats.url) as pub:
             for sender in ("a", "b", "d"):
@@ -174,7 +175,7 @@ async def _flood(nc: Client, ns: str, worker: str, n: int = 400) -> None:
     for _ in range(n):
         report = LoadReport(worker=worker, ts=time.time(), period_s=0.5, kv_total_blocks=512)
         await nc.publish(subjects.load(ns, worker), encode_msg(report))
-    await nc.flush()
+    await flush(nc)
 
 
 async def test_during_a_quarantine_every_registered_worker_is_heard_and_the_quarantined_one_says_why(

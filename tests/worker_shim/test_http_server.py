@@ -14,6 +14,7 @@ from discovery import Discovery
 from engine_sim.server import SimServer
 from protocol import WorkerInfo, decode_json, subjects
 from protocol.config import EtcdSettings
+from runtime.nats_flush import flush
 from tests.worker_shim.cluster import connect, shim_for, sim_config, wait_for
 from tests.worker_shim.test_request_service import Collector, gen
 
@@ -104,7 +105,7 @@ async def test_garbage_on_a_workers_subjects_is_counted_by_kind_and_logged_once_
         for _ in range(3):
             with contextlib.suppress(nats.errors.TimeoutError):  # answered with a 400 chunk
                 await nc.request(gen_subject, b"\xc1", timeout=2)
-        await nc.flush()
+        await flush(nc)
         requests = shim.requests
         await wait_for(
             lambda: sum(requests.malformed.values()) == 13 and shim.kv_counters.malformed_requests == 5,

@@ -20,6 +20,7 @@ from nats.errors import OutboundBufferLimitError
 
 from kvswitch.servers import NatsServer
 from protocol import GenerateRequest, ResponseChunk, SamplingParams, Usage, decode_msg, encode_msg, subjects
+from runtime.nats_flush import flush
 from tests.worker_shim.cluster import wait_for
 from worker_shim import request_service
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest, OnOutput
@@ -65,7 +66,7 @@ class Replies:
 
     async def start(self) -> None:
         await self.nc.subscribe(self.inbox("*"), cb=self._on)
-        await self.nc.flush()
+        await flush(self.nc)
 
     async def _on(self, msg: Msg) -> None:
         if msg.subject == self.inbox("mark"):
@@ -143,7 +144,7 @@ async def serving(svc: RequestService, ns: str) -> str:
     """The service subscribed as worker w1's agg subject, which it returns."""
     subject = subjects.gen(ns, "agg", "w1")
     await svc.nc.subscribe(subject, cb=svc.on_generate)
-    await svc.nc.flush()
+    await flush(svc.nc)
     return subject
 
 

@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 
 from protocol import GenerateRequest, ResponseChunk, SamplingParams, decode_msg, encode_msg, subjects
 from protocol.messages import TransferHandle
+from runtime.nats_flush import flush
 from tests.worker_shim.cluster import wait_for
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest, OnOutput
 from worker_shim.request_service import RequestService
@@ -151,7 +152,7 @@ async def test_only_the_engines_own_500_on_a_transfer_fed_leg_counts_as_a_failed
 
         inbox = f"{ns}.inbox.r1"
         await nc.subscribe(inbox, cb=on_reply)
-        await nc.flush()
+        await flush(nc)
         req = GenerateRequest(
             request_id="r1", model="m", token_ids=[1] * 32, sampling=SamplingParams(max_tokens=4),
             disagg=TransferHandle(engine="vllm", params={"do_remote_prefill": True}),
