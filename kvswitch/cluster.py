@@ -38,7 +38,6 @@ import tempfile
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -146,6 +145,7 @@ class _Child:
     # URLs that answer 200 once it serves: a restarted child counts as restarting until they do (a
     # shim has none: its HTTP port is a free one; the router's /ready says whether it registered).
     probes: list[str] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)  # the TCP ports it binds, to name their holder
     serving: bool = True
     backoff: _Backoff = field(default_factory=_Backoff)
 
@@ -162,8 +162,7 @@ class _Child:
             tail = self.log.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()[-12:]
         said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
         # Its output names a port it could not bind, not who holds it.
-        ports = [urllib.parse.urlsplit(url).port for url in self.probes]
-        held = "".join(f"; port {p} is held by {h}" for p in ports if p and (h := port_holder(p)) is not None)
+        held = "".join(f"; port {p} is held by {h}" for p in self.ports if (h := port_holder(p)) is not None)
         return f"{self.name} (status {self.proc.returncode}{held}{said})"
 
 
@@ -334,6 +333,7 @@ class LocalCluster:
             engine = _Engine(role, f"http://127.0.0.1:{http + i}", event_endpoints[i], f"tcp://127.0.0.1:{replay + i}")
             self.engines.append(engine)
             fleet.probes.append(engine.url + "/health")
+            fleet.ports += [http + i, replay + i]
         for engine in self.engines[-count:]:
             self._wait_http(engine.url + "/health", what=f"sim {engine.url}")
 
@@ -346,7 +346,9 @@ class LocalCluster:
             # vLLM does not report it; the router's prefill_load policy needs it.
             "--max-num-batched-tokens", str(self.spec.max_num_batched_tokens),
         ]  # fmt: skip
-        self.spawn(f"shim-{engine.role}-{engine.url.rsplit(':', 1)[-1]}", argv, self._child_env("worker"))
+        shim = self.spawn(f"shim-{engine.role}-{engine.url.rsplit(':', 1)[-1]}", argv, self._child_env("worker"))
+        if not self.spec.engines_bind_events:  # it binds the engine's tcp:// event endpoint
+            shim.ports.append(int(engine.events.rsplit(":", 1)[1]))
 
     def _start_router(self, index: int, port: int) -> None:
         argv = [
@@ -356,6 +358,7 @@ class LocalCluster:
         router = self.spawn(f"router-{index}", argv, self._child_env("router"))
         self.router_urls.append(f"http://127.0.0.1:{port}")
         router.probes.append(f"http://127.0.0.1:{port}/health")
+        router.ports.append(port)
 
     def _scratch_dir(self) -> Path:
         """A directory of this cluster's own, removed at `stop`."""

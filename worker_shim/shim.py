@@ -1167,7 +1167,9 @@ class WorkerShim:
             waiter.cancel()
             stopping.cancel()
         if self._events_task.done() and not self._events_task.cancelled() and self._events_task.exception():
-            log.warning("engine event stream failed: %s", self._events_task.exception())
+            if isinstance(failure := self._events_task.exception(), ConfigError):  # no new session cures it
+                raise failure
+            log.warning("engine event stream failed: %s", failure)
             await asyncio.sleep(self.config.health_interval_s)
         return live.is_set() and not self._stopping.is_set() and not self._events_task.done()
 

@@ -80,6 +80,43 @@ def test_a_router_whose_port_another_process_holds_is_named_with_the_holder() ->
             cluster.stop()
 
 
+def test_a_sim_whose_replay_port_another_process_holds_is_named_with_the_holder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Only the HTTP ports' holders were named: the sim said its replay port was in use, not who held it.
+    base = free_ports(3)  # one agg engine: HTTP, events, replay
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", base + 2))
+        holder.listen()
+        monkeypatch.setattr("kvswitch.cluster.free_ports", lambda count, host="127.0.0.1": base)  # every redraw
+        cluster = LocalCluster(ClusterSpec(agg=1, routers=0))
+        with pytest.raises(ServerError, match=rf"sim-agg \(status 1; port {base + 2} is held by pid {os.getpid()} \("):
+            cluster.start()
+        assert cluster.children == []
+
+
+def test_a_shim_whose_event_port_another_process_holds_is_named_with_the_holder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The shim retried its bind each second and never registered: the router's /ready timed out
+    # after 60 s saying no worker was registered, not which port was held or by whom.
+    base = free_ports(4)  # one agg engine (HTTP, events, replay) and a router
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", base + 1))
+        holder.listen()
+        monkeypatch.setattr("kvswitch.cluster.free_ports", lambda count, host="127.0.0.1": base)
+        cluster = LocalCluster(ClusterSpec(agg=1, routers=1))
+        try:
+            cluster.start()
+            started = time.monotonic()
+            held = rf"shim-agg-{base} \(status 2; port {base + 1} is held by pid {os.getpid()} \("
+            with pytest.raises(ServerError, match=held):
+                cluster.wait_ready(60)
+            assert time.monotonic() - started < 30
+        finally:
+            cluster.stop()
+
+
 def test_a_child_that_dies_at_start_is_named_with_its_status_and_last_words() -> None:
     cluster = LocalCluster(ClusterSpec(agg=1, routers=0, sim_args=["--speedup", "0"]))
     with pytest.raises(ServerError) as caught:

@@ -6,6 +6,8 @@ Before, it bound the engine's own port and retried for ever."""
 
 from __future__ import annotations
 
+import socket
+
 import aiohttp
 import pytest
 import zmq
@@ -108,3 +110,21 @@ async def test_a_shim_that_knows_the_engine_binds_follows_its_resolved_port_0(
                 async with http.post(sim.url + "/v1/completions", json=body) as r:
                     assert r.status == 200
             await wait_for(lambda: shim.canonical_hashes() == engine_set(sim) != set(), 5, "the engine's events")
+
+
+async def test_a_shim_whose_event_address_another_process_listens_on_exits_naming_kv_events(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    # It logged "engine event stream failed: Address already in use" each second and never registered,
+    # while `kvswitch up` with no router called the cluster ready (ports audit, 2026-12-06).
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        endpoint = f"tcp://127.0.0.1:{holder.getsockname()[1]}"  # the engine connects there: the shim binds
+        async with SimServer(sim_config()) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=endpoint, kv_events_mode="auto")  # as `up` runs it
+            async with shim:
+                await wait_for(shim.done.is_set, 10, "the shim refuses")
+    assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "kv_events", shim.failure
+    assert f"the shim binds {endpoint} and another process listens there" in str(shim.failure)
+    assert shim.registration_count == 0 and shim.session_failures == 0

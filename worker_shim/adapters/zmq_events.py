@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -49,7 +50,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from protocol.errors import ProtocolError
+from protocol.errors import ConfigError, ProtocolError
 from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply, publisher_binds, replay_request
 from runtime.turns import SLICE_S, Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
@@ -187,7 +188,7 @@ class ZmqEventSource:
         self._alone_since = time.monotonic()
         try:
             if self.bind:
-                sub.bind(self.address)
+                self._bind(sub)
             else:
                 sub.connect(self.address)
             if self.replay_address is not None:
@@ -235,6 +236,20 @@ class ZmqEventSource:
             sub.close(linger=0)
             ctx.term()
             self._ctx = self._sub = None
+
+    def _bind(self, sub: zmq.asyncio.Socket) -> None:
+        try:
+            sub.bind(self.address)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            # Another process listens there: no new session frees it, so the shim must not wait on.
+            raise ConfigError(
+                "kv_events",
+                self.endpoint,
+                f"the shim binds {self.address} and another process listens there ({exc}): stop it, "
+                "or give the engine and the shim another endpoint",
+            ) from exc
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> bool:
         """Handle every connection event queued; whether one was a reconnection. Every one: a
