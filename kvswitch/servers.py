@@ -26,6 +26,7 @@ import shutil
 import signal
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -41,6 +42,7 @@ from typing import Self
 
 __all__ = [
     "FREE_PORTS_ENV",
+    "PORTS_DIR_ENV",
     "EtcdCluster",
     "EtcdServer",
     "NatsCluster",
@@ -58,6 +60,7 @@ __all__ = [
 
 _PR_SET_PDEATHSIG = 1
 FREE_PORTS_ENV = "KVSWITCH_FREE_PORTS"
+PORTS_DIR_ENV = "KVSWITCH_PORTS_DIR"
 
 
 class ServerError(RuntimeError):
@@ -75,7 +78,13 @@ def _port_range() -> tuple[int, int]:
     """[low, high) of the ports `free_ports` draws from."""
     given = os.environ.get(FREE_PORTS_ENV)
     if not given:
-        return 10000, _ephemeral_low()
+        ephemeral = _ephemeral_low()
+        if ephemeral <= 10000:
+            raise ServerError(
+                f"no ports to draw from: the default range is 10000 up to net.ipv4.ip_local_port_range's low end, "
+                f"{ephemeral} here; set {FREE_PORTS_ENV}=LOW-HIGH to ports outside the kernel's ephemeral range"
+            )
+        return 10000, ephemeral
     low, sep, high = given.partition("-")
     if not (sep and low.isdigit() and high.isdigit() and 1024 <= int(low) < int(high) <= 65536):
         raise ServerError(f"{FREE_PORTS_ENV}={given!r}: give LOW-HIGH, 1024 <= LOW < HIGH <= 65536")
@@ -105,8 +114,17 @@ def _lock(fd: int, path: Path, timeout: float = 10.0) -> None:
             time.sleep(0.01)
 
 
-# Not $TMPDIR: tests give a child its own TMPDIR, and the child must draw from the parent's cursor.
-_CURSOR_DIR = Path("/tmp")
+def _cursor_dir() -> Path:
+    """Where the free-port cursors are: `KVSWITCH_PORTS_DIR`, else `$XDG_RUNTIME_DIR`, else /tmp.
+
+    Not $TMPDIR: tests give a child its own TMPDIR, and the child must draw from the parent's cursor.
+    """
+    given = os.environ.get(PORTS_DIR_ENV)
+    if given is not None:
+        if not os.path.isabs(given):  # a child in another directory would use another cursor
+            raise ServerError(f"{PORTS_DIR_ENV}={given!r}: give an absolute directory")
+        return Path(given)
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
 
 
 @contextlib.contextmanager
@@ -116,12 +134,22 @@ def _cursor(low: int, high: int) -> Iterator[tuple[int, Callable[[int], None]]]:
     The file is per user and range: every process drawing from the range (a test worker, the
     `kvswitch up` it runs and that one's children) goes through it, one at a time.
     """
-    path = _CURSOR_DIR / f"kvswitch-ports-{os.getuid()}-{low}-{high}"
+    path = _cursor_dir() / f"kvswitch-ports-{os.getuid()}-{low}-{high}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
-        raise ServerError(f"the free-port cursor {path}: {exc}") from exc
+        raise ServerError(
+            f"the free-port cursor {path}: {exc.strerror or exc}: set {PORTS_DIR_ENV} to a writable directory"
+        ) from exc
     try:
+        st = os.fstat(fd)
+        # Another user's file (or one others may write) would let them steer this user's draws.
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise ServerError(
+                f"the free-port cursor {path} is not a file of this user's that only it may write "
+                f"(uid {st.st_uid}, mode {stat.filemode(st.st_mode)}): remove it, or set {PORTS_DIR_ENV} "
+                "to a directory of your own"
+            )
         _lock(fd, path)
         text = os.pread(fd, 32, 0).decode(errors="replace").strip()
         if text and not (text.isdigit() and low <= int(text) < high):

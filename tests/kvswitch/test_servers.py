@@ -4,23 +4,39 @@ cannot bind naming the port and who holds it."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from kvswitch.servers import FREE_PORTS_ENV, NatsServer, ServerError, _port_range, free_port, free_ports
+from kvswitch import servers
+from kvswitch.servers import (
+    FREE_PORTS_ENV,
+    PORTS_DIR_ENV,
+    NatsServer,
+    ServerError,
+    _port_range,
+    free_port,
+    free_ports,
+)
 
 DRAWS = 30
 _CHILD = f"from kvswitch.servers import free_port; print(*[free_port() for _ in range({DRAWS})])"
 
 
-def test_a_parent_and_its_child_drawing_from_one_range_get_disjoint_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_parent_and_its_child_drawing_from_one_range_get_disjoint_ports(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # Nothing binds these ports, as nothing had yet bound a test's --http-port when its `kvswitch up`
     # drew its NATS ports: each process drew at random, alone, and the two took one port (CI, 2026-12-06).
     low = _port_range()[0]
     monkeypatch.setenv(FREE_PORTS_ENV, f"{low}-{low + 100}")  # within this worker's own range
+    # A cursor of this test's own, which the child inherits: another test run's draws from this
+    # range (the same user's, at once) would otherwise wrap into these.
+    monkeypatch.setenv(PORTS_DIR_ENV, str(tmp_path))
     child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
     mine = [free_port() for _ in range(DRAWS)]
     out, _ = child.communicate(timeout=60)
@@ -30,10 +46,11 @@ def test_a_parent_and_its_child_drawing_from_one_range_get_disjoint_ports(monkey
     assert not set(mine) & set(theirs), sorted(set(mine) & set(theirs))
 
 
-def test_consecutive_draws_do_not_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_consecutive_draws_do_not_overlap(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # A NatsCluster's client, monitor and cluster ports are three draws, none bound before the last.
     low = _port_range()[0]
     monkeypatch.setenv(FREE_PORTS_ENV, f"{low}-{low + 60}")
+    monkeypatch.setenv(PORTS_DIR_ENV, str(tmp_path))  # as above: no other run's draws in between
     taken = [p for base in (free_ports(3) for _ in range(15)) for p in range(base, base + 3)]
     assert len(set(taken)) == len(taken), sorted(taken)
 
@@ -62,3 +79,76 @@ def test_a_server_given_one_port_twice_is_refused_before_it_starts() -> None:
         assert server.proc is None
     finally:
         server.close()
+
+
+def _cursor_file(directory: Path, low: int = 20000, high: int = 20010) -> Path:
+    return directory / f"kvswitch-ports-{os.getuid()}-{low}-{high}"
+
+
+def test_the_cursor_is_kept_where_kvswitch_ports_dir_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # It was always /tmp, where a read-only /tmp or another user's file of that name stopped every server.
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20010")
+    monkeypatch.setenv(PORTS_DIR_ENV, str(tmp_path))
+    port = free_port()
+    assert _cursor_file(tmp_path).read_text() == str(port + 1 if port + 1 < 20010 else 20000)
+
+
+def test_the_cursor_defaults_to_xdg_runtime_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20010")
+    monkeypatch.delenv(PORTS_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    free_port()
+    assert _cursor_file(tmp_path).is_file()
+
+
+def test_a_cursor_others_may_write_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Whoever may write it steers this user's draws onto ports of their choosing.
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20010")
+    monkeypatch.setenv(PORTS_DIR_ENV, str(tmp_path))
+    cursor = _cursor_file(tmp_path)
+    cursor.write_text("20005")
+    cursor.chmod(0o666)
+    said = rf"cursor {re.escape(str(cursor))} is not a file of this user's .*mode -rw-rw-rw-.*{PORTS_DIR_ENV}"
+    with pytest.raises(ServerError, match=said):
+        free_port()
+
+
+def test_another_users_cursor_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A file of that name another user made: this process runs as a uid that does not own it.
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20010")
+    monkeypatch.setenv(PORTS_DIR_ENV, str(tmp_path))
+    me = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: me + 1)
+    cursor = _cursor_file(tmp_path)  # the name for uid me + 1, made by uid me
+    cursor.write_text("20005")
+    cursor.chmod(0o600)
+    said = rf"cursor {re.escape(str(cursor))} is not a file of this user's that only it may write \(uid {me}, "
+    with pytest.raises(ServerError, match=said):
+        free_port()
+
+
+def test_a_cursor_directory_that_cannot_be_written_names_the_setting(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # As a read-only /tmp did (EROFS), and a file where the directory should be does (ENOTDIR).
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20010")
+    monkeypatch.setenv(PORTS_DIR_ENV, str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ServerError, match=rf"Not a directory: set {PORTS_DIR_ENV} to a writable directory"):
+        free_port()
+
+
+def test_a_relative_cursor_directory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A child started in another directory would keep another cursor.
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20010")
+    monkeypatch.setenv(PORTS_DIR_ENV, "ports")
+    with pytest.raises(ServerError, match=rf"{PORTS_DIR_ENV}='ports': give an absolute directory"):
+        free_port()
+
+
+def test_an_empty_default_range_names_the_kernel_setting_and_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A host whose ip_local_port_range starts at 1024: "1 consecutive ports from 10000-1024: give 1 to -8976".
+    monkeypatch.delenv(FREE_PORTS_ENV, raising=False)
+    monkeypatch.setattr(servers, "_ephemeral_low", lambda: 1024)
+    with pytest.raises(ServerError, match=rf"ip_local_port_range's low end, 1024 here; set {FREE_PORTS_ENV}=LOW-HIGH"):
+        free_port()

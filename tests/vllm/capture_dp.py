@@ -14,7 +14,7 @@ import json
 import time
 import urllib.request
 
-from kvswitch.servers import free_port
+from kvswitch.servers import free_ports
 from protocol.vllm_events import END_SEQ, decode_batch, decode_replay_reply
 from tests.vllm.run import MODEL, events_config
 from tests.vllm.vllm_server import FIXTURES, replay, vllm
@@ -23,7 +23,8 @@ RANKS = (1, 0, 1)  # the rank each completion names, with its own prompt
 
 
 def main() -> None:
-    events, replay_port = free_port(), free_port()  # rank r publishes on port + r: two ports each
+    # Rank r binds port + r: two ports each (free_port() twice gives neighbours, overlapping ranges).
+    events, replay_port = free_ports(2), free_ports(2)
     flags = ["--data-parallel-size", "2", "--kv-events-config", events_config(events, replay_port)]
     with vllm("capture_dp", *flags) as base:
         for i, rank in enumerate(RANKS):
