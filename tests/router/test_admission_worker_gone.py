@@ -35,12 +35,13 @@ SETTINGS: dict[str, Any] = {
 }
 
 
-def _spawn_shim(sim: SimServer, nats_url: str, etcd_url: str, ns: str) -> subprocess.Popen[bytes]:
+def _spawn_shim(sim: SimServer, nats_url: str, etcd_url: str, ns: str, lease_ttl: int) -> subprocess.Popen[bytes]:
     """The worker's shim in a process of its own, so that it can die without a word."""
     argv = ["shim", "--engine", "vllm", "--engine-url", sim.url, "--role", "decode", "--model", sim.config.model,
             "--kv-events", str(sim.events_endpoint), "--kv-events-mode", "connect",
             "--kv-replay", str(sim.replay_endpoint), "--http-port", "0", "--timing-profile", "h200:llama-3.1-8b",
-            "--namespace", ns, "--nats-servers", nats_url, "--etcd-endpoints", etcd_url]  # fmt: skip
+            "--namespace", ns, "--nats-servers", nats_url, "--etcd-endpoints", etcd_url,
+            "--lease-ttl", str(lease_ttl)]  # fmt: skip
     command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv])  # a test killed leaves none
     out = subprocess.DEVNULL
     return subprocess.Popen(command, preexec_fn=preexec, stdout=out, stderr=out)  # noqa: PLW1509 (one prctl)
@@ -65,15 +66,16 @@ async def _a_waiter_when_the_worker_dies(
     etcd_url: str,
     ns: str,
     reoffer_s: float | None = None,
+    lease_ttl: int = 10,
     **settings: Any,
 ) -> AsyncIterator[tuple[RouterService, str, asyncio.Task[Answer], asyncio.Task[Answer]]]:
     """The only worker runs `other`'s request; a request waits for it at `router`, which has none on
     it (so no request's end wakes its waiters when the worker dies); then the worker's shim is
     killed. Yields the router, the worker, the waiting request and the running one. `reoffer_s`:
-    the router's periodic offer, its default when None."""
+    the router's periodic offer, its default when None; `lease_ttl`: the shim's --lease-ttl."""
     sim = SimServer(SimConfig(speedup=1.0, num_gpu_blocks=512, block_size=BLOCK, role="decode"))
     await sim.start()
-    shim = _spawn_shim(sim, nats_url, etcd_url, ns)
+    shim = _spawn_shim(sim, nats_url, etcd_url, ns, lease_ttl)
     try:
         other = await cluster.add_router(**settings)
         router = await cluster.add_router(**settings)
@@ -118,10 +120,12 @@ async def test_waiters_get_the_503_when_their_models_last_worker_leaves_the_regi
     cluster: Cluster, http: aiohttp.ClientSession, nats_url: str, etcd_url: str, ns: str
 ) -> None:
     """The removal notifies (service._on_worker_remove): with the periodic offer off, the head is
-    answered 503 'no ... worker is registered' when the lease goes (10 s), not 429 at its 20 s wait."""
+    answered 503 'no ... worker is registered' when the lease goes (5 s), not 429 at its 20 s wait."""
     settings = {**SETTINGS, "slo_ttft_s": 40.0}
     # reoffer_s: the removal's notify alone
-    async with _a_waiter_when_the_worker_dies(cluster, http, nats_url, etcd_url, ns, 3600.0, **settings) as fleet:
+    async with _a_waiter_when_the_worker_dies(
+        cluster, http, nats_url, etcd_url, ns, 3600.0, lease_ttl=5, **settings
+    ) as fleet:
         served, _, head, running = fleet
         status, body, _ = await head
         assert status == 503 and "registered" in body["error"]["message"], body

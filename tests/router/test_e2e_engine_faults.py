@@ -219,7 +219,9 @@ async def test_a_busy_engine_late_on_its_health_checks_keeps_its_streams(
     """/health unanswered past --busy-limit-s while the engine streams steadily (vLLM under
     saturation misses 2 s deadlines): deregistered, its streams left to finish. Before, they were cut
     with an error event: with the default limits at 33 s, after 6,086 tokens, no gap over 0.12 s."""
-    w = await cluster.add_worker("agg", shim={"busy_limit_s": 3.0, "health_interval_s": 0.5}, speedup=1.0)
+    # busy_limit_s 2: deregistered on the second late check (2.5 s apart: the 2 s probe and the
+    # interval), after ~2,000 of the 6,000 tokens at speedup 2
+    w = await cluster.add_worker("agg", shim={"busy_limit_s": 2.0, "health_interval_s": 0.5}, speedup=2.0)
     router = await cluster.add_ready_router()
     payload = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 6000, "ignore_eos": True, "stream": True}
     w.sim.faults.health_delay_s = 2.5  # past the shim's 2 s probe: busy; generation untouched
@@ -277,8 +279,8 @@ async def test_a_leg_left_running_on_a_busy_engine_is_ended_once_that_engine_han
     hang. Before, legs left running were watched no more: it hung to the request's deadline."""
     stall_limit_s = 4.0
     w = await cluster.add_worker(
-        "agg", shim={"busy_limit_s": 3.0, "health_interval_s": 0.5, "stall_limit_s": stall_limit_s}, speedup=1.0
-    )
+        "agg", shim={"busy_limit_s": 2.0, "health_interval_s": 0.5, "stall_limit_s": stall_limit_s}, speedup=1.0
+    )  # busy_limit_s 2: deregistered on the second late check (2.5 s apart: the 2 s probe and the interval)
     router = await cluster.add_router(config={"request_timeout_s": 60.0})
     await cluster.ready(router)
     payload = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 6000, "ignore_eos": True, "stream": True}
