@@ -6,7 +6,9 @@ Before, it bound the engine's own port and retried for ever."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import struct
 
 import aiohttp
 import pytest
@@ -128,3 +130,27 @@ async def test_a_shim_whose_event_address_another_process_listens_on_exits_namin
     assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "kv_events", shim.failure
     assert f"the shim binds {endpoint} and another process listens there" in str(shim.failure)
     assert shim.registration_count == 0 and shim.session_failures == 0
+
+
+async def test_a_shim_whose_event_port_a_connection_holds_tries_again_and_registers_once_it_is_freed(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    # A port that is some connection's local end (open, or in TIME_WAIT for a minute) fails the bind
+    # with the same EADDRINUSE but frees itself: the shim exited with status 2 there (review, 2026-12-06).
+    with socket.socket() as listener, socket.socket() as held:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        held.bind(("127.0.0.1", 0))
+        held.connect(listener.getsockname())
+        endpoint = f"tcp://127.0.0.1:{held.getsockname()[1]}"
+        accepted, _ = listener.accept()
+        async with SimServer(sim_config()) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=endpoint, kv_events_mode="auto")
+            async with shim:
+                await asyncio.sleep(1.5)  # a second session's bind too
+                assert not shim.done.is_set() and shim.registration_count == 0, shim.failure
+                # Reset, not closed: no TIME_WAIT left on the port.
+                held.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                held.close()
+                accepted.close()
+                await wait_for(shim.registered.is_set, 10, "the shim registers once the port is free")

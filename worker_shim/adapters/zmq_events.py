@@ -71,6 +71,7 @@ SETTLE_S = 1.0
 # lost on the way (the PUB's high-water mark) shows as a gap only when a later one comes, and the
 # last before the engine goes quiet has none after it. The index lacked its blocks until then.
 QUIET_PROBE_S = 1.0
+LISTENER_CHECK_S = 0.5  # a local listener answers a connect at once; this only bounds a firewalled host
 # SGLang with a snapshot_endpoint: live topic = topic + EPOCH_MARKER + epoch, and a snapshot
 # barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
 EPOCH_MARKER = b"\x00sgl-kv-epoch="
@@ -188,7 +189,7 @@ class ZmqEventSource:
         self._alone_since = time.monotonic()
         try:
             if self.bind:
-                self._bind(sub)
+                await self._bind(sub)
             else:
                 sub.connect(self.address)
             if self.replay_address is not None:
@@ -237,12 +238,19 @@ class ZmqEventSource:
             ctx.term()
             self._ctx = self._sub = None
 
-    def _bind(self, sub: zmq.asyncio.Socket) -> None:
+    async def _bind(self, sub: zmq.asyncio.Socket) -> None:
         try:
             sub.bind(self.address)
         except zmq.ZMQError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
+            if not await _listened_on(self.address):
+                # A connection's local port (open, or in TIME_WAIT for a minute) frees itself: the
+                # next session binds it.
+                raise ConnectionError(
+                    f"the shim binds {self.address}, which a connection (not a listener) holds: "
+                    "trying again in the next session"
+                ) from exc
             # Another process listens there: no new session frees it, so the shim must not wait on.
             raise ConfigError(
                 "kv_events",
@@ -629,3 +637,19 @@ class ZmqEventsAdapter(HttpEngineAdapter):
     def request_rebuild(self) -> None:
         if self._events is not None:
             self._events.request_rebuild()
+
+
+async def _listened_on(address: str) -> bool:
+    """Whether a TCP listener answers at `address` (`tcp://host:port`; a wildcard host is this one)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    if host in ("*", "0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), LISTENER_CHECK_S)
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
