@@ -12,7 +12,8 @@ timing noise; the table reports the median of the runs and half their range (`±
 (bench.virtual): the same engines' scheduler and timing, shims' normalisation and routers'
 planner, with modelled hops instead of processes and sockets, in virtual (simulated) time, so
 latencies need no scaling and nothing but the model is measured. Run `r` of a configuration seeds
-its routers' random choices with `seed + r`; the same inputs and seed give byte-identical results.
+its routers' random choices and its shims' poll phases with `seed + r`; the same inputs and seed
+give byte-identical results.
 `jobs` processes run measurements side by side; results keep their order.
 
 Fleets: disaggregated configurations run `prefill` prefill and `decode` decode engines. Aggregated
@@ -117,7 +118,7 @@ class CompareSpec:
     delays: Delays = DEFAULT_DELAYS  # virtual clock only
     router_profile: str | None = None  # virtual: what workers register ("" none; None the engines' own)
     max_model_len: int = SIMS_MAX_MODEL_LEN  # virtual: the engines' context limit (live: --sim-arg --max-model-len)
-    seed: int = 0  # virtual: routers' random choices (run r uses seed + r)
+    seed: int = 0  # virtual: routers' random choices and shims' poll phases (run r uses seed + r)
     calibrate: bool = True  # virtual: routers fit engine timing from load reports
     router_profile_error: float = 0.0  # virtual: routers start with engine times (1 + e) x the profile's
     jobs: int = 1  # virtual: measurements run in this many processes

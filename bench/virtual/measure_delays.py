@@ -3,8 +3,8 @@
     python -m bench.virtual.measure_delays [--requests 200] [--agg 2] [--routers 2]
 
 Brings up a local cluster (nats, etcd, `agg` simulated engines at 1x, a shim each, `routers`
-replicas routing aggregated), sends `requests` small requests one after another to the first
-router, and measures what each hop costs here:
+replicas routing aggregated), sends `requests` (at least 10) small requests one after another to the
+first router, and measures what each hop costs here:
 
 - `kv_event_s`: engine -> shim (its ZMQ batches, received by a subscriber of our own, against the
   engine's batch timestamp) plus shim -> router (its NATS KvEventBatches against their `ts`);
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import statistics
 import sys
@@ -45,10 +46,14 @@ from kvswitch.cluster import ClusterSpec, LocalCluster
 from protocol import KvEventBatch, LoadReport, decode_msg, subjects
 from protocol.vllm_events import decode_batch, decode_pub_frames
 from worker_shim.adapters.vllm import load_from_metrics
+from worker_shim.load_reporter import DEFAULT_PERIOD_S
 
 __all__ = ["main"]
 
 SYNC_FLUSH_S = 0.002  # router.replica_sync.ReplicaSync's default flush_ms
+SETTLE_S = 0.05  # after each request: its events and reports settle, and no request queues behind another
+# Their pauses alone outlast a load report heartbeat and a poll period, so every list below has a value.
+MIN_REQUESTS = math.ceil(DEFAULT_PERIOD_S / SETTLE_S)
 
 
 async def _histogram_mean(session: aiohttp.ClientSession, url: str, name: str) -> tuple[float, float]:
@@ -131,7 +136,7 @@ async def _measure(cluster: LocalCluster, requests: int) -> dict[str, float]:
             if not done.ok or done.ttft_s is None:
                 raise RuntimeError(f"request {i} failed: {done.error}")
             client_ttft.append(done.ttft_s)
-            await asyncio.sleep(0.05)  # let events and reports settle: no request queues behind another
+            await asyncio.sleep(SETTLE_S)
         r1 = await _histogram_mean(session, router, "kvswitch_router_upstream_ttft_seconds")
         e1 = [await _histogram_mean(session, u, "vllm:time_to_first_token_seconds") for u in cluster.sim_urls]
         stop.set()
@@ -155,9 +160,18 @@ async def _measure(cluster: LocalCluster, requests: int) -> dict[str, float]:
     }
 
 
+def _requests(text: str) -> int:
+    n = int(text)
+    if n < MIN_REQUESTS:
+        raise argparse.ArgumentTypeError(
+            f"{n}: at least {MIN_REQUESTS}, so that the run outlasts a load report heartbeat and a poll period"
+        )
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.virtual.measure_delays", description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--requests", type=_requests, default=200, help=f"at least {MIN_REQUESTS}")
     p.add_argument("--agg", type=int, default=2, help="simulated engines (agg role, 1x)")
     p.add_argument("--routers", type=int, default=2)
     args = p.parse_args(argv)
@@ -172,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         delays = asyncio.run(_measure(cluster, args.requests))
     finally:
         cluster.stop()
-    print(f"{args.requests} requests, {args.agg} agg engines at 1x, {args.routers} routers (medians; seconds)")
+    print(
+        f"{args.requests} requests, {args.agg} agg engines at 1x, {args.routers} routers"
+        " (seconds; kv-event, load-report and sync medians, leg, token, client and engine-read means)"
+    )
     for name, value in delays.items():
         flag = "--" + name.removesuffix("_s").replace("_", "-") + "-delay"
         print(f"{flag} {value:.4f}")

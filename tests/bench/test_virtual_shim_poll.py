@@ -8,6 +8,7 @@ hung on that phase."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from bench.virtual.delays import Delays
 from bench.virtual.fleet import FleetSpec, VirtualFleet, settings_from_args
@@ -88,3 +89,54 @@ def test_each_shim_polls_from_a_phase_of_its_own_drawn_from_the_seed() -> None:
     assert len(set(offsets)) == 4 and all(0 <= o < period for o in offsets)
     assert offsets == [s.poll_offset_s for s in _fleet(agg=4).shims.values()]
     assert offsets != [s.poll_offset_s for s in _fleet(agg=4, seed=1).shims.values()]
+
+
+def _phased(
+    offset: float, changes: dict[float, int], pokes: Sequence[float] = (), until: float = 1.0
+) -> list[LoadReport]:
+    """One shim's reports, its first poll asked for at `offset`: its engine's `running` becomes
+    `changes[t]` at each t (as a step's end publishes it), and the shim is poked at each of `pokes`
+    (as a change of its own figures pokes it)."""
+    fleet = _fleet()
+    shim = next(iter(fleet.shims.values()))
+    shim.poll_offset_s = offset
+    stats = shim.engine.scheduler.stats
+    for t, running in changes.items():
+        fleet.clock.at(t, setattr, stats, "published", StepSeries(running=running))
+    for t in pokes:
+        fleet.clock.at(t, shim.poke)
+    reports = _Reports()
+    shim.routers = [reports]  # type: ignore[list-item]
+    shim.start()
+    fleet.clock.at(until, setattr, shim, "running", False)
+    fleet.clock.run()
+    return reports.got
+
+
+def test_a_heartbeat_deadline_inside_a_pokes_gap_cuts_the_gap_short() -> None:
+    """The start's report at 0 sets the heartbeat's deadline at DEFAULT_PERIOD_S; the first reading
+    comes back (and pokes) 20 ms before it: the report goes on the deadline, not MIN_GAP_S after the
+    poke, as load_reporter's `asyncio.timeout` ends the gap's sleep there."""
+    answered = DEFAULT_PERIOD_S - 0.02
+    got = _phased(answered - READ_S, {})
+    assert [rep.ts for rep in got[:2]] == [0.0, DEFAULT_PERIOD_S]
+    assert abs(got[1].engine_ts - (answered - READ_S / 2)) < 1e-9  # it carries that reading
+
+
+def test_pokes_within_one_gap_fold_into_one_report_min_gap_s_after_the_first() -> None:
+    """A poke at 0.17 (nothing changed yet) and a reading back at 0.2 (running 0 -> 3): one report,
+    at 0.17 + MIN_GAP_S, carrying the reading; the reading's poke starts no gap of its own."""
+    poked, answered = 0.17, 0.2
+    got = _phased(answered - READ_S, {0.1: 3}, pokes=[poked])
+    early = [rep for rep in got if 0 < rep.ts < DEFAULT_PERIOD_S]
+    assert [rep.ts for rep in early] == [poked + MIN_GAP_S]
+    assert early[0].running == 3 and abs(early[0].engine_ts - (answered - READ_S / 2)) < 1e-9
+
+
+def test_a_reading_carries_the_engines_figures_half_way_through_the_read() -> None:
+    """The figures are 5 when the poll asks, 1 from 1 ms later and 2 from 1 ms before the answer:
+    the reading is the one rendered half way, as the live shim's /metrics is (its engine_ts)."""
+    asked = 0.1
+    got = _phased(asked, {asked / 2: 5, asked + READ_S / 4: 1, asked + 3 * READ_S / 4: 2})
+    rep = next(rep for rep in got if rep.ts > 0)
+    assert rep.running == 1 and abs(rep.engine_ts - (asked + READ_S / 2)) < 1e-9
