@@ -127,7 +127,10 @@ class LogConfigError(ValueError):
 
 def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
     """`KVSWITCH_LOG_LEVEL` (info) and `KVSWITCH_LOG_FORMAT` (`text` or `json`) unless given;
-    LogConfigError for any other value (a typo must not silently mean text, or crash later)."""
+    LogConfigError for any other value (a typo must not silently mean text, or crash later).
+    The root logger's handlers become this one handler, to the `sys.stderr` of the call, so a
+    second call replaces the first; the process keeps it (a caller running a service in-process,
+    as tests do, puts back what it found: tests/conftest.py)."""
     level = level or os.environ.get("KVSWITCH_LOG_LEVEL", "info")
     fmt = fmt or os.environ.get("KVSWITCH_LOG_FORMAT", "text")
     if level.lower() not in LOG_LEVELS:
@@ -139,8 +142,11 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logging.Formatter.converter = time.gmtime
+        text = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # UTC on our own formatter: set on logging.Formatter, it changed every formatter in the
+        # process, and outlived a configuration a caller put back (a test's, pytest's own)
+        text.converter = time.gmtime
+        handler.setFormatter(text)
     handler.addFilter(RepeatedLines(("etcd3aio", "opentelemetry")))
     root = logging.getLogger()
     root.handlers[:] = [handler]
