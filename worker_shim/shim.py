@@ -67,6 +67,7 @@ from protocol.vllm_events import RESOLVED_BY_ENGINE
 from runtime import TickErrors, background, ended, guarded
 from runtime.nats_connect import refused_subscriptions
 from runtime.nats_flush import flush
+from runtime.nats_unsubscribe import unsubscribe
 from worker_shim import engine_claim, takeover
 from worker_shim.adapters import (
     EngineAdapter,
@@ -1254,9 +1255,8 @@ class WorkerShim:
         # Unsubscribe before the Cleared goes out: on one connection the server applies the UNSUBs
         # first, so whoever sees the Cleared gets "no responders" from the id at once, not a timeout.
         subs, presence.subs = presence.subs, []
-        for sub in subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await unsubscribe(subs)  # a request delivered before the UNSUB is answered
         await self._end_epoch(presence, cleared=True)
 
     async def _before_announce(self, worker: str) -> None:
@@ -1353,9 +1353,10 @@ class WorkerShim:
         dropped = [sub for sub in presence.subs if sub.subject != cancel]
         presence.subs = kept = [sub for sub in presence.subs if sub.subject == cancel]  # before any await:
         # a stop meanwhile closes what the presence still holds
-        for sub in dropped:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            # Lossless: a request the server sent before the UNSUB, dropped, was answered by
+            # neither the shim nor "no responders", and its router leg waited out its silence.
+            await unsubscribe(dropped)
         await self._end_epoch(presence, cleared=True)
         return [leg.task for leg in self.requests.inflight.values() if leg.task] if kept and self.requests else []
 

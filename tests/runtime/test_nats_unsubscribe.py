@@ -1,0 +1,63 @@
+"""runtime.nats_unsubscribe against a real nats-server: a responder that leaves in the middle of a
+burst of requests answers every one the server gave it, and the others get "no responders"."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import nats.errors
+from nats.aio.msg import Msg
+
+from kvswitch.servers import NatsServer
+from runtime.nats_flush import flush
+from runtime.nats_unsubscribe import unsubscribe
+from tests.worker_shim.cluster import wait_for
+
+REQUESTS = 200
+
+
+async def test_a_responder_leaving_mid_burst_leaves_no_request_unanswered() -> None:
+    # A slow callback keeps the burst queued at the responder (read, not yet handled) and on its
+    # socket when it leaves: nats-py's unsubscribe() dropped all of those, each requester timing out.
+    with NatsServer() as server:
+        responder, requester = await nats.connect(server.url), await nats.connect(server.url)
+        try:
+            handled = 0
+
+            async def answer(msg: Msg) -> None:
+                nonlocal handled
+                handled += 1
+                await asyncio.sleep(0.005)
+                await msg.respond(b"ok")
+
+            sub = await responder.subscribe("svc", cb=answer)
+            await flush(responder)
+            burst = [asyncio.create_task(requester.request("svc", b"q", timeout=5)) for _ in range(REQUESTS)]
+            await wait_for(lambda: handled >= 5, 5, "the responder busy with the burst")
+            await unsubscribe([sub])
+            outcomes = await asyncio.gather(*burst, return_exceptions=True)
+            answered = sum(isinstance(o, Msg) and o.data == b"ok" for o in outcomes)
+            refused = sum(isinstance(o, nats.errors.NoRespondersError) for o in outcomes)
+            other = [repr(o) for o in outcomes if not isinstance(o, Msg | nats.errors.NoRespondersError)]
+            assert other == [], f"{len(other)} of {REQUESTS} neither answered nor refused: {other[:3]}"
+            assert answered == handled and answered + refused == REQUESTS
+            assert sub not in responder._subs.values()  # forgotten: a reconnect would not subscribe it again
+        finally:
+            await requester.close()
+            await responder.close()
+
+
+async def test_the_private_names_the_unsubscribe_relies_on_are_still_nats_pys() -> None:
+    with NatsServer() as server:
+        nc = await nats.connect(server.url)
+        try:
+
+            async def ignore(msg: Msg) -> None:
+                pass
+
+            sub = await nc.subscribe("names", cb=ignore)
+            assert callable(getattr(nc, "_send_unsubscribe", None)) and sub._conn is nc
+            assert isinstance(sub._id, int) and isinstance(sub._pending_queue, asyncio.Queue)
+        finally:
+            await nc.close()
