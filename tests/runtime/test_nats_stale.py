@@ -118,14 +118,15 @@ BURSTS, BURST, SIZE = 2, 20_000, 1024
 BUSY_SLICE_S = 0.02
 
 
-async def _bursts(url: str) -> None:
-    """BURSTS bursts of BURST messages, 1 s apart: 20 MB each, faster than a busy reader reads."""
+async def _bursts(url: str, bursts: int = BURSTS, burst: int = BURST) -> None:
+    """`bursts` bursts of `burst` messages, 1 s apart (20 MB each by default), faster than a busy
+    reader reads."""
     nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
     try:
-        for i in range(BURSTS):
+        for i in range(bursts):
             if i:
                 await asyncio.sleep(1.0)
-            for _ in range(BURST):
+            for _ in range(burst):
                 await nc.publish("burst", b"y" * SIZE)
             await flush(nc)
     finally:
@@ -167,6 +168,52 @@ async def test_a_busy_reader_behind_a_burst_keeps_its_healthy_server(caplog: pyt
             stale = [r.getMessage() for r in caplog.records if "answered none" in r.getMessage()]
             assert (stale, left) == ([], []), "a healthy server was left"
             assert received == BURSTS * BURST
+        finally:
+            await nc.close()
+
+
+# A backlog of 4 MB, read at most ~256 KB (a socket read of asyncio's) a slice: 4 s and more.
+SLOW_PING_S, SLOW_SLICE_S, BACKLOG = 0.5, 0.25, 4000
+
+
+async def test_a_reader_behind_on_a_backlog_longer_than_the_ping_limit_keeps_its_server(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Its PONGs all wait behind the backlog, which the reader takes longer than PINGS_UNANSWERED+1
+    # intervals to read (0.5 s intervals here, below the minimum, to keep the test short): the
+    # messages it reads meanwhile are the server heard from. Counting PONGs only, it left its
+    # healthy server mid-backlog, a busy host at 2 s alike.
+    with NatsServer() as server:
+        left: list[float] = []
+        read_at: list[float] = []
+
+        async def on_msg(_: object) -> None:
+            read_at.append(time.monotonic())
+
+        async def disconnected() -> None:
+            left.append(time.monotonic())
+
+        async def on_error(exc: Exception) -> None:
+            pass
+
+        options = NatsSettings(servers=[server.url]).connect_options("slow") | {"ping_interval": SLOW_PING_S}
+        log = logging.getLogger("test.nats.slow")
+        nc = await connect(log, **options, disconnected_cb=disconnected, error_cb=on_error)
+        try:
+            await nc.subscribe("burst", cb=on_msg)
+            await flush(nc)
+            with caplog.at_level(logging.INFO, logger="test.nats.slow"):
+                publisher = asyncio.create_task(asyncio.to_thread(asyncio.run, _bursts(server.url, 1, BACKLOG)))
+                deadline = time.monotonic() + 60
+                while not left and len(read_at) < BACKLOG and time.monotonic() < deadline:
+                    time.sleep(SLOW_SLICE_S)  # the process's own work, on the loop
+                    await asyncio.sleep(0)
+                await publisher
+            stale = [r.getMessage() for r in caplog.records if "answered none" in r.getMessage()]
+            assert (stale, left) == ([], []), "a healthy server was left"
+            assert len(read_at) == BACKLOG
+            # Read over more than the intervals a silent server is left after: not passed vacuously.
+            assert read_at[-1] - read_at[0] > (PINGS_UNANSWERED + 1) * SLOW_PING_S
         finally:
             await nc.close()
 
