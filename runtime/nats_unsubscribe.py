@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Sequence
 
 from nats.aio.subscription import Subscription
@@ -26,21 +27,24 @@ from runtime.nats_flush import flush
 __all__ = ["unsubscribe"]
 
 
-async def unsubscribe(subs: Sequence[Subscription], timeout: int = 10) -> None:
+async def unsubscribe(subs: Sequence[Subscription], timeout: float = 10) -> None:
     """Unsubscribe `subs` once the server has stopped sending to them and each message it sent
-    before that went through its callback. A connection that cannot do that (down, its flush timing
-    out, closed meanwhile) has them forgotten all the same, after `timeout` seconds at most for each
-    step: reconnecting, nats-py subscribes again to every subscription it still knows."""
+    before that went through its callback: every UNSUB first, then one flush per connection, so
+    many subscriptions (a shim's worker ids at its stop) cost one barrier. A connection that cannot
+    do that (down, frozen, closed meanwhile) has them forgotten all the same after `timeout` seconds
+    at most for the whole: reconnecting, nats-py subscribes again to every subscription it still knows."""
     live = [sub for sub in subs if sub._conn.is_connected]  # private: each one's own connection
     try:
-        for sub in live:
-            # Private: UNSUB while the subscription still takes what the server sends first.
-            await sub._conn._send_unsubscribe(sub._id)
-        for nc in {id(sub._conn): sub._conn for sub in live}.values():
-            await flush(nc, timeout)  # the server has processed the UNSUBs: nothing more comes
-        # Bounded: a connection closed meanwhile stops the callbacks with messages still queued.
+        # One deadline: a frozen server held a shim's stop a flush timeout per step and per worker id.
         async with asyncio.timeout(timeout):
             for sub in live:
+                # Private: UNSUB while the subscription still takes what the server sends first.
+                await sub._conn._send_unsubscribe(sub._id)
+            for nc in {id(sub._conn): sub._conn for sub in live}.values():
+                # Shielded (runtime.nats_flush): the deadline leaves no PONG future behind.
+                await flush(nc, math.ceil(timeout))  # the server has processed the UNSUBs: nothing more comes
+            for sub in live:
+                # A connection closed meanwhile stops the callbacks with messages still queued.
                 await sub._pending_queue.join()  # each message delivered before went through the callback
     finally:
         for sub in subs:

@@ -33,7 +33,7 @@ import enum
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -118,6 +118,10 @@ REBUILD_BACKOFF_S = 5.0
 REBUILD_BACKOFF_MAX_S = 300.0
 ALIVE_TOKEN = 1  # the prompt of the one-token request that tells a hung engine with nothing to do serves again
 ALIVE_OUTPUT_TOKENS = 1
+UNSUB_S = 10.0  # the most a worker id's close waits for its server's barrier and handlers
+# At stop, for every id together: nc.drain comes after, and the CLI kills a shim at drain_grace_s + 30 s
+# (a frozen server held the stop 10 s per id before, one barrier per id, each up to its full timeout).
+UNSUB_STOP_S = 2.0
 ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
 ORPHAN_ERROR_SAID_S = 60.0  # a check that keeps failing with one kind of error is said at most this often
 # Work beside the session's that failed with an error no rule expected (kvswitch_shim_task_failures_total).
@@ -239,6 +243,7 @@ class _Presence:
         self.publisher: KvPublisher | None = None
         self.reporter: LoadReporter | None = None
         self.ended = asyncio.Event()  # its session ended: a retired id's grace is over
+        self.closing: asyncio.Future[None] | None = None  # its last unsubscribe, shielded from its caller
 
     async def on_kvstate(self, msg: Msg) -> None:
         if self.publisher is not None:
@@ -1236,7 +1241,7 @@ class WorkerShim:
         # PONG): registered, the worker would look healthy and get no request ever.
         refused = sorted(sub.subject for sub in presence.subs if sub.subject.lower() in refused_subscriptions(nc))
         if refused:
-            await self._close_presence(presence)
+            await self._close_presences(presence)
             name = self.config.worker_name
             why = (
                 f"the seed in --nats-nkey-file (or --nats-creds-file) is another worker's, or this --worker-name or "
@@ -1251,13 +1256,27 @@ class WorkerShim:
             )
         return presence
 
-    async def _close_presence(self, presence: _Presence) -> None:
+    async def _close_presences(self, *presences: _Presence, timeout: float = UNSUB_S) -> None:
         # Unsubscribe before the Cleared goes out: on one connection the server applies the UNSUBs
         # first, so whoever sees the Cleared gets "no responders" from the id at once, not a timeout.
-        subs, presence.subs = presence.subs, []
+        subs = [sub for presence in presences for sub in presence.subs]
+        for presence in presences:
+            presence.subs = []
+        await self._unsubscribe(presences, subs, timeout)  # one barrier for all the ids
+        for presence in presences:
+            await self._end_epoch(presence, cleared=True)
+
+    @staticmethod
+    async def _unsubscribe(presences: Sequence[_Presence], subs: list[Subscription], timeout: float) -> None:
+        """runtime.nats_unsubscribe, shielded: cancelled mid-way (_close_retired cancels a retirement),
+        its nats-py unsubscribe() discarded the requests delivered but not yet handled, and each
+        requester waited out its timeout. `closing` lets _close_retired wait for it instead."""
+        closing = asyncio.ensure_future(unsubscribe(subs, timeout))
+        closing.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved by a cancelled caller too
+        for presence in presences:
+            presence.closing = closing
         with contextlib.suppress(Exception):
-            await unsubscribe(subs)  # a request delivered before the UNSUB is answered
-        await self._end_epoch(presence, cleared=True)
+            await asyncio.shield(closing)  # a request delivered before the UNSUB is answered
 
     async def _before_announce(self, worker: str) -> None:
         """Subscribed, the server holding the subscriptions, and the epoch's KV stream started
@@ -1266,7 +1285,7 @@ class WorkerShim:
         before the epoch started went unanswered, and the router's repair waited out its timeout)."""
         presence = self._presence
         if presence is not None and presence.worker != worker:  # opened for an id whose key was never created
-            await self._close_presence(presence)
+            await self._close_presences(presence)
             presence = None
         if presence is None:
             presence = self._presence = await self._open_presence(worker)
@@ -1337,11 +1356,11 @@ class WorkerShim:
             if legs:
                 await asyncio.wait(legs)
         except Exception:
-            await self._close_presence(presence)
+            await self._close_presences(presence)
             raise
         finally:
             self._retired.pop(presence, None)
-        await self._close_presence(presence)
+        await self._close_presences(presence)
 
     async def _close_but_cancels(self, presence: _Presence) -> list[asyncio.Task[None]]:
         """Close `presence` but for its cancel subject: no request comes on its id any more and its
@@ -1353,24 +1372,30 @@ class WorkerShim:
         dropped = [sub for sub in presence.subs if sub.subject != cancel]
         presence.subs = kept = [sub for sub in presence.subs if sub.subject == cancel]  # before any await:
         # a stop meanwhile closes what the presence still holds
-        with contextlib.suppress(Exception):
-            # Lossless: a request the server sent before the UNSUB, dropped, was answered by
-            # neither the shim nor "no responders", and its router leg waited out its silence.
-            await unsubscribe(dropped)
+        # Lossless: a request the server sent before the UNSUB, dropped, was answered by
+        # neither the shim nor "no responders", and its router leg waited out its silence.
+        await self._unsubscribe([presence], dropped, UNSUB_S)
         await self._end_epoch(presence, cleared=True)
         return [leg.task for leg in self.requests.inflight.values() if leg.task] if kept and self.requests else []
 
-    async def _close_retired(self, worker: str | None = None) -> None:
-        """Every old id's retirement ends now, and what it held is closed: at stop; and, for
-        `worker` only, when a --worker-name's next session takes over the cancels its id kept."""
+    async def _close_retired(
+        self, worker: str | None = None, *, also: _Presence | None = None, timeout: float = UNSUB_S
+    ) -> None:
+        """Every old id's retirement ends now, and what it held is closed, with `also`, under one
+        barrier of `timeout` at most: at stop; and, for `worker` only, when a --worker-name's next
+        session takes over the cancels its id kept."""
         retired = {p: t for p, t in self._retired.items() if worker in (None, p.worker)}
         for presence in retired:
             del self._retired[presence]
-        for presence, task in retired.items():
+        for task in retired.values():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await self._close_presence(presence)
+        # A retirement cancelled while it unsubscribed: its requests already delivered are handled first.
+        closing = {p.closing for p in retired if p.closing is not None and not p.closing.done()}
+        if closing:
+            await asyncio.wait(closing, timeout=timeout)
+        await self._close_presences(*retired, *([also] if also is not None else []), timeout=timeout)
 
     async def _monitor(self) -> str | None:
         """Until the session ends; why, where it ends on a hang the stall watchdog proved (its legs
@@ -1503,14 +1528,15 @@ class WorkerShim:
         registration, self.registration = self.registration, None
         if registration is not None:
             await registration.stop()
-        if self._stopping.is_set():
-            await self._close_retired()
+        if self._stopping.is_set():  # the current id with the old ones: one short barrier for all
+            presence, self._presence = self._presence, None
+            await self._close_retired(also=presence, timeout=UNSUB_STOP_S)
         for old in self._retired:
             old.ended.set()  # no grace past the session: cancels alone are heard on the old ids
         presence, self._presence = self._presence, None
         if presence is not None:
             if self._stopping.is_set() or self.requests is None or not self.requests.inflight:
-                await self._close_presence(presence)
+                await self._close_presences(presence)
             else:  # its legs run on, and a router cancels one on the subject of the id it sent it to
                 await self._close_but_cancels(presence)  # now: no new leg comes before _fail_legs
                 presence.ended.set()
@@ -1595,7 +1621,8 @@ class WorkerShim:
                 await main
         if self.requests is not None:  # stopped between sessions, the legs a session's end left running
             await self.requests.drain(self.config.drain_grace_s)  # are drained too, not cut at once
-        await self._close_retired()  # those a session that ended before the stop left hearing cancels
+        # Those a session that ended before the stop left hearing cancels.
+        await self._close_retired(timeout=UNSUB_STOP_S)
         await self._close_clients()
         if self.status is not ShimStatus.FAILED:
             self.status = ShimStatus.STOPPED

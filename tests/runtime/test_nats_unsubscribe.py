@@ -48,6 +48,47 @@ async def test_a_responder_leaving_mid_burst_leaves_no_request_unanswered() -> N
             await responder.close()
 
 
+async def test_requests_still_arriving_as_a_fast_responder_leaves_are_answered_or_refused() -> None:
+    # A handler that answers at once leaves nothing queued: what the barrier keeps is what the server
+    # sent before it had the UNSUB, still on the socket when the queue is empty. Without the flush
+    # those MSGs came for a forgotten subscription and were dropped (the test above passed without it).
+    with NatsServer() as server:
+        responder, requester = await nats.connect(server.url), await nats.connect(server.url)
+        try:
+            handled = 0
+
+            async def answer(msg: Msg) -> None:
+                nonlocal handled
+                handled += 1
+                await msg.respond(b"ok")
+
+            sub = await responder.subscribe("svc", cb=answer)
+            await flush(responder)
+            sent: list[asyncio.Task[Msg]] = []
+            leaving = asyncio.Event()
+
+            async def keep_requesting() -> None:
+                while not leaving.is_set():
+                    sent.extend(asyncio.create_task(requester.request("svc", b"q", timeout=3)) for _ in range(50))
+                    await asyncio.sleep(0)
+
+            sending = asyncio.create_task(keep_requesting())
+            await wait_for(lambda: handled >= 50, 5, "the responder answering the stream")
+            await unsubscribe([sub])
+            await asyncio.sleep(0.05)  # more requests after it, each refused
+            leaving.set()
+            await sending
+            outcomes = await asyncio.gather(*sent, return_exceptions=True)
+            answered = sum(isinstance(o, Msg) and o.data == b"ok" for o in outcomes)
+            refused = sum(isinstance(o, nats.errors.NoRespondersError) for o in outcomes)
+            other = [repr(o) for o in outcomes if not isinstance(o, Msg | nats.errors.NoRespondersError)]
+            assert other == [], f"{len(other)} of {len(sent)} neither answered nor refused: {other[:3]}"
+            assert answered == handled and refused > 0 and answered + refused == len(sent)
+        finally:
+            await requester.close()
+            await responder.close()
+
+
 async def test_the_private_names_the_unsubscribe_relies_on_are_still_nats_pys() -> None:
     with NatsServer() as server:
         nc = await nats.connect(server.url)

@@ -4,15 +4,19 @@ id is still served for a grace period, and a stable --worker-name keeps its id (
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from types import SimpleNamespace
 from typing import Any
 
+import nats.aio.msg
 import nats.errors
 import pytest
 
 from discovery import Discovery, RegistrationState
 from engine_sim.server import SimServer
-from kvswitch.servers import EtcdServer
+from kvswitch.servers import EtcdServer, NatsServer
 from protocol import (
     CancelRequest,
     Cleared,
@@ -28,6 +32,7 @@ from protocol import (
     unpack_hashes,
 )
 from protocol.config import EtcdSettings
+from runtime.nats_flush import flush
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
 from tests.worker_shim.test_http_server import health
 from tests.worker_shim.test_request_service import Collector, gen
@@ -270,3 +275,95 @@ async def test_a_session_ending_while_an_old_id_retires_leaves_none_of_its_subsc
     finally:
         leg.cancel()
         await nc.close()
+
+
+def _bare_shim() -> WorkerShim:
+    """A shim with only what closing its worker ids reads: no engine, etcd or session."""
+    shim = object.__new__(WorkerShim)
+    shim.ns = "ns"
+    shim._retired = {}
+    shim._presence = None
+    shim.requests = SimpleNamespace(inflight={})  # type: ignore[assignment]
+    return shim
+
+
+async def _presence_on(nc: Any, worker: str, cb: Any) -> _Presence:
+    presence = _Presence(worker)
+    for subject in (*(subjects.gen("ns", r, worker) for r in ("prefill", "decode", "agg")),
+                    subjects.cancel("ns", worker), subjects.kvstate("ns", worker)):  # fmt: skip
+        presence.subs.append(await nc.subscribe(subject, cb=cb))
+    await flush(nc)
+    return presence
+
+
+async def test_a_stop_cancelling_a_retirement_mid_close_answers_what_the_old_id_was_given() -> None:
+    """The stop (or a --worker-name's next presence) cancelled a retirement inside its unsubscribe:
+    nats-py's unsubscribe() in its finally discarded the requests delivered but not yet handled,
+    and each requester waited out its timeout. Now the close is shielded and waited for."""
+    with NatsServer() as server:
+        nc, requester = await connect(server.url), await connect(server.url)
+        shim = _bare_shim()
+        handled = 0
+
+        async def answer(msg: Any) -> None:
+            nonlocal handled
+            handled += 1
+            await asyncio.sleep(0.01)
+            await msg.respond(b"ok")
+
+        try:
+            presence = await _presence_on(nc, "old", answer)
+            subject = subjects.gen("ns", "decode", "old")
+            burst = [asyncio.create_task(requester.request(subject, b"q", timeout=5)) for _ in range(100)]
+            await wait_for(lambda: handled >= 5, 5, "the old id busy with the burst")
+            retire = shim._retired[presence] = asyncio.create_task(shim._retire_later(presence, 0.0))
+            await wait_for(lambda: len(presence.subs) == 1, 5, "the retirement unsubscribing")  # its cancels alone
+            await asyncio.sleep(0.05)
+            await shim._close_retired()
+            assert retire.cancelled() and shim._retired == {}
+            outcomes = await asyncio.gather(*burst, return_exceptions=True)
+            other = [repr(o) for o in outcomes if not isinstance(o, nats.aio.msg.Msg | nats.errors.NoRespondersError)]
+            assert other == [], f"{len(other)} of 100 neither answered nor refused: {other[:3]}"
+            assert nc._subs == {}
+        finally:
+            await requester.close()
+            await nc.close()
+
+
+async def test_a_stop_with_nats_frozen_closes_every_worker_id_under_one_short_barrier() -> None:
+    """A retired id and the current one, the server frozen (SIGSTOP): each id waited its flush's
+    full 10 s, 20 s before the NATS drain of a shim the CLI kills at drain_grace_s + 30 s."""
+    with NatsServer() as server:
+        nc = await connect(server.url)
+
+        async def ignore(msg: Any) -> None:
+            pass
+
+        shim = _bare_shim()
+        shim.status = ShimStatus.DRAINING
+        shim.registered = asyncio.Event()
+        shim._stopping = asyncio.Event()
+        shim._stopping.set()
+        shim.requests = None
+        shim.registration = None
+        shim._events_task = None
+        shim.events = SimpleNamespace(close=lambda keep_retest: None)  # type: ignore[assignment]
+        shim.probe = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+        retiring = asyncio.create_task(asyncio.sleep(60))  # the old id's grace, not over
+        try:
+            shim._retired[await _presence_on(nc, "old", ignore)] = retiring
+            shim._presence = await _presence_on(nc, "new", ignore)
+            pid = server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                await shim._end_session()
+                took = time.monotonic() - started
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert took < 4.0, f"the worker ids' close held the stop {took:.1f}s"
+            assert shim._retired == {} and shim._presence is None and nc._subs == {}
+        finally:
+            retiring.cancel()
+            await nc.close()
