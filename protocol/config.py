@@ -72,7 +72,9 @@ MAX_LOAD_PERIOD_S = 60.0
 MIN_LOAD_PERIOD_S = 0.05
 # A NATS connection leaves a server that answered none of this many PINGs in a row: at the next
 # interval, 3-4 intervals after it went silent (15-20 s at the default 5 s). A PONG or a message
-# read answers (runtime.nats_connect): a reader behind on a backlog reads its PONG late.
+# read answers (runtime.nats_connect): a reader behind on a backlog reads its PONG late. A frozen
+# server's messages already in the socket buffers count too: it is left 3-4 intervals after they
+# are read (16-21 s at 2 s with 20 MB queued, docs/deployment.md).
 PINGS_UNANSWERED = 3
 # A PONG is read behind everything the server sent before it, so a process behind on reading (a
 # burst of messages waiting, its loop busy) reads it late: at 0.5 s such a reader left a healthy
