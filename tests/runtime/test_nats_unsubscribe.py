@@ -17,6 +17,14 @@ from tests.worker_shim.cluster import wait_for
 REQUESTS = 200
 
 
+async def _outcomes(requests: list[asyncio.Task[Msg]]) -> tuple[int, int, list[str]]:
+    """How many were answered "ok", refused with no responders, and what became of the rest."""
+    outcomes = await asyncio.gather(*requests, return_exceptions=True)
+    answered = sum(isinstance(o, Msg) and o.data == b"ok" for o in outcomes)
+    refused = sum(isinstance(o, nats.errors.NoRespondersError) for o in outcomes)
+    return answered, refused, [repr(o) for o in outcomes if not isinstance(o, Msg | nats.errors.NoRespondersError)]
+
+
 async def test_a_responder_leaving_mid_burst_leaves_no_request_unanswered() -> None:
     # A slow callback keeps the burst queued at the responder (read, not yet handled) and on its
     # socket when it leaves: nats-py's unsubscribe() dropped all of those, each requester timing out.
@@ -36,10 +44,7 @@ async def test_a_responder_leaving_mid_burst_leaves_no_request_unanswered() -> N
             burst = [asyncio.create_task(requester.request("svc", b"q", timeout=5)) for _ in range(REQUESTS)]
             await wait_for(lambda: handled >= 5, 5, "the responder busy with the burst")
             await unsubscribe([sub])
-            outcomes = await asyncio.gather(*burst, return_exceptions=True)
-            answered = sum(isinstance(o, Msg) and o.data == b"ok" for o in outcomes)
-            refused = sum(isinstance(o, nats.errors.NoRespondersError) for o in outcomes)
-            other = [repr(o) for o in outcomes if not isinstance(o, Msg | nats.errors.NoRespondersError)]
+            answered, refused, other = await _outcomes(burst)
             assert other == [], f"{len(other)} of {REQUESTS} neither answered nor refused: {other[:3]}"
             assert answered == handled and answered + refused == REQUESTS
             assert sub not in responder._subs.values()  # forgotten: a reconnect would not subscribe it again
@@ -78,10 +83,7 @@ async def test_requests_still_arriving_as_a_fast_responder_leaves_are_answered_o
             await asyncio.sleep(0.05)  # more requests after it, each refused
             leaving.set()
             await sending
-            outcomes = await asyncio.gather(*sent, return_exceptions=True)
-            answered = sum(isinstance(o, Msg) and o.data == b"ok" for o in outcomes)
-            refused = sum(isinstance(o, nats.errors.NoRespondersError) for o in outcomes)
-            other = [repr(o) for o in outcomes if not isinstance(o, Msg | nats.errors.NoRespondersError)]
+            answered, refused, other = await _outcomes(sent)
             assert other == [], f"{len(other)} of {len(sent)} neither answered nor refused: {other[:3]}"
             assert answered == handled and refused > 0 and answered + refused == len(sent)
         finally:
