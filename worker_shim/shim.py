@@ -234,6 +234,14 @@ class _RebuildGuard:
         return True
 
 
+def _unanswered_warning(presences: Sequence[_Presence], timeout: float, exc: BaseException) -> None:
+    log.warning(
+        "closing worker id(s) %s did not finish within %.1f s (%r): requests the server gave them "
+        "before the UNSUB may go unanswered, their routers waiting out the worker's silence",
+        ", ".join(p.worker for p in presences), timeout, exc,
+    )  # fmt: skip
+
+
 class _Presence:
     """One worker id on NATS: its subscriptions, and the KV stream and load reports of one epoch."""
 
@@ -1275,8 +1283,10 @@ class WorkerShim:
         closing.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved by a cancelled caller too
         for presence in presences:
             presence.closing = closing
-        with contextlib.suppress(Exception):
+        try:
             await asyncio.shield(closing)  # a request delivered before the UNSUB is answered
+        except Exception as exc:
+            _unanswered_warning(presences, timeout, exc)
 
     async def _before_announce(self, worker: str) -> None:
         """Subscribed, the server holding the subscriptions, and the epoch's KV stream started
@@ -1391,11 +1401,16 @@ class WorkerShim:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        # A retirement cancelled while it unsubscribed: its requests already delivered are handled first.
-        closing = {p.closing for p in retired if p.closing is not None and not p.closing.done()}
+        # A retirement cancelled while it unsubscribed: its requests already delivered are handled
+        # first, under the same deadline as the barrier after it.
+        deadline = time.monotonic() + timeout
+        closing = {p: p.closing for p in retired if p.closing is not None and not p.closing.done()}
         if closing:
-            await asyncio.wait(closing, timeout=timeout)
-        await self._close_presences(*retired, *([also] if also is not None else []), timeout=timeout)
+            _, late = await asyncio.wait(closing.values(), timeout=timeout)
+            if late:
+                _unanswered_warning([p for p, c in closing.items() if c in late], timeout, TimeoutError())
+        left = max(0.0, deadline - time.monotonic())
+        await self._close_presences(*retired, *([also] if also is not None else []), timeout=left)
 
     async def _monitor(self) -> str | None:
         """Until the session ends; why, where it ends on a hang the stall watchdog proved (its legs
