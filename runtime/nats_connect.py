@@ -125,15 +125,29 @@ class _EncryptedOrNothing(Client):
         assert self._current_server is not None, "called only once connect() began"
         return _shown(self._current_server)
 
-    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
-        # A message read is the server heard from, as a PONG is: nats-py counted PONGs only, and a
-        # PONG is read behind every message the server sent before it, so a reader a few seconds
-        # behind on a backlog took its healthy server for a frozen one, left it and lost the backlog
-        # (at the 2 s minimum interval, 5 of 40 runs of test_nats_stale's busy reader with a CPU hog
-        # beside `-n 2`, 16 of 30 with two, 2026-12-07; none since). A frozen server sends nothing:
-        # only what it sent before it froze, already on this host, is still read.
-        self._pings_outstanding = 0
-        await super()._process_msg(sid, subject, reply, data, headers)
+    async def _ping_interval(self) -> None:
+        # nats-py's PING loop, but a message read since the last PING counts as the server heard from,
+        # as a PONG does: nats-py counted PONGs only, and a PONG is read behind every message the
+        # server sent before it, so a reader a few seconds behind on a backlog took its healthy server
+        # for a frozen one, left it and lost the backlog (at the 2 s minimum interval, 5 of 40 runs of
+        # test_nats_stale's busy reader with a CPU hog beside `-n 2`, 16 of 30 with two, 2026-12-07;
+        # none since). A frozen server sends nothing: only what it sent before it froze, already on
+        # this host, is still read. Here, not per message: nats-py counts every one in its stats.
+        heard = self.stats["in_msgs"]
+        while True:
+            await asyncio.sleep(self.options["ping_interval"])
+            if not self.is_connected:
+                continue
+            if self.stats["in_msgs"] != heard:
+                heard, self._pings_outstanding = self.stats["in_msgs"], 0
+            try:
+                self._pings_outstanding += 1
+                if self._pings_outstanding > self.options["max_outstanding_pings"]:
+                    await self._process_op_err(ErrStaleConnection())
+                    return
+                await self._send_ping()
+            except (asyncio.CancelledError, RuntimeError, AttributeError):
+                break  # the connection closing under it, as nats-py's loop ends
 
     async def _process_op_err(self, e: Exception) -> None:
         # ErrStaleConnection: nothing read from the server over our last PINGs (the server's -ERR
