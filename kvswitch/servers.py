@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import fcntl
 import functools
+import ipaddress
 import json
 import os
 import random
@@ -55,7 +56,9 @@ __all__ = [
     "find_nats_server",
     "free_port",
     "free_ports",
+    "listeners",
     "port_holder",
+    "socket_inodes",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -201,15 +204,38 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)
 
 
-def _listening_inodes(port: int) -> set[str]:
-    """The inodes of the sockets listening on TCP `port` (any address), from /proc/net."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+def _address(hex_host: str) -> str:
+    raw = bytes.fromhex(hex_host)
+    # /proc prints each 32-bit word in host (little-endian) order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    addr = ipaddress.ip_address(words)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    return str(addr)
+
+
+def listeners(net: str = "/proc/net") -> list[tuple[str, int, str]]:
+    """(address, port, socket inode) of every listening TCP socket, IPv4 and IPv6, in the tables
+    under `net` (`/proc/<pid>/net` for a process's network namespace; Linux)."""
+    out = []
+    for table in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
-            for row in Path(table).read_text().splitlines()[1:]:
+            for row in Path(net, table).read_text().splitlines()[1:]:
                 fields = row.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                    inodes.add(fields[9])
+                if fields[3] == "0A":  # LISTEN
+                    host, port = fields[1].split(":")
+                    out.append((_address(host), int(port, 16), fields[9]))
+    return out
+
+
+def socket_inodes(pid: int | str) -> set[str]:
+    """The inodes of the sockets process `pid` holds open (empty where it cannot be read)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):  # closed meanwhile
+                if (target := os.readlink(fd)).startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
     return inodes
 
 
@@ -218,15 +244,12 @@ def port_holder(port: int) -> str | None:
 
     For a server that could not bind: a check for a free port cannot see who binds it afterwards.
     """
-    inodes = _listening_inodes(port)
+    inodes = {inode for _, p, inode in listeners() if p == port}
     if not inodes:
         return None
-    targets = {f"socket:[{i}]" for i in inodes}
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if any(os.readlink(fd) in targets for fd in (proc / "fd").iterdir()):
+        if proc.name.isdigit() and socket_inodes(proc.name) & inodes:
+            with contextlib.suppress(OSError):
                 cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
                 return f"pid {proc.name} ({cmdline[:200]})"
     return f"a process this user cannot see (socket inode {', '.join(sorted(inodes))})"
