@@ -234,11 +234,11 @@ class _RebuildGuard:
         return True
 
 
-def _unanswered_warning(presences: Sequence[_Presence], timeout: float, exc: BaseException) -> None:
+def _unanswered_warning(workers: Sequence[str], bound: float, exc: BaseException) -> None:
     log.warning(
-        "closing worker id(s) %s did not finish within %.1f s (%r): requests the server gave them "
-        "before the UNSUB may go unanswered, their routers waiting out the worker's silence",
-        ", ".join(p.worker for p in presences), timeout, exc,
+        "closing worker id(s) %s did not finish within its %.1f s bound (%r): requests the server gave "
+        "them before the UNSUB may go unanswered, their routers waiting out the worker's silence",
+        ", ".join(workers), bound, exc,
     )  # fmt: skip
 
 
@@ -1264,29 +1264,40 @@ class WorkerShim:
             )
         return presence
 
-    async def _close_presences(self, *presences: _Presence, timeout: float = UNSUB_S) -> None:
+    async def _close_presences(
+        self, *presences: _Presence, timeout: float = UNSUB_S, bound: float | None = None
+    ) -> None:
+        """`bound`: the limit `timeout` is what is left of, for the warning should it run out."""
         # Unsubscribe before the Cleared goes out: on one connection the server applies the UNSUBs
         # first, so whoever sees the Cleared gets "no responders" from the id at once, not a timeout.
-        subs = [sub for presence in presences for sub in presence.subs]
+        holding = [presence for presence in presences if presence.subs]
+        subs = [sub for presence in holding for sub in presence.subs]
         for presence in presences:
             presence.subs = []
-        await self._unsubscribe(presences, subs, timeout)  # one barrier for all the ids
+        await self._unsubscribe(holding, subs, timeout, timeout if bound is None else bound)  # one barrier
         for presence in presences:
             await self._end_epoch(presence, cleared=True)
 
     @staticmethod
-    async def _unsubscribe(presences: Sequence[_Presence], subs: list[Subscription], timeout: float) -> None:
+    async def _unsubscribe(
+        presences: Sequence[_Presence], subs: list[Subscription], timeout: float, bound: float
+    ) -> None:
         """runtime.nats_unsubscribe, shielded: cancelled mid-way (_close_retired cancels a retirement),
         its nats-py unsubscribe() discarded the requests delivered but not yet handled, and each
-        requester waited out its timeout. `closing` lets _close_retired wait for it instead."""
+        requester waited out its timeout. `closing` lets _close_retired wait for it instead. A close
+        that fails says so whoever waits for it (a cancelled retirement does not)."""
+        workers = [presence.worker for presence in presences]
+
+        def said(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and (exc := done.exception()) is not None:
+                _unanswered_warning(workers, bound, exc)
+
         closing = asyncio.ensure_future(unsubscribe(subs, timeout))
-        closing.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved by a cancelled caller too
+        closing.add_done_callback(said)
         for presence in presences:
             presence.closing = closing
-        try:
+        with contextlib.suppress(Exception):  # said by its callback
             await asyncio.shield(closing)  # a request delivered before the UNSUB is answered
-        except Exception as exc:
-            _unanswered_warning(presences, timeout, exc)
 
     async def _before_announce(self, worker: str) -> None:
         """Subscribed, the server holding the subscriptions, and the epoch's KV stream started
@@ -1384,7 +1395,7 @@ class WorkerShim:
         # a stop meanwhile closes what the presence still holds
         # Lossless: a request the server sent before the UNSUB, dropped, was answered by
         # neither the shim nor "no responders", and its router leg waited out its silence.
-        await self._unsubscribe([presence], dropped, UNSUB_S)
+        await self._unsubscribe([presence], dropped, UNSUB_S, UNSUB_S)
         await self._end_epoch(presence, cleared=True)
         return [leg.task for leg in self.requests.inflight.values() if leg.task] if kept and self.requests else []
 
@@ -1407,10 +1418,12 @@ class WorkerShim:
         closing = {p: p.closing for p in retired if p.closing is not None and not p.closing.done()}
         if closing:
             _, late = await asyncio.wait(closing.values(), timeout=timeout)
-            if late:
-                _unanswered_warning([p for p, c in closing.items() if c in late], timeout, TimeoutError())
+            if late:  # given up, not left running into the NATS drain
+                _unanswered_warning([p.worker for p, c in closing.items() if c in late], timeout, TimeoutError())
+                for close in late:
+                    close.cancel()
         left = max(0.0, deadline - time.monotonic())
-        await self._close_presences(*retired, *([also] if also is not None else []), timeout=left)
+        await self._close_presences(*retired, *([also] if also is not None else []), timeout=left, bound=timeout)
 
     async def _monitor(self) -> str | None:
         """Until the session ends; why, where it ends on a hang the stall watchdog proved (its legs

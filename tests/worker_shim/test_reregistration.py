@@ -378,3 +378,34 @@ async def test_a_stop_with_nats_frozen_closes_every_worker_id_under_one_short_ba
         finally:
             retiring.cancel()
             await nc.close()
+
+
+async def test_a_retirements_close_that_fails_after_its_caller_was_cancelled_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stop cancels a retirement inside its close, which goes on shielded: when it then runs out
+    (the server frozen), nobody waited for it to say so, and the requests it held went unanswered
+    without a line in the log."""
+    caplog.set_level(logging.WARNING, "worker_shim.shim")
+    with NatsServer() as server:
+        nc = await connect(server.url)
+
+        async def ignore(msg: Any) -> None:
+            pass
+
+        try:
+            old = await _presence_on(nc, "old", ignore)
+            pid = server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                closing = asyncio.create_task(WorkerShim._unsubscribe([old], old.subs, 0.3, 0.3))
+                await asyncio.sleep(0.1)
+                closing.cancel()  # the retirement, cancelled by a stop
+                await wait_for(lambda: old.closing is not None and old.closing.done(), 2, "the close running out")
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert any("closing worker id(s) old did not finish within its 0.3 s bound" in m for m in said), said
+        finally:
+            await nc.close()
