@@ -17,6 +17,19 @@ from tests.worker_shim.cluster import wait_for
 REQUESTS = 200
 
 
+class _Answering:
+    """A responder that answers "ok" after `delay` s, counting the requests it handled."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.handled = delay, 0
+
+    async def answer(self, msg: Msg) -> None:  # a method: nats-py takes coroutine functions only
+        self.handled += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        await msg.respond(b"ok")
+
+
 async def _outcomes(requests: list[asyncio.Task[Msg]]) -> tuple[int, int, list[str]]:
     """How many were answered "ok", refused with no responders, and what became of the rest."""
     outcomes = await asyncio.gather(*requests, return_exceptions=True)
@@ -31,22 +44,15 @@ async def test_a_responder_leaving_mid_burst_leaves_no_request_unanswered() -> N
     with NatsServer() as server:
         responder, requester = await nats.connect(server.url), await nats.connect(server.url)
         try:
-            handled = 0
-
-            async def answer(msg: Msg) -> None:
-                nonlocal handled
-                handled += 1
-                await asyncio.sleep(0.005)
-                await msg.respond(b"ok")
-
-            sub = await responder.subscribe("svc", cb=answer)
+            responding = _Answering(delay=0.005)
+            sub = await responder.subscribe("svc", cb=responding.answer)
             await flush(responder)
             burst = [asyncio.create_task(requester.request("svc", b"q", timeout=5)) for _ in range(REQUESTS)]
-            await wait_for(lambda: handled >= 5, 5, "the responder busy with the burst")
+            await wait_for(lambda: responding.handled >= 5, 5, "the responder busy with the burst")
             await unsubscribe([sub])
             answered, refused, other = await _outcomes(burst)
             assert other == [], f"{len(other)} of {REQUESTS} neither answered nor refused: {other[:3]}"
-            assert answered == handled and answered + refused == REQUESTS
+            assert answered == responding.handled and answered + refused == REQUESTS
             assert sub not in responder._subs.values()  # forgotten: a reconnect would not subscribe it again
         finally:
             await requester.close()
@@ -60,14 +66,8 @@ async def test_requests_still_arriving_as_a_fast_responder_leaves_are_answered_o
     with NatsServer() as server:
         responder, requester = await nats.connect(server.url), await nats.connect(server.url)
         try:
-            handled = 0
-
-            async def answer(msg: Msg) -> None:
-                nonlocal handled
-                handled += 1
-                await msg.respond(b"ok")
-
-            sub = await responder.subscribe("svc", cb=answer)
+            responding = _Answering(delay=0.0)
+            sub = await responder.subscribe("svc", cb=responding.answer)
             await flush(responder)
             sent: list[asyncio.Task[Msg]] = []
             leaving = asyncio.Event()
@@ -78,14 +78,14 @@ async def test_requests_still_arriving_as_a_fast_responder_leaves_are_answered_o
                     await asyncio.sleep(0)
 
             sending = asyncio.create_task(keep_requesting())
-            await wait_for(lambda: handled >= 50, 5, "the responder answering the stream")
+            await wait_for(lambda: responding.handled >= 50, 5, "the responder answering the stream")
             await unsubscribe([sub])
             await asyncio.sleep(0.05)  # more requests after it, each refused
             leaving.set()
             await sending
             answered, refused, other = await _outcomes(sent)
             assert other == [], f"{len(other)} of {len(sent)} neither answered nor refused: {other[:3]}"
-            assert answered == handled and refused > 0 and answered + refused == len(sent)
+            assert answered == responding.handled and refused > 0 and answered + refused == len(sent)
         finally:
             await requester.close()
             await responder.close()
