@@ -54,7 +54,7 @@ from kvswitch.servers import (
     TlsFiles,
     dying_with_parent,
     free_ports,
-    port_holder,
+    port_holders,
 )
 from protocol import subjects
 from protocol.messages import RouterInfo, decode_json
@@ -162,7 +162,7 @@ class _Child:
             tail = self.log.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()[-12:]
         said = "; its last output:\n    " + "\n    ".join(tail) if tail else ""
         # Its output names a port it could not bind, not who holds it.
-        held = "".join(f"; port {p} is held by {h}" for p in self.ports if (h := port_holder(p)) is not None)
+        held = "".join(f"; {h}" for h in port_holders(self.ports))
         return f"{self.name} (status {self.proc.returncode}{held}{said})"
 
 

