@@ -315,7 +315,12 @@ async def test_a_hung_engine_is_deregistered_until_it_moves_again_and_a_slow_one
 
                     sim.faults.hang = True  # accepts requests, never steps; /health and /metrics answer
                     await _send_leg(nc, ns, worker, "hung", max_tokens=16)
-                    await wait_for(lambda: not shim.registered.is_set(), timeout=10, what="deregistered as hung")
+                    # registered clears as the session starts to end; worker_id once its key is revoked
+                    await wait_for(
+                        lambda: not shim.registered.is_set() and shim.worker_id is None,
+                        timeout=10,
+                        what="deregistered as hung",
+                    )
                     assert await registered_workers(etcd_url, ns) == set()
                     assert f"engine at {sim.url} made no progress" in caplog.text
                     await asyncio.sleep(3 * stall_limit)  # no new session while it hangs: no flapping
