@@ -48,7 +48,11 @@ async def test_a_shim_serves_its_rank_from_the_endpoints_the_engine_was_given(
                 final = await col.final("r1")
             finally:
                 await nc.close()
-            assert final.error is None and sim.ranked_requests == 1, "the leg named the rank's engine, index 0"
+            # Every generate request the engine saw named index 0: the leg, and any probe the shim
+            # sent it under load (one had, so a count of exactly one was a race).
+            assert final.error is None and sim.ranked_requests == sim.faults.requests_seen >= 1, (
+                "the leg named the rank's engine, index 0"
+            )
             await wait_for(lambda: shim.canonical_hashes() == engine_set(sim) != set(), 5, "rank 1's events indexed")
 
 
