@@ -247,6 +247,11 @@ class HfPromptTokenizer:
             self._tok = HfRawTokenizer.from_file(str(file))
         except Exception as exc:  # the Rust side raises plain Exception for a bad file
             raise TokenizerError(str(file), f"not a tokenizers JSON: {exc}") from exc
+        # The file's `truncation` and `padding` sections (save_pretrained writes them after a call
+        # that truncated or padded) would cut or pad every prompt; transformers, so vLLM, turns
+        # both off for a plain encode.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.name = str(path)
         folder = file.parent
         config = _read_json(folder / "tokenizer_config.json")

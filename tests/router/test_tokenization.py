@@ -75,6 +75,26 @@ def test_hf_tokenizer_from_dir_or_file(hf_dir: Path, as_file: bool) -> None:
     assert tok.encode("hello world") == [3, 4]
 
 
+def test_a_files_truncation_and_padding_are_off_as_in_transformers(hf_dir: Path, tmp_path: Path) -> None:
+    # save_pretrained writes both sections after a call that truncated or padded; transformers (so
+    # vLLM) turns them off for a plain encode, so a text prompt is neither cut nor padded.
+    raw = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    raw.enable_truncation(max_length=4)
+    raw.enable_padding(pad_id=0, pad_token="[UNK]", pad_to_multiple_of=8)
+    both = tmp_path / "both"
+    both.mkdir()
+    raw.save(str(both / "tokenizer.json"))
+    (both / "tokenizer_config.json").write_text((hf_dir / "tokenizer_config.json").read_text())
+    assert json.loads((both / "tokenizer.json").read_text())["truncation"]["max_length"] == 4
+    plain, loaded = load_tokenizer(hf_dir), load_tokenizer(both)
+    text = " ".join(["hello world"] * 5)
+    assert loaded.encode(text) == plain.encode(text) == [3, 4] * 5
+    assert loaded.encode_large(text, add_special_tokens=True) == plain.encode_large(text, add_special_tokens=True)
+    chat = [{"role": "user", "content": text}]
+    assert loaded.encode_chat(chat) == plain.encode_chat(chat)
+    assert tokenizer_fingerprint(loaded) == tokenizer_fingerprint(plain)
+
+
 def test_hf_chat_template_is_rendered_with_jinja(hf_dir: Path) -> None:
     tok = load_tokenizer(hf_dir)
     ids = tok.encode_chat([{"role": "user", "content": "hello"}])
