@@ -17,7 +17,7 @@ import msgspec
 from protocol import ConfigError, subjects
 from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S, url_problem
 from protocol.timing import DEFAULT_PROFILE, TimingModel, profile_names
-from protocol.vllm_events import rank_endpoint
+from protocol.vllm_events import RESOLVED_BY_ENGINE, rank_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
 
 __all__ = ["ENGINES", "KV_EVENTS_MODES", "ROLES", "EngineKind", "KvEventsMode", "ShimConfig"]
@@ -30,7 +30,11 @@ KvEventsMode = Literal["auto", "bind", "connect"]
 KV_EVENTS_MODES: tuple[str, ...] = get_args(KvEventsMode)
 # Engines whose adapters read no timing counters: routers cannot calibrate their workers.
 UNTIMED_ENGINES: tuple[str, ...] = ("sglang", "trtllm")
-_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_ENDPOINT_FORMS = (
+    "a ZMQ endpoint: tcp://HOST:PORT with PORT in 1..65535 (HOST `*` where the engine binds: tcp://*:5557; "
+    "an address where it connects: tcp://10.0.0.7:5557), vLLM's tcp://*:0 (the port it bound, read on "
+    "/kv_event_sources), ipc://PATH or inproc://NAME"
+)
 MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL: "too large lease TTL" past it
 _DURATIONS = (
     "reregister_grace_s", "orphan_grace_s", "load_period_s", "events_timeout_s", "drain_grace_s", "health_interval_s",
@@ -162,6 +166,9 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "kv_events_config", self.kv_events_config, f"engine {self.engine} takes no ZMQ events config"
             )
         ev = parse_kv_events_config(self.engine, self.kv_events_config)
+        for key, value in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint)):
+            if value is not None and not _endpoint_ok(value, self.engine):
+                raise ConfigError("kv_events_config", self.kv_events_config, f"{key} {value!r}: {_ENDPOINT_FORMS}")
         pairs = (("kv_events", ev.endpoint, "endpoint"), ("kv_replay", ev.replay_endpoint, "replay_endpoint"))
         for flag, value, key in (*pairs, ("kv_events_topic", ev.topic, "topic")):
             given = getattr(self, flag)
@@ -189,8 +196,8 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("model", self.model, "the served model name is required")
         for name in ("kv_events", "kv_replay"):
             value = getattr(self, name)
-            if value is not None and not value.startswith(_ZMQ_SCHEMES):
-                raise ConfigError(name, value, "a ZMQ endpoint: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+            if value is not None and not _endpoint_ok(value, self.engine):
+                raise ConfigError(name, value, _ENDPOINT_FORMS)
         if self.data_parallel_rank is not None:
             if self.engine != "vllm":
                 raise ConfigError(
@@ -204,6 +211,11 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 value = getattr(self, name)
                 if self.data_parallel_rank and value is not None and value.startswith("ipc://"):
                     raise ConfigError(name, value, "vLLM's data-parallel ranks publish on tcp:// or inproc:// only")
+                ranked = rank_endpoint(value, self.data_parallel_rank) if value is not None else None
+                if ranked is not None and not _endpoint_ok(ranked, self.engine):  # ZMQ wraps a port past 65535
+                    raise ConfigError(
+                        name, value, f"rank {self.data_parallel_rank} publishes at {ranked} (port + rank), past 65535"
+                    )
         if self.engine == "sglang" and self.kv_events is None:
             raise ConfigError("kv_events", None, "engine sglang publishes KV events over ZMQ: give its endpoint")
         for name in ("block_size", "kv_total_blocks", "max_num_batched_tokens", "kv_bytes_per_token"):
@@ -301,3 +313,26 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
     @property
     def engine_host(self) -> str:
         return urlsplit(self.engine_url).hostname or "127.0.0.1"
+
+
+def _endpoint_ok(endpoint: str, engine: str) -> bool:
+    """Whether ZMQ takes `endpoint` and it names one port: ZMQ refuses a tcp:// one without a
+    numeric port only when the shim's session opens it, each second for ever, and binds port 0
+    (any) or wraps a port past 65535 without a word."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return bool(endpoint.partition("://")[2])
+    if not endpoint.startswith("tcp://"):
+        return False
+    host, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if (
+        not colon
+        or not host
+        or any(c.isspace() or c == "/" for c in host)
+        or host.startswith("[") != host.endswith("]")
+    ):
+        return False
+    if not (port.isascii() and port.isdigit()):
+        return False
+    if int(port) == 0:  # vLLM binds its own and lists the port; nobody else can know it
+        return endpoint == RESOLVED_BY_ENGINE and engine == "vllm"
+    return int(port) <= 65535

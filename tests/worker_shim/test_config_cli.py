@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,6 +154,57 @@ def test_events_config_errors_name_the_setting(kw: dict[str, object], setting: s
 
 
 @pytest.mark.parametrize(
+    ("kw", "setting"),
+    [
+        ({"kv_events": "tcp://x"}, "kv_events"),  # no port: "Invalid argument" each second, never registered
+        ({"kv_events": "tcp://127.0.0.1:abc"}, "kv_events"),
+        ({"kv_events": "tcp://127.0.0.1:0"}, "kv_events"),  # the shim would bind a port nobody knows
+        ({"kv_events": "tcp://127.0.0.1:70000"}, "kv_events"),  # ZMQ binds 4464 (70000 - 65536)
+        ({"kv_events": "tcp://:5557"}, "kv_events"),
+        ({"kv_events": "tcp://127.0.0.1:5557/x"}, "kv_events"),
+        ({"kv_events": "ipc://"}, "kv_events"),
+        ({"engine": "sglang", "kv_events": "tcp://*:0"}, "kv_events"),  # only vLLM lists the port it bound
+        ({"kv_replay": "tcp://*:abc"}, "kv_replay"),
+        ({"kv_replay": "tcp://[::1:5558"}, "kv_replay"),
+        (
+            {"kv_events": None, "kv_events_config": '{"enable_kv_cache_events": true, "endpoint": "tcp://*"}'},
+            "kv_events_config",
+        ),
+    ],
+)
+def test_an_endpoint_zmq_cannot_open_is_refused_naming_its_flag(kw: dict[str, object], setting: str) -> None:
+    base: dict[str, object] = {"model": "m", "kv_events": "tcp://*:5557", **kw}
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(**base).validate()  # type: ignore[arg-type]
+    assert err.value.setting == setting and "tcp://HOST:PORT with PORT in 1..65535" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "tcp://*:5557",
+        "tcp://10.0.0.7:5557",
+        "tcp://engine-1.local:65535",
+        "tcp://[::1]:5557",
+        "tcp://[::]:5557",
+        "tcp://0.0.0.0:1",
+        "tcp://*:0",
+        "ipc:///tmp/ev",
+        "inproc://cache",
+    ],
+)
+def test_the_endpoints_zmq_opens_are_taken(endpoint: str) -> None:
+    cfg = ShimConfig(model="m", kv_events=endpoint, kv_replay=endpoint).validate()
+    assert (cfg.kv_events, cfg.kv_replay) == (endpoint, endpoint)
+
+
+def test_the_shim_command_exits_2_naming_a_bad_endpoints_flag() -> None:
+    argv = [sys.executable, "-m", "kvswitch", "shim", "--model", "m", "--kv-events", "tcp://127.0.0.1:abc"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--kv-events" in out.stderr and "tcp://HOST:PORT" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
     ("kw", "words"),
     [
         ({"load_period_s": 61.0}, "must be in [0.05, 60.0]"),  # routers cap the period at 60 s: silent in between
@@ -290,6 +343,7 @@ def test_a_data_parallel_rank_offsets_the_endpoints_as_vllm_does(
         ({"data_parallel_rank": -1}, "data_parallel_rank", "must be >= 0"),
         ({"engine": "sglang", "data_parallel_rank": 1}, "data_parallel_rank", "only vLLM"),
         ({"kv_events": "ipc:///tmp/ev", "data_parallel_rank": 1}, "kv_events", "tcp:// or inproc://"),
+        ({"kv_events": "tcp://*:65535", "data_parallel_rank": 1}, "kv_events", "tcp://*:65536 (port + rank)"),
     ],
 )
 def test_a_data_parallel_rank_vllm_would_not_take_is_refused(kw: dict[str, object], setting: str, words: str) -> None:
