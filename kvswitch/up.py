@@ -123,6 +123,12 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
             f"kvswitch up: --routers {routers} needs simulated workers: add --agg, --prefill or --decode "
             "(or drop --routers to run NATS and etcd alone, for routers and shims of your own)"
         )
+    if routers and not args.decode + args.agg:
+        # The router answers only through decode or agg workers: /ready would never pass.
+        raise UpFlagError(
+            f"kvswitch up: --prefill {args.prefill} needs --decode or --agg: prefill workers serve no request "
+            "alone (or --routers 0 for prefill sims beside routers and decode workers of your own)"
+        )
     if not 0 < args.speedup < math.inf:
         raise UpFlagError(f"kvswitch up: --speedup must be a finite number > 0, got {args.speedup}")
     for name in ("nats_port", "etcd_port", "http_port"):
