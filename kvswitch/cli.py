@@ -9,6 +9,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvswitch.environment import check_environment
+from protocol.errors import VariableError
 from protocol.version import BUILD
 
 __all__ = ["main", "subcommand_parser"]
@@ -55,6 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args[0]
     if name not in SUBCOMMANDS:
         top.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
+    try:
+        check_environment()  # before any parser is built: some list KVSWITCH_PROFILE_DIR's tables
+    except VariableError as exc:
+        print(f"kvswitch {name}: {exc}", file=sys.stderr)
+        return 2
     module_name = SUBCOMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)

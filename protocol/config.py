@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from protocol.errors import FLAG_ONLY, ConfigError, without_userinfo
+from protocol.errors import FLAG_ONLY, ConfigError, VariableError, without_userinfo
 
 __all__ = [
     "DISAGG_MODES",
@@ -41,9 +41,11 @@ __all__ = [
     "NatsSettings",
     "RouterSettings",
     "add_flags",
+    "check_env_names",
     "check_file_keys",
     "check_flag_only_env",
     "check_shared_keys",
+    "env_names",
     "file_keys",
     "flat_names",
     "load_file",
@@ -246,6 +248,11 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                 f"conditional_disagg={'on' if c.conditional_disagg else 'off'})",
             )
         return self
+
+
+# What msgspec takes for a bool from a string (an environment variable's value): `yes` or `on`
+# is refused, not read as off.
+_BOOL_SPELLINGS = "allowed values: true, false, 1, 0 (true and false in any case)"
 
 
 def _check_finite(settings: msgspec.Struct) -> None:
@@ -765,6 +772,31 @@ def check_flag_only_env(
             )
 
 
+def env_names(schema: type[msgspec.Struct], setting_prefix: str = "", env_prefix: str = "KVSWITCH_") -> set[str]:
+    """The environment variables `resolve(schema, setting_prefix=..., env_prefix=...)` reads."""
+    return {env_prefix + (setting_prefix + name).upper() for name in flat_names(schema)}
+
+
+def check_env_names(
+    known: Collection[str], env: Mapping[str, str] | None = None, env_prefix: str = "KVSWITCH_"
+) -> None:
+    """VariableError naming every `{env_prefix}` variable of `env` not in `known`, each with the
+    nearest known name: `resolve` reads only the names it knows, so a misspelt one (KVSWITCH_DISAG)
+    would leave its setting at the default without a word."""
+    env = os.environ if env is None else env
+    unknown = sorted(name for name in env if name.startswith(env_prefix) and name not in known)
+    if not unknown:
+        return
+    # Matched without the prefix they all share, which would make any two names look alike.
+    by_suffix = {name.removeprefix(env_prefix): name for name in known}
+    problems = []
+    for name in unknown:
+        near = difflib.get_close_matches(name.removeprefix(env_prefix).upper(), sorted(by_suffix), n=1)
+        problems.append("is no kvswitch setting" + (f" (did you mean {by_suffix[near[0]]}?)" if near else ""))
+    rest = "".join(f"; {name} {problem}" for name, problem in zip(unknown[1:], problems[1:], strict=True))
+    raise VariableError(unknown[0], problems[0] + rest)
+
+
 def _with_section(file: Mapping[str, Any], name: str, sub: type[msgspec.Struct], prefix: str) -> Mapping[str, Any]:
     """`file` with the keys of its `name:` section (a nested Struct's) laid over it. A section that
     is no mapping, or a key in it no setting reads, is a ConfigError: it would otherwise leave its
@@ -812,7 +844,10 @@ def _named_error(
     choices = get_args(tp) if getattr(tp, "__origin__", None) is Literal else ()
     if choices:
         return ConfigError.one_of(setting, value, [str(c) for c in choices])
-    return ConfigError(setting, value, message.split(" - at ", maxsplit=1)[0])
+    problem = message.split(" - at ", maxsplit=1)[0]
+    if _base_type(tp) is bool:  # msgspec's words alone do not say which strings it takes
+        problem += f"; {_BOOL_SPELLINGS}"
+    return ConfigError(setting, value, problem)
 
 
 def _struct_type(tp: Any) -> type[msgspec.Struct] | None:

@@ -10,6 +10,7 @@ __all__ = [
     "FLAG_ONLY",
     "ConfigError",
     "ProtocolError",
+    "VariableError",
     "bind_sockets",
     "listen_error",
     "try_listen",
@@ -70,6 +71,19 @@ class ConfigError(ValueError):
     @classmethod
     def one_of(cls, setting: str, value: object, choices: Iterable[str]) -> ConfigError:
         return cls(setting, value, "allowed values: " + ", ".join(choices))
+
+
+class VariableError(ConfigError):
+    """A `KVSWITCH_` variable wrong in itself rather than as a setting's value: one no kvswitch
+    process reads, or a process-wide one whose value cannot be used (KVSWITCH_PROFILE_DIR naming no
+    directory). It has no flag, so the message names the variable alone, and shows no value the
+    problem does not: a misspelt password's must not be."""
+
+    def __init__(self, variable: str, problem: str) -> None:
+        ValueError.__init__(self, f"{variable} {problem}")  # not ConfigError's: that names a flag
+        self.setting = variable
+        self.value = None
+        self.allowed = problem
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:

@@ -59,32 +59,52 @@ import json
 import math
 import os
 import reprlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import VariableError
+
 __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_PROFILE",
+    "PROFILE_DIR_ENV",
     "MarginalFit",
     "ModelProfile",
     "TimingModel",
     "fit_marginal",
     "load_profile",
     "mixed_marginals",
+    "profile_dir",
     "profile_names",
 ]
 
 DEFAULT_PROFILE = "h200:llama-3.1-8b"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's default for the API server on an H100/H200
 _BUILTIN_DIR = Path(__file__).with_name("profiles")
+PROFILE_DIR_ENV = "KVSWITCH_PROFILE_DIR"  # an operator's tables, searched before the built-in ones
+
+
+def profile_dir(env: Mapping[str, str] | None = None) -> Path | None:
+    """The directory KVSWITCH_PROFILE_DIR of `env` (os.environ) names, None when it is unset or
+    empty; VariableError when it names no directory: its tables would go unread, and where one of
+    them has a built-in table's name (h200.json), the built-in one would stand in for it without a
+    word."""
+    given = (os.environ if env is None else env).get(PROFILE_DIR_ENV)
+    if not given:
+        return None
+    if not Path(given).is_dir():
+        raise VariableError(
+            PROFILE_DIR_ENV, f"= {given!r} names no directory: give the one that holds your timing tables"
+        )
+    return Path(given)
 
 
 def _profile_dirs() -> list[Path]:
-    extra = os.environ.get("KVSWITCH_PROFILE_DIR")
-    return ([Path(extra)] if extra else []) + [_BUILTIN_DIR]
+    extra = profile_dir()
+    return ([extra] if extra is not None else []) + [_BUILTIN_DIR]
 
 
 def _table_path(name: str) -> Path | None:

@@ -19,12 +19,15 @@ from protocol.config import (
     EtcdSettings,
     NatsSettings,
     RouterSettings,
+    check_env_names,
     check_file_keys,
     check_flag_only_env,
+    env_names,
     file_keys,
     load_file,
     resolve,
 )
+from protocol.errors import VariableError
 
 
 def test_defaults_match_design() -> None:
@@ -495,6 +498,45 @@ def test_a_file_key_no_setting_reads_is_refused_with_the_nearest(tmp_path: Path)
         check_file_keys({"queue_threshod": 2}, allowed, "f.yaml")
     with pytest.raises(ConfigError, match="'zzz' is not a setting \\(the settings"):
         check_file_keys({"zzz": 1}, allowed, "f.yaml")
+
+
+def test_env_names_are_the_variables_resolve_reads() -> None:
+    names = env_names(RouterSettings)
+    assert {"KVSWITCH_ROUTING", "KVSWITCH_DISAGG", "KVSWITCH_CONDITIONAL_DISAGG_POLICY"} <= names  # nested flattened
+    assert "KVSWITCH_CONDITIONAL" not in names  # the section's own name is a file key, no variable
+    assert env_names(NatsSettings, "nats_") >= {"KVSWITCH_NATS_SERVERS", "KVSWITCH_NATS_PING_INTERVAL_S"}
+    for name in sorted(names):  # each one is read: a bad value is refused naming it
+        with pytest.raises(ConfigError, match=name):
+            resolve(RouterSettings, env={name: "[not a value]"})
+
+
+def test_a_variable_no_setting_reads_is_refused_with_the_nearest() -> None:
+    """Audit 2026-12-07: KVSWITCH_DISAG=never started with disagg=conditional without a word."""
+    known = env_names(RouterSettings)
+    check_env_names(known, env={"KVSWITCH_DISAGG": "never", "PATH": "/bin", "KVSWITCHED": "1"})
+    with pytest.raises(VariableError) as err:
+        check_env_names(known, env={"KVSWITCH_DISAG": "never", "KVSWITCH_ROUTING": "kv"})
+    assert str(err.value) == "KVSWITCH_DISAG is no kvswitch setting (did you mean KVSWITCH_DISAGG?)"
+    assert isinstance(err.value, ConfigError)  # each process exits 2 on it, as on any config error
+    with pytest.raises(VariableError, match=r"^KVSWITCH_QQQQ is no kvswitch setting$"):
+        check_env_names(known, env={"KVSWITCH_QQQQ": "1"})
+
+
+@pytest.mark.parametrize("value", ["yes", "on", "", "2"])
+def test_a_bad_boolean_is_refused_listing_the_spellings_taken(value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve(RouterSettings, env={"KVSWITCH_CONDITIONAL_DISAGG": value})
+    said = str(err.value)
+    assert said.startswith(
+        f"invalid conditional_disagg (--conditional-disagg, KVSWITCH_CONDITIONAL_DISAGG) = {value!r}"
+    )
+    assert said.endswith("allowed values: true, false, 1, 0 (true and false in any case)"), said
+
+
+@pytest.mark.parametrize(("value", "on"), [("true", True), ("TRUE", True), ("False", False), ("1", True), ("0", False)])
+def test_every_listed_boolean_spelling_is_taken(value: str, on: bool) -> None:
+    settings = resolve(RouterSettings, env={"KVSWITCH_CONDITIONAL_DISAGG": value})
+    assert settings.conditional.conditional_disagg is on
 
 
 @pytest.mark.parametrize("value", ["true", "false", ""])

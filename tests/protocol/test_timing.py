@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from protocol.errors import VariableError
 from protocol.timing import (
     DEFAULT_PROFILE,
     TimingModel,
@@ -165,6 +166,24 @@ def test_operator_tables_come_from_kvswitch_profile_dir(tmp_path: Path, monkeypa
     assert mine.decode(16, 2048) == pytest.approx(2 * llama.decode(16, 2048))
     # No a100_mixed.json: the reference fit, scaled by the prefill ratio (2x here).
     assert mine.marginal(1024, 0, 64) == pytest.approx(2 * llama.marginal(1024, 0, 64))
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_a_profile_dir_that_is_no_directory_is_refused(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Audit 2026-12-07: it was skipped, so an operator's own h200.json gave way to the built-in
+    table of that name without a word."""
+    given = tmp_path / kind
+    if kind == "file":
+        given.write_text("{}")
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(given))
+    for read in (profile_names, lambda: load_profile.__wrapped__(LLAMA)):
+        with pytest.raises(VariableError) as err:
+            read()
+        assert str(err.value).startswith(f"KVSWITCH_PROFILE_DIR = '{given}' names no directory"), err.value
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", "")  # empty is unset, as before
+    assert LLAMA in profile_names()
 
 
 # --- operators' tables that are malformed (KVSWITCH_PROFILE_DIR) --------------------------------

@@ -238,6 +238,17 @@ def test_a_malformed_operator_timing_table_is_refused_at_start(tmp_path: Path, m
     assert str(tmp_path / "mygpu.json") in said and "model 'm1'" in said and "`prefill`" in said, said
 
 
+def test_a_profile_dir_that_is_no_directory_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Audit 2026-12-07: a missing KVSWITCH_PROFILE_DIR was skipped, so a shim given the operator's
+    own h200:llama-3.1-8b registered the built-in table of that name instead."""
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path / "tables"))
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(model="m", kv_events="tcp://*:1", timing_profile="h200:llama-3.1-8b").validate()
+    assert err.value.setting == "KVSWITCH_PROFILE_DIR" and "names no directory" in str(err.value), err.value
+
+
 def test_the_longest_load_period_and_a_known_profile_are_accepted() -> None:
     cfg = ShimConfig(model="m", kv_events="tcp://*:1", load_period_s=60.0, timing_profile="h200:qwen2.5-32b")
     assert cfg.validate().load_period_s == 60.0
