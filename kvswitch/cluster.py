@@ -25,6 +25,7 @@ import argparse
 import base64
 import contextlib
 import functools
+import http.client
 import importlib
 import json
 import logging
@@ -487,8 +488,8 @@ class LocalCluster:
             except urllib.error.HTTPError as e:
                 with contextlib.suppress(OSError):
                     last = e.read()
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+                pass  # HTTPException: another server (nats-server greets first) holds the port; the child's bind fails
             time.sleep(0.2)
         raise ServerError(f"{what} not ready after {timeout:.0f}s ({url}): {last[:2000]!r}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -147,6 +148,40 @@ def test_a_sim_port_taken_before_the_sim_binds_it_is_drawn_again(monkeypatch: py
         assert len(draws) == 2 and len(cluster.engines) == 1
         assert _get(cluster.engines[0].url + "/health") == 200
         assert sum(c.name == "sim-agg" for c in cluster.children) == 1
+    finally:
+        cluster.stop()
+        taken.close()
+
+
+def test_a_sim_port_a_non_http_server_holds_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under -n 4 beside other test runs: the sim's port was a nats-server's, whose greeting the
+    # health poll read as a bad status line and raised, where it should have waited for the sim to
+    # fail its bind and drawn again.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+
+    def greet() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = taken.accept()
+                with conn:
+                    conn.sendall(b'INFO {"server_id":"x","proto":1}\r\n')
+
+    threading.Thread(target=greet, daemon=True).start()
+    draws: list[int] = []
+    real = free_ports
+
+    def first_taken(count: int, host: str = "127.0.0.1") -> int:
+        draws.append(count)
+        return taken.getsockname()[1] if len(draws) == 1 else real(count, host)
+
+    monkeypatch.setattr("kvswitch.cluster.free_ports", first_taken)
+    cluster = LocalCluster(ClusterSpec(agg=1, routers=0))
+    try:
+        cluster.start()
+        assert len(draws) == 2 and len(cluster.engines) == 1
+        assert _get(cluster.engines[0].url + "/health") == 200
     finally:
         cluster.stop()
         taken.close()
