@@ -10,8 +10,10 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   (epoch, seq), and carries the missed batches or a full dump; once it is applied, every held
   batch that arrived before the request went out and contradicts it (another epoch, or a seq
   beyond the shim's own) is impossible: forged, or from a shim that no longer exists. It is
-  dropped, counted and logged as an ERROR naming the worker, so one forged batch costs one repair,
-  never a repair loop. Held batches after the reply's seq are then applied in order; if a gap
+  dropped, counted, and an ERROR names the worker once per episode: until a repair of it drops
+  none (a flood of forged batches is a repair, and such a drop, after another: one line, not one a
+  repair), capped the same way as the lines below. One forged batch costs one repair, never a
+  repair loop. Held batches after the reply's seq are then applied in order; if a gap
   remains, the repair goes on.
 - A worker is bootstrapped (a full dump) when the registry adds it. While it bootstraps or repairs,
   only it is out of routing (router.eligibility); every other worker routes as usual.
@@ -134,6 +136,7 @@ class _Worker:
     held: list[tuple[int, KvEventBatch]] = field(default_factory=list)  # (arrival no., batch), awaiting a repair
     held_bytes: int = 0  # _held_size of `held`
     overflow_logged: bool = False  # held batches dropped and said so since it was last synced
+    impossible_said: bool = False  # batches its shim never sent dropped and said so, until a repair drops none
     digest_said: bool = False  # its digest's disagreement said, until the digest agrees again
     digest_repair: bool = False  # the repair open is for a digest disagreement
     digest_dumped: bool = False  # that repair's dump is in, and its digest has not been compared since
@@ -251,6 +254,15 @@ class KvIngest:
             "dropped held KV batches past a bound on batches held while they repair; a full dump catches up each "
             "(one cause for many workers at once: their repairs failing alike, as gap repair's lines say; "
             'kvswitch_router_kv_dropped_total{reason="overflow"} counts each)',
+            clock=clock,
+            fleet_log=fleet_log,
+        )
+        self._impossible_lines = FleetLines(  # a fleet whose ids another process took, or one forger of many
+            log,
+            logging.ERROR,
+            "dropped held KV batches their shims never sent: forged, or from processes that no longer hold these "
+            "worker ids (logged once until a repair of each drops none; "
+            'kvswitch_router_kv_dropped_total{reason="impossible"} counts each)',
             clock=clock,
             fleet_log=fleet_log,
         )
@@ -794,19 +806,26 @@ class KvIngest:
                 impossible.append(batch)
             else:
                 kept.append((arrival, batch))
-        if impossible:
-            self._set_held(state, kept)
-            self.stats.dropped_impossible += len(impossible)
-            shown = ", ".join(f"epoch {b.epoch:x} seq {b.seq}" for b in impossible[:3])
-            log.error(
-                "worker %s: dropped %d KV batches its shim never sent (it is at epoch %x seq %d; dropped: %s): "
-                "forged, or from a process that no longer holds this worker id",
-                state.name,
-                len(impossible),
-                epoch,
-                seq,
-                shown,
-            )
+        if not impossible:
+            state.impossible_said = False  # the episode is over: a repair found none
+            return
+        self._set_held(state, kept)
+        self.stats.dropped_impossible += len(impossible)
+        if state.impossible_said:
+            return  # one line an episode: a flood of forged batches was one a repair (audit of 2026-12-07)
+        state.impossible_said = True
+        shown = ", ".join(f"epoch {b.epoch:x} seq {b.seq}" for b in impossible[:3])
+        self._impossible_lines.say(
+            state.name,
+            "worker %s: dropped %d KV batches its shim never sent (it is at epoch %x seq %d; dropped: %s): "
+            "forged, or from a process that no longer holds this worker id (logged once until a repair of it "
+            'drops none; kvswitch_router_kv_dropped_total{reason="impossible"} counts each)',
+            state.name,
+            len(impossible),
+            epoch,
+            seq,
+            shown,
+        )
 
     def _drain_held(self, state: _Worker) -> bool:
         """Apply held batches that follow last_seq. True when none is left waiting on a gap."""

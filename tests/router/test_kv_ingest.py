@@ -440,6 +440,34 @@ async def test_a_forged_epoch_is_settled_by_one_dump(nc: Client, ns: str, ingest
     assert ingest.stats.workers["a1"].epoch == shim.epoch
 
 
+async def test_forged_batches_repair_after_repair_are_one_error_until_a_repair_drops_none(
+    nc: Client, ns: str, ingest: KvIngest, shim: FakeShim, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flood of forged batches was one ERROR a repair (1,955 lines, 91% of a router's log in the
+    isolation audit of 2026-12-07): one line an episode, each batch counted."""
+    await synced_with(ingest, shim)
+
+    async def forge(n: int) -> None:
+        forged = KvEventBatch(worker="a1", epoch=shim.epoch ^ n, seq=1, ts=0.0, events=[Stored(hashes=[66])])
+        await nc.publish(subjects.kv(ns, "a1"), encode_msg(forged))
+        await until(lambda: ingest.stats.dropped_impossible == n and ingest.synced, what=f"forged batch {n} dropped")
+
+    def said() -> int:
+        return sum("never sent" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.ERROR, logger="router.kv_ingest"):
+        for n in range(1, 6):  # five repairs, each dropping one
+            await forge(n)
+        assert said() == 1
+        assert "dropped 1 KV batches" in caplog.text and "logged once until a repair of it drops none" in caplog.text
+        await shim.publish(Stored(hashes=[1]), drop=True)  # an honest gap: its repair drops nothing
+        await shim.publish(Stored(hashes=[2], parent=1))
+        await until(lambda: ingest.stats.workers["a1"].last_seq == shim.seq and ingest.synced)
+        await forge(6)  # a new episode: said again
+        assert said() == 2
+    assert ingest.index.dump() == shim.expected() == {"a1": [1, 2]}
+
+
 async def test_a_reply_that_does_not_decode_is_followed_by_a_dump_not_the_same_request(
     ingest: KvIngest, shim: FakeShim
 ) -> None:
