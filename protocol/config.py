@@ -69,7 +69,7 @@ MIN_STREAM_HEARTBEAT_S = 0.05
 MAX_LOAD_PERIOD_S = 60.0
 # The shortest: a shim sends a report at most this often, on its period and on a change alike
 # (worker_shim.load_reporter), and a router budgets each sender at twice that rate
-# (router.load_budget): a shim that sent faster was quarantined as a flood, so a shorter
+# (router.sender_budget): a shim that sent faster was quarantined as a flood, so a shorter
 # --load-period-s is refused. A router also reads a shorter period_s as this one.
 MIN_LOAD_PERIOD_S = 0.05
 # A NATS connection leaves a server that answered none of this many PINGs in a row: at the next

@@ -38,6 +38,7 @@ from protocol.errors import listen_error, try_listen
 from router.api_keys import ApiKeys, ApiKeysError
 from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
+from router.sender_budget import KV_BATCH_BURST, KV_BATCHES_PER_S, KV_MIB_BURST, KV_MIB_PER_S, KvBudget
 from runtime import run_service, start_or_stop
 
 if TYPE_CHECKING:
@@ -119,6 +120,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"KV index entries any worker may have (default {MIN_ENTRY_LIMIT}, ~170 MB; more when its "
         "kv_total_blocks says so): raise it for workers whose CPU or disk KV tier holds more",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-budget-batches-per-s", type=float, default=None, metavar="N",
+        help=f"KV event batches a second any worker's subject may carry before the rest is dropped and the "
+        f"sender quarantined (default {KV_BATCHES_PER_S:g}; a shim seals about 200)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-budget-batch-burst", type=float, default=None, metavar="N",
+        help=f"the batches a worker's subject may carry at once above that rate (default {KV_BATCH_BURST:g})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-budget-mib-per-s", type=float, default=None, metavar="MIB",
+        help=f"KV event MiB a second any worker's subject may carry (default {KV_MIB_PER_S:g})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-budget-mib-burst", type=float, default=None, metavar="MIB",
+        help=f"the MiB a worker's subject may carry at once above that rate (default {KV_MIB_BURST:g})",
+    )  # fmt: skip
     routing = parser.add_argument_group("routing (live-tunable at /{ns}/config/router)")
     add_flags(routing, RouterSettings)
     conn = parser.add_argument_group("NATS and etcd")
@@ -157,6 +175,16 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     # vLLM's flag: JSON text from the command line or environment, a mapping from a config file
     default_chat_template_kwargs: dict[str, Any] | str | None = None
     index_limit_per_worker: int = MIN_ENTRY_LIMIT  # router.kv_ingest's floor of a worker's index entries
+    kv_budget_batches_per_s: float = KV_BATCHES_PER_S  # router.sender_budget's, for KV event senders
+    kv_budget_batch_burst: float = KV_BATCH_BURST
+    kv_budget_mib_per_s: float = KV_MIB_PER_S
+    kv_budget_mib_burst: float = KV_MIB_BURST
+
+    @property
+    def kv_budget(self) -> KvBudget:
+        return KvBudget(
+            self.kv_budget_batches_per_s, self.kv_budget_batch_burst, self.kv_budget_mib_per_s, self.kv_budget_mib_burst
+        )
 
     def validate(self) -> ProcessSettings:
         try:
@@ -174,6 +202,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                 f"must be >= {_LEAST_INDEX_LIMIT} entries (default {MIN_ENTRY_LIMIT}; raise it for workers whose "
                 "CPU or disk KV tier holds more)",
             )
+        self.kv_budget.validate()
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ConfigError(
                 "chat_template_content_format",
@@ -301,6 +330,7 @@ def build_config(args: argparse.Namespace) -> Any:
         exclude_tools_when_tool_choice_none=proc.exclude_tools_when_tool_choice_none,
         default_chat_template_kwargs=proc.default_chat_template_kwargs,
         index_limit_per_worker=proc.index_limit_per_worker,
+        kv_budget=proc.kv_budget,
     )
 
 

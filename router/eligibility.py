@@ -193,7 +193,7 @@ class Eligibility:
         None when it has no tokenizer (text prompts are then refused for every worker). `awake_for()`:
         seconds since this router's loop last stalled (runtime.loop_watch): a worker is silent for
         no longer than the router could have heard it. `quarantined_for(worker)`: the seconds its
-        load reports are unheard for yet, sent past their budget (router.load_subscriptions), None
+        load reports are unheard for yet, sent past their budget (router.sender_subscriptions), None
         when they are heard. `fleet_log`: its router's (router.fleet_lines)."""
         self._clock = clock
         self._awake_for = awake_for

@@ -47,5 +47,7 @@ class IngestStats:
     digest_mismatches: int = 0  # load-report digests that disagreed with the index at the same seq
     digest_unfixed: int = 0  # workers whose digest disagreed right after a dump taken for it, until it agrees
     digest_lags: int = 0  # load-report digests that stayed ahead of the index: lost last batches
+    over_budget: int = 0  # batches dropped before decoding, past their sender's budget (router.sender_budget)
+    worker_over_budget: Counter[str] = field(default_factory=Counter)  # the same, by registered worker
     last_lag_s: float = 0.0  # receive time - batch.ts of the last live batch applied
     workers: dict[str, WorkerSync] = field(default_factory=dict)

@@ -58,6 +58,15 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   whenever a registered worker's batch would not fit the shared byte budget, so stale ones never
   keep it from a worker under repair. Workers are only ever added by the registry, never by
   a batch, so a worker whose key is gone cannot be resurrected by its last events in flight.
+- A sender past its budget (router.sender_budget: batches and bytes a second, with bursts; the
+  router's --kv-budget-* flags) has the rest dropped before decoding, counted for it, and its
+  subject left unheard for a while (router.sender_subscriptions: one subscription per registered
+  worker instead of {ns}.kv.* meanwhile), so nats-server sends the flood no more; a WARNING names
+  it once per worker. The batches dropped are a gap of that worker alone: its index is repaired.
+  Until 2026-12-07 one worker flooding its own subject queued every other worker's batches and
+  kvstate replies behind the flood: every worker `repairing`, every request 503. Repairs ask on
+  `requests_nc` (the router's main connection), not on the connection the batches come on, so
+  their replies never wait behind a flood either.
 - Malformed payloads are counted, logged once per worker and kind (capped the same way) and dropped;
   they never reach the index.
   A batch that decodes but holds a bad hash (packed bytes that are not whole u64s, an int out of
@@ -70,7 +79,7 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import math
 import time
@@ -80,7 +89,6 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 from protocol import subjects
 from protocol.errors import ProtocolError
@@ -100,6 +108,8 @@ from router.fleet_lines import FleetEpisodes, FleetLines, FleetLog
 from router.gap_repair import LIMIT_HINT, FailureKind, FetchFailure, GapRepair
 from router.ingest_stats import IngestStats, SyncState, WorkerSync
 from router.lifecycle import PartStatus
+from router.sender_budget import KvBudget, SenderBudget
+from router.sender_subscriptions import QUARANTINE_S, SenderSubscriptions
 from runtime import guarded
 from runtime.turns import Turns
 
@@ -137,6 +147,7 @@ class _Worker:
     held_bytes: int = 0  # _held_size of `held`
     overflow_logged: bool = False  # held batches dropped and said so since it was last synced
     impossible_said: bool = False  # batches its shim never sent dropped and said so, until a repair drops none
+    over_budget_said: bool = False  # its batches past its budget said so (once while it is registered)
     digest_said: bool = False  # its digest's disagreement said, until the digest agrees again
     digest_repair: bool = False  # the repair open is for a digest disagreement
     digest_dumped: bool = False  # that repair's dump is in, and its digest has not been compared since
@@ -154,9 +165,10 @@ class _Worker:
 class KvIngest:
     """Keeps `index` equal to what every registered worker's shim holds.
 
-    Owns its subscription and the repair loops (router.gap_repair), not the NATS connection.
-    `stop()` is idempotent. `on_events(worker, events)` sees every applied event (the pending
-    prefixes confirm against it).
+    Owns its subscriptions (router.sender_subscriptions) and the repair loops (router.gap_repair),
+    not the NATS connections: batches come on `nc`, kvstate requests go on `requests_nc` (`nc`
+    when None). `stop()` is idempotent. `on_events(worker, events)` sees every applied event (the
+    pending prefixes confirm against it). `budget`: each sender's (router.sender_budget).
     """
 
     def __init__(
@@ -165,6 +177,9 @@ class KvIngest:
         ns: str,
         index: BlockIndex,
         *,
+        requests_nc: Client | None = None,
+        budget: SenderBudget | None = None,
+        quarantine_s: float = QUARANTINE_S,
         request_timeout_s: float = 2.0,
         fetch_timeout_s: float = 30.0,
         retry_max_s: float = 2.0,
@@ -182,15 +197,26 @@ class KvIngest:
         clock: Callable[[], float] = time.monotonic,
         fleet_log: FleetLog | None = None,
     ) -> None:
-        self._nc = nc
         self._turns = Turns()
         self._ns = subjects.validate_namespace(ns)
+        self._workers: dict[str, _Worker] = {}
         self.index = index
         self.min_entry_limit = min_entry_limit
         self.stats = IngestStats()
         self.status = PartStatus.NEW
-        self.repairs = GapRepair(
+        self.budget = budget or KvBudget().budget()
+        self.subscriptions = SenderSubscriptions(
             nc,
+            subjects.kv_all(self._ns),
+            functools.partial(subjects.kv, self._ns),
+            guarded(self._on_msg, "the KV event handler"),
+            self._workers.keys,  # every registered worker: a quarantine leaves the others heard
+            what="KV event",
+            quarantine_s=quarantine_s,
+            clock=clock,
+        )
+        self.repairs = GapRepair(
+            requests_nc or nc,
             self._ns,
             self,
             request_timeout_s=request_timeout_s,
@@ -266,6 +292,15 @@ class KvIngest:
             clock=clock,
             fleet_log=fleet_log,
         )
+        self._over_budget_lines = FleetLines(
+            log,
+            logging.WARNING,
+            "KV batches over their senders' budget dropped, their subjects unheard for a while and their indexes "
+            "repaired (one cause for many workers: something other than their shims publishing on their subjects; "
+            "counted in kvswitch_router_kv_over_budget_total)",
+            clock=clock,
+            fleet_log=fleet_log,
+        )
         self._agrees_lines = FleetLines(
             log,
             logging.INFO,
@@ -277,7 +312,6 @@ class KvIngest:
         self._unfixed = FleetEpisodes(self._unfixed_lines, self._agrees_lines)
         self._on_events = on_events
         self._clock = clock
-        self._workers: dict[str, _Worker] = {}
         self._unsynced: set[str] = set()  # workers bootstrapping or repairing: `synced` in O(1)
         self._unknown: dict[str, deque[tuple[float, int, KvEventBatch]]] = {}  # (arrival time, size, batch)
         # Kinds of malformed input logged, per registered worker (forgotten when it leaves: a worker
@@ -286,7 +320,6 @@ class KvIngest:
         self._malformed_logged: dict[str, set[str]] = {}
         self._refused: dict[str, None] = {}  # workers the full index had no slot for, oldest first
         self._arrivals = 0
-        self._sub: Subscription | None = None
         self._synced = asyncio.Event()
         self._synced.set()
 
@@ -295,9 +328,7 @@ class KvIngest:
     async def start(self) -> None:
         if self.status is not PartStatus.NEW:
             raise RuntimeError(f"KvIngest.start() called while {self.status.value}")
-        self._sub = await self._nc.subscribe(
-            subjects.kv_all(self._ns), cb=guarded(self._on_msg, "the KV event handler")
-        )
+        await self.subscriptions.start()
         self.status = PartStatus.RUNNING
         for worker in self._workers.values():
             self.repairs.ensure(worker.name)
@@ -306,10 +337,7 @@ class KvIngest:
         if self.status is PartStatus.STOPPED:
             return
         self.status = PartStatus.STOPPED
-        sub, self._sub = self._sub, None
-        if sub is not None and not self._nc.is_closed:
-            with contextlib.suppress(Exception):  # the connection may be draining or closed under us
-                await sub.unsubscribe()
+        await self.subscriptions.stop()  # what it cannot unsubscribe (a draining connection) goes with it
         await self.repairs.stop()
 
     # --- the worker set (driven by the registry) -------------------------------------------------
@@ -337,6 +365,7 @@ class KvIngest:
             self.stats.unknown_held -= 1
             self._hold(state, batch)
         self._synced.clear()
+        self.subscriptions.workers_changed()
         if self.status is PartStatus.RUNNING:
             self.repairs.ensure(worker)
 
@@ -358,6 +387,8 @@ class KvIngest:
         self._on_events(worker, [Cleared()])
         self.repairs.cancel(worker)
         self._refused.pop(worker, None)
+        self.stats.worker_over_budget.pop(worker, None)
+        self.subscriptions.workers_changed()
         if self._refused and not self.index.full and self.status is PartStatus.RUNNING:
             oldest = next(iter(self._refused))  # the slot it left goes to the worker refused longest
             del self._refused[oldest]
@@ -403,8 +434,46 @@ class KvIngest:
     # --- live batches ----------------------------------------------------------------------------
 
     async def _on_msg(self, msg: Msg) -> None:
+        sender = msg.subject.rpartition(".")[2]
+        if not self.budget.admit(sender, self._clock(), len(msg.data)):  # before decoding: a flood costs a lookup
+            self._over_budget(sender, msg.subject)
+            return
         await self._turns.take()  # nats-py hands a backlog over without yielding: a turn every slice
-        self._on_payload(msg.subject.rpartition(".")[2], msg.data)
+        self._on_payload(sender, msg.data)
+
+    def _over_budget(self, sender: str, subject: str) -> None:
+        """A batch of `sender` past its budget, dropped: counted, the sender quarantined, and named
+        once per registered worker (a sender with no record, once a quarantine). Dropped batches
+        are a gap of that worker alone: its index is repaired (its kvstate answers on the main
+        connection, whatever comes on this subject)."""
+        self.stats.over_budget += 1
+        state = self._workers.get(sender)
+        quarantined = self.subscriptions.quarantine(sender)
+        if state is None:
+            if not quarantined:
+                return
+        else:
+            self.stats.worker_over_budget[sender] += 1
+            if state.sync.state is SyncState.SYNCED:
+                self._open_repair(state, dump=False, why="KV batches past its budget dropped")
+            if state.over_budget_said:
+                return
+            state.over_budget_said = True
+        budget = self.budget
+        self._over_budget_lines.say(
+            sender,
+            "KV batches from worker %s come faster than %g a second or %g MiB a second (bursts of %g, %g MiB; a "
+            "shim seals about 200 a second): the rest dropped unread, its index repaired, and %s unheard for %g s "
+            "at a time (logged once per worker, counted in kvswitch_router_kv_over_budget_total); something other "
+            "than its shim publishes there, or its engine emits more than the router's --kv-budget-* flags allow",
+            sender,
+            budget.rate_per_s,
+            budget.bytes_per_s / (1 << 20),
+            budget.burst,
+            budget.bytes_burst / (1 << 20),
+            subject,
+            self.subscriptions.quarantine_s,
+        )
 
     def _on_payload(self, subject_worker: str, data: bytes) -> None:
         """One payload from {ns}.kv.{subject_worker}: decode at the edge, then order and apply."""

@@ -20,9 +20,9 @@ from prometheus_client.registry import Collector
 from protocol.config import MIN_LOAD_PERIOD_S
 from router.gap_repair import FailureKind
 from router.ingest_stats import IngestStats
-from router.load_budget import BURST, RATE_PER_S
-from router.load_subscriptions import QUARANTINE_S
 from router.replica_sync import SyncStats
+from router.sender_budget import LOAD_BURST, LOAD_RATE_PER_S
+from router.sender_subscriptions import QUARANTINE_S
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics", "StateFigures"]
 
@@ -55,15 +55,17 @@ class StateFigures:
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
-    load_over_budget: int = 0  # router.load_budget's: past their sender's budget, from any sender
+    load_over_budget: int = 0  # router.sender_budget's: past their sender's budget, from any sender
     worker_load_over_budget: Mapping[str, int] = field(default_factory=dict)  # the same, registered workers'
     load_disconnects: int = 0  # router.service's load report connection cut
-    load_quarantined: int = 0  # router.load_subscriptions: senders unheard now
+    load_quarantined: int = 0  # router.sender_subscriptions: senders unheard now
     load_quarantines: int = 0  # ... and each time one was quarantined
     slow_consumer_dropped: Mapping[str, int] = field(default_factory=dict)  # nats-py's drops, by subscription
     config_rejected: int = 0
     loop_stalls: int = 0  # runtime.loop_watch's: stalls of this router's own event loop
     kv_disconnects: int = 0  # router.service's KV event connection cut
+    kv_quarantined: int = 0  # router.kv_ingest's subscriptions: KV event senders unheard now
+    kv_quarantines: int = 0  # ... and each time one was quarantined
     records_refused: int = 0  # router.worker_registry's `refused`
     sync: SyncStats = field(default_factory=SyncStats)  # router.replica_sync's counts
     timing: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # router.calibration
@@ -142,11 +144,23 @@ class _StateCollector(Collector):
             "some worker publishes more than this replica folds); routing and replies go on on another connection",
             s.kv_disconnects,
         )
+        yield GaugeMetricFamily(
+            "kvswitch_router_kv_senders_quarantined",
+            "KV event senders past their budget whose subjects this router does not hear now (each for "
+            f"{QUARANTINE_S:g} s at a time, router.sender_subscriptions): their indexes are repaired through kvstate",
+            s.kv_quarantined,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_kv_quarantines",
+            f"Times a KV event sender past its budget was quarantined (its subject unheard for {QUARANTINE_S:g} s)",
+            s.kv_quarantines,
+        )
         yield CounterMetricFamily(
             "kvswitch_router_load_over_budget",
-            f"Load reports dropped before decoding, past their sender's budget (router.load_budget: {RATE_PER_S:g} a "
-            f"second, bursts of {BURST:g}; a shim sends at most {1 / MIN_LOAD_PERIOD_S:g}): something other than a "
-            f"shim (or an older shim given a --load-period-s under {MIN_LOAD_PERIOD_S:g} s) publishes on its subject",
+            "Load reports dropped before decoding, past their sender's budget (router.sender_budget: "
+            f"{LOAD_RATE_PER_S:g} a second, bursts of {LOAD_BURST:g}; a shim sends at most {1 / MIN_LOAD_PERIOD_S:g}): "
+            f"something other than a shim (or an older shim given a --load-period-s under {MIN_LOAD_PERIOD_S:g} s) "
+            "publishes on its subject",
             s.load_over_budget,
         )
         yield _per_worker(
@@ -158,7 +172,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvswitch_router_load_senders_quarantined",
             "Load report senders past their budget whose subjects this router does not hear now (each for "
-            f"{QUARANTINE_S:g} s at a time, router.load_subscriptions): they read silent",
+            f"{QUARANTINE_S:g} s at a time, router.sender_subscriptions): they read silent",
             s.load_quarantined,
         )
         yield CounterMetricFamily(
@@ -325,6 +339,17 @@ def _ingest_counters(s: IngestStats) -> Iterator[Metric]:
     dropped.add_metric(["overflow"], s.dropped_overflow)
     dropped.add_metric(["impossible"], s.dropped_impossible)
     yield dropped
+    yield CounterMetricFamily(
+        "kvswitch_router_kv_over_budget",
+        "KV batches dropped before decoding, past their sender's budget (router.sender_budget, the --kv-budget-* "
+        "flags): something other than a shim publishes on its subject; the worker's index is repaired",
+        s.over_budget,
+    )
+    yield _per_worker(
+        "kvswitch_router_worker_kv_over_budget",
+        "KV batches dropped past their sender's budget, by registered worker (the worker whose subject they came on)",
+        s.worker_over_budget,
+    )
     yield GaugeMetricFamily(
         "kvswitch_router_kv_unknown_held", "KV batches held for a worker not (yet) registered", s.unknown_held
     )

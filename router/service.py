@@ -1,8 +1,9 @@
 """RouterService: one router replica, wired (docs/router.md, "Architecture"). It only wires.
 
-    NATS ── {ns}.kv.*   ─▶ KvIngest (+ GapRepair) ─▶ BlockIndex, PendingPrefixes    (a connection of its own)
-         ── {ns}.load.* ─▶ LoadBudget ─▶ LoadView, Eligibility, KvIngest.check_digest, Admission.notify
-            (a connection of its own; past its budget a sender goes unheard: LoadSubscriptions)
+    NATS ── {ns}.kv.*   ─▶ SenderBudget ─▶ KvIngest ─▶ BlockIndex, PendingPrefixes   (a connection of its own;
+            past its budget a sender goes unheard: SenderSubscriptions; GapRepair asks on the main one)
+         ── {ns}.load.* ─▶ SenderBudget ─▶ LoadView, Eligibility, KvIngest.check_digest, Admission.notify
+            (a connection of its own; past its budget a sender goes unheard: SenderSubscriptions)
          ◀▶ {ns}.router.sync ── ReplicaSync (the Ledger's sink)         (the main connection, with the replies)
     etcd ── /{ns}/workers/ ─▶ WorkerRegistry ─▶ (ingest, eligibility, view, dispatcher)
          ── /{ns}/config/router ─▶ ConfigWatcher ─▶ Planner.configure
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import random
 import secrets
@@ -72,8 +74,6 @@ from router.http_api import Drain, HttpLimits, make_app
 from router.ingest_stats import IngestStats
 from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger
-from router.load_budget import LoadBudget
-from router.load_subscriptions import LoadSubscriptions
 from router.load_view import MAX_CLOCK_SKEW_S, LoadView
 from router.metrics import RouterMetrics, StateFigures
 from router.peer_settings import PeerSettings, settings_digest
@@ -81,6 +81,8 @@ from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
 from router.replica_sync import ReplicaSync, SyncStats
 from router.request_path import RECENT_S, RequestPath, refused_records
+from router.sender_budget import KvBudget, SenderBudget
+from router.sender_subscriptions import SenderSubscriptions
 from router.served_names import clash_message, shadow_message
 from router.start_door import StartDoor
 from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprints
@@ -189,6 +191,7 @@ class RouterConfig:
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag of that name
     default_chat_template_kwargs: Any = None  # vLLM's flag of that name (a dict), as router.cli checked it
     index_limit_per_worker: int = MIN_ENTRY_LIMIT  # KV index entries any worker may have (kv_ingest's floor)
+    kv_budget: KvBudget = field(default_factory=KvBudget)  # each KV event sender's (router.sender_budget)
 
 
 class RouterService:
@@ -221,7 +224,7 @@ class RouterService:
         self.tracer = RequestTracer(config.tracer_provider)
         self.load_malformed = 0
         self.load_unknown = 0
-        self.load_budget = LoadBudget()  # checked before decoding: one sender's flood costs a dict lookup a report
+        self.load_budget = SenderBudget()  # checked before decoding: one sender's flood costs a dict lookup a report
         self.load_over_budget: Counter[str] = Counter()  # by worker, while it is registered
         # (kind, worker) of the load reports logged, once per registered worker and kind, cleared
         # when it leaves. Senders with no record (anyone may publish on {ns}.load.<any name>; a shim
@@ -276,7 +279,7 @@ class RouterService:
         self._door: StartDoor | None = None  # the listener until the router's app takes it over
         self._connecting = ""  # what the start waits for, said by /ready and the start door's 503s
         self._drain = Drain()
-        self._load_subs: LoadSubscriptions | None = None
+        self._load_subs: SenderSubscriptions | None = None
         self._load_turns = Turns()
         self._ingest: KvIngest | None = None
         self._sync: ReplicaSync | None = None
@@ -393,17 +396,21 @@ class RouterService:
         # and on the shared one that took every worker's load reports and every reply stream with it
         # (/ready 503, requests 503, for one worker's fault). Cut alone, the index falls behind and
         # each worker's next load report asks for what it missed (router.kv_ingest).
+        # A worker flooding its own {ns}.kv.NAME (isolation audit of 2026-12-07) is dropped past its
+        # budget before decoding and quarantined (router.kv_ingest), and kvstate requests and their
+        # replies go on the main connection, never queued behind a flood on this one.
         self._kv_nc = await nats_connect(
             log,
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}-kv"),
             error_cb=self._nats_errors("kv"),
             disconnected_cb=self._kv_disconnected,
+            reconnected_cb=self._kv_reconnected,
         )
         # Load reports on one of their own too: a worker flooding its own {ns}.load.NAME (isolation
         # audit of 2026-12-06) sent its bytes down the socket every reply stream came on, and its
         # reports into the queue the other workers' waited in. Past its budget (_on_load) its excess is
         # dropped before decoding and it is quarantined, so nats-server sends it no more
-        # (router.load_subscriptions); a flood faster than this replica reads meanwhile gets this
+        # (router.sender_subscriptions); a flood faster than this replica reads meanwhile gets this
         # connection cut as a slow consumer, not the replies'.
         self._load_nc = await nats_connect(
             log,
@@ -435,6 +442,8 @@ class RouterService:
             self._kv_nc,
             self.ns,
             self.index,
+            requests_nc=nc,
+            budget=self.config.kv_budget.budget(),
             min_entry_limit=self.config.index_limit_per_worker,
             on_events=self._on_kv_events,
             fleet_log=self.fleet_log,
@@ -481,12 +490,14 @@ class RouterService:
             left_at=self._left_at,
             request_timeout_s=self.config.request_timeout_s,
         )
-        self._load_subs = LoadSubscriptions(
+        self._load_subs = SenderSubscriptions(
             self._load_nc,
-            self.ns,
+            subjects.load_all(self.ns),
+            functools.partial(subjects.load, self.ns),
             guarded(self._on_load, "the load report handler"),
             # every registered worker, routed or not: _on_load takes the reports of each
             lambda: self._registry.ids() if self._registry is not None else (),
+            what="load report",
         )
         await self._load_subs.start()
         # No per-request access log: /metrics counts requests, and a log line per request costs more
@@ -710,6 +721,7 @@ class RouterService:
             *(self._sync.tasks if self._sync is not None else ()),
             self._registry.task if self._registry is not None else None,
             self._load_subs.task if self._load_subs is not None else None,
+            self._ingest.subscriptions.task if self._ingest is not None else None,
             *self._loops,
         ]
         return [why for task in loops if (why := ended(task)) is not None]
@@ -775,6 +787,13 @@ class RouterService:
                 f"silent; something other than their shims publishes on their subjects (a shim sends at most "
                 f"{1 / MIN_LOAD_PERIOD_S:g} a second; an older one given a --load-period-s under {MIN_LOAD_PERIOD_S:g} "
                 "s sent more)"
+            )
+        if self._ingest is not None and (unheard := self._ingest.subscriptions.quarantined()):
+            named = sorted(unheard)
+            warnings.append(
+                f"KV events of {len(named)} senders unheard, quarantined for sending more than their budget "
+                f"({', '.join(named[:NAMED_AT_MOST])}{', ...' if len(named) > NAMED_AT_MOST else ''}): their "
+                "indexes are repaired through kvstate; something other than their shims publishes on their subjects"
             )
         unrenewed = self._registration.unrenewed_s if self._registration is not None else None
         if unrenewed is not None and unrenewed > self.config.lease_ttl_s:
@@ -1091,6 +1110,10 @@ class RouterService:
             "in a WARNING of its own); replies go on on the main connection, workers read silent until it is back"
         )
 
+    async def _kv_reconnected(self) -> None:
+        if self._ingest is not None:  # the quarantine's changes held while it was down
+            self._ingest.subscriptions.reconnected()
+
     async def _load_reconnected(self) -> None:
         if self._load_subs is not None:  # the quarantine's changes held while it was down
             self._load_subs.reconnected()
@@ -1121,10 +1144,9 @@ class RouterService:
 
     def _subscription(self, conn: str, subject: str) -> str:
         """The kind of subscription (a metric label) `subject` is on connection `conn`."""
-        if conn == "load":  # {ns}.load.*, or a worker's own subject during a quarantine
-            return "load"
-        named = {subjects.kv_all(self.ns): "kv", subjects.sync(self.ns): "sync"}
-        return named.get(subject) or {"main": "replies", "kv": "kvstate"}.get(conn, "other")
+        if conn in ("load", "kv"):  # {ns}.load.* or {ns}.kv.*, or a worker's own subject during a quarantine
+            return conn
+        return "sync" if subject == subjects.sync(self.ns) else "replies"  # kvstate replies among them
 
     async def _nats_reconnected(self) -> None:
         self._reconnected_at = time.monotonic()
@@ -1319,6 +1341,8 @@ class RouterService:
             load_over_budget=self.load_budget.over,
             worker_load_over_budget=dict(self.load_over_budget),
             kv_disconnects=self.kv_disconnects,
+            kv_quarantined=len(self._ingest.subscriptions.quarantined()) if self._ingest is not None else 0,
+            kv_quarantines=self._ingest.subscriptions.quarantines if self._ingest is not None else 0,
             load_disconnects=self.load_disconnects,
             load_quarantined=len(self._load_subs.quarantined()) if self._load_subs is not None else 0,
             load_quarantines=self._load_subs.quarantines if self._load_subs is not None else 0,

@@ -245,7 +245,7 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
         if not self.events_timeout_s > 0:
             raise ConfigError("events_timeout_s", self.events_timeout_s, "must be > 0 (seconds)")
         # Routers wait for no longer period (router.load_view), and quarantine a sender of more
-        # reports than a shorter one sends (router.load_budget): the shim read silent on and off.
+        # reports than a shorter one sends (router.sender_budget): the shim read silent on and off.
         if not MIN_LOAD_PERIOD_S <= self.load_period_s <= MAX_LOAD_PERIOD_S:
             raise ConfigError(
                 "load_period_s",

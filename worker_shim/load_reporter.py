@@ -37,7 +37,7 @@ from worker_shim.kv_publisher import KvDigestAt
 __all__ = ["DEFAULT_PERIOD_S", "MIN_GAP_S", "LoadReporter"]
 
 log = logging.getLogger(__name__)
-MIN_GAP_S = MIN_LOAD_PERIOD_S  # routers budget a sender at twice this rate (router.load_budget)
+MIN_GAP_S = MIN_LOAD_PERIOD_S  # routers budget a sender at twice this rate (router.sender_budget)
 DEFAULT_PERIOD_S = 0.5  # the heartbeat: a report at least this often, changed or not
 ERROR_CHARS = 200  # the most of a failed poll's error the shim's /health shows
 

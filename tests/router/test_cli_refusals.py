@@ -113,3 +113,26 @@ def test_a_front_door_timeout_that_is_not_finite_and_positive_is_refused_naming_
     with pytest.raises(ConfigError) as err:
         cli.build_config(_args(flag, value))
     assert flag in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "allowed"),
+    [
+        ("--kv-budget-batches-per-s", "100", "[200, 1e+06]"),
+        ("--kv-budget-batch-burst", "10", "[1000, 1e+07]"),
+        ("--kv-budget-mib-per-s", "nan", "[1, 4096]"),
+        ("--kv-budget-mib-burst", "1", "[4, 40960]"),
+    ],
+)
+def test_a_kv_budget_an_honest_shim_would_pass_is_refused_naming_the_flag_and_range(
+    flag: str, value: str, allowed: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        cli.build_config(_args(flag, value))
+    assert flag in str(err.value) and allowed in str(err.value)
+
+
+def test_the_kv_budget_flags_reach_the_router() -> None:
+    config = cli.build_config(_args("--kv-budget-batches-per-s", "2000", "--kv-budget-mib-burst", "16"))
+    budget = config.kv_budget.budget()
+    assert (budget.rate_per_s, budget.burst, budget.bytes_per_s, budget.bytes_burst) == (2000, 5000, 4 << 20, 16 << 20)

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import grpc
@@ -18,7 +19,8 @@ from kvswitch.servers import NatsServer
 from protocol import block_hashes, subjects
 from protocol.config import EtcdSettings
 from router.policies import Outcome
-from tests.router.conftest import BLOCK, MODEL, Cluster, complete
+from router.service import RouterService
+from tests.router.conftest import BLOCK, MODEL, Cluster, Worker, complete
 from tests.router.polling import until
 
 
@@ -350,48 +352,118 @@ async def test_a_load_report_flood_from_one_worker_leaves_the_others_served(
     on the connection the replies came on: the other workers read silent or unreachable, 8 of 10
     requests 503, and the sender named nowhere. Past its budget a sender's reports are dropped
     before decoding, counted for it and named in a WARNING, and its subject is left unheard for a
-    while (router.load_subscriptions): the other worker stays routable and serves every request."""
+    while (router.sender_subscriptions): the other worker stays routable and serves every request."""
     caplog.set_level(logging.WARNING, logger="router.service")
+    async with _two_workers_and_a_router(ns, etcd_url) as (server, flooded, honest, router):
+        served, left_out = await _served_during(
+            (LOAD_FLOOD, server.url, subjects.load(ns, flooded.id), "8"), http, router, honest.id, 0.25
+        )
+        assert left_out == []  # the honest worker's reports read on time throughout
+        assert len(served) >= 10
+        dropped = router.load_over_budget[flooded.id]
+        assert dropped >= 1 and honest.id not in router.load_over_budget
+        # its subject unheard (nats-server sends it no more), and /ready says so
+        assert [*router.readiness()[1]["warnings"]][-1].count(flooded.id) == 1
+        said = [r.getMessage() for r in caplog.records if "come faster than" in r.getMessage()]
+        assert len(said) == 1 and subjects.load(ns, flooded.id) in said[0], said
+        async with http.get(router.url + "/metrics") as r:
+            text = await r.text()
+        assert f'kvswitch_router_worker_load_over_budget_total{{worker="{flooded.id}"}} {float(dropped)}' in text
+        assert "kvswitch_router_load_senders_quarantined 1.0" in text
+
+
+KV_FLOOD = """
+import asyncio, sys, time
+import nats
+from protocol import encode_msg
+from protocol.messages import KvEventBatch, Stored
+
+async def main(url: str, subject: str, worker: str, seconds: float) -> None:
+    nc = await nats.connect(url)
+    # well-formed batches of the worker's own id, of an epoch its shim never had: the isolation
+    # audit's 469 KB ones, as fast as a Python publisher goes
+    events = [Stored(hashes=list(range(1, 120_000)))]
+    payload = encode_msg(KvEventBatch(worker=worker, epoch=12345, seq=1, ts=time.time(), events=events))
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(20):
+            await nc.publish(subject, payload)
+        await nc.flush()
+    await nc.close()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])))
+"""
+
+
+async def test_a_kv_event_flood_from_one_worker_leaves_the_others_served(
+    etcd_url: str, ns: str, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One worker's own KV subject flooded with well-formed batches (isolation audit of 2026-12-07:
+    ~100 MB/s on {ns}.kv.*, one subscription): every worker's batches and kvstate replies queued
+    behind the flood, every worker `repairing` and every request 503, naming healthy workers. Past
+    its budget a sender's batches are dropped before decoding, counted for it and named once, its
+    subject unheard for a while (router.sender_subscriptions), and repairs ask on the main
+    connection: the other worker is never `repairing` and serves every request."""
+    caplog.set_level(logging.WARNING, logger="router.kv_ingest")
+    async with _two_workers_and_a_router(ns, etcd_url) as (server, flooded, honest, router):
+        served, left_out = await _served_during(
+            (KV_FLOOD, server.url, subjects.kv(ns, flooded.id), flooded.id, "6"), http, router, honest.id, 0.1
+        )
+        # the honest worker's index never waited behind the flood (what the KV connection lost, if it did)
+        assert left_out == [], (router.kv_disconnects, dict(router.slow_consumer_dropped))
+        assert len(served) >= 10
+        stats = router.ingest.stats
+        dropped = stats.worker_over_budget[flooded.id]
+        assert dropped >= 1 and honest.id not in stats.worker_over_budget
+        assert router.ingest.subscriptions.quarantines >= 1
+        said = [r.getMessage() for r in caplog.records if "KV batches from worker" in r.getMessage()]
+        assert len(said) == 1 and subjects.kv(ns, flooded.id) in said[0], said
+        async with http.get(router.url + "/metrics") as r:
+            text = await r.text()
+        assert f'kvswitch_router_worker_kv_over_budget_total{{worker="{flooded.id}"}} {float(dropped)}' in text
+        # its index repaired from its own shim, the flood's batches dropped as never sent
+        await until(lambda: router.ingest.sync_state(flooded.id) is None, timeout=30, what="the flooded worker synced")
+
+
+async def _served_during(
+    flood_args: tuple[str, ...], http: aiohttp.ClientSession, router: RouterService, honest: str, every_s: float
+) -> tuple[list[int], list[str]]:
+    """Requests sent to `router` one after another while `python -c *flood_args` runs, each asserted
+    served: their statuses, and why `honest` was left out of routing whenever it was."""
+    flood = await asyncio.create_subprocess_exec(sys.executable, "-c", *flood_args)
+    served: list[int] = []
+    left_out: list[str] = []
+    try:
+        while flood.returncode is None:
+            status, body, _ = await complete(http, router, list(range(len(served), len(served) + 64)))
+            served.append(status)
+            assert status == 200, body
+            left_out += [
+                st["why"]
+                for st in router.worker_listing()["worker_status"]
+                if st["worker"] == honest
+                if not st["routable"]
+            ]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(flood.wait(), every_s)
+        assert flood.returncode == 0
+    finally:
+        if flood.returncode is None:
+            flood.kill()
+            await flood.wait()
+    return served, left_out
+
+
+@contextlib.asynccontextmanager
+async def _two_workers_and_a_router(
+    ns: str, etcd_url: str
+) -> AsyncIterator[tuple[NatsServer, Worker, Worker, RouterService]]:
+    """A nats-server of the test's own, the worker to flood, an honest one and a router that sees both."""
     with NatsServer() as server:
         cluster = Cluster(ns, server.url, etcd_url)
         try:
             flooded = await cluster.add_worker("agg")
             honest = await cluster.add_worker("agg")
-            router = await cluster.add_ready_router(disagg="never")
-            flood = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", LOAD_FLOOD, server.url, subjects.load(ns, flooded.id), "8"
-            )
-            served: list[int] = []
-            left_out: list[str] = []
-            try:
-                while flood.returncode is None:
-                    status, body, _ = await complete(http, router, list(range(len(served), len(served) + 64)))
-                    served.append(status)
-                    assert status == 200, body
-                    left_out += [
-                        st["why"]
-                        for st in router.worker_listing()["worker_status"]
-                        if st["worker"] == honest.id
-                        if not st["routable"]
-                    ]
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(flood.wait(), 0.25)
-                assert flood.returncode == 0
-            finally:
-                if flood.returncode is None:
-                    flood.kill()
-                    await flood.wait()
-            assert left_out == []  # the honest worker's reports read on time throughout
-            assert len(served) >= 10
-            dropped = router.load_over_budget[flooded.id]
-            assert dropped >= 1 and honest.id not in router.load_over_budget
-            # its subject unheard (nats-server sends it no more), and /ready says so
-            assert [*router.readiness()[1]["warnings"]][-1].count(flooded.id) == 1
-            said = [r.getMessage() for r in caplog.records if "come faster than" in r.getMessage()]
-            assert len(said) == 1 and subjects.load(ns, flooded.id) in said[0], said
-            async with http.get(router.url + "/metrics") as r:
-                text = await r.text()
-            assert f'kvswitch_router_worker_load_over_budget_total{{worker="{flooded.id}"}} {float(dropped)}' in text
-            assert "kvswitch_router_load_senders_quarantined 1.0" in text
+            yield server, flooded, honest, await cluster.add_ready_router(disagg="never")
         finally:
             await cluster.close()

@@ -56,6 +56,7 @@ def test_every_ingest_count_is_rendered() -> None:
         digest_mismatches=14,
         digest_lags=15,
         digest_unfixed=16,
+        over_budget=17,
         last_lag_s=0.5,
     )
     samples = _kv_samples(RouterMetrics(lambda: StateFigures(ingest=stats)).render().decode())
@@ -74,7 +75,10 @@ def test_every_ingest_count_is_rendered() -> None:
         "digest_mismatches": 14.0,
         "digest_lags": 15.0,
         "digest_unfixed_workers": 16.0,
+        "over_budget": 17.0,
         "disconnects": 0.0,  # the service's, not the ingest's
+        "quarantines": 0.0,  # the ingest's subscriptions', not its stats'
+        "senders_quarantined": 0.0,
     }
     assert _dropped(samples) == {"unknown": 10.0, "overflow": 12.0, "impossible": 13.0}
 

@@ -36,6 +36,7 @@ from protocol.messages import (
 from router.block_index import BlockIndex
 from router.gap_repair import FailureKind, FetchFailure, GapRepair
 from router.kv_ingest import CLOCK_ALLOWANCE_S, MAX_CLAIMED_ENTRIES, KvIngest
+from router.sender_budget import SenderBudget
 from runtime.nats_flush import flush
 from tests.router.polling import until
 from tests.router.test_kv_ingest import Clock, FakeShim, digest, synced_with
@@ -177,19 +178,26 @@ async def test_a_dump_of_more_blocks_than_any_worker_holds_is_refused(
         shim.endless = False
 
 
-async def test_held_batches_are_bounded_in_bytes_and_a_dump_catches_up(ingest: KvIngest, shim: FakeShim) -> None:
-    shim.answering = False  # a worker that never answers kvstate: everything it sends is held
-    ingest.add_worker(shim.worker, shim.epoch)
-    payload = [int.from_bytes(os.urandom(8), "little") for _ in range(110_000)]  # ~880 kB packed
-    for i in range(46):  # ~40 MB, past the 32 MiB a worker may have held; the last removes the rest
-        await shim.publish(Removed(hashes=payload) if i % 2 else Stored(hashes=payload))
-        await flush(shim.nc)
-    await shim.publish(Stored(hashes=[1]))
-    await until(lambda: ingest.stats.dropped_overflow > 0, what="held batches dropped")
-    assert ingest.stats.workers["a1"].buffered < 40
-    shim.answering = True
-    assert await ingest.wait_synced(10.0)
-    assert ingest.index.dump() == shim.expected() == {"a1": [1]}
+async def test_held_batches_are_bounded_in_bytes_and_a_dump_catches_up(nc: Client, ns: str, shim: FakeShim) -> None:
+    # Batches of 110,000 hashes (a shim seals at most 20,000), 40 MB at once: past a sender's byte
+    # budget (router.sender_budget), which this test is not about
+    ingest = KvIngest(nc, ns, BlockIndex(), budget=SenderBudget(1000.0, 5000.0), request_timeout_s=0.2, retry_max_s=0.2)
+    await ingest.start()
+    try:
+        shim.answering = False  # a worker that never answers kvstate: everything it sends is held
+        ingest.add_worker(shim.worker, shim.epoch)
+        payload = [int.from_bytes(os.urandom(8), "little") for _ in range(110_000)]  # ~880 kB packed
+        for i in range(46):  # ~40 MB, past the 32 MiB a worker may have held; the last removes the rest
+            await shim.publish(Removed(hashes=payload) if i % 2 else Stored(hashes=payload))
+            await flush(shim.nc)
+        await shim.publish(Stored(hashes=[1]))
+        await until(lambda: ingest.stats.dropped_overflow > 0, what="held batches dropped")
+        assert ingest.stats.workers["a1"].buffered < 40
+        shim.answering = True
+        assert await ingest.wait_synced(10.0)
+        assert ingest.index.dump() == shim.expected() == {"a1": [1]}
+    finally:
+        await ingest.stop()
 
 
 async def test_held_batches_of_all_workers_share_one_byte_budget(nc: Client, ns: str) -> None:

@@ -14,6 +14,7 @@ import random
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
+import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -35,6 +36,7 @@ from router.block_index import BlockIndex
 from router.ingest_stats import SyncState
 from router.kv_ingest import KvIngest
 from router.lifecycle import PartStatus
+from router.sender_budget import SenderBudget
 from runtime.nats_flush import flush
 from tests.router.polling import until
 
@@ -678,3 +680,50 @@ async def test_another_kind_of_fault_from_a_worker_already_logged_is_logged(
         assert len(lines) == 2 and "more than its KV capacity allows" in lines[1]
     finally:
         await ingest.stop()
+
+
+async def test_a_sender_past_its_budget_is_dropped_quarantined_named_once_and_repaired_alone(
+    nc: Client, nats_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker's own subject flooded past its budget (isolation audit of 2026-12-07): the rest is
+    dropped before decoding, counted for it, named once, its subject unheard for a while; the drop
+    is a gap of that worker alone, repaired on the requests connection, and the other is untouched."""
+    requests_nc = await nats.connect(nats_url)
+    flooded, other = FakeShim(nc, ns, "a1"), FakeShim(nc, ns, "b2")
+    for s in (flooded, other):
+        await s.start()
+    ingest = KvIngest(
+        nc,
+        ns,
+        BlockIndex(),
+        requests_nc=requests_nc,
+        budget=SenderBudget(10.0, 5.0, bytes_per_s=1e6, bytes_burst=1e6),
+        quarantine_s=1.0,
+        request_timeout_s=0.2,
+        retry_max_s=0.2,
+    )
+    await ingest.start()
+    try:
+        await synced_with(ingest, flooded)
+        await synced_with(ingest, other)
+        asked = requests_nc.stats["out_msgs"]
+        with caplog.at_level(logging.WARNING, logger="router.kv_ingest"):
+            for _ in range(40):
+                await flooded.publish(Stored(hashes=[flooded.seq + 1]))
+            await other.publish(Stored(hashes=[7]))
+            await until(lambda: ingest.subscriptions.quarantined() != {}, what="the flooded worker quarantined")
+            await until(lambda: ingest.synced and ingest.stats.workers["b2"].last_seq == 1, what="b2's batch applied")
+        assert list(ingest.subscriptions.quarantined()) == ["a1"]
+        dropped = ingest.stats.worker_over_budget["a1"]
+        assert dropped >= 1 and "b2" not in ingest.stats.worker_over_budget and ingest.stats.over_budget == dropped
+        said = [r.getMessage() for r in caplog.records if "KV batches from worker" in r.getMessage()]
+        assert len(said) == 1 and "a1" in said[0] and subjects.kv(ns, "a1") in said[0], said
+        assert ingest.stats.workers["b2"].repairs == 1  # its bootstrap alone
+        assert requests_nc.stats["out_msgs"] > asked  # a1's repair asked on the requests connection
+        assert ingest.index.dump() == flooded.expected() | other.expected()  # a1's repair took what was dropped
+        await other.publish(Stored(hashes=[8], parent=7))  # heard while a1 is not
+        await until(lambda: ingest.stats.workers["b2"].last_seq == 2, what="b2 heard during the quarantine")
+        await until(lambda: ingest.subscriptions.quarantined() == {}, what="the quarantine over")
+    finally:
+        await ingest.stop()
+        await requests_nc.close()

@@ -18,7 +18,7 @@ from engine_sim.server import SimServer
 from kvswitch.servers import NatsServer
 from protocol import Cleared, KvEventBatch, LoadReport, decode_msg, subjects
 from protocol.config import MIN_LOAD_PERIOD_S
-from router.load_budget import LoadBudget
+from router.sender_budget import SenderBudget
 from runtime.nats_flush import flush
 from tests.relay import Relay
 from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, shim_for, sim_config, wait_for
@@ -268,7 +268,7 @@ class _Steady:
 
 
 async def test_a_shim_at_its_shortest_period_poked_on_every_change_stays_within_a_routers_budget() -> None:
-    """Routers take a sender's reports past router.load_budget's rate for a flood (quarantined, read
+    """Routers take a sender's reports past router.sender_budget's rate for a flood (quarantined, read
     silent): a shim at the shortest --load-period-s it takes, every report a change and poked
     without pause, sends at most 1 / MIN_LOAD_PERIOD_S a second, and a router admits every one."""
     nc = _CountingNats()
@@ -285,5 +285,5 @@ async def test_a_shim_at_its_shortest_period_poked_on_every_change_stays_within_
     sent = [t for t in nc.sent if t < end]
     assert len(sent) >= 20  # it did report on changes
     assert len(sent) <= 2.0 / MIN_LOAD_PERIOD_S + 1, len(sent)
-    budget = LoadBudget()
+    budget = SenderBudget()
     assert all(budget.admit("w1", t) for t in sent) and budget.over == 0

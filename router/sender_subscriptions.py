@@ -1,23 +1,27 @@
-"""The subscriptions load reports come on, and the quarantine of a sender past its budget.
+"""The subscriptions a kind of per-worker message comes on (load reports, KV event batches), and
+the quarantine of a sender past its budget.
 
-A budget (router.load_budget) drops a flooding sender's excess for a dict lookup each, but every
-report still crosses the socket and is parsed by nats-py, about 10 µs each: a Python publisher
-sends faster than a router reads (isolation audit of 2026-12-06: 80,000 a second against some
-75,000), so the other workers' reports queued behind the flood in the socket and were read seconds
-late (silent, a false clock skew). Only nats-server can stop sending them: a sender past its
-budget is quarantined for `quarantine_s`, while which the router hears load reports on one
-subscription per registered worker, the quarantined ones left out, instead of `{ns}.load.*`. Once
-no sender is quarantined, `{ns}.load.*` again. A sender that floods on lets through one budget's
-burst each `quarantine_s`. Reports of senders with no record are not heard meanwhile (the router
-drops them anyway: only the load_unknown count and its INFO lines miss them).
+A budget (router.sender_budget) drops a flooding sender's excess for a dict lookup each, but every
+message still crosses the socket and is parsed by nats-py, about 10 µs each: a Python publisher
+sends faster than a router reads (isolation audit of 2026-12-06: 80,000 load reports a second
+against some 75,000; of 2026-12-07: 100 MB/s of KV batches), so the other workers' messages queued
+behind the flood in the socket and were read seconds late. Only nats-server can stop sending them:
+a sender past its budget is quarantined for `quarantine_s`, while which the router hears one
+subscription per registered worker (`one(worker)`), the quarantined ones left out, instead of the
+wildcard (`all_subject`). Once no sender is quarantined, the wildcard again. A sender that floods
+on lets through one budget's burst each `quarantine_s`. Messages of senders with no record are not
+heard meanwhile, nor a worker's in the moment between its registration and its subscription: a
+load report is superseded by the next one; a KV batch missed so shows as a gap at the next one, or
+to the digest check of its load reports, and is repaired (router.kv_ingest), as one lost on the
+way is.
 
-One task makes every change, in order: each change subscribes before it unsubscribes, so no report
-of a worker heard before and after is missed (one may come twice: the same report again changes
-nothing). None is made while the connection is down: nats-py queues a SUB made then and sends it
-on reconnect, while an unsubscribe then only forgets it here, so a subscription made and dropped
-within an outage stayed at nats-server, unseen (review of 2026-12-06: a worker that left during the
-outage was heard again, and `{ns}.load.*` beside the per-worker ones, the quarantine undone). The
-changes wait for `reconnected()`.
+One task makes every change, in order: each change subscribes before it unsubscribes, so no message
+of a worker heard before and after is missed (one may come twice: a load report again changes
+nothing, a KV batch again is a duplicate). None is made while the connection is down: nats-py
+queues a SUB made then and sends it on reconnect, while an unsubscribe then only forgets it here,
+so a subscription made and dropped within an outage stayed at nats-server, unseen (review of
+2026-12-06: a worker that left during the outage was heard again, and the wildcard beside the
+per-worker ones, the quarantine undone). The changes wait for `reconnected()`.
 """
 
 from __future__ import annotations
@@ -32,33 +36,38 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from discovery.watch import keep_following
-from protocol import subjects
 from runtime import background
 
-__all__ = ["QUARANTINE_S", "LoadSubscriptions"]
+__all__ = ["QUARANTINE_S", "SenderSubscriptions"]
 
 QUARANTINE_S = 15.0
 
 
-class LoadSubscriptions:
+class SenderSubscriptions:
     def __init__(
         self,
         nc: Client,
-        ns: str,
+        all_subject: str,
+        one: Callable[[str], str],
         handler: Callable[[Msg], Awaitable[None]],
         workers: Callable[[], Iterable[str]],
         *,
+        what: str,
         quarantine_s: float = QUARANTINE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`workers`: the registered workers' ids, whose subjects are heard while a sender is quarantined."""
+        """`all_subject`: the wildcard every worker's subject `one(worker)` matches; `workers`: the
+        registered workers' ids, whose subjects are heard while a sender is quarantined; `what`: the
+        messages, as its task's failures name them."""
         self._nc = nc
-        self._ns = ns
+        self._all_subject = all_subject
+        self._one = one
+        self._what = what
         self._handler = handler
         self._workers = workers
         self.quarantine_s = quarantine_s
         self._clock = clock
-        self._all: Subscription | None = None  # {ns}.load.*, while no sender is quarantined
+        self._all: Subscription | None = None  # all_subject, while no sender is quarantined
         self._each: dict[str, Subscription] = {}  # by worker, while one is
         self._until: dict[str, float] = {}  # quarantined senders: until when
         self._changed = asyncio.Event()
@@ -66,10 +75,10 @@ class LoadSubscriptions:
         self.quarantines = 0  # senders quarantined, each time
 
     async def start(self) -> None:
-        self._all = await self._nc.subscribe(subjects.load_all(self._ns), cb=self._handler)
+        self._all = await self._nc.subscribe(self._all_subject, cb=self._handler)
         self._task = background(  # a change that raises (NATS away) is an ERROR, and tried again
-            keep_following(self._follow, "the load report subscriptions (router.load_subscriptions)"),
-            "router-load-subscriptions",
+            keep_following(self._follow, f"the {self._what} subscriptions (router.sender_subscriptions)"),
+            f"router-{self._what.replace(' ', '-')}-subscriptions",
             "senders past their budget are no longer quarantined, nor heard again, until the router restarts",
         )
 
@@ -78,14 +87,15 @@ class LoadSubscriptions:
         """Its loop, while started: its owner's readiness names it should it end (runtime.ended)."""
         return self._task
 
-    def quarantine(self, sender: str) -> None:
-        """Leave `sender`'s subject unheard for `quarantine_s` from now (once: a report of it still
-        queued changes nothing)."""
+    def quarantine(self, sender: str) -> bool:
+        """Leave `sender`'s subject unheard for `quarantine_s` from now (once: a message of it still
+        queued changes nothing). Whether it was heard until now."""
         if sender in self._until:
-            return
+            return False
         self._until[sender] = self._clock() + self.quarantine_s
         self.quarantines += 1
         self._changed.set()
+        return True
 
     def quarantined_for(self, sender: str) -> float | None:
         """The seconds `sender` is unheard for yet; None when it is heard."""
@@ -133,12 +143,12 @@ class LoadSubscriptions:
             del self._until[sender]
         if not self._until:
             if self._all is None:
-                self._all = await self._nc.subscribe(subjects.load_all(self._ns), cb=self._handler)
+                self._all = await self._nc.subscribe(self._all_subject, cb=self._handler)
             heard: set[str] = set()
         else:
             heard = set(self._workers()) - self._until.keys()
         for worker in heard - self._each.keys():
-            self._each[worker] = await self._nc.subscribe(subjects.load(self._ns, worker), cb=self._handler)
+            self._each[worker] = await self._nc.subscribe(self._one(worker), cb=self._handler)
         if self._until and self._all is not None:
             all_, self._all = self._all, None
             await all_.unsubscribe()

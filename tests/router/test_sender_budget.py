@@ -1,14 +1,17 @@
-"""A load report sender past its budget: dropped before decoding (router.load_budget), its subject
-unheard for a while (router.load_subscriptions); and nats-py's slow-consumer drops counted by
+"""A load report sender past its budget: dropped before decoding (router.sender_budget), its subject
+unheard for a while (router.sender_subscriptions); and nats-py's slow-consumer drops counted by
 subscription (router.service)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import math
 import time
 import urllib.request
+from functools import partial
 from typing import Any
 
 import nats
@@ -20,8 +23,9 @@ from nats.errors import SlowConsumerError
 from kvswitch.servers import NatsServer
 from protocol import LoadReport, encode_msg, subjects
 from protocol.config import NatsSettings
-from router.load_budget import LoadBudget
-from router.load_subscriptions import LoadSubscriptions
+from protocol.errors import ConfigError
+from router.sender_budget import KvBudget, SenderBudget
+from router.sender_subscriptions import SenderSubscriptions
 from router.service import RouterConfig, RouterService
 from runtime.nats_flush import flush
 from tests.router.conftest import Cluster
@@ -29,7 +33,7 @@ from tests.router.polling import until
 
 
 def test_a_sender_gets_its_burst_then_its_rate() -> None:
-    budget = LoadBudget(rate_per_s=10.0, burst=5.0)
+    budget = SenderBudget(rate_per_s=10.0, burst=5.0)
     assert [budget.admit("a", 0.0) for _ in range(6)] == [True] * 5 + [False]
     assert budget.admit("b", 0.0)  # each sender its own
     assert not budget.admit("a", 0.05)  # half a report refilled
@@ -38,13 +42,63 @@ def test_a_sender_gets_its_burst_then_its_rate() -> None:
 
 
 def test_senders_are_bounded_by_forgetting_full_buckets() -> None:
-    budget = LoadBudget(rate_per_s=10.0, burst=5.0, max_senders=2)
+    budget = SenderBudget(rate_per_s=10.0, burst=5.0, max_senders=2)
     assert budget.admit("a", 0.0) and budget.admit("b", 0.0)
     assert budget.admit("c", 1.0)  # a and b refilled by now: forgotten, as good as full
     assert len(budget._buckets) == 1
     for _ in range(5):
         budget.admit("c", 1.0)
     assert not budget.admit("c", 1.0)  # c's own bucket was kept
+
+
+def test_a_sender_is_bounded_in_bytes_too() -> None:
+    budget = SenderBudget(100.0, 100.0, bytes_per_s=1000.0, bytes_burst=3000.0)
+    assert budget.admit("a", 0.0, 2000) and budget.admit("a", 0.0, 1000)
+    assert not budget.admit("a", 0.0, 1)  # messages left, bytes not
+    assert budget.admit("b", 0.0, 3000)  # each sender its own
+    assert not budget.admit("a", 0.5, 600) and budget.admit("a", 0.6, 600)  # refilled at 1000 a second
+    assert budget.over == 2
+
+
+def test_a_budget_without_bytes_counts_messages_alone() -> None:
+    budget = SenderBudget(10.0, 2.0)
+    assert budget.admit("a", 0.0, 1 << 40) and budget.admit("a", 0.0, 1 << 40)
+    assert not budget.admit("a", 0.0, 0)
+
+
+def test_the_kv_budget_lets_an_honest_busy_shim_through() -> None:
+    """A shim seals a batch every 5 ms at the most (worker_shim.kv_publisher), sooner only when 256
+    events or 20,000 hashes are pending: a second of full 20,000-hash batches (160 KB packed) at 25
+    a second (500,000 hashes, 20 times a busy engine's), 600 small ones after a 3 s stall read at
+    once, then 200 a second for a minute."""
+    budget = KvBudget().budget()
+    now = 0.0
+    for _ in range(25):
+        now += 0.04
+        assert budget.admit("w", now, 20_000 * 8 + 200)
+    stalled = [budget.admit("w", now + 3.0, 300) for _ in range(600)]  # 3 s of them queued, then read
+    assert all(stalled)
+    now += 3.0
+    for _ in range(200 * 60):
+        now += 0.005
+        assert budget.admit("w", now, 300)
+    assert budget.over == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("batches_per_s", 100.0, "[200, 1e+06]"),
+        ("batches_per_s", math.nan, "[200, 1e+06]"),
+        ("batch_burst", 500.0, "[1000, 1e+07]"),
+        ("mib_per_s", 0.5, "[1, 4096]"),
+        ("mib_burst", 2.0, "[4, 40960]"),
+    ],
+)
+def test_a_kv_budget_out_of_range_names_its_flag_and_range(field: str, value: float, allowed: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(KvBudget(), **{field: value}).validate()
+    assert f"--kv-budget-{field.replace('_', '-')}" in str(err.value) and allowed in str(err.value)
 
 
 async def test_a_quarantined_sender_is_unheard_and_the_others_heard(nats_url: str, ns: str) -> None:
@@ -55,7 +109,15 @@ async def test_a_quarantined_sender_is_unheard_and_the_others_heard(nats_url: st
     async def handler(msg: Msg) -> None:
         heard.append(msg.subject.rpartition(".")[2])
 
-    subs = LoadSubscriptions(nc, ns, handler, lambda: ["a", "b"], quarantine_s=0.5)
+    subs = SenderSubscriptions(
+        nc,
+        subjects.load_all(ns),
+        partial(subjects.load, ns),
+        handler,
+        lambda: ["a", "b"],
+        what="load report",
+        quarantine_s=0.5,
+    )
     await subs.start()
     try:
 
@@ -123,7 +185,7 @@ async def test_a_subscription_made_and_dropped_while_nats_is_down_is_not_left_at
     went during the outage, its quarantine over, left `{ns}.load.d` at the server beside
     `{ns}.load.*`, heard twice and out of the quarantine's reach. No change is made while the
     connection is down; once it is back, the changes held are made."""
-    subs: LoadSubscriptions | None = None
+    subs: SenderSubscriptions | None = None
 
     async def back() -> None:
         assert subs is not None
@@ -138,7 +200,15 @@ async def test_a_subscription_made_and_dropped_while_nats_is_down_is_not_left_at
         heard.append(msg.subject.rpartition(".")[2])
 
     workers = ["a", "b", "c"]
-    subs = LoadSubscriptions(nc, ns, handler, lambda: list(workers), quarantine_s=1.0)
+    subs = SenderSubscriptions(
+        nc,
+        subjects.load_all(ns),
+        partial(subjects.load, ns),
+        handler,
+        lambda: list(workers),
+        what="load report",
+        quarantine_s=1.0,
+    )
     await subs.start()
     try:
         subs.quarantine("a")
