@@ -22,6 +22,7 @@ from engine_sim.errors import SimConfigError
 from engine_sim.lora import LoraModule, lora_requests
 from protocol.timing import DEFAULT_PROFILE, load_profile, profile_names
 from protocol.vllm_events import EVENT_FORMS, EventForm
+from protocol.zmq_endpoint import split_endpoint
 
 __all__ = [
     "EVENT_FORMS",
@@ -128,13 +129,14 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def _zmq_endpoint_problem(endpoint: str) -> str | None:
-    transport, sep, address = endpoint.partition("://")
-    if not sep or transport not in ("tcp", "ipc", "inproc") or not address:
+    split = split_endpoint(endpoint)
+    if split is None and endpoint.startswith("tcp://"):
+        return "a tcp:// endpoint needs HOST:PORT, PORT in [0, 65535] or * (an IPv6 HOST in brackets)"
+    if split is None:
         return "must be tcp://HOST:PORT, ipc://PATH or inproc://NAME"
-    if transport == "tcp":
-        host, colon, port = address.rpartition(":")
-        if not colon or not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
-            return "a tcp:// endpoint needs HOST:PORT, PORT in [0, 65535] or *"
+    if split.ipv6 and not split.ipv4_mapped:
+        # vLLM's publisher sets no zmq.IPV6: ZMQ refuses the address at its bind ("No such device").
+        return "vLLM's publisher opens no IPv6 address (it sets no zmq.IPV6); an IPv4-mapped one binds its IPv4"
     return None
 
 

@@ -18,6 +18,7 @@ from protocol import ConfigError, subjects
 from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S, url_problem
 from protocol.timing import DEFAULT_PROFILE, TimingModel, profile_names
 from protocol.vllm_events import RESOLVED_BY_ENGINE, rank_endpoint
+from protocol.zmq_endpoint import split_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
 
 __all__ = ["ENGINES", "KV_EVENTS_MODES", "ROLES", "EngineKind", "KvEventsMode", "ShimConfig"]
@@ -32,8 +33,8 @@ KV_EVENTS_MODES: tuple[str, ...] = get_args(KvEventsMode)
 UNTIMED_ENGINES: tuple[str, ...] = ("sglang", "trtllm")
 _ENDPOINT_FORMS = (
     "a ZMQ endpoint: tcp://HOST:PORT with PORT in 1..65535 (HOST `*` where the engine binds: tcp://*:5557; "
-    "an address where it connects: tcp://10.0.0.7:5557), vLLM's tcp://*:0 (the port it bound, read on "
-    "/kv_event_sources), ipc://PATH or inproc://NAME"
+    "an address where it connects: tcp://10.0.0.7:5557; an IPv6 one in brackets: tcp://[fd00::7]:5557), "
+    "vLLM's tcp://*:0 (the port it bound, read on /kv_event_sources), ipc://PATH or inproc://NAME"
 )
 MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL: "too large lease TTL" past it
 _DURATIONS = (
@@ -207,14 +208,21 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 )
             if self.data_parallel_rank < 0:
                 raise ConfigError("data_parallel_rank", self.data_parallel_rank, "must be >= 0")
-            for name in ("kv_events", "kv_replay"):
+            for name, key in (("kv_events", "endpoint"), ("kv_replay", "replay_endpoint")):
                 value = getattr(self, name)
-                if self.data_parallel_rank and value is not None and value.startswith("ipc://"):
-                    raise ConfigError(name, value, "vLLM's data-parallel ranks publish on tcp:// or inproc:// only")
-                ranked = rank_endpoint(value, self.data_parallel_rank) if value is not None else None
-                if ranked is not None and not _endpoint_ok(ranked, self.engine):  # ZMQ wraps a port past 65535
-                    raise ConfigError(
-                        name, value, f"rank {self.data_parallel_rank} publishes at {ranked} (port + rank), past 65535"
+                if value is None:
+                    continue
+                if self.data_parallel_rank and value.startswith("ipc://"):
+                    raise self._endpoint_error(
+                        name, key, value, "vLLM's data-parallel ranks publish on tcp:// or inproc:// only"
+                    )
+                ranked = rank_endpoint(value, self.data_parallel_rank)
+                if not _endpoint_ok(ranked, self.engine):  # ZMQ wraps a port past 65535
+                    raise self._endpoint_error(
+                        name,
+                        key,
+                        value,
+                        f"rank {self.data_parallel_rank} publishes at {ranked} (port + rank), past 65535",
                     )
         if self.engine == "sglang" and self.kv_events is None:
             raise ConfigError("kv_events", None, "engine sglang publishes KV events over ZMQ: give its endpoint")
@@ -306,6 +314,13 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             "your own tables in KVSWITCH_PROFILE_DIR)"
         )
 
+    def _endpoint_error(self, name: str, key: str, value: str, why: str) -> ConfigError:
+        """An error naming where the endpoint came from: the JSON's `key` when --kv-events-config
+        gave it (its values are copied into kv_events and kv_replay first), else the flag."""
+        if self.kv_events_config is not None:
+            return ConfigError("kv_events_config", self.kv_events_config, f"{key} {value!r}: {why}")
+        return ConfigError(name, value, why)
+
     @property
     def grace_s(self) -> float:
         return 2.0 * self.lease_ttl if self.reregister_grace_s is None else self.reregister_grace_s
@@ -316,23 +331,11 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def _endpoint_ok(endpoint: str, engine: str) -> bool:
-    """Whether ZMQ takes `endpoint` and it names one port: ZMQ refuses a tcp:// one without a
-    numeric port only when the shim's session opens it, each second for ever, and binds port 0
-    (any) or wraps a port past 65535 without a word."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return bool(endpoint.partition("://")[2])
-    if not endpoint.startswith("tcp://"):
-        return False
-    host, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if (
-        not colon
-        or not host
-        or any(c.isspace() or c == "/" for c in host)
-        or host.startswith("[") != host.endswith("]")
-    ):
-        return False
-    if not (port.isascii() and port.isdigit()):
-        return False
-    if int(port) == 0:  # vLLM binds its own and lists the port; nobody else can know it
+    """Whether ZMQ opens `endpoint` (protocol.zmq_endpoint) on one port a peer can know: it binds
+    port 0 or `*` to any port, which only vLLM lists (for its `tcp://*:0`)."""
+    split = split_endpoint(endpoint)
+    if split is None or split.scheme != "tcp":
+        return split is not None
+    if not split.port:  # vLLM binds its own and lists the port; nobody else can know it
         return endpoint == RESOLVED_BY_ENGINE and engine == "vllm"
-    return int(port) <= 65535
+    return True

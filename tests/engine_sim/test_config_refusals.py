@@ -57,6 +57,12 @@ async def test_a_fleet_given_zmqs_wildcard_port_gives_each_engine_its_own_free_p
         ({"endpoint": "tcp://127.0.0.1"}, "endpoint 'tcp://127.0.0.1': a tcp:// endpoint needs HOST:PORT"),
         ({"endpoint": "tcp://127.0.0.1:70000"}, "PORT in [0, 65535]"),
         ({"replay_endpoint": "udp://x:1"}, "replay_endpoint 'udp://x:1'"),
+        # The shim refused these, the sim took them: one split of an endpoint, in protocol/.
+        ({"replay_endpoint": "tcp://[::1:5558"}, "replay_endpoint 'tcp://[::1:5558': a tcp:// endpoint needs"),
+        ({"endpoint": "tcp://[]:5557"}, "endpoint 'tcp://[]:5557': a tcp:// endpoint needs"),
+        # vLLM's PUB sets no zmq.IPV6: its bind fails with "No such device" at startup.
+        ({"endpoint": "tcp://[::1]:5557"}, "endpoint 'tcp://[::1]:5557': vLLM's publisher opens no IPv6 address"),
+        ({"replay_endpoint": "tcp://[::]:0"}, "replay_endpoint 'tcp://[::]:0': vLLM's publisher opens no IPv6"),
         ({"hwm": -1}, "hwm must be >= 0"),
         ({"buffer_steps": -1}, "buffer_steps must be >= 0"),
     ],

@@ -4,6 +4,7 @@ model), and a shim that waits for its engine saying so."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import subprocess
 import sys
@@ -166,6 +167,10 @@ def test_events_config_errors_name_the_setting(kw: dict[str, object], setting: s
         ({"engine": "sglang", "kv_events": "tcp://*:0"}, "kv_events"),  # only vLLM lists the port it bound
         ({"kv_replay": "tcp://*:abc"}, "kv_replay"),
         ({"kv_replay": "tcp://[::1:5558"}, "kv_replay"),
+        ({"kv_events": "tcp://[]:5557"}, "kv_events"),  # "No such device" at each session's bind
+        ({"kv_events": "tcp://::1:5557"}, "kv_events"),  # ZMQ reads it only with zmq.IPV6 set
+        ({"kv_events": "tcp://[::1]x:5557"}, "kv_events"),
+        ({"kv_events": "tcp://[localhost]:5557"}, "kv_events"),
         (
             {"kv_events": None, "kv_events_config": '{"enable_kv_cache_events": true, "endpoint": "tcp://*"}'},
             "kv_events_config",
@@ -327,6 +332,10 @@ def test_kvswitch_config_in_the_environment_is_refused_naming_the_flag(
         resolve_settings(parse("--model", "m"))
 
 
+def _json(**keys: str) -> str:
+    return json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", **keys})
+
+
 @pytest.mark.parametrize(
     ("events", "replay", "rank", "expected"),
     [
@@ -355,6 +364,22 @@ def test_a_data_parallel_rank_offsets_the_endpoints_as_vllm_does(
         ({"engine": "sglang", "data_parallel_rank": 1}, "data_parallel_rank", "only vLLM"),
         ({"kv_events": "ipc:///tmp/ev", "data_parallel_rank": 1}, "kv_events", "tcp:// or inproc://"),
         ({"kv_events": "tcp://*:65535", "data_parallel_rank": 1}, "kv_events", "tcp://*:65536 (port + rank)"),
+        # Given only in the engine's JSON, the error named --kv-events, which the operator never gave.
+        (
+            {"kv_events": None, "kv_events_config": _json(endpoint="tcp://*:65535"), "data_parallel_rank": 1},
+            "kv_events_config",
+            "endpoint 'tcp://*:65535': rank 1 publishes at tcp://*:65536",
+        ),
+        (
+            {"kv_events": None, "kv_events_config": _json(replay_endpoint="tcp://*:65535"), "data_parallel_rank": 1},
+            "kv_events_config",
+            "replay_endpoint 'tcp://*:65535': rank 1 publishes at tcp://*:65536",
+        ),
+        (
+            {"kv_events": None, "kv_events_config": _json(endpoint="ipc:///tmp/ev"), "data_parallel_rank": 1},
+            "kv_events_config",
+            "endpoint 'ipc:///tmp/ev': vLLM's data-parallel ranks publish on tcp:// or inproc:// only",
+        ),
     ],
 )
 def test_a_data_parallel_rank_vllm_would_not_take_is_refused(kw: dict[str, object], setting: str, words: str) -> None:
