@@ -132,6 +132,32 @@ async def test_a_shim_whose_event_address_another_process_listens_on_exits_namin
     assert shim.registration_count == 0 and shim.session_failures == 0
 
 
+@pytest.mark.parametrize("from_json", [False, True], ids=["kv-events", "kv-events-config"])
+async def test_a_shim_whose_event_address_is_no_address_of_this_host_exits_naming_its_setting(
+    from_json: bool, ns: str, nats_url: str, etcd_url: str
+) -> None:
+    # "Cannot assign requested address": 55 sessions in 6 s, never registered, naming no flag (review
+    # of 2b1eb3c, 2026-12-07). The engine connects to 192.0.2.1 (TEST-NET-1): the shim binds it.
+    endpoint = "tcp://192.0.2.1:5557"
+    given: dict[str, object] = (
+        {
+            "kv_events": None,
+            "kv_replay": None,
+            "kv_events_config": {**STAR0, "endpoint": endpoint, "replay_endpoint": None},
+        }
+        if from_json
+        else {"kv_events": endpoint, "kv_replay": None}
+    )
+    async with SimServer(sim_config()) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_events_mode="auto", **given)
+        async with shim:
+            await wait_for(shim.done.is_set, 10, "the shim refuses")
+    setting = "kv_events_config" if from_json else "kv_events"
+    assert isinstance(shim.failure, ConfigError) and shim.failure.setting == setting, shim.failure
+    assert f"the shim binds {endpoint} (where the engine connects) and this host cannot" in str(shim.failure)
+    assert shim.registration_count == 0 and shim.session_failures == 0
+
+
 async def test_a_shim_whose_event_port_a_connection_holds_tries_again_and_registers_once_it_is_freed(
     ns: str, nats_url: str, etcd_url: str
 ) -> None:

@@ -7,8 +7,13 @@ its publisher's epoch (a token per publisher run), and on a snapshot barrier (no
 `\x00sgl-kv-snapshot=` and the barrier's id; a DEALER to the replay endpoint. Which side binds:
 `auto` reads the engine's own rule backwards: an endpoint with `*` or `::` (or ipc://, inproc://;
 for SGLang `0.0.0.0` too) means the engine's PUB binds, so the shim connects (to the engine host,
-for `*` and `0.0.0.0`); otherwise the engine's PUB connects, so the shim binds that address. The
-engine's replay ROUTER always binds: the shim connects, to the engine host for `*` and `0.0.0.0`.
+for `*`, `0.0.0.0` and `::`); otherwise the engine's PUB connects, so the shim binds that address.
+The engine's replay ROUTER always binds: the shim connects, to the engine host for `*`, `0.0.0.0`
+and `::`. A socket whose address is an IPv6 one sets zmq.IPV6 (ZMQ refuses it otherwise, "No
+such device", and a connect never delivers); one given a name does not: ZMQ then resolves the
+name to its IPv6 address first, where an engine's IPv4-only PUB (vLLM's and SGLang's set no
+zmq.IPV6) never answers. A bind this host cannot make (another process listens there, no
+interface has the address, the name does not resolve) is a ConfigError naming the setting.
 
 Sequence handling (seq is the engine's, per engine run, from 0):
 - at start, and whenever the whole state is wanted again (`request_rebuild`), replay from 0: a replay
@@ -52,6 +57,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from protocol.errors import ConfigError, ProtocolError
 from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply, publisher_binds, replay_request
+from protocol.zmq_endpoint import split_endpoint
 from runtime.turns import SLICE_S, Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_stamped
@@ -71,6 +77,8 @@ SETTLE_S = 1.0
 # lost on the way (the PUB's high-water mark) shows as a gap only when a later one comes, and the
 # last before the engine goes quiet has none after it. The index lacked its blocks until then.
 QUIET_PROBE_S = 1.0
+# Bind errors no new session clears: the address is no interface's of this host, or malformed.
+_UNBINDABLE = (errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL)
 LISTENER_CHECK_S = 0.5  # a local listener answers a connect at once; this only bounds a firewalled host
 # SGLang with a snapshot_endpoint: live topic = topic + EPOCH_MARKER + epoch, and a snapshot
 # barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
@@ -103,8 +111,20 @@ def _rule(engine: str) -> str:
 
 
 def _on_engine_host(address: str, engine_host: str) -> str:
-    """An address the engine binds, as the shim reaches it: a bind-all host is the engine host."""
-    return address.replace("*", engine_host).replace("0.0.0.0", engine_host)
+    """An address the engine binds, as the shim reaches it: a bind-all host (`*`, `0.0.0.0`,
+    `::`) is the engine host."""
+    split = split_endpoint(address)
+    return split.on_host(engine_host) if split is not None and split.wildcard else address
+
+
+def _socket_for(ctx: zmq.asyncio.Context, kind: int, address: str) -> zmq.asyncio.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    split = split_endpoint(address)
+    # Only then: a name would resolve to IPv6 first; an IPv4-mapped address opens as its IPv4, as the engine's does.
+    if split is not None and split.ipv6 and not split.ipv4_mapped:
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
 
 
 def resolve_endpoint(endpoint: str, mode: KvEventsMode, engine_host: str, engine: str) -> tuple[str, bool]:
@@ -146,9 +166,12 @@ class ZmqEventSource:
         stats: ZmqEventStats | None = None,
         rank: int | None = None,
         rank_given: bool = True,
+        setting: str = "kv_events",
     ) -> None:
         """`rank`: the data-parallel rank whose events these must be (vLLM's batches name it); None
-        checks nothing. `rank_given`: whether --data-parallel-rank named it (else the server's one rank)."""
+        checks nothing. `rank_given`: whether --data-parallel-rank named it (else the server's one rank).
+        `setting`: where the endpoint came from, named by a ConfigError (kv_events or kv_events_config)."""
+        self.setting = setting
         self.engine = engine
         self.rank = rank
         self.rank_given = rank_given
@@ -179,8 +202,7 @@ class ZmqEventSource:
 
     async def run(self, sink: EventSink, live: asyncio.Event) -> None:
         ctx = self._ctx = zmq.asyncio.Context()
-        sub = self._sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._sub = _socket_for(ctx, zmq.SUB, self.address)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         # Connection events: a peer that reconnects may be a restarted engine whose first batches
         # went out before the link was back, so every reconnection is checked against a replay; no
@@ -242,6 +264,15 @@ class ZmqEventSource:
         try:
             sub.bind(self.address)
         except zmq.ZMQError as exc:
+            if exc.errno in _UNBINDABLE:
+                # "Cannot assign requested address" or "No such device" each session, for ever.
+                raise ConfigError(
+                    self.setting,
+                    self.endpoint,
+                    f"the shim binds {self.address} (where the engine connects) and this host cannot ({exc}): "
+                    "no interface of this host has that address, or the name does not resolve. Run the shim "
+                    "where the engine's PUB connects, or give --kv-events-mode connect if the engine binds it",
+                ) from exc
             if exc.errno != errno.EADDRINUSE:
                 raise
             if not await _listened_on(self.address):
@@ -253,7 +284,7 @@ class ZmqEventSource:
                 ) from exc
             # Another process listens there: no new session frees it, so the shim must not wait on.
             raise ConfigError(
-                "kv_events",
+                self.setting,
                 self.endpoint,
                 f"the shim binds {self.address} and another process listens there ({exc}): stop it, "
                 "or give the engine and the shim another endpoint",
@@ -566,8 +597,7 @@ class ZmqEventSource:
         if self.replay_address is None or self._ctx is None:
             return None
         self.stats.replays += 1
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = _socket_for(self._ctx, zmq.DEALER, self.replay_address)
         out: list[tuple[int, bytes]] = []
         try:
             dealer.connect(self.replay_address)
@@ -628,6 +658,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
             stats=self.stats,
             rank=self.events_rank if self.checks_rank else None,
             rank_given=c.data_parallel_rank is not None,
+            setting="kv_events" if c.kv_events_config is None else "kv_events_config",
         )
         await self._events.run(sink, live)
 
@@ -641,13 +672,13 @@ class ZmqEventsAdapter(HttpEngineAdapter):
 
 async def _listened_on(address: str) -> bool:
     """Whether a TCP listener answers at `address` (`tcp://host:port`; a wildcard host is this one)."""
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
-    host = host.strip("[]")
-    if host in ("*", "0.0.0.0", "::", ""):
-        host = "127.0.0.1"
+    split = split_endpoint(address)
+    if split is None or split.scheme != "tcp" or not split.port:
+        return False
+    host = "127.0.0.1" if split.wildcard else split.host
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), LISTENER_CHECK_S)
-    except (OSError, TimeoutError, ValueError):
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, split.port), LISTENER_CHECK_S)
+    except (OSError, TimeoutError):
         return False
     writer.close()
     with contextlib.suppress(OSError):
