@@ -217,6 +217,16 @@ def test_pods_run_as_non_root_without_privilege(objects: list[dict[str, Any]]) -
         assert pod_or_container["capabilities"]["drop"] == ["ALL"]
 
 
+def test_every_pod_turns_kubernetes_service_links_off(objects: list[dict[str, Any]]) -> None:
+    """kvswitch finds its peers by DNS. With service links on (the default) a Service named
+    kvswitch-* in the namespace gives each pod KVSWITCH_ variables, which every kvswitch process
+    refuses at start (kvswitch.environment): the next rollout would crash-loop."""
+    pods = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")]
+    assert len(pods) >= 3
+    for obj in pods:
+        assert obj["spec"]["template"]["spec"].get("enableServiceLinks") is False, obj["metadata"]["name"]
+
+
 def test_every_container_can_read_the_secret_files_it_mounts(objects: list[dict[str, Any]]) -> None:
     """The kubelet writes a Secret volume's files owned by root, with the mode the volume declares
     (`items[].mode`, else `defaultMode`, else 0644), in group root or, with the pod's fsGroup, in
