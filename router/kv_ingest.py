@@ -125,6 +125,13 @@ MIN_ENTRY_LIMIT = 1 << 22
 # ~41 B an entry (and the reply budget of router.gap_repair, 32 B an entry, with it). A worker that
 # says more would otherwise lift both; only the operator's floor (min_entry_limit) goes past this.
 MAX_CLAIMED_ENTRIES = 1 << 26
+# A registered worker's byte burst (router.sender_budget), so that its registration snapshot passes
+# (worker_shim.normaliser.snapshot: a Stored per chain): as many entries as its capacity lets its
+# index hold (CAPACITY_SLACK x kv_total_blocks: offload tiers and hit ends, at most its entry limit)
+# at 16 B each, 8 B packed and as much again for a Stored's ~46 B of framing over chains of 6 blocks
+# or more. Never below the default: a worker of 100k blocks gets 12.2 MiB; its record may come after
+# the snapshot's first batches, which the default holds (~500k blocks). docs/router.md, "Flooded subjects".
+SNAPSHOT_BYTES_PER_ENTRY = 16
 # How far a shim's clock may run ahead of this router's before the seq contradiction misreads it
 # (hosts under NTP agree to milliseconds; router.clock_skew warns well before this).
 CLOCK_ALLOWANCE_S = 10.0
@@ -388,6 +395,7 @@ class KvIngest:
         self.repairs.cancel(worker)
         self._refused.pop(worker, None)
         self.stats.worker_over_budget.pop(worker, None)
+        self.budget.set_bytes_burst(worker, None)
         self.subscriptions.workers_changed()
         if self._refused and not self.index.full and self.status is PartStatus.RUNNING:
             oldest = next(iter(self._refused))  # the slot it left goes to the worker refused longest
@@ -470,7 +478,7 @@ class KvIngest:
             budget.rate_per_s,
             budget.bytes_per_s / (1 << 20),
             budget.burst,
-            budget.bytes_burst / (1 << 20),
+            budget.bytes_burst_of(sender) / (1 << 20),
             subject,
             self.subscriptions.quarantine_s,
         )
@@ -791,6 +799,8 @@ class KvIngest:
             state.kv_total_blocks = kv_total_blocks
             claimed = min(CAPACITY_SLACK * kv_total_blocks, MAX_CLAIMED_ENTRIES)
             state.entry_limit = max(self.min_entry_limit, claimed)
+            snapshot = min(CAPACITY_SLACK * kv_total_blocks, state.entry_limit)
+            self.budget.set_bytes_burst(state.name, snapshot * SNAPSHOT_BYTES_PER_ENTRY)
 
     def reply_limit(self, worker: str) -> int:
         state = self._workers.get(worker)

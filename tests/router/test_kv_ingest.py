@@ -39,6 +39,8 @@ from router.lifecycle import PartStatus
 from router.sender_budget import SenderBudget
 from runtime.nats_flush import flush
 from tests.router.polling import until
+from worker_shim import EngineStored, Normaliser
+from worker_shim.kv_publisher import KvPublisher
 
 
 class FakeShim:
@@ -727,3 +729,86 @@ async def test_a_sender_past_its_budget_is_dropped_quarantined_named_once_and_re
     finally:
         await ingest.stop()
         await requests_nc.close()
+
+
+class _ShimNats:
+    """A shim's connection that keeps what its KV publisher sends."""
+
+    max_payload = 1 << 20
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        self.sent.append(payload)
+
+
+def _warm_cache(blocks: int, seed: int = 3) -> Normaliser:
+    """A shim's normaliser holding `blocks` blocks: prompts of 2 to 200 blocks on a few shared
+    prefixes, a branching tree as a busy engine's cache is."""
+    rng = random.Random(seed)
+    size = 4
+    n = Normaliser(size)
+    trunks = [[rng.randrange(1 << 20) for _ in range(size * rng.randint(1, 40))] for _ in range(20)]
+    engine = 1
+    while len(n) < blocks:
+        toks = rng.choice(trunks) + [rng.randrange(1 << 20) for _ in range(size * rng.randint(1, 160))]
+        k = len(toks) // size
+        n.apply([EngineStored(hashes=list(range(engine, engine + k)), parent=None, token_ids=toks, block_size=size)])
+        engine += k
+    return n
+
+
+async def _registration(normaliser: Normaliser, worker: str) -> list[bytes]:
+    """What a shim publishes as it registers (worker_shim.shim's _start_epoch), payload by payload."""
+    shim_nc = _ShimNats()
+    pub = KvPublisher(shim_nc, "ns", worker, 7, normaliser)  # type: ignore[arg-type]
+    pub.start()
+    await asyncio.sleep(0)  # its task waiting for events
+    pub.add([Cleared(), *normaliser.snapshot()])
+    await pub.stop()
+    return shim_nc.sent
+
+
+def _payload(nc: Client, worker: str, data: bytes) -> Msg:
+    return Msg(nc, subject=subjects.kv("ns", worker), data=data)
+
+
+async def test_an_honest_registration_snapshot_of_a_warm_cache_passes_the_default_budget(nc: Client) -> None:
+    """Review of 2026-12-07: a warm cache's snapshot (a Stored per block, ~54 B each) went past the
+    default byte burst: 90k blocks lost 47 batches, 100k had the worker quarantined as a flood. Sent
+    a Stored per chain (~8 B a block), 150k blocks read back-to-back pass whole, and rebuild the set."""
+    normaliser = _warm_cache(150_000)
+    sent = await _registration(normaliser, "w1")
+    ingest = KvIngest(nc, "ns", BlockIndex())  # the default budget (router.sender_budget.KvBudget)
+    ingest.add_worker("w1", 7)
+    for data in sent:
+        await ingest._on_msg(_payload(nc, "w1", data))
+    assert ingest.stats.over_budget == 0 and ingest.subscriptions.quarantined() == {}
+    assert ingest.stats.workers["w1"].buffered == len(sent)  # every batch kept for its bootstrap
+    index = BlockIndex()
+    for data in sent:
+        index.apply("w1", decode_msg(data, KvEventBatch).events)
+    assert index.worker_hashes("w1") == normaliser.canonical_hashes()
+
+
+async def test_a_registered_worker_s_burst_holds_its_capacity_s_snapshot(nc: Client) -> None:
+    """Past the default burst (4 MiB), a registered worker's own, from its capacity (kv_ingest's
+    SNAPSHOT_BYTES_PER_ENTRY): 600k blocks on a worker of 100k GPU blocks (a CPU tier holding the
+    rest) pass, its record coming in the middle of the snapshot; the same from a sender with no
+    record is over the default, and so is the worker's once it has left."""
+    normaliser = _warm_cache(600_000)
+    sent = await _registration(normaliser, "w1")
+    assert sum(map(len, sent)) > 4 << 20
+    ingest = KvIngest(nc, "ns", BlockIndex())
+    for i, data in enumerate(sent):
+        if i == 3:
+            ingest.add_worker("w1", 7, kv_total_blocks=100_000)
+        await ingest._on_msg(_payload(nc, "w1", data))
+    assert ingest.stats.over_budget == 0 and ingest.subscriptions.quarantined() == {}
+    assert ingest.budget.bytes_burst_of("w1") == 100_000 * 8 * 16
+    for data in await _registration(normaliser, "w2"):
+        await ingest._on_msg(_payload(nc, "w2", data))
+    assert ingest.stats.over_budget > 0 and list(ingest.subscriptions.quarantined()) == ["w2"]
+    ingest.remove_worker("w1")
+    assert ingest.budget.bytes_burst_of("w1") == 4 << 20

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from protocol import Cleared, KvEvent, Removed, Stored, block_hashes, root_hash
+from router.block_index import BlockIndex
 from worker_shim import EngineCleared, EngineRemoved, EngineStored, Normaliser
 
 B = 4
@@ -242,3 +243,41 @@ def test_a_clear_after_an_unknown_parent_in_one_batch_asks_for_no_rebuild() -> N
     n.reset(exact=True)
     n.apply([stored([2], [5, 6, 7, 8], parent=999), EngineCleared()])
     assert not n.needs_rebuild and n.rebuild_parents == set()
+
+
+def test_a_snapshot_is_a_stored_per_chain_that_rebuilds_the_per_block_index() -> None:
+    """A registration's snapshot of a branching tree (prompts sharing prefixes, some evicted and
+    stored again): a Stored per run of chained blocks, each after its parent's run, where it was one
+    per block (~54 B each on the wire: 100k blocks went past a router's byte burst). The router's
+    index built from it is the one the per-block form built."""
+    rng = random.Random(7)
+    n = Normaliser(B)
+    parent_of: dict[int, int | None] = {}
+    trunks = [[rng.randrange(1, 1000) for _ in range(B * rng.randint(1, 6))] for _ in range(5)]
+    engine = 1
+    for _ in range(60):
+        toks = rng.choice(trunks) + [rng.randrange(1, 1000) for _ in range(B * rng.randint(0, 8))]
+        full = block_hashes(toks, B)
+        parent_of.update(zip(full, [None, *full[:-1]], strict=True))
+        n.apply([stored(list(range(engine, engine + len(full))), toks)])
+        engine += len(full)
+    n.apply([EngineRemoved(hashes=list(range(40, 60)))])  # evictions cut chains in the middle
+    held = n.canonical_hashes()
+    snap = n.snapshot()
+    assert all(isinstance(e, Stored) and e.medium is None for e in snap)
+    runs = [e for e in snap if isinstance(e, Stored)]
+    assert len(runs) < len(held) // 3  # a Stored per chain, not per block
+    out: set[int] = set()
+    for e in runs:
+        assert e.parent == parent_of[e.hashes[0]]
+        assert e.parent is None or e.parent in out or e.parent not in held  # parent-first
+        hashes = list(e.hashes)
+        assert [parent_of[h] for h in hashes[1:]] == hashes[:-1]  # each run one chain
+        out.update(hashes)
+    assert out == held
+    per_block = [Stored(hashes=[h], parent=parent_of[h]) for h in n.dump()]
+    by_run, by_block = BlockIndex(), BlockIndex()
+    by_run.apply("w", [Cleared(), *snap])
+    by_block.apply("w", [Cleared(), *per_block])
+    assert by_run.worker_hashes("w") == by_block.worker_hashes("w") == held
+    assert by_run.digest("w") == by_block.digest("w")
