@@ -15,13 +15,17 @@ load report is superseded by the next one; a KV batch missed so shows as a gap a
 to the digest check of its load reports, and is repaired (router.kv_ingest), as one lost on the
 way is.
 
-One task makes every change, in order: each change subscribes before it unsubscribes, so no message
-of a worker heard before and after is missed (one may come twice: a load report again changes
-nothing, a KV batch again is a duplicate). None is made while the connection is down: nats-py
-queues a SUB made then and sends it on reconnect, while an unsubscribe then only forgets it here,
-so a subscription made and dropped within an outage stayed at nats-server, unseen (review of
-2026-12-06: a worker that left during the outage was heard again, and the wildcard beside the
-per-worker ones, the quarantine undone). The changes wait for `reconnected()`.
+One task makes every change, in order: each change subscribes before it unsubscribes, and
+unsubscribes without loss (runtime.nats_unsubscribe: every message the server sent the old
+subscription before its UNSUB goes through the handler), so no message of a worker heard before
+and after is missed (one may come twice: a load report again changes nothing, a KV batch again is
+a duplicate). nats-py's own `unsubscribe()` dropped the messages queued or in flight for the
+subscription it removed: 0 to 3 of an honest worker's at each switch (review of 2026-12-07).
+None is made while the connection is down: nats-py queues a SUB made then and sends it on
+reconnect, while an unsubscribe then only forgets it here, so a subscription made and dropped
+within an outage stayed at nats-server, unseen (review of 2026-12-06: a worker that left during
+the outage was heard again, and the wildcard beside the per-worker ones, the quarantine undone).
+The changes wait for `reconnected()`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from nats.aio.subscription import Subscription
 
 from discovery.watch import keep_following
 from runtime import background
+from runtime.nats_unsubscribe import unsubscribe
 
 __all__ = ["QUARANTINE_S", "SenderSubscriptions"]
 
@@ -149,8 +154,11 @@ class SenderSubscriptions:
             heard = set(self._workers()) - self._until.keys()
         for worker in heard - self._each.keys():
             self._each[worker] = await self._nc.subscribe(self._one(worker), cb=self._handler)
+        # The SUBs above are sent before these UNSUBs on the one connection, and nats-server takes a
+        # connection's lines in order: a message is sent to the new subscription or the old one.
+        gone = [self._each.pop(worker) for worker in self._each.keys() - heard]
         if self._until and self._all is not None:
-            all_, self._all = self._all, None
-            await all_.unsubscribe()
-        for worker in self._each.keys() - heard:
-            await self._each.pop(worker).unsubscribe()
+            gone.append(self._all)
+            self._all = None
+        if gone:
+            await unsubscribe(gone)
