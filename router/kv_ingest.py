@@ -65,7 +65,7 @@ Ordering rules, per worker (DESIGN.md: (worker, epoch, seq) orders every event a
   it once per worker. The batches dropped are a gap of that worker alone: its index is repaired.
   Until 2026-12-07 one worker flooding its own subject queued every other worker's batches and
   kvstate replies behind the flood: every worker `repairing`, every request 503. Repairs ask on
-  `requests_nc` (the router's main connection), not on the connection the batches come on, so
+  `requests_nc` (the router's kvstate connection), not on the connection the batches come on, so
   their replies never wait behind a flood either.
 - Malformed payloads are counted, logged once per worker and kind (capped the same way) and dropped;
   they never reach the index.
@@ -452,7 +452,7 @@ class KvIngest:
     def _over_budget(self, sender: str, subject: str) -> None:
         """A batch of `sender` past its budget, dropped: counted, the sender quarantined, and named
         once per registered worker (a sender with no record, once a quarantine). Dropped batches
-        are a gap of that worker alone: its index is repaired (its kvstate answers on the main
+        are a gap of that worker alone: its index is repaired (its kvstate answers on the requests
         connection, whatever comes on this subject)."""
         self.stats.over_budget += 1
         state = self._workers.get(sender)

@@ -58,6 +58,7 @@ class StateFigures:
     load_over_budget: int = 0  # router.sender_budget's: past their sender's budget, from any sender
     worker_load_over_budget: Mapping[str, int] = field(default_factory=dict)  # the same, registered workers'
     load_disconnects: int = 0  # router.service's load report connection cut
+    kvstate_disconnects: int = 0  # router.service's kvstate connection cut
     load_quarantined: int = 0  # router.sender_subscriptions: senders unheard now
     load_quarantines: int = 0  # ... and each time one was quarantined
     slow_consumer_dropped: Mapping[str, int] = field(default_factory=dict)  # nats-py's drops, by subscription
@@ -185,6 +186,13 @@ class _StateCollector(Collector):
             "Times the connection load reports come on dropped (a NATS outage, or nats-server cutting a slow "
             "consumer: reports come faster than this replica reads them); replies go on on another connection",
             s.load_disconnects,
+        )
+        yield CounterMetricFamily(
+            "kvswitch_router_kvstate_disconnects",
+            "Times the connection gap repair's kvstate requests and replies go on dropped (a NATS outage, or "
+            "nats-server cutting a slow consumer: shims' dumps in flight past its pending bytes); the repairs in "
+            "flight are retried, requests and replica sync go on on another connection",
+            s.kvstate_disconnects,
         )
         dropped = CounterMetricFamily(
             "kvswitch_router_nats_slow_consumer_dropped",

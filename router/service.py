@@ -1,7 +1,7 @@
 """RouterService: one router replica, wired (docs/router.md, "Architecture"). It only wires.
 
     NATS ── {ns}.kv.*   ─▶ SenderBudget ─▶ KvIngest ─▶ BlockIndex, PendingPrefixes   (a connection of its own;
-            past its budget a sender goes unheard: SenderSubscriptions; GapRepair asks on the main one)
+            past its budget a sender goes unheard: SenderSubscriptions; GapRepair asks on one of its own)
          ── {ns}.load.* ─▶ SenderBudget ─▶ LoadView, Eligibility, KvIngest.check_digest, Admission.notify
             (a connection of its own; past its budget a sender goes unheard: SenderSubscriptions)
          ◀▶ {ns}.router.sync ── ReplicaSync (the Ledger's sink)         (the main connection, with the replies)
@@ -267,12 +267,14 @@ class RouterService:
         self.reregistrations = 0
         self.kv_disconnects = 0  # the KV event connection cut (a slow consumer), kvswitch_router_kv_disconnects_total
         self.load_disconnects = 0  # the load report connection cut, kvswitch_router_load_disconnects_total
+        self.kvstate_disconnects = 0  # the kvstate connection cut, kvswitch_router_kvstate_disconnects_total
         # Messages nats-py dropped because a subscription's handler fell behind, by subscription (_nats_errors)
         self.slow_consumer_dropped: Counter[str] = Counter()
         self._slow_consumer_said: dict[str, RepeatedErrors] = {}
         self._nc: Client | None = None
         self._kv_nc: Client | None = None  # KV events alone (_start)
         self._load_nc: Client | None = None  # load reports alone (_start)
+        self._kvstate_nc: Client | None = None  # gap repair's kvstate requests and replies alone (_start)
         self._discovery: Discovery | None = None
         self._registration: Registration | None = None
         self._runner: web.AppRunner | None = None
@@ -398,7 +400,7 @@ class RouterService:
         # each worker's next load report asks for what it missed (router.kv_ingest).
         # A worker flooding its own {ns}.kv.NAME (isolation audit of 2026-12-07) is dropped past its
         # budget before decoding and quarantined (router.kv_ingest), and kvstate requests and their
-        # replies go on the main connection, never queued behind a flood on this one.
+        # replies go on a connection of their own (below), never queued behind a flood on this one.
         self._kv_nc = await nats_connect(
             log,
             **self.config.nats.connect_options(f"kvswitch-router-{self.ns}-kv"),
@@ -418,6 +420,18 @@ class RouterService:
             error_cb=self._nats_errors("load"),
             disconnected_cb=self._load_disconnected,
             reconnected_cb=self._load_reconnected,
+        )
+        # Gap repair's kvstate on one of its own: shims stream their dumps without flow control and
+        # up to 32 repairs are in flight, so a burst of big dumps can pass nats-server's pending bytes
+        # (64 MiB). On the main connection (2026-12-07) that cut every request stream and replica
+        # sync with it (bench_split: 32 workers of 500k blocks); cut here, the repairs in flight fail
+        # and are retried. A cap on dumps in flight by their expected bytes would slow every bootstrap
+        # to keep what a connection of its own keeps for one more socket.
+        self._kvstate_nc = await nats_connect(
+            log,
+            **self.config.nats.connect_options(f"kvswitch-router-{self.ns}-kvstate"),
+            error_cb=self._nats_errors("kvstate"),
+            disconnected_cb=self._kvstate_disconnected,
         )
         self._connecting = "connecting to etcd (--etcd-endpoints)"
         self._discovery = await Discovery(self.config.etcd, self.ns).connect()
@@ -442,7 +456,7 @@ class RouterService:
             self._kv_nc,
             self.ns,
             self.index,
-            requests_nc=nc,
+            requests_nc=self._kvstate_nc,
             budget=self.config.kv_budget.budget(),
             min_entry_limit=self.config.index_limit_per_worker,
             on_events=self._on_kv_events,
@@ -550,7 +564,7 @@ class RouterService:
         await self._ingest.start()
         # The server refuses a subject of another identity only in an -ERR: such a router would
         # serve 503s for good, its workers' KV events and load reports never reaching it.
-        conns = (nc, self._kv_nc, self._load_nc)
+        conns = (nc, self._kv_nc, self._load_nc, self._kvstate_nc)
         for conn in conns:
             await flush(conn)
         if refused := sorted(set().union(*(refused_subscriptions(conn) for conn in conns))):
@@ -630,11 +644,11 @@ class RouterService:
         if discovery is not None:
             with contextlib.suppress(Exception):
                 await discovery.close()
-        for conn in (self._load_nc, self._kv_nc, self._nc):
+        for conn in (self._load_nc, self._kv_nc, self._kvstate_nc, self._nc):
             if conn is not None and not conn.is_closed:
                 with contextlib.suppress(Exception):
                     await conn.drain()
-        self._load_nc = self._kv_nc = self._nc = None
+        self._load_nc = self._kv_nc = self._kvstate_nc = self._nc = None
         self.fleet_log.flush()  # its windows' timers never fire now
         self.status = RouterStatus.STOPPED
 
@@ -794,6 +808,11 @@ class RouterService:
                 f"KV events of {len(named)} senders unheard, quarantined for sending more than their budget "
                 f"({', '.join(named[:NAMED_AT_MOST])}{', ...' if len(named) > NAMED_AT_MOST else ''}): their "
                 "indexes are repaired through kvstate; something other than their shims publishes on their subjects"
+            )
+        if nats_up and self._kvstate_nc is not None and not self._kvstate_nc.is_connected:
+            warnings.append(  # the main connection up: NATS is there, this one was cut (a slow consumer)
+                "the kvstate connection to NATS is down (kvswitch_router_kvstate_disconnects_total): a worker that "
+                "needs a repair stays out of routing until it is back"
             )
         unrenewed = self._registration.unrenewed_s if self._registration is not None else None
         if unrenewed is not None and unrenewed > self.config.lease_ttl_s:
@@ -1110,6 +1129,16 @@ class RouterService:
             "in a WARNING of its own); replies go on on the main connection, workers read silent until it is back"
         )
 
+    async def _kvstate_disconnected(self) -> None:
+        if self.status in (RouterStatus.STOPPING, RouterStatus.STOPPED):
+            return  # our own drain at stop
+        self.kvstate_disconnects += 1
+        log.warning(
+            "the kvstate connection to NATS dropped: NATS is unreachable, or nats-server cut it as a slow consumer "
+            "(the shims' dumps in flight past its pending bytes); the repairs in flight fail and are retried once it "
+            "is back, their workers out of routing meanwhile; requests and replica sync go on on the main connection"
+        )
+
     async def _kv_reconnected(self) -> None:
         if self._ingest is not None:  # the quarantine's changes held while it was down
             self._ingest.subscriptions.reconnected()
@@ -1144,9 +1173,9 @@ class RouterService:
 
     def _subscription(self, conn: str, subject: str) -> str:
         """The kind of subscription (a metric label) `subject` is on connection `conn`."""
-        if conn in ("load", "kv"):  # {ns}.load.* or {ns}.kv.*, or a worker's own subject during a quarantine
+        if conn in ("load", "kv", "kvstate"):  # {ns}.load.* or {ns}.kv.* (or a worker's own), or kvstate replies
             return conn
-        return "sync" if subject == subjects.sync(self.ns) else "replies"  # kvstate replies among them
+        return "sync" if subject == subjects.sync(self.ns) else "replies"
 
     async def _nats_reconnected(self) -> None:
         self._reconnected_at = time.monotonic()
@@ -1344,6 +1373,7 @@ class RouterService:
             kv_quarantined=len(self._ingest.subscriptions.quarantined()) if self._ingest is not None else 0,
             kv_quarantines=self._ingest.subscriptions.quarantines if self._ingest is not None else 0,
             load_disconnects=self.load_disconnects,
+            kvstate_disconnects=self.kvstate_disconnects,
             load_quarantined=len(self._load_subs.quarantined()) if self._load_subs is not None else 0,
             load_quarantines=self._load_subs.quarantines if self._load_subs is not None else 0,
             slow_consumer_dropped=dict(self.slow_consumer_dropped),

@@ -316,6 +316,76 @@ async def test_a_kv_event_flood_cuts_only_the_routers_kv_connection(
             await cluster.close()
 
 
+DUMP_FLOOD = """
+import asyncio, sys
+import nats
+
+async def main(url: str, subject: str, n: int) -> None:
+    nc = await nats.connect(url)
+    asked: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_request(msg):
+        if not asked.done():
+            asked.set_result(msg.reply)
+
+    await nc.subscribe(subject, cb=on_request)  # beside the worker's shim, as a second responder
+    await nc.flush()
+    print("ready", flush=True)
+    reply = await asyncio.wait_for(asked, 30)
+    print("asked", flush=True)
+    for _ in range(n):  # a dump's chunks, streamed with no flow control as a shim's are
+        await nc.publish(reply, b"x" * 400_000)
+    await nc.flush()
+    await nc.close()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+async def test_a_burst_of_kvstate_replies_cuts_only_the_routers_kvstate_connection(
+    etcd_url: str, ns: str, http: aiohttp.ClientSession
+) -> None:
+    """Shims stream dumps with no flow control and up to 32 repairs are in flight: a burst past
+    nats-server's pending bytes (64 MiB; 1 MiB here) cuts the connection its replies come on. On the
+    main connection (review of 2026-12-07) that cut every request stream and replica sync with it."""
+    with NatsServer(max_pending=1 << 20) as server:
+        cluster = Cluster(ns, server.url, etcd_url)
+        try:
+            worker = await cluster.add_worker("agg")
+            router = await cluster.add_ready_router(disagg="never")
+            main = router._nc
+            assert main is not None
+            dumps = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", DUMP_FLOOD, server.url, subjects.kvstate(ns, worker.id), "60",
+                stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            try:
+                assert dumps.stdout is not None
+                assert await asyncio.wait_for(dumps.stdout.readline(), 30) == b"ready\n"
+                ingest = router._ingest
+                assert ingest is not None
+                ingest._open_repair(ingest._workers[worker.id], dump=True, why="the test asks")
+                assert await asyncio.wait_for(dumps.stdout.readline(), 30) == b"asked\n"
+                time.sleep(1.0)  # the router's loop busy folding other dumps meanwhile: nothing read
+                assert await asyncio.wait_for(dumps.wait(), 60) == 0
+                await until(lambda: router.kvstate_disconnects >= 1, timeout=30, what="the kvstate connection cut")
+            finally:
+                if dumps.returncode is None:
+                    dumps.kill()
+                    await dumps.wait()
+            assert main.is_connected and main.stats["reconnects"] == 0
+            assert "kvswitch_router_kvstate_disconnects_total 1.0" in router.metrics.render().decode()
+            await until(lambda: router.readiness()[0], timeout=30, what="the worker repaired once it is back")
+            status, body, _ = await complete(http, router, list(range(200)), max_tokens=2)
+            assert status == 200, body
+            assert router._kvstate_nc is not None
+            await router._kvstate_nc.close()  # down for good: /ready says so while it is
+            ready, said = router.readiness()
+            assert ready and any("kvstate connection to NATS is down" in w for w in said["warnings"]), said
+        finally:
+            await cluster.close()
+
+
 LOAD_FLOOD = """
 import asyncio, sys, time
 import msgspec, nats

@@ -224,9 +224,11 @@ async def test_slow_consumer_drops_are_counted_by_subscription(caplog: pytest.Lo
     await main(SlowConsumerError(subject="t.router.sync", reply="", sid=3, sub=_Sub(subjects.sync("t"))))  # type: ignore[arg-type]
     # a worker's own subscription, while a sender is quarantined, is load too (it was `other`)
     await load(SlowConsumerError(subject="t.load.b", reply="", sid=4, sub=_Sub(subjects.load("t", "b"))))  # type: ignore[arg-type]
-    assert router.slow_consumer_dropped == {"load": 4, "replies": 1, "sync": 1}
+    kvstate = router._nats_errors("kvstate")  # gap repair's replies, on a connection of their own
+    await kvstate(SlowConsumerError(subject="_INBOX.y.1", reply="", sid=5, sub=_Sub("_INBOX.y.*")))  # type: ignore[arg-type]
+    assert router.slow_consumer_dropped == {"load": 4, "replies": 1, "sync": 1, "kvstate": 1}
     said = [r.getMessage() for r in caplog.records if "SlowConsumerError" in r.getMessage()]
-    assert len(said) == 3 and "(load)" in said[0]  # each subscription once, then counted
+    assert len(said) == 4 and "(load)" in said[0]  # each subscription once, then counted
     text = router.metrics.render().decode()
     assert 'kvswitch_router_nats_slow_consumer_dropped_total{subscription="load"} 4.0' in text
 
