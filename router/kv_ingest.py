@@ -471,8 +471,9 @@ class KvIngest:
         self._over_budget_lines.say(
             sender,
             "KV batches from worker %s come faster than %g a second or %g MiB a second (bursts of %g, %g MiB; a "
-            "shim seals about 200 a second): the rest dropped unread, its index repaired, and %s unheard for %g s "
-            "at a time (logged once per worker, counted in kvswitch_router_kv_over_budget_total); something other "
+            "shim seals about 200 a second): the rest dropped unread, its index repaired, and %s unheard for %g s, "
+            "twice as long each time it floods again up to %g s (logged once per worker, counted in "
+            "kvswitch_router_kv_over_budget_total); something other "
             "than its shim publishes there, or its engine emits more than the router's --kv-budget-* flags allow",
             sender,
             budget.rate_per_s,
@@ -481,6 +482,7 @@ class KvIngest:
             budget.bytes_burst_of(sender) / (1 << 20),
             subject,
             self.subscriptions.quarantine_s,
+            self.subscriptions.quarantine_max_s,
         )
 
     def _on_payload(self, subject_worker: str, data: bytes) -> None:

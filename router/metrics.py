@@ -22,7 +22,7 @@ from router.gap_repair import FailureKind
 from router.ingest_stats import IngestStats
 from router.replica_sync import SyncStats
 from router.sender_budget import LOAD_BURST, LOAD_RATE_PER_S
-from router.sender_subscriptions import QUARANTINE_S
+from router.sender_subscriptions import QUARANTINE_MAX_FACTOR, QUARANTINE_S
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics", "StateFigures"]
 
@@ -148,12 +148,14 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvswitch_router_kv_senders_quarantined",
             "KV event senders past their budget whose subjects this router does not hear now (each for "
-            f"{QUARANTINE_S:g} s at a time, router.sender_subscriptions): their indexes are repaired through kvstate",
+            f"{QUARANTINE_S:g} s, doubling while it floods on up to {QUARANTINE_MAX_FACTOR * QUARANTINE_S:g} s, "
+            "router.sender_subscriptions): their indexes are repaired through kvstate",
             s.kv_quarantined,
         )
         yield CounterMetricFamily(
             "kvswitch_router_kv_quarantines",
-            f"Times a KV event sender past its budget was quarantined (its subject unheard for {QUARANTINE_S:g} s)",
+            f"Times a KV event sender past its budget was quarantined (its subject unheard for "
+            f"{QUARANTINE_S:g} s, or twice its last quarantine when it floods again after it)",
             s.kv_quarantines,
         )
         yield CounterMetricFamily(
@@ -173,12 +175,14 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvswitch_router_load_senders_quarantined",
             "Load report senders past their budget whose subjects this router does not hear now (each for "
-            f"{QUARANTINE_S:g} s at a time, router.sender_subscriptions): they read silent",
+            f"{QUARANTINE_S:g} s, doubling while it floods on up to {QUARANTINE_MAX_FACTOR * QUARANTINE_S:g} s, "
+            "router.sender_subscriptions): they read silent",
             s.load_quarantined,
         )
         yield CounterMetricFamily(
             "kvswitch_router_load_quarantines",
-            f"Times a load report sender past its budget was quarantined (its subject unheard for {QUARANTINE_S:g} s)",
+            f"Times a load report sender past its budget was quarantined (its subject unheard for "
+            f"{QUARANTINE_S:g} s, or twice its last quarantine when it floods again after it)",
             s.load_quarantines,
         )
         yield CounterMetricFamily(

@@ -9,7 +9,11 @@ behind the flood in the socket and were read seconds late. Only nats-server can 
 a sender past its budget is quarantined for `quarantine_s`, while which the router hears one
 subscription per registered worker (`one(worker)`), the quarantined ones left out, instead of the
 wildcard (`all_subject`). Once no sender is quarantined, the wildcard again. A sender that floods
-on lets through one budget's burst each `quarantine_s`. Messages of senders with no record are not
+on lets through one budget's burst at each lapse, and each switch stalls a replica (~1.3 s of
+probes at each lapse, review of 2026-12-07): one quarantined again within as long as its last
+quarantine after it lapsed is quarantined twice as long, up to `quarantine_max_s` (8 times
+`quarantine_s`: a lapse every 2 minutes, not every 15 s), a WARNING saying each doubling once; one
+quiet that long starts again from `quarantine_s`. Messages of senders with no record are not
 heard meanwhile, nor a worker's in the moment between its registration and its subscription: a
 load report is superseded by the next one; a KV batch missed so shows as a gap at the next one, or
 to the digest check of its load reports, and is repaired (router.kv_ingest), as one lost on the
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -43,9 +48,12 @@ from discovery.watch import keep_following
 from runtime import background
 from runtime.nats_unsubscribe import unsubscribe
 
-__all__ = ["QUARANTINE_S", "SenderSubscriptions"]
+__all__ = ["QUARANTINE_MAX_FACTOR", "QUARANTINE_S", "SenderSubscriptions"]
+
+log = logging.getLogger(__name__)
 
 QUARANTINE_S = 15.0
+QUARANTINE_MAX_FACTOR = 8
 
 
 class SenderSubscriptions:
@@ -71,10 +79,13 @@ class SenderSubscriptions:
         self._handler = handler
         self._workers = workers
         self.quarantine_s = quarantine_s
+        self.quarantine_max_s = QUARANTINE_MAX_FACTOR * quarantine_s
         self._clock = clock
         self._all: Subscription | None = None  # all_subject, while no sender is quarantined
         self._each: dict[str, Subscription] = {}  # by worker, while one is
         self._until: dict[str, float] = {}  # quarantined senders: until when
+        # each sender's last quarantine, (its length, until when), kept until as long after it lapsed
+        self._last: dict[str, tuple[float, float]] = {}
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.quarantines = 0  # senders quarantined, each time
@@ -93,11 +104,31 @@ class SenderSubscriptions:
         return self._task
 
     def quarantine(self, sender: str) -> bool:
-        """Leave `sender`'s subject unheard for `quarantine_s` from now (once: a message of it still
-        queued changes nothing). Whether it was heard until now."""
-        if sender in self._until:
+        """Leave `sender`'s subject unheard for `quarantine_s` from now, or twice its last quarantine
+        when that lapsed no longer ago than it lasted (once: a message of it still queued changes
+        nothing). Whether it was heard until now."""
+        now = self._clock()
+        until = self._until.get(sender)
+        if until is not None and until > now:
             return False
-        self._until[sender] = self._clock() + self.quarantine_s
+        length = self.quarantine_s
+        if (last := self._last.get(sender)) is not None and now - last[1] <= last[0]:
+            length = min(2 * last[0], self.quarantine_max_s)
+            if length > last[0]:
+                log.warning(
+                    "%s sender %s floods again %.0f s after its quarantine of %g s lapsed: unheard for %g s now "
+                    "(doubling while it goes on, up to %g s; said once a doubling)",
+                    self._what,
+                    sender,
+                    now - last[1],
+                    last[0],
+                    length,
+                    self.quarantine_max_s,
+                )
+        # Anyone may publish on any name: only the floods of the last few minutes are remembered.
+        self._last = {s: last for s, last in self._last.items() if now - last[1] <= last[0]}
+        self._last[sender] = (length, now + length)
+        self._until[sender] = now + length
         self.quarantines += 1
         self._changed.set()
         return True

@@ -1266,8 +1266,9 @@ class RouterService:
             self._over_budget_lines.say(
                 sender,
                 "load reports from worker %s come faster than %g a second (bursts of %g; a shim sends at most %g): "
-                "the rest dropped unread, and %s unheard for %g s at a time, so it reads silent (logged once per "
-                "worker, counted in kvswitch_router_load_over_budget_total); something other than its shim "
+                "the rest dropped unread, and %s unheard for %g s, twice as long each time it floods again up to %g s, "
+                "so it reads silent (logged once per worker, counted in kvswitch_router_load_over_budget_total); "
+                "something other than its shim "
                 "publishes there (or an older shim given a --load-period-s under %g s, which shims now refuse)",
                 sender,
                 budget.rate_per_s,
@@ -1275,6 +1276,7 @@ class RouterService:
                 1 / MIN_LOAD_PERIOD_S,
                 subject,
                 self._load_subs.quarantine_s if self._load_subs is not None else 0,
+                self._load_subs.quarantine_max_s if self._load_subs is not None else 0,
                 MIN_LOAD_PERIOD_S,
             )
 

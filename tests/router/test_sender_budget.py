@@ -165,6 +165,51 @@ class _Sub:
         self.subject = subject
 
 
+async def test_a_sender_flooding_again_after_its_quarantine_lapses_is_quarantined_twice_as_long(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review of 2026-12-07: each quarantine's start and lapse stalled both replicas (~1.3 s of
+    probes, a burst let through at each lapse every 15 s). Flooding again within as long as its last
+    quarantine after it lapsed doubles it, up to 8 times, said once a doubling; quiet that long, it
+    starts again from the first length."""
+    nc = await nats.connect(nats_url)
+    now = [0.0]
+
+    async def handler(msg: Msg) -> None:
+        return None
+
+    subs = SenderSubscriptions(
+        nc, "t.kv.*", lambda w: f"t.kv.{w}", handler, list, what="KV event", quarantine_s=15.0, clock=lambda: now[0]
+    )
+    await subs.start()
+
+    async def lapse(after: float) -> None:
+        now[0] += after
+        subs.reconnected()  # wakes its task, which reads the clock: the quarantine lapsed
+        await until(lambda: subs._all is not None and not subs.quarantined(), what="the wildcard again")
+
+    lengths: list[float | None] = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="router.sender_subscriptions"):
+            for _ in range(6):  # each time it floods again 1 s after the lapse
+                assert subs.quarantine("f")
+                lengths.append(subs.quarantined_for("f"))
+                assert not subs.quarantine("f")  # within it: once
+                await until(lambda: subs._all is None, what="the per-worker subscriptions")
+                await lapse(subs.quarantined_for("f") or 0.0)
+                now[0] += 1.0
+        assert lengths == [15.0, 30.0, 60.0, 120.0, 120.0, 120.0]
+        said = [r.getMessage() for r in caplog.records if "floods again" in r.getMessage()]
+        assert len(said) == 3 and "KV event sender f" in said[0] and "unheard for 30 s now" in said[0], said
+        now[0] += 120.0  # quiet as long as its last quarantine: forgiven
+        assert subs.quarantine("f") and subs.quarantined_for("f") == 15.0
+        assert subs.quarantine("g") and subs.quarantined_for("g") == 15.0  # each sender its own
+        assert subs.quarantines == 8
+    finally:
+        await subs.stop()
+        await nc.close()
+
+
 async def test_no_message_of_a_worker_heard_throughout_is_lost_as_the_subscriptions_switch(
     nats_url: str, ns: str
 ) -> None:
