@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable
 
+import msgspec
 from nats.aio.client import Client as Nats
 from nats.errors import Error as NatsError
 
@@ -64,6 +65,7 @@ class LoadReporter:
         draining: Callable[[], bool] = lambda: False,
         on_reading: Callable[[float, float, EngineLoad | None], None] = lambda _asked, _done, _load: None,
         on_published: Callable[[], None] = lambda: None,
+        on_unencodable: Callable[[], None] = lambda: None,
         on_crash: Callable[[], None] = lambda: None,
     ) -> None:
         self.nc = nc
@@ -84,11 +86,13 @@ class LoadReporter:
         self.on_reading = on_reading
         # Each report sent: the shim counts them over its lifetime, not this worker id's.
         self.on_published = on_published
+        self.on_unencodable = on_unencodable  # a report that could not be encoded, so not sent
         self.on_crash = on_crash  # one of its tasks crashed (said at ERROR): the shim counts it
         self._engine = EngineLoad()
         self._engine_at = 0.0
         self.healthy = True  # what the reports say of the engine: False while its load polls fail
         self.error = ""  # why the last poll failed, shortened; "" while healthy
+        self._unencodable_said = False
         self._last_key: tuple[object, ...] | None = None
         self._last_sent = 0.0
         self._poke = asyncio.Event()
@@ -133,7 +137,8 @@ class LoadReporter:
         e = self._engine
         t = e.timing
         total = e.kv_total_blocks or self.kv_total_blocks
-        used = round(e.kv_usage * total) if e.kv_usage is not None and total else 0
+        # kv_usage may stray past [0, 1] by a rounding (_unusable): never more blocks than there are.
+        used = min(round(max(0.0, e.kv_usage) * total), total) if e.kv_usage is not None and total else 0
         d = self.digest()
         return LoadReport(
             worker=self.worker,
@@ -215,7 +220,17 @@ class LoadReporter:
         if key != self._last_key or now - self._last_sent >= self.period_s:
             self._last_key, self._last_sent = key, now
             try:
-                await self.nc.publish(self.subject, encode_msg(rep))
+                payload = encode_msg(rep)
+            except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
+                # A number _unusable let through: this report is lost, the next may go, the session
+                # goes on (a crash here ended it and re-registered twice a second).
+                self.on_unencodable()
+                if not self._unencodable_said:
+                    self._unencodable_said = True
+                    log.error("a load report could not be encoded, none such is sent: %r (%r)", exc, rep)
+                return
+            try:
+                await self.nc.publish(self.subject, payload)
                 self.on_published()
             except NatsError as exc:
                 log.warning("publishing the load report failed: %s", exc)
@@ -231,14 +246,40 @@ class LoadReporter:
             self._poke.clear()
 
 
+_INT_LIMIT = 2**63  # msgpack's signed integers, which a LoadReport's are
+# vLLM's usage is 1 - free/total per rank, in [0, 1]; the mean over ranks may round past either end.
+_KV_USAGE_SLACK = 1e-6
+
+
 def _unusable(e: EngineLoad) -> str | None:
-    """What in a reading is not a number a report can carry (NaN or infinite), if anything."""
+    """What in a reading is not a number a report can carry, if anything: a count that is not an
+    integer in [0, 2**63), a time that is NaN, infinite or negative, a KV usage outside [0, 1]. A
+    /metrics that says 1e30 requests run is no engine's load, and its report could not be encoded."""
     t = e.timing
-    for name, value in (
-        ("kv_usage", e.kv_usage),
-        ("prefill_seconds", t.prefill_seconds),
-        ("itl_seconds", t.itl_seconds),
+    for name, count in (
+        ("running", e.running),
+        ("waiting", e.waiting),
+        ("kv_total_blocks", e.kv_total_blocks),
+        ("num_preemptions", e.num_preemptions),
+        ("failed_transfers", e.failed_transfers),
+        ("iterations", t.iterations),
+        ("iteration_tokens", t.iteration_tokens),
+        ("prefill_requests", t.prefill_requests),
+        ("prefill_computed_tokens", t.prefill_computed_tokens),
+        ("prefix_hit_tokens", t.prefix_hit_tokens),
+        ("itl_count", t.itl_count),
+        ("generation_tokens", t.generation_tokens),
     ):
-        if value is not None and not math.isfinite(value):
-            return f"{name} = {value}"
+        if count is not None and not (type(count) is int and 0 <= count < _INT_LIMIT):
+            return f"{name} = {count!r}, not a count"
+    # Cached less pulled tokens: a difference, so it may be negative.
+    reused = e.reused_tokens
+    if reused is not None and not (type(reused) is int and -_INT_LIMIT <= reused < _INT_LIMIT):
+        return f"reused_tokens = {reused!r}, not a 64-bit integer"
+    for name, seconds in (("prefill_seconds", t.prefill_seconds), ("itl_seconds", t.itl_seconds)):
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return f"{name} = {seconds}, not a time"
+    usage = e.kv_usage
+    if usage is not None and not -_KV_USAGE_SLACK <= usage <= 1 + _KV_USAGE_SLACK:
+        return f"kv_usage = {usage}, not within [0, 1]"
     return None

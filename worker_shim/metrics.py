@@ -148,6 +148,12 @@ class _ShimCollector(Collector):
         yield _counter(
             "load_reports", "LoadReports published since the shim started", float(self.shim.load_reports_sent)
         )
+        yield _counter(
+            "load_reports_unencodable",
+            "LoadReports that could not be encoded, so not sent (a number in the engine's reading the shim "
+            "should have refused: a bug, said once at ERROR)",
+            float(self.shim.load_reports_unencodable),
+        )
 
     def _requests(self) -> Iterator[Metric]:
         svc = self.shim.requests

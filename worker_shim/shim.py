@@ -313,6 +313,7 @@ class WorkerShim:
         self.norm_stats = NormaliserStats()
         self.kv_counters = PublisherCounters()
         self.load_reports_sent = 0  # by every worker id this process registered
+        self.load_reports_unencodable = 0  # reports that could not be encoded, so not sent (a bug)
         self.engine_events = 0
         self.engine_batches = {True: 0, False: 0}
         self.rebuild_guard = _RebuildGuard()
@@ -1009,6 +1010,9 @@ class WorkerShim:
     def _count_load_report(self) -> None:
         self.load_reports_sent += 1
 
+    def _count_unencodable_report(self) -> None:
+        self.load_reports_unencodable += 1
+
     def _on_engine_reading(self, asked: float, done: float, load: EngineLoad | None) -> None:
         requests = self.requests
         self.events.hits(
@@ -1215,6 +1219,7 @@ class WorkerShim:
             draining=self._stopping.is_set,
             on_reading=self._on_engine_reading,
             on_published=self._count_load_report,
+            on_unencodable=self._count_unencodable_report,
             on_crash=lambda: self._count_task_failure("load_reporter"),
         )
         presence.reporter.start()

@@ -25,6 +25,8 @@ from tests.worker_shim.cluster import complete, connect, shared_prefix_prompts, 
 from tests.worker_shim.test_kv_digest import replayed, xor_of
 from worker_shim import ShimConfig
 from worker_shim.adapters.base import EngineLoad
+from worker_shim.adapters.sglang import load_from_metrics as sglang_load
+from worker_shim.adapters.trtllm import load_from_stats as trtllm_load
 from worker_shim.adapters.vllm import load_from_metrics
 from worker_shim.load_reporter import LoadReporter
 
@@ -158,8 +160,29 @@ _GOOD = 'vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engin
         ('vllm:num_requests_running{engine="0"} NaN\n', "ValueError"),  # int(nan) in the parse
         ('vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} NaN\n', "kv_usage = nan"),
         ('vllm:num_requests_running{engine="0"} +Inf\n', "OverflowError"),
+        # Before 2026-12-07: an OverflowError encoding the report ended the session, in a loop.
+        ('vllm:num_requests_running{engine="0"} 1e30\n', "running = 1000000000000000019884624838656, not a count"),
+        ('vllm:num_requests_running{engine="0"} -3\n', "running = -3, not a count"),  # before: sent as is
+        ('vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} 1.5\n', "kv_usage = 1.5"),
+        (
+            'vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+            'vllm:cache_config_info{engine="0",num_gpu_blocks="99999999999999999999"} 1\n',
+            "kv_total_blocks = 99999999999999999999",
+        ),
+        ('vllm:num_requests_running{engine="0"} 3\nvllm:iteration_tokens_total_count{engine="0"} 1e20\n', "iterations"),
+        ('vllm:num_requests_running{engine="0"} 3\nvllm:nixl_num_failed_transfers_total{engine="0"} 1e30\n', "failed"),
     ],
-    ids=["nan-count", "nan-usage", "inf-count"],
+    ids=[
+        "nan-count",
+        "nan-usage",
+        "inf-count",
+        "huge-count",
+        "negative-count",
+        "usage-over-1",
+        "huge-blocks",
+        "huge-counter",
+        "huge-failed-transfers",
+    ],
 )
 async def test_a_reading_the_shim_cannot_use_marks_the_worker_unhealthy_and_the_reports_go_on(
     nats_url: str, ns: str, bad: str, said: str, caplog: pytest.LogCaptureFixture
@@ -190,6 +213,85 @@ async def test_a_reading_the_shim_cannot_use_marks_the_worker_unhealthy_and_the_
         await nc.close()
     complaints = [r for r in caplog.records if r.name == "worker_shim.load_reporter" and r.levelno >= logging.WARNING]
     assert len(complaints) == 1 and said in complaints[0].getMessage(), [r.getMessage() for r in complaints]
+
+
+class _Reading:
+    """An adapter whose load is one fixed reading."""
+
+    def __init__(self, reading: EngineLoad) -> None:
+        self.reading = reading
+
+    async def load(self) -> EngineLoad:
+        return self.reading
+
+
+@pytest.mark.parametrize(
+    ("reading", "said"),
+    [
+        (sglang_load("sglang:num_running_reqs 1e30\nsglang:num_queue_reqs 0\n", 100), "running = "),
+        (sglang_load("sglang:num_running_reqs 1\nsglang:num_queue_reqs -2\n", 100), "waiting = -2"),
+        (sglang_load("sglang:num_running_reqs 1\nsglang:token_usage 7\n", 100), "kv_usage = 7.0"),
+        (trtllm_load([{"numActiveRequests": 10**30, "kvCacheStats": {}}], EngineLoad()), "running = "),
+        (trtllm_load([{"kvCacheStats": {"maxNumBlocks": 10, "usedNumBlocks": 30}}], EngineLoad()), "kv_usage = 3.0"),
+        (trtllm_load([{"kvCacheStats": {"maxNumBlocks": 10.5, "usedNumBlocks": 1}}], EngineLoad()), "kv_total_blocks"),
+    ],
+    ids=["sglang-huge", "sglang-negative", "sglang-usage", "trtllm-huge", "trtllm-usage", "trtllm-float-blocks"],
+)
+async def test_every_engines_absurd_reading_marks_the_worker_unhealthy(
+    reading: EngineLoad, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang's and TensorRT-LLM's readings pass the same check as vLLM's, in the reporter."""
+    nc = _CountingNats()
+    reporter = LoadReporter(nc, "t", "w1", _Reading(reading), lambda: 0, 100, period_s=0.05, poll_s=0.02)  # type: ignore[arg-type]
+    reporter.start()
+    try:
+        await wait_for(lambda: len(nc.sent) >= 3, what="reports")
+        assert not reporter.healthy and said in reporter.error, reporter.error
+        assert all(not t.done() for t in reporter.tasks)
+    finally:
+        await reporter.stop()
+    complaints = [r for r in caplog.records if r.name == "worker_shim.load_reporter" and r.levelno >= logging.WARNING]
+    assert len(complaints) == 1 and complaints[0].levelno == logging.WARNING
+
+
+async def test_a_report_that_cannot_be_encoded_is_counted_said_once_and_the_session_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The backstop behind the reading's check: a number no check refused (here the shim's own
+    queued tokens) made encode_msg raise OverflowError in the report task, which crashed it and
+    ended the session, twice a second. Now that report is not sent, counted, the first said at
+    ERROR, and the reports go on once the number is one msgpack takes."""
+    nc = _CountingNats()
+    queued = [0]
+    unencodable: list[int] = []
+    crashes: list[int] = []
+    reporter = LoadReporter(
+        nc,  # type: ignore[arg-type]
+        "t",
+        "w1",
+        _Steady(),  # type: ignore[arg-type]
+        lambda: queued[0],
+        100,
+        period_s=0.05,
+        poll_s=0.02,
+        on_unencodable=lambda: unencodable.append(1),
+        on_crash=lambda: crashes.append(1),
+    )
+    reporter.start()
+    try:
+        await wait_for(lambda: len(nc.sent) >= 2, what="reports")
+        queued[0] = 10**30
+        await wait_for(lambda: len(unencodable) >= 5, what="unencodable reports")
+        sent = len(nc.sent)
+        await asyncio.sleep(0.2)
+        assert len(nc.sent) == sent  # none of them went out
+        queued[0] = 7
+        await wait_for(lambda: len(nc.sent) >= sent + 2, what="reports again")
+        assert all(not t.done() for t in reporter.tasks) and crashes == []
+    finally:
+        await reporter.stop()
+    errors = [r for r in caplog.records if r.name == "worker_shim.load_reporter" and r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "OverflowError" in errors[0].getMessage(), [r.getMessage() for r in errors]
 
 
 async def _quiet(_exc: Exception) -> None:
