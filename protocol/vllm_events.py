@@ -36,9 +36,10 @@ SGLang with EAGLE keys its radix cache by bigrams and sends each page's `token_i
 those first elements (a BigramTokenIds, which says so downstream).
 
 Block hashes are opaque keys: uint64 from vLLM 0.32, bytes from older vLLM (read big-endian),
-signed int64 from SGLang. Decoding ignores unknown fields and unknown event types; an event it
-cannot read is left out of its batch (`decode_events` returns its error), a batch it cannot read
-raises.
+signed int64 from SGLang. Decoding ignores unknown fields; an event it cannot read is left out
+of its batch (`decode_events` returns its error), a batch it cannot read raises. An event of a
+type it does not know is left out too, its UnknownEventType returned among the errors for the
+reader to count (`decode_batch` ignores it); a map that names no type is malformed.
 
 ZMQ framing: a PUB message is `[topic, seq as u64 big-endian, payload]`, seq from 0 per engine
 start. Replay (DEALER to the engine's ROUTER): request `[b"", start_seq]`; replies `[b"", topic,
@@ -69,6 +70,7 @@ __all__ = [
     "EventBatch",
     "EventForm",
     "KVEvent",
+    "UnknownEventType",
     "decode_batch",
     "decode_events",
     "decode_pub_frames",
@@ -207,11 +209,22 @@ def _optional(fields: dict[str, Any], name: str, kind: type, default: Any = None
     raise ProtocolError(_WHAT, f"{name} {_shown(value)} is not a {kind.__name__}", f"{name} type")
 
 
+class UnknownEventType(ProtocolError):
+    """An event of a type this version does not know (a newer engine's?): no malformed event, yet
+    one the reader must count and say, as it is dropped."""
+
+    def __init__(self, event_type: str) -> None:
+        self.event_type = event_type
+        super().__init__(_WHAT, f"unknown event type {_shown(event_type)}", "unknown event type")
+
+
 def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
-    """(event type, fields by name) for either event form; type "" when the map names none."""
+    """(event type, fields by name) for either event form."""
     if isinstance(raw, dict):
         kind = raw.get("type")
-        return (kind if isinstance(kind, str) else ""), raw
+        if not isinstance(kind, str):
+            raise ProtocolError(_WHAT, f"an event map's type is {_shown(kind)}, not a string", "event map type")
+        return kind, raw
     if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
         values = list(raw[1:])
         # SGLang's metadata map follows the positional fields (msgspec's kw_only field, encoded last).
@@ -267,7 +280,7 @@ def _named_salt(f: dict[str, Any]) -> str | msgspec.UnsetType:
     return msgspec.UNSET if salt is None else salt
 
 
-def _event(raw: Any) -> KVEvent | None:
+def _event(raw: Any) -> KVEvent:
     kind, f = _fields(raw)
     if kind == "BlockStored":
         return _stored(f)
@@ -282,24 +295,27 @@ def _event(raw: Any) -> KVEvent | None:
         )
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
-    return None  # an event type this version does not know: ignored, like unknown fields
+    raise UnknownEventType(kind)
 
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Any form of batch and event to typed events; raises ProtocolError for anything malformed.
+    Events of a type this version does not know are left out, as unknown fields are.
 
     Hashes come back as ints whatever their wire type; fields an older form lacks take the
     defaults, except `medium`, which stays None when not sent.
     """
     batch, errors = decode_events(payload)
-    if errors:
-        raise errors[0]
+    malformed = [e for e in errors if not isinstance(e, UnknownEventType)]
+    if malformed:
+        raise malformed[0]
     return batch
 
 
 def decode_events(payload: bytes) -> tuple[EventBatch, list[ProtocolError]]:
     """As decode_batch, but an event that cannot be read is left out and its error returned, so it
-    does not void the other events of its batch; a batch that cannot be read still raises."""
+    does not void the other events of its batch; a batch that cannot be read still raises. An
+    event of a type it does not know is left out with an UnknownEventType among the errors."""
     try:
         raw = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
@@ -318,12 +334,9 @@ def decode_events(payload: bytes) -> tuple[EventBatch, list[ProtocolError]]:
     errors: list[ProtocolError] = []
     for item in events:
         try:
-            event = _event(item)
+            decoded.append(_event(item))
         except ProtocolError as exc:
             errors.append(exc)
-            continue
-        if event is not None:
-            decoded.append(event)
     # Odd values of ts or the rank do not void the events: a ts that is no number reads as 0.0,
     # which the shim's endpoint probe takes as no evidence (earlier than any request), and no rank
     # is checked against none.

@@ -27,6 +27,7 @@ __all__ = [
     "EngineStored",
     "EventDecodeError",
     "EventSink",
+    "UnknownEngineEvent",
 ]
 
 
@@ -36,6 +37,14 @@ class EventDecodeError(ProtocolError):
     def __init__(self, engine: str, detail: str, kind: str | None = None) -> None:
         self.engine = engine
         super().__init__(f"{engine} KV event", detail, kind)
+
+
+class UnknownEngineEvent(EventDecodeError):
+    """An event of a type the shim does not know: left out, counted by type, not as malformed."""
+
+    def __init__(self, engine: str, event_type: str, detail: str) -> None:
+        self.event_type = event_type
+        super().__init__(engine, detail, "unknown event type")
 
 
 FULL = "full"

@@ -107,6 +107,15 @@ class _ShimCollector(Collector):
         transport = dict(s.adapter.event_stats())
         malformed = transport.pop("malformed", 0) + s.norm_stats.malformed
         yield _counter("kv_events_malformed", "Malformed engine events or frames, dropped", float(malformed))
+        unknown = CounterMetricFamily(
+            P + "kv_events_unknown_type",
+            "Engine events of a type the shim does not know, dropped, by type (the first 8 types seen; any "
+            "other as other)",
+            labels=["type"],
+        )
+        for kind, n in sorted(s.adapter.unknown_event_types().items()):
+            unknown.add_metric([kind], float(n))
+        yield unknown
         yield _counter(
             "kv_unknown_parent", "Stored chains dropped for an unknown parent", float(s.norm_stats.unknown_parent)
         )

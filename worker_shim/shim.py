@@ -221,7 +221,8 @@ class _RebuildGuard:
             log.error(
                 "KV event with an unknown parent again %.1fs after the rebuild it asked for: the engine's own "
                 "replay names parents it never stored (an event the shim cannot read? see "
-                "kvswitch_shim_kv_events_malformed_total); rebuilds for them are held for %.0fs "
+                "kvswitch_shim_kv_events_malformed_total and kvswitch_shim_kv_events_unknown_type_total); "
+                "rebuilds for them are held for %.0fs "
                 "(kvswitch_shim_kv_rebuilds_held_total)",
                 since,
                 self._backoff,

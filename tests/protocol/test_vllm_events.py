@@ -15,6 +15,7 @@ from protocol.vllm_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    UnknownEventType,
     decode_batch,
     decode_events,
     decode_pub_frames,
@@ -24,7 +25,7 @@ from protocol.vllm_events import (
     publisher_binds,
     replay_request,
 )
-from tests.protocol.vllm_captures import CAPTURES, fixture_lines, pub_frames, replay_frames
+from tests.protocol.vllm_captures import CAPTURES, FIXTURES, fixture_lines, frames, pub_frames, replay_frames
 
 
 @pytest.mark.parametrize("variant", ["bs16_patched", "bs32"])
@@ -111,6 +112,52 @@ def test_unknown_fields_and_event_types_are_ignored() -> None:
     assert decode_batch(payload).events == [BlockRemoved(block_hashes=[1], medium="GPU")]
     only_cleared = decode_batch(msgspec.msgpack.encode({"ts": 2.0, "events": [{"type": "AllBlocksCleared"}]}))
     assert only_cleared.events == [AllBlocksCleared()] and only_cleared.ts == 2.0
+
+
+def test_an_event_of_an_unknown_type_is_left_out_with_an_error_that_names_its_type() -> None:
+    """decode_batch ignores it (above), but decode_events says so: the shim counts and logs it.
+    Until 2026-12-07 it was dropped with no word, and a root BlockStored sent as "BlockStoredV2"
+    left its children with unknown parents the shim's ERROR blamed on a counter that read 0."""
+    payload = msgspec.msgpack.encode(
+        [1.0, [{"type": "BlockStoredV2"}, ["Future", 1, 2], {"type": "AllBlocksCleared"}], 0]
+    )
+    batch, errors = decode_events(payload)
+    assert batch.events == [AllBlocksCleared()]
+    assert [(type(e), e.event_type) for e in errors if isinstance(e, UnknownEventType)] == [
+        (UnknownEventType, "BlockStoredV2"),
+        (UnknownEventType, "Future"),
+    ]
+    assert len(errors) == 2 and {e.kind for e in errors} == {"unknown event type"}
+
+
+@pytest.mark.parametrize("kind", [None, 7, b"BlockStored"], ids=["none", "int", "bytes"])
+def test_an_event_map_without_a_string_type_is_malformed(kind: object) -> None:
+    """It read as type "" and went the unknown type's silent way."""
+    event: dict[str, object] = {"block_hashes": [1], "parent_block_hash": None, "token_ids": [0] * 16, "block_size": 16}
+    if kind is not None:
+        event["type"] = kind
+    batch, errors = decode_events(msgspec.msgpack.encode([1.0, [event, {"type": "AllBlocksCleared"}], 0]))
+    assert batch.events == [AllBlocksCleared()] and len(errors) == 1
+    assert not isinstance(errors[0], UnknownEventType) and errors[0].kind == "event map type"
+    with pytest.raises(ProtocolError, match="not a string"):
+        decode_batch(msgspec.msgpack.encode([1.0, [event]]))
+
+
+@pytest.mark.parametrize("variant", [*sorted(CAPTURES), "sglang"])
+def test_every_captured_event_is_of_a_known_type(variant: str) -> None:
+    """vLLM 0.32 sends BlockStored, BlockRemoved and AllBlocksCleared (the captures' README), SGLang
+    the same format: none of their events may count as unknown, nor as malformed."""
+    kinds: set[str] = set()
+    captured = (
+        frames(FIXTURES.parent / "sglang" / "zmq_events_raw.jsonl")
+        if variant == "sglang"
+        else pub_frames(variant, extra=variant == "bs16_patched")
+    )
+    for f in captured:
+        batch, errors = decode_events(f[2])
+        assert errors == []
+        kinds |= {type(e).__name__ for e in batch.events}
+    assert kinds >= {"BlockStored", "BlockRemoved"}
 
 
 @pytest.mark.parametrize(

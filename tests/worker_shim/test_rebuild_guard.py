@@ -36,9 +36,18 @@ def _shim(kv_events: str = "tcp://*:5557", kv_replay: str | None = None) -> Work
     return WorkerShim(cfg, NatsSettings(servers=["nats://127.0.0.1:1"]), EtcdSettings(endpoints=["http://127.0.0.1:1"]))
 
 
-def _held(shim: WorkerShim) -> float:
+def _samples(shim: WorkerShim, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     text = shim.metrics_text().decode()
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == HELD)
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name
+    }
+
+
+def _held(shim: WorkerShim) -> float:
+    return _samples(shim, HELD)[()]
 
 
 def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -112,6 +121,43 @@ async def test_a_stored_event_the_shim_cannot_read_does_not_rebuild_at_poll_rate
     said = _errors(caplog)
     assert len(said) == 1 and "kvswitch_shim_kv_events_malformed_total" in said[0] and "held for 5s" in said[0]
     assert _held(shim) == 1.0
+
+
+@pytest.mark.parametrize("root_type", ["BlockStoredV2", None], ids=["unknown-type", "no-type"])
+async def test_a_root_of_an_unknown_type_or_none_is_counted_said_and_named_by_the_guard(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, root_type: str | None
+) -> None:
+    """Until 2026-12-07 both were dropped with no count and no word, and the guard's ERROR pointed
+    at kvswitch_shim_kv_events_malformed_total, which read 0 (engine-side audit). A map without a
+    type is malformed; an unknown type is counted by type and said once per type at WARNING."""
+    monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)
+    monkeypatch.setattr(zmq_events, "QUIET_PROBE_S", 60.0)
+    shim = _shim(stand_in.shim_endpoint, stand_in.replay_endpoint)
+    root = {k: v for k, v in _wire_stored(1, None, [1, 2, 3, 4]).items() if k != "type"}
+    if root_type is not None:
+        root["type"] = root_type
+    with caplog.at_level(logging.WARNING):
+        async with _events(shim, stand_in):
+            for seq in range(3):
+                child = _wire_stored(10 + seq, 1, [5, 6, 7, seq])
+                frame = [b"kv-events", seq.to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [root, child], 0])]
+                stand_in.sent.append(frame)
+                await stand_in.pub.send_multipart(frame)
+            await wait_for(lambda: shim.norm_stats.unknown_parent >= 3, 5, "the children's unknown parent")
+            await asyncio.sleep(0.5)
+    unknown = _samples(shim, "kvswitch_shim_kv_events_unknown_type_total")
+    malformed = _samples(shim, "kvswitch_shim_kv_events_malformed_total")[()]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if root_type is None:
+        assert unknown == {} and malformed >= 3
+        assert len([w for w in warnings if "not a string" in w]) == 1, warnings
+    else:
+        assert malformed == 0 and set(unknown) == {(("type", "BlockStoredV2"),)}
+        assert unknown[(("type", "BlockStoredV2"),)] >= 3
+        said = [w for w in warnings if "BlockStoredV2" in w]
+        assert len(said) == 1 and "kvswitch_shim_kv_events_unknown_type_total" in said[0], warnings
+    errors = _errors(caplog)
+    assert errors and all("kvswitch_shim_kv_events_unknown_type_total" in e for e in errors), errors
 
 
 # --- the guard at the shim's sink, on a clock of the test's ---------------------------------------

@@ -237,6 +237,11 @@ class EngineAdapter(ABC):
         """The event transport's counters since the adapter was made, by name (for /metrics)."""
         return {}
 
+    def unknown_event_types(self) -> dict[str, int]:
+        """Events of a type the shim does not know, dropped since the adapter was made, by type
+        (worker_shim.unknown_event_types; for /metrics)."""
+        return {}
+
     async def tokenizer_fingerprint(self) -> str | None:
         return None
 

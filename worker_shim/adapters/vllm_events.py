@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from protocol.errors import ProtocolError
 from protocol.hashing import chain_salt
-from protocol.vllm_events import BlockRemoved, BlockStored, KVEvent, decode_events
+from protocol.vllm_events import BlockRemoved, BlockStored, KVEvent, UnknownEventType, decode_events
 from worker_shim.engine_events import (
     FULL,
     WINDOW,
@@ -21,6 +21,7 @@ from worker_shim.engine_events import (
     EngineRemoved,
     EngineStored,
     EventDecodeError,
+    UnknownEngineEvent,
 )
 
 __all__ = ["decode_payload", "decode_ranked", "decode_stamped", "to_engine_event"]
@@ -77,17 +78,19 @@ def _cache_salt(event: BlockStored) -> str:
 
 def decode_payload(payload: bytes, engine: str = "vllm") -> list[EngineEvent]:
     """One batch payload to engine events; raises EventDecodeError (naming `engine`) if anything in
-    it is malformed."""
+    it is malformed. Events of a type it does not know are left out."""
     events, _, errors = decode_ranked(payload, engine)
-    if errors:
-        raise errors[0]
+    malformed = [e for e in errors if not isinstance(e, UnknownEngineEvent)]
+    if malformed:
+        raise malformed[0]
     return events
 
 
 def decode_ranked(payload: bytes, engine: str = "vllm") -> tuple[list[EngineEvent], int | None, list[EventDecodeError]]:
     """One batch payload to the engine events it holds, the data-parallel rank that published it
     (None: an older engine's batch, which names none), and an EventDecodeError for each event left
-    out as malformed: the batch's other events still count. Raises EventDecodeError (naming
+    out, malformed or (an UnknownEngineEvent) of a type it does not know: the batch's other events
+    still count. Raises EventDecodeError (naming
     `engine`) when the batch as a whole is malformed."""
     events, rank, _, errors = decode_stamped(payload, engine)
     return events, rank, errors
@@ -103,5 +106,10 @@ def decode_stamped(
     except ProtocolError as exc:
         raise EventDecodeError(engine, exc.detail, exc.kind) from exc
     events = [to_engine_event(e) for e in batch.events]
-    decoded = [EventDecodeError(engine, exc.detail, exc.kind) for exc in errors]
+    decoded = [
+        UnknownEngineEvent(engine, exc.event_type, exc.detail)
+        if isinstance(exc, UnknownEventType)
+        else EventDecodeError(engine, exc.detail, exc.kind)
+        for exc in errors
+    ]
     return events, batch.data_parallel_rank, batch.ts, decoded

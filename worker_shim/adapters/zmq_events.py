@@ -62,8 +62,9 @@ from runtime.turns import SLICE_S, Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_stamped
 from worker_shim.config import KvEventsMode, ShimConfig
-from worker_shim.engine_events import EngineBatch, EngineEvent, EventSink
+from worker_shim.engine_events import EngineBatch, EngineEvent, EventSink, UnknownEngineEvent
 from worker_shim.event_health import EventHealth, EventProblem
+from worker_shim.unknown_event_types import UnknownEventTypes
 
 __all__ = ["ZmqEventSource", "ZmqEventStats", "ZmqEventsAdapter", "engine_binds", "resolve_endpoint"]
 
@@ -164,6 +165,7 @@ class ZmqEventSource:
         *,
         health: EventHealth | None = None,
         stats: ZmqEventStats | None = None,
+        unknown: UnknownEventTypes | None = None,
         rank: int | None = None,
         rank_given: bool = True,
         setting: str = "kv_events",
@@ -182,6 +184,7 @@ class ZmqEventSource:
         self.replay_address = _on_engine_host(replay, engine_host) if replay else None
         self.health = health or EventHealth()
         self.stats = stats or ZmqEventStats()
+        self.unknown = unknown or UnknownEventTypes()
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._last: int | None = None
@@ -544,7 +547,10 @@ class ZmqEventSource:
             self._malformed(exc)
         else:
             for error in errors:  # each left out; the batch's other events still count
-                self._malformed(error)
+                if isinstance(error, UnknownEngineEvent):
+                    self.unknown.add(self.engine, error.event_type)
+                else:
+                    self._malformed(error)
             if self.rank is not None and rank is not None and rank != self.rank:
                 self._wrong_rank(rank)
                 events = []
@@ -640,6 +646,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
         super().__init__(config)
         self._events: ZmqEventSource | None = None
         self.stats = ZmqEventStats()
+        self.unknown = UnknownEventTypes()
         # The rank whose events these must be: the shim's, or the one rank its server lists (an
         # external load-balanced vLLM rank's shim given the shared endpoints would read rank 0's).
         self.events_rank = config.data_parallel_rank
@@ -656,6 +663,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
             c.engine_host,
             health=self.event_health,
             stats=self.stats,
+            unknown=self.unknown,
             rank=self.events_rank if self.checks_rank else None,
             rank_given=c.data_parallel_rank is not None,
             setting="kv_events" if c.kv_events_config is None else "kv_events_config",
@@ -664,6 +672,9 @@ class ZmqEventsAdapter(HttpEngineAdapter):
 
     def event_stats(self) -> dict[str, int]:
         return asdict(self.stats)
+
+    def unknown_event_types(self) -> dict[str, int]:
+        return dict(self.unknown.counts)
 
     def request_rebuild(self) -> None:
         if self._events is not None:
