@@ -513,6 +513,40 @@ async def test_an_event_not_utf8_in_a_field_the_shim_skips_is_the_engines_protoc
     assert seen == [EVENTS[0]]
 
 
+@pytest.mark.parametrize(
+    "bad", [b"[" + EVENTS[1] + b"]", b"null", b'"oops"', b"7"], ids=["array", "null", "string", "number"]
+)
+@pytest.mark.parametrize("pass_through", [True, False], ids=["pass-through", "token-ids"])
+@pytest.mark.parametrize("schema_bytes", [0, 1 << 30], ids=["schema", "plain"])
+async def test_a_streamed_event_that_is_no_json_object_is_the_engines_protocol_error(
+    engine: tuple[Engine, VllmAdapter],
+    bad: bytes,
+    pass_through: bool,
+    schema_bytes: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Until 2026-12-07 it was skipped with no word: the client got 1 token of 2 and a final ok,
+    where a whole answer that is no object is a 502 (engine-side audit). What came before it is
+    sent first, as for any error mid-stream. Read plainly (a small event) or through the schema."""
+    monkeypatch.setattr(openai_http, "_SCHEMA_BYTES", schema_bytes)
+    eng, adapter = engine
+    eng.writes = [b"data: " + EVENTS[0] + b"\n\n", b"data: " + bad + b"\n\n", b"data: " + EVENTS[1] + b"\n\n"]
+    eng.writes.append(b"data: [DONE]\n\n")
+    seen: list[tuple[int, list[bytes], list[int]]] = []
+
+    async def on_output(tokens: int, events: list[bytes], ids: list[int]) -> None:
+        seen.append((tokens, events, ids))
+
+    params = {"model": "m"} if pass_through else {}
+    endpoint = ENDPOINT_COMPLETIONS if pass_through else ""
+    if not pass_through:
+        eng.writes[0] = b'data: {"choices":[{"index":0,"text":" a","token_ids":[5]}]}\n\n'
+    with pytest.raises(EngineError) as err:
+        await adapter.generate(leg(endpoint, params), on_output)
+    assert (err.value.code, err.value.kind) == (502, "engine_protocol") and "not a JSON object" in err.value.message
+    assert seen == ([(1, [EVENTS[0]], [])] if pass_through else [(1, [], [5])])
+
+
 @pytest.mark.parametrize("piece", [5, 1 << 20])
 def test_a_large_event_in_utf8_is_read_whatever_the_pieces_it_is_checked_in(
     piece: int, monkeypatch: pytest.MonkeyPatch
