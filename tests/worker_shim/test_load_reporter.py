@@ -163,6 +163,8 @@ _GOOD = 'vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engin
         # Before 2026-12-07: an OverflowError encoding the report ended the session, in a loop.
         ('vllm:num_requests_running{engine="0"} 1e30\n', "running = 1000000000000000019884624838656, not a count"),
         ('vllm:num_requests_running{engine="0"} -3\n', "running = -3, not a count"),  # before: sent as is
+        # Before 2026-12-07: summed, 3 + 3 running went out as 6.
+        ('vllm:num_requests_running{engine="0"} 3\n' * 2, 'vllm:num_requests_running{engine="0"} twice'),
         ('vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} 1.5\n', "kv_usage = 1.5"),
         (
             'vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n'
@@ -178,6 +180,7 @@ _GOOD = 'vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engin
         "inf-count",
         "huge-count",
         "negative-count",
+        "repeated-series",
         "usage-over-1",
         "huge-blocks",
         "huge-counter",

@@ -238,6 +238,42 @@ def test_real_engines_metrics_still_parse_as_usable() -> None:
         sglang_adapter.load_from_metrics(_without(sglang, "sglang:"), 100)
 
 
+def _twice(text: str, prefix: str) -> str:
+    """`text` with each line of `prefix` written twice, as a proxy relabelling two engines alike would."""
+    return "\n".join(f"{line}\n{line}" if line.startswith(prefix) else line for line in text.splitlines()) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("engine", "series"),
+    [
+        ("vllm", "vllm:num_requests_running"),
+        ("vllm", "vllm:iteration_tokens_total_count"),
+        ("sglang", "sglang:num_running_reqs"),
+    ],
+)
+def test_a_series_given_twice_is_unusable_and_named(engine: str, series: str) -> None:
+    """Until 2026-12-07 it was summed twice, silently: running 3 read as 6 (a counter's rise as
+    twice its own). The text format has each series once; the reading is no one engine's."""
+    if engine == "vllm":
+        real = (
+            (FIXTURES / "vllm-0.32/bs32/metrics_after.txt")
+            .read_text()
+            .replace(
+                'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 0.0',
+                'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 3.0',
+            )
+        )
+        assert vllm_adapter.load_from_metrics(real).running == 3
+        with pytest.raises(EngineError) as err:
+            vllm_adapter.load_from_metrics(_twice(real, series + "{"))
+    else:
+        real = (FIXTURES / "sglang/metrics.txt").read_text()
+        assert sglang_adapter.load_from_metrics(real, 100).running == 5
+        with pytest.raises(EngineError) as err:
+            sglang_adapter.load_from_metrics(_twice(real, series + "{"), 100)
+    assert err.value.kind == "engine_protocol" and f"gives {series}{{" in str(err.value) and "twice" in str(err.value)
+
+
 class _Metrics:
     def __init__(self, text: str) -> None:
         self.text = text

@@ -56,7 +56,7 @@ from worker_shim.adapters.openai_http import ENDPOINT_PATHS, error_from, pass_th
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_kind import check_engine_kind
-from worker_shim.prom_text import mean_samples, parse_samples, sum_samples
+from worker_shim.prom_text import mean_samples, parse_samples, repeated_series, sum_samples
 
 __all__ = [
     "SglangAdapter",
@@ -93,9 +93,11 @@ def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
 
 def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: int | None = None) -> EngineLoad:
     """The engine's load; EngineError when /metrics has neither request count: read as 0, a /metrics
-    without the sglang: series advertised a busy engine as idle. `kv_total_tokens` is the server
-    info's `max_total_num_tokens`, for the exact KV use."""
+    without the sglang: series advertised a busy engine as idle, or one that gives a series twice.
+    `kv_total_tokens` is the server info's `max_total_num_tokens`, for the exact KV use."""
     samples = list(parse_samples(text, _METRICS))
+    if (twice := repeated_series(samples)) is not None:
+        raise EngineError(502, "engine_protocol", twice)
     running, waiting = sum_samples(samples, "sglang:num_running_reqs"), sum_samples(samples, "sglang:num_queue_reqs")
     if running is None and waiting is None:
         absent = ", ".join(n for n in _LOAD if sum_samples(samples, n) is None)

@@ -69,7 +69,7 @@ from worker_shim.adapters.openai_http import (
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_kind import check_engine_kind
-from worker_shim.prom_text import Sample, mean_samples, parse_samples, sum_samples
+from worker_shim.prom_text import Sample, mean_samples, parse_samples, repeated_series, sum_samples
 
 __all__ = [
     "PREFILL_TRANSFER_PARAMS",
@@ -197,8 +197,11 @@ def limits_from_metrics(text: str, rank: int | None = None) -> EngineLimits:
 def load_from_metrics(text: str, rank: int | None = None) -> EngineLoad:
     """The engine's load; EngineError when /metrics has neither request count (`rank`'s, with a
     rank), which is no idle engine but one that does not say: vLLM started with --disable-log-stats
-    exports none of its vllm: series, and read as 0 they advertised a busy engine as idle."""
+    exports none of its vllm: series, and read as 0 they advertised a busy engine as idle; or when
+    it gives a series twice, which summed would count twice."""
     samples = _samples(text, rank)
+    if (twice := repeated_series(samples)) is not None:
+        raise EngineError(502, "engine_protocol", twice)
     running, waiting = sum_samples(samples, vm.NUM_REQUESTS_RUNNING), sum_samples(samples, vm.NUM_REQUESTS_WAITING)
     if running is None and waiting is None:
         raise EngineError(502, "engine_protocol", _no_load_series(samples, rank))
