@@ -7,12 +7,15 @@ Before, it bound the engine's own port and retried for ever."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import struct
+from typing import Any
 
 import aiohttp
 import pytest
 import zmq
+import zmq.asyncio
 
 from engine_sim.config import KVEventsConfig
 from engine_sim.server import SimServer
@@ -156,6 +159,44 @@ async def test_a_shim_whose_event_address_is_no_address_of_this_host_exits_namin
     assert isinstance(shim.failure, ConfigError) and shim.failure.setting == setting, shim.failure
     assert f"the shim binds {endpoint} (where the engine connects) and this host cannot" in str(shim.failure)
     assert shim.registration_count == 0 and shim.session_failures == 0
+
+
+async def test_a_shim_whose_event_name_resolves_late_tries_again_and_registers_once_it_does(
+    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # libzmq fails the bind of a name it cannot resolve yet with "No such device", as for one that
+    # never will: 61acade exited 2 at 0.0 s where the code before registered 2.4 s later (review's
+    # LD_PRELOAD run, the name resolving after 2 s). Here ZMQ and getaddrinfo both fail the name
+    # (temporarily, EAI_AGAIN) until `resolved`, then give 127.0.0.1, where the engine connects.
+    port = free_ports(1)
+    resolved = False
+    real_bind, real_getaddrinfo = zmq.asyncio.Socket.bind, socket.getaddrinfo
+
+    def bind(sock: zmq.asyncio.Socket, addr: str) -> Any:
+        if "late-engine" in addr:
+            if not resolved:
+                raise zmq.ZMQError(errno.ENODEV)
+            addr = addr.replace("late-engine", "127.0.0.1")
+        return real_bind(sock, addr)
+
+    def getaddrinfo(host: object, *args: Any, **kwargs: Any) -> Any:
+        if host == "late-engine":
+            if not resolved:
+                raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+            host = "127.0.0.1"
+        return real_getaddrinfo(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zmq.asyncio.Socket, "bind", bind)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    kv = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}")
+    async with SimServer(sim_config(kv_events=kv)) as sim:
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=f"tcp://late-engine:{port}", kv_events_mode="bind")
+        async with shim:
+            await asyncio.sleep(1.5)  # a second session's bind too
+            assert not shim.done.is_set() and shim.registration_count == 0, shim.failure
+            resolved = True
+            await wait_for(shim.registered.is_set, 10, "the shim registers once the name resolves")
+    assert shim.failure is None
 
 
 async def test_a_shim_whose_event_port_a_connection_holds_tries_again_and_registers_once_it_is_freed(

@@ -13,7 +13,10 @@ and `::`. A socket whose address is an IPv6 one sets zmq.IPV6 (ZMQ refuses it ot
 such device", and a connect never delivers); one given a name does not: ZMQ then resolves the
 name to its IPv6 address first, where an engine's IPv4-only PUB (vLLM's and SGLang's set no
 zmq.IPV6) never answers. A bind this host cannot make (another process listens there, no
-interface has the address, the name does not resolve) is a ConfigError naming the setting.
+interface has the address, a name that keeps failing) is a ConfigError naming the setting; one a
+later session may make (a name not resolving yet, a tentative IPv6 address) is tried again
+(zmq_bind). A `*` or `0.0.0.0` endpoint reached at an IPv6 engine host is a ConfigError: the
+engine's sockets bind them on IPv4 only.
 
 Sequence handling (seq is the engine's, per engine run, from 0):
 - at start, and whenever the whole state is wanted again (`request_rebuild`), replay from 0: a replay
@@ -45,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -57,10 +61,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from protocol.errors import ConfigError, ProtocolError
 from protocol.vllm_events import END_SEQ, decode_pub_frames, decode_replay_reply, publisher_binds, replay_request
-from protocol.zmq_endpoint import split_endpoint
+from protocol.zmq_endpoint import ZmqEndpoint, split_endpoint
 from runtime.turns import SLICE_S, Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_stamped
+from worker_shim.adapters.zmq_bind import UNBINDABLE, BindFailures
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineEvent, EventSink, UnknownEngineEvent
 from worker_shim.event_health import EventHealth, EventProblem
@@ -78,8 +83,6 @@ SETTLE_S = 1.0
 # lost on the way (the PUB's high-water mark) shows as a gap only when a later one comes, and the
 # last before the engine goes quiet has none after it. The index lacked its blocks until then.
 QUIET_PROBE_S = 1.0
-# Bind errors no new session clears: the address is no interface's of this host, or malformed.
-_UNBINDABLE = (errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL)
 LISTENER_CHECK_S = 0.5  # a local listener answers a connect at once; this only bounds a firewalled host
 # SGLang with a snapshot_endpoint: live topic = topic + EPOCH_MARKER + epoch, and a snapshot
 # barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
@@ -116,6 +119,35 @@ def _on_engine_host(address: str, engine_host: str) -> str:
     `::`) is the engine host."""
     split = split_endpoint(address)
     return split.on_host(engine_host) if split is not None and split.wildcard else address
+
+
+def _ipv4_only(endpoint: str, engine_host: str) -> ZmqEndpoint | None:
+    """`endpoint` split if the engine binds it on IPv4 only (`*`, `0.0.0.0`: vLLM's and SGLang's
+    sockets set no zmq.IPV6) and the shim would reach it at an IPv6 engine host; else None."""
+    split = split_endpoint(endpoint)
+    if split is None or split.host not in ("*", "0.0.0.0"):
+        return None
+    try:
+        host = ipaddress.ip_address(engine_host.partition("%")[0])
+    except ValueError:
+        return None
+    return split if isinstance(host, ipaddress.IPv6Address) and host.ipv4_mapped is None else None
+
+
+def _ipv4_only_error(setting: str, given: str, port: int | None, reached: str, socket_: str) -> ConfigError:
+    """Refusing an endpoint the shim would reach at an IPv6 engine host, naming the way out."""
+    flag = (
+        f"--kv-events tcp://<engine IPv4>:{port} --kv-events-mode connect"
+        if socket_ == "PUB"
+        else f"--kv-replay tcp://<engine IPv4>:{port}"
+    )
+    return ConfigError(
+        setting,
+        given,
+        f"the engine's {socket_} listens on IPv4 only (vLLM's and SGLang's set no zmq.IPV6), and the shim "
+        f"would reach it at the IPv6 engine host of --engine-url ({reached}), where nothing answers: "
+        f"give {flag}, or an --engine-url with the engine's IPv4 address",
+    )
 
 
 def _socket_for(ctx: zmq.asyncio.Context, kind: int, address: str) -> zmq.asyncio.Socket:
@@ -169,11 +201,14 @@ class ZmqEventSource:
         rank: int | None = None,
         rank_given: bool = True,
         setting: str = "kv_events",
+        bind_failures: BindFailures | None = None,
     ) -> None:
         """`rank`: the data-parallel rank whose events these must be (vLLM's batches name it); None
         checks nothing. `rank_given`: whether --data-parallel-rank named it (else the server's one rank).
-        `setting`: where the endpoint came from, named by a ConfigError (kv_events or kv_events_config)."""
+        `setting`: where the endpoint came from, named by a ConfigError (kv_events or kv_events_config).
+        `bind_failures`: the failed binds so far (the adapter's, across sessions)."""
         self.setting = setting
+        self.bind_failures = bind_failures or BindFailures()
         self.engine = engine
         self.rank = rank
         self.rank_given = rank_given
@@ -182,6 +217,13 @@ class ZmqEventSource:
         self.address, self.bind = resolve_endpoint(endpoint, mode, engine_host, engine)
         self.topic = topic.encode()
         self.replay_address = _on_engine_host(replay, engine_host) if replay else None
+        replay_setting = "kv_replay" if setting == "kv_events" else setting
+        for name, given, reached, socket_ in (
+            (setting, endpoint, None if self.bind else self.address, "PUB"),
+            (replay_setting, replay, self.replay_address, "replay ROUTER"),
+        ):
+            if given is not None and reached is not None and (split := _ipv4_only(given, engine_host)):
+                raise _ipv4_only_error(name, given, split.port, reached, socket_)
         self.health = health or EventHealth()
         self.stats = stats or ZmqEventStats()
         self.unknown = unknown or UnknownEventTypes()
@@ -267,15 +309,9 @@ class ZmqEventSource:
         try:
             sub.bind(self.address)
         except zmq.ZMQError as exc:
-            if exc.errno in _UNBINDABLE:
-                # "Cannot assign requested address" or "No such device" each session, for ever.
-                raise ConfigError(
-                    self.setting,
-                    self.endpoint,
-                    f"the shim binds {self.address} (where the engine connects) and this host cannot ({exc}): "
-                    "no interface of this host has that address, or the name does not resolve. Run the shim "
-                    "where the engine's PUB connects, or give --kv-events-mode connect if the engine binds it",
-                ) from exc
+            if exc.errno in UNBINDABLE:
+                # The same errnos for a bind that never works and one a later session makes.
+                raise await self.bind_failures.error(self.setting, self.endpoint, self.address, exc) from exc
             if exc.errno != errno.EADDRINUSE:
                 raise
             if not await _listened_on(self.address):
@@ -292,6 +328,7 @@ class ZmqEventSource:
                 f"the shim binds {self.address} and another process listens there ({exc}): stop it, "
                 "or give the engine and the shim another endpoint",
             ) from exc
+        self.bind_failures.bound()
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> bool:
         """Handle every connection event queued; whether one was a reconnection. Every one: a
@@ -647,6 +684,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
         self._events: ZmqEventSource | None = None
         self.stats = ZmqEventStats()
         self.unknown = UnknownEventTypes()
+        self.bind_failures = BindFailures()
         # The rank whose events these must be: the shim's, or the one rank its server lists (an
         # external load-balanced vLLM rank's shim given the shared endpoints would read rank 0's).
         self.events_rank = config.data_parallel_rank
@@ -667,6 +705,7 @@ class ZmqEventsAdapter(HttpEngineAdapter):
             rank=self.events_rank if self.checks_rank else None,
             rank_given=c.data_parallel_rank is not None,
             setting="kv_events" if c.kv_events_config is None else "kv_events_config",
+            bind_failures=self.bind_failures,
         )
         await self._events.run(sink, live)
 

@@ -1,0 +1,159 @@
+"""Why the shim's SUB cannot bind its KV event address, and whether a later session could.
+
+libzmq says only "Cannot assign requested address" (EADDRNOTAVAIL) or "No such device" (ENODEV),
+for a bind that can never work and for one that works seconds later alike: a name it cannot
+resolve yet (a DNS record that appears late, a temporary DNS failure) is ENODEV, and an IPv6
+address still in duplicate-address detection ("tentative", 1-2 s after it is added) is
+EADDRNOTAVAIL. So on either the shim asks the host itself:
+- an IP address (an IPv4-mapped one as its IPv4, as ZMQ opens it): bound with a plain socket. It
+  binds now: the next session tries again. No interface has it: a ConfigError at once. An IPv6 one
+  that /proc/net/if_inet6 lists as tentative: try again; as having failed DAD: a ConfigError.
+- a name: getaddrinfo. A temporary failure (EAI_AGAIN): try again for as long as it lasts. Anything
+  else (no such name, IPv6 addresses only, addresses no interface has): try again, and a
+  ConfigError once binds have failed for NAME_GRACE_S (a record may appear seconds after the pod).
+EINVAL is final at once: after the shim's validation of the endpoint it has no cause that passes.
+Each case is said once at WARNING, naming the setting; the session failure itself each session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import zmq
+
+from protocol.errors import ConfigError
+from protocol.zmq_endpoint import split_endpoint
+
+__all__ = ["IF_INET6", "NAME_GRACE_S", "UNBINDABLE", "BindFailures", "Diagnosis", "diagnose"]
+
+log = logging.getLogger(__name__)
+# The bind errors diagnosed here; any other is the caller's (EADDRINUSE: its own check).
+UNBINDABLE = (errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL)
+# How long a name's binds may fail before the shim exits 2: a DNS record of a new pod or service
+# appears within seconds; a typo never does.
+NAME_GRACE_S = 15.0
+IF_INET6 = "/proc/net/if_inet6"  # Linux: address, ifindex, prefix, scope, flags, name
+_TENTATIVE, _DADFAILED = 0x40, 0x08  # IFA_F_TENTATIVE, IFA_F_DADFAILED (linux/if_addr.h)
+_FIX = "Run the shim where the engine's PUB connects, or give --kv-events-mode connect if the engine binds it"
+
+Outcome = Literal["final", "grace", "again"]
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    """final: a ConfigError now; grace: try again until NAME_GRACE_S of failures; again: try again."""
+
+    outcome: Outcome
+    why: str
+
+
+async def diagnose(address: str, exc: zmq.ZMQError) -> Diagnosis:
+    """Why ZMQ could not bind `address` (a tcp:// one, validated), and whether it may later."""
+    split = split_endpoint(address)
+    if exc.errno == errno.EINVAL:
+        return Diagnosis("final", f"ZMQ calls the endpoint invalid. {_FIX}")
+    if split is None or split.scheme != "tcp" or split.wildcard:
+        return Diagnosis("final", f"no new session changes that. {_FIX}")
+    try:
+        ip = ipaddress.ip_address(split.host.partition("%")[0])
+    except ValueError:
+        return await _name(split.host)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return _address(str(ip.ipv4_mapped), ip.ipv4_mapped)
+    return _address(split.host, ip)
+
+
+def _binds(host: str, family: int) -> OSError | None:
+    """Why a plain socket cannot bind `host` now; None if it can."""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+    except OSError as err:
+        return err
+    return None
+
+
+def _address(host: str, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Diagnosis:
+    err = _binds(host, socket.AF_INET6 if ip.version == 6 else socket.AF_INET)
+    if err is None:  # ready between ZMQ's try and this one (DAD just ended)
+        return Diagnosis("again", f"{host} binds now")
+    if err.errno != errno.EADDRNOTAVAIL:
+        return Diagnosis("final", f"binding {host} here fails: {err}. {_FIX}")
+    if ip.version == 4:
+        return Diagnosis("final", f"no interface of this host has {host}. {_FIX}")
+    try:
+        with open(IF_INET6, encoding="ascii") as listing:
+            rows = [line.split() for line in listing]
+    except OSError as list_err:
+        return Diagnosis("grace", f"{host} may be an address still in duplicate-address detection ({list_err})")
+    packed = ip.packed.hex()
+    for row in rows:
+        if len(row) == 6 and row[0] == packed:
+            flags, name = int(row[4], 16), row[5]
+            if flags & _DADFAILED:
+                return Diagnosis("final", f"{host} on {name} failed duplicate-address detection: another host has it")
+            if flags & _TENTATIVE:
+                return Diagnosis("again", f"{host} on {name} is tentative (duplicate-address detection, 1-2 s)")
+            return Diagnosis("grace", f"{host} is on {name} (flags 0x{flags:02x}) yet refuses a bind")
+    return Diagnosis("final", f"no interface of this host has {host}. {_FIX}")
+
+
+async def _name(host: str) -> Diagnosis:
+    try:  # in a thread: a DNS outage can take seconds per lookup
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        if err.errno == socket.EAI_AGAIN:
+            return Diagnosis("again", f"the name {host} does not resolve for now ({err})")
+        return Diagnosis("grace", f"the name {host} does not resolve ({err}). {_FIX}")
+    except UnicodeError as err:
+        return Diagnosis("final", f"{host} is no host name ({err})")
+    ipv4 = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET})
+    if not ipv4:
+        ipv6 = ", ".join(sorted({str(info[4][0]) for info in infos}))
+        return Diagnosis(
+            "grace",
+            f"the name {host} resolves only to IPv6 ({ipv6}); names are opened as IPv4 because vLLM's and "
+            "SGLang's PUB set no zmq.IPV6: give an IPv4 address or name",
+        )
+    if any(_binds(address, socket.AF_INET) is None for address in ipv4):
+        return Diagnosis("again", f"the name {host} resolves to {', '.join(ipv4)}, which binds now")
+    return Diagnosis("grace", f"the name {host} resolves to {', '.join(ipv4)}, no address of this host. {_FIX}")
+
+
+class BindFailures:
+    """Failed binds of one address in a row, across sessions (the adapter keeps one): when the run
+    began, for NAME_GRACE_S, and which causes were said. A bind that works ends the run."""
+
+    def __init__(self, grace_s: float = NAME_GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace_s = grace_s
+        self._clock = clock
+        self._since: float | None = None
+        self._said: set[str] = set()
+
+    def bound(self) -> None:
+        self._since = None
+
+    async def error(self, setting: str, endpoint: str, address: str, exc: zmq.ZMQError) -> Exception:
+        """What the session raises: a ConfigError (the shim exits 2), or a ConnectionError (the
+        next session tries again)."""
+        now = self._clock()
+        since = self._since = now if self._since is None else self._since
+        found = await diagnose(address, exc)
+        said = f"the shim binds {address} (where the engine connects) and this host cannot ({exc}): {found.why}"
+        if found.outcome == "final":
+            return ConfigError(setting, endpoint, said)
+        if found.outcome == "grace" and now - since >= self.grace_s:
+            return ConfigError(setting, endpoint, f"{said} (binds failed for {now - since:.0f} s)")
+        if found.why not in self._said:
+            self._said.add(found.why)
+            until = f", for up to {self.grace_s:g} s" if found.outcome == "grace" else ""
+            log.warning("%s %s: %s; trying again each session%s", setting, endpoint, said, until)
+        return ConnectionError(f"{said}: trying again in the next session")
