@@ -329,7 +329,7 @@ def _event(ids: list[int], finish: str | None) -> bytes:
 @pytest.fixture
 async def streams() -> AsyncIterator[tuple[str, list[list[bytes]], list[dict[str, Any]]]]:
     """A /generate that streams the next of `answers` (its writes, then a clean EOF) and keeps each
-    request's body."""
+    request's body. Unstreamed, it answers the next of `answers` as its body, or one token."""
     answers: list[list[bytes]] = []
     bodies: list[dict[str, Any]] = []
 
@@ -337,6 +337,8 @@ async def streams() -> AsyncIterator[tuple[str, list[list[bytes]], list[dict[str
         body = await request.json()
         bodies.append(body)
         if not body["stream"]:
+            if answers:
+                return web.Response(body=b"".join(answers.pop(0)), content_type="application/json")
             return web.json_response({"output_ids": [7], "meta_info": {"completion_tokens": 1}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -372,6 +374,42 @@ async def test_a_generate_stream_cut_before_done_is_no_answer(
         assert (outcome.finish_reason, outcome.token_ids) == ("length", [11, 12])
     finally:
         await adapter.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"[1, 2]", b"null", b'"oops"', b'{"output_ids": [12], "meta_info": [1]}'],
+    ids=["array", "null", "string", "meta_info-array"],
+)
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "body"])
+async def test_a_generate_event_that_is_no_json_object_is_the_engines_protocol_error(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]], bad: bytes, stream: bool
+) -> None:
+    """Until 2026-12-07 the folder called .get on it: an AttributeError or TypeError, answered as the
+    shim's own 500 `internal` with a traceback per request, so the router never judged the engine
+    faulty. Streamed, the tokens before it are sent first, as for any error mid-stream."""
+    url, answers, _ = streams
+    adapter = SglangAdapter(ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9"))
+    await adapter.open()
+    seen: list[list[int]] = []
+
+    async def on_output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+        seen.append(token_ids)
+
+    leg = LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=8), stream=stream)
+    if stream:
+        answers.append([_event([11], None), b"data: " + bad + b"\n\n", _event([11, 12], "length")])
+        answers[-1].append(b"data: [DONE]\n\n")
+    else:
+        answers.append([bad])
+    try:
+        with pytest.raises(EngineError) as caught:
+            await adapter.generate(leg, on_output)
+    finally:
+        await adapter.close()
+    err = caught.value
+    assert (err.code, err.kind) == (502, "engine_protocol") and "not a JSON object" in err.message
+    assert seen == ([[11]] if stream else [])
 
 
 @pytest.mark.parametrize(("role", "bootstrap"), [("agg", None), ("prefill", "2.2.2.2"), ("decode", "2.2.2.2")])

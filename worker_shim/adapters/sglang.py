@@ -180,6 +180,15 @@ def openai_body(leg: LegRequest, bootstrap: dict[str, Any] | None) -> dict[str, 
     return body
 
 
+def _object(data: object, what: str) -> dict[str, Any]:
+    """`data` as the JSON object the folder reads; EngineError (502 `engine_protocol`) otherwise: a
+    `[...]`, `null` or `"oops"` failed in the folder as the shim's own error, a 500 `internal` that
+    blamed kvswitch and kept the router from judging the engine faulty."""
+    if not isinstance(data, dict):
+        raise EngineError(502, "engine_protocol", f"{what} is not a JSON object")
+    return data
+
+
 class StreamFolder:
     """Folds /generate responses (streamed or not) into new token ids and the final outcome."""
 
@@ -197,7 +206,11 @@ class StreamFolder:
             err = data["error"]
             message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
             raise EngineError(500, "engine_error", message)
-        meta = data.get("meta_info") or {}
+        meta = data.get("meta_info")
+        if meta is None:
+            meta = {}
+        elif not isinstance(meta, dict):  # as in _object: the engine's fault, not the shim's
+            raise EngineError(502, "engine_protocol", "a /generate event's meta_info is not a JSON object")
         ids = data.get("output_ids") or []
         done = int(meta.get("completion_tokens") or len(ids))
         new = list(ids[len(ids) - (done - self.sent) :]) if done > self.sent else []
@@ -301,7 +314,7 @@ class SglangAdapter(ZmqEventsAdapter):
                 if r.status != 200:
                     raise error_from(r.status, await r.read(), r.headers.get("Retry-After"))
                 if not body["stream"]:
-                    folder.fold(msgspec.json.decode(await r.read()))
+                    folder.fold(_object(msgspec.json.decode(await r.read()), "the /generate response"))
                     return folder
                 async for line in r.content:
                     if not line.startswith(b"data:"):
@@ -309,7 +322,7 @@ class SglangAdapter(ZmqEventsAdapter):
                     payload = line[5:].strip()
                     if payload == b"[DONE]":
                         return folder
-                    new = folder.fold(msgspec.json.decode(payload))
+                    new = folder.fold(_object(msgspec.json.decode(payload), "a streamed /generate event"))
                     if new and on_tokens is not None:
                         await on_tokens(new)
                 # SGLang's /generate ends every stream with [DONE], after an error event too
