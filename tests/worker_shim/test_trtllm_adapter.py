@@ -194,6 +194,54 @@ def test_a_malformed_event_is_dropped_alone_and_said_once(caplog: pytest.LogCapt
     assert len(warnings) == 4 and sum("neither a 64-bit integer" in w for w in warnings) == 1
 
 
+async def test_an_event_of_a_type_the_shim_does_not_know_is_counted_by_type_and_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Until 2026-12-07 it went into `ignored` with the expected `updated` events, with no word and
+    no count by type (a `stored` renamed by a newer engine left every chain under it with an
+    unknown parent), and data with no type did too. `updated` stays ignored; data with no string
+    type is malformed; both keep their event ids, so no gap."""
+    monkeypatch.setattr(trtllm, "POLL_S", 0.001)
+    adapter = TrtllmAdapter(ShimConfig(engine="trtllm", model="m"))
+    renamed = {"event_id": 2, "data": {**stored(0, None, (12, [2, 2, 2, 2]))["data"], "type": "stored_v2"}}
+    updated = {"event_id": 5, "data": {"type": "updated", "block_hash": 11, "cache_level": 1, "priority": 35}}
+    polls = iter(
+        [
+            [CREATED, stored(1, None, (11, [1, 1, 1, 1])), renamed, {**renamed, "event_id": 3}],
+            [{"event_id": 4, "data": {"type": "pinned", "block_hash": 11}}, updated],
+            [{"event_id": 6, "data": {"block_hashes": [11]}}, {"event_id": 7, "data": {"type": 3}}],
+            [stored(8, None, (13, [3, 3, 3, 3]))],
+        ]
+    )
+
+    async def answer(method: str, path: str, timeout: object = None) -> Any:
+        return next(polls, None) or []
+
+    monkeypatch.setattr(adapter, "_json", answer)
+    got: list[EngineBatch] = []
+    with caplog.at_level(logging.WARNING, logger="worker_shim"):
+        task = asyncio.create_task(adapter.run_events(collector(got), asyncio.Event()))
+        await asyncio.sleep(0.2)
+        task.cancel()
+    assert adapter.unknown_event_types() == {"stored_v2": 2, "pinned": 1}
+    assert adapter.event_stats() == {"gaps": 0, "restarts": 0, "ignored": 1, "partial": 0, "malformed": 2}
+    assert sum(len(b.events) for b in got) == 2 and not any(b.reset for b in got[2:])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3 and sum("no string type" in w for w in warnings) == 1
+    assert [w for w in warnings if "stored_v2" in w] and [w for w in warnings if "pinned" in w]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in FIX.glob("kv_cache_events_*.json")))
+def test_every_captured_event_is_of_a_known_type(name: str) -> None:
+    """`updated` events, `{}` entries and a sliding window's events are expected and only ignored."""
+    tracker = TrtllmEventTracker()
+    try:
+        tracker.fold(load(name))
+    except ConfigError:  # the attention-DP capture: a second rank is refused at its first event
+        assert name == "kv_cache_events_attention_dp.json"
+    assert (tracker.unknown.counts, tracker.malformed) == ({}, 0)
+
+
 async def test_run_events_keeps_the_state_through_malformed_polls(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

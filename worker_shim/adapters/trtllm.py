@@ -136,7 +136,7 @@ class TrtllmAdapter(HttpEngineAdapter):
 
     def __init__(self, config: ShimConfig) -> None:
         super().__init__(config)
-        self.tracker = TrtllmEventTracker()
+        self.tracker = TrtllmEventTracker()  # the adapter's: its counts outlive each session
         self._load = EngineLoad()
         self._metrics: asyncio.Task[bytes] | None = None  # the /metrics read in flight
         self._held_said = False
@@ -233,6 +233,9 @@ class TrtllmAdapter(HttpEngineAdapter):
             "partial": t.partial,
             "malformed": t.malformed,
         }
+
+    def unknown_event_types(self) -> dict[str, int]:
+        return dict(self.tracker.unknown.counts)
 
     async def generate(self, leg: LegRequest, on_output: OnOutput) -> LegOutcome:
         headers = {"Content-Type": "application/json", "X-Request-Id": leg.engine_id, **leg.headers}

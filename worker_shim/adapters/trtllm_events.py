@@ -19,7 +19,10 @@ engine's `created` events, one per attention window size: a model with sliding-w
 (VSWA) has one per window, numbered on, and caches each block once per window. Only the largest
 window's blocks hold a prompt's whole prefix, so only its `stored` and `removed` events are
 folded. `updated` (a block moving between cache levels or priorities) does not change what is
-cached and is ignored. Each read drains the engine's queue: the shim must be the only reader.
+cached and is ignored. An event of any other type is dropped, counted by type and said once per
+type (worker_shim.unknown_event_types: a `stored` renamed by a newer engine would leave every
+chain under it with an unknown parent); one whose data has no string type is malformed. Each read
+drains the engine's queue: the shim must be the only reader.
 
 A stored block's `cache_salt` (the request's, TensorRT-LLM's per-tenant cache isolation) salts
 its chain as the router salts such a prompt (protocol.hashing.chain_salt). Its `lora_id` (a LoRA
@@ -57,6 +60,7 @@ from typing import Any
 from protocol.errors import ConfigError
 from protocol.hashing import chain_salt
 from worker_shim.engine_events import EngineBatch, EngineRemoved, EngineStored, EventDecodeError
+from worker_shim.unknown_event_types import UnknownEventTypes
 
 __all__ = ["TrtllmEventTracker", "attention_dp_error"]
 
@@ -166,6 +170,7 @@ class TrtllmEventTracker:
     ignored: int = 0  # `updated` events, `{}` entries, and smaller windows' stored/removed events
     partial: int = 0  # partly filled last blocks of stored events, dropped
     malformed: int = 0
+    unknown: UnknownEventTypes = field(default_factory=UnknownEventTypes)  # other types, by type
     block_size: int | None = None  # the worker's tokens per block (the adapter's limits)
     kv_total_blocks: int | None = None
     window: int | None = None  # the largest attention window seen since the engine started
@@ -228,8 +233,12 @@ class TrtllmEventTracker:
             levels = data.get("num_blocks_per_cache_level")
             if window in (None, self.window) and isinstance(levels, list) and levels and isinstance(levels[0], int):
                 self.kv_total_blocks = levels[0]
-        elif kind not in ("stored", "removed"):
+        elif kind == "updated":
             self.ignored += 1
+        elif not isinstance(kind, str):
+            raise EventDecodeError("trtllm", "an event whose data has no string type")
+        elif kind not in ("stored", "removed"):
+            self.unknown.add("trtllm", kind)
         elif isinstance(window, int) and self.window is not None and window < self.window:
             self.ignored += 1  # a sliding window's copy of blocks the largest window holds too
         elif kind == "removed":
