@@ -157,9 +157,12 @@ _GOOD = 'vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engin
 @pytest.mark.parametrize(
     ("bad", "said"),
     [
-        ('vllm:num_requests_running{engine="0"} NaN\n', "ValueError"),  # int(nan) in the parse
+        # Before 2026-12-07: int(nan) in the parse, an ERROR with a traceback naming no series.
+        ('vllm:num_requests_running{engine="0"} NaN\n', "vllm:num_requests_running is nan, not a count"),
         ('vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} NaN\n', "kv_usage = nan"),
-        ('vllm:num_requests_running{engine="0"} +Inf\n', "OverflowError"),
+        ('vllm:num_requests_running{engine="0"} +Inf\n', "vllm:num_requests_running is inf, not a count"),
+        # Before 2026-12-07: read as 2, with no word.
+        ('vllm:num_requests_running{engine="0"} 2.7\n', "vllm:num_requests_running is 2.7, not a count"),
         # Before 2026-12-07: an OverflowError encoding the report ended the session, in a loop.
         ('vllm:num_requests_running{engine="0"} 1e30\n', "running = 1000000000000000019884624838656, not a count"),
         ('vllm:num_requests_running{engine="0"} -3\n', "running = -3, not a count"),  # before: sent as is
@@ -178,6 +181,7 @@ _GOOD = 'vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engin
         "nan-count",
         "nan-usage",
         "inf-count",
+        "fractional-count",
         "huge-count",
         "negative-count",
         "repeated-series",
@@ -216,6 +220,7 @@ async def test_a_reading_the_shim_cannot_use_marks_the_worker_unhealthy_and_the_
         await nc.close()
     complaints = [r for r in caplog.records if r.name == "worker_shim.load_reporter" and r.levelno >= logging.WARNING]
     assert len(complaints) == 1 and said in complaints[0].getMessage(), [r.getMessage() for r in complaints]
+    assert complaints[0].levelno == logging.WARNING and complaints[0].exc_info is None  # the engine's, no traceback
 
 
 class _Reading:

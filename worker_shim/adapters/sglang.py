@@ -56,7 +56,7 @@ from worker_shim.adapters.openai_http import ENDPOINT_PATHS, error_from, pass_th
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_kind import check_engine_kind
-from worker_shim.prom_text import mean_samples, parse_samples, repeated_series, sum_samples
+from worker_shim.prom_text import as_count, mean_samples, parse_samples, repeated_series, sum_samples
 
 __all__ = [
     "SglangAdapter",
@@ -108,8 +108,8 @@ def load_from_metrics(text: str, kv_total_blocks: int | None, kv_total_tokens: i
     else:
         kv_usage = mean_samples(samples, "sglang:token_usage")
     return EngineLoad(
-        running=int(running or 0),
-        waiting=int(waiting or 0),
+        running=as_count(running, "sglang:num_running_reqs") or 0,
+        waiting=as_count(waiting, "sglang:num_queue_reqs") or 0,
         kv_usage=kv_usage,
         kv_total_blocks=kv_total_blocks,
     )

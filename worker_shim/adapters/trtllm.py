@@ -40,6 +40,7 @@ from worker_shim.adapters.vllm import completion_body
 from worker_shim.config import ShimConfig
 from worker_shim.engine_events import EngineBatch, EventSink
 from worker_shim.engine_kind import check_engine_kind
+from worker_shim.prom_text import as_count
 
 __all__ = ["POLL_S", "TrtllmAdapter", "disagg_body", "limits_from_stats", "load_from_stats"]
 
@@ -80,8 +81,8 @@ def load_from_stats(stats: Any, previous: EngineLoad) -> EngineLoad:
     kv = s.get("kvCacheStats") or {}
     total, used = kv.get("maxNumBlocks"), kv.get("usedNumBlocks")
     return EngineLoad(
-        running=int(s.get("numActiveRequests") or 0),
-        waiting=int(s.get("numQueuedRequests") or 0),
+        running=as_count(s.get("numActiveRequests"), "numActiveRequests") or 0,
+        waiting=as_count(s.get("numQueuedRequests"), "numQueuedRequests") or 0,
         kv_usage=used / total if total and used is not None else None,
         kv_total_blocks=total,
     )

@@ -69,7 +69,7 @@ from worker_shim.adapters.openai_http import (
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
 from worker_shim.config import ShimConfig
 from worker_shim.engine_kind import check_engine_kind
-from worker_shim.prom_text import Sample, mean_samples, parse_samples, repeated_series, sum_samples
+from worker_shim.prom_text import Sample, as_count, mean_samples, parse_samples, repeated_series, sum_samples
 
 __all__ = [
     "PREFILL_TRANSFER_PARAMS",
@@ -206,15 +206,20 @@ def load_from_metrics(text: str, rank: int | None = None) -> EngineLoad:
     if running is None and waiting is None:
         raise EngineError(502, "engine_protocol", _no_load_series(samples, rank))
     return EngineLoad(
-        running=int(running or 0),
-        waiting=int(waiting or 0),
+        running=as_count(running, vm.NUM_REQUESTS_RUNNING) or 0,
+        waiting=as_count(waiting, vm.NUM_REQUESTS_WAITING) or 0,
         kv_usage=mean_samples(samples, vm.KV_CACHE_USAGE_PERC),
         kv_total_blocks=_kv_blocks(samples, rank),
-        num_preemptions=int(sum_samples(samples, _PREEMPTIONS) or 0),
+        num_preemptions=_count(samples, _PREEMPTIONS) or 0,
         timing=_timing(samples),
         reused_tokens=_reused(samples),
-        failed_transfers=None if (failed := sum_samples(samples, _FAILED_TRANSFERS)) is None else int(failed),
+        failed_transfers=_count(samples, _FAILED_TRANSFERS),
     )
+
+
+def _count(samples: list[Sample], name: str) -> int | None:
+    """The series summed as a count (prom_text.as_count), None when it is absent."""
+    return as_count(sum_samples(samples, name), name)
 
 
 def _no_load_series(samples: list[Sample], rank: int | None) -> str:
@@ -241,7 +246,7 @@ def _reused(samples: list[Sample]) -> int | None:
     brought (source "p2p"): a decode leg's pulled prompt is no reuse of this engine's cache, and
     counting it would hide a shortfall on the legs that prefill here. A vLLM without the by-source
     series counts the pulls in (docs/worker_shim.md)."""
-    local, external = sum_samples(samples, _PREFIX_HITS), sum_samples(samples, _EXTERNAL_HITS)
+    local, external = _count(samples, _PREFIX_HITS), _count(samples, _EXTERNAL_HITS)
     if local is None and external is None:
         return None
     pulled = sum(
@@ -249,26 +254,30 @@ def _reused(samples: list[Sample]) -> int | None:
         for name, labels, value in samples
         if name == _CACHED_BY_SOURCE and labels.get(vm.LABEL_SOURCE) == vm.SOURCE_P2P
     )
-    return int((local or 0) + (external or 0) - pulled)
+    p2p = f'{_CACHED_BY_SOURCE}{{{vm.LABEL_SOURCE}="{vm.SOURCE_P2P}"}}'
+    return (local or 0) + (external or 0) - (as_count(pulled, p2p) or 0)
 
 
 def _timing(samples: list[Sample]) -> EngineTiming:
     def count(h: str) -> int:
-        return int(sum_samples(samples, vm.count(h)) or 0)
+        return _count(samples, vm.count(h)) or 0
+
+    def tokens(h: str) -> int:  # a histogram of token counts: its sum is one too
+        return _count(samples, vm.histogram_sum(h)) or 0
 
     def total(h: str) -> float:
         return sum_samples(samples, vm.histogram_sum(h)) or 0.0
 
     return EngineTiming(
         iterations=count(vm.ITERATION_TOKENS),
-        iteration_tokens=int(total(vm.ITERATION_TOKENS)),
+        iteration_tokens=tokens(vm.ITERATION_TOKENS),
         prefill_requests=count(vm.PREFILL_TIME),
         prefill_seconds=total(vm.PREFILL_TIME),
-        prefill_computed_tokens=int(total(vm.PREFILL_KV_COMPUTED_TOKENS)),
-        prefix_hit_tokens=int(sum_samples(samples, _PREFIX_HITS) or 0),
+        prefill_computed_tokens=tokens(vm.PREFILL_KV_COMPUTED_TOKENS),
+        prefix_hit_tokens=_count(samples, _PREFIX_HITS) or 0,
         itl_count=count(vm.INTER_TOKEN_LATENCY),
         itl_seconds=total(vm.INTER_TOKEN_LATENCY),
-        generation_tokens=int(sum_samples(samples, _GENERATION_TOKENS) or 0),
+        generation_tokens=_count(samples, _GENERATION_TOKENS) or 0,
     )
 
 
