@@ -35,10 +35,11 @@ from protocol.config import (
     resolve,
 )
 from protocol.errors import listen_error, try_listen
+from protocol.kv_budget import KV_BATCH_BURST, KV_BATCHES_PER_S, KV_MIB_BURST, KV_MIB_PER_S
 from router.api_keys import ApiKeys, ApiKeysError
 from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
-from router.sender_budget import KV_BATCH_BURST, KV_BATCHES_PER_S, KV_MIB_BURST, KV_MIB_PER_S, KvBudget
+from router.sender_budget import KvBudget
 from runtime import run_service, start_or_stop
 
 if TYPE_CHECKING:

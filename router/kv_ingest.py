@@ -126,12 +126,13 @@ MIN_ENTRY_LIMIT = 1 << 22
 # says more would otherwise lift both; only the operator's floor (min_entry_limit) goes past this.
 MAX_CLAIMED_ENTRIES = 1 << 26
 # A registered worker's byte burst (router.sender_budget), so that its registration snapshot passes
-# (worker_shim.normaliser.snapshot: a Stored per chain): as many entries as its capacity lets its
-# index hold (CAPACITY_SLACK x kv_total_blocks: offload tiers and hit ends, at most its entry limit)
-# at 16 B each, 8 B packed and as much again for a Stored's ~46 B of framing over chains of 6 blocks
-# or more. Never below the default: a worker of 100k blocks gets 12.2 MiB; its record may come after
-# the snapshot's first batches, which the default holds (~500k blocks). docs/router.md, "Flooded subjects".
-SNAPSHOT_BYTES_PER_ENTRY = 16
+# when sent unpaced, as a shim before 2026-12-07 did (a shim now paces it under the default budget,
+# protocol.kv_budget): as many entries as its capacity lets its index hold (CAPACITY_SLACK x
+# kv_total_blocks: offload tiers and hit ends, at most its entry limit) at 56 B each, the worst
+# case: a Stored per block (an older shim's snapshot, in a rolling upgrade) is ~54.2 B an entry on
+# the wire with 64-bit hashes and its batch's framing. Never below the default: a worker of 100k
+# blocks gets 42.7 MiB. docs/router.md, "Flooded subjects".
+SNAPSHOT_BYTES_PER_ENTRY = 56
 # How far a shim's clock may run ahead of this router's before the seq contradiction misreads it
 # (hosts under NTP agree to milliseconds; router.clock_skew warns well before this).
 CLOCK_ALLOWANCE_S = 10.0

@@ -11,13 +11,15 @@ such a sender (router.sender_subscriptions), as dropping is not enough.
 
 Each sender has a token bucket of `burst` messages refilled at `rate_per_s`, and one of
 `bytes_burst` bytes refilled at `bytes_per_s` (none by default: a load report's size is bounded by
-its decoding). The defaults below are derived from what a shim can send (docs/router.md, "Flooded
-subjects"), with room for a loop stalled for a few seconds (messages queued behind it, then read at
-once). Senders are keyed on the subject's last token, which is all that is known before decoding; a
-bucket left to refill to the full is the same as none, so those are forgotten once there are more
-than `max_senders` (anyone may publish on any name). A sender may have a byte burst of its own (`set_bytes_burst`): a
-registered worker's, sized by the KV ingest from its capacity, so that its registration snapshot
-passes (router.kv_ingest, docs/router.md "Flooded subjects").
+its decoding). The KV defaults (protocol.kv_budget) are derived from what a shim can send
+(docs/router.md, "Flooded subjects"), with room for a loop stalled for a few seconds (messages
+queued behind it, then read at once); a shim paces its KV sends at half of them. Senders are
+keyed on the subject's last token, which is all that is known before decoding; a bucket left to
+refill to the full is the same as none, so those are forgotten once there are more than
+`max_senders` (anyone may publish on any name). A sender may have a byte burst of its own
+(`set_bytes_burst`): a registered worker's, sized by the KV ingest from its capacity, so that its
+registration snapshot passes when an older shim sends it unpaced (router.kv_ingest,
+docs/router.md "Flooded subjects").
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ from dataclasses import dataclass
 
 from protocol.config import MIN_LOAD_PERIOD_S
 from protocol.errors import ConfigError
+from protocol.kv_budget import (
+    KV_BATCH_BURST,
+    KV_BATCHES_PER_S,
+    KV_MIB_BURST,
+    KV_MIB_PER_S,
+    KV_PACE_BATCHES_PER_S,
+    KV_PACE_MIB_PER_S,
+)
 
 __all__ = [
-    "KV_BATCHES_PER_S",
-    "KV_BATCH_BURST",
-    "KV_MIB_BURST",
-    "KV_MIB_PER_S",
     "LOAD_BURST",
     "LOAD_RATE_PER_S",
     "MAX_SENDERS",
@@ -43,28 +49,16 @@ __all__ = [
 # Load reports: a shim sends one at most every MIN_LOAD_PERIOD_S (20 a second); twice that.
 LOAD_RATE_PER_S = 2 / MIN_LOAD_PERIOD_S
 LOAD_BURST = 120.0
-# KV batches: a shim seals one every 5 ms (200 a second) or sooner when 256 events, 20,000 hashes
-# or a payload's bytes are pending (worker_shim.kv_publisher). An engine's events come a few per
-# scheduler step, so 200 a second is its steady most; 1,000 is five times that, and a burst of
-# 5,000 holds five seconds of it read at once after a stall.
-KV_BATCHES_PER_S = 1000.0
-KV_BATCH_BURST = 5000.0
-# A batch holds at most 20,000 hashes, 8 bytes each packed: 160 KB. 4 MiB a second is 500,000
-# hashes, 20 times the blocks an engine prefilling 200,000 tokens a second at 16 tokens a block
-# stores and evicts (25,000); a burst of 4 MiB is 25 of the largest batches. Every batch within the
-# budget is decoded (a 469 KB one of listed hashes took ~10 ms), and the other workers' batches wait
-# behind them until the quarantine is in: with bursts of 32 MiB nats-server cut the connection
-# first, and with 8 MiB the honest worker of tests/router/test_e2e_faults.py waited past its 1 s
-# grace on a loaded box.
-KV_MIB_PER_S = 4.0
-KV_MIB_BURST = 4.0
+# KV batches and bytes: protocol.kv_budget (a shim paces its sends under these defaults).
 MAX_SENDERS = 65536
 _MIB = 1 << 20
-# The allowed --kv-budget-* ranges: below the least, an honest shim sealing a batch every 5 ms, or a
-# batch of a whole default payload (1 MiB), is dropped; the most is as good as none.
-_KV_LEAST_BATCHES_PER_S = 200.0
+# The allowed --kv-budget-* ranges: below the least, the pace an honest shim keeps (protocol.kv_budget:
+# its registration's snapshot, a ring of batches after a NATS stall) is dropped and the worker
+# quarantined; below the default, a router loop stalled mid-snapshot for less than the 2 s the
+# default holds may do the same. The most is as good as none.
+_KV_LEAST_BATCHES_PER_S = KV_PACE_BATCHES_PER_S
 _KV_MOST_BATCHES_PER_S = 1e6
-_KV_LEAST_MIB_PER_S = 1.0
+_KV_LEAST_MIB_PER_S = KV_PACE_MIB_PER_S
 _KV_MOST_MIB_PER_S = 4096.0
 
 
@@ -163,7 +157,8 @@ class KvBudget:
                     name,
                     value,
                     f"must be in [{least:g}, {most:g}] (a burst holds at least a second of its rate; below the "
-                    'least an honest shim\'s batches are dropped: docs/router.md, "Flooded subjects")',
+                    "least the pace of an honest shim's registration snapshot is dropped, and below the default "
+                    'a router loop stalled during one may drop it: docs/router.md, "Flooded subjects")',
                 )
         return self
 

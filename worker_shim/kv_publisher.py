@@ -11,6 +11,10 @@ chunks are then built and sent one by one, the loop running between them (a dump
 blocks takes about a second to order). A reply NATS refuses as over its payload limit (the server
 changed under the connection) is answered with a dump instead when nothing of it went out yet.
 
+Pace: batches go at most as fast as worker_shim.kv_pace allows (half a router's default KV budget,
+protocol.kv_budget), so a registration's snapshot of a warm cache, sealed at once, goes out over
+seconds (~5.5 s for 13 MiB) and never reads as a flood; the loop runs while a batch waits.
+
 Outbox: batches sealed but not yet handed to NATS wait in seq order, at most RING_SIZE of them (a
 kvstate request can fetch no older batch anyway). While NATS takes nothing (a stalled server: nats-py
 blocks each publish once its buffer is full, and notices the stall only minutes later), the oldest
@@ -56,6 +60,7 @@ from protocol import (
 )
 from runtime import background
 from worker_shim.event_log import MIN_PAYLOAD, RING_SIZE, EventLog, batch_bytes, event_bytes
+from worker_shim.kv_pace import KvPace
 from worker_shim.normaliser import Normaliser
 
 __all__ = ["COALESCE_S", "MAX_EVENTS", "KvDigestAt", "KvPublisher", "PublisherCounters", "check_payload"]
@@ -111,8 +116,10 @@ class KvPublisher:
         normaliser: Normaliser,
         counters: PublisherCounters | None = None,
         on_crash: Callable[[], None] = lambda: None,
+        pace: KvPace | None = None,
     ) -> None:
         self.nc = nc
+        self.pace = pace or KvPace()
         self.on_crash = on_crash  # its task crashed (said at ERROR): the shim counts it
         self.subject = subjects.kv(ns, worker)
         self.log = EventLog(worker, epoch)
@@ -218,7 +225,8 @@ class KvPublisher:
             self._outbox.append((batch, KvDigestAt(log_.epoch, batch.seq, log_.digest.blocks, log_.digest.xor)))
             if len(self._outbox) > RING_SIZE:
                 dropped, _ = self._outbox.popleft()
-                self._failed(dropped.seq, "NATS takes nothing: the oldest unsent batch was dropped")
+                self._failed(dropped.seq, "NATS takes nothing, or batches come faster than their pace: the oldest "
+                             "unsent batch was dropped")  # fmt: skip
             self._pending = []
             self._pending_hashes = 0
             self._pending_bytes = self._empty_batch
@@ -237,8 +245,10 @@ class KvPublisher:
     async def _send_outbox(self) -> None:
         while self._outbox:
             batch, digest = self._outbox.popleft()
+            data = encode_msg(pack_batch(batch))
+            await self.pace.wait(len(data))
             try:
-                await self.nc.publish(self.subject, encode_msg(pack_batch(batch)))
+                await self.nc.publish(self.subject, data)
                 self.counters.batches += 1
             except NatsError as exc:
                 # The batch stays in the ring: subscribers see the seq gap (or the digest) and repair.

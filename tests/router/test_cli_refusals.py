@@ -118,9 +118,11 @@ def test_a_front_door_timeout_that_is_not_finite_and_positive_is_refused_naming_
 @pytest.mark.parametrize(
     ("flag", "value", "allowed"),
     [
-        ("--kv-budget-batches-per-s", "100", "[200, 1e+06]"),
+        ("--kv-budget-batches-per-s", "100", "[500, 1e+06]"),
+        ("--kv-budget-batches-per-s", "400", "[500, 1e+06]"),
         ("--kv-budget-batch-burst", "10", "[1000, 1e+07]"),
-        ("--kv-budget-mib-per-s", "nan", "[1, 4096]"),
+        ("--kv-budget-mib-per-s", "nan", "[2, 4096]"),
+        ("--kv-budget-mib-per-s", "1.5", "[2, 4096]"),
         ("--kv-budget-mib-burst", "1", "[4, 40960]"),
     ],
 )

@@ -12,14 +12,14 @@ import asyncio
 import logging
 import random
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from protocol import pack_batch, pack_chunk, pack_hashes, subjects
+from protocol import pack_batch, pack_chunk, pack_hashes, subjects, unpack_hashes
 from protocol.messages import (
     Cleared,
     KvEvent,
@@ -39,7 +39,8 @@ from router.lifecycle import PartStatus
 from router.sender_budget import SenderBudget
 from runtime.nats_flush import flush
 from tests.router.polling import until
-from worker_shim import EngineStored, Normaliser
+from worker_shim import EngineRemoved, EngineStored, Normaliser
+from worker_shim.kv_pace import KvPace
 from worker_shim.kv_publisher import KvPublisher
 
 
@@ -731,16 +732,35 @@ async def test_a_sender_past_its_budget_is_dropped_quarantined_named_once_and_re
         await requests_nc.close()
 
 
+class _PaceClock:
+    """A clock of its own for a shim's KvPace (and a router's ingest): a sleep moves it on, so a
+    paced snapshot takes no wall-clock time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
 class _ShimNats:
-    """A shim's connection that keeps what its KV publisher sends."""
+    """A shim's connection that keeps what its KV publisher sends, and hands each payload to
+    `deliver` (a router reading it) as it is published."""
 
     max_payload = 1 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, deliver: Callable[[bytes], Awaitable[None]] | None = None) -> None:
         self.sent: list[bytes] = []
+        self.deliver = deliver
 
     async def publish(self, subject: str, payload: bytes) -> None:
         self.sent.append(payload)
+        if self.deliver is not None:
+            await self.deliver(payload)
 
 
 def _warm_cache(blocks: int, seed: int = 3) -> Normaliser:
@@ -759,10 +779,18 @@ def _warm_cache(blocks: int, seed: int = 3) -> Normaliser:
     return n
 
 
-async def _registration(normaliser: Normaliser, worker: str) -> list[bytes]:
-    """What a shim publishes as it registers (worker_shim.shim's _start_epoch), payload by payload."""
-    shim_nc = _ShimNats()
-    pub = KvPublisher(shim_nc, "ns", worker, 7, normaliser)  # type: ignore[arg-type]
+async def _registration(
+    normaliser: Normaliser,
+    worker: str,
+    clock: _PaceClock | None = None,
+    deliver: Callable[[bytes], Awaitable[None]] | None = None,
+) -> list[bytes]:
+    """What a shim publishes as it registers (worker_shim.shim's _start_epoch), payload by payload,
+    at its pace on `clock` (a clock of its own by default)."""
+    shim_nc = _ShimNats(deliver)
+    clock = clock or _PaceClock()
+    pace = KvPace(clock=clock, sleep=clock.sleep)
+    pub = KvPublisher(shim_nc, "ns", worker, 7, normaliser, pace=pace)  # type: ignore[arg-type]
     pub.start()
     await asyncio.sleep(0)  # its task waiting for events
     pub.add([Cleared(), *normaliser.snapshot()])
@@ -806,9 +834,98 @@ async def test_a_registered_worker_s_burst_holds_its_capacity_s_snapshot(nc: Cli
             ingest.add_worker("w1", 7, kv_total_blocks=100_000)
         await ingest._on_msg(_payload(nc, "w1", data))
     assert ingest.stats.over_budget == 0 and ingest.subscriptions.quarantined() == {}
-    assert ingest.budget.bytes_burst_of("w1") == 100_000 * 8 * 16
+    assert ingest.budget.bytes_burst_of("w1") == 100_000 * 8 * 56
     for data in await _registration(normaliser, "w2"):
         await ingest._on_msg(_payload(nc, "w2", data))
     assert ingest.stats.over_budget > 0 and list(ingest.subscriptions.quarantined()) == ["w2"]
     ingest.remove_worker("w1")
     assert ingest.budget.bytes_burst_of("w1") == 4 << 20
+
+
+def _short_branches(shape: str, blocks: int, seed: int = 1) -> Normaliser:
+    """A warm cache of short branches, the costliest to send per block (~31 B, each chain's Stored
+    ~46 B of framing over 1 to 3 blocks; review of 2026-12-07): `sysprompt`, many requests on 8
+    shared 64-block system prompts, each adding 1 to 3 blocks of its own; `evicted`, prompts of 1
+    to 160 blocks on 20 trunks with every third block then evicted (LRU across requests), holes
+    cutting chains short."""
+    rng = random.Random(seed)
+    size = 16
+    n = Normaliser(size)
+    engine = 1
+
+    def store(tokens: list[int]) -> None:
+        nonlocal engine
+        k = len(tokens) // size
+        n.apply([EngineStored(hashes=list(range(engine, engine + k)), parent=None, token_ids=tokens, block_size=size)])
+        engine += k
+
+    if shape == "sysprompt":
+        trunks = [[rng.randrange(1 << 20) for _ in range(size * 64)] for _ in range(8)]
+        while len(n) < blocks:
+            store(rng.choice(trunks) + [rng.randrange(1 << 20) for _ in range(size * rng.randint(1, 3))])
+    else:
+        trunks = [[rng.randrange(1 << 20) for _ in range(size * rng.randint(1, 40))] for _ in range(20)]
+        while len(n) < blocks * 3 // 2:
+            store(rng.choice(trunks) + [rng.randrange(1 << 20) for _ in range(size * rng.randint(1, 160))])
+        n.apply([EngineRemoved(hashes=list(range(1, engine, 3)))])
+    return n
+
+
+@pytest.mark.parametrize("shape", ["sysprompt", "evicted"])
+async def test_a_registration_snapshot_of_short_branches_passes_a_router_that_has_no_record_yet(
+    nc: Client, shape: str
+) -> None:
+    """Review of 2026-12-07: a snapshot of short branches costs ~31 B a block, and the shim publishes
+    it before its etcd key, so a router reads it under the default budget: 150k blocks of many
+    requests on one system prompt (4.4 MiB) went past the 4 MiB burst and the honest worker was
+    quarantined as "something other than its shim". Paced (worker_shim.kv_pace), the same snapshot,
+    each batch read as it is sent and the record coming after it, passes whole."""
+    normaliser = _short_branches(shape, 150_000)
+    assert len(normaliser.canonical_hashes()) >= 150_000
+    clock = _PaceClock()
+    ingest = KvIngest(nc, "ns", BlockIndex(), clock=clock)  # the default budget, on the shim's clock
+
+    async def read(data: bytes) -> None:
+        await ingest._on_msg(_payload(nc, "w1", data))
+
+    sent = await _registration(normaliser, "w1", clock, read)
+    ingest.add_worker("w1", 7, kv_total_blocks=150_000)  # its record, after the snapshot
+    assert ingest.stats.over_budget == 0 and ingest.subscriptions.quarantined() == {}
+    if shape == "sysprompt":
+        assert sum(map(len, sent)) > 4 << 20  # past the default burst: back-to-back, it is over
+    index = BlockIndex()
+    for data in sent:
+        index.apply("w1", decode_msg(data, KvEventBatch).events)
+    assert index.worker_hashes("w1") == normaliser.canonical_hashes()
+
+
+def _per_block(snapshot: list[KvEvent]) -> list[KvEvent]:
+    """`snapshot` as a shim before 2026-12-07 sent it: a Stored per block."""
+    out: list[KvEvent] = []
+    for event in snapshot:
+        assert isinstance(event, Stored)
+        parent = event.parent
+        for h in unpack_hashes(event.hashes) if isinstance(event.hashes, bytes) else event.hashes:
+            out.append(Stored(hashes=[h], parent=parent))
+            parent = h
+    return out
+
+
+async def test_a_registered_worker_s_burst_holds_an_older_shim_s_unpaced_per_block_snapshot(nc: Client) -> None:
+    """In a rolling upgrade an older shim sends its snapshot unpaced and a Stored per block (~54 B
+    each): a worker of 20k GPU blocks whose offload tier holds 8 times that (160k entries, 8.3 MiB)
+    passes read back-to-back with its record first. Sized at 16 B an entry (2.4 MiB, so the default
+    4 MiB), it was quarantined."""
+    normaliser = _warm_cache(160_000)
+    shim_nc = _ShimNats()
+    pub = KvPublisher(shim_nc, "ns", "w1", 7, normaliser, pace=KvPace(1e9, 1e9, 1e12, 1e12))  # type: ignore[arg-type]
+    pub.start()
+    await asyncio.sleep(0)
+    pub.add([Cleared(), *_per_block(normaliser.snapshot())])
+    await pub.stop()
+    assert sum(map(len, shim_nc.sent)) > 8 << 20
+    ingest = KvIngest(nc, "ns", BlockIndex())
+    ingest.add_worker("w1", 7, kv_total_blocks=20_000)
+    for data in shim_nc.sent:
+        await ingest._on_msg(_payload(nc, "w1", data))
+    assert ingest.stats.over_budget == 0 and ingest.subscriptions.quarantined() == {}

@@ -100,10 +100,12 @@ def test_the_kv_budget_lets_an_honest_busy_shim_through() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
     [
-        ("batches_per_s", 100.0, "[200, 1e+06]"),
-        ("batches_per_s", math.nan, "[200, 1e+06]"),
+        ("batches_per_s", 100.0, "[500, 1e+06]"),
+        ("batches_per_s", 400.0, "[500, 1e+06]"),  # under a shim's pace (protocol.kv_budget)
+        ("batches_per_s", math.nan, "[500, 1e+06]"),
         ("batch_burst", 500.0, "[1000, 1e+07]"),
-        ("mib_per_s", 0.5, "[1, 4096]"),
+        ("mib_per_s", 0.5, "[2, 4096]"),
+        ("mib_per_s", 1.5, "[2, 4096]"),  # under a shim's pace: its registration snapshot would be dropped
         ("mib_burst", 2.0, "[4, 40960]"),
     ],
 )

@@ -11,7 +11,10 @@ import pytest
 from nats.aio.msg import Msg
 
 from protocol import KvEvent, KvEventBatch, Stored, decode_msg, hash_count, subjects, unpack_hashes
+from protocol.kv_budget import KV_PACE_BATCH_BURST, KV_PACE_BATCHES_PER_S, KV_PACE_MIB_BURST, KV_PACE_MIB_PER_S
+from router.sender_budget import KvBudget
 from worker_shim.event_log import RING_SIZE
+from worker_shim.kv_pace import KvPace
 from worker_shim.kv_publisher import MAX_EVENTS, MAX_HASHES, KvPublisher
 from worker_shim.normaliser import Normaliser
 
@@ -93,3 +96,94 @@ async def test_batches_waiting_for_a_stalled_nats_are_bounded_counted_and_said_o
         assert len(warned) == 1, [r.getMessage() for r in warned]
     finally:
         await nc.close()
+
+
+class PaceClock:
+    """A clock of its own for KvPace: a sleep moves it on (and lets the loop run once), so a test
+    of the pace reads no wall clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+        await asyncio.sleep(0)
+
+
+class TimedNats:
+    """A shim connection that keeps each payload with the (PaceClock) time it was published."""
+
+    max_payload = 1 << 20
+
+    def __init__(self, clock: PaceClock) -> None:
+        self.clock = clock
+        self.sent: list[tuple[float, int]] = []
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        self.sent.append((self.clock.now, len(payload)))
+
+
+def _most_in_a_window(sent: list[tuple[float, int]], seconds: float, weight: int | None) -> float:
+    """The most bytes (or, with `weight`, messages of that weight) published within `seconds` of a
+    publish, over every publish."""
+    most = 0.0
+    for i, (start, _) in enumerate(sent):
+        within = [size if weight is None else weight for t, size in sent[i:] if t - start <= seconds]
+        most = max(most, sum(within))
+    return most
+
+
+async def test_a_snapshot_past_a_router_s_burst_goes_out_at_the_pace_its_default_budget_holds() -> None:
+    """Review of 2026-12-07: a registration's snapshot, sealed at once, went out back-to-back, and a
+    warm worker's (4.44 MiB, past the router's default 4 MiB burst) was quarantined as a flood. Sent
+    at the pace (protocol.kv_budget: 2 MiB up front, then 2 MiB a second): never more than that in
+    any window, a router's default budget admits every batch at the time it is sent, and the
+    publisher's loop runs while batches wait."""
+    clock = PaceClock()
+    nc = TimedNats(clock)
+    pub = KvPublisher(nc, "ns", "w1", 7, Normaliser(16), pace=KvPace(clock=clock, sleep=clock.sleep))  # type: ignore[arg-type]
+    ticks = 0
+
+    async def other_work() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_work())
+    pub.start()
+    await asyncio.sleep(0)
+    pub.add([Stored(hashes=list(range(i * 1000 + 1, i * 1000 + 1001)), parent=None) for i in range(1200)])
+    await pub.stop()
+    other.cancel()
+    total = sum(size for _, size in nc.sent)
+    assert total > 9 << 20 and pub.counters.batches == len(nc.sent) and pub.counters.send_failures == 0
+    mib = 1 << 20
+    for seconds in (0.0, 0.5, 1.0, 3.0):
+        assert _most_in_a_window(nc.sent, seconds, None) <= (KV_PACE_MIB_BURST + KV_PACE_MIB_PER_S * seconds) * mib
+    # as long as the pace needs (the bytes past the burst at its rate), no longer
+    assert clock.now == pytest.approx((total - KV_PACE_MIB_BURST * mib) / (KV_PACE_MIB_PER_S * mib), rel=0.05)
+    assert ticks >= clock.sleeps > 0  # the loop ran at each wait
+    budget = KvBudget().budget()  # a router's default, on the same clock, with no record of the worker
+    assert all(budget.admit("w1", t, size) for t, size in nc.sent) and budget.over == 0
+
+
+async def test_many_small_batches_go_out_at_half_a_router_s_default_batch_rate() -> None:
+    """The batch count is paced too: a ring of 3,000 batches held through a NATS stall goes out at
+    KV_PACE_BATCHES_PER_S after a burst of KV_PACE_BATCH_BURST, not at once."""
+    clock = PaceClock()
+    nc = TimedNats(clock)
+    pub = KvPublisher(nc, "ns", "w1", 7, Normaliser(16), pace=KvPace(clock=clock, sleep=clock.sleep))  # type: ignore[arg-type]
+    for h in range(3000):
+        pub.add([Stored(hashes=[h + 1], parent=None)])
+        pub.seal()
+    await pub._send_outbox()
+    assert len(nc.sent) == 3000
+    for seconds in (0.0, 1.0, 2.0):
+        assert _most_in_a_window(nc.sent, seconds, 1) <= KV_PACE_BATCH_BURST + KV_PACE_BATCHES_PER_S * seconds
+    assert clock.now == pytest.approx((3000 - KV_PACE_BATCH_BURST) / KV_PACE_BATCHES_PER_S, rel=0.01)
