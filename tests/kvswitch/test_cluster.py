@@ -128,12 +128,8 @@ def test_a_child_that_dies_at_start_is_named_with_its_status_and_last_words() ->
     assert cluster.children == [] and cluster.nats is None  # and nothing left running
 
 
-def test_a_sim_port_taken_before_the_sim_binds_it_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    # free_ports checks a port, the sim binds it a moment later: a parallel test worker's server took
-    # it in between once (CI, test_ha's cluster: "address already in use"), and the start failed
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
+def _first_draw_taken(monkeypatch: pytest.MonkeyPatch, taken: socket.socket) -> list[int]:
+    """The cluster's first port draw returns `taken`'s port, later ones free ports; each draw's count."""
     draws: list[int] = []
     real = free_ports
 
@@ -142,6 +138,16 @@ def test_a_sim_port_taken_before_the_sim_binds_it_is_drawn_again(monkeypatch: py
         return taken.getsockname()[1] if len(draws) == 1 else real(count, host)
 
     monkeypatch.setattr("kvswitch.cluster.free_ports", first_taken)
+    return draws
+
+
+def test_a_sim_port_taken_before_the_sim_binds_it_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # free_ports checks a port, the sim binds it a moment later: a parallel test worker's server took
+    # it in between once (CI, test_ha's cluster: "address already in use"), and the start failed
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    draws = _first_draw_taken(monkeypatch, taken)
     cluster = LocalCluster(ClusterSpec(agg=1, routers=0))
     try:
         cluster.start()
@@ -169,14 +175,7 @@ def test_a_sim_port_a_non_http_server_holds_is_drawn_again(monkeypatch: pytest.M
                     conn.sendall(b'INFO {"server_id":"x","proto":1}\r\n')
 
     threading.Thread(target=greet, daemon=True).start()
-    draws: list[int] = []
-    real = free_ports
-
-    def first_taken(count: int, host: str = "127.0.0.1") -> int:
-        draws.append(count)
-        return taken.getsockname()[1] if len(draws) == 1 else real(count, host)
-
-    monkeypatch.setattr("kvswitch.cluster.free_ports", first_taken)
+    draws = _first_draw_taken(monkeypatch, taken)
     cluster = LocalCluster(ClusterSpec(agg=1, routers=0))
     try:
         cluster.start()
