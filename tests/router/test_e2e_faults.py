@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -333,9 +334,11 @@ async def main(url: str, subject: str, n: int) -> None:
     print("ready", flush=True)
     reply = await asyncio.wait_for(asked, 30)
     print("asked", flush=True)
+    await asyncio.to_thread(sys.stdin.readline)  # the test's go, once it holds the router's loop
     for _ in range(n):  # a dump's chunks, streamed with no flow control as a shim's are
         await nc.publish(reply, b"x" * 400_000)
     await nc.flush()
+    print("sent", flush=True)
     await nc.close()
 
 asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
@@ -343,7 +346,7 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 
 
 async def test_a_burst_of_kvstate_replies_cuts_only_the_routers_kvstate_connection(
-    etcd_url: str, ns: str, http: aiohttp.ClientSession
+    etcd_url: str, ns: str, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Shims stream dumps with no flow control and up to 32 repairs are in flight: a burst past
     nats-server's pending bytes (64 MiB; 1 MiB here) cuts the connection its replies come on. On the
@@ -355,24 +358,38 @@ async def test_a_burst_of_kvstate_replies_cuts_only_the_routers_kvstate_connecti
             router = await cluster.add_ready_router(disagg="never")
             main = router._nc
             assert main is not None
-            dumps = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", DUMP_FLOOD, server.url, subjects.kvstate(ns, worker.id), "60",
-                stdout=asyncio.subprocess.PIPE,
-            )  # fmt: skip
+            publisher = worker.shim.publisher
+            assert publisher is not None
+
+            async def silent(msg: object) -> None:
+                pass  # the real shim's small dump would end the repair before the burst comes
+
+            monkeypatch.setattr(publisher, "on_kvstate", silent)
+            dumps = subprocess.Popen(
+                [sys.executable, "-c", DUMP_FLOOD, server.url, subjects.kvstate(ns, worker.id), "60"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
             try:
-                assert dumps.stdout is not None
-                assert await asyncio.wait_for(dumps.stdout.readline(), 30) == b"ready\n"
+                assert dumps.stdin is not None and dumps.stdout is not None
+                assert await asyncio.wait_for(asyncio.to_thread(dumps.stdout.readline), 30) == b"ready\n"
                 ingest = router._ingest
                 assert ingest is not None
                 ingest._open_repair(ingest._workers[worker.id], dump=True, why="the test asks")
-                assert await asyncio.wait_for(dumps.stdout.readline(), 30) == b"asked\n"
-                time.sleep(1.0)  # the router's loop busy folding other dumps meanwhile: nothing read
-                assert await asyncio.wait_for(dumps.wait(), 60) == 0
+                assert await asyncio.wait_for(asyncio.to_thread(dumps.stdout.readline), 30) == b"asked\n"
+                # The router's loop held (busy folding other dumps) from before the first chunk until
+                # every chunk is at the server: nothing read meanwhile. A fixed 1 s sleep after "asked"
+                # was too short for the sender on a loaded CI box, and the real shim's answer raced it.
+                dumps.stdin.write(b"go\n")
+                dumps.stdin.flush()
+                assert dumps.stdout.readline() == b"sent\n"
+                assert await asyncio.to_thread(dumps.wait, 60) == 0
                 await until(lambda: router.kvstate_disconnects >= 1, timeout=30, what="the kvstate connection cut")
+                monkeypatch.undo()  # the shim answers the repair's retry
             finally:
-                if dumps.returncode is None:
+                if dumps.poll() is None:
                     dumps.kill()
-                    await dumps.wait()
+                    dumps.wait()
             assert main.is_connected and main.stats["reconnects"] == 0
             assert "kvswitch_router_kvstate_disconnects_total 1.0" in router.metrics.render().decode()
             await until(lambda: router.readiness()[0], timeout=30, what="the worker repaired once it is back")
