@@ -125,14 +125,6 @@ MIN_ENTRY_LIMIT = 1 << 22
 # ~41 B an entry (and the reply budget of router.gap_repair, 32 B an entry, with it). A worker that
 # says more would otherwise lift both; only the operator's floor (min_entry_limit) goes past this.
 MAX_CLAIMED_ENTRIES = 1 << 26
-# A registered worker's byte burst (router.sender_budget), so that its registration snapshot passes
-# when sent unpaced, as a shim before 2026-12-07 did (a shim now paces it under the default budget,
-# protocol.kv_budget): as many entries as its capacity lets its index hold (CAPACITY_SLACK x
-# kv_total_blocks: offload tiers and hit ends, at most its entry limit) at 56 B each, the worst
-# case: a Stored per block (an older shim's snapshot, in a rolling upgrade) is ~54.2 B an entry on
-# the wire with 64-bit hashes and its batch's framing. Never below the default: a worker of 100k
-# blocks gets 42.7 MiB. docs/router.md, "Flooded subjects".
-SNAPSHOT_BYTES_PER_ENTRY = 56
 # How far a shim's clock may run ahead of this router's before the seq contradiction misreads it
 # (hosts under NTP agree to milliseconds; router.clock_skew warns well before this).
 CLOCK_ALLOWANCE_S = 10.0
@@ -396,7 +388,6 @@ class KvIngest:
         self.repairs.cancel(worker)
         self._refused.pop(worker, None)
         self.stats.worker_over_budget.pop(worker, None)
-        self.budget.set_bytes_burst(worker, None)
         self.subscriptions.workers_changed()
         if self._refused and not self.index.full and self.status is PartStatus.RUNNING:
             oldest = next(iter(self._refused))  # the slot it left goes to the worker refused longest
@@ -480,7 +471,7 @@ class KvIngest:
             budget.rate_per_s,
             budget.bytes_per_s / (1 << 20),
             budget.burst,
-            budget.bytes_burst_of(sender) / (1 << 20),
+            budget.bytes_burst / (1 << 20),
             subject,
             self.subscriptions.quarantine_s,
             self.subscriptions.quarantine_max_s,
@@ -802,8 +793,6 @@ class KvIngest:
             state.kv_total_blocks = kv_total_blocks
             claimed = min(CAPACITY_SLACK * kv_total_blocks, MAX_CLAIMED_ENTRIES)
             state.entry_limit = max(self.min_entry_limit, claimed)
-            snapshot = min(CAPACITY_SLACK * kv_total_blocks, state.entry_limit)
-            self.budget.set_bytes_burst(state.name, snapshot * SNAPSHOT_BYTES_PER_ENTRY)
 
     def reply_limit(self, worker: str) -> int:
         state = self._workers.get(worker)

@@ -16,10 +16,9 @@ its decoding). The KV defaults (protocol.kv_budget) are derived from what a shim
 queued behind it, then read at once); a shim paces its KV sends at half of them. Senders are
 keyed on the subject's last token, which is all that is known before decoding; a bucket left to
 refill to the full is the same as none, so those are forgotten once there are more than
-`max_senders` (anyone may publish on any name). A sender may have a byte burst of its own
-(`set_bytes_burst`): a registered worker's, sized by the KV ingest from its capacity, so that its
-registration snapshot passes when an older shim sends it unpaced (router.kv_ingest,
-docs/router.md "Flooded subjects").
+`max_senders` (anyone may publish on any name). Every sender has the same burst, a registered
+worker's too: a bigger one let a flood on its own subject cut the router's KV connection
+(docs/router.md, "Flooded subjects").
 """
 
 from __future__ import annotations
@@ -83,17 +82,15 @@ class SenderBudget:
         self.bytes_burst = bytes_burst
         self.max_senders = max_senders
         self._buckets: dict[str, tuple[float, float, float]] = {}  # sender: (messages, bytes, when counted)
-        self._bytes_bursts: dict[str, float] = {}  # senders with a byte burst of their own
         self.over = 0  # messages dropped past their sender's budget
 
     def admit(self, sender: str, now: float, size: int = 0) -> bool:
         """Whether a message of `sender` of `size` bytes at `now` (a monotonic clock) is within its
         budget; one past it is counted in `over`."""
-        bytes_burst = self._bytes_bursts.get(sender, self.bytes_burst)
-        tokens, room, then = self._buckets.get(sender, (self.burst, bytes_burst, now))
+        tokens, room, then = self._buckets.get(sender, (self.burst, self.bytes_burst, now))
         tokens = min(self.burst, tokens + (now - then) * self.rate_per_s)
         if self.bytes_per_s < math.inf:  # (inf * 0 is NaN)
-            room = min(bytes_burst, room + (now - then) * self.bytes_per_s)
+            room = min(self.bytes_burst, room + (now - then) * self.bytes_per_s)
         if tokens < 1 or room < size:
             self._buckets[sender] = (tokens, room, now)
             self.over += 1
@@ -103,33 +100,11 @@ class SenderBudget:
         self._buckets[sender] = (tokens - 1, room - size, now)
         return True
 
-    def bytes_burst_of(self, sender: str) -> float:
-        return self._bytes_bursts.get(sender, self.bytes_burst)
-
-    def set_bytes_burst(self, sender: str, burst: float | None) -> None:
-        """Give `sender` a byte burst of its own, at least the default (None: the default again).
-        Its bucket grows (or shrinks) by the difference at once: a worker's record may come in the
-        middle of its registration snapshot, whose rest then passes."""
-        if burst is not None and not burst >= 1:
-            raise ValueError(f"a byte burst must be >= 1: {burst=}")
-        old = self.bytes_burst_of(sender)
-        new = self.bytes_burst if burst is None else max(self.bytes_burst, burst)
-        if new == old:  # (each load report says the capacity again)
-            return
-        if new == self.bytes_burst:
-            self._bytes_bursts.pop(sender, None)
-        else:
-            self._bytes_bursts[sender] = new
-        if (bucket := self._buckets.get(sender)) is not None:
-            tokens, room, then = bucket
-            self._buckets[sender] = (tokens, min(new, room + new - old), then)
-
     def _forget_full(self, now: float) -> None:
         full_after = self.burst / self.rate_per_s
         if self.bytes_per_s < math.inf:
             full_after = max(full_after, self.bytes_burst / self.bytes_per_s)
-        own = {s: max(full_after, b / self.bytes_per_s) for s, b in self._bytes_bursts.items()}
-        self._buckets = {s: b for s, b in self._buckets.items() if now - b[2] < own.get(s, full_after)}
+        self._buckets = {s: b for s, b in self._buckets.items() if now - b[2] < full_after}
         if len(self._buckets) >= self.max_senders:  # as many within a refill: the half seen first goes
             self._buckets = dict(list(self._buckets.items())[len(self._buckets) // 2 :])
 

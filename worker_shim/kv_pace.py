@@ -5,7 +5,9 @@ whole cache: a warm worker of 450k blocks in short branches is ~13 MiB) and the 
 (at most RING_SIZE) held through a NATS stall, sent once NATS takes them again. Unpaced, a router
 read them back-to-back and quarantined the worker as "something other than its shim" (review of
 2026-12-07: 150k blocks of many requests on one system prompt, 4.44 MiB, went past the 4 MiB
-burst). An engine's own events (~200 batches a second, far under 2 MiB a second) never wait.
+burst). An engine's own events (~200 batches a second, far under 2 MiB a second) cost the pace
+nothing, but the publisher's outbox is one queue in seq order, which none may jump: a live batch
+sealed during a snapshot waits for the rest of it, at most its pace time (~5.5 s for 13 MiB).
 
 `wait(size)` books one batch of `size` bytes and sleeps until both buckets hold it; the clock and
 the sleep are injected (tests run it on a clock of their own). At 2 MiB up front then 2 MiB a

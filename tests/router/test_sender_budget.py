@@ -60,18 +60,6 @@ def test_a_sender_is_bounded_in_bytes_too() -> None:
     assert budget.over == 2
 
 
-def test_a_sender_s_own_byte_burst_grows_its_bucket_at_once_and_never_goes_below_the_default() -> None:
-    budget = SenderBudget(100.0, 100.0, bytes_per_s=1000.0, bytes_burst=3000.0)
-    assert budget.admit("a", 0.0, 2500)
-    budget.set_bytes_burst("a", 10_000.0)  # its record, in the middle of its snapshot
-    assert budget.admit("a", 0.0, 7000) and not budget.admit("a", 0.0, 1000)  # 500 + 7000 more room, no more
-    assert budget.bytes_burst_of("b") == 3000.0 and not budget.admit("b", 0.0, 3001)  # the others' default
-    budget.set_bytes_burst("a", None)  # it left
-    assert budget.bytes_burst_of("a") == 3000.0 and not budget.admit("a", 10.0, 3001)
-    budget.set_bytes_burst("c", 10.0)
-    assert budget.bytes_burst_of("c") == 3000.0
-
-
 def test_a_budget_without_bytes_counts_messages_alone() -> None:
     budget = SenderBudget(10.0, 2.0)
     assert budget.admit("a", 0.0, 1 << 40) and budget.admit("a", 0.0, 1 << 40)
