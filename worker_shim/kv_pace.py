@@ -60,7 +60,17 @@ class KvPace:
         self._bytes = min(self.bytes_burst, self._bytes + elapsed * self.bytes_per_s) - size
         return max(0.0, -self._batches / self.batches_per_s, -self._bytes / self.bytes_per_s)
 
-    async def wait(self, size: int) -> None:
-        """Book one batch of `size` bytes and sleep until it may go; the loop runs meanwhile."""
-        if (delay := self.delay(size)) > 0:
+    async def wait(self, size: int, interrupt: asyncio.Event | None = None) -> bool:
+        """Book one batch of `size` bytes and sleep until it may go, the loop running meanwhile; False
+        if `interrupt` was set first (its owner stopping: the batch is not to go)."""
+        if (delay := self.delay(size)) <= 0:
+            return True
+        if interrupt is None:
             await self._sleep(delay)
+            return True
+        slept = asyncio.ensure_future(self._sleep(delay))
+        stopped = asyncio.ensure_future(interrupt.wait())
+        await asyncio.wait({slept, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        slept.cancel()
+        stopped.cancel()
+        return not interrupt.is_set()

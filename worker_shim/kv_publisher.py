@@ -13,7 +13,9 @@ changed under the connection) is answered with a dump instead when nothing of it
 
 Pace: batches go at most as fast as worker_shim.kv_pace allows (half a router's default KV budget,
 protocol.kv_budget), so a registration's snapshot of a warm cache, sealed at once, goes out over
-seconds (~5.5 s for 13 MiB) and never reads as a flood; the loop runs while a batch waits.
+seconds (~5.5 s for 13 MiB) and never reads as a flood; the loop runs while a batch waits. Live
+events wait behind it (the outbox is in seq order). stop() drops what the pace holds, but for the
+epoch's closing Cleared.
 
 Outbox: batches sealed but not yet handed to NATS wait in seq order, at most RING_SIZE of them (a
 kvstate request can fetch no older batch anyway). While NATS takes nothing (a stalled server: nats-py
@@ -43,6 +45,7 @@ from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 
 from protocol import (
+    Cleared,
     ConfigError,
     KvEvent,
     KvEventBatch,
@@ -135,6 +138,7 @@ class KvPublisher:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._closed = asyncio.Event()  # set by stop(): a batch the pace holds is not waited for
 
     def start(self) -> None:
         if self._task is None:
@@ -156,6 +160,12 @@ class KvPublisher:
     async def stop(self, timeout: float = 5.0) -> None:
         """Seal and send what is pending, then stop; safe to call twice.
 
+        What the pace holds back is dropped instead (counted as send failures, said in one WARNING),
+        but for the final batch when it ends with `Cleared` (the shim's end of its epoch), sent
+        unpaced: a stop right after a registration's snapshot waited out its pace (5 s, then
+        cancelled before the Cleared went: final review of 2026-12-07). The epoch ends, so what was
+        dropped is moot: its routers drop the worker, or start again from the next epoch's Cleared.
+
         The task is asked to finish rather than cancelled: a publish cancelled mid-flush can leave
         nats-py waiting on a flush that never comes. Cancel only if it does not finish in time.
         """
@@ -164,6 +174,7 @@ class KvPublisher:
             return
         self.seal()
         self._closing = True
+        self._closed.set()
         self._wake.set()
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if not done:
@@ -246,18 +257,45 @@ class KvPublisher:
         while self._outbox:
             batch, digest = self._outbox.popleft()
             data = encode_msg(pack_batch(batch))
-            await self.pace.wait(len(data))
-            try:
-                await self.nc.publish(self.subject, data)
-                self.counters.batches += 1
-            except NatsError as exc:
-                # The batch stays in the ring: subscribers see the seq gap (or the digest) and repair.
-                self._failed(batch.seq, str(exc))
-            else:
-                if self._failing_since is not None:
-                    log.info("NATS takes KV batches again from %d (unsent from %d)", batch.seq, self._failing_since)
-                    self._failing_since = None
-            self._published = digest
+            if not await self.pace.wait(len(data), self._closed):
+                self._outbox.appendleft((batch, digest))
+                await self._send_closing()
+                return
+            await self._publish(batch, digest, data)
+
+    async def _send_closing(self) -> None:
+        """stop() came while the pace held the outbox: drop it, but for a final batch ending with
+        Cleared, sent unpaced."""
+        final = self._outbox.pop() if isinstance(self._outbox[-1][0].events[-1], Cleared) else None
+        dropped = len(self._outbox)
+        if dropped:
+            self.counters.send_failures += dropped
+            log.warning(
+                "KV publisher of worker %s stopping with %d batches the pace held (seq %d to %d): dropped "
+                "(kvswitch_shim_kv_publish_failures_total); %s",
+                self.log.worker,
+                dropped,
+                self._outbox[0][0].seq,
+                self._outbox[-1][0].seq,
+                "its epoch's Cleared sent" if final is not None else "its epoch ends without a Cleared",
+            )
+            self._outbox.clear()
+        if final is not None:
+            batch, digest = final
+            await self._publish(batch, digest, encode_msg(pack_batch(batch)))
+
+    async def _publish(self, batch: KvEventBatch, digest: KvDigestAt, data: bytes) -> None:
+        try:
+            await self.nc.publish(self.subject, data)
+            self.counters.batches += 1
+        except NatsError as exc:
+            # The batch stays in the ring: subscribers see the seq gap (or the digest) and repair.
+            self._failed(batch.seq, str(exc))
+        else:
+            if self._failing_since is not None:
+                log.info("NATS takes KV batches again from %d (unsent from %d)", batch.seq, self._failing_since)
+                self._failing_since = None
+        self._published = digest
 
     async def _run(self) -> None:
         while not self._closing:

@@ -791,10 +791,9 @@ async def _registration(
     clock = clock or _PaceClock()
     pace = KvPace(clock=clock, sleep=clock.sleep)
     pub = KvPublisher(shim_nc, "ns", worker, 7, normaliser, pace=pace)  # type: ignore[arg-type]
-    pub.start()
-    await asyncio.sleep(0)  # its task waiting for events
     pub.add([Cleared(), *normaliser.snapshot()])
-    await pub.stop()
+    pub.seal()
+    await pub._send_outbox()  # as its task does (a stop() would drop what the pace holds)
     return shim_nc.sent
 
 

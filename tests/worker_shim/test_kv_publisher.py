@@ -10,7 +10,7 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from protocol import KvEvent, KvEventBatch, Stored, decode_msg, hash_count, subjects, unpack_hashes
+from protocol import Cleared, KvEvent, KvEventBatch, Stored, decode_msg, hash_count, subjects, unpack_hashes
 from protocol.kv_budget import KV_PACE_BATCH_BURST, KV_PACE_BATCHES_PER_S, KV_PACE_MIB_BURST, KV_PACE_MIB_PER_S
 from router.sender_budget import KvBudget
 from worker_shim.event_log import RING_SIZE
@@ -156,10 +156,9 @@ async def test_a_snapshot_past_a_router_s_burst_goes_out_at_the_pace_its_default
             await asyncio.sleep(0)
 
     other = asyncio.create_task(other_work())
-    pub.start()
-    await asyncio.sleep(0)
     pub.add([Stored(hashes=list(range(i * 1000 + 1, i * 1000 + 1001)), parent=None) for i in range(1200)])
-    await pub.stop()
+    pub.seal()
+    await pub._send_outbox()  # as its task does (a stop() would drop what the pace holds)
     other.cancel()
     total = sum(size for _, size in nc.sent)
     assert total > 9 << 20 and pub.counters.batches == len(nc.sent) and pub.counters.send_failures == 0
@@ -187,3 +186,48 @@ async def test_many_small_batches_go_out_at_half_a_router_s_default_batch_rate()
     for seconds in (0.0, 1.0, 2.0):
         assert _most_in_a_window(nc.sent, seconds, 1) <= KV_PACE_BATCH_BURST + KV_PACE_BATCHES_PER_S * seconds
     assert clock.now == pytest.approx((3000 - KV_PACE_BATCH_BURST) / KV_PACE_BATCHES_PER_S, rel=0.01)
+
+
+class HeldPace:
+    """A clock for KvPace that stands still, and a sleep that never ends: past the pace's burst,
+    every batch waits until the publisher stops."""
+
+    def __init__(self) -> None:
+        self.holding = asyncio.Event()
+
+    def __call__(self) -> float:
+        return 0.0
+
+    async def sleep(self, seconds: float) -> None:
+        self.holding.set()
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("cleared", [True, False])
+async def test_a_stop_while_the_pace_holds_a_snapshot_drops_it_and_sends_only_the_epoch_s_cleared(
+    caplog: pytest.LogCaptureFixture, cleared: bool
+) -> None:
+    """Final review of 2026-12-07: a stop right after a registration (the shim's end of its epoch,
+    `Cleared` last; or a lease lost under --worker-name, no Cleared) waited out the pace of the
+    snapshot: 5 s, then the task was cancelled and the closing Cleared never went. Now what the pace
+    holds is dropped, counted and said once, and the Cleared alone goes, unpaced."""
+    held = HeldPace()
+    nc = TimedNats(PaceClock())
+    pub = KvPublisher(nc, "ns", "w1", 7, Normaliser(16), pace=KvPace(clock=held, sleep=held.sleep))  # type: ignore[arg-type]
+    pub.start()
+    await asyncio.sleep(0)
+    pub.add([Stored(hashes=list(range(i * 1000 + 1, i * 1000 + 1001)), parent=None) for i in range(600)])
+    await held.holding.wait()  # the burst sent, the rest held
+    if cleared:
+        pub.add([Cleared()])
+    with caplog.at_level(logging.WARNING, logger="worker_shim.kv_publisher"):
+        await pub.stop()
+    sealed = pub.log.seq
+    sent = len(nc.sent)
+    assert pub.counters.batches == sent and pub.counters.send_failures == sealed - sent > 0
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and f"stopping with {sealed - sent} batches the pace held" in said[0], said
+    if cleared:
+        assert pub.digest().seq == sealed and pub.digest().blocks == 0  # the Cleared, sent last
+    else:
+        assert pub.digest().seq < sealed
