@@ -412,6 +412,63 @@ async def test_a_generate_event_that_is_no_json_object_is_the_engines_protocol_e
     assert seen == ([[11]] if stream else [])
 
 
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"output_ids": [11, 12], "meta_info": {"completion_tokens": "x"}}, "completion_tokens is 'x'"),
+        ({"output_ids": 5, "meta_info": {"completion_tokens": 2}}, "output_ids is 5"),
+        ({"output_ids": [11, "b"], "meta_info": {"completion_tokens": 2}}, "output_ids hold ['b']"),
+        ({"output_ids": [11, 12], "meta_info": {"completion_tokens": 2, "cached_tokens": "x"}}, "cached_tokens is"),
+        ({"output_ids": [11, 12], "meta_info": {"completion_tokens": 2, "prompt_tokens": "x"}}, "prompt_tokens is"),
+    ],
+    ids=["completion_tokens", "output_ids", "output_id", "cached_tokens", "prompt_tokens"],
+)
+async def test_a_generate_event_with_a_badly_typed_field_is_the_engines_protocol_error_naming_it(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]], bad: dict[str, Any], field: str
+) -> None:
+    """Until 2026-12-07 int() or len() raised ValueError or TypeError, answered as the shim's own
+    500 `internal` with a traceback, and a string among the ids went on as a token id."""
+    url, answers, _ = streams
+    adapter = SglangAdapter(ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9"))
+    await adapter.open()
+    seen: list[list[int]] = []
+
+    async def on_output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
+        seen.append(token_ids)
+
+    event = b"data: " + json.dumps(bad).encode() + b"\n\n"
+    answers.append([_event([11], None), event, _event([11, 12], "length"), b"data: [DONE]\n\n"])
+    try:
+        with pytest.raises(EngineError) as caught:
+            await adapter.generate(LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=8)), on_output)
+    finally:
+        await adapter.close()
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol") and field in caught.value.message
+    assert seen == [[11]]
+
+
+@pytest.mark.parametrize("port", ["x", 70000])
+async def test_a_bootstrap_port_that_is_no_port_is_the_engines_protocol_error(port: object) -> None:
+    """int() raised ValueError on "x" (no field named) and 70000 went to decode engines as given."""
+    info = {**json.loads((FIX / "get_server_info.json").read_text()), "disaggregation_bootstrap_port": port}
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response(info)
+
+    app = web.Application()
+    app.router.add_get("/get_server_info", server_info)
+    async with served(app) as url:
+        adapter = SglangAdapter(ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9"))
+        await adapter.open()
+        try:
+            with pytest.raises(EngineError) as caught:
+                await adapter.limits()
+        finally:
+            await adapter.close()
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert f"disaggregation_bootstrap_port is {port!r}" in caught.value.message
+
+
 @pytest.mark.parametrize(("role", "bootstrap"), [("agg", None), ("prefill", "2.2.2.2"), ("decode", "2.2.2.2")])
 async def test_the_alive_request_on_a_pd_worker_goes_as_sglangs_own_health_generation(
     streams: tuple[str, list[list[bytes]], list[dict[str, Any]]], role: ShimRole, bootstrap: str | None

@@ -340,6 +340,25 @@ def test_limits_and_load_from_iteration_stats() -> None:
     assert load_from_stats([], previous) is previous  # no iteration since the last read
 
 
+@pytest.mark.parametrize(
+    ("kv", "field"),
+    [
+        ([{"maxNumBlocks": 512}], "kvCacheStats is [{"),
+        ({"maxNumBlocks": "512", "usedNumBlocks": 112}, "kvCacheStats.maxNumBlocks is '512'"),
+        ({"maxNumBlocks": 512, "usedNumBlocks": "112"}, "kvCacheStats.usedNumBlocks is '112'"),
+    ],
+    ids=["list", "max-string", "used-string"],
+)
+def test_a_badly_typed_kv_cache_stat_is_the_engines_protocol_error_naming_it(kv: Any, field: str) -> None:
+    """Until 2026-12-07 .get or the division raised AttributeError or TypeError: the load poll
+    logged an ERROR with a traceback and /health named no field."""
+    stats = load("metrics.json")
+    stats[-1]["kvCacheStats"] = kv
+    with pytest.raises(EngineError) as caught:
+        load_from_stats(stats, EngineLoad())
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol") and field in caught.value.message
+
+
 def test_disaggregated_params_per_leg() -> None:
     s = SamplingParams(max_tokens=20)
     ctx = disagg_body(LegRequest("r", "m", [1, 2], s, prefill_only=True))

@@ -211,18 +211,24 @@ class StreamFolder:
             meta = {}
         elif not isinstance(meta, dict):  # as in _object: the engine's fault, not the shim's
             raise EngineError(502, "engine_protocol", "a /generate event's meta_info is not a JSON object")
-        ids = data.get("output_ids") or []
-        done = int(meta.get("completion_tokens") or len(ids))
+        ids = data.get("output_ids")
+        if ids is None:
+            ids = []
+        elif not isinstance(ids, list):  # len() or slicing raised TypeError: the shim's 500 `internal`
+            raise EngineError(502, "engine_protocol", f"a /generate event's output_ids is {ids!r}, not a list")
+        done = as_count(meta.get("completion_tokens"), "/generate meta_info.completion_tokens") or len(ids)
         new = list(ids[len(ids) - (done - self.sent) :]) if done > self.sent else []
+        if not all(type(t) is int for t in new):
+            raise EngineError(502, "engine_protocol", f"a /generate event's output_ids hold {new!r}, not token ids")
         self.sent = done
         self.token_ids.extend(new)
         fr = meta.get("finish_reason")
         if isinstance(fr, dict):
             self.finish_reason = str(fr.get("type"))
         self.usage = Usage(
-            prompt_tokens=int(meta.get("prompt_tokens") or 0),
+            prompt_tokens=as_count(meta.get("prompt_tokens"), "/generate meta_info.prompt_tokens") or 0,
             completion_tokens=done,
-            cached_tokens=None if meta.get("cached_tokens") is None else int(meta["cached_tokens"]),
+            cached_tokens=as_count(meta.get("cached_tokens"), "/generate meta_info.cached_tokens"),
         )
         return new
 
@@ -284,7 +290,12 @@ class SglangAdapter(ZmqEventsAdapter):
         info = msgspec.json.decode(raw)
         if not isinstance(info, dict):
             return EngineLimits()
-        self._bootstrap_port = int(info.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT)
+        port = info.get("disaggregation_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT
+        if type(port) is not int or not 0 < port < 65536:  # int() raised ValueError: no named field
+            raise EngineError(
+                502, "engine_protocol", f"the engine's disaggregation_bootstrap_port is {port!r}, not a port"
+            )
+        self._bootstrap_port = port
         self._say_loopback()
         limits = limits_from_server_info(info)
         self._kv_total = limits.kv_total_blocks

@@ -74,12 +74,23 @@ def limits_from_stats(stats: Any) -> EngineLimits:
     return EngineLimits(block_size=kv.get("tokensPerBlock"), kv_total_blocks=kv.get("maxNumBlocks"))
 
 
+def _number(kv: dict[str, Any], name: str) -> Any:
+    """kvCacheStats' `name`, None or a number; EngineError naming it otherwise ("512" raised TypeError
+    in the division). Whether it is a count is the load reporter's to judge (load_reporter._unusable)."""
+    value = kv.get(name)
+    if value is not None and type(value) not in (int, float):
+        raise EngineError(502, "engine_protocol", f"the engine's kvCacheStats.{name} is {value!r}, not a number")
+    return value
+
+
 def load_from_stats(stats: Any, previous: EngineLoad) -> EngineLoad:
     s = _newest(stats)
     if s is None:
         return previous
     kv = s.get("kvCacheStats") or {}
-    total, used = kv.get("maxNumBlocks"), kv.get("usedNumBlocks")
+    if not isinstance(kv, dict):  # .get raised AttributeError: an ERROR with a traceback, no field named
+        raise EngineError(502, "engine_protocol", f"the engine's kvCacheStats is {kv!r}, not a JSON object")
+    total, used = _number(kv, "maxNumBlocks"), _number(kv, "usedNumBlocks")
     return EngineLoad(
         running=as_count(s.get("numActiveRequests"), "numActiveRequests") or 0,
         waiting=as_count(s.get("numQueuedRequests"), "numQueuedRequests") or 0,
