@@ -389,6 +389,18 @@ async def test_a_generate_event_that_is_no_json_object_is_the_engines_protocol_e
     shim's own 500 `internal` with a traceback per request, so the router never judged the engine
     faulty. Streamed, the tokens before it are sent first, as for any error mid-stream."""
     url, answers, _ = streams
+    if stream:
+        answers.append([_event([11], None), b"data: " + bad + b"\n\n", _event([11, 12], "length")])
+        answers[-1].append(b"data: [DONE]\n\n")
+    else:
+        answers.append([bad])
+    err, seen = await _failing_generate(url, stream)
+    assert (err.code, err.kind) == (502, "engine_protocol") and "not a JSON object" in err.message
+    assert seen == ([[11]] if stream else [])
+
+
+async def _failing_generate(url: str, stream: bool) -> tuple[EngineError, list[list[int]]]:
+    """The EngineError an SGLang adapter's leg on `url` ends with, and the token ids it sent first."""
     adapter = SglangAdapter(ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9"))
     await adapter.open()
     seen: list[list[int]] = []
@@ -396,20 +408,14 @@ async def test_a_generate_event_that_is_no_json_object_is_the_engines_protocol_e
     async def on_output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
         seen.append(token_ids)
 
-    leg = LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=8), stream=stream)
-    if stream:
-        answers.append([_event([11], None), b"data: " + bad + b"\n\n", _event([11, 12], "length")])
-        answers[-1].append(b"data: [DONE]\n\n")
-    else:
-        answers.append([bad])
     try:
         with pytest.raises(EngineError) as caught:
-            await adapter.generate(leg, on_output)
+            await adapter.generate(
+                LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=8), stream=stream), on_output
+            )
     finally:
         await adapter.close()
-    err = caught.value
-    assert (err.code, err.kind) == (502, "engine_protocol") and "not a JSON object" in err.message
-    assert seen == ([[11]] if stream else [])
+    return caught.value, seen
 
 
 @pytest.mark.parametrize(
@@ -429,21 +435,10 @@ async def test_a_generate_event_with_a_badly_typed_field_is_the_engines_protocol
     """Until 2026-12-07 int() or len() raised ValueError or TypeError, answered as the shim's own
     500 `internal` with a traceback, and a string among the ids went on as a token id."""
     url, answers, _ = streams
-    adapter = SglangAdapter(ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9"))
-    await adapter.open()
-    seen: list[list[int]] = []
-
-    async def on_output(tokens: int, events: list[bytes], token_ids: list[int]) -> None:
-        seen.append(token_ids)
-
     event = b"data: " + json.dumps(bad).encode() + b"\n\n"
     answers.append([_event([11], None), event, _event([11, 12], "length"), b"data: [DONE]\n\n"])
-    try:
-        with pytest.raises(EngineError) as caught:
-            await adapter.generate(LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=8)), on_output)
-    finally:
-        await adapter.close()
-    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol") and field in caught.value.message
+    err, seen = await _failing_generate(url, stream=True)
+    assert (err.code, err.kind) == (502, "engine_protocol") and field in err.message
     assert seen == [[11]]
 
 
