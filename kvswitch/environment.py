@@ -105,9 +105,9 @@ def _link_service(name: str, value: str) -> str | None:
     return "kvswitch" + ("-" + link["rest"].lower().replace("_", "-") if link["rest"] else "")
 
 
-def _service_links(env: Mapping[str, str], known: set[str]) -> list[str]:
-    """A sentence for each Service whose link variables `env` holds, each opening with one of them:
-    one a Service, as a Service with one port sets eight."""
+def _service_links(env: Mapping[str, str], known: set[str]) -> tuple[list[str], set[str]]:
+    """A sentence for each Service whose link variables `env` holds, each opening with one of them
+    (one a Service, as a Service with one port sets eight), and those variables."""
     services: dict[str, list[str]] = {}
     for name in sorted(env):
         if name.startswith(ENV_PREFIX) and name not in known and (service := _link_service(name, env[name])):
@@ -120,7 +120,7 @@ def _service_links(env: Mapping[str, str], known: set[str]) -> list[str]:
             + (f" (as do {', '.join(rest)})" if rest else "")
             + ": set enableServiceLinks: false in the pod spec or rename the Service"
         )
-    return sentences
+    return sentences, {name for names in services.values() for name in names}
 
 
 def check_environment(env: Mapping[str, str] | None = None) -> None:
@@ -131,8 +131,7 @@ def check_environment(env: Mapping[str, str] | None = None) -> None:
     if not any(name.startswith(ENV_PREFIX) for name in env):
         return
     known = known_variables()
-    problems = _service_links(env, known)
-    linked = {name for name in env if name.startswith(ENV_PREFIX) and _link_service(name, env[name])}
+    problems, linked = _service_links(env, known)
     try:
         check_env_names(known | linked, env, ENV_PREFIX)  # the rest: typos
     except VariableError as typos:
