@@ -359,6 +359,25 @@ def test_a_badly_typed_kv_cache_stat_is_the_engines_protocol_error_naming_it(kv:
     assert (caught.value.code, caught.value.kind) == (502, "engine_protocol") and field in caught.value.message
 
 
+@pytest.mark.parametrize("field", ["tokensPerBlock", "maxNumBlocks"])
+@pytest.mark.parametrize("value", ["32", -16, 0, 32.5, 32.0, True, None], ids=repr)
+def test_a_limit_that_is_no_positive_integer_is_the_engines_protocol_error_naming_it(field: str, value: Any) -> None:
+    """Until 2026-12-07 limits_from_stats passed them through: "32" crashed the normaliser with a
+    TypeError, True registered a block size of 1, 0 and -16 limits no engine has. None (absent) is
+    an engine that does not say: the flags stand in."""
+    stats = load("metrics.json")
+    stats[-1]["kvCacheStats"][field] = value
+    if value is None:
+        assert (
+            getattr(limits_from_stats(stats), "block_size" if field == "tokensPerBlock" else "kv_total_blocks") is None
+        )
+        return
+    with pytest.raises(EngineError) as caught:
+        limits_from_stats(stats)
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert f"kvCacheStats.{field} is {value!r}, not a positive integer" in caught.value.message
+
+
 def test_disaggregated_params_per_leg() -> None:
     s = SamplingParams(max_tokens=20)
     ctx = disagg_body(LegRequest("r", "m", [1, 2], s, prefill_only=True))

@@ -71,7 +71,19 @@ def limits_from_stats(stats: Any) -> EngineLimits:
     kv = s.get("kvCacheStats") if s else None
     if not isinstance(kv, dict):
         return EngineLimits()
-    return EngineLimits(block_size=kv.get("tokensPerBlock"), kv_total_blocks=kv.get("maxNumBlocks"))
+    return EngineLimits(block_size=_limit(kv, "tokensPerBlock"), kv_total_blocks=_limit(kv, "maxNumBlocks"))
+
+
+def _limit(kv: dict[str, Any], name: str) -> int | None:
+    """kvCacheStats' `name`, None or a positive integer; EngineError naming it otherwise. Until
+    2026-12-07 it passed unchecked: "32" crashed the normaliser with a TypeError, True registered a
+    block size of 1, and 0 or a negative a limit no engine has."""
+    value = kv.get(name)
+    if value is not None and (type(value) is not int or value <= 0):
+        raise EngineError(
+            502, "engine_protocol", f"the engine's kvCacheStats.{name} is {value!r}, not a positive integer"
+        )
+    return value
 
 
 def _number(kv: dict[str, Any], name: str) -> Any:
