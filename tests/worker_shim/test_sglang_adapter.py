@@ -321,6 +321,19 @@ def test_an_error_after_tokens_were_sent_is_still_the_engines() -> None:
     assert (caught.value.code, caught.value.kind, caught.value.message) == (500, "engine_error", "boom")
 
 
+def test_a_completion_count_that_goes_back_sends_no_token_twice() -> None:
+    """3 after 3 then 2: until 2026-12-07 the folder took 2 as its count, and the next event's
+    [1, 2, 3, 4] gave [3, 4] as new, token 3 sent twice."""
+    folder = StreamFolder()
+    assert folder.fold({"output_ids": [1, 2, 3], "meta_info": {"completion_tokens": 3}}) == [1, 2, 3]
+    assert folder.fold({"output_ids": [1, 2, 3], "meta_info": {"completion_tokens": 3}}) == []
+    with pytest.raises(EngineError) as caught:
+        folder.fold({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2}})
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert "meta_info.completion_tokens went back from 3 to 2" in caught.value.message
+    assert folder.token_ids == [1, 2, 3] and folder.usage.completion_tokens == 3
+
+
 def _event(ids: list[int], finish: str | None) -> bytes:
     meta = {"completion_tokens": len(ids), "prompt_tokens": 3, "finish_reason": finish and {"type": finish}}
     return b"data: " + json.dumps({"output_ids": ids, "meta_info": meta}).encode() + b"\n\n"
@@ -426,14 +439,18 @@ async def _failing_generate(url: str, stream: bool) -> tuple[EngineError, list[l
         ({"output_ids": [11, "b"], "meta_info": {"completion_tokens": 2}}, "output_ids hold ['b']"),
         ({"output_ids": [11, 12], "meta_info": {"completion_tokens": 2, "cached_tokens": "x"}}, "cached_tokens is"),
         ({"output_ids": [11, 12], "meta_info": {"completion_tokens": 2, "prompt_tokens": "x"}}, "prompt_tokens is"),
+        ({"output_ids": [11, 12], "meta_info": {"completion_tokens": -2}}, "completion_tokens is -2, not a count"),
+        ({"output_ids": [], "meta_info": {"completion_tokens": 0}}, "completion_tokens went back from 1 to 0"),
     ],
-    ids=["completion_tokens", "output_ids", "output_id", "cached_tokens", "prompt_tokens"],
+    ids=["completion_tokens", "output_ids", "output_id", "cached_tokens", "prompt_tokens", "negative", "backwards"],
 )
 async def test_a_generate_event_with_a_badly_typed_field_is_the_engines_protocol_error_naming_it(
     streams: tuple[str, list[list[bytes]], list[dict[str, Any]]], bad: dict[str, Any], field: str
 ) -> None:
     """Until 2026-12-07 int() or len() raised ValueError or TypeError, answered as the shim's own
-    500 `internal` with a traceback, and a string among the ids went on as a token id."""
+    500 `internal` with a traceback, and a string among the ids went on as a token id; a negative
+    completion_tokens, or one below the count already folded, set the folder's count back, and the
+    next event's ids were sent again as new tokens."""
     url, answers, _ = streams
     event = b"data: " + json.dumps(bad).encode() + b"\n\n"
     answers.append([_event([11], None), event, _event([11, 12], "length"), b"data: [DONE]\n\n"])

@@ -216,7 +216,7 @@ class StreamFolder:
             ids = []
         elif not isinstance(ids, list):  # len() or slicing raised TypeError: the shim's 500 `internal`
             raise EngineError(502, "engine_protocol", f"a /generate event's output_ids is {ids!r}, not a list")
-        done = as_count(meta.get("completion_tokens"), "/generate meta_info.completion_tokens") or len(ids)
+        done = self._completion_tokens(meta) or len(ids)
         new = list(ids[len(ids) - (done - self.sent) :]) if done > self.sent else []
         if not all(type(t) is int for t in new):
             raise EngineError(502, "engine_protocol", f"a /generate event's output_ids hold {new!r}, not token ids")
@@ -231,6 +231,18 @@ class StreamFolder:
             cached_tokens=as_count(meta.get("cached_tokens"), "/generate meta_info.cached_tokens"),
         )
         return new
+
+    def _completion_tokens(self, meta: dict[str, Any]) -> int | None:
+        """The event's count of the leg's output tokens; EngineError naming it when negative or below
+        the count already folded. Until 2026-12-07 either was taken: -3 set `sent` to -3 and 3 after
+        5 to 3, so the next event's ids were sliced from that count and sent again as new tokens."""
+        name = "/generate meta_info.completion_tokens"
+        done = as_count(meta.get("completion_tokens"), name)
+        if done is not None and done < 0:
+            raise EngineError(502, "engine_protocol", f"the engine's {name} is {done}, not a count")
+        if done is not None and done < self.sent:
+            raise EngineError(502, "engine_protocol", f"the engine's {name} went back from {self.sent} to {done}")
+        return done
 
 
 class SglangAdapter(ZmqEventsAdapter):
