@@ -123,7 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help='adapters a request may name as its model (name=path or {"name": ..., "path": ...}); '
                         "nothing is loaded, the path is only echoed")  # fmt: skip
     s = parser.add_argument_group("simulation")
-    s.add_argument("--profile", choices=profile_names(), default=DEFAULT_PROFILE, help="timing profile")
+    # No argparse choices: a table that does not parse names no profile, and its fault would read as an
+    # unknown name. SimConfig.validate says which (exit 2).
+    s.add_argument("--profile", default=DEFAULT_PROFILE, help="timing profile: " + ", ".join(profile_names()))
     s.add_argument("--speedup", type=pos_float, default=1.0, help="divide all modelled times by this")
     s.add_argument("--role", choices=ROLES, default="agg", help="informational; decode still prefills without params")
     s.add_argument("--kv-transfer-gbps", type=pos_float, default=50.0, help="KV pull bandwidth, GB/s")

@@ -20,7 +20,7 @@ import msgspec
 
 from engine_sim.errors import SimConfigError
 from engine_sim.lora import LoraModule, lora_requests
-from protocol.timing import DEFAULT_PROFILE, load_profile, profile_names
+from protocol.timing import DEFAULT_PROFILE, load_profile
 from protocol.vllm_events import EVENT_FORMS, EventForm
 from protocol.zmq_endpoint import split_endpoint
 
@@ -219,8 +219,11 @@ class SimConfig(msgspec.Struct, kw_only=True):
     def validate(self) -> SimConfig:
         try:
             load_profile(self.profile)
-        except ValueError:
-            raise SimConfigError("profile", self.profile, "allowed values: " + ", ".join(profile_names())) from None
+        except ValueError as exc:
+            # load_profile's own words: the known names for an unknown one, else the table's file and
+            # its fault (a JSON error's line, a missing or badly typed key). Until 2026-12-07 every
+            # fault was "allowed values: ...", which could list the very name refused.
+            raise SimConfigError("profile", self.profile, str(exc)) from None
         if self.role not in ROLES:
             raise SimConfigError("role", self.role, "allowed values: " + ", ".join(ROLES))
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:

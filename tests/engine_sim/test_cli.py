@@ -60,7 +60,6 @@ def test_served_model_names_are_vllms() -> None:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--profile", "h100:llama"], "--profile"),
         (["--role", "router"], "--role"),
         (["--event-form", "json"], "--event-form"),
         (["--speedup", "0"], "--speedup"),
@@ -77,7 +76,7 @@ def test_bad_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys: 
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err
-    if argv[0] in ("--profile", "--role", "--event-form"):
+    if argv[0] in ("--role", "--event-form"):
         assert "choose from" in err
 
 

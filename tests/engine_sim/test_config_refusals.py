@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,51 @@ def test_an_events_endpoint_that_cannot_be_bound_is_one_line_not_a_traceback(
     assert run(parse("--port", "0", "--kv-events-config", _events(endpoint="tcp://192.0.2.1:*"))) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "--kv-events-config: cannot bind or connect" in err
+
+
+_MODEL = {
+    "model": "m",
+    "kv_bytes_per_token_bf16": 131072,
+    "prefill": [{"new_tokens": n, "cached_tokens": 0, "seconds": n / 1e5} for n in (128, 1024)],
+    "decode": [{"batch": b, "context_tokens": 1024, "seconds": 0.01 * b} for b in (1, 8)],
+}
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ('{"models": [{"model": "m",\n "prefill": [}', "cannot read it: Expecting value: line 2 column 14"),
+        (json.dumps({"models": [{k: v for k, v in _MODEL.items() if k != "decode"}]}), "model 'm': missing `decode`"),
+        (json.dumps({"models": [{**_MODEL, "kv_bytes_per_token_bf16": "big"}]}), "`kv_bytes_per_token_bf16` must be"),
+        (json.dumps({"model": [_MODEL]}), "not a JSON object with a `models` list of objects"),
+    ],
+    ids=["json", "missing", "typed", "no-models"],
+)  # fmt: skip
+def test_a_faulty_operator_profile_exits_2_naming_its_file_and_fault(
+    table: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Until 2026-12-07 every fault of an operator's table was an unknown name: argparse's "invalid
+    choice" for a table that does not parse, "allowed values: faulty:m, ..." (the name refused among
+    them) for a model in it that does not load."""
+    (tmp_path / "faulty.json").write_text(table)
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
+    assert run(parse("--profile", "faulty:m")) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "invalid --profile = 'faulty:m'" in err and str(tmp_path / "faulty.json") in err and said in err, err
+    with pytest.raises(SimConfigError) as caught:
+        SimConfig(profile="faulty:m").validate()
+    assert caught.value.setting == "profile" and said in str(caught.value)
+
+
+def test_a_sound_operator_profile_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "sound.json").write_text(json.dumps({"models": [_MODEL]}))
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
+    assert config_from_args(parse("--profile", "sound:m")).kv_bytes_per_token == 131072
+
+
+def test_an_unknown_profile_exits_2_naming_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(parse("--profile", "h100:llama")) == 2
+    err = capsys.readouterr().err
+    assert "invalid --profile = 'h100:llama': unknown timing profile 'h100:llama'; known: " in err, err
+    assert "h200:llama-3.1-8b" in err
