@@ -26,14 +26,14 @@ vLLM lists each endpoint on GET /kv_event_sources as it was given, except `tcp:/
 from __future__ import annotations
 
 import json
-import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from protocol import ConfigError
 from protocol.vllm_events import RESOLVED_BY_ENGINE, publisher_binds
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # both import this module's package's config: an import cycle at run time
+    from worker_shim.adapters.zmq_bind import BindFailures
     from worker_shim.config import KvEventsMode
 
 __all__ = ["KEYS", "EngineEventsConfig", "listed_mode", "parse_kv_events_config"]
@@ -103,40 +103,37 @@ def parse_kv_events_config(engine: str, raw: str | dict[str, Any]) -> EngineEven
     )
 
 
-def listed_mode(listed: str, given: str | None, mode: KvEventsMode, engine_url: str) -> KvEventsMode:
+async def listed_mode(
+    listed: str, given: str | None, mode: KvEventsMode, engine_url: str, binds: BindFailures
+) -> KvEventsMode:
     """The side the shim takes of the events endpoint vLLM lists (`listed`), `given` the one the
     engine was started with when the operator gave it: vLLM's rule read on that one. Without it, a
     listed address with no wildcard is either one the engine connects to (nothing holds it yet: the
     shim binds it) or a `tcp://*:0` the engine bound (this host cannot bind it): the second is a
-    ConfigError naming --kv-events-mode, since only the operator knows."""
+    ConfigError naming --kv-events-mode, since only the operator knows. A bind that fails for now
+    (zmq_bind's diagnosis, `binds` its run of failures: a tentative IPv6 address, a name that does
+    not resolve yet) is a ConnectionError, and the next session looks again: until 2026-12-07 any
+    failed bind was a ConfigError, the shim's exit 2."""
     if mode != "auto":
         return mode
     if given is not None:
         return "connect" if publisher_binds(given) else "bind"
     if publisher_binds(listed):
         return "connect"
-    if _bindable(listed):
+    failed = await binds.probe(listed)
+    if failed is None:
         return "bind"
+    exc, found = failed
+    if found.outcome != "final":
+        raise ConnectionError(
+            f"the engine at {engine_url} lists its KV events at {listed}, which this host cannot bind yet "
+            f"({exc}): {found.why}: trying again in the next session"
+        )
     raise ConfigError(
         "kv_events_mode",
         mode,
-        f"the engine at {engine_url} lists its KV events at {listed}, which this host cannot bind: vLLM lists "
-        f"an endpoint of {RESOLVED_BY_ENGINE} so, as the address its PUB bound. Give --kv-events-mode connect "
-        f"(or --kv-events-config as the engine was given it); bind if the engine connects to {listed}",
+        f"the engine at {engine_url} lists its KV events at {listed}, which this host cannot bind ({exc}: "
+        f"{found.why}): vLLM lists an endpoint of {RESOLVED_BY_ENGINE} so, as the address its PUB bound. Give "
+        f"--kv-events-mode connect (or --kv-events-config as the engine was given it); bind if the engine "
+        f"connects to {listed}",
     )
-
-
-def _bindable(endpoint: str) -> bool:
-    """Whether a TCP listener could bind `endpoint` here now (another's listener, or an address
-    not this host's, cannot)."""
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    host = host.strip("[]")
-    if not endpoint.startswith("tcp://") or not port.isdigit():
-        return False
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ's listener: TIME_WAIT holds nothing
-        try:
-            sock.bind((host, int(port)))
-        except OSError:
-            return False
-    return True

@@ -79,6 +79,7 @@ from worker_shim.adapters import (
     make_adapter,
 )
 from worker_shim.adapters.base import LegRequest
+from worker_shim.adapters.zmq_bind import BindFailures
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.endpoint_probe import EndpointProbe
@@ -303,6 +304,7 @@ class WorkerShim:
         )
         self._events_given, self._mode_given = given, self.config.kv_events_mode  # the operator's
         self._listed: tuple[str, KvEventsMode] | None = None  # the listed endpoint and the side taken
+        self._listed_binds = BindFailures()  # failed binds of a listed endpoint, across sessions
         self._topic_given = self.config.kv_events_topic  # the operator's, not a discovered one
         self.normaliser: Normaliser | None = None
         self.requests: RequestService | None = None
@@ -784,7 +786,9 @@ class WorkerShim:
             )
         if self._listed is None or self._listed[0] != source.endpoint:
             # Once per endpoint: the last session's own listener there must not read as the engine's.
-            mode = listed_mode(source.endpoint, self._events_given, self._mode_given, c.engine_url)
+            mode = await listed_mode(
+                source.endpoint, self._events_given, self._mode_given, c.engine_url, self._listed_binds
+            )
             self._listed = (source.endpoint, mode)
         self.config = msgspec.structs.replace(
             c,

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,9 @@ from engine_sim.server import SimServer
 from kvswitch.servers import free_ports
 from protocol import ConfigError
 from tests.worker_shim.cluster import engine_set, shim_for, sim_config, wait_for
+from tests.worker_shim.test_zmq_endpoints import needs_ipv6
+from worker_shim.adapters import zmq_bind
+from worker_shim.adapters.zmq_bind import NAME_GRACE_S, BindFailures
 from worker_shim.kv_events_config import listed_mode
 
 URL = "http://127.0.0.1:8000"
@@ -40,20 +44,20 @@ STAR0 = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://
         ("tcp://10.0.0.5:43655", None, "bind", "bind"),
     ],
 )
-def test_the_side_follows_vllms_rule_on_the_endpoint_it_was_given(
+async def test_the_side_follows_vllms_rule_on_the_endpoint_it_was_given(
     listed: str, given: str | None, mode: str, side: str
 ) -> None:
-    assert listed_mode(listed, given, mode, URL) == side  # type: ignore[arg-type]
+    assert await listed_mode(listed, given, mode, URL, BindFailures()) == side  # type: ignore[arg-type]
 
 
-def test_a_free_concrete_address_is_one_the_engine_connects_to() -> None:
+async def test_a_free_concrete_address_is_one_the_engine_connects_to() -> None:
     """vLLM given `tcp://127.0.0.1:P` connects there and lists it so (the dp2 capture): nothing
     holds it, so the shim binds it."""
-    assert listed_mode(f"tcp://127.0.0.1:{free_ports(1)}", None, "auto", URL) == "bind"
+    assert await listed_mode(f"tcp://127.0.0.1:{free_ports(1)}", None, "auto", URL, BindFailures()) == "bind"
 
 
 @pytest.mark.parametrize("held", [True, False])
-def test_a_concrete_address_this_host_cannot_bind_is_refused_naming_the_flag(held: bool) -> None:
+async def test_a_concrete_address_this_host_cannot_bind_is_refused_naming_the_flag(held: bool) -> None:
     pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     with pub:
         if held:  # the engine's own PUB, bound on this host
@@ -62,9 +66,71 @@ def test_a_concrete_address_this_host_cannot_bind_is_refused_naming_the_flag(hel
         else:  # another host's address (TEST-NET-1)
             listed = "tcp://192.0.2.1:43655"
         with pytest.raises(ConfigError) as caught:
-            listed_mode(listed, None, "auto", URL)
+            await listed_mode(listed, None, "auto", URL, BindFailures())
     assert caught.value.setting == "kv_events_mode"
     assert "Give --kv-events-mode connect" in str(caught.value) and listed in str(caught.value)
+    said = "Address already in use" if held else "no interface of this host has 192.0.2.1"
+    assert said in str(caught.value), caught.value
+
+
+def _resolving(monkeypatch: pytest.MonkeyPatch, host: str, code: int) -> None:
+    """getaddrinfo of `host` fails with EAI_ `code` (zmq_bind's diagnosis asks it; ZMQ's own lookup
+    of a .invalid name fails with "No such device" either way)."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(name: object, *args: Any, **kwargs: Any) -> Any:
+        if name == host:
+            raise socket.gaierror(code, f"EAI {code}")
+        return real(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+async def test_a_listed_name_that_does_not_resolve_yet_is_looked_at_again_until_the_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM given `tcp://shim-0.svc:5557` connects there and lists it so; a DNS record that appears
+    seconds after the pod is no reason to stop. Until 2026-12-07 the first failed bind exited 2."""
+    listed = "tcp://shim-0.invalid:5557"
+    _resolving(monkeypatch, "shim-0.invalid", socket.EAI_NONAME)
+    now = [0.0]
+    binds = BindFailures(clock=lambda: now[0])
+    for at in (0.0, NAME_GRACE_S - 0.1):
+        now[0] = at
+        with pytest.raises(ConnectionError) as again:
+            await listed_mode(listed, None, "auto", URL, binds)
+        assert "cannot bind yet" in str(again.value) and "the name shim-0.invalid does not resolve" in str(again.value)
+    now[0] = NAME_GRACE_S
+    with pytest.raises(ConfigError) as caught:
+        await listed_mode(listed, None, "auto", URL, binds)
+    assert caught.value.setting == "kv_events_mode" and "binds failed for 15 s" in str(caught.value), caught.value
+
+
+async def test_a_temporary_dns_failure_of_a_listed_name_is_looked_at_again_past_the_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _resolving(monkeypatch, "shim-0.invalid", socket.EAI_AGAIN)
+    now = [0.0]
+    binds = BindFailures(clock=lambda: now[0])
+    for at in (0.0, 10 * NAME_GRACE_S):
+        now[0] = at
+        with pytest.raises(ConnectionError, match="does not resolve for now"):
+            await listed_mode("tcp://shim-0.invalid:5557", None, "auto", URL, binds)
+
+
+@needs_ipv6
+@pytest.mark.parametrize(("flags", "outcome"), [("40", ConnectionError), ("48", ConfigError)])
+async def test_a_listed_tentative_ipv6_address_is_looked_at_again(
+    flags: str, outcome: type[Exception], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written out in full: vLLM's rule reads any `::` as a PUB that binds. Tentative (DAD, 1-2 s):
+    the next session looks again; DAD failed: final, as before."""
+    listing = tmp_path / "if_inet6"
+    listing.write_text(f"fd000077000000000000000000000005 02 40 00 {flags}     eth0\n")
+    monkeypatch.setattr(zmq_bind, "IF_INET6", str(listing))
+    with pytest.raises(outcome) as caught:
+        await listed_mode("tcp://[fd00:77:0:0:0:0:0:5]:5557", None, "auto", URL, BindFailures())
+    assert "fd00:77:0:0:0:0:0:5 on eth0" in str(caught.value), caught.value
 
 
 def _star0_sim() -> SimServer:

@@ -13,6 +13,8 @@ EADDRNOTAVAIL. So on either the shim asks the host itself:
   ConfigError once binds have failed for NAME_GRACE_S (a record may appear seconds after the pod).
 EINVAL is final at once: after the shim's validation of the endpoint it has no cause that passes.
 Each case is said once at WARNING, naming the setting; the session failure itself each session.
+`BindFailures.probe` asks the same before the shim takes a side of the endpoint vLLM lists
+(kv_events_config.listed_mode): a SUB opened as the shim's is bound and closed again.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import zmq
+import zmq.asyncio
 
 from protocol.errors import ConfigError
 from protocol.zmq_endpoint import split_endpoint
 
-__all__ = ["IF_INET6", "NAME_GRACE_S", "UNBINDABLE", "BindFailures", "Diagnosis", "diagnose"]
+__all__ = ["IF_INET6", "NAME_GRACE_S", "UNBINDABLE", "BindFailures", "Diagnosis", "diagnose", "socket_for"]
 
 log = logging.getLogger(__name__)
 # The bind errors diagnosed here; any other is the caller's (EADDRINUSE: its own check).
@@ -53,6 +56,31 @@ class Diagnosis:
 
     outcome: Outcome
     why: str
+
+
+def socket_for(ctx: zmq.asyncio.Context, kind: int, address: str) -> zmq.asyncio.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    split = split_endpoint(address)
+    # Only then: a name would resolve to IPv6 first; an IPv4-mapped address opens as its IPv4, as the engine's does.
+    if split is not None and split.ipv6 and not split.ipv4_mapped:
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
+
+
+def _bind_error(address: str) -> zmq.ZMQError | None:
+    """Why a SUB opened as the shim's cannot bind `address` now, as ZMQ says it; None if it can (the
+    socket is closed again). Blocking: ZMQ resolves a name in the caller's thread."""
+    ctx = zmq.asyncio.Context()
+    sock = socket_for(ctx, zmq.SUB, address)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        return exc
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    return None
 
 
 async def diagnose(address: str, exc: zmq.ZMQError) -> Diagnosis:
@@ -141,17 +169,34 @@ class BindFailures:
     def bound(self) -> None:
         self._since = None
 
-    async def error(self, setting: str, endpoint: str, address: str, exc: zmq.ZMQError) -> Exception:
-        """What the session raises: a ConfigError (the shim exits 2), or a ConnectionError (the
-        next session tries again)."""
+    async def _judged(self, address: str, exc: zmq.ZMQError) -> Diagnosis:
+        """`diagnose`'s answer, a "grace" one final once binds have failed for grace_s."""
         now = self._clock()
         since = self._since = now if self._since is None else self._since
         found = await diagnose(address, exc)
+        if found.outcome == "grace" and now - since >= self.grace_s:
+            return Diagnosis("final", f"{found.why} (binds failed for {now - since:.0f} s)")
+        return found
+
+    async def probe(self, address: str) -> tuple[zmq.ZMQError, Diagnosis] | None:
+        """Whether the shim's SUB could bind `address` now: None if it can (which ends a run of
+        failures), else ZMQ's error and why, judged as a failed bind of the SUB's is. An errno not
+        diagnosed here (EADDRINUSE: another socket holds the address) is final."""
+        exc = await asyncio.to_thread(_bind_error, address)  # a name's lookup may take seconds
+        if exc is None:
+            self.bound()
+            return None
+        if exc.errno not in UNBINDABLE:
+            return exc, Diagnosis("final", "no later session changes that")
+        return exc, await self._judged(address, exc)
+
+    async def error(self, setting: str, endpoint: str, address: str, exc: zmq.ZMQError) -> Exception:
+        """What the session raises: a ConfigError (the shim exits 2), or a ConnectionError (the
+        next session tries again)."""
+        found = await self._judged(address, exc)
         said = f"the shim binds {address} (where the engine connects) and this host cannot ({exc}): {found.why}"
         if found.outcome == "final":
             return ConfigError(setting, endpoint, said)
-        if found.outcome == "grace" and now - since >= self.grace_s:
-            return ConfigError(setting, endpoint, f"{said} (binds failed for {now - since:.0f} s)")
         if found.why not in self._said:
             self._said.add(found.why)
             until = f", for up to {self.grace_s:g} s" if found.outcome == "grace" else ""

@@ -65,7 +65,7 @@ from protocol.zmq_endpoint import ZmqEndpoint, split_endpoint
 from runtime.turns import SLICE_S, Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_stamped
-from worker_shim.adapters.zmq_bind import UNBINDABLE, BindFailures
+from worker_shim.adapters.zmq_bind import UNBINDABLE, BindFailures, socket_for
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineEvent, EventSink, UnknownEngineEvent
 from worker_shim.event_health import EventHealth, EventProblem
@@ -148,16 +148,6 @@ def _ipv4_only_error(setting: str, given: str, port: int | None, reached: str, s
         f"would reach it at the IPv6 engine host of --engine-url ({reached}), where nothing answers: "
         f"give {flag}, or an --engine-url with the engine's IPv4 address",
     )
-
-
-def _socket_for(ctx: zmq.asyncio.Context, kind: int, address: str) -> zmq.asyncio.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    split = split_endpoint(address)
-    # Only then: a name would resolve to IPv6 first; an IPv4-mapped address opens as its IPv4, as the engine's does.
-    if split is not None and split.ipv6 and not split.ipv4_mapped:
-        sock.setsockopt(zmq.IPV6, 1)
-    return sock
 
 
 def resolve_endpoint(endpoint: str, mode: KvEventsMode, engine_host: str, engine: str) -> tuple[str, bool]:
@@ -247,7 +237,7 @@ class ZmqEventSource:
 
     async def run(self, sink: EventSink, live: asyncio.Event) -> None:
         ctx = self._ctx = zmq.asyncio.Context()
-        sub = self._sub = _socket_for(ctx, zmq.SUB, self.address)
+        sub = self._sub = socket_for(ctx, zmq.SUB, self.address)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         # Connection events: a peer that reconnects may be a restarted engine whose first batches
         # went out before the link was back, so every reconnection is checked against a replay; no
@@ -640,7 +630,7 @@ class ZmqEventSource:
         if self.replay_address is None or self._ctx is None:
             return None
         self.stats.replays += 1
-        dealer = _socket_for(self._ctx, zmq.DEALER, self.replay_address)
+        dealer = socket_for(self._ctx, zmq.DEALER, self.replay_address)
         out: list[tuple[int, bytes]] = []
         try:
             dealer.connect(self.replay_address)
