@@ -230,15 +230,15 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(name, value, "must be > 0")
-        if self.timing_profile is not None and self.timing_profile not in (names := profile_names()):
-            # the router would find no such table and predict nothing for this worker
-            raise ConfigError(
-                "timing_profile", self.timing_profile, "allowed values: " + ", ".join(names) + " (or unset)"
-            )
         if self.timing_profile is not None:
             try:  # the model the router builds from it: a malformed table fails there for every request
                 TimingModel.for_profile(self.timing_profile)
+            except ConfigError:  # KVSWITCH_PROFILE_DIR naming no directory: the variable's fault, not the flag's
+                raise
             except ValueError as exc:
+                # load_profile's own words: the known names for an unknown one (the router would find
+                # no such table), else the table's file and its fault. Until 2026-12-07 a table that
+                # does not parse names no profile, and read as "allowed values: ..." like an unknown name.
                 raise ConfigError("timing_profile", self.timing_profile, str(exc)) from exc
         if not 1 <= self.lease_ttl <= MAX_LEASE_TTL:  # etcd refuses a longer one at every grant
             raise ConfigError("lease_ttl", self.lease_ttl, f"must be in 1..{MAX_LEASE_TTL} (seconds)")

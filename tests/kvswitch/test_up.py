@@ -175,7 +175,7 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
     [
         (
             ["--agg", "1", "--profile", "nope"],
-            "kvswitch up: error: argument --profile: invalid choice: 'nope'",
+            "kvswitch up: invalid --profile = 'nope': unknown timing profile 'nope'; known: h200:llama-3.1-8b",
         ),
         (["--agg", "1", "--model", " "], "kvswitch up: --model must name the served model"),
         (["--agg", "1", "--lora-modules", "sim-llama=/a"], "kvswitch up: invalid --lora-modules"),
@@ -240,6 +240,22 @@ def test_the_longest_max_model_len_a_refusal_offers_is_accepted() -> None:
         _max_model_len_args(_up_args(["--agg", "1", "--max-model-len", "1000000"]))
     most = int(str(refused.value).rsplit("at most ", 1)[1])
     assert _max_model_len_args(_up_args(["--agg", "1", "--max-model-len", str(most)])) == ["--max-model-len", str(most)]
+
+
+def test_a_profile_table_that_does_not_parse_is_refused_naming_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until 2026-12-07 argparse's choices called it an invalid choice: a table that does not parse
+    names no profile, and the file and the JSON error went unsaid."""
+    from kvswitch.up import UpFlagError
+
+    (tmp_path / "mygpu.json").write_text('{"models": [{"model": "m1",\n "prefill": [}')
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
+    with pytest.raises(UpFlagError) as refused:
+        _spec(_up_args(["--agg", "1", "--profile", "mygpu:m1"]))
+    said = str(refused.value)
+    assert refused.value.code == 2 and said.startswith("kvswitch up: invalid --profile = 'mygpu:m1': "), said
+    assert f"timing table {tmp_path / 'mygpu.json'}: cannot read it: Expecting value: line 2 column 14" in said, said
 
 
 def _up_args(argv: list[str]) -> argparse.Namespace:

@@ -222,7 +222,7 @@ def test_the_shim_command_exits_2_naming_a_bad_endpoints_flag() -> None:
         ({"reregister_grace_s": float("inf")}, "finite"),
         ({"events_timeout_s": float("inf")}, "finite"),
         ({"busy_limit_s": float("inf")}, "finite"),
-        ({"timing_profile": "h100:llama"}, "allowed values: h200:llama-3.1-8b"),
+        ({"timing_profile": "h100:llama"}, "unknown timing profile 'h100:llama'; known: h200:llama-3.1-8b"),
     ],
 )
 def test_durations_and_the_timing_profile_are_checked(kw: dict[str, object], words: str) -> None:
@@ -241,6 +241,20 @@ def test_a_malformed_operator_timing_table_is_refused_at_start(tmp_path: Path, m
     said = str(err.value)
     assert err.value.setting == "timing_profile" and "--timing-profile" in said, said
     assert str(tmp_path / "mygpu.json") in said and "model 'm1'" in said and "`prefill`" in said, said
+
+
+def test_an_operator_timing_table_that_does_not_parse_is_refused_naming_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until 2026-12-07 it read as an unknown name, "allowed values: h200:llama-3.1-8b, ...": a table
+    that does not parse names no profile, and the file and the JSON error went unsaid."""
+    (tmp_path / "mygpu.json").write_text('{"models": [{"model": "m1",\n "prefill": [}')
+    monkeypatch.setenv("KVSWITCH_PROFILE_DIR", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        ShimConfig(model="m", kv_events="tcp://*:1", timing_profile="mygpu:m1").validate()
+    said = str(err.value)
+    assert err.value.setting == "timing_profile" and "allowed values" not in said, said
+    assert f"timing table {tmp_path / 'mygpu.json'}: cannot read it: Expecting value: line 2 column 14" in said, said
 
 
 def test_a_profile_dir_that_is_no_directory_is_refused_at_start(
