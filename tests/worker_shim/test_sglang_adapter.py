@@ -128,6 +128,23 @@ def test_limits_and_load() -> None:
     assert got.reused_tokens is None, "SGLang exports no reuse counter: the shim's credit check stays off"
 
 
+@pytest.mark.parametrize("field", ["page_size", "max_total_num_tokens"])
+@pytest.mark.parametrize("value", ["16", -16, 0, 16.5, 16.0, True, None], ids=repr)
+def test_a_limit_that_is_no_positive_integer_is_the_engines_protocol_error_naming_it(field: str, value: Any) -> None:
+    """Until 2026-12-07 a page_size of True registered a block size of 1, 0 or -16 crashed the
+    normaliser with a ValueError, and "16" or 16.0 (a max_total_num_tokens too) was read as not
+    reported. None (absent) is an engine that does not say: the flags stand in."""
+    info = {**json.loads((FIX / "get_server_info.json").read_text()), field: value}
+    if value is None:
+        lim = limits_from_server_info(info)
+        assert lim.kv_total_blocks is None and (lim.block_size is None) == (field == "page_size")
+        return
+    with pytest.raises(EngineError) as caught:
+        limits_from_server_info(info)
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert f"/get_server_info {field} is {value!r}, not a positive integer" in caught.value.message
+
+
 def test_kv_use_is_exact_so_a_long_decode_shows_progress() -> None:
     """SGLang's token_usage gauge is rounded to 0.01 (100,913 and 100,929 used tokens both read
     0.25): read from it, a lone decode 16 tokens on looked like no progress to the stall watchdog
@@ -441,8 +458,26 @@ async def _failing_generate(url: str, stream: bool) -> tuple[EngineError, list[l
         ({"output_ids": [11, 12], "meta_info": {"completion_tokens": 2, "prompt_tokens": "x"}}, "prompt_tokens is"),
         ({"output_ids": [11, 12], "meta_info": {"completion_tokens": -2}}, "completion_tokens is -2, not a count"),
         ({"output_ids": [], "meta_info": {"completion_tokens": 0}}, "completion_tokens went back from 1 to 0"),
+        (
+            {"output_ids": [11, 12], "meta_info": {"completion_tokens": 2, "prompt_tokens": -3}},
+            "/generate meta_info.prompt_tokens is -3, not a count",
+        ),
+        (
+            {"output_ids": [11, 12], "meta_info": {"completion_tokens": 2, "cached_tokens": -1}},
+            "/generate meta_info.cached_tokens is -1, not a count",
+        ),
     ],
-    ids=["completion_tokens", "output_ids", "output_id", "cached_tokens", "prompt_tokens", "negative", "backwards"],
+    ids=[
+        "completion_tokens",
+        "output_ids",
+        "output_id",
+        "cached_tokens",
+        "prompt_tokens",
+        "negative",
+        "backwards",
+        "negative-prompt",
+        "negative-cached",
+    ],
 )
 async def test_a_generate_event_with_a_badly_typed_field_is_the_engines_protocol_error_naming_it(
     streams: tuple[str, list[list[bytes]], list[dict[str, Any]]], bad: dict[str, Any], field: str
@@ -450,7 +485,8 @@ async def test_a_generate_event_with_a_badly_typed_field_is_the_engines_protocol
     """Until 2026-12-07 int() or len() raised ValueError or TypeError, answered as the shim's own
     500 `internal` with a traceback, and a string among the ids went on as a token id; a negative
     completion_tokens, or one below the count already folded, set the folder's count back, and the
-    next event's ids were sent again as new tokens."""
+    next event's ids were sent again as new tokens; a negative prompt_tokens or cached_tokens went on
+    in the leg's usage. The event's tokens are not sent."""
     url, answers, _ = streams
     event = b"data: " + json.dumps(bad).encode() + b"\n\n"
     answers.append([_event([11], None), event, _event([11, 12], "length"), b"data: [DONE]\n\n"])

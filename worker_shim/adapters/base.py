@@ -57,6 +57,7 @@ __all__ = [
     "LegRequest",
     "ModelCard",
     "OnOutput",
+    "engine_limit",
 ]
 
 PROBE_OUTPUT_TOKENS = 1  # serve_probe's max_tokens: one prefill step, no decoding
@@ -92,6 +93,18 @@ class EngineLimits:
     cache_dtype: str | None = None
     max_model_len: int | None = None
     prefix_caching: bool | None = None  # None: the engine does not say
+
+
+def engine_limit(value: object, field: str) -> int | None:
+    """A block size or capacity the engine reported as `field`: None (it does not say) or a positive
+    integer; EngineError (502 `engine_protocol`) naming the field otherwise. Until 2026-12-07 such
+    values passed unchecked: a string crashed the normaliser or was read as not reported, True
+    registered a block size of 1, and 0 or a negative a limit no engine has."""
+    if value is None:
+        return None
+    if type(value) is int and value > 0:
+        return value
+    raise EngineError(502, "engine_protocol", f"the engine's {field} is {value!r}, not a positive integer")
 
 
 @dataclass(slots=True, frozen=True)

@@ -50,7 +50,15 @@ import msgspec
 
 from protocol import Usage
 from protocol.messages import ENDPOINT_CHAT
-from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
+from worker_shim.adapters.base import (
+    EngineError,
+    EngineLimits,
+    EngineLoad,
+    LegOutcome,
+    LegRequest,
+    OnOutput,
+    engine_limit,
+)
 from worker_shim.adapters.http_engine import PROBE_TIMEOUT
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, error_from, pass_through_body, post_completion
 from worker_shim.adapters.zmq_events import ZmqEventsAdapter
@@ -78,14 +86,17 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
 def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
-    page = info.get("page_size")
-    tokens = info.get("max_total_num_tokens")
-    budget = info.get("chunked_prefill_size")
+    """EngineError naming `page_size` or `max_total_num_tokens` when either is there but no positive
+    integer (engine_limit): until 2026-12-07 True registered a block size of 1, 0 or a negative
+    crashed the normaliser with a ValueError, and a string was read as not reported."""
+    page = engine_limit(info.get("page_size"), "/get_server_info page_size")
+    tokens = engine_limit(info.get("max_total_num_tokens"), "/get_server_info max_total_num_tokens")
+    budget = info.get("chunked_prefill_size")  # -1: chunked prefill off, no per-step budget
     # The server's args: --disable-radix-cache (common on P/D decode workers) caches and publishes nothing.
     radix_off = info.get("disable_radix_cache")
     return EngineLimits(
-        block_size=page if isinstance(page, int) else None,
-        kv_total_blocks=tokens // page if isinstance(tokens, int) and isinstance(page, int) and page > 0 else None,
+        block_size=page,
+        kv_total_blocks=tokens // page if tokens is not None and page is not None else None,
         max_num_batched_tokens=budget if isinstance(budget, int) and budget > 0 else None,
         prefix_caching=not radix_off if isinstance(radix_off, bool) else None,
     )
@@ -217,6 +228,7 @@ class StreamFolder:
         elif not isinstance(ids, list):  # len() or slicing raised TypeError: the shim's 500 `internal`
             raise EngineError(502, "engine_protocol", f"a /generate event's output_ids is {ids!r}, not a list")
         done = self._completion_tokens(meta) or len(ids)
+        prompt, cached = _meta_count(meta, "prompt_tokens"), _meta_count(meta, "cached_tokens")
         new = list(ids[len(ids) - (done - self.sent) :]) if done > self.sent else []
         if not all(type(t) is int for t in new):
             raise EngineError(502, "engine_protocol", f"a /generate event's output_ids hold {new!r}, not token ids")
@@ -226,9 +238,9 @@ class StreamFolder:
         if isinstance(fr, dict):
             self.finish_reason = str(fr.get("type"))
         self.usage = Usage(
-            prompt_tokens=as_count(meta.get("prompt_tokens"), "/generate meta_info.prompt_tokens") or 0,
+            prompt_tokens=prompt or 0,
             completion_tokens=done,
-            cached_tokens=as_count(meta.get("cached_tokens"), "/generate meta_info.cached_tokens"),
+            cached_tokens=cached,
         )
         return new
 
@@ -236,13 +248,24 @@ class StreamFolder:
         """The event's count of the leg's output tokens; EngineError naming it when negative or below
         the count already folded. Until 2026-12-07 either was taken: -3 set `sent` to -3 and 3 after
         5 to 3, so the next event's ids were sliced from that count and sent again as new tokens."""
-        name = "/generate meta_info.completion_tokens"
-        done = as_count(meta.get("completion_tokens"), name)
-        if done is not None and done < 0:
-            raise EngineError(502, "engine_protocol", f"the engine's {name} is {done}, not a count")
+        done = _meta_count(meta, "completion_tokens")
         if done is not None and done < self.sent:
-            raise EngineError(502, "engine_protocol", f"the engine's {name} went back from {self.sent} to {done}")
+            raise EngineError(
+                502,
+                "engine_protocol",
+                f"the engine's /generate meta_info.completion_tokens went back from {self.sent} to {done}",
+            )
         return done
+
+
+def _meta_count(meta: dict[str, Any], name: str) -> int | None:
+    """A /generate event's meta_info count (as_count), None where absent; EngineError naming it when
+    negative. Until 2026-12-07 a negative prompt_tokens or cached_tokens went on in the leg's usage."""
+    field = f"/generate meta_info.{name}"
+    count = as_count(meta.get(name), field)
+    if count is not None and count < 0:
+        raise EngineError(502, "engine_protocol", f"the engine's {field} is {count}, not a count")
+    return count
 
 
 class SglangAdapter(ZmqEventsAdapter):
@@ -311,8 +334,7 @@ class SglangAdapter(ZmqEventsAdapter):
         self._say_loopback()
         limits = limits_from_server_info(info)
         self._kv_total = limits.kv_total_blocks
-        tokens = info.get("max_total_num_tokens")
-        self._kv_tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+        self._kv_tokens = info.get("max_total_num_tokens")  # None or a positive integer: checked just now
         return limits
 
     async def _check_kind(self) -> None:

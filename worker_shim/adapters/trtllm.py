@@ -32,7 +32,15 @@ import aiohttp
 import msgspec
 
 from protocol.messages import ENDPOINT_CHAT
-from worker_shim.adapters.base import EngineError, EngineLimits, EngineLoad, LegOutcome, LegRequest, OnOutput
+from worker_shim.adapters.base import (
+    EngineError,
+    EngineLimits,
+    EngineLoad,
+    LegOutcome,
+    LegRequest,
+    OnOutput,
+    engine_limit,
+)
 from worker_shim.adapters.http_engine import PROBE_TIMEOUT, HttpEngineAdapter
 from worker_shim.adapters.openai_http import ENDPOINT_PATHS, pass_through_body, post_completion
 from worker_shim.adapters.trtllm_events import TrtllmEventTracker, attention_dp_error
@@ -71,19 +79,10 @@ def limits_from_stats(stats: Any) -> EngineLimits:
     kv = s.get("kvCacheStats") if s else None
     if not isinstance(kv, dict):
         return EngineLimits()
-    return EngineLimits(block_size=_limit(kv, "tokensPerBlock"), kv_total_blocks=_limit(kv, "maxNumBlocks"))
-
-
-def _limit(kv: dict[str, Any], name: str) -> int | None:
-    """kvCacheStats' `name`, None or a positive integer; EngineError naming it otherwise. Until
-    2026-12-07 it passed unchecked: "32" crashed the normaliser with a TypeError, True registered a
-    block size of 1, and 0 or a negative a limit no engine has."""
-    value = kv.get(name)
-    if value is not None and (type(value) is not int or value <= 0):
-        raise EngineError(
-            502, "engine_protocol", f"the engine's kvCacheStats.{name} is {value!r}, not a positive integer"
-        )
-    return value
+    return EngineLimits(
+        block_size=engine_limit(kv.get("tokensPerBlock"), "kvCacheStats.tokensPerBlock"),
+        kv_total_blocks=engine_limit(kv.get("maxNumBlocks"), "kvCacheStats.maxNumBlocks"),
+    )
 
 
 def _number(kv: dict[str, Any], name: str) -> Any:
