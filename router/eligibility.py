@@ -9,10 +9,10 @@ while (first reason wins):
 - `repairing`: a gap, an unknown epoch, an impossible seq or a digest mismatch is being repaired;
 - `events_down`: its shim sees no KV events it should (wrong endpoint or topic, silent engine), so
   its index entries say nothing about its cache (WorkerInfo.events_ok or LoadReport.events_ok);
-- `block_size`: its block size is not its model's (the size most of the model's workers past
-  bootstrapping have; ties go to the worker registered first): prefix hashes of two block sizes
-  never match. A record with no shim behind it never bootstraps, so it cannot outvote the workers
-  that serve;
+- `block_size`: its block size is not its model's (router.fleet_vote: the size most of the
+  model's decode and agg workers past bootstrapping have; ties: the greater), so prefill workers
+  at odds are left out, never their decode pool: prefix hashes of two block sizes never match. A
+  record with no shim behind it never bootstraps, so it cannot outvote the workers that serve;
 - `silent`: no load report for 3 of its report periods (reports double as heartbeats), or none
   within 3 default periods of registering, counted only while this router's loop was awake to read
   one (a stall of its own left the reports unread in its socket: every worker read as silent);
@@ -39,8 +39,8 @@ while (first reason wins):
 
 `bad_record` is shown, never decided here: its etcd record was refused (router.worker_registry),
 so the worker is not registered at all. So is `context_conflict`: the worker is registered, but
-its max_model_len is not the one most of its model's workers register, and the registry routes
-it to no request (`WorkerRegistry.unrouted`).
+its max_model_len is not its model's (router.fleet_vote's rule, as for the block size), and the
+registry routes it to no request (`WorkerRegistry.unrouted`).
 
 `tokenizer` is not an exclusion but a per-request check: a text prompt needs the router's tokenizer
 to be the worker's (fingerprints equal); a token-id prompt needs no tokenizer.
@@ -64,6 +64,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.messages import WorkerInfo
+from router import fleet_vote
 from router.fleet_lines import NAMED_AT_MOST, FleetEpisodes, FleetLines, FleetLog
 from router.load_view import Liveness
 
@@ -288,9 +289,8 @@ class Eligibility:
     # --- reads ------------------------------------------------------------------------------------
 
     def block_sizes(self, infos: Iterable[WorkerInfo]) -> dict[str, int]:
-        """Each model's block size by this rule (ties: the worker registered first): the size its
-        prompts must be hashed at to match the workers that route."""
-        return model_block_sizes(infos, self._added, self._past_bootstrapping)
+        """Each model's block size (`model_block_sizes`), voted by the workers past bootstrapping."""
+        return model_block_sizes(infos, self._past_bootstrapping)
 
     def _past_bootstrapping(self, worker: str) -> bool:
         sync = self._sync_state(worker)
@@ -372,10 +372,11 @@ class Eligibility:
 
 
 def model_block_sizes(
-    infos: Iterable[WorkerInfo], added: dict[str, float], votes: Callable[[str], bool] = lambda worker: True
+    infos: Iterable[WorkerInfo], votes: Callable[[str], bool] = lambda worker: True
 ) -> dict[str, int]:
-    """Each model's block size: the one most of its voting workers have (those `votes(worker)`
-    says may; all of them when none may); a tie goes to the size of the one registered first."""
+    """Each model's block size by router.fleet_vote's rule (most of its decode and agg workers;
+    ties: the greater), counting only the workers `votes(worker)` says may (all of them when none
+    may): the size its prompts must be hashed at to match the workers that route."""
     by_model: dict[str, list[WorkerInfo]] = {}
     for info in infos:
         by_model.setdefault(info.model, []).append(info)
@@ -386,11 +387,8 @@ def model_block_sizes(
             out[model] = sizes.pop()
             continue
         voters = [i for i in group if votes(i.worker)] or group
-        counts = Counter(i.block_size for i in voters)
-        top = max(counts.values())
-        tied = {size for size, n in counts.items() if n == top}
-        first = min((i for i in voters if i.block_size in tied), key=lambda i: (added.get(i.worker, 0.0), i.worker))
-        out[model] = first.block_size
+        deciding = Counter(i.block_size for i in voters if fleet_vote.votes(i.role))
+        out[model] = fleet_vote.model_value(deciding, Counter(i.block_size for i in voters))
     return out
 
 

@@ -34,7 +34,7 @@ from protocol.config import RouterSettings
 from protocol.hashing import chain_salt, endpoint_key
 from router.calibration import Calibration
 from router.disagg import Disaggregator, RoutePlan
-from router.eligibility import Eligibility, Exclusion, name_few
+from router.eligibility import Eligibility, Exclusion, WorkerStatus, name_few
 from router.fleet_lines import FleetLog
 from router.ledger import BookingSink, Ledger, LocalSink
 from router.load_view import LoadView
@@ -116,6 +116,7 @@ class Planner:
         timer: Callable[[], float] = time.perf_counter,
         legacy_tokenizer: str | None = None,
         fleet_log: FleetLog | None = None,
+        unrouted: Callable[[str], Sequence[WorkerStatus]] = lambda model: (),
     ) -> None:
         """`calibration`: when given, candidates carry each worker's fitted timing (the owner feeds
         it every load report) and admission reads prefill rates from it. `timer` times the policy
@@ -123,11 +124,14 @@ class Planner:
         `legacy_tokenizer`: the router's tokenizer's fingerprint under the probes of before
         protocol.fingerprint.PROBES_SINCE; a worker refused text for advertising it is told to
         upgrade its shim, not to change the router's tokenizer. `fleet_log`: its router's, for the
-        lines of the parts it makes (router.fleet_lines)."""
+        lines of the parts it makes (router.fleet_lines). `unrouted(name)`: the registered workers a
+        request naming it would run on that `workers` leaves out (router.worker_registry: a
+        max_model_len not their model's), which a 503 for want of a worker names with why."""
         self.disagg = Disaggregator(
             settings, Selector(rng or random.Random()), TransferHealth(clock=clock, fleet_log=fleet_log), timer=timer
         )
         self._workers = workers
+        self._unrouted = unrouted
         self.index = index
         self.pending = pending
         self.view = view
@@ -163,6 +167,8 @@ class Planner:
     ) -> RequestContext:
         infos = self._serving(model)
         if not infos:
+            if left_out := [st.explain() for st in self._unrouted(model)]:
+                raise PlanError(503, f"no worker of model {model} can take the request now: {_reasons(left_out)}")
             raise PlanError(503, f"no worker is registered for model {model}")
         base = infos[0].model
         block_size = self.eligibility.block_sizes(infos).get(base, infos[0].block_size)
@@ -330,18 +336,18 @@ class Planner:
         ]
 
     def _no_decode_worker(self, ctx: RequestContext, infos: Sequence[WorkerInfo]) -> PlanError:
-        if not ctx.excluded:
+        # The registry's unrouted workers are registered too: "none is registered" would be false
+        # and hide the fix (a max_model_len not the model's, until 2026-12-07).
+        unrouted = [st.explain() for st in self._unrouted(ctx.model) if st.role != "prefill"]
+        left_out = [e for e in ctx.excluded if e["role"] != "prefill"] + unrouted
+        if not left_out:
             return PlanError(503, f"no decode or agg worker is registered for model {ctx.model}")
-        left_out = [e for e in ctx.excluded if e["role"] != "prefill"]
-        if left_out and all(e["excluded"] == "tokenizer" for e in left_out):  # no retry takes it
+        if all(e["excluded"] == "tokenizer" for e in left_out):  # no retry takes it
             decode = [i for i in infos if i.role != "prefill"]
             return PlanError(503, self.text_refusal(decode[0].model, decode), transient=False)
-        named, rest = name_few(left_out)
-        reasons = "; ".join(f"{e['worker']}: {e['excluded']} ({e['why']})" for e in named)
-        if rest:
-            by_reason = sorted(Counter(str(e["excluded"]) for e in rest).items())
-            reasons += f"; and {len(rest)} more ({', '.join(f'{k}: {n}' for k, n in by_reason)})"
-        return PlanError(503, f"no decode or agg worker of model {ctx.model} can take the request now: {reasons}")
+        return PlanError(
+            503, f"no decode or agg worker of model {ctx.model} can take the request now: {_reasons(left_out)}"
+        )
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -567,6 +573,7 @@ def standalone_planner(
     calibration: Calibration | None = None,
     timer: Callable[[], float] = time.perf_counter,
     legacy_tokenizer: str | None = None,
+    unrouted: Callable[[str], Sequence[WorkerStatus]] = lambda model: (),
 ) -> Planner:
     """A planner with its own pending prefixes, eligibility and ledger, for callers without a
     replica around it (benchmarks, the virtual-clock replay, tests). By default every worker is
@@ -588,9 +595,21 @@ def standalone_planner(
         calibration=calibration,
         timer=timer,
         legacy_tokenizer=legacy_tokenizer,
+        unrouted=unrouted,
     )
 
 
 def _longest(ctx: RequestContext) -> int:
     """Prompt tokens cached (or pending) on the decode candidate that holds the most of them."""
     return max(map(ctx.cached_tokens, ctx.decode_pool), default=0)
+
+
+def _reasons(left_out: Sequence[Mapping[str, Any]]) -> str:
+    """Why each worker in `left_out` (WorkerStatus.explain()s) takes no request, for a 503: the first
+    NAMED_AT_MOST named with theirs, the rest counted by reason."""
+    named, rest = name_few(left_out)
+    reasons = "; ".join(f"{e['worker']}: {e['excluded']} ({e['why']})" for e in named)
+    if rest:
+        by_reason = sorted(Counter(str(e["excluded"]) for e in rest).items())
+        reasons += f"; and {len(rest)} more ({', '.join(f'{k}: {n}' for k, n in by_reason)})"
+    return reasons

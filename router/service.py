@@ -451,6 +451,7 @@ class RouterService:
             calibration=self.calibration,
             legacy_tokenizer=self.fingerprints.legacy,
             fleet_log=self.fleet_log,
+            unrouted=self.unrouted,
         )
         self._ingest = KvIngest(
             self._kv_nc,

@@ -28,17 +28,20 @@ models aliasing it, exposed in `shadowed_aliases`, name -> the aliasing model ->
 too is said again only when the models it resolves to change.
 
 Workers of one model that disagree on `max_model_len` are a configuration error too: the model's
-context is the length most of its workers register (ties: the longest), and `workers()` leaves out
-the workers that register another (a worker that registers none is not counted and stays), so a
-request's `truncate_prompt_tokens: -1` resolves to the context of every worker it may go to, and no
-worker gets a prompt its engine refuses as too long for its context (`unrouted()` lists them, each
-with why, for the views of the fleet to show as excluded): an ERROR once per change of
-the lengths at odds or of the one served, exposed in `context_conflicts`, model -> length ->
-workers. Which workers register each length is no change: a rolling change of the fleet's length,
-one worker at a time, says it when it starts and when most workers have moved, not per worker.
-The reports keep every worker; the messages name eight per group and count the rest. Before,
-the least length of a model's workers resolved -1 for all of them: one worker registering 64 cut
-every such prompt to 63 tokens on its 32k peers too. `get()` still returns the worker's record as registered.
+context is the length most of its decode and agg workers register (ties: the longest; its prefill
+workers count only where it has none: router.fleet_vote, the block size's rule), and `workers()`
+leaves out the workers that register another (a worker that registers none is not counted and
+stays), so a request's `truncate_prompt_tokens: -1` resolves to the context of every worker it may
+go to, and no worker gets a prompt its engine refuses as too long for its context (`unrouted()`
+lists them, each with why, for the views of the fleet to show as excluded, and the planner's 503
+names them): an ERROR once per change of the lengths at odds or of the one served, exposed in
+`context_conflicts`, model -> the length served and the workers by length (`ContextConflict`).
+Which workers register each length is no change: a rolling change of the fleet's length, one
+worker at a time, says it when it starts and when most workers have moved, not per worker. The
+reports keep every worker; the messages name eight per group and count the rest. Before, the
+least length of a model's workers resolved -1 for all of them: one worker registering 64 cut every
+such prompt to 63 tokens on its 32k peers too. `get()` still returns the worker's record as
+registered.
 """
 
 from __future__ import annotations
@@ -57,13 +60,14 @@ from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
 from discovery.watch import keep_following
 from protocol import WorkerInfo, serving, subjects
 from protocol.messages import adapter_named, worker_info_problem
+from router import fleet_vote
 from router.eligibility import few_ids
 from router.fleet_lines import FleetLines, FleetLog
 from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, served_as, shadow_message
 from runtime import background
 
-__all__ = ["Refused", "WorkerRegistry", "context_message"]
+__all__ = ["ContextConflict", "Refused", "WorkerRegistry", "context_message"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,13 @@ class Refused(msgspec.Struct, frozen=True):
     name: str
     why: str
     info: WorkerInfo | None = None
+
+
+class ContextConflict(msgspec.Struct, frozen=True):
+    """Workers of one model that register different max_model_lens."""
+
+    served: int  # the model's length (router.fleet_vote); the workers registering another are not routed
+    workers: dict[int, list[str]]  # every length registered -> its workers, by id
 
 
 class WorkerRegistry:
@@ -117,7 +128,8 @@ class WorkerRegistry:
         self._of_model: dict[str, set[str]] = {}  # model -> its workers; the keys are the models registered
         self._sizes: dict[str, dict[int, set[str]]] = {}  # model -> block size -> workers
         self._lengths: dict[str, dict[int, set[str]]] = {}  # model -> max_model_len -> workers (those registering one)
-        self._context: dict[str, int | None] = {}  # model -> its max_model_len (_most_registered)
+        self._deciding: dict[str, dict[int, set[str]]] = {}  # as _lengths, its decode and agg workers alone
+        self._context: dict[str, int | None] = {}  # model -> its max_model_len (fleet_vote.model_value)
         self._naming: dict[str, set[str]] = {}  # name -> workers of another model with it as an alias or adapter
         self._routed: dict[str, WorkerInfo] = {}  # what workers() lists, unsorted
         self._unrouted: dict[str, WorkerInfo] = {}  # the rest of _workers: a max_model_len not their model's
@@ -130,7 +142,7 @@ class WorkerRegistry:
         self.block_size_conflicts: dict[str, set[int]] = {}
         self.name_clashes: Resolved = {}
         self.shadowed_aliases: Resolved = {}  # a model's own name served by another model's workers as an alias
-        self.context_conflicts: dict[str, dict[int, list[str]]] = {}  # model -> max_model_len -> workers
+        self.context_conflicts: dict[str, ContextConflict] = {}
         self.refused = 0  # records refused so far
         self._refusing: dict[str, Refused] = {}  # by key name, while its record is refused
         self._refused_lines = FleetLines(
@@ -260,7 +272,8 @@ class WorkerRegistry:
             (
                 info,
                 f"max_model_len {info.max_model_len}, but model {info.model} is served with "
-                f"{self._context[info.model]}, the length most of its workers register: a configuration error",
+                f"{self._context[info.model]}, the length most of its decode and agg workers register: a "
+                "configuration error",
             )
             for _, info in left
         ]
@@ -383,8 +396,8 @@ class WorkerRegistry:
             if model not in self._of_model:
                 del self._context[model]
                 continue
-            lengths = self._lengths.get(model, {})
-            context = _most_registered({n: len(ids) for n, ids in lengths.items()}) if lengths else None
+            lengths, deciding = self._lengths.get(model, {}), self._deciding.get(model, {})
+            context = _voted(deciding, lengths) if lengths else None
             if model in self._context and context != (was := self._context[model]):
                 # the workers registering the old context or the new one are routed no longer, or now
                 routing.update(*(lengths.get(n, ()) for n in (was, context) if n is not None))
@@ -401,6 +414,8 @@ class WorkerRegistry:
         self._sizes.setdefault(model, {}).setdefault(info.block_size, set()).add(worker)
         if info.max_model_len is not None:
             self._lengths.setdefault(model, {}).setdefault(info.max_model_len, set()).add(worker)
+            if fleet_vote.votes(info.role):
+                self._deciding.setdefault(model, {}).setdefault(info.max_model_len, set()).add(worker)
         for name in {*info.aliases, *info.adapters} - {model}:
             self._naming.setdefault(name, set()).add(worker)
 
@@ -410,6 +425,8 @@ class WorkerRegistry:
         _drop_under(self._sizes, model, info.block_size, worker)
         if info.max_model_len is not None:
             _drop_under(self._lengths, model, info.max_model_len, worker)
+            if fleet_vote.votes(info.role):
+                _drop_under(self._deciding, model, info.max_model_len, worker)
         for name in {*info.aliases, *info.adapters} - {model}:
             _drop(self._naming, name, worker)
 
@@ -458,9 +475,9 @@ class WorkerRegistry:
 
     def _check_contexts(self, models: set[str]) -> None:
         now = {
-            model: {n: sorted(ids) for n, ids in sorted(lengths.items())}
+            model: ContextConflict(served, {n: sorted(ids) for n, ids in sorted(lengths.items())})
             for model in models
-            if len(lengths := self._lengths.get(model, {})) > 1
+            if len(lengths := self._lengths.get(model, {})) > 1 and (served := self._context[model]) is not None
         }
         self.context_conflicts = _said(
             self.context_conflicts,
@@ -561,15 +578,18 @@ def _say_changes(
         log.warning("%s", again(key))
 
 
-def _most_registered(counts: Mapping[int, int]) -> int:
-    """The max_model_len most workers register, of `counts` (length -> workers); ties: the longest."""
-    return max(counts, key=lambda n: (counts[n], n))
+def _voted(deciding: Mapping[int, set[str]], every: Mapping[int, set[str]]) -> int:
+    """The max_model_len a model is served with (router.fleet_vote), of its workers by length:
+    `deciding`, its decode and agg workers'; `every`, all of theirs (not empty)."""
+    return fleet_vote.model_value(
+        {n: len(ids) for n, ids in deciding.items()}, {n: len(ids) for n, ids in every.items()}
+    )
 
 
-def _context_substance(workers: dict[int, list[str]]) -> tuple[frozenset[int], int]:
-    """What a context conflict is (`workers`: length -> worker ids): the lengths at odds and the one
-    the model is served with; which workers register each is not."""
-    return frozenset(workers), _most_registered({n: len(ids) for n, ids in workers.items()})
+def _context_substance(conflict: ContextConflict) -> tuple[frozenset[int], int]:
+    """What a context conflict is: the lengths at odds and the one the model is served with; which
+    workers register each is not."""
+    return frozenset(conflict.workers), conflict.served
 
 
 def _models_involved(by_model: dict[str, list[str]]) -> frozenset[str]:
@@ -577,14 +597,13 @@ def _models_involved(by_model: dict[str, list[str]]) -> frozenset[str]:
     return frozenset(by_model)
 
 
-def context_message(model: str, workers: dict[int, list[str]]) -> str:
-    """Why workers of `model` registering another max_model_len than most (`workers`: length ->
-    worker ids) are not routed."""
-    chosen = _context_substance(workers)[1]
-    left = "; ".join(f"{n} on {few_ids(ids)}" for n, ids in sorted(workers.items()) if n != chosen)
+def context_message(model: str, conflict: ContextConflict) -> str:
+    """Why workers of `model` registering another max_model_len than the model's are not routed."""
+    left = "; ".join(f"{n} on {few_ids(ids)}" for n, ids in sorted(conflict.workers.items()) if n != conflict.served)
     return (
-        f"workers of model {model} disagree on max_model_len: it is served with {chosen}, the length most "
-        f"register (ties: the longest), and the workers registering another are not routed ({left})"
+        f"workers of model {model} disagree on max_model_len: it is served with {conflict.served}, the length "
+        "most of its decode and agg workers register (ties: the longest; its prefill workers count only where "
+        f"it has none), and the workers registering another are not routed ({left})"
     )
 
 

@@ -40,11 +40,18 @@ def shadowed(infos: Iterable[WorkerInfo]) -> Resolved:
 
 
 def model_contexts(infos: Iterable[WorkerInfo]) -> dict[str, int | None]:
-    """Each model's max_model_len: the one most of its workers that register one register (ties:
-    the longest), None where none does."""
-    counts: dict[str, Counter[int]] = {}
+    """Each model's max_model_len: the one most of its decode and agg workers that register one
+    register, of all its workers that do where none of those does (ties: the longest), None where
+    none does."""
+    counts: dict[str, tuple[Counter[int], Counter[int]]] = {}
     for info in infos:
-        seen = counts.setdefault(info.model, Counter())
+        deciding, every = counts.setdefault(info.model, (Counter(), Counter()))
         if info.max_model_len is not None:
-            seen[info.max_model_len] += 1
-    return {model: max(seen, key=lambda n: (seen[n], n)) if seen else None for model, seen in counts.items()}
+            every[info.max_model_len] += 1
+            if info.role != "prefill":
+                deciding[info.max_model_len] += 1
+    out: dict[str, int | None] = {}
+    for model, (deciding, every) in counts.items():
+        seen = deciding or every
+        out[model] = max(seen, key=lambda n: (seen[n], n)) if seen else None
+    return out

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
-from protocol.messages import WorkerInfo
+from protocol.messages import Role, WorkerInfo
 from router.eligibility import Eligibility, Exclusion, model_block_sizes
 from router.load_view import Liveness
 
@@ -138,10 +139,46 @@ def test_the_minority_block_size_is_excluded_not_the_fleet(world: World) -> None
     assert "block size 32, but model m is served with 16" in statuses[0].detail
 
 
-def test_a_block_size_tie_goes_to_the_worker_registered_first() -> None:
-    infos = [info("late", 32), info("early", 16)]
-    assert model_block_sizes(infos, {"early": 1.0, "late": 2.0}) == {MODEL: 16}
-    assert model_block_sizes(infos, {"early": 3.0, "late": 2.0}) == {MODEL: 32}
+def test_a_block_size_tie_goes_to_the_greater_whatever_order_each_replica_saw_the_workers_in() -> None:
+    # Until 2026-12-07 it went to the worker this router saw first: two replicas of one fleet
+    # disagreed, one routing to the worker the other left out (neither said so).
+    verdicts = []
+    for order in (["w16", "w32"], ["w32", "w16"]):
+        replica = World()
+        for w in order:
+            replica.elig.added(w)
+            replica.report(w)
+            replica.now += 5.0
+        statuses = replica.elig.statuses([info("w16", 16), info("w32", 32)])
+        verdicts.append([(s.worker, s.exclusion, s.detail) for s in statuses])
+    assert verdicts[0] == verdicts[1]
+    assert verdicts[0][0][1] is Exclusion.BLOCK_SIZE and "served with 32" in verdicts[0][0][2]
+    assert verdicts[0][1][1] is None
+
+
+def of_role(name: str, block_size: int, role: Role) -> WorkerInfo:
+    return msgspec.structs.replace(info(name, block_size), role=role)
+
+
+def test_prefill_workers_at_another_block_size_are_left_out_never_their_decode_pool(world: World) -> None:
+    # Two prefill workers at 32 outvoted the decode worker at 16: it was excluded, and with it the
+    # model (every request a 503), for a fault of the prefill pool, which cannot serve alone.
+    for w in ("p1", "p2", "d1"):
+        world.report(w)
+    infos = [of_role("p1", 32, "prefill"), of_role("p2", 32, "prefill"), of_role("d1", 16, "decode")]
+    assert world.elig.block_sizes(infos) == {MODEL: 16}
+    p1, p2, d1 = world.elig.statuses(infos)
+    assert d1.routable, d1.detail
+    assert p1.exclusion is p2.exclusion is Exclusion.BLOCK_SIZE
+    assert p1.detail.startswith("block size 32, but model m is served with 16")
+    agg = of_role("a1", 32, "agg")  # an agg worker decides as a decode worker does: a tie, the greater
+    assert model_block_sizes([*infos, agg]) == {MODEL: 32}
+
+
+def test_a_model_with_prefill_workers_alone_is_voted_by_them() -> None:
+    # It serves no request either way; its views still say which prefill workers are at odds.
+    infos = [of_role("p1", 16, "prefill"), of_role("p2", 32, "prefill"), of_role("p3", 16, "prefill")]
+    assert model_block_sizes(infos) == {MODEL: 16}
 
 
 def test_the_tokenizer_is_a_per_request_check_not_an_exclusion(world: World) -> None:

@@ -342,6 +342,37 @@ async def test_a_model_with_only_prefill_workers_is_a_ready_warning(
     assert (await _ask(http, router, "ponly"))[0] == 503
 
 
+# --- F5b: prefill workers at odds with their decode pool -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prefill", "reason", "why"),
+    [
+        ({"block_size": 32}, "block_size", f"block size 32, but model {MODEL} is served with 16"),
+        ({"max_model_len": 2048}, "context_conflict", f"max_model_len 2048, but model {MODEL} is served with 4096"),
+    ],
+)
+async def test_prefill_workers_at_odds_with_their_decode_worker_are_left_out_and_it_serves(
+    cluster: Cluster, http: aiohttp.ClientSession, prefill: dict[str, Any], reason: str, why: str
+) -> None:
+    # The audit of 2026-12-07: prefill workers outnumbering the decode worker outvoted it on the
+    # model's block size (or max_model_len), so it was left out and every request was a 503 ("no
+    # decode or agg worker is registered", for the length) for a fault of the prefill pool alone.
+    d = await cluster.add_worker("decode", max_model_len=4096)
+    odd = [await cluster.add_worker("prefill", **{"max_model_len": 4096, **prefill}) for _ in range(3)]
+    router = await cluster.add_router(conditional_disagg=True)
+    await until(lambda: len(router.registry) == 4 and router.ingest.synced, what="every worker synced")
+    await until(lambda: router.ready, what="the router ready")
+    status, ready = await _get(http, router, "/ready")
+    assert status == 200 and ready["ready"] and ready["problems"] == [], ready
+    status_of = {w["worker"]: w for w in ready["worker_status"]}
+    assert d.id not in status_of  # routable: /ready names only those left out
+    assert all(status_of[p.id]["excluded"] == reason and status_of[p.id]["why"].startswith(why) for p in odd), ready
+    for i in range(3):
+        status, body = await _ask(http, router, MODEL, i)
+        assert status == 200, body
+
+
 # --- F6: replicas that route with different settings ----------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from router.calibration import unusable_profiles
 from router.eligibility import NAMED_AT_MOST, few_ids
 from router.service import RouterConfig, RouterService
 from router.tokenization import shim_predates_probes
-from router.worker_registry import context_message
+from router.worker_registry import ContextConflict, context_message
 
 IDS = [f"w{i:04d}" for i in range(1000)]
 
@@ -55,5 +55,5 @@ def test_unpaired_prefill_workers_of_a_whole_fleet_are_named_a_few() -> None:
 
 
 def test_a_context_conflict_of_a_whole_fleet_names_a_few_per_length() -> None:
-    said = context_message("m", {32768: IDS[:10], 8192: IDS[10:]})  # 8192 wins: most register it
+    said = context_message("m", ContextConflict(8192, {32768: IDS[:10], 8192: IDS[10:]}))  # most register 8192
     assert _named(said) == IDS[:NAMED_AT_MOST] and "and 2 more" in said

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from protocol import block_hashes
 from protocol.messages import LoadReport, Role, Stored, WorkerInfo
 from router.block_index import BlockIndex
+from router.eligibility import Exclusion, WorkerStatus
 from router.load_view import LoadView
 from router.planner import PlanError, Planner, standalone_planner
 from router.policies import Outcome, Path
@@ -39,7 +41,13 @@ def winfo(name: str, role: Role = "decode", **kw: object) -> WorkerInfo:
 
 
 class Fleet:
-    def __init__(self, *infos: WorkerInfo, sync: dict[str, tuple[str, str]] | None = None, **flat: object) -> None:
+    def __init__(
+        self,
+        *infos: WorkerInfo,
+        sync: dict[str, tuple[str, str]] | None = None,
+        unrouted: Sequence[WorkerStatus] = (),
+        **flat: object,
+    ) -> None:
         self.clock = Clock()
         self.infos = list(infos)
         self.index = BlockIndex()
@@ -54,6 +62,7 @@ class Fleet:
             rng=random.Random(0),
             sync_state=self.sync.get,
             tokenizer="builtin",
+            unrouted=lambda model: unrouted,
         )
         for i in infos:
             self.report(i.worker)
@@ -93,18 +102,45 @@ def test_a_503_names_eight_workers_and_counts_the_rest_by_reason() -> None:
 
 
 def test_a_block_size_tie_hashes_the_prompt_at_the_size_of_the_workers_that_route() -> None:
-    # One worker of each size: the one registered first sets the model's size (router.eligibility),
-    # and the prompt must be hashed at that size or its prefix never matches the routable worker.
-    f = Fleet(winfo("d2", block_size=32))
+    # One worker of each size: the greater sets the model's size (router.fleet_vote), whichever
+    # registered first (until 2026-12-07 the first did, as this router saw them), and the prompt
+    # must be hashed at that size or its prefix never matches the routable worker.
+    f = Fleet(winfo("d1", block_size=16))
     f.clock.now += 1.0
-    f.infos.append(winfo("d1", block_size=16))
-    f.planner.eligibility.added("d1")
+    f.infos.append(winfo("d2", block_size=32))
+    f.planner.eligibility.added("d2")
     f.report("d1")
     f.report("d2")
     ctx = f.ctx(list(range(64)))
     plan = f.planner.take(ctx)
     assert plan is not None and plan.decode.worker == "d2"
     assert ctx.block_size == 32 and len(ctx.hashes) == 2
+
+
+def test_a_503_for_want_of_a_decode_worker_names_those_the_registry_does_not_route() -> None:
+    # A decode worker left out for its max_model_len is registered: "none is registered" was false
+    # and hid the fix (until 2026-12-07).
+    why = "max_model_len 32768, but model m is served with 16384, the length most of its decode and agg workers"
+    odd = WorkerStatus("d1", MODEL, "decode", Exclusion.CONTEXT_CONFLICT, why, True)
+    f = Fleet(winfo("p1", "prefill"), unrouted=[odd, WorkerStatus("p2", MODEL, "prefill", odd.exclusion, why, True)])
+    with pytest.raises(PlanError) as err:
+        f.planner.take(f.ctx(list(range(64))))
+    assert (
+        err.value.message
+        == f"no decode or agg worker of model m can take the request now: d1: context_conflict ({why})"
+    )
+    alone = Fleet(unrouted=[odd])  # no worker of the model routed at all
+    with pytest.raises(PlanError) as err:
+        alone.ctx(list(range(64)))
+    assert err.value.message == f"no worker of model m can take the request now: d1: context_conflict ({why})"
+
+
+def test_a_prefill_worker_left_out_is_no_reason_for_want_of_a_decode_worker() -> None:
+    # It said "can take the request now: " and named none.
+    f = Fleet(winfo("p1", "prefill"), winfo("p2", "prefill"), sync={"p1": ("repairing", "gap")})
+    with pytest.raises(PlanError) as err:
+        f.planner.take(f.ctx(list(range(64))))
+    assert err.value.message == "no decode or agg worker is registered for model m"
 
 
 def test_unknown_model_is_a_503() -> None:

@@ -16,7 +16,7 @@ from protocol import WorkerInfo
 from protocol.config import EtcdSettings
 from router.lifecycle import PartStatus
 from router.served_names import clash_message, shadow_message
-from router.worker_registry import WorkerRegistry, context_message
+from router.worker_registry import ContextConflict, WorkerRegistry, context_message
 from tests.router.oracles import model_contexts, resolve_names, shadowed
 from tests.router.polling import until
 
@@ -156,8 +156,8 @@ async def test_workers_of_another_max_model_len_than_most_of_their_models_are_le
     assert reg.get(small.hex_id) is not None and reg.adapters() == {}  # registered, not routed
     assert [reg.max_model_len(m) for m in ("llama", "qwen")] == [None, 4096]
     assert reg.context_conflicts == {
-        "llama": {64: [small.hex_id], 32768: sorted(b.hex_id for b in big)},
-        "qwen": {2048: [tie[0].hex_id], 4096: [tie[1].hex_id]},
+        "llama": ContextConflict(32768, {64: [small.hex_id], 32768: sorted(b.hex_id for b in big)}),
+        "qwen": ContextConflict(4096, {2048: [tie[0].hex_id], 4096: [tie[1].hex_id]}),
     }
     errors = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
     assert len(errors) == 2 and "served with 32768" in errors[0] and f"64 on {small.hex_id}" in errors[0]
@@ -275,7 +275,7 @@ def test_a_rolling_change_of_the_fleet_says_each_conflict_once_not_per_worker(
     reg.apply(Snapshot(items={w: info(w, max_model_len=4096) for w in ids}, revision=1))
     for revision, w in enumerate(ids[:10], 2):  # half the fleet, one at a time, to a shorter length
         reg.apply(Put(w, info(w, max_model_len=2048), revision))
-    assert reg.context_conflicts == {"m": {2048: ids[:10], 4096: ids[10:]}}  # every worker, as before
+    assert reg.context_conflicts == {"m": ContextConflict(4096, {2048: ids[:10], 4096: ids[10:]})}  # every worker
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "served with 4096" in errors[0] and "2048 on w00" in errors[0], errors
     caplog.clear()
@@ -305,7 +305,7 @@ def test_a_third_length_joining_a_context_conflict_is_said_though_the_served_one
     assert len(errors) == 1 and "served with 4096" in errors[0], errors
     caplog.clear()
     reg.apply(Put("w01", info("w01", max_model_len=8192), 2))
-    assert reg.context_conflicts == {"m": {2048: ["w00"], 4096: ids[2:], 8192: ["w01"]}}
+    assert reg.context_conflicts == {"m": ContextConflict(4096, {2048: ["w00"], 4096: ids[2:], 8192: ["w01"]})}
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "served with 4096" in errors[0] and "8192 on w01" in errors[0], errors
     caplog.clear()
@@ -398,16 +398,18 @@ def whole_fleet(raw: dict[str, WorkerInfo]) -> tuple[list[WorkerInfo], dict[str,
         "block_size_conflicts": {m: s for m, s in sizes.items() if len(s) > 1},
         "shadowed_aliases": shadowed(infos),
         "name_clashes": {n: by for n, by in resolve_names(routed).items() if len(by) > 1},
-        "context_conflicts": {m: dict(sorted(by.items())) for m, by in lengths.items() if len(by) > 1},
+        "context_conflicts": {
+            m: ContextConflict(contexts[m] or 0, dict(sorted(by.items()))) for m, by in lengths.items() if len(by) > 1
+        },
     }
 
 
-def substance(attr: str, conflict: dict[Any, list[str]]) -> object:
+def substance(attr: str, conflict: Any) -> object:
     """What a reported conflict is, which a change of must be said again: a name's models (shadows,
-    clashes); a model's lengths at odds and the one it is served with, the length most register
-    (ties: the longest). Which workers take part is not."""
+    clashes); a model's lengths at odds and the one it is served with (model_contexts). Which
+    workers take part is not."""
     if attr == "context_conflicts":
-        return set(conflict), max(conflict, key=lambda n: (len(conflict[n]), n))
+        return set(conflict.workers), conflict.served
     return set(conflict)
 
 
@@ -442,6 +444,7 @@ def random_event(rng: random.Random, revision: int) -> WatchEvent[WorkerInfo]:
         return info(
             w if rng.random() > 0.03 else "w9",  # now and then a record naming another worker: refused
             model=rng.choice(["llama", "qwen", "mist"]),
+            role=rng.choice(["decode", "agg", "prefill", "prefill"]),  # prefill workers vote on nothing
             block_size=rng.choice([16, 16, 16, 32]),
             max_model_len=rng.choice([None, 4096, 4096, 8192, 2048]),  # three lengths: a conflict of several
             aliases=rng.sample(["llama", "qwen", "chat", "code"], rng.choice([0, 0, 1, 2])),
