@@ -27,6 +27,7 @@ from engine_sim.server import ServerStatus
 from protocol.errors import listen_error, try_listen
 from protocol.timing import DEFAULT_PROFILE, profile_names
 from runtime import tune_gc
+from runtime.fd_limit import raise_fd_limit
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -231,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     async def main(stop: asyncio.Event) -> int:
+        raise_fd_limit()  # a connection per leg of every shim, as vLLM raises its own
         fleet = SimFleet(config, count)
         try:
             await fleet.start()

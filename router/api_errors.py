@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from aiohttp import web
@@ -25,6 +25,9 @@ from router.leg import LegError
 from router.metrics import RouterMetrics
 from router.planner import PlanError
 from router.request_path import NO_WORKER_RETRY_S
+
+if TYPE_CHECKING:
+    from router.client_connections import ClientConnections
 
 __all__ = [
     "ApiError",
@@ -225,21 +228,43 @@ class _JsonErrorHandler(RequestHandler):
 
 
 class _JsonErrorServer(web.Server):
+    client_connections: ClientConnections | None = None  # FrontDoorRunner's: told of each connection
+
     def __call__(self) -> RequestHandler:
         return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        if self.client_connections is not None:
+            self.client_connections.made(handler)
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        if self.client_connections is not None:
+            self.client_connections.lost(handler)
 
 
 class FrontDoorRunner(web.AppRunner):
     """An AppRunner whose connections answer HTTP parse errors as OpenAI JSON (431, 414, 400), and
     close `lingering_s` after answering a request whose body was left unread (aiohttp's default
-    waits 10 s for the rest of it: a client that stopped sending would hold the connection)."""
+    waits 10 s for the rest of it: a client that stopped sending would hold the connection). Each
+    connection is told to `connections`, which caps them (router.client_connections)."""
 
-    def __init__(self, app: web.Application, *, lingering_s: float = 1.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        lingering_s: float = 1.0,
+        connections: ClientConnections | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(app, lingering_time=lingering_s, **kwargs)
+        self._client_connections = connections
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer  # aiohttp builds the Server itself; this only swaps its handler class
+        cast(_JsonErrorServer, server).client_connections = self._client_connections
         return server
 
 

@@ -41,6 +41,7 @@ from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
 from router.sender_budget import KvBudget
 from runtime import run_service, start_or_stop
+from runtime.fd_limit import raise_fd_limit
 
 if TYPE_CHECKING:
     from router.service import RouterService
@@ -369,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
         from router.service import RouterService
         from router.tokenization import TokenizerError
 
+        raise_fd_limit()  # a descriptor per client connection: router.client_connections caps them below it
         try:
             service = RouterService(config)
             services.append(service)

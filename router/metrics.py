@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -519,6 +519,26 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # router.client_connections: the front door's connections against its cap
+        self.client_connections = Gauge(
+            "kvswitch_router_client_connections",
+            "Client HTTP connections open now (the start door's included)",
+            registry=self.registry,
+        )
+        self.client_connections_cap = Gauge(
+            "kvswitch_router_client_connections_cap",
+            "The most client connections held at once: derived from the open-file limit at start",
+            registry=self.registry,
+        )
+        self.client_connections_shed = Counter(
+            "kvswitch_router_client_connections_shed",
+            "Connections shed at the cap: the connection idle longest closed for a new one (idle_closed), or, "
+            "none idle, the new one answered 503 and closed (refused)",
+            ["how"],
+            registry=self.registry,
+        )
+        for how in ("idle_closed", "refused"):
+            self.client_connections_shed.labels(how)
         self.registry.register(_StateCollector(state))
         # Labelled children bound once: `labels()` validates and locks on every call (~3 us).
         self._requests: dict[tuple[str, int], Counter] = {}

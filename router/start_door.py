@@ -35,8 +35,9 @@ from aiohttp import web
 
 from protocol.errors import bind_sockets, listen_error
 from router.api_errors import ApiError, FrontDoorRunner, json_response, openai_errors
+from router.client_connections import ClientConnections
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from runtime import LISTEN_BACKLOG
+from runtime.fd_limit import fd_limit
 
 __all__ = ["StartDoor"]
 
@@ -44,14 +45,14 @@ CLOSE_S = 1.0  # for the listener's connections to close once the drain is over
 _APP = web.RequestKey("kvswitch.app", web.Application)  # the app that read a request: its handler too
 
 
-def _listen(host: str, port: int) -> list[socket.socket]:
+def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
     """Listening sockets as asyncio's create_server makes them (protocol.errors.bind_sockets);
     ConfigError naming the flag when one cannot be had."""
     sockets: list[socket.socket] = []
     try:
         sockets = bind_sockets(host, port)
         for sock in sockets:
-            sock.listen(LISTEN_BACKLOG)
+            sock.listen(backlog)
             sock.setblocking(False)
     except OSError as exc:
         for sock in sockets:
@@ -64,8 +65,9 @@ class _Switch(FrontDoorRunner):
     """One server whose requests go to the door's app until `to(app)`, then to `app`: each request
     to the app current when it was read, a connection opened before the switch included."""
 
-    def __init__(self, door: web.Application, **kwargs: Any) -> None:
-        super().__init__(door, **kwargs)
+    def __init__(self, door: web.Application, *, connections: ClientConnections, **kwargs: Any) -> None:
+        super().__init__(door, connections=connections, **kwargs)
+        self._capped = connections
         self._now = door
         self._then: web.Application | None = None
 
@@ -90,6 +92,9 @@ class _Switch(FrontDoorRunner):
         return request
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        refusal = self._capped.on_request(request.protocol)
+        if refusal is not None:  # a connection past the cap: router.client_connections
+            return refusal
         return await request[_APP]._handle(request)  # type: ignore[arg-type]
 
     async def shutdown(self) -> None:
@@ -129,7 +134,8 @@ class StartDoor:
 
     async def open(self) -> str:
         """Listens and answers; the URL of the first address (a wildcard host as it is bound)."""
-        sockets = _listen(self.host, self.port)
+        connections = ClientConnections(fd_limit(), self._metrics)
+        sockets = _listen(self.host, self.port, connections.backlog)
         app = web.Application(middlewares=[openai_errors(self._metrics)])
         app.router.add_get("/health", self._on_health)
         app.router.add_get("/ready", self._on_ready)
@@ -139,6 +145,7 @@ class StartDoor:
         # is the router's (http_api.Drain); aiohttp's own waits twice its timeout per connection.
         self._runner = runner = _Switch(
             app,
+            connections=connections,
             handler_cancellation=True,
             shutdown_timeout=CLOSE_S,
             access_log=None,
@@ -147,7 +154,7 @@ class StartDoor:
         try:
             await runner.setup()
             for sock in sockets:
-                await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
+                await web.SockSite(runner, sock, backlog=connections.backlog).start()
         except BaseException:
             for sock in sockets:  # those a site holds are closed again by close(): no harm
                 sock.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import resource
 import sys
 from typing import Any
 
@@ -29,7 +28,7 @@ from protocol.config import (
 )
 from worker_shim.config import ENGINES, KV_EVENTS_MODES, ROLES, ShimConfig
 
-__all__ = ["add_arguments", "raise_fd_limit", "run"]
+__all__ = ["add_arguments", "run"]
 
 log = logging.getLogger("kvswitch.shim")
 _SHIM_FLAGS: list[tuple[str, type, str]] = [
@@ -135,23 +134,6 @@ def resolve_settings(args: argparse.Namespace) -> tuple[ShimConfig, NatsSettings
     return shim, nats, etcd
 
 
-def raise_fd_limit() -> None:
-    """Raise the soft open-file limit to the hard one, as vLLM raises its own (set_ulimit): each
-    leg in flight holds a connection to the engine, and a common default (1024 under systemd) is
-    below what one engine serves at once."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    # An unlimited hard limit (macOS) takes no unlimited soft one: ask for vLLM's number.
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65535)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
-        else:
-            # DEBUG: a refused config must stay one line; kvswitch_shim_max_inflight_legs shows the outcome.
-            log.debug("open-file limit raised from %d to %d (the hard limit)", soft, target)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         shim_cfg, nats, etcd = resolve_settings(args)
@@ -160,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from discovery import DiscoveryError
     from runtime import run_service, start_or_stop
+    from runtime.fd_limit import raise_fd_limit
     from worker_shim.shim import WorkerShim
 
     shims: list[WorkerShim] = []  # the one shim, once made: on_abort revokes its lease

@@ -18,12 +18,13 @@ from aiohttp import web
 
 from protocol import ConfigError, subjects
 from protocol.config import EtcdSettings, NatsSettings
+from runtime.fd_limit import raise_fd_limit
 from tests.worker_shim.cluster import connect, wait_for
 from tests.worker_shim.test_request_service import Collector, gen
 from worker_shim import ShimConfig, WorkerShim
 from worker_shim.adapters.base import EngineHealth
 from worker_shim.adapters.vllm import VllmAdapter
-from worker_shim.cli import add_arguments, raise_fd_limit, resolve_settings
+from worker_shim.cli import add_arguments, resolve_settings
 from worker_shim.metrics import render_metrics
 from worker_shim.request_service import FD_RESERVE, leg_cap
 
