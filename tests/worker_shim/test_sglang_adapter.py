@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from protocol import ConfigError, SamplingParams, Stored, block_hashes
+from protocol import ConfigError, SamplingParams, Stored, Usage, block_hashes
 from protocol.hashing import chain_salt
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from protocol.vllm_events import decode_pub_frames
@@ -349,6 +349,68 @@ def test_a_completion_count_that_goes_back_sends_no_token_twice() -> None:
     assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
     assert "meta_info.completion_tokens went back from 3 to 2" in caught.value.message
     assert folder.token_ids == [1, 2, 3] and folder.usage.completion_tokens == 3
+
+
+def test_output_ids_that_go_back_with_no_count_send_no_token_twice() -> None:
+    """len(output_ids) stands in for a missing count: [1] after 3 tokens set the folder's count to 1
+    until 2026-12-07, and the next [1, 2, 3, 4] sent [2, 3, 4], tokens 2 and 3 twice."""
+    folder = StreamFolder()
+    assert folder.fold({"output_ids": [1, 2, 3], "meta_info": {"completion_tokens": 3}}) == [1, 2, 3]
+    with pytest.raises(EngineError) as caught:
+        folder.fold({"output_ids": [1]})
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert "no meta_info.completion_tokens has 1 output_ids, fewer than the 3 tokens" in caught.value.message
+    assert folder.token_ids == [1, 2, 3] and folder.usage.completion_tokens == 3
+
+
+# SGLang's TokenizerManager._handle_abort_req, for any request aborted in the waiting queue.
+ABORT_BEFORE_PREFILL = {
+    "text": "",
+    "meta_info": {
+        "id": "r",
+        "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+    },
+}
+
+
+@pytest.mark.parametrize("count", [0, None], ids=["zero", "missing"])
+def test_an_abort_with_no_count_after_tokens_keeps_the_folded_count(count: int | None) -> None:
+    """A request retracted to the waiting queue after it streamed, then aborted there, ends with
+    "Abort before prefill" and counts of 0: until 2026-12-07 a 502 "went back from 3 to 0"."""
+    abort = json.loads(json.dumps(ABORT_BEFORE_PREFILL))
+    if count is None:
+        del abort["meta_info"]["completion_tokens"]
+    folder = StreamFolder()
+    meta = {"completion_tokens": 3, "prompt_tokens": 5, "cached_tokens": 2}
+    assert folder.fold({"output_ids": [1, 2, 3], "meta_info": meta}) == [1, 2, 3]
+    assert folder.fold(abort) == []
+    assert (folder.finish_reason, folder.token_ids) == ("abort", [1, 2, 3])
+    assert folder.usage == Usage(prompt_tokens=5, completion_tokens=3, cached_tokens=2)
+
+
+def test_an_abort_whose_count_goes_back_is_still_the_engines_protocol_error() -> None:
+    folder = StreamFolder()
+    folder.fold({"output_ids": [1, 2, 3], "meta_info": {"completion_tokens": 3}})
+    with pytest.raises(EngineError, match="completion_tokens went back from 3 to 2"):
+        folder.fold({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2, "finish_reason": {"type": "abort"}}})
+
+
+async def test_a_streamed_leg_aborted_after_tokens_ends_with_abort_and_its_tokens(
+    streams: tuple[str, list[list[bytes]], list[dict[str, Any]]],
+) -> None:
+    url, answers, _ = streams
+    abort = b"data: " + json.dumps(ABORT_BEFORE_PREFILL).encode() + b"\n\n"
+    answers.append([_event([11, 12], None), abort, b"data: [DONE]\n\n"])
+    adapter = SglangAdapter(ShimConfig(engine="sglang", model="m", engine_url=url, kv_events="tcp://127.0.0.1:9"))
+    await adapter.open()
+    try:
+        outcome = await adapter.generate(LegRequest("r", "m", [1, 2, 3], SamplingParams(max_tokens=8)), _ignore)
+    finally:
+        await adapter.close()
+    assert (outcome.finish_reason, outcome.token_ids) == ("abort", [11, 12])
+    assert (outcome.usage.prompt_tokens, outcome.usage.completion_tokens) == (3, 2)
 
 
 def _event(ids: list[int], finish: str | None) -> bytes:

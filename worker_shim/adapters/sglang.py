@@ -227,9 +227,19 @@ class StreamFolder:
             ids = []
         elif not isinstance(ids, list):  # len() or slicing raised TypeError: the shim's 500 `internal`
             raise EngineError(502, "engine_protocol", f"a /generate event's output_ids is {ids!r}, not a list")
+        if self._uncounted_abort(meta, ids):
+            self.finish_reason = "abort"  # the count and usage folded so far stand
+            return []
         done = self._completion_tokens(meta) or len(ids)
         prompt, cached = _meta_count(meta, "prompt_tokens"), _meta_count(meta, "cached_tokens")
         new = list(ids[len(ids) - (done - self.sent) :]) if done > self.sent else []
+        if done < self.sent:  # no count: len(output_ids) stood in, and the next event's ids would go again
+            raise EngineError(
+                502,
+                "engine_protocol",
+                f"a /generate event with no meta_info.completion_tokens has {len(ids)} output_ids, fewer "
+                f"than the {self.sent} tokens already folded",
+            )
         if not all(type(t) is int for t in new):
             raise EngineError(502, "engine_protocol", f"a /generate event's output_ids hold {new!r}, not token ids")
         self.sent = done
@@ -243,6 +253,19 @@ class StreamFolder:
             cached_tokens=cached,
         )
         return new
+
+    def _uncounted_abort(self, meta: dict[str, Any], ids: list[Any]) -> bool:
+        """Whether the event is an abort whose zero or missing count is not the leg's: SGLang's
+        _handle_abort_req ends any request aborted in its waiting queue, one retracted there after
+        tokens streamed too, with "Abort before prefill", no output_ids and counts of 0. Until
+        2026-12-07 that 0 after tokens was a 502 "went back" (before 65cca9f, the leg's usage)."""
+        finish, count = meta.get("finish_reason"), meta.get("completion_tokens")
+        return (
+            isinstance(finish, dict)
+            and finish.get("type") == "abort"
+            and (count is None or (type(count) is int and count == 0))
+            and len(ids) <= self.sent
+        )
 
     def _completion_tokens(self, meta: dict[str, Any]) -> int | None:
         """The event's count of the leg's output tokens; EngineError naming it when negative or below
