@@ -112,8 +112,9 @@ async def listed_mode(
     shim binds it) or a `tcp://*:0` the engine bound (this host cannot bind it): the second is a
     ConfigError naming --kv-events-mode, since only the operator knows. A bind that fails for now
     (zmq_bind's diagnosis, `binds` its run of failures: a tentative IPv6 address, a name that does
-    not resolve yet) is a ConnectionError, and the next session looks again: until 2026-12-07 any
-    failed bind was a ConfigError, the shim's exit 2."""
+    not resolve yet, a port a connection holds) is a BindPending, its cause said once at WARNING
+    naming --kv-events-mode, and the next session looks again: until 2026-12-07 any failed bind was
+    a ConfigError, the shim's exit 2."""
     if mode != "auto":
         return mode
     if given is not None:
@@ -125,10 +126,8 @@ async def listed_mode(
         return "bind"
     exc, found = failed
     if found.outcome != "final":
-        raise ConnectionError(
-            f"the engine at {engine_url} lists its KV events at {listed}, which this host cannot bind yet "
-            f"({exc}): {found.why}: trying again in the next session"
-        )
+        said = f"the engine at {engine_url} lists its KV events at {listed}, which this host cannot bind yet ({exc})"
+        raise binds.pending("kv_events_mode", mode, f"{said}: {found.why}", found)
     raise ConfigError(
         "kv_events_mode",
         mode,

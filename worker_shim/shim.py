@@ -79,7 +79,7 @@ from worker_shim.adapters import (
     make_adapter,
 )
 from worker_shim.adapters.base import LegRequest
-from worker_shim.adapters.zmq_bind import BindFailures
+from worker_shim.adapters.zmq_bind import BindFailures, BindPending
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.endpoint_probe import EndpointProbe
@@ -482,6 +482,11 @@ class WorkerShim:
                     failed = 0
                 except ConfigError:
                     raise
+                except BindPending as exc:
+                    # A listed endpoint this host cannot bind yet: its cause was said once, naming the
+                    # setting; each session's line is as a --kv-events bind's (_wait_live).
+                    log.warning("the session does not start: %s", exc)
+                    await self._rest(self.config.health_interval_s)
                 except Exception as exc:
                     # Say it, then start over as after an engine restart: a NATS flush that timed
                     # out or an engine's odd answer must not end the process with a traceback.
@@ -494,15 +499,19 @@ class WorkerShim:
                     trace = None if isinstance(exc, EngineError | _TaskCrashed) else exc
                     log.error("the session with the engine at %s failed: %r; a new one starts in %.1fs",
                               self.config.engine_url, exc, wait, exc_info=trace)  # fmt: skip
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(wait):
-                            await self._stopping.wait()
+                    await self._rest(wait)
         except ConfigError as exc:
             log.error("shim cannot serve this engine: %s", exc)
             self.failure = exc
             self.status = ShimStatus.FAILED
         finally:
             self.done.set()
+
+    async def _rest(self, wait: float) -> None:
+        """`wait` seconds before the next session, or less if the shim stops."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                await self._stopping.wait()
 
     def _say_once(self, level: int, message: str, *args: object) -> None:
         text = message % args

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import socket
 import struct
 from pathlib import Path
@@ -25,7 +26,7 @@ from protocol import ConfigError
 from tests.worker_shim.cluster import engine_set, shim_for, sim_config, wait_for
 from tests.worker_shim.test_zmq_endpoints import needs_ipv6
 from worker_shim.adapters import zmq_bind
-from worker_shim.adapters.zmq_bind import NAME_GRACE_S, BindFailures
+from worker_shim.adapters.zmq_bind import NAME_GRACE_S, BindFailures, BindPending
 from worker_shim.kv_events_config import listed_mode
 
 URL = "http://127.0.0.1:8000"
@@ -71,6 +72,22 @@ async def test_a_concrete_address_this_host_cannot_bind_is_refused_naming_the_fl
     assert "Give --kv-events-mode connect" in str(caught.value) and listed in str(caught.value)
     said = "Address already in use" if held else "no interface of this host has 192.0.2.1"
     assert said in str(caught.value), caught.value
+
+
+async def test_a_listed_port_a_connection_holds_is_looked_at_again() -> None:
+    """A connection's local port (open, or in TIME_WAIT for a minute) fails the bind with the
+    EADDRINUSE of a listener's, and frees itself: the shim's own bind tries again there, and since
+    2026-12-07 so does the look at a listed one (c50eac9 made it final, exit 2)."""
+    with socket.socket() as listener, socket.socket() as held:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        held.bind(("127.0.0.1", 0))
+        held.connect(listener.getsockname())
+        listed = f"tcp://127.0.0.1:{held.getsockname()[1]}"
+        with pytest.raises(BindPending) as caught:
+            await listed_mode(listed, None, "auto", URL, BindFailures())
+    assert f"lists its KV events at {listed}, which this host cannot bind yet" in str(caught.value)
+    assert "a connection's local port (not a listener's), which frees itself" in str(caught.value)
 
 
 def _resolving(monkeypatch: pytest.MonkeyPatch, host: str, code: int) -> None:
@@ -227,42 +244,92 @@ async def test_a_shim_whose_event_address_is_no_address_of_this_host_exits_namin
     assert shim.registration_count == 0 and shim.session_failures == 0
 
 
-async def test_a_shim_whose_event_name_resolves_late_tries_again_and_registers_once_it_does(
-    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # libzmq fails the bind of a name it cannot resolve yet with "No such device", as for one that
-    # never will: 61acade exited 2 at 0.0 s where the code before registered 2.4 s later (review's
-    # LD_PRELOAD run, the name resolving after 2 s). Here ZMQ and getaddrinfo both fail the name
-    # (temporarily, EAI_AGAIN) until `resolved`, then give 127.0.0.1, where the engine connects.
-    port = free_ports(1)
-    resolved = False
+def _resolving_late(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """libzmq fails the bind of a name it cannot resolve yet with "No such device", as for one that
+    never will. Here ZMQ and getaddrinfo both fail `late-engine` (temporarily, EAI_AGAIN) until the
+    flag returned is set, then give 127.0.0.1."""
+    resolved = [False]
     real_bind, real_getaddrinfo = zmq.asyncio.Socket.bind, socket.getaddrinfo
 
     def bind(sock: zmq.asyncio.Socket, addr: str) -> Any:
         if "late-engine" in addr:
-            if not resolved:
+            if not resolved[0]:
                 raise zmq.ZMQError(errno.ENODEV)
             addr = addr.replace("late-engine", "127.0.0.1")
         return real_bind(sock, addr)
 
     def getaddrinfo(host: object, *args: Any, **kwargs: Any) -> Any:
         if host == "late-engine":
-            if not resolved:
+            if not resolved[0]:
                 raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
             host = "127.0.0.1"
         return real_getaddrinfo(host, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(zmq.asyncio.Socket, "bind", bind)
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return resolved
+
+
+async def test_a_shim_whose_event_name_resolves_late_tries_again_and_registers_once_it_does(
+    ns: str, nats_url: str, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 61acade exited 2 at 0.0 s where the code before registered 2.4 s later (review's LD_PRELOAD
+    # run, the name resolving after 2 s). The engine connects to 127.0.0.1.
+    port = free_ports(1)
+    resolved = _resolving_late(monkeypatch)
     kv = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}")
     async with SimServer(sim_config(kv_events=kv)) as sim:
         shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=f"tcp://late-engine:{port}", kv_events_mode="bind")
         async with shim:
             await asyncio.sleep(1.5)  # a second session's bind too
             assert not shim.done.is_set() and shim.registration_count == 0, shim.failure
-            resolved = True
+            resolved[0] = True
             await wait_for(shim.registered.is_set, 10, "the shim registers once the name resolves")
     assert shim.failure is None
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["kv-events", "listed"])
+async def test_a_late_name_is_said_once_naming_its_setting_and_each_session_without_a_traceback(
+    listed: bool,
+    ns: str,
+    nats_url: str,
+    etcd_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Given, or listed by vLLM (`tcp://late-engine:P`, the shim started with no endpoint), alike:
+    one WARNING naming the setting, then one a session. Until 2026-12-07 the listed one was an
+    ERROR with its traceback every session, counted as a session no rule expected."""
+    port = free_ports(1)
+    resolved = _resolving_late(monkeypatch)
+    kv = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}")
+    async with SimServer(sim_config(kv_events=kv)) as sim:
+        if listed:
+            sources = sim.event_sources
+
+            def late() -> dict[str, dict[str, Any]]:
+                out = sources()
+                out["0"]["endpoint"] = f"tcp://late-engine:{port}"
+                return out
+
+            monkeypatch.setattr(sim, "event_sources", late)
+        given = {"kv_events": None, "kv_replay": None} if listed else {"kv_events": f"tcp://late-engine:{port}"}
+        shim = shim_for(sim, ns, nats_url, etcd_url, kv_events_mode="auto", **given)
+        with caplog.at_level(logging.INFO, logger="worker_shim"):
+            async with shim:
+                await asyncio.sleep(1.5)  # sessions enough to say it twice
+                assert not shim.done.is_set() and shim.registration_count == 0, shim.failure
+                resolved[0] = True
+                await wait_for(shim.registered.is_set, 10, "the shim registers once the name resolves")
+    assert shim.failure is None and shim.session_failures == 0
+    setting = "kv_events_mode auto" if listed else f"kv_events tcp://late-engine:{port}"
+    said = [r for r in caplog.records if "trying again each session" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING], said
+    assert said[0].getMessage().startswith(f"{setting}: "), said[0].getMessage()
+    assert "the name late-engine does not resolve for now" in said[0].getMessage()
+    sessions = [r for r in caplog.records if "trying again in the next session" in r.getMessage()]
+    assert len(sessions) >= 2 and {r.levelno for r in sessions} == {logging.WARNING}, sessions
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
 
 
 async def test_a_shim_whose_event_port_a_connection_holds_tries_again_and_registers_once_it_is_freed(

@@ -12,14 +12,17 @@ EADDRNOTAVAIL. So on either the shim asks the host itself:
   else (no such name, IPv6 addresses only, addresses no interface has): try again, and a
   ConfigError once binds have failed for NAME_GRACE_S (a record may appear seconds after the pod).
 EINVAL is final at once: after the shim's validation of the endpoint it has no cause that passes.
-Each case is said once at WARNING, naming the setting; the session failure itself each session.
-`BindFailures.probe` asks the same before the shim takes a side of the endpoint vLLM lists
-(kv_events_config.listed_mode): a SUB opened as the shim's is bound and closed again.
+EADDRINUSE is another socket's port (`in_use`): a listener's is final (no new session frees it),
+a connection's (open, or in TIME_WAIT for a minute) frees itself.
+Each case is said once at WARNING, naming the setting; the session failure (BindPending, no
+traceback) each session. `BindFailures.probe` asks the same before the shim takes a side of the
+endpoint vLLM lists (kv_events_config.listed_mode): a SUB opened as the shim's is bound and closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -35,16 +38,27 @@ import zmq.asyncio
 from protocol.errors import ConfigError
 from protocol.zmq_endpoint import split_endpoint
 
-__all__ = ["IF_INET6", "NAME_GRACE_S", "UNBINDABLE", "BindFailures", "Diagnosis", "diagnose", "socket_for"]
+__all__ = [
+    "IF_INET6",
+    "NAME_GRACE_S",
+    "UNBINDABLE",
+    "BindFailures",
+    "BindPending",
+    "Diagnosis",
+    "diagnose",
+    "in_use",
+    "socket_for",
+]
 
 log = logging.getLogger(__name__)
-# The bind errors diagnosed here; any other is the caller's (EADDRINUSE: its own check).
+# The bind errors `diagnose` reads; any other is the caller's (EADDRINUSE: `in_use`).
 UNBINDABLE = (errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL)
 # How long a name's binds may fail before the shim exits 2: a DNS record of a new pod or service
 # appears within seconds; a typo never does.
 NAME_GRACE_S = 15.0
 IF_INET6 = "/proc/net/if_inet6"  # Linux: address, ifindex, prefix, scope, flags, name
 _TENTATIVE, _DADFAILED = 0x40, 0x08  # IFA_F_TENTATIVE, IFA_F_DADFAILED (linux/if_addr.h)
+LISTENER_CHECK_S = 0.5  # a local listener answers a connect at once; this only bounds a firewalled host
 _FIX = "Run the shim where the engine's PUB connects, or give --kv-events-mode connect if the engine binds it"
 
 Outcome = Literal["final", "grace", "again"]
@@ -56,6 +70,11 @@ class Diagnosis:
 
     outcome: Outcome
     why: str
+
+
+class BindPending(ConnectionError):
+    """A bind a later session may make: BindFailures said its cause once at WARNING, naming the
+    setting, so each session's failure is said at WARNING with no traceback."""
 
 
 def socket_for(ctx: zmq.asyncio.Context, kind: int, address: str) -> zmq.asyncio.Socket:
@@ -97,6 +116,29 @@ async def diagnose(address: str, exc: zmq.ZMQError) -> Diagnosis:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return _address(str(ip.ipv4_mapped), ip.ipv4_mapped)
     return _address(split.host, ip)
+
+
+async def in_use(address: str) -> Diagnosis:
+    """Why a bind of `address` failed with EADDRINUSE, and whether a later one may work."""
+    if await _listened_on(address):
+        return Diagnosis("final", "another process listens there")
+    return Diagnosis("again", "a connection's local port (not a listener's), which frees itself")
+
+
+async def _listened_on(address: str) -> bool:
+    """Whether a TCP listener answers at `address` (`tcp://host:port`; a wildcard host is this one)."""
+    split = split_endpoint(address)
+    if split is None or split.scheme != "tcp" or not split.port:
+        return False
+    host = "127.0.0.1" if split.wildcard else split.host
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, split.port), LISTENER_CHECK_S)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
 
 
 def _binds(host: str, family: int) -> OSError | None:
@@ -180,12 +222,14 @@ class BindFailures:
 
     async def probe(self, address: str) -> tuple[zmq.ZMQError, Diagnosis] | None:
         """Whether the shim's SUB could bind `address` now: None if it can (which ends a run of
-        failures), else ZMQ's error and why, judged as a failed bind of the SUB's is. An errno not
-        diagnosed here (EADDRINUSE: another socket holds the address) is final."""
+        failures), else ZMQ's error and why, judged as ZmqEventSource judges a failed bind of the
+        SUB's. Any other errno is final."""
         exc = await asyncio.to_thread(_bind_error, address)  # a name's lookup may take seconds
         if exc is None:
             self.bound()
             return None
+        if exc.errno == errno.EADDRINUSE:
+            return exc, await in_use(address)
         if exc.errno not in UNBINDABLE:
             return exc, Diagnosis("final", "no later session changes that")
         return exc, await self._judged(address, exc)
@@ -197,8 +241,13 @@ class BindFailures:
         said = f"the shim binds {address} (where the engine connects) and this host cannot ({exc}): {found.why}"
         if found.outcome == "final":
             return ConfigError(setting, endpoint, said)
+        return self.pending(setting, endpoint, said, found)
+
+    def pending(self, setting: str, value: object, said: str, found: Diagnosis) -> BindPending:
+        """What a session raises for a bind a later one may make (`found` not final), its cause
+        said once at WARNING naming `setting`."""
         if found.why not in self._said:
             self._said.add(found.why)
             until = f", for up to {self.grace_s:g} s" if found.outcome == "grace" else ""
-            log.warning("%s %s: %s; trying again each session%s", setting, endpoint, said, until)
-        return ConnectionError(f"{said}: trying again in the next session")
+            log.warning("%s %s: %s; trying again each session%s", setting, value, said, until)
+        return BindPending(f"{said}: trying again in the next session")

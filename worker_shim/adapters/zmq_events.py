@@ -65,7 +65,7 @@ from protocol.zmq_endpoint import ZmqEndpoint, split_endpoint
 from runtime.turns import SLICE_S, Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_stamped
-from worker_shim.adapters.zmq_bind import UNBINDABLE, BindFailures, socket_for
+from worker_shim.adapters.zmq_bind import UNBINDABLE, BindFailures, in_use, socket_for
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineEvent, EventSink, UnknownEngineEvent
 from worker_shim.event_health import EventHealth, EventProblem
@@ -83,7 +83,6 @@ SETTLE_S = 1.0
 # lost on the way (the PUB's high-water mark) shows as a gap only when a later one comes, and the
 # last before the engine goes quiet has none after it. The index lacked its blocks until then.
 QUIET_PROBE_S = 1.0
-LISTENER_CHECK_S = 0.5  # a local listener answers a connect at once; this only bounds a firewalled host
 # SGLang with a snapshot_endpoint: live topic = topic + EPOCH_MARKER + epoch, and a snapshot
 # barrier's = that + BARRIER_MARKER + its id (sglang/srt/disaggregation/kv_events.py).
 EPOCH_MARKER = b"\x00sgl-kv-epoch="
@@ -304,18 +303,16 @@ class ZmqEventSource:
                 raise await self.bind_failures.error(self.setting, self.endpoint, self.address, exc) from exc
             if exc.errno != errno.EADDRINUSE:
                 raise
-            if not await _listened_on(self.address):
-                # A connection's local port (open, or in TIME_WAIT for a minute) frees itself: the
-                # next session binds it.
+            found = await in_use(self.address)
+            if found.outcome != "final":  # the next session binds it
                 raise ConnectionError(
-                    f"the shim binds {self.address}, which a connection (not a listener) holds: "
-                    "trying again in the next session"
+                    f"the shim binds {self.address}, {found.why}: trying again in the next session"
                 ) from exc
-            # Another process listens there: no new session frees it, so the shim must not wait on.
+            # No new session frees it, so the shim must not wait on.
             raise ConfigError(
                 self.setting,
                 self.endpoint,
-                f"the shim binds {self.address} and another process listens there ({exc}): stop it, "
+                f"the shim binds {self.address} and {found.why} ({exc}): stop it, "
                 "or give the engine and the shim another endpoint",
             ) from exc
         self.bind_failures.bound()
@@ -708,19 +705,3 @@ class ZmqEventsAdapter(HttpEngineAdapter):
     def request_rebuild(self) -> None:
         if self._events is not None:
             self._events.request_rebuild()
-
-
-async def _listened_on(address: str) -> bool:
-    """Whether a TCP listener answers at `address` (`tcp://host:port`; a wildcard host is this one)."""
-    split = split_endpoint(address)
-    if split is None or split.scheme != "tcp" or not split.port:
-        return False
-    host = "127.0.0.1" if split.wildcard else split.host
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, split.port), LISTENER_CHECK_S)
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
