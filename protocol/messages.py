@@ -587,6 +587,10 @@ class RouterInfo(_Msg, kw_only=True):
     # again when they change: replicas compare it with their own and warn when a peer routes
     # differently. "" from a router that predates it.
     settings_digest: str = ""
+    # A short digest of how the router turns a request into ids: its tokenizer's fingerprint and the
+    # chat flags it renders with (router.peer_settings.rendering_digest), compared as settings_digest
+    # is. "" from a router that predates it (2026-12-07).
+    rendering_digest: str = ""
     # A random id of the router process, kept when it registers anew under another id (a lost
     # lease): its legs carry it (GenerateRequest.origin). "" from a router that predates it.
     instance: str = ""

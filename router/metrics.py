@@ -75,7 +75,7 @@ class StateFigures:
     clock_offsets: Mapping[str, float] = field(default_factory=dict)  # router.clock_skew, skewed workers only
     credit_short: Sequence[str] = ()  # workers whose shims report LoadReport.prefix_credit_short
     transfers_failing: Sequence[str] = ()  # decode workers with a KV pull that failed lately (router.transfer_health)
-    peer_settings_mismatch: Sequence[str] = ()  # peer routers with other routing settings (router.peer_settings)
+    peer_settings_mismatch: Sequence[str] = ()  # peer routers that route or render otherwise (router.peer_settings)
     peer_version_mismatch: Sequence[str] = ()  # peer routers of another version
     workers_other_version: int = 0  # registered workers of another build (router.worker_versions)
     # router.fleet_news's last check, by model: decode and agg workers taking requests, and left out by reason
@@ -315,7 +315,8 @@ class _StateCollector(Collector):
         )
         yield _flagged(
             "kvswitch_router_peer_settings_mismatch",
-            "1 for a peer router whose routing settings (RouterInfo.settings_digest) differ from this one's",
+            "1 for a peer router whose routing settings or chat rendering (RouterInfo.settings_digest, "
+            "rendering_digest) differ from this one's",
             s.peer_settings_mismatch,
             label="peer",
         )

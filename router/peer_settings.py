@@ -1,16 +1,21 @@
-"""Replicas that route alike: each puts a digest of its routing settings in its RouterInfo and
-compares its peers' with its own.
+"""Replicas that route alike: each puts digests of its routing settings and of how it renders and
+tokenizes prompts in its RouterInfo and compares its peers' with its own.
 
 Replicas of one namespace split the same clients, so one with other settings (`--routing
 round_robin` beside `kv`, another policy, thresholds from a forgotten environment variable,
 `--no-calibration`) makes
 the fleet's routing depend on which replica a request reached, and nothing said so. The digest is
 of the effective settings, live config (/{ns}/config/router) included, and is put again whenever
-they change. A peer whose digest or version differs from ours for `settle_s` is a WARNING once
-(naming the peer and both digests or versions), a /ready warning and a gauge, until it agrees
-again (an INFO). The wait keeps a live config change, which every replica applies and re-publishes
-within milliseconds of the others, from reading as a difference. A peer that publishes no digest
-(older than this) is compared by version only.
+they change. The rendering digest is of the tokenizer (its probe fingerprint: the same files under
+another path render alike) and vLLM's chat flags the router renders with: a replica with another
+`--exclude-tools-when-tool-choice-none` routes `tool_choice: "none"` chats on other ids, and no
+engine probe can show that flag, so a peer is the only one that can. A peer whose digests or
+version differ from ours for `settle_s` is a WARNING once (naming the peer, which digest or the
+version, and both values), a /ready warning and a gauge, until it agrees again (an INFO). The
+wait keeps a live config change, which every replica applies and re-publishes within milliseconds
+of the others, from reading as a difference. A peer that publishes no digest (older than this) is
+compared by version only; one with no rendering digest (before 2026-12-07), by its settings
+digest and version.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 
 from protocol import RouterInfo, subjects
 from protocol.config import RouterSettings
 
-__all__ = ["SETTLE_S", "PeerSettings", "settings_digest"]
+__all__ = ["SETTLE_S", "PeerSettings", "rendering_digest", "settings_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +50,38 @@ def settings_digest(settings: RouterSettings, *, calibrated: bool = True) -> str
     fields = msgspec.to_builtins(settings)
     if not calibrated:
         fields["calibration"] = False
-    raw = msgspec.json.encode(fields, order="sorted")
-    return hashlib.sha256(raw).hexdigest()[:12]
+    return _digest(fields)
+
+
+def rendering_digest(
+    tokenizer: str,
+    *,
+    content_format: str = "auto",
+    default_chat_template_kwargs: Mapping[str, Any] | None = None,
+    exclude_tools_when_tool_choice_none: bool = False,
+    trust_request_chat_template: bool = False,
+) -> str:
+    """12 hex digits of a SHA-256 over what turns a request into the ids it routes on: `tokenizer`
+    is the router's tokenizer's fingerprint (router.tokenization.tokenizer_fingerprint), the rest
+    vLLM's flags of those names as the router was given them. No kwargs and `{}` render alike."""
+    return _digest(
+        {
+            "tokenizer": tokenizer,
+            "chat_template_content_format": content_format,
+            "default_chat_template_kwargs": dict(default_chat_template_kwargs or {}),
+            "exclude_tools_when_tool_choice_none": exclude_tools_when_tool_choice_none,
+            "trust_request_chat_template": trust_request_chat_template,
+        }
+    )
+
+
+def _digest(fields: Mapping[str, Any]) -> str:
+    return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()[:12]
 
 
 class _Diff(msgspec.Struct, frozen=True):
     settings: bool  # the settings digests differ
+    rendering: bool  # the rendering digests differ
     version: bool
     text: str
 
@@ -61,11 +93,13 @@ class PeerSettings:
         digest: str,
         version: str,
         *,
+        rendering: str = "",
         settle_s: float = SETTLE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config_key = subjects.config_key(ns)
         self.digest = digest
+        self.rendering = rendering  # fixed for the process: no live config changes it
         self.version = version
         self.settle_s = settle_s
         self._clock = clock
@@ -106,7 +140,8 @@ class PeerSettings:
         return {peer: diff for peer, (diff, since) in sorted(self._diffs.items()) if now - since >= self.settle_s}
 
     def settings_mismatch(self) -> list[str]:
-        return [peer for peer, diff in self.differing().items() if diff.settings]
+        """Peers whose routing settings or rendering differ: either routes a request otherwise."""
+        return [peer for peer, diff in self.differing().items() if diff.settings or diff.rendering]
 
     def version_mismatch(self) -> list[str]:
         return [peer for peer, diff in self.differing().items() if diff.version]
@@ -140,17 +175,25 @@ class PeerSettings:
 
     def _diff(self, peer: str, info: RouterInfo) -> _Diff | None:
         settings = bool(info.settings_digest) and info.settings_digest != self.digest
+        rendering = bool(info.rendering_digest) and info.rendering_digest != self.rendering
         version = info.version != self.version
-        if not settings and not version:
+        if not settings and not rendering and not version:
             return None
         said = []
         if settings:
             said.append(f"routing settings digest {info.settings_digest} (this router's {self.digest})")
+        if rendering:
+            said.append(
+                f"chat rendering digest {info.rendering_digest} (this router's {self.rendering}: its tokenizer's "
+                "fingerprint, --chat-template-content-format, --default-chat-template-kwargs, "
+                "--exclude-tools-when-tool-choice-none and --trust-request-chat-template)"
+            )
         if version:
             said.append(f"version {info.version or 'unknown'} (this router's {self.version})")
         text = (
             f"peer router {peer} runs with {' and '.join(said)}: the replicas may route the same request differently; "
             "give every replica the same flags, KVSWITCH_* environment and config file (live config at "
-            f"{self._config_key} applies to all), and the same release"
+            f"{self._config_key} applies to all), {'the same tokenizer files, ' if rendering else ''}"
+            "and the same release"
         )
-        return _Diff(settings, version, text)
+        return _Diff(settings, rendering, version, text)

@@ -76,7 +76,7 @@ from router.kv_ingest import MIN_ENTRY_LIMIT, KvIngest
 from router.ledger import Ledger
 from router.load_view import MAX_CLOCK_SKEW_S, LoadView
 from router.metrics import RouterMetrics, StateFigures
-from router.peer_settings import PeerSettings, settings_digest
+from router.peer_settings import PeerSettings, rendering_digest, settings_digest
 from router.pending_prefixes import PendingPrefixes
 from router.planner import Planner
 from router.replica_sync import ReplicaSync, SyncStats
@@ -219,7 +219,16 @@ class RouterService:
         self.pending = PendingPrefixes(self.settings.pending_ttl_s, time.monotonic)
         self.metrics = RouterMetrics(self._figures)
         calibrated = self.calibration is not None
-        self.peer_settings = PeerSettings(self.ns, settings_digest(self.settings, calibrated=calibrated), BUILD)
+        rendering = rendering_digest(
+            self.fingerprints.mine,
+            content_format=config.chat_template_content_format,
+            default_chat_template_kwargs=config.default_chat_template_kwargs,
+            exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
+            trust_request_chat_template=config.trust_request_chat_template,
+        )
+        self.peer_settings = PeerSettings(
+            self.ns, settings_digest(self.settings, calibrated=calibrated), BUILD, rendering=rendering
+        )
         self.worker_versions = WorkerVersions(BUILD, fleet_log=self.fleet_log)
         self.tracer = RequestTracer(config.tracer_provider)
         self.load_malformed = 0
@@ -547,6 +556,7 @@ class RouterService:
                 started_at=self.started_at,
                 version=BUILD,
                 settings_digest=self.peer_settings.digest,
+                rendering_digest=self.peer_settings.rendering,
                 instance=self.instance,
             ),
             ttl=self.config.lease_ttl_s,

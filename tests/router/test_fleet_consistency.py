@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from functools import partial
 from typing import Any
@@ -22,9 +23,11 @@ from engine_sim.lora import LoraModule
 from protocol import RouterInfo, WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings, RouterSettings
 from protocol.version import BUILD, __version__
-from router.peer_settings import SETTLE_S, PeerSettings, settings_digest
-from router.service import RouterService
+from router.peer_settings import SETTLE_S, PeerSettings, rendering_digest, settings_digest
+from router.service import RouterConfig, RouterService
+from router.tokenization import load_tokenizer, tokenizer_fingerprint
 from tests.router.conftest import MODEL, Cluster, complete
+from tests.router.fingerprint_variants import build_variant
 from tests.router.polling import until
 from worker_shim.shim import WorkerShim
 
@@ -427,6 +430,45 @@ async def test_replicas_with_different_settings_or_versions_warn_until_they_agre
         await until(lambda: not kv.readiness()[1]["warnings"], what="the old peer gone")
 
 
+async def test_a_replica_that_renders_chats_otherwise_is_warned_naming_the_rendering_digest(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Three replicas, one with --exclude-tools-when-tool-choice-none: it routes tool_choice "none"
+    # chats on other ids than its peers. Before, all three published one digest, /ready said
+    # nothing and no line was logged (audit, 2026-12-07).
+    caplog.set_level(logging.INFO, logger="router.peer_settings")
+    await cluster.add_worker("agg")
+    a = await cluster.add_router()
+    b = await cluster.add_router()
+    odd = await cluster.add_router(config={"exclude_tools_when_tool_choice_none": True})
+    for r in (a, b, odd):
+        await cluster.ready(r)
+    assert a.peer_settings.digest == b.peer_settings.digest == odd.peer_settings.digest  # the routing settings agree
+
+    def named(r: RouterService) -> list[str]:
+        return [
+            next(p.router_id for p in (a, b, odd) if p.router_id in w)
+            for w in r.readiness()[1]["warnings"]
+            if "chat rendering digest" in w and "--exclude-tools-when-tool-choice-none" in w
+        ]
+
+    await until(
+        lambda: named(a) == [odd.router_id] and named(b) == [odd.router_id] and len(named(odd)) == 2,
+        what="each replica to warn about the one that renders otherwise, and it about both",
+    )
+    assert sorted(named(odd)) == sorted([a.router_id, b.router_id])
+    status, ready = await _get(http, a, "/ready")
+    assert status == 200 and ready["problems"] == []  # a warning, not a problem: each routes on
+    assert [w for w in ready["warnings"] if odd.router_id in w and "chat rendering digest" in w]
+    assert _gauge(a, "kvswitch_router_peer_settings_mismatch") == {odd.router_id: 1.0}
+    assert _gauge(a, "kvswitch_router_peer_version_mismatch") == {}
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    about_odd = [m for m in warned if f"peer router {odd.router_id}" in m]
+    assert len(about_odd) == 2  # once by each peer
+    assert all(odd.peer_settings.rendering in m and a.peer_settings.rendering in m for m in about_odd)
+    assert all("routing settings digest" not in m and "the same tokenizer files" in m for m in about_odd)
+
+
 async def test_a_worker_of_another_build_is_warned_once_and_counted_while_registered(
     cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -471,6 +513,52 @@ def test_a_replica_without_calibration_has_another_digest_and_a_calibrating_one_
     assert settings_digest(RouterSettings(), calibrated=False) != default
 
 
+def _rendering(**config: Any) -> str:
+    """The rendering digest a router of `config` (RouterConfig fields) puts in its RouterInfo."""
+    return RouterService(RouterConfig(**config)).peer_settings.rendering
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    folders = {name: build_variant(name, root / name) for name in ("llama31", "llama31_added_token")}
+    shutil.copytree(folders["llama31"], root / "elsewhere")
+    return {**{name: str(folder) for name, folder in folders.items()}, "elsewhere": str(root / "elsewhere")}
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        {"exclude_tools_when_tool_choice_none": True},
+        {"chat_template_content_format": "string"},
+        {"chat_template_content_format": "openai"},
+        {"default_chat_template_kwargs": {"enable_thinking": False}},
+        {"trust_request_chat_template": True},
+    ],
+    ids=lambda flag: next(iter(flag)),
+)
+def test_a_replica_that_renders_chats_with_another_flag_has_another_rendering_digest(
+    tokenizers: dict[str, str], flag: dict[str, Any]
+) -> None:
+    # --exclude-tools-when-tool-choice-none beside a replica without it routed tool_choice "none"
+    # chats on other ids, and both published one digest: no engine probe shows that flag, so only a
+    # peer could (audit, 2026-12-07).
+    base = _rendering(tokenizer=tokenizers["llama31"])
+    assert _rendering(tokenizer=tokenizers["llama31"], **flag) != base
+    assert _rendering(tokenizer=tokenizers["llama31"], default_chat_template_kwargs={}) == base  # renders alike
+
+
+def test_a_replica_of_another_tokenizer_has_another_rendering_digest_and_the_same_files_elsewhere_the_same(
+    tokenizers: dict[str, str],
+) -> None:
+    # By the tokenizer's fingerprint, not its path: one added special token differs, a copy does not.
+    base = _rendering(tokenizer=tokenizers["llama31"])
+    assert _rendering(tokenizer=tokenizers["llama31_added_token"]) != base
+    assert _rendering() != base  # the built-in tokenizer
+    assert _rendering(tokenizer=tokenizers["elsewhere"]) == base
+    assert base == rendering_digest(tokenizer_fingerprint(load_tokenizer(tokenizers["elsewhere"])))
+
+
 def test_a_peer_counts_as_different_only_after_it_stays_so_and_is_warned_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -508,6 +596,31 @@ def test_a_peer_counts_as_different_only_after_it_stays_so_and_is_warned_once(
     now[0] = 20.0
     assert peers.version_mismatch() == ["p"] and peers.settings_mismatch() == []
     peers.gone("p")
+    assert peers.warnings() == []
+
+
+def test_a_peer_of_another_rendering_digest_is_named_for_it_and_one_without_one_is_not() -> None:
+    now = [0.0]
+    settings = settings_digest(RouterSettings())
+    mine, other = rendering_digest("builtin"), rendering_digest("builtin", exclude_tools_when_tool_choice_none=True)
+    peers = PeerSettings("ns", settings, "0.1.0", rendering=mine, settle_s=2.0, clock=lambda: now[0])
+
+    def info(rendering: str) -> RouterInfo:
+        return RouterInfo(
+            router="p",
+            http_url="",
+            started_at=0.0,
+            version="0.1.0",
+            settings_digest=settings,
+            rendering_digest=rendering,
+        )
+
+    peers.seen("p", info(other))
+    now[0] = 2.0
+    assert peers.settings_mismatch() == ["p"] and peers.version_mismatch() == []
+    (warning,) = peers.warnings()
+    assert f"chat rendering digest {other} (this router's {mine}" in warning and "routing settings" not in warning
+    peers.seen("p", info(""))  # a router before the rendering digest: its settings and version alone
     assert peers.warnings() == []
 
 
