@@ -395,10 +395,17 @@ async def test_replicas_with_different_settings_or_versions_warn_until_they_agre
     await until(lambda: differs(kv, rr) and differs(rr, kv), what="each replica to warn about the other")
     assert kv.peer_settings.digest != rr.peer_settings.digest
     assert _gauge(kv, "kvswitch_router_peer_settings_mismatch") == {rr.router_id: 1.0}
-    warned = [
-        r.getMessage() for r in caplog.records if r.name == "router.peer_settings" and r.levelno == logging.WARNING
-    ]
-    assert len([m for m in warned if rr.router_id in m and rr.peer_settings.digest in m]) == 1
+
+    def warned() -> list[str]:
+        said = [
+            r.getMessage() for r in caplog.records if r.name == "router.peer_settings" and r.levelno == logging.WARNING
+        ]
+        return [m for m in said if rr.router_id in m and rr.peer_settings.digest in m]
+
+    # /ready reads the difference once it has lasted SETTLE_S; the WARNING comes from a timer of
+    # the same length, which may run a moment after.
+    await until(lambda: len(warned()) >= 1, what="the WARNING about rr")
+    assert len(warned()) == 1
 
     # Live config is one for all: once both apply it they agree, and the warning goes.
     async with Discovery(EtcdSettings(endpoints=[cluster.etcd_url]), cluster.ns) as disc:
@@ -462,11 +469,16 @@ async def test_a_replica_that_renders_chats_otherwise_is_warned_naming_the_rende
     assert [w for w in ready["warnings"] if odd.router_id in w and "chat rendering digest" in w]
     assert _gauge(a, "kvswitch_router_peer_settings_mismatch") == {odd.router_id: 1.0}
     assert _gauge(a, "kvswitch_router_peer_version_mismatch") == {}
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    about_odd = [m for m in warned if f"peer router {odd.router_id}" in m]
-    assert len(about_odd) == 2  # once by each peer
-    assert all(odd.peer_settings.rendering in m and a.peer_settings.rendering in m for m in about_odd)
-    assert all("routing settings digest" not in m and "the same tokenizer files" in m for m in about_odd)
+
+    def about_odd() -> list[str]:
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        return [m for m in warned if f"peer router {odd.router_id}" in m]
+
+    # The WARNINGs come from a timer as long as /ready's wait, which may run a moment after it.
+    await until(lambda: len(about_odd()) >= 2, what="a WARNING from each peer")
+    assert len(about_odd()) == 2  # once by each peer
+    assert all(odd.peer_settings.rendering in m and a.peer_settings.rendering in m for m in about_odd())
+    assert all("routing settings digest" not in m and "the same tokenizer files" in m for m in about_odd())
 
 
 async def test_a_worker_of_another_build_is_warned_once_and_counted_while_registered(
