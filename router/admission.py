@@ -28,7 +28,8 @@ of its wait.
 
 Each line is bounded so that what waits there drains within half the TTFT SLO: `max_queue` when
 set, else the model's measured completion rate times that time (at least `min_queue`). A request
-beyond the bound gets 429 with Retry-After (the seconds its line needs to drain), unless it is more
+beyond the bound gets 429 with Retry-After (the seconds its line needs to drain at that rate, at
+most that half SLO, by when every waiter has been served or refused), unless it is more
 urgent than the line's last waiter, which then gets that 429 in its place; and so does one that
 waits longer than the timeout: at 5x overload the admitted requests keep their TTFT near the
 SLO instead of all of them waiting minutes.
@@ -187,10 +188,15 @@ class Admission:
         return max(self.min_queue, math.ceil(self.throughput(model).rate() * self._max_wait_s()))
 
     def _retry_after(self, model: str, waiting: int) -> int:
+        """The seconds the line ahead of a refused request needs: `waiting` + 1 at the model's
+        completion rate, and never more than the wait a waiter is allowed, by when every request in
+        the line now has been served or refused. The rate decays while the model is idle, so the
+        first burst after a quiet spell reads it near zero: until 2026-12-07 that said 60 s (the
+        cap then) where the line drained in about 2 (client-fault audit)."""
+        wait_s = self._max_wait_s()
         rate = self.throughput(model).rate()
-        if rate <= 0:
-            return max(1, math.ceil(self._max_wait_s()))
-        return min(60, max(1, math.ceil((waiting + 1) / rate)))
+        drain_s = (waiting + 1) / rate if rate > 0 else wait_s
+        return max(1, math.ceil(min(drain_s, wait_s)))
 
     async def admit(self, ctx: RequestContext, take: Callable[[RequestContext], RoutePlan | None]) -> RoutePlan:
         """A booked plan for `ctx`; Overloaded when its model's line is full or the wait too long.

@@ -179,6 +179,25 @@ async def test_a_full_queue_answers_429_with_retry_after_from_the_drain_rate() -
     assert adm.depth == 0
 
 
+async def test_retry_after_a_quiet_spell_is_no_longer_than_a_waiter_may_wait() -> None:
+    """The completion rate decays while the model is idle, so the first burst after a quiet spell
+    read a rate near zero: Retry-After 60, where its line drained in about 2 s (client-fault
+    audit). Every request in the line has been served or refused within the wait it is allowed,
+    so that is the longest the line ahead can need."""
+    clock = Clock()
+    fleet = Fleet(room=0)
+    adm = admission(fleet, rate=20.0, wait_s=1.0, clock=clock)
+    clock.now = 120.0  # two idle minutes: the rate reads 20 x e^-12
+    tasks = [asyncio.create_task(adm.admit(req(i), fleet.take)) for i in range(adm.bound("m"))]
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded) as full:
+        await adm.admit(req(9), fleet.take)
+    assert full.value.retry_after_s == 1  # before: 60
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def test_configured_bound_wins_and_zero_refuses_every_waiter() -> None:
     fleet = Fleet(room=0)
     with pytest.raises(Overloaded):
