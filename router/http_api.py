@@ -26,10 +26,12 @@ Every error is OpenAI JSON (router.api_errors), including what aiohttp answers b
 runs: its parser's errors (`FrontDoorRunner`), unknown routes and methods. A client that
 disconnects cancels its request on the worker.
 
-A streaming client that stops reading holds its request no longer than its deadline: each write
-waits at most until then, and then the connection is aborted (counted 504). One that reads slower
-than its worker writes falls behind by at most router.dispatch.MAX_QUEUED_BYTES: then its leg is
-cancelled and the stream ends with a 408 error event.
+A client that stops reading, its answer streamed or whole, holds its request no longer than its
+deadline: each write waits at most until then, and then the connection is aborted (counted 504).
+A whole answer is written in its handler, so it counts as answered only once its client took it.
+A streaming client that reads slower than its worker writes falls behind by at most
+router.dispatch.MAX_QUEUED_BYTES: then its leg is cancelled and the stream ends with a 408 error
+event.
 
 Draining (`Drain`, on SIGTERM): the listener stays open while the requests in flight finish; a new
 request (anything but /health, /ready and /metrics) is a 503 with Retry-After and Connection:
@@ -47,7 +49,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from aiohttp import web
@@ -534,8 +536,8 @@ class _Handlers:
         endpoint = "chat" if chat else "completions"
         status = 500
         why = ""  # why it failed, for its span
-        broke = False  # a stream that failed after its 200 went out
-        sent: int | None = None  # the status a stream went out with; `status` is its outcome's
+        broke = False  # an answer that failed after its 200 went out
+        sent: int | None = None  # the status an answer's head went out with; `status` is its outcome's
         timing = _Timing(time.perf_counter())
         # The span comes first: a request refused before it is routed (a 400, an unknown model) has
         # one too, what is known only later set on it then.
@@ -569,7 +571,8 @@ class _Handlers:
                         broke = bool(why)  # the client got an error event, or nothing more
                     else:
                         resp = await self._whole(job, ids, timing)
-                        status = resp.status
+                        status, why = await self._write_whole(request, job, resp)
+                        sent, broke = resp.status, bool(why)  # its head went out before it failed
                 finally:
                     self.path.release(job)  # a no-op once its stream ended
                     self.path.tracer.routed(span, job)
@@ -605,6 +608,25 @@ class _Handlers:
         body = _with_route(parts, _route_info(job))
         headers = _route_headers(job, ids, timing)
         return web.Response(body=body, headers=headers, content_type="application/json")
+
+    async def _write_whole(self, request: web.Request, job: Job, resp: web.Response) -> tuple[int, str]:
+        """Write a whole answer (its Content-Length kept) in the handler, as a stream's last write
+        is: the code it counts as and why it failed. Returned unwritten, aiohttp wrote it after the
+        handler had counted it a 200, waiting for the client for ever: one that stopped reading held
+        its body (25 MB for 16k prompt_logprobs) past any deadline (client-fault audit)."""
+        try:
+            await resp.prepare(request)
+            # web.Response writes its own body (_whole's bytes); _sent reads its size.
+            body = cast(bytes, resp.body)
+            if await _sent(request, body, lambda _: resp.write_eof(), job.deadline):
+                return 200, ""
+        except asyncio.CancelledError:
+            if not self.drain.ended():
+                raise
+            # Its head went out: no 503 can follow it, and a body cut short says less than none.
+            _abort(request)
+            return 503, SHUT_DOWN
+        return 504, _abort_unread(request, job, "answer")
 
     async def _stream(
         self, request: web.Request, job: Job, ids: _Ids, timing: _Timing
@@ -664,8 +686,7 @@ class _Handlers:
         finally:
             await chunks.aclose()
         if unread:
-            _abort_unread(request, job)
-            return resp, 504, _UNREAD
+            return resp, 504, _abort_unread(request, job, "stream")
         if failed is not None:
             if why:
                 rid = job.request.request_id
@@ -679,30 +700,36 @@ class _Handlers:
             out.append(_sse_event(failed.own_body or _JSON.encode(failed.body())))
         out.append(_SSE_DONE)
         if not await _sent(request, b"".join(out), resp.write_eof, job.deadline):
-            _abort_unread(request, job)
-            return resp, 504, _UNREAD
+            return resp, 504, _abort_unread(request, job, "stream")
         return (resp, 200, "") if failed is None else (resp, failed.code, failed.message)
 
 
 _SPAN_NAMES = {False: "POST /v1/completions", True: "POST /v1/chat/completions"}
-_UNREAD = "the client stopped reading its stream until the request's deadline: its connection was aborted"
 
 
-def _abort_unread(request: web.Request, job: Job) -> None:
-    """A stream its client stopped reading until the deadline: no error event can reach it, so the
-    connection is aborted, after its leg was cancelled and its booking freed (chunks.aclose())."""
+def _abort(request: web.Request) -> None:
     if request.transport is not None:
         request.transport.abort()
+
+
+def _abort_unread(request: web.Request, job: Job, what: str) -> str:
+    """An answer (`what`: "stream" or "answer") its client stopped reading until the deadline: no
+    error can reach it, so the connection is aborted, after its leg was cancelled and its booking
+    freed (its chunks closed); why, for its span."""
+    _abort(request)
     rid = job.request.request_id
     log.info(
-        "request %s: the client stopped reading its stream and the request's deadline (--request-timeout) passed; "
+        "request %s: the client stopped reading its %s and the request's deadline (--request-timeout) passed; "
         "its connection is aborted",
         rid,
+        what,
         extra={"request_id": rid},
     )
+    return f"the client stopped reading its {what} until the request's deadline: its connection was aborted"
 
 
 # --- errors before a handler runs ---------------------------------------------------------------
+
 
 # Probes and scrapers carry no key. The full fleet listing is /debug/workers, behind the operator
 # key, not a query on /ready: at 1,000 workers it is ~0.3 MB and ms of the event loop per answer.

@@ -17,6 +17,7 @@ import pytest
 from router.service import RouterService, RouterStatus
 from tests.router.conftest import MODEL, Cluster
 from tests.router.polling import until
+from tests.router.test_slow_readers import counted, cut_short, stalled_whole
 
 SHUT_DOWN = "the router shut down before the request ended"
 
@@ -108,3 +109,25 @@ async def test_at_the_end_of_the_drain_a_stream_gets_an_error_event_and_done_and
     assert resp.status == 503 and (await resp.json())["error"]["message"] == SHUT_DOWN
     # The legs were cancelled on the worker, not left to run for minutes.
     await until(lambda: not legs.inflight, what="the worker's legs cancelled")
+
+
+async def test_a_whole_answer_its_client_does_not_read_is_cut_at_the_drains_end(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its head went out, so no 503 can follow: its connection is aborted and it counts as the
+    drain's 503. Before, aiohttp wrote it after the handler had counted a 200, and the drain, which
+    waits on handlers, neither waited for nor cut it."""
+    await cluster.add_worker("agg", num_gpu_blocks=1024)
+    router = await cluster.add_router(config={"drain_s": 1.0, "request_timeout_s": 60.0})
+    await cluster.ready(router)
+    sock = await stalled_whole(router)
+    try:
+        # Its booking is released when the answer's last chunk arrives, before it is written.
+        await until(lambda: router.path.admission.throughput(MODEL).rate() > 0, what="the answer collected")
+        with caplog.at_level(logging.WARNING, logger="kvswitch.router"):
+            await asyncio.wait_for(await _stopping(router), 30)
+        assert "still running after the 1s drain" in caplog.text
+        assert (counted(router, 503), counted(router, 200)) == (1, 0)
+        await cut_short(sock)
+    finally:
+        sock.close()

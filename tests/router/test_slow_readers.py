@@ -40,6 +40,35 @@ async def stalled_stream(router: RouterService, max_tokens: int) -> socket.socke
     return sock
 
 
+async def stalled_whole(router: RouterService) -> socket.socket:
+    """A whole (not streamed) completion of several MB (20 prompt logprobs for each of 4,000 prompt
+    tokens) from a client with a tiny receive buffer that never reads it."""
+    host, port = router.url.split("//")[1].split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, int(port)))
+    body = {"model": MODEL, "prompt": list(range(1, 4001)), "max_tokens": 1, "prompt_logprobs": 20}
+    data = json.dumps(body).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+    await loop.sock_sendall(sock, head.encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+async def cut_short(sock: socket.socket) -> None:
+    """What the client then reads ends short of the whole answer's Content-Length (its connection
+    aborted): a 200 head, part of the body, then the end of the connection."""
+    got = b""
+    async with asyncio.timeout(5):
+        with contextlib.suppress(ConnectionResetError):
+            while part := await asyncio.get_running_loop().sock_recv(sock, 1 << 16):
+                got += part
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1])
+    assert head.startswith(b"HTTP/1.1 200") and len(body) < length, (head, len(body), length)
+
+
 def writes_stuck(router: RouterService) -> bool:
     """The router's writes to the client have stopped: its leg's chunks pile up unread. Waited for
     before the deadline, so the deadline finds the writer stuck (under load a slower sim had not
@@ -89,6 +118,41 @@ async def test_a_client_that_stops_reading_is_cut_at_its_deadline(
         assert b"data: [DONE]" not in got and not got.endswith(b"0\r\n\r\n")
     finally:
         sock.close()
+
+
+async def test_a_client_that_stops_reading_a_whole_answer_is_cut_at_its_deadline(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before (client-fault audit): aiohttp wrote a whole answer after its handler had counted it a
+    200, waiting for the client for ever, so the router held its body (25 MB each) past any deadline."""
+    caplog.set_level(logging.INFO, logger="router.http_api")
+    await cluster.add_worker("agg", num_gpu_blocks=1024)
+    router = await cluster.add_router(config={"request_timeout_s": 4.0})
+    await cluster.ready(router)
+    sent = time.monotonic()
+    sock = await stalled_whole(router)
+    try:
+        await until(lambda: counted(router, 504) == 1, timeout=8.0, what="the write cut at the 4 s deadline")
+        assert time.monotonic() - sent > 3.5  # the write waited for the client until the deadline
+        assert counted(router, 200) == 0  # its head went out, its body did not: never answered
+        said = [r.getMessage() for r in caplog.records if "stopped reading its answer" in r.getMessage()]
+        assert len(said) == 1 and "--request-timeout" in said[0], said
+        await cut_short(sock)
+    finally:
+        sock.close()
+    assert clean(router)
+
+
+async def test_a_whole_answer_keeps_its_content_length(cluster: Cluster) -> None:
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    body = {"model": MODEL, "prompt": "hi " * 10, "max_tokens": 4}
+    async with aiohttp.ClientSession() as http, http.post(router.url + "/v1/completions", json=body) as resp:
+        got = await resp.read()
+        assert resp.status == 200 and resp.headers["Content-Type"] == "application/json"
+        assert int(resp.headers["Content-Length"]) == len(got) and "Transfer-Encoding" not in resp.headers
+        assert json.loads(got)["kvswitch"]["decode_worker"]
+    assert counted(router, 200) == 1
 
 
 async def test_a_client_that_falls_too_far_behind_ends_its_leg_at_once(
