@@ -3,9 +3,10 @@ the client's view of a planning or a leg failure, and aiohttp's own answers (its
 unknown routes, wrong methods, anything a handler did not expect) in the same JSON.
 
 Bad input 400, unknown route 404, wrong method 405, body not sent in time 408, body or prompt too
-large 413, headers too large 431, queue full 429 with Retry-After, an engine's 429 on every worker
-tried 429 with the engine's Retry-After, worker failure 502, no worker 503 with Retry-After (an
-engine's 408 too), deadline 504. Worker ids and internal exception text stay in the router's log.
+large 413, an Expect other than 100-continue 417, headers too large 431, queue full 429 with
+Retry-After, an engine's 429 on every worker tried 429 with the engine's Retry-After, worker failure
+502, no worker 503 with Retry-After (an engine's 408 too), deadline 504. Worker ids and internal
+exception text stay in the router's log.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ _ERROR_TYPES = {
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    417: "ExpectationFailedError",
     414: "RequestTooLargeError",
     429: "RateLimitError",
     431: "RequestTooLargeError",

@@ -23,8 +23,9 @@ it: the client's X-Request-Id, else a routed answer's `id`, else a fresh one. No
 400/414/431 to a request that does not parse as HTTP, which no handler sees (nor does vLLM's).
 
 Every error is OpenAI JSON (router.api_errors), including what aiohttp answers before a handler
-runs: its parser's errors (`FrontDoorRunner`), unknown routes and methods. A client that
-disconnects cancels its request on the worker.
+runs: its parser's errors (`FrontDoorRunner`), unknown routes and methods, an unsupported Expect.
+A POST's `Expect: 100-continue` gets its 100 only when the body is read, so a request refused
+before that never sends it. A client that disconnects cancels its request on the worker.
 
 A client that stops reading, its answer streamed or whole, holds its request no longer than its
 deadline: each write waits at most until then, and then the connection is aborted (counted 504).
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from protocol import GenerateRequest, SamplingParams
 from protocol.messages import (
@@ -459,6 +460,7 @@ class _Handlers:
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"the request body is {request.content_length} bytes, over the limit of {limit}",
                            "body", close=True)  # fmt: skip
+        await _continue(request)
         try:
             async with asyncio.timeout(self.limits.body_timeout_s):
                 raw = await request.read()
@@ -731,6 +733,26 @@ def _abort_unread(request: web.Request, job: Job, what: str) -> str:
 # --- errors before a handler runs ---------------------------------------------------------------
 
 
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """A JSON route's `Expect: 100-continue` is answered when its handler reads the body
+    (`_continue`), not at once as aiohttp's default does: a request refused before that (a body
+    over the limit, 413; a media type not JSON, 400; no API key, 401; the drain's 503) gets its
+    refusal in place of a 100 that asks for a body only to throw it away. Any other expectation is
+    a 417, in OpenAI JSON (aiohttp's was text). HTTP/1.0 has no 100: its Expect is ignored, as
+    aiohttp does."""
+    expect = request.headers.get("Expect", "")
+    if request.version != HttpVersion11 or expect.lower() == "100-continue":
+        return None
+    return ApiError(417, f"unsupported Expect: {expect!r}; only 100-continue is", "Expect").response()
+
+
+async def _continue(request: web.Request) -> None:
+    """The 100 Continue `_expect` held back, now that the body is wanted."""
+    if request.version == HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # no answer has started: what the parser's errors check
+
+
 # Probes and scrapers carry no key. The full fleet listing is /debug/workers, behind the operator
 # key, not a query on /ready: at 1,000 workers it is ~0.3 MB and ms of the event loop per answer.
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -831,12 +853,12 @@ def make_app(
     app.router.add_get("/ready", h.ready)
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/v1/models", h.models)
-    app.router.add_post("/v1/completions", h.completions)
-    app.router.add_post("/v1/chat/completions", h.chat)
-    app.router.add_post("/tokenize", h.tokenize)
-    app.router.add_post("/detokenize", h.detokenize)
+    app.router.add_post("/v1/completions", h.completions, expect_handler=_expect)
+    app.router.add_post("/v1/chat/completions", h.chat, expect_handler=_expect)
+    app.router.add_post("/tokenize", h.tokenize, expect_handler=_expect)
+    app.router.add_post("/detokenize", h.detokenize, expect_handler=_expect)
     app.router.add_get("/version", h.version)
-    app.router.add_post("/debug/route", h.debug_route)
+    app.router.add_post("/debug/route", h.debug_route, expect_handler=_expect)
     app.router.add_get("/debug/index", h.debug_index)
     app.router.add_get("/debug/workers", h.debug_workers)
 

@@ -1,0 +1,107 @@
+"""`Expect: 100-continue` on the JSON routes: the 100 goes out when the router reads the body, so a
+request it refuses before that gets its refusal, not a 100 asking for a body it will throw away
+(client-fault audit: aiohttp's default expect handler sent the 100 at once, before a 413 for a
+Content-Length over the limit and before a 400 for a media type that is not JSON)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.http_api import HttpLimits
+from router.service import RouterService
+from tests.router.conftest import MODEL, Cluster
+from tests.router.test_slow_readers import counted
+
+LIMIT = 4096
+
+
+async def _first_answer(
+    router: RouterService, path: str, headers: dict[str, str], body: bytes | None
+) -> tuple[bytes, dict[str, Any] | bytes]:
+    """The first answer (status line and headers, then its JSON body, or its raw body) to a request
+    whose head goes out with `Expect: 100-continue`: a 100 Continue, unless `body` is given, which is then
+    sent and the answer to it returned."""
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        lines = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "x", "Expect": "100-continue", **headers}.items())
+        writer.write(f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode())
+        await writer.drain()
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"HTTP/1.1 100 ") and body is not None:
+                writer.write(body)
+                await writer.drain()
+                head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"HTTP/1.1 100 "):
+                return head, b""
+            length = next(
+                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")
+            )
+            raw = await reader.readexactly(length)
+    finally:
+        writer.close()
+    return head, json.loads(raw)
+
+
+async def _router(cluster: Cluster, **kwargs: Any) -> RouterService:
+    await cluster.add_worker("agg")
+    return await cluster.add_ready_router(config={"http_limits": HttpLimits(max_body_bytes=LIMIT)}, **kwargs)
+
+
+def _error(got: tuple[bytes, dict[str, Any] | bytes], code: int) -> dict[str, Any]:
+    head, body = got
+    assert head.startswith(b"HTTP/1.1 %d " % code), head
+    assert isinstance(body, dict), body
+    error: dict[str, Any] = body["error"]
+    assert error["code"] == code, error
+    return error
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/debug/route"])
+async def test_a_body_over_the_limit_is_413_before_any_100(cluster: Cluster, path: str) -> None:
+    router = await _router(cluster)
+    headers = {"Content-Type": "application/json", "Content-Length": str(LIMIT + 1)}
+    got = await _first_answer(router, path, headers, None)  # before: 100 Continue
+    error = _error(got, 413)
+    assert error["param"] == "body" and str(LIMIT) in error["message"]
+    assert b"connection: close" in got[0].lower()  # its body never came: the connection is done
+
+
+async def test_a_body_that_is_not_json_is_400_before_any_100(cluster: Cluster) -> None:
+    router = await _router(cluster)
+    headers = {"Content-Type": "text/plain", "Content-Length": "10"}
+    got = await _first_answer(router, "/v1/completions", headers, None)  # before: 100 Continue
+    error = _error(got, 400)
+    assert "Only 'application/json' is allowed" in error["message"]
+    assert counted(router, 400) == 1  # counted as the same refusal without the Expect is
+
+
+async def test_a_request_without_its_api_key_is_401_before_any_100(cluster: Cluster, tmp_path: Path) -> None:
+    (tmp_path / "keys").write_text("sk-right\n")
+    router = await _router(cluster, api_keys_file=str(tmp_path / "keys"))
+    headers = {"Content-Type": "application/json", "Content-Length": "10"}
+    got = await _first_answer(router, "/v1/completions", headers, None)  # before: 100 Continue
+    assert "API key" in _error(got, 401)["message"]
+
+
+async def test_a_request_the_router_takes_gets_100_then_its_answer(cluster: Cluster) -> None:
+    router = await _router(cluster)
+    body = json.dumps({"model": MODEL, "prompt": "hi there", "max_tokens": 2}).encode()
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+    assert (await _first_answer(router, "/v1/completions", headers, None))[0].startswith(b"HTTP/1.1 100 Continue")
+    head, answer = await _first_answer(router, "/v1/completions", headers, body)
+    assert head.startswith(b"HTTP/1.1 200 ") and isinstance(answer, dict) and answer["choices"], (head, answer)
+
+
+async def test_an_expectation_other_than_100_continue_is_417_in_openai_json(cluster: Cluster) -> None:
+    router = await _router(cluster)
+    headers = {"Expect": "200-ok", "Content-Type": "application/json", "Content-Length": "2"}
+    got = await _first_answer(router, "/v1/completions", headers, None)  # before: aiohttp's text
+    error = _error(got, 417)
+    assert error["type"] == "ExpectationFailedError" and "200-ok" in error["message"]
