@@ -7,8 +7,11 @@ twice, a value of the wrong type or range, NaN and infinities, JSON nested too d
 owner (the router) may refuse what passed here too: `refuse()` then goes back to the settings it
 kept, so the same value stored again is judged again; `refused_now` says whether the stored value
 stands refused. Deleting the key
-returns to the settings the process started with. Exactly that key: `/{ns}/config/router-canary`
-and the like are other keys, and ignored here.
+returns to the settings the process started with. Exactly that key (DESIGN.md's contract): it is
+watched alone, so `/{ns}/config/router-canary` and the like are other keys, never read here (until
+2026-12-07 the watch took it as a prefix and read them too: three 1.4 MB such keys made a read
+larger than gRPC takes, and a new router never read its config). `reading` says while reading it
+fails, the last settings serving meanwhile.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from discovery.session import Discovery
-from discovery.watch import Deleted, Put, Snapshot
+from discovery.watch import Deleted, Put, ReadHealth, Snapshot
 from protocol import subjects
 from protocol.config import RouterSettings, flat_names, resolve
 
@@ -62,6 +65,7 @@ class ConfigWatcher:
         self.rejected = 0
         self.last_error = ""
         self.refused_now = False  # the value stored at the key is refused: the last good settings serve
+        self.reading = ReadHealth()
 
     def refuse(self, why: str) -> None:
         """The owner could not apply the last settings yielded: count and log it like our own refusals,
@@ -109,7 +113,7 @@ class ConfigWatcher:
         return changed
 
     async def __aiter__(self) -> AsyncIterator[RouterSettings]:
-        async for event in self._discovery.watch_raw(self._key):
+        async for event in self._discovery.watch_key(self._key, self.reading):
             match event:
                 case Snapshot(items=items):
                     self._apply(items.get(""))

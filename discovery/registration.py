@@ -273,20 +273,37 @@ class Registration:
     async def _check_key(self, lease: Lease) -> None:
         """Put the key (and each claim) back when someone deleted it while its lease lives (an
         operator's `etcdctl del`, a broad prefix delete): nothing else would, and routers would pass
-        this live owner over for good (a claim gone lets a second owner in). A read each keep-alive
-        tick rather than a watch of the key: a watch can go quiet (cancelled, resumed past changes)
-        where a read cannot, and one key's read costs etcd about what the keep-alive does."""
+        this live owner over for good (a claim gone lets a second owner in). Put it back under our
+        lease when another holds it, or none (an `etcdctl put` of the same value): the key would
+        outlive this owner, a dead worker listed for good (DESIGN.md: "a worker exists exactly as
+        long as its lease"). A read each keep-alive tick rather than a watch of the key: a watch can
+        go quiet (cancelled, resumed past changes) where a read cannot, and one key's read costs
+        etcd about what the keep-alive does."""
         for key, value in {self.key: self._value(self.id), **self._claimed(self.id)}.items():
             try:
-                if await self._discovery.holder(key) is not None:
+                held = await self._discovery.holder(key)
+                if held == lease.id:
                     continue
-                await self._discovery.create(key, encode_json(value), lease)
+                if held is not None:
+                    await self._discovery.put(key, encode_json(value), lease)
+                else:
+                    await self._discovery.create(key, encode_json(value), lease)
             except KeyTaken as exc:  # taken in between: two owners now, which only an operator can settle
                 log.error("%s was deleted while its lease %s lives, and %s", key, lease.hex_id, exc)
                 continue
             except DiscoveryError:
                 return  # etcd not answering (the lease says so), or the lease just went: its loss handles it
-            log.warning("%s was deleted while its lease %s lives (by someone else): put it back", key, lease.hex_id)
+            if held is None:
+                log.warning("%s was deleted while its lease %s lives (by someone else): put it back", key, lease.hex_id)
+            else:
+                holder = f"lease {held:x} (another owner, or a put by hand)" if held else "no lease (a put by hand)"
+                log.error(
+                    "%s was held by %s, not by its owner's lease %s: it would outlive this owner; put it back under %s",
+                    key,
+                    holder,
+                    lease.hex_id,
+                    lease.hex_id,
+                )
 
     async def _reregister(self, lost: Lease) -> bool:
         old = self.id

@@ -14,7 +14,7 @@ from etcd3aio.watch import WatchService
 
 from discovery.auth_token import TokenKeeper
 from discovery.lease import Lease, said
-from discovery.watch import WatchEvent, watch_prefix
+from discovery.watch import ReadHealth, WatchEvent, watch_prefix
 from protocol import ConfigError, RouterInfo, WorkerInfo, decode_json, encode_json, subjects
 from protocol.config import EtcdSettings
 
@@ -355,16 +355,20 @@ class Discovery:
         """A value's parser for watch_prefix: ProtocolError (a ValueError) skips a malformed one."""
         return lambda raw: decode_json(raw, kind)
 
-    def watch_workers(self) -> AsyncGenerator[WatchEvent[WorkerInfo], None]:
+    def watch_workers(self, health: ReadHealth | None = None) -> AsyncGenerator[WatchEvent[WorkerInfo], None]:
         """A Snapshot of /{ns}/workers/, then each change; names are worker ids. A record that does
-        not decode is not logged here: its key reads as absent, with why (`Snapshot.skipped`,
-        `Deleted.why`), for the consumer to report (router.worker_registry refuses it)."""
+        not decode, or is held by no lease (it would outlive its shim: DESIGN.md's "a worker exists
+        exactly as long as its lease"), is not logged here: its key reads as absent, with why
+        (`Snapshot.skipped`, `Deleted.why`), for the consumer to report (router.worker_registry
+        refuses it). `health` says while reading the prefix fails."""
         return watch_prefix(
             self.client,
             subjects.workers_prefix(self.ns),
             self._parser(WorkerInfo),
             failed=self._failed,
             log_skipped=False,
+            leased=True,
+            health=health,
         )
 
     def watch_routers(self) -> AsyncGenerator[WatchEvent[RouterInfo], None]:
@@ -387,6 +391,10 @@ class Discovery:
 
     def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:
         return watch_prefix(self.client, prefix, lambda raw: raw, failed=self._failed)
+
+    def watch_key(self, key: str, health: ReadHealth | None = None) -> AsyncGenerator[WatchEvent[bytes], None]:
+        """The raw value of `key` alone (named ""): keys it is a prefix of are not read."""
+        return watch_prefix(self.client, key, lambda raw: raw, failed=self._failed, exact=True, health=health)
 
     async def put_raw(self, key: str, value: bytes) -> None:
         await self._put(key, value)

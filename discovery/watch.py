@@ -4,7 +4,13 @@ Snapshot that replaces everything before it.
 
 A value that does not parse is never handed on as a value: its key reads as absent (left out of
 the Snapshot, a Put of it reported as Deleted), and the event says why (`Snapshot.skipped`,
-`Deleted.why`), so a consumer can report the bad record rather than lose it without a trace."""
+`Deleted.why`), so a consumer can report the bad record rather than lose it without a trace. So is
+a value too large for one read to carry, and, in a watch of leased records, a key held by no lease.
+
+The prefix is read in pages (PAGE keys at most, fewer after a page too large for gRPC's 4 MiB
+receive limit), all at the first page's revision: one unpaginated read of more than 4 MiB of values
+failed for good, and the watch with it. A read that keeps failing is logged once per episode and
+held in a `ReadHealth`, for a health check to name while the consumer holds a stale view."""
 
 from __future__ import annotations
 
@@ -13,18 +19,49 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar, cast
+from typing import Any, Generic, TypeAlias, TypeVar, cast
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError, prefix_range_end
-from etcd3aio._protobuf import RangeResponse, WatchResponse
+from etcd3aio._protobuf import WatchResponse
 
+from discovery.lease import said
 from protocol import subjects
 
-__all__ = ["Deleted", "Put", "Snapshot", "WatchEvent", "keep_following", "watch_prefix"]
+__all__ = ["Deleted", "Put", "ReadHealth", "Snapshot", "WatchEvent", "keep_following", "watch_prefix"]
 
 log = logging.getLogger(__name__)
 V = TypeVar("V")
+KeyValue: TypeAlias = Any  # etcd's mvccpb.KeyValue (generated, untyped): key, value, lease
+PAGE = 256  # keys one read asks for: 256 worker records are ~0.5 MB, far below gRPC's 4 MiB
+READ_RETRY_MAX_S = 2.0  # a failing read is retried at double the delay each time, up to this
+STALL_S = 5.0  # a read failing for longer is named (ReadHealth.trouble): an etcd restart takes less
+# What gRPC's client says of an answer over its receive limit (etcd says RESOURCE_EXHAUSTED too,
+# for "too many requests", which a smaller page does not cure).
+_TOO_LARGE = "larger than max"
+NO_LEASE = (
+    "it is held by no lease (put without one: by hand or by a tool), so it would outlive its owner: "
+    "a record here lives exactly as long as its owner's lease"
+)
+
+
+class ReadHealth:
+    """Whether a watch's read of its prefix is failing now, since when (`clock`) and why. While it
+    fails the consumer holds what the watch yielded last (nothing before the first Snapshot);
+    `trouble()` says so once it has lasted `after_s`, for a health check to name."""
+
+    def __init__(self, after_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.after_s = STALL_S if after_s is None else after_s
+        self.clock = clock
+        self.since: float | None = None
+        self.why = ""
+
+    def trouble(self) -> str | None:
+        """Once the read has failed for `after_s`: "reading it from etcd has failed for N s (why)";
+        None while it works or has failed for less."""
+        if self.since is None or (lasted := self.clock() - self.since) < self.after_s:
+            return None
+        return f"reading it from etcd has failed for {lasted:.0f} s ({self.why})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +98,18 @@ async def watch_prefix(
     retry_s: float = 0.5,
     failed: Callable[[BaseException], None] = lambda exc: None,
     log_skipped: bool = True,
+    exact: bool = False,
+    leased: bool = False,
+    health: ReadHealth | None = None,
 ) -> AsyncGenerator[WatchEvent[V], None]:
     """Names are keys with the prefix cut off; a key that is not UTF-8 (anyone who may write
     under the prefix can put one) is named with its bad bytes escaped (`\\xff`), a name no id
     has, for the consumer to refuse. `parse` raises ValueError for a value to skip: the key reads
     as absent (a skipped Put is reported as Deleted, so a consumer never keeps a stale value) and
     the event says why; `log_skipped` logs each one naming its key (a consumer that reports them
-    itself passes False).
+    itself passes False). `exact`: watch the key `prefix` alone (named ""), not the keys under it.
+    `leased`: a key held by no lease is skipped as a value that does not parse (NO_LEASE). `health`
+    says while the read fails (ReadHealth).
 
     Survives etcd restarts, lost data and cancelled watches: whenever the watch has to be made
     again it reads the prefix anew and yields a fresh Snapshot, then watches from that read.
@@ -76,12 +118,12 @@ async def watch_prefix(
     them (etcd3aio resumes after the revision etcd's answer carried, not after the last change).
     """
     start = prefix.encode()
-    end = prefix_range_end(start)
+    end = start + b"\0" if exact else prefix_range_end(start)
+    health = health if health is not None else ReadHealth()
     latest = 0  # the highest revision etcd has shown this watch: one lower means its data was replaced
     cancelled = ""  # why etcd cancelled the watch last, said once until a watch works again
     while True:
-        resp = await _read(client, prefix, start, end, retry_s, failed)
-        revision = resp.header.revision
+        revision, kvs, too_large = await _read(client, prefix, start, end, retry_s, failed, health)
         if revision < latest:
             log.warning(
                 "watch %s: etcd's revision went back from %d to %d: its data was replaced (lost, or "
@@ -93,10 +135,13 @@ async def watch_prefix(
         latest = revision
         items: dict[str, V] = {}
         skipped: dict[str, str] = {}
-        for kv in resp.kvs:
+        for key, why in too_large.items():
+            name = subjects.name_from_key(prefix, key)
+            skipped[name] = _skipped(prefix, name, ValueError(why), log_skipped)
+        for kv in kvs:
             name = subjects.name_from_key(prefix, kv.key)
             try:
-                items[name] = parse(kv.value)
+                items[name] = _parsed(parse, kv, leased)
             except ValueError as exc:
                 skipped[name] = _skipped(prefix, name, exc, log_skipped)
         yield Snapshot(items, revision, skipped)
@@ -141,7 +186,7 @@ async def watch_prefix(
                         yield Deleted(name, rev)
                         continue
                     try:
-                        value = parse(ev.kv.value)
+                        value = _parsed(parse, ev.kv, leased)
                     except ValueError as exc:
                         yield Deleted(name, rev, _skipped(prefix, name, exc, log_skipped))
                         continue
@@ -161,15 +206,69 @@ async def _read(
     end: bytes,
     retry_s: float,
     failed: Callable[[BaseException], None],
-) -> RangeResponse:
+    health: ReadHealth,
+) -> tuple[int, list[KeyValue], dict[bytes, str]]:
+    """`_pages` until it succeeds: a failure is logged once per episode (and once it works again),
+    held in `health`, and retried after a delay that doubles up to READ_RETRY_MAX_S."""
+    delay = retry_s
     while True:
         try:
-            assert client.kv is not None
-            return await client.kv.get(start, end, timeout=5.0)
+            got = await _pages(client, start, end)
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             failed(exc)
-            log.warning("watch %s: reading failed (%s); retrying", prefix, exc)
-            await asyncio.sleep(retry_s)
+            health.why = said(exc)
+            if health.since is None:
+                health.since = health.clock()
+                log.warning("watch %s: reading it failed (%s); retrying, said again once it works", prefix, health.why)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max(READ_RETRY_MAX_S, retry_s))
+            continue
+        if health.since is not None:
+            log.info("watch %s: reading it works again, after %.1f s", prefix, health.clock() - health.since)
+            health.since, health.why = None, ""
+        return got
+
+
+async def _pages(client: Etcd3Client, start: bytes, end: bytes) -> tuple[int, list[KeyValue], dict[bytes, str]]:
+    """(revision, keys, keys left out -> why): [start, end) as of the first page's revision, in
+    pages of PAGE keys at most. After a page too large for gRPC's receive limit, one key at a time,
+    doubling after each page that fits; a value too large even alone is left out, with why."""
+    kv = client.kv
+    assert kv is not None
+    kvs: list[KeyValue] = []
+    too_large: dict[bytes, str] = {}
+    revision, key, limit = 0, start, PAGE
+    while True:
+        try:
+            resp = await kv.get(key, end, revision=revision, limit=limit, timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or _TOO_LARGE not in (exc.details() or ""):
+                raise
+            if limit > 1:
+                limit = 1
+                continue
+            # The next key's value alone is over the limit: name it from a read of its key alone.
+            resp = await kv.get(key, end, revision=revision, limit=1, keys_only=True, timeout=5.0)
+            revision = revision or resp.header.revision
+            if not resp.kvs:  # deleted before the first page pinned a revision
+                return revision, kvs, too_large
+            big = resp.kvs[0].key
+            too_large[big] = f"its value is too large for one read ({said(exc)})"
+            key = big + b"\0"
+            continue
+        revision = revision or resp.header.revision
+        kvs.extend(resp.kvs)
+        if not resp.more or not resp.kvs:
+            return revision, kvs, too_large
+        key = resp.kvs[-1].key + b"\0"
+        limit = min(limit * 2, PAGE)
+
+
+def _parsed(parse: Callable[[bytes], V], kv: KeyValue, leased: bool) -> V:
+    value = parse(kv.value)  # first: a value that does not parse says so, leased or not
+    if leased and not kv.lease:
+        raise ValueError(NO_LEASE)
+    return value
 
 
 async def keep_following(

@@ -834,6 +834,15 @@ class RouterService:
                 "where the workers still reach etcd, its key is gone, and they cancel its legs once their "
                 "--orphan-grace-s passes (20 s by default); each such request ends in an error"
             )
+        if self._registry_ready and (frozen := self.registry.reading.trouble()) is not None:
+            warnings.append(  # not a 503: routing on the set last read beats the whole fleet out at once
+                f"the worker set is as last read: the watch of {subjects.workers_prefix(self.ns)} was made again "
+                f"and {frozen}; workers that registered or left since are not seen"
+            )
+        if self._watcher is not None and (unread := self._watcher.reading.trouble()) is not None:
+            warnings.append(
+                f"the live config at {subjects.config_key(self.ns)} is as last read (or the flags' alone): {unread}"
+            )
         if self._watcher is not None and self._watcher.refused_now:
             warnings.append(
                 f"the live config at {subjects.config_key(self.ns)} is refused, so the last good settings serve: "
@@ -848,7 +857,8 @@ class RouterService:
         if not nats_up:
             problems.append("NATS is not connected: requests cannot reach any worker")
         if running and not self._registry_ready:
-            problems.append("the worker set has not been read from etcd yet")
+            unread = self.registry.reading.trouble() if self._registry is not None else None
+            problems.append("the worker set has not been read from etcd yet" + (f": {unread}" if unread else ""))
         refused = [(st.worker, st.detail) for st in bad]
         if self._registry_ready and not registered:
             if every := refused or self._refused(None):  # the records are there: no namespace mismatch

@@ -10,7 +10,8 @@ A record that cannot be true is refused as if its key were absent, logged as an 
 and problem (a fleet of records one build or flag got wrong: the first eight in a window named, the
 rest counted in one line, router.fleet_lines), counted in `refused` (every time one is read) and
 listed in `refusing()` while it lasts (/ready and /debug/route show it as `bad_record`): it does not
-decode as a WorkerInfo (not JSON, a field missing or of the wrong type), its name is not a worker id
+decode as a WorkerInfo (not JSON, a field missing or of the wrong type), its value is too large for
+one read, its key is held by no lease (put by hand, it would outlive its shim), its name is not a worker id
 (a key that is not UTF-8 or not one subject token), it names another worker, or a field is out of
 range (block size 0, a negative count: protocol.messages.worker_info_problem). One such record would
 otherwise break routing for its whole model; the shim behind it may be alive, so it must not vanish
@@ -57,7 +58,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
-from discovery.watch import keep_following
+from discovery.watch import ReadHealth, keep_following
 from protocol import WorkerInfo, serving, subjects
 from protocol.messages import adapter_named, worker_info_problem
 from router import fleet_vote
@@ -120,6 +121,7 @@ class WorkerRegistry:
         self._discovery = discovery
         self._on_add = on_add
         self._on_remove = on_remove
+        self.reading = ReadHealth()  # while reading the prefix fails, the set is as last read (or empty)
         self._workers: dict[str, WorkerInfo] = {}
         self._sorted: list[WorkerInfo] | None = None  # by id; every request reads it, membership rarely changes
         self._named: tuple[list[str], dict[str, str], dict[str, str]] | None = None  # _names(), as _sorted
@@ -289,7 +291,7 @@ class WorkerRegistry:
     # --- the watch -----------------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        events = self._discovery.watch_workers()
+        events = self._discovery.watch_workers(self.reading)
         try:
             async for event in events:
                 self.apply(event)

@@ -83,3 +83,24 @@ async def test_nan_infinity_and_unknown_keys_are_refused(etcd_url: str, ns: str,
         assert (await _next(it)).conditional.eff_isl_threshold == 300
         assert watcher.rejected == 1 and named in watcher.last_error
         assert watcher.current.overlap_weight == 4.0 and watcher.current.temperature == 0.0
+
+
+async def test_large_sibling_keys_are_never_read(etcd_url: str, ns: str) -> None:
+    """The key was watched as a prefix: three 1.4 MB `router-canary-N` keys made its read larger than
+    gRPC's 4 MiB, and a router never read its config (audit of 2026-12-07)."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        canaries = [f"/{ns}/config/router-canary-{i}" for i in range(3)]
+        for key in canaries:
+            await d.put_raw(key, b"x" * 1_400_000)
+        try:
+            await put_config(d, {"eff_isl_threshold": 512})
+            watcher = ConfigWatcher(d, base_cli={}, base_file={})
+            it = aiter(watcher)
+            assert (await _next(it)).conditional.eff_isl_threshold == 512
+            await d.put_raw(f"/{ns}/config/router", b'{"eff_isl_threshold": NaN}')
+            await put_config(d, {"eff_isl_threshold": 256})
+            assert (await _next(it)).conditional.eff_isl_threshold == 256
+            assert watcher.rejected == 1 and watcher.reading.trouble() is None
+        finally:
+            for key in canaries:
+                await d.delete(key)

@@ -375,3 +375,25 @@ async def test_stop_says_whether_the_lease_went(etcd_url: str, ns: str) -> None:
             assert reg.state is RegistrationState.STOPPED
     finally:
         etcd.stop()
+
+
+async def test_a_key_put_again_without_a_lease_is_put_back_under_its_owners(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`etcdctl put KEY "$(etcdctl get --print-value-only KEY)"` left the key held by no lease: the
+    check saw it there and passed it, so it outlived its shim for good, a dead worker listed by
+    every router (audit of 2026-12-07)."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=3)
+        await reg.start()
+        assert reg.lease is not None
+        lease = reg.lease.id
+        with caplog.at_level(logging.ERROR, logger="discovery.registration"):
+            await d.put_raw(reg.key, await _get(d, reg.key) or b"")
+            assert await d.holder(reg.key) == 0
+            await _until(lambda: any(reg.key in r.getMessage() for r in caplog.records), 3, "the key put back")
+        said = [r.getMessage() for r in caplog.records if reg.key in r.getMessage()]
+        assert len(said) == 1 and "held by no lease" in said[0] and reg.lease.hex_id in said[0], said
+        assert await d.holder(reg.key) == lease and reg.registrations == 1
+        assert await reg.stop()
+        assert await d.holder(reg.key) is None  # gone with its owner

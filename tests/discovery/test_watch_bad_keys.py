@@ -28,7 +28,9 @@ def _worker(wid: str) -> WorkerInfo:
 
 async def _put_bad_key(disc: Discovery) -> None:
     assert disc.client.kv is not None
-    await disc.client.kv.put(subjects.workers_prefix(disc.ns).encode() + BAD, encode_json(_worker("x")), timeout=5.0)
+    lease = await disc.grant(30)  # a record held by no lease is refused (NO_LEASE), whatever its key
+    key = subjects.workers_prefix(disc.ns).encode() + BAD
+    await disc.client.kv.put(key, encode_json(_worker("x")), lease=lease.id, timeout=5.0)
 
 
 async def test_a_key_that_is_not_utf8_is_named_escaped_in_the_snapshot(disc: Discovery) -> None:

@@ -73,12 +73,13 @@ async def test_changes_etcd_owed_when_the_stream_broke_arrive(ns: str, monkeypat
             assert router.client.kv is not None and router.client.watch is not None
             get, watch_stream = router.client.kv.get, router.client.watch.watch
             killed = asyncio.Event()
+            lease = await shim.grant(30)  # a worker record held by no lease is refused
 
             async def read_then_others_register(*args: Any, **kwargs: Any) -> Any:
                 resp = await get(*args, **kwargs)
                 if not killed.is_set():
                     for name in sorted(names):
-                        await shim.put_raw(subjects.worker_key(ns, name), encode_json(_worker(name)))
+                        await shim.put(subjects.worker_key(ns, name), encode_json(_worker(name)), lease)
                 return resp
 
             async def dies_after_created(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:

@@ -374,9 +374,10 @@ def _said(caplog: pytest.LogCaptureFixture, *words: str, level: int) -> list[str
 
 async def _register(d: Discovery, router: RouterService, prefix: str, fleet: list[str]) -> None:
     """Worker records for `fleet`, no shim behind them (their reports are the test's), until routed."""
+    lease = await d.grant(30)  # a record held by no lease is refused
     for worker in fleet:
         info = WorkerInfo(worker=worker, model=MODEL, role="agg", engine="vllm", block_size=BLOCK, tokenizer="builtin")
-        await d.put_raw(prefix + worker, encode_json(info))
+        await d.put(prefix + worker, encode_json(info), lease)
     await until(lambda: all(router.registry.get(w) for w in fleet), what="the fleet registered")
 
 

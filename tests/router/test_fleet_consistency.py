@@ -497,7 +497,7 @@ async def test_a_worker_of_another_build_is_warned_once_and_counted_while_regist
         await until(lambda: router.registry.get(lease.hex_id) is not None, what="the old worker")
         await until(lambda: _scalar(router, "kvswitch_router_workers_other_version") == 1.0)
         key = subjects.worker_key(cluster.ns, lease.hex_id)
-        await disc.put_raw(key, encode_json(info(worker=lease.hex_id, epoch=1)))  # its record changes: no new line
+        await disc.put(key, encode_json(info(worker=lease.hex_id, epoch=1)), lease)  # its record changes: no new line
         await until(lambda: getattr(router.registry.get(lease.hex_id), "epoch", 0) == 1, what="the record changed")
         (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert f"worker {lease.hex_id} runs kvswitch {other}, this router {BUILD}" in warned

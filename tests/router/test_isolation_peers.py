@@ -295,10 +295,10 @@ def _crashing_once(watch: Any) -> Any:
         await events.aclose()
         raise RuntimeError("a bug in the watch")
 
-    def watched() -> AsyncGenerator[Any, None]:
+    def watched(*args: Any) -> AsyncGenerator[Any, None]:
         nonlocal calls
         calls += 1
-        return crash_after_snapshot(watch()) if calls == 1 else watch()
+        return crash_after_snapshot(watch(*args)) if calls == 1 else watch(*args)
 
     return watched
 

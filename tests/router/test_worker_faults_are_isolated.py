@@ -247,7 +247,7 @@ async def test_refused_worker_records_are_counted_logged_by_key_and_on_ready_unt
         assert len(_said(caplog, "worker record under key", repr(missing), level=logging.ERROR)) == 1
         # fixed, or deleted: no longer reported
         fixed = WorkerInfo(worker=truncated, model=MODEL, role="agg", engine="vllm", block_size=16)
-        await d.put_raw(prefix + truncated, encode_json(fixed))
+        await d.put(prefix + truncated, encode_json(fixed), await d.grant(30))  # held by no lease: refused
         await d.delete(prefix + missing)
         await d.release(zero)
         await until(lambda: not router.registry.refusing(), what="every bad record fixed or gone")
@@ -295,7 +295,7 @@ async def test_when_every_record_is_refused_the_answers_name_them_not_the_namesp
     key = "1234abcd"
     bad = WorkerInfo(worker=key, model=MODEL, role="agg", engine="vllm", block_size=0, tokenizer="builtin")
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
-        await d.put_raw(prefix + key, encode_json(bad))
+        await d.put(prefix + key, encode_json(bad), await d.grant(30))  # held by no lease: refused for that
         try:
             await until(lambda: router.registry.refused >= 1, what="the record refused")
             status, body = await _ready(http, router)

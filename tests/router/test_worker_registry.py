@@ -503,3 +503,28 @@ async def test_what_each_event_changes_is_what_the_whole_fleet_says(
                 level == want and text in line for (level, line), (want, text) in zip(lines, due, strict=True)
             ), (seed, revision, lines, due)
             before = now
+
+
+async def test_a_worker_key_put_again_without_a_lease_is_refused_once(
+    disc: Discovery, registry: tuple[WorkerRegistry, Calls], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker's key re-put with no lease outlives its shim: every router listed the dead worker for
+    good (audit of 2026-12-07). DESIGN.md: a worker exists exactly as long as its lease."""
+    reg, calls = registry
+    kept, stray = await register(disc), await register(disc)
+    await disc.put_raw(f"/{disc.ns}/workers/{stray.hex_id}", msgspec.json.encode(info(stray.hex_id)))
+    with caplog.at_level(logging.ERROR):
+        await reg.start()
+        assert await reg.wait_ready(10.0)
+        assert [i.worker for i in reg.workers()] == [kept.hex_id]  # in the first snapshot: refused
+        [refused] = reg.refusing()
+        assert refused.name == stray.hex_id and "no lease" in refused.why
+        await disc.put_raw(f"/{disc.ns}/workers/{kept.hex_id}", msgspec.json.encode(info(kept.hex_id)))
+        await until(lambda: not reg.workers())  # as a change: refused too
+        assert kept.hex_id in calls.removed
+        await disc.put_raw(f"/{disc.ns}/workers/{kept.hex_id}", msgspec.json.encode(info(kept.hex_id)))
+        await disc.update_worker(kept, info(kept.hex_id, role="prefill"))  # under its lease again: routed
+        await until(lambda: [i.worker for i in reg.workers()] == [kept.hex_id])
+    said = [r.getMessage() for r in caplog.records if "no lease" in r.getMessage()]
+    assert len(said) == 2 and stray.hex_id in said[0] and kept.hex_id in said[1], said  # once per key
+    assert [r.name for r in reg.refusing()] == [stray.hex_id]
