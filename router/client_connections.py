@@ -8,25 +8,35 @@ client held them (audit of 2026-12-07). The limit is raised to the hard one at s
 (runtime.fd_limit); this module keeps the connections under it.
 
 The cap: the limit less a quarter of it (at least FD_RESERVE), which is left for NATS, etcd, the
-tokenizer's files and one accept burst. The check runs in the server's `connection_made`, the
-first code an accepted connection reaches; uvloop calls it on the loop iteration after libuv
-accepted, and libuv accepts all the listen backlog holds before it returns, so the listen backlog
-is at most half the reserve (`backlog`): the descriptors never reach the limit.
+tokenizer's files and accept bursts. The check runs in the server's `connection_made`, the first
+code an accepted connection reaches; uvloop calls it on the loop iteration after libuv accepted,
+and libuv accepts all the listen backlog holds before it returns, so the listen backlog is at most
+half the reserve (`backlog`), and at most `backlog` refused connections are held beside the cap:
+the descriptors never reach the limit.
 
-At the cap a new connection first closes the connection idle longest (no request in flight: a
-keep-alive connection waiting for its next request, or one that has not sent a whole request head),
-as nginx reuses its idle keep-alive connections when out of worker_connections: a flood of idle
-connections cannot keep a health probe or a client out. With none idle (every connection has a
-request in flight) the new one is answered 503 (OpenAI JSON, `Connection: close`, `Retry-After`)
-to its first request, and is the first to be closed for the next one. Each is counted
-(`kvswitch_router_client_connections_shed_total{how}`); an episode of shedding is logged once at
-WARNING when it starts, and at INFO when the connections fall back to three quarters of the cap.
+Each connection is idle (no request in flight: waiting for its first or next request head) or
+busy, kept apart in the order they became so. At the cap a new connection closes the connection
+idle longest, as nginx reuses its idle keep-alive connections when out of worker_connections: a
+flood of idle connections cannot keep a health probe or a client out. Idle means aiohttp's own
+test, the one its keep-alive timeout closes by (waiting on its next request head): a candidate
+not waiting after all (its request read this very loop turn, its answer still going out, not yet
+started) goes to the back, and at most SHED_LOOK are looked at, so a new connection costs O(1).
+
+With none idle (every connection has a request in flight) the new one is refused: its routed
+requests are answered 503 (OpenAI JSON, `Connection: close`, `Retry-After`), while `PROBES` are
+answered as always and then closed, so a liveness probe or a scrape still gets through
+(docs/router.md: `/health` answers 200 whenever the process does). A refused connection is never
+shed for another (it closes after its answer, or at the idle timeout); past `backlog` of them the
+new one is closed at once. Each is counted (`kvswitch_router_client_connections_shed_total{how}`,
+`refused` when the 503 is sent); an episode at the cap is logged once at WARNING when it starts,
+and at INFO when the connections fall back to three quarters of the cap.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -35,36 +45,46 @@ from router.api_errors import ApiError
 from router.metrics import RouterMetrics
 from runtime import LISTEN_BACKLOG
 
-__all__ = ["FD_RESERVE", "ClientConnections"]
+__all__ = ["FD_RESERVE", "PROBES", "SHED_LOOK", "ClientConnections"]
 
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # the least left beside the cap
 MIN_CAP = 64  # below it the limit is too low to serve: a WARNING says so
+SHED_LOOK = 4  # the most idle candidates one new connection looks at
+PROBES = frozenset({"/health", "/ready", "/metrics"})  # answered on a refused connection too
 
 
-def _idle(handler: RequestHandler) -> bool:
-    """No request in flight or queued: waiting for a request head, the first or the next one."""
-    # aiohttp's own state (RequestHandler has no public one): pinned by pyproject's aiohttp range
-    return not (handler._request_in_progress or handler._messages or handler._force_close or handler._close)
+def _waiting(handler: RequestHandler) -> bool:
+    """Waiting for a request head, its first or its next: aiohttp's own idle test
+    (RequestHandler._process_keepalive, which closes such a connection at its keep-alive timeout)."""
+    # aiohttp's private state (RequestHandler has no public one), pinned by pyproject's aiohttp range.
+    # Not `_request_in_progress or _messages`: start() takes a request off `_messages` and creates its
+    # task, which before Python 3.12 starts a loop turn later: both were false for a request read.
+    waiter = handler._waiter
+    return waiter is not None and not waiter.done() and not (handler._force_close or handler._close)
 
 
 class ClientConnections:
-    """The front door's connections, oldest request first: `made` at accept, `on_request` for each
-    request read, `lost` at close. `cap` None: no limit on descriptors, no cap."""
+    """The front door's connections: `made` at accept, `on_request` as each request starts,
+    `on_response` as its handler returns, `lost` at close. `cap` None: no limit on descriptors,
+    no cap. Admitted connections are idle (oldest first: the next to shed) or busy; refused ones
+    are kept apart and never shed."""
 
     def __init__(self, limit: int | None, metrics: RouterMetrics) -> None:
         self.limit = limit
         reserve = FD_RESERVE if limit is None else max(FD_RESERVE, limit // 4)
         self.cap = None if limit is None else limit - reserve
-        # A burst accepted before the first connection_made must fit in the reserve, beside NATS and etcd.
+        # A burst accepted before the first connection_made, and the refused ones, each fit in half the
+        # reserve, beside NATS and etcd.
         self.backlog = min(LISTEN_BACKLOG, reserve // 2)
-        self._open: dict[RequestHandler, None] = {}  # the connection idle longest first
+        self._idle: OrderedDict[RequestHandler, None] = OrderedDict()  # idle longest first: O(1) at the front
+        self._busy: dict[RequestHandler, None] = {}
         self._refused: set[RequestHandler] = set()
-        self._shed = {how: metrics.client_connections_shed.labels(how) for how in ("idle_closed", "refused")}
+        self._shed = {how: metrics.client_connections_shed.labels(how) for how in ("idle_closed", "refused", "dropped")}
         self._episode: tuple[float, int] | None = None  # shedding since, and the count then
         self._shed_count = 0
-        metrics.client_connections.set_function(lambda: len(self._open))
+        metrics.client_connections.set_function(self.__len__)
         metrics.client_connections_cap.set(float("inf") if self.cap is None else self.cap)
         if self.cap is not None and self.cap < MIN_CAP:
             log.warning(
@@ -76,19 +96,28 @@ class ClientConnections:
             self.cap = max(self.cap, 1)
 
     def __len__(self) -> int:
-        return len(self._open)
+        return len(self._idle) + len(self._busy) + len(self._refused)
 
     def made(self, handler: RequestHandler) -> None:
-        if self.cap is not None and len(self._open) >= self.cap:
-            self._shed_one()
-            if len(self._open) >= self.cap:
-                self._refused.add(handler)
-                self._count("refused")
-        self._open[handler] = None
+        if self.cap is None or len(self._idle) + len(self._busy) < self.cap:
+            self._idle[handler] = None
+            return
+        self._at_cap()
+        if self._shed_idle():
+            self._idle[handler] = None
+        elif len(self._refused) < self.backlog:
+            self._refused.add(handler)  # answered by on_request, then closed
+        else:  # the refused ones hold the rest of the room: the newest goes
+            handler.force_close()
+            self._count("dropped")
 
-    def on_request(self, handler: RequestHandler) -> web.Response | None:
-        """A request read on `handler`: the 503 to answer it with when its connection was refused."""
+    def on_request(self, handler: RequestHandler, path: str) -> web.Response | None:
+        """A request starts on `handler`: the 503 to answer it with when its connection was refused
+        and it is no probe."""
         if handler in self._refused:
+            if path in PROBES:
+                return None  # answered, then closed: `refused`
+            self._count("refused")
             return ApiError(
                 503,
                 f"the router holds as many client connections as its open-file limit allows ({self.cap}), each with "
@@ -96,41 +125,57 @@ class ClientConnections:
                 retry_after_s=1,
                 close=True,
             ).response()
-        if self._open.pop(handler, False) is None:
-            self._open[handler] = None  # to the end: most recently used
+        if self._idle.pop(handler, False) is None:  # not a connection lost meanwhile
+            self._busy[handler] = None
         return None
 
+    def on_response(self, handler: RequestHandler) -> None:
+        """The request's handler returned (its answer may still be going out: `_waiting` says when it is done)."""
+        if self._busy.pop(handler, False) is None:
+            self._idle[handler] = None  # at the back: idle the shortest
+
+    def refused(self, handler: RequestHandler) -> bool:
+        """Made past the cap: whatever it is answered, it is closed after."""
+        return handler in self._refused
+
     def lost(self, handler: RequestHandler) -> None:
-        self._open.pop(handler, None)
+        self._idle.pop(handler, None)
+        self._busy.pop(handler, None)
         self._refused.discard(handler)
-        if self._episode is not None and self.cap is not None and len(self._open) <= self.cap * 3 // 4:
+        admitted = len(self._idle) + len(self._busy)
+        if self._episode is not None and self.cap is not None and admitted <= self.cap * 3 // 4:
             since, count = self._episode
             self._episode = None
             log.info(
                 "client connections back to %d of the cap of %d: %d shed in %.0fs",
-                len(self._open),
+                admitted,
                 self.cap,
                 self._shed_count - count,
                 time.monotonic() - since,
             )
 
-    def _shed_one(self) -> None:
-        for old in self._open:
-            if _idle(old):
-                del self._open[old]  # closing: not counted again, nor found idle again
-                self._refused.discard(old)
-                old.force_close()
+    def _shed_idle(self) -> bool:
+        """Closes the connection idle longest; False when none of the first SHED_LOOK is waiting."""
+        for _ in range(min(SHED_LOOK, len(self._idle))):
+            old, _none = self._idle.popitem(last=False)
+            if _waiting(old):
+                old.force_close()  # lost() finds it in neither dict
                 self._count("idle_closed")
-                return
+                return True
+            self._idle[old] = None  # not waiting after all, and soon busy or waiting: to the back
+        return False
+
+    def _at_cap(self) -> None:
+        if self._episode is None:
+            self._episode = (time.monotonic(), self._shed_count)
+            log.warning(
+                "client connections at the cap of %d (open-file limit %s): each new one closes the connection idle "
+                "longest, or, none idle, is refused (503 to all but /health, /ready and /metrics); "
+                "kvswitch_router_client_connections_shed_total counts them",
+                self.cap,
+                self.limit,
+            )
 
     def _count(self, how: str) -> None:
         self._shed[how].inc()
         self._shed_count += 1
-        if self._episode is None:
-            self._episode = (time.monotonic(), self._shed_count - 1)
-            log.warning(
-                "client connections at the cap of %d (open-file limit %s): each new one closes the connection idle "
-                "longest, or, none idle, is answered 503; kvswitch_router_client_connections_shed_total counts them",
-                self.cap,
-                self.limit,
-            )

@@ -533,12 +533,14 @@ class RouterMetrics:
         )
         self.client_connections_shed = Counter(
             "kvswitch_router_client_connections_shed",
-            "Connections shed at the cap: the connection idle longest closed for a new one (idle_closed), or, "
-            "none idle, the new one answered 503 and closed (refused)",
+            "Connections shed at the cap: the connection idle longest closed for a new one (idle_closed); none "
+            "idle, a request on the new one answered 503 and the connection closed (refused; /health, /ready and "
+            "/metrics are answered); none idle and the refused ones at the listen backlog, the new one closed at "
+            "once (dropped)",
             ["how"],
             registry=self.registry,
         )
-        for how in ("idle_closed", "refused"):
+        for how in ("idle_closed", "refused", "dropped"):
             self.client_connections_shed.labels(how)
         self.registry.register(_StateCollector(state))
         # Labelled children bound once: `labels()` validates and locks on every call (~3 us).

@@ -92,10 +92,17 @@ class _Switch(FrontDoorRunner):
         return request
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        refusal = self._capped.on_request(request.protocol)
+        connection = request.protocol
+        refusal = self._capped.on_request(connection, request.path)
         if refusal is not None:  # a connection past the cap: router.client_connections
             return refusal
-        return await request[_APP]._handle(request)  # type: ignore[arg-type]
+        try:
+            response = await request[_APP]._handle(request)  # type: ignore[arg-type]
+        finally:
+            self._capped.on_response(connection)
+        if self._capped.refused(connection):  # a probe answered past the cap: the connection goes after it
+            response.force_close()
+        return response
 
     async def shutdown(self) -> None:
         await super().shutdown()

@@ -1,9 +1,10 @@
 """The router's open-file limit and its client connections (router.client_connections): the soft
 limit is raised to the hard one at start, and the connections are capped below it, a new one past
-the cap closing the connection idle longest, or, none idle, answered 503. Until 2026-12-07 the
-router kept systemd's 1024, and ~1,000 idle connections ran it out of descriptors: libuv (uvloop)
-then accepted and closed every new connection with no log line, `/health` reset. The router runs
-as a process under `prlimit`, against the session's real NATS and etcd."""
+the cap closing the connection idle longest, or, none idle, refused (a routed request answered 503,
+`/health`, `/ready` and `/metrics` answered as always). Until 2026-12-07 the router kept
+systemd's 1024, and ~1,000 idle connections ran it out of descriptors: libuv (uvloop) then accepted
+and closed every new connection with no log line, `/health` reset. The first two run the router as
+a process under `prlimit`, against the session's real NATS and etcd; the rest run it in process."""
 
 from __future__ import annotations
 
@@ -14,14 +15,22 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from kvswitch.servers import dying_with_parent, free_port
+from router.api_errors import _JsonErrorHandler
+from router.client_connections import FD_RESERVE
+from router.metrics import RouterMetrics, StateFigures
 from router.service import RouterService
+from router.start_door import StartDoor
 from tests.router.conftest import Cluster
 from tests.router.polling import until
 
@@ -133,7 +142,22 @@ async def test_a_flood_of_idle_connections_past_the_fd_limit_leaves_health_answe
     assert any("INFO" in line and "client connections back to" in line for line in lines), lines[-20:]
 
 
-async def test_past_the_cap_with_every_connection_busy_a_new_one_is_answered_503(
+_HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+_METRICS = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+_COMPLETION = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+)
+
+
+def _answer(raw: bytes) -> tuple[str, dict[str, str], bytes]:
+    """An HTTP/1.1 answer read to the connection's end: its status line, headers (lower-cased
+    names) and body; ("", {}, b"") for a connection closed with no answer."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status, *lines = head.decode().split("\r\n")
+    return status, {k.lower(): v for k, _, v in (line.partition(": ") for line in lines)}, body
+
+
+async def test_past_the_cap_with_every_connection_busy_new_ones_get_probes_answered_and_requests_503(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # raising=False: the old code, with no such hook, fails on what it answers
@@ -152,12 +176,33 @@ async def test_past_the_cap_with_every_connection_busy_a_new_one_is_answered_503
                       b"Content-Length: 100\r\n\r\n{")  # fmt: skip
             busy.append(s)
         await until(lambda: sample("kvswitch_router_client_connections") == 8, what="8 connections open")
-        async with aiohttp.ClientSession() as http, http.get(router.url + "/health") as resp:
-            assert resp.status == 503 and resp.headers["Connection"] == "close"
-            assert resp.headers["Retry-After"] == "1"
-            error = (await resp.json())["error"]
-        assert error["type"] == "ServiceUnavailableError" and "client connections" in error["message"]
-        assert sample("kvswitch_router_client_connections_shed_total", how="refused") == 1
+        # A burst: all four connected before any sends. Until 2026-12-07 each refused one was taken
+        # for idle and closed, with no answer, for the next; and /health was 503, so a liveness probe
+        # failed for as long as the router was at its cap and the router was killed, every stream with it.
+        burst = [await asyncio.open_connection(host, int(port)) for _ in range(4)]
+        accepted = ("kvswitch_router_client_connections", "kvswitch_router_client_connections_shed_total")
+        await until(  # each open, or closed for another (the old code)
+            lambda: (sample(accepted[0]) or 0) + (sample(accepted[1], how="idle_closed") or 0) == 12,
+            what="the burst accepted",
+        )
+        for (_, writer), request in zip(burst, (_HEALTH, _METRICS, _COMPLETION, _COMPLETION), strict=True):
+            writer.write(request)
+        async with asyncio.timeout(10):  # read to the end: each connection is closed after its answer
+            answers = [_answer(await reader.read()) for reader, _ in burst]
+        for _, writer in burst:
+            writer.close()
+        (health, health_headers, health_body), (metrics, metrics_headers, metrics_body) = answers[:2]
+        assert health == "HTTP/1.1 200 OK" and health_headers["connection"] == "close", answers[0]
+        assert b'"status"' in health_body
+        assert metrics == "HTTP/1.1 200 OK" and metrics_headers["connection"] == "close", answers[1]
+        assert b"kvswitch_router_client_connections_cap 8.0" in metrics_body
+        for status, headers, body in answers[2:]:
+            assert status == "HTTP/1.1 503 Service Unavailable", (status, headers, body)
+            assert headers["connection"] == "close" and headers["retry-after"] == "1"
+            error = msgspec.json.decode(body)["error"]
+            assert error["type"] == "ServiceUnavailableError" and "client connections" in error["message"]
+        # Counted as sent: the two probes answered are none.
+        assert sample("kvswitch_router_client_connections_shed_total", how="refused") == 2
         assert sample("kvswitch_router_client_connections_shed_total", how="idle_closed") == 0
     finally:
         for s in busy:
@@ -165,3 +210,165 @@ async def test_past_the_cap_with_every_connection_busy_a_new_one_is_answered_503
     await until(lambda: (sample("kvswitch_router_client_connections") or 0) < 8, what="the busy ones closed")
     async with aiohttp.ClientSession() as http, http.get(router.url + "/health") as resp:
         assert resp.status == 200
+
+
+# In process: the door's own server, each connection a real aiohttp RequestHandler on a transport
+# with no socket, so the loop turns between a request read and its task can be stepped through.
+
+_CAP = 2  # fd_limit FD_RESERVE + 2: the limit less its reserve
+_BACKLOG = FD_RESERVE // 2  # the refused connections held at most (ClientConnections.backlog)
+_IN_FLIGHT = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+_STATE = frozenset({"_waiter", "_request_in_progress", "_messages", "_force_close", "_close"})
+
+
+class _Transport(asyncio.Transport):
+    """A connection's transport with no socket: what is written is kept; close() tells the
+    protocol a loop turn later, as asyncio's own transports do."""
+
+    def __init__(self, protocol: asyncio.BaseProtocol) -> None:
+        super().__init__()
+        self.sent = bytearray()
+        self._protocol = protocol
+        self._closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent += data
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            asyncio.get_running_loop().call_soon(self._protocol.connection_lost, None)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class _Door:
+    """A started door whose requests go to an app with /health and a /v1/completions held until
+    `release` is set."""
+
+    def __init__(self, server: web.Server, metrics: RouterMetrics, release: asyncio.Event) -> None:
+        self.server = server
+        self.metrics = metrics
+        self.release = release
+
+    def connect(self) -> tuple[RequestHandler, _Transport]:
+        handler = self.server()
+        transport = _Transport(handler)
+        handler.connection_made(transport)
+        return handler, transport
+
+    def shed(self, how: str) -> float | None:
+        return self.metrics.registry.get_sample_value("kvswitch_router_client_connections_shed_total", {"how": how})
+
+
+@contextlib.asynccontextmanager
+async def _door(monkeypatch: pytest.MonkeyPatch, cap: int = _CAP) -> AsyncIterator[_Door]:
+    monkeypatch.setattr("router.start_door.fd_limit", lambda: FD_RESERVE + cap)
+    metrics = RouterMetrics(StateFigures)
+    door = StartDoor("127.0.0.1", 0, health=lambda: {"status": "ok"}, readiness=lambda: (True, {}),
+                     waiting=lambda: "", metrics=metrics, idle_timeout_s=75)  # fmt: skip
+    await door.open()
+    release = asyncio.Event()
+
+    async def completions(_request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({})
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    runner = await door.hand_over(app)
+    assert runner.server is not None
+    try:
+        yield _Door(runner.server, metrics, release)
+    finally:
+        release.set()
+        await runner.cleanup()
+
+
+async def _busy(door: _Door, n: int) -> list[RequestHandler]:
+    handlers = [door.connect()[0] for _ in range(n)]
+    for handler in handlers:
+        handler.data_received(_IN_FLIGHT)
+    await until(lambda: all(h._request_in_progress for h in handlers), 5, what="the requests in flight")
+    return handlers
+
+
+async def test_a_request_read_whose_task_has_not_started_is_not_taken_for_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with _door(monkeypatch) as door:
+        read, read_out = door.connect()
+        waiting, _ = door.connect()
+        await until(lambda: read._waiter is not None and waiting._waiter is not None, 5, what="both waiting")
+        read.data_received(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0)  # its start() takes the request and makes its task; on 3.11 it runs a turn later
+        if sys.version_info < (3, 12):
+            assert read._waiter is None and not read._messages and not read._request_in_progress, "not the window"
+        door.connect()  # at the cap: the connection idle longest is the one just read
+        assert not read._force_close and waiting._force_close
+        assert door.shed("idle_closed") == 1
+        await until(lambda: read_out.sent.startswith(b"HTTP/1.1 200 OK"), 5, what="the request read answered")
+
+
+async def test_shedding_looks_at_the_connection_idle_longest_not_at_each_busy_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    looked: list[RequestHandler] = []
+
+    class Looked(_JsonErrorHandler):
+        __slots__ = ()
+
+        def __getattribute__(self, name: str) -> Any:
+            if name in _STATE:
+                looked.append(self)
+            return super().__getattribute__(name)
+
+    async with _door(monkeypatch, cap=50) as door:
+        busy = await _busy(door, 49)  # the oldest: a scan in order of age reads each of them first
+        idle, _ = door.connect()
+        await until(lambda: idle._waiter is not None, 5, what="the idle one waiting")
+        for handler in [*busy, idle]:
+            handler.__class__ = Looked
+        door.connect()
+        assert {id(h) for h in looked} == {id(idle)}, f"{len({id(h) for h in looked})} connections looked at"
+        assert idle._force_close and door.shed("idle_closed") == 1
+
+
+async def test_a_refused_connection_is_never_shed_for_the_next_and_each_is_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with _door(monkeypatch) as door:
+        await _busy(door, _CAP)
+        refused = [door.connect() for _ in range(5)]  # a burst: each made before any sends
+        await asyncio.sleep(0.05)
+        assert not any(h._force_close for h, _ in refused)
+        assert door.shed("refused") == 0  # counted as the 503 goes
+        for handler, _ in refused:
+            handler.data_received(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        await until(lambda: all(out.is_closing() for _, out in refused), 5, what="each refused one closed")
+        assert [bytes(out.sent).split(b"\r\n")[0] for _, out in refused] == [b"HTTP/1.1 503 Service Unavailable"] * 5
+        assert door.shed("refused") == 5 and door.shed("idle_closed") == 0 and door.shed("dropped") == 0
+
+
+async def test_past_the_backlog_of_refused_connections_a_new_one_is_closed_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with _door(monkeypatch) as door:
+        await _busy(door, _CAP)
+        refused = [door.connect()[0] for _ in range(_BACKLOG)]
+        newest, out = door.connect()
+        assert newest._force_close and out.is_closing() and not out.sent
+        assert not any(h._force_close for h in refused)
+        assert door.shed("dropped") == 1 and door.shed("idle_closed") == 0
