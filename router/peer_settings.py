@@ -6,7 +6,8 @@ round_robin` beside `kv`, another policy, thresholds from a forgotten environmen
 `--no-calibration`) makes
 the fleet's routing depend on which replica a request reached, and nothing said so. The digest is
 of the effective settings, live config (/{ns}/config/router) included, and is put again whenever
-they change. The rendering digest is of the tokenizer (its probe fingerprint: the same files under
+they change. The rendering digest is of the tokenizer (its probe fingerprint, the template's clock
+pinned so a template that writes today's date digests alike on every day: the same files under
 another path render alike) and vLLM's chat flags the router renders with: a replica with another
 `--exclude-tools-when-tool-choice-none` routes `tool_choice: "none"` chats on other ids, and no
 engine probe can show that flag, so a peer is the only one that can. A peer whose digests or
@@ -62,7 +63,8 @@ def rendering_digest(
     trust_request_chat_template: bool = False,
 ) -> str:
     """12 hex digits of a SHA-256 over what turns a request into the ids it routes on: `tokenizer`
-    is the router's tokenizer's fingerprint (router.tokenization.tokenizer_fingerprint), the rest
+    is the router's tokenizer's fingerprint with the template's clock pinned
+    (router.tokenization.rendering_fingerprint), the rest
     vLLM's flags of those names as the router was given them. No kwargs and `{}` render alike."""
     return _digest(
         {

@@ -85,7 +85,14 @@ from router.sender_budget import KvBudget, SenderBudget
 from router.sender_subscriptions import SenderSubscriptions
 from router.served_names import clash_message, shadow_message
 from router.start_door import StartDoor
-from router.tokenization import FingerprintWatch, PromptTokenizer, Tokenization, load_tokenizer, tokenizer_fingerprints
+from router.tokenization import (
+    FingerprintWatch,
+    PromptTokenizer,
+    Tokenization,
+    load_tokenizer,
+    rendering_fingerprint,
+    tokenizer_fingerprints,
+)
 from router.tracing import RequestTracer
 from router.unheard import Unheard
 from router.worker_registry import WorkerRegistry, context_message
@@ -220,7 +227,7 @@ class RouterService:
         self.metrics = RouterMetrics(self._figures)
         calibrated = self.calibration is not None
         rendering = rendering_digest(
-            self.fingerprints.mine,
+            rendering_fingerprint(self.tokenizer),  # not `mine`: that one follows the calendar
             content_format=config.chat_template_content_format,
             default_chat_template_kwargs=config.default_chat_template_kwargs,
             exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,

@@ -16,6 +16,10 @@ the planner sends text prompts only to workers whose fingerprint equals the rout
 `FingerprintWatch` says once per worker, at ERROR, which workers will get no text prompt and why: a
 worker whose shim predates the present probe set (protocol.fingerprint.PROBES_SINCE) is told apart
 from one with another tokenizer by the fingerprint the old probes give this router's tokenizer.
+That fingerprint follows the clock, as the engine's does: a template may write today's date
+(Llama 3.2's "Today Date:", from `strftime_now`), and vLLM's `/tokenize` renders the probes with its
+own. The rendering digest replicas compare (router.peer_settings) is of `rendering_fingerprint`,
+the template's clock pinned to RENDERING_NOW, so equal files give an equal digest on any day.
 A chat prompt's ids serve routing only: the engine renders the messages itself.
 
 Large prompts are tokenized off the event loop (`Tokenization`): Hugging Face's `encode_batch`
@@ -26,6 +30,7 @@ own, so the ids are the same) so the loop gets the GIL between lines.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime
 import functools
 import heapq
@@ -56,6 +61,7 @@ from router.fleet_lines import FleetLines, FleetLog, LastSaid
 
 __all__ = [
     "OFFLOAD_CHARS",
+    "RENDERING_NOW",
     "BuiltinPromptTokenizer",
     "ChatOptions",
     "FingerprintWatch",
@@ -66,6 +72,7 @@ __all__ = [
     "TokenizerError",
     "load_tokenizer",
     "probe_ids",
+    "rendering_fingerprint",
     "resolve_tokenizer_path",
     "shim_predates_probes",
     "tokenizer_fingerprint",
@@ -76,6 +83,10 @@ log = logging.getLogger(__name__)
 Messages = Sequence[Mapping[str, Any]]
 OFFLOAD_CHARS = 32 * 1024  # texts longer than this are tokenized on a worker thread
 _SEGMENT_CHARS = 64 * 1024
+# What a template's `strftime_now` gives while `rendering_fingerprint` probes it: any fixed time
+# (this is Llama 3.1's own fallback date); otherwise the date the router started on.
+RENDERING_NOW = datetime.datetime(2024, 7, 26)
+_pinned_now: contextvars.ContextVar[datetime.datetime | None] = contextvars.ContextVar("pinned_now", default=None)
 
 
 class TokenizerError(ValueError):
@@ -206,7 +217,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
 
 
 def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
+    return (_pinned_now.get() or datetime.datetime.now()).strftime(fmt)
 
 
 class _GenerationTag(Extension):
@@ -483,6 +494,17 @@ def tokenizer_fingerprints(tok: PromptTokenizer) -> Fingerprints:
         return Fingerprints(BUILTIN, None)
     results = [probe_ids(tok, probe) for probe in PROBES]
     return Fingerprints(fingerprint(results), legacy_fingerprint(results))
+
+
+def rendering_fingerprint(tok: PromptTokenizer) -> str:
+    """`tokenizer_fingerprint` with the template's clock at RENDERING_NOW: what replicas compare
+    (router.peer_settings.rendering_digest), equal for equal files on any day and in any time zone.
+    Not a worker's: the engine renders the probes at its own time."""
+    token = _pinned_now.set(RENDERING_NOW)
+    try:
+        return tokenizer_fingerprint(tok)
+    finally:
+        _pinned_now.reset(token)
 
 
 def tokenizer_fingerprint(tok: PromptTokenizer) -> str:

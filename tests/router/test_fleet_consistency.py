@@ -7,11 +7,14 @@ etcd."""
 from __future__ import annotations
 
 import asyncio
+import datetime
+import json
 import logging
 import shutil
 import time
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import aiohttp
 import msgspec
@@ -23,9 +26,10 @@ from engine_sim.lora import LoraModule
 from protocol import RouterInfo, WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings, RouterSettings
 from protocol.version import BUILD, __version__
+from router import tokenization
 from router.peer_settings import SETTLE_S, PeerSettings, rendering_digest, settings_digest
 from router.service import RouterConfig, RouterService
-from router.tokenization import load_tokenizer, tokenizer_fingerprint
+from router.tokenization import ChatOptions, load_tokenizer, tokenizer_fingerprint
 from tests.router.conftest import MODEL, Cluster, complete
 from tests.router.fingerprint_variants import build_variant
 from tests.router.polling import until
@@ -569,6 +573,46 @@ def test_a_replica_of_another_tokenizer_has_another_rendering_digest_and_the_sam
     assert _rendering() != base  # the built-in tokenizer
     assert _rendering(tokenizer=tokenizers["elsewhere"]) == base
     assert base == rendering_digest(tokenizer_fingerprint(load_tokenizer(tokenizers["elsewhere"])))
+
+
+class _Clock:
+    """datetime for router.tokenization, its now() at `at` (the template's strftime_now reads it)."""
+
+    def __init__(self, at: datetime.datetime) -> None:
+        outer = self
+
+        class _Datetime(datetime.datetime):
+            @classmethod
+            def now(cls, tz: datetime.tzinfo | None = None) -> _Datetime:
+                return cast(_Datetime, outer.at)
+
+        self.at = at
+        self.datetime = _Datetime
+
+
+def test_a_template_that_writes_todays_date_has_one_rendering_digest_across_midnight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Llama 3.2's and 3.3's templates write `Today Date: {{ strftime_now("%d %b %Y") }}`: the digest
+    # was of the fingerprint at the router's start, so replicas started on different days (or in
+    # other time zones) warned about each other for good (review, 2026-12-07).
+    folder = build_variant("llama31", tmp_path / "dated")
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n' }}" + config["chat_template"]
+    config_file.write_text(json.dumps(config))
+    clock = _Clock(datetime.datetime(2026, 12, 7, 23, 59))
+    monkeypatch.setattr(tokenization, "datetime", clock)
+    tok = load_tokenizer(str(folder))
+    chat = ({"role": "user", "content": "hi"},)
+    before, digest_before = tok.encode_chat(chat, ChatOptions()), _rendering(tokenizer=str(folder))
+    worker_match_before = tokenizer_fingerprint(tok)
+    clock.at = datetime.datetime(2026, 12, 8, 0, 1)
+    # The template does write the date: a request renders today's, as the engine renders it, and the
+    # fingerprint workers are matched on follows it (vLLM's /tokenize renders the probes so too).
+    assert tok.encode_chat(chat, ChatOptions()) != before
+    assert tokenizer_fingerprint(tok) != worker_match_before
+    assert _rendering(tokenizer=str(folder)) == digest_before
 
 
 def test_a_peer_counts_as_different_only_after_it_stays_so_and_is_warned_once(
