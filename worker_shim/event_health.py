@@ -92,6 +92,9 @@ class EventProblem(enum.Enum):
     WRONG_RANK = "wrong_rank"
     NO_STORED = "no_stored"
     OTHER_ENGINE = "other_engine"
+    # The shim's SUB cannot bind the events endpoint yet and waits for a later session to: the cause
+    # (zmq_bind's) until a session's events go live.
+    BIND_PENDING = "bind_pending"
 
 
 class EventHealth:

@@ -84,6 +84,7 @@ from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.credit_check import CreditCheck, reusable
 from worker_shim.endpoint_probe import EndpointProbe
 from worker_shim.engine_events import EngineBatch, EngineStored
+from worker_shim.event_health import EventProblem
 from worker_shim.http_server import ShimHttpServer
 from worker_shim.kv_events_config import listed_mode
 from worker_shim.kv_publisher import KvPublisher, PublisherCounters, check_payload
@@ -125,6 +126,9 @@ UNSUB_S = 10.0  # the most a worker id's close waits for its server's barrier an
 UNSUB_STOP_S = 2.0
 ORPHAN_CHECK_S = 1.0  # how often the legs of routers gone from etcd are looked for
 ORPHAN_ERROR_SAID_S = 60.0  # a check that keeps failing with one kind of error is said at most this often
+# A session that cannot bind the events endpoint yet is said at WARNING at most this often (INFO
+# between): one a second (health_interval_s) for the minute a port stays in TIME_WAIT was 60 lines.
+BIND_PENDING_SAID_S = 60.0
 # Work beside the session's that failed with an error no rule expected (kvswitch_shim_task_failures_total).
 TASKS = ("kv_publisher", "load_reporter", "orphan_check", "retire")
 
@@ -333,6 +337,7 @@ class WorkerShim:
         self._stopping = asyncio.Event()
         self._stop_task: asyncio.Task[None] | None = None
         self._said: dict[str, None] = {}  # insertion-ordered: the oldest text is dropped first
+        self._pending_said_at: float | None = None  # when a BindPending session was said at WARNING
         self._engine_load: EngineLoad | None = None  # the last usable reading of the engine's load
         self._engine_load_at: float | None = None  # ... and the time.monotonic() it came back
         self._stalled: _Progress | None = None  # where a hung engine stood when its session ended
@@ -484,8 +489,8 @@ class WorkerShim:
                     raise
                 except BindPending as exc:
                     # A listed endpoint this host cannot bind yet: its cause was said once, naming the
-                    # setting; each session's line is as a --kv-events bind's (_wait_live).
-                    log.warning("the session does not start: %s", exc)
+                    # setting; each session's is as a --kv-events bind's (_wait_live).
+                    self._bind_pending(exc)
                     await self._rest(self.config.health_interval_s)
                 except Exception as exc:
                     # Say it, then start over as after an engine restart: a NATS flush that timed
@@ -506,6 +511,17 @@ class WorkerShim:
             self.status = ShimStatus.FAILED
         finally:
             self.done.set()
+
+    def _bind_pending(self, exc: BindPending) -> None:
+        """A session does not start for a bind a later one may make: its cause is on /health
+        (events_why) and kvswitch_shim_events_problem{problem="bind_pending"} until a session's
+        events go live, and said at WARNING at most every BIND_PENDING_SAID_S."""
+        self.events.problem(EventProblem.BIND_PENDING, str(exc), logging.DEBUG)  # said below
+        now = time.monotonic()
+        level = logging.INFO
+        if self._pending_said_at is None or now - self._pending_said_at >= BIND_PENDING_SAID_S:
+            self._pending_said_at, level = now, logging.WARNING
+        log.log(level, "the session does not start: %s", exc)
 
     async def _rest(self, wait: float) -> None:
         """`wait` seconds before the next session, or less if the shim stops."""
@@ -1084,6 +1100,8 @@ class WorkerShim:
         try:
             if not await self._wait_live(live):
                 return
+            self._pending_said_at = None
+            self.events.resolved(EventProblem.BIND_PENDING)
             self.tokenizer = await self._tokenizer()
             self.epoch = secrets.randbits(64) | 1
             self.registration = Registration(
@@ -1201,7 +1219,10 @@ class WorkerShim:
         if self._events_task.done() and not self._events_task.cancelled() and self._events_task.exception():
             if isinstance(failure := self._events_task.exception(), ConfigError):  # no new session cures it
                 raise failure
-            log.warning("engine event stream failed: %s", failure)
+            if isinstance(failure, BindPending):
+                self._bind_pending(failure)
+            else:
+                log.warning("engine event stream failed: %s", failure)
             await asyncio.sleep(self.config.health_interval_s)
         return live.is_set() and not self._stopping.is_set() and not self._events_task.done()
 

@@ -27,6 +27,7 @@ from tests.worker_shim.cluster import engine_set, shim_for, sim_config, wait_for
 from tests.worker_shim.test_zmq_endpoints import needs_ipv6
 from worker_shim.adapters import zmq_bind
 from worker_shim.adapters.zmq_bind import NAME_GRACE_S, BindFailures, BindPending
+from worker_shim.event_health import EventProblem
 from worker_shim.kv_events_config import listed_mode
 
 URL = "http://127.0.0.1:8000"
@@ -76,8 +77,9 @@ async def test_a_concrete_address_this_host_cannot_bind_is_refused_naming_the_fl
 
 async def test_a_listed_port_a_connection_holds_is_looked_at_again() -> None:
     """A connection's local port (open, or in TIME_WAIT for a minute) fails the bind with the
-    EADDRINUSE of a listener's, and frees itself: the shim's own bind tries again there, and since
-    2026-12-07 so does the look at a listed one (c50eac9 made it final, exit 2)."""
+    EADDRINUSE of a listener's, and may free itself: the shim's own bind tries again there, and since
+    2026-12-07 so does the look at a listed one (c50eac9 made it final, exit 2); for how long,
+    tests/worker_shim/test_port_holders.py."""
     with socket.socket() as listener, socket.socket() as held:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -87,7 +89,8 @@ async def test_a_listed_port_a_connection_holds_is_looked_at_again() -> None:
         with pytest.raises(BindPending) as caught:
             await listed_mode(listed, None, "auto", URL, BindFailures())
     assert f"lists its KV events at {listed}, which this host cannot bind yet" in str(caught.value)
-    assert "a connection's local port (not a listener's), which frees itself" in str(caught.value)
+    port = listed.rpartition(":")[2]
+    assert f"a connection's local end holds port {port} (127.0.0.1 (ESTABLISHED))" in str(caught.value)
 
 
 def _resolving(monkeypatch: pytest.MonkeyPatch, host: str, code: int) -> None:
@@ -214,7 +217,8 @@ async def test_a_shim_whose_event_address_another_process_listens_on_exits_namin
             async with shim:
                 await wait_for(shim.done.is_set, 10, "the shim refuses")
     assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "kv_events", shim.failure
-    assert f"the shim binds {endpoint} and another process listens there" in str(shim.failure)
+    assert f"the shim binds {endpoint} (where the engine connects) and this host cannot" in str(shim.failure)
+    assert "another process listens there (127.0.0.1 (LISTEN)): stop it" in str(shim.failure)
     assert shim.registration_count == 0 and shim.session_failures == 0
 
 
@@ -298,8 +302,9 @@ async def test_a_late_name_is_said_once_naming_its_setting_and_each_session_with
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Given, or listed by vLLM (`tcp://late-engine:P`, the shim started with no endpoint), alike:
-    one WARNING naming the setting, then one a session. Until 2026-12-07 the listed one was an
-    ERROR with its traceback every session, counted as a session no rule expected."""
+    one WARNING naming the setting, then a line a session, at WARNING once a minute (INFO between).
+    Until 2026-12-07 the listed one was an ERROR with its traceback every session, counted as a
+    session no rule expected; then each session's was a WARNING (one a second)."""
     port = free_ports(1)
     resolved = _resolving_late(monkeypatch)
     kv = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}")
@@ -328,7 +333,9 @@ async def test_a_late_name_is_said_once_naming_its_setting_and_each_session_with
     assert said[0].getMessage().startswith(f"{setting}: "), said[0].getMessage()
     assert "the name late-engine does not resolve for now" in said[0].getMessage()
     sessions = [r for r in caplog.records if "trying again in the next session" in r.getMessage()]
-    assert len(sessions) >= 2 and {r.levelno for r in sessions} == {logging.WARNING}, sessions
+    assert len(sessions) >= 2 and [r.levelno for r in sessions] == [logging.WARNING] + [logging.INFO] * (
+        len(sessions) - 1
+    ), sessions
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
 
 
@@ -354,3 +361,58 @@ async def test_a_shim_whose_event_port_a_connection_holds_tries_again_and_regist
                 held.close()
                 accepted.close()
                 await wait_for(shim.registered.is_set, 10, "the shim registers once the port is free")
+
+
+async def test_a_wildcard_bind_whose_port_a_listener_holds_on_another_local_address_exits_naming_the_flag(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    # `tcp://*:P` meets a listener on any address; the shim connected to 127.0.0.1 only, so one on
+    # 127.0.0.2 (or the pod IP) read as a connection's port and the shim tried again for ever.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.2", 0))
+        listener.listen()
+        endpoint = f"tcp://*:{listener.getsockname()[1]}"
+        async with SimServer(sim_config()) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=endpoint, kv_events_mode="bind")
+            async with shim:
+                await wait_for(shim.done.is_set, 10, "the shim exits")
+    assert isinstance(shim.failure, ConfigError) and shim.failure.setting == "kv_events", shim.failure
+    assert "another process listens there (127.0.0.2 (LISTEN))" in str(shim.failure)
+
+
+async def test_a_bind_a_connection_holds_is_said_naming_the_setting_and_on_health_until_it_binds(
+    ns: str, nats_url: str, etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # ZmqEventSource._bind raised a plain ConnectionError for it: no line named --kv-events, /health
+    # said waiting_engine with no why, and a WARNING came each session (review, 2026-12-07).
+    with socket.socket() as listener, socket.socket() as held:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        held.bind(("127.0.0.1", 0))
+        held.connect(listener.getsockname())
+        port = held.getsockname()[1]
+        endpoint = f"tcp://127.0.0.1:{port}"
+        accepted, _ = listener.accept()
+        async with SimServer(sim_config()) as sim:
+            shim = shim_for(sim, ns, nats_url, etcd_url, kv_events=endpoint, kv_events_mode="bind")
+            with caplog.at_level(logging.INFO, logger="worker_shim"):
+                async with shim:
+                    await asyncio.sleep(1.0)  # sessions enough to say it more than once
+                    _, health = shim.health_report()
+                    assert health["status"] == "waiting_engine" and not health["events_ok"], health
+                    assert f"holds port {port} (127.0.0.1 (ESTABLISHED))" in health["events_why"], health
+                    assert EventProblem.BIND_PENDING in shim.events.problems
+                    held.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    held.close()  # reset: no TIME_WAIT left on the port
+                    accepted.close()
+                    await wait_for(shim.registered.is_set, 10, "the shim registers once the port is free")
+                    assert shim.health_report()[1]["events_why"] == "" and not shim.events.problems
+    said = [r for r in caplog.records if "trying again each session" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING], said
+    assert said[0].getMessage().startswith(f"kv_events {endpoint}: "), said[0].getMessage()
+    assert "for up to 15 s" in said[0].getMessage()
+    sessions = [r for r in caplog.records if "the session does not start" in r.getMessage()]
+    assert len(sessions) >= 2 and [r.levelno for r in sessions] == [logging.WARNING] + [logging.INFO] * (
+        len(sessions) - 1
+    ), sessions
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text

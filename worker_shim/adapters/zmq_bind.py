@@ -12,8 +12,10 @@ EADDRNOTAVAIL. So on either the shim asks the host itself:
   else (no such name, IPv6 addresses only, addresses no interface has): try again, and a
   ConfigError once binds have failed for NAME_GRACE_S (a record may appear seconds after the pod).
 EINVAL is final at once: after the shim's validation of the endpoint it has no cause that passes.
-EADDRINUSE is another socket's port (`in_use`): a listener's is final (no new session frees it),
-a connection's (open, or in TIME_WAIT for a minute) frees itself.
+EADDRINUSE is another socket's port (`in_use`, from the sockets /proc/net/tcp{,6} lists on it): a
+listener's is final (no new session frees it); connections in TIME_WAIT free it within a minute
+(tried again for TIME_WAIT_GRACE_S); an open connection's local end frees it only when that
+connection closes, so it gets NAME_GRACE_S, then is final naming the connection's state.
 Each case is said once at WARNING, naming the setting; the session failure (BindPending, no
 traceback) each session. `BindFailures.probe` asks the same before the shim takes a side of the
 endpoint vLLM lists (kv_events_config.listed_mode): a SUB opened as the shim's is bound and closed.
@@ -22,7 +24,6 @@ endpoint vLLM lists (kv_events_config.listed_mode): a SUB opened as the shim's i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import ipaddress
 import logging
@@ -36,11 +37,13 @@ import zmq
 import zmq.asyncio
 
 from protocol.errors import ConfigError
-from protocol.zmq_endpoint import split_endpoint
+from protocol.zmq_endpoint import ZmqEndpoint, split_endpoint
+from worker_shim.adapters.port_holders import LISTEN, TIME_WAIT, Holder, holders
 
 __all__ = [
     "IF_INET6",
     "NAME_GRACE_S",
+    "TIME_WAIT_GRACE_S",
     "UNBINDABLE",
     "BindFailures",
     "BindPending",
@@ -51,14 +54,16 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-# The bind errors `diagnose` reads; any other is the caller's (EADDRINUSE: `in_use`).
-UNBINDABLE = (errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL)
+# The bind errors `diagnose` reads; any other is final, the caller's.
+UNBINDABLE = (errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL, errno.EADDRINUSE)
 # How long a name's binds may fail before the shim exits 2: a DNS record of a new pod or service
-# appears within seconds; a typo never does.
+# appears within seconds; a typo never does. An open connection on the port gets as long to close.
 NAME_GRACE_S = 15.0
+# Linux keeps a closed connection's port in TIME_WAIT for 60 s (TCP_TIMEWAIT_LEN); counted from the
+# run's first failure, which an open connection's NAME_GRACE_S may have begun.
+TIME_WAIT_GRACE_S = NAME_GRACE_S + 60.0 + 15.0
 IF_INET6 = "/proc/net/if_inet6"  # Linux: address, ifindex, prefix, scope, flags, name
 _TENTATIVE, _DADFAILED = 0x40, 0x08  # IFA_F_TENTATIVE, IFA_F_DADFAILED (linux/if_addr.h)
-LISTENER_CHECK_S = 0.5  # a local listener answers a connect at once; this only bounds a firewalled host
 _FIX = "Run the shim where the engine's PUB connects, or give --kv-events-mode connect if the engine binds it"
 
 Outcome = Literal["final", "grace", "again"]
@@ -66,10 +71,12 @@ Outcome = Literal["final", "grace", "again"]
 
 @dataclass(frozen=True, slots=True)
 class Diagnosis:
-    """final: a ConfigError now; grace: try again until NAME_GRACE_S of failures; again: try again."""
+    """final: a ConfigError now; grace: try again until `grace_s` (None: NAME_GRACE_S) of
+    failures; again: try again."""
 
     outcome: Outcome
     why: str
+    grace_s: float | None = None
 
 
 class BindPending(ConnectionError):
@@ -104,6 +111,8 @@ def _bind_error(address: str) -> zmq.ZMQError | None:
 
 async def diagnose(address: str, exc: zmq.ZMQError) -> Diagnosis:
     """Why ZMQ could not bind `address` (a tcp:// one, validated), and whether it may later."""
+    if exc.errno == errno.EADDRINUSE:
+        return await in_use(address)
     split = split_endpoint(address)
     if exc.errno == errno.EINVAL:
         return Diagnosis("final", f"ZMQ calls the endpoint invalid. {_FIX}")
@@ -119,26 +128,54 @@ async def diagnose(address: str, exc: zmq.ZMQError) -> Diagnosis:
 
 
 async def in_use(address: str) -> Diagnosis:
-    """Why a bind of `address` failed with EADDRINUSE, and whether a later one may work."""
-    if await _listened_on(address):
-        return Diagnosis("final", "another process listens there")
-    return Diagnosis("again", "a connection's local port (not a listener's), which frees itself")
-
-
-async def _listened_on(address: str) -> bool:
-    """Whether a TCP listener answers at `address` (`tcp://host:port`; a wildcard host is this one)."""
+    """Why a bind of `address` failed with EADDRINUSE, and whether a later one may work, from the
+    sockets on its port that the bind meets: on its address or a wildcard one, and on any address
+    for a wildcard endpoint or a name (whose address ZMQ chose)."""
     split = split_endpoint(address)
     if split is None or split.scheme != "tcp" or not split.port:
-        return False
-    host = "127.0.0.1" if split.wildcard else split.host
+        return Diagnosis("final", "another socket holds it")
+    port = split.port
+    try:  # a host with many connections lists megabytes
+        found = [h for h in await asyncio.to_thread(holders, port) if _meets(split, h)]
+    except OSError as exc:  # not Linux
+        return Diagnosis("grace", f"another socket holds port {port}, and this host does not say whose ({exc})")
+    listening = [h for h in found if h.state == LISTEN]
+    if listening:
+        return Diagnosis(
+            "final",
+            f"another process listens there ({_named(listening)}): stop it, or give the engine and the shim "
+            "another endpoint",
+        )
+    if not found:  # closed between ZMQ's try and the look
+        return Diagnosis("again", f"no socket holds port {port} now")
+    open_ = [h for h in found if h.state != TIME_WAIT]
+    if not open_:
+        return Diagnosis(
+            "grace",
+            f"connections closed within a minute hold port {port} in TIME_WAIT ({_named(found)}), which frees it",
+            TIME_WAIT_GRACE_S,
+        )
+    return Diagnosis(
+        "grace",
+        f"a connection's local end holds port {port} ({_named(open_)}), which frees it only as that connection "
+        "closes: close it, or give the engine and the shim another endpoint",
+    )
+
+
+def _meets(split: ZmqEndpoint, holder: Holder) -> bool:
+    if split.wildcard or holder.address.is_unspecified:
+        return True
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, split.port), LISTENER_CHECK_S)
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
+        ip = ipaddress.ip_address(split.host.partition("%")[0])
+    except ValueError:  # a name
+        return True
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return holder.address == ip.ipv4_mapped
+    return holder.address == ip
+
+
+def _named(found: list[Holder]) -> str:
+    return ", ".join(sorted({str(h) for h in found}))
 
 
 def _binds(host: str, family: int) -> OSError | None:
@@ -216,9 +253,12 @@ class BindFailures:
         now = self._clock()
         since = self._since = now if self._since is None else self._since
         found = await diagnose(address, exc)
-        if found.outcome == "grace" and now - since >= self.grace_s:
+        if found.outcome == "grace" and now - since >= self._limit(found):
             return Diagnosis("final", f"{found.why} (binds failed for {now - since:.0f} s)")
         return found
+
+    def _limit(self, found: Diagnosis) -> float:
+        return self.grace_s if found.grace_s is None else found.grace_s
 
     async def probe(self, address: str) -> tuple[zmq.ZMQError, Diagnosis] | None:
         """Whether the shim's SUB could bind `address` now: None if it can (which ends a run of
@@ -228,8 +268,6 @@ class BindFailures:
         if exc is None:
             self.bound()
             return None
-        if exc.errno == errno.EADDRINUSE:
-            return exc, await in_use(address)
         if exc.errno not in UNBINDABLE:
             return exc, Diagnosis("final", "no later session changes that")
         return exc, await self._judged(address, exc)
@@ -248,6 +286,6 @@ class BindFailures:
         said once at WARNING naming `setting`."""
         if found.why not in self._said:
             self._said.add(found.why)
-            until = f", for up to {self.grace_s:g} s" if found.outcome == "grace" else ""
+            until = f", for up to {self._limit(found):g} s" if found.outcome == "grace" else ""
             log.warning("%s %s: %s; trying again each session%s", setting, value, said, until)
         return BindPending(f"{said}: trying again in the next session")

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import ipaddress
 import logging
 import time
@@ -65,7 +64,7 @@ from protocol.zmq_endpoint import ZmqEndpoint, split_endpoint
 from runtime.turns import SLICE_S, Turns
 from worker_shim.adapters.http_engine import HttpEngineAdapter
 from worker_shim.adapters.vllm_events import decode_stamped
-from worker_shim.adapters.zmq_bind import UNBINDABLE, BindFailures, in_use, socket_for
+from worker_shim.adapters.zmq_bind import UNBINDABLE, BindFailures, socket_for
 from worker_shim.config import KvEventsMode, ShimConfig
 from worker_shim.engine_events import EngineBatch, EngineEvent, EventSink, UnknownEngineEvent
 from worker_shim.event_health import EventHealth, EventProblem
@@ -298,23 +297,11 @@ class ZmqEventSource:
         try:
             sub.bind(self.address)
         except zmq.ZMQError as exc:
-            if exc.errno in UNBINDABLE:
-                # The same errnos for a bind that never works and one a later session makes.
-                raise await self.bind_failures.error(self.setting, self.endpoint, self.address, exc) from exc
-            if exc.errno != errno.EADDRINUSE:
+            if exc.errno not in UNBINDABLE:
                 raise
-            found = await in_use(self.address)
-            if found.outcome != "final":  # the next session binds it
-                raise ConnectionError(
-                    f"the shim binds {self.address}, {found.why}: trying again in the next session"
-                ) from exc
-            # No new session frees it, so the shim must not wait on.
-            raise ConfigError(
-                self.setting,
-                self.endpoint,
-                f"the shim binds {self.address} and {found.why} ({exc}): stop it, "
-                "or give the engine and the shim another endpoint",
-            ) from exc
+            # The same errnos for a bind that never works and one a later session makes: a
+            # ConfigError, or a BindPending whose cause is said once naming the setting.
+            raise await self.bind_failures.error(self.setting, self.endpoint, self.address, exc) from exc
         self.bind_failures.bound()
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> bool:
