@@ -23,7 +23,8 @@ it: the client's X-Request-Id, else a routed answer's `id`, else a fresh one. No
 400/414/431 to a request that does not parse as HTTP, which no handler sees (nor does vLLM's).
 
 Every error is OpenAI JSON (router.api_errors), including what aiohttp answers before a handler
-runs: its parser's errors (`FrontDoorRunner`), unknown routes and methods, an unsupported Expect.
+runs: its parser's errors (`FrontDoorRunner`), unknown routes and methods, an unsupported Expect
+on a JSON route (elsewhere aiohttp's own 417 text stands).
 A POST's `Expect: 100-continue` gets its 100 only when the body is read, so a request refused
 before that never sends it. A client that disconnects cancels its request on the worker.
 
@@ -50,7 +51,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 from aiohttp import HttpVersion11, web
@@ -618,10 +619,13 @@ class _Handlers:
         its body (25 MB for 16k prompt_logprobs) past any deadline (client-fault audit)."""
         try:
             await resp.prepare(request)
-            # web.Response writes its own body (_whole's bytes); _sent reads its size.
-            body = cast(bytes, resp.body)
-            if await _sent(request, body, lambda _: resp.write_eof(), job.deadline):
-                return 200, ""
+            # Always under a timer, not _sent's: web.Response holds its head until write_eof, so a
+            # body just under the high-water mark passed _sent's no-timer test and waited for ever.
+            async with asyncio.timeout(job.deadline - time.monotonic()):
+                await resp.write_eof()
+            return 200, ""
+        except TimeoutError:
+            pass
         except asyncio.CancelledError:
             if not self.drain.ended():
                 raise

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -294,3 +295,46 @@ async def test_a_write_while_the_protocol_is_still_paused_keeps_its_deadline() -
     request = type("Request", (), {"transport": transport, "protocol": protocol})()
     sent = await asyncio.wait_for(_sent(request, b"data: [DONE]\n\n", writer.write_eof, time.monotonic() + 0.3), 3)
     assert sent is False
+
+
+async def test_a_whole_answer_just_under_the_high_water_mark_keeps_its_deadline() -> None:
+    """web.Response holds its head until write_eof: a body a few hundred bytes under the high-water
+    mark passed _sent's no-timer test, and with the kernel's buffers full its write_eof waited on
+    the client for ever (review of the whole-answer deadline)."""
+    from types import SimpleNamespace
+
+    from aiohttp import web
+
+    from router.http_api import _Handlers
+
+    result: dict[str, tuple[int, str]] = {}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        fd = request.transport.get_extra_info("socket").fileno()  # type: ignore[union-attr]
+        with contextlib.suppress(BlockingIOError):
+            while True:  # the kernel's send buffer full, the transport's own empty
+                os.write(fd, b"x" * 65536)
+        _, high = request.transport.get_write_buffer_limits()  # type: ignore[union-attr]
+        resp = web.Response(body=b"y" * (high - 300), headers={"x-pad": "p" * 300})
+        job = SimpleNamespace(deadline=time.monotonic() + 0.5, request=SimpleNamespace(request_id="r1"))
+        this = SimpleNamespace(drain=SimpleNamespace(ended=lambda: False))
+        result["r"] = await asyncio.wait_for(_Handlers._write_whole(this, request, job, resp), 5)  # type: ignore[arg-type]
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        await until(lambda: "r" in result, timeout=8.0, what="the whole answer's write to end")
+        assert result["r"][0] == 504
+    finally:
+        sock.close()
+        await runner.cleanup()
