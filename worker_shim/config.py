@@ -16,7 +16,7 @@ import msgspec
 
 from protocol import ConfigError, subjects
 from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S, url_problem
-from protocol.timing import DEFAULT_PROFILE, TimingModel, profile_names
+from protocol.timing import DEFAULT_PROFILE, TimingModel, profile_dir, profile_names
 from protocol.vllm_events import RESOLVED_BY_ENGINE, rank_endpoint
 from protocol.zmq_endpoint import split_endpoint
 from worker_shim.kv_events_config import parse_kv_events_config
@@ -231,10 +231,11 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
             if value is not None and value <= 0:
                 raise ConfigError(name, value, "must be > 0")
         if self.timing_profile is not None:
+            # KVSWITCH_PROFILE_DIR naming no directory is the variable's fault, not the flag's: checked
+            # here on every call, as load_profile's cache reads it only for a profile not loaded before
+            profile_dir()
             try:  # the model the router builds from it: a malformed table fails there for every request
                 TimingModel.for_profile(self.timing_profile)
-            except ConfigError:  # KVSWITCH_PROFILE_DIR naming no directory: the variable's fault, not the flag's
-                raise
             except ValueError as exc:
                 # load_profile's own words: the known names for an unknown one (the router would find
                 # no such table), else the table's file and its fault. Until 2026-12-07 a table that
