@@ -71,6 +71,7 @@ class Snapshot(Generic[V]):
     items: dict[str, V]
     revision: int
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why its value did not parse
+    created: dict[str, int] = field(default_factory=dict)  # name -> its key's create_revision (items')
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,9 @@ class Put(Generic[V]):
     name: str
     value: V
     revision: int
+    # its key's create_revision: the same on every watcher, and new when the key is created again (a
+    # new lease); 0 in an event made by hand. The worker registry ranks workers by it (router.fleet_vote)
+    created: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +139,7 @@ async def watch_prefix(
         latest = revision
         items: dict[str, V] = {}
         skipped: dict[str, str] = {}
+        creations: dict[str, int] = {}
         for key, why in too_large.items():
             name = subjects.name_from_key(prefix, key)
             skipped[name] = _skipped(prefix, name, ValueError(why), log_skipped)
@@ -144,7 +149,9 @@ async def watch_prefix(
                 items[name] = _parsed(parse, kv, leased)
             except ValueError as exc:
                 skipped[name] = _skipped(prefix, name, exc, log_skipped)
-        yield Snapshot(items, revision, skipped)
+                continue
+            creations[name] = kv.create_revision
+        yield Snapshot(items, revision, skipped, creations)
         assert client.watch is not None
         # An async generator, typed as an iterator: closing it ends the gRPC stream at once.
         stream = cast(
@@ -190,7 +197,7 @@ async def watch_prefix(
                     except ValueError as exc:
                         yield Deleted(name, rev, _skipped(prefix, name, exc, log_skipped))
                         continue
-                    yield Put(name, value, rev)
+                    yield Put(name, value, rev, ev.kv.create_revision)
         except (EtcdError, grpc.aio.AioRpcError) as exc:
             failed(exc)
             log.warning("watch %s: %s; re-reading", prefix, exc)

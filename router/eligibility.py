@@ -10,9 +10,11 @@ while (first reason wins):
 - `events_down`: its shim sees no KV events it should (wrong endpoint or topic, silent engine), so
   its index entries say nothing about its cache (WorkerInfo.events_ok or LoadReport.events_ok);
 - `block_size`: its block size is not its model's (router.fleet_vote: the size most of the
-  model's decode and agg workers past bootstrapping have; ties: the greater), so prefill workers
-  at odds are left out, never their decode pool: prefix hashes of two block sizes never match. A
-  record with no shim behind it never bootstraps, so it cannot outvote the workers that serve;
+  model's decode and agg workers that serve, with every exclusion here but this one, have; ties:
+  the size more of its serving workers have, then its longest-registered worker's), so prefill
+  workers at odds are left out, never their decode pool, and a newcomer that cannot serve (a record
+  with no shim behind it, silent, unhealthy) never outvotes the workers that do: prefix hashes of
+  two block sizes never match;
 - `silent`: no load report for 3 of its report periods (reports double as heartbeats), or none
   within 3 default periods of registering, counted only while this router's loop was awake to read
   one (a stall of its own left the reports unread in its socket: every worker read as silent);
@@ -56,7 +58,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -64,8 +65,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.messages import WorkerInfo
-from router import fleet_vote
 from router.fleet_lines import NAMED_AT_MOST, FleetEpisodes, FleetLines, FleetLog
+from router.fleet_vote import Ballot, model_value, votes
 from router.load_view import Liveness
 
 __all__ = [
@@ -188,6 +189,7 @@ class Eligibility:
         awake_for: Callable[[], float] = lambda: math.inf,
         quarantined_for: Callable[[str], float | None] = lambda _worker: None,
         fleet_log: FleetLog | None = None,
+        created: Callable[[str], int] = lambda _worker: 0,
     ) -> None:
         """`sync_state(worker)`: None when the index is synced with it, else (state, why).
         `liveness(worker)`: None before its first report. `tokenizer`: the router's fingerprint,
@@ -195,8 +197,11 @@ class Eligibility:
         seconds since this router's loop last stalled (runtime.loop_watch): a worker is silent for
         no longer than the router could have heard it. `quarantined_for(worker)`: the seconds its
         load reports are unheard for yet, sent past their budget (router.sender_subscriptions), None
-        when they are heard. `fleet_log`: its router's (router.fleet_lines)."""
+        when they are heard. `fleet_log`: its router's (router.fleet_lines). `created(worker)`: its
+        key's etcd create_revision (WorkerRegistry.created), which breaks a tie of the block-size
+        vote alike on every replica."""
         self._clock = clock
+        self._created = created
         self._awake_for = awake_for
         self._sync_state = sync_state
         self._liveness = liveness
@@ -289,12 +294,12 @@ class Eligibility:
     # --- reads ------------------------------------------------------------------------------------
 
     def block_sizes(self, infos: Iterable[WorkerInfo]) -> dict[str, int]:
-        """Each model's block size (`model_block_sizes`), voted by the workers past bootstrapping."""
-        return model_block_sizes(infos, self._past_bootstrapping)
+        """Each model's block size (`model_block_sizes`), voted by the workers that serve."""
+        return model_block_sizes(infos, self.serves, self._created)
 
-    def _past_bootstrapping(self, worker: str) -> bool:
-        sync = self._sync_state(worker)
-        return sync is None or sync[0] != "bootstrapping"
+    def serves(self, info: WorkerInfo) -> bool:
+        """`info`'s worker takes requests but for its block size (router.fleet_vote's `Ballot.serves`)."""
+        return self._status(info, None, self._clock(), self._awake_for()).exclusion is None
 
     def takes_text(self, info: WorkerInfo) -> bool:
         """This router's tokenizer is the worker's: text prompts may go to it."""
@@ -315,8 +320,9 @@ class Eligibility:
             "WARNING names the subject)"
         )
 
-    def _status(self, info: WorkerInfo, model_block_size: int, now: float, awake: float) -> WorkerStatus:
+    def _status(self, info: WorkerInfo, model_block_size: int | None, now: float, awake: float) -> WorkerStatus:
         # Runs for every worker on every request: the routable case allocates nothing but the result.
+        # `model_block_size` None: the block size not judged (the block-size vote's own question).
         w = info.worker
         tok_ok = self.takes_text(info)
         sync = self._sync_state(w)
@@ -328,7 +334,7 @@ class Eligibility:
         if not info.events_ok or (live is not None and not live.events_ok):
             why = "its shim sees no KV events (see the shim's log and /health)"
             return WorkerStatus(w, info.model, info.role, Exclusion.EVENTS_DOWN, why, tok_ok)
-        if info.block_size != model_block_size:
+        if model_block_size is not None and info.block_size != model_block_size:
             why = (
                 f"block size {info.block_size}, but model {info.model} is served with {model_block_size}: "
                 "a configuration error"
@@ -372,11 +378,13 @@ class Eligibility:
 
 
 def model_block_sizes(
-    infos: Iterable[WorkerInfo], votes: Callable[[str], bool] = lambda worker: True
+    infos: Iterable[WorkerInfo],
+    serves: Callable[[WorkerInfo], bool] = lambda info: True,
+    created: Callable[[str], int] = lambda worker: 0,
 ) -> dict[str, int]:
-    """Each model's block size by router.fleet_vote's rule (most of its decode and agg workers;
-    ties: the greater), counting only the workers `votes(worker)` says may (all of them when none
-    may): the size its prompts must be hashed at to match the workers that route."""
+    """Each model's block size by router.fleet_vote's rule, `serves(info)` saying which workers take
+    requests but for their block size and `created(worker)` their key's create_revision: the size
+    its prompts must be hashed at to match the workers that route."""
     by_model: dict[str, list[WorkerInfo]] = {}
     for info in infos:
         by_model.setdefault(info.model, []).append(info)
@@ -386,9 +394,7 @@ def model_block_sizes(
         if len(sizes) == 1:  # the usual case, and asked on every request
             out[model] = sizes.pop()
             continue
-        voters = [i for i in group if votes(i.worker)] or group
-        deciding = Counter(i.block_size for i in voters if fleet_vote.votes(i.role))
-        out[model] = fleet_vote.model_value(deciding, Counter(i.block_size for i in voters))
+        out[model] = model_value(Ballot(i.block_size, votes(i.role), serves(i), created(i.worker)) for i in group)
     return out
 
 

@@ -328,6 +328,7 @@ class RouterService:
             tokenizer=self.fingerprints.mine,
             quarantined_for=lambda w: self._load_subs.quarantined_for(w) if self._load_subs is not None else None,
             fleet_log=self.fleet_log,
+            created=lambda w: self._registry.created(w) if self._registry is not None else 0,
         )
         self.unheard = Unheard(
             config.nats.shown_servers(),
@@ -595,7 +596,11 @@ class RouterService:
                 "was given",
             )
         self._registry = WorkerRegistry(
-            self._discovery, self._on_worker_add, self._on_worker_remove, fleet_log=self.fleet_log
+            self._discovery,
+            self._on_worker_add,
+            self._on_worker_remove,
+            fleet_log=self.fleet_log,
+            serves=self.eligibility.serves,
         )
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))
@@ -1056,10 +1061,12 @@ class RouterService:
     async def _check_fleet(self) -> None:
         """Every CHECK_S, what the workers /ready counts say of each model (router.fleet_news):
         exclusions are computed only when read, and nothing else logs them for a whole fleet. Its
-        figures are /metrics' kvswitch_router_workers_routable and _excluded."""
+        figures are /metrics' kvswitch_router_workers_routable and _excluded. First, the models whose
+        workers disagree on max_model_len are voted again (WorkerRegistry.revote)."""
         while True:
             await asyncio.sleep(CHECK_S)
             if self.status is RouterStatus.RUNNING and self._registry_ready:
+                self.registry.revote()  # a model's context as its workers serve now (router.fleet_vote)
                 registered, counted = self._counted()
                 self.unheard.check([info.worker for info in registered])
                 lives = [live for info in counted if (live := self.view.liveness(info.worker)) is not None]

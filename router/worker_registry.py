@@ -29,8 +29,9 @@ models aliasing it, exposed in `shadowed_aliases`, name -> the aliasing model ->
 too is said again only when the models it resolves to change.
 
 Workers of one model that disagree on `max_model_len` are a configuration error too: the model's
-context is the length most of its decode and agg workers register (ties: the longest; its prefill
-workers count only where it has none: router.fleet_vote, the block size's rule), and `workers()`
+context is the length router.fleet_vote's rule gives, the block size's (most of its decode and agg
+workers that serve register; ties: the length more of its serving workers register, then its
+longest-registered worker's; its prefill workers count only where it has none), and `workers()`
 leaves out the workers that register another (a worker that registers none is not counted and
 stays), so a request's `truncate_prompt_tokens: -1` resolves to the context of every worker it may
 go to, and no worker gets a prompt its engine refuses as too long for its context (`unrouted()`
@@ -43,6 +44,12 @@ reports keep every worker; the messages name eight per group and count the rest.
 least length of a model's workers resolved -1 for all of them: one worker registering 64 cut every
 such prompt to 63 tokens on its 32k peers too. `get()` still returns the worker's record as
 registered.
+
+Which workers serve is not the records' (`serves`, router.eligibility's reading: a worker that
+just registered has not bootstrapped, so it serves no vote at its put): a model whose workers
+disagree is voted again at each `revote()`, which the service calls every second, so a newcomer
+that comes up, or a worker that falls silent, moves the context within a second. Each key's etcd
+create_revision, the watch's, breaks ties (`created`).
 """
 
 from __future__ import annotations
@@ -61,9 +68,9 @@ from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
 from discovery.watch import ReadHealth, keep_following
 from protocol import WorkerInfo, serving, subjects
 from protocol.messages import adapter_named, worker_info_problem
-from router import fleet_vote
 from router.eligibility import few_ids
 from router.fleet_lines import FleetLines, FleetLog
+from router.fleet_vote import Ballot, model_value, votes
 from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, served_as, shadow_message
 from runtime import background
@@ -117,8 +124,13 @@ class WorkerRegistry:
         on_add: Callable[[WorkerInfo], None],
         on_remove: Callable[[str], None],
         fleet_log: FleetLog | None = None,
+        serves: Callable[[WorkerInfo], bool] = lambda info: True,
     ) -> None:
+        """`serves(info)`: its worker takes requests but for its max_model_len (router.fleet_vote's
+        `Ballot.serves`; Eligibility.serves)."""
         self._discovery = discovery
+        self._serves_now = serves
+        self._created: dict[str, int] = {}  # worker -> its key's etcd create_revision (the watch's)
         self._on_add = on_add
         self._on_remove = on_remove
         self.reading = ReadHealth()  # while reading the prefix fails, the set is as last read (or empty)
@@ -130,8 +142,7 @@ class WorkerRegistry:
         self._of_model: dict[str, set[str]] = {}  # model -> its workers; the keys are the models registered
         self._sizes: dict[str, dict[int, set[str]]] = {}  # model -> block size -> workers
         self._lengths: dict[str, dict[int, set[str]]] = {}  # model -> max_model_len -> workers (those registering one)
-        self._deciding: dict[str, dict[int, set[str]]] = {}  # as _lengths, its decode and agg workers alone
-        self._context: dict[str, int | None] = {}  # model -> its max_model_len (fleet_vote.model_value)
+        self._context: dict[str, int | None] = {}  # model -> its max_model_len (_vote)
         self._naming: dict[str, set[str]] = {}  # name -> workers of another model with it as an alias or adapter
         self._routed: dict[str, WorkerInfo] = {}  # what workers() lists, unsorted
         self._unrouted: dict[str, WorkerInfo] = {}  # the rest of _workers: a max_model_len not their model's
@@ -274,11 +285,16 @@ class WorkerRegistry:
             (
                 info,
                 f"max_model_len {info.max_model_len}, but model {info.model} is served with "
-                f"{self._context[info.model]}, the length most of its decode and agg workers register: a "
-                "configuration error",
+                f"{self._context[info.model]}, the length most of its decode and agg workers that serve "
+                "register: a configuration error",
             )
             for _, info in left
         ]
+
+    def created(self, worker: str) -> int:
+        """`worker`'s key's etcd create_revision, as the watch gave it (0: none given, or not
+        registered): the same on every replica, and the least for the longest registered."""
+        return self._created.get(worker, 0)
 
     def max_model_len(self, model: str) -> int | None:
         """The longest request every worker routed for `model` (a model, or a LoRA adapter) takes:
@@ -304,11 +320,11 @@ class WorkerRegistry:
         """One watch event, whole: its records, then the checks of what it touched (the class
         docstring). The watch calls it; tests and `bench.bench_router registrations` feed it."""
         match event:
-            case Snapshot(items=items, skipped=skipped):
-                self._replace(items, skipped)
+            case Snapshot(items=items, skipped=skipped, created=created):
+                self._replace(items, skipped, created)
                 self._ready.set()
-            case Put(name=name, value=info):
-                self._put(name, info)
+            case Put(name=name, value=info, created=created):
+                self._put(name, info, created)
             case Deleted(name=name, why=why) if why:
                 self._refuse(name, why)  # it does not decode
             case Deleted(name=name):
@@ -316,23 +332,43 @@ class WorkerRegistry:
         models, self._touched_models = self._touched_models, set()
         names, self._touched_names = self._touched_names, set()
         aliases, self._touched_aliases = self._touched_aliases, set()
+        self._check(models, names, aliases)
+
+    def revote(self) -> None:
+        """Vote again the context of each model whose workers disagree on it, as `serves` reads
+        them now (the module's docstring): the service calls it every second."""
+        for model in list(self.context_conflicts):
+            routing: set[str] = set()
+            self._vote(model, routing)
+            if routing:
+                self._sorted = self._named = None  # the routed records change
+            for each in routing:
+                self._route(each)
+        if self._touched_models:
+            models, self._touched_models = self._touched_models, set()
+            names, self._touched_names = self._touched_names, set()
+            aliases, self._touched_aliases = self._touched_aliases, set()
+            self._check(models, names, aliases)
+
+    def _check(self, models: set[str], names: set[str], aliases: set[str]) -> None:
         self._check_block_sizes(models)
         self._check_names(names, aliases)
         self._check_contexts(models)
 
-    def _replace(self, items: dict[str, WorkerInfo], skipped: dict[str, str]) -> None:
+    def _replace(self, items: dict[str, WorkerInfo], skipped: dict[str, str], created: dict[str, int]) -> None:
         for name in [n for n in self._workers.keys() | self._refusing.keys() if n not in items and n not in skipped]:
             self._delete(name)
         for name, info in items.items():
-            self._put(name, info)
+            self._put(name, info, created.get(name, 0))
         for name, why in skipped.items():
             self._refuse(name, why)
 
-    def _put(self, name: str, info: WorkerInfo) -> None:
+    def _put(self, name: str, info: WorkerInfo, created: int) -> None:
         if (problem := self._problem(name, info)) is not None:
             self._refuse(name, problem, info)
             return
         self._refusing.pop(name, None)
+        self._created[name] = created  # a key created again with the same record ranks as new
         if (old := self._workers.get(name)) == info:
             return
         self._workers[name] = info
@@ -361,6 +397,7 @@ class WorkerRegistry:
 
     def _delete(self, name: str) -> None:
         self._refusing.pop(name, None)
+        self._created.pop(name, None)
         if (info := self._workers.pop(name, None)) is not None:
             self._reindex(name, info, None)
             now, left = time.monotonic(), self._left
@@ -398,17 +435,28 @@ class WorkerRegistry:
             if model not in self._of_model:
                 del self._context[model]
                 continue
-            lengths, deciding = self._lengths.get(model, {}), self._deciding.get(model, {})
-            context = _voted(deciding, lengths) if lengths else None
-            if model in self._context and context != (was := self._context[model]):
-                # the workers registering the old context or the new one are routed no longer, or now
-                routing.update(*(lengths.get(n, ()) for n in (was, context) if n is not None))
-            self._context[model] = context
+            self._vote(model, routing)
         for info in (old, new):
             if info is not None:
                 self._touched_aliases.update(info.aliases)  # shadowed or not: as registered
         for each in routing:
             self._route(each)
+
+    def _vote(self, model: str, routing: set[str]) -> None:
+        """Set `model`'s context (router.fleet_vote) and add to `routing` the workers it routes
+        otherwise: those registering the old context or the new one, should it move."""
+        lengths = self._lengths.get(model, {})
+        if len(lengths) > 1:
+            infos = [(n, self._workers[w]) for n, ids in lengths.items() for w in ids]
+            context: int | None = model_value(
+                Ballot(n, votes(i.role), self._serves_now(i), self._created.get(i.worker, 0)) for n, i in infos
+            )
+        else:  # the usual case: no vote, and a put costs the same whatever the fleet's size
+            context = next(iter(lengths), None)
+        if model in self._context and context != (was := self._context[model]):
+            routing.update(*(lengths.get(n, ()) for n in (was, context) if n is not None))
+            self._touched_models.add(model)
+        self._context[model] = context
 
     def _index(self, info: WorkerInfo) -> None:
         worker, model = info.worker, info.model
@@ -416,8 +464,6 @@ class WorkerRegistry:
         self._sizes.setdefault(model, {}).setdefault(info.block_size, set()).add(worker)
         if info.max_model_len is not None:
             self._lengths.setdefault(model, {}).setdefault(info.max_model_len, set()).add(worker)
-            if fleet_vote.votes(info.role):
-                self._deciding.setdefault(model, {}).setdefault(info.max_model_len, set()).add(worker)
         for name in {*info.aliases, *info.adapters} - {model}:
             self._naming.setdefault(name, set()).add(worker)
 
@@ -427,8 +473,6 @@ class WorkerRegistry:
         _drop_under(self._sizes, model, info.block_size, worker)
         if info.max_model_len is not None:
             _drop_under(self._lengths, model, info.max_model_len, worker)
-            if fleet_vote.votes(info.role):
-                _drop_under(self._deciding, model, info.max_model_len, worker)
         for name in {*info.aliases, *info.adapters} - {model}:
             _drop(self._naming, name, worker)
 
@@ -580,14 +624,6 @@ def _say_changes(
         log.warning("%s", again(key))
 
 
-def _voted(deciding: Mapping[int, set[str]], every: Mapping[int, set[str]]) -> int:
-    """The max_model_len a model is served with (router.fleet_vote), of its workers by length:
-    `deciding`, its decode and agg workers'; `every`, all of theirs (not empty)."""
-    return fleet_vote.model_value(
-        {n: len(ids) for n, ids in deciding.items()}, {n: len(ids) for n, ids in every.items()}
-    )
-
-
 def _context_substance(conflict: ContextConflict) -> tuple[frozenset[int], int]:
     """What a context conflict is: the lengths at odds and the one the model is served with; which
     workers register each is not."""
@@ -604,8 +640,9 @@ def context_message(model: str, conflict: ContextConflict) -> str:
     left = "; ".join(f"{n} on {few_ids(ids)}" for n, ids in sorted(conflict.workers.items()) if n != conflict.served)
     return (
         f"workers of model {model} disagree on max_model_len: it is served with {conflict.served}, the length "
-        "most of its decode and agg workers register (ties: the longest; its prefill workers count only where "
-        f"it has none), and the workers registering another are not routed ({left})"
+        "most of its decode and agg workers that serve register (ties: the one more of its serving workers "
+        "register, then its longest-registered worker's; its prefill workers count only where it has none), "
+        f"and the workers registering another are not routed ({left})"
     )
 
 

@@ -40,9 +40,10 @@ def shadowed(infos: Iterable[WorkerInfo]) -> Resolved:
 
 
 def model_contexts(infos: Iterable[WorkerInfo]) -> dict[str, int | None]:
-    """Each model's max_model_len: the one most of its decode and agg workers that register one
-    register, of all its workers that do where none of those does (ties: the longest), None where
-    none does."""
+    """Each model's max_model_len, every worker serving and every key created alike (events made by
+    hand): the one most of its decode and agg workers that register one register, of all its
+    workers that do where none of those does (ties: the one more of all its workers register, then
+    the longest), None where none does."""
     counts: dict[str, tuple[Counter[int], Counter[int]]] = {}
     for info in infos:
         deciding, every = counts.setdefault(info.model, (Counter(), Counter()))
@@ -53,5 +54,5 @@ def model_contexts(infos: Iterable[WorkerInfo]) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     for model, (deciding, every) in counts.items():
         seen = deciding or every
-        out[model] = max(seen, key=lambda n: (seen[n], n)) if seen else None
+        out[model] = max(seen, key=lambda n: (seen[n], every[n], n)) if seen else None
     return out

@@ -380,6 +380,46 @@ async def test_prefill_workers_at_odds_with_their_decode_worker_are_left_out_and
         assert status == 200, body
 
 
+@pytest.mark.parametrize("newcomer", ["silent", "never_bootstraps"])
+async def test_a_decode_worker_joining_at_another_block_size_never_takes_the_model_from_the_one_serving(
+    cluster: Cluster, http: aiohttp.ClientSession, newcomer: str
+) -> None:
+    # The second review of 2026-12-07: a decode worker at block size 32 joining one at 16 tied 1-1
+    # and took the model over (ties went to the greater value), and it kept its vote while silent:
+    # killed, the model was a 503 until its lease expired though the old worker was healthy. A
+    # record whose shim never bootstrapped voted on max_model_len too: "d_new: bootstrapping".
+    d = await cluster.add_worker("decode", max_model_len=4096)
+    router = await cluster.add_ready_router()
+    async with Discovery(EtcdSettings(endpoints=[cluster.etcd_url]), cluster.ns) as disc:
+        if newcomer == "silent":
+            new = await cluster.add_worker("decode", block_size=32, max_model_len=4096)
+            await until(lambda: len(router.registry) == 2 and router.ingest.synced, what="the newcomer synced")
+            assert new.shim.load_reporter is not None
+            await new.shim.load_reporter.stop()
+            new_id, reason = new.id, "block_size"
+            await until(  # no report for 3 of its periods (or none heard at all)
+                lambda: (live := router.view.liveness(new_id)) is None or live.age_s > 3 * live.period_s,
+                what="the newcomer silent",
+            )
+        else:
+            lease = await disc.grant(30)
+            new_id, reason = "00d0e32a", "context_conflict"
+            record = WorkerInfo(
+                worker=new_id, model=MODEL, role="decode", engine="vllm", block_size=32, max_model_len=8192,
+                tokenizer="builtin",
+            )  # fmt: skip
+            await disc.put(subjects.worker_key(cluster.ns, new_id), encode_json(record), lease)
+            await until(lambda: len(router.registry) == 2, what="the record read")
+        await asyncio.sleep(1.5)  # a revote (every second) finds the same
+        status, ready = await _get(http, router, "/ready")
+        assert status == 200 and ready["ready"], ready
+        status_of = {w["worker"]: w for w in ready["worker_status"]}
+        assert d.id not in status_of and status_of[new_id]["excluded"] == reason, ready
+        for i in range(3):
+            status, body = await _ask(http, router, MODEL, i)
+            assert status == 200, body
+
+
 # --- F6: replicas that route with different settings ----------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from discovery import Discovery, Put
 from protocol.config import EtcdSettings
 from protocol.messages import Role, WorkerInfo
 from router.eligibility import Eligibility, Exclusion
-from router.fleet_vote import model_value, votes
+from router.fleet_vote import Ballot, model_value, votes
 from router.load_view import Liveness
 from router.worker_registry import ContextConflict, WorkerRegistry
 
@@ -29,38 +29,80 @@ def test_decode_and_agg_workers_decide(role: str, decides: bool) -> None:
     assert votes(role) is decides
 
 
+def decode(value: int, serves: bool = True, created: int = 1) -> Ballot:
+    return Ballot(value, True, serves, created)
+
+
+def prefill(value: int, serves: bool = True, created: int = 1) -> Ballot:
+    return Ballot(value, False, serves, created)
+
+
 def test_the_decode_pools_value_wins_over_more_prefill_workers() -> None:
-    assert model_value({16: 1}, {16: 1, 32: 3}) == 16
+    assert model_value([decode(16), *(prefill(32) for _ in range(3))]) == 16
 
 
 def test_a_model_without_decode_or_agg_workers_is_voted_by_all_of_them() -> None:
-    assert model_value({}, {16: 1, 32: 3}) == 32
+    assert model_value([prefill(16), *(prefill(32) for _ in range(3))]) == 32
+
+
+def test_workers_that_cannot_serve_never_outvote_one_that_can() -> None:
+    assert model_value([decode(16), decode(32, serves=False), decode(32, serves=False)]) == 16
+    # and, none serving, they all count
+    assert model_value([decode(16, serves=False), decode(32, serves=False), decode(32, serves=False)]) == 32
+
+
+def test_a_tie_goes_to_the_value_more_serving_workers_hold_then_to_the_longest_registered() -> None:
+    # a decode newcomer at 32 against the decode worker and prefill pool at 16
+    assert model_value([decode(16, created=9), prefill(16, created=8), decode(32, created=1)]) == 16
+    # a prefill worker that cannot serve backs nothing
+    assert model_value([decode(16, created=9), prefill(16, serves=False), decode(32, created=1)]) == 32
+    assert model_value([decode(16, created=5), decode(32, created=7)]) == 16
+    assert model_value([decode(16, created=7), decode(32, created=5)]) == 32
 
 
 @pytest.mark.parametrize("order", list(itertools.permutations([16, 32, 64])))
-def test_a_tie_goes_to_the_greater_value_whatever_the_order(order: tuple[int, ...]) -> None:
-    tied = dict.fromkeys(order, 2)
-    assert model_value(tied, tied) == 64
-    assert model_value({**tied, 16: 3}, tied) == 16  # most win before any tie-break
+def test_a_tie_of_workers_registered_alike_goes_to_the_greater_value_whatever_the_order(order: tuple[int, ...]) -> None:
+    # created alike (0: events made by hand): the value decides
+    tied = [decode(v, created=0) for v in order for _ in range(2)]
+    assert model_value(tied) == 64
+    assert model_value([*tied, decode(16, created=0)]) == 16  # most win before any tie-break
 
 
 class Replica:
-    """A router's view of a fleet: its registry and its eligibility, fed the workers in its order."""
+    """A router's view of a fleet: its registry and its eligibility, fed the workers in its order,
+    each key with its create_revision in etcd (`created`, by default the order of their ids): the same on
+    every replica. `sync` and `live` are this router's readings of each worker (default: synced,
+    reporting)."""
 
-    def __init__(self, order: list[WorkerInfo]) -> None:
+    def __init__(
+        self,
+        order: list[WorkerInfo],
+        created: dict[str, int] | None = None,
+        sync: dict[str, tuple[str, str]] | None = None,
+        live: dict[str, Liveness] | None = None,
+    ) -> None:
         self.now = 1000.0
+        self.sync = sync if sync is not None else {}
+        self.live = live if live is not None else {}
         disc = Discovery(EtcdSettings(), "vote")  # never connected: the records are fed to the registry here
-        self.registry = WorkerRegistry(disc, lambda _: None, lambda _: None)
+        # each reads the other, as RouterService wires them
+        self.registry = WorkerRegistry(disc, lambda _: None, lambda _: None, serves=self._serves)
         self.elig = Eligibility(
             clock=lambda: self.now,
-            sync_state=lambda worker: None,
-            liveness=lambda worker: Liveness(0.0, 0.5, True, True, False),
+            sync_state=self.sync.get,
+            liveness=lambda worker: self.live.get(worker, Liveness(0.0, 0.5, True, True, False)),
             tokenizer="builtin",
+            created=self.registry.created,
         )
-        for revision, worker in enumerate(order, 1):
-            self.registry.apply(Put(worker.worker, worker, revision))
+        # by id where not given: etcd's order, whatever the order this replica saw them in
+        revisions = created or {w.worker: n for n, w in enumerate(sorted(order, key=lambda w: w.worker), 1)}
+        for revision, worker in enumerate(order, 100):
+            self.registry.apply(Put(worker.worker, worker, revision, revisions[worker.worker]))
             self.elig.added(worker.worker)
             self.now += 5.0  # each seen later than the last, by this router's clock
+
+    def _serves(self, worker: WorkerInfo) -> bool:
+        return self.elig.serves(worker)
 
     def verdict(
         self,
@@ -89,8 +131,72 @@ def test_two_replicas_fed_the_fleet_in_different_orders_agree() -> None:
     assert forward == backward
     sizes, statuses, unrouted, _ = forward
     assert [w for w, _ in unrouted] == ["p1", "p2"]  # the decode workers' length: 32768
-    assert sizes == {MODEL: 32}  # a tie: the greater
-    assert [(w, why) for w, why, _ in statuses] == [("d1", Exclusion.BLOCK_SIZE), ("d2", None)]
+    assert sizes == {MODEL: 16}  # a tie of 2 against 2: d1's, registered first in etcd
+    assert [(w, why) for w, why, _ in statuses] == [("d1", None), ("d2", Exclusion.BLOCK_SIZE)]
+
+
+def test_replicas_agree_while_one_has_not_yet_bootstrapped_the_newcomer() -> None:
+    # A decode worker at 32 joins one at 16: the replica that has read its state and the one still
+    # bootstrapping it serve the model alike, at 16 (before, the first handed the tie to 32 and
+    # left the serving worker out, the second kept it).
+    fleet = [info("d_old", "decode", 16), info("d_new", "decode", 32)]
+    created = {"d_old": 5, "d_new": 9}
+    synced = Replica(fleet, created).verdict()
+    bootstrapping = Replica(fleet, created, sync={"d_new": ("bootstrapping", "no state from its shim yet")}).verdict()
+    assert synced[0] == bootstrapping[0] == {MODEL: 16}
+    assert [(w, why) for w, why, _ in synced[1]] == [("d_new", Exclusion.BLOCK_SIZE), ("d_old", None)]
+
+
+SERVING_POOL = [info("p1", "prefill", 16, 16384), info("p2", "prefill", 16, 16384), info("d_old", "decode", 16, 16384)]
+NEWCOMER = info("d_new", "decode", 32, 32768)
+CREATED = {"p1": 1, "p2": 2, "d_old": 3, "d_new": 10}
+
+
+def test_a_newcomer_at_another_value_never_takes_over_a_pool_that_serves() -> None:
+    # The routine scale-up of the audit of 2026-12-07 (second review): one decode worker at block
+    # size 32 and max_model_len 32768 joining a decode worker and prefill pool at 16 and 16384 tied
+    # 1-1, took the model over, and left the decode worker and the whole prefill pool out.
+    replica = Replica([*SERVING_POOL, NEWCOMER], CREATED)
+    sizes, statuses, unrouted, conflicts = replica.verdict()
+    assert sizes == {MODEL: 16}
+    assert [w for w, why, _ in statuses if why is not None] == []
+    assert [w for w, _ in unrouted] == ["d_new"] and conflicts[MODEL].served == 16384
+    assert [i.worker for i, _ in replica.registry.unrouted()] == ["d_new"]
+    # and where it is the pool's lone decode worker that it joins, the incumbent keeps the model
+    lone = Replica([SERVING_POOL[2], NEWCOMER], CREATED)
+    assert lone.verdict()[0] == {MODEL: 16} and [w for w, _ in lone.verdict()[2]] == ["d_new"]
+
+
+NOT_SERVING = {
+    "bootstrapping": ({"d_new1": ("bootstrapping", "x"), "d_new2": ("bootstrapping", "x")}, {}),
+    "silent": ({}, dict.fromkeys(("d_new1", "d_new2"), Liveness(60.0, 0.5, True, True, False))),
+    "events_down": ({}, dict.fromkeys(("d_new1", "d_new2"), Liveness(0.0, 0.5, False, True, False))),
+    "engine_unhealthy": ({}, dict.fromkeys(("d_new1", "d_new2"), Liveness(0.0, 0.5, True, False, False))),
+}
+
+
+@pytest.mark.parametrize("why", list(NOT_SERVING))
+def test_newcomers_that_cannot_serve_never_decide_over_the_worker_that_serves(why: str) -> None:
+    # Two decode newcomers at 32 and 32768 whose shims never bootstrapped, went silent, see no KV
+    # events or report their engine failing: before, they outvoted the serving decode worker 2-1
+    # (the length vote counted every record, the block-size vote all but the bootstrapping), and
+    # the model was a 503 while its old worker was healthy.
+    sync, live = NOT_SERVING[why]
+    newcomers = [info(f"d_new{n}", "decode", 32, 32768) for n in (1, 2)]
+    created = {"d_old": 3, "d_new1": 10, "d_new2": 11}
+    replica = Replica([SERVING_POOL[2], *newcomers], created, sync=dict(sync), live=dict(live))
+    sizes, statuses, unrouted, conflicts = replica.verdict()
+    assert sizes == {MODEL: 16} and conflicts[MODEL].served == 16384
+    assert [w for w in replica.registry.workers() if w.worker == "d_old"] and statuses[0] == ("d_old", None, "")
+    assert [w for w, _ in unrouted] == ["d_new1", "d_new2"]
+    # Once they serve, they are most of the model's serving decode workers: a revote within a
+    # second moves the length, and the block size moves at once.
+    replica.sync.clear()
+    replica.live.clear()
+    replica.registry.revote()
+    sizes, statuses, unrouted, conflicts = replica.verdict()
+    assert sizes == {MODEL: 32} and conflicts[MODEL].served == 32768
+    assert [w for w, _ in unrouted] == ["d_old"]
 
 
 def test_the_decode_pool_decides_the_max_model_len_not_the_prefill_majority() -> None:
@@ -102,7 +208,9 @@ def test_the_decode_pool_decides_the_max_model_len_not_the_prefill_majority() ->
     assert [i.worker for i in replica.registry.workers()] == ["d1"]
     unrouted = replica.registry.unrouted()
     assert [i.worker for i, _ in unrouted] == ["p0", "p1", "p2"]
-    assert "but model m is served with 32768, the length most of its decode and agg workers register" in unrouted[0][1]
+    assert (
+        "but model m is served with 32768, the length most of its decode and agg workers that serve" in unrouted[0][1]
+    )
     assert replica.registry.context_conflicts[MODEL].served == 32768
 
 

@@ -278,7 +278,7 @@ def test_a_worker_still_bootstrapping_does_not_decide_its_models_block_size() ->
     assert elig.block_sizes(infos) == {MODEL: 16}
     real = elig.statuses(infos)[1]
     assert real.routable, real.detail
-    sync.clear()  # once both serve, the tie goes to the greater size (router.fleet_vote)
+    sync.clear()  # once both serve, a tie of workers whose keys were created alike goes to the greater size
     assert elig.block_sizes(infos) == {MODEL: 32}
     assert elig.statuses(infos)[1].exclusion is Exclusion.BLOCK_SIZE
 

@@ -152,12 +152,13 @@ async def test_workers_of_another_max_model_len_than_most_of_their_models_are_le
     await reg.start()
     assert await reg.wait_ready(10.0)
     assert [i.worker for i in reg.workers(model="llama")] == sorted([*(b.hex_id for b in big), silent.hex_id])
-    assert [i.worker for i in reg.workers(model="qwen")] == [tie[1].hex_id]  # a tie: the longest
+    # a tie: the length of the worker registered first (its key's create_revision, router.fleet_vote)
+    assert [i.worker for i in reg.workers(model="qwen")] == [tie[0].hex_id]
     assert reg.get(small.hex_id) is not None and reg.adapters() == {}  # registered, not routed
-    assert [reg.max_model_len(m) for m in ("llama", "qwen")] == [None, 4096]
+    assert [reg.max_model_len(m) for m in ("llama", "qwen")] == [None, 2048]
     assert reg.context_conflicts == {
         "llama": ContextConflict(32768, {64: [small.hex_id], 32768: sorted(b.hex_id for b in big)}),
-        "qwen": ContextConflict(4096, {2048: [tie[0].hex_id], 4096: [tie[1].hex_id]}),
+        "qwen": ContextConflict(2048, {2048: [tie[0].hex_id], 4096: [tie[1].hex_id]}),
     }
     errors = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
     assert len(errors) == 2 and "served with 32768" in errors[0] and f"64 on {small.hex_id}" in errors[0]
