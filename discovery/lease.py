@@ -35,6 +35,12 @@ def renewal_interval(ttl: float) -> float:
     return max(ttl / 3.0, 0.2)
 
 
+def answer_deadline(ttl: float) -> float:
+    """Seconds a keep-alive stream may go without an answer before it is given up for another:
+    two renewals, so one more try still comes within the TTL."""
+    return 2 * renewal_interval(ttl)
+
+
 class LeaseLost(RuntimeError):
     def __init__(self, lease_id: int, why: str) -> None:
         self.lease_id = lease_id
@@ -49,7 +55,8 @@ class LeaseState(enum.Enum):
 
 
 class Lease:
-    """Renews every ttl/3 s (renewal_interval) over one keep-alive stream, reopening it when etcd goes away.
+    """Renews every ttl/3 s (renewal_interval) over one keep-alive stream, reopening it when etcd goes
+    away or an answer is a renewal late (answer_deadline: its member hung).
 
     `lost` is set once etcd says the lease is gone (then the owner must register anew); `state`
     says where renewal stands. `revoke()` deletes the attached keys at once; it is safe to call twice.
@@ -130,8 +137,22 @@ class Lease:
             raise LeaseLost(self.id, "the etcd client was closed")
         # etcd3aio's own keep-alive helper reopens a stream per renewal; one long stream is cheaper.
         call = service._stub.LeaseKeepAlive(requests(), metadata=service._metadata or None)
+        # A hung member (stopped, not closed) keeps the stream open and silent, and gRPC's keepalive
+        # takes longer than a short TTL to say so: give up on an answer late by one renewal, so the
+        # next stream (another member, the channel's balancer going round) renews in time.
+        patience = answer_deadline(self.ttl)
+        answers = aiter(call)
         try:
-            async for resp in call:
+            while True:
+                try:
+                    # Not wait_for, which reads in a task of its own: cancelling that hung a stop.
+                    async with asyncio.timeout(patience):
+                        resp = await anext(answers)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    self._unreachable(f"no keep-alive answer in {patience:.1f}s")
+                    return
                 if resp.TTL <= 0:
                     self._mark_lost("etcd reports it expired")
                     return

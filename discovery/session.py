@@ -29,6 +29,11 @@ _RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# etcd3aio pings every 10 s, and gRPC waits for the answer its ping timeout (60 s) however short the
+# keepalive timeout: a member that hangs (stopped, not closed) held the calls balanced onto it for a
+# minute. Ping as often as etcd allows by default (its --grpc-keepalive-min-time, 5 s: more often is
+# answered with GOAWAY), and give the ping up after 2 s: the member is left within 8 s.
+_KEEPALIVE = {"grpc.keepalive_time_ms": 6000, "grpc.keepalive_timeout_ms": 2000, "grpc.http2.ping_timeout_ms": 2000}
 # etcd's words (its rpctypes) for credentials it refuses at connect; their gRPC codes are
 # INVALID_ARGUMENT and FAILED_PRECONDITION, which say nothing of credentials, so the text decides.
 _AUTH_FAILED = "authentication failed, invalid user ID or password"
@@ -164,7 +169,9 @@ class Discovery:
         else:
             client = Etcd3Client()
         client._manager.target = target  # etcd3aio builds an ipv4: target, where a DNS name never connects
-        client._manager.grpc_options.extend(_RECONNECT_OPTIONS)
+        options = client._manager.grpc_options
+        options[:] = [(name, value) for name, value in options if name not in _KEEPALIVE]
+        options.extend([*_KEEPALIVE.items(), *_RECONNECT_OPTIONS])
         await client.connect()
         _require_leader(client)
         token = TokenKeeper(client, s.user, s.password) if s.user is not None and s.password is not None else None

@@ -19,11 +19,11 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeAlias, TypeVar, cast
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError, prefix_range_end
-from etcd3aio._protobuf import WatchResponse
+from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchResponse
 
 from discovery.lease import said
 from protocol import subjects
@@ -62,6 +62,14 @@ class ReadHealth:
         if self.since is None or (lasted := self.clock() - self.since) < self.after_s:
             return None
         return f"reading it from etcd has failed for {lasted:.0f} s ({self.why})"
+
+
+# A watch asks etcd where it stands this often, and is made again when nothing came for SILENT_S:
+# etcd's own progress notifications come every 10 minutes, and a hung member sends no error.
+PROGRESS_S = 1.0
+SILENT_S = 3.0
+_PROGRESS = WatchRequest()
+_PROGRESS.progress_request.SetInParent()  # an empty WatchProgressRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +134,7 @@ async def watch_prefix(
     health = health if health is not None else ReadHealth()
     latest = 0  # the highest revision etcd has shown this watch: one lower means its data was replaced
     cancelled = ""  # why etcd cancelled the watch last, said once until a watch works again
+    silent = False  # a watch went unanswered, said once until one is answered again
     while True:
         revision, kvs, too_large = await _read(client, prefix, start, end, retry_s, failed, health)
         if revision < latest:
@@ -152,12 +161,7 @@ async def watch_prefix(
                 continue
             creations[name] = kv.create_revision
         yield Snapshot(items, revision, skipped, creations)
-        assert client.watch is not None
-        # An async generator, typed as an iterator: closing it ends the gRPC stream at once.
-        stream = cast(
-            "AsyncGenerator[WatchResponse, None]", client.watch.watch(start, end, start_revision=revision + 1)
-        )
-        created = False
+        stream = _stream(client, start, end, revision + 1)
         try:
             async for wr in stream:
                 if wr.compact_revision > 0:
@@ -175,13 +179,14 @@ async def watch_prefix(
                         log.error("watch %s: etcd cancelled it (%s); re-reading and watching again", prefix, reason)
                     cancelled = reason
                     break
+                if silent:
+                    log.info("watch %s: etcd answers again", prefix)
+                    silent = False
                 if wr.created:
-                    # Made again by etcd3aio after the stream broke, or etcd's revision went back
-                    # since the read: changes may be missed either way.
-                    if created or wr.header.revision < latest:
+                    # etcd's revision went back since the read: changes may be missed.
+                    if wr.header.revision < latest:
                         log.info("watch %s: made again; re-reading", prefix)
                         break
-                    created = True
                     if cancelled:
                         log.info("watch %s: etcd takes the watch again", prefix)
                     cancelled = ""
@@ -198,12 +203,46 @@ async def watch_prefix(
                         yield Deleted(name, rev, _skipped(prefix, name, exc, log_skipped))
                         continue
                     yield Put(name, value, rev, ev.kv.create_revision)
+        except TimeoutError:
+            # A hung member (stopped, not closed) keeps the stream open and silent: no error comes.
+            if not silent:
+                log.warning("watch %s: no answer from etcd in %.0fs; re-reading and watching again", prefix, SILENT_S)
+            silent = True
         except (EtcdError, grpc.aio.AioRpcError) as exc:
             failed(exc)
-            log.warning("watch %s: %s; re-reading", prefix, exc)
+            log.warning("watch %s: %s; re-reading", prefix, said(exc))
         finally:
             await stream.aclose()
         await asyncio.sleep(retry_s)
+
+
+async def _stream(client: Etcd3Client, start: bytes, end: bytes, revision: int) -> AsyncGenerator[WatchResponse, None]:
+    """etcd's answers to one watch from `revision`, asking where it stands every PROGRESS_S;
+    TimeoutError once none comes in SILENT_S. Closing it ends the gRPC stream at once. Unlike
+    etcd3aio's watch, a broken stream is not made again here (after a backoff of up to 5 s, from a
+    revision past changes it may have missed): the caller reads anew and watches again."""
+
+    async def requests() -> AsyncGenerator[WatchRequest, None]:
+        yield WatchRequest(create_request=WatchCreateRequest(key=start, range_end=end, start_revision=revision))
+        while True:
+            await asyncio.sleep(PROGRESS_S)
+            yield _PROGRESS
+
+    service = client.watch
+    if service is None:
+        raise EtcdError("the etcd client was closed")
+    call = service._stub.Watch(requests(), metadata=service._metadata or None)
+    answers = aiter(call)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(SILENT_S):  # the read alone: never the consumer's work
+                    answer = await anext(answers)
+            except StopAsyncIteration:
+                return
+            yield answer
+    finally:
+        call.cancel()
 
 
 async def _read(

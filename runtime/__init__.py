@@ -91,9 +91,10 @@ class Throttle:
 class RepeatedLines(logging.Filter):
     """A handler filter for libraries that log every retry: a line of theirs (same logger, same
     format) goes through the first time, then at most every `every_s`, saying how many like it were
-    held back. etcd3aio's three watches each warn every 5 s while etcd is down; our lease's own
-    lines say when it went and when it came back. OpenTelemetry's exporter logs every batch it
-    fails to send, twice a second while its collector is unreachable or refuses it."""
+    held back. etcd3aio's own watch and keep-alive helpers warn at every retry while etcd is down;
+    our lease's and watches' own lines say when it went and when it came back. OpenTelemetry's
+    exporter logs every batch it fails to send, twice a second while its collector is unreachable
+    or refuses it."""
 
     def __init__(
         self, prefixes: tuple[str, ...], every_s: float = 30.0, clock: Callable[[], float] = time.monotonic

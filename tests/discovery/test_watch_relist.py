@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from discovery import Discovery, Snapshot, WatchEvent
+from discovery import watch as watch_module
 from kvswitch.servers import EtcdServer
 from protocol import WorkerInfo, encode_json, subjects
 from protocol.config import EtcdSettings
@@ -70,8 +71,8 @@ async def test_changes_etcd_owed_when_the_stream_broke_arrive(ns: str, monkeypat
         settings = EtcdSettings(endpoints=[etcd.url])
         names = {f"w{i}" for i in range(20)}
         async with Discovery(settings, ns) as router, Discovery(settings, ns) as shim:
-            assert router.client.kv is not None and router.client.watch is not None
-            get, watch_stream = router.client.kv.get, router.client.watch.watch
+            assert router.client.kv is not None
+            get, watch_stream = router.client.kv.get, watch_module._stream
             killed = asyncio.Event()
             lease = await shim.grant(30)  # a worker record held by no lease is refused
 
@@ -90,7 +91,7 @@ async def test_changes_etcd_owed_when_the_stream_broke_arrive(ns: str, monkeypat
                     yield resp
 
             monkeypatch.setattr(router.client.kv, "get", read_then_others_register)
-            monkeypatch.setattr(router.client.watch, "watch", dies_after_created)
+            monkeypatch.setattr(watch_module, "_stream", dies_after_created)
             watch = router.watch_workers()
             held: dict[str, WorkerInfo] = {}
             first = await asyncio.wait_for(anext(watch), 5)

@@ -1,0 +1,127 @@
+"""A hung member (stopped, not closed) of a three-member etcd does not take a lease or a watch
+whose stream it holds with it: the stream stays open and silent, no error ever comes, and gRPC's
+keepalive took about a minute to say so. Until 2026-12-07 the lease lapsed (its keys gone from every
+router) and the watch froze, both without a log line."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import AsyncGenerator, Iterator
+
+import pytest
+
+from discovery import Deleted, Discovery, LeaseState, Snapshot, WatchEvent
+from kvswitch.servers import EtcdCluster, EtcdServer
+from protocol.config import EtcdSettings
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[EtcdCluster]:
+    with EtcdCluster(3) as c:
+        yield c
+
+
+def _streams(member: EtcdServer, method: str) -> float:
+    """How many `method` streams `member` holds open, from its own metrics."""
+    text = urllib.request.urlopen(member.url + "/metrics", timeout=2).read().decode()
+
+    def total(name: str) -> float:
+        pattern = name + r'\{[^}]*grpc_method="' + method + r'"[^}]*\} (\S+)'
+        return sum(float(n) for n in re.findall(pattern, text))
+
+    return total("grpc_server_started_total") - total("grpc_server_handled_total")
+
+
+def _holding(cluster: EtcdCluster, method: str) -> EtcdServer:
+    held = [m for m in cluster.members if _streams(m, method) > 0]
+    assert len(held) == 1, f"{method} streams on {len(held)} members"
+    return held[0]
+
+
+class _Stopped:
+    """`member` stopped with SIGSTOP (hung: its sockets stay open) until the block ends."""
+
+    def __init__(self, member: EtcdServer) -> None:
+        assert member.proc is not None
+        self.pid = member.proc.pid
+
+    def __enter__(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def __exit__(self, *exc: object) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def _others(cluster: EtcdCluster, member: EtcdServer) -> EtcdSettings:
+    return EtcdSettings(endpoints=[m.url for m in cluster.members if m is not member]).validate()
+
+
+async def test_a_lease_whose_stream_a_hung_member_holds_keeps_its_key(
+    cluster: EtcdCluster, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Discovery(EtcdSettings(endpoints=cluster.urls).validate(), ns) as d:
+        lease = await d.grant(ttl=3)  # renewed every 1 s, given up on after 2 s without an answer
+        await d.put(f"/{ns}/k", b"v", lease)
+        await asyncio.sleep(0.3)
+        hung = _holding(cluster, "LeaseKeepAlive")
+        with caplog.at_level(logging.WARNING, "discovery.lease"), _Stopped(hung):
+            async with Discovery(_others(cluster, hung), ns) as healthy:
+                await asyncio.sleep(4.5)  # past the TTL: the key is gone unless a healthy member renewed it
+                assert await healthy.holder(f"/{ns}/k") == lease.id
+        assert lease.state is LeaseState.ALIVE
+        said = [r.getMessage() for r in caplog.records]
+        assert said == [
+            f"lease {lease.hex_id}: etcd does not answer (no keep-alive answer in 2.0s): "
+            "lease state unknown, keeping on and retrying"
+        ]
+
+
+async def test_a_watch_whose_stream_a_hung_member_holds_sees_a_change_made_elsewhere(
+    cluster: EtcdCluster, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Discovery(EtcdSettings(endpoints=cluster.urls).validate(), ns) as d:
+        await d.put_raw(f"/{ns}/w/a", b"1")
+        watch: AsyncGenerator[WatchEvent[bytes], None] = d.watch_raw(f"/{ns}/w/")
+        assert isinstance(await anext(watch), Snapshot)
+        following = asyncio.ensure_future(anext(watch))  # the stream opens once the Snapshot is taken
+        await asyncio.sleep(0.3)
+        hung = _holding(cluster, "Watch")
+        try:
+            with caplog.at_level(logging.WARNING, "discovery.watch"), _Stopped(hung):
+                async with Discovery(_others(cluster, hung), ns) as healthy:
+                    await healthy.delete(f"/{ns}/w/a")
+                    deleted = time.monotonic()
+                    event = await asyncio.wait_for(following, 8)
+                    # A watch made again reads anew: the key is gone from its Snapshot.
+                    assert isinstance(event, Deleted | Snapshot) and (
+                        isinstance(event, Deleted) or "a" not in event.items
+                    ), event
+                    assert time.monotonic() - deleted < 6
+        finally:
+            following.cancel()
+            await watch.aclose()
+        assert [r.getMessage() for r in caplog.records] == [
+            f"watch /{ns}/w/: no answer from etcd in 3s; re-reading and watching again"
+        ]
+
+
+async def test_calls_stop_going_to_a_hung_member_within_seconds(cluster: EtcdCluster, ns: str) -> None:
+    # The channel balances calls round the members: while gRPC holds a hung member's connection
+    # ready, every third call waits out its deadline. Its pings now time out in 2 s, not a minute.
+    async with Discovery(EtcdSettings(endpoints=cluster.urls).validate(), ns) as d:
+        await d.put_raw(f"/{ns}/k", b"v")
+        with _Stopped(cluster.members[0]):
+            stopped = time.monotonic()
+            while True:
+                try:
+                    for _ in range(len(cluster.members)):  # one call to each member, round the balancer
+                        await asyncio.wait_for(d.holder(f"/{ns}/k"), 0.5)
+                    break
+                except TimeoutError:
+                    assert time.monotonic() - stopped < 12, "calls still go to the hung member"
