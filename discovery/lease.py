@@ -27,6 +27,7 @@ __all__ = ["Lease", "LeaseLost", "LeaseState", "renewal_interval"]
 log = logging.getLogger(__name__)
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 1.0
+HURRY_S = 0.25  # doubling up to answer_deadline, so a slow etcd is still waited for in the end
 
 
 def renewal_interval(ttl: float) -> float:
@@ -80,6 +81,7 @@ class Lease:
         self._revoked = False  # etcd said so (state REVOKED is set as the revoke begins: once is enough)
         self._renewed_at = time.monotonic()
         self._retry = RETRY_MIN_S
+        self._hurry = 0.0  # a stream went unanswered: the next one's first answer is due this soon
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -141,18 +143,23 @@ class Lease:
         # takes longer than a short TTL to say so: give up on an answer late by one renewal, so the
         # next stream (another member, the channel's balancer going round) renews in time.
         patience = answer_deadline(self.ttl)
+        # After one went unanswered, the balancer may pick the hung member again: a healthy one
+        # answers a new stream at once, so wait less for its first answer, several tries in the TTL.
+        wait = min(self._hurry, patience) if self._hurry else patience
         answers = aiter(call)
         try:
             while True:
                 try:
                     # Not wait_for, which reads in a task of its own: cancelling that hung a stop.
-                    async with asyncio.timeout(patience):
+                    async with asyncio.timeout(wait):
                         resp = await anext(answers)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
-                    self._unreachable(f"no keep-alive answer in {patience:.1f}s")
+                    self._unreachable(f"no keep-alive answer in {wait:.1f}s")
+                    self._hurry = min(self._hurry * 2, patience) if self._hurry else HURRY_S
                     return
+                wait, self._hurry = patience, 0.0
                 if resp.TTL <= 0:
                     self._mark_lost("etcd reports it expired")
                     return

@@ -12,11 +12,13 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
-from discovery import Deleted, Discovery, LeaseState, Snapshot, WatchEvent
+from discovery import Deleted, Discovery, Lease, LeaseState, Snapshot, WatchEvent
 from kvswitch.servers import EtcdCluster, EtcdServer
 from protocol.config import EtcdSettings
 
@@ -125,3 +127,40 @@ async def test_calls_stop_going_to_a_hung_member_within_seconds(cluster: EtcdClu
                     break
                 except TimeoutError:
                     assert time.monotonic() - stopped < 12, "calls still go to the hung member"
+
+
+class _KeepAlive:
+    """A keep-alive call on a member that answers each request, or on a hung one that never does."""
+
+    def __init__(self, requests: AsyncIterator[Any], hung: bool) -> None:
+        self.requests, self.hung = requests, hung
+
+    def __aiter__(self) -> _KeepAlive:
+        return self
+
+    async def __anext__(self) -> SimpleNamespace:
+        if self.hung:
+            await asyncio.Event().wait()
+        await anext(self.requests)
+        return SimpleNamespace(TTL=3)
+
+    def cancel(self) -> None:
+        pass
+
+
+async def test_a_lease_the_balancer_sends_to_the_hung_member_twice_still_renews_in_time() -> None:
+    # The balancer's pick goes round every call of the process: the stream opened after one went
+    # unanswered may land on the hung member again. It waited the full two renewals for that one too.
+    picks = iter([True, True, False])  # hung, hung again, then a healthy member
+    stub = SimpleNamespace(LeaseKeepAlive=lambda requests, metadata: _KeepAlive(requests, next(picks)))
+    client = SimpleNamespace(lease=SimpleNamespace(_stub=stub, _metadata=()))
+    lease = Lease(cast("Any", client), 1, ttl=3)  # renewed every 1 s, an answer due within 2 s
+    started = time.monotonic()
+    lease.start()
+    try:
+        while not (lease.outages == 1 and lease.state is LeaseState.ALIVE):
+            assert time.monotonic() - started < 6, "never renewed"
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - started < 3, "renewed past the TTL: the lease had expired"
+    finally:
+        await lease.stop_keep_alive()
