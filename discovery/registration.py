@@ -34,7 +34,9 @@ its TTL or someone revoked it). Then the owner hears `on_lost(old_id)`, a new le
 the key created again (a new id, or the same `name`), retrying with backoff while etcd does not
 answer, and the owner hears `on_registered(new_id)`; `reg.id` is the new id from then on. If a
 named key was taken meanwhile (`failure` is KeyTaken, naming the holder), or an owner's hook raised,
-`failed` is set: the owner must act (stop, or start over with a new Registration). From etcd's
+`failed` is set: the owner must act (stop, or start over with a new Registration). So it is when a
+keep-alive check finds the key or a claim held by another lease while ours lives: a live second
+owner of the name (etcd deletes a key with its lease), which took it once it was deleted by hand. From etcd's
 answer until the supervisor registers anew, `state` is "lost".
 
 The supervisor is the registration for the life of the process: an unexpected error in one of its
@@ -254,7 +256,7 @@ class Registration:
             await self._put()
         elif lease.state is LeaseState.ALIVE:
             await self._check_key(lease)
-        return True
+        return not self.failed.is_set()
 
     async def _put(self) -> None:
         assert self.lease is not None
@@ -274,33 +276,38 @@ class Registration:
         """Put the key (and each claim) back when someone deleted it while its lease lives (an
         operator's `etcdctl del`, a broad prefix delete): nothing else would, and routers would pass
         this live owner over for good (a claim gone lets a second owner in). Put it back under our
-        lease when another holds it, or none (an `etcdctl put` of the same value): the key would
-        outlive this owner, a dead worker listed for good (DESIGN.md: "a worker exists exactly as
-        long as its lease"). A read each keep-alive tick rather than a watch of the key: a watch can
-        go quiet (cancelled, resumed past changes) where a read cannot, and one key's read costs
-        etcd about what the keep-alive does."""
+        lease when no lease holds it (an `etcdctl put` of the same value): the key would outlive
+        this owner, a dead worker listed for good (DESIGN.md: "a worker exists exactly as long as
+        its lease"); only while none does (Discovery.reclaim), so an owner's create in between
+        stands. Another lease holding it is a live second owner (etcd deletes a key with its lease),
+        as when registering: the registration fails with KeyTaken, never puts it back (until
+        2026-12-07 both owners put it back under their own lease every tick, for good). A read
+        each keep-alive tick rather than a watch of the key: a watch can go quiet (cancelled,
+        resumed past changes) where a read cannot, and one key's read costs etcd about what the
+        keep-alive does."""
         for key, value in {self.key: self._value(self.id), **self._claimed(self.id)}.items():
             try:
                 held = await self._discovery.holder(key)
                 if held == lease.id:
                     continue
-                if held is not None:
-                    await self._discovery.put(key, encode_json(value), lease)
-                else:
+                if held:
+                    raise KeyTaken(key, held)
+                if held is None:
                     await self._discovery.create(key, encode_json(value), lease)
-            except KeyTaken as exc:  # taken in between: two owners now, which only an operator can settle
-                log.error("%s was deleted while its lease %s lives, and %s", key, lease.hex_id, exc)
-                continue
+                else:
+                    await self._discovery.reclaim(key, encode_json(value), lease)
+            except KeyTaken as exc:
+                self._taken(exc, f"{key} is no longer held by its owner's lease {lease.hex_id}")
+                return
             except DiscoveryError:
                 return  # etcd not answering (the lease says so), or the lease just went: its loss handles it
             if held is None:
                 log.warning("%s was deleted while its lease %s lives (by someone else): put it back", key, lease.hex_id)
             else:
-                holder = f"lease {held:x} (another owner, or a put by hand)" if held else "no lease (a put by hand)"
                 log.error(
-                    "%s was held by %s, not by its owner's lease %s: it would outlive this owner; put it back under %s",
+                    "%s was held by no lease (a put by hand), not by its owner's lease %s: it would outlive "
+                    "this owner; put it back under %s",
                     key,
-                    holder,
                     lease.hex_id,
                     lease.hex_id,
                 )
@@ -318,10 +325,7 @@ class Registration:
                 await self._register()
                 break
             except KeyTaken as exc:
-                self.failure = exc
-                self._phase = RegistrationState.FAILED
-                log.error("cannot register %s again: %s; is another process using the same name?", exc.key, exc)
-                self.failed.set()
+                self._taken(exc, f"cannot register {exc.key} again")
                 return False
             except DiscoveryError as exc:
                 log.warning("registering %s again failed (%s); retrying in %.1fs", self._key(old), exc, retry)
@@ -334,6 +338,14 @@ class Registration:
         if self._on_registered is not None:
             return await self._tell(self._on_registered, self.id)
         return True
+
+    def _taken(self, exc: KeyTaken, what: str) -> None:
+        """Another live lease holds our key or a claim: a second owner (the same name twice), which
+        only an operator can settle. Fail, so this owner acts (a shim exits naming --worker-name)."""
+        self.failure = exc
+        self._phase = RegistrationState.FAILED
+        log.error("%s: %s; is another process using the same name?", what, exc)
+        self.failed.set()
 
     async def _tell(self, hook: Callable[[str], Awaitable[None]], rid: str) -> bool:
         """Run an owner's hook; one that raises fails the registration (the owner must act)."""

@@ -10,6 +10,7 @@ from typing import Self, TypeVar
 import grpc
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError, EtcdPermissionDeniedError, prefix_range_end
+from etcd3aio._protobuf import Compare
 from etcd3aio.watch import WatchService
 
 from discovery.auth_token import TokenKeeper
@@ -289,6 +290,25 @@ class Discovery:
             raise KeyTaken(key, holder, bytes(found[0].value) if found else b"")
         # Ours already (an earlier attempt whose answer was lost): write the current value.
         await self._put(key, value, lease)
+
+    async def reclaim(self, key: str, value: bytes, lease: Lease) -> None:
+        """Put `key` under `lease` only while no lease holds it (a put by hand; or absent: etcd
+        compares a missing key's lease as 0); KeyTaken naming the holder otherwise, so an owner's
+        create in between is never overwritten."""
+        kv = self.client.kv
+        assert kv is not None
+        unleased = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=key.encode(), lease=0)
+        try:
+            resp = await kv.txn(
+                [unleased], [kv.txn_op_put(key, value, lease=lease.id)], [kv.txn_op_get(key)], timeout=5.0
+            )
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            self._failed(exc)
+            raise self._write_failed("put back", key, exc) from exc
+        self._wrote = True
+        found = [] if resp.succeeded else resp.responses[0].response_range.kvs
+        if found and found[0].lease != lease.id:  # ours already: an earlier attempt whose answer was lost
+            raise KeyTaken(key, found[0].lease, bytes(found[0].value))
 
     async def holder(self, key: str) -> int | None:
         """The id of the lease holding `key` (0: a key put without one), or None when it does not exist."""

@@ -397,3 +397,76 @@ async def test_a_key_put_again_without_a_lease_is_put_back_under_its_owners(
         assert await d.holder(reg.key) == lease and reg.registrations == 1
         assert await reg.stop()
         assert await d.holder(reg.key) is None  # gone with its owner
+
+
+async def _mod_revision(d: Discovery, key: str) -> int:
+    assert d.client.kv is not None
+    resp = await d.client.kv.get(key, timeout=5)
+    return int(resp.kvs[0].mod_revision) if resp.kvs else 0
+
+
+async def test_two_owners_of_one_name_after_a_delete_one_fails_and_the_record_stops_changing(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second shim under a held --worker-name registered the moment the key was deleted by hand;
+    from then both put the key back under their own lease every tick, an ERROR each, for good: both
+    served "registered", and routers saw the worker's epoch flip each time (review of 2026-12-07)."""
+    async with (
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d,
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as other,
+    ):
+        first = _worker_reg(d, ns, ttl=3, name="w1")
+        await first.start()
+        second = _worker_reg(other, ns, ttl=3, name="w1")
+        with caplog.at_level(logging.ERROR, logger="discovery.registration"):
+            for _ in range(5):  # the first's check (every 1 s) may put it back in between: delete again
+                await d.delete(first.key)
+                try:
+                    await second.start()
+                    break
+                except KeyTaken:
+                    await asyncio.sleep(0.1)
+            assert second.lease is not None, "the second owner never registered"
+            await asyncio.wait_for(first.failed.wait(), 5)
+        assert first.state is RegistrationState.FAILED and isinstance(first.failure, KeyTaken)
+        assert "w1" in str(first.failure) and first.failure.holder == second.lease.id
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(said) == 1 and "same name" in said[0], said
+        revision = await _mod_revision(d, second.key)
+        await asyncio.sleep(2.5)  # two more ticks of each
+        assert await _mod_revision(d, second.key) == revision, "the record is still being put back"
+        assert await d.holder(second.key) == second.lease.id
+        assert not second.failed.is_set() and second.state is RegistrationState.REGISTERED
+        await first.stop()
+        await second.stop()
+
+
+async def test_putting_back_a_key_held_by_no_lease_never_overwrites_an_owners_create_in_between(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The put-back of a key put by hand (no lease) was a plain put: another owner's create between
+    the check's read and it was overwritten (review of 2026-12-07)."""
+    async with (
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d,
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as other,
+    ):
+        reg = _worker_reg(d, ns, ttl=3, name="w2")
+        await reg.start()
+        assert reg.lease is not None
+        rival = await other.grant(30)
+        read = d.holder
+
+        async def holder_then_a_create(key: str) -> int | None:
+            held = await read(key)
+            if key == reg.key and held == 0:  # between the read and the put-back: another owner's create
+                await other.delete(key)
+                await other.create(key, b'{"rival": true}', rival)
+            return held
+
+        monkeypatch.setattr(d, "holder", holder_then_a_create)
+        await d.put_raw(reg.key, await _get(d, reg.key) or b"")
+        await asyncio.wait_for(reg.failed.wait(), 5)
+        assert isinstance(reg.failure, KeyTaken) and reg.failure.holder == rival.id
+        assert await _get(d, reg.key) == b'{"rival": true}' and await read(reg.key) == rival.id
+        await reg.stop()
+        await other.release(rival)

@@ -409,3 +409,32 @@ async def test_a_retirements_close_that_fails_after_its_caller_was_cancelled_is_
             assert any("closing worker id(s) old did not finish within its 0.3 s bound" in m for m in said), said
         finally:
             await nc.close()
+
+
+async def test_a_twin_that_took_the_name_after_a_delete_leaves_one_shim_under_it(
+    ns: str, nats_url: str, etcd_url: str
+) -> None:
+    """A second shim under a live shim's --worker-name, waiting for the name, registered once the
+    key was deleted by hand; from then both put the key back under their own lease each TTL/3, for
+    good, both "registered" (review of 2026-12-07). The one that lost the key exits naming the flag."""
+    async with (
+        SimServer(sim_config()) as sim,
+        SimServer(sim_config()) as other_sim,
+        shim_for(sim, ns, nats_url, etcd_url, worker_name="gpu-11") as shim,
+    ):
+        await shim.registered.wait()
+        key = subjects.worker_key(ns, "gpu-11")
+        async with (
+            Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d,
+            shim_for(other_sim, ns, nats_url, etcd_url, worker_name="gpu-11") as twin,
+        ):
+            deadline = time.monotonic() + 15
+            while not twin.registered.is_set():  # the first's check may put it back before the twin looks
+                assert time.monotonic() < deadline and not twin.done.is_set(), "the twin never took the name"
+                await d.delete(key)
+                await asyncio.sleep(0.05)
+            await asyncio.wait_for(shim.done.wait(), 10)
+            assert shim.status is ShimStatus.FAILED and isinstance(shim.failure, ConfigError)
+            assert shim.failure.setting == "worker_name" and "already registered" in str(shim.failure)
+            assert twin.status is ShimStatus.REGISTERED and twin.registration is not None
+            assert twin.registration.lease is not None and await d.holder(key) == twin.registration.lease.id
