@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 V = TypeVar("V")
 KeyValue: TypeAlias = Any  # etcd's mvccpb.KeyValue (generated, untyped): key, value, lease
 PAGE = 256  # keys one read asks for: 256 worker records are ~0.5 MB, far below gRPC's 4 MiB
-READ_RETRY_MAX_S = 2.0  # a failing read is retried at double the delay each time, up to this
+# A failing read is retried at double the delay each time, up to this: a lease renews at 1 s too
+# (discovery.lease.RETRY_MAX_S), and a worker set read later than that after etcd is back leaves
+# the workers that registered anew unseen, their load reports dropped and requests refused.
+READ_RETRY_MAX_S = 1.0
 STALL_S = 5.0  # a read failing for longer is named (ReadHealth.trouble): an etcd restart takes less
 # What gRPC's client says of an answer over its receive limit (etcd says RESOURCE_EXHAUSTED too,
 # for "too many requests", which a smaller page does not cure).
