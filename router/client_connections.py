@@ -25,15 +25,21 @@ started) goes to the back, and at most SHED_LOOK are looked at, so a new connect
 With none idle (every connection has a request in flight) the new one is refused: its routed
 requests are answered 503 (OpenAI JSON, `Connection: close`, `Retry-After`), while `PROBES` are
 answered as always and then closed, so a liveness probe or a scrape still gets through
-(docs/router.md: `/health` answers 200 whenever the process does). A refused connection is never
-shed for another (it closes after its answer, or at the idle timeout); past `backlog` of them the
-new one is closed at once. Each is counted (`kvswitch_router_client_connections_shed_total{how}`,
-`refused` when the 503 is sent); an episode at the cap is logged once at WARNING when it starts,
-and at INFO when the connections fall back to three quarters of the cap.
+(docs/router.md: `/health` answers 200 whenever the process does). A refused connection closes
+after its answer; one that has sent no whole request head in REFUSED_HEAD_S is closed (`silent`),
+and past `backlog` of them a new connection closes the refused one waiting longest for its head
+once that has waited REFUSED_GRACE_S (`silent` too), or else is closed at once (`dropped`). One
+that has sent its head is never shed for another. Until the review of 2026-12-07 a refused
+connection that sent nothing was held to the idle timeout (75 s): 128 of them beside a cap of
+connections with slow bodies had every new connection dropped, `/health` failing 15 probes of 15
+in 75 s. Each is counted (`kvswitch_router_client_connections_shed_total{how}`, `refused` when the
+503 is sent); an episode at the cap is logged once at WARNING when it starts, and at INFO when the
+connections fall back to three quarters of the cap.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -42,10 +48,10 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from router.api_errors import ApiError
-from router.metrics import RouterMetrics
+from router.metrics import CLIENT_SHED_HOW, RouterMetrics
 from runtime import LISTEN_BACKLOG
 
-__all__ = ["FD_RESERVE", "PROBES", "SHED_LOOK", "ClientConnections"]
+__all__ = ["FD_RESERVE", "PROBES", "REFUSED_GRACE_S", "REFUSED_HEAD_S", "SHED_LOOK", "ClientConnections"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,12 @@ FD_RESERVE = 256  # the least left beside the cap
 MIN_CAP = 64  # below it the limit is too low to serve: a WARNING says so
 SHED_LOOK = 4  # the most idle candidates one new connection looks at
 PROBES = frozenset({"/health", "/ready", "/metrics"})  # answered on a refused connection too
+# A refused connection's wait for its first request head: a client refused in a burst sends its request
+# at once (a round trip); one that sends nothing would hold one of `backlog` places to the idle timeout.
+REFUSED_HEAD_S = 2.0
+# Past `backlog` refused ones, the one waiting longest for its head is closed for a new connection once
+# it has waited this long: a burst's own connections, refused as they connect, get their round trip.
+REFUSED_GRACE_S = 1.0
 
 
 def _waiting(handler: RequestHandler) -> bool:
@@ -69,7 +81,7 @@ class ClientConnections:
     """The front door's connections: `made` at accept, `on_request` as each request starts,
     `on_response` as its handler returns, `lost` at close. `cap` None: no limit on descriptors,
     no cap. Admitted connections are idle (oldest first: the next to shed) or busy; refused ones
-    are kept apart and never shed."""
+    are kept apart, those with no request head yet (`_unheard`, oldest first) on a timer."""
 
     def __init__(self, limit: int | None, metrics: RouterMetrics) -> None:
         self.limit = limit
@@ -81,7 +93,9 @@ class ClientConnections:
         self._idle: OrderedDict[RequestHandler, None] = OrderedDict()  # idle longest first: O(1) at the front
         self._busy: dict[RequestHandler, None] = {}
         self._refused: set[RequestHandler] = set()
-        self._shed = {how: metrics.client_connections_shed.labels(how) for how in ("idle_closed", "refused", "dropped")}
+        # Refused, no request head yet: since when, and the timer that closes it (waited longest first).
+        self._unheard: OrderedDict[RequestHandler, tuple[float, asyncio.TimerHandle]] = OrderedDict()
+        self._shed = {how: metrics.client_connections_shed.labels(how) for how in CLIENT_SHED_HOW}
         self._episode: tuple[float, int] | None = None  # shedding since, and the count then
         self._shed_count = 0
         metrics.client_connections.set_function(self.__len__)
@@ -105,9 +119,9 @@ class ClientConnections:
         self._at_cap()
         if self._shed_idle():
             self._idle[handler] = None
-        elif len(self._refused) < self.backlog:
-            self._refused.add(handler)  # answered by on_request, then closed
-        else:  # the refused ones hold the rest of the room: the newest goes
+        elif len(self._refused) < self.backlog or self._shed_unheard():
+            self._refuse(handler)
+        else:  # the refused ones hold the rest of the room, each heard or within its grace: the newest goes
             handler.force_close()
             self._count("dropped")
 
@@ -115,6 +129,7 @@ class ClientConnections:
         """A request starts on `handler`: the 503 to answer it with when its connection was refused
         and it is no probe."""
         if handler in self._refused:
+            self._heard(handler)
             if path in PROBES:
                 return None  # answered, then closed: `refused`
             self._count("refused")
@@ -142,6 +157,7 @@ class ClientConnections:
         self._idle.pop(handler, None)
         self._busy.pop(handler, None)
         self._refused.discard(handler)
+        self._heard(handler)
         admitted = len(self._idle) + len(self._busy)
         if self._episode is not None and self.cap is not None and admitted <= self.cap * 3 // 4:
             since, count = self._episode
@@ -164,6 +180,38 @@ class ClientConnections:
                 return True
             self._idle[old] = None  # not waiting after all, and soon busy or waiting: to the back
         return False
+
+    def _refuse(self, handler: RequestHandler) -> None:
+        """Held apart: answered by on_request, then closed; closed at REFUSED_HEAD_S with no head."""
+        timer = asyncio.get_running_loop().call_later(REFUSED_HEAD_S, self._unheard_too_long, handler)
+        self._refused.add(handler)
+        self._unheard[handler] = (time.monotonic(), timer)
+
+    def _heard(self, handler: RequestHandler) -> None:
+        entry = self._unheard.pop(handler, None)
+        if entry is not None:
+            entry[1].cancel()
+
+    def _unheard_too_long(self, handler: RequestHandler) -> None:
+        if handler in self._unheard and _waiting(handler):  # not waiting: its head read this turn, or closing
+            self._close_unheard(handler)
+
+    def _shed_unheard(self) -> bool:
+        """Closes the refused connection waiting longest for its head once it has waited
+        REFUSED_GRACE_S; False when it has not (or its head was read this very turn)."""
+        if not self._unheard:
+            return False
+        old, (since, _timer) = next(iter(self._unheard.items()))
+        if time.monotonic() - since < REFUSED_GRACE_S or not _waiting(old):
+            return False
+        self._close_unheard(old)
+        return True
+
+    def _close_unheard(self, handler: RequestHandler) -> None:
+        self._heard(handler)
+        self._refused.discard(handler)  # its place is free: lost() finds it in none
+        handler.force_close()
+        self._count("silent")
 
     def _at_cap(self) -> None:
         if self._episode is None:

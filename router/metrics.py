@@ -24,9 +24,10 @@ from router.replica_sync import SyncStats
 from router.sender_budget import LOAD_BURST, LOAD_RATE_PER_S
 from router.sender_subscriptions import QUARANTINE_MAX_FACTOR, QUARANTINE_S
 
-__all__ = ["CONTENT_TYPE", "RouterMetrics", "StateFigures"]
+__all__ = ["CLIENT_SHED_HOW", "CONTENT_TYPE", "RouterMetrics", "StateFigures"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CLIENT_SHED_HOW = ("idle_closed", "refused", "silent", "dropped")  # client_connections_shed's labels
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Edges at the default SLOs (slo_ttft_s 2.0, slo_itl_s 0.025) and close around them, so the share
 # within the SLO and quantiles near it read true.
@@ -535,12 +536,12 @@ class RouterMetrics:
             "kvswitch_router_client_connections_shed",
             "Connections shed at the cap: the connection idle longest closed for a new one (idle_closed); none "
             "idle, a request on the new one answered 503 and the connection closed (refused; /health, /ready and "
-            "/metrics are answered); none idle and the refused ones at the listen backlog, the new one closed at "
-            "once (dropped)",
+            "/metrics are answered); a refused one closed with no request head in 2 s, or for a new one after 1 s "
+            "(silent); none idle and the refused ones at the listen backlog, the new one closed at once (dropped)",
             ["how"],
             registry=self.registry,
         )
-        for how in ("idle_closed", "refused", "dropped"):
+        for how in CLIENT_SHED_HOW:
             self.client_connections_shed.labels(how)
         self.registry.register(_StateCollector(state))
         # Labelled children bound once: `labels()` validates and locks on every call (~3 us).

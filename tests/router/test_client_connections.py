@@ -372,3 +372,40 @@ async def test_past_the_backlog_of_refused_connections_a_new_one_is_closed_at_on
         assert newest._force_close and out.is_closing() and not out.sent
         assert not any(h._force_close for h in refused)
         assert door.shed("dropped") == 1 and door.shed("idle_closed") == 0
+
+
+async def test_a_refused_connection_with_no_request_head_is_closed_after_its_short_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # raising=False: the old code, with no such wait, held each to the idle timeout (75 s)
+    monkeypatch.setattr("router.client_connections.REFUSED_HEAD_S", 0.2, raising=False)
+    async with _door(monkeypatch) as door:
+        await _busy(door, _CAP)
+        (_, silent_out), (partial, partial_out), (prompt, prompt_out) = [door.connect() for _ in range(3)]
+        partial.data_received(b"GET /heal")  # a head begun, never finished
+        prompt.data_received(_IN_FLIGHT)  # its request at once: answered, not timed out
+        await until(lambda: silent_out.is_closing() and partial_out.is_closing(), 5, what="the unheard ones closed")
+        assert not silent_out.sent and not partial_out.sent
+        assert prompt_out.sent.startswith(b"HTTP/1.1 503 Service Unavailable")
+        assert door.shed("silent") == 2 and door.shed("refused") == 1 and door.shed("dropped") == 0
+
+
+async def test_past_the_backlog_a_new_connection_closes_the_refused_one_waiting_longest_for_its_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Until the review of 2026-12-07 the backlog's worth of refused connections sending nothing had
+    # every new one closed, a liveness probe's included, until the idle timeout (75 s).
+    monkeypatch.setattr("router.client_connections.REFUSED_GRACE_S", 0.1, raising=False)
+    async with _door(monkeypatch) as door:
+        await _busy(door, _CAP)
+        refused = [door.connect() for _ in range(_BACKLOG)]
+        oldest, oldest_out = refused[0]
+        oldest.data_received(b"GET /heal")  # part of a head: still waiting for the whole of it
+        await asyncio.sleep(0.15)
+        probe, probe_out = door.connect()
+        assert oldest._force_close and oldest_out.is_closing() and not probe._force_close
+        assert not any(h._force_close for h, _ in refused[1:])
+        assert door.shed("silent") == 1 and door.shed("dropped") == 0
+        probe.data_received(_HEALTH)
+        await until(probe_out.is_closing, 5, what="the probe answered and closed")
+        assert probe_out.sent.startswith(b"HTTP/1.1 200 OK")
