@@ -259,20 +259,30 @@ class Registration:
         return not self.failed.is_set()
 
     async def _put(self) -> None:
-        assert self.lease is not None
+        """Put the value anew, only while our lease holds the key (Discovery.rewrite): a plain put
+        overwrote a live second owner's key (the same name twice, which took it after a delete by
+        hand) when an update() or etcd's return came before the check that fails this owner, and
+        that owner's check then failed the one holding the key (review of 2026-12-07). Another lease
+        holding it fails this registration, as the check does; the key gone or held by no lease is
+        put back as the check puts it."""
+        lease = self.lease
+        assert lease is not None
         # Cleared first, so an update() made during the put is put next; set again unless the put
         # succeeds: a value() or a put that raises (the supervisor's ERROR) must not lose the update.
         self._dirty = False
         put = False
         try:
-            await self._discovery.put(self.key, encode_json(self._value(self.id)), self.lease)
-            put = True
+            put = await self._discovery.rewrite(self.key, encode_json(self._value(self.id)), lease)
+            if not put:
+                put = await self._check_key(lease)
+        except KeyTaken as exc:
+            self._taken(exc, f"{self.key} is no longer held by its owner's lease {lease.hex_id}")
         except DiscoveryError as exc:
             log.warning("re-putting %s failed (%s); retrying", self.key, exc)
         finally:
             self._dirty = self._dirty or not put
 
-    async def _check_key(self, lease: Lease) -> None:
+    async def _check_key(self, lease: Lease) -> bool:
         """Put the key (and each claim) back when someone deleted it while its lease lives (an
         operator's `etcdctl del`, a broad prefix delete): nothing else would, and routers would pass
         this live owner over for good (a claim gone lets a second owner in). Put it back under our
@@ -284,7 +294,8 @@ class Registration:
         2026-12-07 both owners put it back under their own lease every tick, for good). A read
         each keep-alive tick rather than a watch of the key: a watch can go quiet (cancelled,
         resumed past changes) where a read cannot, and one key's read costs etcd about what the
-        keep-alive does."""
+        keep-alive does. Whether the key and each claim are the lease's now (False: etcd did not
+        answer, or the registration failed)."""
         for key, value in {self.key: self._value(self.id), **self._claimed(self.id)}.items():
             try:
                 held = await self._discovery.holder(key)
@@ -298,9 +309,9 @@ class Registration:
                     await self._discovery.reclaim(key, encode_json(value), lease)
             except KeyTaken as exc:
                 self._taken(exc, f"{key} is no longer held by its owner's lease {lease.hex_id}")
-                return
+                return False
             except DiscoveryError:
-                return  # etcd not answering (the lease says so), or the lease just went: its loss handles it
+                return False  # etcd not answering (the lease says so), or the lease just went: its loss handles it
             if held is None:
                 log.warning("%s was deleted while its lease %s lives (by someone else): put it back", key, lease.hex_id)
             else:
@@ -311,6 +322,7 @@ class Registration:
                     lease.hex_id,
                     lease.hex_id,
                 )
+        return True
 
     async def _reregister(self, lost: Lease) -> bool:
         old = self.id

@@ -295,20 +295,37 @@ class Discovery:
         """Put `key` under `lease` only while no lease holds it (a put by hand; or absent: etcd
         compares a missing key's lease as 0); KeyTaken naming the holder otherwise, so an owner's
         create in between is never overwritten."""
+        found = await self._put_while(key, value, lease, 0, "put back")
+        if found is not None and found[0] != lease.id:  # ours already: an earlier attempt whose answer was lost
+            raise KeyTaken(key, *found)
+
+    async def rewrite(self, key: str, value: bytes, lease: Lease) -> bool:
+        """Put `key` anew under `lease` only while `lease` holds it; False when it does not exist or no
+        lease holds it (for the owner to put it back as it would: create, reclaim), KeyTaken naming
+        the holder when another lease does, so a live second owner's key is never overwritten."""
+        found = await self._put_while(key, value, lease, lease.id, "put")
+        if found is not None and found[0]:
+            raise KeyTaken(key, *found)
+        return found is None
+
+    async def _put_while(
+        self, key: str, value: bytes, lease: Lease, holder: int, what: str
+    ) -> tuple[int, bytes] | None:
+        """Put `key` under `lease` in one transaction only while lease `holder` holds it (0: none, or
+        the key absent); None when put, else the key's holder and value ((0, b"") when absent)."""
         kv = self.client.kv
         assert kv is not None
-        unleased = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=key.encode(), lease=0)
+        held = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=key.encode(), lease=holder)
         try:
-            resp = await kv.txn(
-                [unleased], [kv.txn_op_put(key, value, lease=lease.id)], [kv.txn_op_get(key)], timeout=5.0
-            )
+            resp = await kv.txn([held], [kv.txn_op_put(key, value, lease=lease.id)], [kv.txn_op_get(key)], timeout=5.0)
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             self._failed(exc)
-            raise self._write_failed("put back", key, exc) from exc
+            raise self._write_failed(what, key, exc) from exc
         self._wrote = True
-        found = [] if resp.succeeded else resp.responses[0].response_range.kvs
-        if found and found[0].lease != lease.id:  # ours already: an earlier attempt whose answer was lost
-            raise KeyTaken(key, found[0].lease, bytes(found[0].value))
+        if resp.succeeded:
+            return None
+        found = resp.responses[0].response_range.kvs
+        return (int(found[0].lease), bytes(found[0].value)) if found else (0, b"")
 
     async def holder(self, key: str) -> int | None:
         """The id of the lease holding `key` (0: a key put without one), or None when it does not exist."""

@@ -470,3 +470,65 @@ async def test_putting_back_a_key_held_by_no_lease_never_overwrites_an_owners_cr
         assert await _get(d, reg.key) == b'{"rival": true}' and await read(reg.key) == rival.id
         await reg.stop()
         await other.release(rival)
+
+
+async def _twin(d: Discovery, other: Discovery, ns: str, name: str) -> tuple[Registration, Registration]:
+    """A registration under `name` with checks 10 s apart, and a second one under the same name
+    that took the key once it was deleted by hand."""
+    first = _worker_reg(d, ns, ttl=30, name=name)
+    await first.start()
+    await d.delete(first.key)
+    second = _worker_reg(other, ns, ttl=3, name=name)
+    await second.start()
+    return first, second
+
+
+async def test_an_update_after_a_twin_took_the_key_fails_this_owner_and_leaves_the_twins_key(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An update() (a state flip) was a plain put: one coming before the check that would fail this
+    owner overwrote the twin's key under its own lease, and the twin's check then failed the twin,
+    the owner holding the key (review of 2026-12-07)."""
+    async with (
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d,
+        Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as other,
+    ):
+        first, second = await _twin(d, other, ns, "w3")
+        assert second.lease is not None
+        twins = await _get(d, second.key)
+        with caplog.at_level(logging.ERROR, logger="discovery.registration"):
+            first.update()  # before its next check, 10 s on
+            await asyncio.wait_for(first.failed.wait(), 5)
+        assert isinstance(first.failure, KeyTaken) and first.failure.holder == second.lease.id
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(said) == 1 and "same name" in said[0] and "w3" in said[0], said
+        assert await d.holder(second.key) == second.lease.id and await _get(d, second.key) == twins
+        await asyncio.sleep(1.5)  # a check of the twin's
+        assert not second.failed.is_set() and second.state is RegistrationState.REGISTERED
+        await first.stop()
+        await second.stop()
+
+
+async def test_an_update_after_the_key_was_deleted_puts_it_back_with_the_new_value(etcd_url: str, ns: str) -> None:
+    """The put of an update() is conditioned on the lease holding the key; a key gone (deleted by
+    hand) is put back all the same, as a check would, with the value of now."""
+    model = ["m"]
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = Registration(
+            d,
+            key=lambda wid: subjects.worker_key(ns, wid),
+            value=lambda wid: WorkerInfo(worker=wid, model=model[0], role="agg", engine="vllm", block_size=16),
+            ttl=30,  # checks 10 s apart: the update puts it back
+        )
+        await reg.start()
+        assert reg.lease is not None
+        await d.delete(reg.key)
+        model[0] = "m2"
+        reg.update()
+        deadline = time.monotonic() + 5
+        while (raw := await _get(d, reg.key)) is None:
+            assert time.monotonic() < deadline, "the key was never put back"
+            await asyncio.sleep(0.05)
+        assert decode_json(raw, WorkerInfo).model == "m2"
+        assert await d.holder(reg.key) == reg.lease.id and not reg.failed.is_set()
+        await reg.stop()
