@@ -199,7 +199,8 @@ class Planner:
         workers left out as `prefill_failing` (listed in `ctx.excluded` too): the plan's outcome
         names them, and those that still serve whole requests may take a spill."""
         infos = self._serving(ctx.model)
-        statuses = self.eligibility.statuses(infos)
+        # judged at the block size the prompt was hashed at: the request's vote, not a second one
+        statuses = self.eligibility.statuses(infos, {infos[0].model: ctx.block_size} if infos else None)
         overlap = self.index.match(ctx.hashes) if ctx.hashes else {}
         pending = self.pending.match(ctx.hashes, after=overlap) if ctx.hashes else {}
         pools: dict[bool, list[Candidate]] = {True: [], False: []}  # prefill role?

@@ -600,7 +600,7 @@ class RouterService:
             self._on_worker_add,
             self._on_worker_remove,
             fleet_log=self.fleet_log,
-            serves=self.eligibility.serves,
+            fit=self.eligibility.fit,
         )
         await self._registry.start()
         self._tasks.append(asyncio.create_task(self._await_registry(), name="router-registry-ready"))

@@ -30,8 +30,9 @@ too is said again only when the models it resolves to change.
 
 Workers of one model that disagree on `max_model_len` are a configuration error too: the model's
 context is the length router.fleet_vote's rule gives, the block size's (most of its decode and agg
-workers that serve register; ties: the length more of its serving workers register, then its
-longest-registered worker's; its prefill workers count only where it has none), and `workers()`
+workers fit to serve register; ties: the length more of its fit workers register, then the length
+it is served with, then its longest-registered worker's; its prefill workers count only where it
+has none), and `workers()`
 leaves out the workers that register another (a worker that registers none is not counted and
 stays), so a request's `truncate_prompt_tokens: -1` resolves to the context of every worker it may
 go to, and no worker gets a prompt its engine refuses as too long for its context (`unrouted()`
@@ -45,11 +46,12 @@ least length of a model's workers resolved -1 for all of them: one worker regist
 such prompt to 63 tokens on its 32k peers too. `get()` still returns the worker's record as
 registered.
 
-Which workers serve is not the records' (`serves`, router.eligibility's reading: a worker that
-just registered has not bootstrapped, so it serves no vote at its put): a model whose workers
+Which workers are fit to vote is not the records' (`fit`, router.eligibility's reading: a worker
+that just registered has not bootstrapped, so it has no vote at its put): a model whose workers
 disagree is voted again at each `revote()`, which the service calls every second, so a newcomer
-that comes up, or a worker that falls silent, moves the context within a second. Each key's etcd
-create_revision, the watch's, breaks ties (`created`).
+that comes up, or a worker that falls silent, moves the context within a second; a request's mark
+or a blink of its engine moves nothing. Each key's etcd create_revision, the watch's, breaks ties
+where the model has no standing length (`created`; router.fleet_vote's `Standing`).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from protocol import WorkerInfo, serving, subjects
 from protocol.messages import adapter_named, worker_info_problem
 from router.eligibility import few_ids
 from router.fleet_lines import FleetLines, FleetLog
-from router.fleet_vote import Ballot, model_value, votes
+from router.fleet_vote import Ballot, Fit, Standing, votes
 from router.lifecycle import PartStatus
 from router.served_names import Resolved, clash_message, served_as, shadow_message
 from runtime import background
@@ -124,12 +126,15 @@ class WorkerRegistry:
         on_add: Callable[[WorkerInfo], None],
         on_remove: Callable[[str], None],
         fleet_log: FleetLog | None = None,
-        serves: Callable[[WorkerInfo], bool] = lambda info: True,
+        fit: Callable[[WorkerInfo], Fit] = lambda info: Fit.SERVES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`serves(info)`: its worker takes requests but for its max_model_len (router.fleet_vote's
-        `Ballot.serves`; Eligibility.serves)."""
+        """`fit(info)`: how its worker votes on its model's max_model_len (router.fleet_vote's
+        `Ballot.fit`; Eligibility.fit). `clock`: the standing length's hold (fleet_vote.HOLD_S)."""
         self._discovery = discovery
-        self._serves_now = serves
+        self._fit = fit
+        self._standing = Standing(clock)  # each model's length as last decided: a tie goes to it
+        self._settling = True  # False while a Snapshot's records are applied one by one
         self._created: dict[str, int] = {}  # worker -> its key's etcd create_revision (the watch's)
         self._on_add = on_add
         self._on_remove = on_remove
@@ -335,7 +340,7 @@ class WorkerRegistry:
         self._check(models, names, aliases)
 
     def revote(self) -> None:
-        """Vote again the context of each model whose workers disagree on it, as `serves` reads
+        """Vote again the context of each model whose workers disagree on it, as `fit` reads
         them now (the module's docstring): the service calls it every second."""
         for model in list(self.context_conflicts):
             routing: set[str] = set()
@@ -356,12 +361,26 @@ class WorkerRegistry:
         self._check_contexts(models)
 
     def _replace(self, items: dict[str, WorkerInfo], skipped: dict[str, str], created: dict[str, int]) -> None:
-        for name in [n for n in self._workers.keys() | self._refusing.keys() if n not in items and n not in skipped]:
-            self._delete(name)
-        for name, info in items.items():
-            self._put(name, info, created.get(name, 0))
-        for name, why in skipped.items():
-            self._refuse(name, why)
+        # The fleet part applied and part not is no state of it: the standing lengths are settled by
+        # the whole (a tie goes to them), else the order of the records could move them.
+        gone = [n for n in self._workers.keys() | self._refusing.keys() if n not in items and n not in skipped]
+        self._settling = False
+        try:
+            for name in gone:
+                self._delete(name)
+            for name, info in items.items():
+                self._put(name, info, created.get(name, 0))
+            for name, why in skipped.items():
+                self._refuse(name, why)
+        finally:
+            self._settling = True
+        routing: set[str] = set()
+        for model in self._touched_models & self._context.keys():
+            self._vote(model, routing)
+        if routing:
+            self._sorted = self._named = None
+        for each in routing:
+            self._route(each)
 
     def _put(self, name: str, info: WorkerInfo, created: int) -> None:
         if (problem := self._problem(name, info)) is not None:
@@ -448,11 +467,15 @@ class WorkerRegistry:
         lengths = self._lengths.get(model, {})
         if len(lengths) > 1:
             infos = [(n, self._workers[w]) for n, ids in lengths.items() for w in ids]
-            context: int | None = model_value(
-                Ballot(n, votes(i.role), self._serves_now(i), self._created.get(i.worker, 0)) for n, i in infos
+            context: int | None = self._standing.decide(
+                model,
+                (Ballot(n, votes(i.role), self._fit(i), self._created.get(i.worker, 0)) for n, i in infos),
+                self._settling,
             )
         else:  # the usual case: no vote, and a put costs the same whatever the fleet's size
             context = next(iter(lengths), None)
+            if context is not None and self._settling:
+                self._standing.agreed(model, context)
         if model in self._context and context != (was := self._context[model]):
             routing.update(*(lengths.get(n, ()) for n in (was, context) if n is not None))
             self._touched_models.add(model)
@@ -641,7 +664,8 @@ def context_message(model: str, conflict: ContextConflict) -> str:
     return (
         f"workers of model {model} disagree on max_model_len: it is served with {conflict.served}, the length "
         "most of its decode and agg workers that serve register (ties: the one more of its serving workers "
-        "register, then its longest-registered worker's; its prefill workers count only where it has none), "
+        "register, then the one it was served with, then its longest-registered worker's; its prefill workers "
+        "count only where it has none), "
         f"and the workers registering another are not routed ({left})"
     )
 

@@ -39,11 +39,13 @@ def shadowed(infos: Iterable[WorkerInfo]) -> Resolved:
     return out
 
 
-def model_contexts(infos: Iterable[WorkerInfo]) -> dict[str, int | None]:
+def model_contexts(infos: Iterable[WorkerInfo], standing: dict[str, int]) -> dict[str, int | None]:
     """Each model's max_model_len, every worker serving and every key created alike (events made by
     hand): the one most of its decode and agg workers that register one register, of all its
     workers that do where none of those does (ties: the one more of all its workers register, then
-    the longest), None where none does."""
+    the model's `standing` length, then the longest), None where none does. `standing`, model -> the
+    length last decided, is kept as router.fleet_vote.Standing keeps it within its hold: a length
+    decided replaces it where it had a vote, or was decided before."""
     counts: dict[str, tuple[Counter[int], Counter[int]]] = {}
     for info in infos:
         deciding, every = counts.setdefault(info.model, (Counter(), Counter()))
@@ -54,5 +56,8 @@ def model_contexts(infos: Iterable[WorkerInfo]) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     for model, (deciding, every) in counts.items():
         seen = deciding or every
-        out[model] = max(seen, key=lambda n: (seen[n], every[n], n)) if seen else None
+        held = standing.get(model)
+        out[model] = won = max(seen, key=lambda n: (seen[n], every[n], n == held, n)) if seen else None
+        if won is not None and (held is None or held in seen):
+            standing[model] = won
     return out

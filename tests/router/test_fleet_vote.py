@@ -4,15 +4,20 @@ votes by it: the block size (router.eligibility) and the max_model_len (router.w
 from __future__ import annotations
 
 import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from discovery import Discovery, Put
-from protocol.config import EtcdSettings
-from protocol.messages import Role, WorkerInfo
-from router.eligibility import Eligibility, Exclusion
-from router.fleet_vote import Ballot, model_value, votes
-from router.load_view import Liveness
+from discovery import Deleted, Discovery, Put
+from protocol.config import EtcdSettings, RouterSettings
+from protocol.messages import LoadReport, Role, WorkerInfo
+from router.block_index import BlockIndex
+from router.eligibility import Eligibility, Exclusion, WorkerStatus
+from router.fleet_vote import HOLD_S, Ballot, Fit, Standing, model_value, votes
+from router.load_view import Liveness, LoadView
+from router.planner import standalone_planner
 from router.worker_registry import ContextConflict, WorkerRegistry
 
 MODEL = "m"
@@ -30,11 +35,11 @@ def test_decode_and_agg_workers_decide(role: str, decides: bool) -> None:
 
 
 def decode(value: int, serves: bool = True, created: int = 1) -> Ballot:
-    return Ballot(value, True, serves, created)
+    return Ballot(value, True, Fit.SERVES if serves else Fit.OUT, created)
 
 
 def prefill(value: int, serves: bool = True, created: int = 1) -> Ballot:
-    return Ballot(value, False, serves, created)
+    return Ballot(value, False, Fit.SERVES if serves else Fit.OUT, created)
 
 
 def test_the_decode_pools_value_wins_over_more_prefill_workers() -> None:
@@ -86,7 +91,7 @@ class Replica:
         self.live = live if live is not None else {}
         disc = Discovery(EtcdSettings(), "vote")  # never connected: the records are fed to the registry here
         # each reads the other, as RouterService wires them
-        self.registry = WorkerRegistry(disc, lambda _: None, lambda _: None, serves=self._serves)
+        self.registry = WorkerRegistry(disc, lambda _: None, lambda _: None, fit=self.elig_fit, clock=lambda: self.now)
         self.elig = Eligibility(
             clock=lambda: self.now,
             sync_state=self.sync.get,
@@ -101,8 +106,8 @@ class Replica:
             self.elig.added(worker.worker)
             self.now += 5.0  # each seen later than the last, by this router's clock
 
-    def _serves(self, worker: WorkerInfo) -> bool:
-        return self.elig.serves(worker)
+    def elig_fit(self, worker: WorkerInfo) -> Fit:
+        return self.elig.fit(worker)
 
     def verdict(
         self,
@@ -219,3 +224,143 @@ def test_the_decode_pool_decides_the_block_size_not_the_prefill_majority() -> No
     d1, p1, p2 = replica.elig.statuses(replica.registry.workers())
     assert d1.routable and p1.exclusion is p2.exclusion is Exclusion.BLOCK_SIZE
     assert "block size 32, but model m is served with 16" in p1.detail
+
+
+# A decode worker at 16 and 16384 that served alone, and a misconfigured newcomer at 32 and 32768.
+INCUMBENT = info("d_old", "decode", 16, 16384)
+INTRUDER = info("d_new", "decode", 32, 32768)
+UP = Liveness(0.0, 0.5, True, True, False)
+
+
+def served(replica: Replica) -> tuple[int, int | None, list[str]]:
+    """The model's block size and context on `replica`, and the workers it routes (registry and eligibility)."""
+    routed = replica.registry.workers()
+    sizes = replica.elig.block_sizes(routed)
+    return (
+        sizes[MODEL],
+        replica.registry.max_model_len(MODEL),
+        [s.worker for s in replica.elig.statuses(routed) if s.routable],
+    )
+
+
+def test_a_restart_of_the_only_incumbent_never_hands_the_model_to_a_misconfigured_newcomer() -> None:
+    # The third review of 2026-12-07: the tie went to the least create_revision, and the incumbent's
+    # shim, restarted, registers its key anew (the newest): the model moved to the newcomer for
+    # good, the healthy worker named as the configuration error.
+    replica = Replica([INCUMBENT, INTRUDER], {"d_old": 100, "d_new": 200})
+    assert served(replica) == (16, 16384, ["d_old"])
+    replica.live["d_old"] = Liveness(0.0, 0.5, True, True, True)  # SIGTERM: its shim drains
+    replica.registry.revote()
+    assert served(replica)[:2] == (16, 16384)
+    # its lease revoked: the newcomer, the only worker, serves meanwhile
+    replica.registry.apply(Deleted("d_old", 300))
+    replica.elig.removed("d_old")
+    replica.now += 5.0
+    assert served(replica) == (32, 32768, ["d_new"])
+    # the shim up again, its key created anew (rev 400), bootstrapping: still the newcomer's
+    del replica.live["d_old"]
+    replica.sync["d_old"] = ("bootstrapping", "no state from its shim yet")
+    replica.registry.apply(Put("d_old", INCUMBENT, 400, 400))
+    replica.elig.added("d_old")
+    replica.registry.revote()
+    assert served(replica)[:2] == (32, 32768)
+    # and once it serves, the model is served as it was before the restart
+    replica.sync.clear()
+    replica.now += 1.0
+    replica.registry.revote()
+    assert served(replica) == (16, 16384, ["d_old"])
+
+
+def test_the_standing_value_lapses_hold_s_after_it_was_last_decided() -> None:
+    now = [0.0]
+    standing = Standing(lambda: now[0])
+    assert standing.decide(MODEL, [decode(16, created=1), decode(32, created=9)]) == 16
+    standing.agreed(MODEL, 32)  # its only worker gone: 32 serves, 16 stands
+    now[0] += HOLD_S - 1
+    assert standing.decide(MODEL, [decode(16, created=10), decode(32, created=9)]) == 16
+    standing.agreed(MODEL, 32)
+    now[0] += HOLD_S + 1  # gone for good: a worker at 16 returning later finds 32 standing
+    standing.agreed(MODEL, 32)
+    assert standing.decide(MODEL, [decode(16, created=1), decode(32, created=9)]) == 32
+    # one that beats it in a vote it takes part in takes its place at once
+    assert standing.decide(MODEL, [decode(16), decode(16), decode(32)]) == 16
+    assert standing.decide(MODEL, [decode(16), decode(32)]) == 16
+
+
+MARKS: dict[str, Callable[[Replica], None]] = {
+    "unreachable": lambda r: r.elig.mark_unreachable("d_old", "no responders"),
+    "malformed": lambda r: r.elig.mark_malformed("d_old", "a ResponseChunk that does not decode"),
+    "draining": lambda r: r.live.__setitem__("d_old", Liveness(0.0, 0.5, True, True, True)),
+    "engine_unhealthy": lambda r: r.live.__setitem__("d_old", Liveness(0.0, 0.5, True, False, False)),
+    "repairing": lambda r: r.sync.__setitem__("d_old", ("repairing", "a gap in its KV events")),
+}
+
+
+@pytest.mark.parametrize("mark", list(MARKS))
+def test_a_passing_mark_on_the_incumbent_moves_neither_value(mark: str) -> None:
+    # One malformed answer (30 s of cooldown), a request that found no responder, a drain, a
+    # failed load poll or a repair took the incumbent's vote away: the newcomer at 32 took the
+    # block size (and, at the next revote, the context) until the mark passed.
+    replica = Replica([INCUMBENT, INTRUDER], {"d_old": 100, "d_new": 200})
+    MARKS[mark](replica)
+    replica.registry.revote()
+    size, context, _ = served(replica)
+    assert (size, context) == (16, 16384)
+    statuses = replica.elig.statuses([INCUMBENT, INTRUDER])
+    assert [s.worker for s in statuses if s.exclusion is Exclusion.BLOCK_SIZE] == ["d_new"]
+
+
+def test_a_blinking_incumbent_never_flips_the_values(caplog: pytest.LogCaptureFixture) -> None:
+    # The reviewer's ctxflap: a worker in and out of serving every other second flipped the context
+    # at each revote, each flip an ERROR "configuration error", and the block size with it.
+    replica = Replica([INCUMBENT, INTRUDER], {"d_old": 100, "d_new": 200})
+    caplog.set_level(logging.ERROR, logger="router.worker_registry")
+    caplog.clear()
+    seen = set()
+    for second in range(8):
+        replica.now += 1.0
+        replica.live.pop("d_old", None)
+        if second % 2 == 0:
+            MARKS[list(MARKS)[second // 2 % len(MARKS)]](replica)
+        else:
+            replica.elig.reported("d_old")  # a load report ends an unreachable mark
+        replica.registry.revote()
+        size, context, _ = served(replica)
+        seen.add((size, context))
+    assert seen == {(16, 16384)}
+    assert [r for r in caplog.records if "max_model_len" in r.getMessage()] == []
+
+
+def test_a_replica_started_during_a_tie_breaks_it_by_create_revision() -> None:
+    # What docs/router.md ("What replicas agree on") says: the standing value is each replica's
+    # own; one started after the incumbent's restart has none, and the newcomer's key is older.
+    fresh = Replica([INTRUDER, INCUMBENT], {"d_old": 400, "d_new": 200})
+    assert served(fresh)[:2] == (32, 32768)
+
+
+def test_a_request_reads_each_workers_status_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With one of 500 workers at another block size, a request read each worker's status three
+    # times (once per vote, the planner's context and refresh voting twice): 1,500 reads of a
+    # status, 8 ms more per request.
+    now = 1000.0
+    view = LoadView(clock=lambda: now)
+    infos = [
+        WorkerInfo(worker=f"w{n:04d}", model=MODEL, role="agg", engine="vllm", block_size=32 if n == 0 else 16)
+        for n in range(500)
+    ]
+    planner = standalone_planner(
+        RouterSettings(), lambda: infos, index=BlockIndex(), view=view, clock=lambda: now, tokenizer="builtin"
+    )
+    for i in infos:
+        view.update(LoadReport(worker=i.worker, ts=now, kv_total_blocks=10_000, period_s=0.5))
+    reads = [0]
+    status = Eligibility._status
+
+    def counted(self: Eligibility, *args: Any) -> WorkerStatus:
+        reads[0] += 1
+        return status(self, *args)
+
+    monkeypatch.setattr(Eligibility, "_status", counted)
+    ctx = planner.context("r", MODEL, list(range(512)))
+    planner.take(ctx)
+    assert ctx.block_size == 16 and reads[0] == 500

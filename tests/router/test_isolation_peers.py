@@ -278,9 +278,15 @@ def test_a_worker_still_bootstrapping_does_not_decide_its_models_block_size() ->
     assert elig.block_sizes(infos) == {MODEL: 16}
     real = elig.statuses(infos)[1]
     assert real.routable, real.detail
-    sync.clear()  # once both serve, a tie of workers whose keys were created alike goes to the greater size
-    assert elig.block_sizes(infos) == {MODEL: 32}
-    assert elig.statuses(infos)[1].exclusion is Exclusion.BLOCK_SIZE
+    # Once both serve, the tie goes to the size the model is served with (router.fleet_vote, since
+    # the third review of 2026-12-07; before, to the greater size, and the real worker was left out)
+    sync.clear()
+    assert elig.block_sizes(infos) == {MODEL: 16}
+    assert elig.statuses(infos)[0].exclusion is Exclusion.BLOCK_SIZE
+    # and a replica with none yet (started now), keys created alike, gives it to the greater size
+    fresh = Eligibility(clock=lambda: 0.0, sync_state=sync.get, liveness=lambda w: None, tokenizer="builtin")
+    assert fresh.block_sizes(infos) == {MODEL: 32}
+    assert fresh.statuses(infos)[1].exclusion is Exclusion.BLOCK_SIZE
 
 
 # --- watches that crash --------------------------------------------------------------------------

@@ -379,11 +379,12 @@ async def test_the_names_a_request_resolves_by_are_read_once_per_change(disc: Di
     assert (reg.models(), reg.aliases()["chat2"]) == (["llama", "qwen"], "qwen")
 
 
-def whole_fleet(raw: dict[str, WorkerInfo]) -> tuple[list[WorkerInfo], dict[str, Any]]:
-    """What the registry routes and reports for `raw` (worker -> record), from scratch: the
-    definitions (the module's docstring) the registry keeps up to date one record at a time."""
+def whole_fleet(raw: dict[str, WorkerInfo], standing: dict[str, int]) -> tuple[list[WorkerInfo], dict[str, Any]]:
+    """What the registry routes and reports for `raw` (worker -> record), from scratch but for each
+    model's `standing` length (model_contexts): the definitions (the module's docstring) the
+    registry keeps up to date one record at a time."""
     infos = [i for _, i in sorted(raw.items())]
-    models, contexts = {i.model for i in infos}, model_contexts(infos)
+    models, contexts = {i.model for i in infos}, model_contexts(infos, standing)
     routed = [
         msgspec.structs.replace(i, aliases=[n for n in i.aliases if n not in models or n == i.model])
         for i in infos
@@ -472,7 +473,8 @@ async def test_what_each_event_changes_is_what_the_whole_fleet_says(
         rng = random.Random(seed)
         reg = WorkerRegistry(disc, lambda _: None, lambda _: None)
         raw: dict[str, WorkerInfo] = {}
-        before = whole_fleet(raw)[1]
+        standing: dict[str, int] = {}  # each model's length as last decided: a tie goes to it
+        before = whole_fleet(raw, standing)[1]
         for revision in range(1, 80):
             event = random_event(rng, revision)
             match event:
@@ -484,10 +486,10 @@ async def test_what_each_event_changes_is_what_the_whole_fleet_says(
                     raw.pop(w, None)
             caplog.clear()
             reg.apply(event)
-            routed, now = whole_fleet(raw)
+            routed, now = whole_fleet(raw, standing)
             assert reg.workers() == routed, (seed, revision)
             # the rest, each named with the context it misses, for the views to list as excluded
-            contexts = model_contexts(list(raw.values()))
+            contexts = model_contexts(list(raw.values()), standing)
             unrouted = [(i, f"{i.max_model_len}, but model {i.model} is served with {contexts[i.model]},")
                         for _, i in sorted(raw.items()) if i.worker not in {r.worker for r in routed}]  # fmt: skip
             got = reg.unrouted()
