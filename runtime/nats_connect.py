@@ -39,6 +39,9 @@ _log = logging.getLogger("kvswitch.nats")
 
 # nats-py's text (lower-cased) of a server's -ERR for a subject this identity may not use.
 _VIOLATION = re.compile(r'permissions violation for (subscription|publish) to "([^"]+)"')
+# A reply goes to the requester's inbox, which a worker may publish to only as allow_responses grants
+# (kvswitch.nats_auth): for `kvswitch secrets --response-ttl` seconds per request.
+_REPLY_SUBJECT = "_inbox."
 _NO_CREDENTIALS = (
     "the server wants credentials: give --nats-creds-file, --nats-nkey-file, --nats-token, or --nats-user and "
     "--nats-password"
@@ -58,7 +61,11 @@ def error_reporter(
 
     A permissions violation (a subject this identity may not use) names the credentials and
     `names`, the flags the subjects are made of (the shim's --worker-name and --namespace): one of
-    them differs from what `kvswitch secrets` was given. A certificate that does not verify names
+    them differs from what `kvswitch secrets` was given. But a refused publish to a reply inbox is
+    a reply that outlived its permission (allow_responses' expiry, `kvswitch secrets
+    --response-ttl`), whatever the credentials: that names --response-ttl and the routers'
+    --request-timeout it must stay above (until 2026-12-07 it blamed the credentials, once per
+    expiry, as a stream past the TTL went on). A certificate that does not verify names
     --nats-tls-ca."""
     what = f"NATS {', '.join(servers)}"
     hint = f"the server refused the credentials: check {', '.join(credentials)}" if credentials else _NO_CREDENTIALS
@@ -68,6 +75,13 @@ def error_reporter(
         what,
         f"this identity may not use that subject: check that the credentials ({', '.join(credentials) or 'none'}) "
         f"are this process's own, and {names} what kvswitch secrets was given",
+    )
+    expired = RepeatedErrors(
+        log,
+        what,
+        "reply permission expired (a worker may reply to one request for kvswitch secrets' --response-ttl, 900 s "
+        "by default): rerun kvswitch secrets with --response-ttl above the routers' --request-timeout and reload "
+        "nats-server",
     )
     unverified = RepeatedErrors(
         log,
@@ -90,8 +104,9 @@ def error_reporter(
             await reset_after_refusal.on_error(exc)
         else:
             last_refused = False
-            if _VIOLATION.search(str(exc)):  # the connection stays up: the credentials were taken
-                await forbidden.on_error(exc)
+            if (m := _VIOLATION.search(str(exc))) is not None:  # the connection stays up: the credentials were taken
+                late_reply = m[1] == "publish" and m[2].startswith(_REPLY_SUBJECT)
+                await (expired if late_reply else forbidden).on_error(exc)
             elif isinstance(exc, ssl.SSLCertVerificationError):
                 await unverified.on_error(exc)
             else:

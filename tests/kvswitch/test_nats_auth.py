@@ -365,6 +365,58 @@ async def test_a_refused_subscription_is_recorded_and_its_warning_names_the_iden
         await nc.close()
 
 
+async def test_a_reply_past_its_response_ttl_names_response_ttl_not_the_credentials(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream that outlives allow_responses' expiry: nats-server refuses its next chunk's publish to
+    the router's inbox. Said once, naming --response-ttl and --request-timeout; it said "check that
+    the credentials (--nats-nkey-file) are this process's own", at every expiry (security audit,
+    2026-12-07). Another worker's subject still gets the credentials hint."""
+    plan = NatsAuthPlan.generate(NS, routers=["r0"], workers=["w1"], response_ttl_s=1)
+    plan.write(tmp_path)
+    with NatsServer(authorization=plan.authorization_block()) as srv:
+        router = await Conn().connect(srv.url, tmp_path / plan.identity("router", "r0").seed_file_name)
+        settings = NatsSettings(
+            servers=[srv.url], nkey_file=str(tmp_path / plan.identity("worker", "w1").seed_file_name)
+        )
+        log = logging.getLogger("test.nats.ttl")
+        errors = error_reporter(
+            log, settings.shown_servers(), settings.credential_flags(), "--worker-name and --namespace"
+        )
+        worker = await nats_connect(**settings.connect_options("test"), error_cb=errors)
+        requests: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def take(msg: Msg) -> None:
+            await requests.put(msg)
+
+        try:
+            await worker.subscribe(subjects.gen(NS, "agg", "w1"), cb=take)
+            await flush(worker)
+            inbox = router.nc.new_inbox()
+            replies = await router.nc.subscribe(inbox)
+            await router.nc.publish(subjects.gen(NS, "agg", "w1"), b"go", reply=inbox)
+            msg = await asyncio.wait_for(requests.get(), 10)
+            with caplog.at_level(logging.WARNING, "test.nats.ttl"):
+                await worker.publish(msg.reply, b"chunk 1")  # within the TTL: delivered
+                assert (await replies.next_msg(timeout=10)).data == b"chunk 1"
+                await asyncio.sleep(1.5)
+                for i in range(3):  # past it: refused, each
+                    await worker.publish(msg.reply, f"chunk {i + 2}".encode())
+                await flush(worker)
+                await worker.publish(subjects.kv(NS, "w2"), b"forged")  # not its own: its credentials
+                await flush(worker)
+            said = [r.getMessage() for r in caplog.records]
+            late = [m for m in said if "_inbox." in m]
+            assert len(late) == 1, said
+            assert "reply permission expired" in late[0] and "--response-ttl" in late[0], late
+            assert "--request-timeout" in late[0] and "--nats-nkey-file" not in late[0], late
+            forged = [m for m in said if subjects.kv(NS, "w2") in m]
+            assert len(forged) == 1 and "--nats-nkey-file" in forged[0] and "--response-ttl" not in forged[0], said
+        finally:
+            await worker.close()
+            await router.nc.close()
+
+
 async def test_a_router_with_a_workers_identity_refuses_to_start(
     plan: NatsAuthPlan, server: NatsServer, etcd_url: str, tmp_path: Path
 ) -> None:
