@@ -39,6 +39,7 @@ from protocol.kv_budget import KV_BATCH_BURST, KV_BATCHES_PER_S, KV_MIB_BURST, K
 from router.api_keys import ApiKeys, ApiKeysError
 from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
+from router.route_info import ROUTE_INFO
 from router.sender_budget import KvBudget
 from runtime import run_service, start_or_stop
 from runtime.fd_limit import raise_fd_limit
@@ -65,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--debug-api-keys-file", default=None, metavar="FILE",
         help="operator keys for /debug/route, /debug/index and /debug/workers, one per line; with --api-keys-file and "
         "without this, /debug/* is closed (403)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--route-info", default=None, choices=ROUTE_INFO,
+        help="who gets a routed answer's x-kvswitch-* headers and `kvswitch` member, which follow the cached "
+        "prefixes of other clients' prompts: all, operator (an operator key's requests only) or off "
+        "(default: operator with --api-keys-file, else all)",
     )  # fmt: skip
     parser.add_argument(
         "--no-api-keys", action="store_true",
@@ -165,6 +172,7 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     http_port: int = 8080
     api_keys_file: str | None = None
     debug_api_keys_file: str | None = None
+    route_info: str | None = None  # router.route_info.route_info_mode's default when unset
     tokenizer: str | None = None
     model: str | None = None
     request_timeout: float = 600.0
@@ -205,6 +213,8 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                 "CPU or disk KV tier holds more)",
             )
         self.kv_budget.validate()
+        if self.route_info is not None and self.route_info not in ROUTE_INFO:
+            raise ConfigError.one_of("route_info", self.route_info, ROUTE_INFO)
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ConfigError(
                 "chat_template_content_format",
@@ -325,6 +335,7 @@ def build_config(args: argparse.Namespace) -> Any:
         request_timeout_s=proc.request_timeout,
         api_keys_file=keys_file,
         debug_api_keys_file=proc.debug_api_keys_file,
+        route_info=proc.route_info,
         http_limits=limits,
         calibrate=not proc.no_calibration,
         trust_request_chat_template=args.trust_request_chat_template,

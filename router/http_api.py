@@ -12,12 +12,14 @@ were routed, unless its answer depends on the text (an echo, a FIM `suffix`, a t
 no side, which vLLM's tokenizer applies keeping the BOS): then as its text. A chat request
 reaches it as its messages, which the engine renders with the template the router's tokenizer
 fingerprint matched. What the router reads of the body, and refuses, is router.request_parsing's.
-It writes the engine's SSE payloads out unchanged; a whole answer gets one thing added, the
+It writes the engine's SSE payloads out unchanged; a whole answer may get one thing added, the
 `kvswitch` route object. Batched prompts go to one worker, routed by the first prompt.
 
-Every routed response carries `x-kvswitch-decode-worker`, `x-kvswitch-prefill: bypass|remote|agg`
-and `x-kvswitch-outcome` headers naming where the request really went, after any retry or
-fallback, and `Server-Timing` (`parse`, `route`, `worker`, in ms) saying where its time went.
+A routed response may carry its route: `x-kvswitch-decode-worker`, `x-kvswitch-prefill:
+bypass|remote|agg` and `x-kvswitch-outcome` headers naming where the request really went, after
+any retry or fallback, and the whole answer's `kvswitch` member; to whom is router.route_info's
+(`--route-info`; with API keys, only operators by default). Every routed response carries
+`Server-Timing` (`parse`, `route`, `worker`, in ms) saying where its time went.
 Every answer, errors included, carries `x-request-id` as vLLM's --enable-request-id-headers sets
 it: the client's X-Request-Id, else a routed answer's `id`, else a fresh one. Not aiohttp's own
 400/414/431 to a request that does not parse as HTTP, which no handler sees (nor does vLLM's).
@@ -83,6 +85,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
 from router.request_parsing import ParsedRequest, header_priority, is_text, parse_request, prompt_ids, typed_field
 from router.request_path import RequestPath, Unknown
+from router.route_info import route_info_mode, route_shown
 from router.tokenization import Tokenization
 
 __all__ = ["Drain", "HttpLimits", "make_app"]
@@ -178,24 +181,25 @@ def _check_passed_headers(request: web.Request) -> None:
 _PASSED_HEADERS = ("X-Request-Id", *ENGINE_HEADERS)
 
 
-def _route_headers(job: Job, ids: _Ids, timing: _Timing) -> dict[str, str]:
-    return {
-        "x-kvswitch-decode-worker": job.plan.decode.worker,
-        "x-kvswitch-prefill": str(job.path),
-        "x-kvswitch-outcome": str(job.outcome),
-        "x-request-id": ids.header,
-        "Server-Timing": timing.header(time.perf_counter()),
-    }
+def _route_headers(job: Job, ids: _Ids, timing: _Timing, *, shown: bool) -> dict[str, str]:
+    headers = {"x-request-id": ids.header, "Server-Timing": timing.header(time.perf_counter())}
+    if shown:
+        headers["x-kvswitch-decode-worker"] = job.plan.decode.worker
+        headers["x-kvswitch-prefill"] = str(job.path)
+        headers["x-kvswitch-outcome"] = str(job.outcome)
+    return headers
 
 
-def _with_route(parts: list[bytes], route: dict[str, Any]) -> bytes:
+def _with_route(parts: list[bytes], route: dict[str, Any] | None) -> bytes:
     """The engine's JSON object, in the pieces it came in, with the router's `kvswitch` member added
-    as its last one: one copy of the body (trimmed, sliced and concatenated whole, it was copied five
-    times on the loop: 0.42 s for 150 MB)."""
+    as its last one (`route`; none when None): one copy of the body (trimmed, sliced and
+    concatenated whole, it was copied five times on the loop: 0.42 s for 150 MB)."""
     body = list(parts)
     _rstrip(body)
     if not body or not body[-1].endswith(b"}"):
         raise ApiError(502, "the worker's answer is not a JSON object")
+    if route is None:
+        return b"".join(body)
     body[-1] = body[-1][:-1]
     _rstrip(body)
     sep = b"" if body and body[-1].endswith(b"{") else b","
@@ -313,6 +317,7 @@ class _Handlers:
         started_at: float,
         unplanned: Callable[[str | None], list[dict[str, Any]]],
         drain: Drain,
+        route_shown: Callable[[str | None], bool],
     ) -> None:
         self.path = path
         self.tokenization = tokenization
@@ -325,6 +330,7 @@ class _Handlers:
         self.started_at = started_at
         self._unplanned = unplanned
         self.drain = drain
+        self._route_shown = route_shown
 
     async def debug_index(self, request: web.Request) -> web.Response:
         return json_response(self._index_state())
@@ -567,13 +573,14 @@ class _Handlers:
                 except Overloaded as exc:
                     raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s) from exc
                 timing.planned = time.perf_counter()
+                shown = self._route_shown(request.headers.get("Authorization"))
                 try:
                     if parsed.stream:
-                        resp, status, why = await self._stream(request, job, ids, timing)
+                        resp, status, why = await self._stream(request, job, ids, timing, shown)
                         sent = resp.status
                         broke = bool(why)  # the client got an error event, or nothing more
                     else:
-                        resp = await self._whole(job, ids, timing)
+                        resp = await self._whole(job, ids, timing, shown)
                         status, why = await self._write_whole(request, job, resp)
                         sent, broke = resp.status, bool(why)  # its head went out before it failed
                 finally:
@@ -600,7 +607,7 @@ class _Handlers:
                 self.path.metrics.count_request(endpoint, status)
                 self.path.tracer.answered(span, status if sent is None else sent, why, broke=broke)
 
-    async def _whole(self, job: Job, ids: _Ids, timing: _Timing) -> web.Response:
+    async def _whole(self, job: Job, ids: _Ids, timing: _Timing, shown: bool) -> web.Response:
         parts: list[bytes] = []
         try:
             async for chunk in self.path.stream(job, timing.start):
@@ -608,8 +615,8 @@ class _Handlers:
                     parts.append(chunk.body)
         except LegError as exc:
             raise leg_error(exc) from exc
-        body = _with_route(parts, _route_info(job))
-        headers = _route_headers(job, ids, timing)
+        body = _with_route(parts, _route_info(job) if shown else None)
+        headers = _route_headers(job, ids, timing, shown=shown)
         return web.Response(body=body, headers=headers, content_type="application/json")
 
     async def _write_whole(self, request: web.Request, job: Job, resp: web.Response) -> tuple[int, str]:
@@ -635,7 +642,7 @@ class _Handlers:
         return 504, _abort_unread(request, job, "answer")
 
     async def _stream(
-        self, request: web.Request, job: Job, ids: _Ids, timing: _Timing
+        self, request: web.Request, job: Job, ids: _Ids, timing: _Timing, shown: bool
     ) -> tuple[web.StreamResponse, int, str]:
         """The stream, the code it counts as: 200, or its error event's when it failed after its
         headers (their 200 went out before the failure), and why it failed then ("" if it did not)."""
@@ -649,7 +656,7 @@ class _Handlers:
         headers = {
             "Content-Type": "text/event-stream; charset=utf-8",  # vLLM's (Starlette's) bytes
             "Cache-Control": "no-cache",
-            **_route_headers(job, ids, timing),
+            **_route_headers(job, ids, timing, shown=shown),
         }
         resp = web.StreamResponse(status=200, headers=headers)
         try:
@@ -832,6 +839,7 @@ def make_app(
     started_at: float | None = None,
     unplanned: Callable[[str | None], list[dict[str, Any]]] = lambda model: [],
     drain: Drain | None = None,
+    route_info: str | None = None,
 ) -> web.Application:
     limits = limits or HttpLimits()
     drain = drain or Drain()
@@ -847,6 +855,7 @@ def make_app(
         started_at=time.time() if started_at is None else started_at,
         unplanned=unplanned,
         drain=drain,
+        route_shown=route_shown(route_info_mode(route_info, api_keys=api_keys is not None), debug_keys),
     )
     keyed = api_keys is not None or debug_keys is not None
     auth = [_auth_middleware(api_keys, debug_keys, path.metrics)] if keyed else []

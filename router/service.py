@@ -191,6 +191,7 @@ class RouterConfig:
     tracer_provider: TracerProvider | None = None
     api_keys_file: str | None = None
     debug_api_keys_file: str | None = None
+    route_info: str | None = None  # who sees an answer's route (router.route_info); None: its default
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     calibrate: bool = True  # fit each worker's engine speed from its load reports (router.calibration)
     trust_request_chat_template: bool = False  # render clients' own chat templates (vLLM's flag of that name)
@@ -553,6 +554,7 @@ class RouterService:
             started_at=self.started_at,
             unplanned=lambda model: [st.explain() for st in (*self.unrouted(model), *self.bad_records(model))],
             drain=self._drain,
+            route_info=self.config.route_info,
         )
         self._runner = await door.hand_over(app)  # the same server: no connection cut
         self._registration = Registration(

@@ -974,9 +974,11 @@ def test_a_whole_answer_that_is_no_object_is_a_502(parts: list[bytes]) -> None:
     assert err.value.code == 502
 
 
-async def test_a_whole_answer_is_built_with_one_copy_of_its_body() -> None:
+@pytest.mark.parametrize("shown", [True, False], ids=["route-shown", "route-not-shown"])
+async def test_a_whole_answer_is_built_with_one_copy_of_its_body(shown: bool) -> None:
     """The route went on a whole answer joined, trimmed, sliced and concatenated: five copies of
-    the body on the loop (0.42 s for 150 MB). Now one, which is the answer."""
+    the body on the loop (0.42 s for 150 MB). Now one, which is the answer, with its route or
+    without (router.route_info)."""
     parts = [b'{"choices":[{"text":"', *[b"x" * (1 << 20)] * 16, b'"}]}\n']
     job = SimpleNamespace(
         plan=SimpleNamespace(decode=SimpleNamespace(worker="w1"), prefill=None),
@@ -997,9 +999,12 @@ async def test_a_whole_answer_is_built_with_one_copy_of_its_body() -> None:
     size = sum(map(len, parts))
     tracemalloc.start()
     try:
-        resp = await http_api._Handlers._whole(handlers, cast(Any, job), ids, timing)
+        resp = await http_api._Handlers._whole(handlers, cast(Any, job), ids, timing, shown)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert json.loads(cast(bytes, resp.body))["kvswitch"]["decode_worker"] == "w1"
+    answer = json.loads(cast(bytes, resp.body))
+    assert answer["choices"][0]["text"] == "x" * (16 << 20)
+    assert (answer["kvswitch"]["decode_worker"] if shown else answer.get("kvswitch")) == ("w1" if shown else None)
+    assert ("x-kvswitch-decode-worker" in resp.headers) == shown
     assert peak < 1.5 * size  # the answer itself; five copies held up to three at once
