@@ -303,10 +303,9 @@ class Registration:
                     continue
                 if held:
                     raise KeyTaken(key, held)
-                if held is None:
-                    await self._discovery.create(key, encode_json(value), lease)
-                else:
-                    await self._discovery.reclaim(key, encode_json(value), lease)
+                # Absent or put by hand alike (reclaim compares a missing key's lease as 0): a create
+                # failed the owner as a rival's name when an `etcdctl put` came between the read and it.
+                await self._discovery.reclaim(key, encode_json(value), lease)
             except KeyTaken as exc:
                 self._taken(exc, f"{key} is no longer held by its owner's lease {lease.hex_id}")
                 return False

@@ -253,6 +253,16 @@ class Discovery:
             self._failed(exc)
             raise DiscoveryError(f"lease grant failed: {exc}") from exc
         lease = Lease(self.client, resp.ID, resp.TTL, self.token.renew if self.token is not None else None)
+        if ttl != resp.TTL:
+            # etcd raises a TTL under its least (1.5 election timeouts, rounded up) to that: the
+            # owner's own waits and words would count the one asked for
+            await lease.revoke()
+            raise ConfigError(
+                "lease_ttl",
+                ttl,
+                f"etcd grants no lease under {resp.TTL} s (its least TTL: 1.5 x its --election-timeout, rounded "
+                f"up); give at least {resp.TTL}",
+            )
         lease.start()
         self._leases.append(lease)
         return lease

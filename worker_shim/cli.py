@@ -62,7 +62,7 @@ _SHIM_FLAGS: list[tuple[str, type, str]] = [
         "theirs is priced at the default profile, with a WARNING)",
     ),
     ("worker_name", str, "a stable worker id instead of the lease id (one subject token); must be unique"),
-    ("lease_ttl", int, "etcd lease TTL in seconds (default 10)"),
+    ("lease_ttl", int, "etcd lease TTL in seconds, 2..9000000000 (default 10; etcd grants no less than 2)"),
     ("reregister_grace_s", float, "seconds the old worker id is still served after a lost lease (default 2 x TTL)"),
     (
         "orphan_grace_s",

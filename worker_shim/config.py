@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from discovery.lease import MIN_LEASE_TTL
 from protocol import ConfigError, subjects
 from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S, url_problem
 from protocol.timing import DEFAULT_PROFILE, TimingModel, profile_dir, profile_names
@@ -241,8 +242,10 @@ class ShimConfig(msgspec.Struct, kw_only=True, frozen=True):
                 # no such table), else the table's file and its fault. Until 2026-12-07 a table that
                 # does not parse names no profile, and read as "allowed values: ..." like an unknown name.
                 raise ConfigError("timing_profile", self.timing_profile, str(exc)) from exc
-        if not 1 <= self.lease_ttl <= MAX_LEASE_TTL:  # etcd refuses a longer one at every grant
-            raise ConfigError("lease_ttl", self.lease_ttl, f"must be in 1..{MAX_LEASE_TTL} (seconds)")
+        # etcd refuses a longer one at every grant, and grants 2 s where 1 is asked, which the
+        # shim's own waits and words did not know (until 2026-12-07 it ran so, silently)
+        if not MIN_LEASE_TTL <= self.lease_ttl <= MAX_LEASE_TTL:
+            raise ConfigError("lease_ttl", self.lease_ttl, f"must be in {MIN_LEASE_TTL}..{MAX_LEASE_TTL} (seconds)")
         for name in _DURATIONS:  # NaN passes every comparison; an infinity waits forever
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):

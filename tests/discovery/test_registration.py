@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from discovery import Discovery, KeyTaken, Registration, RegistrationState
+from discovery.lease import MIN_LEASE_TTL
 from kvswitch.servers import EtcdServer
 from protocol import RouterInfo, WorkerInfo, decode_json, subjects
 from protocol.config import EtcdSettings
@@ -266,7 +267,7 @@ async def test_a_supervisor_tick_that_raises_is_an_error_and_the_next_tick_still
 
     monkeypatch.setattr(Registration, "_check_key", check_once_bad)
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
-        reg = _worker_reg(d, ns, ttl=1)
+        reg = _worker_reg(d, ns, ttl=MIN_LEASE_TTL)
         await reg.start()
         assert reg.lease is not None
         lease = reg.lease.id
@@ -470,6 +471,38 @@ async def test_putting_back_a_key_held_by_no_lease_never_overwrites_an_owners_cr
         assert await _get(d, reg.key) == b'{"rival": true}' and await read(reg.key) == rival.id
         await reg.stop()
         await other.release(rival)
+
+
+async def test_a_key_put_by_hand_between_the_checks_read_of_it_gone_and_its_put_back_is_put_back(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`etcdctl del` then `etcdctl put` (no lease) racing the check: its put-back was a create, which
+    found the key held by lease 0 and failed the owner as if a live second shim held the name (a
+    shim exited 2 naming --worker-name with no other owner; review of 2026-12-07)."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=3, name="w3")
+        await reg.start()
+        assert reg.lease is not None
+        read = d.holder
+        put: list[bool] = []
+
+        async def holder_then_a_put_by_hand(key: str) -> int | None:
+            held = await read(key)
+            if key == reg.key and held is None:  # between the read and the put-back
+                await d.put_raw(key, b'{"by": "hand"}')
+                put.append(True)
+            return held
+
+        monkeypatch.setattr(d, "holder", holder_then_a_put_by_hand)
+        await d.delete(reg.key)
+        await _until(lambda: bool(put), 3, "the check's read")
+        deadline = time.monotonic() + 3
+        while not reg.failed.is_set() and await read(reg.key) != reg.lease.id:
+            assert time.monotonic() < deadline, "never put back"
+            await asyncio.sleep(0.05)
+        assert not reg.failed.is_set(), reg.failure
+        assert await read(reg.key) == reg.lease.id and reg.state is RegistrationState.REGISTERED
+        await reg.stop()
 
 
 async def _twin(d: Discovery, other: Discovery, ns: str, name: str) -> tuple[Registration, Registration]:
