@@ -47,12 +47,12 @@ from pathlib import Path
 from kvswitch.etcd_auth import EtcdAuthError, EtcdGateway, b64, enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
 from kvswitch.servers import (
+    ControlPlaneTls,
     EtcdCluster,
     EtcdServer,
     NatsCluster,
     NatsServer,
     ServerError,
-    TlsFiles,
     dying_with_parent,
     free_ports,
     port_holders,
@@ -109,7 +109,7 @@ class ClusterSpec:
     etcd_port: int = 0
     nats_nodes: int = 1
     etcd_members: int = 1
-    tls: TlsFiles | None = None
+    tls: ControlPlaneTls | None = None
     etcd_auth: bool = False
     nats_auth: bool = False
     namespace: str = "kvswitch"
@@ -246,11 +246,23 @@ class LocalCluster:
         nats_logs = [self._log(f"nats-{i}") for i in range(spec.nats_nodes)] if spec.log_dir is not None else []
         etcd_logs = [self._log(f"etcd-{i}") for i in range(spec.etcd_members)] if spec.log_dir is not None else []
         # Held before they start, so that `kill` from another thread meanwhile finds them.
+        tls = spec.tls
         self.nats = NatsCluster(
-            spec.nats_nodes, port=spec.nats_port or None, tls=spec.tls, authorization=authorization, logs=nats_logs
+            spec.nats_nodes,
+            port=spec.nats_port or None,
+            tls=tls.nats if tls else None,
+            route_tls=tls.nats_route if tls else None,
+            authorization=authorization,
+            logs=nats_logs,
         )
         self.nats.start()
-        self.etcd = EtcdCluster(spec.etcd_members, port=spec.etcd_port or None, tls=spec.tls, logs=etcd_logs)
+        self.etcd = EtcdCluster(
+            spec.etcd_members,
+            port=spec.etcd_port or None,
+            tls=tls.etcd if tls else None,
+            peer_tls=tls.etcd_peer if tls else None,
+            logs=etcd_logs,
+        )
         self.etcd.start()
         if spec.etcd_auth:
             self._etcd_passwords = {role: secrets.token_urlsafe(24) for role in ("root", "router", "worker")}

@@ -3,7 +3,9 @@
 - NATS: one nkey per router and per worker, and the nats-server `authorization` block with their
   permissions (kvswitch.nats_auth): `nats-auth.conf` to include in nats-server's config,
   `nats-auth-values.yaml` for the NATS Helm chart, `router-NAME.nk` / `worker-NAME.nk` seeds.
-- TLS (`--tls-hosts`): a private CA and one certificate for NATS and etcd (kvswitch.certs).
+- TLS (`--tls-hosts`): the control plane's CAs and certificates (kvswitch.certs): one for NATS's
+  clients, one for etcd's, one for NATS routes and one for etcd peers, routes and peers each under
+  their own CA, so that neither server's key opens the other's cluster.
 - etcd (`--etcd-endpoint`): creates the `router` and `worker` users and turns authentication on,
   with the passwords from KVSWITCH_ETCD_{ROOT,ROUTER,WORKER}_PASSWORD; where it is on already, it
   signs in as root and sets the users' grants under that --namespace as this release makes them
@@ -15,9 +17,10 @@
   --api-keys-file` (mode 0600; add or remove lines to rotate, the routers reload it).
 
 Rerunning it keeps every key, certificate and seed already there and adds what is new (a worker
-name added to `--workers` gets a seed; the others keep theirs). A kept certificate that lacks a host
-of `--tls-hosts` is refused (exit 2, before anything is written), not replaced: a new one needs a
-new CA, which every client must then trust. It is the docker-compose init job and the first step of
+name added to `--workers` gets a seed; the others keep theirs). Kept certificates that lack a host
+of `--tls-hosts` are refused (exit 2, before anything is written), not replaced: new ones need new
+CAs, which every client must then trust; so is the one shared certificate (`tls/tls.crt`) of a
+release before 2026-12-07. It is the docker-compose init job and the first step of
 docs/deployment.md.
 """
 
@@ -54,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-ttl", type=int, default=900, metavar="S",
                         help="seconds a worker may reply to one request (above the router's deadline)")  # fmt: skip
     parser.add_argument("--tls-hosts", type=_names, default=[], metavar="A,B",
-                        help="write a CA and a certificate naming these hosts (DNS names or IPs)")  # fmt: skip
+                        help="write CAs and certificates naming these hosts (DNS names or IPs) for NATS, "
+                             "NATS routes, etcd and etcd peers")  # fmt: skip
     parser.add_argument("--etcd-endpoint", default=None, metavar="URL",
                         help="turn etcd authentication on there; passwords from KVSWITCH_ETCD_*_PASSWORD")  # fmt: skip
     parser.add_argument("--etcd-ca", default=None, metavar="FILE", help="CA that signed etcd's certificate")
@@ -192,8 +196,12 @@ def run(args: argparse.Namespace) -> int:
     if plan is not None:
         written = plan.write(out)
         print(f"NATS: {len(args.routers)} routers, {len(args.workers)} workers -> {written[0]}, {written[1]}")
-    if tls is not None:  # the names the certificate holds: a kept one may name more than asked for
-        print(f"TLS: CA {tls.ca}, certificate {tls.cert} for {', '.join(certificate_hosts(tls.cert))}")
+    if tls is not None:  # the names the certificates hold: kept ones may name more than asked for
+        print(
+            f"TLS: client CA {tls.ca}; NATS {tls.nats.cert}, etcd {tls.etcd.cert}; NATS routes "
+            f"{tls.nats_route.cert} (CA {tls.nats_route.ca}), etcd peers {tls.etcd_peer.cert} "
+            f"(CA {tls.etcd_peer.ca}); for {', '.join(certificate_hosts(tls.nats.cert))}"
+        )
     if args.api_keys:
         print(f"API keys: {write_api_keys(out, args.api_keys)}")
     if args.etcd_endpoint:

@@ -41,9 +41,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
 __all__ = [
     "FREE_PORTS_ENV",
     "PORTS_DIR_ENV",
+    "ControlPlaneTls",
     "EtcdCluster",
     "EtcdServer",
     "NatsCluster",
@@ -329,15 +333,49 @@ def dying_with_parent(argv: list[str], sig: int = signal.SIGKILL) -> tuple[list[
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """PEM files: the CA clients verify a server with, and the certificate and key it presents.
+    """PEM files: the CA the other side verifies this certificate with, and the certificate and key.
 
-    The certificate must name 127.0.0.1 (the servers here bind loopback); it serves both as server
-    and as client certificate between cluster peers, so it needs both extended key usages.
+    The certificate must name 127.0.0.1 (the servers here bind loopback). A cluster identity (NATS
+    routes, etcd peers) serves as server and as client certificate between members, so it needs
+    both extended key usages.
     """
 
     ca: Path
     cert: Path
     key: Path
+
+    def client_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.ca))
+
+    def subject(self) -> str:
+        """The certificate's subject as nats-server's verify_and_map writes it ("CN=...,O=...")."""
+        return x509.load_pem_x509_certificate(self.cert.read_bytes()).subject.rfc4514_string()
+
+    def common_name(self) -> str:
+        """The certificate's common name (etcd's --peer-cert-allowed-cn); ServerError when it has none."""
+        cert = x509.load_pem_x509_certificate(self.cert.read_bytes())
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if not names:
+            raise ServerError(f"{self.cert} has no common name to pin peers to")
+        return str(names[0].value)
+
+
+@dataclass(frozen=True)
+class ControlPlaneTls:
+    """One identity per purpose, so that a key taken from one server opens nothing else.
+
+    `ca` is the CA clients verify NATS and etcd with; `nats` and `etcd` are the servers'
+    certificates for clients (signed by it). `nats_route` and `etcd_peer` are the identities
+    cluster members present to each other, each under its own CA: nats-server accepts any
+    certificate its route CA signed as a route, and etcd any its peer CA signed as a peer, so with
+    one CA for everything the etcd key joined the NATS cluster and read every subject (2026-12-07).
+    """
+
+    ca: Path
+    nats: TlsFiles
+    nats_route: TlsFiles
+    etcd: TlsFiles
+    etcd_peer: TlsFiles
 
     def client_context(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.ca))
@@ -467,12 +505,21 @@ def _q(text: str | Path) -> str:
     return json.dumps(str(text))
 
 
+def _nats_tls_block(files: TlsFiles, extra: str = "") -> str:
+    return (
+        f"tls {{ cert_file: {_q(files.cert)}, key_file: {_q(files.key)}, ca_file: {_q(files.ca)}, {extra}timeout: 5 }}"
+    )
+
+
 class NatsServer(_Server):
     """nats-server on 127.0.0.1, run from a config file it writes into its store.
 
-    tls: clients must speak TLS, and so do cluster routes. authorization: an `authorization {...}`
-    block (kvswitch.nats_auth writes one), inlined as is. cluster_port and routes: a cluster member
-    listening for peers on cluster_port and dialling the other members' cluster ports. max_pending:
+    tls: clients must speak TLS. authorization: an `authorization {...}` block (kvswitch.nats_auth
+    writes one), inlined as is. cluster_port and routes: a cluster member listening for peers on
+    cluster_port and dialling the other members' cluster ports. route_tls: the identity members
+    present to each other (needed by a member with tls): a route must present a certificate its CA
+    signed with its very subject (verify_and_map), else nats-server takes any certificate the CA
+    signed as a route, and routes are under no client authorization. max_pending:
     the bytes a client may fall behind before the server cuts it as a slow consumer (its default:
     64 MiB).
     """
@@ -489,10 +536,13 @@ class NatsServer(_Server):
         authorization: str | None = None,
         cluster_port: int | None = None,
         routes: Sequence[int] = (),
+        route_tls: TlsFiles | None = None,
         server_name: str | None = None,
         log: Path | None = None,
         max_pending: int | None = None,
     ) -> None:
+        if tls is not None and cluster_port is not None and route_tls is None:
+            raise ServerError("a NATS cluster member with tls needs route_tls, its routes' own identity")
         self.binary = find_nats_server()  # before its store is made: a missing binary leaves nothing behind
         super().__init__(workdir, log)
         self.port = port or free_port()
@@ -501,6 +551,7 @@ class NatsServer(_Server):
         self.authorization = authorization
         self.cluster_port = cluster_port
         self.routes = list(routes)
+        self.route_tls = route_tls
         self.server_name = server_name or f"kvswitch-{self.port}"
         self.max_pending = max_pending
 
@@ -516,19 +567,18 @@ class NatsServer(_Server):
         ]
         if self.max_pending is not None:
             lines.append(f"max_pending: {int(self.max_pending)}")
-        tls = ""
         if self.tls is not None:
-            tls = (
-                f"tls {{ cert_file: {_q(self.tls.cert)}, key_file: {_q(self.tls.key)}, "
-                f"ca_file: {_q(self.tls.ca)}, timeout: 5 }}"
-            )
-            lines.append(tls)
+            lines.append(_nats_tls_block(self.tls))
         if self.authorization:
             lines.append(self.authorization)
         if self.cluster_port is not None:
             routes = ", ".join(_q(f"nats-route://127.0.0.1:{p}") for p in self.routes)
             listen = _q(f"127.0.0.1:{self.cluster_port}")
-            lines += ["cluster {", "  name: kvswitch", f"  listen: {listen}", f"  routes: [{routes}]", f"  {tls}", "}"]
+            lines += ["cluster {", "  name: kvswitch", f"  listen: {listen}", f"  routes: [{routes}]"]
+            if self.route_tls is not None:
+                lines.append(f"  {_nats_tls_block(self.route_tls, 'verify_and_map: true, ')}")
+                lines.append(f"  authorization {{ user: {_q(self.route_tls.subject())} }}")
+            lines.append("}")
         return "\n".join(lines) + "\n"
 
     def _argv(self) -> list[str]:
@@ -569,6 +619,7 @@ class NatsCluster:
         *,
         port: int | None = None,
         tls: TlsFiles | None = None,
+        route_tls: TlsFiles | None = None,
         authorization: str | None = None,
         logs: Sequence[Path] = (),
     ) -> None:
@@ -584,6 +635,7 @@ class NatsCluster:
                 authorization=authorization,
                 cluster_port=cluster + i if cluster else None,
                 routes=[cluster + j for j in range(size) if j != i] if cluster else (),
+                route_tls=route_tls,
                 server_name=f"kvswitch-{i}",
                 log=logs[i] if logs else None,
             )
@@ -634,8 +686,10 @@ class NatsCluster:
 class EtcdServer(_Server):
     """An etcd member on 127.0.0.1: alone by default, or one of `initial_cluster` (name=peer URL,...).
 
-    tls: clients must speak TLS (https://), and peers authenticate each other with the same
-    certificate. `restart()` keeps its data dir and ports, so a member rejoins its cluster.
+    tls: clients must speak TLS (https://). peer_tls (needed with tls): the identity members
+    present to each other, and the only one a member takes as a peer: signed by its CA and with its
+    common name (--peer-cert-allowed-cn). `restart()` keeps its data dir and ports, so a member
+    rejoins its cluster.
     """
 
     name = "etcd"
@@ -648,15 +702,19 @@ class EtcdServer(_Server):
         *,
         member: str = "kvswitch",
         tls: TlsFiles | None = None,
+        peer_tls: TlsFiles | None = None,
         initial_cluster: str | None = None,
         log: Path | None = None,
     ) -> None:
+        if tls is not None and peer_tls is None:
+            raise ServerError("an etcd member with tls needs peer_tls, its peers' own identity")
         self.binary = find_etcd()  # before its store is made: a missing binary leaves nothing behind
         super().__init__(workdir, log)
         self.port = port or free_port()
         self.peer_port = peer_port or free_port()
         self.member = member
         self.tls = tls
+        self.peer_tls = peer_tls
         self.initial_cluster = initial_cluster
 
     @property
@@ -664,12 +722,16 @@ class EtcdServer(_Server):
         return "https" if self.tls else "http"
 
     @property
+    def peer_scheme(self) -> str:
+        return "https" if self.peer_tls else "http"
+
+    @property
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def peer_url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.peer_port}"
+        return f"{self.peer_scheme}://127.0.0.1:{self.peer_port}"
 
     def _argv(self) -> list[str]:
         argv = [
@@ -686,10 +748,12 @@ class EtcdServer(_Server):
             "--logger", "zap",
         ]  # fmt: skip
         if self.tls is not None:
-            cert, key, ca = str(self.tls.cert), str(self.tls.key), str(self.tls.ca)
-            argv += ["--cert-file", cert, "--key-file", key]
-            argv += ["--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca]
-            argv += ["--peer-client-cert-auth"]
+            argv += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key)]
+        if self.peer_tls is not None:
+            peer = self.peer_tls
+            argv += ["--peer-cert-file", str(peer.cert), "--peer-key-file", str(peer.key)]
+            argv += ["--peer-trusted-ca-file", str(peer.ca), "--peer-client-cert-auth"]
+            argv += ["--peer-cert-allowed-cn", peer.common_name()]
         return argv
 
     def ports(self) -> list[int]:
@@ -721,16 +785,28 @@ class EtcdCluster:
     given, else into its store."""
 
     def __init__(
-        self, size: int = 3, *, port: int | None = None, tls: TlsFiles | None = None, logs: Sequence[Path] = ()
+        self,
+        size: int = 3,
+        *,
+        port: int | None = None,
+        tls: TlsFiles | None = None,
+        peer_tls: TlsFiles | None = None,
+        logs: Sequence[Path] = (),
     ) -> None:
         if size < 1:
             raise ServerError(f"an etcd cluster needs at least 1 member, got {size}")
         clients, peers = port or free_ports(size), free_ports(size)
-        scheme = "https" if tls else "http"
+        scheme = "https" if peer_tls else "http"
         initial = ",".join(f"m{i}={scheme}://127.0.0.1:{peers + i}" for i in range(size))
         self.members = [
             EtcdServer(
-                clients + i, peers + i, member=f"m{i}", tls=tls, initial_cluster=initial, log=logs[i] if logs else None
+                clients + i,
+                peers + i,
+                member=f"m{i}",
+                tls=tls,
+                peer_tls=peer_tls,
+                initial_cluster=initial,
+                log=logs[i] if logs else None,
             )
             for i in range(size)
         ]

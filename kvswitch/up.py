@@ -107,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ha.add_argument("--nats-nodes", type=int, default=1, metavar="N", help="NATS cluster members (3 for HA)")
     ha.add_argument("--etcd-members", type=int, default=1, metavar="N", help="etcd cluster members (3 for HA)")
     ha.add_argument("--secure", action="store_true",
-                    help="TLS on NATS and etcd (a fresh CA), etcd users, and per-worker NATS permissions")  # fmt: skip
+                    help="TLS on NATS and etcd (fresh CAs; NATS routes and etcd peers each their own), etcd "
+                         "users, and per-worker NATS permissions")  # fmt: skip
 
 
 def _spec(args: argparse.Namespace) -> ClusterSpec:

@@ -67,7 +67,12 @@ def test_security_is_on(services: dict[str, dict[str, Any]]) -> None:
         assert seed in identities, f"{name} uses {seed}, which `kvswitch secrets` does not write"
     nats_conf = (ROOT / "deploy" / "compose" / "nats.conf").read_text()
     assert "tls {" in nats_conf and 'include "secrets/nats-auth.conf"' in nats_conf
-    assert "--cert-file=/secrets/tls/tls.crt" in services["etcd"]["command"]
+    assert "--cert-file=/secrets/tls/etcd.crt" in services["etcd"]["command"]
+    # each server its own key (kvswitch.certs): with one, the etcd key made a NATS route (until 2026-12-07)
+    assert (
+        '"/etc/nats/secrets/tls/nats.key"' in nats_conf
+        and "--key-file=/secrets/tls/etcd.key" in (services["etcd"]["command"])
+    )
 
 
 def test_host_ports_are_published_on_loopback_only(services: dict[str, dict[str, Any]]) -> None:

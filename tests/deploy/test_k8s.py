@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvswitch.certs import write_tls
 from kvswitch.nats_auth import NatsAuthPlan
 from tests.deploy.commands import kv_endpoints, loopback_only, parse
 
@@ -276,17 +277,30 @@ def test_the_documented_sequence_completes_the_etcd_auth_job_before_the_pods_sta
     )
 
 
-def test_helm_values_ask_for_three_members_and_tls() -> None:
+def test_helm_values_ask_for_three_members_and_tls(tmp_path: Path) -> None:
     nats = yaml.safe_load((K8S / "helm" / "nats-values.yaml").read_text())
+    # routes and peers each under their own identity, pinned to its name (kvswitch.certs): with the
+    # clients' Secret, the etcd key joined the NATS cluster as a route (until 2026-12-07)
     assert nats["config"]["cluster"] == {
         "enabled": True,
         "replicas": 3,
-        "tls": {"enabled": True, "secretName": "nats-tls"},
+        "tls": {
+            "enabled": True,
+            "secretName": "nats-route-tls",
+            "dir": "/etc/nats-certs/cluster",
+            "merge": {"ca_file": "/etc/nats-certs/cluster/ca.crt", "verify_and_map": True},
+        },
+        "merge": {"authorization": {"user": write_tls(tmp_path, ["nats"]).nats_route.subject()}},
     }
-    assert nats["config"]["nats"]["tls"]["enabled"] is True
+    assert nats["config"]["nats"]["tls"] == {"enabled": True, "secretName": "nats-tls"}
     etcd = yaml.safe_load((K8S / "helm" / "etcd-values.yaml").read_text())
     assert etcd["replicaCount"] == 3
     assert etcd["auth"]["client"]["secureTransport"] is True and etcd["auth"]["peer"]["secureTransport"] is True
+    assert etcd["auth"]["client"]["existingSecret"] == "etcd-tls"
+    assert etcd["auth"]["peer"]["existingSecret"] == "etcd-peer-tls"
+    assert {"name": "ETCD_PEER_CERT_ALLOWED_CN", "value": write_tls(tmp_path, ["nats"]).etcd_peer.common_name()} in (
+        etcd["extraEnvVars"]
+    )
 
 
 def test_generated_helm_permissions_merge_into_the_nats_chart_config() -> None:

@@ -24,7 +24,7 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
 
 @pytest.fixture(scope="module")
 def etcd_tls(tls: TlsFiles) -> Iterator[EtcdServer]:
-    with EtcdServer(tls=tls) as server:
+    with EtcdServer(tls=tls, peer_tls=tls) as server:
         yield server
 
 
@@ -52,7 +52,7 @@ async def test_a_dns_name_over_tls_is_checked_against_that_name(etcd_tls: EtcdSe
 
 async def test_several_tls_endpoints_connect(tls: TlsFiles) -> None:
     # kvswitch up --secure --etcd-members 3 could not start: no certificate names a list
-    with EtcdCluster(3, tls=tls) as cluster:
+    with EtcdCluster(3, tls=tls, peer_tls=tls) as cluster:
         assert await _round_trip(EtcdSettings(endpoints=cluster.urls, tls_ca=str(tls.ca))) == b"1"
 
 

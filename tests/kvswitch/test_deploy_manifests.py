@@ -169,12 +169,16 @@ def test_the_documented_certificate_names_every_host_clients_and_peers_check(
 ) -> None:
     (secrets,) = [argv for argv in _docs_commands() if argv[:2] == ["kvswitch", "secrets"]]
     hosts = parse(secrets[1:])[1].tls_hosts
-    cert = x509.load_pem_x509_certificate(write_tls(tmp_path, hosts).cert.read_bytes())
-    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    tls = write_tls(tmp_path, hosts)
     dialled = _names_kvswitch_dials(objects)
     assert {"nats.kvswitch.svc", "etcd-0.etcd-headless.kvswitch.svc"} <= dialled
-    for host in sorted(dialled | _names_the_charts_use()):
-        assert any(_go_matches(san, host) for san in sans), f"{host} is not in --tls-hosts {hosts}"
+    for leaf in (tls.nats, tls.nats_route, tls.etcd, tls.etcd_peer):
+        cert = x509.load_pem_x509_certificate(leaf.cert.read_bytes())
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        for host in sorted(dialled | _names_the_charts_use()):
+            assert any(_go_matches(san, host) for san in sans.get_values_for_type(x509.DNSName)), (
+                f"{host} is not in --tls-hosts {hosts}"
+            )
 
 
 def test_every_etcd_endpoint_list_is_one_a_client_can_balance_over(objects: list[dict[str, Any]]) -> None:

@@ -65,7 +65,7 @@ def test_an_etcd_ca_it_cannot_read_is_one_line_naming_the_flag(ca: str, tmp_path
 
 async def test_generated_certificates_serve_nats_and_etcd(tmp_path: Path) -> None:
     tls = write_tls(tmp_path, ["127.0.0.1", "localhost"])
-    with NatsServer(tls=tls) as server, EtcdServer(tls=tls) as etcd:
+    with NatsServer(tls=tls.nats) as server, EtcdServer(tls=tls.etcd, peer_tls=tls.etcd_peer) as etcd:
         nc = await nats.connect(**NatsSettings(servers=[server.url], tls_ca=str(tls.ca)).connect_options("t"))
         await nc.close()
         async with Discovery(EtcdSettings(endpoints=[etcd.url], tls_ca=str(tls.ca)), "certs") as d:
@@ -163,13 +163,15 @@ def test_a_rerun_asking_for_a_host_the_kept_certificate_lacks_is_refused_naming_
     first = _secrets("--out", str(tmp_path), "--tls-hosts", "nats,etcd,127.0.0.1")
     assert first.returncode == 0, first.stderr
     assert first.stdout.rstrip().endswith("for nats, etcd, 127.0.0.1"), first.stdout
-    cert = (tmp_path / "tls" / "tls.crt").read_bytes()
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "tls").iterdir()}
+    assert len(kept) == 11  # ca.pem, the route and peer CAs, four certificates and their keys
     again = _secrets("--out", str(tmp_path), "--workers", "w0", "--tls-hosts", "nats,etcd,127.0.0.1,nats.example.com")
     assert again.returncode == 2, (again.stdout, again.stderr)
     assert again.stdout == "" and again.stderr.count("\n") == 1, again.stderr
     assert "names nats, etcd, 127.0.0.1, not nats.example.com" in again.stderr
-    assert f"delete {tmp_path / 'tls'} to issue a new CA" in again.stderr
-    assert (tmp_path / "tls" / "tls.crt").read_bytes() == cert and not (tmp_path / "worker-w0.nk").exists()
+    assert f"delete {tmp_path / 'tls'} to issue new CAs" in again.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "tls").iterdir()} == kept
+    assert not (tmp_path / "worker-w0.nk").exists()
     # Fewer names, in another case: all in the kept certificate.
     same = _secrets("--out", str(tmp_path), "--tls-hosts", "NATS,127.0.0.1")
     assert same.returncode == 0 and same.stdout.rstrip().endswith("for nats, etcd, 127.0.0.1"), same.stderr
@@ -177,10 +179,10 @@ def test_a_rerun_asking_for_a_host_the_kept_certificate_lacks_is_refused_naming_
 
 def test_a_kept_certificate_that_is_not_one_is_refused_naming_it(tmp_path: Path) -> None:
     assert _secrets("--out", str(tmp_path), "--tls-hosts", "nats").returncode == 0
-    (tmp_path / "tls" / "tls.crt").write_text("not a certificate\n")
+    (tmp_path / "tls" / "etcd-peer.crt").write_text("not a certificate\n")
     again = _secrets("--out", str(tmp_path), "--tls-hosts", "nats")
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
-    assert "tls.crt is not a PEM certificate" in again.stderr and "delete " in again.stderr
+    assert "etcd-peer.crt is not a PEM certificate" in again.stderr and "delete " in again.stderr
 
 
 def test_api_keys_counts_keys_not_comment_lines(tmp_path: Path) -> None:
@@ -200,7 +202,8 @@ def test_write_tls_compares_hosts_as_the_certificate_names_them(tmp_path: Path) 
     from kvswitch.certs import KeptCertificateError, certificate_hosts
 
     tls = write_tls(tmp_path, ["Nats.Example", "::1"])
-    assert certificate_hosts(tls.cert) == ["Nats.Example", "::1"]
+    for leaf in (tls.nats, tls.nats_route, tls.etcd, tls.etcd_peer):
+        assert certificate_hosts(leaf.cert) == ["Nats.Example", "::1"]
     assert write_tls(tmp_path, ["0:0::1", "nats.example"]) == tls  # the same address, a DNS name in any case
     with pytest.raises(KeptCertificateError, match=r"names Nats\.Example, ::1, not 127\.0\.0\.1: delete "):
         write_tls(tmp_path, ["nats.example", "127.0.0.1"])
@@ -210,7 +213,7 @@ def test_a_first_host_longer_than_a_common_name_may_be_is_still_certified(tmp_pa
     # the CN is capped at 64 characters: a Kubernetes FQDN of 68 was a traceback and an empty tls/
     long = "etcd-0.etcd-headless.kvswitch-production-inference.svc.cluster.local"
     tls = write_tls(tmp_path, [long, "nats"])
-    assert certificate_hosts(tls.cert) == [long, "nats"]
+    assert certificate_hosts(tls.nats.cert) == certificate_hosts(tls.etcd_peer.cert) == [long, "nats"]
 
 
 def _etcd_env() -> dict[str, str]:

@@ -15,6 +15,7 @@ import pytest
 import trustme
 
 from discovery import Discovery, DiscoveryError
+from kvswitch.certs import write_tls
 from kvswitch.cluster import ClusterSpec, LocalCluster
 from kvswitch.etcd_auth import enable_auth, namespace_users
 from kvswitch.servers import EtcdServer, NatsServer, TlsFiles
@@ -28,7 +29,7 @@ from worker_shim.nats_connect import connect_nats
 
 
 def _tls_files(ca: trustme.CA, out: Path) -> TlsFiles:
-    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    leaf = ca.issue_cert("127.0.0.1", "localhost", common_name="kvswitch-test")  # etcd pins peers to it
     files = TlsFiles(out / "ca.pem", out / "tls.crt", out / "tls.key")
     ca.cert_pem.write_to_path(str(files.ca))
     leaf.cert_chain_pems[0].write_to_path(str(files.cert))
@@ -56,7 +57,7 @@ def nats_tls(tls: TlsFiles) -> Iterator[NatsServer]:
 
 @pytest.fixture(scope="module")
 def etcd_tls(tls: TlsFiles) -> Iterator[EtcdServer]:
-    with EtcdServer(tls=tls) as server:
+    with EtcdServer(tls=tls, peer_tls=tls) as server:
         enable_auth(
             server.url, "root-pw", namespace_users("tlsns", "router-pw", "worker-pw"), context=tls.client_context()
         )
@@ -180,7 +181,8 @@ def test_etcd_health_needs_the_ca(etcd_tls: EtcdServer, tls: TlsFiles) -> None:
         urllib.request.urlopen(f"{etcd_tls.url}/health", timeout=2, context=ssl.create_default_context())
 
 
-def test_a_request_succeeds_end_to_end_over_tls_with_etcd_auth(tls: TlsFiles) -> None:
+def test_a_request_succeeds_end_to_end_over_tls_with_etcd_auth(tmp_path: Path) -> None:
+    tls = write_tls(tmp_path, ["127.0.0.1", "localhost"])
     cluster = LocalCluster(ClusterSpec(agg=1, routers=1, speedup=20.0, tls=tls, etcd_auth=True))
     try:
         cluster.start()

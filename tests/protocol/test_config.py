@@ -278,7 +278,7 @@ def test_invalid_etcd_settings(cli: dict[str, object], match: str) -> None:
 
 
 def test_etcd_settings_with_auth_and_tls_files(tmp_path: Path) -> None:
-    tls = write_tls(tmp_path, ["e"])
+    tls = write_tls(tmp_path, ["e"]).etcd
     s = resolve(
         EtcdSettings,
         cli={
@@ -381,7 +381,7 @@ def test_an_existing_file_the_process_may_not_read_is_refused_naming_the_flag(
 def test_etcd_tls_settings_that_would_not_speak_tls_are_refused(
     cli: dict[str, object], match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tls = write_tls(tmp_path, ["e"])
+    tls = write_tls(tmp_path, ["e"]).etcd
     for n, path in (("ca", tls.ca), ("cert", tls.cert), ("key", tls.key)):
         (tmp_path / n).write_bytes(path.read_bytes())
     monkeypatch.chdir(tmp_path)

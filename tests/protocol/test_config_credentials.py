@@ -30,7 +30,8 @@ def _creds(seed: str) -> str:
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[TlsFiles, TlsFiles]:
     """Two CAs, each with its own certificate and key."""
-    return write_tls(tmp_path_factory.mktemp("a"), ["nats"]), write_tls(tmp_path_factory.mktemp("b"), ["nats"])
+    a, b = (write_tls(tmp_path_factory.mktemp(name), ["nats"]).nats for name in "ab")
+    return a, b
 
 
 def _resolve(cli: dict[str, object]) -> NatsSettings | EtcdSettings:
