@@ -57,7 +57,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import resource
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Coroutine
@@ -86,6 +85,7 @@ from protocol import (
 from protocol.hashing import chain_salt
 from protocol.messages import ANNOTATION_BYPASS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, ENGINE_HEADERS, UTILITY_ENDPOINTS
 from runtime import background
+from runtime.fd_limit import fd_limit
 from worker_shim.adapters.base import EngineAdapter, EngineError, LegOutcome, LegRequest
 from worker_shim.credit_check import reusable
 from worker_shim.decode_context import DecodeContext
@@ -496,11 +496,6 @@ async def _reap(task: asyncio.Task[None] | None, what: str) -> None:
         log.exception("%s failed", what)
 
 
-def _fd_limit() -> int | None:
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY else soft
-
-
 def _open_fds() -> int:
     for path in ("/proc/self/fd", "/dev/fd"):
         with contextlib.suppress(OSError):
@@ -513,7 +508,7 @@ def leg_cap(configured: int | None) -> int | None:
     file descriptor: past the open-file limit the shim's own health probes and polls fail, and the
     engine would be blamed. The most the limit allows leaves FD_RESERVE descriptors beside those
     open now; that is the default, and a larger `configured` is refused."""
-    limit = _fd_limit()
+    limit = fd_limit()
     if limit is None:
         return configured
     room = limit - _open_fds() - FD_RESERVE
