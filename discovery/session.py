@@ -11,6 +11,7 @@ import grpc
 import msgspec
 from etcd3aio import Etcd3Client, EtcdError, EtcdPermissionDeniedError, prefix_range_end
 from etcd3aio._protobuf import Compare
+from etcd3aio.kv import KVService
 from etcd3aio.watch import WatchService
 
 from discovery.auth_token import TokenKeeper
@@ -88,6 +89,11 @@ class _LeaderWatch(WatchService):
     def set_token(self, token: str | None) -> None:
         super().set_token(token)
         self._metadata = (*self._metadata, _REQUIRE_LEADER)
+
+
+def _held(key: str, holder: int) -> Compare:
+    """Lease `holder` holds `key` (0: none, or the key absent: etcd compares a missing key's lease as 0)."""
+    return Compare(result=Compare.EQUAL, target=Compare.LEASE, key=key.encode(), lease=holder)
 
 
 def _require_leader(client: Etcd3Client) -> None:
@@ -279,25 +285,12 @@ class Discovery:
     async def create(self, key: str, value: bytes, lease: Lease) -> None:
         """Put `key` under `lease` only if it does not exist (or is already ours); KeyTaken otherwise,
         ConfigError naming --etcd-user when the user may not write it (as from `put`)."""
-        kv = self.client.kv
-        assert kv is not None
-        try:
-            resp = await kv.txn(
-                [kv.txn_compare_create_revision(key, 0)],
-                [kv.txn_op_put(key, value, lease=lease.id)],
-                [kv.txn_op_get(key)],
-                timeout=5.0,
-            )
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            self._failed(exc)
-            raise self._write_failed("create", key, exc) from exc
-        self._wrote = True
-        if resp.succeeded:
+        absent = KVService.txn_compare_create_revision(key, 0)
+        found = await self._put_if(absent, key, value, lease, "create")
+        if found is None:
             return
-        found = resp.responses[0].response_range.kvs
-        holder = found[0].lease if found else 0
-        if holder != lease.id:
-            raise KeyTaken(key, holder, bytes(found[0].value) if found else b"")
+        if found[0] != lease.id:
+            raise KeyTaken(key, *found)
         # Ours already (an earlier attempt whose answer was lost): write the current value.
         await self._put(key, value, lease)
 
@@ -305,7 +298,7 @@ class Discovery:
         """Put `key` under `lease` only while no lease holds it (a put by hand; or absent: etcd
         compares a missing key's lease as 0); KeyTaken naming the holder otherwise, so an owner's
         create in between is never overwritten."""
-        found = await self._put_while(key, value, lease, 0, "put back")
+        found = await self._put_if(_held(key, 0), key, value, lease, "put back")
         if found is not None and found[0] != lease.id:  # ours already: an earlier attempt whose answer was lost
             raise KeyTaken(key, *found)
 
@@ -313,21 +306,18 @@ class Discovery:
         """Put `key` anew under `lease` only while `lease` holds it; False when it does not exist or no
         lease holds it (for the owner to put it back as it would: create, reclaim), KeyTaken naming
         the holder when another lease does, so a live second owner's key is never overwritten."""
-        found = await self._put_while(key, value, lease, lease.id, "put")
+        found = await self._put_if(_held(key, lease.id), key, value, lease, "put")
         if found is not None and found[0]:
             raise KeyTaken(key, *found)
         return found is None
 
-    async def _put_while(
-        self, key: str, value: bytes, lease: Lease, holder: int, what: str
-    ) -> tuple[int, bytes] | None:
-        """Put `key` under `lease` in one transaction only while lease `holder` holds it (0: none, or
-        the key absent); None when put, else the key's holder and value ((0, b"") when absent)."""
+    async def _put_if(self, cond: Compare, key: str, value: bytes, lease: Lease, what: str) -> tuple[int, bytes] | None:
+        """Put `key` under `lease` in one transaction only while `cond` holds; None when put, else
+        the key's holder and value ((0, b"") when absent)."""
         kv = self.client.kv
         assert kv is not None
-        held = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=key.encode(), lease=holder)
         try:
-            resp = await kv.txn([held], [kv.txn_op_put(key, value, lease=lease.id)], [kv.txn_op_get(key)], timeout=5.0)
+            resp = await kv.txn([cond], [kv.txn_op_put(key, value, lease=lease.id)], [kv.txn_op_get(key)], timeout=5.0)
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             self._failed(exc)
             raise self._write_failed(what, key, exc) from exc
@@ -444,6 +434,8 @@ class Discovery:
         return True
 
     def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:
+        """The raw values under `prefix`, named by what follows it: for tests and debugging (no
+        kvswitch process watches a prefix it does not decode)."""
         return watch_prefix(self.client, prefix, lambda raw: raw, failed=self._failed)
 
     def watch_key(self, key: str, health: ReadHealth | None = None) -> AsyncGenerator[WatchEvent[bytes], None]:

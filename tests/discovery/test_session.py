@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from discovery import Deleted, Discovery, Put, Snapshot, WatchEvent
+from discovery import Deleted, Discovery, KeyTaken, Put, Snapshot, WatchEvent
 from protocol import RouterInfo, WorkerInfo
 from protocol.config import EtcdSettings
 
@@ -110,6 +110,25 @@ async def test_lease_lost_when_etcd_revokes_it(etcd_url: str, ns: str) -> None:
         await d.client.lease.revoke(lease.id)
         await asyncio.wait_for(lease.lost.wait(), timeout=5.0)
         assert "expired" in lease.lost_reason
+
+
+async def test_create_again_under_its_own_lease_puts_the_new_value_and_under_another_is_key_taken(
+    etcd_url: str, ns: str
+) -> None:
+    """The key held by the lease given already (an earlier attempt whose answer was lost) takes the
+    value given; held by another lease, KeyTaken names the holder and its value, and the key stays."""
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        key = f"/{ns}/engines/h:8000"
+        ours, rival = await d.grant(30), await d.grant(30)
+        await d.create(key, b"first", ours)
+        await d.create(key, b"second", ours)
+        assert d.client.kv is not None
+        read = await d.client.kv.get(key, timeout=5.0)
+        assert [(kv.lease, bytes(kv.value)) for kv in read.kvs] == [(ours.id, b"second")]
+        with pytest.raises(KeyTaken) as taken:
+            await d.create(key, b"rival", rival)
+        assert (taken.value.holder, taken.value.value) == (ours.id, b"second")
+        assert await d.holder(key) == ours.id
 
 
 async def test_router_registration_and_watch(etcd_url: str, ns: str) -> None:
