@@ -61,7 +61,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Container, KeysView, Mapping
+from collections.abc import AsyncGenerator, Callable, Container, Iterable, KeysView, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -334,28 +334,19 @@ class WorkerRegistry:
                 self._refuse(name, why)  # it does not decode
             case Deleted(name=name):
                 self._delete(name)
-        models, self._touched_models = self._touched_models, set()
-        names, self._touched_names = self._touched_names, set()
-        aliases, self._touched_aliases = self._touched_aliases, set()
-        self._check(models, names, aliases)
+        self._flush_checks()
 
     def revote(self) -> None:
         """Vote again the context of each model whose workers disagree on it, as `fit` reads
         them now (the module's docstring): the service calls it every second."""
-        for model in list(self.context_conflicts):
-            routing: set[str] = set()
-            self._vote(model, routing)
-            if routing:
-                self._sorted = self._named = None  # the routed records change
-            for each in routing:
-                self._route(each)
-        if self._touched_models:
-            models, self._touched_models = self._touched_models, set()
-            names, self._touched_names = self._touched_names, set()
-            aliases, self._touched_aliases = self._touched_aliases, set()
-            self._check(models, names, aliases)
+        self._revote(list(self.context_conflicts))
+        self._flush_checks()
 
-    def _check(self, models: set[str], names: set[str], aliases: set[str]) -> None:
+    def _flush_checks(self) -> None:
+        """Run the checks over what was touched since they last ran (nothing touched: no-ops)."""
+        models, self._touched_models = self._touched_models, set()
+        names, self._touched_names = self._touched_names, set()
+        aliases, self._touched_aliases = self._touched_aliases, set()
         self._check_block_sizes(models)
         self._check_names(names, aliases)
         self._check_contexts(models)
@@ -374,11 +365,15 @@ class WorkerRegistry:
                 self._refuse(name, why)
         finally:
             self._settling = True
+        self._revote(self._touched_models & self._context.keys())
+
+    def _revote(self, models: Iterable[str]) -> None:
+        """Vote `models`' contexts again, and route anew the workers a moved context routes otherwise."""
         routing: set[str] = set()
-        for model in self._touched_models & self._context.keys():
+        for model in models:
             self._vote(model, routing)
         if routing:
-            self._sorted = self._named = None
+            self._sorted = self._named = None  # the routed records change
         for each in routing:
             self._route(each)
 
