@@ -27,10 +27,14 @@ __all__ = ["MIN_LEASE_TTL", "Lease", "LeaseLost", "LeaseState", "renewal_interva
 log = logging.getLogger(__name__)
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 1.0
-# Past the TTL doubling up to answer_deadline, so a slow etcd is still waited for in the end; within
-# it not: at 2 s, 0.25 then 0.5 then 1 s fit 3 streams in the 1 s left, and a lease whose three
-# all went to the hung member was lost (1 run of 3, review of 2026-12-07)
+# A stream opened after one went unanswered waits HURRY_S for its first answer, HURRY_TRIES such
+# streams in a row, then doubling up to answer_deadline, so a slow etcd is still waited for in the
+# end. Doubling at once (0.25, 0.5, 1 s) fit 3 streams in the 1 s a 2 s TTL leaves, and a lease
+# whose three all went to the hung member was lost (1 run of 3); doubling only once the TTL had
+# passed gave up every stream of an etcd answering in 0.35 s until then: a 10 s lease went 10.5 s
+# unrenewed (reviews of 2026-12-07).
 HURRY_S = 0.25
+HURRY_TRIES = 3
 # etcd grants no TTL under 1.5 election timeouts, rounded up: 2 s at its default 1 s (etcd 3.4
 # grants 2 where 1 is asked, 5 under --election-timeout 3000); a shorter one asked is refused, never
 # raised behind the owner's back (Discovery.grant).
@@ -92,6 +96,7 @@ class Lease:
         self._renewed_at = time.monotonic()
         self._retry = RETRY_MIN_S
         self._hurry = 0.0  # a stream went unanswered: the next one's first answer is due this soon
+        self._given_up = 0  # streams given up in a row for no answer in time
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -170,10 +175,10 @@ class Lease:
                     return False
                 except TimeoutError:
                     self._unreachable(f"no keep-alive answer in {wait:.1f}s")
-                    late = self._hurry > 0 and self.unrenewed_s >= self.ttl
-                    self._hurry = min(self._hurry * 2, patience) if late else HURRY_S
+                    self._given_up += 1
+                    self._hurry = min(HURRY_S * 2 ** max(self._given_up - HURRY_TRIES, 0), patience)
                     return True
-                wait, self._hurry = patience, 0.0
+                wait, self._hurry, self._given_up = patience, 0.0, 0
                 if resp.TTL <= 0:
                     self._mark_lost("etcd reports it expired")
                     return False

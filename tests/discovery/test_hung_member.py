@@ -6,13 +6,15 @@ router) and the watch froze, both without a log line."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import math
 import os
 import re
 import signal
 import time
 import urllib.request
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -133,19 +135,23 @@ async def test_calls_stop_going_to_a_hung_member_within_seconds(cluster: EtcdClu
                     assert time.monotonic() - stopped < 12, "calls still go to the hung member"
 
 
-class _KeepAlive:
-    """A keep-alive call on a member that answers each request, or on a hung one that never does."""
+HUNG = math.inf  # a member that never answers
 
-    def __init__(self, requests: AsyncIterator[Any], hung: bool) -> None:
-        self.requests, self.hung = requests, hung
+
+class _KeepAlive:
+    """A keep-alive call on a member that answers each request `answer_after` s on (HUNG: never)."""
+
+    def __init__(self, requests: AsyncIterator[Any], answer_after: float) -> None:
+        self.requests, self.answer_after = requests, answer_after
 
     def __aiter__(self) -> _KeepAlive:
         return self
 
     async def __anext__(self) -> SimpleNamespace:
-        if self.hung:
+        if self.answer_after == HUNG:
             await asyncio.Event().wait()
         await anext(self.requests)
+        await asyncio.sleep(self.answer_after)
         return SimpleNamespace(TTL=3)
 
     def cancel(self) -> None:
@@ -155,22 +161,30 @@ class _KeepAlive:
 async def test_a_lease_the_balancer_sends_to_the_hung_member_twice_still_renews_in_time() -> None:
     # The balancer's pick goes round every call of the process: the stream opened after one went
     # unanswered may land on the hung member again. It waited the full two renewals for that one too.
-    await _renewed_in_time([True, True, False], ttl=3)  # hung, hung again, then a healthy member
+    await _renewed_in_time([HUNG, HUNG, 0.0], ttl=3)  # hung, hung again, then a healthy member
 
 
 async def test_a_lease_of_the_least_ttl_the_balancer_sends_to_the_hung_member_four_times_still_renews_in_time() -> None:
     # At 2 s the stream was given up 0.67 s before the TTL ran out, and a retry sleep came before
     # each next stream: a second pick of the hung member cost the lease (1 of 30 per run with a
     # follower hung 12 s, review of 2026-12-07). Now 1 s is left, the next stream opens at once, and
-    # each waits 0.25 s for its first answer while the TTL runs (it doubled: a third pick cost it).
-    await _renewed_in_time([True, True, True, True, False], ttl=MIN_LEASE_TTL)
+    # three in a row wait 0.25 s for their first answer (it doubled at once: a third pick cost it).
+    await _renewed_in_time([HUNG, HUNG, HUNG, HUNG, 0.0], ttl=MIN_LEASE_TTL)
 
 
-async def _renewed_in_time(picks: list[bool], ttl: int) -> None:
-    """A lease whose streams land on the members `picks` says (True: the hung one) is renewed
-    within `ttl` of its start."""
-    hung = iter(picks)
-    stub = SimpleNamespace(LeaseKeepAlive=lambda requests, metadata: _KeepAlive(requests, next(hung)))
+async def test_a_lease_whose_etcd_answers_slowly_after_a_stall_still_renews_in_time() -> None:
+    # etcd live but slow after a stall (each answer 0.35 s late): every stream after the first given
+    # up waited 0.25 s for its first answer until the TTL had passed, so none was ever answered in
+    # time and a 10 s lease went 10.5 s unrenewed (review of 2026-12-07). Now three streams get 0.25 s,
+    # then the wait doubles: given up at 3.33 s, then 3 x 0.25 s, then 0.5 s, answered at about 4.4 s.
+    await _renewed_in_time(itertools.chain([HUNG], itertools.repeat(0.35)), ttl=5)
+
+
+async def _renewed_in_time(picks: Iterable[float], ttl: int) -> None:
+    """A lease whose streams land on members answering as `picks` says (_KeepAlive's answer_after)
+    is renewed within `ttl` of its start."""
+    answer_after = iter(picks)
+    stub = SimpleNamespace(LeaseKeepAlive=lambda requests, metadata: _KeepAlive(requests, next(answer_after)))
     client = SimpleNamespace(lease=SimpleNamespace(_stub=stub, _metadata=()))
     lease = Lease(cast("Any", client), 1, ttl=ttl)
     started = time.monotonic()
