@@ -7,6 +7,7 @@ Usage (a worker shim; a router registers its RouterInfo the same way)::
         key=lambda rid: subjects.worker_key(ns, rid),   # the id -> the etcd key
         value=make_info,                                # the id -> the msgspec Struct to store (JSON)
         ttl=10,
+        ttl_setting="lease_ttl",    # the owner's setting `ttl` comes from (Discovery.grant); None: etcd's TTL
         name=None,                  # or a stable id (a subject token); the key is still leased
         on_lost=on_lost,            # async (old_id) -> None, awaited before registering anew
         on_registered=on_new,       # async (new_id) -> None, awaited after each re-registration
@@ -96,6 +97,7 @@ class Registration:
         key: Callable[[str], str],
         value: Callable[[str], msgspec.Struct],
         ttl: int = DEFAULT_TTL,
+        ttl_setting: str | None = "lease_ttl",
         name: str | None = None,
         on_lost: Callable[[str], Awaitable[None]] | None = None,
         on_registered: Callable[[str], Awaitable[None]] | None = None,
@@ -105,7 +107,8 @@ class Registration:
         self._discovery = discovery
         self._key = key
         self._value = value
-        self.ttl = ttl
+        self.ttl = ttl  # with ttl_setting None, the TTL etcd granted once it did (Discovery.grant)
+        self._ttl_setting = ttl_setting
         self.name = name
         self._on_lost = on_lost
         self._on_registered = on_registered
@@ -183,7 +186,17 @@ class Registration:
     # --- internals ------------------------------------------------------------------------------
 
     async def _register(self) -> None:
-        lease = await self._discovery.grant(self.ttl)
+        lease = await self._discovery.grant(self.ttl, setting=self._ttl_setting)
+        if lease.ttl != self.ttl:  # raised to etcd's least (ttl_setting None): asked for from then on, said once
+            log.info(
+                "lease %s: etcd granted %d s where %d s was asked (it grants no TTL under 1.5 x its "
+                "--election-timeout, rounded up); %d s it is",
+                lease.hex_id,
+                lease.ttl,
+                self.ttl,
+                lease.ttl,
+            )
+            self.ttl = lease.ttl
         rid = self.name or lease.hex_id
         try:
             if self.name is not None:

@@ -251,7 +251,11 @@ class Discovery:
 
     # --- registration ---------------------------------------------------------------------------
 
-    async def grant(self, ttl: int = DEFAULT_TTL) -> Lease:
+    async def grant(self, ttl: int = DEFAULT_TTL, *, setting: str | None = "lease_ttl") -> Lease:
+        """A lease of `ttl` s, kept alive. etcd grants no TTL under its least (1.5 x its
+        --election-timeout, rounded up) and raises a shorter one to that: a ConfigError naming the
+        owner's `setting` that gave `ttl`, the lease revoked; with `setting` None (a TTL no operator
+        chose) the lease etcd grants, its `ttl` the one to count, which the caller says."""
         assert self.client.lease is not None
         try:
             resp = await self.client.lease.grant(ttl, timeout=5.0)
@@ -259,12 +263,11 @@ class Discovery:
             self._failed(exc)
             raise DiscoveryError(f"lease grant failed: {exc}") from exc
         lease = Lease(self.client, resp.ID, resp.TTL, self.token.renew if self.token is not None else None)
-        if ttl != resp.TTL:
-            # etcd raises a TTL under its least (1.5 election timeouts, rounded up) to that: the
-            # owner's own waits and words would count the one asked for
+        if ttl != resp.TTL and setting is not None:
+            # the owner's own waits and words would count the one asked for
             await lease.revoke()
             raise ConfigError(
-                "lease_ttl",
+                setting,
                 ttl,
                 f"etcd grants no lease under {resp.TTL} s (its least TTL: 1.5 x its --election-timeout, rounded "
                 f"up); give at least {resp.TTL}",

@@ -570,6 +570,7 @@ class RouterService:
                 instance=self.instance,
             ),
             ttl=self.config.lease_ttl_s,
+            ttl_setting=None,  # no flag: etcd's least TTL where it is longer (docs/router.md, "Lease TTL")
             on_registered=self._registered_anew,
         )
         self.router_id = await self._registration.start()
@@ -662,7 +663,7 @@ class RouterService:
                     "its TTL (%d s) passes",
                     self.router_id,
                     "the traceback below" if failure is not None else "discovery.lease's WARNING says why",
-                    self.config.lease_ttl_s,
+                    registration.ttl,
                     exc_info=failure,
                 )
         discovery, self._discovery = self._discovery, None
@@ -839,12 +840,13 @@ class RouterService:
                 "the kvstate connection to NATS is down (kvswitch_router_kvstate_disconnects_total): a worker that "
                 "needs a repair stays out of routing until it is back"
             )
-        unrenewed = self._registration.unrenewed_s if self._registration is not None else None
-        if unrenewed is not None and unrenewed > self.config.lease_ttl_s:
+        registration = self._registration
+        unrenewed = registration.unrenewed_s if registration is not None else None
+        if registration is not None and unrenewed is not None and unrenewed > registration.ttl:
             # Not a problem: with etcd down for every process too, no worker sees the key go and the
             # fleet routes on; only this router cut off from a live etcd loses its legs.
             warnings.append(
-                f"etcd has not renewed this router's lease for {unrenewed:.0f} s (TTL {self.config.lease_ttl_s} s): "
+                f"etcd has not renewed this router's lease for {unrenewed:.0f} s (TTL {registration.ttl} s): "
                 "where the workers still reach etcd, its key is gone, and they cancel its legs once their "
                 "--orphan-grace-s passes (20 s by default); each such request ends in an error"
             )

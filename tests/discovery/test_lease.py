@@ -98,3 +98,15 @@ async def test_a_ttl_etcd_raises_is_refused_naming_the_setting(etcd_url: str, ns
         after = {lease.ID for lease in (await d.client.lease.leases(timeout=5.0)).leases}
         assert after <= before  # the lease granted was revoked
         assert (await d.grant(ttl=2)).ttl == 2
+
+
+async def test_a_ttl_etcd_raises_names_the_owners_own_setting_or_is_kept_without_one(etcd_url: str, ns: str) -> None:
+    # The refusal named the shim's --lease-ttl whoever asked: a router, which has no such flag, exited
+    # 2 on an etcd whose least TTL is over its 10 s (review of 2026-12-07)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        with pytest.raises(ConfigError, match=r"^invalid probe_ttl \(--probe-ttl, KVSWITCH_PROBE_TTL\) = 1: "):
+            await d.grant(ttl=1, setting="probe_ttl")
+        lease = await d.grant(ttl=1, setting=None)
+        assert lease.ttl == 2
+        assert d.client.lease is not None
+        assert (await d.client.lease.time_to_live(lease.id, timeout=5)).grantedTTL == 2
