@@ -176,7 +176,9 @@ class Lease:
                 except TimeoutError:
                     self._unreachable(f"no keep-alive answer in {wait:.1f}s")
                     self._given_up += 1
-                    self._hurry = min(HURRY_S * 2 ** max(self._given_up - HURRY_TRIES, 0), patience)
+                    # Doubled from the last wait, not 2 ** given_up: after ~1,000 give-ups in a row
+                    # that float overflowed and the keep-alive task died, the lease unknown for good.
+                    self._hurry = HURRY_S if self._given_up <= HURRY_TRIES else min(wait * 2, patience)
                     return True
                 wait, self._hurry, self._given_up = patience, 0.0, 0
                 if resp.TTL <= 0:
