@@ -121,6 +121,13 @@ class Lease:
             self._task = asyncio.create_task(self._keep_alive(), name=f"lease-{self.hex_id}")
 
     async def _keep_alive(self) -> None:
+        try:
+            await self._renew()
+        except Exception as exc:  # a defect of the loop: said, and lost, so its owner registers anew
+            log.exception("lease %s: its keep-alive failed (%r); the lease is taken as lost", self.hex_id, exc)
+            self._mark_lost(f"its keep-alive failed: {exc!r}")
+
+    async def _renew(self) -> None:
         interval = renewal_interval(self.ttl)
         while not self.lost.is_set():
             try:

@@ -217,3 +217,23 @@ async def test_a_lease_whose_streams_go_unanswered_for_long_keeps_its_keep_alive
             await asyncio.sleep(0.01)
     finally:
         await lease.stop_keep_alive()
+
+
+async def test_a_keep_alive_that_fails_marks_its_lease_lost_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A defect of the loop (the overflow above) ended the task without a word, the lease unknown for
+    # good: nothing renewed it and its owner never registered anew.
+    async def broken(self: Lease, interval: float) -> bool:
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr(Lease, "_stream", broken)
+    stub = SimpleNamespace(LeaseKeepAlive=lambda requests, metadata: _KeepAlive(requests, HUNG))
+    client = SimpleNamespace(lease=SimpleNamespace(_stub=stub, _metadata=()))
+    lease = Lease(cast("Any", client), 1, ttl=MIN_LEASE_TTL)
+    with caplog.at_level(logging.ERROR, logger="discovery.lease"):
+        lease.start()
+        await asyncio.wait_for(lease.lost.wait(), 2)
+    assert lease.state is LeaseState.LOST and "keep-alive failed" in (lease.lost_reason or "")
+    assert [r.levelname for r in caplog.records if "keep-alive failed" in r.getMessage()] == ["ERROR"]
+    await lease.stop_keep_alive()
