@@ -73,7 +73,8 @@ class Lease:
     """Renews every ttl/3 s (renewal_interval) over one keep-alive stream, reopening it when etcd goes
     away or an answer is a renewal late (answer_deadline: its member hung).
 
-    `lost` is set once etcd says the lease is gone (then the owner must register anew); `state`
+    `lost` is set once etcd says the lease is gone, or the keep-alive loop failed on a defect and
+    the lease was revoked (then the owner must register anew); `state`
     says where renewal stands. `revoke()` deletes the attached keys at once; it is safe to call twice.
     """
 
@@ -125,6 +126,14 @@ class Lease:
             await self._renew()
         except Exception as exc:  # a defect of the loop: said, and lost, so its owner registers anew
             log.exception("lease %s: its keep-alive failed (%r); the lease is taken as lost", self.hex_id, exc)
+            # etcd still holds it: revoked first, or its keys (a name, an engine claim) stay until its
+            # TTL passes and block the owner's registering anew under them.
+            try:
+                failure = await self._revoke(min(3.0, self.ttl)) if self._client.lease is not None else None
+            except Exception as again:  # the same defect may stand in its way: its TTL it is, then
+                failure = again
+            if failure is not None:
+                log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, said(failure), self.ttl)
             self._mark_lost(f"its keep-alive failed: {exc!r}")
 
     async def _renew(self) -> None:

@@ -30,15 +30,16 @@ transaction before `before_create`: a key another lease holds fails the registra
 does (KeyTaken naming the key, its holder and the holder's value). A shim claims its engine so
 (worker_shim.engine_claim). They go with the lease, and are created again with each new one.
 
-Loss: only etcd's own answer is loss (the lease expired or is unknown, e.g. the process stalled past
-its TTL or someone revoked it). Then the owner hears `on_lost(old_id)`, a new lease is granted and
-the key created again (a new id, or the same `name`), retrying with backoff while etcd does not
-answer, and the owner hears `on_registered(new_id)`; `reg.id` is the new id from then on. If a
-named key was taken meanwhile (`failure` is KeyTaken, naming the holder), or an owner's hook raised,
-`failed` is set: the owner must act (stop, or start over with a new Registration). So it is when a
-keep-alive check finds the key or a claim held by another lease while ours lives: a live second
-owner of the name (etcd deletes a key with its lease), which took it once it was deleted by hand. From etcd's
-answer until the supervisor registers anew, `state` is "lost".
+Loss: etcd's own answer (the lease expired or is unknown, e.g. the process stalled past its TTL or
+someone revoked it), or the keep-alive loop failing on a defect (the lease revoked first). Then the
+owner hears `on_lost(old_id)`, a new lease is granted and the key created again (a new id, or the
+same `name`), retrying with backoff while etcd does not answer, and the owner hears
+`on_registered(new_id)`; `reg.id` is the new id from then on. If a named key was taken meanwhile
+(`failure` is KeyTaken, naming the holder), or an owner's hook raised, `failed` is set: the owner
+must act (stop, or start over with a new Registration). So it is when a keep-alive check finds the
+key or a claim held by another lease while ours lives: a live second owner of the name (etcd deletes
+a key with its lease), which took it once it was deleted by hand. From etcd's answer until the
+supervisor registers anew, `state` is "lost".
 
 The supervisor is the registration for the life of the process: an unexpected error in one of its
 ticks (a bug, a value() that raises) is an ERROR with its traceback (the first, then at most every

@@ -227,13 +227,19 @@ async def test_a_keep_alive_that_fails_marks_its_lease_lost_and_says_so(
     async def broken(self: Lease, interval: float) -> bool:
         raise OverflowError("int too large to convert to float")
 
+    revoked: list[int] = []
+
+    async def revoke(lease_id: int, **kw: Any) -> None:
+        revoked.append(lease_id)
+
     monkeypatch.setattr(Lease, "_stream", broken)
     stub = SimpleNamespace(LeaseKeepAlive=lambda requests, metadata: _KeepAlive(requests, HUNG))
-    client = SimpleNamespace(lease=SimpleNamespace(_stub=stub, _metadata=()))
+    client = SimpleNamespace(lease=SimpleNamespace(_stub=stub, _metadata=(), revoke=revoke))
     lease = Lease(cast("Any", client), 1, ttl=MIN_LEASE_TTL)
     with caplog.at_level(logging.ERROR, logger="discovery.lease"):
         lease.start()
         await asyncio.wait_for(lease.lost.wait(), 2)
     assert lease.state is LeaseState.LOST and "keep-alive failed" in (lease.lost_reason or "")
     assert [r.levelname for r in caplog.records if "keep-alive failed" in r.getMessage()] == ["ERROR"]
+    assert revoked == [1]  # etcd still held it: its keys would have blocked registering anew
     await lease.stop_keep_alive()

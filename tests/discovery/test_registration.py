@@ -565,3 +565,34 @@ async def test_an_update_after_the_key_was_deleted_puts_it_back_with_the_new_val
         assert decode_json(raw, WorkerInfo).model == "m2"
         assert await d.holder(reg.key) == reg.lease.id and not reg.failed.is_set()
         await reg.stop()
+
+
+async def test_a_keep_alive_that_fails_registers_its_name_anew(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keep-alive loop failing on anything unforeseen takes the lease as lost: the lease, still
+    held by etcd, was left to its TTL, so registering anew found the name under it and failed as if
+    another process held it (review of 2026-12-07)."""
+    from discovery.lease import Lease
+
+    real = Lease._stream
+    failed_once = False
+
+    async def fails_once(self: Lease, interval: float) -> bool:
+        nonlocal failed_once
+        if not failed_once:
+            failed_once = True
+            await asyncio.sleep(0.5)
+            raise RuntimeError("an unforeseen defect")
+        return await real(self, interval)
+
+    monkeypatch.setattr(Lease, "_stream", fails_once)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=10, name="gpu-07")
+        await reg.start()
+        assert reg.lease is not None
+        first = reg.lease.id
+        await _until(lambda: reg.registrations == 2, 5, "the name registered anew")
+        assert reg.state is RegistrationState.REGISTERED and reg.failure is None
+        assert reg.lease.id != first and await d.holder(reg.key) == reg.lease.id
+        assert await reg.stop()
