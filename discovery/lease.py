@@ -129,11 +129,11 @@ class Lease:
             # etcd still holds it: revoked first, or its keys (a name, an engine claim) stay until its
             # TTL passes and block the owner's registering anew under them.
             try:
-                failure = await self._revoke(min(3.0, self.ttl)) if self._client.lease is not None else None
+                failure = await self._revoke_renewing(min(3.0, self.ttl)) if self._client.lease is not None else None
             except Exception as again:  # the same defect may stand in its way: its TTL it is, then
                 failure = again
             if failure is not None:
-                log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, said(failure), self.ttl)
+                self._say_unrevoked(said(failure))
             self._mark_lost(f"its keep-alive failed: {exc!r}")
 
     async def _renew(self) -> None:
@@ -225,16 +225,24 @@ class Lease:
         if self._state is LeaseState.REVOKED:
             return self._revoked
         self._state = LeaseState.REVOKED
+        failure = await self._revoke_renewing(timeout)
+        self._revoked = failure is None
+        if failure is not None:
+            self._say_unrevoked(said(failure))
+        return self._revoked
+
+    async def _revoke_renewing(self, timeout: float) -> BaseException | None:
+        """_revoke, once more after renewing a refused token: keep-alives carry no token check, so
+        after an etcd restart the revoke may be the first call to find the token forgotten
+        (discovery.auth_token)."""
         failure = await self._revoke(timeout)
-        # Keep-alives carry no token check, so after an etcd restart the revoke may be the first
-        # call to find the process's token forgotten (discovery.auth_token).
         renew = self._renew_token
         if failure is not None and rejects_token(failure) and renew is not None and await renew():
             failure = await self._revoke(timeout)
-        self._revoked = failure is None
-        if failure is not None:
-            log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, said(failure), self.ttl)
-        return self._revoked
+        return failure
+
+    def _say_unrevoked(self, why: str) -> None:
+        log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, why, self.ttl)
 
     def revoke_now(self, timeout: float = 1.0) -> None:
         """Revoke without the event loop, for a process about to exit at once (a second SIGTERM):
@@ -247,8 +255,7 @@ class Lease:
         thread.start()
         thread.join(timeout + 0.1)
         if thread.is_alive() or failure:
-            why = said(failure[0]) if failure else "no answer in time"
-            log.warning("lease %s: revoke failed (%s); it expires within %ss", self.hex_id, why, self.ttl)
+            self._say_unrevoked(said(failure[0]) if failure else "no answer in time")
             return
         self._state = LeaseState.REVOKED
         self._revoked = True

@@ -350,8 +350,15 @@ class Registration:
                 await self._register()
                 break
             except KeyTaken as exc:
-                self._taken(exc, f"cannot register {exc.key} again")
-                return False
+                if exc.holder != lost.id:
+                    self._taken(exc, f"cannot register {exc.key} again")
+                    return False
+                # Our own old lease, which etcd did not revoke (its keep-alive failed on a defect and
+                # the revoke with it): its keys go with its TTL, so wait, as for etcd not answering.
+                log.warning("registering %s again waits for %s, its own lost lease, to expire; retrying in %.1fs",
+                            exc.key, lost.hex_id, retry)  # fmt: skip
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, RETRY_MAX_S)
             except DiscoveryError as exc:
                 log.warning("registering %s again failed (%s); retrying in %.1fs", self._key(old), exc, retry)
                 await asyncio.sleep(retry)

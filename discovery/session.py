@@ -383,7 +383,9 @@ class Discovery:
         await self._put(subjects.worker_key(self.ns, info.worker), encode_json(info), lease)
 
     async def register_router(self, make_info: Callable[[str], RouterInfo], ttl: int = DEFAULT_TTL) -> Lease:
-        lease = await self.grant(ttl)
+        """A router's record under a lease of its own, for tests: a router registers through a
+        Registration, keeping the TTL etcd grants (setting=None) as this does."""
+        lease = await self.grant(ttl, setting=None)
         info = make_info(lease.hex_id)
         await self._put(subjects.router_key(self.ns, info.router), encode_json(info), lease)
         return lease

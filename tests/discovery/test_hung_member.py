@@ -243,3 +243,31 @@ async def test_a_keep_alive_that_fails_marks_its_lease_lost_and_says_so(
     assert [r.levelname for r in caplog.records if "keep-alive failed" in r.getMessage()] == ["ERROR"]
     assert revoked == [1]  # etcd still held it: its keys would have blocked registering anew
     await lease.stop_keep_alive()
+
+
+async def test_a_keep_alive_that_fails_revokes_after_renewing_a_refused_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its revoke skipped revoke()'s retry after a refused token (final read of 2026-12-07).
+    from etcd3aio import EtcdUnauthenticatedError
+
+    calls: list[bool] = []
+    token = {"ok": False}
+
+    async def revoke(lease_id: int, **kw: Any) -> None:
+        calls.append(token["ok"])
+        if not token["ok"]:
+            raise EtcdUnauthenticatedError("invalid auth token")
+
+    async def renew() -> bool:
+        token["ok"] = True
+        return True
+
+    async def broken(self: Lease, interval: float) -> bool:
+        raise RuntimeError("an unforeseen defect")
+
+    monkeypatch.setattr(Lease, "_stream", broken)
+    client = SimpleNamespace(lease=SimpleNamespace(_stub=None, _metadata=(), revoke=revoke))
+    lease = Lease(cast("Any", client), 1, ttl=MIN_LEASE_TTL, renew_token=renew)
+    lease.start()
+    await asyncio.wait_for(lease.lost.wait(), 2)
+    assert calls == [False, True]  # refused, the token renewed, revoked
+    await lease.stop_keep_alive()

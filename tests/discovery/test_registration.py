@@ -596,3 +596,39 @@ async def test_a_keep_alive_that_fails_registers_its_name_anew(
         assert reg.state is RegistrationState.REGISTERED and reg.failure is None
         assert reg.lease.id != first and await d.holder(reg.key) == reg.lease.id
         assert await reg.stop()
+
+
+async def test_a_keep_alive_that_fails_with_its_revoke_waits_out_its_own_lease_and_registers_anew(
+    etcd_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its revoke failing too, the old lease held the name until its TTL: registering anew found the
+    name under it and failed for good, blaming "another process" (final read of 2026-12-07)."""
+    from discovery.lease import Lease
+
+    real_stream, real_revoke = Lease._stream, Lease._revoke
+    failed: set[str] = set()
+
+    async def fails_once(self: Lease, interval: float) -> bool:
+        if "stream" not in failed:
+            failed.add("stream")
+            await asyncio.sleep(0.5)
+            raise RuntimeError("an unforeseen defect")
+        return await real_stream(self, interval)
+
+    async def revoke_fails_once(self: Lease, timeout: float) -> BaseException | None:
+        if "revoke" not in failed:
+            failed.add("revoke")
+            return TimeoutError()
+        return await real_revoke(self, timeout)
+
+    monkeypatch.setattr(Lease, "_stream", fails_once)
+    monkeypatch.setattr(Lease, "_revoke", revoke_fails_once)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        reg = _worker_reg(d, ns, ttl=3, name="gpu-07")
+        await reg.start()
+        assert reg.lease is not None
+        first = reg.lease.id
+        await _until(lambda: reg.registrations == 2 or reg.failed.is_set(), 10, "the name registered anew")
+        assert reg.state is RegistrationState.REGISTERED and reg.failure is None, reg.failure
+        assert reg.lease.id != first and await d.holder(reg.key) == reg.lease.id
+        assert await reg.stop()
