@@ -7,6 +7,7 @@ nothing on /health, and a wildcard endpoint a listener held on another local add
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -122,3 +123,17 @@ async def test_a_host_without_the_tables_gets_the_grace_and_says_it_cannot_tell(
     found = await in_use("tcp://127.0.0.1:5557")
     assert found.outcome == "grace" and found.grace_s is None, found
     assert "another socket holds port 5557, and this host does not say whose" in found.why
+
+
+async def test_a_holder_gone_as_it_was_looked_at_is_no_cause_to_say(caplog: pytest.LogCaptureFixture) -> None:
+    # The port freed between ZMQ's failed bind and the look: a second "trying again each session"
+    # WARNING followed the real cause's, for a session that binds next (clean-clone CI, 2026-12-07).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    found = await in_use(f"tcp://127.0.0.1:{port}")
+    assert found.outcome == "again" and not found.news, found
+    with caplog.at_level(logging.INFO, logger="worker_shim"):
+        pending = BindFailures().pending("kv_events", f"tcp://127.0.0.1:{port}", "cannot bind", found)
+    assert isinstance(pending, BindPending)
+    assert not [r for r in caplog.records if "trying again each session" in r.getMessage()], caplog.text

@@ -77,6 +77,7 @@ class Diagnosis:
     outcome: Outcome
     why: str
     grace_s: float | None = None
+    news: bool = True  # False: the holder went as it was looked at, nothing for an operator to do
 
 
 class BindPending(ConnectionError):
@@ -147,7 +148,7 @@ async def in_use(address: str) -> Diagnosis:
             "another endpoint",
         )
     if not found:  # closed between ZMQ's try and the look
-        return Diagnosis("again", f"no socket holds port {port} now")
+        return Diagnosis("again", f"no socket holds port {port} now", news=False)
     open_ = [h for h in found if h.state != TIME_WAIT]
     if not open_:
         return Diagnosis(
@@ -283,8 +284,9 @@ class BindFailures:
 
     def pending(self, setting: str, value: object, said: str, found: Diagnosis) -> BindPending:
         """What a session raises for a bind a later one may make (`found` not final), its cause
-        said once at WARNING naming `setting`."""
-        if found.why not in self._said:
+        said once at WARNING naming `setting` (not a holder gone as it was looked at: the next
+        session binds; the session's own line says it)."""
+        if found.news and found.why not in self._said:
             self._said.add(found.why)
             until = f", for up to {self._limit(found):g} s" if found.outcome == "grace" else ""
             log.warning("%s %s: %s; trying again each session%s", setting, value, said, until)
