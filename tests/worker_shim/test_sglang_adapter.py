@@ -145,6 +145,36 @@ def test_a_limit_that_is_no_positive_integer_is_the_engines_protocol_error_namin
     assert f"/get_server_info {field} is {value!r}, not a positive integer" in caught.value.message
 
 
+@pytest.mark.parametrize("value", ["8192", 8192.0, True, [8192]], ids=repr)
+def test_a_chunked_prefill_size_that_is_no_integer_is_the_engines_protocol_error_naming_it(value: Any) -> None:
+    """Until 2026-12-07 a chunked_prefill_size of the wrong type was read as not reported, without a
+    word: the engine's per-step prefill budget went unregistered."""
+    info = {**json.loads((FIX / "get_server_info.json").read_text()), "chunked_prefill_size": value}
+    with pytest.raises(EngineError) as caught:
+        limits_from_server_info(info)
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert f"/get_server_info chunked_prefill_size is {value!r}, not an integer" in caught.value.message
+
+
+@pytest.mark.parametrize(("value", "budget"), [(-1, None), (0, None), (None, None), (4096, 4096)])
+def test_chunked_prefill_off_or_unreported_registers_no_budget(value: int | None, budget: int | None) -> None:
+    """SGLang's scheduler reads a chunked_prefill_size <= 0 as chunked prefill off (-1 its flag's value)."""
+    info = {**json.loads((FIX / "get_server_info.json").read_text()), "chunked_prefill_size": value}
+    assert limits_from_server_info(info).max_num_batched_tokens == budget
+
+
+def test_a_capacity_below_one_page_is_the_engines_protocol_error_naming_both() -> None:
+    """Until 2026-12-07 a max_total_num_tokens below page_size registered 0 blocks: an engine with no
+    room for one block, which can serve nothing."""
+    info = {**json.loads((FIX / "get_server_info.json").read_text()), "page_size": 16, "max_total_num_tokens": 15}
+    with pytest.raises(EngineError) as caught:
+        limits_from_server_info(info)
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert "max_total_num_tokens is 15, below its page_size 16" in caught.value.message
+    one = limits_from_server_info({**info, "max_total_num_tokens": 16})
+    assert one.kv_total_blocks == 1
+
+
 def test_kv_use_is_exact_so_a_long_decode_shows_progress() -> None:
     """SGLang's token_usage gauge is rounded to 0.01 (100,913 and 100,929 used tokens both read
     0.25): read from it, a lone decode 16 tokens on looked like no progress to the stall watchdog

@@ -88,16 +88,33 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 def limits_from_server_info(info: dict[str, Any]) -> EngineLimits:
     """EngineError naming `page_size` or `max_total_num_tokens` when either is there but no positive
     integer (engine_limit): until 2026-12-07 True registered a block size of 1, 0 or a negative
-    crashed the normaliser with a ValueError, and a string was read as not reported."""
+    crashed the normaliser with a ValueError, and a string was read as not reported. So does a
+    `chunked_prefill_size` that is no integer (it was read as not reported), and a
+    `max_total_num_tokens` below `page_size` (it registered 0 blocks)."""
     page = engine_limit(info.get("page_size"), "/get_server_info page_size")
     tokens = engine_limit(info.get("max_total_num_tokens"), "/get_server_info max_total_num_tokens")
-    budget = info.get("chunked_prefill_size")  # -1: chunked prefill off, no per-step budget
+    if tokens is not None and page is not None and tokens < page:
+        raise EngineError(
+            502,
+            "engine_protocol",
+            f"the engine's /get_server_info max_total_num_tokens is {tokens}, below its page_size {page}: "
+            "no room for one block, so it can serve nothing",
+        )
+    # -1 (or any integer <= 0, as SGLang's scheduler reads it): chunked prefill off, no per-step budget.
+    budget = info.get("chunked_prefill_size")
+    if budget is not None and type(budget) is not int:
+        raise EngineError(
+            502,
+            "engine_protocol",
+            f"the engine's /get_server_info chunked_prefill_size is {budget!r}, not an integer "
+            "(-1 or 0: chunked prefill off)",
+        )
     # The server's args: --disable-radix-cache (common on P/D decode workers) caches and publishes nothing.
     radix_off = info.get("disable_radix_cache")
     return EngineLimits(
         block_size=page,
         kv_total_blocks=tokens // page if tokens is not None and page is not None else None,
-        max_num_batched_tokens=budget if isinstance(budget, int) and budget > 0 else None,
+        max_num_batched_tokens=budget if budget is not None and budget > 0 else None,
         prefix_caching=not radix_off if isinstance(radix_off, bool) else None,
     )
 
