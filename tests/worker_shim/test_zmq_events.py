@@ -572,3 +572,48 @@ async def test_a_batch_the_live_socket_delivered_while_a_probe_waited_is_live_no
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         engine.close()
+
+
+@pytest.mark.parametrize("pub_binds", [True, False], ids=["engine-binds", "engine-connects"])
+async def test_after_a_gap_the_batches_that_came_live_are_live_and_only_the_missing_ones_replayed(
+    pub_binds: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gap's replay runs to the newest seq, so it holds the batch that revealed the gap and those
+    the live socket queued while the replay was asked for. Until 2026-12-07 `_fill_gap` delivered all
+    of them as replayed (their live copies dropped as duplicates): the shim's live-batch count
+    (kvswitch_shim_kv_batches_received_total{live="true"}) fell short after every gap, by the gap's
+    revealing batch and all that came live meanwhile."""
+    monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)  # the gap is the live stream's to find here
+    monkeypatch.setattr(zmq_events, "QUIET_PROBE_S", 60.0)
+    engine = PublishesWhileReplayIsAsked(pub_binds)
+    batches: list[EngineBatch] = []
+    source = ZmqEventSource("vllm", engine.shim_endpoint, "auto", "kv-events", engine.replay_endpoint, "127.0.0.1")
+
+    async def sink(batch: EngineBatch) -> None:
+        batches.append(batch)
+
+    await engine.store(2, live=False)  # seq 0..1: the start's replay delivers them
+    replay = asyncio.create_task(engine.serve_replay())
+    live = asyncio.Event()
+    run = asyncio.create_task(source.run(sink, live))
+    try:
+        await asyncio.wait_for(live.wait(), 5)
+        engine.connect_pub()
+        await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
+        await asyncio.sleep(0.2)  # ZMQ subscriptions propagate after the connection event
+        engine.publish_on_probe = True  # seq 5 goes out live while the gap's replay is asked for
+        await engine.store(1)  # seq 2 live
+        await engine.store(1, live=False)  # seq 3 lost on the way
+        await engine.store(1)  # seq 4 live: reveals the gap
+        await wait_for(lambda: source.stats.messages == 3, 5, "seq 2, 4 and 5 read live (5 a duplicate)")
+        assert engine.replay_requests == [0, 3]
+        stored = [b.live for b in batches if b.events]
+        assert stored == [False, False, True, False, True, True], "only seq 0, 1 (start) and 3 (the gap) replayed"
+        assert (source.stats.gaps, source.stats.duplicates, source.stats.replay_failures) == (1, 1, 0)
+    finally:
+        run.cancel()
+        replay.cancel()
+        for t in (run, replay):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        engine.close()

@@ -22,7 +22,8 @@ Sequence handling (seq is the engine's, per engine run, from 0):
 - at start, and whenever the whole state is wanted again (`request_rebuild`), replay from 0: a replay
   that starts at 0 rebuilds exactly; one that starts later (the engine's buffer wrapped) or no
   replay at all leaves a partial state (`complete=False`);
-- the next seq is delivered; a gap is filled by replay from the first missing seq; a replay that
+- the next seq is delivered; a gap is filled by replay from the first missing seq (what of it came
+  live, held by the live socket, is delivered as live; only the missing seqs as replayed); a replay that
   cannot fill it (it starts later than asked, or times out) resets with `complete=False`; so does a
   probe (below) whose replay starts later than the next seq;
 - a seq at or below the last one outside the window right after a replay means the engine restarted:
@@ -404,8 +405,7 @@ class ZmqEventSource:
         # batches): what the live socket holds now came live and is delivered as live. Taken for
         # lost, it was delivered as replayed (proving nothing of the live stream: event_health) with
         # a WARNING that the live socket missed it, about once a second per shim against real vLLM.
-        queued = await self._queued()
-        came = {seq for seq in map(self._live_seq, queued) if seq is not None}
+        queued, came = await self._queued()
         lost = [s for s, _ in missed if s not in came]
         if lost:
             log.warning(
@@ -432,8 +432,9 @@ class ZmqEventSource:
             await self._on_message(frames, sink)
             await turn.take()
 
-    async def _queued(self) -> list[list[bytes]]:
-        """The messages the live socket holds, unread."""
+    async def _queued(self) -> tuple[list[list[bytes]], set[int]]:
+        """The messages the live socket holds, unread, and the seqs of this engine run's among them:
+        a replay holding those seqs delivers them as live (they came live)."""
         out: list[list[bytes]] = []
         sub = self._sub
         while sub is not None:
@@ -441,7 +442,7 @@ class ZmqEventSource:
                 out.append(await sub.recv_multipart(flags=zmq.NOBLOCK, copy=True))
             except zmq.Again:
                 break
-        return out
+        return out, {seq for seq in map(self._live_seq, out) if seq is not None}
 
     def _live_seq(self, frames: list[bytes]) -> int | None:
         """The seq of a live message of this engine run's stream; None for any other."""
@@ -523,16 +524,24 @@ class ZmqEventSource:
                 await self._deliver(seq, payload, sink)
 
     async def _fill_gap(self, first_missing: int, seq: int, payload: bytes, sink: EventSink) -> None:
-        # The SUB socket queues what arrives meanwhile; replayed seqs are then skipped as duplicates.
+        # The SUB socket queues what arrives meanwhile, and the replay holds it too (it runs to the
+        # newest seq): `seq` and what the live socket holds are delivered from the replay as live,
+        # as in _probe, their live copies then skipped as duplicates. Until 2026-12-07 all of it
+        # counted as replayed, so the live-batch count fell short after every gap.
         replayed = await self._replay(first_missing)
         if replayed and replayed[0][0] == first_missing:
+            queued, came = await self._queued()
+            came.add(seq)
             turn = Turns(SLICE_S)
             for s, p in replayed:
-                await self._deliver(s, p, sink, live=False)
+                await self._deliver(s, p, sink, live=s in came)
                 await turn.take()
             self._replayed_until = replayed[-1][0]
             if seq > self._replayed_until:
                 await self._deliver(seq, payload, sink)
+            for frames in queued:
+                await self._on_message(frames, sink)
+                await turn.take()
             return
         if replayed is not None:  # a timeout is counted by _replay
             self.stats.replay_failures += 1
