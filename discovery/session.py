@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
@@ -46,6 +47,7 @@ _AUTH_OFF = "authentication is not enabled"
 _TLS_FAILED = ("Tls handshake failed", "is not in peer certificate", "Hostname Verification Check failed")
 _REQUIRE_LEADER = ("hasleader", "true")
 _PING_KEY = "__etcd3aio:ping__"  # what etcd3aio's ping reads (kvswitch.etcd_auth grants it)
+_CALL_FAILED = (EtcdError, TimeoutError, grpc.aio.AioRpcError)  # how an etcd call fails
 
 
 class DiscoveryError(RuntimeError):
@@ -186,7 +188,7 @@ class Discovery:
             if token is not None:
                 await token.start()
             await client.ping(write_check=False, timeout=timeout)
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+        except _CALL_FAILED as exc:
             if token is not None:
                 await token.stop()
             await client.close()
@@ -200,6 +202,18 @@ class Discovery:
         """An etcd call failed with `exc` (a refused token is renewed at once)."""
         if self.token is not None:
             self.token.rejected(exc)
+
+    @contextmanager
+    def _calling(self, error: Callable[[BaseException], Exception] | None) -> Iterator[None]:
+        """Around one etcd call: its failure is told to `_failed`, then raised as `error(exc)` (from
+        it), or as it is when `error` is None."""
+        try:
+            yield
+        except _CALL_FAILED as exc:
+            self._failed(exc)
+            if error is None:
+                raise
+            raise error(exc) from exc
 
     def _write_failed(self, what: str, key: str, exc: BaseException) -> ConfigError | DiscoveryError:
         """The error of a failed write of `key`. etcd denying the first write to the user (another
@@ -257,11 +271,8 @@ class Discovery:
         owner's `setting` that gave `ttl`, the lease revoked; with `setting` None (a TTL no operator
         chose) the lease etcd grants, its `ttl` the one to count, which the caller says."""
         assert self.client.lease is not None
-        try:
+        with self._calling(lambda exc: DiscoveryError(f"lease grant failed: {exc}")):
             resp = await self.client.lease.grant(ttl, timeout=5.0)
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            self._failed(exc)
-            raise DiscoveryError(f"lease grant failed: {exc}") from exc
         lease = Lease(self.client, resp.ID, resp.TTL, self.token.renew if self.token is not None else None)
         if ttl != resp.TTL and setting is not None:
             # the owner's own waits and words would count the one asked for
@@ -278,11 +289,8 @@ class Discovery:
 
     async def _put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
         assert self.client.kv is not None
-        try:
+        with self._calling(lambda exc: self._write_failed("put", key, exc)):
             await self.client.kv.put(key, value, lease=lease.id if lease else 0, timeout=5.0)
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            self._failed(exc)
-            raise self._write_failed("put", key, exc) from exc
         self._wrote = True
 
     async def create(self, key: str, value: bytes, lease: Lease) -> None:
@@ -319,11 +327,8 @@ class Discovery:
         the key's holder and value ((0, b"") when absent)."""
         kv = self.client.kv
         assert kv is not None
-        try:
+        with self._calling(lambda exc: self._write_failed(what, key, exc)):
             resp = await kv.txn([cond], [kv.txn_op_put(key, value, lease=lease.id)], [kv.txn_op_get(key)], timeout=5.0)
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            self._failed(exc)
-            raise self._write_failed(what, key, exc) from exc
         self._wrote = True
         if resp.succeeded:
             return None
@@ -334,38 +339,28 @@ class Discovery:
         """The id of the lease holding `key` (0: a key put without one), or None when it does not exist."""
         kv = self.client.kv
         assert kv is not None
-        try:
+        with self._calling(lambda exc: DiscoveryError(f"get {key} failed: {exc}")):
             resp = await kv.get(key, timeout=5.0)
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            self._failed(exc)
-            raise DiscoveryError(f"get {key} failed: {exc}") from exc
         return int(resp.kvs[0].lease) if resp.kvs else None
 
     async def time_to_live(self, lease_id: int) -> tuple[int, int] | None:
         """(seconds left, TTL granted) of any lease, as etcd's leader counts them, the seconds left
         rounded down; None once it is gone. DiscoveryError when etcd does not answer."""
         assert self.client.lease is not None
-        try:
+        with self._calling(lambda exc: DiscoveryError(f"reading lease {lease_id:x} failed: {said(exc)}")):
             resp = await self.client.lease.time_to_live(lease_id, timeout=5.0)
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            self._failed(exc)
-            raise DiscoveryError(f"reading lease {lease_id:x} failed: {said(exc)}") from exc
         return (int(resp.TTL), int(resp.grantedTTL)) if resp.TTL >= 0 else None
 
     async def revoke(self, lease_id: int) -> None:
         """Revoke a lease this process does not hold (a dead holder's: worker_shim.takeover); one
         already gone is no failure. DiscoveryError otherwise."""
         assert self.client.lease is not None
-        try:
-            await self.client.lease.revoke(lease_id, timeout=5.0)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return
-            self._failed(exc)
-            raise DiscoveryError(f"revoking lease {lease_id:x} failed: {said(exc)}") from exc
-        except (EtcdError, TimeoutError) as exc:
-            self._failed(exc)
-            raise DiscoveryError(f"revoking lease {lease_id:x} failed: {said(exc)}") from exc
+        with self._calling(lambda exc: DiscoveryError(f"revoking lease {lease_id:x} failed: {said(exc)}")):
+            try:
+                await self.client.lease.revoke(lease_id, timeout=5.0)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
 
     async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
         await self._put(key, value, lease)
@@ -429,13 +424,11 @@ class Discovery:
         """Whether this user may read `prefix` (a role may lack it: a watch of it would be refused
         and retried for good); DiscoveryError when etcd cannot say."""
         assert self.client.kv is not None
-        try:
-            await self.client.kv.get(prefix.encode(), prefix_range_end(prefix.encode()), timeout=5.0)
-        except EtcdPermissionDeniedError:
-            return False
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            self._failed(exc)
-            raise DiscoveryError(f"reading {prefix} failed: {said(exc)}") from exc
+        with self._calling(lambda exc: DiscoveryError(f"reading {prefix} failed: {said(exc)}")):
+            try:
+                await self.client.kv.get(prefix.encode(), prefix_range_end(prefix.encode()), timeout=5.0)
+            except EtcdPermissionDeniedError:  # the answer sought (no read), not a failure
+                return False
         return True
 
     def watch_raw(self, prefix: str) -> AsyncGenerator[WatchEvent[bytes], None]:
@@ -452,8 +445,5 @@ class Discovery:
 
     async def delete(self, key: str) -> None:
         assert self.client.kv is not None
-        try:
+        with self._calling(None):
             await self.client.kv.delete(key, timeout=5.0)
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            self._failed(exc)
-            raise
