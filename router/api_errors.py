@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -207,7 +207,20 @@ def openai_errors(metrics: RouterMetrics) -> Callable[..., Any]:
 class _JsonErrorHandler(RequestHandler):
     """aiohttp's connection handler, answering what its parser refuses as OpenAI JSON:
     oversized header lines or too many headers are 431, an oversized request line 414, the rest
-    400. (aiohttp answers these in plain text before any middleware runs.)"""
+    400. (aiohttp answers these in plain text before any middleware runs.) Each is counted as
+    `endpoint="unparsed"`, a fixed label (no route was read); until 2026-12-07 none was counted."""
+
+    def _make_error_handler(self, err_info: Any) -> Callable[[BaseRequest], Awaitable[web.StreamResponse]]:
+        # aiohttp's handler for a request its parser refused: the one place those pass, and only those
+        answer = super()._make_error_handler(err_info)
+        metrics = cast(_JsonErrorServer, self._manager).metrics
+
+        async def counted(request: BaseRequest) -> web.StreamResponse:
+            response = await answer(request)
+            metrics.count_request("unparsed", response.status)
+            return response
+
+        return counted
 
     def handle_error(
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
@@ -231,6 +244,7 @@ class _JsonErrorHandler(RequestHandler):
 
 class _JsonErrorServer(web.Server):
     client_connections: ClientConnections | None = None  # FrontDoorRunner's: told of each connection
+    metrics: RouterMetrics  # FrontDoorRunner's: counts what the parser refused
 
     def __call__(self) -> RequestHandler:
         return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
@@ -256,17 +270,20 @@ class FrontDoorRunner(web.AppRunner):
         self,
         app: web.Application,
         *,
+        metrics: RouterMetrics,
         lingering_s: float = 1.0,
         connections: ClientConnections | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(app, lingering_time=lingering_s, **kwargs)
+        self._metrics = metrics
         self._client_connections = connections
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer  # aiohttp builds the Server itself; this only swaps its handler class
         cast(_JsonErrorServer, server).client_connections = self._client_connections
+        cast(_JsonErrorServer, server).metrics = self._metrics
         return server
 
 

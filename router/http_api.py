@@ -457,6 +457,8 @@ class _Handlers:
     # --- reading the request ------------------------------------------------------------------
 
     async def _json_body(self, request: web.Request) -> Any:
+        if (unmet := _unmet_expectation(request)) is not None:
+            raise unmet
         # vLLM's validate_json_request guards its JSON routes: any other media type (none included)
         # is a 400, before the body is read. It is also what keeps a web page from having a browser
         # post a text/plain body here, which needs no CORS preflight.
@@ -745,16 +747,22 @@ def _abort_unread(request: web.Request, job: Job, what: str) -> str:
 
 
 async def _expect(request: web.Request) -> web.StreamResponse | None:
-    """A JSON route's `Expect: 100-continue` is answered when its handler reads the body
-    (`_continue`), not at once as aiohttp's default does: a request refused before that (a body
-    over the limit, 413; a media type not JSON, 400; no API key, 401; the drain's 503) gets its
-    refusal in place of a 100 that asks for a body only to throw it away. Any other expectation is
-    a 417, in OpenAI JSON (aiohttp's was text). HTTP/1.0 has no 100: its Expect is ignored, as
-    aiohttp does."""
+    """A JSON route's Expect is its handler's (`_unmet_expectation`, `_continue`), not answered at
+    once as aiohttp's default does: a request refused before that (a body over the limit, 413; a
+    media type not JSON, 400; no API key, 401; the drain's 503) gets its refusal in place of a 100
+    that asks for a body only to throw it away."""
+    return None
+
+
+def _unmet_expectation(request: web.Request) -> ApiError | None:
+    """The 417, in OpenAI JSON (aiohttp's was text), for an Expect other than 100-continue. Raised
+    in the handler, behind the API key and the drain and counted as its endpoint's answer: until
+    2026-12-07 the expect handler answered it before any middleware, in no requests_total. HTTP/1.0
+    has no 100: its Expect is ignored, as aiohttp does."""
     expect = request.headers.get("Expect", "")
-    if request.version != HttpVersion11 or expect.lower() == "100-continue":
+    if request.version != HttpVersion11 or not expect or expect.lower() == "100-continue":
         return None
-    return ApiError(417, f"unsupported Expect: {expect!r}; only 100-continue is", "Expect").response()
+    return ApiError(417, f"unsupported Expect: {expect!r}; only 100-continue is", "Expect")
 
 
 async def _continue(request: web.Request) -> None:

@@ -65,8 +65,10 @@ class _Switch(FrontDoorRunner):
     """One server whose requests go to the door's app until `to(app)`, then to `app`: each request
     to the app current when it was read, a connection opened before the switch included."""
 
-    def __init__(self, door: web.Application, *, connections: ClientConnections, **kwargs: Any) -> None:
-        super().__init__(door, connections=connections, **kwargs)
+    def __init__(
+        self, door: web.Application, *, metrics: RouterMetrics, connections: ClientConnections, **kwargs: Any
+    ) -> None:
+        super().__init__(door, metrics=metrics, connections=connections, **kwargs)
         self._capped = connections
         self._now = door
         self._then: web.Application | None = None
@@ -152,6 +154,7 @@ class StartDoor:
         # is the router's (http_api.Drain); aiohttp's own waits twice its timeout per connection.
         self._runner = runner = _Switch(
             app,
+            metrics=self._metrics,
             connections=connections,
             handler_cancellation=True,
             shutdown_timeout=CLOSE_S,

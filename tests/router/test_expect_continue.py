@@ -105,3 +105,13 @@ async def test_an_expectation_other_than_100_continue_is_417_in_openai_json(clus
     got = await _first_answer(router, "/v1/completions", headers, None)  # before: aiohttp's text
     error = _error(got, 417)
     assert error["type"] == "ExpectationFailedError" and "200-ok" in error["message"]
+    assert counted(router, 417) == 1  # as its endpoint's answer, as a 413 or a 400 is (before: in no count)
+
+
+async def test_an_unsupported_expectation_without_its_api_key_is_401_not_417(cluster: Cluster, tmp_path: Path) -> None:
+    (tmp_path / "keys").write_text("sk-right\n")
+    router = await _router(cluster, api_keys_file=str(tmp_path / "keys"))
+    headers = {"Expect": "200-ok", "Content-Type": "application/json", "Content-Length": "2"}
+    got = await _first_answer(router, "/v1/completions", headers, None)  # before: 417, ahead of the key check
+    assert "API key" in _error(got, 401)["message"]
+    assert counted(router, 417) == 0

@@ -682,6 +682,48 @@ async def test_bodies_and_headers_over_the_limits_are_413_and_431(
         assert_openai_error(r.status, await r.json(), 431)
 
 
+async def _raw_status(url: str, request: bytes) -> int:
+    """The status of the answer to `request`, sent as bytes on a connection of its own."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            return int((await reader.readuntil(b"\r\n")).split()[1])
+    finally:
+        writer.close()
+
+
+async def test_every_refusal_before_routing_is_counted_in_requests_total(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """413, 400 (bad JSON), 404, 405, 417 and what aiohttp's parser refuses (431, 400) each
+    count once, under a fixed label (docs/router.md, "Metrics"); until 2026-12-07 the 417 and the
+    parser's refusals were in no count."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router(config={"http_limits": HttpLimits(max_body_bytes=4096)}, disagg="never")
+    url = router.url
+
+    def count(endpoint: str, code: int) -> float:
+        labels = {"endpoint": endpoint, "code": str(code)}
+        return router.metrics.registry.get_sample_value("kvswitch_router_requests_total", labels) or 0.0
+
+    assert (await post(http, url + "/v1/completions", "x" * 5000))[0] == 413
+    assert (await post(http, url + "/v1/completions", "{not json"))[0] == 400
+    assert (await post(http, url + "/v1/nothing", {}))[0] == 404
+    async with http.get(url + "/v1/completions") as r:
+        assert r.status == 405
+    expect = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nExpect: 200-ok\r\nContent-Type: application/json\r\n"
+    assert await _raw_status(url, expect + b"Content-Length: 2\r\n\r\n") == 417
+    assert await _raw_status(url, b"GET /v1/models HTTP/1.1\r\nX-Big: " + b"x" * 20_000 + b"\r\n\r\n") == 431
+    assert await _raw_status(url, b"GET / HTTP/1.1\r\nbad header\r\n\r\n") == 400
+    assert count("completions", 413) == 1 and count("completions", 400) == 1
+    assert count("unrouted", 404) == 1 and count("unrouted", 405) == 1
+    assert count("tokenize", 417) == 1
+    assert count("unparsed", 431) == 1 and count("unparsed", 400) == 1
+
+
 @pytest.mark.parametrize("trickle", [False, True], ids=["silent", "one-header-line-at-a-time"])
 async def test_a_connection_that_completes_no_request_head_is_closed_at_the_idle_timeout(
     cluster: Cluster, trickle: bool
