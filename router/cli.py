@@ -39,7 +39,7 @@ from protocol.kv_budget import KV_BATCH_BURST, KV_BATCHES_PER_S, KV_MIB_BURST, K
 from router.api_keys import ApiKeys, ApiKeysError
 from router.content_format import CONTENT_FORMATS
 from router.kv_ingest import MIN_ENTRY_LIMIT
-from router.route_info import ROUTE_INFO
+from router.route_info import ROUTE_INFO, check_route_info
 from router.sender_budget import KvBudget
 from runtime import run_service, start_or_stop
 from runtime.fd_limit import raise_fd_limit
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without this, /debug/* is closed (403)",
     )  # fmt: skip
     parser.add_argument(
-        "--route-info", default=None, choices=ROUTE_INFO,
+        "--route-info", default=None, metavar="{" + ",".join(ROUTE_INFO) + "}",
         help="who gets a routed answer's x-kvswitch-* headers and `kvswitch` member, which follow the cached "
         "prefixes of other clients' prompts: all, operator (an operator key's requests only) or off "
         "(default: operator with --api-keys-file, else all)",
@@ -213,8 +213,9 @@ class ProcessSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                 "CPU or disk KV tier holds more)",
             )
         self.kv_budget.validate()
-        if self.route_info is not None and self.route_info not in ROUTE_INFO:
-            raise ConfigError.one_of("route_info", self.route_info, ROUTE_INFO)
+        # The one check of --route-info as the flag, KVSWITCH_ROUTE_INFO or --config gives it
+        # (argparse's `choices` saw the flag alone, and said it in words of its own).
+        check_route_info(self.route_info)
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ConfigError(
                 "chat_template_content_format",

@@ -17,19 +17,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from protocol import ConfigError
 from router.api_keys import ApiKeys
 
-__all__ = ["ROUTE_INFO", "route_info_mode", "route_shown"]
+__all__ = ["ROUTE_INFO", "check_route_info", "route_info_mode", "route_shown"]
 
 ROUTE_INFO = ("all", "operator", "off")
 
 
+def check_route_info(given: str | None) -> None:
+    """ConfigError naming --route-info and its values for a value not in ROUTE_INFO."""
+    if given is not None and given not in ROUTE_INFO:
+        raise ConfigError.one_of("route_info", given, ROUTE_INFO)
+
+
 def route_info_mode(given: str | None, *, api_keys: bool) -> str:
-    """--route-info as set, else its default for a router with (`api_keys`) or without API keys."""
+    """--route-info as set, else its default for a router with (`api_keys`) or without API keys.
+    Checked again here for a RouterConfig built in-process (tests, router/__init__.py's use), which
+    no flag parse saw: any value but `all` and `off` would otherwise pass as `operator`."""
     if given is None:
         return "operator" if api_keys else "all"
-    if given not in ROUTE_INFO:
-        raise ValueError(f"route_info must be one of {', '.join(ROUTE_INFO)}, got {given!r}")
+    check_route_info(given)
     return given
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -13,6 +16,7 @@ import pytest
 
 from protocol import ConfigError
 from router import cli
+from router.route_info import route_info_mode
 from tests.router.conftest import MODEL, Cluster
 
 ROUTE_HEADERS = ("x-kvswitch-decode-worker", "x-kvswitch-prefill", "x-kvswitch-outcome")
@@ -98,14 +102,39 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+REFUSED = r"invalid route_info \(--route-info, KVSWITCH_ROUTE_INFO\) = 'everyone': allowed values: all, operator, off$"
+
+
 def test_route_info_is_taken_from_the_flag_and_a_bad_one_is_refused_naming_it_and_the_values(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """The one check, wherever the value comes from (ProcessSettings.validate): until 2026-12-07
+    argparse's `choices` refused the flag's in words of its own, and the check saw the rest."""
     assert cli.build_config(_args()).route_info is None  # its default follows the keys (route_info_mode)
     assert cli.build_config(_args("--route-info", "off")).route_info == "off"
-    with pytest.raises(SystemExit):
-        _args("--route-info", "everyone")
-    assert "--route-info" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=REFUSED):
+        cli.build_config(_args("--route-info", "everyone"))
+    (tmp_path / "router.yaml").write_text("route_info: everyone\n")
+    with pytest.raises(ConfigError, match=REFUSED):
+        cli.build_config(_args("--config", str(tmp_path / "router.yaml")))
     monkeypatch.setenv("KVSWITCH_ROUTE_INFO", "everyone")
-    with pytest.raises(ConfigError, match=r"--route-info, KVSWITCH_ROUTE_INFO.*all, operator, off"):
+    with pytest.raises(ConfigError, match=REFUSED):
         cli.build_config(_args())
+
+
+def test_a_bad_route_info_flag_stops_the_router_with_one_line_naming_it_and_the_values() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvswitch", "router", "--route-info", "everyone",
+         "--nats-servers", "nats://127.0.0.1:1", "--etcd-endpoints", "http://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch("kvswitch router: " + REFUSED, lines[0]), out.stderr
+
+
+def test_a_bad_route_info_in_an_in_process_config_is_refused_naming_the_flag_and_the_values() -> None:
+    """A RouterConfig built in-process passes no flag parse: route_info_mode checks it, as it
+    would otherwise pass as `operator`."""
+    with pytest.raises(ConfigError, match=REFUSED):
+        route_info_mode("everyone", api_keys=True)
