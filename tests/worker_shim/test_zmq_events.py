@@ -149,6 +149,8 @@ class BufferedEngine(StandIn):
     only the last `buffer` batches (vLLM: deque(maxlen=buffer_steps)), and whose PUB's link can drop
     while the engine goes on or restarts."""
 
+    RELINK_TYPE = zmq.PUB  # the socket type of the PUB `link` opens
+
     def __init__(self, pub_binds: bool) -> None:
         super().__init__("bs32", pub_binds)
         self.buffer: int | None = None  # None: every batch of the run
@@ -184,7 +186,7 @@ class BufferedEngine(StandIn):
         self.pub.close(linger=0)
 
     async def link(self) -> None:
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(self.RELINK_TYPE)
         if not self.pub_binds:
             self.connect_pub()
             return
@@ -610,6 +612,74 @@ async def test_after_a_gap_the_batches_that_came_live_are_live_and_only_the_miss
         stored = [b.live for b in batches if b.events]
         assert stored == [False, False, True, False, True, True], "only seq 0, 1 (start) and 3 (the gap) replayed"
         assert (source.stats.gaps, source.stats.duplicates, source.stats.replay_failures) == (1, 1, 0)
+    finally:
+        run.cancel()
+        replay.cancel()
+        for t in (run, replay):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        engine.close()
+
+
+class PublishesWhileReconnectReplayIsAsked(PublishesWhileReplayIsAsked):
+    """Publishes a batch on the new link while the shim's reconnection replay is asked for, once the
+    link's subscription has come (its PUB an XPUB, which reads it): ZMQ's PUB drops what it sends
+    before (the slow joiner), so the live socket surely holds the batch by the replay's answer."""
+
+    RELINK_TYPE = zmq.XPUB
+
+    async def serve_replay(self) -> None:
+        while True:
+            ident, _, seq_frame = await self.router.recv_multipart()
+            start = int.from_bytes(seq_frame, "big")
+            self.replay_requests.append(start)
+            if start and self.publish_on_probe:
+                self.publish_on_probe = False
+                assert await asyncio.wait_for(self.pub.recv(), 5) == b"\x01kv-events", "the new link's subscription"
+                await self.store(1)  # live, before the replay answer
+                await asyncio.sleep(0.2)  # ... on the shim's side well before it
+            for f in self.sent:
+                if decode_pub_frames(f)[1] >= start:
+                    await self.router.send_multipart([ident, b"", *f])
+            await self.router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+
+
+@pytest.mark.parametrize("pub_binds", [True, False], ids=["engine-binds", "engine-connects"])
+async def test_after_a_reconnect_to_the_same_run_the_batches_the_new_link_brought_are_live(
+    pub_binds: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reconnection's replay from the last seq runs to the newest seq, so it holds what the new
+    link's live socket queued while it was asked for. Until 2026-12-07 `_on_reconnect` delivered all
+    of it as replayed (the live copies dropped as duplicates) when the engine's run went on, so the
+    shim's live-batch count (kvswitch_shim_kv_batches_received_total{live="true"}) fell short after
+    every reconnection, by all that came live meanwhile."""
+    monkeypatch.setattr(zmq_events, "SETTLE_S", 60.0)  # the reconnection's replay is the only one
+    monkeypatch.setattr(zmq_events, "QUIET_PROBE_S", 60.0)
+    engine = PublishesWhileReconnectReplayIsAsked(pub_binds)
+    batches: list[EngineBatch] = []
+    source = ZmqEventSource("vllm", engine.shim_endpoint, "auto", "kv-events", engine.replay_endpoint, "127.0.0.1")
+
+    async def sink(batch: EngineBatch) -> None:
+        batches.append(batch)
+
+    await engine.store(2, live=False)  # seq 0..1: the start's replay delivers them
+    replay = asyncio.create_task(engine.serve_replay())
+    live = asyncio.Event()
+    run = asyncio.create_task(source.run(sink, live))
+    try:
+        await asyncio.wait_for(live.wait(), 5)
+        engine.connect_pub()
+        await wait_for(lambda: source._connections >= 1, 5, "SUB connected")
+        engine.drop_link()  # a network blip; the engine runs on
+        await engine.store(1, live=False)  # seq 2 sent while the link was down
+        engine.publish_on_probe = True  # seq 3 goes out on the new link while the replay is asked for
+        await engine.link()
+        await wait_for(lambda: source.stats.messages == 1, 5, "seq 3 read live (a duplicate)")
+        assert (source.stats.reconnects, engine.replay_requests) == (1, [0, 1])
+        stored = [b.live for b in batches if b.events]
+        assert stored == [False, False, False, True], "only seq 0, 1 (start) and 2 (link down) replayed"
+        assert [b.reset for b in batches] == [True, False, False, False, False], "the run went on"
+        assert (source.stats.gaps, source.stats.duplicates, source.stats.replay_failures) == (0, 1, 0)
     finally:
         run.cancel()
         replay.cancel()

@@ -33,10 +33,10 @@ Sequence handling (seq is the engine's, per engine run, from 0):
   engine's first batches may have gone out before the link was back, and nothing else would reveal
   them. If the replay holds that seq with the payload received live (replayed payloads are
   byte-identical, and each carries its step's timestamp), the engine's run goes on: the batches
-  after it are delivered and nothing is reset. Otherwise (the seq went back, the payload differs,
-  or the buffer no longer holds it) the engine restarted, or cannot be shown not to have: rebuild
-  from 0. Rebuilding on every reconnection wiped the index of a long-lived engine, whose buffer
-  (vLLM: the last `buffer_steps` batches) no longer starts at 0;
+  after it are delivered (what the new link holds by then as live) and nothing is reset. Otherwise
+  (the seq went back, the payload differs, or the buffer no longer holds it) the engine restarted,
+  or cannot be shown not to have: rebuild from 0. Rebuilding on every reconnection wiped the index
+  of a long-lived engine, whose buffer (vLLM: the last `buffer_steps` batches) no longer starts at 0;
 - SETTLE_S after every connection, a replay from the next seq fetches what the PUB dropped before
   the subscription reached it: a later batch would reveal that gap, but an engine that then goes
   quiet sends none, and the index would miss those blocks until it did. For the same reason a
@@ -347,11 +347,18 @@ class ZmqEventSource:
                 # The same run: the shim holds all up to `last`. A rebuild from 0 would lose it all
                 # once the engine's buffer has wrapped (vLLM keeps only the last buffer_steps).
                 log.info("%s KV events: peer reconnected; the engine's run continues from seq %d", self.engine, last)
+                # The replay runs to the newest seq: what the new link holds by its answer came live
+                # and is delivered as live, as in _fill_gap. Until 2026-12-07 all of it counted as
+                # replayed, so the live-batch count fell short after every reconnection.
+                queued, came = await self._queued()
                 turn = Turns(SLICE_S)
                 for s, p in replayed[1:]:
-                    await self._deliver(s, p, sink, live=False)
+                    await self._deliver(s, p, sink, live=s in came)
                     await turn.take()
                 self._replayed_until = replayed[-1][0]
+                for frames in queued:  # those delivered just now are duplicates; later ones follow
+                    await self._on_message(frames, sink)
+                    await turn.take()
                 return
         # Seq `last` gone (the seq went back, or the buffer wrapped past it) or another run's: a
         # restart, or nothing to prove there was none.
