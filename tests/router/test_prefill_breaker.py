@@ -41,6 +41,21 @@ def without_connector(worker: Worker) -> None:
     engine._finish = no_connector  # type: ignore[method-assign]
 
 
+def handle_rewritten(worker: Worker) -> None:
+    """Between the prefill sim and its shim, a proxy rewrites the prefill answer's
+    kv_transfer_params to `{}`: the engine pinned its KV, and a decode engine given the handle
+    pulls nothing."""
+    engine = worker.sim.engine
+    finish = engine._finish
+
+    def rewritten(req, reason, out):  # type: ignore[no-untyped-def]
+        finish(req, reason, out)
+        if out.kv_transfer_params is not None:
+            out.kv_transfer_params = {}
+
+    engine._finish = rewritten  # type: ignore[method-assign]
+
+
 POISON = 4242  # a prompt's first token standing for "this request's grammar does not compile"
 ROLE_CHUNK = (
     b'{"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"sim-llama","choices":'
@@ -163,6 +178,25 @@ async def test_a_prefill_engine_without_a_kv_connector_is_left_out_and_a_healthy
     assert {st["worker"]: st["excluded"] for st in ready["worker_status"]} == {bad.id: "prefill_failing"}
     listed = {st["worker"]: st["excluded"] for st in router.worker_listing()["worker_status"]}
     assert listed[bad.id] == "prefill_failing" and listed[good.id] is None
+
+
+async def test_a_prefill_handle_a_decode_engine_would_not_pull_with_falls_back_and_leaves_its_worker_out(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """2026-12-07: a handle rewritten to `{}` passed as a remote prefill (outcome remote_prefill, no
+    fallback counted) while the decode engine prefilled the whole prompt again. Now the shim fails
+    the leg: the router falls back, counts it, and leaves the prefill worker out."""
+    bad = await cluster.add_worker("prefill")
+    handle_rewritten(bad)
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always")
+    prompt = [*SYSTEM, *range(2000, 2040)]
+    status, body, _ = await complete(http, router, prompt, max_tokens=2)
+    assert (status, body["kvswitch"]["outcome"]) == (200, "fallback_prefill_failed")
+    assert router.dispatcher.fallbacks == 1 and d.sim.engine.stats.external_kv_tokens == 0
+    assert d.sim.engine.prefill_tokens_computed == len(prompt) + d.shim.probe.prompt_tokens
+    excluded = {e["worker"]: e for e in router.path.explain(MODEL, SYSTEM, text=False)["excluded"]}
+    assert excluded[bad.id]["excluded"] == "prefill_failing" and "do_remote_prefill" in excluded[bad.id]["why"]
 
 
 async def a_hung_prefill_worker_then_a_healthy_one(

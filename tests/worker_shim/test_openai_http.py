@@ -18,6 +18,8 @@ import msgspec
 import pytest
 from aiohttp import web
 
+from engine_sim.request import SimRequest
+from engine_sim.scheduler import Scheduler
 from protocol import SamplingParams, Usage
 from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, PREFILL_STOPPED, RETRY_AFTER_MAX_S
 from tests.protocol.vllm_captures import FIXTURES
@@ -26,9 +28,20 @@ from worker_shim import ShimConfig
 from worker_shim.adapters import openai_http
 from worker_shim.adapters.base import EngineError, LegRequest, ModelCard
 from worker_shim.adapters.openai_http import model_cards
-from worker_shim.adapters.vllm import PREFILL_TRANSFER_PARAMS, VllmAdapter
+from worker_shim.adapters.vllm import PREFILL_TRANSFER_PARAMS, VllmAdapter, check_transfer_handle
 
 FINISHED_0 = b'{"choices":[{"index":0,"text":"","finish_reason":"stop"}]}'
+# vLLM 0.32's NixlConnector handle, as engine_sim returns it (engine_sim/scheduler.py _finish)
+HANDLE: dict[str, Any] = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[3, 4]],
+    "remote_engine_id": "e1",
+    "remote_request_id": "r1-0a1b2c3d",
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
 BUSY = b'{"error":{"message":"busy","type":"RateLimitError","param":null,"code":429}}'
 EVENTS = [
     b'{"id":"cmpl-r1","choices":[{"index":0,"text":" a","token_ids":null}]}',
@@ -76,7 +89,7 @@ class Engine:
             return web.Response(body=self.whole, content_type="application/json")
         answer: dict[str, Any] = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": 1}}
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
-            answer["kv_transfer_params"] = {"remote_engine_id": "e1"}
+            answer["kv_transfer_params"] = HANDLE
         return web.json_response(answer)
 
 
@@ -320,13 +333,13 @@ async def test_pass_through_bodies_per_leg(engine: tuple[Engine, VllmAdapter]) -
     }
     pre = await adapter.generate(leg(ENDPOINT_CHAT, chat, prefill_only=True), ignore)
     path, body = eng.bodies[-1]
-    assert path == "/v1/chat/completions" and pre.transfer_params == {"remote_engine_id": "e1"}
+    assert path == "/v1/chat/completions" and pre.transfer_params == HANDLE
     assert body["max_tokens"] == body["max_completion_tokens"] == 1 and body["n"] == 1 and body["stream"] is False
     assert body["min_tokens"] == 1 and "stream_options" not in body and "prompt" not in body
     assert body["kv_transfer_params"] == PREFILL_TRANSFER_PARAMS and body["tools"] == chat["tools"]
-    whole = await adapter.generate(leg(ENDPOINT_CHAT, chat, stream=False, transfer={"remote_engine_id": "e1"}), ignore)
+    whole = await adapter.generate(leg(ENDPOINT_CHAT, chat, stream=False, transfer=HANDLE), ignore)
     _, body = eng.bodies[-1]
-    assert body == {**chat, "stream": False, "kv_transfer_params": {"remote_engine_id": "e1"}}
+    assert body == {**chat, "stream": False, "kv_transfer_params": HANDLE}
     assert json.loads(whole.body)["choices"][0]["text"] == "x"  # the engine's body, kept for the client
 
 
@@ -346,6 +359,49 @@ async def test_a_prefill_leg_that_stopped_without_a_handle_is_the_requests_not_t
         assert (caught.value.code, caught.value.kind) == (502, kind)
         assert "no kv_transfer_params" in caught.value.message
         assert eng.bodies[-1][1]["min_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    ("handle", "named"),
+    [
+        ({}, "no do_remote_prefill"),  # a proxy that rewrote the handle (2026-12-07)
+        ({**HANDLE, "do_remote_prefill": False}, "do_remote_prefill false"),
+        ({k: v for k, v in HANDLE.items() if k != "do_remote_prefill"}, "no do_remote_prefill"),
+        ({**HANDLE, "do_remote_prefill": "true"}, 'do_remote_prefill "true"'),
+        ({k: v for k, v in HANDLE.items() if k != "remote_host"}, "no remote_host"),
+        ({**HANDLE, "remote_port": "5600"}, 'remote_port "5600"'),
+        ({**HANDLE, "remote_port": True}, "remote_port true"),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["", ENDPOINT_COMPLETIONS])
+async def test_a_prefill_handle_a_decode_engine_would_not_pull_with_is_the_engines_protocol_error(
+    engine: tuple[Engine, VllmAdapter], endpoint: str, handle: dict[str, Any], named: str
+) -> None:
+    """A handle without `do_remote_prefill: true` makes vLLM's decode engine prefill the whole
+    prompt again, and one without the side channel's host and port has nowhere to pull from: the
+    leg fails (so the router falls back and counts it) rather than pass as a remote prefill."""
+    eng, adapter = engine
+    choice = {"index": 0, "text": "x", "token_ids": [5], "finish_reason": "length"}
+    eng.whole = json.dumps({"choices": [choice], "kv_transfer_params": handle}).encode()
+    with pytest.raises(EngineError) as caught:
+        await adapter.generate(leg(endpoint, {"model": "m"}, prefill_only=True, stream=False), ignore)
+    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert "kv_transfer_params" in caught.value.message and named in caught.value.message
+    assert msgspec.json.encode(handle).decode()[:100] in caught.value.message  # what was received
+
+
+def test_the_handles_vllm_and_engine_sim_return_pass() -> None:
+    """engine_sim's handle (vLLM 0.32's NixlConnector's, key for key, block ids per KV cache group),
+    NixlConnector's older one (block ids one flat list) and Mooncake's (host and port, no block ids)."""
+    sim = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, max_num_batched_tokens=256, max_num_seqs=8)
+    sim.add_request(SimRequest("p", list(range(100)), max_tokens=1, remote_decode=True))
+    (out,) = sim.step().outputs  # its prompt in one step, and its one token
+    sim_handle = out.kv_transfer_params
+    assert sim_handle is not None
+    older = {**HANDLE, "remote_block_ids": [3, 4]}
+    mooncake = {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "10.0.0.7", "remote_port": 8998}
+    for handle in (sim_handle, HANDLE, older, mooncake):
+        check_transfer_handle(handle)
 
 
 async def test_the_engines_own_400_body_comes_back(engine: tuple[Engine, VllmAdapter]) -> None:

@@ -19,7 +19,9 @@
   1` (engine_body), non-streaming, and returns the response's `kv_transfer_params`; the decode leg
   sends those params back unchanged. A prefill leg that answers none is a 502 `engine_protocol`
   (an engine without a KV connector), or `prefill_stopped` where it ended "stop" (its request's
-  token, which routers do not hold against the worker).
+  token, which routers do not hold against the worker); one that answers params a decode engine
+  would not pull with (check_transfer_handle: no `do_remote_prefill: true`, no string
+  `remote_host` or integer `remote_port`) is a 502 `engine_protocol` too.
   With --data-parallel-rank, every leg names that rank (`X-data-parallel-rank`: vLLM's API server
   sends it to that rank's engine) and load and limits are that rank's (`engine` label).
   X-Request-Id is the leg's engine id on both legs (the client's own X-Request-Id or body
@@ -76,6 +78,7 @@ __all__ = [
     "VllmAdapter",
     "check_load_series",
     "check_rank",
+    "check_transfer_handle",
     "completion_body",
     "engine_body",
     "event_sources",
@@ -293,6 +296,33 @@ def event_sources(raw: dict[str, Any]) -> dict[int, EventSource]:
     return out
 
 
+def check_transfer_handle(transfer: dict[str, Any]) -> None:
+    """EngineError 502 `engine_protocol` unless `transfer`, a prefill leg's kv_transfer_params,
+    holds what the handle of every connector the shim supports does (NixlConnector's and Mooncake's
+    request_finished): `do_remote_prefill` true (the decode side pulls only for it; without it the
+    decode engine prefills the whole prompt again, unseen), `remote_host` a string and
+    `remote_port` an integer (where it pulls from). Other keys are the connector's own."""
+    if transfer.get("do_remote_prefill") is not True:
+        raise EngineError(502, "engine_protocol", _bad_handle(transfer, "do_remote_prefill", "true"))
+    for key, kind, wanted in (("remote_host", str, "a string"), ("remote_port", int, "an integer")):
+        value = transfer.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):  # JSON's true is no port
+            raise EngineError(502, "engine_protocol", _bad_handle(transfer, key, wanted))
+
+
+def _bad_handle(transfer: dict[str, Any], key: str, wanted: str) -> str:
+    """The error for a handle whose `key` is not `wanted`, naming what it held and the handle."""
+    held = f"{key} {_json(transfer[key])}" if key in transfer else f"no {key}"
+    return (
+        f"the prefill leg returned kv_transfer_params with {held}, not {wanted} (received "
+        f"{_json(transfer)[:300]}): a decode engine given them would prefill the whole prompt again"
+    )
+
+
+def _json(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
 def completion_body(leg: LegRequest) -> dict[str, Any]:
     """The /v1/completions body for one leg (token-id prompt, token ids back)."""
     s: SamplingParams = leg.sampling
@@ -459,6 +489,8 @@ class VllmAdapter(ZmqEventsAdapter):
                     "connectors return them only for a leg that ends on its length)",
                 )
             raise EngineError(502, "engine_protocol", "the prefill leg returned no kv_transfer_params")
+        if transfer is not None:
+            check_transfer_handle(transfer)
         return LegOutcome(
             finish_reason=result.finish_reason,
             usage=result.usage,
