@@ -14,7 +14,8 @@ Secrets live in a private temporary directory removed on stop.
 
 Restarts (`spec.restart`, on in `kvswitch up` unless --no-restart): a child or server that exits
 while the cluster runs is started again as it was first (the same argv, environment and ports, its
-log appended; a server with its store) after a back-off (`RestartPolicy`). Whoever supervises calls
+log appended; a server with its store) after a back-off (`RestartPolicy`); one that cannot be started
+again counts as another exit, the others start as ever. Whoever supervises calls
 `note_exits` and `restart_due` from one thread; `stop` and `kill` hold the same lock, so a restart
 never races a stop: once stopping, nothing is restarted, and what was restarted before is stopped.
 """
@@ -43,10 +44,12 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from kvswitch.etcd_auth import EtcdAuthError, EtcdGateway, b64, enable_auth, namespace_users
 from kvswitch.nats_auth import NatsAuthPlan
 from kvswitch.servers import (
+    PROBE_ERRORS,
     ControlPlaneTls,
     EtcdCluster,
     EtcdServer,
@@ -69,6 +72,9 @@ STOP_GRACE_S = 35.0  # per tier of children at stop: the shim drains for 30 s at
 # Draws of the sims' ports: a port free when drawn can be bound by another process (a parallel
 # test worker's server) before a sim binds it, and the sim then exits "address already in use".
 PORT_DRAWS = 3
+# What a start of a process may fail with: its log or store cannot be written, its binary is gone,
+# fork failed (EAGAIN, ENOMEM), or a server's own refusal.
+_START_ERRORS = (OSError, subprocess.SubprocessError, ServerError)
 
 
 @dataclass(frozen=True)
@@ -385,13 +391,21 @@ class LocalCluster:
         if self.spec.log_dir is None:
             return self._scratch_dir() / f"{name}.log"
         log = self.spec.log_dir / f"{name}.log"
+        self._open_log(log).close()
+        return log
+
+    def _open_log(self, log: Path) -> BinaryIO:
+        """`log` opened to append, its directory made again if gone (an `rm -rf` of --log-dir, or of the
+        scratch directory, while the cluster runs: a restart then still has somewhere to write); one that
+        cannot be opened is a ServerError naming --log-dir, not an OSError."""
         try:
-            self.spec.log_dir.mkdir(parents=True, exist_ok=True)
-            log.open("ab").close()
+            log.parent.mkdir(parents=True, exist_ok=True)
+            return log.open("ab")
         except OSError as exc:
             why = exc.strerror or exc
-            raise ServerError(f"--log-dir {self.spec.log_dir}: cannot write {log.name}: {why}") from None
-        return log
+            if self.spec.log_dir is not None and log.parent == self.spec.log_dir:
+                raise ServerError(f"--log-dir {self.spec.log_dir}: cannot write {log.name}: {why}") from None
+            raise ServerError(f"cannot write {log}: {why}") from None
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
         """Start `python -m kvswitch <argv>`; its output goes to `log_dir/<name>.log` when set, else
@@ -405,7 +419,7 @@ class LocalCluster:
 
     def _popen(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         command, preexec = dying_with_parent([sys.executable, "-m", "kvswitch", *argv], signal.SIGTERM)
-        with log.open("ab") as out:
+        with self._open_log(log) as out:
             proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -446,31 +460,50 @@ class LocalCluster:
         else:
             backoff.restart_at = now + policy.delay(backoff.failures)
 
-    def restart_due(self, now: float) -> list[str]:
-        """Start again, as each was started first, every child and server whose back-off ended; their
-        names. Nothing once stopping: `stop` takes down what this restarted before it."""
-        restarted = []
+    def restart_due(self, now: float) -> list[tuple[str, str | None, _Backoff]]:
+        """Start again, as each was started first, every child and server whose back-off ended:
+        (name, None or why it could not be started, its back-off) of each. One that cannot be started
+        (its log's directory made a file, its binary gone, no process to fork) counts as another exit:
+        due again after its back-off, or given up at its policy's bound; the others start as ever.
+        Nothing once stopping: `stop` takes down what this restarted before it."""
+        tried: list[tuple[str, str | None, _Backoff]] = []
         with self._lock:
             if self._stopping:
                 return []
             for child in self.children:
                 if child.backoff.restart_at is not None and child.backoff.restart_at <= now:
-                    child.proc = self._popen(child.argv, child.env, child.log)
+                    try:
+                        child.proc = self._popen(child.argv, child.env, child.log)
+                    except _START_ERRORS as exc:
+                        tried.append((child.name, self._not_restarted(child.backoff, exc, now), child.backoff))
+                        continue
                     child.serving = not child.probes
                     self._restarted(child.backoff, now)
-                    restarted.append(child.name)
+                    tried.append((child.name, None, child.backoff))
             for name, server in self.servers():
                 backoff = self._server_backoff.get(name)
                 if backoff is not None and backoff.restart_at is not None and backoff.restart_at <= now:
-                    server.launch()  # its ports and store, its log appended
+                    try:
+                        server.launch()  # its ports and store, its log appended
+                    except _START_ERRORS as exc:
+                        tried.append((name, self._not_restarted(backoff, exc, now), backoff))
+                        continue
                     self._restarted(backoff, now)
-                    restarted.append(name)
-        return restarted
+                    tried.append((name, None, backoff))
+        return tried
 
     @staticmethod
     def _restarted(backoff: _Backoff, now: float) -> None:
         backoff.restart_at, backoff.noted, backoff.started_at = None, False, now
         backoff.restarts += 1
+
+    def _not_restarted(self, backoff: _Backoff, exc: BaseException, now: float) -> str:
+        """Count a start that failed as an exit at its start (never settled, so the bound is reached
+        however long it ran before), and say why it failed."""
+        assert self.spec.restart is not None  # a back-off ends only under a policy
+        backoff.restart_at, backoff.started_at = None, now
+        self._schedule(backoff, self.spec.restart, now)
+        return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ServerError) else str(exc)
 
     def next_restart(self) -> float | None:
         """When the next restart is due (time.monotonic), None when none waits."""
@@ -688,7 +721,7 @@ def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as resp:
             return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
+    except PROBE_ERRORS:
         return False
 
 

@@ -18,8 +18,10 @@ import contextlib
 import ctypes
 import fcntl
 import functools
+import http.client
 import ipaddress
 import json
+import logging
 import os
 import random
 import re
@@ -47,6 +49,7 @@ from cryptography.x509.oid import NameOID
 __all__ = [
     "FREE_PORTS_ENV",
     "PORTS_DIR_ENV",
+    "PROBE_ERRORS",
     "ControlPlaneTls",
     "EtcdCluster",
     "EtcdServer",
@@ -62,12 +65,14 @@ __all__ = [
     "free_ports",
     "listeners",
     "port_holders",
+    "port_range",
     "socket_inodes",
 ]
 
 _PR_SET_PDEATHSIG = 1
 FREE_PORTS_ENV = "KVSWITCH_FREE_PORTS"
 PORTS_DIR_ENV = "KVSWITCH_PORTS_DIR"
+log = logging.getLogger("kvswitch.servers")
 
 
 class ServerError(RuntimeError):
@@ -81,7 +86,7 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _port_range() -> tuple[int, int]:
+def port_range() -> tuple[int, int]:
     """[low, high) of the ports `free_ports` draws from."""
     given = os.environ.get(FREE_PORTS_ENV)
     if not given:
@@ -189,7 +194,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
     shares (a locked file, `_cursor`): a port comes back only after the whole range has been handed
     out, and then only if nothing holds it.
     """
-    low, high = _port_range()
+    low, high = port_range()
     if not 1 <= count <= high - low:
         raise ServerError(f"{count} consecutive ports from {low}-{high}: give 1 to {high - low}")
     with _cursor(low, high) as (start, store):
@@ -381,12 +386,19 @@ class ControlPlaneTls:
         return ssl.create_default_context(cafile=str(self.ca))
 
 
-def _get(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+# What a probe of a port may meet besides a server's answer: nothing listening, a timeout, or another
+# process's server that is not HTTP (nats-server greets first: BadStatusLine) or answers no JSON.
+PROBE_ERRORS = (OSError, urllib.error.URLError, http.client.HTTPException, ValueError)
+
+
+def _get_json(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> dict[str, object] | None:
+    """The JSON object `url` answers with 200; None for any other answer, or none (PROBE_ERRORS)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
-            return int(resp.status), resp.read()
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), exc.read()
+            body = json.loads(resp.read()) if resp.status == 200 else None
+    except PROBE_ERRORS:  # HTTPError (a status other than 200) is a URLError
+        return None
+    return body if isinstance(body, dict) else None
 
 
 class _Server:
@@ -400,6 +412,10 @@ class _Server:
         self._log_path = log or self.workdir / f"{self.name}.log"
 
     def _argv(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
         raise NotImplementedError
 
     def ports(self) -> list[int]:
@@ -421,19 +437,24 @@ class _Server:
         if len(set(ports)) < len(ports):
             raise ServerError(f"{self.name} given one port for two of its listeners: {ports}")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = self._log_path.open("ab")
-        argv, preexec = dying_with_parent(self._argv())
         try:
+            # Made again if gone: `kvswitch up --log-dir X` restarts it after an `rm -rf X`.
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = self._log_path.open("ab")
+        except OSError as exc:
+            raise ServerError(f"{self.name}: cannot write its log {self._log_path}: {exc.strerror or exc}") from None
+        try:
+            argv, preexec = dying_with_parent(self._argv())
             self.proc = subprocess.Popen(
                 argv,
-                stdout=log,
+                stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=preexec,  # noqa: PLW1509 (async-signal-safe: one prctl call)
                 start_new_session=True,
             )
         finally:
-            log.close()
+            out.close()
 
     def wait_healthy(self, timeout: float = 20.0) -> Self:
         assert self.proc is not None, "launch() first"
@@ -455,6 +476,7 @@ class _Server:
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            log.error("%s %s did not stop within %gs of SIGTERM: killed", self.name, self.url, timeout)
             proc.kill()
             proc.wait(5)
 
@@ -591,19 +613,13 @@ class NatsServer(_Server):
         return [self.port, self.monitor_port] + ([self.cluster_port] if self.cluster_port is not None else [])
 
     def healthy(self) -> bool:
-        try:
-            status, body = _get(f"http://127.0.0.1:{self.monitor_port}/healthz")
-        except (OSError, urllib.error.URLError):
-            return False
-        return status == 200 and json.loads(body or b"{}").get("status") == "ok"
+        body = _get_json(f"http://127.0.0.1:{self.monitor_port}/healthz")
+        return body is not None and body.get("status") == "ok"
 
     def route_count(self) -> int:
         """Routes this member has to its peers now (0 when it does not answer)."""
-        try:
-            status, body = _get(f"http://127.0.0.1:{self.monitor_port}/routez")
-        except (OSError, urllib.error.URLError):
-            return 0
-        return int(json.loads(body).get("num_routes", 0)) if status == 200 else 0
+        routes = (_get_json(f"http://127.0.0.1:{self.monitor_port}/routez") or {}).get("num_routes")
+        return routes if isinstance(routes, int) else 0
 
 
 class NatsCluster:
@@ -763,11 +779,8 @@ class EtcdServer(_Server):
         return self.tls.client_context() if self.tls is not None else None
 
     def healthy(self) -> bool:
-        try:
-            status, body = _get(f"{self.url}/health", context=self._context())
-        except (OSError, urllib.error.URLError):
-            return False
-        return status == 200 and json.loads(body or b"{}").get("health") == "true"
+        body = _get_json(f"{self.url}/health", context=self._context())
+        return body is not None and body.get("health") == "true"
 
     def status(self) -> dict[str, object] | None:
         """etcd's maintenance status of this member (`leader`, `header.member_id`), None if down."""
@@ -775,7 +788,7 @@ class EtcdServer(_Server):
         try:
             with urllib.request.urlopen(request, timeout=1.0, context=self._context()) as resp:
                 return dict(json.loads(resp.read()))
-        except (OSError, urllib.error.URLError, ValueError):
+        except (*PROBE_ERRORS, TypeError):  # TypeError: JSON, but not an object
             return None
 
 

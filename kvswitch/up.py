@@ -18,6 +18,7 @@ import errno
 import importlib
 import logging
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvswitch.cluster import STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy
-from kvswitch.servers import ServerError
+from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range
 from protocol import ConfigError, subjects
 from protocol.errors import try_listen
 from protocol.timing import profile_names
@@ -119,6 +120,7 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     routers = args.routers if args.routers is not None else (1 if workers else 0)
     if routers < 0:
         raise UpFlagError(f"kvswitch up: --routers must be >= 0, got {routers}")
+    _check_draw(args, workers, routers)
     if args.demo and not routers:
         raise UpFlagError("kvswitch up: --demo sends its requests through a router: drop --routers 0 or --demo")
     if routers and not workers:
@@ -170,6 +172,30 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         nats_nodes=args.nats_nodes, etcd_members=args.etcd_members, etcd_auth=args.secure, nats_auth=args.secure,
         restart=restart,
     )  # fmt: skip
+
+
+def _check_draw(args: argparse.Namespace, workers: int, routers: int) -> None:
+    """The workers' ports (3 each) and the routers' without --http-port are one draw of consecutive
+    free ports (LocalCluster.start): more than the range holds is refused now, naming the flags, not
+    after NATS and etcd started."""
+    drawn = 0 if args.http_port else routers
+    need = 3 * workers + drawn
+    if not need:
+        return
+    try:
+        low, high = port_range()
+    except ServerError as exc:
+        raise UpFlagError(f"kvswitch up: {exc}") from None
+    if need <= high - low:
+        return
+    given = os.environ.get(FREE_PORTS_ENV)
+    where = f"{FREE_PORTS_ENV}={given}" if given else "10000 up to net.ipv4.ip_local_port_range's low end"
+    with_routers = f" and --routers {routers} (1 port each, without --http-port)" if drawn else ""
+    raise UpFlagError(
+        f"kvswitch up: --agg {args.agg} --prefill {args.prefill} --decode {args.decode} (3 ports per worker)"
+        f"{with_routers} take {need} consecutive ports, more than the {high - low} of {low}-{high} ({where}): "
+        f"at most {(high - low - drawn) // 3} workers{' with these routers' if drawn else ''}"
+    )
 
 
 def _restart_policy(args: argparse.Namespace) -> RestartPolicy | None:
@@ -246,6 +272,14 @@ def _check_ports(spec: ClusterSpec) -> None:
         ("--nats-port", spec.nats_port, spec.nats_nodes, "NATS node"),
         ("--etcd-port", spec.etcd_port, spec.etcd_members, "etcd member"),
     ]
+    taken = [(flag, first, count) for flag, first, count, _ in asked if first]
+    for i, (flag, first, count) in enumerate(taken):
+        for other, start, n in taken[i + 1 :]:
+            if first < start + n and start < first + count:
+                raise UpFlagError(
+                    f"kvswitch up: {flag} {first} and {other} {start} overlap: {_ports(flag, first, count)} and "
+                    f"{_ports(other, start, n)}: choose ports apart, or 0 for free ones"
+                )
     for flag, first, count, what in asked:
         for port in range(first, first + count) if first else ():
             try:
@@ -256,6 +290,13 @@ def _check_ports(spec: ClusterSpec) -> None:
                     f"kvswitch up: {flag} {first}: {what} {port - first} cannot listen on 127.0.0.1:{port} "
                     f"({exc.strerror or exc}{busy}): choose another {flag}, or 0 for free ones"
                 ) from None
+
+
+def _ports(flag: str, first: int, count: int) -> str:
+    """The ports `flag` takes, in words ("--nats-port takes 4222-4224 (--nats-nodes 3)")."""
+    took = f"{first}" if count == 1 else f"{first}-{first + count - 1}"
+    counted = {"--http-port": "--routers", "--nats-port": "--nats-nodes", "--etcd-port": "--etcd-members"}[flag]
+    return f"{flag} takes {took} ({counted} {count})"
 
 
 # Router flags `kvswitch up` gives every replica itself (LocalCluster._start_router) and has no flag of
@@ -357,7 +398,7 @@ class _HealthLog:
     a server that died, with its exit status and last output), the same trouble again at most every
     `every_s`, with how many checks found it meanwhile. `watch`, between checks, restarts what
     exited when the cluster has a restart policy: a WARNING for each exit it restarts, an ERROR for
-    one given up."""
+    one given up and for each restart that could not start its process."""
 
     def __init__(
         self, cluster: LocalCluster, said: str, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic
@@ -390,8 +431,26 @@ class _HealthLog:
                     "%s exited: %s; restarting it in %.1fs (exit %d in a row; given up at %d)",
                     what, died, backoff.restart_at - now, backoff.failures, policy.failures,
                 )  # fmt: skip
-        for name in self.cluster.restart_due(now):
-            log.info("restarted %s", name)
+        for name, failed, backoff in self.cluster.restart_due(now):
+            if failed is None:
+                log.info("restarted %s", name)
+                continue
+            what = "server" if name in dict(self.cluster.servers()) else "child"
+            assert policy is not None  # a restart is tried only under a policy
+            if backoff.given_up:
+                log.error(
+                    "%s %s could not be restarted: %s; given up: it exited or could not be started %d times in a "
+                    "row, each within %.0fs of its start; the rest of the cluster runs on, restart kvswitch up to "
+                    "try it again",
+                    what, name, failed, backoff.failures, policy.settled_s,
+                )  # fmt: skip
+            else:
+                assert backoff.restart_at is not None
+                log.error(
+                    "%s %s could not be restarted: %s; trying again in %.1fs (counted as exit %d in a row; given up "
+                    "at %d)",
+                    what, name, failed, backoff.restart_at - now, backoff.failures, policy.failures,
+                )  # fmt: skip
 
     def check(self) -> None:
         self.watch()
@@ -407,6 +466,28 @@ class _HealthLog:
             if now - self._said_at >= self.every_s:
                 log.error("still unhealthy (%d checks in %.0fs): %s", self._held, now - self._said_at, line)
                 self._said_at, self._held = now, 0
+
+
+async def _supervise(cluster: LocalCluster, health: _HealthLog, stop: asyncio.Event) -> None:
+    """Until `stop`: exits are looked for each tick (a poll of each process), and at each restart
+    due; health is probed every 5 s. A round that raises (a fault no restart foresaw) is logged with
+    its traceback and the next goes on: one process's trouble must not take the cluster down."""
+    tick = 5.0 if cluster.spec.restart is None else WATCH_S
+    next_check = time.monotonic() + 5.0
+    while not stop.is_set():
+        due = cluster.next_restart()
+        wait = tick if due is None else min(tick, max(0.0, due - time.monotonic()))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=wait)
+        except TimeoutError:
+            try:
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + 5.0
+                    health.check()
+                else:
+                    health.watch()
+            except Exception:  # not BaseException: a KeyboardInterrupt or a cancellation still ends it
+                log.exception("supervising failed this round; the cluster runs on, supervised still")
 
 
 async def _demo(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) -> int:
@@ -501,22 +582,7 @@ def run(args: argparse.Namespace) -> int:
             if args.demo:
                 return await _demo(cluster, spec, stop)
             print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)
-            health = _HealthLog(cluster, said)
-            # Exits are looked for each tick (a poll of each process), and at each restart due;
-            # health is probed every 5 s.
-            tick = 5.0 if spec.restart is None else WATCH_S
-            next_check = time.monotonic() + 5.0
-            while not stop.is_set():
-                due = cluster.next_restart()
-                wait = tick if due is None else min(tick, max(0.0, due - time.monotonic()))
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=wait)
-                except TimeoutError:
-                    if time.monotonic() >= next_check:
-                        health.check()
-                        next_check = time.monotonic() + 5.0
-                    else:
-                        health.watch()
+            await _supervise(cluster, _HealthLog(cluster, said), stop)
             return 0
         finally:
             # A stop of up's own (the demo done, a start that failed) is bounded as a SIGTERM's:

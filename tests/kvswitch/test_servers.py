@@ -3,24 +3,31 @@ cannot bind naming the port and who holds it."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvswitch import servers
+from kvswitch.cluster import _answers
 from kvswitch.servers import (
     FREE_PORTS_ENV,
     PORTS_DIR_ENV,
+    EtcdServer,
     NatsServer,
     ServerError,
-    _port_range,
     free_port,
     free_ports,
+    port_range,
 )
 
 DRAWS = 30
@@ -32,7 +39,7 @@ def test_a_parent_and_its_child_drawing_from_one_range_get_disjoint_ports(
 ) -> None:
     # Nothing binds these ports, as nothing had yet bound a test's --http-port when its `kvswitch up`
     # drew its NATS ports: each process drew at random, alone, and the two took one port (CI, 2026-12-06).
-    low = _port_range()[0]
+    low = port_range()[0]
     monkeypatch.setenv(FREE_PORTS_ENV, f"{low}-{low + 100}")  # within this worker's own range
     # A cursor of this test's own, which the child inherits: another test run's draws from this
     # range (the same user's, at once) would otherwise wrap into these.
@@ -48,7 +55,7 @@ def test_a_parent_and_its_child_drawing_from_one_range_get_disjoint_ports(
 
 def test_consecutive_draws_do_not_overlap(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # A NatsCluster's client, monitor and cluster ports are three draws, none bound before the last.
-    low = _port_range()[0]
+    low = port_range()[0]
     monkeypatch.setenv(FREE_PORTS_ENV, f"{low}-{low + 60}")
     monkeypatch.setenv(PORTS_DIR_ENV, str(tmp_path))  # as above: no other run's draws in between
     taken = [p for base in (free_ports(3) for _ in range(15)) for p in range(base, base + 3)]
@@ -152,3 +159,65 @@ def test_an_empty_default_range_names_the_kernel_setting_and_the_variable(monkey
     monkeypatch.setattr(servers, "_ephemeral_low", lambda: 1024)
     with pytest.raises(ServerError, match=rf"ip_local_port_range's low end, 1024 here; set {FREE_PORTS_ENV}=LOW-HIGH"):
         free_port()
+
+
+@contextlib.contextmanager
+def _answering(reply: bytes) -> Iterator[int]:
+    """A port whose every connection gets `reply`, then is closed."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def answer() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    with contextlib.suppress(OSError):
+                        conn.recv(65536)
+                    conn.sendall(reply)
+
+    threading.Thread(target=answer, daemon=True).start()
+    with listener:
+        yield listener.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b'INFO {"server_id":"x","proto":1}\r\n',  # nats-server's greeting: not HTTP (BadStatusLine)
+        b"HTTP/1.0 200 OK\r\n\r\nnot json",
+        b"HTTP/1.0 200 OK\r\n\r\n[1]",  # JSON, not an object
+    ],
+)
+def test_a_health_probe_answered_by_something_else_is_not_healthy(reply: bytes) -> None:
+    # It raised (BadStatusLine, JSONDecodeError, AttributeError) out of the probe: `kvswitch up` crashed
+    # at its start, or mid-run in its health check.
+    with _answering(reply) as port:
+        nats, etcd = NatsServer(monitor_port=port), EtcdServer(port=port)
+        try:
+            assert not nats.healthy() and nats.route_count() == 0
+            assert not etcd.healthy() and etcd.status() is None
+            # a child's probe asks for a 200 alone
+            assert _answers(f"http://127.0.0.1:{port}/health") is reply.startswith(b"HTTP/1.0 200")
+        finally:
+            nats.close()
+            etcd.close()
+
+
+def test_a_server_that_ignores_sigterm_is_killed_and_said(caplog: pytest.LogCaptureFixture) -> None:
+    # It was SIGKILLed after the wait with nothing said, where a child that did so got an ERROR
+    nats = NatsServer().start()
+    assert nats.pid is not None
+    pid = nats.pid
+    os.kill(pid, signal.SIGSTOP)  # a stopped process takes no SIGTERM
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvswitch.servers"):
+            nats.stop(timeout=0.5)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"nats {nats.url} did not stop within 0.5s of SIGTERM: killed"
+        ]
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        nats.close(now=True)

@@ -28,8 +28,8 @@ import engine_sim
 import kvswitch.servers
 import kvswitch.up
 from kvswitch.cluster import ClusterSpec, LocalCluster
-from kvswitch.servers import EtcdServer, NatsServer, ServerError
-from kvswitch.up import _HealthLog, _spec
+from kvswitch.servers import FREE_PORTS_ENV, EtcdServer, NatsServer, ServerError, free_ports
+from kvswitch.up import _check_ports, _HealthLog, _spec
 from protocol import subjects
 from protocol.messages import RouterInfo, encode_json
 from tests.kvswitch.test_up import _up_args
@@ -294,3 +294,65 @@ def test_a_log_dir_the_mode_bits_allow_but_that_takes_no_file_is_refused() -> No
 def test_the_max_model_len_default_is_the_sims_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_sim, "SimConfig", functools.partial(engine_sim.SimConfig, max_model_len=4096))
     assert _up_args([]).max_model_len == 4096
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["--nats-port", "{p}", "--etcd-port", "{p}"],
+            "--nats-port {p} and --etcd-port {p} overlap: --nats-port takes {p} (--nats-nodes 1) and --etcd-port "
+            "takes {p} (--etcd-members 1): choose ports apart, or 0 for free ones",
+        ),
+        (
+            ["--nats-nodes", "3", "--nats-port", "{p}", "--etcd-port", "{p+2}"],
+            "--nats-port {p} and --etcd-port {p+2} overlap: --nats-port takes {p}-{p+2} (--nats-nodes 3) and",
+        ),
+        (["--http-port", "{p}", "--nats-port", "{p}"], "--http-port {p} and --nats-port {p} overlap"),
+        (
+            ["--routers", "2", "--http-port", "{p+2}", "--etcd-members", "3", "--etcd-port", "{p}"],
+            "--http-port {p+2} and --etcd-port {p} overlap: --http-port takes {p+2}-{p+3} (--routers 2) and "
+            "--etcd-port takes {p}-{p+2}",
+        ),
+    ],
+)
+def test_flags_whose_ports_overlap_are_refused_before_anything_starts_naming_both(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    # Each port was checked free alone: NATS took it, then etcd failed to bind after it had started
+    port = free_ports(4)
+
+    def ported(text: str) -> str:
+        return text.replace("{p+2}", str(port + 2)).replace("{p+3}", str(port + 3)).replace("{p}", str(port))
+
+    monkeypatch.setattr(kvswitch.up, "LocalCluster", lambda spec: pytest.fail("a cluster was started"))
+    assert kvswitch.up.run(_up_args(["--agg", "1", *map(ported, argv)])) == 2
+    assert f"kvswitch up: {ported(said)}" in capsys.readouterr().err
+
+
+def test_ports_side_by_side_do_not_overlap() -> None:
+    port = free_ports(4)
+    argv = ["--agg", "1", "--nats-nodes", "3", "--nats-port", str(port), "--etcd-port", str(port + 3)]
+    _check_ports(_spec(_up_args(argv)))
+
+
+def test_more_workers_than_the_port_range_holds_are_refused_naming_the_flags_and_the_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # --agg 8000 started NATS and etcd, then failed in free_ports naming no flag
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-30000")
+    with pytest.raises(SystemExit) as refused:
+        _spec(_up_args(["--agg", "4000", "--decode", "10", "--http-port", "0"]))
+    assert refused.value.code == 2 and str(refused.value) == (
+        "kvswitch up: --agg 4000 --prefill 0 --decode 10 (3 ports per worker) and --routers 1 (1 port each, "
+        "without --http-port) take 12031 consecutive ports, more than the 10000 of 20000-30000 "
+        "(KVSWITCH_FREE_PORTS=20000-30000): at most 3333 workers with these routers"
+    )
+    assert _spec(_up_args(["--agg", "3333", "--http-port", "0"])).agg == 3333  # the most it allows
+    monkeypatch.delenv(FREE_PORTS_ENV)
+    monkeypatch.setattr(kvswitch.servers, "_ephemeral_low", lambda: 32768)
+    with pytest.raises(SystemExit, match=re.escape(
+        "--prefill 8000 --decode 1 (3 ports per worker) take 24003 consecutive ports, more than the 22768 of "
+        "10000-32768 (10000 up to net.ipv4.ip_local_port_range's low end): at most 7589 workers"
+    )):  # fmt: skip
+        _spec(_up_args(["--prefill", "8000", "--decode", "1"]))

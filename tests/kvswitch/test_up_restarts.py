@@ -4,10 +4,12 @@ row; never during or after a stop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
+import kvswitch.up
 from kvswitch.cluster import ClusterSpec, LocalCluster, RestartPolicy
 from kvswitch.servers import free_port
-from kvswitch.up import _HealthLog, _spec
+from kvswitch.up import _HealthLog, _spec, _supervise
 from tests.kvswitch.test_up import _alive, _cmdline, _descendants, _up_args
 
 
@@ -236,3 +239,143 @@ def test_restarts_are_on_unless_no_restart() -> None:
     assert _spec(_up_args(["--agg", "1"])).restart == RestartPolicy()
     assert _spec(_up_args(["--agg", "1", "--restart-backoff-s", "45"])).restart == RestartPolicy(45.0, 45.0)
     assert _spec(_up_args(["--agg", "1", "--no-restart"])).restart is None
+
+
+def test_a_restart_after_its_log_directory_was_removed_makes_it_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `rm -rf` of --log-dir while up ran: the restart's FileNotFoundError took the whole cluster down
+    logs = tmp_path / "logs"
+    cluster = LocalCluster(ClusterSpec(log_dir=logs, restart=RestartPolicy(first_s=0.05)))
+    try:
+        child = cluster.spawn("sim-agg", ["sim", "--no-such-flag"])
+        child.proc.wait(30)
+        health = _HealthLog(cluster, cluster.health_line())
+        health.watch()
+        shutil.rmtree(logs)
+        with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+            _until("restarted", lambda: _watched(health) and child.backoff.restarts == 1)
+        assert "restarted sim-agg" in [r.getMessage() for r in caplog.records]
+        child.proc.wait(30)
+        assert "--no-such-flag" in (logs / "sim-agg.log").read_text()
+    finally:
+        cluster.stop()
+
+
+def test_a_child_that_cannot_be_started_again_counts_as_an_exit_and_the_rest_runs_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The OSError from its log's open left restart_due with a traceback, and up with rc 1: the whole
+    # cluster went down for one child; the child after it was never restarted.
+    policy = RestartPolicy(first_s=0.05, failures=3)
+    cluster = LocalCluster(ClusterSpec(log_dir=tmp_path, restart=policy))
+    try:
+        bad = cluster.spawn("sim-agg", ["sim", "--no-such-flag"])
+        other = cluster.spawn("sim-decode", ["sim", "--no-such-flag"])
+        bad.proc.wait(30)
+        other.proc.wait(30)
+        (tmp_path / "sim-agg.log").unlink()
+        (tmp_path / "sim-agg.log").mkdir()  # its log cannot be opened any more
+        health = _HealthLog(cluster, cluster.health_line())
+        with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+            _until("given up", lambda: _watched(health) and bad.backoff.given_up)
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "sim-agg" in r.getMessage()]
+        cannot = f"child sim-agg could not be restarted: --log-dir {tmp_path}: cannot write sim-agg.log: Is a directory"
+        assert len(errors) == 2 and all(e.startswith(cannot) for e in errors), errors
+        assert re.search(r"; trying again in 0\.\ds \(counted as exit 2 in a row; given up at 3\)$", errors[0]), errors
+        assert errors[1].endswith(
+            "; given up: it exited or could not be started 3 times in a row, each within 60s of its start; the rest of "
+            "the cluster runs on, restart kvswitch up to try it again"
+        ), errors
+        assert bad.backoff.restarts == 0 and other.backoff.restarts >= 1
+        assert "restarted sim-decode" in [r.getMessage() for r in caplog.records]
+        assert "dead=sim-agg" in cluster.health_line()
+    finally:
+        cluster.stop()
+
+
+def test_a_server_that_cannot_be_started_again_is_tried_again_after_its_back_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `rm -rf` of --log-dir, then a nats-server exit: launch's FileNotFoundError took the cluster down.
+    logs = tmp_path / "logs"
+    cluster = LocalCluster(ClusterSpec(log_dir=logs, restart=RestartPolicy(first_s=0.05)))
+    try:
+        cluster.start()  # the servers alone
+        assert cluster.nats is not None
+        nats = cluster.nats.nodes[0]
+        assert nats.proc is not None
+        first = nats.proc.pid
+        shutil.rmtree(logs)
+        logs.write_text("")  # a file where its directory was: nothing can make it again
+        nats.proc.kill()
+        nats.proc.wait(10)
+        health = _HealthLog(cluster, cluster.health_line())
+        with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+            _until(
+                "a failed restart", lambda: _watched(health) and any(r.levelno == logging.ERROR for r in caplog.records)
+            )
+            error = next(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+            assert error.startswith(
+                f"server nats-0 could not be restarted: nats: cannot write its log {logs}/nats-0.log"
+            )
+            assert (
+                "(counted as exit 2 in a row; given up at 5)" in error and "restarting=nats-0" in cluster.health_line()
+            )
+            logs.unlink()
+            _until("restarted", lambda: _watched(health) and nats.proc is not None and nats.proc.pid != first)
+        _until("healthy", nats.healthy)
+        assert (logs / "nats-0.log").stat().st_size > 0
+    finally:
+        cluster.stop()
+
+
+class _Raising:
+    """A health log whose first watch raises `error`; the next ends the supervision."""
+
+    def __init__(self, error: BaseException, stop: asyncio.Event) -> None:
+        self.error, self.stop, self.watched = error, stop, 0
+
+    def watch(self) -> None:
+        self.watched += 1
+        if self.watched == 1:
+            raise self.error
+        self.stop.set()
+
+    check = watch
+
+
+class _Cluster:
+    spec = ClusterSpec(restart=RestartPolicy())
+
+    def next_restart(self) -> None:
+        return None
+
+
+def _supervised(error: BaseException, monkeypatch: pytest.MonkeyPatch) -> _Raising:
+    monkeypatch.setattr(kvswitch.up, "WATCH_S", 0.01)
+
+    async def supervise() -> _Raising:
+        stop = asyncio.Event()
+        health = _Raising(error, stop)
+        await _supervise(_Cluster(), health, stop)  # type: ignore[arg-type]
+        return health
+
+    return asyncio.run(supervise())
+
+
+def test_a_supervision_round_that_raises_is_logged_and_supervision_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An exception in one round of the loop (an OSError no restart foresaw) stopped the whole cluster
+    with caplog.at_level(logging.ERROR, logger="kvswitch.up"):
+        health = _supervised(OSError(24, "Too many open files"), monkeypatch)
+    assert health.watched == 2
+    [record] = caplog.records
+    assert record.getMessage() == "supervising failed this round; the cluster runs on, supervised still"
+    assert record.exc_info is not None and isinstance(record.exc_info[1], OSError)
+
+
+def test_a_keyboard_interrupt_in_a_supervision_round_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        _supervised(KeyboardInterrupt(), monkeypatch)
