@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -228,7 +229,7 @@ class _JsonErrorHandler(RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("an answer is on its way already: the connection is dropped")
         if isinstance(exc, LineTooLong):
-            status = 414 if "status line" in str(exc).lower() or "request line" in str(exc).lower() else 431
+            status = 414 if _request_line(exc) else 431
             text = "the request line is too long" if status == 414 else "a request header is too large"
         elif isinstance(exc, BadHttpMessage) and "too many headers" in str(exc).lower():
             status, text = 431, "too many request headers"
@@ -240,6 +241,21 @@ class _JsonErrorHandler(RequestHandler):
             text = "the router failed to handle the request" if status >= 500 else (message or "bad request")
         resp = ApiError(status, text, close=True).response()
         return resp
+
+
+def _request_line(exc: LineTooLong) -> bool:
+    """Whether the line over aiohttp's limit is the request line, not a header: its text says
+    neither ("Got more than 8190 bytes when reading: ..." for both; until 2026-12-07 the router
+    looked there for "request line", so an over-long URL was a 431), what it carries does. The C
+    parser (llhttp) gives the URL gathered in its bytearray buffer, a header's name or value as
+    bytes (a value may start with '/' and hold no ':'); the Python parser (AIOHTTP_NO_EXTENSIONS)
+    the whole line, the request line starting with its method and a space, a header line with its
+    name and a ':'."""
+    line = exc.args[0]
+    return isinstance(line, bytearray) or (isinstance(line, bytes) and _METHOD_SP.match(line) is not None)
+
+
+_METHOD_SP = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+ ")  # RFC 9110's token, then the request line's space
 
 
 class _JsonErrorServer(web.Server):

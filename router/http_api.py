@@ -25,10 +25,11 @@ it: the client's X-Request-Id, else a routed answer's `id`, else a fresh one. No
 400/414/431 to a request that does not parse as HTTP, which no handler sees (nor does vLLM's).
 
 Every error is OpenAI JSON (router.api_errors), including what aiohttp answers before a handler
-runs: its parser's errors (`FrontDoorRunner`), unknown routes and methods, an unsupported Expect
-on a JSON route (elsewhere aiohttp's own 417 text stands).
-A POST's `Expect: 100-continue` gets its 100 only when the body is read, so a request refused
-before that never sends it. A client that disconnects cancels its request on the worker.
+runs: its parser's errors (`FrontDoorRunner`), unknown routes and methods. An `Expect` is
+router.expectations' on every route: an unsupported one is a 417 after the API key and the drain
+(an unknown route's 404 and a wrong method's 405 come first), and a POST's `100-continue` gets its
+100 only when the body is read, so a request refused before that never sends it. A client that
+disconnects cancels its request on the worker.
 
 A client that stops reading, its answer streamed or whole, holds its request no longer than its
 deadline: each write waits at most until then, and then the connection is aborted (counted 504).
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from aiohttp import HttpVersion11, web
+from aiohttp import web
 
 from protocol import GenerateRequest, SamplingParams
 from protocol.messages import (
@@ -80,6 +81,7 @@ from router.api_errors import (
 )
 from router.api_keys import ApiKeys
 from router.dispatch import Job
+from router.expectations import ExpectRoutes, expectations, send_continue
 from router.leg import LegError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.planner import PlanError
@@ -457,8 +459,6 @@ class _Handlers:
     # --- reading the request ------------------------------------------------------------------
 
     async def _json_body(self, request: web.Request) -> Any:
-        if (unmet := _unmet_expectation(request)) is not None:
-            raise unmet
         # vLLM's validate_json_request guards its JSON routes: any other media type (none included)
         # is a 400, before the body is read. It is also what keeps a web page from having a browser
         # post a text/plain body here, which needs no CORS preflight.
@@ -469,7 +469,7 @@ class _Handlers:
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"the request body is {request.content_length} bytes, over the limit of {limit}",
                            "body", close=True)  # fmt: skip
-        await _continue(request)
+        await send_continue(request)
         try:
             async with asyncio.timeout(self.limits.body_timeout_s):
                 raw = await request.read()
@@ -544,7 +544,7 @@ class _Handlers:
     # --- one request ----------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        endpoint = "chat" if chat else "completions"
+        endpoint = ENDPOINT_CHAT if chat else ENDPOINT_COMPLETIONS  # the labels _COUNTED names
         status = 500
         why = ""  # why it failed, for its span
         broke = False  # an answer that failed after its 200 went out
@@ -746,30 +746,13 @@ def _abort_unread(request: web.Request, job: Job, what: str) -> str:
 # --- errors before a handler runs ---------------------------------------------------------------
 
 
-async def _expect(request: web.Request) -> web.StreamResponse | None:
-    """A JSON route's Expect is its handler's (`_unmet_expectation`, `_continue`), not answered at
-    once as aiohttp's default does: a request refused before that (a body over the limit, 413; a
-    media type not JSON, 400; no API key, 401; the drain's 503) gets its refusal in place of a 100
-    that asks for a body only to throw it away."""
-    return None
-
-
-def _unmet_expectation(request: web.Request) -> ApiError | None:
-    """The 417, in OpenAI JSON (aiohttp's was text), for an Expect other than 100-continue. Raised
-    in the handler, behind the API key and the drain and counted as its endpoint's answer: until
-    2026-12-07 the expect handler answered it before any middleware, in no requests_total. HTTP/1.0
-    has no 100: its Expect is ignored, as aiohttp does."""
-    expect = request.headers.get("Expect", "")
-    if request.version != HttpVersion11 or not expect or expect.lower() == "100-continue":
-        return None
-    return ApiError(417, f"unsupported Expect: {expect!r}; only 100-continue is", "Expect")
-
-
-async def _continue(request: web.Request) -> None:
-    """The 100 Continue `_expect` held back, now that the body is wanted."""
-    if request.version == HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # no answer has started: what the parser's errors check
+# The routes whose answers requests_total counts, by their label (the handlers count them).
+_COUNTED = {
+    "/v1/completions": ENDPOINT_COMPLETIONS,
+    "/v1/chat/completions": ENDPOINT_CHAT,
+    "/tokenize": ENDPOINT_TOKENIZE,
+    "/detokenize": ENDPOINT_DETOKENIZE,
+}
 
 
 # Probes and scrapers carry no key. The full fleet listing is /debug/workers, behind the operator
@@ -867,19 +850,21 @@ def make_app(
     )
     keyed = api_keys is not None or debug_keys is not None
     auth = [_auth_middleware(api_keys, debug_keys, path.metrics)] if keyed else []
-    middlewares = [openai_errors(path.metrics), *auth, _drain_gate(drain, path.metrics)]
+    expect = expectations(path.metrics, _COUNTED)
+    middlewares = [openai_errors(path.metrics), *auth, _drain_gate(drain, path.metrics), expect]
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     app.on_response_prepare.append(_echo_request_id)
+    ExpectRoutes.install(app)  # every route's Expect is router.expectations', never aiohttp's
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/v1/models", h.models)
-    app.router.add_post("/v1/completions", h.completions, expect_handler=_expect)
-    app.router.add_post("/v1/chat/completions", h.chat, expect_handler=_expect)
-    app.router.add_post("/tokenize", h.tokenize, expect_handler=_expect)
-    app.router.add_post("/detokenize", h.detokenize, expect_handler=_expect)
+    app.router.add_post("/v1/completions", h.completions)
+    app.router.add_post("/v1/chat/completions", h.chat)
+    app.router.add_post("/tokenize", h.tokenize)
+    app.router.add_post("/detokenize", h.detokenize)
     app.router.add_get("/version", h.version)
-    app.router.add_post("/debug/route", h.debug_route, expect_handler=_expect)
+    app.router.add_post("/debug/route", h.debug_route)
     app.router.add_get("/debug/index", h.debug_index)
     app.router.add_get("/debug/workers", h.debug_workers)
 

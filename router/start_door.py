@@ -16,6 +16,8 @@ requests the door answers until the router's app is ready:
 - any other request an OpenAI 503 with `Retry-After: 1` naming the same, counted as
   `endpoint="starting"` (a fixed label, as `draining`).
 
+An `Expect` changes none of these: no 100 goes before them, and no 417 instead of them.
+
 `hand_over(app)` then gives every request read from then on to the router's app, on the same
 server and the same connections: none is refused or cut at the switch (until 2026-12-06 the app got
 a server of its own and the door's connections were closed, a request sent on one just after the
@@ -36,6 +38,7 @@ from aiohttp import web
 from protocol.errors import bind_sockets, listen_error
 from router.api_errors import ApiError, FrontDoorRunner, json_response, openai_errors
 from router.client_connections import ClientConnections
+from router.expectations import ExpectRoutes
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from runtime.fd_limit import fd_limit
 
@@ -146,6 +149,9 @@ class StartDoor:
         connections = ClientConnections(fd_limit(), self._metrics)
         sockets = _listen(self.host, self.port, connections.backlog)
         app = web.Application(middlewares=[openai_errors(self._metrics)])
+        # An Expect is held and never answered (router.expectations, without its 417): the door's
+        # answer is the one a request gets, its 503 ahead of any 417 as the drain's is, no 100 before it.
+        ExpectRoutes.install(app)
         app.router.add_get("/health", self._on_health)
         app.router.add_get("/ready", self._on_ready)
         app.router.add_get("/metrics", self._on_metrics)

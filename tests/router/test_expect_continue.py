@@ -1,7 +1,9 @@
 """`Expect: 100-continue` on the JSON routes: the 100 goes out when the router reads the body, so a
 request it refuses before that gets its refusal, not a 100 asking for a body it will throw away
 (client-fault audit: aiohttp's default expect handler sent the 100 at once, before a 413 for a
-Content-Length over the limit and before a 400 for a media type that is not JSON)."""
+Content-Length over the limit and before a 400 for a media type that is not JSON). Any other
+Expect is a JSON 417 on every route, after the API key, the drain and an unknown route's 404
+(router.expectations; until 2026-12-07 aiohttp's text 417 everywhere but the JSON routes)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from router.expectations import UNCOUNTED
 from router.http_api import HttpLimits
 from router.service import RouterService
 from tests.router.conftest import MODEL, Cluster
@@ -21,7 +24,7 @@ LIMIT = 4096
 
 
 async def _first_answer(
-    router: RouterService, path: str, headers: dict[str, str], body: bytes | None
+    router: RouterService, path: str, headers: dict[str, str], body: bytes | None, method: str = "POST"
 ) -> tuple[bytes, dict[str, Any] | bytes]:
     """The first answer (status line and headers, then its JSON body, or its raw body) to a request
     whose head goes out with `Expect: 100-continue`: a 100 Continue, unless `body` is given, which is then
@@ -30,7 +33,7 @@ async def _first_answer(
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         lines = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "x", "Expect": "100-continue", **headers}.items())
-        writer.write(f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode())
+        writer.write(f"{method} {path} HTTP/1.1\r\n{lines}\r\n".encode())
         await writer.drain()
         async with asyncio.timeout(10):
             head = await reader.readuntil(b"\r\n\r\n")
@@ -115,3 +118,57 @@ async def test_an_unsupported_expectation_without_its_api_key_is_401_not_417(clu
     got = await _first_answer(router, "/v1/completions", headers, None)  # before: 417, ahead of the key check
     assert "API key" in _error(got, 401)["message"]
     assert counted(router, 417) == 0
+
+
+def _count(router: RouterService, endpoint: str, code: int) -> float:
+    labels = {"endpoint": endpoint, "code": str(code)}
+    return router.metrics.registry.get_sample_value("kvswitch_router_requests_total", labels) or 0.0
+
+
+# Every route the router serves, with the requests_total label its 417 counts under.
+_ROUTES = [
+    ("GET", "/health", UNCOUNTED), ("GET", "/ready", UNCOUNTED), ("GET", "/metrics", UNCOUNTED),
+    ("GET", "/v1/models", UNCOUNTED), ("GET", "/version", UNCOUNTED), ("GET", "/debug/index", UNCOUNTED),
+    ("GET", "/debug/workers", UNCOUNTED), ("POST", "/debug/route", UNCOUNTED),
+    ("POST", "/v1/completions", "completions"), ("POST", "/v1/chat/completions", "chat"),
+    ("POST", "/tokenize", "tokenize"), ("POST", "/detokenize", "detokenize"),
+]  # fmt: skip
+
+
+async def test_an_unsupported_expectation_is_a_counted_json_417_on_every_route(cluster: Cluster) -> None:
+    router = await _router(cluster)
+    for method, path, _ in _ROUTES:
+        body = {"Content-Type": "application/json", "Content-Length": "2"} if method == "POST" else {}
+        got = await _first_answer(router, path, {"Expect": "200-ok", **body}, None, method)  # before: text, GETs
+        assert "200-ok" in _error(got, 417)["message"], path
+    # before: only the JSON routes' 417s, each as its endpoint's answer
+    assert {e: _count(router, e, 417) for _, _, e in _ROUTES} == {
+        "completions": 1,
+        "chat": 1,
+        "tokenize": 1,
+        "detokenize": 1,
+        UNCOUNTED: 8,
+    }
+
+
+async def test_an_unknown_route_or_a_wrong_method_is_its_404_or_405_whatever_its_expectation(cluster: Cluster) -> None:
+    router = await _router(cluster)
+    for expect in ("200-ok", "100-continue"):
+        headers = {"Expect": expect, "Content-Type": "application/json", "Content-Length": "2"}
+        # before: a text 417, or a 100 Continue asking for a body the 404 throws away
+        error = _error(await _first_answer(router, "/v1/nothing", headers, None), 404)
+        assert "no route /v1/nothing" in error["message"]
+        _error(await _first_answer(router, "/v1/completions", {"Expect": expect}, None, "GET"), 405)
+    assert _count(router, "unrouted", 404) == 2 and _count(router, "unrouted", 405) == 2
+    assert all(_count(router, endpoint, 417) == 0 for endpoint in ("completions", UNCOUNTED))
+
+
+async def test_an_unsupported_expectation_without_an_api_key_is_401_on_any_route(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    (tmp_path / "keys").write_text("sk-right\n")
+    router = await _router(cluster, api_keys_file=str(tmp_path / "keys"))
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/nothing")):
+        got = await _first_answer(router, path, {"Expect": "200-ok"}, None, method)  # before: a text 417
+        assert "API key" in _error(got, 401)["message"], path
+    assert _count(router, "auth", 401) == 2 and _count(router, UNCOUNTED, 417) == 0

@@ -98,9 +98,11 @@ async def test_a_router_waiting_for_nats_is_alive_says_why_it_is_not_ready_and_s
                 error = (await resp.json())["error"]
             assert error["type"] == "ServiceUnavailableError" and waiting in error["message"], error
             assert nats.url.split("//")[1] not in error["message"]
+            async with http.post(f"{base}/v1/completions", json=body, headers={"Expect": "200-ok"}) as resp:
+                assert resp.status == 503  # the door's answer, not a 417 (before: aiohttp's text 417)
             async with http.get(f"{base}/metrics") as resp:
                 assert resp.status == 200
-                assert 'kvswitch_router_requests_total{code="503",endpoint="starting"} 1.0' in await resp.text()
+                assert 'kvswitch_router_requests_total{code="503",endpoint="starting"} 2.0' in await resp.text()
 
             await asyncio.to_thread(nats.start)
             cluster = Cluster(ns, nats.url, etcd_url)
