@@ -15,10 +15,12 @@ the leg ends with a `final` chunk or an `error` one.
   token with no handle (`prefill_stopped`: an EOS or a client's stop id; vLLM gives a handle only
   for a leg that ended on its length), which is the request's doing. A server error (5xx) is reported
   only once the fallback serves the request: one the request itself caused (vLLM 0.32: a grammar
-  that fails to compile) fails the local prefill alike. An engine that refuses the request (a 4xx
-  error chunk) refuses it for the decode leg too: that error goes to the client, with no needless
-  local retry; but for a 404, a model (a LoRA adapter) the prefill worker no longer serves, which
-  falls back.
+  that fails to compile) fails the local prefill alike. A prefill engine that refuses the request
+  (a 4xx error chunk, before any prefill) leaves it to the decode engine, on the bypass path on the
+  same decode worker (outcome fallback_prefill_refused): one started with other flags may serve it,
+  and its refusal is the client's answer. One it serves is put down to the prefill worker (counted
+  per worker in `refusals_overruled`, logged once per worker), which stays routable. A 404, a model
+  (a LoRA adapter) the prefill worker no longer serves, falls back as a failure.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
   or answers 404 (an adapter unloaded there) before the first token is retried once on the
@@ -163,6 +165,9 @@ class Job:
     # (prefill worker, fault) of a prefill leg its engine failed with a 5xx: put down to that worker
     # only once the request is served, as one the request itself caused fails every engine alike
     prefill_error: tuple[str, str] | None = None
+    # (prefill worker, its engine's message) of a prefill leg its engine refused (a 4xx): put down
+    # to that worker only if a decode engine serves the request
+    prefill_refused: tuple[str, str] | None = None
     released: bool = False  # its bookkeeping ended (router.request_path)
     booked: str | None = None  # the attempt's booking, until freed
     sequences: int = 1  # the engine's sequences for it: its prompts times `n` (RequestShape.sequences)
@@ -296,6 +301,10 @@ class Dispatcher:
         self.resumes = 0
         self.slow_readers = 0  # legs dropped because their client read too slowly (MAX_QUEUED_BYTES)
         self.malformed_replies: Counter[str] = Counter()  # by worker, while it is registered
+        self.refusal_fallbacks = 0  # prefill legs its engine refused, asked of the decode engine instead
+        # requests a prefill worker's engine refused and a decode engine served, by prefill worker
+        # while it is registered: an engine configured unlike its decode workers
+        self.refusals_overruled: Counter[str] = Counter()
         self.engine_refusals: Counter[int] = Counter()  # legs an engine turned away for now, by status (408, 429)
         self._malformed_lines = FleetLines(  # a fleet on a build whose replies this router cannot read
             log,
@@ -303,6 +312,13 @@ class Dispatcher:
             f"sent malformed replies, left out of routing for {MALFORMED_COOLDOWN_S:g}s after each (one cause for "
             "many workers: shims of a build whose replies this router cannot read; counted in "
             "kvswitch_router_worker_malformed_replies_total)",
+            fleet_log=fleet_log,
+        )
+        self._overruled_lines = FleetLines(  # a prefill pool started with other engine flags than its decode pool
+            log,
+            logging.WARNING,
+            "their engines refused requests that decode engines served (started with other flags than their "
+            "decode workers'; counted in kvswitch_router_worker_prefill_refusals_overruled_total)",
             fleet_log=fleet_log,
         )
         self._handle_mismatch_logged = False
@@ -316,7 +332,9 @@ class Dispatcher:
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
         for leg in list(self._legs.values()):
-            leg.push(LegError(leg.worker, 503, "router_stopping", "the router is stopping", retryable=False))
+            leg.push(
+                LegError(leg.worker, 503, "router_stopping", "the router is stopping", retryable=False, role=leg.role)
+            )
         if sub is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -375,6 +393,7 @@ class Dispatcher:
         yet). Failing them here cut healthy streams short whenever a live worker's lease went (a
         stall past its TTL, an etcd pause, a revoke)."""
         self.malformed_replies.pop(worker, None)
+        self.refusals_overruled.pop(worker, None)
 
     async def _on_reply(self, msg: Msg) -> None:
         token = msg.subject.rpartition(".")[2]
@@ -390,16 +409,19 @@ class Dispatcher:
                 # the leg since): no worker's fault. An ask to resend is asked again at the next
                 # silence; a new leg is retried.
                 if not leg.resuming:
-                    leg.push(LegError(leg.worker, 503, "no_responders", "nobody serves it yet", retryable=True))
+                    why = "nobody serves it yet"
+                    leg.push(LegError(leg.worker, 503, "no_responders", why, retryable=True, role=leg.role))
                 return
             if self._registered(leg.worker):
                 self._on_unreachable(leg.worker, "no responder on its subject")
-            leg.push(LegError(leg.worker, 503, "no_responders", "nobody serves it", retryable=True))
+            leg.push(LegError(leg.worker, 503, "no_responders", "nobody serves it", retryable=True, role=leg.role))
             return
         try:
             chunk = decode_msg(msg.data, ResponseChunk)
         except ProtocolError as exc:
-            leg.push(LegError(leg.worker, 502, "malformed_chunk", str(exc), retryable=not leg.tokens_seen))
+            leg.push(
+                LegError(leg.worker, 502, "malformed_chunk", str(exc), retryable=not leg.tokens_seen, role=leg.role)
+            )
             return
         if _generated(chunk):
             leg.tokens_seen = True
@@ -420,7 +442,7 @@ class Dispatcher:
             f"the client read the stream too slowly: {leg.queued} bytes of it were waiting, over the "
             f"router's limit of {MAX_QUEUED_BYTES}"
         )
-        leg.drop(LegError(leg.worker, 408, SLOW_READER, why, retryable=False))
+        leg.drop(LegError(leg.worker, 408, SLOW_READER, why, retryable=False, role=leg.role))
         log.info(
             "request %s: %s; its leg on worker %s is cancelled",
             leg.request_id,
@@ -472,10 +494,12 @@ class Dispatcher:
                 "bad_request",
                 "a number in the request is out of the 64-bit integer range",
                 retryable=False,
+                role=role,
             ) from exc
         except ProtocolError as exc:  # nested past the recursion limit: the body's JSON was just under it
             span.end()
-            raise LegError(worker, 400, "bad_request", "the body's JSON is nested too deeply", retryable=False) from exc
+            why = "the body's JSON is nested too deeply"
+            raise LegError(worker, 400, "bad_request", why, retryable=False, role=role) from exc
         if len(data) > self._nc.max_payload:
             span.end()
             raise LegError(
@@ -485,6 +509,7 @@ class Dispatcher:
                 f"the request is {len(data)} bytes on the wire, over the NATS server's payload limit of "
                 f"{self._nc.max_payload} bytes (its max_payload setting): send a shorter prompt",
                 retryable=False,
+                role=role,
             )
         if len(data) + keep > self._nc.max_payload:
             span.end()
@@ -495,6 +520,7 @@ class Dispatcher:
                 f"its decode leg would be up to {len(data) + keep} bytes with the transfer handle, over the NATS "
                 f"server's payload limit of {self._nc.max_payload} bytes (its max_payload setting)",
                 retryable=False,
+                role=role,
             )
         self._legs[token] = leg
         try:
@@ -562,7 +588,7 @@ class Dispatcher:
                     size += len(chunk.body)
                     if size > MAX_ANSWER_BYTES:
                         why = f"the answer passed {MAX_ANSWER_BYTES} bytes"
-                        raise LegError(worker, 502, "answer_too_large", why, retryable=False)
+                        raise LegError(worker, 502, "answer_too_large", why, retryable=False, role=role)
                     if chunk.final:
                         return b"".join(parts)
         except LegError as exc:
@@ -672,10 +698,7 @@ class Dispatcher:
                     raise
                 self._handle_too_large(job, plan, exc)  # decided before the prefill leg went out
             else:
-                if job.transfer is None:
-                    self.fallbacks += 1
-                    self._fall_back(job, plan, Outcome.FALLBACK_PREFILL_FAILED)
-                else:
+                if job.transfer is not None:  # else it fell back (_prefill)
                     # The prefill worker's part only: the decode worker's blocks count until its own first
                     # token (or `prefilled`), as its engine may keep the request waiting for KV room. Not
                     # where d's engine announces no blocks (no prefix caching) and the answer comes whole:
@@ -788,6 +811,9 @@ class Dispatcher:
                     if job.prefill_error is not None and (generated or chunk.final):
                         self._on_prefill(*job.prefill_error, False)  # served here: the prefill worker failed it
                         job.prefill_error = None
+                    if job.prefill_refused is not None and (generated or chunk.final):
+                        self._refusal_overruled(*job.prefill_refused, plan.decode.worker)
+                        job.prefill_refused = None
                     if not chunk.final and (job.first_token_at is None or not _output(chunk)):
                         if _output(chunk):
                             job.held.append(chunk)  # until the leg shows it serves the request
@@ -805,9 +831,30 @@ class Dispatcher:
         if job.booked is not None:  # freed already when its final chunk came before it was read
             self._bookings.prefill_done(job.booked)
 
+    def _refusal_overruled(self, worker: str, message: str, decode: str) -> None:
+        """Prefill worker `worker`'s engine refused a request (`message`) that `decode`'s engine
+        served: counted, and said once per worker while it is registered. It stays in: such a
+        request costs it a refused leg before its bypass, and it prefills the others."""
+        if not self._registered(worker):
+            return
+        first = worker not in self.refusals_overruled
+        self.refusals_overruled[worker] += 1
+        if first:
+            self._overruled_lines.say(
+                worker,
+                "prefill worker %s's engine refused a request (%s) that decode worker %s's engine served: it runs "
+                "with other flags than its decode workers. Such requests prefill on their decode worker; start its "
+                "engine as theirs (logged once per worker, counted in "
+                "kvswitch_router_worker_prefill_refusals_overruled_total)",
+                worker,
+                message,
+                decode,
+            )
+
     async def _prefill(self, job: Job, plan: RoutePlan) -> TransferHandle | None:
-        """The prefill leg's transfer handle, or None when the bypass must take over. An engine's
-        refusal (4xx) is raised: the decode worker's engine would refuse the same prompt."""
+        """The prefill leg's transfer handle, or None when the bypass takes over (fallen back to: its
+        outcome counted). A leg refused before it is sent is raised: NATS would not carry the bypass
+        leg either, and a decode leg too large for its handle takes the bypass path (_attempt)."""
         assert plan.prefill is not None
         worker = plan.prefill.worker
         req = job.request
@@ -825,20 +872,29 @@ class Dispatcher:
         until = time.monotonic() + min(settings.prefill_timeout_s, left)
         # Its decode leg is this one with the handle in `disagg` (_decode): room kept for that
         keep = transfer_handle_bound(plan.prefill.info, len(req.token_ids), plan.prefill.kv_total_blocks)
+        opened = await self._open(worker, "prefill", leg_req, keep=keep + _DECODE_LEG_EXTRA)
         try:
-            async with await self._open(worker, "prefill", leg_req, keep=keep + _DECODE_LEG_EXTRA) as leg:
+            async with opened as leg:
                 while True:
                     chunk = await leg.next(until - time.monotonic(), 3 * settings.stream_heartbeat_s)
                     if chunk.final:
                         if chunk.transfer is None:
-                            raise LegError(
-                                worker, 502, "no_transfer", "final chunk without a transfer", retryable=False
-                            )
+                            why = "final chunk without a transfer"
+                            raise LegError(worker, 502, "no_transfer", why, retryable=False, role="prefill")
                         self._on_prefill(worker, None, True)
                         return chunk.transfer
         except LegError as exc:
-            if (exc.refused and not exc.unknown_model) or exc.nats_lost:
+            if exc.nats_lost:
                 raise
+            if exc.refused and not exc.unknown_model:
+                # Its engine refused the request before any prefill. The decode engine has its say:
+                # one started with other flags takes what this one does not (vLLM's tool choice
+                # "auto" needs --enable-auto-tool-choice), and a request it refuses too costs no
+                # prefill there either; its answer, served or refused, is the client's.
+                job.prefill_refused = (worker, exc.message)  # judged by its decode leg (_decode)
+                self.refusal_fallbacks += 1
+                self._fall_back(job, plan, Outcome.FALLBACK_PREFILL_REFUSED)
+                return None
             self._blame(exc)
             fault = _prefill_fault(exc, settings.prefill_timeout_s, left)
             if fault is not None and exc.engine_failed:
@@ -853,4 +909,6 @@ class Dispatcher:
                     plan.decode.worker,
                     extra={"request_id": req.request_id},
                 )
+            self.fallbacks += 1
+            self._fall_back(job, plan, Outcome.FALLBACK_PREFILL_FAILED)
             return None

@@ -616,7 +616,7 @@ class _Handlers:
                 if chunk.body:
                     parts.append(chunk.body)
         except LegError as exc:
-            raise leg_error(exc) from exc
+            raise _failed_before_output(job, exc) from exc
         body = _with_route(parts, _route_info(job) if shown else None)
         headers = _route_headers(job, ids, timing, shown=shown)
         return web.Response(body=body, headers=headers, content_type="application/json")
@@ -652,7 +652,7 @@ class _Handlers:
         try:
             first = await anext(chunks)
         except LegError as exc:
-            raise leg_error(exc) from exc
+            raise _failed_before_output(job, exc) from exc
         except StopAsyncIteration:
             raise ApiError(502, "the worker ended the stream without a chunk") from None
         headers = {
@@ -685,7 +685,7 @@ class _Handlers:
                 chunk = await anext(chunks)
         except LegError as exc:
             failed = leg_error(exc, streaming=True)
-            why = "" if exc.slow_reader else str(exc)  # that one the dispatcher said, at INFO
+            why = "" if exc.slow_reader else _leg_failure(exc)  # that one the dispatcher said, at INFO
         except StopAsyncIteration:
             failed = ApiError(502, "the worker ended the stream early")
             why = failed.message
@@ -720,6 +720,30 @@ class _Handlers:
 
 
 _SPAN_NAMES = {False: "POST /v1/completions", True: "POST /v1/chat/completions"}
+
+
+def _leg_failure(exc: LegError) -> str:
+    """A failed leg for the log: its role, worker, kind and message."""
+    return f"{exc.role or 'its'} leg on worker {exc.worker}: {exc.kind}: {exc.message}"
+
+
+def _failed_before_output(job: Job, exc: LegError) -> ApiError:
+    """The client's error for a request whose leg failed before its first output, said once as a
+    stream that fails after it is: at WARNING, at INFO for a request its engine refused (the
+    client's fault, its answer the engine's own). Until 2026-12-07 neither was said anywhere, a 504
+    at the deadline included. Not a slow reader, which the dispatcher said."""
+    failed = leg_error(exc)
+    if not exc.slow_reader:
+        rid = job.request.request_id
+        log.log(
+            logging.INFO if exc.refused else logging.WARNING,
+            "request %s: failed before its first output (%s); the client got a %d",
+            rid,
+            _leg_failure(exc),
+            failed.code,
+            extra={"request_id": rid},
+        )
+    return failed
 
 
 def _abort(request: web.Request) -> None:

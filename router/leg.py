@@ -62,8 +62,10 @@ class LegError(Exception):
         retryable: bool,
         body: bytes = b"",
         retry_after_s: int | None = None,
+        role: str = "",
     ) -> None:
         self.worker = worker
+        self.role = role  # the leg's: prefill, decode or agg ("" for none: a utility call's)
         self.code = code
         self.kind = kind
         self.message = message
@@ -168,7 +170,8 @@ class Leg:
         self.next_seq = 0
         self.done = False
         self.tokens_seen = False
-        self.heard_at = time.monotonic()  # when it opened, or its last chunk came
+        self.sent_at = time.monotonic()  # its request goes out as it is made (Dispatcher._open)
+        self.heard_at = self.sent_at  # when it was sent, or its last chunk came
         self._graced_for: float | None = None  # the outage (Dispatcher.lost_at) it waited one more window for
         self._cut: list[bytes] = []  # the pieces of an event cut short (ResponseChunk.continued), and its tokens
         self._cut_tokens = 0
@@ -235,9 +238,11 @@ class Leg:
                 await self._wait_heard(min(left, silence_s), silence_s, until)
                 if not self._items:
                     if left <= silence_s:
-                        raise LegError(
-                            self.worker, 504, "timeout", f"no answer within {deadline_s:.2f}s", retryable=False
-                        )
+                        # Since it was sent: `deadline_s` is what was left at this read, as little
+                        # as a heartbeat's period on a leg that heard from its worker.
+                        waited = time.monotonic() - self.sent_at
+                        why = f"no answer by its deadline, {waited:.2f}s after it was sent"
+                        raise LegError(self.worker, 504, "timeout", why, retryable=False, role=self.role)
                     if await self._through_outage(silence_s):
                         continue
                     if self._heard_from() and self.resumes < MAX_RESUMES:
@@ -249,6 +254,7 @@ class Leg:
                         "worker_silent",
                         f"no chunk or heartbeat for {silence_s:.2f}s",
                         retryable=not self.tokens_seen,
+                        role=self.role,
                     )
             item, size = self._items.popleft()
             self.queued -= size
@@ -266,7 +272,7 @@ class Leg:
                     await self._resume()
                 elif not await self._through_outage(silence_s):  # that asks again itself
                     why = f"chunk {item.seq}, expected {self.next_seq}"
-                    raise LegError(self.worker, 502, "stream_gap", why, retryable=not self.tokens_seen)
+                    raise LegError(self.worker, 502, "stream_gap", why, retryable=not self.tokens_seen, role=self.role)
                 continue
             self.resuming = False
             self.next_seq += 1
@@ -283,6 +289,7 @@ class Leg:
                     retryable=retryable,
                     body=err.body,
                     retry_after_s=err.retry_after_s,
+                    role=self.role,
                 )
             if item.continued or self._cut:
                 item = self._joined(item)
@@ -305,13 +312,18 @@ class Leg:
             self._cut = [events.pop()]
         if sum(map(len, self._cut)) > MAX_ANSWER_BYTES:
             why = f"an event cut across chunks passed {MAX_ANSWER_BYTES} bytes"
-            raise LegError(self.worker, 502, "malformed_chunk", why, retryable=False)
+            raise LegError(self.worker, 502, "malformed_chunk", why, retryable=False, role=self.role)
         self._cut_tokens = 0
         if self._cut and not events:
             self._cut_tokens, tokens = tokens, 0
         if chunk.final and self._cut:
             raise LegError(
-                self.worker, 502, "malformed_chunk", "the stream ended inside a cut-short event", retryable=False
+                self.worker,
+                502,
+                "malformed_chunk",
+                "the stream ended inside a cut-short event",
+                retryable=False,
+                role=self.role,
             )
         return msgspec.structs.replace(chunk, events=events, tokens=tokens, continued=False)
 
@@ -327,7 +339,7 @@ class Leg:
         when the leg should wait again."""
         owner = self.owner
         if not owner.is_connected() and not await owner.connected():
-            raise LegError(self.worker, 503, NATS_LOST, NATS_LOST_WHY, retryable=False)
+            raise LegError(self.worker, 503, NATS_LOST, NATS_LOST_WHY, retryable=False, role=self.role)
         if not owner.back_within(silence_s, since=self.heard_at) or self._graced_for == owner.lost_at:
             return False
         self._graced_for = owner.lost_at  # one more window, once per outage

@@ -49,11 +49,13 @@ class StateFigures:
     retries: int = 0  # router.dispatch.Dispatcher's counts
     engine_refusals: Mapping[int, int] = field(default_factory=dict)  # by the engine's status, 408 or 429
     prefill_fallbacks: int = 0
+    refusal_fallbacks: int = 0
     transfer_fallbacks: int = 0
     handle_fallbacks: int = 0
     slow_readers: int = 0
     cancels_again: int = 0
     malformed_replies: Mapping[str, int] = field(default_factory=dict)  # by worker, registered ones only
+    refusals_overruled: Mapping[str, int] = field(default_factory=dict)  # by prefill worker, registered ones only
     load_malformed: int = 0  # router.service's load reports dropped
     load_unknown: int = 0
     load_over_budget: int = 0  # router.sender_budget's: past their sender's budget, from any sender
@@ -109,12 +111,14 @@ class _StateCollector(Collector):
         yield refusals
         fallbacks = CounterMetricFamily(
             "kvswitch_router_fallbacks",
-            "Remote prefills given up for a local one: the prefill leg failed (prefill_failed), the decode "
-            "engine failed to pull its KV (transfer_failed), or the decode leg with its transfer handle would be "
-            "over NATS's max_payload (handle_too_large)",
+            "Remote prefills given up for a local one: the prefill leg failed (prefill_failed), its engine "
+            "refused the request and the decode engine was asked (prefill_refused), the decode engine failed to "
+            "pull its KV (transfer_failed), or the decode leg with its transfer handle would be over NATS's "
+            "max_payload (handle_too_large)",
             labels=["cause"],
         )
         fallbacks.add_metric(["prefill_failed"], s.prefill_fallbacks)
+        fallbacks.add_metric(["prefill_refused"], s.refusal_fallbacks)
         fallbacks.add_metric(["transfer_failed"], s.transfer_fallbacks)
         fallbacks.add_metric(["handle_too_large"], s.handle_fallbacks)
         yield fallbacks
@@ -134,6 +138,12 @@ class _StateCollector(Collector):
             "Replies to a request that did not decode, by worker: each leaves the worker out of routing for a "
             "cooldown (/ready says so)",
             s.malformed_replies,
+        )
+        yield _per_worker(
+            "kvswitch_router_worker_prefill_refusals_overruled",
+            "Requests a prefill worker's engine refused (a 4xx) that a decode engine then served, by prefill worker: "
+            "an engine started with other flags than its decode workers'",
+            s.refusals_overruled,
         )
         yield CounterMetricFamily(
             "kvswitch_router_load_malformed",

@@ -22,6 +22,8 @@ class Outcome(StrEnum):
     VETOED_DECODE_BUSY = "vetoed_decode_busy"  # the decode guard refused a bypass
     REMOTE_PREFILL = "remote_prefill"  # disagg=always (or conditional switched off): remote, no policy
     FALLBACK_PREFILL_FAILED = "fallback_prefill_failed"  # remote prefill failed or timed out -> bypass
+    # the prefill engine refused the request (a 4xx) -> bypass: the decode engine answers it
+    FALLBACK_PREFILL_REFUSED = "fallback_prefill_refused"
     FALLBACK_TRANSFER_FAILED = "fallback_transfer_failed"  # the decode engine failed to load the KV -> bypass
     # the decode leg with its transfer handle would be over NATS's max_payload -> bypass (router.dispatch)
     FALLBACK_HANDLE_TOO_LARGE = "fallback_handle_too_large"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -346,18 +348,56 @@ async def test_a_body_nested_too_deeply_to_encode_is_the_clients_400(nc: Client,
     assert w.requests == [] and books.log == [("free", "r1#1")]
 
 
-async def test_an_engine_refusal_on_the_prefill_leg_is_the_clients_error_not_a_fallback(
-    nc: Client, ns: str, world: World
-) -> None:
+async def test_a_refusal_of_both_engines_is_the_decode_engines_answer(nc: Client, ns: str, world: World) -> None:
     d, books, _ = world
     await Worker(nc, ns, "p1").serve("prefill", refuse)
     decode = Worker(nc, ns, "d1")
-    await decode.serve("decode", answer)
+
+    async def refuse_too(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        error = ErrorInfo(code=400, kind="BadRequestError", message="the decode engine's own words")
+        await chunk(nc, msg, req, 0, final=True, error=error)
+
+    await decode.serve("decode", refuse_too)
+    j = job("d1", prefill="p1")
     with pytest.raises(LegError) as err:
-        await collect(d, job("d1", prefill="p1"))
-    assert err.value.code == 400 and err.value.refused and "maximum context length" in err.value.message
-    assert decode.requests == [] and d.fallbacks == 0
-    assert ("rebook_bypass", "r1#1") not in books.log
+        await collect(d, j)
+    assert (err.value.code, err.value.worker, err.value.message) == (400, "d1", "the decode engine's own words")
+    assert [r.annotations for r in decode.requests] == [["bypass_remote_prefill"]]  # asked once, as a bypass
+    assert j.outcome is Outcome.FALLBACK_PREFILL_REFUSED and (d.refusal_fallbacks, d.fallbacks) == (1, 0)
+    assert ("rebook_bypass", "r1#1") in books.log and d.refusals_overruled == {}
+
+
+async def test_a_request_the_prefill_engine_alone_refuses_is_served_by_the_decode_engine_and_said_once(
+    nc: Client, ns: str, world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    d, books, _ = world
+    caplog.set_level(logging.WARNING, logger="router.dispatch")
+    await Worker(nc, ns, "p1").serve("prefill", refuse)
+    decode = Worker(nc, ns, "d1")
+    await decode.serve("decode", answer)
+    for _ in range(2):
+        j = job("d1", prefill="p1")
+        assert [c.token_ids for c in await collect(d, j)] == [[5], [6]]
+        assert j.outcome is Outcome.FALLBACK_PREFILL_REFUSED and j.path is Path.BYPASS
+    assert [r.annotations for r in decode.requests] == [["bypass_remote_prefill"]] * 2
+    assert (d.refusal_fallbacks, d.fallbacks, d.refusals_overruled) == (2, 0, {"p1": 2})
+    assert books.log.count(("rebook_bypass", "r1#1")) == 2
+    said = [r.getMessage() for r in caplog.records if "refused a request" in r.getMessage()]
+    assert len(said) == 1 and "p1" in said[0] and "d1" in said[0] and "maximum context length" in said[0], said
+    d.worker_gone("p1")  # its series goes with it
+    assert d.refusals_overruled == {}
+
+
+async def test_a_legs_timeout_says_its_own_deadline_not_the_last_wait(nc: Client, ns: str, world: World) -> None:
+    d, _, _ = world
+    await Worker(nc, ns, "w1").serve("decode", heartbeats_then_answer(60))  # heartbeats, no answer
+    j = job("w1")
+    j.deadline = time.monotonic() + 1.0
+    with pytest.raises(LegError) as err:
+        await collect(d, j)
+    said = re.search(r"([0-9.]+)s", err.value.message)  # "no answer by its deadline, 1.00s after it was sent"
+    assert err.value.code == 504 and said is not None and 0.95 <= float(said[1]) < 2.0, err.value.message
+    assert (err.value.kind, err.value.role) == ("timeout", "decode")  # each read waited a heartbeat (0.1 s) at most
 
 
 async def test_a_silent_prefill_worker_falls_back_to_local_prefill_within_three_heartbeats(

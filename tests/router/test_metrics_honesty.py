@@ -71,6 +71,26 @@ async def test_a_stream_that_fails_after_its_first_token_counts_with_its_error_c
     assert said[0].__dict__["request_id"] == request_id
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_request_that_fails_before_its_first_output_is_logged_once(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    worker = await cluster.add_worker("agg", hang_after=0)  # its engine takes the request and never answers
+    router = await cluster.add_router(config={"request_timeout_s": 1.5}, disagg="never")
+    await cluster.ready(router)
+    caplog.set_level(logging.INFO, logger="router")
+    caplog.clear()
+    body = {"model": MODEL, "prompt": list(range(50)), "max_tokens": 4, "stream": stream}
+    async with http.post(router.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 504, await resp.text()
+    said = [r for r in caplog.records if r.name.startswith("router")]  # an error's x-request-id is a fresh one
+    assert [(r.name, r.levelno) for r in said] == [("router.http_api", logging.WARNING)], said
+    line, request_id = said[0].getMessage(), said[0].__dict__["request_id"]
+    assert line.startswith(f"request {request_id}: failed before its first output"), line
+    said_leg = re.search(rf"agg leg on worker {worker.id}: timeout: no answer by its deadline, ([0-9.]+)s after", line)
+    assert said_leg is not None and 1.2 < float(said_leg[1]) < 3.0 and line.endswith("a 504"), line  # not a slice
+
+
 async def test_a_retry_before_the_first_token_is_counted(cluster: Cluster, http: aiohttp.ClientSession) -> None:
     doomed = await cluster.add_worker("agg", crash_after=1)  # serves one request, then its engine dies
     alive = await cluster.add_worker("agg")
@@ -114,7 +134,8 @@ async def test_a_fallback_to_a_local_prefill_is_counted_by_its_cause(
         for (name, labels), value in samples.items()
         if name == "kvswitch_router_fallbacks_total"
     }
-    assert fallbacks == {"prefill_failed": 0.0, "transfer_failed": 0.0, "handle_too_large": 0.0, cause: 1.0}, fallbacks
+    zero = {"prefill_failed": 0.0, "prefill_refused": 0.0, "transfer_failed": 0.0, "handle_too_large": 0.0}
+    assert fallbacks == {**zero, cause: 1.0}, fallbacks
     assert samples[("kvswitch_router_retries_total", frozenset())] == 0.0
 
 

@@ -1,14 +1,18 @@
 """A request its engine refuses costs no remote prefill. The prefill leg's rewrites (max_tokens 1,
 n 1, min_tokens 1, stream_options dropped) made such values valid there, so a whole prefill ran
-before the decode engine refused the request; now the prefill engine refuses it at once, in the
-words the engine itself uses (end to end: router, shims, sims)."""
+before the decode engine refused the request; now the prefill engine refuses it at once, and the
+decode engine, asked then, in the words the engine itself uses. A request the prefill engine alone
+refuses (one started with other flags) is the decode engine's to serve (end to end: router, shims,
+sims)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.router.conftest import MODEL, Cluster
 
@@ -45,3 +49,39 @@ async def test_a_request_its_engine_refuses_costs_no_remote_prefill(
     assert own[0] == 400
     assert (status, answer["error"]["message"]) == own
     assert p.sim.engine.stats.prefill_tokens_computed == computed, "no remote prefill ran"
+    assert router.dispatcher.refusals_overruled == {}  # both engines refused it: no prefill worker's fault
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
+
+
+async def test_a_request_the_prefill_engine_alone_refuses_is_served_by_the_decode_engine(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill engine without the decode engines' --enable-auto-tool-choice refuses every chat
+    request with tools: until 2026-12-07 its 400 was the client's answer, and nothing said why."""
+    p = await cluster.add_worker("prefill")
+    d = await cluster.add_worker("decode", enable_auto_tool_choice=True, tool_call_parser="hermes")
+    router = await cluster.add_ready_router(disagg="always")
+    caplog.set_level(logging.WARNING, logger="router")
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto", "max_completion_tokens": 4}
+    async with http.post(f"{p.sim.url}/v1/chat/completions", json=body) as resp:  # the prefill engine itself
+        refused = (resp.status, (await resp.json())["error"]["message"])
+    assert refused[0] == 400
+    computed = p.sim.engine.stats.prefill_tokens_computed
+    for _ in range(2):
+        async with http.post(f"{router.url}/v1/chat/completions", json=body) as resp:
+            status, answer, headers = resp.status, await resp.json(), resp.headers
+        assert status == 200, answer
+        outcome = (headers["x-kvswitch-decode-worker"], headers["x-kvswitch-prefill"], answer["kvswitch"]["outcome"])
+        assert outcome == (d.id, "bypass", "fallback_prefill_refused"), answer
+    assert p.sim.engine.stats.prefill_tokens_computed == computed, "no remote prefill ran"
+    said = [r for r in caplog.records if r.levelno == logging.WARNING and p.id in r.getMessage()]
+    assert len(said) == 1 and refused[1] in said[0].getMessage() and d.id in said[0].getMessage(), said
+    async with http.get(f"{router.url}/metrics") as resp:
+        families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+    fallbacks = {s.labels["cause"]: s.value for s in families["kvswitch_router_fallbacks"].samples}
+    overruled = {
+        s.labels["worker"]: s.value for s in families["kvswitch_router_worker_prefill_refusals_overruled"].samples
+    }
+    assert (fallbacks["prefill_refused"], fallbacks["prefill_failed"], overruled) == (2.0, 0.0, {p.id: 2.0})
