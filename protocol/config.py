@@ -184,7 +184,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         None derives it from that model's measured throughput: as many as drain in half the TTFT SLO.
     prefill_timeout_s: a remote prefill leg slower than this falls back to a local prefill.
     pending_ttl_s: how long a routed request's prompt blocks count as cached on its workers before
-        their KV events confirm them (0: off).
+        their KV events confirm them (0: off); an attempt that ends before a worker prefilled them
+        withdraws them there at once (router.pending_prefixes).
     recompute_weight: how dearly the worker cost charges a worker for recomputing prefix tokens that
         another worker holds and could serve within half slo_ttft_s (0: not at all, the seed cost;
         router.selection has the rule, docs/benchmarks.md the sweep behind the default).

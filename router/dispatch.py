@@ -138,7 +138,7 @@ class Bookings(Protocol):
     def rebook_bypass(self, key: str, plan: RoutePlan) -> None: ...  # after a fallback
     # idempotent per booking: the first call that reaches it counts
     def prefill_done(self, key: str, worker: str | None = None) -> None: ...
-    def free(self, key: str) -> None: ...
+    def free(self, key: str, *, served: bool = False) -> None: ...
 
 
 @dataclass(slots=True)
@@ -662,11 +662,11 @@ class Dispatcher:
             finally:
                 self._free(job)
 
-    def _free(self, job: Job) -> None:
-        """Free the attempt's booking, once: at its decode leg's final chunk or at its end."""
+    def _free(self, job: Job, *, served: bool = False) -> None:
+        """Free the attempt's booking, once: at its decode leg's final chunk (`served`) or at its end."""
         key, job.booked = job.booked, None
         if key is not None:
-            self._bookings.free(key)
+            self._bookings.free(key, served=served)
 
     def _fall_back(self, job: Job, plan: RoutePlan, outcome: Outcome) -> None:
         """The attempt takes the bypass path after all: counted, its booking moved to its decode worker."""
@@ -785,7 +785,7 @@ class Dispatcher:
         )
         unjudged = job.transfer is not None  # the pull, until the leg shows it worked
         try:
-            async with await self._open(plan.decode.worker, role, leg_req, lambda: self._free(job)) as leg:
+            async with await self._open(plan.decode.worker, role, leg_req, lambda: self._free(job, served=True)) as leg:
                 while True:
                     chunk = await leg.next(job.deadline - time.monotonic(), silence)
                     generated = _generated(chunk)

@@ -396,7 +396,7 @@ class VirtualRouter:
         req.first_at = chunks[0] + shift
         req.last_at = chunks[-1] + shift
         req.gaps = [b - a for a, b in itertools.pairwise(chunks)]
-        self.planner.ledger.free(job.plan.key)
+        self.planner.ledger.free(job.plan.key, served=True)
         self.planner.finished(job.ctx)
         self.throughput.completed()
         job.req.status = 200

@@ -37,6 +37,7 @@ HB = 0.1  # heartbeat period asked of workers; a leg silent for 3 of them ends
 class Books:
     def __init__(self) -> None:
         self.log: list[tuple[str, ...]] = []
+        self.served: list[str] = []  # bookings freed by their decode leg's clean final chunk
 
     def rebook_bypass(self, key: str, plan: RoutePlan) -> None:
         self.log.append(("rebook_bypass", key))
@@ -44,8 +45,10 @@ class Books:
     def prefill_done(self, key: str, worker: str | None = None) -> None:
         self.log.append(("prefill_done", key) if worker is None else ("prefill_done", key, worker))
 
-    def free(self, key: str) -> None:
+    def free(self, key: str, *, served: bool = False) -> None:
         self.log.append(("free", key))
+        if served:
+            self.served.append(key)
 
 
 Behaviour = Callable[[Client, Msg, GenerateRequest], Coroutine[Any, Any, None]]
@@ -629,3 +632,22 @@ async def test_a_cancel_lost_on_the_way_is_sent_again_on_the_legs_late_chunks(
     await asyncio.sleep(CANCEL_AGAIN_S)
     assert cancels == ["r1", "r1"] and d.cancels_again == 2
     assert not d._cancelled  # forgotten at its final chunk
+
+
+async def test_a_leg_ended_by_its_final_chunk_frees_its_booking_as_served_and_a_refused_one_does_not(
+    nc: Client, ns: str, world: World
+) -> None:
+    """A clean final chunk says the decode worker prefilled the prompt, even where it carries the
+    first output (a whole answer; the booking is freed as it arrives, before it is read): its
+    pending prefixes stay (router.ledger). A refused leg prefilled nothing: they are withdrawn."""
+    d, books, _ = world
+
+    async def whole(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        await chunk(nc, msg, req, 0, token_ids=[5, 6], final=True, finish_reason="length")
+
+    await Worker(nc, ns, "w1").serve("decode", whole)
+    await Worker(nc, ns, "w2").serve("decode", refuse)
+    await collect(d, job("w1"))
+    with pytest.raises(LegError):
+        await collect(d, job("w2"))
+    assert books.served == ["r1#1"] and books.log.count(("free", "r1#1")) == 2

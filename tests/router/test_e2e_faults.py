@@ -52,6 +52,30 @@ async def test_prefill_timeout_falls_back_to_bypass(cluster: Cluster, http: aioh
     assert (headers["x-kvswitch-prefill"], body["kvswitch"]["outcome"]) == ("bypass", "fallback_prefill_failed")
 
 
+async def test_a_client_gone_during_its_remote_prefill_leaves_its_prompt_pending_on_no_worker(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    """The client leaves while the prefill engine hangs on its prompt: neither worker cached it, so
+    its retry, which comes at once, is not planned as if they had (a bypass under isl_bounding,
+    the whole prompt prefilled on the decode worker)."""
+    p = await cluster.add_worker("prefill", hang_after=0)  # accepts the prefill leg, never answers
+    d = await cluster.add_worker("decode")
+    router = await cluster.add_ready_router(disagg="always", prefill_timeout_s=20.0)
+    prompt = list(range(400))
+    request = asyncio.create_task(complete(http, router, prompt, max_tokens=4))
+    await until(lambda: p.sim.faults.requests_seen == p.shim.probe.sent + 1, what="the prefill leg to reach the engine")
+    request.cancel()  # the client leaves
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+    await until(lambda: router.planner.ledger.live == 0, what="the router to end the attempt")
+    async with http.post(router.url + "/debug/route", json={"model": MODEL, "prompt": prompt}) as r:
+        plan = await r.json()
+        assert r.status == 200, plan
+    held = {c["worker"]: (c["overlap_blocks"], c["pending_blocks"]) for c in plan["decode_candidates"]}
+    held.update((c["worker"], (c["overlap_blocks"], c["pending_blocks"])) for c in plan["prefill_candidates"])
+    assert held == {d.id: (0, 0), p.id: (0, 0)}, plan
+
+
 async def test_a_failed_kv_pull_is_prefilled_on_the_decode_worker_without_client_error(
     cluster: Cluster, http: aiohttp.ClientSession
 ) -> None:

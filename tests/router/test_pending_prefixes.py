@@ -107,6 +107,106 @@ def test_a_prompt_longer_than_a_chunk_counts_as_held_while_its_tail_is_pending()
     assert all(held[w] == (0, 0) for w in held if w != holder)
 
 
+def test_withdrawing_a_claim_ends_its_entries_but_keeps_another_requests_renewal() -> None:
+    """A client left before its prefill: its entries go, but for the blocks a second request on
+    the same prefix, still in flight, booked there too; withdrawing the second ends those."""
+    pending = PendingPrefixes(20.0, Clock())
+    first = pending.add("a", [1, 2, 3, 4])
+    second = pending.add("a", [1, 2])
+    assert first is not None and second is not None
+    pending.withdraw(first)
+    assert pending.match([1, 2, 3, 4]) == {"a": 2}
+    pending.withdraw(first)  # once only: the second's entries stay
+    assert pending.match([1, 2, 3, 4]) == {"a": 2}
+    pending.withdraw(second)
+    assert pending.match([1, 2, 3, 4]) == {} and len(pending) == 0
+
+
+def test_a_settled_claim_keeps_its_entries_against_a_later_claims_withdrawal() -> None:
+    """The first request prefilled on `a` (its events are on their way); a second one booked there
+    and failed: the prefix is still `a`'s until the events confirm it."""
+    pending = PendingPrefixes(20.0, Clock())
+    first = pending.add("a", [1, 2, 3])
+    assert first is not None
+    pending.settle(first)
+    second = pending.add("a", [1, 2, 3, 4])
+    assert second is not None
+    pending.withdraw(second)
+    assert pending.match([1, 2, 3, 4]) == {"a": 3}
+    pending.confirm("a", [1, 2, 3])  # the index speaks for them: a settled claim keeps them no more
+    third = pending.add("a", [1, 2, 3])
+    assert third is not None
+    pending.withdraw(third)
+    assert pending.match([1, 2, 3]) == {} and len(pending) == 0
+
+
+def test_a_claim_in_flight_past_its_expiry_keeps_a_later_renewal_on_withdrawal() -> None:
+    clock = Clock()
+    pending = PendingPrefixes(20.0, clock)
+    hung = pending.add("a", [1, 2, 3])  # a prefill that hangs past the TTL
+    assert hung is not None
+    clock.now += 25
+    pending.prune()
+    assert len(pending) == 0
+    retry = pending.add("a", [1, 2, 3])
+    assert retry is not None
+    pending.withdraw(hung)
+    assert pending.match([1, 2, 3]) == {"a": 3}
+    pending.withdraw(retry)
+    assert pending.match([1, 2, 3]) == {}
+
+
+def test_a_forgotten_workers_old_claims_end_nothing_when_it_is_back() -> None:
+    pending = PendingPrefixes(20.0, Clock())
+    old = pending.add("a", [1, 2, 3])
+    assert old is not None
+    pending.forget_worker("a")
+    new = pending.add("a", [1, 2, 3])
+    assert new is not None
+    pending.withdraw(old)
+    pending.settle(old)
+    assert pending.match([1, 2, 3]) == {"a": 3}
+    pending.withdraw(new)
+    assert pending.match([1, 2, 3]) == {}
+
+
+def test_claims_end_entries_as_a_naive_model_of_them_does() -> None:
+    """Random bookings, settlements, withdrawals and confirmations on two workers over prompts that
+    share prefixes, against sets of claims per entry (no expiry: the TTL is a day)."""
+    rng = random.Random(7)
+    pending = PendingPrefixes(86_400.0, Clock())
+    prompts = [list(range(1, 13)), [1, 2, 3, 4, 50, 51, 52], [1, 2, 60, 61]]
+    entries: dict[tuple[str, int], bool] = {}  # (worker, hash) -> a claim settled since it was made
+    live: list[tuple[str, list[int], object]] = []  # claims in flight: worker, hashes, claim
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4 or not live:
+            w, hashes = rng.choice("ab"), rng.choice(prompts)[: rng.randint(1, 12)]
+            live.append((w, hashes, pending.add(w, hashes)))
+            for h in hashes:
+                entries.setdefault((w, h), False)
+        elif op < 0.85:
+            w, hashes, claim = live.pop(rng.randrange(len(live)))
+            if op < 0.6:
+                pending.settle(claim)  # type: ignore[arg-type]
+                for h in hashes:
+                    if (w, h) in entries:
+                        entries[w, h] = True
+            else:
+                pending.withdraw(claim)  # type: ignore[arg-type]
+                held = {(cw, h) for cw, hs, _ in live for h in hs if cw == w}
+                for h in hashes:
+                    if (w, h) not in held and not entries.get((w, h), True):
+                        del entries[w, h]
+        else:
+            w, hashes = rng.choice("ab"), rng.sample(range(1, 62), 3)
+            pending.confirm(w, hashes)
+            for h in hashes:
+                entries.pop((w, h), None)
+        for w in "ab":
+            assert {h for h in range(1, 62) if pending.holds(w, h)} == {h for cw, h in entries if cw == w}
+
+
 def test_ttl_zero_is_off() -> None:
     pending = PendingPrefixes(0.0, Clock())
     pending.add("a", [1, 2, 3])

@@ -12,6 +12,7 @@ import pytest
 from protocol import block_hashes
 from protocol.messages import LoadReport, Role, Stored, WorkerInfo
 from router.block_index import BlockIndex
+from router.disagg import RoutePlan
 from router.eligibility import Exclusion, WorkerStatus
 from router.load_view import LoadView
 from router.planner import PlanError, Planner, standalone_planner
@@ -299,6 +300,53 @@ def test_a_remote_prefill_that_falls_back_leaves_its_prefix_pending_on_the_decod
     f.planner.ledger.rebook_bypass(a.key, a)  # d1 prefills it itself now
     b = f.planner.take(f.ctx(prompt, "b"))
     assert b is not None and b.decode.overlap_blocks == 256
+
+
+def _held(plan: RoutePlan | None) -> dict[str, int]:
+    """Per candidate, decode and prefill, the prompt's blocks the planner saw cached or pending there."""
+    assert plan is not None
+    return {c.worker: c.overlap_blocks for c in [*plan.ctx.decode_pool, *plan.ctx.prefill_pool]}
+
+
+def test_a_remote_attempt_that_ends_before_its_prefill_leaves_its_prefix_pending_nowhere() -> None:
+    """The client left during the remote prefill (or both legs failed): neither worker cached the
+    prompt, and its retry, planned at once, must not be told they did."""
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always")
+    prompt = list(range(4096))
+    a = f.planner.take(f.ctx(prompt, "a"))
+    assert a is not None and a.path is Path.REMOTE
+    f.planner.ledger.free(a.key)
+    assert _held(f.planner.take(f.ctx(prompt, "b"))) == {"d1": 0, "p1": 0}
+
+
+def test_a_fallback_withdraws_the_prefill_workers_prefix_and_a_served_attempt_keeps_the_decode_workers() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always")
+    prompt = list(range(4096))
+    a = f.planner.take(f.ctx(prompt, "a"))
+    assert a is not None and a.path is Path.REMOTE
+    f.planner.ledger.rebook_bypass(a.key, a)  # the prefill leg failed: d1 prefills it itself
+    f.planner.ledger.free(a.key, served=True)  # its whole answer came, no first token read before
+    assert _held(f.planner.take(f.ctx(prompt, "b"))) == {"d1": 256, "p1": 0}
+
+
+def test_a_remote_prefill_done_keeps_the_prefill_workers_prefix_when_the_decode_leg_fails() -> None:
+    f = Fleet(winfo("d1"), winfo("p1", "prefill"), disagg="always")
+    prompt = list(range(4096))
+    a = f.planner.take(f.ctx(prompt, "a"))
+    assert a is not None and a.path is Path.REMOTE
+    f.planner.ledger.prefill_done(a.key, "p1")  # p1 returned its transfer: its events will confirm
+    f.planner.ledger.free(a.key)  # the decode leg failed before its first token
+    assert _held(f.planner.take(f.ctx(prompt, "b"))) == {"d1": 0, "p1": 256}
+
+
+def test_a_failed_attempt_leaves_the_prefix_another_request_in_flight_booked_there() -> None:
+    f = Fleet(winfo("d1"))
+    prompt = list(range(4096))
+    a = f.planner.take(f.ctx(prompt, "a"))
+    b = f.planner.take(f.ctx(prompt, "b"))
+    assert a is not None and b is not None
+    f.planner.ledger.free(b.key)  # b's client left; a still prefills the prompt on d1
+    assert _held(f.planner.take(f.ctx(prompt, "c"))) == {"d1": 256}
 
 
 def test_the_index_overlap_counts_like_a_pending_one() -> None:
