@@ -19,6 +19,7 @@ from protocol.errors import ProtocolError
 
 __all__ = [
     "ANNOTATION_BYPASS",
+    "BAD_TRANSFER_HANDLE",
     "ENDPOINT_CHAT",
     "ENDPOINT_COMPLETIONS",
     "ENDPOINT_DETOKENIZE",
@@ -349,6 +350,14 @@ PREFILL_STOPPED = "prefill_stopped"
 """The ErrorInfo kind of a prefill leg that ended "stop" on its one token with no transfer handle
 (vLLM's connectors give one only for a leg that ended on its length): its request's token did
 it, not the worker's engine, which routers do not hold against it."""
+
+
+BAD_TRANSFER_HANDLE = "bad_transfer_handle"
+"""The ErrorInfo kind of a prefill leg whose engine returned a transfer handle a decode engine
+would not pull with (vLLM: kv_transfer_params without `do_remote_prefill` true, a string
+`remote_host` and an integer `remote_port`). Its own kind, not `engine_protocol`, so a router tells
+it from no handle at all (an engine without a KV connector): the flags are right, and something
+between the engine and its shim rewrote the handle, or its connector is not NixlConnector."""
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):

@@ -94,7 +94,7 @@ from protocol import (
     subjects,
 )
 from protocol.config import RouterSettings
-from protocol.messages import ANNOTATION_BYPASS, PREFILL_STOPPED, transfer_handle_bound
+from protocol.messages import ANNOTATION_BYPASS, BAD_TRANSFER_HANDLE, PREFILL_STOPPED, transfer_handle_bound
 from router.disagg import RoutePlan
 from router.eligibility import MALFORMED_COOLDOWN_S
 from router.fleet_lines import FleetLines, FleetLog
@@ -205,9 +205,15 @@ def _generated(chunk: ResponseChunk) -> bool:
 
 def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str, bool] | None:
     """Why a failed prefill leg is its worker's fault, with the likely fix, and whether its engine
-    still serves whole requests (it only returned no transfer handle); None when it is not its
-    fault (the client's deadline, a refusal, a model unloaded) or is judged elsewhere (silent,
-    malformed)."""
+    still serves whole requests (it only returned no transfer handle, or one no decode engine would
+    pull with); None when it is not its fault (the client's deadline, a refusal, a model unloaded)
+    or is judged elsewhere (silent, malformed)."""
+    if exc.kind == BAD_TRANSFER_HANDLE:  # a handle there, its engine's flags right: no --kv-transfer-config advice
+        return (
+            f"its prefill legs return a transfer handle a decode engine would not pull with ({exc.message}): "
+            "something between the engine and its shim rewrites kv_transfer_params, or its connector is not "
+            "NixlConnector"
+        ), True
     if exc.kind == PREFILL_STOPPED:
         return None  # its one token was an EOS or a stop id: the request's, the engine answered
     # "deadline": the shim enforced the leg's deadline on its own clock before the router's timer fired

@@ -26,15 +26,16 @@ while (first reason wins):
   does not decode, an event cut across chunks that never ends); it ends `MALFORMED_COOLDOWN_S`
   after the last such reply, not with a load report, as a broken shim's reports go on;
 - `prefill_failing`: a prefill worker whose prefill legs failed through its own fault (no answer
-  within `prefill_timeout_s`, no transfer handle: an engine without a KV connector, a server
-  error); it ends `PREFILL_COOLDOWN_S` after the last such failure, when one request, the probe,
-  tries it again: a leg that works ends the episode, another failure starts a new cooldown. Its
-  requests prefill on the other prefill workers, or, with none left, on their decode worker. One
-  whose legs only lacked a transfer handle still serves whole requests (`serves_whole`): the
-  planner may spill to it (spill_to_prefill); a hung or failing one takes none. An episode's start
-  is a WARNING naming the worker, its end an INFO; a prefill fleet misconfigured alike fails every
-  worker's legs (and, fixed, serves again all at once), so in a window of 10 s the first eight are
-  named, the rest counted in one line (router.fleet_lines), for the failures and the ends alike;
+  within `prefill_timeout_s`, no transfer handle: an engine without a KV connector, one no decode
+  engine would pull with, a server error); it ends `PREFILL_COOLDOWN_S` after the last such
+  failure, when one request, the probe, tries it again: a leg that works ends the episode, another
+  failure starts a new cooldown. Its requests prefill on the other prefill workers, or, with none
+  left, on their decode worker. One whose legs only lacked a usable transfer handle still serves
+  whole requests (`serves_whole`): the planner may spill to it (spill_to_prefill); a hung or
+  failing one takes none. An episode's start is a WARNING naming the worker, its end an INFO; a
+  prefill fleet misconfigured alike fails every worker's legs (and, fixed, serves again all at
+  once), so in a window of 10 s the first eight are named, the rest counted in one line
+  (router.fleet_lines), for the failures and the ends alike;
 - `draining`: its shim got SIGTERM (LoadReport.draining): its requests in flight finish, a new one
   would be refused, so none is sent (a rolling restart costs no retry);
 - `engine_unhealthy`: its shim reports the engine failing its load polls (down, or too loaded to
@@ -115,7 +116,7 @@ class _PrefillEpisode:
 
     failed_at: float  # its last failed leg
     why: str
-    serves_whole: bool  # it only gave no transfer handle: its engine serves whole requests
+    serves_whole: bool  # it only gave no usable transfer handle: its engine serves whole requests
     probe_until: float = 0.0  # a probe holds it until then
 
 
@@ -257,8 +258,8 @@ class Eligibility:
         fault (with the likely fix), None when it gave a transfer handle. A failure leaves the
         worker out for PREFILL_COOLDOWN_S (a WARNING at an episode's start); a leg that works past
         the cooldown, the probe, ends the episode (one within it was planned before the failure).
-        `serves_whole`: its engine answered but gave no transfer handle, so it still serves a whole
-        request (its last failure's say)."""
+        `serves_whole`: its engine answered but gave no usable transfer handle, so it still serves a
+        whole request (its last failure's say)."""
         held = self._prefill_failing.get(worker)
         if fault is None:
             if held is not None and self._clock() - held.failed_at >= PREFILL_COOLDOWN_S:

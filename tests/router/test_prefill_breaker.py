@@ -13,8 +13,10 @@ import types
 import aiohttp
 import pytest
 
-from protocol.messages import WorkerInfo
+from protocol.messages import BAD_TRANSFER_HANDLE, WorkerInfo
+from router.dispatch import _prefill_fault
 from router.eligibility import PREFILL_COOLDOWN_S, Eligibility, Exclusion
+from router.leg import LegError
 from router.load_view import Liveness
 from router.policies import Outcome, Path
 from router.service import RouterService
@@ -137,6 +139,28 @@ def test_a_worker_that_leaves_takes_its_prefill_episode_with_it() -> None:
     assert w.exclusion() is None
 
 
+@pytest.mark.parametrize(
+    ("kind", "message", "advice"),
+    [
+        ("no_transfer", "final chunk without a transfer", NO_CONNECTOR),
+        ("engine_protocol", "the prefill leg returned no kv_transfer_params", NO_CONNECTOR),
+        (BAD_TRANSFER_HANDLE, "the prefill leg returned kv_transfer_params with no do_remote_prefill", "NixlConnector"),
+    ],
+)
+def test_a_prefill_leg_without_a_usable_handle_is_advised_by_what_it_returned(
+    kind: str, message: str, advice: str
+) -> None:
+    """No handle is an engine without a KV connector; a handle no decode engine would pull with
+    (the shim's own kind) is not, and its advice sends no one to --kv-transfer-config. Either way
+    its engine still serves whole requests."""
+    fault = _prefill_fault(LegError("p1", 502, kind, message, retryable=False), 30.0, 60.0)
+    assert fault is not None
+    why, serves_whole = fault
+    assert advice in why and message in why and serves_whole
+    if kind == BAD_TRANSFER_HANDLE:
+        assert NO_CONNECTOR not in why and "rewrites kv_transfer_params" in why
+
+
 # --- end to end ----------------------------------------------------------------------------------
 
 
@@ -196,7 +220,11 @@ async def test_a_prefill_handle_a_decode_engine_would_not_pull_with_falls_back_a
     assert router.dispatcher.fallbacks == 1 and d.sim.engine.stats.external_kv_tokens == 0
     assert d.sim.engine.prefill_tokens_computed == len(prompt) + d.shim.probe.prompt_tokens
     excluded = {e["worker"]: e for e in router.path.explain(MODEL, SYSTEM, text=False)["excluded"]}
-    assert excluded[bad.id]["excluded"] == "prefill_failing" and "do_remote_prefill" in excluded[bad.id]["why"]
+    why = excluded[bad.id]["why"]
+    assert excluded[bad.id]["excluded"] == "prefill_failing" and "do_remote_prefill" in why
+    # Its engine has its KV connector: the advice names the handle's rewriting, not a flag it has
+    assert "rewrites kv_transfer_params" in why and "NixlConnector" in why and NO_CONNECTOR not in why
+    assert router.eligibility.serves_whole(bad.id)  # its engine answers: it still takes whole requests
 
 
 async def a_hung_prefill_worker_then_a_healthy_one(

@@ -21,7 +21,13 @@ from aiohttp import web
 from engine_sim.request import SimRequest
 from engine_sim.scheduler import Scheduler
 from protocol import SamplingParams, Usage
-from protocol.messages import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, PREFILL_STOPPED, RETRY_AFTER_MAX_S
+from protocol.messages import (
+    BAD_TRANSFER_HANDLE,
+    ENDPOINT_CHAT,
+    ENDPOINT_COMPLETIONS,
+    PREFILL_STOPPED,
+    RETRY_AFTER_MAX_S,
+)
 from tests.protocol.vllm_captures import FIXTURES
 from tests.router.polling import until
 from worker_shim import ShimConfig
@@ -374,34 +380,50 @@ async def test_a_prefill_leg_that_stopped_without_a_handle_is_the_requests_not_t
     ],
 )
 @pytest.mark.parametrize("endpoint", ["", ENDPOINT_COMPLETIONS])
-async def test_a_prefill_handle_a_decode_engine_would_not_pull_with_is_the_engines_protocol_error(
+async def test_a_prefill_handle_a_decode_engine_would_not_pull_with_is_a_bad_transfer_handle(
     engine: tuple[Engine, VllmAdapter], endpoint: str, handle: dict[str, Any], named: str
 ) -> None:
     """A handle without `do_remote_prefill: true` makes vLLM's decode engine prefill the whole
     prompt again, and one without the side channel's host and port has nowhere to pull from: the
-    leg fails (so the router falls back and counts it) rather than pass as a remote prefill."""
+    leg fails (so the router falls back and counts it) rather than pass as a remote prefill, with its
+    own kind: the engine returned a handle, so its flags are right (router.dispatch._prefill_fault)."""
     eng, adapter = engine
     choice = {"index": 0, "text": "x", "token_ids": [5], "finish_reason": "length"}
     eng.whole = json.dumps({"choices": [choice], "kv_transfer_params": handle}).encode()
     with pytest.raises(EngineError) as caught:
         await adapter.generate(leg(endpoint, {"model": "m"}, prefill_only=True, stream=False), ignore)
-    assert (caught.value.code, caught.value.kind) == (502, "engine_protocol")
+    assert (caught.value.code, caught.value.kind) == (502, BAD_TRANSFER_HANDLE)
     assert "kv_transfer_params" in caught.value.message and named in caught.value.message
     assert msgspec.json.encode(handle).decode()[:100] in caught.value.message  # what was received
 
 
-def test_the_handles_vllm_and_engine_sim_return_pass() -> None:
+def test_the_handles_nixl_connector_and_engine_sim_return_pass() -> None:
     """engine_sim's handle (vLLM 0.32's NixlConnector's, key for key, block ids per KV cache group),
-    NixlConnector's older one (block ids one flat list) and Mooncake's (host and port, no block ids)."""
+    NixlConnector's older one (block ids one flat list) and the least the shim needs (host and port,
+    no block ids). NixlConnector is the one P/D connector supported: MooncakeConnector's handle has
+    no remote_host (its decode side pulls by remote_bootstrap_addr and transfer_id) and fails."""
     sim = Scheduler(hash_seed="0", block_size=16, num_gpu_blocks=64, max_num_batched_tokens=256, max_num_seqs=8)
     sim.add_request(SimRequest("p", list(range(100)), max_tokens=1, remote_decode=True))
     (out,) = sim.step().outputs  # its prompt in one step, and its one token
     sim_handle = out.kv_transfer_params
     assert sim_handle is not None
     older = {**HANDLE, "remote_block_ids": [3, 4]}
-    mooncake = {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "10.0.0.7", "remote_port": 8998}
-    for handle in (sim_handle, HANDLE, older, mooncake):
+    least = {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "10.0.0.7", "remote_port": 5600}
+    for handle in (sim_handle, HANDLE, older, least):
         check_transfer_handle(handle)
+    mooncake = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[3, 4]],
+        "remote_engine_id": "e1",
+        "remote_bootstrap_addr": "http://10.0.0.7:8998",
+        "tp_size": 1,
+        "transfer_id": "xfer-r1",
+    }
+    with pytest.raises(EngineError) as caught:
+        check_transfer_handle(mooncake)
+    assert (caught.value.code, caught.value.kind) == (502, BAD_TRANSFER_HANDLE)
+    assert "no remote_host" in caught.value.message
 
 
 async def test_the_engines_own_400_body_comes_back(engine: tuple[Engine, VllmAdapter]) -> None:

@@ -21,7 +21,9 @@
   (an engine without a KV connector), or `prefill_stopped` where it ended "stop" (its request's
   token, which routers do not hold against the worker); one that answers params a decode engine
   would not pull with (check_transfer_handle: no `do_remote_prefill: true`, no string
-  `remote_host` or integer `remote_port`) is a 502 `engine_protocol` too.
+  `remote_host` or integer `remote_port`) is a 502 `bad_transfer_handle`. NixlConnector is the only
+  P/D connector supported: another one's handle (MooncakeConnector's has no `remote_host`, and its
+  decode side pulls by `remote_bootstrap_addr` and `transfer_id`) fails every prefill leg so.
   With --data-parallel-rank, every leg names that rank (`X-data-parallel-rank`: vLLM's API server
   sends it to that rank's engine) and load and limits are that rank's (`engine` label).
   X-Request-Id is the leg's engine id on both legs (the client's own X-Request-Id or body
@@ -49,7 +51,7 @@ import msgspec
 from protocol import ConfigError, SamplingParams
 from protocol import vllm_metrics as vm
 from protocol.fingerprint import PROBES, ChatProbe, fingerprint
-from protocol.messages import ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE, PREFILL_STOPPED
+from protocol.messages import BAD_TRANSFER_HANDLE, ENDPOINT_DETOKENIZE, ENDPOINT_TOKENIZE, PREFILL_STOPPED
 from worker_shim.adapters.base import (
     PROBE_OUTPUT_TOKENS,
     EngineError,
@@ -297,17 +299,17 @@ def event_sources(raw: dict[str, Any]) -> dict[int, EventSource]:
 
 
 def check_transfer_handle(transfer: dict[str, Any]) -> None:
-    """EngineError 502 `engine_protocol` unless `transfer`, a prefill leg's kv_transfer_params,
-    holds what the handle of every connector the shim supports does (NixlConnector's and Mooncake's
-    request_finished): `do_remote_prefill` true (the decode side pulls only for it; without it the
-    decode engine prefills the whole prompt again, unseen), `remote_host` a string and
-    `remote_port` an integer (where it pulls from). Other keys are the connector's own."""
+    """EngineError 502 `bad_transfer_handle` unless `transfer`, a prefill leg's kv_transfer_params,
+    holds what NixlConnector's request_finished gives, the one P/D connector the shim supports:
+    `do_remote_prefill` true (the decode side pulls only for it; without it the decode engine
+    prefills the whole prompt again, unseen), `remote_host` a string and `remote_port` an integer
+    (where it pulls from). Other keys are the connector's own."""
     if transfer.get("do_remote_prefill") is not True:
-        raise EngineError(502, "engine_protocol", _bad_handle(transfer, "do_remote_prefill", "true"))
+        raise EngineError(502, BAD_TRANSFER_HANDLE, _bad_handle(transfer, "do_remote_prefill", "true"))
     for key, kind, wanted in (("remote_host", str, "a string"), ("remote_port", int, "an integer")):
         value = transfer.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):  # JSON's true is no port
-            raise EngineError(502, "engine_protocol", _bad_handle(transfer, key, wanted))
+            raise EngineError(502, BAD_TRANSFER_HANDLE, _bad_handle(transfer, key, wanted))
 
 
 def _bad_handle(transfer: dict[str, Any], key: str, wanted: str) -> str:
