@@ -398,17 +398,18 @@ class _Handlers:
         """vLLM's /tokenize or /detokenize, answered by a worker's engine: the router's tokenizer is
         there to route, and only the engine's says exactly what the engine will see."""
         status = 500
+        rid = uuid.uuid4().hex  # the call's, in its retries' lines and its failure's
         try:
             body = await self._json_body(request)
             if not isinstance(body, dict):
                 raise ApiError(400, "the request body must be a JSON object")
             model = self._model(typed_field(body, "model", str, None))
             try:
-                raw = await self.path.call(model, endpoint, body)
+                raw = await self.path.call(model, endpoint, body, request_id=rid)
             except PlanError as exc:
                 raise plan_error(exc) from exc
             except LegError as exc:
-                raise leg_error(exc) from exc
+                raise _failed_before_output(rid, exc) from exc
             status = 200
             return web.Response(body=raw, content_type="application/json")
         except ApiError as exc:
@@ -616,7 +617,7 @@ class _Handlers:
                 if chunk.body:
                     parts.append(chunk.body)
         except LegError as exc:
-            raise _failed_before_output(job, exc) from exc
+            raise _failed_before_output(job.request.request_id, exc) from exc
         body = _with_route(parts, _route_info(job) if shown else None)
         headers = _route_headers(job, ids, timing, shown=shown)
         return web.Response(body=body, headers=headers, content_type="application/json")
@@ -652,7 +653,7 @@ class _Handlers:
         try:
             first = await anext(chunks)
         except LegError as exc:
-            raise _failed_before_output(job, exc) from exc
+            raise _failed_before_output(job.request.request_id, exc) from exc
         except StopAsyncIteration:
             raise ApiError(502, "the worker ended the stream without a chunk") from None
         headers = {
@@ -727,14 +728,14 @@ def _leg_failure(exc: LegError) -> str:
     return f"{exc.role or 'its'} leg on worker {exc.worker}: {exc.kind}: {exc.message}"
 
 
-def _failed_before_output(job: Job, exc: LegError) -> ApiError:
-    """The client's error for a request whose leg failed before its first output, said once as a
-    stream that fails after it is: at WARNING, at INFO for a request its engine refused (the
-    client's fault, its answer the engine's own). Until 2026-12-07 neither was said anywhere, a 504
-    at the deadline included. Not a slow reader, which the dispatcher said."""
+def _failed_before_output(rid: str, exc: LegError) -> ApiError:
+    """The client's error for request `rid` (a completion's, or a /tokenize or /detokenize call's)
+    whose leg failed before its first output, said once as a stream that fails after it is: at
+    WARNING, at INFO for a request its engine refused (the client's fault, its answer the engine's
+    own). Until 2026-12-07 neither was said anywhere, a 504 at the deadline included (a utility
+    call's, only its retries). Not a slow reader, which the dispatcher said."""
     failed = leg_error(exc)
     if not exc.slow_reader:
-        rid = job.request.request_id
         log.log(
             logging.INFO if exc.refused else logging.WARNING,
             "request %s: failed before its first output (%s); the client got a %d",

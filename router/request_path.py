@@ -229,11 +229,11 @@ class RequestPath:
             sequences=shape.sequences,
         )
 
-    async def call(self, model: str, endpoint: str, params: dict[str, Any]) -> bytes:
+    async def call(self, model: str, endpoint: str, params: dict[str, Any], *, request_id: str | None = None) -> bytes:
         """A utility call (`endpoint` one of UTILITY_ENDPOINTS) on a worker of `model`: the engine's
         whole answer. Calls take the workers in turn; one that fails before answering (silent, gone,
         a 5xx) hands the call to the next. PlanError when no worker can take it, LegError when the
-        call failed."""
+        call failed. `request_id`: the call's (its caller logs its failure by it), a new one if None."""
         await self._check_connected()
         workers = self.planner.utility_workers(model)
         if not workers:
@@ -241,7 +241,12 @@ class RequestPath:
         first = self.calls % len(workers)
         self.calls += 1
         req = GenerateRequest(
-            request_id=uuid.uuid4().hex, model=model, token_ids=[], stream=False, endpoint=endpoint, params=params
+            request_id=request_id or uuid.uuid4().hex,
+            model=model,
+            token_ids=[],
+            stream=False,
+            endpoint=endpoint,
+            params=params,
         )
         deadline = time.monotonic() + self.request_timeout_s
         *before, last = (workers[first:] + workers[:first])[:2]

@@ -22,6 +22,7 @@ from router.service import RouterService
 from tests.deploy.test_compose import _router_metric_names, _shim_metric_names
 from tests.router.conftest import MODEL, Cluster, busy_decode_fleet, complete
 from tests.router.polling import until
+from worker_shim.adapters.base import EngineError
 
 ROOT = Path(__file__).resolve().parents[2]
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -89,6 +90,37 @@ async def test_a_request_that_fails_before_its_first_output_is_logged_once(
     assert line.startswith(f"request {request_id}: failed before its first output"), line
     said_leg = re.search(rf"agg leg on worker {worker.id}: timeout: no answer by its deadline, ([0-9.]+)s after", line)
     assert said_leg is not None and 1.2 < float(said_leg[1]) < 3.0 and line.endswith("a 504"), line  # not a slice
+
+
+@pytest.mark.parametrize(("endpoint", "body"), [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})])
+async def test_a_utility_call_that_fails_on_its_last_try_is_logged_once_by_its_id(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, endpoint: str, body: dict[str, Any]
+) -> None:
+    """Until 2026-12-07 a /tokenize or /detokenize whose last try failed was said nowhere (its retry
+    was): now as a completion that fails before its first output, under the id its retry named."""
+    workers = [await cluster.add_worker("agg") for _ in range(2)]
+    router = await cluster.add_ready_router(disagg="never")
+
+    async def failing(endpoint: str, body: dict[str, Any]) -> bytes:
+        raise EngineError(500, "engine_error", "Internal server error (the tokenizer crashed)")
+
+    for w in workers:
+        w.shim.adapter.call = failing  # type: ignore[method-assign]
+    caplog.set_level(logging.INFO, logger="router")
+    caplog.clear()
+    async with http.post(router.url + endpoint, json={"model": MODEL, **body}) as resp:
+        status = resp.status
+    assert status >= 500
+    said = [r for r in caplog.records if r.name.startswith("router")]
+    assert [(r.name, r.levelno) for r in said] == [
+        ("router.request_path", logging.WARNING),  # its retry on the other worker
+        ("router.http_api", logging.WARNING),
+    ], said
+    request_id = said[1].__dict__["request_id"]
+    assert said[0].getMessage().startswith(f"{endpoint[1:]} call {request_id}: "), said[0].getMessage()
+    line = said[1].getMessage()
+    assert line.startswith(f"request {request_id}: failed before its first output (agg leg on worker "), line
+    assert "engine_error: Internal server error (the tokenizer crashed)" in line and line.endswith(f"a {status}"), line
 
 
 async def test_a_retry_before_the_first_token_is_counted(cluster: Cluster, http: aiohttp.ClientSession) -> None:
