@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import errno
 import functools
 import http.client
 import importlib
@@ -58,6 +59,7 @@ from kvswitch.servers import (
     ServerError,
     dying_with_parent,
     free_ports,
+    open_log,
     port_holders,
 )
 from protocol import subjects
@@ -202,6 +204,7 @@ class LocalCluster:
         self.router_urls: list[str] = []
         self.secrets_dir: Path | None = None
         self._scratch: Path | None = None  # children's output when no log_dir is asked for
+        self._scratch_fd: int | None = None  # the scratch directory, held open (`_scratch_dir`)
         self._etcd_passwords: dict[str, str] = {}
         self._nats_auth: NatsAuthPlan | None = None
         self._abandon = threading.Event()  # set from another thread: starting stops at its next wait
@@ -260,6 +263,7 @@ class LocalCluster:
             route_tls=tls.nats_route if tls else None,
             authorization=authorization,
             logs=nats_logs,
+            avoid=self._flagged_ports(),
         )
         self.nats.start()
         self.etcd = EtcdCluster(
@@ -268,6 +272,7 @@ class LocalCluster:
             tls=tls.etcd if tls else None,
             peer_tls=tls.etcd_peer if tls else None,
             logs=etcd_logs,
+            avoid=self._flagged_ports(),
         )
         self.etcd.start()
         if spec.etcd_auth:
@@ -275,6 +280,13 @@ class LocalCluster:
             users = namespace_users(spec.namespace, self._etcd_passwords["router"], self._etcd_passwords["worker"])
             context = spec.tls.client_context() if spec.tls is not None else None
             enable_auth(self.etcd.urls[0], self._etcd_passwords["root"], users, context=context)
+
+    def _flagged_ports(self) -> set[int]:
+        """The ports the spec names (routers from `http_port`, NATS from `nats_port`, etcd from
+        `etcd_port`): each bound only when its process starts, so no draw before then may take one."""
+        spec = self.spec
+        asked = [(spec.http_port, spec.routers), (spec.nats_port, spec.nats_nodes), (spec.etcd_port, spec.etcd_members)]
+        return {port for first, count in asked if first for port in range(first, first + count)}
 
     def start(self) -> None:
         self._stopping = False
@@ -284,7 +296,7 @@ class LocalCluster:
             engines = sum(getattr(self.spec, role) for role in POOLS)
             routers = 0 if self.spec.http_port else self.spec.routers
             for draw in range(1, PORT_DRAWS + 1):
-                base = free_ports(3 * engines + routers) if 3 * engines + routers else 0
+                base = free_ports(3 * engines + routers, avoid=self._flagged_ports()) if 3 * engines + routers else 0
                 try:
                     base = self._start_pools(base)
                     break
@@ -380,9 +392,12 @@ class LocalCluster:
         router.ports.append(port)
 
     def _scratch_dir(self) -> Path:
-        """A directory of this cluster's own, removed at `stop`."""
+        """A directory of this cluster's own (0o700, mkdtemp's), removed at `stop`. It is held open,
+        and its logs are opened through that descriptor: one removed meanwhile is never made again
+        (0o755, or one another user planted at its path, taken as ours), a restart then fails."""
         if self._scratch is None:
             self._scratch = Path(tempfile.mkdtemp(prefix="kvswitch-cluster-"))
+            self._scratch_fd = os.open(self._scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         return self._scratch
 
     def _log(self, name: str) -> Path:
@@ -395,16 +410,24 @@ class LocalCluster:
         return log
 
     def _open_log(self, log: Path) -> BinaryIO:
-        """`log` opened to append, its directory made again if gone (an `rm -rf` of --log-dir, or of the
-        scratch directory, while the cluster runs: a restart then still has somewhere to write); one that
-        cannot be opened is a ServerError naming --log-dir, not an OSError."""
+        """`log` opened to append (made 0o600; a symlink there is refused, not followed); one that
+        cannot be opened is a ServerError naming --log-dir, or the scratch directory, not an OSError.
+        An `rm -rf` of the operator's --log-dir while the cluster runs makes it again, so a restart
+        still has somewhere to write; the scratch directory is never made again (`_scratch_dir`)."""
         try:
+            if self._scratch_fd is not None and log.parent == self._scratch:
+                return open_log(log.name, dir_fd=self._scratch_fd)
             log.parent.mkdir(parents=True, exist_ok=True)
-            return log.open("ab")
+            return open_log(log)
         except OSError as exc:
             why = exc.strerror or exc
             if self.spec.log_dir is not None and log.parent == self.spec.log_dir:
                 raise ServerError(f"--log-dir {self.spec.log_dir}: cannot write {log.name}: {why}") from None
+            if log.parent == self._scratch and exc.errno == errno.ENOENT:
+                raise ServerError(
+                    f"cannot write {log}: the cluster's scratch directory {log.parent} was removed while it ran, and "
+                    "is not made again (give --log-dir for logs in a directory of your own)"
+                ) from None
             raise ServerError(f"cannot write {log}: {why}") from None
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Child:
@@ -643,7 +666,9 @@ class LocalCluster:
         for made in (self.secrets_dir, self._scratch):
             if made is not None:
                 shutil.rmtree(made, ignore_errors=True)
-        self.secrets_dir = self._scratch = None
+        if self._scratch_fd is not None:
+            os.close(self._scratch_fd)
+        self.secrets_dir = self._scratch = self._scratch_fd = None
         self.engines = []
         self.router_urls = []
         self._server_backoff = {}

@@ -37,11 +37,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import BinaryIO, Self
 
 from cryptography import x509
 from cryptography.x509.oid import NameOID
@@ -64,6 +64,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "listeners",
+    "open_log",
     "port_holders",
     "port_range",
     "socket_inodes",
@@ -178,8 +179,10 @@ def _cursor(low: int, high: int) -> Iterator[tuple[int, Callable[[int], None]]]:
         os.close(fd)  # releases the lock
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> int:
-    """The first of `count` consecutive free ports, for a server to bind a moment later.
+def free_ports(count: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """The first of `count` consecutive free ports, none of them in `avoid`, for a server to bind a
+    moment later. `avoid`: ports asked for by flag (`kvswitch up --etcd-port`), free now and bound
+    only later, that a draw before then took (NATS's drawn port took --etcd-port's, and etcd failed).
 
     Drawn below the kernel's ephemeral range: a port from bind(0) sits among those the kernel hands
     to outgoing connections, so with many processes connecting (shims to NATS, etcd and engines)
@@ -202,11 +205,14 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
         for _ in range(high - low - count + 1):  # every base in the range once
             if base + count > high:
                 base = low
-            if all(_bindable(base + i, host) for i in range(count)):
+            if not any(base + i in avoid for i in range(count)) and all(
+                _bindable(base + i, host) for i in range(count)
+            ):
                 store(base + count if base + count < high else low)
                 return base
             base += 1
-    raise ServerError(f"no {count} consecutive free ports in {low}-{high} on {host}")
+    besides = f" besides the ports asked for ({', '.join(map(str, sorted(avoid)))})" if avoid else ""
+    raise ServerError(f"no {count} consecutive free ports in {low}-{high} on {host}{besides}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -401,6 +407,14 @@ def _get_json(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = N
     return body if isinstance(body, dict) else None
 
 
+def open_log(path: str | Path, dir_fd: int | None = None) -> BinaryIO:
+    """`path` (in `dir_fd` when given) opened to append a process's output: made 0o600 (it may hold
+    what a process said of its secrets), and a symlink there refused (ELOOP), never followed: a link
+    planted in a log's place would have a restart append to whatever file it names."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(path, flags, 0o600, dir_fd=dir_fd), "ab")
+
+
 class _Server:
     name = "server"
 
@@ -408,6 +422,7 @@ class _Server:
         self._own_dir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix=f"kvswitch-{self.name}-")) if workdir is None else workdir
         self.proc: subprocess.Popen[bytes] | None = None
+        self._served = False  # healthy once: its store holds what a restart must keep
         # Its output, in its store unless given a path that outlives it (`kvswitch up --log-dir`).
         self._log_path = log or self.workdir / f"{self.name}.log"
 
@@ -426,8 +441,16 @@ class _Server:
         raise NotImplementedError
 
     def start(self, timeout: float = 20.0) -> Self:
-        self.launch()
-        return self.wait_healthy(timeout)
+        """Launch it and wait until healthy. One that fails before it ever served leaves nothing: its
+        process is killed and its temporary store removed (a `kvswitch-nats-*` per failed start
+        piled up in $TMPDIR: the caller, given an exception, has no server to close)."""
+        try:
+            self.launch()
+            return self.wait_healthy(timeout)
+        except BaseException:
+            if not self._served:  # a store a server ran on is kept for its restart
+                self.close(now=True)
+            raise
 
     def launch(self) -> None:
         """Start the process without waiting for it to be healthy (cluster members wait for quorum)."""
@@ -440,7 +463,7 @@ class _Server:
         try:
             # Made again if gone: `kvswitch up --log-dir X` restarts it after an `rm -rf X`.
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
-            out = self._log_path.open("ab")
+            out = open_log(self._log_path)
         except OSError as exc:
             raise ServerError(f"{self.name}: cannot write its log {self._log_path}: {exc.strerror or exc}") from None
         try:
@@ -463,6 +486,7 @@ class _Server:
             if self.proc.poll() is not None:
                 raise ServerError(f"{self.name} exited with {self.proc.returncode}: {self._held()}{self.log_tail()}")
             if self.healthy():
+                self._served = True
                 return self
             time.sleep(0.05)
         self.stop()
@@ -638,11 +662,13 @@ class NatsCluster:
         route_tls: TlsFiles | None = None,
         authorization: str | None = None,
         logs: Sequence[Path] = (),
+        avoid: Collection[int] = (),
     ) -> None:
         if size < 1:
             raise ServerError(f"a NATS cluster needs at least 1 member, got {size}")
-        ports, monitors = port or free_ports(size), free_ports(size)
-        cluster = free_ports(size) if size > 1 else None  # one member: a plain server
+        ports = port or free_ports(size, avoid=avoid)
+        monitors = free_ports(size, avoid=avoid)
+        cluster = free_ports(size, avoid=avoid) if size > 1 else None  # one member: a plain server
         self.nodes = [
             NatsServer(
                 ports + i,
@@ -805,10 +831,11 @@ class EtcdCluster:
         tls: TlsFiles | None = None,
         peer_tls: TlsFiles | None = None,
         logs: Sequence[Path] = (),
+        avoid: Collection[int] = (),
     ) -> None:
         if size < 1:
             raise ServerError(f"an etcd cluster needs at least 1 member, got {size}")
-        clients, peers = port or free_ports(size), free_ports(size)
+        clients, peers = port or free_ports(size, avoid=avoid), free_ports(size, avoid=avoid)
         scheme = "https" if peer_tls else "http"
         initial = ",".join(f"m{i}={scheme}://127.0.0.1:{peers + i}" for i in range(size))
         self.members = [

@@ -120,7 +120,6 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     routers = args.routers if args.routers is not None else (1 if workers else 0)
     if routers < 0:
         raise UpFlagError(f"kvswitch up: --routers must be >= 0, got {routers}")
-    _check_draw(args, workers, routers)
     if args.demo and not routers:
         raise UpFlagError("kvswitch up: --demo sends its requests through a router: drop --routers 0 or --demo")
     if routers and not workers:
@@ -146,6 +145,10 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
             f"kvswitch up: --http-port {args.http_port} leaves no port for router {routers - 1} of --routers "
             f"{routers} (router i listens on --http-port + i): at most {65536 - routers}"
         )
+    for name in ("nats_nodes", "etcd_members"):
+        if getattr(args, name) < 1:
+            raise UpFlagError(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _check_draw(args, workers, routers)
     try:
         subjects.validate_namespace(args.namespace)  # as the router and the shims check it
     except ValueError:
@@ -155,9 +158,6 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         _check_log_dir(log_dir)
     if not args.model.strip():
         raise UpFlagError("kvswitch up: --model must name the served model, got an empty name")
-    for name in ("nats_nodes", "etcd_members"):
-        if getattr(args, name) < 1:
-            raise UpFlagError(f"kvswitch up: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     restart = _restart_policy(args)
     sim_args = [*_max_model_len_args(args), *_lora_args(args.lora_modules, args.model)]
     extra: list[str] = list(getattr(args, "extra", []))
@@ -175,26 +175,47 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
 
 
 def _check_draw(args: argparse.Namespace, workers: int, routers: int) -> None:
-    """The workers' ports (3 each) and the routers' without --http-port are one draw of consecutive
-    free ports (LocalCluster.start): more than the range holds is refused now, naming the flags, not
-    after NATS and etcd started."""
+    """Every port drawn from the free-port range (`free_ports`) is drawn before the workers start:
+    NATS's (a monitor port per node, a route port per node of a cluster, a client port per node
+    without --nats-port), etcd's (a peer port per member, a client port per member without
+    --etcd-port), then one draw of consecutive ports for the workers (3 each) and the routers without
+    --http-port (LocalCluster.start); none takes a port a flag asks for. More than the range holds
+    is refused now, naming the flags, not after NATS and etcd started."""
+    n, m = args.nats_nodes, args.etcd_members
+    servers = n + (n if n > 1 else 0) + (0 if args.nats_port else n) + m + (0 if args.etcd_port else m)
     drawn = 0 if args.http_port else routers
-    need = 3 * workers + drawn
-    if not need:
-        return
+    need = 3 * workers + drawn + servers
     try:
         low, high = port_range()
     except ServerError as exc:
         raise UpFlagError(f"kvswitch up: {exc}") from None
-    if need <= high - low:
+    asked = [(args.http_port, routers), (args.nats_port, n), (args.etcd_port, m)]
+    flagged = {p for first, count in asked if first for p in range(first, first + count) if low <= p < high}
+    room = high - low - len(flagged)
+    if need <= room:
         return
     given = os.environ.get(FREE_PORTS_ENV)
     where = f"{FREE_PORTS_ENV}={given}" if given else "10000 up to net.ipv4.ip_local_port_range's low end"
-    with_routers = f" and --routers {routers} (1 port each, without --http-port)" if drawn else ""
+    if flagged:
+        where += f", less {len(flagged)} asked for by flag"
+    takers = (
+        [f"--agg {args.agg} --prefill {args.prefill} --decode {args.decode} (3 ports per worker)"] if workers else []
+    )
+    if drawn:
+        takers.append(f"--routers {routers} (1 port each, without --http-port)")
+    takers.append(
+        f"NATS and etcd ({servers} for --nats-nodes {n} and --etcd-members {m}: a monitor port per NATS node, a route "
+        "port per node of a cluster, a peer port per etcd member, and a client port each without --nats-port or "
+        "--etcd-port)"
+    )
+    most = (room - servers - drawn) // 3
+    routed = " with these routers" if drawn else ""
+    fits = f"at most {most} workers{routed}" if most > 0 else f"no worker fits{routed}: give a wider range"
+    if not workers:
+        fits = "give a wider range"
+    taking = ", ".join(takers[:-1]) + " and " + takers[-1] if len(takers) > 1 else takers[0]
     raise UpFlagError(
-        f"kvswitch up: --agg {args.agg} --prefill {args.prefill} --decode {args.decode} (3 ports per worker)"
-        f"{with_routers} take {need} consecutive ports, more than the {high - low} of {low}-{high} ({where}): "
-        f"at most {(high - low - drawn) // 3} workers{' with these routers' if drawn else ''}"
+        f"kvswitch up: {taking} take {need} ports, more than the {room} of {low}-{high} ({where}): {fits}"
     )
 
 
@@ -468,10 +489,55 @@ class _HealthLog:
                 self._said_at, self._held = now, 0
 
 
-async def _supervise(cluster: LocalCluster, health: _HealthLog, stop: asyncio.Event) -> None:
+class _RoundFaults:
+    """Supervision rounds that raise (a fault no restart foresaw): the first is an ERROR with its
+    traceback, the same again at most every `every_s` with how many rounds failed meanwhile (a round
+    every 0.5 s logged 19 tracebacks in 10 s). Rounds failing `bound_s` in a row are a supervisor
+    that no longer supervises: `failed` then says why, for `kvswitch up` to stop and exit 1."""
+
+    def __init__(
+        self, every_s: float = 30.0, bound_s: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.every_s, self.bound_s, self._clock = every_s, bound_s, clock
+        self._since: float | None = None  # the first of the failures in a row
+        self._said_at = 0.0
+        self._held = 0  # failures since the last said
+
+    def failed(self, exc: Exception) -> str | None:
+        """Count a round that raised `exc`; the fault to stop for once they failed `bound_s` in a row."""
+        now = self._clock()
+        fault = f"{type(exc).__name__}: {exc}"
+        if self._since is None:
+            log.error("supervising failed this round; the cluster runs on, supervised still", exc_info=exc)
+            self._since, self._said_at, self._held = now, now, 0
+            return None
+        self._held += 1
+        if now - self._since >= self.bound_s:
+            return f"every round of supervision failed for {now - self._since:.0f}s, the last with {fault}"
+        if now - self._said_at >= self.every_s:
+            log.error(
+                "supervising failed again (%d rounds in %.0fs), the last with %s; supervised still, stopping the "
+                "cluster if it fails until %.0fs in a row",
+                self._held, now - self._said_at, fault, self.bound_s,
+            )  # fmt: skip
+            self._said_at, self._held = now, 0
+        return None
+
+    def ok(self) -> None:
+        if self._since is not None:
+            log.info("supervising works again, after %.0fs of failed rounds", self._clock() - self._since)
+            self._since = None
+
+
+async def _supervise(
+    cluster: LocalCluster, health: _HealthLog, stop: asyncio.Event, faults: _RoundFaults | None = None
+) -> str | None:
     """Until `stop`: exits are looked for each tick (a poll of each process), and at each restart
-    due; health is probed every 5 s. A round that raises (a fault no restart foresaw) is logged with
-    its traceback and the next goes on: one process's trouble must not take the cluster down."""
+    due; health is probed every 5 s. A round that raises (a fault no restart foresaw) is logged
+    (`_RoundFaults`) and the next goes on: one process's trouble must not take the cluster down.
+    Rounds that fail for `faults.bound_s` in a row end it early: the fault, for the caller to stop
+    the cluster and exit 1 (None when `stop` ended it)."""
+    faults = faults or _RoundFaults()
     tick = 5.0 if cluster.spec.restart is None else WATCH_S
     next_check = time.monotonic() + 5.0
     while not stop.is_set():
@@ -486,8 +552,12 @@ async def _supervise(cluster: LocalCluster, health: _HealthLog, stop: asyncio.Ev
                     health.check()
                 else:
                     health.watch()
-            except Exception:  # not BaseException: a KeyboardInterrupt or a cancellation still ends it
-                log.exception("supervising failed this round; the cluster runs on, supervised still")
+            except Exception as exc:  # not BaseException: a KeyboardInterrupt or a cancellation still ends it
+                if (fault := faults.failed(exc)) is not None:
+                    return fault
+            else:
+                faults.ok()
+    return None
 
 
 async def _demo(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) -> int:
@@ -582,8 +652,13 @@ def run(args: argparse.Namespace) -> int:
             if args.demo:
                 return await _demo(cluster, spec, stop)
             print("kvswitch up: Ctrl-C or SIGTERM to stop", flush=True)
-            await _supervise(cluster, _HealthLog(cluster, said), stop)
-            return 0
+            fault = await _supervise(cluster, _HealthLog(cluster, said), stop)
+            if fault is None:
+                return 0
+            log.error("%s; stopping the cluster", fault)
+            print(f"kvswitch up: {fault}: the cluster is no longer supervised, so it is stopped", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            return 1
         finally:
             # A stop of up's own (the demo done, a start that failed) is bounded as a SIGTERM's:
             # setting `stop` starts run_service's drain limit.

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,9 @@ def test_a_sim_whose_replay_port_another_process_holds_is_named_with_the_holder(
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", base + 2))
         holder.listen()
-        monkeypatch.setattr("kvswitch.cluster.free_ports", lambda count, host="127.0.0.1": base)  # every redraw
+        monkeypatch.setattr(
+            "kvswitch.cluster.free_ports", lambda count, host="127.0.0.1", avoid=(): base
+        )  # every redraw
         cluster = LocalCluster(ClusterSpec(agg=1, routers=0))
         with pytest.raises(ServerError, match=rf"sim-agg \(status 1; port {base + 2} is held by pid {os.getpid()} \("):
             cluster.start()
@@ -105,7 +108,7 @@ def test_a_shim_whose_event_port_another_process_holds_is_named_with_the_holder(
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", base + 1))
         holder.listen()
-        monkeypatch.setattr("kvswitch.cluster.free_ports", lambda count, host="127.0.0.1": base)
+        monkeypatch.setattr("kvswitch.cluster.free_ports", lambda count, host="127.0.0.1", avoid=(): base)
         cluster = LocalCluster(ClusterSpec(agg=1, routers=1))
         try:
             cluster.start()
@@ -133,9 +136,9 @@ def _first_draw_taken(monkeypatch: pytest.MonkeyPatch, taken: socket.socket) -> 
     draws: list[int] = []
     real = free_ports
 
-    def first_taken(count: int, host: str = "127.0.0.1") -> int:
+    def first_taken(count: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
         draws.append(count)
-        return taken.getsockname()[1] if len(draws) == 1 else real(count, host)
+        return taken.getsockname()[1] if len(draws) == 1 else real(count, host, avoid)
 
     monkeypatch.setattr("kvswitch.cluster.free_ports", first_taken)
     return draws

@@ -73,8 +73,34 @@ def test_a_server_that_cannot_bind_names_the_port_and_its_holder() -> None:
         holder.bind(("127.0.0.1", free_port()))
         holder.listen()
         port = holder.getsockname()[1]
+        server = NatsServer(port=port)
         with pytest.raises(ServerError, match=rf"port {port} is held by pid {os.getpid()} \(.*python"):
-            NatsServer(port=port).start()
+            server.start()
+        # It left its store (a kvswitch-nats-* directory) behind, every failed start
+        assert not server.workdir.exists() and server.proc is None
+
+
+def test_a_failed_restart_keeps_the_store_it_served_from() -> None:
+    with NatsServer() as server:
+        server.stop()
+        with socket.socket() as holder:
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            holder.bind(("127.0.0.1", server.port))
+            holder.listen()
+            with pytest.raises(ServerError, match=rf"port {server.port} is held by pid {os.getpid()}"):
+                server.start()
+        assert server.workdir.is_dir()
+
+
+def test_a_draw_never_hands_out_a_port_to_avoid(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20010")
+    monkeypatch.setenv(PORTS_DIR_ENV, str(tmp_path))
+    _cursor_file(tmp_path).write_text("20000")
+    base = free_ports(2, avoid={20001})
+    assert base >= 20002, base
+    with pytest.raises(ServerError, match=r"no 10 consecutive free ports in 20000-20010 on 127\.0\.0\.1 besides the "
+                       r"ports asked for \(20005\)"):  # fmt: skip
+        free_ports(10, avoid={20005})
 
 
 def test_a_server_given_one_port_twice_is_refused_before_it_starts() -> None:

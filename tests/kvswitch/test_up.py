@@ -195,7 +195,11 @@ def test_up_runs_a_whole_cluster_and_leaves_nothing_after_sigterm() -> None:
         (["--agg", "1", "--namespace", "a.b"], "kvswitch up: --namespace must match [A-Za-z0-9_-]+, got 'a.b'"),
         (["--agg", "1", "--routers", "3", "--http-port", "65534"], "--http-port 65534 leaves no port for router 2"),
         # it started NATS and etcd, then failed drawing the sims' ports, naming no flag
-        (["--agg", "8000"], "kvswitch up: --agg 8000 --prefill 0 --decode 0 (3 ports per worker) take 24000"),
+        (
+            ["--agg", "8000"],
+            "kvswitch up: --agg 8000 --prefill 0 --decode 0 (3 ports per worker) and NATS and etcd (4 for --nats-nodes "
+            "1",
+        ),
         (["--agg", "1", "--disagg", "never", "--conditional-disagg"], "kvswitch up: invalid conditional_disagg"),
         (
             ["--agg", "1", "--routers", "0", "--demo"],

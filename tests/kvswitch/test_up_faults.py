@@ -344,15 +344,91 @@ def test_more_workers_than_the_port_range_holds_are_refused_naming_the_flags_and
     with pytest.raises(SystemExit) as refused:
         _spec(_up_args(["--agg", "4000", "--decode", "10", "--http-port", "0"]))
     assert refused.value.code == 2 and str(refused.value) == (
-        "kvswitch up: --agg 4000 --prefill 0 --decode 10 (3 ports per worker) and --routers 1 (1 port each, "
-        "without --http-port) take 12031 consecutive ports, more than the 10000 of 20000-30000 "
-        "(KVSWITCH_FREE_PORTS=20000-30000): at most 3333 workers with these routers"
+        "kvswitch up: --agg 4000 --prefill 0 --decode 10 (3 ports per worker), --routers 1 (1 port each, "
+        "without --http-port) and NATS and etcd (4 for --nats-nodes 1 and --etcd-members 1: a monitor port per NATS "
+        "node, a route port per node of a cluster, a peer port per etcd member, and a client port each without "
+        "--nats-port or --etcd-port) take 12035 ports, more than the 10000 of 20000-30000 "
+        "(KVSWITCH_FREE_PORTS=20000-30000): at most 3331 workers with these routers"
     )
-    assert _spec(_up_args(["--agg", "3333", "--http-port", "0"])).agg == 3333  # the most it allows
+    assert _spec(_up_args(["--agg", "3331", "--http-port", "0"])).agg == 3331  # the most it allows
     monkeypatch.delenv(FREE_PORTS_ENV)
     monkeypatch.setattr(kvswitch.servers, "_ephemeral_low", lambda: 32768)
     with pytest.raises(SystemExit, match=re.escape(
-        "--prefill 8000 --decode 1 (3 ports per worker) take 24003 consecutive ports, more than the 22768 of "
-        "10000-32768 (10000 up to net.ipv4.ip_local_port_range's low end): at most 7589 workers"
-    )):  # fmt: skip
+        "--prefill 8000 --decode 1 (3 ports per worker) and NATS and etcd (4 for --nats-nodes 1 and --etcd-members 1"
+    )) as refused:  # fmt: skip
         _spec(_up_args(["--prefill", "8000", "--decode", "1"]))
+    assert str(refused.value).endswith(
+        "take 24007 ports, more than the 22768 of 10000-32768 (10000 up to net.ipv4.ip_local_port_range's low end): "
+        "at most 7588 workers"
+    )
+
+
+@pytest.mark.parametrize(
+    ("free", "argv", "said"),
+    [
+        # passed, then failed after NATS and etcd had started: their 4 draws came from the same range
+        (
+            "20000-20006",
+            ["--agg", "1", "--routers", "1", "--demo"],
+            "take 7 ports, more than the 6 of 20000-20006 "
+            "(KVSWITCH_FREE_PORTS=20000-20006): no worker fits: give a wider range",
+        ),
+        # "at most -1 workers"
+        (
+            "20000-20002",
+            ["--agg", "1", "--routers", "5", "--http-port", "0"],
+            "take 12 ports, more than the 2 of "
+            "20000-20002 (KVSWITCH_FREE_PORTS=20000-20002): no worker fits with these routers: give a wider range",
+        ),
+        # a 3-node cluster of each: 3 monitors, 3 routes, 3 clients; 3 peers, 3 clients
+        (
+            "20000-20017",
+            ["--agg", "1", "--nats-nodes", "3", "--etcd-members", "3"],
+            "NATS and etcd (15 for --nats-nodes 3 and --etcd-members 3: ",
+        ),
+        # NATS's drawn port took the --etcd-port asked for, and etcd failed after NATS started
+        (
+            "20000-20003",
+            ["--etcd-port", "20000", "--routers", "0"],
+            "kvswitch up: NATS and etcd (3 for --nats-nodes 1 and --etcd-members 1: ",
+        ),
+        (
+            "20000-20003",
+            ["--etcd-port", "20000", "--routers", "0"],
+            "take 3 ports, more than the 2 of 20000-20003 "
+            "(KVSWITCH_FREE_PORTS=20000-20003, less 1 asked for by flag): give a wider range",
+        ),
+    ],
+)
+def test_the_servers_draws_count_against_the_range_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, free: str, argv: list[str], said: str
+) -> None:
+    monkeypatch.setenv(FREE_PORTS_ENV, free)
+    with pytest.raises(SystemExit) as refused:
+        _spec(_up_args(argv))
+    assert refused.value.code == 2 and said in str(refused.value), str(refused.value)
+
+
+def test_the_fewest_ports_the_servers_and_a_worker_need_are_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20007")
+    assert _spec(_up_args(["--agg", "1", "--routers", "1", "--demo"])).agg == 1
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20004")
+    assert _spec(_up_args(["--etcd-port", "20000", "--routers", "0"])).etcd_port == 20000
+
+
+def test_no_draw_takes_a_port_a_flag_asks_for(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # KVSWITCH_FREE_PORTS=20000-20003 --etcd-port 20000: NATS's drawn port took 20000, and etcd failed
+    base = free_ports(8)  # handed to this test alone: the draws walk the range round-robin
+    monkeypatch.setenv(FREE_PORTS_ENV, f"{base}-{base + 8}")
+    monkeypatch.setenv(kvswitch.servers.PORTS_DIR_ENV, str(tmp_path))
+    cursor = tmp_path / f"kvswitch-ports-{os.getuid()}-{base}-{base + 8}"
+    cursor.write_text(str(base))  # the next draw starts at the port --etcd-port asks for
+    cluster = LocalCluster(ClusterSpec(etcd_port=base, agg=1, routers=1, http_port=base + 1))
+    try:
+        cluster._start_servers()
+        assert cluster.nats is not None and cluster.etcd is not None
+        drawn = [*cluster.nats.nodes[0].ports(), cluster.etcd.members[0].peer_port]
+        assert cluster.etcd.members[0].port == base and not {base, base + 1} & set(drawn), drawn
+        assert free_ports(3, avoid=cluster._flagged_ports()) not in (base - 1, base)  # the workers' draw
+    finally:
+        cluster.stop()

@@ -5,6 +5,7 @@ row; never during or after a stop."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import pytest
 import kvswitch.up
 from kvswitch.cluster import ClusterSpec, LocalCluster, RestartPolicy
 from kvswitch.servers import free_port
-from kvswitch.up import _HealthLog, _spec, _supervise
+from kvswitch.up import _HealthLog, _RoundFaults, _spec, _supervise
 from tests.kvswitch.test_up import _alive, _cmdline, _descendants, _up_args
 
 
@@ -262,6 +263,59 @@ def test_a_restart_after_its_log_directory_was_removed_makes_it_again(
         cluster.stop()
 
 
+def test_a_restart_after_the_scratch_directory_was_removed_fails_and_never_writes_where_it_was(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # It was made again, 0o755 where mkdtemp's was 0o700, and a directory planted at its path was taken
+    cluster = LocalCluster(ClusterSpec(restart=RestartPolicy(first_s=0.05, failures=2)))
+    try:
+        child = cluster.spawn("sim-agg", ["sim", "--no-such-flag"])
+        child.proc.wait(30)
+        scratch = child.log.parent
+        health = _HealthLog(cluster, cluster.health_line())
+        health.watch()
+        shutil.rmtree(scratch)
+        scratch.mkdir(mode=0o777)  # another's, planted where it was
+        with caplog.at_level(logging.ERROR, logger="kvswitch.up"):
+            _until("given up", lambda: _watched(health) and child.backoff.given_up)
+        assert list(scratch.iterdir()) == [] and child.backoff.restarts == 0
+        said = next(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+        assert said.startswith(
+            f"child sim-agg could not be restarted: cannot write {scratch}/sim-agg.log: the cluster's scratch "
+            f"directory {scratch} was removed while it ran, and is not made again"
+        ), said
+        scratch.rmdir()
+    finally:
+        cluster.stop()
+
+
+def test_a_log_is_made_private_and_a_symlink_in_its_place_is_not_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # open("ab") made it 0o644 and followed a link planted in its place, appending to the file it named
+    logs, target = tmp_path / "logs", tmp_path / "not-a-log"
+    target.write_text("kept\n")
+    cluster = LocalCluster(ClusterSpec(log_dir=logs, restart=RestartPolicy(first_s=0.05, failures=2)))
+    try:
+        child = cluster.spawn("sim-agg", ["sim", "--no-such-flag"])
+        child.proc.wait(30)
+        assert (logs / "sim-agg.log").stat().st_mode & 0o777 == 0o600
+        health = _HealthLog(cluster, cluster.health_line())
+        health.watch()
+        (logs / "sim-agg.log").unlink()
+        (logs / "sim-agg.log").symlink_to(target)
+        with caplog.at_level(logging.ERROR, logger="kvswitch.up"):
+            _until("given up", lambda: _watched(health) and child.backoff.given_up)
+        assert target.read_text() == "kept\n" and child.backoff.restarts == 0
+        said = next(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+        assert said.startswith(
+            f"child sim-agg could not be restarted: --log-dir {logs}: cannot write sim-agg.log: Too many levels of "
+            "symbolic links"
+        ), said
+    finally:
+        cluster.stop()
+
+
 def test_a_child_that_cannot_be_started_again_counts_as_an_exit_and_the_rest_runs_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -379,3 +433,102 @@ def test_a_supervision_round_that_raises_is_logged_and_supervision_goes_on(
 def test_a_keyboard_interrupt_in_a_supervision_round_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         _supervised(KeyboardInterrupt(), monkeypatch)
+
+
+class _AlwaysRaising:
+    """A health log whose every round raises, as a fault no restart foresaw would."""
+
+    def __init__(self, failing: int | None = None, stop: asyncio.Event | None = None) -> None:
+        self.rounds, self.failing, self.stop = 0, failing, stop
+
+    def watch(self) -> None:
+        self.rounds += 1
+        if self.failing is None or self.rounds <= self.failing:
+            raise KeyError("a fault no restart foresaw")
+        assert self.stop is not None
+        self.stop.set()
+
+    check = watch
+
+
+def test_rounds_that_keep_failing_are_said_once_then_counted_then_end_supervision_naming_the_fault(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each failing round (every 0.5 s) logged a whole traceback, forever: 19 in 10 s, "supervised still"
+    monkeypatch.setattr(kvswitch.up, "WATCH_S", 0.001)
+    now = [0.0]
+
+    def clock() -> float:  # half a second per round, as WATCH_S's
+        now[0] += 0.5
+        return now[0]
+
+    async def supervise() -> str | None:
+        faults = _RoundFaults(every_s=30.0, bound_s=60.0, clock=clock)
+        return await _supervise(_Cluster(), _AlwaysRaising(), asyncio.Event(), faults)  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.ERROR, logger="kvswitch.up"):
+        fault = asyncio.run(supervise())
+    assert fault == "every round of supervision failed for 60s, the last with KeyError: 'a fault no restart foresaw'"
+    first, again = caplog.records
+    assert first.exc_info is not None and first.getMessage().startswith("supervising failed this round")
+    assert again.exc_info is None and again.getMessage() == (
+        "supervising failed again (60 rounds in 30s), the last with KeyError: 'a fault no restart foresaw'; "
+        "supervised still, stopping the cluster if it fails until 60s in a row"
+    )
+
+
+def test_a_round_that_works_again_ends_the_count(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kvswitch.up, "WATCH_S", 0.001)
+
+    async def supervise() -> str | None:
+        stop = asyncio.Event()
+        return await _supervise(_Cluster(), _AlwaysRaising(3, stop), stop)  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+        assert asyncio.run(supervise()) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[1].startswith("supervising works again, after "), said
+
+
+class _FakeCluster:
+    """Enough of LocalCluster for `run` with no workers: it starts, and `stop` is counted."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec, self.stops = spec, 0
+        _FakeCluster.made = self
+
+    made: _FakeCluster
+
+    def start(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "a fake cluster"
+
+    def health_line(self) -> str:
+        return "health: fake"
+
+    def next_restart(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        self.stops += 1
+
+
+def test_up_stops_its_cluster_and_exits_1_naming_the_fault_when_supervision_keeps_failing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(kvswitch.up, "WATCH_S", 0.001)
+    monkeypatch.setattr(kvswitch.up, "LocalCluster", _FakeCluster)
+    monkeypatch.setattr(kvswitch.up, "_HealthLog", lambda cluster, said: _AlwaysRaising())
+    monkeypatch.setattr(kvswitch.up, "_RoundFaults", functools.partial(_RoundFaults, bound_s=0.05))
+    assert kvswitch.up.run(_up_args(["--routers", "0"])) == 1
+    assert _FakeCluster.made.stops == 1
+    err = capsys.readouterr().err
+    assert re.search(
+        r"kvswitch up: every round of supervision failed for 0s, the last with KeyError: 'a fault no restart "
+        r"foresaw': the cluster is no longer supervised, so it is stopped\n",
+        err,
+    ), err
