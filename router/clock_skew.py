@@ -15,12 +15,28 @@ reports in a row are. A worker judged off agrees again only within AGREE_FRACTIO
 tolerance: one whose offset sits at the tolerance flipped on every few milliseconds of transit
 jitter, a WARNING and an INFO a minute and its gauge series coming and going.
 
-A report stamped behind that arrives less than half as long after the worker's last one as it was
-stamped after it waited in a queue on the way: a shim's NATS reconnect buffer sent in one burst once
-NATS is back (a shim older than 2026-12-06 kept its reports there through an outage), this
-router's loop stalled with reports in its socket. Its offset is that wait, not the clock, and it
-is not read (the first of such a burst is, one reading of the WINDOW): after any outage over
-WINDOW periods such bursts judged every worker's clock behind by the outage's length.
+A delay only ever makes a worker look behind, never ahead, so a report stamped behind is read only
+where its age cannot be a wait of ours:
+- One that arrives less than half as long after the worker's last one as it was stamped after it
+  waited in a queue on the way: a shim's NATS reconnect buffer sent in one burst once NATS is back
+  (a shim older than 2026-12-06 kept its reports there through an outage). Its offset is that wait,
+  not the clock: after any outage over WINDOW periods such bursts judged every worker's clock behind
+  by the outage's length.
+- One read before this router's loop had been awake (runtime.loop_watch) for its age, or for
+  WINDOW of its periods: it may have waited in our socket through our own stall, and the first of
+  each burst a stall queues is read as late as the rest (the rule above lets it through). A loop
+  stopped 5 s at a time judged a healthy worker on its own host 4.5-5 s behind after three stalls
+  (audit of 2026-12-07): every deadline sent to it 4.5 s short, a 504 at 15.2 s of a 20 s timeout.
+  Age is proof where the loop was awake for it: a report delayed by a stall was sent before the stall
+  ended, so it is older than the loop has been awake since (for a clock not ahead). WINDOW periods
+  bound it for a clock behind by more than the loop stays awake; a backlog still unread that long
+  after a stall is one the router keeps, which stamps cannot tell from a clock behind.
+So behind needs more evidence than ahead: WINDOW reports in a row, each read by a loop awake for it,
+where one report stamped ahead is proof. The cost falls on the harmless side: a worker truly behind
+while this router's loop stalls every few periods is judged late or not at all, and its deadlines
+then expire later there than here (this router ends the request at its own); one judged behind
+falsely has every deadline expire early there, a 504 before its time, and a WARNING sends the
+operator to a clock that is right.
 
 What is said (SkewNews) is judged over the fleet, not worker by worker: when this router's clock is
 the one off (or the fleet's), every worker is off by about the same offset: until 2026-12-06 1,000
@@ -54,7 +70,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol.config import MAX_LOAD_PERIOD_S
+from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S
 from router.fleet_lines import NAMED_AT_MOST
 
 __all__ = [
@@ -98,16 +114,21 @@ class ClockSkew:
         self.tolerance_s = tolerance_s
         self._workers: dict[str, _Readings] = {}
 
-    def observe(self, worker: str, stamped: float, received: float) -> Skew | None:
-        """One report's stamp and its receipt on our clock; a Skew when the worker's state changed."""
+    def observe(self, worker: str, stamped: float, received: float, awake_for: float, period_s: float) -> Skew | None:
+        """One report's stamp and its receipt on our clock, how long this router's loop had been
+        awake then (runtime.loop_watch) and the report's period; a Skew when the worker's state changed."""
         if not math.isfinite(stamped):  # a broken stamp says nothing of the clock
             return None
         r = self._workers.get(worker)
         if r is None:
             r = self._workers[worker] = _Readings()
         last, r.last = r.last, (stamped, received)
-        if last is not None and stamped < received and 0 <= received - last[1] < (stamped - last[0]) / 2:
-            return None  # it waited in a queue on the way (module docstring)
+        if stamped < received:  # behind: read only where the age cannot be a wait (module docstring)
+            if last is not None and 0 <= received - last[1] < (stamped - last[0]) / 2:
+                return None  # it waited in a queue on the way
+            period_s = min(max(period_s, MIN_LOAD_PERIOD_S), MAX_LOAD_PERIOD_S)
+            if awake_for < min(received - stamped, WINDOW * period_s):
+                return None  # it may have waited through this router's own stall
         r.offsets.append(stamped - received)
         offset = max(r.offsets)
         limit = self.tolerance_s * (AGREE_FRACTION if r.skewed else 1.0)

@@ -1223,6 +1223,8 @@ class RouterService:
         log.warning("NATS connection re-established: not ready until a worker reports again")
 
     async def _on_load(self, msg: Msg) -> None:
+        # Its receipt before any await: a wait here is ours, and would read as the worker's clock behind
+        received, awake_for = time.time(), self.loop_watch.awake_for()
         sender = msg.subject.rpartition(".")[2]
         if not self.load_budget.admit(sender, time.monotonic()):
             self._over_budget(sender, msg.subject)
@@ -1251,7 +1253,7 @@ class RouterService:
                 )
             return
         now = time.monotonic()
-        if (skew := self.clocks.observe(report.worker, report.ts, time.time())) is not None:
+        if (skew := self.clocks.observe(report.worker, report.ts, received, awake_for, report.period_s)) is not None:
             self.skew_news.heard(skew, now, report.period_s)
         if (said := self.skew_news.due(now)) is not None:
             _say_skews(said)

@@ -7,6 +7,7 @@ import logging
 import random
 import time
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 import nats
 import pytest
@@ -29,33 +30,35 @@ from router.service import RouterService
 from tests.router.conftest import BLOCK, MODEL, Cluster
 from tests.router.polling import until
 
+AWAKE = 3600.0  # this router's loop has not stalled for an hour (runtime.loop_watch)
+
 
 def test_one_report_stamped_ahead_proves_the_clock_ahead() -> None:
     clocks = ClockSkew(1.0)
-    assert clocks.observe("w", 100.0, 100.3) is None  # 0.3 s in transit
-    skew = clocks.observe("w", 105.0, 100.4)
+    assert clocks.observe("w", 100.0, 100.3, AWAKE, 0.5) is None  # 0.3 s in transit
+    skew = clocks.observe("w", 105.0, 100.4, AWAKE, 0.5)
     assert skew is not None and skew.skewed and skew.offset_s == pytest.approx(4.6)
     assert clocks.offsets() == {"w": pytest.approx(4.6)}
     assert clocks.offset("w") == pytest.approx(4.6) and clocks.offset("other") == 0.0
-    assert clocks.observe("w", 106.0, 101.4) is None  # still ahead: said once
+    assert clocks.observe("w", 106.0, 101.4, AWAKE, 0.5) is None  # still ahead: said once
 
 
 def test_a_clock_is_behind_only_when_a_whole_window_of_reports_is() -> None:
     clocks = ClockSkew(1.0)
-    assert clocks.observe("w", 100.0, 102.5) is None  # one late report may just have been delayed
-    assert clocks.observe("w", 101.0, 101.2) is None
+    assert clocks.observe("w", 100.0, 102.5, AWAKE, 0.5) is None  # one late report may just have been delayed
+    assert clocks.observe("w", 101.0, 101.2, AWAKE, 0.5) is None
     for i in range(WINDOW - 1):
-        assert clocks.observe("w", 90.0 + i, 102.0 + i) is None
-    skew = clocks.observe("w", 92.0, 104.0)
+        assert clocks.observe("w", 90.0 + i, 102.0 + i, AWAKE, 0.5) is None
+    skew = clocks.observe("w", 92.0, 104.0, AWAKE, 0.5)
     assert skew is not None and skew.skewed and skew.offset_s == pytest.approx(-12.0)
 
 
 def test_the_clock_back_in_agreement_is_said_and_the_worker_leaves_the_offsets() -> None:
     clocks = ClockSkew(1.0)
-    assert clocks.observe("w", 130.0, 100.0) is not None
+    assert clocks.observe("w", 130.0, 100.0, AWAKE, 0.5) is not None
     for i in range(WINDOW - 1):
-        assert clocks.observe("w", 101.0 + i, 101.0 + i) is None  # the ahead reading still in the window
-    back = clocks.observe("w", 110.0, 110.0)
+        assert clocks.observe("w", 101.0 + i, 101.0 + i, AWAKE, 0.5) is None  # the ahead reading still in the window
+    back = clocks.observe("w", 110.0, 110.0, AWAKE, 0.5)
     assert back is not None and not back.skewed
     assert clocks.offsets() == {} and clocks.offset("w") == 0.0  # deadlines go out unmoved again
 
@@ -67,12 +70,12 @@ def test_a_clock_at_the_tolerance_is_not_said_on_every_jitter() -> None:
     said = [
         skew
         for i in range(1200)
-        if (skew := clocks.observe("w", 100.0 + i / 2 + 1.003, 100.0 + i / 2 + rng.uniform(0.001, 0.008)))
+        if (skew := clocks.observe("w", 100.0 + i / 2 + 1.003, 100.0 + i / 2 + rng.uniform(0.001, 0.008), AWAKE, 0.5))
     ]
     assert [s.skewed for s in said] == [True]
     # it agrees again once well within the tolerance
     for i in range(WINDOW):
-        back = clocks.observe("w", 800.0 + i + AGREE_FRACTION - 0.01, 800.0 + i)
+        back = clocks.observe("w", 800.0 + i + AGREE_FRACTION - 0.01, 800.0 + i, AWAKE, 0.5)
     assert back is not None and not back.skewed
 
 
@@ -81,20 +84,62 @@ def test_reports_sent_in_a_burst_after_an_outage_say_nothing_of_the_clock() -> N
     outage and sent them in one burst once back: three in a row stamped seconds before they came
     judged its clock behind (a false WARNING for every worker, and its deadlines moved)."""
     clocks = ClockSkew(1.0)
-    said = [clocks.observe("w", 100.0 + i / 2, 100.001 + i / 2) for i in range(20)]  # live, every 0.5 s
-    burst = [clocks.observe("w", 110.0 + i / 2, 116.0 + i / 1000) for i in range(12)]  # 110-115.5, at 116
-    said += burst + [clocks.observe("w", 116.0 + i / 2, 116.001 + i / 2) for i in range(1, 10)]
+    said = [clocks.observe("w", 100.0 + i / 2, 100.001 + i / 2, AWAKE, 0.5) for i in range(20)]  # live, every 0.5 s
+    burst = [clocks.observe("w", 110.0 + i / 2, 116.0 + i / 1000, AWAKE, 0.5) for i in range(12)]  # 110-115.5, at 116
+    said += burst + [clocks.observe("w", 116.0 + i / 2, 116.001 + i / 2, AWAKE, 0.5) for i in range(1, 10)]
     assert [s for s in said if s is not None] == [] and clocks.offsets() == {}
     # A clock truly behind still is, its reports spaced as they were sent
-    behind = [clocks.observe("w", 120.0 + i / 2 - 5.0, 120.001 + i / 2) for i in range(WINDOW)]
+    behind = [clocks.observe("w", 120.0 + i / 2 - 5.0, 120.001 + i / 2, AWAKE, 0.5) for i in range(WINDOW)]
     assert behind[-1] is not None and behind[-1].skewed and behind[-1].offset_s == pytest.approx(-5.001)
+
+
+def test_reports_read_as_this_routers_loop_wakes_from_its_stalls_say_nothing_of_the_clock() -> None:
+    """One host, one clock, a report every 0.5 s; this router's loop stopped 5 s, then run 0.1 s, eight
+    times (CPU starvation, GC pauses). The first report of each backlog was read as one reading of the
+    WINDOW: after three stalls the worker was judged 4.5-5 s behind, and every deadline sent to it moved
+    that much early (audit of 2026-12-07)."""
+    clocks = ClockSkew(1.0)
+    assert [clocks.observe("w", 100.0 + i / 2, 100.001 + i / 2, AWAKE, 0.5) for i in range(10)] == [None] * 10
+    t = 105.0
+    for _ in range(8):
+        stamps = [t + i / 2 for i in range(10)]  # sent during the stall, queued in the socket
+        woke = t + 5.0
+        # read back to back as the loop wakes: awake_for is 0 until its watch ticks, then ms
+        said = [clocks.observe("w", s, woke + j / 1000, j / 1000, 0.5) for j, s in enumerate(stamps)]
+        assert said == [None] * 10 and clocks.offsets() == {}
+        t = woke + 0.1
+    assert clocks.offset("w") == 0.0  # deadlines sent to it unmoved
+    # A backlog still being read a period after the loop woke (a large fleet's): its reports are no
+    # evidence until the loop has been awake for their age, or for a whole WINDOW of periods
+    for j in range(WINDOW):
+        assert clocks.observe("w", t + j / 2, t + 5.0 + j / 2, 0.6 + j / 2, 0.5) is None
+    assert clocks.offsets() == {}
+
+
+def test_a_clock_behind_is_still_judged_by_reports_read_while_the_loop_is_awake() -> None:
+    clocks = ClockSkew(1.0)
+    # one stall between: the reports read as the loop woke are skipped, not counted as agreeing
+    assert clocks.observe("w", 95.0, 100.0, 0.0, 0.5) is None
+    said = [clocks.observe("w", 95.5 + i / 2, 100.5 + i / 2 + 0.002, 0.5 + i / 2, 0.5) for i in range(WINDOW + 2)]
+    # behind by 5 s, more than the loop has been awake: read once awake for a WINDOW of its periods
+    judged = [s for s in said if s is not None]
+    assert len(judged) == 1 and judged[0].skewed and judged[0].offset_s == pytest.approx(-5.002)
+    assert said.index(judged[0]) == WINDOW + 1  # readings at awake 1.5, 2.0, 2.5 s
+    # behind by less than the loop has been awake: its age is proof at once
+    clocks = ClockSkew(1.0)
+    said = [clocks.observe("w", 98.8 + i / 2, 100.0 + i / 2, 1.3 + i / 2, 1.0) for i in range(WINDOW)]
+    assert said[-1] is not None and said[-1].skewed and said[-1].offset_s == pytest.approx(-1.2)
+    # ahead is read whatever the loop did: a delay only ever makes a clock look behind
+    clocks = ClockSkew(1.0)
+    ahead = clocks.observe("w", 105.0, 100.0, 0.0, 0.5)
+    assert ahead is not None and ahead.skewed and ahead.offset_s == pytest.approx(5.0)
 
 
 def test_a_broken_stamp_and_a_gone_worker_are_forgotten() -> None:
     clocks = ClockSkew(1.0)
-    assert clocks.observe("w", float("nan"), 100.0) is None
-    assert clocks.observe("w", float("inf"), 100.0) is None
-    assert clocks.observe("w", 200.0, 100.0) is not None
+    assert clocks.observe("w", float("nan"), 100.0, AWAKE, 0.5) is None
+    assert clocks.observe("w", float("inf"), 100.0, AWAKE, 0.5) is None
+    assert clocks.observe("w", 200.0, 100.0, AWAKE, 0.5) is not None
     clocks.remove("w")
     assert clocks.offsets() == {}
 
@@ -159,7 +204,7 @@ def _reports(
     for i in range(rounds):
         for n, (worker, offset) in enumerate(offsets.items()):
             at = start + i * period_s + n * period_s / len(offsets)
-            if (skew := news.clocks.observe(worker, at + offset, at + 0.002)) is not None:
+            if (skew := news.clocks.observe(worker, at + offset, at + 0.002, AWAKE, period_s)) is not None:
                 news.heard(skew, at, period_s)
             if (verdict := news.due(at)) is not None:
                 said.append(verdict)
@@ -220,7 +265,7 @@ def test_workers_off_apart_from_the_fleet_are_named_eight_at_a_time_then_counted
 def test_changes_wait_for_the_fleets_reports_unless_too_few_workers_could_outvote_one() -> None:
     news = _news(5)
     _reports(news, _fleet(5, 0.0), 100.0, WINDOW)
-    skew = news.clocks.observe("w00", 120.0, 110.0)
+    skew = news.clocks.observe("w00", 120.0, 110.0, AWAKE, 0.5)
     assert skew is not None
     news.heard(skew, 110.0, 0.5)
     assert news.due(110.0 + SETTLE_REPORTS * 0.5 - 0.01) is None
@@ -229,7 +274,7 @@ def test_changes_wait_for_the_fleets_reports_unless_too_few_workers_could_outvot
     # two workers: no fleet to wait for
     news = _news(FLEET_AT_LEAST - 1)
     _reports(news, _fleet(FLEET_AT_LEAST - 1, 0.0), 100.0, WINDOW)
-    skew = news.clocks.observe("w00", 120.0, 110.0)
+    skew = news.clocks.observe("w00", 120.0, 110.0, AWAKE, 0.5)
     assert skew is not None
     news.heard(skew, 110.0, 0.5)
     said = news.due(110.0)
@@ -379,6 +424,61 @@ async def _register(d: Discovery, router: RouterService, prefix: str, fleet: lis
         info = WorkerInfo(worker=worker, model=MODEL, role="agg", engine="vllm", block_size=BLOCK, tokenizer="builtin")
         await d.put(prefix + worker, encode_json(info), lease)
     await until(lambda: all(router.registry.get(w) for w in fleet), what="the fleet registered")
+
+
+def _load_msg(ns: str, worker: str, stamp: float) -> SimpleNamespace:
+    """A load report as nats-py hands it to RouterService._on_load."""
+    report = LoadReport(worker=worker, ts=stamp, period_s=0.5)
+    return SimpleNamespace(subject=subjects.load(ns, worker), data=encode_msg(report), reply="")
+
+
+async def test_reports_read_as_the_routers_loop_wakes_from_its_stalls_judge_no_clock(
+    cluster: Cluster, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ingest path: the router's loop woke from three 1.5 s stalls to a backlog of a healthy worker's
+    reports each time; before, it judged that worker 1.5 s behind, a WARNING to fix its NTP and every
+    deadline sent to it 1.5 s short. A worker truly behind, read while the loop is awake, still is."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    caplog.set_level(logging.INFO, logger="router.service")
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        await _register(d, router, subjects.workers_prefix(cluster.ns), ["healthy", "behind"])
+        awake = 0.0
+        monkeypatch.setattr(router.loop_watch, "awake_for", lambda: awake)
+        for k in range(WINDOW):  # the backlog of each stall, sent over its last 1.5 s, read as the loop wakes
+            if k:
+                await asyncio.sleep(1.3)  # the stall (its wall time: the stamps go on as they would)
+            woke = time.time()
+            for j in range(5):
+                await router._on_load(_load_msg(cluster.ns, "healthy", woke - 1.5 + 0.3 * j))  # type: ignore[arg-type]
+        assert router.clocks.offsets() == {}
+        awake = AWAKE
+        for _ in range(WINDOW):
+            await router._on_load(_load_msg(cluster.ns, "behind", time.time() - 5.0))  # type: ignore[arg-type]
+        assert router.clocks.offsets() == {"behind": pytest.approx(-5.0, abs=0.5)}
+        for worker in ("healthy", "behind"):
+            await d.delete(subjects.workers_prefix(cluster.ns) + worker)
+    assert not _said(caplog, "healthy", "clock", level=logging.WARNING)
+
+
+async def test_a_report_is_received_when_it_is_handed_over_not_after_the_routers_own_waits(
+    cluster: Cluster, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receipt was read after the ingest's turn for the loop (router._load_turns): a loop slow to
+    come back there made a report stamped on time read as its worker's clock behind by that wait."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        await _register(d, router, subjects.workers_prefix(cluster.ns), ["slow-turn"])
+
+        async def late_turn() -> None:
+            await asyncio.sleep(1.2)  # beyond the 1 s tolerance: the loop busy elsewhere
+
+        monkeypatch.setattr(router._load_turns, "take", late_turn)
+        for _ in range(WINDOW):
+            await router._on_load(_load_msg(cluster.ns, "slow-turn", time.time()))  # type: ignore[arg-type]
+        assert router.clocks.offsets() == {}
+        await d.delete(subjects.workers_prefix(cluster.ns) + "slow-turn")
 
 
 async def test_a_router_behind_its_registered_fleet_says_it_once_and_agrees_again_once_it_leaves(
