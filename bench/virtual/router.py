@@ -19,7 +19,14 @@ admission and dispatch rules, with the hops between the parts modelled as delays
   leg with its kv_transfer_params; a prefill leg that has not finished within
   `prefill_timeout_s` is cancelled and the request falls back to a local prefill on its decode
   worker (`fallback_prefill_failed`, rebooked as a bypass). Bookings: prefill done at the first
-  token (or the prefill leg's end), freed when the request ends.
+  token (or the prefill leg's end), freed when the request ends. A leg its engine refuses ends
+  the request with that refusal. router.dispatch asks the decode engine on the bypass path after
+  a prefill engine's refusal, and passes on its answer; here the one refusal is a prompt at or
+  over max_model_len (VirtualShim.leg), which the decode engine refuses too, as workers whose
+  max_model_len is not their model's are routed to no request (router.eligibility,
+  `context_conflict`), so the prefill engine's refusal stands for both. That decode leg, refused
+  at once with no prefill, is not run: a refused request ends one leg's round trip sooner than
+  live, and no engine's load differs.
 """
 
 from __future__ import annotations
@@ -347,8 +354,10 @@ class VirtualRouter:
         )
 
     def _refused(self, job: _Job) -> Callable[[int, str], None]:
-        """The engine refused the prompt: no other worker would take it (router.dispatch sends a
-        refusal to the client, even from a prefill leg, without a local retry)."""
+        """The engine refused the prompt: no other worker would take it. A prefill engine's
+        refusal is the client's answer here, where live router.dispatch asks the decode engine
+        first: a prompt at or over max_model_len, the one refusal, is refused by every routed
+        engine of the model (module docstring)."""
 
         def on_error(status: int, message: str) -> None:
             job.prefill_pending = False
