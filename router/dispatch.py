@@ -17,9 +17,10 @@ the leg ends with a `final` chunk or an `error` one.
   only once the fallback serves the request: one the request itself caused (vLLM 0.32: a grammar
   that fails to compile) fails the local prefill alike. A prefill engine that refuses the request
   (a 4xx error chunk, before any prefill) leaves it to the decode engine, on the bypass path on the
-  same decode worker (outcome fallback_prefill_refused): one started with other flags may serve it,
-  and its refusal is the client's answer. One it serves is put down to the prefill worker (counted
-  per worker in `refusals_overruled`, logged once per worker), which stays routable. A 404, a model
+  same decode worker: one started with other flags may serve it, and its refusal is the client's
+  answer. One it serves is the fallback (outcome fallback_prefill_refused), put down to the prefill
+  worker (counted per worker in `refusals_overruled`, logged once per worker), which stays
+  routable; one it refuses too fell back from nothing and keeps its plan's outcome. A 404, a model
   (a LoRA adapter) the prefill worker no longer serves, falls back as a failure.
 - bypass path: the decode leg carries the `bypass_remote_prefill` annotation.
 - a decode/agg leg whose worker dies (no responder, its etcd key gone, silent, a 5xx error chunk)
@@ -49,6 +50,10 @@ the leg ends with a `final` chunk or an `error` one.
 - a client that reads a stream slower than its worker writes it: the chunks waiting for it are
   bounded (MAX_QUEUED_BYTES); past that the leg ends at once with a 408 `slow_reader` LegError, is
   cancelled on its worker and its queue dropped, rather than the whole answer piling up here.
+- a leg whose request's deadline has passed is not sent: a 504 `deadline_passed` LegError, the
+  client's "the request's deadline passed" (a stall of this router's loop, a retry or a fallback
+  begun at the deadline). Until 2026-12-07 it went out with a negative budget, for its shim to
+  answer 504 a round trip later.
 - a leg that NATS cannot carry is refused before it is sent: over the server's payload limit
   (413, naming the limit) or holding an integer no 64-bit field holds (400).
 - a remote prefill whose decode leg NATS could not carry with its transfer handle (a vLLM handle
@@ -68,6 +73,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -127,6 +133,9 @@ _RECONNECT_POLL_S = 0.01
 PAYLOAD_TOO_LARGE = "payload_too_large"
 # A prefill leg refused for its decode leg: that one, with the transfer handle, would not fit
 HANDLE_TOO_LARGE = "handle_too_large"
+# A leg not sent: its request's deadline had passed (a stall of this router's loop, a retry or
+# fallback begun at the deadline), where its shim would answer 504 at once, a round trip later
+DEADLINE_PASSED = "deadline_passed"
 # What a decode leg may take beyond its prefill leg besides the handle: its own max_tokens (the
 # prefill leg's is 1), with room to spare
 _DECODE_LEG_EXTRA = 64
@@ -307,7 +316,7 @@ class Dispatcher:
         self.resumes = 0
         self.slow_readers = 0  # legs dropped because their client read too slowly (MAX_QUEUED_BYTES)
         self.malformed_replies: Counter[str] = Counter()  # by worker, while it is registered
-        self.refusal_fallbacks = 0  # prefill legs its engine refused, asked of the decode engine instead
+        self.refusal_fallbacks = 0  # requests a prefill engine refused that the decode engine then served
         # requests a prefill worker's engine refused and a decode engine served, by prefill worker
         # while it is registered: an engine configured unlike its decode workers
         self.refusals_overruled: Counter[str] = Counter()
@@ -482,13 +491,27 @@ class Dispatcher:
         await self._publish_cancel(gone.worker, gone.request_id)
 
     async def _open(
-        self, worker: str, role: str, req: GenerateRequest, on_end: Callable[[], None] = _nothing, keep: int = 0
+        self,
+        worker: str,
+        role: str,
+        req: GenerateRequest,
+        until: float,
+        on_end: Callable[[], None] = _nothing,
+        keep: int = 0,
     ) -> Leg:
-        """Send a leg; `keep`: bytes under the payload limit it must leave (a prefill leg: for its
-        decode leg's transfer handle), else a 413 HANDLE_TOO_LARGE."""
+        """Send a leg, to run until `until` (time.monotonic(); on the wire: _wall), else a 504
+        DEADLINE_PASSED when that has passed, sending nothing; `keep`: bytes under the payload limit
+        it must leave (a prefill leg: for its decode leg's transfer handle), else a 413
+        HANDLE_TOO_LARGE."""
+        left = until - time.monotonic()
+        if left <= 0:
+            why = f"the request's deadline passed {-left:.2f}s before its leg was sent: not sent"
+            raise LegError(worker, 504, DEADLINE_PASSED, why, retryable=False, role=role)
         token = str(next(self._ids))
         span = self._tracer.leg(role, worker, req.request_id)
-        req = msgspec.structs.replace(req, trace=self._tracer.carrier(span), origin=self._origin)
+        req = msgspec.structs.replace(
+            req, deadline=self._wall(worker, until), trace=self._tracer.carrier(span), origin=self._origin
+        )
         leg = Leg(self, token, worker, role, req, span, on_end)
         try:
             data = encode_msg(req)
@@ -580,14 +603,12 @@ class Dispatcher:
     async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
         """A utility call (`req.endpoint` one of UTILITY_ENDPOINTS) on one worker: the engine's whole
         answer; LegError when it failed (retryable: the worker did nothing for it)."""
-        req = msgspec.structs.replace(
-            req, deadline=self._wall(worker, deadline), heartbeat_s=self._settings().stream_heartbeat_s
-        )
+        req = msgspec.structs.replace(req, heartbeat_s=self._settings().stream_heartbeat_s)
         silence = 3 * self._settings().stream_heartbeat_s
         parts: list[bytes] = []
         size = 0
         try:
-            async with await self._open(worker, role, req) as leg:
+            async with await self._open(worker, role, req, deadline) as leg:
                 while True:
                     chunk = await leg.next(deadline - time.monotonic(), silence)
                     parts.append(chunk.body)
@@ -676,9 +697,18 @@ class Dispatcher:
 
     def _fall_back(self, job: Job, plan: RoutePlan, outcome: Outcome) -> None:
         """The attempt takes the bypass path after all: counted, its booking moved to its decode worker."""
+        self._to_bypass(job, plan)
+        self._fell_back(job, outcome)
+
+    def _to_bypass(self, job: Job, plan: RoutePlan) -> None:
+        """The attempt's decode leg goes as a bypass: its booking moved to its decode worker."""
         job.transfer = None
-        job.path, job.outcome, job.fallback = Path.BYPASS, outcome, True
+        job.path = Path.BYPASS
         self._bookings.rebook_bypass(plan.key, plan)
+
+    def _fell_back(self, job: Job, outcome: Outcome) -> None:
+        """The attempt's fallback, `outcome`, counted in the decisions."""
+        job.outcome, job.fallback = outcome, True
         self._on_fallback(job)
 
     def _handle_too_large(self, job: Job, plan: RoutePlan, exc: LegError) -> None:
@@ -777,7 +807,6 @@ class Dispatcher:
             req,
             annotations=annotations,
             disagg=job.transfer,
-            deadline=self._wall(plan.decode.worker, job.deadline),
             heartbeat_s=self._settings().stream_heartbeat_s,
         )
         silence = 3 * self._settings().stream_heartbeat_s
@@ -791,7 +820,8 @@ class Dispatcher:
         )
         unjudged = job.transfer is not None  # the pull, until the leg shows it worked
         try:
-            async with await self._open(plan.decode.worker, role, leg_req, lambda: self._free(job, served=True)) as leg:
+            served = functools.partial(self._free, job, served=True)
+            async with await self._open(plan.decode.worker, role, leg_req, job.deadline, served) as leg:
                 while True:
                     chunk = await leg.next(job.deadline - time.monotonic(), silence)
                     generated = _generated(chunk)
@@ -818,6 +848,12 @@ class Dispatcher:
                         self._on_prefill(*job.prefill_error, False)  # served here: the prefill worker failed it
                         job.prefill_error = None
                     if job.prefill_refused is not None and (generated or chunk.final):
+                        if plan.path is Path.REMOTE and job.transfer is None and not job.fallback:
+                            # This attempt's prefill leg was refused (_prefill): only now a fallback.
+                            # One the decode engine refuses too fell back from nothing, and keeps its
+                            # decision's outcome, as a request refused on any path does.
+                            self.refusal_fallbacks += 1
+                            self._fell_back(job, Outcome.FALLBACK_PREFILL_REFUSED)
                         self._refusal_overruled(*job.prefill_refused, plan.decode.worker)
                         job.prefill_refused = None
                     if not chunk.final and (job.first_token_at is None or not _output(chunk)):
@@ -871,14 +907,13 @@ class Dispatcher:
             stream=False,
             annotations=[a for a in req.annotations if a != ANNOTATION_BYPASS],
             disagg=None,
-            deadline=self._wall(worker, min(job.deadline, time.monotonic() + settings.prefill_timeout_s)),
             heartbeat_s=settings.stream_heartbeat_s,
         )
         left = job.deadline - time.monotonic()
         until = time.monotonic() + min(settings.prefill_timeout_s, left)
         # Its decode leg is this one with the handle in `disagg` (_decode): room kept for that
         keep = transfer_handle_bound(plan.prefill.info, len(req.token_ids), plan.prefill.kv_total_blocks)
-        opened = await self._open(worker, "prefill", leg_req, keep=keep + _DECODE_LEG_EXTRA)
+        opened = await self._open(worker, "prefill", leg_req, until, keep=keep + _DECODE_LEG_EXTRA)
         try:
             async with opened as leg:
                 while True:
@@ -897,9 +932,8 @@ class Dispatcher:
                 # one started with other flags takes what this one does not (vLLM's tool choice
                 # "auto" needs --enable-auto-tool-choice), and a request it refuses too costs no
                 # prefill there either; its answer, served or refused, is the client's.
-                job.prefill_refused = (worker, exc.message)  # judged by its decode leg (_decode)
-                self.refusal_fallbacks += 1
-                self._fall_back(job, plan, Outcome.FALLBACK_PREFILL_REFUSED)
+                job.prefill_refused = (worker, exc.message)  # judged, and counted, by its decode leg (_decode)
+                self._to_bypass(job, plan)
                 return None
             self._blame(exc)
             fault = _prefill_fault(exc, settings.prefill_timeout_s, left)

@@ -732,12 +732,14 @@ def _failed_before_output(rid: str, exc: LegError) -> ApiError:
     """The client's error for request `rid` (a completion's, or a /tokenize or /detokenize call's)
     whose leg failed before its first output, said once as a stream that fails after it is: at
     WARNING, at INFO for a request its engine refused (the client's fault, its answer the engine's
-    own). Until 2026-12-07 neither was said anywhere, a 504 at the deadline included (a utility
-    call's, only its retries). Not a slow reader, which the dispatcher said."""
+    own) or turned away for now (its 408 or 429, `busy`: the fleet is full, counted in
+    kvswitch_router_engine_refusals_total, not a fault worth a WARNING per request). Until
+    2026-12-07 neither was said anywhere, a 504 at the deadline included (a utility call's, only its
+    retries). Not a slow reader, which the dispatcher said."""
     failed = leg_error(exc)
     if not exc.slow_reader:
         log.log(
-            logging.INFO if exc.refused else logging.WARNING,
+            logging.INFO if exc.refused or exc.busy else logging.WARNING,
             "request %s: failed before its first output (%s); the client got a %d",
             rid,
             _leg_failure(exc),

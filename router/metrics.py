@@ -112,7 +112,7 @@ class _StateCollector(Collector):
         fallbacks = CounterMetricFamily(
             "kvswitch_router_fallbacks",
             "Remote prefills given up for a local one: the prefill leg failed (prefill_failed), its engine "
-            "refused the request and the decode engine was asked (prefill_refused), the decode engine failed to "
+            "refused the request and the decode engine served it (prefill_refused), the decode engine failed to "
             "pull its KV (transfer_failed), or the decode leg with its transfer handle would be over NATS's "
             "max_payload (handle_too_large)",
             labels=["cause"],

@@ -22,8 +22,9 @@ from nats.aio.msg import Msg
 from protocol import CancelRequest, GenerateRequest, ResponseChunk, TransferHandle, decode_msg, encode_msg, subjects
 from protocol.config import RouterSettings
 from protocol.messages import ErrorInfo
+from router.api_errors import leg_error
 from router.disagg import RoutePlan
-from router.dispatch import CANCEL_AGAIN_S, Dispatcher, Job
+from router.dispatch import CANCEL_AGAIN_S, DEADLINE_PASSED, Dispatcher, Job
 from router.leg import MAX_RESUMES, LegError
 from router.policies import Outcome, Path
 from runtime.loop_watch import LoopWatch
@@ -366,7 +367,8 @@ async def test_a_refusal_of_both_engines_is_the_decode_engines_answer(nc: Client
         await collect(d, j)
     assert (err.value.code, err.value.worker, err.value.message) == (400, "d1", "the decode engine's own words")
     assert [r.annotations for r in decode.requests] == [["bypass_remote_prefill"]]  # asked once, as a bypass
-    assert j.outcome is Outcome.FALLBACK_PREFILL_REFUSED and (d.refusal_fallbacks, d.fallbacks) == (1, 0)
+    # nothing fell back: it keeps its plan's outcome, as a request refused on any path does
+    assert j.outcome is Outcome.DECLINED_POLICY and (d.refusal_fallbacks, d.fallbacks) == (0, 0)
     assert ("rebook_bypass", "r1#1") in books.log and d.refusals_overruled == {}
 
 
@@ -389,6 +391,43 @@ async def test_a_request_the_prefill_engine_alone_refuses_is_served_by_the_decod
     assert len(said) == 1 and "p1" in said[0] and "d1" in said[0] and "maximum context length" in said[0], said
     d.worker_gone("p1")  # its series goes with it
     assert d.refusals_overruled == {}
+
+
+async def test_a_leg_past_its_requests_deadline_is_not_sent(nc: Client, ns: str, world: World) -> None:
+    """A request whose deadline passed before its leg went out (this router's loop stalled) is a 504
+    at once: until 2026-12-07 the leg went with a negative budget, for its shim to answer 504."""
+    d, books, _ = world
+    w = Worker(nc, ns, "w1")
+    await w.serve("decode", answer)
+    j = job("w1")
+    j.deadline = time.monotonic() - 0.4
+    with pytest.raises(LegError) as err:
+        await collect(d, j)
+    assert (err.value.code, err.value.kind, err.value.retryable) == (504, DEADLINE_PASSED, False)
+    assert "deadline passed 0.4" in err.value.message
+    assert leg_error(err.value).message == "the request's deadline passed"  # the client's, as any 504's
+    await flush(nc)
+    await asyncio.sleep(0.1)  # a leg sent would have reached its worker's callback by now
+    assert w.requests == [] and books.log == [("free", "r1#1")]
+
+
+async def test_a_retry_begun_past_the_deadline_is_not_sent(nc: Client, ns: str, world: World) -> None:
+    d, _, _ = world
+    j = job("w1", replans=[job("w2").plan])
+
+    async def stall_then_fail(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        j.deadline = time.monotonic() - 2.0  # a stall of the router's loop used the request's time up
+        await chunk(nc, msg, req, 0, final=True, error=ErrorInfo(code=500, kind="engine_error", message="boom"))
+
+    await Worker(nc, ns, "w1").serve("decode", stall_then_fail)
+    second = Worker(nc, ns, "w2")
+    await second.serve("decode", answer)
+    with pytest.raises(LegError) as err:
+        await collect(d, j)
+    assert (err.value.code, err.value.kind, err.value.worker) == (504, DEADLINE_PASSED, "w2")
+    await flush(nc)
+    await asyncio.sleep(0.1)
+    assert second.requests == [] and d.retries == 1
 
 
 async def test_a_legs_timeout_says_its_own_deadline_not_the_last_wait(nc: Client, ns: str, world: World) -> None:

@@ -50,6 +50,13 @@ async def test_a_request_its_engine_refuses_costs_no_remote_prefill(
     assert (status, answer["error"]["message"]) == own
     assert p.sim.engine.stats.prefill_tokens_computed == computed, "no remote prefill ran"
     assert router.dispatcher.refusals_overruled == {}  # both engines refused it: no prefill worker's fault
+    # Nothing fell back: it keeps its decision's outcome, as a request refused on any path does
+    # (until 2026-12-07 a fallback_prefill_refused, counted in fallbacks_total).
+    async with http.get(f"{router.url}/metrics") as resp:
+        families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+    fallbacks = {s.labels["cause"]: s.value for s in families["kvswitch_router_fallbacks"].samples}
+    decisions = {s.labels["outcome"]: s.value for s in families["kvswitch_router_decisions"].samples}
+    assert (fallbacks["prefill_refused"], decisions) == (0.0, {"remote_prefill": 1.0}), (fallbacks, decisions)
 
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
