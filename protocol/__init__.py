@@ -45,7 +45,7 @@ from protocol.messages import (
     lax_bool,
     serving,
 )
-from protocol.packed import check_hashes, hash_count, pack_batch, pack_chunk, pack_hashes, unpack_hashes
+from protocol.packed import check_hashes, hash_count, pack_batch, pack_chunk, pack_events, pack_hashes, unpack_hashes
 
 __all__ = [
     "ROOT_SALT",
@@ -91,6 +91,7 @@ __all__ = [
     "lax_bool",
     "pack_batch",
     "pack_chunk",
+    "pack_events",
     "pack_hashes",
     "root_hash",
     "serving",

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from protocol.messages import KvEventBatch, KvStateChunk, Removed, Stored
+from protocol.messages import KvEvent, KvEventBatch, KvStateChunk, Removed, Stored
 
-__all__ = ["check_hashes", "hash_count", "pack_batch", "pack_chunk", "pack_hashes", "unpack_hashes"]
+__all__ = ["check_hashes", "hash_count", "pack_batch", "pack_chunk", "pack_events", "pack_hashes", "unpack_hashes"]
 
 _BIG_ENDIAN = sys.byteorder == "big"
 if array("Q").itemsize != 8:  # pragma: no cover - every platform CPython supports today
@@ -67,13 +67,19 @@ def hash_count(hashes: Sequence[int] | bytes) -> int:
     return len(hashes) >> 3 if isinstance(hashes, bytes) else len(hashes)
 
 
+def pack_events(events: Sequence[KvEvent]) -> list[KvEvent]:
+    """`events` with the hashes of each Stored and Removed packed (a copy of those not packed yet)."""
+    return [
+        msgspec.structs.replace(ev, hashes=pack_hashes(ev.hashes))
+        if isinstance(ev, Stored | Removed) and not isinstance(ev.hashes, bytes)
+        else ev
+        for ev in events
+    ]
+
+
 def pack_batch(batch: KvEventBatch) -> KvEventBatch:
     """A copy of `batch` whose Stored and Removed events carry packed hashes (what shims publish)."""
-    events = [
-        msgspec.structs.replace(ev, hashes=pack_hashes(ev.hashes)) if isinstance(ev, Stored | Removed) else ev
-        for ev in batch.events
-    ]
-    return msgspec.structs.replace(batch, events=events)
+    return msgspec.structs.replace(batch, events=pack_events(batch.events))
 
 
 def pack_chunk(chunk: KvStateChunk) -> KvStateChunk:

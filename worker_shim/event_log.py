@@ -1,7 +1,10 @@
 """Sequence numbers, the ring buffer of published batches, and `{ns}.kvstate` replies.
 
-One `EventLog` per (worker, epoch): `seal()` stamps the next seq (1, 2, ...) on a batch, keeps it
-in a ring of `ring_size` batches and folds it into `digest` (so the digest is always as of `seq`).
+One `EventLog` per (worker, epoch): `seal()` stamps the next seq (1, 2, ...) on a batch, folds it
+into `digest` (so the digest is always as of `seq`) and keeps it, its hashes packed (the wire form,
+protocol.packed), in a ring of at most `ring_size` batches and `ring_bytes` bytes (by `batch_bytes`),
+the oldest leaving first. The bytes bound is what holds a shim's memory: by count alone, 4,096
+batches of a 100k-token prompt's 6,250 hashes held 1.4 GB as lists of ints (audit of 2026-12-07).
 `reply()` answers a KvStateRequest: the missed batches when the request names this epoch and the
 ring still holds everything after `since_seq` (each of them fitting a chunk), else a full dump of
 the canonical set as of the last sealed seq, parent-first.
@@ -20,12 +23,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
-from protocol import Cleared, KvEvent, KvEventBatch, KvStateChunk, KvStateRequest, hash_count
+from protocol import Cleared, KvEvent, KvEventBatch, KvStateChunk, KvStateRequest, hash_count, pack_events
 from worker_shim.kv_digest import KvDigest
 
-__all__ = ["MIN_PAYLOAD", "NATS_PAYLOAD", "RING_SIZE", "EventLog", "batch_bytes", "event_bytes"]
+__all__ = ["MIN_PAYLOAD", "NATS_PAYLOAD", "RING_BYTES", "RING_SIZE", "EventLog", "batch_bytes", "event_bytes"]
 
 RING_SIZE = 4096
+RING_BYTES = 64 << 20
+"""The most bytes (batch_bytes) of batches a ring keeps, as the shim's other replay buffer does
+(request_service's RECENT_BYTES): ~420 batches of 20k hashes (8.4 M blocks; kv_publisher's
+MAX_HASHES), ~1,300 stores of a 100k-token prompt (6,250 blocks), all 4,096 batches of a few blocks.
+A router further behind gets a dump instead, of the worker's cache alone: smaller than such a replay
+(8 B a block either way) for any cache under 8.4 M blocks."""
 # What msgpack (protocol.encode_msg) spends at most beside the variable parts, every field present:
 # a KvStateChunk ~105 B and a KvEventBatch ~76 B besides their worker's name, a Stored ~53 B besides
 # its medium's name (Removed and Cleared less); and 8 B a hash, packed (protocol.pack_chunk).
@@ -52,13 +61,17 @@ def batch_bytes(worker: str, events: Iterable[KvEvent] = ()) -> int:
 
 
 class EventLog:
-    def __init__(self, worker: str, epoch: int, ring_size: int = RING_SIZE) -> None:
+    def __init__(self, worker: str, epoch: int, ring_size: int = RING_SIZE, ring_bytes: int = RING_BYTES) -> None:
         self.worker = worker
         self.epoch = epoch
         self.seq = 0
         self.digest = KvDigest()
-        self._ring: deque[KvEventBatch] = deque(maxlen=ring_size)
-        self._sizes: deque[int] = deque(maxlen=ring_size)  # batch_bytes of each batch in the ring
+        self.held_bytes = 0
+        """The batch_bytes of the batches in the ring: at most `ring_bytes`."""
+        self._ring: deque[KvEventBatch] = deque()
+        self._sizes: deque[int] = deque()  # batch_bytes of each batch in the ring
+        self._max_batches = ring_size
+        self._max_bytes = ring_bytes
         self._chunk_bytes = _CHUNK_BYTES + len(worker.encode())
 
     def batch_room(self, max_payload: int) -> int:
@@ -66,23 +79,39 @@ class EventLog:
         return max_payload - self._chunk_bytes
 
     def seal(self, events: list[KvEvent], ts: float | None = None, size: int | None = None) -> KvEventBatch:
-        """`size`: batch_bytes of the events, when the caller has it."""
+        """The batch of `events`, its hashes packed. `size`: batch_bytes of the events, when the caller has it.
+        Lists of hashes are read (by the digest) before they are packed: never unpacked here."""
         self.seq += 1
-        batch = KvEventBatch(
-            worker=self.worker, epoch=self.epoch, seq=self.seq, ts=time.time() if ts is None else ts, events=events
-        )
-        self._ring.append(batch)
-        self._sizes.append(batch_bytes(self.worker, events) if size is None else size)
         self.digest.apply(events)
+        size = batch_bytes(self.worker, events) if size is None else size
+        batch = KvEventBatch(
+            worker=self.worker,
+            epoch=self.epoch,
+            seq=self.seq,
+            ts=time.time() if ts is None else ts,
+            events=pack_events(events),
+        )
+        ring, sizes = self._ring, self._sizes
+        ring.append(batch)
+        sizes.append(size)
+        self.held_bytes += size
+        while ring and (len(ring) > self._max_batches or self.held_bytes > self._max_bytes):
+            ring.popleft()
+            self.held_bytes -= sizes.popleft()
         return batch
+
+    @property
+    def first_seq(self) -> int:
+        """The seq of the oldest batch the ring holds (seq + 1 when it holds none)."""
+        return self._ring[0].seq if self._ring else self.seq + 1
 
     def since(self, since_seq: int) -> list[KvEventBatch] | None:
         """Batches with seq > since_seq, or None when the ring no longer reaches back that far."""
         if since_seq >= self.seq:
             return []
-        if not self._ring or self._ring[0].seq > since_seq + 1:
+        first = self.first_seq
+        if first > since_seq + 1:
             return None
-        first = self._ring[0].seq
         return list(self._ring)[since_seq + 1 - first :]
 
     def reply(

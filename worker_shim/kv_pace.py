@@ -2,7 +2,7 @@
 half the budget a router gives a sender by default (protocol.kv_budget), so that no bulk send of
 the shim reads as a flood there. Two sends are bulk: a registration's snapshot (`Cleared` and the
 whole cache: a warm worker of 450k blocks in short branches is ~13 MiB) and the ring of batches
-(at most RING_SIZE) held through a NATS stall, sent once NATS takes them again. Unpaced, a router
+(at most RING_SIZE batches and RING_BYTES) held through a NATS stall, sent once NATS takes them again. Unpaced, a router
 read them back-to-back and quarantined the worker as "something other than its shim" (review of
 2026-12-07: 150k blocks of many requests on one system prompt, 4.44 MiB, went past the 4 MiB
 burst). An engine's own events (~200 batches a second, far under 2 MiB a second) cost the pace

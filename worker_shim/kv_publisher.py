@@ -17,12 +17,14 @@ seconds (~5.5 s for 13 MiB) and never reads as a flood; the loop runs while a ba
 events wait behind it (the outbox is in seq order). stop() drops what the pace holds, but for the
 epoch's closing Cleared.
 
-Outbox: batches sealed but not yet handed to NATS wait in seq order, at most RING_SIZE of them (a
-kvstate request can fetch no older batch anyway). While NATS takes nothing (a stalled server: nats-py
+Outbox: batches sealed but not yet handed to NATS wait in seq order, those the EventLog's ring still
+holds (at most RING_SIZE batches and RING_BYTES bytes: a kvstate request can fetch no older batch
+anyway), so it costs no memory beyond the ring's. While NATS takes nothing (a stalled server: nats-py
 blocks each publish once its buffer is full, and notices the stall only minutes later), the oldest
 are dropped as sent and failed, counted in send_failures and said once per outage: subscribers see
 the seq gap and repair. Before 2026-12-06 the outbox grew without a bound or a word (8.5 GB in 90 s
-of a stalled server under a heavy event rate).
+of a stalled server under a heavy event rate). Sealed batches hold their hashes packed: they are
+encoded as they are.
 
 Digest: each batch carries, from its seal, the KvDigest as of its seq; once the batch has been
 handed to NATS, `digest()` returns that one. NATS keeps one connection's messages in order, so a
@@ -56,13 +58,12 @@ from protocol import (
     decode_msg,
     encode_msg,
     hash_count,
-    pack_batch,
     pack_chunk,
     subjects,
     unpack_hashes,
 )
 from runtime import background
-from worker_shim.event_log import MIN_PAYLOAD, RING_SIZE, EventLog, batch_bytes, event_bytes
+from worker_shim.event_log import MIN_PAYLOAD, EventLog, batch_bytes, event_bytes
 from worker_shim.kv_pace import KvPace
 from worker_shim.normaliser import Normaliser
 
@@ -233,9 +234,10 @@ class KvPublisher:
         if self._pending:
             log_ = self.log
             batch = log_.seal(self._pending, size=self._pending_bytes)
-            self._outbox.append((batch, KvDigestAt(log_.epoch, batch.seq, log_.digest.blocks, log_.digest.xor)))
-            if len(self._outbox) > RING_SIZE:
-                dropped, _ = self._outbox.popleft()
+            outbox = self._outbox
+            outbox.append((batch, KvDigestAt(log_.epoch, batch.seq, log_.digest.blocks, log_.digest.xor)))
+            while outbox and outbox[0][0].seq < log_.first_seq:
+                dropped, _ = outbox.popleft()
                 self._failed(dropped.seq, "NATS takes nothing, or batches come faster than their pace: the oldest "
                              "unsent batch was dropped")  # fmt: skip
             self._pending = []
@@ -256,7 +258,7 @@ class KvPublisher:
     async def _send_outbox(self) -> None:
         while self._outbox:
             batch, digest = self._outbox.popleft()
-            data = encode_msg(pack_batch(batch))
+            data = encode_msg(batch)
             if not await self.pace.wait(len(data), self._closed):
                 self._outbox.appendleft((batch, digest))
                 await self._send_closing()
@@ -282,7 +284,7 @@ class KvPublisher:
             self._outbox.clear()
         if final is not None:
             batch, digest = final
-            await self._publish(batch, digest, encode_msg(pack_batch(batch)))
+            await self._publish(batch, digest, encode_msg(batch))
 
     async def _publish(self, batch: KvEventBatch, digest: KvDigestAt, data: bytes) -> None:
         try:

@@ -40,8 +40,9 @@ from router.sender_budget import SenderBudget
 from runtime.nats_flush import flush
 from tests.router.polling import until
 from worker_shim import EngineRemoved, EngineStored, Normaliser
+from worker_shim.event_log import RING_SIZE, EventLog
 from worker_shim.kv_pace import KvPace
-from worker_shim.kv_publisher import KvPublisher
+from worker_shim.kv_publisher import MAX_HASHES, KvPublisher
 
 
 class FakeShim:
@@ -893,3 +894,60 @@ async def test_a_registration_snapshot_of_short_branches_passes_a_router_that_ha
     for data in sent:
         index.apply("w1", decode_msg(data, KvEventBatch).events)
     assert index.worker_hashes("w1") == normaliser.canonical_hashes()
+
+
+class _LossyNats:
+    """A shim's connection that loses the KV batches published while `losing`; kvstate replies pass."""
+
+    def __init__(self, nc: Client, kv_subject: str) -> None:
+        self.nc, self.kv_subject, self.losing = nc, kv_subject, False
+        self.max_payload = nc.max_payload
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        if not (self.losing and subject == self.kv_subject):
+            await self.nc.publish(subject, payload)
+
+
+async def test_a_router_behind_what_the_ring_bytes_hold_is_repaired_with_a_dump(nc: Client, ns: str) -> None:
+    """Audit of 2026-12-07: the shim's ring is bounded by bytes as well as by count. A router whose gap
+    starts before the oldest batch it holds (evicted by bytes, far under RING_SIZE batches) gets a
+    dump, never a replay that starts late and silently loses what was evicted. A real KvPublisher and
+    KvIngest over NATS, from the registration's snapshot on."""
+    rng = random.Random(5)
+    norm = Normaliser(1)
+
+    def prompt(blocks: int) -> list[KvEvent]:
+        tokens = [rng.randrange(1 << 20) for _ in range(blocks)]
+        hashes = [rng.getrandbits(63) for _ in range(blocks)]
+        return norm.apply([EngineStored(hashes=hashes, parent=None, token_ids=tokens, block_size=1)])
+
+    prompt(3_000)
+    shim_nc = _LossyNats(nc, subjects.kv(ns, "w1"))
+    pub = KvPublisher(shim_nc, ns, "w1", 7, norm)  # type: ignore[arg-type]
+    pub.log = EventLog("w1", 7, ring_bytes=1 << 20)  # ~6 batches of MAX_HASHES (RING_BYTES holds ~420)
+    await nc.subscribe(subjects.kvstate(ns, "w1"), cb=pub.on_kvstate)
+    await flush(nc)
+    ingest = KvIngest(nc, ns, BlockIndex(), request_timeout_s=1.0, retry_max_s=0.2)
+    await ingest.start()
+    pub.start()
+    try:
+        pub.add([Cleared(), *norm.snapshot()])
+        ingest.add_worker("w1", 7)
+        await until(lambda: ingest.synced and ingest.stats.workers["w1"].last_seq == pub.log.seq)
+        seen = pub.log.seq
+        shim_nc.losing = True
+        for _ in range(10):
+            pub.add(prompt(MAX_HASHES))  # a 20k-block prompt, one batch of ~160 kB each
+        await until(lambda: not pub._outbox)
+        shim_nc.losing = False
+        assert seen + 1 < pub.log.first_seq and pub.log.seq - seen < RING_SIZE  # evicted by bytes alone
+        pub.add(prompt(1))  # the router sees the gap
+        await until(lambda: ingest.stats.gaps == 1 and ingest.synced)
+        await until(lambda: ingest.stats.workers["w1"].last_seq == pub.log.seq)
+        assert ingest.stats.repairs_dumps == 2 and ingest.stats.repairs_batches == 0  # bootstrap, then the gap
+        assert ingest.index.worker_hashes("w1") == norm.canonical_hashes()
+        # every batch sent or counted failed (unsent ones the ring no longer held were dropped)
+        assert pub.counters.kvstate_dumps == 2 and pub.counters.batches + pub.counters.send_failures == pub.log.seq
+    finally:
+        await pub.stop()
+        await ingest.stop()

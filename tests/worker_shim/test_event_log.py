@@ -13,8 +13,10 @@ from protocol import (
     encode_msg,
     pack_batch,
     pack_chunk,
+    unpack_hashes,
 )
-from worker_shim.event_log import RING_SIZE, EventLog, batch_bytes
+from worker_shim.event_log import RING_BYTES, RING_SIZE, EventLog, batch_bytes
+from worker_shim.kv_publisher import MAX_HASHES
 
 PAYLOAD = 1 << 20  # NATS's default max_payload
 
@@ -47,6 +49,41 @@ def test_a_gap_older_than_the_ring_gets_a_dump_as_of_the_last_seq() -> None:
     chunks = list(log.reply(KvStateRequest(since_seq=2, epoch=7), lambda: [1, 2, 3], PAYLOAD))
     assert [(c.dump, c.seq, c.hashes, c.final) for c in chunks] == [(True, RING_SIZE + 5, [1, 2, 3], True)]
     assert next(log.reply(KvStateRequest(since_seq=5, epoch=7), lambda: [], PAYLOAD)).batches[0].seq == 6
+
+
+def test_huge_batches_are_held_packed_and_within_the_ring_bytes() -> None:
+    """Audit of 2026-12-07: the ring was bounded by a count of batches alone, and held their hashes as
+    lists of ints: 4,096 batches of a 100k-token prompt's 6,250 hashes took 1.4 GB, of MAX_HASHES
+    4.4 GB. It holds the wire form, at most RING_BYTES of it, however large the batches."""
+    log = EventLog("w1", epoch=7)
+    hashes = list(range(2**64 - MAX_HASHES, 2**64))  # the same blocks again and again: the digest stays small
+    n = RING_BYTES // (8 * MAX_HASHES) + 100
+    for _ in range(n):
+        log.seal([Stored(hashes=hashes, parent=None, medium="GPU")])
+    held = log.since(log.first_seq - 1) or []
+    assert sum(len(encode_msg(b)) for b in held) <= RING_BYTES
+    stored = [ev for b in held for ev in b.events if isinstance(ev, Stored)]
+    assert len(stored) == len(held) and all(
+        isinstance(ev.hashes, bytes) and len(ev.hashes) == 8 * MAX_HASHES for ev in stored
+    )
+    assert sum(len(encode_msg(b)) for b in held) <= log.held_bytes <= RING_BYTES
+    assert [b.seq for b in held] == list(range(log.first_seq, n + 1)) and len(held) < n < RING_SIZE
+    assert log.since(log.first_seq - 2) is None
+
+
+def test_a_gap_older_than_the_ring_bytes_gets_a_dump_and_one_within_them_the_batches() -> None:
+    size = batch_bytes("w1", [Stored(hashes=[0] * 100)])
+    log = EventLog("w1", epoch=7, ring_bytes=3 * size)
+    for i in range(10):
+        log.seal([Stored(hashes=list(range(i * 100, (i + 1) * 100)))])
+    assert log.first_seq == 8 and log.held_bytes == 3 * size
+    chunks = list(log.reply(KvStateRequest(since_seq=6, epoch=7), lambda: [1, 2, 3], PAYLOAD))
+    assert [(c.dump, c.seq, c.hashes, c.final) for c in chunks] == [(True, 10, [1, 2, 3], True)]
+    (replay,) = log.reply(KvStateRequest(since_seq=7, epoch=7), lambda: [], PAYLOAD)
+    assert not replay.dump and [b.seq for b in replay.batches] == [8, 9, 10]
+    assert [unpack_hashes(ev.hashes) for b in replay.batches for ev in b.events if isinstance(ev, Stored)] == [
+        list(range(i * 100, (i + 1) * 100)) for i in (7, 8, 9)
+    ]
 
 
 def test_another_epoch_or_none_gets_a_dump() -> None:

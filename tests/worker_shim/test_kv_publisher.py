@@ -10,10 +10,10 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from protocol import Cleared, KvEvent, KvEventBatch, Stored, decode_msg, hash_count, subjects, unpack_hashes
+from protocol import Cleared, KvEvent, KvEventBatch, Stored, decode_msg, encode_msg, hash_count, subjects, unpack_hashes
 from protocol.kv_budget import KV_PACE_BATCH_BURST, KV_PACE_BATCHES_PER_S, KV_PACE_MIB_BURST, KV_PACE_MIB_PER_S
 from router.sender_budget import KvBudget
-from worker_shim.event_log import RING_SIZE
+from worker_shim.event_log import RING_BYTES, RING_SIZE
 from worker_shim.kv_pace import KvPace
 from worker_shim.kv_publisher import MAX_EVENTS, MAX_HASHES, KvPublisher
 from worker_shim.normaliser import Normaliser
@@ -94,6 +94,25 @@ async def test_batches_waiting_for_a_stalled_nats_are_bounded_counted_and_said_o
         assert [b.seq for b, _ in pub._outbox][:1] == [501]  # the newest kept, in order
         warned = [r for r in caplog.records if "subscribers will repair" in r.getMessage()]
         assert len(warned) == 1, [r.getMessage() for r in warned]
+    finally:
+        await nc.close()
+
+
+async def test_batches_waiting_for_a_stalled_nats_are_bounded_by_the_ring_bytes(nats_url: str, ns: str) -> None:
+    """Audit of 2026-12-07: long prompts' batches (MAX_HASHES each) waiting for a stalled NATS were
+    bounded by RING_SIZE alone (4,096 of ~160 kB); past what the ring holds (RING_BYTES) the oldest
+    are dropped as failed, as past RING_SIZE."""
+    nc = await nats.connect(nats_url)
+    try:
+        pub = KvPublisher(nc, ns, "w1", 7, Normaliser(16))
+        hashes = list(range(2**64 - MAX_HASHES, 2**64))  # 8 B each, packed or not
+        n = RING_BYTES // (8 * MAX_HASHES) + 50
+        for _ in range(n):
+            pub.add([Stored(hashes=hashes, parent=None)])
+        waiting = [b for b, _ in pub._outbox]
+        assert sum(len(encode_msg(b)) for b in waiting) <= RING_BYTES
+        assert waiting[0].seq == pub.log.first_seq and waiting[-1].seq == n
+        assert pub.counters.send_failures == n - len(waiting) > 0
     finally:
         await nc.close()
 
