@@ -23,10 +23,16 @@
    beside 4 decode workers, with the rule on (0.8) and off (0); a fresh request each time, so the
    rule's per-request memo starts empty.
 
+5. Pending prefixes: one prompt's bookkeeping in router.pending_prefixes, on a worker already
+   holding 400 other claims' entries (102,400): booking, settling and confirming `--blocks` blocks
+   (a request served), and booking and withdrawing them (an attempt that failed before its
+   prefill); timeit, the best of 9 runs of 2,000.
+
     .venv/bin/python -m bench.bench_router decision
     .venv/bin/python -m bench.bench_router overhead --rates 50,200,500 --seconds 5
     .venv/bin/python -m bench.bench_router registrations --sizes 250,500,1000
     .venv/bin/python -m bench.bench_router prefill-room --prefill 16 --isl 128000
+    .venv/bin/python -m bench.bench_router pending --blocks 256
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import json
 import random
 import statistics
 import time
+import timeit
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +59,7 @@ from protocol.tokenizer import BuiltinTokenizer
 from router.block_index import BlockIndex
 from router.calibration import Calibration
 from router.load_view import LoadView
+from router.pending_prefixes import PendingPrefixes
 from router.planner import standalone_planner
 from router.request_parsing import parse_request
 from router.tokenization import BuiltinPromptTokenizer
@@ -384,6 +392,33 @@ def bench_prefill_room(prefill: int, isl: int, iterations: int) -> dict[str, Any
     return out
 
 
+def bench_pending(blocks: int) -> dict[str, Any]:
+    rng = random.Random(0)
+    prompt = [rng.getrandbits(63) for _ in range(blocks)]
+    others = [[rng.getrandbits(63) for _ in range(256)] for _ in range(400)]
+    pending = PendingPrefixes(20.0, lambda: 1000.0)
+    for hashes in others:
+        claim = pending.add("w0", hashes)
+        assert claim is not None
+        pending.settle(claim)
+
+    def served() -> None:
+        claim = pending.add("w0", prompt)
+        assert claim is not None
+        pending.settle(claim)
+        pending.confirm("w0", prompt)
+
+    def failed() -> None:
+        claim = pending.add("w0", prompt)
+        assert claim is not None
+        pending.withdraw(claim)
+
+    def best_us(fn: Callable[[], None]) -> float:
+        return round(min(timeit.repeat(fn, number=2000, repeat=9)) / 2000 * 1e6, 1)
+
+    return {"blocks": blocks, "add_settle_confirm_us": best_us(served), "add_withdraw_us": best_us(failed)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -403,6 +438,8 @@ def main() -> None:
     pr.add_argument("--prefill", type=int, default=16, help="prefill workers, all past the backlog bound")
     pr.add_argument("--isl", type=int, default=128_000)
     pr.add_argument("--iterations", type=int, default=300)
+    pe = sub.add_parser("pending")
+    pe.add_argument("--blocks", type=int, default=256)
     w = sub.add_parser("workers", help="(internal) sims and shims for the overhead benchmark")
     w.add_argument("nats")
     w.add_argument("etcd")
@@ -419,6 +456,8 @@ def main() -> None:
         result = bench_decision(args.workers, args.iterations, args.policy)
     elif args.what == "prefill-room":
         result = bench_prefill_room(args.prefill, args.isl, args.iterations)
+    elif args.what == "pending":
+        result = bench_pending(args.blocks)
     elif args.what == "registrations":
         result = bench_registrations([int(n) for n in args.sizes.split(",")], args.repeats)
     else:

@@ -16,13 +16,22 @@ Each `add` is one booking's `Claim` (router.ledger keeps them per attempt). A cl
 its worker has prefilled the prompt (its events will confirm the entries), or withdrawn when the
 attempt ended before that (a client gone during its remote prefill, a failed leg): a retry comes at
 once, and an entry left to its TTL would credit a worker with a prompt it never cached. Withdrawing
-ends an entry only where no other claim holds it: none in flight (a count per hash), none settled
-since the entry was made (`kept`); a renewal by another request on the same prefix stays.
+ends an entry only where no other claim holds it: one in flight or settled, made on the entry since
+it was made; a renewal by another request on the same prefix stays. A KV event ends the entry for
+every claim made before it: a claim in flight then holds nothing there, and a renewal booked after
+the event is withdrawn with its own claim (the index speaks for the block: the worker stored it, or
+dropped it, and the claim in flight's prefill stores it again with an event of its own).
 
-Layout: per worker, a dict hash -> expiry, and for the claims a dict hash -> claims in flight and the
-set of hashes a settled claim keeps, so that booking, settling, confirming and matching a prompt run
-their per-block loops in C (a full trace books millions of blocks); only a withdrawal (a failed
-attempt) loops in Python. Synchronous, one event loop, injected clock.
+Layout: per worker, a dict hash -> expiry, so that booking, confirming and matching a prompt run
+their per-block loops in C (a full trace books millions of blocks). A claim's expiry is its stamp:
+a float of its own (`_Stamp`, equal in value to the expiry of a claim booked in the same instant but
+not the same object), so an entry's value names the claim that made or renewed it last; the claim
+keeps the values it overwrote (`prev`, one C pass at booking). Settling is O(1). Withdrawing, a
+failed attempt's only per-block loop in Python, ends or restores only the entries still carrying
+its stamp, back to the value before it, past claims withdrawn meanwhile: a claim withdrawn under a
+later renewal leaves its `prev` there (`_Worker.withdrawn`, until its stamp expires), so
+withdrawals in any order leave what the claims still standing made. Synchronous, one event loop,
+injected clock.
 """
 
 from __future__ import annotations
@@ -30,7 +39,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
-from operator import add, sub
 
 from protocol import unpack_hashes
 
@@ -40,30 +48,43 @@ _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  #
 _ABSENT = float("-inf")
 
 
-class _Claims:
-    """One worker's claims on its entries. A count of 0 is as good as none (`settle` leaves it for
-    `prune`); `kept` holds only hashes with an entry."""
+class _Stamp(float):
+    """A claim's expiry, told from another claim's equal one by identity (`is`): claims booked in the
+    same instant expire together, ttl_s after it, yet each withdraws only what it set."""
 
-    __slots__ = ("inflight", "kept")
+    __slots__ = ()
+
+
+class _Worker:
+    """One worker's entries, and what its claims withdrawn under a later renewal overwrote."""
+
+    __slots__ = ("held", "withdrawn")
 
     def __init__(self) -> None:
-        self.inflight: dict[int, int] = {}  # hash -> claims neither settled nor withdrawn
-        self.kept: set[int] = set()  # hashes a claim settled since their entry was made
+        self.held: dict[int, float] = {}  # hash -> expiry: the stamp of the claim that set it last
+        # id of the stamp of a claim withdrawn while a later claim held some of its hashes -> the
+        # stamp (kept alive: its id names it alone) and those hashes' values before it, for that
+        # later claim's withdrawal to restore past it
+        self.withdrawn: dict[int, tuple[_Stamp, dict[int, float | None]]] = {}
 
 
 class Claim:
     """One booking's entries on one worker (`PendingPrefixes.add`), to settle or withdraw once."""
 
-    __slots__ = ("_table", "hashes", "worker")
+    __slots__ = ("_table", "hashes", "prev", "stamp", "worker")
 
-    def __init__(self, worker: str, hashes: Sequence[int], table: _Claims) -> None:
+    def __init__(
+        self, worker: str, hashes: Sequence[int], stamp: _Stamp, prev: list[float | None], table: _Worker
+    ) -> None:
         self.worker = worker
         self.hashes = hashes
-        self._table: _Claims | None = table  # None once settled or withdrawn
+        self.stamp = stamp  # its entries' expiry, no other claim's object
+        self.prev = prev  # per hash, the entry's expiry before this claim (None: no entry)
+        self._table: _Worker | None = table  # None once settled or withdrawn
 
-    def take(self, current: _Claims | None) -> _Claims | None:
-        """The worker's claims table, once, while it is the one this claim was made in (not after
-        the worker was forgotten)."""
+    def take(self, current: _Worker | None) -> _Worker | None:
+        """The worker's table, once, while it is the one this claim was made in (not after the
+        worker was forgotten, or all its entries were pruned)."""
         table, self._table = self._table, None
         return table if table is not None and table is current else None
 
@@ -72,13 +93,12 @@ class PendingPrefixes:
     def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
-        self._by_worker: dict[str, dict[int, float]] = {}  # worker -> hash -> expiry
-        self._claims: dict[str, _Claims] = {}
+        self._by_worker: dict[str, _Worker] = {}
         self._next_prune = float("-inf")
 
     def __len__(self) -> int:
         """(hash, worker) entries held, expired ones not yet pruned included."""
-        return sum(len(d) for d in self._by_worker.values())
+        return sum(len(t.held) for t in self._by_worker.values())
 
     def add(self, worker: str, hashes: Sequence[int]) -> Claim | None:
         """`worker` will hold `hashes` (a prompt's block hashes, in order): the booking's claim on
@@ -86,69 +106,64 @@ class PendingPrefixes:
         if self.ttl_s <= 0 or not hashes:
             return None
         now = self._clock()
-        held = self._by_worker.get(worker)
-        if held is None:
-            held = self._by_worker[worker] = {}
-        held.update(dict.fromkeys(hashes, now + self.ttl_s))
-        table = self._claims.get(worker)
+        stamp = _Stamp(now + self.ttl_s)
+        table = self._by_worker.get(worker)
         if table is None:
-            table = self._claims[worker] = _Claims()
-        counts = table.inflight
-        counts.update(zip(hashes, map(add, map(counts.get, hashes, repeat(0)), repeat(1)), strict=True))
+            table = self._by_worker[worker] = _Worker()
+        held = table.held
+        prev = list(map(held.get, hashes))
+        held.update(dict.fromkeys(hashes, stamp))
         if now >= self._next_prune:
             self.prune()
-        return Claim(worker, hashes, table)
+        return Claim(worker, hashes, stamp, prev, table)
 
     def settle(self, claim: Claim) -> None:
         """The claim's worker prefilled its prompt: its entries stay until events confirm them or
         they expire, whatever becomes of the other claims on them."""
-        table = claim.take(self._claims.get(claim.worker))
-        if table is None:
-            return
-        counts, hashes = table.inflight, claim.hashes
-        counts.update(zip(hashes, map(sub, map(counts.__getitem__, hashes), repeat(1)), strict=True))
-        held = self._by_worker.get(claim.worker)
-        if held:
-            table.kept.update(filter(held.__contains__, hashes))
+        claim.take(None)  # done: withdrawing it does nothing now
 
     def withdraw(self, claim: Claim) -> None:
-        """The claim's attempt ended before its worker prefilled the prompt: its entries end, but
-        for those another claim holds (in flight, or settled since the entry was made)."""
-        table = claim.take(self._claims.get(claim.worker))
+        """The claim's attempt ended before its worker prefilled the prompt: its entries end, or go
+        back to the claim standing under it, but for those a later claim renewed."""
+        table = claim.take(self._by_worker.get(claim.worker))
         if table is None:
             return
-        counts, kept = table.inflight, table.kept
-        held = self._by_worker.get(claim.worker, {})
-        for h in claim.hashes:
-            left = counts.pop(h) - 1
-            if left > 0:
-                counts[h] = left
-            elif h not in kept:
-                held.pop(h, None)
+        held, withdrawn, stamp, now = table.held, table.withdrawn, claim.stamp, self._clock()
+        renewed: dict[int, float | None] = {}
+        for h, before in zip(claim.hashes, claim.prev, strict=True):
+            expiry = held.get(h)
+            if expiry is not stamp:
+                if expiry is not None:  # a later claim's: its withdrawal restores past this one
+                    renewed[h] = before
+                continue
+            p = before
+            while p is not None and p > now and (under := withdrawn.get(id(p))) is not None:
+                p = under[1].get(h)  # that claim was withdrawn too
+            if p is None or p <= now:
+                del held[h]
+            else:
+                held[h] = p
+        if renewed and stamp > now:
+            withdrawn[id(stamp)] = (stamp, renewed)
 
     def confirm(self, worker: str, hashes: Iterable[int] | bytes) -> None:
         """A KV event stored or removed `hashes` (either wire form) on `worker`: the index speaks
         for them now."""
-        held = self._by_worker.get(worker)
-        if held:
+        table = self._by_worker.get(worker)
+        if table is not None and table.held:
             if isinstance(hashes, bytes):
                 hashes = unpack_hashes(hashes)
-            table = self._claims.get(worker)
-            if table is not None and table.kept:  # a settled claim keeps the entry no more
-                hashes = list(hashes)
-                table.kept.difference_update(hashes)
-            _consume(map(held.pop, hashes, repeat(None)))
+            _consume(map(table.held.pop, hashes, repeat(None)))
 
     def holds(self, worker: str, key: int) -> bool:
         """Whether `worker` has a live entry for `key`."""
-        held = self._by_worker.get(worker)
-        return held is not None and held.get(key, _ABSENT) > self._clock()
+        table = self._by_worker.get(worker)
+        return table is not None and table.held.get(key, _ABSENT) > self._clock()
 
     def forget_worker(self, worker: str) -> None:
         """`worker` left: its entries end, its claims with them (settling or withdrawing one later
         does nothing, even where the worker came back)."""
         self._by_worker.pop(worker, None)
-        self._claims.pop(worker, None)
 
     def match(self, hashes: Sequence[int], after: Mapping[str, int] | None = None) -> dict[str, int]:
         """Per worker, how many leading `hashes` it will hold: the first `after[worker]` (what the
@@ -162,10 +177,11 @@ class PendingPrefixes:
             return {}
         now = self._clock()
         out: dict[str, int] = {}
-        for worker, held in self._by_worker.items():
+        for worker, table in self._by_worker.items():
             start = after.get(worker, 0) if after else 0
             if start >= len(hashes):
                 continue
+            held = table.held
             expiry = held.get(hashes[start])
             if expiry is None or expiry <= now:
                 continue
@@ -173,23 +189,19 @@ class PendingPrefixes:
         return out
 
     def prune(self) -> None:
-        """Drop entries whose time is up, and the claims counted out. A claim in flight outlives
-        its entries' expiry: its count holds a later renewal's entry against its withdrawal."""
+        """Drop entries whose time is up, and a worker with none left: its claims in flight end
+        nothing then (none of their entries is left, and the claims made since see a new table)."""
         now = self._clock()
         self._next_prune = now + self.ttl_s / 2
         for worker in list(self._by_worker):
-            held = self._by_worker[worker]
-            live = {h: e for h, e in held.items() if e > now}
-            if live:
-                self._by_worker[worker] = live
-            else:
+            table = self._by_worker[worker]
+            live = {h: e for h, e in table.held.items() if e > now}
+            if not live:
                 del self._by_worker[worker]
-        for worker in list(self._claims):
-            table = self._claims[worker]
-            table.inflight = {h: n for h, n in table.inflight.items() if n}
-            table.kept.intersection_update(self._by_worker.get(worker, ()))
-            if not table.inflight and not table.kept:  # no claim in flight refers to it
-                del self._claims[worker]
+                continue
+            table.held = live
+            if table.withdrawn:
+                table.withdrawn = {k: under for k, under in table.withdrawn.items() if under[0] > now}
 
 
 def _leading_live(held: dict[int, float], hashes: Sequence[int], now: float) -> int:
