@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import math
@@ -250,7 +249,7 @@ class _Cancelled:
     until: float  # time.monotonic() past which its worker no longer runs it (its deadline)
 
 
-def _nothing() -> None:
+def _nothing(*_: object) -> None:  # a leg's on_end too
     pass
 
 
@@ -444,7 +443,9 @@ class Dispatcher:
         if chunk.final:
             # Not at an error: a retry or the KV-transfer fallback books the request again.
             if chunk.error is None:
-                leg.on_end()
+                # An abort with no output and no `prefilled` before it may have prefilled nothing
+                # (SGLang's abort before prefill, the shim's answer to a cancel that came first)
+                leg.on_end(chunk.finish_reason != "abort" or leg.tokens_seen or chunk.prefilled)
         elif leg.queued > MAX_QUEUED_BYTES and leg.request.stream:  # a whole answer is read as it comes
             await self._slow_reader(leg)
 
@@ -496,7 +497,7 @@ class Dispatcher:
         role: str,
         req: GenerateRequest,
         until: float,
-        on_end: Callable[[], None] = _nothing,
+        on_end: Callable[[bool], None] = _nothing,
         keep: int = 0,
     ) -> Leg:
         """Send a leg, to run until `until` (time.monotonic(); on the wire: _wall), else a 504
@@ -690,7 +691,8 @@ class Dispatcher:
                 self._free(job)
 
     def _free(self, job: Job, *, served: bool = False) -> None:
-        """Free the attempt's booking, once: at its decode leg's final chunk (`served`) or at its end."""
+        """Free the attempt's booking, once: at its decode leg's end (`served`: its worker prefilled the
+        prompt) or at the attempt's."""
         key, job.booked = job.booked, None
         if key is not None:
             self._bookings.free(key, served=served)
@@ -820,8 +822,9 @@ class Dispatcher:
         )
         unjudged = job.transfer is not None  # the pull, until the leg shows it worked
         try:
-            served = functools.partial(self._free, job, served=True)
-            async with await self._open(plan.decode.worker, role, leg_req, job.deadline, served) as leg:
+            async with await self._open(
+                plan.decode.worker, role, leg_req, job.deadline, lambda served: self._free(job, served=served)
+            ) as leg:
                 while True:
                     chunk = await leg.next(job.deadline - time.monotonic(), silence)
                     generated = _generated(chunk)

@@ -140,8 +140,10 @@ class Leg:
 
     Chunks wait in a deque and wake the reader through one future, not an asyncio.Queue read under
     `wait_for`, which would cost a task per chunk. `on_end` runs when the final chunk arrives or the
-    leg is dropped (`drop`): the engine is done with it, whether or not it was read. (Not at an error
-    chunk: one may be followed by a retry or a fallback that keeps the attempt's booking.)"""
+    leg is dropped (`drop`): the engine is done with it, whether or not it was read; its argument says
+    whether the engine prefilled the prompt (router.ledger keeps or withdraws its pending prefixes).
+    (Not at an error chunk: one may be followed by a retry or a fallback that keeps the attempt's
+    booking.)"""
 
     def __init__(
         self,
@@ -151,7 +153,7 @@ class Leg:
         role: str,
         request: GenerateRequest,
         span: Span,
-        on_end: Callable[[], None],
+        on_end: Callable[[bool], None],
     ) -> None:
         self.owner = owner
         self.token = token
@@ -190,7 +192,7 @@ class Leg:
         self.queued = 0
         self.done = True  # cancelled by whoever dropped it
         self.push(error)
-        self.on_end()
+        self.on_end(self.tokens_seen)
 
     async def __aenter__(self) -> Leg:
         return self

@@ -690,3 +690,31 @@ async def test_a_leg_ended_by_its_final_chunk_frees_its_booking_as_served_and_a_
     with pytest.raises(LegError):
         await collect(d, job("w2"))
     assert books.served == ["r1#1"] and books.log.count(("free", "r1#1")) == 2
+
+
+@pytest.mark.parametrize(
+    ("before", "end", "served"),
+    [
+        ([], {"finish_reason": "abort"}, False),  # SGLang's abort before prefill, the shim's early cancel
+        ([{"token_ids": [5]}], {"finish_reason": "abort"}, True),
+        ([], {"finish_reason": "abort", "prefilled": True}, True),
+        ([], {"finish_reason": "stop"}, True),  # an EOS first: its prefill was done
+    ],
+)
+async def test_a_leg_aborted_before_any_output_frees_its_booking_unserved(
+    nc: Client, ns: str, world: World, before: list[dict[str, object]], end: dict[str, object], served: bool
+) -> None:
+    """An engine that aborted the request with nothing out and no prefill said done may never have
+    prefilled it: its retry must not be told the worker holds the prompt (router.ledger withdraws
+    its pending prefixes there)."""
+    d, books, _ = world
+
+    async def answer(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        for seq, fields in enumerate(before):
+            await chunk(nc, msg, req, seq, **fields)
+        await chunk(nc, msg, req, len(before), final=True, **end)
+
+    await Worker(nc, ns, "w1").serve("decode", answer)
+    chunks = await collect(d, job("w1"))
+    assert chunks[-1].final and chunks[-1].finish_reason == end["finish_reason"]
+    assert books.served == (["r1#1"] if served else []) and books.log.count(("free", "r1#1")) == 1
