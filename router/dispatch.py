@@ -51,9 +51,12 @@ the leg ends with a `final` chunk or an `error` one.
   bounded (MAX_QUEUED_BYTES); past that the leg ends at once with a 408 `slow_reader` LegError, is
   cancelled on its worker and its queue dropped, rather than the whole answer piling up here.
 - a leg whose request's deadline has passed is not sent: a 504 `deadline_passed` LegError, the
-  client's "the request's deadline passed" (a stall of this router's loop, a retry or a fallback
-  begun at the deadline). Until 2026-12-07 it went out with a negative budget, for its shim to
-  answer 504 a round trip later.
+  client's "the request's deadline passed" (a stall of this router's loop). Until 2026-12-07 it
+  went out with a negative budget, for its shim to answer 504 a round trip later. A leg that fails
+  at or past its request's deadline is neither retried nor fallen back from: the request ends with
+  that leg's own error (a prefill leg that ran out the time: its 504 `timeout`, naming it), nothing
+  counted or logged as a retry or fallback. Until 2026-12-07 the retry or fallback was counted and
+  logged, then refused as `deadline_passed`, naming a worker that was sent nothing.
 - a leg that NATS cannot carry is refused before it is sent: over the server's payload limit
   (413, naming the limit) or holding an integer no 64-bit field holds (400).
 - a remote prefill whose decode leg NATS could not carry with its transfer handle (a vLLM handle
@@ -209,6 +212,12 @@ def _generated(chunk: ResponseChunk) -> bool:
     """The chunk carries generated output (tokens, a piece of a whole answer), not only token-less
     events: vLLM's chat stream sends its role chunk before a request's error (a failed KV pull too)."""
     return bool(chunk.token_ids or chunk.tokens or chunk.body)
+
+
+def _time_up(deadline: float) -> bool:
+    """The request's deadline (time.monotonic()) has passed: a retry or fallback leg would not be
+    sent (Dispatcher._open), so none is begun, counted or logged."""
+    return time.monotonic() >= deadline
 
 
 def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str, bool] | None:
@@ -673,6 +682,7 @@ class Dispatcher:
                 if exc.engine_failed:
                     job.prefill_error = None  # it failed here too: the request's doing, not the prefill worker's
                 retry = job.first_token_at is None and exc.retryable and job.attempts == 1
+                retry = retry and not _time_up(job.deadline)  # past it, the retry's leg would not be sent
                 plan = job.replan(frozenset(job.tried)) if retry else None
                 if plan is None:
                     for held in job.held:  # its role chunk goes out before its error, as its engine sent it
@@ -764,6 +774,9 @@ class Dispatcher:
             # worker chosen for this request prefills it itself rather than a retry elsewhere
             # paying for another remote prefill.
             prefill = self._prefilled_on(job.transfer, plan)
+            self._on_transfer(plan.decode.worker, prefill, False)
+            if _time_up(job.deadline):
+                raise  # no time for the fallback's leg: the request ends with this one's error
             log.warning(
                 "request %s: decode worker %s failed to load the KV prefilled on %s (%s); prefilling it there",
                 req.request_id,
@@ -772,7 +785,6 @@ class Dispatcher:
                 exc,
                 extra={"request_id": req.request_id},
             )
-            self._on_transfer(plan.decode.worker, prefill, False)
             job.drop_held()  # the fallback sends its own
             self.transfer_fallbacks += 1
             self._fall_back(job, plan, Outcome.FALLBACK_TRANSFER_FAILED)
@@ -938,12 +950,17 @@ class Dispatcher:
                 job.prefill_refused = (worker, exc.message)  # judged, and counted, by its decode leg (_decode)
                 self._to_bypass(job, plan)
                 return None
-            self._blame(exc)
             fault = _prefill_fault(exc, settings.prefill_timeout_s, left)
+            if fault is not None and not exc.engine_failed:
+                self._on_prefill(worker, *fault)
+            if _time_up(job.deadline):
+                # No time for the bypass leg: the request ends with this leg's error (blamed by run),
+                # a 504 naming this worker where it ran out the time, not the decode worker's unsent
+                # leg's. A 5xx stays unjudged: only a fallback that serves puts it down to the worker.
+                raise
+            self._blame(exc)
             if fault is not None and exc.engine_failed:
                 job.prefill_error = (worker, fault[0])  # judged by the fallback (_decode, run)
-            elif fault is not None:
-                self._on_prefill(worker, *fault)
             if not exc.malformed:  # that one is logged once per worker (_blame), not per request
                 log.warning(
                     "request %s: remote prefill failed (%s); falling back to local prefill on %s",

@@ -254,7 +254,7 @@ class RequestPath:
             try:
                 return await self.dispatcher.call(info.worker, info.role, req, deadline)
             except LegError as exc:
-                if not exc.retryable:
+                if not exc.retryable or time.monotonic() >= deadline:  # past it, the next try is not sent
                     raise
                 log.warning("%s call %s: %s; trying %s", endpoint, req.request_id, exc, last.worker)
         return await self.dispatcher.call(last.worker, last.role, req, deadline)

@@ -411,7 +411,12 @@ async def test_a_leg_past_its_requests_deadline_is_not_sent(nc: Client, ns: str,
     assert w.requests == [] and books.log == [("free", "r1#1")]
 
 
-async def test_a_retry_begun_past_the_deadline_is_not_sent(nc: Client, ns: str, world: World) -> None:
+async def test_a_retry_begun_past_the_deadline_is_not_sent(
+    nc: Client, ns: str, world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leg that fails past its request's deadline ends the request with its own error: no retry
+    is begun, counted or logged. Until 2026-12-07 (cf68c67) the retry was counted ("retrying on w2"),
+    then refused as w2's `deadline_passed`, a worker sent nothing; this test asserted that count."""
     d, _, _ = world
     j = job("w1", replans=[job("w2").plan])
 
@@ -422,12 +427,68 @@ async def test_a_retry_begun_past_the_deadline_is_not_sent(nc: Client, ns: str, 
     await Worker(nc, ns, "w1").serve("decode", stall_then_fail)
     second = Worker(nc, ns, "w2")
     await second.serve("decode", answer)
+    caplog.set_level(logging.INFO, logger="router")
     with pytest.raises(LegError) as err:
         await collect(d, j)
-    assert (err.value.code, err.value.kind, err.value.worker) == (504, DEADLINE_PASSED, "w2")
+    assert (err.value.code, err.value.kind, err.value.worker, err.value.role) == (500, "engine_error", "w1", "decode")
     await flush(nc)
     await asyncio.sleep(0.1)
-    assert second.requests == [] and d.retries == 1
+    assert second.requests == [] and d.retries == 0
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+
+
+async def test_a_prefill_leg_that_runs_out_the_requests_time_is_the_clients_504_without_a_fallback(
+    nc: Client, ns: str, world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill leg that hangs until the request's deadline (under prefill_timeout_s) ends the
+    request with its own 504, naming the prefill worker that used the time. Until 2026-12-07 a
+    fallback was counted and logged ("falling back to local prefill on d1"), its decode leg then
+    refused as d1's `deadline_passed`, a worker sent nothing."""
+    d, books, _ = world
+    await Worker(nc, ns, "p1").serve("prefill", heartbeats_then_answer(60))  # heartbeats, no answer
+    decode = Worker(nc, ns, "d1")
+    await decode.serve("decode", answer)
+    j = job("d1", prefill="p1")
+    j.deadline = time.monotonic() + 0.5  # well under prefill_timeout_s: the request's deadline ends the leg
+    caplog.set_level(logging.INFO, logger="router")
+    with pytest.raises(LegError) as err:
+        await collect(d, j)
+    assert (err.value.code, err.value.kind, err.value.worker, err.value.role) == (504, "timeout", "p1", "prefill")
+    assert leg_error(err.value).code == 504
+    await flush(nc)
+    await asyncio.sleep(0.1)
+    assert decode.requests == [] and d.fallbacks == 0 and d.retries == 0
+    assert j.outcome is Outcome.DECLINED_POLICY and not j.fallback and j.path is Path.REMOTE
+    assert ("rebook_bypass", "r1#1") not in books.log and books.log[-1] == ("free", "r1#1")
+    assert not [r for r in caplog.records if "falling back" in r.getMessage()]
+
+
+async def test_a_failed_kv_pull_past_the_deadline_is_judged_and_not_fallen_back_from(nc: Client, ns: str) -> None:
+    books = Books()
+    pulls: list[tuple[str, str, bool]] = []
+    d = Dispatcher(
+        nc, ns, books, settings=lambda: RouterSettings(stream_heartbeat_s=HB),
+        on_transfer=lambda decode, prefill, ok: pulls.append((decode, prefill, ok)),
+    )  # fmt: skip
+    await d.start()
+    await Worker(nc, ns, "p1").serve("prefill", transfer)
+    j = job("d1", prefill="p1")
+
+    async def stall_then_pull_fails(nc: Client, msg: Msg, req: GenerateRequest) -> None:
+        j.deadline = time.monotonic() - 2.0  # a stall of the router's loop used the request's time up
+        error = ErrorInfo(code=500, kind="engine_error", message="KV load failed")
+        await chunk(nc, msg, req, 0, final=True, error=error)
+
+    decode = Worker(nc, ns, "d1")
+    await decode.serve("decode", stall_then_pull_fails)
+    try:
+        with pytest.raises(LegError) as err:
+            await collect(d, j)
+    finally:
+        await d.stop()
+    assert (err.value.code, err.value.worker, err.value.message) == (500, "d1", "KV load failed")
+    assert pulls == [("d1", "p1", False)] and len(decode.requests) == 1 and d.transfer_fallbacks == 0
+    assert j.outcome is Outcome.DECLINED_POLICY and ("rebook_bypass", "r1#1") not in books.log
 
 
 async def test_a_legs_timeout_says_its_own_deadline_not_the_last_wait(nc: Client, ns: str, world: World) -> None:

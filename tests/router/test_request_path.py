@@ -4,6 +4,8 @@ LoRA adapters a request may name."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any, cast
 
 import pytest
@@ -25,11 +27,15 @@ class Planner:
 
 
 class Dispatcher:
-    """Answers from every worker but those in `fails`, which raise the LegError given."""
+    """Answers from every worker but those in `fails`, which raise the LegError given; those in
+    `slow` only once the call's deadline has passed."""
 
-    def __init__(self, fails: dict[str, LegError] | None = None, *, up: bool = True) -> None:
+    def __init__(
+        self, fails: dict[str, LegError] | None = None, *, up: bool = True, slow: frozenset[str] = frozenset()
+    ) -> None:
         self.fails = fails or {}
         self.up = up
+        self.slow = slow
         self.calls: list[tuple[str, str, GenerateRequest]] = []
 
     async def connected(self) -> bool:
@@ -37,6 +43,8 @@ class Dispatcher:
 
     async def call(self, worker: str, role: str, req: GenerateRequest, deadline: float) -> bytes:
         self.calls.append((worker, role, req))
+        if worker in self.slow:
+            await asyncio.sleep(deadline - time.monotonic() + 0.01)
         if worker in self.fails:
             raise self.fails[worker]
         return b'{"from": "' + worker.encode() + b'"}'
@@ -78,6 +86,19 @@ async def test_a_worker_that_failed_before_answering_hands_the_call_on_once() ->
     with pytest.raises(LegError) as err:
         await p.call("m", ENDPOINT_TOKENIZE, {})
     assert err.value.worker == "b" and [w for w, _, _ in both.calls] == ["a", "b"], "two tries, not the fleet"
+
+
+async def test_a_call_whose_first_try_ran_past_the_deadline_tries_no_other_worker(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Past the deadline the next try would not be sent (Dispatcher._open): the call ends with
+    the first try's error. Until 2026-12-07 it logged "trying b", then failed as b's deadline_passed."""
+    silent = LegError("a", 503, "worker_silent", "no chunk", retryable=True)
+    d = Dispatcher({"a": silent}, slow=frozenset({"a"}))
+    with pytest.raises(LegError) as err:
+        await path([worker("a", "agg"), worker("b", "agg")], d, request_timeout_s=0.05).call("m", ENDPOINT_TOKENIZE, {})
+    assert err.value is silent and [w for w, _, _ in d.calls] == ["a"]
+    assert not [r for r in caplog.records if "trying" in r.getMessage()]
 
 
 async def test_an_engines_refusal_is_the_answer_not_a_reason_to_try_elsewhere() -> None:
