@@ -214,6 +214,11 @@ def _generated(chunk: ResponseChunk) -> bool:
     return bool(chunk.token_ids or chunk.tokens or chunk.body)
 
 
+# A shim of before 2026-12-07's BAD_TRANSFER_HANDLE (36ea325) said a bad handle so, as `engine_protocol`:
+# routers are upgraded before shims (docs/deployment.md, Upgrades), so one may still answer this router
+_OLD_BAD_HANDLE = "the prefill leg returned kv_transfer_params with "
+
+
 def _time_up(deadline: float) -> bool:
     """The request's deadline (time.monotonic()) has passed: a retry or fallback leg would not be
     sent (Dispatcher._open), so none is begun, counted or logged."""
@@ -225,7 +230,8 @@ def _prefill_fault(exc: LegError, timeout_s: float, left_s: float) -> tuple[str,
     still serves whole requests (it only returned no transfer handle, or one no decode engine would
     pull with); None when it is not its fault (the client's deadline, a refusal, a model unloaded)
     or is judged elsewhere (silent, malformed)."""
-    if exc.kind == BAD_TRANSFER_HANDLE:  # a handle there, its engine's flags right: no --kv-transfer-config advice
+    # a handle there, its engine's flags right: no --kv-transfer-config advice
+    if exc.kind == BAD_TRANSFER_HANDLE or (exc.kind == "engine_protocol" and exc.message.startswith(_OLD_BAD_HANDLE)):
         return (
             f"its prefill legs return a transfer handle a decode engine would not pull with ({exc.message}): "
             "something between the engine and its shim rewrites kv_transfer_params, or its connector is not "
