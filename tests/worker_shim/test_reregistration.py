@@ -14,6 +14,7 @@ from typing import Any
 import nats.aio.msg
 import nats.errors
 import pytest
+from etcd3aio._protobuf import Compare
 
 from discovery import Discovery, RegistrationState
 from engine_sim.server import SimServer
@@ -411,6 +412,14 @@ async def test_a_retirements_close_that_fails_after_its_caller_was_cancelled_is_
             await nc.close()
 
 
+async def _delete_if_held(d: Discovery, key: str, lease: int) -> None:
+    """Delete `key` only while `lease` holds it (an operator's delete of one owner's key)."""
+    kv = d.client.kv
+    assert kv is not None
+    held = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=key.encode(), lease=lease)
+    await kv.txn([held], [kv.txn_op_delete(key)], [], timeout=5)
+
+
 async def test_a_twin_that_took_the_name_after_a_delete_leaves_one_shim_under_it(
     ns: str, nats_url: str, etcd_url: str
 ) -> None:
@@ -423,6 +432,8 @@ async def test_a_twin_that_took_the_name_after_a_delete_leaves_one_shim_under_it
         shim_for(sim, ns, nats_url, etcd_url, worker_name="gpu-11") as shim,
     ):
         await shim.registered.wait()
+        assert shim.registration is not None and shim.registration.lease is not None
+        first = shim.registration.lease.id
         key = subjects.worker_key(ns, "gpu-11")
         async with (
             Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d,
@@ -431,7 +442,9 @@ async def test_a_twin_that_took_the_name_after_a_delete_leaves_one_shim_under_it
             deadline = time.monotonic() + 15
             while not twin.registered.is_set():  # the first's check may put it back before the twin looks
                 assert time.monotonic() < deadline and not twin.done.is_set(), "the twin never took the name"
-                await d.delete(key)
+                # The first's key alone: a plain delete landing just after the twin's create (before
+                # the twin said so) took the twin's key, which the first then put back, failing the twin.
+                await _delete_if_held(d, key, first)
                 await asyncio.sleep(0.05)
             await asyncio.wait_for(shim.done.wait(), 10)
             assert shim.status is ShimStatus.FAILED and isinstance(shim.failure, ConfigError)
