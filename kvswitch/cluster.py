@@ -142,6 +142,29 @@ class ClusterSpec:
     engines_bind_events: bool = False
     restart: RestartPolicy | None = None  # None: a child or server that exits stays down
 
+    def drawn_ports(self) -> tuple[int, int]:
+        """The ports `LocalCluster.start` draws, all in one run of consecutive free ports: (the
+        workers' (3 each) and the routers' without `http_port`, NATS's and etcd's: a monitor port per
+        NATS node, a route port per node of a cluster, a peer port per etcd member, and a client port
+        each without `nats_port` or `etcd_port`)."""
+        n, m = self.nats_nodes, self.etcd_members
+        servers = n + (n if n > 1 else 0) + (0 if self.nats_port else n) + m + (0 if self.etcd_port else m)
+        workers = 3 * sum(getattr(self, role) for role in POOLS)
+        return workers + (0 if self.http_port else self.routers), servers
+
+
+class _Ports:
+    """Consecutive ports of one draw, handed out in order."""
+
+    def __init__(self, first: int, count: int) -> None:
+        self._next, self._end = first, first + count
+
+    def take(self, count: int) -> int:
+        if self._next + count > self._end:  # ClusterSpec.drawn_ports counted fewer than were taken
+            raise ServerError(f"{count} ports taken of a draw with {self._end - self._next} left")
+        first, self._next = self._next, self._next + count
+        return first
+
 
 @dataclass
 class _Child:
@@ -239,7 +262,9 @@ class LocalCluster:
     def _worker_names(self) -> list[str]:
         return [f"{role}-{i}" for role in POOLS for i in range(getattr(self.spec, role))]
 
-    def _start_servers(self) -> None:
+    def _start_servers(self, draw: Callable[[int], int]) -> None:
+        """NATS and etcd, the ports no flag gives them from `draw` (a count: the first of that many
+        consecutive ports)."""
         spec = self.spec
         if spec.etcd_auth or spec.nats_auth:
             self.secrets_dir = Path(tempfile.mkdtemp(prefix="kvswitch-secrets-"))
@@ -263,7 +288,7 @@ class LocalCluster:
             route_tls=tls.nats_route if tls else None,
             authorization=authorization,
             logs=nats_logs,
-            avoid=self._flagged_ports(),
+            draw=draw,
         )
         self.nats.start()
         self.etcd = EtcdCluster(
@@ -272,7 +297,7 @@ class LocalCluster:
             tls=tls.etcd if tls else None,
             peer_tls=tls.etcd_peer if tls else None,
             logs=etcd_logs,
-            avoid=self._flagged_ports(),
+            draw=draw,
         )
         self.etcd.start()
         if spec.etcd_auth:
@@ -291,12 +316,14 @@ class LocalCluster:
     def start(self) -> None:
         self._stopping = False
         try:
-            self._start_servers()
-            # Every port in one draw: the pools and the routers take consecutive ports from its base.
-            engines = sum(getattr(self.spec, role) for role in POOLS)
-            routers = 0 if self.spec.http_port else self.spec.routers
+            # Every port drawn in one draw, so that `kvswitch up`'s range check (`drawn_ports`: one
+            # run of consecutive ports) is what happens: NATS and etcd drew first, from anywhere in the
+            # range, and split it, the workers' block then fitting nowhere, after they had started.
+            # The pools and the routers take consecutive ports from its base, the servers the rest.
+            workers, servers = self.spec.drawn_ports()
+            base = free_ports(workers + servers, avoid=self._flagged_ports())
+            self._start_servers(_Ports(base + workers, servers).take)
             for draw in range(1, PORT_DRAWS + 1):
-                base = free_ports(3 * engines + routers, avoid=self._flagged_ports()) if 3 * engines + routers else 0
                 try:
                     base = self._start_pools(base)
                     break
@@ -307,6 +334,7 @@ class LocalCluster:
                         "a sim's port was taken before it bound it: drawing others (%d of %d)", draw, PORT_DRAWS
                     )
                     self._kill_children()
+                    base = free_ports(workers, avoid=self._flagged_ports())
             for engine in self.engines:
                 self._start_shim(engine)
             base = self.spec.http_port or base

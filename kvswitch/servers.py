@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import functools
 import http.client
@@ -68,6 +69,7 @@ __all__ = [
     "port_holders",
     "port_range",
     "socket_inodes",
+    "symlinked",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -211,7 +213,8 @@ def free_ports(count: int, host: str = "127.0.0.1", avoid: Collection[int] = ())
                 store(base + count if base + count < high else low)
                 return base
             base += 1
-    besides = f" besides the ports asked for ({', '.join(map(str, sorted(avoid)))})" if avoid else ""
+    inside = sorted(p for p in avoid if low <= p < high)  # one outside the range takes none of its ports
+    besides = f" besides the ports asked for ({', '.join(map(str, inside))})" if inside else ""
     raise ServerError(f"no {count} consecutive free ports in {low}-{high} on {host}{besides}")
 
 
@@ -412,15 +415,39 @@ def open_log(path: str | Path, dir_fd: int | None = None) -> BinaryIO:
     what a process said of its secrets), and a symlink there refused (ELOOP), never followed: a link
     planted in a log's place would have a restart append to whatever file it names."""
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(path, flags, 0o600, dir_fd=dir_fd), "ab")
+    try:
+        return os.fdopen(os.open(path, flags, 0o600, dir_fd=dir_fd), "ab")
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # strerror, "Too many levels of symbolic links", named no fix
+            raise OSError(errno.ELOOP, symlinked(Path(path))) from None
+        raise
+
+
+def symlinked(path: Path) -> str:
+    """Why a log is not written at `path`, a symlink."""
+    return f"{path} is a symlink; kvswitch up writes no log through a symlink (replace it with a file)"
+
+
+def _is_held(path: Path, fd: int) -> bool:
+    """Whether the directory at `path` itself (a symlink there is not followed) is the one open as `fd`."""
+    held = os.fstat(fd)
+    try:
+        there = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return held.st_nlink > 0 and (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
 
 
 class _Server:
     name = "server"
 
     def __init__(self, workdir: Path | None, log: Path | None = None) -> None:
-        self._own_dir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix=f"kvswitch-{self.name}-")) if workdir is None else workdir
+        # The store it made, held open (its inode is not reused meanwhile): one removed is never made
+        # again at its path (0o755, or a directory another user planted there taken as its own, and
+        # nats.conf written into it).
+        self._store = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if workdir is None else None
+        self._closed = False
         self.proc: subprocess.Popen[bytes] | None = None
         self._served = False  # healthy once: its store holds what a restart must keep
         # Its output, in its store unless given a path that outlives it (`kvswitch up --log-dir`).
@@ -459,7 +486,7 @@ class _Server:
         ports = self.ports()
         if len(set(ports)) < len(ports):
             raise ServerError(f"{self.name} given one port for two of its listeners: {ports}")
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._check_store()
         try:
             # Made again if gone: `kvswitch up --log-dir X` restarts it after an `rm -rf X`.
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -478,6 +505,19 @@ class _Server:
             )
         finally:
             out.close()
+
+    def _check_store(self) -> None:
+        """Its store is there: a directory given it is made if gone, the temporary one it made is
+        not (a ServerError; a cluster counts it as an exit, as any restart that fails)."""
+        if self._closed:
+            raise ServerError(f"{self.name}: closed, its store {self.workdir} removed: make a new server")
+        if self._store is None:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        elif not _is_held(self.workdir, self._store):
+            raise ServerError(
+                f"{self.name}: its store {self.workdir} was removed while it ran (the data a restart keeps), and is "
+                "not made again: start a new one"
+            )
 
     def wait_healthy(self, timeout: float = 20.0) -> Self:
         assert self.proc is not None, "launch() first"
@@ -522,8 +562,10 @@ class _Server:
             self.kill()
         else:
             self.stop()
-        if self._own_dir:
+        if self._store is not None and not self._closed:
+            self._closed = True
             shutil.rmtree(self.workdir, ignore_errors=True)
+            os.close(self._store)
 
     def _held(self) -> str:
         """Which of its ports another process listens on, for a server that exited at its start."""
@@ -662,13 +704,13 @@ class NatsCluster:
         route_tls: TlsFiles | None = None,
         authorization: str | None = None,
         logs: Sequence[Path] = (),
-        avoid: Collection[int] = (),
+        draw: Callable[[int], int] = free_ports,
     ) -> None:
         if size < 1:
             raise ServerError(f"a NATS cluster needs at least 1 member, got {size}")
-        ports = port or free_ports(size, avoid=avoid)
-        monitors = free_ports(size, avoid=avoid)
-        cluster = free_ports(size, avoid=avoid) if size > 1 else None  # one member: a plain server
+        ports = port or draw(size)
+        monitors = draw(size)
+        cluster = draw(size) if size > 1 else None  # one member: a plain server
         self.nodes = [
             NatsServer(
                 ports + i,
@@ -831,11 +873,11 @@ class EtcdCluster:
         tls: TlsFiles | None = None,
         peer_tls: TlsFiles | None = None,
         logs: Sequence[Path] = (),
-        avoid: Collection[int] = (),
+        draw: Callable[[int], int] = free_ports,
     ) -> None:
         if size < 1:
             raise ServerError(f"an etcd cluster needs at least 1 member, got {size}")
-        clients, peers = port or free_ports(size, avoid=avoid), free_ports(size, avoid=avoid)
+        clients, peers = port or draw(size), draw(size)
         scheme = "https" if peer_tls else "http"
         initial = ",".join(f"m{i}={scheme}://127.0.0.1:{peers + i}" for i in range(size))
         self.members = [

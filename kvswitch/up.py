@@ -15,7 +15,9 @@ import asyncio
 import contextlib
 import difflib
 import errno
+import fnmatch
 import importlib
+import itertools
 import logging
 import math
 import os
@@ -27,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from kvswitch.cluster import STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy
-from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range
+from kvswitch.cluster import POOLS, STOP_GRACE_S, ClusterSpec, LocalCluster, RestartPolicy
+from kvswitch.servers import FREE_PORTS_ENV, ServerError, port_range, symlinked
 from protocol import ConfigError, subjects
 from protocol.errors import try_listen
 from protocol.timing import profile_names
@@ -40,6 +42,7 @@ PASSES_UNKNOWN_ARGS = True
 # due as well). It looked every half back-off: at 0.001 s it spun at 92% of a core, idle (review
 # of the restarts, 2026-12-06); a back-off below MIN_BACKOFF_S is refused still.
 WATCH_S = 0.5
+CHECK_S = 5.0  # how often it probes the cluster's health, saying a change in its health line
 MIN_BACKOFF_S = 0.1
 log = logging.getLogger("kvswitch.up")
 _EPILOG = (
@@ -155,7 +158,7 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
         raise UpFlagError(f"kvswitch up: --namespace must match [A-Za-z0-9_-]+, got {args.namespace!r}") from None
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir is not None:
-        _check_log_dir(log_dir)
+        _check_log_dir(log_dir, _log_names(args, routers))
     if not args.model.strip():
         raise UpFlagError("kvswitch up: --model must name the served model, got an empty name")
     restart = _restart_policy(args)
@@ -175,29 +178,34 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
 
 
 def _check_draw(args: argparse.Namespace, workers: int, routers: int) -> None:
-    """Every port drawn from the free-port range (`free_ports`) is drawn before the workers start:
-    NATS's (a monitor port per node, a route port per node of a cluster, a client port per node
-    without --nats-port), etcd's (a peer port per member, a client port per member without
-    --etcd-port), then one draw of consecutive ports for the workers (3 each) and the routers without
-    --http-port (LocalCluster.start); none takes a port a flag asks for. More than the range holds
-    is refused now, naming the flags, not after NATS and etcd started."""
+    """Every port drawn from the free-port range (`free_ports`) is drawn in one draw of consecutive
+    ports before anything starts (LocalCluster.start, ClusterSpec.drawn_ports): the workers' (3
+    each), the routers' without --http-port, and NATS's and etcd's; none is a port a flag asks for,
+    which splits the range where it lies in it. More than its longest run of ports holds is refused
+    now, naming the flags, not after NATS and etcd started."""
     n, m = args.nats_nodes, args.etcd_members
-    servers = n + (n if n > 1 else 0) + (0 if args.nats_port else n) + m + (0 if args.etcd_port else m)
-    drawn = 0 if args.http_port else routers
-    need = 3 * workers + drawn + servers
+    spec = ClusterSpec(
+        nats_port=args.nats_port, etcd_port=args.etcd_port, nats_nodes=n, etcd_members=m, prefill=args.prefill,
+        decode=args.decode, agg=args.agg, routers=routers, http_port=args.http_port if routers else 0,
+    )  # fmt: skip
+    block, servers = spec.drawn_ports()
+    drawn = block - 3 * workers
+    need = block + servers
     try:
         low, high = port_range()
     except ServerError as exc:
         raise UpFlagError(f"kvswitch up: {exc}") from None
-    asked = [(args.http_port, routers), (args.nats_port, n), (args.etcd_port, m)]
-    flagged = {p for first, count in asked if first for p in range(first, first + count) if low <= p < high}
-    room = high - low - len(flagged)
+    asked = [(spec.http_port, routers), (args.nats_port, n), (args.etcd_port, m)]
+    flagged = sorted({p for first, count in asked if first for p in range(first, first + count) if low <= p < high})
+    edges = [low - 1, *flagged, high]
+    room = max(b - a - 1 for a, b in itertools.pairwise(edges))  # the longest run between them
     if need <= room:
         return
     given = os.environ.get(FREE_PORTS_ENV)
     where = f"{FREE_PORTS_ENV}={given}" if given else "10000 up to net.ipv4.ip_local_port_range's low end"
     if flagged:
-        where += f", less {len(flagged)} asked for by flag"
+        shown = ", ".join(map(str, flagged[:3])) + (", ..." if len(flagged) > 3 else "")
+        where += f", split by the {len(flagged)} asked for by flag: {shown}"
     takers = (
         [f"--agg {args.agg} --prefill {args.prefill} --decode {args.decode} (3 ports per worker)"] if workers else []
     )
@@ -215,7 +223,8 @@ def _check_draw(args: argparse.Namespace, workers: int, routers: int) -> None:
         fits = "give a wider range"
     taking = ", ".join(takers[:-1]) + " and " + takers[-1] if len(takers) > 1 else takers[0]
     raise UpFlagError(
-        f"kvswitch up: {taking} take {need} ports, more than the {room} of {low}-{high} ({where}): {fits}"
+        f"kvswitch up: {taking} take {need} consecutive ports, more than the {room} in a row of {low}-{high} "
+        f"({where}): {fits}"
     )
 
 
@@ -268,10 +277,23 @@ def _lora_args(modules: list[str], model: str) -> list[str]:
     return ["--enable-lora", "--lora-modules", *modules]
 
 
-def _check_log_dir(log_dir: Path) -> None:
+def _log_names(args: argparse.Namespace, routers: int) -> list[str]:
+    """The logs `kvswitch up` writes in --log-dir (LocalCluster: its servers' and its children's), as
+    patterns: a shim's is named by its engine's port, drawn only at its start."""
+    pools = [role for role in POOLS if getattr(args, role)]
+    return [
+        *(f"nats-{i}.log" for i in range(args.nats_nodes)), *(f"etcd-{i}.log" for i in range(args.etcd_members)),
+        *(f"sim-{role}.log" for role in pools), *(f"shim-{role}-*.log" for role in pools),
+        *(f"router-{i}.log" for i in range(routers)),
+    ]  # fmt: skip
+
+
+def _check_log_dir(log_dir: Path, names: list[str]) -> None:
     """Children write their logs there: a directory that cannot be made or written is refused now,
     not at the first child, after NATS and etcd started. Written, not asked (os.access): root is
-    allowed everywhere by the mode bits, yet not in /sys or /proc."""
+    allowed everywhere by the mode bits, yet not in /sys or /proc. So is a symlink in the place of a
+    log of `names` (fnmatch patterns), which every log's open refuses (servers.open_log): it was a
+    bare "Too many levels of symbolic links", exit 1, once NATS had started."""
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -281,6 +303,12 @@ def _check_log_dir(log_dir: Path) -> None:
             pass
     except OSError as exc:
         raise UpFlagError(f"kvswitch up: --log-dir {log_dir}: not writable: {exc.strerror or exc}") from None
+    with os.scandir(log_dir) as entries:
+        linked = sorted(
+            e.name for e in entries if e.is_symlink() and any(fnmatch.fnmatchcase(e.name, n) for n in names)
+        )
+    if linked:
+        raise UpFlagError(f"kvswitch up: --log-dir {log_dir}: {symlinked(log_dir / linked[0])}")
 
 
 def _check_ports(spec: ClusterSpec) -> None:
@@ -475,6 +503,11 @@ class _HealthLog:
 
     def check(self) -> None:
         self.watch()
+        self.probe()
+
+    def probe(self) -> None:
+        """Say the cluster's health line when it changed, or the same trouble again at most every
+        `every_s` (`check` without `watch`)."""
         (line, healthy), now = self.cluster.health(), self._clock()
         if line != self._line:
             if healthy:
@@ -489,74 +522,100 @@ class _HealthLog:
                 self._said_at, self._held = now, 0
 
 
-class _RoundFaults:
-    """Supervision rounds that raise (a fault no restart foresaw): the first is an ERROR with its
-    traceback, the same again at most every `every_s` with how many rounds failed meanwhile (a round
-    every 0.5 s logged 19 tracebacks in 10 s). Rounds failing `bound_s` in a row are a supervisor
-    that no longer supervises: `failed` then says why, for `kvswitch up` to stop and exit 1."""
+class _PartFaults:
+    """One part of supervision (watching for exits and restarts, or the health check) that raises:
+    a fault no restart foresaw. A fault is an ERROR with its traceback the first time it is seen
+    since the part last worked, then at most every `every_s` with how many times it came meanwhile
+    (a round every 0.5 s logged 19 tracebacks in 10 s). Only the part's own success ends its count:
+    a health check failing every 5 s between working watch rounds was "works again" each time, and
+    never stopped. `bound_s` without one that works is a supervisor that no longer supervises:
+    `failed` then says why, for `kvswitch up` to stop and exit 1."""
 
-    def __init__(
-        self, every_s: float = 30.0, bound_s: float = 60.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.every_s, self.bound_s, self._clock = every_s, bound_s, clock
-        self._since: float | None = None  # the first of the failures in a row
-        self._said_at = 0.0
-        self._held = 0  # failures since the last said
+    def __init__(self, what: str, every_s: float, bound_s: float, clock: Callable[[], float]) -> None:
+        self.what, self.every_s, self.bound_s, self._clock = what, every_s, bound_s, clock
+        self._since: float | None = None  # its first failure since it last worked
+        self._said: dict[str, tuple[float, int]] = {}  # per fault: when said last, how many since
 
     def failed(self, exc: Exception) -> str | None:
-        """Count a round that raised `exc`; the fault to stop for once they failed `bound_s` in a row."""
+        """Count a failure with `exc`; the fault to stop for once none worked for `bound_s`."""
         now = self._clock()
         fault = f"{type(exc).__name__}: {exc}"
-        if self._since is None:
-            log.error("supervising failed this round; the cluster runs on, supervised still", exc_info=exc)
-            self._since, self._said_at, self._held = now, now, 0
-            return None
-        self._held += 1
-        if now - self._since >= self.bound_s:
-            return f"every round of supervision failed for {now - self._since:.0f}s, the last with {fault}"
-        if now - self._said_at >= self.every_s:
+        self._since = now if self._since is None else self._since
+        failing = now - self._since
+        if failing >= self.bound_s:
+            return f"{self.what} failed for {failing:.0f}s, none working since, the last with {fault}"
+        said = self._said.get(fault)
+        if said is None:
             log.error(
-                "supervising failed again (%d rounds in %.0fs), the last with %s; supervised still, stopping the "
-                "cluster if it fails until %.0fs in a row",
-                self._held, now - self._said_at, fault, self.bound_s,
+                "%s failed: %s; the cluster runs on, and is stopped if none works for %.0fs",
+                self.what, fault, self.bound_s, exc_info=exc,
             )  # fmt: skip
-            self._said_at, self._held = now, 0
+            self._said[fault] = (now, 0)
+        elif now - said[0] >= self.every_s:
+            log.error(
+                "%s failed again (%d times in %.0fs), the last with %s; none worked for %.0fs, the cluster is "
+                "stopped at %.0fs",
+                self.what, said[1] + 1, now - said[0], fault, failing, self.bound_s,
+            )  # fmt: skip
+            self._said[fault] = (now, 0)
+        else:
+            self._said[fault] = (said[0], said[1] + 1)
         return None
 
     def ok(self) -> None:
         if self._since is not None:
-            log.info("supervising works again, after %.0fs of failed rounds", self._clock() - self._since)
+            log.info("%s works again, after %.0fs failing", self.what, self._clock() - self._since)
             self._since = None
+            self._said.clear()
+
+
+class _RoundFaults:
+    """The faults of each part of a supervision round, counted apart (`_PartFaults`)."""
+
+    def __init__(
+        self, every_s: float = 30.0, bound_s: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.watch = _PartFaults("watching for exits and restarts", every_s, bound_s, clock)
+        self.check = _PartFaults("the health check", every_s, bound_s, clock)
+
+
+def _tried(part: _PartFaults, call: Callable[[], None]) -> str | None:
+    """`call`, its failure counted in `part` (not BaseException: a KeyboardInterrupt or a
+    cancellation still ends the supervision); the fault to stop for, if any."""
+    try:
+        call()
+    except Exception as exc:
+        return part.failed(exc)
+    part.ok()
+    return None
 
 
 async def _supervise(
     cluster: LocalCluster, health: _HealthLog, stop: asyncio.Event, faults: _RoundFaults | None = None
 ) -> str | None:
     """Until `stop`: exits are looked for each tick (a poll of each process), and at each restart
-    due; health is probed every 5 s. A round that raises (a fault no restart foresaw) is logged
-    (`_RoundFaults`) and the next goes on: one process's trouble must not take the cluster down.
-    Rounds that fail for `faults.bound_s` in a row end it early: the fault, for the caller to stop
-    the cluster and exit 1 (None when `stop` ended it)."""
+    due; health is probed every CHECK_S. A part of a round that raises (a fault no restart foresaw)
+    is logged (`_PartFaults`) and the rest goes on: one process's trouble must not take the cluster
+    down. A part that works for none of `faults.bound_s` ends it early: the fault, for the caller to
+    stop the cluster and exit 1 (None when `stop` ended it)."""
     faults = faults or _RoundFaults()
-    tick = 5.0 if cluster.spec.restart is None else WATCH_S
-    next_check = time.monotonic() + 5.0
+    tick = CHECK_S if cluster.spec.restart is None else WATCH_S
+    next_check = time.monotonic() + CHECK_S
     while not stop.is_set():
         due = cluster.next_restart()
         wait = tick if due is None else min(tick, max(0.0, due - time.monotonic()))
-        try:
+        # The round runs after the wait, not in its `except TimeoutError:`: a fault's traceback
+        # carried the wait's CancelledError and TimeoutError, chained.
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=wait)
-        except TimeoutError:
-            try:
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + 5.0
-                    health.check()
-                else:
-                    health.watch()
-            except Exception as exc:  # not BaseException: a KeyboardInterrupt or a cancellation still ends it
-                if (fault := faults.failed(exc)) is not None:
-                    return fault
-            else:
-                faults.ok()
+        if stop.is_set():
+            break
+        fault = _tried(faults.watch, health.watch)
+        if fault is None and time.monotonic() >= next_check:
+            next_check = time.monotonic() + CHECK_S
+            fault = _tried(faults.check, health.probe)
+        if fault is not None:
+            return fault
     return None
 
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -92,6 +93,40 @@ def test_a_failed_restart_keeps_the_store_it_served_from() -> None:
         assert server.workdir.is_dir()
 
 
+def test_a_server_whose_failed_start_removed_its_store_is_not_started_again_at_its_path() -> None:
+    # A second start() made the removed mkdtemp store again, 0o755, at its old printed path, and wrote
+    # nats.conf (its authorization block) there
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", free_port()))
+        holder.listen()
+        server = NatsServer(port=holder.getsockname()[1], authorization="authorization { token: s3cret }")
+        with pytest.raises(ServerError, match="is held by pid"):
+            server.start()
+    with pytest.raises(ServerError, match=rf"^nats: closed, its store {re.escape(str(server.workdir))} removed: "
+                       "make a new server$"):  # fmt: skip
+        server.start()
+    assert not server.workdir.exists() and server.proc is None
+
+
+def test_a_store_removed_while_its_server_ran_is_never_made_again_nor_one_planted_there_taken() -> None:
+    server = NatsServer(authorization="authorization { token: s3cret }").start()
+    try:
+        store = server.workdir
+        shutil.rmtree(store)
+        server.kill()
+        removed = rf"^nats: its store {re.escape(str(store))} was removed while it ran .* is not made again"
+        with pytest.raises(ServerError, match=removed):
+            server.launch()
+        assert not store.exists() and server.proc is None
+        store.mkdir(mode=0o777)  # another's, planted where it was
+        with pytest.raises(ServerError, match=removed):
+            server.launch()
+        assert list(store.iterdir()) == [] and server.proc is None
+        store.rmdir()
+    finally:
+        server.close(now=True)
+
+
 def test_a_draw_never_hands_out_a_port_to_avoid(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(FREE_PORTS_ENV, "20000-20010")
     monkeypatch.setenv(PORTS_DIR_ENV, str(tmp_path))
@@ -101,6 +136,9 @@ def test_a_draw_never_hands_out_a_port_to_avoid(monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(ServerError, match=r"no 10 consecutive free ports in 20000-20010 on 127\.0\.0\.1 besides the "
                        r"ports asked for \(20005\)"):  # fmt: skip
         free_ports(10, avoid={20005})
+    # one outside the range was named too, as though it had narrowed the draw ("... asked for (8080)")
+    with pytest.raises(ServerError, match=r"besides the ports asked for \(20005\)$"):
+        free_ports(10, avoid={8080, 20005})
 
 
 def test_a_server_given_one_port_twice_is_refused_before_it_starts() -> None:

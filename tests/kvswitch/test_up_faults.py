@@ -291,6 +291,26 @@ def test_a_log_dir_the_mode_bits_allow_but_that_takes_no_file_is_refused() -> No
         _spec(_up_args(["--agg", "1", "--log-dir", "/sys/kernel"]))
 
 
+@pytest.mark.parametrize("name", ["nats-0.log", "etcd-2.log", "sim-decode.log", "shim-agg-20417.log", "router-1.log"])
+def test_a_symlink_in_the_place_of_a_log_is_refused_before_anything_starts(tmp_path: Path, name: str) -> None:
+    # refused only once the cluster half started, exit 1, a bare "Too many levels of symbolic links"
+    (tmp_path / "elsewhere.log").write_text("kept\n")
+    (tmp_path / name).symlink_to(tmp_path / "elsewhere.log")
+    argv = ["--agg", "1", "--decode", "1", "--routers", "2", "--etcd-members", "3", "--log-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as refused:
+        _spec(_up_args(argv))
+    assert refused.value.code == 2 and str(refused.value) == (
+        f"kvswitch up: --log-dir {tmp_path}: {tmp_path / name} is a symlink; kvswitch up writes no log through a "
+        "symlink (replace it with a file)"
+    )
+
+
+def test_a_symlink_up_writes_no_log_through_is_no_refusal(tmp_path: Path) -> None:
+    for name in ("router-2.log", "sim-prefill.log", "nats-1.log", "notes.log"):  # none of these it writes
+        (tmp_path / name).symlink_to(tmp_path / "elsewhere.log")
+    assert _spec(_up_args(["--agg", "1", "--routers", "2", "--log-dir", str(tmp_path)])).log_dir == tmp_path
+
+
 def test_the_max_model_len_default_is_the_sims_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_sim, "SimConfig", functools.partial(engine_sim.SimConfig, max_model_len=4096))
     assert _up_args([]).max_model_len == 4096
@@ -347,7 +367,7 @@ def test_more_workers_than_the_port_range_holds_are_refused_naming_the_flags_and
         "kvswitch up: --agg 4000 --prefill 0 --decode 10 (3 ports per worker), --routers 1 (1 port each, "
         "without --http-port) and NATS and etcd (4 for --nats-nodes 1 and --etcd-members 1: a monitor port per NATS "
         "node, a route port per node of a cluster, a peer port per etcd member, and a client port each without "
-        "--nats-port or --etcd-port) take 12035 ports, more than the 10000 of 20000-30000 "
+        "--nats-port or --etcd-port) take 12035 consecutive ports, more than the 10000 in a row of 20000-30000 "
         "(KVSWITCH_FREE_PORTS=20000-30000): at most 3331 workers with these routers"
     )
     assert _spec(_up_args(["--agg", "3331", "--http-port", "0"])).agg == 3331  # the most it allows
@@ -358,7 +378,8 @@ def test_more_workers_than_the_port_range_holds_are_refused_naming_the_flags_and
     )) as refused:  # fmt: skip
         _spec(_up_args(["--prefill", "8000", "--decode", "1"]))
     assert str(refused.value).endswith(
-        "take 24007 ports, more than the 22768 of 10000-32768 (10000 up to net.ipv4.ip_local_port_range's low end): "
+        "take 24007 consecutive ports, more than the 22768 in a row of 10000-32768 (10000 up to "
+        "net.ipv4.ip_local_port_range's low end): "
         "at most 7588 workers"
     )
 
@@ -370,14 +391,14 @@ def test_more_workers_than_the_port_range_holds_are_refused_naming_the_flags_and
         (
             "20000-20006",
             ["--agg", "1", "--routers", "1", "--demo"],
-            "take 7 ports, more than the 6 of 20000-20006 "
+            "take 7 consecutive ports, more than the 6 in a row of 20000-20006 "
             "(KVSWITCH_FREE_PORTS=20000-20006): no worker fits: give a wider range",
         ),
         # "at most -1 workers"
         (
             "20000-20002",
             ["--agg", "1", "--routers", "5", "--http-port", "0"],
-            "take 12 ports, more than the 2 of "
+            "take 12 consecutive ports, more than the 2 in a row of "
             "20000-20002 (KVSWITCH_FREE_PORTS=20000-20002): no worker fits with these routers: give a wider range",
         ),
         # a 3-node cluster of each: 3 monitors, 3 routes, 3 clients; 3 peers, 3 clients
@@ -395,8 +416,8 @@ def test_more_workers_than_the_port_range_holds_are_refused_naming_the_flags_and
         (
             "20000-20003",
             ["--etcd-port", "20000", "--routers", "0"],
-            "take 3 ports, more than the 2 of 20000-20003 "
-            "(KVSWITCH_FREE_PORTS=20000-20003, less 1 asked for by flag): give a wider range",
+            "take 3 consecutive ports, more than the 2 in a row of 20000-20003 "
+            "(KVSWITCH_FREE_PORTS=20000-20003, split by the 1 asked for by flag: 20000): give a wider range",
         ),
     ],
 )
@@ -425,10 +446,50 @@ def test_no_draw_takes_a_port_a_flag_asks_for(monkeypatch: pytest.MonkeyPatch, t
     cursor.write_text(str(base))  # the next draw starts at the port --etcd-port asks for
     cluster = LocalCluster(ClusterSpec(etcd_port=base, agg=1, routers=1, http_port=base + 1))
     try:
-        cluster._start_servers()
+        cluster._start_servers(functools.partial(free_ports, avoid=cluster._flagged_ports()))
         assert cluster.nats is not None and cluster.etcd is not None
         drawn = [*cluster.nats.nodes[0].ports(), cluster.etcd.members[0].peer_port]
         assert cluster.etcd.members[0].port == base and not {base, base + 1} & set(drawn), drawn
         assert free_ports(3, avoid=cluster._flagged_ports()) not in (base - 1, base)  # the workers' draw
+    finally:
+        cluster.stop()
+
+
+def test_a_port_asked_for_inside_the_range_splits_it_for_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 99 ports of 20000-20100 are free of --http-port 20050, yet the longest run of them is 50: --agg 20
+    # passed the check (64 ports) and failed in the workers' draw, after NATS and etcd started
+    monkeypatch.setenv(FREE_PORTS_ENV, "20000-20100")
+    with pytest.raises(SystemExit) as refused:
+        _spec(_up_args(["--agg", "20", "--http-port", "20050"]))
+    assert refused.value.code == 2 and str(refused.value).endswith(
+        "take 64 consecutive ports, more than the 50 in a row of 20000-20100 (KVSWITCH_FREE_PORTS=20000-20100, "
+        "split by the 1 asked for by flag: 20050): at most 15 workers"
+    ), str(refused.value)
+    assert _spec(_up_args(["--agg", "15", "--http-port", "20050"])).agg == 15
+
+
+def test_the_servers_and_the_workers_are_drawn_in_one_run_as_the_check_counts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # NATS and etcd drew first from the shared cursor, in the middle of a range that the check passed
+    # (8 ports of 10), and split it: "no 4 consecutive free ports" for the workers, after they started
+    base = free_ports(10)  # handed to this test alone: the draws walk the range round-robin
+    monkeypatch.setenv(FREE_PORTS_ENV, f"{base}-{base + 10}")
+    monkeypatch.setenv(kvswitch.servers.PORTS_DIR_ENV, str(tmp_path))
+    (tmp_path / f"kvswitch-ports-{os.getuid()}-{base}-{base + 10}").write_text(str(base + 3))
+    pools: list[int] = []
+
+    def start_pools(self: LocalCluster, first: int) -> int:  # the sims' ports, and none started
+        pools.append(first)
+        return first + 3
+
+    monkeypatch.setattr(LocalCluster, "_start_pools", start_pools)
+    monkeypatch.setattr(LocalCluster, "_start_router", lambda self, index, port: pools.append(port))
+    cluster = LocalCluster(ClusterSpec(agg=1, routers=1))
+    try:
+        cluster.start()
+        assert cluster.nats is not None and cluster.etcd is not None
+        servers = [*cluster.nats.nodes[0].ports(), *cluster.etcd.members[0].ports()]
+        assert pools == [base, base + 3] and sorted(servers) == list(range(base + 4, base + 8)), (pools, servers)
     finally:
         cluster.stop()

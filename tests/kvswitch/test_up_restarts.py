@@ -289,6 +289,31 @@ def test_a_restart_after_the_scratch_directory_was_removed_fails_and_never_write
         cluster.stop()
 
 
+def test_a_server_whose_store_was_removed_is_not_restarted_and_counts_as_an_exit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Its store was made again, 0o755, empty: a NATS node restarted on nothing it held
+    cluster = LocalCluster(ClusterSpec(restart=RestartPolicy(first_s=0.05, failures=2)))
+    try:
+        cluster.start()  # the servers alone
+        assert cluster.nats is not None
+        nats = cluster.nats.nodes[0]
+        assert nats.proc is not None
+        store = nats.workdir
+        shutil.rmtree(store)
+        nats.proc.kill()
+        health = _HealthLog(cluster, cluster.health_line())
+        with caplog.at_level(logging.ERROR, logger="kvswitch.up"):
+            _until("given up", lambda: _watched(health) and cluster._server_backoff["nats-0"].given_up)
+        assert not store.exists() and cluster._server_backoff["nats-0"].restarts == 0
+        said = [r.getMessage() for r in caplog.records if "could not be restarted" in r.getMessage()]
+        assert said and said[0].startswith(
+            f"server nats-0 could not be restarted: nats: its store {store} was removed while it ran"
+        ), said
+    finally:
+        cluster.stop()
+
+
 def test_a_log_is_made_private_and_a_symlink_in_its_place_is_not_followed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -309,8 +334,8 @@ def test_a_log_is_made_private_and_a_symlink_in_its_place_is_not_followed(
         assert target.read_text() == "kept\n" and child.backoff.restarts == 0
         said = next(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
         assert said.startswith(
-            f"child sim-agg could not be restarted: --log-dir {logs}: cannot write sim-agg.log: Too many levels of "
-            "symbolic links"
+            f"child sim-agg could not be restarted: --log-dir {logs}: cannot write sim-agg.log: {logs}/sim-agg.log is "
+            "a symlink; kvswitch up writes no log through a symlink (replace it with a file)"
         ), said
     finally:
         cluster.stop()
@@ -396,7 +421,7 @@ class _Raising:
             raise self.error
         self.stop.set()
 
-    check = watch
+    probe = watch
 
 
 class _Cluster:
@@ -426,7 +451,10 @@ def test_a_supervision_round_that_raises_is_logged_and_supervision_goes_on(
         health = _supervised(OSError(24, "Too many open files"), monkeypatch)
     assert health.watched == 2
     [record] = caplog.records
-    assert record.getMessage() == "supervising failed this round; the cluster runs on, supervised still"
+    assert record.getMessage() == (
+        "watching for exits and restarts failed: OSError: [Errno 24] Too many open files; the cluster runs on, "
+        "and is stopped if none works for 60s"
+    )
     assert record.exc_info is not None and isinstance(record.exc_info[1], OSError)
 
 
@@ -448,7 +476,7 @@ class _AlwaysRaising:
         assert self.stop is not None
         self.stop.set()
 
-    check = watch
+    probe = watch
 
 
 def test_rounds_that_keep_failing_are_said_once_then_counted_then_end_supervision_naming_the_fault(
@@ -468,12 +496,15 @@ def test_rounds_that_keep_failing_are_said_once_then_counted_then_end_supervisio
 
     with caplog.at_level(logging.ERROR, logger="kvswitch.up"):
         fault = asyncio.run(supervise())
-    assert fault == "every round of supervision failed for 60s, the last with KeyError: 'a fault no restart foresaw'"
+    assert fault == (
+        "watching for exits and restarts failed for 60s, none working since, the last with KeyError: 'a fault no "
+        "restart foresaw'"
+    )
     first, again = caplog.records
-    assert first.exc_info is not None and first.getMessage().startswith("supervising failed this round")
+    assert first.exc_info is not None and first.getMessage().startswith("watching for exits and restarts failed: ")
     assert again.exc_info is None and again.getMessage() == (
-        "supervising failed again (60 rounds in 30s), the last with KeyError: 'a fault no restart foresaw'; "
-        "supervised still, stopping the cluster if it fails until 60s in a row"
+        "watching for exits and restarts failed again (60 times in 30s), the last with KeyError: 'a fault no "
+        "restart foresaw'; none worked for 30s, the cluster is stopped at 60s"
     )
 
 
@@ -489,7 +520,73 @@ def test_a_round_that_works_again_ends_the_count(
     with caplog.at_level(logging.INFO, logger="kvswitch.up"):
         assert asyncio.run(supervise()) is None
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 2 and said[1].startswith("supervising works again, after "), said
+    assert len(said) == 2 and said[1].startswith("watching for exits and restarts works again, after "), said
+
+
+class _HealthFailing(_Cluster):
+    """A cluster whose exits and restarts are watched as ever, and whose health probe raises."""
+
+    def __init__(self) -> None:
+        self.watched = self.probed = 0
+
+    def note_exits(self, now: float) -> list[object]:
+        self.watched += 1
+        return []
+
+    def restart_due(self, now: float) -> list[object]:
+        return []
+
+    def health(self) -> tuple[str, bool]:
+        self.probed += 1
+        raise KeyError("a fault in the health check alone")
+
+
+def test_a_health_check_that_keeps_failing_between_working_watch_rounds_ends_supervision(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The check every 5 s failed and each 0.5 s watch between worked: "works again" each time, the count
+    # reset, a whole traceback every 5 s (15 in 75 s), never stopped, and no health line said
+    monkeypatch.setattr(kvswitch.up, "WATCH_S", 0.001)
+    monkeypatch.setattr(kvswitch.up, "CHECK_S", 0.02)
+    cluster = _HealthFailing()
+
+    async def supervise() -> str | None:
+        faults = _RoundFaults(every_s=30.0, bound_s=0.3)
+        health = _HealthLog(cluster, "health: nats=ok etcd=ok children=0/0 up")  # type: ignore[arg-type]
+        return await asyncio.wait_for(_supervise(cluster, health, asyncio.Event(), faults), 10)  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.INFO, logger="kvswitch.up"):
+        fault = asyncio.run(supervise())
+    assert fault == (
+        "the health check failed for 0s, none working since, the last with KeyError: 'a fault in the health check "
+        "alone'"
+    )
+    assert cluster.probed > 3 and cluster.watched > 2 * cluster.probed, (cluster.probed, cluster.watched)
+    [record] = caplog.records  # no "works again" at each watch between
+    assert record.getMessage().startswith("the health check failed: KeyError: 'a fault in the health check alone'")
+    assert record.exc_info is not None and record.exc_info[1] is not None
+    # the round ran inside the wait's `except TimeoutError:`: its traceback carried both, chained
+    assert record.exc_info[1].__context__ is None
+
+
+def test_a_new_fault_is_said_at_once_and_the_same_one_again_only_after_every_s() -> None:
+    now = [0.0]
+    part = kvswitch.up._PartFaults("the health check", 30.0, 60.0, lambda: now[0])
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage().split(";")[0])  # type: ignore[method-assign]
+    kvswitch.up.log.addHandler(handler)
+    try:
+        for now[0], exc in [(0, KeyError("a")), (5, KeyError("a")), (10, OSError("b")), (15, KeyError("a")),
+                            (30, KeyError("a"))]:  # fmt: skip
+            assert part.failed(exc) is None
+    finally:
+        kvswitch.up.log.removeHandler(handler)
+    assert said == [
+        "the health check failed: KeyError: 'a'",
+        "the health check failed: OSError: b",
+        "the health check failed again (3 times in 30s), the last with KeyError: 'a'",
+    ]
 
 
 class _FakeCluster:
@@ -528,7 +625,7 @@ def test_up_stops_its_cluster_and_exits_1_naming_the_fault_when_supervision_keep
     assert _FakeCluster.made.stops == 1
     err = capsys.readouterr().err
     assert re.search(
-        r"kvswitch up: every round of supervision failed for 0s, the last with KeyError: 'a fault no restart "
-        r"foresaw': the cluster is no longer supervised, so it is stopped\n",
+        r"kvswitch up: watching for exits and restarts failed for 0s, none working since, the last with KeyError: "
+        r"'a fault no restart foresaw': the cluster is no longer supervised, so it is stopped\n",
         err,
     ), err
