@@ -15,28 +15,31 @@ reports in a row are. A worker judged off agrees again only within AGREE_FRACTIO
 tolerance: one whose offset sits at the tolerance flipped on every few milliseconds of transit
 jitter, a WARNING and an INFO a minute and its gauge series coming and going.
 
-A delay only ever makes a worker look behind, never ahead, so a report stamped behind is read only
-where its age cannot be a wait of ours:
+A delay only ever makes a worker look behind, never ahead, so a report stamped behind is read for
+the part of its age that cannot be a wait of ours:
 - One that arrives less than half as long after the worker's last one as it was stamped after it
-  waited in a queue on the way: a shim's NATS reconnect buffer sent in one burst once NATS is back
-  (a shim older than 2026-12-06 kept its reports there through an outage). Its offset is that wait,
-  not the clock: after any outage over WINDOW periods such bursts judged every worker's clock behind
-  by the outage's length.
-- One read before this router's loop had been awake (runtime.loop_watch) for its age, or for
-  WINDOW of its periods: it may have waited in our socket through our own stall, and the first of
-  each burst a stall queues is read as late as the rest (the rule above lets it through). A loop
-  stopped 5 s at a time judged a healthy worker on its own host 4.5-5 s behind after three stalls
-  (audit of 2026-12-07): every deadline sent to it 4.5 s short, a 504 at 15.2 s of a 20 s timeout.
-  Age is proof where the loop was awake for it: a report delayed by a stall was sent before the stall
-  ended, so it is older than the loop has been awake since (for a clock not ahead). WINDOW periods
-  bound it for a clock behind by more than the loop stays awake; a backlog still unread that long
-  after a stall is one the router keeps, which stamps cannot tell from a clock behind.
-So behind needs more evidence than ahead: WINDOW reports in a row, each read by a loop awake for it,
-where one report stamped ahead is proof. The cost falls on the harmless side: a worker truly behind
-while this router's loop stalls every few periods is judged late or not at all, and its deadlines
-then expire later there than here (this router ends the request at its own); one judged behind
-falsely has every deadline expire early there, a 504 before its time, and a WARNING sends the
-operator to a clock that is right.
+  waited in a queue on the way, and is not read (the first of such a burst is): a shim's NATS
+  reconnect buffer sent in one burst once NATS is back (a shim older than 2026-12-06 kept its
+  reports there through an outage). Its offset is that wait, not the clock: after any outage over
+  WINDOW periods such bursts judged every worker's clock behind by the outage's length. Judged on
+  the receipts as they came: a credit (below) growing report by report would read as a burst.
+- Its age is read less the time this router's loop stood still within it (runtime.loop_watch's
+  `stalled_within`, up to the receipt), never past agreeing: it may have waited that long unread
+  in our socket. Read whole, the first of each backlog a stall queues made a loop stopped 5 s at a
+  time judge a healthy worker on its own host 4.5-5 s behind after three stalls (audit of
+  2026-12-07): every deadline sent to it 4.5 s short, a 504 at 15.2 s of a 20 s timeout. Credited,
+  those read about 0. Until the review of 2026-12-07 such a report was not read unless the loop had
+  been awake for its age or WINDOW of its periods: a router stalling 0.2 s every 1-2 s read none,
+  and a worker 3-5 s behind was never judged.
+So behind needs more evidence than ahead: WINDOW reports in a row, each with our stalls taken off
+its age, where one report stamped ahead is proof. The cost falls on the harmless side: the credit
+is every stall within the age the stamp shows, its offset included, so a worker behind is judged
+short by our stalls within its offset (1.2 s of 5 s, 0.2 s stalls every 1.2 s), and one behind by
+less than those reads as agreeing: its deadlines expire later there than here (this router ends the
+request at its own). One judged behind falsely has every deadline expire early there, a 504 before
+its time, and a WARNING sends the operator to a clock that is right. A backlog still unread after
+the loop woke, its wait no stall (the loop ticking as it reads a large fleet's), is a wait this
+module cannot tell from a clock behind; the largest of WINDOW readings is the estimate.
 
 What is said (SkewNews) is judged over the fleet, not worker by worker: when this router's clock is
 the one off (or the fleet's), every worker is off by about the same offset: until 2026-12-06 1,000
@@ -70,7 +73,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S
+from protocol.config import MAX_LOAD_PERIOD_S
 from router.fleet_lines import NAMED_AT_MOST
 
 __all__ = [
@@ -114,21 +117,22 @@ class ClockSkew:
         self.tolerance_s = tolerance_s
         self._workers: dict[str, _Readings] = {}
 
-    def observe(self, worker: str, stamped: float, received: float, awake_for: float, period_s: float) -> Skew | None:
-        """One report's stamp and its receipt on our clock, how long this router's loop had been
-        awake then (runtime.loop_watch) and the report's period; a Skew when the worker's state changed."""
+    def observe(
+        self, worker: str, stamped: float, received: float, stalled_within: Callable[[float], float]
+    ) -> Skew | None:
+        """One report's stamp and its receipt on our clock; `stalled_within(s)`: how long this router's
+        loop stood still within the s seconds before the receipt (runtime.loop_watch). A Skew when the
+        worker's state changed."""
         if not math.isfinite(stamped):  # a broken stamp says nothing of the clock
             return None
         r = self._workers.get(worker)
         if r is None:
             r = self._workers[worker] = _Readings()
         last, r.last = r.last, (stamped, received)
-        if stamped < received:  # behind: read only where the age cannot be a wait (module docstring)
+        if stamped < received:  # behind: its age less any wait of ours (module docstring)
             if last is not None and 0 <= received - last[1] < (stamped - last[0]) / 2:
                 return None  # it waited in a queue on the way
-            period_s = min(max(period_s, MIN_LOAD_PERIOD_S), MAX_LOAD_PERIOD_S)
-            if awake_for < min(received - stamped, WINDOW * period_s):
-                return None  # it may have waited through this router's own stall
+            received = max(received - stalled_within(received - stamped), stamped)
         r.offsets.append(stamped - received)
         offset = max(r.offsets)
         limit = self.tolerance_s * (AGREE_FRACTION if r.skewed else 1.0)

@@ -1224,7 +1224,7 @@ class RouterService:
 
     async def _on_load(self, msg: Msg) -> None:
         # Its receipt before any await: a wait here is ours, and would read as the worker's clock behind
-        received, awake_for = time.time(), self.loop_watch.awake_for()
+        received, at = time.time(), asyncio.get_running_loop().time()
         sender = msg.subject.rpartition(".")[2]
         if not self.load_budget.admit(sender, time.monotonic()):
             self._over_budget(sender, msg.subject)
@@ -1253,7 +1253,8 @@ class RouterService:
                 )
             return
         now = time.monotonic()
-        if (skew := self.clocks.observe(report.worker, report.ts, received, awake_for, report.period_s)) is not None:
+        stalled_within = functools.partial(self.loop_watch.stalled_within, until=at)  # the loop's, before the receipt
+        if (skew := self.clocks.observe(report.worker, report.ts, received, stalled_within)) is not None:
             self.skew_news.heard(skew, now, report.period_s)
         if (said := self.skew_news.due(now)) is not None:
             _say_skews(said)

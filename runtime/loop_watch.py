@@ -7,19 +7,28 @@ they wake, before it reads them. `LoopWatch` ticks every TICK_S; a tick that com
 late marks a stall, and `awake_for()` is the time since the last one ended (0 while a stall is
 still unseen: the watch has not ticked for longer than it should). A peer is silent for what the
 process could have heard: the lesser of its message's age and `awake_for()`.
+
+It keeps the spans of its stalls of the last STALLS_KEPT_S (from the last tick on time to the late
+one: at most one per TICK_S + LATE_S, so a few hundred), and `stalled_within(seconds)` says how long
+the loop stood still in the last `seconds`, a stall still unseen included: of a message's age, the
+part it may have waited unread through a stall of ours (router.clock_skew credits it so). Older
+stalls are forgotten, bounding the memory; a message older than that is read as if it had come
+through them awake.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 
 from runtime import background
 
-__all__ = ["LATE_S", "TICK_S", "LoopWatch"]
+__all__ = ["LATE_S", "STALLS_KEPT_S", "TICK_S", "LoopWatch"]
 
 TICK_S = 0.05
 LATE_S = 0.1
+STALLS_KEPT_S = 60.0  # as long as the longest report period (protocol.config.MAX_LOAD_PERIOD_S)
 
 
 class LoopWatch:
@@ -28,6 +37,7 @@ class LoopWatch:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._awake_since = -math.inf
         self._ticked = -math.inf
+        self._stalled: deque[tuple[float, float]] = deque()  # (start, end) on the loop's clock, oldest first
         self.stalls = 0  # stalls seen since start
 
     def start(self) -> None:
@@ -56,6 +66,24 @@ class LoopWatch:
             return 0.0  # stalled until now: the watch has not run since
         return now - self._awake_since
 
+    def stalled_within(self, seconds: float, until: float | None = None) -> float:
+        """Seconds this loop stood still within the `seconds` before `until` (its clock, loop.time();
+        now when None), a stall not yet ticked included; 0 when not started."""
+        loop = self._loop
+        if loop is None:
+            return 0.0
+        now = loop.time()
+        end = now if until is None else min(until, now)
+        start = end - seconds
+        stalled = 0.0
+        if now - self._ticked > TICK_S + LATE_S:  # stalled until now: the watch has not run since
+            stalled += max(0.0, end - max(self._ticked, start))
+        for a, b in reversed(self._stalled):
+            if b <= start:
+                break
+            stalled += max(0.0, min(b, end) - max(a, start))
+        return stalled
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -64,4 +92,7 @@ class LoopWatch:
             if now - self._ticked > TICK_S + LATE_S:
                 self._awake_since = now
                 self.stalls += 1
+                self._stalled.append((self._ticked, now))
+                while self._stalled[0][1] < now - STALLS_KEPT_S:
+                    self._stalled.popleft()
             self._ticked = now

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 
 import nats
@@ -23,42 +23,51 @@ from router.clock_skew import (
     SETTLE_REPORTS,
     WINDOW,
     ClockSkew,
+    Skew,
     SkewNews,
     Verdict,
 )
 from router.service import RouterService
+from runtime.loop_watch import TICK_S
 from tests.router.conftest import BLOCK, MODEL, Cluster
 from tests.router.polling import until
 
-AWAKE = 3600.0  # this router's loop has not stalled for an hour (runtime.loop_watch)
+
+def _no_stall(seconds: float) -> float:  # this router's loop never stood still (runtime.loop_watch)
+    return 0.0
+
+
+def _stalled(spans: list[tuple[float, float]], received: float) -> Callable[[float], float]:
+    """runtime.loop_watch's `stalled_within` at `received`, the loop having stood still over `spans`."""
+    return lambda seconds: sum(max(0.0, min(b, received) - max(a, received - seconds)) for a, b in spans)
 
 
 def test_one_report_stamped_ahead_proves_the_clock_ahead() -> None:
     clocks = ClockSkew(1.0)
-    assert clocks.observe("w", 100.0, 100.3, AWAKE, 0.5) is None  # 0.3 s in transit
-    skew = clocks.observe("w", 105.0, 100.4, AWAKE, 0.5)
+    assert clocks.observe("w", 100.0, 100.3, _no_stall) is None  # 0.3 s in transit
+    skew = clocks.observe("w", 105.0, 100.4, _no_stall)
     assert skew is not None and skew.skewed and skew.offset_s == pytest.approx(4.6)
     assert clocks.offsets() == {"w": pytest.approx(4.6)}
     assert clocks.offset("w") == pytest.approx(4.6) and clocks.offset("other") == 0.0
-    assert clocks.observe("w", 106.0, 101.4, AWAKE, 0.5) is None  # still ahead: said once
+    assert clocks.observe("w", 106.0, 101.4, _no_stall) is None  # still ahead: said once
 
 
 def test_a_clock_is_behind_only_when_a_whole_window_of_reports_is() -> None:
     clocks = ClockSkew(1.0)
-    assert clocks.observe("w", 100.0, 102.5, AWAKE, 0.5) is None  # one late report may just have been delayed
-    assert clocks.observe("w", 101.0, 101.2, AWAKE, 0.5) is None
+    assert clocks.observe("w", 100.0, 102.5, _no_stall) is None  # one late report may just have been delayed
+    assert clocks.observe("w", 101.0, 101.2, _no_stall) is None
     for i in range(WINDOW - 1):
-        assert clocks.observe("w", 90.0 + i, 102.0 + i, AWAKE, 0.5) is None
-    skew = clocks.observe("w", 92.0, 104.0, AWAKE, 0.5)
+        assert clocks.observe("w", 90.0 + i, 102.0 + i, _no_stall) is None
+    skew = clocks.observe("w", 92.0, 104.0, _no_stall)
     assert skew is not None and skew.skewed and skew.offset_s == pytest.approx(-12.0)
 
 
 def test_the_clock_back_in_agreement_is_said_and_the_worker_leaves_the_offsets() -> None:
     clocks = ClockSkew(1.0)
-    assert clocks.observe("w", 130.0, 100.0, AWAKE, 0.5) is not None
+    assert clocks.observe("w", 130.0, 100.0, _no_stall) is not None
     for i in range(WINDOW - 1):
-        assert clocks.observe("w", 101.0 + i, 101.0 + i, AWAKE, 0.5) is None  # the ahead reading still in the window
-    back = clocks.observe("w", 110.0, 110.0, AWAKE, 0.5)
+        assert clocks.observe("w", 101.0 + i, 101.0 + i, _no_stall) is None  # the ahead reading still in the window
+    back = clocks.observe("w", 110.0, 110.0, _no_stall)
     assert back is not None and not back.skewed
     assert clocks.offsets() == {} and clocks.offset("w") == 0.0  # deadlines go out unmoved again
 
@@ -70,12 +79,12 @@ def test_a_clock_at_the_tolerance_is_not_said_on_every_jitter() -> None:
     said = [
         skew
         for i in range(1200)
-        if (skew := clocks.observe("w", 100.0 + i / 2 + 1.003, 100.0 + i / 2 + rng.uniform(0.001, 0.008), AWAKE, 0.5))
+        if (skew := clocks.observe("w", 100.0 + i / 2 + 1.003, 100.0 + i / 2 + rng.uniform(0.001, 0.008), _no_stall))
     ]
     assert [s.skewed for s in said] == [True]
     # it agrees again once well within the tolerance
     for i in range(WINDOW):
-        back = clocks.observe("w", 800.0 + i + AGREE_FRACTION - 0.01, 800.0 + i, AWAKE, 0.5)
+        back = clocks.observe("w", 800.0 + i + AGREE_FRACTION - 0.01, 800.0 + i, _no_stall)
     assert back is not None and not back.skewed
 
 
@@ -84,12 +93,12 @@ def test_reports_sent_in_a_burst_after_an_outage_say_nothing_of_the_clock() -> N
     outage and sent them in one burst once back: three in a row stamped seconds before they came
     judged its clock behind (a false WARNING for every worker, and its deadlines moved)."""
     clocks = ClockSkew(1.0)
-    said = [clocks.observe("w", 100.0 + i / 2, 100.001 + i / 2, AWAKE, 0.5) for i in range(20)]  # live, every 0.5 s
-    burst = [clocks.observe("w", 110.0 + i / 2, 116.0 + i / 1000, AWAKE, 0.5) for i in range(12)]  # 110-115.5, at 116
-    said += burst + [clocks.observe("w", 116.0 + i / 2, 116.001 + i / 2, AWAKE, 0.5) for i in range(1, 10)]
+    said = [clocks.observe("w", 100.0 + i / 2, 100.001 + i / 2, _no_stall) for i in range(20)]  # live, every 0.5 s
+    burst = [clocks.observe("w", 110.0 + i / 2, 116.0 + i / 1000, _no_stall) for i in range(12)]  # 110-115.5, at 116
+    said += burst + [clocks.observe("w", 116.0 + i / 2, 116.001 + i / 2, _no_stall) for i in range(1, 10)]
     assert [s for s in said if s is not None] == [] and clocks.offsets() == {}
     # A clock truly behind still is, its reports spaced as they were sent
-    behind = [clocks.observe("w", 120.0 + i / 2 - 5.0, 120.001 + i / 2, AWAKE, 0.5) for i in range(WINDOW)]
+    behind = [clocks.observe("w", 120.0 + i / 2 - 5.0, 120.001 + i / 2, _no_stall) for i in range(WINDOW)]
     assert behind[-1] is not None and behind[-1].skewed and behind[-1].offset_s == pytest.approx(-5.001)
 
 
@@ -97,49 +106,89 @@ def test_reports_read_as_this_routers_loop_wakes_from_its_stalls_say_nothing_of_
     """One host, one clock, a report every 0.5 s; this router's loop stopped 5 s, then run 0.1 s, eight
     times (CPU starvation, GC pauses). The first report of each backlog was read as one reading of the
     WINDOW: after three stalls the worker was judged 4.5-5 s behind, and every deadline sent to it moved
-    that much early (audit of 2026-12-07)."""
+    that much early (audit of 2026-12-07). Read less the stall within its age, each reads about 0."""
     clocks = ClockSkew(1.0)
-    assert [clocks.observe("w", 100.0 + i / 2, 100.001 + i / 2, AWAKE, 0.5) for i in range(10)] == [None] * 10
-    t = 105.0
+    assert [clocks.observe("w", 100.0 + i / 2, 100.001 + i / 2, _no_stall) for i in range(10)] == [None] * 10
+    t, spans = 105.0, []
     for _ in range(8):
         stamps = [t + i / 2 for i in range(10)]  # sent during the stall, queued in the socket
         woke = t + 5.0
-        # read back to back as the loop wakes: awake_for is 0 until its watch ticks, then ms
-        said = [clocks.observe("w", s, woke + j / 1000, j / 1000, 0.5) for j, s in enumerate(stamps)]
+        spans.append((t, woke))
+        # read back to back as the loop wakes
+        said = [clocks.observe("w", s, woke + j / 1000, _stalled(spans, woke + j / 1000)) for j, s in enumerate(stamps)]
         assert said == [None] * 10 and clocks.offsets() == {}
         t = woke + 0.1
     assert clocks.offset("w") == 0.0  # deadlines sent to it unmoved
-    # A backlog still being read a period after the loop woke (a large fleet's): its reports are no
-    # evidence until the loop has been awake for their age, or for a whole WINDOW of periods
+    # A backlog still being read after the loop woke 0.6 s before (a large fleet's): the stall taken
+    # off, they read the 0.6-1.6 s they waited since, the best of them within the tolerance
+    spans.append((t, t + 4.4))
     for j in range(WINDOW):
-        assert clocks.observe("w", t + j / 2, t + 5.0 + j / 2, 0.6 + j / 2, 0.5) is None
+        assert clocks.observe("w", t + j / 2, t + 5.0 + j / 2, _stalled(spans, t + 5.0 + j / 2)) is None
     assert clocks.offsets() == {}
 
 
-def test_a_clock_behind_is_still_judged_by_reports_read_while_the_loop_is_awake() -> None:
+def test_a_clock_behind_is_judged_by_reports_read_as_the_loop_wakes_short_by_the_stall() -> None:
     clocks = ClockSkew(1.0)
-    # one stall between: the reports read as the loop woke are skipped, not counted as agreeing
-    assert clocks.observe("w", 95.0, 100.0, 0.0, 0.5) is None
-    said = [clocks.observe("w", 95.5 + i / 2, 100.5 + i / 2 + 0.002, 0.5 + i / 2, 0.5) for i in range(WINDOW + 2)]
-    # behind by 5 s, more than the loop has been awake: read once awake for a WINDOW of its periods
+    # behind by 5 s; this router's loop stood still 99-100, its reports read from 100 on
+    spans = [(99.0, 100.0)]
+    said = [clocks.observe("w", 95.0 + i / 2, 100.002 + i / 2, _stalled(spans, 100.002 + i / 2)) for i in range(13)]
     judged = [s for s in said if s is not None]
-    assert len(judged) == 1 and judged[0].skewed and judged[0].offset_s == pytest.approx(-5.002)
-    assert said.index(judged[0]) == WINDOW + 1  # readings at awake 1.5, 2.0, 2.5 s
-    # behind by less than the loop has been awake: its age is proof at once
+    assert len(judged) == 1 and judged[0].skewed and judged[0].offset_s == pytest.approx(-4.002)
+    assert said.index(judged[0]) == WINDOW - 1  # at once: the stall is taken off their age, not waited out
+    assert clocks.offset("w") == pytest.approx(-5.002)  # the stall older than the last WINDOW reports' age
+    # behind by less than the loop has been awake: the stall is no part of its age
     clocks = ClockSkew(1.0)
-    said = [clocks.observe("w", 98.8 + i / 2, 100.0 + i / 2, 1.3 + i / 2, 1.0) for i in range(WINDOW)]
+    spans = [(98.0, 98.7)]
+    said = [clocks.observe("w", 98.8 + i / 2, 100.0 + i / 2, _stalled(spans, 100.0 + i / 2)) for i in range(WINDOW)]
     assert said[-1] is not None and said[-1].skewed and said[-1].offset_s == pytest.approx(-1.2)
     # ahead is read whatever the loop did: a delay only ever makes a clock look behind
     clocks = ClockSkew(1.0)
-    ahead = clocks.observe("w", 105.0, 100.0, 0.0, 0.5)
+    ahead = clocks.observe("w", 105.0, 100.0, lambda seconds: seconds)
     assert ahead is not None and ahead.skewed and ahead.offset_s == pytest.approx(5.0)
+
+
+def _on_a_stalling_router(offset: float, period_s: float, stall_s: float, every_s: float) -> list[tuple[float, Skew]]:
+    """A worker `offset` s off reporting every `period_s` for 20 s, 2 ms in transit, to a router whose
+    loop stands still `stall_s` of every `every_s`: a report come during a stall is read as it ends,
+    and the watch's span starts at its last tick on time (up to TICK_S before). Its Skews, by time."""
+    clocks, spans, said = ClockSkew(1.0), [], []
+    for k in range(1, int(20 / every_s) + 1):
+        spans.append((k * every_s - stall_s - TICK_S, k * every_s))
+    for i in range(int(20 / period_s)):
+        sent = i * period_s + 0.001
+        received = next((b + 0.001 for a, b in spans if a + TICK_S <= sent + 0.002 < b), sent + 0.002)
+        if (skew := clocks.observe("w", sent + offset, received, _stalled(spans, received))) is not None:
+            said.append((sent, skew))
+    return said
+
+
+@pytest.mark.parametrize(
+    ("offset", "period_s", "every_s", "within"),
+    [
+        (-3.0, 1.0, 2.0, (-2.8, -2.4)),  # (review of 2026-12-07: never judged, its readings all dropped)
+        (-5.0, 0.5, 1.0, (-4.8, -4.7)),  # one stall yet within its age (up to five later: short by 1.25 s)
+    ],
+)
+def test_a_clock_behind_is_judged_on_a_router_whose_loop_stalls_every_second_or_two(
+    offset: float, period_s: float, every_s: float, within: tuple[float, float]
+) -> None:
+    """Until the review of 2026-12-07 no report stamped behind was read before the loop had been awake
+    for its age or WINDOW periods: a router stalling 0.2 s every 1-2 s (GC pauses, a busy host) never
+    judged a worker seconds behind, its deadlines expiring seconds late there."""
+    said = _on_a_stalling_router(offset, period_s=period_s, stall_s=0.2, every_s=every_s)
+    assert len(said) == 1, said  # judged once, and stays so
+    at, skew = said[0]
+    assert skew.skewed and within[0] <= skew.offset_s <= within[1]
+    assert at <= WINDOW * period_s  # its first WINDOW reports
+    # a healthy worker on the same router agrees throughout
+    assert _on_a_stalling_router(0.0, period_s=period_s, stall_s=0.2, every_s=every_s) == []
 
 
 def test_a_broken_stamp_and_a_gone_worker_are_forgotten() -> None:
     clocks = ClockSkew(1.0)
-    assert clocks.observe("w", float("nan"), 100.0, AWAKE, 0.5) is None
-    assert clocks.observe("w", float("inf"), 100.0, AWAKE, 0.5) is None
-    assert clocks.observe("w", 200.0, 100.0, AWAKE, 0.5) is not None
+    assert clocks.observe("w", float("nan"), 100.0, _no_stall) is None
+    assert clocks.observe("w", float("inf"), 100.0, _no_stall) is None
+    assert clocks.observe("w", 200.0, 100.0, _no_stall) is not None
     clocks.remove("w")
     assert clocks.offsets() == {}
 
@@ -204,7 +253,7 @@ def _reports(
     for i in range(rounds):
         for n, (worker, offset) in enumerate(offsets.items()):
             at = start + i * period_s + n * period_s / len(offsets)
-            if (skew := news.clocks.observe(worker, at + offset, at + 0.002, AWAKE, period_s)) is not None:
+            if (skew := news.clocks.observe(worker, at + offset, at + 0.002, _no_stall)) is not None:
                 news.heard(skew, at, period_s)
             if (verdict := news.due(at)) is not None:
                 said.append(verdict)
@@ -265,7 +314,7 @@ def test_workers_off_apart_from_the_fleet_are_named_eight_at_a_time_then_counted
 def test_changes_wait_for_the_fleets_reports_unless_too_few_workers_could_outvote_one() -> None:
     news = _news(5)
     _reports(news, _fleet(5, 0.0), 100.0, WINDOW)
-    skew = news.clocks.observe("w00", 120.0, 110.0, AWAKE, 0.5)
+    skew = news.clocks.observe("w00", 120.0, 110.0, _no_stall)
     assert skew is not None
     news.heard(skew, 110.0, 0.5)
     assert news.due(110.0 + SETTLE_REPORTS * 0.5 - 0.01) is None
@@ -274,7 +323,7 @@ def test_changes_wait_for_the_fleets_reports_unless_too_few_workers_could_outvot
     # two workers: no fleet to wait for
     news = _news(FLEET_AT_LEAST - 1)
     _reports(news, _fleet(FLEET_AT_LEAST - 1, 0.0), 100.0, WINDOW)
-    skew = news.clocks.observe("w00", 120.0, 110.0, AWAKE, 0.5)
+    skew = news.clocks.observe("w00", 120.0, 110.0, _no_stall)
     assert skew is not None
     news.heard(skew, 110.0, 0.5)
     said = news.due(110.0)
@@ -441,24 +490,51 @@ async def test_reports_read_as_the_routers_loop_wakes_from_its_stalls_judge_no_c
     await cluster.add_worker("agg")
     router = await cluster.add_ready_router()
     caplog.set_level(logging.INFO, logger="router.service")
+    loop = asyncio.get_running_loop()
     async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
         await _register(d, router, subjects.workers_prefix(cluster.ns), ["healthy", "behind"])
-        awake = 0.0
-        monkeypatch.setattr(router.loop_watch, "awake_for", lambda: awake)
+        spans: list[tuple[float, float]] = []  # the stalls, on the loop's clock
+
+        def stalled_within(seconds: float, until: float | None = None) -> float:
+            return _stalled(spans, loop.time() if until is None else until)(seconds)
+
+        monkeypatch.setattr(router.loop_watch, "stalled_within", stalled_within)
         for k in range(WINDOW):  # the backlog of each stall, sent over its last 1.5 s, read as the loop wakes
             if k:
-                await asyncio.sleep(1.3)  # the stall (its wall time: the stamps go on as they would)
+                await asyncio.sleep(1.5)  # the stall (its wall time: the stamps go on as they would)
             woke = time.time()
+            spans.append((loop.time() - 1.5, loop.time()))
             for j in range(5):
                 await router._on_load(_load_msg(cluster.ns, "healthy", woke - 1.5 + 0.3 * j))  # type: ignore[arg-type]
         assert router.clocks.offsets() == {}
-        awake = AWAKE
+        spans.clear()  # awake since
         for _ in range(WINDOW):
             await router._on_load(_load_msg(cluster.ns, "behind", time.time() - 5.0))  # type: ignore[arg-type]
         assert router.clocks.offsets() == {"behind": pytest.approx(-5.0, abs=0.5)}
         for worker in ("healthy", "behind"):
             await d.delete(subjects.workers_prefix(cluster.ns) + worker)
     assert not _said(caplog, "healthy", "clock", level=logging.WARNING)
+
+
+async def test_a_worker_behind_is_judged_by_a_router_whose_loop_stalls_every_half_second(
+    cluster: Cluster, etcd_url: str
+) -> None:
+    """The ingest path with the router's own runtime.loop_watch: its loop stands still 0.3 s of every
+    0.6 s, and each report of a worker 5 s behind is read as a stall ends. Until the review of
+    2026-12-07 none was read (the loop never awake for its age or WINDOW periods): never judged."""
+    await cluster.add_worker("agg")
+    router = await cluster.add_ready_router()
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), cluster.ns) as d:
+        await _register(d, router, subjects.workers_prefix(cluster.ns), ["behind"])
+        for _ in range(WINDOW + 1):
+            await asyncio.sleep(0.3)
+            stamp = time.time() - 5.0  # sent now, read once the loop moves again
+            time.sleep(0.3)  # this router's loop stands still (a GC pause, a starved CPU)
+            await router._on_load(_load_msg(cluster.ns, "behind", stamp))  # type: ignore[arg-type]
+        # judged, short by this loop's stalls within the 5.3 s its reports look old (these, ~0.35 s each,
+        # and any of a loaded test host's)
+        assert router.clocks.offsets().keys() == {"behind"} and -5.4 < router.clocks.offset("behind") < -3.0
+        await d.delete(subjects.workers_prefix(cluster.ns) + "behind")
 
 
 async def test_a_report_is_received_when_it_is_handed_over_not_after_the_routers_own_waits(
@@ -517,10 +593,13 @@ async def test_a_router_behind_its_registered_fleet_says_it_once_and_agrees_agai
 
 
 async def test_a_fleet_of_twenty_stamped_behind_is_one_warning_about_this_routers_clock(
-    cluster: Cluster, nc: Client, etcd_url: str, caplog: pytest.LogCaptureFixture
+    cluster: Cluster, nc: Client, etcd_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await cluster.add_worker("agg")
     router = await cluster.add_ready_router()
+    # A stall of this loop within the reports' 5 s age (a loaded test host) is taken off it, and the
+    # figure said read 4.7 s (router.clock_skew): the fleet's verdict is what this test is about
+    monkeypatch.setattr(router.loop_watch, "stalled_within", lambda seconds, until=None: 0.0)
     caplog.set_level(logging.INFO, logger="router.service")
     fleet = [f"feed{i:04x}" for i in range(20)]
     prefix = subjects.workers_prefix(cluster.ns)
