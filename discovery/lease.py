@@ -20,6 +20,7 @@ import grpc
 from etcd3aio import Etcd3Client, EtcdError
 from etcd3aio._protobuf import LeaseKeepAliveRequest, LeaseRevokeRequest, LeaseStub
 
+from discovery.answer_deadline import answer_within
 from discovery.auth_token import rejects_token
 
 __all__ = ["MIN_LEASE_TTL", "Lease", "LeaseLost", "LeaseState", "renewal_interval"]
@@ -185,7 +186,8 @@ class Lease:
             while True:
                 try:
                     # Not wait_for, which reads in a task of its own: cancelling that hung a stop.
-                    async with asyncio.timeout(wait):
+                    # A stall of this process is not etcd's (discovery.answer_deadline).
+                    async with answer_within(wait, f"lease {self.hex_id}"):
                         resp = await anext(answers)
                 except StopAsyncIteration:
                     return False

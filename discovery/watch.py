@@ -25,6 +25,7 @@ import grpc
 from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError, prefix_range_end
 from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchResponse
 
+from discovery.answer_deadline import answer_within
 from discovery.lease import said
 from protocol import subjects
 
@@ -236,10 +237,12 @@ async def _stream(client: Etcd3Client, start: bytes, end: bytes, revision: int) 
         raise EtcdError("the etcd client was closed")
     call = service._stub.Watch(requests(), metadata=service._metadata or None)
     answers = aiter(call)
+    what = f"watch {start.decode(errors='backslashreplace')}"
     try:
         while True:
             try:
-                async with asyncio.timeout(SILENT_S):  # the read alone: never the consumer's work
+                # The read alone, never the consumer's work; a stall of this process is not etcd's.
+                async with answer_within(SILENT_S, what):
                     answer = await anext(answers)
             except StopAsyncIteration:
                 return

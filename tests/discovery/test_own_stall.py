@@ -1,0 +1,53 @@
+"""A stall of this process (a paused VM, a long GC, a debugger) past a watch's or a lease's
+deadline for etcd's answer is no silence of etcd's: until 2026-12-07 a router paused 6 s woke to
+"no answer from etcd" from each watch and its lease, the loop's timers running before it read the
+answers waiting in its socket (discovery.answer_deadline)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from discovery import Discovery, Put, Snapshot
+from discovery.watch import SILENT_S
+from protocol.config import EtcdSettings
+
+
+async def test_a_watch_through_a_stall_of_its_process_is_not_made_again(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        watch = d.watch_raw(f"/{ns}/w/")
+        assert isinstance(await asyncio.wait_for(anext(watch), 5), Snapshot)
+        following = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0.2)
+        time.sleep(SILENT_S + 0.5)  # the process stopped past the watch's deadline
+        await asyncio.sleep(0.5)
+        await d.put_raw(f"/{ns}/w/a", b"1")
+        event = await asyncio.wait_for(following, 5)
+        assert isinstance(event, Put) and event.name == "a", "a watch made again yields a Snapshot"
+        await watch.aclose()
+    assert "no answer from etcd" not in caplog.text
+    assert f"watch /{ns}/w/: this process was stalled" in caplog.text
+
+
+async def test_a_lease_through_a_stall_of_its_process_sees_etcd_answering(
+    etcd_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with Discovery(EtcdSettings(endpoints=[etcd_url]), ns) as d:
+        lease = await d.grant(ttl=3)  # renewed every 1 s, an answer waited for 2 s
+        before = lease.unrenewed_s
+        await asyncio.sleep(0.01)
+        while lease.unrenewed_s >= before:  # until just renewed: the stall ends within the TTL
+            before = lease.unrenewed_s
+            await asyncio.sleep(0.01)
+        time.sleep(2.5)
+        await asyncio.sleep(1.5)
+        assert lease.outages == 0 and lease.unrenewed_s < 1.5
+    assert "etcd does not answer" not in caplog.text
+    assert f"lease {lease.hex_id}: this process was stalled" in caplog.text
