@@ -19,7 +19,9 @@ while (first reason wins):
   the model is served with; a request's mark, `repairing` and `draining` leave it its vote;
 - `silent`: no load report for 3 of its report periods (reports double as heartbeats), or none
   within 3 default periods of registering, counted only while this router's loop was awake to read
-  one (a stall of its own left the reports unread in its socket: every worker read as silent);
+  one: the stalls of its own loop within that time (runtime.loop_watch) are taken off, as they
+  left the reports unread in its socket (a paused router woke to every worker silent, 2026-12-07),
+  and a loop that stalls again and again still finds a dead worker, its waking times adding up;
 - `unreachable`: a request to it found no responder or its stream stopped; it ends with the next
   load report received after the mark;
 - `malformed`: it answered a request with a reply that breaks the protocol (a ResponseChunk that
@@ -60,7 +62,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -193,24 +194,25 @@ class Eligibility:
         sync_state: Callable[[str], tuple[str, str] | None],
         liveness: Callable[[str], Liveness | None],
         tokenizer: str | None,
-        awake_for: Callable[[], float] = lambda: math.inf,
+        stalled_within: Callable[[float], float] = lambda _seconds: 0.0,
         quarantined_for: Callable[[str], float | None] = lambda _worker: None,
         fleet_log: FleetLog | None = None,
         created: Callable[[str], int] = lambda _worker: 0,
     ) -> None:
         """`sync_state(worker)`: None when the index is synced with it, else (state, why).
         `liveness(worker)`: None before its first report. `tokenizer`: the router's fingerprint,
-        None when it has no tokenizer (text prompts are then refused for every worker). `awake_for()`:
-        seconds since this router's loop last stalled (runtime.loop_watch): a worker is silent for
-        no longer than the router could have heard it. `quarantined_for(worker)`: the seconds its
-        load reports are unheard for yet, sent past their budget (router.sender_subscriptions), None
-        when they are heard. `fleet_log`: its router's (router.fleet_lines). `created(worker)`: its
-        key's etcd create_revision (WorkerRegistry.created), which breaks a tie of the block-size
-        vote alike on every replica where the model has no standing size (router.fleet_vote)."""
+        None when it has no tokenizer (text prompts are then refused for every worker).
+        `stalled_within(s)`: seconds of the last `s` this router's loop stood still
+        (runtime.loop_watch): a worker is silent for no longer than the router was awake to hear it.
+        `quarantined_for(worker)`: the seconds its load reports are unheard for yet, sent past their
+        budget (router.sender_subscriptions), None when they are heard. `fleet_log`: its router's
+        (router.fleet_lines). `created(worker)`: its key's etcd create_revision
+        (WorkerRegistry.created), which breaks a tie of the block-size vote alike on every replica
+        where the model has no standing size (router.fleet_vote)."""
         self._clock = clock
         self._created = created
         self._standing = Standing(clock)  # each model's block size as last decided: a tie goes to it
-        self._awake_for = awake_for
+        self._stalled_within = stalled_within
         self._sync_state = sync_state
         self._liveness = liveness
         self._quarantined_for = quarantined_for
@@ -303,23 +305,23 @@ class Eligibility:
 
     def block_sizes(self, infos: Iterable[WorkerInfo]) -> dict[str, int]:
         """Each model's block size (`model_block_sizes`), voted by the workers fit to serve."""
-        return self._block_sizes(infos, self._clock(), self._awake_for())
+        return self._block_sizes(infos, self._clock())
 
-    def _block_sizes(self, infos: Iterable[WorkerInfo], now: float, awake: float) -> dict[str, int]:
-        return model_block_sizes(infos, lambda info: self._fit(info, now, awake), self._created, self._standing)
+    def _block_sizes(self, infos: Iterable[WorkerInfo], now: float) -> dict[str, int]:
+        return model_block_sizes(infos, lambda info: self._fit(info, now), self._created, self._standing)
 
     def fit(self, info: WorkerInfo) -> Fit:
         """How `info`'s worker takes part in its model's votes (router.fleet_vote's `Ballot.fit`)."""
-        return self._fit(info, self._clock(), self._awake_for())
+        return self._fit(info, self._clock())
 
-    def _fit(self, info: WorkerInfo, now: float, awake: float) -> Fit:
+    def _fit(self, info: WorkerInfo, now: float) -> Fit:
         # Lasting states only (the module's docstring), read without a whole _status: a model at
         # odds is voted over all its workers on every request.
         w = info.worker
         if (sync := self._sync_state(w)) is not None and sync[0] == "bootstrapping":
             return Fit.OUT
         live = self._liveness(w)
-        if not info.events_ok or (live is not None and not live.events_ok) or self._silent_now(w, live, now, awake):
+        if not info.events_ok or (live is not None and not live.events_ok) or self._silent_now(w, live, now):
             return Fit.OUT
         return Fit.FAILING if live is not None and not live.healthy else Fit.SERVES
 
@@ -333,10 +335,10 @@ class Eligibility:
         applies where no exclusion before it in the order does; before, each worker's status was
         read once more per vote, and a request voted twice (1,500 reads of 500 workers)."""
         infos = list(infos)
-        now, awake = self._clock(), self._awake_for()
-        out = [self._status(info, now, awake) for info in infos]
+        now = self._clock()
+        out = [self._status(info, now) for info in infos]
         if sizes is None:
-            sizes = self._block_sizes(infos, now, awake)
+            sizes = self._block_sizes(infos, now)
         for n, info in enumerate(infos):
             size = sizes.get(info.model, info.block_size)
             if info.block_size != size and (st := out[n]).exclusion not in _BEFORE_BLOCK_SIZE:
@@ -353,12 +355,18 @@ class Eligibility:
             "WARNING names the subject)"
         )
 
-    def _silent_now(self, w: str, live: Liveness | None, now: float, awake: float) -> bool:
+    def _silent_now(self, w: str, live: Liveness | None, now: float) -> bool:
+        """Nothing heard for SILENT_PERIODS of its period (DEFAULT_PERIOD_S before its first report),
+        counted while this router was awake to hear it: the stalls of its own loop within the time
+        are taken off. A loop that stalls again and again (overload) still finds a dead worker, its
+        waking times adding up; one just woken reads none silent before it read its socket."""
         if live is None:
-            return _silent(now - self._added.get(w, now), awake, SILENT_PERIODS * DEFAULT_PERIOD_S)
-        return _silent(live.age_s, awake, SILENT_PERIODS * live.period_s)
+            age, limit = now - self._added.get(w, now), SILENT_PERIODS * DEFAULT_PERIOD_S
+        else:
+            age, limit = live.age_s, SILENT_PERIODS * live.period_s
+        return age > limit and age - self._stalled_within(age) > limit
 
-    def _status(self, info: WorkerInfo, now: float, awake: float) -> WorkerStatus:
+    def _status(self, info: WorkerInfo, now: float) -> WorkerStatus:
         # Runs for every worker on every request: the routable case allocates nothing but the result.
         # All but the block size, which statuses() judges after.
         w = info.worker
@@ -372,7 +380,7 @@ class Eligibility:
         if not info.events_ok or (live is not None and not live.events_ok):
             why = "its shim sees no KV events (see the shim's log and /health)"
             return WorkerStatus(w, info.model, info.role, Exclusion.EVENTS_DOWN, why, tok_ok)
-        if self._silent_now(w, live, now, awake):
+        if self._silent_now(w, live, now):
             if live is None:
                 why = f"no load report in {now - self._added.get(w, now):.1f}s since it registered{self._quarantine(w)}"
             else:
@@ -431,10 +439,3 @@ def model_block_sizes(
         ballots = [Ballot(i.block_size, votes(i.role), fit(i), created(i.worker)) for i in group]
         out[model] = standing.decide(model, ballots) if standing is not None else model_value(ballots)
     return out
-
-
-def _silent(age: float, awake: float, limit: float) -> bool:
-    """Nothing heard for `age` past `limit`, counted while this router was awake to hear it; a stall
-    of its own excuses one more `limit` at most, so a loop that stalls again and again (overload)
-    still finds a dead worker."""
-    return age > limit and (awake > limit or age > 2 * limit)

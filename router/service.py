@@ -319,11 +319,11 @@ class RouterService:
         # report older than the reconnect says nothing about whether its shim is back yet. Set when
         # the connection drops (and again when it is back), None once a decode or agg worker reported.
         self._reconnected_at: float | None = None
-        self.loop_watch = LoopWatch()
+        self.loop_watch = LoopWatch("this router")
         self.fleet_news = FleetNews()
         self.eligibility = Eligibility(
             clock=time.monotonic,  # cooldowns no step of the host's wall clock stretches
-            awake_for=self.loop_watch.awake_for,
+            stalled_within=self.loop_watch.stalled_within,
             sync_state=self._sync_state,
             liveness=self.view.liveness,
             tokenizer=self.fingerprints.mine,

@@ -14,11 +14,16 @@ the loop stood still in the last `seconds`, a stall still unseen included: of a 
 part it may have waited unread through a stall of ours (router.clock_skew credits it so). Older
 stalls are forgotten, bounding the memory; a message older than that is read as if it had come
 through them awake.
+
+A stall of SAY_S or more is said at WARNING, one line per SAY_EVERY_S naming those between: it
+is the one line that says this process, not its peers, stood still (router.eligibility counts a
+worker silent only on the rest of its report's age, discovery.answer_deadline waits again for etcd).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import deque
 
@@ -28,11 +33,17 @@ __all__ = ["LATE_S", "STALLS_KEPT_S", "TICK_S", "LoopWatch"]
 
 TICK_S = 0.05
 LATE_S = 0.1
+log = logging.getLogger(__name__)
+SAY_S = 1.0  # a stall this long is said, at WARNING: a shorter one is a busy loop's, and routine
+SAY_EVERY_S = 60.0  # one such line at most this often; the stalls between are counted into the next
 STALLS_KEPT_S = 60.0  # as long as the longest report period (protocol.config.MAX_LOAD_PERIOD_S)
 
 
 class LoopWatch:
-    def __init__(self) -> None:
+    def __init__(self, who: str = "this process") -> None:
+        self._who = who  # its owner, as its WARNING names it
+        self._said = -math.inf  # when a stall was last said
+        self._unsaid, self._unsaid_longest = 0, 0.0  # stalls of SAY_S or more since, not said: too soon
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._awake_since = -math.inf
@@ -93,6 +104,32 @@ class LoopWatch:
                 self._awake_since = now
                 self.stalls += 1
                 self._stalled.append((self._ticked, now))
+                self._say(now, now - self._ticked)
                 while self._stalled[0][1] < now - STALLS_KEPT_S:
                     self._stalled.popleft()
             self._ticked = now
+
+    def _say(self, now: float, stalled: float) -> None:
+        """A WARNING for a stall of SAY_S or more, one per SAY_EVERY_S, naming those left unsaid since:
+        nothing else says this process stood still (its peers' lines blame them, not it)."""
+        if stalled < SAY_S:
+            return
+        if now - self._said < SAY_EVERY_S:
+            self._unsaid += 1
+            self._unsaid_longest = max(self._unsaid_longest, stalled)
+            return
+        more = ""
+        if self._unsaid:
+            more = (
+                f" ({self._unsaid} more of {SAY_S:g}s or longer since the last such line, "
+                f"the longest {self._unsaid_longest:.1f}s)"
+            )
+        self._said, self._unsaid, self._unsaid_longest = now, 0, 0.0
+        log.warning(
+            "%s's event loop was stalled %.1fs%s; a paused VM or container, a long GC pause, a debugger or a "
+            "long synchronous step: what its peers sent meanwhile waited unread, and their silence over it "
+            "is not counted against them",
+            self._who,
+            stalled,
+            more,
+        )

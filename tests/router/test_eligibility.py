@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import pytest
 
@@ -26,14 +24,25 @@ class World:
         self.now = 1000.0
         self.sync: dict[str, tuple[str, str]] = {}
         self.live: dict[str, Liveness] = {}
-        self.awake = math.inf  # the router's loop has not stalled
+        self.stalls: list[tuple[float, float]] = []  # (start, end) of the router's loop's stalls
         self.elig = Eligibility(
             clock=lambda: self.now,
             sync_state=self.sync.get,
             liveness=self.live.get,
             tokenizer="builtin",
-            awake_for=lambda: self.awake,
+            stalled_within=self.stalled_within,
         )
+
+    def stalled_within(self, seconds: float) -> float:
+        return sum(max(0.0, min(b, self.now) - max(a, self.now - seconds)) for a, b in self.stalls)
+
+    def wait(self, seconds: float, *, stalled: bool = False) -> None:
+        """`seconds` pass, nothing heard; `stalled`: the router's loop stood still through them."""
+        if stalled:
+            self.stalls.append((self.now, self.now + seconds))
+        self.now += seconds
+        for worker, live in self.live.items():
+            self.live[worker] = msgspec.structs.replace(live, age_s=live.age_s + seconds)
 
     def report(
         self,
@@ -92,22 +101,34 @@ def test_a_worker_that_never_reports_is_silent_three_default_periods_after_regis
 
 
 def test_silence_counts_only_while_the_router_was_awake_to_hear_it(world: World) -> None:
-    """After a stall of the router's own loop, its workers' reports wait unread in its socket: every
-    worker read as silent until they were read."""
-    world.report("w1", age=2.0, period=0.5)
-    world.elig.added("w2")
-    world.now += 3.01
-    world.awake = 1.0  # the router came out of a stall 1 s ago
+    """After a stall of the router's own loop (a paused VM, a long GC, a debugger), its workers'
+    reports wait unread in its socket: until 2026-12-07 one of 2x the silence limit marked every
+    worker silent as the router woke, before it read them (a model's every request a 503)."""
+    world.report("w1", age=0.0, period=0.5)  # silent after 1.5 s awake
+    world.elig.added("w2")  # no report yet: silent after 3 s awake
+    world.wait(7.0, stalled=True)
     assert world.status(info("w1"))[0] is None and world.status(info("w2"))[0] is None
-    world.awake = 1.51
-    assert world.status(info("w1"))[0] is Exclusion.SILENT
-    world.awake = 3.02
+    world.wait(1.4)
+    assert world.status(info("w1"))[0] is None
+    world.wait(0.11)
+    assert world.status(info("w1"))[0] is Exclusion.SILENT, "1.51 s awake with nothing heard"
+    assert world.status(info("w2"))[0] is None
+    world.wait(1.5)
     assert world.status(info("w2"))[0] is Exclusion.SILENT
-    # A loop that stalls again and again (overload) excuses one more window at most: a dead worker
-    # is still found.
-    world.awake = 0.1
-    world.report("w1", age=3.01, period=0.5)
+
+
+def test_a_loop_stalling_again_and_again_still_finds_a_dead_worker(world: World) -> None:
+    """Its waking times add up: 0.1 s awake in each 0.5 s, a worker heard from 16 cycles ago
+    (1.6 s awake, past its 1.5 s) is silent, one heard 14 cycles ago (1.4 s) is not."""
+    world.report("w1", age=0.0, period=0.5)
+    world.report("w2", age=0.0, period=0.5)
+    for cycle in range(16):
+        if cycle == 2:
+            world.report("w2", age=0.0, period=0.5)
+        world.wait(0.4, stalled=True)
+        world.wait(0.1)
     assert world.status(info("w1"))[0] is Exclusion.SILENT
+    assert world.status(info("w2"))[0] is None
 
 
 def test_unreachable_until_the_next_report(world: World) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import re
 import time
 
 import pytest
@@ -55,5 +57,35 @@ async def test_the_time_stalled_within_a_span_counts_stalls_seen_and_unseen_and_
         await asyncio.sleep(3 * TICK_S)
         # the first stall ended over STALLS_KEPT_S before the second: forgotten, the memory bounded
         assert watch.stalls == 2 and 0.3 <= watch.stalled_within(10.0) <= 0.3 + 3 * TICK_S
+    finally:
+        await watch.stop()
+
+
+async def test_a_stall_of_a_second_or_more_is_said_once_a_minute_naming_those_between(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until 2026-12-07 a router paused 6 s said nothing of it: its lines blamed its workers and etcd."""
+    watch = LoopWatch("this router")
+    watch.start()
+    try:
+        await asyncio.sleep(3 * TICK_S)
+        time.sleep(0.4)  # a busy loop's: not said
+        await asyncio.sleep(3 * TICK_S)
+        assert watch.stalls == 1 and not caplog.records
+        time.sleep(1.2)
+        await asyncio.sleep(3 * TICK_S)
+        [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert re.match(r"this router's event loop was stalled 1\.[2-4]s; a paused VM", line), line
+        time.sleep(1.1)  # within SAY_EVERY_S of the line: counted into the next
+        await asyncio.sleep(3 * TICK_S)
+        assert len(caplog.records) == 1
+        monkeypatch.setattr(loop_watch, "SAY_EVERY_S", 0.0)
+        time.sleep(1.0)
+        await asyncio.sleep(3 * TICK_S)
+        assert len(caplog.records) == 2
+        line = caplog.records[1].getMessage()
+        assert re.search(
+            r"stalled 1\.[0-2]s \(1 more of 1s or longer since the last such line, the longest 1\.[1-3]s\)", line
+        ), line
     finally:
         await watch.stop()

@@ -1,0 +1,51 @@
+"""A stall of the router's own loop (a paused VM, a long GC, a debugger) is said as its own and
+leaves its workers routable: until 2026-12-07 a router paused 6 s woke to every worker `silent` (a
+stall over twice the silence limit, read before the reports waiting in its socket), the fleet
+check saying the model's every request was refused, and no line said the router had stalled."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from tests.router.conftest import Cluster, complete
+from tests.router.polling import until
+
+
+@pytest.fixture
+async def cluster(nats_url: str, etcd_url: str, ns: str) -> AsyncIterator[Cluster]:
+    c = Cluster(ns, nats_url, etcd_url)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def test_a_router_woken_from_a_stall_routes_to_its_workers_and_says_it_stalled(
+    cluster: Cluster, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    await cluster.add_worker("decode")
+    router = await cluster.add_ready_router()
+    [worker] = [st["worker"] for st in router.worker_listing()["worker_status"]]
+    await until(lambda: router.view.liveness(worker) is not None, what="its first load report")
+    caplog.set_level(logging.INFO)
+    time.sleep(3.5)  # past twice the 1.5 s silence limit (0.5 s reports); nothing read meanwhile
+    listing = router.worker_listing()["worker_status"]  # as a request planned on waking reads it
+    assert all(st["routable"] for st in listing), listing
+    status, _, _ = await complete(http, router, list(range(64)), max_tokens=2)
+    assert status == 200
+    await asyncio.sleep(0.2)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(line.startswith("this router's event loop was stalled 3.") for line in said), said
+    assert not any("can take requests" in line or "no answer from etcd" in line for line in said), said
