@@ -75,15 +75,20 @@ class EventLog:
         self._chunk_bytes = _CHUNK_BYTES + len(worker.encode())
 
     def batch_room(self, max_payload: int) -> int:
-        """The most bytes a batch may take: it then fits a payload alone, and in a replay chunk."""
-        return max_payload - self._chunk_bytes
+        """The most bytes a batch may take: it then fits a payload alone, and in a replay chunk, and
+        the ring keeps it. By max_payload alone, a batch over ring_bytes (a payload raised past
+        64 MiB, an 8.4 M-block Removed) evicted itself at seal and went unsent (review of 6edd5fc)."""
+        return min(max_payload, self._max_bytes) - self._chunk_bytes
 
     def seal(self, events: list[KvEvent], ts: float | None = None, size: int | None = None) -> KvEventBatch:
         """The batch of `events`, its hashes packed. `size`: batch_bytes of the events, when the caller has it.
-        Lists of hashes are read (by the digest) before they are packed: never unpacked here."""
+        Lists of hashes are read (by the digest) before they are packed: never unpacked here.
+        Raises ValueError for a batch over ring_bytes: it would evict itself (batch_room bounds it)."""
+        size = batch_bytes(self.worker, events) if size is None else size
+        if size > self._max_bytes:
+            raise ValueError(f"a batch of {size} B exceeds the ring's {self._max_bytes} B (split it: batch_room)")
         self.seq += 1
         self.digest.apply(events)
-        size = batch_bytes(self.worker, events) if size is None else size
         batch = KvEventBatch(
             worker=self.worker,
             epoch=self.epoch,
@@ -121,7 +126,7 @@ class EventLog:
         `dump()` gives the canonical set parent-first (called only if needed, at once: it must take
         the set as it is now); the chunks are built as they are drawn. A missed batch too large for
         a chunk (the payload limit shrank since it was sealed) is answered with a dump."""
-        room = self.batch_room(max_payload)
+        room = max_payload - self._chunk_bytes  # a chunk's: the ring bounds what it holds already
         missed = self.since(req.since_seq) if req.epoch == self.epoch and req.since_seq >= 0 else None
         if missed is not None:
             sizes = list(self._sizes)[len(self._sizes) - len(missed) :]

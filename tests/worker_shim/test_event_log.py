@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from protocol import (
     Cleared,
     KvEvent,
@@ -84,6 +86,20 @@ def test_a_gap_older_than_the_ring_bytes_gets_a_dump_and_one_within_them_the_bat
     assert [unpack_hashes(ev.hashes) for b in replay.batches for ev in b.events if isinstance(ev, Stored)] == [
         list(range(i * 100, (i + 1) * 100)) for i in (7, 8, 9)
     ]
+
+
+def test_a_batch_fits_the_ring_as_well_as_the_payload_and_a_larger_one_is_refused() -> None:
+    """Review of 6edd5fc: batch_room was max_payload's alone, so with a payload raised past the ring's
+    bytes a batch could be sealed that evicted itself at once. The room is the smaller bound's, and
+    a seal of more than the ring holds is refused before a seq is spent on it."""
+    log = EventLog("w1", epoch=7, ring_bytes=PAYLOAD)
+    chunk_framing = 4 * PAYLOAD - EventLog("w1", epoch=7).batch_room(4 * PAYLOAD)
+    assert log.batch_room(4 * PAYLOAD) == PAYLOAD - chunk_framing == log.batch_room(PAYLOAD)
+    log.seal([Stored(hashes=[1])])
+    too_big: list[KvEvent] = [Removed(hashes=list(range(PAYLOAD // 8)))]
+    with pytest.raises(ValueError, match=f"exceeds the ring's {PAYLOAD} B"):
+        log.seal(too_big)
+    assert log.seq == 1 and log.first_seq == 1 and log.digest.blocks == 1
 
 
 def test_another_epoch_or_none_gets_a_dump() -> None:

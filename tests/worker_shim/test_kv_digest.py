@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import Cleared, KvEvent, KvEventBatch, Removed, Stored, unpack_hashes
+from protocol import Cleared, KvEvent, KvEventBatch, Removed, Stored, pack_events, unpack_hashes
 from worker_shim.event_log import EventLog
 from worker_shim.kv_digest import KvDigest
 
@@ -57,3 +57,13 @@ def test_duplicates_and_removals_of_absent_hashes_follow_set_rules() -> None:
     assert (d.blocks, d.xor) == (1, 9)
     d.apply([Cleared(), Stored(hashes=[2**64 - 1])])
     assert (d.blocks, d.xor) == (1, 2**64 - 1)
+
+
+def test_packed_hashes_give_the_digest_of_the_same_hashes_as_ints() -> None:
+    """Review of 6edd5fc: iterating packed bytes yields ints of one byte each, a wrong digest that
+    routers would repair over and over; the ring's batches are packed, so apply unpacks them."""
+    events: list[KvEvent] = [Stored(hashes=[5, 2**64 - 1, 9]), Removed(hashes=[9, 7]), Stored(hashes=[2**40])]
+    as_ints, packed = KvDigest(), KvDigest()
+    as_ints.apply(events)
+    packed.apply(pack_events(events))
+    assert (packed.blocks, packed.xor) == (as_ints.blocks, as_ints.xor) == (3, 5 ^ (2**64 - 1) ^ 2**40)

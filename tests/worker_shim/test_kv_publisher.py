@@ -10,10 +10,21 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from protocol import Cleared, KvEvent, KvEventBatch, Stored, decode_msg, encode_msg, hash_count, subjects, unpack_hashes
+from protocol import (
+    Cleared,
+    KvEvent,
+    KvEventBatch,
+    Removed,
+    Stored,
+    decode_msg,
+    encode_msg,
+    hash_count,
+    subjects,
+    unpack_hashes,
+)
 from protocol.kv_budget import KV_PACE_BATCH_BURST, KV_PACE_BATCHES_PER_S, KV_PACE_MIB_BURST, KV_PACE_MIB_PER_S
 from router.sender_budget import KvBudget
-from worker_shim.event_log import RING_BYTES, RING_SIZE
+from worker_shim.event_log import RING_BYTES, RING_SIZE, EventLog
 from worker_shim.kv_pace import KvPace
 from worker_shim.kv_publisher import MAX_EVENTS, MAX_HASHES, KvPublisher
 from worker_shim.normaliser import Normaliser
@@ -115,6 +126,45 @@ async def test_batches_waiting_for_a_stalled_nats_are_bounded_by_the_ring_bytes(
         assert pub.counters.send_failures == n - len(waiting) > 0
     finally:
         await nc.close()
+
+
+class BigPayloadNats:
+    """A connection to a server whose max_payload is raised past the ring's bytes (nats-server accepts
+    96 MiB, the ring holds RING_BYTES, 64 MiB), at a scale a test affords: 4 MiB over a 1 MiB ring."""
+
+    max_payload = 4 << 20
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        self.sent.append(payload)
+
+
+async def test_an_event_larger_than_the_ring_bytes_is_split_so_the_ring_keeps_its_last_piece() -> None:
+    """Review of 6edd5fc: a batch was bounded by max_payload alone, so an event over the ring's bytes
+    (a whole cache's Removed of > 8.4 M blocks with max_payload raised past 64 MiB) was sealed whole,
+    evicted itself from the ring at once (which then held nothing to replay) and was dropped from
+    the outbox, never tried. Now a batch fits the ring too: the event is split, the ring keeps the
+    last piece, which is sent. The pieces before it still leave the ring, and the outbox, in the
+    same add() (counted as failed): what waits to be sent is what the ring holds."""
+    nc = BigPayloadNats()
+    pub = KvPublisher(nc, "ns", "w1", 7, Normaliser(16), pace=KvPace(1e12, 1e12, 1e15, 1e15))  # type: ignore[arg-type]
+    ring_bytes = 1 << 20
+    pub.log = EventLog("w1", 7, ring_bytes=ring_bytes)
+    hashes = list(range(1, 200_001))  # 1.6 MB packed: over the ring, under max_payload
+    pub.add([Removed(hashes=hashes)])
+    pub.seal()
+    last = pub.log.seq
+    assert last > 1 and pub.log.first_seq <= last
+    (held,) = pub.log.since(last - 1) or []
+    await pub._send_outbox()
+    got = [decode_msg(d, KvEventBatch) for d in nc.sent]
+    assert got and got[-1].seq == last and got[-1] == held
+    assert max(len(d) for d in nc.sent) <= ring_bytes
+    sent = [h for b in got for e in b.events if isinstance(e, Removed) for h in unpack_hashes(e.hashes)]
+    assert sent == hashes[len(hashes) - len(sent) :]
+    assert pub.counters.send_failures == last - len(got) and pub.digest().seq == last
 
 
 class PaceClock:
