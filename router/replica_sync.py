@@ -11,7 +11,16 @@ counted, an unknown sender's first message logged); a peer's bookings go when it
 and a watch that crashes starts again.
 Without discovery (tests, the virtual clock) every sender counts and the owner calls
 `forget_router`. As a safety net against a lost `free` (NATS core is at-most-once), a peer's
-bookings older than `peer_ttl_s` expire.
+bookings older than `peer_ttl_s` expire, and each expiry pass that drops any says so at WARNING,
+once per peer with its count (at most `_LOGGED_EXPIRED` peers named a pass, the rest in one line):
+a release was lost, and the booking's blocks may have counted on its worker meanwhile (the view
+stops counting those of a request its worker shows gone: router.load_view, "Lost releases").
+Until 2026-12-07 an expiry was only a count.
+
+A lost release is not reconciled sooner: the sync carries only add, prefill_done and free, with
+no snapshot or digest of a router's live bookings to compare on reconnect (DESIGN.md's
+{ns}.router.sync), so a replica cannot tell a peer's stale booking from a live one by the
+protocol; that needs a contract change.
 
 A peer's booking no request could make (more tokens than MAX_BOOKING, more blocks than the
 worker's KV capacity as its load reports say, or than MAX_BOOKING) is malformed: counted, logged
@@ -63,6 +72,7 @@ _MAX_ENTRIES_PER_MESSAGE = 2000  # ~100 KB of msgpack, well under NATS's 1 MB de
 _DEPARTED_MEMORY = 1024
 _LOGGED_SENDERS = 64  # unregistered senders named in the log; a forger minting ids gets no more lines
 _LOGGED_MALFORMED = 64  # peers (registered ones) whose malformed bookings are logged, at a time
+_LOGGED_EXPIRED = 8  # peers named in one expiry pass's WARNINGs; the rest share one line
 MAX_BOOKING = 2**31
 """Tokens or blocks beyond any request's: no model's context, no engine's KV cache holds as many."""
 
@@ -321,9 +331,32 @@ class ReplicaSync:
         while True:
             await asyncio.sleep(period)
             try:
-                self.stats.bookings_expired += self.view.expire(self._peer_ttl_s)
+                self._expire()
             except Exception as exc:  # a booking that breaks expire() must not keep every stale one
                 self._expire_errors(exc)
+
+    def _expire(self) -> None:
+        """Drop peers' bookings older than `peer_ttl_s`; say whose went, once per peer a pass."""
+        expired = self.view.expire(self._peer_ttl_s)
+        self.stats.bookings_expired += sum(expired.values())
+        peers = sorted(expired.items(), key=lambda item: (-item[1], str(item[0])))
+        for peer, count in peers[:_LOGGED_EXPIRED]:
+            log.warning(
+                "router sync: %d booking(s) of peer router %s expired after %g s with no release: its free "
+                "was lost (NATS core is at-most-once; one published while its connection was down is sent on "
+                "reconnect, before the others have subscribed again), and each counted its decode blocks on its "
+                "worker until that worker's reports showed its request gone (router.load_view); counted in "
+                "kvswitch_router_sync_peer_bookings_expired_total",
+                count,
+                peer,
+                self._peer_ttl_s,
+            )
+        if rest := peers[_LOGGED_EXPIRED:]:
+            log.warning(
+                "router sync: %d more booking(s) of %d more peer routers expired with no release (the same cause)",
+                sum(count for _, count in rest),
+                len(rest),
+            )
 
     async def _watch_routers(self, discovery: Discovery) -> None:
         async for event in discovery.watch_routers():

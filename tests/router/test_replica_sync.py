@@ -292,6 +292,80 @@ async def test_a_router_whose_key_comes_back_in_a_fresh_snapshot_is_heard_again(
         await b.stop()
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def peer_adds(peer: str, *request_ids: str) -> bytes:
+    entries = [SyncEntry(request_id=r, worker="w1", kind="add", tokens=8, blocks=2) for r in request_ids]
+    return encode_msg(RouterSync(router=peer, entries=entries))
+
+
+async def test_an_expired_peer_booking_is_said_once_per_peer_with_its_count(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Until 2026-12-07 a lost release's booking expired as a count only (replica audit): nothing
+    said that a peer's free was lost, nor that its blocks had counted for 600 s."""
+    caplog.set_level(logging.WARNING, logger="router.replica_sync")
+    clock = Clock()
+    b = ReplicaSync(nc, ns, "rb", LoadView(clock=clock), peer_ttl_s=600.0)
+    b._on_payload(peer_adds("ra", "q1#1", "q2#1"))
+    b._on_payload(peer_adds("rc", "q3#1"))
+    clock.now += 599
+    b._expire()
+    assert not caplog.records
+    clock.now += 2
+    b._expire()
+    b._expire()  # nothing more to say
+    said = [r for r in caplog.records if "expired" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING] * 2
+    assert [line.getMessage().split(":")[1] for line in said] == [
+        " 2 booking(s) of peer router ra expired after 600 s with no release",
+        " 1 booking(s) of peer router rc expired after 600 s with no release",
+    ]
+    assert all("free was lost" in r.getMessage() for r in said)
+    assert b.stats.bookings_expired == 3
+
+
+async def test_a_peer_booking_whose_free_was_lost_stops_counting_once_its_idle_worker_reports(
+    nc: Client, ns: str
+) -> None:
+    """Replica audit of 2026-12-07: a free lost across a NATS restart kept the peer's decode blocks
+    on an idle worker for 600 s (active 2, used 0)."""
+    clock = Clock()
+    b = ReplicaSync(nc, ns, "rb", LoadView(clock=clock, prefill_timeout_s=lambda: 30.0), peer_ttl_s=600.0)
+    b._on_payload(peer_adds("ra", "q1#1"))
+    b.view.update(LoadReport(worker="w1", ts=clock.now, kv_total_blocks=100))
+    assert b.view.load("w1").active_blocks == 2
+    clock.now += 60
+    b.view.update(LoadReport(worker="w1", ts=clock.now, kv_total_blocks=100))
+    assert b.view.load("w1").active_blocks == 0
+    b._expire()
+    assert b.view.bookings("w1") == 1  # the bookkeeping waits for the TTL
+    clock.now += 600
+    b._expire()
+    assert (b.view.bookings("w1"), b.stats.bookings_expired) == (0, 1)
+
+
+async def test_expiry_names_a_few_peers_a_pass_and_counts_the_rest_in_one_line(
+    nc: Client, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.replica_sync")
+    clock = Clock()
+    b = ReplicaSync(nc, ns, "rb", LoadView(clock=clock), peer_ttl_s=600.0)
+    for i in range(12):
+        b._on_payload(peer_adds(f"r{i:02d}", f"q{i}#1"))
+    clock.now += 601
+    b._expire()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 9
+    assert said[-1].startswith("router sync: 4 more booking(s) of 4 more peer routers expired")
+
+
 async def test_malformed_sync_is_logged_once_per_peer(nc: Client, ns: str, caplog: pytest.LogCaptureFixture) -> None:
     """Until 2026-12-06 one line per process: a second peer gone wrong was only a count."""
     caplog.set_level(logging.WARNING, logger="router.replica_sync")
