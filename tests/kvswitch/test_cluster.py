@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -131,14 +131,24 @@ def test_a_child_that_dies_at_start_is_named_with_its_status_and_last_words() ->
     assert cluster.children == [] and cluster.nats is None  # and nothing left running
 
 
-def _first_draw_taken(monkeypatch: pytest.MonkeyPatch, taken: socket.socket) -> list[int]:
-    """The cluster's first port draw returns `taken`'s port, later ones free ports; each draw's count."""
+def _first_draw_taken(
+    monkeypatch: pytest.MonkeyPatch, taken: socket.socket, bound: Callable[[], None] = lambda: None
+) -> list[int]:
+    """The cluster's first draw is a real one whose first port (the sim's) `taken` binds and listens
+    on before the sim can (`bound` then runs); later draws are real; each draw's count. The servers
+    take ports of that same draw, so it must be free past its first port: a port of taken's own
+    choosing was not, and etcd failed to bind one after it under -n 4."""
     draws: list[int] = []
     real = free_ports
 
     def first_taken(count: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
         draws.append(count)
-        return taken.getsockname()[1] if len(draws) == 1 else real(count, host, avoid)
+        base = real(count, host, avoid)
+        if len(draws) == 1:
+            taken.bind((host, base))
+            taken.listen()
+            bound()
+        return base
 
     monkeypatch.setattr("kvswitch.cluster.free_ports", first_taken)
     return draws
@@ -148,8 +158,6 @@ def test_a_sim_port_taken_before_the_sim_binds_it_is_drawn_again(monkeypatch: py
     # free_ports checks a port, the sim binds it a moment later: a parallel test worker's server took
     # it in between once (CI, test_ha's cluster: "address already in use"), and the start failed
     taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
     draws = _first_draw_taken(monkeypatch, taken)
     cluster = LocalCluster(ClusterSpec(agg=1, routers=0))
     try:
@@ -167,8 +175,6 @@ def test_a_sim_port_a_non_http_server_holds_is_drawn_again(monkeypatch: pytest.M
     # health poll read as a bad status line and raised, where it should have waited for the sim to
     # fail its bind and drawn again.
     taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
 
     def greet() -> None:
         with contextlib.suppress(OSError):
@@ -177,8 +183,7 @@ def test_a_sim_port_a_non_http_server_holds_is_drawn_again(monkeypatch: pytest.M
                 with conn:
                     conn.sendall(b'INFO {"server_id":"x","proto":1}\r\n')
 
-    threading.Thread(target=greet, daemon=True).start()
-    draws = _first_draw_taken(monkeypatch, taken)
+    draws = _first_draw_taken(monkeypatch, taken, threading.Thread(target=greet, daemon=True).start)
     cluster = LocalCluster(ClusterSpec(agg=1, routers=0))
     try:
         cluster.start()
