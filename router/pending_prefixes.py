@@ -29,9 +29,11 @@ not the same object), so an entry's value names the claim that made or renewed i
 keeps the values it overwrote (`prev`, one C pass at booking). Settling is O(1). Withdrawing, a
 failed attempt's only per-block loop in Python, ends or restores only the entries still carrying
 its stamp, back to the value before it, past claims withdrawn meanwhile: a claim withdrawn under a
-later renewal leaves its `prev` there (`_Worker.withdrawn`, until its stamp expires), so
-withdrawals in any order leave what the claims still standing made. Synchronous, one event loop,
-injected clock.
+later renewal leaves there its `prev` already followed past the claims withdrawn by then
+(`_Worker.withdrawn`, until its stamp expires; only the values still live), so withdrawals in any
+order leave what the claims still standing made, and claims failing one after another on a shared
+prefix (a hung worker: each attempt times out) cost each withdrawal one step per block, not one per
+claim withdrawn before it. Synchronous, one event loop, injected clock.
 """
 
 from __future__ import annotations
@@ -63,9 +65,10 @@ class _Worker:
     def __init__(self) -> None:
         self.held: dict[int, float] = {}  # hash -> expiry: the stamp of the claim that set it last
         # id of the stamp of a claim withdrawn while a later claim held some of its hashes -> the
-        # stamp (kept alive: its id names it alone) and those hashes' values before it, for that
+        # stamp (kept alive: its id names it alone) and, of those hashes, the ones that had a live
+        # value under it once past the claims withdrawn then (a hash left out had none), for that
         # later claim's withdrawal to restore past it
-        self.withdrawn: dict[int, tuple[_Stamp, dict[int, float | None]]] = {}
+        self.withdrawn: dict[int, tuple[_Stamp, dict[int, float]]] = {}
 
 
 class Claim:
@@ -129,21 +132,23 @@ class PendingPrefixes:
         if table is None:
             return
         held, withdrawn, stamp, now = table.held, table.withdrawn, claim.stamp, self._clock()
-        renewed: dict[int, float | None] = {}
+        renewed: dict[int, float] = {}
+        under_renewal = False
         for h, before in zip(claim.hashes, claim.prev, strict=True):
-            expiry = held.get(h)
-            if expiry is not stamp:
-                if expiry is not None:  # a later claim's: its withdrawal restores past this one
-                    renewed[h] = before
-                continue
             p = before
             while p is not None and p > now and (under := withdrawn.get(id(p))) is not None:
                 p = under[1].get(h)  # that claim was withdrawn too
-            if p is None or p <= now:
-                del held[h]
-            else:
-                held[h] = p
-        if renewed and stamp > now:
+            expiry = held.get(h)
+            if expiry is stamp:
+                if p is None or p <= now:
+                    del held[h]
+                else:
+                    held[h] = p
+            elif expiry is not None:  # a later claim's: its withdrawal restores past this one
+                under_renewal = True
+                if p is not None and p > now:
+                    renewed[h] = p  # resolved: a later walk skips the claims withdrawn by now
+        if under_renewal and stamp > now:  # its record says it is withdrawn, even naming no hash
             withdrawn[id(stamp)] = (stamp, renewed)
 
     def confirm(self, worker: str, hashes: Iterable[int] | bytes) -> None:

@@ -5,6 +5,7 @@ requests on one new prefix lands on the worker that will hold it."""
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
@@ -209,38 +210,101 @@ def test_a_claim_withdrawn_under_a_renewal_is_passed_over_after_prunes_while_it_
     assert pending.match([1, 2]) == {} and len(pending) == 0
 
 
-@pytest.mark.parametrize("ttl_s", [86_400.0, 5.0])
-def test_claims_end_entries_as_a_naive_model_of_them_does(ttl_s: float) -> None:
-    """Random bookings, settlements, withdrawals, confirmations and clock steps on two workers over
-    prompts that share prefixes, against per entry the claims made on it since it was made: it is
-    live while one of them is neither withdrawn nor expired.
+class _CountedGets(dict[int, object]):
+    """A worker's withdrawn-claims map that counts its lookups: one per step of a withdrawal's walk."""
+
+    gets = 0
+
+    def get(self, key: int, default: object = None) -> object:
+        _CountedGets.gets += 1
+        return super().get(key, default)
+
+
+def test_claims_failing_in_booking_order_cost_each_withdrawal_one_step_and_no_record_per_block() -> None:
+    """A hung worker: every attempt on a shared 32-block prefix, 20 a second, times out 5 s after it
+    was booked and is withdrawn, under the renewals booked since. Each withdrawal looks up one
+    withdrawn claim per block, and what they keep names no block (none had a live value under them).
+    Until 2026-12-07 (270ddb8) each kept its raw `prev` per block and the next withdrawal walked the
+    chain of all of them: ~300 steps per block here (384k for a 256-block prefix at 100 a second)."""
+    clock = Clock()
+    pending = PendingPrefixes(20.0, clock)
+    prefix = list(range(1, 33))
+    in_flight: deque[tuple[float, Claim]] = deque()
+    steps: list[int] = []  # per withdrawal
+    kept: list[int] = []  # after each, the blocks the withdrawn claims' records name
+    records = 0  # the most withdrawn claims' records at once
+    for n in range(20 * 45):
+        clock.now = 100.0 + n / 20
+        if n < 20 * 40:  # then no more requests: the last ones time out too
+            claim = pending.add("a", prefix)
+            assert claim is not None
+            in_flight.append((clock.now + 5.0, claim))
+        table = pending._by_worker["a"]
+        if not isinstance(table.withdrawn, _CountedGets):  # a prune makes a new map
+            table.withdrawn = _CountedGets(table.withdrawn)  # type: ignore[assignment]
+        while in_flight and in_flight[0][0] <= clock.now:
+            _CountedGets.gets = 0
+            pending.withdraw(in_flight.popleft()[1])
+            steps.append(_CountedGets.gets)
+            kept.append(sum(len(blocks) for _, blocks in table.withdrawn.values()))
+            records = max(records, len(table.withdrawn))
+        if n == 20 * 40 - 1:
+            assert pending.match(prefix) == {"a": 32}  # the claims in flight hold it
+            assert len(table.withdrawn) > 200  # the claims withdrawn under a renewal within the TTL
+    assert len(steps) == 20 * 40
+    assert max(steps) <= len(prefix)
+    assert max(kept) == 0
+    # a record lives to the first prune past its claim's expiry (prunes run at bookings, every 10 s
+    # at most): the claims booked in the last TTL and prune period
+    assert records <= 20 * 30
+    assert pending.match(prefix) == {} and len(pending) == 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("ttl_s", [86_400.0, 20.0, 5.0])
+def test_claims_end_entries_as_a_naive_model_of_them_does(ttl_s: float, seed: int) -> None:
+    """Random bookings, settlements, withdrawals, confirmations, workers leaving and clock steps (up
+    to 1.6 TTLs: prunes drop whole tables) on three workers over prompts that share prefixes, against
+    per entry the claims made on it since it was made: its expiry is the latest of those neither
+    withdrawn nor expired, and `match` (with and without `after`) counts the leading blocks that have
+    one.
 
     A KV event ends the entry and every claim's hold on it: a claim in flight then holds nothing
     there, and an entry booked again after the event goes with that booking's withdrawal. (The
     model of ef80a8d's per-block counts kept it for the claim in flight; harmless to drop: the index
     speaks for the block, which the worker stored, or dropped and the claim's prefill stores again
     with an event of its own.)"""
-    rng = random.Random(7)
+    rng = random.Random(seed)
     clock = Clock()
     pending = PendingPrefixes(ttl_s, clock)
-    prompts = [list(range(1, 13)), [1, 2, 3, 4, 50, 51, 52], [1, 2, 60, 61]]
+    workers = "abc"
+    prompts = [list(range(1, 13)), [1, 2, 3, 4, 50, 51, 52], [1, 2, 60, 61], [70, 71, 72]]
     entries: dict[tuple[str, int], list[int]] = {}  # (worker, hash) -> claims made on it since it was made
     expiry: dict[int, float] = {}  # claim -> when its entries expire
     withdrawn: set[int] = set()
     live: list[tuple[int, Claim | None]] = []  # claims neither settled nor withdrawn
+
+    def standing(w: str, h: int) -> list[float]:
+        return [expiry[c] for c in entries.get((w, h), []) if c not in withdrawn and expiry[c] > clock.now]
+
     for n in range(3000):
         op = rng.random()
-        if op < 0.05:
-            clock.now += rng.random()
-            if op < 0.01:
+        if op < 0.08:
+            clock.now += rng.choice([0.0, rng.random(), rng.random() * ttl_s, ttl_s * 1.6])
+            if op < 0.03:
                 pending.prune()
-        elif op < 0.4 or not live:
-            w, hashes = rng.choice("ab"), rng.choice(prompts)[: rng.randint(1, 12)]
+        elif op < 0.10:
+            w = rng.choice(workers)
+            pending.forget_worker(w)
+            for key in [key for key in entries if key[0] == w]:
+                del entries[key]
+        elif op < 0.45 or not live:
+            w, hashes = rng.choice(workers), rng.choice(prompts)[: rng.randint(1, 12)]
             live.append((n, pending.add(w, hashes)))
             expiry[n] = clock.now + ttl_s
             for h in hashes:
                 entries.setdefault((w, h), []).append(n)
-        elif op < 0.85:
+        elif op < 0.88:
             made, claim = live.pop(rng.randrange(len(live)))
             assert claim is not None
             if op < 0.6:
@@ -249,17 +313,23 @@ def test_claims_end_entries_as_a_naive_model_of_them_does(ttl_s: float) -> None:
                 pending.withdraw(claim)
                 withdrawn.add(made)
         else:
-            w, hashes = rng.choice("ab"), rng.sample(range(1, 62), 3)
+            w, hashes = rng.choice(workers), rng.sample(range(1, 73), 4)
             pending.confirm(w, hashes)
             for h in hashes:
                 entries.pop((w, h), None)
-        for w in "ab":
-            model = {
-                h
-                for (cw, h), claims in entries.items()
-                if cw == w and any(c not in withdrawn and expiry[c] > clock.now for c in claims)
-            }
-            assert {h for h in range(1, 62) if pending.holds(w, h)} == model, n
+        for w in workers:
+            table = pending._by_worker.get(w)
+            for h in range(1, 73):
+                got = table.held.get(h) if table is not None else None
+                want = standing(w, h)
+                assert (got if got is not None and got > clock.now else None) == max(want, default=None), (n, w, h)
+                assert pending.holds(w, h) == bool(want), (n, w, h)
+            for prompt in prompts:
+                for after in (0, 2):
+                    k = after
+                    while k < len(prompt) and standing(w, prompt[k]):
+                        k += 1
+                    assert pending.match(prompt, {w: after}).get(w) == (k if k > after else None), (n, w, prompt)
 
 
 def test_ttl_zero_is_off() -> None:
