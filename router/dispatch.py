@@ -454,13 +454,15 @@ class Dispatcher:
             return
         if _generated(chunk):
             leg.tokens_seen = True
+        if chunk.prefilled:  # its reader may not have read it yet when the final chunk comes
+            leg.prefilled = True
         leg.push(chunk, len(msg.data))
         if chunk.final:
             # Not at an error: a retry or the KV-transfer fallback books the request again.
             if chunk.error is None:
                 # An abort with no output and no `prefilled` before it may have prefilled nothing
                 # (SGLang's abort before prefill, the shim's answer to a cancel that came first)
-                leg.on_end(chunk.finish_reason != "abort" or leg.tokens_seen or chunk.prefilled)
+                leg.on_end(chunk.finish_reason != "abort" or leg.tokens_seen or leg.prefilled)
         elif leg.queued > MAX_QUEUED_BYTES and leg.request.stream:  # a whole answer is read as it comes
             await self._slow_reader(leg)
 

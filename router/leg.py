@@ -172,6 +172,7 @@ class Leg:
         self.next_seq = 0
         self.done = False
         self.tokens_seen = False
+        self.prefilled = False  # a chunk said the engine prefilled the prompt (ResponseChunk.prefilled)
         self.sent_at = time.monotonic()  # its request goes out as it is made (Dispatcher._open)
         self.heard_at = self.sent_at  # when it was sent, or its last chunk came
         self._graced_for: float | None = None  # the outage (Dispatcher.lost_at) it waited one more window for

@@ -759,6 +759,7 @@ async def test_a_leg_ended_by_its_final_chunk_frees_its_booking_as_served_and_a_
         ([], {"finish_reason": "abort"}, False),  # SGLang's abort before prefill, the shim's early cancel
         ([{"token_ids": [5]}], {"finish_reason": "abort"}, True),
         ([], {"finish_reason": "abort", "prefilled": True}, True),
+        ([{"prefilled": True}], {"finish_reason": "abort"}, True),  # a whole answer's, read or not
         ([], {"finish_reason": "stop"}, True),  # an EOS first: its prefill was done
     ],
 )
