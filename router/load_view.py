@@ -14,17 +14,6 @@ booking stops counting once a report covers it:
   arrived: the engine allocates a request's blocks when it schedules it, and from then on
   `kv_used_blocks` includes them (and their growth while decoding).
 
-Lost releases. A peer's `free` can be lost (NATS core is at-most-once; nats-py sends what was
-published while disconnected on reconnect, before the peers have subscribed again), and a request
-that ended before its first token then leaves a booking with no prefill_done, whose blocks the
-rule above counts until `expire` (600 s). Its prefill cannot be pending that long unseen: a live
-request is in its worker's `running` or `waiting` once `prefill_window_s` has passed since its
-booking (the remote prefill leg's timeout, after which it is on its decode worker or booked anew,
-plus slack). So a report stamped later than that which holds fewer requests than there are such
-overdue bookings proves the excess lost, and the blocks of the oldest peer ones beyond the count
-stop counting; the bookings stay (and expire, said at WARNING by router.replica_sync). A worker
-busy with as many requests as its lost bookings leaves them counted until then.
-
 Timestamps are wall-clock (`time.time`, like `LoadReport.ts`): the rule assumes the router and
 shims keep NTP time. Skew only shifts when a booking hands over to the reports: a shim clock behind
 ours double-counts for the skew (never past the first token), one ahead undercounts until the next
@@ -57,7 +46,6 @@ import heapq
 import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,7 +54,7 @@ import msgspec
 from protocol.config import MAX_LOAD_PERIOD_S, MIN_LOAD_PERIOD_S
 from protocol.messages import LoadReport
 
-__all__ = ["MAX_CLOCK_SKEW_S", "MAX_REORDER_S", "PREFILL_WINDOW_SLACK_S", "Liveness", "LoadView", "WorkerLoad"]
+__all__ = ["MAX_CLOCK_SKEW_S", "MAX_REORDER_S", "Expired", "Liveness", "LoadView", "WorkerLoad"]
 
 INFLOW_TAU_S = 10.0
 """Time constant of `prefill_inflow`, the exponentially weighted rate of prefill tokens booked on
@@ -75,11 +63,6 @@ a worker: long enough to span several requests' lives, short enough to follow a 
 MAX_CLOCK_SKEW_S = 1.0
 """A report stamped further ahead of this router's clock is taken as stamped now (plus this): one
 bad clock or a forged stamp must not hide every later report from that worker."""
-
-PREFILL_WINDOW_SLACK_S = 5.0
-"""Added to `prefill_timeout_s` in a booking's prefill window: a peer's fallback booking or decode
-leg follows the timeout by its loop's turn, a flush and NATS (milliseconds, a stalled loop more),
-and the worker's clock may lead ours by up to MAX_CLOCK_SKEW_S."""
 
 MAX_REORDER_S = 1.0
 """A report stamped before the one held by at most this arrived late and is dropped; by more, the
@@ -125,7 +108,6 @@ class _Booking:
     decode_blocks: int
     booked_at: float
     prefill_done_at: float | None = None
-    overdue: bool = False  # blocks counted, no prefill_done, its window passed (_WorkerBookings.settle_overdue)
     prefill_counted: bool = True  # in its worker's `prefill` sum: not done, no report covers it
     blocks_counted: bool = True  # in its worker's `blocks` sum
     request_counted: bool = True  # in its worker's `requests` count: no report covers it
@@ -146,28 +128,9 @@ class _WorkerBookings:
     includes its prompt tokens as queued, and may arrive after the router saw the first token.
     `released(report_ts)` is what such a report still holds of requests whose prefill is done; the
     entries go once a report with `ts >= prefill_done_at` arrives.
-
-    Overdue. A booking with blocks and no prefill_done is overdue once a report is stamped more than
-    the window (LoadView's `prefill_window_s`) after it: its request, if alive, is then in that
-    report's `running` or `waiting`. More overdue bookings than those two hold proves the excess
-    lost (a `free` that never came, the request gone): `settle_overdue` stops counting the blocks of
-    the oldest peer ones beyond the count. `_by_pending` orders bookings with blocks by `booked_at`;
-    `_overdue` holds the overdue ones oldest first, `overdue` how many of them are live.
     """
 
-    __slots__ = (
-        "_by_booked",
-        "_by_done",
-        "_by_pending",
-        "_by_released",
-        "_order",
-        "_overdue",
-        "blocks",
-        "bookings",
-        "overdue",
-        "prefill",
-        "requests",
-    )
+    __slots__ = ("_by_booked", "_by_done", "_by_released", "_order", "blocks", "bookings", "prefill", "requests")
 
     def __init__(self) -> None:
         self.bookings: set[_Booking] = set()
@@ -177,9 +140,6 @@ class _WorkerBookings:
         self._by_booked: list[tuple[float, int, _Booking]] = []  # prefill or request counted, by booked_at
         self._by_done: list[tuple[float, int, _Booking]] = []  # prefill done, blocks counted, by prefill_done_at
         self._by_released: list[tuple[float, int, float, int]] = []  # (prefill_done_at, order, booked_at, tokens)
-        self._by_pending: list[tuple[float, int, _Booking]] = []  # blocks counted, not yet overdue, by booked_at
-        self._overdue: deque[_Booking] = deque()  # oldest first; entries no longer overdue are skipped
-        self.overdue = 0
         self._order = itertools.count()  # heap tie-break: bookings themselves do not compare
 
     def add(self, booking: _Booking) -> None:
@@ -188,13 +148,10 @@ class _WorkerBookings:
         self.blocks += booking.decode_blocks
         self.requests += 1
         heapq.heappush(self._by_booked, (booking.booked_at, next(self._order), booking))
-        if booking.decode_blocks:
-            heapq.heappush(self._by_pending, (booking.booked_at, next(self._order), booking))
         self._compact()
 
     def prefill_done(self, booking: _Booking, at: float) -> None:
         booking.prefill_done_at = at
-        self._not_overdue(booking)
         if booking.prefill_tokens:
             entry = (at, next(self._order), booking.booked_at, booking.prefill_tokens)
             heapq.heappush(self._by_released, entry)
@@ -204,7 +161,6 @@ class _WorkerBookings:
 
     def discard(self, booking: _Booking) -> None:
         self.bookings.discard(booking)
-        self._not_overdue(booking)
         self._uncount_prefill(booking)
         self._uncount_blocks(booking)
         self._uncount_request(booking)
@@ -221,33 +177,6 @@ class _WorkerBookings:
         by_released = self._by_released
         while by_released and by_released[0][0] <= report_ts:
             heapq.heappop(by_released)
-
-    def settle_overdue(self, report_ts: float, holds: int, window_s: float) -> None:
-        """A report made at `report_ts` says the engine `holds` requests (running and waiting): of
-        the bookings overdue by then, stop counting the blocks of the oldest peer ones beyond that.
-        Our own bookings take their place in the count but are never judged lost (our frees are
-        local)."""
-        by_pending, cutoff = self._by_pending, report_ts - window_s
-        while by_pending and by_pending[0][0] < cutoff:
-            booking = heapq.heappop(by_pending)[2]
-            if booking.blocks_counted and booking.prefill_done_at is None:
-                booking.overdue = True
-                self._overdue.append(booking)
-                self.overdue += 1
-        excess = self.overdue - max(holds, 0)
-        if excess <= 0:
-            return
-        kept: deque[_Booking] = deque()
-        for booking in self._overdue:
-            if not booking.overdue:
-                continue
-            if excess > 0 and booking.router is not None:
-                self._not_overdue(booking)
-                self._uncount_blocks(booking)
-                excess -= 1
-            else:
-                kept.append(booking)
-        self._overdue = kept
 
     def released(self, report_ts: float) -> int:
         """Prompt tokens a report made at `report_ts` counts as queued whose prefill is done since."""
@@ -271,26 +200,25 @@ class _WorkerBookings:
             booking.blocks_counted = False
             self.blocks -= booking.decode_blocks
 
-    def _not_overdue(self, booking: _Booking) -> None:
-        if booking.overdue:
-            booking.overdue = False
-            self.overdue -= 1
-
     def _uncount_request(self, booking: _Booking) -> None:
         if booking.request_counted:
             booking.request_counted = False
             self.requests -= 1
 
     def _compact(self) -> None:
-        if len(self._by_booked) + len(self._by_done) + len(self._by_pending) > 4 * len(self.bookings) + 64:
+        if len(self._by_booked) + len(self._by_done) > 4 * len(self.bookings) + 64:
             self._by_booked = [e for e in self._by_booked if e[2].prefill_counted or e[2].request_counted]
             self._by_done = [e for e in self._by_done if e[2].blocks_counted]
-            self._by_pending = [e for e in self._by_pending if e[2].blocks_counted and e[2].prefill_done_at is None]
             heapq.heapify(self._by_booked)
             heapq.heapify(self._by_done)
-            heapq.heapify(self._by_pending)
-        if len(self._overdue) > 2 * self.overdue + 64:
-            self._overdue = deque(b for b in self._overdue if b.overdue)
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """One router's bookings dropped by `LoadView.expire`."""
+
+    bookings: int
+    counted: int  # of them, those still counted in their worker's load until dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,14 +232,8 @@ _NO_REPORT = float("-inf")
 
 
 class LoadView:
-    def __init__(
-        self, *, clock: Callable[[], float] = time.time, prefill_timeout_s: Callable[[], float] | None = None
-    ) -> None:
-        """`prefill_timeout_s`: the routing setting (live), from which a request's prefill window is
-        derived (`prefill_window_s`); None judges no booking lost before `expire` (benchmarks,
-        tests)."""
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._prefill_timeout_s = prefill_timeout_s
         self._reports: dict[str, _Report] = {}
         self._by_request: dict[tuple[str | None, str], list[_Booking]] = {}
         self._by_worker: dict[str, _WorkerBookings] = {}
@@ -416,12 +338,12 @@ class LoadView:
         keys = [k for k in self._by_request if k[0] == router]
         return sum(self._drop_key(k) for k in keys)
 
-    def expire(self, max_age_s: float, *, peers_only: bool = True) -> dict[str | None, int]:
+    def expire(self, max_age_s: float, *, peers_only: bool = True) -> dict[str | None, Expired]:
         """Drop bookings older than `max_age_s` (a safety net for a `free` that never came), and
         what is held of a worker with no report, no booking and nothing newer (releases), or
         nothing left (a decayed `prefill_inflow`): a worker that left before a peer's booking on
-        it arrived, whose releases no report will ever cover. Returns how many bookings went, per
-        router that made them (None: this one), routers that lost none left out."""
+        it arrived, whose releases no report will ever cover. Returns what went per router that
+        made it (None: this one), routers that lost none left out."""
         now = self._clock()
         cutoff = now - max_age_s
         stale = [
@@ -429,9 +351,12 @@ class LoadView:
             for key, bookings in self._by_request.items()
             if (key[0] is not None or not peers_only) and all(b.booked_at < cutoff for b in bookings)
         ]
-        dropped: dict[str | None, int] = {}
+        dropped: dict[str | None, Expired] = {}
         for key in stale:
-            dropped[key[0]] = dropped.get(key[0], 0) + self._drop_key(key)
+            bookings = self._by_request[key]
+            counted = sum(self._still_counted(b) for b in bookings)
+            was = dropped.get(key[0], Expired(0, 0))
+            dropped[key[0]] = Expired(was.bookings + self._drop_key(key), was.counted + counted)
         for worker in (self._by_worker.keys() | self._inflow.keys()) - self._reports.keys():
             on_worker = self._by_worker.get(worker)
             if on_worker is not None and on_worker.idle_before(cutoff):
@@ -439,6 +364,21 @@ class LoadView:
             if worker in self._inflow and self._inflow_at(worker, now) < 1e-9:  # reads as none
                 del self._inflow[worker]
         return dropped
+
+    def _still_counted(self, booking: _Booking) -> bool:
+        """Whether `load()` still adds anything of `booking` to its worker's figures (its blocks:
+        no report as new as its prefill_done, or none came; its tokens or itself: no report as new
+        as the booking)."""
+        on_worker = self._by_worker.get(booking.worker)
+        if on_worker is None:
+            return False
+        held = self._reports.get(booking.worker)
+        on_worker.cover(held.covers if held is not None else _NO_REPORT)  # as load() would first
+        return (
+            (booking.blocks_counted and booking.decode_blocks > 0)
+            or (booking.prefill_counted and booking.prefill_tokens > 0)
+            or booking.request_counted
+        )
 
     def _drop_key(self, key: tuple[str | None, str]) -> int:
         bookings = self._by_request.pop(key, [])
@@ -470,9 +410,6 @@ class LoadView:
         on_worker = self._by_worker.get(worker)
         if on_worker is not None:
             on_worker.cover(held.covers if held is not None else _NO_REPORT)
-            if held is not None and (window := self.prefill_window_s()) is not None:
-                r = held.report  # its engine's counts as of when the shim read them (engine_ts; 0: at ts)
-                on_worker.settle_overdue(min(r.engine_ts or r.ts, r.ts), r.running + r.waiting, window)
             released = on_worker.released(held.report.ts) if held is not None else 0
             prefill, blocks, requests = on_worker.prefill, on_worker.blocks, on_worker.requests
             if not on_worker.bookings and not on_worker.holds_releases:
@@ -500,13 +437,6 @@ class LoadView:
             decode_context=r.decode_context,
             booked_requests=requests,
         )
-
-    def prefill_window_s(self) -> float | None:
-        """How long after its booking a live request with blocks on a worker may still be missing
-        from that worker's running and waiting: a remote prefill leg's time (`prefill_timeout_s`,
-        after which it is on its decode worker or booked there anew) plus PREFILL_WINDOW_SLACK_S."""
-        timeout = self._prefill_timeout_s
-        return None if timeout is None else timeout() + PREFILL_WINDOW_SLACK_S
 
     def bookings(self, worker: str) -> int:
         """Live bookings (any router's) on `worker`, covered by a report or not."""

@@ -11,16 +11,18 @@ counted, an unknown sender's first message logged); a peer's bookings go when it
 and a watch that crashes starts again.
 Without discovery (tests, the virtual clock) every sender counts and the owner calls
 `forget_router`. As a safety net against a lost `free` (NATS core is at-most-once), a peer's
-bookings older than `peer_ttl_s` expire, and each expiry pass that drops any says so at WARNING,
-once per peer with its count (at most `_LOGGED_EXPIRED` peers named a pass, the rest in one line):
-a release was lost, and the booking's blocks may have counted on its worker meanwhile (the view
-stops counting those of a request its worker shows gone: router.load_view, "Lost releases").
-Until 2026-12-07 an expiry was only a count.
+bookings older than `peer_ttl_s` expire. Each expiry pass says at WARNING, once per peer with its
+count (at most `_LOGGED_EXPIRED` peers named a pass, the rest in one line), the expired bookings
+that still counted in their worker's load (a decode booking with no prefill_done, or anything else
+LoadView.load still added): their free was lost, or their request ran longer than `peer_ttl_s`
+(its --request-timeout above that). Those no longer counted (their first token came and a report
+covers them: a long request's usual case) are only counted in
+kvswitch_router_sync_peer_bookings_expired_total.
 
 A lost release is not reconciled sooner: the sync carries only add, prefill_done and free, with
 no snapshot or digest of a router's live bookings to compare on reconnect (DESIGN.md's
-{ns}.router.sync), so a replica cannot tell a peer's stale booking from a live one by the
-protocol; that needs a contract change.
+{ns}.router.sync), so a stale booking counts until it expires (docs/router.md, "Lost releases");
+that needs a contract change.
 
 A peer's booking no request could make (more tokens than MAX_BOOKING, more blocks than the
 worker's KV capacity as its load reports say, or than MAX_BOOKING) is malformed: counted, logged
@@ -336,26 +338,29 @@ class ReplicaSync:
                 self._expire_errors(exc)
 
     def _expire(self) -> None:
-        """Drop peers' bookings older than `peer_ttl_s`; say whose went, once per peer a pass."""
+        """Drop peers' bookings older than `peer_ttl_s`; say, once per peer a pass, those that still
+        counted on their worker (the rest misled no routing: a count is enough)."""
         expired = self.view.expire(self._peer_ttl_s)
-        self.stats.bookings_expired += sum(expired.values())
-        peers = sorted(expired.items(), key=lambda item: (-item[1], str(item[0])))
-        for peer, count in peers[:_LOGGED_EXPIRED]:
+        self.stats.bookings_expired += sum(e.bookings for e in expired.values())
+        counted = sorted(
+            ((peer, e.counted) for peer, e in expired.items() if e.counted), key=lambda item: (-item[1], str(item[0]))
+        )
+        for peer, count in counted[:_LOGGED_EXPIRED]:
             log.warning(
-                "router sync: %d booking(s) of peer router %s expired after %g s with no release: its free "
-                "was lost (NATS core is at-most-once; one published while its connection was down is sent on "
-                "reconnect, before the others have subscribed again), and each counted its decode blocks on its "
-                "worker until that worker's reports showed its request gone (router.load_view); counted in "
-                "kvswitch_router_sync_peer_bookings_expired_total",
+                "router sync: %d booking(s) of peer router %s got no release within %g s: its free was lost (e.g. "
+                "published while NATS was down), or its request ran longer than that (--request-timeout above %g s); "
+                "until now they counted in their worker's load",
                 count,
                 peer,
                 self._peer_ttl_s,
+                self._peer_ttl_s,
             )
-        if rest := peers[_LOGGED_EXPIRED:]:
+        if rest := counted[_LOGGED_EXPIRED:]:
             log.warning(
-                "router sync: %d more booking(s) of %d more peer routers expired with no release (the same cause)",
+                "router sync: %d more booking(s) of %d more peer routers got no release within %g s (the same causes)",
                 sum(count for _, count in rest),
                 len(rest),
+                self._peer_ttl_s,
             )
 
     async def _watch_routers(self, discovery: Discovery) -> None:

@@ -220,8 +220,7 @@ class RouterService:
         self.instance = secrets.token_hex(8)  # kept across registrations: its legs name it (GenerateRequest.origin)
         self.url = ""
         self.index = BlockIndex()
-        # a peer's booking its worker shows gone stops counting past its prefill window (live setting)
-        self.view = LoadView(prefill_timeout_s=lambda: self.settings.prefill_timeout_s)
+        self.view = LoadView()
         self.clocks = ClockSkew(MAX_CLOCK_SKEW_S)
         self.skew_news = SkewNews(self.clocks, lambda: len(self._registry) if self._registry is not None else 0)
         self.calibration = Calibration(fleet_log=self.fleet_log) if config.calibrate else None

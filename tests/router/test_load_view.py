@@ -11,14 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.messages import LoadReport
-from router.load_view import (
-    INFLOW_TAU_S,
-    MAX_CLOCK_SKEW_S,
-    MAX_REORDER_S,
-    PREFILL_WINDOW_SLACK_S,
-    LoadView,
-    WorkerLoad,
-)
+from router.load_view import INFLOW_TAU_S, MAX_CLOCK_SKEW_S, MAX_REORDER_S, Expired, LoadView, WorkerLoad
 
 
 class Clock:
@@ -266,85 +259,35 @@ def test_expire_drops_old_peer_bookings_and_keeps_ours(view: LoadView, clock: Cl
     view.book("mine", "w1", 1, 1)
     clock.now += 100
     view.book("new", "w1", 1, 1, router="p1")
-    assert view.expire(50) == {"p1": 1}
+    assert view.expire(50) == {"p1": Expired(1, 1)}
     assert view.bookings("w1") == 2
-    assert view.expire(50, peers_only=False) == {None: 1}
+    assert view.expire(50, peers_only=False) == {None: Expired(1, 1)}
     assert view.bookings("w1") == 1
 
 
-def lost_release_view(clock: Clock, timeout: float = 30.0) -> LoadView:
-    return LoadView(clock=clock, prefill_timeout_s=lambda: timeout)
-
-
-def test_a_peer_booking_whose_release_never_came_stops_counting_its_blocks_on_an_idle_worker(clock: Clock) -> None:
-    """The audit of 2026-12-07: a peer's `free` of a request that failed before its first token was
-    lost across a NATS restart, and its decode blocks counted on the idle worker for 600 s."""
-    view = lost_release_view(clock)
-    window = view.prefill_window_s()
-    assert window == 30.0 + PREFILL_WINDOW_SLACK_S
-    view.update(report(ts=clock.now, kv_total_blocks=100))
-    view.book("lost#1", "w1", 512, 2, router="peer")
-    clock.now += window
-    view.update(report(ts=clock.now, kv_total_blocks=100))  # idle, but stamped at the window's end: it may yet come
-    assert view.load("w1").active_blocks == 2
-    clock.now += 0.5
-    view.update(report(ts=clock.now, kv_total_blocks=100))
-    load = view.load("w1")
-    assert (load.active_blocks, load.prefill_tokens_queued, load.booked_requests) == (0, 0, 0)
-    assert view.bookings("w1") == 1  # kept for the TTL, whose expiry says the release was lost
-    view.prefill_done("lost#1", router="peer")  # a late word changes nothing
-    view.update(report(ts=clock.now + 1, kv_total_blocks=100))
-    assert view.load("w1").active_blocks == 0
-    assert view.expire(600) == {}
-    clock.now += 600
-    assert view.expire(600) == {"peer": 1}
-
-
-def test_overdue_bookings_count_while_the_worker_holds_as_many_requests(clock: Clock) -> None:
-    view = lost_release_view(clock, timeout=10.0)
-    view.book("a#1", "w1", 0, 3, router="peer")
+def test_expire_says_which_bookings_still_counted_in_their_workers_load(view: LoadView, clock: Clock) -> None:
+    """A request past its first token that a report covers counts nothing (a long one's usual case);
+    a decode booking with no prefill_done counts its blocks until it goes (a lost free's case)."""
+    view.book("long#1", "w1", 512, 4, router="p1")
+    view.prefill_done("long#1", router="p1")
+    view.book("lost#1", "w1", 512, 2, router="p1")
+    view.book("lost#2", "w2", 0, 3, router="p2")
     clock.now += 1
-    view.book("b#1", "w1", 0, 5, router="peer")
-    view.book("mine#1", "w1", 0, 7)
-    clock.now += 20
-    view.update(report(ts=clock.now, waiting=3))  # all three may be waiting there
-    assert view.load("w1").active_blocks == 15
-    view.update(report(ts=clock.now + 0.1, running=1, waiting=1))  # one of the peer's is gone: the oldest goes
-    assert view.load("w1").active_blocks == 12
-    view.update(report(ts=clock.now + 0.2))  # none: ours is never judged lost, its free is local
-    assert view.load("w1").active_blocks == 7
-
-
-def test_a_booking_within_its_window_or_past_its_prefill_is_not_overdue(clock: Clock) -> None:
-    view = lost_release_view(clock, timeout=10.0)
-    view.book("remote#1", "w1", 0, 4, router="peer")  # its prefill leg runs elsewhere for up to the timeout
-    view.book("done#1", "w1", 0, 6, router="peer")
-    view.prefill_done("done#1", router="peer")
-    clock.now += 14
-    view.update(report(ts=clock.now))
-    assert view.load("w1").active_blocks == 4  # done#1 covered by the report, remote#1 within 15 s
-    view.book("remote#1", "w1", 256, 4, router="peer")  # the fallback books it anew: a new window
-    clock.now += 10
-    view.update(report(ts=clock.now))
-    assert view.load("w1").active_blocks == 4
-
-
-def test_the_engines_counts_are_read_as_of_when_the_shim_polled_them(clock: Clock) -> None:
-    view = lost_release_view(clock, timeout=10.0)
-    view.book("q#1", "w1", 0, 2, router="peer")
-    clock.now += 20
-    view.update(LoadReport(worker="w1", ts=clock.now, engine_ts=clock.now - 6))  # a poll 6 s old: it may be missing
+    view.update(report("w1", ts=clock.now))  # after the first token: covers long#1's blocks, lost#1's tokens
+    view.update(report("w2", ts=clock.now))
     assert view.load("w1").active_blocks == 2
-    view.update(LoadReport(worker="w1", ts=clock.now + 0.5, engine_ts=clock.now - 4))
-    assert view.load("w1").active_blocks == 0
+    clock.now += 600
+    assert view.expire(600) == {"p1": Expired(2, 1), "p2": Expired(1, 1)}
+    assert view.load("w1").active_blocks == view.load("w2").active_blocks == 0
 
 
-def test_without_a_prefill_timeout_no_booking_is_judged_lost(view: LoadView, clock: Clock) -> None:
-    assert view.prefill_window_s() is None
-    view.book("lost#1", "w1", 0, 2, router="peer")
-    clock.now += 599
-    view.update(report(ts=clock.now))
-    assert view.load("w1").active_blocks == 2
+def test_expire_judges_coverage_by_the_report_held_even_unread(view: LoadView, clock: Clock) -> None:
+    view.book("long#1", "w1", 512, 4, router="p1")
+    view.prefill_done("long#1", router="p1")
+    clock.now += 1
+    view.update(report("w1", ts=clock.now))  # no load() since: the view has not applied it yet
+    clock.now += 600
+    assert view.expire(600) == {"p1": Expired(1, 0)}
 
 
 def test_expire_drops_what_a_peer_booked_on_a_worker_that_had_left(view: LoadView, clock: Clock) -> None:
@@ -413,50 +356,24 @@ def test_negative_booking_is_refused_with_the_values(view: LoadView) -> None:
 
 
 class NaiveView:
-    """The reference: every booking in a list, the coverage rule evaluated by a scan on each read.
-    With `window`, the overdue rule too: `settle` on each read, as LoadView.load does."""
+    """The reference: every booking in a list, the coverage rule evaluated by a scan on each read."""
 
-    def __init__(self, clock: Clock, window: float | None = None) -> None:
+    def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.window = window
-        self.seq = 0
         self.report_ts: dict[str, float] = {}
-        self.held: dict[str, tuple[float, int]] = {}  # worker -> (stamp, requests) of the report read
         self.live: list[dict[str, Any]] = []
         self.arrivals: list[tuple[str, float, int]] = []  # (worker, at, prompt tokens) of every booking
 
     def book(self, key: tuple[str | None, str], worker: str, tokens: int, blocks: int) -> None:
         self.arrivals.append((worker, self.clock.now, tokens))
         self.live = [b for b in self.live if (b["key"], b["worker"]) != (key, worker)]
-        self.seq += 1
         self.live.append({"key": key, "worker": worker, "tokens": tokens, "blocks": blocks,
-                          "at": self.clock.now, "done": None, "seq": self.seq,
-                          "overdue": False, "lost": False})  # fmt: skip
-
-    def report(self, worker: str, ts: float, holds: int) -> None:
-        held = self.held.get(worker)
-        if held is None or not 0 < held[0] - ts <= MAX_REORDER_S:
-            self.held[worker] = (ts, holds)
-        self.report_ts[worker] = max(ts, self.report_ts.get(worker, float("-inf")))
-
-    def settle(self, worker: str) -> None:
-        if self.window is None or worker not in self.held:
-            return
-        ts, holds = self.held[worker]
-        mine = sorted((b for b in self.live if b["worker"] == worker), key=lambda b: (b["at"], b["seq"]))
-        for b in mine:
-            if b["blocks"] and b["done"] is None and not b["lost"] and b["at"] < ts - self.window:
-                b["overdue"] = True
-        excess = sum(b["overdue"] for b in mine) - holds
-        for b in mine:
-            if excess > 0 and b["overdue"] and b["key"][0] is not None:
-                b["overdue"], b["lost"] = False, True
-                excess -= 1
+                          "at": self.clock.now, "done": None})  # fmt: skip
 
     def prefill_done(self, key: tuple[str | None, str], worker: str | None) -> None:
         for b in self.live:
             if b["key"] == key and b["done"] is None and worker in (None, b["worker"]):
-                b["done"], b["overdue"] = self.clock.now, False
+                b["done"] = self.clock.now
 
     def drop(
         self, keys: Collection[tuple[str | None, str]] = (), worker: str | None = None, router: str | None = None
@@ -475,7 +392,7 @@ class NaiveView:
         ts = self.report_ts.get(worker, float("-inf"))
         mine = [b for b in self.live if b["worker"] == worker]
         prefill = sum(b["tokens"] for b in mine if b["done"] is None and b["at"] > ts)
-        blocks = sum(b["blocks"] for b in mine if not (b["done"] is not None and ts >= b["done"]) and not b["lost"])
+        blocks = sum(b["blocks"] for b in mine if not (b["done"] is not None and ts >= b["done"]))
         return prefill, blocks, sum(b["at"] > ts for b in mine)
 
 
@@ -489,8 +406,8 @@ LV_OPS = st.lists(
         st.tuples(st.just("done"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS),
                   st.sampled_from([None, *LV_WORKERS])),
         st.tuples(st.just("free"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS)),
-        st.tuples(st.just("report"), st.sampled_from(LV_WORKERS), st.integers(-3, 3), st.integers(0, 2)),
-        st.tuples(st.just("tick"), st.integers(0, 3)),
+        st.tuples(st.just("report"), st.sampled_from(LV_WORKERS), st.integers(-3, 3)),
+        st.tuples(st.just("tick"), st.integers(0, 2)),
         st.tuples(st.just("remove"), st.sampled_from(LV_WORKERS)),
         st.tuples(st.just("forget"), st.just("p1")),
         st.tuples(st.just("expire"), st.integers(0, 6), st.booleans()),
@@ -499,41 +416,11 @@ LV_OPS = st.lists(
 )  # fmt: skip
 
 
-# Bookings judged lost: one worker, reports and time enough for bookings to go overdue
-LV_LOST_OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("book"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS),
-                  st.just("w1"), st.integers(0, 500), st.integers(0, 50)),
-        st.tuples(st.just("done"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS),
-                  st.sampled_from([None, "w1"])),
-        st.tuples(st.just("free"), st.sampled_from(LV_ROUTERS), st.sampled_from(LV_REQUESTS)),
-        st.tuples(st.just("report"), st.just("w1"), st.integers(-3, 1), st.integers(0, 2)),
-        st.tuples(st.just("tick"), st.integers(0, 9)),
-        st.tuples(st.just("expire"), st.integers(0, 30), st.booleans()),
-    ),
-    min_size=10,
-    max_size=80,
-)  # fmt: skip
-
-
 @settings(max_examples=300, deadline=None)
 @given(ops=LV_OPS)
 def test_incremental_sums_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> None:
-    check_against_a_full_scan(ops, None)
-
-
-@settings(max_examples=300, deadline=None)
-@given(ops=LV_LOST_OPS)
-def test_bookings_judged_lost_agree_with_a_full_scan(ops: list[tuple[Any, ...]]) -> None:
-    """With a prefill window (timeout 0: PREFILL_WINDOW_SLACK_S), the overdue rule."""
-    check_against_a_full_scan(ops, 0.0)
-
-
-def check_against_a_full_scan(ops: list[tuple[Any, ...]], prefill_timeout_s: float | None) -> None:
     clock = Clock(0.0)
-    timeout = None if prefill_timeout_s is None else (lambda: prefill_timeout_s)
-    view = LoadView(clock=clock, prefill_timeout_s=timeout)
-    ref = NaiveView(clock, None if prefill_timeout_s is None else prefill_timeout_s + PREFILL_WINDOW_SLACK_S)
+    view, ref = LoadView(clock=clock), NaiveView(clock)
     for op, *args in ops:
         if op == "book":
             router, request, worker, tokens, blocks = args
@@ -547,8 +434,8 @@ def check_against_a_full_scan(ops: list[tuple[Any, ...]], prefill_timeout_s: flo
             ref.drop(keys={(args[0], args[1])})
         elif op == "report":  # late (dropped) or from a clock stepped back (taken): the newest stamp covers
             worker, ts = args[0], min(clock.now + args[1], clock.now + MAX_CLOCK_SKEW_S)  # future stamps clamped
-            view.update(LoadReport(worker=worker, ts=ts, waiting=args[2]))
-            ref.report(worker, ts, args[2])
+            view.update(LoadReport(worker=worker, ts=ts))
+            ref.report_ts[worker] = max(ts, ref.report_ts.get(worker, float("-inf")))
             live = view.liveness(worker)
             assert live is not None and live.age_s == 0.0
         elif op == "tick":
@@ -556,7 +443,6 @@ def check_against_a_full_scan(ops: list[tuple[Any, ...]], prefill_timeout_s: flo
         elif op == "remove":
             view.remove_worker(args[0])
             ref.report_ts.pop(args[0], None)
-            ref.held.pop(args[0], None)
             ref.drop(worker=args[0])
             ref.arrivals = [a for a in ref.arrivals if a[0] != args[0]]
         elif op == "forget":
@@ -574,7 +460,6 @@ def check_against_a_full_scan(ops: list[tuple[Any, ...]], prefill_timeout_s: flo
             ref.drop(keys=stale)
         for worker in LV_WORKERS:
             load = view.load(worker)
-            ref.settle(worker)
             sums = (load.prefill_tokens_queued, load.active_blocks, load.booked_requests)
             assert sums == ref.sums(worker), (op, worker)
             assert view.bookings(worker) == sum(b["worker"] == worker for b in ref.live)

@@ -21,7 +21,7 @@ from discovery.lease import Lease
 from protocol import subjects
 from protocol.config import EtcdSettings
 from router import RouterStatus
-from router.load_view import LoadView
+from router.load_view import Expired, LoadView
 from router.replica_sync import ReplicaSync
 from runtime.loop_watch import LoopWatch
 from runtime.nats_flush import flush
@@ -192,7 +192,7 @@ async def test_a_sync_expiry_that_raises_is_an_error_and_later_bookings_still_ex
 
     peer_view = LoadView()
 
-    def expire_once_bad(self: LoadView, max_age_s: float, *, peers_only: bool = True) -> dict[str | None, int]:
+    def expire_once_bad(self: LoadView, max_age_s: float, *, peers_only: bool = True) -> dict[str | None, Expired]:
         if self is peer_view and not raised:
             raised.append(True)
             raise RuntimeError("injected: a booking that breaks expire()")
